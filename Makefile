@@ -1,0 +1,103 @@
+# kvmatch build. Knobs use ?=; project flags come first, user CFLAGS/LDFLAGS last.
+#   make            library + build/kvmatch (CUDA backend when nvcc is found; CUDA=0 forces it off)
+#   make test       unit and property tests (Criterion)
+#   make asan       the tests again under AddressSanitizer + UndefinedBehaviorSanitizer (CPU only)
+#   make cuda       compile the kernels for sm_90 (fails if nvcc is missing)
+#   make bench      benchmarks -> bench/results/*.json
+#   make run        install missing Debian packages, build, run the main job
+# V=1 shows the commands.
+
+CC ?= cc
+BUILD ?= build
+CUDA_HOME ?= /usr/local/cuda
+NVCC ?= $(shell command -v nvcc 2>/dev/null || ( test -x $(CUDA_HOME)/bin/nvcc && echo $(CUDA_HOME)/bin/nvcc ))
+ifeq ($(origin CUDA),undefined)
+  CUDA := $(if $(NVCC),1,0)
+endif
+CUDA_ARCH ?= -gencode arch=compute_90,code=sm_90 -gencode arch=compute_90,code=compute_90
+SANITIZE ?=
+
+ifeq ($(V),1)
+  Q :=
+else
+  Q := @
+endif
+
+KM_CPPFLAGS := -Iinclude -Isrc -D_GNU_SOURCE -DKM_HAVE_CUDA=$(CUDA)
+KM_CFLAGS := -std=c11 -O2 -g -Wall -Wextra -Wshadow -Wno-unused-function -pthread -MMD -MP $(SANITIZE)
+KM_LDLIBS := -lxxhash -ljansson -lm -pthread
+ifeq ($(CUDA),1)
+  KM_LDLIBS += -L$(CUDA_HOME)/lib64 -lcudart_static -ldl -lrt -lstdc++
+endif
+NVCCFLAGS ?= -O3 -std=c++17 $(CUDA_ARCH) -Xcompiler -Wall,-fno-strict-aliasing -Iinclude -Isrc -DKM_HAVE_CUDA=1
+
+LIB_SRC := $(filter-out $(if $(filter 1,$(CUDA)),,src/backend_cuda.c),$(wildcard src/*.c))
+CLI_SRC := $(wildcard src/cli/*.c) $(wildcard bench/*.c)
+TEST_SRC := $(wildcard tests/*.c)
+CU_SRC := $(if $(filter 1,$(CUDA)),$(wildcard kernels/*.cu),)
+
+LIB_OBJ := $(LIB_SRC:%.c=$(BUILD)/%.o) $(CU_SRC:%.cu=$(BUILD)/%.cu.o)
+CLI_OBJ := $(CLI_SRC:%.c=$(BUILD)/%.o)
+TEST_OBJ := $(TEST_SRC:%.c=$(BUILD)/%.o)
+
+LIB := $(BUILD)/libkvmatch.a
+BIN := $(BUILD)/kvmatch
+TEST_BIN := $(BUILD)/kvmatch-tests
+
+.PHONY: all test asan cuda bench run deps clean
+all: $(BIN) $(LIB)
+
+$(BUILD)/%.o: %.c
+	@mkdir -p $(dir $@)
+	@$(if $(Q),echo "  CC    $<")
+	$(Q)$(CC) $(KM_CPPFLAGS) $(KM_CFLAGS) $(CPPFLAGS) $(CFLAGS) -c $< -o $@
+
+$(BUILD)/%.cu.o: %.cu
+	@mkdir -p $(dir $@)
+	@$(if $(Q),echo "  NVCC  $<")
+	$(Q)$(NVCC) $(NVCCFLAGS) -MMD -MP -c $< -o $@
+
+$(LIB): $(LIB_OBJ)
+	@$(if $(Q),echo "  AR    $@")
+	$(Q)rm -f $@ && ar rcs $@ $^
+
+$(BIN): $(CLI_OBJ) $(LIB)
+	@$(if $(Q),echo "  LD    $@")
+	$(Q)$(CC) $(KM_CFLAGS) $(CFLAGS) $(CLI_OBJ) $(LIB) $(LDFLAGS) $(KM_LDLIBS) -o $@
+
+$(TEST_BIN): $(TEST_OBJ) $(LIB)
+	@$(if $(Q),echo "  LD    $@")
+	$(Q)$(CC) $(KM_CFLAGS) $(CFLAGS) $(TEST_OBJ) $(LIB) $(LDFLAGS) -lcriterion $(KM_LDLIBS) -o $@
+
+deps:
+	$(Q)scripts/install-deps.sh
+
+# Tests run from the repository root so they find tests/vectors and ../shared/data.
+test: deps
+	$(Q)$(MAKE) --no-print-directory $(BIN) $(TEST_BIN)
+	$(Q)scripts/run-tests.sh $(TEST_BIN)
+
+asan: deps
+	$(Q)$(MAKE) --no-print-directory BUILD=build-asan CUDA=0 \
+	    SANITIZE="-fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined" \
+	    build-asan/kvmatch build-asan/kvmatch-tests
+	$(Q)ASAN_OPTIONS=detect_leaks=1:abort_on_error=0 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+	    scripts/run-tests.sh build-asan/kvmatch-tests
+
+cuda:
+	@test -n "$(NVCC)" || { echo "make cuda: nvcc not found (set NVCC or CUDA_HOME)"; exit 1; }
+	$(Q)$(MAKE) --no-print-directory CUDA=1 all
+
+bench: all
+	$(Q)mkdir -p bench/results
+	$(Q)$(BIN) bench index --json > bench/results/index.json
+	$(Q)cat bench/results/index.json
+
+run: deps
+	$(Q)$(MAKE) --no-print-directory all
+	$(Q)$(BIN) bench index --quick
+
+clean:
+	rm -rf build build-asan
+
+-include $(LIB_OBJ:.o=.d) $(CLI_OBJ:.o=.d) $(TEST_OBJ:.o=.d)

@@ -1,0 +1,39 @@
+/* kvmatch error codes: one enum for the whole library, 0 = success, negative = failure.
+ * The list is an X-macro so km_strerror() and km_error_name() can never drift from it. */
+#ifndef KVMATCH_ERROR_H
+#define KVMATCH_ERROR_H
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define KM_ERROR_MAP(X)                                                               \
+    X(KM_OK, 0, "success")                                                            \
+    X(KM_ERR_INVALID_ARGUMENT, -1, "invalid argument")                                \
+    X(KM_ERR_NULL_POINTER, -2, "required pointer is NULL")                            \
+    X(KM_ERR_BLOCK_SIZE, -3, "block size must be at least 1")                         \
+    X(KM_ERR_WORKER_RANGE, -4, "worker id out of range")                              \
+    X(KM_ERR_OUT_OF_MEMORY, -5, "out of memory")                                      \
+    X(KM_ERR_MEMORY_CAP, -6, "memory cap reached")                                    \
+    X(KM_ERR_TOO_LARGE, -7, "input larger than the configured limit")                 \
+    X(KM_ERR_PARSE, -8, "malformed input")                                            \
+    X(KM_ERR_BACKEND_UNAVAILABLE, -9, "backend unavailable")                          \
+    X(KM_ERR_CUDA, -10, "CUDA runtime error")                                         \
+    X(KM_ERR_IO, -11, "I/O error")                                                    \
+    X(KM_ERR_INTERNAL, -12, "internal error")
+
+typedef enum km_status {
+#define KM_ERROR_ENUM_ENTRY(name, value, text) name = value,
+    KM_ERROR_MAP(KM_ERROR_ENUM_ENTRY)
+#undef KM_ERROR_ENUM_ENTRY
+} km_status;
+
+/* A short human sentence for a status code; never NULL (unknown codes get "unknown error"). */
+const char *km_strerror(int status);
+/* The enum name ("KM_ERR_MEMORY_CAP"), for logs and machine-readable output; never NULL. */
+const char *km_error_name(int status);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

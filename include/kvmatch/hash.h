@@ -1,0 +1,58 @@
+/* Block hashing, exactly as defined in docs/HASHING.md.
+ *
+ * Tokens are u32. A token sequence splits into full blocks of block_size tokens; a partial tail
+ * block is not hashed. Each block has a local hash (XXH3-64 over its tokens as little-endian u32,
+ * seed 1337, or a seed derived from the LoRA name / cache salt) and a chain hash that identifies the
+ * block together with its whole prefix. Chain hashes never take the two values the index reserves
+ * (KM_HASH_RESERVED_EMPTY, KM_HASH_RESERVED_TOMBSTONE): they are remapped as HASHING.md says. */
+#ifndef KVMATCH_HASH_H
+#define KVMATCH_HASH_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define KM_HASH_SEED 1337u
+#define KM_HASH_RESERVED_EMPTY 0u
+#define KM_HASH_RESERVED_TOMBSTONE 1u
+/* What a chain hash equal to a reserved value becomes (HASHING.md, "Reserved values"). */
+#define KM_HASH_REMAP_EMPTY UINT64_C(0x9e3779b97f4a7c15)
+#define KM_HASH_REMAP_TOMBSTONE UINT64_C(0xc2b2ae3d27d4eb4f)
+
+typedef struct km_hash_config {
+    uint32_t block_size;   /* tokens per block, >= 1 (16 by default in the service) */
+    const char *lora_name; /* NULL or "" = base model; otherwise changes every block's seed */
+    const char *cache_salt; /* NULL or "" = none; otherwise changes the seed of block 0 only */
+} km_hash_config;
+
+/* The seed used for the local hash of the block at `position` (0 = first block of the sequence). */
+uint64_t km_hash_block_seed(const km_hash_config *cfg, uint64_t position);
+
+/* XXH3-64 of `block_size` tokens (little-endian u32) with `seed`. */
+uint64_t km_hash_local(const uint32_t *tokens, uint32_t block_size, uint64_t seed);
+
+/* One chaining step: remap(XXH3-64(le64(parent_chain) || le64(local), seed 1337)). */
+uint64_t km_hash_chain_step(uint64_t parent_chain, uint64_t local);
+
+/* The chain hash of a first block: remap(local). */
+uint64_t km_hash_chain_root(uint64_t local);
+
+/* Remap a value that collides with a reserved table key; identity for every other value. */
+uint64_t km_hash_remap(uint64_t value);
+
+/* Hash every full block of `tokens`. `first_position` is the position of the first block in its
+ * sequence (0 for a prompt; parent position + 1 when continuing after `parent_chain`).
+ * When first_position == 0 the parent is ignored. local_out may be NULL; chain_out must hold
+ * n_tokens / block_size entries. *n_blocks_out receives that count.
+ * Errors: KM_ERR_NULL_POINTER, KM_ERR_BLOCK_SIZE. */
+int km_hash_sequence(const km_hash_config *cfg, const uint32_t *tokens, size_t n_tokens,
+                     uint64_t first_position, uint64_t parent_chain, uint64_t *local_out,
+                     uint64_t *chain_out, size_t *n_blocks_out);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,181 @@
+/* The placement index: which workers hold which blocks, and batched prefix-overlap scoring.
+ *
+ * Keys are chain hashes (include/kvmatch/hash.h): a chain hash names a block together with its
+ * whole prefix, so a flat hash table answers "how many leading blocks of this request does worker
+ * w hold?" (the semantics of a radix-tree walk, NVIDIA Dynamo's find_matches).
+ *
+ * Lifecycle: km_index_config_init -> adjust the config -> km_index_create -> any number of
+ * km_index_apply (update batches) and km_index_match_batch (scoring batches) -> km_index_destroy.
+ * A handle is not thread-safe: the caller serialises updates and scoring batches (the service's
+ * scheduler does); each call uses the backend's own threads or stream internally.
+ * Every function returns KM_OK (0) or a negative km_status; km_index_last_error() then holds a
+ * sentence with the detail. A failed km_index_apply leaves the index's content exactly as it was. */
+#ifndef KVMATCH_INDEX_H
+#define KVMATCH_INDEX_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kvmatch/error.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct km_index km_index;
+
+/* "No parent": the first hash of a store run is the first block of its sequence (position 0). */
+#define KM_NO_PARENT UINT64_C(0)
+/* "No worker": the owner of a request that no worker has any block of. */
+#define KM_NO_WORKER UINT32_MAX
+/* Hard upper bound for km_index_config.max_workers (worker ids are u16 in table slots). */
+#define KM_MAX_WORKERS_LIMIT 65534u
+/* Hard upper bound for km_index_config.segment_blocks. */
+#define KM_MAX_SEGMENT_BLOCKS 255u
+
+typedef enum km_backend_kind {
+    KM_BACKEND_AUTO = 0, /* CUDA when a device is usable, else CPU; one log line says which and why */
+    KM_BACKEND_CPU = 1,
+    KM_BACKEND_CUDA = 2,
+} km_backend_kind;
+
+typedef void (*km_log_fn)(void *user, const char *line);
+
+typedef struct km_index_config {
+    uint32_t max_workers;       /* worker ids are 0 .. max_workers-1; 1 .. KM_MAX_WORKERS_LIMIT; default 1024 */
+    uint32_t segment_blocks;    /* S: blocks per segment key; 0 disables segment keys; default 32 */
+    uint64_t initial_blocks;    /* capacity hint for distinct blocks; default 1 << 16 */
+    uint64_t memory_cap_bytes;  /* 0 = no cap; otherwise table memory never exceeds it (KM_ERR_MEMORY_CAP) */
+    uint32_t max_request_blocks; /* longest request accepted by match_batch; default 1 << 20 */
+    uint32_t threads;           /* CPU scoring threads; 0 = online CPUs */
+    km_backend_kind backend;    /* default KM_BACKEND_AUTO */
+    int cuda_device;            /* device ordinal for the CUDA backend; default 0 */
+    km_log_fn log;              /* receives one line per notable event (backend choice); NULL = stderr */
+    void *log_user;
+} km_index_config;
+
+void km_index_config_init(km_index_config *cfg);
+int km_index_create(const km_index_config *cfg, km_index **out);
+void km_index_destroy(km_index *index); /* NULL is a no-op */
+
+/* Detail for the last failed call on this handle ("" when none). Valid until the next call. */
+const char *km_index_last_error(const km_index *index);
+/* "cpu" or "cuda": the backend actually in use. */
+const char *km_index_backend_name(const km_index *index);
+
+/* ---- updates ------------------------------------------------------------------------------ */
+
+typedef enum km_update_kind {
+    KM_UPDATE_STORE = 1,         /* worker now holds hashes[0..n): a run of consecutive blocks */
+    KM_UPDATE_REMOVE = 2,        /* worker no longer holds these blocks (any order, any subset) */
+    KM_UPDATE_CLEAR_WORKER = 3,  /* worker holds nothing any more (AllBlocksCleared, engine restart) */
+    KM_UPDATE_REMOVE_WORKER = 4, /* clear, and reset the worker's counters */
+} km_update_kind;
+
+typedef struct km_update {
+    km_update_kind kind;
+    uint32_t worker;
+    /* STORE only: chain hash of the block just before hashes[0], or KM_NO_PARENT when hashes[0] is
+     * the first block of its sequence. A parent the index does not know makes an "orphan" run:
+     * its blocks are stored and found by scoring, but they never earn segment keys (counted). */
+    uint64_t parent;
+    const uint64_t *hashes;
+    size_t n_hashes;
+} km_update;
+
+/* What one km_index_apply did; every field counts (block, worker) pairs unless named otherwise. */
+typedef struct km_update_stats {
+    uint64_t stored;           /* pairs added */
+    uint64_t duplicate_stores; /* store of a pair already held: harmless, counted */
+    uint64_t removed;          /* pairs removed */
+    uint64_t absent_removes;   /* remove of a pair not held: harmless, counted */
+    uint64_t cleared;          /* pairs removed by CLEAR_WORKER / REMOVE_WORKER */
+    uint64_t orphan_runs;      /* store runs whose parent was unknown (runs, not pairs) */
+} km_update_stats;
+
+/* Apply a batch of updates in order. All or nothing: on any error (KM_ERR_WORKER_RANGE,
+ * KM_ERR_NULL_POINTER, KM_ERR_MEMORY_CAP, KM_ERR_OUT_OF_MEMORY, KM_ERR_CUDA...) the index's content
+ * is unchanged (capacity may have grown). stats may be NULL. */
+int km_index_apply(km_index *index, const km_update *updates, size_t n_updates,
+                   km_update_stats *stats);
+
+/* One-update conveniences over km_index_apply. */
+int km_index_store(km_index *index, uint32_t worker, uint64_t parent, const uint64_t *hashes,
+                   size_t n_hashes);
+int km_index_remove(km_index *index, uint32_t worker, const uint64_t *hashes, size_t n_hashes);
+int km_index_clear_worker(km_index *index, uint32_t worker);
+int km_index_remove_worker(km_index *index, uint32_t worker);
+
+/* ---- scoring ------------------------------------------------------------------------------ */
+
+typedef struct km_request {
+    const uint64_t *hashes; /* the request's chain hashes, block 0 first */
+    uint32_t n_hashes;      /* 0 is allowed (no match); at most max_request_blocks */
+} km_request;
+
+typedef struct km_worker_match {
+    uint32_t worker;
+    uint32_t depth; /* leading blocks of the request this worker holds, >= 1 */
+} km_worker_match;
+
+typedef struct km_request_result {
+    uint64_t first;       /* index of this request's first entry in km_match_results.matches */
+    uint32_t count;       /* entries, ascending by worker id: every worker with depth >= 1 */
+    uint32_t owner;       /* prediction owner: deepest match, ties to the lowest worker id; KM_NO_WORKER if none */
+    uint32_t owner_depth; /* its depth (0 when none) */
+    uint32_t probes;      /* hash-table lookups this request cost (block and segment keys) */
+} km_request_result;
+
+/* Results of one scoring batch. Initialise with km_match_results_init, reuse across batches
+ * (buffers only grow), release with km_match_results_free. */
+typedef struct km_match_results {
+    km_request_result *requests;
+    size_t n_requests;
+    km_worker_match *matches;
+    size_t n_matches;
+    uint64_t probes; /* sum of requests[i].probes */
+    size_t requests_capacity; /* private */
+    size_t matches_capacity;  /* private */
+} km_match_results;
+
+void km_match_results_init(km_match_results *results);
+void km_match_results_free(km_match_results *results);
+
+/* Score every request against every worker. Results are identical, bit for bit, on every backend.
+ * Errors: KM_ERR_NULL_POINTER, KM_ERR_TOO_LARGE (a request over max_request_blocks),
+ * KM_ERR_OUT_OF_MEMORY, KM_ERR_CUDA (the index stays usable; see km_index_backend_name). */
+int km_index_match_batch(km_index *index, const km_request *requests, size_t n_requests,
+                         km_match_results *results);
+
+/* ---- inspection --------------------------------------------------------------------------- */
+
+typedef struct km_worker_stats {
+    uint64_t blocks;           /* blocks held now */
+    uint64_t stores;           /* pairs added over the worker's life */
+    uint64_t duplicate_stores;
+    uint64_t removes;
+    uint64_t absent_removes;
+    uint64_t clears;           /* CLEAR_WORKER / REMOVE_WORKER updates */
+} km_worker_stats;
+
+typedef struct km_index_stats {
+    uint64_t blocks;            /* distinct blocks held by at least one worker */
+    uint64_t pairs;             /* (block, worker) pairs */
+    uint64_t segment_keys;      /* segment keys with at least one worker */
+    uint64_t segment_pairs;     /* (segment, worker) pairs */
+    uint64_t shared_sets;       /* blocks whose worker set lives in a bitmap (widely held) */
+    uint64_t block_capacity;    /* slots in the block table */
+    uint64_t memory_bytes;      /* host table memory counted against the cap */
+    uint64_t memory_cap_bytes;
+} km_index_stats;
+
+int km_index_worker_stats(const km_index *index, uint32_t worker, km_worker_stats *out);
+int km_index_get_stats(const km_index *index, km_index_stats *out);
+/* The workers holding one block, ascending; *n_out gets the full count even when capacity is short. */
+int km_index_holders(const km_index *index, uint64_t hash, uint32_t *workers, uint32_t capacity,
+                     uint32_t *n_out);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

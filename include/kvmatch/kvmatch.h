@@ -1,0 +1,8 @@
+/* kvmatch: placement index and decision engine for cache-aware LLM routing. Umbrella header. */
+#ifndef KVMATCH_H
+#define KVMATCH_H
+#include "kvmatch/error.h"
+#include "kvmatch/hash.h"
+#include "kvmatch/index.h"
+#define KVMATCH_VERSION "0.1.0"
+#endif

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Install the Debian packages kvmatch needs, only those missing. Called by `make run` / `make test`.
+# Uses apt-get as root, or through sudo when available. Prints nothing when all are present.
+set -euo pipefail
+packages=(build-essential pkg-config libxxhash-dev libjansson-dev libcriterion-dev python3)
+missing=()
+for p in "${packages[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+[ ${#missing[@]} -eq 0 ] && exit 0
+echo "install-deps: installing ${missing[*]}"
+sudo=""
+if [ "$(id -u)" -ne 0 ]; then
+    command -v sudo >/dev/null || { echo "install-deps: need root or sudo to install ${missing[*]}" >&2; exit 1; }
+    sudo=sudo
+fi
+export DEBIAN_FRONTEND=noninteractive
+$sudo apt-get update -qq
+$sudo apt-get install -y -qq --no-install-recommends "${missing[@]}"

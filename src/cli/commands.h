@@ -1,0 +1,9 @@
+/* Subcommands of the kvmatch binary. Each takes argv after the subcommand word(s) (argv[0] is the
+ * last word, e.g. "index" for `kvmatch bench index`) and returns the process exit status. */
+#ifndef KM_CLI_COMMANDS_H
+#define KM_CLI_COMMANDS_H
+
+int km_cmd_hash(int argc, char **argv);        /* src/cli/hash_cmd.c */
+int km_bench_index_main(int argc, char **argv); /* bench/bench_index.c: `kvmatch bench index` */
+
+#endif

@@ -1,0 +1,43 @@
+/* kvmatch: one binary, several subcommands. */
+#include <stdio.h>
+#include <string.h>
+
+#include "commands.h"
+#include "kvmatch/kvmatch.h"
+
+static void usage(FILE *f)
+{
+    fprintf(f,
+            "kvmatch %s: placement index and decision engine for cache-aware LLM routing\n"
+            "\n"
+            "usage:\n"
+            "  kvmatch hash --block-size N [--lora NAME] [--salt S] < tokens\n"
+            "      chain-hash decimal token ids (docs/HASHING.md); one line per full block\n"
+            "  kvmatch bench index [--json] [--quick] [--threads N] [--trace PATH]\n"
+            "      index benchmark on the Mooncake trace (docs/BENCHMARKS.md)\n"
+            "  kvmatch version\n",
+            KVMATCH_VERSION);
+}
+
+int main(int argc, char **argv)
+{
+    if (argc < 2 || !strcmp(argv[1], "-h") || !strcmp(argv[1], "--help") || !strcmp(argv[1], "help")) {
+        usage(argc < 2 ? stderr : stdout);
+        return argc < 2 ? 2 : 0;
+    }
+    if (!strcmp(argv[1], "version") || !strcmp(argv[1], "--version")) {
+        printf("kvmatch %s\n", KVMATCH_VERSION);
+        return 0;
+    }
+    if (!strcmp(argv[1], "hash"))
+        return km_cmd_hash(argc - 1, argv + 1);
+    if (!strcmp(argv[1], "bench")) {
+        if (argc >= 3 && !strcmp(argv[2], "index"))
+            return km_bench_index_main(argc - 2, argv + 2);
+        fprintf(stderr, "kvmatch bench: unknown or missing benchmark (have: index)\n");
+        return 2;
+    }
+    fprintf(stderr, "kvmatch: unknown command '%s'\n\n", argv[1]);
+    usage(stderr);
+    return 2;
+}

@@ -1,0 +1,930 @@
+/* The index handle and its update planner.
+ *
+ * Updates apply to the host tables (the authoritative state) in order. The planner keeps three
+ * things exact or sound:
+ *  - block sets: exactly which workers hold each chain hash, and per-worker counters;
+ *  - segment keys: for the chain hash e of a segment's last block (positions S-1, 2S-1, ...), a set
+ *    of workers that certainly hold all S blocks of that segment. A worker joins when it stores e
+ *    and holds the S-1 blocks before it on e's chain (checked through per-block parent links); it
+ *    leaves when it removes any of those blocks (found through the anchor list of the segment's
+ *    first block) or is cleared. Out-of-order stores may leave a worker out: scoring then walks that
+ *    segment block by block, so results stay exact (src/shared.h, km_walk_request);
+ *  - all-or-nothing batches: every mutation of a batch that may allocate is logged, and a failure
+ *    (memory cap, out of memory) undoes the log in reverse. Undo never allocates: a removed key's
+ *    slot is a tombstone the re-insert reuses, and a bitmap set demotes at 3 holders, so re-adding
+ *    one worker always fits inline.
+ * After a batch the backend's replica is synced; a CUDA failure moves the index to the CPU backend. */
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "index_impl.h"
+#include "kvmatch/hash.h"
+
+#define ANCHOR_NONE UINT32_MAX
+
+/* ---- errors and logging ---------------------------------------------------------------------- */
+
+int km_index_fail(km_index *index, int status, const char *fmt, ...)
+{
+    if (!index)
+        return status;
+    va_list ap;
+    va_start(ap, fmt);
+    int n = snprintf(index->last_error, sizeof index->last_error, "%s: ", km_error_name(status));
+    if (n > 0 && (size_t)n < sizeof index->last_error)
+        vsnprintf(index->last_error + n, sizeof index->last_error - (size_t)n, fmt, ap);
+    va_end(ap);
+    return status;
+}
+
+void km_index_log(const km_index *index, const char *fmt, ...)
+{
+    char line[512];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(line, sizeof line, fmt, ap);
+    va_end(ap);
+    if (index && index->config.log)
+        index->config.log(index->config.log_user, line);
+    else
+        fprintf(stderr, "kvmatch: %s\n", line);
+}
+
+const char *km_index_last_error(const km_index *index)
+{
+    return index ? index->last_error : "";
+}
+
+const char *km_index_backend_name(const km_index *index)
+{
+    return index && index->backend ? index->backend->name : "none";
+}
+
+/* ---- lifecycle ------------------------------------------------------------------------------- */
+
+void km_index_config_init(km_index_config *cfg)
+{
+    memset(cfg, 0, sizeof *cfg);
+    cfg->max_workers = 1024;
+    cfg->segment_blocks = 32;
+    cfg->initial_blocks = 1u << 16;
+    cfg->max_request_blocks = 1u << 20;
+    cfg->backend = KM_BACKEND_AUTO;
+}
+
+static int select_backend(km_index *index)
+{
+    char why[256] = "";
+    km_backend_kind kind = index->config.backend;
+    if (kind == KM_BACKEND_CUDA || kind == KM_BACKEND_AUTO) {
+#if KM_HAVE_CUDA
+        int rc = km_backend_cuda.create(index, &index->backend_state, why, sizeof why);
+        if (rc == KM_OK) {
+            index->backend = &km_backend_cuda;
+            if (kind == KM_BACKEND_AUTO)
+                km_index_log(index, "backend: cuda (auto: device %d usable)", index->config.cuda_device);
+            return KM_OK;
+        }
+        if (kind == KM_BACKEND_CUDA)
+            return km_index_fail(index, rc, "cuda backend unavailable: %s", why);
+#else
+        snprintf(why, sizeof why, "built without CUDA (nvcc absent or CUDA=0)");
+        if (kind == KM_BACKEND_CUDA)
+            return km_index_fail(index, KM_ERR_BACKEND_UNAVAILABLE, "cuda backend unavailable: %s", why);
+#endif
+    }
+    int rc = km_backend_cpu.create(index, &index->backend_state, why, sizeof why);
+    if (rc)
+        return km_index_fail(index, rc, "cpu backend: %s", why);
+    index->backend = &km_backend_cpu;
+    if (kind == KM_BACKEND_AUTO)
+        km_index_log(index, "backend: cpu (auto: %s)", why[0] ? why : "no CUDA device");
+    return KM_OK;
+}
+
+static void set_dirty_tracking(km_index *index)
+{
+    int on = index->backend && index->backend->needs_dirty_tracking;
+    index->blocks.track_dirty = on;
+    index->segments.track_dirty = on;
+    km_table_clear_dirty(&index->blocks);
+    km_table_clear_dirty(&index->segments);
+}
+
+int km_index_create(const km_index_config *cfg_in, km_index **out)
+{
+    if (!out)
+        return KM_ERR_NULL_POINTER;
+    *out = NULL;
+    km_index_config cfg;
+    if (cfg_in)
+        cfg = *cfg_in;
+    else
+        km_index_config_init(&cfg);
+    if (cfg.max_workers == 0 || cfg.max_workers > KM_MAX_WORKERS_LIMIT ||
+        cfg.segment_blocks > KM_MAX_SEGMENT_BLOCKS || cfg.max_request_blocks == 0 ||
+        cfg.backend < KM_BACKEND_AUTO || cfg.backend > KM_BACKEND_CUDA)
+        return KM_ERR_INVALID_ARGUMENT;
+    if (cfg.threads == 0) {
+        long n = sysconf(_SC_NPROCESSORS_ONLN);
+        cfg.threads = n > 0 ? (uint32_t)n : 1;
+    }
+    km_index *index = calloc(1, sizeof *index);
+    if (!index)
+        return KM_ERR_OUT_OF_MEMORY;
+    index->config = cfg;
+    index->memory.cap = cfg.memory_cap_bytes;
+    index->anchor_free_head = ANCHOR_NONE;
+    km_u64map_init(&index->anchors, &index->memory);
+    int rc = km_table_init(&index->blocks, cfg.initial_blocks, cfg.max_workers, 1, &index->memory);
+    if (!rc)
+        rc = km_table_init(&index->segments,
+                           cfg.segment_blocks ? cfg.initial_blocks / cfg.segment_blocks + 1 : 1,
+                           cfg.max_workers, 0, &index->memory);
+    if (!rc) {
+        index->workers = calloc(cfg.max_workers, sizeof *index->workers);
+        if (!index->workers)
+            rc = KM_ERR_OUT_OF_MEMORY;
+    }
+    if (!rc)
+        rc = select_backend(index);
+    if (rc) {
+        km_index_destroy(index);
+        return rc;
+    }
+    set_dirty_tracking(index);
+    *out = index;
+    return KM_OK;
+}
+
+void km_index_destroy(km_index *index)
+{
+    if (!index)
+        return;
+    if (index->backend)
+        index->backend->destroy(index->backend_state);
+    km_table_free(&index->blocks);
+    km_table_free(&index->segments);
+    km_u64map_free(&index->anchors);
+    free(index->anchor_nodes);
+    free(index->workers);
+    free(index);
+}
+
+/* Move to the CPU backend after a CUDA failure; the host tables are complete, so nothing is lost. */
+static void fall_back_to_cpu(km_index *index, int status, const char *what)
+{
+    char detail[256];
+    snprintf(detail, sizeof detail, "%s", index->last_error);
+    index->backend->destroy(index->backend_state);
+    index->backend_state = NULL;
+    char why[256] = "";
+    if (km_backend_cpu.create(index, &index->backend_state, why, sizeof why) != KM_OK) {
+        index->backend = NULL; /* cannot happen for the CPU backend short of OOM */
+        return;
+    }
+    index->backend = &km_backend_cpu;
+    set_dirty_tracking(index);
+    km_index_log(index, "backend: cpu (fallback: %s failed with %s: %s)", what, km_error_name(status),
+                 detail);
+}
+
+/* ---- undo log -------------------------------------------------------------------------------- */
+
+typedef enum undo_kind {
+    UNDO_BLOCK_ADDED,    /* worker was added to key's block set (key may have been new) */
+    UNDO_BLOCK_REMOVED,  /* worker was removed; meta holds the block's metadata */
+    UNDO_BLOCK_META,     /* meta of key was overwritten; meta holds the old value */
+    UNDO_SEG_ADDED,
+    UNDO_SEG_REMOVED,
+    UNDO_ANCHOR_LINKED,  /* key (segment end) was linked under anchor aux */
+    UNDO_ANCHOR_UNLINKED,
+    UNDO_WORKER_COUNTERS, /* worker's counters before the batch, in counters */
+} undo_kind;
+
+typedef struct undo_entry {
+    undo_kind kind;
+    uint32_t worker;
+    uint64_t key;
+    uint64_t aux;
+    union {
+        km_block_meta meta;
+        km_worker_counters counters;
+    } u;
+} undo_entry;
+
+typedef struct batch {
+    km_index *index;
+    km_update_stats *stats;
+    int logging;
+    undo_entry *log;
+    size_t n_log, log_capacity;
+    uint8_t *touched; /* per worker: counters saved in this batch */
+} batch;
+
+static int undo_push(batch *b, const undo_entry *e)
+{
+    if (!b->logging)
+        return KM_OK;
+    if (b->n_log == b->log_capacity) {
+        size_t cap = b->log_capacity ? b->log_capacity * 2 : 256;
+        undo_entry *grown = realloc(b->log, cap * sizeof *grown);
+        if (!grown)
+            return KM_ERR_OUT_OF_MEMORY;
+        b->log = grown;
+        b->log_capacity = cap;
+    }
+    b->log[b->n_log++] = *e;
+    return KM_OK;
+}
+
+/* Log a worker's counters the first time the batch touches it. Call before changing them. */
+static int touch_worker(batch *b, uint32_t worker)
+{
+    if (!b->logging || b->touched[worker])
+        return KM_OK;
+    undo_entry e = {.kind = UNDO_WORKER_COUNTERS, .worker = worker};
+    e.u.counters = b->index->workers[worker];
+    int rc = undo_push(b, &e);
+    if (!rc)
+        b->touched[worker] = 1;
+    return rc;
+}
+
+/* ---- anchor lists: segment first block -> segment ends with a non-empty set ------------------- */
+
+static int anchor_node_alloc(km_index *index, uint32_t *out)
+{
+    if (index->anchor_free_head != ANCHOR_NONE) {
+        *out = index->anchor_free_head;
+        index->anchor_free_head = index->anchor_nodes[*out].next;
+        return KM_OK;
+    }
+    if (index->anchor_nodes_high == index->anchor_nodes_capacity) {
+        uint64_t cap = index->anchor_nodes_capacity ? (uint64_t)index->anchor_nodes_capacity * 2 : 256;
+        if (cap >= ANCHOR_NONE)
+            return KM_ERR_MEMORY_CAP;
+        size_t node = sizeof *index->anchor_nodes;
+        int rc = km_memory_reserve(&index->memory, index->anchor_nodes_capacity * node, cap * node);
+        if (rc)
+            return rc;
+        void *grown = realloc(index->anchor_nodes, cap * node);
+        if (!grown) {
+            km_memory_reserve(&index->memory, cap * node, index->anchor_nodes_capacity * node);
+            return KM_ERR_OUT_OF_MEMORY;
+        }
+        index->anchor_nodes = grown;
+        index->anchor_nodes_capacity = (uint32_t)cap;
+    }
+    *out = index->anchor_nodes_high++;
+    return KM_OK;
+}
+
+static int anchor_link(km_index *index, uint64_t anchor, uint64_t end, int allow_grow)
+{
+    uint64_t *head = km_u64map_find(&index->anchors, anchor);
+    if (!head && allow_grow) { /* reserve the map entry first so a failure leaves no orphan node */
+        int rc = km_u64map_reserve(&index->anchors, 1);
+        if (rc)
+            return rc;
+    }
+    uint32_t node;
+    int rc = anchor_node_alloc(index, &node);
+    if (rc)
+        return rc;
+    head = km_u64map_find(&index->anchors, anchor);
+    index->anchor_nodes[node].end = end;
+    index->anchor_nodes[node].next = head ? (uint32_t)*head : ANCHOR_NONE;
+    if (head) {
+        *head = node;
+        return KM_OK;
+    }
+    rc = km_u64map_put(&index->anchors, anchor, node, 0);
+    if (rc) { /* unreachable after the reserve above; keep the node pool consistent anyway */
+        index->anchor_nodes[node].next = index->anchor_free_head;
+        index->anchor_free_head = node;
+    }
+    return rc;
+}
+
+static void anchor_unlink(km_index *index, uint64_t anchor, uint64_t end)
+{
+    uint64_t *head = km_u64map_find(&index->anchors, anchor);
+    if (!head)
+        return;
+    uint32_t prev = ANCHOR_NONE;
+    for (uint32_t n = (uint32_t)*head; n != ANCHOR_NONE; prev = n, n = index->anchor_nodes[n].next) {
+        if (index->anchor_nodes[n].end != end)
+            continue;
+        uint32_t next = index->anchor_nodes[n].next;
+        if (prev == ANCHOR_NONE)
+            *head = next;
+        else
+            index->anchor_nodes[prev].next = next;
+        index->anchor_nodes[n].next = index->anchor_free_head;
+        index->anchor_free_head = n;
+        if (*head == ANCHOR_NONE)
+            km_u64map_erase(&index->anchors, anchor);
+        return;
+    }
+}
+
+/* ---- raw set changes with undo logging --------------------------------------------------------- */
+
+static km_table *undo_table(km_index *index, undo_kind kind)
+{
+    return kind == UNDO_SEG_ADDED || kind == UNDO_SEG_REMOVED ? &index->segments : &index->blocks;
+}
+
+/* Add worker to key's set in table t (inserting the key if absent). Returns 1 added, 0 present. */
+static int table_add(batch *b, km_table *t, uint64_t key, uint32_t worker, uint64_t *slot_out,
+                     int *inserted)
+{
+    uint64_t slot = km_table_find(t, key);
+    *inserted = 0;
+    /* Log first: if logging fails nothing has changed yet. */
+    undo_entry e = {.kind = t == &b->index->segments ? UNDO_SEG_ADDED : UNDO_BLOCK_ADDED,
+                    .worker = worker,
+                    .key = key};
+    if (slot != KM_SLOT_NONE && km_table_set_contains(t, slot, worker)) {
+        *slot_out = slot;
+        return 0;
+    }
+    int rc = undo_push(b, &e);
+    if (rc)
+        return rc;
+    if (slot == KM_SLOT_NONE) {
+        rc = km_table_insert(t, key, 1, &slot);
+        if (rc) {
+            b->n_log -= b->logging;
+            return rc;
+        }
+        *inserted = 1;
+    }
+    rc = km_table_set_add(t, slot, worker);
+    if (rc < 0) {
+        if (*inserted)
+            km_table_erase(t, slot);
+        b->n_log -= b->logging;
+        return rc;
+    }
+    *slot_out = slot;
+    return 1;
+}
+
+/* Remove worker from the set at slot of table t; erases the key when the set empties. Returns 1
+ * when the key was erased. */
+static int table_remove_at(batch *b, km_table *t, uint64_t slot, uint32_t worker)
+{
+    undo_entry e = {.kind = t == &b->index->segments ? UNDO_SEG_REMOVED : UNDO_BLOCK_REMOVED,
+                    .worker = worker,
+                    .key = t->slots[slot].key};
+    if (t->meta)
+        e.u.meta = t->meta[slot];
+    int rc = undo_push(b, &e);
+    if (rc)
+        return rc;
+    km_table_set_remove(t, slot, worker);
+    if (km_table_set_count(t, slot) == 0) {
+        km_table_erase(t, slot);
+        return 1;
+    }
+    return 0;
+}
+
+/* ---- segment keys -------------------------------------------------------------------------- */
+
+static uint32_t segment_size(const km_index *index)
+{
+    return index->config.segment_blocks;
+}
+
+/* Add worker to the segment key `end` (first block `anchor`). */
+static int segment_add(batch *b, uint64_t anchor, uint64_t end, uint32_t worker)
+{
+    km_index *index = b->index;
+    uint64_t slot;
+    int inserted;
+    int rc = table_add(b, &index->segments, end, worker, &slot, &inserted);
+    if (rc <= 0)
+        return rc;
+    if (!inserted)
+        return KM_OK;
+    undo_entry e = {.kind = UNDO_ANCHOR_LINKED, .key = end, .aux = anchor};
+    rc = undo_push(b, &e);
+    if (!rc) {
+        rc = anchor_link(index, anchor, end, 1);
+        if (rc)
+            b->n_log -= b->logging;
+    }
+    return rc; /* on failure the caller's rollback removes the segment key logged above */
+}
+
+/* Remove worker from segment key `end`; unlink it from its anchor when the set empties. */
+static int segment_remove_at(batch *b, uint64_t slot, uint64_t anchor, uint32_t worker)
+{
+    km_index *index = b->index;
+    uint64_t end = index->segments.slots[slot].key;
+    int rc = table_remove_at(b, &index->segments, slot, worker);
+    if (rc < 0)
+        return rc;
+    if (rc == 1) {
+        undo_entry e = {.kind = UNDO_ANCHOR_UNLINKED, .key = end, .aux = anchor};
+        rc = undo_push(b, &e);
+        if (rc)
+            return rc;
+        anchor_unlink(index, anchor, end);
+    }
+    return KM_OK;
+}
+
+/* Does worker hold all S blocks of the segment ending at `end` (at `position`)? Walks the parent
+ * links back from end, checking each block is held and sits one position earlier. */
+static int holds_segment(const km_index *index, uint32_t worker, uint64_t end, uint32_t position)
+{
+    uint32_t S = segment_size(index);
+    uint64_t cursor = end;
+    for (uint32_t k = 0; k < S; k++) {
+        uint64_t slot = km_table_find(&index->blocks, cursor);
+        if (slot == KM_SLOT_NONE || !km_table_set_contains(&index->blocks, slot, worker) ||
+            index->blocks.meta[slot].position != position - k)
+            return 0;
+        cursor = index->blocks.meta[slot].parent;
+    }
+    return 1;
+}
+
+/* Is `block` (at `position`) on the chain of segment end `end`? Walks end's parents. When the walk
+ * breaks the answer is "yes", which can only remove a worker from a segment key (sound). */
+static int on_segment_chain(const km_index *index, uint64_t end, uint64_t block, uint32_t position)
+{
+    uint64_t cursor = end;
+    for (uint32_t steps = 0; steps <= KM_MAX_SEGMENT_BLOCKS; steps++) {
+        if (cursor == block)
+            return 1;
+        uint64_t slot = km_table_find(&index->blocks, cursor);
+        if (slot == KM_SLOT_NONE)
+            return 1;
+        const km_block_meta *m = &index->blocks.meta[slot];
+        if (m->position == KM_POSITION_UNKNOWN || m->position <= position)
+            return m->position == KM_POSITION_UNKNOWN;
+        cursor = m->parent;
+    }
+    return 1;
+}
+
+/* After worker lost `block` (metadata m): drop worker from every segment key whose chain includes it. */
+static int invalidate_segments(batch *b, uint32_t worker, uint64_t block, const km_block_meta *m)
+{
+    km_index *index = b->index;
+    if (segment_size(index) == 0 || m->position == KM_POSITION_UNKNOWN)
+        return KM_OK;
+    uint64_t *head = km_u64map_find(&index->anchors, m->anchor);
+    if (!head)
+        return KM_OK;
+    uint32_t n = (uint32_t)*head;
+    while (n != ANCHOR_NONE) {
+        uint64_t end = index->anchor_nodes[n].end;
+        n = index->anchor_nodes[n].next; /* read before a possible unlink frees the node */
+        uint64_t slot = km_table_find(&index->segments, end);
+        if (slot == KM_SLOT_NONE || !km_table_set_contains(&index->segments, slot, worker))
+            continue;
+        if (!on_segment_chain(index, end, block, m->position))
+            continue;
+        int rc = segment_remove_at(b, slot, m->anchor, worker);
+        if (rc)
+            return rc;
+    }
+    return KM_OK;
+}
+
+/* ---- the four update kinds ---------------------------------------------------------------------- */
+
+static int apply_store(batch *b, const km_update *u)
+{
+    km_index *index = b->index;
+    km_worker_counters *wc = &index->workers[u->worker];
+    uint32_t S = segment_size(index);
+    int rc = touch_worker(b, u->worker);
+    if (rc)
+        return rc;
+
+    /* Position and segment anchor of the block before the run (unknown for an orphan run). */
+    uint32_t prev_position = KM_POSITION_UNKNOWN;
+    uint64_t prev_anchor = 0;
+    if (u->parent != KM_NO_PARENT) {
+        uint64_t ps = km_table_find(&index->blocks, u->parent);
+        if (ps != KM_SLOT_NONE) {
+            prev_position = index->blocks.meta[ps].position;
+            prev_anchor = index->blocks.meta[ps].anchor;
+        }
+        if (prev_position == KM_POSITION_UNKNOWN)
+            b->stats->orphan_runs++;
+    }
+    for (size_t i = 0; i < u->n_hashes; i++) {
+        uint64_t key = u->hashes[i];
+        uint64_t parent = i == 0 ? u->parent : u->hashes[i - 1];
+        uint32_t position = KM_POSITION_UNKNOWN;
+        uint64_t anchor = 0;
+        if (parent == KM_NO_PARENT)
+            position = 0;
+        else if (prev_position != KM_POSITION_UNKNOWN && prev_position + 1 < KM_POSITION_UNKNOWN)
+            position = prev_position + 1;
+        if (position != KM_POSITION_UNKNOWN)
+            anchor = S && position % S == 0 ? key : prev_anchor;
+
+        uint64_t slot;
+        int inserted;
+        int added = table_add(b, &index->blocks, key, u->worker, &slot, &inserted);
+        if (added < 0)
+            return added;
+        km_block_meta *m = &index->blocks.meta[slot];
+        if (inserted) {
+            m->parent = parent;
+            m->position = position;
+            m->anchor = anchor;
+        } else if (m->position == KM_POSITION_UNKNOWN && position != KM_POSITION_UNKNOWN) {
+            undo_entry e = {.kind = UNDO_BLOCK_META, .key = key};
+            e.u.meta = *m;
+            rc = undo_push(b, &e);
+            if (rc)
+                return rc;
+            m->parent = parent;
+            m->position = position;
+            m->anchor = anchor;
+        }
+        /* From here on the table's metadata is the truth (first writer wins on a disagreement). */
+        if (added == 1) {
+            b->stats->stored++;
+            wc->blocks++;
+            wc->stores++;
+        } else {
+            b->stats->duplicate_stores++;
+            wc->duplicate_stores++;
+        }
+        prev_position = m->position;
+        prev_anchor = m->anchor;
+        if (S && prev_position != KM_POSITION_UNKNOWN && prev_position % S == S - 1 &&
+            holds_segment(index, u->worker, key, prev_position)) {
+            rc = segment_add(b, prev_anchor, key, u->worker);
+            if (rc)
+                return rc;
+        }
+    }
+    return KM_OK;
+}
+
+static int apply_remove(batch *b, const km_update *u)
+{
+    km_index *index = b->index;
+    km_worker_counters *wc = &index->workers[u->worker];
+    int rc = touch_worker(b, u->worker);
+    if (rc)
+        return rc;
+    for (size_t i = 0; i < u->n_hashes; i++) {
+        uint64_t key = u->hashes[i];
+        uint64_t slot = km_table_find(&index->blocks, key);
+        if (slot == KM_SLOT_NONE || !km_table_set_contains(&index->blocks, slot, u->worker)) {
+            b->stats->absent_removes++;
+            wc->absent_removes++;
+            continue;
+        }
+        km_block_meta meta = index->blocks.meta[slot];
+        /* Segments first: their chain walk still sees this block's metadata. */
+        rc = invalidate_segments(b, u->worker, key, &meta);
+        if (rc)
+            return rc;
+        rc = table_remove_at(b, &index->blocks, slot, u->worker);
+        if (rc < 0)
+            return rc;
+        b->stats->removed++;
+        wc->blocks--;
+        wc->removes++;
+    }
+    return KM_OK;
+}
+
+static int apply_clear(batch *b, const km_update *u)
+{
+    km_index *index = b->index;
+    uint32_t w = u->worker;
+    int rc = touch_worker(b, w);
+    if (rc)
+        return rc;
+    /* Segment keys first: unlinking needs each end block's anchor from the block metadata. */
+    km_table *seg = &index->segments;
+    for (uint64_t s = 0; s < seg->capacity; s++) {
+        uint64_t end = seg->slots[s].key;
+        if (end <= KM_KEY_TOMBSTONE || !km_table_set_contains(seg, s, w))
+            continue;
+        uint64_t bs = km_table_find(&index->blocks, end);
+        uint64_t anchor = bs == KM_SLOT_NONE ? 0 : index->blocks.meta[bs].anchor;
+        rc = segment_remove_at(b, s, anchor, w);
+        if (rc)
+            return rc;
+    }
+    km_table *blk = &index->blocks;
+    for (uint64_t s = 0; s < blk->capacity; s++) {
+        if (blk->slots[s].key <= KM_KEY_TOMBSTONE || !km_table_set_contains(blk, s, w))
+            continue;
+        rc = table_remove_at(b, blk, s, w);
+        if (rc < 0)
+            return rc;
+        b->stats->cleared++;
+    }
+    km_worker_counters *wc = &index->workers[w];
+    if (u->kind == KM_UPDATE_REMOVE_WORKER) {
+        memset(wc, 0, sizeof *wc);
+    } else {
+        wc->blocks = 0;
+        wc->clears++;
+    }
+    return KM_OK;
+}
+
+/* Undo one logged mutation. Never allocates (see the file comment). */
+static void undo_one(km_index *index, const undo_entry *e)
+{
+    switch (e->kind) {
+    case UNDO_BLOCK_ADDED:
+    case UNDO_SEG_ADDED: {
+        km_table *t = undo_table(index, e->kind);
+        uint64_t slot = km_table_find(t, e->key);
+        if (slot == KM_SLOT_NONE)
+            return;
+        km_table_set_remove(t, slot, e->worker);
+        if (km_table_set_count(t, slot) == 0)
+            km_table_erase(t, slot);
+        return;
+    }
+    case UNDO_BLOCK_REMOVED:
+    case UNDO_SEG_REMOVED: {
+        km_table *t = undo_table(index, e->kind);
+        uint64_t slot = km_table_find(t, e->key);
+        if (slot == KM_SLOT_NONE) {
+            km_table_insert(t, e->key, 0, &slot);
+            if (t->meta)
+                t->meta[slot] = e->u.meta;
+        }
+        km_table_set_add(t, slot, e->worker);
+        return;
+    }
+    case UNDO_BLOCK_META: {
+        uint64_t slot = km_table_find(&index->blocks, e->key);
+        if (slot != KM_SLOT_NONE)
+            index->blocks.meta[slot] = e->u.meta;
+        return;
+    }
+    case UNDO_ANCHOR_LINKED:
+        anchor_unlink(index, e->aux, e->key);
+        return;
+    case UNDO_ANCHOR_UNLINKED:
+        anchor_link(index, e->aux, e->key, 0);
+        return;
+    case UNDO_WORKER_COUNTERS:
+        index->workers[e->worker] = e->u.counters;
+        return;
+    }
+}
+
+static int validate_updates(km_index *index, const km_update *updates, size_t n)
+{
+    for (size_t i = 0; i < n; i++) {
+        const km_update *u = &updates[i];
+        if (u->kind < KM_UPDATE_STORE || u->kind > KM_UPDATE_REMOVE_WORKER)
+            return km_index_fail(index, KM_ERR_INVALID_ARGUMENT, "update %zu: unknown kind %d", i,
+                                 (int)u->kind);
+        if (u->worker >= index->config.max_workers)
+            return km_index_fail(index, KM_ERR_WORKER_RANGE,
+                                 "update %zu: worker %u out of range (max_workers %u)", i, u->worker,
+                                 index->config.max_workers);
+        if (u->kind != KM_UPDATE_STORE && u->kind != KM_UPDATE_REMOVE)
+            continue;
+        if (u->n_hashes > 0 && !u->hashes)
+            return km_index_fail(index, KM_ERR_NULL_POINTER, "update %zu: hashes is NULL", i);
+        for (size_t j = 0; j < u->n_hashes; j++)
+            if (u->hashes[j] <= KM_KEY_TOMBSTONE)
+                return km_index_fail(index, KM_ERR_INVALID_ARGUMENT,
+                                     "update %zu: hash %zu is a reserved value (%llu); chain "
+                                     "hashes are remapped (docs/HASHING.md)",
+                                     i, j, (unsigned long long)u->hashes[j]);
+        if (u->kind == KM_UPDATE_STORE && u->parent == KM_HASH_RESERVED_TOMBSTONE)
+            return km_index_fail(index, KM_ERR_INVALID_ARGUMENT, "update %zu: parent is reserved", i);
+    }
+    return KM_OK;
+}
+
+static int sync_backend(km_index *index)
+{
+    if (!index->backend->sync)
+        return KM_OK;
+    int rc = index->backend->sync(index->backend_state, index);
+    if (rc == KM_ERR_CUDA) {
+        fall_back_to_cpu(index, rc, "sync");
+        return KM_OK;
+    }
+    if (rc)
+        return rc;
+    km_table_clear_dirty(&index->blocks);
+    km_table_clear_dirty(&index->segments);
+    return KM_OK;
+}
+
+int km_index_apply(km_index *index, const km_update *updates, size_t n_updates,
+                   km_update_stats *stats_out)
+{
+    if (!index)
+        return KM_ERR_NULL_POINTER;
+    index->last_error[0] = '\0';
+    if (!updates && n_updates > 0)
+        return km_index_fail(index, KM_ERR_NULL_POINTER, "updates is NULL");
+    int rc = validate_updates(index, updates, n_updates);
+    if (rc)
+        return rc;
+
+    km_update_stats stats = {0};
+    batch b = {.index = index, .stats = &stats};
+    /* Only stores allocate; a batch without them cannot fail half way and needs no log. */
+    for (size_t i = 0; i < n_updates && !b.logging; i++)
+        b.logging = updates[i].kind == KM_UPDATE_STORE && updates[i].n_hashes > 0;
+    if (b.logging) {
+        b.touched = calloc(index->config.max_workers, 1);
+        if (!b.touched)
+            return km_index_fail(index, KM_ERR_OUT_OF_MEMORY, "undo bookkeeping");
+    }
+    for (size_t i = 0; i < n_updates && !rc; i++) {
+        const km_update *u = &updates[i];
+        switch (u->kind) {
+        case KM_UPDATE_STORE:
+            rc = apply_store(&b, u);
+            break;
+        case KM_UPDATE_REMOVE:
+            rc = apply_remove(&b, u);
+            break;
+        case KM_UPDATE_CLEAR_WORKER:
+        case KM_UPDATE_REMOVE_WORKER:
+            rc = apply_clear(&b, u);
+            break;
+        }
+        if (rc)
+            km_index_fail(index, rc, "update %zu (worker %u): %s; batch rolled back", i, u->worker,
+                          rc == KM_ERR_MEMORY_CAP ? "memory cap reached" : km_strerror(rc));
+    }
+    if (rc) {
+        for (size_t i = b.n_log; i-- > 0;)
+            undo_one(index, &b.log[i]);
+    }
+    free(b.log);
+    free(b.touched);
+    int sync_rc = sync_backend(index);
+    if (rc)
+        return rc;
+    if (sync_rc)
+        return km_index_fail(index, sync_rc, "backend sync failed");
+    if (stats_out)
+        *stats_out = stats;
+    return KM_OK;
+}
+
+int km_index_store(km_index *index, uint32_t worker, uint64_t parent, const uint64_t *hashes,
+                   size_t n_hashes)
+{
+    km_update u = {KM_UPDATE_STORE, worker, parent, hashes, n_hashes};
+    return km_index_apply(index, &u, 1, NULL);
+}
+
+int km_index_remove(km_index *index, uint32_t worker, const uint64_t *hashes, size_t n_hashes)
+{
+    km_update u = {KM_UPDATE_REMOVE, worker, KM_NO_PARENT, hashes, n_hashes};
+    return km_index_apply(index, &u, 1, NULL);
+}
+
+int km_index_clear_worker(km_index *index, uint32_t worker)
+{
+    km_update u = {KM_UPDATE_CLEAR_WORKER, worker, KM_NO_PARENT, NULL, 0};
+    return km_index_apply(index, &u, 1, NULL);
+}
+
+int km_index_remove_worker(km_index *index, uint32_t worker)
+{
+    km_update u = {KM_UPDATE_REMOVE_WORKER, worker, KM_NO_PARENT, NULL, 0};
+    return km_index_apply(index, &u, 1, NULL);
+}
+
+/* ---- scoring ------------------------------------------------------------------------------ */
+
+void km_match_results_init(km_match_results *r)
+{
+    memset(r, 0, sizeof *r);
+}
+
+void km_match_results_free(km_match_results *r)
+{
+    if (!r)
+        return;
+    free(r->requests);
+    free(r->matches);
+    memset(r, 0, sizeof *r);
+}
+
+int km_match_results_reserve(km_match_results *r, size_t n_requests, size_t n_matches)
+{
+    if (n_requests > r->requests_capacity) {
+        size_t cap = r->requests_capacity ? r->requests_capacity : 64;
+        while (cap < n_requests)
+            cap *= 2;
+        void *grown = realloc(r->requests, cap * sizeof *r->requests);
+        if (!grown)
+            return KM_ERR_OUT_OF_MEMORY;
+        r->requests = grown;
+        r->requests_capacity = cap;
+    }
+    if (n_matches > r->matches_capacity) {
+        size_t cap = r->matches_capacity ? r->matches_capacity : 256;
+        while (cap < n_matches)
+            cap *= 2;
+        void *grown = realloc(r->matches, cap * sizeof *r->matches);
+        if (!grown)
+            return KM_ERR_OUT_OF_MEMORY;
+        r->matches = grown;
+        r->matches_capacity = cap;
+    }
+    return KM_OK;
+}
+
+int km_index_match_batch(km_index *index, const km_request *requests, size_t n_requests,
+                         km_match_results *results)
+{
+    if (!index)
+        return KM_ERR_NULL_POINTER;
+    index->last_error[0] = '\0';
+    if (!results || (!requests && n_requests > 0))
+        return km_index_fail(index, KM_ERR_NULL_POINTER, "requests or results is NULL");
+    for (size_t i = 0; i < n_requests; i++) {
+        if (requests[i].n_hashes > index->config.max_request_blocks)
+            return km_index_fail(index, KM_ERR_TOO_LARGE,
+                                 "request %zu has %u blocks; max_request_blocks is %u", i,
+                                 requests[i].n_hashes, index->config.max_request_blocks);
+        if (requests[i].n_hashes > 0 && !requests[i].hashes)
+            return km_index_fail(index, KM_ERR_NULL_POINTER, "request %zu: hashes is NULL", i);
+    }
+    results->n_requests = 0;
+    results->n_matches = 0;
+    results->probes = 0;
+    if (km_match_results_reserve(results, n_requests, 0))
+        return km_index_fail(index, KM_ERR_OUT_OF_MEMORY, "results for %zu requests", n_requests);
+    if (n_requests == 0)
+        return KM_OK;
+    int rc = index->backend->match(index->backend_state, index, requests, n_requests, results);
+    if (rc == KM_ERR_CUDA) {
+        fall_back_to_cpu(index, rc, "match");
+        results->n_matches = 0;
+        results->probes = 0;
+        rc = index->backend->match(index->backend_state, index, requests, n_requests, results);
+    }
+    if (rc)
+        return index->last_error[0] ? rc : km_index_fail(index, rc, "scoring failed");
+    results->n_requests = n_requests;
+    return KM_OK;
+}
+
+/* ---- inspection --------------------------------------------------------------------------- */
+
+int km_index_worker_stats(const km_index *index, uint32_t worker, km_worker_stats *out)
+{
+    if (!index || !out)
+        return KM_ERR_NULL_POINTER;
+    if (worker >= index->config.max_workers)
+        return KM_ERR_WORKER_RANGE;
+    *out = index->workers[worker];
+    return KM_OK;
+}
+
+int km_index_get_stats(const km_index *index, km_index_stats *out)
+{
+    if (!index || !out)
+        return KM_ERR_NULL_POINTER;
+    memset(out, 0, sizeof *out);
+    out->blocks = index->blocks.live;
+    out->pairs = index->blocks.pairs;
+    out->segment_keys = index->segments.live;
+    out->segment_pairs = index->segments.pairs;
+    out->shared_sets = index->blocks.shared_sets;
+    out->block_capacity = index->blocks.capacity;
+    out->memory_bytes = index->memory.used;
+    out->memory_cap_bytes = index->memory.cap;
+    return KM_OK;
+}
+
+int km_index_holders(const km_index *index, uint64_t hash, uint32_t *workers, uint32_t capacity,
+                     uint32_t *n_out)
+{
+    if (!index || !n_out || (!workers && capacity > 0))
+        return KM_ERR_NULL_POINTER;
+    uint64_t slot = hash <= KM_KEY_TOMBSTONE ? KM_SLOT_NONE : km_table_find(&index->blocks, hash);
+    *n_out = slot == KM_SLOT_NONE ? 0 : km_table_set_list(&index->blocks, slot, workers, capacity);
+    return KM_OK;
+}

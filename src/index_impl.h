@@ -1,0 +1,71 @@
+/* Internal: the km_index handle and the backend interface. Never included by public headers.
+ *
+ * The host tables are the index's authoritative state: the update planner (src/index.c) applies
+ * every update to them, keeping segment keys sound and per-worker counters exact, so a CPU fallback
+ * always has the whole index. A backend only scores: the CPU backend reads the host tables in place;
+ * the CUDA backend keeps a device replica that sync() patches from the tables' dirty-slot lists. */
+#ifndef KM_INDEX_IMPL_H
+#define KM_INDEX_IMPL_H
+
+#include <stdarg.h>
+
+#include "kvmatch/index.h"
+#include "table.h"
+#include "u64map.h"
+
+typedef struct km_backend_ops {
+    const char *name;
+    /* Set up backend state for an index whose host tables exist. Errors mean "not usable"
+     * (KM_ERR_BACKEND_UNAVAILABLE, KM_ERR_CUDA with detail in `why`, why_size bytes). */
+    int (*create)(km_index *index, void **state, char *why, size_t why_size);
+    /* Release everything create() made; state may be NULL. */
+    void (*destroy)(void *state);
+    /* Make the backend's view equal to the host tables after an update batch: upload dirty slots
+     * and bitmaps, or everything when a table's layout changed. Clears nothing; the index clears
+     * the dirty lists after a successful sync. */
+    int (*sync)(void *state, km_index *index);
+    /* Score n requests into results (already sized: results->requests has n entries). Must give
+     * exactly what km_walk_request gives for each request, entries ascending by worker. */
+    int (*match)(void *state, km_index *index, const km_request *requests, size_t n,
+                 km_match_results *results);
+    /* Does this backend need dirty-slot tracking on the host tables? */
+    int needs_dirty_tracking;
+} km_backend_ops;
+
+extern const km_backend_ops km_backend_cpu;
+#if KM_HAVE_CUDA
+extern const km_backend_ops km_backend_cuda;
+#endif
+
+/* Per-worker counters (the public km_worker_stats). */
+typedef km_worker_stats km_worker_counters;
+
+struct km_index {
+    km_index_config config;
+    km_memory memory;
+    km_table blocks;    /* chain hash -> workers holding the block; with km_block_meta */
+    km_table segments;  /* chain hash of a segment's last block -> workers holding all of it */
+    /* anchor (first block of a segment) -> list of segment-last-block hashes with a non-empty set,
+     * so a remove can find the segment keys it invalidates. Nodes in anchor_nodes. */
+    km_u64map anchors;
+    struct km_anchor_node { uint64_t end; uint32_t next; uint32_t reserved; } *anchor_nodes;
+    uint32_t anchor_nodes_capacity, anchor_nodes_high, anchor_free_head;
+
+    km_worker_counters *workers;
+
+    const km_backend_ops *backend;
+    void *backend_state;
+
+
+    char last_error[256];
+};
+
+/* Record detail for km_index_last_error and return `status`. */
+int km_index_fail(km_index *index, int status, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+void km_index_log(const km_index *index, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+/* Grow results to hold n requests and `matches` entries. */
+int km_match_results_reserve(km_match_results *r, size_t n_requests, size_t n_matches);
+
+#endif

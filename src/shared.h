@@ -1,0 +1,280 @@
+/* Per-element logic shared by the CPU backend and the CUDA kernels: the table slot layout, slot
+ * probing, worker-set membership and enumeration, and the per-request prefix walk. Everything here
+ * is `static inline` and marked KM_HD, so the CPU backend runs the very code the GPU runs and the
+ * two backends give bit-identical results. No allocation, no libc beyond what nvcc accepts.
+ *
+ * Slot layout (16 bytes, docs/ARCHITECTURE.md "Slot layout"):
+ *   key      u64  chain hash; 0 = empty, 1 = tombstone (chain hashes never take these values)
+ *   ids[4]   u16  inline form: up to 4 worker ids, ascending, unused = KM_SLOT_ID_EMPTY
+ *                 shared form: ids[0] = KM_SLOT_ID_SHARED, ids[1] | ids[2] << 16 = index of a
+ *                 bitmap of words_per_set u64 words in the table's pool, ids[3] = holder count
+ * A slot is read in one 16-byte access: one 32-byte sector, one memory transaction. */
+#ifndef KM_SHARED_H
+#define KM_SHARED_H
+
+#include <stdint.h>
+
+#if defined(__CUDACC__)
+/* Not __forceinline__: it expands to __inline__, a duplicate of the `static inline` every use
+ * already spells (nvcc: "duplicate specifier in declaration"). nvcc inlines these anyway. */
+#define KM_HD __host__ __device__
+#define KM_PREFETCH(addr) ((void)0)
+#else
+#define KM_HD
+#define KM_PREFETCH(addr) __builtin_prefetch((addr), 0, 1)
+#endif
+
+#define KM_KEY_EMPTY UINT64_C(0)
+#define KM_KEY_TOMBSTONE UINT64_C(1)
+#define KM_SLOT_INLINE 4u
+#define KM_SLOT_ID_EMPTY 0xFFFFu
+#define KM_SLOT_ID_SHARED 0xFFFEu
+#define KM_SLOT_NONE UINT64_MAX
+/* Marks a walk entry whose depth is not settled yet. */
+#define KM_DEPTH_OPEN UINT32_MAX
+/* How far ahead the host walk prefetches (keys); a no-op on the device. */
+#define KM_PREFETCH_AHEAD 8u
+
+typedef struct __attribute__((aligned(16))) km_slot {
+    uint64_t key;
+    uint16_t ids[KM_SLOT_INLINE];
+} km_slot;
+
+/* A read-only view of one table, valid on the side (host or device) whose pointers it holds. */
+typedef struct km_table_view {
+    const km_slot *slots;
+    const uint64_t *pool;   /* bitmaps of the shared form, words_per_set words each */
+    uint64_t mask;          /* capacity - 1 (capacity is a power of two) */
+    uint32_t shift;         /* 64 - log2(capacity) */
+    uint32_t words_per_set; /* ceil(max_workers / 64) */
+} km_table_view;
+
+/* An entry of a request's sparse result, as in include/kvmatch/index.h (same layout). */
+typedef struct km_walk_entry {
+    uint32_t worker;
+    uint32_t depth;
+} km_walk_entry;
+
+/* Home slot of a key: Fibonacci hashing of the full 64 bits, so structured test keys spread too. */
+KM_HD static inline uint64_t km_slot_home(uint64_t key, uint32_t shift)
+{
+    return (key * UINT64_C(0x9E3779B97F4A7C15)) >> shift;
+}
+
+KM_HD static inline int km_slot_is_shared(const km_slot *s)
+{
+    return s->ids[0] == KM_SLOT_ID_SHARED;
+}
+
+KM_HD static inline uint32_t km_slot_pool_index(const km_slot *s)
+{
+    return (uint32_t)s->ids[1] | ((uint32_t)s->ids[2] << 16);
+}
+
+KM_HD static inline uint32_t km_slot_count(const km_slot *s)
+{
+    if (km_slot_is_shared(s))
+        return s->ids[3];
+    uint32_t n = 0;
+    for (uint32_t i = 0; i < KM_SLOT_INLINE; i++)
+        n += s->ids[i] != KM_SLOT_ID_EMPTY;
+    return n;
+}
+
+/* Linear probing from the home slot. Returns the slot index, or KM_SLOT_NONE. Contract: the table
+ * always has at least one empty slot (load factor < 1), so the loop ends. */
+KM_HD static inline uint64_t km_view_find(const km_table_view *v, uint64_t key)
+{
+    uint64_t i = km_slot_home(key, v->shift);
+    for (;;) {
+        uint64_t k = v->slots[i].key;
+        if (k == key)
+            return i;
+        if (k == KM_KEY_EMPTY)
+            return KM_SLOT_NONE;
+        i = (i + 1) & v->mask;
+    }
+}
+
+KM_HD static inline void km_view_prefetch(const km_table_view *v, uint64_t key)
+{
+    KM_PREFETCH(&v->slots[km_slot_home(key, v->shift)]);
+    (void)v;
+    (void)key;
+}
+
+KM_HD static inline int km_slot_contains(const km_slot *s, const uint64_t *pool,
+                                         uint32_t words_per_set, uint32_t worker)
+{
+    if (km_slot_is_shared(s)) {
+        const uint64_t *bits = pool + (uint64_t)km_slot_pool_index(s) * words_per_set;
+        return (int)((bits[worker >> 6] >> (worker & 63)) & 1u);
+    }
+    for (uint32_t i = 0; i < KM_SLOT_INLINE; i++)
+        if (s->ids[i] == worker)
+            return 1;
+    return 0;
+}
+
+/* Write the slot's workers, ascending, into out[].worker with depth = KM_DEPTH_OPEN. Returns the
+ * count. out must hold max_workers entries. */
+KM_HD static inline uint32_t km_slot_enumerate(const km_slot *s, const uint64_t *pool,
+                                               uint32_t words_per_set, km_walk_entry *out)
+{
+    uint32_t n = 0;
+    if (km_slot_is_shared(s)) {
+        const uint64_t *bits = pool + (uint64_t)km_slot_pool_index(s) * words_per_set;
+        for (uint32_t w = 0; w < words_per_set; w++) {
+            uint64_t word = bits[w];
+            while (word) {
+#if defined(__CUDA_ARCH__)
+                uint32_t b = (uint32_t)(__ffsll((long long)word) - 1);
+#else
+                uint32_t b = (uint32_t)__builtin_ctzll(word);
+#endif
+                out[n].worker = w * 64u + b;
+                out[n].depth = KM_DEPTH_OPEN;
+                n++;
+                word &= word - 1;
+            }
+        }
+        return n;
+    }
+    for (uint32_t i = 0; i < KM_SLOT_INLINE; i++) {
+        if (s->ids[i] == KM_SLOT_ID_EMPTY)
+            continue;
+        out[n].worker = s->ids[i];
+        out[n].depth = KM_DEPTH_OPEN;
+        n++;
+    }
+    return n;
+}
+
+/* Is worker in the set of the slot found for key (or the empty set when the key is absent)? */
+KM_HD static inline int km_view_holds(const km_table_view *v, uint64_t slot, uint32_t worker)
+{
+    if (slot == KM_SLOT_NONE)
+        return 0;
+    return km_slot_contains(&v->slots[slot], v->pool, v->words_per_set, worker);
+}
+
+/* Settle, at depth `position`, every open worker in open[0..*n_open) that does not hold the block
+ * in `slot`; keep the holders open (compacted in place, order preserved). */
+KM_HD static inline void km_walk_filter(const km_table_view *blocks, uint64_t slot,
+                                        uint32_t position, km_walk_entry *entries, uint32_t *open,
+                                        uint32_t *n_open)
+{
+    uint32_t kept = 0;
+    for (uint32_t j = 0; j < *n_open; j++) {
+        uint32_t e = open[j];
+        if (km_view_holds(blocks, slot, entries[e].worker))
+            open[kept++] = e;
+        else
+            entries[e].depth = position;
+    }
+    *n_open = kept;
+}
+
+/* Walk blocks first..last (inclusive) of the request for the open workers, settling each at the
+ * first block it lacks. Stops early when none is open. Returns the lookups made. */
+KM_HD static inline uint32_t km_walk_blocks(const km_table_view *blocks, const uint64_t *hashes,
+                                            uint32_t first, uint32_t last, km_walk_entry *entries,
+                                            uint32_t *open, uint32_t *n_open)
+{
+    uint32_t probes = 0;
+    for (uint32_t i = first; i < first + KM_PREFETCH_AHEAD && i <= last; i++)
+        km_view_prefetch(blocks, hashes[i]);
+    for (uint32_t i = first; i <= last && *n_open > 0; i++) {
+        if (i + KM_PREFETCH_AHEAD <= last)
+            km_view_prefetch(blocks, hashes[i + KM_PREFETCH_AHEAD]);
+        uint64_t slot = km_view_find(blocks, hashes[i]);
+        probes++;
+        km_walk_filter(blocks, slot, i, entries, open, n_open);
+    }
+    return probes;
+}
+
+/* The prefix walk for one request: for every worker holding block 0, the number of leading blocks
+ * it holds (radix-tree find_matches semantics).
+ *
+ * With segment keys (segment_blocks = S > 0), the segment table maps the chain hash of each
+ * segment's last block (positions S-1, 2S-1, ...) to workers that certainly hold the whole segment
+ * (a sound under-approximation, docs/ARCHITECTURE.md). Workers still open are checked one segment
+ * key at a time; only those missing from a segment's set are walked block by block inside that
+ * segment, and a worker that turns out to hold the whole segment anyway stays open. So the result
+ * is exact whatever the segment table knows, and a request costs about n/S + S lookups.
+ *
+ * entries: max_workers entries (out: ascending by worker, depth >= 1);
+ * scratch: 2 * max_workers u32. Returns the entry count; *owner / *owner_depth get the deepest
+ * worker (ties: lowest id) or KM_NO_WORKER-like 0xFFFFFFFF / 0; *probes gets the lookups. */
+KM_HD static inline uint32_t km_walk_request(const km_table_view *blocks,
+                                             const km_table_view *segments,
+                                             uint32_t segment_blocks, const uint64_t *hashes,
+                                             uint32_t n, km_walk_entry *entries, uint32_t *scratch,
+                                             uint32_t max_workers, uint32_t *owner,
+                                             uint32_t *owner_depth, uint32_t *probes)
+{
+    *owner = 0xFFFFFFFFu;
+    *owner_depth = 0;
+    *probes = 0;
+    if (n == 0)
+        return 0;
+    uint32_t S = segment_blocks;
+    if (S > 0)
+        for (uint32_t k = 0; k < KM_PREFETCH_AHEAD && (k + 1) * S <= n; k++)
+            km_view_prefetch(segments, hashes[(k + 1) * S - 1]);
+
+    uint64_t slot0 = km_view_find(blocks, hashes[0]);
+    *probes = 1;
+    if (slot0 == KM_SLOT_NONE)
+        return 0;
+    uint32_t m = km_slot_enumerate(&blocks->slots[slot0], blocks->pool, blocks->words_per_set,
+                                   entries);
+    uint32_t *open = scratch;
+    uint32_t *dropped = scratch + max_workers;
+    uint32_t n_open = m;
+    for (uint32_t j = 0; j < m; j++)
+        open[j] = j;
+
+    /* Invariant: every open worker holds blocks [0, next). */
+    uint32_t next = 1;
+    if (S > 0) {
+        for (uint32_t k = 0; n_open > 0 && (k + 1) * S <= n; k++) {
+            uint32_t last = (k + 1) * S - 1;
+            if ((k + 1 + KM_PREFETCH_AHEAD) * S <= n)
+                km_view_prefetch(segments, hashes[(k + 1 + KM_PREFETCH_AHEAD) * S - 1]);
+            uint64_t seg = km_view_find(segments, hashes[last]);
+            (*probes)++;
+            uint32_t kept = 0, n_dropped = 0;
+            for (uint32_t j = 0; j < n_open; j++) {
+                uint32_t e = open[j];
+                if (km_view_holds(segments, seg, entries[e].worker))
+                    open[kept++] = e;
+                else
+                    dropped[n_dropped++] = e;
+            }
+            if (n_dropped > 0) {
+                *probes += km_walk_blocks(blocks, hashes, next, last, entries, dropped, &n_dropped);
+                /* Held the whole segment though the segment key did not say so: still open. */
+                for (uint32_t j = 0; j < n_dropped; j++)
+                    open[kept++] = dropped[j];
+            }
+            n_open = kept;
+            next = last + 1;
+        }
+    }
+    if (n_open > 0 && next < n)
+        *probes += km_walk_blocks(blocks, hashes, next, n - 1, entries, open, &n_open);
+    for (uint32_t j = 0; j < n_open; j++)
+        entries[open[j]].depth = n;
+
+    for (uint32_t j = 0; j < m; j++) {
+        if (entries[j].depth > *owner_depth) {
+            *owner_depth = entries[j].depth;
+            *owner = entries[j].worker;
+        }
+    }
+    return m;
+}
+
+#endif

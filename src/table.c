@@ -1,0 +1,414 @@
+/* Host hash table over km_slot: linear probing, tombstones, bitmap pool for widely held blocks,
+ * optional block metadata, dirty-slot tracking for device replicas, accounted memory. */
+#include "table.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "kvmatch/error.h"
+
+/* Grow when keys + tombstones pass 70% of the slots; after a rehash the load is at most 50%. */
+#define TABLE_MAX_LOAD_NUM 7
+#define TABLE_MAX_LOAD_DEN 10
+#define TABLE_MIN_CAPACITY 64u
+
+int km_memory_reserve(km_memory *m, uint64_t old_bytes, uint64_t new_bytes)
+{
+    if (new_bytes > old_bytes && m->cap && m->used - old_bytes + new_bytes > m->cap)
+        return KM_ERR_MEMORY_CAP;
+    m->used = m->used - old_bytes + new_bytes;
+    return KM_OK;
+}
+
+void km_memory_release(km_memory *m, uint64_t bytes)
+{
+    m->used -= bytes;
+}
+
+static uint32_t log2_u64(uint64_t x)
+{
+    return 63u - (uint32_t)__builtin_clzll(x);
+}
+
+static uint64_t table_slot_bytes(const km_table *t, uint64_t capacity, int with_meta)
+{
+    (void)t;
+    return capacity * (sizeof(km_slot) + (with_meta ? sizeof(km_block_meta) : 0));
+}
+
+static uint64_t pool_bytes(const km_table *t, uint64_t pool_capacity)
+{
+    return pool_capacity * ((uint64_t)t->words_per_set * sizeof(uint64_t) + sizeof(uint32_t));
+}
+
+static void mark_dirty_slot(km_table *t, uint64_t slot)
+{
+    if (!t->track_dirty || t->layout_changed)
+        return;
+    if (t->n_dirty_slots == t->dirty_slots_capacity) {
+        size_t cap = t->dirty_slots_capacity ? t->dirty_slots_capacity * 2 : 1024;
+        uint64_t *grown = realloc(t->dirty_slots, cap * sizeof *grown);
+        if (!grown) { /* cannot track: the replica re-uploads everything instead */
+            t->layout_changed = 1;
+            return;
+        }
+        t->dirty_slots = grown;
+        t->dirty_slots_capacity = cap;
+    }
+    t->dirty_slots[t->n_dirty_slots++] = slot;
+}
+
+static void mark_dirty_set(km_table *t, uint32_t set)
+{
+    if (!t->track_dirty || t->layout_changed)
+        return;
+    if (t->n_dirty_sets == t->dirty_sets_capacity) {
+        size_t cap = t->dirty_sets_capacity ? t->dirty_sets_capacity * 2 : 256;
+        uint32_t *grown = realloc(t->dirty_sets, cap * sizeof *grown);
+        if (!grown) {
+            t->layout_changed = 1;
+            return;
+        }
+        t->dirty_sets = grown;
+        t->dirty_sets_capacity = cap;
+    }
+    t->dirty_sets[t->n_dirty_sets++] = set;
+}
+
+void km_table_clear_dirty(km_table *t)
+{
+    t->n_dirty_slots = 0;
+    t->n_dirty_sets = 0;
+    t->layout_changed = 0;
+}
+
+static void init_empty_slots(km_slot *slots, uint64_t capacity)
+{
+    for (uint64_t i = 0; i < capacity; i++) {
+        slots[i].key = KM_KEY_EMPTY;
+        for (uint32_t j = 0; j < KM_SLOT_INLINE; j++)
+            slots[i].ids[j] = KM_SLOT_ID_EMPTY;
+    }
+}
+
+/* Move every live key into fresh arrays of new_capacity slots. On failure nothing changes. */
+static int table_rehash(km_table *t, uint64_t new_capacity)
+{
+    int with_meta = t->meta != NULL;
+    uint64_t old_bytes = table_slot_bytes(t, t->capacity, with_meta);
+    uint64_t new_bytes = table_slot_bytes(t, new_capacity, with_meta);
+    int rc = km_memory_reserve(t->memory, old_bytes, new_bytes);
+    if (rc)
+        return rc;
+    km_slot *slots = aligned_alloc(64, new_capacity * sizeof(km_slot));
+    km_block_meta *meta = with_meta ? calloc(new_capacity, sizeof(km_block_meta)) : NULL;
+    if (!slots || (with_meta && !meta)) {
+        free(slots);
+        free(meta);
+        km_memory_reserve(t->memory, new_bytes, old_bytes);
+        return KM_ERR_OUT_OF_MEMORY;
+    }
+    init_empty_slots(slots, new_capacity);
+    uint32_t shift = 64u - log2_u64(new_capacity);
+    for (uint64_t i = 0; i < t->capacity; i++) {
+        uint64_t key = t->slots[i].key;
+        if (key == KM_KEY_EMPTY || key == KM_KEY_TOMBSTONE)
+            continue;
+        uint64_t j = km_slot_home(key, shift);
+        while (slots[j].key != KM_KEY_EMPTY)
+            j = (j + 1) & (new_capacity - 1);
+        slots[j] = t->slots[i];
+        if (with_meta)
+            meta[j] = t->meta[i];
+    }
+    free(t->slots);
+    free(t->meta);
+    t->slots = slots;
+    t->meta = meta;
+    t->capacity = new_capacity;
+    t->shift = shift;
+    t->tombstones = 0;
+    t->layout_changed = 1;
+    t->n_dirty_slots = 0;
+    return KM_OK;
+}
+
+static uint64_t capacity_for(uint64_t keys)
+{
+    uint64_t capacity = TABLE_MIN_CAPACITY;
+    while (capacity < keys * 2)
+        capacity *= 2;
+    return capacity;
+}
+
+int km_table_init(km_table *t, uint64_t initial_keys, uint32_t max_workers, int with_meta,
+                  km_memory *memory)
+{
+    memset(t, 0, sizeof *t);
+    t->memory = memory;
+    t->words_per_set = (max_workers + 63u) / 64u;
+    uint64_t capacity = capacity_for(initial_keys);
+    uint64_t bytes = table_slot_bytes(t, capacity, with_meta);
+    int rc = km_memory_reserve(memory, 0, bytes);
+    if (rc)
+        return rc;
+    t->slots = aligned_alloc(64, capacity * sizeof(km_slot));
+    t->meta = with_meta ? calloc(capacity, sizeof(km_block_meta)) : NULL;
+    if (!t->slots || (with_meta && !t->meta)) {
+        free(t->slots);
+        free(t->meta);
+        km_memory_release(memory, bytes);
+        memset(t, 0, sizeof *t);
+        return KM_ERR_OUT_OF_MEMORY;
+    }
+    init_empty_slots(t->slots, capacity);
+    t->capacity = capacity;
+    t->shift = 64u - log2_u64(capacity);
+    return KM_OK;
+}
+
+void km_table_free(km_table *t)
+{
+    if (!t->slots)
+        return;
+    km_memory_release(t->memory, table_slot_bytes(t, t->capacity, t->meta != NULL));
+    km_memory_release(t->memory, pool_bytes(t, t->pool_capacity));
+    free(t->slots);
+    free(t->meta);
+    free(t->pool);
+    free(t->pool_free);
+    free(t->dirty_slots);
+    free(t->dirty_sets);
+    memset(t, 0, sizeof *t);
+}
+
+uint64_t km_table_find(const km_table *t, uint64_t key)
+{
+    km_table_view v = km_table_get_view(t);
+    return km_view_find(&v, key);
+}
+
+static int over_load(uint64_t used, uint64_t capacity)
+{
+    return used * TABLE_MAX_LOAD_DEN > capacity * TABLE_MAX_LOAD_NUM;
+}
+
+int km_table_reserve(km_table *t, uint64_t extra)
+{
+    if (!over_load(t->live + t->tombstones + extra, t->capacity))
+        return KM_OK;
+    uint64_t capacity = capacity_for(t->live + extra);
+    if (capacity < t->capacity)
+        capacity = t->capacity; /* never shrink here: only purge tombstones */
+    return table_rehash(t, capacity);
+}
+
+int km_table_insert(km_table *t, uint64_t key, int allow_grow, uint64_t *slot_out)
+{
+    if (allow_grow) {
+        int rc = km_table_reserve(t, 1);
+        if (rc)
+            return rc;
+    }
+    uint64_t i = km_slot_home(key, t->shift);
+    while (t->slots[i].key != KM_KEY_EMPTY && t->slots[i].key != KM_KEY_TOMBSTONE)
+        i = (i + 1) & (t->capacity - 1);
+    if (t->slots[i].key == KM_KEY_TOMBSTONE)
+        t->tombstones--;
+    t->slots[i].key = key;
+    for (uint32_t j = 0; j < KM_SLOT_INLINE; j++)
+        t->slots[i].ids[j] = KM_SLOT_ID_EMPTY;
+    if (t->meta)
+        memset(&t->meta[i], 0, sizeof t->meta[i]);
+    t->live++;
+    mark_dirty_slot(t, i);
+    *slot_out = i;
+    return KM_OK;
+}
+
+void km_table_erase(km_table *t, uint64_t slot)
+{
+    t->slots[slot].key = KM_KEY_TOMBSTONE;
+    for (uint32_t j = 0; j < KM_SLOT_INLINE; j++)
+        t->slots[slot].ids[j] = KM_SLOT_ID_EMPTY;
+    if (t->meta)
+        memset(&t->meta[slot], 0, sizeof t->meta[slot]);
+    t->live--;
+    t->tombstones++;
+    mark_dirty_slot(t, slot);
+}
+
+static uint64_t *pool_bits(const km_table *t, uint32_t set)
+{
+    return t->pool + (uint64_t)set * t->words_per_set;
+}
+
+static int pool_alloc(km_table *t, uint32_t *set_out)
+{
+    if (t->pool_free_count > 0) {
+        *set_out = t->pool_free[--t->pool_free_count];
+        return KM_OK;
+    }
+    if (t->pool_high == t->pool_capacity) {
+        uint64_t capacity = t->pool_capacity ? (uint64_t)t->pool_capacity * 2 : 64;
+        if (capacity > UINT32_MAX)
+            return KM_ERR_MEMORY_CAP;
+        int rc = km_memory_reserve(t->memory, pool_bytes(t, t->pool_capacity), pool_bytes(t, capacity));
+        if (rc)
+            return rc;
+        uint64_t *pool = realloc(t->pool, capacity * t->words_per_set * sizeof(uint64_t));
+        if (!pool) {
+            km_memory_reserve(t->memory, pool_bytes(t, capacity), pool_bytes(t, t->pool_capacity));
+            return KM_ERR_OUT_OF_MEMORY;
+        }
+        t->pool = pool;
+        uint32_t *free_stack = realloc(t->pool_free, capacity * sizeof(uint32_t));
+        if (!free_stack) {
+            /* pool is already larger, which is harmless; keep accounting at the old size */
+            km_memory_reserve(t->memory, pool_bytes(t, capacity), pool_bytes(t, t->pool_capacity));
+            return KM_ERR_OUT_OF_MEMORY;
+        }
+        t->pool_free = free_stack;
+        memset(t->pool + (uint64_t)t->pool_capacity * t->words_per_set, 0,
+               (capacity - t->pool_capacity) * t->words_per_set * sizeof(uint64_t));
+        t->pool_capacity = (uint32_t)capacity;
+        t->layout_changed = 1;
+    }
+    *set_out = t->pool_high++;
+    return KM_OK;
+}
+
+static void pool_release(km_table *t, uint32_t set)
+{
+    memset(pool_bits(t, set), 0, t->words_per_set * sizeof(uint64_t));
+    t->pool_free[t->pool_free_count++] = set;
+}
+
+int km_table_set_contains(const km_table *t, uint64_t slot, uint32_t worker)
+{
+    return km_slot_contains(&t->slots[slot], t->pool, t->words_per_set, worker);
+}
+
+uint32_t km_table_set_count(const km_table *t, uint64_t slot)
+{
+    return km_slot_count(&t->slots[slot]);
+}
+
+int km_table_set_add(km_table *t, uint64_t slot, uint32_t worker)
+{
+    km_slot *s = &t->slots[slot];
+    if (km_slot_is_shared(s)) {
+        uint32_t set = km_slot_pool_index(s);
+        uint64_t *bits = pool_bits(t, set);
+        uint64_t bit = UINT64_C(1) << (worker & 63);
+        if (bits[worker >> 6] & bit)
+            return 0;
+        bits[worker >> 6] |= bit;
+        s->ids[3]++;
+        t->pairs++;
+        mark_dirty_set(t, set);
+        mark_dirty_slot(t, slot);
+        return 1;
+    }
+    uint32_t n = 0;
+    for (; n < KM_SLOT_INLINE && s->ids[n] != KM_SLOT_ID_EMPTY; n++)
+        if (s->ids[n] == worker)
+            return 0;
+    if (n < KM_SLOT_INLINE) { /* insert keeping ids ascending */
+        uint32_t j = n;
+        while (j > 0 && s->ids[j - 1] > worker) {
+            s->ids[j] = s->ids[j - 1];
+            j--;
+        }
+        s->ids[j] = (uint16_t)worker;
+        t->pairs++;
+        mark_dirty_slot(t, slot);
+        return 1;
+    }
+    /* Fifth holder: the set moves to a bitmap. */
+    uint32_t set;
+    int rc = pool_alloc(t, &set);
+    if (rc)
+        return rc;
+    s = &t->slots[slot];
+    uint64_t *bits = pool_bits(t, set);
+    for (uint32_t j = 0; j < KM_SLOT_INLINE; j++)
+        bits[s->ids[j] >> 6] |= UINT64_C(1) << (s->ids[j] & 63);
+    bits[worker >> 6] |= UINT64_C(1) << (worker & 63);
+    s->ids[0] = KM_SLOT_ID_SHARED;
+    s->ids[1] = (uint16_t)(set & 0xFFFFu);
+    s->ids[2] = (uint16_t)(set >> 16);
+    s->ids[3] = KM_SLOT_INLINE + 1;
+    t->pairs++;
+    t->shared_sets++;
+    mark_dirty_set(t, set);
+    mark_dirty_slot(t, slot);
+    return 1;
+}
+
+int km_table_set_remove(km_table *t, uint64_t slot, uint32_t worker)
+{
+    km_slot *s = &t->slots[slot];
+    if (km_slot_is_shared(s)) {
+        uint32_t set = km_slot_pool_index(s);
+        uint64_t *bits = pool_bits(t, set);
+        uint64_t bit = UINT64_C(1) << (worker & 63);
+        if (!(bits[worker >> 6] & bit))
+            return 0;
+        bits[worker >> 6] &= ~bit;
+        s->ids[3]--;
+        t->pairs--;
+        if (s->ids[3] <= KM_SLOT_DEMOTE_AT) {
+            uint16_t ids[KM_SLOT_INLINE] = {KM_SLOT_ID_EMPTY, KM_SLOT_ID_EMPTY, KM_SLOT_ID_EMPTY,
+                                            KM_SLOT_ID_EMPTY};
+            uint32_t n = 0;
+            for (uint32_t w = 0; w < t->words_per_set; w++)
+                for (uint64_t word = bits[w]; word; word &= word - 1)
+                    ids[n++] = (uint16_t)(w * 64u + (uint32_t)__builtin_ctzll(word));
+            memcpy(s->ids, ids, sizeof ids);
+            pool_release(t, set);
+            t->shared_sets--;
+        }
+        mark_dirty_set(t, set);
+        mark_dirty_slot(t, slot);
+        return 1;
+    }
+    for (uint32_t i = 0; i < KM_SLOT_INLINE && s->ids[i] != KM_SLOT_ID_EMPTY; i++) {
+        if (s->ids[i] != worker)
+            continue;
+        for (uint32_t j = i; j + 1 < KM_SLOT_INLINE; j++)
+            s->ids[j] = s->ids[j + 1];
+        s->ids[KM_SLOT_INLINE - 1] = KM_SLOT_ID_EMPTY;
+        t->pairs--;
+        mark_dirty_slot(t, slot);
+        return 1;
+    }
+    return 0;
+}
+
+uint32_t km_table_set_list(const km_table *t, uint64_t slot, uint32_t *out, uint32_t capacity)
+{
+    const km_slot *s = &t->slots[slot];
+    uint32_t n = 0;
+    if (km_slot_is_shared(s)) {
+        const uint64_t *bits = pool_bits(t, km_slot_pool_index(s));
+        for (uint32_t w = 0; w < t->words_per_set; w++)
+            for (uint64_t word = bits[w]; word; word &= word - 1) {
+                if (n < capacity)
+                    out[n] = w * 64u + (uint32_t)__builtin_ctzll(word);
+                n++;
+            }
+        return n;
+    }
+    for (uint32_t i = 0; i < KM_SLOT_INLINE && s->ids[i] != KM_SLOT_ID_EMPTY; i++) {
+        if (n < capacity)
+            out[n] = s->ids[i];
+        n++;
+    }
+    return n;
+}
+
+uint64_t km_table_bytes(const km_table *t)
+{
+    return table_slot_bytes(t, t->capacity, t->meta != NULL) + pool_bytes(t, t->pool_capacity);
+}

@@ -1,0 +1,99 @@
+/* The host hash table: open addressing with linear probing over 16-byte km_slot (src/shared.h),
+ * tombstone deletion (so a device replica can be patched slot by slot), a pool of bitmaps for
+ * widely-held blocks, optional per-slot block metadata, dirty-slot tracking for device replicas,
+ * and memory accounting against a shared cap. Single writer; readers use km_table_view. */
+#ifndef KM_TABLE_H
+#define KM_TABLE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "shared.h"
+
+/* Memory accounting shared by every table of one index. cap 0 = unlimited. */
+typedef struct km_memory {
+    uint64_t used;
+    uint64_t cap;
+} km_memory;
+
+/* Per-block facts the update planner needs and scoring never reads (parallel to the slots). */
+#define KM_POSITION_UNKNOWN UINT32_MAX
+typedef struct km_block_meta {
+    uint64_t parent;   /* chain hash of the previous block, KM_NO_PARENT at position 0 */
+    uint64_t anchor;   /* chain hash of the first block of this block's segment */
+    uint32_t position; /* block index in its sequence, or KM_POSITION_UNKNOWN (orphan) */
+    uint32_t reserved;
+} km_block_meta;
+
+/* Demote a shared (bitmap) set back to inline form when it shrinks to this many holders. Below
+ * KM_SLOT_INLINE so that re-adding one worker (undo) never needs a bitmap. */
+#define KM_SLOT_DEMOTE_AT 3u
+
+typedef struct km_table {
+    km_slot *slots;
+    km_block_meta *meta; /* NULL unless created with_meta */
+    uint64_t capacity;   /* power of two */
+    uint32_t shift;
+    uint64_t live;       /* slots holding a key */
+    uint64_t tombstones;
+    uint64_t pairs;      /* sum of set sizes */
+    uint64_t shared_sets;
+
+    uint64_t *pool; /* pool_capacity bitmaps of words_per_set words */
+    uint32_t words_per_set;
+    uint32_t pool_capacity;
+    uint32_t pool_high;   /* bitmaps ever handed out (next fresh index) */
+    uint32_t *pool_free;  /* stack of released bitmap indices */
+    uint32_t pool_free_count;
+
+    /* Device replicas: when track_dirty, every slot written is appended to dirty_slots and every
+     * bitmap written to dirty_sets; a reallocation sets layout_changed (replica re-uploads all). */
+    int track_dirty;
+    int layout_changed;
+    uint64_t *dirty_slots;
+    size_t n_dirty_slots, dirty_slots_capacity;
+    uint32_t *dirty_sets;
+    size_t n_dirty_sets, dirty_sets_capacity;
+
+    km_memory *memory;
+} km_table;
+
+/* Create with room for at least `initial_keys` keys at the maximum load. */
+int km_table_init(km_table *t, uint64_t initial_keys, uint32_t max_workers, int with_meta,
+                  km_memory *memory);
+void km_table_free(km_table *t);
+
+static inline km_table_view km_table_get_view(const km_table *t)
+{
+    km_table_view v = {t->slots, t->pool, t->capacity - 1, t->shift, t->words_per_set};
+    return v;
+}
+
+/* Slot index of key, or KM_SLOT_NONE. */
+uint64_t km_table_find(const km_table *t, uint64_t key);
+/* Make room for `extra` more keys (grow or purge tombstones). KM_ERR_MEMORY_CAP / OUT_OF_MEMORY. */
+int km_table_reserve(km_table *t, uint64_t extra);
+/* Insert a key with an empty set; the caller checked it is absent. allow_grow = 0 is for undo
+ * (must not allocate; relies on the load factor leaving empty slots). Returns KM_OK and *slot. */
+int km_table_insert(km_table *t, uint64_t key, int allow_grow, uint64_t *slot);
+/* Erase a key whose set is empty (leaves a tombstone). */
+void km_table_erase(km_table *t, uint64_t slot);
+
+/* Set operations. add: 1 added, 0 already present, <0 error (bitmap allocation); remove: 1 removed,
+ * 0 absent. Neither erases the key; callers erase when the count reaches 0. */
+int km_table_set_add(km_table *t, uint64_t slot, uint32_t worker);
+int km_table_set_remove(km_table *t, uint64_t slot, uint32_t worker);
+int km_table_set_contains(const km_table *t, uint64_t slot, uint32_t worker);
+uint32_t km_table_set_count(const km_table *t, uint64_t slot);
+/* Workers of a slot ascending into out (capacity entries); returns the full count. */
+uint32_t km_table_set_list(const km_table *t, uint64_t slot, uint32_t *out, uint32_t capacity);
+
+/* Bytes of slot + meta + pool memory. */
+uint64_t km_table_bytes(const km_table *t);
+void km_table_clear_dirty(km_table *t);
+
+/* Accounted allocation helpers shared by the index's other structures. */
+int km_memory_reserve(km_memory *m, uint64_t old_bytes, uint64_t new_bytes);
+void km_memory_release(km_memory *m, uint64_t bytes);
+
+#endif
