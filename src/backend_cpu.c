@@ -88,13 +88,15 @@ static km_thread_pool *pool_create(uint32_t helpers)
     }
     for (uint32_t i = 0; i < helpers; i++) {
         pool_thread_arg *arg = malloc(sizeof *arg);
+        if (arg) { /* filled before the thread starts: it reads them at once */
+            arg->pool = pool;
+            arg->index = i;
+        }
         if (!arg || pthread_create(&pool->threads[i], NULL, pool_main, arg) != 0) {
             free(arg);
             pool_destroy(pool);
             return NULL;
         }
-        arg->pool = pool;
-        arg->index = i;
         pool->n_threads++;
     }
     return pool;

@@ -85,7 +85,7 @@ static int select_backend(km_index *index)
         if (rc == KM_OK) {
             index->backend = &km_backend_cuda;
             if (kind == KM_BACKEND_AUTO)
-                km_index_log(index, "backend: cuda (auto: device %d usable)", index->config.cuda_device);
+                km_index_log(index, "backend: cuda (auto: %s)", why);
             return KM_OK;
         }
         if (kind == KM_BACKEND_CUDA)
