@@ -25,7 +25,7 @@ endif
 
 KM_CPPFLAGS := -Iinclude -Isrc -D_GNU_SOURCE -DKM_HAVE_CUDA=$(CUDA)
 KM_CFLAGS := -std=c11 -O2 -g -Wall -Wextra -Wshadow -Wno-unused-function -pthread -MMD -MP $(SANITIZE)
-KM_LDLIBS := -lxxhash -ljansson -lm -pthread
+KM_LDLIBS := -lxxhash -ljansson -lmsgpackc -lm -pthread
 ifeq ($(CUDA),1)
   KM_LDLIBS += -L$(CUDA_HOME)/lib64 -lcudart_static -ldl -lrt -lstdc++
 endif
@@ -82,6 +82,7 @@ asan: deps
 	    SANITIZE="-fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined" \
 	    build-asan/kvmatch build-asan/kvmatch-tests
 	$(Q)ASAN_OPTIONS=detect_leaks=1:abort_on_error=0 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+	    LSAN_OPTIONS=suppressions=$(CURDIR)/tests/lsan.supp \
 	    scripts/run-tests.sh build-asan/kvmatch-tests
 
 cuda:

@@ -36,8 +36,8 @@ static_assert(offsetof(km_walk_entry, depth) == offsetof(km_worker_match, depth)
 static_assert(sizeof(km_slot) == 16 && alignof(km_slot) == 16, "slot layout");
 
 /* ---- tunables ---------------------------------------------------------------------------------
- * Scoring runs in chunks so that per-request scratch (max_workers walk entries + 2 * max_workers
- * u32, in global memory) stays bounded: at most KM_CUDA_MATCH_CHUNK requests per launch and at
+ * Scoring runs in chunks so that per-request scratch (max_workers walk entries + the walk's
+ * KM_WALK_SCRATCH_WORDS scratch words, in global memory) stays bounded: at most KM_CUDA_MATCH_CHUNK requests per launch and at
  * most KM_CUDA_SCRATCH_BUDGET bytes of scratch (max_workers = 65534 gives 256 requests per chunk).
  * A chunk stages at most KM_CUDA_HASH_BUDGET hashes, except that a single longer request is always
  * accepted alone (max_request_blocks bounds it). */
@@ -313,11 +313,11 @@ typedef struct km_cuda_walk_out {
 /* Scoring, reference kernel: one thread per request runs km_walk_request, the very code the CPU
  * backend runs, on the replica. Request r's hashes are hashes[offsets[r] .. offsets[r+1]); its
  * entries land in entries[r * max_workers ..) (ascending by worker), its walk scratch is
- * scratch[r * 2 * max_workers ..). */
+ * scratch[r * KM_WALK_SCRATCH_WORDS(max_workers) ..) (u64 words). */
 static __global__ void km_walk_kernel(km_table_view blocks, km_table_view segments,
                                       uint32_t segment_blocks, const uint64_t *hashes,
                                       const uint64_t *offsets, uint32_t n, uint32_t max_workers,
-                                      km_walk_entry *entries, uint32_t *scratch,
+                                      km_walk_entry *entries, uint64_t *scratch,
                                       km_cuda_walk_out out)
 {
     uint32_t r = blockIdx.x * blockDim.x + threadIdx.x;
@@ -328,7 +328,7 @@ static __global__ void km_walk_kernel(km_table_view blocks, km_table_view segmen
     uint32_t owner, owner_depth, probes;
     uint32_t count = km_walk_request(&blocks, &segments, segment_blocks, hashes + begin, len,
                                      entries + (uint64_t)r * max_workers,
-                                     scratch + (uint64_t)r * 2u * max_workers, max_workers, &owner,
+                                     scratch + (uint64_t)r * KM_WALK_SCRATCH_WORDS(max_workers), max_workers, &owner,
                                      &owner_depth, &probes);
     out.count[r] = count;
     out.owner[r] = owner;
@@ -339,7 +339,7 @@ static __global__ void km_walk_kernel(km_table_view blocks, km_table_view segmen
 static cudaError_t km_launch_walk(cudaStream_t stream, km_table_view blocks,
                                   km_table_view segments, uint32_t segment_blocks,
                                   const uint64_t *hashes, const uint64_t *offsets, uint32_t n,
-                                  uint32_t max_workers, km_walk_entry *entries, uint32_t *scratch,
+                                  uint32_t max_workers, km_walk_entry *entries, uint64_t *scratch,
                                   km_cuda_walk_out out)
 {
     unsigned grid = (unsigned)((n + KM_CUDA_WALK_THREADS - 1) / KM_CUDA_WALK_THREADS);
@@ -888,7 +888,7 @@ static int km_cuda_match_chunk(km_cuda *c, const km_cuda_match_args *args,
                                     args->segment_blocks, d_hashes,
                                     (const uint64_t *)c->offsets_dev.ptr, m, W,
                                     (km_walk_entry *)c->entries_dev.ptr,
-                                    (uint32_t *)c->scratch_dev.ptr, out));
+                                    (uint64_t *)c->scratch_dev.ptr, out));
     size_t temp_bytes = 0;
     KM_CUDA_CHECK(c, cub::DeviceScan::ExclusiveSum(NULL, temp_bytes, out.count, d_first, (int)m,
                                                    c->stream));
@@ -974,8 +974,9 @@ extern "C" int km_cuda_match(km_cuda *c, const km_cuda_match_args *args,
                                    (unsigned)blocks->words_per_set, (unsigned)W);
     KM_CUDA_CHECK(c, cudaSetDevice(c->device));
 
-    /* Chunk capacity from the scratch budget: W walk entries + 2W u32 per request. */
-    size_t per_request = (size_t)W * (sizeof(km_walk_entry) + 2 * sizeof(uint32_t));
+    /* Chunk capacity from the scratch budget: W walk entries + the walk's scratch words per request. */
+    size_t scratch_words = KM_WALK_SCRATCH_WORDS((size_t)W);
+    size_t per_request = (size_t)W * sizeof(km_walk_entry) + scratch_words * sizeof(uint64_t);
     size_t chunk_cap = KM_CUDA_SCRATCH_BUDGET / per_request;
     if (chunk_cap < 1)
         chunk_cap = 1;
@@ -984,7 +985,7 @@ extern "C" int km_cuda_match(km_cuda *c, const km_cuda_match_args *args,
     if (chunk_cap > n)
         chunk_cap = n;
     KM_CHECK(km_cuda_device_reserve(c, &c->entries_dev, chunk_cap * W * sizeof(km_walk_entry)));
-    KM_CHECK(km_cuda_device_reserve(c, &c->scratch_dev, chunk_cap * 2 * W * sizeof(uint32_t)));
+    KM_CHECK(km_cuda_device_reserve(c, &c->scratch_dev, chunk_cap * scratch_words * sizeof(uint64_t)));
     KM_CHECK(km_cuda_device_reserve(c, &c->meta_dev, km_cuda_align(chunk_cap * 4 * sizeof(uint32_t)) +
                                                          chunk_cap * sizeof(uint32_t)));
     KM_CHECK(km_cuda_pinned_reserve(c, &c->meta_host, chunk_cap * 4 * sizeof(uint32_t)));

@@ -123,7 +123,7 @@ static void pool_run(km_thread_pool *pool, pool_job job, void *arg)
 
 typedef struct cpu_lane {
     km_walk_entry *entries; /* max_workers */
-    uint32_t *scratch;      /* 2 * max_workers */
+    uint64_t *scratch;      /* KM_WALK_SCRATCH_WORDS(max_workers) */
     km_worker_match *out;   /* this lane's matches, copied into the results afterwards */
     size_t n_out, out_capacity;
     size_t first_request, end_request;
@@ -216,7 +216,7 @@ static int cpu_create(km_index *index, void **state_out, char *why, size_t why_s
     uint32_t max_workers = index->config.max_workers;
     for (uint32_t i = 0; i < threads; i++) {
         state->lanes[i].entries = malloc(max_workers * sizeof(km_walk_entry));
-        state->lanes[i].scratch = malloc(2 * (size_t)max_workers * sizeof(uint32_t));
+        state->lanes[i].scratch = malloc(KM_WALK_SCRATCH_WORDS((size_t)max_workers) * sizeof(uint64_t));
         if (!state->lanes[i].entries || !state->lanes[i].scratch)
             goto oom;
     }

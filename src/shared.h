@@ -150,46 +150,74 @@ KM_HD static inline uint32_t km_slot_enumerate(const km_slot *s, const uint64_t 
     return n;
 }
 
-/* Is worker in the set of the slot found for key (or the empty set when the key is absent)? */
-KM_HD static inline int km_view_holds(const km_table_view *v, uint64_t slot, uint32_t worker)
+/* Scratch a walk needs, in u64 words: three worker bitmaps and a u32 depth per worker. */
+#define KM_WALK_SCRATCH_WORDS(max_workers) \
+    (3u * (((max_workers) + 63u) / 64u) + ((max_workers) + 1u) / 2u)
+
+/* out = in ∩ (workers of the slot; empty when slot is KM_SLOT_NONE), word by word. Returns
+ * nonzero when out is not empty. */
+KM_HD static inline uint64_t km_view_intersect(const km_table_view *v, uint64_t slot,
+                                               const uint64_t *in, uint64_t *out)
 {
+    uint32_t W = v->words_per_set;
+    uint64_t any = 0;
+    if (slot != KM_SLOT_NONE && km_slot_is_shared(&v->slots[slot])) {
+        const uint64_t *bits = v->pool + (uint64_t)km_slot_pool_index(&v->slots[slot]) * W;
+        for (uint32_t i = 0; i < W; i++) {
+            out[i] = in[i] & bits[i];
+            any |= out[i];
+        }
+        return any;
+    }
+    for (uint32_t i = 0; i < W; i++)
+        out[i] = 0;
     if (slot == KM_SLOT_NONE)
         return 0;
-    return km_slot_contains(&v->slots[slot], v->pool, v->words_per_set, worker);
-}
-
-/* Settle, at depth `position`, every open worker in open[0..*n_open) that does not hold the block
- * in `slot`; keep the holders open (compacted in place, order preserved). */
-KM_HD static inline void km_walk_filter(const km_table_view *blocks, uint64_t slot,
-                                        uint32_t position, km_walk_entry *entries, uint32_t *open,
-                                        uint32_t *n_open)
-{
-    uint32_t kept = 0;
-    for (uint32_t j = 0; j < *n_open; j++) {
-        uint32_t e = open[j];
-        if (km_view_holds(blocks, slot, entries[e].worker))
-            open[kept++] = e;
-        else
-            entries[e].depth = position;
+    const km_slot *s = &v->slots[slot];
+    for (uint32_t i = 0; i < KM_SLOT_INLINE; i++) {
+        uint32_t w = s->ids[i];
+        if (w == KM_SLOT_ID_EMPTY)
+            break;
+        uint64_t bit = (in[w >> 6] >> (w & 63)) & 1u;
+        out[w >> 6] |= bit << (w & 63);
+        any |= bit;
     }
-    *n_open = kept;
+    return any;
 }
 
-/* Walk blocks first..last (inclusive) of the request for the open workers, settling each at the
- * first block it lacks. Stops early when none is open. Returns the lookups made. */
-KM_HD static inline uint32_t km_walk_blocks(const km_table_view *blocks, const uint64_t *hashes,
-                                            uint32_t first, uint32_t last, km_walk_entry *entries,
-                                            uint32_t *open, uint32_t *n_open)
+KM_HD static inline uint32_t km_bit_index(uint64_t word)
 {
+#if defined(__CUDA_ARCH__)
+    return (uint32_t)(__ffsll((long long)word) - 1);
+#else
+    return (uint32_t)__builtin_ctzll(word);
+#endif
+}
+
+/* Walk blocks first..last (inclusive) for the workers in `open` (a bitmap of W words), settling each
+ * at the first block it lacks (depth_of[w] = that position) and clearing it from `open`. Stops
+ * early when `open` empties. `tmp` is W words. Returns the lookups made. */
+KM_HD static inline uint32_t km_walk_blocks(const km_table_view *blocks, const uint64_t *hashes,
+                                            uint32_t first, uint32_t last, uint64_t *open,
+                                            uint64_t *tmp, uint32_t *depth_of)
+{
+    uint32_t W = blocks->words_per_set;
     uint32_t probes = 0;
     for (uint32_t i = first; i < first + KM_PREFETCH_AHEAD && i <= last; i++)
         km_view_prefetch(blocks, hashes[i]);
-    for (uint32_t i = first; i <= last && *n_open > 0; i++) {
+    for (uint32_t i = first; i <= last; i++) {
         if (i + KM_PREFETCH_AHEAD <= last)
             km_view_prefetch(blocks, hashes[i + KM_PREFETCH_AHEAD]);
         uint64_t slot = km_view_find(blocks, hashes[i]);
         probes++;
-        km_walk_filter(blocks, slot, i, entries, open, n_open);
+        uint64_t any = km_view_intersect(blocks, slot, open, tmp);
+        for (uint32_t x = 0; x < W; x++) {
+            for (uint64_t settled = open[x] & ~tmp[x]; settled; settled &= settled - 1)
+                depth_of[x * 64u + km_bit_index(settled)] = i;
+            open[x] = tmp[x];
+        }
+        if (!any)
+            break;
     }
     return probes;
 }
@@ -202,15 +230,17 @@ KM_HD static inline uint32_t km_walk_blocks(const km_table_view *blocks, const u
  * (a sound under-approximation, docs/ARCHITECTURE.md). Workers still open are checked one segment
  * key at a time; only those missing from a segment's set are walked block by block inside that
  * segment, and a worker that turns out to hold the whole segment anyway stays open. So the result
- * is exact whatever the segment table knows, and a request costs about n/S + S lookups.
+ * is exact whatever the segment table knows, and a request costs about n/S + S lookups. Worker sets
+ * are bitmaps of ceil(max_workers / 64) words, intersected word by word, so a step costs the same
+ * whether one worker or a thousand are open.
  *
- * entries: max_workers entries (out: ascending by worker, depth >= 1);
- * scratch: 2 * max_workers u32. Returns the entry count; *owner / *owner_depth get the deepest
- * worker (ties: lowest id) or KM_NO_WORKER-like 0xFFFFFFFF / 0; *probes gets the lookups. */
+ * entries: max_workers entries (out: ascending by worker, depth >= 1); scratch:
+ * KM_WALK_SCRATCH_WORDS(max_workers) u64 words. Returns the entry count; *owner / *owner_depth get
+ * the deepest worker (ties: lowest id) or 0xFFFFFFFF / 0; *probes gets the lookups. */
 KM_HD static inline uint32_t km_walk_request(const km_table_view *blocks,
                                              const km_table_view *segments,
                                              uint32_t segment_blocks, const uint64_t *hashes,
-                                             uint32_t n, km_walk_entry *entries, uint32_t *scratch,
+                                             uint32_t n, km_walk_entry *entries, uint64_t *scratch,
                                              uint32_t max_workers, uint32_t *owner,
                                              uint32_t *owner_depth, uint32_t *probes)
 {
@@ -220,6 +250,7 @@ KM_HD static inline uint32_t km_walk_request(const km_table_view *blocks,
     if (n == 0)
         return 0;
     uint32_t S = segment_blocks;
+    uint32_t W = blocks->words_per_set;
     if (S > 0)
         for (uint32_t k = 0; k < KM_PREFETCH_AHEAD && (k + 1) * S <= n; k++)
             km_view_prefetch(segments, hashes[(k + 1) * S - 1]);
@@ -228,49 +259,55 @@ KM_HD static inline uint32_t km_walk_request(const km_table_view *blocks,
     *probes = 1;
     if (slot0 == KM_SLOT_NONE)
         return 0;
-    uint32_t m = km_slot_enumerate(&blocks->slots[slot0], blocks->pool, blocks->words_per_set,
-                                   entries);
-    uint32_t *open = scratch;
-    uint32_t *dropped = scratch + max_workers;
-    uint32_t n_open = m;
-    for (uint32_t j = 0; j < m; j++)
-        open[j] = j;
+    uint64_t *open = scratch;
+    uint64_t *kept = scratch + W;
+    uint64_t *tmp = scratch + 2u * W;
+    uint32_t *depth_of = (uint32_t *)(scratch + 3u * W);
+    (void)max_workers;
+    for (uint32_t i = 0; i < W; i++)
+        tmp[i] = ~UINT64_C(0);
+    km_view_intersect(blocks, slot0, tmp, open); /* open = holders of block 0 */
 
     /* Invariant: every open worker holds blocks [0, next). */
     uint32_t next = 1;
+    uint64_t any = 1;
     if (S > 0) {
-        for (uint32_t k = 0; n_open > 0 && (k + 1) * S <= n; k++) {
+        for (uint32_t k = 0; any && (k + 1) * S <= n; k++) {
             uint32_t last = (k + 1) * S - 1;
             if ((k + 1 + KM_PREFETCH_AHEAD) * S <= n)
                 km_view_prefetch(segments, hashes[(k + 1 + KM_PREFETCH_AHEAD) * S - 1]);
             uint64_t seg = km_view_find(segments, hashes[last]);
             (*probes)++;
-            uint32_t kept = 0, n_dropped = 0;
-            for (uint32_t j = 0; j < n_open; j++) {
-                uint32_t e = open[j];
-                if (km_view_holds(segments, seg, entries[e].worker))
-                    open[kept++] = e;
-                else
-                    dropped[n_dropped++] = e;
+            km_view_intersect(segments, seg, open, kept);
+            uint64_t dropped = 0;
+            for (uint32_t i = 0; i < W; i++) {
+                open[i] &= ~kept[i]; /* open now holds the dropped workers */
+                dropped |= open[i];
             }
-            if (n_dropped > 0) {
-                *probes += km_walk_blocks(blocks, hashes, next, last, entries, dropped, &n_dropped);
+            if (dropped) {
+                *probes += km_walk_blocks(blocks, hashes, next, last, open, tmp, depth_of);
                 /* Held the whole segment though the segment key did not say so: still open. */
-                for (uint32_t j = 0; j < n_dropped; j++)
-                    open[kept++] = dropped[j];
             }
-            n_open = kept;
+            any = 0;
+            for (uint32_t i = 0; i < W; i++) {
+                open[i] |= kept[i];
+                any |= open[i];
+            }
             next = last + 1;
         }
     }
-    if (n_open > 0 && next < n)
-        *probes += km_walk_blocks(blocks, hashes, next, n - 1, entries, open, &n_open);
-    for (uint32_t j = 0; j < n_open; j++)
-        entries[open[j]].depth = n;
+    if (any && next < n)
+        *probes += km_walk_blocks(blocks, hashes, next, n - 1, open, tmp, depth_of);
+    for (uint32_t x = 0; x < W; x++)
+        for (uint64_t left = open[x]; left; left &= left - 1)
+            depth_of[x * 64u + km_bit_index(left)] = n;
 
+    uint32_t m = km_slot_enumerate(&blocks->slots[slot0], blocks->pool, W, entries);
     for (uint32_t j = 0; j < m; j++) {
-        if (entries[j].depth > *owner_depth) {
-            *owner_depth = entries[j].depth;
+        uint32_t d = depth_of[entries[j].worker];
+        entries[j].depth = d;
+        if (d > *owner_depth) {
+            *owner_depth = d;
             *owner = entries[j].worker;
         }
     }

@@ -55,6 +55,9 @@ typedef struct km_index_config {
 } km_index_config;
 
 void km_index_config_init(km_index_config *cfg);
+/* cfg NULL = the defaults of km_index_config_init. On failure *out is NULL. Errors:
+ * KM_ERR_NULL_POINTER, KM_ERR_INVALID_ARGUMENT (a field out of range), KM_ERR_OUT_OF_MEMORY,
+ * KM_ERR_MEMORY_CAP, KM_ERR_BACKEND_UNAVAILABLE (KM_BACKEND_CUDA forced without a usable device). */
 int km_index_create(const km_index_config *cfg, km_index **out);
 void km_index_destroy(km_index *index); /* NULL is a no-op */
 
@@ -76,8 +79,9 @@ typedef struct km_update {
     km_update_kind kind;
     uint32_t worker;
     /* STORE only: chain hash of the block just before hashes[0], or KM_NO_PARENT when hashes[0] is
-     * the first block of its sequence. A parent the index does not know makes an "orphan" run:
-     * its blocks are stored and found by scoring, but they never earn segment keys (counted). */
+     * the first block of its sequence. A parent the index does not know, or knows without a
+     * position (itself from an orphan run), makes an "orphan" run: its blocks are stored and found
+     * by scoring, but they never earn segment keys (counted in orphan_runs). */
     uint64_t parent;
     const uint64_t *hashes;
     size_t n_hashes;
@@ -93,9 +97,10 @@ typedef struct km_update_stats {
     uint64_t orphan_runs;      /* store runs whose parent was unknown (runs, not pairs) */
 } km_update_stats;
 
-/* Apply a batch of updates in order. All or nothing: on any error (KM_ERR_WORKER_RANGE,
- * KM_ERR_NULL_POINTER, KM_ERR_MEMORY_CAP, KM_ERR_OUT_OF_MEMORY, KM_ERR_CUDA...) the index's content
- * is unchanged (capacity may have grown). stats may be NULL. */
+/* Apply a batch of updates in order. All or nothing: on any error the index's content is unchanged
+ * (capacity may have grown). Errors: KM_ERR_WORKER_RANGE, KM_ERR_NULL_POINTER,
+ * KM_ERR_INVALID_ARGUMENT (unknown kind; a hash equal to a reserved value 0 or 1, which no chain
+ * hash takes), KM_ERR_MEMORY_CAP, KM_ERR_OUT_OF_MEMORY. stats may be NULL. */
 int km_index_apply(km_index *index, const km_update *updates, size_t n_updates,
                    km_update_stats *stats);
 
@@ -108,6 +113,9 @@ int km_index_remove_worker(km_index *index, uint32_t worker);
 
 /* ---- scoring ------------------------------------------------------------------------------ */
 
+/* A request is a real chain: hashes[i] is the chain hash of block i of one token sequence
+ * (docs/HASHING.md). Scoring relies on a chain hash naming its whole prefix; an arbitrary list of
+ * hashes gets no defined answer. */
 typedef struct km_request {
     const uint64_t *hashes; /* the request's chain hashes, block 0 first */
     uint32_t n_hashes;      /* 0 is allowed (no match); at most max_request_blocks */

@@ -1,0 +1,234 @@
+/* The CUDA backend against the CPU backend (house style item 8): the same updates go to one index
+ * of each kind, and every scoring batch must come back identical bit for bit (the CPU side is also
+ * checked against the brute-force oracle). Random workloads for every segment size at 8 and 1024
+ * workers, and the Mooncake trace. Without a usable device these tests are reported as skipped.
+ * Also: KM_BACKEND_AUTO picks CUDA exactly when a CUDA index can be created. */
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "test_util.h"
+
+typedef struct log_capture {
+    int lines;
+    char last[512];
+} log_capture;
+
+static void capture_log(void *user, const char *line)
+{
+    log_capture *c = user;
+    c->lines++;
+    snprintf(c->last, sizeof c->last, "%s", line);
+}
+
+static int create_backend(km_backend_kind kind, uint32_t W, uint32_t S, log_capture *log,
+                          km_index **out)
+{
+    km_index_config cfg;
+    km_index_config_init(&cfg);
+    cfg.backend = kind;
+    cfg.max_workers = W;
+    cfg.segment_blocks = S;
+    cfg.initial_blocks = 256; /* small: the device replica must follow table growth */
+    cfg.threads = 2;
+    cfg.log = capture_log;
+    cfg.log_user = log;
+    *out = NULL;
+    return km_index_create(&cfg, out);
+}
+
+/* A CUDA index, or skip the test when there is no usable device. */
+static km_index *cuda_or_skip(uint32_t W, uint32_t S)
+{
+    log_capture log = {0};
+    km_index *index;
+    int rc = create_backend(KM_BACKEND_CUDA, W, S, &log, &index);
+    if (rc == KM_ERR_BACKEND_UNAVAILABLE || rc == KM_ERR_CUDA)
+        cr_skip_test("no usable CUDA device: %s%s%s", km_error_name(rc), log.lines ? ": " : "",
+                     log.last);
+    cr_assert_eq(rc, KM_OK, "creating a CUDA index: %s (%s)", km_error_name(rc), log.last);
+    cr_assert_str_eq(km_index_backend_name(index), "cuda");
+    return index;
+}
+
+static km_index *cpu_index(uint32_t W, uint32_t S)
+{
+    log_capture log = {0};
+    km_index *index;
+    int rc = create_backend(KM_BACKEND_CPU, W, S, &log, &index);
+    cr_assert_eq(rc, KM_OK, "creating a CPU index: %s", km_error_name(rc));
+    cr_assert_str_eq(km_index_backend_name(index), "cpu");
+    return index;
+}
+
+typedef struct pair {
+    km_index *cpu, *cuda;
+    km_oracle oracle;
+    km_match_results cpu_res, cuda_res;
+    uint32_t S;
+    size_t batches;
+} pair;
+
+static void pair_init(pair *p, uint32_t W, uint32_t S)
+{
+    memset(p, 0, sizeof *p);
+    p->cuda = cuda_or_skip(W, S);
+    p->cpu = cpu_index(W, S);
+    p->S = S;
+    km_oracle_init(&p->oracle, W);
+    km_match_results_init(&p->cpu_res);
+    km_match_results_init(&p->cuda_res);
+}
+
+static void pair_free(pair *p)
+{
+    km_index_destroy(p->cpu);
+    km_index_destroy(p->cuda);
+    km_oracle_free(&p->oracle);
+    km_match_results_free(&p->cpu_res);
+    km_match_results_free(&p->cuda_res);
+}
+
+/* Apply to both indexes; both report what the oracle expects. The oracle itself is updated by
+ * the caller (km_oracle_apply or km_trace_scenario). */
+static void pair_apply(void *ctx, const km_update *u, size_t n, const km_update_stats *expect)
+{
+    pair *p = ctx;
+    km_update_stats a, b;
+    char why[512];
+    int rc = km_index_apply(p->cpu, u, n, &a);
+    KM_CHECK(rc == KM_OK, "cpu apply %zu: %s (%s)", p->batches, km_error_name(rc),
+             km_index_last_error(p->cpu));
+    rc = km_index_apply(p->cuda, u, n, &b);
+    KM_CHECK(rc == KM_OK, "cuda apply %zu: %s (%s)", p->batches, km_error_name(rc),
+             km_index_last_error(p->cuda));
+    KM_CHECK(km_update_stats_equal(&a, expect, why, sizeof why), "cpu batch %zu: %s", p->batches,
+             why);
+    KM_CHECK(km_update_stats_equal(&b, expect, why, sizeof why), "cuda batch %zu: %s", p->batches,
+             why);
+    p->batches++;
+}
+
+/* Score the same requests on both; CUDA vs CPU bit for bit, and (when with_oracle) CPU vs the
+ * oracle. The trace cases skip the oracle: tests/test_match.c checks the CPU side there, and the
+ * GPU check runs this suite under compute-sanitizer within a minute. */
+static void pair_compare(pair *p, const km_request *q, size_t n, int with_oracle, const char *when)
+{
+    char why[512];
+    int rc = km_index_match_batch(p->cpu, q, n, &p->cpu_res);
+    KM_CHECK(rc == KM_OK, "%s: cpu match: %s", when, km_error_name(rc));
+    rc = km_index_match_batch(p->cuda, q, n, &p->cuda_res);
+    KM_CHECK(rc == KM_OK, "%s: cuda match: %s (%s)", when, km_error_name(rc),
+             km_index_last_error(p->cuda));
+    KM_CHECK(strcmp(km_index_backend_name(p->cuda), "cuda") == 0,
+             "%s: the CUDA index fell back to %s", when, km_index_backend_name(p->cuda));
+    KM_CHECK(!with_oracle || km_check_results(&p->oracle, q, n, &p->cpu_res, p->S, why, sizeof why),
+             "%s: cpu vs oracle: %s", when, why);
+    KM_CHECK(km_results_identical(&p->cuda_res, &p->cpu_res, why, sizeof why),
+             "%s: cuda vs cpu (S=%u): %s", when, p->S, why);
+    KM_CHECK(km_check_counters(&p->oracle, p->cuda, why, sizeof why), "%s: cuda counters: %s",
+             when, why);
+}
+
+static void cuda_random(uint32_t S)
+{
+    const uint32_t workers[] = {8, 1024};
+    for (int k = 0; k < 2; k++) {
+        uint32_t W = workers[k];
+        pair p;
+        pair_init(&p, W, S);
+        km_rng r;
+        km_rng_init(&r, km_test_seed() ^ ((uint64_t)S << 40) ^ W);
+        km_corpus corpus;
+        const uint32_t block_sizes[] = {1, 4, 16};
+        km_corpus_generate(&corpus, &r, 150, block_sizes[km_rng_below(&r, 3)], 300);
+        km_workload wl;
+        km_workload_init(&wl, &corpus, W);
+        km_request_set rs = {0};
+        char when[96];
+        for (int step = 0; step < 25; step++) {
+            km_workload_step(&wl, &r, &p.oracle, 6);
+            km_update_stats expect;
+            km_oracle_apply(&p.oracle, wl.updates, wl.n_updates, &expect);
+            pair_apply(&p, wl.updates, wl.n_updates, &expect);
+            km_request_set_generate(&rs, &r, &corpus, 1500);
+            snprintf(when, sizeof when, "S=%u W=%u step %d", S, W, step);
+            pair_compare(&p, rs.requests, rs.n, 1, when);
+        }
+        /* One large batch, and one of a single request. */
+        km_request_set_generate(&rs, &r, &corpus, 20000);
+        snprintf(when, sizeof when, "S=%u W=%u 20000 requests", S, W);
+        pair_compare(&p, rs.requests, rs.n, 1, when);
+        pair_compare(&p, rs.requests, 1, 1, when);
+        km_request_set_free(&rs);
+        km_workload_free(&wl);
+        km_corpus_free(&corpus);
+        pair_free(&p);
+    }
+}
+
+Test(cuda, matches_cpu_random_s32, .timeout = 120) { cuda_random(32); }
+Test(cuda, matches_cpu_random_s4, .timeout = 120) { cuda_random(4); }
+Test(cuda, matches_cpu_random_s1, .timeout = 120) { cuda_random(1); }
+Test(cuda, matches_cpu_random_s0, .timeout = 120) { cuda_random(0); }
+
+static void cuda_trace(uint32_t W, int affinity)
+{
+    pair p;
+    pair_init(&p, W, 32);
+    km_trace_case tc;
+    char why[512];
+    int rc = km_trace_case_load(&tc, 64, 7000, why, sizeof why);
+    if (rc == KM_ERR_IO) {
+        pair_free(&p);
+        cr_skip_test("Mooncake trace not available: %s", why);
+    }
+    cr_assert_eq(rc, KM_OK, "loading the trace: %s", why);
+    km_rng r;
+    km_rng_init(&r, km_test_seed() ^ W);
+    km_trace_scenario(&tc, 4000, W, affinity, &r, &p.oracle, pair_apply, &p);
+    size_t n = tc.n < 7000 ? tc.n : 7000;
+    km_request *q = malloc(n * sizeof *q);
+    for (size_t i = 0; i < n; i++)
+        q[i] = (km_request){tc.hashes + tc.offset[i], tc.n_blocks[i]};
+    char when[64];
+    snprintf(when, sizeof when, "trace W=%u", W);
+    pair_compare(&p, q, n, 0, when);
+    free(q);
+    km_trace_case_free(&tc);
+    pair_free(&p);
+}
+
+Test(cuda, matches_cpu_mooncake_64_workers, .timeout = 120) { cuda_trace(64, 1); }
+Test(cuda, matches_cpu_mooncake_1024_workers, .timeout = 120) { cuda_trace(1024, 0); }
+
+Test(cuda, auto_backend_picks_cuda_only_when_usable, .timeout = 60)
+{
+    log_capture cuda_log = {0}, auto_log = {0};
+    km_index *cuda = NULL, *automatic = NULL;
+    int cuda_rc = create_backend(KM_BACKEND_CUDA, 64, 32, &cuda_log, &cuda);
+    cr_assert(cuda_rc == KM_OK || cuda_rc == KM_ERR_BACKEND_UNAVAILABLE || cuda_rc == KM_ERR_CUDA,
+              "KM_BACKEND_CUDA: unexpected %s", km_error_name(cuda_rc));
+    int rc = create_backend(KM_BACKEND_AUTO, 64, 32, &auto_log, &automatic);
+    cr_assert_eq(rc, KM_OK, "KM_BACKEND_AUTO must always give an index: %s", km_error_name(rc));
+    const char *expect = cuda_rc == KM_OK ? "cuda" : "cpu";
+    cr_assert_str_eq(km_index_backend_name(automatic), expect,
+                     "AUTO picked %s while a CUDA index %s be created (%s)",
+                     km_index_backend_name(automatic), cuda_rc == KM_OK ? "can" : "cannot",
+                     cuda_log.last);
+    cr_assert_geq(auto_log.lines, 1, "AUTO must log one line saying which backend and why");
+    cr_assert(strstr(auto_log.last, expect) != NULL, "AUTO's log line does not name %s: %s", expect,
+              auto_log.last);
+    /* Whatever it picked, it works. */
+    uint64_t h[3] = {11, 12, 13};
+    cr_assert_eq(km_index_store(automatic, 5, KM_NO_PARENT, h, 3), KM_OK);
+    km_match_results res;
+    km_match_results_init(&res);
+    km_request q = {h, 3};
+    cr_assert_eq(km_index_match_batch(automatic, &q, 1, &res), KM_OK);
+    cr_assert(res.requests[0].owner == 5 && res.requests[0].owner_depth == 3);
+    km_match_results_free(&res);
+    km_index_destroy(automatic);
+    km_index_destroy(cuda);
+}

@@ -1,0 +1,307 @@
+/* Scoring (km_index_match_batch) against the brute-force oracle of tests/test_util.c, on fresh
+ * random inputs every run (seed printed on failure; replay with KM_TEST_SEED=...): prefix trees
+ * of token sequences, workers storing runs (continuations, orphans, out of order, duplicates,
+ * broadcasts), removing arbitrary subsets and clearing; after every step thousands of requests are
+ * scored and compared worker by worker. Every segment size (32, 4, 1, 0), 8 and 1024 workers, 1
+ * and 2 threads. Then edge cases (empty requests, request size limit, results reuse) and the
+ * Mooncake conversation trace. */
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "test_util.h"
+
+static km_index *make_index(uint32_t max_workers, uint32_t S, uint32_t threads)
+{
+    km_index_config cfg;
+    km_test_config(&cfg, NULL);
+    cfg.backend = KM_BACKEND_CPU;
+    cfg.max_workers = max_workers;
+    cfg.segment_blocks = S;
+    cfg.threads = threads;
+    cfg.initial_blocks = 256; /* small, so the tables grow during the test */
+    km_index *index = NULL;
+    int rc = km_index_create(&cfg, &index);
+    cr_assert_eq(rc, KM_OK, "km_index_create: %s", km_error_name(rc));
+    return index;
+}
+
+/* ---- random property tests ----------------------------------------------------------------- */
+
+static void property(uint32_t S, uint32_t W, uint32_t threads)
+{
+    /* One stream per configuration, all derived from the printed seed. */
+    km_rng r;
+    km_rng_init(&r, km_test_seed() ^ ((uint64_t)S << 40) ^ ((uint64_t)W << 20) ^ threads);
+    km_index *index = make_index(W, S, threads);
+    km_oracle o;
+    km_oracle_init(&o, W);
+    km_corpus corpus;
+    const uint32_t block_sizes[] = {1, 2, 4, 16};
+    km_corpus_generate(&corpus, &r, 150, block_sizes[km_rng_below(&r, 4)], 200);
+    km_workload wl;
+    km_workload_init(&wl, &corpus, W);
+    km_request_set rs = {0};
+    km_match_results res;
+    km_match_results_init(&res);
+    char why[512];
+    const int steps = 50;
+    for (int step = 0; step < steps; step++) {
+        km_workload_step(&wl, &r, &o, 6);
+        km_update_stats got, expect;
+        int rc = km_index_apply(index, wl.updates, wl.n_updates, &got);
+        KM_CHECK(rc == KM_OK, "S=%u W=%u step %d: apply: %s (%s)", S, W, step, km_error_name(rc),
+                 km_index_last_error(index));
+        km_oracle_apply(&o, wl.updates, wl.n_updates, &expect);
+        KM_CHECK(km_update_stats_equal(&got, &expect, why, sizeof why), "S=%u W=%u step %d: %s", S,
+                 W, step, why);
+        KM_CHECK(km_check_counters(&o, index, why, sizeof why), "S=%u W=%u step %d: %s", S, W,
+                 step, why);
+        km_request_set_generate(&rs, &r, &corpus, 2000);
+        rc = km_index_match_batch(index, rs.requests, rs.n, &res);
+        KM_CHECK(rc == KM_OK, "S=%u W=%u step %d: match: %s", S, W, step, km_error_name(rc));
+        KM_CHECK(km_check_results(&o, rs.requests, rs.n, &res, S, why, sizeof why),
+                 "S=%u W=%u threads %u step %d: %s", S, W, threads, step, why);
+    }
+    /* At the end, everything observable: holders of every block ever seen, counters, scoring. */
+    km_request_set_generate(&rs, &r, &corpus, 3000);
+    KM_CHECK(km_check_index(&o, index, S, rs.requests, rs.n, &res, why, sizeof why),
+             "S=%u W=%u final: %s", S, W, why);
+    KM_CHECK(o.pairs > 0, "the workload stored nothing");
+    km_index_stats st;
+    cr_assert_eq(km_index_get_stats(index, &st), KM_OK);
+    KM_CHECK(S == 0 || st.segment_keys > 0, "S=%u: no segment keys at all: the segment path went "
+             "untested", S);
+    KM_CHECK(S != 0 || st.segment_keys == 0, "S=0 must disable segment keys");
+    km_match_results_free(&res);
+    km_request_set_free(&rs);
+    km_workload_free(&wl);
+    km_corpus_free(&corpus);
+    km_oracle_free(&o);
+    km_index_destroy(index);
+}
+
+#define PROPERTY(S, W, T) \
+    Test(match_property, s##S##_w##W##_t##T, .timeout = 60) { property(S, W, T); }
+
+PROPERTY(32, 8, 1)
+PROPERTY(32, 8, 2)
+PROPERTY(32, 1024, 1)
+PROPERTY(32, 1024, 2)
+PROPERTY(4, 8, 1)
+PROPERTY(4, 8, 2)
+PROPERTY(4, 1024, 1)
+PROPERTY(4, 1024, 2)
+PROPERTY(1, 8, 1)
+PROPERTY(1, 8, 2)
+PROPERTY(1, 1024, 1)
+PROPERTY(1, 1024, 2)
+PROPERTY(0, 8, 1)
+PROPERTY(0, 8, 2)
+PROPERTY(0, 1024, 1)
+PROPERTY(0, 1024, 2)
+
+/* ---- edge cases ---------------------------------------------------------------------------- */
+
+static void store_chain(km_index *index, km_oracle *o, uint32_t w, const uint64_t *h, uint32_t n)
+{
+    km_update u = {KM_UPDATE_STORE, w, KM_NO_PARENT, h, n};
+    km_update_stats got, expect;
+    cr_assert_eq(km_index_apply(index, &u, 1, &got), KM_OK);
+    km_oracle_apply(o, &u, 1, &expect);
+}
+
+Test(match, empty_requests, .timeout = 30)
+{
+    km_index *index = make_index(8, 4, 2);
+    km_oracle o;
+    km_oracle_init(&o, 8);
+    uint64_t h[10];
+    km_rng r;
+    km_rng_init(&r, km_test_seed());
+    for (int i = 0; i < 10; i++)
+        h[i] = km_rng_hash(&r);
+    store_chain(index, &o, 3, h, 10);
+    km_request q[5] = {{h, 0}, {h, 10}, {NULL, 0}, {h, 0}, {h, 3}};
+    km_match_results res;
+    km_match_results_init(&res);
+    cr_assert_eq(km_index_match_batch(index, q, 5, &res), KM_OK);
+    char why[512];
+    KM_CHECK(km_check_results(&o, q, 5, &res, 4, why, sizeof why), "%s", why);
+    const int empty_index[] = {0, 2, 3};
+    for (int k = 0; k < 3; k++) {
+        int i = empty_index[k];
+        const km_request_result *rr = &res.requests[i];
+        cr_assert(rr->count == 0 && rr->owner == KM_NO_WORKER && rr->owner_depth == 0 &&
+                  rr->probes == 0, "empty request %d: count %u owner %u probes %u", i, rr->count,
+                  rr->owner, rr->probes);
+    }
+    cr_assert(res.requests[1].owner == 3 && res.requests[1].owner_depth == 10);
+    cr_assert(res.requests[4].owner == 3 && res.requests[4].owner_depth == 3);
+    /* A batch of nothing but empty requests. */
+    km_request e[3] = {{h, 0}, {NULL, 0}, {h, 0}};
+    cr_assert_eq(km_index_match_batch(index, e, 3, &res), KM_OK);
+    cr_assert(res.n_requests == 3 && res.probes == 0);
+    for (int i = 0; i < 3; i++)
+        cr_assert(res.requests[i].count == 0 && res.requests[i].owner == KM_NO_WORKER);
+    km_match_results_free(&res);
+    km_oracle_free(&o);
+    km_index_destroy(index);
+}
+
+Test(match, request_over_the_limit_is_too_large, .timeout = 30)
+{
+    km_index_config cfg;
+    km_test_config(&cfg, NULL);
+    cfg.backend = KM_BACKEND_CPU;
+    cfg.max_workers = 8;
+    cfg.max_request_blocks = 100;
+    cfg.threads = 2;
+    km_index *index = NULL;
+    cr_assert_eq(km_index_create(&cfg, &index), KM_OK);
+    km_oracle o;
+    km_oracle_init(&o, 8);
+    uint64_t h[101];
+    km_rng r;
+    km_rng_init(&r, km_test_seed());
+    for (int i = 0; i < 101; i++)
+        h[i] = km_rng_hash(&r);
+    store_chain(index, &o, 1, h, 101);
+    km_match_results res;
+    km_match_results_init(&res);
+    km_request ok[2] = {{h, 100}, {h, 50}};
+    cr_assert_eq(km_index_match_batch(index, ok, 2, &res), KM_OK, "exactly the limit is accepted");
+    cr_assert(res.requests[0].owner_depth == 100 && res.requests[1].owner_depth == 50);
+    km_request big[3] = {{h, 10}, {h, 101}, {h, 20}};
+    cr_assert_eq(km_index_match_batch(index, big, 3, &res), KM_ERR_TOO_LARGE);
+    cr_assert_neq(km_index_last_error(index)[0], 0, "no detail for KM_ERR_TOO_LARGE");
+    /* The index and the results struct stay usable. */
+    cr_assert_eq(km_index_match_batch(index, ok, 2, &res), KM_OK);
+    char why[512];
+    KM_CHECK(km_check_results(&o, ok, 2, &res, cfg.segment_blocks, why, sizeof why), "%s", why);
+    km_match_results_free(&res);
+    km_oracle_free(&o);
+    km_index_destroy(index);
+}
+
+Test(match, results_struct_reused_across_batches, .timeout = 60)
+{
+    const uint32_t W = 64, S = 8;
+    km_rng r;
+    km_rng_init(&r, km_test_seed());
+    km_index *index = make_index(W, S, 2);
+    km_oracle o;
+    km_oracle_init(&o, W);
+    km_corpus corpus;
+    km_corpus_generate(&corpus, &r, 100, 4, 120);
+    km_workload wl;
+    km_workload_init(&wl, &corpus, W);
+    km_request_set rs = {0};
+    km_match_results res;
+    km_match_results_init(&res);
+    cr_assert(res.n_requests == 0 && res.n_matches == 0 && res.probes == 0);
+    const size_t sizes[] = {1000, 10, 0, 3000, 5, 1, 2500, 0, 7};
+    size_t prev_req_cap = 0, prev_match_cap = 0;
+    char why[512];
+    for (size_t k = 0; k < sizeof sizes / sizeof sizes[0]; k++) {
+        for (int s = 0; s < 3; s++) {
+            km_workload_step(&wl, &r, &o, 4);
+            km_update_stats got, expect;
+            int rc = km_index_apply(index, wl.updates, wl.n_updates, &got);
+            KM_CHECK(rc == KM_OK, "apply: %s", km_error_name(rc));
+            km_oracle_apply(&o, wl.updates, wl.n_updates, &expect);
+            KM_CHECK(km_update_stats_equal(&got, &expect, why, sizeof why), "%s", why);
+        }
+        km_request_set_generate(&rs, &r, &corpus, sizes[k]);
+        int rc = km_index_match_batch(index, rs.requests, rs.n, &res);
+        KM_CHECK(rc == KM_OK, "batch %zu: %s", k, km_error_name(rc));
+        KM_CHECK(km_check_results(&o, rs.requests, rs.n, &res, S, why, sizeof why),
+                 "batch %zu of %zu requests: %s", k, sizes[k], why);
+        KM_CHECK(res.requests_capacity >= prev_req_cap && res.matches_capacity >= prev_match_cap,
+                 "buffers shrank at batch %zu", k);
+        KM_CHECK(res.requests_capacity >= res.n_requests && res.matches_capacity >= res.n_matches,
+                 "capacities below the counts at batch %zu", k);
+        prev_req_cap = res.requests_capacity;
+        prev_match_cap = res.matches_capacity;
+    }
+    km_match_results_free(&res);
+    km_request_set_free(&rs);
+    km_workload_free(&wl);
+    km_corpus_free(&corpus);
+    km_oracle_free(&o);
+    km_index_destroy(index);
+}
+
+/* ---- the Mooncake trace -------------------------------------------------------------------- */
+
+typedef struct trace_ctx {
+    km_index *index;
+    size_t batches;
+} trace_ctx;
+
+static void trace_apply(void *p, const km_update *u, size_t n, const km_update_stats *expect)
+{
+    trace_ctx *t = p;
+    km_update_stats got;
+    int rc = km_index_apply(t->index, u, n, &got);
+    KM_CHECK(rc == KM_OK, "trace batch %zu: %s (%s)", t->batches, km_error_name(rc),
+             km_index_last_error(t->index));
+    char why[512];
+    KM_CHECK(km_update_stats_equal(&got, expect, why, sizeof why), "trace batch %zu: %s",
+             t->batches, why);
+    t->batches++;
+}
+
+static void trace_property(uint32_t W, int affinity)
+{
+    km_trace_case tc;
+    char why[512];
+    int rc = km_trace_case_load(&tc, 64, 7000, why, sizeof why);
+    if (rc == KM_ERR_IO)
+        cr_skip_test("Mooncake trace not available: %s", why);
+    cr_assert_eq(rc, KM_OK, "loading the trace: %s", why);
+    cr_assert_geq(tc.n, 5000, "the trace has only %zu requests", tc.n);
+
+    km_rng r;
+    km_rng_init(&r, km_test_seed() ^ W);
+    const uint32_t S = 32;
+    km_index *index = make_index(W, S, 2);
+    km_oracle o;
+    km_oracle_init(&o, W);
+    trace_ctx t = {index, 0};
+    km_trace_scenario(&tc, 4000, W, affinity, &r, &o, trace_apply, &t);
+    KM_CHECK(km_check_counters(&o, index, why, sizeof why), "W=%u after the trace: %s", W, why);
+
+    /* Score the state with requests it has seen (first 1000) and the next 3000 it has not. */
+    size_t n = 4000;
+    km_request *q = malloc(n * sizeof *q);
+    for (size_t i = 0; i < n; i++) {
+        size_t j = i < 1000 ? i : 4000 + (i - 1000);
+        q[i] = (km_request){tc.hashes + tc.offset[j], tc.n_blocks[j]};
+    }
+    km_match_results res;
+    km_match_results_init(&res);
+    rc = km_index_match_batch(index, q, n, &res);
+    KM_CHECK(rc == KM_OK, "W=%u: match: %s", W, km_error_name(rc));
+    KM_CHECK(km_check_results(&o, q, n, &res, S, why, sizeof why), "W=%u trace: %s", W, why);
+    /* The trace shares prefixes: a state that matches nothing would make this test vacuous. */
+    uint64_t matched = 0;
+    for (size_t i = 0; i < n; i++)
+        matched += res.requests[i].owner_depth > 1;
+    KM_CHECK(matched > n / 4, "W=%u: only %" PRIu64 " requests matched more than one block", W,
+             matched);
+    km_index_stats st;
+    cr_assert_eq(km_index_get_stats(index, &st), KM_OK);
+    KM_CHECK(st.segment_keys > 0 && st.shared_sets > 0,
+             "W=%u: %" PRIu64 " segment keys, %" PRIu64 " shared sets", W, st.segment_keys,
+             st.shared_sets);
+    free(q);
+    km_match_results_free(&res);
+    km_oracle_free(&o);
+    km_index_destroy(index);
+    km_trace_case_free(&tc);
+}
+
+Test(match_trace, mooncake_64_workers_by_conversation, .timeout = 90) { trace_property(64, 1); }
+Test(match_trace, mooncake_1024_workers_round_robin, .timeout = 90) { trace_property(1024, 0); }
