@@ -4,6 +4,7 @@
  * prefetched while the current one walks, and the walk itself prefetches KM_PREFETCH_AHEAD keys
  * ahead, so several DRAM misses are always in flight per thread. */
 #include <pthread.h>
+#include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -121,8 +122,13 @@ static void pool_run(km_thread_pool *pool, pool_job job, void *arg)
 
 /* ---- scoring --------------------------------------------------------------------------- */
 
+/* The walk's entries are written straight into km_worker_match arrays. */
+_Static_assert(sizeof(km_walk_entry) == sizeof(km_worker_match) &&
+                   offsetof(km_walk_entry, worker) == offsetof(km_worker_match, worker) &&
+                   offsetof(km_walk_entry, depth) == offsetof(km_worker_match, depth),
+               "km_walk_entry and km_worker_match must share a layout");
+
 typedef struct cpu_lane {
-    km_walk_entry *entries; /* max_workers */
     uint64_t *scratch;      /* KM_WALK_SCRATCH_WORDS(max_workers) */
     km_worker_match *out;   /* this lane's matches, copied into the results afterwards */
     size_t n_out, out_capacity;
@@ -173,13 +179,10 @@ static void match_lane(void *p, uint32_t lane_index)
             prefetch_request(&blocks, &segments, S, &job->requests[r + 1]);
         const km_request *req = &job->requests[r];
         km_request_result *res = &job->results->requests[r];
-        uint32_t owner, owner_depth, probes;
-        uint32_t m = km_walk_request(&blocks, &segments, S, req->hashes, req->n_hashes,
-                                     lane->entries, lane->scratch, max_workers, &owner,
-                                     &owner_depth, &probes);
-        if (lane->n_out + m > lane->out_capacity) {
+        /* The walk writes straight into the lane's output: room for max_workers more entries. */
+        if (lane->n_out + max_workers > lane->out_capacity) {
             size_t cap = lane->out_capacity ? lane->out_capacity * 2 : 4096;
-            while (cap < lane->n_out + m)
+            while (cap < lane->n_out + max_workers)
                 cap *= 2;
             km_worker_match *grown = realloc(lane->out, cap * sizeof *grown);
             if (!grown) {
@@ -189,9 +192,10 @@ static void match_lane(void *p, uint32_t lane_index)
             lane->out = grown;
             lane->out_capacity = cap;
         }
-        /* km_walk_entry and km_worker_match have the same layout (worker, depth). */
-        if (m)
-            memcpy(lane->out + lane->n_out, lane->entries, m * sizeof *lane->out);
+        uint32_t owner, owner_depth, probes;
+        uint32_t m = km_walk_request(&blocks, &segments, S, req->hashes, req->n_hashes,
+                                     (km_walk_entry *)(lane->out + lane->n_out), lane->scratch,
+                                     max_workers, &owner, &owner_depth, &probes);
         res->first = lane->n_out; /* lane-relative until the merge */
         res->count = m;
         res->owner = owner;
@@ -215,9 +219,8 @@ static int cpu_create(km_index *index, void **state_out, char *why, size_t why_s
         goto oom;
     uint32_t max_workers = index->config.max_workers;
     for (uint32_t i = 0; i < threads; i++) {
-        state->lanes[i].entries = malloc(max_workers * sizeof(km_walk_entry));
         state->lanes[i].scratch = malloc(KM_WALK_SCRATCH_WORDS((size_t)max_workers) * sizeof(uint64_t));
-        if (!state->lanes[i].entries || !state->lanes[i].scratch)
+        if (!state->lanes[i].scratch)
             goto oom;
     }
     if (threads > 1) {
@@ -239,7 +242,6 @@ static void cpu_destroy(void *p)
         return;
     pool_destroy(state->pool);
     for (uint32_t i = 0; state->lanes && i < state->n_lanes; i++) {
-        free(state->lanes[i].entries);
         free(state->lanes[i].scratch);
         free(state->lanes[i].out);
     }

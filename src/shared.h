@@ -276,6 +276,8 @@ KM_HD static inline uint32_t km_walk_request(const km_table_view *blocks,
             uint32_t last = (k + 1) * S - 1;
             if ((k + 1 + KM_PREFETCH_AHEAD) * S <= n)
                 km_view_prefetch(segments, hashes[(k + 1 + KM_PREFETCH_AHEAD) * S - 1]);
+            /* If workers drop in this segment, its walk starts at `next`: start that miss now. */
+            km_view_prefetch(blocks, hashes[next]);
             uint64_t seg = km_view_find(segments, hashes[last]);
             (*probes)++;
             km_view_intersect(segments, seg, open, kept);

@@ -4,5 +4,6 @@
 #include "kvmatch/error.h"
 #include "kvmatch/hash.h"
 #include "kvmatch/index.h"
+#include "kvmatch/kv_events.h"
 #define KVMATCH_VERSION "0.1.0"
 #endif
