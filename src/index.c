@@ -192,6 +192,8 @@ static void fall_back_to_cpu(km_index *index, int status, const char *what)
                  detail);
 }
 
+static int sync_backend(km_index *index);
+
 /* ---- undo log -------------------------------------------------------------------------------- */
 
 typedef enum undo_kind {
@@ -812,6 +814,33 @@ int km_index_remove_worker(km_index *index, uint32_t worker)
 {
     km_update u = {KM_UPDATE_REMOVE_WORKER, worker, KM_NO_PARENT, NULL, 0};
     return km_index_apply(index, &u, 1, NULL);
+}
+
+/* ---- snapshots support (src/snapshot.c) ------------------------------------------------------- */
+
+int km_index_rebuild_anchors(km_index *index)
+{
+    const km_table *seg = &index->segments;
+    for (uint64_t s = 0; s < seg->capacity; s++) {
+        uint64_t end = seg->slots[s].key;
+        if (end <= KM_KEY_TOMBSTONE)
+            continue;
+        uint64_t bs = km_table_find(&index->blocks, end);
+        if (bs == KM_SLOT_NONE || index->blocks.meta[bs].position == KM_POSITION_UNKNOWN)
+            return KM_ERR_CORRUPT;
+        int rc = anchor_link(index, index->blocks.meta[bs].anchor, end, 1);
+        if (rc)
+            return rc;
+    }
+    return KM_OK;
+}
+
+void km_index_tables_replaced(km_index *index)
+{
+    set_dirty_tracking(index);
+    index->blocks.layout_changed = 1;
+    index->segments.layout_changed = 1;
+    sync_backend(index);
 }
 
 /* ---- scoring ------------------------------------------------------------------------------ */

@@ -65,6 +65,14 @@ int km_index_fail(km_index *index, int status, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 void km_index_log(const km_index *index, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 
+/* Rebuild the anchor lists (segment start -> segment ends with holders) from the segment table
+ * and the block metadata; the index's anchor structures must be empty. KM_ERR_CORRUPT when a
+ * segment key's last block is missing from the block table. */
+int km_index_rebuild_anchors(km_index *index);
+/* After the host tables were replaced wholesale (snapshot load): re-arm dirty tracking and give
+ * the backend a full upload; a CUDA failure falls back to the CPU backend. */
+void km_index_tables_replaced(km_index *index);
+
 /* Grow results to hold n requests and `matches` entries. */
 int km_match_results_reserve(km_match_results *r, size_t n_requests, size_t n_matches);
 

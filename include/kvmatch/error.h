@@ -20,7 +20,9 @@ extern "C" {
     X(KM_ERR_BACKEND_UNAVAILABLE, -9, "backend unavailable")                          \
     X(KM_ERR_CUDA, -10, "CUDA runtime error")                                         \
     X(KM_ERR_IO, -11, "I/O error")                                                    \
-    X(KM_ERR_INTERNAL, -12, "internal error")
+    X(KM_ERR_INTERNAL, -12, "internal error")                                        \
+    X(KM_ERR_CORRUPT, -13, "data is corrupt or truncated")                            \
+    X(KM_ERR_INCOMPATIBLE, -14, "incompatible version or configuration")
 
 typedef enum km_status {
 #define KM_ERROR_ENUM_ENTRY(name, value, text) name = value,

@@ -155,6 +155,23 @@ void km_match_results_free(km_match_results *results);
 int km_index_match_batch(km_index *index, const km_request *requests, size_t n_requests,
                          km_match_results *results);
 
+/* ---- snapshots ------------------------------------------------------------------------------ */
+
+/* Write the index's whole content, and an opaque caller section (the event feed's stream
+ * positions), to `path` atomically: a temporary file in the same directory, fsync, rename, fsync of
+ * the directory. A reader never sees half a snapshot. Format: docs/ARCHITECTURE.md "Snapshots".
+ * Errors: KM_ERR_NULL_POINTER, KM_ERR_IO (with errno's text in km_index_last_error). */
+int km_index_save(km_index *index, const char *path, const void *user, size_t user_size);
+
+/* Replace the index's content with the snapshot at `path`. The file is read, checksummed and
+ * checked in full before anything changes: on any error the index is exactly as it was.
+ * *user_out (may be NULL) receives a malloc'd copy of the caller section (release with free()),
+ * *user_size_out its size. Errors: KM_ERR_IO (missing, unreadable), KM_ERR_CORRUPT (truncated,
+ * checksum mismatch, inconsistent structure), KM_ERR_INCOMPATIBLE (other format version, or
+ * max_workers / segment_blocks / layout differing from this index's), KM_ERR_MEMORY_CAP,
+ * KM_ERR_OUT_OF_MEMORY. */
+int km_index_load(km_index *index, const char *path, void **user_out, size_t *user_size_out);
+
 /* ---- inspection --------------------------------------------------------------------------- */
 
 typedef struct km_worker_stats {

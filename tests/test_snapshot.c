@@ -1,0 +1,287 @@
+/* Snapshots (km_index_save / km_index_load): a random workload is saved and loaded into a fresh
+ * index, which must then equal the oracle in everything observable, and keep equalling it while
+ * both receive more random updates (the rebuilt anchor lists must invalidate segment keys as the
+ * originals did). Bad files: every truncation length class, flipped bytes all over the file, a
+ * different format version or configuration, a missing file: each gets its own error code, and
+ * the index it was loaded into keeps its content. */
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#include <xxhash.h>
+
+#include "test_util.h"
+
+typedef struct fixture {
+    km_rng r;
+    km_oracle o;
+    km_corpus corpus;
+    km_workload wl;
+    km_request_set rs;
+    km_match_results res;
+    char dir[64];
+    char path[128];
+} fixture;
+
+static km_index *make_index(uint32_t max_workers, uint32_t S)
+{
+    km_index_config cfg;
+    km_test_config(&cfg, NULL);
+    cfg.backend = KM_BACKEND_CPU;
+    cfg.max_workers = max_workers;
+    cfg.segment_blocks = S;
+    cfg.threads = 2;
+    cfg.initial_blocks = 256;
+    km_index *index = NULL;
+    int rc = km_index_create(&cfg, &index);
+    cr_assert_eq(rc, KM_OK, "km_index_create: %s", km_error_name(rc));
+    return index;
+}
+
+/* Drive `steps` random batches into the index and the oracle. */
+static void run_steps(fixture *f, km_index *index, int steps)
+{
+    for (int step = 0; step < steps; step++) {
+        km_workload_step(&f->wl, &f->r, &f->o, 6);
+        int rc = km_index_apply(index, f->wl.updates, f->wl.n_updates, NULL);
+        KM_CHECK(rc == KM_OK, "apply: %s (%s)", km_error_name(rc), km_index_last_error(index));
+        km_update_stats expect;
+        km_oracle_apply(&f->o, f->wl.updates, f->wl.n_updates, &expect);
+    }
+}
+
+static void check(fixture *f, km_index *index, uint32_t S, const char *when)
+{
+    char why[512];
+    km_request_set_generate(&f->rs, &f->r, &f->corpus, 1500);
+    KM_CHECK(km_check_index(&f->o, index, S, f->rs.requests, f->rs.n, &f->res, why, sizeof why),
+             "%s: %s", when, why);
+}
+
+static void fixture_init(fixture *f, uint32_t W, uint64_t salt)
+{
+    memset(f, 0, sizeof *f);
+    km_rng_init(&f->r, km_test_seed() ^ salt);
+    km_oracle_init(&f->o, W);
+    km_corpus_generate(&f->corpus, &f->r, 120, 4, 150);
+    km_workload_init(&f->wl, &f->corpus, W);
+    km_match_results_init(&f->res);
+    snprintf(f->dir, sizeof f->dir, "/tmp/kvmatch-snapshot-XXXXXX");
+    cr_assert(mkdtemp(f->dir) != NULL);
+    snprintf(f->path, sizeof f->path, "%s/index.snap", f->dir);
+}
+
+static void fixture_free(fixture *f)
+{
+    unlink(f->path);
+    rmdir(f->dir);
+    km_match_results_free(&f->res);
+    km_request_set_free(&f->rs);
+    km_workload_free(&f->wl);
+    km_corpus_free(&f->corpus);
+    km_oracle_free(&f->o);
+}
+
+static void round_trip(uint32_t W, uint32_t S)
+{
+    fixture f;
+    fixture_init(&f, W, ((uint64_t)W << 8) ^ S);
+    km_index *a = make_index(W, S);
+    run_steps(&f, a, 40);
+    check(&f, a, S, "before save");
+    const char user[] = "stream positions: worker 3 seq 41";
+    int rc = km_index_save(a, f.path, user, sizeof user);
+    cr_assert_eq(rc, KM_OK, "save: %s (%s)", km_error_name(rc), km_index_last_error(a));
+
+    km_index *b = make_index(W, S);
+    void *got = NULL;
+    size_t got_size = 0;
+    rc = km_index_load(b, f.path, &got, &got_size);
+    cr_assert_eq(rc, KM_OK, "load: %s (%s)", km_error_name(rc), km_index_last_error(b));
+    cr_assert_eq(got_size, sizeof user);
+    cr_assert(got && memcmp(got, user, sizeof user) == 0, "user section round trip");
+    free(got);
+    check(&f, b, S, "after load");
+    km_index_stats sa, sb;
+    km_index_get_stats(a, &sa);
+    km_index_get_stats(b, &sb);
+    cr_assert_eq(sa.segment_keys, sb.segment_keys, "segment keys survive");
+    cr_assert_eq(sa.segment_pairs, sb.segment_pairs);
+
+    /* The loaded index keeps working: more updates (removes must find segment keys through the
+     * rebuilt anchors), compared with the oracle, and scoring identical to the original's. */
+    for (int step = 0; step < 30; step++) {
+        km_workload_step(&f.wl, &f.r, &f.o, 6);
+        cr_assert_eq(km_index_apply(a, f.wl.updates, f.wl.n_updates, NULL), KM_OK);
+        cr_assert_eq(km_index_apply(b, f.wl.updates, f.wl.n_updates, NULL), KM_OK);
+        km_update_stats expect;
+        km_oracle_apply(&f.o, f.wl.updates, f.wl.n_updates, &expect);
+    }
+    check(&f, b, S, "after more updates");
+    km_match_results ra;
+    km_match_results_init(&ra);
+    cr_assert_eq(km_index_match_batch(a, f.rs.requests, f.rs.n, &ra), KM_OK);
+    cr_assert_eq(km_index_match_batch(b, f.rs.requests, f.rs.n, &f.res), KM_OK);
+    char why[256];
+    cr_assert(km_results_identical(&ra, &f.res, why, sizeof why), "original vs loaded: %s", why);
+    km_index_get_stats(a, &sa);
+    km_index_get_stats(b, &sb);
+    cr_assert_eq(sa.segment_pairs, sb.segment_pairs, "segment keys evolve identically");
+    km_match_results_free(&ra);
+    km_index_destroy(a);
+    km_index_destroy(b);
+    fixture_free(&f);
+}
+
+Test(snapshot, round_trip_segments_32, .timeout = 60) { round_trip(8, 32); }
+Test(snapshot, round_trip_segments_4, .timeout = 60) { round_trip(8, 4); }
+Test(snapshot, round_trip_no_segments_1024_workers, .timeout = 60) { round_trip(1024, 0); }
+
+/* ---- bad files ------------------------------------------------------------------------------ */
+
+static uint8_t *read_file(const char *path, size_t *size)
+{
+    FILE *fp = fopen(path, "rb");
+    cr_assert(fp != NULL);
+    fseek(fp, 0, SEEK_END);
+    long n = ftell(fp);
+    fseek(fp, 0, SEEK_SET);
+    uint8_t *buf = malloc((size_t)n);
+    cr_assert(buf && fread(buf, 1, (size_t)n, fp) == (size_t)n);
+    fclose(fp);
+    *size = (size_t)n;
+    return buf;
+}
+
+static void write_file(const char *path, const uint8_t *buf, size_t size)
+{
+    FILE *fp = fopen(path, "wb");
+    cr_assert(fp != NULL);
+    cr_assert_eq(fwrite(buf, 1, size, fp), size);
+    fclose(fp);
+}
+
+/* Load `path` into an index that holds the fixture's state; expect `status` and no change. */
+static void expect_rejected(fixture *f, km_index *index, uint32_t S, const char *path, int status,
+                            const char *what)
+{
+    void *user = (void *)1;
+    size_t user_size = 7;
+    int rc = km_index_load(index, path, &user, &user_size);
+    KM_CHECK(rc == status, "%s: load gave %s, expected %s (%s)", what, km_error_name(rc),
+             km_error_name(status), km_index_last_error(index));
+    KM_CHECK(user == NULL && user_size == 0, "%s: user outputs not cleared", what);
+    KM_CHECK(km_index_last_error(index)[0] != '\0', "%s: no error detail", what);
+    check(f, index, S, what);
+}
+
+Test(snapshot, bad_files_are_rejected_and_change_nothing, .timeout = 120)
+{
+    const uint32_t W = 8, S = 4;
+    fixture f;
+    fixture_init(&f, W, 77);
+    km_index *a = make_index(W, S);
+    run_steps(&f, a, 25);
+    cr_assert_eq(km_index_save(a, f.path, "u", 1), KM_OK);
+    size_t size;
+    uint8_t *good = read_file(f.path, &size);
+    char bad[160];
+    snprintf(bad, sizeof bad, "%s/bad.snap", f.dir);
+
+    /* Truncations: inside the header, at every section boundary region, one byte short. */
+    size_t cuts[] = {0, 1, 31, 63, 64, 65, 100, size / 3, size / 2, size - 9, size - 1};
+    for (size_t i = 0; i < sizeof cuts / sizeof cuts[0]; i++) {
+        write_file(bad, good, cuts[i]);
+        expect_rejected(&f, a, S, bad, KM_ERR_CORRUPT, "truncated");
+    }
+    /* One extra byte. */
+    uint8_t *longer = malloc(size + 1);
+    memcpy(longer, good, size);
+    longer[size] = 0;
+    write_file(bad, longer, size + 1);
+    expect_rejected(&f, a, S, bad, KM_ERR_CORRUPT, "extended");
+    free(longer);
+
+    /* Flipped bits all over the file (header fields, tables, counters, user section). */
+    uint8_t *flip = malloc(size);
+    for (int k = 0; k < 40; k++) {
+        memcpy(flip, good, size);
+        size_t at = k < 8 ? (size_t)k * 8 + 3 : (size_t)km_rng_below(&f.r, (uint32_t)size);
+        flip[at] ^= (uint8_t)(1u << km_rng_below(&f.r, 8));
+        write_file(bad, flip, size);
+        void *user = NULL;
+        size_t user_size = 0;
+        int rc = km_index_load(a, bad, &user, &user_size);
+        KM_CHECK(rc == KM_ERR_CORRUPT || rc == KM_ERR_INCOMPATIBLE,
+                 "flip at %zu: %s", at, km_error_name(rc));
+        check(&f, a, S, "after flipped byte");
+    }
+    free(flip);
+
+    /* A different format version, with a correctly resealed header: incompatible, not corrupt. */
+    uint8_t *v2 = malloc(size);
+    memcpy(v2, good, size);
+    uint32_t version = 2;
+    memcpy(v2 + 8, &version, 4);
+    uint64_t header_hash = XXH3_64bits(v2, 56);
+    memcpy(v2 + 56, &header_hash, 8);
+    write_file(bad, v2, size);
+    expect_rejected(&f, a, S, bad, KM_ERR_INCOMPATIBLE, "version 2");
+    free(v2);
+
+    /* Same file, index with another configuration. */
+    km_index *other = make_index(W, 8);
+    int rc = km_index_load(other, f.path, NULL, NULL);
+    cr_assert_eq(rc, KM_ERR_INCOMPATIBLE, "segment_blocks mismatch: %s", km_error_name(rc));
+    km_index_destroy(other);
+    other = make_index(16, S);
+    cr_assert_eq(km_index_load(other, f.path, NULL, NULL), KM_ERR_INCOMPATIBLE, "max_workers");
+    km_index_destroy(other);
+
+    /* Not a snapshot at all, and a missing file. */
+    write_file(bad, (const uint8_t *)"{\"not\": \"a snapshot\"}\n", 22);
+    expect_rejected(&f, a, S, bad, KM_ERR_CORRUPT, "json file");
+    unlink(bad);
+    expect_rejected(&f, a, S, bad, KM_ERR_IO, "missing file");
+
+    /* The good file still loads after all that. */
+    cr_assert_eq(km_index_load(a, f.path, NULL, NULL), KM_OK, "%s", km_index_last_error(a));
+    check(&f, a, S, "good file");
+    free(good);
+    km_index_destroy(a);
+    fixture_free(&f);
+}
+
+Test(snapshot, save_is_atomic_and_reports_io_errors, .timeout = 60)
+{
+    fixture f;
+    fixture_init(&f, 8, 5);
+    km_index *a = make_index(8, 32);
+    run_steps(&f, a, 10);
+    cr_assert_eq(km_index_save(a, f.path, NULL, 0), KM_OK);
+    run_steps(&f, a, 10);
+    /* Overwrite: the new content replaces the old, no temporary file is left behind. */
+    cr_assert_eq(km_index_save(a, f.path, NULL, 0), KM_OK);
+    int entries = 0;
+    char cmd[160];
+    snprintf(cmd, sizeof cmd, "ls -A %s | wc -l", f.dir);
+    FILE *p = popen(cmd, "r");
+    cr_assert(p && fscanf(p, "%d", &entries) == 1);
+    pclose(p);
+    cr_assert_eq(entries, 1, "only the snapshot remains in the directory");
+    km_index *b = make_index(8, 32);
+    cr_assert_eq(km_index_load(b, f.path, NULL, NULL), KM_OK);
+    check(&f, b, 32, "second save");
+    /* A directory that does not exist: KM_ERR_IO with the path in the message; index intact. */
+    int rc = km_index_save(a, "/nonexistent-kvmatch-dir/x.snap", NULL, 0);
+    cr_assert_eq(rc, KM_ERR_IO);
+    cr_assert(strstr(km_index_last_error(a), "nonexistent-kvmatch-dir") != NULL);
+    cr_assert_eq(km_index_save(NULL, f.path, NULL, 0), KM_ERR_NULL_POINTER);
+    cr_assert_eq(km_index_load(a, NULL, NULL, NULL), KM_ERR_NULL_POINTER);
+    check(&f, a, 32, "after failed save");
+    km_index_destroy(a);
+    km_index_destroy(b);
+    fixture_free(&f);
+}
