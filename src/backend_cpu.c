@@ -2,7 +2,9 @@
  * the CUDA kernel runs), across a persistent pool of threads. Requests are split into contiguous
  * slices of roughly equal block counts; inside a slice, the next request's first lookups are
  * prefetched while the current one walks, and the walk itself prefetches KM_PREFETCH_AHEAD keys
- * ahead, so several DRAM misses are always in flight per thread. */
+ * ahead, so several DRAM misses are always in flight per thread. A batch runs in two phases: each
+ * request's entry count (its block 0's holder count) first, so every walk then writes its entries
+ * straight into their final place in the results. */
 #include <pthread.h>
 #include <stddef.h>
 #include <stdlib.h>
@@ -129,9 +131,7 @@ _Static_assert(sizeof(km_walk_entry) == sizeof(km_worker_match) &&
                "km_walk_entry and km_worker_match must share a layout");
 
 typedef struct cpu_lane {
-    uint64_t *scratch;      /* KM_WALK_SCRATCH_WORDS(max_workers) */
-    km_worker_match *out;   /* this lane's matches, copied into the results afterwards */
-    size_t n_out, out_capacity;
+    uint64_t *scratch; /* KM_WALK_SCRATCH_WORDS(max_workers) */
     size_t first_request, end_request;
     int status;
 } cpu_lane;
@@ -163,7 +163,28 @@ static void prefetch_request(const km_table_view *blocks, const km_table_view *s
         km_view_prefetch(segments, r->hashes[end]);
 }
 
-static void match_lane(void *p, uint32_t lane_index)
+/* Phase 1: each request's entry count is the holder count of its block 0, known from one lookup,
+ * so every request's output can be placed exactly and the walks write in place (no copy of the
+ * batch's results, which at 1024 workers are ~8 KB per request). The lookup also brings block 0's
+ * slot into cache for phase 2. */
+#define CPU_COUNT_PREFETCH 8u
+static void count_lane(void *p, uint32_t lane_index)
+{
+    match_job *job = p;
+    cpu_lane *lane = &job->state->lanes[lane_index];
+    km_table_view blocks = km_table_get_view(&job->index->blocks);
+    for (size_t r = lane->first_request; r < lane->end_request; r++) {
+        size_t ahead = r + CPU_COUNT_PREFETCH;
+        if (ahead < lane->end_request && job->requests[ahead].n_hashes)
+            km_view_prefetch(&blocks, job->requests[ahead].hashes[0]);
+        const km_request *req = &job->requests[r];
+        uint64_t slot = req->n_hashes ? km_view_find(&blocks, req->hashes[0]) : KM_SLOT_NONE;
+        job->results->requests[r].count = slot == KM_SLOT_NONE ? 0 : km_slot_count(&blocks.slots[slot]);
+    }
+}
+
+/* Phase 2: walk every request straight into its place in the results. */
+static void walk_lane(void *p, uint32_t lane_index)
 {
     match_job *job = p;
     cpu_lane *lane = &job->state->lanes[lane_index];
@@ -172,36 +193,22 @@ static void match_lane(void *p, uint32_t lane_index)
     km_table_view segments = km_table_get_view(&index->segments);
     uint32_t S = index->config.segment_blocks;
     uint32_t max_workers = index->config.max_workers;
-    lane->n_out = 0;
-    lane->status = KM_OK;
     for (size_t r = lane->first_request; r < lane->end_request; r++) {
         if (r + 1 < lane->end_request)
             prefetch_request(&blocks, &segments, S, &job->requests[r + 1]);
         const km_request *req = &job->requests[r];
         km_request_result *res = &job->results->requests[r];
-        /* The walk writes straight into the lane's output: room for max_workers more entries. */
-        if (lane->n_out + max_workers > lane->out_capacity) {
-            size_t cap = lane->out_capacity ? lane->out_capacity * 2 : 4096;
-            while (cap < lane->n_out + max_workers)
-                cap *= 2;
-            km_worker_match *grown = realloc(lane->out, cap * sizeof *grown);
-            if (!grown) {
-                lane->status = KM_ERR_OUT_OF_MEMORY;
-                return;
-            }
-            lane->out = grown;
-            lane->out_capacity = cap;
-        }
         uint32_t owner, owner_depth, probes;
         uint32_t m = km_walk_request(&blocks, &segments, S, req->hashes, req->n_hashes,
-                                     (km_walk_entry *)(lane->out + lane->n_out), lane->scratch,
-                                     max_workers, &owner, &owner_depth, &probes);
-        res->first = lane->n_out; /* lane-relative until the merge */
-        res->count = m;
+                                     (km_walk_entry *)(job->results->matches + res->first),
+                                     lane->scratch, max_workers, &owner, &owner_depth, &probes);
+        if (m != res->count) { /* the tables cannot change between the phases */
+            lane->status = KM_ERR_INTERNAL;
+            return;
+        }
         res->owner = owner;
         res->owner_depth = owner_depth;
         res->probes = probes;
-        lane->n_out += m;
     }
 }
 
@@ -243,7 +250,6 @@ static void cpu_destroy(void *p)
     pool_destroy(state->pool);
     for (uint32_t i = 0; state->lanes && i < state->n_lanes; i++) {
         free(state->lanes[i].scratch);
-        free(state->lanes[i].out);
     }
     free(state->lanes);
     free(state);
@@ -279,30 +285,28 @@ static int cpu_match(void *p, km_index *index, const km_request *requests, size_
     }
     match_job job = {index, requests, results, state};
     if (lanes > 1)
-        pool_run(state->pool, match_lane, &job);
+        pool_run(state->pool, count_lane, &job);
     else
-        match_lane(&job, 0);
-
+        count_lane(&job, 0);
     size_t total_matches = 0;
-    for (uint32_t l = 0; l < state->n_lanes; l++) {
-        if (state->lanes[l].status)
-            return km_index_fail(index, state->lanes[l].status, "cpu scoring buffers");
-        total_matches += state->lanes[l].n_out;
+    for (size_t i = 0; i < n; i++) {
+        results->requests[i].first = total_matches;
+        total_matches += results->requests[i].count;
     }
     if (km_match_results_reserve(results, n, total_matches))
         return km_index_fail(index, KM_ERR_OUT_OF_MEMORY, "results for %zu matches", total_matches);
-    size_t base = 0;
+    for (uint32_t l = 0; l < state->n_lanes; l++)
+        state->lanes[l].status = KM_OK;
+    if (lanes > 1)
+        pool_run(state->pool, walk_lane, &job);
+    else
+        walk_lane(&job, 0);
     uint64_t probes = 0;
-    for (uint32_t l = 0; l < state->n_lanes; l++) {
-        cpu_lane *lane = &state->lanes[l];
-        if (lane->n_out)
-            memcpy(results->matches + base, lane->out, lane->n_out * sizeof *lane->out);
-        for (size_t i = lane->first_request; i < lane->end_request; i++) {
-            results->requests[i].first += base;
-            probes += results->requests[i].probes;
-        }
-        base += lane->n_out;
-    }
+    for (uint32_t l = 0; l < state->n_lanes; l++)
+        if (state->lanes[l].status)
+            return km_index_fail(index, state->lanes[l].status, "cpu scoring: tables changed during a batch");
+    for (size_t i = 0; i < n; i++)
+        probes += results->requests[i].probes;
     results->n_matches = total_matches;
     results->probes = probes;
     return KM_OK;
