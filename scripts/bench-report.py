@@ -1,0 +1,70 @@
+#!/usr/bin/env python3
+"""Render bench/results/index.json as the markdown section of docs/BENCHMARKS.md between the
+markers <!-- index:begin --> and <!-- index:end --> (stdlib only).
+
+usage: scripts/bench-report.py [bench/results/index.json] [docs/BENCHMARKS.md]
+"""
+import json
+import re
+import sys
+
+
+def fmt(x, digits=0):
+    if x is None:
+        return "not measured"
+    if isinstance(x, float) and digits:
+        return f"{x:,.{digits}f}"
+    return f"{round(x):,}"
+
+
+def render(d):
+    m = d.get("machine", {})
+    out = []
+    out.append(f"Command: `{d.get('command', 'kvmatch bench index --json')}`; machine: {m.get('cpu', '?')}, "
+               f"{m.get('cores', '?')} cores, {m.get('memory_gib', '?')} GiB; 1-minute load at start "
+               f"{m.get('loadavg_1min_at_start', '?')}. Medians of the repetitions.\n")
+    out.append("| backend | workers | threads | requests/s | block probes/s | slot reads/s | batch p50 (us) | batch p99 (us) | bytes/pair | wrong answers |")
+    out.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in d["results"]:
+        out.append(f"| {r['backend']} | {r['workers']} | {r.get('threads', '')} | {fmt(r['requests_per_s'])} | "
+                   f"{fmt(r['block_probes_per_s'])} | {fmt(r.get('slot_reads_per_s'))} | "
+                   f"{fmt(r['batch_p50_us'], 1)} | {fmt(r['batch_p99_us'], 1)} | {fmt(r['bytes_per_pair'], 1)} | "
+                   f"{r.get('mismatches', '')} |")
+    out.append(f"| cuda | 64, 1024 | | not measured | not measured | not measured | not measured | not measured | not measured | |")
+    out.append("")
+    out.append(f"Memory ceiling (`limit_slot_reads_per_s`, independent prefetched random 16-byte reads from a "
+               f"table of the cpu index's size, same threads): {fmt(d.get('limit_slot_reads_per_s'))} reads/s.\n")
+    out.append("| ratio (same run) | 64 workers | 1024 workers |")
+    out.append("|---|---:|---:|")
+    ratios = d.get("ratios", {})
+    keys = []
+    for w in ratios.values():
+        for k in w:
+            if k not in keys:
+                keys.append(k)
+    for k in keys:
+        out.append(f"| {k} | {ratios.get('64', {}).get(k, '')} | {ratios.get('1024', {}).get(k, '')} |")
+    notes = d.get("notes", [])
+    if notes:
+        out.append("")
+        out.extend(f"- {n}" for n in notes)
+    return "\n".join(out)
+
+
+def main():
+    src = sys.argv[1] if len(sys.argv) > 1 else "bench/results/index.json"
+    doc = sys.argv[2] if len(sys.argv) > 2 else "docs/BENCHMARKS.md"
+    with open(src) as f:
+        section = render(json.load(f))
+    with open(doc) as f:
+        text = f.read()
+    new, n = re.subn(r"(<!-- index:begin -->\n).*?(\n<!-- index:end -->)",
+                     lambda mo: mo.group(1) + section + mo.group(2), text, flags=re.S)
+    if n != 1:
+        sys.exit(f"{doc}: markers <!-- index:begin --> / <!-- index:end --> not found")
+    with open(doc, "w") as f:
+        f.write(new)
+
+
+if __name__ == "__main__":
+    main()
