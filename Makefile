@@ -82,8 +82,8 @@ asan: deps
 	    SANITIZE="-fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined" \
 	    build-asan/kvmatch build-asan/kvmatch-tests
 	$(Q)ASAN_OPTIONS=detect_leaks=1:abort_on_error=0 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
-	    LSAN_OPTIONS=suppressions=$(CURDIR)/tests/lsan.supp \
-	    scripts/run-tests.sh build-asan/kvmatch-tests
+	    LSAN_OPTIONS=fast_unwind_on_malloc=0:suppressions=$(CURDIR)/tests/lsan.supp \
+	    KM_FAIL_ON_SANITIZER=1 scripts/run-tests.sh build-asan/kvmatch-tests
 
 cuda:
 	@test -n "$(NVCC)" || { echo "make cuda: nvcc not found (set NVCC or CUDA_HOME)"; exit 1; }

@@ -13,4 +13,10 @@ grep -v -E '^\[(RUN |PASS)\] |Synthesis' "$log"
 echo "$(grep -c '^\[SKIP\]' "$log") test(s) skipped, listed above with the reason"
 grep 'Synthesis' "$log" | tail -n 1
 [ "$status" -eq 124 ] && echo "run-tests: $bin timed out" >&2
+# Criterion counts a test as passed even when a sanitizer reported in its process: with
+# KM_FAIL_ON_SANITIZER=1 any such report fails the run.
+if [ "${KM_FAIL_ON_SANITIZER:-0}" = 1 ] && grep -qE 'ERROR: (Address|Leak)Sanitizer|runtime error:' "$log"; then
+    echo "run-tests: a sanitizer reported an error (see above)" >&2
+    [ "$status" -eq 0 ] && status=1
+fi
 exit "$status"

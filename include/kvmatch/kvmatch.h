@@ -5,5 +5,7 @@
 #include "kvmatch/hash.h"
 #include "kvmatch/index.h"
 #include "kvmatch/kv_events.h"
+#include "kvmatch/feed.h"
+#include "kvmatch/subscriber.h"
 #define KVMATCH_VERSION "0.1.0"
 #endif

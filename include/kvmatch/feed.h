@@ -1,0 +1,310 @@
+/* The event feed: turns the workers' decoded KV events into placement-index updates, and checks
+ * each worker's event stream at the break (docs/EVENTS.md, "The feed").
+ *
+ * The feed is pure logic: no sockets, no clock, no threads. A transport (km_subscriber, or a test)
+ * hands it decoded messages with the local monotonic receive time and executes the actions it asks
+ * for (replay requests). In return the feed
+ *  - recomputes kvmatch chain hashes from each BlockStored's token_ids (docs/HASHING.md), chaining
+ *    from the parent's chain hash found through a per-worker map engine hash -> chain hash, which
+ *    also turns BlockRemoved's engine hashes back into chain hashes;
+ *  - tracks every worker's seq: a gap asks for a replay and merges it in order with the live
+ *    messages that arrive meanwhile; a replay that starts later than asked, or fails, means history
+ *    is lost (the worker is DEGRADED); a seq going back means the engine restarted (its blocks are
+ *    dropped, the index rebuilds from the new stream);
+ *  - queues the resulting index updates; km_feed_flush applies everything queued in one
+ *    km_index_apply batch, so a scoring batch run between flushes never sees part of an event
+ *    batch, and each worker's updates apply in the order its engine produced them;
+ *  - keeps per-worker counters and a bounded history of recovery windows (cause, start and end on
+ *    the local monotonic clock). Engine timestamps are reported as sent and never subtracted from
+ *    local times.
+ *
+ * Lifecycle: km_feed_config_init -> adjust -> km_feed_create(index) -> km_feed_add_worker ... ->
+ * any number of km_feed_live / km_feed_replay_* / km_feed_next_action / km_feed_flush /
+ * km_feed_worker_info -> km_feed_destroy. The handle is not thread-safe (km_subscriber serialises
+ * it under its lock). The index must outlive the feed; the feed writes to it only in km_feed_flush,
+ * and it owns the index worker ids it is given (it clears them when a worker is added or removed).
+ *
+ * Times: every `now_ns` is the caller's monotonic clock in nanoseconds (km_feed_clock_ns() gives
+ * CLOCK_MONOTONIC); it must not go backwards. */
+#ifndef KVMATCH_FEED_H
+#define KVMATCH_FEED_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kvmatch/error.h"
+#include "kvmatch/index.h"
+#include "kvmatch/kv_events.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct km_feed km_feed;
+
+/* Longest worker name kept (longer names are cut), terminating NUL included. */
+#define KM_FEED_NAME_MAX 256u
+
+/* What a DEGRADED worker's blocks count for. */
+typedef enum km_feed_degraded_policy {
+    /* Keep every block (some may be stale, some missing); the worker is flagged DEGRADED. */
+    KM_FEED_DEGRADED_KEEP_FLAGGED = 0,
+    /* Drop the worker's blocks from the index each time history is lost; blocks stored afterwards
+     * are indexed again as they are observed, so what the index holds is only what was seen. */
+    KM_FEED_DEGRADED_DROP = 1,
+} km_feed_degraded_policy;
+
+/* Blocks whose extra_keys entry is present although the event has no lora_name: the entry holds a
+ * cache salt, multimodal item ids or other keys whose content the decoder does not deliver, so the
+ * block's content hash cannot be computed faithfully. */
+typedef enum km_feed_extra_keys_policy {
+    /* Skip such a block and the rest of its event (counted as unhashable_blocks); its descendants
+     * are skipped too. The index never claims a salted or multimodal block it cannot name. */
+    KM_FEED_EXTRA_KEYS_SKIP = 0,
+    /* Hash it from its tokens (and LoRA) alone, as if the keys were absent: salted blocks then look
+     * like unsalted ones, and different images with equal placeholder tokens look equal. */
+    KM_FEED_EXTRA_KEYS_IGNORE = 1,
+} km_feed_extra_keys_policy;
+
+typedef struct km_feed_config {
+    uint32_t block_size; /* the pool's tokens per block; events with another size are rejected;
+                          * default 16 */
+    km_feed_degraded_policy degraded_policy; /* default KM_FEED_DEGRADED_KEEP_FLAGGED */
+    km_feed_extra_keys_policy extra_keys_policy; /* default KM_FEED_EXTRA_KEYS_SKIP */
+    /* Ask a worker that has a replay endpoint for its whole buffered history (replay from seq 0)
+     * as soon as it is added, before trusting the live stream. Default true. */
+    bool bootstrap_replay;
+    uint32_t max_buffered_messages; /* live messages held per worker while a replay runs; one more
+                                     * abandons the replay (history lost); default 10,000 */
+    uint64_t max_buffered_bytes;    /* the same bound in bytes of copied events; default 256 MiB */
+    uint32_t max_windows;           /* recovery windows kept per worker (oldest dropped first);
+                                     * default 64 */
+    uint64_t max_queued_hashes;     /* hashes queued for the next flush, all workers together; a
+                                     * message that would pass it is dropped (its worker becomes
+                                     * DEGRADED); default 1 << 24 */
+    uint32_t replay_dedup_window;   /* recently replayed messages remembered per worker to tell a
+                                     * late live duplicate from a restarted engine; default 1024 */
+    km_log_fn log;                  /* one line per notable transition; NULL = stderr */
+    void *log_user;
+} km_feed_config;
+
+void km_feed_config_init(km_feed_config *cfg);
+
+/* cfg NULL = defaults. Errors: KM_ERR_NULL_POINTER (index, out), KM_ERR_INVALID_ARGUMENT (a limit
+ * of 0), KM_ERR_BLOCK_SIZE, KM_ERR_OUT_OF_MEMORY. */
+int km_feed_create(km_index *index, const km_feed_config *cfg, km_feed **out);
+void km_feed_destroy(km_feed *feed); /* NULL is a no-op; queued updates are discarded */
+
+/* Detail of the last failed call ("" when none). Valid until the next call on the handle. */
+const char *km_feed_last_error(const km_feed *feed);
+
+/* CLOCK_MONOTONIC in nanoseconds. */
+uint64_t km_feed_clock_ns(void);
+
+/* ---- workers ---------------------------------------------------------------------------------- */
+
+typedef struct km_feed_worker_config {
+    uint32_t worker;  /* index worker id: 0 .. the index's max_workers - 1 */
+    const char *name; /* for logs and info, e.g. the endpoint; NULL = "" */
+    bool has_replay;  /* the worker has a replay endpoint the transport can ask */
+} km_feed_worker_config;
+
+/* Start following a worker. Queues a CLEAR_WORKER (the id starts empty), opens a STARTUP window,
+ * and, when bootstrap_replay and has_replay, queues a replay request from seq 0.
+ * Errors: KM_ERR_NULL_POINTER, KM_ERR_WORKER_RANGE, KM_ERR_INVALID_ARGUMENT (already added),
+ * KM_ERR_OUT_OF_MEMORY. */
+int km_feed_add_worker(km_feed *feed, const km_feed_worker_config *cfg, uint64_t now_ns);
+/* Stop following a worker: its state and history are freed and a REMOVE_WORKER is queued (the
+ * index drops its blocks and counters at the next flush). A replay in flight is cancelled.
+ * Errors: KM_ERR_INVALID_ARGUMENT (not added). */
+int km_feed_remove_worker(km_feed *feed, uint32_t worker, uint64_t now_ns);
+/* Full resync: drop the worker's blocks and map, and rebuild from its replay buffer (replay from
+ * seq 0) or, without a replay endpoint, from the next live message. Ends DEGRADED.
+ * Errors: KM_ERR_INVALID_ARGUMENT (not added). */
+int km_feed_resync_worker(km_feed *feed, uint32_t worker, uint64_t now_ns);
+
+/* ---- inputs ----------------------------------------------------------------------------------- */
+
+/* A message from the worker's live (SUB) stream. batch NULL: the frames held a readable seq but
+ * the payload was rejected by the decoder; the seq is consumed and the message counted as
+ * malformed. The batch is copied when it must wait (replay in progress); the caller may reuse its
+ * memory when the call returns. Running out of memory is not an error of the call: the affected
+ * message is handled as lost or dropped (counted, worker DEGRADED) and the state stays consistent.
+ * Errors: KM_ERR_NULL_POINTER, KM_ERR_INVALID_ARGUMENT (worker not added). */
+int km_feed_live(km_feed *feed, uint32_t worker, uint64_t seq, const km_kv_batch *batch,
+                 uint64_t now_ns);
+/* A message from the worker that had no readable seq (wrong frame count, a seq frame of the wrong
+ * size): counted as malformed, nothing else changes. */
+int km_feed_malformed(km_feed *feed, uint32_t worker, uint64_t now_ns);
+
+/* Replay answers, tagged with the request id of the km_feed_action they answer. Answers to any
+ * other id (a cancelled or superseded request) are counted and ignored. batch NULL: a malformed
+ * item with a readable seq (the seq is consumed, counted as malformed). */
+int km_feed_replay_item(km_feed *feed, uint32_t worker, uint64_t request_id, uint64_t seq,
+                        const km_kv_batch *batch, uint64_t now_ns);
+int km_feed_replay_end(km_feed *feed, uint32_t worker, uint64_t request_id, uint64_t now_ns);
+
+typedef enum km_feed_replay_failure {
+    KM_FEED_REPLAY_TIMEOUT = 1,     /* no answer within the transport's deadline */
+    KM_FEED_REPLAY_UNREACHABLE = 2, /* the request could not be sent */
+} km_feed_replay_failure;
+
+/* The replay for request_id will not complete. The missing history is lost (DEGRADED), except
+ * for a bootstrap or resync replay, where the stream simply starts at the next live message. */
+int km_feed_replay_failed(km_feed *feed, uint32_t worker, uint64_t request_id,
+                          km_feed_replay_failure reason, uint64_t now_ns);
+
+/* ---- actions for the transport ---------------------------------------------------------------- */
+
+typedef enum km_feed_action_kind {
+    /* Send one replay request for seqs >= start_seq to the worker's replay endpoint. A worker has
+     * at most one replay in flight: a new request supersedes the previous one, whose answers the
+     * transport must not mix in (km_subscriber opens a fresh socket). */
+    KM_FEED_ACTION_REPLAY_REQUEST = 1,
+    /* Stop waiting for request_id (answers to it will be ignored; the transport may drop them). */
+    KM_FEED_ACTION_REPLAY_CANCEL = 2,
+} km_feed_action_kind;
+
+typedef struct km_feed_action {
+    km_feed_action_kind kind;
+    uint32_t worker;
+    uint64_t request_id; /* unique per feed, from 1 */
+    uint64_t start_seq;  /* REPLAY_REQUEST only */
+} km_feed_action;
+
+/* Pop the oldest pending action: 1 when *out was filled, 0 when none is pending. */
+int km_feed_next_action(km_feed *feed, km_feed_action *out);
+
+/* ---- applying ----------------------------------------------------------------------------------- */
+
+typedef struct km_feed_flush_stats {
+    uint64_t updates;          /* km_update entries applied */
+    uint64_t groups;           /* messages (and control steps) applied */
+    uint64_t groups_failed;    /* messages the index refused (memory cap / out of memory) */
+    km_update_stats index;     /* what km_index_apply reported, summed */
+} km_feed_flush_stats;
+
+/* Apply every queued update to the index in one km_index_apply batch (call it between scoring
+ * batches). When the index refuses the batch (KM_ERR_MEMORY_CAP, KM_ERR_OUT_OF_MEMORY), it is
+ * applied message by message instead: each message's updates still apply all or nothing, a refused
+ * message is dropped and its worker becomes DEGRADED, and the first error is returned after the
+ * queue has been consumed. Any other index error is returned with the queue kept. stats may be
+ * NULL. */
+int km_feed_flush(km_feed *feed, uint64_t now_ns, km_feed_flush_stats *stats);
+/* Hashes and updates waiting for the next flush. */
+void km_feed_pending(const km_feed *feed, uint64_t *updates, uint64_t *hashes);
+
+/* ---- inspection --------------------------------------------------------------------------------- */
+
+typedef enum km_feed_state {
+    KM_FEED_STATE_SYNCING = 0,  /* no stream position yet (waiting for the first message, or a
+                                 * bootstrap / resync replay is running) */
+    KM_FEED_STATE_LIVE = 1,     /* every message since the stream position was applied in order */
+    KM_FEED_STATE_GAP = 2,      /* a replay is filling a gap; the index lags the worker */
+    KM_FEED_STATE_DEGRADED = 3, /* history was lost: the worker's index is incomplete until a
+                                 * restart, an AllBlocksCleared or a resync */
+} km_feed_state;
+
+typedef enum km_feed_window_cause {
+    KM_FEED_WINDOW_STARTUP = 1,  /* worker added, until its stream position and history are known */
+    KM_FEED_WINDOW_GAP = 2,      /* a seq gap, until a replay filled it or it was found lost */
+    KM_FEED_WINDOW_RESTART = 3,  /* seq went back (new engine process), until its stream is applied */
+    KM_FEED_WINDOW_RESYNC = 4,   /* km_feed_resync_worker, until the rebuild finished */
+    KM_FEED_WINDOW_DEGRADED = 5, /* history lost, until a restart, AllBlocksCleared or resync */
+} km_feed_window_cause;
+
+typedef enum km_feed_window_end {
+    KM_FEED_END_OPEN = 0,      /* still open */
+    KM_FEED_END_RECOVERED = 1, /* the history is complete again */
+    KM_FEED_END_LOST = 2,      /* recovery finished but history was lost (a DEGRADED window opened) */
+    KM_FEED_END_RESTART = 3,   /* ended by an engine restart */
+    KM_FEED_END_CLEARED = 4,   /* DEGRADED ended by AllBlocksCleared: the engine dropped everything */
+    KM_FEED_END_RESYNC = 5,    /* ended by km_feed_resync_worker */
+} km_feed_window_end;
+
+/* One recovery window. Times are the local monotonic clock (the now_ns of the calls). */
+typedef struct km_feed_window {
+    km_feed_window_cause cause;
+    km_feed_window_end end;
+    uint64_t start_ns;
+    uint64_t end_ns;      /* 0 while open */
+    uint64_t duration_ns; /* end_ns - start_ns; 0 while open */
+    uint64_t from_seq;    /* GAP: first missing seq; RESTART: the seq that revealed it; else 0 */
+    uint64_t replay_requests; /* replay requests sent during the window */
+    uint64_t replayed;    /* messages applied from replays during the window */
+    uint64_t lost;        /* seqs skipped without being applied during the window */
+} km_feed_window;
+
+/* Counters over the worker's life in this feed (since km_feed_add_worker). */
+typedef struct km_feed_worker_counters {
+    uint64_t messages;           /* live messages received (malformed included) */
+    uint64_t events;             /* events applied */
+    uint64_t blocks_stored;      /* blocks of applied BlockStored events, hashed and queued */
+    uint64_t blocks_removed;     /* blocks whose last medium was removed (queued REMOVE) */
+    uint64_t stored_by_medium[4];  /* blocks of applied BlockStored events by km_kv_medium */
+    uint64_t removed_by_medium[4]; /* blocks of applied BlockRemoved events by km_kv_medium */
+    uint64_t clears;             /* AllBlocksCleared events applied */
+    uint64_t gaps;               /* seq gaps detected */
+    uint64_t replay_requests;    /* replay requests issued */
+    uint64_t replay_failures;    /* replays that timed out, could not be sent, or were abandoned */
+    uint64_t replayed;           /* messages applied from replays */
+    uint64_t duplicates;         /* messages skipped because their seq was already applied */
+    uint64_t lost;               /* seqs skipped without being applied (history lost) */
+    uint64_t late_lost;          /* live copies of seqs already given up as lost, arriving late:
+                                  * skipped (the worker stays DEGRADED) */
+    uint64_t history_unavailable; /* seqs before the first one this feed could get at startup or
+                                  * resync (the engine's history before we joined) */
+    uint64_t restarts;           /* engine restarts detected (seq went back) */
+    uint64_t malformed;          /* messages the decoder rejected */
+    uint64_t rejected_events;    /* events the decoder rejected inside accepted messages */
+    uint64_t unknown_events;     /* events of unknown types, skipped */
+    uint64_t unknown_parent_blocks; /* blocks skipped: parent's engine hash not in the map */
+    uint64_t unhashable_blocks;  /* blocks skipped by KM_FEED_EXTRA_KEYS_SKIP (and descendants) */
+    uint64_t block_size_mismatch; /* BlockStored events rejected: block_size != the pool's */
+    uint64_t unknown_removes;    /* removed engine hashes not in the map */
+    uint64_t buffer_overflows;   /* replays abandoned because the live buffer was full */
+    uint64_t stale_replay_items; /* replay answers to a cancelled or superseded request */
+    uint64_t dropped_messages;   /* messages whose updates were dropped (queue full, index refused) */
+} km_feed_worker_counters;
+
+typedef struct km_feed_worker_info {
+    uint32_t worker;
+    char name[KM_FEED_NAME_MAX];
+    km_feed_state state;
+    bool has_replay;
+    bool replay_in_flight;
+    bool has_expected_seq;
+    uint64_t expected_seq;       /* next seq to apply */
+    bool has_last_receive;
+    uint64_t last_receive_ns;    /* local monotonic time of the last message (live or replay) */
+    double last_engine_timestamp; /* ts of the last applied batch, as the engine sent it (another
+                                   * host's wall clock: never compare it with local times) */
+    uint32_t buffered_messages;  /* live messages waiting for a replay to finish */
+    uint64_t buffered_bytes;
+    uint64_t map_entries;        /* engine hashes known */
+    km_feed_worker_counters counters;
+    uint64_t windows_total;      /* windows ever opened */
+    uint32_t windows_kept;       /* in the history now (at most max_windows) */
+    uint32_t windows_open;
+} km_feed_worker_info;
+
+/* Errors: KM_ERR_NULL_POINTER, KM_ERR_INVALID_ARGUMENT (not added). */
+int km_feed_get_worker_info(const km_feed *feed, uint32_t worker, km_feed_worker_info *out);
+/* The kept windows, oldest first; *n_out gets the number kept even when capacity is short. */
+int km_feed_get_worker_windows(const km_feed *feed, uint32_t worker, km_feed_window *out,
+                           uint32_t capacity, uint32_t *n_out);
+/* Worker ids currently followed, ascending; *n_out gets the full count. */
+int km_feed_get_workers(const km_feed *feed, uint32_t *workers, uint32_t capacity, uint32_t *n_out);
+
+/* "SYNCING", "LIVE", "GAP", "DEGRADED"; "unknown" otherwise. */
+const char *km_feed_state_name(km_feed_state state);
+/* "startup", "gap", "restart", "resync", "degraded"; "unknown" otherwise. */
+const char *km_feed_window_cause_name(km_feed_window_cause cause);
+/* "open", "recovered", "lost", "restart", "cleared", "resync"; "unknown" otherwise. */
+const char *km_feed_window_end_name(km_feed_window_end end);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

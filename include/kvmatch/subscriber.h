@@ -1,0 +1,130 @@
+/* The KV-event subscriber: the ZMQ transport that feeds a km_feed from the workers' own event
+ * streams (vLLM / SGLang ZmqEventPublisher; docs/EVENTS.md, "The subscriber").
+ *
+ * One I/O thread owns every socket: per worker a SUB socket (all topics) connected to the worker's
+ * PUB endpoint and, when the worker has one, a DEALER connected to its replay (ROUTER) endpoint.
+ * The thread decodes each message with a km_kv_decoder and hands it to the feed under the
+ * subscriber's lock, sends the replay requests the feed asks for ([empty, start_seq as 8 bytes
+ * big-endian]) and fails a replay that gets no answer within replay_timeout_ms. Malformed frames
+ * and payloads are counted and skipped: bad input never stops the thread.
+ *
+ * The index is written only by km_subscriber_flush, called by the thread that also scores
+ * (between scoring batches): it takes the lock and applies every queued update in one
+ * km_index_apply batch, so a scoring batch never sees half an event batch. The subscriber never
+ * touches the index otherwise; the caller keeps serialising index calls as index.h requires.
+ *
+ * Lifecycle: km_subscriber_config_init -> adjust -> km_subscriber_create(index) (starts the
+ * thread) -> km_subscriber_add_worker / add_engine / remove_worker at any time, from any thread ->
+ * km_subscriber_flush + km_index_match_batch in the scoring loop; km_subscriber_get_worker_info
+ * etc. from any thread -> km_subscriber_destroy (prompt: stops the thread, closes every socket).
+ * The index must outlive the subscriber. */
+#ifndef KVMATCH_SUBSCRIBER_H
+#define KVMATCH_SUBSCRIBER_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kvmatch/error.h"
+#include "kvmatch/feed.h"
+#include "kvmatch/index.h"
+#include "kvmatch/kv_events.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct km_subscriber km_subscriber;
+
+/* Longest endpoint accepted, terminating NUL included (ZMQ endpoints are short). */
+#define KM_SUBSCRIBER_ENDPOINT_MAX 256u
+
+typedef struct km_subscriber_config {
+    km_feed_config feed;          /* the feed the subscriber owns (block size, policies, limits) */
+    km_kv_decoder_config decoder; /* wire limits; max_payload_bytes also caps ZMQ_MAXMSGSIZE */
+    uint32_t replay_timeout_ms;   /* a replay with no answer for this long fails; default 5000 */
+    int32_t receive_hwm;          /* ZMQ_RCVHWM of each SUB socket; default 100,000 (the
+                                   * publisher's default) */
+    uint32_t max_messages_per_wakeup; /* taken from one socket before the others get a turn;
+                                       * default 256 */
+    km_log_fn log;                /* transport lines; NULL = stderr */
+    void *log_user;
+} km_subscriber_config;
+
+void km_subscriber_config_init(km_subscriber_config *cfg);
+
+/* Starts the I/O thread. cfg NULL = defaults. Errors: KM_ERR_NULL_POINTER, KM_ERR_INVALID_ARGUMENT,
+ * KM_ERR_BLOCK_SIZE (from the feed or decoder config), KM_ERR_OUT_OF_MEMORY, KM_ERR_IO (ZMQ or
+ * the thread could not start). */
+int km_subscriber_create(km_index *index, const km_subscriber_config *cfg, km_subscriber **out);
+/* Stops the thread and closes every socket; queued updates not yet flushed are discarded.
+ * NULL is a no-op. */
+void km_subscriber_destroy(km_subscriber *sub);
+
+/* Detail of the last failed call on this handle, from any thread ("" when none). The returned
+ * string stays valid until the next failing call. */
+const char *km_subscriber_last_error(const km_subscriber *sub);
+
+/* ---- workers ---------------------------------------------------------------------------------- */
+
+typedef struct km_subscriber_worker {
+    uint32_t worker;             /* index worker id */
+    const char *name;            /* for logs and info; NULL = the endpoint */
+    const char *endpoint;        /* the worker's PUB endpoint, e.g. "tcp://10.0.0.5:5557" */
+    const char *replay_endpoint; /* its replay endpoint, e.g. "tcp://10.0.0.5:5558"; NULL = none */
+} km_subscriber_worker;
+
+/* Connect to a worker and start following it (km_feed_add_worker: with a replay endpoint and
+ * feed.bootstrap_replay, its buffered history is asked for at once). Returns when the sockets
+ * exist; connecting itself is asynchronous (ZMQ retries until the worker is up).
+ * Errors: KM_ERR_NULL_POINTER, KM_ERR_INVALID_ARGUMENT (already followed, bad endpoint),
+ * KM_ERR_WORKER_RANGE, KM_ERR_TOO_LARGE (endpoint over KM_SUBSCRIBER_ENDPOINT_MAX),
+ * KM_ERR_OUT_OF_MEMORY, KM_ERR_IO. */
+int km_subscriber_add_worker(km_subscriber *sub, const km_subscriber_worker *worker);
+/* An engine with data_parallel_size ranks: rank r is worker rank0->worker + r, on the endpoints of
+ * km_endpoint_for_rank (port + r), named "<name>/dp<r>". All or nothing. */
+int km_subscriber_add_engine(km_subscriber *sub, const km_subscriber_worker *rank0,
+                             uint32_t data_parallel_size);
+/* Disconnect and stop following; the worker's blocks leave the index at the next flush. */
+int km_subscriber_remove_worker(km_subscriber *sub, uint32_t worker);
+/* km_feed_resync_worker through the I/O thread. */
+int km_subscriber_resync_worker(km_subscriber *sub, uint32_t worker);
+
+/* ---- the index ---------------------------------------------------------------------------------- */
+
+/* km_feed_flush under the lock. Call between scoring batches, on the thread that scores. */
+int km_subscriber_flush(km_subscriber *sub, km_feed_flush_stats *stats);
+
+/* ---- inspection (any thread) ------------------------------------------------------------------- */
+
+int km_subscriber_get_worker_info(km_subscriber *sub, uint32_t worker, km_feed_worker_info *out);
+int km_subscriber_get_worker_windows(km_subscriber *sub, uint32_t worker, km_feed_window *out,
+                                     uint32_t capacity, uint32_t *n_out);
+int km_subscriber_get_workers(km_subscriber *sub, uint32_t *workers, uint32_t capacity,
+                              uint32_t *n_out);
+
+typedef struct km_subscriber_stats {
+    uint64_t live_messages;     /* multipart messages received on SUB sockets */
+    uint64_t replay_messages;   /* multipart messages received on DEALER sockets */
+    uint64_t bytes_received;
+    uint64_t malformed;         /* messages the decoder rejected (both sockets) */
+    uint64_t replay_requests;   /* requests sent */
+    uint64_t replay_timeouts;
+    uint64_t replay_send_failures;
+    uint64_t wakeups;           /* zmq_poll returns */
+    km_kv_decoder_stats decoder;
+} km_subscriber_stats;
+
+int km_subscriber_get_stats(km_subscriber *sub, km_subscriber_stats *out);
+
+/* ---- endpoints ---------------------------------------------------------------------------------- */
+
+/* The endpoint of data-parallel rank `rank`, as vLLM derives it (offset_endpoint_port): rank 0 is
+ * the endpoint itself; "tcp://host:P" becomes "tcp://host:(P + rank)"; an inproc endpoint gets
+ * "_dp<rank>" appended. Errors: KM_ERR_NULL_POINTER, KM_ERR_INVALID_ARGUMENT (no port, a port past
+ * 65535, another transport), KM_ERR_TOO_LARGE (out_size too small). */
+int km_endpoint_for_rank(const char *endpoint, uint32_t rank, char *out, size_t out_size);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,1227 @@
+/* The event feed (include/kvmatch/feed.h) without sockets: payloads built by the test helper in
+ * every encoding, decoded by the real decoder, handed to the feed with a synthetic clock. Covers
+ * chain hashing (HASHING.md, LoRA, bytes vs int hashes, parents), removals and tiers, the
+ * unknown-parent / block-size / extra-keys rules, and the stream checks: gaps filled by replay,
+ * replays that start late (history lost, DEGRADED, both policies), restarts, restarts and late
+ * duplicates during replays, buffer overflow, replay failure, bootstrap and resync, flush
+ * atomicity under the index's memory cap, windows, and a randomized run against the simulated
+ * engine's truth. Randomized tests print their seed (KM_TEST_SEED). */
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kv_test_publisher.h"
+#include "kvmatch/feed.h"
+#include "kvmatch/hash.h"
+#include "test_util.h"
+
+#define BS 4u /* block size of these tests */
+
+/* ---- fixture --------------------------------------------------------------------------------- */
+
+typedef struct fx {
+    km_index *index;
+    km_feed *feed;
+    km_feed_config cfg;
+    km_kv_decoder *dec;
+    uint64_t now;
+    km_test_engine engine;
+    km_rng rng;
+    km_test_batch batch;
+    void **payloads; /* every message made, in order; seq = index - seq_base */
+    size_t *sizes;
+    size_t n, cap;
+    size_t seq_base;
+} fx;
+
+static void fx_init_cfg(fx *f, const km_feed_config *cfg, km_test_encoding enc,
+                        km_test_hash_form form)
+{
+    memset(f, 0, sizeof *f);
+    f->index = km_test_make_index(16);
+    if (cfg)
+        f->cfg = *cfg;
+    else
+        km_test_feed_config(&f->cfg, BS);
+    cr_assert_eq(km_feed_create(f->index, &f->cfg, &f->feed), KM_OK);
+    cr_assert_eq(km_kv_decoder_create(NULL, &f->dec), KM_OK);
+    f->now = 1000;
+    km_test_engine_init(&f->engine, BS, 0x1234);
+    km_rng_init(&f->rng, km_test_seed());
+    km_test_batch_init(&f->batch, enc, form, 0);
+}
+
+static void fx_init(fx *f)
+{
+    fx_init_cfg(f, NULL, KM_TEST_ENCODING_POSITIONAL, KM_TEST_HASH_INT);
+}
+
+static void fx_free(fx *f)
+{
+    for (size_t i = 0; i < f->n; i++)
+        free(f->payloads[i]);
+    free(f->payloads);
+    free(f->sizes);
+    km_test_batch_free(&f->batch);
+    km_test_engine_free(&f->engine);
+    km_kv_decoder_destroy(f->dec);
+    km_feed_destroy(f->feed);
+    km_index_destroy(f->index);
+}
+
+static void fx_add(fx *f, uint32_t w, bool has_replay)
+{
+    km_feed_worker_config wc = {w, "w", has_replay};
+    int rc = km_feed_add_worker(f->feed, &wc, f->now++);
+    cr_assert_eq(rc, KM_OK, "add_worker: %s", km_feed_last_error(f->feed));
+}
+
+/* Keep the current batch as the next message; returns its seq. */
+static uint64_t fx_keep(fx *f)
+{
+    size_t size;
+    const void *p = km_test_batch_payload(&f->batch, &size);
+    if (f->n == f->cap) {
+        f->cap = f->cap ? f->cap * 2 : 64;
+        f->payloads = realloc(f->payloads, f->cap * sizeof *f->payloads);
+        f->sizes = realloc(f->sizes, f->cap * sizeof *f->sizes);
+    }
+    f->payloads[f->n] = malloc(size);
+    memcpy(f->payloads[f->n], p, size);
+    f->sizes[f->n] = size;
+    f->n++;
+    km_test_batch_reset(&f->batch);
+    return f->n - 1 - f->seq_base;
+}
+
+/* Make n random messages; returns the seq of the first. */
+static uint64_t fx_make(fx *f, size_t n, uint32_t clear_percent)
+{
+    uint64_t first = f->n - f->seq_base;
+    for (size_t i = 0; i < n; i++) {
+        km_test_engine_step(&f->engine, &f->rng, &f->batch, 3, clear_percent);
+        fx_keep(f);
+    }
+    return first;
+}
+
+static km_kv_batch fx_decode(fx *f, uint64_t seq)
+{
+    size_t i = f->seq_base + seq;
+    cr_assert(i < f->n);
+    km_kv_batch b;
+    int rc = km_kv_decode_payload(f->dec, f->payloads[i], f->sizes[i], &b);
+    cr_assert_eq(rc, KM_OK, "decode: %s", km_kv_decoder_last_error(f->dec));
+    return b;
+}
+
+static void fx_live(fx *f, uint32_t w, uint64_t seq)
+{
+    km_kv_batch b = fx_decode(f, seq);
+    cr_assert_eq(km_feed_live(f->feed, w, seq, &b, f->now++), KM_OK);
+}
+
+static void fx_live_range(fx *f, uint32_t w, uint64_t from, uint64_t to)
+{
+    for (uint64_t s = from; s < to; s++)
+        fx_live(f, w, s);
+}
+
+static void fx_item(fx *f, uint32_t w, uint64_t req, uint64_t seq)
+{
+    km_kv_batch b = fx_decode(f, seq);
+    cr_assert_eq(km_feed_replay_item(f->feed, w, req, seq, &b, f->now++), KM_OK);
+}
+
+static void fx_items(fx *f, uint32_t w, uint64_t req, uint64_t from, uint64_t to)
+{
+    for (uint64_t s = from; s < to; s++)
+        fx_item(f, w, req, s);
+}
+
+static void fx_end(fx *f, uint32_t w, uint64_t req)
+{
+    cr_assert_eq(km_feed_replay_end(f->feed, w, req, f->now++), KM_OK);
+}
+
+static km_feed_action fx_action(fx *f, km_feed_action_kind kind)
+{
+    km_feed_action a;
+    cr_assert_eq(km_feed_next_action(f->feed, &a), 1, "expected an action");
+    cr_assert_eq(a.kind, kind, "action kind %d, expected %d", a.kind, kind);
+    return a;
+}
+
+static void fx_no_action(fx *f)
+{
+    km_feed_action a;
+    cr_assert_eq(km_feed_next_action(f->feed, &a), 0, "unexpected action kind %d start %" PRIu64,
+                 a.kind, a.start_seq);
+}
+
+static km_feed_worker_info fx_info(fx *f, uint32_t w)
+{
+    km_feed_worker_info info;
+    cr_assert_eq(km_feed_get_worker_info(f->feed, w, &info), KM_OK);
+    return info;
+}
+
+static void fx_flush(fx *f)
+{
+    int rc = km_feed_flush(f->feed, f->now++, NULL);
+    cr_assert_eq(rc, KM_OK, "flush: %s", km_feed_last_error(f->feed));
+}
+
+/* The index holds exactly what the simulated engine caches. */
+static void fx_check_truth(fx *f, uint32_t w)
+{
+    fx_flush(f);
+    size_t n;
+    uint64_t *chains = km_test_engine_chains(&f->engine, false, &n);
+    char why[256];
+    int ok = km_test_index_holds_exactly(f->index, w, chains, n, why, sizeof why);
+    free(chains);
+    KM_CHECK(ok, "%s", why);
+}
+
+static uint32_t fx_windows(fx *f, uint32_t w, km_feed_window *out, uint32_t cap)
+{
+    uint32_t n = 0;
+    cr_assert_eq(km_feed_get_worker_windows(f->feed, w, out, cap, &n), KM_OK);
+    return n;
+}
+
+/* ---- hashing --------------------------------------------------------------------------------- */
+
+Test(feed, chain_hashes_follow_hashing_md, .timeout = 10)
+{
+    /* The same two stores in each encoding and hash form, each to its own worker. */
+    km_test_encoding encs[2] = {KM_TEST_ENCODING_POSITIONAL, KM_TEST_ENCODING_MAP};
+    km_test_hash_form forms[3] = {KM_TEST_HASH_INT, KM_TEST_HASH_BYTES32, KM_TEST_HASH_BYTES16};
+    uint32_t tokens[5 * BS];
+    for (uint32_t i = 0; i < 5 * BS; i++)
+        tokens[i] = 1000 + i * 7;
+    /* engine hashes: above 2^63 included */
+    uint64_t ehash[5] = {UINT64_C(0xfedcba9876543210), 11, 12, UINT64_C(0x8000000000000001), 14};
+    km_hash_config hc = {BS, NULL, NULL};
+    uint64_t want[5];
+    size_t nb;
+    cr_assert_eq(km_hash_sequence(&hc, tokens, 5 * BS, 0, 0, NULL, want, &nb), KM_OK);
+
+    fx f;
+    fx_init(&f);
+    uint32_t w = 0;
+    for (int e = 0; e < 2; e++)
+        for (int h = 0; h < 3; h++, w++) {
+            km_test_batch b;
+            km_test_batch_init(&b, encs[e], forms[h], 0);
+            km_test_batch_stored(&b, ehash, 3, false, 0, tokens, BS, NULL, NULL);
+            km_test_batch_stored(&b, ehash + 3, 2, true, ehash[2], tokens + 3 * BS, BS, NULL, NULL);
+            size_t size;
+            const void *p = km_test_batch_payload(&b, &size);
+            km_kv_batch kb;
+            cr_assert_eq(km_kv_decode_payload(f.dec, p, size, &kb), KM_OK);
+            fx_add(&f, w, false);
+            cr_assert_eq(km_feed_live(f.feed, w, 0, &kb, f.now++), KM_OK);
+            km_test_batch_free(&b);
+            fx_flush(&f);
+            char why[256];
+            cr_assert(km_test_index_holds_exactly(f.index, w, want, 5, why, sizeof why),
+                      "encoding %d form %d: %s", e, h, why);
+            km_feed_worker_info info = fx_info(&f, w);
+            cr_assert_eq(info.state, KM_FEED_STATE_LIVE);
+            cr_assert_eq(info.counters.blocks_stored, 5);
+            cr_assert_eq(info.map_entries, 5);
+            cr_assert_eq(info.counters.stored_by_medium[KM_KV_MEDIUM_GPU], 5);
+        }
+    /* Segment-key bookkeeping saw real parents: no orphan runs. A request of the 5 blocks scores
+     * depth 5 on every worker. */
+    km_match_results res;
+    km_match_results_init(&res);
+    km_request q = {want, 5};
+    cr_assert_eq(km_index_match_batch(f.index, &q, 1, &res), KM_OK);
+    cr_assert_eq(res.requests[0].count, 6);
+    for (uint32_t i = 0; i < 6; i++)
+        cr_assert_eq(res.matches[i].depth, 5);
+    km_match_results_free(&res);
+    fx_free(&f);
+}
+
+Test(feed, lora_name_and_lora_id_change_hashes, .timeout = 10)
+{
+    fx f;
+    fx_init(&f);
+    uint32_t tokens[2 * BS];
+    for (uint32_t i = 0; i < 2 * BS; i++)
+        tokens[i] = i + 1;
+    uint64_t eh[2] = {100, 101};
+    fx_add(&f, 0, false);
+    fx_add(&f, 1, false);
+    fx_add(&f, 2, false);
+    km_test_batch_stored(&f.batch, eh, 2, false, 0, tokens, BS, "sql-adapter", NULL);
+    uint64_t s = fx_keep(&f);
+    fx_live(&f, 0, s);
+    km_test_batch_stored(&f.batch, eh, 2, false, 0, tokens, BS, NULL, NULL);
+    s = fx_keep(&f);
+    fx_live(&f, 1, s);
+    fx_flush(&f);
+
+    uint64_t lora[2], base[2];
+    size_t nb;
+    km_hash_config hl = {BS, "sql-adapter", NULL}, hb = {BS, NULL, NULL};
+    km_hash_sequence(&hl, tokens, 2 * BS, 0, 0, NULL, lora, &nb);
+    km_hash_sequence(&hb, tokens, 2 * BS, 0, 0, NULL, base, &nb);
+    char why[256];
+    cr_assert(km_test_index_holds_exactly(f.index, 0, lora, 2, why, sizeof why), "%s", why);
+    cr_assert(km_test_index_holds_exactly(f.index, 1, base, 2, why, sizeof why), "%s", why);
+    cr_assert_neq(lora[0], base[0]);
+
+    /* Only the deprecated lora_id: named "#lora_id=<n>", never the base model's hashes. */
+    km_kv_event ev;
+    memset(&ev, 0, sizeof ev);
+    ev.kind = KM_KV_EVENT_BLOCK_STORED;
+    ev.block_hashes = eh;
+    ev.n_block_hashes = 2;
+    ev.token_ids = tokens;
+    ev.n_token_ids = 2 * BS;
+    ev.block_size = BS;
+    ev.has_lora_id = true;
+    ev.lora_id = 7;
+    km_kv_batch kb;
+    memset(&kb, 0, sizeof kb);
+    kb.events = &ev;
+    kb.n_events = 1;
+    kb.n_payload_events = 1;
+    cr_assert_eq(km_feed_live(f.feed, 2, 0, &kb, f.now++), KM_OK);
+    fx_flush(&f);
+    uint64_t by_id[2];
+    km_hash_config hi = {BS, "#lora_id=7", NULL};
+    km_hash_sequence(&hi, tokens, 2 * BS, 0, 0, NULL, by_id, &nb);
+    cr_assert(km_test_index_holds_exactly(f.index, 2, by_id, 2, why, sizeof why), "%s", why);
+    fx_free(&f);
+}
+
+Test(feed, removes_clears_and_tiers, .timeout = 10)
+{
+    fx f;
+    fx_init(&f);
+    fx_add(&f, 3, false);
+    uint32_t tokens[3 * BS];
+    for (uint32_t i = 0; i < 3 * BS; i++)
+        tokens[i] = 50 + i;
+    uint64_t eh[3] = {7, 8, 9};
+    uint64_t chain[3];
+    size_t nb;
+    km_hash_config hc = {BS, NULL, NULL};
+    km_hash_sequence(&hc, tokens, 3 * BS, 0, 0, NULL, chain, &nb);
+
+    /* Stored on GPU, then offloaded to CPU: removing the GPU copy keeps the block (held on CPU). */
+    km_test_batch_stored(&f.batch, eh, 3, false, 0, tokens, BS, NULL, NULL);
+    km_test_batch_stored(&f.batch, eh, 2, false, 0, tokens, BS, NULL, "CPU");
+    km_test_batch_removed(&f.batch, eh, 3, NULL); /* GPU evicts all three */
+    fx_live(&f, 3, fx_keep(&f));
+    fx_flush(&f);
+    char why[256];
+    cr_assert(km_test_index_holds_exactly(f.index, 3, chain, 2, why, sizeof why), "%s", why);
+    km_feed_worker_info info = fx_info(&f, 3);
+    cr_assert_eq(info.counters.stored_by_medium[KM_KV_MEDIUM_CPU], 2);
+    cr_assert_eq(info.counters.removed_by_medium[KM_KV_MEDIUM_GPU], 3);
+    cr_assert_eq(info.counters.blocks_removed, 1);
+    cr_assert_eq(info.map_entries, 2);
+
+    /* CPU eviction of one; a remove of unknown hashes is counted. */
+    uint64_t unknown[2] = {9999, 8};
+    km_test_batch_removed(&f.batch, unknown, 2, "cpu");
+    fx_live(&f, 3, fx_keep(&f));
+    fx_flush(&f);
+    cr_assert(km_test_index_holds_exactly(f.index, 3, chain, 1, why, sizeof why), "%s", why);
+    info = fx_info(&f, 3);
+    cr_assert_eq(info.counters.unknown_removes, 1);
+
+    /* AllBlocksCleared drops everything, map included. */
+    km_test_batch_cleared(&f.batch);
+    fx_live(&f, 3, fx_keep(&f));
+    fx_flush(&f);
+    cr_assert(km_test_index_holds_exactly(f.index, 3, chain, 0, why, sizeof why), "%s", why);
+    info = fx_info(&f, 3);
+    cr_assert_eq(info.map_entries, 0);
+    cr_assert_eq(info.counters.clears, 1);
+    cr_assert_eq(info.counters.events, 5);
+    cr_assert_eq(info.counters.messages, 3);
+    fx_free(&f);
+}
+
+Test(feed, unknown_parent_and_block_size_mismatch_are_counted, .timeout = 10)
+{
+    fx f;
+    fx_init(&f);
+    fx_add(&f, 0, false);
+    uint32_t tokens[4 * 8];
+    for (uint32_t i = 0; i < 32; i++)
+        tokens[i] = i;
+    uint64_t eh[2] = {40, 41};
+    km_test_batch_stored(&f.batch, eh, 2, true, 12345, tokens, BS, NULL, NULL); /* parent unknown */
+    km_test_batch_stored(&f.batch, eh, 2, false, 0, tokens, 8, NULL, NULL);     /* wrong size */
+    km_test_batch_stored(&f.batch, eh, 1, true, 41, tokens, BS, NULL, NULL);    /* 41 never stored */
+    fx_live(&f, 0, fx_keep(&f));
+    fx_flush(&f);
+    km_feed_worker_info info = fx_info(&f, 0);
+    cr_assert_eq(info.counters.unknown_parent_blocks, 3);
+    cr_assert_eq(info.counters.block_size_mismatch, 1);
+    cr_assert_eq(info.counters.blocks_stored, 0);
+    cr_assert_eq(info.state, KM_FEED_STATE_LIVE, "an unknown parent does not degrade the worker");
+    km_worker_stats ws;
+    km_index_worker_stats(f.index, 0, &ws);
+    cr_assert_eq(ws.blocks, 0);
+    fx_free(&f);
+}
+
+/* Build a BlockStored with extra_keys flags directly (the helper's payloads carry none). */
+Test(feed, extra_keys_policy, .timeout = 10)
+{
+    uint32_t tokens[3 * BS];
+    for (uint32_t i = 0; i < 3 * BS; i++)
+        tokens[i] = 9 + i;
+    uint64_t eh[3] = {70, 71, 72};
+    uint8_t present[3] = {0, 1, 0}; /* block 1 carries an (unread) multimodal id or salt */
+    km_kv_event ev;
+    memset(&ev, 0, sizeof ev);
+    ev.kind = KM_KV_EVENT_BLOCK_STORED;
+    ev.block_hashes = eh;
+    ev.n_block_hashes = 3;
+    ev.token_ids = tokens;
+    ev.n_token_ids = 3 * BS;
+    ev.block_size = BS;
+    ev.extra_keys_present = present;
+    km_kv_batch kb;
+    memset(&kb, 0, sizeof kb);
+    kb.events = &ev;
+    kb.n_events = 1;
+    uint64_t chain[3];
+    size_t nb;
+    km_hash_config hc = {BS, NULL, NULL};
+    km_hash_sequence(&hc, tokens, 3 * BS, 0, 0, NULL, chain, &nb);
+
+    for (int policy = 0; policy < 2; policy++) {
+        km_feed_config cfg;
+        km_test_feed_config(&cfg, BS);
+        cfg.extra_keys_policy = policy ? KM_FEED_EXTRA_KEYS_IGNORE : KM_FEED_EXTRA_KEYS_SKIP;
+        fx f;
+        fx_init_cfg(&f, &cfg, KM_TEST_ENCODING_POSITIONAL, KM_TEST_HASH_INT);
+        fx_add(&f, 0, false);
+        cr_assert_eq(km_feed_live(f.feed, 0, 0, &kb, f.now++), KM_OK);
+        /* A child of the skipped block is skipped too (unhashable, not "unknown parent"). */
+        km_kv_event child = ev;
+        uint64_t ch[1] = {73};
+        child.block_hashes = ch;
+        child.n_block_hashes = 1;
+        child.n_token_ids = BS;
+        child.extra_keys_present = NULL;
+        child.has_parent_block_hash = true;
+        child.parent_block_hash = 72;
+        km_kv_batch kc = kb;
+        kc.events = &child;
+        cr_assert_eq(km_feed_live(f.feed, 0, 1, &kc, f.now++), KM_OK);
+        fx_flush(&f);
+        km_feed_worker_info info = fx_info(&f, 0);
+        char why[256];
+        if (policy == 0) {
+            cr_assert(km_test_index_holds_exactly(f.index, 0, chain, 1, why, sizeof why), "%s", why);
+            cr_assert_eq(info.counters.unhashable_blocks, 3);
+            /* Removing the unhashable blocks touches nothing in the index. */
+            km_kv_event rm;
+            memset(&rm, 0, sizeof rm);
+            rm.kind = KM_KV_EVENT_BLOCK_REMOVED;
+            rm.block_hashes = eh + 1;
+            rm.n_block_hashes = 2;
+            km_kv_batch kr = kb;
+            kr.events = &rm;
+            cr_assert_eq(km_feed_live(f.feed, 0, 2, &kr, f.now++), KM_OK);
+            fx_flush(&f);
+            info = fx_info(&f, 0);
+            cr_assert_eq(info.map_entries, 2); /* 70 and 73 */
+            cr_assert_eq(info.counters.blocks_removed, 0);
+        } else {
+            cr_assert_eq(info.counters.unhashable_blocks, 0);
+            cr_assert_eq(info.counters.blocks_stored, 4);
+        }
+        fx_free(&f);
+    }
+}
+
+Test(feed, random_stream_matches_engine, .timeout = 20)
+{
+    km_test_encoding encs[2] = {KM_TEST_ENCODING_POSITIONAL, KM_TEST_ENCODING_MAP};
+    km_test_hash_form forms[2] = {KM_TEST_HASH_INT, KM_TEST_HASH_BYTES32};
+    for (int c = 0; c < 4; c++) {
+        fx f;
+        fx_init_cfg(&f, NULL, encs[c & 1], forms[c >> 1]);
+        fx_add(&f, 5, false);
+        uint64_t first = fx_make(&f, 400, 1);
+        for (uint64_t s = first; s < first + 400; s++) {
+            fx_live(&f, 5, s);
+            if (s % 37 == 0)
+                fx_flush(&f);
+        }
+        fx_check_truth(&f, 5);
+        km_feed_worker_info info = fx_info(&f, 5);
+        cr_assert_eq(info.counters.unknown_parent_blocks, 0);
+        cr_assert_eq(info.counters.unknown_removes, 0);
+        cr_assert_eq(info.counters.messages, 400);
+        cr_assert_eq(info.expected_seq, 400);
+        fx_free(&f);
+    }
+}
+
+/* ---- stream checks ----------------------------------------------------------------------------- */
+
+Test(feed, first_message_sets_position_without_bootstrap, .timeout = 10)
+{
+    fx f;
+    fx_init(&f);
+    fx_add(&f, 0, false); /* no replay endpoint: nothing to bootstrap from */
+    fx_no_action(&f);
+    cr_assert_eq(fx_info(&f, 0).state, KM_FEED_STATE_SYNCING);
+    fx_make(&f, 10, 0);
+    fx_live_range(&f, 0, 7, 10);
+    km_feed_worker_info info = fx_info(&f, 0);
+    cr_assert_eq(info.state, KM_FEED_STATE_LIVE);
+    cr_assert_eq(info.counters.history_unavailable, 7);
+    cr_assert_eq(info.counters.gaps, 0);
+    km_feed_window win[4];
+    cr_assert_eq(fx_windows(&f, 0, win, 4), 1);
+    cr_assert_eq(win[0].cause, KM_FEED_WINDOW_STARTUP);
+    cr_assert_eq(win[0].end, KM_FEED_END_RECOVERED);
+    cr_assert(win[0].end_ns > win[0].start_ns);
+    cr_assert_eq(win[0].duration_ns, win[0].end_ns - win[0].start_ns);
+    fx_free(&f);
+}
+
+Test(feed, bootstrap_replay, .timeout = 10)
+{
+    fx f;
+    fx_init(&f);
+    fx_make(&f, 12, 0);
+    fx_add(&f, 0, true);
+    km_feed_action a = fx_action(&f, KM_FEED_ACTION_REPLAY_REQUEST);
+    cr_assert_eq(a.start_seq, 0);
+    cr_assert_eq(a.worker, 0);
+    /* Live messages before the replay answers wait. */
+    fx_live_range(&f, 0, 8, 10);
+    km_feed_worker_info info = fx_info(&f, 0);
+    cr_assert_eq(info.state, KM_FEED_STATE_SYNCING);
+    cr_assert_eq(info.buffered_messages, 2);
+    /* The engine kept seqs 3..9 (0..2 evicted): history before we joined, not a loss. */
+    fx_items(&f, 0, a.request_id, 3, 10);
+    fx_end(&f, 0, a.request_id);
+    fx_live_range(&f, 0, 10, 12);
+    info = fx_info(&f, 0);
+    cr_assert_eq(info.state, KM_FEED_STATE_LIVE);
+    cr_assert_eq(info.expected_seq, 12);
+    cr_assert_eq(info.counters.history_unavailable, 3);
+    cr_assert_eq(info.counters.replayed, 7);
+    cr_assert_eq(info.counters.duplicates, 2);
+    cr_assert_eq(info.counters.lost, 0);
+    cr_assert_eq(info.buffered_messages, 0);
+    fx_no_action(&f);
+    km_feed_window win[4];
+    cr_assert_eq(fx_windows(&f, 0, win, 4), 1);
+    cr_assert_eq(win[0].cause, KM_FEED_WINDOW_STARTUP);
+    cr_assert_eq(win[0].end, KM_FEED_END_RECOVERED);
+    cr_assert_eq(win[0].replayed, 7);
+    fx_free(&f);
+}
+
+Test(feed, bootstrap_from_a_fresh_engine, .timeout = 10)
+{
+    fx f;
+    fx_init(&f);
+    fx_make(&f, 6, 0);
+    fx_add(&f, 0, true);
+    km_feed_action a = fx_action(&f, KM_FEED_ACTION_REPLAY_REQUEST);
+    fx_end(&f, 0, a.request_id); /* nothing published yet */
+    km_feed_worker_info info = fx_info(&f, 0);
+    cr_assert_eq(info.state, KM_FEED_STATE_LIVE);
+    cr_assert_eq(info.expected_seq, 0);
+    fx_live_range(&f, 0, 0, 6);
+    fx_check_truth(&f, 0);
+    cr_assert_eq(fx_info(&f, 0).counters.gaps, 0);
+    fx_free(&f);
+}
+
+Test(feed, short_gap_is_replayed_in_order, .timeout = 10)
+{
+    fx f;
+    fx_init(&f);
+    fx_add(&f, 1, true);
+    km_feed_action a = fx_action(&f, KM_FEED_ACTION_REPLAY_REQUEST);
+    fx_end(&f, 1, a.request_id);
+    fx_make(&f, 40, 2);
+    fx_live_range(&f, 1, 0, 10);
+    /* 10..14 dropped on the wire */
+    fx_live(&f, 1, 15);
+    a = fx_action(&f, KM_FEED_ACTION_REPLAY_REQUEST);
+    cr_assert_eq(a.start_seq, 10);
+    km_feed_worker_info info = fx_info(&f, 1);
+    cr_assert_eq(info.state, KM_FEED_STATE_GAP);
+    cr_assert_eq(info.counters.gaps, 1);
+    fx_live_range(&f, 1, 16, 20); /* live continues while the replay is pending */
+    cr_assert_eq(fx_info(&f, 1).buffered_messages, 5);
+    fx_flush(&f); /* a flush during the replay applies only what is in order */
+    fx_items(&f, 1, a.request_id, 10, 18); /* the replay covered up to 17 */
+    fx_end(&f, 1, a.request_id);
+    fx_live_range(&f, 1, 20, 40);
+    fx_check_truth(&f, 1);
+    info = fx_info(&f, 1);
+    cr_assert_eq(info.state, KM_FEED_STATE_LIVE);
+    cr_assert_eq(info.counters.replayed, 8);
+    cr_assert_eq(info.counters.duplicates, 3);
+    cr_assert_eq(info.counters.lost, 0);
+    cr_assert_eq(info.expected_seq, 40);
+    km_feed_window win[4];
+    cr_assert_eq(fx_windows(&f, 1, win, 4), 2);
+    cr_assert_eq(win[1].cause, KM_FEED_WINDOW_GAP);
+    cr_assert_eq(win[1].end, KM_FEED_END_RECOVERED);
+    cr_assert_eq(win[1].from_seq, 10);
+    cr_assert_eq(win[1].replayed, 8);
+    cr_assert_eq(win[1].replay_requests, 1);
+    fx_free(&f);
+}
+
+static void degrade_by_late_replay(fx *f, uint32_t w)
+{
+    fx_add(f, w, true);
+    km_feed_action a = fx_action(f, KM_FEED_ACTION_REPLAY_REQUEST);
+    fx_end(f, w, a.request_id);
+    fx_make(f, 60, 0);
+    fx_live_range(f, w, 0, 10);
+    fx_live(f, w, 30); /* 10..29 dropped */
+    a = fx_action(f, KM_FEED_ACTION_REPLAY_REQUEST);
+    cr_assert_eq(a.start_seq, 10);
+    fx_items(f, w, a.request_id, 22, 31); /* 10..21 evicted: 12 lost */
+    fx_end(f, w, a.request_id);
+}
+
+Test(feed, replay_starting_late_means_history_lost, .timeout = 10)
+{
+    fx f;
+    fx_init(&f);
+    degrade_by_late_replay(&f, 2);
+    km_feed_worker_info info = fx_info(&f, 2);
+    cr_assert_eq(info.state, KM_FEED_STATE_DEGRADED);
+    cr_assert_eq(info.counters.lost, 12);
+    cr_assert_eq(info.counters.replayed, 9);
+    cr_assert_eq(info.expected_seq, 31);
+    km_feed_window win[4];
+    cr_assert_eq(fx_windows(&f, 2, win, 4), 3);
+    cr_assert_eq(win[1].cause, KM_FEED_WINDOW_GAP);
+    cr_assert_eq(win[1].end, KM_FEED_END_LOST);
+    cr_assert_eq(win[1].lost, 12);
+    cr_assert_eq(win[2].cause, KM_FEED_WINDOW_DEGRADED);
+    cr_assert_eq(win[2].end, KM_FEED_END_OPEN);
+    cr_assert_eq(win[2].end_ns, 0);
+    /* Still DEGRADED after more live traffic; AllBlocksCleared ends it. */
+    fx_live_range(&f, 2, 31, 40);
+    cr_assert_eq(fx_info(&f, 2).state, KM_FEED_STATE_DEGRADED);
+    km_test_batch_cleared(&f.batch);
+    for (size_t i = 0; i < f.engine.n_blocks; i++)
+        f.engine.blocks[i].cached = false;
+    uint64_t s = fx_keep(&f);
+    fx_live_range(&f, 2, 40, s);
+    fx_live(&f, 2, s);
+    cr_assert_eq(fx_info(&f, 2).state, KM_FEED_STATE_LIVE);
+    cr_assert_eq(fx_windows(&f, 2, win, 4), 3);
+    cr_assert_eq(win[2].cause, KM_FEED_WINDOW_DEGRADED);
+    cr_assert_eq(win[2].end, KM_FEED_END_CLEARED);
+    fx_check_truth(&f, 2);
+    fx_free(&f);
+}
+
+Test(feed, degraded_drop_policy_keeps_only_observed_blocks, .timeout = 10)
+{
+    for (int policy = 0; policy < 2; policy++) {
+        km_feed_config cfg;
+        km_test_feed_config(&cfg, BS);
+        cfg.degraded_policy = policy ? KM_FEED_DEGRADED_DROP : KM_FEED_DEGRADED_KEEP_FLAGGED;
+        fx f;
+        fx_init_cfg(&f, &cfg, KM_TEST_ENCODING_MAP, KM_TEST_HASH_INT);
+        degrade_by_late_replay(&f, 0);
+        fx_live_range(&f, 0, 31, 60);
+        fx_flush(&f);
+        /* DROP: everything the index holds for the worker is really cached (no stale block). */
+        size_t n_truth, n_all;
+        uint64_t *truth = km_test_engine_chains(&f.engine, false, &n_truth);
+        uint64_t *all = km_test_engine_chains(&f.engine, true, &n_all);
+        uint64_t held = 0, stale = 0;
+        for (size_t i = 0; i < n_all; i++) {
+            uint32_t ws[4], n = 0;
+            km_index_holders(f.index, all[i], ws, 4, &n);
+            if (!n)
+                continue;
+            held++;
+            bool cached = false;
+            for (size_t j = 0; j < n_truth && !cached; j++)
+                cached = truth[j] == all[i];
+            stale += !cached;
+        }
+        if (policy)
+            cr_assert_eq(stale, 0, "DROP policy left %" PRIu64 " stale blocks", stale);
+        cr_assert(held > 0);
+        cr_assert_eq(fx_info(&f, 0).state, KM_FEED_STATE_DEGRADED);
+        free(truth);
+        free(all);
+        fx_free(&f);
+    }
+}
+
+Test(feed, replay_failure_and_no_replay_endpoint_lose_history, .timeout = 10)
+{
+    fx f;
+    fx_init(&f);
+    fx_make(&f, 20, 0);
+    fx_add(&f, 0, true);
+    fx_add(&f, 1, false);
+    km_feed_action a = fx_action(&f, KM_FEED_ACTION_REPLAY_REQUEST);
+    fx_end(&f, 0, a.request_id);
+    fx_live_range(&f, 0, 0, 5);
+    fx_live(&f, 0, 8);
+    a = fx_action(&f, KM_FEED_ACTION_REPLAY_REQUEST);
+    fx_live(&f, 0, 9);
+    cr_assert_eq(km_feed_replay_failed(f.feed, 0, a.request_id, KM_FEED_REPLAY_TIMEOUT, f.now++),
+                 KM_OK);
+    km_feed_worker_info info = fx_info(&f, 0);
+    cr_assert_eq(info.state, KM_FEED_STATE_DEGRADED);
+    cr_assert_eq(info.counters.lost, 3);
+    cr_assert_eq(info.counters.replay_failures, 1);
+    cr_assert_eq(info.expected_seq, 10);
+    /* A late answer to the failed request is ignored. */
+    fx_item(&f, 0, a.request_id, 5);
+    cr_assert_eq(fx_info(&f, 0).counters.stale_replay_items, 1);
+
+    /* Without a replay endpoint a gap is lost at once. */
+    fx_live_range(&f, 1, 0, 3);
+    fx_live(&f, 1, 6);
+    fx_no_action(&f);
+    info = fx_info(&f, 1);
+    cr_assert_eq(info.state, KM_FEED_STATE_DEGRADED);
+    cr_assert_eq(info.counters.lost, 3);
+    cr_assert_eq(info.counters.gaps, 1);
+    km_feed_window win[4];
+    cr_assert_eq(fx_windows(&f, 1, win, 4), 3);
+    cr_assert_eq(win[1].cause, KM_FEED_WINDOW_GAP);
+    cr_assert_eq(win[1].end, KM_FEED_END_LOST);
+    cr_assert_eq(win[1].from_seq, 3);
+    fx_free(&f);
+}
+
+Test(feed, buffer_overflow_abandons_the_replay, .timeout = 10)
+{
+    km_feed_config cfg;
+    km_test_feed_config(&cfg, BS);
+    cfg.max_buffered_messages = 4;
+    fx f;
+    fx_init_cfg(&f, &cfg, KM_TEST_ENCODING_POSITIONAL, KM_TEST_HASH_INT);
+    fx_add(&f, 0, true);
+    km_feed_action a = fx_action(&f, KM_FEED_ACTION_REPLAY_REQUEST);
+    fx_end(&f, 0, a.request_id);
+    fx_make(&f, 30, 0);
+    fx_live_range(&f, 0, 0, 5);
+    fx_live_range(&f, 0, 7, 11); /* gap at 5; 7..10 fill the buffer */
+    a = fx_action(&f, KM_FEED_ACTION_REPLAY_REQUEST);
+    cr_assert_eq(fx_info(&f, 0).buffered_messages, 4);
+    fx_live(&f, 0, 11); /* one too many */
+    km_feed_action c = fx_action(&f, KM_FEED_ACTION_REPLAY_CANCEL);
+    cr_assert_eq(c.request_id, a.request_id);
+    km_feed_worker_info info = fx_info(&f, 0);
+    cr_assert_eq(info.state, KM_FEED_STATE_DEGRADED);
+    cr_assert_eq(info.counters.buffer_overflows, 1);
+    cr_assert_eq(info.counters.lost, 2);
+    cr_assert_eq(info.expected_seq, 12);
+    cr_assert_eq(info.buffered_messages, 0);
+    fx_free(&f);
+}
+
+Test(feed, restart_drops_old_blocks, .timeout = 10)
+{
+    fx f;
+    fx_init(&f);
+    fx_add(&f, 4, false);
+    fx_make(&f, 20, 0);
+    fx_live_range(&f, 4, 0, 20);
+    fx_check_truth(&f, 4);
+    /* A new process: its KV is empty, engine hashes change, seq starts at 0. */
+    km_test_engine_restart(&f.engine, 0x9999);
+    f.seq_base = f.n;
+    fx_make(&f, 10, 0);
+    fx_live_range(&f, 4, 0, 10);
+    fx_check_truth(&f, 4);
+    km_feed_worker_info info = fx_info(&f, 4);
+    cr_assert_eq(info.counters.restarts, 1);
+    cr_assert_eq(info.state, KM_FEED_STATE_LIVE);
+    cr_assert_eq(info.expected_seq, 10);
+    km_feed_window win[4];
+    cr_assert_eq(fx_windows(&f, 4, win, 4), 2);
+    cr_assert_eq(win[1].cause, KM_FEED_WINDOW_RESTART);
+    cr_assert_eq(win[1].end, KM_FEED_END_RECOVERED);
+    cr_assert_eq(win[1].from_seq, 0);
+    cr_assert_eq(win[1].duration_ns, 0);
+    fx_free(&f);
+}
+
+Test(feed, restart_seen_late_replays_the_new_stream, .timeout = 10)
+{
+    fx f;
+    fx_init(&f);
+    fx_add(&f, 0, true);
+    km_feed_action a = fx_action(&f, KM_FEED_ACTION_REPLAY_REQUEST);
+    fx_end(&f, 0, a.request_id);
+    fx_make(&f, 30, 0);
+    fx_live_range(&f, 0, 0, 30);
+    km_test_engine_restart(&f.engine, 0x4242);
+    f.seq_base = f.n;
+    fx_make(&f, 12, 0);
+    fx_live(&f, 0, 4); /* 0..3 of the new process missed */
+    a = fx_action(&f, KM_FEED_ACTION_REPLAY_REQUEST);
+    cr_assert_eq(a.start_seq, 0);
+    km_feed_worker_info info = fx_info(&f, 0);
+    cr_assert_eq(info.counters.restarts, 1);
+    cr_assert_eq(info.state, KM_FEED_STATE_GAP);
+    fx_live(&f, 0, 5);
+    fx_items(&f, 0, a.request_id, 0, 6);
+    fx_end(&f, 0, a.request_id);
+    fx_live_range(&f, 0, 6, 12);
+    fx_check_truth(&f, 0);
+    info = fx_info(&f, 0);
+    cr_assert_eq(info.state, KM_FEED_STATE_LIVE);
+    cr_assert_eq(info.counters.lost, 0);
+    km_feed_window win[4];
+    uint32_t n = fx_windows(&f, 0, win, 4);
+    cr_assert_eq(n, 2);
+    cr_assert_eq(win[1].cause, KM_FEED_WINDOW_RESTART);
+    cr_assert_eq(win[1].end, KM_FEED_END_RECOVERED);
+    cr_assert_eq(win[1].from_seq, 4);
+    cr_assert_eq(win[1].replayed, 6);
+    fx_free(&f);
+}
+
+Test(feed, restart_during_a_replay_cancels_it, .timeout = 10)
+{
+    fx f;
+    fx_init(&f);
+    fx_add(&f, 0, true);
+    km_feed_action a = fx_action(&f, KM_FEED_ACTION_REPLAY_REQUEST);
+    fx_end(&f, 0, a.request_id);
+    fx_make(&f, 20, 0);
+    fx_live_range(&f, 0, 0, 10);
+    fx_live(&f, 0, 15);
+    a = fx_action(&f, KM_FEED_ACTION_REPLAY_REQUEST);
+    km_test_engine_restart(&f.engine, 0x77);
+    f.seq_base = f.n;
+    fx_make(&f, 5, 0);
+    fx_live(&f, 0, 0); /* 0 <= 15: new process */
+    km_feed_action c = fx_action(&f, KM_FEED_ACTION_REPLAY_CANCEL);
+    cr_assert_eq(c.request_id, a.request_id);
+    fx_no_action(&f);
+    fx_live_range(&f, 0, 1, 5);
+    /* The old request's answers are ignored. */
+    cr_assert_eq(km_feed_replay_end(f.feed, 0, a.request_id, f.now++), KM_OK);
+    km_feed_worker_info info = fx_info(&f, 0);
+    cr_assert_eq(info.counters.stale_replay_items, 1);
+    cr_assert_eq(info.counters.restarts, 1);
+    cr_assert_eq(info.state, KM_FEED_STATE_LIVE);
+    fx_check_truth(&f, 0);
+    km_feed_window win[4];
+    cr_assert_eq(fx_windows(&f, 0, win, 4), 3);
+    cr_assert_eq(win[1].cause, KM_FEED_WINDOW_GAP);
+    cr_assert_eq(win[1].end, KM_FEED_END_RESTART);
+    cr_assert_eq(win[2].cause, KM_FEED_WINDOW_RESTART);
+    fx_free(&f);
+}
+
+Test(feed, late_live_copy_of_a_replayed_message_is_a_duplicate, .timeout = 10)
+{
+    fx f;
+    fx_init(&f);
+    fx_add(&f, 0, true);
+    km_feed_action a = fx_action(&f, KM_FEED_ACTION_REPLAY_REQUEST);
+    fx_make(&f, 30, 0);
+    fx_items(&f, 0, a.request_id, 0, 20);
+    fx_end(&f, 0, a.request_id);
+    /* Live copies of 18 and 19 arrive after the replay delivered them (different sockets). */
+    fx_live_range(&f, 0, 18, 30);
+    km_feed_worker_info info = fx_info(&f, 0);
+    cr_assert_eq(info.counters.restarts, 0);
+    cr_assert_eq(info.counters.duplicates, 2);
+    cr_assert_eq(info.state, KM_FEED_STATE_LIVE);
+    fx_check_truth(&f, 0);
+
+    /* Same situation, but what arrives at seq 5 is a different message: a new process. */
+    fx g;
+    fx_init(&g);
+    fx_add(&g, 0, true);
+    a = fx_action(&g, KM_FEED_ACTION_REPLAY_REQUEST);
+    fx_make(&g, 20, 0);
+    fx_items(&g, 0, a.request_id, 0, 20);
+    fx_end(&g, 0, a.request_id);
+    km_test_engine_restart(&g.engine, 0x31337);
+    g.seq_base = g.n;
+    fx_make(&g, 8, 0);
+    fx_live_range(&g, 0, 0, 8);
+    info = fx_info(&g, 0);
+    cr_assert_eq(info.counters.restarts, 1);
+    fx_check_truth(&g, 0);
+    fx_free(&f);
+    fx_free(&g);
+}
+
+Test(feed, resync_rebuilds_a_degraded_worker, .timeout = 10)
+{
+    fx f;
+    fx_init(&f);
+    degrade_by_late_replay(&f, 0);
+    fx_live_range(&f, 0, 31, 40);
+    cr_assert_eq(km_feed_resync_worker(f.feed, 0, f.now++), KM_OK);
+    km_feed_action a = fx_action(&f, KM_FEED_ACTION_REPLAY_REQUEST);
+    cr_assert_eq(a.start_seq, 0);
+    cr_assert_eq(fx_info(&f, 0).state, KM_FEED_STATE_SYNCING);
+    fx_items(&f, 0, a.request_id, 0, 60); /* the engine still has its whole history */
+    fx_end(&f, 0, a.request_id);
+    fx_check_truth(&f, 0);
+    km_feed_worker_info info = fx_info(&f, 0);
+    cr_assert_eq(info.state, KM_FEED_STATE_LIVE);
+    km_feed_window win[8];
+    uint32_t n = fx_windows(&f, 0, win, 8);
+    cr_assert_eq(n, 4);
+    cr_assert_eq(win[2].cause, KM_FEED_WINDOW_DEGRADED);
+    cr_assert_eq(win[2].end, KM_FEED_END_RESYNC);
+    cr_assert_eq(win[3].cause, KM_FEED_WINDOW_RESYNC);
+    cr_assert_eq(win[3].end, KM_FEED_END_RECOVERED);
+    fx_free(&f);
+}
+
+Test(feed, malformed_messages_are_counted_and_skipped, .timeout = 10)
+{
+    fx f;
+    fx_init(&f);
+    fx_add(&f, 0, false);
+    fx_make(&f, 6, 0);
+    fx_live_range(&f, 0, 0, 3);
+    /* seq 3's payload could not be decoded; then a message with no readable seq at all */
+    cr_assert_eq(km_feed_live(f.feed, 0, 3, NULL, f.now++), KM_OK);
+    cr_assert_eq(km_feed_malformed(f.feed, 0, f.now++), KM_OK);
+    fx_live_range(&f, 0, 4, 6);
+    km_feed_worker_info info = fx_info(&f, 0);
+    cr_assert_eq(info.counters.malformed, 2);
+    cr_assert_eq(info.counters.gaps, 0);
+    cr_assert_eq(info.state, KM_FEED_STATE_LIVE);
+    cr_assert_eq(info.expected_seq, 6);
+    cr_assert_eq(info.counters.messages, 6);
+    fx_free(&f);
+}
+
+Test(feed, windows_history_is_bounded, .timeout = 10)
+{
+    km_feed_config cfg;
+    km_test_feed_config(&cfg, BS);
+    cfg.max_windows = 3;
+    fx f;
+    fx_init_cfg(&f, &cfg, KM_TEST_ENCODING_POSITIONAL, KM_TEST_HASH_INT);
+    fx_add(&f, 0, false);
+    fx_make(&f, 40, 0);
+    for (uint64_t s = 0; s < 40; s += 4)
+        fx_live(&f, 0, s); /* a gap every time: 9 gap windows */
+    km_feed_worker_info info = fx_info(&f, 0);
+    cr_assert_eq(info.windows_total, 11); /* startup + 9 gaps + degraded */
+    cr_assert_eq(info.windows_open, 1);
+    cr_assert_eq(info.windows_kept, 4);
+    km_feed_window win[8];
+    cr_assert_eq(fx_windows(&f, 0, win, 8), 4);
+    for (int i = 0; i < 3; i++)
+        cr_assert_eq(win[i].cause, KM_FEED_WINDOW_GAP);
+    cr_assert_eq(win[3].cause, KM_FEED_WINDOW_DEGRADED);
+    cr_assert_eq(win[2].from_seq, 33);
+    cr_assert_eq(info.counters.lost, 27);
+    fx_free(&f);
+}
+
+Test(feed, workers_come_and_go, .timeout = 10)
+{
+    fx f;
+    fx_init(&f);
+    km_feed_worker_config bad = {16, "x", false};
+    cr_assert_eq(km_feed_add_worker(f.feed, &bad, 1), KM_ERR_WORKER_RANGE);
+    fx_add(&f, 2, false);
+    km_feed_worker_config dup = {2, "again", false};
+    cr_assert_eq(km_feed_add_worker(f.feed, &dup, 1), KM_ERR_INVALID_ARGUMENT);
+    cr_assert_eq(km_feed_live(f.feed, 9, 0, NULL, 1), KM_ERR_INVALID_ARGUMENT);
+    cr_assert_eq(km_feed_remove_worker(f.feed, 9, 1), KM_ERR_INVALID_ARGUMENT);
+    fx_add(&f, 0, false);
+    uint32_t ids[4], n;
+    cr_assert_eq(km_feed_get_workers(f.feed, ids, 4, &n), KM_OK);
+    cr_assert_eq(n, 2);
+    cr_assert_eq(ids[0], 0);
+    cr_assert_eq(ids[1], 2);
+    fx_make(&f, 10, 0);
+    fx_live_range(&f, 2, 0, 10);
+    cr_assert_eq(km_feed_remove_worker(f.feed, 2, f.now++), KM_OK);
+    fx_flush(&f);
+    km_worker_stats ws;
+    km_index_worker_stats(f.index, 2, &ws);
+    cr_assert_eq(ws.blocks, 0);
+    cr_assert_eq(km_feed_get_worker_info(f.feed, 2, &(km_feed_worker_info){0}),
+                 KM_ERR_INVALID_ARGUMENT);
+    /* Added again: a fresh start (seq 5 is just a position, not a restart). */
+    fx_add(&f, 2, false);
+    fx_live_range(&f, 2, 5, 10);
+    km_feed_worker_info info = fx_info(&f, 2);
+    cr_assert_eq(info.counters.restarts, 0);
+    cr_assert_eq(info.counters.history_unavailable, 5);
+    fx_free(&f);
+}
+
+Test(feed, flush_is_one_batch_and_survives_the_memory_cap, .timeout = 20)
+{
+    /* Queued updates reach the index only at flush, all together. */
+    fx f;
+    fx_init(&f);
+    fx_add(&f, 0, false);
+    fx_add(&f, 1, false);
+    fx_make(&f, 10, 0);
+    fx_live_range(&f, 0, 0, 10);
+    km_index_stats st;
+    km_index_get_stats(f.index, &st);
+    cr_assert_eq(st.pairs, 0);
+    uint64_t updates, hashes;
+    km_feed_pending(f.feed, &updates, &hashes);
+    cr_assert(updates > 2 && hashes > 0);
+    km_feed_flush_stats fs;
+    cr_assert_eq(km_feed_flush(f.feed, f.now++, &fs), KM_OK);
+    cr_assert_eq(fs.updates, updates);
+    cr_assert_eq(fs.groups_failed, 0);
+    km_feed_pending(f.feed, &updates, &hashes);
+    cr_assert_eq(updates, 0);
+    fx_check_truth(&f, 0);
+    fx_free(&f);
+
+    /* An index at its memory cap: the batch is refused, then applied message by message; the
+     * message that does not fit is dropped and its worker DEGRADED; the others apply. */
+    km_index_config ic;
+    km_test_config(&ic, NULL);
+    ic.backend = KM_BACKEND_CPU;
+    ic.max_workers = 4;
+    ic.threads = 1;
+    ic.initial_blocks = 64;
+    ic.segment_blocks = 0;
+    km_index *probe = NULL;
+    cr_assert_eq(km_index_create(&ic, &probe), KM_OK);
+    km_index_get_stats(probe, &st);
+    km_index_destroy(probe);
+    ic.memory_cap_bytes = st.memory_bytes; /* no growth possible */
+    km_index *index = NULL;
+    cr_assert_eq(km_index_create(&ic, &index), KM_OK);
+    km_feed_config cfg;
+    km_test_feed_config(&cfg, BS);
+    km_feed *feed = NULL;
+    cr_assert_eq(km_feed_create(index, &cfg, &feed), KM_OK);
+    km_feed_worker_config w0 = {0, "small", false}, w1 = {1, "big", false};
+    cr_assert_eq(km_feed_add_worker(feed, &w0, 1), KM_OK);
+    cr_assert_eq(km_feed_add_worker(feed, &w1, 1), KM_OK);
+    km_kv_decoder *dec = NULL;
+    cr_assert_eq(km_kv_decoder_create(NULL, &dec), KM_OK);
+    km_test_engine eng;
+    km_test_engine_init(&eng, BS, 5);
+    km_rng r;
+    km_rng_init(&r, 1);
+    km_test_batch b;
+    km_test_batch_init(&b, KM_TEST_ENCODING_POSITIONAL, KM_TEST_HASH_INT, -1);
+    km_test_engine_store(&eng, &r, &b, -1, 2);
+    size_t size;
+    const void *p = km_test_batch_payload(&b, &size);
+    km_kv_batch kb;
+    cr_assert_eq(km_kv_decode_payload(dec, p, size, &kb), KM_OK);
+    cr_assert_eq(km_feed_live(feed, 0, 0, &kb, 2), KM_OK);
+    km_test_batch_reset(&b);
+    for (int i = 0; i < 8; i++)
+        km_test_engine_store(&eng, &r, &b, -1, 64); /* 512 blocks: cannot fit in 64 slots */
+    p = km_test_batch_payload(&b, &size);
+    cr_assert_eq(km_kv_decode_payload(dec, p, size, &kb), KM_OK);
+    cr_assert_eq(km_feed_live(feed, 1, 0, &kb, 3), KM_OK);
+    int rc = km_feed_flush(feed, 4, &fs);
+    cr_assert_eq(rc, KM_ERR_MEMORY_CAP, "flush: %s", km_error_name(rc));
+    cr_assert_eq(fs.groups_failed, 1);
+    km_feed_pending(feed, &updates, &hashes);
+    cr_assert_eq(updates, 0);
+    km_worker_stats ws;
+    km_index_worker_stats(index, 0, &ws);
+    cr_assert_eq(ws.blocks, 2);
+    km_index_worker_stats(index, 1, &ws);
+    cr_assert_eq(ws.blocks, 0);
+    km_feed_worker_info info;
+    km_feed_get_worker_info(feed, 1, &info);
+    cr_assert_eq(info.state, KM_FEED_STATE_DEGRADED);
+    cr_assert_eq(info.counters.dropped_messages, 1);
+    km_feed_get_worker_info(feed, 0, &info);
+    cr_assert_eq(info.state, KM_FEED_STATE_LIVE);
+    km_test_batch_free(&b);
+    km_test_engine_free(&eng);
+    km_kv_decoder_destroy(dec);
+    km_feed_destroy(feed);
+    km_index_destroy(index);
+}
+
+Test(feed, queue_limit_drops_and_degrades, .timeout = 10)
+{
+    km_feed_config cfg;
+    km_test_feed_config(&cfg, BS);
+    cfg.max_queued_hashes = 6;
+    fx f;
+    fx_init_cfg(&f, &cfg, KM_TEST_ENCODING_POSITIONAL, KM_TEST_HASH_INT);
+    fx_add(&f, 0, false);
+    km_test_engine_store(&f.engine, &f.rng, &f.batch, -1, 4);
+    fx_live(&f, 0, fx_keep(&f));
+    km_test_engine_store(&f.engine, &f.rng, &f.batch, -1, 4);
+    fx_live(&f, 0, fx_keep(&f)); /* 8 > 6: dropped */
+    km_feed_worker_info info = fx_info(&f, 0);
+    cr_assert_eq(info.counters.dropped_messages, 1);
+    cr_assert_eq(info.state, KM_FEED_STATE_DEGRADED);
+    cr_assert_eq(info.expected_seq, 2);
+    fx_flush(&f);
+    km_worker_stats ws;
+    km_index_worker_stats(f.index, 0, &ws);
+    cr_assert_eq(ws.blocks, 4);
+    fx_free(&f);
+}
+
+Test(feed, config_validation, .timeout = 5)
+{
+    km_index *index = km_test_make_index(2);
+    km_feed *feed = NULL;
+    km_feed_config cfg;
+    km_feed_config_init(&cfg);
+    cr_assert_eq(cfg.block_size, 16);
+    cr_assert(cfg.bootstrap_replay);
+    cr_assert_eq(km_feed_create(NULL, &cfg, &feed), KM_ERR_NULL_POINTER);
+    cr_assert_eq(km_feed_create(index, &cfg, NULL), KM_ERR_NULL_POINTER);
+    cfg.block_size = 0;
+    cr_assert_eq(km_feed_create(index, &cfg, &feed), KM_ERR_BLOCK_SIZE);
+    cr_assert_null(feed);
+    km_feed_config_init(&cfg);
+    cfg.max_buffered_messages = 0;
+    cr_assert_eq(km_feed_create(index, &cfg, &feed), KM_ERR_INVALID_ARGUMENT);
+    cr_assert_eq(km_feed_create(index, NULL, &feed), KM_OK);
+    km_feed_destroy(feed);
+    km_feed_destroy(NULL);
+    cr_assert_str_eq(km_feed_state_name(KM_FEED_STATE_DEGRADED), "DEGRADED");
+    cr_assert_str_eq(km_feed_window_cause_name(KM_FEED_WINDOW_RESTART), "restart");
+    cr_assert_str_eq(km_feed_window_end_name(KM_FEED_END_LOST), "lost");
+    km_index_destroy(index);
+}
+
+/* ---- randomized: drops, delayed live delivery, replays at random moments ----------------------- */
+
+/* A simulated wire: live messages wait in a FIFO (some are dropped), replay requests are answered
+ * from a bounded history at a random later moment, item by item, interleaved with live traffic.
+ * Whatever happens, when nothing was lost the index must equal the engine's truth; when history
+ * was lost the worker must say DEGRADED with a lost count. */
+Test(feed, random_wire_equals_gap_free_run, .timeout = 30)
+{
+    for (int round = 0; round < 12; round++) {
+        km_feed_config cfg;
+        km_test_feed_config(&cfg, BS);
+        cfg.max_buffered_messages = 64;
+        fx f;
+        fx_init_cfg(&f, &cfg, round & 1 ? KM_TEST_ENCODING_MAP : KM_TEST_ENCODING_POSITIONAL,
+                    round & 2 ? KM_TEST_HASH_BYTES16 : KM_TEST_HASH_INT);
+        km_rng_init(&f.rng, km_test_seed() + (uint64_t)round);
+        km_rng *r = &f.rng;
+        uint32_t history = round < 6 ? 1000 : 12; /* small history: losses happen */
+        fx_add(&f, 0, true);
+        uint64_t wire[256];
+        size_t wire_head = 0, wire_n = 0;
+        uint64_t published = 0;
+        bool req_active = false;
+        uint64_t req_id = 0, req_next = 0, req_last = 0;
+        int req_delay = 0;
+        for (int step = 0; step < 600 || wire_n || req_active; step++) {
+            km_feed_action a;
+            while (km_feed_next_action(f.feed, &a)) {
+                if (a.kind == KM_FEED_ACTION_REPLAY_CANCEL) {
+                    if (req_active && req_id == a.request_id)
+                        req_active = false;
+                    continue;
+                }
+                req_active = true; /* supersedes */
+                req_id = a.request_id;
+                uint64_t oldest = published > history ? published - history : 0;
+                req_next = a.start_seq > oldest ? a.start_seq : oldest;
+                req_last = published; /* exclusive */
+                req_delay = (int)km_rng_below(r, 6);
+            }
+            uint32_t roll = km_rng_below(r, 100);
+            if (step < 600 && roll < 45) {
+                fx_make(&f, 1, round % 3 ? 1 : 0);
+                if (!km_rng_percent(r, 8) && wire_n < 256)
+                    wire[(wire_head + wire_n++) % 256] = published;
+                published++;
+            } else if (roll < 75 && wire_n) {
+                uint64_t s = wire[wire_head];
+                wire_head = (wire_head + 1) % 256;
+                wire_n--;
+                fx_live(&f, 0, s);
+            } else if (req_active) {
+                if (req_delay > 0) {
+                    req_delay--;
+                } else if (req_next < req_last) {
+                    fx_item(&f, 0, req_id, req_next++);
+                } else {
+                    req_active = false;
+                    fx_end(&f, 0, req_id);
+                }
+            }
+            if (km_rng_percent(r, 5))
+                fx_flush(&f);
+        }
+        /* Deliver one last message after everything so a trailing drop becomes a gap, and let
+         * its replay finish. */
+        fx_make(&f, 1, 0);
+        fx_live(&f, 0, published++);
+        km_feed_action a;
+        while (km_feed_next_action(f.feed, &a)) {
+            if (a.kind != KM_FEED_ACTION_REPLAY_REQUEST)
+                continue;
+            uint64_t oldest = published > history ? published - history : 0;
+            for (uint64_t s = a.start_seq > oldest ? a.start_seq : oldest; s < published; s++)
+                fx_item(&f, 0, a.request_id, s);
+            fx_end(&f, 0, a.request_id);
+        }
+        km_feed_worker_info info = fx_info(&f, 0);
+        if (getenv("KM_TEST_VERBOSE"))
+            fprintf(stderr,
+                    "round %d: gaps %" PRIu64 " replayed %" PRIu64 " dup %" PRIu64 " lost %" PRIu64
+                    " late %" PRIu64 " overflow %" PRIu64 " clears %" PRIu64 " state %s\n",
+                    round, info.counters.gaps, info.counters.replayed, info.counters.duplicates,
+                    info.counters.lost, info.counters.late_lost, info.counters.buffer_overflows,
+                    info.counters.clears, km_feed_state_name(info.state));
+        KM_CHECK(info.expected_seq == published, "round %d: expected %" PRIu64 ", published %" PRIu64,
+                 round, info.expected_seq, published);
+        KM_CHECK(info.buffered_messages == 0, "round %d: %u still buffered", round,
+                 info.buffered_messages);
+        KM_CHECK(!info.replay_in_flight, "round %d: replay still in flight", round);
+        KM_CHECK(info.counters.restarts == 0, "round %d: a duplicate was taken for a restart",
+                 round);
+        /* LIVE (nothing lost, or an AllBlocksCleared after the loss made the index complete
+         * again): the index is the truth. Otherwise history was lost and the worker says so. */
+        if (info.state == KM_FEED_STATE_LIVE) {
+            fx_check_truth(&f, 0);
+        } else {
+            KM_CHECK(info.state == KM_FEED_STATE_DEGRADED && info.counters.lost > 0,
+                     "round %d: lost %" PRIu64 ", state %s", round, info.counters.lost,
+                     km_feed_state_name(info.state));
+        }
+        if (info.counters.lost == 0)
+            KM_CHECK(info.state == KM_FEED_STATE_LIVE, "round %d: state %s", round,
+                     km_feed_state_name(info.state));
+        fx_free(&f);
+    }
+}

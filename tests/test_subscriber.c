@@ -1,0 +1,658 @@
+/* The ZMQ subscriber (include/kvmatch/subscriber.h) against the C test publisher
+ * (tests/kv_test_publisher.c), loopback only, ephemeral ports, every test bounded in time.
+ * Scenarios from the issue: normal flow; both event encodings; int and bytes hashes; both replay
+ * reply forms; LoRA; data-parallel ranks; a short gap inside the replay buffer (the index then
+ * equals a gap-free run's); a gap longer than the buffer (DEGRADED, lost counted exactly); an
+ * engine restart (seq back to 0, old blocks gone); a replay that arrives while live messages keep
+ * coming; malformed input of every kind (counted, skipped, nothing else lost, the thread keeps
+ * running); replay timeout; workers added and removed at run time; a prompt stop. */
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kv_test_publisher.h"
+#include "kvmatch/subscriber.h"
+#include "test_util.h"
+
+#define BS 4u
+#define MAX_LANES 4
+
+/* One simulated engine behind one publisher, followed as one worker. */
+typedef struct lane {
+    km_test_publisher *pub;
+    km_test_engine engine;
+    km_test_batch batch;
+    uint32_t worker;
+    uint32_t clear_percent; /* chance of an AllBlocksCleared per event (it ends DEGRADED) */
+} lane;
+
+typedef struct sx {
+    km_index *index;
+    km_subscriber_config cfg;
+    km_subscriber *sub;
+    km_rng rng;
+    lane lanes[MAX_LANES];
+    int n_lanes;
+} sx;
+
+static void sx_init(sx *s, void (*tweak)(km_subscriber_config *))
+{
+    memset(s, 0, sizeof *s);
+    s->index = km_test_make_index(16);
+    km_subscriber_config_init(&s->cfg);
+    km_test_feed_config(&s->cfg.feed, BS);
+    s->cfg.replay_timeout_ms = 2000;
+    if (!getenv("KM_TEST_FEED_LOG"))
+        s->cfg.log = s->cfg.feed.log;
+    if (tweak)
+        tweak(&s->cfg);
+    int rc = km_subscriber_create(s->index, &s->cfg, &s->sub);
+    cr_assert_eq(rc, KM_OK, "km_subscriber_create: %s", km_error_name(rc));
+    km_rng_init(&s->rng, km_test_seed());
+}
+
+static lane *sx_lane(sx *s, const km_test_publisher_config *pc, km_test_encoding enc,
+                     km_test_hash_form form, int64_t dp_rank, uint32_t worker)
+{
+    cr_assert(s->n_lanes < MAX_LANES);
+    lane *l = &s->lanes[s->n_lanes++];
+    int rc = km_test_publisher_start(pc, &l->pub);
+    cr_assert_eq(rc, KM_OK, "publisher start");
+    km_test_engine_init(&l->engine, BS, 0x5eed + worker);
+    km_test_batch_init(&l->batch, enc, form, dp_rank);
+    l->worker = worker;
+    l->clear_percent = 1;
+    return l;
+}
+
+static void sx_free(sx *s)
+{
+    km_subscriber_destroy(s->sub);
+    for (int i = 0; i < s->n_lanes; i++) {
+        km_test_publisher_stop(s->lanes[i].pub);
+        km_test_engine_free(&s->lanes[i].engine);
+        km_test_batch_free(&s->lanes[i].batch);
+    }
+    km_index_destroy(s->index);
+}
+
+static void sx_follow(sx *s, lane *l, bool with_replay)
+{
+    km_subscriber_worker w = {l->worker, NULL, km_test_publisher_endpoint(l->pub),
+                              with_replay ? km_test_publisher_replay_endpoint(l->pub) : NULL};
+    int rc = km_subscriber_add_worker(s->sub, &w);
+    cr_assert_eq(rc, KM_OK, "add_worker: %s", km_subscriber_last_error(s->sub));
+}
+
+/* Publish n random messages from the lane's engine. */
+static void sx_publish(sx *s, lane *l, int n)
+{
+    for (int i = 0; i < n; i++) {
+        km_test_engine_step(&l->engine, &s->rng, &l->batch, 3, l->clear_percent);
+        km_test_publisher_publish_batch(l->pub, &l->batch);
+        km_test_batch_reset(&l->batch);
+    }
+}
+
+static km_feed_worker_info sx_info(sx *s, uint32_t w)
+{
+    km_feed_worker_info info;
+    cr_assert_eq(km_subscriber_get_worker_info(s->sub, w, &info), KM_OK);
+    return info;
+}
+
+#define WAIT_FOR(s, w, info, cond, ms)                                                           \
+    do {                                                                                         \
+        double end_ = km_test_now() + (ms) / 1000.0;                                             \
+        for (;;) {                                                                               \
+            info = sx_info((s), (w));                                                            \
+            if (cond)                                                                            \
+                break;                                                                           \
+            cr_assert(km_test_now() < end_,                                                      \
+                      "timed out waiting for %s (state %s, expected %" PRIu64 ", gaps %" PRIu64 \
+                      ", lost %" PRIu64 ")",                                                     \
+                      #cond, km_feed_state_name(info.state), info.expected_seq,                  \
+                      info.counters.gaps, info.counters.lost);                                   \
+            km_test_sleep_ms(1);                                                                 \
+        }                                                                                        \
+    } while (0)
+
+/* Follow the lane and wait until its (bootstrap) sync is done and the SUB is connected. */
+static void sx_follow_ready(sx *s, lane *l, bool with_replay, uint32_t subscribers)
+{
+    sx_follow(s, l, with_replay);
+    cr_assert(km_test_publisher_wait_subscribers(l->pub, subscribers, 3000),
+              "the subscriber never connected");
+    if (with_replay) {
+        km_feed_worker_info info;
+        WAIT_FOR(s, l->worker, info, info.state == KM_FEED_STATE_LIVE, 3000);
+    }
+}
+
+/* Wait until everything published so far is applied (nothing buffered or in flight). */
+static km_feed_worker_info sx_wait_applied(sx *s, lane *l)
+{
+    uint64_t next = km_test_publisher_next_seq(l->pub);
+    km_feed_worker_info info;
+    WAIT_FOR(s, l->worker, info,
+             info.has_expected_seq && info.expected_seq == next && !info.replay_in_flight &&
+                 info.buffered_messages == 0,
+             5000);
+    return info;
+}
+
+static void sx_flush(sx *s)
+{
+    km_feed_flush_stats fs;
+    int rc = km_subscriber_flush(s->sub, &fs);
+    cr_assert_eq(rc, KM_OK, "flush: %s", km_subscriber_last_error(s->sub));
+}
+
+/* The index equals the one a gap-free run of the same published messages builds. */
+static void sx_check_reference(sx *s, lane *l)
+{
+    sx_flush(s);
+    km_index *ref = km_test_reference_index(l->pub, 16, l->worker, &s->cfg.feed);
+    size_t n;
+    uint64_t *universe = km_test_engine_chains(&l->engine, true, &n);
+    char why[256];
+    int ok = km_test_index_same(s->index, l->worker, ref, l->worker, universe, n, why, sizeof why);
+    free(universe);
+    km_index_destroy(ref);
+    KM_CHECK(ok, "worker %u vs gap-free run: %s", l->worker, why);
+}
+
+/* The index holds exactly what the lane's engine caches. */
+static void sx_check_truth(sx *s, lane *l)
+{
+    sx_flush(s);
+    size_t n;
+    uint64_t *chains = km_test_engine_chains(&l->engine, false, &n);
+    char why[256];
+    int ok = km_test_index_holds_exactly(s->index, l->worker, chains, n, why, sizeof why);
+    free(chains);
+    KM_CHECK(ok, "worker %u vs engine: %s", l->worker, why);
+}
+
+static uint32_t sx_windows(sx *s, uint32_t w, km_feed_window *out, uint32_t cap)
+{
+    uint32_t n = 0;
+    cr_assert_eq(km_subscriber_get_worker_windows(s->sub, w, out, cap, &n), KM_OK);
+    return n;
+}
+
+/* ---- scenarios ---------------------------------------------------------------------------------- */
+
+Test(subscriber, normal_flow, .timeout = 20)
+{
+    sx s;
+    sx_init(&s, NULL);
+    lane *l = sx_lane(&s, NULL, KM_TEST_ENCODING_POSITIONAL, KM_TEST_HASH_INT, 0, 0);
+    sx_follow_ready(&s, l, true, 1);
+    sx_publish(&s, l, 200);
+    km_feed_worker_info info = sx_wait_applied(&s, l);
+    sx_check_reference(&s, l);
+    sx_check_truth(&s, l);
+    cr_assert_eq(info.state, KM_FEED_STATE_LIVE);
+    cr_assert_eq(info.counters.messages, 200);
+    cr_assert_eq(info.counters.gaps, 0);
+    cr_assert_eq(info.counters.lost, 0);
+    cr_assert_eq(info.counters.restarts, 0);
+    cr_assert_eq(info.counters.malformed, 0);
+    cr_assert(info.has_last_receive);
+    cr_assert(info.last_engine_timestamp > 1e9, "the engine's wall-clock ts is reported as sent");
+    km_subscriber_stats st;
+    cr_assert_eq(km_subscriber_get_stats(s.sub, &st), KM_OK);
+    cr_assert_eq(st.live_messages, 200);
+    cr_assert_eq(st.replay_requests, 1, "the bootstrap request");
+    cr_assert_eq(st.malformed, 0);
+    cr_assert_eq(st.decoder.messages_decoded, 201);
+    km_feed_window win[4];
+    cr_assert_eq(sx_windows(&s, 0, win, 4), 1);
+    cr_assert_eq(win[0].cause, KM_FEED_WINDOW_STARTUP);
+    cr_assert_eq(win[0].end, KM_FEED_END_RECOVERED);
+    sx_free(&s);
+}
+
+Test(subscriber, encodings_hash_forms_and_replay_forms, .timeout = 20)
+{
+    sx s;
+    sx_init(&s, NULL);
+    km_test_encoding encs[4] = {KM_TEST_ENCODING_POSITIONAL, KM_TEST_ENCODING_MAP,
+                                KM_TEST_ENCODING_POSITIONAL, KM_TEST_ENCODING_MAP};
+    km_test_hash_form forms[4] = {KM_TEST_HASH_BYTES32, KM_TEST_HASH_INT, KM_TEST_HASH_BYTES16,
+                                  KM_TEST_HASH_BYTES32};
+    lane *lanes[4];
+    for (int i = 0; i < 4; i++) {
+        km_test_publisher_config pc;
+        km_test_publisher_config_init(&pc);
+        pc.replay_form = i % 2 ? KM_TEST_REPLAY_NO_TOPIC : KM_TEST_REPLAY_WITH_TOPIC;
+        pc.topic = i == 3 ? "kv@pod-3@model" : NULL;
+        lanes[i] = sx_lane(&s, &pc, encs[i], forms[i], i == 2 ? -1 : 0, (uint32_t)i);
+        sx_follow_ready(&s, lanes[i], true, 1);
+    }
+    for (int i = 0; i < 4; i++) {
+        sx_publish(&s, lanes[i], 30);
+        km_test_publisher_drop_live(lanes[i]->pub, true); /* and a gap, replayed in that form */
+        sx_publish(&s, lanes[i], 3);
+        km_test_publisher_drop_live(lanes[i]->pub, false);
+        sx_publish(&s, lanes[i], 30);
+    }
+    for (int i = 0; i < 4; i++) {
+        km_feed_worker_info info = sx_wait_applied(&s, lanes[i]);
+        cr_assert_eq(info.counters.gaps, 1, "lane %d", i);
+        cr_assert_eq(info.counters.lost, 0, "lane %d", i);
+        cr_assert_eq(info.state, KM_FEED_STATE_LIVE, "lane %d", i);
+        sx_check_reference(&s, lanes[i]);
+        sx_check_truth(&s, lanes[i]);
+    }
+    sx_free(&s);
+}
+
+Test(subscriber, lora_blocks_hash_with_the_adapter, .timeout = 20)
+{
+    sx s;
+    sx_init(&s, NULL);
+    lane *l = sx_lane(&s, NULL, KM_TEST_ENCODING_MAP, KM_TEST_HASH_INT, 0, 1);
+    l->engine.lora_name = "sql-adapter";
+    sx_follow_ready(&s, l, true, 1);
+    uint64_t first = km_test_engine_store(&l->engine, &s.rng, &l->batch, -1, 3);
+    km_test_publisher_publish_batch(l->pub, &l->batch);
+    km_test_batch_reset(&l->batch);
+    sx_publish(&s, l, 40);
+    sx_wait_applied(&s, l);
+    sx_check_truth(&s, l);
+    /* The first run's chain hashes are the LoRA ones of HASHING.md. */
+    uint32_t tokens[3 * BS];
+    for (int b = 0; b < 3; b++)
+        memcpy(tokens + b * BS, l->engine.blocks[first + b].tokens, BS * sizeof *tokens);
+    uint64_t lora[3], base[3];
+    size_t nb;
+    km_hash_config hl = {BS, "sql-adapter", NULL}, hb = {BS, NULL, NULL};
+    km_hash_sequence(&hl, tokens, 3 * BS, 0, 0, NULL, lora, &nb);
+    km_hash_sequence(&hb, tokens, 3 * BS, 0, 0, NULL, base, &nb);
+    for (int b = 0; b < 3; b++) {
+        cr_assert_eq(l->engine.blocks[first + b].chain, lora[b]);
+        uint32_t ws[4], n;
+        km_index_holders(s.index, base[b], ws, 4, &n);
+        cr_assert_eq(n, 0, "a LoRA block must not pass for a base-model block");
+    }
+    sx_free(&s);
+}
+
+Test(subscriber, data_parallel_ranks_are_separate_workers, .timeout = 20)
+{
+    sx s;
+    sx_init(&s, NULL);
+    /* Rank r publishes on port P + r and replays on R + r, as vLLM does. */
+    lane *ranks[2] = {NULL, NULL};
+    for (int attempt = 0; attempt < 20 && !ranks[1]; attempt++) {
+        km_test_publisher_config pc;
+        km_test_publisher_config_init(&pc);
+        km_test_publisher *p0 = NULL, *p1 = NULL;
+        cr_assert_eq(km_test_publisher_start(&pc, &p0), KM_OK);
+        pc.port = (uint16_t)(km_test_publisher_port(p0) + 1);
+        pc.replay_port = (uint16_t)(km_test_publisher_replay_port(p0) + 1);
+        if (km_test_publisher_start(&pc, &p1) != KM_OK) {
+            km_test_publisher_stop(p0);
+            continue;
+        }
+        for (int r = 0; r < 2; r++) {
+            lane *l = &s.lanes[s.n_lanes++];
+            l->pub = r ? p1 : p0;
+            km_test_engine_init(&l->engine, BS, 0x100 + (uint64_t)r);
+            km_test_batch_init(&l->batch, KM_TEST_ENCODING_POSITIONAL, KM_TEST_HASH_INT, r);
+            l->worker = 6 + (uint32_t)r;
+            ranks[r] = l;
+        }
+    }
+    cr_assert(ranks[1] != NULL, "no pair of consecutive free ports");
+    km_subscriber_worker rank0 = {6, "engine-a", km_test_publisher_endpoint(ranks[0]->pub),
+                                  km_test_publisher_replay_endpoint(ranks[0]->pub)};
+    cr_assert_eq(km_subscriber_add_engine(s.sub, &rank0, 2), KM_OK, "%s",
+                 km_subscriber_last_error(s.sub));
+    for (int r = 0; r < 2; r++) {
+        cr_assert(km_test_publisher_wait_subscribers(ranks[r]->pub, 1, 3000));
+        km_feed_worker_info info;
+        WAIT_FOR(&s, ranks[r]->worker, info, info.state == KM_FEED_STATE_LIVE, 3000);
+        char want[64];
+        snprintf(want, sizeof want, "engine-a/dp%d", r);
+        cr_assert_str_eq(info.name, want);
+    }
+    sx_publish(&s, ranks[0], 40);
+    sx_publish(&s, ranks[1], 25);
+    for (int r = 0; r < 2; r++) {
+        sx_wait_applied(&s, ranks[r]);
+        sx_check_truth(&s, ranks[r]);
+        sx_check_reference(&s, ranks[r]);
+    }
+    uint32_t ids[4], n;
+    cr_assert_eq(km_subscriber_get_workers(s.sub, ids, 4, &n), KM_OK);
+    cr_assert_eq(n, 2);
+    cr_assert_eq(ids[0], 6);
+    cr_assert_eq(ids[1], 7);
+    sx_free(&s);
+}
+
+Test(subscriber, short_gap_inside_the_replay_buffer, .timeout = 20)
+{
+    sx s;
+    sx_init(&s, NULL);
+    lane *l = sx_lane(&s, NULL, KM_TEST_ENCODING_POSITIONAL, KM_TEST_HASH_INT, 0, 0);
+    sx_follow_ready(&s, l, true, 1);
+    sx_publish(&s, l, 20);
+    km_test_publisher_drop_live(l->pub, true);
+    sx_publish(&s, l, 5); /* seqs 20..24 never reach the subscriber */
+    km_test_publisher_drop_live(l->pub, false);
+    sx_publish(&s, l, 20);
+    km_feed_worker_info info = sx_wait_applied(&s, l);
+    sx_check_reference(&s, l);
+    sx_check_truth(&s, l);
+    cr_assert_eq(info.state, KM_FEED_STATE_LIVE);
+    cr_assert_eq(info.counters.gaps, 1);
+    cr_assert_eq(info.counters.lost, 0);
+    cr_assert(info.counters.replayed >= 5);
+    cr_assert_eq(info.counters.messages, 40);
+    km_feed_window win[4];
+    cr_assert_eq(sx_windows(&s, 0, win, 4), 2);
+    cr_assert_eq(win[1].cause, KM_FEED_WINDOW_GAP);
+    cr_assert_eq(win[1].end, KM_FEED_END_RECOVERED);
+    cr_assert_eq(win[1].from_seq, 20);
+    cr_assert(win[1].end_ns >= win[1].start_ns);
+    sx_free(&s);
+}
+
+Test(subscriber, gap_longer_than_the_replay_buffer, .timeout = 20)
+{
+    sx s;
+    sx_init(&s, NULL);
+    km_test_publisher_config pc;
+    km_test_publisher_config_init(&pc);
+    pc.buffer_steps = 8;
+    lane *l = sx_lane(&s, &pc, KM_TEST_ENCODING_MAP, KM_TEST_HASH_BYTES32, 0, 0);
+    l->clear_percent = 0;
+    sx_follow_ready(&s, l, true, 1);
+    sx_publish(&s, l, 10);
+    sx_wait_applied(&s, l);
+    km_test_publisher_drop_live(l->pub, true);
+    sx_publish(&s, l, 20); /* 10..29 dropped */
+    km_test_publisher_drop_live(l->pub, false);
+    sx_publish(&s, l, 1); /* 30: the buffer now holds 23..30 */
+    km_feed_worker_info info;
+    WAIT_FOR(&s, 0, info, info.expected_seq == 31 && !info.replay_in_flight, 5000);
+    cr_assert_eq(info.state, KM_FEED_STATE_DEGRADED);
+    cr_assert_eq(info.counters.lost, 13);
+    cr_assert_eq(info.counters.gaps, 1);
+    cr_assert_eq(info.counters.replayed, 8);
+    km_feed_window win[4];
+    cr_assert_eq(sx_windows(&s, 0, win, 4), 3);
+    cr_assert_eq(win[1].cause, KM_FEED_WINDOW_GAP);
+    cr_assert_eq(win[1].end, KM_FEED_END_LOST);
+    cr_assert_eq(win[1].lost, 13);
+    cr_assert_eq(win[2].cause, KM_FEED_WINDOW_DEGRADED);
+    cr_assert_eq(win[2].end, KM_FEED_END_OPEN);
+    /* Live traffic continues; the worker stays flagged. */
+    sx_publish(&s, l, 10);
+    info = sx_wait_applied(&s, l);
+    cr_assert_eq(info.state, KM_FEED_STATE_DEGRADED);
+    cr_assert_eq(info.counters.lost, 13);
+    sx_free(&s);
+}
+
+Test(subscriber, engine_restart_drops_old_blocks, .timeout = 20)
+{
+    sx s;
+    sx_init(&s, NULL);
+    lane *l = sx_lane(&s, NULL, KM_TEST_ENCODING_POSITIONAL, KM_TEST_HASH_INT, 0, 2);
+    sx_follow_ready(&s, l, true, 1);
+    sx_publish(&s, l, 30);
+    sx_wait_applied(&s, l);
+    sx_check_truth(&s, l);
+    /* The engine process dies and a new one starts on the same endpoints. */
+    km_test_publisher_restart(l->pub);
+    km_test_engine_restart(&l->engine, 0xabc);
+    sx_publish(&s, l, 20);
+    km_feed_worker_info info;
+    WAIT_FOR(&s, 2, info, info.counters.restarts == 1 && info.expected_seq == 20, 5000);
+    sx_check_truth(&s, l);
+    sx_check_reference(&s, l);
+    cr_assert_eq(info.state, KM_FEED_STATE_LIVE);
+    cr_assert_eq(info.counters.lost, 0);
+    km_feed_window win[4];
+    cr_assert_eq(sx_windows(&s, 2, win, 4), 2);
+    cr_assert_eq(win[1].cause, KM_FEED_WINDOW_RESTART);
+    cr_assert_eq(win[1].end, KM_FEED_END_RECOVERED);
+    sx_free(&s);
+}
+
+Test(subscriber, replay_arrives_while_live_messages_continue, .timeout = 20)
+{
+    sx s;
+    sx_init(&s, NULL);
+    lane *l = sx_lane(&s, NULL, KM_TEST_ENCODING_POSITIONAL, KM_TEST_HASH_BYTES16, 0, 0);
+    sx_follow_ready(&s, l, true, 1);
+    sx_publish(&s, l, 10);
+    sx_wait_applied(&s, l);
+    km_test_publisher_hold_replay(l->pub, true);
+    km_test_publisher_drop_live(l->pub, true);
+    sx_publish(&s, l, 4);
+    km_test_publisher_drop_live(l->pub, false);
+    sx_publish(&s, l, 1); /* reveals the gap; the request is held */
+    double end = km_test_now() + 3;
+    while (km_test_publisher_replay_requests(l->pub) < 2)
+        cr_assert(km_test_now() < end, "no replay request");
+    sx_publish(&s, l, 30); /* live keeps coming while the replay is pending */
+    km_feed_worker_info info;
+    WAIT_FOR(&s, 0, info, info.buffered_messages == 31, 3000);
+    cr_assert_eq(info.state, KM_FEED_STATE_GAP);
+    km_test_publisher_replay_delay_us(l->pub, 300);
+    km_test_publisher_hold_replay(l->pub, false);
+    sx_publish(&s, l, 30); /* and while it streams */
+    info = sx_wait_applied(&s, l);
+    sx_check_reference(&s, l);
+    sx_check_truth(&s, l);
+    cr_assert_eq(info.state, KM_FEED_STATE_LIVE);
+    cr_assert_eq(info.counters.gaps, 1);
+    cr_assert_eq(info.counters.lost, 0);
+    cr_assert_eq(info.counters.restarts, 0);
+    cr_assert(info.counters.duplicates >= 31, "buffered messages covered by the replay");
+    sx_free(&s);
+}
+
+Test(subscriber, malformed_input_is_counted_and_skipped, .timeout = 20)
+{
+    sx s;
+    sx_init(&s, NULL);
+    lane *l = sx_lane(&s, NULL, KM_TEST_ENCODING_POSITIONAL, KM_TEST_HASH_INT, 0, 0);
+    sx_follow_ready(&s, l, true, 1);
+    sx_publish(&s, l, 5);
+    /* Bad payloads the engine "published" (they take a seq). The truncated one carried a real
+     * step of the engine, so from here on the index is compared with the gap-free run of the same
+     * messages (which cannot read it either), not with the engine. */
+    size_t size;
+    km_test_engine_step(&l->engine, &s.rng, &l->batch, 2, 0);
+    const unsigned char *good = km_test_batch_payload(&l->batch, &size);
+    unsigned char *truncated = malloc(size);
+    memcpy(truncated, good, size);
+    km_test_batch_reset(&l->batch);
+    km_test_publisher_publish(l->pub, truncated, size / 2);
+    const unsigned char wrong_types[] = {0x93, 0xa1, 'x', 0x05, 0xc0}; /* ["x", 5, nil] */
+    km_test_publisher_publish(l->pub, wrong_types, sizeof wrong_types);
+    const unsigned char huge[] = {0x93, 0xcb, 0, 0, 0, 0, 0, 0, 0, 0, 0xdd, 0xff, 0xff, 0xff, 0xff};
+    km_test_publisher_publish(l->pub, huge, sizeof huge); /* events: 2^32-1 declared */
+    /* Frames that carry no usable seq (nothing consumed). */
+    unsigned char seq8[8] = {0, 0, 0, 0, 0, 0, 0, 9}, seq7[7] = {0};
+    const char *topic = "";
+    km_kv_frame two[2] = {{topic, 0}, {seq8, 8}};
+    km_kv_frame four[4] = {{topic, 0}, {seq8, 8}, {wrong_types, sizeof wrong_types}, {seq8, 8}};
+    km_kv_frame short_seq[3] = {{topic, 0}, {seq7, 7}, {wrong_types, sizeof wrong_types}};
+    cr_assert_eq(km_test_publisher_send_frames(l->pub, two, 2), 0);
+    cr_assert_eq(km_test_publisher_send_frames(l->pub, four, 4), 0);
+    cr_assert_eq(km_test_publisher_send_frames(l->pub, short_seq, 3), 0);
+    sx_publish(&s, l, 10);
+    km_feed_worker_info info = sx_wait_applied(&s, l);
+    km_feed_worker_info settled;
+    WAIT_FOR(&s, 0, settled, settled.counters.malformed == 6, 3000);
+    cr_assert_eq(info.counters.gaps, 0);
+    cr_assert_eq(info.counters.lost, 0);
+    cr_assert_eq(info.counters.restarts, 0);
+    cr_assert_eq(info.state, KM_FEED_STATE_LIVE);
+    cr_assert_eq(info.expected_seq, 18);
+    sx_check_reference(&s, l);
+    km_subscriber_stats st;
+    km_subscriber_get_stats(s.sub, &st);
+    cr_assert_eq(st.malformed, 6);
+    cr_assert_eq(st.live_messages, 21);
+    /* The thread is alive and keeps applying. */
+    sx_publish(&s, l, 5);
+    info = sx_wait_applied(&s, l);
+    cr_assert_eq(info.expected_seq, 23);
+    free(truncated);
+    sx_free(&s);
+}
+
+static void short_timeout(km_subscriber_config *cfg)
+{
+    cfg->replay_timeout_ms = 150;
+}
+
+Test(subscriber, replay_timeout_degrades_then_resync_recovers, .timeout = 20)
+{
+    sx s;
+    sx_init(&s, short_timeout);
+    lane *l = sx_lane(&s, NULL, KM_TEST_ENCODING_POSITIONAL, KM_TEST_HASH_INT, 0, 0);
+    l->clear_percent = 0;
+    sx_follow_ready(&s, l, true, 1);
+    sx_publish(&s, l, 10);
+    sx_wait_applied(&s, l);
+    km_test_publisher_mute_replay(l->pub, true);
+    km_test_publisher_drop_live(l->pub, true);
+    sx_publish(&s, l, 3);
+    km_test_publisher_drop_live(l->pub, false);
+    sx_publish(&s, l, 2);
+    km_feed_worker_info info;
+    WAIT_FOR(&s, 0, info, info.counters.replay_failures == 1 && !info.replay_in_flight, 3000);
+    cr_assert_eq(info.state, KM_FEED_STATE_DEGRADED);
+    cr_assert_eq(info.counters.lost, 3);
+    cr_assert_eq(info.expected_seq, 15);
+    km_subscriber_stats st;
+    km_subscriber_get_stats(s.sub, &st);
+    cr_assert_eq(st.replay_timeouts, 1);
+    /* The publisher answers again: a full resync from its buffer makes the worker LIVE. */
+    km_test_publisher_mute_replay(l->pub, false);
+    cr_assert_eq(km_subscriber_resync_worker(s.sub, 0), KM_OK);
+    WAIT_FOR(&s, 0, info, info.state == KM_FEED_STATE_LIVE, 3000);
+    sx_publish(&s, l, 5);
+    info = sx_wait_applied(&s, l);
+    sx_check_truth(&s, l);
+    km_feed_window win[8];
+    uint32_t n = sx_windows(&s, 0, win, 8);
+    cr_assert_eq(n, 4);
+    cr_assert_eq(win[2].cause, KM_FEED_WINDOW_DEGRADED);
+    cr_assert_eq(win[2].end, KM_FEED_END_RESYNC);
+    cr_assert_eq(win[3].cause, KM_FEED_WINDOW_RESYNC);
+    cr_assert_eq(win[3].end, KM_FEED_END_RECOVERED);
+    sx_free(&s);
+}
+
+Test(subscriber, workers_added_and_removed_at_run_time, .timeout = 20)
+{
+    sx s;
+    sx_init(&s, NULL);
+    lane *a = sx_lane(&s, NULL, KM_TEST_ENCODING_POSITIONAL, KM_TEST_HASH_INT, 0, 0);
+    lane *b = sx_lane(&s, NULL, KM_TEST_ENCODING_MAP, KM_TEST_HASH_INT, 0, 1);
+    sx_follow_ready(&s, a, true, 1);
+    sx_follow_ready(&s, b, true, 1);
+    sx_publish(&s, a, 20);
+    sx_publish(&s, b, 20);
+    sx_wait_applied(&s, a);
+    sx_wait_applied(&s, b);
+    sx_check_truth(&s, b);
+    cr_assert_eq(km_subscriber_remove_worker(s.sub, 1), KM_OK);
+    sx_flush(&s);
+    km_worker_stats ws;
+    km_index_worker_stats(s.index, 1, &ws);
+    cr_assert_eq(ws.blocks, 0, "a removed worker's blocks leave the index");
+    cr_assert_eq(km_subscriber_remove_worker(s.sub, 1), KM_ERR_INVALID_ARGUMENT);
+    sx_publish(&s, b, 10); /* nobody listens */
+    sx_publish(&s, a, 10);
+    sx_wait_applied(&s, a);
+    sx_check_truth(&s, a);
+    /* Following it again bootstraps from its replay buffer: the index is rebuilt. */
+    sx_follow_ready(&s, b, true, 2);
+    sx_publish(&s, b, 5);
+    km_feed_worker_info info = sx_wait_applied(&s, b);
+    sx_check_truth(&s, b);
+    cr_assert_eq(info.counters.history_unavailable, 0);
+    cr_assert_eq(info.counters.replayed, 30);
+    /* Errors */
+    km_subscriber_worker bad = {3, NULL, "bogus://nowhere", NULL};
+    cr_assert_eq(km_subscriber_add_worker(s.sub, &bad), KM_ERR_INVALID_ARGUMENT);
+    cr_assert(strlen(km_subscriber_last_error(s.sub)) > 0);
+    km_subscriber_worker dup = {0, NULL, km_test_publisher_endpoint(a->pub), NULL};
+    cr_assert_eq(km_subscriber_add_worker(s.sub, &dup), KM_ERR_INVALID_ARGUMENT);
+    km_subscriber_worker range = {99, NULL, km_test_publisher_endpoint(a->pub), NULL};
+    cr_assert_eq(km_subscriber_add_worker(s.sub, &range), KM_ERR_WORKER_RANGE);
+    sx_free(&s);
+}
+
+Test(subscriber, no_replay_endpoint_starts_at_the_first_message, .timeout = 20)
+{
+    sx s;
+    sx_init(&s, NULL);
+    km_test_publisher_config pc;
+    km_test_publisher_config_init(&pc);
+    pc.replay = false;
+    lane *l = sx_lane(&s, &pc, KM_TEST_ENCODING_POSITIONAL, KM_TEST_HASH_INT, -1, 0);
+    sx_publish(&s, l, 5); /* before we subscribe: never seen */
+    sx_follow_ready(&s, l, false, 1);
+    sx_publish(&s, l, 20);
+    km_feed_worker_info info = sx_wait_applied(&s, l);
+    cr_assert_eq(info.state, KM_FEED_STATE_LIVE);
+    cr_assert_eq(info.counters.history_unavailable, 5);
+    cr_assert_eq(info.counters.replay_requests, 0);
+    sx_free(&s);
+}
+
+Test(subscriber, stop_is_prompt, .timeout = 20)
+{
+    sx s;
+    sx_init(&s, short_timeout);
+    lane *l = sx_lane(&s, NULL, KM_TEST_ENCODING_POSITIONAL, KM_TEST_HASH_INT, 0, 0);
+    sx_follow_ready(&s, l, true, 1);
+    km_test_publisher_mute_replay(l->pub, true);
+    km_test_publisher_drop_live(l->pub, true);
+    sx_publish(&s, l, 2);
+    km_test_publisher_drop_live(l->pub, false);
+    sx_publish(&s, l, 300); /* a replay in flight and messages queued */
+    double t0 = km_test_now();
+    km_subscriber_destroy(s.sub);
+    s.sub = NULL;
+    double took = km_test_now() - t0;
+    cr_assert(took < 0.5, "destroy took %.3f s", took);
+    sx_free(&s);
+}
+
+Test(subscriber, endpoint_for_rank, .timeout = 5)
+{
+    char out[64];
+    cr_assert_eq(km_endpoint_for_rank("tcp://10.0.0.5:5557", 0, out, sizeof out), KM_OK);
+    cr_assert_str_eq(out, "tcp://10.0.0.5:5557");
+    cr_assert_eq(km_endpoint_for_rank("tcp://10.0.0.5:5557", 3, out, sizeof out), KM_OK);
+    cr_assert_str_eq(out, "tcp://10.0.0.5:5560");
+    cr_assert_eq(km_endpoint_for_rank("tcp://[::1]:5557", 1, out, sizeof out), KM_OK);
+    cr_assert_str_eq(out, "tcp://[::1]:5558");
+    cr_assert_eq(km_endpoint_for_rank("tcp://*:5558", 2, out, sizeof out), KM_OK);
+    cr_assert_str_eq(out, "tcp://*:5560");
+    cr_assert_eq(km_endpoint_for_rank("inproc://kv", 2, out, sizeof out), KM_OK);
+    cr_assert_str_eq(out, "inproc://kv_dp2");
+    cr_assert_eq(km_endpoint_for_rank("ipc:///tmp/kv", 1, out, sizeof out), KM_ERR_INVALID_ARGUMENT);
+    cr_assert_eq(km_endpoint_for_rank("tcp://host", 1, out, sizeof out), KM_ERR_INVALID_ARGUMENT);
+    cr_assert_eq(km_endpoint_for_rank("tcp://host:65535", 1, out, sizeof out),
+                 KM_ERR_INVALID_ARGUMENT);
+    cr_assert_eq(km_endpoint_for_rank("tcp://host:55x", 1, out, sizeof out),
+                 KM_ERR_INVALID_ARGUMENT);
+    cr_assert_eq(km_endpoint_for_rank("tcp://10.0.0.5:5557", 1, out, 8), KM_ERR_TOO_LARGE);
+    cr_assert_eq(km_endpoint_for_rank(NULL, 1, out, 8), KM_ERR_NULL_POINTER);
+}
