@@ -65,6 +65,8 @@ struct km_subscriber {
     km_feed *feed;
     km_subscriber_stats stats;
     char last_error[256];
+    char snapshot_path[4096];
+    uint64_t last_snapshot_ns;
 
     /* I/O thread only */
     km_kv_decoder *decoder;
@@ -137,6 +139,9 @@ void km_subscriber_config_init(km_subscriber_config *cfg)
     cfg->replay_timeout_ms = 5000;
     cfg->receive_hwm = 100000;
     cfg->max_messages_per_wakeup = 256;
+    cfg->snapshot_path = NULL;
+    cfg->snapshot_interval_ms = 0;
+    cfg->restore_path = NULL;
 }
 
 /* ---- endpoints ------------------------------------------------------------------------------ */
@@ -471,9 +476,14 @@ static void command_add(km_subscriber *sub, command *c, uint64_t now)
         worker_close(w);
         return;
     }
+    /* Producer identity kept in snapshots: the endpoints (vLLM has no epoch; a new engine process
+     * behind the same endpoints shows as seq going back). */
+    char identity[KM_FEED_NAME_MAX];
+    snprintf(identity, sizeof identity, "%.120s %.120s", cfg->endpoint,
+             cfg->replay_endpoint ? cfg->replay_endpoint : "-");
     km_feed_worker_config fc = {cfg->worker, cfg->name ? cfg->name : cfg->endpoint, w->has_replay};
     pthread_mutex_lock(&sub->lock);
-    c->status = km_feed_add_worker(sub->feed, &fc, now);
+    c->status = km_feed_add_worker_identity(sub->feed, &fc, identity, now);
     if (c->status)
         snprintf(c->error, sizeof c->error, "%s", km_feed_last_error(sub->feed));
     pthread_mutex_unlock(&sub->lock);
@@ -489,12 +499,20 @@ static void command_remove(km_subscriber *sub, command *c, uint64_t now)
 {
     size_t i;
     sworker *w = find_sworker(sub, c->id, &i);
+    pthread_mutex_lock(&sub->lock);
     if (!w) {
-        c->status = KM_ERR_INVALID_ARGUMENT;
-        snprintf(c->error, sizeof c->error, "worker %u is not followed", c->id);
+        /* A worker restored from a snapshot and never added again has no sockets: the feed alone
+         * knows it. */
+        km_feed_worker_info info;
+        if (km_feed_get_worker_info(sub->feed, c->id, &info) == KM_OK && info.awaiting_claim) {
+            c->status = km_feed_remove_worker(sub->feed, c->id, now);
+        } else {
+            c->status = KM_ERR_INVALID_ARGUMENT;
+            snprintf(c->error, sizeof c->error, "worker %u is not followed", c->id);
+        }
+        pthread_mutex_unlock(&sub->lock);
         return;
     }
-    pthread_mutex_lock(&sub->lock);
     c->status = km_feed_remove_worker(sub->feed, c->id, now);
     if (c->status)
         snprintf(c->error, sizeof c->error, "%s", km_feed_last_error(sub->feed));
@@ -658,6 +676,22 @@ int km_subscriber_create(km_index *index, const km_subscriber_config *cfg_in, km
         km_subscriber_destroy(sub);
         return rc;
     }
+    /* Paths are copied: the caller's strings need not outlive the call. */
+    if (cfg.snapshot_path) {
+        snprintf(sub->snapshot_path, sizeof sub->snapshot_path, "%s", cfg.snapshot_path);
+        sub->config.snapshot_path = sub->snapshot_path;
+    }
+    sub->config.restore_path = NULL;
+    sub->last_snapshot_ns = km_feed_clock_ns();
+    if (cfg.restore_path) {
+        /* Restart of kvmatch: before any socket exists. Failure is not fatal: start empty. */
+        rc = km_feed_restore(sub->feed, cfg.restore_path, km_feed_clock_ns());
+        sub->stats.restore_status = rc;
+        if (rc)
+            sub_log(sub, "restore failed, starting empty: %s", km_feed_last_error(sub->feed));
+        else
+            sub->stats.restored = true;
+    }
     sub->ctx = zmq_ctx_new();
     if (!sub->ctx) {
         km_subscriber_destroy(sub);
@@ -804,14 +838,46 @@ int km_subscriber_resync_worker(km_subscriber *sub, uint32_t worker)
     return run_command(sub, &c);
 }
 
+/* Under the lock. */
+static int save_locked(km_subscriber *sub, const char *path, uint64_t now)
+{
+    int rc = km_feed_save(sub->feed, path, now);
+    if (rc) {
+        sub->stats.snapshot_failures++;
+        snprintf(sub->last_error, sizeof sub->last_error, "%s", km_feed_last_error(sub->feed));
+        snprintf(sub->stats.last_snapshot_error, sizeof sub->stats.last_snapshot_error, "%s",
+                 km_feed_last_error(sub->feed));
+    } else {
+        sub->stats.snapshots++;
+    }
+    sub->last_snapshot_ns = now;
+    return rc;
+}
+
 int km_subscriber_flush(km_subscriber *sub, km_feed_flush_stats *stats)
 {
     if (!sub)
         return KM_ERR_NULL_POINTER;
     pthread_mutex_lock(&sub->lock);
-    int rc = km_feed_flush(sub->feed, km_feed_clock_ns(), stats);
+    uint64_t now = km_feed_clock_ns();
+    int rc = km_feed_flush(sub->feed, now, stats);
     if (rc)
         snprintf(sub->last_error, sizeof sub->last_error, "%s", km_feed_last_error(sub->feed));
+    else if (sub->config.snapshot_path && sub->config.snapshot_interval_ms &&
+             now - sub->last_snapshot_ns >= (uint64_t)sub->config.snapshot_interval_ms * 1000000u &&
+             save_locked(sub, sub->config.snapshot_path, now) != KM_OK)
+        sub_log(sub, "periodic snapshot failed: %s", sub->stats.last_snapshot_error);
+    pthread_mutex_unlock(&sub->lock);
+    return rc;
+}
+
+int km_subscriber_save(km_subscriber *sub, const char *path)
+{
+    if (!sub)
+        return KM_ERR_NULL_POINTER;
+    pthread_mutex_lock(&sub->lock);
+    const char *p = path ? path : sub->config.snapshot_path;
+    int rc = p ? save_locked(sub, p, km_feed_clock_ns()) : KM_ERR_NULL_POINTER;
     pthread_mutex_unlock(&sub->lock);
     return rc;
 }

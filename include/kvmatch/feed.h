@@ -115,6 +115,12 @@ typedef struct km_feed_worker_config {
  * Errors: KM_ERR_NULL_POINTER, KM_ERR_WORKER_RANGE, KM_ERR_INVALID_ARGUMENT (already added),
  * KM_ERR_OUT_OF_MEMORY. */
 int km_feed_add_worker(km_feed *feed, const km_feed_worker_config *cfg, uint64_t now_ns);
+/* km_feed_add_worker with the producer's identity, kept in snapshots (km_feed_save), e.g.
+ * "endpoint replay_endpoint" (km_subscriber's form); NULL = cfg->name. A worker restored by
+ * km_feed_restore is resumed only when added again with the same id and identity (see
+ * km_feed_restore); km_feed_add_worker uses the name as the identity. */
+int km_feed_add_worker_identity(km_feed *feed, const km_feed_worker_config *cfg,
+                                const char *identity, uint64_t now_ns);
 /* Stop following a worker: its state and history are freed and a REMOVE_WORKER is queued (the
  * index drops its blocks and counters at the next flush). A replay in flight is cancelled.
  * Errors: KM_ERR_INVALID_ARGUMENT (not added). */
@@ -212,6 +218,8 @@ typedef enum km_feed_window_cause {
     KM_FEED_WINDOW_RESTART = 3,  /* seq went back (new engine process), until its stream is applied */
     KM_FEED_WINDOW_RESYNC = 4,   /* km_feed_resync_worker, until the rebuild finished */
     KM_FEED_WINDOW_DEGRADED = 5, /* history lost, until a restart, AllBlocksCleared or resync */
+    KM_FEED_WINDOW_RESUME = 6,   /* restart of kvmatch: restored from a snapshot, until the stream
+                                  * from the saved seq + 1 is applied (or found lost) */
 } km_feed_window_cause;
 
 typedef enum km_feed_window_end {
@@ -287,6 +295,8 @@ typedef struct km_feed_worker_info {
     uint64_t windows_total;      /* windows ever opened */
     uint32_t windows_kept;       /* in the history now (at most max_windows) */
     uint32_t windows_open;
+    bool restored;               /* state came from a snapshot (km_feed_restore) */
+    bool awaiting_claim;         /* restored, not yet added again by the transport */
 } km_feed_worker_info;
 
 /* Errors: KM_ERR_NULL_POINTER, KM_ERR_INVALID_ARGUMENT (not added). */
@@ -297,9 +307,53 @@ int km_feed_get_worker_windows(const km_feed *feed, uint32_t worker, km_feed_win
 /* Worker ids currently followed, ascending; *n_out gets the full count. */
 int km_feed_get_workers(const km_feed *feed, uint32_t *workers, uint32_t capacity, uint32_t *n_out);
 
+/* ---- snapshots (restart of kvmatch) ----------------------------------------------------------- */
+
+/* Feed-state format version written by km_feed_save / km_feed_export_state. */
+#define KM_FEED_STATE_VERSION 1u
+
+/* Serialise what a restart needs, per worker: id, name, identity, replay flag, stream position
+ * (next seq to apply, last live seq), DEGRADED flag and the engine-hash -> chain-hash (+ medium
+ * mask) map. Queued (unflushed) updates are NOT part of it: call it right after km_feed_flush (as
+ * km_feed_save does) so that the state matches the index. Counters and windows are not kept.
+ * *out is malloc'd (free()). Errors: KM_ERR_NULL_POINTER, KM_ERR_INVALID_ARGUMENT (updates are
+ * queued), KM_ERR_OUT_OF_MEMORY. */
+int km_feed_export_state(const km_feed *feed, void **out, size_t *size_out);
+
+/* Install a state from km_feed_export_state into a feed that follows no worker yet. The section is
+ * validated in full before anything changes. Errors: KM_ERR_NULL_POINTER, KM_ERR_INVALID_ARGUMENT
+ * (the feed already follows workers), KM_ERR_CORRUPT (truncated, bad magic, out-of-range or
+ * inconsistent fields), KM_ERR_INCOMPATIBLE (another format version, another block size, a worker
+ * id outside the index), KM_ERR_OUT_OF_MEMORY. */
+int km_feed_import_state(km_feed *feed, const void *data, size_t size, uint64_t now_ns);
+
+/* A consistent snapshot at a flush boundary: km_feed_flush, then km_index_save(index, path, feed
+ * state as the caller section): atomic (temporary file, fsync, rename). Errors: those of
+ * km_feed_flush, km_feed_export_state and km_index_save (KM_ERR_IO). */
+int km_feed_save(km_feed *feed, const char *path, uint64_t now_ns);
+
+/* Restart of kvmatch: load the index and feed state saved by km_feed_save into a fresh feed (no
+ * worker followed; its index's content is replaced). Nothing is installed unless the whole file
+ * is valid: on any error the feed is unchanged and the index is left empty of every worker (if the
+ * index part had loaded, it is cleared again), km_feed_last_error says why, and workers added
+ * afterwards bootstrap normally. Errors: KM_ERR_IO (missing, unreadable), KM_ERR_CORRUPT,
+ * KM_ERR_INCOMPATIBLE, KM_ERR_INVALID_ARGUMENT (workers already followed), KM_ERR_MEMORY_CAP,
+ * KM_ERR_OUT_OF_MEMORY.
+ *
+ * Each restored worker waits to be claimed: km_feed_add_worker with the same id and identity
+ * resumes it instead of starting afresh. It then wants seq last + 1 (a RESUME recovery window
+ * opens, the state reads GAP until the stream is confirmed): with a replay endpoint a replay from
+ * last + 1 is requested at once; a replay that cannot cover the gap makes it DEGRADED with the
+ * missing seqs counted as lost; without one, the first live message settles it (a later seq: the
+ * skipped ones are lost). A seq at or below the last one seen means a different engine process
+ * behind the same endpoint (vLLM has no producer epoch): handled as an engine restart (the
+ * worker's blocks are dropped). A worker added with another identity starts afresh (its restored
+ * blocks are dropped first). Restored workers never claimed stay in the index until removed. */
+int km_feed_restore(km_feed *feed, const char *path, uint64_t now_ns);
+
 /* "SYNCING", "LIVE", "GAP", "DEGRADED"; "unknown" otherwise. */
 const char *km_feed_state_name(km_feed_state state);
-/* "startup", "gap", "restart", "resync", "degraded"; "unknown" otherwise. */
+/* "startup", "gap", "restart", "resync", "degraded", "resume"; "unknown" otherwise. */
 const char *km_feed_window_cause_name(km_feed_window_cause cause);
 /* "open", "recovered", "lost", "restart", "cleared", "resync"; "unknown" otherwise. */
 const char *km_feed_window_end_name(km_feed_window_end end);

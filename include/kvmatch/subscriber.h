@@ -48,6 +48,19 @@ typedef struct km_subscriber_config {
                                        * default 256 */
     km_log_fn log;                /* transport lines; NULL = stderr */
     void *log_user;
+    /* Restart of kvmatch (docs/EVENTS.md, "Restart of kvmatch"). Periodic snapshots: when
+     * snapshot_path is set and snapshot_interval_ms > 0, km_subscriber_flush writes one (via
+     * km_feed_save, atomic) once the interval has passed since the last. They are taken there, on
+     * the scoring thread, because only there is the index both consistent with the feed and not
+     * being read (the I/O thread never touches the index). A failed snapshot is logged and counted
+     * (stats.snapshot_failures), never fatal. Default NULL / 0 (none). */
+    const char *snapshot_path;
+    uint32_t snapshot_interval_ms;
+    /* Load this snapshot at create, before any socket exists (km_feed_restore). Workers added
+     * afterwards with the same id and endpoints resume from their saved seq + 1. A failure (missing,
+     * corrupt, truncated, other version) is logged and recorded in stats.restore_status; the
+     * subscriber starts empty. NULL = none. */
+    const char *restore_path;
 } km_subscriber_config;
 
 void km_subscriber_config_init(km_subscriber_config *cfg);
@@ -84,7 +97,8 @@ int km_subscriber_add_worker(km_subscriber *sub, const km_subscriber_worker *wor
  * km_endpoint_for_rank (port + r), named "<name>/dp<r>". All or nothing. */
 int km_subscriber_add_engine(km_subscriber *sub, const km_subscriber_worker *rank0,
                              uint32_t data_parallel_size);
-/* Disconnect and stop following; the worker's blocks leave the index at the next flush. */
+/* Disconnect and stop following; the worker's blocks leave the index at the next flush. Also
+ * removes a worker restored from a snapshot (restore_path) that was never added again. */
 int km_subscriber_remove_worker(km_subscriber *sub, uint32_t worker);
 /* km_feed_resync_worker through the I/O thread. */
 int km_subscriber_resync_worker(km_subscriber *sub, uint32_t worker);
@@ -93,6 +107,12 @@ int km_subscriber_resync_worker(km_subscriber *sub, uint32_t worker);
 
 /* km_feed_flush under the lock. Call between scoring batches, on the thread that scores. */
 int km_subscriber_flush(km_subscriber *sub, km_feed_flush_stats *stats);
+
+/* Write a consistent snapshot (flush, then index + feed state; atomic) to path (NULL =
+ * config.snapshot_path), under the lock. It flushes, so call it where km_subscriber_flush may be
+ * called (the scoring thread). SIGTERM handling belongs to the daemon, which calls this on
+ * shutdown. Errors: KM_ERR_NULL_POINTER (no path), those of km_feed_save (KM_ERR_IO ...). */
+int km_subscriber_save(km_subscriber *sub, const char *path);
 
 /* ---- inspection (any thread) ------------------------------------------------------------------- */
 
@@ -112,6 +132,11 @@ typedef struct km_subscriber_stats {
     uint64_t replay_send_failures;
     uint64_t wakeups;           /* zmq_poll returns */
     km_kv_decoder_stats decoder;
+    bool restored;              /* restore_path was loaded */
+    int restore_status;         /* KM_OK, or why restore_path was not loaded */
+    uint64_t snapshots;         /* snapshots written (periodic and km_subscriber_save) */
+    uint64_t snapshot_failures;
+    char last_snapshot_error[256];
 } km_subscriber_stats;
 
 int km_subscriber_get_stats(km_subscriber *sub, km_subscriber_stats *out);

@@ -15,6 +15,10 @@ static void usage(FILE *f)
             "      chain-hash decimal token ids (docs/HASHING.md); one line per full block\n"
             "  kvmatch bench index [--json] [--quick] [--threads N] [--trace PATH]\n"
             "      index benchmark on the Mooncake trace (docs/BENCHMARKS.md)\n"
+            "  kvmatch bench events [--json] [--quick] [--trace PATH]\n"
+            "      KV-event ingestion (in process, loopback ZMQ) and restart time (docs/BENCHMARKS.md)\n"
+            "  kvmatch follow --endpoint ID=PUB[,REPLAY] ... [--snapshot PATH] [--snapshot-interval-s N]\n"
+            "      follow workers' KV events; snapshot periodically and on SIGTERM, restore at start\n"
             "  kvmatch version\n",
             KVMATCH_VERSION);
 }
@@ -31,10 +35,14 @@ int main(int argc, char **argv)
     }
     if (!strcmp(argv[1], "hash"))
         return km_cmd_hash(argc - 1, argv + 1);
+    if (!strcmp(argv[1], "follow"))
+        return km_cmd_follow(argc - 1, argv + 1);
     if (!strcmp(argv[1], "bench")) {
         if (argc >= 3 && !strcmp(argv[2], "index"))
             return km_bench_index_main(argc - 2, argv + 2);
-        fprintf(stderr, "kvmatch bench: unknown or missing benchmark (have: index)\n");
+        if (argc >= 3 && !strcmp(argv[2], "events"))
+            return km_bench_events_main(argc - 2, argv + 2);
+        fprintf(stderr, "kvmatch bench: unknown or missing benchmark (have: index, events)\n");
         return 2;
     }
     fprintf(stderr, "kvmatch: unknown command '%s'\n\n", argv[1]);

@@ -1,0 +1,767 @@
+/* Restart of kvmatch (docs/EVENTS.md, "Restart of kvmatch"): the feed state in the snapshot
+ * (km_feed_export_state / import / save / restore) and the subscriber's restore_path, against the
+ * C test publisher (tests/kv_test_publisher.c), loopback only, every test bounded in time.
+ * Scenarios: feed-state round trip (no sockets); kvmatch restarted while the publisher keeps
+ * publishing within its replay buffer (index equals the gap-free run, LIVE); beyond the buffer
+ * (DEGRADED, lost counted exactly); engine restarted while kvmatch was down (old blocks gone);
+ * corrupt, truncated and version-mismatched snapshots (clear error, empty start, normal bootstrap
+ * afterwards); periodic snapshots; `kvmatch follow` writing a snapshot on SIGTERM and resuming
+ * from it. */
+#include <inttypes.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+#include <xxhash.h>
+
+#include "kv_test_publisher.h"
+#include "kvmatch/subscriber.h"
+#include "test_util.h"
+
+#define BS 4u
+
+typedef struct rx {
+    km_index *index;
+    km_subscriber_config cfg;
+    km_subscriber *sub;
+    km_rng rng;
+    km_test_publisher *pub;
+    km_test_engine engine;
+    km_test_batch batch;
+    uint32_t worker;
+    uint32_t subscriptions; /* SUB connections the publisher has seen in total */
+    char dir[64];
+    char path[128];
+} rx;
+
+static void rx_start_sub(rx *s, const char *restore_path)
+{
+    s->index = km_test_make_index(16);
+    km_subscriber_config_init(&s->cfg);
+    km_test_feed_config(&s->cfg.feed, BS);
+    s->cfg.replay_timeout_ms = 2000;
+    if (!getenv("KM_TEST_FEED_LOG"))
+        s->cfg.log = s->cfg.feed.log;
+    s->cfg.restore_path = restore_path;
+    int rc = km_subscriber_create(s->index, &s->cfg, &s->sub);
+    cr_assert_eq(rc, KM_OK, "km_subscriber_create: %s", km_error_name(rc));
+}
+
+static void rx_stop_sub(rx *s)
+{
+    km_subscriber_destroy(s->sub);
+    km_index_destroy(s->index);
+    s->sub = NULL;
+    s->index = NULL;
+}
+
+static void rx_init(rx *s, uint32_t buffer_steps)
+{
+    memset(s, 0, sizeof *s);
+    km_rng_init(&s->rng, km_test_seed());
+    km_test_publisher_config pc;
+    km_test_publisher_config_init(&pc);
+    pc.buffer_steps = buffer_steps;
+    cr_assert_eq(km_test_publisher_start(&pc, &s->pub), KM_OK, "publisher start");
+    s->worker = 3;
+    km_test_engine_init(&s->engine, BS, 0x5eed);
+    km_test_batch_init(&s->batch, KM_TEST_ENCODING_POSITIONAL, KM_TEST_HASH_INT, 0);
+    snprintf(s->dir, sizeof s->dir, "/tmp/kvmatch-restart-XXXXXX");
+    cr_assert(mkdtemp(s->dir) != NULL);
+    snprintf(s->path, sizeof s->path, "%s/kvmatch.snap", s->dir);
+    rx_start_sub(s, NULL);
+}
+
+static void rx_free(rx *s)
+{
+    rx_stop_sub(s);
+    km_test_publisher_stop(s->pub);
+    km_test_engine_free(&s->engine);
+    km_test_batch_free(&s->batch);
+    unlink(s->path);
+    rmdir(s->dir);
+}
+
+static void rx_publish(rx *s, int n)
+{
+    for (int i = 0; i < n; i++) {
+        km_test_engine_step(&s->engine, &s->rng, &s->batch, 3, 0);
+        km_test_publisher_publish_batch(s->pub, &s->batch);
+        km_test_batch_reset(&s->batch);
+    }
+}
+
+static km_feed_worker_info rx_info(rx *s)
+{
+    km_feed_worker_info info;
+    cr_assert_eq(km_subscriber_get_worker_info(s->sub, s->worker, &info), KM_OK);
+    return info;
+}
+
+#define RX_WAIT(s, info, cond, ms)                                                               \
+    do {                                                                                         \
+        double end_ = km_test_now() + (ms) / 1000.0;                                             \
+        for (;;) {                                                                               \
+            info = rx_info(s);                                                                   \
+            if (cond)                                                                            \
+                break;                                                                           \
+            cr_assert(km_test_now() < end_,                                                      \
+                      "timed out waiting for %s (state %s, expected %" PRIu64 ", lost %" PRIu64 \
+                      ")",                                                                       \
+                      #cond, km_feed_state_name(info.state), info.expected_seq,                  \
+                      info.counters.lost);                                                       \
+            km_test_sleep_ms(1);                                                                 \
+        }                                                                                        \
+    } while (0)
+
+/* Follow the publisher (same endpoints every time: the producer identity) and wait for the SUB. */
+static void rx_follow(rx *s)
+{
+    km_subscriber_worker w = {s->worker, NULL, km_test_publisher_endpoint(s->pub),
+                              km_test_publisher_replay_endpoint(s->pub)};
+    int rc = km_subscriber_add_worker(s->sub, &w);
+    cr_assert_eq(rc, KM_OK, "add_worker: %s", km_subscriber_last_error(s->sub));
+    s->subscriptions++;
+    cr_assert(km_test_publisher_wait_subscribers(s->pub, s->subscriptions, 3000),
+              "the subscriber never connected");
+}
+
+static km_feed_worker_info rx_wait_applied(rx *s)
+{
+    uint64_t next = km_test_publisher_next_seq(s->pub);
+    km_feed_worker_info info;
+    RX_WAIT(s, info,
+            info.has_expected_seq && info.expected_seq == next && !info.replay_in_flight &&
+                info.buffered_messages == 0 && info.state != KM_FEED_STATE_SYNCING,
+            5000);
+    return info;
+}
+
+static void rx_flush(rx *s)
+{
+    int rc = km_subscriber_flush(s->sub, NULL);
+    cr_assert_eq(rc, KM_OK, "flush: %s", km_subscriber_last_error(s->sub));
+}
+
+static void rx_check_reference(rx *s)
+{
+    rx_flush(s);
+    km_index *ref = km_test_reference_index(s->pub, 16, s->worker, &s->cfg.feed);
+    size_t n;
+    uint64_t *universe = km_test_engine_chains(&s->engine, true, &n);
+    char why[256];
+    int ok = km_test_index_same(s->index, s->worker, ref, s->worker, universe, n, why, sizeof why);
+    free(universe);
+    km_index_destroy(ref);
+    KM_CHECK(ok, "vs gap-free run: %s", why);
+}
+
+static void rx_check_truth(rx *s)
+{
+    rx_flush(s);
+    size_t n;
+    uint64_t *chains = km_test_engine_chains(&s->engine, false, &n);
+    char why[256];
+    int ok = km_test_index_holds_exactly(s->index, s->worker, chains, n, why, sizeof why);
+    free(chains);
+    KM_CHECK(ok, "vs engine: %s", why);
+}
+
+/* Run until the first snapshot: follow, publish n, apply, save. */
+static void rx_run_and_save(rx *s, int n)
+{
+    rx_follow(s);
+    km_feed_worker_info info;
+    RX_WAIT(s, info, info.state == KM_FEED_STATE_LIVE, 3000);
+    rx_publish(s, n);
+    rx_wait_applied(s);
+    int rc = km_subscriber_save(s->sub, s->path);
+    cr_assert_eq(rc, KM_OK, "save: %s", km_subscriber_last_error(s->sub));
+    km_subscriber_stats st;
+    cr_assert_eq(km_subscriber_get_stats(s->sub, &st), KM_OK);
+    cr_assert_eq(st.snapshots, 1);
+}
+
+/* ---- the feed state, no sockets -------------------------------------------------------------------- */
+
+static km_feed *make_feed(km_index *index)
+{
+    km_feed_config cfg;
+    km_test_feed_config(&cfg, BS);
+    km_feed *feed;
+    cr_assert_eq(km_feed_create(index, &cfg, &feed), KM_OK);
+    return feed;
+}
+
+/* Feed n messages of a simulated engine to worker w, seqs from *seq. */
+static void feed_engine(km_feed *feed, km_kv_decoder *dec, km_test_engine *e, km_rng *r,
+                        uint32_t w, uint64_t *seq, int n)
+{
+    km_test_batch b;
+    km_test_batch_init(&b, KM_TEST_ENCODING_POSITIONAL, KM_TEST_HASH_INT, 0);
+    for (int i = 0; i < n; i++) {
+        km_test_engine_step(e, r, &b, 3, 0);
+        size_t size;
+        const void *payload = km_test_batch_payload(&b, &size);
+        km_kv_batch batch;
+        cr_assert_eq(km_kv_decode_payload(dec, payload, size, &batch), KM_OK);
+        cr_assert_eq(km_feed_live(feed, w, (*seq)++, &batch, 10), KM_OK);
+        km_test_batch_reset(&b);
+    }
+    km_test_batch_free(&b);
+}
+
+Test(restart, feed_state_round_trip, .timeout = 20)
+{
+    km_rng r;
+    km_rng_init(&r, km_test_seed());
+    km_index *a = km_test_make_index(16);
+    km_feed *fa = make_feed(a);
+    km_kv_decoder *dec;
+    cr_assert_eq(km_kv_decoder_create(NULL, &dec), KM_OK);
+    km_test_engine e1, e2;
+    km_test_engine_init(&e1, BS, 11);
+    km_test_engine_init(&e2, BS, 22);
+    km_feed_worker_config w1 = {1, "one", false};
+    km_feed_worker_config w2 = {5, "five", false};
+    cr_assert_eq(km_feed_add_worker(fa, &w1, 1), KM_OK);
+    cr_assert_eq(km_feed_add_worker(fa, &w2, 1), KM_OK);
+    uint64_t s1 = 100, s2 = 0;
+    feed_engine(fa, dec, &e1, &r, 1, &s1, 60);
+    feed_engine(fa, dec, &e2, &r, 5, &s2, 40);
+    /* Export refuses queued updates: the state must match the index. */
+    void *state;
+    size_t size;
+    cr_assert_eq(km_feed_export_state(fa, &state, &size), KM_ERR_INVALID_ARGUMENT);
+    cr_assert_eq(km_feed_flush(fa, 20, NULL), KM_OK);
+    cr_assert_eq(km_feed_export_state(fa, &state, &size), KM_OK);
+
+    km_index *b = km_test_make_index(16);
+    km_feed *fb = make_feed(b);
+    cr_assert_eq(km_feed_import_state(fb, state, size, 30), KM_OK, "%s", km_feed_last_error(fb));
+    uint32_t ids[4], n;
+    cr_assert_eq(km_feed_get_workers(fb, ids, 4, &n), KM_OK);
+    cr_assert_eq(n, 2);
+    cr_assert_eq(ids[0], 1);
+    cr_assert_eq(ids[1], 5);
+    km_feed_worker_info ia, ib;
+    cr_assert_eq(km_feed_get_worker_info(fa, 1, &ia), KM_OK);
+    cr_assert_eq(km_feed_get_worker_info(fb, 1, &ib), KM_OK);
+    cr_assert_eq(ib.expected_seq, 160);
+    cr_assert_eq(ib.map_entries, ia.map_entries);
+    cr_assert_str_eq(ib.name, "one");
+    cr_assert(ib.restored && ib.awaiting_claim);
+    cr_assert_eq(ib.state, KM_FEED_STATE_GAP); /* RESUME window open until confirmed */
+    /* Re-exporting the imported state gives the same size (map order may differ). */
+    void *again;
+    size_t again_size;
+    cr_assert_eq(km_feed_export_state(fb, &again, &again_size), KM_OK);
+    cr_assert_eq(again_size, size);
+    free(again);
+
+    /* Validation: every truncation is refused, a bad version is incompatible, nothing installed. */
+    km_index *c = km_test_make_index(16);
+    km_feed *fc = make_feed(c);
+    for (size_t cut = 0; cut < size; cut += 1 + cut / 8) {
+        int rc = km_feed_import_state(fc, state, cut, 1);
+        KM_CHECK(rc == KM_ERR_CORRUPT, "cut at %zu: %s", cut, km_error_name(rc));
+        cr_assert_eq(km_feed_get_workers(fc, NULL, 0, &n), KM_OK);
+        cr_assert_eq(n, 0);
+    }
+    unsigned char *bad = malloc(size);
+    memcpy(bad, state, size);
+    bad[8] = 2; /* version */
+    cr_assert_eq(km_feed_import_state(fc, bad, size, 1), KM_ERR_INCOMPATIBLE);
+    cr_assert(strstr(km_feed_last_error(fc), "version") != NULL, "%s", km_feed_last_error(fc));
+    memcpy(bad, state, size);
+    bad[0] ^= 0xff; /* magic */
+    cr_assert_eq(km_feed_import_state(fc, bad, size, 1), KM_ERR_CORRUPT);
+    memcpy(bad, state, size);
+    bad[size - 1] = 0; /* last map entry's medium mask */
+    cr_assert_eq(km_feed_import_state(fc, bad, size, 1), KM_ERR_CORRUPT);
+    cr_assert_eq(km_feed_get_workers(fc, NULL, 0, &n), KM_OK);
+    cr_assert_eq(n, 0);
+    free(bad);
+
+    /* Claimed with the same identity: resumes (no replay endpoint: waits for the next live seq);
+     * BlockRemoved after the restart finds its chain hashes through the restored map. */
+    cr_assert_eq(km_feed_add_worker(fb, &w1, 40), KM_OK);
+    cr_assert_eq(km_feed_get_worker_info(fb, 1, &ib), KM_OK);
+    cr_assert(!ib.awaiting_claim);
+    /* Another identity under id 5: starts afresh. */
+    cr_assert_eq(km_feed_add_worker_identity(fb, &w2, "tcp://other:2 -", 40), KM_OK);
+    cr_assert_eq(km_feed_get_worker_info(fb, 5, &ib), KM_OK);
+    cr_assert(!ib.restored);
+    cr_assert(!ib.has_expected_seq);
+    cr_assert_eq(ib.map_entries, 0);
+
+    /* Both feeds continue with the same messages for worker 1: same index for it. */
+    km_test_batch bt;
+    km_test_batch_init(&bt, KM_TEST_ENCODING_POSITIONAL, KM_TEST_HASH_INT, 0);
+    for (int i = 0; i < 40; i++) {
+        km_test_engine_step(&e1, &r, &bt, 3, 0);
+        size_t ps;
+        const void *payload = km_test_batch_payload(&bt, &ps);
+        km_kv_batch batch;
+        cr_assert_eq(km_kv_decode_payload(dec, payload, ps, &batch), KM_OK);
+        cr_assert_eq(km_feed_live(fa, 1, s1, &batch, 50), KM_OK);
+        cr_assert_eq(km_feed_live(fb, 1, s1, &batch, 50), KM_OK);
+        s1++;
+        km_test_batch_reset(&bt);
+    }
+    km_test_batch_free(&bt);
+    cr_assert_eq(km_feed_flush(fa, 60, NULL), KM_OK);
+    cr_assert_eq(km_feed_flush(fb, 60, NULL), KM_OK);
+    cr_assert_eq(km_feed_get_worker_info(fb, 1, &ib), KM_OK);
+    cr_assert_eq(ib.state, KM_FEED_STATE_LIVE);
+    cr_assert_eq(ib.counters.unknown_removes, 0);
+    cr_assert_eq(ib.counters.unknown_parent_blocks, 0);
+    km_feed_window win[8];
+    cr_assert_eq(km_feed_get_worker_windows(fb, 1, win, 8, &n), KM_OK);
+    cr_assert_eq(n, 1);
+    cr_assert_eq(win[0].cause, KM_FEED_WINDOW_RESUME);
+    cr_assert_eq(win[0].end, KM_FEED_END_RECOVERED);
+    cr_assert_str_eq(km_feed_window_cause_name(KM_FEED_WINDOW_RESUME), "resume");
+
+    free(state);
+    km_feed_destroy(fa);
+    km_feed_destroy(fb);
+    km_feed_destroy(fc);
+    km_index_destroy(a);
+    km_index_destroy(b);
+    km_index_destroy(c);
+    km_kv_decoder_destroy(dec);
+    km_test_engine_free(&e1);
+    km_test_engine_free(&e2);
+}
+
+Test(restart, feed_save_and_restore_file, .timeout = 20)
+{
+    km_rng r;
+    km_rng_init(&r, km_test_seed());
+    char dir[64], path[128];
+    snprintf(dir, sizeof dir, "/tmp/kvmatch-restart-XXXXXX");
+    cr_assert(mkdtemp(dir) != NULL);
+    snprintf(path, sizeof path, "%s/feed.snap", dir);
+    km_index *a = km_test_make_index(16);
+    km_feed *fa = make_feed(a);
+    km_kv_decoder *dec;
+    cr_assert_eq(km_kv_decoder_create(NULL, &dec), KM_OK);
+    km_test_engine e;
+    km_test_engine_init(&e, BS, 7);
+    km_feed_worker_config w = {2, "two", true};
+    cr_assert_eq(km_feed_add_worker(fa, &w, 1), KM_OK);
+    km_feed_action act;
+    while (km_feed_next_action(fa, &act)) /* bootstrap replay: answer "nothing yet" */
+        cr_assert_eq(km_feed_replay_end(fa, 2, act.request_id, 1), KM_OK);
+    uint64_t seq = 0;
+    feed_engine(fa, dec, &e, &r, 2, &seq, 50);
+    cr_assert_eq(km_feed_save(fa, path, 5), KM_OK, "%s", km_feed_last_error(fa));
+
+    km_index *b = km_test_make_index(16);
+    km_feed *fb = make_feed(b);
+    cr_assert_eq(km_feed_restore(fb, path, 100), KM_OK, "%s", km_feed_last_error(fb));
+    size_t nc;
+    uint64_t *chains = km_test_engine_chains(&e, false, &nc);
+    char why[256];
+    KM_CHECK(km_test_index_holds_exactly(b, 2, chains, nc, why, sizeof why), "%s", why);
+    free(chains);
+    /* Claim: a replay from the saved seq + 1 is asked for at once. */
+    cr_assert_eq(km_feed_add_worker(fb, &w, 101), KM_OK);
+    cr_assert_eq(km_feed_next_action(fb, &act), 1);
+    cr_assert_eq(act.kind, KM_FEED_ACTION_REPLAY_REQUEST);
+    cr_assert_eq(act.start_seq, 50);
+    km_feed_worker_info info;
+    cr_assert_eq(km_feed_get_worker_info(fb, 2, &info), KM_OK);
+    cr_assert_eq(info.state, KM_FEED_STATE_GAP);
+    /* The replay starts at 53: 50..52 are lost. */
+    km_test_batch bt;
+    km_test_batch_init(&bt, KM_TEST_ENCODING_POSITIONAL, KM_TEST_HASH_INT, 0);
+    km_test_engine_step(&e, &r, &bt, 3, 0);
+    size_t ps;
+    const void *payload = km_test_batch_payload(&bt, &ps);
+    km_kv_batch batch;
+    cr_assert_eq(km_kv_decode_payload(dec, payload, ps, &batch), KM_OK);
+    cr_assert_eq(km_feed_replay_item(fb, 2, act.request_id, 53, &batch, 102), KM_OK);
+    cr_assert_eq(km_feed_replay_end(fb, 2, act.request_id, 103), KM_OK);
+    km_test_batch_free(&bt);
+    cr_assert_eq(km_feed_get_worker_info(fb, 2, &info), KM_OK);
+    cr_assert_eq(info.state, KM_FEED_STATE_DEGRADED);
+    cr_assert_eq(info.counters.lost, 3);
+    cr_assert_eq(info.expected_seq, 54);
+
+    km_feed_destroy(fa);
+    km_feed_destroy(fb);
+    km_index_destroy(a);
+    km_index_destroy(b);
+    km_kv_decoder_destroy(dec);
+    km_test_engine_free(&e);
+    unlink(path);
+    rmdir(dir);
+}
+
+/* ---- restart of kvmatch against a live publisher -------------------------------------------------- */
+
+Test(restart, resume_within_the_replay_buffer, .timeout = 30)
+{
+    rx s;
+    rx_init(&s, 0);
+    rx_run_and_save(&s, 30);
+    rx_stop_sub(&s); /* kvmatch goes down; the engine keeps publishing */
+    rx_publish(&s, 25);
+    rx_start_sub(&s, s.path);
+    km_subscriber_stats st;
+    cr_assert_eq(km_subscriber_get_stats(s.sub, &st), KM_OK);
+    cr_assert(st.restored);
+    cr_assert_eq(st.restore_status, KM_OK);
+    km_feed_worker_info info = rx_info(&s);
+    cr_assert(info.restored && info.awaiting_claim);
+    cr_assert_eq(info.expected_seq, 30);
+    rx_follow(&s);
+    rx_publish(&s, 10); /* live continues meanwhile */
+    info = rx_wait_applied(&s);
+    rx_check_reference(&s);
+    rx_check_truth(&s);
+    cr_assert_eq(info.state, KM_FEED_STATE_LIVE);
+    cr_assert_eq(info.counters.lost, 0);
+    cr_assert_eq(info.counters.restarts, 0);
+    cr_assert(info.counters.replayed >= 25);
+    km_feed_window win[4];
+    uint32_t n = 0;
+    cr_assert_eq(km_subscriber_get_worker_windows(s.sub, s.worker, win, 4, &n), KM_OK);
+    cr_assert_eq(n, 1);
+    cr_assert_eq(win[0].cause, KM_FEED_WINDOW_RESUME);
+    cr_assert_eq(win[0].end, KM_FEED_END_RECOVERED);
+    cr_assert_eq(win[0].from_seq, 30);
+    rx_free(&s);
+}
+
+Test(restart, resume_beyond_the_replay_buffer_degrades, .timeout = 30)
+{
+    rx s;
+    rx_init(&s, 8);
+    rx_run_and_save(&s, 10);
+    rx_stop_sub(&s);
+    rx_publish(&s, 20); /* 10..29; the buffer keeps 22..29 */
+    rx_start_sub(&s, s.path);
+    rx_follow(&s);
+    km_feed_worker_info info;
+    RX_WAIT(&s, info, info.expected_seq == 30 && !info.replay_in_flight, 5000);
+    cr_assert_eq(info.state, KM_FEED_STATE_DEGRADED);
+    cr_assert_eq(info.counters.lost, 12);
+    cr_assert_eq(info.counters.replayed, 8);
+    km_feed_window win[4];
+    uint32_t n = 0;
+    cr_assert_eq(km_subscriber_get_worker_windows(s.sub, s.worker, win, 4, &n), KM_OK);
+    cr_assert_eq(n, 2);
+    cr_assert_eq(win[0].cause, KM_FEED_WINDOW_RESUME);
+    cr_assert_eq(win[0].end, KM_FEED_END_LOST);
+    cr_assert_eq(win[0].lost, 12);
+    cr_assert_eq(win[1].cause, KM_FEED_WINDOW_DEGRADED);
+    rx_publish(&s, 5);
+    info = rx_wait_applied(&s);
+    cr_assert_eq(info.state, KM_FEED_STATE_DEGRADED);
+    cr_assert_eq(info.counters.lost, 12);
+    /* Saved DEGRADED, restored DEGRADED (nothing dropped by restoring). */
+    cr_assert_eq(km_subscriber_save(s.sub, s.path), KM_OK);
+    km_index_stats before, after;
+    cr_assert_eq(km_index_get_stats(s.index, &before), KM_OK);
+    rx_stop_sub(&s);
+    rx_start_sub(&s, s.path);
+    info = rx_info(&s);
+    cr_assert_eq(info.state, KM_FEED_STATE_DEGRADED);
+    cr_assert_eq(info.expected_seq, 35);
+    rx_flush(&s);
+    cr_assert_eq(km_index_get_stats(s.index, &after), KM_OK);
+    cr_assert_eq(after.pairs, before.pairs);
+    rx_free(&s);
+}
+
+static void periodic(km_subscriber_config *cfg, const char *path)
+{
+    cfg->snapshot_path = path;
+    cfg->snapshot_interval_ms = 1;
+}
+
+Test(restart, periodic_snapshots_and_unclaimed_workers, .timeout = 30)
+{
+    rx s;
+    rx_init(&s, 0);
+    /* Recreate the subscriber with periodic snapshots. */
+    rx_stop_sub(&s);
+    s.index = km_test_make_index(16);
+    km_subscriber_config_init(&s.cfg);
+    km_test_feed_config(&s.cfg.feed, BS);
+    s.cfg.log = s.cfg.feed.log;
+    periodic(&s.cfg, s.path);
+    cr_assert_eq(km_subscriber_create(s.index, &s.cfg, &s.sub), KM_OK);
+    rx_follow(&s);
+    km_feed_worker_info info;
+    RX_WAIT(&s, info, info.state == KM_FEED_STATE_LIVE, 3000);
+    rx_publish(&s, 15);
+    rx_wait_applied(&s);
+    km_test_sleep_ms(3);
+    rx_flush(&s); /* the interval has passed: this flush writes a snapshot */
+    km_subscriber_stats st;
+    cr_assert_eq(km_subscriber_get_stats(s.sub, &st), KM_OK);
+    cr_assert(st.snapshots >= 1);
+    cr_assert_eq(st.snapshot_failures, 0);
+    km_index_stats before;
+    cr_assert_eq(km_index_get_stats(s.index, &before), KM_OK);
+    cr_assert(before.pairs > 0);
+    rx_stop_sub(&s);
+    /* Restored but never added again: it can still be removed. */
+    rx_start_sub(&s, s.path);
+    info = rx_info(&s);
+    cr_assert(info.awaiting_claim);
+    cr_assert_eq(info.expected_seq, 15);
+    km_index_stats is;
+    cr_assert_eq(km_index_get_stats(s.index, &is), KM_OK);
+    cr_assert_eq(is.pairs, before.pairs);
+    cr_assert_eq(km_subscriber_remove_worker(s.sub, s.worker), KM_OK,
+                 "%s", km_subscriber_last_error(s.sub));
+    rx_flush(&s);
+    cr_assert_eq(km_index_get_stats(s.index, &is), KM_OK);
+    cr_assert_eq(is.pairs, 0);
+    /* A failing periodic snapshot is counted, not fatal. */
+    rx_stop_sub(&s);
+    s.index = km_test_make_index(16);
+    periodic(&s.cfg, "/nonexistent-dir/kvmatch.snap");
+    s.cfg.restore_path = NULL;
+    cr_assert_eq(km_subscriber_create(s.index, &s.cfg, &s.sub), KM_OK);
+    km_test_sleep_ms(3);
+    rx_flush(&s);
+    cr_assert_eq(km_subscriber_get_stats(s.sub, &st), KM_OK);
+    cr_assert_eq(st.snapshot_failures, 1);
+    cr_assert(st.last_snapshot_error[0] != '\0');
+    rx_free(&s);
+}
+
+Test(restart, engine_restarted_while_kvmatch_was_down, .timeout = 30)
+{
+    rx s;
+    rx_init(&s, 0);
+    rx_run_and_save(&s, 30);
+    rx_stop_sub(&s);
+    km_test_publisher_restart(s.pub); /* a new engine process, seq from 0 */
+    km_test_engine_restart(&s.engine, 0xabc);
+    rx_publish(&s, 10);
+    rx_start_sub(&s, s.path);
+    rx_follow(&s);
+    rx_publish(&s, 10); /* seq 10: at or below the last seq seen (29): a new process */
+    km_feed_worker_info info;
+    RX_WAIT(&s, info, info.counters.restarts == 1 && info.expected_seq == 20 &&
+                          !info.replay_in_flight && info.buffered_messages == 0, 5000);
+    rx_check_truth(&s); /* the old process's blocks are gone */
+    cr_assert_eq(info.state, KM_FEED_STATE_LIVE);
+    cr_assert_eq(info.counters.lost, 0);
+    rx_free(&s);
+}
+
+/* ---- bad snapshots: clear error, start empty, normal bootstrap --------------------------------- */
+
+typedef enum damage { DAMAGE_FLIP, DAMAGE_TRUNCATE, DAMAGE_VERSION, DAMAGE_MISSING } damage;
+
+static void damage_file(const char *path, damage d)
+{
+    FILE *f = fopen(path, "r+b");
+    cr_assert(f);
+    fseek(f, 0, SEEK_END);
+    long size = ftell(f);
+    if (d == DAMAGE_FLIP) {
+        fseek(f, size - 5, SEEK_SET); /* inside the feed section: payload checksum catches it */
+        int c = fgetc(f);
+        fseek(f, size - 5, SEEK_SET);
+        fputc(c ^ 0x5a, f);
+    } else if (d == DAMAGE_VERSION) {
+        unsigned char h[64];
+        fseek(f, 0, SEEK_SET);
+        cr_assert_eq(fread(h, 1, 64, f), 64);
+        h[8] = 2; /* format version 2, header checksum recomputed */
+        uint64_t sum = XXH3_64bits(h, 56);
+        for (int i = 0; i < 8; i++)
+            h[56 + i] = (unsigned char)(sum >> (8 * i));
+        fseek(f, 0, SEEK_SET);
+        cr_assert_eq(fwrite(h, 1, 64, f), 64);
+    }
+    fclose(f);
+    if (d == DAMAGE_TRUNCATE)
+        cr_assert_eq(truncate(path, size / 2), 0);
+    if (d == DAMAGE_MISSING)
+        cr_assert_eq(unlink(path), 0);
+}
+
+static void bad_snapshot(damage d, int status, const char *words)
+{
+    rx s;
+    rx_init(&s, 0);
+    rx_run_and_save(&s, 20);
+    rx_stop_sub(&s);
+    damage_file(s.path, d);
+    rx_start_sub(&s, s.path);
+    km_subscriber_stats st;
+    cr_assert_eq(km_subscriber_get_stats(s.sub, &st), KM_OK);
+    cr_assert(!st.restored);
+    cr_assert_eq(st.restore_status, status, "restore gave %s", km_error_name(st.restore_status));
+    cr_assert(strstr(km_error_name(st.restore_status), words) != NULL);
+    uint32_t n = 99;
+    cr_assert_eq(km_subscriber_get_workers(s.sub, NULL, 0, &n), KM_OK);
+    cr_assert_eq(n, 0);
+    km_index_stats is;
+    cr_assert_eq(km_index_get_stats(s.index, &is), KM_OK);
+    cr_assert_eq(is.pairs, 0);
+    /* Normal bootstrap: the replay buffer still holds everything, so the index is complete. */
+    rx_follow(&s);
+    rx_publish(&s, 5);
+    km_feed_worker_info info = rx_wait_applied(&s);
+    cr_assert(!info.restored);
+    cr_assert_eq(info.state, KM_FEED_STATE_LIVE);
+    rx_check_reference(&s);
+    rx_free(&s);
+}
+
+Test(restart, corrupt_snapshot_starts_empty, .timeout = 30)
+{
+    bad_snapshot(DAMAGE_FLIP, KM_ERR_CORRUPT, "CORRUPT");
+}
+
+Test(restart, truncated_snapshot_starts_empty, .timeout = 30)
+{
+    bad_snapshot(DAMAGE_TRUNCATE, KM_ERR_CORRUPT, "CORRUPT");
+}
+
+Test(restart, version_mismatch_starts_empty, .timeout = 30)
+{
+    bad_snapshot(DAMAGE_VERSION, KM_ERR_INCOMPATIBLE, "INCOMPATIBLE");
+}
+
+Test(restart, missing_snapshot_starts_empty, .timeout = 30)
+{
+    bad_snapshot(DAMAGE_MISSING, KM_ERR_IO, "IO");
+}
+
+/* A bad feed section inside a valid index file: the index part is not kept. */
+Test(restart, bad_feed_section_leaves_the_index_empty, .timeout = 20)
+{
+    char dir[64], path[128];
+    snprintf(dir, sizeof dir, "/tmp/kvmatch-restart-XXXXXX");
+    cr_assert(mkdtemp(dir) != NULL);
+    snprintf(path, sizeof path, "%s/x.snap", dir);
+    km_index *a = km_test_make_index(16);
+    uint64_t hashes[3] = {11, 12, 13};
+    km_update u = {KM_UPDATE_STORE, 4, KM_NO_PARENT, hashes, 3};
+    cr_assert_eq(km_index_apply(a, &u, 1, NULL), KM_OK);
+    const char junk[] = "not a feed state";
+    cr_assert_eq(km_index_save(a, path, junk, sizeof junk), KM_OK);
+    km_index *b = km_test_make_index(16);
+    km_feed *fb = make_feed(b);
+    int rc = km_feed_restore(fb, path, 1);
+    cr_assert_eq(rc, KM_ERR_CORRUPT);
+    cr_assert(strstr(km_feed_last_error(fb), "feed state") != NULL, "%s", km_feed_last_error(fb));
+    km_index_stats is;
+    cr_assert_eq(km_index_get_stats(b, &is), KM_OK);
+    cr_assert_eq(is.pairs, 0);
+    km_feed_destroy(fb);
+    km_index_destroy(a);
+    km_index_destroy(b);
+    unlink(path);
+    rmdir(dir);
+}
+
+/* ---- `kvmatch follow`: snapshot on SIGTERM, restore at start ------------------------------------ */
+
+static const char *follow_bin(void)
+{
+    const char *b = getenv("KM_BIN");
+    return b && *b ? b : "build/kvmatch";
+}
+
+/* Start `kvmatch follow` with stdout on a pipe. */
+static pid_t follow_start(const char *endpoint_arg, const char *snapshot, FILE **out)
+{
+    int fds[2];
+    cr_assert_eq(pipe(fds), 0);
+    pid_t pid = fork();
+    cr_assert(pid >= 0);
+    if (pid == 0) {
+        dup2(fds[1], 1);
+        if (!getenv("KM_TEST_FEED_LOG")) {
+            FILE *null = fopen("/dev/null", "w");
+            if (null)
+                dup2(fileno(null), 2);
+        }
+        close(fds[0]);
+        close(fds[1]);
+        execl(follow_bin(), follow_bin(), "follow", "--endpoint", endpoint_arg, "--snapshot",
+              snapshot, "--status-s", "1", "--block-size", "4", (char *)NULL);
+        _exit(127);
+    }
+    close(fds[1]);
+    *out = fdopen(fds[0], "r");
+    cr_assert(*out);
+    return pid;
+}
+
+/* Read lines until one contains `what`; false at end of output. */
+static bool follow_wait_line(FILE *f, const char *what)
+{
+    char line[1024];
+    while (fgets(line, sizeof line, f))
+        if (strstr(line, what))
+            return true;
+    return false;
+}
+
+static int follow_stop(pid_t pid, FILE *f)
+{
+    kill(pid, SIGTERM);
+    int status = 0;
+    cr_assert_eq(waitpid(pid, &status, 0), pid);
+    fclose(f);
+    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+Test(restart, follow_snapshots_on_sigterm_and_restores, .timeout = 40)
+{
+    if (access(follow_bin(), X_OK) != 0)
+        cr_skip_test("%s not built", follow_bin());
+    rx s;
+    rx_init(&s, 0);
+    rx_publish(&s, 20);
+    char arg[600];
+    snprintf(arg, sizeof arg, "%u=%s,%s", s.worker, km_test_publisher_endpoint(s.pub),
+             km_test_publisher_replay_endpoint(s.pub));
+    FILE *out;
+    pid_t pid = follow_start(arg, s.path, &out);
+    cr_assert(follow_wait_line(out, "LIVE, next seq 20"), "follow never applied the history");
+    cr_assert_eq(follow_stop(pid, out), 0);
+
+    /* The snapshot restores: same worker, same position, the index of a gap-free run. */
+    km_index *index = km_test_make_index(1024);
+    km_feed *feed = make_feed(index);
+    int rc = km_feed_restore(feed, s.path, 1);
+    cr_assert_eq(rc, KM_OK, "%s", km_feed_last_error(feed));
+    km_feed_worker_info info;
+    cr_assert_eq(km_feed_get_worker_info(feed, s.worker, &info), KM_OK);
+    cr_assert_eq(info.expected_seq, 20);
+    km_index *ref = km_test_reference_index(s.pub, 1024, s.worker, &s.cfg.feed);
+    size_t n;
+    uint64_t *universe = km_test_engine_chains(&s.engine, true, &n);
+    char why[256];
+    int ok = km_test_index_same(index, s.worker, ref, s.worker, universe, n, why, sizeof why);
+    free(universe);
+    km_index_destroy(ref);
+    KM_CHECK(ok, "follow's snapshot vs gap-free run: %s", why);
+    km_feed_destroy(feed);
+    km_index_destroy(index);
+
+    /* Started again: it restores and resumes from seq 20. */
+    rx_publish(&s, 5);
+    pid = follow_start(arg, s.path, &out);
+    cr_assert(follow_wait_line(out, "restore"), "no restore line");
+    cr_assert(follow_wait_line(out, "LIVE, next seq 25"), "follow never resumed");
+    cr_assert_eq(follow_stop(pid, out), 0);
+    rx_free(&s);
+}
