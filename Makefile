@@ -92,7 +92,9 @@ cuda:
 bench: all
 	$(Q)mkdir -p bench/results
 	$(Q)$(BIN) bench index --json > bench/results/index.json
-	$(Q)cat bench/results/index.json
+	$(Q)$(BIN) bench events --json > bench/results/events.json
+	$(Q)python3 scripts/bench-report.py bench/results/index.json docs/BENCHMARKS.md
+	$(Q)cat bench/results/index.json bench/results/events.json
 
 run: deps
 	$(Q)$(MAKE) --no-print-directory all

@@ -58,8 +58,8 @@ def main():
         section = render(json.load(f))
     with open(doc) as f:
         text = f.read()
-    new, n = re.subn(r"(<!-- index:begin -->\n).*?(\n<!-- index:end -->)",
-                     lambda mo: mo.group(1) + section + mo.group(2), text, flags=re.S)
+    new, n = re.subn(r"(<!-- index:begin -->\n)(?:.*?\n)?(<!-- index:end -->)",
+                     lambda mo: mo.group(1) + section + "\n" + mo.group(2), text, flags=re.S)
     if n != 1:
         sys.exit(f"{doc}: markers <!-- index:begin --> / <!-- index:end --> not found")
     with open(doc, "w") as f:
