@@ -159,8 +159,10 @@ static void prefetch_request(const km_table_view *blocks, const km_table_view *s
     km_view_prefetch(blocks, r->hashes[0]);
     if (S == 0)
         return;
-    for (uint32_t end = S - 1; end < r->n_hashes; end += S)
-        km_view_prefetch(segments, r->hashes[end]);
+    /* Only the first segment keys: most queries stop after a few segments, and the walk itself
+     * prefetches KM_PREFETCH_AHEAD keys ahead as it goes. */
+    for (uint32_t k = 1; k <= KM_PREFETCH_AHEAD && k * S <= r->n_hashes; k++)
+        km_view_prefetch(segments, r->hashes[k * S - 1]);
 }
 
 /* Phase 1: each request's entry count is the holder count of its block 0, known from one lookup,
