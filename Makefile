@@ -1,5 +1,6 @@
 # kvmatch build. Knobs use ?=; project flags come first, user CFLAGS/LDFLAGS last.
-#   make            library + build/kvmatch (CUDA backend when nvcc is found; CUDA=0 forces it off)
+#   make            library + build/kvmatch (CUDA backend when nvcc is found; CUDA=0 forces it off
+#                   and builds into build-cpu/)
 #   make test       unit and property tests (Criterion)
 #   make asan       the tests again under AddressSanitizer + UndefinedBehaviorSanitizer (CPU only)
 #   make cuda       compile the kernels for sm_90 (fails if nvcc is missing)
@@ -8,7 +9,8 @@
 # V=1 shows the commands.
 
 CC ?= cc
-BUILD ?= build
+# CUDA=0 builds live apart, so switching CUDA on and off never mixes objects built both ways.
+BUILD ?= $(if $(filter 1,$(CUDA)),build,build-cpu)
 CUDA_HOME ?= /usr/local/cuda
 NVCC ?= $(shell command -v nvcc 2>/dev/null || ( test -x $(CUDA_HOME)/bin/nvcc && echo $(CUDA_HOME)/bin/nvcc ))
 ifeq ($(origin CUDA),undefined)
@@ -101,6 +103,6 @@ run: deps
 	$(Q)$(BIN) bench index --quick
 
 clean:
-	rm -rf build build-asan
+	rm -rf build build-cpu build-asan
 
 -include $(LIB_OBJ:.o=.d) $(CLI_OBJ:.o=.d) $(TEST_OBJ:.o=.d)

@@ -5,6 +5,9 @@
 # Criterion's own "Synthesis" line last. Exits with the binary's status.
 set -uo pipefail
 bin=${1:?usage: run-tests.sh TEST_BINARY}
+# Tests that run the CLI use the kvmatch binary built beside this test binary (so `make asan` runs
+# the sanitized CLI), unless KM_BIN says otherwise.
+export KM_BIN=${KM_BIN:-$(dirname "$bin")/kvmatch}
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
 timeout --foreground 1200 "$bin" --jobs "${KM_TEST_JOBS:-2}" --verbose ${KM_TEST_ARGS:-} >"$log" 2>&1
