@@ -31,8 +31,9 @@
 #include <unistd.h>
 #include <zmq.h>
 
-#include "../src/cli/commands.h"
-#include "../src/trace.h"
+#include "bench_common.h"
+#include "cli/commands.h"
+#include "trace.h"
 #include "kvmatch/feed.h"
 #include "kvmatch/index.h"
 #include "kvmatch/kv_events.h"
@@ -45,42 +46,12 @@
 #define WORKER_CAPACITY 65536u /* blocks per worker (an 80 GB-class GPU at 16-token blocks) */
 #define FLUSH_EVERY 64u
 
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
 static uint64_t splitmix64(uint64_t x)
 {
     x += UINT64_C(0x9E3779B97F4A7C15);
     x = (x ^ (x >> 30)) * UINT64_C(0xBF58476D1CE4E5B9);
     x = (x ^ (x >> 27)) * UINT64_C(0x94D049BB133111EB);
     return x ^ (x >> 31);
-}
-
-static void quiet_log(void *user, const char *line)
-{
-    (void)user;
-    (void)line;
-}
-
-static int cmp_double(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return x < y ? -1 : x > y;
-}
-
-static double median(double *v, size_t n)
-{
-    qsort(v, n, sizeof *v, cmp_double);
-    return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
-}
-
-static double round_to(double x, double unit)
-{
-    return unit * (double)(long long)(x / unit + (x >= 0 ? 0.5 : -0.5));
 }
 
 /* ---- per-worker LRU of block keys ----------------------------------------------------------- */
@@ -360,7 +331,7 @@ static km_index *make_index(void)
     km_index_config ic;
     km_index_config_init(&ic);
     ic.max_workers = 64;
-    ic.log = quiet_log;
+    ic.log = km_bench_quiet_log;
     km_index *index = NULL;
     if (km_index_create(&ic, &index) != KM_OK)
         return NULL;
@@ -372,7 +343,7 @@ static void feed_config(km_feed_config *fc)
     km_feed_config_init(fc);
     fc->block_size = EV_BLOCK_SIZE;
     fc->bootstrap_replay = false;
-    fc->log = quiet_log;
+    fc->log = km_bench_quiet_log;
 }
 
 /* ---- inproc ----------------------------------------------------------------------------------- */
@@ -391,7 +362,7 @@ static int run_inproc(const stream *st, double *seconds, uint64_t *lost, uint64_
         km_feed_add_worker(feed, &wc, 1);
     }
     km_feed_flush(feed, 1, NULL);
-    double t0 = now_s();
+    double t0 = km_bench_now_s();
     unsigned char seq_be[8];
     for (size_t i = 0; i < st->n_msgs; i++) {
         const message *m = &st->msgs[i];
@@ -407,7 +378,7 @@ static int run_inproc(const stream *st, double *seconds, uint64_t *lost, uint64_
             km_feed_flush(feed, 3, NULL);
     }
     km_feed_flush(feed, 4, NULL);
-    *seconds = now_s() - t0;
+    *seconds = km_bench_now_s() - t0;
     *lost = 0;
     for (uint32_t w = 0; w < EV_WORKERS; w++) {
         km_feed_worker_info info;
@@ -475,7 +446,7 @@ static int run_zmq(const stream *st, double *seconds, uint64_t *lost, uint64_t *
     km_subscriber_config_init(&sc);
     feed_config(&sc.feed);
     sc.receive_hwm = 0;
-    sc.log = quiet_log;
+    sc.log = km_bench_quiet_log;
     sc.feed.max_queued_hashes = UINT64_C(1) << 26;
     km_subscriber *sub = NULL;
     if (!index || km_subscriber_create(index, &sc, &sub))
@@ -496,7 +467,7 @@ static int run_zmq(const stream *st, double *seconds, uint64_t *lost, uint64_t *
     km_subscriber_flush(sub, NULL);
     pthread_t th;
     pthread_create(&th, NULL, zpub_main, &z);
-    double t0 = now_s();
+    double t0 = km_bench_now_s();
     __atomic_store_n(&z.go, 1, __ATOMIC_RELEASE);
     uint64_t total = st->n_msgs;
     double deadline = t0 + 120;
@@ -506,12 +477,12 @@ static int run_zmq(const stream *st, double *seconds, uint64_t *lost, uint64_t *
         km_subscriber_get_stats(sub, &ss);
         if (ss.live_messages >= total)
             break;
-        if (now_s() > deadline)
+        if (km_bench_now_s() > deadline)
             break;
         usleep(1000);
     }
     km_subscriber_flush(sub, NULL);
-    *seconds = now_s() - t0;
+    *seconds = km_bench_now_s() - t0;
     pthread_join(th, NULL);
     *send_errors = z.send_errors;
     *lost = 0;
@@ -616,12 +587,12 @@ static int restart_parts(const char *path, double *load_s, double *import_s)
         return -1;
     void *user = NULL;
     size_t size = 0;
-    double t0 = now_s();
+    double t0 = km_bench_now_s();
     int rc = km_index_load(index, path, &user, &size);
-    double t1 = now_s();
+    double t1 = km_bench_now_s();
     if (!rc)
         rc = km_feed_import_state(feed, user, size, km_feed_clock_ns());
-    *import_s = now_s() - t1;
+    *import_s = km_bench_now_s() - t1;
     *load_s = t1 - t0;
     free(user);
     km_feed_destroy(feed);
@@ -631,7 +602,7 @@ static int restart_parts(const char *path, double *load_s, double *import_s)
 
 static int restart_once(const char *path, double *ready_s, uint64_t *pairs)
 {
-    double t0 = now_s();
+    double t0 = km_bench_now_s();
     km_index *index = make_index();
     km_feed_config fc;
     feed_config(&fc);
@@ -649,7 +620,7 @@ static int restart_once(const char *path, double *ready_s, uint64_t *pairs)
         km_feed_worker_config wc = {w, name, true};
         km_feed_add_worker(feed, &wc, km_feed_clock_ns());
     }
-    *ready_s = now_s() - t0;
+    *ready_s = km_bench_now_s() - t0;
     uint32_t resuming = 0;
     km_feed_action a;
     while (km_feed_next_action(feed, &a))
@@ -663,35 +634,6 @@ static int restart_once(const char *path, double *ready_s, uint64_t *pairs)
 }
 
 /* ---- main -------------------------------------------------------------------------------------- */
-
-static json_t *machine_json(void)
-{
-    char model[256] = "unknown";
-    FILE *f = fopen("/proc/cpuinfo", "r");
-    if (f) {
-        char line[512];
-        while (fgets(line, sizeof line, f)) {
-            if (!strncmp(line, "model name", 10)) {
-                char *c = strchr(line, ':');
-                if (c) {
-                    c++;
-                    while (*c == ' ' || *c == '\t')
-                        c++;
-                    snprintf(model, sizeof model, "%s", c);
-                    model[strcspn(model, "\n")] = '\0';
-                }
-                break;
-            }
-        }
-        fclose(f);
-    }
-    long cores = sysconf(_SC_NPROCESSORS_ONLN);
-    double load[1] = {-1.0};
-    if (getloadavg(load, 1) != 1)
-        load[0] = -1.0;
-    return json_pack("{s:s, s:I, s:f}", "cpu", model, "cores", (json_int_t)cores,
-                     "loadavg_1min_at_start", round_to(load[0], 0.01));
-}
 
 static void usage(FILE *f)
 {
@@ -723,7 +665,7 @@ int km_bench_events_main(int argc, char **argv)
     }
     if (!trace_path)
         trace_path = km_trace_default_path();
-    json_t *machine = machine_json();
+    json_t *machine = km_bench_machine_json();
     km_trace trace;
     memset(&trace, 0, sizeof trace);
     char err[512] = "";
@@ -737,13 +679,13 @@ int km_bench_events_main(int argc, char **argv)
     uint64_t max_events = quick ? 1500000u : 6000000u;
     uint64_t restart_pairs = quick ? 2000000u : 10240000u;
     int restart_reps = quick ? 2 : 3;
-    double tg = now_s();
+    double tg = km_bench_now_s();
     stream st;
     if (build_stream(&trace, max_events, &st, err, sizeof err)) {
         fprintf(stderr, "kvmatch bench events: %s\n", err);
         return 1;
     }
-    double gen_s = now_s() - tg;
+    double gen_s = km_bench_now_s() - tg;
     km_trace_free(&trace);
 
     double v_in[8], v_zmq[8];
@@ -764,7 +706,7 @@ int km_bench_events_main(int argc, char **argv)
         pairs_zmq = pairs;
         send_errors += se;
     }
-    double s_in = median(v_in, (size_t)reps), s_zmq = median(v_zmq, (size_t)reps);
+    double s_in = km_bench_median(v_in, (size_t)reps), s_zmq = km_bench_median(v_zmq, (size_t)reps);
 
     char dir[] = "/tmp/kvmatch-bench-events-XXXXXX";
     if (!mkdtemp(dir)) {
@@ -774,9 +716,9 @@ int km_bench_events_main(int argc, char **argv)
     char path[128];
     snprintf(path, sizeof path, "%s/kvmatch.snap", dir);
     uint64_t saved_pairs = 0, file_bytes = 0, restored_pairs = 0;
-    double tb = now_s();
+    double tb = km_bench_now_s();
     int rc = restart_build(path, restart_pairs, &saved_pairs, &file_bytes);
-    double build_s = now_s() - tb;
+    double build_s = km_bench_now_s() - tb;
     double v_ready[8];
     for (int r = 0; !rc && r < restart_reps; r++)
         rc = restart_once(path, &v_ready[r], &restored_pairs);
@@ -789,9 +731,9 @@ int km_bench_events_main(int argc, char **argv)
         fprintf(stderr, "kvmatch bench events: restart run failed\n");
         return 1;
     }
-    double ready = median(v_ready, (size_t)restart_reps);
-    double load_s = median(v_load, (size_t)restart_reps);
-    double import_s = median(v_import, (size_t)restart_reps);
+    double ready = km_bench_median(v_ready, (size_t)restart_reps);
+    double load_s = km_bench_median(v_load, (size_t)restart_reps);
+    double import_s = km_bench_median(v_import, (size_t)restart_reps);
 
     double eps_in = (double)st.block_events / s_in, eps_zmq = (double)st.block_events / s_zmq;
     char command[512] = "kvmatch bench";
@@ -819,15 +761,15 @@ int km_bench_events_main(int argc, char **argv)
             "command", command, "machine", machine,
             "results",
             json_pack("[{s:s, s:f, s:f, s:I, s:I}, {s:s, s:f, s:f, s:I, s:I, s:I}]", "path",
-                      "inproc", "block_events_per_s", round_to(eps_in, 1), "seconds",
-                      round_to(s_in, 0.0001), "lost_or_unmatched", (json_int_t)lost_in,
+                      "inproc", "block_events_per_s", km_bench_round_to(eps_in, 1), "seconds",
+                      km_bench_round_to(s_in, 0.0001), "lost_or_unmatched", (json_int_t)lost_in,
                       "pairs_after", (json_int_t)pairs_in, "path", "zmq", "block_events_per_s",
-                      round_to(eps_zmq, 1), "seconds", round_to(s_zmq, 0.0001), "dropped",
+                      km_bench_round_to(eps_zmq, 1), "seconds", km_bench_round_to(s_zmq, 0.0001), "dropped",
                       (json_int_t)lost_zmq, "send_errors", (json_int_t)send_errors, "pairs_after",
                       (json_int_t)pairs_zmq),
             "targets", json_pack("{s:f, s:f}", "block_events_per_s", 2e6, "ready_s", 2.0),
-            "restart", "pairs", (json_int_t)saved_pairs, "ready_s", round_to(ready, 0.001),
-            "index_load_s", round_to(load_s, 0.001), "feed_import_s", round_to(import_s, 0.001),
+            "restart", "pairs", (json_int_t)saved_pairs, "ready_s", km_bench_round_to(ready, 0.001),
+            "index_load_s", km_bench_round_to(load_s, 0.001), "feed_import_s", km_bench_round_to(import_s, 0.001),
             "file_bytes", (json_int_t)file_bytes, "reps", (json_int_t)restart_reps,
             "workload", "trace", trace_path, "workers", (json_int_t)EV_WORKERS, "block_size",
             (json_int_t)EV_BLOCK_SIZE, "tokens_per_id", (json_int_t)EV_TOKENS_PER_ID,
@@ -848,7 +790,7 @@ int km_bench_events_main(int argc, char **argv)
         printf("  inproc  %12.0f block events/s  (%.3f s, %" PRIu64 " lost)\n", eps_in, s_in, lost_in);
         printf("  zmq     %12.0f block events/s  (%.3f s, %" PRIu64 " dropped)\n", eps_zmq, s_zmq,
                lost_zmq);
-        printf("  restart %" PRIu64 " pairs: ready in %.3f s (median of %d; index load %.3f s, "
+        printf("  restart %" PRIu64 " pairs: ready in %.3f s (km_bench_median of %d; index load %.3f s, "
                "feed state %.3f s)\n", saved_pairs, ready, restart_reps, load_s, import_s);
     }
     stream_free(&st);

@@ -36,6 +36,7 @@
 #include <unistd.h>
 
 #include "baseline_impl.h"
+#include "bench_common.h"
 #include "cli/commands.h"
 #include "kvmatch/kvmatch.h"
 #include "trace.h"
@@ -55,13 +56,6 @@
 
 static const uint32_t bench_worker_counts[] = {64, 1024};
 #define N_WORKER_COUNTS (sizeof(bench_worker_counts) / sizeof(bench_worker_counts[0]))
-
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
 
 /* ---- a tiny fork-join pool: the caller is thread 0 ------------------------------------------ */
 
@@ -554,7 +548,7 @@ static int measure_rep(bench_ctx *ctx, scorer *s, int rep)
     uint64_t reads = 0;
     for (size_t k = 0; k < b->n_batches; k++) {
         const km_request *reqs = b->requests + k * BENCH_BATCH;
-        double t0 = now_s();
+        double t0 = km_bench_now_s();
         if (s->index) {
             int rc = km_index_match_batch(s->index, reqs, BENCH_BATCH, &ctx->results);
             if (rc != KM_OK)
@@ -564,7 +558,7 @@ static int measure_rep(bench_ctx *ctx, scorer *s, int rep)
             reads += baseline_run(ctx, s->baseline, reqs, b->query_of + k * BENCH_BATCH,
                                   BENCH_BATCH, NULL, NULL);
         }
-        double dt = now_s() - t0;
+        double dt = km_bench_now_s() - t0;
         total += dt;
         s->lat[(size_t)rep * b->n_batches + k] = dt * 1e6;
     }
@@ -588,18 +582,6 @@ typedef struct row {
     int is_index;
 } row;
 
-static int cmp_double(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-
-static double median(double *v, size_t n)
-{
-    qsort(v, n, sizeof(double), cmp_double);
-    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
 /* Nearest-rank percentile of sorted v. */
 static double percentile(const double *sorted, size_t n, double p)
 {
@@ -619,12 +601,12 @@ static row make_row(const bench_ctx *ctx, scorer *s, uint32_t workers)
     r.backend = s->backend;
     r.workers = workers;
     r.threads = ctx->threads;
-    r.requests_per_s = median(s->rps, reps); /* sorts rps */
+    r.requests_per_s = km_bench_median(s->rps, reps); /* sorts rps */
     r.requests_per_s_min = s->rps[0];
     r.requests_per_s_max = s->rps[reps - 1];
-    r.block_probes_per_s = median(s->bps, reps);
-    r.slot_reads_per_s = median(s->sps, reps);
-    qsort(s->lat, n_lat, sizeof(double), cmp_double);
+    r.block_probes_per_s = km_bench_median(s->bps, reps);
+    r.slot_reads_per_s = km_bench_median(s->sps, reps);
+    km_bench_sort(s->lat, n_lat);
     r.batch_p50_us = percentile(s->lat, n_lat, 50.0);
     r.batch_p99_us = percentile(s->lat, n_lat, 99.0);
     r.pairs = s->pairs;
@@ -639,12 +621,6 @@ static row make_row(const bench_ctx *ctx, scorer *s, uint32_t workers)
 
 /* ---- building the structures ------------------------------------------------------------------ */
 
-static void quiet_log(void *user, const char *line)
-{
-    (void)user;
-    (void)line;
-}
-
 #define APPLY_BATCH 256u
 
 /* Create an index on s->kind and store the state; an error when the backend cannot be used. */
@@ -656,7 +632,7 @@ static int build_index(const workload *wl, const assignment *a, uint32_t threads
     cfg.segment_blocks = s->segment_blocks;
     cfg.threads = threads;
     cfg.backend = s->kind;
-    cfg.log = quiet_log;
+    cfg.log = km_bench_quiet_log;
     km_index *index = NULL;
     int rc = km_index_create(&cfg, &index);
     if (rc != KM_OK) {
@@ -664,7 +640,7 @@ static int build_index(const workload *wl, const assignment *a, uint32_t threads
         return rc;
     }
     km_update ups[APPLY_BATCH];
-    double t0 = now_s();
+    double t0 = km_bench_now_s();
     size_t n_ups = 0;
     for (size_t r = 0; r < wl->n_state && rc == KM_OK; r++) {
         ups[n_ups++] = (km_update){.kind = KM_UPDATE_STORE,
@@ -682,7 +658,7 @@ static int build_index(const workload *wl, const assignment *a, uint32_t threads
         km_index_destroy(index);
         return rc;
     }
-    s->build_s = now_s() - t0;
+    s->build_s = km_bench_now_s() - t0;
     km_index_stats st;
     km_index_get_stats(index, &st);
     s->index = index;
@@ -697,7 +673,7 @@ static int build_baseline(const workload *wl, const assignment *a, scorer *s)
     int rc = km_baseline_create(s->baseline_kind, a->workers, &b);
     if (rc != KM_OK)
         return rc;
-    double t0 = now_s();
+    double t0 = km_bench_now_s();
     for (size_t r = 0; r < wl->n_state && rc == KM_OK; r++)
         rc = km_baseline_store(b, a->worker_of[r], KM_NO_PARENT, wl->chain + wl->offsets[r],
                                wl->local + wl->offsets[r], req_len(wl, r));
@@ -706,7 +682,7 @@ static int build_baseline(const workload *wl, const assignment *a, scorer *s)
         km_baseline_destroy(b);
         return rc;
     }
-    s->build_s = now_s() - t0;
+    s->build_s = km_bench_now_s() - t0;
     km_baseline_stats st;
     km_baseline_get_stats(b, &st);
     s->baseline = b;
@@ -843,55 +819,18 @@ static double measure_limit(bench_ctx *ctx, uint64_t slots, uint64_t reads_per_t
     for (int rep = 0; v && rep < ctx->reps; rep++) {
         limit_job job = {.table = table, .slots = pow2, .reads_per_thread = reads_per_thread};
         atomic_init(&job.sink, 0);
-        double t0 = now_s();
+        double t0 = km_bench_now_s();
         pool_run(ctx->pool, limit_job_run, &job);
-        double dt = now_s() - t0;
+        double dt = km_bench_now_s() - t0;
         v[rep] = (double)(reads_per_thread * ctx->threads) / dt;
     }
-    double m = v ? median(v, (size_t)ctx->reps) : 0.0;
+    double m = v ? km_bench_median(v, (size_t)ctx->reps) : 0.0;
     free(v);
     munmap(raw, bytes + align);
     return m;
 }
 
 /* ---- output ----------------------------------------------------------------------------------- */
-
-static double round_to(double x, double unit)
-{
-    return unit * (double)(long long)(x / unit + (x >= 0 ? 0.5 : -0.5));
-}
-
-static json_t *machine_json(void)
-{
-    char model[256] = "unknown";
-    FILE *f = fopen("/proc/cpuinfo", "r");
-    if (f) {
-        char line[512];
-        while (fgets(line, sizeof line, f)) {
-            if (!strncmp(line, "model name", 10)) {
-                char *c = strchr(line, ':');
-                if (c) {
-                    c++;
-                    while (*c == ' ' || *c == '\t')
-                        c++;
-                    snprintf(model, sizeof model, "%s", c);
-                    model[strcspn(model, "\n")] = '\0';
-                }
-                break;
-            }
-        }
-        fclose(f);
-    }
-    long cores = sysconf(_SC_NPROCESSORS_ONLN);
-    long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
-    /* Other work on the machine skews every number; say how busy it was. */
-    double load[1] = {-1.0};
-    if (getloadavg(load, 1) != 1)
-        load[0] = -1.0;
-    return json_pack("{s:s, s:I, s:f, s:f}", "cpu", model, "cores", (json_int_t)cores, "memory_gib",
-                     round_to((double)pages * (double)page / (double)(1ull << 30), 0.1),
-                     "loadavg_1min_at_start", round_to(load[0], 0.01));
-}
 
 static json_t *row_json(const row *r)
 {
@@ -907,12 +846,12 @@ static json_t *row_json(const row *r)
     json_object_set_new(o, "block_probes_per_s",
                         json_integer((json_int_t)(r->block_probes_per_s + 0.5)));
     json_object_set_new(o, "slot_reads_per_s", json_integer((json_int_t)(r->slot_reads_per_s + 0.5)));
-    json_object_set_new(o, "batch_p50_us", json_real(round_to(r->batch_p50_us, 0.1)));
-    json_object_set_new(o, "batch_p99_us", json_real(round_to(r->batch_p99_us, 0.1)));
-    json_object_set_new(o, "bytes_per_pair", json_real(round_to(r->bytes_per_pair, 0.01)));
+    json_object_set_new(o, "batch_p50_us", json_real(km_bench_round_to(r->batch_p50_us, 0.1)));
+    json_object_set_new(o, "batch_p99_us", json_real(km_bench_round_to(r->batch_p99_us, 0.1)));
+    json_object_set_new(o, "bytes_per_pair", json_real(km_bench_round_to(r->bytes_per_pair, 0.01)));
     json_object_set_new(o, "pairs", json_integer((json_int_t)r->pairs));
     json_object_set_new(o, "memory_bytes", json_integer((json_int_t)r->memory_bytes));
-    json_object_set_new(o, "build_s", json_real(round_to(r->build_s, 0.001)));
+    json_object_set_new(o, "build_s", json_real(km_bench_round_to(r->build_s, 0.001)));
     if (r->is_index)
         json_object_set_new(o, "segment_blocks", json_integer(r->segment_blocks));
     json_object_set_new(o, "mismatches", json_integer((json_int_t)r->mismatches));
@@ -929,7 +868,7 @@ static const row *find_row(const row *rows, size_t n, const char *backend, uint3
 
 static double ratio(double a, double b)
 {
-    return b > 0 ? round_to(a / b, 0.01) : 0.0;
+    return b > 0 ? km_bench_round_to(a / b, 0.01) : 0.0;
 }
 
 static void print_table(const row *rows, size_t n, double limit, json_t *notes)
@@ -998,11 +937,11 @@ int km_bench_index_main(int argc, char **argv)
     if (!trace_path)
         trace_path = km_trace_default_path();
 
-    json_t *machine = machine_json(); /* before any work, for its load average */
+    json_t *machine = km_bench_machine_json(); /* before any work, for its load average */
     char err[512] = "";
     workload wl;
     memset(&wl, 0, sizeof(wl));
-    double t0 = now_s();
+    double t0 = km_bench_now_s();
     int rc = km_trace_load_mooncake(trace_path, &wl.trace, err, sizeof err);
     if (rc != KM_OK) {
         fprintf(stderr, "kvmatch bench index: cannot load the Mooncake trace: %s\n"
@@ -1043,7 +982,7 @@ int km_bench_index_main(int argc, char **argv)
         json_decref(machine);
         return 1;
     }
-    wl.expand_s = now_s() - t0;
+    wl.expand_s = km_bench_now_s() - t0;
     for (size_t r = wl.n_state; r < wl.n_requests; r++)
         wl.query_blocks += req_len(&wl, r);
     if (make_batches(&wl, &b) != KM_OK) {
@@ -1112,7 +1051,7 @@ int km_bench_index_main(int argc, char **argv)
         }
         if (!json)
             fprintf(stderr, "  [%5.1f s] %u workers: state assigned, building %zu structures%s\n",
-                    now_s() - t0, workers, n_sc, quick ? " concurrently" : "");
+                    km_bench_now_s() - t0, workers, n_sc, quick ? " concurrently" : "");
         /* --quick builds the structures concurrently on the pool (build_s then overlaps);
          * a full run builds them one at a time so build_s is clean. */
         build_job bj = {.wl = &wl, .a = &a, .threads = threads, .scorers = sc, .n = n_sc};
@@ -1190,7 +1129,7 @@ int km_bench_index_main(int argc, char **argv)
         }
         if (!json)
             fprintf(stderr, "  [%5.1f s] %u workers: built, reference and ceiling done, answers "
-                    "verified; timing\n", now_s() - t0, workers);
+                    "verified; timing\n", km_bench_now_s() - t0, workers);
         /* Repetitions interleave the backends, so a noisy stretch of machine time hits all. */
         for (int rep = 0; rep < ctx.reps && !failed; rep++) {
             for (size_t i = 0; i < n_sc && !failed; i++) {
@@ -1212,7 +1151,7 @@ int km_bench_index_main(int argc, char **argv)
                         r.backend, workers, (unsigned long long)r.mismatches, wl.n_queries));
                 if (!json)
                     fprintf(stderr, "  [%5.1f s] %-17s %5u workers: %.0f requests/s "
-                            "(built in %.2f s)\n", now_s() - t0, r.backend, workers,
+                            "(built in %.2f s)\n", km_bench_now_s() - t0, r.backend, workers,
                             r.requests_per_s, r.build_s);
                 rows[n_rows++] = r;
             }
@@ -1291,10 +1230,10 @@ int km_bench_index_main(int argc, char **argv)
                 "quick", quick);
             json_t *defs = json_pack(
                 "{s:s, s:s, s:s, s:s, s:s, s:s, s:s, s:s}",
-                "requests_per_s", "queries scored per second of scoring time (median over reps)",
+                "requests_per_s", "queries scored per second of scoring time (km_bench_median over reps)",
                 "block_probes_per_s",
                 "request blocks resolved per second = sum of the scored requests' chain lengths / "
-                "scoring time (median over reps)",
+                "scoring time (km_bench_median over reps)",
                 "slot_reads_per_s",
                 "table lookups actually made per second: km_match_results.probes (block and segment "
                 "keys) for the index; node visits (one per child lookup) for the trees; map lookups "
