@@ -27,7 +27,7 @@ endif
 
 KM_CPPFLAGS := -Iinclude -Isrc -D_GNU_SOURCE -DKM_HAVE_CUDA=$(CUDA)
 KM_CFLAGS := -std=c11 -O2 -g -Wall -Wextra -Wshadow -Wno-unused-function -pthread -MMD -MP $(SANITIZE)
-KM_LDLIBS := -lxxhash -ljansson -lmsgpackc -lzmq -lm -pthread
+KM_LDLIBS := -lxxhash -ljansson -lmsgpackc -lzmq -luv -lmicrohttpd -lm -pthread
 ifeq ($(CUDA),1)
   KM_LDLIBS += -L$(CUDA_HOME)/lib64 -lcudart_static -ldl -lrt -lstdc++
 endif

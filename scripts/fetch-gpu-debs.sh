@@ -16,15 +16,17 @@ set -euo pipefail
 dir=${1:?usage: fetch-gpu-debs.sh DIR}
 packages=(
     # build: headers and link-time symlinks
-    libxxhash-dev libjansson-dev libcriterion-dev libmsgpack-dev libzmq3-dev
+    libxxhash-dev libjansson-dev libcriterion-dev libmsgpack-dev libzmq3-dev libuv1-dev libmicrohttpd-dev
     # runtime: our direct libraries
-    libxxhash0 libjansson4 libcriterion3 libmsgpackc2 libzmq5
+    libxxhash0 libjansson4 libcriterion3 libmsgpackc2 libzmq5 libuv1 libmicrohttpd12
     # runtime closure of libcriterion3 (libffi8, libgit2-1.5, libnanomsg5 and what they need)
     libffi8 libnanomsg5 libgit2-1.5 libhttp-parser2.9 libmbedcrypto7 libmbedtls14 libmbedx509-1
     libpcre2-8-0 libssh2-1 zlib1g libssl3 libgssapi-krb5-2 libkrb5-3 libk5crypto3 libkrb5support0
     libcom-err2 libkeyutils1
     # runtime closure of libzmq5 and libmsgpackc2
     libsodium23 libpgm-5.3-0 libnorm1 libbsd0 libmd0
+    # runtime closure of libmicrohttpd12 (GnuTLS)
+    libgnutls30 libgmp10 libhogweed6 libnettle8 libidn2-0 libp11-kit0 libtasn1-6 libunistring2
 )
 base_system=(libc6 libgcc-s1 gcc-12-base libstdc++6 debconf)
 
@@ -33,7 +35,7 @@ dir=$(cd "$dir" && pwd)
 
 # Warn about any runtime dependency the list above misses (a newer Debian may add one).
 deps=$(apt-cache depends --recurse --no-recommends --no-suggests --no-conflicts --no-breaks \
-        --no-replaces --no-enhances libcriterion3 libxxhash0 libjansson4 libmsgpackc2 libzmq5 2>/dev/null |
+        --no-replaces --no-enhances libcriterion3 libxxhash0 libjansson4 libmsgpackc2 libzmq5 libuv1 libmicrohttpd12 2>/dev/null |
        grep -v '^ ' | grep -v '^<' | sort -u || true)
 for d in $deps; do
     case " ${packages[*]} ${base_system[*]} " in
