@@ -22,7 +22,13 @@ extern "C" {
     X(KM_ERR_IO, -11, "I/O error")                                                    \
     X(KM_ERR_INTERNAL, -12, "internal error")                                        \
     X(KM_ERR_CORRUPT, -13, "data is corrupt or truncated")                            \
-    X(KM_ERR_INCOMPATIBLE, -14, "incompatible version or configuration")
+    X(KM_ERR_INCOMPATIBLE, -14, "incompatible version or configuration")              \
+    X(KM_ERR_NOT_FOUND, -15, "no such worker, pool or request")                       \
+    X(KM_ERR_PROTOCOL, -16, "protocol violation")                                     \
+    X(KM_ERR_OVERLOADED, -17, "service overloaded; retry later")                      \
+    X(KM_ERR_SHUTTING_DOWN, -18, "service is shutting down")                          \
+    X(KM_ERR_TIMEOUT, -19, "timed out")                                               \
+    X(KM_ERR_CLOSED, -20, "connection closed")
 
 typedef enum km_status {
 #define KM_ERROR_ENUM_ENTRY(name, value, text) name = value,
