@@ -342,6 +342,7 @@ typedef struct queued_update {
     uint64_t parent;
     uint64_t offset; /* into feed->hashes */
     uint64_t count;
+    uint32_t tier; /* km_tier of STORE / SET_TIER */
 } queued_update;
 
 typedef struct queued_group {
@@ -373,6 +374,10 @@ struct km_feed {
     bool group_open;
     km_update *scratch;
     size_t scratch_capacity;
+    /* Per block of one event: the tier it ends in, and (removals) its chain hash. */
+    uint8_t *tier_scratch;
+    uint64_t *tier_chains;
+    size_t tier_scratch_capacity;
 };
 
 /* ---- small helpers ---------------------------------------------------------------------------------- */
@@ -549,6 +554,8 @@ void km_feed_destroy(km_feed *feed)
     free(feed->queue);
     free(feed->groups);
     free(feed->hashes);
+    free(feed->tier_scratch);
+    free(feed->tier_chains);
     free(feed->scratch);
     free(feed);
 }
@@ -611,6 +618,22 @@ int km_feed_next_action(km_feed *feed, km_feed_action *out)
 
 /* ---- queue -------------------------------------------------------------------------------------------- */
 
+static int tier_scratch_reserve(km_feed *feed, size_t n)
+{
+    if (n <= feed->tier_scratch_capacity)
+        return KM_OK;
+    uint8_t *t = realloc(feed->tier_scratch, n);
+    if (!t)
+        return KM_ERR_OUT_OF_MEMORY;
+    feed->tier_scratch = t;
+    uint64_t *c = realloc(feed->tier_chains, n * sizeof *c);
+    if (!c)
+        return KM_ERR_OUT_OF_MEMORY;
+    feed->tier_chains = c;
+    feed->tier_scratch_capacity = n;
+    return KM_OK;
+}
+
 /* Room for one group of up to n_updates updates and n_hashes hashes. */
 static int queue_reserve(km_feed *feed, size_t n_updates, size_t n_hashes)
 {
@@ -652,6 +675,39 @@ static void queue_push(km_feed *feed, km_update_kind kind, uint32_t id, uint64_t
     u->parent = parent;
     u->offset = offset;
     u->count = count;
+    u->tier = KM_TIER_DEVICE;
+}
+
+/* The best (fastest) tier among the media in a mask: GPU, then CPU, then disk or other. */
+static km_tier best_tier(uint8_t media)
+{
+    if (media & (1u << KM_KV_MEDIUM_GPU))
+        return KM_TIER_DEVICE;
+    if (media & (1u << KM_KV_MEDIUM_CPU))
+        return KM_TIER_HOST;
+    return KM_TIER_DISK;
+}
+
+/* Queue SET_TIER updates for the chains at feed->hashes[first .. first + n) whose wanted tier
+ * (tiers[i]) differs from `already`: one update per tier, hashes regrouped in place after the
+ * current end of the hash queue (room reserved by the caller: n more hashes, KM_TIER_COUNT more
+ * updates). */
+static void queue_tier_fixes(km_feed *feed, uint32_t worker_id, const uint64_t *chains,
+                             const uint8_t *tiers, uint32_t n, km_tier already)
+{
+    for (uint32_t t = 0; t < KM_TIER_COUNT; t++) {
+        if (t == (uint32_t)already)
+            continue;
+        uint64_t offset = feed->hash_count, count = 0;
+        for (uint32_t i = 0; i < n; i++)
+            if (tiers[i] == t)
+                feed->hashes[offset + count++] = chains[i];
+        if (!count)
+            continue;
+        feed->hash_count += count;
+        queue_push(feed, KM_UPDATE_SET_TIER, worker_id, KM_NO_PARENT, offset, count);
+        feed->queue[feed->queue_count - 1].tier = t;
+    }
 }
 
 /* A control update (clear / remove worker) as a group of its own. Such updates carry no hashes and
@@ -873,6 +929,7 @@ static void apply_stored(km_feed *feed, worker *w, const km_kv_event *e)
     }
 
     uint64_t offset = feed->hash_count;
+    km_tier event_tier = best_tier(bit);
     if (hashable) {
         km_hash_config hc = {feed->config.block_size, lora_set ? lora : NULL, NULL};
         size_t n_blocks = 0;
@@ -881,13 +938,24 @@ static void apply_stored(km_feed *feed, worker *w, const km_kv_event *e)
         feed->hash_count += hashable;
         queue_push(feed, KM_UPDATE_STORE, w->id, first_position ? parent_chain : KM_NO_PARENT,
                    offset, hashable);
+        feed->queue[feed->queue_count - 1].tier = event_tier;
         w->c.blocks_stored += hashable;
     }
+    /* A block already held in a faster medium keeps that tier: the store above said event_tier,
+     * so such blocks get a SET_TIER right after it (rare: a copy to a slower tier). */
+    bool fixes = false;
     for (uint32_t i = 0; i < n; i++) {
         emap_entry *m = emap_upsert(&w->map, e->block_hashes[i]);
         m->chain = i < hashable ? feed->hashes[offset + i] : CHAIN_UNHASHABLE;
         m->media |= bit;
+        uint8_t t = (uint8_t)best_tier(m->media);
+        if (i < hashable)
+            feed->tier_scratch[i] = t;
+        fixes |= i < hashable && t != (uint8_t)event_tier;
     }
+    if (fixes)
+        queue_tier_fixes(feed, w->id, feed->hashes + offset, feed->tier_scratch, hashable,
+                         event_tier);
     w->c.unhashable_blocks += n - hashable;
 }
 
@@ -898,15 +966,23 @@ static void apply_removed(km_feed *feed, worker *w, const km_kv_event *e)
     uint8_t bit = medium_bit(e->medium);
     uint64_t offset = feed->hash_count;
     uint64_t count = 0;
+    uint32_t n_moved = 0;
     for (uint32_t i = 0; i < n; i++) {
         emap_entry *m = emap_find(&w->map, e->block_hashes[i]);
         if (!m) {
             w->c.unknown_removes++;
             continue;
         }
+        uint8_t before = m->media;
         m->media &= (uint8_t)~bit;
-        if (m->media)
-            continue; /* still held in another tier */
+        if (m->media) {
+            /* Still held in another medium; its tier changes when the fastest copy went. */
+            if (m->chain != CHAIN_UNHASHABLE && best_tier(m->media) != best_tier(before)) {
+                feed->tier_chains[n_moved] = m->chain;
+                feed->tier_scratch[n_moved++] = (uint8_t)best_tier(m->media);
+            }
+            continue;
+        }
         uint64_t chain = m->chain;
         emap_erase(&w->map, m);
         if (chain == CHAIN_UNHASHABLE)
@@ -918,6 +994,9 @@ static void apply_removed(km_feed *feed, worker *w, const km_kv_event *e)
         queue_push(feed, KM_UPDATE_REMOVE, w->id, KM_NO_PARENT, offset, count);
         w->c.blocks_removed += count;
     }
+    if (n_moved)
+        queue_tier_fixes(feed, w->id, feed->tier_chains, feed->tier_scratch, n_moved,
+                         (km_tier)KM_TIER_COUNT /* none: every moved block needs its update */);
 }
 
 /* Apply the message with seq == w->expected: consume the seq, queue its updates as one group. */
@@ -947,7 +1026,10 @@ static void apply_message(km_feed *feed, worker *w, uint64_t seq, const message_
         enter_degraded(feed, w, now, "update queue full (flush not called often enough)");
         return;
     }
-    if (queue_reserve(feed, v->n_events, n_hashes) || emap_reserve(&w->map, n_stored)) {
+    /* Per event: its update plus up to one SET_TIER per tier; per block: its hash plus one for a
+     * tier fix. */
+    if (queue_reserve(feed, (size_t)v->n_events * (1 + KM_TIER_COUNT), 2 * n_hashes) ||
+        tier_scratch_reserve(feed, n_hashes) || emap_reserve(&w->map, n_stored)) {
         w->c.dropped_messages++;
         enter_degraded(feed, w, now, "out of memory queueing a message's updates");
         return;
@@ -1488,6 +1570,8 @@ static void accumulate(km_update_stats *sum, const km_update_stats *s)
     sum->absent_removes += s->absent_removes;
     sum->cleared += s->cleared;
     sum->orphan_runs += s->orphan_runs;
+    sum->tier_changes += s->tier_changes;
+    sum->absent_tier_changes += s->absent_tier_changes;
 }
 
 static void queue_reset(km_feed *feed)
@@ -1516,6 +1600,7 @@ int km_feed_flush(km_feed *feed, uint64_t now_ns, km_feed_flush_stats *stats)
         u->parent = q->parent;
         u->hashes = q->count ? feed->hashes + q->offset : NULL;
         u->n_hashes = q->count;
+        u->tier = (km_tier)q->tier;
     }
     km_update_stats st;
     int rc = km_index_apply(feed->index, feed->scratch, feed->queue_count, &st);
@@ -1565,7 +1650,7 @@ int km_feed_flush(km_feed *feed, uint64_t now_ns, km_feed_flush_stats *stats)
         /* Only clears (DROP policy): they never allocate, so apply them now. */
         for (size_t i = 0; i < feed->queue_count; i++) {
             const queued_update *q = &feed->queue[i];
-            km_update u = {q->kind, q->worker, q->parent, NULL, 0};
+            km_update u = {q->kind, q->worker, q->parent, NULL, 0, KM_TIER_DEVICE};
             if (km_index_apply(feed->index, &u, 1, &st) == KM_OK)
                 accumulate(&stats->index, &st);
         }
@@ -1978,7 +2063,7 @@ static void clear_index(km_feed *feed)
     for (uint32_t id = 0; km_index_worker_stats(feed->index, id, &st) == KM_OK; id++) {
         if (!st.blocks)
             continue;
-        km_update u = {KM_UPDATE_REMOVE_WORKER, id, KM_NO_PARENT, NULL, 0};
+        km_update u = {KM_UPDATE_REMOVE_WORKER, id, KM_NO_PARENT, NULL, 0, KM_TIER_DEVICE};
         km_index_apply(feed->index, &u, 1, &us);
     }
 }

@@ -144,6 +144,8 @@ int km_index_create(const km_index_config *cfg_in, km_index **out)
         rc = km_table_init(&index->segments,
                            cfg.segment_blocks ? cfg.initial_blocks / cfg.segment_blocks + 1 : 1,
                            cfg.max_workers, 0, &index->memory);
+    for (uint32_t t = 0; t + 1 < KM_TIER_COUNT && !rc; t++)
+        rc = km_table_init(&index->lower[t], 16, cfg.max_workers, 0, &index->memory);
     if (!rc) {
         index->workers = calloc(cfg.max_workers, sizeof *index->workers);
         if (!index->workers)
@@ -168,6 +170,8 @@ void km_index_destroy(km_index *index)
         index->backend->destroy(index->backend_state);
     km_table_free(&index->blocks);
     km_table_free(&index->segments);
+    for (uint32_t t = 0; t + 1 < KM_TIER_COUNT; t++)
+        km_table_free(&index->lower[t]);
     km_u64map_free(&index->anchors);
     free(index->anchor_nodes);
     free(index->workers);
@@ -205,6 +209,8 @@ typedef enum undo_kind {
     UNDO_ANCHOR_LINKED,  /* key (segment end) was linked under anchor aux */
     UNDO_ANCHOR_UNLINKED,
     UNDO_WORKER_COUNTERS, /* worker's counters before the batch, in counters */
+    UNDO_TIER_ADDED,      /* worker was added to key's set in lower tier table aux */
+    UNDO_TIER_REMOVED,    /* worker was removed from key's set in lower tier table aux */
 } undo_kind;
 
 typedef struct undo_entry {
@@ -336,9 +342,28 @@ static void anchor_unlink(km_index *index, uint64_t anchor, uint64_t end)
 
 /* ---- raw set changes with undo logging --------------------------------------------------------- */
 
-static km_table *undo_table(km_index *index, undo_kind kind)
+static km_table *undo_table(km_index *index, const undo_entry *e)
 {
-    return kind == UNDO_SEG_ADDED || kind == UNDO_SEG_REMOVED ? &index->segments : &index->blocks;
+    if (e->kind == UNDO_TIER_ADDED || e->kind == UNDO_TIER_REMOVED)
+        return &index->lower[e->aux];
+    return e->kind == UNDO_SEG_ADDED || e->kind == UNDO_SEG_REMOVED ? &index->segments
+                                                                    : &index->blocks;
+}
+
+/* The undo entry that reverses adding (added = 1) or removing worker from key's set in t. */
+static undo_entry undo_for(const km_index *index, const km_table *t, int added, uint32_t worker,
+                           uint64_t key)
+{
+    undo_entry e = {.worker = worker, .key = key};
+    if (t == &index->segments) {
+        e.kind = added ? UNDO_SEG_ADDED : UNDO_SEG_REMOVED;
+    } else if (t == &index->blocks) {
+        e.kind = added ? UNDO_BLOCK_ADDED : UNDO_BLOCK_REMOVED;
+    } else {
+        e.kind = added ? UNDO_TIER_ADDED : UNDO_TIER_REMOVED;
+        e.aux = (uint64_t)(t - index->lower);
+    }
+    return e;
 }
 
 /* Add worker to key's set in table t (inserting the key if absent). Returns 1 added, 0 present. */
@@ -348,9 +373,7 @@ static int table_add(batch *b, km_table *t, uint64_t key, uint32_t worker, uint6
     uint64_t slot = km_table_find(t, key);
     *inserted = 0;
     /* Log first: if logging fails nothing has changed yet. */
-    undo_entry e = {.kind = t == &b->index->segments ? UNDO_SEG_ADDED : UNDO_BLOCK_ADDED,
-                    .worker = worker,
-                    .key = key};
+    undo_entry e = undo_for(b->index, t, 1, worker, key);
     if (slot != KM_SLOT_NONE && km_table_set_contains(t, slot, worker)) {
         *slot_out = slot;
         return 0;
@@ -381,9 +404,7 @@ static int table_add(batch *b, km_table *t, uint64_t key, uint32_t worker, uint6
  * when the key was erased. */
 static int table_remove_at(batch *b, km_table *t, uint64_t slot, uint32_t worker)
 {
-    undo_entry e = {.kind = t == &b->index->segments ? UNDO_SEG_REMOVED : UNDO_BLOCK_REMOVED,
-                    .worker = worker,
-                    .key = t->slots[slot].key};
+    undo_entry e = undo_for(b->index, t, 0, worker, t->slots[slot].key);
     if (t->meta)
         e.u.meta = t->meta[slot];
     int rc = undo_push(b, &e);
@@ -505,6 +526,73 @@ static int invalidate_segments(batch *b, uint32_t worker, uint64_t block, const 
 
 /* ---- the four update kinds ---------------------------------------------------------------------- */
 
+/* ---- storage tiers ---------------------------------------------------------------------------- */
+
+static int lower_tiers_empty(const km_index *index)
+{
+    for (uint32_t t = 0; t + 1 < KM_TIER_COUNT; t++)
+        if (index->lower[t].pairs)
+            return 0;
+    return 1;
+}
+
+/* The recorded tier of a pair the worker holds. */
+static km_tier pair_tier(const km_index *index, uint64_t key, uint32_t worker)
+{
+    for (uint32_t t = 0; t + 1 < KM_TIER_COUNT; t++) {
+        const km_table *lt = &index->lower[t];
+        if (!lt->pairs)
+            continue;
+        uint64_t slot = km_table_find(lt, key);
+        if (slot != KM_SLOT_NONE && km_table_set_contains(lt, slot, worker))
+            return (km_tier)(t + 1);
+    }
+    return KM_TIER_DEVICE;
+}
+
+/* Make the tier of a pair the worker holds (or is about to stop holding: KM_TIER_DEVICE clears
+ * it from the lower tables) equal to `tier`. Returns 1 when it changed, 0 when not, <0 on error. */
+static int set_pair_tier(batch *b, uint64_t key, uint32_t worker, km_tier tier)
+{
+    km_index *index = b->index;
+    if (tier == KM_TIER_DEVICE && lower_tiers_empty(index))
+        return 0; /* the common case: every pair is device-resident */
+    km_tier current = pair_tier(index, key, worker);
+    if (current == tier)
+        return 0;
+    if (tier != KM_TIER_DEVICE) {
+        uint64_t slot;
+        int inserted;
+        int rc = table_add(b, &index->lower[tier - 1], key, worker, &slot, &inserted);
+        if (rc < 0)
+            return rc;
+    }
+    if (current != KM_TIER_DEVICE) {
+        km_table *lt = &index->lower[current - 1];
+        int rc = table_remove_at(b, lt, km_table_find(lt, key), worker);
+        if (rc < 0)
+            return rc;
+    }
+    return 1;
+}
+
+static int apply_set_tier(batch *b, const km_update *u)
+{
+    km_index *index = b->index;
+    for (size_t i = 0; i < u->n_hashes; i++) {
+        uint64_t slot = km_table_find(&index->blocks, u->hashes[i]);
+        if (slot == KM_SLOT_NONE || !km_table_set_contains(&index->blocks, slot, u->worker)) {
+            b->stats->absent_tier_changes++;
+            continue;
+        }
+        int rc = set_pair_tier(b, u->hashes[i], u->worker, u->tier);
+        if (rc < 0)
+            return rc;
+        b->stats->tier_changes += (uint64_t)rc;
+    }
+    return KM_OK;
+}
+
 static int apply_store(batch *b, const km_update *u)
 {
     km_index *index = b->index;
@@ -559,6 +647,12 @@ static int apply_store(batch *b, const km_update *u)
             m->anchor = anchor;
         }
         /* From here on the table's metadata is the truth (first writer wins on a disagreement). */
+        if (u->tier != KM_TIER_DEVICE || !lower_tiers_empty(index)) {
+            rc = set_pair_tier(b, key, u->worker, u->tier);
+            if (rc < 0)
+                return rc;
+            b->stats->tier_changes += (uint64_t)rc;
+        }
         if (added == 1) {
             b->stats->stored++;
             wc->blocks++;
@@ -599,6 +693,9 @@ static int apply_remove(batch *b, const km_update *u)
         rc = invalidate_segments(b, u->worker, key, &meta);
         if (rc)
             return rc;
+        rc = set_pair_tier(b, key, u->worker, KM_TIER_DEVICE);
+        if (rc < 0)
+            return rc;
         rc = table_remove_at(b, &index->blocks, slot, u->worker);
         if (rc < 0)
             return rc;
@@ -628,6 +725,16 @@ static int apply_clear(batch *b, const km_update *u)
         if (rc)
             return rc;
     }
+    for (uint32_t t = 0; t + 1 < KM_TIER_COUNT; t++) {
+        km_table *lt = &index->lower[t];
+        for (uint64_t s = 0; lt->pairs && s < lt->capacity; s++) {
+            if (lt->slots[s].key <= KM_KEY_TOMBSTONE || !km_table_set_contains(lt, s, w))
+                continue;
+            rc = table_remove_at(b, lt, s, w);
+            if (rc < 0)
+                return rc;
+        }
+    }
     km_table *blk = &index->blocks;
     for (uint64_t s = 0; s < blk->capacity; s++) {
         if (blk->slots[s].key <= KM_KEY_TOMBSTONE || !km_table_set_contains(blk, s, w))
@@ -652,8 +759,9 @@ static void undo_one(km_index *index, const undo_entry *e)
 {
     switch (e->kind) {
     case UNDO_BLOCK_ADDED:
-    case UNDO_SEG_ADDED: {
-        km_table *t = undo_table(index, e->kind);
+    case UNDO_SEG_ADDED:
+    case UNDO_TIER_ADDED: {
+        km_table *t = undo_table(index, e);
         uint64_t slot = km_table_find(t, e->key);
         if (slot == KM_SLOT_NONE)
             return;
@@ -663,8 +771,9 @@ static void undo_one(km_index *index, const undo_entry *e)
         return;
     }
     case UNDO_BLOCK_REMOVED:
-    case UNDO_SEG_REMOVED: {
-        km_table *t = undo_table(index, e->kind);
+    case UNDO_SEG_REMOVED:
+    case UNDO_TIER_REMOVED: {
+        km_table *t = undo_table(index, e);
         uint64_t slot = km_table_find(t, e->key);
         if (slot == KM_SLOT_NONE) {
             km_table_insert(t, e->key, 0, &slot);
@@ -696,14 +805,18 @@ static int validate_updates(km_index *index, const km_update *updates, size_t n)
 {
     for (size_t i = 0; i < n; i++) {
         const km_update *u = &updates[i];
-        if (u->kind < KM_UPDATE_STORE || u->kind > KM_UPDATE_REMOVE_WORKER)
+        if (u->kind < KM_UPDATE_STORE || u->kind > KM_UPDATE_SET_TIER)
             return km_index_fail(index, KM_ERR_INVALID_ARGUMENT, "update %zu: unknown kind %d", i,
                                  (int)u->kind);
+        if ((u->kind == KM_UPDATE_STORE || u->kind == KM_UPDATE_SET_TIER) &&
+            (unsigned)u->tier >= KM_TIER_COUNT)
+            return km_index_fail(index, KM_ERR_INVALID_ARGUMENT, "update %zu: unknown tier %d", i,
+                                 (int)u->tier);
         if (u->worker >= index->config.max_workers)
             return km_index_fail(index, KM_ERR_WORKER_RANGE,
                                  "update %zu: worker %u out of range (max_workers %u)", i, u->worker,
                                  index->config.max_workers);
-        if (u->kind != KM_UPDATE_STORE && u->kind != KM_UPDATE_REMOVE)
+        if (u->kind != KM_UPDATE_STORE && u->kind != KM_UPDATE_REMOVE && u->kind != KM_UPDATE_SET_TIER)
             continue;
         if (u->n_hashes > 0 && !u->hashes)
             return km_index_fail(index, KM_ERR_NULL_POINTER, "update %zu: hashes is NULL", i);
@@ -749,9 +862,11 @@ int km_index_apply(km_index *index, const km_update *updates, size_t n_updates,
 
     km_update_stats stats = {0};
     batch b = {.index = index, .stats = &stats};
-    /* Only stores allocate; a batch without them cannot fail half way and needs no log. */
+    /* Only stores and tier changes allocate; a batch without them cannot fail half way and needs
+     * no log. */
     for (size_t i = 0; i < n_updates && !b.logging; i++)
-        b.logging = updates[i].kind == KM_UPDATE_STORE && updates[i].n_hashes > 0;
+        b.logging = (updates[i].kind == KM_UPDATE_STORE || updates[i].kind == KM_UPDATE_SET_TIER) &&
+                    updates[i].n_hashes > 0;
     if (b.logging) {
         b.touched = calloc(index->config.max_workers, 1);
         if (!b.touched)
@@ -769,6 +884,9 @@ int km_index_apply(km_index *index, const km_update *updates, size_t n_updates,
         case KM_UPDATE_CLEAR_WORKER:
         case KM_UPDATE_REMOVE_WORKER:
             rc = apply_clear(&b, u);
+            break;
+        case KM_UPDATE_SET_TIER:
+            rc = apply_set_tier(&b, u);
             break;
         }
         if (rc)
@@ -794,25 +912,25 @@ int km_index_apply(km_index *index, const km_update *updates, size_t n_updates,
 int km_index_store(km_index *index, uint32_t worker, uint64_t parent, const uint64_t *hashes,
                    size_t n_hashes)
 {
-    km_update u = {KM_UPDATE_STORE, worker, parent, hashes, n_hashes};
+    km_update u = {KM_UPDATE_STORE, worker, parent, hashes, n_hashes, KM_TIER_DEVICE};
     return km_index_apply(index, &u, 1, NULL);
 }
 
 int km_index_remove(km_index *index, uint32_t worker, const uint64_t *hashes, size_t n_hashes)
 {
-    km_update u = {KM_UPDATE_REMOVE, worker, KM_NO_PARENT, hashes, n_hashes};
+    km_update u = {KM_UPDATE_REMOVE, worker, KM_NO_PARENT, hashes, n_hashes, KM_TIER_DEVICE};
     return km_index_apply(index, &u, 1, NULL);
 }
 
 int km_index_clear_worker(km_index *index, uint32_t worker)
 {
-    km_update u = {KM_UPDATE_CLEAR_WORKER, worker, KM_NO_PARENT, NULL, 0};
+    km_update u = {KM_UPDATE_CLEAR_WORKER, worker, KM_NO_PARENT, NULL, 0, KM_TIER_DEVICE};
     return km_index_apply(index, &u, 1, NULL);
 }
 
 int km_index_remove_worker(km_index *index, uint32_t worker)
 {
-    km_update u = {KM_UPDATE_REMOVE_WORKER, worker, KM_NO_PARENT, NULL, 0};
+    km_update u = {KM_UPDATE_REMOVE_WORKER, worker, KM_NO_PARENT, NULL, 0, KM_TIER_DEVICE};
     return km_index_apply(index, &u, 1, NULL);
 }
 
@@ -856,6 +974,7 @@ void km_match_results_free(km_match_results *r)
         return;
     free(r->requests);
     free(r->matches);
+    free(r->tiers);
     memset(r, 0, sizeof *r);
 }
 
@@ -881,6 +1000,64 @@ int km_match_results_reserve(km_match_results *r, size_t n_requests, size_t n_ma
         r->matches = grown;
         r->matches_capacity = cap;
     }
+    return KM_OK;
+}
+
+/* Split each worker's matched prefix by tier: for block i of a request, every worker listed in a
+ * lower tier table whose depth exceeds i holds block i in that tier. Probes only blocks below the
+ * request's deepest match, and nothing at all while every pair is device-resident. */
+static int split_tiers(km_index *index, const km_request *requests, size_t n_requests,
+                       km_match_results *results)
+{
+    if (results->n_matches > results->tiers_capacity) {
+        size_t cap = results->tiers_capacity ? results->tiers_capacity : 256;
+        while (cap < results->n_matches)
+            cap *= 2;
+        void *grown = realloc(results->tiers, cap * sizeof *results->tiers);
+        if (!grown)
+            return km_index_fail(index, KM_ERR_OUT_OF_MEMORY, "tier split for %zu matches",
+                                 results->n_matches);
+        results->tiers = grown;
+        results->tiers_capacity = cap;
+    }
+    if (results->n_matches)
+        memset(results->tiers, 0, results->n_matches * sizeof *results->tiers);
+    if (lower_tiers_empty(index))
+        return KM_OK;
+    uint32_t *holders = malloc(index->config.max_workers * sizeof *holders);
+    if (!holders)
+        return km_index_fail(index, KM_ERR_OUT_OF_MEMORY, "tier split scratch");
+    for (size_t q = 0; q < n_requests; q++) {
+        const km_request_result *rr = &results->requests[q];
+        const km_worker_match *m = results->matches + rr->first;
+        km_match_tiers *tiers = results->tiers + rr->first;
+        for (uint32_t i = 0; i < rr->owner_depth; i++) {
+            for (uint32_t t = 0; t + 1 < KM_TIER_COUNT; t++) {
+                const km_table *lt = &index->lower[t];
+                if (!lt->pairs)
+                    continue;
+                uint64_t slot = km_table_find(lt, requests[q].hashes[i]);
+                if (slot == KM_SLOT_NONE)
+                    continue;
+                uint32_t n = km_table_set_list(lt, slot, holders, index->config.max_workers);
+                /* Both lists ascend by worker: merge. */
+                uint32_t j = 0;
+                for (uint32_t h = 0; h < n; h++) {
+                    while (j < rr->count && m[j].worker < holders[h])
+                        j++;
+                    if (j == rr->count)
+                        break;
+                    if (m[j].worker == holders[h] && i < m[j].depth) {
+                        if (t == KM_TIER_HOST - 1)
+                            tiers[j].host_blocks++;
+                        else
+                            tiers[j].disk_blocks++;
+                    }
+                }
+            }
+        }
+    }
+    free(holders);
     return KM_OK;
 }
 
@@ -917,7 +1094,10 @@ int km_index_match_batch(km_index *index, const km_request *requests, size_t n_r
     if (rc)
         return index->last_error[0] ? rc : km_index_fail(index, rc, "scoring failed");
     results->n_requests = n_requests;
-    return KM_OK;
+    rc = split_tiers(index, requests, n_requests, results);
+    if (rc)
+        results->n_requests = 0;
+    return rc;
 }
 
 /* ---- inspection --------------------------------------------------------------------------- */
@@ -942,6 +1122,8 @@ int km_index_get_stats(const km_index *index, km_index_stats *out)
     out->segment_keys = index->segments.live;
     out->segment_pairs = index->segments.pairs;
     out->shared_sets = index->blocks.shared_sets;
+    out->host_pairs = index->lower[KM_TIER_HOST - 1].pairs;
+    out->disk_pairs = index->lower[KM_TIER_DISK - 1].pairs;
     out->block_capacity = index->blocks.capacity;
     out->memory_bytes = index->memory.used;
     out->memory_cap_bytes = index->memory.cap;
@@ -955,5 +1137,18 @@ int km_index_holders(const km_index *index, uint64_t hash, uint32_t *workers, ui
         return KM_ERR_NULL_POINTER;
     uint64_t slot = hash <= KM_KEY_TOMBSTONE ? KM_SLOT_NONE : km_table_find(&index->blocks, hash);
     *n_out = slot == KM_SLOT_NONE ? 0 : km_table_set_list(&index->blocks, slot, workers, capacity);
+    return KM_OK;
+}
+
+int km_index_pair_tier(const km_index *index, uint64_t hash, uint32_t worker, km_tier *tier)
+{
+    if (!index || !tier)
+        return KM_ERR_NULL_POINTER;
+    if (worker >= index->config.max_workers)
+        return KM_ERR_WORKER_RANGE;
+    uint64_t slot = hash <= KM_KEY_TOMBSTONE ? KM_SLOT_NONE : km_table_find(&index->blocks, hash);
+    if (slot == KM_SLOT_NONE || !km_table_set_contains(&index->blocks, slot, worker))
+        return KM_ERR_NOT_FOUND;
+    *tier = pair_tier(index, hash, worker);
     return KM_OK;
 }

@@ -45,6 +45,10 @@ struct km_index {
     km_memory memory;
     km_table blocks;    /* chain hash -> workers holding the block; with km_block_meta */
     km_table segments;  /* chain hash of a segment's last block -> workers holding all of it */
+    /* Lower storage tiers: lower[t - 1] maps a block to the workers whose best tier for it is t
+     * (KM_TIER_HOST, KM_TIER_DISK). A pair is in at most one, and only while it is in `blocks`;
+     * a pair in neither is device-resident. Host-only: scoring's tier split runs on the host. */
+    km_table lower[KM_TIER_COUNT - 1];
     /* anchor (first block of a segment) -> list of segment-last-block hashes with a non-empty set,
      * so a remove can find the segment keys it invalidates. Nodes in anchor_nodes. */
     km_u64map anchors;

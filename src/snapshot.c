@@ -22,7 +22,8 @@
 #include "index_impl.h"
 
 #define SNAPSHOT_MAGIC "KVMSNAP1"
-#define SNAPSHOT_VERSION 1u
+/* 2: lower storage tier tables (sections 5 and 6). */
+#define SNAPSHOT_VERSION 2u
 #define SNAPSHOT_HEADER_BYTES 64u
 
 enum snapshot_section {
@@ -30,6 +31,8 @@ enum snapshot_section {
     SECTION_SEGMENTS = 2, /* table header + slots + pool + pool free list */
     SECTION_WORKERS = 3,  /* max_workers km_worker_stats */
     SECTION_USER = 4,     /* the caller's bytes */
+    SECTION_LOWER_HOST = 5, /* table header + slots + pool + free list: pairs whose tier is host */
+    SECTION_LOWER_DISK = 6, /* the same for disk */
 };
 
 /* Fixed part of a table section. */
@@ -141,6 +144,8 @@ int km_index_save(km_index *index, const char *path, const void *user, size_t us
         w.error = errno ? errno : EIO;
     put_table(&w, SECTION_BLOCKS, &index->blocks);
     put_table(&w, SECTION_SEGMENTS, &index->segments);
+    put_table(&w, SECTION_LOWER_HOST, &index->lower[KM_TIER_HOST - 1]);
+    put_table(&w, SECTION_LOWER_DISK, &index->lower[KM_TIER_DISK - 1]);
     put_section(&w, SECTION_WORKERS, (uint64_t)index->config.max_workers * sizeof(km_worker_stats));
     put(&w, index->workers, (size_t)index->config.max_workers * sizeof(km_worker_stats));
     put_section(&w, SECTION_USER, user_size);
@@ -359,6 +364,38 @@ static int take_table(reader *r, uint32_t kind, km_table *t, int with_meta, km_m
     return KM_OK;
 }
 
+/* Every pair in a lower tier table must be held (in the block table), and in one tier only. */
+static int check_lower_tiers(km_index *index, const km_index *staged)
+{
+    uint32_t *workers = malloc(staged->config.max_workers * sizeof *workers);
+    if (!workers)
+        return km_index_fail(index, KM_ERR_OUT_OF_MEMORY, "snapshot: tier check scratch");
+    int rc = KM_OK;
+    for (uint32_t t = 0; t + 1 < KM_TIER_COUNT && !rc; t++) {
+        const km_table *lt = &staged->lower[t];
+        for (uint64_t s = 0; s < lt->capacity && !rc; s++) {
+            uint64_t key = lt->slots[s].key;
+            if (key <= KM_KEY_TOMBSTONE)
+                continue;
+            uint64_t bs = km_table_find(&staged->blocks, key);
+            uint32_t n = km_table_set_list(lt, s, workers, staged->config.max_workers);
+            for (uint32_t i = 0; i < n && !rc; i++) {
+                int other = 0;
+                for (uint32_t u = 0; u + 1 < KM_TIER_COUNT; u++) {
+                    uint64_t os = u == t ? KM_SLOT_NONE : km_table_find(&staged->lower[u], key);
+                    other |= os != KM_SLOT_NONE && km_table_set_contains(&staged->lower[u], os, workers[i]);
+                }
+                if (bs == KM_SLOT_NONE || !km_table_set_contains(&staged->blocks, bs, workers[i]) || other)
+                    rc = km_index_fail(index, KM_ERR_CORRUPT, "snapshot: a lower-tier pair (block "
+                                       "%016llx, worker %u) is not held, or in two tiers",
+                                       (unsigned long long)key, workers[i]);
+            }
+        }
+    }
+    free(workers);
+    return rc;
+}
+
 int km_index_load(km_index *index, const char *path, void **user_out, size_t *user_size_out)
 {
     if (!index)
@@ -419,6 +456,10 @@ int km_index_load(km_index *index, const char *path, void **user_out, size_t *us
         rc = take_table(&r, SECTION_BLOCKS, &staged.blocks, 1, &staged.memory);
     if (!rc)
         rc = take_table(&r, SECTION_SEGMENTS, &staged.segments, 0, &staged.memory);
+    if (!rc)
+        rc = take_table(&r, SECTION_LOWER_HOST, &staged.lower[KM_TIER_HOST - 1], 0, &staged.memory);
+    if (!rc)
+        rc = take_table(&r, SECTION_LOWER_DISK, &staged.lower[KM_TIER_DISK - 1], 0, &staged.memory);
     if (!rc) {
         uint64_t bytes;
         uint64_t expect = (uint64_t)staged.config.max_workers * sizeof(km_worker_stats);
@@ -465,9 +506,13 @@ int km_index_load(km_index *index, const char *path, void **user_out, size_t *us
                                "disagree with the table (%llu pairs)", (unsigned long long)sum,
                                (unsigned long long)staged.blocks.pairs);
     }
+    if (!rc)
+        rc = check_lower_tiers(index, &staged);
     if (rc) {
         km_table_free(&staged.blocks);
         km_table_free(&staged.segments);
+        for (uint32_t t = 0; t + 1 < KM_TIER_COUNT; t++)
+            km_table_free(&staged.lower[t]);
         km_u64map_free(&staged.anchors);
         free(staged.anchor_nodes);
         free(staged.workers);
@@ -478,6 +523,11 @@ int km_index_load(km_index *index, const char *path, void **user_out, size_t *us
     /* Swap in. */
     km_table_free(&index->blocks);
     km_table_free(&index->segments);
+    for (uint32_t t = 0; t + 1 < KM_TIER_COUNT; t++) {
+        km_table_free(&index->lower[t]);
+        index->lower[t] = staged.lower[t];
+        index->lower[t].memory = &index->memory;
+    }
     km_u64map_free(&index->anchors);
     free(index->anchor_nodes);
     free(index->workers);

@@ -242,7 +242,7 @@ Test(index, duplicate_stores_and_absent_removes_are_counted, .timeout = 30)
     uint64_t h[5];
     fill_chain(h, 7, 5);
     km_update_stats st;
-    km_update u = {KM_UPDATE_STORE, 2, KM_NO_PARENT, h, 5};
+    km_update u = {KM_UPDATE_STORE, 2, KM_NO_PARENT, h, 5, KM_TIER_DEVICE};
     cr_assert_eq(km_index_apply(index, &u, 1, &st), KM_OK);
     cr_assert(st.stored == 5 && st.duplicate_stores == 0 && st.orphan_runs == 0);
     u.n_hashes = 3;
@@ -250,7 +250,7 @@ Test(index, duplicate_stores_and_absent_removes_are_counted, .timeout = 30)
     cr_assert(st.stored == 0 && st.duplicate_stores == 3, "stored %" PRIu64 " dup %" PRIu64,
               st.stored, st.duplicate_stores);
     uint64_t gone[3] = {h[4], chain_hash(8, 0), h[4]};
-    km_update r = {KM_UPDATE_REMOVE, 2, 0, gone, 3};
+    km_update r = {KM_UPDATE_REMOVE, 2, 0, gone, 3, KM_TIER_DEVICE};
     cr_assert_eq(km_index_apply(index, &r, 1, &st), KM_OK);
     cr_assert(st.removed == 1 && st.absent_removes == 2, "removed %" PRIu64 " absent %" PRIu64,
               st.removed, st.absent_removes);
@@ -268,7 +268,7 @@ Test(index, duplicate_stores_and_absent_removes_are_counted, .timeout = 30)
     /* An orphan run (parent unknown) is stored and found, and counted. */
     uint64_t o[3];
     fill_chain(o, 50, 3);
-    km_update orphan = {KM_UPDATE_STORE, 1, chain_hash(49, 0), o, 3};
+    km_update orphan = {KM_UPDATE_STORE, 1, chain_hash(49, 0), o, 3, KM_TIER_DEVICE};
     cr_assert_eq(km_index_apply(index, &orphan, 1, &st), KM_OK);
     cr_assert(st.orphan_runs == 1 && st.stored == 3);
     km_request_result rr = match_one(index, o, 3, NULL);
@@ -285,7 +285,7 @@ Test(index, clear_and_remove_worker, .timeout = 30)
         cr_assert_eq(km_index_store(index, w, KM_NO_PARENT, h, 4 + 2 * w), KM_OK);
     cr_assert_eq(km_index_remove(index, 5, h + 10, 2), KM_OK);
     km_update_stats st;
-    km_update c = {KM_UPDATE_CLEAR_WORKER, 5, 0, NULL, 0};
+    km_update c = {KM_UPDATE_CLEAR_WORKER, 5, 0, NULL, 0, KM_TIER_DEVICE};
     cr_assert_eq(km_index_apply(index, &c, 1, &st), KM_OK);
     cr_assert_eq(st.cleared, 12, "worker 5 held 14 - 2 blocks, cleared %" PRIu64, st.cleared);
     km_worker_stats ws = worker_of(index, 5);
@@ -301,7 +301,7 @@ Test(index, clear_and_remove_worker, .timeout = 30)
     }
     cr_assert(rr.owner == 7 && rr.owner_depth == 18);
 
-    km_update rw = {KM_UPDATE_REMOVE_WORKER, 7, 0, NULL, 0};
+    km_update rw = {KM_UPDATE_REMOVE_WORKER, 7, 0, NULL, 0, KM_TIER_DEVICE};
     cr_assert_eq(km_index_apply(index, &rw, 1, &st), KM_OK);
     cr_assert_eq(st.cleared, 18);
     ws = worker_of(index, 7);
@@ -431,21 +431,21 @@ Test(index, mixed_batches_are_all_or_nothing, .timeout = 60)
     for (uint32_t i = 0; i < s->n_blocks && n_rm < 8; i += 2)
         rm[n_rm++] = s->chain[i];
     km_update good[5] = {
-        {KM_UPDATE_STORE, 1, KM_NO_PARENT, fresh, 40},
-        {KM_UPDATE_REMOVE, 0, 0, rm, n_rm},
-        {KM_UPDATE_STORE, 2, KM_NO_PARENT, s->chain, s->n_blocks},
-        {KM_UPDATE_CLEAR_WORKER, 3, 0, NULL, 0},
-        {KM_UPDATE_REMOVE_WORKER, 4, 0, NULL, 0},
+        {KM_UPDATE_STORE, 1, KM_NO_PARENT, fresh, 40, KM_TIER_DEVICE},
+        {KM_UPDATE_REMOVE, 0, 0, rm, n_rm, KM_TIER_DEVICE},
+        {KM_UPDATE_STORE, 2, KM_NO_PARENT, s->chain, s->n_blocks, KM_TIER_DEVICE},
+        {KM_UPDATE_CLEAR_WORKER, 3, 0, NULL, 0, KM_TIER_DEVICE},
+        {KM_UPDATE_REMOVE_WORKER, 4, 0, NULL, 0, KM_TIER_DEVICE},
     };
-    km_update bad_worker = {KM_UPDATE_STORE, 8, KM_NO_PARENT, fresh, 40};
-    km_update bad_remove = {KM_UPDATE_REMOVE, 100, 0, rm, n_rm};
-    km_update null_hashes = {KM_UPDATE_STORE, 1, KM_NO_PARENT, NULL, 5};
-    km_update null_remove = {KM_UPDATE_REMOVE, 1, 0, NULL, 2};
+    km_update bad_worker = {KM_UPDATE_STORE, 8, KM_NO_PARENT, fresh, 40, KM_TIER_DEVICE};
+    km_update bad_remove = {KM_UPDATE_REMOVE, 100, 0, rm, n_rm, KM_TIER_DEVICE};
+    km_update null_hashes = {KM_UPDATE_STORE, 1, KM_NO_PARENT, NULL, 5, KM_TIER_DEVICE};
+    km_update null_remove = {KM_UPDATE_REMOVE, 1, 0, NULL, 2, KM_TIER_DEVICE};
     /* Chain hashes never take the reserved values 0 and 1 (they are remapped). */
     uint64_t reserved0[3] = {fresh[0], 0, fresh[1]}, reserved1[2] = {1, fresh[2]};
-    km_update store_reserved0 = {KM_UPDATE_STORE, 1, KM_NO_PARENT, reserved0, 3};
-    km_update store_reserved1 = {KM_UPDATE_STORE, 2, KM_NO_PARENT, reserved1, 2};
-    km_update bad_kind = {(km_update_kind)9, 1, 0, fresh, 2};
+    km_update store_reserved0 = {KM_UPDATE_STORE, 1, KM_NO_PARENT, reserved0, 3, KM_TIER_DEVICE};
+    km_update store_reserved1 = {KM_UPDATE_STORE, 2, KM_NO_PARENT, reserved1, 2, KM_TIER_DEVICE};
+    km_update bad_kind = {(km_update_kind)9, 1, 0, fresh, 2, KM_TIER_DEVICE};
     struct {
         const km_update *u;
         int rc;
@@ -492,7 +492,7 @@ Test(index, null_pointers, .timeout = 30)
     cr_assert_eq(km_index_store(index, 0, KM_NO_PARENT, h, 0), KM_OK, "an empty run is fine");
     cr_assert_eq(stats_of(index).pairs, 0);
     cr_assert_eq(km_index_store(index, 0, KM_NO_PARENT, h, 2), KM_OK);
-    km_update u = {KM_UPDATE_STORE, 1, KM_NO_PARENT, h, 2};
+    km_update u = {KM_UPDATE_STORE, 1, KM_NO_PARENT, h, 2, KM_TIER_DEVICE};
     cr_assert_eq(km_index_apply(index, &u, 1, NULL), KM_OK, "stats may be NULL");
     cr_assert_eq(stats_of(index).pairs, 4);
 
@@ -560,8 +560,8 @@ Test(index, memory_cap_rejects_a_big_batch_and_keeps_content, .timeout = 90)
     for (size_t i = 0; i < n_big; i++)
         big[i] = chain_hash(1000000 + i / 1000, i % 1000);
     uint64_t small[4] = {chain_hash(5, 0), chain_hash(5, 1), chain_hash(5, 2), chain_hash(5, 3)};
-    km_update batch[2] = {{KM_UPDATE_STORE, 3, KM_NO_PARENT, small, 4},
-                          {KM_UPDATE_STORE, 7, KM_NO_PARENT, big, n_big}};
+    km_update batch[2] = {{KM_UPDATE_STORE, 3, KM_NO_PARENT, small, 4, KM_TIER_DEVICE},
+                          {KM_UPDATE_STORE, 7, KM_NO_PARENT, big, n_big, KM_TIER_DEVICE}};
     expect_rejected(&f, batch, 2, KM_ERR_MEMORY_CAP, "400k blocks under an 8 MiB cap");
     km_index_stats st = stats_of(f.index);
     KM_CHECK(st.memory_cap_bytes == cap, "memory_cap_bytes %" PRIu64, st.memory_cap_bytes);
@@ -580,11 +580,11 @@ Test(index, memory_cap_rejects_a_big_batch_and_keeps_content, .timeout = 90)
         fill_chain(h, 2000000 + c, 100);
         km_update u[6];
         size_t nu = 0;
-        u[nu++] = (km_update){KM_UPDATE_STORE, (uint32_t)(c % 64), KM_NO_PARENT, h, 100};
+        u[nu++] = (km_update){KM_UPDATE_STORE, (uint32_t)(c % 64), KM_NO_PARENT, h, 100, KM_TIER_DEVICE};
         if (c % 4 == 0)
             for (uint32_t k = 1; k <= 5; k++)
                 u[nu++] = (km_update){KM_UPDATE_STORE, (uint32_t)((c + 9 * k) % 64), KM_NO_PARENT,
-                                      h, 50};
+                                      h, 50, KM_TIER_DEVICE};
         km_update_stats got;
         int rc = km_index_apply(f.index, u, nu, &got);
         if (rc == KM_OK) {
@@ -606,7 +606,7 @@ Test(index, memory_cap_rejects_a_big_batch_and_keeps_content, .timeout = 90)
     /* Still usable: removing makes room, scoring works. */
     const km_seq *s = &f.corpus.seqs[0];
     if (s->n_blocks > 0) {
-        km_update r = {KM_UPDATE_REMOVE, 0, 0, s->chain, s->n_blocks};
+        km_update r = {KM_UPDATE_REMOVE, 0, 0, s->chain, s->n_blocks, KM_TIER_DEVICE};
         apply_both(f.index, &f.oracle, &r, 1);
     }
     fixture_verify(&f, "after a remove at the cap");
@@ -628,7 +628,7 @@ Test(index, widely_held_blocks_grow_and_shrink, .timeout = 60)
     uint64_t memory_after_first = 0;
     for (int cycle = 0; cycle < 4; cycle++) {
         for (uint32_t w = 0; w < W; w++)
-            u[w] = (km_update){KM_UPDATE_STORE, w, KM_NO_PARENT, h, 8};
+            u[w] = (km_update){KM_UPDATE_STORE, w, KM_NO_PARENT, h, 8, KM_TIER_DEVICE};
         km_update_stats st;
         cr_assert_eq(km_index_apply(index, u, W, &st), KM_OK);
         cr_assert_eq(st.stored, 8 * W);
@@ -648,7 +648,7 @@ Test(index, widely_held_blocks_grow_and_shrink, .timeout = 60)
         /* Odd workers lose block 5: depth 5 for them. */
         uint64_t b5 = h[5];
         for (uint32_t w = 0; w < W; w++)
-            u[w] = (km_update){KM_UPDATE_REMOVE, w, 0, &b5, (w & 1) ? 1 : 0};
+            u[w] = (km_update){KM_UPDATE_REMOVE, w, 0, &b5, (w & 1) ? 1 : 0, KM_TIER_DEVICE};
         cr_assert_eq(km_index_apply(index, u, W, &st), KM_OK);
         cr_assert_eq(st.removed, W / 2);
         rr = match_one(index, h, 8, m);
@@ -658,7 +658,7 @@ Test(index, widely_held_blocks_grow_and_shrink, .timeout = 60)
 
         /* Most leave again: workers 3.. clear. The sets shrink back to {0, 1, 2}. */
         for (uint32_t w = 3; w < W; w++)
-            u[w - 3] = (km_update){KM_UPDATE_CLEAR_WORKER, w, 0, NULL, 0};
+            u[w - 3] = (km_update){KM_UPDATE_CLEAR_WORKER, w, 0, NULL, 0, KM_TIER_DEVICE};
         cr_assert_eq(km_index_apply(index, u, W - 3, &st), KM_OK);
         for (int i = 0; i < 8; i++) {
             uint32_t n = holders(index, h[i], buf, W);
@@ -739,9 +739,9 @@ Test(index, growth_to_millions_of_pairs_under_load, .timeout = 180)
     uint64_t qc[NQ];
     for (uint64_t c = 0; c < N; c++) {
         fill_chain(h, c, G_LEN);
-        km_update u[3] = {{KM_UPDATE_STORE, g_a(c, W), KM_NO_PARENT, h, 40},
-                          {KM_UPDATE_STORE, g_a(c, W), h[39], h + 40, G_LEN - 40},
-                          {KM_UPDATE_STORE, g_b(c, W), KM_NO_PARENT, h, G_LEN}};
+        km_update u[3] = {{KM_UPDATE_STORE, g_a(c, W), KM_NO_PARENT, h, 40, KM_TIER_DEVICE},
+                          {KM_UPDATE_STORE, g_a(c, W), h[39], h + 40, G_LEN - 40, KM_TIER_DEVICE},
+                          {KM_UPDATE_STORE, g_b(c, W), KM_NO_PARENT, h, G_LEN, KM_TIER_DEVICE}};
         km_update_stats st;
         int rc = km_index_apply(index, u, 3, &st);
         KM_CHECK(rc == KM_OK, "chain %" PRIu64 ": %s (%s)", c, km_error_name(rc),

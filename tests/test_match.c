@@ -106,7 +106,7 @@ PROPERTY(0, 1024, 2)
 
 static void store_chain(km_index *index, km_oracle *o, uint32_t w, const uint64_t *h, uint32_t n)
 {
-    km_update u = {KM_UPDATE_STORE, w, KM_NO_PARENT, h, n};
+    km_update u = {KM_UPDATE_STORE, w, KM_NO_PARENT, h, n, KM_TIER_DEVICE};
     km_update_stats got, expect;
     cr_assert_eq(km_index_apply(index, &u, 1, &got), KM_OK);
     km_oracle_apply(o, &u, 1, &expect);

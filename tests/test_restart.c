@@ -579,7 +579,7 @@ static void damage_file(const char *path, damage d)
         unsigned char h[64];
         fseek(f, 0, SEEK_SET);
         cr_assert_eq(fread(h, 1, 64, f), 64);
-        h[8] = 2; /* format version 2, header checksum recomputed */
+        h[8] = 99; /* format version 99 (a future one), header checksum recomputed */
         uint64_t sum = XXH3_64bits(h, 56);
         for (int i = 0; i < 8; i++)
             h[56 + i] = (unsigned char)(sum >> (8 * i));
@@ -651,7 +651,7 @@ Test(restart, bad_feed_section_leaves_the_index_empty, .timeout = 20)
     snprintf(path, sizeof path, "%s/x.snap", dir);
     km_index *a = km_test_make_index(16);
     uint64_t hashes[3] = {11, 12, 13};
-    km_update u = {KM_UPDATE_STORE, 4, KM_NO_PARENT, hashes, 3};
+    km_update u = {KM_UPDATE_STORE, 4, KM_NO_PARENT, hashes, 3, KM_TIER_DEVICE};
     cr_assert_eq(km_index_apply(a, &u, 1, NULL), KM_OK);
     const char junk[] = "not a feed state";
     cr_assert_eq(km_index_save(a, path, junk, sizeof junk), KM_OK);

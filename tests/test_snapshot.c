@@ -220,15 +220,16 @@ Test(snapshot, bad_files_are_rejected_and_change_nothing, .timeout = 120)
     }
     free(flip);
 
-    /* A different format version, with a correctly resealed header: incompatible, not corrupt. */
+    /* A different format version (1: before storage tiers), with a correctly resealed header:
+     * incompatible, not corrupt. */
     uint8_t *v2 = malloc(size);
     memcpy(v2, good, size);
-    uint32_t version = 2;
+    uint32_t version = 1;
     memcpy(v2 + 8, &version, 4);
     uint64_t header_hash = XXH3_64bits(v2, 56);
     memcpy(v2 + 56, &header_hash, 8);
     write_file(bad, v2, size);
-    expect_rejected(&f, a, S, bad, KM_ERR_INCOMPATIBLE, "version 2");
+    expect_rejected(&f, a, S, bad, KM_ERR_INCOMPATIBLE, "version 1");
     free(v2);
 
     /* Same file, index with another configuration. */

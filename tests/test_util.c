@@ -298,6 +298,8 @@ void km_oracle_apply(km_oracle *o, const km_update *updates, size_t n, km_update
                 memset(ws, 0, sizeof *ws);
             break;
         }
+        case KM_UPDATE_SET_TIER:
+            break; /* holdings do not change; tiers are modelled by tests/test_tiers.c */
         }
     }
 }
@@ -665,6 +667,7 @@ static km_update *workload_push(km_workload *w, km_update_kind kind, uint32_t wo
     u->parent = parent;
     u->hashes = hashes;
     u->n_hashes = n;
+    u->tier = KM_TIER_DEVICE;
     return u;
 }
 
@@ -954,7 +957,7 @@ void km_trace_scenario(const km_trace_case *tc, size_t n_state, uint32_t max_wor
         uint32_t d = km_oracle_depth(o, w, h, n);
         if (d < n)
             scenario_push(&b, (km_update){KM_UPDATE_STORE, w, d ? h[d - 1] : KM_NO_PARENT, h + d,
-                                          n - d});
+                                          n - d, KM_TIER_DEVICE});
         if (i % 500 == 499) {
             for (int k = 0; k < 3; k++) {
                 size_t j = km_rng_below(r, (uint32_t)i + 1);
@@ -963,7 +966,8 @@ void km_trace_scenario(const km_trace_case *tc, size_t n_state, uint32_t max_wor
                     continue;
                 uint32_t from = km_rng_below(r, nj);
                 scenario_push(&b, (km_update){KM_UPDATE_REMOVE, worker_of[j], 0,
-                                              tc->hashes + tc->offset[j] + from, nj - from});
+                                              tc->hashes + tc->offset[j] + from, nj - from,
+                                              KM_TIER_DEVICE});
             }
         }
     }
@@ -980,17 +984,17 @@ void km_trace_scenario(const km_trace_case *tc, size_t n_state, uint32_t max_wor
         for (uint32_t i = 0; i < nj; i++)
             if (km_rng_percent(r, 25))
                 subset[m++] = tc->hashes[tc->offset[j] + i];
-        km_update u = {KM_UPDATE_REMOVE, worker_of[j], 0, subset, m};
+        km_update u = {KM_UPDATE_REMOVE, worker_of[j], 0, subset, m, KM_TIER_DEVICE};
         km_update_stats expect;
         km_oracle_apply(o, &u, 1, &expect);
         apply(ctx, &u, 1, &expect);
     }
     scenario_push(&b,
-                  (km_update){KM_UPDATE_CLEAR_WORKER, km_rng_below(r, max_workers), 0, NULL, 0});
+                  (km_update){KM_UPDATE_CLEAR_WORKER, km_rng_below(r, max_workers), 0, NULL, 0, KM_TIER_DEVICE});
     scenario_push(&b,
-                  (km_update){KM_UPDATE_CLEAR_WORKER, km_rng_below(r, max_workers), 0, NULL, 0});
+                  (km_update){KM_UPDATE_CLEAR_WORKER, km_rng_below(r, max_workers), 0, NULL, 0, KM_TIER_DEVICE});
     scenario_push(&b,
-                  (km_update){KM_UPDATE_REMOVE_WORKER, km_rng_below(r, max_workers), 0, NULL, 0});
+                  (km_update){KM_UPDATE_REMOVE_WORKER, km_rng_below(r, max_workers), 0, NULL, 0, KM_TIER_DEVICE});
     scenario_flush(&b);
     free(subset);
     free(worker_of);

@@ -73,7 +73,20 @@ typedef enum km_update_kind {
     KM_UPDATE_REMOVE = 2,        /* worker no longer holds these blocks (any order, any subset) */
     KM_UPDATE_CLEAR_WORKER = 3,  /* worker holds nothing any more (AllBlocksCleared, engine restart) */
     KM_UPDATE_REMOVE_WORKER = 4, /* clear, and reset the worker's counters */
+    KM_UPDATE_SET_TIER = 5,      /* blocks the worker holds now have `tier` (any order, any subset;
+                                  * pairs not held are counted in absent_tier_changes) */
 } km_update_kind;
+
+/* Storage tier of a (block, worker) pair: the best (fastest) tier the worker holds the block in.
+ * Scoring splits each worker's matched prefix by tier so a policy can credit tiers differently
+ * (Dynamo: device 1.0, host 0.75, disk 0.25). The index stores only what it is told: the event
+ * feed derives each pair's best tier from the engine's per-medium events (docs/EVENTS.md). */
+typedef enum km_tier {
+    KM_TIER_DEVICE = 0, /* accelerator memory (vLLM medium "GPU"); the default */
+    KM_TIER_HOST = 1,   /* host memory ("CPU") */
+    KM_TIER_DISK = 2,   /* disk or any other lower tier */
+} km_tier;
+#define KM_TIER_COUNT 3u
 
 typedef struct km_update {
     km_update_kind kind;
@@ -85,6 +98,9 @@ typedef struct km_update {
     uint64_t parent;
     const uint64_t *hashes;
     size_t n_hashes;
+    /* STORE and SET_TIER: the tier the pairs are in after this update (a STORE of a pair already
+     * held sets it too: the latest statement wins). Zero-initialised = KM_TIER_DEVICE. */
+    km_tier tier;
 } km_update;
 
 /* What one km_index_apply did; every field counts (block, worker) pairs unless named otherwise. */
@@ -95,12 +111,14 @@ typedef struct km_update_stats {
     uint64_t absent_removes;   /* remove of a pair not held: harmless, counted */
     uint64_t cleared;          /* pairs removed by CLEAR_WORKER / REMOVE_WORKER */
     uint64_t orphan_runs;      /* store runs whose parent was unknown (runs, not pairs) */
+    uint64_t tier_changes;     /* pairs whose tier changed (STORE or SET_TIER) */
+    uint64_t absent_tier_changes; /* SET_TIER of a pair not held: harmless, counted */
 } km_update_stats;
 
 /* Apply a batch of updates in order. All or nothing: on any error the index's content is unchanged
  * (capacity may have grown). Errors: KM_ERR_WORKER_RANGE, KM_ERR_NULL_POINTER,
- * KM_ERR_INVALID_ARGUMENT (unknown kind; a hash equal to a reserved value 0 or 1, which no chain
- * hash takes), KM_ERR_MEMORY_CAP, KM_ERR_OUT_OF_MEMORY. stats may be NULL. */
+ * KM_ERR_INVALID_ARGUMENT (unknown kind or tier; a hash equal to a reserved value 0 or 1, which no
+ * chain hash takes), KM_ERR_MEMORY_CAP, KM_ERR_OUT_OF_MEMORY. stats may be NULL. */
 int km_index_apply(km_index *index, const km_update *updates, size_t n_updates,
                    km_update_stats *stats);
 
@@ -126,6 +144,13 @@ typedef struct km_worker_match {
     uint32_t depth; /* leading blocks of the request this worker holds, >= 1 */
 } km_worker_match;
 
+/* How much of one worker's matched prefix lies in lower tiers; the rest (depth - host_blocks -
+ * disk_blocks) is device-resident. Parallel to km_match_results.matches. */
+typedef struct km_match_tiers {
+    uint32_t host_blocks;
+    uint32_t disk_blocks;
+} km_match_tiers;
+
 typedef struct km_request_result {
     uint64_t first;       /* index of this request's first entry in km_match_results.matches */
     uint32_t count;       /* entries, ascending by worker id: every worker with depth >= 1 */
@@ -141,15 +166,19 @@ typedef struct km_match_results {
     size_t n_requests;
     km_worker_match *matches;
     size_t n_matches;
-    uint64_t probes; /* sum of requests[i].probes */
+    km_match_tiers *tiers; /* n_matches entries: tiers[j] splits matches[j].depth by tier */
+    uint64_t probes; /* sum of requests[i].probes (tier lookups not included) */
     size_t requests_capacity; /* private */
     size_t matches_capacity;  /* private */
+    size_t tiers_capacity;    /* private */
 } km_match_results;
 
 void km_match_results_init(km_match_results *results);
 void km_match_results_free(km_match_results *results);
 
 /* Score every request against every worker. Results are identical, bit for bit, on every backend.
+ * The tier split is computed on the host after the backend's walk, from the pairs' recorded
+ * tiers; it costs nothing while no pair is in a lower tier, else up to 2 lookups per matched block.
  * Errors: KM_ERR_NULL_POINTER, KM_ERR_TOO_LARGE (a request over max_request_blocks),
  * KM_ERR_OUT_OF_MEMORY, KM_ERR_CUDA (the index stays usable; see km_index_backend_name). */
 int km_index_match_batch(km_index *index, const km_request *requests, size_t n_requests,
@@ -189,6 +218,8 @@ typedef struct km_index_stats {
     uint64_t segment_keys;      /* segment keys with at least one worker */
     uint64_t segment_pairs;     /* (segment, worker) pairs */
     uint64_t shared_sets;       /* blocks whose worker set lives in a bitmap (widely held) */
+    uint64_t host_pairs;        /* pairs whose best tier is KM_TIER_HOST */
+    uint64_t disk_pairs;        /* pairs whose best tier is KM_TIER_DISK */
     uint64_t block_capacity;    /* slots in the block table */
     uint64_t memory_bytes;      /* host table memory counted against the cap */
     uint64_t memory_cap_bytes;
@@ -199,6 +230,9 @@ int km_index_get_stats(const km_index *index, km_index_stats *out);
 /* The workers holding one block, ascending; *n_out gets the full count even when capacity is short. */
 int km_index_holders(const km_index *index, uint64_t hash, uint32_t *workers, uint32_t capacity,
                      uint32_t *n_out);
+/* The tier of one (block, worker) pair into *tier; KM_ERR_NOT_FOUND when the worker does not hold
+ * the block. */
+int km_index_pair_tier(const km_index *index, uint64_t hash, uint32_t worker, km_tier *tier);
 
 #ifdef __cplusplus
 }
