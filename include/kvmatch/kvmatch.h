@@ -7,5 +7,6 @@
 #include "kvmatch/kv_events.h"
 #include "kvmatch/feed.h"
 #include "kvmatch/subscriber.h"
+#include "kvmatch/policy.h"
 #define KVMATCH_VERSION "0.1.0"
 #endif

@@ -1,0 +1,245 @@
+/* Decision policies: given the scored candidates of one request (each worker's matched prefix,
+ * split by storage tier, and the load this kvmatch instance sees on it), pick the worker.
+ *
+ * Pure functions: no handle, no allocation, no I/O, no clock. Everything a decision depends on is
+ * in its arguments, and the only mutable input is the caller's km_policy_state (round-robin cursor
+ * and a seeded random source), so a decision can be replayed exactly from a record.
+ *
+ * Every decision keeps two workers apart (the brief's "the best match may belong to another
+ * replica"): the OWNER of the prediction (the candidate with the deepest match) and the CHOSEN
+ * worker. They differ whenever load outweighs the match, and a record must show both.
+ *
+ * Policies (km_policy_kind), each reproducing a peer's behaviour (reference/peers.md):
+ *   kv           NVIDIA Dynamo's KV router, current form: prefill cost after a tier-weighted
+ *                overlap credit, scaled, plus decode blocks; argmin or softmax sampling.
+ *   cache_aware  vllm-router's cache_aware decision with its CLI defaults, on block overlap
+ *                (depth / n_blocks) instead of matched characters / input characters.
+ *   prefix       deepest match, ties to lower load; nothing matched -> least load.
+ *   least_load   fewest in-flight requests.
+ *   round_robin  a cursor over the candidate list, blind to load and cache.
+ * The exact rule of each is documented at km_policy_decide.
+ *
+ * Thread-safety: every function is reentrant. A km_policy_state is not: the caller serialises the
+ * decisions that share one state (one state per pool, used by the scheduler thread). */
+#ifndef KVMATCH_POLICY_H
+#define KVMATCH_POLICY_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kvmatch/error.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* "No owner": no candidate holds even the request's first block. */
+#define KM_POLICY_NO_OWNER UINT32_MAX
+
+typedef enum km_policy_kind {
+    KM_POLICY_KV = 0,
+    KM_POLICY_CACHE_AWARE = 1,
+    KM_POLICY_PREFIX = 2,
+    KM_POLICY_LEAST_LOAD = 3,
+    KM_POLICY_ROUND_ROBIN = 4,
+} km_policy_kind;
+#define KM_POLICY_KIND_COUNT 5u
+
+/* Why the chosen candidate was chosen; recorded with the decision. */
+typedef enum km_policy_reason {
+    KM_POLICY_REASON_MIN_COST = 0,        /* kv, temperature 0: lowest cost (after tie breaks) */
+    KM_POLICY_REASON_SAMPLED = 1,         /* kv, temperature > 0: drawn from the softmax */
+    KM_POLICY_REASON_CACHE_HIT = 2,       /* cache_aware: match ratio above cache_threshold -> owner */
+    KM_POLICY_REASON_IMBALANCE = 3,       /* cache_aware: load imbalanced -> least in-flight */
+    KM_POLICY_REASON_BELOW_THRESHOLD = 4, /* cache_aware: match ratio <= cache_threshold -> least in-flight */
+    KM_POLICY_REASON_DEEPEST_MATCH = 5,   /* prefix: the owner */
+    KM_POLICY_REASON_NO_MATCH = 6,        /* prefix: nobody holds block 0 -> least load */
+    KM_POLICY_REASON_LEAST_LOAD = 7,      /* least_load */
+    KM_POLICY_REASON_ROUND_ROBIN = 8,     /* round_robin */
+} km_policy_reason;
+#define KM_POLICY_REASON_COUNT 9u
+
+/* Policy parameters. km_policy_config_init sets the peers' defaults; fields of the policies a pool
+ * does not use are ignored (but still validated, so a config file with a bad value fails early). */
+typedef struct km_policy_config {
+    km_policy_kind kind; /* default KM_POLICY_KV */
+    struct {
+        /* Multiplies the uncovered prefill blocks (Dynamo's prefill_load_scale, formerly
+         * overlap_score_weight); finite, >= 0; default 1.0. 0 = decode load only. */
+        double prefill_load_scale;
+        /* Overlap credit per matched block by its best tier (Dynamo: device 1.0, host 0.75,
+         * disk 0.25); finite, >= 0. */
+        double device_weight, host_weight, disk_weight;
+        /* 0 = deterministic argmin; > 0 = softmax sampling (Dynamo's router_temperature);
+         * finite, >= 0; default 0. */
+        double temperature;
+    } kv;
+    struct {
+        /* Owner chosen when depth / n_blocks > cache_threshold; in [0, 1]; default 0.3. */
+        double cache_threshold;
+        /* Imbalanced when max - min in-flight > balance_abs_threshold (default 64) and
+         * max > min * balance_rel_threshold (finite, >= 0; default 1.5). */
+        uint32_t balance_abs_threshold;
+        double balance_rel_threshold;
+    } cache_aware;
+} km_policy_config;
+
+/* One candidate worker of one request. Scoring fills the match fields (km_index_match_batch: depth
+ * and its tier split), the service's active-work tracker the load fields. */
+typedef struct km_policy_candidate {
+    uint32_t worker; /* worker id; ids must be distinct within one call (the last tie break) */
+    /* Leading blocks of the request this worker holds, any tier; <= the request's n_blocks. */
+    uint32_t depth;
+    /* depth split by each block's best tier; device + host + disk must equal depth. */
+    uint32_t device_blocks, host_blocks, disk_blocks;
+    uint32_t in_flight;              /* requests routed to it and not finished, as this instance saw */
+    uint64_t pending_prefill_tokens; /* prompt tokens routed to it whose first token is not seen yet */
+    uint64_t active_decode_blocks;   /* KV blocks of its running requests (prompt + output so far) */
+    /* Blocks the index says it holds in total (km_worker_stats.blocks; Dynamo's "tree size");
+     * 0 = unknown. Only the kv policy's tie break reads it. */
+    uint64_t indexed_blocks;
+} km_policy_candidate;
+
+/* The request being placed. */
+typedef struct km_policy_request {
+    uint32_t n_blocks;   /* full blocks scored (the length of its chain-hash list) */
+    uint32_t block_size; /* tokens per block, >= 1 */
+    /* Prompt length in tokens, 0 = unknown (then n_blocks * block_size is assumed); when known it
+     * must be >= n_blocks * block_size (a partial last block is not scored but must be prefilled). */
+    uint64_t prompt_tokens;
+    uint64_t expected_output_tokens; /* 0 = unknown */
+} km_policy_request;
+
+/* Mutable per-pool state: the round-robin cursor and a splitmix64 random source for softmax
+ * sampling. Plain data: copy it to fork a replay, compare it to check determinism. */
+typedef struct km_policy_state {
+    uint64_t round_robin_cursor; /* the next round_robin decision picks cursor % n */
+    uint64_t rng_state;
+    /* Detail of the last failed km_policy_decide on this state ("" after a success); starts with
+     * the error's enum name, e.g. "KM_ERR_INVALID_ARGUMENT: candidate 3 (worker 7): ...". */
+    char last_error[192];
+} km_policy_state;
+
+typedef struct km_policy_decision {
+    uint32_t chosen;        /* index into the candidate array */
+    uint32_t owner;         /* index of the deepest match (ties: see km_policy_decide), or
+                             * KM_POLICY_NO_OWNER when no candidate has depth >= 1 */
+    uint32_t chosen_depth;  /* candidates[chosen].depth */
+    uint32_t owner_depth;   /* candidates[owner].depth, 0 without an owner */
+    /* owner_depth / n_blocks (0 when n_blocks is 0): cache_aware's "matched / input" ratio, on
+     * blocks; filled by every policy so a record can show how good the best match was. */
+    double match_ratio;
+    double chosen_cost;     /* costs_out[chosen] (see km_policy_decide for its unit) */
+    km_policy_reason reason;
+} km_policy_decision;
+
+/* ---- configuration ----------------------------------------------------------------------- */
+
+/* Defaults: kind kv; kv: prefill_load_scale 1, weights 1 / 0.75 / 0.25, temperature 0;
+ * cache_aware: 0.3, 64, 1.5 (vllm-router's CLI defaults). */
+void km_policy_config_init(km_policy_config *cfg);
+
+/* KM_OK, or KM_ERR_NULL_POINTER (cfg NULL) / KM_ERR_INVALID_ARGUMENT (unknown kind; a NaN,
+ * infinite or negative weight, scale, temperature or rel threshold; cache_threshold outside
+ * [0, 1]) with a sentence naming the field and value in why (why may be NULL; truncated to
+ * why_size). */
+int km_policy_config_validate(const km_policy_config *cfg, char *why, size_t why_size);
+
+/* "kv", "cache_aware", "prefix", "least_load", "round_robin"; "unknown" for other values. */
+const char *km_policy_kind_name(km_policy_kind kind);
+/* Inverse of km_policy_kind_name (exact, case-sensitive). KM_ERR_NULL_POINTER, or
+ * KM_ERR_INVALID_ARGUMENT for any other string; *out untouched on error. */
+int km_policy_kind_parse(const char *name, km_policy_kind *out);
+/* "min_cost", "sampled", "cache_hit", "imbalance", "below_threshold", "deepest_match",
+ * "no_match", "least_load", "round_robin"; "unknown" for other values. */
+const char *km_policy_reason_name(km_policy_reason reason);
+
+/* The load signal a policy weighs, for the decision record's "load kind":
+ *   kv -> "active_decode_blocks" (plus pending prefill, inside the cost),
+ *   cache_aware, prefix, least_load -> "in_flight_requests", round_robin -> "none".
+ * Its scope is always what this kvmatch instance saw (the service states that). */
+const char *km_policy_load_kind(km_policy_kind kind);
+/* The value of that signal for one candidate (0 for round_robin, or cand NULL). */
+double km_policy_load_value(km_policy_kind kind, const km_policy_candidate *cand);
+
+/* ---- state ------------------------------------------------------------------------------- */
+
+/* Cursor 0, random source seeded with seed (equal seeds give equal decision sequences), no error.
+ * NULL is a no-op. */
+void km_policy_state_init(km_policy_state *state, uint64_t seed);
+/* Detail of the last failed km_policy_decide on this state; "" when none or state is NULL. */
+const char *km_policy_last_error(const km_policy_state *state);
+
+/* ---- deciding ---------------------------------------------------------------------------- */
+
+/* Pick one of cands[0..n) for req under cfg. On KM_OK *out is filled and, when costs_out is not
+ * NULL, costs_out[i] holds the number the policy compared for cands[i] (unit below).
+ *
+ * Owner (every policy): the candidate with the largest depth >= 1; ties -> lower load (fewer
+ * in_flight, then fewer pending_prefill_tokens, then fewer active_decode_blocks), then the lower
+ * worker id. KM_POLICY_NO_OWNER when every depth is 0.
+ *
+ * "Least load" below is the same order: in_flight, pending_prefill_tokens, active_decode_blocks,
+ * worker id, each ascending.
+ *
+ * kv (Dynamo, current form). With B = block_size,
+ *     request_blocks  = max(n_blocks, ceil(prompt_tokens / B))
+ *     raw_prefill     = request_blocks + ceil(pending_prefill_tokens / B)
+ *     overlap_credit  = device_blocks * device_weight + host_blocks * host_weight
+ *                       + disk_blocks * disk_weight
+ *     decode_blocks   = active_decode_blocks + request_blocks + ceil(expected_output_tokens / B)
+ *     cost            = prefill_load_scale * max(raw_prefill - overlap_credit, 0) + decode_blocks
+ *   in blocks (costs_out). decode_blocks is the worker's KV footprint once it takes the request
+ *   (Dynamo adds the request's blocks to each worker's active blocks); the request's own part is
+ *   the same for every candidate, so it moves no choice, it only makes the cost read as a
+ *   footprint. temperature 0: the minimum cost; exact ties -> fewer active_decode_blocks, then
+ *   fewer in_flight, then fewer indexed_blocks (Dynamo's "smallest tree"), then the lower worker
+ *   id (Dynamo draws at random among equal trees; a fixed order keeps decisions replayable).
+ *   reason min_cost. temperature T > 0: Dynamo's softmax over normalised costs,
+ *     p_i = exp(-x_i / T) / sum_j exp(-x_j / T),  x_i = (cost_i - min) / (max - min),
+ *   uniform when all costs are equal; one draw u in [0, 1) from the state's random source picks
+ *   the first i whose cumulative probability exceeds u. reason sampled.
+ *
+ * cache_aware (vllm-router cache_aware, its decision order). min, max = the smallest and largest
+ *   in_flight among the candidates.
+ *   1. Imbalanced when max - min > balance_abs_threshold AND max > min * balance_rel_threshold
+ *      (both strict) -> the least in_flight (ties: lower worker id); reason imbalance.
+ *   2. Else, when match_ratio = owner depth / n_blocks > cache_threshold (strict) -> the owner;
+ *      reason cache_hit.
+ *   3. Else the least in_flight (ties: lower worker id); reason below_threshold.
+ *   Load is in_flight only, as in vllm-router (its tie goes to the first listed worker; here to
+ *   the lower id). costs_out: in_flight, in requests.
+ *
+ * prefix: the owner; reason deepest_match. Without an owner, the least load; reason no_match.
+ *   costs_out: n_blocks - depth (blocks left to prefill).
+ *
+ * least_load: the least load; reason least_load. costs_out: in_flight (the first key; the rest of
+ *   the order breaks ties).
+ *
+ * round_robin: index state->round_robin_cursor % n, then the cursor advances by one; load and
+ *   match are ignored; reason round_robin. costs_out: 0 for every candidate.
+ *
+ * Only round_robin (cursor) and kv with temperature > 0 (one random draw) change *state; a failed
+ * call changes nothing but state->last_error.
+ *
+ * Errors (state->last_error says which argument and why; *out, costs_out untouched):
+ *   KM_ERR_NULL_POINTER      cfg, state, req, cands or out NULL
+ *   KM_ERR_INVALID_ARGUMENT  n == 0; an invalid cfg (km_policy_config_validate); a candidate whose
+ *                            tier split does not add up to its depth, or whose depth exceeds
+ *                            n_blocks; prompt_tokens > 0 but < n_blocks * block_size
+ *   KM_ERR_BLOCK_SIZE        block_size 0
+ * Cost: O(n) (two more passes of exp() for sampling). */
+int km_policy_decide(const km_policy_config *cfg, km_policy_state *state,
+                     const km_policy_request *req, const km_policy_candidate *cands, uint32_t n,
+                     km_policy_decision *out, double *costs_out);
+
+/* The sampling distribution kv uses at temperature > 0 (formula above) for costs[0..n), into
+ * probs[0..n) (sums to 1). For records and tests. Errors: KM_ERR_NULL_POINTER,
+ * KM_ERR_INVALID_ARGUMENT (n == 0, temperature not finite or <= 0, a cost NaN or infinite). */
+int km_policy_softmax_probabilities(const double *costs, uint32_t n, double temperature,
+                                    double *probs);
+
+#ifdef __cplusplus
+}
+#endif
+#endif
