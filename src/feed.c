@@ -170,8 +170,12 @@ static held_message *held_copy(uint64_t seq, const km_kv_batch *batch)
         bytes += align8((size_t)e->n_block_hashes * 8) + align8((size_t)e->n_token_ids * 4);
         if (e->extra_keys_present)
             bytes += align8(e->n_block_hashes);
+        if (e->extra_keys_opaque)
+            bytes += align8(e->n_block_hashes);
         if (e->lora_name)
             bytes += align8(strlen(e->lora_name) + 1);
+        if (e->cache_salt)
+            bytes += align8(strlen(e->cache_salt) + 1);
     }
     unsigned char *p = malloc(bytes);
     if (!p)
@@ -206,10 +210,22 @@ static held_message *held_copy(uint64_t seq, const km_kv_batch *batch)
             dst->extra_keys_present = p + at;
             at += align8(src->n_block_hashes);
         }
+        if (src->extra_keys_opaque) {
+            if (src->n_block_hashes)
+                memcpy(p + at, src->extra_keys_opaque, src->n_block_hashes);
+            dst->extra_keys_opaque = p + at;
+            at += align8(src->n_block_hashes);
+        }
         if (src->lora_name) {
             size_t len = strlen(src->lora_name) + 1;
             memcpy(p + at, src->lora_name, len);
             dst->lora_name = (const char *)(p + at);
+            at += align8(len);
+        }
+        if (src->cache_salt) {
+            size_t len = strlen(src->cache_salt) + 1;
+            memcpy(p + at, src->cache_salt, len);
+            dst->cache_salt = (const char *)(p + at);
             at += align8(len);
         }
     }
@@ -270,6 +286,8 @@ static uint64_t message_digest(const message_view *v)
             XXH3_64bits_update(&st, e->token_ids, (size_t)e->n_token_ids * 4);
         if (e->lora_name)
             XXH3_64bits_update(&st, e->lora_name, strlen(e->lora_name) + 1);
+        if (e->cache_salt)
+            XXH3_64bits_update(&st, e->cache_salt, strlen(e->cache_salt) + 1);
     }
     uint64_t d = XXH3_64bits_digest(&st);
     return d == DIGEST_MALFORMED ? d + 1 : d;
@@ -919,19 +937,29 @@ static void apply_stored(km_feed *feed, worker *w, const km_kv_event *e)
         lora = lora_buf;
     }
     bool lora_set = lora && lora[0];
-    if (feed->config.extra_keys_policy == KM_FEED_EXTRA_KEYS_SKIP && e->extra_keys_present &&
-        !lora_set) {
+    /* Blocks whose extra keys kvmatch cannot reproduce (the decoder's opaque flags; a caller
+     * that gives only presence flags: any present entry without a LoRA name). */
+    if (feed->config.extra_keys_policy == KM_FEED_EXTRA_KEYS_SKIP && e->extra_keys_opaque) {
+        for (uint32_t i = 0; i < hashable; i++)
+            if (e->extra_keys_opaque[i]) {
+                hashable = i;
+                break;
+            }
+    } else if (feed->config.extra_keys_policy == KM_FEED_EXTRA_KEYS_SKIP &&
+               e->extra_keys_present && !lora_set) {
         for (uint32_t i = 0; i < hashable; i++)
             if (e->extra_keys_present[i]) {
                 hashable = i;
                 break;
             }
     }
+    /* The salt names block 0 only, so it matters only for a run that starts a sequence. */
+    const char *salt = first_position == 0 ? e->cache_salt : NULL;
 
     uint64_t offset = feed->hash_count;
     km_tier event_tier = best_tier(bit);
     if (hashable) {
-        km_hash_config hc = {feed->config.block_size, lora_set ? lora : NULL, NULL};
+        km_hash_config hc = {feed->config.block_size, lora_set ? lora : NULL, salt};
         size_t n_blocks = 0;
         km_hash_sequence(&hc, e->token_ids, (size_t)hashable * feed->config.block_size,
                          first_position, parent_chain, NULL, feed->hashes + offset, &n_blocks);

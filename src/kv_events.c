@@ -719,6 +719,42 @@ static int read_optional_string(km_kv_decoder *dec, const msgpack_object *o, con
     return *out ? KM_OK : out_of_memory(dec, field);
 }
 
+/* Does a BlockStored's extra_keys entry hold only keys kvmatch's hashing reproduces? vLLM builds
+ * each entry as lora keys + multimodal keys + cache salt (first block of a request only) + prompt-
+ * embedding digests (generate_block_hash_extra_keys). Known: a first element naming the event's
+ * adapter (lora_name, or the deprecated int lora_id), and, when first_block (position 0), one
+ * string after it: the salt (*salt set). Anything else is opaque: arrays (multimodal (identifier,
+ * offset) pairs), bytes (prompt embeddings), more strings (older engines' multimodal hashes), other
+ * types, a salt with a NUL byte or over max_string_bytes. A lone multimodal hash string of an older
+ * engine in block 0 passes for a salt: the chain is then hashed under a salt no router request
+ * carries, a miss, never a false match. */
+static bool extra_keys_entry_known(const km_kv_event *ev, const msgpack_object *entry,
+                                   bool first_block, uint32_t max_string_bytes,
+                                   const msgpack_object **salt)
+{
+    *salt = NULL;
+    if (entry->type == MSGPACK_OBJECT_NIL)
+        return true;
+    if (entry->type != MSGPACK_OBJECT_ARRAY)
+        return false;
+    uint32_t n = entry->via.array.size, i = 0;
+    const msgpack_object *items = entry->via.array.ptr;
+    if (n > 0 && ev->lora_name && ev->lora_name[0] && str_equals(&items[0], ev->lora_name))
+        i = 1;
+    else if (n > 0 && ev->has_lora_id && items[0].type == MSGPACK_OBJECT_POSITIVE_INTEGER &&
+             ev->lora_id >= 0 && items[0].via.u64 == (uint64_t)ev->lora_id)
+        i = 1;
+    if (i == n)
+        return true;
+    if (!first_block || n - i != 1 || items[i].type != MSGPACK_OBJECT_STR)
+        return false;
+    uint32_t len = items[i].via.str.size;
+    if (len == 0 || len > max_string_bytes || memchr(items[i].via.str.ptr, 0, len))
+        return false;
+    *salt = &items[i];
+    return true;
+}
+
 static int read_medium(km_kv_decoder *dec, const msgpack_object *o, km_kv_medium *medium,
                        const char **name, bool *has_nul)
 {
@@ -884,14 +920,25 @@ static int decode_block_stored(km_kv_decoder *dec, const event_schema *schema,
                                 "extra_keys has %u entries for %u blocks", extra->via.array.size,
                                 ev.n_block_hashes);
         uint8_t *present = arena_alloc_array(&dec->results, ev.n_block_hashes, 1);
-        if (!present)
+        uint8_t *opaque = arena_alloc_array(&dec->results, ev.n_block_hashes, 1);
+        if (!present || !opaque)
             return out_of_memory(dec, "extra_keys flags");
         for (uint32_t i = 0; i < ev.n_block_hashes; i++) {
             const msgpack_object *entry = &extra->via.array.ptr[i];
             present[i] = !(entry->type == MSGPACK_OBJECT_NIL ||
                            (entry->type == MSGPACK_OBJECT_ARRAY && entry->via.array.size == 0));
+            const msgpack_object *salt = NULL;
+            opaque[i] = present[i] &&
+                        !extra_keys_entry_known(&ev, entry, i == 0 && !ev.has_parent_block_hash,
+                                                dec->config.max_string_bytes, &salt);
+            if (salt) {
+                ev.cache_salt = arena_copy_string(dec, salt->via.str.ptr, salt->via.str.size);
+                if (!ev.cache_salt)
+                    return out_of_memory(dec, "cache salt");
+            }
         }
         ev.extra_keys_present = present;
+        ev.extra_keys_opaque = opaque;
     }
     b->events[b->batch->n_events++] = ev;
     return KM_OK;

@@ -135,6 +135,15 @@ typedef struct km_kv_event {
      * is present and not empty (LoRA name, multimodal item ids, cache salt: vLLM mixes them into
      * the engine hash; their content is not decoded). */
     const uint8_t *extra_keys_present;
+    /* NULL when extra_keys is nil or absent; else n_block_hashes flags, 1 when that block's entry
+     * holds keys other than the LoRA adapter and the cache salt: multimodal item keys (arrays, or
+     * bare strings from older engines), prompt-embedding digests (bytes) or anything unknown.
+     * Hashing such a block from its tokens would name the wrong content (docs/EVENTS.md). */
+    const uint8_t *extra_keys_opaque;
+    /* The cache salt, recovered from block 0's extra_keys entry when the event starts a sequence
+     * (no parent): vLLM appends it after the LoRA and multimodal keys of the first block only.
+     * NULL when there is none. */
+    const char *cache_salt;
     const char *kv_cache_spec_kind; /* NULL when nil or absent */
     bool has_kv_cache_spec_sliding_window;
     int64_t kv_cache_spec_sliding_window;
