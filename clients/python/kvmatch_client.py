@@ -1,0 +1,349 @@
+"""Pure-Python client of `kvmatch serve` (docs/PROTOCOL.md), on the standard library's socket
+module and python3-msgpack.
+
+Frames are a 4-byte big-endian payload length and one msgpack map with "type" and "id". Messages
+are plain dicts with the wire field names, so everything in docs/PROTOCOL.md is usable as written.
+
+Blocking use::
+
+    with Client.connect("unix:/tmp/kvmatch.sock", timeout=5.0) as c:
+        reply = c.route([{"request_id": "r1", "pool": "default", "tokens": [1, 2, 3]}])
+        for decision in reply["decisions"]:
+            print(decision["chosen_worker"], decision.get("owner_worker"))
+
+Pipelined use: ``send_route`` / ``send_lifecycle`` / ``send`` return the request id at once;
+``receive`` returns the next reply to arrive (any id), ``wait(id)`` the reply to one id; replies that
+arrive while waiting for another id are kept and handed out later.
+
+Errors: an ERROR reply to a blocking call raises ``KvmatchError`` carrying ``code``, ``name`` and
+``message``; ``receive`` / ``wait`` return ERROR replies as dicts. A timeout raises
+``TimeoutError`` and the connection stays usable; a closed or broken connection raises
+``ConnectionClosed`` (a ``KvmatchError`` with code -20) and the client stays closed.
+A Client is not thread-safe: use one per thread.
+"""
+
+import socket
+import struct
+import time
+
+import msgpack
+
+PROTOCOL_VERSION = 1
+DEFAULT_SOCKET = "/tmp/kvmatch.sock"
+DEFAULT_MAX_FRAME_BYTES = 16 << 20
+CLIENT_NAME = "kvmatch-python"
+
+# km_status codes (include/kvmatch/error.h) used on this side.
+KM_ERR_INVALID_ARGUMENT = -1
+KM_ERR_TOO_LARGE = -7
+KM_ERR_PARSE = -8
+KM_ERR_IO = -11
+KM_ERR_INCOMPATIBLE = -14
+KM_ERR_NOT_FOUND = -15
+KM_ERR_PROTOCOL = -16
+KM_ERR_TIMEOUT = -19
+KM_ERR_CLOSED = -20
+
+
+class KvmatchError(Exception):
+    """A failure with a km_status code (negative int), its name and a sentence."""
+
+    def __init__(self, code, name, message):
+        super().__init__("%s: %s" % (name, message))
+        self.code = code
+        self.name = name
+        self.message = message
+
+
+class ConnectionClosed(KvmatchError):
+    def __init__(self, message):
+        super().__init__(KM_ERR_CLOSED, "KM_ERR_CLOSED", message)
+
+
+def outcome_from_stream(finish_reason, done_seen, http_status=None, error=None):
+    """The outcome rule of docs/PROTOCOL.md: "error" when an error was seen or the HTTP status is
+    known and not 2xx; else "complete" only when the final finish_reason and the [DONE] sentinel
+    were both seen; else "incomplete" (even with HTTP 200)."""
+    if error or (http_status is not None and not 200 <= http_status <= 299):
+        return "error"
+    if finish_reason and done_seen:
+        return "complete"
+    return "incomplete"
+
+
+def _parse_address(address):
+    if address.startswith("unix:"):
+        path = address[5:]
+        if not path:
+            raise KvmatchError(KM_ERR_INVALID_ARGUMENT, "KM_ERR_INVALID_ARGUMENT",
+                               "empty unix socket path")
+        return socket.AF_UNIX, path
+    if address.startswith("tcp:"):
+        rest = address[4:]
+        if rest.startswith("["):
+            host, sep, port = rest[1:].partition("]:")
+        else:
+            host, sep, port = rest.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise KvmatchError(KM_ERR_INVALID_ARGUMENT, "KM_ERR_INVALID_ARGUMENT",
+                               "expected tcp:host:port, got %r" % address)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        return family, (host, int(port))
+    raise KvmatchError(KM_ERR_INVALID_ARGUMENT, "KM_ERR_INVALID_ARGUMENT",
+                       "address must start with unix: or tcp:, got %r" % address)
+
+
+class Client:
+    """One connection to kvmatch serve. Create with Client.connect()."""
+
+    def __init__(self, sock, max_frame_bytes=DEFAULT_MAX_FRAME_BYTES):
+        self._sock = sock
+        self._buffer = bytearray()
+        self._next_id = 1
+        self._kept = {}  # id -> reply dict, arrival order kept by dict order
+        self._outstanding = set()
+        self._closed = False
+        self._max_frame_bytes = max_frame_bytes
+        self.welcome = None
+
+    # ---- connection ---------------------------------------------------------------------------
+
+    @classmethod
+    def connect(cls, address="unix:" + DEFAULT_SOCKET, timeout=5.0, client_name=CLIENT_NAME):
+        """Connect and do the HELLO / WELCOME handshake within `timeout` seconds (None: no
+        limit). Raises KvmatchError (KM_ERR_INCOMPATIBLE when the server refuses our version),
+        ConnectionClosed, TimeoutError or OSError."""
+        family, target = _parse_address(address)
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            sock.settimeout(timeout)
+            sock.connect(target)
+            if family != socket.AF_UNIX:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            client = cls(sock)
+            hello_id = client._send_raw({"type": "HELLO", "protocol": PROTOCOL_VERSION,
+                                         "client": client_name}, deadline)
+            reply = client._read_message(deadline)
+        except socket.timeout:
+            sock.close()
+            raise TimeoutError("connect / handshake with %s timed out" % address)
+        except BaseException:
+            sock.close()
+            raise
+        client._outstanding.discard(hello_id)
+        if reply.get("type") == "ERROR":
+            client.close()
+            raise KvmatchError(reply.get("code", KM_ERR_PROTOCOL), reply.get("name", "?"),
+                               "the server refused the handshake: %s" % reply.get("message", ""))
+        if reply.get("type") != "WELCOME":
+            client.close()
+            raise KvmatchError(KM_ERR_PROTOCOL, "KM_ERR_PROTOCOL",
+                               "expected WELCOME, got %r" % reply.get("type"))
+        if reply.get("protocol") != PROTOCOL_VERSION:
+            client.close()
+            raise KvmatchError(KM_ERR_INCOMPATIBLE, "KM_ERR_INCOMPATIBLE",
+                               "the server speaks protocol %r" % reply.get("protocol"))
+        client.welcome = reply
+        limits = reply.get("limits") or {}
+        client._max_frame_bytes = limits.get("max_frame_bytes", DEFAULT_MAX_FRAME_BYTES)
+        return client
+
+    def close(self):
+        if not self._closed:
+            self._closed = True
+            try:
+                self._sock.close()
+            except OSError:
+                pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    @property
+    def outstanding(self):
+        """Request ids sent whose reply has not been returned yet."""
+        return len(self._outstanding)
+
+    def fileno(self):
+        return self._sock.fileno()
+
+    # ---- pipelined ----------------------------------------------------------------------------
+
+    def send(self, message, timeout=5.0):
+        """Send a request dict (its "id" is assigned here); returns the id."""
+        if self._closed:
+            raise ConnectionClosed("the connection is closed")
+        if message.get("type") == "HELLO":
+            raise KvmatchError(KM_ERR_INVALID_ARGUMENT, "KM_ERR_INVALID_ARGUMENT",
+                               "HELLO is sent by connect()")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        return self._send_raw(message, deadline)
+
+    def send_route(self, routes, timeout=5.0):
+        return self.send({"type": "ROUTE", "routes": list(routes)}, timeout)
+
+    def send_lifecycle(self, events, timeout=5.0):
+        return self.send({"type": "LIFECYCLE", "events": list(events)}, timeout)
+
+    def receive(self, timeout=5.0):
+        """The next reply (kept ones first), whatever its id."""
+        if self._kept:
+            rid = next(iter(self._kept))
+            self._outstanding.discard(rid)
+            return self._kept.pop(rid)
+        if not self._outstanding:
+            raise KvmatchError(KM_ERR_INVALID_ARGUMENT, "KM_ERR_INVALID_ARGUMENT",
+                               "no request is waiting for a reply")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        reply = self._read_reply(deadline)
+        self._outstanding.discard(reply.get("id"))
+        return reply
+
+    def wait(self, request_id, timeout=5.0):
+        """The reply to request_id; replies to other ids that arrive meanwhile are kept."""
+        if request_id in self._kept:
+            self._outstanding.discard(request_id)
+            return self._kept.pop(request_id)
+        if request_id not in self._outstanding:
+            raise KvmatchError(KM_ERR_NOT_FOUND, "KM_ERR_NOT_FOUND",
+                               "request %r is not waiting for a reply" % (request_id,))
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            reply = self._read_reply(deadline)
+            rid = reply.get("id")
+            if rid == request_id:
+                self._outstanding.discard(rid)
+                return reply
+            self._kept[rid] = reply
+
+    # ---- blocking -----------------------------------------------------------------------------
+
+    def call(self, message, timeout=5.0):
+        """send + wait; an ERROR reply raises KvmatchError."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        rid = self.send(message, timeout)
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        reply = self.wait(rid, left)
+        if reply.get("type") == "ERROR":
+            raise KvmatchError(reply.get("code", KM_ERR_PROTOCOL), reply.get("name", "?"),
+                               reply.get("message", ""))
+        return reply
+
+    def route(self, routes, timeout=5.0):
+        """ROUTE -> DECISION dict; check each decision's "status" (0 = decided)."""
+        return self.call({"type": "ROUTE", "routes": list(routes)}, timeout)
+
+    def lifecycle(self, events, timeout=5.0):
+        """LIFECYCLE -> ACK dict with one {"status", "message"} per event."""
+        return self.call({"type": "LIFECYCLE", "events": list(events)}, timeout)
+
+    def dispatched(self, timeout=5.0, **fields):
+        return self.lifecycle([dict(fields, event="DISPATCHED")], timeout)
+
+    def first_token(self, timeout=5.0, **fields):
+        return self.lifecycle([dict(fields, event="FIRST_TOKEN")], timeout)
+
+    def finished(self, timeout=5.0, **fields):
+        """FINISHED; without an explicit "outcome" the server derives it by the outcome rule."""
+        return self.lifecycle([dict(fields, event="FINISHED")], timeout)
+
+    def workers(self, action, workers=None, pool=None, timeout=5.0):
+        message = {"type": "WORKERS", "action": action}
+        if workers is not None:
+            message["workers"] = list(workers)
+        if pool is not None:
+            message["pool"] = pool
+        return self.call(message, timeout)
+
+    def pools(self, action, pools=None, timeout=5.0):
+        message = {"type": "POOLS", "action": action}
+        if pools is not None:
+            message["pools"] = list(pools)
+        return self.call(message, timeout)
+
+    def status(self, timeout=5.0):
+        return self.call({"type": "STATUS"}, timeout)
+
+    # ---- frames -------------------------------------------------------------------------------
+
+    def _fail(self, exc):
+        self.close()
+        raise exc
+
+    def _send_raw(self, message, deadline):
+        rid = self._next_id
+        message = dict(message, id=rid)
+        payload = msgpack.packb(message, use_bin_type=True)
+        if len(payload) > self._max_frame_bytes:
+            raise KvmatchError(KM_ERR_TOO_LARGE, "KM_ERR_TOO_LARGE",
+                               "%s message encodes to %d bytes, max_frame_bytes is %d"
+                               % (message.get("type"), len(payload), self._max_frame_bytes))
+        self._next_id += 1
+        data = struct.pack(">I", len(payload)) + payload
+        try:
+            self._set_timeout(deadline)
+            self._sock.sendall(data)
+        except socket.timeout:
+            # Part of the frame may be out: the stream cannot be continued.
+            self._fail(TimeoutError("send timed out; connection closed mid-frame"))
+        except (BrokenPipeError, ConnectionResetError):
+            self._fail(ConnectionClosed("the server closed the connection"))
+        self._outstanding.add(rid)
+        return rid
+
+    def _set_timeout(self, deadline):
+        if deadline is None:
+            self._sock.settimeout(None)
+        else:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise socket.timeout()
+            self._sock.settimeout(left)
+
+    def _read_message(self, deadline):
+        """One whole frame, decoded. A timeout keeps the partial bytes for the next call."""
+        while True:
+            if len(self._buffer) >= 4:
+                (length,) = struct.unpack(">I", self._buffer[:4])
+                if length == 0 or length > self._max_frame_bytes:
+                    self._fail(KvmatchError(KM_ERR_TOO_LARGE if length else KM_ERR_PROTOCOL,
+                                            "KM_ERR_TOO_LARGE" if length else "KM_ERR_PROTOCOL",
+                                            "reply frame declares %d bytes" % length))
+                if len(self._buffer) >= 4 + length:
+                    payload = bytes(self._buffer[4:4 + length])
+                    del self._buffer[:4 + length]
+                    try:
+                        message = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+                    except Exception as exc:  # msgpack raises several types
+                        self._fail(KvmatchError(KM_ERR_PARSE, "KM_ERR_PARSE",
+                                                "unreadable reply: %s" % exc))
+                    if not isinstance(message, dict):
+                        self._fail(KvmatchError(KM_ERR_PARSE, "KM_ERR_PARSE",
+                                                "a reply is a map, got %s" % type(message).__name__))
+                    return message
+            if self._closed:
+                raise ConnectionClosed("the connection is closed")
+            try:
+                self._set_timeout(deadline)
+                chunk = self._sock.recv(65536)
+            except socket.timeout:
+                raise TimeoutError("no reply before the timeout")
+            except ConnectionResetError:
+                self._fail(ConnectionClosed("the server reset the connection"))
+            if not chunk:
+                self._fail(ConnectionClosed("the server closed the connection%s"
+                                            % (" mid-frame" if self._buffer else "")))
+            self._buffer += chunk
+
+    def _read_reply(self, deadline):
+        reply = self._read_message(deadline)
+        # A connection-level ERROR (id 0 or none): the server is closing the connection.
+        if reply.get("type") == "ERROR" and not reply.get("id"):
+            self.close()
+            raise KvmatchError(reply.get("code", KM_ERR_PROTOCOL), reply.get("name", "?"),
+                               "the server closes the connection: %s" % reply.get("message", ""))
+        return reply

@@ -1,0 +1,240 @@
+/* Active work: the load each worker carries, as THIS kvmatch instance saw it.
+ *
+ * Every routing decision begins an entry keyed by (request id, attempt id); the router's lifecycle
+ * messages (DISPATCHED, FIRST_TOKEN, FINISHED) move it along, and entries whose FINISHED never
+ * comes expire after a TTL. Per worker the handle keeps three load values, each the sum over the
+ * worker's live entries of what that entry was charged:
+ *
+ *   in_flight               1 per entry, from the decision until FINISHED / expiry;
+ *   pending_prefill_tokens  prompt_tokens - min(cached_tokens_predicted, prompt_tokens), charged
+ *                           at the decision and released at FIRST_TOKEN (the prefill is done),
+ *                           corrected by km_active_report_cached before that;
+ *   active_decode_blocks    ceil((prompt_tokens + expected_output_tokens) / block_size): the KV
+ *                           blocks the request will occupy when its generation ends (Dynamo's
+ *                           "potential decode blocks"), charged at the decision, released at
+ *                           FINISHED / expiry.
+ *
+ * Scope: requests routed elsewhere (another router, traffic that bypasses kvmatch) are not here;
+ * a fresh process starts empty. A decision that uses these values must say so (load scope
+ * "instance", KM_ACTIVE_LOAD_SCOPE).
+ *
+ * Two attempts of one request are separate entries. Ids are byte strings (not NUL-terminated on
+ * input, since msgpack strings are not); an entry keeps a copy, so lookups compare the full ids and
+ * a hash collision can never merge two entries.
+ *
+ * Events that do not fit the lifecycle change no load and return an error, each counted:
+ *  - an id never begun (or long forgotten)                 KM_ERR_NOT_FOUND  (unknown)
+ *  - an id that expired or whose worker was removed         KM_ERR_NOT_FOUND  (late)
+ *  - an id already finished (FINISHED twice, FIRST_TOKEN
+ *    after FINISHED), begun twice, FIRST_TOKEN twice        KM_ERR_PROTOCOL   (duplicates)
+ *  - DISPATCHED after FIRST_TOKEN                           KM_ERR_PROTOCOL   (out_of_order)
+ * "Finished", "expired" and "worker removed" are told apart from "unknown" through a bounded ring of
+ * recently ended ids (remember_ended, default 4096); an id pushed out of it reads as unknown.
+ * A load value never goes negative: a subtraction that would is clamped to 0 and counted
+ * (saturations; it stays 0 unless a bug breaks the sum invariant).
+ *
+ * Cost: every event is O(1) expected (one hash lookup, list splices); km_active_expire is
+ * O(expired entries): entries sit on one list ordered by last touch (every lifecycle event moves
+ * its entry to the tail), so expiry reads the head only.
+ *
+ * Times: every now_ns is the caller's monotonic clock in ns (tests pass a synthetic one). A time
+ * earlier than the latest one a successful call was given counts as no time passing (the list
+ * stays ordered); a failed call changes nothing, its clock included.
+ *
+ * Lifecycle: km_active_config_init -> adjust -> km_active_create -> any number of begin /
+ * dispatched / first_token / report_cached / finish / expire / remove_worker / getters ->
+ * km_active_destroy. Not thread-safe: the service's event loop owns it. Every int-returning
+ * function returns KM_OK or a negative km_status, with detail in km_active_last_error. */
+#ifndef KVMATCH_ACTIVE_H
+#define KVMATCH_ACTIVE_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "kvmatch/error.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct km_active km_active;
+
+/* The scope a decision using these load values must state: what this kvmatch instance saw. */
+#define KM_ACTIVE_LOAD_SCOPE "instance"
+/* Longest request id and attempt id accepted, in bytes (KM_ERR_TOO_LARGE beyond). */
+#define KM_ACTIVE_ID_MAX 256u
+/* "Not reported": engine-reported cached tokens that never arrived. */
+#define KM_ACTIVE_CACHED_UNKNOWN INT64_C(-1)
+
+typedef struct km_active_config {
+    uint32_t max_workers;    /* worker ids 0 .. max_workers-1; 1 .. 65534; default 1024 */
+    uint64_t ttl_ns;         /* an entry with no lifecycle event for this long expires; >= 1;
+                              * default 600 s */
+    uint32_t max_entries;    /* live entries, all workers; one more begin is KM_ERR_OVERLOADED;
+                              * default 1 << 20 */
+    uint32_t remember_ended; /* recently ended ids kept to classify late events; 0 = none;
+                              * default 4096 */
+} km_active_config;
+
+void km_active_config_init(km_active_config *cfg);
+
+/* cfg NULL = defaults. On failure *out is NULL. Errors: KM_ERR_NULL_POINTER (out),
+ * KM_ERR_INVALID_ARGUMENT (a field out of range), KM_ERR_OUT_OF_MEMORY. */
+int km_active_create(const km_active_config *cfg, km_active **out);
+void km_active_destroy(km_active *active); /* NULL is a no-op */
+
+/* Detail of the last failed call ("" when none). Valid until the next call on the handle. */
+const char *km_active_last_error(const km_active *active);
+
+/* An entry's key: the request id and the attempt id, as byte strings with lengths. The request
+ * id must be non-empty; the attempt id may be empty; neither may contain a NUL byte or exceed
+ * KM_ACTIVE_ID_MAX bytes (KM_ERR_INVALID_ARGUMENT / KM_ERR_TOO_LARGE). */
+typedef struct km_active_key {
+    const char *request_id;
+    size_t request_id_len;
+    const char *attempt_id;
+    size_t attempt_id_len;
+} km_active_key;
+
+/* A key over two NUL-terminated strings (attempt_id NULL = ""). */
+static inline km_active_key km_active_key_of(const char *request_id, const char *attempt_id)
+{
+    km_active_key key;
+    key.request_id = request_id;
+    key.request_id_len = request_id ? strlen(request_id) : 0;
+    key.attempt_id = attempt_id ? attempt_id : "";
+    key.attempt_id_len = attempt_id ? strlen(attempt_id) : 0;
+    return key;
+}
+
+/* How an entry ended. The first four are the router's FINISHED outcomes (issue 4: `complete` only
+ * when the final finish_reason and [DONE] were seen; `incomplete` for a stream that ended without
+ * them, even with HTTP 200). */
+typedef enum km_active_end {
+    KM_ACTIVE_END_COMPLETE = 0,
+    KM_ACTIVE_END_INCOMPLETE = 1,
+    KM_ACTIVE_END_ERROR = 2,
+    KM_ACTIVE_END_CANCELLED = 3,
+    KM_ACTIVE_END_EXPIRED = 4,        /* no event for ttl_ns (km_active_expire) */
+    KM_ACTIVE_END_WORKER_REMOVED = 5, /* km_active_remove_worker */
+} km_active_end;
+#define KM_ACTIVE_END_COUNT 6u
+
+/* "complete", "incomplete", "error", "cancelled", "expired", "worker_removed"; "unknown" else. */
+const char *km_active_end_name(km_active_end end);
+
+/* Everything the handle knew about an entry when it ended: what the service writes into the
+ * attempt's outcome record. The id pointers are NUL-terminated copies owned by the handle, valid
+ * until the next call on it (inside a callback: until the callback returns). */
+typedef struct km_active_summary {
+    const char *request_id;
+    size_t request_id_len;
+    const char *attempt_id;
+    size_t attempt_id_len;
+    uint32_t worker;
+    km_active_end end;
+    uint32_t prompt_tokens;           /* as given at the decision */
+    uint32_t predicted_cached_tokens; /* the decision's prediction (overlap x block size) */
+    uint32_t expected_output_tokens;
+    uint32_t block_size;
+    uint64_t prefill_tokens_charged;  /* pending prefill this entry added (after any correction) */
+    uint64_t decode_blocks_charged;
+    int64_t engine_cached_tokens;     /* last engine report, or KM_ACTIVE_CACHED_UNKNOWN */
+    bool dispatched;
+    bool first_token;
+    uint64_t begin_ns;       /* the decision */
+    uint64_t dispatched_ns;  /* first DISPATCHED (0 when none) */
+    uint64_t first_token_ns; /* FIRST_TOKEN (0 when none) */
+    uint64_t last_event_ns;  /* last lifecycle event before the end */
+    uint64_t end_ns;         /* FINISHED, expiry check or removal time */
+} km_active_summary;
+
+/* Receives each entry that expire / remove_worker ends; the entry is already gone. */
+typedef void (*km_active_summary_fn)(void *user, const km_active_summary *summary);
+
+/* ---- lifecycle ------------------------------------------------------------------------------ */
+
+/* At the decision (optimistic): a new entry on `worker`; in_flight += 1, pending prefill +=
+ * prompt_tokens - min(cached_tokens_predicted, prompt_tokens), decode blocks +=
+ * ceil((prompt_tokens + expected_output_tokens) / block_size). Errors: KM_ERR_NULL_POINTER,
+ * KM_ERR_WORKER_RANGE, KM_ERR_BLOCK_SIZE (0), KM_ERR_INVALID_ARGUMENT / KM_ERR_TOO_LARGE (ids),
+ * KM_ERR_PROTOCOL (this key is already active: counted as a duplicate), KM_ERR_OVERLOADED
+ * (max_entries live), KM_ERR_OUT_OF_MEMORY. On error nothing changes. */
+int km_active_begin(km_active *active, uint32_t worker, const km_active_key *key,
+                    uint32_t prompt_tokens, uint32_t cached_tokens_predicted,
+                    uint32_t expected_output_tokens, uint32_t block_size, uint64_t now_ns);
+
+/* The request was sent to the engine: no load change; the first call records the time, a repeat
+ * is accepted and changes nothing but the last-touch time (idempotent). Errors: KM_ERR_NOT_FOUND,
+ * KM_ERR_PROTOCOL (after FIRST_TOKEN: out_of_order; or already finished: duplicate). */
+int km_active_dispatched(km_active *active, const km_active_key *key, uint64_t now_ns);
+
+/* The first output token arrived, so the prefill is done: the entry's pending prefill is released.
+ * engine_cached_tokens (or KM_ACTIVE_CACHED_UNKNOWN) is kept for the summary. Errors:
+ * KM_ERR_NOT_FOUND, KM_ERR_PROTOCOL (FIRST_TOKEN twice, or after FINISHED: duplicates). */
+int km_active_first_token(km_active *active, const km_active_key *key,
+                          int64_t engine_cached_tokens, uint64_t now_ns);
+
+/* The engine reported how many prompt tokens it found cached (>= 0) before the first token: the
+ * entry's pending prefill becomes prompt_tokens - min(cached, prompt_tokens) and the worker's
+ * total moves by the difference. After FIRST_TOKEN only the reported value is kept (the prefill is
+ * already released). Errors: KM_ERR_NOT_FOUND, KM_ERR_INVALID_ARGUMENT (negative),
+ * KM_ERR_PROTOCOL (already finished). */
+int km_active_report_cached(km_active *active, const km_active_key *key,
+                            int64_t engine_cached_tokens, uint64_t now_ns);
+
+/* The attempt ended with `outcome` (COMPLETE, INCOMPLETE, ERROR or CANCELLED): in_flight -= 1,
+ * decode blocks -= the entry's, pending prefill -= whatever it still had; the entry is removed and
+ * described in *summary (may be NULL). Errors: KM_ERR_NULL_POINTER, KM_ERR_INVALID_ARGUMENT (an
+ * outcome that is not a FINISHED outcome), KM_ERR_NOT_FOUND, KM_ERR_PROTOCOL (finished twice). */
+int km_active_finish(km_active *active, const km_active_key *key, km_active_end outcome,
+                     uint64_t now_ns, km_active_summary *summary);
+
+/* End every entry whose last lifecycle event is at or before now_ns - ttl_ns, oldest first: its
+ * load is released and on_expired (may be NULL) receives its summary (end EXPIRED). *n_expired
+ * (may be NULL) gets the count. O(expired). Errors: KM_ERR_NULL_POINTER (active). */
+int km_active_expire(km_active *active, uint64_t now_ns, km_active_summary_fn on_expired,
+                     void *user, size_t *n_expired);
+
+/* Drop every entry of `worker` (end WORKER_REMOVED, each passed to on_removed, may be NULL); its
+ * load becomes 0. Later events for those ids are "late" (KM_ERR_NOT_FOUND). O(the worker's
+ * entries). Errors: KM_ERR_NULL_POINTER, KM_ERR_WORKER_RANGE. */
+int km_active_remove_worker(km_active *active, uint32_t worker, uint64_t now_ns,
+                            km_active_summary_fn on_removed, void *user, size_t *n_removed);
+
+/* ---- inspection ----------------------------------------------------------------------------- */
+
+typedef struct km_active_load {
+    uint64_t in_flight;
+    uint64_t pending_prefill_tokens;
+    uint64_t active_decode_blocks;
+} km_active_load;
+
+/* One worker's load. Errors: KM_ERR_NULL_POINTER, KM_ERR_WORKER_RANGE. */
+int km_active_worker_load(const km_active *active, uint32_t worker, km_active_load *out);
+
+typedef struct km_active_stats {
+    km_active_load total;  /* sum over all workers */
+    uint64_t entries;      /* live entries (== total.in_flight) */
+    uint64_t begun;
+    uint64_t ended[KM_ACTIVE_END_COUNT]; /* by km_active_end: finished by outcome, expired, removed */
+    uint64_t unknown;      /* events for ids never begun or forgotten */
+    uint64_t late;         /* events for ids that expired or whose worker was removed */
+    uint64_t duplicates;   /* begin of an active id; FIRST_TOKEN twice; any event after FINISHED */
+    uint64_t out_of_order; /* DISPATCHED after FIRST_TOKEN */
+    uint64_t saturations;  /* subtractions clamped at 0 (a broken invariant; expected 0) */
+    uint64_t corrections;  /* km_active_report_cached calls that changed a pending prefill */
+} km_active_stats;
+
+/* Errors: KM_ERR_NULL_POINTER. */
+int km_active_get_stats(const km_active *active, km_active_stats *out);
+
+/* Is this key an active entry? (1 yes, 0 no; 0 for invalid arguments.) */
+int km_active_contains(const km_active *active, const km_active_key *key);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

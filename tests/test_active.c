@@ -1,0 +1,1246 @@
+/* Active work (include/kvmatch/active.h) and approximate mode (include/kvmatch/approx.h).
+ *
+ * Suite `active`: each lifecycle step's exact load numbers, corrections by engine-reported cached
+ * tokens, TTL expiry (recently touched entries survive, old ones expire oldest first, callbacks get
+ * the right summaries), unknown / late / duplicate / out-of-order events and bad arguments (each a
+ * code, a message and no load change), worker removal, the entry bound, and a random run against a
+ * brute-force model of the in-flight entries.
+ *
+ * Suite `approx`: the updates a record / expire / clear / capacity change produces, TTL refresh,
+ * eviction order, the buffer's pointer contract, bad arguments, and the invariant "what km_approx
+ * believes == what its updates put in a real km_index" on random sequences against a plain list of
+ * (worker, hash, last touch). Randomized tests print their seed (KM_TEST_SEED). Clocks are
+ * synthetic, so every test is deterministic given its seed. */
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kvmatch/active.h"
+#include "kvmatch/approx.h"
+#include "test_util.h"
+
+/* ================================ active ================================================= */
+
+static km_active *make_active(uint32_t max_workers, uint64_t ttl_ns, uint32_t max_entries,
+                              uint32_t remember_ended)
+{
+    km_active_config cfg;
+    km_active_config_init(&cfg);
+    cfg.max_workers = max_workers;
+    cfg.ttl_ns = ttl_ns;
+    cfg.max_entries = max_entries;
+    cfg.remember_ended = remember_ended;
+    km_active *a = NULL;
+    cr_assert_eq(km_active_create(&cfg, &a), KM_OK);
+    cr_assert_not_null(a);
+    return a;
+}
+
+static km_active_load load_of(const km_active *a, uint32_t worker)
+{
+    km_active_load l;
+    cr_assert_eq(km_active_worker_load(a, worker, &l), KM_OK);
+    return l;
+}
+
+#define ASSERT_LOAD(a, w, inflight, prefill, decode)                                           \
+    do {                                                                                       \
+        km_active_load l_ = load_of((a), (w));                                                 \
+        cr_assert_eq(l_.in_flight, (uint64_t)(inflight), "worker %u in_flight %" PRIu64       \
+                     " != %" PRIu64, (unsigned)(w), l_.in_flight, (uint64_t)(inflight));      \
+        cr_assert_eq(l_.pending_prefill_tokens, (uint64_t)(prefill),                           \
+                     "worker %u prefill %" PRIu64 " != %" PRIu64, (unsigned)(w),               \
+                     l_.pending_prefill_tokens, (uint64_t)(prefill));                          \
+        cr_assert_eq(l_.active_decode_blocks, (uint64_t)(decode),                              \
+                     "worker %u decode %" PRIu64 " != %" PRIu64, (unsigned)(w),                \
+                     l_.active_decode_blocks, (uint64_t)(decode));                             \
+    } while (0)
+
+static km_active_stats stats_of(const km_active *a)
+{
+    km_active_stats s;
+    cr_assert_eq(km_active_get_stats(a, &s), KM_OK);
+    return s;
+}
+
+/* An error must come with a sentence that starts with the code's name. */
+static void assert_error(const km_active *a, int rc, int expected)
+{
+    cr_assert_eq(rc, expected, "got %s (%s), expected %s", km_error_name(rc),
+                 km_active_last_error(a), km_error_name(expected));
+    const char *msg = km_active_last_error(a);
+    cr_assert(strncmp(msg, km_error_name(expected), strlen(km_error_name(expected))) == 0 &&
+                  strlen(msg) > strlen(km_error_name(expected)) + 4,
+              "message '%s' does not explain %s", msg, km_error_name(expected));
+}
+
+Test(active, lifecycle_exact_load_numbers, .timeout = 10)
+{
+    km_active *a = make_active(4, 1000000, 100, 16);
+    km_active_key k1 = km_active_key_of("req-1", "att-1");
+    km_active_key k2 = km_active_key_of("req-2", "att-1");
+
+    /* prompt 100, 32 predicted cached, 50 expected output, 16-token blocks:
+     * prefill 68, decode ceil(150 / 16) = 10. */
+    cr_assert_eq(km_active_begin(a, 1, &k1, 100, 32, 50, 16, 1000), KM_OK);
+    ASSERT_LOAD(a, 1, 1, 68, 10);
+    ASSERT_LOAD(a, 0, 0, 0, 0);
+    /* prediction above the prompt: nothing to prefill; decode ceil(64 / 16) = 4 exactly. */
+    cr_assert_eq(km_active_begin(a, 1, &k2, 48, 500, 16, 16, 1100), KM_OK);
+    ASSERT_LOAD(a, 1, 2, 68, 14);
+    cr_assert(km_active_contains(a, &k1));
+
+    cr_assert_eq(km_active_dispatched(a, &k1, 1200), KM_OK);
+    ASSERT_LOAD(a, 1, 2, 68, 14);
+    cr_assert_eq(km_active_dispatched(a, &k1, 1250), KM_OK); /* idempotent */
+    ASSERT_LOAD(a, 1, 2, 68, 14);
+
+    cr_assert_eq(km_active_first_token(a, &k1, 40, 1300), KM_OK);
+    ASSERT_LOAD(a, 1, 2, 0, 14);
+
+    km_active_summary s;
+    cr_assert_eq(km_active_finish(a, &k1, KM_ACTIVE_END_COMPLETE, 1400, &s), KM_OK);
+    ASSERT_LOAD(a, 1, 1, 0, 4);
+    cr_assert_str_eq(s.request_id, "req-1");
+    cr_assert_eq(s.request_id_len, 5);
+    cr_assert_str_eq(s.attempt_id, "att-1");
+    cr_assert_eq(s.worker, 1);
+    cr_assert_eq(s.end, KM_ACTIVE_END_COMPLETE);
+    cr_assert_eq(s.prompt_tokens, 100);
+    cr_assert_eq(s.predicted_cached_tokens, 32);
+    cr_assert_eq(s.expected_output_tokens, 50);
+    cr_assert_eq(s.block_size, 16);
+    cr_assert_eq(s.prefill_tokens_charged, 68);
+    cr_assert_eq(s.decode_blocks_charged, 10);
+    cr_assert_eq(s.engine_cached_tokens, 40);
+    cr_assert(s.dispatched && s.first_token);
+    cr_assert_eq(s.begin_ns, 1000);
+    cr_assert_eq(s.dispatched_ns, 1200); /* the first DISPATCHED */
+    cr_assert_eq(s.first_token_ns, 1300);
+    cr_assert_eq(s.last_event_ns, 1300);
+    cr_assert_eq(s.end_ns, 1400);
+    cr_assert(!km_active_contains(a, &k1));
+
+    /* FINISHED before FIRST_TOKEN releases the pending prefill too. */
+    km_active_key k3 = km_active_key_of("req-3", "");
+    cr_assert_eq(km_active_begin(a, 2, &k3, 17, 0, 0, 16, 1500), KM_OK);
+    ASSERT_LOAD(a, 2, 1, 17, 2);
+    cr_assert_eq(km_active_finish(a, &k3, KM_ACTIVE_END_CANCELLED, 1600, &s), KM_OK);
+    ASSERT_LOAD(a, 2, 0, 0, 0);
+    cr_assert(!s.dispatched && !s.first_token);
+    cr_assert_eq(s.engine_cached_tokens, KM_ACTIVE_CACHED_UNKNOWN);
+    cr_assert_str_eq(s.attempt_id, "");
+
+    /* Empty request: nothing to prefill or decode, still in flight. */
+    km_active_key k4 = km_active_key_of("req-4", "x");
+    cr_assert_eq(km_active_begin(a, 3, &k4, 0, 0, 0, 16, 1700), KM_OK);
+    ASSERT_LOAD(a, 3, 1, 0, 0);
+
+    km_active_stats st = stats_of(a);
+    cr_assert_eq(st.begun, 4);
+    cr_assert_eq(st.ended[KM_ACTIVE_END_COMPLETE], 1);
+    cr_assert_eq(st.ended[KM_ACTIVE_END_CANCELLED], 1);
+    cr_assert_eq(st.entries, 2);
+    cr_assert_eq(st.total.in_flight, 2);
+    cr_assert_eq(st.total.active_decode_blocks, 4);
+    cr_assert_eq(st.saturations, 0);
+    km_active_destroy(a);
+}
+
+Test(active, engine_cached_tokens_correct_pending_prefill, .timeout = 10)
+{
+    km_active *a = make_active(2, 1000000, 100, 16);
+    km_active_key k = km_active_key_of("r", "a");
+    cr_assert_eq(km_active_begin(a, 0, &k, 200, 64, 0, 16, 10), KM_OK);
+    ASSERT_LOAD(a, 0, 1, 136, 13);
+    /* The engine found more cached than predicted. */
+    cr_assert_eq(km_active_report_cached(a, &k, 160, 20), KM_OK);
+    ASSERT_LOAD(a, 0, 1, 40, 13);
+    /* ... or less; and more than the prompt clamps to 0. */
+    cr_assert_eq(km_active_report_cached(a, &k, 0, 30), KM_OK);
+    ASSERT_LOAD(a, 0, 1, 200, 13);
+    cr_assert_eq(km_active_report_cached(a, &k, 999, 40), KM_OK);
+    ASSERT_LOAD(a, 0, 1, 0, 13);
+    cr_assert_eq(km_active_report_cached(a, &k, 100, 50), KM_OK);
+    ASSERT_LOAD(a, 0, 1, 100, 13);
+    assert_error(a, km_active_report_cached(a, &k, -5, 55), KM_ERR_INVALID_ARGUMENT);
+    ASSERT_LOAD(a, 0, 1, 100, 13);
+    cr_assert_eq(km_active_first_token(a, &k, KM_ACTIVE_CACHED_UNKNOWN, 60), KM_OK);
+    ASSERT_LOAD(a, 0, 1, 0, 13);
+    /* After FIRST_TOKEN a report is only kept for the record. */
+    cr_assert_eq(km_active_report_cached(a, &k, 7, 70), KM_OK);
+    ASSERT_LOAD(a, 0, 1, 0, 13);
+    km_active_summary s;
+    cr_assert_eq(km_active_finish(a, &k, KM_ACTIVE_END_INCOMPLETE, 80, &s), KM_OK);
+    cr_assert_eq(s.engine_cached_tokens, 7);
+    cr_assert_eq(s.prefill_tokens_charged, 100);
+    cr_assert_eq(s.end, KM_ACTIVE_END_INCOMPLETE);
+    ASSERT_LOAD(a, 0, 0, 0, 0);
+    km_active_stats st = stats_of(a);
+    cr_assert_eq(st.corrections, 4);
+    cr_assert_eq(st.saturations, 0);
+    km_active_destroy(a);
+}
+
+typedef struct collected {
+    char request[8][64];
+    char attempt[8][64];
+    km_active_summary s[8];
+    size_t n;
+} collected;
+
+static void collect(void *user, const km_active_summary *s)
+{
+    collected *c = user;
+    cr_assert_lt(c->n, 8);
+    cr_assert_eq(strlen(s->request_id), s->request_id_len);
+    cr_assert_eq(strlen(s->attempt_id), s->attempt_id_len);
+    snprintf(c->request[c->n], 64, "%s", s->request_id);
+    snprintf(c->attempt[c->n], 64, "%s", s->attempt_id);
+    c->s[c->n] = *s;
+    c->n++;
+}
+
+Test(active, ttl_expiry_keeps_recently_touched_entries, .timeout = 10)
+{
+    const uint64_t ttl = 1000;
+    km_active *a = make_active(4, ttl, 100, 16);
+    km_active_key ka = km_active_key_of("A", "1"), kb = km_active_key_of("B", "1"),
+                  kc = km_active_key_of("C", "1");
+    cr_assert_eq(km_active_begin(a, 0, &ka, 32, 0, 32, 16, 0), KM_OK);   /* 32 prefill, 4 decode */
+    cr_assert_eq(km_active_begin(a, 1, &kb, 16, 0, 0, 16, 100), KM_OK);  /* 16 prefill, 1 decode */
+    cr_assert_eq(km_active_begin(a, 0, &kc, 16, 16, 16, 16, 200), KM_OK); /* 0 prefill, 2 decode */
+    cr_assert_eq(km_active_dispatched(a, &ka, 500), KM_OK);               /* A touched at 500 */
+    cr_assert_eq(km_active_first_token(a, &kc, 0, 600), KM_OK);           /* C touched at 600 */
+
+    collected c = {0};
+    size_t n = 99;
+    cr_assert_eq(km_active_expire(a, 1099, collect, &c, &n), KM_OK);
+    cr_assert_eq(n, 0); /* B is 999 ns old: not yet */
+    cr_assert_eq(km_active_expire(a, 1100, collect, &c, &n), KM_OK);
+    cr_assert_eq(n, 1); /* exactly ttl old: expired */
+    cr_assert_str_eq(c.request[0], "B");
+    cr_assert_eq(c.s[0].end, KM_ACTIVE_END_EXPIRED);
+    cr_assert_eq(c.s[0].worker, 1);
+    cr_assert_eq(c.s[0].last_event_ns, 100);
+    cr_assert_eq(c.s[0].end_ns, 1100);
+    cr_assert_eq(c.s[0].prefill_tokens_charged, 16);
+    ASSERT_LOAD(a, 1, 0, 0, 0);
+    ASSERT_LOAD(a, 0, 2, 32, 6);
+
+    /* Both remaining expire in last-touch order: A (500) then C (600). */
+    cr_assert_eq(km_active_expire(a, 5000, collect, &c, &n), KM_OK);
+    cr_assert_eq(n, 2);
+    cr_assert_str_eq(c.request[1], "A");
+    cr_assert(c.s[1].dispatched && c.s[1].dispatched_ns == 500);
+    cr_assert_str_eq(c.request[2], "C");
+    cr_assert(c.s[2].first_token && c.s[2].engine_cached_tokens == 0);
+    ASSERT_LOAD(a, 0, 0, 0, 0);
+
+    km_active_stats st = stats_of(a);
+    cr_assert_eq(st.ended[KM_ACTIVE_END_EXPIRED], 3);
+    cr_assert_eq(st.entries, 0);
+
+    /* A late FINISHED for an expired entry is "late", not a protocol error, and changes nothing. */
+    assert_error(a, km_active_finish(a, &ka, KM_ACTIVE_END_COMPLETE, 5100, NULL), KM_ERR_NOT_FOUND);
+    cr_assert(strstr(km_active_last_error(a), "expired") != NULL);
+    cr_assert_eq(stats_of(a).late, 1);
+
+    /* A clock that goes back counts as no time passing: nothing expires early. */
+    cr_assert_eq(km_active_begin(a, 2, &ka, 1, 0, 0, 1, 6000), KM_OK);
+    cr_assert_eq(km_active_dispatched(a, &ka, 10), KM_OK); /* touch at 6000, not 10 */
+    cr_assert_eq(km_active_expire(a, 6999, NULL, NULL, &n), KM_OK);
+    cr_assert_eq(n, 0);
+    cr_assert_eq(km_active_expire(a, 7000, NULL, NULL, &n), KM_OK);
+    cr_assert_eq(n, 1);
+    km_active_destroy(a);
+}
+
+Test(active, unknown_duplicate_and_out_of_order_events, .timeout = 10)
+{
+    km_active *a = make_active(4, 1000000, 100, 16);
+    km_active_key k = km_active_key_of("req", "0"), other = km_active_key_of("nobody", "0");
+
+    assert_error(a, km_active_dispatched(a, &other, 1), KM_ERR_NOT_FOUND);
+    assert_error(a, km_active_first_token(a, &other, 0, 1), KM_ERR_NOT_FOUND);
+    assert_error(a, km_active_report_cached(a, &other, 0, 1), KM_ERR_NOT_FOUND);
+    assert_error(a, km_active_finish(a, &other, KM_ACTIVE_END_ERROR, 1, NULL), KM_ERR_NOT_FOUND);
+    cr_assert(strstr(km_active_last_error(a), "nobody") != NULL);
+    cr_assert_eq(stats_of(a).unknown, 4);
+
+    cr_assert_eq(km_active_begin(a, 0, &k, 64, 0, 64, 16, 10), KM_OK);
+    assert_error(a, km_active_begin(a, 1, &k, 64, 0, 64, 16, 11), KM_ERR_PROTOCOL);
+    ASSERT_LOAD(a, 0, 1, 64, 8);
+    ASSERT_LOAD(a, 1, 0, 0, 0);
+    cr_assert_eq(km_active_first_token(a, &k, 0, 12), KM_OK);
+    assert_error(a, km_active_first_token(a, &k, 0, 13), KM_ERR_PROTOCOL);
+    assert_error(a, km_active_dispatched(a, &k, 14), KM_ERR_PROTOCOL);
+    cr_assert_eq(stats_of(a).out_of_order, 1);
+    ASSERT_LOAD(a, 0, 1, 0, 8);
+    cr_assert_eq(km_active_finish(a, &k, KM_ACTIVE_END_ERROR, 15, NULL), KM_OK);
+    ASSERT_LOAD(a, 0, 0, 0, 0);
+    /* Everything after FINISHED is a duplicate with the outcome named; no load goes negative. */
+    assert_error(a, km_active_finish(a, &k, KM_ACTIVE_END_COMPLETE, 16, NULL), KM_ERR_PROTOCOL);
+    cr_assert(strstr(km_active_last_error(a), "after FINISHED") != NULL);
+    cr_assert(strstr(km_active_last_error(a), "error") != NULL);
+    assert_error(a, km_active_first_token(a, &k, 0, 17), KM_ERR_PROTOCOL);
+    assert_error(a, km_active_dispatched(a, &k, 18), KM_ERR_PROTOCOL);
+    ASSERT_LOAD(a, 0, 0, 0, 0);
+
+    km_active_stats st = stats_of(a);
+    cr_assert_eq(st.duplicates, 5); /* begin twice, FIRST_TOKEN twice, three after FINISHED */
+    cr_assert_eq(st.ended[KM_ACTIVE_END_ERROR], 1);
+    cr_assert_eq(st.saturations, 0);
+
+    /* The same key may begin again (a new life); events then reach the live entry. */
+    cr_assert_eq(km_active_begin(a, 2, &k, 16, 0, 0, 16, 20), KM_OK);
+    cr_assert_eq(km_active_dispatched(a, &k, 21), KM_OK);
+    ASSERT_LOAD(a, 2, 1, 16, 1);
+    km_active_destroy(a);
+
+    /* Without the ended ring, an id that finished reads as unknown. */
+    a = make_active(4, 1000000, 100, 0);
+    cr_assert_eq(km_active_begin(a, 0, &k, 64, 0, 64, 16, 10), KM_OK);
+    km_active_summary s;
+    cr_assert_eq(km_active_finish(a, &k, KM_ACTIVE_END_COMPLETE, 15, &s), KM_OK);
+    cr_assert_str_eq(s.request_id, "req"); /* summary storage without the ring */
+    assert_error(a, km_active_finish(a, &k, KM_ACTIVE_END_COMPLETE, 16, NULL), KM_ERR_NOT_FOUND);
+    cr_assert_eq(stats_of(a).unknown, 1);
+    km_active_destroy(a);
+}
+
+Test(active, bad_arguments_are_refused_without_change, .timeout = 10)
+{
+    km_active *a = make_active(4, 1000000, 2, 16);
+    km_active_key good = km_active_key_of("r", "a");
+    cr_assert_eq(km_active_begin(NULL, 0, &good, 1, 0, 1, 16, 0), KM_ERR_NULL_POINTER);
+    assert_error(a, km_active_begin(a, 0, NULL, 1, 0, 1, 16, 0), KM_ERR_NULL_POINTER);
+    km_active_key empty = km_active_key_of("", "a");
+    assert_error(a, km_active_begin(a, 0, &empty, 1, 0, 1, 16, 0), KM_ERR_INVALID_ARGUMENT);
+    km_active_key null_id = {NULL, 0, "a", 1};
+    assert_error(a, km_active_begin(a, 0, &null_id, 1, 0, 1, 16, 0), KM_ERR_NULL_POINTER);
+    char long_id[KM_ACTIVE_ID_MAX + 2];
+    memset(long_id, 'x', sizeof long_id - 1);
+    long_id[sizeof long_id - 1] = '\0';
+    km_active_key too_long = km_active_key_of(long_id, "a");
+    assert_error(a, km_active_begin(a, 0, &too_long, 1, 0, 1, 16, 0), KM_ERR_TOO_LARGE);
+    too_long.request_id_len = KM_ACTIVE_ID_MAX; /* exactly the limit is fine */
+    cr_assert_eq(km_active_begin(a, 0, &too_long, 1, 0, 1, 16, 0), KM_OK);
+    cr_assert_eq(km_active_finish(a, &too_long, KM_ACTIVE_END_COMPLETE, 1, NULL), KM_OK);
+    km_active_key with_nul = {"ab\0c", 4, "a", 1};
+    assert_error(a, km_active_begin(a, 0, &with_nul, 1, 0, 1, 16, 0), KM_ERR_INVALID_ARGUMENT);
+    assert_error(a, km_active_begin(a, 4, &good, 1, 0, 1, 16, 0), KM_ERR_WORKER_RANGE);
+    assert_error(a, km_active_begin(a, 0, &good, 1, 0, 1, 0, 0), KM_ERR_BLOCK_SIZE);
+    cr_assert_eq(stats_of(a).begun, 1);
+    cr_assert_eq(stats_of(a).entries, 0);
+
+    cr_assert_eq(km_active_begin(a, 0, &good, 10, 0, 6, 16, 0), KM_OK);
+    assert_error(a, km_active_finish(a, &good, KM_ACTIVE_END_EXPIRED, 1, NULL),
+                 KM_ERR_INVALID_ARGUMENT);
+    assert_error(a, km_active_finish(a, &good, (km_active_end)42, 1, NULL), KM_ERR_INVALID_ARGUMENT);
+    assert_error(a, km_active_first_token(a, &good, -2, 1), KM_ERR_INVALID_ARGUMENT);
+    ASSERT_LOAD(a, 0, 1, 10, 1);
+    cr_assert(km_active_contains(a, &good));
+
+    /* The entry bound. */
+    km_active_key k2 = km_active_key_of("r2", "a"), k3 = km_active_key_of("r3", "a");
+    cr_assert_eq(km_active_begin(a, 1, &k2, 1, 0, 1, 16, 0), KM_OK);
+    assert_error(a, km_active_begin(a, 1, &k3, 1, 0, 1, 16, 0), KM_ERR_OVERLOADED);
+    ASSERT_LOAD(a, 1, 1, 1, 1);
+
+    km_active_load l;
+    cr_assert_eq(km_active_worker_load(a, 4, &l), KM_ERR_WORKER_RANGE);
+    cr_assert_eq(km_active_worker_load(a, 0, NULL), KM_ERR_NULL_POINTER);
+    cr_assert_eq(km_active_remove_worker(a, 4, 0, NULL, NULL, NULL), KM_ERR_WORKER_RANGE);
+    cr_assert_eq(km_active_expire(NULL, 0, NULL, NULL, NULL), KM_ERR_NULL_POINTER);
+    km_active_destroy(NULL);
+
+    km_active_config cfg;
+    km_active_config_init(&cfg);
+    cfg.ttl_ns = 0;
+    km_active *bad = (km_active *)1;
+    cr_assert_eq(km_active_create(&cfg, &bad), KM_ERR_INVALID_ARGUMENT);
+    cr_assert_null(bad);
+    km_active_config_init(&cfg);
+    cfg.max_workers = 0;
+    cr_assert_eq(km_active_create(&cfg, &bad), KM_ERR_INVALID_ARGUMENT);
+    cr_assert_eq(km_active_create(NULL, NULL), KM_ERR_NULL_POINTER);
+    cr_assert_eq(km_active_create(NULL, &bad), KM_OK); /* defaults */
+    km_active_destroy(bad);
+    cr_assert_str_eq(km_active_end_name(KM_ACTIVE_END_WORKER_REMOVED), "worker_removed");
+    cr_assert_str_eq(km_active_end_name((km_active_end)99), "unknown");
+    km_active_destroy(a);
+}
+
+Test(active, attempts_and_split_ids_are_separate_entries, .timeout = 10)
+{
+    km_active *a = make_active(4, 1000000, 100, 16);
+    km_active_key a1 = km_active_key_of("req", "1"), a2 = km_active_key_of("req", "2");
+    km_active_key split1 = km_active_key_of("ab", "c"), split2 = km_active_key_of("a", "bc");
+    /* Same bytes, different split: the attempt id is not just a suffix. */
+    cr_assert_eq(km_active_begin(a, 0, &a1, 16, 0, 0, 16, 0), KM_OK);
+    cr_assert_eq(km_active_begin(a, 1, &a2, 32, 0, 0, 16, 0), KM_OK);
+    cr_assert_eq(km_active_begin(a, 2, &split1, 48, 0, 0, 16, 0), KM_OK);
+    cr_assert_eq(km_active_begin(a, 3, &split2, 64, 0, 0, 16, 0), KM_OK);
+    km_active_summary s;
+    cr_assert_eq(km_active_finish(a, &a2, KM_ACTIVE_END_COMPLETE, 1, &s), KM_OK);
+    cr_assert_eq(s.worker, 1);
+    ASSERT_LOAD(a, 0, 1, 16, 1);
+    cr_assert_eq(km_active_finish(a, &split2, KM_ACTIVE_END_COMPLETE, 1, &s), KM_OK);
+    cr_assert_eq(s.worker, 3);
+    cr_assert_str_eq(s.request_id, "a");
+    cr_assert_str_eq(s.attempt_id, "bc");
+    ASSERT_LOAD(a, 2, 1, 48, 3);
+    cr_assert(km_active_contains(a, &a1) && km_active_contains(a, &split1));
+    /* Non-NUL-terminated input (a msgpack string inside a larger buffer). */
+    const char frame[] = "reqXXX1YYY";
+    km_active_key raw = {frame, 3, frame + 6, 1};
+    cr_assert(km_active_contains(a, &raw));
+    cr_assert_eq(km_active_finish(a, &raw, KM_ACTIVE_END_COMPLETE, 2, &s), KM_OK);
+    cr_assert_str_eq(s.request_id, "req");
+    cr_assert_str_eq(s.attempt_id, "1");
+    km_active_destroy(a);
+}
+
+Test(active, remove_worker_drops_its_entries, .timeout = 10)
+{
+    km_active *a = make_active(4, 1000000, 100, 16);
+    km_active_key k[5];
+    char names[5][8];
+    for (int i = 0; i < 5; i++) {
+        snprintf(names[i], sizeof names[i], "r%d", i);
+        k[i] = km_active_key_of(names[i], "a");
+        cr_assert_eq(km_active_begin(a, i < 3 ? 1 : 2, &k[i], 16, 0, 16, 16, (uint64_t)i), KM_OK);
+    }
+    cr_assert_eq(km_active_first_token(a, &k[1], 0, 10), KM_OK);
+    ASSERT_LOAD(a, 1, 3, 32, 6);
+    collected c = {0};
+    size_t n = 0;
+    cr_assert_eq(km_active_remove_worker(a, 1, 20, collect, &c, &n), KM_OK);
+    cr_assert_eq(n, 3);
+    cr_assert_eq(c.n, 3);
+    int seen = 0;
+    for (size_t i = 0; i < c.n; i++) {
+        cr_assert_eq(c.s[i].end, KM_ACTIVE_END_WORKER_REMOVED);
+        cr_assert_eq(c.s[i].worker, 1);
+        cr_assert_eq(c.s[i].end_ns, 20);
+        seen |= 1 << (c.request[i][1] - '0');
+    }
+    cr_assert_eq(seen, 7);
+    ASSERT_LOAD(a, 1, 0, 0, 0);
+    ASSERT_LOAD(a, 2, 2, 32, 4);
+    assert_error(a, km_active_dispatched(a, &k[0], 30), KM_ERR_NOT_FOUND);
+    cr_assert(strstr(km_active_last_error(a), "worker_removed") != NULL);
+    km_active_stats st = stats_of(a);
+    cr_assert_eq(st.late, 1);
+    cr_assert_eq(st.ended[KM_ACTIVE_END_WORKER_REMOVED], 3);
+    cr_assert_eq(st.saturations, 0);
+    /* Expiry after removal only sees the other worker's entries. */
+    cr_assert_eq(km_active_expire(a, 2000000, NULL, NULL, &n), KM_OK);
+    cr_assert_eq(n, 2);
+    ASSERT_LOAD(a, 2, 0, 0, 0);
+    km_active_destroy(a);
+}
+
+/* ---- random run against a brute-force model --------------------------------------------------- */
+
+#define PM_KEYS 48
+#define PM_WORKERS 5
+
+typedef struct model_entry {
+    int live;
+    int ended; /* -1 never, else km_active_end of the latest end */
+    uint32_t worker;
+    int dispatched, first_token;
+    uint32_t prompt, predicted, output, block_size;
+    uint64_t prefill_pending, prefill_charged, decode;
+    int64_t engine_cached;
+    uint64_t begin, dispatched_at, first_token_at, last_touch;
+} model_entry;
+
+typedef struct model {
+    model_entry e[PM_KEYS];
+    char req[PM_KEYS][16], att[PM_KEYS][8];
+    uint64_t clock;
+    uint64_t ttl;
+    /* expire callback bookkeeping */
+    int expired_seen[PM_KEYS];
+    uint64_t last_expired_touch;
+    int order_ok;
+} model;
+
+static int model_key_index(const model *m, const km_active_summary *s)
+{
+    for (int i = 0; i < PM_KEYS; i++)
+        if (strcmp(m->req[i], s->request_id) == 0 && strcmp(m->att[i], s->attempt_id) == 0)
+            return i;
+    return -1;
+}
+
+static void model_check_summary(const model *m, int i, const km_active_summary *s)
+{
+    const model_entry *e = &m->e[i];
+    KM_CHECK(s->worker == e->worker, "key %d worker %u != %u", i, s->worker, e->worker);
+    KM_CHECK(s->prompt_tokens == e->prompt && s->predicted_cached_tokens == e->predicted &&
+                 s->expected_output_tokens == e->output && s->block_size == e->block_size,
+             "key %d request sizes differ", i);
+    KM_CHECK(s->prefill_tokens_charged == e->prefill_charged, "key %d prefill charged %" PRIu64
+             " != %" PRIu64, i, s->prefill_tokens_charged, e->prefill_charged);
+    KM_CHECK(s->decode_blocks_charged == e->decode, "key %d decode", i);
+    KM_CHECK(s->engine_cached_tokens == e->engine_cached, "key %d engine cached", i);
+    KM_CHECK(s->dispatched == (bool)e->dispatched && s->first_token == (bool)e->first_token,
+             "key %d flags", i);
+    KM_CHECK(s->begin_ns == e->begin && s->last_event_ns == e->last_touch, "key %d times: begin %" PRIu64 "/%" PRIu64 " last %" PRIu64 "/%" PRIu64, i, s->begin_ns, e->begin, s->last_event_ns, e->last_touch);
+    KM_CHECK(!e->dispatched || s->dispatched_ns == e->dispatched_at, "key %d dispatched_ns", i);
+    KM_CHECK(!e->first_token || s->first_token_ns == e->first_token_at, "key %d first_token_ns", i);
+}
+
+static void model_on_expired(void *user, const km_active_summary *s)
+{
+    model *m = user;
+    int i = model_key_index(m, s);
+    KM_CHECK(i >= 0 && m->e[i].live, "expired an unknown or dead key");
+    KM_CHECK(s->end == KM_ACTIVE_END_EXPIRED, "end %d", (int)s->end);
+    model_check_summary(m, i, s);
+    if (s->last_event_ns < m->last_expired_touch)
+        m->order_ok = 0;
+    m->last_expired_touch = s->last_event_ns;
+    m->expired_seen[i]++;
+}
+
+static void model_on_removed(void *user, const km_active_summary *s)
+{
+    model *m = user;
+    int i = model_key_index(m, s);
+    KM_CHECK(i >= 0 && m->e[i].live, "removed an unknown or dead key");
+    KM_CHECK(s->end == KM_ACTIVE_END_WORKER_REMOVED, "end %d", (int)s->end);
+    model_check_summary(m, i, s);
+    m->expired_seen[i]++;
+}
+
+/* Expected status of an event on key i that is not live. */
+static int model_miss(const model *m, int i)
+{
+    if (m->e[i].ended < 0)
+        return KM_ERR_NOT_FOUND;
+    if (m->e[i].ended == KM_ACTIVE_END_EXPIRED || m->e[i].ended == KM_ACTIVE_END_WORKER_REMOVED)
+        return KM_ERR_NOT_FOUND;
+    return KM_ERR_PROTOCOL;
+}
+
+static void model_end(model *m, int i, int end)
+{
+    m->e[i].live = 0;
+    m->e[i].ended = end;
+}
+
+static void model_compare_loads(const model *m, const km_active *a, int step)
+{
+    km_active_stats st = stats_of(a);
+    uint64_t total_live = 0;
+    for (uint32_t w = 0; w < PM_WORKERS; w++) {
+        uint64_t inflight = 0, prefill = 0, decode = 0;
+        for (int i = 0; i < PM_KEYS; i++)
+            if (m->e[i].live && m->e[i].worker == w) {
+                inflight++;
+                prefill += m->e[i].prefill_pending;
+                decode += m->e[i].decode;
+            }
+        total_live += inflight;
+        km_active_load l = load_of(a, w);
+        KM_CHECK(l.in_flight == inflight && l.pending_prefill_tokens == prefill &&
+                     l.active_decode_blocks == decode,
+                 "step %d worker %u: load (%" PRIu64 ", %" PRIu64 ", %" PRIu64
+                 ") != model (%" PRIu64 ", %" PRIu64 ", %" PRIu64 ")",
+                 step, w, l.in_flight, l.pending_prefill_tokens, l.active_decode_blocks, inflight,
+                 prefill, decode);
+    }
+    KM_CHECK(st.entries == total_live, "step %d entries %" PRIu64 " != %" PRIu64, step, st.entries,
+             total_live);
+    KM_CHECK(st.saturations == 0, "step %d saturations", step);
+    for (int i = 0; i < PM_KEYS; i++) {
+        km_active_key k = km_active_key_of(m->req[i], m->att[i]);
+        KM_CHECK(km_active_contains(a, &k) == m->e[i].live, "step %d key %d liveness", step, i);
+    }
+}
+
+Test(active, random_lifecycles_match_a_model, .timeout = 30)
+{
+    km_rng r;
+    km_rng_init(&r, km_test_seed());
+    static model m;
+    memset(&m, 0, sizeof m);
+    m.ttl = 5000;
+    for (int i = 0; i < PM_KEYS; i++) {
+        snprintf(m.req[i], sizeof m.req[i], "req-%d", i / 3);
+        snprintf(m.att[i], sizeof m.att[i], "%d", i % 3);
+        m.e[i].ended = -1;
+    }
+    /* remember_ended large enough that no end is forgotten: the model classifies every miss. */
+    km_active *a = make_active(PM_WORKERS, m.ttl, 1000, 1u << 16);
+    uint64_t expect_unknown = 0, expect_late = 0, expect_dup = 0, expect_ooo = 0;
+    uint64_t seen_clock = 0;
+    for (int step = 0; step < 20000; step++) {
+        if (km_rng_percent(&r, 3) && m.clock > 10)
+            m.clock -= km_rng_below(&r, 10); /* a clock going back is clamped */
+        else
+            m.clock += km_rng_below(&r, 200);
+        uint64_t now_model = m.clock;
+        /* What the handle uses: the latest time of a call that succeeded (a failed call changes
+         * nothing, its clock included). */
+        uint64_t now = now_model > seen_clock ? now_model : seen_clock;
+        int i = (int)km_rng_below(&r, PM_KEYS);
+        model_entry *e = &m.e[i];
+        km_active_key k = km_active_key_of(m.req[i], m.att[i]);
+        uint32_t op = km_rng_below(&r, 100);
+        int rc;
+        if (op < 30) {
+            uint32_t w = km_rng_below(&r, PM_WORKERS);
+            uint32_t prompt = km_rng_below(&r, 3000), predicted = km_rng_below(&r, 3500);
+            uint32_t output = km_rng_below(&r, 1000), bs = 1 + km_rng_below(&r, 64);
+            rc = km_active_begin(a, w, &k, prompt, predicted, output, bs, now_model);
+            if (e->live) {
+                KM_CHECK(rc == KM_ERR_PROTOCOL, "step %d begin of live key: %d", step, rc);
+                expect_dup++;
+            } else {
+                KM_CHECK(rc == KM_OK, "step %d begin: %d %s", step, rc, km_active_last_error(a));
+                memset(e, 0, sizeof *e);
+                e->live = 1;
+                e->ended = -1;
+                e->worker = w;
+                e->prompt = prompt;
+                e->predicted = predicted;
+                e->output = output;
+                e->block_size = bs;
+                e->prefill_pending = e->prefill_charged = prompt - (predicted < prompt ? predicted : prompt);
+                e->decode = ((uint64_t)prompt + output + bs - 1) / bs;
+                e->engine_cached = KM_ACTIVE_CACHED_UNKNOWN;
+                e->begin = e->last_touch = now;
+            }
+        } else if (op < 45) {
+            rc = km_active_dispatched(a, &k, now_model);
+            if (!e->live) {
+                KM_CHECK(rc == model_miss(&m, i), "step %d dispatched miss: %d", step, rc);
+                if (e->ended < 0) expect_unknown++;
+                else if (rc == KM_ERR_NOT_FOUND) expect_late++;
+                else expect_dup++;
+            } else if (e->first_token) {
+                KM_CHECK(rc == KM_ERR_PROTOCOL, "step %d dispatched after first token: %d", step, rc);
+                expect_ooo++;
+            } else {
+                KM_CHECK(rc == KM_OK, "step %d dispatched: %d", step, rc);
+                if (!e->dispatched) {
+                    e->dispatched = 1;
+                    e->dispatched_at = now;
+                }
+                e->last_touch = now;
+            }
+        } else if (op < 60) {
+            int64_t cached = km_rng_percent(&r, 30) ? KM_ACTIVE_CACHED_UNKNOWN : km_rng_below(&r, 4000);
+            rc = km_active_first_token(a, &k, cached, now_model);
+            if (!e->live) {
+                KM_CHECK(rc == model_miss(&m, i), "step %d first token miss: %d", step, rc);
+                if (e->ended < 0) expect_unknown++;
+                else if (rc == KM_ERR_NOT_FOUND) expect_late++;
+                else expect_dup++;
+            } else if (e->first_token) {
+                KM_CHECK(rc == KM_ERR_PROTOCOL, "step %d first token twice: %d", step, rc);
+                expect_dup++;
+            } else {
+                KM_CHECK(rc == KM_OK, "step %d first token: %d", step, rc);
+                e->first_token = 1;
+                e->first_token_at = now;
+                e->prefill_pending = 0;
+                if (cached != KM_ACTIVE_CACHED_UNKNOWN)
+                    e->engine_cached = cached;
+                e->last_touch = now;
+            }
+        } else if (op < 68) {
+            int64_t cached = km_rng_below(&r, 4000);
+            rc = km_active_report_cached(a, &k, cached, now_model);
+            if (!e->live) {
+                KM_CHECK(rc == model_miss(&m, i), "step %d report miss: %d", step, rc);
+                if (e->ended < 0) expect_unknown++;
+                else if (rc == KM_ERR_NOT_FOUND) expect_late++;
+                else expect_dup++;
+            } else {
+                KM_CHECK(rc == KM_OK, "step %d report: %d", step, rc);
+                e->engine_cached = cached;
+                if (!e->first_token) {
+                    uint64_t c = (uint64_t)cached < e->prompt ? (uint64_t)cached : e->prompt;
+                    e->prefill_pending = e->prefill_charged = e->prompt - c;
+                }
+                e->last_touch = now;
+            }
+        } else if (op < 90) {
+            km_active_end outcome = (km_active_end)km_rng_below(&r, 4);
+            km_active_summary s;
+            rc = km_active_finish(a, &k, outcome, now_model, &s);
+            if (!e->live) {
+                KM_CHECK(rc == model_miss(&m, i), "step %d finish miss: %d", step, rc);
+                if (e->ended < 0) expect_unknown++;
+                else if (rc == KM_ERR_NOT_FOUND) expect_late++;
+                else expect_dup++;
+            } else {
+                KM_CHECK(rc == KM_OK, "step %d finish: %d", step, rc);
+                model_check_summary(&m, i, &s);
+                KM_CHECK(s.end == outcome && s.end_ns == now, "step %d finish summary", step);
+                model_end(&m, i, (int)outcome);
+            }
+        } else if (op < 98) {
+            memset(m.expired_seen, 0, sizeof m.expired_seen);
+            m.last_expired_touch = 0;
+            m.order_ok = 1;
+            size_t n = 0;
+            rc = km_active_expire(a, now_model, model_on_expired, &m, &n);
+            cr_assert_eq(rc, KM_OK);
+            size_t expected = 0;
+            for (int j = 0; j < PM_KEYS; j++) {
+                int due = m.e[j].live && now - m.e[j].last_touch >= m.ttl;
+                KM_CHECK(m.expired_seen[j] == due, "step %d key %d expired %d times, due %d", step,
+                         j, m.expired_seen[j], due);
+                if (due) {
+                    expected++;
+                    model_end(&m, j, KM_ACTIVE_END_EXPIRED);
+                }
+            }
+            KM_CHECK(n == expected && m.order_ok, "step %d expired %zu, expected %zu, order %d",
+                     step, n, expected, m.order_ok);
+        } else {
+            uint32_t w = km_rng_below(&r, PM_WORKERS);
+            memset(m.expired_seen, 0, sizeof m.expired_seen);
+            size_t n = 0;
+            rc = km_active_remove_worker(a, w, now_model, model_on_removed, &m, &n);
+            cr_assert_eq(rc, KM_OK);
+            size_t expected = 0;
+            for (int j = 0; j < PM_KEYS; j++) {
+                int hit = m.e[j].live && m.e[j].worker == w;
+                KM_CHECK(m.expired_seen[j] == hit, "step %d key %d removal", step, j);
+                if (hit) {
+                    expected++;
+                    model_end(&m, j, KM_ACTIVE_END_WORKER_REMOVED);
+                }
+            }
+            KM_CHECK(n == expected, "step %d removed %zu, expected %zu", step, n, expected);
+        }
+        if (rc == KM_OK)
+            seen_clock = now;
+        model_compare_loads(&m, a, step);
+    }
+    km_active_stats st = stats_of(a);
+    KM_CHECK(st.unknown == expect_unknown && st.late == expect_late && st.duplicates == expect_dup &&
+                 st.out_of_order == expect_ooo,
+             "counters unknown %" PRIu64 "/%" PRIu64 " late %" PRIu64 "/%" PRIu64 " dup %" PRIu64
+             "/%" PRIu64 " ooo %" PRIu64 "/%" PRIu64,
+             st.unknown, expect_unknown, st.late, expect_late, st.duplicates, expect_dup,
+             st.out_of_order, expect_ooo);
+    KM_CHECK(st.ended[KM_ACTIVE_END_EXPIRED] > 0 && st.ended[KM_ACTIVE_END_COMPLETE] > 0 &&
+                 st.ended[KM_ACTIVE_END_WORKER_REMOVED] > 0 && expect_unknown > 0 &&
+                 expect_late > 0 && expect_dup > 0 && expect_ooo > 0 && st.corrections > 0,
+             "the run exercised every path: expired %" PRIu64 " complete %" PRIu64
+             " removed %" PRIu64 " unknown %" PRIu64 " late %" PRIu64 " dup %" PRIu64
+             " ooo %" PRIu64 " corrections %" PRIu64,
+             st.ended[KM_ACTIVE_END_EXPIRED], st.ended[KM_ACTIVE_END_COMPLETE],
+             st.ended[KM_ACTIVE_END_WORKER_REMOVED], expect_unknown, expect_late, expect_dup,
+             expect_ooo, st.corrections);
+    km_active_destroy(a);
+}
+
+/* ================================ approx ================================================= */
+
+static km_approx *make_approx(uint32_t max_workers, uint64_t ttl_ns, uint64_t capacity)
+{
+    km_approx_config cfg;
+    km_approx_config_init(&cfg);
+    cfg.max_workers = max_workers;
+    cfg.ttl_ns = ttl_ns;
+    cfg.worker_capacity_blocks = capacity;
+    km_approx *a = NULL;
+    cr_assert_eq(km_approx_create(&cfg, &a), KM_OK);
+    return a;
+}
+
+static km_index *make_index(uint32_t max_workers, uint32_t segment_blocks)
+{
+    km_index_config cfg;
+    km_test_config(&cfg, NULL);
+    cfg.backend = KM_BACKEND_CPU;
+    cfg.max_workers = max_workers;
+    cfg.segment_blocks = segment_blocks;
+    cfg.threads = 1;
+    cfg.initial_blocks = 256;
+    km_index *index = NULL;
+    cr_assert_eq(km_index_create(&cfg, &index), KM_OK);
+    return index;
+}
+
+static void apply_updates(km_index *index, km_approx_updates *buf)
+{
+    cr_assert_eq(km_index_apply(index, buf->updates, buf->n_updates, NULL), KM_OK, "%s",
+                 km_index_last_error(index));
+    km_approx_updates_clear(buf);
+}
+
+static void assert_update(const km_update *u, km_update_kind kind, uint32_t worker,
+                          const uint64_t *hashes, size_t n)
+{
+    cr_assert_eq(u->kind, kind, "kind %d != %d", (int)u->kind, (int)kind);
+    cr_assert_eq(u->worker, worker);
+    cr_assert_eq(u->parent, KM_NO_PARENT);
+    cr_assert_eq(u->tier, KM_TIER_DEVICE);
+    cr_assert_eq(u->n_hashes, n, "n_hashes %zu != %zu", u->n_hashes, n);
+    for (size_t i = 0; i < n; i++)
+        cr_assert_eq(u->hashes[i], hashes[i], "hash %zu", i);
+}
+
+static void assert_approx_error(const km_approx *a, int rc, int expected)
+{
+    cr_assert_eq(rc, expected, "got %s (%s), expected %s", km_error_name(rc),
+                 km_approx_last_error(a), km_error_name(expected));
+    const char *msg = km_approx_last_error(a);
+    cr_assert(strncmp(msg, km_error_name(expected), strlen(km_error_name(expected))) == 0 &&
+                  strlen(msg) > strlen(km_error_name(expected)) + 4,
+              "message '%s' does not explain %s", msg, km_error_name(expected));
+}
+
+Test(approx, record_stores_refreshes_and_expires, .timeout = 10)
+{
+    km_approx *a = make_approx(4, 1000, 0);
+    km_index *index = make_index(4, 2);
+    km_approx_updates buf;
+    km_approx_updates_init(&buf);
+    const uint64_t req1[] = {101, 102, 103, 104}, req2[] = {101, 102, 205};
+
+    cr_assert_eq(km_approx_record(a, 1, req1, 4, 0, &buf), KM_OK);
+    cr_assert_eq(buf.n_updates, 1);
+    assert_update(&buf.updates[0], KM_UPDATE_STORE, 1, req1, 4);
+    apply_updates(index, &buf);
+
+    km_request rq = {req1, 4};
+    km_match_results res;
+    km_match_results_init(&res);
+    cr_assert_eq(km_index_match_batch(index, &rq, 1, &res), KM_OK);
+    cr_assert_eq(res.requests[0].owner, 1);
+    cr_assert_eq(res.requests[0].owner_depth, 4);
+
+    /* A pure refresh produces no update. */
+    cr_assert_eq(km_approx_record(a, 1, req1, 2, 500, &buf), KM_OK);
+    cr_assert_eq(buf.n_updates, 0);
+    /* A partly new request stores its whole run from block 0. */
+    cr_assert_eq(km_approx_record(a, 1, req2, 3, 600, &buf), KM_OK);
+    cr_assert_eq(buf.n_updates, 1);
+    assert_update(&buf.updates[0], KM_UPDATE_STORE, 1, req2, 3);
+    /* Another worker, same prefix, appended to the same buffer. */
+    cr_assert_eq(km_approx_record(a, 2, req1, 1, 700, &buf), KM_OK);
+    cr_assert_eq(buf.n_updates, 2);
+    assert_update(&buf.updates[0], KM_UPDATE_STORE, 1, req2, 3);
+    assert_update(&buf.updates[1], KM_UPDATE_STORE, 2, req1, 1);
+    apply_updates(index, &buf);
+    cr_assert_eq(km_approx_worker_blocks(a, 1), 5);
+    cr_assert_eq(km_approx_worker_blocks(a, 2), 1);
+    cr_assert_eq(km_approx_next_expiry(a), 1000); /* 103, 104 touched at 0 */
+
+    /* At 1000: 103 and 104 (touched at 0) expire; 101, 102 were refreshed at 600. */
+    size_t n = 0;
+    cr_assert_eq(km_approx_expire(a, 999, &buf, &n), KM_OK);
+    cr_assert_eq(n, 0);
+    cr_assert_eq(buf.n_updates, 0);
+    cr_assert_eq(km_approx_expire(a, 1000, &buf, &n), KM_OK);
+    cr_assert_eq(n, 2);
+    cr_assert_eq(buf.n_updates, 1);
+    const uint64_t gone[] = {103, 104};
+    assert_update(&buf.updates[0], KM_UPDATE_REMOVE, 1, gone, 2);
+    apply_updates(index, &buf);
+    cr_assert_eq(km_index_match_batch(index, &rq, 1, &res), KM_OK);
+    cr_assert_eq(res.requests[0].owner_depth, 2);
+    cr_assert(!km_approx_holds(a, 1, 103) && km_approx_holds(a, 1, 101));
+
+    /* At 1700 everything expires; one REMOVE per worker, workers ascending. */
+    cr_assert_eq(km_approx_expire(a, 1700, &buf, &n), KM_OK);
+    cr_assert_eq(n, 4);
+    cr_assert_eq(buf.n_updates, 2);
+    cr_assert_eq(buf.updates[0].worker, 1);
+    cr_assert_eq(buf.updates[0].n_hashes, 3);
+    const uint64_t w2[] = {101};
+    assert_update(&buf.updates[1], KM_UPDATE_REMOVE, 2, w2, 1);
+    apply_updates(index, &buf);
+    km_index_stats is;
+    cr_assert_eq(km_index_get_stats(index, &is), KM_OK);
+    cr_assert_eq(is.pairs, 0);
+    cr_assert_eq(km_approx_next_expiry(a), UINT64_MAX);
+
+    km_approx_stats st;
+    cr_assert_eq(km_approx_get_stats(a, &st), KM_OK);
+    cr_assert_eq(st.pairs, 0);
+    cr_assert_eq(st.records, 4);
+    cr_assert_eq(st.stored_pairs, 6);
+    cr_assert_eq(st.refreshed_pairs, 4); /* 101, 102 twice */
+    cr_assert_eq(st.expired_pairs, 6);
+    km_match_results_free(&res);
+    km_approx_updates_free(&buf);
+    km_index_destroy(index);
+    km_approx_destroy(a);
+}
+
+Test(approx, capacity_evicts_least_recently_touched_deepest_first, .timeout = 10)
+{
+    km_approx *a = make_approx(2, 1000000, 4);
+    km_approx_updates buf;
+    km_approx_updates_init(&buf);
+    const uint64_t ra[] = {11, 12, 13}, rb[] = {21, 22, 23};
+    cr_assert_eq(km_approx_record(a, 0, ra, 3, 0, &buf), KM_OK);
+    cr_assert_eq(km_approx_record(a, 0, rb, 3, 10, &buf), KM_OK);
+    /* 6 > 4: the two oldest go: A's deepest blocks 13 then 12; block 0 of A survives. */
+    cr_assert_eq(buf.n_updates, 3);
+    assert_update(&buf.updates[0], KM_UPDATE_STORE, 0, ra, 3);
+    assert_update(&buf.updates[1], KM_UPDATE_STORE, 0, rb, 3);
+    const uint64_t evicted[] = {13, 12};
+    assert_update(&buf.updates[2], KM_UPDATE_REMOVE, 0, evicted, 2);
+    cr_assert(km_approx_holds(a, 0, 11) && !km_approx_holds(a, 0, 12));
+    km_approx_updates_clear(&buf);
+
+    /* A request longer than the capacity keeps its first `capacity` blocks. */
+    const uint64_t longreq[] = {31, 32, 33, 34, 35, 36};
+    cr_assert_eq(km_approx_record(a, 1, longreq, 6, 20, &buf), KM_OK);
+    cr_assert_eq(buf.n_updates, 1);
+    assert_update(&buf.updates[0], KM_UPDATE_STORE, 1, longreq, 4);
+    cr_assert_eq(km_approx_worker_blocks(a, 1), 4);
+    km_approx_updates_clear(&buf);
+
+    /* Shrinking a worker's capacity evicts at once, oldest first; 0 = unlimited. */
+    cr_assert_eq(km_approx_set_worker_capacity(a, 0, 2, &buf), KM_OK);
+    const uint64_t shrink[] = {11, 23};
+    cr_assert_eq(buf.n_updates, 1);
+    assert_update(&buf.updates[0], KM_UPDATE_REMOVE, 0, shrink, 2);
+    km_approx_updates_clear(&buf);
+    cr_assert_eq(km_approx_set_worker_capacity(a, 0, 0, &buf), KM_OK);
+    cr_assert_eq(buf.n_updates, 0);
+    const uint64_t big[] = {41, 42, 43, 44, 45, 46, 47, 48};
+    cr_assert_eq(km_approx_record(a, 0, big, 8, 30, &buf), KM_OK);
+    cr_assert_eq(km_approx_worker_blocks(a, 0), 10);
+
+    km_approx_stats st;
+    cr_assert_eq(km_approx_get_stats(a, &st), KM_OK);
+    cr_assert_eq(st.evicted_pairs, 4);
+    cr_assert_eq(st.truncated_records, 1);
+    km_approx_updates_clear(&buf);
+
+    /* Clearing a worker: one CLEAR_WORKER, even when empty. */
+    cr_assert_eq(km_approx_clear_worker(a, 0, &buf), KM_OK);
+    cr_assert_eq(km_approx_clear_worker(a, 0, &buf), KM_OK);
+    cr_assert_eq(buf.n_updates, 2);
+    cr_assert_eq(buf.updates[0].kind, KM_UPDATE_CLEAR_WORKER);
+    cr_assert_eq(buf.updates[0].n_hashes, 0);
+    cr_assert_eq(km_approx_worker_blocks(a, 0), 0);
+    cr_assert_eq(km_approx_get_stats(a, &st), KM_OK);
+    cr_assert_eq(st.cleared_pairs, 10);
+    cr_assert_eq(st.pairs, 4);
+    /* The cleared worker learns again. */
+    km_approx_updates_clear(&buf);
+    cr_assert_eq(km_approx_record(a, 0, ra, 3, 40, &buf), KM_OK);
+    cr_assert_eq(km_approx_worker_blocks(a, 0), 3);
+    km_approx_updates_free(&buf);
+    km_approx_destroy(a);
+}
+
+Test(approx, bad_arguments_change_nothing, .timeout = 10)
+{
+    km_approx *a = make_approx(2, 1000, 0);
+    km_approx_updates buf;
+    km_approx_updates_init(&buf);
+    const uint64_t ok[] = {5, 6}, reserved0[] = {5, 0}, reserved1[] = {1};
+    cr_assert_eq(km_approx_record(NULL, 0, ok, 2, 0, &buf), KM_ERR_NULL_POINTER);
+    assert_approx_error(a, km_approx_record(a, 0, ok, 2, 0, NULL), KM_ERR_NULL_POINTER);
+    assert_approx_error(a, km_approx_record(a, 0, NULL, 2, 0, &buf), KM_ERR_NULL_POINTER);
+    assert_approx_error(a, km_approx_record(a, 2, ok, 2, 0, &buf), KM_ERR_WORKER_RANGE);
+    assert_approx_error(a, km_approx_record(a, 0, reserved0, 2, 0, &buf), KM_ERR_INVALID_ARGUMENT);
+    assert_approx_error(a, km_approx_record(a, 0, reserved1, 1, 0, &buf), KM_ERR_INVALID_ARGUMENT);
+    cr_assert_eq(buf.n_updates, 0);
+    cr_assert_eq(km_approx_worker_blocks(a, 0), 0);
+    cr_assert_eq(km_approx_record(a, 0, NULL, 0, 0, &buf), KM_OK); /* empty request */
+    cr_assert_eq(buf.n_updates, 0);
+    assert_approx_error(a, km_approx_expire(a, 0, NULL, NULL), KM_ERR_NULL_POINTER);
+    assert_approx_error(a, km_approx_clear_worker(a, 9, &buf), KM_ERR_WORKER_RANGE);
+    assert_approx_error(a, km_approx_set_worker_capacity(a, 9, 1, &buf), KM_ERR_WORKER_RANGE);
+    cr_assert(!km_approx_holds(a, 9, 5));
+    cr_assert_eq(km_approx_worker_blocks(a, 9), 0);
+    km_approx_stats st;
+    cr_assert_eq(km_approx_get_stats(a, NULL), KM_ERR_NULL_POINTER);
+    cr_assert_eq(km_approx_get_stats(a, &st), KM_OK);
+    cr_assert_eq(st.records, 0);
+
+    km_approx_config cfg;
+    km_approx_config_init(&cfg);
+    cfg.ttl_ns = 0;
+    km_approx *bad = (km_approx *)1;
+    cr_assert_eq(km_approx_create(&cfg, &bad), KM_ERR_INVALID_ARGUMENT);
+    cr_assert_null(bad);
+    km_approx_config_init(&cfg);
+    cfg.max_workers = KM_MAX_WORKERS_LIMIT + 1;
+    cr_assert_eq(km_approx_create(&cfg, &bad), KM_ERR_INVALID_ARGUMENT);
+    cr_assert_eq(km_approx_create(NULL, &bad), KM_OK);
+    km_approx_destroy(bad);
+    km_approx_destroy(NULL);
+    km_approx_updates_free(&buf);
+    km_approx_destroy(a);
+}
+
+Test(approx, buffer_pointers_survive_appends, .timeout = 10)
+{
+    km_approx *a = make_approx(8, 1000000, 0);
+    km_approx_updates buf;
+    km_approx_updates_init(&buf);
+    /* Enough appends to move both the update array and the hash storage several times. */
+    enum { RECORDS = 200, LEN = 37 };
+    static uint64_t reqs[RECORDS][LEN];
+    for (int i = 0; i < RECORDS; i++) {
+        for (int j = 0; j < LEN; j++)
+            reqs[i][j] = 1000 + (uint64_t)i * LEN + (uint64_t)j;
+        cr_assert_eq(km_approx_record(a, (uint32_t)i % 8, reqs[i], LEN, (uint64_t)i, &buf), KM_OK);
+    }
+    cr_assert_eq(buf.n_updates, RECORDS);
+    for (int i = 0; i < RECORDS; i++)
+        assert_update(&buf.updates[i], KM_UPDATE_STORE, (uint32_t)i % 8, reqs[i], LEN);
+    km_approx_updates_free(&buf);
+    km_approx_destroy(a);
+}
+
+/* ---- the invariant against a brute-force model and a real index ----------------------------- */
+
+#define AP_WORKERS 6
+#define AP_NODES 160
+#define AP_MAX_PAIRS (AP_WORKERS * AP_NODES)
+
+typedef struct ap_pair {
+    uint32_t worker;
+    uint64_t hash;
+    uint64_t last_touch;
+    uint64_t seq; /* touch order, for capacity eviction */
+} ap_pair;
+
+typedef struct ap_model {
+    ap_pair pairs[AP_MAX_PAIRS];
+    size_t n;
+    uint64_t seq, clock, ttl;
+    uint64_t capacity[AP_WORKERS];
+} ap_model;
+
+static int ap_find(const ap_model *m, uint32_t w, uint64_t h)
+{
+    for (size_t i = 0; i < m->n; i++)
+        if (m->pairs[i].worker == w && m->pairs[i].hash == h)
+            return (int)i;
+    return -1;
+}
+
+static void ap_drop(ap_model *m, size_t i)
+{
+    m->pairs[i] = m->pairs[--m->n];
+}
+
+static uint64_t ap_count(const ap_model *m, uint32_t w)
+{
+    uint64_t c = 0;
+    for (size_t i = 0; i < m->n; i++)
+        c += m->pairs[i].worker == w;
+    return c;
+}
+
+static void ap_evict(ap_model *m, uint32_t w)
+{
+    while (m->capacity[w] && ap_count(m, w) > m->capacity[w]) {
+        size_t oldest = SIZE_MAX;
+        for (size_t i = 0; i < m->n; i++)
+            if (m->pairs[i].worker == w && (oldest == SIZE_MAX || m->pairs[i].seq < m->pairs[oldest].seq))
+                oldest = i;
+        ap_drop(m, oldest);
+    }
+}
+
+static void ap_record(ap_model *m, uint32_t w, const uint64_t *h, size_t n, uint64_t now)
+{
+    if (now > m->clock)
+        m->clock = now;
+    size_t keep = n;
+    if (m->capacity[w] && keep > m->capacity[w])
+        keep = (size_t)m->capacity[w];
+    for (size_t k = keep; k-- > 0;) {
+        int i = ap_find(m, w, h[k]);
+        if (i < 0) {
+            i = (int)m->n++;
+            m->pairs[i].worker = w;
+            m->pairs[i].hash = h[k];
+        }
+        m->pairs[i].last_touch = m->clock;
+        m->pairs[i].seq = ++m->seq;
+    }
+    ap_evict(m, w);
+}
+
+static size_t ap_expire(ap_model *m, uint64_t now)
+{
+    if (now > m->clock)
+        m->clock = now;
+    size_t dropped = 0;
+    for (size_t i = m->n; i-- > 0;)
+        if (m->clock - m->pairs[i].last_touch >= m->ttl) {
+            ap_drop(m, i);
+            dropped++;
+        }
+    return dropped;
+}
+
+/* A prefix tree of chain hashes: node i's chain is its parent's chain plus its own hash, so each
+ * request below is a valid chain (a hash names its whole prefix). */
+typedef struct ap_tree {
+    uint64_t hash[AP_NODES];
+    int parent[AP_NODES];
+    uint32_t depth[AP_NODES];
+} ap_tree;
+
+static uint32_t ap_chain(const ap_tree *t, int node, uint64_t *out)
+{
+    uint32_t d = t->depth[node];
+    for (int i = node; i >= 0; i = t->parent[i])
+        out[t->depth[i] - 1] = t->hash[i];
+    return d;
+}
+
+static void ap_compare(const ap_model *m, const km_approx *a, km_index *index, const ap_tree *t,
+                       km_match_results *res, int step)
+{
+    km_index_stats is;
+    cr_assert_eq(km_index_get_stats(index, &is), KM_OK);
+    KM_CHECK(is.pairs == m->n, "step %d: index pairs %" PRIu64 " != model %zu", step, is.pairs, m->n);
+    km_approx_stats st;
+    cr_assert_eq(km_approx_get_stats(a, &st), KM_OK);
+    KM_CHECK(st.pairs == m->n, "step %d: approx pairs %" PRIu64 " != model %zu", step, st.pairs, m->n);
+    for (uint32_t w = 0; w < AP_WORKERS; w++) {
+        km_worker_stats ws;
+        cr_assert_eq(km_index_worker_stats(index, w, &ws), KM_OK);
+        uint64_t c = ap_count(m, w);
+        KM_CHECK(ws.blocks == c && km_approx_worker_blocks(a, w) == c,
+                 "step %d worker %u: index %" PRIu64 ", approx %" PRIu64 ", model %" PRIu64, step,
+                 w, ws.blocks, km_approx_worker_blocks(a, w), c);
+    }
+    for (int node = 0; node < AP_NODES; node++) {
+        uint32_t holders[AP_WORKERS], n = 0;
+        cr_assert_eq(km_index_holders(index, t->hash[node], holders, AP_WORKERS, &n), KM_OK);
+        uint32_t expect[AP_WORKERS], ne = 0;
+        for (uint32_t w = 0; w < AP_WORKERS; w++)
+            if (ap_find(m, w, t->hash[node]) >= 0)
+                expect[ne++] = w;
+        KM_CHECK(n == ne, "step %d node %d: %u holders, model %u", step, node, n, ne);
+        for (uint32_t j = 0; j < n; j++) {
+            KM_CHECK(holders[j] == expect[j], "step %d node %d holder %u", step, node, j);
+            KM_CHECK(km_approx_holds(a, holders[j], t->hash[node]), "step %d node %d approx", step,
+                     node);
+        }
+    }
+    /* Scoring: every node's chain, depth per worker = leading blocks the model holds. */
+    static uint64_t chains[AP_NODES][AP_NODES];
+    static km_request reqs[AP_NODES];
+    for (int node = 0; node < AP_NODES; node++) {
+        reqs[node].n_hashes = ap_chain(t, node, chains[node]);
+        reqs[node].hashes = chains[node];
+    }
+    cr_assert_eq(km_index_match_batch(index, reqs, AP_NODES, res), KM_OK);
+    for (int node = 0; node < AP_NODES; node++) {
+        const km_request_result *rr = &res->requests[node];
+        uint32_t entry = 0;
+        for (uint32_t w = 0; w < AP_WORKERS; w++) {
+            uint32_t d = 0;
+            while (d < reqs[node].n_hashes && ap_find(m, w, chains[node][d]) >= 0)
+                d++;
+            if (d == 0)
+                continue;
+            KM_CHECK(entry < rr->count, "step %d node %d: worker %u missing", step, node, w);
+            const km_worker_match *wm = &res->matches[rr->first + entry];
+            KM_CHECK(wm->worker == w && wm->depth == d, "step %d node %d: worker %u depth %u, model %u",
+                     step, node, wm->worker, wm->depth, d);
+            entry++;
+        }
+        KM_CHECK(entry == rr->count, "step %d node %d: %u entries, model %u", step, node, rr->count,
+                 entry);
+    }
+}
+
+Test(approx, random_sequences_keep_index_equal_to_model, .timeout = 60)
+{
+    km_rng r;
+    km_rng_init(&r, km_test_seed());
+    static ap_tree t;
+    for (int i = 0; i < AP_NODES; i++) {
+        t.hash[i] = km_rng_hash(&r);
+        t.parent[i] = (i == 0 || km_rng_percent(&r, 10)) ? -1 : (int)km_rng_below(&r, (uint32_t)i);
+        t.depth[i] = t.parent[i] < 0 ? 1 : t.depth[t.parent[i]] + 1;
+    }
+    static ap_model m;
+    memset(&m, 0, sizeof m);
+    m.ttl = 3000;
+    for (uint32_t w = 0; w < AP_WORKERS; w++)
+        m.capacity[w] = w == 0 ? 0 : 8 + 6 * w; /* worker 0 unlimited */
+    km_approx_config cfg;
+    km_approx_config_init(&cfg);
+    cfg.max_workers = AP_WORKERS;
+    cfg.ttl_ns = m.ttl;
+    cfg.worker_capacity_blocks = 20;
+    km_approx *a = NULL;
+    cr_assert_eq(km_approx_create(&cfg, &a), KM_OK);
+    km_approx_updates buf;
+    km_approx_updates_init(&buf);
+    for (uint32_t w = 0; w < AP_WORKERS; w++)
+        cr_assert_eq(km_approx_set_worker_capacity(a, w, m.capacity[w], &buf), KM_OK);
+    km_index *index = make_index(AP_WORKERS, 4);
+    km_match_results res;
+    km_match_results_init(&res);
+    static uint64_t chain[AP_NODES];
+    uint64_t now = 0;
+    for (int step = 0; step < 1500; step++) {
+        now = km_rng_percent(&r, 3) && now > 50 ? now - km_rng_below(&r, 50)
+                                                 : now + km_rng_below(&r, 120);
+        uint32_t op = km_rng_below(&r, 100);
+        if (op < 75) {
+            uint32_t w = km_rng_below(&r, AP_WORKERS);
+            int node = (int)km_rng_below(&r, AP_NODES);
+            uint32_t n = ap_chain(&t, node, chain);
+            cr_assert_eq(km_approx_record(a, w, chain, n, now, &buf), KM_OK, "%s",
+                         km_approx_last_error(a));
+            ap_record(&m, w, chain, n, now);
+        } else if (op < 92) {
+            size_t n = 0;
+            cr_assert_eq(km_approx_expire(a, now, &buf, &n), KM_OK);
+            size_t expected = ap_expire(&m, now);
+            KM_CHECK(n == expected, "step %d expired %zu, model %zu", step, n, expected);
+        } else if (op < 96) {
+            uint32_t w = km_rng_below(&r, AP_WORKERS);
+            cr_assert_eq(km_approx_clear_worker(a, w, &buf), KM_OK);
+            for (size_t i = m.n; i-- > 0;)
+                if (m.pairs[i].worker == w)
+                    ap_drop(&m, i);
+        } else {
+            uint32_t w = km_rng_below(&r, AP_WORKERS);
+            uint64_t c = km_rng_percent(&r, 20) ? 0 : 1 + km_rng_below(&r, 40);
+            cr_assert_eq(km_approx_set_worker_capacity(a, w, c, &buf), KM_OK);
+            m.capacity[w] = c;
+            ap_evict(&m, w);
+        }
+        /* Apply sometimes after one call, sometimes after several (one batch, many calls). */
+        if (km_rng_percent(&r, 40) || step == 1499) {
+            apply_updates(index, &buf);
+            ap_compare(&m, a, index, &t, &res, step);
+        }
+    }
+    km_approx_stats st;
+    cr_assert_eq(km_approx_get_stats(a, &st), KM_OK);
+    KM_CHECK(st.expired_pairs > 0 && st.evicted_pairs > 0 && st.refreshed_pairs > 0 &&
+                 st.truncated_records > 0,
+             "the run exercised expiry (%" PRIu64 "), eviction (%" PRIu64 "), refresh (%" PRIu64
+             ") and truncation (%" PRIu64 ")",
+             st.expired_pairs, st.evicted_pairs, st.refreshed_pairs, st.truncated_records);
+    km_match_results_free(&res);
+    km_approx_updates_free(&buf);
+    km_index_destroy(index);
+    km_approx_destroy(a);
+}

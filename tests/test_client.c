@@ -1,0 +1,490 @@
+/* The C client library (include/kvmatch/client.h) against a small fake server run in a thread of
+ * the test: it accepts on a temporary Unix socket under /tmp (or TCP on 127.0.0.1), reads frames
+ * with the protocol's own reader and decoder, and answers with DECISIONs computed from the
+ * request (so a reply matched to the wrong request is caught), optionally holding replies and
+ * sending them in reverse order (the pipelined tests), staying silent (timeouts), refusing the
+ * handshake, or closing. Every test bounds its time. */
+#include <arpa/inet.h>
+#include <errno.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include "kvmatch/client.h"
+#include "test_util.h"
+
+/* ---- the fake server ----------------------------------------------------------------------------- */
+
+typedef enum fake_mode {
+    FAKE_NORMAL = 0,
+    FAKE_REVERSE = 1,      /* hold replies, send each group of `group` in reverse order */
+    FAKE_SILENT_ROUTE = 2, /* never answer ROUTE */
+    FAKE_REFUSE_HELLO = 3, /* answer HELLO with ERROR KM_ERR_INCOMPATIBLE and close */
+    FAKE_CLOSE_ON_ROUTE = 4, /* close the connection when a ROUTE arrives */
+} fake_mode;
+
+typedef struct fake_server {
+    int listen_fd;
+    char path[108];
+    uint16_t port;
+    fake_mode mode;
+    uint32_t group;
+    pthread_t thread;
+    int requests_seen;
+} fake_server;
+
+/* The decision the fake server makes: worker = sum of the input mod 7 (+ route index). */
+static uint32_t fake_choice(const km_route_request *q, uint32_t index)
+{
+    uint64_t sum = index;
+    for (uint32_t i = 0; i < q->n_tokens; i++)
+        sum += q->tokens[i];
+    for (uint32_t i = 0; i < q->n_hashes; i++)
+        sum += q->hashes[i];
+    return (uint32_t)(sum % 7);
+}
+
+static void write_all(int fd, const uint8_t *p, size_t n)
+{
+    while (n) {
+        ssize_t w = send(fd, p, n, MSG_NOSIGNAL);
+        if (w <= 0) {
+            if (w < 0 && errno == EINTR)
+                continue;
+            return;
+        }
+        p += w;
+        n -= (size_t)w;
+    }
+}
+
+/* Encode one reply to `m` into `out`; returns false to close the connection. */
+static bool fake_reply(fake_server *s, const km_message *m, km_frame_buffer *out)
+{
+    km_message reply = {.has_id = true, .id = m->id};
+    switch (m->type) {
+    case KM_MESSAGE_HELLO:
+        if (s->mode == FAKE_REFUSE_HELLO || m->hello.protocol_version != KM_PROTOCOL_VERSION) {
+            km_protocol_encode_error(m->id, KM_ERR_INCOMPATIBLE, "protocol 1 only", out);
+            return false;
+        }
+        reply.type = KM_MESSAGE_WELCOME;
+        reply.welcome.protocol_version = KM_PROTOCOL_VERSION;
+        reply.welcome.kvmatch_version = "0.1.0-fake";
+        reply.welcome.server_name = "fake";
+        km_protocol_limits_init(&reply.welcome.limits);
+        break;
+    case KM_MESSAGE_ROUTE: {
+        if (s->mode == FAKE_CLOSE_ON_ROUTE)
+            return false;
+        if (s->mode == FAKE_SILENT_ROUTE)
+            return true;
+        km_route_decision *d = calloc(m->route.n_routes, sizeof *d);
+        km_candidate_score *c = calloc(m->route.n_routes, sizeof *c);
+        for (uint32_t i = 0; i < m->route.n_routes; i++) {
+            const km_route_request *q = &m->route.routes[i];
+            d[i].request_id = q->request_id;
+            d[i].attempt_id = q->attempt_id;
+            if (q->status != KM_OK) {
+                d[i].status = q->status;
+                d[i].message = q->message;
+                continue;
+            }
+            d[i].decision_id = m->id * 1000 + i;
+            d[i].pool = q->pool ? q->pool : "default";
+            d[i].chosen_worker = fake_choice(q, i);
+            d[i].chosen_depth = q->n_hashes;
+            d[i].chosen_state = "LIVE";
+            d[i].has_owner = true;
+            d[i].owner_worker = (d[i].chosen_worker + 1) % 7;
+            d[i].owner_depth = q->n_hashes + 1;
+            d[i].owner_state = "GAP";
+            d[i].source = q->input == KM_ROUTE_INPUT_HASHES ? KM_PREDICTION_EVENTS : KM_PREDICTION_APPROX;
+            d[i].policy = "kv";
+            d[i].load_kind = "in_flight";
+            d[i].load_scope = "this_instance";
+            c[i].worker = d[i].chosen_worker;
+            c[i].depth = q->n_hashes;
+            c[i].state = "LIVE";
+            c[i].eligible = true;
+            d[i].candidates = &c[i];
+            d[i].n_candidates = 1;
+        }
+        reply.type = KM_MESSAGE_DECISION;
+        reply.decision.kvmatch_version = "0.1.0-fake";
+        reply.decision.decisions = d;
+        reply.decision.n_decisions = m->route.n_routes;
+        km_protocol_encode(&reply, 0, out, NULL, 0);
+        free(d);
+        free(c);
+        return true;
+    }
+    case KM_MESSAGE_LIFECYCLE: {
+        km_item_status *items = calloc(m->lifecycle.n_events, sizeof *items);
+        for (uint32_t i = 0; i < m->lifecycle.n_events; i++) {
+            items[i].status = m->lifecycle.events[i].status;
+            items[i].message = m->lifecycle.events[i].message;
+        }
+        reply.type = KM_MESSAGE_ACK;
+        reply.ack.items = items;
+        reply.ack.n_items = m->lifecycle.n_events;
+        km_protocol_encode(&reply, 0, out, NULL, 0);
+        free(items);
+        return true;
+    }
+    case KM_MESSAGE_STATUS:
+        km_protocol_encode_error(m->id, KM_ERR_SHUTTING_DOWN, "fake server is draining", out);
+        return true;
+    default:
+        km_protocol_encode_error(m->id, KM_ERR_PROTOCOL, "fake server: unsupported type", out);
+        return true;
+    }
+    km_protocol_encode(&reply, 0, out, NULL, 0);
+    return true;
+}
+
+/* Serve one connection until EOF or close. */
+static void fake_serve(fake_server *s, int fd)
+{
+    km_frame_reader *reader;
+    km_protocol_decoder *dec;
+    km_frame_reader_create(0, &reader);
+    km_protocol_decoder_create(NULL, &dec);
+    km_frame_buffer held[64]; /* FAKE_REVERSE: replies waiting */
+    uint32_t n_held = 0;
+    uint8_t buf[16384];
+    bool open = true;
+    while (open) {
+        ssize_t n = recv(fd, buf, sizeof buf, 0);
+        if (n <= 0)
+            break;
+        const uint8_t *p = buf;
+        size_t left = (size_t)n;
+        while (open && left) {
+            size_t used;
+            const uint8_t *payload;
+            size_t size;
+            if (km_frame_reader_next(reader, p, left, &used, &payload, &size)) {
+                open = false;
+                break;
+            }
+            p += used;
+            left -= used;
+            if (!payload)
+                continue;
+            km_message m;
+            km_frame_buffer out;
+            km_frame_buffer_init(&out);
+            if (km_protocol_decode(dec, payload, size, &m)) {
+                km_protocol_encode_error(m.has_id ? m.id : 0, KM_ERR_PARSE,
+                                         km_protocol_decoder_last_error(dec), &out);
+            } else {
+                s->requests_seen++;
+                open = fake_reply(s, &m, &out);
+            }
+            if (s->mode == FAKE_REVERSE && m.type != KM_MESSAGE_HELLO && out.size) {
+                held[n_held++] = out;
+                if (n_held == s->group) {
+                    while (n_held) {
+                        km_frame_buffer *h = &held[--n_held];
+                        write_all(fd, h->data, h->size);
+                        km_frame_buffer_free(h);
+                    }
+                }
+                continue;
+            }
+            write_all(fd, out.data, out.size);
+            km_frame_buffer_free(&out);
+        }
+    }
+    while (n_held)
+        km_frame_buffer_free(&held[--n_held]);
+    close(fd);
+    km_frame_reader_destroy(reader);
+    km_protocol_decoder_destroy(dec);
+}
+
+static void *fake_main(void *arg)
+{
+    fake_server *s = arg;
+    for (;;) {
+        int fd = accept(s->listen_fd, NULL, NULL);
+        if (fd < 0)
+            return NULL; /* listening socket shut down */
+        fake_serve(s, fd);
+    }
+}
+
+static void fake_start(fake_server *s, fake_mode mode, bool tcp)
+{
+    memset(s, 0, sizeof *s);
+    s->mode = mode;
+    s->group = 8;
+    if (tcp) {
+        s->listen_fd = socket(AF_INET, SOCK_STREAM, 0);
+        struct sockaddr_in a = {.sin_family = AF_INET};
+        a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+        cr_assert_eq(bind(s->listen_fd, (struct sockaddr *)&a, sizeof a), 0);
+        socklen_t len = sizeof a;
+        getsockname(s->listen_fd, (struct sockaddr *)&a, &len);
+        s->port = ntohs(a.sin_port);
+    } else {
+        snprintf(s->path, sizeof s->path, "/tmp/kvmatch-test-client-%d-%u.sock", (int)getpid(),
+                 (unsigned)(km_test_seed() % 100000));
+        unlink(s->path);
+        s->listen_fd = socket(AF_UNIX, SOCK_STREAM, 0);
+        struct sockaddr_un a = {.sun_family = AF_UNIX};
+        snprintf(a.sun_path, sizeof a.sun_path, "%s", s->path);
+        cr_assert_eq(bind(s->listen_fd, (struct sockaddr *)&a, sizeof a), 0, "bind %s", s->path);
+    }
+    cr_assert_eq(listen(s->listen_fd, 16), 0);
+    cr_assert_eq(pthread_create(&s->thread, NULL, fake_main, s), 0);
+}
+
+static void fake_address(const fake_server *s, char *out, size_t cap)
+{
+    if (s->port)
+        snprintf(out, cap, "tcp:127.0.0.1:%u", s->port);
+    else
+        snprintf(out, cap, "unix:%s", s->path);
+}
+
+static void fake_stop(fake_server *s)
+{
+    shutdown(s->listen_fd, SHUT_RDWR);
+    close(s->listen_fd);
+    pthread_join(s->thread, NULL);
+    if (s->path[0])
+        unlink(s->path);
+}
+
+static km_client *connect_ok(const fake_server *s)
+{
+    char address[160], why[256];
+    fake_address(s, address, sizeof address);
+    km_client *c = NULL;
+    int rc = km_client_connect(address, 5000, &c, why, sizeof why);
+    cr_assert_eq(rc, KM_OK, "connect %s: %s", address, why);
+    return c;
+}
+
+/* ---- tests --------------------------------------------------------------------------------------- */
+
+static void make_route(km_route_request *q, char *id_buf, size_t cap, uint32_t i, uint64_t *hashes,
+                       uint32_t n_hashes)
+{
+    memset(q, 0, sizeof *q);
+    snprintf(id_buf, cap, "req-%u", i);
+    q->request_id = id_buf;
+    q->attempt_id = "0";
+    q->input = KM_ROUTE_INPUT_HASHES;
+    q->hashes = hashes;
+    q->n_hashes = n_hashes;
+}
+
+static void check_decision(const km_route_decision *d, const km_route_request *q, uint32_t index,
+                           uint64_t msg_id)
+{
+    KM_CHECK(d->status == KM_OK, "decision failed: %s", d->message);
+    KM_CHECK(strcmp(d->request_id, q->request_id) == 0, "request_id %s for %s", d->request_id,
+             q->request_id);
+    KM_CHECK(d->decision_id == msg_id * 1000 + index, "decision_id %llu",
+             (unsigned long long)d->decision_id);
+    KM_CHECK(d->chosen_worker == fake_choice(q, index), "chosen %u, expected %u", d->chosen_worker,
+             fake_choice(q, index));
+    KM_CHECK(d->has_owner && d->owner_worker == (d->chosen_worker + 1) % 7, "owner");
+    KM_CHECK(d->source == KM_PREDICTION_EVENTS, "source");
+    KM_CHECK(d->n_candidates == 1 && d->candidates[0].worker == d->chosen_worker, "candidates");
+}
+
+Test(client, blocking_route_unix_and_tcp, .timeout = 20)
+{
+    for (int tcp = 0; tcp < 2; tcp++) {
+        fake_server s;
+        fake_start(&s, FAKE_NORMAL, tcp);
+        km_client *c = connect_ok(&s);
+        const km_welcome *w = km_client_welcome(c);
+        cr_assert_eq(w->protocol_version, KM_PROTOCOL_VERSION);
+        cr_assert_str_eq(w->kvmatch_version, "0.1.0-fake");
+        cr_assert_str_eq(w->server_name, "fake");
+        cr_assert_eq(w->limits.max_frame_bytes, KM_PROTOCOL_DEFAULT_MAX_FRAME_BYTES);
+        cr_assert_geq(km_client_fd(c), 0);
+
+        km_rng r;
+        km_rng_init(&r, km_test_seed());
+        enum { N = 5 };
+        km_route_request q[N];
+        char ids[N][32];
+        uint64_t hashes[N][20];
+        for (uint32_t i = 0; i < N; i++) {
+            for (int k = 0; k < 20; k++)
+                hashes[i][k] = km_rng_hash(&r);
+            make_route(&q[i], ids[i], sizeof ids[i], i, hashes[i], 1 + km_rng_below(&r, 20));
+        }
+        km_message reply;
+        cr_assert_eq(km_client_route(c, q, N, 5000, &reply), KM_OK, "%s", km_client_last_error(c));
+        cr_assert_eq(reply.type, KM_MESSAGE_DECISION);
+        cr_assert_eq(reply.decision.n_decisions, N);
+        for (uint32_t i = 0; i < N; i++)
+            check_decision(&reply.decision.decisions[i], &q[i], i, reply.id);
+        cr_assert_str_eq(reply.decision.kvmatch_version, "0.1.0-fake");
+        cr_assert_eq(km_client_outstanding(c), 0);
+
+        /* An ERROR reply makes the blocking call return its code, with the server's words. */
+        cr_assert_eq(km_client_status(c, 5000, &reply), KM_ERR_SHUTTING_DOWN);
+        cr_assert_eq(reply.type, KM_MESSAGE_ERROR);
+        cr_assert(strstr(km_client_last_error(c), "draining"), "%s", km_client_last_error(c));
+        /* ... and the connection stays usable. */
+        cr_assert_eq(km_client_route(c, q, 1, 5000, &reply), KM_OK);
+        km_client_close(c);
+        fake_stop(&s);
+    }
+}
+
+Test(client, pipelined_out_of_order, .timeout = 30)
+{
+    fake_server s;
+    fake_start(&s, FAKE_REVERSE, false);
+    km_client *c = connect_ok(&s);
+    km_rng r;
+    km_rng_init(&r, km_test_seed());
+    enum { N = 64 };
+    km_route_request q[N];
+    char ids[N][32];
+    uint64_t hashes[N][8];
+    uint64_t sent[N];
+    for (uint32_t i = 0; i < N; i++) {
+        for (int k = 0; k < 8; k++)
+            hashes[i][k] = km_rng_hash(&r);
+        make_route(&q[i], ids[i], sizeof ids[i], i, hashes[i], 1 + km_rng_below(&r, 8));
+        cr_assert_eq(km_client_send_route(c, &q[i], 1, 5000, &sent[i]), KM_OK, "%s",
+                     km_client_last_error(c));
+    }
+    cr_assert_eq(km_client_outstanding(c), N);
+    /* The first half by id, in send order: the server sends groups of 8 reversed, so most wanted
+     * replies arrive after others, which must be kept. */
+    for (uint32_t i = 0; i < N / 2; i++) {
+        km_message reply;
+        cr_assert_eq(km_client_wait(c, sent[i], 5000, &reply), KM_OK, "%s", km_client_last_error(c));
+        cr_assert_eq(reply.id, sent[i]);
+        cr_assert_eq(reply.decision.n_decisions, 1);
+        check_decision(&reply.decision.decisions[0], &q[i], 0, sent[i]);
+    }
+    /* The rest in whatever order they come. */
+    bool seen[N] = {false};
+    for (uint32_t k = N / 2; k < N; k++) {
+        km_message reply;
+        cr_assert_eq(km_client_receive(c, 5000, &reply), KM_OK, "%s", km_client_last_error(c));
+        uint32_t i = 0;
+        while (i < N && sent[i] != reply.id)
+            i++;
+        cr_assert(i >= N / 2 && i < N && !seen[i], "unexpected reply id %llu",
+                  (unsigned long long)reply.id);
+        seen[i] = true;
+        check_decision(&reply.decision.decisions[0], &q[i], 0, sent[i]);
+    }
+    cr_assert_eq(km_client_outstanding(c), 0);
+    km_message reply;
+    cr_assert_eq(km_client_receive(c, 100, &reply), KM_ERR_INVALID_ARGUMENT);
+    cr_assert_eq(km_client_wait(c, sent[0], 100, &reply), KM_ERR_NOT_FOUND);
+    km_client_close(c);
+    fake_stop(&s);
+}
+
+Test(client, lifecycle_ack_per_event, .timeout = 20)
+{
+    fake_server s;
+    fake_start(&s, FAKE_NORMAL, false);
+    km_client *c = connect_ok(&s);
+    km_lifecycle_event ev[3] = {0};
+    ev[0].kind = KM_LIFECYCLE_DISPATCHED;
+    ev[0].has_decision_id = true;
+    ev[0].decision_id = 42;
+    ev[1].kind = KM_LIFECYCLE_FINISHED;
+    ev[1].request_id = "r1";
+    ev[1].outcome = KM_OUTCOME_COMPLETE; /* without finish_reason / [DONE]: refused per event */
+    ev[2].kind = KM_LIFECYCLE_FINISHED;
+    ev[2].request_id = "r2";
+    ev[2].finish_reason = "stop";
+    ev[2].done_seen = true;
+    ev[2].has_cached_tokens = true;
+    ev[2].cached_tokens = 512;
+    km_message reply;
+    cr_assert_eq(km_client_lifecycle(c, ev, 3, 5000, &reply), KM_OK, "%s", km_client_last_error(c));
+    cr_assert_eq(reply.type, KM_MESSAGE_ACK);
+    cr_assert_eq(reply.ack.n_items, 3);
+    cr_assert_eq(reply.ack.items[0].status, KM_OK);
+    cr_assert_eq(reply.ack.items[1].status, KM_ERR_INVALID_ARGUMENT);
+    cr_assert(strstr(reply.ack.items[1].message, "outcome"), "%s", reply.ack.items[1].message);
+    cr_assert_eq(reply.ack.items[2].status, KM_OK);
+
+    /* Encoding errors are caught before anything is sent. */
+    km_lifecycle_event bad = {.kind = KM_LIFECYCLE_DISPATCHED}; /* no decision_id, no request_id */
+    cr_assert_eq(km_client_lifecycle(c, &bad, 1, 5000, &reply), KM_ERR_INVALID_ARGUMENT);
+    cr_assert(strstr(km_client_last_error(c), "decision_id"), "%s", km_client_last_error(c));
+    cr_assert_eq(km_client_outstanding(c), 0);
+    cr_assert_eq(km_client_lifecycle(c, ev, 1, 5000, &reply), KM_OK);
+    km_client_close(c);
+    fake_stop(&s);
+}
+
+Test(client, connect_errors, .timeout = 20)
+{
+    km_client *c = (km_client *)1;
+    char why[256];
+    cr_assert_eq(km_client_connect("unix:/tmp/kvmatch-test-no-such-socket", 1000, &c, why, sizeof why),
+                 KM_ERR_IO);
+    cr_assert_null(c);
+    cr_assert(strstr(why, "connect"), "%s", why);
+    cr_assert_eq(km_client_connect("http://x", 1000, &c, why, sizeof why), KM_ERR_INVALID_ARGUMENT);
+    cr_assert_eq(km_client_connect("tcp:localhost:80", 1000, &c, why, sizeof why),
+                 KM_ERR_INVALID_ARGUMENT);
+    cr_assert_eq(km_client_connect("tcp:127.0.0.1:0", 1000, &c, why, sizeof why),
+                 KM_ERR_INVALID_ARGUMENT);
+    cr_assert_eq(km_client_connect(NULL, 1000, &c, why, sizeof why), KM_ERR_NULL_POINTER);
+
+    fake_server s;
+    fake_start(&s, FAKE_REFUSE_HELLO, false);
+    char address[160];
+    fake_address(&s, address, sizeof address);
+    cr_assert_eq(km_client_connect(address, 5000, &c, why, sizeof why), KM_ERR_INCOMPATIBLE);
+    cr_assert(strstr(why, "protocol 1 only"), "%s", why);
+    cr_assert_null(c);
+    fake_stop(&s);
+}
+
+Test(client, timeout_then_usable_and_close, .timeout = 20)
+{
+    fake_server s;
+    fake_start(&s, FAKE_SILENT_ROUTE, false);
+    km_client *c = connect_ok(&s);
+    uint64_t h[2] = {11, 12};
+    km_route_request q;
+    char id[32];
+    make_route(&q, id, sizeof id, 0, h, 2);
+    km_message reply;
+    double t0 = km_test_now();
+    cr_assert_eq(km_client_route(c, &q, 1, 200, &reply), KM_ERR_TIMEOUT);
+    double waited = km_test_now() - t0;
+    cr_assert(waited >= 0.15 && waited < 2.0, "timeout took %.3f s", waited);
+    /* The connection is still usable for other requests. */
+    km_lifecycle_event ev = {.kind = KM_LIFECYCLE_DISPATCHED, .has_decision_id = true, .decision_id = 1};
+    cr_assert_eq(km_client_lifecycle(c, &ev, 1, 5000, &reply), KM_OK, "%s", km_client_last_error(c));
+    km_client_close(c);
+    fake_stop(&s);
+
+    /* The server closes the connection: KM_ERR_CLOSED, and the handle stays closed. */
+    fake_start(&s, FAKE_CLOSE_ON_ROUTE, false);
+    c = connect_ok(&s);
+    cr_assert_eq(km_client_route(c, &q, 1, 5000, &reply), KM_ERR_CLOSED, "%s", km_client_last_error(c));
+    cr_assert_eq(km_client_route(c, &q, 1, 5000, &reply), KM_ERR_CLOSED);
+    km_client_close(c);
+    km_client_close(NULL);
+    fake_stop(&s);
+}

@@ -1,0 +1,303 @@
+#!/usr/bin/env python3
+"""The pure-Python client (clients/python/kvmatch_client.py) against a fake server written here:
+a thread accepting on a temporary Unix socket under /tmp (and on 127.0.0.1 for TCP) that speaks
+the framing of docs/PROTOCOL.md and answers with DECISIONs computed from each request, holding
+replies and sending them in reverse order for the pipelined test, staying silent for the timeout
+test, and refusing the handshake on request. Run: python3 tests/test_python_client.py (exit 0 on
+success). The whole run is bounded by an alarm."""
+
+import os
+import signal
+import socket
+import struct
+import sys
+import tempfile
+import threading
+import time
+
+try:
+    import msgpack  # noqa: F401
+except ImportError:
+    # python3-msgpack is a Debian package: a python3 outside /usr/bin (pyenv) may not see it.
+    if os.path.exists("/usr/bin/python3") and os.path.realpath(sys.executable) != os.path.realpath("/usr/bin/python3"):
+        os.execv("/usr/bin/python3", ["/usr/bin/python3"] + sys.argv)
+    raise
+
+import msgpack
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "clients", "python"))
+import kvmatch_client as kc  # noqa: E402
+
+
+def choice(route, index):
+    data = route.get("hashes") or route.get("tokens") or []
+    return (sum(data) + index) % 7
+
+
+class FakeServer:
+    """modes: normal, reverse (groups of `group` replies reversed), silent_route, refuse_hello."""
+
+    def __init__(self, mode="normal", tcp=False, group=8):
+        self.mode, self.group = mode, group
+        if tcp:
+            self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            self.sock.bind(("127.0.0.1", 0))
+            self.address = "tcp:127.0.0.1:%d" % self.sock.getsockname()[1]
+            self.path = None
+        else:
+            self.path = os.path.join(tempfile.gettempdir(), "kvmatch-pytest-%d-%s.sock" % (os.getpid(), mode))
+            if os.path.exists(self.path):
+                os.unlink(self.path)
+            self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self.sock.bind(self.path)
+            self.address = "unix:" + self.path
+        self.sock.listen(8)
+        self.thread = threading.Thread(target=self._accept, daemon=True)
+        self.thread.start()
+
+    def stop(self):
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+        if self.path and os.path.exists(self.path):
+            os.unlink(self.path)
+
+    def _accept(self):
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    @staticmethod
+    def _frame(message):
+        payload = msgpack.packb(message, use_bin_type=True)
+        return struct.pack(">I", len(payload)) + payload
+
+    def _reply(self, m):
+        t, rid = m.get("type"), m.get("id")
+        if t == "HELLO":
+            if self.mode == "refuse_hello" or m.get("protocol") != 1:
+                return {"type": "ERROR", "id": rid, "code": kc.KM_ERR_INCOMPATIBLE,
+                        "name": "KM_ERR_INCOMPATIBLE", "message": "protocol 1 only"}, False
+            return {"type": "WELCOME", "id": rid, "protocol": 1, "kvmatch_version": "0.1.0-fake",
+                    "server": "fake-py", "limits": {"max_frame_bytes": 1 << 20}}, True
+        if t == "ROUTE":
+            if self.mode == "silent_route":
+                return None, True
+            decisions = []
+            for i, r in enumerate(m["routes"]):
+                w = choice(r, i)
+                decisions.append({"status": 0, "request_id": r["request_id"],
+                                  "attempt_id": r.get("attempt_id"),
+                                  "decision_id": rid * 1000 + i, "chosen_worker": w,
+                                  "chosen_depth": len(r.get("hashes", [])), "owner_worker": (w + 1) % 7,
+                                  "owner_depth": 3, "source": "events", "policy": "kv",
+                                  "candidates": [{"worker": w, "depth": 1, "load": {"in_flight": 2}}]})
+            return {"type": "DECISION", "id": rid, "kvmatch_version": "0.1.0-fake",
+                    "decisions": decisions}, True
+        if t == "LIFECYCLE":
+            items = []
+            for e in m["events"]:
+                sent, derived = e.get("outcome"), kc.outcome_from_stream(
+                    e.get("finish_reason"), e.get("done_seen", False), e.get("http_status"), e.get("error"))
+                if e.get("event") == "FINISHED" and sent == "complete" and derived != "complete":
+                    items.append({"status": kc.KM_ERR_INVALID_ARGUMENT, "message": "outcome: needs evidence"})
+                else:
+                    items.append({"status": 0})
+            return {"type": "ACK", "id": rid, "items": items}, True
+        if t == "STATUS":
+            return {"type": "ERROR", "id": rid, "code": -18, "name": "KM_ERR_SHUTTING_DOWN",
+                    "message": "fake server is draining"}, True
+        return {"type": "ERROR", "id": rid or 0, "code": kc.KM_ERR_PROTOCOL, "name": "KM_ERR_PROTOCOL",
+                "message": "unknown message type %r" % t}, True
+
+    def _serve(self, conn):
+        buf, held = b"", []
+        with conn:
+            while True:
+                try:
+                    chunk = conn.recv(65536)
+                except OSError:
+                    return
+                if not chunk:
+                    return
+                buf += chunk
+                while len(buf) >= 4:
+                    (n,) = struct.unpack(">I", buf[:4])
+                    if len(buf) < 4 + n:
+                        break
+                    m = msgpack.unpackb(buf[4:4 + n], raw=False)
+                    buf = buf[4 + n:]
+                    reply, keep_open = self._reply(m)
+                    if reply is not None:
+                        if self.mode == "reverse" and m.get("type") != "HELLO":
+                            held.append(self._frame(reply))
+                            if len(held) == self.group:
+                                conn.sendall(b"".join(reversed(held)))
+                                held = []
+                        else:
+                            conn.sendall(self._frame(reply))
+                    if not keep_open:
+                        return
+
+
+def route(i, n=4):
+    return {"request_id": "req-%d" % i, "attempt_id": 0, "pool": "default",
+            "hashes": [(i * 7919 + k * 104729) % (1 << 64) for k in range(2, 2 + n)]}
+
+
+def check_decision(d, r, index, msg_id):
+    assert d["status"] == 0, d
+    assert d["request_id"] == r["request_id"], (d, r)
+    assert d["decision_id"] == msg_id * 1000 + index, d
+    assert d["chosen_worker"] == choice(r, index), (d, r)
+    assert d["owner_worker"] == (d["chosen_worker"] + 1) % 7
+
+
+def test_blocking(tcp):
+    s = FakeServer(tcp=tcp)
+    try:
+        with kc.Client.connect(s.address, timeout=5) as c:
+            assert c.welcome["kvmatch_version"] == "0.1.0-fake"
+            routes = [route(i) for i in range(5)]
+            reply = c.route(routes)
+            assert reply["type"] == "DECISION" and len(reply["decisions"]) == 5
+            for i, d in enumerate(reply["decisions"]):
+                check_decision(d, routes[i], i, reply["id"])
+            try:
+                c.status()
+                raise AssertionError("ERROR reply did not raise")
+            except kc.KvmatchError as e:
+                assert e.code == -18 and e.name == "KM_ERR_SHUTTING_DOWN" and "draining" in e.message
+            # still usable after an ERROR reply
+            assert c.route([route(9)])["decisions"][0]["status"] == 0
+            assert c.outstanding == 0
+    finally:
+        s.stop()
+
+
+def test_pipelined_out_of_order():
+    s = FakeServer(mode="reverse", group=8)
+    try:
+        with kc.Client.connect(s.address, timeout=5) as c:
+            n = 64
+            routes = [route(i, 1 + i % 5) for i in range(n)]
+            ids = [c.send_route([r]) for r in routes]
+            assert c.outstanding == n
+            for i in range(n // 2):
+                reply = c.wait(ids[i])
+                assert reply["id"] == ids[i]
+                check_decision(reply["decisions"][0], routes[i], 0, ids[i])
+            seen = set()
+            for _ in range(n // 2):
+                reply = c.receive()
+                i = ids.index(reply["id"])
+                assert i >= n // 2 and i not in seen
+                seen.add(i)
+                check_decision(reply["decisions"][0], routes[i], 0, ids[i])
+            assert c.outstanding == 0
+            try:
+                c.wait(ids[0])
+                raise AssertionError("wait on a returned id did not raise")
+            except kc.KvmatchError as e:
+                assert e.code == kc.KM_ERR_NOT_FOUND
+    finally:
+        s.stop()
+
+
+def test_lifecycle():
+    s = FakeServer()
+    try:
+        with kc.Client.connect(s.address, timeout=5) as c:
+            ack = c.lifecycle([
+                {"event": "DISPATCHED", "decision_id": 42},
+                {"event": "FINISHED", "request_id": "r1", "outcome": "complete", "http_status": 200},
+                {"event": "FINISHED", "request_id": "r2", "finish_reason": "stop", "done_seen": True,
+                 "cached_tokens": 512},
+            ])
+            assert [i["status"] for i in ack["items"]] == [0, kc.KM_ERR_INVALID_ARGUMENT, 0], ack
+            assert c.finished(request_id="r3", finish_reason="stop", done_seen=True)["items"][0]["status"] == 0
+    finally:
+        s.stop()
+
+
+def test_outcome_rule():
+    assert kc.outcome_from_stream("stop", True, 200) == "complete"
+    assert kc.outcome_from_stream("stop", False, 200) == "incomplete"  # HTTP 200 is not completion
+    assert kc.outcome_from_stream(None, True, 200) == "incomplete"
+    assert kc.outcome_from_stream("stop", True, 502) == "error"
+    assert kc.outcome_from_stream("stop", True, 200, "reset") == "error"
+
+
+def test_timeout_then_usable():
+    s = FakeServer(mode="silent_route")
+    try:
+        with kc.Client.connect(s.address, timeout=5) as c:
+            t0 = time.monotonic()
+            try:
+                c.route([route(1)], timeout=0.2)
+                raise AssertionError("no timeout")
+            except TimeoutError:
+                pass
+            assert 0.15 <= time.monotonic() - t0 < 2.0
+            ack = c.lifecycle([{"event": "DISPATCHED", "decision_id": 1}])
+            assert ack["items"][0]["status"] == 0
+    finally:
+        s.stop()
+
+
+def test_connect_errors():
+    s = FakeServer(mode="refuse_hello")
+    try:
+        kc.Client.connect(s.address, timeout=5)
+        raise AssertionError("refused handshake did not raise")
+    except kc.KvmatchError as e:
+        assert e.code == kc.KM_ERR_INCOMPATIBLE and "protocol 1 only" in e.message
+    finally:
+        s.stop()
+    for bad in ("http://x", "tcp:127.0.0.1", "unix:"):
+        try:
+            kc.Client.connect(bad, timeout=1)
+            raise AssertionError("bad address %r accepted" % bad)
+        except kc.KvmatchError as e:
+            assert e.code == kc.KM_ERR_INVALID_ARGUMENT
+    try:
+        kc.Client.connect("unix:/tmp/kvmatch-pytest-no-such.sock", timeout=1)
+        raise AssertionError("connect to a missing socket succeeded")
+    except OSError:
+        pass
+
+
+def test_frame_limit_client_side():
+    s = FakeServer()
+    try:
+        with kc.Client.connect(s.address, timeout=5) as c:
+            # The fake server's WELCOME says max_frame_bytes = 1 MiB.
+            try:
+                c.route([{"request_id": "big", "tokens": list(range(400000))}])
+                raise AssertionError("oversize frame was sent")
+            except kc.KvmatchError as e:
+                assert e.code == kc.KM_ERR_TOO_LARGE
+            assert c.route([route(3)])["decisions"][0]["status"] == 0
+    finally:
+        s.stop()
+
+
+def main():
+    signal.alarm(60)
+    tests = [lambda: test_blocking(False), lambda: test_blocking(True), test_pipelined_out_of_order,
+             test_lifecycle, test_outcome_rule, test_timeout_then_usable, test_connect_errors,
+             test_frame_limit_client_side]
+    for t in tests:
+        t()
+    print("test_python_client: %d tests passed" % len(tests))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
