@@ -8,5 +8,12 @@
 #include "kvmatch/feed.h"
 #include "kvmatch/subscriber.h"
 #include "kvmatch/policy.h"
+#include "kvmatch/active.h"
+#include "kvmatch/approx.h"
+#include "kvmatch/metrics.h"
+#include "kvmatch/records.h"
+#include "kvmatch/protocol.h"
+#include "kvmatch/client.h"
+#include "kvmatch/server.h"
 #define KVMATCH_VERSION "0.1.0"
 #endif

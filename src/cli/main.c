@@ -19,6 +19,11 @@ static void usage(FILE *f)
             "      KV-event ingestion (in process, loopback ZMQ) and restart time (docs/BENCHMARKS.md)\n"
             "  kvmatch follow --endpoint ID=PUB[,REPLAY] ... [--snapshot PATH] [--snapshot-interval-s N]\n"
             "      follow workers' KV events; snapshot periodically and on SIGTERM, restore at start\n"
+            "  kvmatch serve [--config FILE] [options]\n"
+            "      the routing service: Unix socket / loopback TCP, decisions and records\n"
+            "      (docs/SERVICE.md, docs/PROTOCOL.md); --help lists the options\n"
+            "  kvmatch route [--connect ADDR] [options] < token ids\n"
+            "      ask a running service: route, --status, --workers, --add-worker, --remove-worker\n"
             "  kvmatch version\n",
             KVMATCH_VERSION);
 }
@@ -37,6 +42,10 @@ int main(int argc, char **argv)
         return km_cmd_hash(argc - 1, argv + 1);
     if (!strcmp(argv[1], "follow"))
         return km_cmd_follow(argc - 1, argv + 1);
+    if (!strcmp(argv[1], "serve"))
+        return km_cmd_serve(argc - 1, argv + 1);
+    if (!strcmp(argv[1], "route"))
+        return km_cmd_route(argc - 1, argv + 1);
     if (!strcmp(argv[1], "bench")) {
         if (argc >= 3 && !strcmp(argv[2], "index"))
             return km_bench_index_main(argc - 2, argv + 2);

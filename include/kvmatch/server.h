@@ -1,0 +1,154 @@
+/* The routing service (`kvmatch serve`; docs/SERVICE.md, docs/PROTOCOL.md): routers connect over a
+ * Unix socket (and optionally loopback TCP), send ROUTE frames and lifecycle reports, and get
+ * DECISION frames back. Requests from every connection join one queue; a scheduler thread scores
+ * them in batches against the pools' indexes, lets each pool's policy weigh overlap against the
+ * load this instance saw, and writes a linked JSONL record per decision and per outcome.
+ *
+ * Threads: the caller of km_server_run runs the event loop (libuv: sockets, signals, replies); one
+ * scheduler thread owns every index (event flushes, scoring, approximate-mode updates, snapshots,
+ * active-work expiry); each pool with event sources has its subscriber's I/O thread; the records
+ * writer and the HTTP server (libmicrohttpd) have their own.
+ *
+ * Lifecycle: km_server_config_init -> fill (or km_server_config_load_json) -> km_server_create
+ * (binds the sockets, restores snapshots, starts the threads) -> km_server_run (blocks until
+ * SIGTERM / SIGINT or km_server_stop, then drains: stops accepting, finishes queued decisions,
+ * writes their replies, flushes records, writes each event pool's snapshot) -> km_server_destroy. */
+#ifndef KVMATCH_SERVER_H
+#define KVMATCH_SERVER_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kvmatch/error.h"
+#include "kvmatch/index.h"
+#include "kvmatch/policy.h"
+#include "kvmatch/protocol.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct km_server km_server;
+
+/* Longest pool or worker name. */
+#define KM_SERVER_NAME_MAX 64u
+
+/* One worker: an engine replica (or one data-parallel rank of one). Ids are unique across the
+ * service (0 .. max_workers - 1); with an event endpoint the worker's index is fed by its KV
+ * events, without one by this instance's own decisions (approximate mode). */
+typedef struct km_server_worker {
+    uint32_t id;
+    const char *name;            /* NULL = "w<id>" */
+    const char *event_endpoint;  /* ZMQ PUB endpoint; NULL = approximate mode */
+    const char *replay_endpoint; /* ZMQ ROUTER replay endpoint; NULL = none */
+} km_server_worker;
+
+typedef struct km_server_pool {
+    const char *name;   /* required, unique; [A-Za-z0-9._-]{1,63} (it names the snapshot file) */
+    const char *model;  /* routes naming this model (and no pool) go here; NULL = none */
+    uint32_t block_size; /* tokens per block, as the engines' --block-size; required */
+    km_policy_config policy;
+    uint64_t approx_ttl_ms;          /* approximate mode: a routed block is assumed held this
+                                      * long; default 120,000 (Dynamo's) */
+    uint64_t approx_capacity_blocks; /* approximate mode: blocks assumed per worker; 0 = no bound */
+    const km_server_worker *workers;
+    uint32_t n_workers;
+} km_server_pool;
+
+typedef struct km_server_config {
+    const char *socket_path; /* Unix socket; default KM_PROTOCOL_DEFAULT_SOCKET; NULL = none
+                              * (then tcp is required) */
+    const char *tcp;         /* "127.0.0.1:PORT" / "[::1]:PORT"; NULL = no TCP; a non-loopback
+                              * address needs allow_non_loopback */
+    const char *http;        /* health / readiness / status / metrics "127.0.0.1:PORT"; NULL = none */
+    bool allow_non_loopback;
+    const char *records_path; /* decision and outcome JSONL (docs/RECORDS.md); NULL = none */
+    uint64_t records_max_file_bytes; /* rotation size; 0 = the writer's default (256 MiB) */
+    const char *snapshot_dir; /* event pools' snapshots <dir>/<pool>.snap; NULL = none */
+    uint32_t snapshot_interval_ms; /* periodic snapshots; 0 = only at shutdown; default 60,000 */
+
+    uint32_t max_workers;     /* worker ids 0 .. max_workers - 1; default 1024 */
+    km_backend_kind backend;  /* scoring backend of every pool's index; default AUTO */
+    uint32_t index_threads;   /* CPU scoring threads per index; 0 = online CPUs */
+    uint64_t index_memory_cap_bytes; /* per pool; 0 = none */
+
+    uint32_t max_batch_routes;  /* routes scored in one batch at most; default 4096 */
+    uint32_t max_queued_routes; /* more waiting than this: ROUTE gets KM_ERR_OVERLOADED; 65,536 */
+    uint32_t max_connections;   /* more are accepted and closed at once; default 1024 */
+    uint64_t max_outbox_bytes;  /* replies waiting for a slow reader beyond this close it;
+                                 * default 64 MiB (reading pauses at a quarter of it) */
+    km_protocol_limits limits;  /* frame and message limits (docs/PROTOCOL.md) */
+
+    uint64_t active_ttl_ms;     /* active work whose FINISHED never comes expires; default 600,000 */
+    double ready_share;         /* /readyz: ready when at least this share of event-fed workers is
+                                 * LIVE; default 1.0 */
+    uint32_t drain_timeout_ms;  /* shutdown waits this long for queued work; default 10,000 */
+    uint64_t seed;              /* policies' random state (temperature > 0); default 0x6b766d */
+    const char *default_pool;   /* routes naming neither pool nor a known model; NULL = the first */
+
+    const km_server_pool *pools;
+    uint32_t n_pools;
+
+    km_log_fn log; /* one line per notable event; NULL = stderr */
+    void *log_user;
+} km_server_config;
+
+void km_server_config_init(km_server_config *cfg);
+
+/* A configuration read from a JSON file (format: docs/SERVICE.md). The strings and arrays it
+ * points to belong to *owner (release with km_server_config_json_free after the server is gone).
+ * Fields the file leaves out keep km_server_config_init's defaults. Errors: KM_ERR_IO (unreadable),
+ * KM_ERR_PARSE (not JSON, a field of the wrong type, an unknown policy), KM_ERR_INVALID_ARGUMENT
+ * (a value out of range), each with the detail in why. */
+typedef struct km_server_config_json km_server_config_json;
+int km_server_config_load_json(const char *path, km_server_config *cfg, km_server_config_json **owner,
+                               char *why, size_t why_size);
+void km_server_config_json_free(km_server_config_json *owner);
+
+/* Validate, bind the listeners, create the pools (indexes, subscribers restoring their snapshots,
+ * approximate-mode state), the records writer and the HTTP server, and start the scheduler.
+ * Errors: KM_ERR_INVALID_ARGUMENT (why says which field), KM_ERR_IO (a socket could not be bound:
+ * in use, permission), KM_ERR_OUT_OF_MEMORY, and those of the parts. */
+int km_server_create(const km_server_config *cfg, km_server **out, char *why, size_t why_size);
+
+/* Serve until SIGTERM / SIGINT (when install_signals) or km_server_stop, then drain and return
+ * KM_OK (or the first shutdown error: a snapshot that could not be written). */
+int km_server_run(km_server *server, bool install_signals);
+
+/* Ask a running server to stop (drain and return from km_server_run). Any thread. */
+void km_server_stop(km_server *server);
+
+/* After km_server_run returned (or instead of it). NULL is a no-op. */
+void km_server_destroy(km_server *server);
+
+/* The bound TCP / HTTP ports (useful with port 0); 0 when not listening. */
+uint16_t km_server_tcp_port(const km_server *server);
+uint16_t km_server_http_port(const km_server *server);
+
+/* Counters, any thread. */
+typedef struct km_server_stats {
+    uint64_t connections_accepted;
+    uint64_t connections_open;
+    uint64_t connections_refused;   /* over max_connections */
+    uint64_t slow_clients_closed;   /* outbox over max_outbox_bytes */
+    uint64_t frames;                /* frames received */
+    uint64_t bad_frames;            /* frames that failed to decode as a whole */
+    uint64_t routes;                /* route requests received */
+    uint64_t decisions;             /* routes decided */
+    uint64_t route_errors;          /* routes answered with an error */
+    uint64_t overloaded;            /* ROUTE frames refused with KM_ERR_OVERLOADED */
+    uint64_t batches;               /* scoring batches */
+    uint64_t lifecycle_events;
+    uint64_t lifecycle_errors;      /* unknown ids, out of order, ... (answered per item) */
+    uint64_t outcomes;              /* outcome records (FINISHED and expiries) */
+    uint64_t expired;               /* active work expired by TTL */
+    uint64_t records_dropped;       /* records the writer could not take (queue full) */
+} km_server_stats;
+
+void km_server_get_stats(km_server *server, km_server_stats *out);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,289 @@
+/* `kvmatch route`: manual queries against a running `kvmatch serve` (docs/SERVICE.md): one ROUTE
+ * from token ids on stdin (or --hashes), a STATUS, a worker list, or adding / removing a worker.
+ * Prints the reply as JSON lines. */
+#define _POSIX_C_SOURCE 200809L
+#include <errno.h>
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <jansson.h>
+
+#include "commands.h"
+#include "kvmatch/kvmatch.h"
+
+static void route_usage(FILE *f)
+{
+    fprintf(f,
+            "usage: kvmatch route [--connect ADDR] [--pool P] [--model M] [--request-id ID]\n"
+            "                     [--attempt-id A] [--lora NAME] [--salt S] [--policy P]\n"
+            "                     [--candidates 0,1,...] [--expected-output N] [--hashes]\n"
+            "                     < token ids (or chain hashes with --hashes)\n"
+            "       kvmatch route [--connect ADDR] --status | --workers\n"
+            "       kvmatch route [--connect ADDR] --add-worker POOL:ID[=PUB[,REPLAY]]\n"
+            "       kvmatch route [--connect ADDR] --remove-worker POOL:ID\n"
+            "  ADDR: unix:/path (default unix:%s) or tcp:127.0.0.1:PORT\n",
+            KM_PROTOCOL_DEFAULT_SOCKET);
+}
+
+static json_t *decision_json(const km_route_decision *d)
+{
+    json_t *o = json_object();
+    json_object_set_new(o, "request_id", json_string(d->request_id ? d->request_id : ""));
+    if (d->status != KM_OK) {
+        json_object_set_new(o, "error", json_string(km_error_name(d->status)));
+        json_object_set_new(o, "message", json_string(d->message ? d->message : ""));
+        return o;
+    }
+    json_object_set_new(o, "decision_id", json_integer((json_int_t)d->decision_id));
+    json_object_set_new(o, "pool", json_string(d->pool ? d->pool : ""));
+    json_object_set_new(o, "chosen", json_integer(d->chosen_worker));
+    json_object_set_new(o, "chosen_depth", json_integer(d->chosen_depth));
+    json_object_set_new(o, "chosen_state", json_string(d->chosen_state ? d->chosen_state : ""));
+    json_object_set_new(o, "owner", d->has_owner ? json_integer(d->owner_worker) : json_null());
+    json_object_set_new(o, "owner_depth", json_integer(d->owner_depth));
+    json_object_set_new(o, "blocks", json_integer(d->n_blocks));
+    json_object_set_new(o, "source", json_string(km_prediction_source_name(d->source)));
+    json_object_set_new(o, "policy", json_string(d->policy ? d->policy : ""));
+    json_object_set_new(o, "reason", json_string(d->reason ? d->reason : ""));
+    json_object_set_new(o, "load_kind", json_string(d->load_kind ? d->load_kind : ""));
+    json_object_set_new(o, "load_value", json_real(d->load_value));
+    json_t *cands = json_array();
+    for (uint32_t i = 0; i < d->n_candidates; i++) {
+        const km_candidate_score *c = &d->candidates[i];
+        json_t *jc = json_object();
+        json_object_set_new(jc, "worker", json_integer(c->worker));
+        json_object_set_new(jc, "depth", json_integer(c->depth));
+        json_object_set_new(jc, "device", json_integer(c->device_blocks));
+        json_object_set_new(jc, "host", json_integer(c->host_blocks));
+        json_object_set_new(jc, "disk", json_integer(c->disk_blocks));
+        json_object_set_new(jc, "in_flight", json_integer(c->load.in_flight));
+        json_object_set_new(jc, "cost", json_real(c->cost));
+        json_object_set_new(jc, "state", json_string(c->state ? c->state : ""));
+        json_array_append_new(cands, jc);
+    }
+    json_object_set_new(o, "candidates", cands);
+    return o;
+}
+
+static void print_json(json_t *o)
+{
+    char *s = json_dumps(o, JSON_COMPACT);
+    if (s)
+        puts(s);
+    free(s);
+    json_decref(o);
+}
+
+/* Read whitespace-separated unsigned integers from stdin. */
+static int read_numbers(uint64_t **out, size_t *n_out, uint64_t max)
+{
+    size_t n = 0, cap = 1024;
+    uint64_t *v = malloc(cap * sizeof *v);
+    if (!v)
+        return -1;
+    char word[64];
+    while (scanf("%63s", word) == 1) {
+        char *end;
+        errno = 0;
+        unsigned long long x = strtoull(word, &end, 0);
+        if (errno || *end || word[0] == '-' || x > max) {
+            fprintf(stderr, "kvmatch route: not a valid number: %s\n", word);
+            free(v);
+            return -1;
+        }
+        if (n == cap) {
+            cap *= 2;
+            uint64_t *g = realloc(v, cap * sizeof *g);
+            if (!g) {
+                free(v);
+                return -1;
+            }
+            v = g;
+        }
+        v[n++] = x;
+    }
+    *out = v;
+    *n_out = n;
+    return 0;
+}
+
+int km_cmd_route(int argc, char **argv)
+{
+    const char *addr = "unix:" KM_PROTOCOL_DEFAULT_SOCKET;
+    km_route_request r;
+    memset(&r, 0, sizeof r);
+    r.request_id = "manual";
+    bool hashes = false, status = false, list = false;
+    const char *add = NULL, *remove_w = NULL;
+    uint32_t cands[1024];
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+        if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
+            route_usage(stdout);
+            return 0;
+        } else if (!strcmp(a, "--hashes")) {
+            hashes = true;
+        } else if (!strcmp(a, "--status")) {
+            status = true;
+        } else if (!strcmp(a, "--workers")) {
+            list = true;
+        } else if (!v) {
+            fprintf(stderr, "kvmatch route: %s needs a value\n", a);
+            route_usage(stderr);
+            return 2;
+        } else {
+            i++;
+            if (!strcmp(a, "--connect"))
+                addr = v;
+            else if (!strcmp(a, "--pool"))
+                r.pool = v;
+            else if (!strcmp(a, "--model"))
+                r.model = v;
+            else if (!strcmp(a, "--request-id"))
+                r.request_id = v;
+            else if (!strcmp(a, "--attempt-id"))
+                r.attempt_id = v;
+            else if (!strcmp(a, "--lora"))
+                r.lora_name = v;
+            else if (!strcmp(a, "--salt"))
+                r.cache_salt = v;
+            else if (!strcmp(a, "--policy"))
+                r.policy = v;
+            else if (!strcmp(a, "--expected-output")) {
+                r.has_expected_output_tokens = true;
+                r.expected_output_tokens = strtoull(v, NULL, 10);
+            } else if (!strcmp(a, "--candidates")) {
+                char buf[4096];
+                snprintf(buf, sizeof buf, "%s", v);
+                char *save = NULL;
+                for (char *t = strtok_r(buf, ",", &save); t && r.n_candidates < 1024;
+                     t = strtok_r(NULL, ",", &save))
+                    cands[r.n_candidates++] = (uint32_t)strtoul(t, NULL, 10);
+                r.candidates = cands;
+            } else if (!strcmp(a, "--add-worker"))
+                add = v;
+            else if (!strcmp(a, "--remove-worker"))
+                remove_w = v;
+            else {
+                fprintf(stderr, "kvmatch route: unknown option %s\n", a);
+                route_usage(stderr);
+                return 2;
+            }
+        }
+    }
+    km_client *c = NULL;
+    char why[256];
+    int rc = km_client_connect(addr, 5000, &c, why, sizeof why);
+    if (rc != KM_OK) {
+        fprintf(stderr, "kvmatch route: %s: %s\n", km_error_name(rc), why);
+        return 1;
+    }
+    km_message reply;
+    int exit_code = 0;
+    if (status) {
+        rc = km_client_status(c, 5000, &reply);
+        if (rc == KM_OK) {
+            json_t *o = json_object();
+            json_object_set_new(o, "kvmatch_version", json_string(reply.status_reply.kvmatch_version));
+            json_object_set_new(o, "uptime_s", json_real(reply.status_reply.uptime_s));
+            json_object_set_new(o, "ready", json_boolean(reply.status_reply.ready));
+            json_object_set_new(o, "connections", json_integer(reply.status_reply.connections));
+            json_object_set_new(o, "decisions", json_integer((json_int_t)reply.status_reply.decisions));
+            json_object_set_new(o, "workers", json_integer(reply.status_reply.n_workers));
+            print_json(o);
+        }
+    } else if (list || add || remove_w) {
+        km_message m;
+        memset(&m, 0, sizeof m);
+        m.type = KM_MESSAGE_WORKERS;
+        km_worker_info w;
+        memset(&w, 0, sizeof w);
+        char spec[1024];
+        if (add || remove_w) {
+            snprintf(spec, sizeof spec, "%s", add ? add : remove_w);
+            char *colon = strchr(spec, ':');
+            if (!colon) {
+                fprintf(stderr, "kvmatch route: want POOL:ID[=PUB[,REPLAY]]\n");
+                km_client_close(c);
+                return 2;
+            }
+            *colon = '\0';
+            w.pool = spec;
+            char *end;
+            w.worker = (uint32_t)strtoul(colon + 1, &end, 10);
+            if (*end == '=') {
+                *end = '\0';
+                w.event_endpoint = end + 1;
+                char *comma = strchr(end + 1, ',');
+                if (comma) {
+                    *comma = '\0';
+                    w.replay_endpoint = comma + 1;
+                }
+            }
+            m.workers.action = add ? KM_ADMIN_ADD : KM_ADMIN_REMOVE;
+            m.workers.workers = &w;
+            m.workers.n_workers = 1;
+        } else {
+            m.workers.action = KM_ADMIN_LIST;
+        }
+        rc = km_client_call(c, &m, 5000, &reply);
+        if (rc == KM_OK && reply.type == KM_MESSAGE_ACK) {
+            for (uint32_t i = 0; i < reply.ack.n_items; i++) {
+                json_t *o = json_object();
+                json_object_set_new(o, "status", json_string(km_error_name(reply.ack.items[i].status)));
+                if (reply.ack.items[i].message)
+                    json_object_set_new(o, "message", json_string(reply.ack.items[i].message));
+                exit_code |= reply.ack.items[i].status != KM_OK;
+                print_json(o);
+            }
+        } else if (rc == KM_OK && reply.type == KM_MESSAGE_WORKER_LIST) {
+            for (uint32_t i = 0; i < reply.workers.n_workers; i++) {
+                const km_worker_info *wi = &reply.workers.workers[i];
+                json_t *o = json_object();
+                json_object_set_new(o, "pool", json_string(wi->pool ? wi->pool : ""));
+                json_object_set_new(o, "worker", json_integer(wi->worker));
+                json_object_set_new(o, "name", json_string(wi->name ? wi->name : ""));
+                json_object_set_new(o, "state", json_string(wi->state ? wi->state : ""));
+                json_object_set_new(o, "blocks", wi->has_blocks ? json_integer((json_int_t)wi->blocks)
+                                                                : json_null());
+                print_json(o);
+            }
+        }
+    } else {
+        uint64_t *nums = NULL;
+        size_t n = 0;
+        if (read_numbers(&nums, &n, hashes ? UINT64_MAX : UINT32_MAX) != 0) {
+            km_client_close(c);
+            return 2;
+        }
+        uint32_t *tokens = NULL;
+        if (hashes) {
+            r.input = KM_ROUTE_INPUT_HASHES;
+            r.hashes = nums;
+            r.n_hashes = (uint32_t)n;
+        } else {
+            tokens = malloc((n ? n : 1) * sizeof *tokens);
+            for (size_t i = 0; tokens && i < n; i++)
+                tokens[i] = (uint32_t)nums[i];
+            r.input = KM_ROUTE_INPUT_TOKENS;
+            r.tokens = tokens;
+            r.n_tokens = (uint32_t)n;
+        }
+        rc = km_client_route(c, &r, 1, 5000, &reply);
+        if (rc == KM_OK)
+            for (uint32_t i = 0; i < reply.decision.n_decisions; i++) {
+                exit_code |= reply.decision.decisions[i].status != KM_OK;
+                print_json(decision_json(&reply.decision.decisions[i]));
+            }
+        free(tokens);
+        free(nums);
+    }
+    if (rc != KM_OK) {
+        fprintf(stderr, "kvmatch route: %s: %s\n", km_error_name(rc), km_client_last_error(c));
+        exit_code = 1;
+    }
+    km_client_close(c);
+    return exit_code;
+}

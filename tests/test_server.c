@@ -1,0 +1,959 @@
+/* The routing service (include/kvmatch/server.h) end to end: a real server in this process on a
+ * temporary Unix socket, driven by the C client library (and raw sockets for bad input). Covers the
+ * handshake, routing in approximate and event-fed pools, the brief's "best match under the
+ * threshold" case with both workers in the reply and the record, lifecycle and outcome records
+ * (validated against docs/records.schema.json when python3-jsonschema is present), active-work TTL
+ * expiry, run-time workers and pools, every bad-input case (each must leave other clients served
+ * and the index unchanged), many concurrent pipelined clients, HTTP readiness, and a drain on stop
+ * that answers everything queued. Loopback only; every test bounds its time. */
+#include <inttypes.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/time.h>
+#include <jansson.h>
+
+#include "kv_test_publisher.h"
+#include "kvmatch/kvmatch.h"
+#include "test_util.h"
+
+#define BS 4u
+
+typedef struct srv {
+    km_server *server;
+    pthread_t thread;
+    char dir[64];
+    char sock[128];
+    char addr[160];
+    char records[128];
+    int run_status;
+    bool running;
+} srv;
+
+static void *run_thread(void *arg)
+{
+    srv *s = arg;
+    s->run_status = km_server_run(s->server, false);
+    return NULL;
+}
+
+static void quiet_log(void *user, const char *line)
+{
+    (void)user;
+    if (getenv("KM_TEST_SERVER_LOG"))
+        fprintf(stderr, "serve: %s\n", line);
+}
+
+/* A config for tests: one pool "main" (block size BS) with `n_approx` approximate-mode workers
+ * 0..n-1 and the given policy. */
+static km_server_worker g_workers[16];
+static km_server_pool g_pool;
+
+static void test_config(km_server_config *cfg, srv *s, km_policy_kind policy, uint32_t n_approx)
+{
+    strcpy(s->dir, "/tmp/kvmatch-serve-XXXXXX");
+    cr_assert_not_null(mkdtemp(s->dir));
+    snprintf(s->sock, sizeof s->sock, "%s/s.sock", s->dir);
+    snprintf(s->addr, sizeof s->addr, "unix:%s", s->sock);
+    snprintf(s->records, sizeof s->records, "%s/records.jsonl", s->dir);
+    km_server_config_init(cfg);
+    cfg->socket_path = s->sock;
+    cfg->records_path = s->records;
+    cfg->max_workers = 64;
+    cfg->backend = KM_BACKEND_CPU;
+    cfg->index_threads = 1;
+    cfg->log = quiet_log;
+    memset(&g_pool, 0, sizeof g_pool);
+    g_pool.name = "main";
+    g_pool.model = "m1";
+    g_pool.block_size = BS;
+    km_policy_config_init(&g_pool.policy);
+    g_pool.policy.kind = policy;
+    for (uint32_t i = 0; i < n_approx; i++)
+        g_workers[i] = (km_server_worker){i, NULL, NULL, NULL};
+    g_pool.workers = g_workers;
+    g_pool.n_workers = n_approx;
+    cfg->pools = &g_pool;
+    cfg->n_pools = 1;
+}
+
+static void srv_start(srv *s, const km_server_config *cfg)
+{
+    char why[256];
+    int rc = km_server_create(cfg, &s->server, why, sizeof why);
+    cr_assert_eq(rc, KM_OK, "km_server_create: %s: %s", km_error_name(rc), why);
+    cr_assert_eq(pthread_create(&s->thread, NULL, run_thread, s), 0);
+    s->running = true;
+}
+
+static void srv_stop(srv *s)
+{
+    if (s->running) {
+        km_server_stop(s->server);
+        pthread_join(s->thread, NULL);
+        s->running = false;
+        cr_assert_eq(s->run_status, KM_OK, "km_server_run: %s", km_error_name(s->run_status));
+    }
+    km_server_destroy(s->server);
+    s->server = NULL;
+}
+
+static void srv_cleanup(srv *s)
+{
+    char cmd[256];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", s->dir);
+    if (system(cmd) != 0)
+        fprintf(stderr, "could not remove %s\n", s->dir);
+}
+
+static km_client *connect_client(srv *s)
+{
+    km_client *c = NULL;
+    char why[256];
+    int rc = km_client_connect(s->addr, 3000, &c, why, sizeof why);
+    cr_assert_eq(rc, KM_OK, "connect: %s: %s", km_error_name(rc), why);
+    return c;
+}
+
+static uint32_t g_tokens[4096];
+
+static km_route_request token_route(const char *request_id, uint32_t first_token, uint32_t n_tokens)
+{
+    for (uint32_t i = 0; i < n_tokens; i++)
+        g_tokens[first_token + i] = 1000 + first_token + i;
+    km_route_request r;
+    memset(&r, 0, sizeof r);
+    r.request_id = request_id;
+    r.pool = "main";
+    r.input = KM_ROUTE_INPUT_TOKENS;
+    r.tokens = g_tokens + first_token;
+    r.n_tokens = n_tokens;
+    return r;
+}
+
+/* Tokens 0..n of one shared sequence: requests over prefixes of it share blocks. */
+static km_route_request prefix_route(const char *request_id, uint32_t n_tokens)
+{
+    for (uint32_t i = 0; i < n_tokens; i++)
+        g_tokens[i] = 7000 + i;
+    km_route_request r;
+    memset(&r, 0, sizeof r);
+    r.request_id = request_id;
+    r.pool = "main";
+    r.input = KM_ROUTE_INPUT_TOKENS;
+    r.tokens = g_tokens;
+    r.n_tokens = n_tokens;
+    return r;
+}
+
+static const km_route_decision *route_one(km_client *c, const km_route_request *r, km_message *reply)
+{
+    int rc = km_client_route(c, r, 1, 5000, reply);
+    cr_assert_eq(rc, KM_OK, "route: %s: %s", km_error_name(rc), km_client_last_error(c));
+    cr_assert_eq(reply->type, KM_MESSAGE_DECISION);
+    cr_assert_eq(reply->decision.n_decisions, 1);
+    return &reply->decision.decisions[0];
+}
+
+static const km_candidate_score *candidate(const km_route_decision *d, uint32_t worker)
+{
+    for (uint32_t i = 0; i < d->n_candidates; i++)
+        if (d->candidates[i].worker == worker)
+            return &d->candidates[i];
+    cr_assert_fail("worker %u is not among the candidates", worker);
+    return NULL;
+}
+
+/* Every line of the records file as JSON (the caller decrefs). */
+static json_t *read_records(srv *s)
+{
+    json_t *all = json_array();
+    FILE *f = fopen(s->records, "r");
+    if (!f)
+        return all;
+    char *line = NULL;
+    size_t cap = 0;
+    while (getline(&line, &cap, f) > 0) {
+        json_error_t e;
+        json_t *o = json_loads(line, 0, &e);
+        cr_assert_not_null(o, "record is not JSON: %s (%s)", e.text, line);
+        json_array_append_new(all, o);
+    }
+    free(line);
+    fclose(f);
+    return all;
+}
+
+static json_t *find_record(json_t *all, const char *type, int64_t decision_id)
+{
+    size_t i;
+    json_t *o;
+    json_array_foreach(all, i, o)
+    {
+        if (!strcmp(json_string_value(json_object_get(o, "type")), type) &&
+            json_integer_value(json_object_get(o, "decision_id")) == decision_id)
+            return o;
+    }
+    return NULL;
+}
+
+/* Validate the records file against the schema; skip (never pass silently) without the tools. */
+static void check_schema(srv *s, bool *checked)
+{
+    *checked = false;
+    if (system("/usr/bin/python3 -c 'import jsonschema' >/dev/null 2>&1") != 0)
+        return;
+    char cmd[512];
+    snprintf(cmd, sizeof cmd, "/usr/bin/python3 tests/check_records.py '%s'", s->records);
+    int rc = system(cmd);
+    cr_assert_eq(rc, 0, "records do not validate against docs/records.schema.json");
+    *checked = true;
+}
+
+/* ---- tests ----------------------------------------------------------------------------------- */
+
+Test(server, route_lifecycle_and_records, .timeout = 30)
+{
+    srv s = {0};
+    km_server_config cfg;
+    test_config(&cfg, &s, KM_POLICY_PREFIX, 3);
+    srv_start(&s, &cfg);
+    km_client *c = connect_client(&s);
+    cr_assert_str_eq(km_client_welcome(c)->kvmatch_version, KVMATCH_VERSION);
+
+    /* No worker holds anything: no owner; approximate mode learns the chosen worker. */
+    km_message reply;
+    km_route_request r1 = prefix_route("req-1", 10 * BS);
+    r1.attempt_id = "a1";
+    r1.endpoint = "/v1/completions";
+    const km_route_decision *d1 = route_one(c, &r1, &reply);
+    cr_assert_eq(d1->status, KM_OK, "%s", d1->message);
+    cr_assert_not(d1->has_owner);
+    cr_assert_eq(d1->n_blocks, 10);
+    cr_assert_eq(d1->source, KM_PREDICTION_APPROX);
+    cr_assert_str_eq(d1->chosen_state, "APPROX");
+    uint32_t first = d1->chosen_worker;
+    uint64_t id1 = d1->decision_id;
+
+    /* The same prefix, longer: the first chosen worker owns 10 blocks, prefix picks it. */
+    km_route_request r2 = prefix_route("req-2", 14 * BS + 3);
+    const km_route_decision *d2 = route_one(c, &r2, &reply);
+    cr_assert_eq(d2->status, KM_OK);
+    cr_assert(d2->has_owner);
+    cr_assert_eq(d2->owner_worker, first);
+    cr_assert_eq(d2->owner_depth, 10);
+    cr_assert_eq(d2->chosen_worker, first);
+    cr_assert_eq(d2->chosen_depth, 10);
+    cr_assert_eq(d2->n_blocks, 14);
+    cr_assert_eq(candidate(d2, first)->depth, 10);
+    cr_assert_eq(candidate(d2, first)->device_blocks, 10);
+    cr_assert_eq(candidate(d2, first)->load.in_flight, 1, "req-1 is in flight there");
+    uint64_t id2 = d2->decision_id;
+
+    /* Lifecycle for req-1 (by request + attempt id) and req-2 (by decision id). */
+    km_lifecycle_event ev[4];
+    memset(ev, 0, sizeof ev);
+    ev[0].kind = KM_LIFECYCLE_DISPATCHED;
+    ev[0].request_id = "req-1";
+    ev[0].attempt_id = "a1";
+    ev[1].kind = KM_LIFECYCLE_FIRST_TOKEN;
+    ev[1].request_id = "req-1";
+    ev[1].attempt_id = "a1";
+    ev[2].kind = KM_LIFECYCLE_FINISHED;
+    ev[2].request_id = "req-1";
+    ev[2].attempt_id = "a1";
+    ev[2].outcome = KM_OUTCOME_COMPLETE;
+    ev[2].finish_reason = "stop";
+    ev[2].done_seen = true;
+    ev[2].has_http_status = true;
+    ev[2].http_status = 200;
+    ev[2].has_cached_tokens = true;
+    ev[2].cached_tokens = 0;
+    ev[2].has_output_tokens = true;
+    ev[2].output_tokens = 17;
+    ev[3].kind = KM_LIFECYCLE_FINISHED;
+    ev[3].has_decision_id = true;
+    ev[3].decision_id = id2;
+    ev[3].outcome = KM_OUTCOME_INCOMPLETE; /* the stream ended without [DONE], even with 200 */
+    ev[3].has_http_status = true;
+    ev[3].http_status = 200;
+    int rc = km_client_lifecycle(c, ev, 4, 5000, &reply);
+    cr_assert_eq(rc, KM_OK, "%s", km_client_last_error(c));
+    cr_assert_eq(reply.type, KM_MESSAGE_ACK);
+    for (uint32_t i = 0; i < 4; i++)
+        cr_assert_eq(reply.ack.items[i].status, KM_OK, "event %u: %s", i,
+                     reply.ack.items[i].message ? reply.ack.items[i].message : "");
+    /* Reports about unknown or finished attempts are answered per item. */
+    km_lifecycle_event bad[2];
+    memset(bad, 0, sizeof bad);
+    bad[0].kind = KM_LIFECYCLE_DISPATCHED;
+    bad[0].request_id = "never-routed";
+    bad[1].kind = KM_LIFECYCLE_FINISHED;
+    bad[1].has_decision_id = true;
+    bad[1].decision_id = id2;
+    bad[1].outcome = KM_OUTCOME_ERROR;
+    bad[1].error = "x";
+    rc = km_client_lifecycle(c, bad, 2, 5000, &reply);
+    cr_assert_eq(rc, KM_OK);
+    cr_assert_eq(reply.ack.items[0].status, KM_ERR_NOT_FOUND);
+    cr_assert_eq(reply.ack.items[1].status, KM_ERR_NOT_FOUND);
+    km_client_close(c);
+    srv_stop(&s);
+
+    json_t *all = read_records(&s);
+    json_t *dr1 = find_record(all, "decision", (int64_t)id1);
+    json_t *dr2 = find_record(all, "decision", (int64_t)id2);
+    json_t *or1 = find_record(all, "outcome", (int64_t)id1);
+    json_t *or2 = find_record(all, "outcome", (int64_t)id2);
+    cr_assert(dr1 && dr2 && or1 && or2, "decision and outcome records for both requests");
+    cr_assert_str_eq(json_string_value(json_object_get(dr1, "request_id")), "req-1");
+    cr_assert_str_eq(json_string_value(json_object_get(dr1, "attempt_id")), "a1");
+    cr_assert_str_eq(json_string_value(json_object_get(or1, "outcome")), "complete");
+    cr_assert_str_eq(json_string_value(json_object_get(or2, "outcome")), "incomplete");
+    bool checked;
+    check_schema(&s, &checked);
+    json_decref(all);
+    srv_cleanup(&s);
+    if (!checked)
+        cr_skip_test("records were checked for content but not against the schema: "
+                     "python3-jsonschema is missing");
+}
+
+/* The brief's case: the best match is on A but under cache_aware's threshold, so B (less loaded)
+ * is chosen; the reply and the record name both. */
+Test(server, owner_and_chosen_kept_apart, .timeout = 30)
+{
+    srv s = {0};
+    km_server_config cfg;
+    test_config(&cfg, &s, KM_POLICY_CACHE_AWARE, 2);
+    srv_start(&s, &cfg);
+    km_client *c = connect_client(&s);
+    km_message reply;
+    /* Teach worker 0 the first 2 blocks (candidates restricted to it). */
+    km_route_request teach = prefix_route("teach", 2 * BS);
+    uint32_t only0 = 0;
+    teach.candidates = &only0;
+    teach.n_candidates = 1;
+    const km_route_decision *dt = route_one(c, &teach, &reply);
+    cr_assert_eq(dt->status, KM_OK);
+    cr_assert_eq(dt->chosen_worker, 0);
+    /* 10 blocks sharing those 2: ratio 0.2 < 0.3 -> the less loaded worker 1. */
+    km_route_request r = prefix_route("case", 10 * BS);
+    const km_route_decision *d = route_one(c, &r, &reply);
+    cr_assert_eq(d->status, KM_OK);
+    cr_assert(d->has_owner);
+    cr_assert_eq(d->owner_worker, 0);
+    cr_assert_eq(d->owner_depth, 2);
+    cr_assert_eq(d->chosen_worker, 1);
+    cr_assert_eq(d->chosen_depth, 0);
+    cr_assert_str_eq(d->policy, "cache_aware");
+    uint64_t id = d->decision_id;
+    km_client_close(c);
+    srv_stop(&s);
+    json_t *all = read_records(&s);
+    json_t *rec = find_record(all, "decision", (int64_t)id);
+    cr_assert_not_null(rec);
+    char *text = json_dumps(rec, JSON_COMPACT);
+    cr_assert(strstr(text, "\"w0\"") && strstr(text, "\"w1\""), "both workers in the record: %s", text);
+    free(text);
+    json_decref(all);
+    srv_cleanup(&s);
+}
+
+/* GET path from 127.0.0.1:port; returns the HTTP status, the body (truncated) in body. */
+static int http_get(uint16_t port, const char *path, char *body, size_t body_size)
+{
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    cr_assert(fd >= 0);
+    struct sockaddr_in sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sin_family = AF_INET;
+    sa.sin_port = htons(port);
+    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    cr_assert_eq(connect(fd, (struct sockaddr *)&sa, sizeof sa), 0);
+    struct timeval tv = {3, 0};
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    char req[256];
+    int n = snprintf(req, sizeof req, "GET %s HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n", path);
+    cr_assert_eq(write(fd, req, (size_t)n), n);
+    static char resp[1 << 16];
+    size_t got = 0;
+    ssize_t k;
+    while (got < sizeof resp - 1 && (k = read(fd, resp + got, sizeof resp - 1 - got)) > 0)
+        got += (size_t)k;
+    resp[got] = '\0';
+    close(fd);
+    int status = 0;
+    sscanf(resp, "HTTP/1.%*d %d", &status);
+    const char *b = strstr(resp, "\r\n\r\n");
+    snprintf(body, body_size, "%s", b ? b + 4 : "");
+    return status;
+}
+
+Test(server, events_pool_scores_observed_blocks, .timeout = 30)
+{
+    km_test_publisher_config pc;
+    km_test_publisher_config_init(&pc);
+    pc.replay = true;
+    km_test_publisher *pub;
+    cr_assert_eq(km_test_publisher_start(&pc, &pub), KM_OK);
+    srv s = {0};
+    km_server_config cfg;
+    test_config(&cfg, &s, KM_POLICY_KV, 0);
+    km_server_worker ws[2] = {{5, "engine-a", km_test_publisher_endpoint(pub),
+                               km_test_publisher_replay_endpoint(pub)},
+                              {6, "approx-b", NULL, NULL}};
+    g_pool.workers = ws;
+    g_pool.n_workers = 2;
+    char http[] = "127.0.0.1:0";
+    cfg.http = http;
+    cfg.snapshot_dir = s.dir;
+    srv_start(&s, &cfg);
+    cr_assert(km_test_publisher_wait_subscribers(pub, 1, 3000));
+    /* The engine stores 6 blocks of the shared sequence. */
+    for (uint32_t i = 0; i < 6 * BS; i++)
+        g_tokens[i] = 7000 + i;
+    uint64_t eh[6] = {11, 12, 13, 14, 15, 16};
+    km_test_batch b;
+    km_test_batch_init(&b, KM_TEST_ENCODING_MAP, KM_TEST_HASH_INT, 0);
+    km_test_batch_stored(&b, eh, 6, false, 0, g_tokens, BS, NULL, NULL);
+    km_test_publisher_publish_batch(pub, &b);
+    km_client *c = connect_client(&s);
+    km_message reply;
+    const km_route_decision *d = NULL;
+    for (int tries = 0; tries < 200; tries++) {
+        km_route_request r = prefix_route("ev", 8 * BS);
+        char rid[32];
+        snprintf(rid, sizeof rid, "ev-%d", tries);
+        r.request_id = rid;
+        d = route_one(c, &r, &reply);
+        cr_assert_eq(d->status, KM_OK, "%s", d->message);
+        if (d->has_owner)
+            break;
+        km_test_sleep_ms(20);
+    }
+    cr_assert(d->has_owner, "the published blocks never reached the index");
+    cr_assert_eq(d->owner_worker, 5);
+    cr_assert_eq(d->owner_depth, 6);
+    cr_assert_str_eq(d->owner_state, "LIVE");
+    cr_assert_eq(candidate(d, 5)->device_blocks, 6);
+    if (d->chosen_worker == 5)
+        cr_assert_eq(d->source, KM_PREDICTION_EVENTS);
+    /* Readiness over HTTP: the only event worker is LIVE. */
+    uint16_t port = km_server_http_port(s.server);
+    cr_assert_gt(port, 0);
+    char body[4096];
+    cr_assert_eq(http_get(port, "/readyz", body, sizeof body), 200, "readyz: %s", body);
+    cr_assert_eq(http_get(port, "/healthz", body, sizeof body), 200);
+    cr_assert_eq(http_get(port, "/metrics", body, sizeof body), 200);
+    cr_assert(strstr(body, "kvmatch_decisions_total"), "metrics: %s", body);
+    cr_assert_eq(http_get(port, "/status", body, sizeof body), 200);
+    cr_assert(strstr(body, "\"LIVE\"") && strstr(body, "engine-a"), "status: %s", body);
+    km_client_close(c);
+    srv_stop(&s);
+    /* The drain wrote the event pool's snapshot. */
+    char snap[200];
+    snprintf(snap, sizeof snap, "%s/main.snap", s.dir);
+    struct stat st;
+    cr_assert_eq(stat(snap, &st), 0, "snapshot %s written at shutdown", snap);
+    km_test_batch_free(&b);
+    km_test_publisher_stop(pub);
+    srv_cleanup(&s);
+}
+
+/* Raw socket helpers for bad input. */
+static int raw_connect(srv *s)
+{
+    int fd = socket(AF_UNIX, SOCK_STREAM, 0);
+    cr_assert(fd >= 0);
+    struct sockaddr_un sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sun_family = AF_UNIX;
+    cr_assert_lt(strlen(s->sock), sizeof sa.sun_path);
+    memcpy(sa.sun_path, s->sock, strlen(s->sock) + 1);
+    cr_assert_eq(connect(fd, (struct sockaddr *)&sa, sizeof sa), 0);
+    struct timeval tv = {3, 0};
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    return fd;
+}
+
+static void raw_send_frame(int fd, const void *payload, uint32_t n)
+{
+    uint32_t be = htonl(n);
+    cr_assert_eq(write(fd, &be, 4), 4);
+    if (n)
+        cr_assert_eq(write(fd, payload, n), (ssize_t)n);
+}
+
+/* Read one reply frame and decode it; returns the km_status of an ERROR reply, or KM_OK. */
+static int raw_read_reply(int fd, km_protocol_decoder *dec, km_message *m, uint8_t *buf, size_t cap)
+{
+    uint32_t be;
+    ssize_t k = recv(fd, &be, 4, MSG_WAITALL);
+    if (k != 4)
+        return KM_ERR_CLOSED;
+    uint32_t n = ntohl(be);
+    cr_assert_leq(n, cap);
+    cr_assert_eq(recv(fd, buf, n, MSG_WAITALL), (ssize_t)n);
+    cr_assert_eq(km_protocol_decode(dec, buf, n, m), KM_OK);
+    return m->type == KM_MESSAGE_ERROR ? m->error.code : KM_OK;
+}
+
+static bool raw_closed(int fd)
+{
+    char c;
+    return recv(fd, &c, 1, 0) == 0;
+}
+
+static void raw_hello(int fd, km_protocol_decoder *dec, uint8_t *buf, size_t cap, uint32_t version)
+{
+    km_message h;
+    memset(&h, 0, sizeof h);
+    h.type = KM_MESSAGE_HELLO;
+    h.has_id = true;
+    h.id = 1;
+    h.hello.protocol_version = version;
+    km_frame_buffer fb;
+    km_frame_buffer_init(&fb);
+    cr_assert_eq(km_protocol_encode(&h, 0, &fb, NULL, 0), KM_OK);
+    cr_assert_eq(write(fd, fb.data, fb.size), (ssize_t)fb.size);
+    km_frame_buffer_free(&fb);
+    km_message m;
+    int rc = raw_read_reply(fd, dec, &m, buf, cap);
+    if (version == KM_PROTOCOL_VERSION)
+        cr_assert_eq(rc, KM_OK);
+}
+
+Test(server, bad_input_is_answered_and_changes_nothing, .timeout = 60)
+{
+    srv s = {0};
+    km_server_config cfg;
+    test_config(&cfg, &s, KM_POLICY_PREFIX, 2);
+    cfg.limits.max_frame_bytes = 1 << 16;
+    srv_start(&s, &cfg);
+    km_client *good = connect_client(&s);
+    km_message reply;
+    km_route_request base = prefix_route("base", 6 * BS);
+    cr_assert_eq(route_one(good, &base, &reply)->status, KM_OK);
+    km_protocol_decoder *dec;
+    cr_assert_eq(km_protocol_decoder_create(NULL, &dec), KM_OK);
+    static uint8_t buf[1 << 20];
+
+    /* 1. First message not HELLO: ERROR, closed. */
+    int fd = raw_connect(&s);
+    km_message st;
+    memset(&st, 0, sizeof st);
+    st.type = KM_MESSAGE_STATUS;
+    st.has_id = true;
+    st.id = 9;
+    km_frame_buffer fb;
+    km_frame_buffer_init(&fb);
+    cr_assert_eq(km_protocol_encode(&st, 0, &fb, NULL, 0), KM_OK);
+    cr_assert_eq(write(fd, fb.data, fb.size), (ssize_t)fb.size);
+    km_message m;
+    cr_assert_eq(raw_read_reply(fd, dec, &m, buf, sizeof buf), KM_ERR_PROTOCOL);
+    cr_assert(raw_closed(fd));
+    close(fd);
+
+    /* 2. A protocol version the server does not speak: INCOMPATIBLE, closed. */
+    fd = raw_connect(&s);
+    raw_hello(fd, dec, buf, sizeof buf, 99);
+    cr_assert(raw_closed(fd));
+    close(fd);
+
+    /* 3. Not msgpack at all (no id can be read): ERROR, closed. */
+    fd = raw_connect(&s);
+    raw_hello(fd, dec, buf, sizeof buf, KM_PROTOCOL_VERSION);
+    raw_send_frame(fd, "\xc1\xc1\xc1garbage", 10);
+    cr_assert_eq(raw_read_reply(fd, dec, &m, buf, sizeof buf), KM_ERR_PARSE);
+    cr_assert(raw_closed(fd));
+    close(fd);
+
+    /* 4. A length over max_frame_bytes: TOO_LARGE before any payload is read, closed. */
+    fd = raw_connect(&s);
+    raw_hello(fd, dec, buf, sizeof buf, KM_PROTOCOL_VERSION);
+    uint32_t huge = htonl(1u << 30);
+    cr_assert_eq(write(fd, &huge, 4), 4);
+    cr_assert_eq(raw_read_reply(fd, dec, &m, buf, sizeof buf), KM_ERR_TOO_LARGE);
+    cr_assert(raw_closed(fd));
+    close(fd);
+
+    /* 5. An unknown message type with an id: ERROR, the connection stays usable. */
+    fd = raw_connect(&s);
+    raw_hello(fd, dec, buf, sizeof buf, KM_PROTOCOL_VERSION);
+    /* {"type": "BOGUS", "id": 5} */
+    const uint8_t bogus[] = {0x82, 0xa4, 't', 'y', 'p', 'e', 0xa5, 'B', 'O', 'G', 'U', 'S',
+                             0xa2, 'i', 'd', 0x05};
+    raw_send_frame(fd, bogus, sizeof bogus);
+    cr_assert_eq(raw_read_reply(fd, dec, &m, buf, sizeof buf), KM_ERR_PROTOCOL);
+    cr_assert_eq(m.id, 5);
+    memset(&st, 0, sizeof st);
+    st.type = KM_MESSAGE_STATUS;
+    st.has_id = true;
+    st.id = 6;
+    km_frame_buffer_free(&fb);
+    cr_assert_eq(km_protocol_encode(&st, 0, &fb, NULL, 0), KM_OK);
+    cr_assert_eq(write(fd, fb.data, fb.size), (ssize_t)fb.size);
+    cr_assert_eq(raw_read_reply(fd, dec, &m, buf, sizeof buf), KM_OK);
+    cr_assert_eq(m.type, KM_MESSAGE_STATUS_REPLY);
+
+    /* 6. A truncated frame, then the peer goes away: nothing happens to anyone else. */
+    uint32_t partial = htonl(100);
+    cr_assert_eq(write(fd, &partial, 4), 4);
+    cr_assert_eq(write(fd, "\x82\xa4", 2), 2);
+    close(fd);
+
+    /* 7. Per-route errors beside a good sibling: unknown pool, unknown candidate, duplicate
+     * candidates, wrong block size for hashes, unknown policy. */
+    km_route_request rs[6];
+    rs[0] = prefix_route("ok", 6 * BS);
+    rs[1] = prefix_route("no-pool", 6 * BS);
+    rs[1].pool = "nope";
+    rs[2] = prefix_route("no-worker", 6 * BS);
+    uint32_t w99 = 63;
+    rs[2].candidates = &w99;
+    rs[2].n_candidates = 1;
+    rs[3] = prefix_route("dup", 6 * BS);
+    uint32_t dup[2] = {1, 1};
+    rs[3].candidates = dup;
+    rs[3].n_candidates = 2;
+    uint64_t hs[2] = {12345, 67890};
+    memset(&rs[4], 0, sizeof rs[4]);
+    rs[4].request_id = "bs";
+    rs[4].pool = "main";
+    rs[4].input = KM_ROUTE_INPUT_HASHES;
+    rs[4].hashes = hs;
+    rs[4].n_hashes = 2;
+    rs[4].block_size = BS + 1;
+    rs[5] = prefix_route("policy", 6 * BS);
+    rs[5].policy = "fastest";
+    int rc = km_client_route(good, rs, 6, 5000, &reply);
+    cr_assert_eq(rc, KM_OK);
+    cr_assert_eq(reply.decision.n_decisions, 6);
+    const km_route_decision *ds = reply.decision.decisions;
+    cr_assert_eq(ds[0].status, KM_OK);
+    cr_assert_eq(ds[1].status, KM_ERR_NOT_FOUND, "%s", ds[1].message);
+    cr_assert_eq(ds[2].status, KM_ERR_NOT_FOUND, "%s", ds[2].message);
+    cr_assert_eq(ds[3].status, KM_ERR_INVALID_ARGUMENT, "%s", ds[3].message);
+    cr_assert_eq(ds[4].status, KM_ERR_INVALID_ARGUMENT, "%s", ds[4].message);
+    cr_assert_eq(ds[5].status, KM_ERR_INVALID_ARGUMENT, "%s", ds[5].message);
+    for (int i = 1; i < 6; i++)
+        cr_assert(ds[i].message && ds[i].message[0], "route %d has a message", i);
+
+    /* 8. Admin errors: unknown pool, duplicate worker, out-of-range id. */
+    km_message wm;
+    memset(&wm, 0, sizeof wm);
+    wm.type = KM_MESSAGE_WORKERS;
+    wm.workers.action = KM_ADMIN_ADD;
+    km_worker_info wi[3];
+    memset(wi, 0, sizeof wi);
+    wi[0].pool = "nope";
+    wi[0].worker = 10;
+    wi[1].pool = "main";
+    wi[1].worker = 1;
+    wi[2].pool = "main";
+    wi[2].worker = 64;
+    wm.workers.workers = wi;
+    wm.workers.n_workers = 3;
+    rc = km_client_call(good, &wm, 5000, &reply);
+    cr_assert_eq(rc, KM_OK);
+    cr_assert_eq(reply.ack.items[0].status, KM_ERR_NOT_FOUND);
+    cr_assert_eq(reply.ack.items[1].status, KM_ERR_INVALID_ARGUMENT);
+    cr_assert_eq(reply.ack.items[2].status, KM_ERR_WORKER_RANGE);
+
+    /* The index is as it was: the first request's blocks are still there, and only there. */
+    km_route_request again = prefix_route("again", 6 * BS);
+    const km_route_decision *d = route_one(good, &again, &reply);
+    cr_assert_eq(d->status, KM_OK);
+    cr_assert(d->has_owner);
+    cr_assert_eq(d->owner_depth, 6);
+    km_server_stats ss;
+    km_server_get_stats(s.server, &ss);
+    cr_assert_geq(ss.bad_frames, 3);
+    km_frame_buffer_free(&fb);
+    km_protocol_decoder_destroy(dec);
+    km_client_close(good);
+    srv_stop(&s);
+    srv_cleanup(&s);
+}
+
+/* A client that sends ROUTEs and then half-closes still gets every reply. */
+Test(server, half_closed_client_gets_its_replies, .timeout = 30)
+{
+    srv s = {0};
+    km_server_config cfg;
+    test_config(&cfg, &s, KM_POLICY_ROUND_ROBIN, 3);
+    srv_start(&s, &cfg);
+    km_protocol_decoder *dec;
+    cr_assert_eq(km_protocol_decoder_create(NULL, &dec), KM_OK);
+    static uint8_t buf[1 << 20];
+    int fd = raw_connect(&s);
+    raw_hello(fd, dec, buf, sizeof buf, KM_PROTOCOL_VERSION);
+    km_frame_buffer fb;
+    km_frame_buffer_init(&fb);
+    for (uint32_t i = 0; i < 20; i++) {
+        km_route_request r = token_route("hc", 0, 3 * BS);
+        km_message m;
+        memset(&m, 0, sizeof m);
+        m.type = KM_MESSAGE_ROUTE;
+        m.has_id = true;
+        m.id = 100 + i;
+        m.route.routes = &r;
+        m.route.n_routes = 1;
+        cr_assert_eq(km_protocol_encode(&m, 0, &fb, NULL, 0), KM_OK);
+    }
+    cr_assert_eq(write(fd, fb.data, fb.size), (ssize_t)fb.size);
+    shutdown(fd, SHUT_WR);
+    uint64_t seen = 0;
+    for (uint32_t i = 0; i < 20; i++) {
+        km_message m;
+        cr_assert_eq(raw_read_reply(fd, dec, &m, buf, sizeof buf), KM_OK);
+        cr_assert_eq(m.type, KM_MESSAGE_DECISION);
+        cr_assert(m.id >= 100 && m.id < 120);
+        seen |= UINT64_C(1) << (m.id - 100);
+    }
+    cr_assert_eq(seen, (UINT64_C(1) << 20) - 1, "every request answered once");
+    cr_assert(raw_closed(fd), "closed after the last reply");
+    close(fd);
+    km_frame_buffer_free(&fb);
+    km_protocol_decoder_destroy(dec);
+    srv_stop(&s);
+    srv_cleanup(&s);
+}
+
+typedef struct client_job {
+    srv *s;
+    int index;
+    int routes;
+    int failures;
+} client_job;
+
+static void *pipelined_client(void *arg)
+{
+    client_job *cj = arg;
+    km_client *c = NULL;
+    if (km_client_connect(cj->s->addr, 5000, &c, NULL, 0) != KM_OK) {
+        cj->failures = cj->routes;
+        return NULL;
+    }
+    uint32_t tokens[8 * BS];
+    for (uint32_t i = 0; i < 8 * BS; i++)
+        tokens[i] = (uint32_t)cj->index * 100000u + i;
+    uint64_t ids[64];
+    char rid[64][32];
+    for (int i = 0; i < cj->routes; i++) {
+        km_route_request r;
+        memset(&r, 0, sizeof r);
+        snprintf(rid[i], sizeof rid[i], "c%d-r%d", cj->index, i);
+        r.request_id = rid[i];
+        r.pool = "main";
+        r.input = KM_ROUTE_INPUT_TOKENS;
+        r.tokens = tokens;
+        r.n_tokens = 8 * BS;
+        if (km_client_send_route(c, &r, 1, 5000, &ids[i]) != KM_OK)
+            cj->failures++;
+    }
+    /* Wait for the replies in reverse order: each must carry its own request id. */
+    for (int i = cj->routes - 1; i >= 0; i--) {
+        km_message m;
+        if (km_client_wait(c, ids[i], 10000, &m) != KM_OK || m.type != KM_MESSAGE_DECISION ||
+            m.decision.decisions[0].status != KM_OK ||
+            strcmp(m.decision.decisions[0].request_id, rid[i]))
+            cj->failures++;
+    }
+    km_client_close(c);
+    return NULL;
+}
+
+Test(server, many_concurrent_pipelined_clients, .timeout = 60)
+{
+    srv s = {0};
+    km_server_config cfg;
+    test_config(&cfg, &s, KM_POLICY_KV, 8);
+    cfg.records_path = NULL;
+    srv_start(&s, &cfg);
+    enum { CLIENTS = 48, ROUTES = 40 };
+    pthread_t th[CLIENTS];
+    client_job jobs[CLIENTS];
+    for (int i = 0; i < CLIENTS; i++) {
+        jobs[i] = (client_job){&s, i, ROUTES, 0};
+        cr_assert_eq(pthread_create(&th[i], NULL, pipelined_client, &jobs[i]), 0);
+    }
+    int failures = 0;
+    for (int i = 0; i < CLIENTS; i++) {
+        pthread_join(th[i], NULL);
+        failures += jobs[i].failures;
+    }
+    cr_assert_eq(failures, 0);
+    km_server_stats ss;
+    km_server_get_stats(s.server, &ss);
+    cr_assert_eq(ss.decisions, (uint64_t)CLIENTS * ROUTES);
+    cr_assert_lt(ss.batches, ss.decisions, "requests from many connections share batches");
+    srv_stop(&s);
+    srv_cleanup(&s);
+}
+
+Test(server, active_work_expires_with_an_outcome_record, .timeout = 30)
+{
+    srv s = {0};
+    km_server_config cfg;
+    test_config(&cfg, &s, KM_POLICY_LEAST_LOAD, 2);
+    cfg.active_ttl_ms = 200;
+    srv_start(&s, &cfg);
+    km_client *c = connect_client(&s);
+    km_message reply;
+    km_route_request r = token_route("lost", 0, 4 * BS);
+    const km_route_decision *d = route_one(c, &r, &reply);
+    cr_assert_eq(d->status, KM_OK);
+    uint64_t id = d->decision_id;
+    uint32_t w = d->chosen_worker;
+    /* Its load is visible at once ... */
+    km_route_request r2 = token_route("probe", 100, 4 * BS);
+    r2.candidates = &w;
+    r2.n_candidates = 1;
+    cr_assert_eq(candidate(route_one(c, &r2, &reply), w)->load.in_flight, 1);
+    /* ... and both expire: no FINISHED ever comes. */
+    km_test_sleep_ms(1600);
+    km_route_request r3 = token_route("after", 200, 4 * BS);
+    r3.candidates = &w;
+    r3.n_candidates = 1;
+    cr_assert_eq(candidate(route_one(c, &r3, &reply), w)->load.in_flight, 0);
+    km_server_stats ss;
+    km_server_get_stats(s.server, &ss);
+    cr_assert_geq(ss.expired, 2);
+    km_client_close(c);
+    srv_stop(&s);
+    json_t *all = read_records(&s);
+    json_t *o = find_record(all, "outcome", (int64_t)id);
+    cr_assert_not_null(o, "an outcome record for the expired attempt");
+    cr_assert_str_eq(json_string_value(json_object_get(o, "outcome")), "expired");
+    json_decref(all);
+    srv_cleanup(&s);
+}
+
+Test(server, workers_and_pools_change_at_run_time, .timeout = 30)
+{
+    srv s = {0};
+    km_server_config cfg;
+    test_config(&cfg, &s, KM_POLICY_PREFIX, 1);
+    srv_start(&s, &cfg);
+    km_client *c = connect_client(&s);
+    km_message reply, m;
+    /* A new pool with its own policy and block size, then workers in it. */
+    memset(&m, 0, sizeof m);
+    m.type = KM_MESSAGE_POOLS;
+    m.pools.action = KM_ADMIN_ADD;
+    km_param params[1] = {{"temperature", 0.0}};
+    km_pool_info pi;
+    memset(&pi, 0, sizeof pi);
+    pi.name = "second";
+    pi.model = "m2";
+    pi.block_size = 8;
+    pi.policy = "least_load";
+    pi.params = params;
+    pi.n_params = 1;
+    m.pools.pools = &pi;
+    m.pools.n_pools = 1;
+    cr_assert_eq(km_client_call(c, &m, 5000, &reply), KM_OK);
+    cr_assert_eq(reply.ack.items[0].status, KM_OK, "%s", reply.ack.items[0].message);
+    memset(&m, 0, sizeof m);
+    m.type = KM_MESSAGE_WORKERS;
+    m.workers.action = KM_ADMIN_ADD;
+    km_worker_info wi[2];
+    memset(wi, 0, sizeof wi);
+    wi[0].pool = "second";
+    wi[0].worker = 20;
+    wi[0].name = "x20";
+    wi[1].pool = "second";
+    wi[1].worker = 21;
+    m.workers.workers = wi;
+    m.workers.n_workers = 2;
+    cr_assert_eq(km_client_call(c, &m, 5000, &reply), KM_OK);
+    cr_assert_eq(reply.ack.items[0].status, KM_OK);
+    cr_assert_eq(reply.ack.items[1].status, KM_OK);
+    /* Routed by model name to the new pool. */
+    km_route_request r = token_route("by-model", 0, 16);
+    r.pool = NULL;
+    r.model = "m2";
+    const km_route_decision *d = route_one(c, &r, &reply);
+    cr_assert_eq(d->status, KM_OK, "%s", d->message);
+    cr_assert_str_eq(d->pool, "second");
+    cr_assert_eq(d->n_blocks, 2);
+    cr_assert(d->chosen_worker == 20 || d->chosen_worker == 21);
+    /* Remove one: it is no longer a candidate. */
+    m.workers.action = KM_ADMIN_REMOVE;
+    m.workers.workers = &wi[1];
+    m.workers.n_workers = 1;
+    cr_assert_eq(km_client_call(c, &m, 5000, &reply), KM_OK);
+    cr_assert_eq(reply.ack.items[0].status, KM_OK);
+    /* The same request and attempt id while the first is still in flight is refused ... */
+    d = route_one(c, &r, &reply);
+    cr_assert_eq(d->status, KM_ERR_INVALID_ARGUMENT, "%s", d->message ? d->message : "");
+    /* ... a new one is routed, and only worker 20 is left. */
+    r.request_id = "by-model-2";
+    d = route_one(c, &r, &reply);
+    cr_assert_eq(d->status, KM_OK, "%s", d->message ? d->message : "");
+    cr_assert_eq(d->n_candidates, 1);
+    cr_assert_eq(d->chosen_worker, 20);
+    /* The list shows both pools' workers. */
+    memset(&m, 0, sizeof m);
+    m.type = KM_MESSAGE_WORKERS;
+    m.workers.action = KM_ADMIN_LIST;
+    cr_assert_eq(km_client_call(c, &m, 5000, &reply), KM_OK);
+    cr_assert_eq(reply.type, KM_MESSAGE_WORKER_LIST);
+    cr_assert_eq(reply.workers.n_workers, 2);
+    /* A pool update cannot change the block size. */
+    memset(&m, 0, sizeof m);
+    m.type = KM_MESSAGE_POOLS;
+    m.pools.action = KM_ADMIN_UPDATE;
+    pi.block_size = 16;
+    m.pools.pools = &pi;
+    m.pools.n_pools = 1;
+    cr_assert_eq(km_client_call(c, &m, 5000, &reply), KM_OK);
+    cr_assert_eq(reply.ack.items[0].status, KM_ERR_INVALID_ARGUMENT);
+    km_client_close(c);
+    srv_stop(&s);
+    srv_cleanup(&s);
+}
+
+/* Stop while clients still have routes queued: every one is answered before the server exits. */
+Test(server, stop_drains_queued_routes, .timeout = 30)
+{
+    srv s = {0};
+    km_server_config cfg;
+    test_config(&cfg, &s, KM_POLICY_KV, 4);
+    srv_start(&s, &cfg);
+    km_client *c = connect_client(&s);
+    uint64_t ids[200];
+    for (int i = 0; i < 200; i++) {
+        km_route_request r = token_route("drain", 0, 64 * BS);
+        cr_assert_eq(km_client_send_route(c, &r, 1, 5000, &ids[i]), KM_OK);
+    }
+    km_server_stop(s.server);
+    int answered = 0, refused = 0;
+    for (int i = 0; i < 200; i++) {
+        km_message m;
+        int rc = km_client_wait(c, ids[i], 10000, &m);
+        if (rc != KM_OK)
+            break;
+        if (m.type == KM_MESSAGE_DECISION)
+            answered++;
+        else if (m.type == KM_MESSAGE_ERROR && m.error.code == KM_ERR_SHUTTING_DOWN)
+            refused++;
+    }
+    cr_assert_eq(answered + refused, 200, "answered %d, refused %d", answered, refused);
+    pthread_join(s.thread, NULL);
+    s.running = false;
+    cr_assert_eq(s.run_status, KM_OK);
+    km_client_close(c);
+    srv_stop(&s);
+    srv_cleanup(&s);
+}
