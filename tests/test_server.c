@@ -957,3 +957,43 @@ Test(server, stop_drains_queued_routes, .timeout = 30)
     srv_stop(&s);
     srv_cleanup(&s);
 }
+
+/* The pure-Python client against this real server: the example script routes, reports a full
+ * lifecycle and pipelines; its decisions and outcome must be in the records. Then the client's own
+ * test (against its fake server). Skipped, never passed, without python3-msgpack. */
+Test(server, python_client_against_the_real_daemon, .timeout = 60)
+{
+    if (system("/usr/bin/python3 -c 'import msgpack' >/dev/null 2>&1") != 0)
+        cr_skip_test("python3-msgpack is missing: the Python client cannot run");
+    srv s = {0};
+    km_server_config cfg;
+    test_config(&cfg, &s, KM_POLICY_KV, 3);
+    g_pool.name = "default";
+    srv_start(&s, &cfg);
+    char cmd[512];
+    snprintf(cmd, sizeof cmd, "/usr/bin/python3 clients/python/example.py '%s' > %s/example.out 2>&1",
+             s.addr, s.dir);
+    int rc = system(cmd);
+    snprintf(cmd, sizeof cmd, "cat %s/example.out >&2", s.dir);
+    if (rc != 0 && system(cmd) != 0)
+        fprintf(stderr, "no example output\n");
+    cr_assert_eq(rc, 0, "clients/python/example.py against the daemon failed");
+    srv_stop(&s);
+    json_t *all = read_records(&s);
+    size_t i;
+    json_t *o;
+    int decisions = 0, complete = 0;
+    json_array_foreach(all, i, o)
+    {
+        const char *type = json_string_value(json_object_get(o, "type"));
+        decisions += !strcmp(type, "decision");
+        const char *outcome = json_string_value(json_object_get(o, "outcome"));
+        complete += !strcmp(type, "outcome") && outcome && !strcmp(outcome, "complete");
+    }
+    cr_assert_eq(decisions, 5, "1 routed + 4 pipelined requests");
+    cr_assert_eq(complete, 1, "the reported lifecycle ends in a complete outcome record");
+    json_decref(all);
+    srv_cleanup(&s);
+    cr_assert_eq(system("/usr/bin/python3 tests/test_python_client.py > /dev/null"), 0,
+                 "tests/test_python_client.py failed");
+}
