@@ -567,22 +567,30 @@ static void encode_decision(writer *w, const km_route_decision *d, uint32_t i)
     put_str(w, &m, "load_scope", d->load_scope);
     put_double(w, &m, "load_value", d->load_value);
     if (check_array(w, where, "candidates", d->candidates, d->n_candidates)) {
+        /* Positional rows (docs/PROTOCOL.md, "Candidate rows"): a decision with 16 candidates is
+         * ~180 msgpack values instead of ~400, both ways. */
         put_key(w, &m, "candidates");
         msgpack_pack_array(&w->packer, d->n_candidates);
         for (uint32_t c = 0; c < d->n_candidates; c++) {
             const km_candidate_score *s = &d->candidates[c];
-            map_mark cm;
-            map_begin(w, &cm);
-            put_u64(w, &cm, "worker", s->worker);
-            put_u64(w, &cm, "depth", s->depth);
-            put_u64(w, &cm, "device_blocks", s->device_blocks);
-            put_u64(w, &cm, "host_blocks", s->host_blocks);
-            put_u64(w, &cm, "disk_blocks", s->disk_blocks);
-            put_load(w, &cm, &s->load);
-            put_double(w, &cm, "cost", s->cost);
-            put_str(w, &cm, "state", s->state);
-            put_bool(w, &cm, "eligible", s->eligible);
-            map_end(w, &cm);
+            msgpack_pack_array(&w->packer, KM_CANDIDATE_ROW_FIELDS);
+            msgpack_pack_uint32(&w->packer, s->worker);
+            msgpack_pack_uint32(&w->packer, s->depth);
+            msgpack_pack_uint32(&w->packer, s->device_blocks);
+            msgpack_pack_uint32(&w->packer, s->host_blocks);
+            msgpack_pack_uint32(&w->packer, s->disk_blocks);
+            msgpack_pack_uint32(&w->packer, s->load.in_flight);
+            msgpack_pack_uint64(&w->packer, s->load.pending_prefill_tokens);
+            msgpack_pack_uint64(&w->packer, s->load.active_decode_blocks);
+            msgpack_pack_double(&w->packer, s->cost);
+            if (s->state)
+                pack_cstr(w, s->state);
+            else
+                msgpack_pack_nil(&w->packer);
+            if (s->eligible)
+                msgpack_pack_true(&w->packer);
+            else
+                msgpack_pack_false(&w->packer);
         }
     }
     map_end(w, &m);
@@ -1153,14 +1161,18 @@ static int bind_fields(km_protocol_decoder *d, const msgpack_object *map, const 
     if (map->type != MSGPACK_OBJECT_MAP)
         return field_fail(d, KM_ERR_PARSE, what, NO_ELEMENT, "expected a map, got %s",
                           object_type_name(map));
+    unsigned start = 0; /* keys usually come in schema order: try the next name first */
     for (uint32_t k = 0; k < map->via.map.size; k++) {
         const msgpack_object *key = &map->via.map.ptr[k].key;
-        if (key->type != MSGPACK_OBJECT_STR)
+        if (key->type != MSGPACK_OBJECT_STR || key->via.str.size == 0)
             continue;
-        for (unsigned i = 0; i < n_names; i++) {
-            size_t len = strlen(names[i]);
-            if (key->via.str.size != len || memcmp(key->via.str.ptr, names[i], len) != 0)
+        const char *kp = key->via.str.ptr;
+        uint32_t kn = key->via.str.size;
+        for (unsigned t = 0; t < n_names; t++) {
+            unsigned i = start + t < n_names ? start + t : start + t - n_names;
+            if (names[i][0] != kp[0] || strncmp(names[i], kp, kn) != 0 || names[i][kn] != '\0')
                 continue;
+            start = i + 1 < n_names ? i + 1 : 0;
             if (seen[i])
                 return field_fail(d, KM_ERR_PARSE, names[i], NO_ELEMENT,
                                   "field appears twice in one map");
@@ -1440,33 +1452,47 @@ static int decode_route(km_protocol_decoder *d, const msgpack_object *o, km_rout
     return KM_OK;
 }
 
+/* One positional candidate row: [worker, depth, device_blocks, host_blocks, disk_blocks,
+ * in_flight, pending_prefill_tokens, active_decode_blocks, cost, state, eligible]; nil means
+ * absent (0, "no state", eligible); extra elements (a newer server) are ignored. */
 static int decode_candidate(km_protocol_decoder *d, const msgpack_object *o, uint32_t index,
                             km_candidate_score *c)
 {
-    enum { WORKER, DEPTH, DEVICE, HOST, DISK, LOAD, COST, STATE, ELIGIBLE, N_FIELDS };
-    static const char *const names[N_FIELDS] = {"worker",     "depth", "device_blocks",
-                                                "host_blocks", "disk_blocks", "load",
-                                                "cost",       "state", "eligible"};
-    const msgpack_object *v[N_FIELDS];
+    static const char *const names[KM_CANDIDATE_ROW_FIELDS] = {
+        "worker", "depth", "device_blocks", "host_blocks", "disk_blocks", "in_flight",
+        "pending_prefill_tokens", "active_decode_blocks", "cost", "state", "eligible"};
     /* Errors name the candidate: "decisions[2].candidates[5].depth". */
     size_t item_length = strlen(d->item);
     snprintf(d->item + item_length, sizeof d->item - item_length, ".candidates[%u]", index);
     c->eligible = true;
-    int rc = bind_fields(d, o, NULL, names, N_FIELDS, v);
-    if (!rc && !v[WORKER])
-        rc = missing(d, "worker");
-    if (rc || (rc = read_u32(d, v[WORKER], "worker", &c->worker)) ||
-        (rc = OPT(read_u32(d, v[DEPTH], "depth", &c->depth), v[DEPTH])) ||
-        (rc = OPT(read_u32(d, v[DEVICE], "device_blocks", &c->device_blocks), v[DEVICE])) ||
-        (rc = OPT(read_u32(d, v[HOST], "host_blocks", &c->host_blocks), v[HOST])) ||
-        (rc = OPT(read_u32(d, v[DISK], "disk_blocks", &c->disk_blocks), v[DISK])) ||
-        (rc = OPT(read_load(d, v[LOAD], &c->load), v[LOAD])) ||
-        (rc = OPT(read_double(d, v[COST], "cost", &c->cost), v[COST])) ||
-        (rc = OPT(read_str(d, v[STATE], "state", &c->state), v[STATE])) ||
-        (rc = OPT(read_bool(d, v[ELIGIBLE], "eligible", &c->eligible), v[ELIGIBLE]))) {
+    int rc = KM_OK;
+    if (o->type != MSGPACK_OBJECT_ARRAY || o->via.array.size < KM_CANDIDATE_ROW_FIELDS) {
+        rc = field_fail(d, KM_ERR_PARSE, NULL, NO_ELEMENT,
+                        "expected an array of %u fields (a candidate row), got %s",
+                        KM_CANDIDATE_ROW_FIELDS,
+                        o->type == MSGPACK_OBJECT_ARRAY ? "fewer" : object_type_name(o));
         d->item[item_length] = 0;
         return rc;
     }
+    const msgpack_object *v = o->via.array.ptr;
+#define ROW(i) (v[i].type == MSGPACK_OBJECT_NIL ? NULL : &v[i])
+    if (!ROW(0))
+        rc = missing(d, names[0]);
+    if (rc || (rc = read_u32(d, &v[0], names[0], &c->worker)) ||
+        (rc = OPT(read_u32(d, ROW(1), names[1], &c->depth), ROW(1))) ||
+        (rc = OPT(read_u32(d, ROW(2), names[2], &c->device_blocks), ROW(2))) ||
+        (rc = OPT(read_u32(d, ROW(3), names[3], &c->host_blocks), ROW(3))) ||
+        (rc = OPT(read_u32(d, ROW(4), names[4], &c->disk_blocks), ROW(4))) ||
+        (rc = OPT(read_u32(d, ROW(5), names[5], &c->load.in_flight), ROW(5))) ||
+        (rc = OPT(read_u64(d, ROW(6), names[6], &c->load.pending_prefill_tokens), ROW(6))) ||
+        (rc = OPT(read_u64(d, ROW(7), names[7], &c->load.active_decode_blocks), ROW(7))) ||
+        (rc = OPT(read_double(d, ROW(8), names[8], &c->cost), ROW(8))) ||
+        (rc = OPT(read_str(d, ROW(9), names[9], &c->state), ROW(9))) ||
+        (rc = OPT(read_bool(d, ROW(10), names[10], &c->eligible), ROW(10)))) {
+        d->item[item_length] = 0;
+        return rc;
+    }
+#undef ROW
     d->item[item_length] = 0;
     return KM_OK;
 }

@@ -95,6 +95,7 @@ typedef struct job {
     uint64_t enqueued_ns;
     route_job *routes;
     uint32_t n_routes;
+    km_route_decision *decisions; /* filled by the scheduler, encoded by the loop thread */
     km_frame_buffer reply;
     chunk *chunks;
 } job;
@@ -707,8 +708,9 @@ typedef struct batch_scratch {
     double *costs;
     km_candidate_score *scores;
     km_record_candidate *rcands;
-    km_route_decision *decisions;
-    size_t cap_cands, cap_decisions;
+    size_t cap_cands;
+    km_update *pool_updates;
+    size_t cap_pool_updates;
     km_approx_updates updates;
 } batch_scratch;
 
@@ -727,7 +729,7 @@ static int grow(void **p, size_t *cap, size_t need, size_t elem)
     return KM_OK;
 }
 
-static int scratch_reserve(batch_scratch *b, size_t n_cands, size_t n_decisions)
+static int scratch_reserve(batch_scratch *b, size_t n_cands)
 {
     size_t cap = b->cap_cands;
     if (grow((void **)&b->cands, &cap, n_cands, sizeof *b->cands))
@@ -742,7 +744,7 @@ static int scratch_reserve(batch_scratch *b, size_t n_cands, size_t n_decisions)
     if (grow((void **)&b->rcands, &cap, n_cands, sizeof *b->rcands))
         return KM_ERR_OUT_OF_MEMORY;
     b->cap_cands = cap;
-    return grow((void **)&b->decisions, &b->cap_decisions, n_decisions, sizeof *b->decisions);
+    return KM_OK;
 }
 
 static void route_fail(route_job *r, int status, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
@@ -793,7 +795,7 @@ static void decide_route(km_server *s, job *j, route_job *r, pool *p, const km_r
                 return;
             }
     }
-    if (scratch_reserve(b, n, 0)) {
+    if (scratch_reserve(b, n)) {
         route_fail(r, KM_ERR_OUT_OF_MEMORY, "candidate scratch");
         return;
     }
@@ -1001,9 +1003,15 @@ static void decide_route(km_server *s, job *j, route_job *r, pool *p, const km_r
     km_counter_add(s->m_decisions, 1);
 }
 
-static void encode_job_reply(km_server *s, job *j, batch_scratch *b)
+/* On the loop thread, in parallel with the scheduler's next batch. */
+static void encode_job_reply(km_server *s, job *j)
 {
-    km_route_decision *ds = b->decisions;
+    km_route_decision *ds = j->decisions;
+    if (!ds) {
+        km_protocol_encode_error(j->msg_id, KM_ERR_OUT_OF_MEMORY, "no memory for the decisions",
+                                 &j->reply);
+        return;
+    }
     for (uint32_t i = 0; i < j->n_routes; i++) {
         route_job *r = &j->routes[i];
         if (r->status == KM_OK)
@@ -1077,43 +1085,45 @@ static void run_batch(km_server *s, job *jobs, batch_scratch *b)
     pthread_mutex_lock(&s->active_lock);
     km_approx_updates_clear(&b->updates);
     for (job *j = jobs; j; j = j->next) {
-        if (scratch_reserve(b, 0, j->n_routes)) {
-            for (uint32_t k = 0; k < j->n_routes; k++)
-                if (j->routes[k].status == KM_OK)
-                    route_fail(&j->routes[k], KM_ERR_OUT_OF_MEMORY, "batch");
-        }
+        j->decisions = job_alloc(j, (j->n_routes ? j->n_routes : 1) * sizeof *j->decisions);
+        if (j->decisions)
+            memset(j->decisions, 0, j->n_routes * sizeof *j->decisions);
         for (uint32_t k = 0; k < j->n_routes; k++) {
             route_job *r = &j->routes[k];
-            if (r->status != KM_OK || !cursor)
+            if (r->status != KM_OK || !cursor || !j->decisions) {
+                if (r->status == KM_OK)
+                    route_fail(r, KM_ERR_OUT_OF_MEMORY, "batch");
                 continue;
+            }
             pool *p = s->pools[r->pool];
             size_t q = cursor[r->pool]++;
             if (p->n_requests == SIZE_MAX) {
                 route_fail(r, KM_ERR_INTERNAL, "scoring failed: %s", km_index_last_error(p->index));
                 continue;
             }
-            uint32_t before_updates = (uint32_t)b->updates.n_updates;
-            (void)before_updates;
-            decide_route(s, j, r, p, &p->results.requests[q], b, &b->decisions[k], scored);
+            decide_route(s, j, r, p, &p->results.requests[q], b, &j->decisions[k], scored);
         }
-        encode_job_reply(s, j, b);
     }
     pthread_mutex_unlock(&s->active_lock);
-    if (!cursor)
-        for (job *j = jobs; j; j = j->next)
-            encode_job_reply(s, j, b);
     free(cursor);
-    /* Approximate-mode learning: apply what this batch's decisions taught, per pool. Updates of one
-     * pool are contiguous only per record; apply each to the index of its worker's pool. */
-    for (size_t u = 0; u < b->updates.n_updates; u++) {
-        const km_update *up = &b->updates.updates[u];
-        if (up->worker >= s->cfg.max_workers || !s->workers[up->worker].used)
-            continue;
-        pool *p = s->pools[s->workers[up->worker].pool];
-        int rc = km_index_apply(p->index, up, 1, NULL);
-        if (rc != KM_OK)
-            slog(s, "pool %s: approximate-mode update refused: %s", p->name,
-                 km_index_last_error(p->index));
+    /* Approximate-mode learning: what this batch's decisions taught, one index batch per pool. */
+    if (b->updates.n_updates && grow((void **)&b->pool_updates, &b->cap_pool_updates,
+                                     b->updates.n_updates, sizeof *b->pool_updates) == KM_OK) {
+        for (uint32_t i = 0; i < s->n_pools; i++) {
+            size_t n = 0;
+            for (size_t u = 0; u < b->updates.n_updates; u++) {
+                const km_update *up = &b->updates.updates[u];
+                if (up->worker < s->cfg.max_workers && s->workers[up->worker].used &&
+                    s->workers[up->worker].pool == i)
+                    b->pool_updates[n++] = *up;
+            }
+            if (!n)
+                continue;
+            pool *p = s->pools[i];
+            if (km_index_apply(p->index, b->pool_updates, n, NULL) != KM_OK)
+                slog(s, "pool %s: approximate-mode updates refused: %s", p->name,
+                     km_index_last_error(p->index));
+        }
     }
     pthread_mutex_unlock(&s->admin_lock);
     uint64_t t1 = now_ns();
@@ -1142,7 +1152,8 @@ static void housekeeping(km_server *s, batch_scratch *b)
         }
     }
     pthread_mutex_unlock(&s->admin_lock);
-    if (now - s->last_expiry_ns >= EXPIRY_PERIOD_NS) {
+    /* Every tick: O(expired), so a burst of expiries is spread instead of one pause a second. */
+    if (now - s->last_expiry_ns >= EXPIRY_PERIOD_NS / 50) {
         s->last_expiry_ns = now;
         pthread_mutex_lock(&s->active_lock);
         km_active_expire(s->active, now, record_expired, s, NULL);
@@ -1213,7 +1224,7 @@ static void *scheduler_main(void *arg)
     free(b.costs);
     free(b.scores);
     free(b.rcands);
-    free(b.decisions);
+    free(b.pool_updates);
     km_approx_updates_free(&b.updates);
     return NULL;
 }
@@ -2058,8 +2069,10 @@ static void deliver_done(km_server *s)
         list = j->next;
         conn *c = j->conn;
         c->jobs_in_flight--;
-        if (!c->closing)
+        if (!c->closing) {
+            encode_job_reply(s, j);
             conn_send(c, &j->reply);
+        }
         job_free(j);
         if (c->closing)
             conn_maybe_free(c);

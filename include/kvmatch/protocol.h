@@ -192,6 +192,11 @@ typedef struct km_worker_load {
     uint64_t active_decode_blocks;
 } km_worker_load;
 
+/* Candidates travel as positional rows of this many fields (docs/PROTOCOL.md, "Candidate rows"):
+ * worker, depth, device_blocks, host_blocks, disk_blocks, in_flight, pending_prefill_tokens,
+ * active_decode_blocks, cost, state, eligible. */
+#define KM_CANDIDATE_ROW_FIELDS 11u
+
 typedef struct km_candidate_score {
     uint32_t worker;
     uint32_t depth;         /* leading blocks of the request this worker holds (any tier) */

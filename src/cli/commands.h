@@ -9,5 +9,6 @@ int km_cmd_serve(int argc, char **argv);       /* src/cli/serve_cmd.c: `kvmatch 
 int km_cmd_route(int argc, char **argv);       /* src/cli/route_cmd.c: `kvmatch route` */
 int km_bench_index_main(int argc, char **argv); /* bench/bench_index.c: `kvmatch bench index` */
 int km_bench_events_main(int argc, char **argv); /* bench/bench_events.c: `kvmatch bench events` */
+int km_bench_ipc_main(int argc, char **argv);    /* bench/bench_ipc.c: `kvmatch bench ipc` */
 
 #endif

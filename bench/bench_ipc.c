@@ -1,0 +1,436 @@
+/* `kvmatch bench ipc`: decisions per second and round-trip latency of a real `kvmatch serve`,
+ * started by this command as a child process on a temporary Unix socket (CPU backend, records off
+ * unless --records), driven over 1, 16 and 128 connections with single-route and batched frames.
+ *
+ * Workload: a pool of 16 approximate-mode workers (block size 16, policy kv). Each route carries
+ * the chain hashes of a prompt drawn from 256 shared prefixes (system prompts / documents) of 8..40
+ * blocks plus 2..24 unique blocks, so overlap, policy and approximate-mode learning all do real
+ * work. Hashes rather than token ids: the router sends what it already has (docs/PROTOCOL.md).
+ *
+ * Closed loop: each connection keeps `window` frames outstanding; decisions/s counts routes
+ * answered per second; the round trip is send-to-reply per frame. Open loop (--rate): frames are
+ * sent on a fixed schedule across the connections regardless of replies (the p99 target is
+ * measured this way, so a slow reply delays nothing but itself). One driver thread polls every
+ * connection. Output: docs/BENCHMARKS.md "IPC". */
+
+#include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <jansson.h>
+
+#include "bench_common.h"
+#include "kvmatch/kvmatch.h"
+
+#define WORKERS 16
+#define BLOCK 16
+#define PREFIXES 256
+#define BATCH_ROUTES 64
+
+typedef struct workload {
+    uint64_t prefix[PREFIXES][40];
+    uint32_t prefix_len[PREFIXES];
+    uint64_t rng;
+    uint64_t unique;
+    bool fresh; /* each request adds 2..24 blocks never seen before (the index learns them) */
+} workload;
+
+static uint64_t next_rand(uint64_t *s)
+{
+    uint64_t z = (*s += UINT64_C(0x9e3779b97f4a7c15));
+    z = (z ^ (z >> 30)) * UINT64_C(0xbf58476d1ce4e5b9);
+    z = (z ^ (z >> 27)) * UINT64_C(0x94d049bb133111eb);
+    return z ^ (z >> 31);
+}
+
+static void workload_init(workload *w)
+{
+    w->rng = 42;
+    for (int p = 0; p < PREFIXES; p++) {
+        w->prefix_len[p] = 8 + (uint32_t)(next_rand(&w->rng) % 33);
+        uint64_t parent = 0;
+        for (uint32_t i = 0; i < w->prefix_len[p]; i++) {
+            uint64_t local = km_hash_remap(next_rand(&w->rng));
+            w->prefix[p][i] = parent ? km_hash_chain_step(parent, local) : km_hash_chain_root(local);
+            parent = w->prefix[p][i];
+        }
+    }
+}
+
+/* One request's hashes into out (capacity 64); returns the count. Popular prefixes are hot
+ * (p = r^2 skew). */
+static uint32_t workload_request(workload *w, uint64_t *out)
+{
+    uint64_t r = next_rand(&w->rng) % 1000;
+    int p = (int)(r * r * PREFIXES / 1000000);
+    uint32_t n = w->prefix_len[p];
+    memcpy(out, w->prefix[p], n * sizeof *out);
+    if (!w->fresh) {
+        /* Repeat: a prefix of a known prompt, cut at a random block (a request population whose
+         * blocks the index already knows after the warm-up). */
+        return 1 + (uint32_t)(next_rand(&w->rng) % n);
+    }
+    uint32_t extra = 2 + (uint32_t)(next_rand(&w->rng) % 23);
+    uint64_t parent = out[n - 1];
+    for (uint32_t i = 0; i < extra; i++) {
+        uint64_t local = km_hash_remap(next_rand(&w->rng) ^ ++w->unique);
+        out[n] = km_hash_chain_step(parent, local);
+        parent = out[n++];
+    }
+    return n;
+}
+
+typedef struct conn_state {
+    km_client *c;
+    uint32_t outstanding;
+    double *sent_at; /* by id % ring */
+    uint32_t ring;
+    uint64_t routes_per_frame;
+} conn_state;
+
+typedef struct phase_result {
+    double decisions_per_s;
+    double rtt_p50_us, rtt_p99_us;
+    uint64_t frames, routes, errors;
+} phase_result;
+
+static int cmp_double(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+static double percentile(double *v, size_t n, double q)
+{
+    if (!n)
+        return 0;
+    size_t i = (size_t)(q * (double)(n - 1) + 0.5);
+    return v[i < n ? i : n - 1];
+}
+
+/* Send one frame of `per_frame` routes on connection k. */
+static int send_frame(conn_state *cs, workload *w, uint32_t per_frame, uint64_t *seq)
+{
+    static uint64_t hashes[BATCH_ROUTES][64];
+    static km_route_request routes[BATCH_ROUTES];
+    static char ids[BATCH_ROUTES][32];
+    for (uint32_t i = 0; i < per_frame; i++) {
+        km_route_request *r = &routes[i];
+        memset(r, 0, sizeof *r);
+        snprintf(ids[i], sizeof ids[i], "b%" PRIu64, (*seq)++);
+        r->request_id = ids[i];
+        r->pool = "main";
+        r->input = KM_ROUTE_INPUT_HASHES;
+        r->hashes = hashes[i];
+        r->n_hashes = workload_request(w, hashes[i]);
+        r->has_expected_output_tokens = true;
+        r->expected_output_tokens = 128;
+    }
+    uint64_t id;
+    int rc = km_client_send_route(cs->c, routes, per_frame, 5000, &id);
+    if (rc != KM_OK)
+        return rc;
+    cs->sent_at[id % cs->ring] = km_bench_now_s();
+    cs->outstanding++;
+    return KM_OK;
+}
+
+/* Lifecycle reports would keep the active-work table small; this benchmark measures decisions,
+ * so the server runs with a short active TTL instead (entries expire every second). */
+static int run_phase(const char *addr, uint32_t n_conns, uint32_t per_frame, uint32_t window,
+                     double rate, double seconds, workload *w, phase_result *out)
+{
+    memset(out, 0, sizeof *out);
+    conn_state *cs = calloc(n_conns, sizeof *cs);
+    struct pollfd *pfd = calloc(n_conns, sizeof *pfd);
+    size_t rtt_cap = 1 << 22, n_rtt = 0;
+    double *rtt = malloc(rtt_cap * sizeof *rtt);
+    if (!cs || !pfd || !rtt)
+        return KM_ERR_OUT_OF_MEMORY;
+    int rc = KM_OK;
+    for (uint32_t k = 0; k < n_conns && !rc; k++) {
+        char why[200];
+        rc = km_client_connect(addr, 5000, &cs[k].c, why, sizeof why);
+        if (rc) {
+            fprintf(stderr, "bench ipc: connect: %s\n", why);
+            break;
+        }
+        cs[k].ring = 4096;
+        cs[k].sent_at = calloc(cs[k].ring, sizeof(double));
+        pfd[k].fd = km_client_fd(cs[k].c);
+        pfd[k].events = POLLIN;
+    }
+    static uint64_t seq = 0; /* request ids stay unique across phases */
+    double start = km_bench_now_s(), end = start + seconds, next_send = start;
+    double interval = rate > 0 ? (double)per_frame / rate : 0;
+    uint32_t rr = 0;
+    /* Closed loop: fill every window. */
+    if (!rc && rate <= 0)
+        for (uint32_t k = 0; k < n_conns && !rc; k++)
+            for (uint32_t i = 0; i < window && !rc; i++)
+                rc = send_frame(&cs[k], w, per_frame, &seq);
+    while (!rc) {
+        double now = km_bench_now_s();
+        if (now >= end)
+            break;
+        if (rate > 0) {
+            while (next_send <= now && !rc) {
+                rc = send_frame(&cs[rr], w, per_frame, &seq);
+                rr = (rr + 1) % n_conns;
+                next_send += interval;
+            }
+        }
+        int timeout_ms = 1;
+        if (poll(pfd, n_conns, timeout_ms) < 0 && errno != EINTR)
+            break;
+        for (uint32_t k = 0; k < n_conns && !rc; k++) {
+            if (!(pfd[k].revents & POLLIN))
+                continue;
+            while (cs[k].outstanding) {
+                km_message m;
+                int r2 = km_client_receive(cs[k].c, 0, &m);
+                if (r2 == KM_ERR_TIMEOUT)
+                    break;
+                if (r2 != KM_OK) {
+                    rc = r2;
+                    break;
+                }
+                double t = km_bench_now_s();
+                cs[k].outstanding--;
+                out->frames++;
+                if (m.type == KM_MESSAGE_DECISION) {
+                    for (uint32_t i = 0; i < m.decision.n_decisions; i++)
+                        if (m.decision.decisions[i].status == KM_OK)
+                            out->routes++;
+                        else
+                            out->errors++;
+                } else {
+                    out->errors++;
+                }
+                if (n_rtt < rtt_cap)
+                    rtt[n_rtt++] = (t - cs[k].sent_at[m.id % cs[k].ring]) * 1e6;
+                if (rate <= 0 && t < end)
+                    rc = send_frame(&cs[k], w, per_frame, &seq);
+            }
+        }
+    }
+    double elapsed = km_bench_now_s() - start;
+    out->decisions_per_s = (double)out->routes / elapsed;
+    qsort(rtt, n_rtt, sizeof *rtt, cmp_double);
+    out->rtt_p50_us = percentile(rtt, n_rtt, 0.50);
+    out->rtt_p99_us = percentile(rtt, n_rtt, 0.99);
+    /* Drain what is still in flight so the next phase starts clean. */
+    for (uint32_t k = 0; k < n_conns; k++) {
+        while (cs[k].c && cs[k].outstanding) {
+            km_message m;
+            if (km_client_receive(cs[k].c, 5000, &m) != KM_OK)
+                break;
+            cs[k].outstanding--;
+        }
+        km_client_close(cs[k].c);
+        free(cs[k].sent_at);
+    }
+    free(cs);
+    free(pfd);
+    free(rtt);
+    return rc;
+}
+
+static pid_t start_server(const char *self, const char *sock, bool records, const char *dir)
+{
+    pid_t pid = fork();
+    if (pid != 0)
+        return pid;
+    char rec[300];
+    snprintf(rec, sizeof rec, "%s/records.jsonl", dir);
+    char *argv[64];
+    int n = 0;
+    argv[n++] = (char *)self;
+    argv[n++] = "serve";
+    argv[n++] = "--socket";
+    argv[n++] = (char *)sock;
+    argv[n++] = "--records";
+    argv[n++] = records ? rec : "none";
+    argv[n++] = "--backend";
+    argv[n++] = "cpu";
+    argv[n++] = "--threads";
+    argv[n++] = getenv("KM_BENCH_IPC_THREADS") ? getenv("KM_BENCH_IPC_THREADS") : "1";
+    argv[n++] = "--active-ttl-s";
+    argv[n++] = "1";
+    argv[n++] = "--pool";
+    argv[n++] = "main:16:kv";
+    static char wspec[WORKERS][32];
+    for (int i = 0; i < WORKERS; i++) {
+        snprintf(wspec[i], sizeof wspec[i], "main:%d", i);
+        argv[n++] = "--worker";
+        argv[n++] = wspec[i];
+    }
+    argv[n] = NULL;
+    int devnull = open("/dev/null", O_WRONLY);
+    if (devnull >= 0 && !getenv("KM_BENCH_SERVER_LOG"))
+        dup2(devnull, 2);
+    execv(self, argv);
+    _exit(127);
+}
+
+int km_bench_ipc_main(int argc, char **argv)
+{
+    bool json = false, quick = false, records = false;
+    const char *connect_to = NULL; /* a running server (pool "main") instead of a child */
+    int only = -1; /* run one phase (0-based, repeat then fresh), for profiling */
+    double seconds = 2.0;
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--json"))
+            json = true;
+        else if (!strcmp(argv[i], "--quick"))
+            quick = true;
+        else if (!strcmp(argv[i], "--records"))
+            records = true;
+        else if (!strcmp(argv[i], "--connect") && i + 1 < argc)
+            connect_to = argv[++i];
+        else if (!strcmp(argv[i], "--only") && i + 1 < argc)
+            only = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--seconds") && i + 1 < argc)
+            seconds = atof(argv[++i]);
+        else {
+            fprintf(stderr, "usage: kvmatch bench ipc [--json] [--quick] [--seconds S] [--records]\n");
+            return 2;
+        }
+    }
+    if (quick)
+        seconds = 0.5;
+    signal(SIGPIPE, SIG_IGN);
+    char self[4096];
+    ssize_t sl = readlink("/proc/self/exe", self, sizeof self - 1);
+    if (sl <= 0) {
+        fprintf(stderr, "bench ipc: cannot find this executable\n");
+        return 1;
+    }
+    self[sl] = '\0';
+    char dir[] = "/tmp/kvmatch-bench-ipc-XXXXXX";
+    if (!mkdtemp(dir)) {
+        perror("bench ipc: mkdtemp");
+        return 1;
+    }
+    char sock[300], addr[320];
+    snprintf(sock, sizeof sock, "%s/s.sock", dir);
+    snprintf(addr, sizeof addr, "unix:%s", sock);
+    json_t *root = json_object();
+    json_object_set_new(root, "benchmark", json_string("ipc"));
+    json_object_set_new(root, "machine", km_bench_machine_json());
+    pid_t pid = connect_to ? 0 : start_server(self, sock, records, dir);
+    if (connect_to)
+        snprintf(addr, sizeof addr, "%s", connect_to);
+    /* Wait for the socket. */
+    km_client *probe = NULL;
+    for (int i = 0; i < 200 && !probe; i++) {
+        if (km_client_connect(addr, 1000, &probe, NULL, 0) != KM_OK) {
+            probe = NULL;
+            struct timespec ts = {0, 20000000};
+            nanosleep(&ts, NULL);
+        }
+    }
+    if (!probe) {
+        fprintf(stderr, "bench ipc: the server did not start\n");
+        if (pid > 0) {
+            kill(pid, SIGKILL);
+            waitpid(pid, NULL, 0);
+        }
+        return 1;
+    }
+    km_client_close(probe);
+    workload w;
+    workload_init(&w);
+    /* Warm-up: the approximate-mode index learns the prefixes. */
+    phase_result pr;
+    run_phase(addr, 4, BATCH_ROUTES, 2, 0, quick ? 0.3 : 1.0, &w, &pr);
+
+    json_t *results = json_array();
+    struct {
+        uint32_t conns;
+        const char *frame;
+        uint32_t per_frame, window;
+        double rate;
+    } phases[] = {
+        {1, "single", 1, 4, 0},        {16, "single", 1, 4, 0},        {128, "single", 1, 2, 0},
+        {1, "batched", BATCH_ROUTES, 4, 0}, {16, "batched", BATCH_ROUTES, 2, 0},
+        {128, "batched", BATCH_ROUTES, 1, 0},
+        {16, "single", 1, 0, getenv("KM_BENCH_IPC_RATE") ? atof(getenv("KM_BENCH_IPC_RATE")) : 20000},
+    };
+    int status = 0;
+    if (!json)
+        printf("%-7s %-5s %-8s %-9s %14s %11s %11s %7s\n", "prompts", "conns", "frame", "offered",
+               "decisions/s", "rtt p50 us", "rtt p99 us", "errors");
+    size_t n_phases = sizeof phases / sizeof phases[0];
+    for (size_t pi = 0; pi < 2 * n_phases && !status; pi++) {
+        size_t i = pi % n_phases;
+        w.fresh = pi >= n_phases;
+        const char *wname = w.fresh ? "fresh" : "repeat";
+        if (only >= 0 && (size_t)only != pi)
+            continue;
+        int rc = run_phase(addr, phases[i].conns, phases[i].per_frame, phases[i].window,
+                           phases[i].rate, seconds, &w, &pr);
+        if (rc != KM_OK) {
+            fprintf(stderr, "bench ipc: phase %zu failed: %s\n", i, km_error_name(rc));
+            status = 1;
+            break;
+        }
+        json_t *o = json_object();
+        json_object_set_new(o, "workload", json_string(wname));
+        json_object_set_new(o, "connections", json_integer(phases[i].conns));
+        json_object_set_new(o, "frame", json_string(phases[i].frame));
+        json_object_set_new(o, "routes_per_frame", json_integer(phases[i].per_frame));
+        json_object_set_new(o, "offered_per_s", phases[i].rate > 0 ? json_real(phases[i].rate) : json_null());
+        json_object_set_new(o, "decisions_per_s", json_real(km_bench_round_to(pr.decisions_per_s, 1)));
+        json_object_set_new(o, "rtt_p50_us", json_real(km_bench_round_to(pr.rtt_p50_us, 0.1)));
+        json_object_set_new(o, "rtt_p99_us", json_real(km_bench_round_to(pr.rtt_p99_us, 0.1)));
+        json_object_set_new(o, "errors", json_integer((json_int_t)pr.errors));
+        json_array_append_new(results, o);
+        if (!json) {
+            char offered[32] = "open";
+            if (phases[i].rate > 0)
+                snprintf(offered, sizeof offered, "%.0f/s", phases[i].rate);
+            printf("%-7s %-5u %-8s %-9s %14.0f %11.1f %11.1f %7" PRIu64 "\n", wname, phases[i].conns,
+                   phases[i].frame, offered, pr.decisions_per_s, pr.rtt_p50_us, pr.rtt_p99_us,
+                   pr.errors);
+            fflush(stdout);
+        }
+    }
+    json_object_set_new(root, "results", results);
+    json_t *wl = json_object();
+    json_object_set_new(wl, "workers", json_integer(WORKERS));
+    json_object_set_new(wl, "block_size", json_integer(BLOCK));
+    json_object_set_new(wl, "input", json_string("hashes"));
+    json_object_set_new(wl, "repeat", json_string("a prefix (1..40 blocks) of one of 256 known prompts: the decision path with an index that already knows every block"));
+    json_object_set_new(wl, "fresh", json_string("one of 256 prompts (8..40 blocks) + 2..24 blocks never seen: approximate mode stores every new block, the index grows"));
+    json_object_set_new(wl, "seconds_per_phase", json_real(seconds));
+    json_object_set_new(wl, "records", json_boolean(records));
+    json_object_set_new(root, "workload", wl);
+    int wst = 0;
+    if (pid > 0) {
+        kill(pid, SIGTERM);
+        waitpid(pid, &wst, 0);
+    }
+    json_object_set_new(root, "server_exit_status",
+                        json_integer(WIFEXITED(wst) ? WEXITSTATUS(wst) : -1));
+    if (json) {
+        char *text = json_dumps(root, JSON_INDENT(2));
+        puts(text);
+        free(text);
+    }
+    json_decref(root);
+    char cmd[400];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+    if (system(cmd) != 0)
+        fprintf(stderr, "bench ipc: could not remove %s\n", dir);
+    return status;
+}
