@@ -118,6 +118,8 @@ static double percentile(double *v, size_t n, double q)
 }
 
 /* Send one frame of `per_frame` routes on connection k. */
+static bool g_brief;
+
 static int send_frame(conn_state *cs, workload *w, uint32_t per_frame, uint64_t *seq)
 {
     static uint64_t hashes[BATCH_ROUTES][64];
@@ -134,6 +136,7 @@ static int send_frame(conn_state *cs, workload *w, uint32_t per_frame, uint64_t 
         r->n_hashes = workload_request(w, hashes[i]);
         r->has_expected_output_tokens = true;
         r->expected_output_tokens = 128;
+        r->brief = g_brief;
     }
     uint64_t id;
     int rc = km_client_send_route(cs->c, routes, per_frame, 5000, &id);
@@ -355,27 +358,38 @@ int km_bench_ipc_main(int argc, char **argv)
     run_phase(addr, 4, BATCH_ROUTES, 2, 0, quick ? 0.3 : 1.0, &w, &pr);
 
     json_t *results = json_array();
+    double rate = getenv("KM_BENCH_IPC_RATE") ? atof(getenv("KM_BENCH_IPC_RATE")) : 20000;
     struct {
+        const char *workload, *reply;
         uint32_t conns;
         const char *frame;
         uint32_t per_frame, window;
         double rate;
     } phases[] = {
-        {1, "single", 1, 4, 0},        {16, "single", 1, 4, 0},        {128, "single", 1, 2, 0},
-        {1, "batched", BATCH_ROUTES, 4, 0}, {16, "batched", BATCH_ROUTES, 2, 0},
-        {128, "batched", BATCH_ROUTES, 1, 0},
-        {16, "single", 1, 0, getenv("KM_BENCH_IPC_RATE") ? atof(getenv("KM_BENCH_IPC_RATE")) : 20000},
+        {"repeat", "full", 1, "single", 1, 4, 0},
+        {"repeat", "full", 16, "single", 1, 4, 0},
+        {"repeat", "full", 128, "single", 1, 2, 0},
+        {"repeat", "full", 1, "batched", BATCH_ROUTES, 4, 0},
+        {"repeat", "full", 16, "batched", BATCH_ROUTES, 2, 0},
+        {"repeat", "full", 128, "batched", BATCH_ROUTES, 1, 0},
+        {"repeat", "full", 16, "single", 1, 0, rate},
+        {"repeat", "brief", 1, "batched", BATCH_ROUTES, 4, 0},
+        {"repeat", "brief", 16, "batched", BATCH_ROUTES, 2, 0},
+        {"repeat", "brief", 128, "batched", BATCH_ROUTES, 1, 0},
+        {"repeat", "brief", 16, "single", 1, 0, rate},
+        {"fresh", "full", 16, "single", 1, 4, 0},
+        {"fresh", "full", 16, "batched", BATCH_ROUTES, 2, 0},
     };
     int status = 0;
     if (!json)
-        printf("%-7s %-5s %-8s %-9s %14s %11s %11s %7s\n", "prompts", "conns", "frame", "offered",
-               "decisions/s", "rtt p50 us", "rtt p99 us", "errors");
+        printf("%-7s %-6s %-5s %-8s %-9s %14s %11s %11s %7s\n", "prompts", "reply", "conns", "frame",
+               "offered", "decisions/s", "rtt p50 us", "rtt p99 us", "errors");
     size_t n_phases = sizeof phases / sizeof phases[0];
-    for (size_t pi = 0; pi < 2 * n_phases && !status; pi++) {
-        size_t i = pi % n_phases;
-        w.fresh = pi >= n_phases;
-        const char *wname = w.fresh ? "fresh" : "repeat";
-        if (only >= 0 && (size_t)only != pi)
+    for (size_t i = 0; i < n_phases && !status; i++) {
+        w.fresh = !strcmp(phases[i].workload, "fresh");
+        g_brief = !strcmp(phases[i].reply, "brief");
+        const char *wname = phases[i].workload;
+        if (only >= 0 && (size_t)only != i)
             continue;
         int rc = run_phase(addr, phases[i].conns, phases[i].per_frame, phases[i].window,
                            phases[i].rate, seconds, &w, &pr);
@@ -386,6 +400,7 @@ int km_bench_ipc_main(int argc, char **argv)
         }
         json_t *o = json_object();
         json_object_set_new(o, "workload", json_string(wname));
+        json_object_set_new(o, "reply", json_string(phases[i].reply));
         json_object_set_new(o, "connections", json_integer(phases[i].conns));
         json_object_set_new(o, "frame", json_string(phases[i].frame));
         json_object_set_new(o, "routes_per_frame", json_integer(phases[i].per_frame));
@@ -399,7 +414,8 @@ int km_bench_ipc_main(int argc, char **argv)
             char offered[32] = "open";
             if (phases[i].rate > 0)
                 snprintf(offered, sizeof offered, "%.0f/s", phases[i].rate);
-            printf("%-7s %-5u %-8s %-9s %14.0f %11.1f %11.1f %7" PRIu64 "\n", wname, phases[i].conns,
+            printf("%-7s %-6s %-5u %-8s %-9s %14.0f %11.1f %11.1f %7" PRIu64 "\n", wname,
+                   phases[i].reply, phases[i].conns,
                    phases[i].frame, offered, pr.decisions_per_s, pr.rtt_p50_us, pr.rtt_p99_us,
                    pr.errors);
             fflush(stdout);

@@ -529,6 +529,8 @@ static void encode_route(writer *w, const km_route_request *r, uint32_t i)
         put_u64(w, &m, "prompt_tokens", r->prompt_tokens);
     if (r->has_expected_output_tokens)
         put_u64(w, &m, "expected_output_tokens", r->expected_output_tokens);
+    if (r->brief)
+        put_bool(w, &m, "brief", true);
     map_end(w, &m);
 }
 
@@ -1391,11 +1393,11 @@ static int read_load(km_protocol_decoder *d, const msgpack_object *o, km_worker_
 static int decode_route(km_protocol_decoder *d, const msgpack_object *o, km_route_request *r)
 {
     enum { REQUEST_ID, ATTEMPT_ID, MODEL, POOL, ENDPOINT, TOKENS, HASHES, BLOCK_SIZE, LORA_NAME,
-           CACHE_SALT, CANDIDATES, POLICY, PROMPT_TOKENS, EXPECTED_OUTPUT_TOKENS, N_FIELDS };
+           CACHE_SALT, CANDIDATES, POLICY, PROMPT_TOKENS, EXPECTED_OUTPUT_TOKENS, BRIEF, N_FIELDS };
     static const char *const names[N_FIELDS] = {
         "request_id", "attempt_id", "model",     "pool",       "endpoint",
         "tokens",     "hashes",     "block_size", "lora_name", "cache_salt",
-        "candidates", "policy",     "prompt_tokens", "expected_output_tokens"};
+        "candidates", "policy",     "prompt_tokens", "expected_output_tokens", "brief"};
     const msgpack_object *v[N_FIELDS];
     const km_protocol_limits *l = &d->limits;
     int rc = bind_fields(d, o, NULL, names, N_FIELDS, v);
@@ -1449,6 +1451,8 @@ static int decode_route(km_protocol_decoder *d, const msgpack_object *o, km_rout
             return rc;
         r->has_expected_output_tokens = true;
     }
+    if (v[BRIEF] && (rc = read_bool(d, v[BRIEF], "brief", &r->brief)))
+        return rc;
     return KM_OK;
 }
 

@@ -79,6 +79,7 @@ typedef struct route_job {
     bool has_prompt_tokens;
     uint64_t expected_output_tokens;
     bool has_expected_output_tokens;
+    bool brief; /* no candidate rows in the reply */
 } route_job;
 
 /* Bump allocator for one job's copies. */
@@ -908,8 +909,8 @@ static void decide_route(km_server *s, job *j, route_job *r, pool *p, const km_r
     d->load_kind = load_kind;
     d->load_scope = "this_instance";
     d->load_value = km_policy_load_value(pc.kind, &b->cands[pd.chosen]);
-    d->candidates = scores;
-    d->n_candidates = n;
+    d->candidates = r->brief ? NULL : scores;
+    d->n_candidates = r->brief ? 0 : n;
 
     /* The attempt, for its outcome record. */
     attempt *a = calloc(1, sizeof *a);
@@ -1490,6 +1491,7 @@ static void handle_route(conn *c, const km_message *m)
                                                      : (uint64_t)in->n_hashes * p->block_size;
         }
         r->has_expected_output_tokens = in->has_expected_output_tokens;
+        r->brief = in->brief;
         r->expected_output_tokens = in->expected_output_tokens;
         if (in->candidates) {
             r->candidates = job_alloc(j, (in->n_candidates ? in->n_candidates : 1) * sizeof(uint32_t));

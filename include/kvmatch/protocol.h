@@ -167,6 +167,9 @@ typedef struct km_route_request {
     uint64_t prompt_tokens;
     bool has_expected_output_tokens;
     uint64_t expected_output_tokens;
+    /* true: the DECISION leaves out the candidate rows (the decision record keeps them); for
+     * routers that only need the choice, at a fraction of the reply's size. */
+    bool brief;
 } km_route_request;
 
 typedef struct km_route_batch {
