@@ -95,8 +95,10 @@ bench: all
 	$(Q)mkdir -p bench/results
 	$(Q)$(BIN) bench index --json > bench/results/index.json
 	$(Q)$(BIN) bench events --json > bench/results/events.json
+	$(Q)$(BIN) bench ipc --json > bench/results/ipc.json
 	$(Q)python3 scripts/bench-report.py bench/results/index.json docs/BENCHMARKS.md
-	$(Q)cat bench/results/index.json bench/results/events.json
+	$(Q)python3 scripts/bench-report.py bench/results/ipc.json docs/BENCHMARKS.md
+	$(Q)cat bench/results/index.json bench/results/events.json bench/results/ipc.json
 
 run: deps
 	$(Q)$(MAKE) --no-print-directory all

@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""Render bench/results/index.json as the markdown section of docs/BENCHMARKS.md between the
-markers <!-- index:begin --> and <!-- index:end --> (stdlib only).
+"""Render a benchmark's JSON as its markdown section of docs/BENCHMARKS.md, between the markers
+<!-- NAME:begin --> and <!-- NAME:end --> (stdlib only). NAME is the "benchmark" field of the JSON
+(index when absent): index and ipc have renderers.
 
 usage: scripts/bench-report.py [bench/results/index.json] [docs/BENCHMARKS.md]
 """
@@ -51,17 +52,42 @@ def render(d):
     return "\n".join(out)
 
 
+def render_ipc(d):
+    m = d.get("machine", {})
+    w = d.get("workload", {})
+    out = []
+    out.append(f"Command: `kvmatch bench ipc --json` (a child `kvmatch serve`, CPU backend, "
+               f"{w.get('workers', '?')} approximate-mode workers, block size {w.get('block_size', '?')}, "
+               f"input {w.get('input', '?')}, records {'on' if w.get('records') else 'off'}, "
+               f"{w.get('seconds_per_phase', '?')} s per phase); machine: {m.get('cpu', '?')}, "
+               f"{m.get('cores', '?')} cores, 1-minute load at start {m.get('loadavg_1min_at_start', '?')}. "
+               f"The driver (one thread polling every connection) runs on the same cores.\n")
+    out.append("| prompts | reply | connections | frame | offered/s | decisions/s | rtt p50 (us) | rtt p99 (us) | errors |")
+    out.append("|---|---|---:|---|---:|---:|---:|---:|---:|")
+    for r in d["results"]:
+        offered = "open" if r.get("offered_per_s") is None else fmt(r["offered_per_s"])
+        out.append(f"| {r.get('workload', '')} | {r.get('reply', '')} | {r['connections']} | {r['frame']} | "
+                   f"{offered} | {fmt(r['decisions_per_s'])} | {fmt(r['rtt_p50_us'], 1)} | "
+                   f"{fmt(r['rtt_p99_us'], 1)} | {r.get('errors', '')} |")
+    return "\n".join(out)
+
+
+RENDERERS = {"index": render, "ipc": render_ipc}
+
+
 def main():
     src = sys.argv[1] if len(sys.argv) > 1 else "bench/results/index.json"
     doc = sys.argv[2] if len(sys.argv) > 2 else "docs/BENCHMARKS.md"
     with open(src) as f:
-        section = render(json.load(f))
+        data = json.load(f)
+    name = data.get("benchmark", "index")
+    section = RENDERERS[name](data)
     with open(doc) as f:
         text = f.read()
-    new, n = re.subn(r"(<!-- index:begin -->\n)(?:.*?\n)?(<!-- index:end -->)",
+    new, n = re.subn(r"(<!-- " + name + r":begin -->\n)(?:.*?\n)?(<!-- " + name + r":end -->)",
                      lambda mo: mo.group(1) + section + "\n" + mo.group(2), text, flags=re.S)
     if n != 1:
-        sys.exit(f"{doc}: markers <!-- index:begin --> / <!-- index:end --> not found")
+        sys.exit(f"{doc}: markers <!-- {name}:begin --> / <!-- {name}:end --> not found")
     with open(doc, "w") as f:
         f.write(new)
 
