@@ -6,14 +6,17 @@
  * expiry, run-time workers and pools, every bad-input case (each must leave other clients served
  * and the index unchanged), many concurrent pipelined clients, HTTP readiness, and a drain on stop
  * that answers everything queued. Loopback only; every test bounds its time. */
+#include <fcntl.h>
 #include <inttypes.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <arpa/inet.h>
@@ -996,4 +999,124 @@ Test(server, python_client_against_the_real_daemon, .timeout = 60)
     srv_cleanup(&s);
     cr_assert_eq(system("/usr/bin/python3 tests/test_python_client.py > /dev/null"), 0,
                  "tests/test_python_client.py failed");
+}
+
+/* A client that sends and never reads: reading pauses, then past max_outbox_bytes it is closed;
+ * a well-behaved client is served all along. */
+Test(server, slow_reader_is_closed_others_are_served, .timeout = 60)
+{
+    srv s = {0};
+    km_server_config cfg;
+    test_config(&cfg, &s, KM_POLICY_KV, 16);
+    cfg.max_outbox_bytes = 64 * 1024;
+    cfg.records_path = NULL;
+    srv_start(&s, &cfg);
+    km_protocol_decoder *dec;
+    cr_assert_eq(km_protocol_decoder_create(NULL, &dec), KM_OK);
+    static uint8_t buf[1 << 20];
+    int fd = raw_connect(&s);
+    raw_hello(fd, dec, buf, sizeof buf, KM_PROTOCOL_VERSION);
+    /* Small frames in, large replies out (16 candidate rows each), never read. */
+    km_frame_buffer fb;
+    km_frame_buffer_init(&fb);
+    for (uint32_t i = 0; i < 400; i++) {
+        char rid[32];
+        snprintf(rid, sizeof rid, "slow-%u", i);
+        km_route_request r[8];
+        for (int k = 0; k < 8; k++) {
+            r[k] = token_route(rid, 0, 2 * BS);
+            static const char *const attempts[8] = {"0", "1", "2", "3", "4", "5", "6", "7"};
+            r[k].attempt_id = attempts[k];
+        }
+        km_message m;
+        memset(&m, 0, sizeof m);
+        m.type = KM_MESSAGE_ROUTE;
+        m.has_id = true;
+        m.id = 10 + i;
+        m.route.routes = r;
+        m.route.n_routes = 8;
+        cr_assert_eq(km_protocol_encode(&m, 0, &fb, NULL, 0), KM_OK);
+    }
+    /* Write without blocking forever: the server stops reading once its outbox is large. */
+    struct timeval tv = {2, 0};
+    setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+    size_t off = 0;
+    while (off < fb.size) {
+        ssize_t k = send(fd, fb.data + off, fb.size - off, MSG_NOSIGNAL);
+        if (k <= 0)
+            break;
+        off += (size_t)k;
+    }
+    /* Meanwhile another client is served normally. */
+    km_client *good = connect_client(&s);
+    km_message reply;
+    for (int i = 0; i < 20; i++) {
+        char rid[32];
+        snprintf(rid, sizeof rid, "good-%d", i);
+        km_route_request r = token_route(rid, 100, 4 * BS);
+        cr_assert_eq(route_one(good, &r, &reply)->status, KM_OK);
+    }
+    /* The slow client is cut off once its unread replies pass the limit. */
+    km_server_stats ss;
+    for (int i = 0; i < 300; i++) {
+        km_server_get_stats(s.server, &ss);
+        if (ss.slow_clients_closed)
+            break;
+        km_test_sleep_ms(10);
+    }
+    cr_assert_eq(ss.slow_clients_closed, 1, "the slow reader was closed");
+    km_client_close(good);
+    close(fd);
+    km_frame_buffer_free(&fb);
+    km_protocol_decoder_destroy(dec);
+    srv_stop(&s);
+    srv_cleanup(&s);
+}
+
+/* The real binary: `kvmatch serve` answers, and SIGTERM drains, writes its records and exits 0. */
+Test(server, cli_serve_exits_zero_on_sigterm, .timeout = 60)
+{
+    const char *bin = getenv("KM_BIN") ? getenv("KM_BIN") : "build/kvmatch";
+    if (access(bin, X_OK) != 0)
+        cr_assert_fail("%s is not executable (set KM_BIN)", bin);
+    srv s = {0};
+    strcpy(s.dir, "/tmp/kvmatch-serve-XXXXXX");
+    cr_assert_not_null(mkdtemp(s.dir));
+    snprintf(s.sock, sizeof s.sock, "%s/s.sock", s.dir);
+    snprintf(s.addr, sizeof s.addr, "unix:%s", s.sock);
+    snprintf(s.records, sizeof s.records, "%s/records.jsonl", s.dir);
+    pid_t pid = fork();
+    cr_assert(pid >= 0);
+    if (pid == 0) {
+        int devnull = open("/dev/null", O_WRONLY);
+        if (devnull >= 0 && !getenv("KM_TEST_SERVER_LOG"))
+            dup2(devnull, 2);
+        execl(bin, bin, "serve", "--socket", s.sock, "--records", s.records, "--backend", "cpu",
+              "--pool", "main:4:prefix", "--worker", "main:0", "--worker", "main:1", (char *)NULL);
+        _exit(127);
+    }
+    km_client *c = NULL;
+    for (int i = 0; i < 300 && !c; i++) {
+        if (km_client_connect(s.addr, 1000, &c, NULL, 0) != KM_OK) {
+            c = NULL;
+            km_test_sleep_ms(10);
+        }
+    }
+    cr_assert_not_null(c, "kvmatch serve did not come up");
+    km_message reply;
+    km_route_request r = token_route("cli-1", 0, 8 * BS);
+    const km_route_decision *d = route_one(c, &r, &reply);
+    cr_assert_eq(d->status, KM_OK);
+    uint64_t id = d->decision_id;
+    km_client_close(c);
+    cr_assert_eq(kill(pid, SIGTERM), 0);
+    int st = 0;
+    cr_assert_eq(waitpid(pid, &st, 0), pid);
+    cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "exit status %d", st);
+    struct stat sst;
+    cr_assert_neq(stat(s.sock, &sst), 0, "the socket file is removed at exit");
+    json_t *all = read_records(&s);
+    cr_assert_not_null(find_record(all, "decision", (int64_t)id), "the decision record was flushed");
+    json_decref(all);
+    srv_cleanup(&s);
 }
