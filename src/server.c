@@ -417,6 +417,7 @@ static int pool_subscriber(km_server *s, pool *p, char *why, size_t why_size)
     sc.log_user = s->log_user;
     sc.snapshot_path = p->snapshot_path;
     sc.snapshot_interval_ms = p->snapshot_path ? s->cfg.snapshot_interval_ms : 0;
+    sc.snapshot_background = true; /* the scheduler must not stop routing while a snapshot is written */
     struct stat stt;
     sc.restore_path = p->snapshot_path && stat(p->snapshot_path, &stt) == 0 ? p->snapshot_path : NULL;
     int rc = km_subscriber_create(p->index, &sc, &p->sub);

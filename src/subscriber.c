@@ -13,6 +13,7 @@
 #include "kvmatch/subscriber.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <inttypes.h>
 #include <pthread.h>
 #include <stdarg.h>
@@ -20,6 +21,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <zmq.h>
 
@@ -67,6 +70,8 @@ struct km_subscriber {
     char last_error[256];
     char snapshot_path[4096];
     uint64_t last_snapshot_ns;
+    pid_t snapshot_child; /* background snapshot being written; 0 = none */
+    int snapshot_pipe;    /* its error text, read when reaped; -1 = none */
 
     /* I/O thread only */
     km_kv_decoder *decoder;
@@ -683,6 +688,7 @@ int km_subscriber_create(km_index *index, const km_subscriber_config *cfg_in, km
     }
     sub->config.restore_path = NULL;
     sub->last_snapshot_ns = km_feed_clock_ns();
+    sub->snapshot_pipe = -1;
     if (cfg.restore_path) {
         /* Restart of kvmatch: before any socket exists. Failure is not fatal: start empty. */
         rc = km_feed_restore(sub->feed, cfg.restore_path, km_feed_clock_ns());
@@ -740,6 +746,8 @@ static int run_command(km_subscriber *sub, command *c)
     return KM_OK;
 }
 
+static void reap_snapshot_child(km_subscriber *sub, bool wait);
+
 void km_subscriber_destroy(km_subscriber *sub)
 {
     if (!sub)
@@ -761,6 +769,7 @@ void km_subscriber_destroy(km_subscriber *sub)
         zmq_close(sub->control_caller);
     if (sub->ctx)
         zmq_ctx_term(sub->ctx);
+    reap_snapshot_child(sub, true);
     km_kv_decoder_destroy(sub->decoder);
     km_feed_destroy(sub->feed);
     pthread_mutex_destroy(&sub->lock);
@@ -838,6 +847,71 @@ int km_subscriber_resync_worker(km_subscriber *sub, uint32_t worker)
     return run_command(sub, &c);
 }
 
+/* Under the lock: collect a finished background snapshot (wait for it when `wait`). */
+static void reap_snapshot_child(km_subscriber *sub, bool wait)
+{
+    if (!sub->snapshot_child)
+        return;
+    int status = 0;
+    pid_t r;
+    do
+        r = waitpid(sub->snapshot_child, &status, wait ? 0 : WNOHANG);
+    while (r < 0 && errno == EINTR);
+    if (r == 0)
+        return; /* still writing */
+    char why[200] = "";
+    if (sub->snapshot_pipe >= 0) {
+        ssize_t n = read(sub->snapshot_pipe, why, sizeof why - 1);
+        why[n > 0 ? n : 0] = '\0';
+        close(sub->snapshot_pipe);
+        sub->snapshot_pipe = -1;
+    }
+    sub->snapshot_child = 0;
+    if (r > 0 && WIFEXITED(status) && WEXITSTATUS(status) == 0) {
+        sub->stats.snapshots++;
+        return;
+    }
+    sub->stats.snapshot_failures++;
+    snprintf(sub->stats.last_snapshot_error, sizeof sub->stats.last_snapshot_error,
+             "background snapshot failed (%s): %s",
+             r < 0 ? "lost" : WIFEXITED(status) ? "exit status" : "killed by a signal",
+             why[0] ? why : "no detail");
+    snprintf(sub->last_error, sizeof sub->last_error, "%s", sub->stats.last_snapshot_error);
+    sub_log(sub, "%s", sub->stats.last_snapshot_error);
+}
+
+/* Under the lock, right after a flush: fork a child that writes the snapshot from its
+ * copy-on-write image (only this thread exists in the child, holding the lock, so it touches
+ * nothing another thread could have left half-changed: the feed and index are ours). Returns
+ * false when fork failed (the caller writes in place). */
+static bool save_in_background(km_subscriber *sub, const char *path, uint64_t now)
+{
+    int fds[2];
+    if (pipe2(fds, O_CLOEXEC) != 0)
+        return false;
+    pid_t pid = fork();
+    if (pid < 0) {
+        close(fds[0]);
+        close(fds[1]);
+        return false;
+    }
+    if (pid == 0) {
+        close(fds[0]);
+        int rc = km_feed_save(sub->feed, path, now);
+        if (rc != KM_OK) {
+            const char *e = km_feed_last_error(sub->feed);
+            ssize_t w = write(fds[1], e, strlen(e));
+            (void)w;
+        }
+        _exit(rc == KM_OK ? 0 : 1);
+    }
+    close(fds[1]);
+    sub->snapshot_child = pid;
+    sub->snapshot_pipe = fds[0];
+    sub->last_snapshot_ns = now;
+    return true;
+}
+
 /* Under the lock. */
 static int save_locked(km_subscriber *sub, const char *path, uint64_t now)
 {
@@ -863,9 +937,13 @@ int km_subscriber_flush(km_subscriber *sub, km_feed_flush_stats *stats)
     int rc = km_feed_flush(sub->feed, now, stats);
     if (rc)
         snprintf(sub->last_error, sizeof sub->last_error, "%s", km_feed_last_error(sub->feed));
-    else if (sub->config.snapshot_path && sub->config.snapshot_interval_ms &&
-             now - sub->last_snapshot_ns >= (uint64_t)sub->config.snapshot_interval_ms * 1000000u &&
-             save_locked(sub, sub->config.snapshot_path, now) != KM_OK)
+    reap_snapshot_child(sub, false);
+    if (!rc && !sub->snapshot_child && sub->config.snapshot_path &&
+        sub->config.snapshot_interval_ms &&
+        now - sub->last_snapshot_ns >= (uint64_t)sub->config.snapshot_interval_ms * 1000000u &&
+        !(sub->config.snapshot_background &&
+          save_in_background(sub, sub->config.snapshot_path, now)) &&
+        save_locked(sub, sub->config.snapshot_path, now) != KM_OK)
         sub_log(sub, "periodic snapshot failed: %s", sub->stats.last_snapshot_error);
     pthread_mutex_unlock(&sub->lock);
     return rc;
@@ -876,6 +954,7 @@ int km_subscriber_save(km_subscriber *sub, const char *path)
     if (!sub)
         return KM_ERR_NULL_POINTER;
     pthread_mutex_lock(&sub->lock);
+    reap_snapshot_child(sub, true); /* one writer at a time; this one is the newest */
     const char *p = path ? path : sub->config.snapshot_path;
     int rc = p ? save_locked(sub, p, km_feed_clock_ns()) : KM_ERR_NULL_POINTER;
     pthread_mutex_unlock(&sub->lock);
@@ -919,6 +998,7 @@ int km_subscriber_get_stats(km_subscriber *sub, km_subscriber_stats *out)
     if (!sub || !out)
         return KM_ERR_NULL_POINTER;
     pthread_mutex_lock(&sub->lock);
+    reap_snapshot_child(sub, false);
     *out = sub->stats;
     pthread_mutex_unlock(&sub->lock);
     return KM_OK;

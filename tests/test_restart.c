@@ -539,6 +539,71 @@ Test(restart, periodic_snapshots_and_unclaimed_workers, .timeout = 30)
     rx_free(&s);
 }
 
+/* Background periodic snapshots (snapshot_background): a forked child writes the file while the
+ * flushing thread goes on; the result is counted when reaped, the file restores to the same index,
+ * and a failing child is counted with its reason. */
+Test(restart, background_snapshots, .timeout = 30)
+{
+    rx s;
+    rx_init(&s, 0);
+    rx_stop_sub(&s);
+    s.index = km_test_make_index(16);
+    km_subscriber_config_init(&s.cfg);
+    km_test_feed_config(&s.cfg.feed, BS);
+    s.cfg.log = s.cfg.feed.log;
+    periodic(&s.cfg, s.path);
+    s.cfg.snapshot_background = true;
+    cr_assert_eq(km_subscriber_create(s.index, &s.cfg, &s.sub), KM_OK);
+    rx_follow(&s);
+    km_feed_worker_info info;
+    RX_WAIT(&s, info, info.state == KM_FEED_STATE_LIVE, 3000);
+    rx_publish(&s, 15);
+    rx_wait_applied(&s);
+    km_test_sleep_ms(3);
+    rx_flush(&s); /* forks the writer */
+    km_subscriber_stats st;
+    for (int i = 0; i < 500; i++) {
+        cr_assert_eq(km_subscriber_get_stats(s.sub, &st), KM_OK);
+        if (st.snapshots || st.snapshot_failures)
+            break;
+        km_test_sleep_ms(10);
+    }
+    cr_assert_eq(st.snapshot_failures, 0, "%s", st.last_snapshot_error);
+    cr_assert_geq(st.snapshots, 1);
+    /* The newest state wins at shutdown: km_subscriber_save waits for any child first. */
+    cr_assert_eq(km_subscriber_save(s.sub, NULL), KM_OK);
+    km_index_stats before;
+    cr_assert_eq(km_index_get_stats(s.index, &before), KM_OK);
+    cr_assert(before.pairs > 0);
+    rx_stop_sub(&s);
+    rx_start_sub(&s, s.path);
+    info = rx_info(&s);
+    cr_assert_eq(info.expected_seq, 15);
+    km_index_stats after;
+    cr_assert_eq(km_index_get_stats(s.index, &after), KM_OK);
+    cr_assert_eq(after.pairs, before.pairs);
+    /* A child that cannot write is counted with its reason, and the subscriber goes on. */
+    rx_stop_sub(&s);
+    s.index = km_test_make_index(16);
+    periodic(&s.cfg, "/nonexistent-dir/kvmatch.snap");
+    s.cfg.restore_path = NULL;
+    s.cfg.snapshot_background = true;
+    cr_assert_eq(km_subscriber_create(s.index, &s.cfg, &s.sub), KM_OK);
+    km_test_sleep_ms(3);
+    rx_flush(&s);
+    for (int i = 0; i < 500; i++) {
+        cr_assert_eq(km_subscriber_get_stats(s.sub, &st), KM_OK);
+        if (st.snapshots || st.snapshot_failures)
+            break;
+        km_test_sleep_ms(10);
+    }
+    cr_assert_eq(st.snapshot_failures, 1);
+    cr_assert(strstr(st.last_snapshot_error, "background snapshot failed"), "%s",
+              st.last_snapshot_error);
+    cr_assert(strstr(st.last_snapshot_error, "nonexistent-dir"), "%s", st.last_snapshot_error);
+    rx_free(&s);
+}
+
 Test(restart, engine_restarted_while_kvmatch_was_down, .timeout = 30)
 {
     rx s;
