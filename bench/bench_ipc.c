@@ -119,9 +119,25 @@ static double percentile(double *v, size_t n, double q)
 
 /* Send one frame of `per_frame` routes on connection k. */
 static bool g_brief;
+static bool g_ping; /* the IPC floor: a LIFECYCLE report the loop thread answers by itself */
 
 static int send_frame(conn_state *cs, workload *w, uint32_t per_frame, uint64_t *seq)
 {
+    if (g_ping) {
+        char rid[32];
+        snprintf(rid, sizeof rid, "ping-%" PRIu64, (*seq)++);
+        km_lifecycle_event ev;
+        memset(&ev, 0, sizeof ev);
+        ev.kind = KM_LIFECYCLE_DISPATCHED;
+        ev.request_id = rid;
+        uint64_t id;
+        int rc = km_client_send_lifecycle(cs->c, &ev, 1, 5000, &id);
+        if (rc != KM_OK)
+            return rc;
+        cs->sent_at[id % cs->ring] = km_bench_now_s();
+        cs->outstanding++;
+        return KM_OK;
+    }
     static uint64_t hashes[BATCH_ROUTES][64];
     static km_route_request routes[BATCH_ROUTES];
     static char ids[BATCH_ROUTES][32];
@@ -210,7 +226,9 @@ static int run_phase(const char *addr, uint32_t n_conns, uint32_t per_frame, uin
                 double t = km_bench_now_s();
                 cs[k].outstanding--;
                 out->frames++;
-                if (m.type == KM_MESSAGE_DECISION) {
+                if (g_ping && m.type == KM_MESSAGE_ACK) {
+                    out->routes++; /* answered (unknown id: NOT_FOUND, as intended) */
+                } else if (m.type == KM_MESSAGE_DECISION) {
                     for (uint32_t i = 0; i < m.decision.n_decisions; i++)
                         if (m.decision.decisions[i].status == KM_OK)
                             out->routes++;
@@ -366,6 +384,7 @@ int km_bench_ipc_main(int argc, char **argv)
         uint32_t per_frame, window;
         double rate;
     } phases[] = {
+        {"-", "ping", 16, "single", 1, 0, rate},
         {"repeat", "full", 1, "single", 1, 4, 0},
         {"repeat", "full", 16, "single", 1, 4, 0},
         {"repeat", "full", 128, "single", 1, 2, 0},
@@ -388,6 +407,7 @@ int km_bench_ipc_main(int argc, char **argv)
     for (size_t i = 0; i < n_phases && !status; i++) {
         w.fresh = !strcmp(phases[i].workload, "fresh");
         g_brief = !strcmp(phases[i].reply, "brief");
+        g_ping = !strcmp(phases[i].reply, "ping");
         const char *wname = phases[i].workload;
         if (only >= 0 && (size_t)only != i)
             continue;

@@ -41,6 +41,7 @@ typedef struct entry {
     uint64_t decode_blocks;
     int64_t engine_cached_tokens;
     uint64_t begin_ns, dispatched_ns, first_token_ns, last_touch_ns;
+    void *user; /* the caller's pointer (km_active_set_user) */
 } entry;
 
 /* A recently ended id, to tell "already finished" / "expired" from "never seen". */
@@ -368,6 +369,7 @@ static void end_entry(km_active *a, uint32_t i, km_active_end end, uint64_t now,
     s->first_token_ns = e->first_token_ns;
     s->last_event_ns = e->last_touch_ns;
     s->end_ns = now;
+    s->user = e->user;
 
     hash_unlink(a, i);
     touch_unlink(a, i);
@@ -726,4 +728,28 @@ int km_active_contains(const km_active *a, const km_active_key *key)
         (key->attempt_id_len && !key->attempt_id))
         return 0;
     return find_entry(a, key, key_hash(key)) != NIL;
+}
+
+int km_active_set_user(km_active *a, const km_active_key *key, void *user)
+{
+    if (!a)
+        return KM_ERR_NULL_POINTER;
+    int rc = check_key(a, key);
+    if (rc)
+        return rc;
+    uint32_t i = find_entry(a, key, key_hash(key));
+    if (i == NIL)
+        return active_fail(a, KM_ERR_NOT_FOUND, ID_FMT " is not active", ID_ARGS(key));
+    a->slab[i].user = user;
+    return KM_OK;
+}
+
+void *km_active_user(const km_active *a, const km_active_key *key)
+{
+    if (!a || !key || !key->request_id || key->request_id_len == 0 ||
+        key->request_id_len > KM_ACTIVE_ID_MAX || key->attempt_id_len > KM_ACTIVE_ID_MAX ||
+        (key->attempt_id_len && !key->attempt_id))
+        return NULL;
+    uint32_t i = find_entry(a, key, key_hash(key));
+    return i == NIL ? NULL : a->slab[i].user;
 }

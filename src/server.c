@@ -104,8 +104,7 @@ typedef struct job {
 /* What an outcome record needs from its decision; kept from the decision to FINISHED / expiry. */
 typedef struct attempt {
     uint64_t decision_id;
-    uint64_t key_hash;
-    char *request_id, *attempt_id, *model, *pool, *endpoint;
+    const char *request_id, *attempt_id, *model, *pool, *endpoint; /* in strings[] */
     char chosen_name[KM_SERVER_NAME_MAX], owner_name[KM_SERVER_NAME_MAX];
     bool has_owner;
     uint32_t worker;
@@ -113,6 +112,7 @@ typedef struct attempt {
     uint32_t block_size, chosen_depth, owner_depth;
     km_record_time decided;
     km_record_time dispatched, first_token; /* monotonic 0 = absent */
+    char strings[]; /* the ids and names, one allocation with the struct */
 } attempt;
 
 typedef struct worker_slot {
@@ -205,8 +205,7 @@ struct km_server {
 
     pthread_mutex_t active_lock;
     km_active *active;
-    km_u64map attempts_by_decision; /* decision id -> attempt* */
-    km_u64map attempts_by_key;      /* hash of (request id, attempt id) -> attempt* */
+    km_u64map attempts_by_decision; /* decision id -> attempt*; by ids: the active entry's user */
     km_memory attempts_memory;
     uint64_t last_expiry_ns;
 
@@ -568,42 +567,47 @@ static const char *worker_state(km_server *s, uint32_t id)
 
 /* ---- attempts and outcome records ------------------------------------------------------------ */
 
-static uint64_t attempt_key(const char *request_id, const char *attempt_id)
+/* One allocation: the struct and its strings (NULL strings stay NULL). */
+static attempt *attempt_new(const char *request_id, const char *attempt_id, const char *model,
+                            const char *pool_name, const char *endpoint)
 {
-    size_t rl = strlen(request_id), al = attempt_id ? strlen(attempt_id) : 0;
-    uint64_t seed = XXH3_64bits(attempt_id ? attempt_id : "", al) ^ (uint64_t)rl;
-    return km_u64map_key(XXH3_64bits_withSeed(request_id, rl, seed));
+    const char *in[5] = {request_id, attempt_id, model, pool_name, endpoint};
+    size_t len[5], total = 0;
+    for (int i = 0; i < 5; i++) {
+        len[i] = in[i] ? strlen(in[i]) + 1 : 0;
+        total += len[i];
+    }
+    attempt *a = malloc(sizeof *a + total);
+    if (!a)
+        return NULL;
+    memset(a, 0, sizeof *a);
+    const char **out[5] = {&a->request_id, &a->attempt_id, &a->model, &a->pool, &a->endpoint};
+    char *p = a->strings;
+    for (int i = 0; i < 5; i++) {
+        if (!in[i])
+            continue;
+        memcpy(p, in[i], len[i]);
+        *out[i] = p;
+        p += len[i];
+    }
+    return a;
 }
 
 static void attempt_free(attempt *a)
 {
-    if (!a)
-        return;
-    free(a->request_id);
-    free(a->attempt_id);
-    free(a->model);
-    free(a->pool);
-    free(a->endpoint);
     free(a);
 }
 
 /* active_lock held. */
 static attempt *attempt_by_key(km_server *s, const char *request_id, const char *attempt_id)
 {
-    uint64_t *v = km_u64map_find(&s->attempts_by_key, attempt_key(request_id, attempt_id));
-    if (!v)
-        return NULL;
-    attempt *a = (attempt *)(uintptr_t)*v;
-    const char *aa = a->attempt_id ? a->attempt_id : "";
-    if (strcmp(a->request_id, request_id) || strcmp(aa, attempt_id ? attempt_id : ""))
-        return NULL;
-    return a;
+    km_active_key key = km_active_key_of(request_id, attempt_id);
+    return km_active_user(s->active, &key);
 }
 
 static void attempt_forget(km_server *s, attempt *a)
 {
     km_u64map_erase(&s->attempts_by_decision, km_u64map_key(a->decision_id));
-    km_u64map_erase(&s->attempts_by_key, a->key_hash);
     attempt_free(a);
 }
 
@@ -678,10 +682,7 @@ static void record_expired(void *user, const km_active_summary *sum)
     km_server *s = user;
     atomic_fetch_add(&s->st.expired, 1);
     km_counter_add(s->m_expired, 1);
-    char rid[KM_ACTIVE_ID_MAX + 1], aid[KM_ACTIVE_ID_MAX + 1];
-    snprintf(rid, sizeof rid, "%.*s", (int)sum->request_id_len, sum->request_id);
-    snprintf(aid, sizeof aid, "%.*s", (int)sum->attempt_id_len, sum->attempt_id);
-    attempt *a = attempt_by_key(s, rid, aid[0] ? aid : NULL);
+    attempt *a = sum->user;
     if (!a)
         return;
     write_outcome(s, a, KM_RECORD_OUTCOME_EXPIRED, NULL, sum, NULL);
@@ -691,10 +692,7 @@ static void record_expired(void *user, const km_active_summary *sum)
 static void record_removed(void *user, const km_active_summary *sum)
 {
     km_server *s = user;
-    char rid[KM_ACTIVE_ID_MAX + 1], aid[KM_ACTIVE_ID_MAX + 1];
-    snprintf(rid, sizeof rid, "%.*s", (int)sum->request_id_len, sum->request_id);
-    snprintf(aid, sizeof aid, "%.*s", (int)sum->attempt_id_len, sum->attempt_id);
-    attempt *a = attempt_by_key(s, rid, aid[0] ? aid : NULL);
+    attempt *a = sum->user;
     if (!a)
         return;
     write_outcome(s, a, KM_RECORD_OUTCOME_ERROR, NULL, sum,
@@ -914,14 +912,10 @@ static void decide_route(km_server *s, job *j, route_job *r, pool *p, const km_r
     d->n_candidates = r->brief ? 0 : n;
 
     /* The attempt, for its outcome record. */
-    attempt *a = calloc(1, sizeof *a);
+    attempt *a = attempt_new(r->request_id, r->attempt_id, r->model ? r->model : p->model, p->name,
+                             r->endpoint);
     if (a) {
         a->decision_id = decision_id;
-        a->request_id = strdup(r->request_id);
-        a->attempt_id = r->attempt_id ? strdup(r->attempt_id) : NULL;
-        a->model = r->model ? strdup(r->model) : (p->model ? strdup(p->model) : NULL);
-        a->pool = strdup(p->name);
-        a->endpoint = r->endpoint ? strdup(r->endpoint) : NULL;
         snprintf(a->chosen_name, sizeof a->chosen_name, "%s", s->workers[chosen].name);
         if (has_owner)
             snprintf(a->owner_name, sizeof a->owner_name, "%s", s->workers[owner].name);
@@ -932,10 +926,8 @@ static void decide_route(km_server *s, job *j, route_job *r, pool *p, const km_r
         a->chosen_depth = pd.chosen_depth;
         a->owner_depth = pd.owner_depth;
         a->decided = km_record_time_now();
-        a->key_hash = attempt_key(r->request_id, r->attempt_id);
-        if (!a->request_id || !a->pool ||
-            km_u64map_put(&s->attempts_by_decision, km_u64map_key(decision_id), (uintptr_t)a, 1) ||
-            km_u64map_put(&s->attempts_by_key, a->key_hash, (uintptr_t)a, 1)) {
+        if (km_u64map_put(&s->attempts_by_decision, km_u64map_key(decision_id), (uintptr_t)a, 1) ||
+            km_active_set_user(s->active, &key, a)) {
             km_u64map_erase(&s->attempts_by_decision, km_u64map_key(decision_id));
             attempt_free(a);
             a = NULL;
@@ -2463,7 +2455,6 @@ void km_server_destroy(km_server *s)
             attempt_free((attempt *)(uintptr_t)e->value);
     }
     km_u64map_free(&s->attempts_by_decision);
-    km_u64map_free(&s->attempts_by_key);
     km_active_destroy(s->active);
     if (s->records) {
         km_record_writer_flush(s->records, 5000);
@@ -2572,7 +2563,6 @@ int km_server_create(const km_server_config *cfg_in, km_server **out, char *why,
     pthread_mutex_init(&s->admin_lock, NULL);
     pthread_mutex_init(&s->active_lock, NULL);
     km_u64map_init(&s->attempts_by_decision, &s->attempts_memory);
-    km_u64map_init(&s->attempts_by_key, &s->attempts_memory);
     uv_loop_init(&s->loop);
     int rc = KM_OK;
     if (dup_opt(cfg.socket_path, &s->socket_path) || dup_opt(cfg.tcp, &s->tcp) ||

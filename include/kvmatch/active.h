@@ -149,6 +149,7 @@ typedef struct km_active_summary {
     uint64_t first_token_ns; /* FIRST_TOKEN (0 when none) */
     uint64_t last_event_ns;  /* last lifecycle event before the end */
     uint64_t end_ns;         /* FINISHED, expiry check or removal time */
+    void *user;              /* what km_active_set_user attached; NULL when nothing */
 } km_active_summary;
 
 /* Receives each entry that expire / remove_worker ends; the entry is already gone. */
@@ -203,6 +204,13 @@ int km_active_expire(km_active *active, uint64_t now_ns, km_active_summary_fn on
  * entries). Errors: KM_ERR_NULL_POINTER, KM_ERR_WORKER_RANGE. */
 int km_active_remove_worker(km_active *active, uint32_t worker, uint64_t now_ns,
                             km_active_summary_fn on_removed, void *user, size_t *n_removed);
+
+/* Attach a caller pointer to an active entry: handed back in its summary (FINISHED, expiry,
+ * removal) and by km_active_user, so a caller keeps per-attempt data without a map of its own.
+ * Errors: KM_ERR_NULL_POINTER, KM_ERR_INVALID_ARGUMENT / KM_ERR_TOO_LARGE (ids), KM_ERR_NOT_FOUND. */
+int km_active_set_user(km_active *active, const km_active_key *key, void *user);
+/* The pointer attached to an active entry; NULL when none or the key is not active. */
+void *km_active_user(const km_active *active, const km_active_key *key);
 
 /* ---- inspection ----------------------------------------------------------------------------- */
 
