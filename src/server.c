@@ -36,6 +36,7 @@
 #include <uv.h>
 #include <xxhash.h>
 
+#include "why.h"
 #include "http.h"
 #include "kvmatch/active.h"
 #include "kvmatch/approx.h"
@@ -244,19 +245,6 @@ static void slog(km_server *s, const char *fmt, ...)
         fprintf(stderr, "kvmatch serve: %s\n", line);
 }
 
-static int failf(char *why, size_t why_size, int status, const char *fmt, ...)
-    __attribute__((format(printf, 4, 5)));
-static int failf(char *why, size_t why_size, int status, const char *fmt, ...)
-{
-    if (why && why_size) {
-        va_list ap;
-        va_start(ap, fmt);
-        vsnprintf(why, why_size, fmt, ap);
-        va_end(ap);
-    }
-    return status;
-}
-
 /* ---- job memory ------------------------------------------------------------------------------ */
 
 static void *job_alloc(job *j, size_t n)
@@ -340,18 +328,18 @@ static int pool_create(km_server *s, const km_server_pool *pc, pool **out, char 
 {
     *out = NULL;
     if (!km_server_name_valid(pc->name))
-        return failf(why, why_size, KM_ERR_INVALID_ARGUMENT,
+        return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,
                      "pool name \"%s\" must be 1..%u of [A-Za-z0-9._-]", pc->name ? pc->name : "",
                      KM_SERVER_NAME_MAX - 1);
     if (pc->block_size == 0)
-        return failf(why, why_size, KM_ERR_BLOCK_SIZE, "pool %s: block_size must be at least 1",
+        return km_why(why, why_size, KM_ERR_BLOCK_SIZE, "pool %s: block_size must be at least 1",
                      pc->name);
     char detail[192];
     if (km_policy_config_validate(&pc->policy, detail, sizeof detail) != KM_OK)
-        return failf(why, why_size, KM_ERR_INVALID_ARGUMENT, "pool %s: %s", pc->name, detail);
+        return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT, "pool %s: %s", pc->name, detail);
     pool *p = calloc(1, sizeof *p);
     if (!p)
-        return failf(why, why_size, KM_ERR_OUT_OF_MEMORY, "pool %s", pc->name);
+        return km_why(why, why_size, KM_ERR_OUT_OF_MEMORY, "pool %s", pc->name);
     snprintf(p->name, sizeof p->name, "%s", pc->name);
     p->block_size = pc->block_size;
     p->policy = pc->policy;
@@ -373,7 +361,7 @@ static int pool_create(km_server *s, const km_server_pool *pc, pool **out, char 
     }
     if (rc) {
         pool_destroy(p);
-        return failf(why, why_size, rc, "pool %s", pc->name);
+        return km_why(why, why_size, rc, "pool %s", pc->name);
     }
     km_index_config ic;
     km_index_config_init(&ic);
@@ -385,7 +373,7 @@ static int pool_create(km_server *s, const km_server_pool *pc, pool **out, char 
     ic.log_user = s->log_user;
     if ((rc = km_index_create(&ic, &p->index)) != KM_OK) {
         pool_destroy(p);
-        return failf(why, why_size, rc, "pool %s: creating its index: %s", pc->name,
+        return km_why(why, why_size, rc, "pool %s: creating its index: %s", pc->name,
                      km_strerror(rc));
     }
     km_approx_config ac;
@@ -395,7 +383,7 @@ static int pool_create(km_server *s, const km_server_pool *pc, pool **out, char 
     ac.worker_capacity_blocks = p->approx_capacity_blocks;
     if ((rc = km_approx_create(&ac, &p->approx)) != KM_OK) {
         pool_destroy(p);
-        return failf(why, why_size, rc, "pool %s: approximate-mode state: %s", pc->name,
+        return km_why(why, why_size, rc, "pool %s: approximate-mode state: %s", pc->name,
                      km_strerror(rc));
     }
     *out = p;
@@ -421,7 +409,7 @@ static int pool_subscriber(km_server *s, pool *p, char *why, size_t why_size)
     sc.restore_path = p->snapshot_path && stat(p->snapshot_path, &stt) == 0 ? p->snapshot_path : NULL;
     int rc = km_subscriber_create(p->index, &sc, &p->sub);
     if (rc)
-        return failf(why, why_size, rc, "pool %s: event subscriber: %s", p->name, km_strerror(rc));
+        return km_why(why, why_size, rc, "pool %s: event subscriber: %s", p->name, km_strerror(rc));
     km_subscriber_stats st;
     if (sc.restore_path && km_subscriber_get_stats(p->sub, &st) == KM_OK)
         slog(s, "pool %s: snapshot %s %s%s%s", p->name, sc.restore_path,
@@ -479,17 +467,17 @@ static int worker_add(km_server *s, uint32_t pool_index, const km_server_worker 
 {
     pool *p = s->pools[pool_index];
     if (w->id >= s->cfg.max_workers)
-        return failf(why, why_size, KM_ERR_WORKER_RANGE, "worker %u: ids are 0..%u (max_workers)",
+        return km_why(why, why_size, KM_ERR_WORKER_RANGE, "worker %u: ids are 0..%u (max_workers)",
                      w->id, s->cfg.max_workers - 1);
     worker_slot *slot = &s->workers[w->id];
     if (slot->used)
-        return failf(why, why_size, KM_ERR_INVALID_ARGUMENT, "worker %u already exists (pool %s)",
+        return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT, "worker %u already exists (pool %s)",
                      w->id, s->pools[slot->pool]->name);
     if (w->name && (strlen(w->name) == 0 || strlen(w->name) >= KM_SERVER_NAME_MAX))
-        return failf(why, why_size, KM_ERR_INVALID_ARGUMENT, "worker %u: name must be 1..%u bytes",
+        return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT, "worker %u: name must be 1..%u bytes",
                      w->id, KM_SERVER_NAME_MAX - 1);
     if (w->replay_endpoint && !w->event_endpoint)
-        return failf(why, why_size, KM_ERR_INVALID_ARGUMENT,
+        return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,
                      "worker %u: a replay endpoint needs an event endpoint", w->id);
     int rc;
     if (w->event_endpoint) {
@@ -497,12 +485,12 @@ static int worker_add(km_server *s, uint32_t pool_index, const km_server_worker 
             return rc;
         km_subscriber_worker sw = {w->id, w->name, w->event_endpoint, w->replay_endpoint};
         if ((rc = km_subscriber_add_worker(p->sub, &sw)) != KM_OK)
-            return failf(why, why_size, rc, "worker %u: %s", w->id, km_subscriber_last_error(p->sub));
+            return km_why(why, why_size, rc, "worker %u: %s", w->id, km_subscriber_last_error(p->sub));
     }
     if ((rc = members_insert(p, w->id)) != KM_OK) {
         if (w->event_endpoint)
             km_subscriber_remove_worker(p->sub, w->id);
-        return failf(why, why_size, rc, "worker %u", w->id);
+        return km_why(why, why_size, rc, "worker %u", w->id);
     }
     memset(slot, 0, sizeof *slot);
     slot->used = true;
@@ -524,7 +512,7 @@ static void record_removed(void *user, const km_active_summary *sum);
 static int worker_remove(km_server *s, uint32_t id, char *why, size_t why_size)
 {
     if (id >= s->cfg.max_workers || !s->workers[id].used)
-        return failf(why, why_size, KM_ERR_NOT_FOUND, "worker %u does not exist", id);
+        return km_why(why, why_size, KM_ERR_NOT_FOUND, "worker %u does not exist", id);
     worker_slot *slot = &s->workers[id];
     pool *p = s->pools[slot->pool];
     if (slot->events)
@@ -1538,7 +1526,7 @@ static km_record_outcome record_outcome_of(km_outcome o)
 static int lifecycle_one(km_server *s, const km_lifecycle_event *ev, char *msg, size_t msg_size)
 {
     if (ev->status != KM_OK)
-        return failf(msg, msg_size, ev->status, "%s", ev->message ? ev->message : "malformed");
+        return km_why(msg, msg_size, ev->status, "%s", ev->message ? ev->message : "malformed");
     attempt *a = NULL;
     if (ev->has_decision_id) {
         uint64_t *v = km_u64map_find(&s->attempts_by_decision, km_u64map_key(ev->decision_id));
@@ -1547,7 +1535,7 @@ static int lifecycle_one(km_server *s, const km_lifecycle_event *ev, char *msg, 
         a = attempt_by_key(s, ev->request_id, ev->attempt_id);
     }
     if (!a)
-        return failf(msg, msg_size, KM_ERR_NOT_FOUND,
+        return km_why(msg, msg_size, KM_ERR_NOT_FOUND,
                      "no active attempt for %s%" PRIu64 "%s%s%s%s",
                      ev->has_decision_id ? "decision " : "", ev->has_decision_id ? ev->decision_id : 0,
                      ev->request_id ? " request " : "", ev->request_id ? ev->request_id : "",
@@ -1579,10 +1567,10 @@ static int lifecycle_one(km_server *s, const km_lifecycle_event *ev, char *msg, 
         break;
     }
     default:
-        return failf(msg, msg_size, KM_ERR_PROTOCOL, "unknown lifecycle kind");
+        return km_why(msg, msg_size, KM_ERR_PROTOCOL, "unknown lifecycle kind");
     }
     if (rc != KM_OK)
-        return failf(msg, msg_size, rc, "%s", km_active_last_error(s->active));
+        return km_why(msg, msg_size, rc, "%s", km_active_last_error(s->active));
     return KM_OK;
 }
 
@@ -1711,7 +1699,7 @@ static void handle_workers(conn *c, const km_message *m)
         } else if (wm->action == KM_ADMIN_ADD) {
             int pi = pool_find(s, wi->pool);
             if (pi < 0) {
-                rc = failf(msgs[i], sizeof msgs[i], KM_ERR_NOT_FOUND, "no pool %s", wi->pool);
+                rc = km_why(msgs[i], sizeof msgs[i], KM_ERR_NOT_FOUND, "no pool %s", wi->pool);
             } else {
                 km_server_worker w = {wi->worker, wi->name, wi->event_endpoint, wi->replay_endpoint};
                 rc = worker_add(s, (uint32_t)pi, &w, msgs[i], sizeof msgs[i]);
@@ -1723,10 +1711,10 @@ static void handle_workers(conn *c, const km_message *m)
         } else {
             int pi = pool_find(s, wi->pool);
             if (pi < 0)
-                rc = failf(msgs[i], sizeof msgs[i], KM_ERR_NOT_FOUND, "no pool %s", wi->pool);
+                rc = km_why(msgs[i], sizeof msgs[i], KM_ERR_NOT_FOUND, "no pool %s", wi->pool);
             else if (wi->worker >= s->cfg.max_workers || !s->workers[wi->worker].used ||
                      s->workers[wi->worker].pool != (uint32_t)pi)
-                rc = failf(msgs[i], sizeof msgs[i], KM_ERR_NOT_FOUND, "worker %u is not in pool %s",
+                rc = km_why(msgs[i], sizeof msgs[i], KM_ERR_NOT_FOUND, "worker %u is not in pool %s",
                            wi->worker, wi->pool);
             else
                 rc = worker_remove(s, wi->worker, msgs[i], sizeof msgs[i]);
@@ -1810,29 +1798,29 @@ static void handle_pools(conn *c, const km_message *m)
         km_policy_config_init(&pc.policy);
         if (pm->action == KM_ADMIN_UPDATE) {
             if (at < 0) {
-                rc = failf(msgs[i], sizeof msgs[i], KM_ERR_NOT_FOUND, "no pool %s", pi->name);
+                rc = km_why(msgs[i], sizeof msgs[i], KM_ERR_NOT_FOUND, "no pool %s", pi->name);
             } else if (pi->block_size && pi->block_size != s->pools[at]->block_size) {
-                rc = failf(msgs[i], sizeof msgs[i], KM_ERR_INVALID_ARGUMENT,
+                rc = km_why(msgs[i], sizeof msgs[i], KM_ERR_INVALID_ARGUMENT,
                            "pool %s: block_size cannot change (the index is hashed with %u)",
                            pi->name, s->pools[at]->block_size);
             }
             if (rc == KM_OK)
                 pc.policy = s->pools[at]->policy;
         } else if (at >= 0) {
-            rc = failf(msgs[i], sizeof msgs[i], KM_ERR_INVALID_ARGUMENT, "pool %s already exists",
+            rc = km_why(msgs[i], sizeof msgs[i], KM_ERR_INVALID_ARGUMENT, "pool %s already exists",
                        pi->name);
         } else if (s->n_pools >= MAX_POOLS) {
-            rc = failf(msgs[i], sizeof msgs[i], KM_ERR_TOO_LARGE, "at most %u pools", MAX_POOLS);
+            rc = km_why(msgs[i], sizeof msgs[i], KM_ERR_TOO_LARGE, "at most %u pools", MAX_POOLS);
         }
         if (rc == KM_OK && pi->policy && km_policy_kind_parse(pi->policy, &pc.policy.kind) != KM_OK)
-            rc = failf(msgs[i], sizeof msgs[i], KM_ERR_INVALID_ARGUMENT, "unknown policy \"%s\"",
+            rc = km_why(msgs[i], sizeof msgs[i], KM_ERR_INVALID_ARGUMENT, "unknown policy \"%s\"",
                        pi->policy);
         for (uint32_t k = 0; rc == KM_OK && k < pi->n_params; k++)
             rc = km_server_policy_param(&pc.policy, pi->params[k].name, pi->params[k].value, msgs[i],
                                         sizeof msgs[i]);
         char detail[192];
         if (rc == KM_OK && km_policy_config_validate(&pc.policy, detail, sizeof detail) != KM_OK)
-            rc = failf(msgs[i], sizeof msgs[i], KM_ERR_INVALID_ARGUMENT, "%s", detail);
+            rc = km_why(msgs[i], sizeof msgs[i], KM_ERR_INVALID_ARGUMENT, "%s", detail);
         if (rc == KM_OK && pm->action == KM_ADMIN_UPDATE) {
             s->pools[at]->policy = pc.policy;
             if (pi->model) {
@@ -2535,22 +2523,22 @@ static int setup_metrics(km_server *s)
 int km_server_create(const km_server_config *cfg_in, km_server **out, char *why, size_t why_size)
 {
     if (!cfg_in || !out)
-        return failf(why, why_size, KM_ERR_NULL_POINTER, "config or out is NULL");
+        return km_why(why, why_size, KM_ERR_NULL_POINTER, "config or out is NULL");
     *out = NULL;
     km_server_config cfg = *cfg_in;
     if (!cfg.socket_path && !cfg.tcp)
-        return failf(why, why_size, KM_ERR_INVALID_ARGUMENT, "neither a socket path nor tcp");
+        return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT, "neither a socket path nor tcp");
     if (cfg.max_workers == 0 || cfg.max_workers > KM_MAX_WORKERS_LIMIT || cfg.max_batch_routes == 0 ||
         cfg.max_queued_routes == 0 || cfg.max_connections == 0 || cfg.max_outbox_bytes < 4096 ||
         cfg.active_ttl_ms == 0 || !(cfg.ready_share >= 0 && cfg.ready_share <= 1))
-        return failf(why, why_size, KM_ERR_INVALID_ARGUMENT,
+        return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,
                      "max_workers, max_batch_routes, max_queued_routes, max_connections, "
                      "max_outbox_bytes (>= 4096), active_ttl_ms or ready_share out of range");
     if (cfg.n_pools > MAX_POOLS)
-        return failf(why, why_size, KM_ERR_TOO_LARGE, "%u pools; at most %u", cfg.n_pools, MAX_POOLS);
+        return km_why(why, why_size, KM_ERR_TOO_LARGE, "%u pools; at most %u", cfg.n_pools, MAX_POOLS);
     km_server *s = calloc(1, sizeof *s);
     if (!s)
-        return failf(why, why_size, KM_ERR_OUT_OF_MEMORY, "server");
+        return km_why(why, why_size, KM_ERR_OUT_OF_MEMORY, "server");
     s->cfg = cfg;
     s->log = cfg.log;
     s->log_user = cfg.log_user;
@@ -2568,13 +2556,13 @@ int km_server_create(const km_server_config *cfg_in, km_server **out, char *why,
     if (dup_opt(cfg.socket_path, &s->socket_path) || dup_opt(cfg.tcp, &s->tcp) ||
         dup_opt(cfg.http, &s->http_addr) || dup_opt(cfg.records_path, &s->records_path) ||
         dup_opt(cfg.snapshot_dir, &s->snapshot_dir) || dup_opt(cfg.default_pool, &s->default_pool))
-        rc = failf(why, why_size, KM_ERR_OUT_OF_MEMORY, "config strings");
+        rc = km_why(why, why_size, KM_ERR_OUT_OF_MEMORY, "config strings");
     s->cfg.pools = NULL;
     s->cfg.n_pools = 0;
     if (!rc && !(s->pools = calloc(MAX_POOLS, sizeof *s->pools)))
-        rc = failf(why, why_size, KM_ERR_OUT_OF_MEMORY, "pools");
+        rc = km_why(why, why_size, KM_ERR_OUT_OF_MEMORY, "pools");
     if (!rc && !(s->workers = calloc(cfg.max_workers, sizeof *s->workers)))
-        rc = failf(why, why_size, KM_ERR_OUT_OF_MEMORY, "workers");
+        rc = km_why(why, why_size, KM_ERR_OUT_OF_MEMORY, "workers");
     if (!rc) {
         gethostname(s->host, sizeof s->host - 1);
         km_record_instance_id(s->instance);
@@ -2583,20 +2571,20 @@ int km_server_create(const km_server_config *cfg_in, km_server **out, char *why,
         ac.max_workers = cfg.max_workers;
         ac.ttl_ns = cfg.active_ttl_ms * UINT64_C(1000000);
         if ((rc = km_active_create(&ac, &s->active)) != KM_OK)
-            failf(why, why_size, rc, "active work: %s", km_strerror(rc));
+            km_why(why, why_size, rc, "active work: %s", km_strerror(rc));
     }
     if (!rc && (rc = setup_metrics(s)) != KM_OK)
-        failf(why, why_size, rc, "metrics: %s", km_strerror(rc));
+        km_why(why, why_size, rc, "metrics: %s", km_strerror(rc));
     if (!rc && s->snapshot_dir) {
         struct stat st;
         if (stat(s->snapshot_dir, &st) != 0 && mkdir(s->snapshot_dir, 0755) != 0)
-            rc = failf(why, why_size, KM_ERR_IO, "snapshot dir %s: %s", s->snapshot_dir,
+            rc = km_why(why, why_size, KM_ERR_IO, "snapshot dir %s: %s", s->snapshot_dir,
                        strerror(errno));
     }
     for (uint32_t i = 0; !rc && i < cfg.n_pools; i++) {
         const km_server_pool *pc = &cfg.pools[i];
         if (pool_find(s, pc->name ? pc->name : "") >= 0) {
-            rc = failf(why, why_size, KM_ERR_INVALID_ARGUMENT, "pool %s is listed twice", pc->name);
+            rc = km_why(why, why_size, KM_ERR_INVALID_ARGUMENT, "pool %s is listed twice", pc->name);
             break;
         }
         pool *p = NULL;
@@ -2607,7 +2595,7 @@ int km_server_create(const km_server_config *cfg_in, km_server **out, char *why,
             rc = worker_add(s, s->n_pools - 1, &pc->workers[k], why, why_size);
     }
     if (!rc && s->default_pool && pool_find(s, s->default_pool) < 0)
-        rc = failf(why, why_size, KM_ERR_INVALID_ARGUMENT, "default_pool %s is not a pool",
+        rc = km_why(why, why_size, KM_ERR_INVALID_ARGUMENT, "default_pool %s is not a pool",
                    s->default_pool);
     if (!rc && s->records_path) {
         km_record_writer_config wc;
@@ -2618,7 +2606,7 @@ int km_server_create(const km_server_config *cfg_in, km_server **out, char *why,
         wc.log = s->log;
         wc.log_user = s->log_user;
         if ((rc = km_record_writer_create(&wc, &s->records)) != KM_OK)
-            failf(why, why_size, rc, "records %s: %s", s->records_path, km_strerror(rc));
+            km_why(why, why_size, rc, "records %s: %s", s->records_path, km_strerror(rc));
     }
     /* Listeners. */
     if (!rc && s->socket_path) {
@@ -2629,7 +2617,7 @@ int km_server_create(const km_server_config *cfg_in, km_server **out, char *why,
         struct stat st;
         if (stat(s->socket_path, &st) == 0 && S_ISSOCK(st.st_mode)) {
             if (unix_socket_answers(s->socket_path))
-                rc = failf(why, why_size, KM_ERR_IO, "socket %s: another server is listening on it",
+                rc = km_why(why, why_size, KM_ERR_IO, "socket %s: another server is listening on it",
                            s->socket_path);
             else
                 unlink(s->socket_path);
@@ -2640,7 +2628,7 @@ int km_server_create(const km_server_config *cfg_in, km_server **out, char *why,
         if (rc) {
             /* reported above */
         } else if (e) {
-            rc = failf(why, why_size, KM_ERR_IO, "socket %s: %s", s->socket_path, uv_strerror(e));
+            rc = km_why(why, why_size, KM_ERR_IO, "socket %s: %s", s->socket_path, uv_strerror(e));
         } else {
             s->own_socket_file = true;
             chmod(s->socket_path, 0660);
@@ -2651,9 +2639,9 @@ int km_server_create(const km_server_config *cfg_in, km_server **out, char *why,
         int port;
         struct sockaddr_storage sa;
         if (parse_host_port(s->tcp, host, sizeof host, &port) != KM_OK) {
-            rc = failf(why, why_size, KM_ERR_INVALID_ARGUMENT, "tcp \"%s\" is not HOST:PORT", s->tcp);
+            rc = km_why(why, why_size, KM_ERR_INVALID_ARGUMENT, "tcp \"%s\" is not HOST:PORT", s->tcp);
         } else if (!cfg.allow_non_loopback && !loopback_host(host)) {
-            rc = failf(why, why_size, KM_ERR_INVALID_ARGUMENT,
+            rc = km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,
                        "tcp %s is not a loopback address (allow_non_loopback to permit it)", s->tcp);
         } else {
             if (!strcmp(host, "localhost"))
@@ -2668,7 +2656,7 @@ int km_server_create(const km_server_config *cfg_in, km_server **out, char *why,
             if (!e)
                 e = uv_listen((uv_stream_t *)&s->tcp_listener, 511, on_connection);
             if (e)
-                rc = failf(why, why_size, KM_ERR_IO, "tcp %s: %s", s->tcp, uv_strerror(e));
+                rc = km_why(why, why_size, KM_ERR_IO, "tcp %s: %s", s->tcp, uv_strerror(e));
             else {
                 struct sockaddr_storage bound;
                 int len = sizeof bound;
@@ -2687,7 +2675,7 @@ int km_server_create(const km_server_config *cfg_in, km_server **out, char *why,
         char host[128];
         int port;
         if (parse_host_port(s->http_addr, host, sizeof host, &port) != KM_OK) {
-            rc = failf(why, why_size, KM_ERR_INVALID_ARGUMENT, "http \"%s\" is not HOST:PORT",
+            rc = km_why(why, why_size, KM_ERR_INVALID_ARGUMENT, "http \"%s\" is not HOST:PORT",
                        s->http_addr);
         } else {
             km_http_config hc;
@@ -2704,14 +2692,14 @@ int km_server_create(const km_server_config *cfg_in, km_server **out, char *why,
             hc.log_user = s->log_user;
             char herr[200];
             if ((rc = km_http_start(&hc, &s->http, herr, sizeof herr)) != KM_OK)
-                failf(why, why_size, rc, "http %s: %s", s->http_addr, herr);
+                km_why(why, why_size, rc, "http %s: %s", s->http_addr, herr);
             else
                 s->http_port = km_http_port(s->http);
         }
     }
     if (!rc) {
         if (pthread_create(&s->scheduler, NULL, scheduler_main, s) != 0)
-            rc = failf(why, why_size, KM_ERR_INTERNAL, "starting the scheduler thread");
+            rc = km_why(why, why_size, KM_ERR_INTERNAL, "starting the scheduler thread");
         else
             s->scheduler_started = true;
     }

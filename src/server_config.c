@@ -9,6 +9,7 @@
 
 #include <jansson.h>
 
+#include "why.h"
 #include "kvmatch/server.h"
 #include "kvmatch/subscriber.h"
 #include "server_impl.h"
@@ -31,24 +32,11 @@ void km_server_config_init(km_server_config *cfg)
     cfg->seed = 0x6b766d;
 }
 
-static int fail(char *why, size_t why_size, int status, const char *fmt, ...)
-    __attribute__((format(printf, 4, 5)));
-static int fail(char *why, size_t why_size, int status, const char *fmt, ...)
-{
-    if (why && why_size) {
-        va_list ap;
-        va_start(ap, fmt);
-        vsnprintf(why, why_size, fmt, ap);
-        va_end(ap);
-    }
-    return status;
-}
-
 int km_server_policy_param(km_policy_config *p, const char *name, double value, char *why,
                            size_t why_size)
 {
     if (!isfinite(value))
-        return fail(why, why_size, KM_ERR_INVALID_ARGUMENT, "parameter %s is not a finite number",
+        return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT, "parameter %s is not a finite number",
                     name);
     if (!strcmp(name, "temperature"))
         p->kv.temperature = value;
@@ -64,13 +52,13 @@ int km_server_policy_param(km_policy_config *p, const char *name, double value, 
         p->cache_aware.cache_threshold = value;
     else if (!strcmp(name, "balance_abs_threshold")) {
         if (value < 0 || value > UINT32_MAX)
-            return fail(why, why_size, KM_ERR_INVALID_ARGUMENT,
+            return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,
                         "balance_abs_threshold %g is out of range", value);
         p->cache_aware.balance_abs_threshold = (uint32_t)value;
     } else if (!strcmp(name, "balance_rel_threshold"))
         p->cache_aware.balance_rel_threshold = value;
     else
-        return fail(why, why_size, KM_ERR_INVALID_ARGUMENT,
+        return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,
                     "unknown policy parameter \"%s\" (temperature, prefill_load_scale, "
                     "device_weight, host_weight, disk_weight, cache_threshold, "
                     "balance_abs_threshold, balance_rel_threshold)",
@@ -152,7 +140,7 @@ static void get_string(reader *r, json_t *obj, const char *key, const char *wher
         return;
     }
     if (!json_is_string(v)) {
-        r->rc = fail(r->why, r->why_size, KM_ERR_PARSE, "%s%s: expected a string", where, key);
+        r->rc = km_why(r->why, r->why_size, KM_ERR_PARSE, "%s%s: expected a string", where, key);
         return;
     }
     *out = json_string_value(v);
@@ -165,12 +153,12 @@ static void get_number(reader *r, json_t *obj, const char *key, const char *wher
     if (!v || r->rc)
         return;
     if (!json_is_number(v)) {
-        r->rc = fail(r->why, r->why_size, KM_ERR_PARSE, "%s%s: expected a number", where, key);
+        r->rc = km_why(r->why, r->why_size, KM_ERR_PARSE, "%s%s: expected a number", where, key);
         return;
     }
     double d = json_number_value(v);
     if (!(d >= lo && d <= hi)) {
-        r->rc = fail(r->why, r->why_size, KM_ERR_INVALID_ARGUMENT, "%s%s: %g is outside %g..%g",
+        r->rc = km_why(r->why, r->why_size, KM_ERR_INVALID_ARGUMENT, "%s%s: %g is outside %g..%g",
                      where, key, d, lo, hi);
         return;
     }
@@ -184,13 +172,13 @@ static void get_u64(reader *r, json_t *obj, const char *key, const char *where, 
     if (!v || r->rc)
         return;
     if (!json_is_integer(v) || json_integer_value(v) < 0) {
-        r->rc = fail(r->why, r->why_size, KM_ERR_PARSE, "%s%s: expected a non-negative integer",
+        r->rc = km_why(r->why, r->why_size, KM_ERR_PARSE, "%s%s: expected a non-negative integer",
                      where, key);
         return;
     }
     uint64_t x = (uint64_t)json_integer_value(v);
     if (x < lo || x > hi) {
-        r->rc = fail(r->why, r->why_size, KM_ERR_INVALID_ARGUMENT,
+        r->rc = km_why(r->why, r->why_size, KM_ERR_INVALID_ARGUMENT,
                      "%s%s: %llu is outside %llu..%llu", where, key, (unsigned long long)x,
                      (unsigned long long)lo, (unsigned long long)hi);
         return;
@@ -212,7 +200,7 @@ static void get_bool(reader *r, json_t *obj, const char *key, const char *where,
     if (!v || r->rc)
         return;
     if (!json_is_boolean(v)) {
-        r->rc = fail(r->why, r->why_size, KM_ERR_PARSE, "%s%s: expected true or false", where, key);
+        r->rc = km_why(r->why, r->why_size, KM_ERR_PARSE, "%s%s: expected true or false", where, key);
         return;
     }
     *out = json_is_true(v);
@@ -226,7 +214,7 @@ static void read_pool(reader *r, km_server_config_json *o, json_t *jp, uint32_t 
     km_policy_config_init(&p->policy);
     p->approx_ttl_ms = 120000;
     if (!json_is_object(jp)) {
-        r->rc = fail(r->why, r->why_size, KM_ERR_PARSE, "pools[%u]: expected an object", i);
+        r->rc = km_why(r->why, r->why_size, KM_ERR_PARSE, "pools[%u]: expected an object", i);
         return;
     }
     get_string(r, jp, "name", where, &p->name);
@@ -237,14 +225,14 @@ static void read_pool(reader *r, km_server_config_json *o, json_t *jp, uint32_t 
     const char *policy = NULL;
     get_string(r, jp, "policy", where, &policy);
     if (!r->rc && policy && km_policy_kind_parse(policy, &p->policy.kind) != KM_OK)
-        r->rc = fail(r->why, r->why_size, KM_ERR_PARSE,
+        r->rc = km_why(r->why, r->why_size, KM_ERR_PARSE,
                      "%spolicy: unknown policy \"%s\" (kv, cache_aware, prefix, least_load, "
                      "round_robin)",
                      where, policy);
     json_t *params = json_object_get(jp, "params");
     if (!r->rc && params) {
         if (!json_is_object(params)) {
-            r->rc = fail(r->why, r->why_size, KM_ERR_PARSE, "%sparams: expected an object", where);
+            r->rc = km_why(r->why, r->why_size, KM_ERR_PARSE, "%sparams: expected an object", where);
             return;
         }
         const char *key;
@@ -252,14 +240,14 @@ static void read_pool(reader *r, km_server_config_json *o, json_t *jp, uint32_t 
         json_object_foreach(params, key, v)
         {
             if (!json_is_number(v)) {
-                r->rc = fail(r->why, r->why_size, KM_ERR_PARSE, "%sparams.%s: expected a number",
+                r->rc = km_why(r->why, r->why_size, KM_ERR_PARSE, "%sparams.%s: expected a number",
                              where, key);
                 return;
             }
             char detail[256];
             if (km_server_policy_param(&p->policy, key, json_number_value(v), detail,
                                        sizeof detail) != KM_OK) {
-                r->rc = fail(r->why, r->why_size, KM_ERR_INVALID_ARGUMENT, "%sparams: %s", where,
+                r->rc = km_why(r->why, r->why_size, KM_ERR_INVALID_ARGUMENT, "%sparams: %s", where,
                              detail);
                 return;
             }
@@ -269,7 +257,7 @@ static void read_pool(reader *r, km_server_config_json *o, json_t *jp, uint32_t 
     if (r->rc || !workers)
         return;
     if (!json_is_array(workers)) {
-        r->rc = fail(r->why, r->why_size, KM_ERR_PARSE, "%sworkers: expected an array", where);
+        r->rc = km_why(r->why, r->why_size, KM_ERR_PARSE, "%sworkers: expected an array", where);
         return;
     }
     /* Count data-parallel ranks first: each becomes a worker. */
@@ -279,7 +267,7 @@ static void read_pool(reader *r, km_server_config_json *o, json_t *jp, uint32_t 
         char wwhere[128];
         snprintf(wwhere, sizeof wwhere, "%sworkers[%zu].", where, k);
         if (!json_is_object(json_array_get(workers, k))) {
-            r->rc = fail(r->why, r->why_size, KM_ERR_PARSE, "%sworkers[%zu]: expected an object",
+            r->rc = km_why(r->why, r->why_size, KM_ERR_PARSE, "%sworkers[%zu]: expected an object",
                          where, k);
             return;
         }
@@ -290,7 +278,7 @@ static void read_pool(reader *r, km_server_config_json *o, json_t *jp, uint32_t 
         return;
     km_server_worker *ws = calloc(total ? total : 1, sizeof *ws);
     if (!ws) {
-        r->rc = fail(r->why, r->why_size, KM_ERR_OUT_OF_MEMORY, "workers of pool %u", i);
+        r->rc = km_why(r->why, r->why_size, KM_ERR_OUT_OF_MEMORY, "workers of pool %u", i);
         return;
     }
     o->workers[i] = ws;
@@ -308,7 +296,7 @@ static void read_pool(reader *r, km_server_config_json *o, json_t *jp, uint32_t 
         get_string(r, jw, "replay", wwhere, &base.replay_endpoint);
         get_u32(r, jw, "dp_size", wwhere, 1, 1024, &dp);
         if (!r->rc && id == UINT64_MAX)
-            r->rc = fail(r->why, r->why_size, KM_ERR_PARSE, "%sid: required", wwhere);
+            r->rc = km_why(r->why, r->why_size, KM_ERR_PARSE, "%sid: required", wwhere);
         for (uint32_t rank = 0; rank < dp && !r->rc; rank++) {
             km_server_worker w = base;
             w.id = (uint32_t)id + rank;
@@ -318,7 +306,7 @@ static void read_pool(reader *r, km_server_config_json *o, json_t *jp, uint32_t 
                 w.name = keep_string(o, name);
                 if (base.event_endpoint) {
                     if (km_endpoint_for_rank(base.event_endpoint, rank, buf, sizeof buf) != KM_OK)
-                        r->rc = fail(r->why, r->why_size, KM_ERR_INVALID_ARGUMENT,
+                        r->rc = km_why(r->why, r->why_size, KM_ERR_INVALID_ARGUMENT,
                                      "%sevents: \"%s\" has no port for rank %u", wwhere,
                                      base.event_endpoint, rank);
                     else
@@ -326,7 +314,7 @@ static void read_pool(reader *r, km_server_config_json *o, json_t *jp, uint32_t 
                 }
                 if (!r->rc && base.replay_endpoint) {
                     if (km_endpoint_for_rank(base.replay_endpoint, rank, buf, sizeof buf) != KM_OK)
-                        r->rc = fail(r->why, r->why_size, KM_ERR_INVALID_ARGUMENT,
+                        r->rc = km_why(r->why, r->why_size, KM_ERR_INVALID_ARGUMENT,
                                      "%sreplay: \"%s\" has no port for rank %u", wwhere,
                                      base.replay_endpoint, rank);
                     else
@@ -334,7 +322,7 @@ static void read_pool(reader *r, km_server_config_json *o, json_t *jp, uint32_t 
                 }
                 if (!r->rc && (!w.name || (base.event_endpoint && !w.event_endpoint) ||
                                (base.replay_endpoint && !w.replay_endpoint)))
-                    r->rc = fail(r->why, r->why_size, KM_ERR_OUT_OF_MEMORY, "worker strings");
+                    r->rc = km_why(r->why, r->why_size, KM_ERR_OUT_OF_MEMORY, "worker strings");
             }
             ws[n++] = w;
         }
@@ -347,26 +335,26 @@ int km_server_config_load_json(const char *path, km_server_config *cfg, km_serve
                                char *why, size_t why_size)
 {
     if (!path || !cfg || !out)
-        return fail(why, why_size, KM_ERR_NULL_POINTER, "path, cfg or owner is NULL");
+        return km_why(why, why_size, KM_ERR_NULL_POINTER, "path, cfg or owner is NULL");
     *out = NULL;
     json_error_t jerr;
     json_t *root = json_load_file(path, JSON_REJECT_DUPLICATES, &jerr);
     if (!root) {
         FILE *f = fopen(path, "r");
         if (!f)
-            return fail(why, why_size, KM_ERR_IO, "%s: %s", path, strerror(errno));
+            return km_why(why, why_size, KM_ERR_IO, "%s: %s", path, strerror(errno));
         fclose(f);
-        return fail(why, why_size, KM_ERR_PARSE, "%s:%d:%d: %s", path, jerr.line, jerr.column,
+        return km_why(why, why_size, KM_ERR_PARSE, "%s:%d:%d: %s", path, jerr.line, jerr.column,
                     jerr.text);
     }
     if (!json_is_object(root)) {
         json_decref(root);
-        return fail(why, why_size, KM_ERR_PARSE, "%s: the top level must be an object", path);
+        return km_why(why, why_size, KM_ERR_PARSE, "%s: the top level must be an object", path);
     }
     km_server_config_json *o = calloc(1, sizeof *o);
     if (!o) {
         json_decref(root);
-        return fail(why, why_size, KM_ERR_OUT_OF_MEMORY, "config");
+        return km_why(why, why_size, KM_ERR_OUT_OF_MEMORY, "config");
     }
     o->root = root;
     reader r = {why, why_size, KM_OK};
@@ -390,19 +378,19 @@ int km_server_config_load_json(const char *path, km_server_config *cfg, km_serve
             get_u64(&r, rec, "max_file_bytes", "records.", 0, UINT64_MAX,
                     &cfg->records_max_file_bytes);
         } else
-            r.rc = fail(why, why_size, KM_ERR_PARSE, "records: expected a path or an object");
+            r.rc = km_why(why, why_size, KM_ERR_PARSE, "records: expected a path or an object");
     }
     json_t *snap = json_object_get(root, "snapshot");
     if (snap && !r.rc) {
         if (!json_is_object(snap))
-            r.rc = fail(why, why_size, KM_ERR_PARSE, "snapshot: expected an object");
+            r.rc = km_why(why, why_size, KM_ERR_PARSE, "snapshot: expected an object");
         get_string(&r, snap, "dir", "snapshot.", &cfg->snapshot_dir);
         get_u32(&r, snap, "interval_ms", "snapshot.", 0, UINT32_MAX, &cfg->snapshot_interval_ms);
     }
     json_t *idx = json_object_get(root, "index");
     if (idx && !r.rc) {
         if (!json_is_object(idx))
-            r.rc = fail(why, why_size, KM_ERR_PARSE, "index: expected an object");
+            r.rc = km_why(why, why_size, KM_ERR_PARSE, "index: expected an object");
         get_u32(&r, idx, "max_workers", "index.", 1, KM_MAX_WORKERS_LIMIT, &cfg->max_workers);
         get_u32(&r, idx, "threads", "index.", 0, 1024, &cfg->index_threads);
         get_u64(&r, idx, "memory_cap_bytes", "index.", 0, UINT64_MAX, &cfg->index_memory_cap_bytes);
@@ -416,21 +404,21 @@ int km_server_config_load_json(const char *path, km_server_config *cfg, km_serve
             else if (!strcmp(backend, "cuda"))
                 cfg->backend = KM_BACKEND_CUDA;
             else
-                r.rc = fail(why, why_size, KM_ERR_PARSE,
+                r.rc = km_why(why, why_size, KM_ERR_PARSE,
                             "index.backend: \"%s\" is not auto, cpu or cuda", backend);
         }
     }
     json_t *sched = json_object_get(root, "scheduler");
     if (sched && !r.rc) {
         if (!json_is_object(sched))
-            r.rc = fail(why, why_size, KM_ERR_PARSE, "scheduler: expected an object");
+            r.rc = km_why(why, why_size, KM_ERR_PARSE, "scheduler: expected an object");
         get_u32(&r, sched, "max_batch_routes", "scheduler.", 1, 1u << 20, &cfg->max_batch_routes);
         get_u32(&r, sched, "max_queued_routes", "scheduler.", 1, 1u << 24, &cfg->max_queued_routes);
     }
     json_t *lim = json_object_get(root, "limits");
     if (lim && !r.rc) {
         if (!json_is_object(lim))
-            r.rc = fail(why, why_size, KM_ERR_PARSE, "limits: expected an object");
+            r.rc = km_why(why, why_size, KM_ERR_PARSE, "limits: expected an object");
         km_protocol_limits *l = &cfg->limits;
         get_u32(&r, lim, "max_frame_bytes", "limits.", 64, UINT32_MAX, &l->max_frame_bytes);
         get_u32(&r, lim, "max_objects", "limits.", 16, UINT32_MAX, &l->max_objects);
@@ -443,13 +431,13 @@ int km_server_config_load_json(const char *path, km_server_config *cfg, km_serve
     json_t *pools = json_object_get(root, "pools");
     if (pools && !r.rc) {
         if (!json_is_array(pools) || json_array_size(pools) > 4096) {
-            r.rc = fail(why, why_size, KM_ERR_PARSE, "pools: expected an array (at most 4096)");
+            r.rc = km_why(why, why_size, KM_ERR_PARSE, "pools: expected an array (at most 4096)");
         } else {
             o->n_pools = (uint32_t)json_array_size(pools);
             o->pools = calloc(o->n_pools ? o->n_pools : 1, sizeof *o->pools);
             o->workers = calloc(o->n_pools ? o->n_pools : 1, sizeof *o->workers);
             if (!o->pools || !o->workers)
-                r.rc = fail(why, why_size, KM_ERR_OUT_OF_MEMORY, "pools");
+                r.rc = km_why(why, why_size, KM_ERR_OUT_OF_MEMORY, "pools");
             for (uint32_t i = 0; i < o->n_pools && !r.rc; i++)
                 read_pool(&r, o, json_array_get(pools, i), i);
             cfg->pools = o->pools;

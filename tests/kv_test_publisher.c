@@ -6,15 +6,14 @@
 
 #include <errno.h>
 #include <inttypes.h>
-#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
-#include <zmq.h>
 
 #include "kvmatch/hash.h"
+#include "kvmatch/publisher.h"
 
 void km_test_sleep_ms(unsigned ms)
 {
@@ -450,44 +449,11 @@ void km_test_feed_config(km_feed_config *cfg, uint32_t block_size)
     cfg->log = getenv("KM_TEST_FEED_LOG") ? NULL : quiet_log;
 }
 
-/* ---- the publisher ---------------------------------------------------------------------------------- */
-
-typedef struct buffered {
-    uint64_t seq;
-    void *payload;
-    size_t size;
-} buffered;
-
-typedef struct pending_request {
-    unsigned char identity[256];
-    size_t identity_size;
-    uint64_t start;
-} pending_request;
+/* ---- the publisher: the library's km_publisher (include/kvmatch/publisher.h) -------------------------- */
 
 struct km_test_publisher {
-    km_test_publisher_config config;
-    char topic[256];
-    void *ctx;
-    void *pub;    /* XPUB: test thread only */
-    void *router; /* publisher thread only */
-    void *stop_recv, *stop_send; /* inproc PAIR to wake the thread */
-    char endpoint[64], replay_endpoint[64];
+    km_publisher *pub;
     uint16_t port, replay_port;
-    pthread_t thread;
-    bool thread_started;
-    uint32_t subscriptions; /* seen on the XPUB (test thread) */
-
-    pthread_mutex_t lock; /* everything below */
-    uint64_t next_seq;
-    buffered *ring; /* buffer_steps entries */
-    uint32_t ring_head, ring_count;
-    buffered *log;
-    size_t log_count, log_capacity;
-    bool drop_live, hold, mute;
-    uint32_t delay_us;
-    uint64_t replay_requests;
-    pending_request *pending;
-    size_t pending_count, pending_capacity;
 };
 
 void km_test_publisher_config_init(km_test_publisher_config *cfg)
@@ -498,244 +464,69 @@ void km_test_publisher_config_init(km_test_publisher_config *cfg)
     cfg->replay_form = KM_TEST_REPLAY_WITH_TOPIC;
 }
 
-static void be64(unsigned char *p, uint64_t v)
+static uint16_t port_of(const char *endpoint)
 {
-    for (int i = 0; i < 8; i++)
-        p[i] = (unsigned char)(v >> (56 - 8 * i));
-}
-
-static int send_parts(void *sock, const km_kv_frame *frames, size_t n)
-{
-    for (size_t i = 0; i < n; i++)
-        if (zmq_send(sock, frames[i].data, frames[i].size, i + 1 < n ? ZMQ_SNDMORE : 0) < 0)
-            return -1;
-    return 0;
-}
-
-/* Answer one replay request like vLLM's _service_replay: every buffered message with
- * seq >= start, then the end marker. The buffer is copied first so publishing is not blocked. */
-static void serve_replay(km_test_publisher *p, const pending_request *req)
-{
-    pthread_mutex_lock(&p->lock);
-    uint32_t n = 0;
-    buffered *copy = malloc(((size_t)p->ring_count + 1) * sizeof *copy);
-    for (uint32_t i = 0; copy && i < p->ring_count; i++) {
-        const buffered *b = &p->ring[(p->ring_head + i) % p->config.buffer_steps];
-        if (b->seq < req->start)
-            continue;
-        copy[n].seq = b->seq;
-        copy[n].size = b->size;
-        copy[n].payload = malloc(b->size ? b->size : 1);
-        memcpy(copy[n].payload, b->payload, b->size);
-        n++;
-    }
-    uint32_t delay = p->delay_us;
-    pthread_mutex_unlock(&p->lock);
-    bool with_topic = p->config.replay_form == KM_TEST_REPLAY_WITH_TOPIC;
-    for (uint32_t i = 0; i < n; i++) {
-        unsigned char seq[8];
-        be64(seq, copy[i].seq);
-        km_kv_frame f[5] = {{req->identity, req->identity_size}, {NULL, 0}};
-        size_t k = 2;
-        if (with_topic)
-            f[k++] = (km_kv_frame){p->topic, strlen(p->topic)};
-        f[k++] = (km_kv_frame){seq, 8};
-        f[k++] = (km_kv_frame){copy[i].payload, copy[i].size};
-        send_parts(p->router, f, k);
-        free(copy[i].payload);
-        if (delay) {
-            struct timespec ts = {0, (long)delay * 1000L};
-            nanosleep(&ts, NULL);
-        }
-    }
-    free(copy);
-    unsigned char end[8];
-    memset(end, 0xFF, 8);
-    km_kv_frame f[5] = {{req->identity, req->identity_size}, {NULL, 0}};
-    size_t k = 2;
-    if (with_topic)
-        f[k++] = (km_kv_frame){NULL, 0};
-    f[k++] = (km_kv_frame){end, 8};
-    f[k++] = (km_kv_frame){NULL, 0};
-    send_parts(p->router, f, k);
-}
-
-static void *publisher_thread(void *arg)
-{
-    km_test_publisher *p = arg;
-    for (;;) {
-        zmq_pollitem_t items[2] = {{p->router, 0, ZMQ_POLLIN, 0}, {p->stop_recv, 0, ZMQ_POLLIN, 0}};
-        int rc = zmq_poll(items, 2, 5);
-        if (rc < 0 && errno != EINTR)
-            break;
-        if (items[1].revents & ZMQ_POLLIN) {
-            char c;
-            zmq_recv(p->stop_recv, &c, 1, 0);
-            if (c == 'q')
-                break;
-        }
-        if (items[0].revents & ZMQ_POLLIN) {
-            /* [identity, empty, start_seq]: anything else is ignored, as vLLM does. */
-            zmq_msg_t parts[4];
-            int n = 0, more = 1;
-            while (more) {
-                zmq_msg_t m;
-                zmq_msg_init(&m);
-                if (zmq_msg_recv(&m, p->router, 0) < 0) {
-                    zmq_msg_close(&m);
-                    break;
-                }
-                more = zmq_msg_more(&m);
-                if (n < 4)
-                    parts[n++] = m;
-                else
-                    zmq_msg_close(&m);
-            }
-            if (n == 3 && zmq_msg_size(&parts[1]) == 0 && zmq_msg_size(&parts[0]) <= 256 &&
-                zmq_msg_size(&parts[2]) >= 1 && zmq_msg_size(&parts[2]) <= 8) {
-                pending_request req;
-                req.identity_size = zmq_msg_size(&parts[0]);
-                memcpy(req.identity, zmq_msg_data(&parts[0]), req.identity_size);
-                req.start = 0;
-                const unsigned char *s = zmq_msg_data(&parts[2]);
-                for (size_t i = 0; i < zmq_msg_size(&parts[2]); i++)
-                    req.start = req.start << 8 | s[i];
-                pthread_mutex_lock(&p->lock);
-                p->replay_requests++;
-                bool drop = p->mute;
-                if (!drop) {
-                    if (p->pending_count == p->pending_capacity) {
-                        p->pending_capacity = p->pending_capacity ? p->pending_capacity * 2 : 8;
-                        p->pending = realloc(p->pending, p->pending_capacity * sizeof *p->pending);
-                    }
-                    p->pending[p->pending_count++] = req;
-                }
-                pthread_mutex_unlock(&p->lock);
-            }
-            for (int i = 0; i < n; i++)
-                zmq_msg_close(&parts[i]);
-        }
-        /* Serve what is pending unless held. */
-        for (;;) {
-            pthread_mutex_lock(&p->lock);
-            if (p->hold || p->pending_count == 0) {
-                pthread_mutex_unlock(&p->lock);
-                break;
-            }
-            pending_request req = p->pending[0];
-            memmove(p->pending, p->pending + 1, (p->pending_count - 1) * sizeof *p->pending);
-            p->pending_count--;
-            pthread_mutex_unlock(&p->lock);
-            serve_replay(p, &req);
-        }
-    }
-    return NULL;
-}
-
-static int bind_tcp(void *sock, uint16_t port, char *endpoint, size_t size, uint16_t *port_out)
-{
-    char addr[64];
-    if (port)
-        snprintf(addr, sizeof addr, "tcp://127.0.0.1:%u", port);
-    else
-        snprintf(addr, sizeof addr, "tcp://127.0.0.1:*");
-    if (zmq_bind(sock, addr) != 0)
-        return -1;
-    size_t len = size;
-    if (zmq_getsockopt(sock, ZMQ_LAST_ENDPOINT, endpoint, &len) != 0)
-        return -1;
-    const char *colon = strrchr(endpoint, ':');
-    *port_out = colon ? (uint16_t)atoi(colon + 1) : 0;
-    return 0;
+    const char *colon = endpoint ? strrchr(endpoint, ':') : NULL;
+    return colon ? (uint16_t)atoi(colon + 1) : 0;
 }
 
 int km_test_publisher_start(const km_test_publisher_config *cfg_in, km_test_publisher **out)
 {
     *out = NULL;
-    km_test_publisher *p = calloc(1, sizeof *p);
-    cr_assert(p != NULL);
+    km_test_publisher_config cfg;
     if (cfg_in)
-        p->config = *cfg_in;
+        cfg = *cfg_in;
     else
-        km_test_publisher_config_init(&p->config);
-    if (p->config.buffer_steps == 0)
-        p->config.buffer_steps = 10000;
-    snprintf(p->topic, sizeof p->topic, "%s", p->config.topic ? p->config.topic : "");
-    pthread_mutex_init(&p->lock, NULL);
-    p->ring = calloc(p->config.buffer_steps, sizeof *p->ring);
-    p->ctx = zmq_ctx_new();
-    p->pub = zmq_socket(p->ctx, ZMQ_XPUB);
-    int one = 1, zero = 0, hwm = 100000;
-    zmq_setsockopt(p->pub, ZMQ_XPUB_VERBOSE, &one, sizeof one);
-    zmq_setsockopt(p->pub, ZMQ_LINGER, &zero, sizeof zero);
-    zmq_setsockopt(p->pub, ZMQ_SNDHWM, &hwm, sizeof hwm);
-    if (bind_tcp(p->pub, p->config.port, p->endpoint, sizeof p->endpoint, &p->port) != 0)
-        goto fail;
-    if (p->config.replay) {
-        p->router = zmq_socket(p->ctx, ZMQ_ROUTER);
-        zmq_setsockopt(p->router, ZMQ_LINGER, &zero, sizeof zero);
-        if (bind_tcp(p->router, p->config.replay_port, p->replay_endpoint,
-                     sizeof p->replay_endpoint, &p->replay_port) != 0)
-            goto fail;
-    } else {
-        /* A ROUTER nobody connects to keeps the thread loop uniform. */
-        p->router = zmq_socket(p->ctx, ZMQ_ROUTER);
-        zmq_setsockopt(p->router, ZMQ_LINGER, &zero, sizeof zero);
+        km_test_publisher_config_init(&cfg);
+    char endpoint[64], replay[64];
+    if (cfg.port)
+        snprintf(endpoint, sizeof endpoint, "tcp://127.0.0.1:%u", cfg.port);
+    else
+        snprintf(endpoint, sizeof endpoint, "tcp://127.0.0.1:*");
+    if (cfg.replay_port)
+        snprintf(replay, sizeof replay, "tcp://127.0.0.1:%u", cfg.replay_port);
+    else
+        snprintf(replay, sizeof replay, "tcp://127.0.0.1:*");
+    km_publisher_config pc;
+    km_publisher_config_init(&pc);
+    pc.endpoint = endpoint;
+    pc.replay_endpoint = replay;
+    pc.replay = cfg.replay;
+    pc.topic = cfg.topic;
+    pc.buffer_steps = cfg.buffer_steps ? cfg.buffer_steps : 10000;
+    pc.replay_form = cfg.replay_form == KM_TEST_REPLAY_NO_TOPIC ? KM_REPLAY_NO_TOPIC
+                                                                : KM_REPLAY_WITH_TOPIC;
+    pc.keep_log = true;
+    km_test_publisher *t = calloc(1, sizeof *t);
+    cr_assert_not_null(t);
+    char why[256];
+    int rc = km_publisher_start(&pc, &t->pub, why, sizeof why);
+    if (rc != KM_OK) {
+        free(t);
+        return rc;
     }
-    char inproc[64];
-    snprintf(inproc, sizeof inproc, "inproc://km-test-publisher-%p", (void *)p);
-    p->stop_recv = zmq_socket(p->ctx, ZMQ_PAIR);
-    p->stop_send = zmq_socket(p->ctx, ZMQ_PAIR);
-    zmq_setsockopt(p->stop_recv, ZMQ_LINGER, &zero, sizeof zero);
-    zmq_setsockopt(p->stop_send, ZMQ_LINGER, &zero, sizeof zero);
-    cr_assert_eq(zmq_bind(p->stop_recv, inproc), 0);
-    cr_assert_eq(zmq_connect(p->stop_send, inproc), 0);
-    cr_assert_eq(pthread_create(&p->thread, NULL, publisher_thread, p), 0);
-    p->thread_started = true;
-    *out = p;
+    t->port = port_of(km_publisher_endpoint(t->pub));
+    t->replay_port = port_of(km_publisher_replay_endpoint(t->pub));
+    *out = t;
     return KM_OK;
-fail:
-    km_test_publisher_stop(p);
-    return KM_ERR_IO;
 }
 
 void km_test_publisher_stop(km_test_publisher *p)
 {
     if (!p)
         return;
-    if (p->thread_started) {
-        zmq_send(p->stop_send, "q", 1, 0);
-        pthread_join(p->thread, NULL);
-    }
-    if (p->stop_send)
-        zmq_close(p->stop_send);
-    if (p->stop_recv)
-        zmq_close(p->stop_recv);
-    if (p->router)
-        zmq_close(p->router);
-    if (p->pub)
-        zmq_close(p->pub);
-    if (p->ctx)
-        zmq_ctx_term(p->ctx);
-    for (uint32_t i = 0; i < p->ring_count; i++)
-        free(p->ring[(p->ring_head + i) % p->config.buffer_steps].payload);
-    free(p->ring);
-    for (size_t i = 0; i < p->log_count; i++)
-        free(p->log[i].payload);
-    free(p->log);
-    free(p->pending);
-    pthread_mutex_destroy(&p->lock);
+    km_publisher_stop(p->pub);
     free(p);
 }
 
 const char *km_test_publisher_endpoint(const km_test_publisher *p)
 {
-    return p->endpoint;
+    return km_publisher_endpoint(p->pub);
 }
 
 const char *km_test_publisher_replay_endpoint(const km_test_publisher *p)
 {
-    return p->config.replay ? p->replay_endpoint : NULL;
+    return km_publisher_replay_endpoint(p->pub);
 }
 
 uint16_t km_test_publisher_port(const km_test_publisher *p)
@@ -748,41 +539,11 @@ uint16_t km_test_publisher_replay_port(const km_test_publisher *p)
     return p->replay_port;
 }
 
-static void *dup_bytes(const void *src, size_t n)
-{
-    void *d = malloc(n ? n : 1);
-    cr_assert(d != NULL);
-    if (n)
-        memcpy(d, src, n);
-    return d;
-}
-
 uint64_t km_test_publisher_publish(km_test_publisher *p, const void *payload, size_t size)
 {
-    pthread_mutex_lock(&p->lock);
-    uint64_t seq = p->next_seq++;
-    uint32_t steps = p->config.buffer_steps;
-    if (p->ring_count == steps) {
-        free(p->ring[p->ring_head].payload);
-        p->ring_head = (p->ring_head + 1) % steps;
-        p->ring_count--;
-    }
-    p->ring[(p->ring_head + p->ring_count) % steps] = (buffered){seq, dup_bytes(payload, size), size};
-    p->ring_count++;
-    if (p->log_count == p->log_capacity) {
-        p->log_capacity = p->log_capacity ? p->log_capacity * 2 : 64;
-        p->log = realloc(p->log, p->log_capacity * sizeof *p->log);
-        cr_assert(p->log != NULL);
-    }
-    p->log[p->log_count++] = (buffered){seq, dup_bytes(payload, size), size};
-    bool drop = p->drop_live;
-    pthread_mutex_unlock(&p->lock);
-    if (!drop) {
-        unsigned char s[8];
-        be64(s, seq);
-        km_kv_frame f[3] = {{p->topic, strlen(p->topic)}, {s, 8}, {payload, size}};
-        cr_assert_eq(send_parts(p->pub, f, 3), 0, "publish: %s", zmq_strerror(errno));
-    }
+    uint64_t seq = 0;
+    int rc = km_publisher_publish(p->pub, payload, size, &seq);
+    cr_assert_eq(rc, KM_OK, "publish: %s", km_error_name(rc));
     return seq;
 }
 
@@ -795,110 +556,64 @@ uint64_t km_test_publisher_publish_batch(km_test_publisher *p, km_test_batch *b)
 
 void km_test_publisher_drop_live(km_test_publisher *p, bool drop)
 {
-    pthread_mutex_lock(&p->lock);
-    p->drop_live = drop;
-    pthread_mutex_unlock(&p->lock);
+    km_publisher_drop_live(p->pub, drop);
 }
 
 void km_test_publisher_restart(km_test_publisher *p)
 {
-    pthread_mutex_lock(&p->lock);
-    p->next_seq = 0;
-    for (uint32_t i = 0; i < p->ring_count; i++)
-        free(p->ring[(p->ring_head + i) % p->config.buffer_steps].payload);
-    p->ring_head = p->ring_count = 0;
-    pthread_mutex_unlock(&p->lock);
+    km_publisher_restart(p->pub);
 }
 
 void km_test_publisher_evict(km_test_publisher *p, uint32_t keep)
 {
-    pthread_mutex_lock(&p->lock);
-    while (p->ring_count > keep) {
-        free(p->ring[p->ring_head].payload);
-        p->ring_head = (p->ring_head + 1) % p->config.buffer_steps;
-        p->ring_count--;
-    }
-    pthread_mutex_unlock(&p->lock);
+    km_publisher_evict(p->pub, keep);
 }
 
 void km_test_publisher_hold_replay(km_test_publisher *p, bool hold)
 {
-    pthread_mutex_lock(&p->lock);
-    p->hold = hold;
-    pthread_mutex_unlock(&p->lock);
+    km_publisher_hold_replay(p->pub, hold);
 }
 
 void km_test_publisher_mute_replay(km_test_publisher *p, bool mute)
 {
-    pthread_mutex_lock(&p->lock);
-    p->mute = mute;
-    pthread_mutex_unlock(&p->lock);
+    km_publisher_mute_replay(p->pub, mute);
 }
 
 void km_test_publisher_replay_delay_us(km_test_publisher *p, uint32_t us)
 {
-    pthread_mutex_lock(&p->lock);
-    p->delay_us = us;
-    pthread_mutex_unlock(&p->lock);
+    km_publisher_replay_delay_us(p->pub, us);
 }
 
 uint64_t km_test_publisher_replay_requests(km_test_publisher *p)
 {
-    pthread_mutex_lock(&p->lock);
-    uint64_t n = p->replay_requests;
-    pthread_mutex_unlock(&p->lock);
-    return n;
+    return km_publisher_replay_requests(p->pub);
 }
 
 uint64_t km_test_publisher_next_seq(km_test_publisher *p)
 {
-    pthread_mutex_lock(&p->lock);
-    uint64_t n = p->next_seq;
-    pthread_mutex_unlock(&p->lock);
-    return n;
+    return km_publisher_next_seq(p->pub);
 }
 
 int km_test_publisher_send_frames(km_test_publisher *p, const km_kv_frame *frames, size_t n)
 {
-    return send_parts(p->pub, frames, n);
+    return km_publisher_send_frames(p->pub, frames, n) == KM_OK ? 0 : -1;
 }
 
 bool km_test_publisher_wait_subscribers(km_test_publisher *p, uint32_t n, int timeout_ms)
 {
-    double deadline = km_test_now() + timeout_ms / 1000.0;
-    while (p->subscriptions < n) {
-        double left = deadline - km_test_now();
-        if (left <= 0)
-            return false;
-        zmq_pollitem_t item = {p->pub, 0, ZMQ_POLLIN, 0};
-        if (zmq_poll(&item, 1, (long)(left * 1000) + 1) <= 0)
-            continue;
-        unsigned char buf[256];
-        int got = zmq_recv(p->pub, buf, sizeof buf, ZMQ_DONTWAIT);
-        if (got >= 1 && buf[0] == 1)
-            p->subscriptions++;
-    }
-    return true;
+    return km_publisher_wait_subscribers(p->pub, n, timeout_ms);
 }
 
 size_t km_test_publisher_log_count(km_test_publisher *p)
 {
-    pthread_mutex_lock(&p->lock);
-    size_t n = p->log_count;
-    pthread_mutex_unlock(&p->lock);
-    return n;
+    return km_publisher_log_count(p->pub);
 }
 
 const void *km_test_publisher_log_entry(km_test_publisher *p, size_t i, uint64_t *seq, size_t *size)
 {
-    pthread_mutex_lock(&p->lock);
-    cr_assert(i < p->log_count);
-    const buffered *b = &p->log[i];
-    *seq = b->seq;
-    *size = b->size;
-    const void *data = b->payload;
-    pthread_mutex_unlock(&p->lock);
-    return data;
+    const void *d = km_publisher_log_entry(p->pub, i, seq, size);
+    cr_assert_not_null(d, "log entry %zu", i);
+    return d;
 }
 
 km_index *km_test_reference_index(km_test_publisher *p, uint32_t max_workers, uint32_t worker,

@@ -7,7 +7,9 @@
  *    BlockRemoved / AllBlocksCleared events (stores continue cached blocks, evicted blocks can be
  *    stored again under the same engine hash, engine hashes change when the process restarts) and
  *    knows the chain hashes it holds (the truth the index is compared with);
- *  - km_test_publisher: a ZMQ publisher that speaks the wire format of vLLM's ZmqEventPublisher:
+ *  - km_test_publisher: the library's km_publisher (include/kvmatch/publisher.h) with test
+ *    conveniences (fixed ports, assert on failure, the log kept); it speaks the wire format of
+ *    vLLM's ZmqEventPublisher:
  *    live messages [topic, seq(8, big-endian), payload] on a PUB socket (an XPUB, so a test can
  *    wait until its subscribers are connected), a ROUTER replay endpoint on its own thread that
  *    answers [empty, start_seq] requests from a bounded in-memory buffer (like vLLM's

@@ -12,6 +12,7 @@
 #include <string.h>
 
 #include "kv_test_publisher.h"
+#include "kvmatch/publisher.h"
 #include "kvmatch/subscriber.h"
 #include "test_util.h"
 
@@ -655,4 +656,43 @@ Test(subscriber, endpoint_for_rank, .timeout = 5)
                  KM_ERR_INVALID_ARGUMENT);
     cr_assert_eq(km_endpoint_for_rank("tcp://10.0.0.5:5557", 1, out, 8), KM_ERR_TOO_LARGE);
     cr_assert_eq(km_endpoint_for_rank(NULL, 1, out, 8), KM_ERR_NULL_POINTER);
+}
+
+/* The library publisher's own contract: bad configurations are refused with a reason; seqs count
+ * from 0 and restart at 0; the log is kept only when asked. */
+Test(subscriber, publisher_config_and_seq, .timeout = 20)
+{
+    km_publisher_config pc;
+    km_publisher_config_init(&pc);
+    km_publisher *p = NULL;
+    char why[256] = "";
+    pc.endpoint = "tcp://256.0.0.1:1";
+    cr_assert_eq(km_publisher_start(&pc, &p, why, sizeof why), KM_ERR_IO);
+    cr_assert_null(p);
+    cr_assert(strstr(why, "256.0.0.1"), "%s", why);
+    km_publisher_config_init(&pc);
+    pc.buffer_steps = 0;
+    cr_assert_eq(km_publisher_start(&pc, &p, why, sizeof why), KM_ERR_INVALID_ARGUMENT);
+    km_publisher_config_init(&pc);
+    char topic[400];
+    memset(topic, 't', sizeof topic - 1);
+    topic[sizeof topic - 1] = '\0';
+    pc.topic = topic;
+    cr_assert_eq(km_publisher_start(&pc, &p, why, sizeof why), KM_ERR_TOO_LARGE);
+    km_publisher_config_init(&pc);
+    pc.replay = false;
+    cr_assert_eq(km_publisher_start(&pc, &p, why, sizeof why), KM_OK, "%s", why);
+    cr_assert_null(km_publisher_replay_endpoint(p));
+    cr_assert(strncmp(km_publisher_endpoint(p), "tcp://127.0.0.1:", 16) == 0);
+    uint64_t seq = 99;
+    for (uint64_t i = 0; i < 5; i++) {
+        cr_assert_eq(km_publisher_publish(p, "x", 1, &seq), KM_OK);
+        cr_assert_eq(seq, i);
+    }
+    cr_assert_eq(km_publisher_log_count(p), 0);
+    km_publisher_restart(p);
+    cr_assert_eq(km_publisher_next_seq(p), 0);
+    cr_assert_eq(km_publisher_publish(p, "y", 1, &seq), KM_OK);
+    cr_assert_eq(seq, 0);
+    km_publisher_stop(p);
 }

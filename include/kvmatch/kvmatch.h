@@ -15,5 +15,6 @@
 #include "kvmatch/protocol.h"
 #include "kvmatch/client.h"
 #include "kvmatch/server.h"
+#include "kvmatch/publisher.h"
 #define KVMATCH_VERSION "0.1.0"
 #endif
