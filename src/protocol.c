@@ -662,6 +662,8 @@ static void encode_worker(writer *w, const km_worker_info *wi, uint32_t i, bool 
             put_u64(w, &m, "blocks", wi->blocks);
         if (wi->has_last_event_age_s)
             put_double(w, &m, "last_event_age_s", wi->last_event_age_s);
+        if (wi->has_expected_seq)
+            put_u64(w, &m, "expected_seq", wi->expected_seq);
         if (wi->has_load)
             put_load(w, &m, &wi->load);
     }
@@ -1709,10 +1711,10 @@ static int decode_lifecycle_event(km_protocol_decoder *d, const msgpack_object *
 static int decode_worker(km_protocol_decoder *d, const msgpack_object *o, km_worker_info *w)
 {
     enum { POOL, WORKER, NAME, EVENT_ENDPOINT, REPLAY_ENDPOINT, DP_RANK, STATE, BLOCKS,
-           LAST_EVENT_AGE_S, LOAD, N_FIELDS };
+           LAST_EVENT_AGE_S, LOAD, EXPECTED_SEQ, N_FIELDS };
     static const char *const names[N_FIELDS] = {
         "pool",    "worker", "name",   "event_endpoint",   "replay_endpoint",
-        "dp_rank", "state",  "blocks", "last_event_age_s", "load"};
+        "dp_rank", "state",  "blocks", "last_event_age_s", "load", "expected_seq"};
     const msgpack_object *v[N_FIELDS];
     int rc = bind_fields(d, o, NULL, names, N_FIELDS, v);
     if (rc)
@@ -1734,6 +1736,11 @@ static int decode_worker(km_protocol_decoder *d, const msgpack_object *o, km_wor
         if ((rc = read_u32(d, v[DP_RANK], "dp_rank", &w->dp_rank)))
             return rc;
         w->has_dp_rank = true;
+    }
+    if (v[EXPECTED_SEQ]) {
+        if ((rc = read_u64(d, v[EXPECTED_SEQ], "expected_seq", &w->expected_seq)))
+            return rc;
+        w->has_expected_seq = true;
     }
     if (v[LAST_EVENT_AGE_S]) {
         if ((rc = read_double(d, v[LAST_EVENT_AGE_S], "last_event_age_s", &w->last_event_age_s)))

@@ -1628,9 +1628,13 @@ static void worker_view(km_server *s, uint32_t id, km_worker_info *out)
     }
     if (w->events) {
         km_feed_worker_info info;
-        if (km_subscriber_get_worker_info(p->sub, id, &info) == KM_OK && info.has_last_receive) {
-            out->has_last_event_age_s = true;
-            out->last_event_age_s = (double)(now_ns() - info.last_receive_ns) / 1e9;
+        if (km_subscriber_get_worker_info(p->sub, id, &info) == KM_OK) {
+            if (info.has_last_receive) {
+                out->has_last_event_age_s = true;
+                out->last_event_age_s = (double)(now_ns() - info.last_receive_ns) / 1e9;
+            }
+            out->has_expected_seq = info.has_expected_seq;
+            out->expected_seq = info.expected_seq;
         }
     }
     km_active_load load;

@@ -450,6 +450,24 @@ Test(server, events_pool_scores_observed_blocks, .timeout = 30)
     cr_assert_eq(candidate(d, 5)->device_blocks, 6);
     if (d->chosen_worker == 5)
         cr_assert_eq(d->source, KM_PREDICTION_EVENTS);
+    /* The worker list says how far the index has applied the stream: seq 0 is in, 1 is next. */
+    km_message wl;
+    memset(&wl, 0, sizeof wl);
+    wl.type = KM_MESSAGE_WORKERS;
+    wl.workers.action = KM_ADMIN_LIST;
+    km_message wr;
+    cr_assert_eq(km_client_call(c, &wl, 5000, &wr), KM_OK);
+    bool seen = false;
+    for (uint32_t i = 0; i < wr.workers.n_workers; i++)
+        if (wr.workers.workers[i].worker == 5) {
+            seen = true;
+            cr_assert(wr.workers.workers[i].has_expected_seq);
+            cr_assert_eq(wr.workers.workers[i].expected_seq, 1);
+            cr_assert_str_eq(wr.workers.workers[i].state, "LIVE");
+        } else {
+            cr_assert_not(wr.workers.workers[i].has_expected_seq, "approximate-mode worker");
+        }
+    cr_assert(seen);
     /* Readiness over HTTP: the only event worker is LIVE. */
     uint16_t port = km_server_http_port(s.server);
     cr_assert_gt(port, 0);

@@ -348,6 +348,9 @@ typedef struct km_worker_info {
     uint64_t blocks;
     bool has_last_event_age_s;
     double last_event_age_s;
+    bool has_expected_seq; /* event-fed workers: the next seq the index will apply; every message
+                            * before it is in the index (or was found lost) */
+    uint64_t expected_seq;
     bool has_load;
     km_worker_load load;
 } km_worker_info;
