@@ -194,6 +194,7 @@ struct km_server {
     uint64_t queued_routes;
     bool scheduler_stop;
     bool scheduler_busy;
+    bool events_pending; /* a subscriber received messages since the last housekeeping */
 
     pthread_mutex_t done_lock;
     job *done_head, *done_tail;
@@ -390,6 +391,17 @@ static int pool_create(km_server *s, const km_server_pool *pc, pool **out, char 
     return KM_OK;
 }
 
+/* Subscriber I/O thread: events arrived; the scheduler flushes them at once instead of at its
+ * next tick, so the index is fresh before the next decision. */
+static void wake_scheduler(void *user)
+{
+    km_server *s = user;
+    pthread_mutex_lock(&s->queue_lock);
+    s->events_pending = true;
+    pthread_cond_signal(&s->queue_cond);
+    pthread_mutex_unlock(&s->queue_lock);
+}
+
 /* The pool's subscriber, created (restoring its snapshot when there is one) on first use. */
 static int pool_subscriber(km_server *s, pool *p, char *why, size_t why_size)
 {
@@ -405,6 +417,8 @@ static int pool_subscriber(km_server *s, pool *p, char *why, size_t why_size)
     sc.snapshot_path = p->snapshot_path;
     sc.snapshot_interval_ms = p->snapshot_path ? s->cfg.snapshot_interval_ms : 0;
     sc.snapshot_background = true; /* the scheduler must not stop routing while a snapshot is written */
+    sc.on_received = wake_scheduler;
+    sc.on_received_user = s;
     struct stat stt;
     sc.restore_path = p->snapshot_path && stat(p->snapshot_path, &stt) == 0 ? p->snapshot_path : NULL;
     int rc = km_subscriber_create(p->index, &sc, &p->sub);
@@ -1151,7 +1165,7 @@ static void *scheduler_main(void *arg)
     km_approx_updates_init(&b.updates);
     for (;;) {
         pthread_mutex_lock(&s->queue_lock);
-        if (!s->queue_head && !s->scheduler_stop) {
+        if (!s->queue_head && !s->scheduler_stop && !s->events_pending) {
             struct timespec ts;
             clock_gettime(CLOCK_REALTIME, &ts);
             ts.tv_nsec += SCHEDULER_TICK_MS * 1000000L;
@@ -1181,6 +1195,7 @@ static void *scheduler_main(void *arg)
             s->queue_tail = NULL;
         s->queued_routes -= routes;
         s->scheduler_busy = take != NULL;
+        s->events_pending = false; /* housekeeping below flushes them */
         pthread_mutex_unlock(&s->queue_lock);
 
         housekeeping(s, &b);

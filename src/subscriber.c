@@ -640,6 +640,9 @@ static void *io_main(void *arg)
                     break; /* a DEALER was reopened: `socket` may be gone */
             }
         }
+        /* Something was received: tell the flushing thread (it may be asleep between batches). */
+        if (rc > 0 && sub->config.on_received && (rc > 1 || !control_ready))
+            sub->config.on_received(sub->config.on_received_user);
         now = km_feed_clock_ns();
         if (control_ready)
             handle_control(sub, now);

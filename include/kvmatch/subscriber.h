@@ -68,6 +68,11 @@ typedef struct km_subscriber_config {
      * counted in stats.snapshots / snapshot_failures when reaped. If fork fails the snapshot is
      * written in place. Default false. */
     bool snapshot_background;
+    /* Called on the I/O thread after a wake-up that received messages (their updates are queued):
+     * a service wakes its flushing thread so events reach the index within microseconds instead of
+     * at its next tick. Must be quick and thread-safe. NULL = none. */
+    void (*on_received)(void *user);
+    void *on_received_user;
 } km_subscriber_config;
 
 void km_subscriber_config_init(km_subscriber_config *cfg);
