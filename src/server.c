@@ -120,6 +120,7 @@ typedef struct worker_slot {
     bool used;
     uint32_t pool;
     bool events; /* fed by KV events; else approximate mode */
+    bool local;  /* events handed over in process (km_server_deliver_events), no sockets */
     char name[KM_SERVER_NAME_MAX];
     char *event_endpoint, *replay_endpoint;
     /* per batch: state name cached */
@@ -135,6 +136,10 @@ typedef struct pool {
     km_policy_state policy_state;
     km_index *index;
     km_subscriber *sub; /* created with the first event-fed worker */
+    /* Workers whose events arrive in process (event endpoint "local": the simulator). */
+    pthread_mutex_t local_lock; /* local_feed, local_decoder */
+    km_feed *local_feed;
+    km_kv_decoder *local_decoder;
     km_approx *approx;
     km_approx_updates approx_updates;
     uint64_t approx_ttl_ms, approx_capacity_blocks;
@@ -313,6 +318,9 @@ static void pool_destroy(pool *p)
     if (!p)
         return;
     km_subscriber_destroy(p->sub);
+    km_feed_destroy(p->local_feed);
+    km_kv_decoder_destroy(p->local_decoder);
+    pthread_mutex_destroy(&p->local_lock);
     km_approx_destroy(p->approx);
     km_approx_updates_free(&p->approx_updates);
     km_index_destroy(p->index);
@@ -342,6 +350,7 @@ static int pool_create(km_server *s, const km_server_pool *pc, pool **out, char 
     if (!p)
         return km_why(why, why_size, KM_ERR_OUT_OF_MEMORY, "pool %s", pc->name);
     snprintf(p->name, sizeof p->name, "%s", pc->name);
+    pthread_mutex_init(&p->local_lock, NULL);
     p->block_size = pc->block_size;
     p->policy = pc->policy;
     km_policy_state_init(&p->policy_state, s->cfg.seed ^ XXH3_64bits(pc->name, strlen(pc->name)));
@@ -432,6 +441,56 @@ static int pool_subscriber(km_server *s, pool *p, char *why, size_t why_size)
     return KM_OK;
 }
 
+/* The pool's in-process feed, created on first use. */
+static int pool_local_feed(km_server *s, pool *p, char *why, size_t why_size)
+{
+    if (p->local_feed)
+        return KM_OK;
+    km_feed_config fc;
+    km_feed_config_init(&fc);
+    fc.block_size = p->block_size;
+    fc.bootstrap_replay = false;
+    fc.log = s->log;
+    fc.log_user = s->log_user;
+    int rc = km_feed_create(p->index, &fc, &p->local_feed);
+    if (!rc)
+        rc = km_kv_decoder_create(NULL, &p->local_decoder);
+    if (rc) {
+        km_feed_destroy(p->local_feed);
+        p->local_feed = NULL;
+        return km_why(why, why_size, rc, "pool %s: in-process event feed: %s", p->name,
+                      km_strerror(rc));
+    }
+    return KM_OK;
+}
+
+/* A worker's feed view, from its subscriber or the in-process feed (admin_lock held). */
+static int feed_info(km_server *s, uint32_t id, km_feed_worker_info *out)
+{
+    worker_slot *w = &s->workers[id];
+    pool *p = s->pools[w->pool];
+    if (!w->events)
+        return KM_ERR_NOT_FOUND;
+    if (!w->local)
+        return km_subscriber_get_worker_info(p->sub, id, out);
+    pthread_mutex_lock(&p->local_lock);
+    int rc = km_feed_get_worker_info(p->local_feed, id, out);
+    pthread_mutex_unlock(&p->local_lock);
+    return rc;
+}
+
+static int feed_windows(km_server *s, uint32_t id, km_feed_window *out, uint32_t cap, uint32_t *n)
+{
+    worker_slot *w = &s->workers[id];
+    pool *p = s->pools[w->pool];
+    if (!w->local)
+        return km_subscriber_get_worker_windows(p->sub, id, out, cap, n);
+    pthread_mutex_lock(&p->local_lock);
+    int rc = km_feed_get_worker_windows(p->local_feed, id, out, cap, n);
+    pthread_mutex_unlock(&p->local_lock);
+    return rc;
+}
+
 static int members_insert(pool *p, uint32_t id)
 {
     if (p->n_members == p->members_capacity) {
@@ -494,7 +553,17 @@ static int worker_add(km_server *s, uint32_t pool_index, const km_server_worker 
         return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,
                      "worker %u: a replay endpoint needs an event endpoint", w->id);
     int rc;
-    if (w->event_endpoint) {
+    bool local = w->event_endpoint && !strcmp(w->event_endpoint, KM_SERVER_LOCAL_EVENTS);
+    if (local) {
+        if ((rc = pool_local_feed(s, p, why, why_size)) != KM_OK)
+            return rc;
+        km_feed_worker_config fw = {w->id, w->name, false};
+        pthread_mutex_lock(&p->local_lock);
+        rc = km_feed_add_worker(p->local_feed, &fw, now_ns());
+        pthread_mutex_unlock(&p->local_lock);
+        if (rc)
+            return km_why(why, why_size, rc, "worker %u: %s", w->id, km_feed_last_error(p->local_feed));
+    } else if (w->event_endpoint) {
         if ((rc = pool_subscriber(s, p, why, why_size)) != KM_OK)
             return rc;
         km_subscriber_worker sw = {w->id, w->name, w->event_endpoint, w->replay_endpoint};
@@ -502,14 +571,20 @@ static int worker_add(km_server *s, uint32_t pool_index, const km_server_worker 
             return km_why(why, why_size, rc, "worker %u: %s", w->id, km_subscriber_last_error(p->sub));
     }
     if ((rc = members_insert(p, w->id)) != KM_OK) {
-        if (w->event_endpoint)
+        if (local) {
+            pthread_mutex_lock(&p->local_lock);
+            km_feed_remove_worker(p->local_feed, w->id, now_ns());
+            pthread_mutex_unlock(&p->local_lock);
+        } else if (w->event_endpoint) {
             km_subscriber_remove_worker(p->sub, w->id);
+        }
         return km_why(why, why_size, rc, "worker %u", w->id);
     }
     memset(slot, 0, sizeof *slot);
     slot->used = true;
     slot->pool = pool_index;
     slot->events = w->event_endpoint != NULL;
+    slot->local = local;
     if (w->name)
         snprintf(slot->name, sizeof slot->name, "%s", w->name);
     else
@@ -529,9 +604,13 @@ static int worker_remove(km_server *s, uint32_t id, char *why, size_t why_size)
         return km_why(why, why_size, KM_ERR_NOT_FOUND, "worker %u does not exist", id);
     worker_slot *slot = &s->workers[id];
     pool *p = s->pools[slot->pool];
-    if (slot->events)
+    if (slot->local) {
+        pthread_mutex_lock(&p->local_lock);
+        km_feed_remove_worker(p->local_feed, id, now_ns());
+        pthread_mutex_unlock(&p->local_lock);
+    } else if (slot->events) {
         km_subscriber_remove_worker(p->sub, id);
-    else {
+    } else {
         km_approx_updates_clear(&p->approx_updates);
         km_approx_clear_worker(p->approx, id, &p->approx_updates);
         km_approx_updates_clear(&p->approx_updates);
@@ -547,7 +626,7 @@ static int worker_remove(km_server *s, uint32_t id, char *why, size_t why_size)
     return KM_OK;
 }
 
-/* Index state of a worker for decisions and status (admin_lock held). */
+/* Index state of a worker, now (admin_lock held). */
 static const char *worker_state(km_server *s, uint32_t id)
 {
     worker_slot *w = &s->workers[id];
@@ -555,16 +634,19 @@ static const char *worker_state(km_server *s, uint32_t id)
         return "REMOVED";
     if (!w->events)
         return "APPROX";
-    if (w->state_batch == s->batch_stamp && w->state)
-        return w->state;
     km_feed_worker_info info;
-    pool *p = s->pools[w->pool];
-    const char *st = km_subscriber_get_worker_info(p->sub, id, &info) == KM_OK
-                         ? km_feed_state_name(info.state)
-                         : "UNKNOWN";
-    w->state = st;
+    return feed_info(s, id, &info) == KM_OK ? km_feed_state_name(info.state) : "UNKNOWN";
+}
+
+/* The same, read once per scoring batch (a batch decides against one view of the feeds). */
+static const char *worker_state_in_batch(km_server *s, uint32_t id)
+{
+    worker_slot *w = &s->workers[id];
+    if (w->used && w->events && w->state_batch == s->batch_stamp && w->state)
+        return w->state;
+    w->state = worker_state(s, id);
     w->state_batch = s->batch_stamp;
-    return st;
+    return w->state;
 }
 
 /* ---- attempts and outcome records ------------------------------------------------------------ */
@@ -841,7 +923,7 @@ static void decide_route(km_server *s, job *j, route_job *r, pool *p, const km_r
     uint32_t chosen = b->cands[pd.chosen].worker;
     bool has_owner = pd.owner != KM_POLICY_NO_OWNER;
     uint32_t owner = has_owner ? b->cands[pd.owner].worker : 0;
-    const char *chosen_state = worker_state(s, chosen);
+    const char *chosen_state = worker_state_in_batch(s, chosen);
     bool events = s->workers[chosen].events;
     uint64_t now = now_ns();
 
@@ -885,7 +967,7 @@ static void decide_route(km_server *s, job *j, route_job *r, pool *p, const km_r
         sc->load.pending_prefill_tokens = c->pending_prefill_tokens;
         sc->load.active_decode_blocks = c->active_decode_blocks;
         sc->cost = b->costs[i];
-        sc->state = worker_state(s, c->worker);
+        sc->state = worker_state_in_batch(s, c->worker);
         sc->eligible = true;
     }
     /* Load values as the record shows them: before this decision's own charge. */
@@ -901,7 +983,7 @@ static void decide_route(km_server *s, job *j, route_job *r, pool *p, const km_r
     d->has_owner = has_owner;
     d->owner_worker = owner;
     d->owner_depth = pd.owner_depth;
-    d->owner_state = has_owner ? worker_state(s, owner) : NULL;
+    d->owner_state = has_owner ? worker_state_in_batch(s, owner) : NULL;
     d->n_blocks = r->n_hashes;
     d->block_size = p->block_size;
     d->source = events ? KM_PREDICTION_EVENTS : KM_PREDICTION_APPROX;
@@ -1139,6 +1221,14 @@ static void housekeeping(km_server *s, batch_scratch *b)
             int rc = km_subscriber_flush(p->sub, NULL);
             if (rc != KM_OK)
                 slog(s, "pool %s: applying events: %s", p->name, km_subscriber_last_error(p->sub));
+        }
+        if (p->local_feed) {
+            pthread_mutex_lock(&p->local_lock);
+            int rc = km_feed_flush(p->local_feed, now, NULL);
+            if (rc != KM_OK)
+                slog(s, "pool %s: applying in-process events: %s", p->name,
+                     km_feed_last_error(p->local_feed));
+            pthread_mutex_unlock(&p->local_lock);
         }
         if (km_approx_next_expiry(p->approx) <= now) {
             km_approx_updates_clear(&b->updates);
@@ -1643,7 +1733,7 @@ static void worker_view(km_server *s, uint32_t id, km_worker_info *out)
     }
     if (w->events) {
         km_feed_worker_info info;
-        if (km_subscriber_get_worker_info(p->sub, id, &info) == KM_OK) {
+        if (feed_info(s, id, &info) == KM_OK) {
             if (info.has_last_receive) {
                 out->has_last_event_age_s = true;
                 out->last_event_age_s = (double)(now_ns() - info.last_receive_ns) / 1e9;
@@ -2185,8 +2275,7 @@ static bool readiness(km_server *s, char *reason, size_t reason_size)
         }
         events++;
         km_feed_worker_info info;
-        if (km_subscriber_get_worker_info(s->pools[w->pool]->sub, id, &info) == KM_OK &&
-            info.state == KM_FEED_STATE_LIVE)
+        if (feed_info(s, id, &info) == KM_OK && info.state == KM_FEED_STATE_LIVE)
             live++;
     }
     pthread_mutex_unlock(&s->admin_lock);
@@ -2250,7 +2339,7 @@ static int http_status(void *user, km_text *out)
         if (km_index_worker_stats(p->index, id, &ws) == KM_OK)
             json_object_set_new(jw, "blocks", json_integer((json_int_t)ws.blocks));
         km_feed_worker_info info;
-        if (w->events && km_subscriber_get_worker_info(p->sub, id, &info) == KM_OK) {
+        if (w->events && feed_info(s, id, &info) == KM_OK) {
             json_object_set_new(jw, "state", json_string(km_feed_state_name(info.state)));
             json_object_set_new(jw, "expected_seq", info.has_expected_seq
                                                         ? json_integer((json_int_t)info.expected_seq)
@@ -2266,7 +2355,7 @@ static int http_status(void *user, km_text *out)
             km_feed_window win[16];
             uint32_t nw = 0;
             json_t *jwin = json_array();
-            if (km_subscriber_get_worker_windows(p->sub, id, win, 16, &nw) == KM_OK)
+            if (feed_windows(s, id, win, 16, &nw) == KM_OK)
                 for (uint32_t k = 0; k < nw && k < 16; k++) {
                     json_t *o = json_object();
                     json_object_set_new(o, "cause", json_string(km_feed_window_cause_name(win[k].cause)));
@@ -2320,7 +2409,7 @@ static int http_metrics(void *user, km_text *out)
         if (km_index_worker_stats(p->index, id, &ws) == KM_OK)
             km_prom_write_sample_u64(out, "kvmatch_worker_blocks", labels, 4, ws.blocks);
         km_feed_worker_info info;
-        if (w->events && km_subscriber_get_worker_info(p->sub, id, &info) == KM_OK) {
+        if (w->events && feed_info(s, id, &info) == KM_OK) {
             degraded += info.state == KM_FEED_STATE_DEGRADED;
             gaps += info.counters.gaps;
             replayed += info.counters.replayed;
@@ -2815,4 +2904,27 @@ void km_server_get_stats(km_server *s, km_server_stats *o)
         km_record_writer_stats(s->records, &rc);
         o->records_dropped = rc.dropped;
     }
+}
+
+int km_server_deliver_events(km_server *s, uint32_t worker, uint64_t seq, const void *payload,
+                             size_t size)
+{
+    if (!s || (!payload && size))
+        return KM_ERR_NULL_POINTER;
+    pthread_mutex_lock(&s->admin_lock);
+    if (worker >= s->cfg.max_workers || !s->workers[worker].used || !s->workers[worker].local) {
+        pthread_mutex_unlock(&s->admin_lock);
+        return KM_ERR_NOT_FOUND;
+    }
+    pool *p = s->pools[s->workers[worker].pool];
+    uint64_t now = now_ns();
+    pthread_mutex_lock(&p->local_lock);
+    km_kv_batch batch;
+    int rc = km_kv_decode_payload(p->local_decoder, payload, size, &batch);
+    /* A payload that does not decode still consumes its seq, as on the wire. */
+    int rc2 = km_feed_live(p->local_feed, worker, seq, rc == KM_OK ? &batch : NULL, now);
+    pthread_mutex_unlock(&p->local_lock);
+    pthread_mutex_unlock(&s->admin_lock);
+    wake_scheduler(s);
+    return rc != KM_OK ? rc : rc2;
 }

@@ -1138,3 +1138,62 @@ Test(server, cli_serve_exits_zero_on_sigterm, .timeout = 60)
     json_decref(all);
     srv_cleanup(&s);
 }
+
+/* Workers whose events arrive in process (the simulator's path): delivered messages reach the
+ * index before the next decision, seq gaps are judged as on the wire. */
+Test(server, local_event_workers, .timeout = 30)
+{
+    srv s = {0};
+    km_server_config cfg;
+    test_config(&cfg, &s, KM_POLICY_PREFIX, 0);
+    km_server_worker ws[2] = {{0, "e0", KM_SERVER_LOCAL_EVENTS, NULL},
+                              {1, "e1", KM_SERVER_LOCAL_EVENTS, NULL}};
+    g_pool.workers = ws;
+    g_pool.n_workers = 2;
+    srv_start(&s, &cfg);
+    for (uint32_t i = 0; i < 6 * BS; i++)
+        g_tokens[i] = 7000 + i;
+    uint64_t eh[6] = {21, 22, 23, 24, 25, 26};
+    km_test_batch b;
+    km_test_batch_init(&b, KM_TEST_ENCODING_POSITIONAL, KM_TEST_HASH_INT, 0);
+    km_test_batch_stored(&b, eh, 6, false, 0, g_tokens, BS, NULL, NULL);
+    size_t size;
+    const void *payload = km_test_batch_payload(&b, &size);
+    cr_assert_eq(km_server_deliver_events(s.server, 1, 0, payload, size), KM_OK);
+    cr_assert_eq(km_server_deliver_events(s.server, 7, 0, payload, size), KM_ERR_NOT_FOUND);
+    km_client *c = connect_client(&s);
+    km_message reply;
+    km_route_request r = prefix_route("local", 8 * BS);
+    const km_route_decision *d = route_one(c, &r, &reply);
+    cr_assert_eq(d->status, KM_OK);
+    cr_assert(d->has_owner, "delivered events are in the index before the next decision");
+    cr_assert_eq(d->owner_worker, 1);
+    cr_assert_eq(d->owner_depth, 6);
+    cr_assert_str_eq(d->owner_state, "LIVE");
+    cr_assert_eq(d->chosen_worker, 1);
+    cr_assert_eq(d->source, KM_PREDICTION_EVENTS);
+    /* seq 2 after 0: a gap no replay can fill (no replay endpoint): history lost, DEGRADED. */
+    km_test_batch_reset(&b);
+    km_test_batch_removed(&b, eh + 5, 1, NULL);
+    payload = km_test_batch_payload(&b, &size);
+    cr_assert_eq(km_server_deliver_events(s.server, 1, 2, payload, size), KM_OK);
+    km_message wl;
+    memset(&wl, 0, sizeof wl);
+    wl.type = KM_MESSAGE_WORKERS;
+    wl.workers.action = KM_ADMIN_LIST;
+    const char *state = NULL;
+    for (int tries = 0; tries < 100; tries++) {
+        cr_assert_eq(km_client_call(c, &wl, 5000, &reply), KM_OK);
+        for (uint32_t i = 0; i < reply.workers.n_workers; i++)
+            if (reply.workers.workers[i].worker == 1)
+                state = reply.workers.workers[i].state;
+        if (state && !strcmp(state, "DEGRADED"))
+            break;
+        km_test_sleep_ms(10);
+    }
+    cr_assert_str_eq(state, "DEGRADED");
+    km_test_batch_free(&b);
+    km_client_close(c);
+    srv_stop(&s);
+    srv_cleanup(&s);
+}

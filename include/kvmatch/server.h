@@ -122,6 +122,17 @@ void km_server_stop(km_server *server);
 /* After km_server_run returned (or instead of it). NULL is a no-op. */
 void km_server_destroy(km_server *server);
 
+/* A worker whose event endpoint is this string gets its KV events from km_server_deliver_events
+ * (same process, no sockets): the simulator's engines. */
+#define KM_SERVER_LOCAL_EVENTS "local"
+
+/* Hand one KV-event message of a "local" worker to its pool's feed, exactly as if it had arrived
+ * on the wire with this seq (gaps, restarts and duplicates are judged the same way); it reaches the
+ * index before the next scoring batch. Any thread. Errors: KM_ERR_NULL_POINTER, KM_ERR_NOT_FOUND
+ * (no such local worker), the decoder's (the seq is still consumed, as for a malformed message). */
+int km_server_deliver_events(km_server *server, uint32_t worker, uint64_t seq, const void *payload,
+                             size_t size);
+
 /* The bound TCP / HTTP ports (useful with port 0); 0 when not listening. */
 uint16_t km_server_tcp_port(const km_server *server);
 uint16_t km_server_http_port(const km_server *server);
