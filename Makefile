@@ -5,7 +5,7 @@
 #   make asan       the tests again under AddressSanitizer + UndefinedBehaviorSanitizer (CPU only)
 #   make cuda       compile the kernels for sm_90 (fails if nvcc is missing)
 #   make bench      benchmarks -> bench/results/*.json
-#   make run        install missing Debian packages, build, run the main job
+#   make run        install missing Debian packages, build, run the main job (kvmatch sim)
 # V=1 shows the commands.
 
 CC ?= cc
@@ -96,13 +96,14 @@ bench: all
 	$(Q)$(BIN) bench index --json > bench/results/index.json
 	$(Q)$(BIN) bench events --json > bench/results/events.json
 	$(Q)$(BIN) bench ipc --json > bench/results/ipc.json
+	$(Q)$(BIN) sim --json > bench/results/sim.json
 	$(Q)python3 scripts/bench-report.py bench/results/index.json docs/BENCHMARKS.md
 	$(Q)python3 scripts/bench-report.py bench/results/ipc.json docs/BENCHMARKS.md
-	$(Q)cat bench/results/index.json bench/results/events.json bench/results/ipc.json
+	$(Q)cat bench/results/index.json bench/results/events.json bench/results/ipc.json bench/results/sim.json
 
 run: deps
 	$(Q)$(MAKE) --no-print-directory all
-	$(Q)$(BIN) bench index --quick
+	$(Q)$(BIN) sim
 
 clean:
 	rm -rf build build-cpu build-asan

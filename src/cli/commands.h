@@ -7,6 +7,8 @@ int km_cmd_hash(int argc, char **argv);        /* src/cli/hash_cmd.c */
 int km_cmd_follow(int argc, char **argv);      /* src/cli/follow_cmd.c: `kvmatch follow` */
 int km_cmd_serve(int argc, char **argv);       /* src/cli/serve_cmd.c: `kvmatch serve` */
 int km_cmd_route(int argc, char **argv);       /* src/cli/route_cmd.c: `kvmatch route` */
+int km_cmd_sim(int argc, char **argv);         /* src/cli/sim_cmd.c: `kvmatch sim` */
+int km_cmd_analyze(int argc, char **argv);     /* src/cli/analyze_cmd.c: `kvmatch analyze` */
 int km_bench_index_main(int argc, char **argv); /* bench/bench_index.c: `kvmatch bench index` */
 int km_bench_events_main(int argc, char **argv); /* bench/bench_events.c: `kvmatch bench events` */
 int km_bench_ipc_main(int argc, char **argv);    /* bench/bench_ipc.c: `kvmatch bench ipc` */

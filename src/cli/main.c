@@ -26,6 +26,11 @@ static void usage(FILE *f)
             "      (docs/SERVICE.md, docs/PROTOCOL.md); --help lists the options\n"
             "  kvmatch route [--connect ADDR] [options] < token ids\n"
             "      ask a running service: route, --status, --workers, --add-worker, --remove-worker\n"
+            "  kvmatch sim [--trace FILE] [--workers N] [--policy P[,P...]] [options]\n"
+            "      replay a workload through simulated engines routed by kvmatch (docs/SIM.md)\n"
+            "  kvmatch analyze [--json] [--html OUT.html] RECORDS.jsonl...\n"
+            "      join decision and outcome records: predicted vs actual reuse, owner != chosen,\n"
+            "      stale predictions, outcomes, recovery windows (docs/ANALYZE.md)\n"
             "  kvmatch version\n",
             KVMATCH_VERSION);
 }
@@ -48,6 +53,10 @@ int main(int argc, char **argv)
         return km_cmd_serve(argc - 1, argv + 1);
     if (!strcmp(argv[1], "route"))
         return km_cmd_route(argc - 1, argv + 1);
+    if (!strcmp(argv[1], "sim"))
+        return km_cmd_sim(argc - 1, argv + 1);
+    if (!strcmp(argv[1], "analyze"))
+        return km_cmd_analyze(argc - 1, argv + 1);
     if (!strcmp(argv[1], "bench")) {
         if (argc >= 3 && !strcmp(argv[2], "index"))
             return km_bench_index_main(argc - 2, argv + 2);

@@ -1,0 +1,107 @@
+/* `kvmatch analyze [--json] [--html OUT.html] RECORDS.jsonl...`: join decision and outcome records
+ * and report how well routing predicted KV reuse (src/analyze.h, docs/ANALYZE.md). Exit status: 0
+ * when the report was written (bad lines are reported, not fatal), 1 when no file could be read or
+ * the report could not be written, 2 on a usage error. */
+#include <stdio.h>
+#include <string.h>
+
+#include "analyze.h"
+#include "commands.h"
+
+static void analyze_usage(FILE *f)
+{
+    fprintf(f,
+            "usage: kvmatch analyze [--json] [--html OUT.html] RECORDS.jsonl...\n"
+            "  Joins decision and outcome records (docs/RECORDS.md) and prints predicted vs actual\n"
+            "  KV reuse, owner != chosen and its cost, stale or degraded predictions, outcomes and\n"
+            "  recovery windows. Pass every file of a run, rotated ones included (PATH.N ... PATH).\n"
+            "  --json       one JSON object instead of the text report (docs/ANALYZE.md)\n"
+            "  --html OUT   also write a self-contained HTML report with SVG charts to OUT\n");
+}
+
+int km_cmd_analyze(int argc, char **argv)
+{
+    int json = 0, n_files = 0, options_done = 0;
+    const char *html = NULL;
+    /* options may come anywhere before "--"; the files keep their order in argv */
+    for (int i = 1; i < argc; i++) {
+        const char *arg = argv[i];
+        if (options_done || arg[0] != '-' || !arg[1]) {
+            argv[1 + n_files++] = argv[i];
+        } else if (!strcmp(arg, "--")) {
+            options_done = 1;
+        } else if (!strcmp(arg, "-h") || !strcmp(arg, "--help")) {
+            analyze_usage(stdout);
+            return 0;
+        } else if (!strcmp(arg, "--json")) {
+            json = 1;
+        } else if (!strcmp(arg, "--html")) {
+            if (i + 1 >= argc) {
+                fprintf(stderr, "kvmatch analyze: --html needs an output path\n");
+                return 2;
+            }
+            html = argv[++i];
+        } else {
+            fprintf(stderr, "kvmatch analyze: unknown option '%s'\n", arg);
+            analyze_usage(stderr);
+            return 2;
+        }
+    }
+    if (!n_files) {
+        fprintf(stderr, "kvmatch analyze: no records file given\n");
+        analyze_usage(stderr);
+        return 2;
+    }
+    km_analysis *analysis = NULL;
+    int rc = km_analysis_create(NULL, &analysis);
+    if (rc != KM_OK) {
+        fprintf(stderr, "kvmatch analyze: %s\n", km_strerror(rc));
+        return 1;
+    }
+    int readable = 0, status = 0;
+    for (int i = 1; i <= n_files; i++) {
+        rc = km_analysis_add_file(analysis, argv[i]);
+        if (rc == KM_OK) {
+            readable++;
+        } else if (rc == KM_ERR_IO) {
+            fprintf(stderr, "kvmatch analyze: %s\n", km_analysis_last_error(analysis));
+        } else {
+            fprintf(stderr, "kvmatch analyze: %s: %s\n", km_error_name(rc),
+                    km_analysis_last_error(analysis));
+            status = 1;
+            goto out;
+        }
+    }
+    if (!readable) {
+        fprintf(stderr, "kvmatch analyze: no file could be read\n");
+        status = 1;
+        goto out;
+    }
+    rc = km_analysis_finish(analysis);
+    if (rc != KM_OK) {
+        fprintf(stderr, "kvmatch analyze: %s: %s\n", km_error_name(rc), km_analysis_last_error(analysis));
+        status = 1;
+        goto out;
+    }
+    km_text report;
+    km_text_init(&report, 0);
+    rc = json ? km_analysis_render_json(analysis, &report) : km_analysis_render_text(analysis, &report);
+    if (rc == KM_OK && fwrite(report.data, 1, report.length, stdout) != report.length)
+        rc = KM_ERR_IO;
+    km_text_free(&report);
+    if (rc != KM_OK) {
+        fprintf(stderr, "kvmatch analyze: writing the report: %s\n", km_strerror(rc));
+        status = 1;
+        goto out;
+    }
+    if (html) {
+        rc = km_analysis_write_html(analysis, html);
+        if (rc != KM_OK) {
+            fprintf(stderr, "kvmatch analyze: %s\n", km_analysis_last_error(analysis));
+            status = 1;
+        }
+    }
+out:
+    km_analysis_destroy(analysis);
+    return status;
+}

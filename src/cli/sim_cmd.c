@@ -1,0 +1,239 @@
+/* `kvmatch sim`: replay a workload through a simulated cluster routed by kvmatch, one run per
+ * policy, and print them side by side (docs/SIM.md). */
+#define _POSIX_C_SOURCE 200809L
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <stddef.h>
+
+#include <jansson.h>
+
+#include "commands.h"
+#include "kvmatch/kvmatch.h"
+#include "sim.h"
+
+static void sim_usage(FILE *f)
+{
+    fprintf(f,
+            "usage: kvmatch sim [--trace FILE] [--workers N] [--policy P[,P...]] [options]\n"
+            "  --trace FILE        a Mooncake JSONL trace (default: the built-in generator)\n"
+            "  --requests N        replay the first N requests (generator: draw N; default 600)\n"
+            "  --time-scale X      arrival times x X (0.5 = twice the rate)\n"
+            "  --rate R            generator: new conversations per second (default 8)\n"
+            "  --seed N            generator and engines (default 1)\n"
+            "  --workers N         simulated engines (default 8)\n"
+            "  --capacity BLOCKS   each engine's KV cache in 16-token blocks (default 4096)\n"
+            "  --policy LIST       kv,cache_aware,least_load,round_robin (default), prefix\n"
+            "  --zmq               engines publish over ZMQ on loopback (the real subscriber)\n"
+            "  --step-delivery     engines publish once per step like vLLM (default: as events happen)\n"
+            "  --connect ADDR      route through a running kvmatch serve (needs --zmq)\n"
+            "  --records DIR       keep each policy's decision and outcome records there\n"
+            "  --json              one JSON object instead of the table\n");
+}
+
+static int parse_u64(const char *s, uint64_t *out)
+{
+    char *end;
+    errno = 0;
+    unsigned long long v = strtoull(s, &end, 10);
+    if (errno || *end || end == s || s[0] == '-')
+        return -1;
+    *out = v;
+    return 0;
+}
+
+static void quiet_or_stderr(void *user, const char *line)
+{
+    if (user)
+        fprintf(stderr, "kvmatch sim: %s\n", line);
+}
+
+typedef struct row {
+    const char *name;
+    int kind; /* 0 = u64, 1 = double, 2 = percent of requests */
+    size_t offset;
+    int digits;
+} row;
+
+#define U(f) 0, offsetof(km_sim_result, f), 0
+#define D(f, d) 1, offsetof(km_sim_result, f), d
+
+static const row rows[] = {
+    {"requests", U(requests)},
+    {"routed by kvmatch", U(routed)},
+    {"prompt tokens", U(prompt_tokens)},
+    {"actual_reused_tokens", U(actual_reused_tokens)},
+    {"predicted_reused_tokens", U(predicted_reused_tokens)},
+    {"exact_predictions", U(exact_predictions)},
+    {"  over (index claimed more)", U(over_predictions)},
+    {"  under (index knew less)", U(under_predictions)},
+    {"  engine step unpublished", U(pending_at_decision)},
+    {"realized as predicted", U(realized_as_predicted)},
+    {"  index wrong at decision", U(diff_index_wrong)},
+    {"  cache changed before run", U(diff_cache_changed)},
+    {"owner_not_chosen", U(owner_not_chosen)},
+    {"  reuse forgone (tokens)", U(owner_forgone_tokens)},
+    {"ttft_p50_ms", D(ttft_p50_ms, 1)},
+    {"ttft_p99_ms", D(ttft_p99_ms, 1)},
+    {"output tokens/s (virtual)", D(output_tokens_per_s, 0)},
+    {"makespan_s (virtual)", D(makespan_s, 1)},
+    {"load imbalance (max/mean)", D(load_imbalance, 2)},
+    {"decisions_per_s (wall)", D(decisions_per_s, 0)},
+    {"decision p50 us (wall)", D(decision_p50_us, 0)},
+    {"decision p99 us (wall)", D(decision_p99_us, 0)},
+    {"route errors", U(route_errors)},
+    {"rejected by engines", U(rejected)},
+};
+
+static json_t *result_json(const km_sim_result *r)
+{
+    json_t *o = json_object();
+    json_object_set_new(o, "policy", json_string(r->policy));
+    json_object_set_new(o, "requests", json_integer((json_int_t)r->requests));
+    json_object_set_new(o, "routed", json_integer((json_int_t)r->routed));
+    json_object_set_new(o, "route_errors", json_integer((json_int_t)r->route_errors));
+    json_object_set_new(o, "rejected", json_integer((json_int_t)r->rejected));
+    json_object_set_new(o, "prompt_tokens", json_integer((json_int_t)r->prompt_tokens));
+    json_object_set_new(o, "output_tokens", json_integer((json_int_t)r->output_tokens));
+    json_object_set_new(o, "actual_reused_tokens", json_integer((json_int_t)r->actual_reused_tokens));
+    json_object_set_new(o, "predicted_reused_tokens",
+                        json_integer((json_int_t)r->predicted_reused_tokens));
+    json_object_set_new(o, "exact_predictions", json_integer((json_int_t)r->exact_predictions));
+    json_object_set_new(o, "over_predictions", json_integer((json_int_t)r->over_predictions));
+    json_object_set_new(o, "under_predictions", json_integer((json_int_t)r->under_predictions));
+    json_object_set_new(o, "pending_at_decision", json_integer((json_int_t)r->pending_at_decision));
+    json_t *attr = json_object();
+    json_object_set_new(attr, "realized_as_predicted",
+                        json_integer((json_int_t)r->realized_as_predicted));
+    json_object_set_new(attr, "index_wrong_at_decision", json_integer((json_int_t)r->diff_index_wrong));
+    json_object_set_new(attr, "cache_changed_before_run",
+                        json_integer((json_int_t)r->diff_cache_changed));
+    json_object_set_new(o, "attribution", attr);
+    json_object_set_new(o, "owner_not_chosen", json_integer((json_int_t)r->owner_not_chosen));
+    json_object_set_new(o, "owner_forgone_tokens", json_integer((json_int_t)r->owner_forgone_tokens));
+    json_object_set_new(o, "ttft_p50_ms", json_real(r->ttft_p50_ms));
+    json_object_set_new(o, "ttft_p99_ms", json_real(r->ttft_p99_ms));
+    json_object_set_new(o, "output_tokens_per_s", json_real(r->output_tokens_per_s));
+    json_object_set_new(o, "makespan_s", json_real(r->makespan_s));
+    json_object_set_new(o, "load_imbalance", json_real(r->load_imbalance));
+    json_object_set_new(o, "decisions_per_s", json_real(r->decisions_per_s));
+    json_object_set_new(o, "decision_p50_us", json_real(r->decision_p50_us));
+    json_object_set_new(o, "decision_p99_us", json_real(r->decision_p99_us));
+    json_object_set_new(o, "wall_s", json_real(r->wall_s));
+    return o;
+}
+
+int km_cmd_sim(int argc, char **argv)
+{
+    km_sim_config cfg;
+    km_sim_config_init(&cfg);
+    bool json = false, verbose = false;
+    static char policy_buf[256];
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+        uint64_t x;
+        if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
+            sim_usage(stdout);
+            return 0;
+        } else if (!strcmp(a, "--json")) {
+            json = true;
+        } else if (!strcmp(a, "--zmq")) {
+            cfg.zmq = true;
+        } else if (!strcmp(a, "--step-delivery")) {
+            cfg.step_delivery = true;
+        } else if (!strcmp(a, "--verbose")) {
+            verbose = true;
+        } else if (!v) {
+            fprintf(stderr, "kvmatch sim: %s needs a value\n", a);
+            sim_usage(stderr);
+            return 2;
+        } else {
+            i++;
+            if (!strcmp(a, "--trace"))
+                cfg.trace_path = v;
+            else if (!strcmp(a, "--requests") && !parse_u64(v, &x) && x >= 1 && x <= 10000000) {
+                cfg.max_requests = x;
+                cfg.generator.requests = (uint32_t)x;
+            } else if (!strcmp(a, "--time-scale") && atof(v) > 0)
+                cfg.time_scale = atof(v);
+            else if (!strcmp(a, "--rate") && atof(v) > 0)
+                cfg.generator.rate_per_s = atof(v);
+            else if (!strcmp(a, "--seed") && !parse_u64(v, &x))
+                cfg.generator.seed = x;
+            else if (!strcmp(a, "--workers") && !parse_u64(v, &x) && x >= 1 && x <= 4096)
+                cfg.workers = (uint32_t)x;
+            else if (!strcmp(a, "--capacity") && !parse_u64(v, &x) && x >= 1 && x <= UINT32_MAX)
+                cfg.engine.capacity_blocks = (uint32_t)x;
+            else if (!strcmp(a, "--connect"))
+                cfg.connect = v;
+            else if (!strcmp(a, "--records"))
+                cfg.records_dir = v;
+            else if (!strcmp(a, "--policy")) {
+                snprintf(policy_buf, sizeof policy_buf, "%s", v);
+                cfg.n_policies = 0;
+                char *save = NULL;
+                for (char *t = strtok_r(policy_buf, ",", &save); t; t = strtok_r(NULL, ",", &save)) {
+                    if (cfg.n_policies == KM_SIM_MAX_POLICIES) {
+                        fprintf(stderr, "kvmatch sim: at most %u policies\n", KM_SIM_MAX_POLICIES);
+                        return 2;
+                    }
+                    cfg.policies[cfg.n_policies++] = t;
+                }
+            } else {
+                fprintf(stderr, "kvmatch sim: unknown option or bad value: %s %s\n", a, v);
+                sim_usage(stderr);
+                return 2;
+            }
+        }
+    }
+    cfg.log = quiet_or_stderr;
+    cfg.log_user = verbose || !json ? (void *)1 : NULL;
+    km_sim_result results[KM_SIM_MAX_POLICIES];
+    char why[512];
+    int rc = km_sim_run(&cfg, results, why, sizeof why);
+    if (rc != KM_OK) {
+        fprintf(stderr, "kvmatch sim: %s: %s\n", km_error_name(rc), why);
+        return 1;
+    }
+    if (json) {
+        json_t *root = json_object();
+        json_t *w = json_object();
+        json_object_set_new(w, "source", json_string(cfg.trace_path ? cfg.trace_path : "generator"));
+        json_object_set_new(w, "requests", json_integer((json_int_t)results[0].requests));
+        json_object_set_new(w, "seed", json_integer((json_int_t)cfg.generator.seed));
+        json_object_set_new(w, "time_scale", json_real(cfg.time_scale));
+        json_object_set_new(root, "workload", w);
+        json_object_set_new(root, "workers", json_integer(cfg.workers));
+        json_object_set_new(root, "capacity_blocks", json_integer(cfg.engine.capacity_blocks));
+        json_object_set_new(root, "block_size", json_integer(cfg.engine.block_size));
+        json_object_set_new(root, "events", json_string(cfg.zmq ? "zmq" : "in-process"));
+        json_object_set_new(root, "delivery", json_string(cfg.step_delivery ? "per step" : "as they happen"));
+        json_t *arr = json_array();
+        for (uint32_t i = 0; i < cfg.n_policies; i++)
+            json_array_append_new(arr, result_json(&results[i]));
+        json_object_set_new(root, "policies", arr);
+        char *text = json_dumps(root, JSON_INDENT(2));
+        puts(text);
+        free(text);
+        json_decref(root);
+        return 0;
+    }
+    printf("%-30s", "");
+    for (uint32_t i = 0; i < cfg.n_policies; i++)
+        printf(" %14s", results[i].policy);
+    printf("\n");
+    for (size_t k = 0; k < sizeof rows / sizeof rows[0]; k++) {
+        printf("%-30s", rows[k].name);
+        for (uint32_t i = 0; i < cfg.n_policies; i++) {
+            const char *base = (const char *)&results[i];
+            if (rows[k].kind == 0)
+                printf(" %14llu", (unsigned long long)*(const uint64_t *)(base + rows[k].offset));
+            else
+                printf(" %14.*f", rows[k].digits, *(const double *)(base + rows[k].offset));
+        }
+        printf("\n");
+    }
+    return 0;
+}

@@ -1,0 +1,676 @@
+/* `kvmatch sim` (src/sim.h, docs/SIM.md): the virtual-time loop. */
+#include "sim.h"
+
+#include <inttypes.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "kvmatch/client.h"
+#include "kvmatch/hash.h"
+#include "kvmatch/publisher.h"
+#include "kvmatch/server.h"
+#include "trace.h"
+#include "why.h"
+
+void km_sim_config_init(km_sim_config *cfg)
+{
+    if (!cfg)
+        return;
+    memset(cfg, 0, sizeof *cfg);
+    km_sim_generator_config_init(&cfg->generator);
+    cfg->time_scale = 1.0;
+    cfg->workers = 8;
+    km_sim_engine_config_init(&cfg->engine);
+    cfg->engine.capacity_blocks = 4096; /* 64 k tokens: small enough that placement matters */
+    cfg->policies[0] = "kv";
+    cfg->policies[1] = "cache_aware";
+    cfg->policies[2] = "least_load";
+    cfg->policies[3] = "round_robin";
+    cfg->n_policies = 4;
+}
+
+static double wall_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+}
+
+static void sim_log(const km_sim_config *cfg, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void sim_log(const km_sim_config *cfg, const char *fmt, ...)
+{
+    char line[512];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(line, sizeof line, fmt, ap);
+    va_end(ap);
+    if (cfg->log)
+        cfg->log(cfg->log_user, line);
+    else
+        fprintf(stderr, "kvmatch sim: %s\n", line);
+}
+
+static void quiet(void *user, const char *line)
+{
+    (void)user;
+    (void)line;
+}
+
+/* Per request, what the run learns about it. */
+typedef struct req_state {
+    uint64_t arrival_us;
+    uint64_t decision_id;
+    uint32_t worker;
+    uint32_t predicted_depth; /* the chosen worker's depth in the decision */
+    uint32_t truth_depth;     /* the chosen engine's cached depth at the decision instant */
+    bool routed, admitted, first_token, finished;
+    uint32_t cached_tokens;   /* engine-reported, at admission */
+} req_state;
+
+typedef struct run {
+    const km_sim_config *cfg;
+    const km_trace *trace;
+    km_sim_result *res;
+    char dir[64];
+    char sock[160], addr[180], records[512];
+    km_server *server;
+    pthread_t server_thread;
+    bool server_running;
+    int server_status;
+    km_client *client;
+    km_sim_engine **engines;
+    km_publisher **pubs;
+    uint64_t *published; /* per worker: messages published (next seq) */
+    uint32_t worker_base; /* worker ids used: base .. base + workers - 1 */
+    char pool[64];
+    req_state *reqs;
+    km_lifecycle_event *pending; /* lifecycle reports to send */
+    size_t n_pending, cap_pending;
+    double *ttft_ms;
+    size_t n_ttft;
+    double *decision_us;
+    size_t n_decision;
+    double decision_wall;
+    uint64_t *per_worker;
+    uint32_t rr; /* round-robin fallback when a route fails */
+    uint32_t *tokens;
+    uint64_t *chains;
+    size_t cap_tokens;
+} run;
+
+static void *server_main(void *arg)
+{
+    run *r = arg;
+    r->server_status = km_server_run(r->server, false);
+    return NULL;
+}
+
+static int cmp_double(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+static double pct(double *v, size_t n, double q)
+{
+    if (!n)
+        return 0;
+    qsort(v, n, sizeof *v, cmp_double);
+    size_t i = (size_t)(q * (double)(n - 1) + 0.5);
+    return v[i < n ? i : n - 1];
+}
+
+/* The request's tokens (expanded from its ids, cut to input_length) and chain hashes. */
+static int request_tokens(run *r, const km_trace_request *q, uint32_t *n_tokens, uint32_t *n_blocks)
+{
+    size_t need = (size_t)q->n_ids * KM_SIM_TOKENS_PER_ID;
+    if (need > r->cap_tokens) {
+        uint32_t *t = realloc(r->tokens, need * sizeof *t);
+        uint64_t *c = realloc(r->chains, need * sizeof *c);
+        if (t)
+            r->tokens = t;
+        if (c)
+            r->chains = c;
+        if (!t || !c)
+            return KM_ERR_OUT_OF_MEMORY;
+        r->cap_tokens = need;
+    }
+    for (uint32_t i = 0; i < q->n_ids; i++)
+        km_trace_id_tokens(q->ids[i], KM_SIM_TOKENS_PER_ID, r->tokens + (size_t)i * KM_SIM_TOKENS_PER_ID);
+    uint32_t n = q->input_length < need ? q->input_length : (uint32_t)need;
+    if (n == 0)
+        n = 1;
+    km_hash_config hc = {r->cfg->engine.block_size, NULL, NULL};
+    size_t nb = 0;
+    int rc = km_hash_sequence(&hc, r->tokens, n, 0, KM_NO_PARENT, NULL, r->chains, &nb);
+    *n_tokens = n;
+    *n_blocks = (uint32_t)nb;
+    return rc;
+}
+
+static int queue_report(run *r, km_lifecycle_kind kind, size_t index)
+{
+    if (r->n_pending == r->cap_pending) {
+        size_t cap = r->cap_pending ? r->cap_pending * 2 : 64;
+        km_lifecycle_event *g = realloc(r->pending, cap * sizeof *g);
+        if (!g)
+            return KM_ERR_OUT_OF_MEMORY;
+        r->pending = g;
+        r->cap_pending = cap;
+    }
+    const req_state *s = &r->reqs[index];
+    km_lifecycle_event *e = &r->pending[r->n_pending];
+    memset(e, 0, sizeof *e);
+    e->kind = kind;
+    e->has_decision_id = true;
+    e->decision_id = s->decision_id;
+    e->has_worker = true;
+    e->worker = s->worker;
+    if (kind == KM_LIFECYCLE_FINISHED) {
+        const km_trace_request *q = &r->trace->requests[index];
+        e->outcome = KM_OUTCOME_COMPLETE;
+        e->finish_reason = "length";
+        e->done_seen = true;
+        e->has_http_status = true;
+        e->http_status = 200;
+        e->has_cached_tokens = s->admitted;
+        e->cached_tokens = s->cached_tokens;
+        e->has_prompt_tokens = true;
+        e->prompt_tokens = q->input_length;
+        e->has_output_tokens = true;
+        e->output_tokens = q->output_length ? q->output_length : 1;
+    }
+    r->n_pending++;
+    return KM_OK;
+}
+
+static int flush_reports(run *r, char *why, size_t why_size)
+{
+    if (!r->n_pending)
+        return KM_OK;
+    km_message reply;
+    int rc = km_client_lifecycle(r->client, r->pending, (uint32_t)r->n_pending, 10000, &reply);
+    if (rc != KM_OK)
+        return km_why(why, why_size, rc, "lifecycle reports: %s", km_client_last_error(r->client));
+    r->n_pending = 0;
+    return KM_OK;
+}
+
+/* Drain an engine's completions and messages at virtual time `now`. */
+static int drain_engine(run *r, uint32_t w, char *why, size_t why_size)
+{
+    km_sim_completion c;
+    while (km_sim_engine_next_completion(r->engines[w], &c)) {
+        if (c.request_id >= r->trace->n_requests)
+            continue;
+        req_state *s = &r->reqs[c.request_id];
+        if (!s->routed)
+            continue; /* sent without a decision (route error): no reports */
+        int rc = KM_OK;
+        switch (c.kind) {
+        case KM_SIM_ADMITTED:
+            s->admitted = true;
+            s->cached_tokens = c.cached_tokens;
+            r->res->actual_reused_tokens += c.cached_tokens;
+            if (s->predicted_depth == c.held_blocks)
+                r->res->realized_as_predicted++;
+            else if (s->truth_depth != s->predicted_depth)
+                r->res->diff_index_wrong++;
+            else
+                r->res->diff_cache_changed++;
+            break;
+        case KM_SIM_FIRST_TOKEN:
+            s->first_token = true;
+            r->ttft_ms[r->n_ttft++] = (double)(c.time_us - s->arrival_us) / 1000.0;
+            rc = queue_report(r, KM_LIFECYCLE_FIRST_TOKEN, c.request_id);
+            break;
+        case KM_SIM_FINISHED:
+            s->finished = true;
+            r->res->output_tokens += c.output_tokens;
+            if (c.time_us / 1e6 > r->res->makespan_s)
+                r->res->makespan_s = (double)c.time_us / 1e6;
+            rc = queue_report(r, KM_LIFECYCLE_FINISHED, c.request_id);
+            break;
+        case KM_SIM_REJECTED:
+            r->res->rejected++;
+            s->finished = true;
+            rc = queue_report(r, KM_LIFECYCLE_FINISHED, c.request_id);
+            if (!rc) {
+                km_lifecycle_event *e = &r->pending[r->n_pending - 1];
+                e->outcome = KM_OUTCOME_ERROR;
+                e->error = "the engine cannot hold this request";
+                e->finish_reason = NULL;
+                e->done_seen = false;
+            }
+            break;
+        }
+        if (rc)
+            return km_why(why, why_size, rc, "out of memory");
+    }
+    km_sim_message m;
+    while (km_sim_engine_take_message(r->engines[w], &m)) {
+        int rc;
+        if (r->cfg->zmq) {
+            uint64_t seq;
+            rc = km_publisher_publish(r->pubs[w], m.payload, m.payload_size, &seq);
+        } else {
+            rc = km_server_deliver_events(r->server, r->worker_base + w, m.seq, m.payload,
+                                          m.payload_size);
+        }
+        if (rc != KM_OK)
+            return km_why(why, why_size, rc, "worker %u: delivering events: %s", w, km_strerror(rc));
+        r->published[w] = m.seq + 1;
+    }
+    return KM_OK;
+}
+
+/* Over ZMQ, wait until the server has taken every published message of every worker (its next
+ * seq caught up); in process, delivery is synchronous. Bounded: a worker that never catches up
+ * (a fault) stops being waited for. */
+static int wait_delivered(run *r, char *why, size_t why_size)
+{
+    if (!r->cfg->zmq)
+        return KM_OK;
+    for (int tries = 0; tries < 2000; tries++) {
+        km_message m, reply;
+        memset(&m, 0, sizeof m);
+        m.type = KM_MESSAGE_WORKERS;
+        m.workers.action = KM_ADMIN_LIST;
+        m.workers.pool = r->pool;
+        int rc = km_client_call(r->client, &m, 10000, &reply);
+        if (rc != KM_OK)
+            return km_why(why, why_size, rc, "worker list: %s", km_client_last_error(r->client));
+        bool all = true;
+        for (uint32_t i = 0; i < reply.workers.n_workers; i++) {
+            const km_worker_info *wi = &reply.workers.workers[i];
+            uint32_t w = wi->worker - r->worker_base;
+            if (w < r->cfg->workers && (!wi->has_expected_seq || wi->expected_seq < r->published[w]))
+                all = false;
+        }
+        if (all)
+            return KM_OK;
+        struct timespec ts = {0, 500000};
+        nanosleep(&ts, NULL);
+    }
+    return KM_OK;
+}
+
+static int route_one(run *r, size_t index, uint64_t now_us, char *why, size_t why_size)
+{
+    const km_trace_request *q = &r->trace->requests[index];
+    req_state *s = &r->reqs[index];
+    uint32_t n_tokens, n_blocks;
+    int rc = request_tokens(r, q, &n_tokens, &n_blocks);
+    if (rc)
+        return km_why(why, why_size, rc, "request %zu: tokens", index);
+    r->res->prompt_tokens += n_tokens;
+    char rid[32];
+    snprintf(rid, sizeof rid, "r%zu", index);
+    km_route_request route;
+    memset(&route, 0, sizeof route);
+    route.request_id = rid;
+    route.attempt_id = "0";
+    route.pool = r->pool;
+    route.input = KM_ROUTE_INPUT_TOKENS;
+    route.tokens = r->tokens;
+    route.n_tokens = n_tokens;
+    route.has_expected_output_tokens = true;
+    route.expected_output_tokens = q->output_length;
+    route.brief = true;
+    km_message reply;
+    double t0 = wall_s();
+    rc = km_client_route(r->client, &route, 1, 10000, &reply);
+    double dt = wall_s() - t0;
+    r->decision_wall += dt;
+    r->decision_us[r->n_decision++] = dt * 1e6;
+    if (rc != KM_OK)
+        return km_why(why, why_size, rc, "route %zu: %s", index, km_client_last_error(r->client));
+    const km_route_decision *d = &reply.decision.decisions[0];
+    uint32_t w;
+    if (d->status != KM_OK || d->chosen_worker < r->worker_base ||
+        d->chosen_worker >= r->worker_base + r->cfg->workers) {
+        r->res->route_errors++;
+        if (r->res->route_errors <= 3)
+            sim_log(r->cfg, "request %zu: %s", index, d->message ? d->message : "no decision");
+        w = r->rr++ % r->cfg->workers;
+    } else {
+        w = d->chosen_worker - r->worker_base;
+        s->routed = true;
+        s->decision_id = d->decision_id;
+        s->predicted_depth = d->chosen_depth;
+        r->res->routed++;
+        r->res->predicted_reused_tokens += (uint64_t)d->chosen_depth * r->cfg->engine.block_size;
+        /* The truth at the decision instant: what the chosen engine caches now. */
+        s->truth_depth = km_sim_engine_cached_depth(r->engines[w], r->chains, n_blocks);
+        if (s->truth_depth == d->chosen_depth) {
+            r->res->exact_predictions++;
+        } else {
+            if (s->truth_depth < d->chosen_depth)
+                r->res->over_predictions++;
+            else
+                r->res->under_predictions++;
+            if (km_sim_engine_pending_events(r->engines[w]))
+                r->res->pending_at_decision++;
+        }
+        if (d->has_owner && d->owner_worker != d->chosen_worker) {
+            r->res->owner_not_chosen++;
+            if (d->owner_depth > d->chosen_depth)
+                r->res->owner_forgone_tokens +=
+                    (uint64_t)(d->owner_depth - d->chosen_depth) * r->cfg->engine.block_size;
+        }
+    }
+    s->worker = r->worker_base + w;
+    r->per_worker[w]++;
+    rc = km_sim_engine_submit(r->engines[w], index, r->tokens, n_tokens,
+                              q->output_length ? q->output_length : 1, now_us);
+    if (rc)
+        return km_why(why, why_size, rc, "engine %u: %s", w, km_sim_engine_last_error(r->engines[w]));
+    /* The router sent it on at once. */
+    if (s->routed && (rc = queue_report(r, KM_LIFECYCLE_DISPATCHED, index)) != KM_OK)
+        return km_why(why, why_size, rc, "out of memory");
+    return KM_OK;
+}
+
+static void run_teardown(run *r)
+{
+    km_client_close(r->client);
+    r->client = NULL;
+    if (r->server_running) {
+        km_server_stop(r->server);
+        pthread_join(r->server_thread, NULL);
+        r->server_running = false;
+    }
+    km_server_destroy(r->server);
+    r->server = NULL;
+    for (uint32_t w = 0; r->engines && w < r->cfg->workers; w++)
+        km_sim_engine_destroy(r->engines[w]);
+    for (uint32_t w = 0; r->pubs && w < r->cfg->workers; w++)
+        km_publisher_stop(r->pubs[w]);
+    free(r->engines);
+    free(r->pubs);
+    free(r->published);
+    free(r->reqs);
+    free(r->pending);
+    free(r->ttft_ms);
+    free(r->decision_us);
+    free(r->per_worker);
+    free(r->tokens);
+    free(r->chains);
+    if (r->dir[0]) {
+        unlink(r->sock);
+        if (!r->cfg->records_dir)
+            unlink(r->records);
+        rmdir(r->dir);
+    }
+}
+
+static int run_policy(const km_sim_config *cfg, const km_trace *trace, const char *policy,
+                      km_sim_result *res, char *why, size_t why_size)
+{
+    run r;
+    memset(&r, 0, sizeof r);
+    r.cfg = cfg;
+    r.trace = trace;
+    r.res = res;
+    memset(res, 0, sizeof *res);
+    snprintf(res->policy, sizeof res->policy, "%s", policy);
+    res->requests = trace->n_requests;
+    double started = wall_s();
+    uint32_t W = cfg->workers;
+    size_t N = trace->n_requests;
+    r.engines = calloc(W, sizeof *r.engines);
+    r.pubs = calloc(W, sizeof *r.pubs);
+    r.published = calloc(W, sizeof *r.published);
+    r.per_worker = calloc(W, sizeof *r.per_worker);
+    r.reqs = calloc(N ? N : 1, sizeof *r.reqs);
+    r.ttft_ms = calloc(N ? N : 1, sizeof *r.ttft_ms);
+    r.decision_us = calloc(N ? N : 1, sizeof *r.decision_us);
+    int rc = r.engines && r.pubs && r.published && r.per_worker && r.reqs && r.ttft_ms && r.decision_us
+                 ? KM_OK
+                 : km_why(why, why_size, KM_ERR_OUT_OF_MEMORY, "simulation state");
+    snprintf(r.pool, sizeof r.pool, "sim-%s", policy);
+    for (uint32_t w = 0; !rc && w < W; w++) {
+        km_sim_engine_config ec = cfg->engine;
+        ec.process_seed = cfg->generator.seed * 1000003u + w + 1;
+        if ((rc = km_sim_engine_create(&ec, &r.engines[w])) != KM_OK)
+            km_why(why, why_size, rc, "engine %u: %s", w, km_strerror(rc));
+        if (!rc && cfg->zmq) {
+            km_publisher_config pc;
+            km_publisher_config_init(&pc);
+            rc = km_publisher_start(&pc, &r.pubs[w], why, why_size);
+        }
+    }
+    /* The server: here, or a running one. */
+    if (!rc) {
+        strcpy(r.dir, "/tmp/kvmatch-sim-XXXXXX");
+        if (!mkdtemp(r.dir)) {
+            r.dir[0] = '\0';
+            rc = km_why(why, why_size, KM_ERR_IO, "temporary directory");
+        }
+    }
+    if (!rc) {
+        snprintf(r.sock, sizeof r.sock, "%s/s.sock", r.dir);
+        if (cfg->records_dir)
+            snprintf(r.records, sizeof r.records, "%s/records-%s.jsonl", cfg->records_dir, policy);
+        else
+            snprintf(r.records, sizeof r.records, "%s/records.jsonl", r.dir);
+        snprintf(r.addr, sizeof r.addr, "%s", cfg->connect ? cfg->connect : "");
+    }
+    km_server_worker *ws = calloc(W ? W : 1, sizeof *ws);
+    char (*names)[32] = calloc(W ? W : 1, sizeof *names);
+    if (!rc && (!ws || !names))
+        rc = km_why(why, why_size, KM_ERR_OUT_OF_MEMORY, "workers");
+    for (uint32_t w = 0; !rc && w < W; w++) {
+        snprintf(names[w], sizeof names[w], "engine-%u", w);
+        ws[w].id = r.worker_base + w;
+        ws[w].name = names[w];
+        ws[w].event_endpoint = cfg->zmq ? km_publisher_endpoint(r.pubs[w]) : KM_SERVER_LOCAL_EVENTS;
+        ws[w].replay_endpoint = cfg->zmq ? km_publisher_replay_endpoint(r.pubs[w]) : NULL;
+    }
+    if (!rc && !cfg->connect) {
+        km_server_pool pool;
+        memset(&pool, 0, sizeof pool);
+        pool.name = r.pool;
+        pool.block_size = cfg->engine.block_size;
+        km_policy_config_init(&pool.policy);
+        if (km_policy_kind_parse(policy, &pool.policy.kind) != KM_OK)
+            rc = km_why(why, why_size, KM_ERR_INVALID_ARGUMENT, "unknown policy \"%s\"", policy);
+        pool.workers = ws;
+        pool.n_workers = W;
+        km_server_config sc;
+        km_server_config_init(&sc);
+        sc.socket_path = r.sock;
+        sc.records_path = r.records;
+        sc.max_workers = W < 64 ? 64 : W;
+        sc.backend = KM_BACKEND_CPU;
+        sc.index_threads = 1;
+        sc.pools = &pool;
+        sc.n_pools = 1;
+        sc.log = quiet;
+        snprintf(r.addr, sizeof r.addr, "unix:%s", r.sock);
+        if (!rc && (rc = km_server_create(&sc, &r.server, why, why_size)) == KM_OK) {
+            if (pthread_create(&r.server_thread, NULL, server_main, &r) != 0)
+                rc = km_why(why, why_size, KM_ERR_INTERNAL, "server thread");
+            else
+                r.server_running = true;
+        }
+    }
+    if (!rc) {
+        rc = km_client_connect(r.addr, 10000, &r.client, why, why_size);
+    }
+    if (!rc && cfg->connect) {
+        /* A running server: a pool of our own, then the workers. */
+        km_message m, reply;
+        memset(&m, 0, sizeof m);
+        m.type = KM_MESSAGE_POOLS;
+        m.pools.action = KM_ADMIN_ADD;
+        km_pool_info pi;
+        memset(&pi, 0, sizeof pi);
+        pi.name = r.pool;
+        pi.block_size = cfg->engine.block_size;
+        pi.policy = policy;
+        m.pools.pools = &pi;
+        m.pools.n_pools = 1;
+        rc = km_client_call(r.client, &m, 10000, &reply);
+        if (!rc && reply.ack.items[0].status != KM_OK)
+            rc = km_why(why, why_size, reply.ack.items[0].status, "adding pool %s: %s", r.pool,
+                        reply.ack.items[0].message);
+        km_worker_info *wi = calloc(W ? W : 1, sizeof *wi);
+        for (uint32_t w = 0; !rc && wi && w < W; w++) {
+            wi[w].pool = r.pool;
+            wi[w].worker = ws[w].id;
+            wi[w].name = ws[w].name;
+            wi[w].event_endpoint = ws[w].event_endpoint;
+            wi[w].replay_endpoint = ws[w].replay_endpoint;
+        }
+        memset(&m, 0, sizeof m);
+        m.type = KM_MESSAGE_WORKERS;
+        m.workers.action = KM_ADMIN_ADD;
+        m.workers.workers = wi;
+        m.workers.n_workers = W;
+        if (!rc && wi && (rc = km_client_call(r.client, &m, 10000, &reply)) == KM_OK)
+            for (uint32_t w = 0; w < W && !rc; w++)
+                if (reply.ack.items[w].status != KM_OK)
+                    rc = km_why(why, why_size, reply.ack.items[w].status, "adding worker %u: %s",
+                                ws[w].id, reply.ack.items[w].message);
+        free(wi);
+    }
+    for (uint32_t w = 0; !rc && cfg->zmq && w < W; w++)
+        if (!km_publisher_wait_subscribers(r.pubs[w], 1, 10000))
+            rc = km_why(why, why_size, KM_ERR_TIMEOUT, "worker %u: the server never subscribed", w);
+    free(ws);
+    free(names);
+
+    /* The virtual-time loop. */
+    size_t next = 0;
+    uint64_t first_arrival = N ? trace->requests[0].timestamp_ms * 1000u : 0;
+    while (!rc) {
+        uint64_t t_arrival = next < N ? trace->requests[next].timestamp_ms * 1000u : UINT64_MAX;
+        uint64_t t_engine = UINT64_MAX;
+        for (uint32_t w = 0; w < W; w++) {
+            uint64_t t = km_sim_engine_next_event_us(r.engines[w]);
+            if (t < t_engine)
+                t_engine = t;
+        }
+        if (t_arrival == UINT64_MAX && t_engine == UINT64_MAX)
+            break;
+        if (t_engine <= t_arrival) {
+            for (uint32_t w = 0; w < W && !rc; w++)
+                if (km_sim_engine_next_event_us(r.engines[w]) <= t_engine) {
+                    rc = km_sim_engine_advance(r.engines[w], t_engine);
+                    if (rc)
+                        km_why(why, why_size, rc, "engine %u: %s", w,
+                               km_sim_engine_last_error(r.engines[w]));
+                }
+        } else {
+            /* Events as they happen: what a step in progress changed is told now. */
+            for (uint32_t w = 0; w < W && !rc && !cfg->step_delivery; w++)
+                if (km_sim_engine_pending_events(r.engines[w])) {
+                    rc = km_sim_engine_end_step(r.engines[w], t_arrival, NULL);
+                    if (!rc)
+                        rc = drain_engine(&r, w, why, why_size);
+                }
+            /* Everything the engines published is with the server before it decides. */
+            if (!rc)
+                rc = flush_reports(&r, why, why_size);
+            if (!rc)
+                rc = wait_delivered(&r, why, why_size);
+            if (!rc) {
+                r.reqs[next].arrival_us = t_arrival;
+                rc = route_one(&r, next, t_arrival, why, why_size);
+                next++;
+            }
+        }
+        for (uint32_t w = 0; w < W && !rc; w++)
+            rc = drain_engine(&r, w, why, why_size);
+    }
+    if (!rc)
+        rc = flush_reports(&r, why, why_size);
+    if (!rc) {
+        res->makespan_s -= (double)first_arrival / 1e6;
+        if (res->makespan_s > 0)
+            res->output_tokens_per_s = (double)res->output_tokens / res->makespan_s;
+        res->ttft_p50_ms = pct(r.ttft_ms, r.n_ttft, 0.50);
+        res->ttft_p99_ms = pct(r.ttft_ms, r.n_ttft, 0.99);
+        res->decisions_per_s = r.decision_wall > 0 ? (double)r.n_decision / r.decision_wall : 0;
+        res->decision_p50_us = pct(r.decision_us, r.n_decision, 0.50);
+        res->decision_p99_us = pct(r.decision_us, r.n_decision, 0.99);
+        uint64_t max = 0;
+        for (uint32_t w = 0; w < W; w++)
+            if (r.per_worker[w] > max)
+                max = r.per_worker[w];
+        res->load_imbalance = N ? (double)max / ((double)N / W) : 0;
+    }
+    if (cfg->connect && r.client) {
+        /* Leave the running server as it was: our workers out. */
+        km_message m, reply;
+        memset(&m, 0, sizeof m);
+        m.type = KM_MESSAGE_WORKERS;
+        m.workers.action = KM_ADMIN_REMOVE;
+        km_worker_info wi[1];
+        for (uint32_t w = 0; w < W; w++) {
+            memset(wi, 0, sizeof wi);
+            wi[0].pool = r.pool;
+            wi[0].worker = r.worker_base + w;
+            m.workers.workers = wi;
+            m.workers.n_workers = 1;
+            km_client_call(r.client, &m, 10000, &reply);
+        }
+    }
+    run_teardown(&r);
+    res->wall_s = wall_s() - started;
+    return rc;
+}
+
+int km_sim_run(const km_sim_config *cfg, km_sim_result *results, char *why, size_t why_size)
+{
+    if (!cfg || !results)
+        return km_why(why, why_size, KM_ERR_NULL_POINTER, "config or results is NULL");
+    if (cfg->workers == 0 || cfg->workers > 4096 || cfg->n_policies == 0 ||
+        cfg->n_policies > KM_SIM_MAX_POLICIES || !(cfg->time_scale > 0))
+        return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,
+                      "workers must be 1..4096, policies 1..%u, time_scale > 0", KM_SIM_MAX_POLICIES);
+    if (cfg->connect && !cfg->zmq)
+        return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,
+                      "--connect needs --zmq: a server in another process hears the engines over ZMQ");
+    for (uint32_t i = 0; i < cfg->n_policies; i++) {
+        km_policy_kind k;
+        if (!cfg->policies[i] || km_policy_kind_parse(cfg->policies[i], &k) != KM_OK)
+            return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT, "unknown policy \"%s\"",
+                          cfg->policies[i] ? cfg->policies[i] : "(null)");
+    }
+    if (cfg->records_dir) {
+        struct stat st;
+        if (stat(cfg->records_dir, &st) != 0 && mkdir(cfg->records_dir, 0755) != 0)
+            return km_why(why, why_size, KM_ERR_IO, "records dir %s cannot be created",
+                          cfg->records_dir);
+    }
+    km_trace trace;
+    int rc;
+    if (cfg->trace_path)
+        rc = km_trace_load_mooncake(cfg->trace_path, &trace, why, why_size);
+    else
+        rc = km_sim_generate_trace(&cfg->generator, &trace, why, why_size);
+    if (rc)
+        return rc;
+    if ((rc = km_sim_trace_trim(&trace, cfg->max_requests, cfg->time_scale)) != KM_OK) {
+        km_trace_free(&trace);
+        return km_why(why, why_size, rc, "time_scale");
+    }
+    sim_log(cfg, "%zu requests, %u workers, %u policies%s", trace.n_requests, cfg->workers,
+            cfg->n_policies, cfg->zmq ? ", events over ZMQ" : "");
+    for (uint32_t i = 0; i < cfg->n_policies && !rc; i++) {
+        rc = run_policy(cfg, &trace, cfg->policies[i], &results[i], why, why_size);
+        if (!rc)
+            sim_log(cfg, "%s: done in %.1f s", cfg->policies[i], results[i].wall_s);
+    }
+    km_trace_free(&trace);
+    return rc;
+}

@@ -1,0 +1,84 @@
+/* Internal: `kvmatch sim` (docs/SIM.md). A workload replayed in virtual time through a cluster of
+ * simulated engines (src/sim_engine.h), every request routed by a real `kvmatch serve` (in this
+ * process, or a running one with `connect`) over the real protocol, the engines' KV events fed to
+ * it (in process, or over ZMQ with `zmq`), and the router's lifecycle reports sent back, so the
+ * records are complete. Each policy runs the identical workload on a fresh cluster and server; the
+ * results say, per policy, what reuse the engines really got, how right the index was at each
+ * decision instant, and what it cost in time-to-first-token. */
+#ifndef KM_SIM_H
+#define KM_SIM_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kvmatch/index.h"
+#include "sim_engine.h"
+#include "sim_workload.h"
+
+#define KM_SIM_MAX_POLICIES 8u
+
+typedef struct km_sim_config {
+    const char *trace_path;              /* a Mooncake JSONL trace; NULL = the generator */
+    km_sim_generator_config generator;
+    size_t max_requests;                 /* 0 = all */
+    double time_scale;                   /* arrival times x this; default 1 */
+    uint32_t workers;                    /* default 8 */
+    km_sim_engine_config engine;         /* every engine (block size, capacity, time model); the
+                                          * process seed is derived per worker */
+    const char *policies[KM_SIM_MAX_POLICIES];
+    uint32_t n_policies;                 /* default: kv, cache_aware, least_load, round_robin */
+    const char *connect;                 /* "unix:/path" of a running kvmatch serve (needs zmq);
+                                          * NULL = a server in this process */
+    bool zmq;                            /* engines publish over ZMQ on loopback TCP (the real
+                                          * subscriber, seq numbers and replay) */
+    const char *records_dir;             /* keep records-<policy>.jsonl here; NULL = not kept */
+    bool step_delivery;                  /* engines publish once per step, as vLLM does (a cache
+                                          * changed at a step's start is told at its end: the
+                                          * index lags within a step); default false: events are
+                                          * delivered as they happen, so the index is exact */
+    km_log_fn log;                       /* progress lines; NULL = stderr */
+    void *log_user;
+} km_sim_config;
+
+void km_sim_config_init(km_sim_config *cfg);
+
+/* One policy's run. Token counts are prompt tokens; depths are blocks of engine.block_size. */
+typedef struct km_sim_result {
+    char policy[32];
+    uint64_t requests;                /* requests in the workload */
+    uint64_t routed;                  /* decided by kvmatch */
+    uint64_t route_errors;            /* answered with an error (then sent round-robin) */
+    uint64_t rejected;                /* requests no engine can ever hold */
+    uint64_t prompt_tokens;
+    uint64_t output_tokens;
+    uint64_t actual_reused_tokens;    /* what the engines reused when they ran each request */
+    uint64_t predicted_reused_tokens; /* the chosen worker's predicted depth x block size */
+    /* The prediction against the chosen engine's real cache at the decision instant. */
+    uint64_t exact_predictions;
+    uint64_t over_predictions;        /* the index claimed blocks the engine no longer had */
+    uint64_t under_predictions;       /* the engine had blocks the index did not know of */
+    uint64_t pending_at_decision;     /* of the inexact ones: the engine had events produced but
+                                       * not yet published (a step in progress) */
+    /* Predicted depth against the blocks held when the request ran, and why they differ. */
+    uint64_t realized_as_predicted;
+    uint64_t diff_index_wrong;        /* the index already differed at the decision instant */
+    uint64_t diff_cache_changed;      /* the index was right; the cache changed before the request
+                                       * ran (evictions, new blocks) */
+    uint64_t owner_not_chosen;        /* the deepest match was on another worker */
+    uint64_t owner_forgone_tokens;    /* their (owner depth - chosen depth) x block size */
+    double ttft_p50_ms, ttft_p99_ms;  /* virtual time, arrival to first token */
+    double makespan_s;                /* first arrival to last finish, virtual */
+    double output_tokens_per_s;       /* over the makespan */
+    double load_imbalance;            /* max / mean requests per worker */
+    double decisions_per_s;           /* routing calls per second of wall time spent in them */
+    double decision_p50_us, decision_p99_us; /* one route's round trip, wall time */
+    double wall_s;                    /* the whole run, wall time */
+} km_sim_result;
+
+/* Run every policy of cfg; results holds cfg->n_policies entries (in order). Errors:
+ * KM_ERR_INVALID_ARGUMENT (why says which setting), KM_ERR_IO (trace, sockets), errors of the
+ * parts (server, engines, client), each with why. */
+int km_sim_run(const km_sim_config *cfg, km_sim_result *results, char *why, size_t why_size);
+
+#endif

@@ -1,0 +1,1391 @@
+/* Routing analysis (src/analyze.h): record sets built here with jansson, each with answers known in
+ * advance: every metric of a hand-built set (reuse, owner vs chosen and its cost, stale and approx
+ * predictions, outcome kinds with HTTP 200 streams that did not finish, TTFT, recovery windows),
+ * joins by (instance, decision_id) and by (request_id, attempt_id), unjoined records on both sides,
+ * duplicates, invalid lines of every kind with FILE:LINE, nulls against zeros, rotated files given
+ * in any order, and a random property test against a brute-force model of every metric. The HTML
+ * report is checked for escaping and self-containment, its SVG parts parsed as XML by
+ * tests/check_html.py, and rendered in headless Chromium when one is installed. Randomized tests
+ * print their seed (KM_TEST_SEED). */
+#include <errno.h>
+#include <inttypes.h>
+#include <limits.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <jansson.h>
+
+#include "analyze.h"
+#include "test_util.h"
+
+#define BLOCK 16
+
+/* ---- building records ------------------------------------------------------------------------ */
+
+typedef struct cand_spec {
+    const char *worker, *state;
+    int64_t depth_blocks;
+    int64_t in_flight; /* -1 = null */
+} cand_spec;
+
+typedef struct decision_spec {
+    const char *instance;
+    int64_t id;
+    const char *request, *attempt;
+    const char *host; /* NULL = null */
+    const char *pool;
+    int64_t time_ns;
+    const char *source; /* "events" / "approx" */
+    int64_t prompt;     /* -1 = null */
+    const char *owner, *owner_state;
+    int64_t owner_blocks;
+    const char *chosen, *chosen_state;
+    int64_t chosen_blocks;
+    const char *policy;
+    cand_spec cands[8];
+    int n_cands;
+} decision_spec;
+
+typedef struct outcome_spec {
+    const char *instance;
+    int64_t id;
+    const char *request, *attempt;
+    const char *host, *pool;
+    int64_t time_ns;
+    const char *outcome;
+    int64_t http_status, cached, prompt, decided_ns, ttft_ns; /* -1 = null */
+    const char *worker;
+    int64_t predicted_blocks;
+    const char *owner;
+    int64_t owner_blocks;
+} outcome_spec;
+
+static json_t *nullable_int(int64_t v)
+{
+    return v < 0 ? json_null() : json_integer(v);
+}
+
+static json_t *nullable_str(const char *s)
+{
+    return s ? json_string(s) : json_null();
+}
+
+static void common_fields(json_t *o, const char *type, const char *instance, int64_t id,
+                          const char *request, const char *attempt, const char *host,
+                          const char *pool, int64_t time_ns)
+{
+    json_object_set_new(o, "type", json_string(type));
+    json_object_set_new(o, "schema_version", json_integer(1));
+    json_object_set_new(o, "record_id", json_integer(id * 2 + (type[0] == 'o')));
+    json_object_set_new(o, "instance", json_string(instance));
+    json_object_set_new(o, "host", nullable_str(host));
+    json_object_set_new(o, "kvmatch_version", json_string("0.1.0"));
+    json_object_set_new(o, "decision_id", json_integer(id));
+    json_object_set_new(o, "request_id", json_string(request));
+    json_object_set_new(o, "attempt_id", json_string(attempt));
+    json_object_set_new(o, "model", json_string("m"));
+    json_object_set_new(o, "pool", json_string(pool));
+    json_object_set_new(o, "endpoint", json_string("/v1/completions"));
+    json_object_set_new(o, "time", json_string("2026-11-30T05:56:54.079639Z"));
+    json_object_set_new(o, "monotonic_ns", json_integer(time_ns));
+}
+
+static json_t *worker_depth(const char *worker, const char *state, int64_t blocks)
+{
+    return json_pack("{so so sI sI}", "worker", nullable_str(worker), "state",
+                     nullable_str(worker ? state : NULL), "depth_blocks",
+                     (json_int_t)(worker ? blocks : 0), "depth_tokens",
+                     (json_int_t)(worker ? blocks * BLOCK : 0));
+}
+
+static json_t *make_decision(const decision_spec *d)
+{
+    json_t *o = json_object();
+    common_fields(o, "decision", d->instance, d->id, d->request, d->attempt, d->host, d->pool,
+                  d->time_ns);
+    json_object_set_new(o, "prediction",
+                        json_pack("{ss ss ss si sI so so so so}", "source", d->source, "input",
+                                  "tokens", "units", "blocks", "block_size", BLOCK, "block_count",
+                                  (json_int_t)64, "prompt_tokens", nullable_int(d->prompt),
+                                  "expected_output_tokens", json_null(), "scored_monotonic_ns",
+                                  json_null(), "owner",
+                                  worker_depth(d->owner, d->owner_state, d->owner_blocks)));
+    json_object_set_new(
+        o, "decision",
+        json_pack("{ss ss so sb s{ss sf ss}}", "policy", d->policy, "reason", "min_cost", "chosen",
+                  worker_depth(d->chosen, d->chosen_state, d->chosen_blocks), "owner_is_chosen",
+                  d->owner && !strcmp(d->owner, d->chosen), "load", "kind", "in_flight", "value",
+                  1.0, "scope", "this_instance"));
+    json_t *cands = json_array();
+    for (int i = 0; i < d->n_cands; i++) {
+        const cand_spec *c = &d->cands[i];
+        json_array_append_new(
+            cands, json_pack("{ss ss sI sI sI sn sn so sn sn sf}", "worker", c->worker, "state",
+                             c->state, "depth_blocks", (json_int_t)c->depth_blocks, "depth_tokens",
+                             (json_int_t)(c->depth_blocks * BLOCK), "device_blocks",
+                             (json_int_t)c->depth_blocks, "host_blocks", "disk_blocks", "in_flight",
+                             nullable_int(c->in_flight), "pending_prefill_tokens",
+                             "active_decode_blocks", "cost", 0.5));
+    }
+    json_object_set_new(o, "candidates", cands);
+    return o;
+}
+
+static json_t *make_outcome(const outcome_spec *s)
+{
+    json_t *o = json_object();
+    common_fields(o, "outcome", s->instance, s->id, s->request, s->attempt, s->host, s->pool,
+                  s->time_ns);
+    json_object_set_new(o, "outcome", json_string(s->outcome));
+    json_object_set_new(o, "finish_reason", json_null());
+    json_object_set_new(o, "done_seen", json_null());
+    json_object_set_new(o, "http_status", nullable_int(s->http_status));
+    json_object_set_new(o, "error", json_null());
+    json_object_set_new(o, "worker", json_string(s->worker));
+    json_object_set_new(o, "cached_tokens", nullable_int(s->cached));
+    json_object_set_new(o, "prompt_tokens", nullable_int(s->prompt));
+    json_object_set_new(o, "output_tokens", json_null());
+    json_object_set_new(o, "retries", json_integer(0));
+    json_object_set_new(o, "decided_time", json_null());
+    json_object_set_new(o, "decided_monotonic_ns", nullable_int(s->decided_ns));
+    const char *lifecycle[] = {"dispatched", "first_token", "finished"};
+    for (int i = 0; i < 3; i++) {
+        char key[64];
+        snprintf(key, sizeof key, "%s_time", lifecycle[i]);
+        json_object_set_new(o, key, json_null());
+        snprintf(key, sizeof key, "%s_monotonic_ns", lifecycle[i]);
+        json_object_set_new(o, key, json_null());
+    }
+    json_object_set_new(o, "wait_ns", json_null());
+    json_object_set_new(o, "ttft_ns", nullable_int(s->ttft_ns));
+    json_object_set_new(o, "predicted",
+                        json_pack("{ss ss si sI sI so sI sI}", "source", "events", "units",
+                                  "blocks", "block_size", BLOCK, "depth_blocks",
+                                  (json_int_t)s->predicted_blocks, "depth_tokens",
+                                  (json_int_t)(s->predicted_blocks * BLOCK), "owner_worker",
+                                  nullable_str(s->owner), "owner_depth_blocks",
+                                  (json_int_t)s->owner_blocks, "owner_depth_tokens",
+                                  (json_int_t)(s->owner_blocks * BLOCK)));
+    return o;
+}
+
+static void write_record(FILE *f, json_t *record)
+{
+    cr_assert(record, "record build failed (json_pack)");
+    char *line = json_dumps(record, JSON_COMPACT | JSON_PRESERVE_ORDER);
+    cr_assert(line);
+    fprintf(f, "%s\n", line);
+    free(line);
+    json_decref(record);
+}
+
+/* The outcome that goes with a decision (same keys, worker, prediction copy). */
+static outcome_spec outcome_for(const decision_spec *d, const char *kind, int64_t http_status,
+                                int64_t cached, int64_t ttft_ns)
+{
+    return (outcome_spec){.instance = d->instance, .id = d->id, .request = d->request,
+                          .attempt = d->attempt, .host = d->host, .pool = d->pool,
+                          .time_ns = d->time_ns + 500, .outcome = kind, .http_status = http_status,
+                          .cached = cached, .prompt = d->prompt, .decided_ns = d->time_ns,
+                          .ttft_ns = ttft_ns, .worker = d->chosen,
+                          .predicted_blocks = d->chosen_blocks, .owner = d->owner,
+                          .owner_blocks = d->owner ? d->owner_blocks : 0};
+}
+
+static void write_outcome_of(FILE *f, const decision_spec *d, const char *kind,
+                             int64_t http_status, int64_t cached, int64_t ttft_ns)
+{
+    outcome_spec o = outcome_for(d, kind, http_status, cached, ttft_ns);
+    write_record(f, make_outcome(&o));
+}
+
+static void make_temp_dir(char dir[64])
+{
+    snprintf(dir, 64, "/tmp/km-analyze-XXXXXX");
+    cr_assert(mkdtemp(dir) != NULL, "mkdtemp: %s", strerror(errno));
+}
+
+static void remove_dir(const char *dir)
+{
+    char cmd[128];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+    int rc = system(cmd);
+    (void)rc;
+}
+
+static FILE *open_in(const char *dir, const char *name, char *path, size_t path_size)
+{
+    snprintf(path, path_size, "%s/%s", dir, name);
+    FILE *f = fopen(path, "w");
+    cr_assert(f, "fopen %s: %s", path, strerror(errno));
+    return f;
+}
+
+static km_analysis *analyze_files(const km_analysis_config *cfg, const char *const *paths, size_t n)
+{
+    km_analysis *a = NULL;
+    cr_assert_eq(km_analysis_create(cfg, &a), KM_OK);
+    for (size_t i = 0; i < n; i++)
+        cr_assert_eq(km_analysis_add_file(a, paths[i]), KM_OK, "%s: %s", paths[i],
+                     km_analysis_last_error(a));
+    cr_assert_eq(km_analysis_finish(a), KM_OK, "%s", km_analysis_last_error(a));
+    return a;
+}
+
+/* ---- the hand-built set ------------------------------------------------------------------------ */
+
+#define SEC 1000000000LL
+
+/* Writes the known-answer set into dir/records.jsonl (worker B's name is `b`, which lets the HTML
+ * test use a name full of markup). */
+static void write_known_set(const char *path, const char *b)
+{
+    FILE *f = fopen(path, "w");
+    cr_assert(f);
+    /* D1: owner A (12 blocks) not chosen; B (0) chosen: the brief's case. */
+    decision_spec d1 = {.instance = "i1", .id = 1, .request = "r1", .attempt = "0", .host = "h1",
+                        .pool = "p", .time_ns = 1 * SEC, .source = "events", .prompt = 650,
+                        .owner = "A", .owner_state = "LIVE", .owner_blocks = 12, .chosen = b,
+                        .chosen_state = "LIVE", .chosen_blocks = 0, .policy = "cache_aware",
+                        .cands = {{"A", "LIVE", 12, 9}, {b, "LIVE", 0, 1}}, .n_cands = 2};
+    decision_spec d2 = d1, d3 = d1, d4 = d1, d5 = d1, d7 = d1, d9 = d1;
+    d2.id = 2, d2.request = "r2", d2.time_ns = 2 * SEC, d2.owner_blocks = 10, d2.chosen = "A",
+    d2.chosen_blocks = 10, d2.prompt = 200;
+    d2.cands[0] = (cand_spec){"A", "LIVE", 10, 3};
+    d3.id = 3, d3.request = "r3", d3.time_ns = 3 * SEC, d3.owner_blocks = 5, d3.chosen = "A",
+    d3.chosen_blocks = 5, d3.prompt = 100;
+    d3.cands[0] = (cand_spec){"A", "LIVE", 5, 5};
+    d4.id = 4, d4.request = "r4", d4.time_ns = 4 * SEC, d4.owner = NULL, d4.chosen_blocks = 0,
+    d4.prompt = -1;
+    d4.cands[0] = (cand_spec){"A", "LIVE", 0, 2};
+    d5.id = 5, d5.request = "r5", d5.time_ns = 5 * SEC, d5.owner_blocks = 4, d5.chosen = "A",
+    d5.chosen_blocks = 4;
+    /* D6: an approximate pool. */
+    decision_spec d6 = {.instance = "i1", .id = 6, .request = "r6", .attempt = "0", .host = "h1",
+                        .pool = "approxpool", .time_ns = 6 * SEC, .source = "approx", .prompt = 64,
+                        .owner = "C", .owner_state = "APPROX", .owner_blocks = 2, .chosen = "C",
+                        .chosen_state = "APPROX", .chosen_blocks = 2, .policy = "round_robin",
+                        .cands = {{"C", "APPROX", 2, -1}}, .n_cands = 1};
+    /* D7: A is SYNCING (and owns 3 blocks), B in GAP chosen with 1: stale, owner not chosen; no
+     * outcome ever comes. */
+    d7.id = 7, d7.request = "r7", d7.time_ns = 7 * SEC, d7.owner_state = "SYNCING",
+    d7.owner_blocks = 3, d7.chosen_state = "GAP", d7.chosen_blocks = 1;
+    d7.cands[0] = (cand_spec){"A", "SYNCING", 3, 4};
+    d7.cands[1] = (cand_spec){b, "GAP", 1, 2};
+    /* D9: both LIVE again (closes both windows); its outcome comes from another instance id. */
+    d9.id = 9, d9.request = "r9", d9.attempt = "1", d9.time_ns = 9 * SEC, d9.owner = NULL,
+    d9.chosen_blocks = 0;
+    d9.cands[0] = (cand_spec){"A", "LIVE", 0, 1};
+    d9.cands[1] = (cand_spec){b, "LIVE", 0, 7};
+
+    outcome_spec o8 = outcome_for(&d1, "complete", 200, 16, -1);
+    o8.id = 99, o8.request = "r8", o8.worker = "A", o8.predicted_blocks = 2, o8.owner = "A",
+    o8.owner_blocks = 2, o8.decided_ns = 8 * SEC;
+    outcome_spec o9 = outcome_for(&d9, "complete", 200, 0, 6000000);
+    o9.instance = "i2", o9.id = 500; /* joins only by (request_id, attempt_id) */
+
+    write_record(f, make_decision(&d1));
+    write_outcome_of(f, &d1, "complete", 200, 0, 2000000);
+    write_outcome_of(f, &d2, "complete", 200, 160, 4000000);
+    write_record(f, make_decision(&d2)); /* its outcome came first */
+    write_record(f, make_decision(&d3));
+    write_outcome_of(f, &d3, "incomplete", 200, 48, -1);
+    write_record(f, make_decision(&d4));
+    write_outcome_of(f, &d4, "error", 500, 32, -1);
+    write_record(f, make_decision(&d5));
+    write_outcome_of(f, &d5, "cancelled", -1, -1, -1);
+    write_record(f, make_decision(&d6));
+    write_outcome_of(f, &d6, "expired", -1, 32, -1);
+    write_record(f, make_decision(&d7));
+    write_record(f, make_outcome(&o8));
+    write_record(f, make_decision(&d9));
+    write_record(f, make_outcome(&o9));
+    fclose(f);
+}
+
+#define EQ(actual, expected) \
+    cr_expect_eq((uint64_t)(actual), (uint64_t)(expected), "%s = %" PRIu64 ", expected %" PRIu64, \
+                 #actual, (uint64_t)(actual), (uint64_t)(expected))
+
+Test(analyze, known_answers_every_metric, .timeout = 20)
+{
+    char dir[64], path[128];
+    make_temp_dir(dir);
+    snprintf(path, sizeof path, "%s/records.jsonl", dir);
+    write_known_set(path, "B");
+    const char *paths[] = {path};
+    km_analysis *a = analyze_files(NULL, paths, 1);
+    const km_analysis_summary *s = km_analysis_summary_get(a);
+    cr_assert(s);
+
+    EQ(s->input.files, 1);
+    EQ(s->input.lines, 16);
+    EQ(s->input.invalid, 0);
+    EQ(s->input.decisions, 8);
+    EQ(s->input.outcomes, 8);
+    EQ(s->input.hosts, 1);
+
+    EQ(s->join.by_decision_id, 6);
+    EQ(s->join.by_request, 1);
+    EQ(s->join.decisions_without_outcome, 1);
+    EQ(s->join.outcomes_without_decision, 1);
+    EQ(s->join.duplicate_decisions, 0);
+    EQ(s->join.copy_mismatches, 0);
+
+    /* reuse: O1 0/0, O2 160/160, O3 80/48, O4 0/32, O5 null, O6 32/32, O8 32/16 (copy), O9 0/0 */
+    EQ(s->reuse.outcomes, 8);
+    EQ(s->reuse.unknown, 1);
+    EQ(s->reuse.known, 7);
+    EQ(s->reuse.from_outcome_copy, 1);
+    EQ(s->reuse.predicted_tokens, 304);
+    EQ(s->reuse.actual_tokens, 288);
+    EQ(s->reuse.exact, 4);
+    EQ(s->reuse.over_predicted, 2);
+    EQ(s->reuse.over_predicted_tokens, 48);
+    EQ(s->reuse.under_predicted, 1);
+    EQ(s->reuse.under_predicted_tokens, 32);
+    EQ(s->reuse.difference_buckets[6], 4);
+    EQ(s->reuse.difference_buckets[4], 2);
+    EQ(s->reuse.difference_buckets[8], 1);
+    cr_expect_float_eq(s->reuse.mean_predicted_tokens, 304.0 / 7, 1e-9);
+
+    /* owner: D1 (A 192 vs B 0) and D7 (A 48 vs B 16) not chosen; D4, D9 without owner */
+    EQ(s->owner.decisions, 8);
+    EQ(s->owner.no_owner, 2);
+    EQ(s->owner.owner_is_chosen, 4);
+    EQ(s->owner.owner_not_chosen, 2);
+    cr_expect_float_eq(s->owner.owner_not_chosen_rate, 2.0 / 6, 1e-12);
+    EQ(s->owner.owner_tokens, 240);
+    EQ(s->owner.chosen_tokens, 16);
+    EQ(s->owner.cost_tokens, 224);
+    EQ(s->owner.joined_known, 1);
+    EQ(s->owner.joined_actual_tokens, 0);
+    EQ(s->owner.joined_owner_tokens, 192);
+
+    EQ(s->staleness.events_decisions, 7);
+    EQ(s->staleness.chosen_not_live, 1);
+    EQ(s->staleness.owner_not_live, 1);
+    EQ(s->staleness.stale_decisions, 1);
+    EQ(s->staleness.approx_decisions, 1);
+
+    EQ(s->outcomes.complete, 4);
+    EQ(s->outcomes.incomplete, 1);
+    EQ(s->outcomes.incomplete_http_200, 1);
+    EQ(s->outcomes.error, 1);
+    EQ(s->outcomes.cancelled, 1);
+    EQ(s->outcomes.expired, 1);
+    EQ(s->outcomes.ttft_known, 3);
+    cr_expect_float_eq(s->outcomes.ttft_p50_ms, 4.0, 1e-9);
+    cr_expect_float_eq(s->outcomes.ttft_p99_ms, 6.0, 1e-9);
+
+    /* windows: A SYNCING and B GAP from D7 (7 s) until D9 (9 s) showed LIVE */
+    cr_assert_eq(s->n_windows, 2);
+    cr_expect_str_eq(s->windows[0].worker, "A");
+    cr_expect_str_eq(s->windows[0].state, "SYNCING");
+    cr_expect_str_eq(s->windows[1].worker, "B");
+    cr_expect_str_eq(s->windows[1].state, "GAP");
+    for (int i = 0; i < 2; i++) {
+        cr_expect_str_eq(s->windows[i].host, "h1");
+        cr_expect_str_eq(s->windows[i].pool, "p");
+        EQ(s->windows[i].start_ns, 7 * SEC);
+        EQ(s->windows[i].end_ns, 9 * SEC);
+        cr_expect_eq(s->windows[i].open, 0);
+        EQ(s->windows[i].inside.decisions, 1);
+    }
+    EQ(s->in_windows.decisions, 1);
+    EQ(s->in_windows.owner_not_chosen, 1);
+    EQ(s->in_windows.stale, 1);
+    EQ(s->in_windows.known, 0);
+    EQ(s->outside_windows.decisions, 7);
+    EQ(s->outside_windows.owner_not_chosen, 1);
+    EQ(s->outside_windows.known, 6);
+    EQ(s->outside_windows.predicted_tokens, 272);
+    EQ(s->outside_windows.actual_tokens, 272);
+    EQ(s->outside_windows.exact, 4);
+    EQ(s->outside_windows.prompt_tokens, 1664);
+    EQ(s->outside_windows.actual_with_prompt, 240);
+    cr_expect_float_eq(s->outside_windows.hit_rate, 240.0 / 1664, 1e-12);
+
+    cr_assert_eq(s->n_policies, 2);
+    cr_expect_str_eq(s->policies[0].policy, "cache_aware");
+    EQ(s->policies[0].quality.decisions, 7);
+    cr_expect_str_eq(s->policies[1].policy, "round_robin");
+    EQ(s->policies[1].quality.decisions, 1);
+
+    cr_assert_eq(s->n_workers, 3); /* by host, pool, worker: approxpool before p */
+    cr_expect_str_eq(s->workers[0].pool, "approxpool");
+    EQ(s->workers[0].chosen, 1);
+    EQ(s->workers[0].in_flight_known, 0);
+    cr_expect_str_eq(s->workers[1].worker, "A");
+    EQ(s->workers[1].chosen, 3);
+    cr_expect_float_eq(s->workers[1].mean_in_flight, 17.0 / 3, 1e-9);
+    EQ(s->workers[1].max_in_flight, 9);
+    cr_expect_str_eq(s->workers[2].worker, "B");
+    EQ(s->workers[2].chosen, 4);
+    cr_expect_float_eq(s->workers[2].mean_in_flight, 2.75, 1e-9);
+    EQ(s->workers[2].max_in_flight, 7);
+
+    cr_assert_eq(s->n_unjoined_decisions, 1);
+    EQ(s->unjoined_decisions[0].line, 13);
+    cr_expect(strstr(s->unjoined_decisions[0].what, "decision 7"), "%s", s->unjoined_decisions[0].what);
+    cr_assert_eq(s->n_unjoined_outcomes, 1);
+    EQ(s->unjoined_outcomes[0].line, 14);
+    cr_expect_str_eq(s->unjoined_outcomes[0].file, path);
+
+    km_text text;
+    km_text_init(&text, 0);
+    cr_assert_eq(km_analysis_render_text(a, &text), KM_OK);
+    const char *t = km_text_cstr(&text);
+    cr_expect(strstr(t, "unknown (null, not counted as 0) 1"), "%s", t);
+    cr_expect(strstr(t, "incomplete 1 (1 of them with HTTP 200)"), "%s", t);
+    cr_expect(strstr(t, "records.jsonl:13: decision 7 of instance i1 has no outcome"), "%s", t);
+    km_text_free(&text);
+    km_analysis_destroy(a);
+    remove_dir(dir);
+}
+
+Test(analyze, json_report_parses_with_the_same_numbers, .timeout = 20)
+{
+    char dir[64], path[128];
+    make_temp_dir(dir);
+    snprintf(path, sizeof path, "%s/records.jsonl", dir);
+    write_known_set(path, "B");
+    const char *paths[] = {path};
+    km_analysis *a = analyze_files(NULL, paths, 1);
+    km_text text;
+    km_text_init(&text, 0);
+    cr_assert_eq(km_analysis_render_json(a, &text), KM_OK);
+    json_error_t error;
+    json_t *root = json_loads(km_text_cstr(&text), 0, &error);
+    cr_assert(root, "JSON report does not parse: %s", error.text);
+    cr_expect_eq(json_integer_value(json_object_get(json_object_get(root, "reuse"), "known")), 7);
+    cr_expect_eq(json_integer_value(json_object_get(json_object_get(root, "join"), "by_request")), 1);
+    cr_expect_eq(json_integer_value(json_object_get(json_object_get(root, "owner"), "cost_tokens")), 224);
+    cr_expect_eq(json_integer_value(json_object_get(json_object_get(root, "outcomes"),
+                                                    "incomplete_http_200")), 1);
+    json_t *windows = json_object_get(json_object_get(root, "recovery"), "windows");
+    cr_expect_eq(json_array_size(windows), 2);
+    cr_expect_eq(json_array_size(json_object_get(root, "policies")), 2);
+    cr_expect_eq(json_array_size(json_object_get(root, "unjoined_decisions")), 1);
+    cr_expect_eq(json_array_size(json_object_get(json_object_get(root, "reuse"), "difference_buckets")),
+                 KM_ANALYSIS_DIFF_BUCKETS);
+    json_decref(root);
+    km_text_free(&text);
+    km_analysis_destroy(a);
+    remove_dir(dir);
+}
+
+Test(analyze, null_cached_tokens_is_unknown_not_zero, .timeout = 10)
+{
+    char dir[64], path[128];
+    make_temp_dir(dir);
+    FILE *f = open_in(dir, "r.jsonl", path, sizeof path);
+    decision_spec d = {.instance = "i", .id = 1, .request = "r1", .attempt = "0", .host = NULL,
+                       .pool = "p", .time_ns = 10, .source = "events", .prompt = 64, .owner = "A",
+                       .owner_state = "LIVE", .owner_blocks = 3, .chosen = "A", .chosen_state = "LIVE",
+                       .chosen_blocks = 3, .policy = "kv", .cands = {{"A", "LIVE", 3, 0}}, .n_cands = 1};
+    decision_spec e = d;
+    e.id = 2, e.request = "r2", e.time_ns = 20;
+    write_record(f, make_decision(&d));
+    write_outcome_of(f, &d, "complete", 200, 0, 5);  /* reported zero: a miss of 48 tokens */
+    write_record(f, make_decision(&e));
+    write_outcome_of(f, &e, "complete", 200, -1, 5); /* not reported */
+    fclose(f);
+    const char *paths[] = {path};
+    km_analysis *a = analyze_files(NULL, paths, 1);
+    const km_analysis_summary *s = km_analysis_summary_get(a);
+    EQ(s->reuse.known, 1);
+    EQ(s->reuse.unknown, 1);
+    EQ(s->reuse.predicted_tokens, 48);
+    EQ(s->reuse.actual_tokens, 0);
+    EQ(s->reuse.over_predicted, 1);
+    EQ(s->reuse.exact, 0);
+    EQ(s->outside_windows.known, 1);
+    cr_expect_str_eq(s->workers[0].host, "", "a null host is the empty name");
+    km_analysis_destroy(a);
+    remove_dir(dir);
+}
+
+Test(analyze, invalid_lines_are_counted_with_file_and_line, .timeout = 10)
+{
+    char dir[64], path[128];
+    make_temp_dir(dir);
+    FILE *f = open_in(dir, "bad.jsonl", path, sizeof path);
+    decision_spec d = {.instance = "i", .id = 1, .request = "r1", .attempt = "0", .host = "h",
+                       .pool = "p", .time_ns = 10, .source = "events", .prompt = 64, .owner = NULL,
+                       .chosen = "A", .chosen_state = "LIVE", .policy = "kv",
+                       .cands = {{"A", "LIVE", 0, 0}}, .n_cands = 1};
+    write_record(f, make_decision(&d));                                            /* 1 valid */
+    fprintf(f, "{\"type\": \"decision\", oops\n");                                 /* 2 */
+    fprintf(f, "[1, 2, 3]\n");                                                     /* 3 */
+    fprintf(f, "{\"type\":\"heartbeat\",\"schema_version\":1}\n");                 /* 4 */
+    fprintf(f, "{\"type\":\"decision\",\"schema_version\":2}\n");                  /* 5 */
+    json_t *no_candidates = make_decision(&d);
+    json_object_del(no_candidates, "candidates");
+    write_record(f, no_candidates);                                                /* 6 */
+    outcome_spec o = outcome_for(&d, "complete", 200, 0, 1);
+    json_t *bad_cached = make_outcome(&o);
+    json_object_set_new(bad_cached, "cached_tokens", json_string("12"));
+    write_record(f, bad_cached);                                                   /* 7 */
+    fprintf(f, "   \n");                                                           /* 8 blank */
+    for (int i = 0; i < 5000; i++)                                                 /* 9 too long */
+        fputc('x', f);
+    fputc('\n', f);
+    json_t *bad_outcome = make_outcome(&o);
+    json_object_set_new(bad_outcome, "outcome", json_string("finished"));
+    write_record(f, bad_outcome);                                                  /* 10 */
+    write_outcome_of(f, &d, "complete", 200, 0, 1);                                /* 11 valid */
+    json_t *no_pool = make_decision(&d);
+    json_object_del(no_pool, "pool");
+    write_record(f, no_pool);                                                      /* 12 */
+    json_t *bad_source = make_decision(&d);
+    json_object_set_new(json_object_get(bad_source, "prediction"), "source", json_string("guess"));
+    write_record(f, bad_source);                                                   /* 13 */
+    fprintf(f, "{\"type\":\"outcome\",\"schema_ver");                              /* 14 cut */
+    fclose(f);
+
+    km_analysis_config cfg = {.max_line_bytes = 4096};
+    const char *paths[] = {path};
+    km_analysis *a = analyze_files(&cfg, paths, 1);
+    const km_analysis_summary *s = km_analysis_summary_get(a);
+    EQ(s->input.lines, 14);
+    EQ(s->input.blank_lines, 1);
+    EQ(s->input.invalid, 11);
+    EQ(s->input.decisions, 1);
+    EQ(s->input.outcomes, 1);
+    EQ(s->join.by_decision_id, 1);
+    cr_assert_eq(s->n_invalid_lines, 11);
+    const struct {
+        uint64_t line;
+        const char *says;
+    } expected[] = {{2, "not JSON"},
+                    {3, "not a JSON object"},
+                    {4, "unknown record type \"heartbeat\""},
+                    {5, "schema_version 2 is not supported"},
+                    {6, "field candidates: missing"},
+                    {7, "field cached_tokens: expected a non-negative integer or null"},
+                    {9, "line longer than 4096 bytes"},
+                    {10, "field outcome: expected complete"},
+                    {12, "decision record: field pool: missing"},
+                    {13, "field prediction.source: expected \"events\" or \"approx\""},
+                    {14, "not JSON"}};
+    for (size_t i = 0; i < 11; i++) {
+        EQ(s->invalid_lines[i].line, expected[i].line);
+        cr_expect_str_eq(s->invalid_lines[i].file, path);
+        cr_expect(strstr(s->invalid_lines[i].what, expected[i].says), "line %" PRIu64 ": '%s' lacks '%s'",
+                  s->invalid_lines[i].line, s->invalid_lines[i].what, expected[i].says);
+    }
+    km_analysis_destroy(a);
+
+    /* the listing is bounded, the count is not */
+    cfg.max_listed = 3;
+    a = analyze_files(&cfg, paths, 1);
+    s = km_analysis_summary_get(a);
+    EQ(s->input.invalid, 11);
+    EQ(s->n_invalid_lines, 3);
+    km_analysis_destroy(a);
+    remove_dir(dir);
+}
+
+Test(analyze, rotated_files_join_in_any_order, .timeout = 20)
+{
+    char dir[64], p0[128], p1[128], p2[128];
+    make_temp_dir(dir);
+    FILE *f2 = open_in(dir, "rec.jsonl.2", p2, sizeof p2);
+    FILE *f1 = open_in(dir, "rec.jsonl.1", p1, sizeof p1);
+    FILE *f0 = open_in(dir, "rec.jsonl", p0, sizeof p0);
+    char requests[22][16];
+    decision_spec d[21];
+    for (int i = 1; i <= 20; i++) {
+        snprintf(requests[i], sizeof requests[i], "r%d", i);
+        d[i] = (decision_spec){.instance = "inst", .id = i, .request = requests[i], .attempt = "0",
+                               .host = "h", .pool = "p", .time_ns = i * SEC, .source = "events",
+                               .prompt = 100, .owner = "A", .owner_state = "LIVE",
+                               .owner_blocks = 2, .chosen = "A", .chosen_state = "LIVE",
+                               .chosen_blocks = 2, .policy = "kv",
+                               .cands = {{"A", i >= 5 && i < 8 ? "GAP" : "LIVE", 2, i}},
+                               .n_cands = 1};
+        if (i >= 5 && i < 8)
+            d[i].owner_state = d[i].chosen_state = "GAP";
+        write_record(i <= 10 ? f2 : f1, make_decision(&d[i]));
+    }
+    fprintf(f2, "{\"type\":\"decis"); /* a crash cut the oldest file's last line */
+    for (int i = 1; i <= 20; i++)
+        write_outcome_of(i <= 15 ? f1 : f0, &d[i], "complete", 200, 32, 1000);
+    outcome_spec orphan = outcome_for(&d[1], "complete", 200, 32, 1000);
+    orphan.id = 21, orphan.request = "r21";
+    write_record(f0, make_outcome(&orphan));
+    fclose(f0);
+    fclose(f1);
+    fclose(f2);
+
+    const char *orders[3][3] = {{p2, p1, p0}, {p0, p1, p2}, {p1, p0, p2}};
+    for (int k = 0; k < 3; k++) {
+        km_analysis *a = analyze_files(NULL, orders[k], 3);
+        const km_analysis_summary *s = km_analysis_summary_get(a);
+        EQ(s->input.files, 3);
+        EQ(s->input.invalid, 1);
+        cr_expect_str_eq(s->invalid_lines[0].file, p2);
+        EQ(s->invalid_lines[0].line, 11);
+        EQ(s->join.by_decision_id, 20);
+        EQ(s->join.by_request, 0);
+        EQ(s->join.decisions_without_outcome, 0);
+        EQ(s->join.outcomes_without_decision, 1);
+        EQ(s->reuse.exact, 21);
+        /* the GAP run spans decisions 5..7 in one file: one window, closed by decision 8 */
+        cr_assert_eq(s->n_windows, 1);
+        EQ(s->windows[0].start_ns, 5 * SEC);
+        EQ(s->windows[0].end_ns, 8 * SEC);
+        EQ(s->windows[0].inside.decisions, 3);
+        EQ(s->staleness.stale_decisions, 3);
+        km_analysis_destroy(a);
+    }
+    remove_dir(dir);
+}
+
+Test(analyze, windows_across_files_and_never_closed, .timeout = 10)
+{
+    char dir[64], px[128], py[128];
+    make_temp_dir(dir);
+    FILE *fx = open_in(dir, "x.jsonl", px, sizeof px);
+    FILE *fy = open_in(dir, "y.jsonl", py, sizeof py);
+    /* A: GAP at 1, 2, 3 (file x), LIVE at 5 (file y). B: DEGRADED at 4 (x) and 6 (y), never LIVE
+     * after. */
+    const char *a_state[5] = {NULL, "GAP", "GAP", "GAP", "LIVE"};
+    const char *b_state[5] = {NULL, "LIVE", "LIVE", "LIVE", "DEGRADED"};
+    char requests[5][8];
+    for (int i = 1; i <= 4; i++) {
+        snprintf(requests[i], sizeof requests[i], "r%d", i);
+        decision_spec d = {.instance = "i", .id = i, .request = requests[i], .attempt = "0",
+                           .host = "h", .pool = "p", .time_ns = i * SEC, .source = "events",
+                           .prompt = 10, .owner = NULL, .chosen = "B", .chosen_state = b_state[i],
+                           .policy = "kv", .cands = {{"A", a_state[i], 0, 1}, {"B", b_state[i], 0, 1}},
+                           .n_cands = 2};
+        if (i == 4) /* A's LIVE at 4 is hidden: A is absent from decision 4 */
+            d.cands[0] = d.cands[1], d.n_cands = 1;
+        write_record(fx, make_decision(&d));
+    }
+    fclose(fx);
+    decision_spec d5 = {.instance = "i", .id = 5, .request = "r5", .attempt = "0", .host = "h",
+                        .pool = "p", .time_ns = 5 * SEC, .source = "events", .prompt = 10,
+                        .owner = NULL, .chosen = "A", .chosen_state = "LIVE", .policy = "kv",
+                        .cands = {{"A", "LIVE", 0, 1}, {"B", "DEGRADED", 0, 1}}, .n_cands = 2};
+    write_record(fy, make_decision(&d5));
+    decision_spec d6 = d5;
+    d6.id = 6, d6.request = "r6", d6.time_ns = 6 * SEC;
+    write_record(fy, make_decision(&d6));
+    fclose(fy);
+
+    const char *paths[] = {py, px};
+    km_analysis *a = analyze_files(NULL, paths, 2);
+    const km_analysis_summary *s = km_analysis_summary_get(a);
+    cr_assert_eq(s->n_windows, 2);
+    cr_expect_str_eq(s->windows[0].worker, "A");
+    EQ(s->windows[0].start_ns, 1 * SEC);
+    EQ(s->windows[0].end_ns, 5 * SEC);
+    cr_expect_eq(s->windows[0].open, 0);
+    EQ(s->windows[0].inside.decisions, 4); /* 1, 2, 3, 4 */
+    cr_expect_str_eq(s->windows[1].worker, "B");
+    cr_expect_str_eq(s->windows[1].state, "DEGRADED");
+    EQ(s->windows[1].start_ns, 4 * SEC);
+    EQ(s->windows[1].end_ns, 6 * SEC);
+    cr_expect_eq(s->windows[1].open, 1);
+    EQ(s->windows[1].inside.decisions, 3); /* 4, 5, 6: an open window includes its end */
+    EQ(s->in_windows.decisions, 6);
+    EQ(s->outside_windows.decisions, 0);
+    EQ(s->join.decisions_without_outcome, 6);
+    km_analysis_destroy(a);
+    remove_dir(dir);
+}
+
+Test(analyze, duplicates_are_counted_not_used, .timeout = 10)
+{
+    char dir[64], path[128];
+    make_temp_dir(dir);
+    FILE *f = open_in(dir, "dup.jsonl", path, sizeof path);
+    decision_spec d = {.instance = "i", .id = 1, .request = "r1", .attempt = "0", .host = "h",
+                       .pool = "p", .time_ns = 10, .source = "events", .prompt = 64, .owner = NULL,
+                       .chosen = "A", .chosen_state = "LIVE", .chosen_blocks = 1, .policy = "kv",
+                       .cands = {{"A", "LIVE", 1, 0}}, .n_cands = 1};
+    write_record(f, make_decision(&d));
+    write_record(f, make_decision(&d));
+    write_outcome_of(f, &d, "complete", 200, 16, 1);
+    write_outcome_of(f, &d, "error", 500, 0, 1);
+    /* an outcome whose copy of the prediction disagrees with its decision */
+    decision_spec e = d;
+    e.id = 2, e.request = "r2";
+    write_record(f, make_decision(&e));
+    outcome_spec o = outcome_for(&e, "complete", 200, 16, 1);
+    o.worker = "Z";
+    write_record(f, make_outcome(&o));
+    fclose(f);
+    const char *paths[] = {path};
+    km_analysis *a = analyze_files(NULL, paths, 1);
+    const km_analysis_summary *s = km_analysis_summary_get(a);
+    EQ(s->input.decisions, 3);
+    EQ(s->input.outcomes, 3);
+    EQ(s->join.duplicate_decisions, 1);
+    EQ(s->join.duplicate_outcomes, 1);
+    EQ(s->join.by_decision_id, 2);
+    EQ(s->join.copy_mismatches, 1);
+    EQ(s->owner.decisions, 2);
+    EQ(s->outcomes.complete, 2);
+    EQ(s->outcomes.error, 0);
+    km_analysis_destroy(a);
+    remove_dir(dir);
+}
+
+Test(analyze, errors_and_lifecycle, .timeout = 10)
+{
+    km_analysis *a = NULL;
+    cr_assert_eq(km_analysis_create(NULL, NULL), KM_ERR_NULL_POINTER);
+    cr_assert_eq(km_analysis_create(NULL, &a), KM_OK);
+    cr_expect_null(km_analysis_summary_get(a), "no summary before finish");
+    km_text t;
+    km_text_init(&t, 0);
+    cr_expect_eq(km_analysis_render_text(a, &t), KM_ERR_INVALID_ARGUMENT);
+    cr_expect_eq(km_analysis_add_file(a, "/nonexistent/km-analyze.jsonl"), KM_ERR_IO);
+    cr_expect(strstr(km_analysis_last_error(a), "/nonexistent/km-analyze.jsonl"), "%s",
+              km_analysis_last_error(a));
+    cr_expect_eq(km_analysis_add_file(a, NULL), KM_ERR_NULL_POINTER);
+    cr_assert_eq(km_analysis_finish(a), KM_OK);
+    const km_analysis_summary *s = km_analysis_summary_get(a);
+    EQ(s->input.files, 0);
+    EQ(s->input.files_failed, 1);
+    cr_expect_eq(km_analysis_add_file(a, "/dev/null"), KM_ERR_INVALID_ARGUMENT);
+    cr_expect_eq(km_analysis_finish(a), KM_ERR_INVALID_ARGUMENT);
+    cr_expect_eq(km_analysis_render_text(a, &t), KM_OK, "an empty analysis still reports");
+    cr_expect_eq(km_analysis_render_html(a, &t), KM_OK);
+    cr_expect_eq(km_analysis_write_html(a, "/nonexistent/dir/report.html"), KM_ERR_IO);
+    km_text_free(&t);
+    km_analysis_destroy(a);
+    km_analysis_destroy(NULL);
+}
+
+Test(analyze, difference_buckets_edges, .timeout = 5)
+{
+    const struct {
+        int64_t d;
+        uint32_t bucket;
+    } cases[] = {{INT64_MIN + 1, 0}, {-4096, 0}, {-4095, 1}, {-1024, 1}, {-1023, 2}, {-256, 2},
+                 {-255, 3}, {-64, 3}, {-63, 4}, {-16, 4}, {-15, 5}, {-1, 5}, {0, 6}, {1, 7},
+                 {15, 7}, {16, 8}, {63, 8}, {64, 9}, {255, 9}, {256, 10}, {1023, 10}, {1024, 11},
+                 {4095, 11}, {4096, 12}, {INT64_MAX, 12}};
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
+        cr_expect_eq(km_analysis_diff_bucket(cases[i].d), cases[i].bucket, "d=%" PRId64 ": %u",
+                     cases[i].d, km_analysis_diff_bucket(cases[i].d));
+    cr_expect_str_eq(km_analysis_diff_bucket_label(6), "0");
+    cr_expect_str_eq(km_analysis_diff_bucket_label(99), "?");
+}
+
+/* ---- random records against a brute-force model ------------------------------------------------- */
+
+static const char *const rand_workers[5] = {"W0", "W1", "W2", "W3", "W4"};
+static const char *const rand_bad_states[3] = {"GAP", "SYNCING", "DEGRADED"};
+static const char *const rand_kinds[5] = {"complete", "incomplete", "error", "cancelled", "expired"};
+
+typedef struct rand_decision {
+    decision_spec spec;
+    char request[24];
+    int outcome_mode; /* 0: none, 1: same (instance, decision_id), 2: other ids, same request */
+    outcome_spec outcome;
+    int decision_file, outcome_file;
+} rand_decision;
+
+/* The brute-force difference bucket: thresholds written out. */
+static uint32_t model_bucket(int64_t d)
+{
+    static const int64_t upper[KM_ANALYSIS_DIFF_BUCKETS - 1] = {-4096, -1024, -256, -64, -16, -1, 0,
+                                                                15,    63,    255,  1023, 4095};
+    for (uint32_t b = 0; b < KM_ANALYSIS_DIFF_BUCKETS - 1; b++)
+        if (d <= upper[b])
+            return b;
+    return KM_ANALYSIS_DIFF_BUCKETS - 1;
+}
+
+typedef struct model_window {
+    const char *instance, *pool, *worker, *state;
+    int64_t start, end;
+    int open;
+    uint64_t inside;
+} model_window;
+
+static int compare_model_windows(const void *x, const void *y)
+{
+    const model_window *p = x, *q = y;
+    int c = strcmp(p->instance, q->instance);
+    if (!c)
+        c = strcmp(p->pool, q->pool);
+    if (!c)
+        c = strcmp(p->worker, q->worker);
+    if (!c && p->start != q->start)
+        c = p->start < q->start ? -1 : 1;
+    return c;
+}
+
+static int compare_i64s(const void *x, const void *y)
+{
+    int64_t a = *(const int64_t *)x, b = *(const int64_t *)y;
+    return a < b ? -1 : a > b;
+}
+
+Test(analyze, random_records_match_brute_force, .timeout = 120)
+{
+    km_rng rng;
+    km_rng_init(&rng, km_test_seed());
+    char dir[64];
+    make_temp_dir(dir);
+    for (int round = 0; round < 4; round++) {
+        size_t n = 50 + km_rng_below(&rng, 700);
+        size_t n_orphans = km_rng_below(&rng, (uint32_t)(n / 8 + 1));
+        rand_decision *d = calloc(n, sizeof *d);
+        outcome_spec *orphans = calloc(n_orphans + 1, sizeof *orphans);
+        char (*orphan_requests)[24] = calloc(n_orphans + 1, 24);
+        int orphan_files[256];
+        cr_assert(d && orphans && orphan_requests);
+        /* each instance's decisions go to its own rotated files in sequence (as the writer does);
+         * outcomes and orphans go anywhere */
+        enum { n_files = 6 };
+        uint32_t cuts[2][2];
+        for (int k = 0; k < 2; k++) {
+            cuts[k][0] = km_rng_below(&rng, (uint32_t)n + 1);
+            cuts[k][1] = cuts[k][0] + km_rng_below(&rng, (uint32_t)n + 1 - cuts[k][0]);
+        }
+        for (size_t i = 0; i < n; i++) {
+            rand_decision *r = &d[i];
+            decision_spec *s = &r->spec;
+            snprintf(r->request, sizeof r->request, "q%zu", i);
+            int approx = km_rng_percent(&rng, 15);
+            int instance_b = (int)km_rng_below(&rng, 2);
+            *s = (decision_spec){.instance = instance_b ? "iB" : "iA",
+                                 .id = (int64_t)i,
+                                 .request = r->request,
+                                 .attempt = km_rng_below(&rng, 2) ? "0" : "1",
+                                 .host = instance_b ? NULL : "h1", /* an instance's host */
+                                 .pool = km_rng_below(&rng, 2) ? "p0" : "p1",
+                                 .time_ns = (int64_t)(i + 1) * 1000,
+                                 .source = approx ? "approx" : "events",
+                                 .prompt = km_rng_percent(&rng, 10) ? -1 : (int64_t)(320 + km_rng_below(&rng, 700)),
+                                 .policy = km_rng_below(&rng, 2) ? "kv" : "least_load"};
+            for (int w = 0; w < 5; w++) {
+                if (!km_rng_percent(&rng, 60) && !(w == 4 && s->n_cands == 0))
+                    continue;
+                const char *state = approx ? "APPROX"
+                                    : km_rng_percent(&rng, 70) ? "LIVE"
+                                                               : rand_bad_states[km_rng_below(&rng, 3)];
+                s->cands[s->n_cands++] =
+                    (cand_spec){rand_workers[w], state, km_rng_below(&rng, 21),
+                                km_rng_percent(&rng, 10) ? -1 : (int64_t)km_rng_below(&rng, 11)};
+            }
+            const cand_spec *chosen = &s->cands[km_rng_below(&rng, (uint32_t)s->n_cands)];
+            s->chosen = chosen->worker, s->chosen_state = chosen->state,
+            s->chosen_blocks = chosen->depth_blocks;
+            const cand_spec *owner = NULL;
+            for (int c = 0; c < s->n_cands; c++)
+                if (s->cands[c].depth_blocks > 0 &&
+                    (!owner || s->cands[c].depth_blocks > owner->depth_blocks))
+                    owner = &s->cands[c];
+            if (owner)
+                s->owner = owner->worker, s->owner_state = owner->state,
+                s->owner_blocks = owner->depth_blocks;
+            uint32_t mode = km_rng_below(&rng, 100);
+            r->outcome_mode = mode < 70 ? 1 : mode < 80 ? 2 : 0;
+            int64_t http[3] = {200, 500, -1};
+            r->outcome = outcome_for(s, rand_kinds[km_rng_below(&rng, 5)], http[km_rng_below(&rng, 3)],
+                                     km_rng_percent(&rng, 20) ? -1 : (int64_t)km_rng_below(&rng, 401),
+                                     km_rng_percent(&rng, 50) ? -1 : (int64_t)(1 + km_rng_below(&rng, 1000000)));
+            if (r->outcome_mode == 2)
+                r->outcome.instance = "iX", r->outcome.id = 100000 + (int64_t)i;
+            int inst = s->instance[1] == 'B';
+            r->decision_file = inst * 3 + (i < cuts[inst][0] ? 0 : i < cuts[inst][1] ? 1 : 2);
+            r->outcome_file = (int)km_rng_below(&rng, n_files);
+        }
+        for (size_t k = 0; k < n_orphans && k < 256; k++) {
+            snprintf(orphan_requests[k], 24, "orphan%zu", k);
+            orphans[k] = outcome_for(&d[km_rng_below(&rng, (uint32_t)n)].spec,
+                                     rand_kinds[km_rng_below(&rng, 5)], 200,
+                                     km_rng_percent(&rng, 20) ? -1 : (int64_t)km_rng_below(&rng, 401),
+                                     km_rng_below(&rng, 1000));
+            orphans[k].id = 200000 + (int64_t)k;
+            orphans[k].instance = "iA";
+            orphans[k].request = orphan_requests[k];
+            orphans[k].predicted_blocks = km_rng_below(&rng, 30);
+            orphan_files[k] = (int)km_rng_below(&rng, n_files);
+        }
+        if (n_orphans > 256)
+            n_orphans = 256;
+
+        /* write: each file in time order */
+        char paths[n_files][128];
+        FILE *files[n_files];
+        for (int k = 0; k < n_files; k++) {
+            char name[32];
+            snprintf(name, sizeof name, "rand%d-%d.jsonl", round, k);
+            files[k] = open_in(dir, name, paths[k], sizeof paths[k]);
+        }
+        for (size_t i = 0; i < n; i++) {
+            write_record(files[d[i].decision_file], make_decision(&d[i].spec));
+            if (d[i].outcome_mode)
+                write_record(files[d[i].outcome_file], make_outcome(&d[i].outcome));
+        }
+        for (size_t k = 0; k < n_orphans; k++)
+            write_record(files[orphan_files[k]], make_outcome(&orphans[k]));
+        for (int k = 0; k < n_files; k++)
+            fclose(files[k]);
+
+        /* the model */
+        km_analysis_summary m;
+        memset(&m, 0, sizeof m);
+        int64_t *ttfts = calloc(n + n_orphans + 1, sizeof *ttfts);
+        size_t n_ttft = 0;
+        model_window *windows = calloc(n * 5 + 1, sizeof *windows);
+        size_t n_windows = 0;
+        cr_assert(ttfts && windows);
+        for (size_t i = 0; i < n + n_orphans; i++) {
+            const outcome_spec *o;
+            int64_t predicted;
+            if (i < n) {
+                const rand_decision *r = &d[i];
+                const decision_spec *s = &r->spec;
+                int events = !strcmp(s->source, "events");
+                m.owner.decisions++;
+                if (!s->owner)
+                    m.owner.no_owner++;
+                else if (strcmp(s->owner, s->chosen)) {
+                    m.owner.owner_not_chosen++;
+                    m.owner.owner_tokens += (uint64_t)s->owner_blocks * BLOCK;
+                    m.owner.chosen_tokens += (uint64_t)s->chosen_blocks * BLOCK;
+                    if (r->outcome_mode && r->outcome.cached >= 0) {
+                        m.owner.joined_known++;
+                        m.owner.joined_actual_tokens += (uint64_t)r->outcome.cached;
+                        m.owner.joined_owner_tokens += (uint64_t)s->owner_blocks * BLOCK;
+                    }
+                } else
+                    m.owner.owner_is_chosen++;
+                if (events) {
+                    m.staleness.events_decisions++;
+                    int chosen_bad = strcmp(s->chosen_state, "LIVE") != 0;
+                    int owner_bad = s->owner && strcmp(s->owner_state, "LIVE") != 0;
+                    m.staleness.chosen_not_live += (uint64_t)chosen_bad;
+                    m.staleness.owner_not_live += (uint64_t)owner_bad;
+                    m.staleness.stale_decisions += (uint64_t)(chosen_bad || owner_bad);
+                } else
+                    m.staleness.approx_decisions++;
+                if (r->outcome_mode == 1)
+                    m.join.by_decision_id++;
+                else if (r->outcome_mode == 2)
+                    m.join.by_request++;
+                else {
+                    m.join.decisions_without_outcome++;
+                    continue;
+                }
+                o = &r->outcome;
+                predicted = s->chosen_blocks * BLOCK;
+            } else {
+                o = &orphans[i - n];
+                predicted = o->predicted_blocks * BLOCK;
+                m.join.outcomes_without_decision++;
+            }
+            m.reuse.outcomes++;
+            if (o->cached < 0) {
+                m.reuse.unknown++;
+            } else {
+                m.reuse.known++;
+                m.reuse.from_outcome_copy += i >= n;
+                m.reuse.predicted_tokens += (uint64_t)predicted;
+                m.reuse.actual_tokens += (uint64_t)o->cached;
+                int64_t diff = o->cached - predicted;
+                if (diff == 0)
+                    m.reuse.exact++;
+                else if (diff < 0)
+                    m.reuse.over_predicted++, m.reuse.over_predicted_tokens += (uint64_t)-diff;
+                else
+                    m.reuse.under_predicted++, m.reuse.under_predicted_tokens += (uint64_t)diff;
+                m.reuse.difference_buckets[model_bucket(diff)]++;
+            }
+            int kind = 0;
+            while (strcmp(rand_kinds[kind], o->outcome))
+                kind++;
+            uint64_t *kinds[5] = {&m.outcomes.complete, &m.outcomes.incomplete, &m.outcomes.error,
+                                  &m.outcomes.cancelled, &m.outcomes.expired};
+            (*kinds[kind])++;
+            if (kind == 1 && o->http_status == 200)
+                m.outcomes.incomplete_http_200++;
+            if (kind == 0 && o->ttft_ns >= 0)
+                ttfts[n_ttft++] = o->ttft_ns;
+        }
+        /* windows: every (instance, pool, worker) stream in time order, without compression */
+        const char *instances[2] = {"iA", "iB"}, *pools[2] = {"p0", "p1"};
+        for (int ii = 0; ii < 2; ii++)
+            for (int pi = 0; pi < 2; pi++)
+                for (int w = 0; w < 5; w++) {
+                    int open = 0;
+                    model_window cur = {0};
+                    for (size_t i = 0; i < n; i++) {
+                        const decision_spec *s = &d[i].spec;
+                        if (strcmp(s->instance, instances[ii]) || strcmp(s->pool, pools[pi]) ||
+                            strcmp(s->source, "events"))
+                            continue;
+                        const char *state = NULL;
+                        for (int c = 0; c < s->n_cands; c++)
+                            if (!strcmp(s->cands[c].worker, rand_workers[w]))
+                                state = s->cands[c].state;
+                        if (!state)
+                            continue;
+                        if (strcmp(state, "LIVE")) {
+                            if (!open)
+                                cur = (model_window){instances[ii], pools[pi], rand_workers[w],
+                                                     state, s->time_ns, s->time_ns, 0, 0};
+                            open = 1;
+                            cur.end = s->time_ns;
+                        } else if (open) {
+                            cur.end = s->time_ns;
+                            windows[n_windows++] = cur;
+                            open = 0;
+                        }
+                    }
+                    if (open)
+                        cur.open = 1, windows[n_windows++] = cur;
+                }
+        qsort(windows, n_windows, sizeof *windows, compare_model_windows);
+        uint64_t in_windows = 0;
+        for (size_t i = 0; i < n; i++) {
+            const decision_spec *s = &d[i].spec;
+            int inside = 0;
+            for (size_t k = 0; k < n_windows; k++) {
+                model_window *w = &windows[k];
+                if (strcmp(w->instance, s->instance) || strcmp(w->pool, s->pool))
+                    continue;
+                if (s->time_ns >= w->start && (w->open ? s->time_ns <= w->end : s->time_ns < w->end))
+                    w->inside++, inside = 1;
+            }
+            in_windows += (uint64_t)inside;
+        }
+
+        /* the analysis, files in a random order */
+        const char *order[n_files];
+        for (int k = 0; k < n_files; k++)
+            order[k] = paths[k];
+        for (int k = n_files - 1; k > 0; k--) {
+            int j = (int)km_rng_below(&rng, (uint32_t)k + 1);
+            const char *t = order[k];
+            order[k] = order[j];
+            order[j] = t;
+        }
+        km_analysis *a = analyze_files(NULL, order, n_files);
+        const km_analysis_summary *s = km_analysis_summary_get(a);
+#define SAME(field) KM_CHECK(s->field == m.field, "round %d: %s = %" PRIu64 ", model %" PRIu64, round, \
+                             #field, (uint64_t)s->field, (uint64_t)m.field)
+        KM_CHECK(s->input.decisions == n, "decisions %" PRIu64, s->input.decisions);
+        KM_CHECK(s->input.outcomes == m.reuse.outcomes, "outcomes %" PRIu64, s->input.outcomes);
+        KM_CHECK(s->input.invalid == 0, "invalid %" PRIu64, s->input.invalid);
+        KM_CHECK(s->input.interleaved_streams == 0, "interleaved %" PRIu64,
+                 s->input.interleaved_streams);
+        SAME(join.by_decision_id);
+        SAME(join.by_request);
+        SAME(join.decisions_without_outcome);
+        SAME(join.outcomes_without_decision);
+        SAME(join.copy_mismatches);
+        SAME(reuse.outcomes);
+        SAME(reuse.unknown);
+        SAME(reuse.known);
+        SAME(reuse.from_outcome_copy);
+        SAME(reuse.predicted_tokens);
+        SAME(reuse.actual_tokens);
+        SAME(reuse.exact);
+        SAME(reuse.over_predicted);
+        SAME(reuse.under_predicted);
+        SAME(reuse.over_predicted_tokens);
+        SAME(reuse.under_predicted_tokens);
+        for (int b = 0; b < KM_ANALYSIS_DIFF_BUCKETS; b++)
+            SAME(reuse.difference_buckets[b]);
+        SAME(owner.decisions);
+        SAME(owner.no_owner);
+        SAME(owner.owner_is_chosen);
+        SAME(owner.owner_not_chosen);
+        SAME(owner.owner_tokens);
+        SAME(owner.chosen_tokens);
+        SAME(owner.joined_known);
+        SAME(owner.joined_actual_tokens);
+        SAME(owner.joined_owner_tokens);
+        SAME(staleness.events_decisions);
+        SAME(staleness.chosen_not_live);
+        SAME(staleness.owner_not_live);
+        SAME(staleness.stale_decisions);
+        SAME(staleness.approx_decisions);
+        SAME(outcomes.complete);
+        SAME(outcomes.incomplete);
+        SAME(outcomes.incomplete_http_200);
+        SAME(outcomes.error);
+        SAME(outcomes.cancelled);
+        SAME(outcomes.expired);
+        qsort(ttfts, n_ttft, sizeof *ttfts, compare_i64s);
+        KM_CHECK(s->outcomes.ttft_known == n_ttft, "ttft_known");
+        if (n_ttft) {
+            size_t r50 = (n_ttft + 1) / 2, r99 = (n_ttft * 99 + 99) / 100; /* nearest rank */
+            KM_CHECK(s->outcomes.ttft_p50_ms == (double)ttfts[r50 - 1] / 1e6, "p50 %f vs %f",
+                     s->outcomes.ttft_p50_ms, (double)ttfts[r50 - 1] / 1e6);
+            KM_CHECK(s->outcomes.ttft_p99_ms == (double)ttfts[r99 - 1] / 1e6, "p99");
+        }
+        KM_CHECK(s->n_windows == n_windows, "round %d: %zu windows, model %zu", round, s->n_windows,
+                 n_windows);
+        for (size_t k = 0; k < n_windows; k++) {
+            const km_analysis_window *w = &s->windows[k];
+            const model_window *e = &windows[k];
+            KM_CHECK(!strcmp(w->instance, e->instance) && !strcmp(w->pool, e->pool) &&
+                         !strcmp(w->worker, e->worker) && !strcmp(w->state, e->state) &&
+                         w->start_ns == e->start && w->end_ns == e->end && w->open == e->open &&
+                         w->inside.decisions == e->inside,
+                     "window %zu: %s/%s/%s %s [%" PRId64 ", %" PRId64 "] open %d inside %" PRIu64
+                     "; model %s/%s/%s %s [%" PRId64 ", %" PRId64 "] open %d inside %" PRIu64,
+                     k, w->instance, w->pool, w->worker, w->state, w->start_ns, w->end_ns, w->open,
+                     w->inside.decisions, e->instance, e->pool, e->worker, e->state, e->start,
+                     e->end, e->open, e->inside);
+        }
+        KM_CHECK(s->in_windows.decisions == in_windows, "in windows %" PRIu64 ", model %" PRIu64,
+                 s->in_windows.decisions, in_windows);
+        KM_CHECK(s->in_windows.decisions + s->outside_windows.decisions == n, "in + out");
+        uint64_t policy_total = 0;
+        for (size_t k = 0; k < s->n_policies; k++)
+            policy_total += s->policies[k].quality.decisions;
+        KM_CHECK(policy_total == n, "per-policy decisions add up");
+#undef SAME
+        km_analysis_destroy(a);
+        free(ttfts);
+        free(windows);
+        free(d);
+        free(orphans);
+        free(orphan_requests);
+    }
+    remove_dir(dir);
+}
+
+Test(analyze, interleaved_files_of_one_instance_are_flagged, .timeout = 10)
+{
+    char dir[64], px[128], py[128];
+    make_temp_dir(dir);
+    FILE *fx = open_in(dir, "x.jsonl", px, sizeof px);
+    FILE *fy = open_in(dir, "y.jsonl", py, sizeof py);
+    char requests[6][8];
+    for (int i = 1; i <= 5; i++) {
+        snprintf(requests[i], sizeof requests[i], "r%d", i);
+        const char *state = i % 2 ? "GAP" : "LIVE"; /* x: GAP at 1, 3, 5; y: LIVE at 2, 4 */
+        decision_spec d = {.instance = "i", .id = i, .request = requests[i], .attempt = "0",
+                           .host = "h", .pool = "p", .time_ns = i * SEC, .source = "events",
+                           .prompt = 10, .chosen = "A", .chosen_state = state, .policy = "kv",
+                           .cands = {{"A", state, 0, 1}}, .n_cands = 1};
+        write_record(i % 2 ? fx : fy, make_decision(&d));
+    }
+    fclose(fx);
+    fclose(fy);
+    const char *paths[] = {px, py};
+    km_analysis *a = analyze_files(NULL, paths, 2);
+    const km_analysis_summary *s = km_analysis_summary_get(a);
+    EQ(s->input.interleaved_streams, 1);
+    km_text t;
+    km_text_init(&t, 0);
+    cr_assert_eq(km_analysis_render_text(a, &t), KM_OK);
+    cr_expect(strstr(km_text_cstr(&t), "recovery windows may be inexact"), "%s", km_text_cstr(&t));
+    km_text_free(&t);
+    km_analysis_destroy(a);
+    remove_dir(dir);
+}
+
+/* ---- HTML -------------------------------------------------------------------------------------- */
+
+#define MARKUP_NAME "<b>\"w\"&'x'</b>"
+
+/* The known set with worker B named MARKUP_NAME, written as dir/report.html. */
+static km_analysis *html_fixture(const char *dir, char *html_path, size_t size)
+{
+    char path[128];
+    snprintf(path, sizeof path, "%s/records.jsonl", dir);
+    write_known_set(path, MARKUP_NAME);
+    const char *paths[] = {path};
+    km_analysis *a = analyze_files(NULL, paths, 1);
+    snprintf(html_path, size, "%s/report.html", dir);
+    cr_assert_eq(km_analysis_write_html(a, html_path), KM_OK, "%s", km_analysis_last_error(a));
+    return a;
+}
+
+static int count_of(const char *haystack, const char *needle)
+{
+    int n = 0;
+    for (const char *p = strstr(haystack, needle); p; p = strstr(p + 1, needle))
+        n++;
+    return n;
+}
+
+Test(analyze, html_is_self_contained_and_escaped, .timeout = 30)
+{
+    char dir[64], html_path[160];
+    make_temp_dir(dir);
+    km_analysis *a = html_fixture(dir, html_path, sizeof html_path);
+    km_text page;
+    km_text_init(&page, 0);
+    cr_assert_eq(km_analysis_render_html(a, &page), KM_OK);
+    const char *h = km_text_cstr(&page);
+    cr_expect_eq(count_of(h, "<svg "), 3);
+    cr_expect(strstr(h, "id=\"chart-reuse\""));
+    cr_expect(strstr(h, "id=\"chart-hit-rate\""));
+    cr_expect(strstr(h, "id=\"chart-load\""));
+    cr_expect_eq(count_of(h, "<circle "), 7, "one dot per compared outcome");
+    cr_expect_eq(count_of(h, "class=\"window\""), 2, "both recovery windows shaded");
+    cr_expect_eq(count_of(h, "class=\"worker-load\""), 2, "A and B have in_flight; C has none");
+    cr_expect_null(strstr(h, "<script"));
+    cr_expect_null(strstr(h, "http://www.w3.org/1999"), "no external references");
+    cr_expect_null(strstr(h, MARKUP_NAME), "a worker name must never appear unescaped");
+    cr_expect(strstr(h, "&lt;b&gt;&quot;w&quot;&amp;&#39;x&#39;&lt;/b&gt;"), "escaped name present");
+    km_text_free(&page);
+
+    /* the file on disk is the same page; tests/check_html.py parses its SVG parts as XML */
+    if (system("command -v python3 >/dev/null 2>&1") != 0) {
+        km_analysis_destroy(a);
+        remove_dir(dir);
+        cr_skip_test("python3 not available: SVG well-formedness not checked");
+    }
+    char cmd[512];
+    snprintf(cmd, sizeof cmd, "python3 tests/check_html.py %s --expect-svg 3 2>&1", html_path);
+    FILE *p = popen(cmd, "r");
+    cr_assert(p);
+    char out[4096] = {0};
+    size_t got = fread(out, 1, sizeof out - 1, p);
+    out[got] = '\0';
+    int status = pclose(p);
+    cr_expect(WIFEXITED(status) && WEXITSTATUS(status) == 0, "check_html.py failed:\n%s", out);
+    km_analysis_destroy(a);
+    remove_dir(dir);
+}
+
+Test(analyze, html_checker_rejects_broken_reports, .timeout = 20)
+{
+    if (system("command -v python3 >/dev/null 2>&1") != 0)
+        cr_skip_test("python3 not available");
+    char dir[64], path[128];
+    make_temp_dir(dir);
+    const char *bad[] = {
+        "<html><body><svg xmlns=\"http://www.w3.org/2000/svg\"><text>a & b</text></svg></body></html>",
+        "<html><body><script src=\"x.js\"></script><svg xmlns=\"http://www.w3.org/2000/svg\">"
+        "<rect/></svg></body></html>",
+        "<html><body><svg xmlns=\"http://www.w3.org/2000/svg\"><rect></svg></body></html>"};
+    for (size_t i = 0; i < 3; i++) {
+        FILE *f = open_in(dir, "bad.html", path, sizeof path);
+        fputs(bad[i], f);
+        fclose(f);
+        char cmd[256];
+        snprintf(cmd, sizeof cmd, "python3 tests/check_html.py %s >/dev/null 2>&1", path);
+        int status = system(cmd);
+        cr_expect(WIFEXITED(status) && WEXITSTATUS(status) == 1, "case %zu accepted", i);
+    }
+    remove_dir(dir);
+}
+
+/* A headless browser, when one is installed. */
+static const char *find_chromium(void)
+{
+    static const char *const names[] = {"chromium", "chromium-browser", "google-chrome",
+                                        "google-chrome-stable"};
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
+        char cmd[128];
+        snprintf(cmd, sizeof cmd, "command -v %s >/dev/null 2>&1", names[i]);
+        if (system(cmd) == 0)
+            return names[i];
+    }
+    return NULL;
+}
+
+Test(analyze, html_renders_in_headless_chromium, .timeout = 120)
+{
+    const char *browser = find_chromium();
+    if (!browser)
+        cr_skip_test("no chromium, chromium-browser or google-chrome binary on PATH: the HTML "
+                     "report was not rendered in a browser (its SVG is still checked as XML)");
+    char dir[64], html_path[160], dom_path[160];
+    make_temp_dir(dir);
+    km_analysis *a = html_fixture(dir, html_path, sizeof html_path);
+    snprintf(dom_path, sizeof dom_path, "%s/dom.html", dir);
+    char cmd[1024];
+    snprintf(cmd, sizeof cmd,
+             "timeout 90 %s --headless --disable-gpu --no-sandbox --no-first-run "
+             "--user-data-dir=%s/profile --dump-dom file://%s > %s 2>/dev/null",
+             browser, dir, html_path, dom_path);
+    int status = system(cmd);
+    cr_assert(WIFEXITED(status) && WEXITSTATUS(status) == 0, "%s --dump-dom failed (%d)", browser,
+              status);
+    snprintf(cmd, sizeof cmd, "python3 tests/check_html.py %s --expect-svg 3 --dom %s", html_path,
+             dom_path);
+    status = system(cmd);
+    cr_expect(WIFEXITED(status) && WEXITSTATUS(status) == 0,
+              "the browser's DOM lacks the report's SVG charts");
+    km_analysis_destroy(a);
+    remove_dir(dir);
+}
+
+/* ---- the command line ------------------------------------------------------------------------------ */
+
+/* build-X/kvmatch beside build-X/kvmatch-tests; NULL when `kvmatch analyze` is not dispatched. */
+static const char *kvmatch_binary(void)
+{
+    static char path[PATH_MAX];
+    ssize_t n = readlink("/proc/self/exe", path, sizeof path - 16);
+    if (n <= 0)
+        return NULL;
+    path[n] = '\0';
+    char *slash = strrchr(path, '/');
+    if (!slash)
+        return NULL;
+    strcpy(slash + 1, "kvmatch");
+    char cmd[PATH_MAX + 64];
+    snprintf(cmd, sizeof cmd, "%s analyze --help >/dev/null 2>&1", path);
+    return access(path, X_OK) == 0 && system(cmd) == 0 ? path : NULL;
+}
+
+static int run_status(const char *cmd)
+{
+    int status = system(cmd);
+    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+Test(analyze, cli_exit_codes_and_outputs, .timeout = 60)
+{
+    const char *bin = kvmatch_binary();
+    if (!bin)
+        cr_skip_test("the kvmatch binary beside the tests has no `analyze` command yet (dispatch "
+                     "in src/cli/main.c)");
+    char dir[64], path[128], cmd[PATH_MAX + 512];
+    make_temp_dir(dir);
+    snprintf(path, sizeof path, "%s/records.jsonl", dir);
+    write_known_set(path, "B");
+    snprintf(cmd, sizeof cmd, "%s analyze >/dev/null 2>&1", bin);
+    cr_expect_eq(run_status(cmd), 2, "no file is a usage error");
+    snprintf(cmd, sizeof cmd, "%s analyze --bogus %s >/dev/null 2>&1", bin, path);
+    cr_expect_eq(run_status(cmd), 2, "unknown option");
+    snprintf(cmd, sizeof cmd, "%s analyze --html >/dev/null 2>&1", bin);
+    cr_expect_eq(run_status(cmd), 2, "--html without a path");
+    snprintf(cmd, sizeof cmd, "%s analyze %s/missing.jsonl >/dev/null 2>&1", bin, dir);
+    cr_expect_eq(run_status(cmd), 1, "no file could be read");
+    snprintf(cmd, sizeof cmd, "%s analyze %s %s/missing.jsonl > %s/out.txt 2>/dev/null", bin, path,
+             dir, dir);
+    cr_expect_eq(run_status(cmd), 0, "one readable file is enough");
+    snprintf(cmd, sizeof cmd, "grep -q 'owner not chosen 2' %s/out.txt", dir);
+    cr_expect_eq(run_status(cmd), 0, "the text report");
+    snprintf(cmd, sizeof cmd, "%s analyze --json --html %s/r.html %s > %s/out.json 2>/dev/null", bin,
+             dir, path, dir);
+    cr_expect_eq(run_status(cmd), 0);
+    snprintf(cmd, sizeof cmd, "%s analyze %s --json | grep -q '\"by_request\": 1'", bin, path);
+    cr_expect_eq(run_status(cmd), 0, "an option after the files still counts");
+    snprintf(cmd, sizeof cmd, "%s/out.json", dir);
+    json_error_t error;
+    json_t *root = json_load_file(cmd, 0, &error);
+    cr_assert(root, "--json output does not parse: %s", error.text);
+    cr_expect_eq(json_integer_value(json_object_get(json_object_get(root, "reuse"), "known")), 7);
+    json_decref(root);
+    snprintf(cmd, sizeof cmd, "grep -c '<svg ' %s/r.html | grep -qx 3", dir);
+    cr_expect_eq(run_status(cmd), 0, "the HTML report with 3 charts");
+    snprintf(cmd, sizeof cmd, "%s analyze --html /nonexistent/dir/r.html %s >/dev/null 2>&1", bin, path);
+    cr_expect_eq(run_status(cmd), 1, "an unwritable HTML path");
+    remove_dir(dir);
+}
