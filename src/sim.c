@@ -34,6 +34,9 @@ void km_sim_config_init(km_sim_config *cfg)
     cfg->policies[2] = "least_load";
     cfg->policies[3] = "round_robin";
     cfg->n_policies = 4;
+    cfg->cut_worker = -1;
+    cfg->restart_worker = -1;
+    cfg->replay_buffer = 10000;
 }
 
 static double wall_s(void)
@@ -99,7 +102,12 @@ typedef struct run {
     size_t n_decision;
     double decision_wall;
     uint64_t *per_worker;
-    uint32_t rr; /* round-robin fallback when a route fails */
+    uint32_t rr;        /* round-robin fallback when a route fails */
+    uint32_t bypass_rr; /* the second ingress path's own round robin */
+    uint64_t rng;       /* faults' random draws */
+    uint64_t *live_next; /* per worker: seq after the last message sent live (the barrier's goal) */
+    uint64_t t0_us;      /* first arrival: fault times count from it */
+    bool restarted;
     uint32_t *tokens;
     uint64_t *chains;
     size_t cap_tokens;
@@ -204,15 +212,48 @@ static int flush_reports(run *r, char *why, size_t why_size)
 }
 
 /* Drain an engine's completions and messages at virtual time `now`. */
-static int drain_engine(run *r, uint32_t w, char *why, size_t why_size)
+static uint64_t fault_rand(run *r)
+{
+    uint64_t z = (r->rng += UINT64_C(0x9e3779b97f4a7c15));
+    z = (z ^ (z >> 30)) * UINT64_C(0xbf58476d1ce4e5b9);
+    z = (z ^ (z >> 27)) * UINT64_C(0x94d049bb133111eb);
+    return z ^ (z >> 31);
+}
+
+/* Is worker w's message at virtual time now lost on the wire? */
+static bool message_dropped(run *r, uint32_t w, uint64_t now_us)
+{
+    const km_sim_config *cfg = r->cfg;
+    double t = (double)(now_us - r->t0_us) / 1e6;
+    if (cfg->cut_worker == (int)w && t >= cfg->cut_at_s && t < cfg->cut_at_s + cfg->cut_for_s)
+        return true;
+    if (cfg->drop_events > 0 && t >= cfg->drop_from_s)
+        return (double)(fault_rand(r) >> 11) * (1.0 / 9007199254740992.0) < cfg->drop_events;
+    return false;
+}
+
+static int drain_engine(run *r, uint32_t w, uint64_t now_us, char *why, size_t why_size)
 {
     km_sim_completion c;
     while (km_sim_engine_next_completion(r->engines[w], &c)) {
         if (c.request_id >= r->trace->n_requests)
             continue;
         req_state *s = &r->reqs[c.request_id];
-        if (!s->routed)
-            continue; /* sent without a decision (route error): no reports */
+        if (!s->routed) {
+            /* Not decided by kvmatch (second ingress, route error): the engine's facts count,
+             * nothing is reported to kvmatch. */
+            if (c.kind == KM_SIM_ADMITTED)
+                r->res->actual_reused_tokens += c.cached_tokens;
+            else if (c.kind == KM_SIM_FIRST_TOKEN)
+                r->ttft_ms[r->n_ttft++] = (double)(c.time_us - s->arrival_us) / 1000.0;
+            else if (c.kind == KM_SIM_FINISHED)
+                r->res->output_tokens += c.output_tokens;
+            if (c.kind == KM_SIM_FINISHED || c.kind == KM_SIM_REJECTED)
+                s->finished = true;
+            if (c.kind == KM_SIM_FINISHED && c.time_us / 1e6 > r->res->makespan_s)
+                r->res->makespan_s = (double)c.time_us / 1e6;
+            continue;
+        }
         int rc = KM_OK;
         switch (c.kind) {
         case KM_SIM_ADMITTED:
@@ -256,14 +297,23 @@ static int drain_engine(run *r, uint32_t w, char *why, size_t why_size)
     }
     km_sim_message m;
     while (km_sim_engine_take_message(r->engines[w], &m)) {
-        int rc;
+        int rc = KM_OK;
+        bool drop = message_dropped(r, w, now_us);
+        r->res->dropped_messages += drop;
         if (r->cfg->zmq) {
+            /* Dropped live, still buffered: the replay endpoint can give it back. */
             uint64_t seq;
+            if (drop)
+                km_publisher_drop_live(r->pubs[w], true);
             rc = km_publisher_publish(r->pubs[w], m.payload, m.payload_size, &seq);
-        } else {
+            if (drop)
+                km_publisher_drop_live(r->pubs[w], false);
+        } else if (!drop) {
             rc = km_server_deliver_events(r->server, r->worker_base + w, m.seq, m.payload,
                                           m.payload_size);
         }
+        if (!drop)
+            r->live_next[w] = m.seq + 1;
         if (rc != KM_OK)
             return km_why(why, why_size, rc, "worker %u: delivering events: %s", w, km_strerror(rc));
         r->published[w] = m.seq + 1;
@@ -278,7 +328,7 @@ static int wait_delivered(run *r, char *why, size_t why_size)
 {
     if (!r->cfg->zmq)
         return KM_OK;
-    for (int tries = 0; tries < 2000; tries++) {
+    for (int tries = 0; tries < 400; tries++) {
         km_message m, reply;
         memset(&m, 0, sizeof m);
         m.type = KM_MESSAGE_WORKERS;
@@ -291,7 +341,9 @@ static int wait_delivered(run *r, char *why, size_t why_size)
         for (uint32_t i = 0; i < reply.workers.n_workers; i++) {
             const km_worker_info *wi = &reply.workers.workers[i];
             uint32_t w = wi->worker - r->worker_base;
-            if (w < r->cfg->workers && (!wi->has_expected_seq || wi->expected_seq < r->published[w]))
+            /* Only what was sent live can be waited for: a dropped message shows up as a gap,
+             * which replay may or may not fill. */
+            if (w < r->cfg->workers && (!wi->has_expected_seq || wi->expected_seq < r->live_next[w]))
                 all = false;
         }
         if (all)
@@ -311,6 +363,19 @@ static int route_one(run *r, size_t index, uint64_t now_us, char *why, size_t wh
     if (rc)
         return km_why(why, why_size, rc, "request %zu: tokens", index);
     r->res->prompt_tokens += n_tokens;
+    if (r->cfg->second_ingress > 0 &&
+        (double)(fault_rand(r) >> 11) * (1.0 / 9007199254740992.0) < r->cfg->second_ingress) {
+        /* Another router sends it on, round robin, and never tells kvmatch. */
+        uint32_t bw = r->bypass_rr++ % r->cfg->workers;
+        r->res->bypassed++;
+        s->worker = r->worker_base + bw;
+        r->per_worker[bw]++;
+        rc = km_sim_engine_submit(r->engines[bw], index, r->tokens, n_tokens,
+                                  q->output_length ? q->output_length : 1, now_us);
+        return rc ? km_why(why, why_size, rc, "engine %u: %s", bw,
+                           km_sim_engine_last_error(r->engines[bw]))
+                  : KM_OK;
+    }
     char rid[32];
     snprintf(rid, sizeof rid, "r%zu", index);
     km_route_request route;
@@ -396,6 +461,7 @@ static void run_teardown(run *r)
     free(r->engines);
     free(r->pubs);
     free(r->published);
+    free(r->live_next);
     free(r->reqs);
     free(r->pending);
     free(r->ttft_ms);
@@ -428,6 +494,8 @@ static int run_policy(const km_sim_config *cfg, const km_trace *trace, const cha
     r.engines = calloc(W, sizeof *r.engines);
     r.pubs = calloc(W, sizeof *r.pubs);
     r.published = calloc(W, sizeof *r.published);
+    r.live_next = calloc(W, sizeof *r.live_next);
+    r.rng = cfg->generator.seed ^ UINT64_C(0x66617573);
     r.per_worker = calloc(W, sizeof *r.per_worker);
     r.reqs = calloc(N ? N : 1, sizeof *r.reqs);
     r.ttft_ms = calloc(N ? N : 1, sizeof *r.ttft_ms);
@@ -444,6 +512,7 @@ static int run_policy(const km_sim_config *cfg, const km_trace *trace, const cha
         if (!rc && cfg->zmq) {
             km_publisher_config pc;
             km_publisher_config_init(&pc);
+            pc.buffer_steps = cfg->replay_buffer ? cfg->replay_buffer : 10000;
             rc = km_publisher_start(&pc, &r.pubs[w], why, why_size);
         }
     }
@@ -551,6 +620,7 @@ static int run_policy(const km_sim_config *cfg, const km_trace *trace, const cha
     /* The virtual-time loop. */
     size_t next = 0;
     uint64_t first_arrival = N ? trace->requests[0].timestamp_ms * 1000u : 0;
+    r.t0_us = first_arrival;
     while (!rc) {
         uint64_t t_arrival = next < N ? trace->requests[next].timestamp_ms * 1000u : UINT64_MAX;
         uint64_t t_engine = UINT64_MAX;
@@ -575,7 +645,7 @@ static int run_policy(const km_sim_config *cfg, const km_trace *trace, const cha
                 if (km_sim_engine_pending_events(r.engines[w])) {
                     rc = km_sim_engine_end_step(r.engines[w], t_arrival, NULL);
                     if (!rc)
-                        rc = drain_engine(&r, w, why, why_size);
+                        rc = drain_engine(&r, w, t_arrival, why, why_size);
                 }
             /* Everything the engines published is with the server before it decides. */
             if (!rc)
@@ -588,8 +658,38 @@ static int run_policy(const km_sim_config *cfg, const km_trace *trace, const cha
                 next++;
             }
         }
+        uint64_t t_now = t_engine <= t_arrival ? t_engine : t_arrival;
         for (uint32_t w = 0; w < W && !rc; w++)
-            rc = drain_engine(&r, w, why, why_size);
+            rc = drain_engine(&r, w, t_now, why, why_size);
+        /* The engine restart, once its time has come. */
+        if (!rc && !r.restarted && cfg->restart_worker >= 0 && (uint32_t)cfg->restart_worker < W &&
+            t_now >= r.t0_us + (uint64_t)(cfg->restart_at_s * 1e6)) {
+            uint32_t rw = (uint32_t)cfg->restart_worker;
+            r.restarted = true;
+            rc = km_sim_engine_restart(r.engines[rw], cfg->generator.seed * 7919u + 77u, t_now);
+            if (cfg->zmq && !rc)
+                km_publisher_restart(r.pubs[rw]);
+            r.live_next[rw] = 0;
+            r.published[rw] = 0;
+            /* Its running requests died with it: the router sees them fail. */
+            for (size_t i = 0; !rc && i < next; i++) {
+                req_state *s = &r.reqs[i];
+                if (s->worker != r.worker_base + rw || s->finished)
+                    continue;
+                s->finished = true;
+                res->lost_to_restart++;
+                if (s->routed && (rc = queue_report(&r, KM_LIFECYCLE_FINISHED, i)) == KM_OK) {
+                    km_lifecycle_event *e = &r.pending[r.n_pending - 1];
+                    e->outcome = KM_OUTCOME_ERROR;
+                    e->error = "the engine restarted";
+                    e->finish_reason = NULL;
+                    e->done_seen = false;
+                    e->has_cached_tokens = s->admitted;
+                }
+            }
+            if (rc)
+                km_why(why, why_size, rc, "engine restart");
+        }
     }
     if (!rc)
         rc = flush_reports(&r, why, why_size);
@@ -607,6 +707,8 @@ static int run_policy(const km_sim_config *cfg, const km_trace *trace, const cha
             if (r.per_worker[w] > max)
                 max = r.per_worker[w];
         res->load_imbalance = N ? (double)max / ((double)N / W) : 0;
+        for (size_t i = 0; i < N; i++)
+            res->unadmitted += r.reqs[i].routed && !r.reqs[i].admitted;
     }
     if (cfg->connect && r.client) {
         /* Leave the running server as it was: our workers out. */

@@ -37,6 +37,21 @@ typedef struct km_sim_config {
                                           * changed at a step's start is told at its end: the
                                           * index lags within a step); default false: events are
                                           * delivered as they happen, so the index is exact */
+    /* Faults, one at a time or together (docs/SIM.md, "Faults"). Times are virtual seconds from
+     * the first arrival. */
+    double drop_events;                  /* drop this share of engine messages on the wire, from
+                                          * drop_from_s on; 0 = none */
+    double drop_from_s;
+    int cut_worker;                      /* cut this worker's stream (-1 = none) ... */
+    double cut_at_s, cut_for_s;          /* ... from cut_at_s for cut_for_s seconds */
+    uint32_t replay_buffer;              /* --zmq: messages each engine keeps for replay (vLLM's
+                                          * buffer_steps); default 10,000 */
+    int restart_worker;                  /* restart this engine (-1 = none): cache lost, seq back to
+                                          * 0, its running requests fail */
+    double restart_at_s;
+    double second_ingress;               /* this share of requests bypasses kvmatch (another
+                                          * router): their load is invisible here, their events
+                                          * are not */
     km_log_fn log;                       /* progress lines; NULL = stderr */
     void *log_user;
 } km_sim_config;
@@ -65,6 +80,11 @@ typedef struct km_sim_result {
     uint64_t diff_index_wrong;        /* the index already differed at the decision instant */
     uint64_t diff_cache_changed;      /* the index was right; the cache changed before the request
                                        * ran (evictions, new blocks) */
+    uint64_t unadmitted;              /* routed but never run (rejected, or lost to a restart
+                                       * before its admission): the attribution's remainder */
+    uint64_t bypassed;                /* requests sent by the second ingress path */
+    uint64_t dropped_messages;        /* engine messages dropped on the wire (faults) */
+    uint64_t lost_to_restart;         /* requests running on an engine when it restarted */
     uint64_t owner_not_chosen;        /* the deepest match was on another worker */
     uint64_t owner_forgone_tokens;    /* their (owner depth - chosen depth) x block size */
     double ttft_p50_ms, ttft_p99_ms;  /* virtual time, arrival to first token */

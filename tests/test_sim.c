@@ -42,12 +42,14 @@ static void assert_same(const km_sim_result *a, const km_sim_result *b, const ch
 
 static void check_accounting(const km_sim_result *r)
 {
-    cr_assert_eq(r->routed + r->route_errors, r->requests, "%s: every request routed", r->policy);
+    cr_assert_eq(r->routed + r->route_errors + r->bypassed, r->requests, "%s: every request routed",
+                 r->policy);
     cr_assert_eq(r->route_errors, 0, "%s", r->policy);
     cr_assert_eq(r->exact_predictions + r->over_predictions + r->under_predictions, r->routed,
                  "%s: every prediction judged", r->policy);
-    cr_assert_eq(r->realized_as_predicted + r->diff_index_wrong + r->diff_cache_changed,
-                 r->routed - r->rejected, "%s: the attribution adds up", r->policy);
+    cr_assert_eq(r->realized_as_predicted + r->diff_index_wrong + r->diff_cache_changed +
+                     r->unadmitted,
+                 r->routed, "%s: the attribution adds up", r->policy);
     cr_assert_leq(r->actual_reused_tokens, r->prompt_tokens, "%s", r->policy);
     cr_assert_leq(r->owner_not_chosen, r->routed, "%s", r->policy);
 }
@@ -149,4 +151,56 @@ Test(sim, bad_settings, .timeout = 20)
     small_config(&cfg, 1);
     cfg.time_scale = 0;
     cr_assert_eq(km_sim_run(&cfg, r, why, sizeof why), KM_ERR_INVALID_ARGUMENT);
+}
+
+/* Each fault moves the numbers the way it should (one policy, the same workload each time). */
+Test(sim, faults_move_the_numbers, .timeout = 180)
+{
+    km_sim_config cfg;
+    small_config(&cfg, 41);
+    cfg.generator.requests = 300;
+    cfg.policies[0] = "kv";
+    cfg.n_policies = 1;
+    km_sim_result base, drop_local, drop_zmq, restart, bypass;
+    char why[512];
+    cr_assert_eq(km_sim_run(&cfg, &base, why, sizeof why), KM_OK, "%s", why);
+    cr_assert_eq(base.exact_predictions, base.routed);
+
+    /* Lost messages with no replay (in process): the index misses changes for good. */
+    cfg.drop_events = 0.05;
+    cr_assert_eq(km_sim_run(&cfg, &drop_local, why, sizeof why), KM_OK, "%s", why);
+    check_accounting(&drop_local);
+    cr_assert_gt(drop_local.dropped_messages, 0);
+    cr_assert_lt(drop_local.exact_predictions, drop_local.routed);
+    cr_assert_gt(drop_local.diff_index_wrong, 0);
+
+    /* The same losses over ZMQ: the subscriber sees the gaps and replay repairs them. */
+    cfg.zmq = true;
+    cr_assert_eq(km_sim_run(&cfg, &drop_zmq, why, sizeof why), KM_OK, "%s", why);
+    check_accounting(&drop_zmq);
+    cr_assert_eq(drop_zmq.dropped_messages, drop_local.dropped_messages, "the same draws");
+    cr_assert_lt(drop_zmq.routed - drop_zmq.exact_predictions,
+                 drop_local.routed - drop_local.exact_predictions,
+                 "replay recovers what in-process loss cannot");
+    cfg.zmq = false;
+    cfg.drop_events = 0;
+
+    /* An engine restart: its running requests fail, and until the new stream reveals the restart
+     * the index still claims the old cache. */
+    cfg.restart_worker = 0;
+    cfg.restart_at_s = 15;
+    cr_assert_eq(km_sim_run(&cfg, &restart, why, sizeof why), KM_OK, "%s", why);
+    check_accounting(&restart);
+    cr_assert_gt(restart.lost_to_restart, 0);
+    cr_assert_gt(restart.over_predictions, 0);
+    cr_assert_eq(restart.under_predictions, 0);
+    cfg.restart_worker = -1;
+
+    /* A second ingress path: its requests are invisible to kvmatch, their blocks are not. */
+    cfg.second_ingress = 0.3;
+    cr_assert_eq(km_sim_run(&cfg, &bypass, why, sizeof why), KM_OK, "%s", why);
+    cr_assert_eq(bypass.routed + bypass.bypassed, bypass.requests);
+    cr_assert_gt(bypass.bypassed, bypass.requests / 5);
+    cr_assert_lt(bypass.bypassed, bypass.requests / 2);
+    cr_assert_eq(bypass.exact_predictions, bypass.routed, "the index still hears every event");
 }

@@ -30,7 +30,13 @@ static void sim_usage(FILE *f)
             "  --step-delivery     engines publish once per step like vLLM (default: as events happen)\n"
             "  --connect ADDR      route through a running kvmatch serve (needs --zmq)\n"
             "  --records DIR       keep each policy's decision and outcome records there\n"
-            "  --json              one JSON object instead of the table\n");
+            "  --json              one JSON object instead of the table\n"
+            "faults (times in virtual seconds from the first arrival):\n"
+            "  --drop-events P[@T] lose this share of engine messages on the wire (from T on)\n"
+            "  --cut W:T:D         cut worker W's event stream at T for D seconds\n"
+            "  --replay-buffer N   --zmq: messages each engine keeps for replay (default 10000)\n"
+            "  --restart-engine W@T  engine W restarts at T: cache lost, seq back to 0\n"
+            "  --second-ingress P  this share of requests bypasses kvmatch (invisible load)\n");
 }
 
 static int parse_u64(const char *s, uint64_t *out)
@@ -73,6 +79,7 @@ static const row rows[] = {
     {"realized as predicted", U(realized_as_predicted)},
     {"  index wrong at decision", U(diff_index_wrong)},
     {"  cache changed before run", U(diff_cache_changed)},
+    {"  never ran", U(unadmitted)},
     {"owner_not_chosen", U(owner_not_chosen)},
     {"  reuse forgone (tokens)", U(owner_forgone_tokens)},
     {"ttft_p50_ms", D(ttft_p50_ms, 1)},
@@ -83,6 +90,9 @@ static const row rows[] = {
     {"decisions_per_s (wall)", D(decisions_per_s, 0)},
     {"decision p50 us (wall)", D(decision_p50_us, 0)},
     {"decision p99 us (wall)", D(decision_p99_us, 0)},
+    {"bypassed (second ingress)", U(bypassed)},
+    {"messages dropped (fault)", U(dropped_messages)},
+    {"lost to engine restart", U(lost_to_restart)},
     {"route errors", U(route_errors)},
     {"rejected by engines", U(rejected)},
 };
@@ -110,8 +120,12 @@ static json_t *result_json(const km_sim_result *r)
     json_object_set_new(attr, "index_wrong_at_decision", json_integer((json_int_t)r->diff_index_wrong));
     json_object_set_new(attr, "cache_changed_before_run",
                         json_integer((json_int_t)r->diff_cache_changed));
+    json_object_set_new(attr, "not_run", json_integer((json_int_t)r->unadmitted));
     json_object_set_new(o, "attribution", attr);
     json_object_set_new(o, "owner_not_chosen", json_integer((json_int_t)r->owner_not_chosen));
+    json_object_set_new(o, "bypassed", json_integer((json_int_t)r->bypassed));
+    json_object_set_new(o, "dropped_messages", json_integer((json_int_t)r->dropped_messages));
+    json_object_set_new(o, "lost_to_restart", json_integer((json_int_t)r->lost_to_restart));
     json_object_set_new(o, "owner_forgone_tokens", json_integer((json_int_t)r->owner_forgone_tokens));
     json_object_set_new(o, "ttft_p50_ms", json_real(r->ttft_p50_ms));
     json_object_set_new(o, "ttft_p99_ms", json_real(r->ttft_p99_ms));
@@ -170,6 +184,39 @@ int km_cmd_sim(int argc, char **argv)
                 cfg.connect = v;
             else if (!strcmp(a, "--records"))
                 cfg.records_dir = v;
+            else if (!strcmp(a, "--drop-events")) {
+                /* P[@T] */
+                char *at = strchr(v, '@');
+                cfg.drop_events = atof(v);
+                cfg.drop_from_s = at ? atof(at + 1) : 0;
+                if (!(cfg.drop_events > 0 && cfg.drop_events <= 1) || cfg.drop_from_s < 0) {
+                    fprintf(stderr, "kvmatch sim: --drop-events wants P[@T], 0 < P <= 1\n");
+                    return 2;
+                }
+            } else if (!strcmp(a, "--cut")) {
+                /* W:T:D */
+                int wk;
+                double t, d;
+                if (sscanf(v, "%d:%lf:%lf", &wk, &t, &d) != 3 || wk < 0 || t < 0 || d <= 0) {
+                    fprintf(stderr, "kvmatch sim: --cut wants WORKER:AT_S:FOR_S\n");
+                    return 2;
+                }
+                cfg.cut_worker = wk;
+                cfg.cut_at_s = t;
+                cfg.cut_for_s = d;
+            } else if (!strcmp(a, "--restart-engine")) {
+                int wk;
+                double t;
+                if (sscanf(v, "%d@%lf", &wk, &t) != 2 || wk < 0 || t < 0) {
+                    fprintf(stderr, "kvmatch sim: --restart-engine wants WORKER@AT_S\n");
+                    return 2;
+                }
+                cfg.restart_worker = wk;
+                cfg.restart_at_s = t;
+            } else if (!strcmp(a, "--second-ingress") && atof(v) > 0 && atof(v) < 1)
+                cfg.second_ingress = atof(v);
+            else if (!strcmp(a, "--replay-buffer") && !parse_u64(v, &x) && x >= 1 && x <= 10000000)
+                cfg.replay_buffer = (uint32_t)x;
             else if (!strcmp(a, "--policy")) {
                 snprintf(policy_buf, sizeof policy_buf, "%s", v);
                 cfg.n_policies = 0;
