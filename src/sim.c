@@ -37,6 +37,7 @@ void km_sim_config_init(km_sim_config *cfg)
     cfg->cut_worker = -1;
     cfg->restart_worker = -1;
     cfg->replay_buffer = 10000;
+    cfg->restart_kvmatch_at_s = -1;
 }
 
 static double wall_s(void)
@@ -107,7 +108,12 @@ typedef struct run {
     uint64_t rng;       /* faults' random draws */
     uint64_t *live_next; /* per worker: seq after the last message sent live (the barrier's goal) */
     uint64_t t0_us;      /* first arrival: fault times count from it */
-    bool restarted;
+    bool restarted, kvmatch_restarted;
+    const char *policy;
+    km_server_worker *ws; /* the pool's workers, for (re)starting the server */
+    char (*names)[32];
+    char snap_dir[96];
+    uint32_t subscriptions; /* per publisher, in total (a restarted server subscribes again) */
     uint32_t *tokens;
     uint64_t *chains;
     size_t cap_tokens;
@@ -462,6 +468,14 @@ static void run_teardown(run *r)
     free(r->pubs);
     free(r->published);
     free(r->live_next);
+    free(r->ws);
+    free(r->names);
+    if (r->snap_dir[0]) {
+        char path[256];
+        snprintf(path, sizeof path, "%s/%s.snap", r->snap_dir, r->pool);
+        unlink(path);
+        rmdir(r->snap_dir);
+    }
     free(r->reqs);
     free(r->pending);
     free(r->ttft_ms);
@@ -477,6 +491,69 @@ static void run_teardown(run *r)
     }
 }
 
+/* A kvmatch serve in this process for the run's pool (again after a restart fault). */
+static int start_server(run *r, char *why, size_t why_size)
+{
+    const km_sim_config *cfg = r->cfg;
+    km_server_pool pool;
+    memset(&pool, 0, sizeof pool);
+    pool.name = r->pool;
+    pool.block_size = cfg->engine.block_size;
+    km_policy_config_init(&pool.policy);
+    if (km_policy_kind_parse(r->policy, &pool.policy.kind) != KM_OK)
+        return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT, "unknown policy \"%s\"", r->policy);
+    pool.workers = r->ws;
+    pool.n_workers = cfg->workers;
+    km_server_config sc;
+    km_server_config_init(&sc);
+    sc.socket_path = r->sock;
+    sc.records_path = r->records;
+    sc.max_workers = cfg->workers < 64 ? 64 : cfg->workers;
+    sc.backend = KM_BACKEND_CPU;
+    sc.index_threads = 1;
+    sc.pools = &pool;
+    sc.n_pools = 1;
+    sc.log = quiet;
+    if (r->snap_dir[0]) {
+        sc.snapshot_dir = r->snap_dir;
+        sc.snapshot_interval_ms = 0; /* only on the way out */
+    }
+    snprintf(r->addr, sizeof r->addr, "unix:%s", r->sock);
+    int rc = km_server_create(&sc, &r->server, why, why_size);
+    if (rc)
+        return rc;
+    if (pthread_create(&r->server_thread, NULL, server_main, r) != 0)
+        return km_why(why, why_size, KM_ERR_INTERNAL, "server thread");
+    r->server_running = true;
+    return KM_OK;
+}
+
+/* The kvmatch restart fault: the old server drains (writing its snapshot when configured) and a
+ * new one starts on the same socket; the engines' publishers see a new subscriber. */
+static int restart_kvmatch(run *r, char *why, size_t why_size)
+{
+    int rc = flush_reports(r, why, why_size);
+    if (rc)
+        return rc;
+    km_client_close(r->client);
+    r->client = NULL;
+    km_server_stop(r->server);
+    pthread_join(r->server_thread, NULL);
+    r->server_running = false;
+    km_server_destroy(r->server);
+    r->server = NULL;
+    r->res->kvmatch_restarts++;
+    if ((rc = start_server(r, why, why_size)) != KM_OK)
+        return rc;
+    if ((rc = km_client_connect(r->addr, 10000, &r->client, why, why_size)) != KM_OK)
+        return rc;
+    r->subscriptions++;
+    for (uint32_t w = 0; r->cfg->zmq && w < r->cfg->workers; w++)
+        if (!km_publisher_wait_subscribers(r->pubs[w], r->subscriptions, 10000))
+            return km_why(why, why_size, KM_ERR_TIMEOUT, "worker %u: the new server never subscribed", w);
+    return KM_OK;
+}
+
 static int run_policy(const km_sim_config *cfg, const km_trace *trace, const char *policy,
                       km_sim_result *res, char *why, size_t why_size)
 {
@@ -485,6 +562,7 @@ static int run_policy(const km_sim_config *cfg, const km_trace *trace, const cha
     r.cfg = cfg;
     r.trace = trace;
     r.res = res;
+    r.policy = policy;
     memset(res, 0, sizeof *res);
     snprintf(res->policy, sizeof res->policy, "%s", policy);
     res->requests = trace->n_requests;
@@ -532,8 +610,11 @@ static int run_policy(const km_sim_config *cfg, const km_trace *trace, const cha
             snprintf(r.records, sizeof r.records, "%s/records.jsonl", r.dir);
         snprintf(r.addr, sizeof r.addr, "%s", cfg->connect ? cfg->connect : "");
     }
-    km_server_worker *ws = calloc(W ? W : 1, sizeof *ws);
-    char (*names)[32] = calloc(W ? W : 1, sizeof *names);
+    km_server_worker *ws = r.ws = calloc(W ? W : 1, sizeof *ws);
+    char (*names)[32] = r.names = calloc(W ? W : 1, sizeof *names);
+    if (!rc && cfg->restart_kvmatch_at_s >= 0 && cfg->restart_kvmatch_snapshot) {
+        snprintf(r.snap_dir, sizeof r.snap_dir, "%s/snap", r.dir);
+    }
     if (!rc && (!ws || !names))
         rc = km_why(why, why_size, KM_ERR_OUT_OF_MEMORY, "workers");
     for (uint32_t w = 0; !rc && w < W; w++) {
@@ -543,34 +624,8 @@ static int run_policy(const km_sim_config *cfg, const km_trace *trace, const cha
         ws[w].event_endpoint = cfg->zmq ? km_publisher_endpoint(r.pubs[w]) : KM_SERVER_LOCAL_EVENTS;
         ws[w].replay_endpoint = cfg->zmq ? km_publisher_replay_endpoint(r.pubs[w]) : NULL;
     }
-    if (!rc && !cfg->connect) {
-        km_server_pool pool;
-        memset(&pool, 0, sizeof pool);
-        pool.name = r.pool;
-        pool.block_size = cfg->engine.block_size;
-        km_policy_config_init(&pool.policy);
-        if (km_policy_kind_parse(policy, &pool.policy.kind) != KM_OK)
-            rc = km_why(why, why_size, KM_ERR_INVALID_ARGUMENT, "unknown policy \"%s\"", policy);
-        pool.workers = ws;
-        pool.n_workers = W;
-        km_server_config sc;
-        km_server_config_init(&sc);
-        sc.socket_path = r.sock;
-        sc.records_path = r.records;
-        sc.max_workers = W < 64 ? 64 : W;
-        sc.backend = KM_BACKEND_CPU;
-        sc.index_threads = 1;
-        sc.pools = &pool;
-        sc.n_pools = 1;
-        sc.log = quiet;
-        snprintf(r.addr, sizeof r.addr, "unix:%s", r.sock);
-        if (!rc && (rc = km_server_create(&sc, &r.server, why, why_size)) == KM_OK) {
-            if (pthread_create(&r.server_thread, NULL, server_main, &r) != 0)
-                rc = km_why(why, why_size, KM_ERR_INTERNAL, "server thread");
-            else
-                r.server_running = true;
-        }
-    }
+    if (!rc && !cfg->connect)
+        rc = start_server(&r, why, why_size);
     if (!rc) {
         rc = km_client_connect(r.addr, 10000, &r.client, why, why_size);
     }
@@ -611,11 +666,10 @@ static int run_policy(const km_sim_config *cfg, const km_trace *trace, const cha
                                 ws[w].id, reply.ack.items[w].message);
         free(wi);
     }
+    r.subscriptions = 1;
     for (uint32_t w = 0; !rc && cfg->zmq && w < W; w++)
         if (!km_publisher_wait_subscribers(r.pubs[w], 1, 10000))
             rc = km_why(why, why_size, KM_ERR_TIMEOUT, "worker %u: the server never subscribed", w);
-    free(ws);
-    free(names);
 
     /* The virtual-time loop. */
     size_t next = 0;
@@ -690,6 +744,11 @@ static int run_policy(const km_sim_config *cfg, const km_trace *trace, const cha
             if (rc)
                 km_why(why, why_size, rc, "engine restart");
         }
+        if (!rc && !r.kvmatch_restarted && cfg->restart_kvmatch_at_s >= 0 && !cfg->connect &&
+            t_now >= r.t0_us + (uint64_t)(cfg->restart_kvmatch_at_s * 1e6)) {
+            r.kvmatch_restarted = true;
+            rc = restart_kvmatch(&r, why, why_size);
+        }
     }
     if (!rc)
         rc = flush_reports(&r, why, why_size);
@@ -739,6 +798,13 @@ int km_sim_run(const km_sim_config *cfg, km_sim_result *results, char *why, size
         cfg->n_policies > KM_SIM_MAX_POLICIES || !(cfg->time_scale > 0))
         return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,
                       "workers must be 1..4096, policies 1..%u, time_scale > 0", KM_SIM_MAX_POLICIES);
+    if (cfg->restart_kvmatch_at_s >= 0 && cfg->restart_kvmatch_snapshot && !cfg->zmq)
+        return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,
+                      "restarting kvmatch from its snapshot needs --zmq: only subscriber-fed pools "
+                      "are saved (in-process feeds start empty)");
+    if (cfg->restart_kvmatch_at_s >= 0 && cfg->connect)
+        return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,
+                      "--restart-kvmatch restarts the server in this process, not a --connect one");
     if (cfg->connect && !cfg->zmq)
         return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,
                       "--connect needs --zmq: a server in another process hears the engines over ZMQ");

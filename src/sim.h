@@ -49,6 +49,9 @@ typedef struct km_sim_config {
     int restart_worker;                  /* restart this engine (-1 = none): cache lost, seq back to
                                           * 0, its running requests fail */
     double restart_at_s;
+    double restart_kvmatch_at_s;         /* stop kvmatch and start a new one then (< 0 = never) */
+    bool restart_kvmatch_snapshot;       /* ... restoring the snapshot the old one wrote on the way
+                                          * out (needs zmq: only subscriber feeds are saved) */
     double second_ingress;               /* this share of requests bypasses kvmatch (another
                                           * router): their load is invisible here, their events
                                           * are not */
@@ -85,6 +88,7 @@ typedef struct km_sim_result {
     uint64_t bypassed;                /* requests sent by the second ingress path */
     uint64_t dropped_messages;        /* engine messages dropped on the wire (faults) */
     uint64_t lost_to_restart;         /* requests running on an engine when it restarted */
+    uint64_t kvmatch_restarts;        /* restarts of kvmatch itself (fault) */
     uint64_t owner_not_chosen;        /* the deepest match was on another worker */
     uint64_t owner_forgone_tokens;    /* their (owner depth - chosen depth) x block size */
     double ttft_p50_ms, ttft_p99_ms;  /* virtual time, arrival to first token */

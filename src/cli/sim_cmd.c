@@ -36,7 +36,9 @@ static void sim_usage(FILE *f)
             "  --cut W:T:D         cut worker W's event stream at T for D seconds\n"
             "  --replay-buffer N   --zmq: messages each engine keeps for replay (default 10000)\n"
             "  --restart-engine W@T  engine W restarts at T: cache lost, seq back to 0\n"
-            "  --second-ingress P  this share of requests bypasses kvmatch (invisible load)\n");
+            "  --second-ingress P  this share of requests bypasses kvmatch (invisible load)\n"
+            "  --restart-kvmatch T[:snapshot|:nosnapshot]  stop kvmatch at T and start a new one,\n"
+            "                      from the snapshot it wrote (needs --zmq) or empty\n");
 }
 
 static int parse_u64(const char *s, uint64_t *out)
@@ -93,6 +95,7 @@ static const row rows[] = {
     {"bypassed (second ingress)", U(bypassed)},
     {"messages dropped (fault)", U(dropped_messages)},
     {"lost to engine restart", U(lost_to_restart)},
+    {"kvmatch restarts", U(kvmatch_restarts)},
     {"route errors", U(route_errors)},
     {"rejected by engines", U(rejected)},
 };
@@ -126,6 +129,7 @@ static json_t *result_json(const km_sim_result *r)
     json_object_set_new(o, "bypassed", json_integer((json_int_t)r->bypassed));
     json_object_set_new(o, "dropped_messages", json_integer((json_int_t)r->dropped_messages));
     json_object_set_new(o, "lost_to_restart", json_integer((json_int_t)r->lost_to_restart));
+    json_object_set_new(o, "kvmatch_restarts", json_integer((json_int_t)r->kvmatch_restarts));
     json_object_set_new(o, "owner_forgone_tokens", json_integer((json_int_t)r->owner_forgone_tokens));
     json_object_set_new(o, "ttft_p50_ms", json_real(r->ttft_p50_ms));
     json_object_set_new(o, "ttft_p99_ms", json_real(r->ttft_p99_ms));
@@ -213,6 +217,17 @@ int km_cmd_sim(int argc, char **argv)
                 }
                 cfg.restart_worker = wk;
                 cfg.restart_at_s = t;
+            } else if (!strcmp(a, "--restart-kvmatch")) {
+                /* T[:snapshot|:nosnapshot] */
+                char mode[32] = "snapshot";
+                double t;
+                if (sscanf(v, "%lf:%31s", &t, mode) < 1 || t < 0 ||
+                    (strcmp(mode, "snapshot") && strcmp(mode, "nosnapshot"))) {
+                    fprintf(stderr, "kvmatch sim: --restart-kvmatch wants AT_S[:snapshot|:nosnapshot]\n");
+                    return 2;
+                }
+                cfg.restart_kvmatch_at_s = t;
+                cfg.restart_kvmatch_snapshot = !strcmp(mode, "snapshot");
             } else if (!strcmp(a, "--second-ingress") && atof(v) > 0 && atof(v) < 1)
                 cfg.second_ingress = atof(v);
             else if (!strcmp(a, "--replay-buffer") && !parse_u64(v, &x) && x >= 1 && x <= 10000000)
