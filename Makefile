@@ -96,10 +96,11 @@ bench: all
 	$(Q)$(BIN) bench index --json > bench/results/index.json
 	$(Q)$(BIN) bench events --json > bench/results/events.json
 	$(Q)$(BIN) bench ipc --json > bench/results/ipc.json
+	$(Q)$(BIN) bench replay --json > bench/results/replay.json
 	$(Q)$(BIN) sim --json > bench/results/sim.json
 	$(Q)python3 scripts/bench-report.py bench/results/index.json docs/BENCHMARKS.md
 	$(Q)python3 scripts/bench-report.py bench/results/ipc.json docs/BENCHMARKS.md
-	$(Q)cat bench/results/index.json bench/results/events.json bench/results/ipc.json bench/results/sim.json
+	$(Q)cat bench/results/index.json bench/results/events.json bench/results/ipc.json bench/results/replay.json bench/results/sim.json
 
 run: deps
 	$(Q)$(MAKE) --no-print-directory all

@@ -32,6 +32,7 @@
 #include <zmq.h>
 
 #include "bench_common.h"
+#include "bench_lru.h"
 #include "cli/commands.h"
 #include "trace.h"
 #include "kvmatch/feed.h"
@@ -52,131 +53,6 @@ static uint64_t splitmix64(uint64_t x)
     x = (x ^ (x >> 30)) * UINT64_C(0xBF58476D1CE4E5B9);
     x = (x ^ (x >> 27)) * UINT64_C(0x94D049BB133111EB);
     return x ^ (x >> 31);
-}
-
-/* ---- per-worker LRU of block keys ----------------------------------------------------------- */
-
-typedef struct lru {
-    uint64_t *keys;      /* node -> key */
-    uint32_t *prev, *next;
-    uint32_t head, tail; /* head = most recent; UINT32_MAX = none */
-    uint32_t count, free_head;
-    uint64_t *slot_key;  /* open addressing: key (0 = empty) */
-    uint32_t *slot_node;
-    uint32_t slots;      /* power of two */
-} lru;
-
-#define NIL UINT32_MAX
-
-static int lru_init(lru *l, uint32_t capacity)
-{
-    memset(l, 0, sizeof *l);
-    l->slots = 1;
-    while (l->slots < capacity * 2)
-        l->slots *= 2;
-    l->keys = malloc(capacity * sizeof *l->keys);
-    l->prev = malloc(capacity * sizeof *l->prev);
-    l->next = malloc(capacity * sizeof *l->next);
-    l->slot_key = calloc(l->slots, sizeof *l->slot_key);
-    l->slot_node = malloc(l->slots * sizeof *l->slot_node);
-    if (!l->keys || !l->prev || !l->next || !l->slot_key || !l->slot_node)
-        return -1;
-    for (uint32_t i = 0; i < capacity; i++)
-        l->next[i] = i + 1 < capacity ? i + 1 : NIL;
-    l->free_head = 0;
-    l->head = l->tail = NIL;
-    return 0;
-}
-
-static void lru_free(lru *l)
-{
-    free(l->keys);
-    free(l->prev);
-    free(l->next);
-    free(l->slot_key);
-    free(l->slot_node);
-}
-
-static uint32_t lru_slot(const lru *l, uint64_t key)
-{
-    uint32_t i = (uint32_t)(splitmix64(key) & (l->slots - 1));
-    while (l->slot_key[i] && l->slot_key[i] != key)
-        i = (i + 1) & (l->slots - 1);
-    return i;
-}
-
-static void unlink_node(lru *l, uint32_t n)
-{
-    if (l->prev[n] != NIL)
-        l->next[l->prev[n]] = l->next[n];
-    else
-        l->head = l->next[n];
-    if (l->next[n] != NIL)
-        l->prev[l->next[n]] = l->prev[n];
-    else
-        l->tail = l->prev[n];
-}
-
-static void push_front(lru *l, uint32_t n)
-{
-    l->prev[n] = NIL;
-    l->next[n] = l->head;
-    if (l->head != NIL)
-        l->prev[l->head] = n;
-    l->head = n;
-    if (l->tail == NIL)
-        l->tail = n;
-}
-
-static bool lru_touch(lru *l, uint64_t key)
-{
-    uint32_t s = lru_slot(l, key);
-    if (!l->slot_key[s])
-        return false;
-    uint32_t n = l->slot_node[s];
-    unlink_node(l, n);
-    push_front(l, n);
-    return true;
-}
-
-/* Remove the least recent key; returns it. */
-static uint64_t lru_evict(lru *l)
-{
-    uint32_t n = l->tail;
-    uint64_t key = l->keys[n];
-    unlink_node(l, n);
-    l->next[n] = l->free_head;
-    l->free_head = n;
-    l->count--;
-    /* backward-shift deletion */
-    uint32_t i = lru_slot(l, key);
-    l->slot_key[i] = 0;
-    uint32_t j = i;
-    for (;;) {
-        j = (j + 1) & (l->slots - 1);
-        if (!l->slot_key[j])
-            break;
-        uint32_t home = (uint32_t)(splitmix64(l->slot_key[j]) & (l->slots - 1));
-        if (((j - home) & (l->slots - 1)) >= ((j - i) & (l->slots - 1))) {
-            l->slot_key[i] = l->slot_key[j];
-            l->slot_node[i] = l->slot_node[j];
-            l->slot_key[j] = 0;
-            i = j;
-        }
-    }
-    return key;
-}
-
-static void lru_insert(lru *l, uint64_t key)
-{
-    uint32_t n = l->free_head;
-    l->free_head = l->next[n];
-    l->keys[n] = key;
-    push_front(l, n);
-    l->count++;
-    uint32_t s = lru_slot(l, key);
-    l->slot_key[s] = key;
-    l->slot_node[s] = n;
 }
 
 /* ---- the pre-encoded stream ------------------------------------------------------------------- */
@@ -213,9 +89,9 @@ static int build_stream(const km_trace *trace, uint64_t max_block_events, stream
                         size_t err_size)
 {
     memset(st, 0, sizeof *st);
-    lru lrus[EV_WORKERS];
+    km_bench_lru lrus[EV_WORKERS];
     for (uint32_t w = 0; w < EV_WORKERS; w++)
-        if (lru_init(&lrus[w], WORKER_CAPACITY)) {
+        if (km_bench_lru_init(&lrus[w], WORKER_CAPACITY)) {
             snprintf(err, err_size, "out of memory");
             return -1;
         }
@@ -248,18 +124,18 @@ static int build_stream(const km_trace *trace, uint64_t max_block_events, stream
         /* A block's key: the trace id (a chained prefix hash) and the block within it. */
         for (uint32_t b = 0; b < n_blocks; b++)
             keys[b] = ((uint64_t)q->ids[b / EV_BLOCKS_PER_ID] << 8 | (b % EV_BLOCKS_PER_ID)) + 1;
-        lru *l = &lrus[w];
+        km_bench_lru *l = &lrus[w];
         uint32_t cached = 0;
-        while (cached < n_blocks && lru_touch(l, keys[cached]))
+        while (cached < n_blocks && km_bench_lru_touch(l, keys[cached]))
             cached++;
         uint32_t fresh = n_blocks - cached;
         if (!fresh)
             continue;
         uint32_t n_removed = 0;
         while (l->count + fresh > WORKER_CAPACITY)
-            removed[n_removed++] = engine_hash(lru_evict(l), w);
+            removed[n_removed++] = engine_hash(km_bench_lru_evict(l), w);
         for (uint32_t b = cached; b < n_blocks; b++)
-            lru_insert(l, keys[b]);
+            km_bench_lru_insert(l, keys[b]);
         /* Eviction never takes the cached prefix: it was touched and fresh <= capacity / 2. */
         size_t start = buf.size;
         msgpack_pack_array(&pk, 3);
@@ -313,7 +189,7 @@ static int build_stream(const km_trace *trace, uint64_t max_block_events, stream
     free(keys);
     free(removed);
     for (uint32_t w = 0; w < EV_WORKERS; w++)
-        lru_free(&lrus[w]);
+        km_bench_lru_free(&lrus[w]);
     st->data = msgpack_sbuffer_release(&buf);
     st->size = buf.size;
     msgpack_sbuffer_destroy(&buf);

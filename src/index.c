@@ -614,6 +614,7 @@ static int apply_store(batch *b, const km_update *u)
         if (prev_position == KM_POSITION_UNKNOWN)
             b->stats->orphan_runs++;
     }
+    uint32_t run_consecutive = 0;
     for (size_t i = 0; i < u->n_hashes; i++) {
         uint64_t key = u->hashes[i];
         uint64_t parent = i == 0 ? u->parent : u->hashes[i - 1];
@@ -661,10 +662,17 @@ static int apply_store(batch *b, const km_update *u)
             b->stats->duplicate_stores++;
             wc->duplicate_stores++;
         }
+        /* Blocks of this run the worker now holds at consecutive positions: S of them ending
+         * here make the segment held without walking it again. */
+        if (m->position != KM_POSITION_UNKNOWN &&
+            (run_consecutive == 0 || m->position == prev_position + 1))
+            run_consecutive++;
+        else
+            run_consecutive = m->position != KM_POSITION_UNKNOWN;
         prev_position = m->position;
         prev_anchor = m->anchor;
         if (S && prev_position != KM_POSITION_UNKNOWN && prev_position % S == S - 1 &&
-            holds_segment(index, u->worker, key, prev_position)) {
+            (run_consecutive >= S || holds_segment(index, u->worker, key, prev_position))) {
             rc = segment_add(b, prev_anchor, key, u->worker);
             if (rc)
                 return rc;

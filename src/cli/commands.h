@@ -12,5 +12,6 @@ int km_cmd_analyze(int argc, char **argv);     /* src/cli/analyze_cmd.c: `kvmatc
 int km_bench_index_main(int argc, char **argv); /* bench/bench_index.c: `kvmatch bench index` */
 int km_bench_events_main(int argc, char **argv); /* bench/bench_events.c: `kvmatch bench events` */
 int km_bench_ipc_main(int argc, char **argv);    /* bench/bench_ipc.c: `kvmatch bench ipc` */
+int km_bench_replay_main(int argc, char **argv); /* bench/bench_replay.c: `kvmatch bench replay` */
 
 #endif
