@@ -109,6 +109,9 @@ typedef struct run {
     uint64_t *live_next; /* per worker: seq after the last message sent live (the barrier's goal) */
     uint64_t t0_us;      /* first arrival: fault times count from it */
     bool restarted, kvmatch_restarted;
+    int *open_window; /* per worker: index into res->windows of its open window, -1 none,
+                       * -2 open but not listed (over KM_SIM_MAX_WINDOWS) */
+    uint32_t open_count;
     const char *policy;
     km_server_worker *ws; /* the pool's workers, for (re)starting the server */
     char (*names)[32];
@@ -360,6 +363,36 @@ static int wait_delivered(run *r, char *why, size_t why_size)
     return KM_OK;
 }
 
+/* A decision showed worker w's index state: open or close its recovery window. */
+static void observe_state(run *r, uint32_t w, const char *state, uint64_t now_us)
+{
+    if (!state || w >= r->cfg->workers)
+        return;
+    double t = (double)(now_us - r->t0_us) / 1e6;
+    bool live = !strcmp(state, "LIVE") || !strcmp(state, "APPROX");
+    int *ow = &r->open_window[w];
+    if (live && *ow != -1) {
+        if (*ow >= 0)
+            r->res->windows[*ow].end_s = t;
+        *ow = -1;
+        r->open_count--;
+    } else if (!live && *ow == -1) {
+        r->res->windows_total++;
+        r->open_count++;
+        if (r->res->n_windows < KM_SIM_MAX_WINDOWS) {
+            km_sim_window *win = &r->res->windows[r->res->n_windows];
+            memset(win, 0, sizeof *win);
+            win->worker = w;
+            snprintf(win->state, sizeof win->state, "%s", state);
+            win->start_s = t;
+            win->end_s = -1;
+            *ow = (int)r->res->n_windows++;
+        } else {
+            *ow = -2;
+        }
+    }
+}
+
 static int route_one(run *r, size_t index, uint64_t now_us, char *why, size_t why_size)
 {
     const km_trace_request *q = &r->trace->requests[index];
@@ -430,6 +463,19 @@ static int route_one(run *r, size_t index, uint64_t now_us, char *why, size_t wh
             if (km_sim_engine_pending_events(r->engines[w]))
                 r->res->pending_at_decision++;
         }
+        observe_state(r, d->chosen_worker - r->worker_base, d->chosen_state, now_us);
+        if (d->has_owner)
+            observe_state(r, d->owner_worker - r->worker_base, d->owner_state, now_us);
+        if (r->open_count) {
+            bool exact = s->truth_depth == d->chosen_depth;
+            r->res->decisions_in_windows++;
+            r->res->exact_in_windows += exact;
+            for (uint32_t k = 0; k < r->cfg->workers; k++)
+                if (r->open_window[k] >= 0) {
+                    r->res->windows[r->open_window[k]].decisions++;
+                    r->res->windows[r->open_window[k]].exact += exact;
+                }
+        }
         if (d->has_owner && d->owner_worker != d->chosen_worker) {
             r->res->owner_not_chosen++;
             if (d->owner_depth > d->chosen_depth)
@@ -468,6 +514,7 @@ static void run_teardown(run *r)
     free(r->pubs);
     free(r->published);
     free(r->live_next);
+    free(r->open_window);
     free(r->ws);
     free(r->names);
     if (r->snap_dir[0]) {
@@ -573,12 +620,15 @@ static int run_policy(const km_sim_config *cfg, const km_trace *trace, const cha
     r.pubs = calloc(W, sizeof *r.pubs);
     r.published = calloc(W, sizeof *r.published);
     r.live_next = calloc(W, sizeof *r.live_next);
+    r.open_window = malloc((W ? W : 1) * sizeof *r.open_window);
+    for (uint32_t w = 0; r.open_window && w < W; w++)
+        r.open_window[w] = -1;
     r.rng = cfg->generator.seed ^ UINT64_C(0x66617573);
     r.per_worker = calloc(W, sizeof *r.per_worker);
     r.reqs = calloc(N ? N : 1, sizeof *r.reqs);
     r.ttft_ms = calloc(N ? N : 1, sizeof *r.ttft_ms);
     r.decision_us = calloc(N ? N : 1, sizeof *r.decision_us);
-    int rc = r.engines && r.pubs && r.published && r.per_worker && r.reqs && r.ttft_ms && r.decision_us
+    int rc = r.open_window && r.live_next && r.engines && r.pubs && r.published && r.per_worker && r.reqs && r.ttft_ms && r.decision_us
                  ? KM_OK
                  : km_why(why, why_size, KM_ERR_OUT_OF_MEMORY, "simulation state");
     snprintf(r.pool, sizeof r.pool, "sim-%s", policy);

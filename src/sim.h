@@ -62,6 +62,18 @@ typedef struct km_sim_config {
 void km_sim_config_init(km_sim_config *cfg);
 
 /* One policy's run. Token counts are prompt tokens; depths are blocks of engine.block_size. */
+/* A recovery window as the decisions saw it: from the first decision that showed the worker's
+ * index state other than LIVE to the first that showed it LIVE again (virtual seconds from the
+ * first arrival; end < 0 while still open at the end of the run). */
+#define KM_SIM_MAX_WINDOWS 16u
+typedef struct km_sim_window {
+    uint32_t worker;
+    char state[16];      /* the state that opened it: SYNCING, GAP, DEGRADED, ... */
+    double start_s, end_s;
+    uint64_t decisions;  /* decisions taken while it was open (any worker chosen) */
+    uint64_t exact;      /* of those, exact predictions */
+} km_sim_window;
+
 typedef struct km_sim_result {
     char policy[32];
     uint64_t requests;                /* requests in the workload */
@@ -98,6 +110,11 @@ typedef struct km_sim_result {
     double decisions_per_s;           /* routing calls per second of wall time spent in them */
     double decision_p50_us, decision_p99_us; /* one route's round trip, wall time */
     double wall_s;                    /* the whole run, wall time */
+    /* Routing quality inside recovery windows (see km_sim_window) against outside them. */
+    uint64_t decisions_in_windows, exact_in_windows;
+    uint64_t windows_total;           /* windows seen; the first KM_SIM_MAX_WINDOWS are listed */
+    uint32_t n_windows;
+    km_sim_window windows[KM_SIM_MAX_WINDOWS];
 } km_sim_result;
 
 /* Run every policy of cfg; results holds cfg->n_policies entries (in order). Errors:

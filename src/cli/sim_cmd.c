@@ -96,6 +96,9 @@ static const row rows[] = {
     {"messages dropped (fault)", U(dropped_messages)},
     {"lost to engine restart", U(lost_to_restart)},
     {"kvmatch restarts", U(kvmatch_restarts)},
+    {"recovery windows seen", U(windows_total)},
+    {"  decisions inside them", U(decisions_in_windows)},
+    {"  exact inside them", U(exact_in_windows)},
     {"route errors", U(route_errors)},
     {"rejected by engines", U(rejected)},
 };
@@ -140,6 +143,28 @@ static json_t *result_json(const km_sim_result *r)
     json_object_set_new(o, "decision_p50_us", json_real(r->decision_p50_us));
     json_object_set_new(o, "decision_p99_us", json_real(r->decision_p99_us));
     json_object_set_new(o, "wall_s", json_real(r->wall_s));
+    json_t *win = json_object();
+    json_object_set_new(win, "seen", json_integer((json_int_t)r->windows_total));
+    json_object_set_new(win, "decisions_inside", json_integer((json_int_t)r->decisions_in_windows));
+    json_object_set_new(win, "exact_inside", json_integer((json_int_t)r->exact_in_windows));
+    json_object_set_new(win, "exact_outside",
+                        json_integer((json_int_t)(r->exact_predictions - r->exact_in_windows)));
+    json_object_set_new(win, "decisions_outside",
+                        json_integer((json_int_t)(r->routed - r->decisions_in_windows)));
+    json_t *list = json_array();
+    for (uint32_t i = 0; i < r->n_windows; i++) {
+        const km_sim_window *w = &r->windows[i];
+        json_t *o2 = json_object();
+        json_object_set_new(o2, "worker", json_integer(w->worker));
+        json_object_set_new(o2, "state", json_string(w->state));
+        json_object_set_new(o2, "start_s", json_real(w->start_s));
+        json_object_set_new(o2, "end_s", w->end_s < 0 ? json_null() : json_real(w->end_s));
+        json_object_set_new(o2, "decisions", json_integer((json_int_t)w->decisions));
+        json_object_set_new(o2, "exact", json_integer((json_int_t)w->exact));
+        json_array_append_new(list, o2);
+    }
+    json_object_set_new(win, "windows", list);
+    json_object_set_new(o, "recovery_windows", win);
     return o;
 }
 
@@ -297,5 +322,15 @@ int km_cmd_sim(int argc, char **argv)
         }
         printf("\n");
     }
+    for (uint32_t i = 0; i < cfg.n_policies; i++)
+        for (uint32_t k = 0; k < results[i].n_windows; k++) {
+            const km_sim_window *w = &results[i].windows[k];
+            char end[32] = "open";
+            if (w->end_s >= 0)
+                snprintf(end, sizeof end, "%.2f s", w->end_s);
+            printf("%s: worker %u %s from %.2f s to %s: %llu decisions, %llu exact\n",
+                   results[i].policy, w->worker, w->state, w->start_s, end,
+                   (unsigned long long)w->decisions, (unsigned long long)w->exact);
+        }
     return 0;
 }
