@@ -74,6 +74,7 @@ typedef struct req_state {
     uint32_t worker;
     uint32_t predicted_depth; /* the chosen worker's depth in the decision */
     uint32_t truth_depth;     /* the chosen engine's cached depth at the decision instant */
+    bool chosen_degraded;     /* the decision said the chosen worker's history was lost */
     bool routed, admitted, first_token, finished;
     uint32_t cached_tokens;   /* engine-reported, at admission */
 } req_state;
@@ -271,8 +272,13 @@ static int drain_engine(run *r, uint32_t w, uint64_t now_us, char *why, size_t w
             r->res->actual_reused_tokens += c.cached_tokens;
             if (s->predicted_depth == c.held_blocks)
                 r->res->realized_as_predicted++;
-            else if (s->truth_depth != s->predicted_depth)
+            else if (s->truth_depth != s->predicted_depth) {
                 r->res->diff_index_wrong++;
+                if (s->chosen_degraded)
+                    r->res->diff_lost++;
+                else
+                    r->res->diff_not_delivered++;
+            }
             else
                 r->res->diff_cache_changed++;
             break;
@@ -453,6 +459,7 @@ static int route_one(run *r, size_t index, uint64_t now_us, char *why, size_t wh
         r->res->predicted_reused_tokens += (uint64_t)d->chosen_depth * r->cfg->engine.block_size;
         /* The truth at the decision instant: what the chosen engine caches now. */
         s->truth_depth = km_sim_engine_cached_depth(r->engines[w], r->chains, n_blocks);
+        s->chosen_degraded = d->chosen_state && !strcmp(d->chosen_state, "DEGRADED");
         if (s->truth_depth == d->chosen_depth) {
             r->res->exact_predictions++;
         } else {

@@ -92,7 +92,10 @@ typedef struct km_sim_result {
                                        * not yet published (a step in progress) */
     /* Predicted depth against the blocks held when the request ran, and why they differ. */
     uint64_t realized_as_predicted;
-    uint64_t diff_index_wrong;        /* the index already differed at the decision instant */
+    uint64_t diff_index_wrong;        /* the index already differed at the decision instant: */
+    uint64_t diff_not_delivered;      /*   ... events not yet delivered (a step unpublished, a gap
+                                       *   being replayed, a cut in progress) */
+    uint64_t diff_lost;               /*   ... events lost (the chosen worker was DEGRADED) */
     uint64_t diff_cache_changed;      /* the index was right; the cache changed before the request
                                        * ran (evictions, new blocks) */
     uint64_t unadmitted;              /* routed but never run (rejected, or lost to a restart

@@ -3,9 +3,15 @@
  * exact predictions when events are delivered as they happen; a lag (only) where a vLLM-like
  * engine publishes once per step; the attribution of predicted against realized reuse adding up;
  * and bad settings refused. Loopback and temporary files only. */
+#include <fcntl.h>
+#include <signal.h>
 #include <stdbool.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <criterion/criterion.h>
 
@@ -59,6 +65,7 @@ static void check_accounting(const km_sim_result *r)
     cr_assert_eq(r->route_errors, 0, "%s", r->policy);
     cr_assert_eq(r->exact_predictions + r->over_predictions + r->under_predictions, r->routed,
                  "%s: every prediction judged", r->policy);
+    cr_assert_eq(r->diff_not_delivered + r->diff_lost, r->diff_index_wrong, "%s", r->policy);
     cr_assert_eq(r->realized_as_predicted + r->diff_index_wrong + r->diff_cache_changed +
                      r->unadmitted,
                  r->routed, "%s: the attribution adds up", r->policy);
@@ -185,6 +192,7 @@ Test(sim, faults_move_the_numbers, .timeout = 180)
     cr_assert_gt(drop_local.dropped_messages, 0);
     cr_assert_lt(drop_local.exact_predictions, drop_local.routed);
     cr_assert_gt(drop_local.diff_index_wrong, 0);
+    cr_assert_gt(drop_local.diff_lost, 0, "in process, what was dropped is lost");
     /* The losses open DEGRADED windows that never close in process (no replay), and the inexact
      * decisions are inside them. */
     bool degraded_open = false;
@@ -264,4 +272,48 @@ Test(sim, kvmatch_restart_with_and_without_snapshot, .timeout = 180)
     /* The snapshot variant needs ZMQ. */
     cfg.restart_kvmatch_snapshot = true;
     cr_assert_eq(km_sim_run(&cfg, &local, why, sizeof why), KM_ERR_INVALID_ARGUMENT);
+}
+
+/* --connect: the simulation drives a separate `kvmatch serve` process (its own pool and workers,
+ * added and removed through the protocol), the engines' events reaching it over ZMQ. */
+Test(sim, through_a_running_kvmatch_serve, .timeout = 120)
+{
+    const char *bin = getenv("KM_BIN") ? getenv("KM_BIN") : "build/kvmatch";
+    cr_assert(access(bin, X_OK) == 0, "%s is not executable (set KM_BIN)", bin);
+    char dir[] = "/tmp/kvmatch-simserve-XXXXXX";
+    cr_assert_not_null(mkdtemp(dir));
+    char sock[128], addr[160];
+    snprintf(sock, sizeof sock, "%s/s.sock", dir);
+    snprintf(addr, sizeof addr, "unix:%s", sock);
+    pid_t pid = fork();
+    cr_assert(pid >= 0);
+    if (pid == 0) {
+        int devnull = open("/dev/null", O_WRONLY);
+        if (devnull >= 0)
+            dup2(devnull, 2);
+        execl(bin, bin, "serve", "--socket", sock, "--records", "none", "--backend", "cpu",
+              (char *)NULL);
+        _exit(127);
+    }
+    struct stat st;
+    for (int i = 0; i < 500 && stat(sock, &st) != 0; i++)
+        usleep(10000);
+    km_sim_config cfg;
+    small_config(&cfg, 51);
+    cfg.policies[0] = "kv";
+    cfg.n_policies = 1;
+    cfg.zmq = true;
+    cfg.connect = addr;
+    km_sim_result r;
+    char why[512];
+    int rc = km_sim_run(&cfg, &r, why, sizeof why);
+    kill(pid, SIGTERM);
+    int status = 0;
+    waitpid(pid, &status, 0);
+    unlink(sock);
+    rmdir(dir);
+    cr_assert_eq(rc, KM_OK, "%s", why);
+    check_accounting(&r);
+    cr_assert_eq(r.exact_predictions, r.routed);
+    cr_assert(WIFEXITED(status) && WEXITSTATUS(status) == 0, "the server exits cleanly");
 }

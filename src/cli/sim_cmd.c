@@ -80,6 +80,8 @@ static const row rows[] = {
     {"  engine step unpublished", U(pending_at_decision)},
     {"realized as predicted", U(realized_as_predicted)},
     {"  index wrong at decision", U(diff_index_wrong)},
+    {"    events not yet delivered", U(diff_not_delivered)},
+    {"    events lost", U(diff_lost)},
     {"  cache changed before run", U(diff_cache_changed)},
     {"  never ran", U(unadmitted)},
     {"owner_not_chosen", U(owner_not_chosen)},
@@ -124,6 +126,8 @@ static json_t *result_json(const km_sim_result *r)
     json_object_set_new(attr, "realized_as_predicted",
                         json_integer((json_int_t)r->realized_as_predicted));
     json_object_set_new(attr, "index_wrong_at_decision", json_integer((json_int_t)r->diff_index_wrong));
+    json_object_set_new(attr, "events_not_yet_delivered", json_integer((json_int_t)r->diff_not_delivered));
+    json_object_set_new(attr, "events_lost", json_integer((json_int_t)r->diff_lost));
     json_object_set_new(attr, "cache_changed_before_run",
                         json_integer((json_int_t)r->diff_cache_changed));
     json_object_set_new(attr, "not_run", json_integer((json_int_t)r->unadmitted));
