@@ -249,13 +249,13 @@ static int run_slice(target *t, const stream *s, size_t *pos, size_t queries, do
 
 static void usage(FILE *f)
 {
-    fprintf(f, "usage: kvmatch bench replay [--json] [--quick] [--trace PATH]\n");
+    fprintf(f, "usage: kvmatch bench replay [--json] [--quick] [--trace PATH] [--index NAME]\n");
 }
 
 int km_bench_replay_main(int argc, char **argv)
 {
     bool json = false, quick = false;
-    const char *trace_path = NULL;
+    const char *trace_path = NULL, *only = NULL;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--json"))
             json = true;
@@ -263,6 +263,8 @@ int km_bench_replay_main(int argc, char **argv)
             quick = true;
         else if (!strcmp(argv[i], "--trace") && i + 1 < argc)
             trace_path = argv[++i];
+        else if (!strcmp(argv[i], "--index") && i + 1 < argc)
+            only = argv[++i];
         else {
             usage(stderr);
             return 2;
@@ -296,6 +298,8 @@ int km_bench_replay_main(int argc, char **argv)
                "queries/s", "block ops/s");
     int status = 0;
     for (size_t k = 0; k < sizeof names / sizeof names[0] && lat; k++) {
+        if (only && strcmp(only, names[k]))
+            continue;
         target t;
         memset(&t, 0, sizeof t);
         t.name = names[k];
