@@ -247,14 +247,40 @@ static int run_slice(target *t, const stream *s, size_t *pos, size_t queries, do
     return KM_OK;
 }
 
+/* Unpaced: the rest of the stream as fast as it goes, time in updates and in queries apart. */
+static int run_ceiling(target *t, const stream *s, size_t pos, double *upd_ops_per_s,
+                       double *queries_per_s)
+{
+    double t_upd = 0, t_q = 0;
+    uint64_t blocks = 0, queries = 0;
+    for (; pos < s->n_ops; pos++) {
+        const op *o = &s->ops[pos];
+        double a = km_bench_now_s();
+        int rc = apply(t, o);
+        double b = km_bench_now_s();
+        if (rc)
+            return rc;
+        if (o->kind == OP_QUERY) {
+            t_q += b - a;
+            queries++;
+        } else {
+            t_upd += b - a;
+            blocks += o->n;
+        }
+    }
+    *upd_ops_per_s = t_upd > 0 ? (double)blocks / t_upd : 0;
+    *queries_per_s = t_q > 0 ? (double)queries / t_q : 0;
+    return KM_OK;
+}
+
 static void usage(FILE *f)
 {
-    fprintf(f, "usage: kvmatch bench replay [--json] [--quick] [--trace PATH] [--index NAME]\n");
+    fprintf(f, "usage: kvmatch bench replay [--json] [--quick] [--trace PATH] [--index NAME] [--ceiling]\n");
 }
 
 int km_bench_replay_main(int argc, char **argv)
 {
-    bool json = false, quick = false;
+    bool json = false, quick = false, ceiling = false;
     const char *trace_path = NULL, *only = NULL;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--json"))
@@ -265,6 +291,8 @@ int km_bench_replay_main(int argc, char **argv)
             trace_path = argv[++i];
         else if (!strcmp(argv[i], "--index") && i + 1 < argc)
             only = argv[++i];
+        else if (!strcmp(argv[i], "--ceiling"))
+            ceiling = true;
         else {
             usage(stderr);
             return 2;
@@ -342,6 +370,19 @@ int km_bench_replay_main(int argc, char **argv)
         while (!rc && pos < s.n_ops && seen < warm) {
             seen += s.ops[pos].kind == OP_QUERY;
             rc = apply(&t, &s.ops[pos++]);
+        }
+        if (ceiling && !rc) {
+            /* Instead of the paced slices: what the index does flat out on the same stream. */
+            double upd = 0, qps = 0;
+            rc = run_ceiling(&t, &s, pos, &upd, &qps);
+            if (!json)
+                printf("%-17s ceiling: updates %.0f block ops/s, queries %.0f /s (alone)\n", t.name,
+                       upd, qps);
+            km_index_destroy(t.index);
+            km_match_results_free(&t.ires);
+            km_baseline_result_free(&t.bres);
+            km_baseline_destroy(t.baseline);
+            continue;
         }
         slice_result best[2];
         memset(best, 0, sizeof best);

@@ -44,7 +44,7 @@ typedef struct emap_entry {
 typedef struct emap {
     emap_entry *entries;
     uint64_t capacity; /* power of two or 0 */
-    uint64_t live, tombstones;
+    uint64_t live;
 } emap;
 
 static uint64_t emap_home(const emap *m, uint64_t key)
@@ -74,9 +74,8 @@ static int emap_rehash(emap *m, uint64_t capacity)
     uint64_t old_capacity = m->capacity;
     m->entries = fresh;
     m->capacity = capacity;
-    m->tombstones = 0;
     for (uint64_t i = 0; i < old_capacity; i++) {
-        if (old[i].key <= EMAP_TOMBSTONE)
+        if (old[i].key == EMAP_EMPTY)
             continue;
         uint64_t j = emap_home(m, old[i].key);
         while (fresh[j].key != EMAP_EMPTY)
@@ -91,7 +90,7 @@ static int emap_rehash(emap *m, uint64_t capacity)
 static int emap_reserve(emap *m, uint64_t extra)
 {
     uint64_t need = m->live + extra;
-    if (m->capacity && (need + m->tombstones) * 10 <= m->capacity * 7)
+    if (m->capacity && need * 10 <= m->capacity * 7)
         return KM_OK;
     uint64_t capacity = 16;
     while (need * 2 > capacity)
@@ -103,18 +102,11 @@ static int emap_reserve(emap *m, uint64_t extra)
 static emap_entry *emap_upsert(emap *m, uint64_t engine_hash)
 {
     uint64_t key = km_u64map_key(engine_hash);
-    uint64_t tomb = UINT64_MAX;
     for (uint64_t i = emap_home(m, key);; i = (i + 1) & (m->capacity - 1)) {
         emap_entry *e = &m->entries[i];
         if (e->key == key)
             return e;
-        if (e->key == EMAP_TOMBSTONE && tomb == UINT64_MAX)
-            tomb = i;
         if (e->key == EMAP_EMPTY) {
-            if (tomb != UINT64_MAX) {
-                e = &m->entries[tomb];
-                m->tombstones--;
-            }
             e->key = key;
             e->chain = CHAIN_UNHASHABLE;
             e->media = 0;
@@ -124,18 +116,28 @@ static emap_entry *emap_upsert(emap *m, uint64_t engine_hash)
     }
 }
 
+/* Backward-shift deletion (as km_table_erase): no tombstones, so a worker's churn of stores and
+ * evictions never forces a rehash. Moves later entries: pointers into the map are stale after. */
 static void emap_erase(emap *m, emap_entry *e)
 {
-    e->key = EMAP_TOMBSTONE;
+    uint64_t mask = m->capacity - 1;
+    uint64_t hole = (uint64_t)(e - m->entries);
+    for (uint64_t j = (hole + 1) & mask; m->entries[j].key != EMAP_EMPTY; j = (j + 1) & mask) {
+        uint64_t home = emap_home(m, m->entries[j].key);
+        if (((j - home) & mask) < ((j - hole) & mask))
+            continue;
+        m->entries[hole] = m->entries[j];
+        hole = j;
+    }
+    memset(&m->entries[hole], 0, sizeof m->entries[hole]);
     m->live--;
-    m->tombstones++;
 }
 
 static void emap_clear(emap *m)
 {
     if (m->capacity)
         memset(m->entries, 0, m->capacity * sizeof *m->entries);
-    m->live = m->tombstones = 0;
+    m->live = 0;
 }
 
 static void emap_free(emap *m)

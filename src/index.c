@@ -10,9 +10,11 @@
  *    first block) or is cleared. Out-of-order stores may leave a worker out: scoring then walks that
  *    segment block by block, so results stay exact (src/shared.h, km_walk_request);
  *  - all-or-nothing batches: every mutation of a batch that may allocate is logged, and a failure
- *    (memory cap, out of memory) undoes the log in reverse. Undo never allocates: a removed key's
- *    slot is a tombstone the re-insert reuses, and a bitmap set demotes at 3 holders, so re-adding
- *    one worker always fits inline.
+ *    (memory cap, out of memory) undoes the log in reverse. Undo never allocates: undoing in
+ *    reverse only ever restores a key set the table held earlier in the batch, under its maximum
+ *    load, and the capacity never shrinks, so a re-insert always finds an empty slot; a bitmap set
+ *    demotes at 3 holders, so re-adding one worker always fits inline. Undo finds every key again
+ *    by hash: erases shift slots (src/table.h), so no slot index is kept across them.
  * After a batch the backend's replica is synced; a CUDA failure moves the index to the CPU backend. */
 #include <stdarg.h>
 #include <stdio.h>
@@ -721,12 +723,16 @@ static int apply_clear(batch *b, const km_update *u)
     int rc = touch_worker(b, w);
     if (rc)
         return rc;
-    /* Segment keys first: unlinking needs each end block's anchor from the block metadata. */
+    /* Segment keys first: unlinking needs each end block's anchor from the block metadata.
+     * Each scan stays on a slot after removing w there: an erase shifts later keys of the probe run
+     * back, possibly into this very slot (km_table_erase). */
     km_table *seg = &index->segments;
-    for (uint64_t s = 0; s < seg->capacity; s++) {
+    for (uint64_t s = 0; s < seg->capacity;) {
         uint64_t end = seg->slots[s].key;
-        if (end <= KM_KEY_TOMBSTONE || !km_table_set_contains(seg, s, w))
+        if (end <= KM_KEY_TOMBSTONE || !km_table_set_contains(seg, s, w)) {
+            s++;
             continue;
+        }
         uint64_t bs = km_table_find(&index->blocks, end);
         uint64_t anchor = bs == KM_SLOT_NONE ? 0 : index->blocks.meta[bs].anchor;
         rc = segment_remove_at(b, s, anchor, w);
@@ -735,18 +741,22 @@ static int apply_clear(batch *b, const km_update *u)
     }
     for (uint32_t t = 0; t + 1 < KM_TIER_COUNT; t++) {
         km_table *lt = &index->lower[t];
-        for (uint64_t s = 0; lt->pairs && s < lt->capacity; s++) {
-            if (lt->slots[s].key <= KM_KEY_TOMBSTONE || !km_table_set_contains(lt, s, w))
+        for (uint64_t s = 0; lt->pairs && s < lt->capacity;) {
+            if (lt->slots[s].key <= KM_KEY_TOMBSTONE || !km_table_set_contains(lt, s, w)) {
+                s++;
                 continue;
+            }
             rc = table_remove_at(b, lt, s, w);
             if (rc < 0)
                 return rc;
         }
     }
     km_table *blk = &index->blocks;
-    for (uint64_t s = 0; s < blk->capacity; s++) {
-        if (blk->slots[s].key <= KM_KEY_TOMBSTONE || !km_table_set_contains(blk, s, w))
+    for (uint64_t s = 0; s < blk->capacity;) {
+        if (blk->slots[s].key <= KM_KEY_TOMBSTONE || !km_table_set_contains(blk, s, w)) {
+            s++;
             continue;
+        }
         rc = table_remove_at(b, blk, s, w);
         if (rc < 0)
             return rc;

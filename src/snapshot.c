@@ -361,6 +361,10 @@ static int take_table(reader *r, uint32_t kind, km_table *t, int with_meta, km_m
     t->tombstones = tombstones;
     t->pairs = pairs;
     t->shared_sets = shared;
+    /* Files written before backward-shift deletion may hold tombstones; erase needs none. */
+    rc = km_table_purge_tombstones(t);
+    if (rc)
+        return km_index_fail(r->index, rc, "snapshot: purging the tombstones of table %u", kind);
     return KM_OK;
 }
 

@@ -1,5 +1,5 @@
-/* Host hash table over km_slot: linear probing, tombstones, bitmap pool for widely held blocks,
- * optional block metadata, dirty-slot tracking for device replicas, accounted memory. */
+/* Host hash table over km_slot: linear probing with backward-shift deletion, bitmap pool for widely
+ * held blocks, optional block metadata, dirty-slot tracking for device replicas, accounted memory. */
 #include "table.h"
 
 #include <stdlib.h>
@@ -8,7 +8,8 @@
 
 #include "kvmatch/error.h"
 
-/* Grow when keys + tombstones pass 70% of the slots; growth at least doubles the capacity. */
+/* Grow when keys (+ tombstones, which only a loaded old snapshot can hold, purged on load) pass 70%
+ * of the slots; growth at least doubles the capacity. */
 #define TABLE_MAX_LOAD_NUM 7
 #define TABLE_MAX_LOAD_DEN 10
 #define TABLE_MIN_CAPACITY 64u
@@ -253,14 +254,34 @@ int km_table_insert(km_table *t, uint64_t key, int allow_grow, uint64_t *slot_ou
 
 void km_table_erase(km_table *t, uint64_t slot)
 {
-    t->slots[slot].key = KM_KEY_TOMBSTONE;
+    /* Backward-shift deletion. Walk the probe run after the hole; a key whose home does not lie
+     * in (hole, j] may move back into the hole (it stays reachable from its home), and its old
+     * slot becomes the hole. The run ends at the first empty slot. Every slot written is marked
+     * dirty, so a device replica patched from the list ends up identical. */
+    uint64_t mask = t->capacity - 1;
+    uint64_t hole = slot;
+    for (uint64_t j = (slot + 1) & mask; t->slots[j].key != KM_KEY_EMPTY; j = (j + 1) & mask) {
+        uint64_t home = km_slot_home(t->slots[j].key, t->shift);
+        if (((j - home) & mask) < ((j - hole) & mask))
+            continue; /* home lies after the hole: moving the key back would hide it */
+        t->slots[hole] = t->slots[j];
+        if (t->meta)
+            t->meta[hole] = t->meta[j];
+        mark_dirty_slot(t, hole);
+        hole = j;
+    }
+    t->slots[hole].key = KM_KEY_EMPTY;
     for (uint32_t j = 0; j < KM_SLOT_INLINE; j++)
-        t->slots[slot].ids[j] = KM_SLOT_ID_EMPTY;
+        t->slots[hole].ids[j] = KM_SLOT_ID_EMPTY;
     if (t->meta)
-        memset(&t->meta[slot], 0, sizeof t->meta[slot]);
+        memset(&t->meta[hole], 0, sizeof t->meta[hole]);
     t->live--;
-    t->tombstones++;
-    mark_dirty_slot(t, slot);
+    mark_dirty_slot(t, hole);
+}
+
+int km_table_purge_tombstones(km_table *t)
+{
+    return t->tombstones ? table_rehash(t, t->capacity) : KM_OK;
 }
 
 static uint64_t *pool_bits(const km_table *t, uint32_t set)

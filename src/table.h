@@ -1,7 +1,8 @@
 /* The host hash table: open addressing with linear probing over 16-byte km_slot (src/shared.h),
- * tombstone deletion (so a device replica can be patched slot by slot), a pool of bitmaps for
- * widely-held blocks, optional per-slot block metadata, dirty-slot tracking for device replicas,
- * and memory accounting against a shared cap. Single writer; readers use km_table_view. */
+ * backward-shift deletion (no tombstones, so removes never force a purging rehash and probe runs
+ * stay as short as the live load makes them), a pool of bitmaps for widely-held blocks, optional
+ * per-slot block metadata, dirty-slot tracking for device replicas (every slot a shift moves is
+ * listed), and memory accounting against a shared cap. Single writer; readers use km_table_view. */
 #ifndef KM_TABLE_H
 #define KM_TABLE_H
 
@@ -35,7 +36,7 @@ typedef struct km_table {
     uint64_t capacity;   /* power of two */
     uint32_t shift;
     uint64_t live;       /* slots holding a key */
-    uint64_t tombstones;
+    uint64_t tombstones; /* 0, except in a table loaded from an old snapshot before its purge */
     uint64_t pairs;      /* sum of set sizes */
     uint64_t shared_sets;
 
@@ -71,13 +72,19 @@ static inline km_table_view km_table_get_view(const km_table *t)
 
 /* Slot index of key, or KM_SLOT_NONE. */
 uint64_t km_table_find(const km_table *t, uint64_t key);
-/* Make room for `extra` more keys (grow or purge tombstones). KM_ERR_MEMORY_CAP / OUT_OF_MEMORY. */
+/* Make room for `extra` more keys (grow). KM_ERR_MEMORY_CAP / OUT_OF_MEMORY. */
 int km_table_reserve(km_table *t, uint64_t extra);
 /* Insert a key with an empty set; the caller checked it is absent. allow_grow = 0 is for undo
  * (must not allocate; relies on the load factor leaving empty slots). Returns KM_OK and *slot. */
 int km_table_insert(km_table *t, uint64_t key, int allow_grow, uint64_t *slot);
-/* Erase a key whose set is empty (leaves a tombstone). */
+/* Erase a key whose set is empty. Backward shift may move later keys of its probe run into
+ * earlier slots: every slot index the caller holds for this table is stale afterwards (a caller
+ * scanning slots in ascending order re-examines `slot`; keys only move towards it). Never
+ * allocates. */
 void km_table_erase(km_table *t, uint64_t slot);
+/* Rehash at the same capacity when the table holds tombstones (a snapshot written before
+ * backward-shift deletion); erase requires a tombstone-free table. */
+int km_table_purge_tombstones(km_table *t);
 
 /* Set operations. add: 1 added, 0 already present, <0 error (bitmap allocation); remove: 1 removed,
  * 0 absent. Neither erases the key; callers erase when the count reaches 0. */

@@ -1,4 +1,4 @@
-/* Open-addressing u64 -> u64 map (linear probing, tombstones) for host bookkeeping. */
+/* Open-addressing u64 -> u64 map (linear probing, backward-shift deletion) for host bookkeeping. */
 #include "u64map.h"
 
 #include <stddef.h>
@@ -8,7 +8,6 @@
 #include "kvmatch/error.h"
 
 #define MAP_EMPTY UINT64_C(0)
-#define MAP_TOMBSTONE UINT64_C(1)
 
 void km_u64map_init(km_u64map *m, km_memory *memory)
 {
@@ -59,9 +58,8 @@ static int map_rehash(km_u64map *m, uint64_t new_capacity)
     uint64_t old_capacity = m->capacity;
     m->entries = fresh;
     m->capacity = new_capacity;
-    m->tombstones = 0;
     for (uint64_t i = 0; i < old_capacity; i++) {
-        if (old[i].key <= MAP_TOMBSTONE)
+        if (old[i].key == MAP_EMPTY)
             continue;
         uint64_t j = map_home(m, old[i].key);
         while (m->entries[j].key != MAP_EMPTY)
@@ -75,7 +73,7 @@ static int map_rehash(km_u64map *m, uint64_t new_capacity)
 int km_u64map_reserve(km_u64map *m, uint64_t extra)
 {
     uint64_t need = m->live + extra;
-    if (m->capacity && (need + m->tombstones) * 10 <= m->capacity * 7)
+    if (m->capacity && need * 10 <= m->capacity * 7)
         return KM_OK;
     uint64_t capacity = m->capacity ? m->capacity : 64;
     while (need * 10 > capacity * 7 || need * 2 > capacity)
@@ -96,14 +94,12 @@ int km_u64map_put(km_u64map *m, uint64_t key, uint64_t value, int allow_grow)
         int rc = km_u64map_reserve(m, 1);
         if (rc)
             return rc;
-    } else if (m->capacity == 0 || m->live + m->tombstones + 1 >= m->capacity) {
+    } else if (m->capacity == 0 || m->live + 1 >= m->capacity) {
         return KM_ERR_INTERNAL;
     }
     for (uint64_t i = map_home(m, key);; i = (i + 1) & (m->capacity - 1)) {
         uint64_t k = m->entries[i].key;
-        if (k == MAP_EMPTY || k == MAP_TOMBSTONE) {
-            if (k == MAP_TOMBSTONE)
-                m->tombstones--;
+        if (k == MAP_EMPTY) {
             m->entries[i].key = key;
             m->entries[i].value = value;
             m->live++;
@@ -118,10 +114,19 @@ int km_u64map_erase(km_u64map *m, uint64_t key)
     if (!value)
         return 0;
     km_u64map_entry *e = (km_u64map_entry *)((char *)value - offsetof(km_u64map_entry, value));
-    e->key = MAP_TOMBSTONE;
-    e->value = 0;
+    /* Backward shift, as in km_table_erase: no tombstones, so churn never forces a rehash. */
+    uint64_t mask = m->capacity - 1;
+    uint64_t hole = (uint64_t)(e - m->entries);
+    for (uint64_t j = (hole + 1) & mask; m->entries[j].key != MAP_EMPTY; j = (j + 1) & mask) {
+        uint64_t home = map_home(m, m->entries[j].key);
+        if (((j - home) & mask) < ((j - hole) & mask))
+            continue;
+        m->entries[hole] = m->entries[j];
+        hole = j;
+    }
+    m->entries[hole].key = MAP_EMPTY;
+    m->entries[hole].value = 0;
     m->live--;
-    m->tombstones++;
     return 1;
 }
 

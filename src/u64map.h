@@ -1,5 +1,6 @@
 /* A small open-addressing map from u64 keys to u64 values, for host-side bookkeeping (segment
- * anchors, per-worker engine-hash maps). Keys 0 and 1 are reserved (empty, tombstone): callers map
+ * anchors, per-worker engine-hash maps). Keys 0 and 1 are reserved (0 marks an empty entry, 1 was
+ * the tombstone before erase became a backward shift): callers map
  * arbitrary keys through km_u64map_key() first. Memory is accounted against a km_memory. */
 #ifndef KM_U64MAP_H
 #define KM_U64MAP_H
@@ -16,7 +17,7 @@ typedef struct km_u64map_entry {
 typedef struct km_u64map {
     km_u64map_entry *entries;
     uint64_t capacity; /* power of two, or 0 before the first insert */
-    uint64_t live, tombstones;
+    uint64_t live;
     km_memory *memory;
 } km_u64map;
 
@@ -28,11 +29,11 @@ static inline uint64_t km_u64map_key(uint64_t raw)
 
 void km_u64map_init(km_u64map *m, km_memory *memory);
 void km_u64map_free(km_u64map *m);
-/* Pointer to the value of key, or NULL. Valid until the next insert. */
+/* Pointer to the value of key, or NULL. Valid until the next insert or erase (erase shifts). */
 uint64_t *km_u64map_find(const km_u64map *m, uint64_t key);
 /* Insert or overwrite. allow_grow = 0 never allocates (undo). KM_ERR_MEMORY_CAP / OUT_OF_MEMORY. */
 int km_u64map_put(km_u64map *m, uint64_t key, uint64_t value, int allow_grow);
-/* 1 if erased, 0 if absent. */
+/* 1 if erased, 0 if absent. Later entries of the probe run may move (backward shift). */
 int km_u64map_erase(km_u64map *m, uint64_t key);
 int km_u64map_reserve(km_u64map *m, uint64_t extra);
 uint64_t km_u64map_bytes(const km_u64map *m);

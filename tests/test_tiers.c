@@ -46,10 +46,13 @@ static void model_set(tier_model *m, uint64_t hash, uint32_t worker, km_tier tie
 
 static void model_clear_worker(tier_model *m, uint32_t worker)
 {
-    for (uint64_t i = 0; i < m->map.capacity; i++) {
+    /* Stay on an entry after erasing it: the backward shift may move a later one into it. */
+    for (uint64_t i = 0; i < m->map.capacity;) {
         km_u64map_entry *e = &m->map.entries[i];
         if (e->key > 1 && (e->value >> 8) == worker)
             km_u64map_erase(&m->map, e->key);
+        else
+            i++;
     }
 }
 

@@ -1,0 +1,264 @@
+/* The host hash table (src/table.c) and the bookkeeping map (src/u64map.c) under churn, against a
+ * brute-force oracle: backward-shift deletion keeps every key reachable from its home slot, leaves
+ * no tombstone, never rehashes a table whose live count stays put, and lists every slot it moves
+ * so that a replica patched from the dirty list (what the CUDA backend does) equals the table. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "kvmatch/error.h"
+#include "table.h"
+#include "test_util.h"
+#include "u64map.h"
+
+/* The inverse of km_slot_home's multiplier modulo 2^64 (Newton's iteration), so a test can pick a
+ * key's home slot. */
+static uint64_t home_multiplier_inverse(void)
+{
+    const uint64_t g = UINT64_C(0x9E3779B97F4A7C15);
+    uint64_t inv = g;
+    for (int i = 0; i < 6; i++)
+        inv *= 2 - g * inv;
+    return inv;
+}
+
+/* Half the keys have random homes; half crowd into a few homes, some of them at the table's end,
+ * so probe runs are long and wrap around past the last slot. */
+static uint64_t clustered_key(km_rng *r, uint32_t shift)
+{
+    uint64_t capacity = UINT64_C(1) << (64 - shift);
+    for (;;) {
+        uint64_t key = km_rng_hash(r);
+        if (km_rng_percent(r, 50)) {
+            uint64_t home = km_rng_percent(r, 30) ? capacity - 1 - km_rng_below(r, 3)
+                                                  : km_rng_below(r, 8) * 7u;
+            uint64_t x = (home << shift) | (km_rng_next(r) >> (64 - shift));
+            key = x * home_multiplier_inverse();
+            cr_assert_eq(km_slot_home(key, shift), home);
+        }
+        if (key > KM_KEY_TOMBSTONE)
+            return key;
+    }
+}
+
+/* Every live key is found at its slot and reachable from home without crossing an empty slot. */
+static void check_table(const km_table *t, const uint64_t *keys, const uint8_t *present, size_t n)
+{
+    uint64_t live = 0;
+    for (uint64_t i = 0; i < t->capacity; i++) {
+        uint64_t key = t->slots[i].key;
+        KM_CHECK(key != KM_KEY_TOMBSTONE, "slot %llu holds a tombstone", (unsigned long long)i);
+        if (key == KM_KEY_EMPTY)
+            continue;
+        live++;
+        for (uint64_t j = km_slot_home(key, t->shift); j != i; j = (j + 1) & (t->capacity - 1))
+            KM_CHECK(t->slots[j].key != KM_KEY_EMPTY, "key at slot %llu unreachable from its home",
+                     (unsigned long long)i);
+    }
+    KM_CHECK(live == t->live, "table counts %llu live keys, holds %llu", (unsigned long long)t->live,
+             (unsigned long long)live);
+    uint64_t expected = 0;
+    for (size_t k = 0; k < n; k++) {
+        uint64_t slot = km_table_find(t, keys[k]);
+        expected += present[k];
+        KM_CHECK((slot != KM_SLOT_NONE) == present[k], "key %zu: found %d, oracle %d", k,
+                 slot != KM_SLOT_NONE, present[k]);
+        if (present[k]) {
+            /* The set travelled with the key: worker k % 50 was added at insert. */
+            KM_CHECK(km_table_set_contains(t, slot, (uint32_t)(k % 50)), "key %zu lost its set", k);
+            KM_CHECK(t->meta[slot].parent == (keys[k] ^ 0x5555u), "key %zu lost its metadata", k);
+        }
+    }
+    KM_CHECK(expected == t->live, "oracle holds %llu keys, table %llu", (unsigned long long)expected,
+             (unsigned long long)t->live);
+}
+
+Test(table, backward_shift_churn_matches_oracle, .timeout = 60)
+{
+    km_rng r;
+    km_rng_init(&r, km_test_seed());
+    for (int round = 0; round < 4; round++) {
+        km_memory memory = {0, 0};
+        km_table t;
+        cr_assert_eq(km_table_init(&t, 600, 64, 1, &memory), KM_OK);
+        size_t n = 1500;
+        uint64_t *keys = malloc(n * sizeof *keys);
+        uint8_t *present = calloc(n, 1);
+        for (size_t k = 0; k < n; k++) {
+            /* distinct keys */
+            for (;;) {
+                keys[k] = clustered_key(&r, t.shift);
+                size_t j = 0;
+                while (j < k && keys[j] != keys[k])
+                    j++;
+                if (j == k)
+                    break;
+            }
+        }
+        uint64_t capacity = t.capacity;
+        size_t live = 0;
+        for (int step = 0; step < 20000; step++) {
+            size_t k = km_rng_below(&r, (uint32_t)n);
+            if (!present[k] && live < 600) {
+                uint64_t slot;
+                cr_assert_eq(km_table_insert(&t, keys[k], 1, &slot), KM_OK);
+                cr_assert_geq(km_table_set_add(&t, slot, (uint32_t)(k % 50)), 0);
+                t.meta[slot].parent = keys[k] ^ 0x5555u;
+                present[k] = 1;
+                live++;
+            } else if (present[k]) {
+                uint64_t slot = km_table_find(&t, keys[k]);
+                cr_assert_neq(slot, KM_SLOT_NONE);
+                km_table_set_remove(&t, slot, (uint32_t)(k % 50));
+                km_table_erase(&t, slot);
+                present[k] = 0;
+                live--;
+            }
+            if (step % 997 == 0)
+                check_table(&t, keys, present, n);
+        }
+        check_table(&t, keys, present, n);
+        KM_CHECK(t.tombstones == 0, "tombstones counted: %llu", (unsigned long long)t.tombstones);
+        /* At most 600 live keys in a table sized for 600: 20,000 inserts and erases never rehash. */
+        KM_CHECK(t.capacity == capacity, "capacity went from %llu to %llu under churn",
+                 (unsigned long long)capacity, (unsigned long long)t.capacity);
+        free(keys);
+        free(present);
+        km_table_free(&t);
+    }
+}
+
+/* A replica starts as a copy of the table and receives only the slots on the dirty list, as the
+ * CUDA backend's patch does; after inserts and shifting erases it must equal the table. */
+Test(table, dirty_list_patches_a_replica_exactly, .timeout = 60)
+{
+    km_rng r;
+    km_rng_init(&r, km_test_seed() ^ 0xD1);
+    km_memory memory = {0, 0};
+    km_table t;
+    cr_assert_eq(km_table_init(&t, 400, 64, 1, &memory), KM_OK);
+    t.track_dirty = 1;
+    size_t n = 800;
+    uint64_t *keys = malloc(n * sizeof *keys);
+    uint8_t *present = calloc(n, 1);
+    for (size_t k = 0; k < n; k++) {
+        keys[k] = clustered_key(&r, t.shift);
+        for (size_t j = 0; j < k; j++)
+            if (keys[j] == keys[k])
+                keys[k] = 0; /* drop a duplicate */
+    }
+    km_slot *replica = malloc(t.capacity * sizeof *replica);
+    memcpy(replica, t.slots, t.capacity * sizeof *replica);
+    for (int batch = 0; batch < 50; batch++) {
+        km_table_clear_dirty(&t);
+        for (int step = 0; step < 200; step++) {
+            size_t k = km_rng_below(&r, (uint32_t)n);
+            if (keys[k] <= KM_KEY_TOMBSTONE)
+                continue;
+            if (!present[k] && t.live < 400) {
+                uint64_t slot;
+                cr_assert_eq(km_table_insert(&t, keys[k], 1, &slot), KM_OK);
+                cr_assert_geq(km_table_set_add(&t, slot, (uint32_t)(k % 50)), 0);
+                present[k] = 1;
+            } else if (present[k]) {
+                uint64_t slot = km_table_find(&t, keys[k]);
+                km_table_set_remove(&t, slot, (uint32_t)(k % 50));
+                km_table_erase(&t, slot);
+                present[k] = 0;
+            }
+        }
+        cr_assert_eq(t.layout_changed, 0, "no reallocation expected at this load");
+        for (size_t i = 0; i < t.n_dirty_slots; i++)
+            replica[t.dirty_slots[i]] = t.slots[t.dirty_slots[i]];
+        KM_CHECK(memcmp(replica, t.slots, t.capacity * sizeof *replica) == 0,
+                 "batch %d: replica patched from %zu dirty slots differs from the table", batch,
+                 t.n_dirty_slots);
+    }
+    free(replica);
+    free(keys);
+    free(present);
+    km_table_free(&t);
+}
+
+/* A table loaded with tombstones (an old snapshot) is purged before anything erases in it. */
+Test(table, purge_removes_tombstones_and_keeps_keys)
+{
+    km_memory memory = {0, 0};
+    km_table t;
+    cr_assert_eq(km_table_init(&t, 100, 64, 0, &memory), KM_OK);
+    uint64_t keys[60];
+    km_rng r;
+    km_rng_init(&r, km_test_seed() ^ 0x70);
+    for (int k = 0; k < 60; k++) {
+        keys[k] = km_rng_hash(&r);
+        uint64_t slot;
+        cr_assert_eq(km_table_insert(&t, keys[k], 1, &slot), KM_OK);
+        km_table_set_add(&t, slot, (uint32_t)k);
+    }
+    /* What the old erase left: tombstones in place of the first 20 keys. */
+    for (int k = 0; k < 20; k++) {
+        uint64_t slot = km_table_find(&t, keys[k]);
+        km_table_set_remove(&t, slot, (uint32_t)k);
+        t.slots[slot].key = KM_KEY_TOMBSTONE;
+        t.live--;
+        t.tombstones++;
+    }
+    cr_assert_eq(km_table_purge_tombstones(&t), KM_OK);
+    cr_assert_eq(t.tombstones, 0);
+    for (uint64_t i = 0; i < t.capacity; i++)
+        cr_assert_neq(t.slots[i].key, KM_KEY_TOMBSTONE);
+    for (int k = 0; k < 60; k++) {
+        uint64_t slot = km_table_find(&t, keys[k]);
+        cr_assert_eq(slot != KM_SLOT_NONE, k >= 20, "key %d", k);
+        if (k >= 20)
+            cr_assert(km_table_set_contains(&t, slot, (uint32_t)k));
+    }
+    km_table_free(&t);
+}
+
+Test(u64map, backward_shift_churn_matches_oracle, .timeout = 60)
+{
+    km_rng r;
+    km_rng_init(&r, km_test_seed() ^ 0x64);
+    km_memory memory = {0, 0};
+    km_u64map m;
+    km_u64map_init(&m, &memory);
+    size_t n = 2000;
+    uint64_t *keys = malloc(n * sizeof *keys);
+    uint64_t *values = calloc(n, sizeof *values);
+    uint8_t *present = calloc(n, 1);
+    for (size_t k = 0; k < n; k++)
+        keys[k] = km_u64map_key((km_rng_next(&r) & ~UINT64_C(0xFFFF)) | k); /* distinct */
+    cr_assert_eq(km_u64map_reserve(&m, 700), KM_OK);
+    uint64_t capacity = m.capacity;
+    size_t live = 0;
+    for (int step = 0; step < 40000; step++) {
+        size_t k = km_rng_below(&r, (uint32_t)n);
+        if (!present[k] && live < 700) {
+            values[k] = km_rng_next(&r);
+            cr_assert_eq(km_u64map_put(&m, keys[k], values[k], 0), KM_OK);
+            present[k] = 1;
+            live++;
+        } else if (present[k]) {
+            cr_assert_eq(km_u64map_erase(&m, keys[k]), 1);
+            cr_assert_eq(km_u64map_erase(&m, keys[k]), 0, "erased twice");
+            present[k] = 0;
+            live--;
+        }
+        if (step % 1999 == 0 || step == 39999) {
+            KM_CHECK(m.live == live, "map counts %llu, oracle %zu", (unsigned long long)m.live, live);
+            for (size_t j = 0; j < n; j++) {
+                uint64_t *v = km_u64map_find(&m, keys[j]);
+                KM_CHECK((v != NULL) == present[j], "step %d key %zu: found %d, oracle %d", step, j,
+                         v != NULL, present[j]);
+                if (v)
+                    KM_CHECK(*v == values[j], "key %zu has the wrong value", j);
+            }
+        }
+    }
+    KM_CHECK(m.capacity == capacity, "capacity went from %llu to %llu under churn",
+             (unsigned long long)capacity, (unsigned long long)m.capacity);
+    free(keys);
+    free(values);
+    free(present);
+    km_u64map_free(&m);
+}
