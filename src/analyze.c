@@ -129,6 +129,7 @@ typedef struct point {
     int64_t outcome_prompt;   /* outcome prompt_tokens, -1 = null */
     int64_t actual;           /* cached_tokens, -1 = null or no outcome */
     int64_t ttft_ns;          /* -1 = null */
+    double router_ttft_ms;    /* -1 = null or absent (records before the field existed) */
     int64_t in_flight;        /* the chosen worker's, -1 = unknown */
     int64_t decision_id;
     int64_t copy_predicted;   /* the outcome's predicted.depth_tokens */
@@ -492,6 +493,7 @@ static point *new_point(km_analysis *a, uint32_t *index)
     memset(p, 0, sizeof *p);
     p->worker = p->copy_worker = p->policy = NONE;
     p->decision_prompt = p->outcome_prompt = p->actual = p->ttft_ns = p->in_flight = -1;
+    p->router_ttft_ms = -1;
     return p;
 }
 
@@ -721,6 +723,13 @@ static int take_outcome(km_analysis *a, json_t *root, uint32_t file, uint64_t li
         get_object(root, "", "predicted", &predicted, e) ||
         get_count(predicted, "predicted.", "depth_tokens", 0, &predicted_depth, e))
         return 0;
+    double router_ttft = -1;
+    json_t *rt = json_object_get(root, "router_ttft_ms");
+    if (rt && !json_is_null(rt)) {
+        if (!json_is_number(rt) || !(json_number_value(rt) >= 0))
+            return invalid_field(e, "", "router_ttft_ms", "expected a number >= 0 or null");
+        router_ttft = json_number_value(rt);
+    }
 
     uint64_t key[2];
     decision_key(c.instance, c.decision_id, key);
@@ -768,6 +777,7 @@ static int take_outcome(km_analysis *a, json_t *root, uint32_t file, uint64_t li
     p->actual = cached;
     p->outcome_prompt = prompt;
     p->ttft_ns = ttft;
+    p->router_ttft_ms = router_ttft;
     p->copy_predicted = predicted_depth;
     p->copy_worker = worker_index;
     p->outcome_file = file;
@@ -1062,6 +1072,12 @@ static int compare_i64(const void *x, const void *y)
     return a < b ? -1 : a > b;
 }
 
+static int compare_double(const void *x, const void *y)
+{
+    double a = *(const double *)x, b = *(const double *)y;
+    return (a > b) - (a < b);
+}
+
 /* Pair what is left unjoined by (request_id, attempt_id), in reading order. */
 static int join_by_request(km_analysis *a)
 {
@@ -1102,6 +1118,7 @@ static int join_by_request(km_analysis *a)
             d->actual = o->actual;
             d->outcome_prompt = o->outcome_prompt;
             d->ttft_ns = o->ttft_ns;
+            d->router_ttft_ms = o->router_ttft_ms;
             d->copy_predicted = o->copy_predicted;
             d->copy_worker = o->copy_worker;
             d->outcome_file = o->outcome_file;
@@ -1309,17 +1326,20 @@ int km_analysis_finish(km_analysis *a)
     }
 
     int64_t *ttfts = malloc((a->n_points + 1) * sizeof *ttfts);
+    double *router_ttfts = malloc((a->n_points + 1) * sizeof *router_ttfts);
     uint64_t *policy_index = calloc(a->strings.n + 1, sizeof *policy_index); /* id -> index + 1 */
     a->policies = calloc(a->strings.n + 1, sizeof *a->policies);
     uint64_t *worker_index = calloc(a->worker_keys.n + 1, sizeof *worker_index);
     a->worker_stats = calloc(a->worker_keys.n + 1, sizeof *a->worker_stats);
-    if (!ttfts || !policy_index || !a->policies || !worker_index || !a->worker_stats) {
+    if (!ttfts || !router_ttfts || !policy_index || !a->policies || !worker_index ||
+        !a->worker_stats) {
         free(ttfts);
+        free(router_ttfts);
         free(policy_index);
         free(worker_index);
         return fail_memory(a, "computing metrics");
     }
-    size_t n_ttft = 0, n_policies = 0, n_workers = 0;
+    size_t n_ttft = 0, n_router_ttft = 0, n_policies = 0, n_workers = 0;
     a->min_time_ns = INT64_MAX;
     double max_tokens = 0;
     for (size_t i = 0; i < a->n_points; i++) {
@@ -1370,6 +1390,8 @@ int km_analysis_finish(km_analysis *a)
             }
             if (p->outcome_kind == 1 && p->ttft_ns >= 0)
                 ttfts[n_ttft++] = p->ttft_ns;
+            if (p->outcome_kind == 1 && p->router_ttft_ms >= 0)
+                router_ttfts[n_router_ttft++] = p->router_ttft_ms;
             if ((f & POINT_DECISION) &&
                 (p->copy_worker != p->worker || p->copy_predicted != p->predicted))
                 s->join.copy_mismatches++;
@@ -1450,6 +1472,14 @@ int km_analysis_finish(km_analysis *a)
         s->outcomes.ttft_p99_ms = (double)ttfts[r99 - 1] / 1e6;
     }
     free(ttfts);
+    sort_items(router_ttfts, n_router_ttft, sizeof *router_ttfts, compare_double);
+    s->outcomes.router_ttft_known = n_router_ttft;
+    if (n_router_ttft) {
+        size_t r50 = (n_router_ttft * 50 + 99) / 100, r99 = (n_router_ttft * 99 + 99) / 100;
+        s->outcomes.router_ttft_p50_ms = router_ttfts[r50 - 1];
+        s->outcomes.router_ttft_p99_ms = router_ttfts[r99 - 1];
+    }
+    free(router_ttfts);
     for (size_t i = 0; i < n_policies; i++)
         quality_finish(&a->policies[i].quality);
     sort_items(a->policies, n_policies, sizeof *a->policies, compare_policies);
@@ -1657,6 +1687,10 @@ int km_analysis_render_text(const km_analysis *a, km_text *out)
     if (oc->ttft_known)
         km_text_printf(out, "  TTFT from the decision (complete): p50 %.3f ms, p99 %.3f ms (%" PRIu64 ")\n",
                        oc->ttft_p50_ms, oc->ttft_p99_ms, oc->ttft_known);
+    if (oc->router_ttft_known)
+        km_text_printf(out, "  TTFT on the router's clock, from arrival (complete): p50 %.3f ms, "
+                       "p99 %.3f ms (%" PRIu64 ")\n",
+                       oc->router_ttft_p50_ms, oc->router_ttft_p99_ms, oc->router_ttft_known);
 
     km_text_printf(out, "\nrecovery windows (a worker's index state not LIVE): %zu\n", s->n_windows);
     for (size_t i = 0; i < s->n_windows; i++) {
@@ -1764,7 +1798,7 @@ int km_analysis_render_json(const km_analysis *a, km_text *out)
         " s{sI sI sI sI sI sI sI sI sI sI sI sf sf so}"
         " s{sI sI sI sI sf sI sI sI sI sI sI}"
         " s{sI sI sI sI sI}"
-        " s{sI sI sI sI sI sI sI sf sf}"
+        " s{sI sI sI sI sI sI sI sf sf sI sf sf}"
         " s{so so so}"
         " so so so so so}",
         "input", "interleaved_streams", (json_int_t)in->interleaved_streams, "files", (json_int_t)in->files, "files_failed", (json_int_t)in->files_failed,
@@ -1799,6 +1833,8 @@ int km_analysis_render_json(const km_analysis *a, km_text *out)
         "incomplete_http_200", (json_int_t)oc->incomplete_http_200, "error", (json_int_t)oc->error,
         "cancelled", (json_int_t)oc->cancelled, "expired", (json_int_t)oc->expired, "ttft_known",
         (json_int_t)oc->ttft_known, "ttft_p50_ms", oc->ttft_p50_ms, "ttft_p99_ms", oc->ttft_p99_ms,
+        "router_ttft_known", (json_int_t)oc->router_ttft_known, "router_ttft_p50_ms",
+        oc->router_ttft_p50_ms, "router_ttft_p99_ms", oc->router_ttft_p99_ms,
         "recovery", "windows", windows, "inside", json_quality(&s->in_windows), "outside",
         json_quality(&s->outside_windows),
         "policies", policies, "workers", workers, "invalid_lines",

@@ -137,6 +137,8 @@ typedef struct km_analysis_outcomes {
     uint64_t incomplete_http_200;      /* incomplete although HTTP 200: not a success */
     uint64_t ttft_known;               /* complete outcomes with ttft_ns */
     double ttft_p50_ms, ttft_p99_ms;   /* over those (nearest rank); 0 when none */
+    uint64_t router_ttft_known;        /* complete outcomes with router_ttft_ms */
+    double router_ttft_p50_ms, router_ttft_p99_ms; /* the router's clock, from arrival */
 } km_analysis_outcomes;
 
 /* Routing quality over a set of decisions (inside or outside recovery windows, per policy). */

@@ -12,6 +12,7 @@
  *     arrays converted) into the same zone, so the result does not point into the payload.
  * The zone is cleared at the start of the next decode, which is the documented lifetime. */
 #include <inttypes.h>
+#include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -617,6 +618,8 @@ static void encode_lifecycle_event(writer *w, const km_lifecycle_event *e, uint3
     put_str(w, &m, "attempt_id", e->attempt_id);
     if (e->has_worker)
         put_u64(w, &m, "worker", e->worker);
+    if (e->has_elapsed_ms && (!(e->elapsed_ms >= 0) || !isfinite(e->elapsed_ms)))
+        writer_fail(w, KM_ERR_INVALID_ARGUMENT, "%selapsed_ms must be finite and >= 0", where);
     if (e->has_elapsed_ms)
         put_double(w, &m, "elapsed_ms", e->elapsed_ms);
     if (e->kind == KM_LIFECYCLE_FINISHED) {
@@ -1659,6 +1662,9 @@ static int decode_lifecycle_event(km_protocol_decoder *d, const msgpack_object *
     if (v[LC_ELAPSED_MS]) {
         if ((rc = read_double(d, v[LC_ELAPSED_MS], "elapsed_ms", &e->elapsed_ms)))
             return rc;
+        if (!(e->elapsed_ms >= 0) || !isfinite(e->elapsed_ms))
+            return field_fail(d, KM_ERR_INVALID_ARGUMENT, "elapsed_ms", NO_ELEMENT,
+                              "must be a finite number of milliseconds >= 0, got %g", e->elapsed_ms);
         e->has_elapsed_ms = true;
     }
     if (kind != KM_LIFECYCLE_FINISHED)

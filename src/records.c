@@ -157,6 +157,9 @@ void km_outcome_record_init(km_outcome_record *r)
     r->dispatched = time_absent();
     r->first_token = time_absent();
     r->finished = time_absent();
+    r->router_dispatched_ms = NAN;
+    r->router_ttft_ms = NAN;
+    r->router_e2e_ms = NAN;
 }
 
 void km_outcome_record_from_decision(km_outcome_record *o, const km_decision_record *d)
@@ -624,6 +627,14 @@ int km_outcome_record_format(const km_outcome_record *r, char **line, size_t *le
     put_time(&b, root, "finished", r->finished, false);
     put_duration(&b, root, "wait_ns", r->decided.monotonic_ns, r->dispatched.monotonic_ns);
     put_duration(&b, root, "ttft_ns", r->decided.monotonic_ns, r->first_token.monotonic_ns);
+    if (b.status == KM_OK &&
+        ((!isnan(r->router_dispatched_ms) && !(r->router_dispatched_ms >= 0)) ||
+         (!isnan(r->router_ttft_ms) && !(r->router_ttft_ms >= 0)) ||
+         (!isnan(r->router_e2e_ms) && !(r->router_e2e_ms >= 0))))
+        fail(&b, KM_ERR_INVALID_ARGUMENT, "the router_*_ms fields must be >= 0 or NAN (null)");
+    put_real(&b, root, "router_dispatched_ms", r->router_dispatched_ms);
+    put_real(&b, root, "router_ttft_ms", r->router_ttft_ms);
+    put_real(&b, root, "router_e2e_ms", r->router_e2e_ms);
 
     json_t *predicted = json_object();
     put(&b, root, "predicted", predicted);

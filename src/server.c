@@ -113,6 +113,7 @@ typedef struct attempt {
     uint32_t block_size, chosen_depth, owner_depth;
     km_record_time decided;
     km_record_time dispatched, first_token; /* monotonic 0 = absent */
+    double router_dispatched_ms, router_ttft_ms; /* the router's elapsed_ms; NAN = not reported */
     char strings[]; /* the ids and names, one allocation with the struct */
 } attempt;
 
@@ -665,6 +666,7 @@ static attempt *attempt_new(const char *request_id, const char *attempt_id, cons
     if (!a)
         return NULL;
     memset(a, 0, sizeof *a);
+    a->router_dispatched_ms = a->router_ttft_ms = NAN;
     const char **out[5] = {&a->request_id, &a->attempt_id, &a->model, &a->pool, &a->endpoint};
     char *p = a->strings;
     for (int i = 0; i < 5; i++) {
@@ -732,6 +734,10 @@ static void write_outcome(km_server *s, const attempt *a, km_record_outcome outc
     if (sum && sum->first_token)
         r.first_token = mono_to_record(sum->first_token_ns);
     r.finished = r.common.time;
+    r.router_dispatched_ms = a->router_dispatched_ms;
+    r.router_ttft_ms = a->router_ttft_ms;
+    if (ev && ev->has_elapsed_ms)
+        r.router_e2e_ms = ev->elapsed_ms;
     if (ev) {
         r.finish_reason = ev->finish_reason;
         r.done_seen = ev->done_seen ? KM_RECORD_FLAG_TRUE : KM_RECORD_FLAG_FALSE;
@@ -1653,12 +1659,16 @@ static int lifecycle_one(km_server *s, const km_lifecycle_event *ev, char *msg, 
         rc = km_active_dispatched(s->active, &key, now);
         if (rc == KM_OK && !a->dispatched.monotonic_ns)
             a->dispatched = km_record_time_now();
+        if (rc == KM_OK && ev->has_elapsed_ms && isnan(a->router_dispatched_ms))
+            a->router_dispatched_ms = ev->elapsed_ms;
         break;
     case KM_LIFECYCLE_FIRST_TOKEN:
         rc = km_active_first_token(s->active, &key,
                                    ev->has_cached_tokens ? (int64_t)ev->cached_tokens
                                                          : KM_ACTIVE_CACHED_UNKNOWN,
                                    now);
+        if (rc == KM_OK && ev->has_elapsed_ms && isnan(a->router_ttft_ms))
+            a->router_ttft_ms = ev->elapsed_ms; /* the first FIRST_TOKEN counts, as its time does */
         break;
     case KM_LIFECYCLE_FINISHED: {
         if (ev->has_cached_tokens)

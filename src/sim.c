@@ -173,7 +173,9 @@ static int request_tokens(run *r, const km_trace_request *q, uint32_t *n_tokens,
     return rc;
 }
 
-static int queue_report(run *r, km_lifecycle_kind kind, size_t index)
+/* Queue a lifecycle report for request `index`, stamped with the router's elapsed time: virtual
+ * microseconds `time_us` since its arrival, as a router would measure on its own clock. */
+static int queue_report(run *r, km_lifecycle_kind kind, size_t index, uint64_t time_us)
 {
     if (r->n_pending == r->cap_pending) {
         size_t cap = r->cap_pending ? r->cap_pending * 2 : 64;
@@ -191,6 +193,8 @@ static int queue_report(run *r, km_lifecycle_kind kind, size_t index)
     e->decision_id = s->decision_id;
     e->has_worker = true;
     e->worker = s->worker;
+    e->has_elapsed_ms = true;
+    e->elapsed_ms = time_us > s->arrival_us ? (double)(time_us - s->arrival_us) / 1000.0 : 0.0;
     if (kind == KM_LIFECYCLE_FINISHED) {
         const km_trace_request *q = &r->trace->requests[index];
         e->outcome = KM_OUTCOME_COMPLETE;
@@ -285,19 +289,19 @@ static int drain_engine(run *r, uint32_t w, uint64_t now_us, char *why, size_t w
         case KM_SIM_FIRST_TOKEN:
             s->first_token = true;
             r->ttft_ms[r->n_ttft++] = (double)(c.time_us - s->arrival_us) / 1000.0;
-            rc = queue_report(r, KM_LIFECYCLE_FIRST_TOKEN, c.request_id);
+            rc = queue_report(r, KM_LIFECYCLE_FIRST_TOKEN, c.request_id, c.time_us);
             break;
         case KM_SIM_FINISHED:
             s->finished = true;
             r->res->output_tokens += c.output_tokens;
             if (c.time_us / 1e6 > r->res->makespan_s)
                 r->res->makespan_s = (double)c.time_us / 1e6;
-            rc = queue_report(r, KM_LIFECYCLE_FINISHED, c.request_id);
+            rc = queue_report(r, KM_LIFECYCLE_FINISHED, c.request_id, c.time_us);
             break;
         case KM_SIM_REJECTED:
             r->res->rejected++;
             s->finished = true;
-            rc = queue_report(r, KM_LIFECYCLE_FINISHED, c.request_id);
+            rc = queue_report(r, KM_LIFECYCLE_FINISHED, c.request_id, c.time_us);
             if (!rc) {
                 km_lifecycle_event *e = &r->pending[r->n_pending - 1];
                 e->outcome = KM_OUTCOME_ERROR;
@@ -497,7 +501,7 @@ static int route_one(run *r, size_t index, uint64_t now_us, char *why, size_t wh
     if (rc)
         return km_why(why, why_size, rc, "engine %u: %s", w, km_sim_engine_last_error(r->engines[w]));
     /* The router sent it on at once. */
-    if (s->routed && (rc = queue_report(r, KM_LIFECYCLE_DISPATCHED, index)) != KM_OK)
+    if (s->routed && (rc = queue_report(r, KM_LIFECYCLE_DISPATCHED, index, now_us)) != KM_OK)
         return km_why(why, why_size, rc, "out of memory");
     return KM_OK;
 }
@@ -789,7 +793,7 @@ static int run_policy(const km_sim_config *cfg, const km_trace *trace, const cha
                     continue;
                 s->finished = true;
                 res->lost_to_restart++;
-                if (s->routed && (rc = queue_report(&r, KM_LIFECYCLE_FINISHED, i)) == KM_OK) {
+                if (s->routed && (rc = queue_report(&r, KM_LIFECYCLE_FINISHED, i, t_now)) == KM_OK) {
                     km_lifecycle_event *e = &r.pending[r.n_pending - 1];
                     e->outcome = KM_OUTCOME_ERROR;
                     e->error = "the engine restarted";

@@ -7,6 +7,7 @@
  * Randomized tests print their seed (KM_TEST_SEED). */
 #include <inttypes.h>
 #include <stdio.h>
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -183,7 +184,7 @@ static void rand_event(km_rng *r, km_lifecycle_event *e)
     e->has_worker = km_rng_percent(r, 50);
     e->worker = e->has_worker ? rand_u32(r) : 0;
     e->has_elapsed_ms = km_rng_percent(r, 50);
-    e->elapsed_ms = e->has_elapsed_ms ? rand_double(r) : 0;
+    e->elapsed_ms = e->has_elapsed_ms ? fabs(rand_double(r)) : 0;
     if (e->kind != KM_LIFECYCLE_FINISHED)
         return;
     static const char *const reasons[] = {"stop", "length", ""};
@@ -743,6 +744,74 @@ Test(protocol, complete_without_evidence_is_rejected_per_event, .timeout = 10)
     cr_assert_eq(km_protocol_decode(dec, b.data + 4, b.size - 4, &got), KM_OK);
     cr_assert_eq(got.lifecycle.events[1].status, KM_OK);
     cr_assert_eq(got.lifecycle.events[1].outcome, KM_OUTCOME_INCOMPLETE);
+    km_frame_buffer_free(&b);
+    km_protocol_decoder_destroy(dec);
+}
+
+/* elapsed_ms is a duration on the router's clock: a negative or non-finite one is refused for its
+ * event by the decoder (and never sent by the encoder); the other events stand. */
+Test(protocol, elapsed_ms_must_be_a_duration, .timeout = 10)
+{
+    km_lifecycle_event ev[2] = {0};
+    for (int i = 0; i < 2; i++) {
+        ev[i].kind = KM_LIFECYCLE_FIRST_TOKEN;
+        ev[i].request_id = "req";
+        ev[i].has_elapsed_ms = true;
+        ev[i].elapsed_ms = 12.5;
+    }
+    km_message m = {.type = KM_MESSAGE_LIFECYCLE, .id = 9};
+    m.lifecycle.events = ev;
+    m.lifecycle.n_events = 2;
+    km_frame_buffer b;
+    km_frame_buffer_init(&b);
+    char why[256];
+    ev[1].elapsed_ms = -1;
+    cr_assert_eq(km_protocol_encode(&m, 0, &b, why, sizeof why), KM_ERR_INVALID_ARGUMENT);
+    cr_assert(strstr(why, "elapsed_ms"), "%s", why);
+    ev[1].elapsed_ms = 12.5;
+    encode_ok(&m, &b);
+    km_protocol_decoder *dec;
+    cr_assert_eq(km_protocol_decoder_create(NULL, &dec), KM_OK);
+    const double bad[3] = {-0.5, NAN, INFINITY};
+    for (int k = 0; k < 3; k++) {
+        /* Rewrite events[1].elapsed_ms in the encoded message, as a peer could send it. */
+        msgpack_zone zone;
+        msgpack_zone_init(&zone, 4096);
+        msgpack_object root;
+        size_t off = 0;
+        cr_assert_eq(msgpack_unpack((const char *)b.data + 4, b.size - 4, &off, &zone, &root),
+                     MSGPACK_UNPACK_SUCCESS);
+        msgpack_object *events = NULL;
+        for (uint32_t i = 0; i < root.via.map.size; i++)
+            if (!strncmp(root.via.map.ptr[i].key.via.str.ptr, "events", 6))
+                events = &root.via.map.ptr[i].val;
+        cr_assert(events && events->type == MSGPACK_OBJECT_ARRAY);
+        msgpack_object *e1 = &events->via.array.ptr[1];
+        int rewritten = 0;
+        for (uint32_t i = 0; i < e1->via.map.size; i++) {
+            msgpack_object_kv *kv = &e1->via.map.ptr[i];
+            if (kv->key.via.str.size == 10 && !strncmp(kv->key.via.str.ptr, "elapsed_ms", 10)) {
+                kv->val.type = MSGPACK_OBJECT_FLOAT64;
+                kv->val.via.f64 = bad[k];
+                rewritten = 1;
+            }
+        }
+        cr_assert(rewritten);
+        msgpack_sbuffer sb;
+        msgpack_packer pk;
+        msgpack_sbuffer_init(&sb);
+        msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
+        msgpack_pack_object(&pk, root);
+        km_message got;
+        cr_assert_eq(km_protocol_decode(dec, sb.data, sb.size, &got), KM_OK);
+        cr_assert_eq(got.lifecycle.events[0].status, KM_OK);
+        cr_assert_float_eq(got.lifecycle.events[0].elapsed_ms, 12.5, 1e-12);
+        cr_assert_eq(got.lifecycle.events[1].status, KM_ERR_INVALID_ARGUMENT, "value %g", bad[k]);
+        cr_assert(strstr(got.lifecycle.events[1].message, "elapsed_ms"), "%s",
+                  got.lifecycle.events[1].message);
+        msgpack_sbuffer_destroy(&sb);
+        msgpack_zone_destroy(&zone);
+    }
     km_frame_buffer_free(&b);
     km_protocol_decoder_destroy(dec);
 }

@@ -225,6 +225,9 @@ static void gen_outcome(gen *g, km_outcome_record *r)
     r->dispatched = gen_time(g, true);
     r->first_token = gen_time(g, true);
     r->finished = gen_time(g, true);
+    r->router_dispatched_ms = fabs(gen_real(g)); /* durations: NAN (null) or >= 0 */
+    r->router_ttft_ms = fabs(gen_real(g));
+    r->router_e2e_ms = fabs(gen_real(g));
     /* monotonic order after the decision, so the derived durations are defined */
     if (r->decided.monotonic_ns != KM_RECORD_ABSENT) {
         int64_t base = r->decided.monotonic_ns / 2;
@@ -431,7 +434,7 @@ static void check_outcome_line(const char *line, size_t len, const km_outcome_re
     json_error_t err;
     json_t *o = json_loadb(line, len, 0, &err);
     KM_CHECK(o != NULL, "not JSON (%s): %s", err.text, line);
-    expect_keys(o, COMMON_KEYS + 21);
+    expect_keys(o, COMMON_KEYS + 24);
     expect_common(o, "outcome", &r->common);
     expect_string(o, "outcome", km_record_outcome_name(r->outcome));
     expect_string(o, "finish_reason", r->finish_reason);
@@ -455,6 +458,9 @@ static void check_outcome_line(const char *line, size_t len, const km_outcome_re
     int64_t d0 = r->decided.monotonic_ns, d1 = r->dispatched.monotonic_ns, d2 = r->first_token.monotonic_ns;
     expect_int(o, "wait_ns", d0 == KM_RECORD_ABSENT || d1 == KM_RECORD_ABSENT ? KM_RECORD_ABSENT : d1 - d0);
     expect_int(o, "ttft_ns", d0 == KM_RECORD_ABSENT || d2 == KM_RECORD_ABSENT ? KM_RECORD_ABSENT : d2 - d0);
+    expect_real(o, "router_dispatched_ms", r->router_dispatched_ms);
+    expect_real(o, "router_ttft_ms", r->router_ttft_ms);
+    expect_real(o, "router_e2e_ms", r->router_e2e_ms);
     json_t *p = member(o, "predicted");
     expect_keys(p, 8);
     expect_string(p, "source", km_record_source_name(r->source));
@@ -618,7 +624,8 @@ Test(records, absent_values_are_null_never_zero, .timeout = 10)
                            "cached_tokens", "prompt_tokens", "output_tokens", "retries",
                            "decided_time", "decided_monotonic_ns", "dispatched_time",
                            "dispatched_monotonic_ns", "first_token_time", "first_token_monotonic_ns",
-                           "finished_time", "finished_monotonic_ns", "wait_ns", "ttft_ns"};
+                           "finished_time", "finished_monotonic_ns", "wait_ns", "ttft_ns",
+                           "router_dispatched_ms", "router_ttft_ms", "router_e2e_ms"};
     for (size_t i = 0; i < sizeof nulls / sizeof nulls[0]; i++)
         cr_assert(json_is_null(json_object_get(o, nulls[i])), "%s should be null: %s", nulls[i], line);
     cr_assert_str_eq(json_string_value(json_object_get(o, "time")), "1970-01-01T00:00:00.000000Z");
@@ -764,6 +771,8 @@ Test(records, bad_outcome_fields_are_rejected_by_name, .timeout = 10)
     CASE(o.predicted_depth_blocks = KM_RECORD_ABSENT, KM_ERR_INVALID_ARGUMENT, "depth_blocks");
     CASE(o.dispatched.monotonic_ns = o.decided.monotonic_ns - 1, KM_ERR_INVALID_ARGUMENT, "wait_ns");
     CASE(o.first_token.monotonic_ns = 1, KM_ERR_INVALID_ARGUMENT, "ttft_ns");
+    CASE(o.router_ttft_ms = -2.5, KM_ERR_INVALID_ARGUMENT, "router_");
+    CASE(o.router_e2e_ms = INFINITY, KM_ERR_INVALID_ARGUMENT, "router_");
     CASE(o.finished.wall_ns = -7, KM_ERR_INVALID_ARGUMENT, "finished_time");
     CASE(o.common.pool = NULL, KM_ERR_NULL_POINTER, "pool");
 #undef CASE

@@ -267,10 +267,16 @@ Test(server, route_lifecycle_and_records, .timeout = 30)
     ev[0].kind = KM_LIFECYCLE_DISPATCHED;
     ev[0].request_id = "req-1";
     ev[0].attempt_id = "a1";
+    ev[0].has_elapsed_ms = true; /* the router's clock, kept in the outcome record */
+    ev[0].elapsed_ms = 0.25;
     ev[1].kind = KM_LIFECYCLE_FIRST_TOKEN;
     ev[1].request_id = "req-1";
     ev[1].attempt_id = "a1";
+    ev[1].has_elapsed_ms = true;
+    ev[1].elapsed_ms = 212.5;
     ev[2].kind = KM_LIFECYCLE_FINISHED;
+    ev[2].has_elapsed_ms = true;
+    ev[2].elapsed_ms = 1840.75;
     ev[2].request_id = "req-1";
     ev[2].attempt_id = "a1";
     ev[2].outcome = KM_OUTCOME_COMPLETE;
@@ -321,6 +327,11 @@ Test(server, route_lifecycle_and_records, .timeout = 30)
     cr_assert_str_eq(json_string_value(json_object_get(dr1, "attempt_id")), "a1");
     cr_assert_str_eq(json_string_value(json_object_get(or1, "outcome")), "complete");
     cr_assert_str_eq(json_string_value(json_object_get(or2, "outcome")), "incomplete");
+    cr_assert_float_eq(json_number_value(json_object_get(or1, "router_dispatched_ms")), 0.25, 1e-9);
+    cr_assert_float_eq(json_number_value(json_object_get(or1, "router_ttft_ms")), 212.5, 1e-9);
+    cr_assert_float_eq(json_number_value(json_object_get(or1, "router_e2e_ms")), 1840.75, 1e-9);
+    cr_assert(json_is_null(json_object_get(or2, "router_ttft_ms")), "not reported: null");
+    cr_assert(json_is_null(json_object_get(or2, "router_e2e_ms")), "not reported: null");
     bool checked;
     check_schema(&s, &checked);
     json_decref(all);

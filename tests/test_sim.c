@@ -14,7 +14,9 @@
 #include <unistd.h>
 
 #include <criterion/criterion.h>
+#include <jansson.h>
 
+#include "analyze.h"
 #include "kvmatch/error.h"
 #include "sim.h"
 
@@ -128,6 +130,76 @@ Test(sim, exact_when_events_arrive_as_they_happen, .timeout = 120)
         inexact += wrong;
     }
     cr_assert_gt(inexact, 0, "step publishing should leave the index behind at least once");
+}
+
+static int compare_doubles(const void *x, const void *y)
+{
+    double a = *(const double *)x, b = *(const double *)y;
+    return (a > b) - (a < b);
+}
+
+/* The records a simulation keeps carry its virtual TTFT on the router's clock (elapsed_ms ->
+ * router_ttft_ms): the same values the simulator measured, and what kvmatch analyze reports. */
+Test(sim, records_carry_the_simulated_ttft, .timeout = 120)
+{
+    char dir[] = "/tmp/km-sim-records-XXXXXX";
+    cr_assert_not_null(mkdtemp(dir));
+    km_sim_config cfg;
+    small_config(&cfg, 31);
+    cfg.policies[0] = "kv";
+    cfg.n_policies = 1;
+    cfg.records_dir = dir;
+    km_sim_result r[KM_SIM_MAX_POLICIES];
+    char why[512];
+    cr_assert_eq(km_sim_run(&cfg, r, why, sizeof why), KM_OK, "%s", why);
+    char path[256];
+    snprintf(path, sizeof path, "%s/records-kv.jsonl", dir);
+
+    FILE *f = fopen(path, "r");
+    cr_assert_not_null(f, "%s", path);
+    double *ttft = calloc(r[0].requests + 1, sizeof *ttft);
+    size_t n = 0, outcomes = 0;
+    char line[65536];
+    while (fgets(line, sizeof line, f)) {
+        json_t *rec = json_loads(line, 0, NULL);
+        cr_assert_not_null(rec, "a record line is JSON");
+        if (!strcmp(json_string_value(json_object_get(rec, "type")), "outcome")) {
+            outcomes++;
+            json_t *v = json_object_get(rec, "router_ttft_ms");
+            cr_assert_not_null(v, "router_ttft_ms is always present");
+            cr_assert(json_is_null(json_object_get(rec, "router_dispatched_ms")) == 0,
+                      "the sim reports its dispatch time");
+            if (!json_is_null(v)) {
+                cr_assert_lt(n, r[0].requests);
+                ttft[n++] = json_number_value(v);
+                cr_assert_geq(json_number_value(json_object_get(rec, "router_e2e_ms")), ttft[n - 1],
+                              "finished after the first token");
+            }
+        }
+        json_decref(rec);
+    }
+    fclose(f);
+    cr_assert_eq(outcomes, r[0].routed, "one outcome per routed request");
+    cr_assert_gt(n, 0);
+    /* The simulator's own percentiles, by its definition (index round(q * (n - 1))). */
+    qsort(ttft, n, sizeof *ttft, compare_doubles);
+    cr_assert_float_eq(ttft[(size_t)(0.50 * (double)(n - 1) + 0.5)], r[0].ttft_p50_ms, 1e-6);
+    cr_assert_float_eq(ttft[(size_t)(0.99 * (double)(n - 1) + 0.5)], r[0].ttft_p99_ms, 1e-6);
+
+    km_analysis *a;
+    cr_assert_eq(km_analysis_create(NULL, &a), KM_OK);
+    cr_assert_eq(km_analysis_add_file(a, path), KM_OK);
+    cr_assert_eq(km_analysis_finish(a), KM_OK);
+    const km_analysis_summary *s = km_analysis_summary_get(a);
+    cr_assert_eq(s->outcomes.router_ttft_known, s->outcomes.complete);
+    cr_assert_eq(s->outcomes.router_ttft_known, n, "every complete outcome had a first token");
+    /* analyze uses nearest rank */
+    cr_assert_float_eq(s->outcomes.router_ttft_p50_ms, ttft[(n * 50 + 99) / 100 - 1], 1e-9);
+    cr_assert_float_eq(s->outcomes.router_ttft_p99_ms, ttft[(n * 99 + 99) / 100 - 1], 1e-9);
+    km_analysis_destroy(a);
+    free(ttft);
+    unlink(path);
+    rmdir(dir);
 }
 
 Test(sim, cache_aware_routing_reuses_more_than_round_robin, .timeout = 120)

@@ -175,6 +175,11 @@ typedef struct km_outcome_record {
     km_record_time finished;           /* FINISHED received (or the TTL expiry) */
     /* wait_ns = dispatched - decided and ttft_ns = first_token - decided are derived from the
      * monotonic times when both ends are present, else null. */
+    /* The router's own clock, as it reported (`elapsed_ms` of each lifecycle event): ms from the
+     * request's arrival at the router to DISPATCHED, FIRST_TOKEN and FINISHED; NAN = null. */
+    double router_dispatched_ms;
+    double router_ttft_ms;
+    double router_e2e_ms;
 
     /* the prediction, copied from the decision so a reader can compare without a join */
     const char *worker;                /* required: the chosen worker this attempt went to */
