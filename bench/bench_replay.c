@@ -247,12 +247,15 @@ static int run_slice(target *t, const stream *s, size_t *pos, size_t queries, do
     return KM_OK;
 }
 
-/* Unpaced: the rest of the stream as fast as it goes, time in updates and in queries apart. */
-static int run_ceiling(target *t, const stream *s, size_t pos, double *upd_ops_per_s,
-                       double *queries_per_s)
+/* Unpaced: the rest of the stream as fast as it goes, time in stores, removes and queries apart. */
+typedef struct ceiling_rates {
+    double store_ops_per_s, remove_ops_per_s, update_ops_per_s, queries_per_s;
+} ceiling_rates;
+
+static int run_ceiling(target *t, const stream *s, size_t pos, ceiling_rates *c)
 {
-    double t_upd = 0, t_q = 0;
-    uint64_t blocks = 0, queries = 0;
+    double t_store = 0, t_remove = 0, t_q = 0;
+    uint64_t stored = 0, removed = 0, queries = 0;
     for (; pos < s->n_ops; pos++) {
         const op *o = &s->ops[pos];
         double a = km_bench_now_s();
@@ -263,13 +266,18 @@ static int run_ceiling(target *t, const stream *s, size_t pos, double *upd_ops_p
         if (o->kind == OP_QUERY) {
             t_q += b - a;
             queries++;
+        } else if (o->kind == OP_STORE) {
+            t_store += b - a;
+            stored += o->n;
         } else {
-            t_upd += b - a;
-            blocks += o->n;
+            t_remove += b - a;
+            removed += o->n;
         }
     }
-    *upd_ops_per_s = t_upd > 0 ? (double)blocks / t_upd : 0;
-    *queries_per_s = t_q > 0 ? (double)queries / t_q : 0;
+    c->store_ops_per_s = t_store > 0 ? (double)stored / t_store : 0;
+    c->remove_ops_per_s = t_remove > 0 ? (double)removed / t_remove : 0;
+    c->update_ops_per_s = t_store + t_remove > 0 ? (double)(stored + removed) / (t_store + t_remove) : 0;
+    c->queries_per_s = t_q > 0 ? (double)queries / t_q : 0;
     return KM_OK;
 }
 
@@ -373,11 +381,13 @@ int km_bench_replay_main(int argc, char **argv)
         }
         if (ceiling && !rc) {
             /* Instead of the paced slices: what the index does flat out on the same stream. */
-            double upd = 0, qps = 0;
-            rc = run_ceiling(&t, &s, pos, &upd, &qps);
+            ceiling_rates c = {0};
+            rc = run_ceiling(&t, &s, pos, &c);
             if (!json)
-                printf("%-17s ceiling: updates %.0f block ops/s, queries %.0f /s (alone)\n", t.name,
-                       upd, qps);
+                printf("%-17s ceiling: updates %.0f block ops/s (stores %.0f, removes %.0f), "
+                       "queries %.0f /s (alone)\n",
+                       t.name, c.update_ops_per_s, c.store_ops_per_s, c.remove_ops_per_s,
+                       c.queries_per_s);
             km_index_destroy(t.index);
             km_match_results_free(&t.ires);
             km_baseline_result_free(&t.bres);

@@ -177,6 +177,9 @@ void km_index_destroy(km_index *index)
     km_u64map_free(&index->anchors);
     free(index->anchor_nodes);
     free(index->workers);
+    free(index->undo_log);
+    free(index->undo_saved);
+    free(index->undo_touched);
     free(index);
 }
 
@@ -210,19 +213,20 @@ typedef enum undo_kind {
     UNDO_SEG_REMOVED,
     UNDO_ANCHOR_LINKED,  /* key (segment end) was linked under anchor aux */
     UNDO_ANCHOR_UNLINKED,
-    UNDO_WORKER_COUNTERS, /* worker's counters before the batch, in counters */
+    UNDO_WORKER_COUNTERS, /* worker's counters before the batch: index->undo_saved[aux] */
     UNDO_TIER_ADDED,      /* worker was added to key's set in lower tier table aux */
     UNDO_TIER_REMOVED,    /* worker was removed from key's set in lower tier table aux */
 } undo_kind;
 
-typedef struct undo_entry {
+/* 48 bytes: a store logs one or two per block, so the entry stays small (a worker's counters,
+ * 128 bytes, are saved once per batch in index->undo_saved instead). */
+typedef struct km_undo_entry {
     undo_kind kind;
     uint32_t worker;
     uint64_t key;
     uint64_t aux;
     union {
         km_block_meta meta;
-        km_worker_counters counters;
     } u;
 } undo_entry;
 
@@ -230,38 +234,52 @@ typedef struct batch {
     km_index *index;
     km_update_stats *stats;
     int logging;
-    undo_entry *log;
-    size_t n_log, log_capacity;
-    uint8_t *touched; /* per worker: counters saved in this batch */
+    size_t n_log;   /* entries in index->undo_log */
+    size_t n_saved; /* entries in index->undo_saved */
 } batch;
+
+/* Batches this large give their log back afterwards instead of keeping it for the next one. */
+#define UNDO_KEEP_ENTRIES (UINT64_C(1) << 16)
 
 static int undo_push(batch *b, const undo_entry *e)
 {
     if (!b->logging)
         return KM_OK;
-    if (b->n_log == b->log_capacity) {
-        size_t cap = b->log_capacity ? b->log_capacity * 2 : 256;
-        undo_entry *grown = realloc(b->log, cap * sizeof *grown);
+    km_index *index = b->index;
+    if (b->n_log == index->undo_capacity) {
+        size_t cap = index->undo_capacity ? index->undo_capacity * 2 : 1024;
+        undo_entry *grown = realloc(index->undo_log, cap * sizeof *grown);
         if (!grown)
             return KM_ERR_OUT_OF_MEMORY;
-        b->log = grown;
-        b->log_capacity = cap;
+        index->undo_log = grown;
+        index->undo_capacity = cap;
     }
-    b->log[b->n_log++] = *e;
+    index->undo_log[b->n_log++] = *e;
     return KM_OK;
 }
 
 /* Log a worker's counters the first time the batch touches it. Call before changing them. */
 static int touch_worker(batch *b, uint32_t worker)
 {
-    if (!b->logging || b->touched[worker])
+    km_index *index = b->index;
+    if (!b->logging || index->undo_touched[worker])
         return KM_OK;
-    undo_entry e = {.kind = UNDO_WORKER_COUNTERS, .worker = worker};
-    e.u.counters = b->index->workers[worker];
+    if (b->n_saved == index->undo_saved_capacity) {
+        size_t cap = index->undo_saved_capacity ? index->undo_saved_capacity * 2 : 16;
+        struct km_saved_counters *grown = realloc(index->undo_saved, cap * sizeof *grown);
+        if (!grown)
+            return KM_ERR_OUT_OF_MEMORY;
+        index->undo_saved = grown;
+        index->undo_saved_capacity = cap;
+    }
+    undo_entry e = {.kind = UNDO_WORKER_COUNTERS, .worker = worker, .aux = b->n_saved};
     int rc = undo_push(b, &e);
-    if (!rc)
-        b->touched[worker] = 1;
-    return rc;
+    if (rc)
+        return rc;
+    index->undo_saved[b->n_saved].worker = worker;
+    index->undo_saved[b->n_saved++].counters = index->workers[worker];
+    index->undo_touched[worker] = 1;
+    return KM_OK;
 }
 
 /* ---- anchor lists: segment first block -> segment ends with a non-empty set ------------------- */
@@ -814,7 +832,7 @@ static void undo_one(km_index *index, const undo_entry *e)
         anchor_link(index, e->aux, e->key, 0);
         return;
     case UNDO_WORKER_COUNTERS:
-        index->workers[e->worker] = e->u.counters;
+        index->workers[e->worker] = index->undo_saved[e->aux].counters;
         return;
     }
 }
@@ -885,9 +903,9 @@ int km_index_apply(km_index *index, const km_update *updates, size_t n_updates,
     for (size_t i = 0; i < n_updates && !b.logging; i++)
         b.logging = (updates[i].kind == KM_UPDATE_STORE || updates[i].kind == KM_UPDATE_SET_TIER) &&
                     updates[i].n_hashes > 0;
-    if (b.logging) {
-        b.touched = calloc(index->config.max_workers, 1);
-        if (!b.touched)
+    if (b.logging && !index->undo_touched) {
+        index->undo_touched = calloc(index->config.max_workers, 1);
+        if (!index->undo_touched)
             return km_index_fail(index, KM_ERR_OUT_OF_MEMORY, "undo bookkeeping");
     }
     for (size_t i = 0; i < n_updates && !rc; i++) {
@@ -913,10 +931,15 @@ int km_index_apply(km_index *index, const km_update *updates, size_t n_updates,
     }
     if (rc) {
         for (size_t i = b.n_log; i-- > 0;)
-            undo_one(index, &b.log[i]);
+            undo_one(index, &index->undo_log[i]);
     }
-    free(b.log);
-    free(b.touched);
+    for (size_t i = 0; i < b.n_saved; i++)
+        index->undo_touched[index->undo_saved[i].worker] = 0;
+    if (index->undo_capacity > UNDO_KEEP_ENTRIES) {
+        free(index->undo_log);
+        index->undo_log = NULL;
+        index->undo_capacity = 0;
+    }
     int sync_rc = sync_backend(index);
     if (rc)
         return rc;

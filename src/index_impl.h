@@ -57,6 +57,15 @@ struct km_index {
 
     km_worker_counters *workers;
 
+    /* Update batches' scratch, kept between batches (single writer) so a batch allocates nothing
+     * in the common case: the undo log (src/index.c), the counters of each worker a batch touched
+     * as they were before it, and a touched flag per worker (all 0 between batches). */
+    struct km_undo_entry *undo_log;
+    size_t undo_capacity;
+    struct km_saved_counters { uint32_t worker; km_worker_counters counters; } *undo_saved;
+    size_t undo_saved_capacity;
+    uint8_t *undo_touched;
+
     const km_backend_ops *backend;
     void *backend_state;
 
