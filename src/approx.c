@@ -366,7 +366,20 @@ int km_approx_record(km_approx *a, uint32_t worker, const uint64_t *hashes, size
 
     uint64_t now = advance_clock(a, now_ns);
     uint64_t added = 0;
+    /* The maps and the slab are larger than the caches and every hash lands somewhere random:
+     * load the map entry RECORD_AHEAD hashes ahead, and the pair (and so its list neighbours'
+     * indices) half as far ahead, so the misses of several blocks overlap. */
+    enum { RECORD_AHEAD = 8 };
+    for (size_t k = keep; k-- > 0 && keep - k <= RECORD_AHEAD;)
+        km_u64map_prefetch(&w->map, hashes[k]);
     for (size_t k = keep; k-- > 0;) { /* deepest first, so block 0 ends up the newest */
+        if (k >= RECORD_AHEAD)
+            km_u64map_prefetch(&w->map, hashes[k - RECORD_AHEAD]);
+        if (k >= RECORD_AHEAD / 2) {
+            const uint64_t *ahead = km_u64map_find(&w->map, hashes[k - RECORD_AHEAD / 2]);
+            if (ahead)
+                __builtin_prefetch(&a->slab[*ahead]);
+        }
         uint64_t *found = km_u64map_find(&w->map, hashes[k]);
         uint32_t i;
         if (found) {

@@ -29,6 +29,13 @@ static inline uint64_t km_u64map_key(uint64_t raw)
 
 void km_u64map_init(km_u64map *m, km_memory *memory);
 void km_u64map_free(km_u64map *m);
+/* Start loading the entry where a lookup of key begins (a hint; no effect on the map). */
+static inline void km_u64map_prefetch(const km_u64map *m, uint64_t key)
+{
+    if (m->capacity)
+        __builtin_prefetch(&m->entries[(key * UINT64_C(0x9E3779B97F4A7C15)) & (m->capacity - 1)]);
+}
+
 /* Pointer to the value of key, or NULL. Valid until the next insert or erase (erase shifts). */
 uint64_t *km_u64map_find(const km_u64map *m, uint64_t key);
 /* Insert or overwrite. allow_grow = 0 never allocates (undo). KM_ERR_MEMORY_CAP / OUT_OF_MEMORY. */
