@@ -701,6 +701,26 @@ static int apply_store(batch *b, const km_update *u)
     return KM_OK;
 }
 
+/* A remove's misses come in a dependent chain per block (its slot, then its metadata, then the
+ * anchor map entry the metadata names): start the first two REMOVE_AHEAD blocks ahead and the
+ * third half as far ahead, so several blocks' chains overlap. */
+enum { REMOVE_AHEAD = 8 };
+
+static void remove_prefetch(const km_index *index, const km_update *u, size_t i)
+{
+    const km_table *t = &index->blocks;
+    if (i + REMOVE_AHEAD < u->n_hashes) {
+        uint64_t home = km_slot_home(u->hashes[i + REMOVE_AHEAD], t->shift);
+        __builtin_prefetch(&t->slots[home]);
+        __builtin_prefetch(&t->meta[home]);
+    }
+    if (i + REMOVE_AHEAD / 2 < u->n_hashes && index->config.segment_blocks) {
+        uint64_t slot = km_table_find(t, u->hashes[i + REMOVE_AHEAD / 2]);
+        if (slot != KM_SLOT_NONE && t->meta[slot].position != KM_POSITION_UNKNOWN)
+            km_u64map_prefetch(&index->anchors, t->meta[slot].anchor);
+    }
+}
+
 static int apply_remove(batch *b, const km_update *u)
 {
     km_index *index = b->index;
@@ -709,6 +729,7 @@ static int apply_remove(batch *b, const km_update *u)
     if (rc)
         return rc;
     for (size_t i = 0; i < u->n_hashes; i++) {
+        remove_prefetch(index, u, i);
         uint64_t key = u->hashes[i];
         uint64_t slot = km_table_find(&index->blocks, key);
         if (slot == KM_SLOT_NONE || !km_table_set_contains(&index->blocks, slot, u->worker)) {
