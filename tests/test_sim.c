@@ -310,6 +310,57 @@ Test(sim, faults_move_the_numbers, .timeout = 180)
     cr_assert_eq(bypass.exact_predictions, bypass.routed, "the index still hears every event");
 }
 
+/* --cut over ZMQ: one worker's messages are lost for 5 s. With a replay buffer longer than the cut
+ * the subscriber sees the gap and replay brings everything back (no DEGRADED window, nothing lost);
+ * with a shorter one history is gone: the worker goes DEGRADED and stays so, and the removes it
+ * missed leave the index claiming blocks the engine evicted (over-predictions). In process there
+ * is no replay at all. */
+Test(sim, cut_recovers_or_degrades_by_replay_buffer, .timeout = 180)
+{
+    km_sim_config cfg;
+    small_config(&cfg, 41);
+    cfg.generator.requests = 400;
+    cfg.generator.rate_per_s = 20;
+    cfg.policies[0] = "kv";
+    cfg.n_policies = 1;
+    cfg.zmq = true;
+    cfg.cut_worker = 0;
+    cfg.cut_at_s = 10;
+    cfg.cut_for_s = 5;
+    km_sim_result base, longer, shorter, local;
+    char why[512];
+    cfg.cut_worker = -1;
+    cr_assert_eq(km_sim_run(&cfg, &base, why, sizeof why), KM_OK, "%s", why);
+    cfg.cut_worker = 0;
+    cfg.replay_buffer = 100;
+    cr_assert_eq(km_sim_run(&cfg, &longer, why, sizeof why), KM_OK, "%s", why);
+    cfg.replay_buffer = 4;
+    cr_assert_eq(km_sim_run(&cfg, &shorter, why, sizeof why), KM_OK, "%s", why);
+    cfg.zmq = false;
+    cr_assert_eq(km_sim_run(&cfg, &local, why, sizeof why), KM_OK, "%s", why);
+    check_accounting(&base);
+    check_accounting(&longer);
+    check_accounting(&shorter);
+    check_accounting(&local);
+    cr_assert_eq(base.exact_predictions, base.routed);
+    cr_assert_gt(longer.dropped_messages, 0);
+    cr_assert_eq(shorter.dropped_messages, longer.dropped_messages, "the same cut");
+
+    bool degraded[3] = {false, false, false};
+    const km_sim_result *runs[3] = {&longer, &shorter, &local};
+    for (int k = 0; k < 3; k++)
+        for (uint32_t i = 0; i < runs[k]->n_windows; i++)
+            degraded[k] |= runs[k]->windows[i].worker == 0 &&
+                           !strcmp(runs[k]->windows[i].state, "DEGRADED") && runs[k]->windows[i].end_s < 0;
+    cr_assert_not(degraded[0], "a buffer longer than the cut recovers");
+    cr_assert_eq(longer.diff_lost, 0, "replay brought every message back");
+    cr_assert(degraded[1], "a buffer shorter than the cut loses history: DEGRADED for good");
+    cr_assert(degraded[2], "in process nothing is replayed");
+    cr_assert_gt(shorter.over_predictions, 0, "missed removes: the index claims evicted blocks");
+    cr_assert_lt(shorter.exact_predictions, longer.exact_predictions);
+    cr_assert_gt(shorter.diff_lost, 0, "inexact decisions on the DEGRADED worker count as lost");
+}
+
 /* A restart of kvmatch itself, with engines that keep only 20 messages for replay: started empty
  * it cannot rebuild what was stored before (under-predictions); restored from the snapshot it
  * wrote on the way out it resumes from the saved seq + 1 and stays exact. In process (no replay, no
