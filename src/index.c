@@ -141,13 +141,13 @@ int km_index_create(const km_index_config *cfg_in, km_index **out)
     index->memory.cap = cfg.memory_cap_bytes;
     index->anchor_free_head = ANCHOR_NONE;
     km_u64map_init(&index->anchors, &index->memory);
-    int rc = km_table_init(&index->blocks, cfg.initial_blocks, cfg.max_workers, 1, &index->memory);
-    if (!rc)
+    int rc = km_table_init(&index->blocks, cfg.initial_blocks, cfg.max_workers, 1, 0, &index->memory);
+    if (!rc) /* aux: one fingerprint byte per block of each segment key */
         rc = km_table_init(&index->segments,
                            cfg.segment_blocks ? cfg.initial_blocks / cfg.segment_blocks + 1 : 1,
-                           cfg.max_workers, 0, &index->memory);
+                           cfg.max_workers, 0, cfg.segment_blocks, &index->memory);
     for (uint32_t t = 0; t + 1 < KM_TIER_COUNT && !rc; t++)
-        rc = km_table_init(&index->lower[t], 16, cfg.max_workers, 0, &index->memory);
+        rc = km_table_init(&index->lower[t], 16, cfg.max_workers, 0, 0, &index->memory);
     if (!rc) {
         index->workers = calloc(cfg.max_workers, sizeof *index->workers);
         if (!index->workers)
@@ -445,8 +445,40 @@ static uint32_t segment_size(const km_index *index)
     return index->config.segment_blocks;
 }
 
-/* Add worker to the segment key `end` (first block `anchor`). */
-static int segment_add(batch *b, uint64_t anchor, uint64_t end, uint32_t worker)
+/* ---- segment fingerprints ---------------------------------------------------------------------
+ * The segment table's aux bytes hold, per segment key, one byte per block of its chain: a
+ * fingerprint of that block's chain hash (chain_fingerprint), or 0 where it is unknown. A worker
+ * that loses block X at offset k of a segment leaves each segment key of that anchor whose byte k
+ * matches X's fingerprint or is 0. A mismatch proves X is not on that key's chain; a false match
+ * (about 1 in 255) drops the worker from a segment it still holds, which is sound: scoring walks
+ * that segment block by block and stays exact. This replaced walking parent links from every
+ * candidate segment end back to X's position (up to S-1 dependent lookups each). */
+static inline uint8_t chain_fingerprint(uint64_t chain)
+{
+    uint8_t f = (uint8_t)(chain >> 56);
+    return f ? f : 1;
+}
+
+/* Fingerprints of the S blocks ending at `end`, by walking parent links (0 past a break). */
+static void fingerprints_by_walk(const km_index *index, uint64_t end, uint8_t *fps)
+{
+    uint32_t S = index->config.segment_blocks;
+    memset(fps, 0, S);
+    uint64_t cursor = end;
+    for (uint32_t k = S; k-- > 0;) {
+        uint64_t slot = km_table_find(&index->blocks, cursor);
+        if (slot == KM_SLOT_NONE)
+            return;
+        fps[k] = chain_fingerprint(cursor);
+        cursor = index->blocks.meta[slot].parent;
+        if (cursor == KM_NO_PARENT)
+            return;
+    }
+}
+
+/* Add worker to the segment key `end` (first block `anchor`); `fps` are the fingerprints of its
+ * S blocks, stored when the key is new. */
+static int segment_add(batch *b, uint64_t anchor, uint64_t end, uint32_t worker, const uint8_t *fps)
 {
     km_index *index = b->index;
     uint64_t slot;
@@ -456,6 +488,7 @@ static int segment_add(batch *b, uint64_t anchor, uint64_t end, uint32_t worker)
         return rc;
     if (!inserted)
         return KM_OK;
+    memcpy(km_table_aux(&index->segments, slot), fps, index->segments.aux_bytes);
     undo_entry e = {.kind = UNDO_ANCHOR_LINKED, .key = end, .aux = anchor};
     rc = undo_push(b, &e);
     if (!rc) {
@@ -485,8 +518,9 @@ static int segment_remove_at(batch *b, uint64_t slot, uint64_t anchor, uint32_t 
 }
 
 /* Does worker hold all S blocks of the segment ending at `end` (at `position`)? Walks the parent
- * links back from end, checking each block is held and sits one position earlier. */
-static int holds_segment(const km_index *index, uint32_t worker, uint64_t end, uint32_t position)
+ * links back from end, checking each block is held and sits one position earlier; fills fps. */
+static int holds_segment(const km_index *index, uint32_t worker, uint64_t end, uint32_t position,
+                         uint8_t *fps)
 {
     uint32_t S = segment_size(index);
     uint64_t cursor = end;
@@ -495,31 +529,14 @@ static int holds_segment(const km_index *index, uint32_t worker, uint64_t end, u
         if (slot == KM_SLOT_NONE || !km_table_set_contains(&index->blocks, slot, worker) ||
             index->blocks.meta[slot].position != position - k)
             return 0;
+        fps[S - 1 - k] = chain_fingerprint(cursor);
         cursor = index->blocks.meta[slot].parent;
     }
     return 1;
 }
 
-/* Is `block` (at `position`) on the chain of segment end `end`? Walks end's parents. When the walk
- * breaks the answer is "yes", which can only remove a worker from a segment key (sound). */
-static int on_segment_chain(const km_index *index, uint64_t end, uint64_t block, uint32_t position)
-{
-    uint64_t cursor = end;
-    for (uint32_t steps = 0; steps <= KM_MAX_SEGMENT_BLOCKS; steps++) {
-        if (cursor == block)
-            return 1;
-        uint64_t slot = km_table_find(&index->blocks, cursor);
-        if (slot == KM_SLOT_NONE)
-            return 1;
-        const km_block_meta *m = &index->blocks.meta[slot];
-        if (m->position == KM_POSITION_UNKNOWN || m->position <= position)
-            return m->position == KM_POSITION_UNKNOWN;
-        cursor = m->parent;
-    }
-    return 1;
-}
-
-/* After worker lost `block` (metadata m): drop worker from every segment key whose chain includes it. */
+/* After worker lost `block` (metadata m): drop worker from every segment key whose chain includes
+ * it (or, about once in 255, one whose fingerprint only looks so: sound). */
 static int invalidate_segments(batch *b, uint32_t worker, uint64_t block, const km_block_meta *m)
 {
     km_index *index = b->index;
@@ -535,8 +552,9 @@ static int invalidate_segments(batch *b, uint32_t worker, uint64_t block, const 
         uint64_t slot = km_table_find(&index->segments, end);
         if (slot == KM_SLOT_NONE || !km_table_set_contains(&index->segments, slot, worker))
             continue;
-        if (!on_segment_chain(index, end, block, m->position))
-            continue;
+        uint8_t fp = km_table_aux(&index->segments, slot)[m->position % segment_size(index)];
+        if (fp != 0 && fp != chain_fingerprint(block))
+            continue; /* block is not on this segment's chain */
         int rc = segment_remove_at(b, slot, m->anchor, worker);
         if (rc)
             return rc;
@@ -703,9 +721,15 @@ static int apply_store(batch *b, const km_update *u)
             run_consecutive = m->position != KM_POSITION_UNKNOWN;
         prev_position = m->position;
         prev_anchor = m->anchor;
-        if (S && prev_position != KM_POSITION_UNKNOWN && prev_position % S == S - 1 &&
-            (run_consecutive >= S || holds_segment(index, u->worker, key, prev_position))) {
-            rc = segment_add(b, prev_anchor, key, u->worker);
+        if (S && prev_position != KM_POSITION_UNKNOWN && prev_position % S == S - 1) {
+            uint8_t fps[KM_MAX_SEGMENT_BLOCKS];
+            int held = run_consecutive >= S;
+            if (held) /* this run's last S hashes are the segment's chain */
+                for (uint32_t k = 0; k < S; k++)
+                    fps[k] = chain_fingerprint(u->hashes[i + 1 - S + k]);
+            else
+                held = holds_segment(index, u->worker, key, prev_position, fps);
+            rc = held ? segment_add(b, prev_anchor, key, u->worker, fps) : KM_OK;
             if (rc)
                 return rc;
         }
@@ -847,6 +871,9 @@ static void undo_one(km_index *index, const undo_entry *e)
             km_table_insert(t, e->key, 0, &slot);
             if (t->meta)
                 t->meta[slot] = e->u.meta;
+            /* A segment key comes back after its blocks (logged later, undone earlier). */
+            if (t->aux)
+                fingerprints_by_walk(index, e->key, km_table_aux(t, slot));
         }
         km_table_set_add(t, slot, e->worker);
         return;
@@ -1022,6 +1049,7 @@ int km_index_rebuild_anchors(km_index *index)
         int rc = anchor_link(index, index->blocks.meta[bs].anchor, end, 1);
         if (rc)
             return rc;
+        fingerprints_by_walk(index, end, km_table_aux(seg, s));
     }
     return KM_OK;
 }

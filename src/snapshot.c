@@ -265,7 +265,8 @@ static int slot_valid(const km_table *t, const km_slot *s, uint32_t max_workers,
 }
 
 /* Read one table section into t (fresh, accounted to memory) and validate it. */
-static int take_table(reader *r, uint32_t kind, km_table *t, int with_meta, km_memory *memory)
+static int take_table(reader *r, uint32_t kind, km_table *t, int with_meta, uint32_t aux_bytes,
+                      km_memory *memory)
 {
     const km_index *index = r->index;
     uint64_t bytes;
@@ -293,7 +294,8 @@ static int take_table(reader *r, uint32_t kind, km_table *t, int with_meta, km_m
                              "header implies %llu", kind, (unsigned long long)bytes,
                              (unsigned long long)expect);
     /* The arrays come from km_table_init so that growth and release work as for any table. */
-    rc = km_table_init(t, h.capacity * 7 / 10 - 1, index->config.max_workers, with_meta, memory);
+    rc = km_table_init(t, h.capacity * 7 / 10 - 1, index->config.max_workers, with_meta, aux_bytes,
+                       memory);
     if (rc)
         return km_index_fail(r->index, rc, "snapshot: table %u of %llu slots: %s", kind,
                              (unsigned long long)h.capacity, km_strerror(rc));
@@ -457,13 +459,14 @@ int km_index_load(km_index *index, const char *path, void **user_out, size_t *us
     else
         XXH3_64bits_reset(r.hash);
     if (!rc)
-        rc = take_table(&r, SECTION_BLOCKS, &staged.blocks, 1, &staged.memory);
+        rc = take_table(&r, SECTION_BLOCKS, &staged.blocks, 1, 0, &staged.memory);
     if (!rc)
-        rc = take_table(&r, SECTION_SEGMENTS, &staged.segments, 0, &staged.memory);
+        rc = take_table(&r, SECTION_SEGMENTS, &staged.segments, 0, staged.config.segment_blocks,
+                            &staged.memory);
     if (!rc)
-        rc = take_table(&r, SECTION_LOWER_HOST, &staged.lower[KM_TIER_HOST - 1], 0, &staged.memory);
+        rc = take_table(&r, SECTION_LOWER_HOST, &staged.lower[KM_TIER_HOST - 1], 0, 0, &staged.memory);
     if (!rc)
-        rc = take_table(&r, SECTION_LOWER_DISK, &staged.lower[KM_TIER_DISK - 1], 0, &staged.memory);
+        rc = take_table(&r, SECTION_LOWER_DISK, &staged.lower[KM_TIER_DISK - 1], 0, 0, &staged.memory);
     if (!rc) {
         uint64_t bytes;
         uint64_t expect = (uint64_t)staged.config.max_workers * sizeof(km_worker_stats);

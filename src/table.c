@@ -34,8 +34,7 @@ static uint32_t log2_u64(uint64_t x)
 
 static uint64_t table_slot_bytes(const km_table *t, uint64_t capacity, int with_meta)
 {
-    (void)t;
-    return capacity * (sizeof(km_slot) + (with_meta ? sizeof(km_block_meta) : 0));
+    return capacity * (sizeof(km_slot) + (with_meta ? sizeof(km_block_meta) : 0) + t->aux_bytes);
 }
 
 static uint64_t pool_bytes(const km_table *t, uint64_t pool_capacity)
@@ -123,9 +122,11 @@ static int table_rehash(km_table *t, uint64_t new_capacity)
         return rc;
     km_slot *slots = slots_alloc(new_capacity);
     km_block_meta *meta = with_meta ? calloc(new_capacity, sizeof(km_block_meta)) : NULL;
-    if (!slots || (with_meta && !meta)) {
+    uint8_t *aux = t->aux_bytes ? calloc(new_capacity, t->aux_bytes) : NULL;
+    if (!slots || (with_meta && !meta) || (t->aux_bytes && !aux)) {
         free(slots);
         free(meta);
+        free(aux);
         km_memory_reserve(t->memory, new_bytes, old_bytes);
         return KM_ERR_OUT_OF_MEMORY;
     }
@@ -141,11 +142,15 @@ static int table_rehash(km_table *t, uint64_t new_capacity)
         slots[j] = t->slots[i];
         if (with_meta)
             meta[j] = t->meta[i];
+        if (aux)
+            memcpy(aux + j * t->aux_bytes, km_table_aux(t, i), t->aux_bytes);
     }
     free(t->slots);
     free(t->meta);
+    free(t->aux);
     t->slots = slots;
     t->meta = meta;
+    t->aux = aux;
     t->capacity = new_capacity;
     t->shift = shift;
     t->tombstones = 0;
@@ -169,11 +174,12 @@ static uint64_t capacity_for(uint64_t keys)
 }
 
 int km_table_init(km_table *t, uint64_t initial_keys, uint32_t max_workers, int with_meta,
-                  km_memory *memory)
+                  uint32_t aux_bytes, km_memory *memory)
 {
     memset(t, 0, sizeof *t);
     t->memory = memory;
     t->words_per_set = (max_workers + 63u) / 64u;
+    t->aux_bytes = aux_bytes;
     uint64_t capacity = capacity_for(initial_keys);
     uint64_t bytes = table_slot_bytes(t, capacity, with_meta);
     int rc = km_memory_reserve(memory, 0, bytes);
@@ -181,9 +187,11 @@ int km_table_init(km_table *t, uint64_t initial_keys, uint32_t max_workers, int 
         return rc;
     t->slots = slots_alloc(capacity);
     t->meta = with_meta ? calloc(capacity, sizeof(km_block_meta)) : NULL;
-    if (!t->slots || (with_meta && !t->meta)) {
+    t->aux = aux_bytes ? calloc(capacity, aux_bytes) : NULL;
+    if (!t->slots || (with_meta && !t->meta) || (aux_bytes && !t->aux)) {
         free(t->slots);
         free(t->meta);
+        free(t->aux);
         km_memory_release(memory, bytes);
         memset(t, 0, sizeof *t);
         return KM_ERR_OUT_OF_MEMORY;
@@ -202,6 +210,7 @@ void km_table_free(km_table *t)
     km_memory_release(t->memory, pool_bytes(t, t->pool_capacity));
     free(t->slots);
     free(t->meta);
+    free(t->aux);
     free(t->pool);
     free(t->pool_free);
     free(t->dirty_slots);
@@ -246,6 +255,8 @@ int km_table_insert(km_table *t, uint64_t key, int allow_grow, uint64_t *slot_ou
         t->slots[i].ids[j] = KM_SLOT_ID_EMPTY;
     if (t->meta)
         memset(&t->meta[i], 0, sizeof t->meta[i]);
+    if (t->aux)
+        memset(km_table_aux(t, i), 0, t->aux_bytes);
     t->live++;
     mark_dirty_slot(t, i);
     *slot_out = i;
@@ -267,6 +278,8 @@ void km_table_erase(km_table *t, uint64_t slot)
         t->slots[hole] = t->slots[j];
         if (t->meta)
             t->meta[hole] = t->meta[j];
+        if (t->aux)
+            memcpy(km_table_aux(t, hole), km_table_aux(t, j), t->aux_bytes);
         mark_dirty_slot(t, hole);
         hole = j;
     }
@@ -275,6 +288,8 @@ void km_table_erase(km_table *t, uint64_t slot)
         t->slots[hole].ids[j] = KM_SLOT_ID_EMPTY;
     if (t->meta)
         memset(&t->meta[hole], 0, sizeof t->meta[hole]);
+    if (t->aux)
+        memset(km_table_aux(t, hole), 0, t->aux_bytes);
     t->live--;
     mark_dirty_slot(t, hole);
 }

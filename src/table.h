@@ -33,6 +33,9 @@ typedef struct km_block_meta {
 typedef struct km_table {
     km_slot *slots;
     km_block_meta *meta; /* NULL unless created with_meta */
+    uint8_t *aux;        /* aux_bytes per slot for the table's owner, moved with the key and zeroed
+                          * on insert and erase; NULL when aux_bytes is 0 */
+    uint32_t aux_bytes;
     uint64_t capacity;   /* power of two */
     uint32_t shift;
     uint64_t live;       /* slots holding a key */
@@ -59,9 +62,16 @@ typedef struct km_table {
     km_memory *memory;
 } km_table;
 
-/* Create with room for at least `initial_keys` keys at the maximum load. */
+/* Create with room for at least `initial_keys` keys at the maximum load. with_meta: a
+ * km_block_meta per slot; aux_bytes: that many owner-defined bytes per slot (0 for none). */
 int km_table_init(km_table *t, uint64_t initial_keys, uint32_t max_workers, int with_meta,
-                  km_memory *memory);
+                  uint32_t aux_bytes, km_memory *memory);
+
+/* The aux bytes of a slot. */
+static inline uint8_t *km_table_aux(const km_table *t, uint64_t slot)
+{
+    return t->aux + slot * t->aux_bytes;
+}
 void km_table_free(km_table *t);
 
 static inline km_table_view km_table_get_view(const km_table *t)

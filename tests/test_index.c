@@ -545,6 +545,40 @@ Test(index, largest_worker_range, .timeout = 30)
     km_index_destroy(index);
 }
 
+/* A batch that removes a block (dropping the only holder's segment key) and then fails on the
+ * memory cap is undone: the segment key comes back, and it must still know its chain, so that a
+ * later remove of another of its blocks drops the worker again (segment fingerprints are rebuilt
+ * by the undo). Checked through scoring, where a stale segment key would claim the whole segment. */
+Test(index, undone_segment_key_still_invalidates, .timeout = 60)
+{
+    km_index *index = make_index(8, 4, 1024, UINT64_C(4) << 20);
+    uint64_t h[8];
+    fill_chain(h, 77, 8);
+    cr_assert_eq(km_index_store(index, 2, KM_NO_PARENT, h, 8), KM_OK);
+    cr_assert_eq(match_one(index, h, 8, NULL).owner_depth, 8);
+    /* Remove block 1 (worker 2 leaves segment [0..3]), then a store far over the cap. */
+    size_t n_big = 300000;
+    uint64_t *big = malloc(n_big * sizeof *big);
+    cr_assert(big);
+    for (size_t i = 0; i < n_big; i++)
+        big[i] = chain_hash(500000 + i / 1000, i % 1000);
+    km_update batch[2] = {{KM_UPDATE_REMOVE, 2, KM_NO_PARENT, h + 1, 1, KM_TIER_DEVICE},
+                          {KM_UPDATE_STORE, 3, KM_NO_PARENT, big, n_big, KM_TIER_DEVICE}};
+    cr_assert_eq(km_index_apply(index, batch, 2, NULL), KM_ERR_MEMORY_CAP);
+    free(big);
+    km_index_stats st = stats_of(index);
+    cr_assert_eq(st.segment_keys, 2, "both segment keys are back after the rollback");
+    cr_assert_eq(match_one(index, h, 8, NULL).owner_depth, 8);
+    /* Now lose block 2 for real: the restored key [0..3] must let worker 2 go. */
+    cr_assert_eq(km_index_remove(index, 2, h + 2, 1), KM_OK);
+    km_worker_match m[4];
+    km_request_result rr = match_one(index, h, 8, m);
+    cr_assert_eq(rr.count, 1);
+    cr_assert_eq(m[0].worker, 2);
+    cr_assert_eq(m[0].depth, 2, "blocks 0 and 1 are held, block 2 is not (got depth %u)", m[0].depth);
+    km_index_destroy(index);
+}
+
 /* ---- memory cap ---------------------------------------------------------------------------- */
 
 Test(index, memory_cap_rejects_a_big_batch_and_keeps_content, .timeout = 90)

@@ -79,7 +79,7 @@ Test(table, backward_shift_churn_matches_oracle, .timeout = 60)
     for (int round = 0; round < 4; round++) {
         km_memory memory = {0, 0};
         km_table t;
-        cr_assert_eq(km_table_init(&t, 600, 64, 1, &memory), KM_OK);
+        cr_assert_eq(km_table_init(&t, 600, 64, 1, 0, &memory), KM_OK);
         size_t n = 1500;
         uint64_t *keys = malloc(n * sizeof *keys);
         uint8_t *present = calloc(n, 1);
@@ -135,7 +135,7 @@ Test(table, dirty_list_patches_a_replica_exactly, .timeout = 60)
     km_rng_init(&r, km_test_seed() ^ 0xD1);
     km_memory memory = {0, 0};
     km_table t;
-    cr_assert_eq(km_table_init(&t, 400, 64, 1, &memory), KM_OK);
+    cr_assert_eq(km_table_init(&t, 400, 64, 1, 0, &memory), KM_OK);
     t.track_dirty = 1;
     size_t n = 800;
     uint64_t *keys = malloc(n * sizeof *keys);
@@ -184,7 +184,7 @@ Test(table, purge_removes_tombstones_and_keeps_keys)
 {
     km_memory memory = {0, 0};
     km_table t;
-    cr_assert_eq(km_table_init(&t, 100, 64, 0, &memory), KM_OK);
+    cr_assert_eq(km_table_init(&t, 100, 64, 0, 0, &memory), KM_OK);
     uint64_t keys[60];
     km_rng r;
     km_rng_init(&r, km_test_seed() ^ 0x70);
