@@ -1049,7 +1049,6 @@ int km_index_rebuild_anchors(km_index *index)
         int rc = anchor_link(index, index->blocks.meta[bs].anchor, end, 1);
         if (rc)
             return rc;
-        fingerprints_by_walk(index, end, km_table_aux(seg, s));
     }
     return KM_OK;
 }

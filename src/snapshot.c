@@ -22,13 +22,14 @@
 #include "index_impl.h"
 
 #define SNAPSHOT_MAGIC "KVMSNAP1"
-/* 2: lower storage tier tables (sections 5 and 6). */
-#define SNAPSHOT_VERSION 2u
+/* 2: lower storage tier tables (sections 5 and 6). 3: the segment table's fingerprints (S bytes per
+ * slot) after its slots; no tombstones. */
+#define SNAPSHOT_VERSION 3u
 #define SNAPSHOT_HEADER_BYTES 64u
 
 enum snapshot_section {
     SECTION_BLOCKS = 1,   /* table header + slots + meta + pool + pool free list */
-    SECTION_SEGMENTS = 2, /* table header + slots + pool + pool free list */
+    SECTION_SEGMENTS = 2, /* table header + slots + fingerprints + pool + pool free list */
     SECTION_WORKERS = 3,  /* max_workers km_worker_stats */
     SECTION_USER = 4,     /* the caller's bytes */
     SECTION_LOWER_HOST = 5, /* table header + slots + pool + free list: pairs whose tier is host */
@@ -86,7 +87,7 @@ static void put_section(writer *w, uint32_t kind, uint64_t bytes)
 static uint64_t table_section_bytes(const km_table *t)
 {
     return sizeof(table_header) + t->capacity * sizeof(km_slot) +
-           (t->meta ? t->capacity * sizeof(km_block_meta) : 0) +
+           (t->meta ? t->capacity * sizeof(km_block_meta) : 0) + t->capacity * t->aux_bytes +
            (uint64_t)t->pool_high * t->words_per_set * sizeof(uint64_t) +
            (uint64_t)t->pool_free_count * sizeof(uint32_t);
 }
@@ -101,6 +102,8 @@ static void put_table(writer *w, uint32_t kind, const km_table *t)
     put(w, t->slots, t->capacity * sizeof(km_slot));
     if (t->meta)
         put(w, t->meta, t->capacity * sizeof(km_block_meta));
+    if (t->aux_bytes)
+        put(w, t->aux, t->capacity * t->aux_bytes);
     if (t->pool_high)
         put(w, t->pool, (size_t)t->pool_high * t->words_per_set * sizeof(uint64_t));
     if (t->pool_free_count)
@@ -286,7 +289,7 @@ static int take_table(reader *r, uint32_t kind, km_table *t, int with_meta, uint
     t->memory = memory;
     t->words_per_set = words;
     uint64_t expect = sizeof h + h.capacity * sizeof(km_slot) +
-                      (with_meta ? h.capacity * sizeof(km_block_meta) : 0) +
+                      (with_meta ? h.capacity * sizeof(km_block_meta) : 0) + h.capacity * aux_bytes +
                       (uint64_t)h.pool_high * words * sizeof(uint64_t) +
                       (uint64_t)h.pool_free_count * sizeof(uint32_t);
     if (expect != bytes)
@@ -304,6 +307,8 @@ static int take_table(reader *r, uint32_t kind, km_table *t, int with_meta, uint
     rc = take(r, t->slots, h.capacity * sizeof(km_slot), "slots");
     if (!rc && with_meta)
         rc = take(r, t->meta, h.capacity * sizeof(km_block_meta), "block metadata");
+    if (!rc && aux_bytes)
+        rc = take(r, t->aux, h.capacity * aux_bytes, "segment fingerprints");
     if (rc)
         return rc;
     if (h.pool_high) {
@@ -338,6 +343,8 @@ static int take_table(reader *r, uint32_t kind, km_table *t, int with_meta, uint
             tombstones += s->key == KM_KEY_TOMBSTONE;
             for (uint32_t j = 0; j < KM_SLOT_INLINE; j++)
                 ok &= s->ids[j] == KM_SLOT_ID_EMPTY;
+            for (uint32_t j = 0; j < aux_bytes; j++) /* a free slot's fingerprints are zero */
+                ok &= km_table_aux(t, i)[j] == 0;
             continue;
         }
         live++;
