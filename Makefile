@@ -98,8 +98,8 @@ bench: all
 	$(Q)$(BIN) bench ipc --json > bench/results/ipc.json
 	$(Q)$(BIN) bench replay --json > bench/results/replay.json
 	$(Q)$(BIN) sim --json > bench/results/sim.json
-	$(Q)python3 scripts/bench-report.py bench/results/index.json docs/BENCHMARKS.md
-	$(Q)python3 scripts/bench-report.py bench/results/ipc.json docs/BENCHMARKS.md
+	$(Q)for b in index events ipc replay sim; do \
+		python3 scripts/bench-report.py bench/results/$$b.json docs/BENCHMARKS.md || exit 1; done
 	$(Q)cat bench/results/index.json bench/results/events.json bench/results/ipc.json bench/results/replay.json bench/results/sim.json
 
 run: deps

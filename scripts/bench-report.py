@@ -1,11 +1,13 @@
 #!/usr/bin/env python3
 """Render a benchmark's JSON as its markdown section of docs/BENCHMARKS.md, between the markers
-<!-- NAME:begin --> and <!-- NAME:end --> (stdlib only). NAME is the "benchmark" field of the JSON
-(index when absent): index and ipc have renderers.
+<!-- NAME:begin --> and <!-- NAME:end --> (stdlib only). NAME is the "benchmark" field of the JSON,
+else the file's name without .json (bench/results/events.json -> events): index, ipc, events,
+replay and sim have renderers; `make bench` renders all five.
 
 usage: scripts/bench-report.py [bench/results/index.json] [docs/BENCHMARKS.md]
 """
 import json
+import os
 import re
 import sys
 
@@ -72,7 +74,83 @@ def render_ipc(d):
     return "\n".join(out)
 
 
-RENDERERS = {"index": render, "ipc": render_ipc}
+def machine_line(d, command):
+    m = d.get("machine", {})
+    return (f"Command: `{command}`; machine: {m.get('cpu', '?')}, {m.get('cores', '?')} cores, "
+            f"1-minute load at start {m.get('loadavg_1min_at_start', '?')}.\n")
+
+
+def render_events(d):
+    out = [machine_line(d, d.get("command", "kvmatch bench events --json"))]
+    w = d.get("workload", {})
+    t = d.get("targets", {})
+    out.append(f"Stream: {fmt(w.get('block_events'))} block events ({fmt(w.get('stored_blocks'))} stored, "
+               f"{fmt(w.get('removed_blocks'))} removed) in {fmt(w.get('messages'))} messages, "
+               f"{w.get('workers', '?')} workers.\n")
+    out.append("| path | block events/s | target | dropped or unmatched |")
+    out.append("|---|---:|---:|---:|")
+    for r in d["results"]:
+        lost = r.get("dropped", r.get("lost_or_unmatched", ""))
+        out.append(f"| {r['path']} | {fmt(r['block_events_per_s'])} | {fmt(t.get('block_events_per_s'))} | {lost} |")
+    r = d.get("restart")
+    if r:
+        out.append("")
+        out.append("| restart: pairs | snapshot MB | ready (s) | target (s) | index load (s) | feed state (s) | repetitions |")
+        out.append("|---:|---:|---:|---:|---:|---:|---:|")
+        out.append(f"| {fmt(r['pairs'])} | {fmt(r['file_bytes'] / 1e6)} | {r['ready_s']:.3f} | "
+                   f"{t.get('ready_s', '')} | {r['index_load_s']:.3f} | {r['feed_import_s']:.3f} | {r.get('reps', '')} |")
+    return "\n".join(out)
+
+
+def render_replay(d):
+    out = [machine_line(d, "kvmatch bench replay --json")]
+    out.append("| index | p99 limit (ms) | sustained queries/s | block ops/s there |")
+    out.append("|---|---:|---:|---:|")
+    for r in d["results"]:
+        if r.get("note"):
+            out.append(f"| {r['index']} | {r['p99_limit_ms']} | {r['note']} | |")
+        else:
+            q = r["sustained_queries_per_s"]
+            out.append(f"| {r['index']} | {r['p99_limit_ms']} | {'none' if q is None else fmt(q)} | "
+                       f"{'-' if r['block_ops_per_s'] is None else fmt(r['block_ops_per_s'])} |")
+    rates = []
+    for s in d.get("slices", []):
+        for x in s["slices"]:
+            if x["offered_queries_per_s"] not in rates:
+                rates.append(x["offered_queries_per_s"])
+    rates.sort()
+    if rates:
+        out.append("")
+        out.append("Query p99 (ms) at each offered rate (a slice stops the index's climb once over 10 ms):\n")
+        out.append("| index | " + " | ".join(f"{fmt(r)}/s" for r in rates) + " |")
+        out.append("|---|" + "---:|" * len(rates))
+        for s in d["slices"]:
+            got = {x["offered_queries_per_s"]: x["query_p99_ms"] for x in s["slices"]}
+            out.append(f"| {s['index']} | " + " | ".join(
+                f"{got[r]:,.3f}" if r in got else "" for r in rates) + " |")
+    return "\n".join(out)
+
+
+def render_sim(d):
+    w = d.get("workload", {})
+    out = [f"Command: `kvmatch sim --json` ({w.get('source', '?')} workload, {w.get('requests', '?')} requests, "
+           f"seed {w.get('seed', '?')}, {d.get('workers', '?')} engines of {d.get('capacity_blocks', '?')} blocks, "
+           f"events {d.get('events', '?')}, delivered {d.get('delivery', '?')}). Everything but the last two "
+           f"columns is virtual time and deterministic.\n"]
+    out.append("| policy | requests | actual reused tokens | predicted reused tokens | exact predictions | "
+               "owner not chosen | TTFT p50 (ms) | TTFT p99 (ms) | load imbalance | decisions/s (wall) | "
+               "decision p99 (us, wall) |")
+    out.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for p in d["policies"]:
+        out.append(f"| {p['policy']} | {p['requests']} | {fmt(p['actual_reused_tokens'])} | "
+                   f"{fmt(p['predicted_reused_tokens'])} | {p['exact_predictions']} | {p['owner_not_chosen']} | "
+                   f"{p['ttft_p50_ms']:,.1f} | {p['ttft_p99_ms']:,.1f} | {p['load_imbalance']:.2f} | "
+                   f"{fmt(p['decisions_per_s'])} | {fmt(p['decision_p99_us'])} |")
+    return "\n".join(out)
+
+
+RENDERERS = {"index": render, "ipc": render_ipc, "events": render_events, "replay": render_replay,
+             "sim": render_sim}
 
 
 def main():
@@ -80,7 +158,9 @@ def main():
     doc = sys.argv[2] if len(sys.argv) > 2 else "docs/BENCHMARKS.md"
     with open(src) as f:
         data = json.load(f)
-    name = data.get("benchmark", "index")
+    name = data.get("benchmark") or os.path.basename(src).rsplit(".", 1)[0]
+    if name not in RENDERERS:
+        sys.exit(f"{src}: no renderer for '{name}' (have: {', '.join(RENDERERS)})")
     section = RENDERERS[name](data)
     with open(doc) as f:
         text = f.read()
