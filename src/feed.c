@@ -123,8 +123,7 @@ static void emap_erase(emap *m, emap_entry *e)
     uint64_t mask = m->capacity - 1;
     uint64_t hole = (uint64_t)(e - m->entries);
     for (uint64_t j = (hole + 1) & mask; m->entries[j].key != EMAP_EMPTY; j = (j + 1) & mask) {
-        uint64_t home = emap_home(m, m->entries[j].key);
-        if (((j - home) & mask) < ((j - hole) & mask))
+        if (!km_probe_may_fill(emap_home(m, m->entries[j].key), hole, j, mask))
             continue;
         m->entries[hole] = m->entries[j];
         hole = j;

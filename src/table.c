@@ -272,8 +272,7 @@ void km_table_erase(km_table *t, uint64_t slot)
     uint64_t mask = t->capacity - 1;
     uint64_t hole = slot;
     for (uint64_t j = (slot + 1) & mask; t->slots[j].key != KM_KEY_EMPTY; j = (j + 1) & mask) {
-        uint64_t home = km_slot_home(t->slots[j].key, t->shift);
-        if (((j - home) & mask) < ((j - hole) & mask))
+        if (!km_probe_may_fill(km_slot_home(t->slots[j].key, t->shift), hole, j, mask))
             continue; /* home lies after the hole: moving the key back would hide it */
         t->slots[hole] = t->slots[j];
         if (t->meta)

@@ -62,6 +62,15 @@ typedef struct km_table {
     km_memory *memory;
 } km_table;
 
+/* Backward-shift deletion, shared by every linear-probing map in kvmatch (this table, src/u64map.c,
+ * the feed's engine-hash maps): after a hole opens at `hole`, the key at slot j further along the
+ * same probe run, whose home slot is `home`, may move back into the hole iff its home does not lie
+ * in (hole, j], so it stays reachable from its home. mask = capacity - 1. */
+static inline int km_probe_may_fill(uint64_t home, uint64_t hole, uint64_t j, uint64_t mask)
+{
+    return ((j - home) & mask) >= ((j - hole) & mask);
+}
+
 /* Create with room for at least `initial_keys` keys at the maximum load. with_meta: a
  * km_block_meta per slot; aux_bytes: that many owner-defined bytes per slot (0 for none). */
 int km_table_init(km_table *t, uint64_t initial_keys, uint32_t max_workers, int with_meta,

@@ -118,8 +118,7 @@ int km_u64map_erase(km_u64map *m, uint64_t key)
     uint64_t mask = m->capacity - 1;
     uint64_t hole = (uint64_t)(e - m->entries);
     for (uint64_t j = (hole + 1) & mask; m->entries[j].key != MAP_EMPTY; j = (j + 1) & mask) {
-        uint64_t home = map_home(m, m->entries[j].key);
-        if (((j - home) & mask) < ((j - hole) & mask))
+        if (!km_probe_may_fill(map_home(m, m->entries[j].key), hole, j, mask))
             continue;
         m->entries[hole] = m->entries[j];
         hole = j;
