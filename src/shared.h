@@ -4,7 +4,8 @@
  * two backends give bit-identical results. No allocation, no libc beyond what nvcc accepts.
  *
  * Slot layout (16 bytes, docs/ARCHITECTURE.md "Slot layout"):
- *   key      u64  chain hash; 0 = empty, 1 = tombstone (chain hashes never take these values)
+ *   key      u64  chain hash; 0 = empty, 1 = reserved, formerly the tombstone (chain hashes never
+ *                 take these values)
  *   ids[4]   u16  inline form: up to 4 worker ids, ascending, unused = KM_SLOT_ID_EMPTY
  *                 shared form: ids[0] = KM_SLOT_ID_SHARED, ids[1] | ids[2] << 16 = index of a
  *                 bitmap of words_per_set u64 words in the table's pool, ids[3] = holder count

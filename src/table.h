@@ -39,7 +39,7 @@ typedef struct km_table {
     uint64_t capacity;   /* power of two */
     uint32_t shift;
     uint64_t live;       /* slots holding a key */
-    uint64_t tombstones; /* 0, except in a table loaded from an old snapshot before its purge */
+    uint64_t tombstones; /* always 0 outside snapshot loading, which purges any it reads */
     uint64_t pairs;      /* sum of set sizes */
     uint64_t shared_sets;
 
@@ -101,8 +101,8 @@ int km_table_insert(km_table *t, uint64_t key, int allow_grow, uint64_t *slot);
  * scanning slots in ascending order re-examines `slot`; keys only move towards it). Never
  * allocates. */
 void km_table_erase(km_table *t, uint64_t slot);
-/* Rehash at the same capacity when the table holds tombstones (a snapshot written before
- * backward-shift deletion); erase requires a tombstone-free table. */
+/* Rehash at the same capacity when the table holds tombstones (only a loaded file can bring them;
+ * kvmatch has not written any since backward-shift deletion); erase requires none. */
 int km_table_purge_tombstones(km_table *t);
 
 /* Set operations. add: 1 added, 0 already present, <0 error (bitmap allocation); remove: 1 removed,
