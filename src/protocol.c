@@ -1201,7 +1201,10 @@ static int bind_fields(km_protocol_decoder *d, const msgpack_object *map, const 
         uint32_t kn = key->via.str.size;
         for (unsigned t = 0; t < n_names; t++) {
             unsigned i = start + t < n_names ? start + t : start + t - n_names;
-            if (names[i][0] != kp[0] || strncmp(names[i], kp, kn) != 0 || names[i][kn] != '\0')
+            /* Length first: a key with an embedded NUL ("status\0x") must not pass a strncmp
+             * and send the names[i][kn] check past the end of the shorter name. */
+            if (names[i][0] != kp[0] || strnlen(names[i], kn + 1) != kn ||
+                memcmp(names[i], kp, kn) != 0)
                 continue;
             start = i + 1 < n_names ? i + 1 : 0;
             if (seen[i])

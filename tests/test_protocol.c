@@ -1401,6 +1401,81 @@ Test(protocol, random_byte_mutations, .timeout = 60)
     km_protocol_decoder_destroy(dec);
 }
 
+/* A map key that equals a field name up to an embedded NUL ("status\0..." against "status") is not
+ * that field, and matching it must not read past the name (found by random_byte_mutations under
+ * ASan: a global-buffer-overflow in bind_fields). Every known name of every message type gets the
+ * treatment: the item carrying the key fails or is ignored, never crashes, and the decoder keeps
+ * decoding. */
+static void collect_keys(msgpack_object *o, msgpack_object **keys, size_t *n, size_t cap)
+{
+    if (o->type == MSGPACK_OBJECT_MAP) {
+        for (uint32_t i = 0; i < o->via.map.size; i++) {
+            if (*n < cap)
+                keys[(*n)++] = &o->via.map.ptr[i].key;
+            collect_keys(&o->via.map.ptr[i].val, keys, n, cap);
+        }
+    } else if (o->type == MSGPACK_OBJECT_ARRAY) {
+        for (uint32_t i = 0; i < o->via.array.size; i++)
+            collect_keys(&o->via.array.ptr[i], keys, n, cap);
+    }
+}
+
+Test(protocol, key_with_embedded_nul_is_not_a_field, .timeout = 30)
+{
+    km_rng r;
+    km_rng_init(&r, km_test_seed() ^ 0x4e55);
+    km_protocol_decoder *dec = new_decoder();
+    km_frame_buffer b;
+    km_frame_buffer_init(&b);
+    msgpack_zone zone;
+    msgpack_zone_init(&zone, 4096);
+    size_t rewritten = 0;
+    for (size_t t = 0; t < N_TYPES; t++) {
+        km_message m, got;
+        rand_message(&r, all_types[t], &m);
+        encode_ok(&m, &b);
+        msgpack_object root;
+        size_t off = 0;
+        msgpack_zone_clear(&zone);
+        cr_assert_eq(msgpack_unpack((const char *)b.data + 4, b.size - 4, &off, &zone, &root),
+                     MSGPACK_UNPACK_SUCCESS);
+        msgpack_object *keys[4096];
+        size_t n_keys = 0;
+        collect_keys(&root, keys, &n_keys, 4096);
+        for (size_t k = 0; k < n_keys; k++) {
+            msgpack_object *key = keys[k];
+            if (key->type != MSGPACK_OBJECT_STR)
+                continue;
+            /* key + NUL + 8 more bytes */
+            uint32_t kn = key->via.str.size;
+            char *longer = msgpack_zone_malloc(&zone, kn + 9);
+            memcpy(longer, key->via.str.ptr, kn);
+            memcpy(longer + kn, "\0overflow", 9);
+            msgpack_object saved = *key;
+            key->via.str.ptr = longer;
+            key->via.str.size = kn + 9;
+            msgpack_sbuffer sb;
+            msgpack_packer pk;
+            msgpack_sbuffer_init(&sb);
+            msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
+            msgpack_pack_object(&pk, root);
+            int rc = km_protocol_decode(dec, sb.data, sb.size, &got);
+            KM_CHECK(rc == KM_OK || rc == KM_ERR_PARSE || rc == KM_ERR_PROTOCOL,
+                     "key %.*s with a NUL: %s", (int)kn, saved.via.str.ptr, km_error_name(rc));
+            msgpack_sbuffer_destroy(&sb);
+            *key = saved;
+            rewritten++;
+        }
+        /* The original still decodes. */
+        cr_assert_eq(km_protocol_decode(dec, b.data + 4, b.size - 4, &got), KM_OK);
+        free_owned();
+    }
+    cr_assert_gt(rewritten, 20);
+    msgpack_zone_destroy(&zone);
+    km_frame_buffer_free(&b);
+    km_protocol_decoder_destroy(dec);
+}
+
 /* ---- encoder checks ----------------------------------------------------------------------------- */
 
 Test(protocol, encoder_refuses_what_a_peer_would_reject, .timeout = 10)
@@ -1418,6 +1493,16 @@ Test(protocol, encoder_refuses_what_a_peer_would_reject, .timeout = 10)
     q.request_id = NULL;
     cr_assert_eq(km_protocol_encode(&m, 0, &b, why, sizeof why), KM_ERR_INVALID_ARGUMENT);
     cr_assert(strstr(why, "routes[0].request_id"), "%s", why);
+    /* The item's path with a two-digit index (the prefix is formatted by hand). */
+    km_route_request many[12];
+    for (int k = 0; k < 12; k++)
+        many[k] = (km_route_request){.request_id = "r", .input = KM_ROUTE_INPUT_TOKENS};
+    many[11].request_id = NULL;
+    km_message mm = {.type = KM_MESSAGE_ROUTE, .id = 2};
+    mm.route.routes = many;
+    mm.route.n_routes = 12;
+    cr_assert_eq(km_protocol_encode(&mm, 0, &b, why, sizeof why), KM_ERR_INVALID_ARGUMENT);
+    cr_assert(strstr(why, "routes[11].request_id"), "%s", why);
     cr_assert_eq(b.size, good, "a failed encode leaves the buffer as it was");
     q.request_id = "r";
     q.input = KM_ROUTE_INPUT_NONE;
