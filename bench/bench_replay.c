@@ -325,9 +325,10 @@ int km_bench_replay_main(int argc, char **argv)
     }
     double *lat = malloc(per_rate * sizeof *lat);
     json_t *root = json_object();
-    json_object_set_new(root, "benchmark", json_string("replay"));
+    /* --ceiling is its own benchmark: unpaced rates instead of sustained ones. */
+    json_object_set_new(root, "benchmark", json_string(ceiling ? "replay-ceiling" : "replay"));
     json_object_set_new(root, "machine", km_bench_machine_json());
-    json_t *results = json_array(), *slices = json_array();
+    json_t *results = json_array(), *slices = json_array(), *ceilings = json_array();
     const char *names[] = {"cpu", "cuda", "radix", "radix_compressed", "flatmap"};
     if (!json)
         printf("%-17s %10s %12s %14s   (per offered rate: query p99 ms)\n", "index", "p99 limit",
@@ -363,6 +364,12 @@ int km_bench_replay_main(int argc, char **argv)
                     json_object_set_new(o, "note", json_string("not measured: no usable CUDA device"));
                     json_array_append_new(results, o);
                 }
+                if (ceiling) {
+                    json_t *o = json_object();
+                    json_object_set_new(o, "index", json_string("cuda"));
+                    json_object_set_new(o, "note", json_string("not measured: no usable CUDA device"));
+                    json_array_append_new(ceilings, o);
+                }
                 if (!json)
                     printf("%-17s not measured (%s)\n", "cuda", km_error_name(rc));
                 km_match_results_free(&t.ires);
@@ -383,6 +390,17 @@ int km_bench_replay_main(int argc, char **argv)
             /* Instead of the paced slices: what the index does flat out on the same stream. */
             ceiling_rates c = {0};
             rc = run_ceiling(&t, &s, pos, &c);
+            if (rc) {
+                fprintf(stderr, "bench replay: %s: %s\n", t.name, km_error_name(rc));
+                status = 1;
+            }
+            json_t *o = json_object();
+            json_object_set_new(o, "index", json_string(t.name));
+            json_object_set_new(o, "update_ops_per_s", json_real(km_bench_round_to(c.update_ops_per_s, 1)));
+            json_object_set_new(o, "store_ops_per_s", json_real(km_bench_round_to(c.store_ops_per_s, 1)));
+            json_object_set_new(o, "remove_ops_per_s", json_real(km_bench_round_to(c.remove_ops_per_s, 1)));
+            json_object_set_new(o, "queries_per_s", json_real(km_bench_round_to(c.queries_per_s, 1)));
+            json_array_append_new(ceilings, o);
             if (!json)
                 printf("%-17s ceiling: updates %.0f block ops/s (stores %.0f, removes %.0f), "
                        "queries %.0f /s (alone)\n",
@@ -444,6 +462,10 @@ int km_bench_replay_main(int argc, char **argv)
     }
     json_object_set_new(root, "results", results);
     json_object_set_new(root, "slices", slices);
+    if (ceiling)
+        json_object_set_new(root, "ceilings", ceilings);
+    else
+        json_decref(ceilings);
     json_t *wl = json_object();
     json_object_set_new(wl, "trace", json_string(trace_path));
     json_object_set_new(wl, "workers", json_integer(RP_WORKERS));

@@ -2,7 +2,7 @@
 """Render a benchmark's JSON as its markdown section of docs/BENCHMARKS.md, between the markers
 <!-- NAME:begin --> and <!-- NAME:end --> (stdlib only). NAME is the "benchmark" field of the JSON,
 else the file's name without .json (bench/results/events.json -> events): index, ipc, events,
-replay and sim have renderers; `make bench` renders all five.
+replay, replay-ceiling and sim have renderers; `make bench` renders all six.
 
 usage: scripts/bench-report.py [bench/results/index.json] [docs/BENCHMARKS.md]
 """
@@ -131,6 +131,19 @@ def render_replay(d):
     return "\n".join(out)
 
 
+def render_replay_ceiling(d):
+    out = [machine_line(d, "kvmatch bench replay --ceiling --json")]
+    out.append("| index | updates, block ops/s | stores | removes | queries/s alone |")
+    out.append("|---|---:|---:|---:|---:|")
+    for c in d["ceilings"]:
+        if c.get("note"):
+            out.append(f"| {c['index']} | {c['note']} | | | |")
+        else:
+            out.append(f"| {c['index']} | {fmt(c['update_ops_per_s'])} | {fmt(c['store_ops_per_s'])} | "
+                       f"{fmt(c['remove_ops_per_s'])} | {fmt(c['queries_per_s'])} |")
+    return "\n".join(out)
+
+
 def render_sim(d):
     w = d.get("workload", {})
     out = [f"Command: `kvmatch sim --json` ({w.get('source', '?')} workload, {w.get('requests', '?')} requests, "
@@ -150,7 +163,7 @@ def render_sim(d):
 
 
 RENDERERS = {"index": render, "ipc": render_ipc, "events": render_events, "replay": render_replay,
-             "sim": render_sim}
+             "replay-ceiling": render_replay_ceiling, "sim": render_sim}
 
 
 def main():
