@@ -23,6 +23,7 @@
 #include <xxhash.h>
 
 #include "u64map.h"
+#include "why.h"
 
 #define NIL UINT32_MAX
 
@@ -105,13 +106,10 @@ __attribute__((format(printf, 3, 4))) static int active_fail(km_active *a, int s
 {
     if (!a)
         return status;
-    int n = snprintf(a->last_error, sizeof a->last_error, "%s: ", km_error_name(status));
-    if (n > 0 && (size_t)n < sizeof a->last_error) {
-        va_list ap;
-        va_start(ap, fmt);
-        vsnprintf(a->last_error + n, sizeof a->last_error - (size_t)n, fmt, ap);
-        va_end(ap);
-    }
+    va_list ap;
+    va_start(ap, fmt);
+    km_vstatus_message(a->last_error, sizeof a->last_error, status, fmt, ap);
+    va_end(ap);
     return status;
 }
 

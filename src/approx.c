@@ -20,6 +20,7 @@
 #include <string.h>
 
 #include "u64map.h"
+#include "why.h"
 
 #define NIL UINT32_MAX
 #define MAX_PAIRS (NIL - 1u)
@@ -72,13 +73,10 @@ void km_approx_config_init(km_approx_config *cfg)
 __attribute__((format(printf, 3, 4))) static int approx_fail(km_approx *a, int status,
                                                                const char *fmt, ...)
 {
-    int n = snprintf(a->last_error, sizeof a->last_error, "%s: ", km_error_name(status));
-    if (n > 0 && (size_t)n < sizeof a->last_error) {
-        va_list ap;
-        va_start(ap, fmt);
-        vsnprintf(a->last_error + n, sizeof a->last_error - (size_t)n, fmt, ap);
-        va_end(ap);
-    }
+    va_list ap;
+    va_start(ap, fmt);
+    km_vstatus_message(a->last_error, sizeof a->last_error, status, fmt, ap);
+    va_end(ap);
     return status;
 }
 

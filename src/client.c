@@ -3,6 +3,7 @@
  * replies that arrived while the caller waited for another id (kept as raw frames, decoded when
  * handed out). */
 #include "kvmatch/client.h"
+#include "why.h"
 
 #include <arpa/inet.h>
 #include <errno.h>
@@ -53,11 +54,9 @@ __attribute__((format(printf, 3, 4)))
 #endif
 static int client_fail(km_client *c, int status, const char *fmt, ...)
 {
-    int n = snprintf(c->last_error, sizeof c->last_error, "%s: ", km_error_name(status));
     va_list ap;
     va_start(ap, fmt);
-    if (n > 0 && (size_t)n < sizeof c->last_error)
-        vsnprintf(c->last_error + n, sizeof c->last_error - (size_t)n, fmt, ap);
+    km_vstatus_message(c->last_error, sizeof c->last_error, status, fmt, ap);
     va_end(ap);
     return status;
 }
@@ -580,17 +579,24 @@ int km_client_call(km_client *c, const km_message *request, int timeout_ms, km_m
     return KM_OK;
 }
 
+/* km_client_call, then check the reply is of the type this request is answered with. */
+static int call_expecting(km_client *c, const km_message *m, km_message_type answer, int timeout_ms,
+                          km_message *reply)
+{
+    int rc = km_client_call(c, m, timeout_ms, reply);
+    if (!rc && reply->type != answer)
+        return client_fail(c, KM_ERR_PROTOCOL, "%s answered with %s", km_message_type_name(m->type),
+                           km_message_type_name(reply->type));
+    return rc;
+}
+
 int km_client_route(km_client *c, const km_route_request *routes, uint32_t n_routes,
                     int timeout_ms, km_message *reply)
 {
     km_message m = {.type = KM_MESSAGE_ROUTE};
     m.route.routes = routes;
     m.route.n_routes = n_routes;
-    int rc = km_client_call(c, &m, timeout_ms, reply);
-    if (!rc && reply->type != KM_MESSAGE_DECISION)
-        return client_fail(c, KM_ERR_PROTOCOL, "ROUTE answered with %s",
-                           km_message_type_name(reply->type));
-    return rc;
+    return call_expecting(c, &m, KM_MESSAGE_DECISION, timeout_ms, reply);
 }
 
 int km_client_lifecycle(km_client *c, const km_lifecycle_event *events, uint32_t n_events,
@@ -599,19 +605,11 @@ int km_client_lifecycle(km_client *c, const km_lifecycle_event *events, uint32_t
     km_message m = {.type = KM_MESSAGE_LIFECYCLE};
     m.lifecycle.events = events;
     m.lifecycle.n_events = n_events;
-    int rc = km_client_call(c, &m, timeout_ms, reply);
-    if (!rc && reply->type != KM_MESSAGE_ACK)
-        return client_fail(c, KM_ERR_PROTOCOL, "LIFECYCLE answered with %s",
-                           km_message_type_name(reply->type));
-    return rc;
+    return call_expecting(c, &m, KM_MESSAGE_ACK, timeout_ms, reply);
 }
 
 int km_client_status(km_client *c, int timeout_ms, km_message *reply)
 {
     km_message m = {.type = KM_MESSAGE_STATUS};
-    int rc = km_client_call(c, &m, timeout_ms, reply);
-    if (!rc && reply->type != KM_MESSAGE_STATUS_REPLY)
-        return client_fail(c, KM_ERR_PROTOCOL, "STATUS answered with %s",
-                           km_message_type_name(reply->type));
-    return rc;
+    return call_expecting(c, &m, KM_MESSAGE_STATUS_REPLY, timeout_ms, reply);
 }

@@ -24,6 +24,7 @@
 
 #include "kvmatch/hash.h"
 #include "u64map.h"
+#include "why.h"
 
 #define MEDIUM_COUNT 4u
 
@@ -405,9 +406,7 @@ static int feed_fail(km_feed *feed, int status, const char *fmt, ...)
 {
     va_list ap;
     va_start(ap, fmt);
-    int n = snprintf(feed->last_error, sizeof feed->last_error, "%s: ", km_error_name(status));
-    if (n > 0 && (size_t)n < sizeof feed->last_error)
-        vsnprintf(feed->last_error + n, sizeof feed->last_error - (size_t)n, fmt, ap);
+    km_vstatus_message(feed->last_error, sizeof feed->last_error, status, fmt, ap);
     va_end(ap);
     return status;
 }

@@ -7,6 +7,7 @@
  * consumed. Replies own a malloc'd body (the km_text the callbacks filled), handed to
  * libmicrohttpd with MHD_RESPMEM_MUST_FREE. */
 #include "http.h"
+#include "why.h"
 
 #include <arpa/inet.h>
 #include <errno.h>
@@ -61,15 +62,10 @@ static int start_fail(char *error, size_t error_size, int status, const char *fo
 
 static int start_fail(char *error, size_t error_size, int status, const char *format, ...)
 {
-    if (error && error_size) {
-        int n = snprintf(error, error_size, "%s: ", km_error_name(status));
-        if (n > 0 && (size_t)n < error_size) {
-            va_list ap;
-            va_start(ap, format);
-            vsnprintf(error + n, error_size - (size_t)n, format, ap);
-            va_end(ap);
-        }
-    }
+    va_list ap;
+    va_start(ap, format);
+    km_vstatus_message(error, error_size, status, format, ap);
+    va_end(ap);
     return status;
 }
 

@@ -24,6 +24,7 @@
 
 #include "index_impl.h"
 #include "kvmatch/hash.h"
+#include "why.h"
 
 #define ANCHOR_NONE UINT32_MAX
 
@@ -35,9 +36,7 @@ int km_index_fail(km_index *index, int status, const char *fmt, ...)
         return status;
     va_list ap;
     va_start(ap, fmt);
-    int n = snprintf(index->last_error, sizeof index->last_error, "%s: ", km_error_name(status));
-    if (n > 0 && (size_t)n < sizeof index->last_error)
-        vsnprintf(index->last_error + n, sizeof index->last_error - (size_t)n, fmt, ap);
+    km_vstatus_message(index->last_error, sizeof index->last_error, status, fmt, ap);
     va_end(ap);
     return status;
 }

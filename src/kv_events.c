@@ -22,6 +22,7 @@
 #include <msgpack.h>
 
 #include "kvmatch/kv_events.h"
+#include "msgpack_names.h"
 
 #define LAST_ERROR_BYTES        512
 #define REJECT_MESSAGE_BYTES    200
@@ -263,24 +264,6 @@ static int event_fail(km_kv_decoder *dec, int status, const char *field, uint32_
     decoder_vfail(dec, status, where, fmt, ap);
     va_end(ap);
     return status;
-}
-
-static const char *object_type_name(const msgpack_object *o)
-{
-    switch (o->type) {
-    case MSGPACK_OBJECT_NIL: return "nil";
-    case MSGPACK_OBJECT_BOOLEAN: return "bool";
-    case MSGPACK_OBJECT_POSITIVE_INTEGER: return "non-negative int";
-    case MSGPACK_OBJECT_NEGATIVE_INTEGER: return "negative int";
-    case MSGPACK_OBJECT_FLOAT32:
-    case MSGPACK_OBJECT_FLOAT64: return "float";
-    case MSGPACK_OBJECT_STR: return "str";
-    case MSGPACK_OBJECT_ARRAY: return "array";
-    case MSGPACK_OBJECT_MAP: return "map";
-    case MSGPACK_OBJECT_BIN: return "bin";
-    case MSGPACK_OBJECT_EXT: return "ext";
-    }
-    return "unknown msgpack type";
 }
 
 /* ---- stage 1: bounded pre-scan of the raw bytes ---------------------------------------------- */
@@ -602,7 +585,7 @@ static int read_hash(km_kv_decoder *dec, const msgpack_object *o, const char *fi
     }
     default:
         return event_fail(dec, KM_ERR_PARSE, field, element,
-                          "expected a block hash (int or bytes), got %s", object_type_name(o));
+                          "expected a block hash (int or bytes), got %s", km_msgpack_type_name(o));
     }
 }
 
@@ -611,7 +594,7 @@ static int read_hash_array(km_kv_decoder *dec, const msgpack_object *o, const ch
 {
     if (o->type != MSGPACK_OBJECT_ARRAY)
         return event_fail(dec, KM_ERR_PARSE, field, NO_ELEMENT,
-                          "expected an array of block hashes, got %s", object_type_name(o));
+                          "expected an array of block hashes, got %s", km_msgpack_type_name(o));
     uint32_t n = o->via.array.size;
     if (n > dec->config.max_hashes_per_event)
         return event_fail(dec, KM_ERR_TOO_LARGE, field, NO_ELEMENT,
@@ -635,7 +618,7 @@ static int read_token_array(km_kv_decoder *dec, const msgpack_object *o, const c
 {
     if (o->type != MSGPACK_OBJECT_ARRAY)
         return event_fail(dec, KM_ERR_PARSE, field, NO_ELEMENT,
-                          "expected an array of token ids, got %s", object_type_name(o));
+                          "expected an array of token ids, got %s", km_msgpack_type_name(o));
     uint32_t n = o->via.array.size;
     if (n > dec->config.max_tokens_per_event)
         return event_fail(dec, KM_ERR_TOO_LARGE, field, NO_ELEMENT,
@@ -651,7 +634,7 @@ static int read_token_array(km_kv_decoder *dec, const msgpack_object *o, const c
                 items[i].type == MSGPACK_OBJECT_NEGATIVE_INTEGER)
                 return event_fail(dec, KM_ERR_PARSE, field, i, "token id out of range 0..2^32-1");
             return event_fail(dec, KM_ERR_PARSE, field, i, "expected an int in 0..2^32-1, got %s",
-                              object_type_name(&items[i]));
+                              km_msgpack_type_name(&items[i]));
         }
         tokens[i] = (uint32_t)items[i].via.u64;
     }
@@ -677,7 +660,7 @@ static int read_optional_i64(km_kv_decoder *dec, const msgpack_object *o, const 
     if (o->type == MSGPACK_OBJECT_POSITIVE_INTEGER)
         return event_fail(dec, KM_ERR_PARSE, field, NO_ELEMENT, "value above 2^63-1");
     return event_fail(dec, KM_ERR_PARSE, field, NO_ELEMENT, "expected an int or nil, got %s",
-                      object_type_name(o));
+                      km_msgpack_type_name(o));
 }
 
 /* int|nil (absent = nil) in 0..2^32-1. */
@@ -696,7 +679,7 @@ static int read_optional_u32(km_kv_decoder *dec, const msgpack_object *o, const 
     if (o->type == MSGPACK_OBJECT_POSITIVE_INTEGER || o->type == MSGPACK_OBJECT_NEGATIVE_INTEGER)
         return event_fail(dec, KM_ERR_PARSE, field, NO_ELEMENT, "value out of range 0..2^32-1");
     return event_fail(dec, KM_ERR_PARSE, field, NO_ELEMENT, "expected an int or nil, got %s",
-                      object_type_name(o));
+                      km_msgpack_type_name(o));
 }
 
 /* str|nil (absent = nil), copied; *out NULL for nil. *has_nul reports an embedded NUL byte. */
@@ -709,7 +692,7 @@ static int read_optional_string(km_kv_decoder *dec, const msgpack_object *o, con
         return KM_OK;
     if (o->type != MSGPACK_OBJECT_STR)
         return event_fail(dec, KM_ERR_PARSE, field, NO_ELEMENT, "expected a str or nil, got %s",
-                          object_type_name(o));
+                          km_msgpack_type_name(o));
     uint32_t n = o->via.str.size;
     if (n > dec->config.max_string_bytes)
         return event_fail(dec, KM_ERR_TOO_LARGE, field, NO_ELEMENT,
@@ -863,7 +846,7 @@ static int decode_block_stored(km_kv_decoder *dec, const event_schema *schema,
     if (block_size->type != MSGPACK_OBJECT_POSITIVE_INTEGER &&
         block_size->type != MSGPACK_OBJECT_NEGATIVE_INTEGER)
         return event_fail(dec, KM_ERR_PARSE, "block_size", NO_ELEMENT, "expected an int, got %s",
-                          object_type_name(block_size));
+                          km_msgpack_type_name(block_size));
     if ((rc = read_optional_i64(dec, fields[STORED_LORA_ID], "lora_id", &ev.has_lora_id,
                                 &ev.lora_id)) != KM_OK)
         return rc;
@@ -878,7 +861,7 @@ static int decode_block_stored(km_kv_decoder *dec, const event_schema *schema,
     if (extra && extra->type != MSGPACK_OBJECT_NIL && extra->type != MSGPACK_OBJECT_ARRAY)
         return event_fail(dec, KM_ERR_PARSE, "extra_keys", NO_ELEMENT,
                           "expected an array (one entry per block) or nil, got %s",
-                          object_type_name(extra));
+                          km_msgpack_type_name(extra));
     if ((rc = read_optional_u32(dec, fields[STORED_GROUP_IDX], "group_idx", &ev.has_group_idx,
                                 &ev.group_idx)) != KM_OK)
         return rc;
@@ -995,11 +978,11 @@ static int find_event_type(km_kv_decoder *dec, const msgpack_object *event,
             return event_fail(dec, KM_ERR_PARSE, NULL, NO_ELEMENT, "event map has no \"type\" key");
     } else {
         return event_fail(dec, KM_ERR_PARSE, NULL, NO_ELEMENT,
-                          "expected an event (array or map), got %s", object_type_name(event));
+                          "expected an event (array or map), got %s", km_msgpack_type_name(event));
     }
     if ((*type)->type != MSGPACK_OBJECT_STR)
         return event_fail(dec, KM_ERR_PARSE, "type", NO_ELEMENT,
-                          "expected the type name as str, got %s", object_type_name(*type));
+                          "expected the type name as str, got %s", km_msgpack_type_name(*type));
     return KM_OK;
 }
 
@@ -1051,7 +1034,7 @@ static int decode_batch(km_kv_decoder *dec, const msgpack_object *root, km_kv_ba
         return decoder_fail(
             dec, KM_ERR_PARSE,
             "payload: expected the batch array [ts, events, data_parallel_rank], got %s",
-            object_type_name(root));
+            km_msgpack_type_name(root));
     const msgpack_object *items = root->via.array.ptr;
     if (root->via.array.size < 2)
         return decoder_fail(dec, KM_ERR_PARSE,
@@ -1065,7 +1048,7 @@ static int decode_batch(km_kv_decoder *dec, const msgpack_object *root, km_kv_ba
     case MSGPACK_OBJECT_NEGATIVE_INTEGER: out->timestamp = (double)ts->via.i64; break;
     default:
         return decoder_fail(dec, KM_ERR_PARSE, "batch ts: expected a float or int, got %s",
-                            object_type_name(ts));
+                            km_msgpack_type_name(ts));
     }
     if (root->via.array.size >= 3) {
         const msgpack_object *rank = &items[2];
@@ -1079,13 +1062,13 @@ static int decode_batch(km_kv_decoder *dec, const msgpack_object *root, km_kv_ba
         } else if (rank->type != MSGPACK_OBJECT_NIL) {
             return decoder_fail(dec, KM_ERR_PARSE,
                                 "batch data_parallel_rank: expected an int or nil, got %s",
-                                object_type_name(rank));
+                                km_msgpack_type_name(rank));
         }
     }
     const msgpack_object *events = &items[1];
     if (events->type != MSGPACK_OBJECT_ARRAY)
         return decoder_fail(dec, KM_ERR_PARSE, "batch events: expected an array, got %s",
-                            object_type_name(events));
+                            km_msgpack_type_name(events));
     uint32_t n = events->via.array.size;
     if (n > dec->config.max_events_per_batch)
         return decoder_fail(dec, KM_ERR_TOO_LARGE,

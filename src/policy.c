@@ -3,6 +3,7 @@
  * pass recomputes what it needs from the candidates, which is cheaper than scratch memory at the
  * sizes a pool has (up to a few thousand workers), and keeps the functions reentrant. */
 #include "kvmatch/policy.h"
+#include "why.h"
 
 #include <math.h>
 #include <stdarg.h>
@@ -109,20 +110,11 @@ void km_policy_config_init(km_policy_config *cfg)
     cfg->cache_aware.balance_rel_threshold = 1.5;
 }
 
-static void write_why(char *why, size_t why_size, int status, const char *fmt, va_list ap)
-{
-    if (!why || why_size == 0)
-        return;
-    int n = snprintf(why, why_size, "%s: ", km_error_name(status));
-    if (n > 0 && (size_t)n < why_size)
-        vsnprintf(why + n, why_size - (size_t)n, fmt, ap);
-}
-
 static int fail(char *why, size_t why_size, int status, const char *fmt, ...)
 {
     va_list ap;
     va_start(ap, fmt);
-    write_why(why, why_size, status, fmt, ap);
+    km_vstatus_message(why, why_size, status, fmt, ap);
     va_end(ap);
     return status;
 }
@@ -435,7 +427,7 @@ static int state_fail(km_policy_state *state, int status, const char *fmt, ...)
 {
     va_list ap;
     va_start(ap, fmt);
-    write_why(state->last_error, sizeof state->last_error, status, fmt, ap);
+    km_vstatus_message(state->last_error, sizeof state->last_error, status, fmt, ap);
     va_end(ap);
     return status;
 }

@@ -21,6 +21,8 @@
 #include <msgpack.h>
 
 #include "kvmatch/protocol.h"
+#include "why.h"
+#include "msgpack_names.h"
 
 #if defined(__GNUC__)
 #define KM_PRINTF(fmt_index, first_arg) __attribute__((format(printf, fmt_index, first_arg)))
@@ -182,11 +184,9 @@ const char *km_frame_reader_last_error(const km_frame_reader *r)
 
 KM_PRINTF(3, 4) static int reader_fail(km_frame_reader *r, int status, const char *fmt, ...)
 {
-    int n = snprintf(r->last_error, sizeof r->last_error, "%s: ", km_error_name(status));
     va_list ap;
     va_start(ap, fmt);
-    if (n > 0 && (size_t)n < sizeof r->last_error)
-        vsnprintf(r->last_error + n, sizeof r->last_error - (size_t)n, fmt, ap);
+    km_vstatus_message(r->last_error, sizeof r->last_error, status, fmt, ap);
     va_end(ap);
     r->failed = status;
     return status;
@@ -354,14 +354,10 @@ KM_PRINTF(3, 4) static void writer_fail(writer *w, int status, const char *fmt, 
     if (w->status)
         return;
     w->status = status;
-    if (w->why && w->why_size) {
-        int n = snprintf(w->why, w->why_size, "%s: ", km_error_name(status));
-        va_list ap;
-        va_start(ap, fmt);
-        if (n > 0 && (size_t)n < w->why_size)
-            vsnprintf(w->why + n, w->why_size - (size_t)n, fmt, ap);
-        va_end(ap);
-    }
+    va_list ap;
+    va_start(ap, fmt);
+    km_vstatus_message(w->why, w->why_size, status, fmt, ap);
+    va_end(ap);
 }
 
 /* Maps are written with a map16 header patched at the end, so optional fields need no count
@@ -1001,24 +997,6 @@ static int field_fail(km_protocol_decoder *d, int status, const char *field, uin
     return status;
 }
 
-static const char *object_type_name(const msgpack_object *o)
-{
-    switch (o->type) {
-    case MSGPACK_OBJECT_NIL: return "nil";
-    case MSGPACK_OBJECT_BOOLEAN: return "bool";
-    case MSGPACK_OBJECT_POSITIVE_INTEGER: return "non-negative int";
-    case MSGPACK_OBJECT_NEGATIVE_INTEGER: return "negative int";
-    case MSGPACK_OBJECT_FLOAT32:
-    case MSGPACK_OBJECT_FLOAT64: return "float";
-    case MSGPACK_OBJECT_STR: return "str";
-    case MSGPACK_OBJECT_ARRAY: return "array";
-    case MSGPACK_OBJECT_MAP: return "map";
-    case MSGPACK_OBJECT_BIN: return "bin";
-    case MSGPACK_OBJECT_EXT: return "ext";
-    }
-    return "unknown msgpack type";
-}
-
 static int out_of_memory(km_protocol_decoder *d)
 {
     return field_fail(d, KM_ERR_OUT_OF_MEMORY, NULL, NO_ELEMENT, "cannot allocate decode memory");
@@ -1191,7 +1169,7 @@ static int bind_fields(km_protocol_decoder *d, const msgpack_object *map, const 
         values[i] = NULL;
     if (map->type != MSGPACK_OBJECT_MAP)
         return field_fail(d, KM_ERR_PARSE, what, NO_ELEMENT, "expected a map, got %s",
-                          object_type_name(map));
+                          km_msgpack_type_name(map));
     unsigned start = 0; /* keys usually come in schema order: try the next name first */
     for (uint32_t k = 0; k < map->via.map.size; k++) {
         const msgpack_object *key = &map->via.map.ptr[k].key;
@@ -1230,7 +1208,7 @@ static int read_u64_element(km_protocol_decoder *d, const msgpack_object *o, con
     if (o->type != MSGPACK_OBJECT_POSITIVE_INTEGER || o->via.u64 > max)
         return field_fail(d, KM_ERR_PARSE, field, element, "expected an int in 0..%" PRIu64 ", got %s",
                           max, o->type == MSGPACK_OBJECT_POSITIVE_INTEGER ? "a larger int"
-                                                                          : object_type_name(o));
+                                                                          : km_msgpack_type_name(o));
     *out = o->via.u64;
     return KM_OK;
 }
@@ -1262,7 +1240,7 @@ static int read_status(km_protocol_decoder *d, const msgpack_object *o, const ch
     if (o->type != MSGPACK_OBJECT_NEGATIVE_INTEGER || o->via.i64 < INT32_MIN)
         return field_fail(d, KM_ERR_PARSE, field, NO_ELEMENT,
                           "expected 0 or a negative int32 status code, got %s",
-                          object_type_name(o));
+                          km_msgpack_type_name(o));
     *out = (int)o->via.i64;
     return KM_OK;
 }
@@ -1277,7 +1255,7 @@ static int read_double(km_protocol_decoder *d, const msgpack_object *o, const ch
     case MSGPACK_OBJECT_FLOAT64: *out = o->via.f64; return KM_OK;
     default:
         return field_fail(d, KM_ERR_PARSE, field, NO_ELEMENT, "expected a number, got %s",
-                          object_type_name(o));
+                          km_msgpack_type_name(o));
     }
 }
 
@@ -1286,7 +1264,7 @@ static int read_bool(km_protocol_decoder *d, const msgpack_object *o, const char
 {
     if (o->type != MSGPACK_OBJECT_BOOLEAN)
         return field_fail(d, KM_ERR_PARSE, field, NO_ELEMENT, "expected a bool, got %s",
-                          object_type_name(o));
+                          km_msgpack_type_name(o));
     *out = o->via.boolean;
     return KM_OK;
 }
@@ -1309,7 +1287,7 @@ static int read_str(km_protocol_decoder *d, const msgpack_object *o, const char 
 {
     if (o->type != MSGPACK_OBJECT_STR)
         return field_fail(d, KM_ERR_PARSE, field, NO_ELEMENT, "expected a str, got %s",
-                          object_type_name(o));
+                          km_msgpack_type_name(o));
     uint32_t n = o->via.str.size;
     if (n > d->limits.max_string_bytes)
         return field_fail(d, KM_ERR_TOO_LARGE, field, NO_ELEMENT,
@@ -1339,7 +1317,7 @@ static int check_array_object(km_protocol_decoder *d, const msgpack_object *o, c
 {
     if (o->type != MSGPACK_OBJECT_ARRAY)
         return field_fail(d, KM_ERR_PARSE, field, NO_ELEMENT, "expected an array, got %s",
-                          object_type_name(o));
+                          km_msgpack_type_name(o));
     if (o->via.array.size > limit)
         return field_fail(d, KM_ERR_TOO_LARGE, field, NO_ELEMENT, "%u entries, %s is %u",
                           o->via.array.size, limit_name, limit);
@@ -1400,7 +1378,7 @@ static int read_attempt_id(km_protocol_decoder *d, const msgpack_object *o, cons
     }
     if (o->type != MSGPACK_OBJECT_STR)
         return field_fail(d, KM_ERR_PARSE, "attempt_id", NO_ELEMENT,
-                          "expected a str or a non-negative int, got %s", object_type_name(o));
+                          "expected a str or a non-negative int, got %s", km_msgpack_type_name(o));
     return read_str(d, o, "attempt_id", out);
 }
 
@@ -1506,7 +1484,7 @@ static int decode_candidate(km_protocol_decoder *d, const msgpack_object *o, uin
         rc = field_fail(d, KM_ERR_PARSE, NULL, NO_ELEMENT,
                         "expected an array of %u fields (a candidate row), got %s",
                         KM_CANDIDATE_ROW_FIELDS,
-                        o->type == MSGPACK_OBJECT_ARRAY ? "fewer" : object_type_name(o));
+                        o->type == MSGPACK_OBJECT_ARRAY ? "fewer" : km_msgpack_type_name(o));
         d->item[item_length] = 0;
         return rc;
     }
@@ -1807,7 +1785,7 @@ static int decode_pool(km_protocol_decoder *d, const msgpack_object *o, km_pool_
         const msgpack_object *m = v[PARAMS];
         if (m->type != MSGPACK_OBJECT_MAP)
             return field_fail(d, KM_ERR_PARSE, "params", NO_ELEMENT,
-                              "expected a map of name -> number, got %s", object_type_name(m));
+                              "expected a map of name -> number, got %s", km_msgpack_type_name(m));
         if (m->via.map.size > d->limits.max_params)
             return field_fail(d, KM_ERR_TOO_LARGE, "params", NO_ELEMENT,
                               "%u entries, max_params is %u", m->via.map.size,
@@ -1820,7 +1798,7 @@ static int decode_pool(km_protocol_decoder *d, const msgpack_object *o, km_pool_
             if (key->type != MSGPACK_OBJECT_STR || key->via.str.size == 0)
                 return field_fail(d, KM_ERR_PARSE, "params", i,
                                   "a parameter name must be a non-empty str, got %s",
-                                  object_type_name(key));
+                                  km_msgpack_type_name(key));
             if ((rc = read_str(d, key, "params", &params[i].name)) ||
                 (rc = read_double(d, &m->via.map.ptr[i].val, params[i].name, &params[i].value)))
                 return rc;
@@ -2160,7 +2138,7 @@ static int decode_message(km_protocol_decoder *d, const uint8_t *p, size_t size,
                           (int)ur);
     if (root.type != MSGPACK_OBJECT_MAP)
         return field_fail(d, KM_ERR_PARSE, NULL, NO_ELEMENT, "a message is a map, got %s",
-                          object_type_name(&root));
+                          km_msgpack_type_name(&root));
     static const char *const head_names[] = {"type", "id"};
     const msgpack_object *head[2];
     if ((rc = bind_fields(d, &root, NULL, head_names, 2, head)))
@@ -2174,7 +2152,7 @@ static int decode_message(km_protocol_decoder *d, const uint8_t *p, size_t size,
         return missing(d, "type");
     if (head[0]->type != MSGPACK_OBJECT_STR)
         return field_fail(d, KM_ERR_PARSE, "type", NO_ELEMENT, "expected a str, got %s",
-                          object_type_name(head[0]));
+                          km_msgpack_type_name(head[0]));
     if (!m->has_id)
         return missing(d, "id");
     km_lifecycle_kind single = single_event_kind(head[0]);

@@ -14,6 +14,7 @@
  * so no line is ever split or half-written. I/O failures are counted and logged on the transition
  * (failing, recovered), never fatal: the file is closed and reopened for the next line. */
 #include "kvmatch/records.h"
+#include "why.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -191,13 +192,9 @@ static void fail(builder *b, int status, const char *fmt, ...)
     if (b->status != KM_OK)
         return;
     b->status = status;
-    if (!b->error || b->error_size == 0)
-        return;
     va_list ap;
     va_start(ap, fmt);
-    int n = snprintf(b->error, b->error_size, "%s: ", km_error_name(status));
-    if (n > 0 && (size_t)n < b->error_size)
-        vsnprintf(b->error + n, b->error_size - (size_t)n, fmt, ap);
+    km_vstatus_message(b->error, b->error_size, status, fmt, ap);
     va_end(ap);
 }
 

@@ -17,6 +17,7 @@
 
 #include "kvmatch/hash.h"
 #include "u64map.h"
+#include "why.h"
 
 #define NO_BLOCK UINT32_MAX
 #define NO_SLOT UINT32_MAX
@@ -116,13 +117,10 @@ struct km_sim_engine {
 
 static int fail(km_sim_engine *e, int status, const char *fmt, ...)
 {
-    int n = snprintf(e->last_error, sizeof e->last_error, "%s: ", km_error_name(status));
-    if (n > 0 && (size_t)n < sizeof e->last_error) {
-        va_list ap;
-        va_start(ap, fmt);
-        vsnprintf(e->last_error + n, sizeof e->last_error - (size_t)n, fmt, ap);
-        va_end(ap);
-    }
+    va_list ap;
+    va_start(ap, fmt);
+    km_vstatus_message(e->last_error, sizeof e->last_error, status, fmt, ap);
+    va_end(ap);
     return status;
 }
 

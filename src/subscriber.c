@@ -11,6 +11,7 @@
  * with that request id. When a request is superseded, cancelled or times out, the DEALER is closed
  * and reopened, so late answers to the old request can never be mistaken for the new one's. */
 #include "kvmatch/subscriber.h"
+#include "why.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -104,11 +105,9 @@ static void sub_log(const km_subscriber *sub, const char *fmt, ...)
 static int set_error(km_subscriber *sub, int status, const char *fmt, ...)
 {
     char msg[256];
-    int n = snprintf(msg, sizeof msg, "%s: ", km_error_name(status));
     va_list ap;
     va_start(ap, fmt);
-    if (n > 0 && (size_t)n < sizeof msg)
-        vsnprintf(msg + n, sizeof msg - (size_t)n, fmt, ap);
+    km_vstatus_message(msg, sizeof msg, status, fmt, ap);
     va_end(ap);
     pthread_mutex_lock(&sub->lock);
     memcpy(sub->last_error, msg, sizeof msg);

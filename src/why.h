@@ -1,12 +1,15 @@
-/* Internal: the error-with-detail helper of functions that have no handle to keep a last_error in
- * (constructors, configuration readers): write the sentence into the caller's buffer (which may be
- * NULL) and return the status. */
+/* Internal: the error-with-detail helpers. km_why is for functions that have no handle to keep a
+ * last_error in (constructors, configuration readers): it writes the sentence into the caller's
+ * buffer (which may be NULL) and returns the status. km_vstatus_message is the shared body of every
+ * handle's *_fail: "KM_ERR_NAME: detail" into a last_error buffer. */
 #ifndef KM_WHY_H
 #define KM_WHY_H
 
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdio.h>
+
+#include "kvmatch/error.h"
 
 static inline int km_why(char *why, size_t why_size, int status, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));
@@ -19,6 +22,16 @@ static inline int km_why(char *why, size_t why_size, int status, const char *fmt
         va_end(ap);
     }
     return status;
+}
+
+/* "KM_ERR_NAME: " and the formatted detail into buf (NULL or size 0: nothing), cut to fit. */
+static inline void km_vstatus_message(char *buf, size_t size, int status, const char *fmt, va_list ap)
+{
+    if (!buf || !size)
+        return;
+    int n = snprintf(buf, size, "%s: ", km_error_name(status));
+    if (n > 0 && (size_t)n < size)
+        vsnprintf(buf + n, size - (size_t)n, fmt, ap);
 }
 
 #endif
