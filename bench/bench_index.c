@@ -815,8 +815,10 @@ static double measure_limit(bench_ctx *ctx, uint64_t slots, uint64_t reads_per_t
     *huge = madvise(table, bytes, MADV_HUGEPAGE) == 0;
     for (size_t i = 0; i < bytes; i += 8)
         *(uint64_t *)(table + i) = i * UINT64_C(0x9E3779B97F4A7C15);
-    double *v = calloc((size_t)ctx->reps, sizeof(double));
-    for (int rep = 0; v && rep < ctx->reps; rep++) {
+    /* The ceiling is steady: --reps beyond the default only lengthens the run. */
+    int reps = ctx->reps < BENCH_REPS ? ctx->reps : BENCH_REPS;
+    double *v = calloc((size_t)reps, sizeof(double));
+    for (int rep = 0; v && rep < reps; rep++) {
         limit_job job = {.table = table, .slots = pow2, .reads_per_thread = reads_per_thread};
         atomic_init(&job.sink, 0);
         double t0 = km_bench_now_s();
@@ -824,7 +826,7 @@ static double measure_limit(bench_ctx *ctx, uint64_t slots, uint64_t reads_per_t
         double dt = km_bench_now_s() - t0;
         v[rep] = (double)(reads_per_thread * ctx->threads) / dt;
     }
-    double m = v ? km_bench_median(v, (size_t)ctx->reps) : 0.0;
+    double m = v ? km_bench_median(v, (size_t)reps) : 0.0;
     free(v);
     munmap(raw, bytes + align);
     return m;
@@ -888,22 +890,43 @@ static void print_table(const row *rows, size_t n, double limit, json_t *notes)
     json_array_foreach(notes, k, v) printf("note: %s\n", json_string_value(v));
 }
 
+/* 1 when the comma-separated list names `name`. */
+static int list_names(const char *list, const char *name)
+{
+    size_t len = strlen(name);
+    for (const char *p = list; *p;) {
+        const char *end = strchr(p, ',');
+        size_t n = end ? (size_t)(end - p) : strlen(p);
+        if (n == len && !strncmp(p, name, len))
+            return 1;
+        p += n + (end != NULL);
+    }
+    return 0;
+}
+
 /* ---- main ------------------------------------------------------------------------------------- */
 
 static void usage(FILE *f)
 {
-    fprintf(f, "usage: kvmatch bench index [--json] [--quick] [--threads N] [--trace PATH]\n"
+    fprintf(f, "usage: kvmatch bench index [--json] [--quick] [--threads N] [--reps N]\n"
+               "                           [--workers N] [--backends LIST] [--trace PATH]\n"
                "  --json       one JSON object on stdout (default: a readable table)\n"
                "  --quick      3 repetitions, concurrent builds, no cpu_nosegments row (< 30 s)\n"
                "  --threads N  scoring threads for every backend (default: online CPUs)\n"
+               "  --workers N  only one of the worker counts (64 or 1024)\n"
+               "  --reps N     timed repetitions of every batch (default 5, 3 with --quick)\n"
+               "  --backends L comma-separated rows to measure, e.g. cpu,radix_compressed; cpu is\n"
+               "               always built, as the reference the others are checked against\n"
                "  --trace PATH Mooncake JSONL trace (default: $KM_MOONCAKE_TRACE or %s)\n",
             "../shared/data/mooncake/conversation_trace.jsonl");
 }
 
 int km_bench_index_main(int argc, char **argv)
 {
-    int json = 0, quick = 0;
+    int json = 0, quick = 0, reps_wanted = 0;
     uint32_t threads = 0;
+    const char *only = NULL;
+    uint32_t only_workers = 0;
     const char *trace_path = NULL;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--json")) {
@@ -919,6 +942,27 @@ int km_bench_index_main(int argc, char **argv)
                 return 2;
             }
             threads = (uint32_t)t;
+        } else if (!strcmp(argv[i], "--reps") && i + 1 < argc) {
+            char *end;
+            errno = 0;
+            long r = strtol(argv[++i], &end, 10);
+            if (errno || *end || r < 1 || r > 100000) {
+                fprintf(stderr, "kvmatch bench index: --reps wants an integer in [1, 100000]\n");
+                return 2;
+            }
+            reps_wanted = (int)r;
+        } else if (!strcmp(argv[i], "--workers") && i + 1 < argc) {
+            i++;
+            for (size_t k = 0; k < N_WORKER_COUNTS; k++)
+                if ((unsigned long)atol(argv[i]) == bench_worker_counts[k] &&
+                    strspn(argv[i], "0123456789") == strlen(argv[i]))
+                    only_workers = bench_worker_counts[k];
+            if (!only_workers) {
+                fprintf(stderr, "kvmatch bench index: --workers wants 64 or 1024\n");
+                return 2;
+            }
+        } else if (!strcmp(argv[i], "--backends") && i + 1 < argc) {
+            only = argv[++i];
         } else if (!strcmp(argv[i], "--trace") && i + 1 < argc) {
             trace_path = argv[++i];
         } else if (!strcmp(argv[i], "-h") || !strcmp(argv[i], "--help")) {
@@ -998,7 +1042,7 @@ int km_bench_index_main(int argc, char **argv)
     ctx.b = &b;
     ctx.pool = &pool;
     ctx.threads = threads;
-    ctx.reps = quick ? BENCH_QUICK_REPS : BENCH_REPS;
+    ctx.reps = reps_wanted ? reps_wanted : quick ? BENCH_QUICK_REPS : BENCH_REPS;
     km_match_results_init(&ctx.results);
     ctx.bl_results = calloc(threads, sizeof(km_baseline_result));
     ctx.bl_out = calloc(threads, sizeof(batch_output));
@@ -1015,6 +1059,8 @@ int km_bench_index_main(int argc, char **argv)
 
     for (size_t wi = 0; wi < N_WORKER_COUNTS && !failed; wi++) {
         uint32_t workers = bench_worker_counts[wi];
+        if (only_workers && only_workers != workers)
+            continue;
         assignment a;
         if (assign_state(&wl, workers, &a) != KM_OK) {
             fprintf(stderr, "kvmatch bench index: out of memory assigning requests\n");
@@ -1048,6 +1094,13 @@ int km_bench_index_main(int argc, char **argv)
             n_sc--;
             if (wi == 0)
                 json_array_append_new(notes, json_string("cpu_nosegments: not measured with --quick"));
+        }
+        if (only) { /* keep sc[0], the reference, and the rows named */
+            size_t kept = 1;
+            for (size_t i = 1; i < n_sc; i++)
+                if (list_names(only, sc[i].backend))
+                    sc[kept++] = sc[i];
+            n_sc = kept;
         }
         if (!json)
             fprintf(stderr, "  [%5.1f s] %u workers: state assigned, building %zu structures%s\n",

@@ -1,18 +1,30 @@
 /* The CPU backend: scores requests straight from the host tables with km_walk_request (the code
- * the CUDA kernel runs), across a persistent pool of threads. Requests are split into contiguous
- * slices of roughly equal block counts; inside a slice, the next request's first lookups are
- * prefetched while the current one walks, and the walk itself prefetches KM_PREFETCH_AHEAD keys
- * ahead, so several DRAM misses are always in flight per thread. A batch runs in two phases: each
+ * the CUDA kernel runs), across a persistent pool of threads. A batch runs in two phases: each
  * request's entry count (its block 0's holder count) first, so every walk then writes its entries
- * straight into their final place in the results. */
+ * straight into their final place in the results. Lanes claim requests in small chunks, so a slow
+ * or late lane never holds the batch up; inside a chunk, the next request's first lookups and the
+ * hash-array lines of the one after are prefetched while the current one walks, and the walk itself
+ * prefetches KM_PREFETCH_AHEAD keys ahead, so several DRAM misses are always in flight per thread. */
 #include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
 #include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "index_impl.h"
 
-/* ---- a minimal persistent thread pool ------------------------------------------------------ */
+/* ---- a persistent pool that does not wait for late helpers ------------------------------------
+ *
+ * A batch of ~1000 requests takes a few hundred microseconds; waking a parked helper can take tens
+ * (more on a busy or virtualised machine). So the caller never waits for a helper to wake: it starts
+ * on the job at once, the job's work is claimed in small chunks, and a helper that wakes after all
+ * of it has been claimed backs out. The caller waits only for helpers actually inside the job.
+ *
+ * Joining is a Dekker pair on sequentially consistent atomics: a helper increments `inside` and
+ * then checks that `open_generation` is still the generation it woke for; the caller clears
+ * `open_generation` and then reads `inside`. At least one of them sees
+ * the other's write, so either the helper backs out or the caller waits for it. */
 
 typedef void (*pool_job)(void *arg, uint32_t thread_index);
 
@@ -21,12 +33,12 @@ typedef struct km_thread_pool {
     uint32_t n_threads; /* helper threads; the caller is thread n_threads */
     pthread_mutex_t mutex;
     pthread_cond_t start;
-    pthread_cond_t done;
-    uint64_t generation;
-    uint32_t pending;
-    int stop;
-    pool_job job;
+    uint64_t generation; /* under mutex */
+    int stop;            /* under mutex */
+    pool_job job;        /* written before generation advances, read after */
     void *arg;
+    atomic_uint_fast64_t open_generation; /* the generation that may still be joined, else 0 */
+    atomic_uint inside;  /* helpers running the current job */
 } km_thread_pool;
 
 typedef struct pool_thread_arg {
@@ -34,28 +46,41 @@ typedef struct pool_thread_arg {
     uint32_t index;
 } pool_thread_arg;
 
+/* Brief waits for another thread that is running (a helper finishing a chunk): spin, then yield
+ * so a helper sharing this core can run. */
+static void pool_relax(uint32_t *spins)
+{
+    if (++*spins < 256) {
+#if defined(__x86_64__) || defined(__i386__)
+        __builtin_ia32_pause();
+#endif
+    } else {
+        sched_yield();
+    }
+}
+
 static void *pool_main(void *p)
 {
     pool_thread_arg self = *(pool_thread_arg *)p;
     free(p);
     km_thread_pool *pool = self.pool;
     uint64_t seen = 0;
-    pthread_mutex_lock(&pool->mutex);
     for (;;) {
+        pthread_mutex_lock(&pool->mutex);
         while (!pool->stop && pool->generation == seen)
             pthread_cond_wait(&pool->start, &pool->mutex);
-        if (pool->stop)
-            break;
+        int stop = pool->stop;
         seen = pool->generation;
         pool_job job = pool->job;
         void *arg = pool->arg;
         pthread_mutex_unlock(&pool->mutex);
-        job(arg, self.index);
-        pthread_mutex_lock(&pool->mutex);
-        if (--pool->pending == 0)
-            pthread_cond_signal(&pool->done);
+        if (stop)
+            break;
+        atomic_fetch_add(&pool->inside, 1);
+        if (atomic_load(&pool->open_generation) == seen) /* not a job that has since closed */
+            job(arg, self.index);
+        atomic_fetch_sub(&pool->inside, 1);
     }
-    pthread_mutex_unlock(&pool->mutex);
     return NULL;
 }
 
@@ -71,7 +96,6 @@ static void pool_destroy(km_thread_pool *pool)
         pthread_join(pool->threads[i], NULL);
     pthread_mutex_destroy(&pool->mutex);
     pthread_cond_destroy(&pool->start);
-    pthread_cond_destroy(&pool->done);
     free(pool->threads);
     free(pool);
 }
@@ -83,7 +107,8 @@ static km_thread_pool *pool_create(uint32_t helpers)
         return NULL;
     pthread_mutex_init(&pool->mutex, NULL);
     pthread_cond_init(&pool->start, NULL);
-    pthread_cond_init(&pool->done, NULL);
+    atomic_init(&pool->open_generation, 0);
+    atomic_init(&pool->inside, 0);
     pool->threads = calloc(helpers ? helpers : 1, sizeof *pool->threads);
     if (!pool->threads) {
         pool_destroy(pool);
@@ -105,21 +130,24 @@ static km_thread_pool *pool_create(uint32_t helpers)
     return pool;
 }
 
-/* Run job(arg, t) for t = 0 .. n_threads (the caller runs the last one) and wait for all. */
+/* Run job(arg, t) on the caller (t = n_threads) and on every helper that wakes while the job is
+ * open (t = 0 .. n_threads-1); return when the caller's call has returned and no helper is inside.
+ * Contract for the job: it claims its work dynamically and returns once none is left to claim, so
+ * it is correct whichever lanes run it, the caller's alone included. */
 static void pool_run(km_thread_pool *pool, pool_job job, void *arg)
 {
     pthread_mutex_lock(&pool->mutex);
     pool->job = job;
     pool->arg = arg;
-    pool->pending = pool->n_threads;
     pool->generation++;
+    atomic_store(&pool->open_generation, pool->generation);
     pthread_cond_broadcast(&pool->start);
     pthread_mutex_unlock(&pool->mutex);
     job(arg, pool->n_threads);
-    pthread_mutex_lock(&pool->mutex);
-    while (pool->pending > 0)
-        pthread_cond_wait(&pool->done, &pool->mutex);
-    pthread_mutex_unlock(&pool->mutex);
+    atomic_store(&pool->open_generation, 0);
+    uint32_t spins = 0;
+    while (atomic_load(&pool->inside) != 0)
+        pool_relax(&spins);
 }
 
 /* ---- scoring --------------------------------------------------------------------------- */
@@ -132,7 +160,6 @@ _Static_assert(sizeof(km_walk_entry) == sizeof(km_worker_match) &&
 
 typedef struct cpu_lane {
     uint64_t *scratch; /* KM_WALK_SCRATCH_WORDS(max_workers) */
-    size_t first_request, end_request;
     int status;
 } cpu_lane;
 
@@ -142,11 +169,27 @@ typedef struct cpu_state {
     cpu_lane *lanes;
 } cpu_state;
 
+/* One batch, run by every lane that joins it, in two phases:
+ *   1. count: each request's entry count is the holder count of its block 0, known from one
+ *      lookup, so every request's output can be placed exactly and the walks write in place (no
+ *      copy of the batch's results, which at 1024 workers are ~8 KB per request);
+ *   2. walk: every request is walked straight into its place.
+ * Both phases hand out requests in chunks. The lane that completes the last count chunk lays the
+ * results out (prefix sums, one reserve) and opens phase 2; a lane with no count chunk left waits
+ * for that, which is only ever a lane in the middle of a chunk. */
+enum { PHASE_COUNT = 0, PHASE_WALK = 1, PHASE_FAILED = 2 };
+
 typedef struct match_job {
     const km_index *index;
     const km_request *requests;
+    size_t n_requests;
     km_match_results *results;
     cpu_state *state;
+    atomic_size_t next_count; /* phase 1: the next unclaimed request */
+    atomic_size_t counted;    /* phase 1: requests whose count is written */
+    atomic_int phase;
+    atomic_size_t next_walk;  /* phase 2: the next unclaimed request */
+    size_t total_matches;     /* written before phase becomes PHASE_WALK */
 } match_job;
 
 /* Prefetch every lookup of a request that does not depend on the walk: block 0 and each segment
@@ -165,52 +208,120 @@ static void prefetch_request(const km_table_view *blocks, const km_table_view *s
         km_view_prefetch(segments, r->hashes[k * S - 1]);
 }
 
-/* Phase 1: each request's entry count is the holder count of its block 0, known from one lookup,
- * so every request's output can be placed exactly and the walks write in place (no copy of the
- * batch's results, which at 1024 workers are ~8 KB per request). The lookup also brings block 0's
- * slot into cache for phase 2. */
-#define CPU_COUNT_PREFETCH 8u
-static void count_lane(void *p, uint32_t lane_index)
+/* Prefetch the lines of a request's hash array that prefetch_request and the first segments of
+ * its walk will read, so their own loads do not miss. Issued two requests ahead. */
+static void prefetch_request_input(uint32_t S, const km_request *r)
+{
+    if (r->n_hashes == 0)
+        return;
+    __builtin_prefetch(r->hashes, 0, 1);
+    for (uint32_t k = 0; S && k < KM_PREFETCH_AHEAD && k * S < r->n_hashes; k++)
+        km_prefetch_segment_input(r->hashes, S, k, r->n_hashes);
+}
+
+#define CPU_COUNT_CHUNK 64u
+#define CPU_WALK_CHUNK 8u
+
+/* Phase 1 for requests [r, end): block 0's slot is prefetched 8 requests ahead and the line of
+ * the request's hash array holding block 0 16 ahead (the slot's address needs the hash). */
+static void count_chunk(match_job *job, const km_table_view *blocks, size_t r, size_t end)
+{
+    const km_request *requests = job->requests;
+    for (size_t k = r; k < end && k < r + 16; k++)
+        if (requests[k].n_hashes)
+            __builtin_prefetch(requests[k].hashes, 0, 1);
+    for (size_t k = r; k < end && k < r + 8; k++)
+        if (requests[k].n_hashes)
+            km_view_prefetch(blocks, requests[k].hashes[0]);
+    for (; r < end; r++) {
+        if (r + 16 < end && requests[r + 16].n_hashes)
+            __builtin_prefetch(requests[r + 16].hashes, 0, 1);
+        if (r + 8 < end && requests[r + 8].n_hashes)
+            km_view_prefetch(blocks, requests[r + 8].hashes[0]);
+        const km_request *req = &requests[r];
+        uint64_t slot = req->n_hashes ? km_view_find(blocks, req->hashes[0]) : KM_SLOT_NONE;
+        job->results->requests[r].count = slot == KM_SLOT_NONE ? 0 : km_slot_count(&blocks->slots[slot]);
+    }
+}
+
+/* Between the phases, on the lane that completed the last count chunk. */
+static void lay_out_results(match_job *job)
+{
+    km_match_results *results = job->results;
+    size_t total = 0;
+    for (size_t i = 0; i < job->n_requests; i++) {
+        results->requests[i].first = total;
+        total += results->requests[i].count;
+    }
+    job->total_matches = total;
+    int ok = km_match_results_reserve(results, job->n_requests, total) == KM_OK;
+    atomic_store_explicit(&job->phase, ok ? PHASE_WALK : PHASE_FAILED, memory_order_release);
+}
+
+/* Phase 2 for requests [r, end). A walk's cost follows its entry count and its segment skips, not
+ * its block count, so lanes claim small chunks: a lane that drew cheap requests takes more. */
+static int walk_chunk(match_job *job, cpu_lane *lane, const km_table_view *blocks,
+                      const km_table_view *segments, size_t r, size_t end)
+{
+    uint32_t S = job->index->config.segment_blocks;
+    uint32_t max_workers = job->index->config.max_workers;
+    km_match_results *results = job->results;
+    prefetch_request(blocks, segments, S, &job->requests[r]);
+    if (r + 1 < end)
+        prefetch_request_input(S, &job->requests[r + 1]);
+    for (; r < end; r++) {
+        if (r + 2 < end)
+            prefetch_request_input(S, &job->requests[r + 2]);
+        if (r + 1 < end)
+            prefetch_request(blocks, segments, S, &job->requests[r + 1]);
+        const km_request *req = &job->requests[r];
+        km_request_result *res = &results->requests[r];
+        uint32_t owner, owner_depth, probes;
+        uint32_t m = km_walk_request(blocks, segments, S, req->hashes, req->n_hashes,
+                                     (km_walk_entry *)(results->matches + res->first),
+                                     lane->scratch, max_workers, &owner, &owner_depth, &probes);
+        if (m != res->count) /* the tables cannot change between the phases */
+            return KM_ERR_INTERNAL;
+        res->owner = owner;
+        res->owner_depth = owner_depth;
+        res->probes = probes;
+    }
+    return KM_OK;
+}
+
+static void match_lane(void *p, uint32_t lane_index)
 {
     match_job *job = p;
     cpu_lane *lane = &job->state->lanes[lane_index];
     km_table_view blocks = km_table_get_view(&job->index->blocks);
-    for (size_t r = lane->first_request; r < lane->end_request; r++) {
-        size_t ahead = r + CPU_COUNT_PREFETCH;
-        if (ahead < lane->end_request && job->requests[ahead].n_hashes)
-            km_view_prefetch(&blocks, job->requests[ahead].hashes[0]);
-        const km_request *req = &job->requests[r];
-        uint64_t slot = req->n_hashes ? km_view_find(&blocks, req->hashes[0]) : KM_SLOT_NONE;
-        job->results->requests[r].count = slot == KM_SLOT_NONE ? 0 : km_slot_count(&blocks.slots[slot]);
+    km_table_view segments = km_table_get_view(&job->index->segments);
+    size_t n = job->n_requests;
+    for (;;) {
+        size_t r = atomic_fetch_add_explicit(&job->next_count, CPU_COUNT_CHUNK, memory_order_relaxed);
+        if (r >= n)
+            break;
+        size_t end = r + CPU_COUNT_CHUNK < n ? r + CPU_COUNT_CHUNK : n;
+        count_chunk(job, &blocks, r, end);
+        /* acq_rel: the last lane to finish sees every other lane's counts. */
+        if (atomic_fetch_add_explicit(&job->counted, end - r, memory_order_acq_rel) + (end - r) == n)
+            lay_out_results(job);
     }
-}
-
-/* Phase 2: walk every request straight into its place in the results. */
-static void walk_lane(void *p, uint32_t lane_index)
-{
-    match_job *job = p;
-    cpu_lane *lane = &job->state->lanes[lane_index];
-    const km_index *index = job->index;
-    km_table_view blocks = km_table_get_view(&index->blocks);
-    km_table_view segments = km_table_get_view(&index->segments);
-    uint32_t S = index->config.segment_blocks;
-    uint32_t max_workers = index->config.max_workers;
-    for (size_t r = lane->first_request; r < lane->end_request; r++) {
-        if (r + 1 < lane->end_request)
-            prefetch_request(&blocks, &segments, S, &job->requests[r + 1]);
-        const km_request *req = &job->requests[r];
-        km_request_result *res = &job->results->requests[r];
-        uint32_t owner, owner_depth, probes;
-        uint32_t m = km_walk_request(&blocks, &segments, S, req->hashes, req->n_hashes,
-                                     (km_walk_entry *)(job->results->matches + res->first),
-                                     lane->scratch, max_workers, &owner, &owner_depth, &probes);
-        if (m != res->count) { /* the tables cannot change between the phases */
-            lane->status = KM_ERR_INTERNAL;
+    uint32_t spins = 0;
+    int phase;
+    while ((phase = atomic_load_explicit(&job->phase, memory_order_acquire)) == PHASE_COUNT)
+        pool_relax(&spins);
+    if (phase == PHASE_FAILED)
+        return;
+    for (;;) {
+        size_t r = atomic_fetch_add_explicit(&job->next_walk, CPU_WALK_CHUNK, memory_order_relaxed);
+        if (r >= n)
+            return;
+        size_t end = r + CPU_WALK_CHUNK < n ? r + CPU_WALK_CHUNK : n;
+        int rc = walk_chunk(job, lane, &blocks, &segments, r, end);
+        if (rc) {
+            lane->status = rc;
             return;
         }
-        res->owner = owner;
-        res->owner_depth = owner_depth;
-        res->probes = probes;
     }
 }
 
@@ -264,52 +375,34 @@ static int cpu_match(void *p, km_index *index, const km_request *requests, size_
                      km_match_results *results)
 {
     cpu_state *state = p;
-    uint32_t lanes = state->pool ? state->n_lanes : 1;
-    if (n < (size_t)lanes * CPU_MIN_REQUESTS_PER_LANE)
-        lanes = 1;
-    /* Slices of about equal block counts: the walk's cost follows the blocks, not the requests. */
-    uint64_t total = 0;
-    for (size_t i = 0; i < n; i++)
-        total += requests[i].n_hashes + 1;
-    size_t r = 0;
-    uint64_t seen = 0;
-    for (uint32_t l = 0; l < state->n_lanes; l++) {
-        cpu_lane *lane = &state->lanes[l];
-        lane->first_request = r;
-        if (l < lanes) {
-            uint64_t target = total * (l + 1) / lanes;
-            while (r < n && (seen < target || l + 1 == lanes)) {
-                seen += requests[r].n_hashes + 1;
-                r++;
-            }
-        }
-        lane->end_request = r;
+    if (n == 0) { /* no count chunk would ever open phase 2 */
+        results->n_matches = 0;
+        results->probes = 0;
+        return KM_OK;
     }
-    match_job job = {index, requests, results, state};
-    if (lanes > 1)
-        pool_run(state->pool, count_lane, &job);
-    else
-        count_lane(&job, 0);
-    size_t total_matches = 0;
-    for (size_t i = 0; i < n; i++) {
-        results->requests[i].first = total_matches;
-        total_matches += results->requests[i].count;
-    }
-    if (km_match_results_reserve(results, n, total_matches))
-        return km_index_fail(index, KM_ERR_OUT_OF_MEMORY, "results for %zu matches", total_matches);
+    match_job job = {.index = index, .requests = requests, .n_requests = n, .results = results,
+                     .state = state};
+    atomic_init(&job.next_count, 0);
+    atomic_init(&job.counted, 0);
+    atomic_init(&job.phase, PHASE_COUNT);
+    atomic_init(&job.next_walk, 0);
     for (uint32_t l = 0; l < state->n_lanes; l++)
         state->lanes[l].status = KM_OK;
-    if (lanes > 1)
-        pool_run(state->pool, walk_lane, &job);
+    if (state->pool && n >= (size_t)state->n_lanes * CPU_MIN_REQUESTS_PER_LANE)
+        pool_run(state->pool, match_lane, &job);
     else
-        walk_lane(&job, 0);
-    uint64_t probes = 0;
+        match_lane(&job, 0);
+    if (atomic_load(&job.phase) == PHASE_FAILED)
+        return km_index_fail(index, KM_ERR_OUT_OF_MEMORY, "results for %zu matches",
+                             job.total_matches);
     for (uint32_t l = 0; l < state->n_lanes; l++)
         if (state->lanes[l].status)
-            return km_index_fail(index, state->lanes[l].status, "cpu scoring: tables changed during a batch");
+            return km_index_fail(index, state->lanes[l].status,
+                                 "cpu scoring: tables changed during a batch");
+    uint64_t probes = 0;
     for (size_t i = 0; i < n; i++)
         probes += results->requests[i].probes;
-    results->n_matches = total_matches;
+    results->n_matches = job.total_matches;
     results->probes = probes;
     return KM_OK;
 }

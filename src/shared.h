@@ -104,6 +104,21 @@ KM_HD static inline void km_view_prefetch(const km_table_view *v, uint64_t key)
     (void)key;
 }
 
+/* Bring the lines of a request's own hash array that segment k's lookups read (its first block,
+ * where a walk inside it starts, and its last, the segment key) into cache ahead of use: the walk
+ * reads one hash per segment, a fresh line each time, so the input misses as often as the table
+ * does. A no-op on the device. */
+KM_HD static inline void km_prefetch_segment_input(const uint64_t *hashes, uint32_t S, uint32_t k,
+                                                   uint32_t n)
+{
+    if ((k + 1) * S <= n)
+        KM_PREFETCH(&hashes[(k + 1) * S - 1]);
+    (void)hashes;
+    (void)S;
+    (void)k;
+    (void)n;
+}
+
 KM_HD static inline int km_slot_contains(const km_slot *s, const uint64_t *pool,
                                          uint32_t words_per_set, uint32_t worker)
 {
@@ -252,9 +267,12 @@ KM_HD static inline uint32_t km_walk_request(const km_table_view *blocks,
         return 0;
     uint32_t S = segment_blocks;
     uint32_t W = blocks->words_per_set;
-    if (S > 0)
+    if (S > 0) {
         for (uint32_t k = 0; k < KM_PREFETCH_AHEAD && (k + 1) * S <= n; k++)
             km_view_prefetch(segments, hashes[(k + 1) * S - 1]);
+        for (uint32_t k = KM_PREFETCH_AHEAD; k < 2u * KM_PREFETCH_AHEAD && k * S < n; k++)
+            km_prefetch_segment_input(hashes, S, k, n);
+    }
 
     uint64_t slot0 = km_view_find(blocks, hashes[0]);
     *probes = 1;
@@ -277,8 +295,8 @@ KM_HD static inline uint32_t km_walk_request(const km_table_view *blocks,
             uint32_t last = (k + 1) * S - 1;
             if ((k + 1 + KM_PREFETCH_AHEAD) * S <= n)
                 km_view_prefetch(segments, hashes[(k + 1 + KM_PREFETCH_AHEAD) * S - 1]);
-            /* If workers drop in this segment, its walk starts at `next`: start that miss now. */
-            km_view_prefetch(blocks, hashes[next]);
+            if ((k + 2u * KM_PREFETCH_AHEAD) * S < n)
+                km_prefetch_segment_input(hashes, S, k + 2u * KM_PREFETCH_AHEAD, n);
             uint64_t seg = km_view_find(segments, hashes[last]);
             (*probes)++;
             km_view_intersect(segments, seg, open, kept);

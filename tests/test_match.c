@@ -101,6 +101,7 @@ PROPERTY(0, 8, 1)
 PROPERTY(0, 8, 2)
 PROPERTY(0, 1024, 1)
 PROPERTY(0, 1024, 2)
+PROPERTY(32, 64, 7) /* more lanes than this machine's cores: helpers join late or not at all */
 
 /* ---- edge cases ---------------------------------------------------------------------------- */
 
@@ -224,6 +225,47 @@ Test(match, results_struct_reused_across_batches, .timeout = 60)
                  "capacities below the counts at batch %zu", k);
         prev_req_cap = res.requests_capacity;
         prev_match_cap = res.matches_capacity;
+    }
+    km_match_results_free(&res);
+    km_request_set_free(&rs);
+    km_workload_free(&wl);
+    km_corpus_free(&corpus);
+    km_oracle_free(&o);
+    km_index_destroy(index);
+}
+
+/* Many small and odd-sized batches on more lanes than cores: every batch size around the chunk
+ * sizes and the single-lane threshold, so helpers join before, during and after each phase (or
+ * never), and the hand-off between the phases is exercised hundreds of times. */
+Test(match, many_lanes_every_batch_size, .timeout = 90)
+{
+    const uint32_t W = 64, S = 4;
+    km_rng r;
+    km_rng_init(&r, km_test_seed() ^ 0x7A7E5);
+    km_index *index = make_index(W, S, 7);
+    km_oracle o;
+    km_oracle_init(&o, W);
+    km_corpus corpus;
+    km_corpus_generate(&corpus, &r, 100, 4, 120);
+    km_workload wl;
+    km_workload_init(&wl, &corpus, W);
+    km_request_set rs = {0};
+    km_match_results res;
+    km_match_results_init(&res);
+    char why[512];
+    for (int step = 0; step < 6; step++) {
+        km_workload_step(&wl, &r, &o, 4);
+        km_update_stats got, expect;
+        int rc = km_index_apply(index, wl.updates, wl.n_updates, &got);
+        KM_CHECK(rc == KM_OK, "apply: %s", km_error_name(rc));
+        km_oracle_apply(&o, wl.updates, wl.n_updates, &expect);
+        for (size_t n = 1; n <= 300; n += 1 + (n > 140) * 3) {
+            km_request_set_generate(&rs, &r, &corpus, n);
+            rc = km_index_match_batch(index, rs.requests, rs.n, &res);
+            KM_CHECK(rc == KM_OK, "step %d, %zu requests: %s", step, n, km_error_name(rc));
+            KM_CHECK(km_check_results(&o, rs.requests, rs.n, &res, S, why, sizeof why),
+                     "step %d, batch of %zu requests on 7 lanes: %s", step, n, why);
+        }
     }
     km_match_results_free(&res);
     km_request_set_free(&rs);
