@@ -5,7 +5,8 @@
  * has a u64map chain hash -> pair index (chain hashes are never 0 or 1, the map's reserved keys,
  * so the key is the hash itself and lookups are exact). Every pair is on two doubly-linked lists
  * ordered by last touch: the global list (TTL expiry reads its head) and its worker's list
- * (capacity eviction reads its head). A touch moves the pair to the tail of both.
+ * (capacity eviction reads its head). A touch moves the pair to the tail of both, unless its
+ * recorded touch is less than refresh_ns old: then nothing changes at all.
  *
  * Invariants: last_touch is non-decreasing along both lists (every touch uses the handle's clock,
  * which never goes back); a worker's count equals its list length and its map's size; every
@@ -68,6 +69,7 @@ void km_approx_config_init(km_approx_config *cfg)
     cfg->max_workers = 1024;
     cfg->ttl_ns = UINT64_C(120) * 1000000000u;
     cfg->worker_capacity_blocks = UINT64_C(1) << 20;
+    cfg->refresh_ns = KM_APPROX_REFRESH_AUTO;
 }
 
 __attribute__((format(printf, 3, 4))) static int approx_fail(km_approx *a, int status,
@@ -95,7 +97,10 @@ int km_approx_create(const km_approx_config *cfg, km_approx **out)
         c = *cfg;
     else
         km_approx_config_init(&c);
-    if (c.max_workers < 1 || c.max_workers > KM_MAX_WORKERS_LIMIT || c.ttl_ns == 0)
+    if (c.refresh_ns == KM_APPROX_REFRESH_AUTO)
+        c.refresh_ns = c.ttl_ns / 256;
+    if (c.max_workers < 1 || c.max_workers > KM_MAX_WORKERS_LIMIT || c.ttl_ns == 0 ||
+        c.refresh_ns >= c.ttl_ns)
         return KM_ERR_INVALID_ARGUMENT;
     km_approx *a = calloc(1, sizeof *a);
     if (!a)
@@ -382,6 +387,10 @@ int km_approx_record(km_approx *a, uint32_t worker, const uint64_t *hashes, size
         uint32_t i;
         if (found) {
             i = (uint32_t)*found;
+            if (now - a->slab[i].last_touch_ns < a->cfg.refresh_ns) {
+                a->stats.recent_pairs++; /* recorded recently enough: left in place */
+                continue;
+            }
             global_unlink(a, i);
             worker_unlink(a, i);
             a->stats.refreshed_pairs++;

@@ -930,7 +930,14 @@ int km_protocol_encode_error(uint64_t id, int code, const char *message, km_fram
 struct km_protocol_decoder {
     km_protocol_limits limits;
     msgpack_zone zone;
-    char item[96];               /* "routes[3]" while an item is decoded, "" otherwise */
+    /* Where an error is, while an item is decoded: "routes[3]", "decisions[2].candidates[5]".
+     * Kept as (name, index) pairs and formatted only when an error is reported: a reply of 64
+     * decisions with 16 candidates each would otherwise format 1,088 paths nobody reads. */
+    struct {
+        const char *name;
+        uint32_t index;
+    } path[2];
+    unsigned path_depth;
     char error[ERROR_BYTES];     /* the failure being reported */
     char last_error[ERROR_BYTES];
 };
@@ -980,9 +987,12 @@ static int field_fail(km_protocol_decoder *d, int status, const char *field, uin
 {
     size_t cap = sizeof d->error;
     int n = snprintf(d->error, cap, "%s: ", km_error_name(status));
-    if (n > 0 && (size_t)n < cap && (d->item[0] || field)) {
-        n += snprintf(d->error + n, cap - (size_t)n, "%s%s%s", d->item,
-                      d->item[0] && field ? "." : "", field ? field : "");
+    for (unsigned k = 0; k < d->path_depth && n > 0 && (size_t)n < cap; k++)
+        n += snprintf(d->error + n, cap - (size_t)n, "%s%s[%" PRIu32 "]", k ? "." : "",
+                      d->path[k].name, d->path[k].index);
+    if (n > 0 && (size_t)n < cap && (d->path_depth || field)) {
+        n += snprintf(d->error + n, cap - (size_t)n, "%s%s", d->path_depth && field ? "." : "",
+                      field ? field : "");
         if (n > 0 && (size_t)n < cap && element != NO_ELEMENT)
             n += snprintf(d->error + n, cap - (size_t)n, "[%" PRIu64 "]", element);
         if (n > 0 && (size_t)n < cap)
@@ -1476,8 +1486,12 @@ static int decode_candidate(km_protocol_decoder *d, const msgpack_object *o, uin
         "worker", "depth", "device_blocks", "host_blocks", "disk_blocks", "in_flight",
         "pending_prefill_tokens", "active_decode_blocks", "cost", "state", "eligible"};
     /* Errors name the candidate: "decisions[2].candidates[5].depth". */
-    size_t item_length = strlen(d->item);
-    snprintf(d->item + item_length, sizeof d->item - item_length, ".candidates[%u]", index);
+    unsigned depth = d->path_depth;
+    if (depth < 2) {
+        d->path[depth].name = "candidates";
+        d->path[depth].index = index;
+        d->path_depth = depth + 1;
+    }
     c->eligible = true;
     int rc = KM_OK;
     if (o->type != MSGPACK_OBJECT_ARRAY || o->via.array.size < KM_CANDIDATE_ROW_FIELDS) {
@@ -1485,7 +1499,7 @@ static int decode_candidate(km_protocol_decoder *d, const msgpack_object *o, uin
                         "expected an array of %u fields (a candidate row), got %s",
                         KM_CANDIDATE_ROW_FIELDS,
                         o->type == MSGPACK_OBJECT_ARRAY ? "fewer" : km_msgpack_type_name(o));
-        d->item[item_length] = 0;
+        d->path_depth = depth;
         return rc;
     }
     const msgpack_object *v = o->via.array.ptr;
@@ -1503,11 +1517,11 @@ static int decode_candidate(km_protocol_decoder *d, const msgpack_object *o, uin
         (rc = OPT(read_double(d, ROW(8), names[8], &c->cost), ROW(8))) ||
         (rc = OPT(read_str(d, ROW(9), names[9], &c->state), ROW(9))) ||
         (rc = OPT(read_bool(d, ROW(10), names[10], &c->eligible), ROW(10)))) {
-        d->item[item_length] = 0;
+        d->path_depth = depth;
         return rc;
     }
 #undef ROW
-    d->item[item_length] = 0;
+    d->path_depth = depth;
     return KM_OK;
 }
 
@@ -1864,9 +1878,11 @@ static int decode_items(km_protocol_decoder *d, const msgpack_object *o, const c
         return out_of_memory(d);
     for (uint32_t i = 0; i < n; i++) {
         item_head *head = (item_head *)(items + i * item_size);
-        snprintf(d->item, sizeof d->item, "%s[%u]", field, i);
+        d->path[0].name = field;
+        d->path[0].index = i;
+        d->path_depth = 1;
         rc = decode_one(d, &o->via.array.ptr[i], head);
-        d->item[0] = 0;
+        d->path_depth = 0;
         if (rc == KM_ERR_OUT_OF_MEMORY)
             return rc;
         if (rc) {
@@ -1996,7 +2012,9 @@ static int decode_body(km_protocol_decoder *d, const msgpack_object *root, km_me
         for (uint32_t i = 0; i < n; i++) {
             static const char *const item_names[] = {"status", "message"};
             const msgpack_object *iv[2];
-            snprintf(d->item, sizeof d->item, "items[%u]", i);
+            d->path[0].name = "items";
+            d->path[0].index = i;
+            d->path_depth = 1;
             if ((rc = bind_fields(d, &v[0]->via.array.ptr[i], NULL, item_names, 2, iv)))
                 return rc;
             if (!iv[0])
@@ -2009,7 +2027,7 @@ static int decode_body(km_protocol_decoder *d, const msgpack_object *root, km_me
             else if (!items[i].message)
                 items[i].message = km_strerror(items[i].status);
         }
-        d->item[0] = 0;
+        d->path_depth = 0;
         m->ack.items = items;
         m->ack.n_items = n;
         return KM_OK;
@@ -2161,9 +2179,11 @@ static int decode_message(km_protocol_decoder *d, const uint8_t *p, size_t size,
         km_lifecycle_event *e = zone_array(d, 1, sizeof *e);
         if (!e)
             return out_of_memory(d);
-        snprintf(d->item, sizeof d->item, "events[0]");
+        d->path[0].name = "events";
+        d->path[0].index = 0;
+        d->path_depth = 1;
         rc = decode_lifecycle_event(d, &root, single, e);
-        d->item[0] = 0;
+        d->path_depth = 0;
         if (rc == KM_ERR_OUT_OF_MEMORY)
             return rc;
         if (rc) {
@@ -2196,7 +2216,7 @@ int km_protocol_decode(km_protocol_decoder *d, const void *payload, size_t paylo
     if (!d)
         return KM_ERR_NULL_POINTER;
     d->last_error[0] = 0;
-    d->item[0] = 0;
+    d->path_depth = 0;
     if (!payload && payload_size)
         return KM_ERR_NULL_POINTER;
     msgpack_zone_clear(&d->zone);

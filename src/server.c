@@ -153,6 +153,20 @@ typedef struct pool {
     km_match_results results;
 } pool;
 
+/* Scratch for one batch: the scheduler role's (whoever holds scheduler_busy). */
+typedef struct batch_scratch {
+    km_policy_candidate *cands;
+    double *costs;
+    km_candidate_score *scores;
+    km_record_candidate *rcands;
+    size_t cap_cands;
+    km_update *pool_updates;
+    size_t cap_pool_updates;
+    km_approx_updates updates;
+    uint32_t *seen;           /* max_workers stamps: a route's candidate seen already */
+    uint32_t candidate_stamp; /* the current route's stamp */
+} batch_scratch;
+
 struct conn {
     union {
         uv_handle_t handle;
@@ -199,8 +213,15 @@ struct km_server {
     job *queue_head, *queue_tail;
     uint64_t queued_routes;
     bool scheduler_stop;
+    /* The scheduler role: held (under queue_lock) by whoever runs housekeeping or a batch, the
+     * scheduler thread or the loop thread running a small batch inline (on_dispatch). */
     bool scheduler_busy;
     bool events_pending; /* a subscriber received messages since the last housekeeping */
+    batch_scratch scratch; /* the role's */
+    uv_check_t dispatch;   /* after each loop iteration's reads: run or hand off new frames */
+    bool dispatch_pending; /* loop thread: frames were queued in this iteration */
+    bool dispatch_inited;
+    uint32_t inline_routes; /* cfg.inline_routes, at most max_batch_routes */
 
     pthread_mutex_t done_lock;
     job *done_head, *done_tail;
@@ -232,8 +253,8 @@ struct km_server {
     uint64_t start_ns;
     struct {
         atomic_uint_fast64_t accepted, open, refused, slow_closed, frames, bad_frames, routes,
-            decisions, route_errors, overloaded, batches, lifecycle, lifecycle_errors, outcomes,
-            expired;
+            decisions, route_errors, overloaded, batches, inline_batches, lifecycle,
+            lifecycle_errors, outcomes, expired;
     } st;
     int shutdown_status;
 };
@@ -792,17 +813,6 @@ static void record_removed(void *user, const km_active_summary *sum)
 
 /* ---- the scheduler --------------------------------------------------------------------------- */
 
-/* Scratch for one batch (scheduler thread only). */
-typedef struct batch_scratch {
-    km_policy_candidate *cands;
-    double *costs;
-    km_candidate_score *scores;
-    km_record_candidate *rcands;
-    size_t cap_cands;
-    km_update *pool_updates;
-    size_t cap_pool_updates;
-    km_approx_updates updates;
-} batch_scratch;
 
 static int grow(void **p, size_t *cap, size_t need, size_t elem)
 {
@@ -874,16 +884,22 @@ static void decide_route(km_server *s, job *j, route_job *r, pool *p, const km_r
         route_fail(r, KM_ERR_NOT_FOUND, "pool %s has no workers", p->name);
         return;
     }
-    for (uint32_t i = 0; i < n; i++) {
+    /* The route's own candidates must be members, each once (the pool's members are, by
+     * construction). Duplicates are found in O(n) with a stamp per worker id. */
+    for (uint32_t i = 0; r->candidates && i < n; i++) {
         if (!is_member(p, ids[i])) {
             route_fail(r, KM_ERR_NOT_FOUND, "candidate worker %u is not in pool %s", ids[i], p->name);
             return;
         }
-        for (uint32_t k = 0; k < i; k++)
-            if (ids[k] == ids[i]) {
-                route_fail(r, KM_ERR_INVALID_ARGUMENT, "candidate worker %u is listed twice", ids[i]);
-                return;
-            }
+        if (i == 0 && ++b->candidate_stamp == 0) { /* wrapped: no stale stamp may match */
+            memset(b->seen, 0, s->cfg.max_workers * sizeof *b->seen);
+            b->candidate_stamp = 1;
+        }
+        if (b->seen[ids[i]] == b->candidate_stamp) {
+            route_fail(r, KM_ERR_INVALID_ARGUMENT, "candidate worker %u is listed twice", ids[i]);
+            return;
+        }
+        b->seen[ids[i]] = b->candidate_stamp;
     }
     if (scratch_reserve(b, n)) {
         route_fail(r, KM_ERR_OUT_OF_MEMORY, "candidate scratch");
@@ -1006,9 +1022,10 @@ static void decide_route(km_server *s, job *j, route_job *r, pool *p, const km_r
                              r->endpoint);
     if (a) {
         a->decision_id = decision_id;
-        snprintf(a->chosen_name, sizeof a->chosen_name, "%s", s->workers[chosen].name);
+        /* Both arrays are KM_SERVER_NAME_MAX bytes and the source is NUL-terminated. */
+        memcpy(a->chosen_name, s->workers[chosen].name, sizeof a->chosen_name);
         if (has_owner)
-            snprintf(a->owner_name, sizeof a->owner_name, "%s", s->workers[owner].name);
+            memcpy(a->owner_name, s->workers[owner].name, sizeof a->owner_name);
         a->has_owner = has_owner;
         a->worker = chosen;
         a->source = events ? KM_RECORD_SOURCE_EVENTS : KM_RECORD_SOURCE_APPROX;
@@ -1253,14 +1270,47 @@ static void housekeeping(km_server *s, batch_scratch *b)
     }
 }
 
+static void scratch_free(batch_scratch *b)
+{
+    free(b->cands);
+    free(b->costs);
+    free(b->scores);
+    free(b->rcands);
+    free(b->pool_updates);
+    free(b->seen);
+    km_approx_updates_free(&b->updates);
+    memset(b, 0, sizeof *b);
+}
+
+/* Take whole frames from the queue, up to max_batch_routes (a bigger frame goes alone). Called
+ * with queue_lock held. */
+static job *take_jobs(km_server *s)
+{
+    job *take = NULL, **tail = &take;
+    uint32_t routes = 0;
+    while (s->queue_head &&
+           (routes == 0 || routes + s->queue_head->n_routes <= s->cfg.max_batch_routes)) {
+        job *j = s->queue_head;
+        s->queue_head = j->next;
+        j->next = NULL;
+        *tail = j;
+        tail = &j->next;
+        routes += j->n_routes;
+    }
+    if (!s->queue_head)
+        s->queue_tail = NULL;
+    s->queued_routes -= routes;
+    return take;
+}
+
 static void *scheduler_main(void *arg)
 {
     km_server *s = arg;
-    batch_scratch b;
-    memset(&b, 0, sizeof b);
-    km_approx_updates_init(&b.updates);
     for (;;) {
         pthread_mutex_lock(&s->queue_lock);
+        /* The loop thread may hold the role (a small batch inline); it signals when it is done. */
+        while (s->scheduler_busy && !s->scheduler_stop)
+            pthread_cond_wait(&s->queue_cond, &s->queue_lock);
         if (!s->queue_head && !s->scheduler_stop && !s->events_pending) {
             struct timespec ts;
             clock_gettime(CLOCK_REALTIME, &ts);
@@ -1271,54 +1321,39 @@ static void *scheduler_main(void *arg)
             }
             pthread_cond_timedwait(&s->queue_cond, &s->queue_lock, &ts);
         }
+        if (s->scheduler_busy) { /* taken inline while this thread waited */
+            pthread_mutex_unlock(&s->queue_lock);
+            continue;
+        }
         if (!s->queue_head && s->scheduler_stop) {
             pthread_mutex_unlock(&s->queue_lock);
             break;
         }
-        /* Whole frames, up to max_batch_routes (a bigger frame goes alone). */
-        job *take = NULL, **tail = &take;
-        uint32_t routes = 0;
-        while (s->queue_head &&
-               (routes == 0 || routes + s->queue_head->n_routes <= s->cfg.max_batch_routes)) {
-            job *j = s->queue_head;
-            s->queue_head = j->next;
-            j->next = NULL;
-            *tail = j;
-            tail = &j->next;
-            routes += j->n_routes;
-        }
-        if (!s->queue_head)
-            s->queue_tail = NULL;
-        s->queued_routes -= routes;
-        s->scheduler_busy = take != NULL;
+        job *take = take_jobs(s);
+        s->scheduler_busy = true; /* housekeeping alone holds the role too: it uses the scratch */
         s->events_pending = false; /* housekeeping below flushes them */
         pthread_mutex_unlock(&s->queue_lock);
 
-        housekeeping(s, &b);
-        if (!take)
-            continue;
-        run_batch(s, take, &b);
-        pthread_mutex_lock(&s->done_lock);
-        if (s->done_tail)
-            s->done_tail->next = take;
-        else
-            s->done_head = take;
-        job *last = take;
-        while (last->next)
-            last = last->next;
-        s->done_tail = last;
-        pthread_mutex_unlock(&s->done_lock);
+        housekeeping(s, &s->scratch);
+        if (take) {
+            run_batch(s, take, &s->scratch);
+            pthread_mutex_lock(&s->done_lock);
+            if (s->done_tail)
+                s->done_tail->next = take;
+            else
+                s->done_head = take;
+            job *last = take;
+            while (last->next)
+                last = last->next;
+            s->done_tail = last;
+            pthread_mutex_unlock(&s->done_lock);
+        }
         pthread_mutex_lock(&s->queue_lock);
         s->scheduler_busy = false;
         pthread_mutex_unlock(&s->queue_lock);
-        uv_async_send(&s->wake);
+        if (take)
+            uv_async_send(&s->wake);
     }
-    free(b.cands);
-    free(b.costs);
-    free(b.scores);
-    free(b.rcands);
-    free(b.pool_updates);
-    km_approx_updates_free(&b.updates);
     return NULL;
 }
 
@@ -1609,8 +1644,8 @@ static void handle_route(conn *c, const km_message *m)
         s->queue_head = j;
     s->queue_tail = j;
     s->queued_routes += j->n_routes;
-    pthread_cond_signal(&s->queue_cond);
     pthread_mutex_unlock(&s->queue_lock);
+    s->dispatch_pending = true; /* on_dispatch runs it or wakes the scheduler */
 }
 
 static km_active_end active_end_of(km_outcome o)
@@ -2160,12 +2195,9 @@ static void on_connection(uv_stream_t *listener, int status)
 
 static void begin_drain(km_server *s);
 
-static void deliver_done(km_server *s)
+/* Encode and send the replies of a list of finished jobs, then free them (loop thread). */
+static void deliver_jobs(km_server *s, job *list)
 {
-    pthread_mutex_lock(&s->done_lock);
-    job *list = s->done_head;
-    s->done_head = s->done_tail = NULL;
-    pthread_mutex_unlock(&s->done_lock);
     while (list) {
         job *j = list;
         list = j->next;
@@ -2181,6 +2213,46 @@ static void deliver_done(km_server *s)
         else
             conn_close_if_finished(c);
     }
+}
+
+static void deliver_done(km_server *s)
+{
+    pthread_mutex_lock(&s->done_lock);
+    job *list = s->done_head;
+    s->done_head = s->done_tail = NULL;
+    pthread_mutex_unlock(&s->done_lock);
+    deliver_jobs(s, list);
+}
+
+/* After the loop iteration's reads (a uv_check callback): frames queued in this iteration either
+ * run here at once, when the scheduler role is free and they hold at most inline_routes routes,
+ * or go to the scheduler thread with one wake-up. Inline, a lone route costs no thread hand-off
+ * either way (two wake-ups fewer); bigger batches go to the scheduler, so decoding and encoding
+ * on this thread overlap their scoring. */
+static void on_dispatch(uv_check_t *h)
+{
+    km_server *s = h->data;
+    if (!s->dispatch_pending)
+        return;
+    s->dispatch_pending = false;
+    pthread_mutex_lock(&s->queue_lock);
+    if (s->scheduler_busy || !s->queue_head || s->queued_routes > s->inline_routes) {
+        pthread_cond_signal(&s->queue_cond);
+        pthread_mutex_unlock(&s->queue_lock);
+        return;
+    }
+    job *take = take_jobs(s);
+    s->scheduler_busy = true;
+    s->events_pending = false; /* housekeeping below flushes them */
+    pthread_mutex_unlock(&s->queue_lock);
+    housekeeping(s, &s->scratch);
+    run_batch(s, take, &s->scratch);
+    pthread_mutex_lock(&s->queue_lock);
+    s->scheduler_busy = false;
+    pthread_cond_signal(&s->queue_cond); /* the scheduler may be waiting for the role */
+    pthread_mutex_unlock(&s->queue_lock);
+    atomic_fetch_add(&s->st.inline_batches, 1);
+    deliver_jobs(s, take);
 }
 
 static void on_wake(uv_async_t *h)
@@ -2215,6 +2287,8 @@ static void close_everything(km_server *s)
         conn_close(s->conns);
     if (!uv_is_closing((uv_handle_t *)&s->wake))
         uv_close((uv_handle_t *)&s->wake, NULL);
+    if (!uv_is_closing((uv_handle_t *)&s->dispatch))
+        uv_close((uv_handle_t *)&s->dispatch, NULL);
     if (s->drain_timer_started && !uv_is_closing((uv_handle_t *)&s->drain_timer))
         uv_close((uv_handle_t *)&s->drain_timer, NULL);
     if (s->signals_installed) {
@@ -2519,6 +2593,8 @@ void km_server_destroy(km_server *s)
         pthread_join(s->scheduler, NULL);
     }
     km_http_stop(s->http);
+    if (s->dispatch_inited && !uv_is_closing((uv_handle_t *)&s->dispatch))
+        uv_close((uv_handle_t *)&s->dispatch, NULL); /* unreferenced: close it explicitly */
     /* Handles still open (destroy without run): close them and let the loop finish. */
     if (uv_loop_alive(&s->loop)) {
         while (s->conns)
@@ -2562,6 +2638,7 @@ void km_server_destroy(km_server *s)
     }
     km_u64map_free(&s->attempts_by_decision);
     km_active_destroy(s->active);
+    scratch_free(&s->scratch);
     if (s->records) {
         km_record_writer_flush(s->records, 5000);
         km_record_writer_destroy(s->records);
@@ -2788,6 +2865,11 @@ int km_server_create(const km_server_config *cfg_in, km_server **out, char *why,
     if (!rc) {
         uv_async_init(&s->loop, &s->wake, on_wake);
         s->wake.data = s;
+        uv_check_init(&s->loop, &s->dispatch);
+        s->dispatch.data = s;
+        uv_check_start(&s->dispatch, on_dispatch);
+        uv_unref((uv_handle_t *)&s->dispatch); /* it alone does not keep the loop running */
+        s->dispatch_inited = true;
     }
     if (!rc && s->http_addr) {
         char host[128];
@@ -2816,6 +2898,14 @@ int km_server_create(const km_server_config *cfg_in, km_server **out, char *why,
         }
     }
     if (!rc) {
+        km_approx_updates_init(&s->scratch.updates);
+        s->scratch.seen = calloc(cfg.max_workers, sizeof *s->scratch.seen);
+        if (!s->scratch.seen)
+            rc = km_why(why, why_size, KM_ERR_OUT_OF_MEMORY, "scheduler scratch");
+    }
+    if (!rc) {
+        s->inline_routes = cfg.inline_routes < cfg.max_batch_routes ? cfg.inline_routes
+                                                                   : cfg.max_batch_routes;
         if (pthread_create(&s->scheduler, NULL, scheduler_main, s) != 0)
             rc = km_why(why, why_size, KM_ERR_INTERNAL, "starting the scheduler thread");
         else
@@ -2905,6 +2995,7 @@ void km_server_get_stats(km_server *s, km_server_stats *o)
     o->route_errors = atomic_load(&s->st.route_errors);
     o->overloaded = atomic_load(&s->st.overloaded);
     o->batches = atomic_load(&s->st.batches);
+    o->inline_batches = atomic_load(&s->st.inline_batches);
     o->lifecycle_events = atomic_load(&s->st.lifecycle);
     o->lifecycle_errors = atomic_load(&s->st.lifecycle_errors);
     o->outcomes = atomic_load(&s->st.outcomes);

@@ -946,6 +946,18 @@ Test(approx, capacity_evicts_least_recently_touched_deepest_first, .timeout = 10
 
 Test(approx, bad_arguments_change_nothing, .timeout = 10)
 {
+    /* A touch resolution that is not below the TTL would let pairs expire however often they
+     * are used. */
+    km_approx_config coarse;
+    km_approx_config_init(&coarse);
+    coarse.ttl_ns = 1000;
+    coarse.refresh_ns = 1000;
+    km_approx *none = NULL;
+    cr_assert_eq(km_approx_create(&coarse, &none), KM_ERR_INVALID_ARGUMENT);
+    cr_assert_null(none);
+    coarse.refresh_ns = 999;
+    cr_assert_eq(km_approx_create(&coarse, &none), KM_OK);
+    km_approx_destroy(none);
     km_approx *a = make_approx(2, 1000, 0);
     km_approx_updates buf;
     km_approx_updates_init(&buf);
@@ -1022,7 +1034,7 @@ typedef struct ap_pair {
 typedef struct ap_model {
     ap_pair pairs[AP_MAX_PAIRS];
     size_t n;
-    uint64_t seq, clock, ttl;
+    uint64_t seq, clock, ttl, refresh;
     uint64_t capacity[AP_WORKERS];
 } ap_model;
 
@@ -1067,6 +1079,8 @@ static void ap_record(ap_model *m, uint32_t w, const uint64_t *h, size_t n, uint
         keep = (size_t)m->capacity[w];
     for (size_t k = keep; k-- > 0;) {
         int i = ap_find(m, w, h[k]);
+        if (i >= 0 && m->clock - m->pairs[i].last_touch < m->refresh)
+            continue; /* touched within refresh_ns: not recorded */
         if (i < 0) {
             i = (int)m->n++;
             m->pairs[i].worker = w;
@@ -1166,7 +1180,7 @@ static void ap_compare(const ap_model *m, const km_approx *a, km_index *index, c
     }
 }
 
-Test(approx, random_sequences_keep_index_equal_to_model, .timeout = 60)
+static void random_sequences(uint64_t refresh)
 {
     km_rng r;
     km_rng_init(&r, km_test_seed());
@@ -1179,12 +1193,14 @@ Test(approx, random_sequences_keep_index_equal_to_model, .timeout = 60)
     static ap_model m;
     memset(&m, 0, sizeof m);
     m.ttl = 3000;
+    m.refresh = refresh;
     for (uint32_t w = 0; w < AP_WORKERS; w++)
         m.capacity[w] = w == 0 ? 0 : 8 + 6 * w; /* worker 0 unlimited */
     km_approx_config cfg;
     km_approx_config_init(&cfg);
     cfg.max_workers = AP_WORKERS;
     cfg.ttl_ns = m.ttl;
+    cfg.refresh_ns = refresh;
     cfg.worker_capacity_blocks = 20;
     km_approx *a = NULL;
     cr_assert_eq(km_approx_create(&cfg, &a), KM_OK);
@@ -1234,6 +1250,8 @@ Test(approx, random_sequences_keep_index_equal_to_model, .timeout = 60)
     }
     km_approx_stats st;
     cr_assert_eq(km_approx_get_stats(a, &st), KM_OK);
+    KM_CHECK(refresh == 0 ? st.recent_pairs == 0 : st.recent_pairs > 0,
+             "refresh %" PRIu64 ": %" PRIu64 " touches left unrecorded", refresh, st.recent_pairs);
     KM_CHECK(st.expired_pairs > 0 && st.evicted_pairs > 0 && st.refreshed_pairs > 0 &&
                  st.truncated_records > 0,
              "the run exercised expiry (%" PRIu64 "), eviction (%" PRIu64 "), refresh (%" PRIu64
@@ -1244,3 +1262,9 @@ Test(approx, random_sequences_keep_index_equal_to_model, .timeout = 60)
     km_index_destroy(index);
     km_approx_destroy(a);
 }
+
+/* Exact touches, and touches recorded at a resolution of 200 (of a TTL of 3000, while a step
+ * advances the clock by up to 120): the same model, which skips a touch within `refresh` of the
+ * pair's recorded one, must still match the handle and the index exactly. */
+Test(approx, random_sequences_keep_index_equal_to_model, .timeout = 60) { random_sequences(0); }
+Test(approx, random_sequences_with_refresh_resolution, .timeout = 60) { random_sequences(200); }

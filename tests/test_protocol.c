@@ -1253,6 +1253,49 @@ Test(protocol, missing_item_fields_fail_only_their_item, .timeout = 10)
     km_protocol_decoder_destroy(dec);
 }
 
+/* A bad value deep in a reply names its whole path: the decision and the candidate row. */
+Test(protocol, nested_error_names_decision_and_candidate, .timeout = 10)
+{
+    km_protocol_decoder *dec = new_decoder();
+    packer_buf p;
+    msgpack_packer *pk = pb_begin(&p);
+    msgpack_pack_map(pk, 4);
+    pk_str(pk, "type"), pk_str(pk, "DECISION");
+    pk_str(pk, "id"), msgpack_pack_uint64(pk, 9);
+    pk_str(pk, "kvmatch_version"), pk_str(pk, "test");
+    pk_str(pk, "decisions"), msgpack_pack_array(pk, 2);
+    for (int d = 0; d < 2; d++) {
+        msgpack_pack_map(pk, 4);
+        pk_str(pk, "decision_id"), msgpack_pack_uint64(pk, (uint64_t)d + 1);
+        pk_str(pk, "chosen_worker"), msgpack_pack_uint32(pk, 0);
+        pk_str(pk, "source"), pk_str(pk, "events");
+        pk_str(pk, "candidates"), msgpack_pack_array(pk, 3);
+        for (int c = 0; c < 3; c++) {
+            msgpack_pack_array(pk, 11);
+            msgpack_pack_uint32(pk, (uint32_t)c);
+            if (d == 1 && c == 2)
+                pk_str(pk, "deep"); /* depth must be an unsigned integer */
+            else
+                msgpack_pack_uint32(pk, 1);
+            for (int k = 2; k < 8; k++)
+                msgpack_pack_uint32(pk, 0);
+            msgpack_pack_double(pk, 0.5);
+            msgpack_pack_nil(pk);
+            msgpack_pack_nil(pk);
+        }
+    }
+    km_message m;
+    cr_assert_eq(decode_packed(dec, &p, &m), KM_OK, "%s", km_protocol_decoder_last_error(dec));
+    cr_assert_eq(m.type, KM_MESSAGE_DECISION);
+    cr_assert_eq(m.decision.n_decisions, 2);
+    cr_assert_eq(m.decision.decisions[0].status, KM_OK, "%s", m.decision.decisions[0].message);
+    cr_assert_eq(m.decision.decisions[0].n_candidates, 3);
+    cr_assert_eq(m.decision.decisions[1].status, KM_ERR_PARSE);
+    cr_assert(strstr(m.decision.decisions[1].message, "decisions[1].candidates[2].depth"), "%s",
+              m.decision.decisions[1].message);
+    km_protocol_decoder_destroy(dec);
+}
+
 /* Limits: arrays over their limits, strings, objects, nesting, and hostile declared lengths. */
 Test(protocol, limits_and_hostile_lengths, .timeout = 20)
 {

@@ -644,8 +644,9 @@ Test(server, bad_input_is_answered_and_changes_nothing, .timeout = 60)
     close(fd);
 
     /* 7. Per-route errors beside a good sibling: unknown pool, unknown candidate, duplicate
-     * candidates, wrong block size for hashes, unknown policy. */
-    km_route_request rs[6];
+     * candidates, wrong block size for hashes, unknown policy; and, after the duplicate, a route
+     * naming the same workers once each, which is fine (duplicates are per route). */
+    km_route_request rs[7];
     rs[0] = prefix_route("ok", 6 * BS);
     rs[1] = prefix_route("no-pool", 6 * BS);
     rs[1].pool = "nope";
@@ -667,9 +668,13 @@ Test(server, bad_input_is_answered_and_changes_nothing, .timeout = 60)
     rs[4].block_size = BS + 1;
     rs[5] = prefix_route("policy", 6 * BS);
     rs[5].policy = "fastest";
-    int rc = km_client_route(good, rs, 6, 5000, &reply);
+    rs[6] = prefix_route("distinct", 6 * BS);
+    uint32_t distinct[2] = {1, 0};
+    rs[6].candidates = distinct;
+    rs[6].n_candidates = 2;
+    int rc = km_client_route(good, rs, 7, 5000, &reply);
     cr_assert_eq(rc, KM_OK);
-    cr_assert_eq(reply.decision.n_decisions, 6);
+    cr_assert_eq(reply.decision.n_decisions, 7);
     const km_route_decision *ds = reply.decision.decisions;
     cr_assert_eq(ds[0].status, KM_OK);
     cr_assert_eq(ds[1].status, KM_ERR_NOT_FOUND, "%s", ds[1].message);
@@ -677,6 +682,8 @@ Test(server, bad_input_is_answered_and_changes_nothing, .timeout = 60)
     cr_assert_eq(ds[3].status, KM_ERR_INVALID_ARGUMENT, "%s", ds[3].message);
     cr_assert_eq(ds[4].status, KM_ERR_INVALID_ARGUMENT, "%s", ds[4].message);
     cr_assert_eq(ds[5].status, KM_ERR_INVALID_ARGUMENT, "%s", ds[5].message);
+    cr_assert_eq(ds[6].status, KM_OK, "%s", ds[6].message);
+    cr_assert(ds[6].chosen_worker == 0 || ds[6].chosen_worker == 1);
     for (int i = 1; i < 6; i++)
         cr_assert(ds[i].message && ds[i].message[0], "route %d has a message", i);
 
@@ -805,12 +812,16 @@ static void *pipelined_client(void *arg)
     return NULL;
 }
 
-Test(server, many_concurrent_pipelined_clients, .timeout = 60)
+/* Many pipelined clients at once; inline_routes = 0 sends every batch through the scheduler
+ * thread, the default lets the loop thread decide small ones itself: both must answer every
+ * route, each with its own request id. */
+static void many_clients(uint32_t inline_routes)
 {
     srv s = {0};
     km_server_config cfg;
     test_config(&cfg, &s, KM_POLICY_KV, 8);
     cfg.records_path = NULL;
+    cfg.inline_routes = inline_routes;
     srv_start(&s, &cfg);
     enum { CLIENTS = 48, ROUTES = 40 };
     pthread_t th[CLIENTS];
@@ -829,6 +840,44 @@ Test(server, many_concurrent_pipelined_clients, .timeout = 60)
     km_server_get_stats(s.server, &ss);
     cr_assert_eq(ss.decisions, (uint64_t)CLIENTS * ROUTES);
     cr_assert_lt(ss.batches, ss.decisions, "requests from many connections share batches");
+    cr_assert_leq(ss.inline_batches, ss.batches);
+    if (inline_routes == 0)
+        cr_assert_eq(ss.inline_batches, 0, "inline_routes 0: every batch on the scheduler thread");
+    srv_stop(&s);
+    srv_cleanup(&s);
+}
+
+Test(server, many_concurrent_pipelined_clients, .timeout = 60) { many_clients(16); }
+Test(server, many_concurrent_clients_scheduler_thread_only, .timeout = 60) { many_clients(0); }
+
+/* One client, one route at a time: the scheduler is idle when each arrives, so the loop thread
+ * decides them itself (the scheduler thread holds the role only for its brief housekeeping ticks,
+ * so nearly all of them), with the same answers as through the scheduler thread. */
+Test(server, lone_routes_are_decided_on_the_loop_thread, .timeout = 30)
+{
+    srv s = {0};
+    km_server_config cfg;
+    test_config(&cfg, &s, KM_POLICY_KV, 8);
+    cfg.records_path = NULL;
+    srv_start(&s, &cfg);
+    km_client *c = connect_client(&s);
+    enum { ROUTES = 30 };
+    for (int i = 0; i < ROUTES; i++) {
+        char rid[32];
+        snprintf(rid, sizeof rid, "lone-%d", i);
+        km_route_request r = token_route(rid, 0, 4 * BS);
+        km_message reply;
+        const km_route_decision *d = route_one(c, &r, &reply);
+        cr_assert_eq(d->status, KM_OK, "%s", d->message);
+        cr_assert_str_eq(d->request_id, rid);
+        cr_assert_eq(d->n_candidates, 8);
+    }
+    km_server_stats ss;
+    km_server_get_stats(s.server, &ss);
+    cr_assert_eq(ss.decisions, ROUTES);
+    cr_assert_geq(ss.inline_batches, ROUTES / 2, "%" PRIu64 " of %" PRIu64 " batches inline",
+                  ss.inline_batches, ss.batches);
+    km_client_close(c);
     srv_stop(&s);
     srv_cleanup(&s);
 }

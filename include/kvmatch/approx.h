@@ -6,7 +6,8 @@
  * scored on this state must say prediction source "approx", never "events"). Blocks are forgotten
  * when ttl_ns passes without a new decision touching them (Dynamo's approximate mode, default
  * 120 s), or when a worker's assumed blocks pass its capacity (the least recently touched are
- * evicted first).
+ * evicted first). Touch times have the resolution refresh_ns (default ttl_ns / 256): a touch
+ * within refresh_ns of the pair's recorded one is not recorded.
  *
  * km_approx never writes to the index itself. Every call that changes what it believes appends the
  * matching km_update records to a caller-owned km_approx_updates buffer; the caller applies them
@@ -59,7 +60,18 @@ typedef struct km_approx_config {
     uint64_t worker_capacity_blocks;  /* blocks assumed per worker before the oldest are evicted;
                                        * 0 = unlimited; default 1 << 20; km_approx_set_worker_capacity
                                        * overrides it per worker */
+    uint64_t refresh_ns;              /* a record finding a pair touched less than refresh_ns ago
+                                       * leaves it as it is (its touch time and its place in the
+                                       * expiry and eviction orders): one map lookup instead of
+                                       * relinking it in two lists, for the blocks every request
+                                       * shares. Such a pair expires up to refresh_ns before
+                                       * ttl_ns after its last decision, and capacity eviction may
+                                       * take it as if touched up to refresh_ns earlier. 0 = every
+                                       * touch counts; < ttl_ns; default KM_APPROX_REFRESH_AUTO */
 } km_approx_config;
+
+/* refresh_ns = ttl_ns / 256 (0.47 s of the default 120 s TTL). */
+#define KM_APPROX_REFRESH_AUTO UINT64_MAX
 
 void km_approx_config_init(km_approx_config *cfg);
 
@@ -134,6 +146,7 @@ typedef struct km_approx_stats {
     uint64_t records;         /* km_approx_record calls with n >= 1 */
     uint64_t stored_pairs;    /* pairs newly assumed */
     uint64_t refreshed_pairs; /* pairs already assumed whose TTL a record renewed */
+    uint64_t recent_pairs;    /* pairs already assumed and touched within refresh_ns: unchanged */
     uint64_t truncated_records; /* records longer than the worker's capacity (cut to it) */
     uint64_t expired_pairs;   /* forgotten by TTL */
     uint64_t evicted_pairs;   /* forgotten by capacity */

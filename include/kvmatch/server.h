@@ -74,6 +74,9 @@ typedef struct km_server_config {
     uint64_t index_memory_cap_bytes; /* per pool; 0 = none */
 
     uint32_t max_batch_routes;  /* routes scored in one batch at most; default 4096 */
+    uint32_t inline_routes;     /* frames holding at most this many routes, arriving while the
+                                 * scheduler is idle, are decided on the loop thread at once (no
+                                 * thread hand-off); 0 = always the scheduler thread; default 16 */
     uint32_t max_queued_routes; /* more waiting than this: ROUTE gets KM_ERR_OVERLOADED; 65,536 */
     uint32_t max_connections;   /* more are accepted and closed at once; default 1024 */
     uint64_t max_outbox_bytes;  /* replies waiting for a slow reader beyond this close it;
@@ -150,6 +153,7 @@ typedef struct km_server_stats {
     uint64_t route_errors;          /* routes answered with an error */
     uint64_t overloaded;            /* ROUTE frames refused with KM_ERR_OVERLOADED */
     uint64_t batches;               /* scoring batches */
+    uint64_t inline_batches;        /* of which decided on the loop thread (inline_routes) */
     uint64_t lifecycle_events;
     uint64_t lifecycle_errors;      /* unknown ids, out of order, ... (answered per item) */
     uint64_t outcomes;              /* outcome records (FINISHED and expiries) */

@@ -28,6 +28,8 @@ static void serve_usage(FILE *f)
             "  --worker POOL:ID[=PUB[,REPLAY]]  add a worker; without PUB it is in approximate mode\n"
             "  --param POOL:NAME=VALUE policy parameter (temperature, cache_threshold, ...)\n"
             "  --max-workers N  --backend auto|cpu|cuda  --threads N  --max-batch N\n"
+            "  --inline-routes N (frames up to N routes are decided on the loop thread when the\n"
+            "                    scheduler is idle; 0 = never; default 16)\n"
             "  --active-ttl-s N  --ready-share X  --seed N  --allow-non-loopback\n"
             "Without --config and --pool, one pool \"default\" (block size 16, policy kv) is made.\n"
             "SIGTERM / SIGINT: stop accepting, finish queued decisions, flush records, snapshot, exit 0.\n",
@@ -121,6 +123,8 @@ int km_cmd_serve(int argc, char **argv)
             cfg.index_threads = (uint32_t)x;
         } else if (!strcmp(a, "--max-batch") && !parse_u64(v, &x) && x >= 1 && x <= (1u << 20)) {
             cfg.max_batch_routes = (uint32_t)x;
+        } else if (!strcmp(a, "--inline-routes") && !parse_u64(v, &x) && x <= (1u << 20)) {
+            cfg.inline_routes = (uint32_t)x;
         } else if (!strcmp(a, "--active-ttl-s") && !parse_u64(v, &x) && x >= 1 && x <= 86400 * 7) {
             cfg.active_ttl_ms = x * 1000;
         } else if (!strcmp(a, "--seed") && !parse_u64(v, &x)) {
