@@ -640,6 +640,12 @@ int km_active_finish(km_active *a, const km_active_key *key, km_active_end outco
 int km_active_expire(km_active *a, uint64_t now_ns, km_active_summary_fn on_expired, void *user,
                      size_t *n_expired)
 {
+    return km_active_expire_some(a, now_ns, SIZE_MAX, on_expired, user, n_expired);
+}
+
+int km_active_expire_some(km_active *a, uint64_t now_ns, size_t max,
+                          km_active_summary_fn on_expired, void *user, size_t *n_expired)
+{
     if (n_expired)
         *n_expired = 0;
     if (!a)
@@ -647,7 +653,7 @@ int km_active_expire(km_active *a, uint64_t now_ns, km_active_summary_fn on_expi
     a->last_error[0] = '\0';
     uint64_t now = advance_clock(a, now_ns);
     size_t n = 0;
-    while (a->touch_head != NIL) {
+    while (a->touch_head != NIL && n < max) {
         uint32_t i = a->touch_head;
         if (now - a->slab[i].last_touch_ns < a->cfg.ttl_ns)
             break; /* the list is ordered: every later entry is younger */

@@ -12,8 +12,12 @@
  *
  * Locks (never nested in another order than listed):
  *  admin_lock  pools, workers, and every index call (the indexes are not thread-safe: the scheduler
- *              holds it for a whole batch; admin operations take it between batches);
- *  active_lock km_active and the attempts kept for outcome records;
+ *              holds it for a whole batch; admin operations take it between batches). Pool
+ *              metadata (names, models, block sizes, the pool array) is written only on the loop
+ *              thread, by admin handlers holding admin_lock, so the loop thread reads it without
+ *              the lock: decoding a ROUTE never waits for a batch;
+ *  active_lock km_active and the attempts kept for outcome records; the scheduler takes it per
+ *              decision, so a lifecycle report waits one decision at most;
  *  queue_lock  the route queue; done_lock the finished jobs.
  */
 #include <errno.h>
@@ -52,7 +56,10 @@
 #define MAX_POOLS 4096u
 #define READ_CHUNK (64u * 1024u)
 #define SCHEDULER_TICK_MS 20u
-#define EXPIRY_PERIOD_NS UINT64_C(1000000000)
+/* Active work is expired on the loop thread every EXPIRY_TICK_MS, in slices of EXPIRY_SLICE
+ * entries per hold of active_lock, so a burst of expiries never holds a decision up for long. */
+#define EXPIRY_TICK_MS 20u
+#define EXPIRY_SLICE 256u
 
 static uint64_t now_ns(void)
 {
@@ -236,7 +243,8 @@ struct km_server {
     km_active *active;
     km_u64map attempts_by_decision; /* decision id -> attempt*; by ids: the active entry's user */
     km_memory attempts_memory;
-    uint64_t last_expiry_ns;
+    uv_timer_t expiry_timer; /* loop thread: active-work expiry */
+    bool expiry_timer_inited;
 
     km_record_writer *records;
     char instance[33];
@@ -1183,7 +1191,6 @@ static void run_batch(km_server *s, job *jobs, batch_scratch *b)
     }
     uint64_t scored = now_ns();
     size_t *cursor = calloc(s->n_pools ? s->n_pools : 1, sizeof *cursor);
-    pthread_mutex_lock(&s->active_lock);
     km_approx_updates_clear(&b->updates);
     for (job *j = jobs; j; j = j->next) {
         j->decisions = job_alloc(j, (j->n_routes ? j->n_routes : 1) * sizeof *j->decisions);
@@ -1202,10 +1209,13 @@ static void run_batch(km_server *s, job *jobs, batch_scratch *b)
                 route_fail(r, KM_ERR_INTERNAL, "scoring failed: %s", km_index_last_error(p->index));
                 continue;
             }
+            /* active_lock per route, not per batch: the loop thread's lifecycle reports
+             * (DISPATCHED, FIRST_TOKEN, FINISHED for every request) wait one decision at most. */
+            pthread_mutex_lock(&s->active_lock);
             decide_route(s, j, r, p, &p->results.requests[q], b, &j->decisions[k], scored);
+            pthread_mutex_unlock(&s->active_lock);
         }
     }
-    pthread_mutex_unlock(&s->active_lock);
     free(cursor);
     /* Approximate-mode learning: what this batch's decisions taught, one index batch per pool. */
     if (b->updates.n_updates && grow((void **)&b->pool_updates, &b->cap_pool_updates,
@@ -1233,7 +1243,7 @@ static void run_batch(km_server *s, job *jobs, batch_scratch *b)
     km_histogram_observe(s->m_batch_seconds, (double)(t1 - t0) / 1e9);
 }
 
-/* Between batches: apply queued events, approximate-mode expiry, active-work expiry. */
+/* Between batches: apply queued events, approximate-mode expiry. */
 static void housekeeping(km_server *s, batch_scratch *b)
 {
     uint64_t now = now_ns();
@@ -1261,13 +1271,6 @@ static void housekeeping(km_server *s, batch_scratch *b)
         }
     }
     pthread_mutex_unlock(&s->admin_lock);
-    /* Every tick: O(expired), so a burst of expiries is spread instead of one pause a second. */
-    if (now - s->last_expiry_ns >= EXPIRY_PERIOD_NS / 50) {
-        s->last_expiry_ns = now;
-        pthread_mutex_lock(&s->active_lock);
-        km_active_expire(s->active, now, record_expired, s, NULL);
-        pthread_mutex_unlock(&s->active_lock);
-    }
 }
 
 static void scratch_free(batch_scratch *b)
@@ -1550,7 +1553,8 @@ static void handle_route(conn *c, const km_message *m)
     }
     memset(j->routes, 0, rb->n_routes * sizeof *j->routes);
     atomic_fetch_add(&s->st.routes, rb->n_routes);
-    pthread_mutex_lock(&s->admin_lock);
+    /* No admin_lock: the pool metadata read here is written only on this thread (see the lock
+     * notes at the top), and the scheduler may hold the lock for a whole batch. */
     for (uint32_t i = 0; i < rb->n_routes; i++) {
         const km_route_request *in = &rb->routes[i];
         route_job *r = &j->routes[i];
@@ -1634,7 +1638,6 @@ static void handle_route(conn *c, const km_message *m)
             }
         }
     }
-    pthread_mutex_unlock(&s->admin_lock);
     j->enqueued_ns = now_ns();
     c->jobs_in_flight++;
     pthread_mutex_lock(&s->queue_lock);
@@ -2195,6 +2198,20 @@ static void on_connection(uv_stream_t *listener, int status)
 
 static void begin_drain(km_server *s);
 
+/* Active work whose FINISHED never came: ended (an `expired` outcome record each) on the loop
+ * thread, which handles every other lifecycle report too. */
+static void on_expiry_tick(uv_timer_t *t)
+{
+    km_server *s = t->data;
+    uint64_t now = now_ns();
+    size_t n;
+    do {
+        pthread_mutex_lock(&s->active_lock);
+        km_active_expire_some(s->active, now, EXPIRY_SLICE, record_expired, s, &n);
+        pthread_mutex_unlock(&s->active_lock);
+    } while (n == EXPIRY_SLICE);
+}
+
 /* Encode and send the replies of a list of finished jobs, then free them (loop thread). */
 static void deliver_jobs(km_server *s, job *list)
 {
@@ -2287,8 +2304,10 @@ static void close_everything(km_server *s)
         conn_close(s->conns);
     if (!uv_is_closing((uv_handle_t *)&s->wake))
         uv_close((uv_handle_t *)&s->wake, NULL);
-    if (!uv_is_closing((uv_handle_t *)&s->dispatch))
+    if (s->dispatch_inited && !uv_is_closing((uv_handle_t *)&s->dispatch))
         uv_close((uv_handle_t *)&s->dispatch, NULL);
+    if (s->expiry_timer_inited && !uv_is_closing((uv_handle_t *)&s->expiry_timer))
+        uv_close((uv_handle_t *)&s->expiry_timer, NULL);
     if (s->drain_timer_started && !uv_is_closing((uv_handle_t *)&s->drain_timer))
         uv_close((uv_handle_t *)&s->drain_timer, NULL);
     if (s->signals_installed) {
@@ -2595,6 +2614,8 @@ void km_server_destroy(km_server *s)
     km_http_stop(s->http);
     if (s->dispatch_inited && !uv_is_closing((uv_handle_t *)&s->dispatch))
         uv_close((uv_handle_t *)&s->dispatch, NULL); /* unreferenced: close it explicitly */
+    if (s->expiry_timer_inited && !uv_is_closing((uv_handle_t *)&s->expiry_timer))
+        uv_close((uv_handle_t *)&s->expiry_timer, NULL);
     /* Handles still open (destroy without run): close them and let the loop finish. */
     if (uv_loop_alive(&s->loop)) {
         while (s->conns)
@@ -2870,6 +2891,11 @@ int km_server_create(const km_server_config *cfg_in, km_server **out, char *why,
         uv_check_start(&s->dispatch, on_dispatch);
         uv_unref((uv_handle_t *)&s->dispatch); /* it alone does not keep the loop running */
         s->dispatch_inited = true;
+        uv_timer_init(&s->loop, &s->expiry_timer);
+        s->expiry_timer.data = s;
+        uv_timer_start(&s->expiry_timer, on_expiry_tick, EXPIRY_TICK_MS, EXPIRY_TICK_MS);
+        uv_unref((uv_handle_t *)&s->expiry_timer);
+        s->expiry_timer_inited = true;
     }
     if (!rc && s->http_addr) {
         char host[128];

@@ -198,6 +198,10 @@ int km_active_finish(km_active *active, const km_active_key *key, km_active_end 
  * (may be NULL) gets the count. O(expired). Errors: KM_ERR_NULL_POINTER (active). */
 int km_active_expire(km_active *active, uint64_t now_ns, km_active_summary_fn on_expired,
                      void *user, size_t *n_expired);
+/* The same for at most `max` entries (the oldest), so a caller sharing a lock with others can
+ * expire a large backlog in slices; *n_expired < max means nothing due is left. */
+int km_active_expire_some(km_active *active, uint64_t now_ns, size_t max,
+                          km_active_summary_fn on_expired, void *user, size_t *n_expired);
 
 /* Drop every entry of `worker` (end WORKER_REMOVED, each passed to on_removed, may be NULL); its
  * load becomes 0. Later events for those ids are "late" (KM_ERR_NOT_FOUND). O(the worker's
