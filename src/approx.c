@@ -2,8 +2,9 @@
  * own decisions, with TTL expiry and per-worker capacity, turned into index updates.
  *
  * Layout: pairs live in a slab addressed by u32 index (free list through global_next). Each worker
- * has a u64map chain hash -> pair index (chain hashes are never 0 or 1, the map's reserved keys,
- * so the key is the hash itself and lookups are exact). Every pair is on two doubly-linked lists
+ * has a u64map chain hash -> pair index and a coarse copy of the pair's touch time (map_value;
+ * chain hashes are never 0 or 1, the map's reserved keys, so the key is the hash itself and
+ * lookups are exact). Every pair is on two doubly-linked lists
  * ordered by last touch: the global list (TTL expiry reads its head) and its worker's list
  * (capacity eviction reads its head). A touch moves the pair to the tail of both, unless its
  * recorded touch is less than refresh_ns old: then nothing changes at all.
@@ -25,6 +26,10 @@
 
 #define NIL UINT32_MAX
 #define MAX_PAIRS (NIL - 1u)
+/* A map value: the pair's slab index in the low 32 bits, its recorded touch time in units of
+ * 2^TOUCH_SHIFT ns (16.8 ms; 32 bits of them wrap after 2.3 years) in the high 32, so most
+ * recency checks need no access to the slab. */
+#define TOUCH_SHIFT 24u
 
 typedef struct pair {
     uint64_t hash;
@@ -57,6 +62,7 @@ struct km_approx {
     expired_pair *scratch;
     size_t scratch_capacity;
     uint64_t clock;
+    bool coarse_touch; /* map values' coarse touch times are usable: see coarse_recency */
     km_approx_stats stats;
     char last_error[256];
 };
@@ -106,6 +112,11 @@ int km_approx_create(const km_approx_config *cfg, km_approx **out)
     if (!a)
         return KM_ERR_OUT_OF_MEMORY;
     a->cfg = c;
+    /* Coarse times help only when refresh_ns spans several units, and are exact only while no
+     * pair can be older than their 2^32-unit wrap (TTL expiry bounds the age, for callers that
+     * expire). */
+    a->coarse_touch = c.refresh_ns >= (UINT64_C(4) << TOUCH_SHIFT) &&
+                      c.ttl_ns < (UINT64_C(1) << (31 + TOUCH_SHIFT));
     a->free_head = NIL;
     a->global_head = a->global_tail = NIL;
     a->workers = calloc(c.max_workers, sizeof *a->workers);
@@ -335,6 +346,43 @@ static void evict_over_capacity(km_approx *a, uint32_t worker, km_approx_updates
 
 /* ---- learning and forgetting ---------------------------------------------------------------- */
 
+
+static inline uint64_t map_value(uint32_t i, uint64_t touch_ns)
+{
+    return (uint64_t)i | ((touch_ns >> TOUCH_SHIFT) << 32);
+}
+
+/* -1: touched less than refresh_ns ago for certain; 1: for certain not; 0: cannot tell from the
+ * coarse time (the exact one is in the slab). With du = the coarse age in units U, the exact age
+ * lies in ((du - 1) U, (du + 1) U). */
+static inline int coarse_recency(const km_approx *a, uint64_t value, uint64_t now)
+{
+    if (!a->coarse_touch)
+        return 0;
+    uint32_t du = (uint32_t)(now >> TOUCH_SHIFT) - (uint32_t)(value >> 32);
+    if (((uint64_t)du + 1) << TOUCH_SHIFT <= a->cfg.refresh_ns)
+        return -1;
+    if (du >= 1 && ((uint64_t)du - 1) << TOUCH_SHIFT >= a->cfg.refresh_ns)
+        return 1;
+    return 0;
+}
+
+/* The exact rule: a touch less than refresh_ns after the recorded one is not recorded. */
+static inline bool touch_is_recent(const km_approx *a, uint64_t value, uint32_t i, uint64_t now)
+{
+    int c = coarse_recency(a, value, now);
+    return c ? c < 0 : now - a->slab[i].last_touch_ns < a->cfg.refresh_ns;
+}
+
+/* Look a hash up ahead of its turn and start loading its pair, unless the touch will be skipped. */
+static inline uint64_t *find_ahead(const km_approx *a, worker_state *w, uint64_t hash, uint64_t now)
+{
+    uint64_t *v = km_u64map_find(&w->map, hash);
+    if (v && coarse_recency(a, *v, now) >= 0)
+        __builtin_prefetch(&a->slab[(uint32_t)*v]);
+    return v;
+}
+
 int km_approx_record(km_approx *a, uint32_t worker, const uint64_t *hashes, size_t n,
                      uint64_t now_ns, km_approx_updates *buf)
 {
@@ -372,25 +420,33 @@ int km_approx_record(km_approx *a, uint32_t worker, const uint64_t *hashes, size
     /* The maps and the slab are larger than the caches and every hash lands somewhere random:
      * load the map entry RECORD_AHEAD hashes ahead, and the pair (and so its list neighbours'
      * indices) half as far ahead, so the misses of several blocks overlap. */
-    enum { RECORD_AHEAD = 8 };
+    enum { RECORD_AHEAD = 8, FIND_AHEAD = RECORD_AHEAD / 2 };
+    /* Each map entry is looked up once, FIND_AHEAD blocks ahead of its use (the ring); the pair is
+     * prefetched then too, unless the entry's coarse touch time already says the touch will be
+     * skipped. Inserts in between move no entry (room is reserved: no rehash), so a pointer found
+     * ahead stays valid; an entry not found ahead is looked up again (a duplicate hash in the same
+     * record may have inserted it since). */
+    uint64_t *ring[FIND_AHEAD] = {NULL};
     for (size_t k = keep; k-- > 0 && keep - k <= RECORD_AHEAD;)
         km_u64map_prefetch(&w->map, hashes[k]);
+    for (size_t k = keep; k-- > 0 && keep - k <= FIND_AHEAD;)
+        ring[k % FIND_AHEAD] = find_ahead(a, w, hashes[k], now);
     for (size_t k = keep; k-- > 0;) { /* deepest first, so block 0 ends up the newest */
         if (k >= RECORD_AHEAD)
             km_u64map_prefetch(&w->map, hashes[k - RECORD_AHEAD]);
-        if (k >= RECORD_AHEAD / 2) {
-            const uint64_t *ahead = km_u64map_find(&w->map, hashes[k - RECORD_AHEAD / 2]);
-            if (ahead)
-                __builtin_prefetch(&a->slab[*ahead]);
-        }
-        uint64_t *found = km_u64map_find(&w->map, hashes[k]);
+        uint64_t *found = ring[k % FIND_AHEAD];
+        if (k >= FIND_AHEAD)
+            ring[k % FIND_AHEAD] = find_ahead(a, w, hashes[k - FIND_AHEAD], now);
+        if (!found)
+            found = km_u64map_find(&w->map, hashes[k]);
         uint32_t i;
         if (found) {
             i = (uint32_t)*found;
-            if (now - a->slab[i].last_touch_ns < a->cfg.refresh_ns) {
+            if (touch_is_recent(a, *found, i, now)) {
                 a->stats.recent_pairs++; /* recorded recently enough: left in place */
                 continue;
             }
+            *found = map_value(i, now);
             global_unlink(a, i);
             worker_unlink(a, i);
             a->stats.refreshed_pairs++;
@@ -400,7 +456,7 @@ int km_approx_record(km_approx *a, uint32_t worker, const uint64_t *hashes, size
             a->free_count--;
             a->slab[i].hash = hashes[k];
             a->slab[i].worker = worker;
-            km_u64map_put(&w->map, hashes[k], i, 0); /* room reserved above: cannot fail */
+            km_u64map_put(&w->map, hashes[k], map_value(i, now), 0); /* room reserved: cannot fail */
             w->count++;
             a->stats.pairs++;
             a->stats.stored_pairs++;

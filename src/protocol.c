@@ -344,7 +344,17 @@ static int buffer_append(void *data, const char *bytes, size_t n)
         b->data = grown;
         b->capacity = capacity;
     }
-    memcpy(b->data + b->size, bytes, n);
+    /* msgpack-c hands over one value at a time (1, 2, 3, 5 or 9 bytes for scalars and headers):
+     * constant-size copies for those instead of a call to memcpy per value. */
+    uint8_t *dst = b->data + b->size;
+    switch (n) {
+    case 1: dst[0] = (uint8_t)bytes[0]; break;
+    case 2: memcpy(dst, bytes, 2); break;
+    case 3: memcpy(dst, bytes, 3); break;
+    case 5: memcpy(dst, bytes, 5); break;
+    case 9: memcpy(dst, bytes, 9); break;
+    default: memcpy(dst, bytes, n); break;
+    }
     b->size += n;
     return 0;
 }

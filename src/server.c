@@ -1309,12 +1309,19 @@ static job *take_jobs(km_server *s)
 static void *scheduler_main(void *arg)
 {
     km_server *s = arg;
+    uint64_t next_tick = now_ns() + SCHEDULER_TICK_MS * UINT64_C(1000000);
     for (;;) {
         pthread_mutex_lock(&s->queue_lock);
-        /* The loop thread may hold the role (a small batch inline); it signals when it is done. */
-        while (s->scheduler_busy && !s->scheduler_stop)
-            pthread_cond_wait(&s->queue_cond, &s->queue_lock);
-        if (!s->queue_head && !s->scheduler_stop && !s->events_pending) {
+        /* Run when the role is free and there is something to do: frames, received events, or
+         * the periodic tick (approximate-mode expiry). A wake-up for nothing (the loop thread
+         * finished a batch inline, a spurious one) goes back to sleep without housekeeping. */
+        bool tick = false;
+        for (;;) {
+            if (s->scheduler_stop && !s->queue_head && !s->scheduler_busy)
+                break;
+            tick = now_ns() >= next_tick;
+            if (!s->scheduler_busy && (s->queue_head || s->events_pending || tick))
+                break;
             struct timespec ts;
             clock_gettime(CLOCK_REALTIME, &ts);
             ts.tv_nsec += SCHEDULER_TICK_MS * 1000000L;
@@ -1324,14 +1331,12 @@ static void *scheduler_main(void *arg)
             }
             pthread_cond_timedwait(&s->queue_cond, &s->queue_lock, &ts);
         }
-        if (s->scheduler_busy) { /* taken inline while this thread waited */
-            pthread_mutex_unlock(&s->queue_lock);
-            continue;
-        }
-        if (!s->queue_head && s->scheduler_stop) {
+        if (s->scheduler_stop && !s->queue_head && !s->scheduler_busy) {
             pthread_mutex_unlock(&s->queue_lock);
             break;
         }
+        if (tick)
+            next_tick = now_ns() + SCHEDULER_TICK_MS * UINT64_C(1000000);
         job *take = take_jobs(s);
         s->scheduler_busy = true; /* housekeeping alone holds the role too: it uses the scratch */
         s->events_pending = false; /* housekeeping below flushes them */
@@ -2266,7 +2271,8 @@ static void on_dispatch(uv_check_t *h)
     run_batch(s, take, &s->scratch);
     pthread_mutex_lock(&s->queue_lock);
     s->scheduler_busy = false;
-    pthread_cond_signal(&s->queue_cond); /* the scheduler may be waiting for the role */
+    if (s->queue_head || s->events_pending) /* work that arrived meanwhile is the scheduler's */
+        pthread_cond_signal(&s->queue_cond);
     pthread_mutex_unlock(&s->queue_lock);
     atomic_fetch_add(&s->st.inline_batches, 1);
     deliver_jobs(s, take);

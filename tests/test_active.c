@@ -953,6 +953,44 @@ Test(approx, capacity_evicts_least_recently_touched_deepest_first, .timeout = 10
     km_approx_destroy(a);
 }
 
+/* The touch resolution at its edge, wherever the first touch falls against the handle's coarse
+ * time units: a touch refresh_ns - 1 after the recorded one is skipped, one refresh_ns after is
+ * recorded (and becomes the new reference). */
+Test(approx, refresh_resolution_edges_at_any_alignment, .timeout = 10)
+{
+    const uint64_t unit = UINT64_C(1) << 24, refresh = UINT64_C(200000000);
+    const uint64_t starts[] = {0, 1, unit - 1, unit, unit / 2, 5 * unit + 3, 123456789, refresh};
+    for (size_t s = 0; s < sizeof starts / sizeof starts[0]; s++) {
+        km_approx_config cfg;
+        km_approx_config_init(&cfg);
+        cfg.max_workers = 1;
+        cfg.ttl_ns = UINT64_C(120) * 1000000000u;
+        cfg.refresh_ns = refresh;
+        km_approx *a = NULL;
+        cr_assert_eq(km_approx_create(&cfg, &a), KM_OK);
+        km_approx_updates buf;
+        km_approx_updates_init(&buf);
+        const uint64_t h[3] = {11, 12, 13};
+        uint64_t t0 = UINT64_C(1000000000) + starts[s];
+        cr_assert_eq(km_approx_record(a, 0, h, 3, t0, &buf), KM_OK);
+        for (int round = 0; round < 3; round++) {
+            uint64_t ref = t0 + (uint64_t)round * refresh;
+            km_approx_stats before, after;
+            km_approx_get_stats(a, &before);
+            cr_assert_eq(km_approx_record(a, 0, h, 3, ref + refresh - 1, &buf), KM_OK);
+            km_approx_get_stats(a, &after);
+            cr_assert_eq(after.recent_pairs - before.recent_pairs, 3,
+                         "start %zu round %d: a touch refresh_ns - 1 later must be skipped", s, round);
+            cr_assert_eq(km_approx_record(a, 0, h, 3, ref + refresh, &buf), KM_OK);
+            km_approx_get_stats(a, &before);
+            cr_assert_eq(before.refreshed_pairs - after.refreshed_pairs, 3,
+                         "start %zu round %d: a touch refresh_ns later must be recorded", s, round);
+        }
+        km_approx_updates_free(&buf);
+        km_approx_destroy(a);
+    }
+}
+
 Test(approx, bad_arguments_change_nothing, .timeout = 10)
 {
     /* A touch resolution that is not below the TTL would let pairs expire however often they
@@ -1189,7 +1227,7 @@ static void ap_compare(const ap_model *m, const km_approx *a, km_index *index, c
     }
 }
 
-static void random_sequences(uint64_t refresh)
+static void random_sequences(uint64_t refresh, uint64_t ns_per_tick)
 {
     km_rng r;
     km_rng_init(&r, km_test_seed());
@@ -1201,15 +1239,15 @@ static void random_sequences(uint64_t refresh)
     }
     static ap_model m;
     memset(&m, 0, sizeof m);
-    m.ttl = 3000;
-    m.refresh = refresh;
+    m.ttl = 3000 * ns_per_tick;
+    m.refresh = refresh * ns_per_tick;
     for (uint32_t w = 0; w < AP_WORKERS; w++)
         m.capacity[w] = w == 0 ? 0 : 8 + 6 * w; /* worker 0 unlimited */
     km_approx_config cfg;
     km_approx_config_init(&cfg);
     cfg.max_workers = AP_WORKERS;
     cfg.ttl_ns = m.ttl;
-    cfg.refresh_ns = refresh;
+    cfg.refresh_ns = m.refresh;
     cfg.worker_capacity_blocks = 20;
     km_approx *a = NULL;
     cr_assert_eq(km_approx_create(&cfg, &a), KM_OK);
@@ -1223,8 +1261,11 @@ static void random_sequences(uint64_t refresh)
     static uint64_t chain[AP_NODES];
     uint64_t now = 0;
     for (int step = 0; step < 1500; step++) {
-        now = km_rng_percent(&r, 3) && now > 50 ? now - km_rng_below(&r, 50)
-                                                 : now + km_rng_below(&r, 120);
+        /* Times at any alignment: with ticks of a millisecond they cross the handle's coarse
+         * touch-time units (16.8 ms) anywhere. */
+        uint64_t back = km_rng_below(&r, 50 * (uint32_t)ns_per_tick);
+        now = km_rng_percent(&r, 3) && now > back ? now - back
+                                                  : now + km_rng_below(&r, 120 * (uint32_t)ns_per_tick);
         uint32_t op = km_rng_below(&r, 100);
         if (op < 75) {
             uint32_t w = km_rng_below(&r, AP_WORKERS);
@@ -1272,8 +1313,14 @@ static void random_sequences(uint64_t refresh)
     km_approx_destroy(a);
 }
 
-/* Exact touches, and touches recorded at a resolution of 200 (of a TTL of 3000, while a step
- * advances the clock by up to 120): the same model, which skips a touch within `refresh` of the
- * pair's recorded one, must still match the handle and the index exactly. */
-Test(approx, random_sequences_keep_index_equal_to_model, .timeout = 60) { random_sequences(0); }
-Test(approx, random_sequences_with_refresh_resolution, .timeout = 60) { random_sequences(200); }
+/* Exact touches, and touches recorded at a resolution of 200 ticks (of a TTL of 3000, while a
+ * step advances the clock by up to 120): the same model, which skips a touch within `refresh` of
+ * the pair's recorded one, must still match the handle and the index exactly. With ticks of 1 ms
+ * (TTL 3 s, resolution 200 ms) the handle decides most touches from the coarse times in its maps,
+ * and must still agree with the exact rule at every step. */
+Test(approx, random_sequences_keep_index_equal_to_model, .timeout = 60) { random_sequences(0, 1); }
+Test(approx, random_sequences_with_refresh_resolution, .timeout = 60) { random_sequences(200, 1); }
+Test(approx, random_sequences_with_coarse_touch_times, .timeout = 60)
+{
+    random_sequences(200, 1000000);
+}
