@@ -31,8 +31,6 @@
 #define KM_SLOT_ID_EMPTY 0xFFFFu
 #define KM_SLOT_ID_SHARED 0xFFFEu
 #define KM_SLOT_NONE UINT64_MAX
-/* Marks a walk entry whose depth is not settled yet. */
-#define KM_DEPTH_OPEN UINT32_MAX
 /* How far ahead the host walk prefetches (keys); a no-op on the device. */
 #define KM_PREFETCH_AHEAD 8u
 
@@ -111,6 +109,7 @@ KM_HD static inline void km_view_prefetch(const km_table_view *v, uint64_t key)
 KM_HD static inline void km_prefetch_segment_input(const uint64_t *hashes, uint32_t S, uint32_t k,
                                                    uint32_t n)
 {
+    KM_PREFETCH(&hashes[k * S]);
     if ((k + 1) * S <= n)
         KM_PREFETCH(&hashes[(k + 1) * S - 1]);
     (void)hashes;
@@ -130,40 +129,6 @@ KM_HD static inline int km_slot_contains(const km_slot *s, const uint64_t *pool,
         if (s->ids[i] == worker)
             return 1;
     return 0;
-}
-
-/* Write the slot's workers, ascending, into out[].worker with depth = KM_DEPTH_OPEN. Returns the
- * count. out must hold max_workers entries. */
-KM_HD static inline uint32_t km_slot_enumerate(const km_slot *s, const uint64_t *pool,
-                                               uint32_t words_per_set, km_walk_entry *out)
-{
-    uint32_t n = 0;
-    if (km_slot_is_shared(s)) {
-        const uint64_t *bits = pool + (uint64_t)km_slot_pool_index(s) * words_per_set;
-        for (uint32_t w = 0; w < words_per_set; w++) {
-            uint64_t word = bits[w];
-            while (word) {
-#if defined(__CUDA_ARCH__)
-                uint32_t b = (uint32_t)(__ffsll((long long)word) - 1);
-#else
-                uint32_t b = (uint32_t)__builtin_ctzll(word);
-#endif
-                out[n].worker = w * 64u + b;
-                out[n].depth = KM_DEPTH_OPEN;
-                n++;
-                word &= word - 1;
-            }
-        }
-        return n;
-    }
-    for (uint32_t i = 0; i < KM_SLOT_INLINE; i++) {
-        if (s->ids[i] == KM_SLOT_ID_EMPTY)
-            continue;
-        out[n].worker = s->ids[i];
-        out[n].depth = KM_DEPTH_OPEN;
-        n++;
-    }
-    return n;
 }
 
 /* Scratch a walk needs, in u64 words: three worker bitmaps and a u32 depth per worker. */
@@ -323,13 +288,36 @@ KM_HD static inline uint32_t km_walk_request(const km_table_view *blocks,
         for (uint64_t left = open[x]; left; left &= left - 1)
             depth_of[x * 64u + km_bit_index(left)] = n;
 
-    uint32_t m = km_slot_enumerate(&blocks->slots[slot0], blocks->pool, W, entries);
-    for (uint32_t j = 0; j < m; j++) {
-        uint32_t d = depth_of[entries[j].worker];
-        entries[j].depth = d;
+    /* Block 0's holders, ascending, each written once with its settled depth. */
+    const km_slot *s0 = &blocks->slots[slot0];
+    uint32_t m = 0;
+    if (km_slot_is_shared(s0)) {
+        const uint64_t *bits = blocks->pool + (uint64_t)km_slot_pool_index(s0) * W;
+        for (uint32_t x = 0; x < W; x++)
+            for (uint64_t word = bits[x]; word; word &= word - 1) {
+                uint32_t w = x * 64u + km_bit_index(word);
+                uint32_t d = depth_of[w];
+                entries[m].worker = w;
+                entries[m].depth = d;
+                m++;
+                if (d > *owner_depth) {
+                    *owner_depth = d;
+                    *owner = w;
+                }
+            }
+        return m;
+    }
+    for (uint32_t i = 0; i < KM_SLOT_INLINE; i++) {
+        uint32_t w = s0->ids[i];
+        if (w == KM_SLOT_ID_EMPTY)
+            continue;
+        uint32_t d = depth_of[w];
+        entries[m].worker = w;
+        entries[m].depth = d;
+        m++;
         if (d > *owner_depth) {
             *owner_depth = d;
-            *owner = entries[j].worker;
+            *owner = w;
         }
     }
     return m;
