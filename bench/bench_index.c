@@ -890,6 +890,20 @@ static void print_table(const row *rows, size_t n, double limit, json_t *notes)
     json_array_foreach(notes, k, v) printf("note: %s\n", json_string_value(v));
 }
 
+/* An integer option value in [lo, hi] into *out; else a message and 0. */
+static int option_long(const char *name, const char *text, long lo, long hi, long *out)
+{
+    char *end;
+    errno = 0;
+    long v = strtol(text, &end, 10);
+    if (errno || end == text || *end || v < lo || v > hi) {
+        fprintf(stderr, "kvmatch bench index: %s wants an integer in [%ld, %ld]\n", name, lo, hi);
+        return 0;
+    }
+    *out = v;
+    return 1;
+}
+
 /* 1 when the comma-separated list names `name`. */
 static int list_names(const char *list, const char *name)
 {
@@ -934,28 +948,24 @@ int km_bench_index_main(int argc, char **argv)
         } else if (!strcmp(argv[i], "--quick")) {
             quick = 1;
         } else if (!strcmp(argv[i], "--threads") && i + 1 < argc) {
-            char *end;
-            errno = 0;
-            long t = strtol(argv[++i], &end, 10);
-            if (errno || *end || t < 1 || t > 4096) {
-                fprintf(stderr, "kvmatch bench index: --threads wants an integer in [1, 4096]\n");
+            long t;
+            if (!option_long(argv[i], argv[i + 1], 1, 4096, &t))
                 return 2;
-            }
             threads = (uint32_t)t;
+            i++;
         } else if (!strcmp(argv[i], "--reps") && i + 1 < argc) {
-            char *end;
-            errno = 0;
-            long r = strtol(argv[++i], &end, 10);
-            if (errno || *end || r < 1 || r > 100000) {
-                fprintf(stderr, "kvmatch bench index: --reps wants an integer in [1, 100000]\n");
+            long r;
+            if (!option_long(argv[i], argv[i + 1], 1, 100000, &r))
                 return 2;
-            }
             reps_wanted = (int)r;
+            i++;
         } else if (!strcmp(argv[i], "--workers") && i + 1 < argc) {
+            long w;
+            if (!option_long(argv[i], argv[i + 1], 1, 1 << 20, &w))
+                return 2;
             i++;
             for (size_t k = 0; k < N_WORKER_COUNTS; k++)
-                if ((unsigned long)atol(argv[i]) == bench_worker_counts[k] &&
-                    strspn(argv[i], "0123456789") == strlen(argv[i]))
+                if ((uint32_t)w == bench_worker_counts[k])
                     only_workers = bench_worker_counts[k];
             if (!only_workers) {
                 fprintf(stderr, "kvmatch bench index: --workers wants 64 or 1024\n");

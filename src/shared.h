@@ -203,6 +203,22 @@ KM_HD static inline uint32_t km_walk_blocks(const km_table_view *blocks, const u
     return probes;
 }
 
+/* Append worker w with its settled depth to a request's entries; keep the deepest (ties: the
+ * first, so the lowest id, as entries ascend). */
+KM_HD static inline void km_walk_emit(km_walk_entry *entries, uint32_t *m, uint32_t w,
+                                      const uint32_t *depth_of, uint32_t *owner,
+                                      uint32_t *owner_depth)
+{
+    uint32_t d = depth_of[w];
+    entries[*m].worker = w;
+    entries[*m].depth = d;
+    (*m)++;
+    if (d > *owner_depth) {
+        *owner_depth = d;
+        *owner = w;
+    }
+}
+
 /* The prefix walk for one request: for every worker holding block 0, the number of leading blocks
  * it holds (radix-tree find_matches semantics).
  *
@@ -294,32 +310,14 @@ KM_HD static inline uint32_t km_walk_request(const km_table_view *blocks,
     if (km_slot_is_shared(s0)) {
         const uint64_t *bits = blocks->pool + (uint64_t)km_slot_pool_index(s0) * W;
         for (uint32_t x = 0; x < W; x++)
-            for (uint64_t word = bits[x]; word; word &= word - 1) {
-                uint32_t w = x * 64u + km_bit_index(word);
-                uint32_t d = depth_of[w];
-                entries[m].worker = w;
-                entries[m].depth = d;
-                m++;
-                if (d > *owner_depth) {
-                    *owner_depth = d;
-                    *owner = w;
-                }
-            }
+            for (uint64_t word = bits[x]; word; word &= word - 1)
+                km_walk_emit(entries, &m, x * 64u + km_bit_index(word), depth_of, owner,
+                             owner_depth);
         return m;
     }
-    for (uint32_t i = 0; i < KM_SLOT_INLINE; i++) {
-        uint32_t w = s0->ids[i];
-        if (w == KM_SLOT_ID_EMPTY)
-            continue;
-        uint32_t d = depth_of[w];
-        entries[m].worker = w;
-        entries[m].depth = d;
-        m++;
-        if (d > *owner_depth) {
-            *owner_depth = d;
-            *owner = w;
-        }
-    }
+    for (uint32_t i = 0; i < KM_SLOT_INLINE; i++)
+        if (s0->ids[i] != KM_SLOT_ID_EMPTY)
+            km_walk_emit(entries, &m, s0->ids[i], depth_of, owner, owner_depth);
     return m;
 }
 

@@ -186,52 +186,78 @@ Test(match, request_over_the_limit_is_too_large, .timeout = 30)
     km_index_destroy(index);
 }
 
+/* A live index beside its oracle, with a corpus and workload to drive both (the edge-case tests'
+ * common setup). */
+typedef struct scoring_fixture {
+    km_rng r;
+    km_index *index;
+    km_oracle o;
+    km_corpus corpus;
+    km_workload wl;
+    km_request_set rs;
+    km_match_results res;
+} scoring_fixture;
+
+static void fixture_init(scoring_fixture *f, uint32_t W, uint32_t S, uint32_t threads,
+                         uint64_t seed_mix)
+{
+    memset(f, 0, sizeof *f);
+    km_rng_init(&f->r, km_test_seed() ^ seed_mix);
+    f->index = make_index(W, S, threads);
+    km_oracle_init(&f->o, W);
+    km_corpus_generate(&f->corpus, &f->r, 100, 4, 120);
+    km_workload_init(&f->wl, &f->corpus, W);
+    km_match_results_init(&f->res);
+}
+
+/* One workload step applied to the index and the oracle, which must agree on its statistics. */
+static void fixture_step(scoring_fixture *f)
+{
+    char why[512];
+    km_workload_step(&f->wl, &f->r, &f->o, 4);
+    km_update_stats got, expect;
+    int rc = km_index_apply(f->index, f->wl.updates, f->wl.n_updates, &got);
+    KM_CHECK(rc == KM_OK, "apply: %s", km_error_name(rc));
+    km_oracle_apply(&f->o, f->wl.updates, f->wl.n_updates, &expect);
+    KM_CHECK(km_update_stats_equal(&got, &expect, why, sizeof why), "%s", why);
+}
+
+static void fixture_free(scoring_fixture *f)
+{
+    km_match_results_free(&f->res);
+    km_request_set_free(&f->rs);
+    km_workload_free(&f->wl);
+    km_corpus_free(&f->corpus);
+    km_oracle_free(&f->o);
+    km_index_destroy(f->index);
+}
+
 Test(match, results_struct_reused_across_batches, .timeout = 60)
 {
-    const uint32_t W = 64, S = 8;
-    km_rng r;
-    km_rng_init(&r, km_test_seed());
-    km_index *index = make_index(W, S, 2);
-    km_oracle o;
-    km_oracle_init(&o, W);
-    km_corpus corpus;
-    km_corpus_generate(&corpus, &r, 100, 4, 120);
-    km_workload wl;
-    km_workload_init(&wl, &corpus, W);
-    km_request_set rs = {0};
-    km_match_results res;
-    km_match_results_init(&res);
-    cr_assert(res.n_requests == 0 && res.n_matches == 0 && res.probes == 0);
+    const uint32_t S = 8;
+    scoring_fixture f;
+    fixture_init(&f, 64, S, 2, 0);
+    cr_assert(f.res.n_requests == 0 && f.res.n_matches == 0 && f.res.probes == 0);
     const size_t sizes[] = {1000, 10, 0, 3000, 5, 1, 2500, 0, 7};
     size_t prev_req_cap = 0, prev_match_cap = 0;
     char why[512];
     for (size_t k = 0; k < sizeof sizes / sizeof sizes[0]; k++) {
-        for (int s = 0; s < 3; s++) {
-            km_workload_step(&wl, &r, &o, 4);
-            km_update_stats got, expect;
-            int rc = km_index_apply(index, wl.updates, wl.n_updates, &got);
-            KM_CHECK(rc == KM_OK, "apply: %s", km_error_name(rc));
-            km_oracle_apply(&o, wl.updates, wl.n_updates, &expect);
-            KM_CHECK(km_update_stats_equal(&got, &expect, why, sizeof why), "%s", why);
-        }
-        km_request_set_generate(&rs, &r, &corpus, sizes[k]);
-        int rc = km_index_match_batch(index, rs.requests, rs.n, &res);
+        for (int s = 0; s < 3; s++)
+            fixture_step(&f);
+        km_request_set_generate(&f.rs, &f.r, &f.corpus, sizes[k]);
+        int rc = km_index_match_batch(f.index, f.rs.requests, f.rs.n, &f.res);
         KM_CHECK(rc == KM_OK, "batch %zu: %s", k, km_error_name(rc));
-        KM_CHECK(km_check_results(&o, rs.requests, rs.n, &res, S, why, sizeof why),
+        KM_CHECK(km_check_results(&f.o, f.rs.requests, f.rs.n, &f.res, S, why, sizeof why),
                  "batch %zu of %zu requests: %s", k, sizes[k], why);
-        KM_CHECK(res.requests_capacity >= prev_req_cap && res.matches_capacity >= prev_match_cap,
+        KM_CHECK(f.res.requests_capacity >= prev_req_cap && f.res.matches_capacity >= prev_match_cap,
                  "buffers shrank at batch %zu", k);
-        KM_CHECK(res.requests_capacity >= res.n_requests && res.matches_capacity >= res.n_matches,
+        KM_CHECK(f.res.requests_capacity >= f.res.n_requests &&
+                     f.res.matches_capacity >= f.res.n_matches,
                  "capacities below the counts at batch %zu", k);
-        prev_req_cap = res.requests_capacity;
-        prev_match_cap = res.matches_capacity;
+        prev_req_cap = f.res.requests_capacity;
+        prev_match_cap = f.res.matches_capacity;
     }
-    km_match_results_free(&res);
-    km_request_set_free(&rs);
-    km_workload_free(&wl);
-    km_corpus_free(&corpus);
-    km_oracle_free(&o);
-    km_index_destroy(index);
+    fixture_free(&f);
 }
 
 /* Many small and odd-sized batches on more lanes than cores: every batch size around the chunk
@@ -239,40 +265,21 @@ Test(match, results_struct_reused_across_batches, .timeout = 60)
  * never), and the hand-off between the phases is exercised hundreds of times. */
 Test(match, many_lanes_every_batch_size, .timeout = 90)
 {
-    const uint32_t W = 64, S = 4;
-    km_rng r;
-    km_rng_init(&r, km_test_seed() ^ 0x7A7E5);
-    km_index *index = make_index(W, S, 7);
-    km_oracle o;
-    km_oracle_init(&o, W);
-    km_corpus corpus;
-    km_corpus_generate(&corpus, &r, 100, 4, 120);
-    km_workload wl;
-    km_workload_init(&wl, &corpus, W);
-    km_request_set rs = {0};
-    km_match_results res;
-    km_match_results_init(&res);
+    const uint32_t S = 4;
+    scoring_fixture f;
+    fixture_init(&f, 64, S, 7, 0x7A7E5);
     char why[512];
     for (int step = 0; step < 6; step++) {
-        km_workload_step(&wl, &r, &o, 4);
-        km_update_stats got, expect;
-        int rc = km_index_apply(index, wl.updates, wl.n_updates, &got);
-        KM_CHECK(rc == KM_OK, "apply: %s", km_error_name(rc));
-        km_oracle_apply(&o, wl.updates, wl.n_updates, &expect);
+        fixture_step(&f);
         for (size_t n = 1; n <= 300; n += 1 + (n > 140) * 3) {
-            km_request_set_generate(&rs, &r, &corpus, n);
-            rc = km_index_match_batch(index, rs.requests, rs.n, &res);
+            km_request_set_generate(&f.rs, &f.r, &f.corpus, n);
+            int rc = km_index_match_batch(f.index, f.rs.requests, f.rs.n, &f.res);
             KM_CHECK(rc == KM_OK, "step %d, %zu requests: %s", step, n, km_error_name(rc));
-            KM_CHECK(km_check_results(&o, rs.requests, rs.n, &res, S, why, sizeof why),
+            KM_CHECK(km_check_results(&f.o, f.rs.requests, f.rs.n, &f.res, S, why, sizeof why),
                      "step %d, batch of %zu requests on 7 lanes: %s", step, n, why);
         }
     }
-    km_match_results_free(&res);
-    km_request_set_free(&rs);
-    km_workload_free(&wl);
-    km_corpus_free(&corpus);
-    km_oracle_free(&o);
-    km_index_destroy(index);
+    fixture_free(&f);
 }
 
 /* ---- the Mooncake trace -------------------------------------------------------------------- */
