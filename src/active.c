@@ -467,10 +467,17 @@ int km_active_begin(km_active *a, uint32_t worker, const km_active_key *key,
     if (block_size == 0)
         return active_fail(a, KM_ERR_BLOCK_SIZE, "block size 0 for " ID_FMT, ID_ARGS(key));
     uint64_t hash = key_hash(key);
-    if (find_entry(a, key, hash) != NIL) {
-        a->stats.duplicates++;
-        return active_fail(a, KM_ERR_PROTOCOL, ID_FMT " is already active (routed twice?)",
-                           ID_ARGS(key));
+    /* One lookup of the hash's chain serves the duplicate check and the insertion below (nothing
+     * between them changes the map, so the pointer stays valid). */
+    uint64_t mkey = km_u64map_key(hash);
+    uint64_t *head = km_u64map_find(&a->by_hash, mkey);
+    for (uint32_t j = head ? (uint32_t)*head : NIL; j != NIL; j = a->slab[j].hash_next) {
+        const entry *e = &a->slab[j];
+        if (e->hash == hash && ids_equal(e->ids, e->request_len, e->attempt_len, key)) {
+            a->stats.duplicates++;
+            return active_fail(a, KM_ERR_PROTOCOL, ID_FMT " is already active (routed twice?)",
+                               ID_ARGS(key));
+        }
     }
     if (a->live >= a->cfg.max_entries)
         return active_fail(a, KM_ERR_OVERLOADED, "%" PRIu32 " active requests, the configured maximum",
@@ -482,11 +489,11 @@ int km_active_begin(km_active *a, uint32_t worker, const km_active_key *key,
     char *ids = malloc(key->request_id_len + key->attempt_id_len + 2);
     if (!ids)
         return active_fail(a, KM_ERR_OUT_OF_MEMORY, "cannot copy the ids");
-    uint64_t mkey = km_u64map_key(hash);
-    uint64_t *head = km_u64map_find(&a->by_hash, mkey);
     uint32_t chain_next = head ? (uint32_t)*head : NIL;
     uint32_t i = a->free_head;
-    if ((rc = km_u64map_put(&a->by_hash, mkey, i, 1)) != KM_OK) {
+    if (head) {
+        *head = i; /* the new entry heads the chain */
+    } else if ((rc = km_u64map_put(&a->by_hash, mkey, i, 1)) != KM_OK) {
         free(ids);
         return active_fail(a, rc, "cannot grow the active-work map");
     }

@@ -414,6 +414,8 @@ static int pool_create(km_server *s, const km_server_pool *pc, pool **out, char 
     ic.backend = s->cfg.backend;
     ic.threads = s->cfg.index_threads;
     ic.memory_cap_bytes = s->cfg.index_memory_cap_bytes;
+    if (s->cfg.index_initial_blocks)
+        ic.initial_blocks = s->cfg.index_initial_blocks;
     ic.log = s->log;
     ic.log_user = s->log_user;
     if ((rc = km_index_create(&ic, &p->index)) != KM_OK) {

@@ -254,6 +254,12 @@ static void read_pool(reader *r, km_server_config_json *o, json_t *jp, uint32_t 
             }
         }
     }
+    if (!r->rc && params) { /* each value may be valid alone and not together (ranges, sums) */
+        char detail[256];
+        if (km_policy_config_validate(&p->policy, detail, sizeof detail) != KM_OK)
+            r->rc = km_why(r->why, r->why_size, KM_ERR_INVALID_ARGUMENT, "%sparams: %s", where,
+                           detail);
+    }
     json_t *workers = json_object_get(jp, "workers");
     if (r->rc || !workers)
         return;
@@ -395,6 +401,8 @@ int km_server_config_load_json(const char *path, km_server_config *cfg, km_serve
         get_u32(&r, idx, "max_workers", "index.", 1, KM_MAX_WORKERS_LIMIT, &cfg->max_workers);
         get_u32(&r, idx, "threads", "index.", 0, 1024, &cfg->index_threads);
         get_u64(&r, idx, "memory_cap_bytes", "index.", 0, UINT64_MAX, &cfg->index_memory_cap_bytes);
+        get_u64(&r, idx, "initial_blocks", "index.", 0, UINT64_C(1) << 36,
+                &cfg->index_initial_blocks);
         const char *backend = NULL;
         get_string(&r, idx, "backend", "index.", &backend);
         if (!r.rc && backend) {

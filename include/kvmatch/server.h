@@ -72,6 +72,9 @@ typedef struct km_server_config {
     km_backend_kind backend;  /* scoring backend of every pool's index; default AUTO */
     uint32_t index_threads;   /* CPU scoring threads per index; 0 = online CPUs */
     uint64_t index_memory_cap_bytes; /* per pool; 0 = none */
+    uint64_t index_initial_blocks;   /* per pool: distinct blocks the index is sized for at start
+                                      * (it grows beyond by rehashing, which pauses routing for
+                                      * as long as a rehash takes); 0 = the index's default (65,536) */
 
     uint32_t max_batch_routes;  /* routes scored in one batch at most; default 4096 */
     uint32_t inline_routes;     /* frames holding at most this many routes, arriving while the

@@ -28,6 +28,7 @@ static void serve_usage(FILE *f)
             "  --worker POOL:ID[=PUB[,REPLAY]]  add a worker; without PUB it is in approximate mode\n"
             "  --param POOL:NAME=VALUE policy parameter (temperature, cache_threshold, ...)\n"
             "  --max-workers N  --backend auto|cpu|cuda  --threads N  --max-batch N\n"
+            "  --initial-blocks N (each pool's index sized for N distinct blocks at start)\n"
             "  --inline-routes N (frames up to N routes are decided on the loop thread when the\n"
             "                    scheduler is idle; 0 = never; default 16)\n"
             "  --active-ttl-s N  --ready-share X  --seed N  --allow-non-loopback\n"
@@ -123,6 +124,8 @@ int km_cmd_serve(int argc, char **argv)
             cfg.index_threads = (uint32_t)x;
         } else if (!strcmp(a, "--max-batch") && !parse_u64(v, &x) && x >= 1 && x <= (1u << 20)) {
             cfg.max_batch_routes = (uint32_t)x;
+        } else if (!strcmp(a, "--initial-blocks") && !parse_u64(v, &x) && x <= (UINT64_C(1) << 36)) {
+            cfg.index_initial_blocks = x;
         } else if (!strcmp(a, "--inline-routes") && !parse_u64(v, &x) && x <= (1u << 20)) {
             cfg.inline_routes = (uint32_t)x;
         } else if (!strcmp(a, "--active-ttl-s") && !parse_u64(v, &x) && x >= 1 && x <= 86400 * 7) {

@@ -1,0 +1,201 @@
+/* The service's JSON configuration file (km_server_config_load_json, docs/SERVICE.md): the
+ * documented example, read from docs/SERVICE.md itself, loads with every value it shows; files
+ * that are not JSON, hold a field of the wrong type or a value out of range, or cannot be read are
+ * refused with a code and a message naming the field; fields a file leaves out keep their
+ * defaults. */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "test_util.h"
+
+#include "kvmatch/server.h"
+
+/* Write text into a fresh temporary file; returns its path (static buffer per call site). */
+static void write_temp(char *path, size_t size, const char *text)
+{
+    snprintf(path, size, "/tmp/kvmatch-config-XXXXXX");
+    int fd = mkstemp(path);
+    cr_assert(fd >= 0, "mkstemp: %s", strerror(errno));
+    size_t n = strlen(text);
+    cr_assert_eq(write(fd, text, n), (ssize_t)n);
+    close(fd);
+}
+
+/* The ```json block under "## Configuration file" in docs/SERVICE.md (the caller frees it). */
+static char *documented_example(void)
+{
+    FILE *f = fopen("docs/SERVICE.md", "r");
+    cr_assert_not_null(f, "docs/SERVICE.md: %s (tests run from the repository root)",
+                       strerror(errno));
+    char line[1024];
+    size_t cap = 1 << 16, len = 0;
+    char *out = calloc(1, cap);
+    cr_assert_not_null(out);
+    int state = 0; /* 0: before the heading, 1: before the block, 2: inside, 3: done */
+    while (state < 3 && fgets(line, sizeof line, f)) {
+        if (state == 0 && !strncmp(line, "## Configuration file", 21))
+            state = 1;
+        else if (state == 1 && !strncmp(line, "```json", 7))
+            state = 2;
+        else if (state == 2 && !strncmp(line, "```", 3))
+            state = 3;
+        else if (state == 2) {
+            size_t n = strlen(line);
+            cr_assert_lt(len + n, cap);
+            memcpy(out + len, line, n);
+            len += n;
+        }
+    }
+    fclose(f);
+    cr_assert_eq(state, 3, "no complete ```json block under \"## Configuration file\"");
+    return out;
+}
+
+Test(server_config, documented_example_loads_with_every_value, .timeout = 10)
+{
+    char *text = documented_example();
+    char path[64], why[256] = "";
+    write_temp(path, sizeof path, text);
+    free(text);
+    km_server_config cfg;
+    km_server_config_init(&cfg);
+    km_server_config_json *owner = NULL;
+    int rc = km_server_config_load_json(path, &cfg, &owner, why, sizeof why);
+    unlink(path);
+    cr_assert_eq(rc, KM_OK, "the documented example does not load: %s", why);
+    cr_assert_str_eq(cfg.socket_path, "/run/kvmatch/kvmatch.sock");
+    cr_assert_str_eq(cfg.tcp, "127.0.0.1:7700");
+    cr_assert_str_eq(cfg.http, "127.0.0.1:7701");
+    cr_assert_str_eq(cfg.records_path, "/var/log/kvmatch/records.jsonl");
+    cr_assert_eq(cfg.records_max_file_bytes, 268435456);
+    cr_assert_str_eq(cfg.snapshot_dir, "/var/lib/kvmatch");
+    cr_assert_eq(cfg.snapshot_interval_ms, 60000);
+    cr_assert_eq(cfg.max_workers, 1024);
+    cr_assert_eq(cfg.backend, KM_BACKEND_AUTO);
+    cr_assert_eq(cfg.index_threads, 0);
+    cr_assert_eq(cfg.index_memory_cap_bytes, 0);
+    cr_assert_eq(cfg.index_initial_blocks, 1048576);
+    cr_assert_eq(cfg.max_batch_routes, 4096);
+    cr_assert_eq(cfg.max_queued_routes, 65536);
+    cr_assert_eq(cfg.inline_routes, 16);
+    cr_assert_eq(cfg.limits.max_frame_bytes, 16777216);
+    cr_assert_eq(cfg.limits.max_batch_items, 4096);
+    cr_assert_eq(cfg.max_connections, 1024);
+    cr_assert_eq(cfg.max_outbox_bytes, 67108864);
+    cr_assert_eq(cfg.active_ttl_ms, 600000);
+    cr_assert_float_eq(cfg.ready_share, 0.8, 1e-12);
+    cr_assert_eq(cfg.drain_timeout_ms, 10000);
+    cr_assert_str_eq(cfg.default_pool, "llama");
+    cr_assert_eq(cfg.n_pools, 2);
+    const km_server_pool *llama = &cfg.pools[0], *small = &cfg.pools[1];
+    cr_assert_str_eq(llama->name, "llama");
+    cr_assert_str_eq(llama->model, "meta-llama/Llama-3.1-8B");
+    cr_assert_eq(llama->block_size, 16);
+    cr_assert_eq(llama->policy.kind, KM_POLICY_KV);
+    cr_assert_float_eq(llama->policy.kv.temperature, 0.0, 1e-12);
+    cr_assert_float_eq(llama->policy.kv.host_weight, 0.75, 1e-12);
+    /* Worker "a" (id 0), then "b" with dp_size 2: ranks 2 and 3 on ports 5557 and 5558. */
+    cr_assert_eq(llama->n_workers, 3);
+    cr_assert_eq(llama->workers[0].id, 0);
+    cr_assert_str_eq(llama->workers[0].name, "a");
+    cr_assert_str_eq(llama->workers[0].event_endpoint, "tcp://10.0.0.5:5557");
+    cr_assert_str_eq(llama->workers[0].replay_endpoint, "tcp://10.0.0.5:5558");
+    cr_assert_eq(llama->workers[1].id, 2);
+    cr_assert_str_eq(llama->workers[1].name, "b/dp0");
+    cr_assert_str_eq(llama->workers[1].event_endpoint, "tcp://10.0.0.6:5557");
+    cr_assert_eq(llama->workers[2].id, 3);
+    cr_assert_str_eq(llama->workers[2].name, "b/dp1");
+    cr_assert_str_eq(llama->workers[2].event_endpoint, "tcp://10.0.0.6:5558");
+    cr_assert_str_eq(small->name, "small");
+    cr_assert_eq(small->policy.kind, KM_POLICY_CACHE_AWARE);
+    cr_assert_eq(small->approx_ttl_ms, 120000);
+    cr_assert_eq(small->n_workers, 2);
+    cr_assert_eq(small->workers[0].id, 10);
+    cr_assert_null(small->workers[0].event_endpoint, "no events: approximate mode");
+    km_server_config_json_free(owner);
+}
+
+Test(server_config, fields_left_out_keep_their_defaults, .timeout = 10)
+{
+    char path[64], why[256] = "";
+    write_temp(path, sizeof path, "{\"scheduler\": {\"inline_routes\": 0}, \"unknown_field\": 1}");
+    km_server_config cfg, defaults;
+    km_server_config_init(&cfg);
+    km_server_config_init(&defaults);
+    km_server_config_json *owner = NULL;
+    int rc = km_server_config_load_json(path, &cfg, &owner, why, sizeof why);
+    unlink(path);
+    cr_assert_eq(rc, KM_OK, "%s", why);
+    cr_assert_eq(cfg.inline_routes, 0);
+    cr_assert_eq(cfg.max_batch_routes, defaults.max_batch_routes);
+    cr_assert_eq(cfg.index_initial_blocks, 0);
+    cr_assert_str_eq(cfg.socket_path, defaults.socket_path);
+    cr_assert_eq(cfg.active_ttl_ms, defaults.active_ttl_ms);
+    cr_assert_eq(cfg.n_pools, 0);
+    km_server_config_json_free(owner);
+}
+
+typedef struct bad_file {
+    const char *text;
+    int status;
+    const char *names; /* a substring the message must hold */
+} bad_file;
+
+Test(server_config, bad_files_are_refused_naming_the_field, .timeout = 10)
+{
+    static const bad_file cases[] = {
+        {"{\"socket\": ", KM_ERR_PARSE, ":1:"},
+        {"[1, 2]", KM_ERR_PARSE, "top level"},
+        {"{\"a\": 1, \"a\": 2}", KM_ERR_PARSE, "duplicate"},
+        {"{\"scheduler\": 5}", KM_ERR_PARSE, "scheduler"},
+        {"{\"scheduler\": {\"inline_routes\": -1}}", KM_ERR_PARSE, "inline_routes"},
+        {"{\"scheduler\": {\"max_batch_routes\": 0}}", KM_ERR_INVALID_ARGUMENT, "max_batch_routes"},
+        {"{\"index\": {\"backend\": \"gpu\"}}", KM_ERR_PARSE, "index.backend"},
+        {"{\"index\": {\"initial_blocks\": \"many\"}}", KM_ERR_PARSE, "initial_blocks"},
+        {"{\"index\": {\"initial_blocks\": 99999999999999}}", KM_ERR_INVALID_ARGUMENT, "initial_blocks"},
+        {"{\"ready_share\": 2}", KM_ERR_INVALID_ARGUMENT, "ready_share"},
+        {"{\"max_connections\": 0}", KM_ERR_INVALID_ARGUMENT, "max_connections"},
+        {"{\"limits\": {\"max_frame_bytes\": 1}}", KM_ERR_INVALID_ARGUMENT, "max_frame_bytes"},
+        {"{\"records\": 7}", KM_ERR_PARSE, "records"},
+        {"{\"pools\": {}}", KM_ERR_PARSE, "pools"},
+        {"{\"pools\": [{\"name\": \"p\", \"block_size\": 0}]}", KM_ERR_INVALID_ARGUMENT,
+         "pools[0].block_size"},
+        {"{\"pools\": [{\"name\": \"p\", \"block_size\": 16, \"policy\": \"fastest\"}]}",
+         KM_ERR_PARSE, "pools[0].policy"},
+        {"{\"pools\": [{\"name\": \"p\", \"block_size\": 16, \"params\": {\"temperature\": -1}}]}",
+         KM_ERR_INVALID_ARGUMENT, "pools[0].params"},
+        {"{\"pools\": [{\"name\": \"p\", \"block_size\": 16, \"workers\": [{\"name\": \"x\"}]}]}",
+         KM_ERR_PARSE, "pools[0].workers[0].id"},
+        {"{\"pools\": [{\"name\": \"p\", \"block_size\": 16, \"workers\": [{\"id\": 1, "
+         "\"events\": \"ipc:///tmp/x\", \"dp_size\": 2}]}]}",
+         KM_ERR_INVALID_ARGUMENT, "no port for rank"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        char path[64], why[256] = "";
+        write_temp(path, sizeof path, cases[i].text);
+        km_server_config cfg;
+        km_server_config_init(&cfg);
+        km_server_config_json *owner = NULL;
+        int rc = km_server_config_load_json(path, &cfg, &owner, why, sizeof why);
+        unlink(path);
+        cr_assert_eq(rc, cases[i].status, "case %zu (%s): %s, expected %s: %s", i, cases[i].text,
+                     km_error_name(rc), km_error_name(cases[i].status), why);
+        cr_assert_null(owner, "case %zu: a refused file hands nothing back", i);
+        cr_assert(strstr(why, cases[i].names), "case %zu: \"%s\" does not name %s", i, why,
+                  cases[i].names);
+    }
+    /* A file that is not there. */
+    km_server_config cfg;
+    km_server_config_init(&cfg);
+    km_server_config_json *owner = NULL;
+    char why[256] = "";
+    cr_assert_eq(km_server_config_load_json("/nonexistent/kvmatch.json", &cfg, &owner, why,
+                                            sizeof why),
+                 KM_ERR_IO);
+    cr_assert(strstr(why, "/nonexistent/kvmatch.json"), "%s", why);
+    cr_assert_eq(km_server_config_load_json(NULL, &cfg, &owner, why, sizeof why),
+                 KM_ERR_NULL_POINTER);
+}
