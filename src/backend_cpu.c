@@ -258,24 +258,59 @@ static void lay_out_results(match_job *job)
     atomic_store_explicit(&job->phase, ok ? PHASE_WALK : PHASE_FAILED, memory_order_release);
 }
 
-/* Phase 2 for requests [r, end). A walk's cost follows its entry count and its segment skips, not
- * its block count, so lanes claim small chunks: a lane that drew cheap requests takes more. */
-static int walk_chunk(match_job *job, cpu_lane *lane, const km_table_view *blocks,
-                      const km_table_view *segments, size_t r, size_t end)
+/* Phase 2: the lane's claimed requests as one stream. It holds the chunk being walked and, from
+ * two requests before that chunk's end, the next one, claimed ahead, so the prefetches of the next
+ * requests run across the chunk boundary instead of every chunk starting cold. */
+typedef struct walk_stream {
+    match_job *job;
+    size_t r, end;             /* the chunk being walked */
+    size_t next_r, next_end;   /* the chunk claimed ahead; next_r == SIZE_MAX: not claimed */
+} walk_stream;
+
+static void stream_claim(walk_stream *w, size_t *r, size_t *end)
+{
+    size_t n = w->job->n_requests;
+    *r = atomic_fetch_add_explicit(&w->job->next_walk, CPU_WALK_CHUNK, memory_order_relaxed);
+    if (*r > n)
+        *r = n;
+    *end = *r + CPU_WALK_CHUNK < n ? *r + CPU_WALK_CHUNK : n;
+}
+
+/* The request `ahead` places after the current one (1 or 2), or NULL when the stream ends first. */
+static const km_request *stream_peek(walk_stream *w, size_t ahead)
+{
+    if (w->r + ahead < w->end)
+        return &w->job->requests[w->r + ahead];
+    if (w->next_r == SIZE_MAX)
+        stream_claim(w, &w->next_r, &w->next_end);
+    size_t k = w->next_r + (w->r + ahead - w->end);
+    return k < w->next_end ? &w->job->requests[k] : NULL;
+}
+
+/* Walk every request this lane can claim. A walk's cost follows its entry count and its segment
+ * skips, not its block count, so lanes claim small chunks: a lane that drew cheap requests takes
+ * more. */
+static int walk_stream_run(match_job *job, cpu_lane *lane, const km_table_view *blocks,
+                           const km_table_view *segments)
 {
     uint32_t S = job->index->config.segment_blocks;
     uint32_t max_workers = job->index->config.max_workers;
     km_match_results *results = job->results;
-    prefetch_request(blocks, segments, S, &job->requests[r]);
-    if (r + 1 < end)
-        prefetch_request_input(S, &job->requests[r + 1]);
-    for (; r < end; r++) {
-        if (r + 2 < end)
-            prefetch_request_input(S, &job->requests[r + 2]);
-        if (r + 1 < end)
-            prefetch_request(blocks, segments, S, &job->requests[r + 1]);
-        const km_request *req = &job->requests[r];
-        km_request_result *res = &results->requests[r];
+    walk_stream w = {.job = job, .next_r = SIZE_MAX};
+    stream_claim(&w, &w.r, &w.end);
+    if (w.r >= w.end)
+        return KM_OK;
+    prefetch_request(blocks, segments, S, &job->requests[w.r]);
+    const km_request *ahead = stream_peek(&w, 1);
+    if (ahead)
+        prefetch_request_input(S, ahead);
+    for (;;) {
+        if ((ahead = stream_peek(&w, 2)))
+            prefetch_request_input(S, ahead);
+        if ((ahead = stream_peek(&w, 1)))
+            prefetch_request(blocks, segments, S, ahead);
+        const km_request *req = &job->requests[w.r];
+        km_request_result *res = &results->requests[w.r];
         uint32_t owner, owner_depth, probes;
         uint32_t m = km_walk_request(blocks, segments, S, req->hashes, req->n_hashes,
                                      (km_walk_entry *)(results->matches + res->first),
@@ -285,8 +320,16 @@ static int walk_chunk(match_job *job, cpu_lane *lane, const km_table_view *block
         res->owner = owner;
         res->owner_depth = owner_depth;
         res->probes = probes;
+        if (++w.r == w.end) {
+            if (w.next_r == SIZE_MAX)
+                stream_claim(&w, &w.next_r, &w.next_end);
+            if (w.next_r >= w.next_end)
+                return KM_OK;
+            w.r = w.next_r;
+            w.end = w.next_end;
+            w.next_r = SIZE_MAX;
+        }
     }
-    return KM_OK;
 }
 
 static void match_lane(void *p, uint32_t lane_index)
@@ -312,17 +355,9 @@ static void match_lane(void *p, uint32_t lane_index)
         pool_relax(&spins);
     if (phase == PHASE_FAILED)
         return;
-    for (;;) {
-        size_t r = atomic_fetch_add_explicit(&job->next_walk, CPU_WALK_CHUNK, memory_order_relaxed);
-        if (r >= n)
-            return;
-        size_t end = r + CPU_WALK_CHUNK < n ? r + CPU_WALK_CHUNK : n;
-        int rc = walk_chunk(job, lane, &blocks, &segments, r, end);
-        if (rc) {
-            lane->status = rc;
-            return;
-        }
-    }
+    int rc = walk_stream_run(job, lane, &blocks, &segments);
+    if (rc)
+        lane->status = rc;
 }
 
 static int cpu_create(km_index *index, void **state_out, char *why, size_t why_size)
