@@ -106,6 +106,7 @@ typedef struct job {
     uint32_t n_routes;
     km_route_decision *decisions; /* filled by the scheduler, encoded by the loop thread */
     km_frame_buffer reply;
+    bool encoded; /* reply already encoded (by the scheduler, when it had nothing queued) */
     chunk *chunks;
 } job;
 
@@ -1352,6 +1353,16 @@ static void *scheduler_main(void *arg)
         housekeeping(s, &s->scratch);
         if (take) {
             run_batch(s, take, &s->scratch);
+            /* Nothing queued: this thread would only wait while the loop thread encodes the
+             * batch's replies, so it encodes them itself and the loop thread gets back sooner to
+             * the frames that will make the next batch. */
+            pthread_mutex_lock(&s->queue_lock);
+            bool nothing_queued = s->queue_head == NULL;
+            pthread_mutex_unlock(&s->queue_lock);
+            for (job *j = take; nothing_queued && j; j = j->next) {
+                encode_job_reply(s, j);
+                j->encoded = true;
+            }
             pthread_mutex_lock(&s->done_lock);
             if (s->done_tail)
                 s->done_tail->next = take;
@@ -2233,7 +2244,8 @@ static void deliver_jobs(km_server *s, job *list)
         conn *c = j->conn;
         c->jobs_in_flight--;
         if (!c->closing) {
-            encode_job_reply(s, j);
+            if (!j->encoded)
+                encode_job_reply(s, j);
             conn_send(c, &j->reply);
         }
         job_free(j);
