@@ -1048,7 +1048,8 @@ static void decide_route(km_server *s, job *j, route_job *r, pool *p, const km_r
         a->block_size = p->block_size;
         a->chosen_depth = pd.chosen_depth;
         a->owner_depth = pd.owner_depth;
-        a->decided = km_record_time_now();
+        if (s->records) /* only outcome records read it; records are set at start */
+            a->decided = km_record_time_now();
         if (km_u64map_put(&s->attempts_by_decision, km_u64map_key(decision_id), (uintptr_t)a, 1) ||
             km_active_set_user(s->active, &key, a)) {
             km_u64map_erase(&s->attempts_by_decision, km_u64map_key(decision_id));
