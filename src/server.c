@@ -3,11 +3,13 @@
  * Threads and what they own:
  *  - the loop thread (km_server_run, libuv): listeners, connections, frame reading and decoding,
  *    hashing of token input (so it overlaps the scheduler's current batch: double buffering),
- *    lifecycle reports, WORKERS / POOLS / STATUS, writing replies;
+ *    lifecycle reports and active-work expiry, WORKERS / POOLS / STATUS, encoding and writing
+ *    replies; and, when the scheduler is idle, small batches itself (on_dispatch, inline_routes);
  *  - the scheduler thread: takes whole ROUTE frames off the queue, flushes each pool's events,
  *    scores every pool's share of the batch with one km_index_match_batch, runs the policies,
- *    begins active work, writes decision records, teaches approximate-mode pools, encodes the
- *    replies and hands them back to the loop thread (uv_async);
+ *    begins active work, writes decision records, teaches approximate-mode pools, and hands the
+ *    jobs back to the loop thread (uv_async), their replies already encoded when nothing else
+ *    was queued;
  *  - subscribers' I/O threads, the records writer and the HTTP server run their own.
  *
  * Locks (never nested in another order than listed):
