@@ -1028,6 +1028,21 @@ static int wrong_values(const msgpack_object *orig, const char *key, msgpack_obj
     }
 }
 
+/* A random message of `type`, encoded into b (frame header first) and unpacked again into a
+ * msgpack object tree in zone (cleared first), for tests that rewrite the tree and re-encode it. */
+static msgpack_object random_tree(km_rng *r, km_message_type type, km_message *m,
+                                  km_frame_buffer *b, msgpack_zone *zone)
+{
+    rand_message(r, type, m);
+    encode_ok(m, b);
+    msgpack_object root;
+    size_t off = 0;
+    msgpack_zone_clear(zone);
+    cr_assert_eq(msgpack_unpack((const char *)b->data + 4, b->size - 4, &off, zone, &root),
+                 MSGPACK_UNPACK_SUCCESS);
+    return root;
+}
+
 Test(protocol, wrong_type_in_every_field, .timeout = 120)
 {
     km_rng r;
@@ -1041,13 +1056,7 @@ Test(protocol, wrong_type_in_every_field, .timeout = 120)
     for (int iter = 0; iter < 4; iter++) {
         for (size_t t = 0; t < N_TYPES; t++) {
             km_message m, got;
-            rand_message(&r, all_types[t], &m);
-            encode_ok(&m, &b);
-            msgpack_object root;
-            size_t off = 0;
-            msgpack_zone_clear(&zone);
-            cr_assert_eq(msgpack_unpack((const char *)b.data + 4, b.size - 4, &off, &zone, &root),
-                         MSGPACK_UNPACK_SUCCESS);
+            msgpack_object root = random_tree(&r, all_types[t], &m, &b, &zone);
             mutation_site sites[4096];
             size_t n_sites = 0;
             collect_sites(&root, sites, &n_sites, 4096);
@@ -1475,13 +1484,7 @@ Test(protocol, key_with_embedded_nul_is_not_a_field, .timeout = 30)
     size_t rewritten = 0;
     for (size_t t = 0; t < N_TYPES; t++) {
         km_message m, got;
-        rand_message(&r, all_types[t], &m);
-        encode_ok(&m, &b);
-        msgpack_object root;
-        size_t off = 0;
-        msgpack_zone_clear(&zone);
-        cr_assert_eq(msgpack_unpack((const char *)b.data + 4, b.size - 4, &off, &zone, &root),
-                     MSGPACK_UNPACK_SUCCESS);
+        msgpack_object root = random_tree(&r, all_types[t], &m, &b, &zone);
         msgpack_object *keys[4096];
         size_t n_keys = 0;
         collect_keys(&root, keys, &n_keys, 4096);
