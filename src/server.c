@@ -2700,11 +2700,9 @@ void km_server_destroy(km_server *s)
             free(s->workers[i].replay_endpoint);
         }
     free(s->workers);
-    for (uint64_t i = 0; i < s->attempts_by_decision.capacity; i++) {
-        km_u64map_entry *e = &s->attempts_by_decision.entries[i];
-        if (e->key > 1)
-            attempt_free((attempt *)(uintptr_t)e->value);
-    }
+    uint64_t cursor = 0;
+    for (km_u64map_entry *e; (e = km_u64map_next(&s->attempts_by_decision, &cursor));)
+        attempt_free((attempt *)(uintptr_t)e->value);
     km_u64map_free(&s->attempts_by_decision);
     km_active_destroy(s->active);
     scratch_free(&s->scratch);

@@ -262,3 +262,128 @@ Test(u64map, backward_shift_churn_matches_oracle, .timeout = 60)
     free(present);
     km_u64map_free(&m);
 }
+
+/* Check the map against the oracle: every key's presence and value, the live count, and that an
+ * iteration yields each live entry exactly once. */
+static void u64map_check(const km_u64map *m, const uint64_t *keys, const uint64_t *values,
+                         const uint8_t *present, size_t n, size_t live, const char *when)
+{
+    KM_CHECK(m->live == live, "%s: map counts %llu, oracle %zu", when,
+             (unsigned long long)m->live, live);
+    for (size_t j = 0; j < n; j++) {
+        uint64_t *v = km_u64map_find(m, keys[j]);
+        KM_CHECK((v != NULL) == present[j], "%s: key %zu found %d, oracle %d", when, j, v != NULL,
+                 present[j]);
+        if (v)
+            KM_CHECK(*v == values[j], "%s: key %zu has the wrong value", when, j);
+    }
+    size_t seen = 0;
+    uint64_t cursor = 0;
+    for (km_u64map_entry *e; (e = km_u64map_next(m, &cursor));) {
+        size_t k = (size_t)(e->value >> 32); /* the tests store the key's index in the high half */
+        KM_CHECK(k < n && keys[k] == e->key && present[k], "%s: iteration yields a stray entry",
+                 when);
+        seen++;
+    }
+    KM_CHECK(seen == live, "%s: iteration yields %zu entries, oracle %zu", when, seen, live);
+}
+
+/* Large maps grow a bounded number of slots per call: puts, erases and overwrites land while
+ * entries sit in either array, and everything stays findable, iterable and counted. */
+Test(u64map, incremental_growth_matches_oracle, .timeout = 120)
+{
+    km_rng r;
+    km_rng_init(&r, km_test_seed() ^ 0x6477);
+    km_memory memory = {0, 0};
+    km_u64map m;
+    km_u64map_init(&m, &memory);
+    size_t n = 200000;
+    uint64_t *keys = malloc(n * sizeof *keys);
+    uint64_t *values = calloc(n, sizeof *values);
+    uint8_t *present = calloc(n, 1);
+    cr_assert(keys && values && present);
+    for (size_t k = 0; k < n; k++)
+        keys[k] = km_u64map_key((km_rng_next(&r) & ~UINT64_C(0x3FFFF)) | k); /* distinct */
+    size_t live = 0, growing_steps = 0, checks = 0, growth_age = 0;
+    for (size_t step = 0; step < 600000; step++) {
+        size_t k = km_rng_below(&r, (uint32_t)n);
+        uint32_t op = km_rng_below(&r, 10);
+        if (op < 7) { /* put: new or overwrite */
+            values[k] = (uint64_t)k << 32 | (uint32_t)km_rng_next(&r);
+            cr_assert_eq(km_u64map_put(&m, keys[k], values[k], 1), KM_OK);
+            live += !present[k];
+            present[k] = 1;
+        } else if (op < 9) {
+            cr_assert_eq(km_u64map_erase(&m, keys[k]), present[k]);
+            live -= present[k];
+            present[k] = 0;
+        } else { /* a reserved batch, as approximate mode records: puts that may not grow */
+            uint32_t batch = 1 + km_rng_below(&r, 64);
+            cr_assert_eq(km_u64map_reserve(&m, batch), KM_OK);
+            for (uint32_t b = 0; b < batch; b++) {
+                size_t j = km_rng_below(&r, (uint32_t)n);
+                values[j] = (uint64_t)j << 32 | (uint32_t)km_rng_next(&r);
+                cr_assert_eq(km_u64map_put(&m, keys[j], values[j], 0), KM_OK);
+                live += !present[j];
+                present[j] = 1;
+            }
+        }
+        growing_steps += m.old != NULL;
+        growth_age = m.old != NULL ? growth_age + 1 : 0;
+        if ((growth_age == 1 || growth_age == 37 || growth_age == 120) && checks < 12) {
+            checks++;
+            u64map_check(&m, keys, values, present, n, live, "while growing");
+        }
+        /* The largest map this test builds must grow without a stop-the-world move. */
+        KM_CHECK(m.old == NULL || m.old_capacity >= KM_U64MAP_INCREMENTAL_SLOTS,
+                 "a small map left mid-growth");
+    }
+    cr_assert_gt(growing_steps, 1000, "the map never grew incrementally (%zu steps)",
+                 growing_steps);
+    cr_assert_gt(checks, 2, "only %zu checks landed mid-growth", checks);
+    u64map_check(&m, keys, values, present, n, live, "at the end");
+    KM_CHECK(memory.used == km_u64map_bytes(&m), "memory accounts %llu bytes, map holds %llu",
+             (unsigned long long)memory.used, (unsigned long long)km_u64map_bytes(&m));
+    km_u64map_finish_growth(&m);
+    u64map_check(&m, keys, values, present, n, live, "after finishing");
+    km_u64map_free(&m);
+    KM_CHECK(memory.used == 0, "%llu bytes still accounted after free",
+             (unsigned long long)memory.used);
+    free(keys);
+    free(values);
+    free(present);
+}
+
+/* The contract approximate mode relies on: after a reserve, pointers found stay valid across
+ * non-growing puts, even mid-growth, and no call moves more than its share of the old array. */
+Test(u64map, reserved_pointers_survive_non_growing_puts, .timeout = 60)
+{
+    km_memory memory = {0, 0};
+    km_u64map m;
+    km_u64map_init(&m, &memory);
+    uint64_t next_key = 2;
+    while (m.old == NULL) { /* fill until an incremental growth starts */
+        cr_assert_eq(km_u64map_put(&m, next_key, next_key, 1), KM_OK);
+        next_key++;
+    }
+    uint64_t old_left = m.old_capacity - m.migrated;
+    cr_assert_gt(old_left, 1024, "the growth moved %llu slots at once",
+                 (unsigned long long)(m.old_capacity - old_left));
+    cr_assert_eq(km_u64map_reserve(&m, 32), KM_OK);
+    cr_assert_leq(old_left - (m.old_capacity - m.migrated), 1024,
+                  "one reserve of 32 moved more than max(16 * 32, 1024) slots");
+    uint64_t *found[16];
+    for (int i = 0; i < 16; i++) { /* the oldest keys: some still in the old array */
+        found[i] = km_u64map_find(&m, (uint64_t)(2 + i * 97));
+        cr_assert_not_null(found[i]);
+    }
+    for (int i = 0; i < 32; i++)
+        cr_assert_eq(km_u64map_put(&m, next_key + (uint64_t)i, 7, 0), KM_OK);
+    for (int i = 0; i < 16; i++) {
+        *found[i] = UINT64_C(0xABC) + (uint64_t)i;
+        uint64_t *again = km_u64map_find(&m, (uint64_t)(2 + i * 97));
+        cr_assert(again == found[i] && *again == UINT64_C(0xABC) + (uint64_t)i,
+                  "pointer %d went stale", i);
+    }
+    km_u64map_free(&m);
+}

@@ -46,14 +46,15 @@ static void model_set(tier_model *m, uint64_t hash, uint32_t worker, km_tier tie
 
 static void model_clear_worker(tier_model *m, uint32_t worker)
 {
-    /* Stay on an entry after erasing it: the backward shift may move a later one into it. */
-    for (uint64_t i = 0; i < m->map.capacity;) {
-        km_u64map_entry *e = &m->map.entries[i];
-        if (e->key > 1 && (e->value >> 8) == worker)
-            km_u64map_erase(&m->map, e->key);
-        else
-            i++;
-    }
+    /* Collect first: an erase moves entries, so the map must not change during the iteration. */
+    uint64_t *doomed = malloc((m->map.live + 1) * sizeof *doomed), n = 0, cursor = 0;
+    cr_assert_not_null(doomed);
+    for (km_u64map_entry *e; (e = km_u64map_next(&m->map, &cursor));)
+        if ((e->value >> 8) == worker)
+            doomed[n++] = e->key;
+    for (uint64_t i = 0; i < n; i++)
+        cr_assert_eq(km_u64map_erase(&m->map, doomed[i]), 1);
+    free(doomed);
 }
 
 /* Apply one update to the model, the oracle holding the pre-update state; returns tier changes. */
