@@ -194,8 +194,9 @@ typedef struct match_job {
 
 /* Prefetch every lookup of a request that does not depend on the walk: block 0 and each segment
  * key. Issued one request ahead, so the next request's misses overlap this one's walk. */
-static void prefetch_request(const km_table_view *blocks, const km_table_view *segments,
-                             uint32_t S, const km_request *r)
+KM_PREFETCHER static inline void prefetch_request(const km_table_view *blocks,
+                                                  const km_table_view *segments, uint32_t S,
+                                                  const km_request *r)
 {
     if (r->n_hashes == 0)
         return;
@@ -210,7 +211,7 @@ static void prefetch_request(const km_table_view *blocks, const km_table_view *s
 
 /* Prefetch the lines of a request's hash array that prefetch_request and the first segments of
  * its walk will read, so their own loads do not miss. Issued two requests ahead. */
-static void prefetch_request_input(uint32_t S, const km_request *r)
+KM_PREFETCHER static inline void prefetch_request_input(uint32_t S, const km_request *r)
 {
     if (r->n_hashes == 0)
         return;

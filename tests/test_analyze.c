@@ -1247,15 +1247,10 @@ Test(analyze, html_is_self_contained_and_escaped, .timeout = 30)
         remove_dir(dir);
         cr_skip_test("python3 not available: SVG well-formedness not checked");
     }
-    char cmd[512];
-    snprintf(cmd, sizeof cmd, "python3 tests/check_html.py %s --expect-svg 3 2>&1", html_path);
-    FILE *p = popen(cmd, "r");
-    cr_assert(p);
-    char out[4096] = {0};
-    size_t got = fread(out, 1, sizeof out - 1, p);
-    out[got] = '\0';
-    int status = pclose(p);
-    cr_expect(WIFEXITED(status) && WEXITSTATUS(status) == 0, "check_html.py failed:\n%s", out);
+    char cmd[512], out[4096];
+    snprintf(cmd, sizeof cmd, "python3 tests/check_html.py %s --expect-svg 3", html_path);
+    int status = km_test_run_capture(cmd, out, sizeof out);
+    cr_expect_eq(status, 0, "check_html.py failed:\n%s", out);
     km_analysis_destroy(a);
     remove_dir(dir);
 }

@@ -1245,12 +1245,9 @@ Test(http, metrics_pass_an_independent_parser, .timeout = 30)
     f = fopen(body, "w");
     fwrite(r.body, 1, r.body_length, f);
     fclose(f);
-    snprintf(command, sizeof command, "python3 %s %s 2>&1", script, body);
-    FILE *pipe = popen(command, "r");
-    char output[4096] = {0};
-    size_t got = fread(output, 1, sizeof output - 1, pipe);
-    output[got] = '\0';
-    int status = pclose(pipe);
+    snprintf(command, sizeof command, "python3 %s %s", script, body);
+    char output[4096];
+    int status = km_test_run_capture(command, output, sizeof output);
     unlink(script);
     unlink(body);
     rmdir(dir);

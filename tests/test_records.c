@@ -819,16 +819,8 @@ static void require_checker(void)
 static int run_checker(const char *args, char *out, size_t out_size)
 {
     char cmd[8192];
-    snprintf(cmd, sizeof cmd, "python3 tests/check_records.py %s 2>&1", args);
-    FILE *p = popen(cmd, "r");
-    cr_assert(p, "popen: %s", strerror(errno));
-    size_t n = fread(out, 1, out_size - 1, p);
-    out[n] = '\0';
-    char sink[4096];
-    while (fread(sink, 1, sizeof sink, p) > 0) {
-    }
-    int status = pclose(p);
-    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+    snprintf(cmd, sizeof cmd, "python3 tests/check_records.py %s", args);
+    return km_test_run_capture(cmd, out, out_size);
 }
 
 static void write_line(FILE *f, const char *line, size_t len)

@@ -194,5 +194,9 @@ void km_trace_scenario(const km_trace_case *tc, size_t n_state, uint32_t max_wor
 /* km_index_config with quiet logging (the log callback counts lines into *counter if non-NULL). */
 void km_test_config(km_index_config *cfg, int *log_counter);
 double km_test_now(void);
+/* Run a shell command, its stderr joined to its stdout; the first out_size - 1 bytes of that output
+ * go to out (NUL-terminated), the rest is read and dropped. Returns the exit status, or -1 when it
+ * did not exit normally or could not start. */
+int km_test_run_capture(const char *command, char *out, size_t out_size);
 
 #endif
