@@ -183,7 +183,11 @@ static int run_phase(const char *addr, uint32_t n_conns, uint32_t per_frame, uin
     struct pollfd *pfd = calloc(n_conns, sizeof *pfd);
     size_t rtt_cap = 1 << 22, n_rtt = 0;
     double *rtt = malloc(rtt_cap * sizeof *rtt);
-    if (!cs || !pfd || !rtt)
+    /* KM_BENCH_IPC_RTT_LOG=FILE: every round trip as "<sent, s after the phase start> <rtt us>",
+     * to see when the tail happens, not only how long it is. */
+    const char *log_path = getenv("KM_BENCH_IPC_RTT_LOG");
+    double *sent = log_path ? malloc(rtt_cap * sizeof *sent) : NULL;
+    if (!cs || !pfd || !rtt || (log_path && !sent))
         return KM_ERR_OUT_OF_MEMORY;
     int rc = KM_OK;
     for (uint32_t k = 0; k < n_conns && !rc; k++) {
@@ -253,14 +257,26 @@ static int run_phase(const char *addr, uint32_t n_conns, uint32_t per_frame, uin
                 } else {
                     out->errors++;
                 }
-                if (n_rtt < rtt_cap)
-                    rtt[n_rtt++] = (t - cs[k].sent_at[m.id % cs[k].ring]) * 1e6;
+                if (n_rtt < rtt_cap) {
+                    double at = cs[k].sent_at[m.id % cs[k].ring];
+                    if (sent)
+                        sent[n_rtt] = at - start;
+                    rtt[n_rtt++] = (t - at) * 1e6;
+                }
                 if (rate <= 0 && t < end)
                     rc = send_frame(&cs[k], w, per_frame, &seq);
             }
         }
     }
     double elapsed = km_bench_now_s() - start;
+    if (sent) {
+        FILE *f = fopen(log_path, "w");
+        for (size_t i = 0; f && i < n_rtt; i++)
+            fprintf(f, "%.6f %.1f\n", sent[i], rtt[i]);
+        if (f)
+            fclose(f);
+        free(sent);
+    }
     out->decisions_per_s = (double)out->routes / elapsed;
     qsort(rtt, n_rtt, sizeof *rtt, cmp_double);
     out->rtt_p50_us = percentile(rtt, n_rtt, 0.50);
