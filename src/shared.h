@@ -27,7 +27,7 @@
 /* For a function whose only effects are prefetches. GCC 12 finds such a function "const" and
  * deletes every call to it it has not inlined yet, so the prefetches silently vanish (found with
  * objdump: km_prefetch_segment_input had no instruction left anywhere). Forcing the inline keeps
- * them; tests/check_prefetch.sh counts them in the objects. */
+ * them; tests/check_prefetch.py checks them in the objects. */
 #define KM_PREFETCHER __attribute__((always_inline))
 #endif
 
