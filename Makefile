@@ -99,9 +99,10 @@ bench: all
 	$(Q)$(BIN) bench replay --json > bench/results/replay.json
 	$(Q)$(BIN) bench replay --ceiling --json > bench/results/replay-ceiling.json
 	$(Q)$(BIN) sim --json > bench/results/sim.json
-	$(Q)for b in index events ipc replay replay-ceiling sim; do \
+	$(Q)$(BIN) bench growth --json > bench/results/growth.json
+	$(Q)for b in index events ipc replay replay-ceiling sim growth; do \
 		python3 scripts/bench-report.py bench/results/$$b.json docs/BENCHMARKS.md || exit 1; done
-	$(Q)cat bench/results/index.json bench/results/events.json bench/results/ipc.json bench/results/replay.json bench/results/sim.json
+	$(Q)cat bench/results/index.json bench/results/events.json bench/results/ipc.json bench/results/replay.json bench/results/sim.json bench/results/growth.json
 
 run: deps
 	$(Q)$(MAKE) --no-print-directory all

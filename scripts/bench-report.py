@@ -2,7 +2,7 @@
 """Render a benchmark's JSON as its markdown section of docs/BENCHMARKS.md, between the markers
 <!-- NAME:begin --> and <!-- NAME:end --> (stdlib only). NAME is the "benchmark" field of the JSON,
 else the file's name without .json (bench/results/events.json -> events): index, ipc, events,
-replay, replay-ceiling and sim have renderers; `make bench` renders all six.
+replay, replay-ceiling, sim and growth have renderers; `make bench` renders all seven.
 
 usage: scripts/bench-report.py [bench/results/index.json] [docs/BENCHMARKS.md]
 """
@@ -162,8 +162,19 @@ def render_sim(d):
     return "\n".join(out)
 
 
+def render_growth(d):
+    out = [machine_line(d, d.get("command", "kvmatch bench growth --json"))]
+    out.append(f"Each call adds {d.get('keys_per_call', '?')} new keys.\n")
+    out.append("| structure | growth | entries at the end | calls | total (s) | mean (us) | p99.9 (us) | worst call (ms) |")
+    out.append("|---|---|---:|---:|---:|---:|---:|---:|")
+    for r in d["results"]:
+        out.append(f"| {r['structure']} | {r['mode']} | {fmt(r['entries'])} | {fmt(r['calls'])} | "
+                   f"{r['total_s']:.3f} | {r['mean_us']:.2f} | {r['p999_us']:,.1f} | {r['worst_ms']:,.2f} |")
+    return "\n".join(out)
+
+
 RENDERERS = {"index": render, "ipc": render_ipc, "events": render_events, "replay": render_replay,
-             "replay-ceiling": render_replay_ceiling, "sim": render_sim}
+             "replay-ceiling": render_replay_ceiling, "sim": render_sim, "growth": render_growth}
 
 
 def main():

@@ -21,6 +21,8 @@ static void usage(FILE *f)
             "      decisions/s and round trips of a kvmatch serve it starts (docs/BENCHMARKS.md)\n"
             "  kvmatch bench replay [--json] [--quick] [--trace PATH]\n"
             "      sustained query rate under 1 / 10 ms p99 with interleaved updates, per index\n"
+            "  kvmatch bench growth [--json] [--quick]\n"
+            "      the longest single call while the index and its bookkeeping grow from empty\n"
             "  kvmatch follow --endpoint ID=PUB[,REPLAY] ... [--snapshot PATH] [--snapshot-interval-s N]\n"
             "      follow workers' KV events; snapshot periodically and on SIGTERM, restore at start\n"
             "  kvmatch serve [--config FILE] [options]\n"
@@ -68,7 +70,9 @@ int main(int argc, char **argv)
             return km_bench_ipc_main(argc - 2, argv + 2);
         if (argc >= 3 && !strcmp(argv[2], "replay"))
             return km_bench_replay_main(argc - 2, argv + 2);
-        fprintf(stderr, "kvmatch bench: unknown or missing benchmark (have: index, events, ipc, replay)\n");
+        if (argc >= 3 && !strcmp(argv[2], "growth"))
+            return km_bench_growth_main(argc - 2, argv + 2);
+        fprintf(stderr, "kvmatch bench: unknown or missing benchmark (have: index, events, ipc, replay, growth)\n");
         return 2;
     }
     fprintf(stderr, "kvmatch: unknown command '%s'\n\n", argv[1]);

@@ -1,0 +1,243 @@
+/* kvmatch bench growth: how long the longest single call takes while a structure grows from empty.
+ * A routing service cannot stop for a rehash: every call below is one the scheduler thread makes
+ * between two decisions, so its worst case is added to some request's latency.
+ *
+ * Rows (each from empty, fresh random 64-bit keys, the same keys for every row of a structure):
+ *   u64map  incremental     the bookkeeping map as built (src/u64map.c): one reserve of 24 keys,
+ *                           then 24 find-or-insert, per call (approximate mode's pattern)
+ *   u64map  stop-the-world  the same calls, but every growth is finished in the call that starts
+ *                           it (km_u64map_finish_growth): the old behaviour, as the same-run baseline
+ *   approx  as built        km_approx_record of 24 new blocks, 16 workers in turn
+ *   index   default size    km_index_store of a 24-block run, 16 workers in turn, from the default
+ *                           initial_blocks (the slot table rehashes at once when it grows)
+ *   index   sized at start  the same, with initial_blocks covering every block stored
+ * Reported: total time, mean, 99.9th percentile and worst call. */
+#include <inttypes.h>
+#include <jansson.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "bench_common.h"
+#include "kvmatch/approx.h"
+#include "kvmatch/index.h"
+#include "u64map.h"
+
+#define KEYS_PER_CALL 24
+#define WORKERS 16
+
+typedef struct growth_row {
+    const char *structure, *mode;
+    uint64_t entries;
+    size_t calls;
+    double total_s, mean_us, p999_us, worst_ms;
+} growth_row;
+
+static uint64_t next_key(uint64_t *s)
+{
+    *s ^= *s << 13;
+    *s ^= *s >> 7;
+    *s ^= *s << 17;
+    return *s | 2; /* never 0 or 1, the reserved keys and chain-hash values */
+}
+
+static double now_us(void)
+{
+    return km_bench_now_s() * 1e6;
+}
+
+/* Fill row's statistics from the per-call latencies lat[0..n) (sorted in place). */
+static void summarise(growth_row *row, double *lat, size_t n)
+{
+    double total = 0;
+    for (size_t i = 0; i < n; i++)
+        total += lat[i];
+    km_bench_sort(lat, n);
+    row->calls = n;
+    row->total_s = total / 1e6;
+    row->mean_us = n ? total / (double)n : 0;
+    row->p999_us = n ? lat[(size_t)((double)(n - 1) * 0.999)] : 0;
+    row->worst_ms = n ? lat[n - 1] / 1000.0 : 0;
+}
+
+static int run_u64map(int stop_the_world, size_t calls, double *lat, growth_row *row)
+{
+    km_memory memory = {0, 0};
+    km_u64map m;
+    km_u64map_init(&m, &memory);
+    uint64_t seed = UINT64_C(88172645463325252);
+    for (size_t c = 0; c < calls; c++) {
+        uint64_t keys[KEYS_PER_CALL];
+        for (int k = 0; k < KEYS_PER_CALL; k++)
+            keys[k] = next_key(&seed);
+        double t0 = now_us();
+        int rc = km_u64map_reserve(&m, KEYS_PER_CALL);
+        if (rc == KM_OK && stop_the_world)
+            km_u64map_finish_growth(&m);
+        for (int k = 0; rc == KM_OK && k < KEYS_PER_CALL; k++)
+            if (!km_u64map_find(&m, keys[k]))
+                rc = km_u64map_put(&m, keys[k], c, 0);
+        lat[c] = now_us() - t0;
+        if (rc != KM_OK) {
+            km_u64map_free(&m);
+            return rc;
+        }
+    }
+    row->structure = "u64map";
+    row->mode = stop_the_world ? "stop-the-world" : "incremental";
+    row->entries = m.live;
+    summarise(row, lat, calls);
+    km_u64map_free(&m);
+    return KM_OK;
+}
+
+static int run_approx(size_t calls, double *lat, growth_row *row)
+{
+    km_approx_config cfg;
+    km_approx_config_init(&cfg);
+    cfg.max_workers = WORKERS;
+    cfg.worker_capacity_blocks = 0; /* unlimited: growth, not eviction */
+    km_approx *a = NULL;
+    int rc = km_approx_create(&cfg, &a);
+    if (rc)
+        return rc;
+    km_approx_updates buf;
+    memset(&buf, 0, sizeof buf);
+    uint64_t seed = UINT64_C(88172645463325252);
+    for (size_t c = 0; c < calls && rc == KM_OK; c++) {
+        uint64_t hashes[KEYS_PER_CALL];
+        for (int k = 0; k < KEYS_PER_CALL; k++)
+            hashes[k] = next_key(&seed);
+        km_approx_updates_clear(&buf);
+        double t0 = now_us();
+        rc = km_approx_record(a, (uint32_t)(c % WORKERS), hashes, KEYS_PER_CALL,
+                              (uint64_t)c * 1000u, &buf);
+        lat[c] = now_us() - t0;
+    }
+    km_approx_stats stats;
+    if (rc == KM_OK)
+        rc = km_approx_get_stats(a, &stats);
+    if (rc == KM_OK) {
+        row->structure = "approx";
+        row->mode = "as built";
+        row->entries = stats.pairs;
+        summarise(row, lat, calls);
+    }
+    km_approx_updates_free(&buf);
+    km_approx_destroy(a);
+    return rc;
+}
+
+static int run_index(uint64_t initial_blocks, size_t calls, double *lat, growth_row *row)
+{
+    km_index_config cfg;
+    km_index_config_init(&cfg);
+    cfg.max_workers = WORKERS;
+    cfg.backend = KM_BACKEND_CPU;
+    cfg.log = km_bench_quiet_log;
+    if (initial_blocks)
+        cfg.initial_blocks = initial_blocks;
+    km_index *index = NULL;
+    int rc = km_index_create(&cfg, &index);
+    if (rc)
+        return rc;
+    uint64_t seed = UINT64_C(88172645463325252);
+    for (size_t c = 0; c < calls && rc == KM_OK; c++) {
+        uint64_t hashes[KEYS_PER_CALL];
+        for (int k = 0; k < KEYS_PER_CALL; k++)
+            hashes[k] = next_key(&seed);
+        double t0 = now_us();
+        rc = km_index_store(index, (uint32_t)(c % WORKERS), KM_NO_PARENT, hashes, KEYS_PER_CALL);
+        lat[c] = now_us() - t0;
+    }
+    km_index_stats stats;
+    if (rc == KM_OK)
+        rc = km_index_get_stats(index, &stats);
+    if (rc == KM_OK) {
+        row->structure = "index";
+        row->mode = initial_blocks ? "sized at start" : "default size";
+        row->entries = stats.pairs;
+        summarise(row, lat, calls);
+    }
+    km_index_destroy(index);
+    return rc;
+}
+
+int km_bench_growth_main(int argc, char **argv)
+{
+    int json = 0, quick = 0;
+    for (int i = 1; i < argc; i++) { /* argv[0] is "growth" */
+        if (!strcmp(argv[i], "--json"))
+            json = 1;
+        else if (!strcmp(argv[i], "--quick"))
+            quick = 1;
+        else {
+            fprintf(stderr, "usage: kvmatch bench growth [--json] [--quick]\n");
+            return 2;
+        }
+    }
+    /* 600,000 calls of 24 keys: 14.4 M map entries (a 512 MiB array at the last doubling), 9.6 M
+     * approximate-mode pairs over 16 workers; the index stores 4.8 M blocks. */
+    size_t map_calls = quick ? 150000 : 600000, approx_calls = quick ? 100000 : 400000;
+    size_t index_calls = quick ? 50000 : 200000;
+    size_t most = map_calls;
+    double *lat = malloc(most * sizeof *lat);
+    if (!lat)
+        return 1;
+    json_t *root = json_object();
+    json_object_set_new(root, "benchmark", json_string("growth"));
+    json_object_set_new(root, "command", json_string(quick ? "kvmatch bench growth --json --quick"
+                                                           : "kvmatch bench growth --json"));
+    json_object_set_new(root, "machine", km_bench_machine_json());
+    json_object_set_new(root, "keys_per_call", json_integer(KEYS_PER_CALL));
+    json_t *results = json_array();
+    growth_row rows[5];
+    int rc = KM_OK, n_rows = 0;
+    if (rc == KM_OK && (rc = run_u64map(1, map_calls, lat, &rows[n_rows])) == KM_OK)
+        n_rows++;
+    if (rc == KM_OK && (rc = run_u64map(0, map_calls, lat, &rows[n_rows])) == KM_OK)
+        n_rows++;
+    if (rc == KM_OK && (rc = run_approx(approx_calls, lat, &rows[n_rows])) == KM_OK)
+        n_rows++;
+    if (rc == KM_OK && (rc = run_index(0, index_calls, lat, &rows[n_rows])) == KM_OK)
+        n_rows++;
+    if (rc == KM_OK && (rc = run_index((uint64_t)index_calls * KEYS_PER_CALL, index_calls, lat,
+                                       &rows[n_rows])) == KM_OK)
+        n_rows++;
+    free(lat);
+    if (rc != KM_OK) {
+        fprintf(stderr, "kvmatch bench growth: %s\n", km_strerror(rc));
+        json_decref(root);
+        json_decref(results);
+        return 1;
+    }
+    if (!json)
+        printf("%-8s %-16s %12s %9s %9s %9s %10s %10s\n", "struct", "mode", "entries", "calls",
+               "total s", "mean us", "p99.9 us", "worst ms");
+    for (int i = 0; i < n_rows; i++) {
+        growth_row *r = &rows[i];
+        json_t *o = json_object();
+        json_object_set_new(o, "structure", json_string(r->structure));
+        json_object_set_new(o, "mode", json_string(r->mode));
+        json_object_set_new(o, "entries", json_integer((json_int_t)r->entries));
+        json_object_set_new(o, "calls", json_integer((json_int_t)r->calls));
+        json_object_set_new(o, "total_s", json_real(km_bench_round_to(r->total_s, 0.001)));
+        json_object_set_new(o, "mean_us", json_real(km_bench_round_to(r->mean_us, 0.01)));
+        json_object_set_new(o, "p999_us", json_real(km_bench_round_to(r->p999_us, 0.1)));
+        json_object_set_new(o, "worst_ms", json_real(km_bench_round_to(r->worst_ms, 0.01)));
+        json_array_append_new(results, o);
+        if (!json)
+            printf("%-8s %-16s %12" PRIu64 " %9zu %9.3f %9.2f %10.1f %10.2f\n", r->structure, r->mode,
+                   r->entries, r->calls, r->total_s, r->mean_us, r->p999_us, r->worst_ms);
+    }
+    json_object_set_new(root, "results", results);
+    if (json) {
+        char *s = json_dumps(root, JSON_INDENT(2));
+        if (s)
+            puts(s);
+        free(s);
+    }
+    json_decref(root);
+    return 0;
+}
