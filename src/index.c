@@ -16,10 +16,12 @@
  *    demotes at 3 holders, so re-adding one worker always fits inline. Undo finds every key again
  *    by hash: erases shift slots (src/table.h), so no slot index is kept across them.
  * After a batch the backend's replica is synced; a CUDA failure moves the index to the CPU backend. */
+#include <inttypes.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "index_impl.h"
@@ -385,6 +387,36 @@ static undo_entry undo_for(const km_index *index, const km_table *t, int added, 
     return e;
 }
 
+static double monotonic_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec / 1e6;
+}
+
+static const char *table_name(const km_index *index, const km_table *t)
+{
+    if (t == &index->blocks)
+        return "block";
+    if (t == &index->segments)
+        return "segment";
+    return t == &index->lower[KM_TIER_HOST - 1] ? "host-tier" : "disk-tier";
+}
+
+/* A table just grew, which rehashed it at once while every caller waited: count it and say so,
+ * since the remedy (sizing the index at start) is the operator's. */
+static void note_growth(km_index *index, const km_table *t, uint64_t from, double ms)
+{
+    index->table_growths++;
+    index->table_growth_ms_total += ms;
+    if (ms > index->table_growth_ms_max)
+        index->table_growth_ms_max = ms;
+    km_index_log(index,
+                 "%s table grew from %" PRIu64 " to %" PRIu64 " slots in %.1f ms, a pause for every "
+                 "caller; initial_blocks sizes the index at start",
+                 table_name(index, t), from, t->capacity, ms);
+}
+
 /* Add worker to key's set in table t (inserting the key if absent). Returns 1 added, 0 present. */
 static int table_add(batch *b, km_table *t, uint64_t key, uint32_t worker, uint64_t *slot_out,
                      int *inserted)
@@ -401,11 +433,15 @@ static int table_add(batch *b, km_table *t, uint64_t key, uint32_t worker, uint6
     if (rc)
         return rc;
     if (slot == KM_SLOT_NONE) {
+        uint64_t capacity = t->capacity;
+        double start = km_table_insert_grows(t) ? monotonic_ms() : 0;
         rc = km_table_insert(t, key, 1, &slot);
         if (rc) {
             b->n_log -= b->logging;
             return rc;
         }
+        if (t->capacity != capacity)
+            note_growth(b->index, t, capacity, monotonic_ms() - start);
         *inserted = 1;
     }
     rc = km_table_set_add(t, slot, worker);
@@ -1224,6 +1260,9 @@ int km_index_get_stats(const km_index *index, km_index_stats *out)
     out->host_pairs = index->lower[KM_TIER_HOST - 1].pairs;
     out->disk_pairs = index->lower[KM_TIER_DISK - 1].pairs;
     out->block_capacity = index->blocks.capacity;
+    out->table_growths = index->table_growths;
+    out->table_growth_ms_max = index->table_growth_ms_max;
+    out->table_growth_ms_total = index->table_growth_ms_total;
     out->memory_bytes = index->memory.used;
     out->memory_cap_bytes = index->memory.cap;
     return KM_OK;

@@ -43,6 +43,9 @@ typedef km_worker_stats km_worker_counters;
 struct km_index {
     km_index_config config;
     km_memory memory;
+    /* Table growths so far (each one rehashes the table at once: every caller waits). */
+    uint64_t table_growths;
+    double table_growth_ms_max, table_growth_ms_total;
     km_table blocks;    /* chain hash -> workers holding the block; with km_block_meta */
     km_table segments;  /* chain hash of a segment's last block -> workers holding all of it */
     /* Lower storage tiers: lower[t - 1] maps a block to the workers whose best tier for it is t

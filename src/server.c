@@ -2472,6 +2472,9 @@ static int http_status(void *user, km_text *out)
             json_object_set_new(jp, "blocks", json_integer((json_int_t)is.blocks));
             json_object_set_new(jp, "pairs", json_integer((json_int_t)is.pairs));
             json_object_set_new(jp, "memory_bytes", json_integer((json_int_t)is.memory_bytes));
+            json_object_set_new(jp, "block_capacity", json_integer((json_int_t)is.block_capacity));
+            json_object_set_new(jp, "table_growths", json_integer((json_int_t)is.table_growths));
+            json_object_set_new(jp, "table_growth_ms_max", json_real(is.table_growth_ms_max));
         }
         json_array_append_new(pools, jp);
     }

@@ -224,6 +224,11 @@ uint64_t km_table_find(const km_table *t, uint64_t key)
     return km_view_find(&v, key);
 }
 
+int km_table_insert_grows(const km_table *t)
+{
+    return over_load(t->live + t->tombstones + 1, t->capacity);
+}
+
 int km_table_reserve(km_table *t, uint64_t extra)
 {
     if (!over_load(t->live + t->tombstones + extra, t->capacity))

@@ -91,6 +91,8 @@ static inline km_table_view km_table_get_view(const km_table *t)
 
 /* Slot index of key, or KM_SLOT_NONE. */
 uint64_t km_table_find(const km_table *t, uint64_t key);
+/* 1 when km_table_insert(t, ..., allow_grow = 1, ...) of one more key would grow the table first. */
+int km_table_insert_grows(const km_table *t);
 /* Make room for `extra` more keys (grow). KM_ERR_MEMORY_CAP / OUT_OF_MEMORY. */
 int km_table_reserve(km_table *t, uint64_t extra);
 /* Insert a key with an empty set; the caller checked it is absent. allow_grow = 0 is for undo

@@ -981,3 +981,60 @@ static void reserved_values(uint32_t S)
 
 Test(index, reserved_values_in_requests_match_nothing_s4, .timeout = 30) { reserved_values(4); }
 Test(index, reserved_values_in_requests_match_nothing_s0, .timeout = 30) { reserved_values(0); }
+
+/* Lines the index logged that contain "<table> table grew from", per table kind. */
+typedef struct growth_log {
+    uint32_t block_lines, other_lines, lines;
+    uint64_t last_to; /* the block table's capacity the last block line named */
+} growth_log;
+
+static void capture_growth(void *user, const char *line)
+{
+    growth_log *g = user;
+    g->lines++;
+    unsigned long long from, to;
+    if (sscanf(line, "block table grew from %llu to %llu slots", &from, &to) == 2) {
+        g->block_lines++;
+        g->last_to = to;
+    } else if (strstr(line, " table grew from ")) {
+        g->other_lines++;
+    }
+}
+
+/* Every growth of a table pauses every caller; each is counted in the stats and logged with the
+ * sizes, so an operator learns that initial_blocks was too small. */
+Test(index, table_growth_is_counted_and_logged, .timeout = 60)
+{
+    km_index_config cfg;
+    km_index_config_init(&cfg);
+    growth_log g = {0};
+    cfg.log = capture_growth;
+    cfg.log_user = &g;
+    cfg.backend = KM_BACKEND_CPU;
+    cfg.max_workers = 8;
+    cfg.initial_blocks = 16;
+    km_index *index = NULL;
+    cr_assert_eq(km_index_create(&cfg, &index), KM_OK);
+    uint64_t first = stats_of(index).block_capacity;
+    uint32_t lines_before = g.lines; /* the backend line */
+    uint64_t h[64];
+    for (uint64_t c = 0; c < 200; c++) {
+        for (uint32_t i = 0; i < 64; i++)
+            h[i] = chain_hash(c, i);
+        cr_assert_eq(km_index_store(index, (uint32_t)(c % 8), KM_NO_PARENT, h, 64), KM_OK);
+    }
+    km_index_stats st = stats_of(index);
+    uint32_t doublings = 0;
+    for (uint64_t cap = first; cap < st.block_capacity; cap *= 2)
+        doublings++;
+    cr_assert_gt(doublings, 5, "the block table grew only %u times", doublings);
+    cr_assert_eq(g.block_lines, doublings, "%u block-table lines for %u doublings", g.block_lines,
+                 doublings);
+    cr_assert_eq(g.last_to, st.block_capacity);
+    cr_assert_eq(st.table_growths, (uint64_t)g.block_lines + g.other_lines);
+    cr_assert_eq(g.lines - lines_before, g.block_lines + g.other_lines, "other lines were logged");
+    cr_assert(st.table_growth_ms_max > 0 && st.table_growth_ms_total >= st.table_growth_ms_max,
+              "pause max %.3f ms, total %.3f ms", st.table_growth_ms_max,
+              st.table_growth_ms_total);
+    km_index_destroy(index);
+}
