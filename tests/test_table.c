@@ -215,6 +215,30 @@ Test(table, purge_removes_tombstones_and_keeps_keys)
     km_table_free(&t);
 }
 
+/* The oracle of the u64map tests: n distinct random keys (the low 20 bits are the key's own
+ * index, n <= 2^20), each one's value and whether the map should hold it. */
+typedef struct map_oracle {
+    uint64_t *keys, *values;
+    uint8_t *present;
+    size_t n;
+} map_oracle;
+
+static map_oracle map_oracle_make(km_rng *r, size_t n)
+{
+    map_oracle o = {malloc(n * sizeof(uint64_t)), calloc(n, sizeof(uint64_t)), calloc(n, 1), n};
+    cr_assert(n <= (1u << 20) && o.keys && o.values && o.present);
+    for (size_t k = 0; k < n; k++)
+        o.keys[k] = km_u64map_key((km_rng_next(r) & ~UINT64_C(0xFFFFF)) | k);
+    return o;
+}
+
+static void map_oracle_free(map_oracle *o)
+{
+    free(o->keys);
+    free(o->values);
+    free(o->present);
+}
+
 Test(u64map, backward_shift_churn_matches_oracle, .timeout = 60)
 {
     km_rng r;
@@ -222,12 +246,10 @@ Test(u64map, backward_shift_churn_matches_oracle, .timeout = 60)
     km_memory memory = {0, 0};
     km_u64map m;
     km_u64map_init(&m, &memory);
-    size_t n = 2000;
-    uint64_t *keys = malloc(n * sizeof *keys);
-    uint64_t *values = calloc(n, sizeof *values);
-    uint8_t *present = calloc(n, 1);
-    for (size_t k = 0; k < n; k++)
-        keys[k] = km_u64map_key((km_rng_next(&r) & ~UINT64_C(0xFFFF)) | k); /* distinct */
+    map_oracle o = map_oracle_make(&r, 2000);
+    size_t n = o.n;
+    uint64_t *keys = o.keys, *values = o.values;
+    uint8_t *present = o.present;
     cr_assert_eq(km_u64map_reserve(&m, 700), KM_OK);
     uint64_t capacity = m.capacity;
     size_t live = 0;
@@ -257,9 +279,7 @@ Test(u64map, backward_shift_churn_matches_oracle, .timeout = 60)
     }
     KM_CHECK(m.capacity == capacity, "capacity went from %llu to %llu under churn",
              (unsigned long long)capacity, (unsigned long long)m.capacity);
-    free(keys);
-    free(values);
-    free(present);
+    map_oracle_free(&o);
     km_u64map_free(&m);
 }
 
@@ -297,13 +317,10 @@ Test(u64map, incremental_growth_matches_oracle, .timeout = 120)
     km_memory memory = {0, 0};
     km_u64map m;
     km_u64map_init(&m, &memory);
-    size_t n = 200000;
-    uint64_t *keys = malloc(n * sizeof *keys);
-    uint64_t *values = calloc(n, sizeof *values);
-    uint8_t *present = calloc(n, 1);
-    cr_assert(keys && values && present);
-    for (size_t k = 0; k < n; k++)
-        keys[k] = km_u64map_key((km_rng_next(&r) & ~UINT64_C(0x3FFFF)) | k); /* distinct */
+    map_oracle o = map_oracle_make(&r, 200000);
+    size_t n = o.n;
+    uint64_t *keys = o.keys, *values = o.values;
+    uint8_t *present = o.present;
     size_t live = 0, growing_steps = 0, checks = 0, growth_age = 0;
     for (size_t step = 0; step < 600000; step++) {
         size_t k = km_rng_below(&r, (uint32_t)n);
@@ -349,9 +366,7 @@ Test(u64map, incremental_growth_matches_oracle, .timeout = 120)
     km_u64map_free(&m);
     KM_CHECK(memory.used == 0, "%llu bytes still accounted after free",
              (unsigned long long)memory.used);
-    free(keys);
-    free(values);
-    free(present);
+    map_oracle_free(&o);
 }
 
 /* The contract approximate mode relies on: after a reserve, pointers found stay valid across
