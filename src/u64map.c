@@ -256,6 +256,10 @@ int km_u64map_put(km_u64map *m, uint64_t key, uint64_t value, int allow_grow)
     return KM_OK;
 }
 
+/* A map that shrinks or churns without inserting would otherwise keep its old array (and probe
+ * it on every miss) indefinitely: each erase moves a small share too. */
+#define ERASE_MIGRATE_SLOTS 64
+
 int km_u64map_erase(km_u64map *m, uint64_t key)
 {
     km_u64map_entry *e = find_new(m, key);
@@ -266,6 +270,7 @@ int km_u64map_erase(km_u64map *m, uint64_t key)
         e->key = MAP_ERASED; /* keeps the old array's probe runs whole */
         e->value = 0;
         m->live--;
+        migrate(m, ERASE_MIGRATE_SLOTS);
         return 1;
     }
     /* Backward shift, as in km_table_erase: no tombstones, so churn never forces a rehash. */
@@ -281,6 +286,7 @@ int km_u64map_erase(km_u64map *m, uint64_t key)
     m->entries[hole].value = 0;
     m->in_new--;
     m->live--;
+    migrate(m, ERASE_MIGRATE_SLOTS);
     return 1;
 }
 

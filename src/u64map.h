@@ -5,7 +5,7 @@
  * km_memory.
  *
  * Growth is incremental once the map is large: the entries move to the doubled array a bounded
- * number of slots per km_u64map_reserve / growing put, so no single call pays for rehashing
+ * number of slots per km_u64map_reserve / growing put / erase, so no single call pays for rehashing
  * millions of entries (a routing service cannot stop for that). While it grows, both arrays are
  * live: lookups try the new array, then the old one; old entries at index < migrated have moved
  * (or been erased since), and an entry erased before it moved becomes a tombstone there. */
@@ -64,7 +64,8 @@ uint64_t *km_u64map_find(const km_u64map *m, uint64_t key);
 /* Insert or overwrite. allow_grow = 0 never allocates and never moves an entry (room must have
  * been reserved). KM_ERR_MEMORY_CAP / OUT_OF_MEMORY. */
 int km_u64map_put(km_u64map *m, uint64_t key, uint64_t value, int allow_grow);
-/* 1 if erased, 0 if absent. Later entries of the probe run may move (backward shift). */
+/* 1 if erased, 0 if absent. Later entries of the probe run may move (backward shift), and a
+ * growing map moves a few more entries to its new array. */
 int km_u64map_erase(km_u64map *m, uint64_t key);
 /* Room for `extra` more keys through put(..., allow_grow = 0). Also moves a bounded share of the
  * old array of a growing map (16 * extra slots, at least 1024, so the move ends long before the new
