@@ -402,3 +402,28 @@ Test(u64map, reserved_pointers_survive_non_growing_puts, .timeout = 60)
     }
     km_u64map_free(&m);
 }
+
+/* A map whose growth started and that then only loses keys still finishes moving them: every
+ * erase moves a share (otherwise it would keep both arrays, and probe both on every miss). */
+Test(u64map, erases_alone_finish_a_growth, .timeout = 60)
+{
+    km_memory memory = {0, 0};
+    km_u64map m;
+    km_u64map_init(&m, &memory);
+    uint64_t next_key = 2;
+    while (m.old == NULL) {
+        cr_assert_eq(km_u64map_put(&m, next_key, next_key, 1), KM_OK);
+        next_key++;
+    }
+    uint64_t erased = 0;
+    for (uint64_t k = 2; k < next_key && m.old != NULL; k++, erased++)
+        cr_assert_eq(km_u64map_erase(&m, k), 1);
+    cr_assert_null(m.old, "still growing after erasing every key");
+    cr_assert_leq(erased, m.capacity / 2 / 64 + 1, "%llu erases to finish a move of %llu slots",
+                  (unsigned long long)erased, (unsigned long long)(m.capacity / 2));
+    for (uint64_t k = 2; k < next_key; k++)
+        cr_assert_eq(km_u64map_find(&m, k) != NULL, k >= 2 + erased, "key %llu",
+                     (unsigned long long)k);
+    cr_assert_eq(m.live, next_key - 2 - erased);
+    km_u64map_free(&m);
+}
