@@ -11,7 +11,12 @@
  *   index   default size    km_index_store of a 24-block run, 16 workers in turn, from the default
  *                           initial_blocks (the slot table rehashes at once when it grows)
  *   index   sized at start  the same, with initial_blocks covering every block stored
- * Reported: total time, mean, 99.9th percentile and worst call. */
+ *   feed    index sized     KV events for 4 workers, each message storing the next 16 blocks of
+ *                           the worker's chain, a flush every 8 messages (as the service batches);
+ *                           the index is sized at start, so what grows is the feed's own engine-hash
+ *                           maps (src/feed.c), which still rehash at once
+ * Reported: total time, mean, 99.9th percentile and worst call (for the feed: a message, or a
+ * message and the flush after it). */
 #include <inttypes.h>
 #include <jansson.h>
 #include <stdio.h>
@@ -21,7 +26,9 @@
 
 #include "bench_common.h"
 #include "kvmatch/approx.h"
+#include "kvmatch/feed.h"
 #include "kvmatch/index.h"
+#include "kvmatch/kv_events.h"
 #include "u64map.h"
 
 #define KEYS_PER_CALL 24
@@ -164,6 +171,83 @@ static int run_index(uint64_t initial_blocks, size_t calls, double *lat, growth_
     return rc;
 }
 
+#define FEED_WORKERS 4
+#define FEED_BLOCKS 16 /* per message */
+#define FEED_BLOCK_SIZE 16
+#define FEED_FLUSH_EVERY 8
+
+static int run_feed(size_t calls, double *lat, growth_row *row)
+{
+    km_index_config icfg;
+    km_index_config_init(&icfg);
+    icfg.max_workers = FEED_WORKERS;
+    icfg.backend = KM_BACKEND_CPU;
+    icfg.log = km_bench_quiet_log;
+    icfg.initial_blocks = (uint64_t)calls * FEED_BLOCKS;
+    km_index *index = NULL;
+    int rc = km_index_create(&icfg, &index);
+    if (rc)
+        return rc;
+    km_feed_config fcfg;
+    km_feed_config_init(&fcfg);
+    fcfg.block_size = FEED_BLOCK_SIZE;
+    fcfg.bootstrap_replay = false;
+    fcfg.log = km_bench_quiet_log;
+    km_feed *feed = NULL;
+    rc = km_feed_create(index, &fcfg, &feed);
+    for (uint32_t w = 0; rc == KM_OK && w < FEED_WORKERS; w++) {
+        km_feed_worker_config wc = {w, "bench", false};
+        rc = km_feed_add_worker(feed, &wc, 1);
+    }
+    if (rc == KM_OK)
+        rc = km_feed_flush(feed, 1, NULL);
+    uint64_t seed = UINT64_C(88172645463325252);
+    uint64_t last_hash[FEED_WORKERS] = {0}, seq[FEED_WORKERS] = {0};
+    uint32_t tokens[FEED_BLOCKS * FEED_BLOCK_SIZE];
+    for (size_t c = 0; c < calls && rc == KM_OK; c++) {
+        uint32_t w = (uint32_t)(c % FEED_WORKERS);
+        uint64_t hashes[FEED_BLOCKS];
+        for (int k = 0; k < FEED_BLOCKS; k++)
+            hashes[k] = next_key(&seed);
+        for (int k = 0; k < FEED_BLOCKS * FEED_BLOCK_SIZE; k++)
+            tokens[k] = (uint32_t)next_key(&seed);
+        km_kv_event ev;
+        memset(&ev, 0, sizeof ev);
+        ev.kind = KM_KV_EVENT_BLOCK_STORED;
+        ev.block_hashes = hashes;
+        ev.n_block_hashes = FEED_BLOCKS;
+        ev.medium = KM_KV_MEDIUM_GPU;
+        ev.has_parent_block_hash = last_hash[w] != 0;
+        ev.parent_block_hash = last_hash[w];
+        ev.token_ids = tokens;
+        ev.n_token_ids = FEED_BLOCKS * FEED_BLOCK_SIZE;
+        ev.block_size = FEED_BLOCK_SIZE;
+        km_kv_batch batch;
+        memset(&batch, 0, sizeof batch);
+        batch.events = &ev;
+        batch.n_events = 1;
+        batch.n_payload_events = 1;
+        last_hash[w] = hashes[FEED_BLOCKS - 1];
+        double t0 = now_us();
+        rc = km_feed_live(feed, w, seq[w]++, &batch, 2);
+        if (rc == KM_OK && c % FEED_FLUSH_EVERY == FEED_FLUSH_EVERY - 1)
+            rc = km_feed_flush(feed, 3, NULL);
+        lat[c] = now_us() - t0;
+    }
+    km_index_stats stats;
+    if (rc == KM_OK)
+        rc = km_index_get_stats(index, &stats);
+    if (rc == KM_OK) {
+        row->structure = "feed";
+        row->mode = "index sized";
+        row->entries = stats.pairs;
+        summarise(row, lat, calls);
+    }
+    km_feed_destroy(feed);
+    km_index_destroy(index);
+    return rc;
+}
+
 int km_bench_growth_main(int argc, char **argv)
 {
     int json = 0, quick = 0;
@@ -178,9 +262,10 @@ int km_bench_growth_main(int argc, char **argv)
         }
     }
     /* 600,000 calls of 24 keys: 14.4 M map entries (a 512 MiB array at the last doubling), 9.6 M
-     * approximate-mode pairs over 16 workers; the index stores 4.8 M blocks. */
+     * approximate-mode pairs over 16 workers; the index stores 4.8 M blocks; the feed 4 M blocks,
+     * 1 M per worker's engine-hash map. */
     size_t map_calls = quick ? 150000 : 600000, approx_calls = quick ? 100000 : 400000;
-    size_t index_calls = quick ? 50000 : 200000;
+    size_t index_calls = quick ? 50000 : 200000, feed_calls = quick ? 50000 : 250000;
     size_t most = map_calls;
     double *lat = malloc(most * sizeof *lat);
     if (!lat)
@@ -191,8 +276,9 @@ int km_bench_growth_main(int argc, char **argv)
                                                            : "kvmatch bench growth --json"));
     json_object_set_new(root, "machine", km_bench_machine_json());
     json_object_set_new(root, "keys_per_call", json_integer(KEYS_PER_CALL));
+    json_object_set_new(root, "feed_blocks_per_message", json_integer(FEED_BLOCKS));
     json_t *results = json_array();
-    growth_row rows[5];
+    growth_row rows[6];
     int rc = KM_OK, n_rows = 0;
     if (rc == KM_OK && (rc = run_u64map(1, map_calls, lat, &rows[n_rows])) == KM_OK)
         n_rows++;
@@ -204,6 +290,8 @@ int km_bench_growth_main(int argc, char **argv)
         n_rows++;
     if (rc == KM_OK && (rc = run_index((uint64_t)index_calls * KEYS_PER_CALL, index_calls, lat,
                                        &rows[n_rows])) == KM_OK)
+        n_rows++;
+    if (rc == KM_OK && (rc = run_feed(feed_calls, lat, &rows[n_rows])) == KM_OK)
         n_rows++;
     free(lat);
     if (rc != KM_OK) {

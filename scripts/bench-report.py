@@ -164,7 +164,8 @@ def render_sim(d):
 
 def render_growth(d):
     out = [machine_line(d, d.get("command", "kvmatch bench growth --json"))]
-    out.append(f"Each call adds {d.get('keys_per_call', '?')} new keys.\n")
+    out.append(f"Each call adds {d.get('keys_per_call', '?')} new keys (the feed: a message of "
+               f"{d.get('feed_blocks_per_message', '?')} new blocks).\n")
     out.append("| structure | growth | entries at the end | calls | total (s) | mean (us) | p99.9 (us) | worst call (ms) |")
     out.append("|---|---|---:|---:|---:|---:|---:|---:|")
     for r in d["results"]:
