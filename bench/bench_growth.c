@@ -136,17 +136,39 @@ static int run_approx(size_t calls, double *lat, growth_row *row)
     return rc;
 }
 
-static int run_index(uint64_t initial_blocks, size_t calls, double *lat, growth_row *row)
+/* A quiet CPU index; initial_blocks 0 = the default size. */
+static int create_index(uint32_t max_workers, uint64_t initial_blocks, km_index **out)
 {
     km_index_config cfg;
     km_index_config_init(&cfg);
-    cfg.max_workers = WORKERS;
+    cfg.max_workers = max_workers;
     cfg.backend = KM_BACKEND_CPU;
     cfg.log = km_bench_quiet_log;
     if (initial_blocks)
         cfg.initial_blocks = initial_blocks;
+    return km_index_create(&cfg, out);
+}
+
+/* Fill row from the latencies, with the index's pair count as its entries (when rc is KM_OK). */
+static int index_row(int rc, const km_index *index, const char *structure, const char *mode,
+                     double *lat, size_t calls, growth_row *row)
+{
+    km_index_stats stats;
+    if (rc == KM_OK)
+        rc = km_index_get_stats(index, &stats);
+    if (rc == KM_OK) {
+        row->structure = structure;
+        row->mode = mode;
+        row->entries = stats.pairs;
+        summarise(row, lat, calls);
+    }
+    return rc;
+}
+
+static int run_index(uint64_t initial_blocks, size_t calls, double *lat, growth_row *row)
+{
     km_index *index = NULL;
-    int rc = km_index_create(&cfg, &index);
+    int rc = create_index(WORKERS, initial_blocks, &index);
     if (rc)
         return rc;
     uint64_t seed = UINT64_C(88172645463325252);
@@ -158,15 +180,8 @@ static int run_index(uint64_t initial_blocks, size_t calls, double *lat, growth_
         rc = km_index_store(index, (uint32_t)(c % WORKERS), KM_NO_PARENT, hashes, KEYS_PER_CALL);
         lat[c] = now_us() - t0;
     }
-    km_index_stats stats;
-    if (rc == KM_OK)
-        rc = km_index_get_stats(index, &stats);
-    if (rc == KM_OK) {
-        row->structure = "index";
-        row->mode = initial_blocks ? "sized at start" : "default size";
-        row->entries = stats.pairs;
-        summarise(row, lat, calls);
-    }
+    rc = index_row(rc, index, "index", initial_blocks ? "sized at start" : "default size", lat,
+                   calls, row);
     km_index_destroy(index);
     return rc;
 }
@@ -178,14 +193,8 @@ static int run_index(uint64_t initial_blocks, size_t calls, double *lat, growth_
 
 static int run_feed(size_t calls, double *lat, growth_row *row)
 {
-    km_index_config icfg;
-    km_index_config_init(&icfg);
-    icfg.max_workers = FEED_WORKERS;
-    icfg.backend = KM_BACKEND_CPU;
-    icfg.log = km_bench_quiet_log;
-    icfg.initial_blocks = (uint64_t)calls * FEED_BLOCKS;
     km_index *index = NULL;
-    int rc = km_index_create(&icfg, &index);
+    int rc = create_index(FEED_WORKERS, (uint64_t)calls * FEED_BLOCKS, &index);
     if (rc)
         return rc;
     km_feed_config fcfg;
@@ -234,15 +243,7 @@ static int run_feed(size_t calls, double *lat, growth_row *row)
             rc = km_feed_flush(feed, 3, NULL);
         lat[c] = now_us() - t0;
     }
-    km_index_stats stats;
-    if (rc == KM_OK)
-        rc = km_index_get_stats(index, &stats);
-    if (rc == KM_OK) {
-        row->structure = "feed";
-        row->mode = "index sized";
-        row->entries = stats.pairs;
-        summarise(row, lat, calls);
-    }
+    rc = index_row(rc, index, "feed", "index sized", lat, calls, row);
     km_feed_destroy(feed);
     km_index_destroy(index);
     return rc;
