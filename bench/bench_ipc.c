@@ -13,6 +13,7 @@
  * measured this way, so a slow reply delays nothing but itself). One driver thread polls every
  * connection. Output: docs/BENCHMARKS.md "IPC". */
 
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
@@ -102,7 +103,71 @@ typedef struct phase_result {
     double decisions_per_s;
     double rtt_p50_us, rtt_p99_us;
     uint64_t frames, routes, errors;
+    /* Where the two cores went during the measured interval: CPU time per answered route of the
+     * server (all its threads; < 0 when unknown: --connect) and of this driver, and the machine's
+     * idle and stolen shares (/proc/stat). Throughput on this shared VM moves with the steal and
+     * the wake-ups; CPU per decision is what a change to the code moves. */
+    double server_cpu_us, driver_cpu_us, idle_pct, steal_pct;
 } phase_result;
+
+/* The process being measured (the child server), or 0. */
+static pid_t g_server_pid;
+
+/* Run time of every thread of `pid`, in ns (/proc/PID/task/TID/schedstat: the first field is
+ * the time spent on a CPU). -1 when it cannot be read. */
+static double process_cpu_ns(pid_t pid)
+{
+    char path[64];
+    snprintf(path, sizeof path, "/proc/%d/task", (int)pid);
+    DIR *d = opendir(path);
+    if (!d)
+        return -1;
+    double total = 0;
+    struct dirent *e;
+    while ((e = readdir(d))) {
+        if (e->d_name[0] == '.')
+            continue;
+        char file[128];
+        snprintf(file, sizeof file, "/proc/%d/task/%.20s/schedstat", (int)pid, e->d_name);
+        FILE *f = fopen(file, "r");
+        unsigned long long ns;
+        if (f && fscanf(f, "%llu", &ns) == 1)
+            total += (double)ns;
+        if (f)
+            fclose(f);
+    }
+    closedir(d);
+    return total;
+}
+
+/* The machine's CPU counters (/proc/stat "cpu" line): all ticks, idle (+ iowait), steal. */
+typedef struct machine_ticks {
+    unsigned long long total, idle, steal;
+} machine_ticks;
+
+static machine_ticks read_machine_ticks(void)
+{
+    machine_ticks t = {0, 0, 0};
+    FILE *f = fopen("/proc/stat", "r");
+    unsigned long long v[8] = {0};
+    if (f && fscanf(f, "cpu %llu %llu %llu %llu %llu %llu %llu %llu", &v[0], &v[1], &v[2], &v[3],
+                    &v[4], &v[5], &v[6], &v[7]) == 8) {
+        for (int i = 0; i < 8; i++)
+            t.total += v[i];
+        t.idle = v[3] + v[4];
+        t.steal = v[7];
+    }
+    if (f)
+        fclose(f);
+    return t;
+}
+
+static double driver_cpu_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+    return (double)ts.tv_sec * 1e9 + (double)ts.tv_nsec;
+}
 
 static int cmp_double(const void *a, const void *b)
 {
@@ -203,6 +268,9 @@ static int run_phase(const char *addr, uint32_t n_conns, uint32_t per_frame, uin
         pfd[k].events = POLLIN;
     }
     static uint64_t seq = 0; /* request ids stay unique across phases */
+    double server_ns0 = g_server_pid > 0 ? process_cpu_ns(g_server_pid) : -1;
+    double driver_ns0 = driver_cpu_ns();
+    machine_ticks ticks0 = read_machine_ticks();
     double start = km_bench_now_s(), end = start + seconds, next_send = start;
     double interval = rate > 0 ? (double)per_frame / rate : 0;
     uint32_t rr = 0;
@@ -269,6 +337,15 @@ static int run_phase(const char *addr, uint32_t n_conns, uint32_t per_frame, uin
         }
     }
     double elapsed = km_bench_now_s() - start;
+    double server_ns1 = g_server_pid > 0 ? process_cpu_ns(g_server_pid) : -1;
+    double driver_ns1 = driver_cpu_ns();
+    machine_ticks ticks1 = read_machine_ticks();
+    double answered = out->routes ? (double)out->routes : 1;
+    out->server_cpu_us = server_ns0 >= 0 && server_ns1 >= 0 ? (server_ns1 - server_ns0) / 1e3 / answered : -1;
+    out->driver_cpu_us = (driver_ns1 - driver_ns0) / 1e3 / answered;
+    unsigned long long dt = ticks1.total - ticks0.total;
+    out->idle_pct = dt ? 100.0 * (double)(ticks1.idle - ticks0.idle) / (double)dt : -1;
+    out->steal_pct = dt ? 100.0 * (double)(ticks1.steal - ticks0.steal) / (double)dt : -1;
     if (sent) {
         FILE *f = fopen(log_path, "w");
         for (size_t i = 0; f && i < n_rtt; i++)
@@ -331,7 +408,10 @@ static pid_t start_server(const char *self, const char *sock, bool records, cons
     int devnull = open("/dev/null", O_WRONLY);
     if (devnull >= 0 && !getenv("KM_BENCH_SERVER_LOG"))
         dup2(devnull, 2);
-    execv(self, argv);
+    /* KM_BENCH_IPC_SERVER=PATH: another build's kvmatch as the server, driven by this one, for an
+     * A/B of the server alone (same driver, same CPU accounting). */
+    const char *server = getenv("KM_BENCH_IPC_SERVER");
+    execv(server && *server ? server : self, argv);
     _exit(127);
 }
 
@@ -384,6 +464,7 @@ int km_bench_ipc_main(int argc, char **argv)
     json_object_set_new(root, "benchmark", json_string("ipc"));
     json_object_set_new(root, "machine", km_bench_machine_json());
     pid_t pid = connect_to ? 0 : start_server(self, sock, records, dir);
+    g_server_pid = pid;
     if (connect_to)
         snprintf(addr, sizeof addr, "%s", connect_to);
     /* Wait for the socket. */
@@ -436,8 +517,9 @@ int km_bench_ipc_main(int argc, char **argv)
     };
     int status = 0;
     if (!json)
-        printf("%-7s %-6s %-5s %-8s %-9s %14s %11s %11s %7s\n", "prompts", "reply", "conns", "frame",
-               "offered", "decisions/s", "rtt p50 us", "rtt p99 us", "errors");
+        printf("%-7s %-6s %-5s %-8s %-9s %14s %11s %11s %7s %8s %8s %5s %5s\n", "prompts", "reply",
+               "conns", "frame", "offered", "decisions/s", "rtt p50 us", "rtt p99 us", "errors",
+               "srv us/d", "drv us/d", "idle%", "steal%");
     size_t n_phases = sizeof phases / sizeof phases[0];
     for (size_t i = 0; i < n_phases && !status; i++) {
         w.fresh = !strcmp(phases[i].workload, "fresh");
@@ -464,15 +546,20 @@ int km_bench_ipc_main(int argc, char **argv)
         json_object_set_new(o, "rtt_p50_us", json_real(km_bench_round_to(pr.rtt_p50_us, 0.1)));
         json_object_set_new(o, "rtt_p99_us", json_real(km_bench_round_to(pr.rtt_p99_us, 0.1)));
         json_object_set_new(o, "errors", json_integer((json_int_t)pr.errors));
+        json_object_set_new(o, "server_cpu_us_per_decision",
+                            pr.server_cpu_us >= 0 ? json_real(km_bench_round_to(pr.server_cpu_us, 0.01)) : json_null());
+        json_object_set_new(o, "driver_cpu_us_per_decision", json_real(km_bench_round_to(pr.driver_cpu_us, 0.01)));
+        json_object_set_new(o, "idle_pct", pr.idle_pct >= 0 ? json_real(km_bench_round_to(pr.idle_pct, 0.1)) : json_null());
+        json_object_set_new(o, "steal_pct", pr.steal_pct >= 0 ? json_real(km_bench_round_to(pr.steal_pct, 0.1)) : json_null());
         json_array_append_new(results, o);
         if (!json) {
             char offered[32] = "open";
             if (phases[i].rate > 0)
                 snprintf(offered, sizeof offered, "%.0f/s", phases[i].rate);
-            printf("%-7s %-6s %-5u %-8s %-9s %14.0f %11.1f %11.1f %7" PRIu64 "\n", wname,
-                   phases[i].reply, phases[i].conns,
-                   phases[i].frame, offered, pr.decisions_per_s, pr.rtt_p50_us, pr.rtt_p99_us,
-                   pr.errors);
+            printf("%-7s %-6s %-5u %-8s %-9s %14.0f %11.1f %11.1f %7" PRIu64 " %8.2f %8.2f %5.1f %5.1f\n",
+                   wname, phases[i].reply, phases[i].conns, phases[i].frame, offered,
+                   pr.decisions_per_s, pr.rtt_p50_us, pr.rtt_p99_us, pr.errors, pr.server_cpu_us,
+                   pr.driver_cpu_us, pr.idle_pct, pr.steal_pct);
             fflush(stdout);
         }
     }

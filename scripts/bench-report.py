@@ -64,13 +64,22 @@ def render_ipc(d):
                f"{w.get('seconds_per_phase', '?')} s per phase); machine: {m.get('cpu', '?')}, "
                f"{m.get('cores', '?')} cores, 1-minute load at start {m.get('loadavg_1min_at_start', '?')}. "
                f"The driver (one thread polling every connection) runs on the same cores.\n")
-    out.append("| prompts | reply | connections | frame | offered/s | decisions/s | rtt p50 (us) | rtt p99 (us) | errors |")
-    out.append("|---|---|---:|---|---:|---:|---:|---:|---:|")
+    out.append("| prompts | reply | connections | frame | offered/s | decisions/s | rtt p50 (us) | rtt p99 (us) | errors "
+               "| server CPU us / decision | driver CPU us / decision | idle % | steal % |")
+    out.append("|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+
     for r in d["results"]:
         offered = "open" if r.get("offered_per_s") is None else fmt(r["offered_per_s"])
         out.append(f"| {r.get('workload', '')} | {r.get('reply', '')} | {r['connections']} | {r['frame']} | "
                    f"{offered} | {fmt(r['decisions_per_s'])} | {fmt(r['rtt_p50_us'], 1)} | "
-                   f"{fmt(r['rtt_p99_us'], 1)} | {r.get('errors', '')} |")
+                   f"{fmt(r['rtt_p99_us'], 1)} | {r.get('errors', '')} | "
+                   f"{fmt(r.get('server_cpu_us_per_decision'), 2)} | {fmt(r.get('driver_cpu_us_per_decision'), 2)} | "
+                   f"{fmt(r.get('idle_pct'), 1)} | {fmt(r.get('steal_pct'), 1)} |")
+    out.append("")
+    out.append("CPU per decision: run time of every server thread (/proc/PID/task/*/schedstat) and of the "
+               "driver process over the measured interval, divided by the routes answered (for `ping`, "
+               "by the reports answered). Idle and steal: the machine's /proc/stat over the same interval; "
+               "steal is time the hypervisor gave this VM's CPUs to someone else.")
     return "\n".join(out)
 
 

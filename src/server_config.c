@@ -21,7 +21,7 @@ void km_server_config_init(km_server_config *cfg)
     cfg->snapshot_interval_ms = 60000;
     cfg->max_workers = 1024;
     cfg->backend = KM_BACKEND_AUTO;
-    cfg->max_batch_routes = 4096;
+    cfg->max_batch_routes = 512;
     cfg->inline_routes = 16;
     cfg->max_queued_routes = 65536;
     cfg->max_connections = 1024;

@@ -76,7 +76,11 @@ typedef struct km_server_config {
                                       * (it grows beyond by rehashing, which pauses routing for
                                       * as long as a rehash takes); 0 = the index's default (65,536) */
 
-    uint32_t max_batch_routes;  /* routes scored in one batch at most; default 4096 */
+    uint32_t max_batch_routes;  /* routes scored in one batch at most (a bigger frame goes alone);
+                                 * default 512. Smaller than what a busy server has queued on
+                                 * purpose: the loop thread encodes one batch's replies and decodes
+                                 * the next frames while the scheduler scores the next batch. One
+                                 * batch of everything queued leaves them taking turns. */
     uint32_t inline_routes;     /* frames holding at most this many routes, arriving while the
                                  * scheduler is idle, are decided on the loop thread at once (no
                                  * thread hand-off); 0 = always the scheduler thread; default 16 */
