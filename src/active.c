@@ -70,10 +70,50 @@ struct km_active {
     uint32_t ended_next;
     km_u64map ended_by_hash; /* km_u64map_key(hash) -> ring slot of the latest end with that hash */
     char *unremembered_ids;  /* ids of the last ended entry when the ring is off (summary storage) */
+    size_t unremembered_size;
+    void *ids_cache;         /* released id buffers of IDS_CACHED_BYTES, linked through their start */
+    uint32_t ids_cached;
     uint64_t clock;          /* latest now_ns seen */
     km_active_stats stats;
     char last_error[256];
 };
+
+/* Id buffers are made by km_active_begin and released when their entry's end leaves the ended
+ * ring: in the service, by the scheduler and the loop thread in turn, one of each per decision,
+ * which through malloc is a cross-thread free per decision (glibc's arena lock and fastbin
+ * consolidation). Buffers of up to IDS_CACHED_BYTES (a UUID request id and a short attempt id)
+ * are all that size and kept on a free list, at most IDS_CACHE_MAX of them. */
+enum { IDS_CACHED_BYTES = 64, IDS_CACHE_MAX = 65536 };
+
+static size_t ids_size(uint32_t request_len, uint32_t attempt_len)
+{
+    return (size_t)request_len + attempt_len + 2;
+}
+
+static char *ids_alloc(km_active *a, size_t size)
+{
+    if (size > IDS_CACHED_BYTES)
+        return malloc(size);
+    if (!a->ids_cache)
+        return malloc(IDS_CACHED_BYTES);
+    char *ids = a->ids_cache;
+    memcpy(&a->ids_cache, ids, sizeof(void *));
+    a->ids_cached--;
+    return ids;
+}
+
+static void ids_release(km_active *a, char *ids, size_t size)
+{
+    if (!ids)
+        return;
+    if (size > IDS_CACHED_BYTES || a->ids_cached >= IDS_CACHE_MAX) {
+        free(ids);
+        return;
+    }
+    memcpy(ids, &a->ids_cache, sizeof(void *));
+    a->ids_cache = ids;
+    a->ids_cached++;
+}
 
 void km_active_config_init(km_active_config *cfg)
 {
@@ -171,6 +211,12 @@ void km_active_destroy(km_active *a)
             free(a->ended[i].ids);
     free(a->ended);
     free(a->unremembered_ids);
+    while (a->ids_cache) {
+        void *next;
+        memcpy(&next, a->ids_cache, sizeof next);
+        free(a->ids_cache);
+        a->ids_cache = next;
+    }
     free(a->workers);
     km_u64map_free(&a->by_hash);
     km_u64map_free(&a->ended_by_hash);
@@ -382,7 +428,7 @@ static void end_entry(km_active *a, uint32_t i, km_active_end end, uint64_t now,
             uint64_t *v = km_u64map_find(&a->ended_by_hash, mkey);
             if (v && *v == k)
                 km_u64map_erase(&a->ended_by_hash, mkey);
-            free(slot->ids);
+            ids_release(a, slot->ids, ids_size(slot->request_len, slot->attempt_len));
         }
         slot->hash = e->hash;
         slot->ids = e->ids;
@@ -392,8 +438,9 @@ static void end_entry(km_active *a, uint32_t i, km_active_end end, uint64_t now,
         /* A failed map insert (out of memory) only means this id will later read as unknown. */
         (void)km_u64map_put(&a->ended_by_hash, km_u64map_key(e->hash), k, 1);
     } else {
-        free(a->unremembered_ids);
+        ids_release(a, a->unremembered_ids, a->unremembered_size);
         a->unremembered_ids = e->ids;
+        a->unremembered_size = ids_size(e->request_len, e->attempt_len);
     }
     e->ids = NULL;
     e->hash_next = a->free_head;
@@ -486,7 +533,8 @@ int km_active_begin(km_active *a, uint32_t worker, const km_active_key *key,
     /* Allocate everything before touching any state. */
     if (a->free_head == NIL && (rc = grow_slab(a)) != KM_OK)
         return active_fail(a, rc, "cannot grow the active-work table");
-    char *ids = malloc(key->request_id_len + key->attempt_id_len + 2);
+    size_t size = key->request_id_len + key->attempt_id_len + 2;
+    char *ids = ids_alloc(a, size);
     if (!ids)
         return active_fail(a, KM_ERR_OUT_OF_MEMORY, "cannot copy the ids");
     uint32_t chain_next = head ? (uint32_t)*head : NIL;
@@ -494,7 +542,7 @@ int km_active_begin(km_active *a, uint32_t worker, const km_active_key *key,
     if (head) {
         *head = i; /* the new entry heads the chain */
     } else if ((rc = km_u64map_put(&a->by_hash, mkey, i, 1)) != KM_OK) {
-        free(ids);
+        ids_release(a, ids, size);
         return active_fail(a, rc, "cannot grow the active-work map");
     }
     a->free_head = a->slab[i].hash_next;

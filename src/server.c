@@ -124,8 +124,21 @@ typedef struct attempt {
     km_record_time decided;
     km_record_time dispatched, first_token; /* monotonic 0 = absent */
     double router_dispatched_ms, router_ttft_ms; /* the router's elapsed_ms; NAN = not reported */
+    bool cached_size;  /* allocated with ATTEMPT_CACHED_STRINGS bytes of strings: reusable */
+    struct attempt *next_free; /* in attempt_cache */
     char strings[]; /* the ids and names, one allocation with the struct */
 } attempt;
+
+/* Attempts are made by the scheduler thread and released by the loop thread (outcome or expiry),
+ * one of each per decision: through malloc that is a cross-thread free per decision, which glibc
+ * pays for with its arena lock and fastbin consolidation. Attempts whose strings fit
+ * ATTEMPT_CACHED_STRINGS are instead kept on this free list (under active_lock, which both
+ * threads hold when they make or release one), at most ATTEMPT_CACHE_MAX of them. */
+enum { ATTEMPT_CACHED_STRINGS = 192, ATTEMPT_CACHE_MAX = 65536 };
+typedef struct attempt_cache {
+    attempt *head;
+    uint32_t count;
+} attempt_cache;
 
 typedef struct worker_slot {
     bool used;
@@ -245,6 +258,7 @@ struct km_server {
     pthread_mutex_t active_lock;
     km_active *active;
     km_u64map attempts_by_decision; /* decision id -> attempt*; by ids: the active entry's user */
+    attempt_cache attempt_cache;     /* released attempts for reuse (active_lock) */
     km_memory attempts_memory;
     uv_timer_t expiry_timer; /* loop thread: active-work expiry */
     bool expiry_timer_inited;
@@ -691,9 +705,9 @@ static const char *worker_state_in_batch(km_server *s, uint32_t id)
 
 /* ---- attempts and outcome records ------------------------------------------------------------ */
 
-/* One allocation: the struct and its strings (NULL strings stay NULL). */
-static attempt *attempt_new(const char *request_id, const char *attempt_id, const char *model,
-                            const char *pool_name, const char *endpoint)
+/* One allocation: the struct and its strings (NULL strings stay NULL). active_lock held. */
+static attempt *attempt_new(attempt_cache *cache, const char *request_id, const char *attempt_id,
+                            const char *model, const char *pool_name, const char *endpoint)
 {
     const char *in[5] = {request_id, attempt_id, model, pool_name, endpoint};
     size_t len[5], total = 0;
@@ -701,10 +715,19 @@ static attempt *attempt_new(const char *request_id, const char *attempt_id, cons
         len[i] = in[i] ? strlen(in[i]) + 1 : 0;
         total += len[i];
     }
-    attempt *a = malloc(sizeof *a + total);
-    if (!a)
-        return NULL;
+    bool cached_size = total <= ATTEMPT_CACHED_STRINGS;
+    attempt *a = NULL;
+    if (cached_size && cache->head) {
+        a = cache->head;
+        cache->head = a->next_free;
+        cache->count--;
+    } else {
+        a = malloc(sizeof *a + (cached_size ? ATTEMPT_CACHED_STRINGS : total));
+        if (!a)
+            return NULL;
+    }
     memset(a, 0, sizeof *a);
+    a->cached_size = cached_size;
     a->router_dispatched_ms = a->router_ttft_ms = NAN;
     const char **out[5] = {&a->request_id, &a->attempt_id, &a->model, &a->pool, &a->endpoint};
     char *p = a->strings;
@@ -718,9 +741,26 @@ static attempt *attempt_new(const char *request_id, const char *attempt_id, cons
     return a;
 }
 
-static void attempt_free(attempt *a)
+/* active_lock held (or the server being destroyed). */
+static void attempt_free(attempt_cache *cache, attempt *a)
 {
+    if (a && a->cached_size && cache->count < ATTEMPT_CACHE_MAX) {
+        a->next_free = cache->head;
+        cache->head = a;
+        cache->count++;
+        return;
+    }
     free(a);
+}
+
+static void attempt_cache_free(attempt_cache *cache)
+{
+    while (cache->head) {
+        attempt *a = cache->head;
+        cache->head = a->next_free;
+        free(a);
+    }
+    cache->count = 0;
 }
 
 /* active_lock held. */
@@ -733,7 +773,7 @@ static attempt *attempt_by_key(km_server *s, const char *request_id, const char 
 static void attempt_forget(km_server *s, attempt *a)
 {
     km_u64map_erase(&s->attempts_by_decision, km_u64map_key(a->decision_id));
-    attempt_free(a);
+    attempt_free(&s->attempt_cache, a);
 }
 
 static km_record_time mono_to_record(uint64_t mono)
@@ -986,15 +1026,20 @@ static void decide_route(km_server *s, job *j, route_job *r, pool *p, const km_r
     }
     uint64_t decision_id = atomic_fetch_add(&s->next_decision_id, 1);
 
-    /* The reply's candidates. */
-    km_candidate_score *scores = job_alloc(j, n * sizeof *scores);
-    if (!scores) {
-        km_active_finish(s->active, &key, KM_ACTIVE_END_ERROR, now, NULL);
-        route_fail(r, KM_ERR_OUT_OF_MEMORY, "reply candidates");
-        return;
+    /* The candidates' rows, for the reply (unless the route asked for a brief one) and for the
+     * decision record. A brief route with records off needs none: they would be written and
+     * never read. */
+    km_candidate_score *scores = NULL;
+    if (!r->brief || s->records) {
+        scores = job_alloc(j, n * sizeof *scores);
+        if (!scores) {
+            km_active_finish(s->active, &key, KM_ACTIVE_END_ERROR, now, NULL);
+            route_fail(r, KM_ERR_OUT_OF_MEMORY, "reply candidates");
+            return;
+        }
     }
     const char *load_kind = km_policy_load_kind(pc.kind);
-    for (uint32_t i = 0; i < n; i++) {
+    for (uint32_t i = 0; scores && i < n; i++) {
         const km_policy_candidate *c = &b->cands[i];
         km_candidate_score *sc = &scores[i];
         memset(sc, 0, sizeof *sc);
@@ -1036,8 +1081,8 @@ static void decide_route(km_server *s, job *j, route_job *r, pool *p, const km_r
     d->n_candidates = r->brief ? 0 : n;
 
     /* The attempt, for its outcome record. */
-    attempt *a = attempt_new(r->request_id, r->attempt_id, r->model ? r->model : p->model, p->name,
-                             r->endpoint);
+    attempt *a = attempt_new(&s->attempt_cache, r->request_id, r->attempt_id,
+                             r->model ? r->model : p->model, p->name, r->endpoint);
     if (a) {
         a->decision_id = decision_id;
         /* Both arrays are KM_SERVER_NAME_MAX bytes and the source is NUL-terminated. */
@@ -1055,7 +1100,7 @@ static void decide_route(km_server *s, job *j, route_job *r, pool *p, const km_r
         if (km_u64map_put(&s->attempts_by_decision, km_u64map_key(decision_id), (uintptr_t)a, 1) ||
             km_active_set_user(s->active, &key, a)) {
             km_u64map_erase(&s->attempts_by_decision, km_u64map_key(decision_id));
-            attempt_free(a);
+            attempt_free(&s->attempt_cache, a);
             a = NULL;
         }
     }
@@ -2705,7 +2750,8 @@ void km_server_destroy(km_server *s)
     free(s->workers);
     uint64_t cursor = 0;
     for (km_u64map_entry *e; (e = km_u64map_next(&s->attempts_by_decision, &cursor));)
-        attempt_free((attempt *)(uintptr_t)e->value);
+        attempt_free(&s->attempt_cache, (attempt *)(uintptr_t)e->value);
+    attempt_cache_free(&s->attempt_cache);
     km_u64map_free(&s->attempts_by_decision);
     km_active_destroy(s->active);
     scratch_free(&s->scratch);

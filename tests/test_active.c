@@ -1324,3 +1324,52 @@ Test(approx, random_sequences_with_coarse_touch_times, .timeout = 60)
 {
     random_sequences(200, 1000000);
 }
+
+/* Id buffers up to 64 bytes are reused from a free list, longer ones are malloc'd: ids of every
+ * length around that size, begun, ended and pushed out of a small ended ring many times over, keep
+ * their exact bytes (the summary's ids, and a second FINISHED telling "after FINISHED" from
+ * "unknown" by the ring's copies). A buffer handed out twice or reused while the ring still holds
+ * it fails here; under ASan, one reused with the wrong size does too. */
+Test(active, id_buffers_of_any_length_survive_reuse, .timeout = 30)
+{
+    enum { RING = 8, ROUNDS = 4000, KEPT = RING + 1 };
+    km_active *a = make_active(4, UINT64_C(1) << 40, 1000, RING);
+    km_rng r;
+    km_rng_init(&r, km_test_seed());
+    static char req[KEPT][KM_ACTIVE_ID_MAX + 1], att[KEPT][KM_ACTIVE_ID_MAX + 1];
+    for (int round = 0; round < ROUNDS; round++) {
+        char *rq = req[round % KEPT], *at = att[round % KEPT];
+        /* A unique prefix, then letters: buffers (both ids + 2 NULs) mostly 8..90 bytes, around
+         * the 64 kept on the free list, and some up to the 256-byte id limit. */
+        size_t rl = (size_t)snprintf(rq, KM_ACTIVE_ID_MAX + 1, "%d-", round);
+        rl += km_rng_below(&r, km_rng_percent(&r, 5) ? (uint32_t)(KM_ACTIVE_ID_MAX - rl) : 70);
+        for (size_t i = strlen(rq); i < rl; i++)
+            rq[i] = (char)('a' + (round + (int)i) % 26);
+        rq[rl] = '\0';
+        size_t al = km_rng_below(&r, 20);
+        for (size_t i = 0; i < al; i++)
+            at[i] = (char)('A' + (round * 7 + (int)i) % 26);
+        at[al] = '\0';
+        km_active_key k = km_active_key_of(rq, at);
+        cr_assert_eq(km_active_begin(a, (uint32_t)round % 4, &k, 100, 0, 10, 16, (uint64_t)round + 1),
+                     KM_OK, "round %d: %s", round, km_active_last_error(a));
+        km_active_summary s;
+        cr_assert_eq(km_active_finish(a, &k, KM_ACTIVE_END_COMPLETE, (uint64_t)round + 1, &s), KM_OK);
+        cr_assert_eq(s.request_id_len, rl);
+        cr_assert_eq(s.attempt_id_len, al);
+        cr_assert(memcmp(s.request_id, rq, rl + 1) == 0, "round %d", round);
+        cr_assert(memcmp(s.attempt_id, at, al + 1) == 0, "round %d", round);
+        /* Every id still in the ring reads as finished, the one just pushed out as unknown. */
+        for (int back = 0; back < KEPT && back <= round; back++) {
+            int j = (round - back) % KEPT;
+            km_active_key old = km_active_key_of(req[j], att[j]);
+            int expect = back < RING ? KM_ERR_PROTOCOL : KM_ERR_NOT_FOUND;
+            cr_assert_eq(km_active_finish(a, &old, KM_ACTIVE_END_COMPLETE, (uint64_t)round + 1, NULL),
+                         expect, "round %d, %d back: %s", round, back, km_active_last_error(a));
+        }
+    }
+    km_active_stats st;
+    cr_assert_eq(km_active_get_stats(a, &st), KM_OK);
+    cr_assert_eq(st.entries, 0);
+    km_active_destroy(a);
+}
