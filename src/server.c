@@ -58,15 +58,18 @@
 #define MAX_POOLS 4096u
 #define READ_CHUNK (64u * 1024u)
 #define SCHEDULER_TICK_MS 20u
-/* Active work is expired on the loop thread every EXPIRY_TICK_MS, one slice of at most
- * EXPIRY_SLICE entries per pass of the event loop (on_expiry_tick, then on_expiry_more while more
- * are due): a burst of expiries holds neither a decision up for long (one hold of active_lock per
- * slice) nor the sockets (I/O is served between slices). Ending every due entry in one go held
- * the loop for 0.5-9 ms per tick while the routes of a burst without FINISHED came due (measured
- * in `bench ipc`'s ping phase, after its warm-up); slices of 128 took 77 us (median), 315 us at
- * most, on the 2-core VM, so 64. */
-#define EXPIRY_TICK_MS 20u
+/* Active work whose FINISHED never comes is expired by the scheduler thread in its housekeeping
+ * (before each batch and on its tick; inline batches on the loop thread leave it alone), so expiry
+ * never contends with decisions for active_lock. It ran on the loop thread before, and the
+ * scheduler then waited for that lock 130-175 ms of every second at 180,000 decisions/s (a holder
+ * preempted by the third busy thread on two cores, presumably) while the machine sat 16% idle.
+ * Entries end in slices of EXPIRY_SLICE per hold of active_lock, so a lifecycle report on the
+ * loop thread waits for one slice at most. One pass ends at most EXPIRY_PER_PASS, and stops early
+ * once twice the routes it took have ended if routes wait: expiry keeps up with any decision rate,
+ * and a backlog is worked off pass after pass (expiry_backlog), never in one long pause (ending
+ * every due entry at once had held the loop 0.5-9 ms per tick). */
 #define EXPIRY_SLICE 64u
+#define EXPIRY_PER_PASS 1024u
 
 static uint64_t now_ns(void)
 {
@@ -245,6 +248,7 @@ struct km_server {
      * scheduler thread or the loop thread running a small batch inline (on_dispatch). */
     bool scheduler_busy;
     bool events_pending; /* a subscriber received messages since the last housekeeping */
+    bool expiry_backlog; /* the last pass left due active work: run again without waiting */
     batch_scratch scratch; /* the role's */
     uv_check_t dispatch;   /* after each loop iteration's reads: run or hand off new frames */
     bool dispatch_pending; /* loop thread: frames were queued in this iteration */
@@ -265,9 +269,6 @@ struct km_server {
     km_u64map attempts_by_decision; /* decision id -> attempt*; by ids: the active entry's user */
     attempt_cache attempt_cache;     /* released attempts for reuse (active_lock) */
     km_memory attempts_memory;
-    uv_timer_t expiry_timer; /* loop thread: active-work expiry */
-    uv_idle_t expiry_more;   /* runs while more are due than one slice */
-    bool expiry_timer_inited;
 
     km_record_writer *records;
     char instance[33];
@@ -1306,8 +1307,41 @@ static void run_batch(km_server *s, job *jobs, batch_scratch *b)
 }
 
 /* Between batches: apply queued events, approximate-mode expiry. */
-static void housekeeping(km_server *s, batch_scratch *b)
+/* Expire due active work, slice by slice, at most `limit` entries, and stop early once `stop_at`
+ * are ended and routes are queued. True when it stopped with more possibly due. */
+static bool expire_due(km_server *s, uint32_t limit, uint32_t stop_at)
 {
+    uint32_t ended = 0;
+    while (ended < limit) {
+        size_t n = 0;
+        uint32_t slice = limit - ended < EXPIRY_SLICE ? limit - ended : EXPIRY_SLICE;
+        pthread_mutex_lock(&s->active_lock);
+        km_active_expire_some(s->active, now_ns(), slice, record_expired, s, &n);
+        pthread_mutex_unlock(&s->active_lock);
+        ended += (uint32_t)n;
+        if (n < slice)
+            return false;
+        if (ended >= stop_at) {
+            pthread_mutex_lock(&s->queue_lock);
+            bool waiting = s->queue_head != NULL;
+            pthread_mutex_unlock(&s->queue_lock);
+            if (waiting)
+                return true;
+        }
+    }
+    return true;
+}
+
+/* The scheduler role's chores before scoring: apply received events, expire approximate-mode
+ * pairs, and (expire_limit > 0) expire active work. */
+static void housekeeping(km_server *s, batch_scratch *b, uint32_t expire_limit, uint32_t expire_stop_at)
+{
+    if (expire_limit) {
+        bool backlog = expire_due(s, expire_limit, expire_stop_at);
+        pthread_mutex_lock(&s->queue_lock);
+        s->expiry_backlog = backlog;
+        pthread_mutex_unlock(&s->queue_lock);
+    }
     uint64_t now = now_ns();
     pthread_mutex_lock(&s->admin_lock);
     for (uint32_t i = 0; i < s->n_pools; i++) {
@@ -1382,7 +1416,7 @@ static void *scheduler_main(void *arg)
             if (s->scheduler_stop && !s->queue_head && !s->scheduler_busy)
                 break;
             tick = now_ns() >= next_tick;
-            if (!s->scheduler_busy && (s->queue_head || s->events_pending || tick))
+            if (!s->scheduler_busy && (s->queue_head || s->events_pending || s->expiry_backlog || tick))
                 break;
             struct timespec ts;
             clock_gettime(CLOCK_REALTIME, &ts);
@@ -1399,12 +1433,16 @@ static void *scheduler_main(void *arg)
         }
         if (tick)
             next_tick = now_ns() + SCHEDULER_TICK_MS * UINT64_C(1000000);
+        uint64_t queued = s->queued_routes;
         job *take = take_jobs(s);
+        uint32_t taken = (uint32_t)(queued - s->queued_routes); /* at most one frame's over the cap */
         s->scheduler_busy = true; /* housekeeping alone holds the role too: it uses the scratch */
         s->events_pending = false; /* housekeeping below flushes them */
         pthread_mutex_unlock(&s->queue_lock);
 
-        housekeeping(s, &s->scratch);
+        /* Active work: up to EXPIRY_PER_PASS, or while routes wait, twice this batch's routes. */
+        housekeeping(s, &s->scratch, EXPIRY_PER_PASS,
+                     2 * taken > EXPIRY_SLICE ? 2 * taken : EXPIRY_SLICE);
         if (take) {
             run_batch(s, take, &s->scratch);
             /* Nothing queued: this thread would only wait while the loop thread encodes the
@@ -2297,29 +2335,6 @@ static void begin_drain(km_server *s);
 
 /* Active work whose FINISHED never came: ended (an `expired` outcome record each) on the loop
  * thread, which handles every other lifecycle report too. */
-/* One slice of due active work; true when a full slice ended (more may be due). */
-static bool expire_slice(km_server *s)
-{
-    size_t n = 0;
-    pthread_mutex_lock(&s->active_lock);
-    km_active_expire_some(s->active, now_ns(), EXPIRY_SLICE, record_expired, s, &n);
-    pthread_mutex_unlock(&s->active_lock);
-    return n == EXPIRY_SLICE;
-}
-
-static void on_expiry_more(uv_idle_t *h)
-{
-    if (!expire_slice(h->data))
-        uv_idle_stop(h);
-}
-
-static void on_expiry_tick(uv_timer_t *t)
-{
-    km_server *s = t->data;
-    if (!uv_is_active((uv_handle_t *)&s->expiry_more) && expire_slice(s))
-        uv_idle_start(&s->expiry_more, on_expiry_more); /* the rest, a slice per loop pass */
-}
-
 /* Encode and send the replies of a list of finished jobs, then free them (loop thread). */
 static void deliver_jobs(km_server *s, job *list)
 {
@@ -2371,7 +2386,7 @@ static void on_dispatch(uv_check_t *h)
     s->scheduler_busy = true;
     s->events_pending = false; /* housekeeping below flushes them */
     pthread_mutex_unlock(&s->queue_lock);
-    housekeeping(s, &s->scratch);
+    housekeeping(s, &s->scratch, 0, 0); /* active work is the scheduler thread's to expire */
     run_batch(s, take, &s->scratch);
     pthread_mutex_lock(&s->queue_lock);
     s->scheduler_busy = false;
@@ -2416,10 +2431,6 @@ static void close_everything(km_server *s)
         uv_close((uv_handle_t *)&s->wake, NULL);
     if (s->dispatch_inited && !uv_is_closing((uv_handle_t *)&s->dispatch))
         uv_close((uv_handle_t *)&s->dispatch, NULL);
-    if (s->expiry_timer_inited && !uv_is_closing((uv_handle_t *)&s->expiry_timer)) {
-        uv_close((uv_handle_t *)&s->expiry_timer, NULL);
-        uv_close((uv_handle_t *)&s->expiry_more, NULL);
-    }
     if (s->drain_timer_started && !uv_is_closing((uv_handle_t *)&s->drain_timer))
         uv_close((uv_handle_t *)&s->drain_timer, NULL);
     if (s->signals_installed) {
@@ -2729,10 +2740,6 @@ void km_server_destroy(km_server *s)
     km_http_stop(s->http);
     if (s->dispatch_inited && !uv_is_closing((uv_handle_t *)&s->dispatch))
         uv_close((uv_handle_t *)&s->dispatch, NULL); /* unreferenced: close it explicitly */
-    if (s->expiry_timer_inited && !uv_is_closing((uv_handle_t *)&s->expiry_timer)) {
-        uv_close((uv_handle_t *)&s->expiry_timer, NULL);
-        uv_close((uv_handle_t *)&s->expiry_more, NULL);
-    }
     /* Handles still open (destroy without run): close them and let the loop finish. */
     if (uv_loop_alive(&s->loop)) {
         while (s->conns)
@@ -3007,14 +3014,6 @@ int km_server_create(const km_server_config *cfg_in, km_server **out, char *why,
         uv_check_start(&s->dispatch, on_dispatch);
         uv_unref((uv_handle_t *)&s->dispatch); /* it alone does not keep the loop running */
         s->dispatch_inited = true;
-        uv_timer_init(&s->loop, &s->expiry_timer);
-        s->expiry_timer.data = s;
-        uv_timer_start(&s->expiry_timer, on_expiry_tick, EXPIRY_TICK_MS, EXPIRY_TICK_MS);
-        uv_unref((uv_handle_t *)&s->expiry_timer);
-        uv_idle_init(&s->loop, &s->expiry_more);
-        s->expiry_more.data = s;
-        uv_unref((uv_handle_t *)&s->expiry_more); /* neither keeps the loop running */
-        s->expiry_timer_inited = true;
     }
     if (!rc && s->http_addr) {
         char host[128];

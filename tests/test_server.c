@@ -920,41 +920,52 @@ Test(server, active_work_expires_with_an_outcome_record, .timeout = 30)
     srv_cleanup(&s);
 }
 
-/* More routes come due at once than one expiry slice (64) ends. The loop thread ends them a
- * slice per pass of its event loop, pass after pass (serving sockets in between), not one slice
- * per 20 ms tick, which would end 3,200 a second and leave most of these 8,192 still in flight
- * at the check; and every one gets its outcome record. */
-Test(server, a_burst_of_expiries_ends_in_slices_without_waiting_for_ticks, .timeout = 60)
+/* More routes come due at once than one housekeeping pass ends (1,024). The scheduler thread ends
+ * them pass after pass without waiting for its 20 ms tick in between: at one pass per tick it
+ * would end about 51,000 a second, and most of these 10,240, routed within tens of milliseconds
+ * (hash input, records off), would still be in flight at the check. (Under a sanitizer the
+ * routing is slower than that rate and the check passes either way.) The records of expiries are
+ * checked in active_work_expires_with_an_outcome_record. */
+Test(server, a_burst_of_expiries_ends_in_passes_without_waiting_for_ticks, .timeout = 60)
 {
-    enum { FRAMES = 16, PER_FRAME = 512, TOTAL = FRAMES * PER_FRAME, TTL_MS = 300 };
+    enum { FRAMES = 20, PER_FRAME = 512, TOTAL = FRAMES * PER_FRAME, TTL_MS = 300, AFTER_MS = 100 };
     srv s = {0};
     km_server_config cfg;
     test_config(&cfg, &s, KM_POLICY_LEAST_LOAD, 4);
     cfg.active_ttl_ms = TTL_MS;
+    cfg.records_path = NULL;
     srv_start(&s, &cfg);
     km_client *c = connect_client(&s);
     static km_route_request r[PER_FRAME];
     static char rid[PER_FRAME][32];
+    static uint64_t hashes[PER_FRAME];
     km_message reply;
     for (int f = 0; f < FRAMES; f++) {
         for (int i = 0; i < PER_FRAME; i++) {
             snprintf(rid[i], sizeof rid[i], "burst-%d", f * PER_FRAME + i);
-            r[i] = token_route(rid[i], 0, BS);
+            hashes[i] = UINT64_C(0x1000) + (uint64_t)(f * PER_FRAME + i);
+            memset(&r[i], 0, sizeof r[i]);
+            r[i].request_id = rid[i];
+            r[i].pool = "main";
+            r[i].input = KM_ROUTE_INPUT_HASHES;
+            r[i].hashes = &hashes[i];
+            r[i].n_hashes = 1;
             r[i].brief = true;
         }
         cr_assert_eq(km_client_route(c, r, PER_FRAME, 10000, &reply), KM_OK, "%s",
                      km_client_last_error(c));
         cr_assert_eq(reply.decision.n_decisions, PER_FRAME);
         for (int i = 0; i < PER_FRAME; i++)
-            cr_assert_eq(reply.decision.decisions[i].status, KM_OK);
+            cr_assert_eq(reply.decision.decisions[i].status, KM_OK, "%s",
+                         reply.decision.decisions[i].message);
     }
     km_server_stats ss;
     km_server_get_stats(s.server, &ss);
     cr_assert_eq(ss.decisions, TOTAL);
-    km_test_sleep_ms(TTL_MS + 400);
+    km_test_sleep_ms(TTL_MS + AFTER_MS);
     km_server_get_stats(s.server, &ss);
-    cr_assert_eq(ss.expired, TOTAL, "%" PRIu64 " of %d ended %d ms after they came due", ss.expired,
-                 TOTAL, 400);
+    cr_assert_eq(ss.expired, TOTAL, "%" PRIu64 " of %d ended %d ms after the last came due",
+                 ss.expired, TOTAL, AFTER_MS);
     /* Nothing is charged any more (a candidate's load is shown before this route's own charge). */
     for (uint32_t w = 0; w < 4; w++) {
         char probe_id[32];
@@ -966,17 +977,6 @@ Test(server, a_burst_of_expiries_ends_in_slices_without_waiting_for_ticks, .time
     }
     km_client_close(c);
     srv_stop(&s);
-    json_t *all = read_records(&s);
-    size_t expired = 0, i;
-    json_t *rec;
-    json_array_foreach(all, i, rec) {
-        const char *type = json_string_value(json_object_get(rec, "type"));
-        const char *outcome = json_string_value(json_object_get(rec, "outcome"));
-        if (type && !strcmp(type, "outcome") && outcome && !strcmp(outcome, "expired"))
-            expired++;
-    }
-    cr_assert_eq(expired, TOTAL, "%zu expired outcome records", expired);
-    json_decref(all);
     srv_cleanup(&s);
 }
 
