@@ -58,16 +58,21 @@
 #define MAX_POOLS 4096u
 #define READ_CHUNK (64u * 1024u)
 #define SCHEDULER_TICK_MS 20u
-/* Active work whose FINISHED never comes is expired by the scheduler thread in its housekeeping
- * (before each batch and on its tick; inline batches on the loop thread leave it alone), so expiry
- * never contends with decisions for active_lock. It ran on the loop thread before, and the
- * scheduler then waited for that lock 130-175 ms of every second at 180,000 decisions/s (a holder
- * preempted by the third busy thread on two cores, presumably) while the machine sat 16% idle.
- * Entries end in slices of EXPIRY_SLICE per hold of active_lock, so a lifecycle report on the
- * loop thread waits for one slice at most. One pass ends at most EXPIRY_PER_PASS, and stops early
- * once twice the routes it took have ended if routes wait: expiry keeps up with any decision rate,
- * and a backlog is worked off pass after pass (expiry_backlog), never in one long pause (ending
- * every due entry at once had held the loop 0.5-9 ms per tick). */
+/* Active work whose FINISHED never comes is expired only by the holder of the scheduler role, so
+ * expiry never contends with a batch's decisions for active_lock:
+ *  - the scheduler thread, before each batch (housekeeping): twice the batch's routes (at least
+ *    a slice, at most EXPIRY_PER_PASS), which keeps up with any decision rate;
+ *  - the loop thread, when the role is free: every EXPIRY_TICK_MS, one slice per pass of the event
+ *    loop (on_expiry_tick, then on_expiry_more while a full slice ended), taking the role for the
+ *    slice, so sockets are served and inline batches decided between slices.
+ * Entries end in slices of EXPIRY_SLICE per hold of active_lock, so a lifecycle report waits for
+ * one slice at most. Measured on the 2-core VM (docs/BENCHMARKS.md "IPC"): ending every due entry
+ * per tick held the loop 0.5-9 ms; slices on the loop thread without the role made the scheduler
+ * wait for active_lock 130-175 ms of every second at 180,000 decisions/s (a holder preempted by
+ * the third busy thread, presumably) while the machine sat 16% idle; expiry on the scheduler
+ * thread alone kept the role busy at 20,000 single routes/s, so those routes lost the inline path
+ * (median p99 4.5 ms against 3.1 ms in six shuffled runs each). */
+#define EXPIRY_TICK_MS 20u
 #define EXPIRY_SLICE 64u
 #define EXPIRY_PER_PASS 1024u
 
@@ -248,7 +253,6 @@ struct km_server {
      * scheduler thread or the loop thread running a small batch inline (on_dispatch). */
     bool scheduler_busy;
     bool events_pending; /* a subscriber received messages since the last housekeeping */
-    bool expiry_backlog; /* the last pass left due active work: run again without waiting */
     batch_scratch scratch; /* the role's */
     uv_check_t dispatch;   /* after each loop iteration's reads: run or hand off new frames */
     bool dispatch_pending; /* loop thread: frames were queued in this iteration */
@@ -269,6 +273,9 @@ struct km_server {
     km_u64map attempts_by_decision; /* decision id -> attempt*; by ids: the active entry's user */
     attempt_cache attempt_cache;     /* released attempts for reuse (active_lock) */
     km_memory attempts_memory;
+    uv_timer_t expiry_timer; /* loop thread: active-work expiry while the scheduler role is free */
+    uv_idle_t expiry_more;   /* runs while a full slice ended */
+    bool expiry_timer_inited;
 
     km_record_writer *records;
     char instance[33];
@@ -1307,9 +1314,9 @@ static void run_batch(km_server *s, job *jobs, batch_scratch *b)
 }
 
 /* Between batches: apply queued events, approximate-mode expiry. */
-/* Expire due active work, slice by slice, at most `limit` entries, and stop early once `stop_at`
- * are ended and routes are queued. True when it stopped with more possibly due. */
-static bool expire_due(km_server *s, uint32_t limit, uint32_t stop_at)
+/* Expire due active work, slice by slice, at most `limit` entries (scheduler role held). True
+ * when it stopped at the limit (more may be due). */
+static bool expire_due(km_server *s, uint32_t limit)
 {
     uint32_t ended = 0;
     while (ended < limit) {
@@ -1321,27 +1328,16 @@ static bool expire_due(km_server *s, uint32_t limit, uint32_t stop_at)
         ended += (uint32_t)n;
         if (n < slice)
             return false;
-        if (ended >= stop_at) {
-            pthread_mutex_lock(&s->queue_lock);
-            bool waiting = s->queue_head != NULL;
-            pthread_mutex_unlock(&s->queue_lock);
-            if (waiting)
-                return true;
-        }
     }
     return true;
 }
 
 /* The scheduler role's chores before scoring: apply received events, expire approximate-mode
- * pairs, and (expire_limit > 0) expire active work. */
-static void housekeeping(km_server *s, batch_scratch *b, uint32_t expire_limit, uint32_t expire_stop_at)
+ * pairs, and (expire_limit > 0) expire active work (expire_due). */
+static void housekeeping(km_server *s, batch_scratch *b, uint32_t expire_limit)
 {
-    if (expire_limit) {
-        bool backlog = expire_due(s, expire_limit, expire_stop_at);
-        pthread_mutex_lock(&s->queue_lock);
-        s->expiry_backlog = backlog;
-        pthread_mutex_unlock(&s->queue_lock);
-    }
+    if (expire_limit)
+        (void)expire_due(s, expire_limit);
     uint64_t now = now_ns();
     pthread_mutex_lock(&s->admin_lock);
     for (uint32_t i = 0; i < s->n_pools; i++) {
@@ -1416,7 +1412,7 @@ static void *scheduler_main(void *arg)
             if (s->scheduler_stop && !s->queue_head && !s->scheduler_busy)
                 break;
             tick = now_ns() >= next_tick;
-            if (!s->scheduler_busy && (s->queue_head || s->events_pending || s->expiry_backlog || tick))
+            if (!s->scheduler_busy && (s->queue_head || s->events_pending || tick))
                 break;
             struct timespec ts;
             clock_gettime(CLOCK_REALTIME, &ts);
@@ -1440,9 +1436,11 @@ static void *scheduler_main(void *arg)
         s->events_pending = false; /* housekeeping below flushes them */
         pthread_mutex_unlock(&s->queue_lock);
 
-        /* Active work: up to EXPIRY_PER_PASS, or while routes wait, twice this batch's routes. */
-        housekeeping(s, &s->scratch, EXPIRY_PER_PASS,
-                     2 * taken > EXPIRY_SLICE ? 2 * taken : EXPIRY_SLICE);
+        /* Before a batch, active work too: twice the batch's routes (at least a slice, at most
+         * EXPIRY_PER_PASS), which keeps up with any decision rate without holding the batch's own
+         * routes up for more. A pass for the tick alone leaves it to the loop thread. */
+        uint32_t expire = 2 * taken < EXPIRY_SLICE ? EXPIRY_SLICE : 2 * taken;
+        housekeeping(s, &s->scratch, take ? (expire < EXPIRY_PER_PASS ? expire : EXPIRY_PER_PASS) : 0);
         if (take) {
             run_batch(s, take, &s->scratch);
             /* Nothing queued: this thread would only wait while the loop thread encodes the
@@ -2335,6 +2333,40 @@ static void begin_drain(km_server *s);
 
 /* Active work whose FINISHED never came: ended (an `expired` outcome record each) on the loop
  * thread, which handles every other lifecycle report too. */
+/* One slice of due active work on the loop thread, holding the scheduler role for it. True when
+ * a full slice ended (more may be due); false too when the role is busy: the scheduler thread
+ * expires before each of its batches. */
+static bool loop_expire_slice(km_server *s)
+{
+    pthread_mutex_lock(&s->queue_lock);
+    if (s->scheduler_busy) {
+        pthread_mutex_unlock(&s->queue_lock);
+        return false;
+    }
+    s->scheduler_busy = true;
+    pthread_mutex_unlock(&s->queue_lock);
+    bool more = expire_due(s, EXPIRY_SLICE);
+    pthread_mutex_lock(&s->queue_lock);
+    s->scheduler_busy = false;
+    if (s->queue_head || s->events_pending) /* work that arrived meanwhile is the scheduler's */
+        pthread_cond_signal(&s->queue_cond);
+    pthread_mutex_unlock(&s->queue_lock);
+    return more;
+}
+
+static void on_expiry_more(uv_idle_t *h)
+{
+    if (!loop_expire_slice(h->data))
+        uv_idle_stop(h);
+}
+
+static void on_expiry_tick(uv_timer_t *t)
+{
+    km_server *s = t->data;
+    if (!uv_is_active((uv_handle_t *)&s->expiry_more) && loop_expire_slice(s))
+        uv_idle_start(&s->expiry_more, on_expiry_more); /* the rest, a slice per loop pass */
+}
+
 /* Encode and send the replies of a list of finished jobs, then free them (loop thread). */
 static void deliver_jobs(km_server *s, job *list)
 {
@@ -2386,7 +2418,7 @@ static void on_dispatch(uv_check_t *h)
     s->scheduler_busy = true;
     s->events_pending = false; /* housekeeping below flushes them */
     pthread_mutex_unlock(&s->queue_lock);
-    housekeeping(s, &s->scratch, 0, 0); /* active work is the scheduler thread's to expire */
+    housekeeping(s, &s->scratch, 0); /* active work: the expiry timer's, between passes */
     run_batch(s, take, &s->scratch);
     pthread_mutex_lock(&s->queue_lock);
     s->scheduler_busy = false;
@@ -2431,6 +2463,10 @@ static void close_everything(km_server *s)
         uv_close((uv_handle_t *)&s->wake, NULL);
     if (s->dispatch_inited && !uv_is_closing((uv_handle_t *)&s->dispatch))
         uv_close((uv_handle_t *)&s->dispatch, NULL);
+    if (s->expiry_timer_inited && !uv_is_closing((uv_handle_t *)&s->expiry_timer)) {
+        uv_close((uv_handle_t *)&s->expiry_timer, NULL);
+        uv_close((uv_handle_t *)&s->expiry_more, NULL);
+    }
     if (s->drain_timer_started && !uv_is_closing((uv_handle_t *)&s->drain_timer))
         uv_close((uv_handle_t *)&s->drain_timer, NULL);
     if (s->signals_installed) {
@@ -2740,6 +2776,10 @@ void km_server_destroy(km_server *s)
     km_http_stop(s->http);
     if (s->dispatch_inited && !uv_is_closing((uv_handle_t *)&s->dispatch))
         uv_close((uv_handle_t *)&s->dispatch, NULL); /* unreferenced: close it explicitly */
+    if (s->expiry_timer_inited && !uv_is_closing((uv_handle_t *)&s->expiry_timer)) {
+        uv_close((uv_handle_t *)&s->expiry_timer, NULL);
+        uv_close((uv_handle_t *)&s->expiry_more, NULL);
+    }
     /* Handles still open (destroy without run): close them and let the loop finish. */
     if (uv_loop_alive(&s->loop)) {
         while (s->conns)
@@ -3014,6 +3054,14 @@ int km_server_create(const km_server_config *cfg_in, km_server **out, char *why,
         uv_check_start(&s->dispatch, on_dispatch);
         uv_unref((uv_handle_t *)&s->dispatch); /* it alone does not keep the loop running */
         s->dispatch_inited = true;
+        uv_timer_init(&s->loop, &s->expiry_timer);
+        s->expiry_timer.data = s;
+        uv_timer_start(&s->expiry_timer, on_expiry_tick, EXPIRY_TICK_MS, EXPIRY_TICK_MS);
+        uv_unref((uv_handle_t *)&s->expiry_timer);
+        uv_idle_init(&s->loop, &s->expiry_more);
+        s->expiry_more.data = s;
+        uv_unref((uv_handle_t *)&s->expiry_more); /* neither keeps the loop running */
+        s->expiry_timer_inited = true;
     }
     if (!rc && s->http_addr) {
         char host[128];
