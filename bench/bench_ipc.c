@@ -100,6 +100,15 @@ typedef struct conn_state {
     uint64_t routes_per_frame;
 } conn_state;
 
+/* Server CPU per thread name (read_thread_times). */
+#define MAX_THREAD_NAMES 8
+typedef struct thread_times {
+    double total;
+    unsigned n;
+    char name[MAX_THREAD_NAMES][16];
+    double ns[MAX_THREAD_NAMES];
+} thread_times;
+
 typedef struct phase_result {
     double decisions_per_s;
     double rtt_p50_us, rtt_p99_us;
@@ -109,36 +118,56 @@ typedef struct phase_result {
      * idle and stolen shares (/proc/stat). Throughput on this shared VM moves with the steal and
      * the wake-ups; CPU per decision is what a change to the code moves. */
     double server_cpu_us, driver_cpu_us, idle_pct, steal_pct;
+    thread_times server_threads; /* per thread name: us per answered route */
 } phase_result;
 
 /* The process being measured (the child server), or 0. */
 static pid_t g_server_pid;
 
 /* Run time of every thread of `pid`, in ns (/proc/PID/task/TID/schedstat: the first field is
- * the time spent on a CPU). -1 when it cannot be read. */
-static double process_cpu_ns(pid_t pid)
+ * the time spent on a CPU), in total and per thread name (/proc/PID/task/TID/comm: the server
+ * names its threads km-scheduler, km-records, ...; the loop thread keeps the process's name).
+ * -1 when it cannot be read. */
+
+static void read_thread_times(pid_t pid, thread_times *t)
 {
+    memset(t, 0, sizeof *t);
+    t->total = -1;
     char path[64];
     snprintf(path, sizeof path, "/proc/%d/task", (int)pid);
     DIR *d = opendir(path);
     if (!d)
-        return -1;
-    double total = 0;
+        return;
+    t->total = 0;
     struct dirent *e;
     while ((e = readdir(d))) {
         if (e->d_name[0] == '.')
             continue;
-        char file[128];
-        snprintf(file, sizeof file, "/proc/%d/task/%.20s/schedstat", (int)pid, e->d_name);
+        char file[128], name[16] = "?";
+        snprintf(file, sizeof file, "/proc/%d/task/%.20s/comm", (int)pid, e->d_name);
         FILE *f = fopen(file, "r");
+        if (f) {
+            if (fgets(name, sizeof name, f))
+                name[strcspn(name, "\n")] = '\0';
+            fclose(f);
+        }
+        snprintf(file, sizeof file, "/proc/%d/task/%.20s/schedstat", (int)pid, e->d_name);
+        f = fopen(file, "r");
         unsigned long long ns;
-        if (f && fscanf(f, "%llu", &ns) == 1)
-            total += (double)ns;
+        if (f && fscanf(f, "%llu", &ns) == 1) {
+            t->total += (double)ns;
+            unsigned k = 0;
+            while (k < t->n && strcmp(t->name[k], name) != 0)
+                k++;
+            if (k == t->n && t->n < MAX_THREAD_NAMES)
+                snprintf(t->name[t->n++], sizeof t->name[0], "%s", name);
+            if (k < t->n)
+                t->ns[k] += (double)ns;
+        }
         if (f)
             fclose(f);
     }
     closedir(d);
-    return total;
 }
 
 /* The machine's CPU counters (/proc/stat "cpu" line): all ticks, idle (+ iowait), steal. */
@@ -276,7 +305,8 @@ static int run_phase(const char *addr, uint32_t n_conns, uint32_t per_frame, uin
         }
     }
     static uint64_t seq = 0; /* request ids stay unique across phases */
-    double server_ns0 = g_server_pid > 0 ? process_cpu_ns(g_server_pid) : -1;
+    thread_times server0;
+    read_thread_times(g_server_pid > 0 ? g_server_pid : -1, &server0);
     double driver_ns0 = driver_cpu_ns();
     machine_ticks ticks0 = read_machine_ticks();
     double start = km_bench_now_s(), end = start + seconds, next_send = start;
@@ -345,11 +375,21 @@ static int run_phase(const char *addr, uint32_t n_conns, uint32_t per_frame, uin
         }
     }
     double elapsed = km_bench_now_s() - start;
-    double server_ns1 = g_server_pid > 0 ? process_cpu_ns(g_server_pid) : -1;
+    thread_times server1;
+    read_thread_times(g_server_pid > 0 ? g_server_pid : -1, &server1);
     double driver_ns1 = driver_cpu_ns();
     machine_ticks ticks1 = read_machine_ticks();
     double answered = out->routes ? (double)out->routes : 1;
-    out->server_cpu_us = server_ns0 >= 0 && server_ns1 >= 0 ? (server_ns1 - server_ns0) / 1e3 / answered : -1;
+    out->server_cpu_us = server0.total >= 0 && server1.total >= 0
+                             ? (server1.total - server0.total) / 1e3 / answered : -1;
+    out->server_threads = server1;
+    for (unsigned k = 0; k < server1.n; k++) {
+        double before = 0;
+        for (unsigned j = 0; j < server0.n; j++)
+            if (!strcmp(server0.name[j], server1.name[k]))
+                before = server0.ns[j];
+        out->server_threads.ns[k] = (server1.ns[k] - before) / 1e3 / answered;
+    }
     out->driver_cpu_us = (driver_ns1 - driver_ns0) / 1e3 / answered;
     unsigned long long dt = ticks1.total - ticks0.total;
     out->idle_pct = dt ? 100.0 * (double)(ticks1.idle - ticks0.idle) / (double)dt : -1;
@@ -558,6 +598,13 @@ int km_bench_ipc_main(int argc, char **argv)
         json_object_set_new(o, "server_cpu_us_per_decision",
                             pr.server_cpu_us >= 0 ? json_real(km_bench_round_to(pr.server_cpu_us, 0.01)) : json_null());
         json_object_set_new(o, "driver_cpu_us_per_decision", json_real(km_bench_round_to(pr.driver_cpu_us, 0.01)));
+        if (pr.server_cpu_us >= 0) {
+            json_t *by = json_object();
+            for (unsigned k = 0; k < pr.server_threads.n; k++)
+                json_object_set_new(by, pr.server_threads.name[k],
+                                    json_real(km_bench_round_to(pr.server_threads.ns[k], 0.01)));
+            json_object_set_new(o, "server_cpu_us_per_decision_by_thread", by);
+        }
         json_object_set_new(o, "idle_pct", pr.idle_pct >= 0 ? json_real(km_bench_round_to(pr.idle_pct, 0.1)) : json_null());
         json_object_set_new(o, "steal_pct", pr.steal_pct >= 0 ? json_real(km_bench_round_to(pr.steal_pct, 0.1)) : json_null());
         json_array_append_new(results, o);

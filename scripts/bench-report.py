@@ -54,6 +54,16 @@ def render(d):
     return "\n".join(out)
 
 
+def server_cpu(r):
+    """The server's CPU per decision, with the loop and scheduler threads' shares when known."""
+    total = fmt(r.get('server_cpu_us_per_decision'), 2)
+    by = r.get('server_cpu_us_per_decision_by_thread') or {}
+    loop, sched = by.get('kvmatch'), by.get('km-scheduler')
+    if loop is None or sched is None:
+        return total
+    return f"{total} ({fmt(loop, 2)} + {fmt(sched, 2)})"
+
+
 def render_ipc(d):
     m = d.get("machine", {})
     w = d.get("workload", {})
@@ -65,7 +75,7 @@ def render_ipc(d):
                f"{m.get('cores', '?')} cores, 1-minute load at start {m.get('loadavg_1min_at_start', '?')}. "
                f"The driver (one thread polling every connection) runs on the same cores.\n")
     out.append("| prompts | reply | connections | frame | offered/s | decisions/s | rtt p50 (us) | rtt p99 (us) | errors "
-               "| server CPU us / decision | driver CPU us / decision | idle % | steal % |")
+               "| server CPU us / decision (loop + scheduler threads) | driver CPU us / decision | idle % | steal % |")
     out.append("|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
 
     for r in d["results"]:
@@ -73,12 +83,13 @@ def render_ipc(d):
         out.append(f"| {r.get('workload', '')} | {r.get('reply', '')} | {r['connections']} | {r['frame']} | "
                    f"{offered} | {fmt(r['decisions_per_s'])} | {fmt(r['rtt_p50_us'], 1)} | "
                    f"{fmt(r['rtt_p99_us'], 1)} | {r.get('errors', '')} | "
-                   f"{fmt(r.get('server_cpu_us_per_decision'), 2)} | {fmt(r.get('driver_cpu_us_per_decision'), 2)} | "
+                   f"{server_cpu(r)} | {fmt(r.get('driver_cpu_us_per_decision'), 2)} | "
                    f"{fmt(r.get('idle_pct'), 1)} | {fmt(r.get('steal_pct'), 1)} |")
     out.append("")
     out.append("CPU per decision: run time of every server thread (/proc/PID/task/*/schedstat) and of the "
                "driver process over the measured interval, divided by the routes answered (for `ping`, "
-               "by the reports answered). Idle and steal: the machine's /proc/stat over the same interval; "
+               "by the reports answered); in brackets, the loop thread's and the scheduler thread's "
+               "shares (by thread name). Idle and steal: the machine's /proc/stat over the same interval; "
                "steal is time the hypervisor gave this VM's CPUs to someone else.")
     return "\n".join(out)
 

@@ -125,6 +125,7 @@ static km_thread_pool *pool_create(uint32_t helpers)
             pool_destroy(pool);
             return NULL;
         }
+        pthread_setname_np(pool->threads[i], "km-index"); /* for top -H, perf, bench ipc */
         pool->n_threads++;
     }
     return pool;

@@ -3100,8 +3100,10 @@ int km_server_create(const km_server_config *cfg_in, km_server **out, char *why,
                                                                    : cfg.max_batch_routes;
         if (pthread_create(&s->scheduler, NULL, scheduler_main, s) != 0)
             rc = km_why(why, why_size, KM_ERR_INTERNAL, "starting the scheduler thread");
-        else
+        else {
+            pthread_setname_np(s->scheduler, "km-scheduler"); /* for top -H, perf, bench ipc */
             s->scheduler_started = true;
+        }
     }
     if (rc) {
         km_server_destroy(s);
