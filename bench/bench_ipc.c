@@ -126,7 +126,8 @@ static pid_t g_server_pid;
 
 /* Run time of every thread of `pid`, in ns (/proc/PID/task/TID/schedstat: the first field is
  * the time spent on a CPU), in total and per thread name (/proc/PID/task/TID/comm: the server
- * names its threads km-scheduler, km-records, ...; the loop thread keeps the process's name).
+ * names its threads km-scheduler, km-records, ...; the main thread, which runs the event loop,
+ * is "loop").
  * -1 when it cannot be read. */
 
 static void read_thread_times(pid_t pid, thread_times *t)
@@ -146,11 +147,14 @@ static void read_thread_times(pid_t pid, thread_times *t)
         char file[128], name[16] = "?";
         snprintf(file, sizeof file, "/proc/%d/task/%.20s/comm", (int)pid, e->d_name);
         FILE *f = fopen(file, "r");
-        if (f) {
+        if (atoi(e->d_name) == (int)pid) {
+            snprintf(name, sizeof name, "loop"); /* the main thread runs the event loop */
+        } else if (f) {
             if (fgets(name, sizeof name, f))
                 name[strcspn(name, "\n")] = '\0';
-            fclose(f);
         }
+        if (f)
+            fclose(f);
         snprintf(file, sizeof file, "/proc/%d/task/%.20s/schedstat", (int)pid, e->d_name);
         f = fopen(file, "r");
         unsigned long long ns;

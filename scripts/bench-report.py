@@ -58,7 +58,8 @@ def server_cpu(r):
     """The server's CPU per decision, with the loop and scheduler threads' shares when known."""
     total = fmt(r.get('server_cpu_us_per_decision'), 2)
     by = r.get('server_cpu_us_per_decision_by_thread') or {}
-    loop, sched = by.get('kvmatch'), by.get('km-scheduler')
+    # The main thread runs the event loop: "loop" (files from fb3eb61 name it by the process).
+    loop, sched = by.get('loop', by.get('kvmatch')), by.get('km-scheduler')
     if loop is None or sched is None:
         return total
     return f"{total} ({fmt(loop, 2)} + {fmt(sched, 2)})"

@@ -979,12 +979,25 @@ static void decide_route(km_server *s, job *j, route_job *r, pool *p, const km_r
     }
     const km_worker_match *m = p->results.matches + rr->first;
     const km_match_tiers *tiers = p->results.tiers + rr->first;
+    /* The pool's members and the matches are both ascending by worker id: one merge walk. A
+     * route's own candidates come in any order: a binary search each. (The binary search's
+     * branches were decide_route's hottest instructions, but five shuffled pairs measured no
+     * difference in the scheduler's CPU per decision.) */
+    uint32_t cursor = 0;
     for (uint32_t i = 0; i < n; i++) {
         km_policy_candidate *c = &b->cands[i];
         memset(c, 0, sizeof *c);
         c->worker = ids[i];
         uint32_t at;
-        const km_worker_match *hit = find_match(m, rr->count, ids[i], &at);
+        const km_worker_match *hit;
+        if (r->candidates) {
+            hit = find_match(m, rr->count, ids[i], &at);
+        } else {
+            while (cursor < rr->count && m[cursor].worker < ids[i])
+                cursor++;
+            at = cursor;
+            hit = cursor < rr->count && m[cursor].worker == ids[i] ? &m[cursor] : NULL;
+        }
         if (hit) {
             c->depth = hit->depth;
             c->host_blocks = tiers[at].host_blocks;

@@ -980,6 +980,88 @@ Test(server, a_burst_of_expiries_ends_slice_after_slice_without_waiting_for_tick
     srv_cleanup(&s);
 }
 
+/* The candidate rows of a route over the pool's members (found by one merge walk over the
+ * ascending matches) equal those of the same route naming every member itself in a random order
+ * (a binary search each): same workers, same depths and tier split. Both routes ride in one frame,
+ * so both are scored against the same index; approximate mode has taught it random prefixes of
+ * random lengths on random workers first (round_robin spreads them). */
+Test(server, candidate_rows_match_with_and_without_an_explicit_list, .timeout = 30)
+{
+    enum { WORKERS = 8, TEACH = 60, CHECKS = 40 };
+    srv s = {0};
+    km_server_config cfg;
+    test_config(&cfg, &s, KM_POLICY_ROUND_ROBIN, WORKERS);
+    cfg.records_path = NULL;
+    srv_start(&s, &cfg);
+    km_client *c = connect_client(&s);
+    km_rng rng;
+    km_rng_init(&rng, km_test_seed());
+    static uint32_t tokens[2][40 * BS];
+    for (uint32_t i = 0; i < 40 * BS; i++) {
+        tokens[0][i] = 5000 + i;
+        tokens[1][i] = 9000 + i;
+    }
+    km_message reply;
+    char rid[2][32];
+    for (int t = 0; t < TEACH; t++) {
+        snprintf(rid[0], sizeof rid[0], "teach-%d", t);
+        km_route_request r;
+        memset(&r, 0, sizeof r);
+        r.request_id = rid[0];
+        r.pool = "main";
+        r.input = KM_ROUTE_INPUT_TOKENS;
+        r.tokens = tokens[km_rng_below(&rng, 2)];
+        r.n_tokens = (1 + km_rng_below(&rng, 40)) * BS;
+        cr_assert_eq(route_one(c, &r, &reply)->status, KM_OK);
+    }
+    uint32_t ids[WORKERS];
+    for (int k = 0; k < CHECKS; k++) {
+        for (uint32_t i = 0; i < WORKERS; i++)
+            ids[i] = i;
+        for (uint32_t i = WORKERS - 1; i > 0; i--) {
+            uint32_t j = km_rng_below(&rng, i + 1), tmp = ids[i];
+            ids[i] = ids[j];
+            ids[j] = tmp;
+        }
+        km_route_request r[2];
+        const uint32_t *toks = tokens[km_rng_below(&rng, 2)];
+        uint32_t n_tokens = (1 + km_rng_below(&rng, 40)) * BS;
+        for (int v = 0; v < 2; v++) {
+            snprintf(rid[v], sizeof rid[v], "check-%d-%d", k, v);
+            memset(&r[v], 0, sizeof r[v]);
+            r[v].request_id = rid[v];
+            r[v].pool = "main";
+            r[v].input = KM_ROUTE_INPUT_TOKENS;
+            r[v].tokens = toks;
+            r[v].n_tokens = n_tokens;
+        }
+        r[1].candidates = ids;
+        r[1].n_candidates = WORKERS;
+        cr_assert_eq(km_client_route(c, r, 2, 5000, &reply), KM_OK, "%s", km_client_last_error(c));
+        cr_assert_eq(reply.decision.n_decisions, 2);
+        const km_route_decision *all = &reply.decision.decisions[0];
+        const km_route_decision *listed = &reply.decision.decisions[1];
+        cr_assert_eq(all->status, KM_OK, "%s", all->message);
+        cr_assert_eq(listed->status, KM_OK, "%s", listed->message);
+        cr_assert_eq(all->n_candidates, WORKERS);
+        cr_assert_eq(listed->n_candidates, WORKERS);
+        cr_assert_eq(all->owner_depth, listed->owner_depth, "check %d", k);
+        for (uint32_t i = 0; i < WORKERS; i++) {
+            const km_candidate_score *a = &all->candidates[i];
+            cr_assert_eq(a->worker, i, "the pool's rows are ascending");
+            const km_candidate_score *b = candidate(listed, i);
+            cr_assert_eq(a->depth, b->depth, "check %d worker %u: %u vs %u", k, i, a->depth, b->depth);
+            cr_assert_eq(a->device_blocks, b->device_blocks);
+            cr_assert_eq(a->host_blocks, b->host_blocks);
+            cr_assert_eq(a->disk_blocks, b->disk_blocks);
+        }
+        cr_assert_eq(all->candidates[all->owner_worker].depth, all->owner_depth);
+    }
+    km_client_close(c);
+    srv_stop(&s);
+    srv_cleanup(&s);
+}
+
 Test(server, workers_and_pools_change_at_run_time, .timeout = 30)
 {
     srv s = {0};
