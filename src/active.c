@@ -135,6 +135,7 @@ const char *km_active_end_name(km_active_end end)
     case KM_ACTIVE_END_CANCELLED: return "cancelled";
     case KM_ACTIVE_END_EXPIRED: return "expired";
     case KM_ACTIVE_END_WORKER_REMOVED: return "worker_removed";
+    case KM_ACTIVE_END_EVICTED: return "evicted";
     }
     return "unknown";
 }
@@ -464,7 +465,8 @@ static int lookup_for_event(km_active *a, const km_active_key *key, const char *
         return KM_OK;
     }
     const ended_slot *s = a->ended ? find_ended(a, key, hash) : NULL;
-    if (s && (s->end == KM_ACTIVE_END_EXPIRED || s->end == KM_ACTIVE_END_WORKER_REMOVED)) {
+    if (s && (s->end == KM_ACTIVE_END_EXPIRED || s->end == KM_ACTIVE_END_WORKER_REMOVED ||
+              s->end == KM_ACTIVE_END_EVICTED)) {
         a->stats.late++;
         return active_fail(a, KM_ERR_NOT_FOUND, "%s for " ID_FMT ": the entry ended earlier (%s)",
                            event, ID_ARGS(key), km_active_end_name(s->end));
@@ -720,6 +722,21 @@ int km_active_expire_some(km_active *a, uint64_t now_ns, size_t max,
     }
     if (n_expired)
         *n_expired = n;
+    return KM_OK;
+}
+
+int km_active_evict_oldest(km_active *a, uint64_t now_ns, km_active_summary_fn on_evicted,
+                           void *user)
+{
+    if (!a)
+        return KM_ERR_NULL_POINTER;
+    a->last_error[0] = '\0';
+    if (a->touch_head == NIL)
+        return active_fail(a, KM_ERR_NOT_FOUND, "no active entry to evict");
+    km_active_summary s;
+    end_entry(a, a->touch_head, KM_ACTIVE_END_EVICTED, advance_clock(a, now_ns), &s);
+    if (on_evicted)
+        on_evicted(user, &s);
     return KM_OK;
 }
 

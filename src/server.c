@@ -284,7 +284,7 @@ struct km_server {
 
     km_metrics *metrics;
     km_counter *m_decisions, *m_route_errors, *m_frames, *m_bad_frames, *m_lifecycle,
-        *m_outcomes, *m_expired, *m_overloaded;
+        *m_outcomes, *m_expired, *m_evicted, *m_overloaded;
     km_histogram *m_batch_routes, *m_batch_seconds, *m_queue_seconds;
     km_http *http;
     uint16_t http_port;
@@ -293,7 +293,7 @@ struct km_server {
     struct {
         atomic_uint_fast64_t accepted, open, refused, slow_closed, frames, bad_frames, routes,
             decisions, route_errors, overloaded, batches, inline_batches, lifecycle,
-            lifecycle_errors, outcomes, expired;
+            lifecycle_errors, outcomes, expired, evicted;
     } st;
     int shutdown_status;
 };
@@ -872,6 +872,25 @@ static void record_expired(void *user, const km_active_summary *sum)
     attempt_forget(s, a);
 }
 
+/* An entry ended early to make room: its outcome is `expired` (FINISHED never came), with the
+ * reason in `error`. The first eviction, and every 100,000th, is logged. */
+static void record_evicted(void *user, const km_active_summary *sum)
+{
+    km_server *s = user;
+    uint64_t n = atomic_fetch_add(&s->st.evicted, 1) + 1;
+    km_counter_add(s->m_evicted, 1);
+    if (n == 1 || n % 100000 == 0)
+        slog(s, "active work: %" PRIu64 " entries evicted so far to make room (max_active_entries "
+             "%u): FINISHED is not reported for them, or the TTL (%" PRIu64 " ms) is long for this "
+             "rate", n, s->cfg.max_active_entries, s->cfg.active_ttl_ms);
+    attempt *a = sum->user;
+    if (!a)
+        return;
+    write_outcome(s, a, KM_RECORD_OUTCOME_EXPIRED, NULL, sum,
+                  "evicted before its TTL: the active-work table was full (max_active_entries)");
+    attempt_forget(s, a);
+}
+
 static void record_removed(void *user, const km_active_summary *sum)
 {
     km_server *s = user;
@@ -1040,9 +1059,15 @@ static void decide_route(km_server *s, job *j, route_job *r, pool *p, const km_r
     uint32_t expected = r->expected_output_tokens > UINT32_MAX ? UINT32_MAX
                                                                : (uint32_t)r->expected_output_tokens;
     km_active_key key = km_active_key_of(r->request_id, r->attempt_id);
-    rc = km_active_begin(s->active, chosen, &key, prompt,
-                         predicted > UINT32_MAX ? UINT32_MAX : (uint32_t)predicted, expected,
-                         p->block_size, now);
+    for (int tries = 0; tries < 2; tries++) {
+        rc = km_active_begin(s->active, chosen, &key, prompt,
+                             predicted > UINT32_MAX ? UINT32_MAX : (uint32_t)predicted, expected,
+                             p->block_size, now);
+        /* Full: the least recently touched entry makes room (record_evicted), once. */
+        if (rc != KM_ERR_OVERLOADED ||
+            km_active_evict_oldest(s->active, now, record_evicted, s) != KM_OK)
+            break;
+    }
     if (rc != KM_OK) {
         route_fail(r, rc == KM_ERR_PROTOCOL ? KM_ERR_INVALID_ARGUMENT : rc,
                    rc == KM_ERR_PROTOCOL ? "request %s attempt %s is already in flight" : "%s%s",
@@ -2896,6 +2921,10 @@ static int setup_metrics(km_server *s)
                                     "Active work that expired without FINISHED.", NULL, 0,
                                     &s->m_expired);
     if (!rc)
+        rc = km_metrics_add_counter(s->metrics, "kvmatch_active_evicted_total",
+                                    "Active work ended early to make room (max_active_entries).",
+                                    NULL, 0, &s->m_evicted);
+    if (!rc)
         rc = km_metrics_add_counter(s->metrics, "kvmatch_overloaded_total",
                                     "ROUTE frames refused: queue full.", NULL, 0, &s->m_overloaded);
     if (!rc)
@@ -2962,6 +2991,7 @@ int km_server_create(const km_server_config *cfg_in, km_server **out, char *why,
         km_active_config_init(&ac);
         ac.max_workers = cfg.max_workers;
         ac.ttl_ns = cfg.active_ttl_ms * UINT64_C(1000000);
+        ac.max_entries = cfg.max_active_entries;
         if ((rc = km_active_create(&ac, &s->active)) != KM_OK)
             km_why(why, why_size, rc, "active work: %s", km_strerror(rc));
     }
@@ -3207,6 +3237,7 @@ void km_server_get_stats(km_server *s, km_server_stats *o)
     o->lifecycle_errors = atomic_load(&s->st.lifecycle_errors);
     o->outcomes = atomic_load(&s->st.outcomes);
     o->expired = atomic_load(&s->st.expired);
+    o->evicted = atomic_load(&s->st.evicted);
     if (s->records) {
         km_record_writer_counters rc;
         km_record_writer_stats(s->records, &rc);

@@ -1373,3 +1373,48 @@ Test(active, id_buffers_of_any_length_survive_reuse, .timeout = 30)
     cr_assert_eq(st.entries, 0);
     km_active_destroy(a);
 }
+
+/* A full table makes room by ending its least recently touched entry: a lifecycle event touches
+ * an entry, so the eviction order follows the last event, not the begin; the evicted load is
+ * released and later events for that id are late, as for an expired one. */
+Test(active, evict_oldest_ends_the_least_recently_touched, .timeout = 10)
+{
+    km_active *a = make_active(4, UINT64_C(1) << 40, 3, 64);
+    const char *ids[3] = {"r0", "r1", "r2"};
+    for (uint32_t i = 0; i < 3; i++) {
+        km_active_key k = km_active_key_of(ids[i], NULL);
+        cr_assert_eq(km_active_begin(a, i, &k, 100, 0, 10, 16, 10 + i), KM_OK);
+    }
+    km_active_key k3 = km_active_key_of("r3", NULL);
+    cr_assert_eq(km_active_begin(a, 3, &k3, 100, 0, 10, 16, 20), KM_ERR_OVERLOADED, "3 at most");
+    km_active_key k0 = km_active_key_of("r0", NULL);
+    cr_assert_eq(km_active_dispatched(a, &k0, 30), KM_OK); /* r0: now the most recently touched */
+
+    collected c;
+    memset(&c, 0, sizeof c);
+    cr_assert_eq(km_active_evict_oldest(a, 40, collect, &c), KM_OK);
+    cr_assert_str_eq(c.request[0], "r1");
+    cr_assert_eq(c.s[0].end, KM_ACTIVE_END_EVICTED);
+    cr_assert_eq(load_of(a, 1).in_flight, 0, "the evicted entry's load is released");
+    cr_assert_eq(km_active_begin(a, 3, &k3, 100, 0, 10, 16, 41), KM_OK, "room made");
+    cr_assert_eq(load_of(a, 3).in_flight, 1);
+    for (int i = 0; i < 3; i++)
+        cr_assert_eq(km_active_evict_oldest(a, 50, collect, &c), KM_OK);
+    cr_assert_eq(c.n, 4);
+    cr_assert_str_eq(c.request[1], "r2");
+    cr_assert_str_eq(c.request[2], "r0");
+    cr_assert_str_eq(c.request[3], "r3");
+    for (uint32_t w = 0; w < 4; w++)
+        cr_assert_eq(load_of(a, w).in_flight, 0, "worker %u", w);
+
+    km_active_key k1 = km_active_key_of("r1", NULL);
+    cr_assert_eq(km_active_dispatched(a, &k1, 60), KM_ERR_NOT_FOUND, "late, as for an expired one");
+    km_active_stats st = stats_of(a);
+    cr_assert_eq(st.ended[KM_ACTIVE_END_EVICTED], 4);
+    cr_assert_eq(st.late, 1);
+    cr_assert_eq(st.unknown, 0);
+    cr_assert_eq(st.entries, 0);
+    cr_assert_eq(km_active_evict_oldest(a, 70, NULL, NULL), KM_ERR_NOT_FOUND, "nothing to evict");
+    cr_assert_str_eq(km_active_end_name(KM_ACTIVE_END_EVICTED), "evicted");
+    km_active_destroy(a);
+}

@@ -1062,6 +1062,74 @@ Test(server, candidate_rows_match_with_and_without_an_explicit_list, .timeout = 
     srv_cleanup(&s);
 }
 
+/* A router that never reports FINISHED fills active work at its routing rate times the TTL. At
+ * max_active_entries the least recently touched entry makes room: routing goes on, the load
+ * charged stays at the maximum, each eviction is counted and gets an `expired` outcome record
+ * saying why, and a late report for an evicted id is answered NOT_FOUND. */
+Test(server, a_full_active_table_evicts_the_oldest_and_keeps_routing, .timeout = 30)
+{
+    enum { MAX = 32, ROUTES = 100, WORKERS = 4 };
+    srv s = {0};
+    km_server_config cfg;
+    test_config(&cfg, &s, KM_POLICY_LEAST_LOAD, WORKERS);
+    cfg.max_active_entries = MAX;
+    srv_start(&s, &cfg);
+    km_client *c = connect_client(&s);
+    km_message reply;
+    uint64_t first_decision = 0;
+    for (int i = 0; i < ROUTES; i++) {
+        char rid[32];
+        snprintf(rid, sizeof rid, "full-%d", i);
+        km_route_request r = token_route(rid, 0, 2 * BS);
+        const km_route_decision *d = route_one(c, &r, &reply);
+        cr_assert_eq(d->status, KM_OK, "route %d: %s", i, d->message);
+        if (i == 0)
+            first_decision = d->decision_id;
+    }
+    km_server_stats ss;
+    km_server_get_stats(s.server, &ss);
+    cr_assert_eq(ss.decisions, ROUTES);
+    cr_assert_eq(ss.evicted, ROUTES - MAX);
+    cr_assert_eq(ss.expired, 0);
+    /* The charged load is MAX routes (least_load spreads them), seen before the probe's own. */
+    km_route_request probe = token_route("probe", 100, BS);
+    probe.brief = false;
+    const km_route_decision *d = route_one(c, &probe, &reply);
+    uint64_t in_flight = 0;
+    for (uint32_t i = 0; i < d->n_candidates; i++)
+        in_flight += d->candidates[i].load.in_flight;
+    cr_assert_eq(in_flight, MAX);
+    /* The first route was evicted: a report for it is late. */
+    km_lifecycle_event ev;
+    memset(&ev, 0, sizeof ev);
+    ev.kind = KM_LIFECYCLE_DISPATCHED;
+    ev.request_id = "full-0";
+    cr_assert_eq(km_client_lifecycle(c, &ev, 1, 5000, &reply), KM_OK);
+    cr_assert_eq(reply.ack.items[0].status, KM_ERR_NOT_FOUND);
+    km_client_close(c);
+    srv_stop(&s);
+    json_t *all = read_records(&s);
+    json_t *o = find_record(all, "outcome", (int64_t)first_decision);
+    cr_assert_not_null(o, "the evicted route's outcome record");
+    cr_assert_str_eq(json_string_value(json_object_get(o, "outcome")), "expired");
+    const char *why = json_string_value(json_object_get(o, "error"));
+    cr_assert(why && strstr(why, "max_active_entries"), "error: %s", why ? why : "(none)");
+    size_t outcomes = 0, i;
+    json_t *rec;
+    json_array_foreach(all, i, rec) {
+        if (!strcmp(json_string_value(json_object_get(rec, "type")), "outcome"))
+            outcomes++;
+    }
+    cr_assert_geq(outcomes, ROUTES - MAX, "%zu outcome records", outcomes);
+    bool checked;
+    check_schema(&s, &checked);
+    json_decref(all);
+    srv_cleanup(&s);
+    if (!checked)
+        cr_skip_test("records were checked for content but not against the schema: "
+                     "python3-jsonschema is missing");
+}
+
 Test(server, workers_and_pools_change_at_run_time, .timeout = 30)
 {
     srv s = {0};

@@ -86,6 +86,7 @@ Test(server_config, documented_example_loads_with_every_value, .timeout = 10)
     cr_assert_eq(cfg.max_connections, 1024);
     cr_assert_eq(cfg.max_outbox_bytes, 67108864);
     cr_assert_eq(cfg.active_ttl_ms, 600000);
+    cr_assert_eq(cfg.max_active_entries, 1048576);
     cr_assert_float_eq(cfg.ready_share, 0.8, 1e-12);
     cr_assert_eq(cfg.drain_timeout_ms, 10000);
     cr_assert_str_eq(cfg.default_pool, "llama");
@@ -158,6 +159,7 @@ Test(server_config, bad_files_are_refused_naming_the_field, .timeout = 10)
         {"{\"index\": {\"initial_blocks\": 99999999999999}}", KM_ERR_INVALID_ARGUMENT, "initial_blocks"},
         {"{\"ready_share\": 2}", KM_ERR_INVALID_ARGUMENT, "ready_share"},
         {"{\"max_connections\": 0}", KM_ERR_INVALID_ARGUMENT, "max_connections"},
+        {"{\"max_active_entries\": 0}", KM_ERR_INVALID_ARGUMENT, "max_active_entries"},
         {"{\"limits\": {\"max_frame_bytes\": 1}}", KM_ERR_INVALID_ARGUMENT, "max_frame_bytes"},
         {"{\"records\": 7}", KM_ERR_PARSE, "records"},
         {"{\"pools\": {}}", KM_ERR_PARSE, "pools"},

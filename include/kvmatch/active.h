@@ -24,7 +24,8 @@
  *
  * Events that do not fit the lifecycle change no load and return an error, each counted:
  *  - an id never begun (or long forgotten)                 KM_ERR_NOT_FOUND  (unknown)
- *  - an id that expired or whose worker was removed         KM_ERR_NOT_FOUND  (late)
+ *  - an id that expired, was evicted or whose worker was
+ *    removed                                              KM_ERR_NOT_FOUND  (late)
  *  - an id already finished (FINISHED twice, FIRST_TOKEN
  *    after FINISHED), begun twice, FIRST_TOKEN twice        KM_ERR_PROTOCOL   (duplicates)
  *  - DISPATCHED after FIRST_TOKEN                           KM_ERR_PROTOCOL   (out_of_order)
@@ -119,10 +120,12 @@ typedef enum km_active_end {
     KM_ACTIVE_END_CANCELLED = 3,
     KM_ACTIVE_END_EXPIRED = 4,        /* no event for ttl_ns (km_active_expire) */
     KM_ACTIVE_END_WORKER_REMOVED = 5, /* km_active_remove_worker */
+    KM_ACTIVE_END_EVICTED = 6,        /* the least recently touched, to make room (km_active_evict_oldest) */
 } km_active_end;
-#define KM_ACTIVE_END_COUNT 6u
+#define KM_ACTIVE_END_COUNT 7u
 
-/* "complete", "incomplete", "error", "cancelled", "expired", "worker_removed"; "unknown" else. */
+/* "complete", "incomplete", "error", "cancelled", "expired", "worker_removed", "evicted";
+ * "unknown" else. */
 const char *km_active_end_name(km_active_end end);
 
 /* Everything the handle knew about an entry when it ended: what the service writes into the
@@ -202,6 +205,14 @@ int km_active_expire(km_active *active, uint64_t now_ns, km_active_summary_fn on
  * expire a large backlog in slices; *n_expired < max means nothing due is left. */
 int km_active_expire_some(km_active *active, uint64_t now_ns, size_t max,
                           km_active_summary_fn on_expired, void *user, size_t *n_expired);
+
+/* End the least recently touched entry before its TTL (end EVICTED, passed to on_evicted, may be
+ * NULL), to make room when max_entries are live: a router that never reports FINISHED fills the
+ * table at its routing rate times the TTL, and new work matters more than the stalest. Later
+ * events for its id are "late" (KM_ERR_NOT_FOUND), as for an expired one. O(1). Errors:
+ * KM_ERR_NULL_POINTER, KM_ERR_NOT_FOUND (no entry). */
+int km_active_evict_oldest(km_active *active, uint64_t now_ns, km_active_summary_fn on_evicted,
+                           void *user);
 
 /* Drop every entry of `worker` (end WORKER_REMOVED, each passed to on_removed, may be NULL); its
  * load becomes 0. Later events for those ids are "late" (KM_ERR_NOT_FOUND). O(the worker's

@@ -91,6 +91,10 @@ typedef struct km_server_config {
     km_protocol_limits limits;  /* frame and message limits (docs/PROTOCOL.md) */
 
     uint64_t active_ttl_ms;     /* active work whose FINISHED never comes expires; default 600,000 */
+    uint32_t max_active_entries; /* active work kept at most; one more evicts the least recently
+                                  * touched entry (an `expired` outcome record, counted in
+                                  * `evicted`), so a router that never reports FINISHED degrades
+                                  * load accounting, not routing; default 1,048,576 */
     double ready_share;         /* /readyz: ready when at least this share of event-fed workers is
                                  * LIVE; default 1.0 */
     uint32_t drain_timeout_ms;  /* shutdown waits this long for queued work; default 10,000 */
@@ -165,6 +169,7 @@ typedef struct km_server_stats {
     uint64_t lifecycle_errors;      /* unknown ids, out of order, ... (answered per item) */
     uint64_t outcomes;              /* outcome records (FINISHED and expiries) */
     uint64_t expired;               /* active work expired by TTL */
+    uint64_t evicted;               /* active work ended early to make room (max_active_entries) */
     uint64_t records_dropped;       /* records the writer could not take (queue full) */
 } km_server_stats;
 
