@@ -119,7 +119,26 @@ typedef struct phase_result {
      * the wake-ups; CPU per decision is what a change to the code moves. */
     double server_cpu_us, driver_cpu_us, idle_pct, steal_pct;
     thread_times server_threads; /* per thread name: us per answered route */
+    double records_dropped_per_s; /* records the server's writer refused (queue full); < 0: off */
 } phase_result;
+
+static bool g_records; /* the server writes records: count what its writer drops */
+
+/* The server's count of dropped records (STATUS), or -1. */
+static double records_dropped(const char *addr)
+{
+    if (!g_records)
+        return -1;
+    km_client *c = NULL;
+    if (km_client_connect(addr, 2000, &c, NULL, 0) != KM_OK)
+        return -1;
+    km_message m;
+    double dropped = -1;
+    if (km_client_status(c, 2000, &m) == KM_OK && m.type == KM_MESSAGE_STATUS_REPLY)
+        dropped = (double)m.status_reply.records_dropped;
+    km_client_close(c);
+    return dropped;
+}
 
 /* The process being measured (the child server), or 0. */
 static pid_t g_server_pid;
@@ -309,6 +328,7 @@ static int run_phase(const char *addr, uint32_t n_conns, uint32_t per_frame, uin
         }
     }
     static uint64_t seq = 0; /* request ids stay unique across phases */
+    double dropped0 = records_dropped(addr);
     thread_times server0;
     read_thread_times(g_server_pid > 0 ? g_server_pid : -1, &server0);
     double driver_ns0 = driver_cpu_ns();
@@ -381,6 +401,8 @@ static int run_phase(const char *addr, uint32_t n_conns, uint32_t per_frame, uin
     double elapsed = km_bench_now_s() - start;
     thread_times server1;
     read_thread_times(g_server_pid > 0 ? g_server_pid : -1, &server1);
+    double dropped1 = records_dropped(addr);
+    out->records_dropped_per_s = dropped0 >= 0 && dropped1 >= 0 ? (dropped1 - dropped0) / elapsed : -1;
     double driver_ns1 = driver_cpu_ns();
     machine_ticks ticks1 = read_machine_ticks();
     double answered = out->routes ? (double)out->routes : 1;
@@ -518,6 +540,7 @@ int km_bench_ipc_main(int argc, char **argv)
     json_object_set_new(root, "machine", km_bench_machine_json());
     pid_t pid = connect_to ? 0 : start_server(self, sock, records, dir);
     g_server_pid = pid;
+    g_records = records;
     if (connect_to)
         snprintf(addr, sizeof addr, "%s", connect_to);
     /* Wait for the socket. */
@@ -602,6 +625,9 @@ int km_bench_ipc_main(int argc, char **argv)
         json_object_set_new(o, "server_cpu_us_per_decision",
                             pr.server_cpu_us >= 0 ? json_real(km_bench_round_to(pr.server_cpu_us, 0.01)) : json_null());
         json_object_set_new(o, "driver_cpu_us_per_decision", json_real(km_bench_round_to(pr.driver_cpu_us, 0.01)));
+        json_object_set_new(o, "records_dropped_per_s",
+                            pr.records_dropped_per_s >= 0 ? json_real(km_bench_round_to(pr.records_dropped_per_s, 1))
+                                                          : json_null());
         if (pr.server_cpu_us >= 0) {
             json_t *by = json_object();
             for (unsigned k = 0; k < pr.server_threads.n; k++)

@@ -1,4 +1,4 @@
-/* Linked decision and outcome records: JSON formatting (jansson) and the background JSONL writer
+/* Linked decision and outcome records: JSON formatting and the background JSONL writer
  * (include/kvmatch/records.h, docs/RECORDS.md).
  *
  * Formatting checks every field against what the schema (docs/records.schema.json) requires as it
@@ -30,7 +30,6 @@
 #include <time.h>
 #include <unistd.h>
 
-#include <jansson.h>
 
 /* ---- small helpers ------------------------------------------------------------------------------ */
 
@@ -177,14 +176,24 @@ void km_outcome_record_from_decision(km_outcome_record *o, const km_decision_rec
     o->owner_depth_blocks = d->owner.depth_blocks;
 }
 
-/* ---- JSON building with validation -------------------------------------------------------------- */
+/* ---- JSON writing with validation -------------------------------------------------------------- */
 
-/* The state of one format call: the first failure wins; later puts are no-ops. */
+/* The state of one format call: the line being written and the first failure, which wins (later
+ * puts are no-ops). Records are written straight into the line, field by field in the order the
+ * schema lists them: building a jansson tree per record and dumping it cost the writer thread
+ * 6.4-8.6 us per decision (docs/BENCHMARKS.md "IPC"). The output is compact JSON as
+ * json_dumps(JSON_COMPACT | JSON_REAL_PRECISION(16)) wrote it; the tests parse every line back
+ * with jansson. */
+#define MAX_DEPTH 4
 typedef struct builder {
     int status;
     char *error;
     size_t error_size;
     bool annotated; /* the error already names the object it is in */
+    char *buf;
+    size_t len, cap;
+    int depth;
+    bool first[MAX_DEPTH + 1]; /* no member written yet at this nesting depth */
 } builder;
 
 static void fail(builder *b, int status, const char *fmt, ...)
@@ -215,18 +224,179 @@ static void annotate(builder *b, int status_before, const char *fmt, ...)
         snprintf(b->error + used, b->error_size - used, " (in %s)", where);
 }
 
-static void put(builder *b, json_t *obj, const char *key, json_t *value)
+static bool reserve(builder *b, size_t n)
 {
-    if (b->status != KM_OK) {
-        json_decref(value);
+    if (b->cap - b->len > n)
+        return true; /* room for n bytes and the final NUL */
+    size_t cap = b->cap ? b->cap : 1024;
+    while (cap - b->len <= n)
+        cap *= 2;
+    char *grown = realloc(b->buf, cap);
+    if (!grown) {
+        fail(b, KM_ERR_OUT_OF_MEMORY, "serialising the record");
+        return false;
+    }
+    b->buf = grown;
+    b->cap = cap;
+    return true;
+}
+
+static void emit(builder *b, const char *text, size_t n)
+{
+    if (b->status != KM_OK || !reserve(b, n))
+        return;
+    memcpy(b->buf + b->len, text, n);
+    b->len += n;
+}
+
+/* A member's key (keys are this file's own ASCII names) or, for key NULL, an array element: the
+ * comma before it unless it is the first. */
+static void begin_value(builder *b, const char *key)
+{
+    if (!b->first[b->depth])
+        emit(b, ",", 1);
+    b->first[b->depth] = false;
+    if (key) {
+        emit(b, "\"", 1);
+        emit(b, key, strlen(key));
+        emit(b, "\":", 2);
+    }
+}
+
+static void open_container(builder *b, const char *key, char bracket)
+{
+    if (b->status != KM_OK)
+        return;
+    if (b->depth == MAX_DEPTH) {
+        fail(b, KM_ERR_INTERNAL, "records nest at most %d deep", MAX_DEPTH);
         return;
     }
-    if (!value || json_object_set_new(obj, key, value) != 0)
-        fail(b, KM_ERR_OUT_OF_MEMORY, "building field %s", key);
+    begin_value(b, key);
+    emit(b, &bracket, 1);
+    b->first[++b->depth] = true;
+}
+
+static void close_container(builder *b, char bracket)
+{
+    if (b->status != KM_OK)
+        return;
+    emit(b, &bracket, 1);
+    b->depth--;
+}
+
+static void put_null(builder *b, const char *key)
+{
+    if (b->status != KM_OK)
+        return;
+    begin_value(b, key);
+    emit(b, "null", 4);
+}
+
+static void put_bool(builder *b, const char *key, bool value)
+{
+    if (b->status != KM_OK)
+        return;
+    begin_value(b, key);
+    emit(b, value ? "true" : "false", value ? 4 : 5);
+}
+
+static void put_int(builder *b, const char *key, int64_t value)
+{
+    if (b->status != KM_OK)
+        return;
+    char digits[24];
+    int n = 0;
+    uint64_t v = value < 0 ? 0 - (uint64_t)value : (uint64_t)value;
+    do {
+        digits[sizeof digits - 1 - n++] = (char)('0' + v % 10);
+        v /= 10;
+    } while (v);
+    if (value < 0)
+        digits[sizeof digits - 1 - n++] = '-';
+    begin_value(b, key);
+    emit(b, digits + sizeof digits - n, (size_t)n);
+}
+
+/* The length of the UTF-8 sequence starting at s (at most `left` bytes), or 0 when it is not
+ * well-formed: overlong forms, surrogates and code points past U+10FFFF are not (RFC 3629). */
+static size_t utf8_sequence(const unsigned char *s, size_t left)
+{
+    unsigned char c = s[0];
+    if (c < 0x80)
+        return 1;
+    size_t n;
+    uint32_t cp;
+    if (c >= 0xC2 && c <= 0xDF)
+        n = 2, cp = c & 0x1F;
+    else if (c >= 0xE0 && c <= 0xEF)
+        n = 3, cp = c & 0x0F;
+    else if (c >= 0xF0 && c <= 0xF4)
+        n = 4, cp = c & 0x07;
+    else
+        return 0;
+    if (n > left)
+        return 0;
+    for (size_t i = 1; i < n; i++) {
+        if ((s[i] & 0xC0) != 0x80)
+            return 0;
+        cp = cp << 6 | (s[i] & 0x3F);
+    }
+    if ((n == 3 && cp < 0x800) || (n == 4 && cp < 0x10000) || cp > 0x10FFFF ||
+        (cp >= 0xD800 && cp <= 0xDFFF))
+        return 0;
+    return n;
+}
+
+/* A JSON string: '"', '\' and control characters escaped, everything else (UTF-8) as it is;
+ * invalid UTF-8 fails the record. */
+static void emit_string(builder *b, const char *key, const char *value)
+{
+    const unsigned char *s = (const unsigned char *)value;
+    size_t n = strlen(value);
+    for (size_t i = 0; i < n;) {
+        size_t k = utf8_sequence(s + i, n - i);
+        if (!k) {
+            fail(b, KM_ERR_INVALID_ARGUMENT, "field %s is not valid UTF-8", key ? key : "value");
+            return;
+        }
+        i += k;
+    }
+    begin_value(b, key);
+    if (!reserve(b, 2 + 6 * n)) /* every byte escaped as \u00XX at worst */
+        return;
+    char *o = b->buf + b->len;
+    *o++ = '"';
+    for (size_t i = 0; i < n; i++) {
+        unsigned char c = s[i];
+        if (c >= 0x20 && c != '"' && c != '\\') {
+            *o++ = (char)c;
+            continue;
+        }
+        *o++ = '\\';
+        switch (c) {
+        case '"': *o++ = '"'; break;
+        case '\\': *o++ = '\\'; break;
+        case '\b': *o++ = 'b'; break;
+        case '\f': *o++ = 'f'; break;
+        case '\n': *o++ = 'n'; break;
+        case '\r': *o++ = 'r'; break;
+        case '\t': *o++ = 't'; break;
+        default: {
+            static const char hex[] = "0123456789ABCDEF";
+            *o++ = 'u';
+            *o++ = '0';
+            *o++ = '0';
+            *o++ = hex[c >> 4];
+            *o++ = hex[c & 15];
+        }
+        }
+    }
+    *o++ = '"';
+    b->len = (size_t)(o - b->buf);
 }
 
 /* A string field; NULL is JSON null unless required. */
-static void put_string(builder *b, json_t *obj, const char *key, const char *value, bool required)
+static void put_string(builder *b, const char *key, const char *value, bool required)
 {
     if (b->status != KM_OK)
         return;
@@ -234,19 +404,14 @@ static void put_string(builder *b, json_t *obj, const char *key, const char *val
         if (required)
             fail(b, KM_ERR_NULL_POINTER, "field %s is required", key);
         else
-            put(b, obj, key, json_null());
+            put_null(b, key);
         return;
     }
-    json_t *s = json_string(value); /* NULL for invalid UTF-8 (the only failure short of OOM) */
-    if (!s) {
-        fail(b, KM_ERR_INVALID_ARGUMENT, "field %s is not valid UTF-8", key);
-        return;
-    }
-    put(b, obj, key, s);
+    emit_string(b, key, value);
 }
 
 /* An index state name: upper-case letters and '_', non-empty. */
-static void put_state(builder *b, json_t *obj, const char *key, const char *value, bool required)
+static void put_state(builder *b, const char *key, const char *value, bool required)
 {
     if (b->status != KM_OK)
         return;
@@ -264,11 +429,11 @@ static void put_state(builder *b, json_t *obj, const char *key, const char *valu
             }
         }
     }
-    put_string(b, obj, key, value, required);
+    put_string(b, key, value, required);
 }
 
 /* A lower-case name (policy, load kind): lower-case letters, digits and '_', non-empty. */
-static void put_name(builder *b, json_t *obj, const char *key, const char *value, bool required)
+static void put_name(builder *b, const char *key, const char *value, bool required)
 {
     if (b->status != KM_OK)
         return;
@@ -285,11 +450,11 @@ static void put_name(builder *b, json_t *obj, const char *key, const char *value
             }
         }
     }
-    put_string(b, obj, key, value, required);
+    put_string(b, key, value, required);
 }
 
 /* A non-negative integer; KM_RECORD_ABSENT is JSON null unless required. */
-static void put_count(builder *b, json_t *obj, const char *key, int64_t value, bool required)
+static void put_count(builder *b, const char *key, int64_t value, bool required)
 {
     if (b->status != KM_OK)
         return;
@@ -297,23 +462,23 @@ static void put_count(builder *b, json_t *obj, const char *key, int64_t value, b
         if (required)
             fail(b, KM_ERR_INVALID_ARGUMENT, "field %s is required (it is absent)", key);
         else
-            put(b, obj, key, json_null());
+            put_null(b, key);
         return;
     }
     if (value < 0) {
         fail(b, KM_ERR_INVALID_ARGUMENT, "field %s is negative (%" PRId64 ")", key, value);
         return;
     }
-    put(b, obj, key, json_integer((json_int_t)value));
+    put_int(b, key, value);
 }
 
 /* blocks * block_size, or absent when blocks is; block_size >= 1 was checked. */
-static void put_tokens(builder *b, json_t *obj, const char *key, int64_t blocks, int64_t block_size)
+static void put_tokens(builder *b, const char *key, int64_t blocks, int64_t block_size)
 {
     if (b->status != KM_OK)
         return;
     if (blocks == KM_RECORD_ABSENT || blocks < 0) {
-        put(b, obj, key, json_null());
+        put_null(b, key);
         return;
     }
     if (blocks > INT64_MAX / block_size) {
@@ -321,39 +486,67 @@ static void put_tokens(builder *b, json_t *obj, const char *key, int64_t blocks,
              key, blocks, block_size);
         return;
     }
-    put(b, obj, key, json_integer((json_int_t)(blocks * block_size)));
+    put_int(b, key, blocks * block_size);
 }
 
-static void put_real(builder *b, json_t *obj, const char *key, double value)
+/* A finite real with 16 significant digits (0.1 stays "0.1"; 17 would print
+ * 0.10000000000000001; 17 only above 1.7e308), always with a '.' or an exponent so it reads back
+ * as a real, exponents without '+' or leading zeros; NAN is null. */
+static void put_real(builder *b, const char *key, double value)
 {
     if (b->status != KM_OK)
         return;
     if (isnan(value)) {
-        put(b, obj, key, json_null());
+        put_null(b, key);
         return;
     }
     if (!isfinite(value)) {
         fail(b, KM_ERR_INVALID_ARGUMENT, "field %s is infinite", key);
         return;
     }
-    put(b, obj, key, json_real(value));
+    char text[40];
+    /* Near DBL_MAX, 16 digits round up past it (1.797693134862316e308 reads back as infinity):
+     * 17 there. */
+    int n = snprintf(text, sizeof text - 2, fabs(value) > 1.7e308 ? "%.17g" : "%.16g", value);
+    if (n < 0 || n >= (int)sizeof text - 2) {
+        fail(b, KM_ERR_INTERNAL, "field %s: cannot format %g", key, value);
+        return;
+    }
+    char *e = strchr(text, 'e');
+    if (!e && !strchr(text, '.')) {
+        text[n++] = '.';
+        text[n++] = '0';
+        text[n] = '\0';
+    } else if (e) {
+        char *from = e + 1, *to = e + 1;
+        if (*from == '-')
+            from++, to++;
+        else if (*from == '+')
+            from++;
+        while (*from == '0' && from[1])
+            from++;
+        memmove(to, from, strlen(from) + 1);
+        n = (int)strlen(text);
+    }
+    begin_value(b, key);
+    emit(b, text, (size_t)n);
 }
 
-static void put_flag(builder *b, json_t *obj, const char *key, km_record_flag value)
+static void put_flag(builder *b, const char *key, km_record_flag value)
 {
     if (b->status != KM_OK)
         return;
     switch (value) {
-    case KM_RECORD_FLAG_UNKNOWN: put(b, obj, key, json_null()); return;
-    case KM_RECORD_FLAG_FALSE: put(b, obj, key, json_false()); return;
-    case KM_RECORD_FLAG_TRUE: put(b, obj, key, json_true()); return;
+    case KM_RECORD_FLAG_UNKNOWN: put_null(b, key); return;
+    case KM_RECORD_FLAG_FALSE: put_bool(b, key, false); return;
+    case KM_RECORD_FLAG_TRUE: put_bool(b, key, true); return;
     }
     fail(b, KM_ERR_INVALID_ARGUMENT, "field %s has no such km_record_flag value (%d)", key,
          (int)value);
 }
 
 /* RFC 3339 UTC with microseconds: 2026-11-30T12:34:56.123456Z. */
-static void put_wall(builder *b, json_t *obj, const char *key, int64_t wall_ns, bool required)
+static void put_wall(builder *b, const char *key, int64_t wall_ns, bool required)
 {
     if (b->status != KM_OK)
         return;
@@ -361,7 +554,7 @@ static void put_wall(builder *b, json_t *obj, const char *key, int64_t wall_ns, 
         if (required)
             fail(b, KM_ERR_INVALID_ARGUMENT, "field %s is required (it is absent)", key);
         else
-            put(b, obj, key, json_null());
+            put_null(b, key);
         return;
     }
     if (wall_ns < 0) {
@@ -379,11 +572,11 @@ static void put_wall(builder *b, json_t *obj, const char *key, int64_t wall_ns, 
     char text[64];
     snprintf(text, sizeof text, "%04d-%02d-%02dT%02d:%02d:%02d.%06ldZ", tm.tm_year + 1900,
              tm.tm_mon + 1, tm.tm_mday, tm.tm_hour, tm.tm_min, tm.tm_sec, micros);
-    put(b, obj, key, json_string(text));
+    emit_string(b, key, text);
 }
 
 /* "<prefix>_time" and "<prefix>_monotonic_ns" (or "time" and "monotonic_ns" for prefix NULL). */
-static void put_time(builder *b, json_t *obj, const char *prefix, km_record_time t, bool required)
+static void put_time(builder *b, const char *prefix, km_record_time t, bool required)
 {
     char wall_key[64], mono_key[64];
     if (prefix) {
@@ -393,17 +586,17 @@ static void put_time(builder *b, json_t *obj, const char *prefix, km_record_time
         snprintf(wall_key, sizeof wall_key, "time");
         snprintf(mono_key, sizeof mono_key, "monotonic_ns");
     }
-    put_wall(b, obj, wall_key, t.wall_ns, required);
-    put_count(b, obj, mono_key, t.monotonic_ns, required);
+    put_wall(b, wall_key, t.wall_ns, required);
+    put_count(b, mono_key, t.monotonic_ns, required);
 }
 
 /* later - earlier on the monotonic clock, null unless both are present; negative is a caller bug. */
-static void put_duration(builder *b, json_t *obj, const char *key, int64_t earlier, int64_t later)
+static void put_duration(builder *b, const char *key, int64_t earlier, int64_t later)
 {
     if (b->status != KM_OK)
         return;
     if (earlier == KM_RECORD_ABSENT || later == KM_RECORD_ABSENT) {
-        put(b, obj, key, json_null());
+        put_null(b, key);
         return;
     }
     if (later < earlier) {
@@ -413,70 +606,66 @@ static void put_duration(builder *b, json_t *obj, const char *key, int64_t earli
              key, later, earlier);
         return;
     }
-    put(b, obj, key, json_integer((json_int_t)(later - earlier)));
+    put_int(b, key, later - earlier);
 }
 
-static void put_common(builder *b, json_t *obj, const char *type, const km_record_common *c)
+static void put_common(builder *b, const char *type, const km_record_common *c)
 {
-    put(b, obj, "type", json_string(type));
-    put(b, obj, "schema_version", json_integer(KM_RECORD_SCHEMA_VERSION));
-    put_count(b, obj, "record_id", c->record_id, true);
-    put_string(b, obj, "instance", c->instance, true);
-    put_string(b, obj, "host", c->host, false);
-    put_string(b, obj, "kvmatch_version", c->kvmatch_version, true);
-    put_count(b, obj, "decision_id", c->decision_id, true);
-    put_string(b, obj, "request_id", c->request_id, true);
-    put_string(b, obj, "attempt_id", c->attempt_id, true);
-    put_string(b, obj, "model", c->model, true);
-    put_string(b, obj, "pool", c->pool, true);
-    put_string(b, obj, "endpoint", c->endpoint, false);
-    put_time(b, obj, NULL, c->time, true);
+    emit_string(b, "type", type);
+    put_int(b, "schema_version", KM_RECORD_SCHEMA_VERSION);
+    put_count(b, "record_id", c->record_id, true);
+    put_string(b, "instance", c->instance, true);
+    put_string(b, "host", c->host, false);
+    put_string(b, "kvmatch_version", c->kvmatch_version, true);
+    put_count(b, "decision_id", c->decision_id, true);
+    put_string(b, "request_id", c->request_id, true);
+    put_string(b, "attempt_id", c->attempt_id, true);
+    put_string(b, "model", c->model, true);
+    put_string(b, "pool", c->pool, true);
+    put_string(b, "endpoint", c->endpoint, false);
+    put_time(b, NULL, c->time, true);
 }
 
-/* {"worker", "state", "depth_blocks", "depth_tokens"}; worker_required for the chosen worker. */
-static json_t *worker_object(builder *b, const char *what, const km_record_worker *w,
-                             int64_t block_size, bool worker_required)
+/* key: {"worker", "state", "depth_blocks", "depth_tokens"}; worker_required for the chosen
+ * worker. */
+static void put_worker(builder *b, const char *key, const char *what, const km_record_worker *w,
+                       int64_t block_size, bool worker_required)
 {
-    json_t *obj = json_object();
-    if (!obj) {
-        fail(b, KM_ERR_OUT_OF_MEMORY, "building %s", what);
-        return NULL;
-    }
     int status_before = b->status;
-    put_string(b, obj, "worker", w->worker, worker_required);
+    open_container(b, key, '{');
+    put_string(b, "worker", w->worker, worker_required);
     if (b->status == KM_OK && w->worker && !w->state)
         fail(b, KM_ERR_NULL_POINTER, "field state is required when worker is set");
-    put_state(b, obj, "state", w->state, false);
-    put_count(b, obj, "depth_blocks", w->depth_blocks, true);
-    put_tokens(b, obj, "depth_tokens", w->depth_blocks, block_size);
+    put_state(b, "state", w->state, false);
+    put_count(b, "depth_blocks", w->depth_blocks, true);
+    put_tokens(b, "depth_tokens", w->depth_blocks, block_size);
+    close_container(b, '}');
     annotate(b, status_before, "%s", what);
-    return obj;
 }
 
-static int finish(builder *b, json_t *root, char **line, size_t *len)
+static int finish(builder *b, char **line, size_t *len)
 {
-    if (b->status == KM_OK) {
-        /* 16 significant digits: 0.1 stays "0.1" (17 would print 0.10000000000000001), at a
-         * relative error below 1e-15 for the few values that need all 17 */
-        char *text = json_dumps(root, JSON_COMPACT | JSON_PRESERVE_ORDER | JSON_REAL_PRECISION(16));
-        if (!text)
-            fail(b, KM_ERR_OUT_OF_MEMORY, "serialising the record");
-        else {
-            *line = text;
-            *len = strlen(text);
-        }
+    if (b->status == KM_OK && b->depth != 0)
+        fail(b, KM_ERR_INTERNAL, "the record's objects are not all closed");
+    if (b->status == KM_OK && reserve(b, 0)) {
+        b->buf[b->len] = '\0';
+        *line = b->buf;
+        *len = b->len;
+        return KM_OK;
     }
-    json_decref(root);
+    free(b->buf);
+    b->buf = NULL;
     return b->status;
 }
 
 static bool start(builder *b, char *error, size_t error_size, const void *record, char **line,
                   size_t *len)
 {
+    memset(b, 0, sizeof *b);
     b->status = KM_OK;
-    b->annotated = false;
     b->error = error;
     b->error_size = error_size;
+    b->first[0] = true;
     if (error && error_size)
         error[0] = '\0';
     if (line)
@@ -513,73 +702,59 @@ int km_decision_record_format(const km_decision_record *r, char **line, size_t *
     if (b.status != KM_OK)
         return b.status;
 
-    json_t *root = json_object();
-    if (!root) {
-        fail(&b, KM_ERR_OUT_OF_MEMORY, "building the record");
-        return b.status;
-    }
-    put_common(&b, root, "decision", &r->common);
+    open_container(&b, NULL, '{');
+    put_common(&b, "decision", &r->common);
 
-    json_t *prediction = json_object();
-    put(&b, root, "prediction", prediction);
-    if (b.status == KM_OK) {
-        put(&b, prediction, "source", json_string(km_record_source_name(r->source)));
-        put(&b, prediction, "input", json_string(km_record_input_name(r->input)));
-        put(&b, prediction, "units", json_string("blocks"));
-        put_count(&b, prediction, "block_size", r->block_size, true);
-        put_count(&b, prediction, "block_count", r->block_count, true);
-        put_count(&b, prediction, "prompt_tokens", r->prompt_tokens, false);
-        put_count(&b, prediction, "expected_output_tokens", r->expected_output_tokens, false);
-        put_count(&b, prediction, "scored_monotonic_ns", r->scored_monotonic_ns, false);
-        if (b.status == KM_OK)
-            put(&b, prediction, "owner",
-                worker_object(&b, "prediction.owner", &r->owner, r->block_size, false));
-        annotate(&b, KM_OK, "prediction");
-    }
+    int before = b.status; /* a nested object names itself in the error it caused, not in others */
+    open_container(&b, "prediction", '{');
+    emit_string(&b, "source", km_record_source_name(r->source));
+    emit_string(&b, "input", km_record_input_name(r->input));
+    emit_string(&b, "units", "blocks");
+    put_count(&b, "block_size", r->block_size, true);
+    put_count(&b, "block_count", r->block_count, true);
+    put_count(&b, "prompt_tokens", r->prompt_tokens, false);
+    put_count(&b, "expected_output_tokens", r->expected_output_tokens, false);
+    put_count(&b, "scored_monotonic_ns", r->scored_monotonic_ns, false);
+    put_worker(&b, "owner", "prediction.owner", &r->owner, r->block_size, false);
+    close_container(&b, '}');
+    annotate(&b, before, "prediction");
 
-    json_t *decision = json_object();
-    put(&b, root, "decision", decision);
-    if (b.status == KM_OK) {
-        put_name(&b, decision, "policy", r->policy, true);
-        put_string(&b, decision, "reason", r->reason, false);
-        if (b.status == KM_OK)
-            put(&b, decision, "chosen",
-                worker_object(&b, "decision.chosen", &r->chosen, r->block_size, true));
-        bool same = r->owner.worker && r->chosen.worker && strcmp(r->owner.worker, r->chosen.worker) == 0;
-        put(&b, decision, "owner_is_chosen", json_boolean(same));
-        json_t *load = json_object();
-        put(&b, decision, "load", load);
-        if (b.status == KM_OK) {
-            put_name(&b, load, "kind", r->load_kind, true);
-            put_real(&b, load, "value", r->load_value);
-            put(&b, load, "scope", json_string("this_instance"));
-        }
-        annotate(&b, KM_OK, "decision");
-    }
+    before = b.status;
+    open_container(&b, "decision", '{');
+    put_name(&b, "policy", r->policy, true);
+    put_string(&b, "reason", r->reason, false);
+    put_worker(&b, "chosen", "decision.chosen", &r->chosen, r->block_size, true);
+    bool same = r->owner.worker && r->chosen.worker && strcmp(r->owner.worker, r->chosen.worker) == 0;
+    put_bool(&b, "owner_is_chosen", same);
+    open_container(&b, "load", '{');
+    put_name(&b, "kind", r->load_kind, true);
+    put_real(&b, "value", r->load_value);
+    emit_string(&b, "scope", "this_instance");
+    close_container(&b, '}');
+    close_container(&b, '}');
+    annotate(&b, before, "decision");
 
-    json_t *candidates = json_array();
-    put(&b, root, "candidates", candidates);
+    open_container(&b, "candidates", '[');
     for (size_t i = 0; i < r->n_candidates && b.status == KM_OK; i++) {
         const km_record_candidate *c = &r->candidates[i];
-        json_t *obj = json_object();
-        if (!obj || json_array_append_new(candidates, obj) != 0) {
-            fail(&b, KM_ERR_OUT_OF_MEMORY, "building candidate %zu", i);
-            break;
-        }
-        put_string(&b, obj, "worker", c->worker, true);
-        put_state(&b, obj, "state", c->state, true);
-        put_count(&b, obj, "depth_blocks", c->depth_blocks, true);
-        put_tokens(&b, obj, "depth_tokens", c->depth_blocks, r->block_size);
-        put_count(&b, obj, "device_blocks", c->device_blocks, false);
-        put_count(&b, obj, "host_blocks", c->host_blocks, false);
-        put_count(&b, obj, "disk_blocks", c->disk_blocks, false);
-        put_count(&b, obj, "in_flight", c->in_flight, false);
-        put_count(&b, obj, "pending_prefill_tokens", c->pending_prefill_tokens, false);
-        put_count(&b, obj, "active_decode_blocks", c->active_decode_blocks, false);
-        put_real(&b, obj, "cost", c->cost);
+        open_container(&b, NULL, '{');
+        put_string(&b, "worker", c->worker, true);
+        put_state(&b, "state", c->state, true);
+        put_count(&b, "depth_blocks", c->depth_blocks, true);
+        put_tokens(&b, "depth_tokens", c->depth_blocks, r->block_size);
+        put_count(&b, "device_blocks", c->device_blocks, false);
+        put_count(&b, "host_blocks", c->host_blocks, false);
+        put_count(&b, "disk_blocks", c->disk_blocks, false);
+        put_count(&b, "in_flight", c->in_flight, false);
+        put_count(&b, "pending_prefill_tokens", c->pending_prefill_tokens, false);
+        put_count(&b, "active_decode_blocks", c->active_decode_blocks, false);
+        put_real(&b, "cost", c->cost);
+        close_container(&b, '}');
         annotate(&b, KM_OK, "candidates[%zu]", i);
     }
-    return finish(&b, root, line, len);
+    close_container(&b, ']');
+    close_container(&b, '}');
+    return finish(&b, line, len);
 }
 
 int km_outcome_record_format(const km_outcome_record *r, char **line, size_t *len, char *error,
@@ -602,51 +777,47 @@ int km_outcome_record_format(const km_outcome_record *r, char **line, size_t *le
     if (b.status != KM_OK)
         return b.status;
 
-    json_t *root = json_object();
-    if (!root) {
-        fail(&b, KM_ERR_OUT_OF_MEMORY, "building the record");
-        return b.status;
-    }
-    put_common(&b, root, "outcome", &r->common);
-    put(&b, root, "outcome", json_string(km_record_outcome_name(r->outcome)));
-    put_string(&b, root, "finish_reason", r->finish_reason, false);
-    put_flag(&b, root, "done_seen", r->done_seen);
-    put_count(&b, root, "http_status", r->http_status, false);
-    put_string(&b, root, "error", r->error, false);
-    put_string(&b, root, "worker", r->worker, true);
-    put_count(&b, root, "cached_tokens", r->cached_tokens, false);
-    put_count(&b, root, "prompt_tokens", r->prompt_tokens, false);
-    put_count(&b, root, "output_tokens", r->output_tokens, false);
-    put_count(&b, root, "retries", r->retries, false);
-    put_time(&b, root, "decided", r->decided, false);
-    put_time(&b, root, "dispatched", r->dispatched, false);
-    put_time(&b, root, "first_token", r->first_token, false);
-    put_time(&b, root, "finished", r->finished, false);
-    put_duration(&b, root, "wait_ns", r->decided.monotonic_ns, r->dispatched.monotonic_ns);
-    put_duration(&b, root, "ttft_ns", r->decided.monotonic_ns, r->first_token.monotonic_ns);
+    open_container(&b, NULL, '{');
+    put_common(&b, "outcome", &r->common);
+    emit_string(&b, "outcome", km_record_outcome_name(r->outcome));
+    put_string(&b, "finish_reason", r->finish_reason, false);
+    put_flag(&b, "done_seen", r->done_seen);
+    put_count(&b, "http_status", r->http_status, false);
+    put_string(&b, "error", r->error, false);
+    put_string(&b, "worker", r->worker, true);
+    put_count(&b, "cached_tokens", r->cached_tokens, false);
+    put_count(&b, "prompt_tokens", r->prompt_tokens, false);
+    put_count(&b, "output_tokens", r->output_tokens, false);
+    put_count(&b, "retries", r->retries, false);
+    put_time(&b, "decided", r->decided, false);
+    put_time(&b, "dispatched", r->dispatched, false);
+    put_time(&b, "first_token", r->first_token, false);
+    put_time(&b, "finished", r->finished, false);
+    put_duration(&b, "wait_ns", r->decided.monotonic_ns, r->dispatched.monotonic_ns);
+    put_duration(&b, "ttft_ns", r->decided.monotonic_ns, r->first_token.monotonic_ns);
     if (b.status == KM_OK &&
         ((!isnan(r->router_dispatched_ms) && !(r->router_dispatched_ms >= 0)) ||
          (!isnan(r->router_ttft_ms) && !(r->router_ttft_ms >= 0)) ||
          (!isnan(r->router_e2e_ms) && !(r->router_e2e_ms >= 0))))
         fail(&b, KM_ERR_INVALID_ARGUMENT, "the router_*_ms fields must be >= 0 or NAN (null)");
-    put_real(&b, root, "router_dispatched_ms", r->router_dispatched_ms);
-    put_real(&b, root, "router_ttft_ms", r->router_ttft_ms);
-    put_real(&b, root, "router_e2e_ms", r->router_e2e_ms);
+    put_real(&b, "router_dispatched_ms", r->router_dispatched_ms);
+    put_real(&b, "router_ttft_ms", r->router_ttft_ms);
+    put_real(&b, "router_e2e_ms", r->router_e2e_ms);
 
-    json_t *predicted = json_object();
-    put(&b, root, "predicted", predicted);
-    if (b.status == KM_OK) {
-        put(&b, predicted, "source", json_string(km_record_source_name(r->source)));
-        put(&b, predicted, "units", json_string("blocks"));
-        put_count(&b, predicted, "block_size", r->block_size, true);
-        put_count(&b, predicted, "depth_blocks", r->predicted_depth_blocks, true);
-        put_tokens(&b, predicted, "depth_tokens", r->predicted_depth_blocks, r->block_size);
-        put_string(&b, predicted, "owner_worker", r->owner_worker, false);
-        put_count(&b, predicted, "owner_depth_blocks", r->owner_depth_blocks, true);
-        put_tokens(&b, predicted, "owner_depth_tokens", r->owner_depth_blocks, r->block_size);
-        annotate(&b, KM_OK, "predicted");
-    }
-    return finish(&b, root, line, len);
+    int before = b.status; /* as in km_decision_record_format */
+    open_container(&b, "predicted", '{');
+    emit_string(&b, "source", km_record_source_name(r->source));
+    emit_string(&b, "units", "blocks");
+    put_count(&b, "block_size", r->block_size, true);
+    put_count(&b, "depth_blocks", r->predicted_depth_blocks, true);
+    put_tokens(&b, "depth_tokens", r->predicted_depth_blocks, r->block_size);
+    put_string(&b, "owner_worker", r->owner_worker, false);
+    put_count(&b, "owner_depth_blocks", r->owner_depth_blocks, true);
+    put_tokens(&b, "owner_depth_tokens", r->owner_depth_blocks, r->block_size);
+    close_container(&b, '}');
+    annotate(&b, before, "predicted");
+    close_container(&b, '}');
+    return finish(&b, line, len);
 }
 
 /* ---- the background writer ---------------------------------------------------------------------- */

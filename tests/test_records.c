@@ -1583,3 +1583,99 @@ Test(records, deferred_records_are_copied_and_formatted_by_the_writer, .timeout 
     free(data);
     remove_dir(dir);
 }
+
+/* Records are written without jansson; jansson judges them. Random byte strings as an id: a line
+ * comes out exactly when jansson takes the string as UTF-8, and reads back as the same bytes.
+ * Reals from subnormal to huge, negative, integral and not: each reads back as a JSON real within
+ * the 16 significant digits written. */
+Test(records, strings_and_reals_read_back_through_jansson, .timeout = 60)
+{
+    km_rng rng;
+    km_rng_init(&rng, km_test_seed());
+    static const unsigned char interesting[] = {0x00, 0x01, 0x1f, 0x20, '"', '\\', '/', 0x7f,
+                                                0x80, 0xbf, 0xc0, 0xc1, 0xc2, 0xdf, 0xe0, 0xed,
+                                                0xef, 0xf0, 0xf4, 0xf5, 0xff, 'a', 0xa0, 0x9f};
+    /* Valid sequences at the edges (U+007F, U+0080, U+07FF, U+0800, U+D7FF, U+E000, U+FFFF,
+     * U+10000, U+10FFFF) and invalid ones (overlong, surrogate, past U+10FFFF, lone or missing
+     * continuation bytes, 0xF5). */
+    static const char *const valid[] = {"a", "\"", "\\", "\n", "\x01", "\x7f", "\xc2\x80",
+                                        "\xdf\xbf", "\xe0\xa0\x80", "\xed\x9f\xbf", "\xee\x80\x80",
+                                        "\xef\xbf\xbf", "\xf0\x90\x80\x80", "\xf4\x8f\xbf\xbf"};
+    static const char *const invalid[] = {"\xc0\xaf", "\xc1\xbf", "\xe0\x80\xaf", "\xed\xa0\x80",
+                                          "\xed\xbf\xbf", "\xf0\x80\x80\xaf", "\xf4\x90\x80\x80",
+                                          "\xf5\x80\x80\x80", "\x80", "\xbf", "\xe6\x97", "\xff"};
+    int accepted = 0, refused = 0;
+    for (int i = 0; i < 20000; i++) {
+        char id[64];
+        id[0] = '\0';
+        if (i % 2) { /* pieces: valid, with an invalid one in a third of the cases */
+            uint32_t pieces = 1 + km_rng_below(&rng, 8);
+            uint32_t bad_at = km_rng_percent(&rng, 33) ? km_rng_below(&rng, pieces) : pieces;
+            for (uint32_t k = 0; k < pieces; k++)
+                strcat(id, k == bad_at ? invalid[km_rng_below(&rng, sizeof invalid / sizeof *invalid)]
+                                       : valid[km_rng_below(&rng, sizeof valid / sizeof *valid)]);
+        } else { /* random bytes */
+            uint32_t n = 1 + km_rng_below(&rng, 16);
+            for (uint32_t k = 0; k < n; k++) {
+                unsigned char c = km_rng_percent(&rng, 60)
+                                      ? interesting[km_rng_below(&rng, sizeof interesting)]
+                                      : (unsigned char)km_rng_below(&rng, 256);
+                id[k] = (char)(c ? c : 'x'); /* C strings: no NUL inside */
+            }
+            id[n] = '\0';
+        }
+        km_decision_record r;
+        km_record_candidate cands[2];
+        brief_case(&r, cands);
+        r.common.attempt_id = id;
+        r.load_value = (km_rng_below(&rng, 2) ? -1.0 : 1.0) *
+                       ldexp((double)km_rng_below(&rng, 1u << 30) + 0.5,
+                             (int)km_rng_below(&rng, 2090) - 1100); /* finite: < 2^1020 */
+        char *line = NULL, error[256];
+        size_t len = 0;
+        int rc = km_decision_record_format(&r, &line, &len, error, sizeof error);
+        json_t *as_jansson = json_string(id);
+        if (!as_jansson) {
+            cr_assert_eq(rc, KM_ERR_INVALID_ARGUMENT, "case %d: jansson refuses the id, we did not", i);
+            cr_assert(strstr(error, "attempt_id") && strstr(error, "UTF-8"), "%s", error);
+            refused++;
+            continue;
+        }
+        json_decref(as_jansson);
+        cr_assert_eq(rc, KM_OK, "case %d: jansson takes the id, we refused: %s", i, error);
+        json_error_t err;
+        json_t *o = json_loadb(line, len, 0, &err);
+        cr_assert_not_null(o, "case %d: %s in %s", i, err.text, line);
+        cr_assert_str_eq(json_string_value(json_object_get(o, "attempt_id")), id, "case %d", i);
+        json_t *v = json_object_get(json_object_get(json_object_get(o, "decision"), "load"), "value");
+        cr_assert(json_is_real(v), "case %d: the value reads back as a real: %s", i, line);
+        double got = json_real_value(v);
+        cr_assert(fabs(got - r.load_value) <= 1e-15 * fabs(r.load_value) ||
+                      (fabs(r.load_value) < 1e-300 && fabs(got - r.load_value) < 1e-310),
+                  "case %d: %.17g read back as %.17g", i, r.load_value, got);
+        json_decref(o);
+        free(line);
+        accepted++;
+    }
+    cr_assert(accepted > 2000 && refused > 2000, "accepted %d, refused %d", accepted, refused);
+    /* And the real formats at their edges. */
+    static const double reals[] = {0.0, 1.0, -1.0, 0.1, 1e21, 1e-7, 123456789012345678.0,
+                                   5e-324, 1.7976931348623157e308, -2.5e-300, 1e16, 1e15};
+    for (size_t i = 0; i < sizeof reals / sizeof reals[0]; i++) {
+        km_decision_record r;
+        km_record_candidate cands[2];
+        brief_case(&r, cands);
+        r.load_value = reals[i];
+        char *line = NULL;
+        size_t len = 0;
+        cr_assert_eq(km_decision_record_format(&r, &line, &len, NULL, 0), KM_OK);
+        json_t *o = json_loadb(line, len, 0, NULL);
+        json_t *v = json_object_get(json_object_get(json_object_get(o, "decision"), "load"), "value");
+        cr_assert(json_is_real(v), "%.17g: %s", reals[i], line);
+        cr_assert(json_real_value(v) == reals[i] ||
+                      fabs(json_real_value(v) - reals[i]) <= 1e-15 * fabs(reals[i]),
+                  "%.17g read back as %.17g", reals[i], json_real_value(v));
+        json_decref(o);
+        free(line);
+    }
+}
