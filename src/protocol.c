@@ -1113,65 +1113,102 @@ static int read_value_header(const uint8_t *p, size_t available, value_header *h
 
 static int prescan(km_protocol_decoder *d, const uint8_t *p, size_t size)
 {
+    /* Values still to come in the open containers: the innermost count in `remaining` (the
+     * payload itself is a container of one value), the enclosing ones in `pending`. This scan was
+     * a fifth of a client's time decoding decisions with 16 candidate rows; keeping the innermost
+     * count out of memory and taking the common values (one-byte values, short strings, 64-bit
+     * numbers: hashes, costs) before the general header decoder cut that client's CPU per decision
+     * by 8-10% (`bench ipc --only 5`, four shuffled pairs: 5.45-6.07 us against 6.00-6.79). */
     uint64_t pending[KM_PROTOCOL_MAX_NESTING_DEPTH];
     unsigned depth = 0;
+    uint64_t remaining = 1;
     size_t pos = 0;
     uint64_t objects = 0;
+    const uint64_t max_objects = d->limits.max_objects;
     for (;;) {
         if (pos >= size)
             return field_fail(d, KM_ERR_PARSE, NULL, NO_ELEMENT,
                               "payload truncated: %zu bytes end inside a value nested %u deep",
                               size, depth);
-        value_header h;
-        int rc = read_value_header(p + pos, size - pos, &h);
-        if (rc == -2)
-            return field_fail(d, KM_ERR_PARSE, NULL, NO_ELEMENT,
-                              "byte 0x%02x at offset %zu is not a valid msgpack type", p[pos], pos);
-        if (rc == -1)
-            return field_fail(d, KM_ERR_PARSE, NULL, NO_ELEMENT,
-                              "payload truncated: value header at offset %zu needs %u bytes, "
-                              "%zu left",
-                              pos, h.header_bytes, size - pos);
-        if (++objects > d->limits.max_objects)
-            return field_fail(d, KM_ERR_TOO_LARGE, NULL, NO_ELEMENT,
-                              "payload holds more than max_objects = %u msgpack values",
-                              d->limits.max_objects);
-        pos += h.header_bytes;
+        uint8_t b = p[pos];
         size_t left = size - pos;
-        if (h.is_container) {
-            uint64_t values = h.is_map ? 2 * h.entries : h.entries;
-            if (depth >= KM_PROTOCOL_MAX_NESTING_DEPTH)
-                return field_fail(d, KM_ERR_TOO_LARGE, NULL, NO_ELEMENT,
-                                  "containers nested deeper than %u at offset %zu",
-                                  KM_PROTOCOL_MAX_NESTING_DEPTH, pos - h.header_bytes);
-            if (values > left)
+        if (b <= 0x7f || b >= 0xe0 || b == 0xc0 || b == 0xc2 || b == 0xc3) {
+            pos += 1; /* fixint, nil, false, true */
+        } else if ((b & 0xe0) == 0xa0) { /* fixstr */
+            size_t body = b & 0x1fu;
+            if (body > left - 1)
                 return field_fail(d, KM_ERR_PARSE, NULL, NO_ELEMENT,
-                                  "payload truncated or corrupt: %s at offset %zu declares %" PRIu64
-                                  " entries but only %zu bytes follow",
-                                  h.is_map ? "map" : "array", pos - h.header_bytes, h.entries,
-                                  left);
-            if (values > 0) {
-                pending[depth++] = values;
-                continue;
-            }
+                                  "payload truncated: value at offset %zu needs %zu more bytes, "
+                                  "%zu left",
+                                  pos, body, left - 1);
+            pos += 1 + body;
+        } else if (b == 0xcb || b == 0xcf || b == 0xd3) { /* float 64, uint 64, int 64 */
+            if (left < 9)
+                return field_fail(d, KM_ERR_PARSE, NULL, NO_ELEMENT,
+                                  "payload truncated: value header at offset %zu needs 9 bytes, "
+                                  "%zu left",
+                                  pos, left);
+            pos += 9;
         } else {
-            if (h.body_bytes > left)
+            value_header h;
+            int rc = read_value_header(p + pos, left, &h);
+            if (rc == -2)
                 return field_fail(d, KM_ERR_PARSE, NULL, NO_ELEMENT,
-                                  "payload truncated: value at offset %zu needs %" PRIu64
-                                  " more bytes, %zu left",
-                                  pos - h.header_bytes, h.body_bytes, left);
-            pos += (size_t)h.body_bytes;
+                                  "byte 0x%02x at offset %zu is not a valid msgpack type", b, pos);
+            if (rc == -1)
+                return field_fail(d, KM_ERR_PARSE, NULL, NO_ELEMENT,
+                                  "payload truncated: value header at offset %zu needs %u bytes, "
+                                  "%zu left",
+                                  pos, h.header_bytes, left);
+            pos += h.header_bytes;
+            left = size - pos;
+            if (h.is_container) {
+                uint64_t values = h.is_map ? 2 * h.entries : h.entries;
+                if (depth >= KM_PROTOCOL_MAX_NESTING_DEPTH)
+                    return field_fail(d, KM_ERR_TOO_LARGE, NULL, NO_ELEMENT,
+                                      "containers nested deeper than %u at offset %zu",
+                                      KM_PROTOCOL_MAX_NESTING_DEPTH, pos - h.header_bytes);
+                if (values > left)
+                    return field_fail(d, KM_ERR_PARSE, NULL, NO_ELEMENT,
+                                      "payload truncated or corrupt: %s at offset %zu declares %" PRIu64
+                                      " entries but only %zu bytes follow",
+                                      h.is_map ? "map" : "array", pos - h.header_bytes, h.entries,
+                                      left);
+                if (values > 0) {
+                    if (++objects > max_objects)
+                        goto too_many;
+                    pending[depth++] = remaining;
+                    remaining = values;
+                    continue;
+                }
+            } else {
+                if (h.body_bytes > left)
+                    return field_fail(d, KM_ERR_PARSE, NULL, NO_ELEMENT,
+                                      "payload truncated: value at offset %zu needs %" PRIu64
+                                      " more bytes, %zu left",
+                                      pos - h.header_bytes, h.body_bytes, left);
+                pos += (size_t)h.body_bytes;
+            }
         }
-        while (depth > 0 && --pending[depth - 1] == 0)
-            depth--;
-        if (depth == 0)
-            break;
+        if (++objects > max_objects)
+            goto too_many;
+        /* One value of the innermost container is complete; so may be the containers. */
+        while (--remaining == 0) {
+            if (depth == 0) {
+                if (pos != size)
+                    return field_fail(d, KM_ERR_PARSE, NULL, NO_ELEMENT,
+                                      "%zu bytes follow the message map (a frame holds exactly one "
+                                      "value)",
+                                      size - pos);
+                return KM_OK;
+            }
+            remaining = pending[--depth];
+        }
     }
-    if (pos != size)
-        return field_fail(d, KM_ERR_PARSE, NULL, NO_ELEMENT,
-                          "%zu bytes follow the message map (a frame holds exactly one value)",
-                          size - pos);
-    return KM_OK;
+too_many:
+    return field_fail(d, KM_ERR_TOO_LARGE, NULL, NO_ELEMENT,
+                      "payload holds more than max_objects = %u msgpack values",
+                      d->limits.max_objects);
 }
 
 /* ---- stage 3: field readers ------------------------------------------------------------------ */
