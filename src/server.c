@@ -860,16 +860,23 @@ static void write_outcome(km_server *s, const attempt *a, km_record_outcome outc
 }
 
 /* km_active callbacks (active_lock held). */
+/* The outcome record of an entry km_active ended without FINISHED, and its attempt released. */
+static void end_attempt(km_server *s, const km_active_summary *sum, km_record_outcome outcome,
+                        const char *error)
+{
+    attempt *a = sum->user;
+    if (!a)
+        return;
+    write_outcome(s, a, outcome, NULL, sum, error);
+    attempt_forget(s, a);
+}
+
 static void record_expired(void *user, const km_active_summary *sum)
 {
     km_server *s = user;
     atomic_fetch_add(&s->st.expired, 1);
     km_counter_add(s->m_expired, 1);
-    attempt *a = sum->user;
-    if (!a)
-        return;
-    write_outcome(s, a, KM_RECORD_OUTCOME_EXPIRED, NULL, sum, NULL);
-    attempt_forget(s, a);
+    end_attempt(s, sum, KM_RECORD_OUTCOME_EXPIRED, NULL);
 }
 
 /* An entry ended early to make room: its outcome is `expired` (FINISHED never came), with the
@@ -883,23 +890,13 @@ static void record_evicted(void *user, const km_active_summary *sum)
         slog(s, "active work: %" PRIu64 " entries evicted so far to make room (max_active_entries "
              "%u): FINISHED is not reported for them, or the TTL (%" PRIu64 " ms) is long for this "
              "rate", n, s->cfg.max_active_entries, s->cfg.active_ttl_ms);
-    attempt *a = sum->user;
-    if (!a)
-        return;
-    write_outcome(s, a, KM_RECORD_OUTCOME_EXPIRED, NULL, sum,
-                  "evicted before its TTL: the active-work table was full (max_active_entries)");
-    attempt_forget(s, a);
+    end_attempt(s, sum, KM_RECORD_OUTCOME_EXPIRED,
+                "evicted before its TTL: the active-work table was full (max_active_entries)");
 }
 
 static void record_removed(void *user, const km_active_summary *sum)
 {
-    km_server *s = user;
-    attempt *a = sum->user;
-    if (!a)
-        return;
-    write_outcome(s, a, KM_RECORD_OUTCOME_ERROR, NULL, sum,
-                  "worker removed from its pool before FINISHED");
-    attempt_forget(s, a);
+    end_attempt(user, sum, KM_RECORD_OUTCOME_ERROR, "worker removed from its pool before FINISHED");
 }
 
 /* ---- the scheduler --------------------------------------------------------------------------- */
@@ -998,25 +995,12 @@ static void decide_route(km_server *s, job *j, route_job *r, pool *p, const km_r
     }
     const km_worker_match *m = p->results.matches + rr->first;
     const km_match_tiers *tiers = p->results.tiers + rr->first;
-    /* The pool's members and the matches are both ascending by worker id: one merge walk. A
-     * route's own candidates come in any order: a binary search each. (The binary search's
-     * branches were decide_route's hottest instructions, but five shuffled pairs measured no
-     * difference in the scheduler's CPU per decision.) */
-    uint32_t cursor = 0;
     for (uint32_t i = 0; i < n; i++) {
         km_policy_candidate *c = &b->cands[i];
         memset(c, 0, sizeof *c);
         c->worker = ids[i];
         uint32_t at;
-        const km_worker_match *hit;
-        if (r->candidates) {
-            hit = find_match(m, rr->count, ids[i], &at);
-        } else {
-            while (cursor < rr->count && m[cursor].worker < ids[i])
-                cursor++;
-            at = cursor;
-            hit = cursor < rr->count && m[cursor].worker == ids[i] ? &m[cursor] : NULL;
-        }
+        const km_worker_match *hit = find_match(m, rr->count, ids[i], &at);
         if (hit) {
             c->depth = hit->depth;
             c->host_blocks = tiers[at].host_blocks;
