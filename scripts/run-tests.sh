@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Run the Criterion test binary with a bounded time. Prints every line but the per-test RUN/PASS
 # noise: failures, assertion messages and each skipped test with its reason ([SKIP] lines: CUDA
-# tests without a usable device, trace tests without the trace), then the skip count, then
-# Criterion's own "Synthesis" line last. Exits with the binary's status.
+# tests without a usable device, trace tests without the trace), then the skip count, then the
+# failures again in brief, then Criterion's own "Synthesis" line last. Exits with the binary's
+# status.
 set -uo pipefail
 bin=${1:?usage: run-tests.sh TEST_BINARY}
 # Tests that run the CLI use the kvmatch binary built beside this test binary (so `make asan` runs
@@ -14,6 +15,12 @@ timeout --foreground 1200 "$bin" --jobs "${KM_TEST_JOBS:-2}" --verbose ${KM_TEST
 status=$?
 grep -v -E '^\[(RUN |PASS)\] |Synthesis' "$log"
 echo "$(grep -c '^\[SKIP\]' "$log") test(s) skipped, listed above with the reason"
+# The failures again, last, where a log cut to its tail still shows them: each failed test's name
+# and first assertion, and each sanitizer report's summary line.
+if grep -qE '^\[FAIL\]|SUMMARY: [A-Za-z]+Sanitizer|runtime error:' "$log"; then
+    echo "failed: (details above)"
+    grep -E '^\[FAIL\]|^\[----\] [^ ]+:[0-9]+: |SUMMARY: [A-Za-z]+Sanitizer|runtime error:' "$log" | head -n 20
+fi
 grep 'Synthesis' "$log" | tail -n 1
 [ "$status" -eq 124 ] && echo "run-tests: $bin timed out" >&2
 # Criterion counts a test as passed even when a sanitizer reported in its process: with
