@@ -9,7 +9,7 @@
  *                           it (km_u64map_finish_growth): the old behaviour, as the same-run baseline
  *   approx  as built        km_approx_record of 24 new blocks, 16 workers in turn
  *   index   default size    km_index_store of a 24-block run, 16 workers in turn, from the default
- *                           initial_blocks (the slot table rehashes at once when it grows)
+ *                           initial_blocks (the slot tables grow incrementally: src/table.h)
  *   index   sized at start  the same, with initial_blocks covering every block stored
  *   feed    index sized     KV events for 4 workers, each message storing the next 16 blocks of
  *                           the worker's chain, a flush every 8 messages (as the service batches);

@@ -834,6 +834,10 @@ static km_table_view km_cuda_view_of(const km_cuda_replica *r)
     v.mask = r->capacity ? r->capacity - 1 : 0;
     v.shift = r->shift;
     v.words_per_set = r->words_per_set;
+    v.old_slots = NULL; /* the host finishes a growth before it syncs the replica */
+    v.old_mask = 0;
+    v.old_shift = 0;
+    v.migrated = 0;
     return v;
 }
 

@@ -242,7 +242,7 @@ static void count_chunk(match_job *job, const km_table_view *blocks, size_t r, s
             km_view_prefetch(blocks, requests[r + 8].hashes[0]);
         const km_request *req = &requests[r];
         uint64_t slot = req->n_hashes ? km_view_find(blocks, req->hashes[0]) : KM_SLOT_NONE;
-        job->results->requests[r].count = slot == KM_SLOT_NONE ? 0 : km_slot_count(&blocks->slots[slot]);
+        job->results->requests[r].count = slot == KM_SLOT_NONE ? 0 : km_slot_count(km_view_slot(blocks, slot));
     }
 }
 

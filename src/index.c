@@ -403,18 +403,26 @@ static const char *table_name(const km_index *index, const km_table *t)
     return t == &index->lower[KM_TIER_HOST - 1] ? "host-tier" : "disk-tier";
 }
 
-/* A table just grew, which rehashed it at once while every caller waited: count it and say so,
- * since the remedy (sizing the index at start) is the operator's. */
-static void note_growth(km_index *index, const km_table *t, uint64_t from, double ms)
+/* A pause for growth: the insert that grew a table (a small one rehashes at once; a large one only
+ * allocates, and its keys move over the next inserts), or a device sync that finished a move. */
+static void note_growth_pause(km_index *index, double ms)
 {
-    index->table_growths++;
     index->table_growth_ms_total += ms;
     if (ms > index->table_growth_ms_max)
         index->table_growth_ms_max = ms;
+}
+
+/* A table just grew: count it and say so, since the remedy (sizing the index at start) is the
+ * operator's. */
+static void note_growth(km_index *index, const km_table *t, uint64_t from, double ms)
+{
+    index->table_growths++;
+    note_growth_pause(index, ms);
     km_index_log(index,
-                 "%s table grew from %" PRIu64 " to %" PRIu64 " slots in %.1f ms, a pause for every "
-                 "caller; initial_blocks sizes the index at start",
-                 table_name(index, t), from, t->capacity, ms);
+                 "%s table grew from %" PRIu64 " to %" PRIu64 " slots (%.1f ms in the insert that "
+                 "grew it%s); initial_blocks sizes the index at start",
+                 table_name(index, t), from, t->capacity, ms,
+                 t->old_slots ? "; its keys move to the new slots over the next inserts" : "");
 }
 
 /* Add worker to key's set in table t (inserting the key if absent). Returns 1 added, 0 present. */
@@ -459,9 +467,9 @@ static int table_add(batch *b, km_table *t, uint64_t key, uint32_t worker, uint6
  * when the key was erased. */
 static int table_remove_at(batch *b, km_table *t, uint64_t slot, uint32_t worker)
 {
-    undo_entry e = undo_for(b->index, t, 0, worker, t->slots[slot].key);
+    undo_entry e = undo_for(b->index, t, 0, worker, km_table_slot(t, slot)->key);
     if (t->meta)
-        e.u.meta = t->meta[slot];
+        e.u.meta = *km_table_meta(t, slot);
     int rc = undo_push(b, &e);
     if (rc)
         return rc;
@@ -505,7 +513,7 @@ static void fingerprints_by_walk(const km_index *index, uint64_t end, uint8_t *f
         if (slot == KM_SLOT_NONE)
             return;
         fps[k] = chain_fingerprint(cursor);
-        cursor = index->blocks.meta[slot].parent;
+        cursor = km_table_meta(&index->blocks, slot)->parent;
         if (cursor == KM_NO_PARENT)
             return;
     }
@@ -538,7 +546,7 @@ static int segment_add(batch *b, uint64_t anchor, uint64_t end, uint32_t worker,
 static int segment_remove_at(batch *b, uint64_t slot, uint64_t anchor, uint32_t worker)
 {
     km_index *index = b->index;
-    uint64_t end = index->segments.slots[slot].key;
+    uint64_t end = km_table_slot(&index->segments, slot)->key;
     int rc = table_remove_at(b, &index->segments, slot, worker);
     if (rc < 0)
         return rc;
@@ -562,10 +570,10 @@ static int holds_segment(const km_index *index, uint32_t worker, uint64_t end, u
     for (uint32_t k = 0; k < S; k++) {
         uint64_t slot = km_table_find(&index->blocks, cursor);
         if (slot == KM_SLOT_NONE || !km_table_set_contains(&index->blocks, slot, worker) ||
-            index->blocks.meta[slot].position != position - k)
+            km_table_meta(&index->blocks, slot)->position != position - k)
             return 0;
         fps[S - 1 - k] = chain_fingerprint(cursor);
-        cursor = index->blocks.meta[slot].parent;
+        cursor = km_table_meta(&index->blocks, slot)->parent;
     }
     return 1;
 }
@@ -686,8 +694,8 @@ static int apply_store(batch *b, const km_update *u)
     if (u->parent != KM_NO_PARENT) {
         uint64_t ps = km_table_find(&index->blocks, u->parent);
         if (ps != KM_SLOT_NONE) {
-            prev_position = index->blocks.meta[ps].position;
-            prev_anchor = index->blocks.meta[ps].anchor;
+            prev_position = km_table_meta(&index->blocks, ps)->position;
+            prev_anchor = km_table_meta(&index->blocks, ps)->anchor;
         }
         if (prev_position == KM_POSITION_UNKNOWN)
             b->stats->orphan_runs++;
@@ -717,7 +725,7 @@ static int apply_store(batch *b, const km_update *u)
         int added = table_add(b, &index->blocks, key, u->worker, &slot, &inserted);
         if (added < 0)
             return added;
-        km_block_meta *m = &index->blocks.meta[slot];
+        km_block_meta *m = km_table_meta(&index->blocks, slot);
         if (inserted) {
             m->parent = parent;
             m->position = position;
@@ -786,8 +794,8 @@ static void remove_prefetch(const km_index *index, const km_update *u, size_t i)
     }
     if (i + REMOVE_AHEAD / 2 < u->n_hashes && index->config.segment_blocks) {
         uint64_t slot = km_table_find(t, u->hashes[i + REMOVE_AHEAD / 2]);
-        if (slot != KM_SLOT_NONE && t->meta[slot].position != KM_POSITION_UNKNOWN)
-            km_u64map_prefetch(&index->anchors, t->meta[slot].anchor);
+        if (slot != KM_SLOT_NONE && km_table_meta(t, slot)->position != KM_POSITION_UNKNOWN)
+            km_u64map_prefetch(&index->anchors, km_table_meta(t, slot)->anchor);
     }
 }
 
@@ -807,7 +815,7 @@ static int apply_remove(batch *b, const km_update *u)
             wc->absent_removes++;
             continue;
         }
-        km_block_meta meta = index->blocks.meta[slot];
+        km_block_meta meta = *km_table_meta(&index->blocks, slot);
         /* Segments first: their chain walk still sees this block's metadata. */
         rc = invalidate_segments(b, u->worker, key, &meta);
         if (rc)
@@ -832,6 +840,12 @@ static int apply_clear(batch *b, const km_update *u)
     int rc = touch_worker(b, w);
     if (rc)
         return rc;
+    /* The scans below walk one array per table: finish any growth first (a whole-table pass
+     * either way). */
+    km_table_finish_growth(&index->segments);
+    km_table_finish_growth(&index->blocks);
+    for (uint32_t t = 0; t + 1 < KM_TIER_COUNT; t++)
+        km_table_finish_growth(&index->lower[t]);
     /* Segment keys first: unlinking needs each end block's anchor from the block metadata.
      * Each scan stays on a slot after removing w there: an erase shifts later keys of the probe run
      * back, possibly into this very slot (km_table_erase). */
@@ -843,7 +857,7 @@ static int apply_clear(batch *b, const km_update *u)
             continue;
         }
         uint64_t bs = km_table_find(&index->blocks, end);
-        uint64_t anchor = bs == KM_SLOT_NONE ? 0 : index->blocks.meta[bs].anchor;
+        uint64_t anchor = bs == KM_SLOT_NONE ? 0 : km_table_meta(&index->blocks, bs)->anchor;
         rc = segment_remove_at(b, s, anchor, w);
         if (rc)
             return rc;
@@ -905,7 +919,7 @@ static void undo_one(km_index *index, const undo_entry *e)
         if (slot == KM_SLOT_NONE) {
             km_table_insert(t, e->key, 0, &slot);
             if (t->meta)
-                t->meta[slot] = e->u.meta;
+                *km_table_meta(t, slot) = e->u.meta;
             /* A segment key comes back after its blocks (logged later, undone earlier). */
             if (t->aux)
                 fingerprints_by_walk(index, e->key, km_table_aux(t, slot));
@@ -916,7 +930,7 @@ static void undo_one(km_index *index, const undo_entry *e)
     case UNDO_BLOCK_META: {
         uint64_t slot = km_table_find(&index->blocks, e->key);
         if (slot != KM_SLOT_NONE)
-            index->blocks.meta[slot] = e->u.meta;
+            *km_table_meta(&index->blocks, slot) = e->u.meta;
         return;
     }
     case UNDO_ANCHOR_LINKED:
@@ -966,6 +980,13 @@ static int sync_backend(km_index *index)
 {
     if (!index->backend->sync)
         return KM_OK;
+    /* A device replica mirrors one array: a growth the batch started ends here, at once. */
+    if (index->blocks.old_slots || index->segments.old_slots) {
+        double start = monotonic_ms();
+        km_table_finish_growth(&index->blocks);
+        km_table_finish_growth(&index->segments);
+        note_growth_pause(index, monotonic_ms() - start);
+    }
     int rc = index->backend->sync(index->backend_state, index);
     if (rc == KM_ERR_CUDA) {
         fall_back_to_cpu(index, rc, "sync");
@@ -1073,15 +1094,16 @@ int km_index_remove_worker(km_index *index, uint32_t worker)
 
 int km_index_rebuild_anchors(km_index *index)
 {
+    km_table_finish_growth(&index->segments); /* the scan walks one array */
     const km_table *seg = &index->segments;
     for (uint64_t s = 0; s < seg->capacity; s++) {
         uint64_t end = seg->slots[s].key;
         if (end <= KM_KEY_TOMBSTONE)
             continue;
         uint64_t bs = km_table_find(&index->blocks, end);
-        if (bs == KM_SLOT_NONE || index->blocks.meta[bs].position == KM_POSITION_UNKNOWN)
+        if (bs == KM_SLOT_NONE || km_table_meta(&index->blocks, bs)->position == KM_POSITION_UNKNOWN)
             return KM_ERR_CORRUPT;
-        int rc = anchor_link(index, index->blocks.meta[bs].anchor, end, 1);
+        int rc = anchor_link(index, km_table_meta(&index->blocks, bs)->anchor, end, 1);
         if (rc)
             return rc;
     }

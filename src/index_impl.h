@@ -43,7 +43,7 @@ typedef km_worker_stats km_worker_counters;
 struct km_index {
     km_index_config config;
     km_memory memory;
-    /* Table growths so far (each one rehashes the table at once: every caller waits). */
+    /* Table growths so far, and the pauses they caused (km_index_stats). */
     uint64_t table_growths;
     double table_growth_ms_max, table_growth_ms_total;
     km_table blocks;    /* chain hash -> workers holding the block; with km_block_meta */

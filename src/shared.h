@@ -4,8 +4,8 @@
  * two backends give bit-identical results. No allocation, no libc beyond what nvcc accepts.
  *
  * Slot layout (16 bytes, docs/ARCHITECTURE.md "Slot layout"):
- *   key      u64  chain hash; 0 = empty, 1 = reserved, formerly the tombstone (chain hashes never
- *                 take these values)
+ *   key      u64  chain hash; 0 = empty (the whole slot is zero), 1 = reserved: a key erased from
+ *                 the old array of a growing host table (chain hashes never take these values)
  *   ids[4]   u16  inline form: up to 4 worker ids, ascending, unused = KM_SLOT_ID_EMPTY
  *                 shared form: ids[0] = KM_SLOT_ID_SHARED, ids[1] | ids[2] << 16 = index of a
  *                 bitmap of words_per_set u64 words in the table's pool, ids[3] = holder count
@@ -52,6 +52,13 @@ typedef struct km_table_view {
     uint64_t mask;          /* capacity - 1 (capacity is a power of two) */
     uint32_t shift;         /* 64 - log2(capacity) */
     uint32_t words_per_set; /* ceil(max_workers / 64) */
+    /* A host table that is growing (src/table.h): its previous array, whose slots below `migrated`
+     * have moved. NULL on the device (a replica mirrors one array) and when not growing. A slot
+     * index above mask names old_slots[index - mask - 1]. */
+    const km_slot *old_slots;
+    uint64_t old_mask;
+    uint32_t old_shift;
+    uint64_t migrated;
 } km_table_view;
 
 /* An entry of a request's sparse result, as in include/kvmatch/index.h (same layout). */
@@ -86,19 +93,54 @@ KM_HD static inline uint32_t km_slot_count(const km_slot *s)
     return n;
 }
 
-/* Linear probing from the home slot. Returns the slot index, or KM_SLOT_NONE. Contract: the table
- * always has at least one empty slot (load factor < 1), so the loop ends. */
+/* A key not in a growing table's new array: its old array. Slots below `migrated` have moved (and
+ * may be unmapped), so the search never reads them: a probe run that starts below `migrated` is
+ * entered there, and one that wraps past the last slot continues at `migrated` (the run is whole:
+ * the moved slots it crossed are still counted as occupied, and a key below `migrated` is in the
+ * new array). Erased keys there are tombstones, so the runs stay whole. The search stops at an
+ * empty slot, or when it is back where it started. Host only in practice (old_slots is NULL on the
+ * device). */
+KM_HD static inline uint64_t km_view_find_old(const km_table_view *v, uint64_t key)
+{
+    if (key <= KM_KEY_TOMBSTONE) /* reserved: never a key (1 marks an erased one here) */
+        return KM_SLOT_NONE;
+    uint64_t i = km_slot_home(key, v->old_shift);
+    if (i < v->migrated)
+        i = v->migrated;
+    uint64_t start = i;
+    for (;;) {
+        uint64_t k = v->old_slots[i].key;
+        if (k == key)
+            return v->mask + 1 + i;
+        if (k == KM_KEY_EMPTY)
+            return KM_SLOT_NONE;
+        if (i++ == v->old_mask)
+            i = v->migrated;
+        if (i == start)
+            return KM_SLOT_NONE;
+    }
+}
+
+/* Linear probing from the home slot (then the old array of a growing table). Returns the slot
+ * index, or KM_SLOT_NONE. Contract: the table always has at least one empty slot (load factor
+ * < 1), so the loop ends. */
 KM_HD static inline uint64_t km_view_find(const km_table_view *v, uint64_t key)
 {
     uint64_t i = km_slot_home(key, v->shift);
     for (;;) {
         uint64_t k = v->slots[i].key;
+        if (k == KM_KEY_EMPTY) /* first: a request's reserved value 0 never matches a free slot */
+            return v->old_slots ? km_view_find_old(v, key) : KM_SLOT_NONE;
         if (k == key)
             return i;
-        if (k == KM_KEY_EMPTY)
-            return KM_SLOT_NONE;
         i = (i + 1) & v->mask;
     }
+}
+
+/* The slot at an index km_view_find returned (either array). */
+KM_HD static inline const km_slot *km_view_slot(const km_table_view *v, uint64_t slot)
+{
+    return slot <= v->mask ? &v->slots[slot] : &v->old_slots[slot - v->mask - 1];
 }
 
 KM_PREFETCHER static inline void km_view_prefetch(const km_table_view *v, uint64_t key)
@@ -148,8 +190,8 @@ KM_HD static inline uint64_t km_view_intersect(const km_table_view *v, uint64_t 
 {
     uint32_t W = v->words_per_set;
     uint64_t any = 0;
-    if (slot != KM_SLOT_NONE && km_slot_is_shared(&v->slots[slot])) {
-        const uint64_t *bits = v->pool + (uint64_t)km_slot_pool_index(&v->slots[slot]) * W;
+    if (slot != KM_SLOT_NONE && km_slot_is_shared(km_view_slot(v, slot))) {
+        const uint64_t *bits = v->pool + (uint64_t)km_slot_pool_index(km_view_slot(v, slot)) * W;
         for (uint32_t i = 0; i < W; i++) {
             out[i] = in[i] & bits[i];
             any |= out[i];
@@ -160,7 +202,7 @@ KM_HD static inline uint64_t km_view_intersect(const km_table_view *v, uint64_t 
         out[i] = 0;
     if (slot == KM_SLOT_NONE)
         return 0;
-    const km_slot *s = &v->slots[slot];
+    const km_slot *s = km_view_slot(v, slot);
     for (uint32_t i = 0; i < KM_SLOT_INLINE; i++) {
         uint32_t w = s->ids[i];
         if (w == KM_SLOT_ID_EMPTY)
@@ -311,7 +353,7 @@ KM_HD static inline uint32_t km_walk_request(const km_table_view *blocks,
             depth_of[x * 64u + km_bit_index(left)] = n;
 
     /* Block 0's holders, ascending, each written once with its settled depth. */
-    const km_slot *s0 = &blocks->slots[slot0];
+    const km_slot *s0 = km_view_slot(blocks, slot0);
     uint32_t m = 0;
     if (km_slot_is_shared(s0)) {
         const uint64_t *bits = blocks->pool + (uint64_t)km_slot_pool_index(s0) * W;

@@ -4,9 +4,9 @@
 
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
 
 #include "kvmatch/error.h"
+#include "pages.h"
 
 /* Grow when keys (+ tombstones, which only a loaded old snapshot can hold, purged on load) pass 70%
  * of the slots; growth at least doubles the capacity. */
@@ -42,28 +42,62 @@ static uint64_t pool_bytes(const km_table *t, uint64_t pool_capacity)
     return pool_capacity * ((uint64_t)t->words_per_set * sizeof(uint64_t) + sizeof(uint32_t));
 }
 
-/* Slot arrays are probed at random: back large ones with transparent huge pages (one TLB entry
- * per 2 MiB instead of per 4 KiB; a dependent random read on a 128 MiB table measured 240 ns with
- * huge pages against 331 ns without on the development machine). Best effort: without THP this is
- * an ordinary aligned allocation. */
-#define TABLE_HUGE_PAGE (UINT64_C(2) << 20)
-static km_slot *slots_alloc(uint64_t capacity)
+/* Each array is zeroed memory from src/pages.c (an all-zero slot is empty). The slots of a table
+ * made at its full size (km_table_init) are probed at random: they are backed by transparent huge
+ * pages and faulted in at once (one TLB entry per 2 MiB instead of per 4 KiB; a dependent random
+ * read on a 128 MiB table measured 240 ns with huge pages against 331 ns without on the development
+ * machine). The arrays a growth moves keys into are not: random moves into fresh huge pages clear
+ * the whole array within the first few hundred moves (see src/u64map.c); they are advised once the
+ * move ends, so the kernel may back them with huge pages later. Best effort throughout. */
+static uint64_t slots_bytes(uint64_t capacity)
 {
-    uint64_t bytes = capacity * sizeof(km_slot);
-    if (bytes < TABLE_HUGE_PAGE)
-        return aligned_alloc(64, bytes);
-    void *p = NULL;
-    if (posix_memalign(&p, TABLE_HUGE_PAGE, bytes) != 0)
-        return NULL;
-#ifdef MADV_HUGEPAGE
-    madvise(p, bytes, MADV_HUGEPAGE);
-#endif
-    return p;
+    return capacity * sizeof(km_slot);
 }
 
+static uint64_t meta_bytes(uint64_t capacity)
+{
+    return capacity * sizeof(km_block_meta);
+}
+
+static uint64_t aux_array_bytes(const km_table *t, uint64_t capacity)
+{
+    return capacity * t->aux_bytes;
+}
+
+typedef struct table_arrays {
+    km_slot *slots;
+    km_block_meta *meta;
+    uint8_t *aux;
+} table_arrays;
+
+static void arrays_free(const km_table *t, table_arrays *a, uint64_t capacity)
+{
+    km_pages_free(a->slots, slots_bytes(capacity));
+    km_pages_free(a->meta, meta_bytes(capacity));
+    km_pages_free(a->aux, aux_array_bytes(t, capacity));
+    memset(a, 0, sizeof *a);
+}
+
+/* Zeroed arrays for `capacity` slots (meta and aux as the table has them). KM_OK or
+ * KM_ERR_OUT_OF_MEMORY, with nothing allocated. */
+static int arrays_alloc(const km_table *t, uint64_t capacity, int with_meta, table_arrays *a)
+{
+    memset(a, 0, sizeof *a);
+    a->slots = km_pages_alloc(slots_bytes(capacity));
+    a->meta = with_meta ? km_pages_alloc(meta_bytes(capacity)) : NULL;
+    a->aux = t->aux_bytes ? km_pages_alloc(aux_array_bytes(t, capacity)) : NULL;
+    if (!a->slots || (with_meta && !a->meta) || (t->aux_bytes && !a->aux)) {
+        arrays_free(t, a, capacity);
+        return KM_ERR_OUT_OF_MEMORY;
+    }
+    return KM_OK;
+}
+
+/* Old-array slots are never listed: a growth sets layout_changed, and a replica is synced only
+ * after the move ends. */
 static void mark_dirty_slot(km_table *t, uint64_t slot)
 {
-    if (!t->track_dirty || t->layout_changed)
+    if (!t->track_dirty || t->layout_changed || slot >= t->capacity)
         return;
     if (t->n_dirty_slots == t->dirty_slots_capacity) {
         size_t cap = t->dirty_slots_capacity ? t->dirty_slots_capacity * 2 : 1024;
@@ -102,59 +136,154 @@ void km_table_clear_dirty(km_table *t)
     t->layout_changed = 0;
 }
 
-static void init_empty_slots(km_slot *slots, uint64_t capacity)
+/* Put a key's slot, metadata and aux bytes into a fresh slot of the new array, which has room and
+ * no tombstones. Returns the slot. */
+static uint64_t place_new(km_table *t, const km_slot *slot, const km_block_meta *meta,
+                          const uint8_t *aux)
 {
-    for (uint64_t i = 0; i < capacity; i++) {
-        slots[i].key = KM_KEY_EMPTY;
-        for (uint32_t j = 0; j < KM_SLOT_INLINE; j++)
-            slots[i].ids[j] = KM_SLOT_ID_EMPTY;
-    }
+    uint64_t j = km_slot_home(slot->key, t->shift);
+    while (t->slots[j].key != KM_KEY_EMPTY)
+        j = (j + 1) & (t->capacity - 1);
+    t->slots[j] = *slot;
+    if (t->meta)
+        t->meta[j] = *meta;
+    if (t->aux)
+        memcpy(km_table_aux(t, j), aux, t->aux_bytes);
+    return j;
 }
 
-/* Move every live key into fresh arrays of new_capacity slots. On failure nothing changes. */
+/* Give back the whole pieces of the old arrays that a move from slot from_slot to to_slot passed. */
+static void release_old_pieces(km_table *t, uint64_t from_slot, uint64_t to_slot)
+{
+    uint64_t c = t->old_capacity;
+    km_pages_release(t->old_slots, slots_bytes(c), km_pages_releasable(slots_bytes(c), slots_bytes(from_slot)),
+                     km_pages_releasable(slots_bytes(c), slots_bytes(to_slot)));
+    km_pages_release(t->old_meta, meta_bytes(c), km_pages_releasable(meta_bytes(c), meta_bytes(from_slot)),
+                     km_pages_releasable(meta_bytes(c), meta_bytes(to_slot)));
+    km_pages_release(t->old_aux, aux_array_bytes(t, c),
+                     km_pages_releasable(aux_array_bytes(t, c), aux_array_bytes(t, from_slot)),
+                     km_pages_releasable(aux_array_bytes(t, c), aux_array_bytes(t, to_slot)));
+}
+
+/* Give back what the move has not given back of the old arrays (all of them once it is over). */
+static void release_old(km_table *t)
+{
+    if (!t->old_slots)
+        return;
+    uint64_t c = t->old_capacity;
+    uint64_t done = t->migrated;
+    km_pages_release(t->old_slots, slots_bytes(c), km_pages_releasable(slots_bytes(c), slots_bytes(done)),
+                     slots_bytes(c));
+    km_pages_release(t->old_meta, meta_bytes(c), km_pages_releasable(meta_bytes(c), meta_bytes(done)),
+                     meta_bytes(c));
+    km_pages_release(t->old_aux, aux_array_bytes(t, c),
+                     km_pages_releasable(aux_array_bytes(t, c), aux_array_bytes(t, done)),
+                     aux_array_bytes(t, c));
+    km_memory_release(t->memory, table_slot_bytes(t, c, t->meta != NULL));
+    t->old_slots = NULL;
+    t->old_meta = NULL;
+    t->old_aux = NULL;
+    t->old_capacity = 0;
+    t->old_shift = 0;
+    t->migrated = 0;
+}
+
+/* Move up to `n` slots of the old array (from `migrated` on) into the new one, giving back each
+ * whole piece passed. Never allocates. */
+static void migrate(km_table *t, uint64_t n)
+{
+    if (!t->old_slots)
+        return;
+    uint64_t from = t->migrated;
+    uint64_t end = t->old_capacity - from > n ? from + n : t->old_capacity;
+    for (uint64_t j = from; j < end; j++) {
+        const km_slot *s = &t->old_slots[j];
+        if (s->key <= KM_KEY_TOMBSTONE)
+            continue;
+        uint64_t to = place_new(t, s, t->old_meta ? &t->old_meta[j] : NULL,
+                                t->old_aux ? t->old_aux + j * t->aux_bytes : NULL);
+        mark_dirty_slot(t, to);
+    }
+    t->migrated = end;
+    if (end == t->old_capacity) { /* over: the new slots may have huge pages from now on */
+        release_old(t);
+        km_pages_advise_huge(t->slots, slots_bytes(t->capacity), 0);
+        return;
+    }
+    release_old_pieces(t, from, end);
+}
+
+void km_table_finish_growth(km_table *t)
+{
+    migrate(t, UINT64_MAX);
+}
+
+/* Replace the arrays with ones of new_capacity slots and move every key now (small tables, and
+ * purging a loaded file's tombstones at the same capacity). On failure nothing changes. */
 static int table_rehash(km_table *t, uint64_t new_capacity)
 {
+    km_table_finish_growth(t);
     int with_meta = t->meta != NULL;
     uint64_t old_bytes = table_slot_bytes(t, t->capacity, with_meta);
     uint64_t new_bytes = table_slot_bytes(t, new_capacity, with_meta);
     int rc = km_memory_reserve(t->memory, old_bytes, new_bytes);
     if (rc)
         return rc;
-    km_slot *slots = slots_alloc(new_capacity);
-    km_block_meta *meta = with_meta ? calloc(new_capacity, sizeof(km_block_meta)) : NULL;
-    uint8_t *aux = t->aux_bytes ? calloc(new_capacity, t->aux_bytes) : NULL;
-    if (!slots || (with_meta && !meta) || (t->aux_bytes && !aux)) {
-        free(slots);
-        free(meta);
-        free(aux);
+    table_arrays fresh;
+    if (arrays_alloc(t, new_capacity, with_meta, &fresh) != KM_OK) {
         km_memory_reserve(t->memory, new_bytes, old_bytes);
         return KM_ERR_OUT_OF_MEMORY;
     }
-    init_empty_slots(slots, new_capacity);
-    uint32_t shift = 64u - log2_u64(new_capacity);
-    for (uint64_t i = 0; i < t->capacity; i++) {
-        uint64_t key = t->slots[i].key;
-        if (key == KM_KEY_EMPTY || key == KM_KEY_TOMBSTONE)
-            continue;
-        uint64_t j = km_slot_home(key, shift);
-        while (slots[j].key != KM_KEY_EMPTY)
-            j = (j + 1) & (new_capacity - 1);
-        slots[j] = t->slots[i];
-        if (with_meta)
-            meta[j] = t->meta[i];
-        if (aux)
-            memcpy(aux + j * t->aux_bytes, km_table_aux(t, i), t->aux_bytes);
-    }
-    free(t->slots);
-    free(t->meta);
-    free(t->aux);
-    t->slots = slots;
-    t->meta = meta;
-    t->aux = aux;
+    table_arrays old = {t->slots, t->meta, t->aux};
+    uint64_t old_capacity = t->capacity;
+    t->slots = fresh.slots;
+    t->meta = fresh.meta;
+    t->aux = fresh.aux;
     t->capacity = new_capacity;
-    t->shift = shift;
+    t->shift = 64u - log2_u64(new_capacity);
+    for (uint64_t i = 0; i < old_capacity; i++)
+        if (old.slots[i].key > KM_KEY_TOMBSTONE)
+            place_new(t, &old.slots[i], old.meta ? &old.meta[i] : NULL,
+                      old.aux ? old.aux + i * t->aux_bytes : NULL);
+    arrays_free(t, &old, old_capacity);
+    km_pages_advise_huge(t->slots, slots_bytes(t->capacity), 0);
     t->tombstones = 0;
     t->layout_changed = 1;
+    t->n_dirty_slots = 0;
+    return KM_OK;
+}
+
+/* Start moving into arrays of new_capacity slots; the keys move over the next reserves, inserts
+ * and erases (migrate). Small tables move everything now. On failure nothing changes. */
+static int table_grow(km_table *t, uint64_t new_capacity)
+{
+    km_table_finish_growth(t); /* at most one growth in progress */
+    if (t->capacity < KM_TABLE_INCREMENTAL_SLOTS || t->tombstones)
+        return table_rehash(t, new_capacity);
+    int with_meta = t->meta != NULL;
+    uint64_t old_bytes = table_slot_bytes(t, t->capacity, with_meta);
+    uint64_t new_bytes = table_slot_bytes(t, new_capacity, with_meta);
+    /* Both arrays live until the move ends. */
+    int rc = km_memory_reserve(t->memory, old_bytes, old_bytes + new_bytes);
+    if (rc)
+        return rc;
+    table_arrays fresh;
+    if (arrays_alloc(t, new_capacity, with_meta, &fresh) != KM_OK) {
+        km_memory_reserve(t->memory, old_bytes + new_bytes, old_bytes);
+        return KM_ERR_OUT_OF_MEMORY;
+    }
+    t->old_slots = t->slots;
+    t->old_meta = t->meta;
+    t->old_aux = t->aux;
+    t->old_capacity = t->capacity;
+    t->old_shift = t->shift;
+    t->migrated = 0;
+    t->slots = fresh.slots;
+    t->meta = fresh.meta;
+    t->aux = fresh.aux;
+    t->capacity = new_capacity;
+    t->shift = 64u - log2_u64(new_capacity);
+    t->layout_changed = 1; /* a replica re-uploads (after the move: km_table_finish_growth) */
     t->n_dirty_slots = 0;
     return KM_OK;
 }
@@ -185,18 +314,16 @@ int km_table_init(km_table *t, uint64_t initial_keys, uint32_t max_workers, int 
     int rc = km_memory_reserve(memory, 0, bytes);
     if (rc)
         return rc;
-    t->slots = slots_alloc(capacity);
-    t->meta = with_meta ? calloc(capacity, sizeof(km_block_meta)) : NULL;
-    t->aux = aux_bytes ? calloc(capacity, aux_bytes) : NULL;
-    if (!t->slots || (with_meta && !t->meta) || (aux_bytes && !t->aux)) {
-        free(t->slots);
-        free(t->meta);
-        free(t->aux);
+    table_arrays a;
+    if (arrays_alloc(t, capacity, with_meta, &a) != KM_OK) {
         km_memory_release(memory, bytes);
         memset(t, 0, sizeof *t);
         return KM_ERR_OUT_OF_MEMORY;
     }
-    init_empty_slots(t->slots, capacity);
+    t->slots = a.slots;
+    t->meta = a.meta;
+    t->aux = a.aux;
+    km_pages_advise_huge(t->slots, slots_bytes(capacity), 1); /* cleared here, not on first use */
     t->capacity = capacity;
     t->shift = 64u - log2_u64(capacity);
     return KM_OK;
@@ -206,11 +333,11 @@ void km_table_free(km_table *t)
 {
     if (!t->slots)
         return;
+    release_old(t);
     km_memory_release(t->memory, table_slot_bytes(t, t->capacity, t->meta != NULL));
     km_memory_release(t->memory, pool_bytes(t, t->pool_capacity));
-    free(t->slots);
-    free(t->meta);
-    free(t->aux);
+    table_arrays a = {t->slots, t->meta, t->aux};
+    arrays_free(t, &a, t->capacity);
     free(t->pool);
     free(t->pool_free);
     free(t->dirty_slots);
@@ -229,8 +356,15 @@ int km_table_insert_grows(const km_table *t)
     return over_load(t->live + t->tombstones + 1, t->capacity);
 }
 
+/* Slots of the old array a growing table moves per key reserved (or erased): the old array holds
+ * at most 70% of its capacity and the next growth comes 0.7 * old capacity keys later, so the
+ * move ends after 1/16 of that. */
+#define MIGRATE_PER_KEY 16u
+
 int km_table_reserve(km_table *t, uint64_t extra)
 {
+    if (t->old_slots)
+        migrate(t, extra > UINT64_MAX / MIGRATE_PER_KEY ? UINT64_MAX : MIGRATE_PER_KEY * extra);
     if (!over_load(t->live + t->tombstones + extra, t->capacity))
         return KM_OK;
     /* Mostly live keys: at least double, so growth is amortised and the load drops to <= 35%.
@@ -240,7 +374,7 @@ int km_table_reserve(km_table *t, uint64_t extra)
         capacity = t->capacity * 2;
     if (capacity < t->capacity)
         capacity = t->capacity;
-    return table_rehash(t, capacity);
+    return capacity == t->capacity ? table_rehash(t, capacity) : table_grow(t, capacity);
 }
 
 int km_table_insert(km_table *t, uint64_t key, int allow_grow, uint64_t *slot_out)
@@ -270,6 +404,14 @@ int km_table_insert(km_table *t, uint64_t key, int allow_grow, uint64_t *slot_ou
 
 void km_table_erase(km_table *t, uint64_t slot)
 {
+    if (slot >= t->capacity) { /* still in the old array: a tombstone keeps its probe runs whole */
+        uint64_t j = slot - t->capacity;
+        memset(&t->old_slots[j], 0, sizeof t->old_slots[j]);
+        t->old_slots[j].key = KM_KEY_TOMBSTONE;
+        t->live--;
+        migrate(t, MIGRATE_PER_KEY); /* a table that only shrinks still finishes its move */
+        return;
+    }
     /* Backward-shift deletion. Walk the probe run after the hole; a key whose home does not lie
      * in (hole, j] may move back into the hole (it stays reachable from its home), and its old
      * slot becomes the hole. The run ends at the first empty slot. Every slot written is marked
@@ -287,15 +429,14 @@ void km_table_erase(km_table *t, uint64_t slot)
         mark_dirty_slot(t, hole);
         hole = j;
     }
-    t->slots[hole].key = KM_KEY_EMPTY;
-    for (uint32_t j = 0; j < KM_SLOT_INLINE; j++)
-        t->slots[hole].ids[j] = KM_SLOT_ID_EMPTY;
+    memset(&t->slots[hole], 0, sizeof t->slots[hole]); /* empty: all zero */
     if (t->meta)
         memset(&t->meta[hole], 0, sizeof t->meta[hole]);
     if (t->aux)
         memset(km_table_aux(t, hole), 0, t->aux_bytes);
     t->live--;
     mark_dirty_slot(t, hole);
+    migrate(t, MIGRATE_PER_KEY);
 }
 
 int km_table_purge_tombstones(km_table *t)
@@ -351,17 +492,17 @@ static void pool_release(km_table *t, uint32_t set)
 
 int km_table_set_contains(const km_table *t, uint64_t slot, uint32_t worker)
 {
-    return km_slot_contains(&t->slots[slot], t->pool, t->words_per_set, worker);
+    return km_slot_contains(km_table_slot(t, slot), t->pool, t->words_per_set, worker);
 }
 
 uint32_t km_table_set_count(const km_table *t, uint64_t slot)
 {
-    return km_slot_count(&t->slots[slot]);
+    return km_slot_count(km_table_slot(t, slot));
 }
 
 int km_table_set_add(km_table *t, uint64_t slot, uint32_t worker)
 {
-    km_slot *s = &t->slots[slot];
+    km_slot *s = km_table_slot(t, slot);
     if (km_slot_is_shared(s)) {
         uint32_t set = km_slot_pool_index(s);
         uint64_t *bits = pool_bits(t, set);
@@ -395,7 +536,7 @@ int km_table_set_add(km_table *t, uint64_t slot, uint32_t worker)
     int rc = pool_alloc(t, &set);
     if (rc)
         return rc;
-    s = &t->slots[slot];
+    s = km_table_slot(t, slot);
     uint64_t *bits = pool_bits(t, set);
     for (uint32_t j = 0; j < KM_SLOT_INLINE; j++)
         bits[s->ids[j] >> 6] |= UINT64_C(1) << (s->ids[j] & 63);
@@ -413,7 +554,7 @@ int km_table_set_add(km_table *t, uint64_t slot, uint32_t worker)
 
 int km_table_set_remove(km_table *t, uint64_t slot, uint32_t worker)
 {
-    km_slot *s = &t->slots[slot];
+    km_slot *s = km_table_slot(t, slot);
     if (km_slot_is_shared(s)) {
         uint32_t set = km_slot_pool_index(s);
         uint64_t *bits = pool_bits(t, set);
@@ -453,7 +594,7 @@ int km_table_set_remove(km_table *t, uint64_t slot, uint32_t worker)
 
 uint32_t km_table_set_list(const km_table *t, uint64_t slot, uint32_t *out, uint32_t capacity)
 {
-    const km_slot *s = &t->slots[slot];
+    const km_slot *s = km_table_slot(t, slot);
     uint32_t n = 0;
     if (km_slot_is_shared(s)) {
         const uint64_t *bits = pool_bits(t, km_slot_pool_index(s));
@@ -475,5 +616,6 @@ uint32_t km_table_set_list(const km_table *t, uint64_t slot, uint32_t *out, uint
 
 uint64_t km_table_bytes(const km_table *t)
 {
-    return table_slot_bytes(t, t->capacity, t->meta != NULL) + pool_bytes(t, t->pool_capacity);
+    return table_slot_bytes(t, t->capacity + t->old_capacity, t->meta != NULL) +
+           pool_bytes(t, t->pool_capacity);
 }

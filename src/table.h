@@ -2,7 +2,19 @@
  * backward-shift deletion (no tombstones, so removes never force a purging rehash and probe runs
  * stay as short as the live load makes them), a pool of bitmaps for widely-held blocks, optional
  * per-slot block metadata, dirty-slot tracking for device replicas (every slot a shift moves is
- * listed), and memory accounting against a shared cap. Single writer; readers use km_table_view. */
+ * listed), and memory accounting against a shared cap. Single writer; readers use km_table_view.
+ *
+ * Growth is incremental once the table is large (KM_TABLE_INCREMENTAL_SLOTS): the keys move to the
+ * doubled arrays a bounded number of slots per reserve, insert and erase, so no single call pays
+ * for rehashing millions of keys. While a table grows both arrays are live:
+ *  - a key is in exactly one of them; lookups try the new array, then the old one from
+ *    max(home, migrated) (old slots below `migrated` have moved, and may have been unmapped);
+ *  - a slot index names either array: [0, capacity) the new one, [capacity, capacity +
+ *    old_capacity) the old one. Every accessor below takes either; inserts go to the new array;
+ *  - erasing a key still in the old array leaves KM_KEY_TOMBSTONE there, so the old array's probe
+ *    runs stay whole (it never holds any otherwise);
+ *  - a device replica mirrors one array: sync finishes the move first (km_table_finish_growth).
+ * An empty slot is all zero bytes (fresh arrays are zeroed pages, erase writes zeros). */
 #ifndef KM_TABLE_H
 #define KM_TABLE_H
 
@@ -10,6 +22,10 @@
 #include <stdint.h>
 
 #include "shared.h"
+
+/* Tables below this many slots rehash at once when they grow (a few hundred microseconds at most);
+ * larger ones grow incrementally. */
+#define KM_TABLE_INCREMENTAL_SLOTS (UINT64_C(1) << 14)
 
 /* Memory accounting shared by every table of one index. cap 0 = unlimited. */
 typedef struct km_memory {
@@ -38,8 +54,17 @@ typedef struct km_table {
     uint32_t aux_bytes;
     uint64_t capacity;   /* power of two */
     uint32_t shift;
-    uint64_t live;       /* slots holding a key */
-    uint64_t tombstones; /* always 0 outside snapshot loading, which purges any it reads */
+    uint64_t live;       /* keys, in both arrays while growing */
+    uint64_t tombstones; /* in the new array: always 0 outside snapshot loading, which purges any */
+
+    /* While growing: the previous arrays; their slots [migrated, old_capacity) are still to move.
+     * old_slots is NULL otherwise. */
+    km_slot *old_slots;
+    km_block_meta *old_meta;
+    uint8_t *old_aux;
+    uint64_t old_capacity;
+    uint32_t old_shift;
+    uint64_t migrated;
     uint64_t pairs;      /* sum of set sizes */
     uint64_t shared_sets;
 
@@ -76,32 +101,49 @@ static inline int km_probe_may_fill(uint64_t home, uint64_t hole, uint64_t j, ui
 int km_table_init(km_table *t, uint64_t initial_keys, uint32_t max_workers, int with_meta,
                   uint32_t aux_bytes, km_memory *memory);
 
-/* The aux bytes of a slot. */
+/* The slot, metadata and aux bytes at a slot index of either array (see the file comment). */
+static inline km_slot *km_table_slot(const km_table *t, uint64_t slot)
+{
+    return slot < t->capacity ? &t->slots[slot] : &t->old_slots[slot - t->capacity];
+}
+static inline km_block_meta *km_table_meta(const km_table *t, uint64_t slot)
+{
+    return slot < t->capacity ? &t->meta[slot] : &t->old_meta[slot - t->capacity];
+}
 static inline uint8_t *km_table_aux(const km_table *t, uint64_t slot)
 {
-    return t->aux + slot * t->aux_bytes;
+    return slot < t->capacity ? t->aux + slot * t->aux_bytes
+                              : t->old_aux + (slot - t->capacity) * t->aux_bytes;
 }
 void km_table_free(km_table *t);
 
 static inline km_table_view km_table_get_view(const km_table *t)
 {
-    km_table_view v = {t->slots, t->pool, t->capacity - 1, t->shift, t->words_per_set};
+    km_table_view v = {t->slots, t->pool, t->capacity - 1, t->shift, t->words_per_set,
+                       t->old_slots, t->old_capacity ? t->old_capacity - 1 : 0, t->old_shift,
+                       t->migrated};
     return v;
 }
 
-/* Slot index of key, or KM_SLOT_NONE. */
+/* Slot index of key (in either array), or KM_SLOT_NONE. */
 uint64_t km_table_find(const km_table *t, uint64_t key);
+/* Move every key still in the old array now (a no-op when not growing). Slot indices held by the
+ * caller are stale afterwards. Never allocates. */
+void km_table_finish_growth(km_table *t);
 /* 1 when km_table_insert(t, ..., allow_grow = 1, ...) of one more key would grow the table first. */
 int km_table_insert_grows(const km_table *t);
-/* Make room for `extra` more keys (grow). KM_ERR_MEMORY_CAP / OUT_OF_MEMORY. */
+/* Make room for `extra` more keys (grow), and move 16 * extra slots of a growing table's old
+ * array (so the move ends long before the new array fills). Slot indices held by the caller are
+ * stale afterwards. KM_ERR_MEMORY_CAP / OUT_OF_MEMORY. */
 int km_table_reserve(km_table *t, uint64_t extra);
-/* Insert a key with an empty set; the caller checked it is absent. allow_grow = 0 is for undo
- * (must not allocate; relies on the load factor leaving empty slots). Returns KM_OK and *slot. */
+/* Insert a key with an empty set into the new array; the caller checked it is absent. allow_grow
+ * = 1 reserves first (see km_table_reserve); allow_grow = 0 is for undo (never allocates, never
+ * moves a key; relies on the load factor leaving empty slots). Returns KM_OK and *slot. */
 int km_table_insert(km_table *t, uint64_t key, int allow_grow, uint64_t *slot);
 /* Erase a key whose set is empty. Backward shift may move later keys of its probe run into
- * earlier slots: every slot index the caller holds for this table is stale afterwards (a caller
- * scanning slots in ascending order re-examines `slot`; keys only move towards it). Never
- * allocates. */
+ * earlier slots, and a growing table moves a few old slots: every slot index the caller holds for
+ * this table is stale afterwards (a caller scanning the slots of a table that is not growing, in
+ * ascending order, re-examines `slot`; keys only move towards it). Never allocates. */
 void km_table_erase(km_table *t, uint64_t slot);
 /* Rehash at the same capacity when the table holds tombstones (only a loaded file can bring them;
  * kvmatch has not written any since backward-shift deletion); erase requires none. */
@@ -116,7 +158,7 @@ uint32_t km_table_set_count(const km_table *t, uint64_t slot);
 /* Workers of a slot ascending into out (capacity entries); returns the full count. */
 uint32_t km_table_set_list(const km_table *t, uint64_t slot, uint32_t *out, uint32_t capacity);
 
-/* Bytes of slot + meta + pool memory. */
+/* Bytes of slot + meta + aux + pool memory, both arrays while growing. */
 uint64_t km_table_bytes(const km_table *t);
 void km_table_clear_dirty(km_table *t);
 

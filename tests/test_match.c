@@ -10,6 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "index_impl.h"
 #include "test_util.h"
 
 static km_index *make_index(uint32_t max_workers, uint32_t S, uint32_t threads)
@@ -84,6 +85,76 @@ static void property(uint32_t S, uint32_t W, uint32_t threads)
 
 #define PROPERTY(S, W, T) \
     Test(match_property, s##S##_w##W##_t##T, .timeout = 60) { property(S, W, T); }
+
+/* Scoring while the block table grows incrementally reads both of its arrays (src/table.h): store
+ * whole corpus chains (and now and then remove part of one, so keys are erased from the old array
+ * too) until the block table has grown past KM_TABLE_INCREMENTAL_SLOTS twice, and after every
+ * update that leaves it mid-growth, score requests against the oracle. */
+static void property_growing(uint32_t S, uint32_t W, uint32_t threads)
+{
+    km_rng r;
+    km_rng_init(&r, km_test_seed() ^ ((uint64_t)S << 40) ^ ((uint64_t)W << 20) ^ threads ^ 0x6E0);
+    km_index *index = make_index(W, S, threads);
+    km_oracle o;
+    km_oracle_init(&o, W);
+    km_corpus corpus;
+    km_corpus_generate(&corpus, &r, 1500, 4, 200);
+    km_request_set rs = {0};
+    km_match_results res;
+    km_match_results_init(&res);
+    char why[512];
+    int checks = 0, incremental_growths = 0;
+    uint64_t capacity = index->blocks.capacity;
+    for (int step = 0; step < 20000 && incremental_growths < 2; step++) {
+        const km_seq *q = &corpus.seqs[km_rng_below(&r, (uint32_t)corpus.n_seqs)];
+        if (q->n_blocks == 0)
+            continue;
+        uint32_t w = km_rng_below(&r, W);
+        km_update u = {KM_UPDATE_STORE, w, KM_NO_PARENT, q->chain, q->n_blocks, KM_TIER_DEVICE};
+        uint64_t tail[8];
+        if (km_rng_percent(&r, 15)) { /* remove up to 8 blocks from the chain's end instead */
+            uint32_t n = q->n_blocks < 8 ? q->n_blocks : 8;
+            memcpy(tail, q->chain + q->n_blocks - n, n * sizeof *tail);
+            u = (km_update){KM_UPDATE_REMOVE, w, KM_NO_PARENT, tail, n, KM_TIER_DEVICE};
+        }
+        km_update_stats got, expect;
+        int rc = km_index_apply(index, &u, 1, &got);
+        KM_CHECK(rc == KM_OK, "step %d: apply: %s (%s)", step, km_error_name(rc),
+                 km_index_last_error(index));
+        km_oracle_apply(&o, &u, 1, &expect);
+        KM_CHECK(km_update_stats_equal(&got, &expect, why, sizeof why), "step %d: %s", step, why);
+        if (index->blocks.capacity != capacity) {
+            capacity = index->blocks.capacity;
+            incremental_growths += index->blocks.old_slots != NULL;
+        }
+        if (index->blocks.old_slots && checks < 60) {
+            checks++;
+            km_request_set_generate(&rs, &r, &corpus, 500);
+            rc = km_index_match_batch(index, rs.requests, rs.n, &res);
+            KM_CHECK(rc == KM_OK, "step %d: match: %s", step, km_error_name(rc));
+            KM_CHECK(km_check_results(&o, rs.requests, rs.n, &res, S, why, sizeof why),
+                     "S=%u W=%u threads %u step %d, mid-growth (%llu of %llu old slots moved): %s",
+                     S, W, threads, step, (unsigned long long)index->blocks.migrated,
+                     (unsigned long long)index->blocks.old_capacity, why);
+        }
+    }
+    cr_assert_eq(incremental_growths, 2, "the block table grew incrementally %d times",
+                 incremental_growths);
+    cr_assert_gt(checks, 10, "only %d scoring batches ran mid-growth", checks);
+    km_request_set_generate(&rs, &r, &corpus, 2000);
+    KM_CHECK(km_check_index(&o, index, S, rs.requests, rs.n, &res, why, sizeof why),
+             "S=%u W=%u final: %s", S, W, why);
+    km_match_results_free(&res);
+    km_request_set_free(&rs);
+    km_corpus_free(&corpus);
+    km_oracle_free(&o);
+    km_index_destroy(index);
+}
+
+#define PROPERTY_GROWING(S, W, T)                                                                 \
+    Test(match_property, growing_s##S##_w##W##_t##T, .timeout = 120) { property_growing(S, W, T); }
+PROPERTY_GROWING(4, 64, 2)
+PROPERTY_GROWING(0, 8, 1)
 
 PROPERTY(32, 8, 1)
 PROPERTY(32, 8, 2)

@@ -65,7 +65,8 @@ static void check_table(const km_table *t, const uint64_t *keys, const uint8_t *
         if (present[k]) {
             /* The set travelled with the key: worker k % 50 was added at insert. */
             KM_CHECK(km_table_set_contains(t, slot, (uint32_t)(k % 50)), "key %zu lost its set", k);
-            KM_CHECK(t->meta[slot].parent == (keys[k] ^ 0x5555u), "key %zu lost its metadata", k);
+            KM_CHECK(km_table_meta(t, slot)->parent == (keys[k] ^ 0x5555u),
+                     "key %zu lost its metadata", k);
         }
     }
     KM_CHECK(expected == t->live, "oracle holds %llu keys, table %llu", (unsigned long long)expected,
@@ -102,7 +103,7 @@ Test(table, backward_shift_churn_matches_oracle, .timeout = 60)
                 uint64_t slot;
                 cr_assert_eq(km_table_insert(&t, keys[k], 1, &slot), KM_OK);
                 cr_assert_geq(km_table_set_add(&t, slot, (uint32_t)(k % 50)), 0);
-                t.meta[slot].parent = keys[k] ^ 0x5555u;
+                km_table_meta(&t, slot)->parent = keys[k] ^ 0x5555u;
                 present[k] = 1;
                 live++;
             } else if (present[k]) {
@@ -426,4 +427,182 @@ Test(u64map, erases_alone_finish_a_growth, .timeout = 60)
                      (unsigned long long)k);
     cr_assert_eq(m.live, next_key - 2 - erased);
     km_u64map_free(&m);
+}
+
+/* A key whose home is `home` in a table of 2^bits slots, hashed as km_slot_home (high bits of the
+ * product) or as the u64map (low bits). */
+static uint64_t key_with_home(km_rng *r, uint64_t home, uint32_t bits, int high)
+{
+    for (;;) {
+        uint64_t x = high ? (home << (64 - bits)) | (km_rng_next(r) >> bits)
+                          : (km_rng_next(r) << bits) | home;
+        uint64_t key = x * home_multiplier_inverse();
+        if (key > KM_KEY_TOMBSTONE)
+            return key;
+    }
+}
+
+static uint32_t log2_of(uint64_t x)
+{
+    return 63u - (uint32_t)__builtin_clzll(x);
+}
+
+/* A probe run crowded at the last slot wraps into the first slots. After a growth has moved the
+ * first few slots, its keys beyond them are still in the old array, and a lookup that reaches the
+ * end of the old array must go on from `migrated`, not give up (the u64map did until 2026-11-30:
+ * an erase moved 64 slots and the run's keys past slot 64 became unfindable). */
+Test(u64map, a_run_wrapping_past_the_moved_slots_stays_findable, .timeout = 60)
+{
+    km_rng r;
+    km_rng_init(&r, km_test_seed() ^ 0x3A9);
+    km_memory memory = {0, 0};
+    km_u64map m;
+    km_u64map_init(&m, &memory);
+    cr_assert_eq(km_u64map_reserve(&m, 20000), KM_OK);
+    uint64_t capacity = m.capacity;
+    cr_assert_geq(capacity, KM_U64MAP_INCREMENTAL_SLOTS);
+    enum { CROWD = 300 };
+    uint64_t crowd[CROWD];
+    for (int i = 0; i < CROWD; i++) {
+        crowd[i] = km_u64map_key(key_with_home(&r, capacity - 1, log2_of(capacity), 0));
+        cr_assert_eq(km_u64map_put(&m, crowd[i], (uint64_t)i, 1), KM_OK);
+    }
+    uint64_t filler = 0;
+    while (m.old == NULL) { /* fill until the growth starts */
+        filler = km_u64map_key(km_rng_hash(&r));
+        if (!km_u64map_find(&m, filler))
+            cr_assert_eq(km_u64map_put(&m, filler, 0, 1), KM_OK);
+    }
+    cr_assert_eq(m.old_capacity, capacity);
+    cr_assert_eq(km_u64map_erase(&m, filler), 1); /* moves the first 64 slots */
+    cr_assert(m.migrated > 0 && m.migrated < CROWD, "migrated %llu", (unsigned long long)m.migrated);
+    for (int i = 0; i < CROWD; i++) {
+        uint64_t *v = km_u64map_find(&m, crowd[i]);
+        KM_CHECK(v && *v == (uint64_t)i, "crowded key %d lost mid-growth (migrated %llu)", i,
+                 (unsigned long long)m.migrated);
+    }
+    uint64_t absent = km_u64map_key(key_with_home(&r, capacity - 1, log2_of(capacity), 0));
+    cr_assert_null(km_u64map_find(&m, absent), "an absent key with the crowd's home");
+    km_u64map_free(&m);
+}
+
+/* The oracle of a table under growth: each key's holders as a bitmap of up to 64 workers (more
+ * than KM_SLOT_INLINE, so sets move to the bitmap pool and back) and its metadata. */
+typedef struct table_oracle {
+    uint64_t *keys;
+    uint64_t *holders; /* 0 = absent */
+    size_t n;
+} table_oracle;
+
+/* Every key agrees with the oracle through km_table_find and through the view the walk reads:
+ * presence, holders, metadata; the live and pair counts and the memory accounted agree too. */
+static void growth_check(const km_table *t, const table_oracle *o, const km_memory *memory,
+                         const char *when)
+{
+    km_table_view v = km_table_get_view(t);
+    uint64_t live = 0, pairs = 0;
+    uint32_t ids[64];
+    for (size_t k = 0; k < o->n; k++) {
+        uint64_t slot = km_table_find(t, o->keys[k]);
+        uint64_t vslot = km_view_find(&v, o->keys[k]);
+        KM_CHECK(slot == vslot, "%s: key %zu: table and view disagree", when, k);
+        KM_CHECK((slot != KM_SLOT_NONE) == (o->holders[k] != 0), "%s: key %zu found %d, oracle %d",
+                 when, k, slot != KM_SLOT_NONE, o->holders[k] != 0);
+        if (slot == KM_SLOT_NONE)
+            continue;
+        live++;
+        KM_CHECK(km_view_slot(&v, vslot) == km_table_slot(t, slot), "%s: key %zu: slot pointers",
+                 when, k);
+        KM_CHECK(km_table_slot(t, slot)->key == o->keys[k], "%s: key %zu at a wrong slot", when, k);
+        uint32_t n = km_table_set_list(t, slot, ids, 64);
+        uint64_t got = 0;
+        for (uint32_t i = 0; i < n && i < 64; i++)
+            got |= UINT64_C(1) << ids[i];
+        KM_CHECK(got == o->holders[k], "%s: key %zu holders %llx, oracle %llx", when, k,
+                 (unsigned long long)got, (unsigned long long)o->holders[k]);
+        pairs += (uint64_t)__builtin_popcountll(o->holders[k]);
+        KM_CHECK(km_table_meta(t, slot)->parent == (o->keys[k] ^ 0x5555u) &&
+                     km_table_aux(t, slot)[0] == (uint8_t)(o->keys[k] >> 8),
+                 "%s: key %zu lost its metadata or aux bytes", when, k);
+    }
+    KM_CHECK(live == t->live && pairs == t->pairs, "%s: table counts %llu keys / %llu pairs, "
+             "oracle %llu / %llu", when, (unsigned long long)t->live, (unsigned long long)t->pairs,
+             (unsigned long long)live, (unsigned long long)pairs);
+    KM_CHECK(memory->used == km_table_bytes(t), "%s: memory accounts %llu bytes, table holds %llu",
+             when, (unsigned long long)memory->used, (unsigned long long)km_table_bytes(t));
+}
+
+/* Large tables grow a bounded number of slots per insert and erase: holders are added and removed,
+ * keys inserted and erased (in either array), while keys sit in both arrays, across several
+ * growths, with some probe runs crowded at the end of the table so they wrap. */
+Test(table, incremental_growth_matches_oracle, .timeout = 120)
+{
+    km_rng r;
+    km_rng_init(&r, km_test_seed() ^ 0x7AB1E);
+    km_memory memory = {0, 0};
+    km_table t;
+    cr_assert_eq(km_table_init(&t, 11000, 64, 1, 4, &memory), KM_OK);
+    cr_assert_geq(t.capacity, KM_TABLE_INCREMENTAL_SLOTS);
+    table_oracle o = {malloc(120000 * sizeof(uint64_t)), calloc(120000, sizeof(uint64_t)), 120000};
+    cr_assert(o.keys && o.holders);
+    uint32_t bits = log2_of(t.capacity);
+    /* Random 64-bit keys (a repeat among them is a 1 in 10^9 event); the first 400 crowd into the
+     * last three homes, and stay at the end of every doubled table. */
+    for (size_t k = 0; k < o.n; k++)
+        o.keys[k] = k < 400 ? key_with_home(&r, t.capacity - 1 - k % 3, bits, 1) : km_rng_hash(&r);
+    size_t growing_steps = 0, checks = 0, old_erases = 0, growths = 0, growth_age = 0;
+    uint64_t capacity = t.capacity;
+    for (size_t step = 0; step < 400000; step++) {
+        /* Keys arrive faster than they leave, so the table grows about three times. */
+        size_t k = km_rng_below(&r, (uint32_t)(step < 300000 ? o.n : o.n / 2));
+        uint32_t op = km_rng_below(&r, 10);
+        uint64_t slot = km_table_find(&t, o.keys[k]);
+        if (op < 7) { /* add a holder, inserting the key if absent */
+            uint32_t w = km_rng_below(&r, 8) * (km_rng_percent(&r, 10) ? 8 : 1);
+            if (slot == KM_SLOT_NONE) {
+                cr_assert_eq(km_table_insert(&t, o.keys[k], 1, &slot), KM_OK);
+                cr_assert_lt(slot, t.capacity, "an insert lands in the new array");
+                km_table_meta(&t, slot)->parent = o.keys[k] ^ 0x5555u;
+                km_table_aux(&t, slot)[0] = (uint8_t)(o.keys[k] >> 8);
+            }
+            cr_assert_geq(km_table_set_add(&t, slot, w), 0);
+            o.holders[k] |= UINT64_C(1) << w;
+        } else if (slot != KM_SLOT_NONE) { /* remove a holder; erase the key when none is left */
+            uint32_t ids[64];
+            uint32_t n = km_table_set_list(&t, slot, ids, 64);
+            uint32_t w = ids[km_rng_below(&r, n)];
+            cr_assert_eq(km_table_set_remove(&t, slot, w), 1);
+            o.holders[k] &= ~(UINT64_C(1) << w);
+            if (km_table_set_count(&t, slot) == 0) {
+                old_erases += slot >= t.capacity;
+                km_table_erase(&t, slot);
+            }
+        }
+        if (t.capacity != capacity) {
+            growths++;
+            capacity = t.capacity;
+        }
+        growing_steps += t.old_slots != NULL;
+        growth_age = t.old_slots ? growth_age + 1 : 0;
+        /* Early in each move (the crowd's wrapped run is still partly unmoved), then now and then. */
+        if ((growth_age == 2 || growth_age == 9 || (t.old_slots && step % 1500 == 0)) && checks < 60) {
+            checks++;
+            growth_check(&t, &o, &memory, "while growing");
+        }
+    }
+    cr_assert_geq(growths, 2, "the table grew %zu times", growths);
+    cr_assert_gt(checks, 5, "only %zu checks landed mid-growth", checks);
+    cr_assert_gt(old_erases, 100, "only %zu keys were erased from an old array", old_erases);
+    growth_check(&t, &o, &memory, "at the end");
+    km_table_finish_growth(&t);
+    cr_assert_null(t.old_slots);
+    growth_check(&t, &o, &memory, "after finishing");
+    for (uint64_t i = 0; i < t.capacity; i++) /* no tombstone in a table that is not growing */
+        KM_CHECK(t.slots[i].key != KM_KEY_TOMBSTONE, "slot %llu holds a tombstone",
+                 (unsigned long long)i);
+    km_table_free(&t);
+    KM_CHECK(memory.used == 0, "%llu bytes still accounted after free",
+             (unsigned long long)memory.used);
+    free(o.keys);
+    free(o.holders);
 }

@@ -221,9 +221,12 @@ typedef struct km_index_stats {
     uint64_t host_pairs;        /* pairs whose best tier is KM_TIER_HOST */
     uint64_t disk_pairs;        /* pairs whose best tier is KM_TIER_DISK */
     uint64_t block_capacity;    /* slots in the block table */
-    uint64_t table_growths;     /* times a table grew: each rehashes it at once, a pause for every
-                                 * caller (initial_blocks avoids them); each one is also logged */
-    double table_growth_ms_max; /* the longest of those pauses, and their sum */
+    uint64_t table_growths;     /* times a table grew (initial_blocks avoids them); each one is
+                                 * logged. A table of 16 K slots or more moves its keys over the
+                                 * following inserts; a smaller one rehashes at once */
+    double table_growth_ms_max; /* the longest pause for growth (the insert that grew a table, or
+                                 * with the CUDA backend the sync that finished the move), and the
+                                 * sum of them */
     double table_growth_ms_total;
     uint64_t memory_bytes;      /* host table memory counted against the cap */
     uint64_t memory_cap_bytes;
