@@ -253,14 +253,21 @@ static void emit(builder *b, const char *text, size_t n)
  * comma before it unless it is the first. */
 static void begin_value(builder *b, const char *key)
 {
+    size_t klen = key ? strlen(key) : 0;
+    if (b->status != KM_OK || !reserve(b, klen + 4))
+        return;
+    char *p = b->buf + b->len;
     if (!b->first[b->depth])
-        emit(b, ",", 1);
+        *p++ = ',';
     b->first[b->depth] = false;
     if (key) {
-        emit(b, "\"", 1);
-        emit(b, key, strlen(key));
-        emit(b, "\":", 2);
+        *p++ = '"';
+        memcpy(p, key, klen);
+        p += klen;
+        *p++ = '"';
+        *p++ = ':';
     }
+    b->len = (size_t)(p - b->buf);
 }
 
 static void open_container(builder *b, const char *key, char bracket)
@@ -502,6 +509,15 @@ static void put_real(builder *b, const char *key, double value)
     }
     if (!isfinite(value)) {
         fail(b, KM_ERR_INVALID_ARGUMENT, "field %s is infinite", key);
+        return;
+    }
+    /* Whole numbers below 2^53 (costs and loads usually are): "%.16g" prints every digit with
+     * no exponent, so the integer's digits and ".0" are the same text, without printf's cost (a
+     * fifth of the writer's time with 16 candidates a record). -0.0 is left to printf. */
+    if (fabs(value) < 9007199254740992.0 && value == (double)(int64_t)value &&
+        (value != 0 || !signbit(value))) {
+        put_int(b, key, (int64_t)value);
+        emit(b, ".0", 2);
         return;
     }
     char text[40];

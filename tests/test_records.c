@@ -1660,7 +1660,9 @@ Test(records, strings_and_reals_read_back_through_jansson, .timeout = 60)
     cr_assert(accepted > 2000 && refused > 2000, "accepted %d, refused %d", accepted, refused);
     /* And the real formats at their edges. */
     static const double reals[] = {0.0, 1.0, -1.0, 0.1, 1e21, 1e-7, 123456789012345678.0,
-                                   5e-324, 1.7976931348623157e308, -2.5e-300, 1e16, 1e15};
+                                   5e-324, 1.7976931348623157e308, -2.5e-300, 1e16, 1e15,
+                                   -0.0, 9007199254740991.0, -9007199254740991.0,
+                                   9007199254740992.0, 113462.0, -7.0};
     for (size_t i = 0; i < sizeof reals / sizeof reals[0]; i++) {
         km_decision_record r;
         km_record_candidate cands[2];
@@ -1675,6 +1677,12 @@ Test(records, strings_and_reals_read_back_through_jansson, .timeout = 60)
         cr_assert(json_real_value(v) == reals[i] ||
                       fabs(json_real_value(v) - reals[i]) <= 1e-15 * fabs(reals[i]),
                   "%.17g read back as %.17g", reals[i], json_real_value(v));
+        /* Whole numbers below 2^53 are written exactly, as every digit and ".0"; -0.0 keeps its
+         * sign. */
+        char whole[48];
+        snprintf(whole, sizeof whole, "\"value\":%.0f.0,", reals[i]);
+        if (fabs(reals[i]) < 9007199254740992.0 && reals[i] == floor(reals[i]))
+            cr_assert_not_null(strstr(line, whole), "%s not in %s", whole, line);
         json_decref(o);
         free(line);
     }
