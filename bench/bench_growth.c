@@ -14,7 +14,7 @@
  *   feed    index sized     KV events for 4 workers, each message storing the next 16 blocks of
  *                           the worker's chain, a flush every 8 messages (as the service batches);
  *                           the index is sized at start, so what grows is the feed's own engine-hash
- *                           maps (src/feed.c), which still rehash at once
+ *                           maps (src/emap.c, incremental)
  * Reported: total time, mean, 99.9th percentile and worst call (for the feed: a message, or a
  * message and the flush after it). */
 #include <inttypes.h>

@@ -23,6 +23,7 @@
 #include <xxhash.h>
 
 #include "kvmatch/hash.h"
+#include "emap.h"
 #include "u64map.h"
 #include "why.h"
 
@@ -33,118 +34,7 @@
 /* chain == CHAIN_UNHASHABLE marks an engine hash whose block could not be hashed (extra keys we
  * cannot read); its descendants inherit the mark. 0 is never a chain hash (HASHING.md). */
 #define CHAIN_UNHASHABLE UINT64_C(0)
-#define EMAP_EMPTY UINT64_C(0)
-#define EMAP_TOMBSTONE UINT64_C(1)
-
-typedef struct emap_entry {
-    uint64_t key;   /* km_u64map_key(engine hash) */
-    uint64_t chain; /* kvmatch chain hash, or CHAIN_UNHASHABLE */
-    uint8_t media;  /* bit per km_kv_medium holding the block */
-} emap_entry;
-
-typedef struct emap {
-    emap_entry *entries;
-    uint64_t capacity; /* power of two or 0 */
-    uint64_t live;
-} emap;
-
-static uint64_t emap_home(const emap *m, uint64_t key)
-{
-    return (key * UINT64_C(0x9E3779B97F4A7C15)) & (m->capacity - 1);
-}
-
-static emap_entry *emap_find(const emap *m, uint64_t engine_hash)
-{
-    if (!m->capacity)
-        return NULL;
-    uint64_t key = km_u64map_key(engine_hash);
-    for (uint64_t i = emap_home(m, key);; i = (i + 1) & (m->capacity - 1)) {
-        if (m->entries[i].key == key)
-            return &m->entries[i];
-        if (m->entries[i].key == EMAP_EMPTY)
-            return NULL;
-    }
-}
-
-static int emap_rehash(emap *m, uint64_t capacity)
-{
-    emap_entry *fresh = calloc(capacity, sizeof *fresh);
-    if (!fresh)
-        return KM_ERR_OUT_OF_MEMORY;
-    emap_entry *old = m->entries;
-    uint64_t old_capacity = m->capacity;
-    m->entries = fresh;
-    m->capacity = capacity;
-    for (uint64_t i = 0; i < old_capacity; i++) {
-        if (old[i].key == EMAP_EMPTY)
-            continue;
-        uint64_t j = emap_home(m, old[i].key);
-        while (fresh[j].key != EMAP_EMPTY)
-            j = (j + 1) & (capacity - 1);
-        fresh[j] = old[i];
-    }
-    free(old);
-    return KM_OK;
-}
-
-/* Make room for `extra` more keys so that inserts never allocate (occupancy stays <= 70%). */
-static int emap_reserve(emap *m, uint64_t extra)
-{
-    uint64_t need = m->live + extra;
-    if (m->capacity && need * 10 <= m->capacity * 7)
-        return KM_OK;
-    uint64_t capacity = 16;
-    while (need * 2 > capacity)
-        capacity *= 2;
-    return emap_rehash(m, capacity);
-}
-
-/* Insert or find; room must have been reserved. */
-static emap_entry *emap_upsert(emap *m, uint64_t engine_hash)
-{
-    uint64_t key = km_u64map_key(engine_hash);
-    for (uint64_t i = emap_home(m, key);; i = (i + 1) & (m->capacity - 1)) {
-        emap_entry *e = &m->entries[i];
-        if (e->key == key)
-            return e;
-        if (e->key == EMAP_EMPTY) {
-            e->key = key;
-            e->chain = CHAIN_UNHASHABLE;
-            e->media = 0;
-            m->live++;
-            return e;
-        }
-    }
-}
-
-/* Backward-shift deletion (as km_table_erase): no tombstones, so a worker's churn of stores and
- * evictions never forces a rehash. Moves later entries: pointers into the map are stale after. */
-static void emap_erase(emap *m, emap_entry *e)
-{
-    uint64_t mask = m->capacity - 1;
-    uint64_t hole = (uint64_t)(e - m->entries);
-    for (uint64_t j = (hole + 1) & mask; m->entries[j].key != EMAP_EMPTY; j = (j + 1) & mask) {
-        if (!km_probe_may_fill(emap_home(m, m->entries[j].key), hole, j, mask))
-            continue;
-        m->entries[hole] = m->entries[j];
-        hole = j;
-    }
-    memset(&m->entries[hole], 0, sizeof m->entries[hole]);
-    m->live--;
-}
-
-static void emap_clear(emap *m)
-{
-    if (m->capacity)
-        memset(m->entries, 0, m->capacity * sizeof *m->entries);
-    m->live = 0;
-}
-
-static void emap_free(emap *m)
-{
-    free(m->entries);
-    memset(m, 0, sizeof *m);
-}
+/* Engine hashes map to their chain hash and media in a km_emap (src/emap.h), one per worker. */
 
 /* ---- copied messages (held while a replay runs) ------------------------------------------------- */
 
@@ -337,7 +227,7 @@ typedef struct worker {
     uint32_t buffer_head, buffer_count, buffer_capacity;
     uint64_t buffer_bytes;
 
-    emap map;
+    km_emap map;
     dedup_slot *dedup; /* replay_dedup_window slots, allocated with the first replay item */
     uint64_t lost_from[LOST_RANGES], lost_to[LOST_RANGES]; /* recent seq ranges given up as lost */
     uint32_t lost_next, lost_count;
@@ -555,7 +445,7 @@ static void worker_free(worker *w)
         return;
     buffer_clear(w);
     free(w->buffer);
-    emap_free(&w->map);
+    km_emap_free(&w->map);
     free(w->dedup);
     free(w->history);
     free(w);
@@ -917,7 +807,7 @@ static void apply_stored(km_feed *feed, worker *w, const km_kv_event *e)
     uint64_t first_position = 0;
     uint32_t hashable = n;
     if (e->has_parent_block_hash) {
-        const emap_entry *p = emap_find(&w->map, e->parent_block_hash);
+        const km_emap_entry *p = km_emap_find(&w->map, e->parent_block_hash);
         if (!p) {
             w->c.unknown_parent_blocks += n;
             return;
@@ -973,7 +863,7 @@ static void apply_stored(km_feed *feed, worker *w, const km_kv_event *e)
      * so such blocks get a SET_TIER right after it (rare: a copy to a slower tier). */
     bool fixes = false;
     for (uint32_t i = 0; i < n; i++) {
-        emap_entry *m = emap_upsert(&w->map, e->block_hashes[i]);
+        km_emap_entry *m = km_emap_upsert(&w->map, e->block_hashes[i]);
         m->chain = i < hashable ? feed->hashes[offset + i] : CHAIN_UNHASHABLE;
         m->media |= bit;
         uint8_t t = (uint8_t)best_tier(m->media);
@@ -996,7 +886,7 @@ static void apply_removed(km_feed *feed, worker *w, const km_kv_event *e)
     uint64_t count = 0;
     uint32_t n_moved = 0;
     for (uint32_t i = 0; i < n; i++) {
-        emap_entry *m = emap_find(&w->map, e->block_hashes[i]);
+        km_emap_entry *m = km_emap_find(&w->map, e->block_hashes[i]);
         if (!m) {
             w->c.unknown_removes++;
             continue;
@@ -1012,7 +902,7 @@ static void apply_removed(km_feed *feed, worker *w, const km_kv_event *e)
             continue;
         }
         uint64_t chain = m->chain;
-        emap_erase(&w->map, m);
+        km_emap_erase(&w->map, m);
         if (chain == CHAIN_UNHASHABLE)
             continue;
         feed->hashes[offset + count++] = chain;
@@ -1057,7 +947,7 @@ static void apply_message(km_feed *feed, worker *w, uint64_t seq, const message_
     /* Per event: its update plus up to one SET_TIER per tier; per block: its hash plus one for a
      * tier fix. */
     if (queue_reserve(feed, (size_t)v->n_events * (1 + KM_TIER_COUNT), 2 * n_hashes) ||
-        tier_scratch_reserve(feed, n_hashes) || emap_reserve(&w->map, n_stored)) {
+        tier_scratch_reserve(feed, n_hashes) || km_emap_reserve(&w->map, n_stored)) {
         w->c.dropped_messages++;
         enter_degraded(feed, w, now, "out of memory queueing a message's updates");
         return;
@@ -1072,7 +962,7 @@ static void apply_message(km_feed *feed, worker *w, uint64_t seq, const message_
         case KM_KV_EVENT_ALL_BLOCKS_CLEARED:
             w->c.clears++;
             queue_push(feed, KM_UPDATE_CLEAR_WORKER, w->id, KM_NO_PARENT, feed->hash_count, 0);
-            emap_clear(&w->map);
+            km_emap_clear(&w->map);
             /* Everything stored from here on is observed: the index is complete again. */
             exit_degraded(feed, w, now, KM_FEED_END_CLEARED);
             break;
@@ -1284,7 +1174,7 @@ static void restart_worker(km_feed *feed, worker *w, uint64_t seq, uint64_t now)
     exit_degraded(feed, w, now, KM_FEED_END_RESTART);
     if (queue_control(feed, w, KM_UPDATE_CLEAR_WORKER) != KM_OK)
         enter_degraded(feed, w, now, "out of memory queueing the restart's clear");
-    emap_clear(&w->map);
+    km_emap_clear(&w->map);
     dedup_clear(feed, w);
     open_recovery(w, KM_FEED_WINDOW_RESTART, now, seq);
     w->has_expected = true;
@@ -1348,8 +1238,10 @@ int km_feed_add_worker_identity(km_feed *feed, const km_feed_worker_config *cfg,
     if (GROW(feed->workers, feed->workers_capacity, (size_t)feed->n_workers + 1))
         return feed_fail(feed, KM_ERR_OUT_OF_MEMORY, "worker table");
     worker *w = calloc(1, sizeof *w);
-    if (w)
+    if (w) {
+        km_emap_init(&w->map);
         w->history = calloc(feed->config.max_windows, sizeof *w->history);
+    }
     if (!w || !w->history) {
         worker_free(w);
         return feed_fail(feed, KM_ERR_OUT_OF_MEMORY, "worker state");
@@ -1411,7 +1303,7 @@ int km_feed_resync_worker(km_feed *feed, uint32_t id, uint64_t now_ns)
     buffer_clear(w);
     close_recovery(feed, w, now_ns, KM_FEED_END_RESYNC);
     exit_degraded(feed, w, now_ns, KM_FEED_END_RESYNC);
-    emap_clear(&w->map);
+    km_emap_clear(&w->map);
     dedup_clear(feed, w);
     w->has_expected = false;
     open_recovery(w, KM_FEED_WINDOW_RESYNC, now_ns, 0);
@@ -1843,10 +1735,8 @@ int km_feed_export_state(const km_feed *feed, void **out, size_t *size_out)
         fs_u64(&wr, w->has_expected ? w->expected : 0);
         fs_u64(&wr, w->has_last_live ? w->last_live : 0);
         fs_u64(&wr, w->map.live);
-        for (uint64_t j = 0; j < w->map.capacity; j++) {
-            const emap_entry *e = &w->map.entries[j];
-            if (e->key <= EMAP_TOMBSTONE)
-                continue;
+        uint64_t cursor = 0;
+        for (const km_emap_entry *e; (e = km_emap_next(&w->map, &cursor));) {
             fs_u64(&wr, e->key);
             fs_u64(&wr, e->chain);
             fs_put(&wr, &e->media, 1);
@@ -1967,8 +1857,10 @@ int km_feed_import_state(km_feed *feed, const void *data, size_t size, uint64_t 
             break;
         }
         worker *w = calloc(1, sizeof *w);
-        if (w)
+        if (w) {
+            km_emap_init(&w->map);
             w->history = calloc(feed->config.max_windows, sizeof *w->history);
+        }
         if (!w || !w->history) {
             worker_free(w);
             rc = KM_ERR_OUT_OF_MEMORY, why = "worker state";
@@ -2001,12 +1893,7 @@ int km_feed_import_state(km_feed *feed, const void *data, size_t size, uint64_t 
         w->has_last_live = flags & FS_HAS_LAST_LIVE;
         w->last_live = last_live;
         w->degraded = flags & FS_DEGRADED;
-        /* Densest capacity emap_reserve accepts (load <= 70%), as a live map would have: half
-         * the memory of a fresh reserve, which matters at millions of entries (page faults). */
-        uint64_t capacity = 16;
-        while (entries * 10 > capacity * 7)
-            capacity *= 2;
-        if (entries && emap_rehash(&w->map, capacity) != KM_OK) {
+        if (entries && km_emap_size_for(&w->map, entries) != KM_OK) {
             rc = KM_ERR_OUT_OF_MEMORY, why = "engine-hash map";
             break;
         }
@@ -2016,19 +1903,19 @@ int km_feed_import_state(km_feed *feed, const void *data, size_t size, uint64_t 
             fs_get_u64(&r, &key);
             fs_get_u64(&r, &chain);
             fs_take(&r, &media, 1);
-            if (key <= EMAP_TOMBSTONE || media == 0 || media >= (1u << MEDIUM_COUNT)) {
+            /* Keys are stored mapped (km_u64map_key), so never 0 or 1; the map maps them again,
+             * which leaves such keys as they are. */
+            if (key <= 1 || media == 0 || media >= (1u << MEDIUM_COUNT)) {
                 rc = KM_ERR_CORRUPT, why = "bad map entry";
                 break;
             }
-            uint64_t i = emap_home(&w->map, key);
-            while (w->map.entries[i].key != EMAP_EMPTY && w->map.entries[i].key != key)
-                i = (i + 1) & (w->map.capacity - 1);
-            if (w->map.entries[i].key == key) {
+            if (km_emap_find(&w->map, key)) {
                 rc = KM_ERR_CORRUPT, why = "duplicate map entry";
                 break;
             }
-            w->map.entries[i] = (emap_entry){key, chain, media};
-            w->map.live++;
+            km_emap_entry *m = km_emap_upsert(&w->map, key);
+            m->chain = chain;
+            m->media = media;
         }
         if (rc)
             break;

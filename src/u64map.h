@@ -14,6 +14,7 @@
 
 #include <stdint.h>
 
+#include "oamap.h"
 #include "table.h"
 
 typedef struct km_u64map_entry {
@@ -21,21 +22,13 @@ typedef struct km_u64map_entry {
     uint64_t value;
 } km_u64map_entry;
 
-typedef struct km_u64map {
-    km_u64map_entry *entries;
-    uint64_t capacity; /* power of two, or 0 before the first insert */
-    uint64_t live;     /* entries in both arrays */
-    uint64_t in_new;   /* of them, in `entries` */
-    /* While growing: the previous array; its slots [migrated, old_capacity) are still to move. */
-    km_u64map_entry *old;
-    uint64_t old_capacity;
-    uint64_t migrated;
-    km_memory *memory;
-} km_u64map;
+/* The shared core (src/oamap.h) over km_u64map_entry: `entries` and `old` are arrays of them;
+ * capacity, live, in_new, old_capacity and migrated as documented there. */
+typedef km_oamap km_u64map;
 
 /* Maps below this many slots rehash at once (a few hundred microseconds at most); larger ones grow
  * incrementally. */
-#define KM_U64MAP_INCREMENTAL_SLOTS (UINT64_C(1) << 14)
+#define KM_U64MAP_INCREMENTAL_SLOTS KM_OAMAP_INCREMENTAL_SLOTS
 
 /* Keys 0 and 1 become two fixed other values (documented in docs/HASHING.md for engine hashes). */
 static inline uint64_t km_u64map_key(uint64_t raw)
@@ -52,10 +45,11 @@ __attribute__((always_inline)) static inline void km_u64map_prefetch(const km_u6
                                                                      uint64_t key)
 {
     uint64_t h = key * UINT64_C(0x9E3779B97F4A7C15);
+    const km_u64map_entry *now = (const void *)m->entries, *before = (const void *)m->old;
     if (m->capacity)
-        __builtin_prefetch(&m->entries[h & (m->capacity - 1)]);
+        __builtin_prefetch(&now[h & (m->capacity - 1)]);
     if (m->old)
-        __builtin_prefetch(&m->old[h & (m->old_capacity - 1)]);
+        __builtin_prefetch(&before[h & (m->old_capacity - 1)]);
 }
 
 /* Pointer to the value of key, or NULL. Valid until the next reserve, growing put or erase (erase

@@ -21,8 +21,8 @@ MARKED = [
     ("src/shared.h", "KM_PREFETCH(&v->slots[km_slot_home(key, v->shift)]);"),
     ("src/shared.h", "KM_PREFETCH(&hashes[k * S]);"),
     ("src/shared.h", "KM_PREFETCH(&hashes[(k + 1) * S - 1]);"),
-    ("src/u64map.h", "__builtin_prefetch(&m->entries[h & (m->capacity - 1)]);"),
-    ("src/u64map.h", "__builtin_prefetch(&m->old[h & (m->old_capacity - 1)]);"),
+    ("src/u64map.h", "__builtin_prefetch(&now[h & (m->capacity - 1)]);"),
+    ("src/u64map.h", "__builtin_prefetch(&before[h & (m->old_capacity - 1)]);"),
 ]
 OBJECTS = ["src/backend_cpu.o", "src/approx.o", "src/index.o"]
 

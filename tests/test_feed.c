@@ -474,6 +474,53 @@ Test(feed, random_stream_matches_engine, .timeout = 20)
     }
 }
 
+/* A worker with tens of thousands of cached blocks: its engine-hash map grows past
+ * KM_EMAP_INCREMENTAL_SLOTS and moves its entries over the following messages. Stores that continue
+ * old blocks (parent lookups), removes and re-stores land while entries sit in either array; the
+ * index must stay exactly what the engine caches, and no parent or removed hash may go unknown. */
+Test(feed, a_large_worker_stays_exact_while_its_map_grows, .timeout = 60)
+{
+    fx f;
+    fx_init(&f);
+    fx_add(&f, 5, false);
+    for (int msg = 0; msg < 1500; msg++) {
+        if (msg % 4 != 3) {
+            int64_t parent = -1;
+            if (f.engine.n_blocks && km_rng_percent(&f.rng, 80)) {
+                size_t i = km_rng_below(&f.rng, (uint32_t)f.engine.n_blocks);
+                if (f.engine.blocks[i].cached)
+                    parent = (int64_t)i;
+            }
+            km_test_engine_store(&f.engine, &f.rng, &f.batch, parent, 16);
+        } else if (msg % 8 == 3) { /* evict 16 cached blocks anywhere in the map */
+            uint64_t hashes[16];
+            uint32_t n = 0;
+            for (int tries = 0; tries < 200 && n < 16; tries++) {
+                km_test_block *blk = &f.engine.blocks[km_rng_below(&f.rng, (uint32_t)f.engine.n_blocks)];
+                if (blk->cached) {
+                    blk->cached = false;
+                    hashes[n++] = blk->engine_hash;
+                }
+            }
+            km_test_batch_removed(&f.batch, hashes, n, f.engine.medium);
+        } else {
+            km_test_engine_step(&f.engine, &f.rng, &f.batch, 3, 0);
+        }
+        fx_live(&f, 5, fx_keep(&f));
+        if (msg >= 650 && msg % 5 == 0) /* from about 10,000 cached blocks on */
+            fx_check_truth(&f, 5);
+    }
+    fx_check_truth(&f, 5);
+    km_feed_worker_info info = fx_info(&f, 5);
+    size_t n_cached;
+    free(km_test_engine_chains(&f.engine, false, &n_cached));
+    cr_assert_gt(n_cached, 13000, "only %zu blocks cached: the map never grew past 16 K slots",
+                 n_cached);
+    cr_assert_eq(info.counters.unknown_parent_blocks, 0);
+    cr_assert_eq(info.counters.unknown_removes, 0);
+    fx_free(&f);
+}
+
 /* ---- stream checks ----------------------------------------------------------------------------- */
 
 Test(feed, first_message_sets_position_without_bootstrap, .timeout = 10)

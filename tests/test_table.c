@@ -1,10 +1,13 @@
-/* The host hash table (src/table.c) and the bookkeeping map (src/u64map.c) under churn, against a
- * brute-force oracle: backward-shift deletion keeps every key reachable from its home slot, leaves
- * no tombstone, never rehashes a table whose live count stays put, and lists every slot it moves
- * so that a replica patched from the dirty list (what the CUDA backend does) equals the table. */
+/* The host hash table (src/table.c), the bookkeeping map (src/u64map.c) and the feed's engine-hash
+ * map (src/emap.c) under churn and growth, against a brute-force oracle: backward-shift deletion
+ * keeps every key reachable from its home slot, leaves no tombstone, never rehashes a table whose
+ * live count stays put, and lists every slot it moves so that a replica patched from the dirty list
+ * (what the CUDA backend does) equals the table; incremental growth keeps every key findable while
+ * it sits in either array. */
 #include <stdlib.h>
 #include <string.h>
 
+#include "emap.h"
 #include "kvmatch/error.h"
 #include "table.h"
 #include "test_util.h"
@@ -605,4 +608,112 @@ Test(table, incremental_growth_matches_oracle, .timeout = 120)
              (unsigned long long)memory.used);
     free(o.keys);
     free(o.holders);
+}
+
+/* ---- the feed's engine-hash map (src/emap.c) ----------------------------------------------------- */
+
+/* Every key agrees with the oracle (presence, chain, media), and an iteration yields each live
+ * entry once. */
+static void emap_check(const km_emap *m, const uint64_t *keys, const uint64_t *chains,
+                       const uint8_t *media, size_t n, const char *when)
+{
+    size_t live = 0;
+    for (size_t k = 0; k < n; k++) {
+        const km_emap_entry *e = km_emap_find(m, keys[k]);
+        KM_CHECK((e != NULL) == (media[k] != 0), "%s: key %zu found %d, oracle %d", when, k,
+                 e != NULL, media[k] != 0);
+        if (!e)
+            continue;
+        live++;
+        KM_CHECK(e->chain == chains[k] && e->media == media[k], "%s: key %zu holds %llx/%u, oracle "
+                 "%llx/%u", when, k, (unsigned long long)e->chain, e->media,
+                 (unsigned long long)chains[k], media[k]);
+    }
+    KM_CHECK(m->live == live, "%s: map counts %llu, oracle %zu", when, (unsigned long long)m->live,
+             live);
+    size_t seen = 0;
+    uint64_t cursor = 0;
+    for (const km_emap_entry *e; (e = km_emap_next(m, &cursor));) {
+        size_t k = (size_t)(e->chain >> 40); /* the test's chains carry the key's index */
+        KM_CHECK(k < n && km_u64map_key(keys[k]) == e->key && media[k], "%s: iteration yields a "
+                 "stray entry", when);
+        seen++;
+    }
+    KM_CHECK(seen == live, "%s: iteration yields %zu entries, oracle %zu", when, seen, live);
+}
+
+/* As the feed uses it: reserve a message's stores, upsert each (a store of a known hash updates
+ * its entry in place, wherever it sits), erase removed ones, across several growths; keys sit in
+ * either array and erases hit both. Some keys crowd at the end of the array so runs wrap. */
+Test(emap, incremental_growth_matches_oracle, .timeout = 120)
+{
+    km_rng r;
+    km_rng_init(&r, km_test_seed() ^ 0xE3A9);
+    km_emap m;
+    km_emap_init(&m);
+    size_t n = 150000;
+    uint64_t *keys = malloc(n * sizeof *keys), *chains = calloc(n, sizeof *chains);
+    uint8_t *media = calloc(n, 1);
+    cr_assert(keys && chains && media);
+    for (size_t k = 0; k < n; k++) /* engine hashes: random, 300 crowding into the last home of a
+                                    * 32 K-slot array (and of every larger one, by the low bits) */
+        keys[k] = k < 300 ? key_with_home(&r, (UINT64_C(1) << 15) - 1, 15, 0) : km_rng_hash(&r);
+    size_t growing = 0, checks = 0, old_erases = 0, growth_age = 0;
+    for (size_t step = 0; step < 60000; step++) {
+        uint32_t batch = 1 + km_rng_below(&r, 24);
+        cr_assert_eq(km_emap_reserve(&m, batch), KM_OK);
+        /* Keys arrive faster than they leave for most of the run. */
+        uint32_t span = step < 45000 ? (uint32_t)n : 20000;
+        for (uint32_t b = 0; b < batch; b++) {
+            size_t k = km_rng_below(&r, span);
+            km_emap_entry *e = km_emap_upsert(&m, keys[k]);
+            chains[k] = (uint64_t)k << 40 | km_rng_below(&r, 1u << 30);
+            media[k] |= (uint8_t)(1u << km_rng_below(&r, 4));
+            e->chain = chains[k];
+            e->media = media[k];
+        }
+        for (uint32_t b = 0; b < batch * (step < 45000 ? 1u : 3u) / 2; b++) {
+            size_t k = km_rng_below(&r, span);
+            km_emap_entry *e = km_emap_find(&m, keys[k]);
+            cr_assert_eq(e != NULL, media[k] != 0, "step %zu key %zu", step, k);
+            if (!e)
+                continue;
+            old_erases += (uintptr_t)e - (uintptr_t)m.entries >= m.capacity * sizeof *e;
+            km_emap_erase(&m, e);
+            media[k] = 0;
+        }
+        growing += m.old != NULL;
+        growth_age = m.old ? growth_age + 1 : 0;
+        if ((growth_age == 1 || growth_age == 4 || (m.old && step % 700 == 0)) && checks < 40) {
+            checks++;
+            emap_check(&m, keys, chains, media, n, "while growing");
+        }
+    }
+    cr_assert_gt(growing, 100, "the map never grew incrementally (%zu steps)", growing);
+    cr_assert_gt(checks, 5, "only %zu checks landed mid-growth", checks);
+    cr_assert_gt(old_erases, 50, "only %zu erases hit the old array", old_erases);
+    emap_check(&m, keys, chains, media, n, "at the end");
+    km_emap_clear(&m);
+    cr_assert(m.live == 0 && m.old == NULL);
+    for (size_t k = 0; k < n; k++)
+        media[k] = 0;
+    emap_check(&m, keys, chains, media, n, "after clear");
+    km_emap_free(&m);
+    free(keys);
+    free(chains);
+    free(media);
+}
+
+/* Restoring saved state sizes the map at the densest load a reserve accepts, only when empty. */
+Test(emap, size_for_takes_an_empty_map_only)
+{
+    km_emap m;
+    km_emap_init(&m);
+    cr_assert_eq(km_emap_size_for(&m, 1000), KM_OK);
+    cr_assert_eq(m.capacity, 2048, "1,000 entries at <= 70%% fit 2,048 slots");
+    cr_assert_eq(km_emap_reserve(&m, 0), KM_OK);
+    km_emap_upsert(&m, 42)->media = 1;
+    cr_assert_eq(km_emap_size_for(&m, 10), KM_ERR_INVALID_ARGUMENT);
+    cr_assert_not_null(km_emap_find(&m, 42), "a refused size_for keeps the entries");
+    km_emap_free(&m);
 }

@@ -186,10 +186,10 @@ Test(tiers, random_batches_against_model, .timeout = 120)
                 km_index_stats is;
                 km_index_get_stats(index, &is);
                 uint64_t host = 0, disk = 0;
-                for (uint64_t i = 0; i < m.map.capacity; i++) {
-                    uint64_t k = m.map.entries[i].key, v = m.map.entries[i].value;
-                    host += k > 1 && (v & 0xff) == KM_TIER_HOST;
-                    disk += k > 1 && (v & 0xff) == KM_TIER_DISK;
+                uint64_t cursor = 0;
+                for (km_u64map_entry *e; (e = km_u64map_next(&m.map, &cursor));) {
+                    host += (e->value & 0xff) == KM_TIER_HOST;
+                    disk += (e->value & 0xff) == KM_TIER_DISK;
                 }
                 KM_CHECK(is.host_pairs == host && is.disk_pairs == disk,
                          "pairs host %llu disk %llu, model %llu %llu",
