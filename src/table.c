@@ -152,17 +152,19 @@ static uint64_t place_new(km_table *t, const km_slot *slot, const km_block_meta 
     return j;
 }
 
-/* Give back the whole pieces of the old arrays that a move from slot from_slot to to_slot passed. */
-static void release_old_pieces(km_table *t, uint64_t from_slot, uint64_t to_slot)
+/* Give back the whole pieces of the old arrays that the move from slot from_slot to to_slot
+ * passed; to_slot = old_capacity gives back everything from from_slot's piece on. */
+static void release_old_part(km_table *t, uint64_t from_slot, uint64_t to_slot)
 {
-    uint64_t c = t->old_capacity;
-    km_pages_release(t->old_slots, slots_bytes(c), km_pages_releasable(slots_bytes(c), slots_bytes(from_slot)),
-                     km_pages_releasable(slots_bytes(c), slots_bytes(to_slot)));
-    km_pages_release(t->old_meta, meta_bytes(c), km_pages_releasable(meta_bytes(c), meta_bytes(from_slot)),
-                     km_pages_releasable(meta_bytes(c), meta_bytes(to_slot)));
-    km_pages_release(t->old_aux, aux_array_bytes(t, c),
-                     km_pages_releasable(aux_array_bytes(t, c), aux_array_bytes(t, from_slot)),
-                     km_pages_releasable(aux_array_bytes(t, c), aux_array_bytes(t, to_slot)));
+    void *arrays[3] = {t->old_slots, t->old_meta, t->old_aux};
+    uint64_t per_slot[3] = {sizeof(km_slot), sizeof(km_block_meta), t->aux_bytes};
+    for (int k = 0; k < 3; k++) {
+        uint64_t bytes = t->old_capacity * per_slot[k];
+        uint64_t from = km_pages_releasable(bytes, from_slot * per_slot[k]);
+        uint64_t to = to_slot == t->old_capacity ? bytes
+                                                 : km_pages_releasable(bytes, to_slot * per_slot[k]);
+        km_pages_release(arrays[k], bytes, from, to);
+    }
 }
 
 /* Give back what the move has not given back of the old arrays (all of them once it is over). */
@@ -170,16 +172,8 @@ static void release_old(km_table *t)
 {
     if (!t->old_slots)
         return;
-    uint64_t c = t->old_capacity;
-    uint64_t done = t->migrated;
-    km_pages_release(t->old_slots, slots_bytes(c), km_pages_releasable(slots_bytes(c), slots_bytes(done)),
-                     slots_bytes(c));
-    km_pages_release(t->old_meta, meta_bytes(c), km_pages_releasable(meta_bytes(c), meta_bytes(done)),
-                     meta_bytes(c));
-    km_pages_release(t->old_aux, aux_array_bytes(t, c),
-                     km_pages_releasable(aux_array_bytes(t, c), aux_array_bytes(t, done)),
-                     aux_array_bytes(t, c));
-    km_memory_release(t->memory, table_slot_bytes(t, c, t->meta != NULL));
+    release_old_part(t, t->migrated, t->old_capacity);
+    km_memory_release(t->memory, table_slot_bytes(t, t->old_capacity, t->meta != NULL));
     t->old_slots = NULL;
     t->old_meta = NULL;
     t->old_aux = NULL;
@@ -210,7 +204,7 @@ static void migrate(km_table *t, uint64_t n)
         km_pages_advise_huge(t->slots, slots_bytes(t->capacity), 0);
         return;
     }
-    release_old_pieces(t, from, end);
+    release_old_part(t, from, end);
 }
 
 void km_table_finish_growth(km_table *t)
