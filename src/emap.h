@@ -37,7 +37,8 @@ void km_emap_erase(km_emap *m, km_emap_entry *e);
 /* Drop every entry (keeps the current array; a growth in progress ends). */
 void km_emap_clear(km_emap *m);
 /* Size an empty map for `entries` at the densest load a reserve accepts (restoring saved state):
- * half the memory of a fresh reserve. KM_OK or KM_ERR_OUT_OF_MEMORY. */
+ * half the memory of a fresh reserve. KM_OK, KM_ERR_OUT_OF_MEMORY, or KM_ERR_INVALID_ARGUMENT
+ * for a map that is not empty (nothing changed). */
 int km_emap_size_for(km_emap *m, uint64_t entries);
 /* Iteration: start *cursor at 0; each call returns the next entry, or NULL at the end. The map must
  * not change during an iteration. */
