@@ -992,9 +992,9 @@ Test(server, a_burst_of_expiries_ends_slice_after_slice_without_waiting_for_tick
 }
 
 /* The candidate rows of a route over the pool's members (ascending) equal those of the same route
- * naming every member itself in a random order: same workers, same depths and tier split. Both routes ride in one frame,
- * so both are scored against the same index; approximate mode has taught it random prefixes of
- * random lengths on random workers first (round_robin spreads them). */
+ * naming every member itself in a random order: same workers, same depths and tier split. Both
+ * routes ride in one frame, so both are scored against the same index; approximate mode has taught
+ * it random prefixes of random lengths on random workers first (round_robin spreads them). */
 Test(server, candidate_rows_match_with_and_without_an_explicit_list, .timeout = 30)
 {
     enum { WORKERS = 8, TEACH = 60, CHECKS = 40 };

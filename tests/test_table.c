@@ -24,6 +24,19 @@ static uint64_t home_multiplier_inverse(void)
     return inv;
 }
 
+/* A key whose home is `home` in a table of 2^bits slots, hashed as km_slot_home (high bits of the
+ * product) or as the u64map (low bits). */
+static uint64_t key_with_home(km_rng *r, uint64_t home, uint32_t bits, int high)
+{
+    for (;;) {
+        uint64_t x = high ? (home << (64 - bits)) | (km_rng_next(r) >> bits)
+                          : (km_rng_next(r) << bits) | home;
+        uint64_t key = x * home_multiplier_inverse();
+        if (key > KM_KEY_TOMBSTONE)
+            return key;
+    }
+}
+
 /* Half the keys have random homes; half crowd into a few homes, some of them at the table's end,
  * so probe runs are long and wrap around past the last slot. */
 static uint64_t clustered_key(km_rng *r, uint32_t shift)
@@ -34,8 +47,7 @@ static uint64_t clustered_key(km_rng *r, uint32_t shift)
         if (km_rng_percent(r, 50)) {
             uint64_t home = km_rng_percent(r, 30) ? capacity - 1 - km_rng_below(r, 3)
                                                   : km_rng_below(r, 8) * 7u;
-            uint64_t x = (home << shift) | (km_rng_next(r) >> (64 - shift));
-            key = x * home_multiplier_inverse();
+            key = key_with_home(r, home, 64 - shift, 1);
             cr_assert_eq(km_slot_home(key, shift), home);
         }
         if (key > KM_KEY_TOMBSTONE)
@@ -430,19 +442,6 @@ Test(u64map, erases_alone_finish_a_growth, .timeout = 60)
                      (unsigned long long)k);
     cr_assert_eq(m.live, next_key - 2 - erased);
     km_u64map_free(&m);
-}
-
-/* A key whose home is `home` in a table of 2^bits slots, hashed as km_slot_home (high bits of the
- * product) or as the u64map (low bits). */
-static uint64_t key_with_home(km_rng *r, uint64_t home, uint32_t bits, int high)
-{
-    for (;;) {
-        uint64_t x = high ? (home << (64 - bits)) | (km_rng_next(r) >> bits)
-                          : (km_rng_next(r) << bits) | home;
-        uint64_t key = x * home_multiplier_inverse();
-        if (key > KM_KEY_TOMBSTONE)
-            return key;
-    }
 }
 
 static uint32_t log2_of(uint64_t x)
