@@ -255,6 +255,69 @@ Test(snapshot, bad_files_are_rejected_and_change_nothing, .timeout = 120)
     fixture_free(&f);
 }
 
+/* Reseal a snapshot edited in place: the payload checksum, then the header's own. */
+static void reseal(uint8_t *buf, size_t size)
+{
+    uint64_t payload_hash = XXH3_64bits(buf + 64, size - 64);
+    memcpy(buf + 40, &payload_hash, 8);
+    uint64_t header_hash = XXH3_64bits(buf, 56);
+    memcpy(buf + 56, &header_hash, 8);
+}
+
+/* Free slots are all zero since incremental growth; files written before it have their ids at
+ * 0xFFFF. Both load (nothing reads a free slot's ids); a free slot with ids of neither form is
+ * corrupt even when the checksums agree. */
+Test(snapshot, free_slots_of_either_form_load_and_mixed_ids_are_corrupt, .timeout = 60)
+{
+    const uint32_t W = 8, S = 4;
+    fixture f;
+    fixture_init(&f, W, 91);
+    km_index *a = make_index(W, S);
+    run_steps(&f, a, 15);
+    cr_assert_eq(km_index_save(a, f.path, "u", 1), KM_OK);
+    size_t size;
+    uint8_t *buf = read_file(f.path, &size);
+    /* The block table comes first: the 64-byte header, a 16-byte section head, a 56-byte table
+     * header whose first field is the capacity, then the slots. */
+    uint64_t capacity;
+    memcpy(&capacity, buf + 64 + 16, 8);
+    uint8_t *slots = buf + 64 + 16 + 56;
+    cr_assert(136 + capacity * 16 <= size);
+    uint64_t free_slot = UINT64_MAX, rewritten = 0;
+    for (uint64_t i = 0; i < capacity; i++) {
+        uint64_t key;
+        memcpy(&key, slots + i * 16, 8);
+        if (key != 0)
+            continue;
+        uint8_t zero[8] = {0};
+        cr_assert(memcmp(slots + i * 16 + 8, zero, 8) == 0, "free slot %llu is not all zero",
+                  (unsigned long long)i);
+        memset(slots + i * 16 + 8, 0xFF, 8); /* as the writer before incremental growth */
+        rewritten++;
+        free_slot = i;
+    }
+    cr_assert_gt(rewritten, 0);
+    reseal(buf, size);
+    char old_form[160];
+    snprintf(old_form, sizeof old_form, "%s/old-form.snap", f.dir);
+    write_file(old_form, buf, size);
+    km_index *b = make_index(W, S);
+    cr_assert_eq(km_index_load(b, old_form, NULL, NULL), KM_OK, "%s", km_index_last_error(b));
+    check(&f, b, S, "free slots at 0xFFFF");
+    km_index_destroy(b);
+
+    uint16_t mixed[4] = {0, 0xFFFF, 0xFFFF, 0xFFFF};
+    memcpy(slots + free_slot * 16 + 8, mixed, 8);
+    reseal(buf, size);
+    char bad[160];
+    snprintf(bad, sizeof bad, "%s/mixed.snap", f.dir);
+    write_file(bad, buf, size);
+    expect_rejected(&f, a, S, bad, KM_ERR_CORRUPT, "a free slot with mixed ids");
+    free(buf);
+    km_index_destroy(a);
+    fixture_free(&f);
+}
+
 Test(snapshot, save_is_atomic_and_reports_io_errors, .timeout = 60)
 {
     fixture f;
