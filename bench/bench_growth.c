@@ -11,6 +11,13 @@
  *   index   default size    km_index_store of a 24-block run, 16 workers in turn, from the default
  *                           initial_blocks (the slot tables grow incrementally: src/table.h)
  *   index   sized at start  the same, with initial_blocks covering every block stored
+ *   replica stop-the-world  "default size" under a backend with a device replica's host side
+ *                           (dirty-slot tracking, a sync after every batch) but no device: every
+ *                           growth finished in the sync after the batch that started it (the old
+ *                           behaviour), as the same-run baseline. The upload itself is not in it
+ *   replica bounded steps   the same as built: a sync moves at most KM_REPLICA_GROWTH_STEP_SLOTS old
+ *                           slots of a growing table, for at most KM_REPLICA_GROWTH_BUDGET_MS
+ *                           (src/index.c, advance_growths)
  *   feed    index sized     KV events for 4 workers, each message storing the next 16 blocks of
  *                           the worker's chain, a flush every 8 messages (as the service batches);
  *                           the index is sized at start, so what grows is the feed's own engine-hash
@@ -29,6 +36,7 @@
 #include "kvmatch/feed.h"
 #include "kvmatch/index.h"
 #include "kvmatch/kv_events.h"
+#include "index_impl.h"
 #include "u64map.h"
 
 #define KEYS_PER_CALL 24
@@ -165,12 +173,10 @@ static int index_row(int rc, const km_index *index, const char *structure, const
     return rc;
 }
 
-static int run_index(uint64_t initial_blocks, size_t calls, double *lat, growth_row *row)
+/* The index rows' calls: a 24-block run of fresh keys on one of WORKERS workers in turn. */
+static int store_runs(km_index *index, size_t calls, double *lat)
 {
-    km_index *index = NULL;
-    int rc = create_index(WORKERS, initial_blocks, &index);
-    if (rc)
-        return rc;
+    int rc = KM_OK;
     uint64_t seed = UINT64_C(88172645463325252);
     for (size_t c = 0; c < calls && rc == KM_OK; c++) {
         uint64_t hashes[KEYS_PER_CALL];
@@ -180,7 +186,66 @@ static int run_index(uint64_t initial_blocks, size_t calls, double *lat, growth_
         rc = km_index_store(index, (uint32_t)(c % WORKERS), KM_NO_PARENT, hashes, KEYS_PER_CALL);
         lat[c] = now_us() - t0;
     }
+    return rc;
+}
+
+static int run_index(uint64_t initial_blocks, size_t calls, double *lat, growth_row *row)
+{
+    km_index *index = NULL;
+    int rc = create_index(WORKERS, initial_blocks, &index);
+    if (rc)
+        return rc;
+    rc = store_runs(index, calls, lat);
     rc = index_row(rc, index, "index", initial_blocks ? "sized at start" : "default size", lat,
+                   calls, row);
+    km_index_destroy(index);
+    return rc;
+}
+
+/* A device replica's host side without a device: the tables track dirty slots and every batch is
+ * followed by a sync, which uploads nothing. */
+static int no_device_create(km_index *index, void **state, char *why, size_t why_size)
+{
+    (void)index, (void)why, (void)why_size;
+    static int token;
+    *state = &token;
+    return KM_OK;
+}
+
+static void no_device_destroy(void *state)
+{
+    (void)state;
+}
+
+static int no_device_sync(void *state, km_index *index)
+{
+    (void)state, (void)index;
+    return KM_OK;
+}
+
+static const km_backend_ops no_device_backend = {
+    .name = "replica without a device",
+    .create = no_device_create,
+    .destroy = no_device_destroy,
+    .sync = no_device_sync,
+    .match = NULL, /* the row only stores */
+    .needs_dirty_tracking = 1,
+};
+
+static int run_replica(int stop_the_world, size_t calls, double *lat, growth_row *row)
+{
+    km_index *index = NULL;
+    int rc = create_index(WORKERS, 0, &index);
+    char why[128];
+    if (rc == KM_OK)
+        rc = km_index_use_backend(index, &no_device_backend, why, sizeof why);
+    if (rc == KM_OK && stop_the_world) {
+        index->replica_growth_step = UINT64_MAX;
+        index->replica_growth_budget_ms = 0;
+    }
+    if (rc == KM_OK)
+        rc = store_runs(index, calls, lat);
+    rc = index_row(rc, index, "replica", stop_the_world ? "stop-the-world" : "bounded steps", lat,
                    calls, row);
     km_index_destroy(index);
     return rc;
@@ -279,7 +344,7 @@ int km_bench_growth_main(int argc, char **argv)
     json_object_set_new(root, "keys_per_call", json_integer(KEYS_PER_CALL));
     json_object_set_new(root, "feed_blocks_per_message", json_integer(FEED_BLOCKS));
     json_t *results = json_array();
-    growth_row rows[6];
+    growth_row rows[8];
     int rc = KM_OK, n_rows = 0;
     if (rc == KM_OK && (rc = run_u64map(1, map_calls, lat, &rows[n_rows])) == KM_OK)
         n_rows++;
@@ -291,6 +356,10 @@ int km_bench_growth_main(int argc, char **argv)
         n_rows++;
     if (rc == KM_OK && (rc = run_index((uint64_t)index_calls * KEYS_PER_CALL, index_calls, lat,
                                        &rows[n_rows])) == KM_OK)
+        n_rows++;
+    if (rc == KM_OK && (rc = run_replica(1, index_calls, lat, &rows[n_rows])) == KM_OK)
+        n_rows++;
+    if (rc == KM_OK && (rc = run_replica(0, index_calls, lat, &rows[n_rows])) == KM_OK)
         n_rows++;
     if (rc == KM_OK && (rc = run_feed(feed_calls, lat, &rows[n_rows])) == KM_OK)
         n_rows++;

@@ -30,6 +30,7 @@
 
 #define ANCHOR_NONE UINT32_MAX
 
+
 /* ---- errors and logging ---------------------------------------------------------------------- */
 
 int km_index_fail(km_index *index, int status, const char *fmt, ...)
@@ -141,6 +142,8 @@ int km_index_create(const km_index_config *cfg_in, km_index **out)
     index->config = cfg;
     index->memory.cap = cfg.memory_cap_bytes;
     index->anchor_free_head = ANCHOR_NONE;
+    index->replica_growth_step = KM_REPLICA_GROWTH_STEP_SLOTS;
+    index->replica_growth_budget_ms = KM_REPLICA_GROWTH_BUDGET_MS;
     km_u64map_init(&index->anchors, &index->memory);
     int rc = km_table_init(&index->blocks, cfg.initial_blocks, cfg.max_workers, 1, 0, &index->memory);
     if (!rc) /* aux: one fingerprint byte per block of each segment key */
@@ -171,6 +174,7 @@ void km_index_destroy(km_index *index)
         return;
     if (index->backend)
         index->backend->destroy(index->backend_state);
+    km_backend_cpu.destroy(index->host_scorer);
     km_table_free(&index->blocks);
     km_table_free(&index->segments);
     for (uint32_t t = 0; t + 1 < KM_TIER_COUNT; t++)
@@ -191,8 +195,12 @@ static void fall_back_to_cpu(km_index *index, int status, const char *what)
     snprintf(detail, sizeof detail, "%s", index->last_error);
     index->backend->destroy(index->backend_state);
     index->backend_state = NULL;
+    index->replica_stale = 0;
     char why[256] = "";
-    if (km_backend_cpu.create(index, &index->backend_state, why, sizeof why) != KM_OK) {
+    if (index->host_scorer) { /* already scoring on the host while a growth lasts: keep it */
+        index->backend_state = index->host_scorer;
+        index->host_scorer = NULL;
+    } else if (km_backend_cpu.create(index, &index->backend_state, why, sizeof why) != KM_OK) {
         index->backend = NULL; /* cannot happen for the CPU backend short of OOM */
         return;
     }
@@ -203,6 +211,30 @@ static void fall_back_to_cpu(km_index *index, int status, const char *what)
 }
 
 static int sync_backend(km_index *index);
+
+int km_index_use_backend(km_index *index, const km_backend_ops *ops, char *why, size_t why_size)
+{
+    if (!index || !ops)
+        return KM_ERR_NULL_POINTER;
+    km_table_finish_growth(&index->blocks);
+    km_table_finish_growth(&index->segments);
+    const km_backend_ops *old_ops = index->backend;
+    void *old_state = index->backend_state;
+    index->backend = ops; /* dirty tracking follows the backend about to be created */
+    set_dirty_tracking(index);
+    void *state = NULL;
+    int rc = ops->create(index, &state, why, why_size);
+    if (rc) {
+        index->backend = old_ops;
+        set_dirty_tracking(index);
+        return rc;
+    }
+    index->backend_state = state;
+    index->replica_stale = 0;
+    if (old_ops)
+        old_ops->destroy(old_state);
+    return KM_OK;
+}
 
 /* ---- undo log -------------------------------------------------------------------------------- */
 
@@ -976,17 +1008,60 @@ static int validate_updates(km_index *index, const km_update *updates, size_t n)
     return KM_OK;
 }
 
+/* One batch's share of the moves while a replica waits: up to replica_growth_step old slots of each
+ * growing table, in chunks of 512, ending early once replica_growth_budget_ms have passed since
+ * `start` (the first steps into fresh arrays pay a page fault for most keys they move), but never
+ * before one chunk per table, so every move progresses. Returns 1 while a table is still growing. */
+static int advance_growths(km_index *index, double start)
+{
+    km_table *tables[2] = {&index->blocks, &index->segments};
+    int growing = 0;
+    for (int k = 0; k < 2; k++) {
+        uint64_t left = index->replica_growth_step;
+        while (tables[k]->old_slots && left > 0) {
+            uint64_t n = left < 512 ? left : 512;
+            km_table_advance_growth(tables[k], n);
+            left -= n;
+            if (index->replica_growth_budget_ms > 0 &&
+                monotonic_ms() - start >= index->replica_growth_budget_ms)
+                break;
+        }
+        growing |= tables[k]->old_slots != NULL;
+    }
+    return growing;
+}
+
+/* A device replica mirrors one array per table, so it cannot follow a table whose keys are moving
+ * between two. While a move lasts the replica is left as it was and marked stale, batches are
+ * scored on the host (km_index_match_batch), and each batch moves a bounded step more
+ * (advance_growths); the first sync after the move ends uploads the tables whole (the growth set
+ * layout_changed, which also stopped dirty-slot tracking meanwhile). Only when no host scorer can
+ * be had does the move end here at once, a pause as long as rehashing the table. */
 static int sync_backend(km_index *index)
 {
     if (!index->backend->sync)
         return KM_OK;
-    /* A device replica mirrors one array: a growth the batch started ends here, at once. */
     if (index->blocks.old_slots || index->segments.old_slots) {
         double start = monotonic_ms();
-        km_table_finish_growth(&index->blocks);
-        km_table_finish_growth(&index->segments);
+        int growing = advance_growths(index, start);
+        char why[256] = "";
+        if (growing && !index->host_scorer &&
+            km_backend_cpu.create(index, &index->host_scorer, why, sizeof why) != KM_OK) {
+            index->host_scorer = NULL;
+            km_index_log(index, "no host scorer while a table grows (%s): the move ends now", why);
+        }
+        if (growing && !index->host_scorer) {
+            km_table_finish_growth(&index->blocks);
+            km_table_finish_growth(&index->segments);
+            growing = 0;
+        }
         note_growth_pause(index, monotonic_ms() - start);
+        if (growing) {
+            index->replica_stale = 1;
+            return KM_OK;
+        }
     }
+    index->replica_stale = 0;
     int rc = index->backend->sync(index->backend_state, index);
     if (rc == KM_ERR_CUDA) {
         fall_back_to_cpu(index, rc, "sync");
@@ -1241,7 +1316,13 @@ int km_index_match_batch(km_index *index, const km_request *requests, size_t n_r
         return km_index_fail(index, KM_ERR_OUT_OF_MEMORY, "results for %zu requests", n_requests);
     if (n_requests == 0)
         return KM_OK;
-    int rc = index->backend->match(index->backend_state, index, requests, n_requests, results);
+    int rc;
+    if (index->replica_stale) { /* a table is growing: the host tables are the current ones */
+        index->host_scored_batches++;
+        rc = km_backend_cpu.match(index->host_scorer, index, requests, n_requests, results);
+    } else {
+        rc = index->backend->match(index->backend_state, index, requests, n_requests, results);
+    }
     if (rc == KM_ERR_CUDA) {
         fall_back_to_cpu(index, rc, "match");
         results->n_matches = 0;
@@ -1285,6 +1366,7 @@ int km_index_get_stats(const km_index *index, km_index_stats *out)
     out->table_growths = index->table_growths;
     out->table_growth_ms_max = index->table_growth_ms_max;
     out->table_growth_ms_total = index->table_growth_ms_total;
+    out->host_scored_batches = index->host_scored_batches;
     out->memory_bytes = index->memory.used;
     out->memory_cap_bytes = index->memory.cap;
     return KM_OK;

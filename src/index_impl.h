@@ -32,6 +32,13 @@ typedef struct km_backend_ops {
     int needs_dirty_tracking;
 } km_backend_ops;
 
+/* A step's cost is its keys' random writes into the new arrays: 0.55-0.61 ms on average per table
+ * on the 2-core VM for 8 K old slots (tables of 2-8 M slots; 65,536 took 4.8-6.8 ms), so a move
+ * of a 4 M-slot table takes about 512 batches; the budget cuts the first steps into fresh pages
+ * short (docs/BENCHMARKS.md, "Growth"). */
+#define KM_REPLICA_GROWTH_STEP_SLOTS (UINT64_C(1) << 13)
+#define KM_REPLICA_GROWTH_BUDGET_MS 0.5
+
 extern const km_backend_ops km_backend_cpu;
 #if KM_HAVE_CUDA
 extern const km_backend_ops km_backend_cuda;
@@ -71,7 +78,20 @@ struct km_index {
 
     const km_backend_ops *backend;
     void *backend_state;
-
+    /* A device replica mirrors one array per table, so while the block or segment table grows it
+     * is not synced (replica_stale) and batches are scored on the host by a CPU backend,
+     * host_scorer, created the first time it is needed; host_scored_batches counts them
+     * (km_index_stats). */
+    int replica_stale;
+    void *host_scorer;
+    uint64_t host_scored_batches;
+    /* While a replica waits, each update batch moves up to replica_growth_step old-array slots of
+     * a growing table (on top of the 16 per key its inserts and erases move), and stops early
+     * after replica_growth_budget_ms (0: no limit), but never before 512 slots: a move ends even
+     * when nothing is inserted. KM_REPLICA_GROWTH_STEP_SLOTS and KM_REPLICA_GROWTH_BUDGET_MS; tests
+     * lower the step to watch a move of a small table. */
+    uint64_t replica_growth_step;
+    double replica_growth_budget_ms;
 
     char last_error[256];
 };
@@ -88,6 +108,12 @@ int km_index_rebuild_anchors(km_index *index);
 /* After the host tables were replaced wholesale (snapshot load): re-arm dirty tracking and give
  * the backend a full upload; a CUDA failure falls back to the CPU backend. */
 void km_index_tables_replaced(km_index *index);
+
+/* Replace the index's backend with `ops`: any growth in progress is finished, the new backend is
+ * created (a replica uploads the tables whole), and then the old one is destroyed. On failure the
+ * old backend stays, and `why` says what failed. For tests: a host replica that keeps the device
+ * replica's contract exercises the sync protocol without a GPU (tests/test_replica.c). */
+int km_index_use_backend(km_index *index, const km_backend_ops *ops, char *why, size_t why_size);
 
 /* Grow results to hold n requests and `matches` entries. */
 int km_match_results_reserve(km_match_results *r, size_t n_requests, size_t n_matches);

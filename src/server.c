@@ -2608,6 +2608,8 @@ static int http_status(void *user, km_text *out)
             json_object_set_new(jp, "block_capacity", json_integer((json_int_t)is.block_capacity));
             json_object_set_new(jp, "table_growths", json_integer((json_int_t)is.table_growths));
             json_object_set_new(jp, "table_growth_ms_max", json_real(is.table_growth_ms_max));
+            json_object_set_new(jp, "host_scored_batches",
+                                json_integer((json_int_t)is.host_scored_batches));
         }
         json_array_append_new(pools, jp);
     }

@@ -212,6 +212,12 @@ void km_table_finish_growth(km_table *t)
     migrate(t, UINT64_MAX);
 }
 
+int km_table_advance_growth(km_table *t, uint64_t max_slots)
+{
+    migrate(t, max_slots);
+    return t->old_slots != NULL;
+}
+
 /* Replace the arrays with ones of new_capacity slots and move every key now (small tables, and
  * purging a loaded file's tombstones at the same capacity). On failure nothing changes. */
 static int table_rehash(km_table *t, uint64_t new_capacity)

@@ -13,7 +13,9 @@
  *    old_capacity) the old one. Every accessor below takes either; inserts go to the new array;
  *  - erasing a key still in the old array leaves KM_KEY_TOMBSTONE there, so the old array's probe
  *    runs stay whole (it never holds any otherwise);
- *  - a device replica mirrors one array: sync finishes the move first (km_table_finish_growth).
+ *  - a device replica mirrors one array, so it is not synced while a move lasts (scoring runs on
+ *    the host meanwhile, and each update batch moves a bounded step more: km_table_advance_growth;
+ *    src/index.c, sync_backend).
  * An empty slot is all zero bytes (fresh arrays are zeroed pages, erase writes zeros). */
 #ifndef KM_TABLE_H
 #define KM_TABLE_H
@@ -130,6 +132,10 @@ uint64_t km_table_find(const km_table *t, uint64_t key);
 /* Move every key still in the old array now (a no-op when not growing). Slot indices held by the
  * caller are stale afterwards. Never allocates. */
 void km_table_finish_growth(km_table *t);
+/* Move up to max_slots more slots of the old array. Returns 1 while the table is still growing,
+ * 0 once the move is over (or when it was not growing). Slot indices held by the caller are stale
+ * afterwards. Never allocates. */
+int km_table_advance_growth(km_table *t, uint64_t max_slots);
 /* 1 when km_table_insert(t, ..., allow_grow = 1, ...) of one more key would grow the table first. */
 int km_table_insert_grows(const km_table *t);
 /* Make room for `extra` more keys (grow), and move 16 * extra slots of a growing table's old

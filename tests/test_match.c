@@ -15,17 +15,7 @@
 
 static km_index *make_index(uint32_t max_workers, uint32_t S, uint32_t threads)
 {
-    km_index_config cfg;
-    km_test_config(&cfg, NULL);
-    cfg.backend = KM_BACKEND_CPU;
-    cfg.max_workers = max_workers;
-    cfg.segment_blocks = S;
-    cfg.threads = threads;
-    cfg.initial_blocks = 256; /* small, so the tables grow during the test */
-    km_index *index = NULL;
-    int rc = km_index_create(&cfg, &index);
-    cr_assert_eq(rc, KM_OK, "km_index_create: %s", km_error_name(rc));
-    return index;
+    return km_test_growing_index(max_workers, S, threads); /* small, so the tables grow */
 }
 
 /* ---- random property tests ----------------------------------------------------------------- */
@@ -106,17 +96,10 @@ static void property_growing(uint32_t S, uint32_t W, uint32_t threads)
     int checks = 0, incremental_growths = 0;
     uint64_t capacity = index->blocks.capacity;
     for (int step = 0; step < 20000 && incremental_growths < 2; step++) {
-        const km_seq *q = &corpus.seqs[km_rng_below(&r, (uint32_t)corpus.n_seqs)];
-        if (q->n_blocks == 0)
-            continue;
-        uint32_t w = km_rng_below(&r, W);
-        km_update u = {KM_UPDATE_STORE, w, KM_NO_PARENT, q->chain, q->n_blocks, KM_TIER_DEVICE};
+        km_update u;
         uint64_t tail[8];
-        if (km_rng_percent(&r, 15)) { /* remove up to 8 blocks from the chain's end instead */
-            uint32_t n = q->n_blocks < 8 ? q->n_blocks : 8;
-            memcpy(tail, q->chain + q->n_blocks - n, n * sizeof *tail);
-            u = (km_update){KM_UPDATE_REMOVE, w, KM_NO_PARENT, tail, n, KM_TIER_DEVICE};
-        }
+        if (!km_growth_update(&r, &corpus, W, &u, tail))
+            continue;
         km_update_stats got, expect;
         int rc = km_index_apply(index, &u, 1, &got);
         KM_CHECK(rc == KM_OK, "step %d: apply: %s (%s)", step, km_error_name(rc),

@@ -1017,6 +1017,36 @@ void km_test_config(km_index_config *cfg, int *log_counter)
     cfg->log_user = log_counter;
 }
 
+km_index *km_test_growing_index(uint32_t max_workers, uint32_t segment_blocks, uint32_t threads)
+{
+    km_index_config cfg;
+    km_test_config(&cfg, NULL);
+    cfg.backend = KM_BACKEND_CPU;
+    cfg.max_workers = max_workers;
+    cfg.segment_blocks = segment_blocks;
+    cfg.threads = threads;
+    cfg.initial_blocks = 256;
+    km_index *index = NULL;
+    int rc = km_index_create(&cfg, &index);
+    cr_assert_eq(rc, KM_OK, "km_index_create: %s", km_error_name(rc));
+    return index;
+}
+
+int km_growth_update(km_rng *r, const km_corpus *corpus, uint32_t W, km_update *u, uint64_t tail[8])
+{
+    const km_seq *q = &corpus->seqs[km_rng_below(r, (uint32_t)corpus->n_seqs)];
+    if (q->n_blocks == 0)
+        return 0;
+    uint32_t w = km_rng_below(r, W);
+    *u = (km_update){KM_UPDATE_STORE, w, KM_NO_PARENT, q->chain, q->n_blocks, KM_TIER_DEVICE};
+    if (km_rng_percent(r, 15)) {
+        uint32_t n = q->n_blocks < 8 ? q->n_blocks : 8;
+        memcpy(tail, q->chain + q->n_blocks - n, n * sizeof *tail);
+        *u = (km_update){KM_UPDATE_REMOVE, w, KM_NO_PARENT, tail, n, KM_TIER_DEVICE};
+    }
+    return 1;
+}
+
 double km_test_now(void)
 {
     struct timespec ts;

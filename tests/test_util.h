@@ -193,6 +193,13 @@ void km_trace_scenario(const km_trace_case *tc, size_t n_state, uint32_t max_wor
 
 /* km_index_config with quiet logging (the log callback counts lines into *counter if non-NULL). */
 void km_test_config(km_index_config *cfg, int *log_counter);
+/* A CPU index of max_workers workers, segment_blocks and `threads` scoring lanes, created small
+ * (initial_blocks 256) so its tables grow during a test; asserts on failure. */
+km_index *km_test_growing_index(uint32_t max_workers, uint32_t segment_blocks, uint32_t threads);
+/* One update of the growth tests: store a random corpus chain whole on a random worker of W, or
+ * (15%) remove up to 8 blocks from its end instead (copied into tail, which *u then points to).
+ * Returns 0 when the chain drawn is empty (no update). */
+int km_growth_update(km_rng *r, const km_corpus *corpus, uint32_t W, km_update *u, uint64_t tail[8]);
 double km_test_now(void);
 /* Run a shell command, its stderr joined to its stdout; the first out_size - 1 bytes of that output
  * go to out (NUL-terminated), the rest is read and dropped. Returns the exit status, or -1 when it

@@ -225,9 +225,12 @@ typedef struct km_index_stats {
                                  * logged. A table of 16 K slots or more moves its keys over the
                                  * following inserts; a smaller one rehashes at once */
     double table_growth_ms_max; /* the longest pause for growth (the insert that grew a table, or
-                                 * with the CUDA backend the sync that finished the move), and the
-                                 * sum of them */
+                                 * with the CUDA backend a sync's step of the move), and the sum
+                                 * of them */
     double table_growth_ms_total;
+    uint64_t host_scored_batches; /* with the CUDA backend: batches scored on the host because a
+                                   * table was growing (the device replica catches up when the
+                                   * move ends); always 0 on the CPU backend */
     uint64_t memory_bytes;      /* host table memory counted against the cap */
     uint64_t memory_cap_bytes;
 } km_index_stats;

@@ -1,0 +1,416 @@
+/* The index's side of the device-replica protocol, without a GPU. `mirror` below is a backend that
+ * keeps the CUDA backend's contract (src/backend_cuda.c, kernels/) on the host: one array per
+ * table, uploaded whole at create and whenever a table's layout_changed, else patched from the
+ * tables' dirty-slot and dirty-bitmap lists; scoring runs km_walk_request over its own copy, as the
+ * device does. So what these tests check is what a device replica would be given: whether the
+ * dirty lists cover every write (a missed one leaves the copy differing from the host table), and
+ * that while a table grows the replica is never synced (it would mirror half the keys) and the
+ * host scores instead, with the replica back in use once the move ends. test_cuda.c runs the real
+ * device backend where a GPU exists. Fresh random inputs each run; replay with KM_TEST_SEED. */
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "index_impl.h"
+#include "test_util.h"
+
+/* ---- the host replica ------------------------------------------------------------------------ */
+
+typedef struct mirror_table {
+    km_slot *slots;
+    uint64_t capacity;
+    uint32_t shift;
+    uint32_t words_per_set;
+    uint64_t *pool;
+    uint32_t pool_used;
+} mirror_table;
+
+typedef struct mirror {
+    mirror_table blocks, segments;
+    uint64_t *scratch;
+    km_walk_entry *entries;
+    uint64_t syncs, full_uploads, patched_slots, patched_sets, matches;
+    uint64_t synced_mid_growth; /* syncs that found a table with an old array: a contract breach */
+    uint64_t patch_out_of_range; /* a dirty slot or bitmap outside the replica's arrays */
+} mirror;
+
+static void mirror_table_free(mirror_table *m)
+{
+    free(m->slots);
+    free(m->pool);
+    memset(m, 0, sizeof *m);
+}
+
+static int mirror_sync_table(mirror *mr, mirror_table *m, const km_table *t, int full)
+{
+    if (t->old_slots)
+        mr->synced_mid_growth++;
+    if (full || t->layout_changed) {
+        mirror_table_free(m);
+        m->capacity = t->capacity;
+        m->shift = t->shift;
+        m->words_per_set = t->words_per_set;
+        m->pool_used = t->pool_high;
+        m->slots = malloc(t->capacity * sizeof *m->slots);
+        size_t pool_words = (size_t)t->pool_high * t->words_per_set;
+        m->pool = malloc((pool_words ? pool_words : 1) * sizeof *m->pool);
+        if (!m->slots || !m->pool)
+            return KM_ERR_OUT_OF_MEMORY;
+        memcpy(m->slots, t->slots, t->capacity * sizeof *m->slots);
+        if (pool_words)
+            memcpy(m->pool, t->pool, pool_words * sizeof *m->pool);
+        mr->full_uploads++;
+        return KM_OK;
+    }
+    for (size_t i = 0; i < t->n_dirty_slots; i++) {
+        uint64_t s = t->dirty_slots[i];
+        if (s >= m->capacity) {
+            mr->patch_out_of_range++;
+            continue;
+        }
+        m->slots[s] = t->slots[s];
+        mr->patched_slots++;
+    }
+    for (size_t i = 0; i < t->n_dirty_sets; i++) {
+        uint32_t b = t->dirty_sets[i];
+        if (b >= m->pool_used) { /* a bitmap handed out since the last upload */
+            if (b >= t->pool_high) {
+                mr->patch_out_of_range++;
+                continue;
+            }
+            uint64_t *grown = realloc(m->pool, (size_t)t->pool_high * t->words_per_set * sizeof *grown);
+            if (!grown)
+                return KM_ERR_OUT_OF_MEMORY;
+            m->pool = grown;
+            m->pool_used = t->pool_high;
+        }
+        memcpy(m->pool + (size_t)b * t->words_per_set, t->pool + (size_t)b * t->words_per_set,
+               t->words_per_set * sizeof *m->pool);
+        mr->patched_sets++;
+    }
+    return KM_OK;
+}
+
+static int mirror_sync(void *state, km_index *index)
+{
+    mirror *mr = state;
+    mr->syncs++;
+    int rc = mirror_sync_table(mr, &mr->blocks, &index->blocks, 0);
+    return rc ? rc : mirror_sync_table(mr, &mr->segments, &index->segments, 0);
+}
+
+static void mirror_destroy(void *state)
+{
+    mirror *mr = state;
+    if (!mr)
+        return;
+    mirror_table_free(&mr->blocks);
+    mirror_table_free(&mr->segments);
+    free(mr->scratch);
+    free(mr->entries);
+    free(mr);
+}
+
+static int mirror_create(km_index *index, void **state, char *why, size_t why_size)
+{
+    mirror *mr = calloc(1, sizeof *mr);
+    uint32_t W = index->config.max_workers;
+    if (mr) {
+        mr->scratch = malloc(KM_WALK_SCRATCH_WORDS((size_t)W) * sizeof *mr->scratch);
+        mr->entries = malloc(W * sizeof *mr->entries);
+    }
+    int rc = mr && mr->scratch && mr->entries ? KM_OK : KM_ERR_OUT_OF_MEMORY;
+    if (!rc)
+        rc = mirror_sync_table(mr, &mr->blocks, &index->blocks, 1);
+    if (!rc)
+        rc = mirror_sync_table(mr, &mr->segments, &index->segments, 1);
+    if (rc) {
+        snprintf(why, why_size, "mirror: %s", km_strerror(rc));
+        mirror_destroy(mr);
+        return rc;
+    }
+    *state = mr;
+    return KM_OK;
+}
+
+static km_table_view mirror_view(const mirror_table *m)
+{
+    km_table_view v = {m->slots, m->pool, m->capacity - 1, m->shift, m->words_per_set,
+                       NULL, 0, 0, 0};
+    return v;
+}
+
+static int mirror_match(void *state, km_index *index, const km_request *requests, size_t n,
+                        km_match_results *results)
+{
+    mirror *mr = state;
+    mr->matches++;
+    km_table_view blocks = mirror_view(&mr->blocks), segments = mirror_view(&mr->segments);
+    size_t total = 0;
+    uint64_t probes_sum = 0;
+    for (size_t i = 0; i < n; i++) {
+        uint32_t owner, owner_depth, probes;
+        uint32_t m = km_walk_request(&blocks, &segments, index->config.segment_blocks,
+                                     requests[i].hashes, requests[i].n_hashes, mr->entries,
+                                     mr->scratch, index->config.max_workers, &owner, &owner_depth,
+                                     &probes);
+        if (km_match_results_reserve(results, n, total + m))
+            return KM_ERR_OUT_OF_MEMORY;
+        if (m)
+            memcpy(results->matches + total, mr->entries, m * sizeof *results->matches);
+        results->requests[i] = (km_request_result){total, m, owner, owner_depth, probes};
+        total += m;
+        probes_sum += probes;
+    }
+    results->n_matches = total;
+    results->probes = probes_sum;
+    return KM_OK;
+}
+
+static const km_backend_ops mirror_backend = {
+    .name = "mirror",
+    .create = mirror_create,
+    .destroy = mirror_destroy,
+    .sync = mirror_sync,
+    .match = mirror_match,
+    .needs_dirty_tracking = 1,
+};
+
+static mirror *mirror_of(km_index *index)
+{
+    cr_assert_eq(index->backend, &mirror_backend, "the index left the mirror backend for %s",
+                 index->backend->name);
+    return index->backend_state;
+}
+
+static km_index *make_mirrored_index(uint32_t W, uint32_t S, uint32_t threads)
+{
+    km_index *index = km_test_growing_index(W, S, threads);
+    char why[256] = "";
+    int rc = km_index_use_backend(index, &mirror_backend, why, sizeof why);
+    cr_assert_eq(rc, KM_OK, "km_index_use_backend: %s (%s)", km_error_name(rc), why);
+    /* The default step moves a table of 16 K old slots in two batches; watch longer moves. */
+    index->replica_growth_step = 2048;
+    index->replica_growth_budget_ms = 0; /* steps of exactly 2048 slots, however slow the machine */
+    return index;
+}
+
+/* The replica equals the host table: every slot, and every bitmap a slot refers to. */
+static int mirror_equals(const mirror_table *m, const km_table *t, const char *name, char *why,
+                         size_t why_size)
+{
+    if (m->capacity != t->capacity) {
+        snprintf(why, why_size, "%s replica has %" PRIu64 " slots, the host %" PRIu64, name,
+                 m->capacity, t->capacity);
+        return 0;
+    }
+    for (uint64_t s = 0; s < t->capacity; s++) {
+        const km_slot *a = &m->slots[s], *b = &t->slots[s];
+        if (memcmp(a, b, sizeof *a) != 0) {
+            snprintf(why, why_size, "%s slot %" PRIu64 ": replica key %016" PRIx64 " ids %04x %04x "
+                     "%04x %04x, host key %016" PRIx64 " ids %04x %04x %04x %04x (a write the "
+                     "dirty list missed)", name, s, a->key, a->ids[0], a->ids[1], a->ids[2],
+                     a->ids[3], b->key, b->ids[0], b->ids[1], b->ids[2], b->ids[3]);
+            return 0;
+        }
+        if (b->key > KM_KEY_TOMBSTONE && km_slot_is_shared(b)) {
+            uint32_t p = km_slot_pool_index(b);
+            if (p >= m->pool_used ||
+                memcmp(m->pool + (size_t)p * t->words_per_set, t->pool + (size_t)p * t->words_per_set,
+                       t->words_per_set * sizeof *t->pool) != 0) {
+                snprintf(why, why_size, "%s slot %" PRIu64 ": bitmap %u differs from the host's (a "
+                         "bitmap write the dirty list missed)", name, s, p);
+                return 0;
+            }
+        }
+    }
+    return 1;
+}
+
+/* ---- tests ------------------------------------------------------------------------------------ */
+
+/* Random stores, removes, clears and broadcasts (tests/test_util.c's workload) while the tables
+ * grow from 256 keys (each growth below KM_TABLE_INCREMENTAL_SLOTS rehashes at once and is uploaded
+ * whole): after every batch the replica equals the host tables and scores like the oracle. */
+static void patches_cover_every_write(uint32_t S, uint32_t W)
+{
+    km_rng r;
+    km_rng_init(&r, km_test_seed() ^ ((uint64_t)S << 40) ^ ((uint64_t)W << 20) ^ 0x3E91);
+    km_index *index = make_mirrored_index(W, S, 1);
+    km_oracle o;
+    km_oracle_init(&o, W);
+    km_corpus corpus;
+    const uint32_t block_sizes[] = {1, 2, 4, 16};
+    km_corpus_generate(&corpus, &r, 150, block_sizes[km_rng_below(&r, 4)], 200);
+    km_workload wl;
+    km_workload_init(&wl, &corpus, W);
+    km_request_set rs = {0};
+    km_match_results res;
+    km_match_results_init(&res);
+    char why[512];
+    for (int step = 0; step < 60; step++) {
+        km_workload_step(&wl, &r, &o, 6);
+        km_update_stats got, expect;
+        int rc = km_index_apply(index, wl.updates, wl.n_updates, &got);
+        KM_CHECK(rc == KM_OK, "step %d: apply: %s (%s)", step, km_error_name(rc),
+                 km_index_last_error(index));
+        km_oracle_apply(&o, wl.updates, wl.n_updates, &expect);
+        mirror *mr = mirror_of(index);
+        KM_CHECK(mirror_equals(&mr->blocks, &index->blocks, "block", why, sizeof why) &&
+                     mirror_equals(&mr->segments, &index->segments, "segment", why, sizeof why),
+                 "S=%u W=%u step %d: %s", S, W, step, why);
+        km_request_set_generate(&rs, &r, &corpus, 1000);
+        rc = km_index_match_batch(index, rs.requests, rs.n, &res);
+        KM_CHECK(rc == KM_OK, "step %d: match: %s", step, km_error_name(rc));
+        KM_CHECK(km_check_results(&o, rs.requests, rs.n, &res, S, why, sizeof why),
+                 "S=%u W=%u step %d, scored by the replica: %s", S, W, step, why);
+    }
+    mirror *mr = mirror_of(index);
+    cr_assert_eq(mr->patch_out_of_range, 0, "%" PRIu64 " dirty entries outside the replica",
+                 mr->patch_out_of_range);
+    cr_assert_gt(mr->patched_slots, 0, "no batch was patched: the patch path went untested");
+    cr_assert_gt(mr->full_uploads, 2, "no table grew: the upload path went untested");
+    cr_assert_eq(mr->matches, 60, "the replica scored %" PRIu64 " of 60 batches", mr->matches);
+    km_match_results_free(&res);
+    km_request_set_free(&rs);
+    km_workload_free(&wl);
+    km_corpus_free(&corpus);
+    km_oracle_free(&o);
+    km_index_destroy(index);
+}
+
+Test(replica, patches_cover_every_write_s4_w64, .timeout = 60) { patches_cover_every_write(4, 64); }
+Test(replica, patches_cover_every_write_s0_w1024, .timeout = 60) { patches_cover_every_write(0, 1024); }
+
+/* Whole corpus chains stored (and now and then a chain's tail removed) one update at a time until
+ * the block table has grown incrementally twice. The batch that starts a growth must not finish it
+ * (that was a pause as long as rehashing the table); while the move lasts the replica is never
+ * synced and every batch is scored on the host, exactly; once the move ends the replica is
+ * uploaded whole and scores again. */
+Test(replica, a_growing_table_is_scored_on_the_host_until_its_move_ends, .timeout = 120)
+{
+    const uint32_t S = 4, W = 64;
+    km_rng r;
+    km_rng_init(&r, km_test_seed() ^ 0x9A0E);
+    km_index *index = make_mirrored_index(W, S, 2);
+    km_oracle o;
+    km_oracle_init(&o, W);
+    km_corpus corpus;
+    km_corpus_generate(&corpus, &r, 1500, 4, 200);
+    km_request_set rs = {0};
+    km_match_results res;
+    km_match_results_init(&res);
+    char why[512];
+    int incremental_growths = 0, host_batches = 0, replica_batches_after_growth = 0;
+    uint64_t capacity = index->blocks.capacity;
+    for (int step = 0; step < 20000 && (incremental_growths < 2 || index->replica_stale); step++) {
+        km_update u;
+        uint64_t tail[8];
+        if (!km_growth_update(&r, &corpus, W, &u, tail))
+            continue;
+        mirror *mr = mirror_of(index);
+        uint64_t syncs_before = mr->syncs, matches_before = mr->matches;
+        km_update_stats got, expect;
+        int rc = km_index_apply(index, &u, 1, &got);
+        KM_CHECK(rc == KM_OK, "step %d: apply: %s (%s)", step, km_error_name(rc),
+                 km_index_last_error(index));
+        km_oracle_apply(&o, &u, 1, &expect);
+        int started = 0;
+        if (index->blocks.capacity != capacity) {
+            capacity = index->blocks.capacity;
+            started = capacity > KM_TABLE_INCREMENTAL_SLOTS;
+            incremental_growths += started;
+        }
+        if (started)
+            cr_assert(index->blocks.old_slots && index->replica_stale,
+                      "step %d: the batch that grew the block table to %" PRIu64 " slots also "
+                      "finished its move", step, capacity);
+        if (index->replica_stale)
+            cr_assert_eq(mr->syncs, syncs_before, "step %d: the replica was synced mid-growth", step);
+        else
+            cr_assert_eq(mr->syncs, syncs_before + 1, "step %d: a batch went unsynced", step);
+        int stale = index->replica_stale;
+        km_request_set_generate(&rs, &r, &corpus, stale ? 300 : 50);
+        rc = km_index_match_batch(index, rs.requests, rs.n, &res);
+        KM_CHECK(rc == KM_OK, "step %d: match: %s", step, km_error_name(rc));
+        KM_CHECK(km_check_results(&o, rs.requests, rs.n, &res, S, why, sizeof why),
+                 "step %d, scored %s (%" PRIu64 " of %" PRIu64 " old slots moved): %s", step,
+                 stale ? "on the host" : "by the replica", index->blocks.migrated,
+                 index->blocks.old_capacity, why);
+        cr_assert_eq(mr->matches, matches_before + !stale, "step %d: scored by the wrong side", step);
+        host_batches += stale;
+        if (!stale && incremental_growths > 0) {
+            replica_batches_after_growth++;
+            KM_CHECK(mirror_equals(&mr->blocks, &index->blocks, "block", why, sizeof why) &&
+                         mirror_equals(&mr->segments, &index->segments, "segment", why, sizeof why),
+                     "step %d, after a move: %s", step, why);
+        }
+    }
+    cr_assert_eq(incremental_growths, 2, "the block table grew incrementally %d times",
+                 incremental_growths);
+    cr_assert(!index->replica_stale, "the last move never ended");
+    cr_assert_gt(host_batches, 10, "only %d batches were scored on the host", host_batches);
+    cr_assert_gt(replica_batches_after_growth, 0, "the replica never scored after a move");
+    km_index_stats st;
+    cr_assert_eq(km_index_get_stats(index, &st), KM_OK);
+    cr_assert_eq(st.host_scored_batches, (uint64_t)host_batches);
+    mirror *mr = mirror_of(index);
+    cr_assert_eq(mr->synced_mid_growth, 0);
+    cr_assert_eq(mr->patch_out_of_range, 0);
+    km_match_results_free(&res);
+    km_request_set_free(&rs);
+    km_corpus_free(&corpus);
+    km_oracle_free(&o);
+    km_index_destroy(index);
+}
+
+/* A move must end even when nothing more is inserted: each update batch (here one that changes
+ * nothing) moves a bounded step of the old array, so the replica is back within old_capacity /
+ * step batches. */
+Test(replica, a_move_ends_without_more_inserts, .timeout = 60)
+{
+    km_rng r;
+    km_rng_init(&r, km_test_seed() ^ 0x51E9);
+    km_index *index = make_mirrored_index(8, 0, 1);
+    uint64_t capacity = index->blocks.capacity, hashes[64];
+    uint64_t next = 2 + km_rng_next(&r) % 1000;
+    while (!index->replica_stale) { /* store until a growth of 16 K slots or more starts */
+        for (int i = 0; i < 64; i++)
+            hashes[i] = next++;
+        km_update u = {KM_UPDATE_STORE, km_rng_below(&r, 8), KM_NO_PARENT, hashes, 64, KM_TIER_DEVICE};
+        cr_assert_eq(km_index_apply(index, &u, 1, NULL), KM_OK, "%s", km_index_last_error(index));
+        cr_assert_lt(next, 1u << 22, "no incremental growth started");
+    }
+    capacity = index->blocks.capacity;
+    uint64_t old_capacity = index->blocks.old_capacity;
+    cr_assert_gt(old_capacity - index->blocks.migrated, 2 * index->replica_growth_step,
+                 "the move is too short to watch");
+    uint64_t absent = 1u << 23; /* a remove of a block nobody holds changes nothing */
+    km_update nothing = {KM_UPDATE_REMOVE, 0, KM_NO_PARENT, &absent, 1, KM_TIER_DEVICE};
+    uint64_t batches = 0, bound = old_capacity / index->replica_growth_step + 1;
+    uint64_t syncs_before = mirror_of(index)->syncs;
+    while (index->replica_stale && batches <= bound) {
+        cr_assert_eq(km_index_apply(index, &nothing, 1, NULL), KM_OK);
+        batches++;
+    }
+    cr_assert(!index->replica_stale, "still stale after %" PRIu64 " empty batches (%" PRIu64
+              " of %" PRIu64 " old slots moved)", batches, index->blocks.migrated, old_capacity);
+    cr_assert_eq(index->blocks.capacity, capacity);
+    cr_assert_null(index->blocks.old_slots);
+    mirror *mr = mirror_of(index);
+    cr_assert_eq(mr->syncs, syncs_before + 1, "the replica was synced %" PRIu64 " times",
+                 mr->syncs - syncs_before);
+    char why[512];
+    cr_assert(mirror_equals(&mr->blocks, &index->blocks, "block", why, sizeof why), "%s", why);
+    /* Every stored block is found by the replica now. */
+    km_request q = {hashes, 64};
+    km_match_results res;
+    km_match_results_init(&res);
+    cr_assert_eq(km_index_match_batch(index, &q, 1, &res), KM_OK);
+    cr_assert_eq(mr->matches, 1);
+    cr_assert_eq(res.requests[0].owner_depth, 64, "the last chain stored is %u blocks deep",
+                 res.requests[0].owner_depth);
+    km_match_results_free(&res);
+    km_index_destroy(index);
+}
