@@ -1500,6 +1500,20 @@ static void *scheduler_main(void *arg)
 static void conn_close(conn *c);
 static void conn_flush(conn *c);
 static void on_read(uv_stream_t *stream, ssize_t nread, const uv_buf_t *buf);
+static void alloc_cb(uv_handle_t *h, size_t suggested, uv_buf_t *buf);
+
+/* Reading paused while replies piled up (conn_send) starts again once they drained. libuv wants
+ * the allocation callback again (NULL is refused with UV_EINVAL: until 2026-11-30 a paused
+ * connection never read again); a connection that cannot read is closed. */
+static void conn_resume_reading(conn *c)
+{
+    c->paused = false;
+    int rc = uv_read_start(&c->h.stream, alloc_cb, on_read);
+    if (rc < 0) {
+        slog(c->server, "closing a connection whose reading could not resume: %s", uv_strerror(rc));
+        conn_close(c);
+    }
+}
 
 static void conn_maybe_free(conn *c)
 {
@@ -1554,10 +1568,8 @@ static void on_write(uv_write_t *req, int status)
     if (c->closing)
         return;
     km_server *s = c->server;
-    if (c->paused && c->outbox.size < s->cfg.max_outbox_bytes / 8 && !c->eof && !s->draining) {
-        c->paused = false;
-        uv_read_start(&c->h.stream, NULL, on_read);
-    }
+    if (c->paused && c->outbox.size < s->cfg.max_outbox_bytes / 8 && !c->eof && !s->draining)
+        conn_resume_reading(c);
     conn_flush(c);
     conn_close_if_finished(c);
 }
@@ -1587,10 +1599,8 @@ static void conn_flush(conn *c)
     if (written == c->outbox.size) {
         c->outbox.size = 0;
         km_server *s = c->server;
-        if (c->paused && !c->eof && !s->draining) {
-            c->paused = false;
-            uv_read_start(&c->h.stream, NULL, on_read);
-        }
+        if (c->paused && !c->eof && !s->draining)
+            conn_resume_reading(c);
         return;
     }
     km_frame_buffer t = c->writing;

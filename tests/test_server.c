@@ -1477,3 +1477,63 @@ Test(server, local_event_workers, .timeout = 30)
     srv_stop(&s);
     srv_cleanup(&s);
 }
+
+/* Encode `m` and write it whole to the raw socket fd. */
+static void raw_send_message(int fd, const km_message *m)
+{
+    km_frame_buffer fb;
+    km_frame_buffer_init(&fb);
+    cr_assert_eq(km_protocol_encode(m, 0, &fb, NULL, 0), KM_OK);
+    cr_assert_eq(write(fd, fb.data, fb.size), (ssize_t)fb.size);
+    km_frame_buffer_free(&fb);
+}
+
+/* A reply that takes a connection's unwritten bytes past max_outbox_bytes / 4 pauses its reading
+ * (SERVICE.md); once the reply is written, reading resumes and the next request is answered. Until
+ * 2026-11-30 the resume passed libuv no allocation callback, which it refuses: the connection never
+ * read again, and the STATUS below went unanswered. */
+Test(server, a_paused_connection_reads_again_once_its_replies_drain, .timeout = 30)
+{
+    srv s = {0};
+    km_server_config cfg;
+    test_config(&cfg, &s, KM_POLICY_KV, 16);
+    cfg.max_outbox_bytes = 64 * 1024;
+    cfg.records_path = NULL;
+    srv_start(&s, &cfg);
+    km_protocol_decoder *dec;
+    cr_assert_eq(km_protocol_decoder_create(NULL, &dec), KM_OK);
+    static uint8_t buf[1 << 20];
+    int fd = raw_connect(&s);
+    raw_hello(fd, dec, buf, sizeof buf, KM_PROTOCOL_VERSION);
+    static char rids[64][24];
+    km_route_request r[64];
+    for (uint64_t round = 0; round < 3; round++) { /* pause and resume three times */
+        for (int k = 0; k < 64; k++) {
+            snprintf(rids[k], sizeof rids[k], "big-%" PRIu64 "-%d", round, k);
+            r[k] = token_route(rids[k], 0, 2 * BS);
+        }
+        km_message m = {.type = KM_MESSAGE_ROUTE, .has_id = true, .id = 10 + 2 * round};
+        m.route.routes = r;
+        m.route.n_routes = 64;
+        raw_send_message(fd, &m);
+        uint32_t be;
+        cr_assert_eq(recv(fd, &be, 4, MSG_PEEK | MSG_WAITALL), 4);
+        cr_assert_gt(ntohl(be), cfg.max_outbox_bytes / 4, "the DECISION (%u bytes) is too small "
+                     "to pause reading", ntohl(be));
+        km_message reply;
+        cr_assert_eq(raw_read_reply(fd, dec, &reply, buf, sizeof buf), KM_OK);
+        cr_assert_eq(reply.type, KM_MESSAGE_DECISION);
+        cr_assert_eq(reply.decision.n_decisions, 64);
+        km_message status = {.type = KM_MESSAGE_STATUS, .has_id = true, .id = 11 + 2 * round};
+        raw_send_message(fd, &status);
+        int rc = raw_read_reply(fd, dec, &reply, buf, sizeof buf);
+        cr_assert_eq(rc, KM_OK, "round %" PRIu64 ": no reply to the STATUS sent after the big "
+                     "reply: %s", round, km_error_name(rc));
+        cr_assert_eq(reply.type, KM_MESSAGE_STATUS_REPLY);
+        cr_assert_eq(reply.id, status.id);
+    }
+    close(fd);
+    km_protocol_decoder_destroy(dec);
+    srv_stop(&s);
+    srv_cleanup(&s);
+}
