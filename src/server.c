@@ -2231,6 +2231,16 @@ static bool handle_frame(conn *c, const uint8_t *payload, size_t size)
     if (rc != KM_OK) {
         atomic_fetch_add(&s->st.bad_frames, 1);
         km_counter_add(s->m_bad_frames, 1);
+        if (!c->hello_done) { /* before HELLO, a frame that is not a readable HELLO ends it */
+            if (m.type == KM_MESSAGE_HELLO)
+                send_error(c, m.has_id ? m.id : 0, rc, "HELLO: %s",
+                           km_protocol_decoder_last_error(c->decoder));
+            else
+                send_error(c, m.has_id ? m.id : 0, KM_ERR_PROTOCOL,
+                           "the first message must be HELLO (this one is unreadable: %s)",
+                           km_protocol_decoder_last_error(c->decoder));
+            return false;
+        }
         send_error(c, m.has_id ? m.id : 0, rc, "%s", km_protocol_decoder_last_error(c->decoder));
         return m.has_id; /* without an id the peer cannot match replies: close */
     }

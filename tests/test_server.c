@@ -1537,3 +1537,49 @@ Test(server, a_paused_connection_reads_again_once_its_replies_drain, .timeout = 
     srv_stop(&s);
     srv_cleanup(&s);
 }
+
+/* PROTOCOL.md: any message before HELLO, readable or not, gets ERROR KM_ERR_PROTOCOL and the
+ * connection is closed. Until 2026-11-30 an unreadable one that carried an id got its decode error
+ * (KM_ERR_PARSE for a ROUTE without routes) and the connection stayed open. */
+Test(server, a_first_message_other_than_hello_closes_the_connection, .timeout = 30)
+{
+    srv s = {0};
+    km_server_config cfg;
+    test_config(&cfg, &s, KM_POLICY_KV, 2);
+    cfg.records_path = NULL;
+    srv_start(&s, &cfg);
+    km_protocol_decoder *dec;
+    cr_assert_eq(km_protocol_decoder_create(NULL, &dec), KM_OK);
+    static uint8_t buf[1 << 16];
+    /* {"type": "BOGUS", "id": 5}, {"type": "ROUTE", "id": 6} (no routes), {"type": "STATUS",
+     * "id": 7} (well formed) */
+    static const uint8_t bogus[] = {0x82, 0xa4, 't', 'y', 'p', 'e', 0xa5, 'B', 'O', 'G', 'U', 'S',
+                                    0xa2, 'i', 'd', 0x05};
+    static const uint8_t route_without_routes[] = {0x82, 0xa4, 't', 'y', 'p', 'e', 0xa5, 'R', 'O',
+                                                   'U', 'T', 'E', 0xa2, 'i', 'd', 0x06};
+    static const uint8_t status[] = {0x82, 0xa4, 't', 'y', 'p', 'e', 0xa6, 'S', 'T', 'A', 'T', 'U',
+                                     'S', 0xa2, 'i', 'd', 0x07};
+    const struct { const uint8_t *bytes; uint32_t size; uint64_t id; } frames[] = {
+        {bogus, sizeof bogus, 5}, {route_without_routes, sizeof route_without_routes, 6},
+        {status, sizeof status, 7}};
+    for (int k = 0; k < 3; k++) {
+        int fd = raw_connect(&s);
+        raw_send_frame(fd, frames[k].bytes, frames[k].size);
+        km_message m;
+        int rc = raw_read_reply(fd, dec, &m, buf, sizeof buf);
+        cr_assert_eq(m.type, KM_MESSAGE_ERROR, "frame %d: %s", k, km_error_name(rc));
+        cr_assert_eq(rc, KM_ERR_PROTOCOL, "frame %d: %s (%s)", k, km_error_name(rc),
+                     m.error.message);
+        cr_assert_eq(m.id, frames[k].id, "frame %d", k);
+        cr_assert(raw_closed(fd), "frame %d before HELLO: the connection stays open", k);
+        close(fd);
+    }
+    /* And the service goes on: a client that says HELLO is served. */
+    km_client *c = connect_client(&s);
+    km_message reply;
+    cr_assert_eq(km_client_status(c, 5000, &reply), KM_OK);
+    km_client_close(c);
+    km_protocol_decoder_destroy(dec);
+    srv_stop(&s);
+    srv_cleanup(&s);
+}
