@@ -1737,14 +1737,20 @@ static void handle_route(conn *c, const km_message *m)
             pi = pool_find(s, in->pool);
         else if (in->model)
             pi = pool_for_model(s, in->model);
-        if (pi < 0 && !in->pool && s->default_pool)
+        /* Only a route naming neither falls back: a model no pool serves is refused, never
+         * decided on a pool serving another model. */
+        if (pi < 0 && !in->pool && !in->model && s->default_pool)
             pi = pool_find(s, s->default_pool);
-        if (pi < 0 && !in->pool && !s->default_pool && s->n_pools > 0 && !in->model)
+        if (pi < 0 && !in->pool && !in->model && !s->default_pool && s->n_pools > 0)
             pi = 0;
         if (pi < 0) {
-            route_fail(r, KM_ERR_NOT_FOUND, "no pool %s%s%s", in->pool ? in->pool : "serves model ",
-                       in->pool ? "" : (in->model ? in->model : "(none)"),
-                       in->pool ? "" : " and there is no default pool");
+            if (in->pool)
+                route_fail(r, KM_ERR_NOT_FOUND, "no pool %s", in->pool);
+            else if (in->model)
+                route_fail(r, KM_ERR_NOT_FOUND, "no pool serves model %s", in->model);
+            else
+                route_fail(r, KM_ERR_NOT_FOUND, "no pool: the route names none, and the default "
+                           "pool %s does not exist", s->default_pool ? s->default_pool : "(none)");
             continue;
         }
         pool *p = s->pools[pi];

@@ -1583,3 +1583,44 @@ Test(server, a_first_message_other_than_hello_closes_the_connection, .timeout = 
     srv_stop(&s);
     srv_cleanup(&s);
 }
+
+/* A route names its pool, a model (the pool serving it) or neither (default_pool, else the
+ * first). A model no pool serves is refused, with default_pool set or not: until 2026-11-30 it
+ * was decided on the default pool, which serves another model. */
+Test(server, a_model_no_pool_serves_is_refused_even_with_a_default_pool, .timeout = 30)
+{
+    for (int with_default = 0; with_default < 2; with_default++) {
+        srv s = {0};
+        km_server_config cfg;
+        test_config(&cfg, &s, KM_POLICY_KV, 2); /* pool "main" serves model m1 */
+        cfg.default_pool = with_default ? "main" : NULL;
+        cfg.records_path = NULL;
+        srv_start(&s, &cfg);
+        km_client *c = connect_client(&s);
+        km_message reply;
+        km_route_request r = token_route("by-other-model", 0, 2 * BS);
+        r.pool = NULL;
+        r.model = "some-other-model";
+        const km_route_decision *d = route_one(c, &r, &reply);
+        cr_assert_eq(d->status, KM_ERR_NOT_FOUND, "default_pool %s: a route for a model no pool "
+                     "serves was %s on pool %s", cfg.default_pool ? cfg.default_pool : "unset",
+                     d->status == KM_OK ? "decided" : km_error_name(d->status),
+                     d->pool ? d->pool : "?");
+        cr_assert(d->message && strstr(d->message, "some-other-model"), "message: %s",
+                  d->message ? d->message : "(none)");
+        r = token_route("by-model", 0, 2 * BS);
+        r.pool = NULL;
+        r.model = "m1";
+        d = route_one(c, &r, &reply);
+        cr_assert_eq(d->status, KM_OK, "by model m1: %s", km_error_name(d->status));
+        cr_assert_str_eq(d->pool, "main");
+        r = token_route("by-neither", 0, 2 * BS);
+        r.pool = NULL;
+        d = route_one(c, &r, &reply);
+        cr_assert_eq(d->status, KM_OK, "naming neither: %s", km_error_name(d->status));
+        cr_assert_str_eq(d->pool, "main");
+        km_client_close(c);
+        srv_stop(&s);
+        srv_cleanup(&s);
+    }
+}

@@ -99,7 +99,8 @@ typedef struct km_server_config {
                                  * LIVE; default 1.0 */
     uint32_t drain_timeout_ms;  /* shutdown waits this long for queued work; default 10,000 */
     uint64_t seed;              /* policies' random state (temperature > 0); default 0x6b766d */
-    const char *default_pool;   /* routes naming neither pool nor a known model; NULL = the first */
+    const char *default_pool;   /* routes naming neither pool nor model; NULL = the first (a
+                                 * route naming a model no pool serves is refused) */
 
     const km_server_pool *pools;
     uint32_t n_pools;
