@@ -2061,6 +2061,32 @@ static void handle_workers(conn *c, const km_message *m)
     free(msgs);
 }
 
+/* One of a POOLS add / update's params: a policy parameter, or (add only: a pool's approximate
+ * mode keeps its TTL and capacity for its life) approx_ttl_s or approx_capacity_blocks. */
+static int pool_param(km_admin_action action, km_server_pool *pc, const km_param *param, char *why,
+                      size_t why_size)
+{
+    bool ttl = !strcmp(param->name, "approx_ttl_s");
+    if (!ttl && strcmp(param->name, "approx_capacity_blocks") != 0)
+        return km_server_policy_param(&pc->policy, param->name, param->value, why, why_size);
+    if (action != KM_ADMIN_ADD)
+        return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,
+                      "%s is set when a pool is added; it cannot change", param->name);
+    double v = param->value;
+    if (ttl) {
+        if (!(v >= 0.001 && v <= 1e9))
+            return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,
+                          "approx_ttl_s %g is outside [0.001, 1e9]", v);
+        pc->approx_ttl_ms = (uint64_t)llround(v * 1000);
+    } else {
+        if (!(v >= 0 && v <= 1e15) || v != floor(v))
+            return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,
+                          "approx_capacity_blocks %g is not a whole number in [0, 1e15]", v);
+        pc->approx_capacity_blocks = (uint64_t)v;
+    }
+    return KM_OK;
+}
+
 static void handle_pools(conn *c, const km_message *m)
 {
     km_server *s = c->server;
@@ -2072,7 +2098,7 @@ static void handle_pools(conn *c, const km_message *m)
     pthread_mutex_lock(&s->admin_lock);
     if (pm->action == KM_ADMIN_LIST) {
         km_pool_info *list = calloc(s->n_pools ? s->n_pools : 1, sizeof *list);
-        km_param(*params)[8] = calloc(s->n_pools ? s->n_pools : 1, sizeof *params);
+        km_param(*params)[10] = calloc(s->n_pools ? s->n_pools : 1, sizeof *params);
         for (uint32_t i = 0; list && params && i < s->n_pools; i++) {
             pool *p = s->pools[i];
             list[i].name = p->name;
@@ -2088,8 +2114,10 @@ static void handle_pools(conn *c, const km_message *m)
             pp[5] = (km_param){"cache_threshold", p->policy.cache_aware.cache_threshold};
             pp[6] = (km_param){"balance_abs_threshold", p->policy.cache_aware.balance_abs_threshold};
             pp[7] = (km_param){"balance_rel_threshold", p->policy.cache_aware.balance_rel_threshold};
+            pp[8] = (km_param){"approx_ttl_s", (double)p->approx_ttl_ms / 1000.0};
+            pp[9] = (km_param){"approx_capacity_blocks", (double)p->approx_capacity_blocks};
             list[i].params = pp;
-            list[i].n_params = 8;
+            list[i].n_params = 10;
         }
         reply.type = KM_MESSAGE_POOL_LIST;
         reply.pools.action = KM_ADMIN_LIST;
@@ -2144,8 +2172,7 @@ static void handle_pools(conn *c, const km_message *m)
             rc = km_why(msgs[i], sizeof msgs[i], KM_ERR_INVALID_ARGUMENT, "unknown policy \"%s\"",
                        pi->policy);
         for (uint32_t k = 0; rc == KM_OK && k < pi->n_params; k++)
-            rc = km_server_policy_param(&pc.policy, pi->params[k].name, pi->params[k].value, msgs[i],
-                                        sizeof msgs[i]);
+            rc = pool_param(pm->action, &pc, &pi->params[k], msgs[i], sizeof msgs[i]);
         char detail[192];
         if (rc == KM_OK && km_policy_config_validate(&pc.policy, detail, sizeof detail) != KM_OK)
             rc = km_why(msgs[i], sizeof msgs[i], KM_ERR_INVALID_ARGUMENT, "%s", detail);

@@ -1624,3 +1624,97 @@ Test(server, a_model_no_pool_serves_is_refused_even_with_a_default_pool, .timeou
         srv_cleanup(&s);
     }
 }
+
+/* Add a pool "p2" (model m2, block size BS, policy prefix) with params; the ACK's item status. */
+static int add_pool(km_client *c, const km_param *params, uint32_t n_params, km_admin_action action)
+{
+    km_pool_info pi;
+    memset(&pi, 0, sizeof pi);
+    pi.name = "p2";
+    pi.model = "m2";
+    pi.block_size = action == KM_ADMIN_ADD ? BS : 0;
+    pi.policy = "prefix";
+    pi.params = (km_param *)params;
+    pi.n_params = n_params;
+    km_message m = {.type = KM_MESSAGE_POOLS}, reply;
+    m.pools.action = action;
+    m.pools.pools = &pi;
+    m.pools.n_pools = 1;
+    cr_assert_eq(km_client_call(c, &m, 5000, &reply), KM_OK);
+    cr_assert_eq(reply.type, KM_MESSAGE_ACK);
+    return reply.ack.items[0].status;
+}
+
+/* PROTOCOL.md: POOLS add takes approx_ttl_s and approx_capacity_blocks, and the pool's approximate
+ * mode forgets a routed prefix that long after its last decision. Until 2026-11-30 both were
+ * refused as unknown policy parameters, so a pool added at run time always had the 120 s default. */
+Test(server, pools_added_at_run_time_take_an_approximate_mode_ttl, .timeout = 30)
+{
+    srv s = {0};
+    km_server_config cfg;
+    test_config(&cfg, &s, KM_POLICY_KV, 1);
+    cfg.records_path = NULL;
+    srv_start(&s, &cfg);
+    km_client *c = connect_client(&s);
+    const km_param bad_ttl[] = {{"approx_ttl_s", 0}}, bad_cap[] = {{"approx_capacity_blocks", 1.5}};
+    cr_assert_eq(add_pool(c, bad_ttl, 1, KM_ADMIN_ADD), KM_ERR_INVALID_ARGUMENT);
+    cr_assert_eq(add_pool(c, bad_cap, 1, KM_ADMIN_ADD), KM_ERR_INVALID_ARGUMENT);
+    const km_param params[] = {{"approx_ttl_s", 0.4}, {"approx_capacity_blocks", 1000}};
+    cr_assert_eq(add_pool(c, params, 2, KM_ADMIN_ADD), KM_OK);
+    cr_assert_eq(add_pool(c, params, 1, KM_ADMIN_UPDATE), KM_ERR_INVALID_ARGUMENT,
+                 "an update may not change the TTL of a pool's approximate mode");
+    km_message m = {.type = KM_MESSAGE_POOLS}, reply;
+    m.pools.action = KM_ADMIN_LIST;
+    cr_assert_eq(km_client_call(c, &m, 5000, &reply), KM_OK);
+    cr_assert_eq(reply.type, KM_MESSAGE_POOL_LIST);
+    const km_pool_info *listed = NULL;
+    for (uint32_t i = 0; i < reply.pools.n_pools; i++)
+        if (!strcmp(reply.pools.pools[i].name, "p2"))
+            listed = &reply.pools.pools[i];
+    cr_assert_not_null(listed);
+    int seen = 0;
+    for (uint32_t k = 0; k < listed->n_params; k++) {
+        if (!strcmp(listed->params[k].name, "approx_ttl_s"))
+            seen += listed->params[k].value == 0.4;
+        if (!strcmp(listed->params[k].name, "approx_capacity_blocks"))
+            seen += listed->params[k].value == 1000;
+    }
+    cr_assert_eq(seen, 2, "POOL_LIST does not show the pool's approximate-mode settings");
+    /* Two approximate-mode workers in p2; a prefix routed there is predicted on its worker, until
+     * the TTL passes. */
+    km_worker_info wi[2] = {{.pool = "p2", .worker = 30}, {.pool = "p2", .worker = 31}};
+    m = (km_message){.type = KM_MESSAGE_WORKERS};
+    m.workers.action = KM_ADMIN_ADD;
+    m.workers.workers = wi;
+    m.workers.n_workers = 2;
+    cr_assert_eq(km_client_call(c, &m, 5000, &reply), KM_OK);
+    cr_assert_eq(reply.ack.items[1].status, KM_OK);
+    km_route_request r = token_route("ttl-1", 0, 4 * BS);
+    r.pool = "p2";
+    const km_route_decision *d = route_one(c, &r, &reply);
+    cr_assert_eq(d->status, KM_OK, "%s", d->message ? d->message : "");
+    uint32_t learned_on = d->chosen_worker;
+    r.request_id = "ttl-2";
+    d = route_one(c, &r, &reply);
+    cr_assert_eq(d->status, KM_OK);
+    cr_assert(d->has_owner && d->owner_worker == learned_on && d->owner_depth == 4,
+              "the routed prefix was not assumed held on worker %u", learned_on);
+    /* Each check decides before it learns, so it sees whether the prefix outlived the TTL, and
+     * then teaches it again: wait twice the TTL before each (the expiry runs on a 20 ms tick). */
+    bool forgotten = false;
+    for (int k = 0; k < 5 && !forgotten; k++) {
+        km_test_sleep_ms(800);
+        char attempt[16];
+        snprintf(attempt, sizeof attempt, "a%d", k);
+        r.request_id = "ttl-check";
+        r.attempt_id = attempt;
+        d = route_one(c, &r, &reply);
+        cr_assert_eq(d->status, KM_OK, "%s", d->message ? d->message : "");
+        forgotten = !d->has_owner || d->owner_depth == 0;
+    }
+    cr_assert(forgotten, "the prefix was still assumed held 0.8 s after its last decision, with "
+              "approx_ttl_s 0.4");
+    km_client_close(c);
+    srv_stop(&s);
+    srv_cleanup(&s);
+}
