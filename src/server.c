@@ -826,7 +826,9 @@ static void write_outcome(km_server *s, const attempt *a, km_record_outcome outc
         r.dispatched = a->dispatched;
     if (sum && sum->first_token)
         r.first_token = mono_to_record(sum->first_token_ns);
-    r.finished = r.common.time;
+    if (ev) /* only a FINISHED report ends an attempt with an event: expiry, eviction and a
+             * removed worker received none, and their finished_* stay null */
+        r.finished = r.common.time;
     r.router_dispatched_ms = a->router_dispatched_ms;
     r.router_ttft_ms = a->router_ttft_ms;
     if (ev && ev->has_elapsed_ms)

@@ -332,6 +332,9 @@ Test(server, route_lifecycle_and_records, .timeout = 30)
     cr_assert_float_eq(json_number_value(json_object_get(or1, "router_e2e_ms")), 1840.75, 1e-9);
     cr_assert(json_is_null(json_object_get(or2, "router_ttft_ms")), "not reported: null");
     cr_assert(json_is_null(json_object_get(or2, "router_e2e_ms")), "not reported: null");
+    cr_assert(json_is_string(json_object_get(or1, "finished_time")) &&
+                  json_is_integer(json_object_get(or1, "finished_monotonic_ns")),
+              "a FINISHED outcome has its finished time");
     bool checked;
     check_schema(&s, &checked);
     json_decref(all);
@@ -920,6 +923,12 @@ Test(server, active_work_expires_with_an_outcome_record, .timeout = 30)
     json_t *o = find_record(all, "outcome", (int64_t)id);
     cr_assert_not_null(o, "an outcome record for the expired attempt");
     cr_assert_str_eq(json_string_value(json_object_get(o, "outcome")), "expired");
+    /* No FINISHED came: finished_* are null (RECORDS.md), while the decision's time is known. */
+    cr_assert(json_is_null(json_object_get(o, "finished_time")) &&
+                  json_is_null(json_object_get(o, "finished_monotonic_ns")),
+              "an expired attempt says it finished at %s",
+              json_string_value(json_object_get(o, "finished_time")));
+    cr_assert(json_is_string(json_object_get(o, "decided_time")));
     json_decref(all);
     srv_cleanup(&s);
 }
