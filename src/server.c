@@ -962,6 +962,22 @@ static const km_worker_match *find_match(const km_worker_match *m, uint32_t coun
     return lo < count && m[lo].worker == worker ? &m[lo] : NULL;
 }
 
+/* The prediction is an observation (`events`) only when every depth it reports is one: the
+ * owner's and the chosen worker's, and when nothing matched, every candidate's zero. A pool may
+ * mix workers with and without event endpoints; one approximate-mode worker among those makes the
+ * prediction `approx` (RECORDS.md, "source"). Until 2026-11-30 the chosen worker alone decided
+ * it, so an assumed match on another owner was labelled `events`. */
+static bool prediction_observed(const km_server *s, const km_policy_candidate *cands, uint32_t n,
+                                bool has_owner, uint32_t owner, uint32_t chosen)
+{
+    if (!s->workers[chosen].events || (has_owner && !s->workers[owner].events))
+        return false;
+    for (uint32_t i = 0; !has_owner && i < n; i++)
+        if (!s->workers[cands[i].worker].events)
+            return false;
+    return true;
+}
+
 /* Decide one route whose scoring result is rr (admin_lock and active_lock held). Fills the reply
  * decision *d (candidate arrays in the job's memory) or fails the route. */
 static void decide_route(km_server *s, job *j, route_job *r, pool *p, const km_request_result *rr,
@@ -1036,7 +1052,7 @@ static void decide_route(km_server *s, job *j, route_job *r, pool *p, const km_r
     bool has_owner = pd.owner != KM_POLICY_NO_OWNER;
     uint32_t owner = has_owner ? b->cands[pd.owner].worker : 0;
     const char *chosen_state = worker_state_in_batch(s, chosen);
-    bool events = s->workers[chosen].events;
+    bool observed = prediction_observed(s, b->cands, n, has_owner, owner, chosen);
     uint64_t now = now_ns();
 
     /* Active work first: a duplicate attempt id fails the route before anything is recorded. */
@@ -1109,7 +1125,7 @@ static void decide_route(km_server *s, job *j, route_job *r, pool *p, const km_r
     d->owner_state = has_owner ? worker_state_in_batch(s, owner) : NULL;
     d->n_blocks = r->n_hashes;
     d->block_size = p->block_size;
-    d->source = events ? KM_PREDICTION_EVENTS : KM_PREDICTION_APPROX;
+    d->source = observed ? KM_PREDICTION_EVENTS : KM_PREDICTION_APPROX;
     d->policy = km_policy_kind_name(pc.kind);
     d->reason = km_policy_reason_name(pd.reason);
     d->load_kind = load_kind;
@@ -1129,7 +1145,7 @@ static void decide_route(km_server *s, job *j, route_job *r, pool *p, const km_r
             memcpy(a->owner_name, s->workers[owner].name, sizeof a->owner_name);
         a->has_owner = has_owner;
         a->worker = chosen;
-        a->source = events ? KM_RECORD_SOURCE_EVENTS : KM_RECORD_SOURCE_APPROX;
+        a->source = observed ? KM_RECORD_SOURCE_EVENTS : KM_RECORD_SOURCE_APPROX;
         a->block_size = p->block_size;
         a->chosen_depth = pd.chosen_depth;
         a->owner_depth = pd.owner_depth;
@@ -1161,7 +1177,7 @@ static void decide_route(km_server *s, job *j, route_job *r, pool *p, const km_r
         rec.common.pool = p->name;
         rec.common.endpoint = r->endpoint;
         rec.common.time = a ? a->decided : km_record_time_now();
-        rec.source = events ? KM_RECORD_SOURCE_EVENTS : KM_RECORD_SOURCE_APPROX;
+        rec.source = observed ? KM_RECORD_SOURCE_EVENTS : KM_RECORD_SOURCE_APPROX;
         rec.input = r->input == KM_ROUTE_INPUT_TOKENS ? KM_RECORD_INPUT_TOKENS : KM_RECORD_INPUT_HASHES;
         rec.block_size = p->block_size;
         rec.block_count = r->n_hashes;
@@ -1199,8 +1215,9 @@ static void decide_route(km_server *s, job *j, route_job *r, pool *p, const km_r
         km_record_writer_submit_decision(s->records, &rec);
     }
 
-    /* Approximate mode: the chosen worker is assumed to hold the request's blocks from now on. */
-    if (!events && r->n_hashes)
+    /* Approximate mode: the chosen worker, when its index is not fed by its own events, is assumed
+     * to hold the request's blocks from now on. */
+    if (!s->workers[chosen].events && r->n_hashes)
         km_approx_record(p->approx, chosen, r->hashes, r->n_hashes, now, &b->updates);
     atomic_fetch_add(&s->st.decisions, 1);
     km_counter_add(s->m_decisions, 1);

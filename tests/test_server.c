@@ -463,7 +463,8 @@ Test(server, events_pool_scores_observed_blocks, .timeout = 30)
     }
     cr_assert(d->has_owner, "the published blocks never reached the index");
     cr_assert_eq(d->owner_worker, 5);
-    cr_assert_eq(d->owner_depth, 6);
+    cr_assert_eq(d->owner_depth, 6, "owner depth %u (chosen %u, depth %u)", d->owner_depth,
+                 d->chosen_worker, d->chosen_depth);
     cr_assert_str_eq(d->owner_state, "LIVE");
     cr_assert_eq(candidate(d, 5)->device_blocks, 6);
     if (d->chosen_worker == 5)
@@ -1725,5 +1726,56 @@ Test(server, pools_added_at_run_time_take_an_approximate_mode_ttl, .timeout = 30
               "approx_ttl_s 0.4");
     km_client_close(c);
     srv_stop(&s);
+    srv_cleanup(&s);
+}
+
+/* A pool mixing an approximate-mode worker (0) with an event-fed one (1): a prediction is `events`
+ * only when every depth it reports is observed. Until 2026-11-30 the chosen worker alone decided
+ * the label, so the second route below, decided on worker 1 from a match assumed on worker 0,
+ * said `events`, and its outcome record copied that. */
+Test(server, a_mixed_pool_labels_a_prediction_by_where_its_depths_come_from, .timeout = 30)
+{
+    srv s = {0};
+    km_server_config cfg;
+    test_config(&cfg, &s, KM_POLICY_LEAST_LOAD, 0);
+    km_server_worker ws[2] = {{0, "a0", NULL, NULL}, {1, "e1", KM_SERVER_LOCAL_EVENTS, NULL}};
+    g_pool.workers = ws;
+    g_pool.n_workers = 2;
+    srv_start(&s, &cfg);
+    km_client *c = connect_client(&s);
+    km_message reply;
+    /* Nothing matched anywhere: the zero depth of worker 0 is assumed, not observed. */
+    km_route_request r = token_route("first", 0, 8 * BS);
+    const km_route_decision *d = route_one(c, &r, &reply);
+    cr_assert_eq(d->status, KM_OK);
+    cr_assert_eq(d->chosen_worker, 0);
+    cr_assert(!d->has_owner);
+    cr_assert_eq(d->source, KM_PREDICTION_APPROX, "no owner in a mixed pool: %s",
+                 d->source == KM_PREDICTION_EVENTS ? "events" : "approx");
+    uint64_t second_id = 0;
+    /* Worker 0 now is assumed to hold the 8 blocks; least load sends the same prefix to 1. */
+    r.request_id = "second";
+    d = route_one(c, &r, &reply);
+    cr_assert_eq(d->status, KM_OK);
+    cr_assert_eq(d->chosen_worker, 1, "least load: worker 0 has one in flight");
+    cr_assert(d->has_owner && d->owner_worker == 0 && d->owner_depth == 8);
+    cr_assert_str_eq(d->owner_state, "APPROX");
+    cr_assert_eq(d->source, KM_PREDICTION_APPROX, "owner w0 (assumed, depth %u) labelled events",
+                 d->owner_depth);
+    second_id = d->decision_id;
+    /* Worker 1's index is fed by its events alone: being chosen taught it nothing. */
+    r.request_id = "third";
+    d = route_one(c, &r, &reply);
+    cr_assert_eq(d->status, KM_OK);
+    cr_assert_eq(candidate(d, 1)->depth, 0, "the event-fed worker was assumed to hold %u blocks",
+                 candidate(d, 1)->depth);
+    km_client_close(c);
+    srv_stop(&s);
+    json_t *all = read_records(&s);
+    json_t *dr = find_record(all, "decision", (int64_t)second_id);
+    cr_assert_not_null(dr);
+    cr_assert_str_eq(json_string_value(json_object_get(json_object_get(dr, "prediction"), "source")),
+                     "approx");
+    json_decref(all);
     srv_cleanup(&s);
 }
