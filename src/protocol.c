@@ -211,6 +211,16 @@ static int reader_reserve(km_frame_reader *r, size_t needed)
     return KM_OK;
 }
 
+void km_frame_reader_release(km_frame_reader *r)
+{
+    if (!r || !r->release_buffer)
+        return;
+    free(r->buffer);
+    r->buffer = NULL;
+    r->buffer_capacity = 0;
+    r->release_buffer = false;
+}
+
 int km_frame_reader_next(km_frame_reader *r, const void *data, size_t size, size_t *consumed,
                          const uint8_t **payload, size_t *payload_size)
 {
@@ -223,12 +233,7 @@ int km_frame_reader_next(km_frame_reader *r, const void *data, size_t size, size
         return r->failed;
     if (!data && size)
         return KM_ERR_NULL_POINTER;
-    if (r->release_buffer) {
-        free(r->buffer);
-        r->buffer = NULL;
-        r->buffer_capacity = 0;
-        r->release_buffer = false;
-    }
+    km_frame_reader_release(r);
     const uint8_t *p = data;
     size_t used = 0;
     while (r->header_have < KM_FRAME_HEADER_BYTES && used < size)
@@ -940,6 +945,7 @@ int km_protocol_encode_error(uint64_t id, int code, const char *message, km_fram
 struct km_protocol_decoder {
     km_protocol_limits limits;
     msgpack_zone zone;
+    const void *first_chunk; /* the zone's chunk list head while it holds only its first chunk */
     /* Where an error is, while an item is decoded: "routes[3]", "decisions[2].candidates[5]".
      * Kept as (name, index) pairs and formatted only when an error is reported: a reply of 64
      * decisions with 16 candidates each would otherwise format 1,088 paths nobody reads. */
@@ -971,6 +977,7 @@ int km_protocol_decoder_create(const km_protocol_limits *limits, km_protocol_dec
         free(d);
         return KM_ERR_OUT_OF_MEMORY;
     }
+    d->first_chunk = d->zone.chunk_list.head;
     d->limits = l;
     *out = d;
     return KM_OK;
@@ -987,6 +994,22 @@ void km_protocol_decoder_destroy(km_protocol_decoder *d)
 const char *km_protocol_decoder_last_error(const km_protocol_decoder *d)
 {
     return d ? d->last_error : "";
+}
+
+void km_protocol_decoder_release(km_protocol_decoder *d)
+{
+    /* A zone that grew has a new chunk at its head. msgpack_zone_clear would keep that one (the
+     * largest), so start a fresh zone instead; if even that cannot be had, keep the old one. */
+    if (!d || d->zone.chunk_list.head == d->first_chunk)
+        return;
+    msgpack_zone fresh;
+    if (!msgpack_zone_init(&fresh, ZONE_CHUNK_BYTES)) {
+        msgpack_zone_clear(&d->zone);
+        return;
+    }
+    msgpack_zone_swap(&d->zone, &fresh);
+    msgpack_zone_destroy(&fresh);
+    d->first_chunk = d->zone.chunk_list.head;
 }
 
 /* "KM_ERR_PARSE: routes[3].tokens[7]: " + the sentence, into d->error. `field` may be NULL,

@@ -2368,7 +2368,14 @@ static void on_read(uv_stream_t *stream, ssize_t nread, const uv_buf_t *buf)
         }
         data += consumed;
         left -= consumed;
-        if (payload && !handle_frame(c, payload, psize)) {
+        if (!payload)
+            continue;
+        bool keep = handle_frame(c, payload, psize);
+        /* Everything a request needs was copied out of the frame: an idle connection keeps
+         * neither a large frame's buffer nor its decoded tree. */
+        km_protocol_decoder_release(c->decoder);
+        km_frame_reader_release(c->reader);
+        if (!keep) {
             uv_read_stop(stream);
             c->reading = false;
             c->eof = true;

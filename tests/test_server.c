@@ -10,6 +10,7 @@
 #include <inttypes.h>
 #include <pthread.h>
 #include <signal.h>
+#include <malloc.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -1777,5 +1778,81 @@ Test(server, a_mixed_pool_labels_a_prediction_by_where_its_depths_come_from, .ti
     cr_assert_str_eq(json_string_value(json_object_get(json_object_get(dr, "prediction"), "source")),
                      "approx");
     json_decref(all);
+    srv_cleanup(&s);
+}
+
+/* Resident memory of this process in MiB (the in-process server's included), after giving every
+ * malloc arena's free memory back to the kernel. */
+static long resident_mib(void)
+{
+    malloc_trim(0);
+    FILE *f = fopen("/proc/self/status", "r");
+    char line[256];
+    long kb = -1;
+    while (f && fgets(line, sizeof line, f))
+        if (sscanf(line, "VmRSS: %ld kB", &kb) == 1)
+            break;
+    if (f)
+        fclose(f);
+    return kb / 1024;
+}
+
+/* Four connections each send one 4 MB frame of 4,000,000 msgpack values (within max_frame_bytes
+ * and max_objects; answered with an ERROR: routes is over max_batch_items), then stay idle.
+ * Decoding such a frame builds about 96 MB; until 2026-11-30 each connection kept its last tree
+ * (and frame buffer) until its next frame, so these four held about 380 MB, and the documented
+ * memory bound grew with the number of connections. */
+Test(server, an_idle_connection_keeps_no_large_frame_decoded, .timeout = 60)
+{
+#if defined(__SANITIZE_ADDRESS__)
+    cr_skip_test("AddressSanitizer keeps freed memory in quarantine: resident memory says nothing");
+#endif
+    srv s = {0};
+    km_server_config cfg;
+    test_config(&cfg, &s, KM_POLICY_KV, 2);
+    cfg.records_path = NULL;
+    srv_start(&s, &cfg);
+    km_protocol_decoder *dec;
+    cr_assert_eq(km_protocol_decoder_create(NULL, &dec), KM_OK);
+    static uint8_t buf[1 << 16];
+    const uint32_t n = 4000000; /* {"type": "ROUTE", "id": 9, "routes": [nil x n]} */
+    static const uint8_t head[] = {0x83, 0xa4, 't', 'y', 'p', 'e', 0xa5, 'R', 'O', 'U', 'T', 'E',
+                                   0xa2, 'i', 'd', 0x09, 0xa6, 'r', 'o', 'u', 't', 'e', 's', 0xdd};
+    size_t size = sizeof head + 4 + n;
+    uint8_t *frame = calloc(1, size);
+    cr_assert_not_null(frame);
+    memcpy(frame, head, sizeof head);
+    for (int k = 0; k < 4; k++)
+        frame[sizeof head + k] = (uint8_t)(n >> (24 - 8 * k));
+    memset(frame + sizeof head + 4, 0xc0, n);
+    int fds[4];
+    long before = resident_mib();
+    for (int k = 0; k < 4; k++) {
+        fds[k] = raw_connect(&s);
+        raw_hello(fds[k], dec, buf, sizeof buf, KM_PROTOCOL_VERSION);
+        uint32_t be = htonl((uint32_t)size);
+        cr_assert_eq(write(fds[k], &be, 4), 4);
+        for (size_t off = 0; off < size;) {
+            ssize_t w = write(fds[k], frame + off, size - off);
+            cr_assert_gt(w, 0);
+            off += (size_t)w;
+        }
+        km_message m;
+        cr_assert_eq(raw_read_reply(fds[k], dec, &m, buf, sizeof buf), KM_ERR_TOO_LARGE);
+    }
+    long after = resident_mib();
+    cr_assert_lt(after - before, 100, "four idle connections that each sent one large frame hold "
+                 "%ld MiB (%ld before, %ld after)", after - before, before, after);
+    /* They are still served. */
+    km_message status = {.type = KM_MESSAGE_STATUS, .has_id = true, .id = 10};
+    for (int k = 0; k < 4; k++) {
+        raw_send_message(fds[k], &status);
+        km_message m;
+        cr_assert_eq(raw_read_reply(fds[k], dec, &m, buf, sizeof buf), KM_OK);
+        close(fds[k]);
+    }
+    free(frame);
+    km_protocol_decoder_destroy(dec);
+    srv_stop(&s);
     srv_cleanup(&s);
 }

@@ -85,6 +85,9 @@ void km_frame_reader_destroy(km_frame_reader *reader); /* NULL is a no-op */
  * a buffer over 64 KiB is released once its frame has been handed out. */
 int km_frame_reader_next(km_frame_reader *reader, const void *data, size_t size, size_t *consumed,
                          const uint8_t **payload, size_t *payload_size);
+/* The payload handed out last is no longer needed: free its buffer now when it is over 64 KiB,
+ * instead of at the next call (a peer that goes quiet after a large frame holds nothing). */
+void km_frame_reader_release(km_frame_reader *reader);
 /* Bytes of an incomplete frame held now (0 between frames): a peer that closes with this > 0
  * sent a truncated frame. */
 size_t km_frame_reader_pending(const km_frame_reader *reader);
@@ -434,8 +437,8 @@ void km_protocol_decoder_destroy(km_protocol_decoder *decoder); /* NULL is a no-
 /* Decode one frame payload (without its length prefix).
  *
  * Memory: everything *out points to lives in the decoder and stays valid until the next decode
- * call on it or its destruction; the payload may be released as soon as the call returns. The
- * decoder keeps its largest chunk for reuse.
+ * call on it, km_protocol_decoder_release or its destruction; the payload may be released as soon
+ * as the call returns. Without a release the decoder keeps its largest chunk for reuse.
  *
  * Errors. The message as a whole fails (return value) when the payload is not exactly one
  * well-formed msgpack map (KM_ERR_PARSE), is over max_objects or nests too deep
@@ -455,6 +458,11 @@ int km_protocol_decode(km_protocol_decoder *decoder, const void *payload, size_t
                        km_message *out);
 /* Detail of the last failed decode; "" after a success. Valid until the next call. */
 const char *km_protocol_decoder_last_error(const km_protocol_decoder *decoder);
+/* The message decoded last is no longer needed: give back everything its decoding grew beyond the
+ * decoder's first 64 KiB chunk (a frame of 4 M values builds ~96 MB). Its contents are invalid
+ * afterwards. The server calls it after every frame, so its memory does not grow with the number
+ * of idle connections that once sent a large one. A no-op after a small message. */
+void km_protocol_decoder_release(km_protocol_decoder *decoder);
 
 /* ---- encoder --------------------------------------------------------------------------------- */
 
