@@ -3237,9 +3237,22 @@ int km_server_run(km_server *s, bool install_signals)
     slog(s, "serving on %s%s%s%s%s (%u pools)", s->socket_path ? s->socket_path : "",
          s->socket_path && s->tcp ? " and " : "", s->tcp ? "tcp " : "", s->tcp ? s->tcp : "",
          s->http_addr ? ", http on" : "", s->n_pools);
+    /* A peer that closes while its replies are written makes write() raise SIGPIPE, which ends
+     * the process unless it is ignored: a program embedding the server (install_signals false)
+     * need not ignore it. The signal is directed at the writing thread, this one, so blocking it
+     * here turns it into EPIPE (the connection closes); the ones raised meanwhile are discarded
+     * before the caller's mask is restored. */
+    sigset_t pipe_only, caller_mask;
+    sigemptyset(&pipe_only);
+    sigaddset(&pipe_only, SIGPIPE);
+    pthread_sigmask(SIG_BLOCK, &pipe_only, &caller_mask);
     if (atomic_load(&s->stop_requested))
         begin_drain(s);
     uv_run(&s->loop, UV_RUN_DEFAULT);
+    struct timespec no_wait = {0, 0};
+    while (sigtimedwait(&pipe_only, NULL, &no_wait) == SIGPIPE) {
+    }
+    pthread_sigmask(SIG_SETMASK, &caller_mask, NULL);
     /* Drained: stop the scheduler, then persist. */
     pthread_mutex_lock(&s->queue_lock);
     s->scheduler_stop = true;

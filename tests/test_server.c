@@ -1856,3 +1856,44 @@ Test(server, an_idle_connection_keeps_no_large_frame_decoded, .timeout = 60)
     srv_stop(&s);
     srv_cleanup(&s);
 }
+
+/* A router that closes while its replies are being written: the server's write fails with EPIPE
+ * and it closes that connection. Under km_server_run(s, false), as here and in any program
+ * embedding the server, nothing ignored SIGPIPE until 2026-11-30, and the signal ended this whole
+ * test process. */
+Test(server, a_peer_that_closes_mid_reply_does_not_end_an_embedding_process, .timeout = 60)
+{
+    srv s = {0};
+    km_server_config cfg;
+    test_config(&cfg, &s, KM_POLICY_KV, 16);
+    cfg.records_path = NULL;
+    srv_start(&s, &cfg);
+    km_protocol_decoder *dec;
+    cr_assert_eq(km_protocol_decoder_create(NULL, &dec), KM_OK);
+    static uint8_t buf[1 << 16];
+    static char rids[64][32];
+    km_route_request r[64];
+    for (int round = 0; round < 20; round++) {
+        int fd = raw_connect(&s);
+        raw_hello(fd, dec, buf, sizeof buf, KM_PROTOCOL_VERSION);
+        for (int f = 0; f < 8; f++) { /* 8 frames of 64 routes: ~300 KB of replies */
+            for (int k = 0; k < 64; k++) {
+                snprintf(rids[k], sizeof rids[k], "pipe-%d-%d-%d", round, f, k);
+                r[k] = token_route(rids[k], 0, 2 * BS);
+            }
+            km_message m = {.type = KM_MESSAGE_ROUTE, .has_id = true, .id = 2 + (uint64_t)f};
+            m.route.routes = r;
+            m.route.n_routes = 64;
+            raw_send_message(fd, &m);
+        }
+        close(fd); /* without reading a byte */
+    }
+    /* Still alive, and serving. */
+    km_client *c = connect_client(&s);
+    km_message reply;
+    cr_assert_eq(km_client_status(c, 5000, &reply), KM_OK);
+    km_client_close(c);
+    km_protocol_decoder_destroy(dec);
+    srv_stop(&s);
+    srv_cleanup(&s);
+}

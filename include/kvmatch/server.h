@@ -128,7 +128,10 @@ void km_server_config_json_free(km_server_config_json *owner);
 int km_server_create(const km_server_config *cfg, km_server **out, char *why, size_t why_size);
 
 /* Serve until SIGTERM / SIGINT (when install_signals) or km_server_stop, then drain and return
- * KM_OK (or the first shutdown error: a snapshot that could not be written). */
+ * KM_OK (or the first shutdown error: a snapshot that could not be written). install_signals also
+ * ignores SIGPIPE process-wide; without it, SIGPIPE is blocked in the calling thread while it
+ * serves (a peer closing mid-reply is an EPIPE, not the end of the process), and the caller's
+ * signal mask is restored on return. */
 int km_server_run(km_server *server, bool install_signals);
 
 /* Ask a running server to stop (drain and return from km_server_run). Any thread. */
