@@ -3,6 +3,7 @@
  * replies that arrived while the caller waited for another id (kept as raw frames, decoded when
  * handed out). */
 #include "kvmatch/client.h"
+#include "kvmatch/index.h"
 #include "why.h"
 
 #include <arpa/inet.h>
@@ -370,6 +371,52 @@ static int handshake(km_client *c, int64_t deadline)
     return KM_OK;
 }
 
+/* The limits replies are read with, from the server's WELCOME (client.h; docs/PROTOCOL.md,
+ * "Reading replies"). The server bounds a reply only by its max_frame_bytes, which stays the hard
+ * bound; within a frame, every limit is either what the frame implies or a bound the server keeps
+ * on what the reply lists. */
+static void reply_limits(const km_protocol_limits *announced, km_protocol_limits *out)
+{
+    *out = *announced;
+    /* Every msgpack value takes at least one byte of the frame, every string byte one byte, so
+     * these two refuse nothing the frame can hold; decoding costs about 40 bytes per value. */
+    out->max_objects = announced->max_frame_bytes;
+    out->max_string_bytes = announced->max_frame_bytes;
+    /* Decisions and ACK items number at most max_batch_items (one per route, event, worker or
+     * pool of the request); WORKER_LIST and STATUS_REPLY list each worker of the server once,
+     * POOL_LIST each pool, and a decision has one candidate row per worker of its pool: at most
+     * KM_MAX_WORKERS_LIMIT workers, 4096 pools. These bound what the decoder allocates per item. */
+    if (out->max_batch_items < KM_MAX_WORKERS_LIMIT)
+        out->max_batch_items = KM_MAX_WORKERS_LIMIT;
+    if (out->max_candidates < KM_MAX_WORKERS_LIMIT)
+        out->max_candidates = KM_MAX_WORKERS_LIMIT;
+    /* POOL_LIST lists each pool's policy parameters, fewer than the default max_params. */
+    km_protocol_limits defaults;
+    km_protocol_limits_init(&defaults);
+    if (out->max_params < defaults.max_params)
+        out->max_params = defaults.max_params;
+}
+
+/* After WELCOME: read every later reply with the server's limits. The old reader holds no bytes
+ * (it stops at the end of the WELCOME frame); bytes already received stay in read_buffer. */
+static int adopt_server_limits(km_client *c)
+{
+    km_protocol_limits limits;
+    reply_limits(&c->welcome.limits, &limits);
+    km_frame_reader *reader = NULL;
+    km_protocol_decoder *decoder = NULL;
+    if (km_frame_reader_create(limits.max_frame_bytes, &reader) ||
+        km_protocol_decoder_create(&limits, &decoder)) {
+        km_frame_reader_destroy(reader);
+        return client_fail(c, KM_ERR_OUT_OF_MEMORY, "cannot allocate the reply decoder");
+    }
+    km_frame_reader_destroy(c->reader);
+    km_protocol_decoder_destroy(c->decoder);
+    c->reader = reader;
+    c->decoder = decoder;
+    return KM_OK;
+}
+
 int km_client_connect(const char *address, int timeout_ms, km_client **out, char *why,
                       size_t why_size)
 {
@@ -391,8 +438,8 @@ int km_client_connect(const char *address, int timeout_ms, km_client **out, char
     km_frame_buffer_init(&c->out);
     int64_t deadline = deadline_after(timeout_ms);
     int rc = KM_OK;
-    /* Replies are decoded with generous limits: the server is trusted to the extent of its own
-     * configured frame size, which the frame reader enforces. */
+    /* WELCOME is read with the default limits (strings up to 64 KiB); every later reply with the
+     * limits the server announced in it (adopt_server_limits). */
     km_protocol_limits limits;
     km_protocol_limits_init(&limits);
     limits.max_string_bytes = 1u << 16;
@@ -404,6 +451,8 @@ int km_client_connect(const char *address, int timeout_ms, km_client **out, char
         rc = open_socket(c, address, deadline);
     if (!rc)
         rc = handshake(c, deadline);
+    if (!rc)
+        rc = adopt_server_limits(c);
     if (rc) {
         if (why && why_size)
             snprintf(why, why_size, "%s", c->last_error);

@@ -3,7 +3,8 @@
  * with the protocol's own reader and decoder, and answers with DECISIONs computed from the
  * request (so a reply matched to the wrong request is caught), optionally holding replies and
  * sending them in reverse order (the pipelined tests), staying silent (timeouts), refusing the
- * handshake, or closing. Every test bounds its time. */
+ * handshake, or closing; and against the real server in a thread, for the largest reply it sends.
+ * Every test bounds its time. */
 #include <arpa/inet.h>
 #include <errno.h>
 #include <netinet/in.h>
@@ -17,6 +18,7 @@
 #include <unistd.h>
 
 #include "kvmatch/client.h"
+#include "kvmatch/server.h"
 #include "test_util.h"
 
 /* ---- the fake server ----------------------------------------------------------------------------- */
@@ -27,7 +29,10 @@ typedef enum fake_mode {
     FAKE_SILENT_ROUTE = 2, /* never answer ROUTE */
     FAKE_REFUSE_HELLO = 3, /* answer HELLO with ERROR KM_ERR_INCOMPATIBLE and close */
     FAKE_CLOSE_ON_ROUTE = 4, /* close the connection when a ROUTE arrives */
+    FAKE_SMALL_FRAMES = 5,   /* announce max_frame_bytes = FAKE_SMALL_FRAME_BYTES, reply as usual */
 } fake_mode;
+
+#define FAKE_SMALL_FRAME_BYTES 1024u
 
 typedef struct fake_server {
     int listen_fd;
@@ -79,6 +84,8 @@ static bool fake_reply(fake_server *s, const km_message *m, km_frame_buffer *out
         reply.welcome.kvmatch_version = "0.1.0-fake";
         reply.welcome.server_name = "fake";
         km_protocol_limits_init(&reply.welcome.limits);
+        if (s->mode == FAKE_SMALL_FRAMES)
+            reply.welcome.limits.max_frame_bytes = FAKE_SMALL_FRAME_BYTES;
         break;
     case KM_MESSAGE_ROUTE: {
         if (s->mode == FAKE_CLOSE_ON_ROUTE)
@@ -487,4 +494,157 @@ Test(client, timeout_then_usable_and_close, .timeout = 20)
     km_client_close(c);
     km_client_close(NULL);
     fake_stop(&s);
+}
+
+/* The frame size the server announced stays the client's hard bound: a reply over it is refused
+ * (final), though the client's own default would take it. */
+Test(client, reply_over_the_announced_frame_size, .timeout = 20)
+{
+    fake_server s;
+    fake_start(&s, FAKE_SMALL_FRAMES, false);
+    km_client *c = connect_ok(&s);
+    cr_assert_eq(km_client_welcome(c)->limits.max_frame_bytes, FAKE_SMALL_FRAME_BYTES);
+    uint64_t h[1] = {5};
+    km_route_request q;
+    char id[32];
+    make_route(&q, id, sizeof id, 0, h, 1);
+    km_message reply;
+    /* One route: its DECISION fits in the announced frame. */
+    cr_assert_eq(km_client_route(c, &q, 1, 5000, &reply), KM_OK, "%s", km_client_last_error(c));
+    check_decision(&reply.decision.decisions[0], &q, 0, reply.id);
+    /* Sixteen: the ROUTE fits, its DECISION (about 250 bytes a route) does not. */
+    enum { N = 16 };
+    km_route_request qs[N];
+    for (uint32_t i = 0; i < N; i++)
+        qs[i] = q;
+    cr_assert_eq(km_client_route(c, qs, N, 5000, &reply), KM_ERR_TOO_LARGE, "%s",
+                 km_client_last_error(c));
+    cr_assert(strstr(km_client_last_error(c), "max_frame_bytes is 1024"), "%s",
+              km_client_last_error(c));
+    cr_assert_eq(km_client_route(c, &q, 1, 5000, &reply), KM_ERR_CLOSED);
+    km_client_close(c);
+    fake_stop(&s);
+}
+
+/* ---- against the real server ------------------------------------------------------------------- */
+
+typedef struct real_server {
+    km_server *server;
+    pthread_t thread;
+    int run_status;
+    char dir[64];
+    char sock[128];
+    char address[160];
+    km_server_pool pool; /* the config's strings and arrays, kept for the server's life */
+} real_server;
+
+static void *real_main(void *arg)
+{
+    real_server *r = arg;
+    r->run_status = km_server_run(r->server, false);
+    return NULL;
+}
+
+static void real_quiet_log(void *user, const char *line)
+{
+    (void)user;
+    (void)line;
+}
+
+/* `kvmatch serve` in a thread on a socket in a fresh directory: one pool "main" (block size 4,
+ * policy kv) of `n_workers` approximate-mode workers, CPU backend, no records. */
+static void real_start(real_server *r, km_server_worker *workers, uint32_t n_workers)
+{
+    memset(r, 0, sizeof *r);
+    strcpy(r->dir, "/tmp/kvmatch-client-XXXXXX");
+    cr_assert_not_null(mkdtemp(r->dir));
+    snprintf(r->sock, sizeof r->sock, "%s/s.sock", r->dir);
+    snprintf(r->address, sizeof r->address, "unix:%s", r->sock);
+    for (uint32_t i = 0; i < n_workers; i++)
+        workers[i] = (km_server_worker){i, NULL, NULL, NULL};
+    r->pool = (km_server_pool){.name = "main", .block_size = 4, .workers = workers,
+                               .n_workers = n_workers};
+    km_policy_config_init(&r->pool.policy);
+    r->pool.policy.kind = KM_POLICY_KV;
+    km_server_config cfg;
+    km_server_config_init(&cfg);
+    cfg.socket_path = r->sock;
+    cfg.records_path = NULL;
+    cfg.max_workers = n_workers;
+    cfg.backend = KM_BACKEND_CPU;
+    cfg.index_threads = 1;
+    cfg.log = real_quiet_log;
+    cfg.pools = &r->pool;
+    cfg.n_pools = 1;
+    char why[256];
+    int rc = km_server_create(&cfg, &r->server, why, sizeof why);
+    cr_assert_eq(rc, KM_OK, "km_server_create: %s: %s", km_error_name(rc), why);
+    cr_assert_eq(pthread_create(&r->thread, NULL, real_main, r), 0);
+}
+
+static void real_stop(real_server *r)
+{
+    km_server_stop(r->server);
+    pthread_join(r->thread, NULL);
+    cr_assert_eq(r->run_status, KM_OK, "km_server_run: %s", km_error_name(r->run_status));
+    km_server_destroy(r->server);
+    unlink(r->sock);
+    rmdir(r->dir);
+}
+
+/* A ROUTE within every limit the server announces (max_batch_items routes) to a pool of 90
+ * workers: the DECISION holds 4096 * 90 candidate rows, over 4.4 million msgpack values, more than
+ * the default max_objects, in fewer than max_frame_bytes. The client must read it. */
+Test(client, reads_the_largest_decision_the_server_sends, .timeout = 60)
+{
+    enum { WORKERS = 90 };
+    static km_server_worker workers[WORKERS];
+    real_server r;
+    real_start(&r, workers, WORKERS);
+    km_client *c = NULL;
+    char why[256];
+    int rc = km_client_connect(r.address, 5000, &c, why, sizeof why);
+    cr_assert_eq(rc, KM_OK, "connect: %s: %s", km_error_name(rc), why);
+    const km_protocol_limits *announced = &km_client_welcome(c)->limits;
+    km_protocol_limits defaults;
+    km_protocol_limits_init(&defaults);
+    cr_assert_eq(announced->max_objects, defaults.max_objects);
+    uint32_t n = announced->max_batch_items;
+    cr_assert_eq(n, 4096);
+    static char ids[4096][16];
+    static uint32_t tokens[4096][4];
+    static km_route_request q[4096];
+    for (uint32_t k = 0; k < n; k++) {
+        snprintf(ids[k], sizeof ids[k], "r-%u", k);
+        for (uint32_t t = 0; t < 4; t++)
+            tokens[k][t] = 1000 + 4 * k + t;
+        memset(&q[k], 0, sizeof q[k]);
+        q[k].request_id = ids[k];
+        q[k].pool = "main";
+        q[k].input = KM_ROUTE_INPUT_TOKENS;
+        q[k].tokens = tokens[k];
+        q[k].n_tokens = 4;
+    }
+    km_message reply;
+    double t0 = km_test_now();
+    rc = km_client_route(c, q, n, 60000, &reply);
+    cr_assert_eq(rc, KM_OK, "route: %s: %s", km_error_name(rc), km_client_last_error(c));
+    fprintf(stderr, "client: a DECISION of %u x %u candidates in %.2f s\n", n, WORKERS,
+            km_test_now() - t0);
+    cr_assert_eq(reply.decision.n_decisions, n);
+    uint64_t values = 0;
+    for (uint32_t k = 0; k < n; k++) {
+        const km_route_decision *d = &reply.decision.decisions[k];
+        cr_assert_eq(d->status, KM_OK, "route %u: %s", k, d->message);
+        cr_assert_str_eq(d->request_id, ids[k]);
+        cr_assert_eq(d->n_candidates, WORKERS);
+        cr_assert_lt(d->chosen_worker, WORKERS);
+        values += 12u * d->n_candidates;
+    }
+    cr_assert_gt(values, defaults.max_objects);
+    /* The connection is still in service. */
+    rc = km_client_route(c, q, 1, 5000, &reply);
+    cr_assert_eq(rc, KM_OK, "route after: %s: %s", km_error_name(rc), km_client_last_error(c));
+    km_client_close(c);
+    real_stop(&r);
 }

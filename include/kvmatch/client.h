@@ -16,6 +16,14 @@
  * Reply memory: what a returned km_message points to is owned by the client and valid until the
  * next call that returns a reply (receive, wait, or any blocking call) or km_client_close.
  *
+ * Replies are read within the limits the server announced in WELCOME (docs/PROTOCOL.md, "Reading
+ * replies"), so that every reply the server may send can be read: a frame over its
+ * max_frame_bytes is refused (KM_ERR_TOO_LARGE, final); within a frame, up to max_frame_bytes
+ * msgpack values and string bytes (a value takes at least one byte), up to
+ * max(max_batch_items, KM_MAX_WORKERS_LIMIT) decisions, ACK items, workers or pools, and up to
+ * max(max_candidates, KM_MAX_WORKERS_LIMIT) candidate rows per decision. Decoding a reply takes
+ * about 40 bytes per msgpack value it holds, so at most about 40 * max_frame_bytes.
+ *
  * Errors: every function returns KM_OK or a negative km_status; km_client_last_error has the
  * sentence. KM_ERR_TIMEOUT leaves the connection usable (the reply may still arrive later and is
  * returned by a later receive / wait). KM_ERR_CLOSED (the server closed the connection), KM_ERR_IO
