@@ -1,7 +1,7 @@
 /* C client of `kvmatch serve` (include/kvmatch/client.h): a non-blocking socket driven with
- * poll() so every call honours its timeout, the protocol's frame reader and codec, and a list of
- * replies that arrived while the caller waited for another id (kept as raw frames, decoded when
- * handed out). */
+ * poll() so every call honours its timeout, the protocol's frame reader and codec, the ids of the
+ * requests whose reply has not been returned yet, and a list of replies that arrived while the
+ * caller waited for another id (kept as raw frames, decoded when handed out). */
 #include "kvmatch/client.h"
 #include "kvmatch/index.h"
 #include "why.h"
@@ -25,6 +25,12 @@
 #define READ_BYTES    ((size_t)64 << 10)
 #define ERROR_BYTES   512
 
+/* A request whose reply has not been returned to the caller yet. */
+typedef struct pending_request {
+    uint64_t id;
+    bool kept; /* its reply arrived and is in the kept list */
+} pending_request;
+
 /* A reply that arrived while the caller waited for another id. */
 typedef struct kept_reply {
     struct kept_reply *next;
@@ -37,7 +43,10 @@ struct km_client {
     int fd;
     bool closed; /* a final error happened: every call answers KM_ERR_CLOSED */
     uint64_t next_id;
-    uint32_t outstanding;
+    /* Outstanding requests, ascending by id (ids are handed out in order), in
+     * pending[pending_start..pending_end): memory for the most that were ever in flight at once. */
+    pending_request *pending;
+    uint32_t pending_start, pending_end, pending_cap;
     km_frame_reader *reader;
     km_protocol_decoder *decoder;
     km_frame_buffer out;
@@ -297,6 +306,7 @@ static void client_free(km_client *c)
     km_protocol_decoder_destroy(c->decoder);
     km_frame_buffer_free(&c->out);
     free(c->read_buffer);
+    free(c->pending);
     kept_reply *k = c->kept_head;
     while (k) {
         kept_reply *next = k->next;
@@ -328,7 +338,76 @@ int km_client_fd(const km_client *c)
 
 uint32_t km_client_outstanding(const km_client *c)
 {
-    return c ? c->outstanding : 0;
+    return c ? c->pending_end - c->pending_start : 0;
+}
+
+/* ---- outstanding requests ---------------------------------------------------------------------- */
+
+/* Room for one more outstanding request, so that a request is only sent once it can be tracked. */
+static int reserve_pending(km_client *c)
+{
+    if (c->pending_end < c->pending_cap)
+        return KM_OK;
+    if (c->pending_start > 0) {
+        memmove(c->pending, c->pending + c->pending_start,
+                (c->pending_end - c->pending_start) * sizeof *c->pending);
+        c->pending_end -= c->pending_start;
+        c->pending_start = 0;
+        return KM_OK;
+    }
+    if (c->pending_cap >= UINT32_MAX / 2)
+        return client_fail(c, KM_ERR_TOO_LARGE, "%u requests are waiting for a reply",
+                           c->pending_cap);
+    uint32_t cap = c->pending_cap ? 2 * c->pending_cap : 16;
+    pending_request *p = realloc(c->pending, cap * sizeof *p);
+    if (!p)
+        return client_fail(c, KM_ERR_OUT_OF_MEMORY, "cannot track %u requests in flight", cap);
+    c->pending = p;
+    c->pending_cap = cap;
+    return KM_OK;
+}
+
+/* The outstanding request `id`, or NULL: never sent, or its reply was already returned. */
+static pending_request *find_pending(km_client *c, uint64_t id)
+{
+    uint32_t lo = c->pending_start, hi = c->pending_end;
+    while (lo < hi) {
+        uint32_t mid = lo + (hi - lo) / 2;
+        if (c->pending[mid].id < id)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo < c->pending_end && c->pending[lo].id == id ? &c->pending[lo] : NULL;
+}
+
+/* Its reply has been returned. Replies mostly come in send order, so the oldest is the common
+ * case and costs nothing to drop. */
+static void drop_pending(km_client *c, pending_request *p)
+{
+    uint32_t i = (uint32_t)(p - c->pending);
+    if (i == c->pending_start)
+        c->pending_start++;
+    else {
+        memmove(p, p + 1, (c->pending_end - i - 1) * sizeof *p);
+        c->pending_end--;
+    }
+    if (c->pending_start == c->pending_end)
+        c->pending_start = c->pending_end = 0;
+}
+
+/* The outstanding request a reply just read answers. A reply to an id that is not outstanding, or
+ * a second reply to one, means the stream cannot be trusted: the connection is closed. */
+static pending_request *answered_request(km_client *c, const km_message *reply)
+{
+    pending_request *p = find_pending(c, reply->id);
+    if (p && !p->kept)
+        return p;
+    client_fail(c, KM_ERR_PROTOCOL, "the server answered request %llu, which %s",
+                (unsigned long long)reply->id,
+                p ? "it had answered already" : "is not waiting for a reply");
+    client_break(c, KM_ERR_PROTOCOL);
+    return NULL;
 }
 
 static void copy_text(char *dst, size_t cap, const char *src)
@@ -471,11 +550,14 @@ int km_client_send(km_client *c, const km_message *msg, int timeout_ms, uint64_t
         return client_fail(c, KM_ERR_CLOSED, "the connection is closed");
     if (msg->type == KM_MESSAGE_HELLO)
         return client_fail(c, KM_ERR_INVALID_ARGUMENT, "HELLO is sent by km_client_connect");
+    int rc = reserve_pending(c);
+    if (rc)
+        return rc;
     km_message m = *msg;
     m.id = c->next_id;
     m.has_id = true;
     char why[ERROR_BYTES - 32];
-    int rc = km_protocol_encode(&m, c->welcome.limits.max_frame_bytes, &c->out, why, sizeof why);
+    rc = km_protocol_encode(&m, c->welcome.limits.max_frame_bytes, &c->out, why, sizeof why);
     if (rc) {
         snprintf(c->last_error, sizeof c->last_error, "%s", why);
         return rc;
@@ -483,7 +565,7 @@ int km_client_send(km_client *c, const km_message *msg, int timeout_ms, uint64_t
     c->next_id++;
     if ((rc = flush_out(c, deadline_after(timeout_ms))))
         return client_break(c, rc);
-    c->outstanding++;
+    c->pending[c->pending_end++] = (pending_request){.id = m.id};
     if (id_out)
         *id_out = m.id;
     return KM_OK;
@@ -533,11 +615,11 @@ static int take_kept(km_client *c, kept_reply *prev, kept_reply *k, km_message *
         c->kept_head = k->next;
     if (c->kept_tail == k)
         c->kept_tail = prev;
+    drop_pending(c, find_pending(c, k->id)); /* kept only for an outstanding request */
     int rc = decode_reply(c, k->payload, k->size, reply);
     free(k);
     if (rc)
         return client_break(c, rc);
-    c->outstanding--;
     return KM_OK;
 }
 
@@ -556,7 +638,7 @@ int km_client_receive(km_client *c, int timeout_ms, km_message *reply)
         return take_kept(c, NULL, c->kept_head, reply);
     if (c->closed)
         return client_fail(c, KM_ERR_CLOSED, "the connection is closed");
-    if (c->outstanding == 0)
+    if (c->pending_start == c->pending_end)
         return client_fail(c, KM_ERR_INVALID_ARGUMENT, "no request is waiting for a reply");
     const uint8_t *payload;
     size_t size;
@@ -570,7 +652,10 @@ int km_client_receive(km_client *c, int timeout_ms, km_message *reply)
                     reply->error.message);
         return client_break(c, reply->error.code);
     }
-    c->outstanding--;
+    pending_request *p = answered_request(c, reply);
+    if (!p)
+        return KM_ERR_PROTOCOL;
+    drop_pending(c, p);
     return KM_OK;
 }
 
@@ -579,12 +664,14 @@ int km_client_wait(km_client *c, uint64_t id, int timeout_ms, km_message *reply)
     if (!c || !reply)
         return KM_ERR_NULL_POINTER;
     memset(reply, 0, sizeof *reply);
-    for (kept_reply *prev = NULL, *k = c->kept_head; k; prev = k, k = k->next)
-        if (k->id == id)
-            return take_kept(c, prev, k, reply);
+    pending_request *wanted = find_pending(c, id);
+    if (wanted && wanted->kept)
+        for (kept_reply *prev = NULL, *k = c->kept_head; k; prev = k, k = k->next)
+            if (k->id == id)
+                return take_kept(c, prev, k, reply);
     if (c->closed)
         return client_fail(c, KM_ERR_CLOSED, "the connection is closed");
-    if (id == 0 || id >= c->next_id || c->outstanding == 0)
+    if (!wanted)
         return client_fail(c, KM_ERR_NOT_FOUND, "request %llu is not waiting for a reply",
                            (unsigned long long)id);
     int64_t deadline = deadline_after(timeout_ms);
@@ -601,12 +688,17 @@ int km_client_wait(km_client *c, uint64_t id, int timeout_ms, km_message *reply)
                         reply->error.message);
             return client_break(c, reply->error.code);
         }
+        pending_request *p = answered_request(c, reply);
+        if (!p)
+            return KM_ERR_PROTOCOL;
         if (reply->id == id) {
-            c->outstanding--;
+            drop_pending(c, p);
             return KM_OK;
         }
+        /* A reply that cannot be kept is lost to its waiter for good: the stream is broken. */
         if ((rc = keep_reply(c, reply->id, payload, size)))
-            return rc;
+            return client_break(c, rc);
+        p->kept = true;
         memset(reply, 0, sizeof *reply);
     }
 }

@@ -30,6 +30,7 @@ typedef enum fake_mode {
     FAKE_REFUSE_HELLO = 3, /* answer HELLO with ERROR KM_ERR_INCOMPATIBLE and close */
     FAKE_CLOSE_ON_ROUTE = 4, /* close the connection when a ROUTE arrives */
     FAKE_SMALL_FRAMES = 5,   /* announce max_frame_bytes = FAKE_SMALL_FRAME_BYTES, reply as usual */
+    FAKE_ROUTE_TWICE = 6,    /* answer every ROUTE twice */
 } fake_mode;
 
 #define FAKE_SMALL_FRAME_BYTES 1024u
@@ -207,6 +208,8 @@ static void fake_serve(fake_server *s, int fd)
                 continue;
             }
             write_all(fd, out.data, out.size);
+            if (s->mode == FAKE_ROUTE_TWICE && m.type == KM_MESSAGE_ROUTE)
+                write_all(fd, out.data, out.size);
             km_frame_buffer_free(&out);
         }
     }
@@ -400,6 +403,82 @@ Test(client, pipelined_out_of_order, .timeout = 30)
     km_message reply;
     cr_assert_eq(km_client_receive(c, 100, &reply), KM_ERR_INVALID_ARGUMENT);
     cr_assert_eq(km_client_wait(c, sent[0], 100, &reply), KM_ERR_NOT_FOUND);
+    km_client_close(c);
+    fake_stop(&s);
+}
+
+/* An id whose reply was returned, or that was never sent, is answered KM_ERR_NOT_FOUND at once,
+ * while replies kept for other ids stay kept. */
+Test(client, wait_on_an_id_not_outstanding, .timeout = 20)
+{
+    fake_server s;
+    fake_start(&s, FAKE_REVERSE, false); /* groups of 8, the last sent first */
+    km_client *c = connect_ok(&s);
+    enum { N = 8 };
+    km_route_request q[N];
+    char ids[N][32];
+    uint64_t hashes[N][2];
+    uint64_t sent[N];
+    for (uint32_t i = 0; i < N; i++) {
+        hashes[i][0] = 100 + i;
+        hashes[i][1] = 200 + i;
+        make_route(&q[i], ids[i], sizeof ids[i], i, hashes[i], 2);
+        cr_assert_eq(km_client_send_route(c, &q[i], 1, 5000, &sent[i]), KM_OK);
+    }
+    km_message reply;
+    /* Waiting for the first reads all eight: the other seven are kept. */
+    cr_assert_eq(km_client_wait(c, sent[0], 5000, &reply), KM_OK, "%s", km_client_last_error(c));
+    check_decision(&reply.decision.decisions[0], &q[0], 0, sent[0]);
+    cr_assert_eq(km_client_outstanding(c), N - 1);
+    /* The same id again, with no limit on the wait: nothing more can come for it. */
+    double t0 = km_test_now();
+    int rc = km_client_wait(c, sent[0], -1, &reply);
+    cr_assert_eq(rc, KM_ERR_NOT_FOUND, "%s", km_error_name(rc));
+    cr_assert(strstr(km_client_last_error(c), "not waiting"), "%s", km_client_last_error(c));
+    /* Ids never sent: 0, the handshake's, one past the last. */
+    cr_assert_eq(km_client_wait(c, 0, -1, &reply), KM_ERR_NOT_FOUND);
+    cr_assert_eq(km_client_wait(c, sent[0] - 1, -1, &reply), KM_ERR_NOT_FOUND);
+    cr_assert_eq(km_client_wait(c, sent[N - 1] + 1, -1, &reply), KM_ERR_NOT_FOUND);
+    cr_assert_lt(km_test_now() - t0, 0.5);
+    cr_assert_eq(km_client_outstanding(c), N - 1);
+    /* The kept replies, out of order, each still its own. */
+    for (uint32_t i = N - 1; i >= 1; i--) {
+        cr_assert_eq(km_client_wait(c, sent[i], 5000, &reply), KM_OK, "%s",
+                     km_client_last_error(c));
+        cr_assert_eq(reply.id, sent[i]);
+        check_decision(&reply.decision.decisions[0], &q[i], 0, sent[i]);
+        cr_assert_eq(km_client_wait(c, sent[i], -1, &reply), KM_ERR_NOT_FOUND);
+    }
+    cr_assert_eq(km_client_outstanding(c), 0);
+    /* Requests sent from there on are tracked as before. */
+    uint64_t one, two;
+    cr_assert_eq(km_client_send_route(c, &q[1], 1, 5000, &one), KM_OK);
+    cr_assert_eq(km_client_send_route(c, &q[2], 1, 5000, &two), KM_OK);
+    cr_assert_eq(km_client_outstanding(c), 2);
+    km_client_close(c);
+    fake_stop(&s);
+}
+
+/* A second reply to one request breaks the pairing of replies with requests: the connection is
+ * closed rather than the reply kept for an id nobody waits on. */
+Test(client, reply_to_an_id_not_outstanding, .timeout = 20)
+{
+    fake_server s;
+    fake_start(&s, FAKE_ROUTE_TWICE, false);
+    km_client *c = connect_ok(&s);
+    uint64_t h[1] = {9};
+    km_route_request q;
+    char id[32];
+    make_route(&q, id, sizeof id, 0, h, 1);
+    km_message reply;
+    cr_assert_eq(km_client_route(c, &q, 1, 5000, &reply), KM_OK, "%s", km_client_last_error(c));
+    uint64_t first = reply.id;
+    int rc = km_client_route(c, &q, 1, 5000, &reply);
+    cr_assert_eq(rc, KM_ERR_PROTOCOL, "%s: %s", km_error_name(rc), km_client_last_error(c));
+    char expected[64];
+    snprintf(expected, sizeof expected, "answered request %llu", (unsigned long long)first);
+    cr_assert(strstr(km_client_last_error(c), expected), "%s", km_client_last_error(c));
+    cr_assert_eq(km_client_route(c, &q, 1, 5000, &reply), KM_ERR_CLOSED);
     km_client_close(c);
     fake_stop(&s);
 }

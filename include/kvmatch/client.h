@@ -58,7 +58,8 @@ const char *km_client_last_error(const km_client *client);
 const km_welcome *km_client_welcome(const km_client *client);
 /* The socket, for an external poll() (readable = a reply may be complete). */
 int km_client_fd(const km_client *client);
-/* Requests sent whose reply has not been returned yet. */
+/* Requests sent whose reply has not been returned yet. The client keeps their ids, 16 bytes each,
+ * in memory that grows to the most requests in flight at once. */
 uint32_t km_client_outstanding(const km_client *client);
 
 /* ---- pipelined ------------------------------------------------------------------------------- */
@@ -68,7 +69,7 @@ uint32_t km_client_outstanding(const km_client *client);
  * at most timeout_ms. Errors: those of km_protocol_encode (the message is checked against the
  * server's limits first; nothing is sent then), KM_ERR_TIMEOUT (part of the frame may have been
  * sent: the connection is then closed, since the stream would be cut mid-frame), KM_ERR_CLOSED,
- * KM_ERR_IO. */
+ * KM_ERR_IO, KM_ERR_OUT_OF_MEMORY (nothing is sent). */
 int km_client_send(km_client *client, const km_message *msg, int timeout_ms, uint64_t *id_out);
 int km_client_send_route(km_client *client, const km_route_request *routes, uint32_t n_routes,
                          int timeout_ms, uint64_t *id_out);
@@ -76,13 +77,16 @@ int km_client_send_lifecycle(km_client *client, const km_lifecycle_event *events
                              uint32_t n_events, int timeout_ms, uint64_t *id_out);
 
 /* The next reply, kept ones first. Errors: KM_ERR_TIMEOUT, KM_ERR_CLOSED, KM_ERR_IO,
- * KM_ERR_PARSE / KM_ERR_PROTOCOL (unreadable reply), KM_ERR_INVALID_ARGUMENT (nothing
- * outstanding: no reply can come). An ERROR reply is returned as a message, with KM_OK. */
+ * KM_ERR_PARSE / KM_ERR_PROTOCOL (unreadable reply, or a reply to an id that is not outstanding:
+ * final), KM_ERR_INVALID_ARGUMENT (nothing outstanding: no reply can come). An ERROR reply is
+ * returned as a message, with KM_OK. */
 int km_client_receive(km_client *client, int timeout_ms, km_message *reply);
 /* The reply to request `id`; other replies arriving meanwhile are kept. A connection-level ERROR
  * (id 0: the server is closing the connection) is returned to the waiter as its code. Errors as
- * km_client_receive, plus KM_ERR_NOT_FOUND (id was never sent or was already returned). An ERROR
- * reply to `id` is returned as a message, with KM_OK. */
+ * km_client_receive, plus KM_ERR_NOT_FOUND at once, without reading (id was never sent or its reply
+ * was already returned; kept replies to other ids stay kept), and KM_ERR_OUT_OF_MEMORY when a
+ * reply to another id cannot be kept (final: that reply would be lost). An ERROR reply to `id` is
+ * returned as a message, with KM_OK. */
 int km_client_wait(km_client *client, uint64_t id, int timeout_ms, km_message *reply);
 
 /* ---- blocking -------------------------------------------------------------------------------- */
