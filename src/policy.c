@@ -247,6 +247,7 @@ static uint32_t find_owner(const km_policy_candidate *cands, uint32_t n)
 
 /* The parts of the kv cost that depend on the request only. */
 typedef struct kv_request_terms {
+    double request_tokens; /* max(prompt_tokens, n_blocks * B): Dynamo's isl */
     double request_blocks; /* max(n_blocks, ceil(prompt_tokens / B)) */
     double output_blocks;  /* ceil(expected_output_tokens / B) */
 } kv_request_terms;
@@ -254,25 +255,35 @@ typedef struct kv_request_terms {
 static kv_request_terms kv_terms(const km_policy_request *req)
 {
     kv_request_terms t;
+    uint64_t scored_tokens = (uint64_t)req->n_blocks * req->block_size;
+    t.request_tokens =
+        (double)(req->prompt_tokens > scored_tokens ? req->prompt_tokens : scored_tokens);
     uint64_t prompt_blocks = ceil_div(req->prompt_tokens, req->block_size);
     t.request_blocks = (double)(prompt_blocks > req->n_blocks ? prompt_blocks : req->n_blocks);
     t.output_blocks = (double)ceil_div(req->expected_output_tokens, req->block_size);
     return t;
 }
 
+/* Dynamo's raw prefill is (active_prefill_tokens + isl) / B, one division in floating point: a
+ * worker with 1 queued token is cheaper than one with 16, which rounding each worker's pending
+ * prefill up to whole blocks would tie (or, with prefill_load_scale != 1, invert). The sum stays
+ * in tokens until one final division, so with dyadic weights and scale (every default) the
+ * numerator is exact and equal costs are equal doubles: ties break by compare_kv's order, not by
+ * the rounding of a different sequence of operations. */
 static double kv_cost(const km_policy_config *cfg, const km_policy_request *req,
                       const kv_request_terms *t, const km_policy_candidate *c)
 {
-    double raw_prefill =
-        t->request_blocks + (double)ceil_div(c->pending_prefill_tokens, req->block_size);
+    double block_size = (double)req->block_size;
+    double raw_prefill_tokens = t->request_tokens + (double)c->pending_prefill_tokens;
     double overlap_credit = (double)c->device_blocks * cfg->kv.device_weight +
                             (double)c->host_blocks * cfg->kv.host_weight +
                             (double)c->disk_blocks * cfg->kv.disk_weight;
-    double uncovered = raw_prefill - overlap_credit;
-    if (uncovered < 0.0)
-        uncovered = 0.0;
+    double uncovered_tokens = raw_prefill_tokens - overlap_credit * block_size;
+    if (uncovered_tokens < 0.0)
+        uncovered_tokens = 0.0;
     double decode_blocks = (double)c->active_decode_blocks + t->request_blocks + t->output_blocks;
-    return cfg->kv.prefill_load_scale * uncovered + decode_blocks;
+    return (cfg->kv.prefill_load_scale * uncovered_tokens + decode_blocks * block_size) /
+           block_size;
 }
 
 /* kv's order at temperature 0: cost, active_decode_blocks, in_flight, indexed_blocks, worker. */

@@ -423,8 +423,9 @@ Test(policy, kv_cost_terms, .timeout = 30)
     km_policy_state st;
     km_policy_state_init(&st, 7);
     double costs[3];
-    /* prompt of 70 tokens, 4 full blocks of 16: 5 blocks to prefill; 33 output tokens: 3 blocks;
-     * pending prefill 17 tokens -> 2 blocks (rounded up) */
+    /* prompt of 70 tokens, 4 full blocks of 16: 70/16 blocks to prefill (Dynamo's isl / B, not
+     * rounded), 5 blocks of footprint; 33 output tokens: 3 blocks; pending prefill 17 tokens ->
+     * 17/16 of a block, added before the one division */
     km_policy_request req = request(4, 16);
     req.prompt_tokens = 70;
     req.expected_output_tokens = 33;
@@ -432,11 +433,11 @@ Test(policy, kv_cost_terms, .timeout = 30)
                                 cand(2, 1, 0, 0, 0, 16, 0)};
     cfg.kv.prefill_load_scale = 2.0;
     km_policy_decision d = decide(&cfg, &st, &req, c, 3, costs);
-    cr_assert_eq(costs[0], 2.0 * (5 + 2) + (6 + 5 + 3));
-    cr_assert_eq(costs[1], 2.0 * (5 - 4) + (0 + 5 + 3));
-    cr_assert_eq(costs[2], 2.0 * (5 + 1 - 1) + (0 + 5 + 3));
+    cr_assert_eq(costs[0], 2.0 * (70 + 17) / 16 + (6 + 5 + 3), "%.17g", costs[0]); /* 24.875 */
+    cr_assert_eq(costs[1], 2.0 * (70 - 64) / 16 + (0 + 5 + 3), "%.17g", costs[1]); /* 8.75 */
+    cr_assert_eq(costs[2], 2.0 * (70 + 16 - 16) / 16 + (0 + 5 + 3), "%.17g", costs[2]);
     cr_assert_eq(d.chosen, 1);
-    cr_assert_eq(d.chosen_cost, 10.0);
+    cr_assert_eq(d.chosen_cost, 8.75);
     /* the credit never makes prefill negative */
     cfg.kv.device_weight = 3.0;
     d = decide(&cfg, &st, &req, c, 3, costs);
@@ -485,6 +486,48 @@ Test(policy, kv_tie_breaks, .timeout = 30)
     /* temperature 0 never touches the random source */
     cr_assert_eq(st.rng_state, 7);
     cr_assert_eq(st.round_robin_cursor, 0);
+}
+
+/* Dynamo's raw_prefill_blocks = (active_prefill_tokens + isl) / B is a real: a worker's pending
+ * prefill is not rounded up to a whole block. With every pending count rounded up, 1 and 16
+ * pending tokens both cost one block: at scale 1 that tie went to the in_flight tie break (B). */
+Test(policy, kv_pending_prefill_is_not_rounded_to_blocks, .timeout = 30)
+{
+    km_policy_config cfg = config(KM_POLICY_KV);
+    km_policy_state st;
+    km_policy_state_init(&st, 7);
+    km_policy_request req = request(4, 16);
+    req.prompt_tokens = 64;
+    double costs[2];
+    /* A: 1 pending token, 3 in flight; B: 16 pending tokens, 1 in flight; equal decode blocks */
+    km_policy_candidate c[2] = {cand(0, 0, 0, 0, 3, 1, 10), cand(1, 0, 0, 0, 1, 16, 10)};
+    km_policy_decision d = decide(&cfg, &st, &req, c, 2, costs);
+    cr_assert_eq(costs[0], (64.0 + 1) / 16 + 10 + 4, "%.17g", costs[0]); /* 18.0625 */
+    cr_assert_eq(costs[1], (64.0 + 16) / 16 + 10 + 4, "%.17g", costs[1]); /* 19 */
+    cr_assert_eq(d.chosen, 0, "A is 15/16 of a block cheaper");
+    cr_assert_eq(d.chosen_cost, 18.0625);
+    km_policy_candidate swapped[2] = {c[1], c[0]};
+    d = decide(&cfg, &st, &req, swapped, 2, costs);
+    cr_assert_eq(swapped[d.chosen].worker, 0);
+}
+
+/* The same rounding inverted the order outright at prefill_load_scale 10: A (1 pending token, 5
+ * decode blocks) cost 10 * 5 + 9 = 59 against B's (16 pending, 0 decode) 10 * 5 + 4 = 54. */
+Test(policy, kv_pending_prefill_fraction_scaled, .timeout = 30)
+{
+    km_policy_config cfg = config(KM_POLICY_KV);
+    cfg.kv.prefill_load_scale = 10.0;
+    km_policy_state st;
+    km_policy_state_init(&st, 7);
+    km_policy_request req = request(4, 16);
+    req.prompt_tokens = 64;
+    double costs[2];
+    km_policy_candidate c[2] = {cand(0, 0, 0, 0, 0, 1, 5), cand(1, 0, 0, 0, 0, 16, 0)};
+    km_policy_decision d = decide(&cfg, &st, &req, c, 2, costs);
+    cr_assert_eq(costs[0], 10.0 * (64 + 1) / 16 + 5 + 4, "%.17g", costs[0]); /* 49.625 */
+    cr_assert_eq(costs[1], 10.0 * (64 + 16) / 16 + 0 + 4, "%.17g", costs[1]); /* 54 */
+    cr_assert_eq(d.chosen, 0);
+    cr_assert_eq(d.reason, KM_POLICY_REASON_MIN_COST);
 }
 
 /* ---- prefix, least_load, round_robin ------------------------------------------------------- */
@@ -575,8 +618,9 @@ Test(policy, round_robin_visits_every_candidate_once_per_n_calls, .timeout = 30)
 /* ---- property tests against a brute-force oracle ---------------------------------------------- */
 
 /* Oracle: each candidate gets a tuple of integer keys; a full sort (qsort) and the first entry is
- * the answer. kv costs are computed exactly in eighths of a block with integer arithmetic, using
- * weights that are multiples of 1/4 and scales that are multiples of 1/2. */
+ * the answer. kv costs are computed exactly in units of 1/(8 B) block (an eighth of a token) with
+ * integer arithmetic, using weights that are multiples of 1/4 and scales that are multiples of
+ * 1/2; the prefill is never rounded to whole blocks (Dynamo's raw_prefill_blocks is a real). */
 typedef struct okey {
     int64_t k[6];
     uint32_t index;
@@ -639,20 +683,25 @@ static uint32_t oracle_least_in_flight(const km_policy_candidate *c, uint32_t n,
 
 static int64_t div_up(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-/* kv cost * 8, exactly: weights w4 = weight * 4 (device, host, disk), scale s2 = scale * 2. */
-static int64_t oracle_kv_cost8(const km_policy_request *req, const km_policy_candidate *c,
-                               const int64_t w4[3], int64_t s2)
+/* kv cost * 8 * B, exactly: weights w4 = weight * 4 (device, host, disk), scale s2 = scale * 2.
+ * Prefill is counted in quarter tokens: 4 * (isl + pending) - 4 * credit * B. */
+static int64_t oracle_kv_cost8b(const km_policy_request *req, const km_policy_candidate *c,
+                                const int64_t w4[3], int64_t s2)
 {
     int64_t B = req->block_size;
-    int64_t request_blocks = req->n_blocks;
-    if (req->prompt_tokens && div_up((int64_t)req->prompt_tokens, B) > request_blocks)
-        request_blocks = div_up((int64_t)req->prompt_tokens, B);
-    int64_t raw4 = 4 * (request_blocks + div_up((int64_t)c->pending_prefill_tokens, B));
-    int64_t credit4 = w4[0] * c->device_blocks + w4[1] * c->host_blocks + w4[2] * c->disk_blocks;
+    int64_t isl = (int64_t)req->n_blocks * B;
+    if ((int64_t)req->prompt_tokens > isl)
+        isl = (int64_t)req->prompt_tokens;
+    int64_t raw4 = 4 * (isl + (int64_t)c->pending_prefill_tokens);
+    int64_t credit4 =
+        B * (w4[0] * c->device_blocks + w4[1] * c->host_blocks + w4[2] * c->disk_blocks);
     int64_t uncovered4 = raw4 > credit4 ? raw4 - credit4 : 0;
+    int64_t request_blocks = req->n_blocks;
+    if (div_up((int64_t)req->prompt_tokens, B) > request_blocks)
+        request_blocks = div_up((int64_t)req->prompt_tokens, B);
     int64_t decode = (int64_t)c->active_decode_blocks + request_blocks +
                      div_up((int64_t)req->expected_output_tokens, B);
-    return s2 * uncovered4 + 8 * decode;
+    return s2 * uncovered4 + 8 * B * decode;
 }
 
 /* Random candidates with many ties: small value ranges, distinct worker ids. */
@@ -714,10 +763,11 @@ Test(policy, property_kv_temperature_zero_matches_oracle, .timeout = 60)
         int64_t s2 = (int64_t)(cfg.kv.prefill_load_scale * 2);
         km_policy_decision d = decide(&cfg, &st, &req, c, n, costs);
         for (uint32_t i = 0; i < n; i++) {
-            int64_t cost8 = oracle_kv_cost8(&req, &c[i], w4, s2);
-            KM_CHECK(costs[i] * 8.0 == (double)cost8, "case %d cand %u: cost %.4f, oracle %.4f", t,
-                     i, costs[i], cost8 / 8.0);
-            keys[i].k[0] = cost8;
+            int64_t cost8b = oracle_kv_cost8b(&req, &c[i], w4, s2);
+            double expect = (double)cost8b / (8.0 * req.block_size);
+            KM_CHECK(costs[i] == expect, "case %d cand %u: cost %.17g, oracle %.17g", t, i,
+                     costs[i], expect);
+            keys[i].k[0] = cost8b;
             keys[i].k[1] = (int64_t)c[i].active_decode_blocks;
             keys[i].k[2] = c[i].in_flight;
             keys[i].k[3] = (int64_t)c[i].indexed_blocks;

@@ -183,16 +183,21 @@ const char *km_policy_last_error(const km_policy_state *state);
  * worker id, each ascending.
  *
  * kv (Dynamo, current form). With B = block_size,
- *     request_blocks  = max(n_blocks, ceil(prompt_tokens / B))
- *     raw_prefill     = request_blocks + ceil(pending_prefill_tokens / B)
+ *     request_tokens  = max(prompt_tokens, n_blocks * B)                 (Dynamo's isl)
+ *     raw_prefill     = (request_tokens + pending_prefill_tokens) / B     (real, not rounded)
  *     overlap_credit  = device_blocks * device_weight + host_blocks * host_weight
  *                       + disk_blocks * disk_weight
+ *     request_blocks  = max(n_blocks, ceil(prompt_tokens / B))
  *     decode_blocks   = active_decode_blocks + request_blocks + ceil(expected_output_tokens / B)
  *     cost            = prefill_load_scale * max(raw_prefill - overlap_credit, 0) + decode_blocks
- *   in blocks (costs_out). decode_blocks is the worker's KV footprint once it takes the request
- *   (Dynamo adds the request's blocks to each worker's active blocks); the request's own part is
- *   the same for every candidate, so it moves no choice, it only makes the cost read as a
- *   footprint. temperature 0: the minimum cost; exact ties -> fewer active_decode_blocks, then
+ *   in blocks (costs_out). raw_prefill is Dynamo's raw_prefill_blocks, one division in floating
+ *   point: a worker's pending prefill is not rounded up to whole blocks, so 1 queued token costs
+ *   less than 16. The implementation sums in tokens and divides by B once, so with weights and a
+ *   scale that are multiples of a power of two (every default) equal costs are equal doubles and
+ *   fall to the tie breaks below. decode_blocks is the worker's KV footprint once it takes the
+ *   request (Dynamo adds the request's blocks to each worker's active blocks); the request's own
+ *   part is the same for every candidate, so it moves no choice, it only makes the cost read as
+ *   a footprint. temperature 0: the minimum cost; exact ties -> fewer active_decode_blocks, then
  *   fewer in_flight, then fewer indexed_blocks (Dynamo's "smallest tree"), then the lower worker
  *   id (Dynamo draws at random among equal trees; a fixed order keeps decisions replayable).
  *   reason min_cost. temperature T > 0: Dynamo's softmax over normalised costs,
