@@ -87,7 +87,7 @@ double km_policy_load_value(km_policy_kind kind, const km_policy_candidate *cand
     case KM_POLICY_LEAST_LOAD:
         return (double)cand->in_flight;
     case KM_POLICY_ROUND_ROBIN:
-        break;
+        return NAN; /* weighs no load: records write null, replies nil, never a measured 0 */
     }
     return 0.0;
 }

@@ -426,6 +426,17 @@ static void put_double(writer *w, map_mark *m, const char *key, double v)
     msgpack_pack_double(&w->packer, v);
 }
 
+/* A real that may be missing: NAN (or another value that is not finite) goes out as nil, which
+ * every msgpack reader takes; a NaN float would reach clients whose JSON cannot hold it. */
+static void put_double_or_nil(writer *w, map_mark *m, const char *key, double v)
+{
+    put_key(w, m, key);
+    if (isfinite(v))
+        msgpack_pack_double(&w->packer, v);
+    else
+        msgpack_pack_nil(&w->packer);
+}
+
 static void put_bool(writer *w, map_mark *m, const char *key, bool v)
 {
     put_key(w, m, key);
@@ -603,7 +614,7 @@ static void encode_decision(writer *w, const km_route_decision *d, uint32_t i)
     put_str(w, &m, "reason", d->reason);
     put_str(w, &m, "load_kind", d->load_kind);
     put_str(w, &m, "load_scope", d->load_scope);
-    put_double(w, &m, "load_value", d->load_value);
+    put_double_or_nil(w, &m, "load_value", d->load_value);
     if (check_array(w, where, "candidates", d->candidates, d->n_candidates)) {
         /* Positional rows (docs/PROTOCOL.md, "Candidate rows"): a decision with 16 candidates is
          * ~180 msgpack values instead of ~400, both ways. */
@@ -1628,6 +1639,7 @@ static int decode_decision(km_protocol_decoder *d, const msgpack_object *o, km_r
     if (rc)
         return rc;
     int status = KM_OK;
+    r->load_value = NAN; /* nil or absent: the policy weighed no load */
     if ((rc = OPT(read_status(d, v[STATUS], "status", &status), v[STATUS])) ||
         (rc = OPT(read_str(d, v[REQUEST_ID], "request_id", &r->request_id), v[REQUEST_ID])) ||
         (rc = OPT(read_attempt_id(d, v[ATTEMPT_ID], &r->attempt_id), v[ATTEMPT_ID])))

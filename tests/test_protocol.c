@@ -157,7 +157,8 @@ static void rand_decision(km_rng *r, km_route_decision *d)
     d->reason = maybe_str(r);
     d->load_kind = maybe_str(r);
     d->load_scope = maybe_str(r);
-    d->load_value = rand_double(r);
+    /* NAN: the policy weighed no load (round_robin); it travels as nil */
+    d->load_value = km_rng_percent(r, 25) ? NAN : rand_double(r);
     d->n_candidates = km_rng_below(r, 6);
     km_candidate_score *c = test_alloc(d->n_candidates * sizeof *c);
     for (uint32_t i = 0; i < d->n_candidates; i++) {
@@ -470,7 +471,8 @@ static void eq_message(const km_message *a, const km_message *b)
             EQ_STR(x->reason, y->reason, "reason");
             EQ_STR(x->load_kind, y->load_kind, "load_kind");
             EQ_STR(x->load_scope, y->load_scope, "load_scope");
-            EQ_NUM(x->load_value, y->load_value, "load_value");
+            KM_CHECK(x->load_value == y->load_value || (isnan(x->load_value) && isnan(y->load_value)),
+                     "load_value differs: %g, %g", x->load_value, y->load_value);
             EQ_NUM(x->n_candidates, y->n_candidates, "n_candidates");
             for (uint32_t c = 0; c < x->n_candidates; c++) {
                 const km_candidate_score *p = &x->candidates[c], *q = &y->candidates[c];
@@ -656,6 +658,118 @@ Test(protocol, round_trip_every_type_random, .timeout = 60)
     }
     km_frame_buffer_free(&b1);
     km_frame_buffer_free(&b2);
+    km_protocol_decoder_destroy(dec);
+}
+
+/* The value of "load_value" in an encoded DECISION's first decision (payload after the length
+ * prefix), or NULL when the key is absent. The object lives in *zone. */
+static const msgpack_object *decision_load_value(const km_frame_buffer *b, msgpack_zone *zone,
+                                                 msgpack_object *root)
+{
+    size_t off = 0;
+    cr_assert_eq(msgpack_unpack((const char *)b->data + 4, b->size - 4, &off, zone, root),
+                 MSGPACK_UNPACK_SUCCESS);
+    cr_assert_eq(root->type, MSGPACK_OBJECT_MAP);
+    const msgpack_object *decisions = NULL;
+    for (uint32_t i = 0; i < root->via.map.size; i++) {
+        const msgpack_object_kv *kv = &root->via.map.ptr[i];
+        if (kv->key.type == MSGPACK_OBJECT_STR && kv->key.via.str.size == 9 &&
+            memcmp(kv->key.via.str.ptr, "decisions", 9) == 0)
+            decisions = &kv->val;
+    }
+    cr_assert(decisions && decisions->type == MSGPACK_OBJECT_ARRAY && decisions->via.array.size);
+    const msgpack_object *d = &decisions->via.array.ptr[0];
+    cr_assert_eq(d->type, MSGPACK_OBJECT_MAP);
+    for (uint32_t i = 0; i < d->via.map.size; i++) {
+        const msgpack_object_kv *kv = &d->via.map.ptr[i];
+        if (kv->key.type == MSGPACK_OBJECT_STR && kv->key.via.str.size == 10 &&
+            memcmp(kv->key.via.str.ptr, "load_value", 10) == 0)
+            return &kv->val;
+    }
+    return NULL;
+}
+
+/* round_robin weighs no load: load_value NAN goes out as nil (a NaN float breaks clients that
+ * turn replies into JSON), and nil, or no key at all, comes back as NAN, never 0. */
+Test(protocol, decision_load_value_nan_travels_as_nil, .timeout = 10)
+{
+    km_route_decision d;
+    memset(&d, 0, sizeof d);
+    d.status = KM_OK;
+    d.request_id = "rr-1";
+    d.decision_id = 9;
+    d.chosen_worker = 1;
+    d.source = KM_PREDICTION_EVENTS;
+    d.policy = "round_robin";
+    d.reason = "round_robin";
+    d.load_kind = "none";
+    d.load_scope = "this_instance";
+    km_message m;
+    memset(&m, 0, sizeof m);
+    m.type = KM_MESSAGE_DECISION;
+    m.id = 4;
+    m.decision.kvmatch_version = "0.1.0";
+    m.decision.decisions = &d;
+    m.decision.n_decisions = 1;
+    km_protocol_decoder *dec;
+    cr_assert_eq(km_protocol_decoder_create(NULL, &dec), KM_OK);
+    km_frame_buffer b;
+    km_frame_buffer_init(&b);
+    msgpack_zone zone;
+    msgpack_zone_init(&zone, 1024);
+    msgpack_object root;
+    const double values[] = {NAN, INFINITY, -INFINITY, 0.0, 2.5};
+    for (size_t i = 0; i < sizeof values / sizeof values[0]; i++) {
+        d.load_value = values[i];
+        encode_ok(&m, &b);
+        const msgpack_object *v = decision_load_value(&b, &zone, &root);
+        cr_assert_not_null(v, "load_value %g: the key is written", values[i]);
+        km_message got;
+        cr_assert_eq(km_protocol_decode(dec, b.data + 4, b.size - 4, &got), KM_OK, "%s",
+                     km_protocol_decoder_last_error(dec));
+        cr_assert_eq(got.decision.n_decisions, 1);
+        cr_assert_eq(got.decision.decisions[0].status, KM_OK, "%s", got.decision.decisions[0].message);
+        double back = got.decision.decisions[0].load_value;
+        if (isfinite(values[i])) {
+            cr_assert_eq(v->type, MSGPACK_OBJECT_FLOAT64, "%g", values[i]);
+            cr_assert_eq(back, values[i]);
+        } else {
+            cr_assert_eq(v->type, MSGPACK_OBJECT_NIL, "load_value %g is sent as %s", values[i],
+                         v->type == MSGPACK_OBJECT_FLOAT64 || v->type == MSGPACK_OBJECT_FLOAT32
+                             ? "a float" : "something else");
+            cr_assert(isnan(back), "nil decodes as NAN, got %g", back);
+        }
+    }
+    /* a decision written without the key (an older server, another encoder) */
+    msgpack_sbuffer sb;
+    msgpack_packer pk;
+    msgpack_sbuffer_init(&sb);
+    msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
+    msgpack_pack_map(&pk, 3);
+    msgpack_pack_str_with_body(&pk, "type", 4);
+    msgpack_pack_str_with_body(&pk, "DECISION", 8);
+    msgpack_pack_str_with_body(&pk, "id", 2);
+    msgpack_pack_uint64(&pk, 5);
+    msgpack_pack_str_with_body(&pk, "decisions", 9);
+    msgpack_pack_array(&pk, 1);
+    msgpack_pack_map(&pk, 4);
+    msgpack_pack_str_with_body(&pk, "status", 6);
+    msgpack_pack_uint64(&pk, 0);
+    msgpack_pack_str_with_body(&pk, "decision_id", 11);
+    msgpack_pack_uint64(&pk, 10);
+    msgpack_pack_str_with_body(&pk, "chosen_worker", 13);
+    msgpack_pack_uint64(&pk, 0);
+    msgpack_pack_str_with_body(&pk, "source", 6);
+    msgpack_pack_str_with_body(&pk, "events", 6);
+    km_message got;
+    cr_assert_eq(km_protocol_decode(dec, sb.data, sb.size, &got), KM_OK, "%s",
+                 km_protocol_decoder_last_error(dec));
+    cr_assert_eq(got.decision.decisions[0].status, KM_OK, "%s", got.decision.decisions[0].message);
+    cr_assert(isnan(got.decision.decisions[0].load_value), "absent decodes as NAN, got %g",
+              got.decision.decisions[0].load_value);
+    msgpack_sbuffer_destroy(&sb);
+    msgpack_zone_destroy(&zone);
+    km_frame_buffer_free(&b);
     km_protocol_decoder_destroy(dec);
 }
 

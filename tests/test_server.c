@@ -8,6 +8,7 @@
  * that answers everything queued. Loopback only; every test bounds its time. */
 #include <fcntl.h>
 #include <inttypes.h>
+#include <math.h>
 #include <pthread.h>
 #include <signal.h>
 #include <malloc.h>
@@ -1895,5 +1896,53 @@ Test(server, a_peer_that_closes_mid_reply_does_not_end_an_embedding_process, .ti
     km_client_close(c);
     km_protocol_decoder_destroy(dec);
     srv_stop(&s);
+    srv_cleanup(&s);
+}
+
+/* round_robin weighs no load. RECORDS.md: load.value is "null when the policy used none", and
+ * "Missing is null, never 0"; the DECISION reply carries nil (never a NaN float, which a client
+ * that turns replies into JSON cannot hold), and the C and Python clients read it as missing. */
+Test(server, round_robin_load_value_is_null_in_record_and_reply, .timeout = 60)
+{
+    srv s = {0};
+    km_server_config cfg;
+    test_config(&cfg, &s, KM_POLICY_ROUND_ROBIN, 2);
+    srv_start(&s, &cfg);
+    km_client *c = connect_client(&s);
+    km_message reply;
+    km_route_request r = token_route("rr", 0, 4 * BS);
+    const km_route_decision *d = route_one(c, &r, &reply);
+    cr_assert_eq(d->status, KM_OK, "%s", d->message);
+    cr_assert_str_eq(d->load_kind, "none");
+    cr_assert(isnan(d->load_value), "round_robin load_value in the reply: %g", d->load_value);
+    uint64_t id = d->decision_id;
+    km_client_close(c);
+    if (system("/usr/bin/python3 -c 'import msgpack' >/dev/null 2>&1") == 0) {
+        char cmd[1024];
+        snprintf(cmd, sizeof cmd,
+                 "/usr/bin/python3 -c \"import sys, json; sys.path.insert(0, 'clients/python'); "
+                 "from kvmatch_client import Client\n"
+                 "with Client.connect(sys.argv[1], timeout=5.0) as c:\n"
+                 "    d = c.route([{'request_id': 'py-rr', 'pool': 'main', "
+                 "'tokens': list(range(64))}])['decisions'][0]\n"
+                 "assert d['status'] == 0, d\n"
+                 "assert 'load_value' in d and d['load_value'] is None, d.get('load_value')\n"
+                 "json.dumps(d, allow_nan=False)\" '%s'",
+                 s.addr);
+        cr_assert_eq(system(cmd), 0, "the Python client does not read round_robin's load_value "
+                                     "as None");
+    } else {
+        fprintf(stderr, "python3-msgpack is missing: the Python half of this test did not run\n");
+    }
+    srv_stop(&s);
+    json_t *all = read_records(&s);
+    json_t *o = find_record(all, "decision", (int64_t)id);
+    cr_assert_not_null(o);
+    json_t *load = json_object_get(json_object_get(o, "decision"), "load");
+    char *text = json_dumps(load, JSON_COMPACT);
+    cr_assert_str_eq(json_string_value(json_object_get(load, "kind")), "none", "%s", text);
+    cr_assert(json_is_null(json_object_get(load, "value")), "round_robin load: %s", text);
+    free(text);
+    json_decref(all);
     srv_cleanup(&s);
 }

@@ -3,6 +3,8 @@ module and python3-msgpack.
 
 Frames are a 4-byte big-endian payload length and one msgpack map with "type" and "id". Messages
 are plain dicts with the wire field names, so everything in docs/PROTOCOL.md is usable as written.
+msgpack nil reads as ``None``: a decision's ``load_value`` is ``None`` when the policy weighed no
+load (``round_robin``), never NaN, so a decision dict can go to ``json.dumps`` as it is.
 
 Blocking use::
 

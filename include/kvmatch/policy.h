@@ -159,7 +159,8 @@ const char *km_policy_reason_name(km_policy_reason reason);
  *   cache_aware, prefix, least_load -> "in_flight_requests", round_robin -> "none".
  * Its scope is always what this kvmatch instance saw (the service states that). */
 const char *km_policy_load_kind(km_policy_kind kind);
-/* The value of that signal for one candidate (0 for round_robin, or cand NULL). */
+/* The value of that signal for one candidate: NAN for round_robin, which weighs none (a record
+ * writes it as null, a DECISION reply as nil); 0 when cand is NULL. */
 double km_policy_load_value(km_policy_kind kind, const km_policy_candidate *cand);
 
 /* ---- state ------------------------------------------------------------------------------- */

@@ -236,7 +236,8 @@ typedef struct km_route_decision {
     const char *reason;     /* why, in the policy's words ("overlap under cache_threshold") */
     const char *load_kind;  /* "in_flight", "pending_prefill_tokens", "cost", ... */
     const char *load_scope; /* "this_instance" */
-    double load_value;      /* the chosen worker's value of load_kind */
+    double load_value;      /* the chosen worker's value of load_kind; NAN = none (round_robin):
+                             * encoded as nil, and nil or absent decodes as NAN */
     const km_candidate_score *candidates;
     uint32_t n_candidates;
 } km_route_decision;

@@ -4,6 +4,7 @@
 #define _POSIX_C_SOURCE 200809L
 #include <errno.h>
 #include <inttypes.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -48,7 +49,10 @@ static json_t *decision_json(const km_route_decision *d)
     json_object_set_new(o, "policy", json_string(d->policy ? d->policy : ""));
     json_object_set_new(o, "reason", json_string(d->reason ? d->reason : ""));
     json_object_set_new(o, "load_kind", json_string(d->load_kind ? d->load_kind : ""));
-    json_object_set_new(o, "load_value", json_real(d->load_value));
+    /* NAN (round_robin weighs no load): null, as in the records; json_real would refuse it and
+     * drop the key. */
+    json_object_set_new(o, "load_value",
+                        isfinite(d->load_value) ? json_real(d->load_value) : json_null());
     json_t *cands = json_array();
     for (uint32_t i = 0; i < d->n_candidates; i++) {
         const km_candidate_score *c = &d->candidates[i];
