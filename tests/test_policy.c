@@ -191,6 +191,45 @@ Test(policy, kind_and_reason_names, .timeout = 30)
     cr_assert_eq(km_policy_load_value(KM_POLICY_KV, NULL), 0.0);
 }
 
+/* The row of a markdown table in `path` whose first cell is `cell` (e.g. "| `reason` |"), or "". */
+static void doc_row(const char *path, const char *cell, char *row, size_t size)
+{
+    FILE *f = fopen(path, "r");
+    cr_assert_not_null(f, "%s: run the tests from the repository root", path);
+    row[0] = '\0';
+    char line[4096];
+    while (fgets(line, sizeof line, f))
+        if (strncmp(line, cell, strlen(cell)) == 0) {
+            snprintf(row, size, "%s", line);
+            break;
+        }
+    fclose(f);
+    cr_assert(row[0], "%s has no row %s", path, cell);
+}
+
+/* An analyzer is written from the docs: every reason and load kind the code can emit is named, in
+ * backquotes, in the field tables of RECORDS.md and PROTOCOL.md. */
+Test(policy, every_reason_and_load_kind_is_documented, .timeout = 10)
+{
+    static const struct {
+        const char *path, *reason_cell, *kind_cell;
+    } docs[] = {{"docs/RECORDS.md", "| `reason` |", "| `load.kind` |"},
+                {"docs/PROTOCOL.md", "| `reason` |", "| `load_kind` |"}};
+    char row[4096], name[64];
+    for (size_t i = 0; i < sizeof docs / sizeof docs[0]; i++) {
+        doc_row(docs[i].path, docs[i].reason_cell, row, sizeof row);
+        for (unsigned r = 0; r < KM_POLICY_REASON_COUNT; r++) {
+            snprintf(name, sizeof name, "`%s`", km_policy_reason_name((km_policy_reason)r));
+            cr_assert(strstr(row, name), "%s: reason %s is not documented", docs[i].path, name);
+        }
+        doc_row(docs[i].path, docs[i].kind_cell, row, sizeof row);
+        for (unsigned k = 0; k < KM_POLICY_KIND_COUNT; k++) {
+            snprintf(name, sizeof name, "`%s`", km_policy_load_kind((km_policy_kind)k));
+            cr_assert(strstr(row, name), "%s: load kind %s is not documented", docs[i].path, name);
+        }
+    }
+}
+
 /* ---- bad input ------------------------------------------------------------------------------ */
 
 /* A failed decide must leave out, costs and the state (except last_error) as they were, and say

@@ -233,8 +233,9 @@ typedef struct km_route_decision {
     uint32_t block_size;
     km_prediction_source source;
     const char *policy;     /* the policy that decided */
-    const char *reason;     /* why, in the policy's words ("overlap under cache_threshold") */
-    const char *load_kind;  /* "in_flight", "pending_prefill_tokens", "cost", ... */
+    const char *reason;     /* km_policy_reason_name: "min_cost", "below_threshold", ... */
+    const char *load_kind;  /* km_policy_load_kind: "active_decode_blocks", "in_flight_requests",
+                             * "none" */
     const char *load_scope; /* "this_instance" */
     double load_value;      /* the chosen worker's value of load_kind; NAN = none (round_robin):
                              * encoded as nil, and nil or absent decodes as NAN */

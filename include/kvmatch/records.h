@@ -148,7 +148,7 @@ typedef struct km_decision_record {
     const char *policy;                /* required: "kv", "cache_aware", "prefix", "least_load",
                                         * "round_robin" (lower case, digits, '_') */
     const char *reason;                /* why this worker, e.g. "min_cost"; NULL = null */
-    const char *load_kind;             /* required: the load signal used, e.g. "in_flight" */
+    const char *load_kind;             /* required: the load signal, e.g. "in_flight_requests" */
     double load_value;                 /* the chosen worker's value of that signal; NAN = null */
     /* scope is always "this_instance": the load this kvmatch instance saw. */
 
