@@ -10,7 +10,9 @@
  *  - last_live is the seq of the last live message; a live seq at or below it can only come from a
  *    new publisher process (PUB/SUB neither duplicates nor reorders).
  *  - a message is applied only after its updates have room in the queue and its new map entries
- *    have room in the map, so applying never fails half-way. */
+ *    have room in the map, so applying never fails half-way.
+ *  - a map entry's chain is set by the first store of its engine hash and kept until the entry is
+ *    erased, so the index holds exactly one chain per entry (apply_stored). */
 #include "kvmatch/feed.h"
 
 #include <inttypes.h>
@@ -791,6 +793,25 @@ static unsigned medium_index(km_kv_medium m)
     return (unsigned)m < MEDIUM_COUNT ? (unsigned)m : KM_KV_MEDIUM_OTHER;
 }
 
+/* Does a block of this event carry extra keys kvmatch cannot reproduce (the decoder's opaque flags;
+ * for a caller that gives only presence flags: any present entry on an event without a LoRA
+ * name)? Only KM_FEED_EXTRA_KEYS_SKIP asks. */
+static bool block_is_opaque(const km_feed *feed, const km_kv_event *e, bool lora_set, uint32_t i)
+{
+    if (feed->config.extra_keys_policy != KM_FEED_EXTRA_KEYS_SKIP)
+        return false;
+    if (e->extra_keys_opaque)
+        return e->extra_keys_opaque[i] != 0;
+    return e->extra_keys_present && !lora_set && e->extra_keys_present[i];
+}
+
+/* An engine hash names one block (its parent, tokens and extra keys). A BlockStored of an engine
+ * hash the worker already holds is that same block arriving in another medium (vLLM's CPU
+ * offloading connector announces its copies so, with extra_keys nil), or the same medium again:
+ * it adds its medium and never renames the block. The chain hash (or the unhashable mark) the
+ * first store gave it stays until the block has left every medium, so the index holds exactly one
+ * chain per held engine hash, the one a BlockRemoved will remove. A new block after a held one is
+ * chained from the held chain. */
 static void apply_stored(km_feed *feed, worker *w, const km_kv_event *e)
 {
     uint32_t n = e->n_block_hashes;
@@ -804,18 +825,15 @@ static void apply_stored(km_feed *feed, worker *w, const km_kv_event *e)
     uint8_t bit = medium_bit(e->medium);
 
     uint64_t parent_chain = KM_NO_PARENT;
-    uint64_t first_position = 0;
-    uint32_t hashable = n;
+    bool starts_sequence = true;
     if (e->has_parent_block_hash) {
         const km_emap_entry *p = km_emap_find(&w->map, e->parent_block_hash);
         if (!p) {
             w->c.unknown_parent_blocks += n;
             return;
         }
-        if (p->chain == CHAIN_UNHASHABLE)
-            hashable = 0;
         parent_chain = p->chain;
-        first_position = 1; /* any position > 0: only position 0 takes the cache salt */
+        starts_sequence = false;
     }
 
     /* LoRA: the adapter name; an engine that sends only the deprecated lora_id gets a name derived
@@ -827,54 +845,68 @@ static void apply_stored(km_feed *feed, worker *w, const km_kv_event *e)
         lora = lora_buf;
     }
     bool lora_set = lora && lora[0];
-    /* Blocks whose extra keys kvmatch cannot reproduce (the decoder's opaque flags; a caller
-     * that gives only presence flags: any present entry without a LoRA name). */
-    if (feed->config.extra_keys_policy == KM_FEED_EXTRA_KEYS_SKIP && e->extra_keys_opaque) {
-        for (uint32_t i = 0; i < hashable; i++)
-            if (e->extra_keys_opaque[i]) {
-                hashable = i;
-                break;
-            }
-    } else if (feed->config.extra_keys_policy == KM_FEED_EXTRA_KEYS_SKIP &&
-               e->extra_keys_present && !lora_set) {
-        for (uint32_t i = 0; i < hashable; i++)
-            if (e->extra_keys_present[i]) {
-                hashable = i;
-                break;
-            }
-    }
     /* The salt names block 0 only, so it matters only for a run that starts a sequence. */
-    const char *salt = first_position == 0 ? e->cache_salt : NULL;
+    km_hash_config hc = {feed->config.block_size, lora_set ? lora : NULL,
+                         starts_sequence ? e->cache_salt : NULL};
+    uint64_t seed_first = km_hash_block_seed(&hc, 0), seed_rest = km_hash_block_seed(&hc, 1);
 
+    /* Blocks [0, hashable) have chains and form the STORE run; the first block without one (an
+     * opaque block, one after an unhashable parent or block, one held as unhashable) ends it, and
+     * every later new block of the event is unhashable too. */
     uint64_t offset = feed->hash_count;
+    uint64_t *chains = feed->hashes + offset;
     km_tier event_tier = best_tier(bit);
+    bool run_open = starts_sequence || parent_chain != CHAIN_UNHASHABLE;
+    uint64_t previous = parent_chain;
+    uint32_t hashable = 0, unhashable = 0, n_fixes = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        km_emap_entry *m = km_emap_upsert(&w->map, e->block_hashes[i]);
+        bool held = m->media != 0; /* a held entry always has a medium; a new one has none */
+        km_tier tier_before = best_tier(m->media);
+        if (!held) {
+            if (run_open && !block_is_opaque(feed, e, lora_set, i)) {
+                bool root = starts_sequence && i == 0;
+                uint64_t local = km_hash_local(e->token_ids + (size_t)i * feed->config.block_size,
+                                               feed->config.block_size,
+                                               root ? seed_first : seed_rest);
+                m->chain = root ? km_hash_chain_root(local) : km_hash_chain_step(previous, local);
+            } else {
+                m->chain = CHAIN_UNHASHABLE;
+            }
+        }
+        m->media |= bit;
+        if (m->chain == CHAIN_UNHASHABLE) {
+            run_open = false;
+            unhashable++;
+            continue;
+        }
+        km_tier tier_now = best_tier(m->media);
+        if (run_open) {
+            chains[hashable++] = m->chain;
+            previous = m->chain;
+            /* The STORE below says event_tier; a block held in a faster medium keeps its tier. */
+            if (tier_now != event_tier) {
+                feed->tier_chains[n_fixes] = m->chain;
+                feed->tier_scratch[n_fixes++] = (uint8_t)tier_now;
+            }
+        } else if (tier_now != tier_before) {
+            /* Held with a chain but past the run (after an unhashable block): no STORE names it,
+             * so a faster new medium reaches the index as a tier change alone. */
+            feed->tier_chains[n_fixes] = m->chain;
+            feed->tier_scratch[n_fixes++] = (uint8_t)tier_now;
+        }
+    }
     if (hashable) {
-        km_hash_config hc = {feed->config.block_size, lora_set ? lora : NULL, salt};
-        size_t n_blocks = 0;
-        km_hash_sequence(&hc, e->token_ids, (size_t)hashable * feed->config.block_size,
-                         first_position, parent_chain, NULL, feed->hashes + offset, &n_blocks);
         feed->hash_count += hashable;
-        queue_push(feed, KM_UPDATE_STORE, w->id, first_position ? parent_chain : KM_NO_PARENT,
+        queue_push(feed, KM_UPDATE_STORE, w->id, starts_sequence ? KM_NO_PARENT : parent_chain,
                    offset, hashable);
         feed->queue[feed->queue_count - 1].tier = event_tier;
         w->c.blocks_stored += hashable;
     }
-    /* A block already held in a faster medium keeps that tier: the store above said event_tier,
-     * so such blocks get a SET_TIER right after it (rare: a copy to a slower tier). */
-    bool fixes = false;
-    for (uint32_t i = 0; i < n; i++) {
-        km_emap_entry *m = km_emap_upsert(&w->map, e->block_hashes[i]);
-        m->chain = i < hashable ? feed->hashes[offset + i] : CHAIN_UNHASHABLE;
-        m->media |= bit;
-        uint8_t t = (uint8_t)best_tier(m->media);
-        if (i < hashable)
-            feed->tier_scratch[i] = t;
-        fixes |= i < hashable && t != (uint8_t)event_tier;
-    }
-    if (fixes)
-        queue_tier_fixes(feed, w->id, feed->hashes + offset, feed->tier_scratch, hashable,
-                         event_tier);
-    w->c.unhashable_blocks += n - hashable;
+    if (n_fixes)
+        queue_tier_fixes(feed, w->id, feed->tier_chains, feed->tier_scratch, n_fixes,
+                         (km_tier)KM_TIER_COUNT /* none: every listed block needs its update */);
+    w->c.unhashable_blocks += unhashable;
 }
 
 static void apply_removed(km_feed *feed, worker *w, const km_kv_event *e)

@@ -89,16 +89,39 @@ static void pack_hashes(msgpack_packer *pk, km_test_hash_form form, const uint64
         pack_hash(pk, form, h[i]);
 }
 
-void km_test_batch_stored(km_test_batch *b, const uint64_t *hashes, uint32_t n, bool has_parent,
-                          uint64_t parent, const uint32_t *tokens, uint32_t block_size,
-                          const char *lora_name, const char *medium)
+/* The extra_keys entry of block i as vLLM builds it (multimodal keys, then the cache salt on a
+ * request's first block), or nil when it holds nothing. */
+static void pack_extra_keys_entry(msgpack_packer *pk, uint32_t i, const char *cache_salt,
+                                  const char *const *images)
+{
+    bool image = images && images[i];
+    bool salt = i == 0 && cache_salt;
+    if (!image && !salt) {
+        msgpack_pack_nil(pk);
+        return;
+    }
+    msgpack_pack_array(pk, (size_t)image + (size_t)salt);
+    if (image) {
+        msgpack_pack_array(pk, 2); /* (identifier, offset) */
+        pack_cstr(pk, images[i]);
+        msgpack_pack_uint32(pk, 0);
+    }
+    if (salt)
+        pack_cstr(pk, cache_salt);
+}
+
+static void pack_stored(km_test_batch *b, const uint64_t *hashes, uint32_t n, bool has_parent,
+                        uint64_t parent, const uint32_t *tokens, uint32_t block_size,
+                        const char *lora_name, const char *medium, const char *cache_salt,
+                        const char *const *images)
 {
     msgpack_packer pk;
     msgpack_packer_init(&pk, &b->events, msgpack_sbuffer_write);
     uint32_t n_tokens = n * block_size;
+    bool extra_keys = cache_salt || images;
     if (b->encoding == KM_TEST_ENCODING_POSITIONAL) {
         /* Trailing defaults omitted, as msgspec's omit_defaults does. */
-        uint32_t fields = 6 + (medium || lora_name ? 1 : 0) + (lora_name ? 1 : 0);
+        uint32_t fields = extra_keys ? 9 : 6 + (medium || lora_name ? 1 : 0) + (lora_name ? 1 : 0);
         msgpack_pack_array(&pk, fields);
         pack_cstr(&pk, "BlockStored");
         pack_hashes(&pk, b->hash_form, hashes, n);
@@ -111,12 +134,17 @@ void km_test_batch_stored(km_test_batch *b, const uint64_t *hashes, uint32_t n, 
             msgpack_pack_uint32(&pk, tokens[i]);
         msgpack_pack_uint32(&pk, block_size);
         msgpack_pack_nil(&pk); /* lora_id */
-        if (medium || lora_name)
+        if (medium || lora_name || extra_keys)
             pack_opt_cstr(&pk, medium);
-        if (lora_name)
-            pack_cstr(&pk, lora_name);
+        if (lora_name || extra_keys)
+            pack_opt_cstr(&pk, lora_name);
+        if (extra_keys) {
+            msgpack_pack_array(&pk, n);
+            for (uint32_t i = 0; i < n; i++)
+                pack_extra_keys_entry(&pk, i, cache_salt, images);
+        }
     } else {
-        uint32_t keys = 6 + (medium ? 1 : 0) + (lora_name ? 1 : 0);
+        uint32_t keys = 6 + (medium ? 1 : 0) + (lora_name ? 1 : 0) + (extra_keys ? 1 : 0);
         msgpack_pack_map(&pk, keys);
         pack_cstr(&pk, "type");
         pack_cstr(&pk, "BlockStored");
@@ -143,8 +171,31 @@ void km_test_batch_stored(km_test_batch *b, const uint64_t *hashes, uint32_t n, 
             pack_cstr(&pk, "lora_name");
             pack_cstr(&pk, lora_name);
         }
+        if (extra_keys) {
+            pack_cstr(&pk, "extra_keys");
+            msgpack_pack_array(&pk, n);
+            for (uint32_t i = 0; i < n; i++)
+                pack_extra_keys_entry(&pk, i, cache_salt, images);
+        }
     }
     b->n_events++;
+}
+
+void km_test_batch_stored(km_test_batch *b, const uint64_t *hashes, uint32_t n, bool has_parent,
+                          uint64_t parent, const uint32_t *tokens, uint32_t block_size,
+                          const char *lora_name, const char *medium)
+{
+    pack_stored(b, hashes, n, has_parent, parent, tokens, block_size, lora_name, medium, NULL,
+                NULL);
+}
+
+void km_test_batch_stored_extra_keys(km_test_batch *b, const uint64_t *hashes, uint32_t n,
+                                     bool has_parent, uint64_t parent, const uint32_t *tokens,
+                                     uint32_t block_size, const char *medium,
+                                     const char *cache_salt, const char *const *images)
+{
+    pack_stored(b, hashes, n, has_parent, parent, tokens, block_size, NULL, medium, cache_salt,
+                images);
 }
 
 void km_test_batch_removed(km_test_batch *b, const uint64_t *hashes, uint32_t n,

@@ -63,6 +63,14 @@ void km_test_batch_reset(km_test_batch *b);
 void km_test_batch_stored(km_test_batch *b, const uint64_t *hashes, uint32_t n, bool has_parent,
                           uint64_t parent, const uint32_t *tokens, uint32_t block_size,
                           const char *lora_name, const char *medium);
+/* km_test_batch_stored with vLLM's extra_keys (base model): block 0's entry carries cache_salt
+ * (NULL: none) and block i's a multimodal (identifier, 0) pair when images[i] is not NULL (images
+ * NULL: none); an entry with nothing is nil. With both NULL, extra_keys is nil (omitted), as
+ * vLLM's CPU offloading connector sends it. */
+void km_test_batch_stored_extra_keys(km_test_batch *b, const uint64_t *hashes, uint32_t n,
+                                     bool has_parent, uint64_t parent, const uint32_t *tokens,
+                                     uint32_t block_size, const char *medium,
+                                     const char *cache_salt, const char *const *images);
 void km_test_batch_removed(km_test_batch *b, const uint64_t *hashes, uint32_t n,
                            const char *medium);
 void km_test_batch_cleared(km_test_batch *b);

@@ -1,7 +1,8 @@
 /* The event feed (include/kvmatch/feed.h) without sockets: payloads built by the test helper in
  * every encoding, decoded by the real decoder, handed to the feed with a synthetic clock. Covers
  * chain hashing (HASHING.md, LoRA, bytes vs int hashes, parents), removals and tiers, the
- * unknown-parent / block-size / extra-keys rules, and the stream checks: gaps filled by replay,
+ * unknown-parent / block-size / extra-keys rules, an engine hash stored again in another medium
+ * (its chain kept), and the stream checks: gaps filled by replay,
  * replays that start late (history lost, DEGRADED, both policies), restarts, restarts and late
  * duplicates during replays, buffer overflow, replay failure, bootstrap and resync, flush
  * atomicity under the index's memory cap, windows, and a randomized run against the simulated
@@ -448,6 +449,133 @@ Test(feed, extra_keys_policy, .timeout = 10)
         }
         fx_free(&f);
     }
+}
+
+/* ---- the same block stored again --------------------------------------------------------------- */
+
+/* Worker w's match of one request: its depth, and how many of those blocks are host-resident. */
+static uint32_t fx_match_depth(fx *f, uint32_t w, const uint64_t *chains, uint32_t n,
+                               uint32_t *host_blocks)
+{
+    km_request rq = {chains, n};
+    km_match_results res;
+    km_match_results_init(&res);
+    cr_assert_eq(km_index_match_batch(f->index, &rq, 1, &res), KM_OK);
+    uint32_t depth = 0;
+    *host_blocks = 0;
+    for (uint32_t j = 0; j < res.requests[0].count; j++) {
+        uint64_t m = res.requests[0].first + j;
+        if (res.matches[m].worker == w) {
+            depth = res.matches[m].depth;
+            *host_blocks = res.tiers[m].host_blocks;
+        }
+    }
+    km_match_results_free(&res);
+    return depth;
+}
+
+/* vLLM's GPU BlockStored carries extra_keys (here the cache salt of the request's first block);
+ * its CPU offloading connector announces the copy of the same engine hashes with extra_keys nil.
+ * The second store is the same block on another medium: it keeps the chain the first store gave
+ * it, a new block continuing it is chained from that, and removing the block from both media
+ * leaves nothing behind in the index. */
+Test(feed, a_block_stored_again_on_another_medium_keeps_its_chain, .timeout = 10)
+{
+    km_test_encoding encs[2] = {KM_TEST_ENCODING_POSITIONAL, KM_TEST_ENCODING_MAP};
+    for (int c = 0; c < 2; c++) {
+        fx f;
+        fx_init_cfg(&f, NULL, encs[c], KM_TEST_HASH_INT);
+        fx_add(&f, 0, false);
+        uint32_t tokens[3 * BS];
+        for (uint32_t i = 0; i < 3 * BS; i++)
+            tokens[i] = 300 + i;
+        km_hash_config salted = {BS, NULL, "tenant-42"}, plain = {BS, NULL, NULL};
+        uint64_t want[3], unsalted[3];
+        size_t nb;
+        km_hash_sequence(&salted, tokens, 3 * BS, 0, KM_NO_PARENT, NULL, want, &nb);
+        km_hash_sequence(&plain, tokens, 3 * BS, 0, KM_NO_PARENT, NULL, unsalted, &nb);
+        uint64_t eh[3] = {0xabc, 0xabd, 0xabe};
+        char why[256];
+        uint32_t host;
+
+        km_test_batch_stored_extra_keys(&f.batch, eh, 2, false, 0, tokens, BS, "GPU", "tenant-42",
+                                        NULL);
+        fx_live(&f, 0, fx_keep(&f));
+        fx_flush(&f);
+        cr_assert(km_test_index_holds_exactly(f.index, 0, want, 2, why, sizeof why), "%s", why);
+
+        /* The CPU copy of both blocks, and a third block stored on CPU only, in one event. */
+        km_test_batch_stored_extra_keys(&f.batch, eh, 3, false, 0, tokens, BS, "CPU", NULL, NULL);
+        fx_live(&f, 0, fx_keep(&f));
+        fx_flush(&f);
+        cr_assert(km_test_index_holds_exactly(f.index, 0, want, 3, why, sizeof why),
+                  "one pair per engine block, the salted chain continued: %s", why);
+        cr_assert_eq(fx_match_depth(&f, 0, want, 3, &host), 3);
+        cr_assert_eq(host, 1, "only the third block lives on CPU alone");
+        cr_assert_eq(fx_match_depth(&f, 0, unsalted, 3, &host), 0,
+                     "the CPU copy must not make the salted block match unsalted requests");
+        cr_assert_eq(fx_info(&f, 0).map_entries, 3);
+
+        /* GPU evicts its copies: all three are held on CPU. */
+        km_test_batch_removed(&f.batch, eh, 2, "GPU");
+        fx_live(&f, 0, fx_keep(&f));
+        fx_flush(&f);
+        cr_assert(km_test_index_holds_exactly(f.index, 0, want, 3, why, sizeof why), "%s", why);
+        cr_assert_eq(fx_match_depth(&f, 0, want, 3, &host), 3);
+        cr_assert_eq(host, 3);
+
+        /* CPU evicts them too: the worker holds nothing, and neither does the index. */
+        km_test_batch_removed(&f.batch, eh, 3, "CPU");
+        fx_live(&f, 0, fx_keep(&f));
+        fx_flush(&f);
+        cr_assert(km_test_index_holds_exactly(f.index, 0, want, 0, why, sizeof why), "%s", why);
+        km_feed_worker_info info = fx_info(&f, 0);
+        cr_assert_eq(info.map_entries, 0);
+        cr_assert_eq(info.counters.blocks_removed, 3);
+        cr_assert_eq(info.counters.unknown_removes, 0);
+        cr_assert_eq(info.state, KM_FEED_STATE_LIVE);
+        fx_free(&f);
+    }
+}
+
+/* A block the GPU event marked opaque (an image in block 1) is not indexed, and neither are its
+ * descendants; the CPU copy of the same engine hashes, sent without extra_keys, must not turn
+ * them into tokens-only chains (which would claim the image blocks for any request with the same
+ * placeholder tokens). */
+Test(feed, an_opaque_block_stays_unindexed_when_stored_again_without_extra_keys, .timeout = 10)
+{
+    fx f;
+    fx_init(&f);
+    fx_add(&f, 0, false);
+    uint32_t tokens[3 * BS];
+    for (uint32_t i = 0; i < 3 * BS; i++)
+        tokens[i] = 700 + i;
+    km_hash_config plain = {BS, NULL, NULL};
+    uint64_t chain[3];
+    size_t nb;
+    km_hash_sequence(&plain, tokens, 3 * BS, 0, KM_NO_PARENT, NULL, chain, &nb);
+    uint64_t eh[3] = {0x51, 0x52, 0x53};
+    const char *images[3] = {NULL, "img-1", NULL};
+    char why[256];
+
+    km_test_batch_stored_extra_keys(&f.batch, eh, 3, false, 0, tokens, BS, "GPU", NULL, images);
+    km_test_batch_stored_extra_keys(&f.batch, eh, 3, false, 0, tokens, BS, "CPU", NULL, NULL);
+    fx_live(&f, 0, fx_keep(&f));
+    fx_flush(&f);
+    cr_assert(km_test_index_holds_exactly(f.index, 0, chain, 1, why, sizeof why), "%s", why);
+    km_feed_worker_info info = fx_info(&f, 0);
+    cr_assert_eq(info.map_entries, 3);
+    cr_assert_eq(info.counters.unhashable_blocks, 4, "blocks 1 and 2, in each of the two events");
+
+    km_test_batch_removed(&f.batch, eh, 3, "GPU");
+    km_test_batch_removed(&f.batch, eh, 3, "CPU");
+    fx_live(&f, 0, fx_keep(&f));
+    fx_flush(&f);
+    cr_assert(km_test_index_holds_exactly(f.index, 0, chain, 0, why, sizeof why), "%s", why);
+    info = fx_info(&f, 0);
+    cr_assert_eq(info.map_entries, 0);
+    cr_assert_eq(info.counters.blocks_removed, 1);
+    fx_free(&f);
 }
 
 Test(feed, random_stream_matches_engine, .timeout = 20)
