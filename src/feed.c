@@ -1345,6 +1345,18 @@ int km_feed_resync_worker(km_feed *feed, uint32_t id, uint64_t now_ns)
     return KM_OK;
 }
 
+/* Is the seq of a live message the decoder rejected that message's place in the stream? Only when
+ * it is exactly where the next live message belongs: right after the last live seq (SUB delivers
+ * in order), or, before any live message, the next seq to apply. Any other value read from frames
+ * that did not decode may be garbage, and taking it could make the next healthy message look like
+ * a gap or an engine restart. Written so that nothing wraps. */
+static bool rejected_live_seq_fits(const worker *w, uint64_t seq)
+{
+    if (w->has_last_live)
+        return seq > w->last_live && seq - w->last_live == 1;
+    return w->has_expected && seq == w->expected;
+}
+
 int km_feed_live(km_feed *feed, uint32_t id, uint64_t seq, const km_kv_batch *batch, uint64_t now_ns)
 {
     if (!feed)
@@ -1355,11 +1367,17 @@ int km_feed_live(km_feed *feed, uint32_t id, uint64_t seq, const km_kv_batch *ba
     w->c.messages++;
     w->has_last_receive = true;
     w->last_receive_ns = now_ns;
+    if (seq == KM_KV_REPLAY_END_SEQ) {
+        w->c.malformed++; /* the replay end marker's seq, never a message's */
+        return KM_OK;
+    }
     if (batch) {
         w->c.rejected_events += batch->n_rejected;
         w->c.unknown_events += batch->n_unknown_events;
     } else {
         w->c.malformed++;
+        if (!rejected_live_seq_fits(w, seq))
+            return KM_OK; /* a gap or restart behind it shows at the next healthy message */
     }
 
     bool restart = false;

@@ -398,7 +398,8 @@ static void handle_live(km_subscriber *sub, sworker *w, received *r, uint64_t no
         km_feed_live(sub->feed, w->id, msg.seq, &msg.batch, now);
     } else {
         sub->stats.malformed++;
-        /* A readable seq is still consumed: the publisher did send that message. */
+        /* A readable seq goes to the feed, which consumes it only where the next live message
+         * belongs (km_feed_live): frames that did not decode may carry any seq. */
         if (!r->too_many && r->n == 3 && r->frames[1].size == 8)
             km_feed_live(sub->feed, w->id, read_be64(r->frames[1].data), NULL, now);
         else

@@ -2,11 +2,11 @@
  * every encoding, decoded by the real decoder, handed to the feed with a synthetic clock. Covers
  * chain hashing (HASHING.md, LoRA, bytes vs int hashes, parents), removals and tiers, the
  * unknown-parent / block-size / extra-keys rules, an engine hash stored again in another medium
- * (its chain kept), and the stream checks: gaps filled by replay,
- * replays that start late (history lost, DEGRADED, both policies), restarts, restarts and late
- * duplicates during replays, buffer overflow, replay failure, bootstrap and resync, flush
- * atomicity under the index's memory cap, windows, and a randomized run against the simulated
- * engine's truth. Randomized tests print their seed (KM_TEST_SEED). */
+ * (its chain kept), and the stream checks: gaps filled by replay, replays that start late
+ * (history lost, DEGRADED, both policies), restarts, restarts and late duplicates during replays,
+ * buffer overflow, replay failure, live messages whose seq cannot be trusted, bootstrap and
+ * resync, flush atomicity under the index's memory cap, windows, and a randomized run against
+ * the simulated engine's truth. Randomized tests print their seed (KM_TEST_SEED). */
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -1093,6 +1093,61 @@ Test(feed, malformed_messages_are_counted_and_skipped, .timeout = 10)
     cr_assert_eq(info.expected_seq, 6);
     cr_assert_eq(info.counters.messages, 6);
     fx_free(&f);
+}
+
+/* A live message whose seq cannot be trusted changes nothing but the malformed counter: seq 2^64-1
+ * (the replay end marker's, never a message's, decodable or not) and the readable seq of a
+ * rejected payload that is not the next one (far ahead, before any live message, or at or below
+ * the last live seq). None of them may wrap or move the stream position, make the worker
+ * DEGRADED, or make the engine's next healthy message look like a gap (a replay request) or an
+ * engine restart (its blocks dropped). */
+Test(feed, a_live_message_with_an_untrusted_seq_moves_nothing, .timeout = 10)
+{
+    for (int with_replay = 0; with_replay < 2; with_replay++) {
+        fx f;
+        fx_init(&f);
+        fx_add(&f, 0, with_replay);
+        if (with_replay) {
+            km_feed_action a = fx_action(&f, KM_FEED_ACTION_REPLAY_REQUEST);
+            fx_end(&f, 0, a.request_id); /* the engine had published nothing */
+        }
+        fx_make(&f, 12, 0);
+        uint32_t malformed = 0;
+        /* Before any live message: a rejected payload far ahead does not set the position. */
+        cr_assert_eq(km_feed_live(f.feed, 0, UINT64_C(1) << 40, NULL, f.now++), KM_OK);
+        malformed++;
+        fx_live_range(&f, 0, 0, 4);
+        km_kv_batch next = fx_decode(&f, 4);
+        const uint64_t wild[4] = {UINT64_MAX, UINT64_MAX, UINT64_C(1) << 40, 2};
+        for (int i = 0; i < 4; i++) {
+            /* The second 2^64-1 carries a decodable payload (the engine's seq 4 message). */
+            const km_kv_batch *b = i == 1 ? &next : NULL;
+            cr_assert_eq(km_feed_live(f.feed, 0, wild[i], b, f.now++), KM_OK);
+            malformed++;
+            km_feed_worker_info info = fx_info(&f, 0);
+            cr_assert_eq(info.state, KM_FEED_STATE_LIVE, "after seq %" PRIu64 ": %s", wild[i],
+                         km_feed_state_name(info.state));
+            cr_assert_eq(info.expected_seq, 4, "after seq %" PRIu64, wild[i]);
+            cr_assert_eq(info.counters.malformed, malformed);
+        }
+        fx_no_action(&f);
+        /* The engine goes on with seq 4: applied as the next message. */
+        fx_live_range(&f, 0, 4, 12);
+        fx_no_action(&f);
+        fx_check_truth(&f, 0);
+        km_feed_worker_info info = fx_info(&f, 0);
+        cr_assert_eq(info.state, KM_FEED_STATE_LIVE);
+        cr_assert_eq(info.expected_seq, 12);
+        cr_assert_eq(info.counters.malformed, 5);
+        cr_assert_eq(info.counters.messages, 17);
+        cr_assert_eq(info.counters.restarts, 0);
+        cr_assert_eq(info.counters.gaps, 0);
+        cr_assert_eq(info.counters.lost, 0);
+        cr_assert_eq(info.counters.history_unavailable, 0);
+        cr_assert_eq(info.counters.duplicates, 0);
+        cr_assert_eq(info.counters.replay_requests, (uint64_t)with_replay);
+        fx_free(&f);
+    }
 }
 
 Test(feed, windows_history_is_bounded, .timeout = 10)

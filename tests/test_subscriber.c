@@ -5,7 +5,7 @@
  * equals a gap-free run's); a gap longer than the buffer (DEGRADED, lost counted exactly); an
  * engine restart (seq back to 0, old blocks gone); a replay that arrives while live messages keep
  * coming; malformed input of every kind (counted, skipped, nothing else lost, the thread keeps
- * running); replay timeout; workers added and removed at run time; a prompt stop. */
+ * running); live frames whose seq cannot be trusted (no wrap, gap or restart); replay timeout; workers added and removed at run time; a prompt stop. */
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -510,6 +510,53 @@ Test(subscriber, malformed_input_is_counted_and_skipped, .timeout = 20)
     info = sx_wait_applied(&s, l);
     cr_assert_eq(info.expected_seq, 23);
     free(truncated);
+    sx_free(&s);
+}
+
+/* Live frames whose seq the feed cannot trust: a replay end marker on the SUB socket (seq 2^64-1,
+ * empty payload), the same seq on a decodable payload that stores a block the engine never
+ * cached, and a rejected payload whose seq frame reads 2^40. Each is counted as malformed; the
+ * engine's following messages apply as usual: no wrap, no gap, no replay, no restart, and the
+ * index equals the engine's cache. */
+Test(subscriber, live_frames_with_an_untrusted_seq_move_nothing, .timeout = 20)
+{
+    sx s;
+    sx_init(&s, NULL);
+    lane *l = sx_lane(&s, NULL, KM_TEST_ENCODING_POSITIONAL, KM_TEST_HASH_INT, 0, 0);
+    l->clear_percent = 0;
+    sx_follow_ready(&s, l, true, 1);
+    sx_publish(&s, l, 5);
+    sx_wait_applied(&s, l);
+
+    km_test_batch stray;
+    km_test_batch_init(&stray, KM_TEST_ENCODING_POSITIONAL, KM_TEST_HASH_INT, 0);
+    uint64_t stray_hash = 0xdead;
+    uint32_t stray_tokens[BS] = {1, 2, 3, 4};
+    km_test_batch_stored(&stray, &stray_hash, 1, false, 0, stray_tokens, BS, NULL, NULL);
+    size_t stray_size;
+    const void *stray_payload = km_test_batch_payload(&stray, &stray_size);
+    const unsigned char end_seq[8] = {0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff};
+    const unsigned char far_seq[8] = {0, 0, 1, 0, 0, 0, 0, 0}; /* 2^40 */
+    const unsigned char wrong_types[] = {0x93, 0xa1, 'x', 0x05, 0xc0};
+    km_kv_frame end_marker[3] = {{"", 0}, {end_seq, 8}, {"", 0}};
+    km_kv_frame end_seq_payload[3] = {{"", 0}, {end_seq, 8}, {stray_payload, stray_size}};
+    km_kv_frame far[3] = {{"", 0}, {far_seq, 8}, {wrong_types, sizeof wrong_types}};
+    cr_assert_eq(km_test_publisher_send_frames(l->pub, end_marker, 3), 0);
+    cr_assert_eq(km_test_publisher_send_frames(l->pub, end_seq_payload, 3), 0);
+    cr_assert_eq(km_test_publisher_send_frames(l->pub, far, 3), 0);
+    km_feed_worker_info info;
+    WAIT_FOR(&s, 0, info, info.counters.malformed == 3, 3000);
+    sx_publish(&s, l, 10);
+    info = sx_wait_applied(&s, l);
+    cr_assert_eq(info.state, KM_FEED_STATE_LIVE);
+    cr_assert_eq(info.expected_seq, 15);
+    cr_assert_eq(info.counters.malformed, 3);
+    cr_assert_eq(info.counters.restarts, 0);
+    cr_assert_eq(info.counters.gaps, 0);
+    cr_assert_eq(info.counters.lost, 0);
+    cr_assert_eq(info.counters.replay_requests, 1, "the bootstrap replay only");
+    sx_check_truth(&s, l);
+    km_test_batch_free(&stray);
     sx_free(&s);
 }
 

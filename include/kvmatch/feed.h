@@ -133,8 +133,11 @@ int km_feed_resync_worker(km_feed *feed, uint32_t worker, uint64_t now_ns);
 /* ---- inputs ----------------------------------------------------------------------------------- */
 
 /* A message from the worker's live (SUB) stream. batch NULL: the frames held a readable seq but
- * the payload was rejected by the decoder; the seq is consumed and the message counted as
- * malformed. The batch is copied when it must wait (replay in progress); the caller may reuse its
+ * the payload was rejected by the decoder; the message is counted as malformed, and its seq is
+ * consumed only when it is the one right after the last live seq (before any live message: the
+ * next seq to apply); any other seq read from it changes nothing else. seq KM_KV_REPLAY_END_SEQ
+ * is never a message's: such a message, decodable or not, is counted as malformed and changes
+ * nothing else. The batch is copied when it must wait (replay in progress); the caller may reuse its
  * memory when the call returns. Running out of memory is not an error of the call: the affected
  * message is handled as lost or dropped (counted, worker DEGRADED) and the state stays consistent.
  * Errors: KM_ERR_NULL_POINTER, KM_ERR_INVALID_ARGUMENT (worker not added). */
