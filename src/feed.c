@@ -224,6 +224,7 @@ typedef struct worker {
     uint64_t replay_id;
     uint64_t replay_from;
     bool replay_progress; /* the replay applied at least one message */
+    bool replay_refusal_logged; /* one log line per request for its refused items */
 
     held_message **buffer; /* ring of buffer_capacity */
     uint32_t buffer_head, buffer_count, buffer_capacity;
@@ -1064,6 +1065,7 @@ static void start_replay(km_feed *feed, worker *w, replay_kind kind, uint64_t fr
     w->replay_id = id;
     w->replay_from = from;
     w->replay_progress = false;
+    w->replay_refusal_logged = false;
     w->c.replay_requests++;
     if (w->recovery_open)
         w->recovery.replay_requests++;
@@ -1435,6 +1437,30 @@ static worker *replay_worker(km_feed *feed, uint32_t id, uint64_t request_id, in
     return w;
 }
 
+/* Why a replay item must be refused, or NULL when it may be applied. A request from replay_from
+ * returns the publisher's buffered messages with seq >= replay_from, consecutive and in order,
+ * the first one later than asked when older history was evicted. What no such answer holds:
+ *  - seq 2^64-1 (the end marker's) or a seq below the start;
+ *  - a skip past the newest seq the live stream has shown (when it has shown one at or after the
+ *    start): the publisher had sent at most that far when it answered, unless the live socket
+ *    lags by more than the whole replay buffer; declaring the seqs in between lost would then
+ *    drop their live copies, still on their way, as late copies of lost seqs;
+ *  - for a rejected payload (batch NULL): any seq but the next one to apply (its frames did not
+ *    decode, so the seq may be garbage; one below it is a harmless duplicate). */
+static const char *replay_item_refusal(const worker *w, uint64_t seq, bool decoded)
+{
+    if (seq == KM_KV_REPLAY_END_SEQ)
+        return "seq 2^64-1 is the end marker's";
+    if (seq < w->replay_from)
+        return "below the requested start";
+    if (!decoded && (!w->has_expected || seq > w->expected))
+        return "a rejected payload's seq that is not the next to apply";
+    if (w->has_expected && seq > w->expected && w->has_last_live &&
+        w->last_live >= w->replay_from && seq > w->last_live && seq - w->last_live > 1)
+        return "skips past the newest live seq";
+    return NULL;
+}
+
 int km_feed_replay_item(km_feed *feed, uint32_t id, uint64_t request_id, uint64_t seq,
                         const km_kv_batch *batch, uint64_t now_ns)
 {
@@ -1451,6 +1477,18 @@ int km_feed_replay_item(km_feed *feed, uint32_t id, uint64_t request_id, uint64_
         w->c.unknown_events += batch->n_unknown_events;
     } else {
         w->c.malformed++;
+    }
+    const char *refusal = replay_item_refusal(w, seq, batch != NULL);
+    if (refusal) {
+        w->c.refused_replay_items++;
+        if (!w->replay_refusal_logged) {
+            w->replay_refusal_logged = true;
+            feed_log(feed, w,
+                     "replay %" PRIu64 " from seq %" PRIu64 ": item seq %" PRIu64 " refused (%s)%s",
+                     request_id, w->replay_from, seq, refusal,
+                     "; further refusals of this request are only counted");
+        }
+        return KM_OK;
     }
     if (!w->has_expected) {
         /* Bootstrap / resync: the first message the engine still has sets the position. */

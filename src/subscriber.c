@@ -437,6 +437,7 @@ static void handle_replay(km_subscriber *sub, sworker *w, received *r, uint64_t 
             km_feed_replay_end(sub->feed, w->id, request, now); /* an end marker all the same */
             ended = true;
         } else if (seq_readable) {
+            /* The feed consumes it only as the next seq to apply (km_feed_replay_item). */
             km_feed_replay_item(sub->feed, w->id, request, seq, NULL, now);
         } else {
             km_feed_malformed(sub->feed, w->id, now);

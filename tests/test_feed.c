@@ -1050,6 +1050,90 @@ Test(feed, late_live_copy_of_a_replayed_message_is_a_duplicate, .timeout = 10)
     fx_free(&g);
 }
 
+/* A gap replay from seq 5 answers items no request from 5 can return: a rejected payload whose seq
+ * frame reads 2^40, a decodable message at 2^40 (past the newest seq the live stream has shown,
+ * 6), one at 2^64-1 and one at 3 (below the start), and a rejected payload at 6 (not the next seq
+ * to apply, so its seq is not trusted). Each is refused and counted; the real items then fill the
+ * gap, nothing is lost, and the engine's later live messages all apply (none skipped as a late
+ * copy of a lost seq). */
+Test(feed, replay_items_outside_the_request_are_refused, .timeout = 10)
+{
+    fx f;
+    fx_init(&f);
+    fx_add(&f, 0, true);
+    km_feed_action a = fx_action(&f, KM_FEED_ACTION_REPLAY_REQUEST);
+    fx_end(&f, 0, a.request_id);
+    fx_make(&f, 20, 0);
+    fx_live_range(&f, 0, 0, 5);
+    fx_live(&f, 0, 6); /* 5 dropped on the wire */
+    a = fx_action(&f, KM_FEED_ACTION_REPLAY_REQUEST);
+    cr_assert_eq(a.start_seq, 5);
+
+    const uint64_t far = UINT64_C(1) << 40;
+    km_kv_batch real5 = fx_decode(&f, 5);
+    struct {
+        uint64_t seq;
+        const km_kv_batch *batch;
+    } bad[5] = {{far, NULL}, {far, &real5}, {UINT64_MAX, &real5}, {3, &real5}, {6, NULL}};
+    for (int i = 0; i < 5; i++) {
+        cr_assert_eq(km_feed_replay_item(f.feed, 0, a.request_id, bad[i].seq, bad[i].batch,
+                                         f.now++),
+                     KM_OK);
+        km_feed_worker_info info = fx_info(&f, 0);
+        cr_assert_eq(info.expected_seq, 5, "item %d (seq %" PRIu64 ") moved the stream", i,
+                     bad[i].seq);
+        cr_assert_eq(info.counters.lost, 0);
+        cr_assert_eq(info.state, KM_FEED_STATE_GAP);
+        cr_assert_eq(info.counters.refused_replay_items, (uint64_t)i + 1);
+    }
+    fx_items(&f, 0, a.request_id, 5, 7);
+    fx_end(&f, 0, a.request_id);
+    fx_live_range(&f, 0, 7, 20);
+    fx_no_action(&f);
+    fx_check_truth(&f, 0);
+    km_feed_worker_info info = fx_info(&f, 0);
+    cr_assert_eq(info.state, KM_FEED_STATE_LIVE);
+    cr_assert_eq(info.expected_seq, 20);
+    cr_assert_eq(info.counters.refused_replay_items, 5);
+    cr_assert_eq(info.counters.malformed, 2);
+    cr_assert_eq(info.counters.replayed, 2);
+    cr_assert_eq(info.counters.lost, 0);
+    cr_assert_eq(info.counters.late_lost, 0);
+    cr_assert_eq(info.counters.duplicates, 1, "the buffered live copy of 6");
+    km_feed_window win[4];
+    cr_assert_eq(fx_windows(&f, 0, win, 4), 2);
+    cr_assert_eq(win[1].cause, KM_FEED_WINDOW_GAP);
+    cr_assert_eq(win[1].end, KM_FEED_END_RECOVERED);
+    fx_free(&f);
+}
+
+/* A bootstrap replay whose first item is a rejected payload with a wild seq: that seq does not
+ * set the stream position; the first item that decodes does. */
+Test(feed, a_rejected_bootstrap_item_does_not_set_the_position, .timeout = 10)
+{
+    fx f;
+    fx_init(&f);
+    fx_add(&f, 0, true);
+    km_feed_action a = fx_action(&f, KM_FEED_ACTION_REPLAY_REQUEST);
+    fx_make(&f, 10, 0);
+    cr_assert_eq(km_feed_replay_item(f.feed, 0, a.request_id, UINT64_C(1) << 40, NULL, f.now++),
+                 KM_OK);
+    cr_assert_eq(fx_info(&f, 0).has_expected_seq, false);
+    fx_items(&f, 0, a.request_id, 0, 6);
+    fx_end(&f, 0, a.request_id);
+    fx_live_range(&f, 0, 6, 10);
+    fx_no_action(&f);
+    fx_check_truth(&f, 0);
+    km_feed_worker_info info = fx_info(&f, 0);
+    cr_assert_eq(info.state, KM_FEED_STATE_LIVE);
+    cr_assert_eq(info.expected_seq, 10);
+    cr_assert_eq(info.counters.refused_replay_items, 1);
+    cr_assert_eq(info.counters.history_unavailable, 0);
+    cr_assert_eq(info.counters.restarts, 0);
+    cr_assert_eq(info.counters.lost, 0);
+    fx_free(&f);
+}
+
 Test(feed, resync_rebuilds_a_degraded_worker, .timeout = 10)
 {
     fx f;

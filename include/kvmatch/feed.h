@@ -149,7 +149,10 @@ int km_feed_malformed(km_feed *feed, uint32_t worker, uint64_t now_ns);
 
 /* Replay answers, tagged with the request id of the km_feed_action they answer. Answers to any
  * other id (a cancelled or superseded request) are counted and ignored. batch NULL: a malformed
- * item with a readable seq (the seq is consumed, counted as malformed). */
+ * item with a readable seq (counted as malformed; the seq is consumed only when it is the next
+ * seq to apply). An item whose seq the request cannot return (below its start, 2^64-1, a skip
+ * past the newest live seq) is refused: counted (refused_replay_items), logged once per request,
+ * nothing else changes (docs/EVENTS.md, "Replay items outside the request"). */
 int km_feed_replay_item(km_feed *feed, uint32_t worker, uint64_t request_id, uint64_t seq,
                         const km_kv_batch *batch, uint64_t now_ns);
 int km_feed_replay_end(km_feed *feed, uint32_t worker, uint64_t request_id, uint64_t now_ns);
@@ -276,6 +279,9 @@ typedef struct km_feed_worker_counters {
     uint64_t unknown_removes;    /* removed engine hashes not in the map */
     uint64_t buffer_overflows;   /* replays abandoned because the live buffer was full */
     uint64_t stale_replay_items; /* replay answers to a cancelled or superseded request */
+    uint64_t refused_replay_items; /* replay answers whose seq the request cannot return (below
+                                  * its start, 2^64-1, skipping past the newest live seq) or, for
+                                  * a rejected payload, is not the next seq to apply: skipped */
     uint64_t dropped_messages;   /* messages whose updates were dropped (queue full, index refused) */
 } km_feed_worker_counters;
 
