@@ -237,7 +237,8 @@ struct km_server {
     bool signals_installed;
     uv_async_t wake;
     uv_timer_t drain_timer;
-    bool draining, drain_timer_started;
+    atomic_bool draining; /* written by the loop thread, read by the HTTP thread too (/readyz) */
+    bool drain_timer_started;
     uint64_t drain_deadline_ns;
     atomic_bool stop_requested;
     conn *conns;
@@ -293,7 +294,7 @@ struct km_server {
     struct {
         atomic_uint_fast64_t accepted, open, refused, slow_closed, frames, bad_frames, routes,
             decisions, route_errors, overloaded, batches, inline_batches, lifecycle,
-            lifecycle_errors, outcomes, expired, evicted;
+            lifecycle_errors, outcomes, expired, evicted, dropped_at_shutdown;
     } st;
     int shutdown_status;
 };
@@ -2577,13 +2578,38 @@ static void close_everything(km_server *s)
     }
 }
 
+/* The drain timed out: routes still queued are dropped unanswered (their connections close now;
+ * deciding them would only begin active work and write decision records for replies nobody can
+ * read). Returns how many. A batch being scored ends normally, and km_server_run delivers it
+ * (freeing its closed connection) after joining the scheduler. */
+static uint64_t drop_queued(km_server *s)
+{
+    pthread_mutex_lock(&s->queue_lock);
+    job *list = s->queue_head;
+    s->queue_head = s->queue_tail = NULL;
+    uint64_t routes = s->queued_routes;
+    s->queued_routes = 0;
+    pthread_mutex_unlock(&s->queue_lock);
+    while (list) {
+        job *j = list;
+        list = j->next;
+        j->conn->jobs_in_flight--;
+        job_free(j);
+    }
+    return routes;
+}
+
 static void on_drain_tick(uv_timer_t *t)
 {
     km_server *s = t->data;
     deliver_done(s);
     if (drained(s) || now_ns() >= s->drain_deadline_ns) {
-        if (!drained(s))
-            slog(s, "drain timeout: closing with work still queued");
+        if (!drained(s)) {
+            uint64_t dropped = drop_queued(s);
+            atomic_fetch_add(&s->st.dropped_at_shutdown, dropped);
+            slog(s, "drain timeout: closing with work unfinished (%" PRIu64 " queued routes dropped "
+                 "unanswered; a batch being scored ends first)", dropped);
+        }
         uv_timer_stop(t);
         close_everything(s);
     }
@@ -3260,6 +3286,9 @@ int km_server_run(km_server *s, bool install_signals)
     pthread_mutex_unlock(&s->queue_lock);
     pthread_join(s->scheduler, NULL);
     s->scheduler_started = false;
+    /* A batch that ended after a drain timeout closed its connections: nothing is sent, but the
+     * jobs and the closed connections they kept are freed. */
+    deliver_done(s);
     int status = KM_OK;
     for (uint32_t i = 0; i < s->n_pools; i++) {
         pool *p = s->pools[i];
@@ -3316,6 +3345,7 @@ void km_server_get_stats(km_server *s, km_server_stats *o)
     o->outcomes = atomic_load(&s->st.outcomes);
     o->expired = atomic_load(&s->st.expired);
     o->evicted = atomic_load(&s->st.evicted);
+    o->routes_dropped_at_shutdown = atomic_load(&s->st.dropped_at_shutdown);
     if (s->records) {
         km_record_writer_counters rc;
         km_record_writer_stats(s->records, &rc);

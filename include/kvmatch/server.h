@@ -175,6 +175,7 @@ typedef struct km_server_stats {
     uint64_t expired;               /* active work expired by TTL */
     uint64_t evicted;               /* active work ended early to make room (max_active_entries) */
     uint64_t records_dropped;       /* records the writer could not take (queue full) */
+    uint64_t routes_dropped_at_shutdown; /* still queued when the drain timed out: unanswered */
 } km_server_stats;
 
 void km_server_get_stats(km_server *server, km_server_stats *out);
