@@ -611,6 +611,37 @@ int km_active_dispatched(km_active *a, const km_active_key *key, uint64_t now_ns
     return KM_OK;
 }
 
+int km_active_move(km_active *a, const km_active_key *key, uint32_t worker, uint64_t now_ns)
+{
+    if (!a)
+        return KM_ERR_NULL_POINTER;
+    a->last_error[0] = '\0';
+    if (worker >= a->cfg.max_workers)
+        return active_fail(a, KM_ERR_WORKER_RANGE, "worker %u (max_workers %u)", worker,
+                           a->cfg.max_workers);
+    uint32_t i;
+    int rc = lookup_for_event(a, key, "a move", &i);
+    if (rc)
+        return rc;
+    entry *e = &a->slab[i];
+    uint64_t now = advance_clock(a, now_ns);
+    touch(a, i, now);
+    if (e->worker == worker)
+        return KM_OK;
+    km_active_load *from = &a->workers[e->worker].load, *to = &a->workers[worker].load;
+    from->in_flight = saturating_sub(a, from->in_flight, 1);
+    from->pending_prefill_tokens = saturating_sub(a, from->pending_prefill_tokens, e->prefill_pending);
+    from->active_decode_blocks = saturating_sub(a, from->active_decode_blocks, e->decode_blocks);
+    worker_unlink(a, i);
+    e->worker = worker;
+    worker_link(a, i);
+    to->in_flight++;
+    to->pending_prefill_tokens += e->prefill_pending;
+    to->active_decode_blocks += e->decode_blocks;
+    a->stats.moved++;
+    return KM_OK;
+}
+
 int km_active_first_token(km_active *a, const km_active_key *key, int64_t engine_cached_tokens,
                           uint64_t now_ns)
 {

@@ -801,6 +801,7 @@ int km_outcome_record_format(const km_outcome_record *r, char **line, size_t *le
     put_count(&b, "http_status", r->http_status, false);
     put_string(&b, "error", r->error, false);
     put_string(&b, "worker", r->worker, true);
+    put_string(&b, "dispatched_worker", r->dispatched_worker, false);
     put_count(&b, "cached_tokens", r->cached_tokens, false);
     put_count(&b, "prompt_tokens", r->prompt_tokens, false);
     put_count(&b, "output_tokens", r->output_tokens, false);

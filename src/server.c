@@ -130,6 +130,7 @@ typedef struct attempt {
     uint64_t decision_id;
     const char *request_id, *attempt_id, *model, *pool, *endpoint; /* in strings[] */
     char chosen_name[KM_SERVER_NAME_MAX], owner_name[KM_SERVER_NAME_MAX];
+    char dispatched_name[KM_SERVER_NAME_MAX]; /* "" unless the router used another worker */
     bool has_owner;
     uint32_t worker;
     km_record_source source;
@@ -853,6 +854,7 @@ static void write_outcome(km_server *s, const attempt *a, km_record_outcome outc
     if (!ev && sum && sum->engine_cached_tokens != KM_ACTIVE_CACHED_UNKNOWN)
         r.cached_tokens = sum->engine_cached_tokens;
     r.worker = a->chosen_name;
+    r.dispatched_worker = a->dispatched_name[0] ? a->dispatched_name : NULL;
     r.source = a->source;
     r.block_size = a->block_size;
     r.predicted_depth_blocks = a->chosen_depth;
@@ -1883,6 +1885,22 @@ static int lifecycle_one(km_server *s, const km_lifecycle_event *ev, char *msg, 
     km_active_key key = km_active_key_of(a->request_id, a->attempt_id);
     uint64_t now = now_ns();
     int rc = KM_OK;
+    /* The router sent the attempt to another worker than the decision's (PROTOCOL.md, `worker`):
+     * its load moves there, and its outcome record says so. A worker outside the decision's pool
+     * fails the event and changes nothing. */
+    if (ev->has_worker && ev->worker != a->worker) {
+        int pi = pool_find(s, a->pool);
+        if (ev->worker >= s->cfg.max_workers || pi < 0 || !is_member(s->pools[pi], ev->worker))
+            return km_why(msg, msg_size, KM_ERR_NOT_FOUND, "worker %u is not in pool %s",
+                          ev->worker, a->pool);
+        rc = km_active_move(s->active, &key, ev->worker, now);
+        if (rc != KM_OK)
+            return km_why(msg, msg_size, rc, "%s", km_active_last_error(s->active));
+        a->worker = ev->worker;
+        memcpy(a->dispatched_name, s->workers[ev->worker].name, sizeof a->dispatched_name);
+        if (!strcmp(a->dispatched_name, a->chosen_name))
+            a->dispatched_name[0] = '\0';
+    }
     switch (ev->kind) {
     case KM_LIFECYCLE_DISPATCHED:
         rc = km_active_dispatched(s->active, &key, now);

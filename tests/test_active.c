@@ -579,7 +579,7 @@ Test(active, random_lifecycles_match_a_model, .timeout = 30)
     }
     /* remember_ended large enough that no end is forgotten: the model classifies every miss. */
     km_active *a = make_active(PM_WORKERS, m.ttl, 1000, 1u << 16);
-    uint64_t expect_unknown = 0, expect_late = 0, expect_dup = 0, expect_ooo = 0;
+    uint64_t expect_unknown = 0, expect_late = 0, expect_dup = 0, expect_ooo = 0, expect_moves = 0;
     uint64_t seen_clock = 0;
     for (int step = 0; step < 20000; step++) {
         if (km_rng_percent(&r, 3) && m.clock > 10)
@@ -654,6 +654,20 @@ Test(active, random_lifecycles_match_a_model, .timeout = 30)
                 e->prefill_pending = 0;
                 if (cached != KM_ACTIVE_CACHED_UNKNOWN)
                     e->engine_cached = cached;
+                e->last_touch = now;
+            }
+        } else if (op < 63) { /* the router sent it elsewhere: its charges follow it */
+            uint32_t w = km_rng_below(&r, PM_WORKERS);
+            rc = km_active_move(a, &k, w, now_model);
+            if (!e->live) {
+                KM_CHECK(rc == model_miss(&m, i), "step %d move miss: %d", step, rc);
+                if (e->ended < 0) expect_unknown++;
+                else if (rc == KM_ERR_NOT_FOUND) expect_late++;
+                else expect_dup++;
+            } else {
+                KM_CHECK(rc == KM_OK, "step %d move: %d %s", step, rc, km_active_last_error(a));
+                expect_moves += e->worker != w;
+                e->worker = w;
                 e->last_touch = now;
             }
         } else if (op < 68) {
@@ -753,6 +767,8 @@ Test(active, random_lifecycles_match_a_model, .timeout = 30)
              st.ended[KM_ACTIVE_END_EXPIRED], st.ended[KM_ACTIVE_END_COMPLETE],
              st.ended[KM_ACTIVE_END_WORKER_REMOVED], expect_unknown, expect_late, expect_dup,
              expect_ooo, st.corrections);
+    KM_CHECK(st.moved == expect_moves && expect_moves > 0, "moves %" PRIu64 " (model %" PRIu64 ")",
+             st.moved, expect_moves);
     km_active_destroy(a);
 }
 

@@ -238,6 +238,7 @@ static void gen_outcome(gen *g, km_outcome_record *r)
             r->first_token.monotonic_ns = base + km_rng_below(&g->rng, 100000000);
     }
     r->worker = WORKERS[km_rng_below(&g->rng, 5)];
+    r->dispatched_worker = km_rng_percent(&g->rng, 20) ? WORKERS[km_rng_below(&g->rng, 5)] : NULL;
     r->source = km_rng_percent(&g->rng, 50) ? KM_RECORD_SOURCE_EVENTS : KM_RECORD_SOURCE_APPROX;
     r->block_size = 1 + km_rng_below(&g->rng, 64);
     r->predicted_depth_blocks = km_rng_below(&g->rng, 5000);
@@ -434,7 +435,7 @@ static void check_outcome_line(const char *line, size_t len, const km_outcome_re
     json_error_t err;
     json_t *o = json_loadb(line, len, 0, &err);
     KM_CHECK(o != NULL, "not JSON (%s): %s", err.text, line);
-    expect_keys(o, COMMON_KEYS + 24);
+    expect_keys(o, COMMON_KEYS + 25);
     expect_common(o, "outcome", &r->common);
     expect_string(o, "outcome", km_record_outcome_name(r->outcome));
     expect_string(o, "finish_reason", r->finish_reason);
@@ -447,6 +448,7 @@ static void check_outcome_line(const char *line, size_t len, const km_outcome_re
     expect_int(o, "http_status", r->http_status);
     expect_string(o, "error", r->error);
     expect_string(o, "worker", r->worker);
+    expect_string(o, "dispatched_worker", r->dispatched_worker);
     expect_int(o, "cached_tokens", r->cached_tokens);
     expect_int(o, "prompt_tokens", r->prompt_tokens);
     expect_int(o, "output_tokens", r->output_tokens);

@@ -2020,3 +2020,75 @@ Test(server, a_drain_timeout_drops_queued_routes_and_frees_their_connection, .ti
     km_server_destroy(s.server);
     srv_cleanup(&s);
 }
+
+/* Report one lifecycle event for request_id (attempt none); returns the item's status. */
+static int report(km_client *c, km_lifecycle_kind kind, const char *request_id, bool has_worker,
+                  uint32_t worker)
+{
+    km_lifecycle_event ev;
+    memset(&ev, 0, sizeof ev);
+    ev.kind = kind;
+    ev.request_id = request_id;
+    ev.has_worker = has_worker;
+    ev.worker = worker;
+    if (kind == KM_LIFECYCLE_FINISHED) {
+        ev.outcome = KM_OUTCOME_COMPLETE;
+        ev.finish_reason = "stop";
+        ev.done_seen = true;
+    }
+    km_message reply;
+    cr_assert_eq(km_client_lifecycle(c, &ev, 1, 5000, &reply), KM_OK);
+    cr_assert_eq(reply.type, KM_MESSAGE_ACK);
+    return reply.ack.items[0].status;
+}
+
+/* PROTOCOL.md: a lifecycle event's `worker` is the worker the router actually used, which may differ
+ * from the decision's. The attempt's load moves there (the next decisions see it on that worker),
+ * and the outcome record names it as dispatched_worker while `worker` stays the decision's
+ * choice. Until 2026-11-30 the field was decoded and ignored: the load stayed on the chosen
+ * worker. A worker outside the pool fails the event and moves nothing. */
+Test(server, a_router_override_moves_the_attempts_load_to_the_worker_it_used, .timeout = 30)
+{
+    srv s = {0};
+    km_server_config cfg;
+    test_config(&cfg, &s, KM_POLICY_LEAST_LOAD, 3);
+    srv_start(&s, &cfg);
+    km_client *c = connect_client(&s);
+    km_message reply;
+    km_route_request r = token_route("override", 0, 4 * BS);
+    const km_route_decision *d = route_one(c, &r, &reply);
+    cr_assert_eq(d->status, KM_OK);
+    uint32_t chosen = d->chosen_worker, used = (chosen + 1) % 3;
+    uint64_t id = d->decision_id;
+    cr_assert_eq(report(c, KM_LIFECYCLE_DISPATCHED, "override", true, 99), KM_ERR_NOT_FOUND);
+    km_route_request probe = token_route("probe-1", 1000, BS);
+    probe.brief = false;
+    d = route_one(c, &probe, &reply);
+    cr_assert_eq(candidate(d, chosen)->load.in_flight, 1, "a refused move changed the load");
+    uint32_t probe_on = d->chosen_worker; /* least load: not `chosen`, which carries one */
+    cr_assert_neq(probe_on, chosen);
+    cr_assert_eq(report(c, KM_LIFECYCLE_DISPATCHED, "override", true, used), KM_OK);
+    probe = token_route("probe-2", 2000, BS);
+    d = route_one(c, &probe, &reply);
+    cr_assert_eq(candidate(d, chosen)->load.in_flight, 0,
+                 "the chosen worker still carries the overridden attempt");
+    cr_assert_eq(candidate(d, used)->load.in_flight, 1u + (probe_on == used),
+                 "the worker used does not carry the attempt");
+    cr_assert_eq(report(c, KM_LIFECYCLE_FINISHED, "override", false, 0), KM_OK);
+    km_client_close(c);
+    srv_stop(&s);
+    json_t *all = read_records(&s);
+    json_t *o = find_record(all, "outcome", (int64_t)id);
+    cr_assert_not_null(o);
+    json_t *dr = find_record(all, "decision", (int64_t)id);
+    cr_assert_not_null(dr);
+    const char *decided = json_string_value(
+        json_object_get(json_object_get(json_object_get(dr, "decision"), "chosen"), "worker"));
+    const char *w = json_string_value(json_object_get(o, "worker"));
+    const char *dw = json_string_value(json_object_get(o, "dispatched_worker"));
+    cr_assert(w && dw && decided && strcmp(w, decided) == 0 && strcmp(w, dw) != 0,
+              "decided %s; outcome worker %s, dispatched_worker %s", decided ? decided : "null",
+              w ? w : "null", dw ? dw : "null");
+    json_decref(all);
+    srv_cleanup(&s);
+}

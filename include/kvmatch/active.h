@@ -175,6 +175,13 @@ int km_active_begin(km_active *active, uint32_t worker, const km_active_key *key
  * KM_ERR_PROTOCOL (after FIRST_TOKEN: out_of_order; or already finished: duplicate). */
 int km_active_dispatched(km_active *active, const km_active_key *key, uint64_t now_ns);
 
+/* The router sent the attempt to `worker`, not to the one it was begun on (it overrode the
+ * decision): the entry and everything it still charges (in_flight 1, its pending prefill, its
+ * decode blocks) move to `worker`; the same worker is a no-op but for the touch. Errors:
+ * KM_ERR_NULL_POINTER, KM_ERR_WORKER_RANGE, KM_ERR_NOT_FOUND (unknown or ended: late),
+ * KM_ERR_PROTOCOL (already finished). */
+int km_active_move(km_active *active, const km_active_key *key, uint32_t worker, uint64_t now_ns);
+
 /* The first output token arrived, so the prefill is done: the entry's pending prefill is released.
  * engine_cached_tokens (or KM_ACTIVE_CACHED_UNKNOWN) is kept for the summary. Errors:
  * KM_ERR_NOT_FOUND, KM_ERR_PROTOCOL (FIRST_TOKEN twice, or after FINISHED: duplicates). */
@@ -249,6 +256,7 @@ typedef struct km_active_stats {
     uint64_t out_of_order; /* DISPATCHED after FIRST_TOKEN */
     uint64_t saturations;  /* subtractions clamped at 0 (a broken invariant; expected 0) */
     uint64_t corrections;  /* km_active_report_cached calls that changed a pending prefill */
+    uint64_t moved;        /* entries km_active_move gave to another worker */
 } km_active_stats;
 
 /* Errors: KM_ERR_NULL_POINTER. */

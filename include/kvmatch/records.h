@@ -182,7 +182,10 @@ typedef struct km_outcome_record {
     double router_e2e_ms;
 
     /* the prediction, copied from the decision so a reader can compare without a join */
-    const char *worker;                /* required: the chosen worker this attempt went to */
+    const char *worker;                /* required: the worker the decision chose */
+    const char *dispatched_worker;     /* the worker the router reported it used instead (a
+                                        * lifecycle event's `worker`); NULL = null: none reported,
+                                        * or the chosen one */
     km_record_source source;           /* required */
     int64_t block_size;                /* required >= 1 */
     int64_t predicted_depth_blocks;    /* required: the chosen worker's predicted depth */
