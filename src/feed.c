@@ -717,9 +717,16 @@ static void enter_degraded(km_feed *feed, worker *w, uint64_t now, const char *w
         w->windows_total++;
         feed_log(feed, w, "DEGRADED: %s", why);
     }
-    if (feed->config.degraded_policy == KM_FEED_DEGRADED_DROP &&
-        queue_control(feed, w, KM_UPDATE_CLEAR_WORKER) != KM_OK)
-        feed_log(feed, w, "out of memory queueing the DROP-policy clear");
+    /* DROP forgets the engine-hash map with the index: its media bits may be stale too (a lost
+     * BlockRemoved), and a held entry keeps its chain on a later store (apply_stored), so a stale
+     * bit would keep a block indexed after its last real removal. Blocks whose parents were
+     * forgotten are skipped until a sequence starts again, as after a clear. */
+    if (feed->config.degraded_policy == KM_FEED_DEGRADED_DROP) {
+        if (queue_control(feed, w, KM_UPDATE_CLEAR_WORKER) != KM_OK)
+            feed_log(feed, w, "out of memory queueing the DROP-policy clear");
+        else
+            km_emap_clear(&w->map);
+    }
 }
 
 static void declare_lost(km_feed *feed, worker *w, uint64_t n, uint64_t now)

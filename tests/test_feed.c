@@ -850,6 +850,61 @@ Test(feed, degraded_drop_policy_keeps_only_observed_blocks, .timeout = 10)
     }
 }
 
+/* The DROP policy forgets the worker's engine-hash map with its index. A lost BlockRemoved leaves a
+ * media bit stale in the map; kept, it held a block on "CPU" after its last real removal, and when
+ * the engine stored it again and removed it from GPU, the index still held it (as a host-tier
+ * block) until 2026-11-30. */
+Test(feed, the_drop_policy_forgets_media_a_lost_message_left_stale, .timeout = 10)
+{
+    for (int policy = 0; policy < 2; policy++) {
+        km_feed_config cfg;
+        km_test_feed_config(&cfg, BS);
+        cfg.degraded_policy = policy ? KM_FEED_DEGRADED_DROP : KM_FEED_DEGRADED_KEEP_FLAGGED;
+        fx f;
+        fx_init_cfg(&f, &cfg, KM_TEST_ENCODING_MAP, KM_TEST_HASH_INT);
+        fx_add(&f, 0, false); /* no replay endpoint: a gap loses history at once */
+        uint32_t tokens[BS];
+        for (uint32_t i = 0; i < BS; i++)
+            tokens[i] = 900 + i;
+        km_hash_config plain = {BS, NULL, NULL};
+        uint64_t chain[1], eh[1] = {0x77};
+        size_t nb;
+        km_hash_sequence(&plain, tokens, BS, 0, KM_NO_PARENT, NULL, chain, &nb);
+        char why[256];
+        km_test_batch_stored_extra_keys(&f.batch, eh, 1, false, 0, tokens, BS, "GPU", NULL, NULL);
+        uint64_t s_gpu = fx_keep(&f);
+        km_test_batch_stored_extra_keys(&f.batch, eh, 1, false, 0, tokens, BS, "CPU", NULL, NULL);
+        uint64_t s_cpu = fx_keep(&f);
+        km_test_batch_removed(&f.batch, eh, 1, "CPU");
+        uint64_t s_lost = fx_keep(&f); /* never delivered */
+        km_test_batch_removed(&f.batch, eh, 1, "GPU");
+        uint64_t s_gpu_gone = fx_keep(&f);
+        km_test_batch_stored_extra_keys(&f.batch, eh, 1, false, 0, tokens, BS, "GPU", NULL, NULL);
+        uint64_t s_again = fx_keep(&f);
+        km_test_batch_removed(&f.batch, eh, 1, "GPU");
+        uint64_t s_gone = fx_keep(&f);
+        fx_live(&f, 0, s_gpu);
+        fx_live(&f, 0, s_cpu);
+        fx_flush(&f);
+        cr_assert(km_test_index_holds_exactly(f.index, 0, chain, 1, why, sizeof why), "%s", why);
+        (void)s_lost;
+        fx_live(&f, 0, s_gpu_gone); /* seq s_lost missing: DEGRADED */
+        fx_live(&f, 0, s_again);
+        fx_live(&f, 0, s_gone);
+        fx_flush(&f);
+        cr_assert_eq(fx_info(&f, 0).state, KM_FEED_STATE_DEGRADED);
+        /* The engine holds the block nowhere now. DROP promises no stale block; KEEP_FLAGGED
+         * keeps what it believed (the stale CPU copy), flagged. */
+        if (policy)
+            cr_assert(km_test_index_holds_exactly(f.index, 0, chain, 0, why, sizeof why),
+                      "DROP policy: %s", why);
+        else
+            cr_assert(km_test_index_holds_exactly(f.index, 0, chain, 1, why, sizeof why),
+                      "KEEP_FLAGGED: %s", why);
+        fx_free(&f);
+    }
+}
+
 Test(feed, replay_failure_and_no_replay_endpoint_lose_history, .timeout = 10)
 {
     fx f;
