@@ -1876,6 +1876,22 @@ static int lifecycle_one(km_server *s, const km_lifecycle_event *ev, char *msg, 
     } else if (ev->request_id) {
         a = attempt_by_key(s, ev->request_id, ev->attempt_id);
     }
+    if (!a && ev->request_id) {
+        /* No attempt: active work still tells a duplicate (already finished: KM_ERR_PROTOCOL) or
+         * a late report (expired, evicted, worker removed) from an unknown id, and counts it. The
+         * entry is not live, so nothing changes (one whose attempt could not be kept, out of
+         * memory, is live: the event applies to it, without an outcome record). */
+        km_active_key key = km_active_key_of(ev->request_id, ev->attempt_id);
+        uint64_t now = now_ns();
+        int rc = ev->kind == KM_LIFECYCLE_DISPATCHED ? km_active_dispatched(s->active, &key, now)
+                 : ev->kind == KM_LIFECYCLE_FIRST_TOKEN
+                     ? km_active_first_token(s->active, &key, KM_ACTIVE_CACHED_UNKNOWN, now)
+                     : km_active_finish(s->active, &key, active_end_of(ev->outcome), now, NULL);
+        if (rc == KM_OK)
+            return KM_OK;
+        if (rc != KM_ERR_NOT_FOUND)
+            return km_why(msg, msg_size, rc, "%s", km_active_last_error(s->active));
+    }
     if (!a)
         return km_why(msg, msg_size, KM_ERR_NOT_FOUND,
                      "no active attempt for %s%" PRIu64 "%s%s%s%s",

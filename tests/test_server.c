@@ -302,8 +302,9 @@ Test(server, route_lifecycle_and_records, .timeout = 30)
     for (uint32_t i = 0; i < 4; i++)
         cr_assert_eq(reply.ack.items[i].status, KM_OK, "event %u: %s", i,
                      reply.ack.items[i].message ? reply.ack.items[i].message : "");
-    /* Reports about unknown or finished attempts are answered per item. */
-    km_lifecycle_event bad[2];
+    /* Reports about unknown or finished attempts are answered per item: unknown is
+     * KM_ERR_NOT_FOUND, a second FINISHED for a request id is a duplicate (KM_ERR_PROTOCOL). */
+    km_lifecycle_event bad[3];
     memset(bad, 0, sizeof bad);
     bad[0].kind = KM_LIFECYCLE_DISPATCHED;
     bad[0].request_id = "never-routed";
@@ -312,10 +313,13 @@ Test(server, route_lifecycle_and_records, .timeout = 30)
     bad[1].decision_id = id2;
     bad[1].outcome = KM_OUTCOME_ERROR;
     bad[1].error = "x";
-    rc = km_client_lifecycle(c, bad, 2, 5000, &reply);
+    bad[2] = ev[2]; /* req-1's FINISHED again */
+    rc = km_client_lifecycle(c, bad, 3, 5000, &reply);
     cr_assert_eq(rc, KM_OK);
     cr_assert_eq(reply.ack.items[0].status, KM_ERR_NOT_FOUND);
     cr_assert_eq(reply.ack.items[1].status, KM_ERR_NOT_FOUND);
+    cr_assert_eq(reply.ack.items[2].status, KM_ERR_PROTOCOL, "a duplicate FINISHED: %s",
+                 km_error_name(reply.ack.items[2].status));
     km_client_close(c);
     srv_stop(&s);
 
