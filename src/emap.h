@@ -10,6 +10,7 @@
 #include <stdint.h>
 
 #include "oamap.h"
+#include "u64map.h"
 
 typedef struct km_emap_entry {
     uint64_t key;   /* km_u64map_key(engine hash); 0 = empty, 1 = erased (old array only) */
@@ -21,6 +22,17 @@ typedef struct km_emap_entry {
 typedef km_oamap km_emap;
 
 void km_emap_init(km_emap *m);
+/* Start loading the slot where a lookup of engine_hash begins (a hint; no effect on the map).
+ * always_inline for the reason given at km_u64map_prefetch. */
+__attribute__((always_inline)) static inline void km_emap_prefetch(const km_emap *m,
+                                                                   uint64_t engine_hash)
+{
+    uint64_t key = km_u64map_key(engine_hash);
+    if (m->capacity)
+        __builtin_prefetch(m->entries + km_oamap_home(key, m->capacity) * sizeof(km_emap_entry));
+    if (m->old)
+        __builtin_prefetch(m->old + km_oamap_home(key, m->old_capacity) * sizeof(km_emap_entry));
+}
 void km_emap_free(km_emap *m);
 /* The entry of an engine hash, or NULL. Valid until the next reserve, erase or clear. */
 km_emap_entry *km_emap_find(const km_emap *m, uint64_t engine_hash);

@@ -23,8 +23,10 @@ MARKED = [
     ("src/shared.h", "KM_PREFETCH(&hashes[(k + 1) * S - 1]);"),
     ("src/u64map.h", "__builtin_prefetch(&now[h & (m->capacity - 1)]);"),
     ("src/u64map.h", "__builtin_prefetch(&before[h & (m->old_capacity - 1)]);"),
+    ("src/emap.h", "__builtin_prefetch(m->entries + km_oamap_home(key, m->capacity)"),
+    ("src/emap.h", "__builtin_prefetch(m->old + km_oamap_home(key, m->old_capacity)"),
 ]
-OBJECTS = ["src/backend_cpu.o", "src/approx.o", "src/index.o"]
+OBJECTS = ["src/backend_cpu.o", "src/approx.o", "src/index.o", "src/feed.o"]
 
 
 def line_of(path, text):
