@@ -526,12 +526,12 @@ int km_policy_decide(const km_policy_config *cfg, km_policy_state *state,
         d.reason = KM_POLICY_REASON_LEAST_LOAD;
         break;
     case KM_POLICY_ROUND_ROBIN:
-        if (costs_out)
+        if (costs_out) /* it compares nothing: no cost (null in records, nil on the wire) */
             for (uint32_t i = 0; i < n; i++)
-                costs_out[i] = 0.0;
+                costs_out[i] = NAN;
         d.chosen = (uint32_t)(state->round_robin_cursor % n);
         state->round_robin_cursor++;
-        d.chosen_cost = 0.0;
+        d.chosen_cost = NAN;
         d.reason = KM_POLICY_REASON_ROUND_ROBIN;
         break;
     }

@@ -631,7 +631,10 @@ static void encode_decision(writer *w, const km_route_decision *d, uint32_t i)
             msgpack_pack_uint32(&w->packer, s->load.in_flight);
             msgpack_pack_uint64(&w->packer, s->load.pending_prefill_tokens);
             msgpack_pack_uint64(&w->packer, s->load.active_decode_blocks);
-            msgpack_pack_double(&w->packer, s->cost);
+            if (isfinite(s->cost))
+                msgpack_pack_double(&w->packer, s->cost);
+            else
+                msgpack_pack_nil(&w->packer); /* no cost (round_robin): decoded as NAN */
             if (s->state)
                 pack_cstr(w, s->state);
             else
@@ -1559,7 +1562,8 @@ static int decode_route(km_protocol_decoder *d, const msgpack_object *o, km_rout
 
 /* One positional candidate row: [worker, depth, device_blocks, host_blocks, disk_blocks,
  * in_flight, pending_prefill_tokens, active_decode_blocks, cost, state, eligible]; nil means
- * absent (0, "no state", eligible); extra elements (a newer server) are ignored. */
+ * absent (0, NAN for the cost, "no state", eligible); extra elements (a newer server) are
+ * ignored. */
 static int decode_candidate(km_protocol_decoder *d, const msgpack_object *o, uint32_t index,
                             km_candidate_score *c)
 {
@@ -1574,6 +1578,7 @@ static int decode_candidate(km_protocol_decoder *d, const msgpack_object *o, uin
         d->path_depth = depth + 1;
     }
     c->eligible = true;
+    c->cost = NAN;
     int rc = KM_OK;
     if (o->type != MSGPACK_OBJECT_ARRAY || o->via.array.size < KM_CANDIDATE_ROW_FIELDS) {
         rc = field_fail(d, KM_ERR_PARSE, NULL, NO_ELEMENT,

@@ -168,7 +168,7 @@ static void rand_decision(km_rng *r, km_route_decision *d)
         c[i].host_blocks = rand_u32(r);
         c[i].disk_blocks = rand_u32(r);
         c[i].load = rand_load(r);
-        c[i].cost = rand_double(r);
+        c[i].cost = km_rng_percent(r, 20) ? NAN : rand_double(r); /* NAN: round_robin, nil */
         c[i].state = maybe_str(r);
         c[i].eligible = km_rng_percent(r, 50);
     }
@@ -482,7 +482,8 @@ static void eq_message(const km_message *a, const km_message *b)
                 EQ_NUM(p->host_blocks, q->host_blocks, "cand.host_blocks");
                 EQ_NUM(p->disk_blocks, q->disk_blocks, "cand.disk_blocks");
                 eq_load(&p->load, &q->load);
-                EQ_NUM(p->cost, q->cost, "cand.cost");
+                KM_CHECK(p->cost == q->cost || (isnan(p->cost) && isnan(q->cost)),
+                         "cand.cost differs: %g, %g", p->cost, q->cost);
                 EQ_STR(p->state, q->state, "cand.state");
                 EQ_NUM(p->eligible, q->eligible, "cand.eligible");
             }

@@ -1906,7 +1906,7 @@ Test(server, a_peer_that_closes_mid_reply_does_not_end_an_embedding_process, .ti
 /* round_robin weighs no load. RECORDS.md: load.value is "null when the policy used none", and
  * "Missing is null, never 0"; the DECISION reply carries nil (never a NaN float, which a client
  * that turns replies into JSON cannot hold), and the C and Python clients read it as missing. */
-Test(server, round_robin_load_value_is_null_in_record_and_reply, .timeout = 60)
+Test(server, round_robin_load_value_and_costs_are_null_in_record_and_reply, .timeout = 60)
 {
     srv s = {0};
     km_server_config cfg;
@@ -1919,6 +1919,10 @@ Test(server, round_robin_load_value_is_null_in_record_and_reply, .timeout = 60)
     cr_assert_eq(d->status, KM_OK, "%s", d->message);
     cr_assert_str_eq(d->load_kind, "none");
     cr_assert(isnan(d->load_value), "round_robin load_value in the reply: %g", d->load_value);
+    cr_assert_eq(d->n_candidates, 2);
+    for (uint32_t i = 0; i < d->n_candidates; i++) /* nil on the wire: no cost */
+        cr_assert(isnan(d->candidates[i].cost), "round_robin candidate cost in the reply: %g",
+                  d->candidates[i].cost);
     uint64_t id = d->decision_id;
     km_client_close(c);
     if (system("/usr/bin/python3 -c 'import msgpack' >/dev/null 2>&1") == 0) {
@@ -1947,6 +1951,11 @@ Test(server, round_robin_load_value_is_null_in_record_and_reply, .timeout = 60)
     cr_assert_str_eq(json_string_value(json_object_get(load, "kind")), "none", "%s", text);
     cr_assert(json_is_null(json_object_get(load, "value")), "round_robin load: %s", text);
     free(text);
+    json_t *cands = json_object_get(o, "candidates");
+    cr_assert_eq(json_array_size(cands), 2);
+    for (size_t i = 0; i < json_array_size(cands); i++)
+        cr_assert(json_is_null(json_object_get(json_array_get(cands, i), "cost")),
+                  "round_robin candidate %zu's cost is not null", i);
     json_decref(all);
     srv_cleanup(&s);
 }

@@ -223,7 +223,8 @@ const char *km_policy_last_error(const km_policy_state *state);
  *   the order breaks ties).
  *
  * round_robin: index state->round_robin_cursor % n, then the cursor advances by one; load and
- *   match are ignored; reason round_robin. costs_out: 0 for every candidate.
+ *   match are ignored; reason round_robin. costs_out: NAN for every candidate (it compares
+ *   nothing), and chosen_cost NAN.
  *
  * Only round_robin (cursor) and kv with temperature > 0 (one random draw) change *state; a failed
  * call changes nothing but state->last_error.
