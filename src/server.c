@@ -1640,13 +1640,16 @@ static void conn_flush(conn *c)
     }
 }
 
-/* Queue bytes for the peer; a reader that lets too much pile up is closed. */
+/* Queue bytes for the peer; a reader that lets too much pile up is closed. Only replies already
+ * waiting make a reader slow: a reply that finds nothing unwritten is taken whatever its size (up
+ * to max_frame_bytes), so a small max_outbox_bytes never cuts off a client that reads promptly. */
 static void conn_send(conn *c, const km_frame_buffer *frames)
 {
     km_server *s = c->server;
     if (c->closing || frames->size == 0)
         return;
-    if (c->outbox.size + c->writing.size + frames->size > s->cfg.max_outbox_bytes) {
+    size_t waiting = c->outbox.size + c->writing.size;
+    if (waiting > 0 && waiting + frames->size > s->cfg.max_outbox_bytes) {
         atomic_fetch_add(&s->st.slow_closed, 1);
         slog(s, "closing a connection that does not read its replies (%zu bytes waiting)",
              c->outbox.size + c->writing.size);

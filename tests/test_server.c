@@ -2106,3 +2106,40 @@ Test(server, a_router_override_moves_the_attempts_load_to_the_worker_it_used, .t
     json_decref(all);
     srv_cleanup(&s);
 }
+
+/* A reply larger than max_outbox_bytes, to a client that reads promptly: it is delivered, and the
+ * connection stays. Until 2026-11-30 any reply over the limit closed the connection as a slow
+ * reader, even with nothing else waiting (a server configured with an outbox smaller than its
+ * largest reply cut off every client that asked for one). */
+Test(server, a_reply_larger_than_the_outbox_reaches_a_client_that_reads, .timeout = 30)
+{
+    srv s = {0};
+    km_server_config cfg;
+    test_config(&cfg, &s, KM_POLICY_KV, 16);
+    cfg.max_outbox_bytes = 16 * 1024;
+    cfg.records_path = NULL;
+    srv_start(&s, &cfg);
+    km_client *c = connect_client(&s);
+    static char rids[128][16];
+    static km_route_request r[128];
+    for (int k = 0; k < 128; k++) {
+        snprintf(rids[k], sizeof rids[k], "big-%d", k);
+        r[k] = token_route(rids[k], 0, 2 * BS);
+    }
+    km_message reply;
+    for (int round = 0; round < 2; round++) {
+        if (round) /* new ids: the first round's attempts are still in flight */
+            for (int k = 0; k < 128; k++)
+                rids[k][0] = 'B';
+        int rc = km_client_route(c, r, 128, 5000, &reply);
+        cr_assert_eq(rc, KM_OK, "round %d: %s: %s", round, km_error_name(rc), km_client_last_error(c));
+        cr_assert_eq(reply.decision.n_decisions, 128);
+        cr_assert_eq(reply.decision.decisions[0].n_candidates, 16);
+    }
+    km_server_stats st;
+    km_server_get_stats(s.server, &st);
+    cr_assert_eq(st.slow_clients_closed, 0);
+    km_client_close(c);
+    srv_stop(&s);
+    srv_cleanup(&s);
+}
