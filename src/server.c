@@ -32,6 +32,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/ioctl.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -1524,7 +1525,8 @@ static void conn_flush(conn *c);
 static void on_read(uv_stream_t *stream, ssize_t nread, const uv_buf_t *buf);
 static void alloc_cb(uv_handle_t *h, size_t suggested, uv_buf_t *buf);
 
-/* Reading paused while replies piled up (conn_send) starts again once they drained. libuv wants
+/* Reading paused while replies piled up (conn_send) starts again once they drained, while the
+ * server drains too (what was sent before the stop is answered, a new ROUTE refused). libuv wants
  * the allocation callback again (NULL is refused with UV_EINVAL: until 2026-11-30 a paused
  * connection never read again); a connection that cannot read is closed. */
 static void conn_resume_reading(conn *c)
@@ -1590,7 +1592,7 @@ static void on_write(uv_write_t *req, int status)
     if (c->closing)
         return;
     km_server *s = c->server;
-    if (c->paused && c->outbox.size < s->cfg.max_outbox_bytes / 8 && !c->eof && !s->draining)
+    if (c->paused && c->outbox.size < s->cfg.max_outbox_bytes / 8 && !c->eof)
         conn_resume_reading(c);
     conn_flush(c);
     conn_close_if_finished(c);
@@ -1620,8 +1622,7 @@ static void conn_flush(conn *c)
     size_t written = n > 0 ? (size_t)n : 0;
     if (written == c->outbox.size) {
         c->outbox.size = 0;
-        km_server *s = c->server;
-        if (c->paused && !c->eof && !s->draining)
+        if (c->paused && !c->eof)
             conn_resume_reading(c);
         return;
     }
@@ -2588,9 +2589,23 @@ static bool drained(km_server *s)
     pthread_mutex_unlock(&s->done_lock);
     if (!none)
         return false;
-    for (conn *c = s->conns; c; c = c->next)
+    for (conn *c = s->conns; c; c = c->next) {
         if (c->jobs_in_flight || c->write_in_flight || c->outbox.size)
             return false;
+        /* Requests a client sent before the stop may still be in its socket or half read: they
+         * are read and answered (decided, or refused as shutting down) before the connection
+         * closes. Until 2026-11-30 a drain could end between two reads and close a connection
+         * whose last requests were never answered. */
+        if (c->closing || c->eof)
+            continue;
+        if (km_frame_reader_pending(c->reader) > 0)
+            return false;
+        uv_os_fd_t fd;
+        int unread = 0;
+        if (c->reading && uv_fileno(&c->h.handle, &fd) == 0 && ioctl(fd, FIONREAD, &unread) == 0 &&
+            unread > 0)
+            return false;
+    }
     return true;
 }
 

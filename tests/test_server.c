@@ -1259,8 +1259,11 @@ Test(server, stop_drains_queued_routes, .timeout = 30)
     for (int i = 0; i < 200; i++) {
         km_message m;
         int rc = km_client_wait(c, ids[i], 10000, &m);
-        if (rc != KM_OK)
+        if (rc != KM_OK) {
+            fprintf(stderr, "stop_drains_queued_routes: wait for route %d: %s: %s\n", i,
+                    km_error_name(rc), km_client_last_error(c));
             break;
+        }
         if (m.type == KM_MESSAGE_DECISION)
             answered++;
         else if (m.type == KM_MESSAGE_ERROR && m.error.code == KM_ERR_SHUTTING_DOWN)
