@@ -140,6 +140,10 @@ typedef struct attempt {
     km_record_time dispatched, first_token; /* monotonic 0 = absent */
     double router_dispatched_ms, router_ttft_ms; /* the router's elapsed_ms; NAN = not reported */
     bool cached_size;  /* allocated with ATTEMPT_CACHED_STRINGS bytes of strings: reusable */
+    /* The request's block hashes, kept (approx_dispatch_max_bytes) when its pool has
+     * approximate-mode workers: a report that the router used another of them teaches it. */
+    uint64_t *hashes;
+    uint32_t n_hashes;
     struct attempt *next_free; /* in attempt_cache */
     char strings[]; /* the ids and names, one allocation with the struct */
 } attempt;
@@ -153,13 +157,27 @@ enum { ATTEMPT_CACHED_STRINGS = 192, ATTEMPT_CACHE_MAX = 65536 };
 typedef struct attempt_cache {
     attempt *head;
     uint32_t count;
+    uint64_t hash_bytes; /* the live attempts' `hashes`, all together */
 } attempt_cache;
+
+/* A router override to an approximate-mode worker (lifecycle `worker`): the request's blocks
+ * are assumed on that worker from the report on. Made by the loop thread under active_lock,
+ * applied by the scheduler role (which owns the approximate-mode state) at its next
+ * housekeeping; `incarnation` tells a worker removed and added again meanwhile. */
+typedef struct dispatch_lesson {
+    struct dispatch_lesson *next;
+    uint32_t worker;
+    uint64_t incarnation;
+    uint32_t n_hashes;
+    uint64_t hashes[];
+} dispatch_lesson;
 
 typedef struct worker_slot {
     bool used;
     uint32_t pool;
     bool events; /* fed by KV events; else approximate mode */
     bool local;  /* events handed over in process (km_server_deliver_events), no sockets */
+    uint64_t incarnation; /* distinct for every worker_add */
     char name[KM_SERVER_NAME_MAX];
     char *event_endpoint, *replay_endpoint;
     /* per batch: state name cached */
@@ -184,6 +202,7 @@ typedef struct pool {
     uint64_t approx_ttl_ms, approx_capacity_blocks;
     uint32_t *members; /* worker ids, ascending */
     uint32_t n_members, members_capacity;
+    uint32_t n_approx_members; /* of which in approximate mode */
     char *snapshot_path; /* NULL = none */
     /* per batch */
     km_request *requests;
@@ -270,11 +289,13 @@ struct km_server {
     uint32_t n_pools;
     worker_slot *workers;
     uint64_t batch_stamp;
+    uint64_t next_incarnation;
 
     pthread_mutex_t active_lock;
     km_active *active;
     km_u64map attempts_by_decision; /* decision id -> attempt*; by ids: the active entry's user */
     attempt_cache attempt_cache;     /* released attempts for reuse (active_lock) */
+    dispatch_lesson *lessons;        /* for the next housekeeping (active_lock) */
     km_memory attempts_memory;
     uv_timer_t expiry_timer; /* loop thread: active-work expiry while the scheduler role is free */
     uv_idle_t expiry_more;   /* runs while a full slice ended */
@@ -296,7 +317,8 @@ struct km_server {
     struct {
         atomic_uint_fast64_t accepted, open, refused, slow_closed, frames, bad_frames, routes,
             decisions, route_errors, overloaded, batches, inline_batches, lifecycle,
-            lifecycle_errors, outcomes, expired, evicted, dropped_at_shutdown;
+            lifecycle_errors, outcomes, expired, evicted, dropped_at_shutdown,
+            dispatch_learned, dispatch_unlearned;
     } st;
     int shutdown_status;
 };
@@ -656,6 +678,8 @@ static int worker_add(km_server *s, uint32_t pool_index, const km_server_worker 
     slot->pool = pool_index;
     slot->events = w->event_endpoint != NULL;
     slot->local = local;
+    slot->incarnation = ++s->next_incarnation;
+    p->n_approx_members += !slot->events;
     if (w->name)
         snprintf(slot->name, sizeof slot->name, "%s", w->name);
     else
@@ -686,6 +710,7 @@ static int worker_remove(km_server *s, uint32_t id, char *why, size_t why_size)
         km_approx_clear_worker(p->approx, id, &p->approx_updates);
         km_approx_updates_clear(&p->approx_updates);
         km_index_remove_worker(p->index, id);
+        p->n_approx_members--;
     }
     members_erase(p, id);
     free(slot->event_endpoint);
@@ -761,6 +786,11 @@ static attempt *attempt_new(attempt_cache *cache, const char *request_id, const 
 /* active_lock held (or the server being destroyed). */
 static void attempt_free(attempt_cache *cache, attempt *a)
 {
+    if (a && a->hashes) {
+        cache->hash_bytes -= (uint64_t)a->n_hashes * sizeof *a->hashes;
+        free(a->hashes);
+        a->hashes = NULL;
+    }
     if (a && a->cached_size && cache->count < ATTEMPT_CACHE_MAX) {
         a->next_free = cache->head;
         cache->head = a;
@@ -778,6 +808,23 @@ static void attempt_cache_free(attempt_cache *cache)
         free(a);
     }
     cache->count = 0;
+}
+
+/* A decision in a pool with approximate-mode workers keeps its request's hashes, within
+ * approx_dispatch_max_bytes, for a router override to one of them (dispatch_lesson). active_lock
+ * held. Without them such an override teaches nothing (approx_dispatch_unlearned). */
+static void attempt_keep_hashes(km_server *s, attempt *a, const pool *p, const route_job *r)
+{
+    if (!p->n_approx_members || !r->n_hashes)
+        return;
+    uint64_t bytes = (uint64_t)r->n_hashes * sizeof *r->hashes;
+    if (s->attempt_cache.hash_bytes + bytes > s->cfg.approx_dispatch_max_bytes)
+        return;
+    if (!(a->hashes = malloc(bytes)))
+        return;
+    memcpy(a->hashes, r->hashes, bytes);
+    a->n_hashes = (uint32_t)r->n_hashes;
+    s->attempt_cache.hash_bytes += bytes;
 }
 
 /* active_lock held. */
@@ -1153,6 +1200,7 @@ static void decide_route(km_server *s, job *j, route_job *r, pool *p, const km_r
         a->block_size = p->block_size;
         a->chosen_depth = pd.chosen_depth;
         a->owner_depth = pd.owner_depth;
+        attempt_keep_hashes(s, a, p, r);
         if (s->records) /* only outcome records read it; records are set at start */
             a->decided = km_record_time_now();
         if (km_u64map_put(&s->attempts_by_decision, km_u64map_key(decision_id), (uintptr_t)a, 1) ||
@@ -1377,6 +1425,34 @@ static bool expire_due(km_server *s, uint32_t limit)
     return true;
 }
 
+/* Router overrides queued by lifecycle reports (lesson_queue): each teaches its worker, if it is
+ * still the same approximate-mode worker. Scheduler role and admin_lock held. */
+static void apply_lessons(km_server *s, batch_scratch *b, uint64_t now)
+{
+    pthread_mutex_lock(&s->active_lock);
+    dispatch_lesson *l = s->lessons;
+    s->lessons = NULL;
+    pthread_mutex_unlock(&s->active_lock);
+    while (l) {
+        dispatch_lesson *next = l->next;
+        worker_slot *w = &s->workers[l->worker];
+        if (w->used && !w->events && w->incarnation == l->incarnation) {
+            pool *p = s->pools[w->pool];
+            km_approx_updates_clear(&b->updates);
+            int rc = km_approx_record(p->approx, l->worker, l->hashes, l->n_hashes, now, &b->updates);
+            if (rc == KM_OK && b->updates.n_updates)
+                rc = km_index_apply(p->index, b->updates.updates, b->updates.n_updates, NULL);
+            km_approx_updates_clear(&b->updates);
+            if (rc == KM_OK)
+                atomic_fetch_add(&s->st.dispatch_learned, 1);
+            else
+                atomic_fetch_add(&s->st.dispatch_unlearned, 1);
+        }
+        free(l);
+        l = next;
+    }
+}
+
 /* The scheduler role's chores before scoring: apply received events, expire approximate-mode
  * pairs, and (expire_limit > 0) expire active work (expire_due). */
 static void housekeeping(km_server *s, batch_scratch *b, uint32_t expire_limit)
@@ -1407,6 +1483,7 @@ static void housekeeping(km_server *s, batch_scratch *b, uint32_t expire_limit)
             km_approx_updates_clear(&b->updates);
         }
     }
+    apply_lessons(s, b, now);
     pthread_mutex_unlock(&s->admin_lock);
 }
 
@@ -1868,6 +1945,28 @@ static km_record_outcome record_outcome_of(km_outcome o)
     }
 }
 
+/* Approximate mode assumes the worker a request went to holds its blocks (approx.h). The
+ * decision taught that to its chosen worker; when the router reports another approximate-mode
+ * worker, that one is taught too, at the scheduler's next housekeeping (apply_lessons). The chosen
+ * worker's assumption is left to its TTL: other decisions may have taught it the same blocks.
+ * active_lock held. */
+static void lesson_queue(km_server *s, const attempt *a, uint32_t worker)
+{
+    dispatch_lesson *l = NULL;
+    if (a->hashes)
+        l = malloc(sizeof *l + (size_t)a->n_hashes * sizeof *l->hashes);
+    if (!l) {
+        atomic_fetch_add(&s->st.dispatch_unlearned, 1);
+        return;
+    }
+    l->worker = worker;
+    l->incarnation = s->workers[worker].incarnation;
+    l->n_hashes = a->n_hashes;
+    memcpy(l->hashes, a->hashes, (size_t)a->n_hashes * sizeof *l->hashes);
+    l->next = s->lessons;
+    s->lessons = l;
+}
+
 /* One lifecycle report (active_lock held). Returns KM_OK or an error with *msg. */
 static int lifecycle_one(km_server *s, const km_lifecycle_event *ev, char *msg, size_t msg_size)
 {
@@ -1920,6 +2019,8 @@ static int lifecycle_one(km_server *s, const km_lifecycle_event *ev, char *msg, 
         memcpy(a->dispatched_name, s->workers[ev->worker].name, sizeof a->dispatched_name);
         if (!strcmp(a->dispatched_name, a->chosen_name))
             a->dispatched_name[0] = '\0';
+        if (!s->workers[ev->worker].events)
+            lesson_queue(s, a, ev->worker);
     }
     switch (ev->kind) {
     case KM_LIFECYCLE_DISPATCHED:
@@ -1978,7 +2079,10 @@ static void handle_lifecycle(conn *c, const km_message *m)
             atomic_fetch_add(&s->st.lifecycle_errors, 1);
         }
     }
+    bool lessons = s->lessons != NULL;
     pthread_mutex_unlock(&s->active_lock);
+    if (lessons)
+        wake_scheduler(s); /* the next decision should already know */
     km_message reply;
     memset(&reply, 0, sizeof reply);
     reply.type = KM_MESSAGE_ACK;
@@ -2882,6 +2986,13 @@ static int http_metrics(void *user, km_text *out)
          atomic_load(&s->st.open)},
         {"kvmatch_lifecycle_errors_total", "Lifecycle reports answered with an error.",
          KM_METRIC_COUNTER, atomic_load(&s->st.lifecycle_errors)},
+        {"kvmatch_approx_dispatch_learned_total",
+         "Router overrides to an approximate-mode worker that taught it the request's blocks.",
+         KM_METRIC_COUNTER, atomic_load(&s->st.dispatch_learned)},
+        {"kvmatch_approx_dispatch_unlearned_total",
+         "Router overrides to an approximate-mode worker that could not teach it "
+         "(approx_dispatch_max_bytes).",
+         KM_METRIC_COUNTER, atomic_load(&s->st.dispatch_unlearned)},
     };
     for (size_t i = 0; i < sizeof rows / sizeof rows[0]; i++) {
         km_prom_write_family(out, rows[i].name, rows[i].help, rows[i].type);
@@ -3001,6 +3112,11 @@ void km_server_destroy(km_server *s)
     for (km_u64map_entry *e; (e = km_u64map_next(&s->attempts_by_decision, &cursor));)
         attempt_free(&s->attempt_cache, (attempt *)(uintptr_t)e->value);
     attempt_cache_free(&s->attempt_cache);
+    while (s->lessons) {
+        dispatch_lesson *l = s->lessons;
+        s->lessons = l->next;
+        free(l);
+    }
     km_u64map_free(&s->attempts_by_decision);
     km_active_destroy(s->active);
     scratch_free(&s->scratch);
@@ -3398,6 +3514,8 @@ void km_server_get_stats(km_server *s, km_server_stats *o)
     o->expired = atomic_load(&s->st.expired);
     o->evicted = atomic_load(&s->st.evicted);
     o->routes_dropped_at_shutdown = atomic_load(&s->st.dropped_at_shutdown);
+    o->approx_dispatch_learned = atomic_load(&s->st.dispatch_learned);
+    o->approx_dispatch_unlearned = atomic_load(&s->st.dispatch_unlearned);
     if (s->records) {
         km_record_writer_counters rc;
         km_record_writer_stats(s->records, &rc);

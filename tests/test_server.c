@@ -2110,6 +2110,73 @@ Test(server, a_router_override_moves_the_attempts_load_to_the_worker_it_used, .t
     srv_cleanup(&s);
 }
 
+/* Approximate mode assumes the worker a request went to holds its blocks. When the router reports
+ * it used another approximate-mode worker than the one chosen, that worker is taught the request's
+ * blocks before the next decision (the chosen worker keeps its assumption until the TTL). Until
+ * 2026-11-30 only the chosen worker learned, so an overriding router's next request with the same
+ * prefix was predicted on a worker that never saw it, and the one that did was predicted cold.
+ * With approx_dispatch_max_bytes 0 no hashes are kept and the override is counted as unlearned.
+ * Returns the probe's depth on the worker used; *learned / *unlearned are the server's counts. */
+static uint32_t override_teaches(uint64_t max_bytes, uint64_t *learned, uint64_t *unlearned)
+{
+    srv s = {0};
+    km_server_config cfg;
+    test_config(&cfg, &s, KM_POLICY_PREFIX, 3);
+    cfg.records_path = NULL;
+    cfg.approx_dispatch_max_bytes = max_bytes;
+    srv_start(&s, &cfg);
+    km_client *c = connect_client(&s);
+    km_message reply;
+    km_route_request r = token_route("teach", 0, 4 * BS);
+    const km_route_decision *d = route_one(c, &r, &reply);
+    cr_assert_eq(d->status, KM_OK);
+    uint32_t chosen = d->chosen_worker, used = (chosen + 1) % 3;
+    /* Before the override: the prefix is assumed on the chosen worker only. The probe (prefix
+     * policy: the deepest match) is decided on `chosen` again, which teaches `used` nothing. */
+    km_route_request probe = token_route("probe-before", 0, 4 * BS);
+    probe.brief = false;
+    d = route_one(c, &probe, &reply);
+    cr_assert_eq(d->chosen_worker, chosen);
+    cr_assert_eq(candidate(d, chosen)->depth, 4);
+    cr_assert_eq(candidate(d, used)->depth, 0);
+    cr_assert_eq(report(c, KM_LIFECYCLE_DISPATCHED, "teach", true, used), KM_OK);
+    /* The ACK came after the lesson was queued, and every batch applies queued lessons first. */
+    probe = token_route("probe-after", 0, 4 * BS);
+    probe.brief = false;
+    d = route_one(c, &probe, &reply);
+    cr_assert_eq(d->status, KM_OK);
+    cr_assert_eq(candidate(d, chosen)->depth, 4, "the chosen worker lost its assumption");
+    uint32_t depth = candidate(d, used)->depth;
+    /* A second worker reported for the same attempt teaches that one too (the third). */
+    uint32_t third = (chosen + 2) % 3;
+    cr_assert_eq(report(c, KM_LIFECYCLE_FINISHED, "teach", true, third), KM_OK);
+    probe = token_route("probe-third", 0, 4 * BS);
+    probe.brief = false;
+    d = route_one(c, &probe, &reply);
+    cr_assert_eq(candidate(d, third)->depth, depth, "a second override was not learned alike");
+    km_server_stats st;
+    km_server_get_stats(s.server, &st);
+    *learned = st.approx_dispatch_learned;
+    *unlearned = st.approx_dispatch_unlearned;
+    km_client_close(c);
+    srv_stop(&s);
+    srv_cleanup(&s);
+    return depth;
+}
+
+Test(server, a_router_override_teaches_the_approximate_mode_worker_it_used, .timeout = 30)
+{
+    uint64_t learned, unlearned;
+    uint32_t depth = override_teaches(UINT64_C(64) << 20, &learned, &unlearned);
+    cr_assert_eq(depth, 4, "the worker the router used was not taught the request's blocks");
+    cr_assert_eq(learned, 2);
+    cr_assert_eq(unlearned, 0);
+    depth = override_teaches(0, &learned, &unlearned);
+    cr_assert_eq(depth, 0, "approx_dispatch_max_bytes 0 kept hashes");
+    cr_assert_eq(learned, 0);
+    cr_assert_eq(unlearned, 2);
+}
+
 /* A reply larger than max_outbox_bytes, to a client that reads promptly: it is delivered, and the
  * connection stays. Until 2026-11-30 any reply over the limit closed the connection as a slow
  * reader, even with nothing else waiting (a server configured with an outbox smaller than its

@@ -95,6 +95,12 @@ typedef struct km_server_config {
                                   * touched entry (an `expired` outcome record, counted in
                                   * `evicted`), so a router that never reports FINISHED degrades
                                   * load accounting, not routing; default 1,048,576 */
+    uint64_t approx_dispatch_max_bytes; /* block hashes kept, all live attempts together, for
+                                  * decisions in pools with approximate-mode workers: a lifecycle
+                                  * report naming another such worker (the router overrode the
+                                  * choice) teaches that worker the request's blocks. Beyond it a
+                                  * decision keeps none (counted in approx_dispatch_unlearned);
+                                  * 0 = keep none; default 64 MiB */
     double ready_share;         /* /readyz: ready when at least this share of event-fed workers is
                                  * LIVE; default 1.0 */
     uint32_t drain_timeout_ms;  /* shutdown waits this long for queued work; default 10,000 */
@@ -176,6 +182,9 @@ typedef struct km_server_stats {
     uint64_t evicted;               /* active work ended early to make room (max_active_entries) */
     uint64_t records_dropped;       /* records the writer could not take (queue full) */
     uint64_t routes_dropped_at_shutdown; /* still queued when the drain timed out: unanswered */
+    uint64_t approx_dispatch_learned;   /* overrides to an approximate-mode worker that taught it */
+    uint64_t approx_dispatch_unlearned; /* ... that could not: the decision kept no hashes
+                                         * (approx_dispatch_max_bytes, out of memory) */
 } km_server_stats;
 
 void km_server_get_stats(km_server *server, km_server_stats *out);

@@ -31,7 +31,8 @@ static void serve_usage(FILE *f)
             "  --initial-blocks N (each pool's index sized for N distinct blocks at start)\n"
             "  --inline-routes N (frames up to N routes are decided on the loop thread when the\n"
             "                    scheduler is idle; 0 = never; default 16)\n"
-            "  --active-ttl-s N  --max-active N  --ready-share X  --seed N  --allow-non-loopback\n"
+            "  --active-ttl-s N  --max-active N  --approx-dispatch-mb N\n"
+            "  --ready-share X  --seed N  --allow-non-loopback\n"
             "Without --config and --pool, one pool \"default\" (block size 16, policy kv) is made.\n"
             "SIGTERM / SIGINT: stop accepting, finish queued decisions, flush records, snapshot, exit 0.\n",
             KM_PROTOCOL_DEFAULT_SOCKET);
@@ -132,6 +133,8 @@ int km_cmd_serve(int argc, char **argv)
             cfg.active_ttl_ms = x * 1000;
         } else if (!strcmp(a, "--max-active") && !parse_u64(v, &x) && x >= 1 && x < (1u << 31)) {
             cfg.max_active_entries = (uint32_t)x;
+        } else if (!strcmp(a, "--approx-dispatch-mb") && !parse_u64(v, &x) && x <= (UINT64_C(1) << 40)) {
+            cfg.approx_dispatch_max_bytes = x << 20;
         } else if (!strcmp(a, "--seed") && !parse_u64(v, &x)) {
             cfg.seed = x;
         } else if (!strcmp(a, "--ready-share")) {
