@@ -63,7 +63,8 @@ typedef enum km_feed_extra_keys_policy {
      * are skipped too. The index never claims a salted or multimodal block it cannot name. */
     KM_FEED_EXTRA_KEYS_SKIP = 0,
     /* Hash it from its tokens (and LoRA) alone, as if the keys were absent: salted blocks then look
-     * like unsalted ones, and different images with equal placeholder tokens look equal. */
+     * like unsalted ones, and different images with equal placeholder tokens look equal (one chain:
+     * removing either image's blocks removes it for the worker; docs/EVENTS.md). */
     KM_FEED_EXTRA_KEYS_IGNORE = 1,
 } km_feed_extra_keys_policy;
 
