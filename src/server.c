@@ -784,13 +784,20 @@ static attempt *attempt_new(attempt_cache *cache, const char *request_id, const 
 }
 
 /* active_lock held (or the server being destroyed). */
+static void attempt_drop_hashes(attempt_cache *cache, attempt *a)
+{
+    if (!a->hashes)
+        return;
+    cache->hash_bytes -= (uint64_t)a->n_hashes * sizeof *a->hashes;
+    free(a->hashes);
+    a->hashes = NULL;
+    a->n_hashes = 0;
+}
+
 static void attempt_free(attempt_cache *cache, attempt *a)
 {
-    if (a && a->hashes) {
-        cache->hash_bytes -= (uint64_t)a->n_hashes * sizeof *a->hashes;
-        free(a->hashes);
-        a->hashes = NULL;
-    }
+    if (a)
+        attempt_drop_hashes(cache, a);
     if (a && a->cached_size && cache->count < ATTEMPT_CACHE_MAX) {
         a->next_free = cache->head;
         cache->head = a;
@@ -811,8 +818,9 @@ static void attempt_cache_free(attempt_cache *cache)
 }
 
 /* A decision in a pool with approximate-mode workers keeps its request's hashes, within
- * approx_dispatch_max_bytes, for a router override to one of them (dispatch_lesson). active_lock
- * held. Without them such an override teaches nothing (approx_dispatch_unlearned). */
+ * approx_dispatch_max_bytes, for a router override to one of them (dispatch_lesson), until the
+ * attempt's FIRST_TOKEN or its end. active_lock held. Without them such an override teaches
+ * nothing (approx_dispatch_unlearned). */
 static void attempt_keep_hashes(km_server *s, attempt *a, const pool *p, const route_job *r)
 {
     if (!p->n_approx_members || !r->n_hashes)
@@ -2037,6 +2045,10 @@ static int lifecycle_one(km_server *s, const km_lifecycle_event *ev, char *msg, 
                                    now);
         if (rc == KM_OK && ev->has_elapsed_ms && isnan(a->router_ttft_ms))
             a->router_ttft_ms = ev->elapsed_ms; /* the first FIRST_TOKEN counts, as its time does */
+        /* Streaming has begun: the router knows where the attempt went and has said so, if it
+         * overrode the choice (lesson_queue). Its hashes make room for newer decisions'. */
+        if (rc == KM_OK)
+            attempt_drop_hashes(&s->attempt_cache, a);
         break;
     case KM_LIFECYCLE_FINISHED: {
         if (ev->has_cached_tokens)

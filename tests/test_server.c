@@ -2115,7 +2115,8 @@ Test(server, a_router_override_moves_the_attempts_load_to_the_worker_it_used, .t
  * blocks before the next decision (the chosen worker keeps its assumption until the TTL). Until
  * 2026-11-30 only the chosen worker learned, so an overriding router's next request with the same
  * prefix was predicted on a worker that never saw it, and the one that did was predicted cold.
- * With approx_dispatch_max_bytes 0 no hashes are kept and the override is counted as unlearned.
+ * The hashes are kept until the attempt's first token; with approx_dispatch_max_bytes 0 none are
+ * kept, and every override is counted as unlearned.
  * Returns the probe's depth on the worker used; *learned / *unlearned are the server's counts. */
 static uint32_t override_teaches(uint64_t max_bytes, uint64_t *learned, uint64_t *unlearned)
 {
@@ -2147,13 +2148,15 @@ static uint32_t override_teaches(uint64_t max_bytes, uint64_t *learned, uint64_t
     cr_assert_eq(d->status, KM_OK);
     cr_assert_eq(candidate(d, chosen)->depth, 4, "the chosen worker lost its assumption");
     uint32_t depth = candidate(d, used)->depth;
-    /* A second worker reported for the same attempt teaches that one too (the third). */
+    /* A second worker reported for the same attempt teaches that one too (the third), and the
+     * first token lets the hashes go: a report after it teaches nothing (unlearned). */
     uint32_t third = (chosen + 2) % 3;
-    cr_assert_eq(report(c, KM_LIFECYCLE_FINISHED, "teach", true, third), KM_OK);
+    cr_assert_eq(report(c, KM_LIFECYCLE_FIRST_TOKEN, "teach", true, third), KM_OK);
     probe = token_route("probe-third", 0, 4 * BS);
     probe.brief = false;
     d = route_one(c, &probe, &reply);
     cr_assert_eq(candidate(d, third)->depth, depth, "a second override was not learned alike");
+    cr_assert_eq(report(c, KM_LIFECYCLE_FINISHED, "teach", true, used), KM_OK);
     km_server_stats st;
     km_server_get_stats(s.server, &st);
     *learned = st.approx_dispatch_learned;
@@ -2170,11 +2173,11 @@ Test(server, a_router_override_teaches_the_approximate_mode_worker_it_used, .tim
     uint32_t depth = override_teaches(UINT64_C(64) << 20, &learned, &unlearned);
     cr_assert_eq(depth, 4, "the worker the router used was not taught the request's blocks");
     cr_assert_eq(learned, 2);
-    cr_assert_eq(unlearned, 0);
+    cr_assert_eq(unlearned, 1, "the hashes outlived the first token");
     depth = override_teaches(0, &learned, &unlearned);
     cr_assert_eq(depth, 0, "approx_dispatch_max_bytes 0 kept hashes");
     cr_assert_eq(learned, 0);
-    cr_assert_eq(unlearned, 2);
+    cr_assert_eq(unlearned, 3);
 }
 
 /* A reply larger than max_outbox_bytes, to a client that reads promptly: it is delivered, and the
