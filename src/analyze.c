@@ -5,7 +5,10 @@
  * becomes or completes one compact `point`; a map keyed by a 128-bit hash of (instance,
  * decision_id) finds the point a record belongs to, so the join needs no record text. At finish the
  * points left unjoined are paired by a hash of (request_id, attempt_id), then every metric is one
- * pass over the points. Recovery windows come from per-worker index-state observations: within a
+ * pass over the points. A router override (an outcome's dispatched_worker) is compared with the
+ * dispatched worker's depth at the decision: a decision read before its outcome keeps its
+ * candidates' depths aside (`pending`) until the outcome joins it, then only that one depth stays
+ * in the point. Recovery windows come from per-worker index-state observations: within a
  * file only the first observation of each worker, every change of state and the last observation
  * are kept (a file is written in decision order), and at finish they are sorted by time per worker
  * and swept into windows, so files may be given in any order. */
@@ -119,6 +122,7 @@ enum {
     POINT_OWNER_NOT_LIVE = 1u << 9,
     POINT_HTTP_200 = 1u << 10,
     POINT_IN_WINDOW = 1u << 11,
+    POINT_OVERRIDDEN = 1u << 12,     /* the outcome's dispatched_worker is not its worker */
 };
 
 typedef struct point {
@@ -133,6 +137,8 @@ typedef struct point {
     int64_t in_flight;        /* the chosen worker's, -1 = unknown */
     int64_t decision_id;
     int64_t copy_predicted;   /* the outcome's predicted.depth_tokens */
+    int64_t dispatched_predicted; /* the dispatched worker's depth_tokens in the decision's
+                               * candidates; -1 = no override, no such row, or no decision yet */
     uint64_t key_check;       /* high half of the (instance, decision_id) hash */
     uint64_t request_key[2];  /* hash of (request_id, attempt_id) */
     uint64_t decision_line, outcome_line;
@@ -140,6 +146,9 @@ typedef struct point {
     uint32_t host, pool, instance, policy;
     uint32_t worker;          /* chosen worker (worker table id) */
     uint32_t copy_worker;     /* the outcome's worker */
+    uint32_t dispatched;      /* the outcome's dispatched_worker (worker table id, the outcome's
+                               * host and pool) when POINT_OVERRIDDEN, else NONE */
+    uint32_t owner_name;      /* prediction.owner.worker (string id); NONE = no owner */
     uint32_t flags;
     uint8_t outcome_kind;     /* 1..5 as km_record_outcome */
 } point;
@@ -164,6 +173,17 @@ typedef struct worker_info {
     int last_recorded;
 } worker_info;
 
+/* A decision's candidates' depths, kept from its record until its outcome joins it. */
+typedef struct candidate_depth {
+    uint32_t name;            /* worker name (string id) */
+    int64_t depth_tokens;
+} candidate_depth;
+
+typedef struct pending_candidates {
+    size_t n;
+    candidate_depth rows[];
+} pending_candidates;
+
 typedef struct problem_list {
     km_analysis_problem *items;
     size_t n;
@@ -184,6 +204,8 @@ struct km_analysis {
     point *points;
     size_t n_points, points_capacity;
     km_u64map by_decision; /* (instance, decision_id) hash -> point index */
+    km_u64map pending;     /* point index + 2 -> its pending_candidates (malloc'ed), for decision
+                            * points whose outcome has not been read */
 
     observation *observations;
     size_t n_observations, observations_capacity;
@@ -249,6 +271,7 @@ int km_analysis_create(const km_analysis_config *cfg, km_analysis **out)
     intern_init(&a->strings, &a->memory);
     intern_init(&a->worker_keys, &a->memory);
     km_u64map_init(&a->by_decision, &a->memory);
+    km_u64map_init(&a->pending, &a->memory);
     a->live_state = intern_cstr(&a->strings, "LIVE");
     a->approx_state = intern_cstr(&a->strings, "APPROX");
     if (a->live_state == NONE || a->approx_state == NONE) {
@@ -257,6 +280,15 @@ int km_analysis_create(const km_analysis_config *cfg, km_analysis **out)
     }
     *out = a;
     return KM_OK;
+}
+
+/* Free every decision's kept candidates (those never joined with an outcome). */
+static void pending_free(km_analysis *a)
+{
+    uint64_t cursor = 0;
+    for (km_u64map_entry *e; (e = km_u64map_next(&a->pending, &cursor));)
+        free((void *)(uintptr_t)e->value);
+    km_u64map_free(&a->pending); /* leaves it empty and usable */
 }
 
 static void problems_free(problem_list *list)
@@ -275,6 +307,7 @@ void km_analysis_destroy(km_analysis *a)
     free(a->workers);
     free(a->points);
     km_u64map_free(&a->by_decision);
+    pending_free(a);
     free(a->observations);
     problems_free(&a->invalid);
     problems_free(&a->unjoined_decisions);
@@ -491,10 +524,63 @@ static point *new_point(km_analysis *a, uint32_t *index)
     *index = (uint32_t)a->n_points;
     point *p = &a->points[a->n_points++];
     memset(p, 0, sizeof *p);
-    p->worker = p->copy_worker = p->policy = NONE;
+    p->worker = p->copy_worker = p->dispatched = p->owner_name = p->policy = NONE;
     p->decision_prompt = p->outcome_prompt = p->actual = p->ttft_ns = p->in_flight = -1;
+    p->dispatched_predicted = -1;
     p->router_ttft_ms = -1;
     return p;
+}
+
+/* ---- router overrides ---------------------------------------------------------------------- */
+
+/* The pending map's key of a point (never the reserved keys 0 and 1). */
+static uint64_t pending_key(uint32_t index)
+{
+    return (uint64_t)index + 2;
+}
+
+/* When p is overridden and rows name its dispatched worker, that row's depth becomes
+ * p->dispatched_predicted; otherwise p is left as it is (-1: not compared). */
+static void resolve_override(const km_analysis *a, point *p, const candidate_depth *rows, size_t n)
+{
+    if (!(p->flags & POINT_OVERRIDDEN))
+        return;
+    uint32_t name = a->workers[p->dispatched].name;
+    for (size_t i = 0; i < n; i++)
+        if (rows[i].name == name) {
+            p->dispatched_predicted = rows[i].depth_tokens;
+            return;
+        }
+}
+
+/* Point index has its outcome now: resolve its override against the candidates kept for it (if
+ * any were) and free them. */
+static void settle_pending(km_analysis *a, uint32_t index)
+{
+    uint64_t *found = km_u64map_find(&a->pending, pending_key(index));
+    if (!found)
+        return;
+    pending_candidates *kept = (pending_candidates *)(uintptr_t)*found;
+    resolve_override(a, &a->points[index], kept->rows, kept->n);
+    free(kept);
+    km_u64map_erase(&a->pending, pending_key(index));
+}
+
+/* The prediction an outcome's cached_tokens are compared with: the depth at the decision of the
+ * worker whose engine reported them: the chosen worker's (the outcome's copy when it has no
+ * decision), or for a router override the dispatched worker's candidate row. Returns 0 when there
+ * is none (an override without such a row, or without a decision): not compared. */
+static int compared_prediction(const point *p, int64_t *predicted)
+{
+    if (!(p->flags & POINT_OVERRIDDEN)) {
+        *predicted = p->predicted;
+        return 1;
+    }
+    if ((p->flags & POINT_DECISION) && p->dispatched_predicted >= 0) {
+        *predicted = p->dispatched_predicted;
+        return 1;
+    }
+    return 0;
 }
 
 /* ---- index-state observations ------------------------------------------------------------------ */
@@ -591,11 +677,12 @@ static int take_decision(km_analysis *a, json_t *root, uint32_t file, uint64_t l
         char prefix[64];
         snprintf(prefix, sizeof prefix, "candidates[%zu].", i);
         const char *name, *state;
-        int64_t in_flight;
+        int64_t in_flight, depth_tokens;
         if (!json_is_object(cand))
             return invalid_field(e, "", "candidates", "every entry must be an object");
         if (get_string(cand, prefix, "worker", 0, &name, e) ||
             get_string(cand, prefix, "state", 0, &state, e) ||
+            get_count(cand, prefix, "depth_tokens", 0, &depth_tokens, e) ||
             get_count(cand, prefix, "in_flight", 1, &in_flight, e))
             return 0;
         if (!strcmp(name, chosen.worker) && chosen_in_flight < 0)
@@ -656,6 +743,36 @@ static int take_decision(km_analysis *a, json_t *root, uint32_t file, uint64_t l
         p->flags |= POINT_OWNER;
         if (strcmp(owner.worker, chosen.worker))
             p->flags |= POINT_OWNER_NOT_CHOSEN;
+        p->owner_name = intern_cstr(&a->strings, owner.worker);
+        if (p->owner_name == NONE)
+            return fail_memory(a, "interning names");
+    }
+    /* The candidates' depths, for a router override: resolved now when the outcome came first,
+     * else kept until it joins (settle_pending). */
+    if (n_candidates) {
+        pending_candidates *kept = malloc(sizeof *kept + n_candidates * sizeof kept->rows[0]);
+        if (!kept)
+            return fail_memory(a, "keeping a decision's candidates");
+        kept->n = n_candidates;
+        for (size_t i = 0; i < n_candidates; i++) {
+            json_t *cand = json_array_get(candidates, i);
+            kept->rows[i].name = intern_cstr(&a->strings,
+                                             json_string_value(json_object_get(cand, "worker")));
+            kept->rows[i].depth_tokens =
+                (int64_t)json_integer_value(json_object_get(cand, "depth_tokens"));
+            if (kept->rows[i].name == NONE) {
+                free(kept);
+                return fail_memory(a, "interning names");
+            }
+        }
+        if (p->flags & POINT_OUTCOME) {
+            resolve_override(a, p, kept->rows, kept->n);
+            free(kept);
+        } else if (km_u64map_put(&a->pending, pending_key(index), (uint64_t)(uintptr_t)kept, 1) !=
+                   KM_OK) {
+            free(kept);
+            return fail_memory(a, "keeping a decision's candidates");
+        }
     }
     if (events) {
         if (!is_live(chosen.state))
@@ -730,6 +847,14 @@ static int take_outcome(km_analysis *a, json_t *root, uint32_t file, uint64_t li
             return invalid_field(e, "", "router_ttft_ms", "expected a number >= 0 or null");
         router_ttft = json_number_value(rt);
     }
+    /* absent (records before the field existed) or null: the router reported no other worker */
+    const char *dispatched = NULL;
+    json_t *dw = json_object_get(root, "dispatched_worker");
+    if (dw && !json_is_null(dw)) {
+        if (!json_is_string(dw))
+            return invalid_field(e, "", "dispatched_worker", "expected a string or null");
+        dispatched = json_string_value(dw);
+    }
 
     uint64_t key[2];
     decision_key(c.instance, c.decision_id, key);
@@ -770,6 +895,14 @@ static int take_outcome(km_analysis *a, json_t *root, uint32_t file, uint64_t li
                                                          : worker_id(a, NONE, host, pool, worker);
     if (worker_index == NONE)
         return fail_memory(a, "interning names");
+    /* an override names another worker than the chosen one (the server writes null for the chosen
+     * one; an older writer might not) */
+    if (dispatched && strcmp(dispatched, worker)) {
+        p->dispatched = worker_id(a, NONE, host, pool, dispatched);
+        if (p->dispatched == NONE)
+            return fail_memory(a, "interning names");
+        p->flags |= POINT_OVERRIDDEN;
+    }
     p->flags |= POINT_OUTCOME;
     if (http_status == 200)
         p->flags |= POINT_HTTP_200;
@@ -782,6 +915,8 @@ static int take_outcome(km_analysis *a, json_t *root, uint32_t file, uint64_t li
     p->copy_worker = worker_index;
     p->outcome_file = file;
     p->outcome_line = line;
+    if (p->flags & POINT_DECISION)
+        settle_pending(a, index);
     return 1;
 }
 
@@ -1113,7 +1248,8 @@ static int join_by_request(km_analysis *a)
         } else if (c > 0) {
             j++;
         } else {
-            d->flags |= POINT_OUTCOME | POINT_JOINED_BY_REQUEST | (o->flags & POINT_HTTP_200);
+            d->flags |= POINT_OUTCOME | POINT_JOINED_BY_REQUEST |
+                        (o->flags & (POINT_HTTP_200 | POINT_OVERRIDDEN));
             d->outcome_kind = o->outcome_kind;
             d->actual = o->actual;
             d->outcome_prompt = o->outcome_prompt;
@@ -1121,8 +1257,10 @@ static int join_by_request(km_analysis *a)
             d->router_ttft_ms = o->router_ttft_ms;
             d->copy_predicted = o->copy_predicted;
             d->copy_worker = o->copy_worker;
+            d->dispatched = o->dispatched;
             d->outcome_file = o->outcome_file;
             d->outcome_line = o->outcome_line;
+            settle_pending(a, decisions[i]);
             o->flags = POINT_MERGED_AWAY;
             a->summary.join.by_request++;
             i++;
@@ -1134,6 +1272,20 @@ static int join_by_request(km_analysis *a)
     return KM_OK;
 }
 
+/* The per-worker stats row of worker (a worker table id), added on first use. worker_index maps
+ * ids to row index + 1. */
+static km_analysis_worker *worker_row(km_analysis *a, uint64_t *worker_index, size_t *n_workers,
+                                      uint32_t worker)
+{
+    if (!worker_index[worker]) {
+        const worker_info *w = &a->workers[worker];
+        a->worker_stats[*n_workers] = (km_analysis_worker){
+            .host = str(a, w->host), .pool = str(a, w->pool), .worker = str(a, w->name)};
+        worker_index[worker] = ++*n_workers;
+    }
+    return &a->worker_stats[worker_index[worker] - 1];
+}
+
 static void quality_add(km_analysis_quality *q, const point *p)
 {
     q->decisions++;
@@ -1141,17 +1293,24 @@ static void quality_add(km_analysis_quality *q, const point *p)
         q->owner_not_chosen++;
     if ((p->flags & POINT_EVENTS) && (p->flags & (POINT_CHOSEN_NOT_LIVE | POINT_OWNER_NOT_LIVE)))
         q->stale++;
-    if ((p->flags & POINT_OUTCOME) && p->actual >= 0) {
-        q->known++;
-        q->predicted_tokens += (uint64_t)p->predicted;
-        q->actual_tokens += (uint64_t)p->actual;
-        if (p->actual == p->predicted)
-            q->exact++;
-        int64_t prompt = p->outcome_prompt >= 0 ? p->outcome_prompt : p->decision_prompt;
-        if (prompt >= 0) {
-            q->prompt_tokens += (uint64_t)prompt;
-            q->actual_with_prompt += (uint64_t)p->actual;
-        }
+    int64_t predicted;
+    if (!(p->flags & POINT_OUTCOME) || p->actual < 0)
+        return;
+    if (!compared_prediction(p, &predicted)) {
+        q->overridden_unpredicted++;
+        return;
+    }
+    q->known++;
+    if (p->flags & POINT_OVERRIDDEN)
+        q->overridden++;
+    q->predicted_tokens += (uint64_t)predicted;
+    q->actual_tokens += (uint64_t)p->actual;
+    if (p->actual == predicted)
+        q->exact++;
+    int64_t prompt = p->outcome_prompt >= 0 ? p->outcome_prompt : p->decision_prompt;
+    if (prompt >= 0) {
+        q->prompt_tokens += (uint64_t)prompt;
+        q->actual_with_prompt += (uint64_t)p->actual;
     }
 }
 
@@ -1309,6 +1468,7 @@ int km_analysis_finish(km_analysis *a)
     int rc = join_by_request(a);
     if (rc != KM_OK)
         return rc;
+    pending_free(a); /* what is left belongs to decisions without outcome */
 
     /* hosts: distinct host ids among decisions and outcomes */
     {
@@ -1352,15 +1512,20 @@ int km_analysis_finish(km_analysis *a)
         if (f & POINT_OUTCOME) {
             km_analysis_reuse *r = &s->reuse;
             r->outcomes++;
+            int64_t predicted;
             if (p->actual < 0) {
                 r->unknown++;
+            } else if (!compared_prediction(p, &predicted)) {
+                r->overridden_unpredicted++;
             } else {
                 r->known++;
+                if (f & POINT_OVERRIDDEN)
+                    r->overridden++;
                 if (!(f & POINT_DECISION))
                     r->from_outcome_copy++;
-                r->predicted_tokens += (uint64_t)p->predicted;
+                r->predicted_tokens += (uint64_t)predicted;
                 r->actual_tokens += (uint64_t)p->actual;
-                int64_t d = p->actual - p->predicted;
+                int64_t d = p->actual - predicted;
                 if (d == 0)
                     r->exact++;
                 else if (d < 0) {
@@ -1371,8 +1536,8 @@ int km_analysis_finish(km_analysis *a)
                     r->under_predicted_tokens += (uint64_t)d;
                 }
                 r->difference_buckets[km_analysis_diff_bucket(d)]++;
-                if ((double)p->predicted > max_tokens)
-                    max_tokens = (double)p->predicted;
+                if ((double)predicted > max_tokens)
+                    max_tokens = (double)predicted;
                 if ((double)p->actual > max_tokens)
                     max_tokens = (double)p->actual;
             }
@@ -1392,9 +1557,12 @@ int km_analysis_finish(km_analysis *a)
                 ttfts[n_ttft++] = p->ttft_ns;
             if (p->outcome_kind == 1 && p->router_ttft_ms >= 0)
                 router_ttfts[n_router_ttft++] = p->router_ttft_ms;
+            /* the copy is the chosen worker's, override or not */
             if ((f & POINT_DECISION) &&
                 (p->copy_worker != p->worker || p->copy_predicted != p->predicted))
                 s->join.copy_mismatches++;
+            if (f & POINT_OVERRIDDEN)
+                worker_row(a, worker_index, &n_workers, p->dispatched)->dispatched_by_override++;
         }
         if (f & POINT_DECISION) {
             if (!(f & POINT_OUTCOME))
@@ -1407,13 +1575,22 @@ int km_analysis_finish(km_analysis *a)
                 ow->owner_not_chosen++;
                 ow->owner_tokens += (uint64_t)p->owner_tokens;
                 ow->chosen_tokens += (uint64_t)p->predicted;
-                if ((f & POINT_OUTCOME) && p->actual >= 0) {
+                /* what the chosen worker really reused: an overridden attempt's cached tokens
+                 * came from another worker's engine */
+                if ((f & POINT_OUTCOME) && p->actual >= 0 && (f & POINT_OVERRIDDEN)) {
+                    ow->joined_overridden++;
+                } else if ((f & POINT_OUTCOME) && p->actual >= 0) {
                     ow->joined_known++;
                     ow->joined_actual_tokens += (uint64_t)p->actual;
                     ow->joined_owner_tokens += (uint64_t)p->owner_tokens;
                 }
             } else
                 ow->owner_is_chosen++;
+            if (f & POINT_OVERRIDDEN) { /* implies an outcome */
+                ow->overridden++;
+                if (p->owner_name != NONE && a->workers[p->dispatched].name == p->owner_name)
+                    ow->overridden_to_owner++;
+            }
             km_analysis_staleness *st = &s->staleness;
             if (f & POINT_APPROX)
                 st->approx_decisions++;
@@ -1431,13 +1608,7 @@ int km_analysis_finish(km_analysis *a)
                 policy_index[p->policy] = ++n_policies;
             }
             quality_add(&a->policies[policy_index[p->policy] - 1].quality, p);
-            if (!worker_index[p->worker]) {
-                const worker_info *w = &a->workers[p->worker];
-                a->worker_stats[n_workers] = (km_analysis_worker){
-                    .host = str(a, w->host), .pool = str(a, w->pool), .worker = str(a, w->name)};
-                worker_index[p->worker] = ++n_workers;
-            }
-            km_analysis_worker *ws = &a->worker_stats[worker_index[p->worker] - 1];
+            km_analysis_worker *ws = worker_row(a, worker_index, &n_workers, p->worker);
             ws->chosen++;
             if (p->in_flight >= 0) {
                 ws->in_flight_known++;
@@ -1584,11 +1755,13 @@ static void text_quality(km_text *out, const char *label, const km_analysis_qual
 {
     km_text_printf(out,
                    "  %-16s decisions %" PRIu64 ", owner not chosen %" PRIu64 " (%.1f%%), stale %" PRIu64
-                   ", known reuse %" PRIu64 ": predicted %" PRIu64 " / actual %" PRIu64
-                   " tokens, exact %" PRIu64 " (%.1f%%), hit rate %.1f%%\n",
+                   ", known reuse %" PRIu64 " (router overrides %" PRIu64 "; %" PRIu64
+                   " more without a prediction, not compared): predicted %" PRIu64
+                   " / actual %" PRIu64 " tokens, exact %" PRIu64 " (%.1f%%), hit rate %.1f%%\n",
                    label, q->decisions, q->owner_not_chosen, percent(q->owner_not_chosen, q->decisions),
-                   q->stale, q->known, q->predicted_tokens, q->actual_tokens, q->exact,
-                   percent(q->exact, q->known), 100.0 * q->hit_rate);
+                   q->stale, q->known, q->overridden, q->overridden_unpredicted,
+                   q->predicted_tokens, q->actual_tokens, q->exact, percent(q->exact, q->known),
+                   100.0 * q->hit_rate);
 }
 
 static void text_problems(km_text *out, const char *title, uint64_t total,
@@ -1636,15 +1809,21 @@ int km_analysis_render_text(const km_analysis *a, km_text *out)
 
     const km_analysis_reuse *r = &s->reuse;
     km_text_printf(out,
-                   "\nreuse: predicted (chosen worker's depth at the decision) vs actual (engine's cached_tokens)\n"
-                   "  outcomes %" PRIu64 ": cached_tokens reported %" PRIu64 ", unknown (null, not counted as 0) %" PRIu64 "\n"
+                   "\nreuse: predicted (depth at the decision of the worker that served the "
+                   "attempt: the chosen one, or the one a router override sent it to) vs actual "
+                   "(engine's cached_tokens)\n"
+                   "  outcomes %" PRIu64 ": compared %" PRIu64
+                   ", cached_tokens unknown (null, not counted as 0) %" PRIu64 "\n"
+                   "  router overrides (dispatched_worker): %" PRIu64 " compared with the "
+                   "dispatched worker's depth, %" PRIu64
+                   " not compared (no prediction for the dispatched worker)\n"
                    "  predicted %" PRIu64 " tokens (mean %.1f), actual %" PRIu64 " tokens (mean %.1f)\n"
                    "  exact %" PRIu64 " (%.1f%%), over-predicted %" PRIu64 " (by %" PRIu64
                    " tokens), under-predicted %" PRIu64 " (by %" PRIu64 " tokens)\n",
-                   r->outcomes, r->known, r->unknown, r->predicted_tokens, r->mean_predicted_tokens,
-                   r->actual_tokens, r->mean_actual_tokens, r->exact, percent(r->exact, r->known),
-                   r->over_predicted, r->over_predicted_tokens, r->under_predicted,
-                   r->under_predicted_tokens);
+                   r->outcomes, r->known, r->unknown, r->overridden, r->overridden_unpredicted,
+                   r->predicted_tokens, r->mean_predicted_tokens, r->actual_tokens,
+                   r->mean_actual_tokens, r->exact, percent(r->exact, r->known), r->over_predicted,
+                   r->over_predicted_tokens, r->under_predicted, r->under_predicted_tokens);
     if (r->from_outcome_copy)
         km_text_printf(out, "  (%" PRIu64 " of them have no decision: predicted from the outcome's copy)\n",
                        r->from_outcome_copy);
@@ -1662,11 +1841,14 @@ int km_analysis_render_text(const km_analysis *a, km_text *out)
                    ", owner not chosen %" PRIu64 " (%.1f%% of decisions with an owner)\n"
                    "  cost: owners held %" PRIu64 " tokens, the chosen %" PRIu64 ": %" PRIu64
                    " tokens of predicted reuse given up\n"
-                   "  of those, %" PRIu64 " joined with reported cached tokens: actual %" PRIu64
-                   " vs the owners' predicted %" PRIu64 "\n",
+                   "  of those, %" PRIu64 " joined with reported cached tokens and served by the "
+                   "chosen worker: actual %" PRIu64 " vs the owners' predicted %" PRIu64
+                   " (%" PRIu64 " more left out: a router override sent them elsewhere)\n"
+                   "  router overrides %" PRIu64 ", of them to the prediction owner %" PRIu64 "\n",
                    o->decisions, o->no_owner, o->owner_is_chosen, o->owner_not_chosen,
                    100.0 * o->owner_not_chosen_rate, o->owner_tokens, o->chosen_tokens, o->cost_tokens,
-                   o->joined_known, o->joined_actual_tokens, o->joined_owner_tokens);
+                   o->joined_known, o->joined_actual_tokens, o->joined_owner_tokens,
+                   o->joined_overridden, o->overridden, o->overridden_to_owner);
 
     const km_analysis_staleness *st = &s->staleness;
     km_text_printf(out,
@@ -1711,12 +1893,18 @@ int km_analysis_render_text(const km_analysis *a, km_text *out)
     for (size_t i = 0; i < s->n_policies; i++)
         text_quality(out, s->policies[i].policy, &s->policies[i].quality);
 
-    km_text_printf(out, "\nper worker (decisions that chose it, its in_flight at those decisions)\n");
+    km_text_printf(out, "\nper worker (decisions that chose it, its in_flight at those decisions; "
+                        "attempts a router override sent to it)\n");
     for (size_t i = 0; i < s->n_workers; i++) {
         const km_analysis_worker *w = &s->workers[i];
-        km_text_printf(out, "  %s%s%s/%s: chosen %" PRIu64 " (%.1f%%), in_flight mean %.2f max %" PRIu64 "\n",
+        km_text_printf(out, "  %s%s%s/%s: chosen %" PRIu64 " (%.1f%%), in_flight mean %.2f max %"
+                       PRIu64,
                        w->host, *w->host ? " " : "", w->pool, w->worker, w->chosen,
                        percent(w->chosen, s->owner.decisions), w->mean_in_flight, w->max_in_flight);
+        if (w->dispatched_by_override)
+            km_text_printf(out, ", sent here by router override %" PRIu64,
+                           w->dispatched_by_override);
+        km_text_printf(out, "\n");
     }
     text_problems(out, "invalid lines", in->invalid, s->invalid_lines, s->n_invalid_lines);
     text_problems(out, "decisions without outcome", j->decisions_without_outcome,
@@ -1730,9 +1918,11 @@ int km_analysis_render_text(const km_analysis *a, km_text *out)
 
 static json_t *json_quality(const km_analysis_quality *q)
 {
-    return json_pack("{sI sI sI sI sI sI sI sI sI sf}", "decisions", (json_int_t)q->decisions,
+    return json_pack("{sI sI sI sI sI sI sI sI sI sI sI sf}", "decisions", (json_int_t)q->decisions,
                      "owner_not_chosen", (json_int_t)q->owner_not_chosen, "stale",
-                     (json_int_t)q->stale, "known", (json_int_t)q->known, "predicted_tokens",
+                     (json_int_t)q->stale, "known", (json_int_t)q->known, "overridden",
+                     (json_int_t)q->overridden, "overridden_unpredicted",
+                     (json_int_t)q->overridden_unpredicted, "predicted_tokens",
                      (json_int_t)q->predicted_tokens, "actual_tokens", (json_int_t)q->actual_tokens,
                      "exact", (json_int_t)q->exact, "prompt_tokens", (json_int_t)q->prompt_tokens,
                      "actual_with_prompt", (json_int_t)q->actual_with_prompt, "hit_rate",
@@ -1786,17 +1976,19 @@ int km_analysis_render_json(const km_analysis *a, km_text *out)
     for (size_t i = 0; workers && i < s->n_workers; i++) {
         const km_analysis_worker *w = &s->workers[i];
         json_array_append_new(workers,
-                              json_pack("{ss ss ss sI sI sf sI}", "host", w->host, "pool", w->pool,
-                                        "worker", w->worker, "chosen", (json_int_t)w->chosen,
-                                        "in_flight_known", (json_int_t)w->in_flight_known,
-                                        "mean_in_flight", w->mean_in_flight, "max_in_flight",
-                                        (json_int_t)w->max_in_flight));
+                              json_pack("{ss ss ss sI sI sf sI sI}", "host", w->host, "pool",
+                                        w->pool, "worker", w->worker, "chosen",
+                                        (json_int_t)w->chosen, "in_flight_known",
+                                        (json_int_t)w->in_flight_known, "mean_in_flight",
+                                        w->mean_in_flight, "max_in_flight",
+                                        (json_int_t)w->max_in_flight, "dispatched_by_override",
+                                        (json_int_t)w->dispatched_by_override));
     }
     json_t *root = json_pack(
         "{s{sI sI sI sI sI sI sI sI sI}"
         " s{sI sI sI sI sI sI sI}"
-        " s{sI sI sI sI sI sI sI sI sI sI sI sf sf so}"
-        " s{sI sI sI sI sf sI sI sI sI sI sI}"
+        " s{sI sI sI sI sI sI sI sI sI sI sI sI sI sf sf so}"
+        " s{sI sI sI sI sf sI sI sI sI sI sI sI sI sI}"
         " s{sI sI sI sI sI}"
         " s{sI sI sI sI sI sI sI sf sf sI sf sf}"
         " s{so so so}"
@@ -1810,8 +2002,10 @@ int km_analysis_render_json(const km_analysis *a, km_text *out)
         "outcomes_without_decision", (json_int_t)j->outcomes_without_decision, "duplicate_decisions",
         (json_int_t)j->duplicate_decisions, "duplicate_outcomes", (json_int_t)j->duplicate_outcomes,
         "copy_mismatches", (json_int_t)j->copy_mismatches,
-        "reuse", "outcomes", (json_int_t)r->outcomes, "unknown", (json_int_t)r->unknown, "known",
-        (json_int_t)r->known, "from_outcome_copy", (json_int_t)r->from_outcome_copy,
+        "reuse", "outcomes", (json_int_t)r->outcomes, "unknown", (json_int_t)r->unknown,
+        "overridden_unpredicted", (json_int_t)r->overridden_unpredicted, "known",
+        (json_int_t)r->known, "overridden", (json_int_t)r->overridden, "from_outcome_copy",
+        (json_int_t)r->from_outcome_copy,
         "predicted_tokens", (json_int_t)r->predicted_tokens, "actual_tokens",
         (json_int_t)r->actual_tokens, "exact", (json_int_t)r->exact, "over_predicted",
         (json_int_t)r->over_predicted, "under_predicted", (json_int_t)r->under_predicted,
@@ -1824,7 +2018,9 @@ int km_analysis_render_json(const km_analysis *a, km_text *out)
         "owner_tokens", (json_int_t)o->owner_tokens, "chosen_tokens", (json_int_t)o->chosen_tokens,
         "cost_tokens", (json_int_t)o->cost_tokens, "joined_known", (json_int_t)o->joined_known,
         "joined_actual_tokens", (json_int_t)o->joined_actual_tokens, "joined_owner_tokens",
-        (json_int_t)o->joined_owner_tokens,
+        (json_int_t)o->joined_owner_tokens, "joined_overridden", (json_int_t)o->joined_overridden,
+        "overridden", (json_int_t)o->overridden, "overridden_to_owner",
+        (json_int_t)o->overridden_to_owner,
         "staleness", "events_decisions", (json_int_t)st->events_decisions, "chosen_not_live",
         (json_int_t)st->chosen_not_live, "owner_not_live", (json_int_t)st->owner_not_live,
         "stale_decisions", (json_int_t)st->stale_decisions, "approx_decisions",
@@ -1956,7 +2152,7 @@ static void chart_reuse(const km_analysis *a, km_text *out)
     const km_analysis_reuse *r = &a->summary.reuse;
     svg_begin(out, "chart-reuse", "Reuse per request: predicted (x) vs engine-reported (y), tokens");
     double max = a->reuse_max_tokens > 0 ? a->reuse_max_tokens : 1;
-    svg_axes(out, max, max, "predicted reuse (tokens, chosen worker's depth)",
+    svg_axes(out, max, max, "predicted reuse (tokens, depth of the worker that served it)",
              "actual reuse (cached_tokens)", 0);
     km_text_printf(out, "<line class=\"diagonal\" x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" "
                         "stroke=\"#aaa\" stroke-dasharray=\"4 3\"/>\n",
@@ -1971,12 +2167,14 @@ static void chart_reuse(const km_analysis *a, km_text *out)
     km_text_printf(out, "<g class=\"points\" fill=\"#1f77b4\" fill-opacity=\"0.5\">");
     for (size_t i = 0; i < a->n_points; i++) {
         const point *p = &a->points[i];
-        if ((p->flags & POINT_MERGED_AWAY) || !(p->flags & POINT_OUTCOME) || p->actual < 0)
+        int64_t predicted;
+        if ((p->flags & POINT_MERGED_AWAY) || !(p->flags & POINT_OUTCOME) || p->actual < 0 ||
+            !compared_prediction(p, &predicted))
             continue;
         if (seen++ % stride)
             continue;
         km_text_printf(out, "<circle cx=\"%.1f\" cy=\"%.1f\" r=\"2.5\"/>",
-                       plot_x((double)p->predicted, max), plot_y((double)p->actual, max));
+                       plot_x((double)predicted, max), plot_y((double)p->actual, max));
     }
     km_text_printf(out, "</g>\n</svg>\n");
 }
@@ -2030,12 +2228,14 @@ static int chart_hit_rate(const km_analysis *a, km_text *out)
     for (size_t i = 0; i < a->n_time_order; i++) {
         const point *p = &a->points[a->time_order[i]];
         int64_t prompt_tokens = p->outcome_prompt >= 0 ? p->outcome_prompt : p->decision_prompt;
-        if (!(p->flags & POINT_OUTCOME) || p->actual < 0 || prompt_tokens <= 0)
+        int64_t predicted_tokens;
+        if (!(p->flags & POINT_OUTCOME) || p->actual < 0 || prompt_tokens <= 0 ||
+            !compared_prediction(p, &predicted_tokens))
             continue;
         uint32_t b = time_bucket(&t, p->time_ns);
         prompt[b] += (uint64_t)prompt_tokens;
         actual[b] += (uint64_t)p->actual;
-        predicted[b] += (uint64_t)p->predicted;
+        predicted[b] += (uint64_t)predicted_tokens;
         any = 1;
     }
     for (uint32_t b = 0; b < t.buckets; b++)
@@ -2184,14 +2384,17 @@ static void html_quality_row(km_text *out, const char *label, const km_analysis_
     html_escape(out, label);
     km_text_printf(out,
                    "</td><td>%" PRIu64 "</td><td>%" PRIu64 "</td><td>%" PRIu64 "</td><td>%" PRIu64
-                   "</td><td>%" PRIu64 "</td><td>%" PRIu64 "</td><td>%" PRIu64 "</td><td>%.1f%%</td></tr>\n",
-                   q->decisions, q->owner_not_chosen, q->stale, q->known, q->predicted_tokens,
-                   q->actual_tokens, q->exact, 100.0 * q->hit_rate);
+                   "</td><td>%" PRIu64 " / %" PRIu64 "</td><td>%" PRIu64 "</td><td>%" PRIu64
+                   "</td><td>%" PRIu64 "</td><td>%.1f%%</td></tr>\n",
+                   q->decisions, q->owner_not_chosen, q->stale, q->known, q->overridden,
+                   q->overridden_unpredicted, q->predicted_tokens, q->actual_tokens, q->exact,
+                   100.0 * q->hit_rate);
 }
 
 static const char quality_header[] =
     "<tr><th></th><th>decisions</th><th>owner&#8800;chosen</th><th>stale</th><th>known reuse</th>"
-    "<th>predicted tokens</th><th>actual tokens</th><th>exact</th><th>hit rate</th></tr>\n";
+    "<th>router overrides compared / not</th><th>predicted tokens</th><th>actual tokens</th>"
+    "<th>exact</th><th>hit rate</th></tr>\n";
 
 int km_analysis_render_html(const km_analysis *a, km_text *out)
 {
@@ -2216,20 +2419,27 @@ int km_analysis_render_html(const km_analysis *a, km_text *out)
                    "<tr><td>joined (decision_id / request+attempt)</td><td>%" PRIu64 " / %" PRIu64 "</td></tr>\n"
                    "<tr><td>decisions without outcome / outcomes without decision</td><td>%" PRIu64 " / %" PRIu64 "</td></tr>\n"
                    "<tr><td>invalid lines</td><td>%" PRIu64 "</td></tr>\n"
-                   "<tr><td>reuse predicted / actual (tokens, %" PRIu64 " outcomes with cached_tokens)</td><td>%" PRIu64 " / %" PRIu64 "</td></tr>\n"
+                   "<tr><td>reuse predicted / actual (tokens, %" PRIu64 " outcomes compared)</td><td>%" PRIu64
+                   " / %" PRIu64 "</td></tr>\n"
                    "<tr><td>cached_tokens unknown (null)</td><td>%" PRIu64 "</td></tr>\n"
                    "<tr><td>exact / over / under-predicted</td><td>%" PRIu64 " / %" PRIu64 " / %" PRIu64 "</td></tr>\n"
+                   "<tr><td>router overrides: compared with the dispatched worker's depth / not "
+                   "compared (no prediction for it)</td><td>%" PRIu64 " / %" PRIu64 "</td></tr>\n"
                    "<tr><td>owner not chosen</td><td>%" PRIu64 " (%.1f%%), %" PRIu64 " tokens given up</td></tr>\n"
+                   "<tr><td>decisions overridden by the router / sent to the prediction "
+                   "owner</td><td>%" PRIu64 " / %" PRIu64 "</td></tr>\n"
                    "<tr><td>stale or degraded (events) / approx-sourced</td><td>%" PRIu64 " / %" PRIu64 "</td></tr>\n"
                    "<tr><td>complete / incomplete / error / cancelled / expired</td><td>%" PRIu64 " / %" PRIu64 " / %" PRIu64 " / %" PRIu64 " / %" PRIu64 "</td></tr>\n"
                    "</table>\n",
                    s->input.decisions, s->input.outcomes, s->join.by_decision_id, s->join.by_request,
                    s->join.decisions_without_outcome, s->join.outcomes_without_decision,
                    s->input.invalid, r->known, r->predicted_tokens, r->actual_tokens, r->unknown,
-                   r->exact, r->over_predicted, r->under_predicted, o->owner_not_chosen,
-                   100.0 * o->owner_not_chosen_rate, o->cost_tokens, s->staleness.stale_decisions,
-                   s->staleness.approx_decisions, s->outcomes.complete, s->outcomes.incomplete,
-                   s->outcomes.error, s->outcomes.cancelled, s->outcomes.expired);
+                   r->exact, r->over_predicted, r->under_predicted, r->overridden,
+                   r->overridden_unpredicted, o->owner_not_chosen, 100.0 * o->owner_not_chosen_rate,
+                   o->cost_tokens, o->overridden, o->overridden_to_owner,
+                   s->staleness.stale_decisions, s->staleness.approx_decisions,
+                   s->outcomes.complete, s->outcomes.incomplete, s->outcomes.error,
+                   s->outcomes.cancelled, s->outcomes.expired);
     km_text_append_cstr(out, "<h2>Reuse: predicted vs actual</h2>\n");
     chart_reuse(a, out);
     km_text_append_cstr(out, "<h2>Hit rate over time</h2>\n");

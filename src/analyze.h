@@ -13,12 +13,21 @@
  * km_analysis_destroy. A handle is not thread-safe; separate handles are independent.
  *
  * Streaming and memory: files are read line by line (a line is at most max_line_bytes). What is
- * kept is what the join and the time-based metrics need: one compact point (about 160 bytes, plus
+ * kept is what the join and the time-based metrics need: one compact point (about 180 bytes, plus
  * about 24 bytes of join map) per decision or unjoined outcome, holding hashes of its keys and the
  * numbers the metrics use, never the line; interned names (hosts, pools, workers, states,
  * policies, instances, files); per file only the changes of each worker's index state (plus its
  * first and last observation); and at most max_listed example lines of each problem kind. A
- * million decisions take about 200 MB.
+ * million decisions take about 200 MB. A decision read before its outcome also keeps its
+ * candidates' depths (16 bytes per candidate) until that outcome is read or joined, since a router
+ * override is compared with the depth of the worker the router used: decisions whose outcome is
+ * in a later file, or that have none, hold them until finish.
+ *
+ * Router overrides: an outcome's dispatched_worker names the worker the router really sent the
+ * attempt to when that is not the chosen one (docs/RECORDS.md). Its cached_tokens were then
+ * reported by that worker's engine, so the reuse comparisons use that worker's depth at the
+ * decision (its candidate row), never the chosen worker's; an override with no such row (or no
+ * decision) is counted and not compared.
  *
  * Bad input is never fatal: a line that is too long, not JSON, not an object, of an unknown type or
  * schema_version, or missing a field the analysis uses (or holding one of the wrong type) is counted
@@ -84,16 +93,27 @@ typedef struct km_analysis_join {
     uint64_t duplicate_outcomes;        /* a second outcome for an already joined or pending key:
                                          * counted, not used */
     uint64_t copy_mismatches;           /* joined pairs whose outcome's copy of the prediction
-                                         * (worker, predicted depth) differs from the decision */
+                                         * (worker, predicted depth) differs from the decision; the
+                                         * copy is the chosen worker's even when the router
+                                         * overrode it, so an override is never a mismatch */
 } km_analysis_join;
 
-/* Predicted against actual reuse, one comparison per outcome (joined or not): predicted = the
- * decision's chosen.depth_tokens (the outcome's predicted.depth_tokens copy when the outcome has no
- * decision), actual = the outcome's cached_tokens as the engine reported it. */
+/* Predicted against actual reuse, one comparison per outcome (joined or not): actual = the
+ * outcome's cached_tokens as the engine reported it; predicted = the depth, at the decision, of
+ * the worker whose engine reported it: the decision's chosen.depth_tokens (the outcome's
+ * predicted.depth_tokens copy when the outcome has no decision), or for a router override
+ * (dispatched_worker set and not the chosen worker) the depth_tokens of the decision's candidate
+ * row for the dispatched worker. outcomes = unknown + overridden_unpredicted + known. */
 typedef struct km_analysis_reuse {
-    uint64_t outcomes;                 /* outcomes compared (every valid outcome kept) */
+    uint64_t outcomes;                 /* every valid outcome kept */
     uint64_t unknown;                  /* cached_tokens null: not compared, never taken as 0 */
-    uint64_t known;                    /* cached_tokens reported: the rest is over these */
+    uint64_t overridden_unpredicted;   /* cached_tokens reported, but overridden to a worker with no
+                                        * prediction (no candidate row for it in the decision, or
+                                        * no decision): not compared, in no sum below */
+    uint64_t known;                    /* cached_tokens reported and compared: the rest is over
+                                        * these */
+    uint64_t overridden;               /* known ones overridden: compared with the dispatched
+                                        * worker's depth */
     uint64_t from_outcome_copy;        /* known ones whose prediction came from the outcome's copy */
     uint64_t predicted_tokens;         /* sum of predicted tokens */
     uint64_t actual_tokens;            /* sum of cached tokens */
@@ -117,9 +137,16 @@ typedef struct km_analysis_owner {
     uint64_t owner_tokens;             /* over owner_not_chosen: sum of the owner's depth_tokens */
     uint64_t chosen_tokens;            /* over owner_not_chosen: sum of the chosen's depth_tokens */
     uint64_t cost_tokens;              /* owner_tokens - chosen_tokens: reuse given up (predicted) */
-    uint64_t joined_known;             /* of owner_not_chosen: joined with a known cached_tokens */
+    uint64_t joined_known;             /* of owner_not_chosen: joined with a known cached_tokens and
+                                        * not overridden (the chosen worker served it) */
     uint64_t joined_actual_tokens;     /* their cached tokens (what the chosen really reused) */
     uint64_t joined_owner_tokens;      /* their owners' predicted depth_tokens */
+    uint64_t joined_overridden;        /* of owner_not_chosen: joined with a known cached_tokens but
+                                        * overridden, so left out of the three above (another
+                                        * worker's engine reported that reuse) */
+    uint64_t overridden;               /* decisions whose joined outcome reports an override */
+    uint64_t overridden_to_owner;      /* of those, sent to the prediction owner although kvmatch
+                                        * chose another worker */
 } km_analysis_owner;
 
 /* Index state behind each decision. Events-sourced decisions only in the first four counters. */
@@ -141,12 +168,17 @@ typedef struct km_analysis_outcomes {
     double router_ttft_p50_ms, router_ttft_p99_ms; /* the router's clock, from arrival */
 } km_analysis_outcomes;
 
-/* Routing quality over a set of decisions (inside or outside recovery windows, per policy). */
+/* Routing quality over a set of decisions (inside or outside recovery windows, per policy).
+ * Predicted is as in km_analysis_reuse: a router override is compared with the dispatched
+ * worker's depth, or not at all when the decision has no candidate row for it. */
 typedef struct km_analysis_quality {
     uint64_t decisions;
     uint64_t owner_not_chosen;
     uint64_t stale;                    /* events-sourced with chosen or owner not LIVE */
-    uint64_t known;                    /* joined, cached_tokens reported */
+    uint64_t known;                    /* joined, cached_tokens reported and compared */
+    uint64_t overridden;               /* of known, overridden (dispatched worker's depth) */
+    uint64_t overridden_unpredicted;   /* joined, cached_tokens reported, overridden to a worker
+                                        * without a candidate row: not in known nor below */
     uint64_t predicted_tokens;         /* over known */
     uint64_t actual_tokens;            /* over known */
     uint64_t exact;                    /* over known */
@@ -185,6 +217,9 @@ typedef struct km_analysis_worker {
     uint64_t in_flight_known;          /* of those, with its in_flight among the candidates */
     double mean_in_flight;             /* at the decisions that chose it */
     uint64_t max_in_flight;
+    uint64_t dispatched_by_override;   /* outcomes (joined or not) whose dispatched_worker is it:
+                                        * attempts the router sent here instead of the chosen one;
+                                        * a worker only ever dispatched to has chosen 0 */
 } km_analysis_worker;
 
 /* One listed problem: FILE:LINE and a sentence. */
