@@ -3,7 +3,9 @@
  * predictions, outcome kinds with HTTP 200 streams that did not finish, TTFT, recovery windows),
  * joins by (instance, decision_id) and by (request_id, attempt_id), unjoined records on both sides,
  * duplicates, invalid lines of every kind with FILE:LINE, nulls against zeros, rotated files given
- * in any order, and a random property test against a brute-force model of every metric. The HTML
+ * in any order, router overrides (dispatched_worker) compared with the dispatched worker's depth or
+ * counted as unpredicted, and a random property test against a brute-force model of every metric
+ * (overrides included). The HTML
  * report is checked for escaping and self-containment, its SVG parts parsed as XML by
  * tests/check_html.py, and rendered in headless Chromium when one is installed. Randomized tests
  * print their seed (KM_TEST_SEED). */
@@ -58,6 +60,7 @@ typedef struct outcome_spec {
     const char *outcome;
     int64_t http_status, cached, prompt, decided_ns, ttft_ns; /* -1 = null */
     const char *worker;
+    const char *dispatched; /* dispatched_worker; NULL = null */
     int64_t predicted_blocks;
     const char *owner;
     int64_t owner_blocks;
@@ -145,6 +148,7 @@ static json_t *make_outcome(const outcome_spec *s)
     json_object_set_new(o, "http_status", nullable_int(s->http_status));
     json_object_set_new(o, "error", json_null());
     json_object_set_new(o, "worker", json_string(s->worker));
+    json_object_set_new(o, "dispatched_worker", nullable_str(s->dispatched));
     json_object_set_new(o, "cached_tokens", nullable_int(s->cached));
     json_object_set_new(o, "prompt_tokens", nullable_int(s->prompt));
     json_object_set_new(o, "output_tokens", json_null());
@@ -233,6 +237,36 @@ static km_analysis *analyze_files(const km_analysis_config *cfg, const char *con
                      km_analysis_last_error(a));
     cr_assert_eq(km_analysis_finish(a), KM_OK, "%s", km_analysis_last_error(a));
     return a;
+}
+
+/* Occurrences of needle in haystack. */
+static int count_of(const char *haystack, const char *needle)
+{
+    int n = 0;
+    for (const char *p = strstr(haystack, needle); p; p = strstr(p + 1, needle))
+        n++;
+    return n;
+}
+
+/* The JSON report of a finished analysis, parsed. */
+static json_t *json_report(const km_analysis *a)
+{
+    km_text text;
+    km_text_init(&text, 0);
+    cr_assert_eq(km_analysis_render_json(a, &text), KM_OK);
+    json_error_t error;
+    json_t *root = json_loads(km_text_cstr(&text), 0, &error);
+    cr_assert(root, "JSON report does not parse: %s", error.text);
+    km_text_free(&text);
+    return root;
+}
+
+/* root[section][key] as an integer; fails when the key is absent (every key is always present). */
+static int64_t json_count(json_t *root, const char *section, const char *key)
+{
+    json_t *v = json_object_get(section ? json_object_get(root, section) : root, key);
+    cr_assert(json_is_integer(v), "%s.%s missing or not an integer", section ? section : "", key);
+    return (int64_t)json_integer_value(v);
 }
 
 /* ---- the hand-built set ------------------------------------------------------------------------ */
@@ -472,6 +506,21 @@ Test(analyze, json_report_parses_with_the_same_numbers, .timeout = 20)
     cr_expect_eq(json_array_size(json_object_get(root, "unjoined_decisions")), 1);
     cr_expect_eq(json_array_size(json_object_get(json_object_get(root, "reuse"), "difference_buckets")),
                  KM_ANALYSIS_DIFF_BUCKETS);
+    /* the override keys are there with no override in the records */
+    cr_expect_eq(json_count(root, "reuse", "overridden"), 0);
+    cr_expect_eq(json_count(root, "reuse", "overridden_unpredicted"), 0);
+    cr_expect_eq(json_count(root, "owner", "joined_overridden"), 0);
+    cr_expect_eq(json_count(root, "owner", "overridden"), 0);
+    cr_expect_eq(json_count(root, "owner", "overridden_to_owner"), 0);
+    json_t *inside = json_object_get(json_object_get(root, "recovery"), "inside");
+    cr_expect_eq(json_count(inside, NULL, "overridden"), 0);
+    cr_expect_eq(json_count(inside, NULL, "overridden_unpredicted"), 0);
+    json_t *window = json_array_get(windows, 0);
+    cr_expect_eq(json_count(json_object_get(window, "inside"), NULL, "overridden"), 0);
+    json_t *policy = json_array_get(json_object_get(root, "policies"), 0);
+    cr_expect_eq(json_count(policy, NULL, "overridden_unpredicted"), 0);
+    json_t *worker = json_array_get(json_object_get(root, "workers"), 0);
+    cr_expect_eq(json_count(worker, NULL, "dispatched_by_override"), 0);
     json_decref(root);
     km_text_free(&text);
     km_analysis_destroy(a);
@@ -781,6 +830,300 @@ Test(analyze, difference_buckets_edges, .timeout = 5)
     cr_expect_str_eq(km_analysis_diff_bucket_label(99), "?");
 }
 
+/* ---- router overrides ---------------------------------------------------------------------- */
+
+/* kvmatch chose A, whose 4 blocks predicted 64 cached tokens; the router sent the attempt to B
+ * instead (dispatched_worker), a candidate holding 2 blocks of 16 = 32 tokens, and B's engine
+ * reported 32 cached tokens: the prediction for the worker that served it was exact. Checked with
+ * the outcome read after its decision (the decision's candidates kept until it comes), before it,
+ * and joined only at finish by (request_id, attempt_id). */
+Test(analyze, override_is_compared_with_the_dispatched_workers_depth, .timeout = 20)
+{
+    decision_spec d = {.instance = "i", .id = 1, .request = "r1", .attempt = "0", .host = "h",
+                       .pool = "p", .time_ns = 10, .source = "events", .prompt = 128,
+                       .owner = "A", .owner_state = "LIVE", .owner_blocks = 4, .chosen = "A",
+                       .chosen_state = "LIVE", .chosen_blocks = 4, .policy = "kv",
+                       .cands = {{"A", "LIVE", 4, 1}, {"B", "LIVE", 2, 0}}, .n_cands = 2};
+    for (int layout = 0; layout < 3; layout++) {
+        char dir[64], path[128];
+        make_temp_dir(dir);
+        FILE *f = open_in(dir, "r.jsonl", path, sizeof path);
+        outcome_spec o = outcome_for(&d, "complete", 200, 32, 5);
+        o.dispatched = "B";
+        if (layout == 2)
+            o.instance = "other", o.id = 77;
+        if (layout == 1)
+            write_record(f, make_outcome(&o));
+        write_record(f, make_decision(&d));
+        if (layout != 1)
+            write_record(f, make_outcome(&o));
+        fclose(f);
+        const char *paths[] = {path};
+        km_analysis *a = analyze_files(NULL, paths, 1);
+        const km_analysis_summary *s = km_analysis_summary_get(a);
+        cr_log_info("layout %d", layout);
+        EQ(s->join.by_decision_id, layout < 2);
+        EQ(s->join.by_request, layout == 2);
+        EQ(s->join.copy_mismatches, 0);
+        EQ(s->reuse.outcomes, 1);
+        EQ(s->reuse.known, 1);
+        EQ(s->reuse.overridden, 1);
+        EQ(s->reuse.overridden_unpredicted, 0);
+        EQ(s->reuse.predicted_tokens, 32);
+        EQ(s->reuse.actual_tokens, 32);
+        EQ(s->reuse.exact, 1);
+        EQ(s->reuse.over_predicted, 0);
+        EQ(s->reuse.under_predicted, 0);
+        EQ(s->reuse.difference_buckets[6], 1);
+        EQ(s->owner.owner_is_chosen, 1);
+        EQ(s->owner.overridden, 1);
+        EQ(s->owner.overridden_to_owner, 0);
+        EQ(s->outside_windows.known, 1);
+        EQ(s->outside_windows.overridden, 1);
+        EQ(s->outside_windows.predicted_tokens, 32);
+        EQ(s->outside_windows.exact, 1);
+        cr_assert_eq(s->n_policies, 1);
+        EQ(s->policies[0].quality.predicted_tokens, 32);
+        EQ(s->policies[0].quality.exact, 1);
+        cr_assert_eq(s->n_workers, 2);
+        cr_expect_str_eq(s->workers[0].worker, "A");
+        EQ(s->workers[0].chosen, 1);
+        EQ(s->workers[0].dispatched_by_override, 0);
+        cr_expect_str_eq(s->workers[1].worker, "B");
+        EQ(s->workers[1].chosen, 0);
+        EQ(s->workers[1].dispatched_by_override, 1);
+
+        json_t *root = json_report(a);
+        cr_expect_eq(json_count(root, "reuse", "overridden"), 1);
+        cr_expect_eq(json_count(root, "reuse", "overridden_unpredicted"), 0);
+        cr_expect_eq(json_count(root, "reuse", "exact"), 1);
+        cr_expect_eq(json_count(root, "owner", "overridden"), 1);
+        cr_expect_eq(json_count(root, "owner", "overridden_to_owner"), 0);
+        cr_expect_eq(json_count(root, "owner", "joined_overridden"), 0);
+        json_t *policy = json_array_get(json_object_get(root, "policies"), 0);
+        cr_expect_eq(json_count(policy, NULL, "overridden"), 1);
+        cr_expect_eq(json_count(policy, NULL, "overridden_unpredicted"), 0);
+        json_t *outside = json_object_get(json_object_get(root, "recovery"), "outside");
+        cr_expect_eq(json_count(outside, NULL, "overridden"), 1);
+        json_t *b = json_array_get(json_object_get(root, "workers"), 1);
+        cr_expect_eq(json_count(b, NULL, "dispatched_by_override"), 1);
+        json_decref(root);
+
+        km_text text;
+        km_text_init(&text, 0);
+        cr_assert_eq(km_analysis_render_text(a, &text), KM_OK);
+        const char *t = km_text_cstr(&text);
+        cr_expect(strstr(t, "router overrides (dispatched_worker): 1 compared with the dispatched "
+                            "worker's depth, 0 not compared"), "%s", t);
+        cr_expect(strstr(t, "p/B: chosen 0 (0.0%), in_flight mean 0.00 max 0, sent here by router "
+                            "override 1"), "%s", t);
+        km_text_free(&text);
+        km_analysis_destroy(a);
+        remove_dir(dir);
+    }
+}
+
+/* An override to a worker the decision has no candidate row for, or of an outcome without its
+ * decision, predicts nothing for the worker that served it: counted, never compared. The owner
+ * section does not credit the chosen worker with reuse that happened on another worker, and counts
+ * the overrides, those to the prediction owner apart. */
+Test(analyze, override_without_a_prediction_and_the_owner, .timeout = 20)
+{
+    char dir[64], path[128];
+    make_temp_dir(dir);
+    FILE *f = open_in(dir, "r.jsonl", path, sizeof path);
+    /* the owner B (3 blocks) not chosen: kvmatch chose A (0 blocks) */
+    decision_spec d1 = {.instance = "i", .id = 1, .request = "r1", .attempt = "0", .host = "h",
+                        .pool = "p", .time_ns = 10, .source = "events", .prompt = 100,
+                        .owner = "B", .owner_state = "LIVE", .owner_blocks = 3, .chosen = "A",
+                        .chosen_state = "LIVE", .chosen_blocks = 0, .policy = "cache_aware",
+                        .cands = {{"A", "LIVE", 0, 1}, {"B", "LIVE", 3, 9}}, .n_cands = 2};
+    decision_spec d2 = d1, d3 = d1, d6 = d1;
+    d2.id = 2, d2.request = "r2", d2.time_ns = 20;
+    d3.id = 3, d3.request = "r3", d3.time_ns = 30;
+    d6.id = 6, d6.request = "r6", d6.time_ns = 60;
+    outcome_spec o1 = outcome_for(&d1, "complete", 200, 48, 5); /* sent to the owner: exact */
+    o1.dispatched = "B";
+    outcome_spec o2 = outcome_for(&d2, "complete", 200, 16, 5); /* C is no candidate */
+    o2.dispatched = "C";
+    outcome_spec o3 = outcome_for(&d3, "complete", 200, 0, 5);  /* no override */
+    outcome_spec o6 = outcome_for(&d6, "complete", 200, -1, 5); /* to the owner, cached unknown */
+    o6.dispatched = "B";
+    outcome_spec o4 = outcome_for(&d1, "complete", 200, 16, 5); /* no decision, overridden */
+    o4.id = 4, o4.request = "r4", o4.dispatched = "B";
+    outcome_spec o5 = outcome_for(&d1, "complete", 200, 16, 5); /* no decision, not overridden */
+    o5.id = 5, o5.request = "r5", o5.predicted_blocks = 1;
+    write_record(f, make_decision(&d1));
+    write_record(f, make_decision(&d2));
+    write_record(f, make_outcome(&o2));
+    write_record(f, make_outcome(&o1));
+    write_record(f, make_decision(&d3));
+    write_record(f, make_outcome(&o3));
+    write_record(f, make_outcome(&o4));
+    write_record(f, make_outcome(&o5));
+    write_record(f, make_outcome(&o6));
+    write_record(f, make_decision(&d6));
+    fclose(f);
+    const char *paths[] = {path};
+    km_analysis *a = analyze_files(NULL, paths, 1);
+    const km_analysis_summary *s = km_analysis_summary_get(a);
+    EQ(s->join.by_decision_id, 4);
+    EQ(s->join.outcomes_without_decision, 2);
+    EQ(s->join.copy_mismatches, 0);
+    /* compared: O1 48/48 (B's row), O3 0/0, O5 16/16 (its copy); O2, O4 not; O6 unknown */
+    EQ(s->reuse.outcomes, 6);
+    EQ(s->reuse.unknown, 1);
+    EQ(s->reuse.overridden_unpredicted, 2);
+    EQ(s->reuse.known, 3);
+    EQ(s->reuse.overridden, 1);
+    EQ(s->reuse.from_outcome_copy, 1);
+    EQ(s->reuse.predicted_tokens, 64);
+    EQ(s->reuse.actual_tokens, 64);
+    EQ(s->reuse.exact, 3);
+    EQ(s->reuse.over_predicted + s->reuse.under_predicted, 0);
+
+    EQ(s->owner.decisions, 4);
+    EQ(s->owner.owner_not_chosen, 4);
+    EQ(s->owner.owner_tokens, 4 * 48);
+    EQ(s->owner.chosen_tokens, 0);
+    EQ(s->owner.joined_known, 1); /* D3 only: A served it */
+    EQ(s->owner.joined_actual_tokens, 0);
+    EQ(s->owner.joined_owner_tokens, 48);
+    EQ(s->owner.joined_overridden, 2); /* D1 and D2: another worker reported that reuse */
+    EQ(s->owner.overridden, 3);
+    EQ(s->owner.overridden_to_owner, 2);
+
+    EQ(s->outside_windows.decisions, 4);
+    EQ(s->outside_windows.known, 2);
+    EQ(s->outside_windows.overridden, 1);
+    EQ(s->outside_windows.overridden_unpredicted, 1);
+    EQ(s->outside_windows.predicted_tokens, 48);
+    EQ(s->outside_windows.actual_tokens, 48);
+    EQ(s->outside_windows.exact, 2);
+    EQ(s->outside_windows.prompt_tokens, 200);
+    EQ(s->outside_windows.actual_with_prompt, 48);
+
+    cr_assert_eq(s->n_workers, 3);
+    cr_expect_str_eq(s->workers[0].worker, "A");
+    EQ(s->workers[0].chosen, 4);
+    EQ(s->workers[0].dispatched_by_override, 0);
+    cr_expect_str_eq(s->workers[1].worker, "B");
+    EQ(s->workers[1].chosen, 0);
+    EQ(s->workers[1].dispatched_by_override, 3); /* O1, O4, O6 */
+    cr_expect_str_eq(s->workers[2].worker, "C");
+    EQ(s->workers[2].dispatched_by_override, 1);
+
+    km_text page;
+    km_text_init(&page, 0);
+    cr_assert_eq(km_analysis_render_html(a, &page), KM_OK);
+    const char *h = km_text_cstr(&page);
+    cr_expect(strstr(h, "<tr><td>router overrides: compared with the dispatched worker's depth / "
+                        "not compared (no prediction for it)</td><td>1 / 2</td></tr>"), "%s", h);
+    cr_expect(strstr(h, "<tr><td>decisions overridden by the router / sent to the prediction "
+                        "owner</td><td>3 / 2</td></tr>"), "%s", h);
+    cr_expect_eq(count_of(h, "<circle "), 3, "one dot per compared outcome");
+    km_text_free(&page);
+    km_analysis_destroy(a);
+    remove_dir(dir);
+}
+
+/* An outcome's worker and predicted copy are the decision's chosen worker's even when the router
+ * overrode it (RECORDS.md): an override is no copy mismatch, a worker field naming the worker the
+ * router used is one. */
+Test(analyze, override_is_not_a_copy_mismatch, .timeout = 10)
+{
+    char dir[64], path[128];
+    make_temp_dir(dir);
+    FILE *f = open_in(dir, "r.jsonl", path, sizeof path);
+    decision_spec d = {.instance = "i", .id = 1, .request = "r1", .attempt = "0", .host = "h",
+                       .pool = "p", .time_ns = 10, .source = "events", .prompt = 64, .owner = "A",
+                       .owner_state = "LIVE", .owner_blocks = 2, .chosen = "A",
+                       .chosen_state = "LIVE", .chosen_blocks = 2, .policy = "kv",
+                       .cands = {{"A", "LIVE", 2, 0}, {"B", "LIVE", 1, 0}}, .n_cands = 2};
+    decision_spec e = d;
+    e.id = 2, e.request = "r2", e.time_ns = 20;
+    write_record(f, make_decision(&d));
+    outcome_spec o = outcome_for(&d, "complete", 200, 16, 1);
+    o.dispatched = "B"; /* worker stays A, predicted stays A's 2 blocks */
+    write_record(f, make_outcome(&o));
+    write_record(f, make_decision(&e));
+    outcome_spec wrong = outcome_for(&e, "complete", 200, 16, 1);
+    wrong.worker = "B"; /* a copy that names another worker than the decision chose */
+    write_record(f, make_outcome(&wrong));
+    fclose(f);
+    const char *paths[] = {path};
+    km_analysis *a = analyze_files(NULL, paths, 1);
+    const km_analysis_summary *s = km_analysis_summary_get(a);
+    EQ(s->join.by_decision_id, 2);
+    EQ(s->join.copy_mismatches, 1);
+    EQ(s->reuse.overridden, 1);
+    EQ(s->reuse.exact, 1);           /* the override: B's 16 against 16 */
+    EQ(s->reuse.over_predicted, 1);  /* the other: A's 32 against 16 */
+    EQ(s->reuse.predicted_tokens, 48);
+    km_analysis_destroy(a);
+    remove_dir(dir);
+}
+
+/* dispatched_worker is a string, null or absent; anything else makes the line invalid, naming the
+ * field. A dispatched_worker naming the chosen worker is no override. A candidate needs its
+ * depth_tokens (an override is compared with it). */
+Test(analyze, dispatched_worker_must_be_a_string_or_null, .timeout = 10)
+{
+    char dir[64], path[128];
+    make_temp_dir(dir);
+    FILE *f = open_in(dir, "r.jsonl", path, sizeof path);
+    decision_spec d = {.instance = "i", .id = 1, .request = "r1", .attempt = "0", .host = "h",
+                       .pool = "p", .time_ns = 10, .source = "events", .prompt = 64, .owner = "A",
+                       .owner_state = "LIVE", .owner_blocks = 2, .chosen = "A",
+                       .chosen_state = "LIVE", .chosen_blocks = 2, .policy = "kv",
+                       .cands = {{"A", "LIVE", 2, 0}, {"B", "LIVE", 1, 0}}, .n_cands = 2};
+    decision_spec e = d;
+    e.id = 2, e.request = "r2", e.time_ns = 20;
+    write_record(f, make_decision(&d));                                      /* 1 */
+    outcome_spec o = outcome_for(&d, "complete", 200, 32, 1);
+    json_t *number = make_outcome(&o);
+    json_object_set_new(number, "dispatched_worker", json_integer(5));
+    write_record(f, number);                                                 /* 2 invalid */
+    json_t *list = make_outcome(&o);
+    json_object_set_new(list, "dispatched_worker", json_pack("[s]", "B"));
+    write_record(f, list);                                                   /* 3 invalid */
+    json_t *no_depth = make_decision(&e);
+    json_object_del(json_array_get(json_object_get(no_depth, "candidates"), 1), "depth_tokens");
+    write_record(f, no_depth);                                               /* 4 invalid */
+    json_t *absent = make_outcome(&o);
+    json_object_del(absent, "dispatched_worker");
+    write_record(f, absent);                                                 /* 5: no override */
+    write_record(f, make_decision(&e));                                      /* 6 */
+    outcome_spec same = outcome_for(&e, "complete", 200, 32, 1);
+    same.dispatched = "A";
+    write_record(f, make_outcome(&same));                                    /* 7: no override */
+    fclose(f);
+    const char *paths[] = {path};
+    km_analysis *a = analyze_files(NULL, paths, 1);
+    const km_analysis_summary *s = km_analysis_summary_get(a);
+    EQ(s->input.invalid, 3);
+    cr_assert_eq(s->n_invalid_lines, 3);
+    EQ(s->invalid_lines[0].line, 2);
+    cr_expect_str_eq(s->invalid_lines[0].what,
+                     "outcome record: field dispatched_worker: expected a string or null");
+    EQ(s->invalid_lines[1].line, 3);
+    cr_expect_str_eq(s->invalid_lines[1].what,
+                     "outcome record: field dispatched_worker: expected a string or null");
+    EQ(s->invalid_lines[2].line, 4);
+    cr_expect_str_eq(s->invalid_lines[2].what,
+                     "decision record: field candidates[1].depth_tokens: missing");
+    EQ(s->join.by_decision_id, 2);
+    EQ(s->reuse.known, 2);
+    EQ(s->reuse.exact, 2);
+    EQ(s->reuse.overridden, 0);
+    EQ(s->reuse.overridden_unpredicted, 0);
+    EQ(s->owner.overridden, 0);
+    for (size_t i = 0; i < s->n_workers; i++)
+        EQ(s->workers[i].dispatched_by_override, 0);
+    km_analysis_destroy(a);
+    remove_dir(dir);
+}
+
 /* ---- random records against a brute-force model ------------------------------------------------- */
 
 static const char *const rand_workers[5] = {"W0", "W1", "W2", "W3", "W4"};
@@ -832,12 +1175,77 @@ static int compare_i64s(const void *x, const void *y)
     return a < b ? -1 : a > b;
 }
 
+/* The model of an override: the outcome names a dispatched worker other than its worker. */
+static int model_overridden(const outcome_spec *o)
+{
+    return o->dispatched && strcmp(o->dispatched, o->worker) != 0;
+}
+
+/* The model's prediction for outcome o of decision d (NULL: an outcome without decision): the
+ * chosen worker's blocks (the outcome's copy without a decision), or for an override the blocks of
+ * the decision's candidate row naming the dispatched worker, in tokens. 0 when an override has no
+ * such row or no decision: not compared. */
+static int model_prediction(const decision_spec *d, const outcome_spec *o, int64_t *predicted)
+{
+    if (!model_overridden(o)) {
+        *predicted = (d ? d->chosen_blocks : o->predicted_blocks) * BLOCK;
+        return 1;
+    }
+    for (int c = 0; d && c < d->n_cands; c++)
+        if (!strcmp(d->cands[c].worker, o->dispatched)) {
+            *predicted = d->cands[c].depth_blocks * BLOCK;
+            return 1;
+        }
+    return 0;
+}
+
+/* The model's quality over one more decision. */
+static void model_quality_add(km_analysis_quality *q, const rand_decision *r)
+{
+    const decision_spec *s = &r->spec;
+    q->decisions++;
+    q->owner_not_chosen += s->owner && strcmp(s->owner, s->chosen);
+    if (!strcmp(s->source, "events"))
+        q->stale += strcmp(s->chosen_state, "LIVE") || (s->owner && strcmp(s->owner_state, "LIVE"));
+    int64_t predicted;
+    if (!r->outcome_mode || r->outcome.cached < 0)
+        return;
+    if (!model_prediction(s, &r->outcome, &predicted)) {
+        q->overridden_unpredicted++;
+        return;
+    }
+    q->known++;
+    q->overridden += model_overridden(&r->outcome);
+    q->predicted_tokens += (uint64_t)predicted;
+    q->actual_tokens += (uint64_t)r->outcome.cached;
+    q->exact += r->outcome.cached == predicted;
+    if (s->prompt >= 0) {
+        q->prompt_tokens += (uint64_t)s->prompt;
+        q->actual_with_prompt += (uint64_t)r->outcome.cached;
+    }
+}
+
+/* The model's per-worker counts, by host ("h1" or null), pool ("p0", "p1") and worker. */
+typedef struct model_worker {
+    uint64_t chosen, dispatched_by_override;
+} model_worker;
+
+static model_worker *model_worker_of(model_worker table[2][2][5], const char *host,
+                                     const char *pool, const char *worker)
+{
+    int w = 0;
+    while (strcmp(rand_workers[w], worker))
+        w++;
+    return &table[host ? 0 : 1][strcmp(pool, "p0") ? 1 : 0][w];
+}
+
 Test(analyze, random_records_match_brute_force, .timeout = 120)
 {
     km_rng rng;
     km_rng_init(&rng, km_test_seed());
     char dir[64];
     make_temp_dir(dir);
+    uint64_t overrides_compared = 0, overrides_unpredicted = 0, overrides_to_owner = 0;
     for (int round = 0; round < 4; round++) {
         size_t n = 50 + km_rng_below(&rng, 700);
         size_t n_orphans = km_rng_below(&rng, (uint32_t)(n / 8 + 1));
@@ -899,6 +1307,10 @@ Test(analyze, random_records_match_brute_force, .timeout = 120)
                                      km_rng_percent(&rng, 50) ? -1 : (int64_t)(1 + km_rng_below(&rng, 1000000)));
             if (r->outcome_mode == 2)
                 r->outcome.instance = "iX", r->outcome.id = 100000 + (int64_t)i;
+            /* a router override to any worker: a candidate of the decision or not, now and then the
+             * chosen one named again (no override) */
+            if (km_rng_percent(&rng, 30))
+                r->outcome.dispatched = rand_workers[km_rng_below(&rng, 5)];
             int inst = s->instance[1] == 'B';
             r->decision_file = inst * 3 + (i < cuts[inst][0] ? 0 : i < cuts[inst][1] ? 1 : 2);
             r->outcome_file = (int)km_rng_below(&rng, n_files);
@@ -913,6 +1325,8 @@ Test(analyze, random_records_match_brute_force, .timeout = 120)
             orphans[k].instance = "iA";
             orphans[k].request = orphan_requests[k];
             orphans[k].predicted_blocks = km_rng_below(&rng, 30);
+            if (km_rng_percent(&rng, 30))
+                orphans[k].dispatched = rand_workers[km_rng_below(&rng, 5)];
             orphan_files[k] = (int)km_rng_below(&rng, n_files);
         }
         if (n_orphans > 256)
@@ -944,8 +1358,16 @@ Test(analyze, random_records_match_brute_force, .timeout = 120)
         model_window *windows = calloc(n * 5 + 1, sizeof *windows);
         size_t n_windows = 0;
         cr_assert(ttfts && windows);
+        model_worker workers[2][2][5];
+        km_analysis_quality policy_quality[2]; /* kv, least_load */
+        km_analysis_quality in_quality, out_quality;
+        memset(workers, 0, sizeof workers);
+        memset(policy_quality, 0, sizeof policy_quality);
+        memset(&in_quality, 0, sizeof in_quality);
+        memset(&out_quality, 0, sizeof out_quality);
         for (size_t i = 0; i < n + n_orphans; i++) {
             const outcome_spec *o;
+            const decision_spec *decision;
             int64_t predicted;
             if (i < n) {
                 const rand_decision *r = &d[i];
@@ -958,13 +1380,23 @@ Test(analyze, random_records_match_brute_force, .timeout = 120)
                     m.owner.owner_not_chosen++;
                     m.owner.owner_tokens += (uint64_t)s->owner_blocks * BLOCK;
                     m.owner.chosen_tokens += (uint64_t)s->chosen_blocks * BLOCK;
-                    if (r->outcome_mode && r->outcome.cached >= 0) {
+                    int joined_known = r->outcome_mode && r->outcome.cached >= 0;
+                    if (joined_known && model_overridden(&r->outcome)) {
+                        m.owner.joined_overridden++;
+                    } else if (joined_known) {
                         m.owner.joined_known++;
                         m.owner.joined_actual_tokens += (uint64_t)r->outcome.cached;
                         m.owner.joined_owner_tokens += (uint64_t)s->owner_blocks * BLOCK;
                     }
                 } else
                     m.owner.owner_is_chosen++;
+                if (r->outcome_mode && model_overridden(&r->outcome)) {
+                    m.owner.overridden++;
+                    m.owner.overridden_to_owner +=
+                        s->owner && !strcmp(s->owner, r->outcome.dispatched);
+                }
+                model_worker_of(workers, s->host, s->pool, s->chosen)->chosen++;
+                model_quality_add(&policy_quality[strcmp(s->policy, "kv") ? 1 : 0], r);
                 if (events) {
                     m.staleness.events_decisions++;
                     int chosen_bad = strcmp(s->chosen_state, "LIVE") != 0;
@@ -983,17 +1415,22 @@ Test(analyze, random_records_match_brute_force, .timeout = 120)
                     continue;
                 }
                 o = &r->outcome;
-                predicted = s->chosen_blocks * BLOCK;
+                decision = s;
             } else {
                 o = &orphans[i - n];
-                predicted = o->predicted_blocks * BLOCK;
+                decision = NULL;
                 m.join.outcomes_without_decision++;
             }
+            if (model_overridden(o))
+                model_worker_of(workers, o->host, o->pool, o->dispatched)->dispatched_by_override++;
             m.reuse.outcomes++;
             if (o->cached < 0) {
                 m.reuse.unknown++;
+            } else if (!model_prediction(decision, o, &predicted)) {
+                m.reuse.overridden_unpredicted++;
             } else {
                 m.reuse.known++;
+                m.reuse.overridden += model_overridden(o);
                 m.reuse.from_outcome_copy += i >= n;
                 m.reuse.predicted_tokens += (uint64_t)predicted;
                 m.reuse.actual_tokens += (uint64_t)o->cached;
@@ -1063,6 +1500,7 @@ Test(analyze, random_records_match_brute_force, .timeout = 120)
                     w->inside++, inside = 1;
             }
             in_windows += (uint64_t)inside;
+            model_quality_add(inside ? &in_quality : &out_quality, &d[i]);
         }
 
         /* the analysis, files in a random order */
@@ -1092,6 +1530,8 @@ Test(analyze, random_records_match_brute_force, .timeout = 120)
         SAME(reuse.outcomes);
         SAME(reuse.unknown);
         SAME(reuse.known);
+        SAME(reuse.overridden_unpredicted);
+        SAME(reuse.overridden);
         SAME(reuse.from_outcome_copy);
         SAME(reuse.predicted_tokens);
         SAME(reuse.actual_tokens);
@@ -1111,6 +1551,9 @@ Test(analyze, random_records_match_brute_force, .timeout = 120)
         SAME(owner.joined_known);
         SAME(owner.joined_actual_tokens);
         SAME(owner.joined_owner_tokens);
+        SAME(owner.joined_overridden);
+        SAME(owner.overridden);
+        SAME(owner.overridden_to_owner);
         SAME(staleness.events_decisions);
         SAME(staleness.chosen_not_live);
         SAME(staleness.owner_not_live);
@@ -1152,6 +1595,54 @@ Test(analyze, random_records_match_brute_force, .timeout = 120)
         for (size_t k = 0; k < s->n_policies; k++)
             policy_total += s->policies[k].quality.decisions;
         KM_CHECK(policy_total == n, "per-policy decisions add up");
+#define SAME_QUALITY(actual, model, field)                                                         \
+    KM_CHECK((actual).field == (model).field, "round %d: %s.%s = %" PRIu64 ", model %" PRIu64,    \
+             round, #actual, #field, (uint64_t)(actual).field, (uint64_t)(model).field)
+#define SAME_QUALITIES(actual, model)                                                              \
+    do {                                                                                           \
+        SAME_QUALITY(actual, model, decisions);                                                    \
+        SAME_QUALITY(actual, model, owner_not_chosen);                                             \
+        SAME_QUALITY(actual, model, stale);                                                        \
+        SAME_QUALITY(actual, model, known);                                                        \
+        SAME_QUALITY(actual, model, overridden);                                                   \
+        SAME_QUALITY(actual, model, overridden_unpredicted);                                       \
+        SAME_QUALITY(actual, model, predicted_tokens);                                             \
+        SAME_QUALITY(actual, model, actual_tokens);                                                \
+        SAME_QUALITY(actual, model, exact);                                                        \
+        SAME_QUALITY(actual, model, prompt_tokens);                                                \
+        SAME_QUALITY(actual, model, actual_with_prompt);                                           \
+    } while (0)
+        SAME_QUALITIES(s->in_windows, in_quality);
+        SAME_QUALITIES(s->outside_windows, out_quality);
+        for (size_t k = 0; k < s->n_policies; k++)
+            SAME_QUALITIES(s->policies[k].quality,
+                           policy_quality[strcmp(s->policies[k].policy, "kv") ? 1 : 0]);
+#undef SAME_QUALITIES
+#undef SAME_QUALITY
+        /* per worker: every row against the model, and no row the model lacks a count for */
+        uint64_t model_chosen = 0, model_dispatched = 0, rows_chosen = 0, rows_dispatched = 0;
+        for (int h = 0; h < 2; h++)
+            for (int p = 0; p < 2; p++)
+                for (int w = 0; w < 5; w++)
+                    model_chosen += workers[h][p][w].chosen,
+                        model_dispatched += workers[h][p][w].dispatched_by_override;
+        for (size_t k = 0; k < s->n_workers; k++) {
+            const km_analysis_worker *w = &s->workers[k];
+            const model_worker *e = model_worker_of(workers, *w->host ? w->host : NULL, w->pool,
+                                                    w->worker);
+            KM_CHECK(w->chosen == e->chosen &&
+                         w->dispatched_by_override == e->dispatched_by_override,
+                     "round %d: worker %s/%s/%s chosen %" PRIu64 " dispatched %" PRIu64
+                     "; model %" PRIu64 " / %" PRIu64,
+                     round, w->host, w->pool, w->worker, w->chosen, w->dispatched_by_override,
+                     e->chosen, e->dispatched_by_override);
+            KM_CHECK(w->chosen || w->dispatched_by_override, "round %d: an empty worker row",
+                     round);
+            rows_chosen += w->chosen, rows_dispatched += w->dispatched_by_override;
+        }
+        KM_CHECK(rows_chosen == model_chosen && rows_dispatched == model_dispatched,
+                 "round %d: worker rows %" PRIu64 " / %" PRIu64 ", model %" PRIu64 " / %" PRIu64,
+                 round, rows_chosen, rows_dispatched, model_chosen, model_dispatched);
 #undef SAME
         km_analysis_destroy(a);
         free(ttfts);
@@ -1159,7 +1650,14 @@ Test(analyze, random_records_match_brute_force, .timeout = 120)
         free(d);
         free(orphans);
         free(orphan_requests);
+        overrides_compared += m.reuse.overridden;
+        overrides_unpredicted += m.reuse.overridden_unpredicted;
+        overrides_to_owner += m.owner.overridden_to_owner;
     }
+    /* the generator made every kind of override (the odds against are astronomical) */
+    KM_CHECK(overrides_compared && overrides_unpredicted && overrides_to_owner,
+             "overrides compared %" PRIu64 ", unpredicted %" PRIu64 ", to the owner %" PRIu64,
+             overrides_compared, overrides_unpredicted, overrides_to_owner);
     remove_dir(dir);
 }
 
@@ -1209,14 +1707,6 @@ static km_analysis *html_fixture(const char *dir, char *html_path, size_t size)
     snprintf(html_path, size, "%s/report.html", dir);
     cr_assert_eq(km_analysis_write_html(a, html_path), KM_OK, "%s", km_analysis_last_error(a));
     return a;
-}
-
-static int count_of(const char *haystack, const char *needle)
-{
-    int n = 0;
-    for (const char *p = strstr(haystack, needle); p; p = strstr(p + 1, needle))
-        n++;
-    return n;
 }
 
 Test(analyze, html_is_self_contained_and_escaped, .timeout = 30)
