@@ -484,6 +484,8 @@ static int pool_create(km_server *s, const km_server_pool *pc, pool **out, char 
     ac.max_workers = s->cfg.max_workers;
     ac.ttl_ns = p->approx_ttl_ms * UINT64_C(1000000);
     ac.worker_capacity_blocks = p->approx_capacity_blocks;
+    if (pc->approx_every_touch)
+        ac.refresh_ns = 0;
     if ((rc = km_approx_create(&ac, &p->approx)) != KM_OK) {
         pool_destroy(p);
         return km_why(why, why_size, rc, "pool %s: approximate-mode state: %s", pc->name,

@@ -38,6 +38,7 @@ void km_sim_config_init(km_sim_config *cfg)
     cfg->restart_worker = -1;
     cfg->replay_buffer = 10000;
     cfg->restart_kvmatch_at_s = -1;
+    cfg->approx_dispatch_max_bytes = -1;
 }
 
 static double wall_s(void)
@@ -71,9 +72,9 @@ static void quiet(void *user, const char *line)
 typedef struct req_state {
     uint64_t arrival_us;
     uint64_t decision_id;
-    uint32_t worker;
-    uint32_t predicted_depth; /* the chosen worker's depth in the decision */
-    uint32_t truth_depth;     /* the chosen engine's cached depth at the decision instant */
+    uint32_t worker;          /* the worker the router sent it to (the chosen one, or an override) */
+    uint32_t predicted_depth; /* that worker's depth in the decision */
+    uint32_t truth_depth;     /* that engine's cached depth at the decision instant */
     bool chosen_degraded;     /* the decision said the chosen worker's history was lost */
     bool routed, admitted, first_token, finished;
     uint32_t cached_tokens;   /* engine-reported, at admission */
@@ -278,7 +279,9 @@ static int drain_engine(run *r, uint32_t w, uint64_t now_us, char *why, size_t w
                 r->res->realized_as_predicted++;
             else if (s->truth_depth != s->predicted_depth) {
                 r->res->diff_index_wrong++;
-                if (s->chosen_degraded)
+                if (r->cfg->approx)
+                    r->res->diff_assumed++;
+                else if (s->chosen_degraded)
                     r->res->diff_lost++;
                 else
                     r->res->diff_not_delivered++;
@@ -317,6 +320,10 @@ static int drain_engine(run *r, uint32_t w, uint64_t now_us, char *why, size_t w
     km_sim_message m;
     while (km_sim_engine_take_message(r->engines[w], &m)) {
         int rc = KM_OK;
+        if (r->cfg->approx) { /* no event stream: the engine's messages reach nobody */
+            r->published[w] = m.seq + 1;
+            continue;
+        }
         bool drop = message_dropped(r, w, now_us);
         r->res->dropped_messages += drop;
         if (r->cfg->zmq) {
@@ -437,7 +444,11 @@ static int route_one(run *r, size_t index, uint64_t now_us, char *why, size_t wh
     route.n_tokens = n_tokens;
     route.has_expected_output_tokens = true;
     route.expected_output_tokens = q->output_length;
-    route.brief = true;
+    /* The override fault, drawn before the decision: such a route asks for the candidates' depths
+     * (the prediction for the worker it will really go to). */
+    bool override = r->cfg->override > 0 && r->cfg->workers > 1 &&
+                    (double)(fault_rand(r) >> 11) * (1.0 / 9007199254740992.0) < r->cfg->override;
+    route.brief = !override;
     km_message reply;
     double t0 = wall_s();
     rc = km_client_route(r->client, &route, 1, 10000, &reply);
@@ -456,18 +467,37 @@ static int route_one(run *r, size_t index, uint64_t now_us, char *why, size_t wh
         w = r->rr++ % r->cfg->workers;
     } else {
         w = d->chosen_worker - r->worker_base;
+        uint32_t predicted = d->chosen_depth;
+        const char *state = d->chosen_state;
+        if (override) {
+            /* The router sends it to another worker, uniformly drawn, and reports that one
+             * (queue_report's `worker`): the prediction that counts is that worker's row. */
+            uint32_t other = (w + 1 + (uint32_t)(fault_rand(r) % (r->cfg->workers - 1))) % r->cfg->workers;
+            const km_candidate_score *row = NULL;
+            for (uint32_t k = 0; k < d->n_candidates; k++)
+                if (d->candidates[k].worker == r->worker_base + other)
+                    row = &d->candidates[k];
+            if (!row)
+                return km_why(why, why_size, KM_ERR_PROTOCOL,
+                              "route %zu: the decision has no candidate row for worker %u", index,
+                              r->worker_base + other);
+            w = other;
+            predicted = row->depth;
+            state = row->state;
+            r->res->overridden++;
+        }
         s->routed = true;
         s->decision_id = d->decision_id;
-        s->predicted_depth = d->chosen_depth;
+        s->predicted_depth = predicted;
         r->res->routed++;
-        r->res->predicted_reused_tokens += (uint64_t)d->chosen_depth * r->cfg->engine.block_size;
-        /* The truth at the decision instant: what the chosen engine caches now. */
+        r->res->predicted_reused_tokens += (uint64_t)predicted * r->cfg->engine.block_size;
+        /* The truth at the decision instant: what the engine it goes to caches now. */
         s->truth_depth = km_sim_engine_cached_depth(r->engines[w], r->chains, n_blocks);
-        s->chosen_degraded = d->chosen_state && !strcmp(d->chosen_state, "DEGRADED");
-        if (s->truth_depth == d->chosen_depth) {
+        s->chosen_degraded = state && !strcmp(state, "DEGRADED");
+        if (s->truth_depth == predicted) {
             r->res->exact_predictions++;
         } else {
-            if (s->truth_depth < d->chosen_depth)
+            if (s->truth_depth < predicted)
                 r->res->over_predictions++;
             else
                 r->res->under_predictions++;
@@ -478,7 +508,7 @@ static int route_one(run *r, size_t index, uint64_t now_us, char *why, size_t wh
         if (d->has_owner)
             observe_state(r, d->owner_worker - r->worker_base, d->owner_state, now_us);
         if (r->open_count) {
-            bool exact = s->truth_depth == d->chosen_depth;
+            bool exact = s->truth_depth == predicted;
             r->res->decisions_in_windows++;
             r->res->exact_in_windows += exact;
             for (uint32_t k = 0; k < r->cfg->workers; k++)
@@ -562,6 +592,13 @@ static int start_server(run *r, char *why, size_t why_size)
         return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT, "unknown policy \"%s\"", r->policy);
     pool.workers = r->ws;
     pool.n_workers = cfg->workers;
+    /* Approximate mode: each worker's assumed blocks bounded as its engine's cache is, least
+     * recently routed forgotten first. Its TTL and touch times count wall time, of which a run
+     * spends too little for either: the TTL is set beyond any run (so the table does not depend
+     * on how long the run took) and every touch counts. */
+    pool.approx_capacity_blocks = cfg->approx ? cfg->engine.capacity_blocks : 0;
+    pool.approx_ttl_ms = UINT64_C(1000000000000); /* 1e9 s */
+    pool.approx_every_touch = true;
     km_server_config sc;
     km_server_config_init(&sc);
     sc.socket_path = r->sock;
@@ -569,6 +606,8 @@ static int start_server(run *r, char *why, size_t why_size)
     sc.max_workers = cfg->workers < 64 ? 64 : cfg->workers;
     sc.backend = KM_BACKEND_CPU;
     sc.index_threads = 1;
+    if (cfg->approx_dispatch_max_bytes >= 0)
+        sc.approx_dispatch_max_bytes = (uint64_t)cfg->approx_dispatch_max_bytes;
     sc.pools = &pool;
     sc.n_pools = 1;
     sc.log = quiet;
@@ -682,7 +721,9 @@ static int run_policy(const km_sim_config *cfg, const km_trace *trace, const cha
         snprintf(names[w], sizeof names[w], "engine-%u", w);
         ws[w].id = r.worker_base + w;
         ws[w].name = names[w];
-        ws[w].event_endpoint = cfg->zmq ? km_publisher_endpoint(r.pubs[w]) : KM_SERVER_LOCAL_EVENTS;
+        ws[w].event_endpoint = cfg->approx ? NULL
+                               : cfg->zmq  ? km_publisher_endpoint(r.pubs[w])
+                                           : KM_SERVER_LOCAL_EVENTS;
         ws[w].replay_endpoint = cfg->zmq ? km_publisher_replay_endpoint(r.pubs[w]) : NULL;
     }
     if (!rc && !cfg->connect)
@@ -866,6 +907,13 @@ int km_sim_run(const km_sim_config *cfg, km_sim_result *results, char *why, size
     if (cfg->restart_kvmatch_at_s >= 0 && cfg->connect)
         return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,
                       "--restart-kvmatch restarts the server in this process, not a --connect one");
+    if (cfg->approx && (cfg->zmq || cfg->drop_events > 0 || cfg->cut_worker >= 0 ||
+                        (cfg->restart_kvmatch_at_s >= 0 && cfg->restart_kvmatch_snapshot)))
+        return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,
+                      "approximate mode has no event stream: --approx excludes --zmq, --connect, "
+                      "--drop-events, --cut and a snapshot restart");
+    if (!(cfg->override >= 0 && cfg->override < 1))
+        return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT, "override must be in [0, 1)");
     if (cfg->connect && !cfg->zmq)
         return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,
                       "--connect needs --zmq: a server in another process hears the engines over ZMQ");

@@ -55,6 +55,15 @@ typedef struct km_sim_config {
     double second_ingress;               /* this share of requests bypasses kvmatch (another
                                           * router): their load is invisible here, their events
                                           * are not */
+    double override;                     /* this share of routed requests the router sends to
+                                          * another worker than the decision's (uniformly drawn)
+                                          * and says so (lifecycle `worker`) */
+    /* Workers in approximate mode: no event stream (the engines' messages reach nobody); the index
+     * learns from the decisions (and reported overrides) alone, each worker's assumed blocks
+     * bounded by the engine's capacity. In process only (no zmq, no connect). */
+    bool approx;
+    int64_t approx_dispatch_max_bytes;   /* the server's approx_dispatch_max_bytes; < 0 = its
+                                          * default (0: overrides teach nothing) */
     km_log_fn log;                       /* progress lines; NULL = stderr */
     void *log_user;
 } km_sim_config;
@@ -96,11 +105,15 @@ typedef struct km_sim_result {
     uint64_t diff_not_delivered;      /*   ... events not yet delivered (a step unpublished, a gap
                                        *   being replayed, a cut in progress) */
     uint64_t diff_lost;               /*   ... events lost (the chosen worker was DEGRADED) */
+    uint64_t diff_assumed;            /*   ... no events at all: the placement was assumed
+                                       *   (approximate mode) */
     uint64_t diff_cache_changed;      /* the index was right; the cache changed before the request
                                        * ran (evictions, new blocks) */
     uint64_t unadmitted;              /* routed but never run (rejected, or lost to a restart
                                        * before its admission): the attribution's remainder */
     uint64_t bypassed;                /* requests sent by the second ingress path */
+    uint64_t overridden;              /* routed requests the router sent to another worker (fault);
+                                       * their prediction is that worker's depth in the decision */
     uint64_t dropped_messages;        /* engine messages dropped on the wire (faults) */
     uint64_t lost_to_restart;         /* requests running on an engine when it restarted */
     uint64_t kvmatch_restarts;        /* restarts of kvmatch itself (fault) */

@@ -67,7 +67,8 @@ static void check_accounting(const km_sim_result *r)
     cr_assert_eq(r->route_errors, 0, "%s", r->policy);
     cr_assert_eq(r->exact_predictions + r->over_predictions + r->under_predictions, r->routed,
                  "%s: every prediction judged", r->policy);
-    cr_assert_eq(r->diff_not_delivered + r->diff_lost, r->diff_index_wrong, "%s", r->policy);
+    cr_assert_eq(r->diff_not_delivered + r->diff_lost + r->diff_assumed, r->diff_index_wrong, "%s",
+                 r->policy);
     cr_assert_eq(r->realized_as_predicted + r->diff_index_wrong + r->diff_cache_changed +
                      r->unadmitted,
                  r->routed, "%s: the attribution adds up", r->policy);
@@ -439,4 +440,105 @@ Test(sim, through_a_running_kvmatch_serve, .timeout = 120)
     check_accounting(&r);
     cr_assert_eq(r.exact_predictions, r.routed);
     cr_assert(WIFEXITED(status) && WEXITSTATUS(status) == 0, "the server exits cleanly");
+}
+
+/* Records of one run: decisions whose prediction source is `source`, and outcomes naming a
+ * dispatched_worker. */
+static void count_records(const char *path, const char *source, uint64_t *decisions_from_source,
+                          uint64_t *decisions, uint64_t *dispatched)
+{
+    FILE *f = fopen(path, "r");
+    cr_assert_not_null(f, "%s", path);
+    *decisions_from_source = *decisions = *dispatched = 0;
+    char line[65536];
+    while (fgets(line, sizeof line, f)) {
+        json_t *rec = json_loads(line, 0, NULL);
+        cr_assert_not_null(rec, "a record line is JSON");
+        const char *type = json_string_value(json_object_get(rec, "type"));
+        if (!strcmp(type, "decision")) {
+            (*decisions)++;
+            const char *src = json_string_value(
+                json_object_get(json_object_get(rec, "prediction"), "source"));
+            *decisions_from_source += src && !strcmp(src, source);
+        } else if (json_is_string(json_object_get(rec, "dispatched_worker"))) {
+            (*dispatched)++;
+        }
+        json_decref(rec);
+    }
+    fclose(f);
+}
+
+/* Approximate mode (no event streams) and router overrides. With events the index stays exact
+ * even for overridden requests (their prediction is the row of the worker they went to). Without,
+ * every decision says `approx`, and the index, which can only assume, is inexact under cache
+ * pressure. Overrides reported by the router teach the worker they went to (server.c,
+ * lesson_queue): with that, more predictions are exact and fewer under the truth than when the
+ * server keeps no hashes for them (approx_dispatch_max_bytes 0), on the identical workload. */
+Test(sim, approximate_mode_and_router_overrides, .timeout = 120)
+{
+    char dir[] = "/tmp/km-sim-approx-XXXXXX";
+    cr_assert_not_null(mkdtemp(dir));
+    km_sim_config cfg;
+    small_config(&cfg, 51);
+    cfg.generator.requests = 200;
+    cfg.policies[0] = "cache_aware";
+    cfg.n_policies = 1;
+    cfg.override = 0.3;
+    cfg.records_dir = dir;
+    char path[256], why[512];
+    snprintf(path, sizeof path, "%s/records-cache_aware.jsonl", dir);
+    km_sim_result events, taught, untaught;
+    uint64_t from_source, decisions, dispatched;
+    cr_assert_eq(km_sim_run(&cfg, &events, why, sizeof why), KM_OK, "%s", why);
+    check_accounting(&events);
+    cr_assert_gt(events.overridden, 0);
+    cr_assert_lt(events.overridden, events.routed);
+    cr_assert_eq(events.exact_predictions, events.routed, "overridden predictions are exact too");
+    count_records(path, "events", &from_source, &decisions, &dispatched);
+    cr_assert_eq(from_source, decisions);
+    cr_assert_eq(dispatched, events.overridden, "one outcome names each override");
+    unlink(path); /* the next run's records alone (the writer appends) */
+
+    cfg.approx = true;
+    cr_assert_eq(km_sim_run(&cfg, &taught, why, sizeof why), KM_OK, "%s", why);
+    check_accounting(&taught);
+    count_records(path, "approx", &from_source, &decisions, &dispatched);
+    cr_assert_eq(decisions, taught.routed);
+    cr_assert_eq(from_source, decisions, "an approximate-mode decision said events");
+    cr_assert_eq(dispatched, taught.overridden);
+    cr_assert_lt(taught.exact_predictions, taught.routed, "assumed placement is never this lucky");
+    cr_assert_gt(taught.diff_assumed, 0);
+    cr_assert_eq(taught.diff_not_delivered + taught.diff_lost, 0, "approximate mode has no events");
+    cr_assert_eq(events.diff_assumed, 0);
+    /* Deterministic too: approximate mode's TTL and touch times count wall time, which the
+     * simulator keeps out of the table (sim.c, start_server). */
+    km_sim_result again;
+    unlink(path);
+    cr_assert_eq(km_sim_run(&cfg, &again, why, sizeof why), KM_OK, "%s", why);
+    assert_same(&taught, &again, "approximate mode twice", true);
+
+    cfg.approx_dispatch_max_bytes = 0;
+    cr_assert_eq(km_sim_run(&cfg, &untaught, why, sizeof why), KM_OK, "%s", why);
+    check_accounting(&untaught);
+    cr_assert_eq(untaught.overridden, taught.overridden, "the same workload, the same overrides");
+    cr_assert_gt(taught.exact_predictions, untaught.exact_predictions,
+                 "overrides taught %llu exact, untaught %llu",
+                 (unsigned long long)taught.exact_predictions,
+                 (unsigned long long)untaught.exact_predictions);
+    cr_assert_lt(taught.under_predictions, untaught.under_predictions);
+    unlink(path);
+    rmdir(dir);
+
+    /* Approximate mode has no stream to fault. */
+    small_config(&cfg, 1);
+    cfg.approx = true;
+    cfg.zmq = true;
+    cr_assert_eq(km_sim_run(&cfg, &events, why, sizeof why), KM_ERR_INVALID_ARGUMENT);
+    small_config(&cfg, 1);
+    cfg.approx = true;
+    cfg.drop_events = 0.1;
+    cr_assert_eq(km_sim_run(&cfg, &events, why, sizeof why), KM_ERR_INVALID_ARGUMENT);
+    small_config(&cfg, 1);
+    cfg.override = 1.0;
+    cr_assert_eq(km_sim_run(&cfg, &events, why, sizeof why), KM_ERR_INVALID_ARGUMENT);
 }

@@ -52,6 +52,10 @@ typedef struct km_server_pool {
     uint64_t approx_ttl_ms;          /* approximate mode: a routed block is assumed held this
                                       * long; default 120,000 (Dynamo's) */
     uint64_t approx_capacity_blocks; /* approximate mode: blocks assumed per worker; 0 = no bound */
+    bool approx_every_touch;         /* approximate mode: every decision's touch reorders the
+                                      * eviction order (km_approx_config.refresh_ns 0), instead of
+                                      * touches within 1/256 of the TTL being one. For the
+                                      * simulator, whose runs last less wall time than that */
     const km_server_worker *workers;
     uint32_t n_workers;
 } km_server_pool;

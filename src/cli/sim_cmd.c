@@ -30,6 +30,9 @@ static void sim_usage(FILE *f)
             "  --step-delivery     engines publish once per step like vLLM (default: as events happen)\n"
             "  --connect ADDR      route through a running kvmatch serve (needs --zmq)\n"
             "  --records DIR       keep each policy's decision and outcome records there\n"
+            "  --approx            workers without event streams: the index learns from its own\n"
+            "                      decisions (approximate mode), bounded by each engine's capacity\n"
+            "  --approx-dispatch-mb N  the server's --approx-dispatch-mb (0: overrides teach nothing)\n"
             "  --json              one JSON object instead of the table\n"
             "faults (times in virtual seconds from the first arrival):\n"
             "  --drop-events P[@T] lose this share of engine messages on the wire (from T on)\n"
@@ -37,6 +40,8 @@ static void sim_usage(FILE *f)
             "  --replay-buffer N   --zmq: messages each engine keeps for replay (default 10000)\n"
             "  --restart-engine W@T  engine W restarts at T: cache lost, seq back to 0\n"
             "  --second-ingress P  this share of requests bypasses kvmatch (invisible load)\n"
+            "  --override P        the router sends this share of routed requests to another\n"
+            "                      worker than the decision's and reports it\n"
             "  --restart-kvmatch T[:snapshot|:nosnapshot]  stop kvmatch at T and start a new one,\n"
             "                      from the snapshot it wrote (needs --zmq) or empty\n");
 }
@@ -82,6 +87,7 @@ static const row rows[] = {
     {"  index wrong at decision", U(diff_index_wrong)},
     {"    events not yet delivered", U(diff_not_delivered)},
     {"    events lost", U(diff_lost)},
+    {"    placement assumed (approx)", U(diff_assumed)},
     {"  cache changed before run", U(diff_cache_changed)},
     {"  never ran", U(unadmitted)},
     {"owner_not_chosen", U(owner_not_chosen)},
@@ -95,6 +101,7 @@ static const row rows[] = {
     {"decision p50 us (wall)", D(decision_p50_us, 0)},
     {"decision p99 us (wall)", D(decision_p99_us, 0)},
     {"bypassed (second ingress)", U(bypassed)},
+    {"overridden by the router", U(overridden)},
     {"messages dropped (fault)", U(dropped_messages)},
     {"lost to engine restart", U(lost_to_restart)},
     {"kvmatch restarts", U(kvmatch_restarts)},
@@ -128,12 +135,14 @@ static json_t *result_json(const km_sim_result *r)
     json_object_set_new(attr, "index_wrong_at_decision", json_integer((json_int_t)r->diff_index_wrong));
     json_object_set_new(attr, "events_not_yet_delivered", json_integer((json_int_t)r->diff_not_delivered));
     json_object_set_new(attr, "events_lost", json_integer((json_int_t)r->diff_lost));
+    json_object_set_new(attr, "placement_assumed", json_integer((json_int_t)r->diff_assumed));
     json_object_set_new(attr, "cache_changed_before_run",
                         json_integer((json_int_t)r->diff_cache_changed));
     json_object_set_new(attr, "not_run", json_integer((json_int_t)r->unadmitted));
     json_object_set_new(o, "attribution", attr);
     json_object_set_new(o, "owner_not_chosen", json_integer((json_int_t)r->owner_not_chosen));
     json_object_set_new(o, "bypassed", json_integer((json_int_t)r->bypassed));
+    json_object_set_new(o, "overridden", json_integer((json_int_t)r->overridden));
     json_object_set_new(o, "dropped_messages", json_integer((json_int_t)r->dropped_messages));
     json_object_set_new(o, "lost_to_restart", json_integer((json_int_t)r->lost_to_restart));
     json_object_set_new(o, "kvmatch_restarts", json_integer((json_int_t)r->kvmatch_restarts));
@@ -188,6 +197,8 @@ int km_cmd_sim(int argc, char **argv)
             json = true;
         } else if (!strcmp(a, "--zmq")) {
             cfg.zmq = true;
+        } else if (!strcmp(a, "--approx")) {
+            cfg.approx = true;
         } else if (!strcmp(a, "--step-delivery")) {
             cfg.step_delivery = true;
         } else if (!strcmp(a, "--verbose")) {
@@ -259,6 +270,10 @@ int km_cmd_sim(int argc, char **argv)
                 cfg.restart_kvmatch_snapshot = !strcmp(mode, "snapshot");
             } else if (!strcmp(a, "--second-ingress") && atof(v) > 0 && atof(v) < 1)
                 cfg.second_ingress = atof(v);
+            else if (!strcmp(a, "--override") && atof(v) > 0 && atof(v) < 1)
+                cfg.override = atof(v);
+            else if (!strcmp(a, "--approx-dispatch-mb") && !parse_u64(v, &x) && x <= (UINT64_C(1) << 40))
+                cfg.approx_dispatch_max_bytes = (int64_t)(x << 20);
             else if (!strcmp(a, "--replay-buffer") && !parse_u64(v, &x) && x >= 1 && x <= 10000000)
                 cfg.replay_buffer = (uint32_t)x;
             else if (!strcmp(a, "--policy")) {
@@ -299,7 +314,9 @@ int km_cmd_sim(int argc, char **argv)
         json_object_set_new(root, "workers", json_integer(cfg.workers));
         json_object_set_new(root, "capacity_blocks", json_integer(cfg.engine.capacity_blocks));
         json_object_set_new(root, "block_size", json_integer(cfg.engine.block_size));
-        json_object_set_new(root, "events", json_string(cfg.zmq ? "zmq" : "in-process"));
+        json_object_set_new(root, "events", json_string(cfg.approx ? "none (approximate mode)"
+                                                        : cfg.zmq  ? "zmq"
+                                                                   : "in-process"));
         json_object_set_new(root, "delivery", json_string(cfg.step_delivery ? "per step" : "as they happen"));
         json_t *arr = json_array();
         for (uint32_t i = 0; i < cfg.n_policies; i++)
