@@ -1419,7 +1419,8 @@ int km_record_writer_submit_outcome(km_record_writer *w, const km_outcome_record
     if (!w || !r)
         return KM_ERR_NULL_POINTER;
     size_t size = sizeof *r + common_string_bytes(&r->common) + string_bytes(r->finish_reason) +
-                  string_bytes(r->error) + string_bytes(r->worker) + string_bytes(r->owner_worker);
+                  string_bytes(r->error) + string_bytes(r->worker) +
+                  string_bytes(r->dispatched_worker) + string_bytes(r->owner_worker);
     char *block = malloc(size);
     if (block) {
         km_outcome_record *copy = (km_outcome_record *)(void *)block;
@@ -1429,6 +1430,7 @@ int km_record_writer_submit_outcome(km_record_writer *w, const km_outcome_record
         copy->finish_reason = copy_string(&cursor, r->finish_reason);
         copy->error = copy_string(&cursor, r->error);
         copy->worker = copy_string(&cursor, r->worker);
+        copy->dispatched_worker = copy_string(&cursor, r->dispatched_worker);
         copy->owner_worker = copy_string(&cursor, r->owner_worker);
     }
     return enqueue(w, block, size, QUEUED_OUTCOME);

@@ -85,6 +85,17 @@ typedef struct gen {
     km_record_candidate candidates[12];
 } gen;
 
+/* A copy of s in the generator's strings (NULL stays NULL). */
+static const char *in_strings(gen *g, const char *s)
+{
+    if (!s)
+        return NULL;
+    cr_assert(g->used < 48);
+    char *d = g->strings[g->used++];
+    snprintf(d, sizeof g->strings[0], "%s", s);
+    return d;
+}
+
 static const char *gen_string(gen *g)
 {
     cr_assert(g->used < 48);
@@ -1534,6 +1545,12 @@ Test(records, deferred_records_are_copied_and_formatted_by_the_writer, .timeout 
 
         km_outcome_record o;
         gen_outcome(&g, &o);
+        /* The worker names too live in the caller's memory (the service's attempt, reused once
+         * its outcome is submitted): until 2026-11-30 dispatched_worker was not copied, and the
+         * writer printed whatever the attempt held by then. */
+        o.worker = in_strings(&g, o.worker);
+        o.dispatched_worker = in_strings(&g, o.dispatched_worker);
+        o.owner_worker = in_strings(&g, o.owner_worker);
         cr_assert_eq(km_outcome_record_format(&o, &expected[n_expected], &len, error, sizeof error), KM_OK);
         n_expected++;
         cr_assert_eq(km_record_writer_submit_outcome(w, &o), KM_OK);
