@@ -461,6 +461,10 @@ static void count_records(const char *path, const char *source, uint64_t *decisi
                 json_object_get(json_object_get(rec, "prediction"), "source"));
             *decisions_from_source += src && !strcmp(src, source);
         } else if (json_is_string(json_object_get(rec, "dispatched_worker"))) {
+            const char *dw = json_string_value(json_object_get(rec, "dispatched_worker"));
+            const char *chosen = json_string_value(json_object_get(rec, "worker"));
+            cr_assert(dw[0] && chosen && strcmp(dw, chosen) != 0,
+                      "outcome: dispatched_worker \"%s\", worker %s", dw, chosen ? chosen : "null");
             (*dispatched)++;
         }
         json_decref(rec);
