@@ -1006,6 +1006,26 @@ static int write_all(int fd, const char *data, size_t len)
     return 0;
 }
 
+/* Before a write: does the path still name the open file? When the file or its directory was
+ * removed or moved away (by hand, by another program's rotation), writes to the open file would
+ * succeed and count as written although no reader can find them: close it, so the write reopens
+ * the path (a missing directory then fails the write, counted, until it is back). The file's
+ * size is refreshed too: a file truncated behind our back must not be cut back (after a failed
+ * write) or rotated by the size we remembered. */
+static void check_file(km_record_writer *w)
+{
+    if (w->fd < 0)
+        return;
+    struct stat by_name, open_file_st;
+    if (stat(w->config.path, &by_name) != 0 || fstat(w->fd, &open_file_st) != 0 ||
+        by_name.st_dev != open_file_st.st_dev || by_name.st_ino != open_file_st.st_ino) {
+        close_file(w);
+        return;
+    }
+    if (w->regular_file)
+        w->file_bytes = (uint64_t)open_file_st.st_size;
+}
+
 /* Send the buffer to the file. On failure its lines count as failed, a partial write is cut back
  * to the last whole line, and the file is closed (reopened for the next line). */
 static void buffer_write(km_record_writer *w)
@@ -1015,6 +1035,7 @@ static void buffer_write(km_record_writer *w)
     uint64_t lines = w->buf_lines;
     size_t len = w->buf_len;
     bool ok = false;
+    check_file(w);
     if (open_file(w)) {
         int err = write_all(w->fd, w->buf, len);
         if (err == 0) {

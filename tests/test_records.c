@@ -1706,3 +1706,92 @@ Test(records, strings_and_reals_read_back_through_jansson, .timeout = 60)
         free(line);
     }
 }
+
+/* Every string of a queued outcome is copied at submit, dispatched_worker included: the server
+ * submits the outcome from an attempt it frees right after (attempt_forget), so a borrowed
+ * pointer would be read after free by the writer thread. */
+Test(records, queued_outcome_copies_dispatched_worker, .timeout = 30)
+{
+    char dir[64], path[128];
+    make_temp_dir(dir);
+    snprintf(path, sizeof path, "%s/r.jsonl", dir);
+    km_record_writer_config cfg;
+    writer_config(&cfg, path, NULL);
+    cfg.flush_interval_ms = 1000;
+    km_record_writer *w;
+    cr_assert_eq(km_record_writer_create(&cfg, &w), KM_OK);
+    static gen g;
+    km_rng_init(&g.rng, km_test_seed());
+    km_outcome_record o;
+    gen_outcome(&g, &o);
+    char *dispatched = strdup("worker-b");
+    cr_assert_not_null(dispatched);
+    o.dispatched_worker = dispatched;
+    char *expected;
+    size_t len;
+    cr_assert_eq(km_outcome_record_format(&o, &expected, &len, NULL, 0), KM_OK);
+    cr_assert_eq(km_record_writer_submit_outcome(w, &o), KM_OK);
+    memset(dispatched, 'Q', strlen(dispatched)); /* the caller reuses its memory at once */
+    free(dispatched);
+    cr_assert_eq(km_record_writer_flush(w, 20000), KM_OK);
+    km_record_writer_destroy(w);
+    size_t n;
+    char *data = read_file(path, &n);
+    cr_assert_not_null(data);
+    cr_assert_eq(n, len + 1, "%s", data);
+    cr_assert(strncmp(data, expected, len) == 0, "written:\n%s\nexpected:\n%s", data, expected);
+    free(expected);
+    free(data);
+    remove_dir(dir);
+}
+
+/* The directory (or the file) removed while the file is open: writes to the unlinked file would
+ * succeed and be counted as written although no one can read them. They are failed instead, and
+ * writing resumes in a new file once the directory is back. */
+Test(records, removed_directory_counts_failures_and_recovers, .timeout = 30)
+{
+    char dir[64], path[160], sub[128];
+    make_temp_dir(dir);
+    snprintf(sub, sizeof sub, "%s/logs", dir);
+    snprintf(path, sizeof path, "%s/r.jsonl", sub);
+    cr_assert_eq(mkdir(sub, 0700), 0);
+    km_record_writer_config cfg;
+    log_capture log;
+    writer_config(&cfg, path, &log);
+    km_record_writer *w;
+    cr_assert_eq(km_record_writer_create(&cfg, &w), KM_OK);
+    cr_assert_eq(km_record_writer_submit(w, "{\"a\":1}", 7), KM_OK);
+    cr_assert_eq(km_record_writer_flush(w, 10000), KM_OK);
+
+    char cmd[200];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", sub);
+    cr_assert_eq(system(cmd), 0);
+    for (int i = 0; i < 4; i++)
+        cr_assert_eq(km_record_writer_submit(w, "{\"lost\":1}", 10), KM_OK);
+    cr_assert_eq(km_record_writer_flush(w, 10000), KM_ERR_IO, "lines to a removed file are not written");
+    km_record_writer_counters s;
+    km_record_writer_stats(w, &s);
+    cr_assert_eq(s.written, 1);
+    cr_assert_eq(s.failed, 4);
+
+    cr_assert_eq(mkdir(sub, 0700), 0);
+    cr_assert_eq(km_record_writer_submit(w, "{\"b\":2}", 7), KM_OK);
+    cr_assert_eq(km_record_writer_flush(w, 10000), KM_OK);
+    char *data = read_file(path, NULL);
+    cr_assert_not_null(data, "writing resumes in a new file");
+    cr_assert_str_eq(data, "{\"b\":2}\n");
+    free(data);
+
+    /* the file alone removed (or moved away): the next lines start a new one */
+    cr_assert_eq(unlink(path), 0);
+    cr_assert_eq(km_record_writer_submit(w, "{\"c\":3}", 7), KM_OK);
+    cr_assert_eq(km_record_writer_flush(w, 10000), KM_OK);
+    data = read_file(path, NULL);
+    cr_assert_not_null(data);
+    cr_assert_str_eq(data, "{\"c\":3}\n");
+    free(data);
+    km_record_writer_stats(w, &s);
+    cr_assert_eq(s.written, 3);
+    km_record_writer_destroy(w);
+    remove_dir(dir);
+}
