@@ -1562,7 +1562,7 @@ Test(records, deferred_records_are_copied_and_formatted_by_the_writer, .timeout 
     km_decision_record bad;
     km_record_candidate c[2];
     brief_case(&bad, c);
-    bad.common.attempt_id = "bad \xff";
+    bad.chosen.state = "live"; /* index states are upper case */
     cr_assert_eq(km_record_writer_submit_decision(w, &bad), KM_OK);
     cr_assert_eq(km_record_writer_flush(w, 20000), KM_ERR_INVALID_ARGUMENT);
     cr_assert_eq(km_record_writer_flush(w, 20000), KM_OK, "reported once");
@@ -1574,7 +1574,7 @@ Test(records, deferred_records_are_copied_and_formatted_by_the_writer, .timeout 
     cr_assert_eq(s.pending, 0);
     cr_assert_eq(s.last_error_status, KM_ERR_INVALID_ARGUMENT);
     km_record_writer_last_error(w, error, sizeof error);
-    cr_assert(strstr(error, "attempt_id") && strstr(error, "UTF-8"), "%s", error);
+    cr_assert(strstr(error, "state") && strstr(error, "decision.chosen"), "%s", error);
 
     /* what can be checked at once is */
     brief_case(&bad, c);
@@ -1793,5 +1793,89 @@ Test(records, removed_directory_counts_failures_and_recovers, .timeout = 30)
     km_record_writer_stats(w, &s);
     cr_assert_eq(s.written, 3);
     km_record_writer_destroy(w);
+    remove_dir(dir);
+}
+
+/* Queued records with strings that are not UTF-8 (the wire does not force them to be) are kept:
+ * the writer's copy replaces each ill-formed sequence (its maximal subpart) by U+FFFD, so the line
+ * equals what the format functions make of the cleaned strings and parses. */
+Test(records, queued_records_replace_bad_utf8_instead_of_losing_the_record, .timeout = 30)
+{
+    static const struct {
+        const char *in, *out;
+    } cases[] = {
+        {"plain", "plain"},
+        {"caf\xc3\xa9", "caf\xc3\xa9"},
+        {"\xe9t\xe9", "\xef\xbf\xbdt\xef\xbf\xbd"},               /* Latin-1 */
+        {"a\xc3", "a\xef\xbf\xbd"},                             /* cut 2-byte sequence */
+        {"\xf0\x9f\x98", "\xef\xbf\xbd"},                        /* cut 4-byte: one subpart */
+        {"\xf0\x9f\x98\x80!", "\xf0\x9f\x98\x80!"},                /* whole: kept */
+        {"\xed\xa0\x80", "\xef\xbf\xbd\xef\xbf\xbd\xef\xbf\xbd"},      /* surrogate: 3 */
+        {"\xc0\xaf", "\xef\xbf\xbd\xef\xbf\xbd"},                    /* overlong */
+        {"\xff\xfe", "\xef\xbf\xbd\xef\xbf\xbd"},
+        {"\x80x", "\xef\xbf\xbdx"},
+        {"\xe0\xa0", "\xef\xbf\xbd"},
+        {"\x01\"\\", "\x01\"\\"},
+    };
+    size_t n_cases = sizeof cases / sizeof cases[0];
+    char dir[64], path[128];
+    make_temp_dir(dir);
+    snprintf(path, sizeof path, "%s/r.jsonl", dir);
+    km_record_writer_config cfg;
+    writer_config(&cfg, path, NULL);
+    km_record_writer *w;
+    cr_assert_eq(km_record_writer_create(&cfg, &w), KM_OK);
+    char **expected = calloc(2 * n_cases, sizeof *expected);
+    for (size_t i = 0; i < n_cases; i++) {
+        km_decision_record d;
+        km_record_candidate c[2];
+        brief_case(&d, c);
+        d.common.request_id = cases[i].in;
+        d.common.attempt_id = cases[i].in;
+        c[1].worker = cases[i].in;
+        cr_assert_eq(km_record_writer_submit_decision(w, &d), KM_OK);
+        d.common.request_id = cases[i].out;
+        d.common.attempt_id = cases[i].out;
+        c[1].worker = cases[i].out;
+        size_t len;
+        cr_assert_eq(km_decision_record_format(&d, &expected[2 * i], &len, NULL, 0), KM_OK, "case %zu", i);
+
+        km_outcome_record o;
+        km_outcome_record_init(&o);
+        km_outcome_record_from_decision(&o, &d);
+        o.common.request_id = cases[i].in;
+        o.outcome = KM_RECORD_OUTCOME_ERROR;
+        o.error = cases[i].in;
+        o.finish_reason = cases[i].in;
+        o.dispatched_worker = cases[i].in;
+        cr_assert_eq(km_record_writer_submit_outcome(w, &o), KM_OK);
+        o.common.request_id = cases[i].out;
+        o.error = cases[i].out;
+        o.finish_reason = cases[i].out;
+        o.dispatched_worker = cases[i].out;
+        cr_assert_eq(km_outcome_record_format(&o, &expected[2 * i + 1], &len, NULL, 0), KM_OK, "case %zu", i);
+    }
+    cr_assert_eq(km_record_writer_flush(w, 20000), KM_OK);
+    km_record_writer_counters s;
+    km_record_writer_stats(w, &s);
+    cr_assert_eq(s.invalid, 0);
+    cr_assert_eq(s.written, 2 * n_cases);
+    km_record_writer_destroy(w);
+    char *data = read_file(path, NULL);
+    cr_assert_not_null(data);
+    char *at = data;
+    for (size_t i = 0; i < 2 * n_cases; i++) {
+        size_t len = strlen(expected[i]);
+        cr_assert(strncmp(at, expected[i], len) == 0 && at[len] == '\n', "line %zu:\n%.300s\nexpected\n%s",
+                  i, at, expected[i]);
+        json_t *o = json_loadb(at, len, 0, NULL);
+        cr_assert_not_null(o, "line %zu parses", i);
+        json_decref(o);
+        at += len + 1;
+        free(expected[i]);
+    }
+    cr_assert_eq(*at, '\0');
+    free(expected);
+    free(data);
     remove_dir(dir);
 }

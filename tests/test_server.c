@@ -350,6 +350,49 @@ Test(server, route_lifecycle_and_records, .timeout = 30)
                      "python3-jsonschema is missing");
 }
 
+/* Strings a router sends are msgpack str, which nothing forces to be UTF-8: a request id taken
+ * from a Latin-1 header, an engine's error text cut at a byte limit in the middle of a character.
+ * Their records are still written (the bad bytes replaced by U+FFFD), not counted invalid and
+ * lost; every line parses. */
+Test(server, records_keep_requests_whose_strings_are_not_utf8, .timeout = 30)
+{
+    srv s = {0};
+    km_server_config cfg;
+    test_config(&cfg, &s, KM_POLICY_PREFIX, 2);
+    srv_start(&s, &cfg);
+    km_client *c = connect_client(&s);
+    km_message reply;
+    km_route_request r = prefix_route("req-\xe9t\xe9", 4 * BS); /* Latin-1 */
+    r.attempt_id = "a\xc3"; /* cut in the middle of a character */
+    const km_route_decision *d = route_one(c, &r, &reply);
+    cr_assert_eq(d->status, KM_OK, "%s", d->message);
+    uint64_t id = d->decision_id;
+    km_lifecycle_event ev;
+    memset(&ev, 0, sizeof ev);
+    ev.kind = KM_LIFECYCLE_FINISHED;
+    ev.has_decision_id = true;
+    ev.decision_id = id;
+    ev.outcome = KM_OUTCOME_ERROR;
+    ev.error = "upstream: caf\xc3\xa9 \xf0\x9f"; /* valid, then a cut 4-byte sequence */
+    ev.finish_reason = "\xff";
+    cr_assert_eq(km_client_lifecycle(c, &ev, 1, 5000, &reply), KM_OK, "%s", km_client_last_error(c));
+    cr_assert_eq(reply.ack.items[0].status, KM_OK);
+    km_client_close(c);
+    srv_stop(&s);
+
+    json_t *all = read_records(&s);
+    json_t *dr = find_record(all, "decision", (int64_t)id);
+    json_t *orec = find_record(all, "outcome", (int64_t)id);
+    cr_assert(dr && orec, "both records written (%zu lines)", json_array_size(all));
+    cr_assert_str_eq(json_string_value(json_object_get(dr, "request_id")), "req-\xef\xbf\xbdt\xef\xbf\xbd");
+    cr_assert_str_eq(json_string_value(json_object_get(dr, "attempt_id")), "a\xef\xbf\xbd");
+    cr_assert_str_eq(json_string_value(json_object_get(orec, "error")),
+                     "upstream: caf\xc3\xa9 \xef\xbf\xbd");
+    cr_assert_str_eq(json_string_value(json_object_get(orec, "finish_reason")), "\xef\xbf\xbd");
+    json_decref(all);
+    srv_cleanup(&s);
+}
+
 /* The brief's case: the best match is on A but under cache_aware's threshold, so B (less loaded)
  * is chosen; the reply and the record name both. */
 Test(server, owner_and_chosen_kept_apart, .timeout = 30)

@@ -89,7 +89,8 @@ typedef struct km_record_time {
 km_record_time km_record_time_now(void);
 
 /* Fields every record carries. Strings are borrowed: they must stay valid until the format call
- * returns; they must be valid UTF-8 (any byte sequence that is not is KM_ERR_INVALID_ARGUMENT).
+ * returns; they must be valid UTF-8 (any byte sequence that is not is KM_ERR_INVALID_ARGUMENT
+ * for the format functions; the writer's submit_decision / _outcome copies replace it, see there).
  * "required" strings must be non-NULL (they may be empty); the others may be NULL (JSON null). */
 typedef struct km_record_common {
     int64_t record_id;            /* required, >= 0: unique per record within an instance */
@@ -288,7 +289,10 @@ void km_record_writer_destroy(km_record_writer *writer);
 int km_record_writer_submit(km_record_writer *writer, const char *line, size_t len);
 
 /* Queue a deep copy of a record (every string and the candidate array are copied; the caller's
- * memory may change as soon as this returns); the writer thread formats it, so formatting
+ * memory may change as soon as this returns). In the copy every ill-formed UTF-8 sequence of a
+ * string (its maximal subpart) is replaced by U+FFFD: strings a router sent are not checked on
+ * the wire, and one bad byte must not lose the whole record. The writer thread formats it, so
+ * formatting
  * (jansson, tens of microseconds for a decision with a few candidates) never runs on the
  * caller's thread. A record that fails to format there is counted as `invalid` with the sentence
  * in last_error (what km_decision_record_format would have returned); check records in tests
