@@ -3016,9 +3016,38 @@ static int http_metrics(void *user, km_text *out)
     memset(&rc, 0, sizeof rc);
     if (s->records)
         km_record_writer_stats(s->records, &rc);
-    km_prom_write_family(out, "kvmatch_records_dropped_total",
-                         "Records the writer could not take (queue full).", KM_METRIC_COUNTER);
-    km_prom_write_sample_u64(out, "kvmatch_records_dropped_total", NULL, 0, rc.dropped);
+    /* Every writer counter (docs/RECORDS.md): dropped, failed and invalid records are the ones
+     * an analyzer will not find. */
+    struct {
+        const char *name, *help;
+        km_metric_type type;
+        uint64_t v;
+    } records[] = {
+        {"kvmatch_records_submitted_total", "Records the writer took into its queue.",
+         KM_METRIC_COUNTER, rc.submitted},
+        {"kvmatch_records_dropped_total", "Records the writer could not take (queue full).",
+         KM_METRIC_COUNTER, rc.dropped},
+        {"kvmatch_records_written_total", "Records written to the records file.",
+         KM_METRIC_COUNTER, rc.written},
+        {"kvmatch_records_failed_total",
+         "Records lost to an I/O error (full disk, unwritable or missing directory).",
+         KM_METRIC_COUNTER, rc.failed},
+        {"kvmatch_records_invalid_total", "Records that did not format (a bad field).",
+         KM_METRIC_COUNTER, rc.invalid},
+        {"kvmatch_records_pending", "Records taken, not yet written, failed or invalid.",
+         KM_METRIC_GAUGE, rc.pending},
+        {"kvmatch_records_bytes_total", "Bytes written to the records files.", KM_METRIC_COUNTER,
+         rc.bytes},
+        {"kvmatch_records_rotations_total", "Records files rotated.", KM_METRIC_COUNTER,
+         rc.rotations},
+        {"kvmatch_records_write_errors_total",
+         "Failed system calls of the records writer (open, write, fdatasync, rename).",
+         KM_METRIC_COUNTER, rc.write_errors},
+    };
+    for (size_t i = 0; i < sizeof records / sizeof records[0]; i++) {
+        km_prom_write_family(out, records[i].name, records[i].help, records[i].type);
+        km_prom_write_sample_u64(out, records[i].name, NULL, 0, records[i].v);
+    }
     return out->status;
 }
 

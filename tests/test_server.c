@@ -464,6 +464,53 @@ static int http_get(uint16_t port, const char *path, char *body, size_t body_siz
     return status;
 }
 
+/* The value of an unlabelled sample in a scrape; -1 when absent. */
+static double metric_value(const char *body, const char *name)
+{
+    char key[160];
+    snprintf(key, sizeof key, "\n%s ", name);
+    const char *at = strstr(body, key);
+    return at ? strtod(at + strlen(key), NULL) : -1;
+}
+
+/* Records lost to I/O (an unwritable records directory) are visible in /metrics, as RECORDS.md
+ * says, not only dropped ones: an operator must see that the records are incomplete. */
+Test(server, metrics_export_the_records_writer_counters, .timeout = 30)
+{
+    srv s = {0};
+    km_server_config cfg;
+    test_config(&cfg, &s, KM_POLICY_PREFIX, 2);
+    snprintf(s.records, sizeof s.records, "%s/missing/records.jsonl", s.dir);
+    cfg.records_path = s.records;
+    char http[] = "127.0.0.1:0";
+    cfg.http = http;
+    srv_start(&s, &cfg);
+    km_client *c = connect_client(&s);
+    km_message reply;
+    km_route_request r = prefix_route("lost-1", 4 * BS);
+    cr_assert_eq(route_one(c, &r, &reply)->status, KM_OK);
+    uint16_t port = km_server_http_port(s.server);
+    static char body[1 << 16];
+    double failed = -1;
+    for (int tries = 0; tries < 100 && failed < 1; tries++) { /* written within flush_interval_ms */
+        cr_assert_eq(http_get(port, "/metrics", body, sizeof body), 200);
+        failed = metric_value(body, "kvmatch_records_failed_total");
+        if (failed < 1)
+            km_test_sleep_ms(50);
+    }
+    cr_assert_geq(failed, 1, "records lost to I/O are exported: %s", body);
+    cr_assert(strstr(body, "# TYPE kvmatch_records_failed_total counter"), "%s", body);
+    cr_assert_geq(metric_value(body, "kvmatch_records_submitted_total"), 1);
+    cr_assert_eq(metric_value(body, "kvmatch_records_written_total"), 0);
+    cr_assert_eq(metric_value(body, "kvmatch_records_invalid_total"), 0);
+    cr_assert_geq(metric_value(body, "kvmatch_records_write_errors_total"), 1);
+    cr_assert_eq(metric_value(body, "kvmatch_records_dropped_total"), 0);
+    cr_assert_geq(metric_value(body, "kvmatch_records_pending"), 0);
+    km_client_close(c);
+    srv_stop(&s);
+    srv_cleanup(&s);
+}
+
 Test(server, events_pool_scores_observed_blocks, .timeout = 30)
 {
     km_test_publisher_config pc;
