@@ -1396,7 +1396,18 @@ static size_t clean_copy(char *out, const char *s)
     const unsigned char *p = (const unsigned char *)s;
     size_t n = strlen(s), o = 0;
     for (size_t i = 0; i < n;) {
-        size_t k = p[i] < 0x80 ? 1 : utf8_sequence(p + i, n - i);
+        /* ASCII runs (ids and names, nearly always the whole string) in one copy. */
+        size_t run = 0;
+        while (i + run < n && p[i + run] < 0x80)
+            run++;
+        if (run) {
+            if (out)
+                memcpy(out + o, p + i, run);
+            i += run;
+            o += run;
+            continue;
+        }
+        size_t k = utf8_sequence(p + i, n - i);
         if (k) {
             if (out)
                 memcpy(out + o, p + i, k);
