@@ -220,17 +220,16 @@ int km_index_use_backend(km_index *index, const km_backend_ops *ops, char *why, 
     km_table_finish_growth(&index->segments);
     const km_backend_ops *old_ops = index->backend;
     void *old_state = index->backend_state;
-    index->backend = ops; /* dirty tracking follows the backend about to be created */
-    set_dirty_tracking(index);
     void *state = NULL;
     int rc = ops->create(index, &state, why, why_size);
-    if (rc) {
-        index->backend = old_ops;
-        set_dirty_tracking(index);
+    /* On failure the old backend stays with what its next sync still owes it (dirty lists, the
+     * finished move's layout_changed, replica_stale), so nothing is cleared before this point. */
+    if (rc)
         return rc;
-    }
+    index->backend = ops;
     index->backend_state = state;
     index->replica_stale = 0;
+    set_dirty_tracking(index); /* the new backend was made from the tables as they are */
     if (old_ops)
         old_ops->destroy(old_state);
     return KM_OK;

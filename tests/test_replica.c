@@ -414,3 +414,87 @@ Test(replica, a_move_ends_without_more_inserts, .timeout = 60)
     km_match_results_free(&res);
     km_index_destroy(index);
 }
+
+/* A backend that can never be created: km_index_use_backend must then leave the index as it was. */
+static int unusable_create(km_index *index, void **state, char *why, size_t why_size)
+{
+    (void)index;
+    *state = NULL;
+    snprintf(why, why_size, "unusable: by design");
+    return KM_ERR_BACKEND_UNAVAILABLE;
+}
+
+static void unusable_destroy(void *state)
+{
+    (void)state;
+}
+
+static const km_backend_ops unusable_backend = {
+    .name = "unusable",
+    .create = unusable_create,
+    .destroy = unusable_destroy,
+    .sync = NULL,
+    .match = NULL,
+    .needs_dirty_tracking = 0,
+};
+
+/* A failed switch keeps the replica it had, so it must also keep what that replica has not been
+ * given yet: here the block table's move (it ends in km_index_use_backend, and only the growth's
+ * layout_changed says to upload it whole) and the segment table's writes made while the replica
+ * waited for the move. The next sync must make the replica equal to the host tables again. */
+Test(replica, a_failed_backend_switch_keeps_the_pending_sync)
+{
+    const uint32_t S = 4, W = 64;
+    km_rng r;
+    km_rng_init(&r, km_test_seed() ^ 0xBAC5);
+    km_index *index = make_mirrored_index(W, S, 1);
+    km_oracle o;
+    km_oracle_init(&o, W);
+    km_corpus corpus;
+    km_corpus_generate(&corpus, &r, 1500, 4, 200);
+    km_update_stats expect;
+    int stale_batches = 0;
+    for (int step = 0; step < 20000 && stale_batches < 3; step++) {
+        km_update u;
+        uint64_t tail[8];
+        if (!km_growth_update(&r, &corpus, W, &u, tail))
+            continue;
+        cr_assert_eq(km_index_apply(index, &u, 1, NULL), KM_OK, "step %d: %s", step,
+                     km_index_last_error(index));
+        km_oracle_apply(&o, &u, 1, &expect);
+        stale_batches += index->replica_stale;
+    }
+    cr_assert_eq(stale_batches, 3, "the block table never grew incrementally");
+    cr_assert(index->segments.n_dirty_slots > 0, "no segment writes waited for the replica");
+
+    char why[256] = "";
+    cr_assert_eq(km_index_use_backend(index, &unusable_backend, why, sizeof why),
+                 KM_ERR_BACKEND_UNAVAILABLE);
+    mirror *mr = mirror_of(index);
+
+    /* One more batch, synced to the replica it kept. */
+    km_update u;
+    uint64_t tail[8];
+    while (!km_growth_update(&r, &corpus, W, &u, tail))
+        ;
+    cr_assert_eq(km_index_apply(index, &u, 1, NULL), KM_OK, "%s", km_index_last_error(index));
+    km_oracle_apply(&o, &u, 1, &expect);
+    cr_assert(!index->replica_stale);
+    char detail[512];
+    cr_assert(mirror_equals(&mr->blocks, &index->blocks, "block", detail, sizeof detail) &&
+                  mirror_equals(&mr->segments, &index->segments, "segment", detail, sizeof detail),
+              "after a failed switch: %s", detail);
+    km_request_set rs = {0};
+    km_match_results res;
+    km_match_results_init(&res);
+    km_request_set_generate(&rs, &r, &corpus, 300);
+    cr_assert_eq(km_index_match_batch(index, rs.requests, rs.n, &res), KM_OK);
+    cr_assert_eq(mr->patch_out_of_range, 0);
+    cr_assert(km_check_results(&o, rs.requests, rs.n, &res, S, detail, sizeof detail),
+              "scored by the replica after a failed switch: %s", detail);
+    km_match_results_free(&res);
+    km_request_set_free(&rs);
+    km_corpus_free(&corpus);
+    km_oracle_free(&o);
+    km_index_destroy(index);
+}
