@@ -22,15 +22,15 @@ static void capture_log(void *user, const char *line)
     snprintf(c->last, sizeof c->last, "%s", line);
 }
 
-static int create_backend(km_backend_kind kind, uint32_t W, uint32_t S, log_capture *log,
-                          km_index **out)
+static int create_backend_sized(km_backend_kind kind, uint32_t W, uint32_t S,
+                                uint32_t initial_blocks, log_capture *log, km_index **out)
 {
     km_index_config cfg;
     km_index_config_init(&cfg);
     cfg.backend = kind;
     cfg.max_workers = W;
     cfg.segment_blocks = S;
-    cfg.initial_blocks = 256; /* small: the device replica must follow table growth */
+    cfg.initial_blocks = initial_blocks;
     cfg.threads = 2;
     cfg.log = capture_log;
     cfg.log_user = log;
@@ -38,14 +38,21 @@ static int create_backend(km_backend_kind kind, uint32_t W, uint32_t S, log_capt
     return km_index_create(&cfg, out);
 }
 
+static int create_backend(km_backend_kind kind, uint32_t W, uint32_t S, log_capture *log,
+                          km_index **out)
+{
+    /* small: the device replica must follow table growth */
+    return create_backend_sized(kind, W, S, 256, log, out);
+}
+
 /* A CUDA index, or skip the test when there is no usable device. Only KM_ERR_BACKEND_UNAVAILABLE
  * means that (kernels/cuda_seam.h): KM_ERR_CUDA is a failure on a usable device (the probe launch,
  * the stream, the first upload) and fails the test. */
-static km_index *cuda_or_skip(uint32_t W, uint32_t S)
+static km_index *cuda_or_skip(uint32_t W, uint32_t S, uint32_t initial_blocks)
 {
     log_capture log = {0};
     km_index *index;
-    int rc = create_backend(KM_BACKEND_CUDA, W, S, &log, &index);
+    int rc = create_backend_sized(KM_BACKEND_CUDA, W, S, initial_blocks, &log, &index);
     if (rc == KM_ERR_BACKEND_UNAVAILABLE)
         cr_skip_test("no usable CUDA device: %s%s%s", km_error_name(rc), log.lines ? ": " : "",
                      log.last);
@@ -54,11 +61,11 @@ static km_index *cuda_or_skip(uint32_t W, uint32_t S)
     return index;
 }
 
-static km_index *cpu_index(uint32_t W, uint32_t S)
+static km_index *cpu_index(uint32_t W, uint32_t S, uint32_t initial_blocks)
 {
     log_capture log = {0};
     km_index *index;
-    int rc = create_backend(KM_BACKEND_CPU, W, S, &log, &index);
+    int rc = create_backend_sized(KM_BACKEND_CPU, W, S, initial_blocks, &log, &index);
     cr_assert_eq(rc, KM_OK, "creating a CPU index: %s", km_error_name(rc));
     cr_assert_str_eq(km_index_backend_name(index), "cpu");
     return index;
@@ -72,15 +79,20 @@ typedef struct pair {
     size_t batches;
 } pair;
 
-static void pair_init(pair *p, uint32_t W, uint32_t S)
+static void pair_init_sized(pair *p, uint32_t W, uint32_t S, uint32_t initial_blocks)
 {
     memset(p, 0, sizeof *p);
-    p->cuda = cuda_or_skip(W, S);
-    p->cpu = cpu_index(W, S);
+    p->cuda = cuda_or_skip(W, S, initial_blocks);
+    p->cpu = cpu_index(W, S, initial_blocks);
     p->S = S;
     km_oracle_init(&p->oracle, W);
     km_match_results_init(&p->cpu_res);
     km_match_results_init(&p->cuda_res);
+}
+
+static void pair_init(pair *p, uint32_t W, uint32_t S)
+{
+    pair_init_sized(p, W, S, 256);
 }
 
 static void pair_free(pair *p)
@@ -174,6 +186,111 @@ Test(cuda, matches_cpu_random_s32, .timeout = 120) { cuda_random(32); }
 Test(cuda, matches_cpu_random_s4, .timeout = 120) { cuda_random(4); }
 Test(cuda, matches_cpu_random_s1, .timeout = 120) { cuda_random(1); }
 Test(cuda, matches_cpu_random_s0, .timeout = 120) { cuda_random(0); }
+
+/* Requests over chains[c * len ..) : prefixes of random chains of random lengths (some whole). */
+static km_request *chain_requests(km_rng *r, const uint64_t *chains, uint32_t n_chains,
+                                  uint32_t len, size_t n)
+{
+    km_request *q = malloc(n * sizeof *q);
+    cr_assert_not_null(q);
+    for (size_t i = 0; i < n; i++) {
+        uint32_t c = km_rng_below(r, n_chains);
+        uint32_t k = km_rng_percent(r, 20) ? len : 1 + km_rng_below(r, len);
+        q[i] = (km_request){chains + (size_t)c * len, k};
+    }
+    return q;
+}
+
+/* The widest bitmaps (KM_MAX_WORKERS_LIMIT workers: 1,024 words per set, 331 requests per scoring
+ * chunk, so 700 requests take three) and bitmap patches longer than one staging round: 5,000 blocks
+ * whose holders are spread over the words become 5,000 bitmaps (a pool growth: uploaded whole);
+ * the 6th and 7th holders and every REMOVE_WORKER then rewrite all of them in one batch, patched in
+ * two rounds
+ * (KM_CUDA_SYNC_ROUND_BYTES / 8 KiB = 4,094 bitmaps per round), down to the removals that demote
+ * the sets back to inline form. */
+Test(cuda, widest_bitmaps_and_multi_round_set_patches, .timeout = 120)
+{
+    const uint32_t W = KM_MAX_WORKERS_LIMIT, S = 32, N = 5000, NQ = 700;
+    const uint32_t holders[] = {0, 63, 64, 20000, 40001, W - 1, 1000};
+    const size_t n_holders = sizeof holders / sizeof holders[0];
+    pair p;
+    pair_init(&p, W, S);
+    km_rng r;
+    km_rng_init(&r, km_test_seed() ^ 0xB175);
+    uint64_t *chain = malloc(N * sizeof *chain);
+    cr_assert_not_null(chain);
+    for (uint32_t i = 0; i < N; i++)
+        chain[i] = km_rng_hash(&r);
+    km_request *q = chain_requests(&r, chain, 1, N, NQ);
+    char when[96];
+    km_update_stats expect;
+    for (size_t k = 0; k < n_holders; k++) {
+        km_update u = {KM_UPDATE_STORE, holders[k], KM_NO_PARENT, chain, N, KM_TIER_DEVICE};
+        km_oracle_apply(&p.oracle, &u, 1, &expect);
+        pair_apply(&p, &u, 1, &expect);
+        if (k + 1 < 5)
+            continue; /* inline sets: the other tests cover them */
+        snprintf(when, sizeof when, "W=%u after %zu holders", W, k + 1);
+        pair_compare(&p, q, NQ, 0, when);
+    }
+    /* Removals rewrite the bitmaps too (a REMOVE_WORKER every one); at 3 holders the sets are
+     * inline again. */
+    for (size_t k = 0; k + 1 < n_holders; k++) {
+        km_update u = {KM_UPDATE_REMOVE, holders[k], KM_NO_PARENT, chain + N / 2, N - N / 2,
+                       KM_TIER_DEVICE};
+        if (k % 2)
+            u = (km_update){KM_UPDATE_REMOVE_WORKER, holders[k], KM_NO_PARENT, NULL, 0,
+                            KM_TIER_DEVICE};
+        km_oracle_apply(&p.oracle, &u, 1, &expect);
+        pair_apply(&p, &u, 1, &expect);
+        snprintf(when, sizeof when, "W=%u after %zu removals", W, k + 1);
+        pair_compare(&p, q, NQ, 0, when);
+    }
+    free(q);
+    free(chain);
+    pair_free(&p);
+}
+
+/* Slot patches longer than one staging round (KM_CUDA_SYNC_ROUND_BYTES / 24 B = 1,398,101 slots):
+ * tables sized up front so nothing grows, then one batch stores 1.5 M blocks (about 3 M dirty-slot
+ * entries, fewer than the 4 M slots, so the replica is patched, not uploaded) and one erases 1 M of
+ * them (backward shifts: more slots rewritten). */
+Test(cuda, slot_patches_longer_than_one_round, .timeout = 240)
+{
+    const uint32_t W = 8, S = 32, CHAINS = 1500, LEN = 1000;
+    pair p;
+    pair_init_sized(&p, W, S, 2900000);
+    km_rng r;
+    km_rng_init(&r, km_test_seed() ^ 0x5107);
+    uint64_t *chains = malloc((size_t)CHAINS * LEN * sizeof *chains);
+    km_update *u = malloc(CHAINS * sizeof *u);
+    cr_assert(chains && u);
+    for (size_t i = 0; i < (size_t)CHAINS * LEN; i++)
+        chains[i] = km_rng_hash(&r);
+    for (uint32_t c = 0; c < CHAINS; c++)
+        u[c] = (km_update){KM_UPDATE_STORE, c % W, KM_NO_PARENT, chains + (size_t)c * LEN, LEN,
+                           KM_TIER_DEVICE};
+    km_index_stats st;
+    cr_assert_eq(km_index_get_stats(p.cuda, &st), KM_OK);
+    uint64_t capacity = st.block_capacity;
+    km_update_stats expect;
+    km_oracle_apply(&p.oracle, u, CHAINS, &expect);
+    pair_apply(&p, u, CHAINS, &expect);
+    km_request *q = chain_requests(&r, chains, CHAINS, LEN, 3000);
+    pair_compare(&p, q, 3000, 0, "1.5 M blocks stored in one batch");
+    for (uint32_t c = 0; c < 1000; c++)
+        u[c].kind = KM_UPDATE_REMOVE;
+    km_oracle_apply(&p.oracle, u, 1000, &expect);
+    pair_apply(&p, u, 1000, &expect);
+    pair_compare(&p, q, 3000, 0, "1 M blocks removed in one batch");
+    cr_assert_eq(km_index_get_stats(p.cuda, &st), KM_OK);
+    cr_assert_eq(st.block_capacity, capacity, "the block table grew: the batches were uploaded "
+                 "whole, not patched");
+    free(q);
+    free(u);
+    free(chains);
+    pair_free(&p);
+}
 
 static void cuda_trace(uint32_t W, int affinity)
 {
