@@ -37,8 +37,9 @@ static_assert(sizeof(km_slot) == 16 && alignof(km_slot) == 16, "slot layout");
 
 /* ---- tunables ---------------------------------------------------------------------------------
  * Scoring runs in chunks so that per-request scratch (max_workers walk entries + the walk's
- * KM_WALK_SCRATCH_WORDS scratch words, in global memory) stays bounded: at most KM_CUDA_MATCH_CHUNK requests per launch and at
- * most KM_CUDA_SCRATCH_BUDGET bytes of scratch (max_workers = 65534 gives 256 requests per chunk).
+ * KM_WALK_SCRATCH_WORDS scratch words, in global memory) stays bounded: at most KM_CUDA_MATCH_CHUNK
+ * requests per launch and at most KM_CUDA_SCRATCH_BUDGET bytes of scratch (max_workers = 65534:
+ * 810,984 bytes per request, 331 requests per chunk).
  * A chunk stages at most KM_CUDA_HASH_BUDGET hashes, except that a single longer request is always
  * accepted alone (max_request_blocks bounds it). */
 #define KM_CUDA_MATCH_CHUNK 8192u
@@ -971,11 +972,14 @@ extern "C" int km_cuda_match(km_cuda *c, const km_cuda_match_args *args,
         (args->segment_blocks > 0 && (!segments->valid || segments->capacity == 0)))
         return km_cuda_fail_status(c, KM_ERR_INTERNAL,
                                    "CUDA backend: scoring before the table replicas were uploaded");
-    if (blocks->words_per_set * (uint64_t)64 < W ||
-        (args->segment_blocks > 0 && segments->words_per_set * (uint64_t)64 < W))
+    /* The walk's bitmaps have the replica's words_per_set words, its scratch rows are sized from
+     * W: more words than W needs would run each walk into the next request's row. */
+    uint32_t words = (W + 63u) / 64u;
+    if (blocks->words_per_set != words ||
+        (args->segment_blocks > 0 && segments->words_per_set != words))
         return km_cuda_fail_status(c, KM_ERR_INTERNAL,
-                                   "CUDA backend: bitmaps of %u words cannot hold %u workers",
-                                   (unsigned)blocks->words_per_set, (unsigned)W);
+                                   "CUDA backend: bitmaps of %u words, %u workers need %u",
+                                   (unsigned)blocks->words_per_set, (unsigned)W, (unsigned)words);
     KM_CUDA_CHECK(c, cudaSetDevice(c->device));
 
     /* Chunk capacity from the scratch budget: W walk entries + the walk's scratch words per request. */

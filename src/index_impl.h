@@ -112,8 +112,8 @@ void km_index_tables_replaced(km_index *index);
 /* Replace the index's backend with `ops`: any growth in progress is finished, the new backend is
  * created (a replica uploads the tables whole), and then the old one is destroyed. On failure the
  * old backend stays as it was, with whatever its next sync still has to send (dirty lists, a
- * finished move's whole upload), and `why` says what failed. For tests: a host replica that keeps the device
- * replica's contract exercises the sync protocol without a GPU (tests/test_replica.c). */
+ * finished move's whole upload), and `why` says what failed. For tests: a host replica that keeps
+ * the device replica's contract exercises the sync protocol without a GPU (tests/test_replica.c). */
 int km_index_use_backend(km_index *index, const km_backend_ops *ops, char *why, size_t why_size);
 
 /* Grow results to hold n requests and `matches` entries. */
