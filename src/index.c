@@ -210,7 +210,7 @@ static void fall_back_to_cpu(km_index *index, int status, const char *what)
                  detail);
 }
 
-static int sync_backend(km_index *index);
+static void sync_backend(km_index *index);
 
 int km_index_use_backend(km_index *index, const km_backend_ops *ops, char *why, size_t why_size)
 {
@@ -1036,10 +1036,10 @@ static int advance_growths(km_index *index, double start)
  * (advance_growths); the first sync after the move ends uploads the tables whole (the growth set
  * layout_changed, which also stopped dirty-slot tracking meanwhile). Only when no host scorer can
  * be had does the move end here at once, a pause as long as rehashing the table. */
-static int sync_backend(km_index *index)
+static void sync_backend(km_index *index)
 {
     if (!index->backend->sync)
-        return KM_OK;
+        return;
     if (index->blocks.old_slots || index->segments.old_slots) {
         double start = monotonic_ms();
         int growing = advance_growths(index, start);
@@ -1057,20 +1057,37 @@ static int sync_backend(km_index *index)
         note_growth_pause(index, monotonic_ms() - start);
         if (growing) {
             index->replica_stale = 1;
-            return KM_OK;
+            return;
         }
     }
     index->replica_stale = 0;
     int rc = index->backend->sync(index->backend_state, index);
     if (rc == KM_ERR_CUDA) {
         fall_back_to_cpu(index, rc, "sync");
-        return KM_OK;
+        return;
     }
-    if (rc)
-        return rc;
+    if (rc) {
+        /* Another failure (out of memory for staging): the replica is behind, the host tables are
+         * right. Batches are scored on the host until a later sync succeeds; the dirty lists stay
+         * for it. Without a host scorer the backend gives way to the CPU, as on a CUDA error. Until
+         * 2026-11-30 the replica was trusted as it was, and the batch reported as failed although
+         * its updates were in. */
+        char why[256] = "";
+        if (!index->host_scorer &&
+            km_backend_cpu.create(index, &index->host_scorer, why, sizeof why) != KM_OK)
+            index->host_scorer = NULL;
+        if (!index->host_scorer) {
+            fall_back_to_cpu(index, rc, "sync");
+            return;
+        }
+        index->replica_stale = 1;
+        km_index_log(index, "backend %s: sync failed with %s: scoring on the host until one succeeds",
+                     index->backend->name, km_error_name(rc));
+        return;
+    }
     km_table_clear_dirty(&index->blocks);
     km_table_clear_dirty(&index->segments);
-    return KM_OK;
+    return;
 }
 
 int km_index_apply(km_index *index, const km_update *updates, size_t n_updates,
@@ -1129,11 +1146,9 @@ int km_index_apply(km_index *index, const km_update *updates, size_t n_updates,
         index->undo_log = NULL;
         index->undo_capacity = 0;
     }
-    int sync_rc = sync_backend(index);
+    sync_backend(index); /* never fails the batch: a replica behind is scored around */
     if (rc)
         return rc;
-    if (sync_rc)
-        return km_index_fail(index, sync_rc, "backend sync failed");
     if (stats_out)
         *stats_out = stats;
     return KM_OK;
@@ -1316,7 +1331,8 @@ int km_index_match_batch(km_index *index, const km_request *requests, size_t n_r
     if (n_requests == 0)
         return KM_OK;
     int rc;
-    if (index->replica_stale) { /* a table is growing: the host tables are the current ones */
+    if (index->replica_stale) { /* a table is growing, or a sync failed: the host tables are the
+                                 * current ones */
         index->host_scored_batches++;
         rc = km_backend_cpu.match(index->host_scorer, index, requests, n_requests, results);
     } else {

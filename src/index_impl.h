@@ -81,7 +81,8 @@ struct km_index {
     /* A device replica mirrors one array per table, so while the block or segment table grows it
      * is not synced (replica_stale) and batches are scored on the host by a CPU backend,
      * host_scorer, created the first time it is needed; host_scored_batches counts them
-     * (km_index_stats). */
+     * (km_index_stats). A sync that failed (other than a CUDA error, which falls back to the CPU
+     * for good) marks the replica stale too, until a later sync succeeds. */
     int replica_stale;
     void *host_scorer;
     uint64_t host_scored_batches;
