@@ -11,6 +11,7 @@
  * with that request id. When a request is superseded, cancelled or times out, the DEALER is closed
  * and reopened, so late answers to the old request can never be mistaken for the new one's. */
 #include "kvmatch/subscriber.h"
+#include "index_impl.h"
 #include "why.h"
 
 #include <errno.h>
@@ -871,11 +872,19 @@ static void reap_snapshot_child(km_subscriber *sub, bool wait)
         close(sub->snapshot_pipe);
         sub->snapshot_pipe = -1;
     }
+    pid_t child = sub->snapshot_child;
     sub->snapshot_child = 0;
     if (r > 0 && WIFEXITED(status) && WEXITSTATUS(status) == 0) {
         sub->stats.snapshots++;
         return;
     }
+    /* A child that failed on its own removed its temporary file; one killed (the OOM killer: the
+     * fork can double the memory a large index takes) left it, an index-sized file per failed
+     * period. The previous snapshot, at the path itself, is untouched either way. */
+    char tmp[4096];
+    if (sub->config.snapshot_path &&
+        km_snapshot_temp_path(sub->config.snapshot_path, (long)child, tmp, sizeof tmp))
+        unlink(tmp);
     sub->stats.snapshot_failures++;
     snprintf(sub->stats.last_snapshot_error, sizeof sub->stats.last_snapshot_error,
              "background snapshot failed (%s): %s",
