@@ -14,6 +14,7 @@
  * so no line is ever split or half-written. I/O failures are counted and logged on the transition
  * (failing, recovered), never fatal: the file is closed and reopened for the next line. */
 #include "kvmatch/records.h"
+#include "utf8.h"
 #include "why.h"
 
 #include <errno.h>
@@ -324,35 +325,6 @@ static void put_int(builder *b, const char *key, int64_t value)
     emit(b, digits + sizeof digits - n, (size_t)n);
 }
 
-/* The length of the UTF-8 sequence starting at s (at most `left` bytes), or 0 when it is not
- * well-formed: overlong forms, surrogates and code points past U+10FFFF are not (RFC 3629). */
-static size_t utf8_sequence(const unsigned char *s, size_t left)
-{
-    unsigned char c = s[0];
-    if (c < 0x80)
-        return 1;
-    size_t n;
-    uint32_t cp;
-    if (c >= 0xC2 && c <= 0xDF)
-        n = 2, cp = c & 0x1F;
-    else if (c >= 0xE0 && c <= 0xEF)
-        n = 3, cp = c & 0x0F;
-    else if (c >= 0xF0 && c <= 0xF4)
-        n = 4, cp = c & 0x07;
-    else
-        return 0;
-    if (n > left)
-        return 0;
-    for (size_t i = 1; i < n; i++) {
-        if ((s[i] & 0xC0) != 0x80)
-            return 0;
-        cp = cp << 6 | (s[i] & 0x3F);
-    }
-    if ((n == 3 && cp < 0x800) || (n == 4 && cp < 0x10000) || cp > 0x10FFFF ||
-        (cp >= 0xD800 && cp <= 0xDFFF))
-        return 0;
-    return n;
-}
 
 /* A JSON string: '"', '\' and control characters escaped, everything else (UTF-8) as it is;
  * invalid UTF-8 fails the record. */
@@ -361,7 +333,7 @@ static void emit_string(builder *b, const char *key, const char *value)
     const unsigned char *s = (const unsigned char *)value;
     size_t n = strlen(value);
     for (size_t i = 0; i < n;) {
-        size_t k = utf8_sequence(s + i, n - i);
+        size_t k = km_utf8_sequence(s + i, n - i);
         if (!k) {
             fail(b, KM_ERR_INVALID_ARGUMENT, "field %s is not valid UTF-8", key ? key : "value");
             return;
@@ -1407,7 +1379,7 @@ static size_t clean_copy(char *out, const char *s)
             o += run;
             continue;
         }
-        size_t k = utf8_sequence(p + i, n - i);
+        size_t k = km_utf8_sequence(p + i, n - i);
         if (k) {
             if (out)
                 memcpy(out + o, p + i, k);

@@ -43,6 +43,7 @@
 #include <uv.h>
 #include <xxhash.h>
 
+#include "utf8.h"
 #include "why.h"
 #include "http.h"
 #include "kvmatch/active.h"
@@ -434,6 +435,9 @@ static int pool_create(km_server *s, const km_server_pool *pc, pool **out, char 
     if (pc->block_size == 0)
         return km_why(why, why_size, KM_ERR_BLOCK_SIZE, "pool %s: block_size must be at least 1",
                      pc->name);
+    if (pc->model && !km_utf8_name(pc->model))
+        return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,
+                     "pool %s: model must be UTF-8 without control characters", pc->name);
     char detail[192];
     if (km_policy_config_validate(&pc->policy, detail, sizeof detail) != KM_OK)
         return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT, "pool %s: %s", pc->name, detail);
@@ -641,8 +645,11 @@ static int worker_add(km_server *s, uint32_t pool_index, const km_server_worker 
     if (slot->used)
         return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT, "worker %u already exists (pool %s)",
                      w->id, s->pools[slot->pool]->name);
-    if (w->name && (strlen(w->name) == 0 || strlen(w->name) >= KM_SERVER_NAME_MAX))
-        return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT, "worker %u: name must be 1..%u bytes",
+    if (w->name && (strlen(w->name) == 0 || strlen(w->name) >= KM_SERVER_NAME_MAX ||
+                    !km_utf8_name(w->name)))
+        return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,
+                     "worker %u: name must be 1..%u bytes of UTF-8 without control characters "
+                     "(it is a label in /metrics and a string in /status and the records)",
                      w->id, KM_SERVER_NAME_MAX - 1);
     if (w->replay_endpoint && !w->event_endpoint)
         return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,

@@ -1754,6 +1754,61 @@ static int add_pool(km_client *c, const km_param *params, uint32_t n_params, km_
     return reply.ack.items[0].status;
 }
 
+/* Worker names are /metrics label values and /status strings, and models are matched and
+ * recorded: both must be UTF-8 without control characters. Until 2026-11-30 only their length
+ * was checked, and one worker named with a Latin-1 byte made every later /metrics scrape invalid
+ * (Prometheus label values are UTF-8). A refused name changes nothing; a UTF-8 one is served. */
+Test(server, names_that_are_not_utf8_text_are_refused, .timeout = 30)
+{
+    srv s = {0};
+    km_server_config cfg;
+    test_config(&cfg, &s, KM_POLICY_PREFIX, 2);
+    cfg.records_path = NULL;
+    char http[] = "127.0.0.1:0";
+    cfg.http = http;
+    srv_start(&s, &cfg);
+    km_client *c = connect_client(&s);
+    km_worker_info wi[4] = {{.pool = "main", .worker = 20, .name = "latin-\xe9"},
+                            {.pool = "main", .worker = 21, .name = "line\nbreak"},
+                            {.pool = "main", .worker = 22, .name = "cut-\xe2\x82"},
+                            {.pool = "main", .worker = 23, .name = "w\xc3\xb6rker-\xe2\x82\xac"}};
+    km_message m = {.type = KM_MESSAGE_WORKERS}, reply;
+    m.workers.action = KM_ADMIN_ADD;
+    m.workers.workers = wi;
+    m.workers.n_workers = 4;
+    cr_assert_eq(km_client_call(c, &m, 5000, &reply), KM_OK);
+    cr_assert_eq(reply.type, KM_MESSAGE_ACK);
+    for (int i = 0; i < 3; i++)
+        cr_assert_eq(reply.ack.items[i].status, KM_ERR_INVALID_ARGUMENT, "name %d was taken", i);
+    cr_assert_eq(reply.ack.items[3].status, KM_OK, "%s", reply.ack.items[3].message);
+    km_pool_info pi;
+    memset(&pi, 0, sizeof pi);
+    pi.name = "p2";
+    pi.model = "model-\xff";
+    pi.block_size = BS;
+    pi.policy = "prefix";
+    m = (km_message){.type = KM_MESSAGE_POOLS};
+    m.pools.action = KM_ADMIN_ADD;
+    m.pools.pools = &pi;
+    m.pools.n_pools = 1;
+    cr_assert_eq(km_client_call(c, &m, 5000, &reply), KM_OK);
+    cr_assert_eq(reply.ack.items[0].status, KM_ERR_INVALID_ARGUMENT);
+    /* Three workers (0, 1 and 23) are served, and the scrape names the UTF-8 one as it is. */
+    uint16_t port = km_server_http_port(s.server);
+    static char body[1 << 16];
+    cr_assert_eq(http_get(port, "/metrics", body, sizeof body), 200);
+    cr_assert(strstr(body, "w\xc3\xb6rker-\xe2\x82\xac") != NULL, "the UTF-8 name is not in /metrics");
+    cr_assert(strstr(body, "latin-") == NULL && strstr(body, "line") == NULL);
+    m = (km_message){.type = KM_MESSAGE_WORKERS};
+    m.workers.action = KM_ADMIN_LIST;
+    m.workers.pool = "main";
+    cr_assert_eq(km_client_call(c, &m, 5000, &reply), KM_OK);
+    cr_assert_eq(reply.workers.n_workers, 3);
+    km_client_close(c);
+    srv_stop(&s);
+    srv_cleanup(&s);
+}
+
 /* PROTOCOL.md: POOLS add takes approx_ttl_s and approx_capacity_blocks, and the pool's approximate
  * mode forgets a routed prefix that long after its last decision. Until 2026-11-30 both were
  * refused as unknown policy parameters, so a pool added at run time always had the 120 s default. */
