@@ -89,6 +89,8 @@ class FakeServer:
         if t == "ROUTE":
             if self.mode == "silent_route":
                 return None, True
+            if self.mode == "late_route":
+                time.sleep(0.4)  # past the caller's timeout; the reply still comes
             decisions = []
             for i, r in enumerate(m["routes"]):
                 w = choice(r, i)
@@ -251,6 +253,26 @@ def test_timeout_then_usable():
         s.stop()
 
 
+def test_late_reply_after_a_timeout_is_dropped():
+    # A blocking call that timed out gives its request up: its late reply is read and dropped,
+    # not kept for a wait() that will never come (until 2026-11-30 every such reply stayed in
+    # the client for good, a leak for a blocking-only user).
+    s = FakeServer(mode="late_route")
+    try:
+        with kc.Client.connect(s.address, timeout=5) as c:
+            try:
+                c.route([route(1)], timeout=0.1)
+                raise AssertionError("no timeout")
+            except TimeoutError:
+                pass
+            assert c.outstanding == 0, c.outstanding
+            ack = c.lifecycle([{"event": "DISPATCHED", "decision_id": 1}], timeout=5)
+            assert ack["items"][0]["status"] == 0
+            assert c.outstanding == 0 and not c._kept, (c.outstanding, c._kept)
+    finally:
+        s.stop()
+
+
 def test_connect_errors():
     s = FakeServer(mode="refuse_hello")
     try:
@@ -291,7 +313,8 @@ def test_frame_limit_client_side():
 def main():
     signal.alarm(60)
     tests = [lambda: test_blocking(False), lambda: test_blocking(True), test_pipelined_out_of_order,
-             test_lifecycle, test_outcome_rule, test_timeout_then_usable, test_connect_errors,
+             test_lifecycle, test_outcome_rule, test_timeout_then_usable,
+             test_late_reply_after_a_timeout_is_dropped, test_connect_errors,
              test_frame_limit_client_side]
     for t in tests:
         t()

@@ -19,7 +19,9 @@ arrive while waiting for another id are kept and handed out later.
 
 Errors: an ERROR reply to a blocking call raises ``KvmatchError`` carrying ``code``, ``name`` and
 ``message``; ``receive`` / ``wait`` return ERROR replies as dicts. A timeout raises
-``TimeoutError`` and the connection stays usable; a closed or broken connection raises
+``TimeoutError`` and the connection stays usable (a blocking call that timed out gives its
+request up: its reply, if it comes, is dropped; a ``wait`` that timed out may be retried); a
+closed or broken connection raises
 ``ConnectionClosed`` (a ``KvmatchError`` with code -20) and the client stays closed.
 A Client is not thread-safe: use one per thread.
 """
@@ -103,6 +105,7 @@ class Client:
         self._buffer = bytearray()
         self._next_id = 1
         self._kept = {}  # id -> reply dict, arrival order kept by dict order
+        self._abandoned = set()  # ids whose blocking call timed out: their late reply is dropped
         self._outstanding = set()
         self._closed = False
         self._max_frame_bytes = max_frame_bytes
@@ -201,7 +204,7 @@ class Client:
             raise KvmatchError(KM_ERR_INVALID_ARGUMENT, "KM_ERR_INVALID_ARGUMENT",
                                "no request is waiting for a reply")
         deadline = None if timeout is None else time.monotonic() + timeout
-        reply = self._read_reply(deadline)
+        reply = self._read_unabandoned(deadline)
         self._outstanding.discard(reply.get("id"))
         return reply
 
@@ -215,7 +218,7 @@ class Client:
                                "request %r is not waiting for a reply" % (request_id,))
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            reply = self._read_reply(deadline)
+            reply = self._read_unabandoned(deadline)
             rid = reply.get("id")
             if rid == request_id:
                 self._outstanding.discard(rid)
@@ -229,7 +232,13 @@ class Client:
         deadline = None if timeout is None else time.monotonic() + timeout
         rid = self.send(message, timeout)
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
-        reply = self.wait(rid, left)
+        try:
+            reply = self.wait(rid, left)
+        except TimeoutError:
+            # Given up: no one will wait for this id, so its late reply is dropped on arrival.
+            self._outstanding.discard(rid)
+            self._abandoned.add(rid)
+            raise
         if reply.get("type") == "ERROR":
             raise KvmatchError(reply.get("code", KM_ERR_PROTOCOL), reply.get("name", "?"),
                                reply.get("message", ""))
@@ -296,6 +305,16 @@ class Client:
             self._fail(ConnectionClosed("the server closed the connection"))
         self._outstanding.add(rid)
         return rid
+
+    def _read_unabandoned(self, deadline):
+        """The next reply that someone may still want (late replies to given-up calls dropped)."""
+        while True:
+            reply = self._read_reply(deadline)
+            rid = reply.get("id")
+            if rid in self._abandoned:
+                self._abandoned.discard(rid)
+                continue
+            return reply
 
     def _set_timeout(self, deadline):
         if deadline is None:
