@@ -28,7 +28,8 @@
 /* A request whose reply has not been returned to the caller yet. */
 typedef struct pending_request {
     uint64_t id;
-    bool kept; /* its reply arrived and is in the kept list */
+    bool kept;      /* its reply arrived and is in the kept list */
+    bool abandoned; /* its blocking call timed out: the reply is dropped when it comes */
 } pending_request;
 
 /* A reply that arrived while the caller waited for another id. */
@@ -47,6 +48,7 @@ struct km_client {
      * pending[pending_start..pending_end): memory for the most that were ever in flight at once. */
     pending_request *pending;
     uint32_t pending_start, pending_end, pending_cap;
+    uint32_t abandoned; /* pending requests given up by a timed-out blocking call */
     km_frame_reader *reader;
     km_protocol_decoder *decoder;
     km_frame_buffer out;
@@ -338,7 +340,7 @@ int km_client_fd(const km_client *c)
 
 uint32_t km_client_outstanding(const km_client *c)
 {
-    return c ? c->pending_end - c->pending_start : 0;
+    return c ? c->pending_end - c->pending_start - c->abandoned : 0;
 }
 
 /* ---- outstanding requests ---------------------------------------------------------------------- */
@@ -385,6 +387,7 @@ static pending_request *find_pending(km_client *c, uint64_t id)
  * case and costs nothing to drop. */
 static void drop_pending(km_client *c, pending_request *p)
 {
+    c->abandoned -= p->abandoned;
     uint32_t i = (uint32_t)(p - c->pending);
     if (i == c->pending_start)
         c->pending_start++;
@@ -638,25 +641,31 @@ int km_client_receive(km_client *c, int timeout_ms, km_message *reply)
         return take_kept(c, NULL, c->kept_head, reply);
     if (c->closed)
         return client_fail(c, KM_ERR_CLOSED, "the connection is closed");
-    if (c->pending_start == c->pending_end)
+    if (km_client_outstanding(c) == 0)
         return client_fail(c, KM_ERR_INVALID_ARGUMENT, "no request is waiting for a reply");
-    const uint8_t *payload;
-    size_t size;
-    int rc = read_frame(c, deadline_after(timeout_ms), &payload, &size);
-    if (!rc)
-        rc = decode_reply(c, payload, size, reply);
-    if (rc)
-        return is_final(rc) ? client_break(c, rc) : rc;
-    if (is_connection_error(reply)) {
-        client_fail(c, reply->error.code, "the server closes the connection: %s",
-                    reply->error.message);
-        return client_break(c, reply->error.code);
+    int64_t deadline = deadline_after(timeout_ms);
+    for (;;) {
+        const uint8_t *payload;
+        size_t size;
+        int rc = read_frame(c, deadline, &payload, &size);
+        if (!rc)
+            rc = decode_reply(c, payload, size, reply);
+        if (rc)
+            return is_final(rc) ? client_break(c, rc) : rc;
+        if (is_connection_error(reply)) {
+            client_fail(c, reply->error.code, "the server closes the connection: %s",
+                        reply->error.message);
+            return client_break(c, reply->error.code);
+        }
+        pending_request *p = answered_request(c, reply);
+        if (!p)
+            return KM_ERR_PROTOCOL;
+        bool given_up = p->abandoned;
+        drop_pending(c, p);
+        if (!given_up)
+            return KM_OK;
+        memset(reply, 0, sizeof *reply); /* a late reply to a given-up call: dropped */
     }
-    pending_request *p = answered_request(c, reply);
-    if (!p)
-        return KM_ERR_PROTOCOL;
-    drop_pending(c, p);
-    return KM_OK;
 }
 
 int km_client_wait(km_client *c, uint64_t id, int timeout_ms, km_message *reply)
@@ -695,6 +704,11 @@ int km_client_wait(km_client *c, uint64_t id, int timeout_ms, km_message *reply)
             drop_pending(c, p);
             return KM_OK;
         }
+        if (p->abandoned) { /* a late reply to a given-up call: dropped */
+            drop_pending(c, p);
+            memset(reply, 0, sizeof *reply);
+            continue;
+        }
         /* A reply that cannot be kept is lost to its waiter for good: the stream is broken. */
         if ((rc = keep_reply(c, reply->id, payload, size)))
             return client_break(c, rc);
@@ -713,6 +727,15 @@ int km_client_call(km_client *c, const km_message *request, int timeout_ms, km_m
     if (rc)
         return rc;
     rc = km_client_wait(c, id, remaining_ms(deadline) < 0 ? -1 : remaining_ms(deadline), reply);
+    if (rc == KM_ERR_TIMEOUT) {
+        /* Given up: no one will wait for this id, so its reply is dropped when it comes instead
+         * of being kept for good. */
+        pending_request *p = find_pending(c, id);
+        if (p && !p->kept && !p->abandoned) {
+            p->abandoned = true;
+            c->abandoned++;
+        }
+    }
     if (rc)
         return rc;
     if (reply->type == KM_MESSAGE_ERROR)

@@ -15,6 +15,7 @@
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/un.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "kvmatch/client.h"
@@ -31,6 +32,7 @@ typedef enum fake_mode {
     FAKE_CLOSE_ON_ROUTE = 4, /* close the connection when a ROUTE arrives */
     FAKE_SMALL_FRAMES = 5,   /* announce max_frame_bytes = FAKE_SMALL_FRAME_BYTES, reply as usual */
     FAKE_ROUTE_TWICE = 6,    /* answer every ROUTE twice */
+    FAKE_LATE_ROUTE = 7,     /* answer ROUTE after 400 ms */
 } fake_mode;
 
 #define FAKE_SMALL_FRAME_BYTES 1024u
@@ -93,6 +95,8 @@ static bool fake_reply(fake_server *s, const km_message *m, km_frame_buffer *out
             return false;
         if (s->mode == FAKE_SILENT_ROUTE)
             return true;
+        if (s->mode == FAKE_LATE_ROUTE)
+            nanosleep(&(struct timespec){0, 400000000L}, NULL);
         km_route_decision *d = calloc(m->route.n_routes, sizeof *d);
         km_candidate_score *c = calloc(m->route.n_routes, sizeof *c);
         for (uint32_t i = 0; i < m->route.n_routes; i++) {
@@ -572,6 +576,45 @@ Test(client, timeout_then_usable_and_close, .timeout = 20)
     cr_assert_eq(km_client_route(c, &q, 1, 5000, &reply), KM_ERR_CLOSED);
     km_client_close(c);
     km_client_close(NULL);
+    fake_stop(&s);
+}
+
+/* A blocking call that timed out gives its request up: the late reply is read and dropped, not
+ * kept for a wait that never comes (until 2026-11-30 every such reply stayed in the kept list for
+ * good, a leak for a user of the blocking calls only), and the request no longer counts as
+ * outstanding. A km_client_wait that timed out is not given up: it may be retried. */
+Test(client, a_blocking_call_that_timed_out_drops_its_late_reply, .timeout = 20)
+{
+    fake_server s;
+    fake_start(&s, FAKE_LATE_ROUTE, false);
+    km_client *c = connect_ok(&s);
+    uint64_t h[2] = {11, 12};
+    km_route_request q;
+    char id[32];
+    make_route(&q, id, sizeof id, 0, h, 2);
+    km_message reply;
+    cr_assert_eq(km_client_route(c, &q, 1, 100, &reply), KM_ERR_TIMEOUT);
+    cr_assert_eq(km_client_outstanding(c), 0, "a given-up call still counts as outstanding");
+    /* The late DECISION arrives before this ACK: dropped, not kept, not a protocol error. */
+    km_lifecycle_event ev = {.kind = KM_LIFECYCLE_DISPATCHED, .has_decision_id = true, .decision_id = 1};
+    cr_assert_eq(km_client_lifecycle(c, &ev, 1, 5000, &reply), KM_OK, "%s", km_client_last_error(c));
+    cr_assert_eq(km_client_outstanding(c), 0);
+    cr_assert_eq(km_client_receive(c, 100, &reply), KM_ERR_INVALID_ARGUMENT,
+                 "a reply was kept for the given-up call");
+    /* The same through km_client_receive: a pipelined request after a given-up one. */
+    cr_assert_eq(km_client_route(c, &q, 1, 100, &reply), KM_ERR_TIMEOUT);
+    uint64_t sent;
+    cr_assert_eq(km_client_send_lifecycle(c, &ev, 1, 5000, &sent), KM_OK);
+    cr_assert_eq(km_client_receive(c, 5000, &reply), KM_OK, "%s", km_client_last_error(c));
+    cr_assert_eq(reply.type, KM_MESSAGE_ACK);
+    cr_assert_eq(reply.id, sent);
+    /* A wait that timed out stays waiting: its reply is still delivered. */
+    uint64_t route_id;
+    cr_assert_eq(km_client_send_route(c, &q, 1, 5000, &route_id), KM_OK);
+    cr_assert_eq(km_client_wait(c, route_id, 100, &reply), KM_ERR_TIMEOUT);
+    cr_assert_eq(km_client_wait(c, route_id, 5000, &reply), KM_OK, "%s", km_client_last_error(c));
+    cr_assert_eq(reply.type, KM_MESSAGE_DECISION);
+    km_client_close(c);
     fake_stop(&s);
 }
 

@@ -58,7 +58,8 @@ const char *km_client_last_error(const km_client *client);
 const km_welcome *km_client_welcome(const km_client *client);
 /* The socket, for an external poll() (readable = a reply may be complete). */
 int km_client_fd(const km_client *client);
-/* Requests sent whose reply has not been returned yet. The client keeps their ids, 16 bytes each,
+/* Requests sent whose reply has not been returned yet (and not given up by a blocking call that
+ * timed out). The client keeps their ids, 16 bytes each,
  * in memory that grows to the most requests in flight at once. */
 uint32_t km_client_outstanding(const km_client *client);
 
@@ -92,7 +93,9 @@ int km_client_wait(km_client *client, uint64_t id, int timeout_ms, km_message *r
 /* ---- blocking -------------------------------------------------------------------------------- */
 
 /* send + wait. An ERROR reply returns its code (the message is in km_client_last_error and
- * *reply). */
+ * *reply). On KM_ERR_TIMEOUT the request is given up: km_client_outstanding stops counting it and
+ * its reply, if it comes, is read and dropped (a km_client_wait that times out is not given up:
+ * it may be called again). */
 int km_client_call(km_client *client, const km_message *request, int timeout_ms,
                    km_message *reply);
 /* ROUTE -> DECISION (one decision per route, in order; check each decision's status). */
