@@ -1343,9 +1343,29 @@ int km_index_match_batch(km_index *index, const km_request *requests, size_t n_r
         results->n_matches = 0;
         results->probes = 0;
         rc = index->backend->match(index->backend_state, index, requests, n_requests, results);
+    } else if (rc && !index->replica_stale && index->backend != &km_backend_cpu) {
+        /* A replica's scoring failed otherwise (out of memory for a batch's staging): the host
+         * tables are current, so this batch is scored there; the replica stays for the next. */
+        char why[256] = "";
+        if (!index->host_scorer &&
+            km_backend_cpu.create(index, &index->host_scorer, why, sizeof why) != KM_OK)
+            index->host_scorer = NULL;
+        if (index->host_scorer) {
+            km_index_log(index, "backend %s: scoring failed with %s: this batch scored on the host",
+                         index->backend->name, km_error_name(rc));
+            index->last_error[0] = '\0';
+            results->n_matches = 0;
+            results->probes = 0;
+            index->host_scored_batches++;
+            rc = km_backend_cpu.match(index->host_scorer, index, requests, n_requests, results);
+        }
     }
-    if (rc)
+    if (rc) {
+        results->n_requests = 0; /* a failed backend may have filled some: none is valid */
+        results->n_matches = 0;
+        results->probes = 0;
         return index->last_error[0] ? rc : km_index_fail(index, rc, "scoring failed");
+    }
     results->n_requests = n_requests;
     rc = split_tiers(index, requests, n_requests, results);
     if (rc)

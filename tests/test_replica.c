@@ -33,6 +33,7 @@ typedef struct mirror {
     uint64_t syncs, full_uploads, patched_slots, patched_sets, matches;
     uint64_t synced_mid_growth; /* syncs that found a table with an old array: a contract breach */
     uint32_t fail_syncs; /* the next this many syncs fail (out of memory) after patching half */
+    uint32_t fail_matches; /* the next this many matches fail (out of memory) half way */
     uint64_t patch_out_of_range; /* a dirty slot or bitmap outside the replica's arrays */
 } mirror;
 
@@ -152,6 +153,12 @@ static int mirror_match(void *state, km_index *index, const km_request *requests
 {
     mirror *mr = state;
     mr->matches++;
+    if (mr->fail_matches) { /* results half filled, then a staging allocation fails */
+        mr->fail_matches--;
+        results->n_requests = n;
+        results->n_matches = 0;
+        return KM_ERR_OUT_OF_MEMORY;
+    }
     km_table_view blocks = mirror_view(&mr->blocks), segments = mirror_view(&mr->segments);
     size_t total = 0;
     uint64_t probes_sum = 0;
@@ -557,6 +564,53 @@ Test(replica, a_failed_sync_is_scored_around_until_one_succeeds, .timeout = 60)
                  "step %d (%s): %s", step, failing ? "sync failed" : "synced", why);
         KM_CHECK(mr->matches == matches + !failing && index->host_scored_batches == host + failing,
                  "step %d: scored by the %s", step, failing ? "stale replica" : "host");
+    }
+    km_match_results_free(&res);
+    km_request_set_free(&rs);
+    km_workload_free(&wl);
+    km_corpus_free(&corpus);
+    km_oracle_free(&o);
+    km_index_destroy(index);
+}
+
+/* A replica's scoring that fails other than with a CUDA error (a staging allocation) does not
+ * fail the batch: the host tables are current, so the batch is scored there, exactly, and the
+ * replica scores the next one. Until 2026-11-30 the batch failed (every route in it answered
+ * with an error). */
+Test(replica, a_failed_replica_match_is_scored_on_the_host, .timeout = 60)
+{
+    const uint32_t S = 4, W = 64;
+    km_rng r;
+    km_rng_init(&r, km_test_seed() ^ 0x3A7C);
+    km_index *index = make_mirrored_index(W, S, 1);
+    km_oracle o;
+    km_oracle_init(&o, W);
+    km_corpus corpus;
+    km_corpus_generate(&corpus, &r, 150, 4, 200);
+    km_workload wl;
+    km_workload_init(&wl, &corpus, W);
+    km_request_set rs = {0};
+    km_match_results res;
+    km_match_results_init(&res);
+    char why[512];
+    for (int step = 0; step < 12; step++) {
+        km_workload_step(&wl, &r, &o, 6);
+        km_update_stats got, expect;
+        cr_assert_eq(km_index_apply(index, wl.updates, wl.n_updates, &got), KM_OK);
+        km_oracle_apply(&o, wl.updates, wl.n_updates, &expect);
+        mirror *mr = mirror_of(index);
+        int failing = step % 3 == 1;
+        mr->fail_matches = failing;
+        uint64_t host = index->host_scored_batches;
+        km_request_set_generate(&rs, &r, &corpus, 400);
+        int rc = km_index_match_batch(index, rs.requests, rs.n, &res);
+        KM_CHECK(rc == KM_OK, "step %d: a failed replica match failed the batch: %s (%s)", step,
+                 km_error_name(rc), km_index_last_error(index));
+        KM_CHECK(km_check_results(&o, rs.requests, rs.n, &res, S, why, sizeof why), "step %d: %s",
+                 step, why);
+        KM_CHECK(index->host_scored_batches == host + failing, "step %d: host-scored %" PRIu64
+                 " -> %" PRIu64, step, host, index->host_scored_batches);
+        cr_assert_eq(mirror_of(index), mr, "the replica was dropped");
     }
     km_match_results_free(&res);
     km_request_set_free(&rs);
