@@ -1224,6 +1224,8 @@ void km_match_results_free(km_match_results *r)
     memset(r, 0, sizeof *r);
 }
 
+/* Buffers are allocated on first use even for 0 entries: callers index them as `matches + first`
+ * for every request, and pointer arithmetic on NULL is undefined even with an offset of 0. */
 int km_match_results_reserve(km_match_results *r, size_t n_requests, size_t n_matches)
 {
     if (n_requests > r->requests_capacity) {
@@ -1236,7 +1238,7 @@ int km_match_results_reserve(km_match_results *r, size_t n_requests, size_t n_ma
         r->requests = grown;
         r->requests_capacity = cap;
     }
-    if (n_matches > r->matches_capacity) {
+    if (n_matches > r->matches_capacity || !r->matches) {
         size_t cap = r->matches_capacity ? r->matches_capacity : 256;
         while (cap < n_matches)
             cap *= 2;
@@ -1255,7 +1257,7 @@ int km_match_results_reserve(km_match_results *r, size_t n_requests, size_t n_ma
 static int split_tiers(km_index *index, const km_request *requests, size_t n_requests,
                        km_match_results *results)
 {
-    if (results->n_matches > results->tiers_capacity) {
+    if (results->n_matches > results->tiers_capacity || !results->tiers) { /* never NULL after */
         size_t cap = results->tiers_capacity ? results->tiers_capacity : 256;
         while (cap < results->n_matches)
             cap *= 2;

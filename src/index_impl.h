@@ -118,7 +118,8 @@ void km_index_tables_replaced(km_index *index);
  * the device replica's contract exercises the sync protocol without a GPU (tests/test_replica.c). */
 int km_index_use_backend(km_index *index, const km_backend_ops *ops, char *why, size_t why_size);
 
-/* Grow results to hold n requests and `matches` entries. */
+/* Grow results to hold n requests and `matches` entries; afterwards results->matches is never
+ * NULL (even for 0 entries), so `matches + first` is always defined. */
 int km_match_results_reserve(km_match_results *r, size_t n_requests, size_t n_matches);
 
 /* The file km_index_save writes first and renames over `path`: "<path>.tmp.<writer's pid>".

@@ -205,6 +205,27 @@ Test(match, empty_requests, .timeout = 30)
     km_index_destroy(index);
 }
 
+/* Found by fuzzing (tests/fuzz/fuzz_snapshot.c): a first batch in which nothing matches left
+ * results.matches and results.tiers NULL, and scoring computed `matches + first` from it, which is
+ * undefined behaviour (UBSan: "applying zero offset to null pointer"); so did every caller that
+ * reads a request's rows. The arrays exist after any successful batch. */
+Test(match, no_match_batch_leaves_result_arrays_allocated, .timeout = 30)
+{
+    km_index *index = make_index(8, 4, 1);
+    uint64_t h[3] = {0x1234, 0x5678, 0x9abc};
+    km_request q[2] = {{h, 3}, {h, 0}};
+    km_match_results res;
+    km_match_results_init(&res);
+    cr_assert_eq(km_index_match_batch(index, q, 2, &res), KM_OK);
+    cr_assert_eq(res.n_requests, 2);
+    cr_assert_eq(res.n_matches, 0);
+    cr_assert(res.requests[0].count == 0 && res.requests[1].count == 0);
+    cr_assert(res.matches != NULL, "matches is NULL after a batch without matches");
+    cr_assert(res.tiers != NULL, "tiers is NULL after a batch without matches");
+    km_match_results_free(&res);
+    km_index_destroy(index);
+}
+
 Test(match, request_over_the_limit_is_too_large, .timeout = 30)
 {
     km_index_config cfg;
