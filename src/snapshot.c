@@ -367,9 +367,12 @@ static int take_table(reader *r, uint32_t kind, km_table *t, int with_meta, uint
         live++;
         shared += km_slot_is_shared(s);
         ok &= slot_valid(t, s, index->config.max_workers, &pairs, pool_seen);
-        /* Reachable from its home slot: no empty slot between home and here. */
+        /* Reachable from its home slot: no empty slot between home and here. And the only slot of
+         * its key: a second copy would be reachable too, so one of the two lies on the other's
+         * path (lookups would find one, updates change one, and the anchor rebuild would link the
+         * key twice, which makes a later removal loop forever). */
         for (uint64_t j = km_slot_home(s->key, t->shift); ok && j != i; j = (j + 1) & (h.capacity - 1))
-            ok &= t->slots[j].key != KM_KEY_EMPTY;
+            ok &= t->slots[j].key != KM_KEY_EMPTY && t->slots[j].key != s->key;
     }
     for (uint32_t k = 0; ok && k < h.pool_free_count; k++) {
         uint32_t set = t->pool_free[k];

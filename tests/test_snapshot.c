@@ -349,3 +349,72 @@ Test(snapshot, save_is_atomic_and_reports_io_errors, .timeout = 60)
     km_index_destroy(b);
     fixture_free(&f);
 }
+
+/* Found by fuzzing (tests/fuzz/fuzz_snapshot.c): a block table holding one key in two slots, both
+ * reachable from its home slot and counted in the header, passed every check and loaded. Lookups
+ * then found one copy and updates changed only it; with segment keys, rebuilding the anchors
+ * linked the key twice and removing the block looped forever. Such a file is corrupt. */
+Test(snapshot, duplicate_key_in_a_table_is_corrupt, .timeout = 30)
+{
+    const uint32_t W = 8, S = 0;
+    fixture f;
+    fixture_init(&f, W, 93);
+    km_index *a = make_index(W, S);
+    uint64_t chain[6] = {0x1001, 0x1002, 0x1003, 0x1004, 0x1005, 0x1006};
+    cr_assert_eq(km_index_store(a, 1, KM_NO_PARENT, chain, 6), KM_OK);
+    km_update_stats expect;
+    km_oracle_apply(&f.o, &(km_update){KM_UPDATE_STORE, 1, KM_NO_PARENT, chain, 6, KM_TIER_DEVICE},
+                    1, &expect);
+    cr_assert_eq(km_index_save(a, f.path, NULL, 0), KM_OK);
+    size_t size;
+    uint8_t *buf = read_file(f.path, &size);
+    /* Block table: header, section head, table header (capacity, live, tombstones, pairs, ...),
+     * then capacity 16-byte slots and capacity 24-byte metadata entries. */
+    uint8_t *th = buf + 64 + 16;
+    uint64_t capacity, live, pairs;
+    memcpy(&capacity, th, 8);
+    memcpy(&live, th + 8, 8);
+    memcpy(&pairs, th + 24, 8);
+    uint8_t *slots = th + 56, *meta = slots + capacity * 16;
+    uint64_t at = UINT64_MAX;
+    for (uint64_t i = 0; i < capacity && at == UINT64_MAX; i++) {
+        uint64_t key, next;
+        memcpy(&key, slots + i * 16, 8);
+        memcpy(&next, slots + ((i + 1) & (capacity - 1)) * 16, 8);
+        if (key > 1 && next == 0)
+            at = i;
+    }
+    cr_assert(at != UINT64_MAX);
+    uint64_t dup = (at + 1) & (capacity - 1);
+    memcpy(slots + dup * 16, slots + at * 16, 16); /* the same key and holder, one slot later */
+    memcpy(meta + dup * 24, meta + at * 24, 24);
+    live++, pairs++;
+    memcpy(th + 8, &live, 8);
+    memcpy(th + 24, &pairs, 8);
+    /* Worker 1's block count must agree with the table's pairs: find the worker section. */
+    size_t off = 64;
+    for (;;) {
+        uint32_t kind;
+        uint64_t bytes;
+        memcpy(&kind, buf + off, 4);
+        memcpy(&bytes, buf + off + 8, 8);
+        if (kind == 3)
+            break;
+        off += 16 + bytes;
+        cr_assert(off < size);
+    }
+    uint64_t blocks;
+    uint8_t *w1 = buf + off + 16 + sizeof(km_worker_stats);
+    memcpy(&blocks, w1, 8);
+    blocks++;
+    memcpy(w1, &blocks, 8);
+    reseal(buf, size);
+    char bad[160];
+    snprintf(bad, sizeof bad, "%s/dup.snap", f.dir);
+    write_file(bad, buf, size);
+    expect_rejected(&f, a, S, bad, KM_ERR_CORRUPT, "a key in two slots");
+    unlink(bad);
+    free(buf);
+    km_index_destroy(a);
+    fixture_free(&f);
+}
