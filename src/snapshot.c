@@ -367,6 +367,15 @@ static int take_table(reader *r, uint32_t kind, km_table *t, int with_meta, uint
         live++;
         shared += km_slot_is_shared(s);
         ok &= slot_valid(t, s, index->config.max_workers, &pairs, pool_seen);
+        if (with_meta && index->config.segment_blocks) {
+            /* A block at a known position names its segment's first block (itself at a segment
+             * start): a chain hash, never a reserved key. Updates use it as a key of the anchor
+             * map, where 0 and 1 would corrupt the map (a node list looping forever). */
+            const km_block_meta *m = &t->meta[i];
+            if (m->position != KM_POSITION_UNKNOWN)
+                ok &= m->anchor > KM_KEY_TOMBSTONE &&
+                      (m->position % index->config.segment_blocks != 0 || m->anchor == s->key);
+        }
         /* Reachable from its home slot: no empty slot between home and here. And the only slot of
          * its key: a second copy would be reachable too, so one of the two lies on the other's
          * path (lookups would find one, updates change one, and the anchor rebuild would link the

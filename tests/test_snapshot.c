@@ -418,3 +418,50 @@ Test(snapshot, duplicate_key_in_a_table_is_corrupt, .timeout = 30)
     km_index_destroy(a);
     fixture_free(&f);
 }
+
+/* Found by fuzzing (tests/fuzz/fuzz_snapshot.c): block metadata was loaded unchecked. A block at a
+ * known position whose segment anchor is 0 (a reserved key) loaded; removing it then used 0 as a
+ * key of the anchor map, whose node lists it corrupted: the next removal looped forever. A known
+ * position needs a real anchor (the block itself at a segment start). */
+Test(snapshot, block_metadata_with_a_reserved_anchor_is_corrupt, .timeout = 30)
+{
+    const uint32_t W = 8, S = 4;
+    fixture f;
+    fixture_init(&f, W, 95);
+    km_index *a = make_index(W, S);
+    uint64_t chain[6] = {0x1001, 0x1002, 0x1003, 0x1004, 0x1005, 0x1006};
+    cr_assert_eq(km_index_store(a, 1, KM_NO_PARENT, chain, 6), KM_OK);
+    km_update_stats expect;
+    km_oracle_apply(&f.o, &(km_update){KM_UPDATE_STORE, 1, KM_NO_PARENT, chain, 6, KM_TIER_DEVICE},
+                    1, &expect);
+    cr_assert_eq(km_index_save(a, f.path, NULL, 0), KM_OK);
+    size_t size;
+    uint8_t *good = read_file(f.path, &size), *buf = malloc(size);
+    uint8_t *th = good + 64 + 16;
+    uint64_t capacity;
+    memcpy(&capacity, th, 8);
+    size_t slots = 64 + 16 + 56, meta = slots + capacity * 16;
+    char bad[160];
+    snprintf(bad, sizeof bad, "%s/anchor.snap", f.dir);
+    int edited = 0;
+    for (uint64_t i = 0; i < capacity; i++) {
+        uint64_t key;
+        memcpy(&key, good + slots + i * 16, 8);
+        if (key <= 1)
+            continue;
+        for (uint64_t anchor = 0; anchor < 2; anchor++) { /* both reserved values */
+            memcpy(buf, good, size);
+            memcpy(buf + meta + i * 24 + 8, &anchor, 8); /* parent, anchor, position, reserved */
+            reseal(buf, size);
+            write_file(bad, buf, size);
+            expect_rejected(&f, a, S, bad, KM_ERR_CORRUPT, "a reserved segment anchor");
+            edited++;
+        }
+    }
+    cr_assert_eq(edited, 12);
+    unlink(bad);
+    free(buf);
+    free(good);
+    km_index_destroy(a);
+    fixture_free(&f);
+}
