@@ -5,6 +5,8 @@
 #   make asan       the tests again under AddressSanitizer + UndefinedBehaviorSanitizer (CPU only)
 #   make cuda       compile the kernels for sm_90 (fails if nvcc is missing)
 #   make bench      benchmarks -> bench/results/*.json
+#   make fuzz       libFuzzer harnesses (tests/fuzz/) under ASan + UBSan, FUZZ_SECONDS each (needs
+#                   clang; not part of `make test`; docs/FUZZING.md)
 #   make run        install missing Debian packages, build, run the main job (kvmatch sim)
 # V=1 shows the commands.
 
@@ -46,7 +48,7 @@ LIB := $(BUILD)/libkvmatch.a
 BIN := $(BUILD)/kvmatch
 TEST_BIN := $(BUILD)/kvmatch-tests
 
-.PHONY: all test asan cuda bench run deps clean
+.PHONY: all test asan cuda bench run deps clean fuzz fuzz-build fuzz-bins
 all: $(BIN) $(LIB)
 
 $(BUILD)/%.o: %.c
@@ -108,7 +110,45 @@ run: deps
 	$(Q)$(MAKE) --no-print-directory all
 	$(Q)$(BIN) sim
 
+# ---- fuzzing (docs/FUZZING.md) -----------------------------------------------------------------
+# The library is rebuilt with clang into build-fuzz/ (sanitizers + coverage instrumentation); each
+# tests/fuzz/fuzz_T.c is linked with libFuzzer, tests/fuzz/seeds_T.c writes its seed corpus, and
+# the fuzzer runs FUZZ_SECONDS on build-fuzz/corpus/T (kept between runs: it grows). A crash, leak,
+# sanitizer report or broken contract stops `make fuzz` with the input in build-fuzz/artifacts/.
+# One target: make fuzz FUZZ_TARGETS=protocol. Replay an input: build-fuzz/fuzz_T FILE.
+FUZZ_CC ?= clang
+FUZZ_SECONDS ?= 60
+FUZZ_RSS_MB ?= 2048
+FUZZ_TARGETS ?= protocol kv_events snapshot analyze server_config
+FUZZ_SANITIZE := -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined
+
+fuzz-build:
+	@command -v $(FUZZ_CC) >/dev/null || { echo "make fuzz: $(FUZZ_CC) not found (set FUZZ_CC)"; exit 1; }
+	$(Q)$(MAKE) --no-print-directory BUILD=build-fuzz CUDA=0 CC=$(FUZZ_CC) \
+	    SANITIZE="$(FUZZ_SANITIZE) -fsanitize=fuzzer-no-link" fuzz-bins
+
+fuzz-bins: $(FUZZ_TARGETS:%=$(BUILD)/fuzz_%) $(FUZZ_TARGETS:%=$(BUILD)/seeds_%)
+
+$(BUILD)/fuzz_%: tests/fuzz/fuzz_%.c $(LIB)
+	@$(if $(Q),echo "  FUZZ  $@")
+	$(Q)$(CC) $(KM_CPPFLAGS) $(KM_CFLAGS) -O1 -fsanitize=fuzzer $< $(LIB) $(KM_LDLIBS) -o $@
+
+$(BUILD)/seeds_%: tests/fuzz/seeds_%.c $(LIB)
+	@$(if $(Q),echo "  LD    $@")
+	$(Q)$(CC) $(KM_CPPFLAGS) $(KM_CFLAGS) $< $(LIB) $(KM_LDLIBS) -o $@
+
+fuzz: fuzz-build
+	$(Q)for t in $(FUZZ_TARGETS); do \
+	    mkdir -p build-fuzz/corpus/$$t build-fuzz/artifacts && \
+	    build-fuzz/seeds_$$t build-fuzz/corpus/$$t && \
+	    echo "  FUZZ  $$t for $(FUZZ_SECONDS) s" && \
+	    ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+	    build-fuzz/fuzz_$$t -max_total_time=$(FUZZ_SECONDS) -rss_limit_mb=$(FUZZ_RSS_MB) \
+	        -timeout=10 -print_final_stats=1 -artifact_prefix=build-fuzz/artifacts/$$t- \
+	        build-fuzz/corpus/$$t || exit 1; \
+	done
+
 clean:
-	rm -rf build build-cpu build-asan
+	rm -rf build build-cpu build-asan build-fuzz
 
 -include $(LIB_OBJ:.o=.d) $(CLI_OBJ:.o=.d) $(TEST_OBJ:.o=.d)

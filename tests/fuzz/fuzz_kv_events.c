@@ -1,0 +1,200 @@
+/* libFuzzer harness for the KV-event decoder (include/kvmatch/kv_events.h).
+ *
+ * Input: one mode byte, then either a msgpack payload (mode % 3 == 0) or the frames of one ZMQ
+ * message (1: SUB socket, 2: replay DEALER), each frame as a 4-byte big-endian length and its
+ * bytes (the format of tests/kv_events_vectors/ *.frames; a short last frame takes what is left).
+ * Mode bit 2 selects a decoder with tight limits. The frames are copied into their own
+ * allocations, so a read past a frame's end is caught by ASan.
+ *
+ * Contracts checked: a failure has a negative code, a non-empty message and a zeroed result; a
+ * success has an empty message and a batch whose every part is consistent (event counts add up,
+ * positions increase, kinds are known, BlockStored has block_size >= 1 and block_size tokens per
+ * hash, arrays and strings are readable to their stated lengths, rejected events say why); the
+ * decoder's counters move as documented. */
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kvmatch/kv_events.h"
+
+#define CHECK(cond)                                                                          \
+    do {                                                                                     \
+        if (!(cond)) {                                                                       \
+            fprintf(stderr, "%s:%d: contract broken: %s\n", __FILE__, __LINE__, #cond);      \
+            abort();                                                                         \
+        }                                                                                    \
+    } while (0)
+
+#define MAX_FRAMES 8
+
+static km_kv_decoder *dec_default, *dec_tight;
+static volatile uint64_t sink;
+
+static void init(void)
+{
+    if (dec_default)
+        return;
+    km_kv_decoder_config tight;
+    km_kv_decoder_config_init(&tight);
+    tight.max_payload_bytes = 256;
+    tight.max_payload_objects = 48;
+    tight.max_events_per_batch = 3;
+    tight.max_hashes_per_event = 4;
+    tight.max_tokens_per_event = 16;
+    tight.max_string_bytes = 6;
+    CHECK(km_kv_decoder_create(NULL, &dec_default) == KM_OK);
+    CHECK(km_kv_decoder_create(&tight, &dec_tight) == KM_OK);
+}
+
+static void touch_string(const char *s, size_t max)
+{
+    if (!s)
+        return;
+    size_t n = strlen(s);
+    CHECK(n <= max);
+    sink += n;
+}
+
+static void check_batch(const km_kv_batch *b, size_t max_string)
+{
+    CHECK(b->n_payload_events == b->n_events + b->n_rejected + b->n_unknown_events);
+    CHECK((b->n_unknown_events > 0) == (b->first_unknown_type != NULL));
+    if (b->first_unknown_type)
+        CHECK(strlen(b->first_unknown_type) <= 63);
+    CHECK(b->n_events == 0 || b->events);
+    CHECK(b->n_rejected == 0 || b->rejected);
+    int64_t last = -1;
+    for (uint32_t i = 0; i < b->n_events; i++) {
+        const km_kv_event *e = &b->events[i];
+        CHECK((int64_t)e->position > last && e->position < b->n_payload_events);
+        last = e->position;
+        CHECK(e->kind >= KM_KV_EVENT_BLOCK_STORED && e->kind <= KM_KV_EVENT_ALL_BLOCKS_CLEARED);
+        CHECK(e->medium >= KM_KV_MEDIUM_GPU && e->medium <= KM_KV_MEDIUM_OTHER);
+        CHECK(e->n_block_hashes == 0 || e->block_hashes);
+        for (uint32_t k = 0; k < e->n_block_hashes; k++)
+            sink += e->block_hashes[k];
+        touch_string(e->medium_name, max_string);
+        touch_string(e->lora_name, max_string);
+        touch_string(e->kv_cache_spec_kind, max_string);
+        touch_string(e->cache_salt, max_string);
+        if (e->kind == KM_KV_EVENT_BLOCK_STORED) {
+            CHECK(e->block_size >= 1);
+            CHECK((uint64_t)e->block_size * e->n_block_hashes == e->n_token_ids);
+            CHECK(e->n_token_ids == 0 || e->token_ids);
+            for (uint32_t k = 0; k < e->n_token_ids; k++)
+                sink += e->token_ids[k];
+            CHECK((e->extra_keys_present == NULL) == (e->extra_keys_opaque == NULL));
+            if (e->extra_keys_present)
+                for (uint32_t k = 0; k < e->n_block_hashes; k++) {
+                    CHECK(e->extra_keys_present[k] <= 1 && e->extra_keys_opaque[k] <= 1);
+                    CHECK(!e->extra_keys_opaque[k] || e->extra_keys_present[k]);
+                }
+            if (e->cache_salt)
+                CHECK(!e->has_parent_block_hash && e->cache_salt[0]);
+        } else {
+            CHECK(e->token_ids == NULL && e->n_token_ids == 0 && e->extra_keys_present == NULL);
+            if (e->kind == KM_KV_EVENT_ALL_BLOCKS_CLEARED)
+                CHECK(e->n_block_hashes == 0);
+        }
+    }
+    last = -1;
+    for (uint32_t i = 0; i < b->n_rejected; i++) {
+        const km_kv_rejected_event *r = &b->rejected[i];
+        CHECK((int64_t)r->position > last && r->position < b->n_payload_events);
+        last = r->position;
+        CHECK(r->status < 0);
+        CHECK(r->message && r->message[0]);
+    }
+}
+
+static bool all_zero(const void *p, size_t n)
+{
+    const unsigned char *c = p;
+    for (size_t i = 0; i < n; i++)
+        if (c[i])
+            return false;
+    return true;
+}
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
+{
+    init();
+    if (size < 1)
+        return 0;
+    uint8_t mode = data[0];
+    km_kv_decoder *dec = mode & 4 ? dec_tight : dec_default;
+    size_t max_string = mode & 4 ? 6 : 1024;
+    data++, size--;
+
+    km_kv_decoder_stats before, after;
+    CHECK(km_kv_decoder_get_stats(dec, &before) == KM_OK);
+    int rc;
+    if (mode % 3 == 0) {
+        uint8_t *copy = malloc(size ? size : 1);
+        CHECK(copy);
+        memcpy(copy, data, size);
+        km_kv_batch b;
+        memset(&b, 0xA5, sizeof b);
+        rc = km_kv_decode_payload(dec, copy, size, &b);
+        free(copy);
+        if (rc == KM_OK)
+            check_batch(&b, max_string);
+        else
+            CHECK(all_zero(&b, sizeof b));
+    } else {
+        km_kv_frame frames[MAX_FRAMES];
+        void *owned[MAX_FRAMES];
+        size_t n = 0;
+        while (size > 0 && n < MAX_FRAMES) {
+            size_t len = size < 4 ? size : ((size_t)data[0] << 24 | (size_t)data[1] << 16 |
+                                            (size_t)data[2] << 8 | data[3]);
+            size_t skip = size < 4 ? 0 : 4;
+            if (len > size - skip)
+                len = size - skip;
+            owned[n] = len ? malloc(len) : NULL;
+            if (len)
+                memcpy(owned[n], data + skip, len);
+            frames[n].data = owned[n];
+            frames[n].size = len;
+            n++;
+            data += skip + len;
+            size -= skip + len;
+        }
+        km_kv_message m;
+        memset(&m, 0xA5, sizeof m);
+        km_kv_source source = mode % 3 == 1 ? KM_KV_SOURCE_SUBSCRIBER : KM_KV_SOURCE_REPLAY;
+        rc = km_kv_decode_message(dec, source, frames, n, &m);
+        for (size_t i = 0; i < n; i++)
+            free(owned[i]);
+        if (rc == KM_OK) {
+            CHECK(m.kind >= KM_KV_MESSAGE_LIVE && m.kind <= KM_KV_MESSAGE_REPLAY_END);
+            CHECK(m.topic != NULL);
+            CHECK(m.topic_size <= max_string);
+            for (uint32_t i = 0; i < m.topic_size; i++)
+                sink += (unsigned char)m.topic[i];
+            CHECK(m.topic[m.topic_size] == '\0');
+            if (m.kind == KM_KV_MESSAGE_REPLAY_END) {
+                CHECK(m.seq == KM_KV_REPLAY_END_SEQ);
+                CHECK(all_zero(&m.batch, sizeof m.batch));
+            } else {
+                check_batch(&m.batch, max_string);
+            }
+        } else {
+            CHECK(all_zero(&m, sizeof m));
+        }
+    }
+    const char *err = km_kv_decoder_last_error(dec);
+    CHECK(err);
+    if (rc == KM_OK) {
+        CHECK(err[0] == '\0');
+    } else {
+        CHECK(rc < 0);
+        CHECK(err[0] != '\0');
+    }
+    CHECK(km_kv_decoder_get_stats(dec, &after) == KM_OK);
+    CHECK(after.messages_decoded == before.messages_decoded + (rc == KM_OK));
+    CHECK(after.messages_rejected == before.messages_rejected + (rc != KM_OK));
+    return 0;
+}
