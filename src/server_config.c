@@ -340,12 +340,16 @@ static void read_pool(reader *r, km_server_config_json *o, json_t *jp, uint32_t 
     p->n_workers = (uint32_t)n;
 }
 
-int km_server_config_load_json(const char *path, km_server_config *cfg, km_server_config_json **out,
+int km_server_config_load_json(const char *path, km_server_config *target, km_server_config_json **out,
                                char *why, size_t why_size)
 {
-    if (!path || !cfg || !out)
+    if (!path || !target || !out)
         return km_why(why, why_size, KM_ERR_NULL_POINTER, "path, cfg or owner is NULL");
     *out = NULL;
+    /* Read into a copy: on an error the caller's config is left as it was (the strings a half
+     * read would leave in it belong to the JSON freed below). */
+    km_server_config loaded = *target;
+    km_server_config *cfg = &loaded;
     json_error_t jerr;
     json_t *root = json_load_file(path, JSON_REJECT_DUPLICATES, &jerr);
     if (!root) {
@@ -462,6 +466,7 @@ int km_server_config_load_json(const char *path, km_server_config *cfg, km_serve
         km_server_config_json_free(o);
         return r.rc;
     }
+    *target = loaded;
     *out = o;
     return KM_OK;
 }

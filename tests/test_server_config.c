@@ -162,6 +162,8 @@ Test(server_config, bad_files_are_refused_naming_the_field, .timeout = 10)
         {"{\"ready_share\": 2}", KM_ERR_INVALID_ARGUMENT, "ready_share"},
         {"{\"max_connections\": 0}", KM_ERR_INVALID_ARGUMENT, "max_connections"},
         {"{\"max_active_entries\": 0}", KM_ERR_INVALID_ARGUMENT, "max_active_entries"},
+        {"{\"socket\": \"/tmp/x.sock\", \"pools\": [{\"name\": \"p\", \"block_size\": 16}], "
+         "\"max_connections\": 0}", KM_ERR_INVALID_ARGUMENT, "max_connections"},
         {"{\"approx_dispatch_max_bytes\": -1}", KM_ERR_PARSE, "approx_dispatch_max_bytes"},
         {"{\"limits\": {\"max_frame_bytes\": 1}}", KM_ERR_INVALID_ARGUMENT, "max_frame_bytes"},
         {"{\"records\": 7}", KM_ERR_PARSE, "records"},
@@ -189,6 +191,10 @@ Test(server_config, bad_files_are_refused_naming_the_field, .timeout = 10)
         cr_assert_eq(rc, cases[i].status, "case %zu (%s): %s, expected %s: %s", i, cases[i].text,
                      km_error_name(rc), km_error_name(cases[i].status), why);
         cr_assert_null(owner, "case %zu: a refused file hands nothing back", i);
+        /* ... and leaves the caller's config as it was: no pointer into the JSON it freed. */
+        km_server_config defaults;
+        km_server_config_init(&defaults);
+        cr_assert(memcmp(&cfg, &defaults, sizeof cfg) == 0, "case %zu: the config was changed", i);
         cr_assert(strstr(why, cases[i].names), "case %zu: \"%s\" does not name %s", i, why,
                   cases[i].names);
     }

@@ -126,7 +126,7 @@ void km_server_config_init(km_server_config *cfg);
  * points to belong to *owner (release with km_server_config_json_free after the server is gone).
  * Fields the file leaves out keep km_server_config_init's defaults. Errors: KM_ERR_IO (unreadable),
  * KM_ERR_PARSE (not JSON, a field of the wrong type, an unknown policy), KM_ERR_INVALID_ARGUMENT
- * (a value out of range), each with the detail in why. */
+ * (a value out of range), each with the detail in why; *cfg is then unchanged. */
 typedef struct km_server_config_json km_server_config_json;
 int km_server_config_load_json(const char *path, km_server_config *cfg, km_server_config_json **owner,
                                char *why, size_t why_size);
