@@ -204,6 +204,8 @@ typedef struct pool {
     uint32_t *members; /* worker ids, ascending */
     uint32_t n_members, members_capacity;
     uint32_t n_approx_members; /* of which in approximate mode */
+    bool overrides_seen; /* a lifecycle report named another worker than its decision's: from then
+                          * on decisions keep their hashes (attempt_keep_hashes); active_lock */
     char *snapshot_path; /* NULL = none */
     /* per batch */
     km_request *requests;
@@ -297,6 +299,7 @@ struct km_server {
     km_u64map attempts_by_decision; /* decision id -> attempt*; by ids: the active entry's user */
     attempt_cache attempt_cache;     /* released attempts for reuse (active_lock) */
     dispatch_lesson *lessons;        /* for the next housekeeping (active_lock) */
+    atomic_bool lessons_queued;      /* lessons is not empty: housekeeping takes the lock only then */
     km_memory attempts_memory;
     uv_timer_t expiry_timer; /* loop thread: active-work expiry while the scheduler role is free */
     uv_idle_t expiry_more;   /* runs while a full slice ended */
@@ -828,11 +831,13 @@ static void attempt_cache_free(attempt_cache *cache)
 
 /* A decision in a pool with approximate-mode workers keeps its request's hashes, within
  * approx_dispatch_max_bytes, for a router override to one of them (dispatch_lesson), until the
- * attempt's FIRST_TOKEN or its end. active_lock held. Without them such an override teaches
- * nothing (approx_dispatch_unlearned). */
+ * attempt's FIRST_TOKEN or its end. Only once the pool has seen an override: a router that follows
+ * every decision pays nothing (a copy and an allocation per decision cost the scheduler about a
+ * tenth of its time in bench ipc), and one that overrides has its first overrides unlearned.
+ * active_lock held. Without them such an override teaches nothing (approx_dispatch_unlearned). */
 static void attempt_keep_hashes(km_server *s, attempt *a, const pool *p, const route_job *r)
 {
-    if (!p->n_approx_members || !r->n_hashes)
+    if (!p->overrides_seen || !p->n_approx_members || !r->n_hashes)
         return;
     uint64_t bytes = (uint64_t)r->n_hashes * sizeof *r->hashes;
     if (s->attempt_cache.hash_bytes + bytes > s->cfg.approx_dispatch_max_bytes)
@@ -1446,9 +1451,12 @@ static bool expire_due(km_server *s, uint32_t limit)
  * still the same approximate-mode worker. Scheduler role and admin_lock held. */
 static void apply_lessons(km_server *s, batch_scratch *b, uint64_t now)
 {
+    if (!atomic_load(&s->lessons_queued))
+        return;
     pthread_mutex_lock(&s->active_lock);
     dispatch_lesson *l = s->lessons;
     s->lessons = NULL;
+    atomic_store(&s->lessons_queued, false);
     pthread_mutex_unlock(&s->active_lock);
     while (l) {
         dispatch_lesson *next = l->next;
@@ -1982,6 +1990,7 @@ static void lesson_queue(km_server *s, const attempt *a, uint32_t worker)
     memcpy(l->hashes, a->hashes, (size_t)a->n_hashes * sizeof *l->hashes);
     l->next = s->lessons;
     s->lessons = l;
+    atomic_store(&s->lessons_queued, true);
 }
 
 /* One lifecycle report (active_lock held). Returns KM_OK or an error with *msg. */
@@ -2032,6 +2041,7 @@ static int lifecycle_one(km_server *s, const km_lifecycle_event *ev, char *msg, 
         rc = km_active_move(s->active, &key, ev->worker, now);
         if (rc != KM_OK)
             return km_why(msg, msg_size, rc, "%s", km_active_last_error(s->active));
+        s->pools[pi]->overrides_seen = true;
         a->worker = ev->worker;
         memcpy(a->dispatched_name, s->workers[ev->worker].name, sizeof a->dispatched_name);
         if (!strcmp(a->dispatched_name, a->chosen_name))

@@ -2260,8 +2260,8 @@ Test(server, a_router_override_moves_the_attempts_load_to_the_worker_it_used, .t
  * blocks before the next decision (the chosen worker keeps its assumption until the TTL). Until
  * 2026-11-30 only the chosen worker learned, so an overriding router's next request with the same
  * prefix was predicted on a worker that never saw it, and the one that did was predicted cold.
- * The hashes are kept until the attempt's first token; with approx_dispatch_max_bytes 0 none are
- * kept, and every override is counted as unlearned.
+ * The hashes are kept once the pool has seen an override, until the attempt's first token; with
+ * approx_dispatch_max_bytes 0 none are kept, and every override is counted as unlearned.
  * Returns the probe's depth on the worker used; *learned / *unlearned are the server's counts. */
 static uint32_t override_teaches(uint64_t max_bytes, uint64_t *learned, uint64_t *unlearned)
 {
@@ -2273,8 +2273,13 @@ static uint32_t override_teaches(uint64_t max_bytes, uint64_t *learned, uint64_t
     srv_start(&s, &cfg);
     km_client *c = connect_client(&s);
     km_message reply;
+    /* A pool keeps hashes only once it has seen an override: this first one teaches nothing. */
+    km_route_request warm = token_route("warm", 3000, 4 * BS);
+    const km_route_decision *d = route_one(c, &warm, &reply);
+    cr_assert_eq(d->status, KM_OK);
+    cr_assert_eq(report(c, KM_LIFECYCLE_DISPATCHED, "warm", true, (d->chosen_worker + 1) % 3), KM_OK);
     km_route_request r = token_route("teach", 0, 4 * BS);
-    const km_route_decision *d = route_one(c, &r, &reply);
+    d = route_one(c, &r, &reply);
     cr_assert_eq(d->status, KM_OK);
     uint32_t chosen = d->chosen_worker, used = (chosen + 1) % 3;
     /* Before the override: the prefix is assumed on the chosen worker only. The probe (prefix
@@ -2318,11 +2323,11 @@ Test(server, a_router_override_teaches_the_approximate_mode_worker_it_used, .tim
     uint32_t depth = override_teaches(UINT64_C(64) << 20, &learned, &unlearned);
     cr_assert_eq(depth, 4, "the worker the router used was not taught the request's blocks");
     cr_assert_eq(learned, 2);
-    cr_assert_eq(unlearned, 1, "the hashes outlived the first token");
+    cr_assert_eq(unlearned, 2, "the hashes were kept before any override, or outlived the first token");
     depth = override_teaches(0, &learned, &unlearned);
     cr_assert_eq(depth, 0, "approx_dispatch_max_bytes 0 kept hashes");
     cr_assert_eq(learned, 0);
-    cr_assert_eq(unlearned, 3);
+    cr_assert_eq(unlearned, 4);
 }
 
 /* A reply larger than max_outbox_bytes, to a client that reads promptly: it is delivered, and the

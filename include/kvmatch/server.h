@@ -102,8 +102,9 @@ typedef struct km_server_config {
     uint64_t approx_dispatch_max_bytes; /* block hashes kept, all live attempts together, for
                                   * decisions in pools with approximate-mode workers: a lifecycle
                                   * report naming another such worker (the router overrode the
-                                  * choice) teaches that worker the request's blocks. Kept until
-                                  * the attempt's FIRST_TOKEN or end. Beyond it a
+                                  * choice) teaches that worker the request's blocks. Kept once the
+                                  * pool has seen an override, until the attempt's FIRST_TOKEN or
+                                  * end. Beyond it a
                                   * decision keeps none (counted in approx_dispatch_unlearned);
                                   * 0 = keep none; default 64 MiB */
     double ready_share;         /* /readyz: ready when at least this share of event-fed workers is
