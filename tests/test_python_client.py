@@ -273,6 +273,25 @@ def test_late_reply_after_a_timeout_is_dropped():
         s.stop()
 
 
+def test_send_with_no_time_left_keeps_the_connection():
+    # A send whose deadline has already passed sends nothing, so the stream is intact: it raises
+    # TimeoutError and the connection stays usable (until 2026-11-30 it was closed as if cut
+    # mid-frame).
+    s = FakeServer()
+    try:
+        with kc.Client.connect(s.address, timeout=5) as c:
+            try:
+                c.send_route([route(1)], timeout=0)
+                raise AssertionError("no timeout")
+            except TimeoutError:
+                pass
+            assert c.outstanding == 0
+            d = c.route([route(2)], timeout=5)
+            check_decision(d["decisions"][0], route(2), 0, d["id"])
+    finally:
+        s.stop()
+
+
 def test_connect_errors():
     s = FakeServer(mode="refuse_hello")
     try:
@@ -314,7 +333,8 @@ def main():
     signal.alarm(60)
     tests = [lambda: test_blocking(False), lambda: test_blocking(True), test_pipelined_out_of_order,
              test_lifecycle, test_outcome_rule, test_timeout_then_usable,
-             test_late_reply_after_a_timeout_is_dropped, test_connect_errors,
+             test_late_reply_after_a_timeout_is_dropped,
+             test_send_with_no_time_left_keeps_the_connection, test_connect_errors,
              test_frame_limit_client_side]
     for t in tests:
         t()

@@ -293,6 +293,9 @@ class Client:
             raise KvmatchError(KM_ERR_TOO_LARGE, "KM_ERR_TOO_LARGE",
                                "%s message encodes to %d bytes, max_frame_bytes is %d"
                                % (message.get("type"), len(payload), self._max_frame_bytes))
+        if deadline is not None and deadline <= time.monotonic():
+            # Nothing sent yet: the stream is intact, so the connection stays usable.
+            raise TimeoutError("send timed out before any byte was sent")
         self._next_id += 1
         data = struct.pack(">I", len(payload)) + payload
         try:
