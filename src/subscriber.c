@@ -206,11 +206,17 @@ static void *open_socket(km_subscriber *sub, int type, const char *endpoint, cha
                            : (int64_t)sub->config.decoder.max_payload_bytes;
     zmq_setsockopt(s, ZMQ_LINGER, &zero, sizeof zero);
     zmq_setsockopt(s, ZMQ_MAXMSGSIZE, &max_size, sizeof max_size);
-    if (type == ZMQ_SUB) {
-        int hwm = sub->config.receive_hwm;
-        zmq_setsockopt(s, ZMQ_RCVHWM, &hwm, sizeof hwm);
+    /* Both sockets take what arrives off the wire at once, up to receive_hwm messages: the
+     * publisher's PUB drops past its own high-water mark, and its replay ROUTER, which writes a
+     * whole replay (up to its buffer_steps, 10,000 by default) in one tight loop, silently drops
+     * whatever its peer pipe (SNDHWM 1000) cannot take. With libzmq's default of 1000 queued here
+     * a replay answered while this thread was held up (a flush or snapshot holding the lock, a
+     * burst on other sockets) lost its middle, read by the feed as evicted history (DEGRADED,
+     * `lost`), or its end marker (a timeout). */
+    int hwm = sub->config.receive_hwm;
+    zmq_setsockopt(s, ZMQ_RCVHWM, &hwm, sizeof hwm);
+    if (type == ZMQ_SUB)
         zmq_setsockopt(s, ZMQ_SUBSCRIBE, "", 0);
-    }
     if (zmq_connect(s, endpoint) != 0) {
         snprintf(err, err_size, "connect %s: %s", endpoint, zmq_strerror(errno));
         zmq_close(s);

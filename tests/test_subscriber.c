@@ -5,11 +5,16 @@
  * equals a gap-free run's); a gap longer than the buffer (DEGRADED, lost counted exactly); an
  * engine restart (seq back to 0, old blocks gone); a replay that arrives while live messages keep
  * coming; malformed input of every kind (counted, skipped, nothing else lost, the thread keeps
- * running); live frames whose seq cannot be trusted (no wrap, gap or restart); replay timeout; workers added and removed at run time; a prompt stop. */
+ * running); live frames whose seq cannot be trusted (no wrap, gap or restart); replay timeout; workers added and removed at run time; a prompt stop; a long replay answered while the I/O thread
+ * is held up. */
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include "kv_test_publisher.h"
 #include "kvmatch/publisher.h"
@@ -742,4 +747,95 @@ Test(subscriber, publisher_config_and_seq, .timeout = 20)
     cr_assert_eq(km_publisher_publish(p, "y", 1, &seq), KM_OK);
     cr_assert_eq(seq, 0);
     km_publisher_stop(p);
+}
+
+/* Holds the subscriber's lock the way a slow in-place snapshot does: km_subscriber_save writes
+ * to a FIFO planted at its temporary path, so it blocks (lock held) until the test reads it. */
+typedef struct stall {
+    km_subscriber *sub;
+    char path[256], fifo[300];
+    pthread_t thread;
+} stall;
+
+static void *stall_main(void *arg)
+{
+    stall *st = arg;
+    km_subscriber_save(st->sub, st->path); /* fails at fsync on the FIFO; only the stall matters */
+    return NULL;
+}
+
+static void stall_begin(stall *st, km_subscriber *sub)
+{
+    st->sub = sub;
+    snprintf(st->path, sizeof st->path, "/tmp/km-test-stall-%ld.snap", (long)getpid());
+    snprintf(st->fifo, sizeof st->fifo, "%s.tmp.%ld", st->path, (long)getpid());
+    unlink(st->fifo);
+    cr_assert_eq(mkfifo(st->fifo, 0600), 0, "mkfifo %s", st->fifo);
+    cr_assert_eq(pthread_create(&st->thread, NULL, stall_main, st), 0);
+    km_test_sleep_ms(200); /* the saver takes the lock, then blocks opening the FIFO */
+}
+
+static void stall_end(stall *st)
+{
+    int fd = open(st->fifo, O_RDONLY);
+    cr_assert(fd >= 0);
+    char buf[65536];
+    while (read(fd, buf, sizeof buf) > 0) {
+    }
+    close(fd);
+    pthread_join(st->thread, NULL);
+    unlink(st->fifo);
+    unlink(st->path);
+}
+
+static void long_timeout(km_subscriber_config *cfg)
+{
+    cfg->replay_timeout_ms = 8000; /* longer than the stall */
+}
+
+/* A bootstrap replay of thousands of messages, as a busy engine's buffer holds (vLLM keeps
+ * 10,000), answered while the I/O thread is held up (here by a slow snapshot holding the lock).
+ * The publisher's ROUTER writes a replay in one loop and silently drops whatever its peer pipe
+ * (SNDHWM 1000) cannot take, so the subscriber must keep taking answers off the wire while its
+ * I/O thread cannot decode them. Every message is replayed, nothing is lost, the worker is LIVE. */
+Test(subscriber, a_long_replay_survives_a_stalled_io_thread, .timeout = 60)
+{
+    sx s;
+    sx_init(&s, long_timeout);
+    lane *l = sx_lane(&s, NULL, KM_TEST_ENCODING_POSITIONAL, KM_TEST_HASH_INT, 0, 0);
+    enum { MESSAGES = 9000, BLOCKS = 64 };
+    uint64_t hashes[BLOCKS];
+    uint32_t tokens[BLOCKS * BS];
+    for (uint32_t m = 0; m < MESSAGES; m++) {
+        for (uint32_t b = 0; b < BLOCKS; b++)
+            hashes[b] = (uint64_t)m * BLOCKS + b + 1;
+        for (uint32_t t = 0; t < BLOCKS * BS; t++)
+            tokens[t] = (uint32_t)km_rng_next(&s.rng) | 0x80000000u; /* 5 bytes each */
+        km_test_batch_stored(&l->batch, hashes, BLOCKS, false, 0, tokens, BS, NULL, NULL);
+        km_test_publisher_publish_batch(l->pub, &l->batch);
+        km_test_batch_reset(&l->batch);
+    }
+    km_test_publisher_hold_replay(l->pub, true);
+    sx_follow(&s, l, true);
+    double end = km_test_now() + 5;
+    while (km_test_publisher_replay_requests(l->pub) < 1) {
+        cr_assert(km_test_now() < end, "no bootstrap request");
+        km_test_sleep_ms(1);
+    }
+    stall st;
+    stall_begin(&st, s.sub);
+    /* Paced so that the publisher's own sending keeps up: only the subscriber side is tested. */
+    km_test_publisher_replay_delay_us(l->pub, 20);
+    km_test_publisher_hold_replay(l->pub, false);
+    km_test_sleep_ms(3000); /* the whole replay is sent meanwhile */
+    stall_end(&st);
+    km_feed_worker_info info;
+    WAIT_FOR(&s, 0, info, info.has_expected_seq && !info.replay_in_flight, 30000);
+    cr_assert_eq(info.counters.lost, 0, "lost %" PRIu64 " (replayed %" PRIu64 ")",
+                 info.counters.lost, info.counters.replayed);
+    cr_assert_eq(info.counters.replayed, MESSAGES, "replayed %" PRIu64, info.counters.replayed);
+    cr_assert_eq(info.counters.replay_failures, 0);
+    cr_assert_eq(info.state, KM_FEED_STATE_LIVE, "state %s", km_feed_state_name(info.state));
+    cr_assert_eq(info.expected_seq, MESSAGES);
+    sx_free(&s);
 }

@@ -42,8 +42,11 @@ typedef struct km_subscriber_config {
     km_feed_config feed;          /* the feed the subscriber owns (block size, policies, limits) */
     km_kv_decoder_config decoder; /* wire limits; max_payload_bytes also caps ZMQ_MAXMSGSIZE */
     uint32_t replay_timeout_ms;   /* a replay with no answer for this long fails; default 5000 */
-    int32_t receive_hwm;          /* ZMQ_RCVHWM of each SUB socket; default 100,000 (the
-                                   * publisher's default) */
+    int32_t receive_hwm;          /* ZMQ_RCVHWM of each SUB and replay DEALER socket (messages
+                                   * libzmq takes off the wire while the I/O thread is busy; a
+                                   * replay ROUTER drops what its peer cannot take); default
+                                   * 100,000 (the publisher's PUB default, 10x its replay
+                                   * buffer) */
     uint32_t max_messages_per_wakeup; /* taken from one socket before the others get a turn;
                                        * default 256 */
     km_log_fn log;                /* transport lines; NULL = stderr */
