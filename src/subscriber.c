@@ -574,11 +574,24 @@ static void handle_control(km_subscriber *sub, uint64_t now)
 
 /* ---- the I/O thread ------------------------------------------------------------------------------- */
 
+/* Has an answer arrived on the DEALER that this thread has not read yet? */
+static bool answer_waiting(const sworker *w)
+{
+    int events = 0;
+    size_t size = sizeof events;
+    return w->dealer && zmq_getsockopt(w->dealer, ZMQ_EVENTS, &events, &size) == 0 &&
+           (events & ZMQ_POLLIN);
+}
+
+/* A request fails as a timeout only when nothing of its answer is waiting: the deadline measures
+ * the publisher's silence, not this thread's own delays (a flush or snapshot holding the lock, a
+ * burst on other sockets, revents from before the answer came). A waiting answer is read at the
+ * next poll, which returns at once, and resets the deadline. */
 static void check_deadlines(km_subscriber *sub, uint64_t now)
 {
     for (size_t i = 0; i < sub->n_workers; i++) {
         sworker *w = sub->workers[i];
-        if (!w->replay_id || now < w->deadline_ns)
+        if (!w->replay_id || now < w->deadline_ns || answer_waiting(w))
             continue;
         uint64_t request = w->replay_id;
         sub_log(sub, "worker %u: replay request %" PRIu64 " timed out", w->id, request);

@@ -5,8 +5,8 @@
  * equals a gap-free run's); a gap longer than the buffer (DEGRADED, lost counted exactly); an
  * engine restart (seq back to 0, old blocks gone); a replay that arrives while live messages keep
  * coming; malformed input of every kind (counted, skipped, nothing else lost, the thread keeps
- * running); live frames whose seq cannot be trusted (no wrap, gap or restart); replay timeout; workers added and removed at run time; a prompt stop; a long replay answered while the I/O thread
- * is held up. */
+ * running); live frames whose seq cannot be trusted (no wrap, gap or restart); replay timeout; workers added and removed at run time; a prompt stop; a long replay, and one answered before its
+ * deadline, while the I/O thread is held up. */
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -837,5 +837,53 @@ Test(subscriber, a_long_replay_survives_a_stalled_io_thread, .timeout = 60)
     cr_assert_eq(info.counters.replay_failures, 0);
     cr_assert_eq(info.state, KM_FEED_STATE_LIVE, "state %s", km_feed_state_name(info.state));
     cr_assert_eq(info.expected_seq, MESSAGES);
+    sx_free(&s);
+}
+
+static void one_second_timeout(km_subscriber_config *cfg)
+{
+    cfg->replay_timeout_ms = 1000;
+}
+
+/* A replay answered in time, while the I/O thread is held up (a snapshot holding the lock) until
+ * after the deadline: the answer is there when the thread looks again, so the replay is not a
+ * timeout; it is applied, nothing is lost. */
+Test(subscriber, an_answer_received_before_the_deadline_is_not_a_timeout, .timeout = 30)
+{
+    sx s;
+    sx_init(&s, one_second_timeout);
+    lane *l = sx_lane(&s, NULL, KM_TEST_ENCODING_POSITIONAL, KM_TEST_HASH_INT, 0, 0);
+    l->clear_percent = 0;
+    sx_follow_ready(&s, l, true, 1);
+    sx_publish(&s, l, 10);
+    sx_wait_applied(&s, l);
+    km_test_publisher_hold_replay(l->pub, true);
+    km_test_publisher_drop_live(l->pub, true);
+    sx_publish(&s, l, 3);
+    km_test_publisher_drop_live(l->pub, false);
+    sx_publish(&s, l, 1); /* reveals the gap: a request from 10, held */
+    double end = km_test_now() + 5;
+    while (km_test_publisher_replay_requests(l->pub) < 2) {
+        cr_assert(km_test_now() < end, "no replay request");
+        km_test_sleep_ms(1);
+    }
+    double sent = km_test_now();
+    stall st;
+    stall_begin(&st, s.sub);
+    sx_publish(&s, l, 1); /* wakes the I/O thread, which then waits for the lock */
+    km_test_sleep_ms(100);
+    km_test_publisher_hold_replay(l->pub, false); /* answered well before the deadline */
+    km_test_sleep_ms(200);
+    cr_assert(km_test_now() - sent < 0.9, "too slow to test: %.3f s", km_test_now() - sent);
+    km_test_sleep_ms(1000); /* the lock is released after the deadline */
+    stall_end(&st);
+    km_feed_worker_info info = sx_wait_applied(&s, l);
+    cr_assert_eq(info.counters.replay_failures, 0);
+    cr_assert_eq(info.counters.lost, 0, "lost %" PRIu64, info.counters.lost);
+    cr_assert_eq(info.state, KM_FEED_STATE_LIVE, "state %s", km_feed_state_name(info.state));
+    km_subscriber_stats stats;
+    km_subscriber_get_stats(s.sub, &stats);
+    cr_assert_eq(stats.replay_timeouts, 0);
+    sx_check_truth(&s, l);
     sx_free(&s);
 }
