@@ -8,8 +8,10 @@
  * a socket), and km_subscriber_flush holds it while applying, so scoring never sees half a batch.
  *
  * Replay requests. A worker has at most one in flight (the feed's rule). Its answers are tagged
- * with that request id. When a request is superseded, cancelled or times out, the DEALER is closed
- * and reopened, so late answers to the old request can never be mistaken for the new one's. */
+ * with that request id. Each request is sent on a DEALER of its own: when a request is cancelled or
+ * times out the DEALER is closed and reopened, and a new request after one that was superseded or
+ * ended gets a fresh one, so late answers to an old request can never be mistaken for the new
+ * one's. */
 #include "kvmatch/subscriber.h"
 #include "index_impl.h"
 #include "why.h"
@@ -38,6 +40,7 @@ typedef struct sworker {
     bool has_replay;
     void *sub;
     void *dealer;
+    bool dealer_used;   /* a request was sent on this DEALER: the next one needs a fresh one */
     uint64_t replay_id; /* in flight, 0 = none */
     uint64_t deadline_ns;
 } sworker;
@@ -233,6 +236,7 @@ static void reopen_dealer(km_subscriber *sub, sworker *w)
     w->dealer = open_socket(sub, ZMQ_DEALER, w->replay_endpoint, err, sizeof err);
     if (!w->dealer)
         sub_log(sub, "worker %u: replay socket: %s", w->id, err);
+    w->dealer_used = false;
     w->replay_id = 0;
     sub->items_dirty = true;
 }
@@ -318,8 +322,11 @@ static void run_actions(km_subscriber *sub, uint64_t now)
                     reopen_dealer(sub, w);
                 continue;
             }
-            if (w->replay_id)
-                reopen_dealer(sub, w); /* superseded: drop the old request's answers */
+            /* Every request gets a DEALER of its own: one superseded, and equally one that ended
+             * (a publisher may answer twice, or send past its end marker), can never have its
+             * answers taken for this one's. */
+            if (w->replay_id || w->dealer_used)
+                reopen_dealer(sub, w);
             bool sent = false;
             if (w->dealer) {
                 unsigned char start[8];
@@ -330,6 +337,7 @@ static void run_actions(km_subscriber *sub, uint64_t now)
             }
             pthread_mutex_lock(&sub->lock);
             if (sent) {
+                w->dealer_used = true;
                 w->replay_id = a->request_id;
                 w->deadline_ns = now + (uint64_t)sub->config.replay_timeout_ms * 1000000u;
                 sub->stats.replay_requests++;

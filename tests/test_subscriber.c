@@ -6,7 +6,7 @@
  * engine restart (seq back to 0, old blocks gone); a replay that arrives while live messages keep
  * coming; malformed input of every kind (counted, skipped, nothing else lost, the thread keeps
  * running); live frames whose seq cannot be trusted (no wrap, gap or restart); replay timeout; workers added and removed at run time; a prompt stop; a long replay, and one answered before its
- * deadline, while the I/O thread is held up. */
+ * deadline, while the I/O thread is held up; a replay answered twice. */
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -15,6 +15,8 @@
 #include <pthread.h>
 #include <sys/stat.h>
 #include <unistd.h>
+
+#include <zmq.h>
 
 #include "kv_test_publisher.h"
 #include "kvmatch/publisher.h"
@@ -886,4 +888,115 @@ Test(subscriber, an_answer_received_before_the_deadline_is_not_a_timeout, .timeo
     cr_assert_eq(stats.replay_timeouts, 0);
     sx_check_truth(&s, l);
     sx_free(&s);
+}
+
+/* ---- a hand-driven replay endpoint (a ROUTER the test answers itself) ---------------------------- */
+
+typedef struct fake_replay {
+    void *ctx, *router;
+    char endpoint[128];
+} fake_replay;
+
+static void fake_replay_start(fake_replay *f)
+{
+    f->ctx = zmq_ctx_new();
+    f->router = zmq_socket(f->ctx, ZMQ_ROUTER);
+    int zero = 0;
+    zmq_setsockopt(f->router, ZMQ_LINGER, &zero, sizeof zero);
+    cr_assert_eq(zmq_bind(f->router, "tcp://127.0.0.1:*"), 0);
+    size_t len = sizeof f->endpoint;
+    zmq_getsockopt(f->router, ZMQ_LAST_ENDPOINT, f->endpoint, &len);
+}
+
+static void fake_replay_stop(fake_replay *f)
+{
+    zmq_close(f->router);
+    zmq_ctx_term(f->ctx);
+}
+
+/* Wait for one request [identity, "", start]; returns its start, the identity in id. */
+static uint64_t fake_replay_request(fake_replay *f, zmq_msg_t *id)
+{
+    zmq_pollitem_t item = {f->router, 0, ZMQ_POLLIN, 0};
+    cr_assert(zmq_poll(&item, 1, 5000) == 1, "no replay request");
+    zmq_msg_init(id);
+    cr_assert(zmq_msg_recv(id, f->router, 0) >= 0);
+    char delim[8], start[8];
+    cr_assert_eq(zmq_recv(f->router, delim, sizeof delim, 0), 0);
+    cr_assert_eq(zmq_recv(f->router, start, sizeof start, 0), 8);
+    uint64_t v = 0;
+    for (int i = 0; i < 8; i++)
+        v = v << 8 | (unsigned char)start[i];
+    return v;
+}
+
+/* v0.26 reply form [identity, "", topic, seq, payload]; the end marker when payload is NULL. */
+static void fake_replay_send(fake_replay *f, zmq_msg_t *id, uint64_t seq, const void *payload,
+                             size_t size)
+{
+    unsigned char s8[8];
+    for (int i = 0; i < 8; i++)
+        s8[i] = payload ? (unsigned char)(seq >> (56 - 8 * i)) : 0xff;
+    zmq_send(f->router, zmq_msg_data(id), zmq_msg_size(id), ZMQ_SNDMORE);
+    zmq_send(f->router, "", 0, ZMQ_SNDMORE);
+    zmq_send(f->router, "", 0, ZMQ_SNDMORE);
+    zmq_send(f->router, s8, 8, ZMQ_SNDMORE);
+    zmq_send(f->router, payload ? payload : "", payload ? size : 0, 0);
+}
+
+/* Every logged message with seq in [from, to), then the end marker. */
+static void fake_replay_answer(fake_replay *f, zmq_msg_t *id, km_test_publisher *p, uint64_t from,
+                               uint64_t to)
+{
+    for (size_t i = 0; i < km_test_publisher_log_count(p); i++) {
+        uint64_t seq;
+        size_t size;
+        const void *payload = km_test_publisher_log_entry(p, i, &seq, &size);
+        if (seq >= from && seq < to)
+            fake_replay_send(f, id, seq, payload, size);
+    }
+    fake_replay_send(f, id, 0, NULL, 0);
+}
+
+/* A replay endpoint that answers a request twice (the second copy late, after the subscriber has
+ * sent its next request): the copy belongs to the finished request and must not be taken for the
+ * next one's answer (its end marker would end that replay before it gave anything: a false loss). */
+Test(subscriber, a_late_second_answer_is_not_the_next_requests, .timeout = 20)
+{
+    sx s;
+    sx_init(&s, NULL);
+    km_test_publisher_config pc;
+    km_test_publisher_config_init(&pc);
+    pc.replay = false;
+    lane *l = sx_lane(&s, &pc, KM_TEST_ENCODING_POSITIONAL, KM_TEST_HASH_INT, 0, 0);
+    l->clear_percent = 0;
+    fake_replay f;
+    fake_replay_start(&f);
+    sx_publish(&s, l, 5); /* 0..4, before we join */
+    km_subscriber_worker w = {0, NULL, km_test_publisher_endpoint(l->pub), f.endpoint};
+    cr_assert_eq(km_subscriber_add_worker(s.sub, &w), KM_OK);
+    cr_assert(km_test_publisher_wait_subscribers(l->pub, 1, 3000));
+    zmq_msg_t first;
+    cr_assert_eq(fake_replay_request(&f, &first), 0, "the bootstrap request");
+    fake_replay_answer(&f, &first, l->pub, 0, 5);
+    km_feed_worker_info info;
+    WAIT_FOR(&s, 0, info, info.state == KM_FEED_STATE_LIVE && info.expected_seq == 5, 3000);
+    km_test_publisher_drop_live(l->pub, true);
+    sx_publish(&s, l, 3); /* 5..7 dropped */
+    km_test_publisher_drop_live(l->pub, false);
+    sx_publish(&s, l, 1); /* 8 reveals the gap */
+    zmq_msg_t second;
+    cr_assert_eq(fake_replay_request(&f, &second), 5, "the gap request");
+    fake_replay_answer(&f, &first, l->pub, 0, 5); /* the first request's answer, again */
+    km_test_sleep_ms(200);
+    fake_replay_answer(&f, &second, l->pub, 5, 9);
+    info = sx_wait_applied(&s, l);
+    cr_assert_eq(info.counters.lost, 0, "lost %" PRIu64, info.counters.lost);
+    cr_assert_eq(info.counters.replay_failures, 0);
+    cr_assert_eq(info.state, KM_FEED_STATE_LIVE, "state %s", km_feed_state_name(info.state));
+    sx_check_truth(&s, l);
+    zmq_msg_close(&first);
+    zmq_msg_close(&second);
+    sx_free(&s);
+    fake_replay_stop(&f);
 }
