@@ -432,6 +432,8 @@ static void handle_replay(km_subscriber *sub, sworker *w, received *r, uint64_t 
     uint64_t request = w->replay_id;
     bool ended = false;
     pthread_mutex_lock(&sub->lock);
+    km_feed_worker_info before, after;
+    bool known = km_feed_get_worker_info(sub->feed, w->id, &before) == KM_OK;
     km_kv_decoder_get_stats(sub->decoder, &sub->stats.decoder);
     sub->stats.replay_messages++;
     sub->stats.bytes_received += r->bytes;
@@ -458,10 +460,17 @@ static void handle_replay(km_subscriber *sub, sworker *w, received *r, uint64_t 
             km_feed_malformed(sub->feed, w->id, now);
         }
     }
+    /* Only an answer that moved the stream (an item applied or consumed, history found lost, the
+     * state changed) earns the request more time: refused, stale or unreadable items do not, so an
+     * endpoint that keeps sending them without an end marker times out like a silent one (until
+     * 2026-11-30 every answer reset the deadline and kept the worker in GAP for good). */
+    bool progress = !known || km_feed_get_worker_info(sub->feed, w->id, &after) != KM_OK ||
+                    after.expected_seq != before.expected_seq ||
+                    after.has_expected_seq != before.has_expected_seq || after.state != before.state;
     pthread_mutex_unlock(&sub->lock);
     if (ended)
         w->replay_id = 0;
-    else if (w->replay_id)
+    else if (w->replay_id && progress)
         w->deadline_ns = now + (uint64_t)sub->config.replay_timeout_ms * 1000000u;
 }
 

@@ -1000,3 +1000,58 @@ Test(subscriber, a_late_second_answer_is_not_the_next_requests, .timeout = 20)
     sx_free(&s);
     fake_replay_stop(&f);
 }
+
+static void short_replay_timeout(km_subscriber_config *cfg)
+{
+    cfg->replay_timeout_ms = 400;
+}
+
+/* A replay endpoint that keeps answering with items the request cannot use (below its start:
+ * refused) and never sends the end marker: only answers that move the stream earn more time, so
+ * the request times out like one to a silent endpoint. Until 2026-11-30 every answer reset the
+ * deadline, and such an endpoint kept the worker in GAP for as long as it went on. */
+Test(subscriber, refused_replay_items_do_not_keep_a_request_alive, .timeout = 30)
+{
+    sx s;
+    sx_init(&s, short_replay_timeout);
+    km_test_publisher_config pc;
+    km_test_publisher_config_init(&pc);
+    pc.replay = false;
+    lane *l = sx_lane(&s, &pc, KM_TEST_ENCODING_POSITIONAL, KM_TEST_HASH_INT, 0, 0);
+    l->clear_percent = 0;
+    fake_replay f;
+    fake_replay_start(&f);
+    sx_publish(&s, l, 5);
+    km_subscriber_worker w = {0, NULL, km_test_publisher_endpoint(l->pub), f.endpoint};
+    cr_assert_eq(km_subscriber_add_worker(s.sub, &w), KM_OK);
+    cr_assert(km_test_publisher_wait_subscribers(l->pub, 1, 3000));
+    zmq_msg_t first;
+    cr_assert_eq(fake_replay_request(&f, &first), 0, "the bootstrap request");
+    fake_replay_answer(&f, &first, l->pub, 0, 5);
+    km_feed_worker_info info;
+    WAIT_FOR(&s, 0, info, info.state == KM_FEED_STATE_LIVE && info.expected_seq == 5, 3000);
+    km_test_publisher_drop_live(l->pub, true);
+    sx_publish(&s, l, 3); /* 5..7 dropped */
+    km_test_publisher_drop_live(l->pub, false);
+    sx_publish(&s, l, 1); /* 8 reveals the gap */
+    zmq_msg_t second;
+    cr_assert_eq(fake_replay_request(&f, &second), 5, "the gap request");
+    /* An item below the request's start every 50 ms for 2 s (five timeouts' worth). */
+    size_t size;
+    uint64_t seq;
+    const void *payload = km_test_publisher_log_entry(l->pub, 0, &seq, &size);
+    bool failed = false;
+    for (int i = 0; i < 40 && !failed; i++) {
+        fake_replay_send(&f, &second, 2, payload, size);
+        km_test_sleep_ms(50);
+        cr_assert_eq(km_subscriber_get_worker_info(s.sub, 0, &info), KM_OK);
+        failed = info.counters.replay_failures > 0;
+    }
+    cr_assert(failed, "refused items kept the replay request alive for 2 s (timeout 0.4 s): %" PRIu64
+              " refused", info.counters.refused_replay_items);
+    cr_assert_gt(info.counters.refused_replay_items, 0);
+    zmq_msg_close(&first);
+    zmq_msg_close(&second);
+    sx_free(&s);
+    fake_replay_stop(&f);
+}
