@@ -632,6 +632,32 @@ static bool is_connection_error(const km_message *m)
     return m->type == KM_MESSAGE_ERROR && (!m->has_id || m->id == 0);
 }
 
+/* Read replies until one answers a request someone still waits for (late replies to given-up
+ * calls are dropped on the way); *p is its pending request, *payload its bytes (valid until the
+ * next read). Errors end the read: final ones break the connection. */
+static int next_reply(km_client *c, int64_t deadline, km_message *reply, const uint8_t **payload,
+                      size_t *size, pending_request **p)
+{
+    for (;;) {
+        int rc = read_frame(c, deadline, payload, size);
+        if (!rc)
+            rc = decode_reply(c, *payload, *size, reply);
+        if (rc)
+            return is_final(rc) ? client_break(c, rc) : rc;
+        if (is_connection_error(reply)) {
+            client_fail(c, reply->error.code, "the server closes the connection: %s",
+                        reply->error.message);
+            return client_break(c, reply->error.code);
+        }
+        if (!(*p = answered_request(c, reply)))
+            return KM_ERR_PROTOCOL;
+        if (!(*p)->abandoned)
+            return KM_OK;
+        drop_pending(c, *p); /* a late reply to a given-up call */
+        memset(reply, 0, sizeof *reply);
+    }
+}
+
 int km_client_receive(km_client *c, int timeout_ms, km_message *reply)
 {
     if (!c || !reply)
@@ -643,29 +669,13 @@ int km_client_receive(km_client *c, int timeout_ms, km_message *reply)
         return client_fail(c, KM_ERR_CLOSED, "the connection is closed");
     if (km_client_outstanding(c) == 0)
         return client_fail(c, KM_ERR_INVALID_ARGUMENT, "no request is waiting for a reply");
-    int64_t deadline = deadline_after(timeout_ms);
-    for (;;) {
-        const uint8_t *payload;
-        size_t size;
-        int rc = read_frame(c, deadline, &payload, &size);
-        if (!rc)
-            rc = decode_reply(c, payload, size, reply);
-        if (rc)
-            return is_final(rc) ? client_break(c, rc) : rc;
-        if (is_connection_error(reply)) {
-            client_fail(c, reply->error.code, "the server closes the connection: %s",
-                        reply->error.message);
-            return client_break(c, reply->error.code);
-        }
-        pending_request *p = answered_request(c, reply);
-        if (!p)
-            return KM_ERR_PROTOCOL;
-        bool given_up = p->abandoned;
+    const uint8_t *payload;
+    size_t size;
+    pending_request *p;
+    int rc = next_reply(c, deadline_after(timeout_ms), reply, &payload, &size, &p);
+    if (!rc)
         drop_pending(c, p);
-        if (!given_up)
-            return KM_OK;
-        memset(reply, 0, sizeof *reply); /* a late reply to a given-up call: dropped */
-    }
+    return rc;
 }
 
 int km_client_wait(km_client *c, uint64_t id, int timeout_ms, km_message *reply)
@@ -687,27 +697,13 @@ int km_client_wait(km_client *c, uint64_t id, int timeout_ms, km_message *reply)
     for (;;) {
         const uint8_t *payload;
         size_t size;
-        int rc = read_frame(c, deadline, &payload, &size);
-        if (!rc)
-            rc = decode_reply(c, payload, size, reply);
+        pending_request *p;
+        int rc = next_reply(c, deadline, reply, &payload, &size, &p);
         if (rc)
-            return is_final(rc) ? client_break(c, rc) : rc;
-        if (is_connection_error(reply)) {
-            client_fail(c, reply->error.code, "the server closes the connection: %s",
-                        reply->error.message);
-            return client_break(c, reply->error.code);
-        }
-        pending_request *p = answered_request(c, reply);
-        if (!p)
-            return KM_ERR_PROTOCOL;
+            return rc;
         if (reply->id == id) {
             drop_pending(c, p);
             return KM_OK;
-        }
-        if (p->abandoned) { /* a late reply to a given-up call: dropped */
-            drop_pending(c, p);
-            memset(reply, 0, sizeof *reply);
-            continue;
         }
         /* A reply that cannot be kept is lost to its waiter for good: the stream is broken. */
         if ((rc = keep_reply(c, reply->id, payload, size)))

@@ -212,6 +212,16 @@ static void fall_back_to_cpu(km_index *index, int status, const char *what)
 
 static void sync_backend(km_index *index);
 
+/* The CPU backend a replica's index keeps for scoring on the host (a table growing, a failed sync
+ * or match), created on first need and kept. False when it cannot be had (why says why). */
+static bool have_host_scorer(km_index *index, char *why, size_t why_size)
+{
+    if (!index->host_scorer &&
+        km_backend_cpu.create(index, &index->host_scorer, why, why_size) != KM_OK)
+        index->host_scorer = NULL;
+    return index->host_scorer != NULL;
+}
+
 int km_index_use_backend(km_index *index, const km_backend_ops *ops, char *why, size_t why_size)
 {
     if (!index || !ops)
@@ -1044,11 +1054,8 @@ static void sync_backend(km_index *index)
         double start = monotonic_ms();
         int growing = advance_growths(index, start);
         char why[256] = "";
-        if (growing && !index->host_scorer &&
-            km_backend_cpu.create(index, &index->host_scorer, why, sizeof why) != KM_OK) {
-            index->host_scorer = NULL;
+        if (growing && !have_host_scorer(index, why, sizeof why))
             km_index_log(index, "no host scorer while a table grows (%s): the move ends now", why);
-        }
         if (growing && !index->host_scorer) {
             km_table_finish_growth(&index->blocks);
             km_table_finish_growth(&index->segments);
@@ -1073,10 +1080,7 @@ static void sync_backend(km_index *index)
          * 2026-11-30 the replica was trusted as it was, and the batch reported as failed although
          * its updates were in. */
         char why[256] = "";
-        if (!index->host_scorer &&
-            km_backend_cpu.create(index, &index->host_scorer, why, sizeof why) != KM_OK)
-            index->host_scorer = NULL;
-        if (!index->host_scorer) {
+        if (!have_host_scorer(index, why, sizeof why)) {
             fall_back_to_cpu(index, rc, "sync");
             return;
         }
@@ -1349,10 +1353,7 @@ int km_index_match_batch(km_index *index, const km_request *requests, size_t n_r
         /* A replica's scoring failed otherwise (out of memory for a batch's staging): the host
          * tables are current, so this batch is scored there; the replica stays for the next. */
         char why[256] = "";
-        if (!index->host_scorer &&
-            km_backend_cpu.create(index, &index->host_scorer, why, sizeof why) != KM_OK)
-            index->host_scorer = NULL;
-        if (index->host_scorer) {
+        if (have_host_scorer(index, why, sizeof why)) {
             km_index_log(index, "backend %s: scoring failed with %s: this batch scored on the host",
                          index->backend->name, km_error_name(rc));
             index->last_error[0] = '\0';

@@ -235,6 +235,12 @@ static uint64_t fault_rand(run *r)
     return z ^ (z >> 31);
 }
 
+/* One draw: true with probability p (53 random bits against p). */
+static bool fault_chance(run *r, double p)
+{
+    return (double)(fault_rand(r) >> 11) * (1.0 / 9007199254740992.0) < p;
+}
+
 /* Is worker w's message at virtual time now lost on the wire? */
 static bool message_dropped(run *r, uint32_t w, uint64_t now_us)
 {
@@ -243,7 +249,7 @@ static bool message_dropped(run *r, uint32_t w, uint64_t now_us)
     if (cfg->cut_worker == (int)w && t >= cfg->cut_at_s && t < cfg->cut_at_s + cfg->cut_for_s)
         return true;
     if (cfg->drop_events > 0 && t >= cfg->drop_from_s)
-        return (double)(fault_rand(r) >> 11) * (1.0 / 9007199254740992.0) < cfg->drop_events;
+        return fault_chance(r, cfg->drop_events);
     return false;
 }
 
@@ -420,7 +426,7 @@ static int route_one(run *r, size_t index, uint64_t now_us, char *why, size_t wh
         return km_why(why, why_size, rc, "request %zu: tokens", index);
     r->res->prompt_tokens += n_tokens;
     if (r->cfg->second_ingress > 0 &&
-        (double)(fault_rand(r) >> 11) * (1.0 / 9007199254740992.0) < r->cfg->second_ingress) {
+        fault_chance(r, r->cfg->second_ingress)) {
         /* Another router sends it on, round robin, and never tells kvmatch. */
         uint32_t bw = r->bypass_rr++ % r->cfg->workers;
         r->res->bypassed++;
@@ -447,7 +453,7 @@ static int route_one(run *r, size_t index, uint64_t now_us, char *why, size_t wh
     /* The override fault, drawn before the decision: such a route asks for the candidates' depths
      * (the prediction for the worker it will really go to). */
     bool override = r->cfg->override > 0 && r->cfg->workers > 1 &&
-                    (double)(fault_rand(r) >> 11) * (1.0 / 9007199254740992.0) < r->cfg->override;
+                    fault_chance(r, r->cfg->override);
     route.brief = !override;
     km_message reply;
     double t0 = wall_s();
