@@ -11,7 +11,9 @@
  * answered per second; the round trip is send-to-reply per frame. Open loop (--rate): frames are
  * sent on a fixed schedule across the connections regardless of replies (the p99 target is
  * measured this way, so a slow reply delays nothing but itself). One driver thread polls every
- * connection. Output: docs/BENCHMARKS.md "IPC". */
+ * connection. Two baselines, measured in the same run on the same schedule: `ping` (kvmatch's
+ * transport alone: a report the loop thread answers itself) and `echo` (no kvmatch at all: a
+ * child that echoes raw frames; run_echo_phase). Output: docs/BENCHMARKS.md "IPC". */
 
 #include <dirent.h>
 #include <errno.h>
@@ -24,7 +26,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -236,6 +240,40 @@ static double percentile(double *v, size_t n, double q)
     return v[i < n ? i : n - 1];
 }
 
+/* Before/after readings of where the CPU went during a measured interval (phase_result). */
+typedef struct cpu_marks {
+    thread_times server;
+    double driver_ns;
+    machine_ticks ticks;
+} cpu_marks;
+
+static void cpu_mark(cpu_marks *m)
+{
+    read_thread_times(g_server_pid > 0 ? g_server_pid : -1, &m->server);
+    m->driver_ns = driver_cpu_ns();
+    m->ticks = read_machine_ticks();
+}
+
+/* Fills out's CPU and machine shares from two marks, per answered request. */
+static void cpu_account(const cpu_marks *m0, const cpu_marks *m1, phase_result *out)
+{
+    double answered = out->routes ? (double)out->routes : 1;
+    out->server_cpu_us = m0->server.total >= 0 && m1->server.total >= 0
+                             ? (m1->server.total - m0->server.total) / 1e3 / answered : -1;
+    out->server_threads = m1->server;
+    for (unsigned k = 0; k < m1->server.n; k++) {
+        double before = 0;
+        for (unsigned j = 0; j < m0->server.n; j++)
+            if (!strcmp(m0->server.name[j], m1->server.name[k]))
+                before = m0->server.ns[j];
+        out->server_threads.ns[k] = (m1->server.ns[k] - before) / 1e3 / answered;
+    }
+    out->driver_cpu_us = (m1->driver_ns - m0->driver_ns) / 1e3 / answered;
+    unsigned long long dt = m1->ticks.total - m0->ticks.total;
+    out->idle_pct = dt ? 100.0 * (double)(m1->ticks.idle - m0->ticks.idle) / (double)dt : -1;
+    out->steal_pct = dt ? 100.0 * (double)(m1->ticks.steal - m0->ticks.steal) / (double)dt : -1;
+}
+
 /* Send one frame of `per_frame` routes on connection k. */
 static bool g_brief;
 static bool g_ping; /* the IPC floor: a LIFECYCLE report the loop thread answers by itself */
@@ -329,10 +367,8 @@ static int run_phase(const char *addr, uint32_t n_conns, uint32_t per_frame, uin
     }
     static uint64_t seq = 0; /* request ids stay unique across phases */
     double dropped0 = records_dropped(addr);
-    thread_times server0;
-    read_thread_times(g_server_pid > 0 ? g_server_pid : -1, &server0);
-    double driver_ns0 = driver_cpu_ns();
-    machine_ticks ticks0 = read_machine_ticks();
+    cpu_marks m0, m1;
+    cpu_mark(&m0);
     double start = km_bench_now_s(), end = start + seconds, next_send = start;
     double interval = rate > 0 ? (double)per_frame / rate : 0;
     uint32_t rr = 0;
@@ -399,27 +435,10 @@ static int run_phase(const char *addr, uint32_t n_conns, uint32_t per_frame, uin
         }
     }
     double elapsed = km_bench_now_s() - start;
-    thread_times server1;
-    read_thread_times(g_server_pid > 0 ? g_server_pid : -1, &server1);
+    cpu_mark(&m1);
     double dropped1 = records_dropped(addr);
     out->records_dropped_per_s = dropped0 >= 0 && dropped1 >= 0 ? (dropped1 - dropped0) / elapsed : -1;
-    double driver_ns1 = driver_cpu_ns();
-    machine_ticks ticks1 = read_machine_ticks();
-    double answered = out->routes ? (double)out->routes : 1;
-    out->server_cpu_us = server0.total >= 0 && server1.total >= 0
-                             ? (server1.total - server0.total) / 1e3 / answered : -1;
-    out->server_threads = server1;
-    for (unsigned k = 0; k < server1.n; k++) {
-        double before = 0;
-        for (unsigned j = 0; j < server0.n; j++)
-            if (!strcmp(server0.name[j], server1.name[k]))
-                before = server0.ns[j];
-        out->server_threads.ns[k] = (server1.ns[k] - before) / 1e3 / answered;
-    }
-    out->driver_cpu_us = (driver_ns1 - driver_ns0) / 1e3 / answered;
-    unsigned long long dt = ticks1.total - ticks0.total;
-    out->idle_pct = dt ? 100.0 * (double)(ticks1.idle - ticks0.idle) / (double)dt : -1;
-    out->steal_pct = dt ? 100.0 * (double)(ticks1.steal - ticks0.steal) / (double)dt : -1;
+    cpu_account(&m0, &m1, out);
     if (sent) {
         FILE *f = fopen(log_path, "w");
         for (size_t i = 0; f && i < n_rtt; i++)
@@ -447,6 +466,158 @@ static int run_phase(const char *addr, uint32_t n_conns, uint32_t per_frame, uin
     free(events);
     close(epfd);
     free(rtt);
+    return rc;
+}
+
+/* The machine's own floor, measured in the same run: a child process that does nothing but echo
+ * what it reads (one epoll thread, no libuv, no msgpack, no kvmatch), driven on the same open-loop
+ * schedule, over the same number of Unix-socket connections, with a frame the size of a ping's.
+ * The `ping` row adds kvmatch's transport (the loop thread decodes a LIFECYCLE report and encodes
+ * an ACK); this row has none of it, so what it shows is the VM, the kernel and the driver. */
+#define ECHO_FRAME 64
+
+/* A Unix socket address for path; false when the path does not fit. */
+static bool unix_address(const char *path, struct sockaddr_un *a)
+{
+    memset(a, 0, sizeof *a);
+    a->sun_family = AF_UNIX;
+    size_t n = strlen(path);
+    if (n >= sizeof a->sun_path)
+        return false;
+    memcpy(a->sun_path, path, n + 1);
+    return true;
+}
+
+static pid_t start_echo_server(const char *path)
+{
+    struct sockaddr_un a;
+    if (!unix_address(path, &a))
+        return -1;
+    int lfd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (lfd < 0 || bind(lfd, (struct sockaddr *)&a, sizeof a) != 0 || listen(lfd, 256) != 0) {
+        if (lfd >= 0)
+            close(lfd);
+        return -1;
+    }
+    pid_t pid = fork();
+    if (pid != 0) {
+        close(lfd);
+        return pid;
+    }
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    int ep = epoll_create1(0);
+    struct epoll_event ev = {.events = EPOLLIN, .data.fd = lfd};
+    epoll_ctl(ep, EPOLL_CTL_ADD, lfd, &ev);
+    struct epoll_event ready[64];
+    char buf[16384];
+    for (;;) {
+        int n = epoll_wait(ep, ready, 64, -1);
+        for (int i = 0; i < n; i++) {
+            int fd = ready[i].data.fd;
+            if (fd == lfd) {
+                int c = accept4(lfd, NULL, NULL, SOCK_CLOEXEC);
+                struct epoll_event ce = {.events = EPOLLIN, .data.fd = c};
+                if (c >= 0)
+                    epoll_ctl(ep, EPOLL_CTL_ADD, c, &ce);
+                continue;
+            }
+            ssize_t r = read(fd, buf, sizeof buf);
+            /* The driver's frames are small and few in flight: a blocking write of what was read
+             * never waits on a full buffer here. */
+            if (r <= 0 || write(fd, buf, (size_t)r) != r)
+                close(fd);
+        }
+    }
+}
+
+/* The echo baseline: `rate` frames/s, round robin over n_conns connections to a fresh echo child
+ * at `path`, for `seconds`. Fills out like run_phase (a frame counts as one answered request). */
+static int run_echo_phase(const char *path, uint32_t n_conns, double rate, double seconds,
+                          phase_result *out)
+{
+    memset(out, 0, sizeof *out);
+    unlink(path);
+    pid_t pid = start_echo_server(path);
+    if (pid < 0)
+        return KM_ERR_IO;
+    pid_t saved_server = g_server_pid;
+    g_server_pid = pid;
+    int *fds = calloc(n_conns, sizeof *fds);
+    int epfd = epoll_create1(EPOLL_CLOEXEC);
+    struct epoll_event *events = calloc(n_conns, sizeof *events);
+    size_t cap = (size_t)(rate * seconds) + 1024, n_rtt = 0;
+    double *sent_at = malloc(cap * sizeof *sent_at), *rtt = malloc(cap * sizeof *rtt);
+    int rc = fds && epfd >= 0 && events && sent_at && rtt ? KM_OK : KM_ERR_OUT_OF_MEMORY;
+    for (uint32_t k = 0; k < n_conns && !rc; k++) {
+        struct sockaddr_un a;
+        fds[k] = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+        struct epoll_event ev = {.events = EPOLLIN, .data.u32 = k};
+        if (fds[k] < 0 || !unix_address(path, &a) || connect(fds[k], (struct sockaddr *)&a, sizeof a) != 0 ||
+            epoll_ctl(epfd, EPOLL_CTL_ADD, fds[k], &ev) != 0) {
+            fprintf(stderr, "bench ipc: echo connection: %s\n", strerror(errno));
+            rc = KM_ERR_IO;
+        }
+    }
+    cpu_marks m0, m1;
+    cpu_mark(&m0);
+    double start = km_bench_now_s(), end = start + seconds, next_send = start;
+    uint64_t sent = 0, received = 0;
+    uint32_t rr = 0;
+    while (!rc) {
+        double now = km_bench_now_s();
+        if (now >= end)
+            break;
+        while (next_send <= now && sent < cap && !rc) {
+            uint64_t frame[ECHO_FRAME / sizeof(uint64_t)] = {sent};
+            sent_at[sent] = km_bench_now_s();
+            if (write(fds[rr], frame, sizeof frame) != (ssize_t)sizeof frame)
+                rc = KM_ERR_IO;
+            sent++;
+            rr = (rr + 1) % n_conns;
+            next_send += 1.0 / rate;
+        }
+        double wait_s = next_send - km_bench_now_s();
+        if (wait_s < 0)
+            wait_s = 0;
+        struct timespec ts = {(time_t)wait_s, (long)((wait_s - (double)(time_t)wait_s) * 1e9)};
+        int ready = epoll_pwait2(epfd, events, (int)n_conns, &ts, NULL);
+        for (int e = 0; e < ready && !rc; e++) {
+            /* Whole frames only: a stream read may end mid-frame, so read exactly what the
+             * connection owes (frames in flight there are few and small). */
+            uint64_t frame[ECHO_FRAME / sizeof(uint64_t)];
+            ssize_t r = recv(fds[events[e].data.u32], frame, sizeof frame, MSG_WAITALL);
+            if (r != (ssize_t)sizeof frame) {
+                rc = KM_ERR_IO;
+                break;
+            }
+            double t = km_bench_now_s();
+            received++;
+            if (frame[0] < sent && n_rtt < cap)
+                rtt[n_rtt++] = (t - sent_at[frame[0]]) * 1e6;
+        }
+    }
+    double elapsed = km_bench_now_s() - start;
+    out->frames = out->routes = received;
+    cpu_mark(&m1);
+    cpu_account(&m0, &m1, out);
+    out->records_dropped_per_s = -1;
+    out->decisions_per_s = (double)received / elapsed;
+    qsort(rtt, n_rtt, sizeof *rtt, cmp_double);
+    out->rtt_p50_us = percentile(rtt, n_rtt, 0.50);
+    out->rtt_p99_us = percentile(rtt, n_rtt, 0.99);
+    for (uint32_t k = 0; fds && k < n_conns; k++)
+        if (fds[k] > 0)
+            close(fds[k]);
+    kill(pid, SIGKILL);
+    waitpid(pid, NULL, 0);
+    unlink(path);
+    g_server_pid = saved_server;
+    free(fds);
+    free(events);
+    free(sent_at);
+    free(rtt);
+    if (epfd >= 0)
+        close(epfd);
     return rc;
 }
 
@@ -590,6 +761,9 @@ int km_bench_ipc_main(int argc, char **argv)
         {"repeat", "brief", 16, "single", 1, 0, rate},
         {"fresh", "full", 16, "single", 1, 4, 0},
         {"fresh", "full", 16, "batched", BATCH_ROUTES, 2, 0},
+        /* Last so that the phase numbers --only takes stay what they were; the floor of the
+         * machine itself, no kvmatch in it (run_echo_phase). */
+        {"-", "echo", 16, "single", 1, 0, rate},
     };
     int status = 0;
     if (!json)
@@ -604,8 +778,15 @@ int km_bench_ipc_main(int argc, char **argv)
         const char *wname = phases[i].workload;
         if (only >= 0 && (size_t)only != i)
             continue;
-        int rc = run_phase(addr, phases[i].conns, phases[i].per_frame, phases[i].window,
+        int rc;
+        if (!strcmp(phases[i].reply, "echo")) {
+            char echo_path[320];
+            snprintf(echo_path, sizeof echo_path, "%s/echo.sock", dir);
+            rc = run_echo_phase(echo_path, phases[i].conns, phases[i].rate, seconds, &pr);
+        } else {
+            rc = run_phase(addr, phases[i].conns, phases[i].per_frame, phases[i].window,
                            phases[i].rate, seconds, &w, &pr);
+        }
         if (rc != KM_OK) {
             fprintf(stderr, "bench ipc: phase %zu failed: %s\n", i, km_error_name(rc));
             status = 1;

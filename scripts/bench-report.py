@@ -87,9 +87,22 @@ def render_ipc(d):
                    f"{server_cpu(r)} | {fmt(r.get('driver_cpu_us_per_decision'), 2)} | "
                    f"{fmt(r.get('idle_pct'), 1)} | {fmt(r.get('steal_pct'), 1)} |")
     out.append("")
+    # Same-run ratios of each open-loop row's round trips to the machine's own floor (the echo row:
+    # a child that only echoes, no kvmatch), which moves with the VM from run to run.
+    echo = next((r for r in d["results"] if r.get("reply") == "echo"), None)
+    if echo and echo.get("rtt_p99_us") and echo.get("rtt_p50_us"):
+        parts = []
+        for r in d["results"]:
+            if r is echo or r.get("offered_per_s") is None:
+                continue
+            name = "ping" if r.get("reply") == "ping" else f"{r.get('workload')} {r.get('reply')} {r['frame']}"
+            parts.append(f"{name} {r['rtt_p50_us'] / echo['rtt_p50_us']:.2f} / {r['rtt_p99_us'] / echo['rtt_p99_us']:.2f}")
+        out.append("Round trips against the echo floor of the same run (p50 / p99 ratio), at the same offered "
+                   "rate: " + "; ".join(parts) + ".\n")
     out.append("CPU per decision: run time of every server thread (/proc/PID/task/*/schedstat) and of the "
                "driver process over the measured interval, divided by the routes answered (for `ping`, "
-               "by the reports answered); in brackets, the loop thread's and the scheduler thread's "
+               "by the reports answered; for `echo`, by the frames echoed, and the server is the echo "
+               "child: one process reading and writing back 64-byte frames with epoll, no kvmatch); in brackets, the loop thread's and the scheduler thread's "
                "shares (by thread name). Idle and steal: the machine's /proc/stat over the same interval; "
                "steal is time the hypervisor gave this VM's CPUs to someone else.")
     return "\n".join(out)
