@@ -2,7 +2,8 @@
  * code (kernels/backend_cuda.cu, CUDA C++). Only plain C types cross it: no cudaStream_t, no
  * cuda_runtime.h, no <<<>>>. Every function returns KM_OK or a negative km_status; a CUDA runtime
  * failure is KM_ERR_CUDA with the detail (call, cudaGetErrorString, source line) kept for
- * km_cuda_last_error(). Nothing here aborts or exits.
+ * km_cuda_last_error(). Nothing here aborts or exits. Every call that touches the device makes
+ * the handle's device current on the calling thread first (cudaSetDevice) and leaves it current.
  *
  * The device side holds a replica of the index's two host tables (src/table.h) in cudaMalloc memory,
  * same slot layout and bitmap pool, plus one stream, pinned staging buffers and scoring scratch.

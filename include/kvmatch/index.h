@@ -49,7 +49,12 @@ typedef struct km_index_config {
     uint32_t max_request_blocks; /* longest request accepted by match_batch; default 1 << 20 */
     uint32_t threads;           /* CPU scoring threads; 0 = online CPUs */
     km_backend_kind backend;    /* default KM_BACKEND_AUTO */
-    int cuda_device;            /* device ordinal for the CUDA backend; default 0 */
+    int cuda_device;            /* device ordinal for the CUDA backend; default 0. The CUDA
+                                 * backend makes it the current device of every thread that calls
+                                 * into the index and does not restore the previous one (restoring
+                                 * could create a context on a device this process never asked
+                                 * for): an embedding application that uses CUDA on those threads
+                                 * selects its own device again after each call. */
     km_log_fn log;              /* receives one line per notable event (backend choice); NULL = stderr */
     void *log_user;
 } km_index_config;
