@@ -223,8 +223,9 @@ typedef struct batch_scratch {
     km_update *pool_updates;
     size_t cap_pool_updates;
     km_approx_updates updates;
-    uint32_t *seen;           /* max_workers stamps: a route's candidate seen already */
-    uint32_t candidate_stamp; /* the current route's stamp */
+    uint32_t *seen;           /* max_workers stamps (next_stamp): a route's candidate seen
+                               * already, a worker cleared already (approx_apply) */
+    uint32_t candidate_stamp; /* the latest stamp */
 } batch_scratch;
 
 struct conn {
@@ -1051,6 +1052,16 @@ static bool prediction_observed(const km_server *s, const km_policy_candidate *c
     return true;
 }
 
+/* A stamp no worker in b->seen carries yet. */
+static uint32_t next_stamp(km_server *s, batch_scratch *b)
+{
+    if (++b->candidate_stamp == 0) { /* wrapped: no stale stamp may match */
+        memset(b->seen, 0, s->cfg.max_workers * sizeof *b->seen);
+        b->candidate_stamp = 1;
+    }
+    return b->candidate_stamp;
+}
+
 /* Decide one route whose scoring result is rr (admin_lock and active_lock held). Fills the reply
  * decision *d (candidate arrays in the job's memory) or fails the route. */
 static void decide_route(km_server *s, job *j, route_job *r, pool *p, const km_request_result *rr,
@@ -1070,10 +1081,8 @@ static void decide_route(km_server *s, job *j, route_job *r, pool *p, const km_r
             route_fail(r, KM_ERR_NOT_FOUND, "candidate worker %u is not in pool %s", ids[i], p->name);
             return;
         }
-        if (i == 0 && ++b->candidate_stamp == 0) { /* wrapped: no stale stamp may match */
-            memset(b->seen, 0, s->cfg.max_workers * sizeof *b->seen);
-            b->candidate_stamp = 1;
-        }
+        if (i == 0)
+            next_stamp(s, b);
         if (b->seen[ids[i]] == b->candidate_stamp) {
             route_fail(r, KM_ERR_INVALID_ARGUMENT, "candidate worker %u is listed twice", ids[i]);
             return;
@@ -1332,6 +1341,34 @@ static void encode_job_reply(km_server *s, job *j)
         km_protocol_encode_error(j->msg_id, rc, why, &j->reply);
 }
 
+/* Apply approximate-mode updates to pool p's index. The index refuses a batch as a whole (its
+ * memory cap): km_approx then assumes pairs the index lacks, or the index keeps pairs km_approx
+ * evicted, and a later decision touching such a pair only refreshes it, which stores nothing. So
+ * every worker the refused updates name is cleared on both sides (approx.h) and learns again from
+ * its next decisions. Returns km_index_apply's status. Scheduler role and admin_lock held. */
+static int approx_apply(km_server *s, pool *p, batch_scratch *b, const km_update *updates, size_t n)
+{
+    int rc = km_index_apply(p->index, updates, n, NULL);
+    if (rc == KM_OK)
+        return KM_OK;
+    slog(s, "pool %s: approximate-mode updates refused: %s; the blocks assumed on their workers are "
+         "forgotten", p->name, km_index_last_error(p->index));
+    uint32_t stamp = next_stamp(s, b);
+    km_approx_updates_clear(&p->approx_updates);
+    for (size_t i = 0; i < n; i++) {
+        uint32_t w = updates[i].worker;
+        if (b->seen[w] != stamp) {
+            b->seen[w] = stamp;
+            km_approx_clear_worker(p->approx, w, &p->approx_updates);
+        }
+    }
+    if (km_index_apply(p->index, p->approx_updates.updates, p->approx_updates.n_updates, NULL))
+        slog(s, "pool %s: clearing approximate-mode workers: %s", p->name,
+             km_index_last_error(p->index));
+    km_approx_updates_clear(&p->approx_updates);
+    return rc;
+}
+
 static void run_batch(km_server *s, job *jobs, batch_scratch *b)
 {
     uint64_t t0 = now_ns();
@@ -1415,10 +1452,7 @@ static void run_batch(km_server *s, job *jobs, batch_scratch *b)
             }
             if (!n)
                 continue;
-            pool *p = s->pools[i];
-            if (km_index_apply(p->index, b->pool_updates, n, NULL) != KM_OK)
-                slog(s, "pool %s: approximate-mode updates refused: %s", p->name,
-                     km_index_last_error(p->index));
+            approx_apply(s, s->pools[i], b, b->pool_updates, n);
         }
     }
     pthread_mutex_unlock(&s->admin_lock);
@@ -1466,7 +1500,7 @@ static void apply_lessons(km_server *s, batch_scratch *b, uint64_t now)
             km_approx_updates_clear(&b->updates);
             int rc = km_approx_record(p->approx, l->worker, l->hashes, l->n_hashes, now, &b->updates);
             if (rc == KM_OK && b->updates.n_updates)
-                rc = km_index_apply(p->index, b->updates.updates, b->updates.n_updates, NULL);
+                rc = approx_apply(s, p, b, b->updates.updates, b->updates.n_updates);
             km_approx_updates_clear(&b->updates);
             if (rc == KM_OK)
                 atomic_fetch_add(&s->st.dispatch_learned, 1);
@@ -1504,7 +1538,7 @@ static void housekeeping(km_server *s, batch_scratch *b, uint32_t expire_limit)
         if (km_approx_next_expiry(p->approx) <= now) {
             km_approx_updates_clear(&b->updates);
             if (km_approx_expire(p->approx, now, &b->updates, NULL) == KM_OK && b->updates.n_updates)
-                km_index_apply(p->index, b->updates.updates, b->updates.n_updates, NULL);
+                approx_apply(s, p, b, b->updates.updates, b->updates.n_updates);
             km_approx_updates_clear(&b->updates);
         }
     }

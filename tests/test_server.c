@@ -2366,3 +2366,82 @@ Test(server, a_reply_larger_than_the_outbox_reaches_a_client_that_reads, .timeou
     srv_stop(&s);
     srv_cleanup(&s);
 }
+
+/* Route request `id` (tokens [first, first + 4 * BS) of the shared buffer) with only `worker` as a
+ * candidate; returns the depth the index showed on it before this decision. */
+static uint32_t pinned_depth(km_client *c, const char *id, uint32_t first, uint32_t worker)
+{
+    km_route_request r = token_route(id, first, 4 * BS);
+    r.candidates = &worker;
+    r.n_candidates = 1;
+    r.brief = false;
+    km_message reply;
+    const km_route_decision *d = route_one(c, &r, &reply);
+    cr_assert_eq(d->status, KM_OK, "%s: %s", id, d->message ? d->message : "");
+    return candidate(d, worker)->depth;
+}
+
+/* approx.h: once the index refuses a batch of approximate-mode updates (its memory cap), the
+ * workers the batch touched are cleared on both sides, so what km_approx assumes and what the
+ * index holds agree again. Until 2026-12-01 the refusal was only logged: the blocks stayed
+ * assumed but unindexed, and every later decision for them was a refresh, which stores nothing;
+ * a prefix refused once was never predicted again while it stayed in use, even with room. */
+Test(server, blocks_the_index_refused_are_stored_once_it_has_room, .timeout = 60)
+{
+    srv s = {0};
+    km_server_config cfg;
+    test_config(&cfg, &s, KM_POLICY_PREFIX, 2);
+    cfg.records_path = NULL;
+    /* The cap is what the pool's index takes at creation: its block table cannot grow. */
+    km_index_config ic;
+    km_index_config_init(&ic);
+    ic.max_workers = cfg.max_workers;
+    ic.backend = cfg.backend;
+    ic.threads = cfg.index_threads;
+    ic.initial_blocks = 256;
+    ic.log = quiet_log;
+    km_index *probe_index = NULL;
+    cr_assert_eq(km_index_create(&ic, &probe_index), KM_OK);
+    km_index_stats ist;
+    cr_assert_eq(km_index_get_stats(probe_index, &ist), KM_OK);
+    km_index_destroy(probe_index);
+    cfg.index_initial_blocks = ic.initial_blocks;
+    cfg.index_memory_cap_bytes = ist.memory_bytes;
+    srv_start(&s, &cfg);
+    km_client *c = connect_client(&s);
+    /* Worker 1 takes some room; worker 0 fills the rest, one decision per batch, until a
+     * decision's blocks are refused. */
+    char id[32];
+    for (uint32_t k = 0; k < 40; k++) {
+        snprintf(id, sizeof id, "w1-%u", k);
+        pinned_depth(c, id, k * 4 * BS, 1);
+    }
+    uint32_t filled = 40;
+    for (; filled < 200; filled++) {
+        snprintf(id, sizeof id, "w0-%u", filled);
+        pinned_depth(c, id, filled * 4 * BS, 0);
+        snprintf(id, sizeof id, "w0-%u-again", filled);
+        if (pinned_depth(c, id, filled * 4 * BS, 0) == 0)
+            break;
+    }
+    cr_assert(filled > 40 && filled < 200, "the cap refused %s", filled > 40 ? "nothing" : "everything");
+    /* Worker 1 leaves: its blocks make room. The refused prefix, still in use, is stored. */
+    km_message m, reply;
+    memset(&m, 0, sizeof m);
+    m.type = KM_MESSAGE_WORKERS;
+    m.workers.action = KM_ADMIN_REMOVE;
+    km_worker_info wi;
+    memset(&wi, 0, sizeof wi);
+    wi.pool = "main";
+    wi.worker = 1;
+    m.workers.workers = &wi;
+    m.workers.n_workers = 1;
+    cr_assert_eq(km_client_call(c, &m, 5000, &reply), KM_OK);
+    cr_assert_eq(reply.ack.items[0].status, KM_OK);
+    pinned_depth(c, "refused-1", filled * 4 * BS, 0);
+    cr_assert_eq(pinned_depth(c, "refused-2", filled * 4 * BS, 0), 4,
+                 "a prefix the index refused once is never stored while it stays in use");
+    km_client_close(c);
+    srv_stop(&s);
+    srv_cleanup(&s);
+}
