@@ -299,7 +299,7 @@ struct km_server {
     km_active *active;
     km_u64map attempts_by_decision; /* decision id -> attempt*; by ids: the active entry's user */
     attempt_cache attempt_cache;     /* released attempts for reuse (active_lock) */
-    dispatch_lesson *lessons;        /* for the next housekeeping (active_lock) */
+    dispatch_lesson *lessons;        /* for the next housekeeping, newest first (active_lock) */
     atomic_bool lessons_queued;      /* lessons is not empty: housekeeping takes the lock only then */
     km_memory attempts_memory;
     uv_timer_t expiry_timer; /* loop thread: active-work expiry while the scheduler role is free */
@@ -1482,16 +1482,26 @@ static bool expire_due(km_server *s, uint32_t limit)
 }
 
 /* Router overrides queued by lifecycle reports (lesson_queue): each teaches its worker, if it is
- * still the same approximate-mode worker. Scheduler role and admin_lock held. */
+ * still the same approximate-mode worker, in the order they were reported. Scheduler role and
+ * admin_lock held. */
 static void apply_lessons(km_server *s, batch_scratch *b, uint64_t now)
 {
     if (!atomic_load(&s->lessons_queued))
         return;
     pthread_mutex_lock(&s->active_lock);
-    dispatch_lesson *l = s->lessons;
+    dispatch_lesson *newest = s->lessons;
     s->lessons = NULL;
     atomic_store(&s->lessons_queued, false);
     pthread_mutex_unlock(&s->active_lock);
+    /* Queued newest first: taught oldest first, so a worker's latest request is its most recently
+     * touched prefix (the last its capacity evicts), as if each had been taught when reported. */
+    dispatch_lesson *l = NULL;
+    while (newest) {
+        dispatch_lesson *next = newest->next;
+        newest->next = l;
+        l = newest;
+        newest = next;
+    }
     while (l) {
         dispatch_lesson *next = l->next;
         worker_slot *w = &s->workers[l->worker];
@@ -2022,7 +2032,7 @@ static void lesson_queue(km_server *s, const attempt *a, uint32_t worker)
     l->incarnation = s->workers[worker].incarnation;
     l->n_hashes = a->n_hashes;
     memcpy(l->hashes, a->hashes, (size_t)a->n_hashes * sizeof *l->hashes);
-    l->next = s->lessons;
+    l->next = s->lessons; /* newest first: apply_lessons reverses */
     s->lessons = l;
     atomic_store(&s->lessons_queued, true);
 }

@@ -2445,3 +2445,44 @@ Test(server, blocks_the_index_refused_are_stored_once_it_has_room, .timeout = 60
     srv_stop(&s);
     srv_cleanup(&s);
 }
+
+/* Overrides reported together teach the worker used in the order they were reported: its most
+ * recent request is its most recently used prefix, the last its capacity evicts. Until 2026-12-01
+ * the lessons queued between two batches were applied newest first, so with a capacity of one
+ * request the worker was assumed to hold the older one. */
+Test(server, overrides_reported_together_teach_in_report_order, .timeout = 30)
+{
+    srv s = {0};
+    km_server_config cfg;
+    test_config(&cfg, &s, KM_POLICY_PREFIX, 3);
+    g_pool.approx_capacity_blocks = 4;
+    cfg.records_path = NULL;
+    srv_start(&s, &cfg);
+    km_client *c = connect_client(&s);
+    /* The pool keeps hashes once it has seen an override. */
+    pinned_depth(c, "warm", 0, 0);
+    cr_assert_eq(report(c, KM_LIFECYCLE_DISPATCHED, "warm", true, 1), KM_OK);
+    pinned_depth(c, "older", 100, 0);
+    pinned_depth(c, "newer", 200, 0);
+    km_lifecycle_event ev[2];
+    memset(ev, 0, sizeof ev);
+    const char *ids[2] = {"older", "newer"};
+    for (int k = 0; k < 2; k++) {
+        ev[k].kind = KM_LIFECYCLE_DISPATCHED;
+        ev[k].request_id = ids[k];
+        ev[k].has_worker = true;
+        ev[k].worker = 2;
+    }
+    km_message reply;
+    cr_assert_eq(km_client_lifecycle(c, ev, 2, 5000, &reply), KM_OK);
+    cr_assert_eq(reply.type, KM_MESSAGE_ACK);
+    cr_assert(reply.ack.items[0].status == KM_OK && reply.ack.items[1].status == KM_OK);
+    uint32_t newer = pinned_depth(c, "probe-newer", 200, 2);
+    km_server_stats st;
+    km_server_get_stats(s.server, &st);
+    cr_assert_eq(st.approx_dispatch_learned, 2);
+    cr_assert_eq(newer, 4, "the worker used is not assumed to hold its most recent request");
+    km_client_close(c);
+    srv_stop(&s);
+    srv_cleanup(&s);
+}
