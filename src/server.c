@@ -145,6 +145,7 @@ typedef struct attempt {
      * approximate-mode workers: a report that the router used another of them teaches it. */
     uint64_t *hashes;
     uint32_t n_hashes;
+    bool has_blocks; /* the request had a block: an override has something to teach */
     struct attempt *next_free; /* in attempt_cache */
     char strings[]; /* the ids and names, one allocation with the struct */
 } attempt;
@@ -1231,6 +1232,7 @@ static void decide_route(km_server *s, job *j, route_job *r, pool *p, const km_r
         a->block_size = p->block_size;
         a->chosen_depth = pd.chosen_depth;
         a->owner_depth = pd.owner_depth;
+        a->has_blocks = r->n_hashes > 0;
         attempt_keep_hashes(s, a, p, r);
         if (s->records) /* only outcome records read it; records are set at start */
             a->decided = km_record_time_now();
@@ -2021,6 +2023,8 @@ static km_record_outcome record_outcome_of(km_outcome o)
  * active_lock held. */
 static void lesson_queue(km_server *s, const attempt *a, uint32_t worker)
 {
+    if (!a->has_blocks)
+        return; /* nothing to teach, nothing missed */
     dispatch_lesson *l = NULL;
     if (a->hashes)
         l = malloc(sizeof *l + (size_t)a->n_hashes * sizeof *l->hashes);

@@ -2486,3 +2486,36 @@ Test(server, overrides_reported_together_teach_in_report_order, .timeout = 30)
     srv_stop(&s);
     srv_cleanup(&s);
 }
+
+/* A request shorter than one block has nothing to teach: an override of its decision is neither
+ * learned nor unlearned (kvmatch_approx_dispatch_unlearned_total says approx_dispatch_max_bytes
+ * kept the hashes from a worker that needed them). Until 2026-12-01 it was counted unlearned. */
+Test(server, an_override_of_a_request_without_blocks_teaches_nothing_and_misses_nothing, .timeout = 30)
+{
+    srv s = {0};
+    km_server_config cfg;
+    test_config(&cfg, &s, KM_POLICY_PREFIX, 2);
+    cfg.records_path = NULL;
+    srv_start(&s, &cfg);
+    km_client *c = connect_client(&s);
+    pinned_depth(c, "warm", 0, 0);
+    cr_assert_eq(report(c, KM_LIFECYCLE_DISPATCHED, "warm", true, 1), KM_OK);
+    km_server_stats st;
+    km_server_get_stats(s.server, &st);
+    uint64_t unlearned = st.approx_dispatch_unlearned; /* the pool's first override */
+    km_route_request r = token_route("short", 100, BS - 1);
+    uint32_t only0 = 0;
+    r.candidates = &only0;
+    r.n_candidates = 1;
+    km_message reply;
+    const km_route_decision *d = route_one(c, &r, &reply);
+    cr_assert_eq(d->status, KM_OK, "%s", d->message ? d->message : "");
+    cr_assert_eq(d->n_blocks, 0);
+    cr_assert_eq(report(c, KM_LIFECYCLE_DISPATCHED, "short", true, 1), KM_OK);
+    km_server_get_stats(s.server, &st);
+    cr_assert_eq(st.approx_dispatch_unlearned, unlearned,
+                 "an override of a request without blocks was counted unlearned");
+    km_client_close(c);
+    srv_stop(&s);
+    srv_cleanup(&s);
+}

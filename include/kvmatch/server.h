@@ -190,7 +190,8 @@ typedef struct km_server_stats {
     uint64_t routes_dropped_at_shutdown; /* still queued when the drain timed out: unanswered */
     uint64_t approx_dispatch_learned;   /* overrides to an approximate-mode worker that taught it */
     uint64_t approx_dispatch_unlearned; /* ... that could not: the decision kept no hashes
-                                         * (approx_dispatch_max_bytes, out of memory) */
+                                         * (approx_dispatch_max_bytes, out of memory). A request
+                                         * shorter than one block counts in neither */
 } km_server_stats;
 
 void km_server_get_stats(km_server *server, km_server_stats *out);
