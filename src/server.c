@@ -440,6 +440,10 @@ static int pool_create(km_server *s, const km_server_pool *pc, pool **out, char 
     if (pc->block_size == 0)
         return km_why(why, why_size, KM_ERR_BLOCK_SIZE, "pool %s: block_size must be at least 1",
                      pc->name);
+    if (pc->approx_ttl_ms > UINT64_MAX / 1000000)
+        return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,
+                      "pool %s: approx_ttl_ms %" PRIu64 " is over %" PRIu64 " (the TTL in ns must "
+                      "fit 64 bits)", pc->name, pc->approx_ttl_ms, UINT64_MAX / 1000000);
     if (pc->model && !km_utf8_name(pc->model))
         return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,
                      "pool %s: model must be UTF-8 without control characters", pc->name);

@@ -2519,3 +2519,26 @@ Test(server, an_override_of_a_request_without_blocks_teaches_nothing_and_misses_
     srv_stop(&s);
     srv_cleanup(&s);
 }
+
+/* server.h: a pool's approx_ttl_ms is at most UINT64_MAX / 1,000,000 (its TTL in ns must fit 64
+ * bits, as the JSON config already required); a longer one is refused. Until 2026-12-01 the
+ * product wrapped: 18,446,744,073,710 ms (584 years) made a TTL of 0.45 ms, and every block
+ * routed to the pool was forgotten at the next tick. */
+Test(server, an_approximate_mode_ttl_whose_nanoseconds_overflow_is_refused, .timeout = 30)
+{
+    srv s = {0};
+    km_server_config cfg;
+    test_config(&cfg, &s, KM_POLICY_PREFIX, 1);
+    g_pool.approx_ttl_ms = UINT64_MAX / 1000000 + 1;
+    char why[256] = "";
+    km_server *server = NULL;
+    int rc = km_server_create(&cfg, &server, why, sizeof why);
+    km_server_destroy(server);
+    cr_assert_eq(rc, KM_ERR_INVALID_ARGUMENT, "%s: %s", km_error_name(rc), why);
+    cr_assert(strstr(why, "approx_ttl_ms"), "%s", why);
+    g_pool.approx_ttl_ms = UINT64_MAX / 1000000;
+    rc = km_server_create(&cfg, &server, why, sizeof why);
+    km_server_destroy(server);
+    cr_assert_eq(rc, KM_OK, "%s: %s", km_error_name(rc), why);
+    srv_cleanup(&s);
+}

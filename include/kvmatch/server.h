@@ -50,7 +50,8 @@ typedef struct km_server_pool {
     uint32_t block_size; /* tokens per block, as the engines' --block-size; required */
     km_policy_config policy;
     uint64_t approx_ttl_ms;          /* approximate mode: a routed block is assumed held this
-                                      * long; default 120,000 (Dynamo's) */
+                                      * long; at most UINT64_MAX / 1,000,000; 0 = default
+                                      * 120,000 (Dynamo's) */
     uint64_t approx_capacity_blocks; /* approximate mode: blocks assumed per worker; 0 = no bound */
     bool approx_every_touch;         /* approximate mode: every decision's touch reorders the
                                       * eviction order (km_approx_config.refresh_ns 0), instead of
