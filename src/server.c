@@ -159,7 +159,8 @@ enum { ATTEMPT_CACHED_STRINGS = 192, ATTEMPT_CACHE_MAX = 65536 };
 typedef struct attempt_cache {
     attempt *head;
     uint32_t count;
-    uint64_t hash_bytes; /* the live attempts' `hashes`, all together */
+    uint64_t hash_bytes; /* the live attempts' `hashes` and the queued lessons', all together
+                          * (at most approx_dispatch_max_bytes) */
 } attempt_cache;
 
 /* A router override to an approximate-mode worker (lifecycle `worker`): the request's blocks
@@ -1502,6 +1503,7 @@ static void apply_lessons(km_server *s, batch_scratch *b, uint64_t now)
     /* Queued newest first: taught oldest first, so a worker's latest request is its most recently
      * touched prefix (the last its capacity evicts), as if each had been taught when reported. */
     dispatch_lesson *l = NULL;
+    uint64_t released_bytes = 0;
     while (newest) {
         dispatch_lesson *next = newest->next;
         newest->next = l;
@@ -1523,9 +1525,13 @@ static void apply_lessons(km_server *s, batch_scratch *b, uint64_t now)
             else
                 atomic_fetch_add(&s->st.dispatch_unlearned, 1);
         }
+        released_bytes += (uint64_t)l->n_hashes * sizeof *l->hashes;
         free(l);
         l = next;
     }
+    pthread_mutex_lock(&s->active_lock);
+    s->attempt_cache.hash_bytes -= released_bytes;
+    pthread_mutex_unlock(&s->active_lock);
 }
 
 /* The scheduler role's chores before scoring: apply received events, expire approximate-mode
@@ -2030,12 +2036,16 @@ static void lesson_queue(km_server *s, const attempt *a, uint32_t worker)
     if (!a->has_blocks)
         return; /* nothing to teach, nothing missed */
     dispatch_lesson *l = NULL;
-    if (a->hashes)
-        l = malloc(sizeof *l + (size_t)a->n_hashes * sizeof *l->hashes);
+    uint64_t bytes = (uint64_t)a->n_hashes * sizeof *l->hashes;
+    /* The copy counts against approx_dispatch_max_bytes until it is taught: reports that move one
+     * attempt back and forth would otherwise queue a copy each. */
+    if (a->hashes && s->attempt_cache.hash_bytes + bytes <= s->cfg.approx_dispatch_max_bytes)
+        l = malloc(sizeof *l + bytes);
     if (!l) {
         atomic_fetch_add(&s->st.dispatch_unlearned, 1);
         return;
     }
+    s->attempt_cache.hash_bytes += bytes;
     l->worker = worker;
     l->incarnation = s->workers[worker].incarnation;
     l->n_hashes = a->n_hashes;

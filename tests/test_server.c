@@ -2542,3 +2542,60 @@ Test(server, an_approximate_mode_ttl_whose_nanoseconds_overflow_is_refused, .tim
     cr_assert_eq(rc, KM_OK, "%s: %s", km_error_name(rc), why);
     srv_cleanup(&s);
 }
+
+/* approx_dispatch_max_bytes bounds the hashes kept for router overrides, the lessons queued for
+ * the next batch included. Until 2026-12-01 each override copied its attempt's hashes outside the
+ * bound: one lifecycle frame of 4,096 reports alternating the worker of one 65,536-block request
+ * (a router retrying it between two workers) queued 2 GiB of lessons, and the scheduler stalled
+ * 2.7 s teaching them. Here a 16,384-block request and a 1 MiB bound: 7 lessons fit. */
+Test(server, lessons_queued_for_overrides_stay_within_approx_dispatch_max_bytes, .timeout = 60)
+{
+    srv s = {0};
+    km_server_config cfg;
+    test_config(&cfg, &s, KM_POLICY_PREFIX, 3);
+    cfg.records_path = NULL;
+    cfg.approx_dispatch_max_bytes = 1 << 20;
+    srv_start(&s, &cfg);
+    km_client *c = connect_client(&s);
+    pinned_depth(c, "warm", 0, 0);
+    cr_assert_eq(report(c, KM_LIFECYCLE_DISPATCHED, "warm", true, 1), KM_OK);
+    enum { BLOCKS = 16384, REPORTS = 4096 };
+    static uint64_t hashes[BLOCKS];
+    for (uint32_t i = 0; i < BLOCKS; i++)
+        hashes[i] = UINT64_C(0x100000) + i;
+    km_route_request r;
+    memset(&r, 0, sizeof r);
+    r.request_id = "long";
+    r.pool = "main";
+    r.input = KM_ROUTE_INPUT_HASHES;
+    r.hashes = hashes;
+    r.n_hashes = BLOCKS;
+    uint32_t only0 = 0;
+    r.candidates = &only0;
+    r.n_candidates = 1;
+    km_message reply;
+    cr_assert_eq(route_one(c, &r, &reply)->status, KM_OK);
+    km_server_stats before, after;
+    km_server_get_stats(s.server, &before);
+    static km_lifecycle_event ev[REPORTS];
+    memset(ev, 0, sizeof ev);
+    for (uint32_t k = 0; k < REPORTS; k++) {
+        ev[k].kind = KM_LIFECYCLE_DISPATCHED;
+        ev[k].request_id = "long";
+        ev[k].has_worker = true;
+        ev[k].worker = 1 + (k & 1);
+    }
+    cr_assert_eq(km_client_lifecycle(c, ev, REPORTS, 30000, &reply), KM_OK);
+    cr_assert_eq(reply.ack.items[REPORTS - 1].status, KM_OK);
+    pinned_depth(c, "after", 100, 0); /* its batch applies the queued lessons first */
+    km_server_get_stats(s.server, &after);
+    uint64_t learned = after.approx_dispatch_learned - before.approx_dispatch_learned;
+    uint64_t unlearned = after.approx_dispatch_unlearned - before.approx_dispatch_unlearned;
+    cr_assert_eq(learned + unlearned, REPORTS);
+    cr_assert_eq(learned, (1 << 20) / (BLOCKS * sizeof(uint64_t)) - 1,
+                 "%" PRIu64 " lessons of %zu bytes were queued within a bound of 1 MiB", learned,
+                 BLOCKS * sizeof(uint64_t));
+    km_client_close(c);
+    srv_stop(&s);
+    srv_cleanup(&s);
+}

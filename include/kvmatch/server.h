@@ -105,9 +105,10 @@ typedef struct km_server_config {
                                   * report naming another such worker (the router overrode the
                                   * choice) teaches that worker the request's blocks. Kept once the
                                   * pool has seen an override, until the attempt's FIRST_TOKEN or
-                                  * end. Beyond it a
-                                  * decision keeps none (counted in approx_dispatch_unlearned);
-                                  * 0 = keep none; default 64 MiB */
+                                  * end; each such report copies them until the next batch
+                                  * teaches it, and the copies count too. Beyond it a
+                                  * decision keeps none, and a report copies none (counted in
+                                  * approx_dispatch_unlearned); 0 = keep none; default 64 MiB */
     double ready_share;         /* /readyz: ready when at least this share of event-fed workers is
                                  * LIVE; default 1.0 */
     uint32_t drain_timeout_ms;  /* shutdown waits this long for queued work; default 10,000 */
