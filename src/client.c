@@ -28,9 +28,14 @@
 /* A request whose reply has not been returned to the caller yet. */
 typedef struct pending_request {
     uint64_t id;
-    bool kept;      /* its reply arrived and is in the kept list */
-    bool abandoned; /* its blocking call timed out: the reply is dropped when it comes */
+    uint32_t items;   /* with answer: the decisions or ACK items its reply must hold */
+    uint8_t request;  /* the request's km_message_type */
+    uint8_t answer;   /* KM_MESSAGE_DECISION or KM_MESSAGE_ACK: a reply of this type holds one
+                       * item per item of the request; KM_MESSAGE_UNKNOWN: no count to check */
+    bool kept;        /* its reply arrived and is in the kept list */
+    bool abandoned;   /* its blocking call timed out: the reply is dropped when it comes */
 } pending_request;
+_Static_assert(sizeof(pending_request) == 16, "client.h: 16 bytes per outstanding request");
 
 /* A reply that arrived while the caller waited for another id. */
 typedef struct kept_reply {
@@ -399,13 +404,74 @@ static void drop_pending(km_client *c, pending_request *p)
         c->pending_start = c->pending_end = 0;
 }
 
-/* The outstanding request a reply just read answers. A reply to an id that is not outstanding, or
- * a second reply to one, means the stream cannot be trusted: the connection is closed. */
+/* What the reply to `m` must hold: one decision per route, one ACK item per event, worker or pool
+ * (docs/PROTOCOL.md). */
+static pending_request pending_for(const km_message *m)
+{
+    pending_request p = {.id = m->id, .request = (uint8_t)m->type, .answer = KM_MESSAGE_UNKNOWN};
+    switch (m->type) {
+    case KM_MESSAGE_ROUTE:
+        p.answer = KM_MESSAGE_DECISION;
+        p.items = m->route.n_routes;
+        break;
+    case KM_MESSAGE_LIFECYCLE:
+        p.answer = KM_MESSAGE_ACK;
+        p.items = m->lifecycle.n_events;
+        break;
+    case KM_MESSAGE_WORKERS:
+        if (m->workers.action != KM_ADMIN_LIST) {
+            p.answer = KM_MESSAGE_ACK;
+            p.items = m->workers.n_workers;
+        }
+        break;
+    case KM_MESSAGE_POOLS:
+        if (m->pools.action != KM_ADMIN_LIST) {
+            p.answer = KM_MESSAGE_ACK;
+            p.items = m->pools.n_pools;
+        }
+        break;
+    default:
+        break;
+    }
+    return p;
+}
+
+static const char *plural(uint32_t n)
+{
+    return n == 1 ? "" : "s";
+}
+
+/* What the items of a request of this type are called. */
+static const char *item_noun(uint8_t request)
+{
+    switch (request) {
+    case KM_MESSAGE_ROUTE: return "route";
+    case KM_MESSAGE_LIFECYCLE: return "event";
+    case KM_MESSAGE_WORKERS: return "worker";
+    default: return "pool";
+    }
+}
+
+/* The outstanding request a reply just read answers. A reply to an id that is not outstanding, a
+ * second reply to one, or a DECISION / ACK whose count differs from its request's means the stream
+ * cannot be trusted: the connection is closed. */
 static pending_request *answered_request(km_client *c, const km_message *reply)
 {
     pending_request *p = find_pending(c, reply->id);
-    if (p && !p->kept)
-        return p;
+    if (p && !p->kept) {
+        if (reply->type != p->answer)
+            return p;
+        uint32_t n = reply->type == KM_MESSAGE_DECISION ? reply->decision.n_decisions
+                                                        : reply->ack.n_items;
+        if (n == p->items)
+            return p;
+        client_fail(c, KM_ERR_PROTOCOL, "the server answered request %llu with %u %s%s for %u %s%s",
+                    (unsigned long long)reply->id, n,
+                    reply->type == KM_MESSAGE_DECISION ? "decision" : "item", plural(n), p->items,
+                    item_noun(p->request), plural(p->items));
+        client_break(c, KM_ERR_PROTOCOL);
+        return NULL;
+    }
     client_fail(c, KM_ERR_PROTOCOL, "the server answered request %llu, which %s",
                 (unsigned long long)reply->id,
                 p ? "it had answered already" : "is not waiting for a reply");
@@ -568,7 +634,7 @@ int km_client_send(km_client *c, const km_message *msg, int timeout_ms, uint64_t
     c->next_id++;
     if ((rc = flush_out(c, deadline_after(timeout_ms))))
         return client_break(c, rc);
-    c->pending[c->pending_end++] = (pending_request){.id = m.id};
+    c->pending[c->pending_end++] = pending_for(&m);
     if (id_out)
         *id_out = m.id;
     return KM_OK;

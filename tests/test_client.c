@@ -33,6 +33,7 @@ typedef enum fake_mode {
     FAKE_SMALL_FRAMES = 5,   /* announce max_frame_bytes = FAKE_SMALL_FRAME_BYTES, reply as usual */
     FAKE_ROUTE_TWICE = 6,    /* answer every ROUTE twice */
     FAKE_LATE_ROUTE = 7,     /* answer ROUTE after 400 ms */
+    FAKE_MISCOUNT = 8,       /* one decision fewer than routes, one ACK item more than events */
 } fake_mode;
 
 #define FAKE_SMALL_FRAME_BYTES 1024u
@@ -131,21 +132,21 @@ static bool fake_reply(fake_server *s, const km_message *m, km_frame_buffer *out
         reply.type = KM_MESSAGE_DECISION;
         reply.decision.kvmatch_version = "0.1.0-fake";
         reply.decision.decisions = d;
-        reply.decision.n_decisions = m->route.n_routes;
+        reply.decision.n_decisions = m->route.n_routes - (s->mode == FAKE_MISCOUNT);
         km_protocol_encode(&reply, 0, out, NULL, 0);
         free(d);
         free(c);
         return true;
     }
     case KM_MESSAGE_LIFECYCLE: {
-        km_item_status *items = calloc(m->lifecycle.n_events, sizeof *items);
+        km_item_status *items = calloc(m->lifecycle.n_events + 1, sizeof *items);
         for (uint32_t i = 0; i < m->lifecycle.n_events; i++) {
             items[i].status = m->lifecycle.events[i].status;
             items[i].message = m->lifecycle.events[i].message;
         }
         reply.type = KM_MESSAGE_ACK;
         reply.ack.items = items;
-        reply.ack.n_items = m->lifecycle.n_events;
+        reply.ack.n_items = m->lifecycle.n_events + (s->mode == FAKE_MISCOUNT);
         km_protocol_encode(&reply, 0, out, NULL, 0);
         free(items);
         return true;
@@ -483,6 +484,48 @@ Test(client, reply_to_an_id_not_outstanding, .timeout = 20)
     snprintf(expected, sizeof expected, "answered request %llu", (unsigned long long)first);
     cr_assert(strstr(km_client_last_error(c), expected), "%s", km_client_last_error(c));
     cr_assert_eq(km_client_route(c, &q, 1, 5000, &reply), KM_ERR_CLOSED);
+    km_client_close(c);
+    fake_stop(&s);
+}
+
+/* A DECISION holds one decision per route and an ACK one item per event (client.h): a reply whose
+ * count differs is refused (final), blocking or pipelined, so a caller that reads decisions[i] for
+ * route i never reads past the array. */
+Test(client, reply_item_count_differs_from_the_request, .timeout = 20)
+{
+    fake_server s;
+    fake_start(&s, FAKE_MISCOUNT, false);
+    uint64_t h[1] = {9};
+    km_route_request q[2];
+    char id[2][32];
+    make_route(&q[0], id[0], sizeof id[0], 0, h, 1);
+    make_route(&q[1], id[1], sizeof id[1], 1, h, 1);
+    km_message reply;
+
+    km_client *c = connect_ok(&s);
+    int rc = km_client_route(c, q, 2, 5000, &reply);
+    cr_assert_eq(rc, KM_ERR_PROTOCOL, "%s: %s", km_error_name(rc), km_client_last_error(c));
+    cr_assert(strstr(km_client_last_error(c), "1 decision for 2 routes"), "%s",
+              km_client_last_error(c));
+    cr_assert_eq(km_client_route(c, q, 1, 5000, &reply), KM_ERR_CLOSED);
+    km_client_close(c);
+
+    c = connect_ok(&s); /* pipelined, and a DECISION with no decision at all */
+    uint64_t sent;
+    cr_assert_eq(km_client_send_route(c, q, 1, 5000, &sent), KM_OK);
+    rc = km_client_receive(c, 5000, &reply);
+    cr_assert_eq(rc, KM_ERR_PROTOCOL, "%s: %s", km_error_name(rc), km_client_last_error(c));
+    cr_assert(strstr(km_client_last_error(c), "0 decisions for 1 route"), "%s",
+              km_client_last_error(c));
+    km_client_close(c);
+
+    c = connect_ok(&s);
+    km_lifecycle_event ev = {.kind = KM_LIFECYCLE_DISPATCHED, .has_decision_id = true,
+                             .decision_id = 1};
+    rc = km_client_lifecycle(c, &ev, 1, 5000, &reply);
+    cr_assert_eq(rc, KM_ERR_PROTOCOL, "%s: %s", km_error_name(rc), km_client_last_error(c));
+    cr_assert(strstr(km_client_last_error(c), "2 items for 1 event"), "%s",
+              km_client_last_error(c));
     km_client_close(c);
     fake_stop(&s);
 }

@@ -27,8 +27,8 @@
  * Errors: every function returns KM_OK or a negative km_status; km_client_last_error has the
  * sentence. KM_ERR_TIMEOUT leaves the connection usable (the reply may still arrive later and is
  * returned by a later receive / wait). KM_ERR_CLOSED (the server closed the connection), KM_ERR_IO
- * and KM_ERR_PROTOCOL / KM_ERR_PARSE on a reply that cannot be read are final: the handle only
- * answers KM_ERR_CLOSED afterwards. */
+ * and KM_ERR_PROTOCOL / KM_ERR_PARSE on a reply that cannot be read, or that does not fit its
+ * request (see km_client_receive), are final: the handle only answers KM_ERR_CLOSED afterwards. */
 #ifndef KVMATCH_CLIENT_H
 #define KVMATCH_CLIENT_H
 
@@ -78,9 +78,11 @@ int km_client_send_lifecycle(km_client *client, const km_lifecycle_event *events
                              uint32_t n_events, int timeout_ms, uint64_t *id_out);
 
 /* The next reply, kept ones first. Errors: KM_ERR_TIMEOUT, KM_ERR_CLOSED, KM_ERR_IO,
- * KM_ERR_PARSE / KM_ERR_PROTOCOL (unreadable reply, or a reply to an id that is not outstanding:
+ * KM_ERR_PARSE / KM_ERR_PROTOCOL (unreadable reply, a reply to an id that is not outstanding, or
+ * a DECISION / ACK whose count differs from its request's routes / events / workers / pools:
  * final), KM_ERR_INVALID_ARGUMENT (nothing outstanding: no reply can come). An ERROR reply is
- * returned as a message, with KM_OK. */
+ * returned as a message, with KM_OK. A DECISION returned holds one decision per route, an ACK one
+ * item per event, worker or pool of its request. */
 int km_client_receive(km_client *client, int timeout_ms, km_message *reply);
 /* The reply to request `id`; other replies arriving meanwhile are kept. A connection-level ERROR
  * (id 0: the server is closing the connection) is returned to the waiter as its code. Errors as
