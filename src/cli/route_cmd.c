@@ -80,6 +80,68 @@ static void print_json(json_t *o)
     json_decref(o);
 }
 
+/* A decimal integer in 0..max, the whole of s (no sign, no space, no other base). */
+static bool parse_decimal(const char *s, uint64_t max, uint64_t *out)
+{
+    if (*s < '0' || *s > '9')
+        return false;
+    char *end;
+    errno = 0;
+    unsigned long long x = strtoull(s, &end, 10);
+    if (errno || *end || x > max)
+        return false;
+    *out = x;
+    return true;
+}
+
+/* "0,1,5": at most `cap` worker ids. */
+static bool parse_candidates(const char *s, uint32_t *ids, uint32_t cap, uint32_t *n)
+{
+    *n = 0;
+    for (;;) {
+        size_t len = strcspn(s, ",");
+        char word[16];
+        uint64_t id;
+        if (*n == cap || len == 0 || len >= sizeof word)
+            return false;
+        memcpy(word, s, len);
+        word[len] = 0;
+        if (!parse_decimal(word, UINT32_MAX, &id))
+            return false;
+        ids[(*n)++] = (uint32_t)id;
+        if (!s[len])
+            return true;
+        s += len + 1;
+    }
+}
+
+/* POOL:ID[=PUB[,REPLAY]] (the endpoints only when `endpoints`), cut in place in spec. */
+static bool parse_worker(char *spec, bool endpoints, km_worker_info *w)
+{
+    char *colon = strchr(spec, ':');
+    if (!colon || colon == spec)
+        return false;
+    *colon = '\0';
+    char *id = colon + 1, *eq = strchr(id, '=');
+    if (eq) {
+        if (!endpoints || !eq[1])
+            return false;
+        *eq = '\0';
+        w->event_endpoint = eq + 1;
+        char *comma = strchr(eq + 1, ',');
+        if (comma) {
+            *comma = '\0';
+            w->replay_endpoint = comma + 1;
+        }
+    }
+    uint64_t worker;
+    if (!parse_decimal(id, UINT32_MAX, &worker))
+        return false;
+    w->pool = spec;
+    w->worker = (uint32_t)worker;
+    return true;
+}
+
 /* Read whitespace-separated unsigned integers from stdin. */
 static int read_numbers(uint64_t **out, size_t *n_out, uint64_t max)
 {
@@ -121,7 +183,7 @@ int km_cmd_route(int argc, char **argv)
     r.request_id = "manual";
     bool hashes = false, status = false, list = false;
     const char *add = NULL, *remove_w = NULL;
-    uint32_t cands[1024];
+    static uint32_t cands[4096]; /* the protocol's default max_candidates */
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
@@ -157,14 +219,20 @@ int km_cmd_route(int argc, char **argv)
                 r.policy = v;
             else if (!strcmp(a, "--expected-output")) {
                 r.has_expected_output_tokens = true;
-                r.expected_output_tokens = strtoull(v, NULL, 10);
+                if (!parse_decimal(v, UINT64_MAX, &r.expected_output_tokens)) {
+                    fprintf(stderr, "kvmatch route: --expected-output wants a count, got \"%s\"\n",
+                            v);
+                    return 2;
+                }
             } else if (!strcmp(a, "--candidates")) {
-                char buf[4096];
-                snprintf(buf, sizeof buf, "%s", v);
-                char *save = NULL;
-                for (char *t = strtok_r(buf, ",", &save); t && r.n_candidates < 1024;
-                     t = strtok_r(NULL, ",", &save))
-                    cands[r.n_candidates++] = (uint32_t)strtoul(t, NULL, 10);
+                if (!parse_candidates(v, cands, sizeof cands / sizeof cands[0],
+                                      &r.n_candidates)) {
+                    fprintf(stderr,
+                            "kvmatch route: --candidates wants 1 to %zu worker ids (0,1,...), "
+                            "got \"%s\"\n",
+                            sizeof cands / sizeof cands[0], v);
+                    return 2;
+                }
                 r.candidates = cands;
             } else if (!strcmp(a, "--add-worker"))
                 add = v;
@@ -177,11 +245,39 @@ int km_cmd_route(int argc, char **argv)
             }
         }
     }
+    /* Every argument and input word is checked before connecting: a usage error exits 2 whether a
+     * server is up or not. */
+    if ((status ? 1 : 0) + (list ? 1 : 0) + (add ? 1 : 0) + (remove_w ? 1 : 0) > 1) {
+        fprintf(stderr, "kvmatch route: give one of --status, --workers, --add-worker, "
+                        "--remove-worker\n");
+        return 2;
+    }
+    char spec[1024];
+    km_worker_info w;
+    memset(&w, 0, sizeof w);
+    if (add || remove_w) {
+        const char *v = add ? add : remove_w;
+        bool fits = strlen(v) < sizeof spec;
+        if (fits)
+            memcpy(spec, v, strlen(v) + 1);
+        if (!fits || !parse_worker(spec, add != NULL, &w)) {
+            fprintf(stderr, "kvmatch route: %s wants %s, got \"%s\"\n",
+                    add ? "--add-worker" : "--remove-worker",
+                    add ? "POOL:ID[=PUB[,REPLAY]]" : "POOL:ID", v);
+            return 2;
+        }
+    }
+    uint64_t *nums = NULL;
+    size_t n = 0;
+    if (!status && !list && !add && !remove_w &&
+        read_numbers(&nums, &n, hashes ? UINT64_MAX : UINT32_MAX) != 0)
+        return 2;
     km_client *c = NULL;
     char why[256];
     int rc = km_client_connect(addr, 5000, &c, why, sizeof why);
     if (rc != KM_OK) {
         fprintf(stderr, "kvmatch route: %s: %s\n", km_error_name(rc), why);
+        free(nums);
         return 1;
     }
     km_message reply;
@@ -202,30 +298,7 @@ int km_cmd_route(int argc, char **argv)
         km_message m;
         memset(&m, 0, sizeof m);
         m.type = KM_MESSAGE_WORKERS;
-        km_worker_info w;
-        memset(&w, 0, sizeof w);
-        char spec[1024];
         if (add || remove_w) {
-            snprintf(spec, sizeof spec, "%s", add ? add : remove_w);
-            char *colon = strchr(spec, ':');
-            if (!colon) {
-                fprintf(stderr, "kvmatch route: want POOL:ID[=PUB[,REPLAY]]\n");
-                km_client_close(c);
-                return 2;
-            }
-            *colon = '\0';
-            w.pool = spec;
-            char *end;
-            w.worker = (uint32_t)strtoul(colon + 1, &end, 10);
-            if (*end == '=') {
-                *end = '\0';
-                w.event_endpoint = end + 1;
-                char *comma = strchr(end + 1, ',');
-                if (comma) {
-                    *comma = '\0';
-                    w.replay_endpoint = comma + 1;
-                }
-            }
             m.workers.action = add ? KM_ADMIN_ADD : KM_ADMIN_REMOVE;
             m.workers.workers = &w;
             m.workers.n_workers = 1;
@@ -256,12 +329,6 @@ int km_cmd_route(int argc, char **argv)
             }
         }
     } else {
-        uint64_t *nums = NULL;
-        size_t n = 0;
-        if (read_numbers(&nums, &n, hashes ? UINT64_MAX : UINT32_MAX) != 0) {
-            km_client_close(c);
-            return 2;
-        }
         uint32_t *tokens = NULL;
         if (hashes) {
             r.input = KM_ROUTE_INPUT_HASHES;
@@ -282,8 +349,8 @@ int km_cmd_route(int argc, char **argv)
                 print_json(decision_json(&reply.decision.decisions[i]));
             }
         free(tokens);
-        free(nums);
     }
+    free(nums);
     if (rc != KM_OK) {
         fprintf(stderr, "kvmatch route: %s: %s\n", km_error_name(rc), km_client_last_error(c));
         exit_code = 1;

@@ -1,0 +1,243 @@
+/* `kvmatch route`: a bad option value or input word exits 2 with a message naming it, before any
+ * connection (so the answer does not depend on a server being up), and the numbers it sends are
+ * the decimal ones it was given. The binary is $KM_BIN, else build/kvmatch; a small fake server in
+ * a thread of the test answers its ROUTE with a DECISION computed from the request. Every run is
+ * bounded by a timeout. */
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "kvmatch/client.h"
+#include "test_util.h"
+
+#define ROUTE_TIMEOUT_S 20
+
+typedef struct route_run {
+    int status; /* exit status; 128 + signal when killed */
+    char out[4096], err[4096];
+} route_run;
+
+static void read_file(const char *path, char *buf, size_t cap)
+{
+    FILE *f = fopen(path, "r");
+    size_t n = f ? fread(buf, 1, cap - 1, f) : 0;
+    buf[n] = 0;
+    if (f)
+        fclose(f);
+}
+
+/* Run `kvmatch route ARGS...` (NULL-terminated) with `input` on stdin. */
+static void run_route(const char *const *args, const char *input, route_run *res)
+{
+    const char *bin = getenv("KM_BIN") && *getenv("KM_BIN") ? getenv("KM_BIN") : "build/kvmatch";
+    cr_assert(access(bin, X_OK) == 0, "%s is not executable (build it with make; or set KM_BIN)",
+              bin);
+    char dir[] = "/tmp/kvmatch-test-route-XXXXXX";
+    cr_assert(mkdtemp(dir));
+    char in_path[64], out_path[64], err_path[64];
+    snprintf(in_path, sizeof in_path, "%s/in", dir);
+    snprintf(out_path, sizeof out_path, "%s/out", dir);
+    snprintf(err_path, sizeof err_path, "%s/err", dir);
+    FILE *f = fopen(in_path, "w");
+    cr_assert(f);
+    fputs(input, f);
+    fclose(f);
+    const char *argv[32] = {bin, "route"};
+    int argc = 2;
+    for (int i = 0; args[i]; i++) {
+        cr_assert(argc < 31);
+        argv[argc++] = args[i];
+    }
+    pid_t pid = fork();
+    cr_assert(pid >= 0, "fork: %s", strerror(errno));
+    if (pid == 0) {
+        int in = open(in_path, O_RDONLY), out = open(out_path, O_WRONLY | O_CREAT, 0600),
+            err = open(err_path, O_WRONLY | O_CREAT, 0600);
+        if (in < 0 || out < 0 || err < 0)
+            _exit(126);
+        dup2(in, 0), dup2(out, 1), dup2(err, 2);
+        execv(bin, (char *const *)argv);
+        _exit(127);
+    }
+    int st = 0;
+    double deadline = km_test_now() + ROUTE_TIMEOUT_S;
+    pid_t done;
+    while ((done = waitpid(pid, &st, WNOHANG)) == 0 && km_test_now() < deadline)
+        nanosleep(&(struct timespec){0, 5000000}, NULL);
+    if (done == 0) {
+        kill(pid, SIGKILL);
+        waitpid(pid, &st, 0);
+    }
+    res->status = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+    read_file(out_path, res->out, sizeof res->out);
+    read_file(err_path, res->err, sizeof res->err);
+    unlink(in_path), unlink(out_path), unlink(err_path), rmdir(dir);
+    cr_assert(done != 0, "kvmatch route did not finish within %d s", ROUTE_TIMEOUT_S);
+    cr_assert(res->status != 127 && res->status != 126, "could not execute %s", bin);
+}
+
+/* ---- a fake server: one connection, WELCOME, then a DECISION per ROUTE whose decision_id is the
+ * sum of the route's tokens or hashes ------------------------------------------------------------ */
+
+typedef struct fake_server {
+    int listen_fd;
+    char path[108];
+    char address[120];
+    pthread_t thread;
+} fake_server;
+
+static void send_all(int fd, const km_frame_buffer *out)
+{
+    for (size_t off = 0; off < out->size;) {
+        ssize_t n = send(fd, out->data + off, out->size - off, MSG_NOSIGNAL);
+        if (n <= 0)
+            return;
+        off += (size_t)n;
+    }
+}
+
+static void fake_answer(int fd, const km_message *m)
+{
+    km_message reply = {.has_id = true, .id = m->id};
+    km_route_decision d = {.request_id = "", .decision_id = 0, .source = KM_PREDICTION_APPROX};
+    if (m->type == KM_MESSAGE_HELLO) {
+        reply.type = KM_MESSAGE_WELCOME;
+        reply.welcome.protocol_version = KM_PROTOCOL_VERSION;
+        reply.welcome.kvmatch_version = "0.1.0-fake";
+        km_protocol_limits_init(&reply.welcome.limits);
+    } else if (m->type == KM_MESSAGE_ROUTE) {
+        const km_route_request *q = &m->route.routes[0];
+        for (uint32_t i = 0; i < q->n_tokens; i++)
+            d.decision_id += q->tokens[i];
+        for (uint32_t i = 0; i < q->n_hashes; i++)
+            d.decision_id += q->hashes[i];
+        d.request_id = q->request_id;
+        reply.type = KM_MESSAGE_DECISION;
+        reply.decision.decisions = &d;
+        reply.decision.n_decisions = 1;
+    } else {
+        reply.type = KM_MESSAGE_ERROR;
+        reply.error.code = KM_ERR_PROTOCOL;
+        reply.error.message = "fake server: unsupported type";
+    }
+    km_frame_buffer out;
+    km_frame_buffer_init(&out);
+    km_protocol_encode(&reply, 0, &out, NULL, 0);
+    send_all(fd, &out);
+    km_frame_buffer_free(&out);
+}
+
+static void *fake_main(void *arg)
+{
+    fake_server *s = arg;
+    int fd = accept(s->listen_fd, NULL, NULL);
+    if (fd < 0)
+        return NULL;
+    km_frame_reader *reader;
+    km_protocol_decoder *decoder;
+    km_frame_reader_create(0, &reader);
+    km_protocol_decoder_create(NULL, &decoder);
+    uint8_t buf[4096];
+    ssize_t n;
+    while ((n = recv(fd, buf, sizeof buf, 0)) > 0) {
+        for (size_t off = 0; off < (size_t)n;) {
+            size_t used, size;
+            const uint8_t *payload;
+            if (km_frame_reader_next(reader, buf + off, (size_t)n - off, &used, &payload, &size))
+                goto done;
+            off += used;
+            km_message m;
+            if (payload && km_protocol_decode(decoder, payload, size, &m) == KM_OK)
+                fake_answer(fd, &m);
+        }
+    }
+done:
+    close(fd);
+    km_frame_reader_destroy(reader);
+    km_protocol_decoder_destroy(decoder);
+    return NULL;
+}
+
+static void fake_start(fake_server *s)
+{
+    memset(s, 0, sizeof *s);
+    snprintf(s->path, sizeof s->path, "/tmp/kvmatch-test-route-%d.sock", (int)getpid());
+    snprintf(s->address, sizeof s->address, "unix:%s", s->path);
+    unlink(s->path);
+    s->listen_fd = socket(AF_UNIX, SOCK_STREAM, 0);
+    struct sockaddr_un a = {.sun_family = AF_UNIX};
+    snprintf(a.sun_path, sizeof a.sun_path, "%s", s->path);
+    cr_assert_eq(bind(s->listen_fd, (struct sockaddr *)&a, sizeof a), 0, "bind %s", s->path);
+    cr_assert_eq(listen(s->listen_fd, 4), 0);
+    cr_assert_eq(pthread_create(&s->thread, NULL, fake_main, s), 0);
+}
+
+static void fake_stop(fake_server *s)
+{
+    shutdown(s->listen_fd, SHUT_RDWR);
+    close(s->listen_fd);
+    pthread_join(s->thread, NULL);
+    unlink(s->path);
+}
+
+/* ---- tests ---------------------------------------------------------------------------------------- */
+
+/* A socket nothing listens on: a run that got as far as connecting exits 1. */
+#define NO_SERVER "unix:/tmp/kvmatch-test-route-no-such-socket"
+
+static void expect_usage_error(const char *const *args, const char *input, const char *named)
+{
+    route_run r;
+    run_route(args, input, &r);
+    cr_assert_eq(r.status, 2, "%s %s: exit %d, stderr: %s", args[2], args[3] ? args[3] : "",
+                 r.status, r.err);
+    cr_assert(strstr(r.err, named), "stderr does not name %s: %s", named, r.err);
+    cr_assert_str_eq(r.out, "");
+}
+
+Test(cli_route, bad_values_exit_2_before_connecting, .timeout = 60)
+{
+    expect_usage_error((const char *const[]){"--connect", NO_SERVER, "--candidates", "1,x,3",
+                                             NULL},
+                       "", "--candidates");
+    expect_usage_error((const char *const[]){"--connect", NO_SERVER, "--candidates", "1,-2",
+                                             NULL},
+                       "", "--candidates");
+    expect_usage_error((const char *const[]){"--connect", NO_SERVER, "--candidates", "4294967296",
+                                             NULL},
+                       "", "--candidates");
+    expect_usage_error((const char *const[]){"--connect", NO_SERVER, "--expected-output", "lots",
+                                             NULL},
+                       "", "--expected-output");
+    expect_usage_error((const char *const[]){"--connect", NO_SERVER, "--expected-output", "-5",
+                                             NULL},
+                       "", "--expected-output");
+    expect_usage_error((const char *const[]){"--connect", NO_SERVER, "--add-worker", "main:x",
+                                             NULL},
+                       "", "--add-worker");
+    expect_usage_error((const char *const[]){"--connect", NO_SERVER, "--add-worker", "main:1x",
+                                             NULL},
+                       "", "--add-worker");
+    expect_usage_error((const char *const[]){"--connect", NO_SERVER, "--remove-worker", ":1",
+                                             NULL},
+                       "", "--remove-worker");
+    expect_usage_error((const char *const[]){"--connect", NO_SERVER, "--status", "--workers",
+                                             NULL},
+                       "", "one of");
+    expect_usage_error((const char *const[]){"--connect", NO_SERVER, NULL}, "1 2 x 4",
+                       "not a valid number: x");
+    /* A valid run gets as far as connecting. */
+    route_run r;
+    run_route((const char *const[]){"--connect", NO_SERVER, "--candidates", "0,1", NULL}, "1 2",
+              &r);
+    cr_assert_eq(r.status, 1, "exit %d, stderr: %s", r.status, r.err);
+}
