@@ -241,3 +241,22 @@ Test(cli_route, bad_values_exit_2_before_connecting, .timeout = 60)
               &r);
     cr_assert_eq(r.status, 1, "exit %d, stderr: %s", r.status, r.err);
 }
+
+/* Token ids are decimal, as `kvmatch hash` reads them: "010" is ten, not eight; chain hashes are
+ * decimal or 0x hex. */
+Test(cli_route, numbers_are_decimal, .timeout = 60)
+{
+    fake_server s;
+    fake_start(&s);
+    route_run r;
+    run_route((const char *const[]){"--connect", s.address, NULL}, "010 7\n", &r);
+    cr_assert_eq(r.status, 0, "exit %d, stderr: %s", r.status, r.err);
+    cr_assert(strstr(r.out, "\"decision_id\":17"), "%s", r.out);
+    fake_stop(&s);
+
+    fake_start(&s);
+    run_route((const char *const[]){"--connect", s.address, "--hashes", NULL}, "0x10 010\n", &r);
+    cr_assert_eq(r.status, 0, "exit %d, stderr: %s", r.status, r.err);
+    cr_assert(strstr(r.out, "\"decision_id\":26"), "%s", r.out);
+    fake_stop(&s);
+}

@@ -20,7 +20,8 @@ static void route_usage(FILE *f)
             "usage: kvmatch route [--connect ADDR] [--pool P] [--model M] [--request-id ID]\n"
             "                     [--attempt-id A] [--lora NAME] [--salt S] [--policy P]\n"
             "                     [--candidates 0,1,...] [--expected-output N] [--hashes]\n"
-            "                     < token ids (or chain hashes with --hashes)\n"
+            "                     < decimal token ids (or chain hashes with --hashes:\n"
+            "                       decimal or 0x hex)\n"
             "       kvmatch route [--connect ADDR] --status | --workers\n"
             "       kvmatch route [--connect ADDR] --add-worker POOL:ID[=PUB[,REPLAY]]\n"
             "       kvmatch route [--connect ADDR] --remove-worker POOL:ID\n"
@@ -80,18 +81,24 @@ static void print_json(json_t *o)
     json_decref(o);
 }
 
-/* A decimal integer in 0..max, the whole of s (no sign, no space, no other base). */
-static bool parse_decimal(const char *s, uint64_t max, uint64_t *out)
+/* An integer in 0..max written in `base` (10 or 16), digits only: the whole of s, no sign, no
+ * space, no prefix. */
+static bool parse_unsigned(const char *s, int base, uint64_t max, uint64_t *out)
 {
-    if (*s < '0' || *s > '9')
+    size_t digits = strspn(s, base == 16 ? "0123456789abcdefABCDEF" : "0123456789");
+    if (digits == 0 || s[digits])
         return false;
-    char *end;
     errno = 0;
-    unsigned long long x = strtoull(s, &end, 10);
-    if (errno || *end || x > max)
+    unsigned long long x = strtoull(s, NULL, base);
+    if (errno || x > max)
         return false;
     *out = x;
     return true;
+}
+
+static bool parse_decimal(const char *s, uint64_t max, uint64_t *out)
+{
+    return parse_unsigned(s, 10, max, out);
 }
 
 /* "0,1,5": at most `cap` worker ids. */
@@ -142,8 +149,9 @@ static bool parse_worker(char *spec, bool endpoints, km_worker_info *w)
     return true;
 }
 
-/* Read whitespace-separated unsigned integers from stdin. */
-static int read_numbers(uint64_t **out, size_t *n_out, uint64_t max)
+/* Read whitespace-separated unsigned integers from stdin: decimal, as `kvmatch hash` reads token
+ * ids (a leading 0 is not octal), or with `hex` (chain hashes) also 0x hex. */
+static int read_numbers(uint64_t **out, size_t *n_out, uint64_t max, bool hex)
 {
     size_t n = 0, cap = 1024;
     uint64_t *v = malloc(cap * sizeof *v);
@@ -151,10 +159,9 @@ static int read_numbers(uint64_t **out, size_t *n_out, uint64_t max)
         return -1;
     char word[64];
     while (scanf("%63s", word) == 1) {
-        char *end;
-        errno = 0;
-        unsigned long long x = strtoull(word, &end, 0);
-        if (errno || *end || word[0] == '-' || x > max) {
+        uint64_t x;
+        bool is_hex = hex && word[0] == '0' && (word[1] == 'x' || word[1] == 'X');
+        if (!(is_hex ? parse_unsigned(word + 2, 16, max, &x) : parse_decimal(word, max, &x))) {
             fprintf(stderr, "kvmatch route: not a valid number: %s\n", word);
             free(v);
             return -1;
@@ -270,7 +277,7 @@ int km_cmd_route(int argc, char **argv)
     uint64_t *nums = NULL;
     size_t n = 0;
     if (!status && !list && !add && !remove_w &&
-        read_numbers(&nums, &n, hashes ? UINT64_MAX : UINT32_MAX) != 0)
+        read_numbers(&nums, &n, hashes ? UINT64_MAX : UINT32_MAX, hashes) != 0)
         return 2;
     km_client *c = NULL;
     char why[256];
