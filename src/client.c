@@ -207,10 +207,22 @@ static int open_socket(km_client *c, const char *address, int64_t deadline)
         int one = 1;
         setsockopt(c->fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
     }
-    if (connect(c->fd, (struct sockaddr *)&sa, len) == 0)
-        return KM_OK;
-    if (errno != EINPROGRESS && errno != EAGAIN)
-        return client_fail(c, KM_ERR_IO, "connect to %s: %s", address, strerror(errno));
+    /* A Unix socket's connect answers EAGAIN, not EINPROGRESS, while the server's listen queue is
+     * full (the socket stays unconnected): try again until the deadline, as a blocking connect
+     * would wait. */
+    for (;;) {
+        if (connect(c->fd, (struct sockaddr *)&sa, len) == 0)
+            return KM_OK;
+        if (errno == EINPROGRESS)
+            break;
+        if (errno != EAGAIN || sa.ss_family != AF_UNIX)
+            return client_fail(c, KM_ERR_IO, "connect to %s: %s", address, strerror(errno));
+        int left = remaining_ms(deadline);
+        if (left == 0)
+            return client_fail(c, KM_ERR_TIMEOUT,
+                               "connect to %s: the server's listen queue stayed full", address);
+        poll(NULL, 0, left < 0 || left > 10 ? 10 : left);
+    }
     if ((rc = wait_socket(c, POLLOUT, deadline, "connect")))
         return rc;
     int err = 0;

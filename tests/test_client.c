@@ -592,6 +592,48 @@ Test(client, connect_errors, .timeout = 20)
     fake_stop(&s);
 }
 
+static void *fake_main_after_200ms(void *arg)
+{
+    nanosleep(&(struct timespec){0, 200000000L}, NULL);
+    return fake_main(arg);
+}
+
+/* A Unix server whose listen queue is full refuses connect with EAGAIN: the client tries again
+ * within its timeout, as a blocking connect would wait, and says so when the queue stays full. */
+Test(client, connect_waits_while_the_listen_queue_is_full, .timeout = 20)
+{
+    fake_server s;
+    memset(&s, 0, sizeof s);
+    s.mode = FAKE_NORMAL;
+    snprintf(s.path, sizeof s.path, "/tmp/kvmatch-test-client-queue-%d.sock", (int)getpid());
+    unlink(s.path);
+    s.listen_fd = socket(AF_UNIX, SOCK_STREAM, 0);
+    struct sockaddr_un a = {.sun_family = AF_UNIX};
+    snprintf(a.sun_path, sizeof a.sun_path, "%s", s.path);
+    cr_assert_eq(bind(s.listen_fd, (struct sockaddr *)&a, sizeof a), 0, "bind %s", s.path);
+    cr_assert_eq(listen(s.listen_fd, 0), 0); /* room for one connection not yet accepted */
+    int queued = socket(AF_UNIX, SOCK_STREAM, 0);
+    cr_assert_eq(connect(queued, (struct sockaddr *)&a, sizeof a), 0);
+    close(queued); /* still queued: the fake server accepts it, reads EOF, and goes on */
+    char address[160], why[256];
+    fake_address(&s, address, sizeof address);
+    km_client *c = NULL;
+
+    double t0 = km_test_now();
+    int rc = km_client_connect(address, 300, &c, why, sizeof why);
+    double took = km_test_now() - t0;
+    cr_assert_eq(rc, KM_ERR_TIMEOUT, "%s: %s", km_error_name(rc), why);
+    cr_assert(strstr(why, "listen queue"), "%s", why);
+    cr_assert(took >= 0.25 && took < 2.0, "connect took %.3f s for a timeout of 0.3 s", took);
+    cr_assert_null(c);
+
+    cr_assert_eq(pthread_create(&s.thread, NULL, fake_main_after_200ms, &s), 0);
+    rc = km_client_connect(address, 5000, &c, why, sizeof why);
+    cr_assert_eq(rc, KM_OK, "%s: %s", km_error_name(rc), why);
+    km_client_close(c);
+    fake_stop(&s);
+}
+
 Test(client, timeout_then_usable_and_close, .timeout = 20)
 {
     fake_server s;

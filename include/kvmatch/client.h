@@ -44,7 +44,8 @@ typedef struct km_client km_client;
 
 /* Connect to "unix:/path/to/socket" or "tcp:127.0.0.1:7070" (a numeric IPv4 or [IPv6] address),
  * send HELLO (protocol KM_PROTOCOL_VERSION, client name "kvmatch-c") and wait for WELCOME, all
- * within timeout_ms (< 0: no limit). Errors: KM_ERR_NULL_POINTER, KM_ERR_INVALID_ARGUMENT (address
+ * within timeout_ms (< 0: no limit); while a Unix server's listen queue is full, connect is tried
+ * again within that time. Errors: KM_ERR_NULL_POINTER, KM_ERR_INVALID_ARGUMENT (address
  * form), KM_ERR_IO (connect failed), KM_ERR_TIMEOUT, KM_ERR_CLOSED, KM_ERR_INCOMPATIBLE (the server
  * does not speak our version, or answers with another one), any code of the server's ERROR reply,
  * KM_ERR_OUT_OF_MEMORY. On failure *out is NULL and, when why is not NULL, why[0..why_size)
