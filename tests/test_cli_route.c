@@ -240,6 +240,8 @@ Test(cli_route, bad_values_exit_2_before_connecting, .timeout = 60)
     run_route((const char *const[]){"--connect", NO_SERVER, "--candidates", "0,1", NULL}, "1 2",
               &r);
     cr_assert_eq(r.status, 1, "exit %d, stderr: %s", r.status, r.err);
+    /* The client's sentence already starts with the code's name: it is said once. */
+    cr_assert(strstr(r.err, "kvmatch route: KM_ERR_IO: connect to "), "%s", r.err);
 }
 
 /* Token ids are decimal, as `kvmatch hash` reads them: "010" is ten, not eight; chain hashes are

@@ -283,7 +283,7 @@ int km_cmd_route(int argc, char **argv)
     char why[256];
     int rc = km_client_connect(addr, 5000, &c, why, sizeof why);
     if (rc != KM_OK) {
-        fprintf(stderr, "kvmatch route: %s: %s\n", km_error_name(rc), why);
+        fprintf(stderr, "kvmatch route: %s\n", why); /* "KM_ERR_NAME: detail" */
         free(nums);
         return 1;
     }
@@ -359,7 +359,7 @@ int km_cmd_route(int argc, char **argv)
     }
     free(nums);
     if (rc != KM_OK) {
-        fprintf(stderr, "kvmatch route: %s: %s\n", km_error_name(rc), km_client_last_error(c));
+        fprintf(stderr, "kvmatch route: %s\n", km_client_last_error(c));
         exit_code = 1;
     }
     km_client_close(c);
