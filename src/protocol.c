@@ -708,6 +708,8 @@ static void encode_worker(writer *w, const km_worker_info *wi, uint32_t i, bool 
     put_str(w, &m, "replay_endpoint", wi->replay_endpoint);
     if (wi->has_dp_rank)
         put_u64(w, &m, "dp_rank", wi->dp_rank);
+    if (wi->has_healthy)
+        put_bool(w, &m, "healthy", wi->healthy);
     if (runtime) {
         put_str(w, &m, "state", wi->state);
         if (wi->has_blocks)
@@ -718,6 +720,11 @@ static void encode_worker(writer *w, const km_worker_info *wi, uint32_t i, bool 
             put_u64(w, &m, "expected_seq", wi->expected_seq);
         if (wi->has_load)
             put_load(w, &m, &wi->load);
+        put_str(w, &m, "breaker", wi->breaker);
+        if (wi->has_failures)
+            put_u64(w, &m, "failures", wi->failures);
+        if (wi->has_eligible)
+            put_bool(w, &m, "eligible", wi->eligible);
     }
     map_end(w, &m);
 }
@@ -847,8 +854,9 @@ static void encode_body(writer *w, map_mark *m, const km_message *msg)
         break;
     case KM_MESSAGE_WORKERS:
         if (msg->workers.action != KM_ADMIN_ADD && msg->workers.action != KM_ADMIN_REMOVE &&
-            msg->workers.action != KM_ADMIN_LIST) {
-            writer_fail(w, KM_ERR_INVALID_ARGUMENT, "WORKERS action must be add, remove or list");
+            msg->workers.action != KM_ADMIN_UPDATE && msg->workers.action != KM_ADMIN_LIST) {
+            writer_fail(w, KM_ERR_INVALID_ARGUMENT,
+                        "WORKERS action must be add, remove, update or list");
             break;
         }
         put_str(w, m, "action", km_admin_action_name(msg->workers.action));
@@ -1823,10 +1831,11 @@ static int decode_lifecycle_event(km_protocol_decoder *d, const msgpack_object *
 static int decode_worker(km_protocol_decoder *d, const msgpack_object *o, km_worker_info *w)
 {
     enum { POOL, WORKER, NAME, EVENT_ENDPOINT, REPLAY_ENDPOINT, DP_RANK, STATE, BLOCKS,
-           LAST_EVENT_AGE_S, LOAD, EXPECTED_SEQ, N_FIELDS };
+           LAST_EVENT_AGE_S, LOAD, EXPECTED_SEQ, HEALTHY, BREAKER, FAILURES, ELIGIBLE, N_FIELDS };
     static const char *const names[N_FIELDS] = {
-        "pool",    "worker", "name",   "event_endpoint",   "replay_endpoint",
-        "dp_rank", "state",  "blocks", "last_event_age_s", "load", "expected_seq"};
+        "pool",    "worker",  "name",    "event_endpoint",   "replay_endpoint",
+        "dp_rank", "state",   "blocks",  "last_event_age_s", "load",
+        "expected_seq", "healthy", "breaker", "failures", "eligible"};
     const msgpack_object *v[N_FIELDS];
     int rc = bind_fields(d, o, NULL, names, N_FIELDS, v);
     if (rc)
@@ -1842,8 +1851,24 @@ static int decode_worker(km_protocol_decoder *d, const msgpack_object *o, km_wor
         (rc = OPT(read_str(d, v[REPLAY_ENDPOINT], "replay_endpoint", &w->replay_endpoint),
                   v[REPLAY_ENDPOINT])) ||
         (rc = OPT(read_str(d, v[STATE], "state", &w->state), v[STATE])) ||
+        (rc = OPT(read_str(d, v[BREAKER], "breaker", &w->breaker), v[BREAKER])) ||
         (rc = read_optional_u64(d, v[BLOCKS], "blocks", &w->has_blocks, &w->blocks)))
         return rc;
+    if (v[HEALTHY]) {
+        if ((rc = read_bool(d, v[HEALTHY], "healthy", &w->healthy)))
+            return rc;
+        w->has_healthy = true;
+    }
+    if (v[FAILURES]) {
+        if ((rc = read_u32(d, v[FAILURES], "failures", &w->failures)))
+            return rc;
+        w->has_failures = true;
+    }
+    if (v[ELIGIBLE]) {
+        if ((rc = read_bool(d, v[ELIGIBLE], "eligible", &w->eligible)))
+            return rc;
+        w->has_eligible = true;
+    }
     if (v[DP_RANK]) {
         if ((rc = read_u32(d, v[DP_RANK], "dp_rank", &w->dp_rank)))
             return rc;
@@ -2130,9 +2155,6 @@ static int decode_body(km_protocol_decoder *d, const msgpack_object *root, km_me
         } else {
             if ((rc = read_action(d, v[0], &m->workers.action)))
                 return rc;
-            if (m->workers.action == KM_ADMIN_UPDATE)
-                return field_fail(d, KM_ERR_PARSE, "action", NO_ELEMENT,
-                                  "WORKERS takes add, remove or list");
             if (m->workers.action == KM_ADMIN_LIST)
                 return OPT(read_str(d, v[1], "pool", &m->workers.pool), v[1]);
         }

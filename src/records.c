@@ -129,6 +129,7 @@ void km_record_candidate_init(km_record_candidate *c)
     c->pending_prefill_tokens = KM_RECORD_ABSENT;
     c->active_decode_blocks = KM_RECORD_ABSENT;
     c->cost = NAN;
+    c->eligible = true;
 }
 
 void km_decision_record_init(km_decision_record *r)
@@ -737,6 +738,7 @@ int km_decision_record_format(const km_decision_record *r, char **line, size_t *
         put_count(&b, "pending_prefill_tokens", c->pending_prefill_tokens, false);
         put_count(&b, "active_decode_blocks", c->active_decode_blocks, false);
         put_real(&b, "cost", c->cost);
+        put_bool(&b, "eligible", c->eligible);
         close_container(&b, '}');
         annotate(&b, KM_OK, "candidates[%zu]", i);
     }

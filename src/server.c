@@ -186,6 +186,12 @@ typedef struct worker_slot {
     /* per batch: state name cached */
     uint64_t state_batch;
     const char *state;
+    /* Health (SERVICE.md, "Worker health"), under active_lock: the router's verdict and the
+     * circuit breaker fed by this instance's outcomes. */
+    bool unhealthy;            /* the router said so (WORKERS add / update `healthy` false) */
+    uint32_t failures;         /* outcomes error or incomplete in a row */
+    bool breaker_tripped;      /* failures reached breaker_failures; a complete outcome clears it */
+    uint64_t breaker_until_ns; /* tripped: open until then, half-open after */
 } worker_slot;
 
 typedef struct pool {
@@ -325,7 +331,7 @@ struct km_server {
         atomic_uint_fast64_t accepted, open, refused, slow_closed, frames, bad_frames, routes,
             decisions, route_errors, overloaded, batches, inline_batches, lifecycle,
             lifecycle_errors, outcomes, expired, evicted, dropped_at_shutdown,
-            dispatch_learned, dispatch_unlearned;
+            dispatch_learned, dispatch_unlearned, breaker_opened, no_healthy;
     } st;
     int shutdown_status;
 };
@@ -1068,6 +1074,74 @@ static uint32_t next_stamp(km_server *s, batch_scratch *b)
     return b->candidate_stamp;
 }
 
+/* ---- worker health ---------------------------------------------------------------------------- */
+
+typedef enum breaker_state { BREAKER_CLOSED, BREAKER_OPEN, BREAKER_HALF_OPEN } breaker_state;
+
+static breaker_state worker_breaker(const worker_slot *w, uint64_t now)
+{
+    if (!w->breaker_tripped)
+        return BREAKER_CLOSED;
+    return now < w->breaker_until_ns ? BREAKER_OPEN : BREAKER_HALF_OPEN;
+}
+
+static const char *breaker_state_name(breaker_state b)
+{
+    return b == BREAKER_OPEN ? "open" : b == BREAKER_HALF_OPEN ? "half_open" : "closed";
+}
+
+typedef enum eligibility {
+    ELIGIBLE = 0,
+    INELIGIBLE_UNHEALTHY,    /* the router said so */
+    INELIGIBLE_BREAKER_OPEN, /* failures reached the threshold, cooldown running */
+    INELIGIBLE_PROBING,      /* half-open, its probe attempt still in flight */
+} eligibility;
+
+/* Can a route choose the worker now (active_lock held)? A half-open breaker lets one attempt
+ * through at a time: the worker is eligible only while this instance has nothing in flight on
+ * it, so the first outcome after the cooldown decides before more follow. */
+static eligibility worker_eligibility(const worker_slot *w, uint64_t now, uint64_t in_flight)
+{
+    if (w->unhealthy)
+        return INELIGIBLE_UNHEALTHY;
+    breaker_state b = worker_breaker(w, now);
+    if (b == BREAKER_OPEN)
+        return INELIGIBLE_BREAKER_OPEN;
+    if (b == BREAKER_HALF_OPEN && in_flight > 0)
+        return INELIGIBLE_PROBING;
+    return ELIGIBLE;
+}
+
+/* An attempt on worker `id` ended with a FINISHED report (active_lock held). `complete` closes
+ * the breaker; `error` and `incomplete` (a stream that ended without finish_reason and [DONE],
+ * whatever its HTTP status: the brief's point) count as failures, and the breaker_failures-th in
+ * a row opens it for breaker_cooldown_ms, as does any failure while half-open; `cancelled` says
+ * nothing about the worker. */
+static void breaker_outcome(km_server *s, uint32_t id, km_outcome outcome, uint64_t now)
+{
+    worker_slot *w = &s->workers[id];
+    if (outcome == KM_OUTCOME_COMPLETE) {
+        w->failures = 0;
+        w->breaker_tripped = false;
+        return;
+    }
+    if (outcome != KM_OUTCOME_ERROR && outcome != KM_OUTCOME_INCOMPLETE)
+        return;
+    if (w->failures < UINT32_MAX)
+        w->failures++;
+    uint32_t threshold = s->cfg.breaker_failures;
+    if (!threshold || w->failures < threshold || worker_breaker(w, now) == BREAKER_OPEN)
+        return;
+    bool reopened = w->breaker_tripped;
+    w->breaker_tripped = true;
+    uint64_t cooldown = s->cfg.breaker_cooldown_ms * 1000000u;
+    w->breaker_until_ns = now > UINT64_MAX - cooldown ? UINT64_MAX : now + cooldown;
+    atomic_fetch_add(&s->st.breaker_opened, 1);
+    slog(s, "worker %u (%s): circuit breaker %s after %u failed attempts in a row (last: %s); not "
+         "chosen for %" PRIu64 " ms", id, w->name, reopened ? "reopened" : "open", w->failures,
+         outcome == KM_OUTCOME_ERROR ? "error" : "incomplete", s->cfg.breaker_cooldown_ms);
+}
+
 /* Decide one route whose scoring result is rr (admin_lock and active_lock held). Fills the reply
  * decision *d (candidate arrays in the job's memory) or fails the route. */
 static void decide_route(km_server *s, job *j, route_job *r, pool *p, const km_request_result *rr,
@@ -1101,8 +1175,14 @@ static void decide_route(km_server *s, job *j, route_job *r, pool *p, const km_r
     }
     const km_worker_match *m = p->results.matches + rr->first;
     const km_match_tiers *tiers = p->results.tiers + rr->first;
+    uint64_t now = now_ns();
+    /* Eligible candidates first, in the route's order, then the ineligible ones (unhealthy or
+     * held back by their breaker), also in order: the policy weighs the first n_eligible; the
+     * others still have rows, so the reply and the record show what they held. */
+    uint32_t n_eligible = 0, back = n, unhealthy = 0, breaker_open = 0, probing = 0;
     for (uint32_t i = 0; i < n; i++) {
-        km_policy_candidate *c = &b->cands[i];
+        km_policy_candidate cand;
+        km_policy_candidate *c = &cand;
         memset(c, 0, sizeof *c);
         c->worker = ids[i];
         uint32_t at;
@@ -1122,6 +1202,28 @@ static void decide_route(km_server *s, job *j, route_job *r, pool *p, const km_r
         km_worker_stats ws;
         if (km_index_worker_stats(p->index, ids[i], &ws) == KM_OK)
             c->indexed_blocks = ws.blocks;
+        eligibility e = worker_eligibility(&s->workers[ids[i]], now, c->in_flight);
+        if (e == ELIGIBLE)
+            b->cands[n_eligible++] = cand;
+        else
+            b->cands[--back] = cand;
+        unhealthy += e == INELIGIBLE_UNHEALTHY;
+        breaker_open += e == INELIGIBLE_BREAKER_OPEN;
+        probing += e == INELIGIBLE_PROBING;
+    }
+    for (uint32_t lo = n_eligible, hi = n; lo + 1 < hi; lo++, hi--) { /* the route's order */
+        km_policy_candidate t = b->cands[lo];
+        b->cands[lo] = b->cands[hi - 1];
+        b->cands[hi - 1] = t;
+    }
+    if (n_eligible == 0) {
+        atomic_fetch_add(&s->st.no_healthy, 1);
+        route_fail(r, KM_ERR_NO_HEALTHY_WORKER,
+                   "no eligible worker among the %u candidates of pool %s: %u unhealthy (the "
+                   "router's word), %u circuit breaker%s open, %u half-open with an attempt in "
+                   "flight", n, p->name, unhealthy, breaker_open, breaker_open == 1 ? "" : "s",
+                   probing);
+        return;
     }
     km_policy_config pc = p->policy;
     if (r->policy_name && km_policy_kind_parse(r->policy_name, &pc.kind) != KM_OK) {
@@ -1131,17 +1233,28 @@ static void decide_route(km_server *s, job *j, route_job *r, pool *p, const km_r
     km_policy_request req = {r->n_hashes, p->block_size, r->prompt_tokens,
                              r->has_expected_output_tokens ? r->expected_output_tokens : 0};
     km_policy_decision pd;
-    int rc = km_policy_decide(&pc, &p->policy_state, &req, b->cands, n, &pd, b->costs);
+    int rc = km_policy_decide(&pc, &p->policy_state, &req, b->cands, n_eligible, &pd, b->costs);
     if (rc != KM_OK) {
         route_fail(r, rc, "%s", km_policy_last_error(&p->policy_state));
         return;
     }
+    for (uint32_t i = n_eligible; i < n; i++)
+        b->costs[i] = NAN; /* not weighed */
     uint32_t chosen = b->cands[pd.chosen].worker;
+    /* The prediction owner is the deepest match among every candidate: an ineligible worker that
+     * holds more than any eligible one is the owner (the record says where the KV is, and that it
+     * could not be used); ties stay with the policy's owner. */
     bool has_owner = pd.owner != KM_POLICY_NO_OWNER;
-    uint32_t owner = has_owner ? b->cands[pd.owner].worker : 0;
+    uint32_t owner_at = pd.owner, owner_depth = has_owner ? pd.owner_depth : 0;
+    for (uint32_t i = n_eligible; i < n; i++)
+        if (b->cands[i].depth > owner_depth) {
+            owner_at = i;
+            owner_depth = b->cands[i].depth;
+            has_owner = true;
+        }
+    uint32_t owner = has_owner ? b->cands[owner_at].worker : 0;
     const char *chosen_state = worker_state_in_batch(s, chosen);
     bool observed = prediction_observed(s, b->cands, n, has_owner, owner, chosen);
-    uint64_t now = now_ns();
 
     /* Active work first: a duplicate attempt id fails the route before anything is recorded. */
     uint32_t prompt = r->prompt_tokens > UINT32_MAX ? UINT32_MAX : (uint32_t)r->prompt_tokens;
@@ -1195,7 +1308,7 @@ static void decide_route(km_server *s, job *j, route_job *r, pool *p, const km_r
         sc->load.active_decode_blocks = c->active_decode_blocks;
         sc->cost = b->costs[i];
         sc->state = worker_state_in_batch(s, c->worker);
-        sc->eligible = true;
+        sc->eligible = i < n_eligible;
     }
     /* Load values as the record shows them: before this decision's own charge. */
     memset(d, 0, sizeof *d);
@@ -1209,7 +1322,7 @@ static void decide_route(km_server *s, job *j, route_job *r, pool *p, const km_r
     d->chosen_state = chosen_state;
     d->has_owner = has_owner;
     d->owner_worker = owner;
-    d->owner_depth = pd.owner_depth;
+    d->owner_depth = owner_depth;
     d->owner_state = has_owner ? worker_state_in_batch(s, owner) : NULL;
     d->n_blocks = r->n_hashes;
     d->block_size = p->block_size;
@@ -1236,7 +1349,7 @@ static void decide_route(km_server *s, job *j, route_job *r, pool *p, const km_r
         a->source = observed ? KM_RECORD_SOURCE_EVENTS : KM_RECORD_SOURCE_APPROX;
         a->block_size = p->block_size;
         a->chosen_depth = pd.chosen_depth;
-        a->owner_depth = pd.owner_depth;
+        a->owner_depth = owner_depth;
         a->has_blocks = r->n_hashes > 0;
         attempt_keep_hashes(s, a, p, r);
         if (s->records) /* only outcome records read it; records are set at start */
@@ -1278,7 +1391,7 @@ static void decide_route(km_server *s, job *j, route_job *r, pool *p, const km_r
         rec.scored_monotonic_ns = (int64_t)scored_ns;
         rec.owner.worker = has_owner ? s->workers[owner].name : NULL;
         rec.owner.state = has_owner ? d->owner_state : NULL;
-        rec.owner.depth_blocks = pd.owner_depth;
+        rec.owner.depth_blocks = owner_depth;
         rec.chosen.worker = s->workers[chosen].name;
         rec.chosen.state = chosen_state;
         rec.chosen.depth_blocks = pd.chosen_depth;
@@ -1299,6 +1412,7 @@ static void decide_route(km_server *s, job *j, route_job *r, pool *p, const km_r
             rc2->pending_prefill_tokens = (int64_t)scores[i].load.pending_prefill_tokens;
             rc2->active_decode_blocks = (int64_t)scores[i].load.active_decode_blocks;
             rc2->cost = scores[i].cost;
+            rc2->eligible = scores[i].eligible;
         }
         rec.candidates = b->rcands;
         rec.n_candidates = n;
@@ -2137,6 +2251,7 @@ static int lifecycle_one(km_server *s, const km_lifecycle_event *ev, char *msg, 
         km_active_summary sum;
         rc = km_active_finish(s->active, &key, active_end_of(ev->outcome), now, &sum);
         if (rc == KM_OK) {
+            breaker_outcome(s, a->worker, ev->outcome, now); /* the worker the attempt ran on */
             write_outcome(s, a, record_outcome_of(ev->outcome), ev, &sum, NULL);
             attempt_forget(s, a);
         }
@@ -2217,14 +2332,48 @@ static void worker_view(km_server *s, uint32_t id, km_worker_info *out)
         }
     }
     km_active_load load;
+    uint64_t in_flight = 0, now = now_ns();
     pthread_mutex_lock(&s->active_lock);
     if (km_active_worker_load(s->active, id, &load) == KM_OK) {
         out->has_load = true;
         out->load.in_flight = (uint32_t)load.in_flight;
         out->load.pending_prefill_tokens = load.pending_prefill_tokens;
         out->load.active_decode_blocks = load.active_decode_blocks;
+        in_flight = load.in_flight;
     }
+    out->has_healthy = true;
+    out->healthy = !w->unhealthy;
+    out->breaker = breaker_state_name(worker_breaker(w, now));
+    out->has_failures = true;
+    out->failures = w->failures;
+    out->has_eligible = true;
+    out->eligible = worker_eligibility(w, now, in_flight) == ELIGIBLE;
     pthread_mutex_unlock(&s->active_lock);
+}
+
+/* KM_OK when the worker a WORKERS remove / update item names exists in the pool it names
+ * (admin_lock held); else KM_ERR_NOT_FOUND with the reason in why. */
+static int named_worker(km_server *s, const km_worker_info *wi, char *why, size_t why_size)
+{
+    int pi = pool_find(s, wi->pool);
+    if (pi < 0)
+        return km_why(why, why_size, KM_ERR_NOT_FOUND, "no pool %s", wi->pool);
+    if (wi->worker >= s->cfg.max_workers || !s->workers[wi->worker].used ||
+        s->workers[wi->worker].pool != (uint32_t)pi)
+        return km_why(why, why_size, KM_ERR_NOT_FOUND, "worker %u is not in pool %s", wi->worker,
+                      wi->pool);
+    return KM_OK;
+}
+
+/* The router's verdict on a worker (admin_lock held); true when it changed. Its breaker is
+ * this instance's own evidence and stays as it is. */
+static bool worker_set_health(km_server *s, uint32_t id, bool healthy)
+{
+    pthread_mutex_lock(&s->active_lock);
+    bool changed = s->workers[id].unhealthy == healthy;
+    s->workers[id].unhealthy = !healthy;
+    pthread_mutex_unlock(&s->active_lock);
+    return changed;
 }
 
 static void handle_workers(conn *c, const km_message *m)
@@ -2260,9 +2409,10 @@ static void handle_workers(conn *c, const km_message *m)
         free(list);
         return;
     }
-    if (wm->action != KM_ADMIN_ADD && wm->action != KM_ADMIN_REMOVE) {
+    if (wm->action != KM_ADMIN_ADD && wm->action != KM_ADMIN_REMOVE &&
+        wm->action != KM_ADMIN_UPDATE) {
         pthread_mutex_unlock(&s->admin_lock);
-        send_error(c, m->id, KM_ERR_PROTOCOL, "WORKERS action must be add, remove or list");
+        send_error(c, m->id, KM_ERR_PROTOCOL, "WORKERS action must be add, remove, update or list");
         return;
     }
     km_item_status *items = calloc(wm->n_workers ? wm->n_workers : 1, sizeof *items);
@@ -2286,20 +2436,25 @@ static void handle_workers(conn *c, const km_message *m)
             } else {
                 km_server_worker w = {wi->worker, wi->name, wi->event_endpoint, wi->replay_endpoint};
                 rc = worker_add(s, (uint32_t)pi, &w, msgs[i], sizeof msgs[i]);
+                if (rc == KM_OK && wi->has_healthy)
+                    worker_set_health(s, wi->worker, wi->healthy);
                 if (rc == KM_OK)
-                    slog(s, "worker %u (%s) added to pool %s%s", wi->worker,
+                    slog(s, "worker %u (%s) added to pool %s%s%s", wi->worker,
                          s->workers[wi->worker].name, wi->pool,
-                         wi->event_endpoint ? "" : " in approximate mode");
+                         wi->event_endpoint ? "" : " in approximate mode",
+                         wi->has_healthy && !wi->healthy ? ", unhealthy" : "");
             }
+        } else if (wm->action == KM_ADMIN_UPDATE) {
+            rc = named_worker(s, wi, msgs[i], sizeof msgs[i]);
+            if (rc == KM_OK && !wi->has_healthy)
+                rc = km_why(msgs[i], sizeof msgs[i], KM_ERR_INVALID_ARGUMENT,
+                           "worker %u: update needs `healthy` (the only field it changes)",
+                           wi->worker);
+            if (rc == KM_OK && worker_set_health(s, wi->worker, wi->healthy))
+                slog(s, "worker %u (%s) marked %s by the router", wi->worker,
+                     s->workers[wi->worker].name, wi->healthy ? "healthy" : "unhealthy");
         } else {
-            int pi = pool_find(s, wi->pool);
-            if (pi < 0)
-                rc = km_why(msgs[i], sizeof msgs[i], KM_ERR_NOT_FOUND, "no pool %s", wi->pool);
-            else if (wi->worker >= s->cfg.max_workers || !s->workers[wi->worker].used ||
-                     s->workers[wi->worker].pool != (uint32_t)pi)
-                rc = km_why(msgs[i], sizeof msgs[i], KM_ERR_NOT_FOUND, "worker %u is not in pool %s",
-                           wi->worker, wi->pool);
-            else
+            if ((rc = named_worker(s, wi, msgs[i], sizeof msgs[i])) == KM_OK)
                 rc = worker_remove(s, wi->worker, msgs[i], sizeof msgs[i]);
             if (rc == KM_OK)
                 slog(s, "worker %u removed from pool %s", wi->worker, wi->pool);
@@ -2978,6 +3133,14 @@ static int http_status(void *user, km_text *out)
         json_object_set_new(jw, "name", json_string(w->name));
         json_object_set_new(jw, "pool", json_string(p->name));
         json_object_set_new(jw, "mode", json_string(w->events ? "events" : "approx"));
+        km_active_load load;
+        pthread_mutex_lock(&s->active_lock);
+        uint64_t in_flight = km_active_worker_load(s->active, id, &load) == KM_OK ? load.in_flight : 0;
+        json_object_set_new(jw, "healthy", json_boolean(!w->unhealthy));
+        json_object_set_new(jw, "breaker", json_string(breaker_state_name(worker_breaker(w, now))));
+        json_object_set_new(jw, "failures", json_integer(w->failures));
+        json_object_set_new(jw, "eligible", json_boolean(worker_eligibility(w, now, in_flight) == ELIGIBLE));
+        pthread_mutex_unlock(&s->active_lock);
         km_worker_stats ws;
         if (km_index_worker_stats(p->index, id, &ws) == KM_OK)
             json_object_set_new(jw, "blocks", json_integer((json_int_t)ws.blocks));
@@ -3036,8 +3199,8 @@ static int http_metrics(void *user, km_text *out)
     km_prom_write_family(out, "kvmatch_worker_blocks", "Blocks the index holds per worker.",
                          KM_METRIC_GAUGE);
     pthread_mutex_lock(&s->admin_lock);
-    uint32_t degraded = 0;
-    uint64_t gaps = 0, replayed = 0, restarts = 0, lost = 0, events = 0;
+    uint32_t degraded = 0, ineligible = 0;
+    uint64_t gaps = 0, replayed = 0, restarts = 0, lost = 0, events = 0, now = now_ns();
     for (uint32_t id = 0; id < s->cfg.max_workers; id++) {
         worker_slot *w = &s->workers[id];
         if (!w->used)
@@ -3051,6 +3214,11 @@ static int http_metrics(void *user, km_text *out)
                                      {"state", state}};
         if (km_index_worker_stats(p->index, id, &ws) == KM_OK)
             km_prom_write_sample_u64(out, "kvmatch_worker_blocks", labels, 4, ws.blocks);
+        km_active_load load;
+        pthread_mutex_lock(&s->active_lock);
+        uint64_t in_flight = km_active_worker_load(s->active, id, &load) == KM_OK ? load.in_flight : 0;
+        ineligible += worker_eligibility(w, now, in_flight) != ELIGIBLE;
+        pthread_mutex_unlock(&s->active_lock);
         km_feed_worker_info info;
         if (w->events && feed_info(s, id, &info) == KM_OK) {
             degraded += info.state == KM_FEED_STATE_DEGRADED;
@@ -3069,6 +3237,10 @@ static int http_metrics(void *user, km_text *out)
     } rows[] = {
         {"kvmatch_degraded_workers", "Event-fed workers whose history was lost.", KM_METRIC_GAUGE,
          degraded},
+        {"kvmatch_ineligible_workers",
+         "Workers a route cannot choose now: unhealthy by the router's word or held back by their "
+         "circuit breaker.",
+         KM_METRIC_GAUGE, ineligible},
         {"kvmatch_kv_events_total", "KV events applied, all workers.", KM_METRIC_COUNTER, events},
         {"kvmatch_event_gaps_total", "Sequence gaps detected.", KM_METRIC_COUNTER, gaps},
         {"kvmatch_event_replayed_total", "Messages applied from replays.", KM_METRIC_COUNTER,
@@ -3086,6 +3258,12 @@ static int http_metrics(void *user, km_text *out)
          "Router overrides to an approximate-mode worker that could not teach it "
          "(approx_dispatch_max_bytes).",
          KM_METRIC_COUNTER, atomic_load(&s->st.dispatch_unlearned)},
+        {"kvmatch_breaker_opened_total",
+         "Circuit breakers opened or reopened by failed attempts (breaker_failures).",
+         KM_METRIC_COUNTER, atomic_load(&s->st.breaker_opened)},
+        {"kvmatch_no_healthy_worker_total",
+         "Routes refused because no candidate was eligible (unhealthy or breaker open).",
+         KM_METRIC_COUNTER, atomic_load(&s->st.no_healthy)},
     };
     for (size_t i = 0; i < sizeof rows / sizeof rows[0]; i++) {
         km_prom_write_family(out, rows[i].name, rows[i].help, rows[i].type);
@@ -3638,6 +3816,8 @@ void km_server_get_stats(km_server *s, km_server_stats *o)
     o->routes_dropped_at_shutdown = atomic_load(&s->st.dropped_at_shutdown);
     o->approx_dispatch_learned = atomic_load(&s->st.dispatch_learned);
     o->approx_dispatch_unlearned = atomic_load(&s->st.dispatch_unlearned);
+    o->breaker_opened = atomic_load(&s->st.breaker_opened);
+    o->no_healthy_worker = atomic_load(&s->st.no_healthy);
     if (s->records) {
         km_record_writer_counters rc;
         km_record_writer_stats(s->records, &rc);

@@ -30,6 +30,8 @@ void km_server_config_init(km_server_config *cfg)
     cfg->active_ttl_ms = 600000;
     cfg->max_active_entries = 1u << 20;
     cfg->approx_dispatch_max_bytes = (uint64_t)64 << 20;
+    cfg->breaker_failures = 5;
+    cfg->breaker_cooldown_ms = 10000;
     cfg->ready_share = 1.0;
     cfg->drain_timeout_ms = 10000;
     cfg->seed = 0x6b766d;
@@ -381,6 +383,8 @@ int km_server_config_load_json(const char *path, km_server_config *target, km_se
     get_u64(&r, root, "active_ttl_ms", "", 1, UINT64_MAX / 1000000, &cfg->active_ttl_ms);
     get_u32(&r, root, "max_active_entries", "", 1, (1u << 31) - 1, &cfg->max_active_entries);
     get_u64(&r, root, "approx_dispatch_max_bytes", "", 0, UINT64_MAX, &cfg->approx_dispatch_max_bytes);
+    get_u32(&r, root, "breaker_failures", "", 0, 1u << 20, &cfg->breaker_failures);
+    get_u64(&r, root, "breaker_cooldown_ms", "", 1, UINT64_MAX / 1000000, &cfg->breaker_cooldown_ms);
     get_number(&r, root, "ready_share", "", 0.0, 1.0, &cfg->ready_share);
     get_u32(&r, root, "drain_timeout_ms", "", 0, 3600000, &cfg->drain_timeout_ms);
     get_u64(&r, root, "seed", "", 0, UINT64_MAX, &cfg->seed);

@@ -614,6 +614,10 @@ static int start_server(run *r, char *why, size_t why_size)
     sc.index_threads = 1;
     if (cfg->approx_dispatch_max_bytes >= 0)
         sc.approx_dispatch_max_bytes = (uint64_t)cfg->approx_dispatch_max_bytes;
+    /* The circuit breaker's cooldown counts wall time too: an engine restart failing its running
+     * requests would hold the engine back for a wall-clock cooldown, so the table would depend on
+     * the machine's speed. Off. */
+    sc.breaker_failures = 0;
     sc.pools = &pool;
     sc.n_pools = 1;
     sc.log = quiet;

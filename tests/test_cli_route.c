@@ -230,6 +230,12 @@ Test(cli_route, bad_values_exit_2_before_connecting, .timeout = 60)
     expect_usage_error((const char *const[]){"--connect", NO_SERVER, "--remove-worker", ":1",
                                              NULL},
                        "", "--remove-worker");
+    expect_usage_error((const char *const[]){"--connect", NO_SERVER, "--set-health", "main:1=maybe",
+                                             NULL},
+                       "", "--set-health");
+    expect_usage_error((const char *const[]){"--connect", NO_SERVER, "--set-health", "main:1",
+                                             NULL},
+                       "", "--set-health");
     expect_usage_error((const char *const[]){"--connect", NO_SERVER, "--status", "--workers",
                                              NULL},
                        "", "one of");

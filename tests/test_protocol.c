@@ -216,8 +216,16 @@ static void rand_worker(km_rng *r, km_worker_info *w, bool runtime)
     w->replay_endpoint = maybe_str(r);
     w->has_dp_rank = km_rng_percent(r, 50);
     w->dp_rank = w->has_dp_rank ? rand_u32(r) : 0;
+    w->has_healthy = km_rng_percent(r, 50);
+    w->healthy = w->has_healthy && km_rng_percent(r, 50);
     if (!runtime)
         return;
+    static const char *const breakers[] = {NULL, "closed", "open", "half_open"};
+    w->breaker = breakers[km_rng_below(r, 4)];
+    w->has_failures = km_rng_percent(r, 50);
+    w->failures = w->has_failures ? rand_u32(r) : 0;
+    w->has_eligible = km_rng_percent(r, 50);
+    w->eligible = w->has_eligible && km_rng_percent(r, 50);
     w->state = maybe_str(r);
     w->has_blocks = km_rng_percent(r, 50);
     w->blocks = w->has_blocks ? rand_u64(r) : 0;
@@ -304,9 +312,7 @@ static void rand_message(km_rng *r, km_message_type type, km_message *m)
     case KM_MESSAGE_WORKERS:
     case KM_MESSAGE_WORKER_LIST: {
         m->workers.action = type == KM_MESSAGE_WORKER_LIST ? KM_ADMIN_LIST
-                                                           : (km_admin_action)(1 + km_rng_below(r, 3));
-        if (m->workers.action == KM_ADMIN_UPDATE)
-            m->workers.action = KM_ADMIN_LIST;
+                                                           : (km_admin_action)(1 + km_rng_below(r, 4));
         if (type == KM_MESSAGE_WORKERS && m->workers.action == KM_ADMIN_LIST) {
             m->workers.pool = maybe_str(r);
             break;
@@ -383,8 +389,15 @@ static void eq_worker(const km_worker_info *a, const km_worker_info *b, bool run
     EQ_STR(a->replay_endpoint, b->replay_endpoint, "worker.replay_endpoint");
     EQ_NUM(a->has_dp_rank, b->has_dp_rank, "worker.has_dp_rank");
     EQ_NUM(a->dp_rank, b->dp_rank, "worker.dp_rank");
+    EQ_NUM(a->has_healthy, b->has_healthy, "worker.has_healthy");
+    EQ_NUM(a->healthy, b->healthy, "worker.healthy");
     if (!runtime)
         return;
+    EQ_STR(a->breaker, b->breaker, "worker.breaker");
+    EQ_NUM(a->has_failures, b->has_failures, "worker.has_failures");
+    EQ_NUM(a->failures, b->failures, "worker.failures");
+    EQ_NUM(a->has_eligible, b->has_eligible, "worker.has_eligible");
+    EQ_NUM(a->eligible, b->eligible, "worker.eligible");
     EQ_STR(a->state, b->state, "worker.state");
     EQ_NUM(a->has_blocks, b->has_blocks, "worker.has_blocks");
     EQ_NUM(a->blocks, b->blocks, "worker.blocks");

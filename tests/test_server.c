@@ -2383,7 +2383,7 @@ static uint32_t pinned_depth(km_client *c, const char *id, uint32_t first, uint3
 
 /* approx.h: once the index refuses a batch of approximate-mode updates (its memory cap), the
  * workers the batch touched are cleared on both sides, so what km_approx assumes and what the
- * index holds agree again. Until 2026-12-01 the refusal was only logged: the blocks stayed
+ * index holds agree again. Until 2026-11-30 the refusal was only logged: the blocks stayed
  * assumed but unindexed, and every later decision for them was a refresh, which stores nothing;
  * a prefix refused once was never predicted again while it stayed in use, even with room. */
 Test(server, blocks_the_index_refused_are_stored_once_it_has_room, .timeout = 60)
@@ -2447,7 +2447,7 @@ Test(server, blocks_the_index_refused_are_stored_once_it_has_room, .timeout = 60
 }
 
 /* Overrides reported together teach the worker used in the order they were reported: its most
- * recent request is its most recently used prefix, the last its capacity evicts. Until 2026-12-01
+ * recent request is its most recently used prefix, the last its capacity evicts. Until 2026-11-30
  * the lessons queued between two batches were applied newest first, so with a capacity of one
  * request the worker was assumed to hold the older one. */
 Test(server, overrides_reported_together_teach_in_report_order, .timeout = 30)
@@ -2489,7 +2489,7 @@ Test(server, overrides_reported_together_teach_in_report_order, .timeout = 30)
 
 /* A request shorter than one block has nothing to teach: an override of its decision is neither
  * learned nor unlearned (kvmatch_approx_dispatch_unlearned_total says approx_dispatch_max_bytes
- * kept the hashes from a worker that needed them). Until 2026-12-01 it was counted unlearned. */
+ * kept the hashes from a worker that needed them). Until 2026-11-30 it was counted unlearned. */
 Test(server, an_override_of_a_request_without_blocks_teaches_nothing_and_misses_nothing, .timeout = 30)
 {
     srv s = {0};
@@ -2521,7 +2521,7 @@ Test(server, an_override_of_a_request_without_blocks_teaches_nothing_and_misses_
 }
 
 /* server.h: a pool's approx_ttl_ms is at most UINT64_MAX / 1,000,000 (its TTL in ns must fit 64
- * bits, as the JSON config already required); a longer one is refused. Until 2026-12-01 the
+ * bits, as the JSON config already required); a longer one is refused. Until 2026-11-30 the
  * product wrapped: 18,446,744,073,710 ms (584 years) made a TTL of 0.45 ms, and every block
  * routed to the pool was forgotten at the next tick. */
 Test(server, an_approximate_mode_ttl_whose_nanoseconds_overflow_is_refused, .timeout = 30)
@@ -2544,7 +2544,7 @@ Test(server, an_approximate_mode_ttl_whose_nanoseconds_overflow_is_refused, .tim
 }
 
 /* approx_dispatch_max_bytes bounds the hashes kept for router overrides, the lessons queued for
- * the next batch included. Until 2026-12-01 each override copied its attempt's hashes outside the
+ * the next batch included. Until 2026-11-30 each override copied its attempt's hashes outside the
  * bound: one lifecycle frame of 4,096 reports alternating the worker of one 65,536-block request
  * (a router retrying it between two workers) queued 2 GiB of lessons, and the scheduler stalled
  * 2.7 s teaching them. Here a 16,384-block request and a 1 MiB bound: 7 lessons fit. */
@@ -2595,6 +2595,305 @@ Test(server, lessons_queued_for_overrides_stay_within_approx_dispatch_max_bytes,
     cr_assert_eq(learned, (1 << 20) / (BLOCKS * sizeof(uint64_t)) - 1,
                  "%" PRIu64 " lessons of %zu bytes were queued within a bound of 1 MiB", learned,
                  BLOCKS * sizeof(uint64_t));
+    km_client_close(c);
+    srv_stop(&s);
+    srv_cleanup(&s);
+}
+
+/* ---- worker health ---------------------------------------------------------------------------- */
+
+/* WORKERS update for one worker of pool "main"; returns the item's status. has_healthy false sends
+ * an update without the field. */
+static int set_health(km_client *c, uint32_t worker, bool has_healthy, bool healthy)
+{
+    km_message m, reply;
+    memset(&m, 0, sizeof m);
+    m.type = KM_MESSAGE_WORKERS;
+    m.workers.action = KM_ADMIN_UPDATE;
+    km_worker_info wi;
+    memset(&wi, 0, sizeof wi);
+    wi.pool = "main";
+    wi.worker = worker;
+    wi.has_healthy = has_healthy;
+    wi.healthy = healthy;
+    m.workers.workers = &wi;
+    m.workers.n_workers = 1;
+    cr_assert_eq(km_client_call(c, &m, 5000, &reply), KM_OK, "%s", km_client_last_error(c));
+    cr_assert_eq(reply.type, KM_MESSAGE_ACK);
+    return reply.ack.items[0].status;
+}
+
+/* The worker's entry in WORKER_LIST (copied: the reply's memory lives until the next call). */
+typedef struct health_view {
+    bool healthy, eligible;
+    char breaker[16];
+    uint32_t failures;
+} health_view;
+
+static health_view worker_health(km_client *c, uint32_t worker)
+{
+    km_message m, reply;
+    memset(&m, 0, sizeof m);
+    m.type = KM_MESSAGE_WORKERS;
+    m.workers.action = KM_ADMIN_LIST;
+    cr_assert_eq(km_client_call(c, &m, 5000, &reply), KM_OK, "%s", km_client_last_error(c));
+    cr_assert_eq(reply.type, KM_MESSAGE_WORKER_LIST);
+    for (uint32_t i = 0; i < reply.workers.n_workers; i++) {
+        const km_worker_info *w = &reply.workers.workers[i];
+        if (w->worker != worker)
+            continue;
+        cr_assert(w->has_healthy && w->has_eligible && w->has_failures && w->breaker,
+                  "WORKER_LIST lacks the health fields");
+        health_view v = {w->healthy, w->eligible, "", w->failures};
+        snprintf(v.breaker, sizeof v.breaker, "%s", w->breaker);
+        return v;
+    }
+    cr_assert_fail("worker %u is not listed", worker);
+    return (health_view){0};
+}
+
+/* Route request_id restricted to `worker` alone; returns the decision's status. */
+static int route_on(km_client *c, const char *request_id, uint32_t worker, uint32_t first_token)
+{
+    static uint32_t only;
+    only = worker;
+    km_route_request r = token_route(request_id, first_token, 2 * BS);
+    r.candidates = &only;
+    r.n_candidates = 1;
+    km_message reply;
+    const km_route_decision *d = route_one(c, &r, &reply);
+    if (d->status == KM_OK)
+        cr_assert_eq(d->chosen_worker, worker);
+    else
+        cr_assert_eq(d->status, KM_ERR_NO_HEALTHY_WORKER, "%s: %s", km_error_name(d->status),
+                     d->message ? d->message : "");
+    return d->status;
+}
+
+static void finish_as(km_client *c, const char *request_id, km_outcome outcome)
+{
+    km_lifecycle_event ev;
+    memset(&ev, 0, sizeof ev);
+    ev.kind = KM_LIFECYCLE_FINISHED;
+    ev.request_id = request_id;
+    ev.outcome = outcome;
+    if (outcome == KM_OUTCOME_COMPLETE) {
+        ev.finish_reason = "stop";
+        ev.done_seen = true;
+    }
+    km_message reply;
+    cr_assert_eq(km_client_lifecycle(c, &ev, 1, 5000, &reply), KM_OK);
+    cr_assert_eq(reply.ack.items[0].status, KM_OK, "%s", reply.ack.items[0].message);
+}
+
+/* PROTOCOL.md promised "only healthy ones are eligible", and nothing could say a worker was not
+ * healthy: every candidate was weighed, whatever the router's health checks knew (until
+ * 2026-11-30). The router's verdict (WORKERS update `healthy`) now keeps a worker from being
+ * chosen even where it holds the deepest match; its row stays in the reply and the record with
+ * eligible false and no cost, and the prediction owner is still the worker that holds the KV (the
+ * brief's point: the owner and the chosen worker kept apart). A route whose every candidate is
+ * unhealthy fails with KM_ERR_NO_HEALTHY_WORKER, and the service goes on serving. */
+Test(server, a_worker_the_router_marks_unhealthy_is_never_chosen, .timeout = 30)
+{
+    srv s = {0};
+    km_server_config cfg;
+    test_config(&cfg, &s, KM_POLICY_PREFIX, 3);
+    srv_start(&s, &cfg);
+    km_client *c = connect_client(&s);
+    km_message reply;
+    /* Worker 1 is assumed to hold the 6-block prefix; the prefix policy then chooses it. */
+    km_route_request teach = prefix_route("teach", 6 * BS);
+    uint32_t only1 = 1;
+    teach.candidates = &only1;
+    teach.n_candidates = 1;
+    cr_assert_eq(route_one(c, &teach, &reply)->chosen_worker, 1);
+    km_route_request r = prefix_route("before", 6 * BS);
+    r.brief = false;
+    const km_route_decision *d = route_one(c, &r, &reply);
+    cr_assert_eq(d->status, KM_OK);
+    cr_assert_eq(d->chosen_worker, 1);
+    cr_assert(candidate(d, 1)->eligible);
+
+    cr_assert_eq(set_health(c, 1, true, false), KM_OK);
+    health_view v = worker_health(c, 1);
+    cr_assert(!v.healthy && !v.eligible, "WORKER_LIST: healthy %d eligible %d", v.healthy, v.eligible);
+    cr_assert_str_eq(v.breaker, "closed");
+    r = prefix_route("while-down", 8 * BS);
+    d = route_one(c, &r, &reply);
+    cr_assert_eq(d->status, KM_OK);
+    cr_assert_neq(d->chosen_worker, 1, "an unhealthy worker was chosen");
+    cr_assert(d->has_owner);
+    cr_assert_eq(d->owner_worker, 1, "the owner is the worker that holds the deepest match");
+    cr_assert_eq(d->owner_depth, 6);
+    cr_assert_eq(d->n_candidates, 3, "the unhealthy worker's row is missing");
+    cr_assert(!candidate(d, 1)->eligible);
+    cr_assert(isnan(candidate(d, 1)->cost), "an ineligible worker was given a cost");
+    cr_assert_eq(candidate(d, 1)->depth, 6);
+    cr_assert(candidate(d, 0)->eligible && candidate(d, 2)->eligible);
+    uint64_t down_id = d->decision_id;
+    uint32_t chosen_down = d->chosen_worker;
+
+    /* Only the unhealthy worker allowed: refused with the reason, and the service serves on. */
+    km_route_request lone = prefix_route("lone", 6 * BS);
+    lone.candidates = &only1;
+    lone.n_candidates = 1;
+    d = route_one(c, &lone, &reply);
+    cr_assert_eq(d->status, KM_ERR_NO_HEALTHY_WORKER);
+    cr_assert(d->message && strstr(d->message, "1 unhealthy"), "%s", d->message ? d->message : "");
+    r = token_route("unrelated", 100, 2 * BS);
+    cr_assert_eq(route_one(c, &r, &reply)->status, KM_OK);
+
+    /* Bad updates change nothing. */
+    cr_assert_eq(set_health(c, 1, false, true), KM_ERR_INVALID_ARGUMENT);
+    cr_assert_eq(set_health(c, 9, true, true), KM_ERR_NOT_FOUND);
+    cr_assert(!worker_health(c, 1).healthy);
+
+    /* Healthy again: the deepest match wins again. */
+    cr_assert_eq(set_health(c, 1, true, true), KM_OK);
+    cr_assert(worker_health(c, 1).eligible);
+    r = prefix_route("after", 6 * BS);
+    d = route_one(c, &r, &reply);
+    cr_assert_eq(d->status, KM_OK);
+    cr_assert(d->chosen_worker == 1 || d->chosen_worker == chosen_down,
+              "chosen %u: not a worker holding the prefix", d->chosen_worker);
+    cr_assert(candidate(d, 1)->eligible);
+    km_server_stats st;
+    km_server_get_stats(s.server, &st);
+    cr_assert_eq(st.no_healthy_worker, 1);
+    km_client_close(c);
+    srv_stop(&s);
+
+    json_t *all = read_records(&s);
+    json_t *rec = find_record(all, "decision", (int64_t)down_id);
+    cr_assert_not_null(rec);
+    json_t *cands = json_object_get(rec, "candidates");
+    bool seen = false;
+    size_t i;
+    json_t *cand;
+    json_array_foreach(cands, i, cand)
+    {
+        const char *w = json_string_value(json_object_get(cand, "worker"));
+        bool eligible = json_is_true(json_object_get(cand, "eligible"));
+        cr_assert(json_is_boolean(json_object_get(cand, "eligible")), "a row without eligible");
+        if (!strcmp(w, "w1")) {
+            seen = true;
+            cr_assert(!eligible && json_is_null(json_object_get(cand, "cost")));
+        } else {
+            cr_assert(eligible);
+        }
+    }
+    cr_assert(seen, "the unhealthy worker's row is not in the record");
+    cr_assert_str_eq(json_string_value(json_object_get(
+                         json_object_get(json_object_get(rec, "prediction"), "owner"), "worker")),
+                     "w1");
+    json_decref(all);
+    bool checked;
+    check_schema(&s, &checked);
+    srv_cleanup(&s);
+}
+
+/* Wait (bounded) until worker's breaker reads `state` in WORKER_LIST. */
+static void await_breaker(km_client *c, uint32_t worker, const char *state)
+{
+    for (int i = 0; i < 300; i++) {
+        if (!strcmp(worker_health(c, worker).breaker, state))
+            return;
+        usleep(10000);
+    }
+    cr_assert_fail("worker %u's breaker never read %s", worker, state);
+}
+
+/* The brief: a router that fed its circuit breaker from the HTTP status alone counted a stream
+ * that ended without finish_reason and [DONE] as a success. This instance's breaker counts the
+ * outcomes: `error` and `incomplete` are failures, `complete` closes it, `cancelled` says nothing.
+ * breaker_failures in a row keep the worker from being chosen for breaker_cooldown_ms; then one
+ * attempt at a time goes through (half-open), and its outcome closes or reopens the breaker. */
+Test(server, failed_attempts_open_a_workers_circuit_breaker, .timeout = 30)
+{
+    srv s = {0};
+    km_server_config cfg;
+    test_config(&cfg, &s, KM_POLICY_LEAST_LOAD, 2);
+    cfg.breaker_failures = 3;
+    cfg.breaker_cooldown_ms = 300;
+    srv_start(&s, &cfg);
+    km_client *c = connect_client(&s);
+    char id[32];
+    int n = 0;
+#define ATTEMPT(worker, outcome)                                                                   \
+    do {                                                                                           \
+        snprintf(id, sizeof id, "a%d", n++);                                                       \
+        cr_assert_eq(route_on(c, id, worker, 0), KM_OK);                                           \
+        finish_as(c, id, outcome);                                                                 \
+    } while (0)
+    /* Two failures, a cancellation (no verdict), then a success: the count starts again. */
+    ATTEMPT(0, KM_OUTCOME_ERROR);
+    ATTEMPT(0, KM_OUTCOME_INCOMPLETE);
+    ATTEMPT(0, KM_OUTCOME_CANCELLED);
+    health_view v = worker_health(c, 0);
+    cr_assert_eq(v.failures, 2);
+    cr_assert_str_eq(v.breaker, "closed");
+    ATTEMPT(0, KM_OUTCOME_COMPLETE);
+    cr_assert_eq(worker_health(c, 0).failures, 0);
+    /* Three in a row, one of them a stream that ended without [DONE]: open. */
+    ATTEMPT(0, KM_OUTCOME_ERROR);
+    ATTEMPT(0, KM_OUTCOME_INCOMPLETE);
+    ATTEMPT(0, KM_OUTCOME_ERROR);
+    v = worker_health(c, 0);
+    cr_assert_str_eq(v.breaker, "open");
+    cr_assert(!v.eligible && v.healthy && v.failures == 3);
+    km_message reply;
+    km_route_request r = token_route("elsewhere", 300, 2 * BS);
+    r.brief = false;
+    const km_route_decision *d = route_one(c, &r, &reply);
+    cr_assert_eq(d->status, KM_OK);
+    cr_assert_eq(d->chosen_worker, 1, "a worker whose breaker is open was chosen");
+    cr_assert(!candidate(d, 0)->eligible);
+    cr_assert_eq(route_on(c, "refused-open", 0, 0), KM_ERR_NO_HEALTHY_WORKER);
+    finish_as(c, "elsewhere", KM_OUTCOME_COMPLETE);
+
+    /* After the cooldown one probe at a time; its failure reopens the breaker at once. */
+    await_breaker(c, 0, "half_open");
+    cr_assert(worker_health(c, 0).eligible);
+    cr_assert_eq(route_on(c, "probe-1", 0, 0), KM_OK);
+    cr_assert_eq(route_on(c, "second-while-probing", 0, 0), KM_ERR_NO_HEALTHY_WORKER);
+    finish_as(c, "probe-1", KM_OUTCOME_ERROR);
+    cr_assert_str_eq(worker_health(c, 0).breaker, "open");
+    /* The next probe completes: closed, and the worker takes every route again. */
+    await_breaker(c, 0, "half_open");
+    cr_assert_eq(route_on(c, "probe-2", 0, 0), KM_OK);
+    finish_as(c, "probe-2", KM_OUTCOME_COMPLETE);
+    v = worker_health(c, 0);
+    cr_assert_str_eq(v.breaker, "closed");
+    cr_assert(v.eligible && v.failures == 0);
+    cr_assert_eq(route_on(c, "closed-1", 0, 0), KM_OK);
+    cr_assert_eq(route_on(c, "closed-2", 0, 0), KM_OK);
+    km_server_stats st;
+    km_server_get_stats(s.server, &st);
+    cr_assert_eq(st.breaker_opened, 2, "opened %" PRIu64 " times", st.breaker_opened);
+    cr_assert_eq(st.no_healthy_worker, 2);
+#undef ATTEMPT
+    km_client_close(c);
+    srv_stop(&s);
+    srv_cleanup(&s);
+}
+
+/* breaker_failures 0: no number of failures holds a worker back. */
+Test(server, no_breaker_when_breaker_failures_is_zero, .timeout = 30)
+{
+    srv s = {0};
+    km_server_config cfg;
+    test_config(&cfg, &s, KM_POLICY_LEAST_LOAD, 1);
+    cfg.breaker_failures = 0;
+    srv_start(&s, &cfg);
+    km_client *c = connect_client(&s);
+    char id[32];
+    for (int i = 0; i < 12; i++) {
+        snprintf(id, sizeof id, "f%d", i);
+        cr_assert_eq(route_on(c, id, 0, 0), KM_OK, "refused after %d failures", i);
+        finish_as(c, id, KM_OUTCOME_ERROR);
+    }
+    health_view v = worker_health(c, 0);
+    cr_assert(v.eligible && v.failures == 12 && !strcmp(v.breaker, "closed"));
     km_client_close(c);
     srv_stop(&s);
     srv_cleanup(&s);

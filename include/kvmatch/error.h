@@ -28,7 +28,8 @@ extern "C" {
     X(KM_ERR_OVERLOADED, -17, "service overloaded; retry later")                      \
     X(KM_ERR_SHUTTING_DOWN, -18, "service is shutting down")                          \
     X(KM_ERR_TIMEOUT, -19, "timed out")                                               \
-    X(KM_ERR_CLOSED, -20, "connection closed")
+    X(KM_ERR_CLOSED, -20, "connection closed")                                        \
+    X(KM_ERR_NO_HEALTHY_WORKER, -21, "no healthy worker among the candidates")
 
 typedef enum km_status {
 #define KM_ERROR_ENUM_ENTRY(name, value, text) name = value,

@@ -106,7 +106,7 @@ typedef enum km_message_type {
     KM_MESSAGE_ROUTE = 2,     /* one or more route requests */
     KM_MESSAGE_LIFECYCLE = 3, /* DISPATCHED / FIRST_TOKEN / FINISHED reports (also sent as
                                * single-event messages of those three types) */
-    KM_MESSAGE_WORKERS = 4,   /* add / remove / list workers */
+    KM_MESSAGE_WORKERS = 4,   /* add / remove / update (health) / list workers */
     KM_MESSAGE_POOLS = 5,     /* add / update / list pools */
     KM_MESSAGE_STATUS = 6,    /* service summary request */
     /* server -> client */
@@ -328,7 +328,7 @@ typedef enum km_admin_action {
     KM_ADMIN_NONE = 0,
     KM_ADMIN_ADD = 1,
     KM_ADMIN_REMOVE = 2,
-    KM_ADMIN_UPDATE = 3, /* POOLS only */
+    KM_ADMIN_UPDATE = 3, /* POOLS: policy and parameters; WORKERS: the router's health verdict */
     KM_ADMIN_LIST = 4,
 } km_admin_action;
 
@@ -347,6 +347,10 @@ typedef struct km_worker_info {
     const char *replay_endpoint; /* ZMQ ROUTER endpoint for replays; NULL when none */
     bool has_dp_rank;
     uint32_t dp_rank;
+    /* The router's own verdict on the worker (its health checks): add (default true) and update
+     * (required) set it; replies echo it. An unhealthy worker is never chosen. */
+    bool has_healthy;
+    bool healthy;
     /* runtime (replies only) */
     const char *state; /* "LIVE", "GAP", ...; NULL when absent */
     bool has_blocks;
@@ -358,12 +362,21 @@ typedef struct km_worker_info {
     uint64_t expected_seq;
     bool has_load;
     km_worker_load load;
+    /* The circuit breaker this instance keeps from the attempts' outcomes (SERVICE.md, "Worker
+     * health"): "closed", "open" (failures reached the threshold: not chosen until the cooldown
+     * ends), "half_open" (cooldown over: chosen only while it has nothing in flight, and the next
+     * outcome closes or reopens it); NULL when absent. */
+    const char *breaker;
+    bool has_failures;
+    uint32_t failures; /* attempts in a row whose outcome was error or incomplete */
+    bool has_eligible;
+    bool eligible; /* a route naming it could choose it now: healthy and the breaker allows it */
 } km_worker_info;
 
 typedef struct km_workers_message {
-    km_admin_action action;    /* ADD, REMOVE, LIST (request); LIST (WORKER_LIST reply) */
+    km_admin_action action;    /* ADD, REMOVE, UPDATE, LIST (request); LIST (WORKER_LIST reply) */
     const char *pool;          /* LIST request: only this pool; NULL = all */
-    const km_worker_info *workers; /* ADD / REMOVE requests and WORKER_LIST replies */
+    const km_worker_info *workers; /* ADD / REMOVE / UPDATE requests and WORKER_LIST replies */
     uint32_t n_workers;
 } km_workers_message;
 

@@ -128,6 +128,7 @@ typedef struct km_record_candidate {
     int64_t pending_prefill_tokens;    /* prefill tokens not yet processed */
     int64_t active_decode_blocks;      /* KV blocks of decodes in progress */
     double cost;                       /* the policy's cost (lower is better); NAN = null */
+    bool eligible;                     /* could be chosen: healthy, breaker not open (init: true) */
 } km_record_candidate;
 
 typedef struct km_decision_record {

@@ -109,6 +109,13 @@ typedef struct km_server_config {
                                   * teaches it, and the copies count too. Beyond it a
                                   * decision keeps none, and a report copies none (counted in
                                   * approx_dispatch_unlearned); 0 = keep none; default 64 MiB */
+    uint32_t breaker_failures;  /* a worker whose last this-many attempts in a row ended `error` or
+                                 * `incomplete` (FINISHED) is not chosen for breaker_cooldown_ms;
+                                 * after it, it is chosen only while it has nothing in flight
+                                 * until an outcome closes (complete) or reopens (a failure) the
+                                 * breaker. 0 = no breaker; default 5 (SERVICE.md, "Worker
+                                 * health") */
+    uint64_t breaker_cooldown_ms; /* default 10,000 */
     double ready_share;         /* /readyz: ready when at least this share of event-fed workers is
                                  * LIVE; default 1.0 */
     uint32_t drain_timeout_ms;  /* shutdown waits this long for queued work; default 10,000 */
@@ -194,6 +201,8 @@ typedef struct km_server_stats {
     uint64_t approx_dispatch_unlearned; /* ... that could not: the decision kept no hashes
                                          * (approx_dispatch_max_bytes, out of memory). A request
                                          * shorter than one block counts in neither */
+    uint64_t breaker_opened;            /* circuit breakers opened (or reopened after a probe) */
+    uint64_t no_healthy_worker;         /* routes refused: no candidate was eligible */
 } km_server_stats;
 
 void km_server_get_stats(km_server *server, km_server_stats *out);

@@ -25,6 +25,7 @@ static void route_usage(FILE *f)
             "       kvmatch route [--connect ADDR] --status | --workers\n"
             "       kvmatch route [--connect ADDR] --add-worker POOL:ID[=PUB[,REPLAY]]\n"
             "       kvmatch route [--connect ADDR] --remove-worker POOL:ID\n"
+            "       kvmatch route [--connect ADDR] --set-health POOL:ID=healthy|unhealthy\n"
             "  ADDR: unix:/path (default unix:%s) or tcp:127.0.0.1:PORT\n",
             KM_PROTOCOL_DEFAULT_SOCKET);
 }
@@ -189,7 +190,7 @@ int km_cmd_route(int argc, char **argv)
     memset(&r, 0, sizeof r);
     r.request_id = "manual";
     bool hashes = false, status = false, list = false;
-    const char *add = NULL, *remove_w = NULL;
+    const char *add = NULL, *remove_w = NULL, *health = NULL;
     static uint32_t cands[4096]; /* the protocol's default max_candidates */
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
@@ -245,6 +246,8 @@ int km_cmd_route(int argc, char **argv)
                 add = v;
             else if (!strcmp(a, "--remove-worker"))
                 remove_w = v;
+            else if (!strcmp(a, "--set-health"))
+                health = v;
             else {
                 fprintf(stderr, "kvmatch route: unknown option %s\n", a);
                 route_usage(stderr);
@@ -254,9 +257,10 @@ int km_cmd_route(int argc, char **argv)
     }
     /* Every argument and input word is checked before connecting: a usage error exits 2 whether a
      * server is up or not. */
-    if ((status ? 1 : 0) + (list ? 1 : 0) + (add ? 1 : 0) + (remove_w ? 1 : 0) > 1) {
+    if ((status ? 1 : 0) + (list ? 1 : 0) + (add ? 1 : 0) + (remove_w ? 1 : 0) +
+            (health ? 1 : 0) > 1) {
         fprintf(stderr, "kvmatch route: give one of --status, --workers, --add-worker, "
-                        "--remove-worker\n");
+                        "--remove-worker, --set-health\n");
         return 2;
     }
     char spec[1024];
@@ -274,9 +278,28 @@ int km_cmd_route(int argc, char **argv)
             return 2;
         }
     }
+    if (health) {
+        /* POOL:ID=healthy|unhealthy: the router's verdict (WORKERS update). */
+        const char *eq = strrchr(health, '=');
+        size_t len = eq ? (size_t)(eq - health) : 0;
+        bool ok = eq && len < sizeof spec;
+        if (ok) {
+            memcpy(spec, health, len);
+            spec[len] = '\0';
+            ok = parse_worker(spec, false, &w) &&
+                 (!strcmp(eq + 1, "healthy") || !strcmp(eq + 1, "unhealthy"));
+        }
+        if (!ok) {
+            fprintf(stderr, "kvmatch route: --set-health wants POOL:ID=healthy|unhealthy, got \"%s\"\n",
+                    health);
+            return 2;
+        }
+        w.has_healthy = true;
+        w.healthy = !strcmp(eq + 1, "healthy");
+    }
     uint64_t *nums = NULL;
     size_t n = 0;
-    if (!status && !list && !add && !remove_w &&
+    if (!status && !list && !add && !remove_w && !health &&
         read_numbers(&nums, &n, hashes ? UINT64_MAX : UINT32_MAX, hashes) != 0)
         return 2;
     km_client *c = NULL;
@@ -301,12 +324,12 @@ int km_cmd_route(int argc, char **argv)
             json_object_set_new(o, "workers", json_integer(reply.status_reply.n_workers));
             print_json(o);
         }
-    } else if (list || add || remove_w) {
+    } else if (list || add || remove_w || health) {
         km_message m;
         memset(&m, 0, sizeof m);
         m.type = KM_MESSAGE_WORKERS;
-        if (add || remove_w) {
-            m.workers.action = add ? KM_ADMIN_ADD : KM_ADMIN_REMOVE;
+        if (add || remove_w || health) {
+            m.workers.action = add ? KM_ADMIN_ADD : remove_w ? KM_ADMIN_REMOVE : KM_ADMIN_UPDATE;
             m.workers.workers = &w;
             m.workers.n_workers = 1;
         } else {
@@ -332,6 +355,11 @@ int km_cmd_route(int argc, char **argv)
                 json_object_set_new(o, "state", json_string(wi->state ? wi->state : ""));
                 json_object_set_new(o, "blocks", wi->has_blocks ? json_integer((json_int_t)wi->blocks)
                                                                 : json_null());
+                json_object_set_new(o, "healthy", wi->has_healthy ? json_boolean(wi->healthy)
+                                                                  : json_null());
+                json_object_set_new(o, "breaker", wi->breaker ? json_string(wi->breaker) : json_null());
+                json_object_set_new(o, "eligible", wi->has_eligible ? json_boolean(wi->eligible)
+                                                                    : json_null());
                 print_json(o);
             }
         }

@@ -32,6 +32,7 @@ static void serve_usage(FILE *f)
             "  --inline-routes N (frames up to N routes are decided on the loop thread when the\n"
             "                    scheduler is idle; 0 = never; default 16)\n"
             "  --active-ttl-s N  --max-active N  --approx-dispatch-mb N\n"
+            "  --breaker-failures N  --breaker-cooldown-ms N\n"
             "  --ready-share X  --seed N  --allow-non-loopback\n"
             "Without --config and --pool, one pool \"default\" (block size 16, policy kv) is made.\n"
             "SIGTERM / SIGINT: stop accepting, finish queued decisions, flush records, snapshot, exit 0.\n",
@@ -135,6 +136,11 @@ int km_cmd_serve(int argc, char **argv)
             cfg.max_active_entries = (uint32_t)x;
         } else if (!strcmp(a, "--approx-dispatch-mb") && !parse_u64(v, &x) && x <= (UINT64_C(1) << 40)) {
             cfg.approx_dispatch_max_bytes = x << 20;
+        } else if (!strcmp(a, "--breaker-failures") && !parse_u64(v, &x) && x <= (1u << 20)) {
+            cfg.breaker_failures = (uint32_t)x;
+        } else if (!strcmp(a, "--breaker-cooldown-ms") && !parse_u64(v, &x) && x >= 1 &&
+                   x <= UINT64_MAX / 1000000) {
+            cfg.breaker_cooldown_ms = x;
         } else if (!strcmp(a, "--seed") && !parse_u64(v, &x)) {
             cfg.seed = x;
         } else if (!strcmp(a, "--ready-share")) {
