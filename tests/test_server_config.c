@@ -88,6 +88,8 @@ Test(server_config, documented_example_loads_with_every_value, .timeout = 10)
     cr_assert_eq(cfg.active_ttl_ms, 600000);
     cr_assert_eq(cfg.max_active_entries, 1048576);
     cr_assert_eq(cfg.approx_dispatch_max_bytes, 33554432);
+    cr_assert_eq(cfg.breaker_failures, 3);
+    cr_assert_eq(cfg.breaker_cooldown_ms, 30000);
     cr_assert_float_eq(cfg.ready_share, 0.8, 1e-12);
     cr_assert_eq(cfg.drain_timeout_ms, 10000);
     cr_assert_str_eq(cfg.default_pool, "llama");
@@ -137,6 +139,8 @@ Test(server_config, fields_left_out_keep_their_defaults, .timeout = 10)
     cr_assert_str_eq(cfg.socket_path, defaults.socket_path);
     cr_assert_eq(cfg.active_ttl_ms, defaults.active_ttl_ms);
     cr_assert_eq(cfg.approx_dispatch_max_bytes, UINT64_C(64) << 20);
+    cr_assert_eq(cfg.breaker_failures, 5);
+    cr_assert_eq(cfg.breaker_cooldown_ms, 10000);
     cr_assert_eq(cfg.n_pools, 0);
     km_server_config_json_free(owner);
 }
@@ -165,6 +169,8 @@ Test(server_config, bad_files_are_refused_naming_the_field, .timeout = 10)
         {"{\"socket\": \"/tmp/x.sock\", \"pools\": [{\"name\": \"p\", \"block_size\": 16}], "
          "\"max_connections\": 0}", KM_ERR_INVALID_ARGUMENT, "max_connections"},
         {"{\"approx_dispatch_max_bytes\": -1}", KM_ERR_PARSE, "approx_dispatch_max_bytes"},
+        {"{\"breaker_failures\": \"five\"}", KM_ERR_PARSE, "breaker_failures"},
+        {"{\"breaker_cooldown_ms\": 0}", KM_ERR_INVALID_ARGUMENT, "breaker_cooldown_ms"},
         {"{\"limits\": {\"max_frame_bytes\": 1}}", KM_ERR_INVALID_ARGUMENT, "max_frame_bytes"},
         {"{\"records\": 7}", KM_ERR_PARSE, "records"},
         {"{\"pools\": {}}", KM_ERR_PARSE, "pools"},
