@@ -57,7 +57,10 @@ void km_client_close(km_client *client); /* NULL is a no-op */
 const char *km_client_last_error(const km_client *client);
 /* The server's WELCOME (versions and limits); valid for the client's life. */
 const km_welcome *km_client_welcome(const km_client *client);
-/* The socket, for an external poll() (readable = a reply may be complete). */
+/* The socket, for an external poll(). Readable means more bytes arrived; replies the client has
+ * already read (several in one read, or kept by km_client_wait) do not make it readable. So once
+ * it polls readable, call km_client_receive with timeout 0 until KM_ERR_TIMEOUT before polling
+ * again, or a reply can wait in the client while the poll sleeps. */
 int km_client_fd(const km_client *client);
 /* Requests sent whose reply has not been returned yet (and not given up by a blocking call that
  * timed out). The client keeps their ids, 16 bytes each,
@@ -68,8 +71,9 @@ uint32_t km_client_outstanding(const km_client *client);
 
 /* Send any request message (HELLO excepted). The client assigns the id (msg->id is ignored and
  * *id_out receives it; id_out may be NULL). Blocks only while the socket's send buffer is full,
- * at most timeout_ms. Errors: those of km_protocol_encode (the message is checked against the
- * server's limits first; nothing is sent then), KM_ERR_TIMEOUT (part of the frame may have been
+ * at most timeout_ms. Errors: those of km_protocol_encode (a frame larger than the server's
+ * max_frame_bytes is refused before anything is sent; the server checks its other limits and
+ * answers an ERROR), KM_ERR_TIMEOUT (part of the frame may have been
  * sent: the connection is then closed, since the stream would be cut mid-frame), KM_ERR_CLOSED,
  * KM_ERR_IO, KM_ERR_OUT_OF_MEMORY (nothing is sent). */
 int km_client_send(km_client *client, const km_message *msg, int timeout_ms, uint64_t *id_out);
