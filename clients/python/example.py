@@ -36,6 +36,22 @@ def main(address):
                         prompt_tokens=len(prompt), output_tokens=187, retries=0)
         print("outcome reported: %s" % outcome_from_stream(finish_reason, done_seen, http_status))
 
+        # The router's own health checks reach kvmatch: a worker marked unhealthy is never chosen
+        # until it is marked healthy again (SERVICE.md, "Worker health").
+        worker = d["chosen_worker"]
+        for healthy in (False, True):
+            ack = client.workers("update", [{"pool": "default", "worker": worker, "healthy": healthy}])
+            if ack["items"][0]["status"] != 0:
+                print("health update refused: %s" % ack["items"][0].get("message"))
+                return 1
+            if not healthy:
+                only = client.route([{"request_id": "example-down", "tokens": prompt,
+                                      "candidates": [worker]}])["decisions"][0]
+                print("worker %d marked unhealthy; a route that allows only it: %s"
+                      % (worker, only.get("message")))
+                if only["status"] != -21:  # KM_ERR_NO_HEALTHY_WORKER
+                    return 1
+
         # Pipelined: many requests in flight on one connection, replies matched by id.
         ids = [client.send_route([{"request_id": "example-p%d" % i, "tokens": prompt[: 16 * (i + 1)]}])
                for i in range(4)]
