@@ -761,8 +761,8 @@ int km_outcome_record_format(const km_outcome_record *r, char **line, size_t *le
     else if (r->block_size < 1)
         fail(&b, KM_ERR_INVALID_ARGUMENT, "field predicted.block_size must be >= 1 (%" PRId64 ")",
              r->block_size);
-    else if (r->http_status != KM_RECORD_ABSENT && (r->http_status < 100 || r->http_status > 599))
-        fail(&b, KM_ERR_INVALID_ARGUMENT, "field http_status is not an HTTP status (%" PRId64 ")",
+    else if (r->http_status != KM_RECORD_ABSENT && (r->http_status < 0 || r->http_status > 999))
+        fail(&b, KM_ERR_INVALID_ARGUMENT, "field http_status is outside 0..999 (%" PRId64 ")",
              r->http_status);
     if (b.status != KM_OK)
         return b.status;

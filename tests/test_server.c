@@ -2898,3 +2898,47 @@ Test(server, no_breaker_when_breaker_failures_is_zero, .timeout = 30)
     srv_stop(&s);
     srv_cleanup(&s);
 }
+
+/* PROTOCOL.md takes a FINISHED http_status in 0..999 (a router may report 0 when no response
+ * came); the record writer refused anything outside 100..599, so such an attempt's outcome record
+ * was lost (counted invalid) while the report was acknowledged (until 2026-11-30). */
+Test(server, an_outcome_with_any_http_status_the_protocol_takes_is_recorded, .timeout = 30)
+{
+    srv s = {0};
+    km_server_config cfg;
+    test_config(&cfg, &s, KM_POLICY_LEAST_LOAD, 2);
+    srv_start(&s, &cfg);
+    km_client *c = connect_client(&s);
+    const uint32_t statuses[] = {0, 99, 700, 999};
+    uint64_t ids[4];
+    for (int i = 0; i < 4; i++) {
+        char rid[16];
+        snprintf(rid, sizeof rid, "h%d", i);
+        km_message reply;
+        km_route_request r = token_route(rid, 0, 2 * BS);
+        const km_route_decision *d = route_one(c, &r, &reply);
+        cr_assert_eq(d->status, KM_OK);
+        ids[i] = d->decision_id;
+        km_lifecycle_event ev;
+        memset(&ev, 0, sizeof ev);
+        ev.kind = KM_LIFECYCLE_FINISHED;
+        ev.request_id = rid;
+        ev.has_http_status = true;
+        ev.http_status = statuses[i];
+        cr_assert_eq(km_client_lifecycle(c, &ev, 1, 5000, &reply), KM_OK);
+        cr_assert_eq(reply.ack.items[0].status, KM_OK);
+    }
+    km_client_close(c);
+    srv_stop(&s);
+    json_t *all = read_records(&s);
+    for (int i = 0; i < 4; i++) {
+        json_t *o = find_record(all, "outcome", (int64_t)ids[i]);
+        cr_assert_not_null(o, "no outcome record for http_status %u", statuses[i]);
+        cr_assert_eq(json_integer_value(json_object_get(o, "http_status")), statuses[i]);
+        cr_assert_str_eq(json_string_value(json_object_get(o, "outcome")), "error");
+    }
+    json_decref(all);
+    bool checked;
+    check_schema(&s, &checked);
+    srv_cleanup(&s);
+}
