@@ -77,6 +77,7 @@ struct km_subscriber {
     uint64_t last_snapshot_ns;
     pid_t snapshot_child; /* background snapshot being written; 0 = none */
     int snapshot_pipe;    /* its error text, read when reaped; -1 = none */
+    uint32_t saves_waiting; /* km_subscriber_save calls waiting for snapshot_child: fork no other */
 
     /* I/O thread only */
     km_kv_decoder *decoder;
@@ -988,7 +989,7 @@ int km_subscriber_flush(km_subscriber *sub, km_feed_flush_stats *stats)
     if (rc)
         snprintf(sub->last_error, sizeof sub->last_error, "%s", km_feed_last_error(sub->feed));
     reap_snapshot_child(sub, false);
-    if (!rc && !sub->snapshot_child && sub->config.snapshot_path &&
+    if (!rc && !sub->snapshot_child && !sub->saves_waiting && sub->config.snapshot_path &&
         sub->config.snapshot_interval_ms &&
         now - sub->last_snapshot_ns >= (uint64_t)sub->config.snapshot_interval_ms * 1000000u &&
         !(sub->config.snapshot_background &&
@@ -1004,7 +1005,22 @@ int km_subscriber_save(km_subscriber *sub, const char *path)
     if (!sub)
         return KM_ERR_NULL_POINTER;
     pthread_mutex_lock(&sub->lock);
-    reap_snapshot_child(sub, true); /* one writer at a time; this one is the newest */
+    /* One writer at a time, and this one is the newest: a background child still writing is waited
+     * for first, but not under the lock, which event intake and flushes need meanwhile (the child
+     * may write for seconds). The wait leaves the child to reap_snapshot_child (WNOWAIT), so its
+     * pid stays ours until it is reaped under the lock; flushes fork no new child while a save
+     * waits. */
+    sub->saves_waiting++;
+    while (sub->snapshot_child) {
+        pid_t child = sub->snapshot_child;
+        pthread_mutex_unlock(&sub->lock);
+        siginfo_t info;
+        while (waitid(P_PID, (id_t)child, &info, WEXITED | WNOWAIT) != 0 && errno == EINTR) {
+        }
+        pthread_mutex_lock(&sub->lock);
+        reap_snapshot_child(sub, false); /* ended (or already reaped by another thread) */
+    }
+    sub->saves_waiting--;
     const char *p = path ? path : sub->config.snapshot_path;
     int rc = p ? save_locked(sub, p, km_feed_clock_ns()) : KM_ERR_NULL_POINTER;
     pthread_mutex_unlock(&sub->lock);

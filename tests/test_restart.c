@@ -5,10 +5,14 @@
  * publishing within its replay buffer (index equals the gap-free run, LIVE); beyond the buffer
  * (DEGRADED, lost counted exactly); engine restarted while kvmatch was down (old blocks gone);
  * corrupt, truncated and version-mismatched snapshots (clear error, empty start, normal bootstrap
- * afterwards); periodic snapshots; `kvmatch follow` writing a snapshot on SIGTERM and resuming
+ * afterwards); periodic snapshots, in place and in the background (a save waiting for a background
+ * writer leaves event intake running); `kvmatch follow` writing a snapshot on SIGTERM and resuming
  * from it. */
+#include <glob.h>
 #include <inttypes.h>
+#include <pthread.h>
 #include <signal.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -676,6 +680,158 @@ Test(restart, a_killed_background_snapshot_leaves_no_temporary_file, .timeout = 
     cr_assert_not_null(fgets(out, sizeof out, p));
     pclose(p);
     cr_assert_eq(atoi(out), 0, "%d temporary snapshot file(s) left in %s", atoi(out), s.dir);
+    rx_free(&s);
+}
+
+/* Children of every thread of this process (a flush forks from the thread that calls it). */
+static size_t all_children(void)
+{
+    glob_t g;
+    size_t n = 0;
+    if (glob("/proc/self/task/*/children", 0, NULL, &g) != 0)
+        return 0;
+    for (size_t i = 0; i < g.gl_pathc; i++) {
+        FILE *f = fopen(g.gl_pathv[i], "r");
+        long pid;
+        while (f && fscanf(f, "%ld", &pid) == 1)
+            n++;
+        if (f)
+            fclose(f);
+    }
+    globfree(&g);
+    return n;
+}
+
+/* Wait (up to 1 s) until a child we sent SIGSTOP is stopped; false when it ended first. */
+static bool child_stopped(pid_t pid)
+{
+    char path[64], line[256];
+    snprintf(path, sizeof path, "/proc/%ld/stat", (long)pid);
+    for (int i = 0; i < 1000; i++) {
+        FILE *f = fopen(path, "r");
+        char *close_paren = NULL;
+        if (f && fgets(line, sizeof line, f))
+            close_paren = strrchr(line, ')');
+        if (f)
+            fclose(f);
+        if (!close_paren || close_paren[1] != ' ' || close_paren[2] == 'Z')
+            return false;
+        if (close_paren[2] == 'T' || close_paren[2] == 't')
+            return true;
+        usleep(1000);
+    }
+    return false;
+}
+
+/* km_subscriber_save on a thread of its own (the daemon's shutdown save). */
+typedef struct saver {
+    km_subscriber *sub;
+    pthread_t thread;
+    atomic_int done;
+    int rc;
+} saver;
+
+static void *saver_main(void *arg)
+{
+    saver *sv = arg;
+    sv->rc = km_subscriber_save(sv->sub, NULL);
+    atomic_store(&sv->done, 1);
+    return NULL;
+}
+
+/* Event intake and a flush, watched from a thread of their own: a subscriber that stalls would
+ * hold up the watcher too. `applied`: the worker reached seq `next` within 10 s. */
+typedef struct intake_probe {
+    rx *s;
+    uint64_t next;
+    pthread_t thread;
+    atomic_int done;
+    bool applied;
+} intake_probe;
+
+static void *intake_probe_main(void *arg)
+{
+    intake_probe *p = arg;
+    double end = km_test_now() + 10;
+    km_feed_worker_info info = {0};
+    while (km_subscriber_get_worker_info(p->s->sub, p->s->worker, &info) == KM_OK &&
+           info.expected_seq != p->next && km_test_now() < end)
+        km_test_sleep_ms(1);
+    p->applied = info.expected_seq == p->next;
+    km_subscriber_flush(p->s->sub, NULL); /* due (1 ms interval), but no child while a save waits */
+    atomic_store(&p->done, 1);
+    return NULL;
+}
+
+/* km_subscriber_save called while a background snapshot child writes (stopped here, so it writes
+ * for as long as the test wants) waits for it, since the shutdown snapshot must be the newest. Until
+ * 2026-11-30 it waited with the subscriber's lock held: the I/O thread could not hand a message to
+ * the feed, and every flush and inspection call blocked, for the child's whole run. Now events keep
+ * arriving and flushes return (forking no other child) while it waits, and the snapshot it then
+ * writes holds them. */
+Test(restart, a_save_waiting_for_a_background_snapshot_leaves_intake_running, .timeout = 60)
+{
+    rx s;
+    rx_init(&s, 0);
+    rx_stop_sub(&s);
+    km_index_config ic;
+    km_test_config(&ic, NULL);
+    ic.backend = KM_BACKEND_CPU;
+    ic.max_workers = 16;
+    ic.initial_blocks = UINT64_C(1) << 21; /* tables of tens of MB: the write takes a while */
+    cr_assert_eq(km_index_create(&ic, &s.index), KM_OK);
+    km_subscriber_config_init(&s.cfg);
+    km_test_feed_config(&s.cfg.feed, BS);
+    s.cfg.log = s.cfg.feed.log;
+    periodic(&s.cfg, s.path);
+    s.cfg.snapshot_background = true;
+    cr_assert_eq(km_subscriber_create(s.index, &s.cfg, &s.sub), KM_OK);
+    rx_follow(&s);
+    km_feed_worker_info info;
+    RX_WAIT(&s, info, info.state == KM_FEED_STATE_LIVE, 3000);
+    rx_publish(&s, 10);
+    rx_wait_applied(&s);
+    pid_t child = 0;
+    for (int attempt = 0; attempt < 10 && !child; attempt++) {
+        km_test_sleep_ms(3);
+        rx_flush(&s); /* reaps the previous writer, forks the next */
+        pid_t kids[16];
+        if (my_children(kids, 16) == 1 && kill(kids[0], SIGSTOP) == 0 && child_stopped(kids[0]))
+            child = kids[0];
+    }
+    if (!child)
+        cr_skip_test("no background writer could be stopped before it finished");
+    km_subscriber_stats st;
+    cr_assert_eq(km_subscriber_get_stats(s.sub, &st), KM_OK);
+    uint64_t snapshots = st.snapshots;
+
+    saver sv = {.sub = s.sub};
+    cr_assert_eq(pthread_create(&sv.thread, NULL, saver_main, &sv), 0);
+    km_test_sleep_ms(100); /* the save reaches its wait for the child */
+    rx_publish(&s, 5);
+    intake_probe probe = {.s = &s, .next = km_test_publisher_next_seq(s.pub)};
+    cr_assert_eq(pthread_create(&probe.thread, NULL, intake_probe_main, &probe), 0);
+    double end = km_test_now() + 5;
+    while (!atomic_load(&probe.done) && km_test_now() < end)
+        km_test_sleep_ms(1);
+    bool probe_done = atomic_load(&probe.done), save_waited = !atomic_load(&sv.done);
+    size_t children = all_children();
+    kill(child, SIGCONT); /* whatever happened, let everything finish */
+    pthread_join(probe.thread, NULL);
+    pthread_join(sv.thread, NULL);
+    cr_assert(probe_done && probe.applied,
+              "while the save waited for the child, events were not applied or a flush blocked "
+              "(probe %s, applied %d)", probe_done ? "done" : "stuck for 5 s", probe.applied);
+    cr_assert(save_waited, "the save did not wait for the background writer");
+    cr_assert_eq(children, 1, "a flush forked another writer while a save waited");
+    cr_assert_eq(sv.rc, KM_OK, "%s", km_subscriber_last_error(s.sub));
+    cr_assert_eq(km_subscriber_get_stats(s.sub, &st), KM_OK);
+    cr_assert_eq(st.snapshot_failures, 0, "%s", st.last_snapshot_error);
+    cr_assert_eq(st.snapshots, snapshots + 2, "the child's snapshot and the save's");
+    /* The save's file is the newest: it holds the events that arrived while it waited. */
+    rx_stop_sub(&s);
+    rx_start_sub(&s, s.path);
+    cr_assert_eq(rx_info(&s).expected_seq, 15);
     rx_free(&s);
 }
 

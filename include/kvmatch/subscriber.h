@@ -125,8 +125,11 @@ int km_subscriber_flush(km_subscriber *sub, km_feed_flush_stats *stats);
 
 /* Write a consistent snapshot (flush, then index + feed state; atomic) to path (NULL =
  * config.snapshot_path), under the lock. It flushes, so call it where km_subscriber_flush may be
- * called (the scoring thread). SIGTERM handling belongs to the daemon, which calls this on
- * shutdown. Errors: KM_ERR_NULL_POINTER (no path), those of km_feed_save (KM_ERR_IO ...). */
+ * called (the scoring thread). A background snapshot still being written is waited for first, so
+ * this one is the newest; that wait does not hold the lock: events keep being received and
+ * flushes return meanwhile (starting no other background snapshot). SIGTERM handling belongs to
+ * the daemon, which calls this on shutdown. Errors: KM_ERR_NULL_POINTER (no path), those of
+ * km_feed_save (KM_ERR_IO ...). */
 int km_subscriber_save(km_subscriber *sub, const char *path);
 
 /* ---- inspection (any thread) ------------------------------------------------------------------- */
