@@ -1460,6 +1460,10 @@ static worker *replay_worker(km_feed *feed, uint32_t id, uint64_t request_id, in
  *    start): the publisher had sent at most that far when it answered, unless the live socket
  *    lags by more than the whole replay buffer; declaring the seqs in between lost would then
  *    drop their live copies, still on their way, as late copies of lost seqs;
+ *  - the same for the first item of a bootstrap or resync (no position yet), measured from the
+ *    live messages held while this request runs (a last_live from before it, restored from a
+ *    snapshot, may be older than the engine's whole buffer): taken, it would set the position
+ *    past the live stream, whose next message would then read as an engine restart;
  *  - for a rejected payload (batch NULL): any seq but the next one to apply (its frames did not
  *    decode, so the seq may be garbage; one below it is a harmless duplicate). */
 static const char *replay_item_refusal(const worker *w, uint64_t seq, bool decoded)
@@ -1470,8 +1474,10 @@ static const char *replay_item_refusal(const worker *w, uint64_t seq, bool decod
         return "below the requested start";
     if (!decoded && (!w->has_expected || seq > w->expected))
         return "a rejected payload's seq that is not the next to apply";
-    if (w->has_expected && seq > w->expected && w->has_last_live &&
-        w->last_live >= w->replay_from && seq > w->last_live && seq - w->last_live > 1)
+    /* Without a position, every live message is held while the replay runs, the newest last. */
+    bool live_reference = w->has_expected ? seq > w->expected && w->last_live >= w->replay_from
+                                          : w->buffer_count > 0;
+    if (live_reference && w->has_last_live && seq > w->last_live && seq - w->last_live > 1)
         return "skips past the newest live seq";
     return NULL;
 }

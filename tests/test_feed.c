@@ -1189,6 +1189,41 @@ Test(feed, a_rejected_bootstrap_item_does_not_set_the_position, .timeout = 10)
     fx_free(&f);
 }
 
+/* A bootstrap replay whose first item decodes but lies past the live stream: live messages 8 and 9
+ * arrived while the request ran, so the engine's oldest buffered message is at most 10 (unless the
+ * live socket lagged by more than its whole buffer). Until 2026-11-30 a first item was taken as
+ * given: it set the position far ahead, its blocks were indexed, the held live messages and the
+ * real history were skipped as duplicates, and the next live message read as an engine restart
+ * (the worker cleared and replayed again). Refused, like a gap replay's skip past the live
+ * stream; the real history that follows sets the position. */
+Test(feed, a_first_bootstrap_item_past_the_live_stream_is_refused, .timeout = 10)
+{
+    fx f;
+    fx_init(&f);
+    fx_make(&f, 12, 0);
+    fx_add(&f, 0, true);
+    km_feed_action a = fx_action(&f, KM_FEED_ACTION_REPLAY_REQUEST);
+    fx_live_range(&f, 0, 8, 10);
+    km_kv_batch real5 = fx_decode(&f, 5);
+    cr_assert_eq(km_feed_replay_item(f.feed, 0, a.request_id, UINT64_C(1) << 40, &real5, f.now++),
+                 KM_OK);
+    km_feed_worker_info info = fx_info(&f, 0);
+    cr_assert_eq(info.counters.refused_replay_items, 1, "the wild first item was taken");
+    cr_assert_eq(info.has_expected_seq, false);
+    fx_items(&f, 0, a.request_id, 0, 10);
+    fx_end(&f, 0, a.request_id);
+    fx_live_range(&f, 0, 10, 12);
+    fx_no_action(&f);
+    fx_check_truth(&f, 0);
+    info = fx_info(&f, 0);
+    cr_assert_eq(info.state, KM_FEED_STATE_LIVE);
+    cr_assert_eq(info.expected_seq, 12);
+    cr_assert_eq(info.counters.history_unavailable, 0);
+    cr_assert_eq(info.counters.restarts, 0);
+    cr_assert_eq(info.counters.lost, 0);
+    fx_free(&f);
+}
+
 Test(feed, resync_rebuilds_a_degraded_worker, .timeout = 10)
 {
     fx f;
