@@ -406,63 +406,6 @@ static int take_table(reader *r, uint32_t kind, km_table *t, int with_meta, uint
     return KM_OK;
 }
 
-/* Blocks whose parents are looked up together: their slots and metadata are loaded first, all at
- * once, since each lookup is a random read in a table of up to hundreds of MB. */
-#define CHAIN_CHECK_BATCH 32u
-
-/* Does block slot i follow its parent (see check_block_chains)? */
-static int block_follows_parent(km_index *index, const km_table *t, uint64_t i)
-{
-    uint32_t S = index->config.segment_blocks;
-    const km_block_meta *m = &t->meta[i];
-    uint64_t ps = km_table_find(t, m->parent);
-    if (ps == KM_SLOT_NONE)
-        return KM_OK;
-    const km_block_meta *pm = km_table_meta(t, ps);
-    if (pm->position == KM_POSITION_UNKNOWN ||
-        (pm->position + 1 == m->position && (!S || m->position % S == 0 || pm->anchor == m->anchor)))
-        return KM_OK;
-    return km_index_fail(index, KM_ERR_CORRUPT, "snapshot: block %016llx (position %u, segment "
-                         "anchor %016llx) does not follow its parent %016llx (position %u, "
-                         "segment anchor %016llx)", (unsigned long long)t->slots[i].key,
-                         m->position, (unsigned long long)m->anchor,
-                         (unsigned long long)m->parent, pm->position,
-                         (unsigned long long)pm->anchor);
-}
-
-/* Block metadata follows its chain as the updates keep it (src/index.c, apply_store): a block at
- * a known position whose parent is present at a known position sits right after it and, unless it
- * starts a segment, shares its segment anchor. Removals rely on it: they find the segment keys to
- * invalidate through the removed block's anchor and its offset in the segment (position % S), so
- * a block that lies about either leaves a worker in a segment key after it removed a block of the
- * segment, and scoring then credits the worker with blocks it lacks until it is cleared. One pass,
- * one parent lookup per block; a block whose parent is absent or at an unknown position is
- * unchecked, as updates leave them (an evicted parent, an orphan run). A parent removed and stored
- * again comes back at its position with its anchor: both follow from its chain hash. */
-static int check_block_chains(km_index *index, const km_table *t)
-{
-    uint64_t batch[CHAIN_CHECK_BATCH];
-    uint32_t n = 0;
-    for (uint64_t i = 0; i < t->capacity; i++) {
-        if (t->slots[i].key > KM_KEY_TOMBSTONE && t->meta[i].position != KM_POSITION_UNKNOWN &&
-            t->meta[i].parent > KM_KEY_TOMBSTONE) {
-            uint64_t home = km_slot_home(t->meta[i].parent, t->shift);
-            __builtin_prefetch(&t->slots[home]);
-            __builtin_prefetch(&t->meta[home]);
-            batch[n++] = i;
-        }
-        if (n == CHAIN_CHECK_BATCH || (n && i + 1 == t->capacity)) {
-            for (uint32_t k = 0; k < n; k++) {
-                int rc = block_follows_parent(index, t, batch[k]);
-                if (rc)
-                    return rc;
-            }
-            n = 0;
-        }
-    }
-    return KM_OK;
-}
-
 /* Every pair in a lower tier table must be held (in the block table), and in one tier only. */
 static int check_lower_tiers(km_index *index, const km_index *staged)
 {
@@ -589,8 +532,6 @@ int km_index_load(km_index *index, const char *path, void **user_out, size_t *us
     if (r.hash)
         XXH3_freeState(r.hash);
     close(fd);
-    if (!rc)
-        rc = check_block_chains(index, &staged.blocks);
     if (!rc) {
         rc = km_index_rebuild_anchors(&staged);
         if (rc)
