@@ -616,8 +616,8 @@ static void encode_decision(writer *w, const km_route_decision *d, uint32_t i)
     put_str(w, &m, "load_scope", d->load_scope);
     put_double_or_nil(w, &m, "load_value", d->load_value);
     if (check_array(w, where, "candidates", d->candidates, d->n_candidates)) {
-        /* Positional rows (docs/PROTOCOL.md, "Candidate rows"): a decision with 16 candidates is
-         * ~180 msgpack values instead of ~400, both ways. */
+        /* Positional rows (docs/PROTOCOL.md, "ROUTE -> DECISION", `candidates`): a decision
+         * with 16 candidates is ~180 msgpack values instead of ~400, both ways. */
         put_key(w, &m, "candidates");
         msgpack_pack_array(&w->packer, d->n_candidates);
         for (uint32_t c = 0; c < d->n_candidates; c++) {

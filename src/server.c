@@ -180,6 +180,8 @@ typedef struct worker_slot {
     uint32_t pool;
     bool events; /* fed by KV events; else approximate mode */
     bool local;  /* events handed over in process (km_server_deliver_events), no sockets */
+    bool has_dp_rank; /* WORKERS add `dp_rank`, echoed in WORKER_LIST and /status */
+    uint32_t dp_rank;
     uint64_t incarnation; /* distinct for every worker_add */
     char name[KM_SERVER_NAME_MAX];
     char *event_endpoint, *replay_endpoint;
@@ -2314,6 +2316,8 @@ static void worker_view(km_server *s, uint32_t id, km_worker_info *out)
     out->name = w->name;
     out->event_endpoint = w->event_endpoint;
     out->replay_endpoint = w->replay_endpoint;
+    out->has_dp_rank = w->has_dp_rank;
+    out->dp_rank = w->dp_rank;
     out->state = worker_state(s, id);
     km_worker_stats ws;
     if (km_index_worker_stats(p->index, id, &ws) == KM_OK) {
@@ -2436,6 +2440,10 @@ static void handle_workers(conn *c, const km_message *m)
             } else {
                 km_server_worker w = {wi->worker, wi->name, wi->event_endpoint, wi->replay_endpoint};
                 rc = worker_add(s, (uint32_t)pi, &w, msgs[i], sizeof msgs[i]);
+                if (rc == KM_OK) {
+                    s->workers[wi->worker].has_dp_rank = wi->has_dp_rank;
+                    s->workers[wi->worker].dp_rank = wi->dp_rank;
+                }
                 if (rc == KM_OK && wi->has_healthy)
                     worker_set_health(s, wi->worker, wi->healthy);
                 if (rc == KM_OK)
@@ -2569,6 +2577,10 @@ static void handle_pools(conn *c, const km_message *m)
                 rc = km_why(msgs[i], sizeof msgs[i], KM_ERR_INVALID_ARGUMENT,
                            "pool %s: block_size cannot change (the index is hashed with %u)",
                            pi->name, s->pools[at]->block_size);
+            } else if (pi->model && !km_utf8_name(pi->model)) {
+                /* As pool_create checks it: the model is a string in /status and the records. */
+                rc = km_why(msgs[i], sizeof msgs[i], KM_ERR_INVALID_ARGUMENT,
+                           "pool %s: model must be UTF-8 without control characters", pi->name);
             }
             if (rc == KM_OK)
                 pc.policy = s->pools[at]->policy;
@@ -3133,6 +3145,7 @@ static int http_status(void *user, km_text *out)
         json_object_set_new(jw, "name", json_string(w->name));
         json_object_set_new(jw, "pool", json_string(p->name));
         json_object_set_new(jw, "mode", json_string(w->events ? "events" : "approx"));
+        json_object_set_new(jw, "dp_rank", w->has_dp_rank ? json_integer(w->dp_rank) : json_null());
         km_active_load load;
         pthread_mutex_lock(&s->active_lock);
         uint64_t in_flight = km_active_worker_load(s->active, id, &load) == KM_OK ? load.in_flight : 0;

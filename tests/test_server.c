@@ -1279,6 +1279,8 @@ Test(server, workers_and_pools_change_at_run_time, .timeout = 30)
     wi[0].pool = "second";
     wi[0].worker = 20;
     wi[0].name = "x20";
+    wi[0].has_dp_rank = true;
+    wi[0].dp_rank = 3;
     wi[1].pool = "second";
     wi[1].worker = 21;
     m.workers.workers = wi;
@@ -1317,6 +1319,12 @@ Test(server, workers_and_pools_change_at_run_time, .timeout = 30)
     cr_assert_eq(km_client_call(c, &m, 5000, &reply), KM_OK);
     cr_assert_eq(reply.type, KM_MESSAGE_WORKER_LIST);
     cr_assert_eq(reply.workers.n_workers, 2);
+    for (uint32_t i = 0; i < reply.workers.n_workers; i++) {
+        const km_worker_info *w = &reply.workers.workers[i];
+        /* dp_rank is kept as added (until 2026-11-30 it was decoded and dropped) */
+        cr_assert_eq(w->has_dp_rank, w->worker == 20, "worker %u: has_dp_rank", w->worker);
+        cr_assert(w->worker != 20 || w->dp_rank == 3);
+    }
     /* A pool update cannot change the block size. */
     memset(&m, 0, sizeof m);
     m.type = KM_MESSAGE_POOLS;
@@ -1793,6 +1801,12 @@ Test(server, names_that_are_not_utf8_text_are_refused, .timeout = 30)
     m.pools.n_pools = 1;
     cr_assert_eq(km_client_call(c, &m, 5000, &reply), KM_OK);
     cr_assert_eq(reply.ack.items[0].status, KM_ERR_INVALID_ARGUMENT);
+    /* An update is held to the same rule as an add (until 2026-11-30 it took any bytes). */
+    pi.name = "main";
+    pi.block_size = 0;
+    m.pools.action = KM_ADMIN_UPDATE;
+    cr_assert_eq(km_client_call(c, &m, 5000, &reply), KM_OK);
+    cr_assert_eq(reply.ack.items[0].status, KM_ERR_INVALID_ARGUMENT, "a Latin-1 model was taken");
     /* Three workers (0, 1 and 23) are served, and the scrape names the UTF-8 one as it is. */
     uint16_t port = km_server_http_port(s.server);
     static char body[1 << 16];

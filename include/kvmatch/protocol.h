@@ -198,9 +198,9 @@ typedef struct km_worker_load {
     uint64_t active_decode_blocks;
 } km_worker_load;
 
-/* Candidates travel as positional rows of this many fields (docs/PROTOCOL.md, "Candidate rows"):
- * worker, depth, device_blocks, host_blocks, disk_blocks, in_flight, pending_prefill_tokens,
- * active_decode_blocks, cost, state, eligible. */
+/* Candidates travel as positional rows of this many fields (docs/PROTOCOL.md, "ROUTE ->
+ * DECISION", `candidates`): worker, depth, device_blocks, host_blocks, disk_blocks, in_flight,
+ * pending_prefill_tokens, active_decode_blocks, cost, state, eligible. */
 #define KM_CANDIDATE_ROW_FIELDS 11u
 
 typedef struct km_candidate_score {

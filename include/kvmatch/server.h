@@ -4,9 +4,11 @@
  * them in batches against the pools' indexes, lets each pool's policy weigh overlap against the
  * load this instance saw, and writes a linked JSONL record per decision and per outcome.
  *
- * Threads: the caller of km_server_run runs the event loop (libuv: sockets, signals, replies); one
- * scheduler thread owns every index (event flushes, scoring, approximate-mode updates, snapshots,
- * active-work expiry); each pool with event sources has its subscriber's I/O thread; the records
+ * Threads: the caller of km_server_run runs the event loop (libuv: sockets, signals, replies); the
+ * scheduler role owns every index (event flushes, scoring, approximate-mode updates, snapshots,
+ * active-work expiry): the scheduler thread holds it for batches, the loop thread for a small
+ * batch that arrives while the scheduler is idle (inline_routes; docs/ARCHITECTURE.md, "The
+ * service's threads"); each pool with event sources has its subscriber's I/O thread; the records
  * writer and the HTTP server (libmicrohttpd) have their own.
  *
  * Lifecycle: km_server_config_init -> fill (or km_server_config_load_json) -> km_server_create
