@@ -3527,6 +3527,13 @@ int km_server_create(const km_server_config *cfg_in, km_server **out, char *why,
         return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,
                      "max_workers, max_batch_routes, max_queued_routes, max_connections, "
                      "max_outbox_bytes (>= 4096), active_ttl_ms or ready_share out of range");
+    /* The cooldown is added to a time in ns (breaker_outcome): bounded as the JSON config and the
+     * CLI bound it, so the product cannot wrap to a short cooldown. */
+    if (cfg.breaker_failures &&
+        (cfg.breaker_cooldown_ms == 0 || cfg.breaker_cooldown_ms > UINT64_MAX / 1000000))
+        return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,
+                     "breaker_cooldown_ms %" PRIu64 " is out of 1..%" PRIu64 " (in ns it must fit "
+                     "64 bits)", cfg.breaker_cooldown_ms, UINT64_MAX / 1000000);
     if (cfg.n_pools > MAX_POOLS)
         return km_why(why, why_size, KM_ERR_TOO_LARGE, "%u pools; at most %u", cfg.n_pools, MAX_POOLS);
     km_server *s = calloc(1, sizeof *s);

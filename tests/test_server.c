@@ -2956,3 +2956,37 @@ Test(server, an_outcome_with_any_http_status_the_protocol_takes_is_recorded, .ti
     check_schema(&s, &checked);
     srv_cleanup(&s);
 }
+
+/* breaker_cooldown_ms is multiplied into nanoseconds. The JSON config and the CLI bound it, but
+ * km_server_create took any value (until 2026-12-01): 18,446,744,073,710 ms, meant as "open for
+ * good", wrapped to 448,384 ns, and an opened breaker went half-open half a millisecond later. */
+Test(server, a_breaker_cooldown_whose_nanoseconds_overflow_is_refused, .timeout = 30)
+{
+    srv s = {0};
+    km_server_config cfg;
+    test_config(&cfg, &s, KM_POLICY_PREFIX, 1);
+    cfg.breaker_cooldown_ms = UINT64_MAX / 1000000 + 1;
+    char why[256] = "";
+    km_server *server = NULL;
+    int rc = km_server_create(&cfg, &server, why, sizeof why);
+    km_server_destroy(server);
+    cr_assert_eq(rc, KM_ERR_INVALID_ARGUMENT, "%s: %s", km_error_name(rc), why);
+    cr_assert(strstr(why, "breaker_cooldown_ms"), "%s", why);
+    cfg.breaker_cooldown_ms = 0; /* open and half-open at once: no cooldown to speak of */
+    server = NULL;
+    rc = km_server_create(&cfg, &server, why, sizeof why);
+    km_server_destroy(server);
+    cr_assert_eq(rc, KM_ERR_INVALID_ARGUMENT, "%s: %s", km_error_name(rc), why);
+    cfg.breaker_failures = 0; /* no breaker: its cooldown is never used */
+    server = NULL;
+    rc = km_server_create(&cfg, &server, why, sizeof why);
+    km_server_destroy(server);
+    cr_assert_eq(rc, KM_OK, "%s: %s", km_error_name(rc), why);
+    cfg.breaker_failures = 5;
+    cfg.breaker_cooldown_ms = UINT64_MAX / 1000000;
+    server = NULL;
+    rc = km_server_create(&cfg, &server, why, sizeof why);
+    km_server_destroy(server);
+    cr_assert_eq(rc, KM_OK, "%s: %s", km_error_name(rc), why);
+    srv_cleanup(&s);
+}

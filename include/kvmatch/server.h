@@ -117,7 +117,9 @@ typedef struct km_server_config {
                                  * until an outcome closes (complete) or reopens (a failure) the
                                  * breaker. 0 = no breaker; default 5 (SERVICE.md, "Worker
                                  * health") */
-    uint64_t breaker_cooldown_ms; /* default 10,000 */
+    uint64_t breaker_cooldown_ms; /* 1..UINT64_MAX / 1,000,000 (in ns it fits 64 bits; else
+                                   * km_server_create refuses it unless breaker_failures is 0);
+                                   * default 10,000 */
     double ready_share;         /* /readyz: ready when at least this share of event-fed workers is
                                  * LIVE; default 1.0 */
     uint32_t drain_timeout_ms;  /* shutdown waits this long for queued work; default 10,000 */
