@@ -194,6 +194,8 @@ typedef struct worker_slot {
     uint32_t failures;         /* outcomes error or incomplete in a row */
     bool breaker_tripped;      /* failures reached breaker_failures; a complete outcome clears it */
     uint64_t breaker_until_ns; /* tripped: open until then, half-open after */
+    uint64_t probe_decision;   /* half-open: the latest decision made for it (0: none); the probe
+                                * is in flight while attempts_by_decision holds it on this worker */
 } worker_slot;
 
 typedef struct pool {
@@ -1099,17 +1101,31 @@ typedef enum eligibility {
     INELIGIBLE_PROBING,      /* half-open, its probe attempt still in flight */
 } eligibility;
 
-/* Can a route choose the worker now (active_lock held)? A half-open breaker lets one attempt
- * through at a time: the worker is eligible only while this instance has nothing in flight on
- * it, so the first outcome after the cooldown decides before more follow. */
-static eligibility worker_eligibility(const worker_slot *w, uint64_t now, uint64_t in_flight)
+/* Is the probe decided for worker id while half-open still in flight there (active_lock held)?
+ * Its attempt leaves attempts_by_decision however it ends (FINISHED, expiry, eviction, removal),
+ * and an override moves it to another worker. Attempts decided before the breaker opened are not
+ * the probe: one whose FINISHED never comes must not hold the worker back until it expires. */
+static bool probe_in_flight(km_server *s, uint32_t id)
 {
+    uint64_t decision = s->workers[id].probe_decision;
+    if (!decision)
+        return false;
+    const uint64_t *v = km_u64map_find(&s->attempts_by_decision, km_u64map_key(decision));
+    return v && ((const attempt *)(uintptr_t)*v)->worker == id;
+}
+
+/* Can a route choose worker id now (admin_lock or the loop thread, and active_lock held)? A
+ * half-open breaker lets one attempt through at a time, the probe (decide_route sets
+ * probe_decision), so the first outcome after the cooldown decides before more follow. */
+static eligibility worker_eligibility(km_server *s, uint32_t id, uint64_t now)
+{
+    const worker_slot *w = &s->workers[id];
     if (w->unhealthy)
         return INELIGIBLE_UNHEALTHY;
     breaker_state b = worker_breaker(w, now);
     if (b == BREAKER_OPEN)
         return INELIGIBLE_BREAKER_OPEN;
-    if (b == BREAKER_HALF_OPEN && in_flight > 0)
+    if (b == BREAKER_HALF_OPEN && probe_in_flight(s, id))
         return INELIGIBLE_PROBING;
     return ELIGIBLE;
 }
@@ -1136,6 +1152,7 @@ static void breaker_outcome(km_server *s, uint32_t id, km_outcome outcome, uint6
         return;
     bool reopened = w->breaker_tripped;
     w->breaker_tripped = true;
+    w->probe_decision = 0; /* what was decided before this cooldown is not its probe */
     uint64_t cooldown = s->cfg.breaker_cooldown_ms * 1000000u;
     w->breaker_until_ns = now > UINT64_MAX - cooldown ? UINT64_MAX : now + cooldown;
     atomic_fetch_add(&s->st.breaker_opened, 1);
@@ -1204,7 +1221,7 @@ static void decide_route(km_server *s, job *j, route_job *r, pool *p, const km_r
         km_worker_stats ws;
         if (km_index_worker_stats(p->index, ids[i], &ws) == KM_OK)
             c->indexed_blocks = ws.blocks;
-        eligibility e = worker_eligibility(&s->workers[ids[i]], now, c->in_flight);
+        eligibility e = worker_eligibility(s, ids[i], now);
         if (e == ELIGIBLE)
             b->cands[n_eligible++] = cand;
         else
@@ -1222,7 +1239,7 @@ static void decide_route(km_server *s, job *j, route_job *r, pool *p, const km_r
         atomic_fetch_add(&s->st.no_healthy, 1);
         route_fail(r, KM_ERR_NO_HEALTHY_WORKER,
                    "no eligible worker among the %u candidates of pool %s: %u unhealthy (the "
-                   "router's word), %u circuit breaker%s open, %u half-open with an attempt in "
+                   "router's word), %u circuit breaker%s open, %u half-open with a probe in "
                    "flight", n, p->name, unhealthy, breaker_open, breaker_open == 1 ? "" : "s",
                    probing);
         return;
@@ -1366,6 +1383,10 @@ static void decide_route(km_server *s, job *j, route_job *r, pool *p, const km_r
     if (!a)
         slog(s, "decision %" PRIu64 ": out of memory keeping its attempt; its outcome record will be "
              "missing", decision_id);
+    /* A half-open worker's probe (worker_eligibility); one whose attempt could not be kept is not
+     * tracked, and the next route may probe too. */
+    if (worker_breaker(&s->workers[chosen], now) == BREAKER_HALF_OPEN)
+        s->workers[chosen].probe_decision = decision_id;
 
     /* The decision record. */
     if (s->records) {
@@ -2336,14 +2357,13 @@ static void worker_view(km_server *s, uint32_t id, km_worker_info *out)
         }
     }
     km_active_load load;
-    uint64_t in_flight = 0, now = now_ns();
+    uint64_t now = now_ns();
     pthread_mutex_lock(&s->active_lock);
     if (km_active_worker_load(s->active, id, &load) == KM_OK) {
         out->has_load = true;
         out->load.in_flight = (uint32_t)load.in_flight;
         out->load.pending_prefill_tokens = load.pending_prefill_tokens;
         out->load.active_decode_blocks = load.active_decode_blocks;
-        in_flight = load.in_flight;
     }
     out->has_healthy = true;
     out->healthy = !w->unhealthy;
@@ -2351,7 +2371,7 @@ static void worker_view(km_server *s, uint32_t id, km_worker_info *out)
     out->has_failures = true;
     out->failures = w->failures;
     out->has_eligible = true;
-    out->eligible = worker_eligibility(w, now, in_flight) == ELIGIBLE;
+    out->eligible = worker_eligibility(s, id, now) == ELIGIBLE;
     pthread_mutex_unlock(&s->active_lock);
 }
 
@@ -3146,13 +3166,11 @@ static int http_status(void *user, km_text *out)
         json_object_set_new(jw, "pool", json_string(p->name));
         json_object_set_new(jw, "mode", json_string(w->events ? "events" : "approx"));
         json_object_set_new(jw, "dp_rank", w->has_dp_rank ? json_integer(w->dp_rank) : json_null());
-        km_active_load load;
         pthread_mutex_lock(&s->active_lock);
-        uint64_t in_flight = km_active_worker_load(s->active, id, &load) == KM_OK ? load.in_flight : 0;
         json_object_set_new(jw, "healthy", json_boolean(!w->unhealthy));
         json_object_set_new(jw, "breaker", json_string(breaker_state_name(worker_breaker(w, now))));
         json_object_set_new(jw, "failures", json_integer(w->failures));
-        json_object_set_new(jw, "eligible", json_boolean(worker_eligibility(w, now, in_flight) == ELIGIBLE));
+        json_object_set_new(jw, "eligible", json_boolean(worker_eligibility(s, id, now) == ELIGIBLE));
         pthread_mutex_unlock(&s->active_lock);
         km_worker_stats ws;
         if (km_index_worker_stats(p->index, id, &ws) == KM_OK)
@@ -3227,10 +3245,8 @@ static int http_metrics(void *user, km_text *out)
                                      {"state", state}};
         if (km_index_worker_stats(p->index, id, &ws) == KM_OK)
             km_prom_write_sample_u64(out, "kvmatch_worker_blocks", labels, 4, ws.blocks);
-        km_active_load load;
         pthread_mutex_lock(&s->active_lock);
-        uint64_t in_flight = km_active_worker_load(s->active, id, &load) == KM_OK ? load.in_flight : 0;
-        ineligible += worker_eligibility(w, now, in_flight) != ELIGIBLE;
+        ineligible += worker_eligibility(s, id, now) != ELIGIBLE;
         pthread_mutex_unlock(&s->active_lock);
         km_feed_worker_info info;
         if (w->events && feed_info(s, id, &info) == KM_OK) {

@@ -2990,3 +2990,41 @@ Test(server, a_breaker_cooldown_whose_nanoseconds_overflow_is_refused, .timeout 
     cr_assert_eq(rc, KM_OK, "%s: %s", km_error_name(rc), why);
     srv_cleanup(&s);
 }
+
+/* Half-open lets one probe through. The rule was "nothing in flight on the worker" (until
+ * 2026-12-01), and in_flight counts every attempt this instance still tracks there, including
+ * those decided before the breaker opened whose FINISHED never comes (a router that restarted):
+ * after the cooldown the worker stayed out until the last of them expired (active_ttl_ms, 10
+ * minutes by default), healthy by the router's word or not. The probe is now the attempt decided
+ * on the worker while half-open; older work neither blocks nor is it the probe. A probe that ends
+ * without a verdict (cancelled) lets the next one through. */
+Test(server, a_half_open_breaker_lets_a_probe_through_past_older_work, .timeout = 30)
+{
+    srv s = {0};
+    km_server_config cfg;
+    test_config(&cfg, &s, KM_POLICY_LEAST_LOAD, 2);
+    cfg.breaker_failures = 1;
+    cfg.breaker_cooldown_ms = 200;
+    srv_start(&s, &cfg);
+    km_client *c = connect_client(&s);
+    cr_assert_eq(route_on(c, "lingers", 0, 0), KM_OK); /* never reported */
+    cr_assert_eq(route_on(c, "fails", 0, 0), KM_OK);
+    finish_as(c, "fails", KM_OUTCOME_ERROR);
+    cr_assert_str_eq(worker_health(c, 0).breaker, "open");
+    await_breaker(c, 0, "half_open");
+    cr_assert(worker_health(c, 0).eligible, "half-open, no probe yet, but not eligible");
+    cr_assert_eq(route_on(c, "probe-1", 0, 0), KM_OK, "older work held the probe back");
+    cr_assert(!worker_health(c, 0).eligible);
+    cr_assert_eq(route_on(c, "while-probing", 0, 0), KM_ERR_NO_HEALTHY_WORKER);
+    finish_as(c, "probe-1", KM_OUTCOME_CANCELLED); /* no verdict: the next probe may go */
+    cr_assert_str_eq(worker_health(c, 0).breaker, "half_open");
+    cr_assert_eq(route_on(c, "probe-2", 0, 0), KM_OK);
+    cr_assert_eq(route_on(c, "while-probing-2", 0, 0), KM_ERR_NO_HEALTHY_WORKER);
+    finish_as(c, "probe-2", KM_OUTCOME_COMPLETE);
+    health_view v = worker_health(c, 0);
+    cr_assert(!strcmp(v.breaker, "closed") && v.eligible, "breaker %s", v.breaker);
+    cr_assert_eq(route_on(c, "closed", 0, 0), KM_OK);
+    km_client_close(c);
+    srv_stop(&s);
+    srv_cleanup(&s);
+}

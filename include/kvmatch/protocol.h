@@ -364,8 +364,8 @@ typedef struct km_worker_info {
     km_worker_load load;
     /* The circuit breaker this instance keeps from the attempts' outcomes (SERVICE.md, "Worker
      * health"): "closed", "open" (failures reached the threshold: not chosen until the cooldown
-     * ends), "half_open" (cooldown over: chosen only while it has nothing in flight, and the next
-     * outcome closes or reopens it); NULL when absent. */
+     * ends), "half_open" (cooldown over: chosen only while no probe, an attempt decided for it
+     * since, is in flight, and the next outcome closes or reopens it); NULL when absent. */
     const char *breaker;
     bool has_failures;
     uint32_t failures; /* attempts in a row whose outcome was error or incomplete */

@@ -113,8 +113,8 @@ typedef struct km_server_config {
                                   * approx_dispatch_unlearned); 0 = keep none; default 64 MiB */
     uint32_t breaker_failures;  /* a worker whose last this-many attempts in a row ended `error` or
                                  * `incomplete` (FINISHED) is not chosen for breaker_cooldown_ms;
-                                 * after it, it is chosen only while it has nothing in flight
-                                 * until an outcome closes (complete) or reopens (a failure) the
+                                 * after it, one probe attempt at a time goes to it until an
+                                 * outcome closes (complete) or reopens (a failure) the
                                  * breaker. 0 = no breaker; default 5 (SERVICE.md, "Worker
                                  * health") */
     uint64_t breaker_cooldown_ms; /* 1..UINT64_MAX / 1,000,000 (in ns it fits 64 bits; else
