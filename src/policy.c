@@ -245,6 +245,11 @@ static uint32_t find_owner(const km_policy_candidate *cands, uint32_t n)
     return owner;
 }
 
+uint32_t km_policy_owner(const km_policy_candidate *cands, uint32_t n)
+{
+    return cands ? find_owner(cands, n) : KM_POLICY_NO_OWNER;
+}
+
 /* The parts of the kv cost that depend on the request only. */
 typedef struct kv_request_terms {
     double request_tokens; /* max(prompt_tokens, n_blocks * B): Dynamo's isl */

@@ -1262,15 +1262,16 @@ static void decide_route(km_server *s, job *j, route_job *r, pool *p, const km_r
     uint32_t chosen = b->cands[pd.chosen].worker;
     /* The prediction owner is the deepest match among every candidate: an ineligible worker that
      * holds more than any eligible one is the owner (the record says where the KV is, and that it
-     * could not be used); ties stay with the policy's owner. */
+     * could not be used); ties with an eligible one stay with the policy's owner, ties among
+     * ineligible ones are broken by the policy's rule too (km_policy_owner). */
     bool has_owner = pd.owner != KM_POLICY_NO_OWNER;
     uint32_t owner_at = pd.owner, owner_depth = has_owner ? pd.owner_depth : 0;
-    for (uint32_t i = n_eligible; i < n; i++)
-        if (b->cands[i].depth > owner_depth) {
-            owner_at = i;
-            owner_depth = b->cands[i].depth;
-            has_owner = true;
-        }
+    uint32_t tail = km_policy_owner(b->cands + n_eligible, n - n_eligible);
+    if (tail != KM_POLICY_NO_OWNER && b->cands[n_eligible + tail].depth > owner_depth) {
+        owner_at = n_eligible + tail;
+        owner_depth = b->cands[owner_at].depth;
+        has_owner = true;
+    }
     uint32_t owner = has_owner ? b->cands[owner_at].worker : 0;
     const char *chosen_state = worker_state_in_batch(s, chosen);
     bool observed = prediction_observed(s, b->cands, n, has_owner, owner, chosen);

@@ -3028,3 +3028,44 @@ Test(server, a_half_open_breaker_lets_a_probe_through_past_older_work, .timeout 
     srv_stop(&s);
     srv_cleanup(&s);
 }
+
+/* The prediction owner is the deepest match, ties broken by the policy's rule (the less loaded,
+ * policy.h), whether the workers tied are eligible or not. Ineligible workers were compared in the
+ * route's order (until 2026-12-01): of two unhealthy workers holding the same prefix the first
+ * listed was the owner, the busier one here, though the same workers healthy give the other. */
+Test(server, an_owner_among_ineligible_workers_is_broken_by_load_as_the_policy_breaks_ties,
+     .timeout = 30)
+{
+    srv s = {0};
+    km_server_config cfg;
+    test_config(&cfg, &s, KM_POLICY_PREFIX, 3);
+    srv_start(&s, &cfg);
+    km_client *c = connect_client(&s);
+    km_message reply;
+    /* Workers 1 and 2 are assumed to hold the 6-block prefix; 1 keeps its attempt in flight. */
+    static uint32_t only[2] = {1, 2};
+    km_route_request teach = prefix_route("busy", 6 * BS);
+    teach.candidates = &only[0];
+    teach.n_candidates = 1;
+    cr_assert_eq(route_one(c, &teach, &reply)->chosen_worker, 1);
+    teach = prefix_route("idle", 6 * BS);
+    teach.candidates = &only[1];
+    teach.n_candidates = 1;
+    cr_assert_eq(route_one(c, &teach, &reply)->chosen_worker, 2);
+    finish_as(c, "idle", KM_OUTCOME_COMPLETE);
+
+    cr_assert_eq(set_health(c, 1, true, false), KM_OK);
+    cr_assert_eq(set_health(c, 2, true, false), KM_OK);
+    km_route_request r = prefix_route("down", 8 * BS);
+    const km_route_decision *d = route_one(c, &r, &reply);
+    cr_assert_eq(d->status, KM_OK);
+    cr_assert_eq(d->chosen_worker, 0);
+    cr_assert(d->has_owner);
+    cr_assert_eq(d->owner_depth, 6);
+    cr_assert_eq(candidate(d, 1)->load.in_flight, 1);
+    cr_assert_eq(candidate(d, 2)->load.in_flight, 0);
+    cr_assert_eq(d->owner_worker, 2, "owner %u: the tie went to the busier worker", d->owner_worker);
+    km_client_close(c);
+    srv_stop(&s);
+    srv_cleanup(&s);
+}

@@ -162,6 +162,10 @@ const char *km_policy_load_kind(km_policy_kind kind);
 /* The value of that signal for one candidate: NAN for round_robin, which weighs none (a record
  * writes it as null, a DECISION reply as nil); 0 when cand is NULL. */
 double km_policy_load_value(km_policy_kind kind, const km_policy_candidate *cand);
+/* The owner km_policy_decide reports for cands[0..n) (the rule is under "deciding" below), for a
+ * caller that weighs only some candidates and looks for the owner among the others too.
+ * KM_POLICY_NO_OWNER when every depth is 0 or n is 0. */
+uint32_t km_policy_owner(const km_policy_candidate *cands, uint32_t n);
 
 /* ---- state ------------------------------------------------------------------------------- */
 
