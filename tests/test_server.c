@@ -2988,6 +2988,14 @@ Test(server, a_breaker_cooldown_whose_nanoseconds_overflow_is_refused, .timeout 
     rc = km_server_create(&cfg, &server, why, sizeof why);
     km_server_destroy(server);
     cr_assert_eq(rc, KM_OK, "%s: %s", km_error_name(rc), why);
+    /* The active-work TTL is turned into ns the same way (it wrapped to a TTL of microseconds,
+     * ending every attempt at once, until 2026-11-30). */
+    cfg.active_ttl_ms = UINT64_MAX / 1000000 + 1;
+    server = NULL;
+    rc = km_server_create(&cfg, &server, why, sizeof why);
+    km_server_destroy(server);
+    cr_assert_eq(rc, KM_ERR_INVALID_ARGUMENT, "%s: %s", km_error_name(rc), why);
+    cr_assert(strstr(why, "active_ttl_ms"), "%s", why);
     srv_cleanup(&s);
 }
 
