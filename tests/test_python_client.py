@@ -36,7 +36,8 @@ def choice(route, index):
 
 
 class FakeServer:
-    """modes: normal, reverse (groups of `group` replies reversed), silent_route, refuse_hello."""
+    """modes: normal, reverse (groups of `group` replies reversed), silent_route, refuse_hello,
+    late_route, miscount (one decision fewer than routes, one ACK item more than events)."""
 
     def __init__(self, mode="normal", tcp=False, group=8):
         self.mode, self.group = mode, group
@@ -100,6 +101,8 @@ class FakeServer:
                                   "chosen_depth": len(r.get("hashes", [])), "owner_worker": (w + 1) % 7,
                                   "owner_depth": 3, "source": "events", "policy": "kv",
                                   "candidates": [{"worker": w, "depth": 1, "load": {"in_flight": 2}}]})
+            if self.mode == "miscount":
+                decisions.pop()
             return {"type": "DECISION", "id": rid, "kvmatch_version": "0.1.0-fake",
                     "decisions": decisions}, True
         if t == "LIFECYCLE":
@@ -111,6 +114,8 @@ class FakeServer:
                     items.append({"status": kc.KM_ERR_INVALID_ARGUMENT, "message": "outcome: needs evidence"})
                 else:
                     items.append({"status": 0})
+            if self.mode == "miscount":
+                items.append({"status": 0})
             return {"type": "ACK", "id": rid, "items": items}, True
         if t == "STATUS":
             return {"type": "ERROR", "id": rid, "code": -18, "name": "KM_ERR_SHUTTING_DOWN",
@@ -292,6 +297,37 @@ def test_send_with_no_time_left_keeps_the_connection():
         s.stop()
 
 
+def expect_protocol_error(call, words):
+    try:
+        call()
+        raise AssertionError("no protocol error")
+    except kc.KvmatchError as e:
+        assert e.code == kc.KM_ERR_PROTOCOL and words in e.message, (e.code, e.message)
+
+
+def test_reply_count_differs_from_the_request():
+    # A DECISION holds one decision per route, an ACK one item per event (docs/PROTOCOL.md): a
+    # reply whose count differs is refused and the connection closed, blocking or pipelined, so a
+    # caller reading decisions[i] for route i never gets another route's decision or an
+    # IndexError (until 2026-11-30 the Python client returned such a reply as it came).
+    s = FakeServer(mode="miscount")
+    try:
+        with kc.Client.connect(s.address, timeout=5) as c:
+            expect_protocol_error(lambda: c.route([route(1), route(2)]), "1 decision for 2 routes")
+            try:
+                c.route([route(1)])
+                raise AssertionError("the connection stayed open")
+            except kc.ConnectionClosed:
+                pass
+        with kc.Client.connect(s.address, timeout=5) as c:
+            c.send_route([route(1)])
+            expect_protocol_error(lambda: c.receive(timeout=5), "0 decisions for 1 route")
+        with kc.Client.connect(s.address, timeout=5) as c:
+            expect_protocol_error(lambda: c.dispatched(decision_id=1), "2 items for 1 event")
+    finally:
+        s.stop()
+
+
 def test_connect_errors():
     s = FakeServer(mode="refuse_hello")
     try:
@@ -334,7 +370,8 @@ def main():
     tests = [lambda: test_blocking(False), lambda: test_blocking(True), test_pipelined_out_of_order,
              test_lifecycle, test_outcome_rule, test_timeout_then_usable,
              test_late_reply_after_a_timeout_is_dropped,
-             test_send_with_no_time_left_keeps_the_connection, test_connect_errors,
+             test_send_with_no_time_left_keeps_the_connection,
+             test_reply_count_differs_from_the_request, test_connect_errors,
              test_frame_limit_client_side]
     for t in tests:
         t()

@@ -17,12 +17,17 @@ Pipelined use: ``send_route`` / ``send_lifecycle`` / ``send`` return the request
 ``receive`` returns the next reply to arrive (any id), ``wait(id)`` the reply to one id; replies that
 arrive while waiting for another id are kept and handed out later.
 
+A DECISION returned holds one decision per route of its ROUTE, in order, and an ACK one item per
+event, worker or pool of its request: a reply whose count differs is a protocol error (below).
+
 Errors: an ERROR reply to a blocking call raises ``KvmatchError`` carrying ``code``, ``name`` and
 ``message``; ``receive`` / ``wait`` return ERROR replies as dicts. A timeout raises
 ``TimeoutError`` and the connection stays usable (a blocking call that timed out gives its
 request up: its reply, if it comes, is dropped; a ``wait`` that timed out may be retried); a
 closed or broken connection raises
-``ConnectionClosed`` (a ``KvmatchError`` with code -20) and the client stays closed.
+``ConnectionClosed`` (a ``KvmatchError`` with code -20) and the client stays closed, as does a
+reply that cannot be read or does not fit its request (a ``KvmatchError`` with code -8
+``KM_ERR_PARSE`` or -16 ``KM_ERR_PROTOCOL``; the connection is closed).
 A Client is not thread-safe: use one per thread.
 """
 
@@ -97,6 +102,31 @@ def _parse_address(address):
                        "address must start with unix: or tcp:, got %r" % address)
 
 
+def _plural(n, noun):
+    return noun if n == 1 else noun + "s"
+
+
+# Requests whose reply holds one item per item of the request: type -> the list of the request,
+# the reply type and its list, and what one item of the request is called.
+_COUNTED = {"ROUTE": ("routes", "DECISION", "decisions", "route"),
+            "LIFECYCLE": ("events", "ACK", "items", "event"),
+            "WORKERS": ("workers", "ACK", "items", "worker"),
+            "POOLS": ("pools", "ACK", "items", "pool")}
+_UNCHECKED = (None, None, 0, None)
+
+
+def _expected_reply(message):
+    """What the reply to a request must hold: (reply type, its list's key, count, item noun), or
+    (None, ...) when its count is not checked (lists, STATUS, HELLO)."""
+    kind = message.get("type")
+    if kind in ("DISPATCHED", "FIRST_TOKEN", "FINISHED"):
+        return ("ACK", "items", 1, "event")
+    if kind not in _COUNTED or message.get("action") == "list":
+        return _UNCHECKED
+    request_key, answer, key, noun = _COUNTED[kind]
+    return (answer, key, len(message.get(request_key) or ()), noun)
+
+
 class Client:
     """One connection to kvmatch serve. Create with Client.connect()."""
 
@@ -105,8 +135,10 @@ class Client:
         self._buffer = bytearray()
         self._next_id = 1
         self._kept = {}  # id -> reply dict, arrival order kept by dict order
-        self._abandoned = set()  # ids whose blocking call timed out: their late reply is dropped
-        self._outstanding = set()
+        # id -> what its reply must hold (_expected_reply), for the requests whose reply has not
+        # been returned yet, and for those whose blocking call timed out (the reply is dropped).
+        self._outstanding = {}
+        self._abandoned = {}
         self._closed = False
         self._max_frame_bytes = max_frame_bytes
         self.welcome = None
@@ -136,7 +168,7 @@ class Client:
         except BaseException:
             sock.close()
             raise
-        client._outstanding.discard(hello_id)
+        client._outstanding.pop(hello_id, None)
         if reply.get("type") == "ERROR":
             client.close()
             raise KvmatchError(reply.get("code", KM_ERR_PROTOCOL), reply.get("name", "?"),
@@ -198,20 +230,20 @@ class Client:
         """The next reply (kept ones first), whatever its id."""
         if self._kept:
             rid = next(iter(self._kept))
-            self._outstanding.discard(rid)
+            self._outstanding.pop(rid, None)
             return self._kept.pop(rid)
         if not self._outstanding:
             raise KvmatchError(KM_ERR_INVALID_ARGUMENT, "KM_ERR_INVALID_ARGUMENT",
                                "no request is waiting for a reply")
         deadline = None if timeout is None else time.monotonic() + timeout
         reply = self._read_unabandoned(deadline)
-        self._outstanding.discard(reply.get("id"))
+        self._outstanding.pop(reply.get("id"), None)
         return reply
 
     def wait(self, request_id, timeout=5.0):
         """The reply to request_id; replies to other ids that arrive meanwhile are kept."""
         if request_id in self._kept:
-            self._outstanding.discard(request_id)
+            self._outstanding.pop(request_id, None)
             return self._kept.pop(request_id)
         if request_id not in self._outstanding:
             raise KvmatchError(KM_ERR_NOT_FOUND, "KM_ERR_NOT_FOUND",
@@ -221,7 +253,7 @@ class Client:
             reply = self._read_unabandoned(deadline)
             rid = reply.get("id")
             if rid == request_id:
-                self._outstanding.discard(rid)
+                self._outstanding.pop(rid, None)
                 return reply
             self._kept[rid] = reply
 
@@ -236,8 +268,7 @@ class Client:
             reply = self.wait(rid, left)
         except TimeoutError:
             # Given up: no one will wait for this id, so its late reply is dropped on arrival.
-            self._outstanding.discard(rid)
-            self._abandoned.add(rid)
+            self._abandoned[rid] = self._outstanding.pop(rid, _UNCHECKED)
             raise
         if reply.get("type") == "ERROR":
             raise KvmatchError(reply.get("code", KM_ERR_PROTOCOL), reply.get("name", "?"),
@@ -306,18 +337,35 @@ class Client:
             self._fail(TimeoutError("send timed out; connection closed mid-frame"))
         except (BrokenPipeError, ConnectionResetError):
             self._fail(ConnectionClosed("the server closed the connection"))
-        self._outstanding.add(rid)
+        self._outstanding[rid] = _expected_reply(message)
         return rid
 
     def _read_unabandoned(self, deadline):
-        """The next reply that someone may still want (late replies to given-up calls dropped)."""
+        """The next reply that someone may still want (late replies to given-up calls dropped),
+        checked against its request."""
         while True:
             reply = self._read_reply(deadline)
             rid = reply.get("id")
             if rid in self._abandoned:
-                self._abandoned.discard(rid)
+                self._check_count(reply, self._abandoned.pop(rid))
                 continue
+            if rid in self._outstanding:
+                self._check_count(reply, self._outstanding[rid])
             return reply
+
+    def _check_count(self, reply, expected):
+        """A DECISION or ACK must hold one item per item of its request (docs/PROTOCOL.md): one
+        that does not is a protocol error and closes the connection."""
+        answer, key, count, noun = expected
+        if answer is None or reply.get("type") != answer:
+            return
+        items = reply.get(key)
+        got = len(items) if isinstance(items, list) else 0
+        if got != count:
+            self._fail(KvmatchError(KM_ERR_PROTOCOL, "KM_ERR_PROTOCOL",
+                                    "the server answered request %r with %d %s for %d %s"
+                                    % (reply.get("id"), got, _plural(got, key[:-1]), count,
+                                       _plural(count, noun))))
 
     def _set_timeout(self, deadline):
         if deadline is None:
