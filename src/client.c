@@ -723,9 +723,13 @@ static int next_reply(km_client *c, int64_t deadline, km_message *reply, const u
         if (rc)
             return is_final(rc) ? client_break(c, rc) : rc;
         if (is_connection_error(reply)) {
-            client_fail(c, reply->error.code, "the server closes the connection: %s",
+            /* Final whatever code the server chose (it may be one, such as KM_ERR_TIMEOUT, that
+             * would tell the caller the connection is still usable): its code goes in the
+             * sentence. */
+            client_fail(c, KM_ERR_CLOSED, "the server closes the connection: %s (%d): %s",
+                        km_error_name(reply->error.code), reply->error.code,
                         reply->error.message);
-            return client_break(c, reply->error.code);
+            return client_break(c, KM_ERR_CLOSED);
         }
         if (!(*p = answered_request(c, reply)))
             return KM_ERR_PROTOCOL;

@@ -34,6 +34,7 @@ typedef enum fake_mode {
     FAKE_ROUTE_TWICE = 6,    /* answer every ROUTE twice */
     FAKE_LATE_ROUTE = 7,     /* answer ROUTE after 400 ms */
     FAKE_MISCOUNT = 8,       /* one decision fewer than routes, one ACK item more than events */
+    FAKE_CONNECTION_ERROR = 9, /* answer ROUTE with ERROR id 0 KM_ERR_TIMEOUT, and close */
 } fake_mode;
 
 #define FAKE_SMALL_FRAME_BYTES 1024u
@@ -94,6 +95,10 @@ static bool fake_reply(fake_server *s, const km_message *m, km_frame_buffer *out
     case KM_MESSAGE_ROUTE: {
         if (s->mode == FAKE_CLOSE_ON_ROUTE)
             return false;
+        if (s->mode == FAKE_CONNECTION_ERROR) {
+            km_protocol_encode_error(0, KM_ERR_TIMEOUT, "fake server gives up", out);
+            return false;
+        }
         if (s->mode == FAKE_SILENT_ROUTE)
             return true;
         if (s->mode == FAKE_LATE_ROUTE)
@@ -526,6 +531,39 @@ Test(client, reply_item_count_differs_from_the_request, .timeout = 20)
     cr_assert_eq(rc, KM_ERR_PROTOCOL, "%s: %s", km_error_name(rc), km_client_last_error(c));
     cr_assert(strstr(km_client_last_error(c), "2 items for 1 event"), "%s",
               km_client_last_error(c));
+    km_client_close(c);
+    fake_stop(&s);
+}
+
+/* A connection-level ERROR (id 0) means the server closes the connection, whatever code it
+ * carries: the call fails with KM_ERR_CLOSED (final), the server's code and words in
+ * km_client_last_error. Until 2026-11-30 it returned the server's code as is, so a server that
+ * sent KM_ERR_TIMEOUT made a call answer what client.h says leaves the connection usable, on a
+ * closed handle. */
+Test(client, a_connection_level_error_is_final_whatever_its_code, .timeout = 20)
+{
+    fake_server s;
+    fake_start(&s, FAKE_CONNECTION_ERROR, false);
+    uint64_t h[1] = {9};
+    km_route_request q;
+    char id[32];
+    make_route(&q, id, sizeof id, 0, h, 1);
+    km_message reply;
+
+    km_client *c = connect_ok(&s);
+    int rc = km_client_route(c, &q, 1, 5000, &reply);
+    cr_assert_eq(rc, KM_ERR_CLOSED, "%s: %s", km_error_name(rc), km_client_last_error(c));
+    const char *why = km_client_last_error(c);
+    cr_assert(strstr(why, "KM_ERR_TIMEOUT") && strstr(why, "fake server gives up"), "%s", why);
+    cr_assert_eq(km_client_route(c, &q, 1, 5000, &reply), KM_ERR_CLOSED);
+    km_client_close(c);
+
+    c = connect_ok(&s); /* pipelined */
+    uint64_t sent;
+    cr_assert_eq(km_client_send_route(c, &q, 1, 5000, &sent), KM_OK);
+    rc = km_client_receive(c, 5000, &reply);
+    cr_assert_eq(rc, KM_ERR_CLOSED, "%s: %s", km_error_name(rc), km_client_last_error(c));
+    cr_assert_eq(km_client_wait(c, sent, 5000, &reply), KM_ERR_CLOSED);
     km_client_close(c);
     fake_stop(&s);
 }

@@ -28,7 +28,10 @@
  * sentence. KM_ERR_TIMEOUT leaves the connection usable (the reply may still arrive later and is
  * returned by a later receive / wait). KM_ERR_CLOSED (the server closed the connection), KM_ERR_IO
  * and KM_ERR_PROTOCOL / KM_ERR_PARSE on a reply that cannot be read, or that does not fit its
- * request (see km_client_receive), are final: the handle only answers KM_ERR_CLOSED afterwards. */
+ * request (see km_client_receive), are final: the handle only answers KM_ERR_CLOSED afterwards.
+ * A connection-level ERROR (id 0: the server is closing the connection) makes the call that reads
+ * it fail with KM_ERR_CLOSED whatever its code; km_client_last_error names the server's code and
+ * message. */
 #ifndef KVMATCH_CLIENT_H
 #define KVMATCH_CLIENT_H
 
@@ -89,8 +92,7 @@ int km_client_send_lifecycle(km_client *client, const km_lifecycle_event *events
  * returned as a message, with KM_OK. A DECISION returned holds one decision per route, an ACK one
  * item per event, worker or pool of its request. */
 int km_client_receive(km_client *client, int timeout_ms, km_message *reply);
-/* The reply to request `id`; other replies arriving meanwhile are kept. A connection-level ERROR
- * (id 0: the server is closing the connection) is returned to the waiter as its code. Errors as
+/* The reply to request `id`; other replies arriving meanwhile are kept. Errors as
  * km_client_receive, plus KM_ERR_NOT_FOUND at once, without reading (id was never sent or its reply
  * was already returned; kept replies to other ids stay kept), and KM_ERR_OUT_OF_MEMORY when a
  * reply to another id cannot be kept (final: that reply would be lost). An ERROR reply to `id` is
