@@ -28,10 +28,10 @@
 /* A request whose reply has not been returned to the caller yet. */
 typedef struct pending_request {
     uint64_t id;
-    uint32_t items;   /* with answer: the decisions or ACK items its reply must hold */
+    uint32_t items;   /* answer DECISION or ACK: the decisions or ACK items its reply must hold */
     uint8_t request;  /* the request's km_message_type */
-    uint8_t answer;   /* KM_MESSAGE_DECISION or KM_MESSAGE_ACK: a reply of this type holds one
-                       * item per item of the request; KM_MESSAGE_UNKNOWN: no count to check */
+    uint8_t answer;   /* the km_message_type of its reply besides ERROR; KM_MESSAGE_UNKNOWN: only
+                       * an ERROR (the request is not one a server answers) */
     bool kept;        /* its reply arrived and is in the kept list */
     bool abandoned;   /* its blocking call timed out: the reply is dropped when it comes */
 } pending_request;
@@ -416,8 +416,9 @@ static void drop_pending(km_client *c, pending_request *p)
         c->pending_start = c->pending_end = 0;
 }
 
-/* What the reply to `m` must hold: one decision per route, one ACK item per event, worker or pool
- * (docs/PROTOCOL.md). */
+/* What the reply to `m` must be (docs/PROTOCOL.md, "Messages"): an ERROR, or the reply type of
+ * its request, a DECISION holding one decision per route and an ACK one item per event, worker or
+ * pool. */
 static pending_request pending_for(const km_message *m)
 {
     pending_request p = {.id = m->id, .request = (uint8_t)m->type, .answer = KM_MESSAGE_UNKNOWN};
@@ -431,16 +432,15 @@ static pending_request pending_for(const km_message *m)
         p.items = m->lifecycle.n_events;
         break;
     case KM_MESSAGE_WORKERS:
-        if (m->workers.action != KM_ADMIN_LIST) {
-            p.answer = KM_MESSAGE_ACK;
-            p.items = m->workers.n_workers;
-        }
+        p.answer = m->workers.action == KM_ADMIN_LIST ? KM_MESSAGE_WORKER_LIST : KM_MESSAGE_ACK;
+        p.items = m->workers.n_workers;
         break;
     case KM_MESSAGE_POOLS:
-        if (m->pools.action != KM_ADMIN_LIST) {
-            p.answer = KM_MESSAGE_ACK;
-            p.items = m->pools.n_pools;
-        }
+        p.answer = m->pools.action == KM_ADMIN_LIST ? KM_MESSAGE_POOL_LIST : KM_MESSAGE_ACK;
+        p.items = m->pools.n_pools;
+        break;
+    case KM_MESSAGE_STATUS:
+        p.answer = KM_MESSAGE_STATUS_REPLY;
         break;
     default:
         break;
@@ -465,13 +465,24 @@ static const char *item_noun(uint8_t request)
 }
 
 /* The outstanding request a reply just read answers. A reply to an id that is not outstanding, a
- * second reply to one, or a DECISION / ACK whose count differs from its request's means the stream
- * cannot be trusted: the connection is closed. */
+ * second reply to one, a reply of another type than its request's (ERROR aside) or a DECISION /
+ * ACK whose count differs from its request's means the stream cannot be trusted: the connection
+ * is closed. */
 static pending_request *answered_request(km_client *c, const km_message *reply)
 {
     pending_request *p = find_pending(c, reply->id);
     if (p && !p->kept) {
-        if (reply->type != p->answer)
+        if (reply->type == KM_MESSAGE_ERROR)
+            return p;
+        if (reply->type != p->answer) {
+            client_fail(c, KM_ERR_PROTOCOL, "the server answered request %llu (%s) with %s",
+                        (unsigned long long)reply->id,
+                        km_message_type_name((km_message_type)p->request),
+                        km_message_type_name(reply->type));
+            client_break(c, KM_ERR_PROTOCOL);
+            return NULL;
+        }
+        if (reply->type != KM_MESSAGE_DECISION && reply->type != KM_MESSAGE_ACK)
             return p;
         uint32_t n = reply->type == KM_MESSAGE_DECISION ? reply->decision.n_decisions
                                                         : reply->ack.n_items;
@@ -520,6 +531,10 @@ static int handshake(km_client *c, int64_t deadline)
     if (reply.type != KM_MESSAGE_WELCOME)
         return client_fail(c, KM_ERR_PROTOCOL, "expected WELCOME, got %s",
                            km_message_type_name(reply.type));
+    if (!reply.has_id || reply.id != hello.id)
+        return client_fail(c, KM_ERR_PROTOCOL,
+                           "the WELCOME answers request %llu, not the HELLO (%llu)",
+                           (unsigned long long)reply.id, (unsigned long long)hello.id);
     if (reply.welcome.protocol_version != KM_PROTOCOL_VERSION)
         return client_fail(c, KM_ERR_INCOMPATIBLE, "the server speaks protocol %u, we speak %u",
                            reply.welcome.protocol_version, KM_PROTOCOL_VERSION);
@@ -821,24 +836,13 @@ int km_client_call(km_client *c, const km_message *request, int timeout_ms, km_m
     return KM_OK;
 }
 
-/* km_client_call, then check the reply is of the type this request is answered with. */
-static int call_expecting(km_client *c, const km_message *m, km_message_type answer, int timeout_ms,
-                          km_message *reply)
-{
-    int rc = km_client_call(c, m, timeout_ms, reply);
-    if (!rc && reply->type != answer)
-        return client_fail(c, KM_ERR_PROTOCOL, "%s answered with %s", km_message_type_name(m->type),
-                           km_message_type_name(reply->type));
-    return rc;
-}
-
 int km_client_route(km_client *c, const km_route_request *routes, uint32_t n_routes,
                     int timeout_ms, km_message *reply)
 {
     km_message m = {.type = KM_MESSAGE_ROUTE};
     m.route.routes = routes;
     m.route.n_routes = n_routes;
-    return call_expecting(c, &m, KM_MESSAGE_DECISION, timeout_ms, reply);
+    return km_client_call(c, &m, timeout_ms, reply);
 }
 
 int km_client_lifecycle(km_client *c, const km_lifecycle_event *events, uint32_t n_events,
@@ -847,11 +851,11 @@ int km_client_lifecycle(km_client *c, const km_lifecycle_event *events, uint32_t
     km_message m = {.type = KM_MESSAGE_LIFECYCLE};
     m.lifecycle.events = events;
     m.lifecycle.n_events = n_events;
-    return call_expecting(c, &m, KM_MESSAGE_ACK, timeout_ms, reply);
+    return km_client_call(c, &m, timeout_ms, reply);
 }
 
 int km_client_status(km_client *c, int timeout_ms, km_message *reply)
 {
     km_message m = {.type = KM_MESSAGE_STATUS};
-    return call_expecting(c, &m, KM_MESSAGE_STATUS_REPLY, timeout_ms, reply);
+    return km_client_call(c, &m, timeout_ms, reply);
 }

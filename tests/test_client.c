@@ -35,6 +35,8 @@ typedef enum fake_mode {
     FAKE_LATE_ROUTE = 7,     /* answer ROUTE after 400 ms */
     FAKE_MISCOUNT = 8,       /* one decision fewer than routes, one ACK item more than events */
     FAKE_CONNECTION_ERROR = 9, /* answer ROUTE with ERROR id 0 KM_ERR_TIMEOUT, and close */
+    FAKE_WRONG_TYPE = 10,      /* answer ROUTE with a STATUS_REPLY */
+    FAKE_WELCOME_WRONG_ID = 11, /* answer HELLO with a WELCOME to another id */
 } fake_mode;
 
 #define FAKE_SMALL_FRAME_BYTES 1024u
@@ -85,6 +87,8 @@ static bool fake_reply(fake_server *s, const km_message *m, km_frame_buffer *out
             return false;
         }
         reply.type = KM_MESSAGE_WELCOME;
+        if (s->mode == FAKE_WELCOME_WRONG_ID)
+            reply.id = m->id + 1;
         reply.welcome.protocol_version = KM_PROTOCOL_VERSION;
         reply.welcome.kvmatch_version = "0.1.0-fake";
         reply.welcome.server_name = "fake";
@@ -98,6 +102,11 @@ static bool fake_reply(fake_server *s, const km_message *m, km_frame_buffer *out
         if (s->mode == FAKE_CONNECTION_ERROR) {
             km_protocol_encode_error(0, KM_ERR_TIMEOUT, "fake server gives up", out);
             return false;
+        }
+        if (s->mode == FAKE_WRONG_TYPE) {
+            reply.type = KM_MESSAGE_STATUS_REPLY;
+            reply.status_reply.kvmatch_version = "0.1.0-fake";
+            break;
         }
         if (s->mode == FAKE_SILENT_ROUTE)
             return true;
@@ -564,6 +573,54 @@ Test(client, a_connection_level_error_is_final_whatever_its_code, .timeout = 20)
     rc = km_client_receive(c, 5000, &reply);
     cr_assert_eq(rc, KM_ERR_CLOSED, "%s: %s", km_error_name(rc), km_client_last_error(c));
     cr_assert_eq(km_client_wait(c, sent, 5000, &reply), KM_ERR_CLOSED);
+    km_client_close(c);
+    fake_stop(&s);
+}
+
+/* Each request has its reply type (docs/PROTOCOL.md, "Messages"), or ERROR: a reply of another
+ * type is refused (final), pipelined as blocking. Until 2026-11-30 km_client_receive returned a
+ * ROUTE's STATUS_REPLY with KM_OK, and a blocking call refused it but left the connection open. */
+Test(client, reply_of_the_wrong_type_for_its_request, .timeout = 20)
+{
+    fake_server s;
+    fake_start(&s, FAKE_WRONG_TYPE, false);
+    uint64_t h[1] = {9};
+    km_route_request q;
+    char id[32];
+    make_route(&q, id, sizeof id, 0, h, 1);
+    km_message reply;
+
+    km_client *c = connect_ok(&s);
+    uint64_t sent;
+    cr_assert_eq(km_client_send_route(c, &q, 1, 5000, &sent), KM_OK);
+    int rc = km_client_receive(c, 5000, &reply);
+    cr_assert_eq(rc, KM_ERR_PROTOCOL, "%s: %s", km_error_name(rc), km_client_last_error(c));
+    cr_assert(strstr(km_client_last_error(c), "ROUTE") &&
+                  strstr(km_client_last_error(c), "STATUS_REPLY"),
+              "%s", km_client_last_error(c));
+    cr_assert_eq(km_client_send_route(c, &q, 1, 5000, &sent), KM_ERR_CLOSED);
+    km_client_close(c);
+
+    c = connect_ok(&s); /* blocking */
+    rc = km_client_route(c, &q, 1, 5000, &reply);
+    cr_assert_eq(rc, KM_ERR_PROTOCOL, "%s: %s", km_error_name(rc), km_client_last_error(c));
+    cr_assert_eq(km_client_route(c, &q, 1, 5000, &reply), KM_ERR_CLOSED);
+    km_client_close(c);
+    fake_stop(&s);
+}
+
+/* WELCOME answers HELLO: one with another id is refused (it was taken until 2026-11-30). */
+Test(client, welcome_to_another_id, .timeout = 20)
+{
+    fake_server s;
+    fake_start(&s, FAKE_WELCOME_WRONG_ID, false);
+    char address[160], why[256];
+    fake_address(&s, address, sizeof address);
+    km_client *c = NULL;
+    int rc = km_client_connect(address, 5000, &c, why, sizeof why);
+    cr_assert_eq(rc, KM_ERR_PROTOCOL, "%s: %s", km_error_name(rc), why);
+    cr_assert(strstr(why, "WELCOME"), "%s", why);
+    cr_assert_null(c);
     km_client_close(c);
     fake_stop(&s);
 }

@@ -50,9 +50,10 @@ typedef struct km_client km_client;
  * within timeout_ms (< 0: no limit); while a Unix server's listen queue is full, connect is tried
  * again within that time. Errors: KM_ERR_NULL_POINTER, KM_ERR_INVALID_ARGUMENT (address
  * form), KM_ERR_IO (connect failed), KM_ERR_TIMEOUT, KM_ERR_CLOSED, KM_ERR_INCOMPATIBLE (the server
- * does not speak our version, or answers with another one), any code of the server's ERROR reply,
- * KM_ERR_OUT_OF_MEMORY. On failure *out is NULL and, when why is not NULL, why[0..why_size)
- * holds the sentence. */
+ * does not speak our version, or answers with another one), KM_ERR_PARSE / KM_ERR_PROTOCOL (an
+ * unreadable reply, one that is neither WELCOME nor ERROR, or a WELCOME to another id than the
+ * HELLO's), any code of the server's ERROR reply, KM_ERR_OUT_OF_MEMORY. On failure *out is NULL
+ * and, when why is not NULL, why[0..why_size) holds the sentence. */
 int km_client_connect(const char *address, int timeout_ms, km_client **out, char *why,
                       size_t why_size);
 void km_client_close(km_client *client); /* NULL is a no-op */
@@ -86,11 +87,13 @@ int km_client_send_lifecycle(km_client *client, const km_lifecycle_event *events
                              uint32_t n_events, int timeout_ms, uint64_t *id_out);
 
 /* The next reply, kept ones first. Errors: KM_ERR_TIMEOUT, KM_ERR_CLOSED, KM_ERR_IO,
- * KM_ERR_PARSE / KM_ERR_PROTOCOL (unreadable reply, a reply to an id that is not outstanding, or
- * a DECISION / ACK whose count differs from its request's routes / events / workers / pools:
- * final), KM_ERR_INVALID_ARGUMENT (nothing outstanding: no reply can come). An ERROR reply is
- * returned as a message, with KM_OK. A DECISION returned holds one decision per route, an ACK one
- * item per event, worker or pool of its request. */
+ * KM_ERR_PARSE / KM_ERR_PROTOCOL (unreadable reply, a reply to an id that is not outstanding, a
+ * reply of another type than its request's (docs/PROTOCOL.md, "Messages"), or a DECISION / ACK
+ * whose count differs from its request's routes / events / workers / pools: final),
+ * KM_ERR_INVALID_ARGUMENT (nothing outstanding: no reply can come). An ERROR reply is returned as
+ * a message, with KM_OK. Any other reply is of its request's type: a DECISION to a ROUTE holding
+ * one decision per route, an ACK to a LIFECYCLE or WORKERS / POOLS add, remove, update holding one
+ * item per event, worker or pool, a WORKER_LIST / POOL_LIST to a list, a STATUS_REPLY to STATUS. */
 int km_client_receive(km_client *client, int timeout_ms, km_message *reply);
 /* The reply to request `id`; other replies arriving meanwhile are kept. Errors as
  * km_client_receive, plus KM_ERR_NOT_FOUND at once, without reading (id was never sent or its reply
