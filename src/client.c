@@ -502,6 +502,17 @@ static pending_request *answered_request(km_client *c, const km_message *reply)
     return NULL;
 }
 
+/* An ERROR's message less a leading "KM_ERR_NAME: " of its own code (the server words what its
+ * decoder refused that way), since the client's sentence names the code already. */
+static const char *server_words(const km_error_reply *e)
+{
+    const char *name = km_error_name(e->code);
+    size_t n = strlen(name);
+    if (strncmp(e->message, name, n) == 0 && e->message[n] == ':' && e->message[n + 1] == ' ')
+        return e->message + n + 2;
+    return e->message;
+}
+
 static void copy_text(char *dst, size_t cap, const char *src)
 {
     snprintf(dst, cap, "%s", src ? src : "");
@@ -527,7 +538,7 @@ static int handshake(km_client *c, int64_t deadline)
         return rc;
     if (reply.type == KM_MESSAGE_ERROR)
         return client_fail(c, reply.error.code, "the server refused the handshake: %s",
-                           reply.error.message);
+                           server_words(&reply.error));
     if (reply.type != KM_MESSAGE_WELCOME)
         return client_fail(c, KM_ERR_PROTOCOL, "expected WELCOME, got %s",
                            km_message_type_name(reply.type));
@@ -743,7 +754,7 @@ static int next_reply(km_client *c, int64_t deadline, km_message *reply, const u
              * sentence. */
             client_fail(c, KM_ERR_CLOSED, "the server closes the connection: %s (%d): %s",
                         km_error_name(reply->error.code), reply->error.code,
-                        reply->error.message);
+                        server_words(&reply->error));
             return client_break(c, KM_ERR_CLOSED);
         }
         if (!(*p = answered_request(c, reply)))
@@ -832,7 +843,7 @@ int km_client_call(km_client *c, const km_message *request, int timeout_ms, km_m
     if (rc)
         return rc;
     if (reply->type == KM_MESSAGE_ERROR)
-        return client_fail(c, reply->error.code, "%s", reply->error.message);
+        return client_fail(c, reply->error.code, "%s", server_words(&reply->error));
     return KM_OK;
 }
 

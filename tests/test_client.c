@@ -37,6 +37,7 @@ typedef enum fake_mode {
     FAKE_CONNECTION_ERROR = 9, /* answer ROUTE with ERROR id 0 KM_ERR_TIMEOUT, and close */
     FAKE_WRONG_TYPE = 10,      /* answer ROUTE with a STATUS_REPLY */
     FAKE_WELCOME_WRONG_ID = 11, /* answer HELLO with a WELCOME to another id */
+    FAKE_ONE_ROUTE = 12,        /* decode with max_batch_items 1: a ROUTE of two gets an ERROR */
 } fake_mode;
 
 #define FAKE_SMALL_FRAME_BYTES 1024u
@@ -182,7 +183,11 @@ static void fake_serve(fake_server *s, int fd)
     km_frame_reader *reader;
     km_protocol_decoder *dec;
     km_frame_reader_create(0, &reader);
-    km_protocol_decoder_create(NULL, &dec);
+    km_protocol_limits limits;
+    km_protocol_limits_init(&limits);
+    if (s->mode == FAKE_ONE_ROUTE)
+        limits.max_batch_items = 1;
+    km_protocol_decoder_create(&limits, &dec);
     km_frame_buffer held[64]; /* FAKE_REVERSE: replies waiting */
     uint32_t n_held = 0;
     uint8_t buf[16384];
@@ -208,8 +213,9 @@ static void fake_serve(fake_server *s, int fd)
             km_message m;
             km_frame_buffer out;
             km_frame_buffer_init(&out);
-            if (km_protocol_decode(dec, payload, size, &m)) {
-                km_protocol_encode_error(m.has_id ? m.id : 0, KM_ERR_PARSE,
+            int rc = km_protocol_decode(dec, payload, size, &m);
+            if (rc) { /* as the server words it */
+                km_protocol_encode_error(m.has_id ? m.id : 0, rc,
                                          km_protocol_decoder_last_error(dec), &out);
             } else {
                 s->requests_seen++;
@@ -621,6 +627,32 @@ Test(client, welcome_to_another_id, .timeout = 20)
     cr_assert_eq(rc, KM_ERR_PROTOCOL, "%s: %s", km_error_name(rc), why);
     cr_assert(strstr(why, "WELCOME"), "%s", why);
     cr_assert_null(c);
+    km_client_close(c);
+    fake_stop(&s);
+}
+
+/* The server words a request it cannot decode as its decoder does, "KM_ERR_TOO_LARGE: routes: ...";
+ * km_client_last_error names the code once (until 2026-11-30: "KM_ERR_TOO_LARGE: KM_ERR_TOO_LARGE:
+ * routes: ..."). */
+Test(client, server_error_named_once, .timeout = 20)
+{
+    fake_server s;
+    fake_start(&s, FAKE_ONE_ROUTE, false);
+    uint64_t h[1] = {9};
+    km_route_request q[2];
+    char id[2][32];
+    make_route(&q[0], id[0], sizeof id[0], 0, h, 1);
+    make_route(&q[1], id[1], sizeof id[1], 1, h, 1);
+    km_message reply;
+    km_client *c = connect_ok(&s);
+    int rc = km_client_route(c, q, 2, 5000, &reply);
+    cr_assert_eq(rc, KM_ERR_TOO_LARGE, "%s: %s", km_error_name(rc), km_client_last_error(c));
+    cr_assert_eq(reply.type, KM_MESSAGE_ERROR);
+    cr_assert(strncmp(reply.error.message, "KM_ERR_TOO_LARGE: routes", 24) == 0, "%s",
+              reply.error.message); /* the premise: the server's own words */
+    cr_assert(strncmp(km_client_last_error(c), "KM_ERR_TOO_LARGE: routes", 24) == 0, "%s",
+              km_client_last_error(c));
+    cr_assert_eq(km_client_route(c, q, 1, 5000, &reply), KM_OK, "%s", km_client_last_error(c));
     km_client_close(c);
     fake_stop(&s);
 }
