@@ -78,7 +78,9 @@ static int client_fail(km_client *c, int status, const char *fmt, ...)
     return status;
 }
 
-/* A final failure: the stream cannot be trusted any more. */
+/* A final failure: the stream cannot be trusted any more. No reply will be read: of the
+ * outstanding requests, only those whose reply was kept can still be answered (a kept one was
+ * never given up). */
 static int client_break(km_client *c, int status)
 {
     c->closed = true;
@@ -86,6 +88,13 @@ static int client_break(km_client *c, int status)
         close(c->fd);
         c->fd = -1;
     }
+    uint32_t n = 0;
+    for (uint32_t i = c->pending_start; i < c->pending_end; i++)
+        if (c->pending[i].kept)
+            c->pending[n++] = c->pending[i];
+    c->pending_start = 0;
+    c->pending_end = n;
+    c->abandoned = 0;
     return status;
 }
 

@@ -657,6 +657,47 @@ Test(client, server_error_named_once, .timeout = 20)
     fake_stop(&s);
 }
 
+/* km_client_outstanding counts the requests whose reply can still be returned: after a final
+ * error, only those whose reply was kept (until 2026-11-30 it went on counting every request sent,
+ * so a caller draining replies until it reached 0 never did). */
+Test(client, outstanding_after_a_final_error, .timeout = 20)
+{
+    uint64_t h[1] = {9};
+    km_route_request q;
+    char id[32];
+    make_route(&q, id, sizeof id, 0, h, 1);
+    km_message reply;
+    uint64_t a, b;
+
+    fake_server s;
+    fake_start(&s, FAKE_MISCOUNT, false); /* the first reply is final */
+    km_client *c = connect_ok(&s);
+    cr_assert_eq(km_client_send_route(c, &q, 1, 5000, &a), KM_OK);
+    cr_assert_eq(km_client_send_route(c, &q, 1, 5000, &b), KM_OK);
+    cr_assert_eq(km_client_outstanding(c), 2);
+    int rc = km_client_receive(c, 5000, &reply);
+    cr_assert_eq(rc, KM_ERR_PROTOCOL, "%s: %s", km_error_name(rc), km_client_last_error(c));
+    cr_assert_eq(km_client_outstanding(c), 0);
+    km_client_close(c);
+    fake_stop(&s);
+
+    /* Replies A, A, B, B: waiting for B keeps A, then A's second reply is final. */
+    fake_start(&s, FAKE_ROUTE_TWICE, false);
+    c = connect_ok(&s);
+    cr_assert_eq(km_client_send_route(c, &q, 1, 5000, &a), KM_OK);
+    cr_assert_eq(km_client_send_route(c, &q, 1, 5000, &b), KM_OK);
+    rc = km_client_wait(c, b, 5000, &reply);
+    cr_assert_eq(rc, KM_ERR_PROTOCOL, "%s: %s", km_error_name(rc), km_client_last_error(c));
+    cr_assert_eq(km_client_outstanding(c), 1, "%u", km_client_outstanding(c));
+    cr_assert_eq(km_client_receive(c, 5000, &reply), KM_OK, "%s", km_client_last_error(c));
+    cr_assert_eq(reply.id, a);
+    cr_assert_eq(km_client_outstanding(c), 0);
+    cr_assert_eq(km_client_receive(c, 5000, &reply), KM_ERR_CLOSED);
+    cr_assert_eq(km_client_wait(c, b, 5000, &reply), KM_ERR_CLOSED);
+    km_client_close(c);
+    fake_stop(&s);
+}
+
 Test(client, lifecycle_ack_per_event, .timeout = 20)
 {
     fake_server s;

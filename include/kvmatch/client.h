@@ -66,8 +66,9 @@ const km_welcome *km_client_welcome(const km_client *client);
  * it polls readable, call km_client_receive with timeout 0 until KM_ERR_TIMEOUT before polling
  * again, or a reply can wait in the client while the poll sleeps. */
 int km_client_fd(const km_client *client);
-/* Requests sent whose reply has not been returned yet (and not given up by a blocking call that
- * timed out). The client keeps their ids, 16 bytes each,
+/* Requests sent whose reply has not been returned yet and still can be: not given up by a blocking
+ * call that timed out, and after a final error only those whose reply had arrived (kept by
+ * km_client_wait; receive / wait still return them). The client keeps their ids, 16 bytes each,
  * in memory that grows to the most requests in flight at once. */
 uint32_t km_client_outstanding(const km_client *client);
 
