@@ -37,7 +37,8 @@ def choice(route, index):
 
 class FakeServer:
     """modes: normal, reverse (groups of `group` replies reversed), silent_route, refuse_hello,
-    late_route, miscount (one decision fewer than routes, one ACK item more than events)."""
+    late_route, miscount (one decision fewer than routes, one ACK item more than events),
+    connection_error (ROUTE answered with ERROR id 0 KM_ERR_TIMEOUT, then closed)."""
 
     def __init__(self, mode="normal", tcp=False, group=8):
         self.mode, self.group = mode, group
@@ -90,6 +91,9 @@ class FakeServer:
         if t == "ROUTE":
             if self.mode == "silent_route":
                 return None, True
+            if self.mode == "connection_error":
+                return {"type": "ERROR", "id": 0, "code": kc.KM_ERR_TIMEOUT, "name": "KM_ERR_TIMEOUT",
+                        "message": "fake server gives up"}, False
             if self.mode == "late_route":
                 time.sleep(0.4)  # past the caller's timeout; the reply still comes
             decisions = []
@@ -328,6 +332,22 @@ def test_reply_count_differs_from_the_request():
         s.stop()
 
 
+def test_connection_level_error_closes_whatever_its_code():
+    # An ERROR of id 0 means the server closes the connection: ConnectionClosed, whatever code it
+    # carries, the server's code and words in the message (until 2026-11-30 a KvmatchError with
+    # the server's code, here KM_ERR_TIMEOUT, on a client just closed).
+    s = FakeServer(mode="connection_error")
+    try:
+        with kc.Client.connect(s.address, timeout=5) as c:
+            try:
+                c.route([route(1)])
+                raise AssertionError("no error")
+            except kc.ConnectionClosed as e:
+                assert "KM_ERR_TIMEOUT" in e.message and "gives up" in e.message, e.message
+    finally:
+        s.stop()
+
+
 def test_connect_errors():
     s = FakeServer(mode="refuse_hello")
     try:
@@ -371,7 +391,8 @@ def main():
              test_lifecycle, test_outcome_rule, test_timeout_then_usable,
              test_late_reply_after_a_timeout_is_dropped,
              test_send_with_no_time_left_keeps_the_connection,
-             test_reply_count_differs_from_the_request, test_connect_errors,
+             test_reply_count_differs_from_the_request,
+             test_connection_level_error_closes_whatever_its_code, test_connect_errors,
              test_frame_limit_client_side]
     for t in tests:
         t()

@@ -25,7 +25,8 @@ Errors: an ERROR reply to a blocking call raises ``KvmatchError`` carrying ``cod
 ``TimeoutError`` and the connection stays usable (a blocking call that timed out gives its
 request up: its reply, if it comes, is dropped; a ``wait`` that timed out may be retried); a
 closed or broken connection raises
-``ConnectionClosed`` (a ``KvmatchError`` with code -20) and the client stays closed, as does a
+``ConnectionClosed`` (a ``KvmatchError`` with code -20; also for a connection-level ERROR, id 0,
+whatever its code, which the message names) and the client stays closed, as does a
 reply that cannot be read or does not fit its request (a ``KvmatchError`` with code -8
 ``KM_ERR_PARSE`` or -16 ``KM_ERR_PROTOCOL``; the connection is closed).
 A Client is not thread-safe: use one per thread.
@@ -413,9 +414,11 @@ class Client:
 
     def _read_reply(self, deadline):
         reply = self._read_message(deadline)
-        # A connection-level ERROR (id 0 or none): the server is closing the connection.
+        # A connection-level ERROR (id 0 or none): the server is closing the connection, so
+        # ConnectionClosed whatever code it carries (one such as KM_ERR_TIMEOUT would say the
+        # connection is still usable); the server's code goes in the message.
         if reply.get("type") == "ERROR" and not reply.get("id"):
-            self.close()
-            raise KvmatchError(reply.get("code", KM_ERR_PROTOCOL), reply.get("name", "?"),
-                               "the server closes the connection: %s" % reply.get("message", ""))
+            self._fail(ConnectionClosed("the server closes the connection: %s (%r): %s"
+                                        % (reply.get("name", "?"), reply.get("code"),
+                                           reply.get("message", ""))))
         return reply
