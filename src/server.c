@@ -312,6 +312,8 @@ struct km_server {
     km_u64map attempts_by_decision; /* decision id -> attempt*; by ids: the active entry's user */
     attempt_cache attempt_cache;     /* released attempts for reuse (active_lock) */
     dispatch_lesson *lessons;        /* for the next housekeeping, newest first (active_lock) */
+    uint32_t health_restricted;      /* workers unhealthy or with a tripped breaker (active_lock;
+                                      * health_changed): 0 lets decide_route skip the checks */
     atomic_bool lessons_queued;      /* lessons is not empty: housekeeping takes the lock only then */
     km_memory attempts_memory;
     uv_timer_t expiry_timer; /* loop thread: active-work expiry while the scheduler role is free */
@@ -654,6 +656,22 @@ static bool is_member(const pool *p, uint32_t id)
 }
 
 /* Add a worker (admin_lock held). */
+/* Whether w may be ineligible now or later without another change of its health: health_changed
+ * keeps health_restricted counting such workers (active_lock held), given what this was before. */
+static bool health_may_restrict(const worker_slot *w)
+{
+    return w->unhealthy || w->breaker_tripped;
+}
+
+static void health_changed(km_server *s, const worker_slot *w, bool restricted_before)
+{
+    bool now = health_may_restrict(w);
+    if (now && !restricted_before)
+        s->health_restricted++;
+    else if (!now && restricted_before)
+        s->health_restricted--;
+}
+
 static int worker_add(km_server *s, uint32_t pool_index, const km_server_worker *w, char *why,
                       size_t why_size)
 {
@@ -744,8 +762,10 @@ static int worker_remove(km_server *s, uint32_t id, char *why, size_t why_size)
     members_erase(p, id);
     free(slot->event_endpoint);
     free(slot->replay_endpoint);
-    memset(slot, 0, sizeof *slot);
     pthread_mutex_lock(&s->active_lock);
+    bool restricted = health_may_restrict(slot);
+    memset(slot, 0, sizeof *slot);
+    health_changed(s, slot, restricted);
     km_active_remove_worker(s->active, id, now_ns(), record_removed, s, NULL);
     pthread_mutex_unlock(&s->active_lock);
     return KM_OK;
@@ -1139,8 +1159,10 @@ static void breaker_outcome(km_server *s, uint32_t id, km_outcome outcome, uint6
 {
     worker_slot *w = &s->workers[id];
     if (outcome == KM_OUTCOME_COMPLETE) {
+        bool before = health_may_restrict(w);
         w->failures = 0;
         w->breaker_tripped = false;
+        health_changed(s, w, before);
         return;
     }
     if (outcome != KM_OUTCOME_ERROR && outcome != KM_OUTCOME_INCOMPLETE)
@@ -1150,8 +1172,9 @@ static void breaker_outcome(km_server *s, uint32_t id, km_outcome outcome, uint6
     uint32_t threshold = s->cfg.breaker_failures;
     if (!threshold || w->failures < threshold || worker_breaker(w, now) == BREAKER_OPEN)
         return;
-    bool reopened = w->breaker_tripped;
+    bool reopened = w->breaker_tripped, before = health_may_restrict(w);
     w->breaker_tripped = true;
+    health_changed(s, w, before);
     w->probe_decision = 0; /* what was decided before this cooldown is not its probe */
     uint64_t cooldown = s->cfg.breaker_cooldown_ms * 1000000u;
     w->breaker_until_ns = now > UINT64_MAX - cooldown ? UINT64_MAX : now + cooldown;
@@ -1198,10 +1221,13 @@ static void decide_route(km_server *s, job *j, route_job *r, pool *p, const km_r
     /* Eligible candidates first, in the route's order, then the ineligible ones (unhealthy or
      * held back by their breaker), also in order: the policy weighs the first n_eligible; the
      * others still have rows, so the reply and the record show what they held. */
+    /* While no worker of the service is unhealthy or has a tripped breaker (the usual case), every
+     * candidate is eligible and goes straight to its place. */
+    bool check_health = s->health_restricted > 0;
     uint32_t n_eligible = 0, back = n, unhealthy = 0, breaker_open = 0, probing = 0;
     for (uint32_t i = 0; i < n; i++) {
         km_policy_candidate cand;
-        km_policy_candidate *c = &cand;
+        km_policy_candidate *c = check_health ? &cand : &b->cands[i];
         memset(c, 0, sizeof *c);
         c->worker = ids[i];
         uint32_t at;
@@ -1221,6 +1247,10 @@ static void decide_route(km_server *s, job *j, route_job *r, pool *p, const km_r
         km_worker_stats ws;
         if (km_index_worker_stats(p->index, ids[i], &ws) == KM_OK)
             c->indexed_blocks = ws.blocks;
+        if (!check_health) {
+            n_eligible++;
+            continue;
+        }
         eligibility e = worker_eligibility(s, ids[i], now);
         if (e == ELIGIBLE)
             b->cands[n_eligible++] = cand;
@@ -1386,7 +1416,7 @@ static void decide_route(km_server *s, job *j, route_job *r, pool *p, const km_r
              "missing", decision_id);
     /* A half-open worker's probe (worker_eligibility); one whose attempt could not be kept is not
      * tracked, and the next route may probe too. */
-    if (worker_breaker(&s->workers[chosen], now) == BREAKER_HALF_OPEN)
+    if (check_health && worker_breaker(&s->workers[chosen], now) == BREAKER_HALF_OPEN)
         s->workers[chosen].probe_decision = decision_id;
 
     /* The decision record. */
@@ -2395,8 +2425,10 @@ static int named_worker(km_server *s, const km_worker_info *wi, char *why, size_
 static bool worker_set_health(km_server *s, uint32_t id, bool healthy)
 {
     pthread_mutex_lock(&s->active_lock);
-    bool changed = s->workers[id].unhealthy == healthy;
-    s->workers[id].unhealthy = !healthy;
+    worker_slot *w = &s->workers[id];
+    bool changed = w->unhealthy == healthy, before = health_may_restrict(w);
+    w->unhealthy = !healthy;
+    health_changed(s, w, before);
     pthread_mutex_unlock(&s->active_lock);
     return changed;
 }

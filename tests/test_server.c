@@ -3077,3 +3077,44 @@ Test(server, an_owner_among_ineligible_workers_is_broken_by_load_as_the_policy_b
     srv_stop(&s);
     srv_cleanup(&s);
 }
+
+/* decide_route skips the health checks while no worker is unhealthy or has a tripped breaker
+ * (health_restricted): one worker's recovery or removal must not let another unhealthy one
+ * through, and a worker added again with the same id starts healthy. */
+Test(server, health_checks_stay_on_while_any_worker_is_restricted, .timeout = 30)
+{
+    srv s = {0};
+    km_server_config cfg;
+    test_config(&cfg, &s, KM_POLICY_LEAST_LOAD, 3);
+    srv_start(&s, &cfg);
+    km_client *c = connect_client(&s);
+    cr_assert_eq(set_health(c, 0, true, false), KM_OK);
+    cr_assert_eq(set_health(c, 1, true, false), KM_OK);
+    cr_assert_eq(set_health(c, 1, true, true), KM_OK);
+    cr_assert_eq(route_on(c, "still-down", 0, 0), KM_ERR_NO_HEALTHY_WORKER,
+                 "worker 0 was chosen after worker 1 recovered");
+    cr_assert_eq(route_on(c, "up", 1, 0), KM_OK);
+    /* Removed while unhealthy, added again: a new worker, healthy. */
+    km_message m, reply;
+    memset(&m, 0, sizeof m);
+    m.type = KM_MESSAGE_WORKERS;
+    m.workers.action = KM_ADMIN_REMOVE;
+    km_worker_info wi;
+    memset(&wi, 0, sizeof wi);
+    wi.pool = "main";
+    wi.worker = 0;
+    m.workers.workers = &wi;
+    m.workers.n_workers = 1;
+    cr_assert_eq(km_client_call(c, &m, 5000, &reply), KM_OK);
+    cr_assert_eq(reply.ack.items[0].status, KM_OK);
+    m.workers.action = KM_ADMIN_ADD;
+    cr_assert_eq(km_client_call(c, &m, 5000, &reply), KM_OK);
+    cr_assert_eq(reply.ack.items[0].status, KM_OK);
+    cr_assert(worker_health(c, 0).healthy && worker_health(c, 0).eligible);
+    cr_assert_eq(route_on(c, "back", 0, 100), KM_OK);
+    cr_assert_eq(set_health(c, 2, true, false), KM_OK);
+    cr_assert_eq(route_on(c, "two-down", 2, 0), KM_ERR_NO_HEALTHY_WORKER);
+    km_client_close(c);
+    srv_stop(&s);
+    srv_cleanup(&s);
+}
