@@ -38,7 +38,8 @@ def choice(route, index):
 class FakeServer:
     """modes: normal, reverse (groups of `group` replies reversed), silent_route, refuse_hello,
     late_route, miscount (one decision fewer than routes, one ACK item more than events),
-    connection_error (ROUTE answered with ERROR id 0 KM_ERR_TIMEOUT, then closed)."""
+    connection_error (ROUTE answered with ERROR id 0 KM_ERR_TIMEOUT, then closed), wrong_type
+    (ROUTE answered with STATUS_REPLY, WORKERS with ACK whatever its action)."""
 
     def __init__(self, mode="normal", tcp=False, group=8):
         self.mode, self.group = mode, group
@@ -94,6 +95,8 @@ class FakeServer:
             if self.mode == "connection_error":
                 return {"type": "ERROR", "id": 0, "code": kc.KM_ERR_TIMEOUT, "name": "KM_ERR_TIMEOUT",
                         "message": "fake server gives up"}, False
+            if self.mode == "wrong_type":
+                return {"type": "STATUS_REPLY", "id": rid, "workers": []}, True
             if self.mode == "late_route":
                 time.sleep(0.4)  # past the caller's timeout; the reply still comes
             decisions = []
@@ -121,6 +124,8 @@ class FakeServer:
             if self.mode == "miscount":
                 items.append({"status": 0})
             return {"type": "ACK", "id": rid, "items": items}, True
+        if t == "WORKERS" and self.mode == "wrong_type":
+            return {"type": "ACK", "id": rid, "items": [{"status": 0} for _ in m.get("workers", [])]}, True
         if t == "STATUS":
             return {"type": "ERROR", "id": rid, "code": -18, "name": "KM_ERR_SHUTTING_DOWN",
                     "message": "fake server is draining"}, True
@@ -332,6 +337,31 @@ def test_reply_count_differs_from_the_request():
         s.stop()
 
 
+def test_reply_of_another_type_than_its_requests():
+    # A reply is an ERROR or of its request's type (docs/PROTOCOL.md, "Reading replies"): another
+    # is refused and the connection closed, blocking or pipelined, as the C client does (until
+    # 2026-12-01 the Python client returned a ROUTE's STATUS_REPLY as its answer).
+    s = FakeServer(mode="wrong_type")
+    try:
+        with kc.Client.connect(s.address, timeout=5) as c:
+            # The right types pass: ACK to a WORKERS update and to a LIFECYCLE.
+            assert c.workers("update", [{"pool": "default", "worker": 1, "healthy": False}])["type"] == "ACK"
+            assert c.dispatched(decision_id=1)["type"] == "ACK"
+            expect_protocol_error(lambda: c.route([route(1)]), "(ROUTE) with STATUS_REPLY")
+            try:
+                c.route([route(1)])
+                raise AssertionError("the connection stayed open")
+            except kc.ConnectionClosed:
+                pass
+        with kc.Client.connect(s.address, timeout=5) as c:
+            c.send_route([route(1)])
+            expect_protocol_error(lambda: c.receive(timeout=5), "(ROUTE) with STATUS_REPLY")
+        with kc.Client.connect(s.address, timeout=5) as c:
+            expect_protocol_error(lambda: c.workers("list"), "(WORKERS) with ACK")
+    finally:
+        s.stop()
+
+
 def test_connection_level_error_closes_whatever_its_code():
     # An ERROR of id 0 means the server closes the connection: ConnectionClosed, whatever code it
     # carries, the server's code and words in the message (until 2026-11-30 a KvmatchError with
@@ -391,7 +421,7 @@ def main():
              test_lifecycle, test_outcome_rule, test_timeout_then_usable,
              test_late_reply_after_a_timeout_is_dropped,
              test_send_with_no_time_left_keeps_the_connection,
-             test_reply_count_differs_from_the_request,
+             test_reply_count_differs_from_the_request, test_reply_of_another_type_than_its_requests,
              test_connection_level_error_closes_whatever_its_code, test_connect_errors,
              test_frame_limit_client_side]
     for t in tests:

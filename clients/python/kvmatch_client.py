@@ -17,8 +17,11 @@ Pipelined use: ``send_route`` / ``send_lifecycle`` / ``send`` return the request
 ``receive`` returns the next reply to arrive (any id), ``wait(id)`` the reply to one id; replies that
 arrive while waiting for another id are kept and handed out later.
 
-A DECISION returned holds one decision per route of its ROUTE, in order, and an ACK one item per
-event, worker or pool of its request: a reply whose count differs is a protocol error (below).
+A reply returned is an ERROR or of its request's type (docs/PROTOCOL.md, "Reading replies"): a
+DECISION to a ROUTE, holding one decision per route, in order; an ACK to a LIFECYCLE (or DISPATCHED
+/ FIRST_TOKEN / FINISHED) or a WORKERS / POOLS add, remove, update, holding one item per event,
+worker or pool; a WORKER_LIST / POOL_LIST to a list; a STATUS_REPLY to STATUS. A reply of another
+type, or whose count differs, is a protocol error (below).
 
 Errors: an ERROR reply to a blocking call raises ``KvmatchError`` carrying ``code``, ``name`` and
 ``message``; ``receive`` / ``wait`` return ERROR replies as dicts. A timeout raises
@@ -107,25 +110,34 @@ def _plural(n, noun):
     return noun if n == 1 else noun + "s"
 
 
-# Requests whose reply holds one item per item of the request: type -> the list of the request,
-# the reply type and its list, and what one item of the request is called.
-_COUNTED = {"ROUTE": ("routes", "DECISION", "decisions", "route"),
-            "LIFECYCLE": ("events", "ACK", "items", "event"),
-            "WORKERS": ("workers", "ACK", "items", "worker"),
-            "POOLS": ("pools", "ACK", "items", "pool")}
-_UNCHECKED = (None, None, 0, None)
+# What a request is answered with besides ERROR (docs/PROTOCOL.md, "Messages"): type -> the reply
+# type and, where the reply holds one item per item of the request, the request's list, the
+# reply's list and what one item of the request is called. A WORKERS / POOLS list is answered
+# with _LISTS, a one-event form with an ACK of one item.
+_ANSWERS = {"ROUTE": ("DECISION", "routes", "decisions", "route"),
+            "LIFECYCLE": ("ACK", "events", "items", "event"),
+            "WORKERS": ("ACK", "workers", "items", "worker"),
+            "POOLS": ("ACK", "pools", "items", "pool"),
+            "STATUS": ("STATUS_REPLY", None, None, None)}
+_LISTS = {"WORKERS": "WORKER_LIST", "POOLS": "POOL_LIST"}
+_ONE_EVENT = ("DISPATCHED", "FIRST_TOKEN", "FINISHED")
 
 
 def _expected_reply(message):
-    """What the reply to a request must hold: (reply type, its list's key, count, item noun), or
-    (None, ...) when its count is not checked (lists, STATUS, HELLO)."""
+    """What the reply to a request must be besides an ERROR: (the request's type, the reply type,
+    the reply's list, the count it must hold, what one item of the request is called). The reply
+    type is None for a type no server answers (only an ERROR fits), the list None when no count is
+    checked (STATUS_REPLY, WORKER_LIST, POOL_LIST)."""
     kind = message.get("type")
-    if kind in ("DISPATCHED", "FIRST_TOKEN", "FINISHED"):
-        return ("ACK", "items", 1, "event")
-    if kind not in _COUNTED or message.get("action") == "list":
-        return _UNCHECKED
-    request_key, answer, key, noun = _COUNTED[kind]
-    return (answer, key, len(message.get(request_key) or ()), noun)
+    if kind in _ONE_EVENT:
+        return (kind, "ACK", "items", 1, "event")
+    if kind in _LISTS and message.get("action") == "list":
+        return (kind, _LISTS[kind], None, 0, None)
+    if kind not in _ANSWERS:
+        return (kind, None, None, 0, None)
+    answer, request_key, key, noun = _ANSWERS[kind]
+    count = len(message.get(request_key) or ()) if request_key else 0
+    return (kind, answer, key, count, noun)
 
 
 class Client:
@@ -269,7 +281,7 @@ class Client:
             reply = self.wait(rid, left)
         except TimeoutError:
             # Given up: no one will wait for this id, so its late reply is dropped on arrival.
-            self._abandoned[rid] = self._outstanding.pop(rid, _UNCHECKED)
+            self._abandoned[rid] = self._outstanding.pop(rid)
             raise
         if reply.get("type") == "ERROR":
             raise KvmatchError(reply.get("code", KM_ERR_PROTOCOL), reply.get("name", "?"),
@@ -348,17 +360,25 @@ class Client:
             reply = self._read_reply(deadline)
             rid = reply.get("id")
             if rid in self._abandoned:
-                self._check_count(reply, self._abandoned.pop(rid))
+                self._check_reply(reply, self._abandoned.pop(rid))
                 continue
             if rid in self._outstanding:
-                self._check_count(reply, self._outstanding[rid])
+                self._check_reply(reply, self._outstanding[rid])
             return reply
 
-    def _check_count(self, reply, expected):
-        """A DECISION or ACK must hold one item per item of its request (docs/PROTOCOL.md): one
-        that does not is a protocol error and closes the connection."""
-        answer, key, count, noun = expected
-        if answer is None or reply.get("type") != answer:
+    def _check_reply(self, reply, expected):
+        """A reply is an ERROR or of its request's reply type, and a DECISION or ACK holds one item
+        per item of its request (docs/PROTOCOL.md, "Reading replies"): another is a protocol
+        error and closes the connection."""
+        request, answer, key, count, noun = expected
+        kind = reply.get("type")
+        if kind == "ERROR":
+            return
+        if kind != answer:
+            self._fail(KvmatchError(KM_ERR_PROTOCOL, "KM_ERR_PROTOCOL",
+                                    "the server answered request %r (%s) with %s"
+                                    % (reply.get("id"), request, kind)))
+        if key is None:
             return
         items = reply.get(key)
         got = len(items) if isinstance(items, list) else 0
