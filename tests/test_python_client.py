@@ -39,7 +39,8 @@ class FakeServer:
     """modes: normal, reverse (groups of `group` replies reversed), silent_route, refuse_hello,
     late_route, miscount (one decision fewer than routes, one ACK item more than events),
     connection_error (ROUTE answered with ERROR id 0 KM_ERR_TIMEOUT, then closed), wrong_type
-    (ROUTE answered with STATUS_REPLY, WORKERS with ACK whatever its action)."""
+    (ROUTE answered with STATUS_REPLY, WORKERS with ACK whatever its action), duplicate (ROUTE
+    answered twice)."""
 
     def __init__(self, mode="normal", tcp=False, group=8):
         self.mode, self.group = mode, group
@@ -150,6 +151,8 @@ class FakeServer:
                     m = msgpack.unpackb(buf[4:4 + n], raw=False)
                     buf = buf[4 + n:]
                     reply, keep_open = self._reply(m)
+                    if reply is not None and self.mode == "duplicate" and m.get("type") == "ROUTE":
+                        conn.sendall(self._frame(reply))
                     if reply is not None:
                         if self.mode == "reverse" and m.get("type") != "HELLO":
                             held.append(self._frame(reply))
@@ -362,6 +365,23 @@ def test_reply_of_another_type_than_its_requests():
         s.stop()
 
 
+def test_reply_to_an_id_not_outstanding():
+    # Each request gets exactly one reply: a second one to an id (or one to an id never sent) is
+    # refused and the connection closed, as the C client does (until 2026-12-01 receive returned
+    # the duplicate again, and wait kept it for good).
+    s = FakeServer(mode="duplicate")
+    try:
+        with kc.Client.connect(s.address, timeout=5) as c:
+            a, b = c.send_route([route(1)]), c.send_route([route(2)])
+            expect_protocol_error(lambda: c.wait(b, timeout=5), "request %d, which is not waiting" % a)
+        with kc.Client.connect(s.address, timeout=5) as c:
+            a, b = c.send_route([route(1)]), c.send_route([route(2)])
+            assert c.receive(timeout=5)["id"] == a
+            expect_protocol_error(lambda: c.receive(timeout=5), "request %d, which is not waiting" % a)
+    finally:
+        s.stop()
+
+
 def test_connection_level_error_closes_whatever_its_code():
     # An ERROR of id 0 means the server closes the connection: ConnectionClosed, whatever code it
     # carries, the server's code and words in the message (until 2026-11-30 a KvmatchError with
@@ -422,6 +442,7 @@ def main():
              test_late_reply_after_a_timeout_is_dropped,
              test_send_with_no_time_left_keeps_the_connection,
              test_reply_count_differs_from_the_request, test_reply_of_another_type_than_its_requests,
+             test_reply_to_an_id_not_outstanding,
              test_connection_level_error_closes_whatever_its_code, test_connect_errors,
              test_frame_limit_client_side]
     for t in tests:

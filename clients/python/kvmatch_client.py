@@ -26,12 +26,12 @@ type, or whose count differs, is a protocol error (below).
 Errors: an ERROR reply to a blocking call raises ``KvmatchError`` carrying ``code``, ``name`` and
 ``message``; ``receive`` / ``wait`` return ERROR replies as dicts. A timeout raises
 ``TimeoutError`` and the connection stays usable (a blocking call that timed out gives its
-request up: its reply, if it comes, is dropped; a ``wait`` that timed out may be retried); a
-closed or broken connection raises
-``ConnectionClosed`` (a ``KvmatchError`` with code -20; also for a connection-level ERROR, id 0,
-whatever its code, which the message names) and the client stays closed, as does a
-reply that cannot be read or does not fit its request (a ``KvmatchError`` with code -8
-``KM_ERR_PARSE`` or -16 ``KM_ERR_PROTOCOL``; the connection is closed).
+request up: its reply, if it comes, is dropped; a ``wait`` that timed out may be retried). A
+closed or broken connection raises ``ConnectionClosed`` (a ``KvmatchError`` with code -20; also
+for a connection-level ERROR, id 0, whatever its code, which the message names) and the client
+stays closed. So does a reply that cannot be read, does not fit its request or answers an id
+that is not outstanding (never sent, or answered already): it raises a ``KvmatchError`` with code
+-7 ``KM_ERR_TOO_LARGE``, -8 ``KM_ERR_PARSE`` or -16 ``KM_ERR_PROTOCOL`` and closes the connection.
 A Client is not thread-safe: use one per thread.
 """
 
@@ -355,15 +355,19 @@ class Client:
 
     def _read_unabandoned(self, deadline):
         """The next reply that someone may still want (late replies to given-up calls dropped),
-        checked against its request."""
+        checked against its request. A reply to an id that is not outstanding (never sent, or
+        answered already) means the stream cannot be trusted: the connection is closed."""
         while True:
             reply = self._read_reply(deadline)
             rid = reply.get("id")
             if rid in self._abandoned:
                 self._check_reply(reply, self._abandoned.pop(rid))
                 continue
-            if rid in self._outstanding:
-                self._check_reply(reply, self._outstanding[rid])
+            if rid not in self._outstanding or rid in self._kept:
+                self._fail(KvmatchError(KM_ERR_PROTOCOL, "KM_ERR_PROTOCOL",
+                                        "the server answered request %r, which is not waiting "
+                                        "for a reply" % (rid,)))
+            self._check_reply(reply, self._outstanding[rid])
             return reply
 
     def _check_reply(self, reply, expected):
