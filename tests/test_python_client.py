@@ -95,7 +95,7 @@ class FakeServer:
                 return None, True
             if self.mode == "connection_error":
                 return {"type": "ERROR", "id": 0, "code": kc.KM_ERR_TIMEOUT, "name": "KM_ERR_TIMEOUT",
-                        "message": "fake server gives up"}, False
+                        "message": "KM_ERR_TIMEOUT: fake server gives up"}, False
             if self.mode == "wrong_type":
                 return {"type": "STATUS_REPLY", "id": rid, "workers": []}, True
             if self.mode == "late_route":
@@ -130,8 +130,9 @@ class FakeServer:
         if t == "STATUS":
             return {"type": "ERROR", "id": rid, "code": -18, "name": "KM_ERR_SHUTTING_DOWN",
                     "message": "fake server is draining"}, True
+        # Worded as the server's decoder words it: its code's name first.
         return {"type": "ERROR", "id": rid or 0, "code": kc.KM_ERR_PROTOCOL, "name": "KM_ERR_PROTOCOL",
-                "message": "unknown message type %r" % t}, True
+                "message": 'KM_ERR_PROTOCOL: type: unknown message type "%s"' % t}, True
 
     def _serve(self, conn):
         buf, held = b"", []
@@ -398,6 +399,34 @@ def test_connection_level_error_closes_whatever_its_code():
         s.stop()
 
 
+def test_server_error_named_once():
+    # The server words what its decoder refused as "KM_ERR_NAME: field: ...": the error raised
+    # names the code once, as the C client's last error does; receive returns the server's words
+    # as sent (until 2026-12-01 str() read "KM_ERR_PROTOCOL: KM_ERR_PROTOCOL: type: ...").
+    s = FakeServer()
+    try:
+        with kc.Client.connect(s.address, timeout=5) as c:
+            try:
+                c.call({"type": "BOGUS"})
+                raise AssertionError("ERROR reply did not raise")
+            except kc.KvmatchError as e:
+                assert str(e) == 'KM_ERR_PROTOCOL: type: unknown message type "BOGUS"', str(e)
+            c.send({"type": "BOGUS"})
+            assert c.receive(timeout=5)["message"].startswith("KM_ERR_PROTOCOL: type: ")
+    finally:
+        s.stop()
+    s = FakeServer(mode="connection_error")
+    try:
+        with kc.Client.connect(s.address, timeout=5) as c:
+            try:
+                c.route([route(1)])
+                raise AssertionError("no error")
+            except kc.ConnectionClosed as e:
+                assert str(e).count("KM_ERR_TIMEOUT") == 1 and "gives up" in str(e), str(e)
+    finally:
+        s.stop()
+
+
 def test_connect_errors():
     s = FakeServer(mode="refuse_hello")
     try:
@@ -443,7 +472,8 @@ def main():
              test_send_with_no_time_left_keeps_the_connection,
              test_reply_count_differs_from_the_request, test_reply_of_another_type_than_its_requests,
              test_reply_to_an_id_not_outstanding,
-             test_connection_level_error_closes_whatever_its_code, test_connect_errors,
+             test_connection_level_error_closes_whatever_its_code, test_server_error_named_once,
+             test_connect_errors,
              test_frame_limit_client_side]
     for t in tests:
         t()

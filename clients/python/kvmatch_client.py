@@ -24,7 +24,8 @@ worker or pool; a WORKER_LIST / POOL_LIST to a list; a STATUS_REPLY to STATUS. A
 type, or whose count differs, is a protocol error (below).
 
 Errors: an ERROR reply to a blocking call raises ``KvmatchError`` carrying ``code``, ``name`` and
-``message``; ``receive`` / ``wait`` return ERROR replies as dicts. A timeout raises
+``message`` (the server's words less a leading name of the code, which ``str()`` puts in front);
+``receive`` / ``wait`` return ERROR replies as dicts, the server's words as sent. A timeout raises
 ``TimeoutError`` and the connection stays usable (a blocking call that timed out gives its
 request up: its reply, if it comes, is dropped; a ``wait`` that timed out may be retried). A
 closed or broken connection raises ``ConnectionClosed`` (a ``KvmatchError`` with code -20; also
@@ -106,6 +107,13 @@ def _parse_address(address):
                        "address must start with unix: or tcp:, got %r" % address)
 
 
+def _server_words(error):
+    """An ERROR reply's message less a leading "KM_ERR_NAME: " of its own code (the server words
+    what its decoder refused that way), since the error raised names the code already."""
+    message, prefix = error.get("message", ""), "%s: " % error.get("name", "?")
+    return message[len(prefix):] if message.startswith(prefix) else message
+
+
 def _plural(n, noun):
     return noun if n == 1 else noun + "s"
 
@@ -185,7 +193,7 @@ class Client:
         if reply.get("type") == "ERROR":
             client.close()
             raise KvmatchError(reply.get("code", KM_ERR_PROTOCOL), reply.get("name", "?"),
-                               "the server refused the handshake: %s" % reply.get("message", ""))
+                               "the server refused the handshake: %s" % _server_words(reply))
         if reply.get("type") != "WELCOME":
             client.close()
             raise KvmatchError(KM_ERR_PROTOCOL, "KM_ERR_PROTOCOL",
@@ -285,7 +293,7 @@ class Client:
             raise
         if reply.get("type") == "ERROR":
             raise KvmatchError(reply.get("code", KM_ERR_PROTOCOL), reply.get("name", "?"),
-                               reply.get("message", ""))
+                               _server_words(reply))
         return reply
 
     def route(self, routes, timeout=5.0):
@@ -444,5 +452,5 @@ class Client:
         if reply.get("type") == "ERROR" and not reply.get("id"):
             self._fail(ConnectionClosed("the server closes the connection: %s (%r): %s"
                                         % (reply.get("name", "?"), reply.get("code"),
-                                           reply.get("message", ""))))
+                                           _server_words(reply))))
         return reply
