@@ -383,6 +383,28 @@ def test_reply_to_an_id_not_outstanding():
         s.stop()
 
 
+def test_outstanding_after_a_final_error():
+    # After a final error no reply is read: outstanding forgets the requests whose reply had not
+    # arrived and keeps counting a kept one until it is returned, so a caller draining replies
+    # until outstanding is 0 gets there (until 2026-12-01 it went on counting all three).
+    s = FakeServer(mode="duplicate")
+    try:
+        with kc.Client.connect(s.address, timeout=5) as c:
+            a, b, third = (c.send_route([route(i)]) for i in range(3))
+            expect_protocol_error(lambda: c.wait(third, timeout=5), "request %d, which is not waiting" % a)
+            assert c.outstanding == 1, c.outstanding  # a's first reply, kept
+            assert c.receive(timeout=5)["id"] == a
+            assert c.outstanding == 0, c.outstanding
+            for call in (lambda: c.receive(timeout=5), lambda: c.wait(b, timeout=5)):
+                try:
+                    call()
+                    raise AssertionError("a closed client read on")
+                except kc.ConnectionClosed:
+                    pass
+    finally:
+        s.stop()
+
+
 def test_connection_level_error_closes_whatever_its_code():
     # An ERROR of id 0 means the server closes the connection: ConnectionClosed, whatever code it
     # carries, the server's code and words in the message (until 2026-11-30 a KvmatchError with
@@ -471,7 +493,7 @@ def main():
              test_late_reply_after_a_timeout_is_dropped,
              test_send_with_no_time_left_keeps_the_connection,
              test_reply_count_differs_from_the_request, test_reply_of_another_type_than_its_requests,
-             test_reply_to_an_id_not_outstanding,
+             test_reply_to_an_id_not_outstanding, test_outstanding_after_a_final_error,
              test_connection_level_error_closes_whatever_its_code, test_server_error_named_once,
              test_connect_errors,
              test_frame_limit_client_side]

@@ -208,8 +208,14 @@ class Client:
         return client
 
     def close(self):
+        """Close the connection. No reply is read after: the requests whose reply has not arrived
+        are forgotten, and replies already kept are still returned by receive / wait."""
         if not self._closed:
             self._closed = True
+            self._outstanding = {rid: expected for rid, expected in self._outstanding.items()
+                                 if rid in self._kept}
+            self._abandoned.clear()
+            self._buffer.clear()
             try:
                 self._sock.close()
             except OSError:
@@ -223,7 +229,9 @@ class Client:
 
     @property
     def outstanding(self):
-        """Request ids sent whose reply has not been returned yet."""
+        """Requests sent whose reply has not been returned yet and still can be: not given up by a
+        blocking call that timed out, and once the connection is closed only those whose reply
+        had arrived (kept by wait; receive / wait still return them)."""
         return len(self._outstanding)
 
     def fileno(self):
@@ -253,6 +261,8 @@ class Client:
             rid = next(iter(self._kept))
             self._outstanding.pop(rid, None)
             return self._kept.pop(rid)
+        if self._closed:
+            raise ConnectionClosed("the connection is closed")
         if not self._outstanding:
             raise KvmatchError(KM_ERR_INVALID_ARGUMENT, "KM_ERR_INVALID_ARGUMENT",
                                "no request is waiting for a reply")
@@ -266,6 +276,8 @@ class Client:
         if request_id in self._kept:
             self._outstanding.pop(request_id, None)
             return self._kept.pop(request_id)
+        if self._closed:
+            raise ConnectionClosed("the connection is closed")
         if request_id not in self._outstanding:
             raise KvmatchError(KM_ERR_NOT_FOUND, "KM_ERR_NOT_FOUND",
                                "request %r is not waiting for a reply" % (request_id,))
