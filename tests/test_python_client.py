@@ -40,7 +40,7 @@ class FakeServer:
     late_route, miscount (one decision fewer than routes, one ACK item more than events),
     connection_error (ROUTE answered with ERROR id 0 KM_ERR_TIMEOUT, then closed), wrong_type
     (ROUTE answered with STATUS_REPLY, WORKERS with ACK whatever its action), duplicate (ROUTE
-    answered twice)."""
+    answered twice), welcome_wrong_id (WELCOME to another id than the HELLO's)."""
 
     def __init__(self, mode="normal", tcp=False, group=8):
         self.mode, self.group = mode, group
@@ -88,6 +88,8 @@ class FakeServer:
             if self.mode == "refuse_hello" or m.get("protocol") != 1:
                 return {"type": "ERROR", "id": rid, "code": kc.KM_ERR_INCOMPATIBLE,
                         "name": "KM_ERR_INCOMPATIBLE", "message": "protocol 1 only"}, False
+            if self.mode == "welcome_wrong_id":
+                rid += 1
             return {"type": "WELCOME", "id": rid, "protocol": 1, "kvmatch_version": "0.1.0-fake",
                     "server": "fake-py", "limits": {"max_frame_bytes": 1 << 20}}, True
         if t == "ROUTE":
@@ -456,6 +458,13 @@ def test_connect_errors():
         raise AssertionError("refused handshake did not raise")
     except kc.KvmatchError as e:
         assert e.code == kc.KM_ERR_INCOMPATIBLE and "protocol 1 only" in e.message
+    finally:
+        s.stop()
+    s = FakeServer(mode="welcome_wrong_id")
+    try:
+        # A WELCOME answers the HELLO, with its id, as the C client checks (until 2026-12-01 the
+        # Python client took a WELCOME to any id).
+        expect_protocol_error(lambda: kc.Client.connect(s.address, timeout=5), "not the HELLO")
     finally:
         s.stop()
     for bad in ("http://x", "tcp:127.0.0.1", "unix:"):

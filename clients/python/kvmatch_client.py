@@ -169,8 +169,9 @@ class Client:
     @classmethod
     def connect(cls, address="unix:" + DEFAULT_SOCKET, timeout=5.0, client_name=CLIENT_NAME):
         """Connect and do the HELLO / WELCOME handshake within `timeout` seconds (None: no
-        limit). Raises KvmatchError (KM_ERR_INCOMPATIBLE when the server refuses our version),
-        ConnectionClosed, TimeoutError or OSError."""
+        limit). Raises KvmatchError (KM_ERR_INCOMPATIBLE when the server refuses our version,
+        KM_ERR_PARSE / KM_ERR_PROTOCOL for a reply that is unreadable, neither WELCOME nor ERROR,
+        or a WELCOME to another id than the HELLO's), ConnectionClosed, TimeoutError or OSError."""
         family, target = _parse_address(address)
         sock = socket.socket(family, socket.SOCK_STREAM)
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -198,6 +199,11 @@ class Client:
             client.close()
             raise KvmatchError(KM_ERR_PROTOCOL, "KM_ERR_PROTOCOL",
                                "expected WELCOME, got %r" % reply.get("type"))
+        if reply.get("id") != hello_id:
+            client.close()
+            raise KvmatchError(KM_ERR_PROTOCOL, "KM_ERR_PROTOCOL",
+                               "the WELCOME answers request %r, not the HELLO (%r)"
+                               % (reply.get("id"), hello_id))
         if reply.get("protocol") != PROTOCOL_VERSION:
             client.close()
             raise KvmatchError(KM_ERR_INCOMPATIBLE, "KM_ERR_INCOMPATIBLE",
