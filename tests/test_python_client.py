@@ -137,35 +137,38 @@ class FakeServer:
                 "message": 'KM_ERR_PROTOCOL: type: unknown message type "%s"' % t}, True
 
     def _serve(self, conn):
-        buf, held = b"", []
         with conn:
-            while True:
-                try:
-                    chunk = conn.recv(65536)
-                except OSError:
-                    return
-                if not chunk:
-                    return
-                buf += chunk
-                while len(buf) >= 4:
-                    (n,) = struct.unpack(">I", buf[:4])
-                    if len(buf) < 4 + n:
-                        break
-                    m = msgpack.unpackb(buf[4:4 + n], raw=False)
-                    buf = buf[4 + n:]
-                    reply, keep_open = self._reply(m)
-                    if reply is not None and self.mode == "duplicate" and m.get("type") == "ROUTE":
+            try:
+                self._serve_frames(conn)
+            except OSError:
+                pass  # the client closed first, as it does after a protocol error
+
+    def _serve_frames(self, conn):
+        buf, held = b"", []
+        while True:
+            chunk = conn.recv(65536)
+            if not chunk:
+                return
+            buf += chunk
+            while len(buf) >= 4:
+                (n,) = struct.unpack(">I", buf[:4])
+                if len(buf) < 4 + n:
+                    break
+                m = msgpack.unpackb(buf[4:4 + n], raw=False)
+                buf = buf[4 + n:]
+                reply, keep_open = self._reply(m)
+                if reply is not None and self.mode == "duplicate" and m.get("type") == "ROUTE":
+                    conn.sendall(self._frame(reply))
+                if reply is not None:
+                    if self.mode == "reverse" and m.get("type") != "HELLO":
+                        held.append(self._frame(reply))
+                        if len(held) == self.group:
+                            conn.sendall(b"".join(reversed(held)))
+                            held = []
+                    else:
                         conn.sendall(self._frame(reply))
-                    if reply is not None:
-                        if self.mode == "reverse" and m.get("type") != "HELLO":
-                            held.append(self._frame(reply))
-                            if len(held) == self.group:
-                                conn.sendall(b"".join(reversed(held)))
-                                held = []
-                        else:
-                            conn.sendall(self._frame(reply))
-                    if not keep_open:
-                        return
+                if not keep_open:
+                    return
 
 
 def route(i, n=4):
