@@ -8,7 +8,8 @@
  * pass over the points. A router override (an outcome's dispatched_worker) is compared with the
  * dispatched worker's depth at the decision: a decision read before its outcome keeps its
  * candidates' depths aside (`pending`) until the outcome joins it, then only that one depth stays
- * in the point. Recovery windows come from per-worker index-state observations: within a
+ * in the point. Worker health (candidates[].eligible) is counted per worker as each decision is
+ * read; the point keeps one flag bit, whether its owner was ineligible. Recovery windows come from per-worker index-state observations: within a
  * file only the first observation of each worker, every change of state and the last observation
  * are kept (a file is written in decision order), and at finish they are sorted by time per worker
  * and swept into windows, so files may be given in any order. */
@@ -123,6 +124,7 @@ enum {
     POINT_HTTP_200 = 1u << 10,
     POINT_IN_WINDOW = 1u << 11,
     POINT_OVERRIDDEN = 1u << 12,     /* the outcome's dispatched_worker is not its worker */
+    POINT_OWNER_INELIGIBLE = 1u << 13, /* the owner's candidate row says eligible false */
 };
 
 typedef struct point {
@@ -171,6 +173,8 @@ typedef struct worker_info {
     uint32_t last_state;
     int64_t last_time;
     int last_recorded;
+    uint64_t ineligible;       /* plain worker: decisions it was an ineligible candidate in */
+    uint64_t owned_ineligible; /* of those, decisions it was the prediction owner in */
 } worker_info;
 
 /* A decision's candidates' depths, kept from its record until its outcome joins it. */
@@ -644,6 +648,39 @@ static int is_live(const char *state)
     return state && !strcmp(state, "LIVE");
 }
 
+/* Count a valid decision's ineligible candidates (its rows validated: eligible absent or a
+ * boolean) per worker, a worker named twice by its first row, and the decision in
+ * decisions_with_ineligible. owner is the prediction owner's name, NULL when none. Counted as the
+ * record is read: these need nothing kept in the decision's point. */
+static int count_ineligible(km_analysis *a, json_t *candidates, uint32_t host, uint32_t pool,
+                            const char *owner)
+{
+    size_t n = json_array_size(candidates);
+    int counted = 0;
+    for (size_t i = 0; i < n; i++) {
+        json_t *cand = json_array_get(candidates, i);
+        if (!json_is_false(json_object_get(cand, "eligible")))
+            continue;
+        const char *name = json_string_value(json_object_get(cand, "worker"));
+        int repeated = 0;
+        for (size_t j = 0; j < i && !repeated; j++)
+            repeated = !strcmp(name, json_string_value(
+                                         json_object_get(json_array_get(candidates, j), "worker")));
+        if (repeated)
+            continue;
+        uint32_t id = worker_id(a, NONE, host, pool, name);
+        if (id == NONE)
+            return fail_memory(a, "interning names");
+        a->workers[id].ineligible++;
+        a->summary.health.ineligible_candidates++;
+        counted = 1;
+        if (owner && !strcmp(name, owner))
+            a->workers[id].owned_ineligible++;
+    }
+    a->summary.health.decisions_with_ineligible += (uint64_t)counted;
+    return KM_OK;
+}
+
 /* Apply a decision record; returns 1 when valid and applied, 0 when invalid (e filled), or a
  * negative status. */
 static int take_decision(km_analysis *a, json_t *root, uint32_t file, uint64_t line,
@@ -672,6 +709,7 @@ static int take_decision(km_analysis *a, json_t *root, uint32_t file, uint64_t l
         return invalid_field(e, "", "candidates", candidates ? "expected an array" : "missing");
     size_t n_candidates = json_array_size(candidates);
     int64_t chosen_in_flight = -1;
+    int owner_row_seen = 0, owner_ineligible = 0, any_ineligible = 0;
     for (size_t i = 0; i < n_candidates; i++) {
         json_t *cand = json_array_get(candidates, i);
         char prefix[64];
@@ -685,8 +723,18 @@ static int take_decision(km_analysis *a, json_t *root, uint32_t file, uint64_t l
             get_count(cand, prefix, "depth_tokens", 0, &depth_tokens, e) ||
             get_count(cand, prefix, "in_flight", 1, &in_flight, e))
             return 0;
+        /* absent in records written before worker health: eligible */
+        json_t *eligible = json_object_get(cand, "eligible");
+        if (eligible && !json_is_boolean(eligible))
+            return invalid_field(e, prefix, "eligible", "expected a boolean");
+        int ineligible = eligible && json_is_false(eligible);
+        any_ineligible |= ineligible;
         if (!strcmp(name, chosen.worker) && chosen_in_flight < 0)
             chosen_in_flight = in_flight;
+        if (owner.worker && !owner_row_seen && !strcmp(name, owner.worker)) {
+            owner_row_seen = 1;
+            owner_ineligible = ineligible;
+        }
     }
 
     /* Valid: from here on only out-of-memory can fail. */
@@ -743,9 +791,16 @@ static int take_decision(km_analysis *a, json_t *root, uint32_t file, uint64_t l
         p->flags |= POINT_OWNER;
         if (strcmp(owner.worker, chosen.worker))
             p->flags |= POINT_OWNER_NOT_CHOSEN;
+        if (owner_ineligible)
+            p->flags |= POINT_OWNER_INELIGIBLE;
         p->owner_name = intern_cstr(&a->strings, owner.worker);
         if (p->owner_name == NONE)
             return fail_memory(a, "interning names");
+    }
+    if (any_ineligible) {
+        int rc = count_ineligible(a, candidates, host, pool, owner.worker);
+        if (rc != KM_OK)
+            return rc;
     }
     /* The candidates' depths, for a router override: resolved now when the outcome came first,
      * else kept until it joins (settle_pending). */
@@ -1575,14 +1630,23 @@ int km_analysis_finish(km_analysis *a)
                 ow->owner_not_chosen++;
                 ow->owner_tokens += (uint64_t)p->owner_tokens;
                 ow->chosen_tokens += (uint64_t)p->predicted;
+                km_analysis_owner_part *part =
+                    f & POINT_OWNER_INELIGIBLE ? &ow->owner_ineligible : &ow->owner_eligible;
+                part->decisions++;
+                part->owner_tokens += (uint64_t)p->owner_tokens;
+                part->chosen_tokens += (uint64_t)p->predicted;
                 /* what the chosen worker really reused: an overridden attempt's cached tokens
                  * came from another worker's engine */
                 if ((f & POINT_OUTCOME) && p->actual >= 0 && (f & POINT_OVERRIDDEN)) {
                     ow->joined_overridden++;
+                    part->joined_overridden++;
                 } else if ((f & POINT_OUTCOME) && p->actual >= 0) {
                     ow->joined_known++;
                     ow->joined_actual_tokens += (uint64_t)p->actual;
                     ow->joined_owner_tokens += (uint64_t)p->owner_tokens;
+                    part->joined_known++;
+                    part->joined_actual_tokens += (uint64_t)p->actual;
+                    part->joined_owner_tokens += (uint64_t)p->owner_tokens;
                 }
             } else
                 ow->owner_is_chosen++;
@@ -1620,6 +1684,15 @@ int km_analysis_finish(km_analysis *a)
             s->join.outcomes_without_decision++;
         }
     }
+    /* health, counted as the decisions were read: a worker only ever ineligible gets a row too */
+    for (size_t i = 0; i < a->worker_keys.n; i++) {
+        const worker_info *w = &a->workers[i];
+        if (w->instance != NONE || !w->ineligible)
+            continue;
+        km_analysis_worker *ws = worker_row(a, worker_index, &n_workers, (uint32_t)i);
+        ws->ineligible = w->ineligible;
+        ws->owned_ineligible = w->owned_ineligible;
+    }
     free(policy_index);
     free(worker_index);
     if (a->min_time_ns == INT64_MAX)
@@ -1633,6 +1706,10 @@ int km_analysis_finish(km_analysis *a)
     }
     km_analysis_owner *ow = &s->owner;
     ow->cost_tokens = ow->owner_tokens - ow->chosen_tokens;
+    ow->owner_ineligible.cost_tokens =
+        ow->owner_ineligible.owner_tokens - ow->owner_ineligible.chosen_tokens;
+    ow->owner_eligible.cost_tokens =
+        ow->owner_eligible.owner_tokens - ow->owner_eligible.chosen_tokens;
     if (ow->decisions > ow->no_owner)
         ow->owner_not_chosen_rate = (double)ow->owner_not_chosen / (double)(ow->decisions - ow->no_owner);
     sort_items(ttfts, n_ttft, sizeof *ttfts, compare_i64);
@@ -1764,6 +1841,19 @@ static void text_quality(km_text *out, const char *label, const km_analysis_qual
                    100.0 * q->hit_rate);
 }
 
+/* One part of the owner != chosen decisions, in the words of the lines above it. */
+static void text_owner_part(km_text *out, const char *label, const km_analysis_owner_part *part)
+{
+    km_text_printf(out,
+                   "  %s: %" PRIu64 " decisions, owners held %" PRIu64 " tokens, the chosen %" PRIu64
+                   ": %" PRIu64 " tokens of predicted reuse given up; %" PRIu64
+                   " joined and served by the chosen worker: actual %" PRIu64
+                   " vs the owners' predicted %" PRIu64 " (%" PRIu64 " overridden, left out)\n",
+                   label, part->decisions, part->owner_tokens, part->chosen_tokens,
+                   part->cost_tokens, part->joined_known, part->joined_actual_tokens,
+                   part->joined_owner_tokens, part->joined_overridden);
+}
+
 static void text_problems(km_text *out, const char *title, uint64_t total,
                           const km_analysis_problem *items, size_t n)
 {
@@ -1849,6 +1939,19 @@ int km_analysis_render_text(const km_analysis *a, km_text *out)
                    100.0 * o->owner_not_chosen_rate, o->owner_tokens, o->chosen_tokens, o->cost_tokens,
                    o->joined_known, o->joined_actual_tokens, o->joined_owner_tokens,
                    o->joined_overridden, o->overridden, o->overridden_to_owner);
+    text_owner_part(out, "owner ineligible (unhealthy or circuit breaker open: the KV was on a "
+                         "worker the policy could not choose)", &o->owner_ineligible);
+    text_owner_part(out, "owner eligible (the policy chose another eligible worker)",
+                    &o->owner_eligible);
+
+    const km_analysis_health *he = &s->health;
+    km_text_printf(out,
+                   "\nworker health (candidates[].eligible false: unhealthy or circuit breaker "
+                   "open; rows without the field count as eligible)\n"
+                   "  decisions with an ineligible candidate %" PRIu64 " (%.1f%%), ineligible "
+                   "candidates %" PRIu64 "; owner ineligible %" PRIu64 " (above)\n",
+                   he->decisions_with_ineligible, percent(he->decisions_with_ineligible, o->decisions),
+                   he->ineligible_candidates, o->owner_ineligible.decisions);
 
     const km_analysis_staleness *st = &s->staleness;
     km_text_printf(out,
@@ -1894,7 +1997,8 @@ int km_analysis_render_text(const km_analysis *a, km_text *out)
         text_quality(out, s->policies[i].policy, &s->policies[i].quality);
 
     km_text_printf(out, "\nper worker (decisions that chose it, its in_flight at those decisions; "
-                        "attempts a router override sent to it)\n");
+                        "attempts a router override sent to it; decisions it was an ineligible "
+                        "candidate in, and of them those it owned the prediction in)\n");
     for (size_t i = 0; i < s->n_workers; i++) {
         const km_analysis_worker *w = &s->workers[i];
         km_text_printf(out, "  %s%s%s/%s: chosen %" PRIu64 " (%.1f%%), in_flight mean %.2f max %"
@@ -1904,6 +2008,9 @@ int km_analysis_render_text(const km_analysis *a, km_text *out)
         if (w->dispatched_by_override)
             km_text_printf(out, ", sent here by router override %" PRIu64,
                            w->dispatched_by_override);
+        if (w->ineligible)
+            km_text_printf(out, ", ineligible in %" PRIu64 " (owner while ineligible %" PRIu64 ")",
+                           w->ineligible, w->owned_ineligible);
         km_text_printf(out, "\n");
     }
     text_problems(out, "invalid lines", in->invalid, s->invalid_lines, s->n_invalid_lines);
@@ -1927,6 +2034,17 @@ static json_t *json_quality(const km_analysis_quality *q)
                      "exact", (json_int_t)q->exact, "prompt_tokens", (json_int_t)q->prompt_tokens,
                      "actual_with_prompt", (json_int_t)q->actual_with_prompt, "hit_rate",
                      q->hit_rate);
+}
+
+static json_t *json_owner_part(const km_analysis_owner_part *part)
+{
+    return json_pack("{sI sI sI sI sI sI sI sI}", "decisions", (json_int_t)part->decisions,
+                     "owner_tokens", (json_int_t)part->owner_tokens, "chosen_tokens",
+                     (json_int_t)part->chosen_tokens, "cost_tokens", (json_int_t)part->cost_tokens,
+                     "joined_known", (json_int_t)part->joined_known, "joined_actual_tokens",
+                     (json_int_t)part->joined_actual_tokens, "joined_owner_tokens",
+                     (json_int_t)part->joined_owner_tokens, "joined_overridden",
+                     (json_int_t)part->joined_overridden);
 }
 
 static json_t *json_problems(const km_analysis_problem *items, size_t n)
@@ -1976,19 +2094,22 @@ int km_analysis_render_json(const km_analysis *a, km_text *out)
     for (size_t i = 0; workers && i < s->n_workers; i++) {
         const km_analysis_worker *w = &s->workers[i];
         json_array_append_new(workers,
-                              json_pack("{ss ss ss sI sI sf sI sI}", "host", w->host, "pool",
+                              json_pack("{ss ss ss sI sI sf sI sI sI sI}", "host", w->host, "pool",
                                         w->pool, "worker", w->worker, "chosen",
                                         (json_int_t)w->chosen, "in_flight_known",
                                         (json_int_t)w->in_flight_known, "mean_in_flight",
                                         w->mean_in_flight, "max_in_flight",
                                         (json_int_t)w->max_in_flight, "dispatched_by_override",
-                                        (json_int_t)w->dispatched_by_override));
+                                        (json_int_t)w->dispatched_by_override, "ineligible",
+                                        (json_int_t)w->ineligible, "owned_ineligible",
+                                        (json_int_t)w->owned_ineligible));
     }
     json_t *root = json_pack(
         "{s{sI sI sI sI sI sI sI sI sI}"
         " s{sI sI sI sI sI sI sI}"
         " s{sI sI sI sI sI sI sI sI sI sI sI sI sI sf sf so}"
-        " s{sI sI sI sI sf sI sI sI sI sI sI sI sI sI}"
+        " s{sI sI sI sI sf sI sI sI sI sI sI sI sI sI so so}"
+        " s{sI sI}"
         " s{sI sI sI sI sI}"
         " s{sI sI sI sI sI sI sI sf sf sI sf sf}"
         " s{so so so}"
@@ -2020,7 +2141,11 @@ int km_analysis_render_json(const km_analysis *a, km_text *out)
         "joined_actual_tokens", (json_int_t)o->joined_actual_tokens, "joined_owner_tokens",
         (json_int_t)o->joined_owner_tokens, "joined_overridden", (json_int_t)o->joined_overridden,
         "overridden", (json_int_t)o->overridden, "overridden_to_owner",
-        (json_int_t)o->overridden_to_owner,
+        (json_int_t)o->overridden_to_owner, "owner_ineligible",
+        json_owner_part(&o->owner_ineligible), "owner_eligible",
+        json_owner_part(&o->owner_eligible),
+        "health", "decisions_with_ineligible", (json_int_t)s->health.decisions_with_ineligible,
+        "ineligible_candidates", (json_int_t)s->health.ineligible_candidates,
         "staleness", "events_decisions", (json_int_t)st->events_decisions, "chosen_not_live",
         (json_int_t)st->chosen_not_live, "owner_not_live", (json_int_t)st->owner_not_live,
         "stale_decisions", (json_int_t)st->stale_decisions, "approx_decisions",
@@ -2426,6 +2551,10 @@ int km_analysis_render_html(const km_analysis *a, km_text *out)
                    "<tr><td>router overrides: compared with the dispatched worker's depth / not "
                    "compared (no prediction for it)</td><td>%" PRIu64 " / %" PRIu64 "</td></tr>\n"
                    "<tr><td>owner not chosen</td><td>%" PRIu64 " (%.1f%%), %" PRIu64 " tokens given up</td></tr>\n"
+                   "<tr><td>of those, owner ineligible (unhealthy or circuit breaker open) / owner "
+                   "eligible, another eligible worker chosen</td><td>%" PRIu64 " (%" PRIu64
+                   " tokens given up) / %" PRIu64 " (%" PRIu64 " tokens given up)</td></tr>\n"
+                   "<tr><td>decisions with an ineligible candidate</td><td>%" PRIu64 "</td></tr>\n"
                    "<tr><td>decisions overridden by the router / sent to the prediction "
                    "owner</td><td>%" PRIu64 " / %" PRIu64 "</td></tr>\n"
                    "<tr><td>stale or degraded (events) / approx-sourced</td><td>%" PRIu64 " / %" PRIu64 "</td></tr>\n"
@@ -2436,7 +2565,9 @@ int km_analysis_render_html(const km_analysis *a, km_text *out)
                    s->input.invalid, r->known, r->predicted_tokens, r->actual_tokens, r->unknown,
                    r->exact, r->over_predicted, r->under_predicted, r->overridden,
                    r->overridden_unpredicted, o->owner_not_chosen, 100.0 * o->owner_not_chosen_rate,
-                   o->cost_tokens, o->overridden, o->overridden_to_owner,
+                   o->cost_tokens, o->owner_ineligible.decisions, o->owner_ineligible.cost_tokens,
+                   o->owner_eligible.decisions, o->owner_eligible.cost_tokens,
+                   s->health.decisions_with_ineligible, o->overridden, o->overridden_to_owner,
                    s->staleness.stale_decisions, s->staleness.approx_decisions,
                    s->outcomes.complete, s->outcomes.incomplete, s->outcomes.error,
                    s->outcomes.cancelled, s->outcomes.expired);

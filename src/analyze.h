@@ -29,6 +29,12 @@
  * decision (its candidate row), never the chosen worker's; an override with no such row (or no
  * decision) is counted and not compared.
  *
+ * Worker health: a candidate row with eligible false is a worker the policy could not choose
+ * (unhealthy by the router's word, or behind an open circuit breaker); the prediction owner may be
+ * one. Records written before the field have none: every row counts as eligible. The owner !=
+ * chosen decisions are split by the owner's eligibility; the per-worker and per-decision health
+ * counts are taken as each decision is read, so a point keeps only one more flag bit (no byte).
+ *
  * Bad input is never fatal: a line that is too long, not JSON, not an object, of an unknown type or
  * schema_version, or missing a field the analysis uses (or holding one of the wrong type) is counted
  * as invalid and listed as FILE:LINE: reason (the first max_listed of them). */
@@ -127,6 +133,19 @@ typedef struct km_analysis_reuse {
     uint64_t difference_buckets[KM_ANALYSIS_DIFF_BUCKETS];
 } km_analysis_reuse;
 
+/* One part of owner_not_chosen, measured as the whole is (km_analysis_owner's fields of the same
+ * names). */
+typedef struct km_analysis_owner_part {
+    uint64_t decisions;
+    uint64_t owner_tokens;             /* sum of the owners' depth_tokens */
+    uint64_t chosen_tokens;            /* sum of the chosen workers' depth_tokens */
+    uint64_t cost_tokens;              /* owner_tokens - chosen_tokens: reuse given up (predicted) */
+    uint64_t joined_known;             /* joined, known cached_tokens, not overridden */
+    uint64_t joined_actual_tokens;     /* their cached tokens */
+    uint64_t joined_owner_tokens;      /* their owners' predicted depth_tokens */
+    uint64_t joined_overridden;        /* joined, known cached_tokens, overridden: not above */
+} km_analysis_owner_part;
+
 /* The prediction owner against the chosen worker, over every decision. */
 typedef struct km_analysis_owner {
     uint64_t decisions;
@@ -147,7 +166,24 @@ typedef struct km_analysis_owner {
     uint64_t overridden;               /* decisions whose joined outcome reports an override */
     uint64_t overridden_to_owner;      /* of those, sent to the prediction owner although kvmatch
                                         * chose another worker */
+    /* owner_not_chosen split by the owner's eligibility (its candidates[] row; a worker is
+     * ineligible while unhealthy or behind an open circuit breaker): the two parts add up to the
+     * fields above. */
+    km_analysis_owner_part owner_ineligible; /* the owner's row says eligible false: the KV was on
+                                        * a worker the policy could not choose */
+    km_analysis_owner_part owner_eligible; /* the owner could be chosen (eligible true, the field
+                                        * absent, or no row for it) and the policy chose another
+                                        * eligible worker */
 } km_analysis_owner;
+
+/* Worker health at the decisions: candidates[].eligible false (unhealthy by the router's word or
+ * behind an open circuit breaker). Records written before the field existed have none: every row
+ * counts as eligible. A worker named in more than one row counts by its first. */
+typedef struct km_analysis_health {
+    uint64_t decisions_with_ineligible; /* decisions with at least one ineligible candidate */
+    uint64_t ineligible_candidates;    /* (decision, worker) pairs with the worker ineligible: the
+                                        * sum of the workers' `ineligible` */
+} km_analysis_health;
 
 /* Index state behind each decision. Events-sourced decisions only in the first four counters. */
 typedef struct km_analysis_staleness {
@@ -220,6 +256,9 @@ typedef struct km_analysis_worker {
     uint64_t dispatched_by_override;   /* outcomes (joined or not) whose dispatched_worker is it:
                                         * attempts the router sent here instead of the chosen one;
                                         * a worker only ever dispatched to has chosen 0 */
+    uint64_t ineligible;               /* decisions it was an ineligible candidate in (a worker only
+                                        * ever ineligible is listed with chosen 0) */
+    uint64_t owned_ineligible;         /* of those, decisions whose prediction owner it was */
 } km_analysis_worker;
 
 /* One listed problem: FILE:LINE and a sentence. */
@@ -234,6 +273,7 @@ typedef struct km_analysis_summary {
     km_analysis_join join;
     km_analysis_reuse reuse;
     km_analysis_owner owner;
+    km_analysis_health health;
     km_analysis_staleness staleness;
     km_analysis_outcomes outcomes;
     km_analysis_quality in_windows;    /* decisions inside any window of their instance and pool */

@@ -4,8 +4,9 @@
  * joins by (instance, decision_id) and by (request_id, attempt_id), unjoined records on both sides,
  * duplicates, invalid lines of every kind with FILE:LINE, nulls against zeros, rotated files given
  * in any order, router overrides (dispatched_worker) compared with the dispatched worker's depth or
- * counted as unpredicted, and a random property test against a brute-force model of every metric
- * (overrides included). The HTML
+ * counted as unpredicted, worker health (the owner != chosen split by the owner's eligibility,
+ * ineligible candidates per worker, records without the field), and a random property test against
+ * a brute-force model of every metric (overrides and worker health included). The HTML
  * report is checked for escaping and self-containment, its SVG parts parsed as XML by
  * tests/check_html.py, and rendered in headless Chromium when one is installed. Randomized tests
  * print their seed (KM_TEST_SEED). */
@@ -26,6 +27,9 @@
 #define BLOCK 16
 
 /* ---- building records ------------------------------------------------------------------------ */
+
+/* A candidate's `eligible` field: absent (records written before worker health), true, false. */
+enum { ELIGIBLE_ABSENT = 0, ELIGIBLE_TRUE, ELIGIBLE_FALSE };
 
 typedef struct cand_spec {
     const char *worker, *state;
@@ -48,6 +52,8 @@ typedef struct decision_spec {
     int64_t chosen_blocks;
     const char *policy;
     cand_spec cands[8];
+    int eligible[8]; /* ELIGIBLE_* of each cands[] row; ELIGIBLE_FALSE writes cost null, as the
+                      * server does */
     int n_cands;
 } decision_spec;
 
@@ -125,13 +131,17 @@ static json_t *make_decision(const decision_spec *d)
     json_t *cands = json_array();
     for (int i = 0; i < d->n_cands; i++) {
         const cand_spec *c = &d->cands[i];
-        json_array_append_new(
-            cands, json_pack("{ss ss sI sI sI sn sn so sn sn sf}", "worker", c->worker, "state",
-                             c->state, "depth_blocks", (json_int_t)c->depth_blocks, "depth_tokens",
-                             (json_int_t)(c->depth_blocks * BLOCK), "device_blocks",
-                             (json_int_t)c->depth_blocks, "host_blocks", "disk_blocks", "in_flight",
-                             nullable_int(c->in_flight), "pending_prefill_tokens",
-                             "active_decode_blocks", "cost", 0.5));
+        json_t *row = json_pack("{ss ss sI sI sI sn sn so sn sn}", "worker", c->worker, "state",
+                                c->state, "depth_blocks", (json_int_t)c->depth_blocks,
+                                "depth_tokens", (json_int_t)(c->depth_blocks * BLOCK),
+                                "device_blocks", (json_int_t)c->depth_blocks, "host_blocks",
+                                "disk_blocks", "in_flight", nullable_int(c->in_flight),
+                                "pending_prefill_tokens", "active_decode_blocks");
+        if (d->eligible[i] != ELIGIBLE_ABSENT)
+            json_object_set_new(row, "eligible", json_boolean(d->eligible[i] == ELIGIBLE_TRUE));
+        json_object_set_new(row, "cost",
+                            d->eligible[i] == ELIGIBLE_FALSE ? json_null() : json_real(0.5));
+        json_array_append_new(cands, row);
     }
     json_object_set_new(o, "candidates", cands);
     return o;
@@ -1124,6 +1134,169 @@ Test(analyze, dispatched_worker_must_be_a_string_or_null, .timeout = 10)
     remove_dir(dir);
 }
 
+/* Worker health: the owner != chosen decisions split by the owner's eligibility, each part with
+ * its counts and reuse forgone; decisions with an ineligible candidate; per worker, the decisions
+ * it was ineligible in and owned while ineligible. A record without the field (written before it)
+ * counts every row eligible; an `eligible` that is not a boolean makes the line invalid. */
+Test(analyze, ineligible_owner_is_split_from_the_policys_choice, .timeout = 20)
+{
+    char dir[64], path[128];
+    make_temp_dir(dir);
+    FILE *f = open_in(dir, "r.jsonl", path, sizeof path);
+    enum { T = ELIGIBLE_TRUE, F = ELIGIBLE_FALSE };
+    /* D1: the owner B (8 blocks) ineligible, A (2) chosen; served by A with 32 cached tokens */
+    decision_spec d1 = {.instance = "i", .id = 1, .request = "r1", .attempt = "0", .host = "h",
+                        .pool = "p", .time_ns = 10, .source = "events", .prompt = 200,
+                        .owner = "B", .owner_state = "LIVE", .owner_blocks = 8, .chosen = "A",
+                        .chosen_state = "LIVE", .chosen_blocks = 2, .policy = "kv",
+                        .cands = {{"A", "LIVE", 2, 0}, {"C", "LIVE", 0, 0}, {"B", "LIVE", 8, 0}},
+                        .eligible = {T, T, F}, .n_cands = 3};
+    /* D2: the owner A (5) eligible, C (1) chosen, B ineligible; the router sent it to A */
+    decision_spec d2 = d1;
+    d2.id = 2, d2.request = "r2", d2.time_ns = 20, d2.owner = "A", d2.owner_blocks = 5,
+    d2.chosen = "C", d2.chosen_blocks = 1;
+    d2.cands[0] = (cand_spec){"A", "LIVE", 5, 0};
+    d2.cands[1] = (cand_spec){"C", "LIVE", 1, 0};
+    d2.cands[2] = (cand_spec){"B", "LIVE", 0, 0};
+    /* D3: a record from before the field: the owner A chosen */
+    decision_spec d3 = d1;
+    d3.id = 3, d3.request = "r3", d3.time_ns = 30, d3.owner = "A", d3.owner_blocks = 3,
+    d3.chosen_blocks = 3;
+    d3.cands[0] = (cand_spec){"A", "LIVE", 3, 0};
+    d3.eligible[0] = ELIGIBLE_ABSENT;
+    d3.n_cands = 1;
+    /* D4: the owner B (6) ineligible, C (3) ineligible too, A (0) chosen; cached tokens unknown */
+    decision_spec d4 = d1;
+    d4.id = 4, d4.request = "r4", d4.time_ns = 40, d4.owner_blocks = 6, d4.chosen_blocks = 0;
+    d4.cands[0] = (cand_spec){"A", "LIVE", 0, 0};
+    d4.cands[1] = (cand_spec){"C", "LIVE", 3, 0};
+    d4.cands[2] = (cand_spec){"B", "LIVE", 6, 0};
+    d4.eligible[1] = F;
+    /* D5: a record from before the field: the owner B (4) not chosen, A (1) chosen; 16 cached */
+    decision_spec d5 = d1;
+    d5.id = 5, d5.request = "r5", d5.time_ns = 50, d5.owner_blocks = 4, d5.chosen_blocks = 1;
+    d5.cands[0] = (cand_spec){"A", "LIVE", 1, 0};
+    d5.cands[1] = (cand_spec){"B", "LIVE", 4, 0};
+    d5.eligible[0] = d5.eligible[1] = ELIGIBLE_ABSENT;
+    d5.n_cands = 2;
+    write_record(f, make_decision(&d1));                                     /* 1 */
+    write_outcome_of(f, &d1, "complete", 200, 32, 5);                        /* 2 */
+    write_record(f, make_decision(&d2));                                     /* 3 */
+    outcome_spec o2 = outcome_for(&d2, "complete", 200, 80, 5);
+    o2.dispatched = "A";
+    write_record(f, make_outcome(&o2));                                      /* 4 */
+    write_record(f, make_decision(&d3));                                     /* 5 */
+    write_record(f, make_decision(&d4));                                     /* 6 */
+    write_outcome_of(f, &d4, "complete", 200, -1, 5);                        /* 7 */
+    write_record(f, make_decision(&d5));                                     /* 8 */
+    write_outcome_of(f, &d5, "complete", 200, 16, 5);                        /* 9 */
+    decision_spec bad = d1;
+    bad.id = 6, bad.request = "r6";
+    json_t *text_eligible = make_decision(&bad);
+    json_object_set_new(json_array_get(json_object_get(text_eligible, "candidates"), 2), "eligible",
+                        json_string("false"));
+    write_record(f, text_eligible);                                          /* 10 invalid */
+    json_t *null_eligible = make_decision(&bad);
+    json_object_set_new(json_array_get(json_object_get(null_eligible, "candidates"), 0), "eligible",
+                        json_null());
+    write_record(f, null_eligible);                                          /* 11 invalid */
+    fclose(f);
+    const char *paths[] = {path};
+    km_analysis *a = analyze_files(NULL, paths, 1);
+    const km_analysis_summary *s = km_analysis_summary_get(a);
+    EQ(s->input.decisions, 5);
+    EQ(s->input.invalid, 2);
+    cr_assert_eq(s->n_invalid_lines, 2);
+    EQ(s->invalid_lines[0].line, 10);
+    cr_expect_str_eq(s->invalid_lines[0].what,
+                     "decision record: field candidates[2].eligible: expected a boolean");
+    EQ(s->invalid_lines[1].line, 11);
+    cr_expect_str_eq(s->invalid_lines[1].what,
+                     "decision record: field candidates[0].eligible: expected a boolean");
+
+    const km_analysis_owner *o = &s->owner;
+    EQ(o->owner_is_chosen, 1);
+    EQ(o->owner_not_chosen, 4);
+    /* D1 and D4: owners 8 + 6 blocks, chosen 2 + 0 */
+    EQ(o->owner_ineligible.decisions, 2);
+    EQ(o->owner_ineligible.owner_tokens, 224);
+    EQ(o->owner_ineligible.chosen_tokens, 32);
+    EQ(o->owner_ineligible.cost_tokens, 192);
+    EQ(o->owner_ineligible.joined_known, 1); /* D1; D4's cached tokens are unknown */
+    EQ(o->owner_ineligible.joined_actual_tokens, 32);
+    EQ(o->owner_ineligible.joined_owner_tokens, 128);
+    EQ(o->owner_ineligible.joined_overridden, 0);
+    /* D2 and D5 (no field: eligible): owners 5 + 4 blocks, chosen 1 + 1 */
+    EQ(o->owner_eligible.decisions, 2);
+    EQ(o->owner_eligible.owner_tokens, 144);
+    EQ(o->owner_eligible.chosen_tokens, 32);
+    EQ(o->owner_eligible.cost_tokens, 112);
+    EQ(o->owner_eligible.joined_known, 1); /* D5; D2 was overridden */
+    EQ(o->owner_eligible.joined_actual_tokens, 16);
+    EQ(o->owner_eligible.joined_owner_tokens, 64);
+    EQ(o->owner_eligible.joined_overridden, 1);
+    EQ(o->cost_tokens, 304);
+    EQ(s->health.decisions_with_ineligible, 3);   /* D1, D2, D4 */
+    EQ(s->health.ineligible_candidates, 4);       /* B in D1, D2, D4; C in D4 */
+
+    cr_assert_eq(s->n_workers, 3);
+    const char *names[3] = {"A", "B", "C"};
+    uint64_t chosen[3] = {4, 0, 1}, ineligible[3] = {0, 3, 1}, owned[3] = {0, 2, 0};
+    for (int w = 0; w < 3; w++) {
+        cr_expect_str_eq(s->workers[w].worker, names[w]);
+        EQ(s->workers[w].chosen, chosen[w]);
+        EQ(s->workers[w].ineligible, ineligible[w]);
+        EQ(s->workers[w].owned_ineligible, owned[w]);
+    }
+
+    json_t *root = json_report(a);
+    json_t *owner = json_object_get(root, "owner");
+    cr_expect_eq(json_count(owner, "owner_ineligible", "decisions"), 2);
+    cr_expect_eq(json_count(owner, "owner_ineligible", "cost_tokens"), 192);
+    cr_expect_eq(json_count(owner, "owner_ineligible", "joined_owner_tokens"), 128);
+    cr_expect_eq(json_count(owner, "owner_eligible", "decisions"), 2);
+    cr_expect_eq(json_count(owner, "owner_eligible", "cost_tokens"), 112);
+    cr_expect_eq(json_count(owner, "owner_eligible", "joined_overridden"), 1);
+    cr_expect_eq(json_count(root, "health", "decisions_with_ineligible"), 3);
+    cr_expect_eq(json_count(root, "health", "ineligible_candidates"), 4);
+    json_t *b = json_array_get(json_object_get(root, "workers"), 1);
+    cr_expect_eq(json_count(b, NULL, "ineligible"), 3);
+    cr_expect_eq(json_count(b, NULL, "owned_ineligible"), 2);
+    json_decref(root);
+
+    km_text text;
+    km_text_init(&text, 0);
+    cr_assert_eq(km_analysis_render_text(a, &text), KM_OK);
+    const char *t = km_text_cstr(&text);
+    cr_expect(strstr(t, "worker the policy could not choose): 2 decisions, owners held 224 tokens, "
+                        "the chosen 32: 192 tokens of predicted reuse given up; 1 joined and "
+                        "served by the chosen worker: actual 32 vs the owners' predicted 128 (0 "
+                        "overridden, left out)"), "%s", t);
+    cr_expect(strstr(t, "owner eligible (the policy chose another eligible worker): 2 decisions, "
+                        "owners held 144 tokens, the chosen 32: 112 tokens"), "%s", t);
+    cr_expect(strstr(t, "decisions with an ineligible candidate 3 (60.0%), ineligible candidates "
+                        "4; owner ineligible 2"), "%s", t);
+    cr_expect(strstr(t, "p/B: chosen 0 (0.0%), in_flight mean 0.00 max 0, ineligible in 3 (owner "
+                        "while ineligible 2)\n"), "%s", t);
+    cr_expect(strstr(t, "p/A: chosen 4 (80.0%), in_flight mean 0.00 max 0, sent here by router "
+                        "override 1\n"), "%s", t);
+    cr_expect(strstr(t, "p/C: chosen 1 (20.0%), in_flight mean 0.00 max 0, ineligible in 1 (owner "
+                        "while ineligible 0)\n"), "%s", t);
+    km_text_free(&text);
+
+    km_text page;
+    km_text_init(&page, 0);
+    cr_assert_eq(km_analysis_render_html(a, &page), KM_OK);
+    const char *h = km_text_cstr(&page);
+    cr_expect(strstr(h, "eligible, another eligible worker chosen</td><td>2 (192 tokens given up) / "
+                        "2 (112 tokens given up)</td></tr>"), "%s", h);
+    cr_expect(strstr(h, "<tr><td>decisions with an ineligible candidate</td><td>3</td></tr>"),
+              "%s", h);
+    km_text_free(&page);
+    km_analysis_destroy(a);
+    remove_dir(dir);
+}
+
 /* ---- random records against a brute-force model ------------------------------------------------- */
 
 static const char *const rand_workers[5] = {"W0", "W1", "W2", "W3", "W4"};
@@ -1227,7 +1400,7 @@ static void model_quality_add(km_analysis_quality *q, const rand_decision *r)
 
 /* The model's per-worker counts, by host ("h1" or null), pool ("p0", "p1") and worker. */
 typedef struct model_worker {
-    uint64_t chosen, dispatched_by_override;
+    uint64_t chosen, dispatched_by_override, ineligible, owned_ineligible;
 } model_worker;
 
 static model_worker *model_worker_of(model_worker table[2][2][5], const char *host,
@@ -1246,6 +1419,7 @@ Test(analyze, random_records_match_brute_force, .timeout = 120)
     char dir[64];
     make_temp_dir(dir);
     uint64_t overrides_compared = 0, overrides_unpredicted = 0, overrides_to_owner = 0;
+    km_analysis_owner health_seen = {0}; /* the owner split's figures summed over the rounds */
     for (int round = 0; round < 4; round++) {
         size_t n = 50 + km_rng_below(&rng, 700);
         size_t n_orphans = km_rng_below(&rng, (uint32_t)(n / 8 + 1));
@@ -1288,7 +1462,32 @@ Test(analyze, random_records_match_brute_force, .timeout = 120)
                     (cand_spec){rand_workers[w], state, km_rng_below(&rng, 21),
                                 km_rng_percent(&rng, 10) ? -1 : (int64_t)km_rng_below(&rng, 11)};
             }
-            const cand_spec *chosen = &s->cands[km_rng_below(&rng, (uint32_t)s->n_cands)];
+            /* worker health: a record from before the field (no `eligible`: all eligible), or
+             * each row ineligible at 30%, at least one eligible, the ineligible ones last (as the
+             * server writes them) */
+            int n_eligible = s->n_cands;
+            if (km_rng_percent(&rng, 75)) {
+                int ineligible[8], n_ineligible = 0;
+                for (int c = 0; c < s->n_cands; c++)
+                    n_ineligible += ineligible[c] = km_rng_percent(&rng, 30);
+                if (n_ineligible == s->n_cands) {
+                    ineligible[km_rng_below(&rng, (uint32_t)s->n_cands)] = 0;
+                    n_ineligible--;
+                }
+                cand_spec rows[8];
+                int n_rows = 0;
+                for (int pass = 0; pass < 2; pass++)
+                    for (int c = 0; c < s->n_cands; c++)
+                        if (ineligible[c] == pass) {
+                            s->eligible[n_rows] = pass ? ELIGIBLE_FALSE : ELIGIBLE_TRUE;
+                            rows[n_rows++] = s->cands[c];
+                        }
+                memcpy(s->cands, rows, sizeof rows[0] * (size_t)n_rows);
+                n_eligible = s->n_cands - n_ineligible;
+            }
+            /* the chosen one is eligible; an ineligible owner holds strictly more than every
+             * eligible row (the first deepest row below) */
+            const cand_spec *chosen = &s->cands[km_rng_below(&rng, (uint32_t)n_eligible)];
             s->chosen = chosen->worker, s->chosen_state = chosen->state,
             s->chosen_blocks = chosen->depth_blocks;
             const cand_spec *owner = NULL;
@@ -1373,20 +1572,44 @@ Test(analyze, random_records_match_brute_force, .timeout = 120)
                 const rand_decision *r = &d[i];
                 const decision_spec *s = &r->spec;
                 int events = !strcmp(s->source, "events");
+                /* health: the rows written eligible false, the owner's among them */
+                int owner_ineligible = 0, any_ineligible = 0;
+                for (int c = 0; c < s->n_cands; c++) {
+                    if (s->eligible[c] != ELIGIBLE_FALSE)
+                        continue;
+                    int owned = s->owner && !strcmp(s->cands[c].worker, s->owner);
+                    model_worker *mw = model_worker_of(workers, s->host, s->pool, s->cands[c].worker);
+                    mw->ineligible++;
+                    mw->owned_ineligible += (uint64_t)owned;
+                    owner_ineligible |= owned;
+                    any_ineligible = 1;
+                    m.health.ineligible_candidates++;
+                }
+                m.health.decisions_with_ineligible += (uint64_t)any_ineligible;
                 m.owner.decisions++;
                 if (!s->owner)
                     m.owner.no_owner++;
                 else if (strcmp(s->owner, s->chosen)) {
+                    km_analysis_owner_part *part =
+                        owner_ineligible ? &m.owner.owner_ineligible : &m.owner.owner_eligible;
                     m.owner.owner_not_chosen++;
                     m.owner.owner_tokens += (uint64_t)s->owner_blocks * BLOCK;
                     m.owner.chosen_tokens += (uint64_t)s->chosen_blocks * BLOCK;
+                    part->decisions++;
+                    part->owner_tokens += (uint64_t)s->owner_blocks * BLOCK;
+                    part->chosen_tokens += (uint64_t)s->chosen_blocks * BLOCK;
+                    part->cost_tokens += (uint64_t)(s->owner_blocks - s->chosen_blocks) * BLOCK;
                     int joined_known = r->outcome_mode && r->outcome.cached >= 0;
                     if (joined_known && model_overridden(&r->outcome)) {
                         m.owner.joined_overridden++;
+                        part->joined_overridden++;
                     } else if (joined_known) {
                         m.owner.joined_known++;
                         m.owner.joined_actual_tokens += (uint64_t)r->outcome.cached;
                         m.owner.joined_owner_tokens += (uint64_t)s->owner_blocks * BLOCK;
+                        part->joined_known++;
+                        part->joined_actual_tokens += (uint64_t)r->outcome.cached;
+                        part->joined_owner_tokens += (uint64_t)s->owner_blocks * BLOCK;
                     }
                 } else
                     m.owner.owner_is_chosen++;
@@ -1554,6 +1777,22 @@ Test(analyze, random_records_match_brute_force, .timeout = 120)
         SAME(owner.joined_overridden);
         SAME(owner.overridden);
         SAME(owner.overridden_to_owner);
+#define SAME_PART(part)                                                                            \
+    do {                                                                                           \
+        SAME(owner.part.decisions);                                                                \
+        SAME(owner.part.owner_tokens);                                                             \
+        SAME(owner.part.chosen_tokens);                                                            \
+        SAME(owner.part.cost_tokens);                                                              \
+        SAME(owner.part.joined_known);                                                             \
+        SAME(owner.part.joined_actual_tokens);                                                     \
+        SAME(owner.part.joined_owner_tokens);                                                      \
+        SAME(owner.part.joined_overridden);                                                        \
+    } while (0)
+        SAME_PART(owner_ineligible);
+        SAME_PART(owner_eligible);
+#undef SAME_PART
+        SAME(health.decisions_with_ineligible);
+        SAME(health.ineligible_candidates);
         SAME(staleness.events_decisions);
         SAME(staleness.chosen_not_live);
         SAME(staleness.owner_not_live);
@@ -1621,11 +1860,14 @@ Test(analyze, random_records_match_brute_force, .timeout = 120)
 #undef SAME_QUALITY
         /* per worker: every row against the model, and no row the model lacks a count for */
         uint64_t model_chosen = 0, model_dispatched = 0, rows_chosen = 0, rows_dispatched = 0;
+        uint64_t model_ineligible = 0, model_owned = 0, rows_ineligible = 0, rows_owned = 0;
         for (int h = 0; h < 2; h++)
             for (int p = 0; p < 2; p++)
                 for (int w = 0; w < 5; w++)
                     model_chosen += workers[h][p][w].chosen,
-                        model_dispatched += workers[h][p][w].dispatched_by_override;
+                        model_dispatched += workers[h][p][w].dispatched_by_override,
+                        model_ineligible += workers[h][p][w].ineligible,
+                        model_owned += workers[h][p][w].owned_ineligible;
         for (size_t k = 0; k < s->n_workers; k++) {
             const km_analysis_worker *w = &s->workers[k];
             const model_worker *e = model_worker_of(workers, *w->host ? w->host : NULL, w->pool,
@@ -1636,13 +1878,22 @@ Test(analyze, random_records_match_brute_force, .timeout = 120)
                      "; model %" PRIu64 " / %" PRIu64,
                      round, w->host, w->pool, w->worker, w->chosen, w->dispatched_by_override,
                      e->chosen, e->dispatched_by_override);
-            KM_CHECK(w->chosen || w->dispatched_by_override, "round %d: an empty worker row",
-                     round);
+            KM_CHECK(w->ineligible == e->ineligible && w->owned_ineligible == e->owned_ineligible,
+                     "round %d: worker %s/%s/%s ineligible %" PRIu64 " owned %" PRIu64
+                     "; model %" PRIu64 " / %" PRIu64,
+                     round, w->host, w->pool, w->worker, w->ineligible, w->owned_ineligible,
+                     e->ineligible, e->owned_ineligible);
+            KM_CHECK(w->chosen || w->dispatched_by_override || w->ineligible,
+                     "round %d: an empty worker row", round);
             rows_chosen += w->chosen, rows_dispatched += w->dispatched_by_override;
+            rows_ineligible += w->ineligible, rows_owned += w->owned_ineligible;
         }
-        KM_CHECK(rows_chosen == model_chosen && rows_dispatched == model_dispatched,
-                 "round %d: worker rows %" PRIu64 " / %" PRIu64 ", model %" PRIu64 " / %" PRIu64,
-                 round, rows_chosen, rows_dispatched, model_chosen, model_dispatched);
+        KM_CHECK(rows_chosen == model_chosen && rows_dispatched == model_dispatched &&
+                     rows_ineligible == model_ineligible && rows_owned == model_owned,
+                 "round %d: worker rows %" PRIu64 " / %" PRIu64 " / %" PRIu64 " / %" PRIu64
+                 ", model %" PRIu64 " / %" PRIu64 " / %" PRIu64 " / %" PRIu64,
+                 round, rows_chosen, rows_dispatched, rows_ineligible, rows_owned, model_chosen,
+                 model_dispatched, model_ineligible, model_owned);
 #undef SAME
         km_analysis_destroy(a);
         free(ttfts);
@@ -1653,7 +1904,21 @@ Test(analyze, random_records_match_brute_force, .timeout = 120)
         overrides_compared += m.reuse.overridden;
         overrides_unpredicted += m.reuse.overridden_unpredicted;
         overrides_to_owner += m.owner.overridden_to_owner;
+        health_seen.owner_ineligible.decisions += m.owner.owner_ineligible.decisions;
+        health_seen.owner_ineligible.joined_known += m.owner.owner_ineligible.joined_known;
+        health_seen.owner_ineligible.joined_overridden += m.owner.owner_ineligible.joined_overridden;
+        health_seen.owner_eligible.decisions += m.owner.owner_eligible.decisions;
+        health_seen.owner_eligible.joined_known += m.owner.owner_eligible.joined_known;
     }
+    /* and every case of the owner split, joined or overridden */
+    KM_CHECK(health_seen.owner_ineligible.decisions && health_seen.owner_ineligible.joined_known &&
+                 health_seen.owner_ineligible.joined_overridden &&
+                 health_seen.owner_eligible.decisions && health_seen.owner_eligible.joined_known,
+             "owner ineligible %" PRIu64 " (joined %" PRIu64 ", overridden %" PRIu64
+             "), eligible %" PRIu64 " (joined %" PRIu64 ")",
+             health_seen.owner_ineligible.decisions, health_seen.owner_ineligible.joined_known,
+             health_seen.owner_ineligible.joined_overridden, health_seen.owner_eligible.decisions,
+             health_seen.owner_eligible.joined_known);
     /* the generator made every kind of override (the odds against are astronomical) */
     KM_CHECK(overrides_compared && overrides_unpredicted && overrides_to_owner,
              "overrides compared %" PRIu64 ", unpredicted %" PRIu64 ", to the owner %" PRIu64,
