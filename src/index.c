@@ -12,9 +12,12 @@
  *  - all-or-nothing batches: every mutation of a batch that may allocate is logged, and a failure
  *    (memory cap, out of memory) undoes the log in reverse. Undo never allocates: undoing in
  *    reverse only ever restores a key set the table held earlier in the batch, under its maximum
- *    load, and the capacity never shrinks, so a re-insert always finds an empty slot; a bitmap set
- *    demotes at 3 holders, so re-adding one worker always fits inline. Undo finds every key again
- *    by hash: erases shift slots (src/table.h), so no slot index is kept across them.
+ *    load, and the capacity never shrinks, so a re-insert always finds an empty slot; each step
+ *    also restores the set's form (inline or bitmap, logged since a set of 4 may have either), so
+ *    a bitmap an undone promotion held is free again before an undone demotion takes one back (a
+ *    form left different once made a later step need a bitmap at the cap and drop a worker
+ *    instead). Undo finds every key again by hash: erases shift slots (src/table.h), so no slot
+ *    index is kept across them.
  * After a batch the backend's replica is synced; a CUDA failure moves the index to the CPU backend. */
 #include <inttypes.h>
 #include <stdarg.h>
@@ -263,7 +266,12 @@ typedef enum undo_kind {
 /* 48 bytes: a store logs one or two per block, so the entry stays small (a worker's counters,
  * 128 bytes, are saved once per batch in index->undo_saved instead). */
 typedef struct km_undo_entry {
-    undo_kind kind;
+    uint16_t kind;     /* undo_kind */
+    /* *_ADDED: the add promoted the set to a bitmap; *_REMOVED: the remove demoted it inline. The
+     * undo moves it back: with the demotion's hysteresis the count alone does not say which form
+     * a set of 4 had, and a form left different could make a later undo step need a bitmap that
+     * is not there (a worker silently dropped at the memory cap). */
+    uint16_t reshaped;
     uint32_t worker;
     uint64_t key;
     uint64_t aux;
@@ -271,6 +279,7 @@ typedef struct km_undo_entry {
         km_block_meta meta;
     } u;
 } undo_entry;
+_Static_assert(sizeof(undo_entry) == 48, "undo entries stay 48 bytes");
 
 typedef struct batch {
     km_index *index;
@@ -478,6 +487,8 @@ static int table_add(batch *b, km_table *t, uint64_t key, uint32_t worker, uint6
         *slot_out = slot;
         return 0;
     }
+    e.reshaped = slot != KM_SLOT_NONE && !km_slot_is_shared(km_table_slot(t, slot)) &&
+                 km_table_set_count(t, slot) == KM_SLOT_INLINE;
     int rc = undo_push(b, &e);
     if (rc)
         return rc;
@@ -508,7 +519,9 @@ static int table_add(batch *b, km_table *t, uint64_t key, uint32_t worker, uint6
  * when the key was erased. */
 static int table_remove_at(batch *b, km_table *t, uint64_t slot, uint32_t worker)
 {
-    undo_entry e = undo_for(b->index, t, 0, worker, km_table_slot(t, slot)->key);
+    const km_slot *s = km_table_slot(t, slot);
+    undo_entry e = undo_for(b->index, t, 0, worker, s->key);
+    e.reshaped = km_slot_is_shared(s) && km_slot_count(s) == KM_SLOT_DEMOTE_AT + 1;
     if (t->meta)
         e.u.meta = *km_table_meta(t, slot);
     int rc = undo_push(b, &e);
@@ -948,6 +961,8 @@ static void undo_one(km_index *index, const undo_entry *e)
         if (slot == KM_SLOT_NONE)
             return;
         km_table_set_remove(t, slot, e->worker);
+        if (e->reshaped)
+            km_table_set_demote(t, slot);
         if (km_table_set_count(t, slot) == 0)
             km_table_erase(t, slot);
         return;
@@ -966,6 +981,8 @@ static void undo_one(km_index *index, const undo_entry *e)
                 fingerprints_by_walk(index, e->key, km_table_aux(t, slot));
         }
         km_table_set_add(t, slot, e->worker);
+        if (e->reshaped) /* the bitmap its demotion released is free again by now */
+            km_table_set_promote(t, slot);
         return;
     }
     case UNDO_BLOCK_META: {

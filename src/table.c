@@ -531,25 +531,47 @@ int km_table_set_add(km_table *t, uint64_t slot, uint32_t worker)
         mark_dirty_slot(t, slot);
         return 1;
     }
-    /* Fifth holder: the set moves to a bitmap. */
+    /* Fifth holder: the set moves to a bitmap first. */
+    int rc = km_table_set_promote(t, slot);
+    return rc ? rc : km_table_set_add(t, slot, worker);
+}
+
+int km_table_set_promote(km_table *t, uint64_t slot)
+{
     uint32_t set;
     int rc = pool_alloc(t, &set);
     if (rc)
         return rc;
-    s = km_table_slot(t, slot);
+    km_slot *s = km_table_slot(t, slot);
     uint64_t *bits = pool_bits(t, set);
     for (uint32_t j = 0; j < KM_SLOT_INLINE; j++)
         bits[s->ids[j] >> 6] |= UINT64_C(1) << (s->ids[j] & 63);
-    bits[worker >> 6] |= UINT64_C(1) << (worker & 63);
     s->ids[0] = KM_SLOT_ID_SHARED;
     s->ids[1] = (uint16_t)(set & 0xFFFFu);
     s->ids[2] = (uint16_t)(set >> 16);
-    s->ids[3] = KM_SLOT_INLINE + 1;
-    t->pairs++;
+    s->ids[3] = KM_SLOT_INLINE;
     t->shared_sets++;
     mark_dirty_set(t, set);
     mark_dirty_slot(t, slot);
-    return 1;
+    return KM_OK;
+}
+
+void km_table_set_demote(km_table *t, uint64_t slot)
+{
+    km_slot *s = km_table_slot(t, slot);
+    uint32_t set = km_slot_pool_index(s);
+    const uint64_t *bits = pool_bits(t, set);
+    uint16_t ids[KM_SLOT_INLINE] = {KM_SLOT_ID_EMPTY, KM_SLOT_ID_EMPTY, KM_SLOT_ID_EMPTY,
+                                    KM_SLOT_ID_EMPTY};
+    uint32_t n = 0;
+    for (uint32_t w = 0; w < t->words_per_set; w++)
+        for (uint64_t word = bits[w]; word; word &= word - 1)
+            ids[n++] = (uint16_t)(w * 64u + (uint32_t)__builtin_ctzll(word));
+    memcpy(s->ids, ids, sizeof ids);
+    pool_release(t, set);
+    t->shared_sets--;
+    mark_dirty_set(t, set);
+    mark_dirty_slot(t, slot);
 }
 
 int km_table_set_remove(km_table *t, uint64_t slot, uint32_t worker)
@@ -564,19 +586,10 @@ int km_table_set_remove(km_table *t, uint64_t slot, uint32_t worker)
         bits[worker >> 6] &= ~bit;
         s->ids[3]--;
         t->pairs--;
-        if (s->ids[3] <= KM_SLOT_DEMOTE_AT) {
-            uint16_t ids[KM_SLOT_INLINE] = {KM_SLOT_ID_EMPTY, KM_SLOT_ID_EMPTY, KM_SLOT_ID_EMPTY,
-                                            KM_SLOT_ID_EMPTY};
-            uint32_t n = 0;
-            for (uint32_t w = 0; w < t->words_per_set; w++)
-                for (uint64_t word = bits[w]; word; word &= word - 1)
-                    ids[n++] = (uint16_t)(w * 64u + (uint32_t)__builtin_ctzll(word));
-            memcpy(s->ids, ids, sizeof ids);
-            pool_release(t, set);
-            t->shared_sets--;
-        }
         mark_dirty_set(t, set);
         mark_dirty_slot(t, slot);
+        if (s->ids[3] <= KM_SLOT_DEMOTE_AT)
+            km_table_set_demote(t, slot);
         return 1;
     }
     for (uint32_t i = 0; i < KM_SLOT_INLINE && s->ids[i] != KM_SLOT_ID_EMPTY; i++) {

@@ -45,7 +45,9 @@ typedef struct km_block_meta {
 } km_block_meta;
 
 /* Demote a shared (bitmap) set back to inline form when it shrinks to this many holders. Below
- * KM_SLOT_INLINE so that re-adding one worker (undo) never needs a bitmap. */
+ * KM_SLOT_INLINE (hysteresis), so a set whose holders hover around five does not change form on
+ * every change; a set of 4 holders may thus have either form, and a batch's undo logs which it
+ * had (src/index.c). */
 #define KM_SLOT_DEMOTE_AT 3u
 
 typedef struct km_table {
@@ -161,6 +163,12 @@ int km_table_set_add(km_table *t, uint64_t slot, uint32_t worker);
 int km_table_set_remove(km_table *t, uint64_t slot, uint32_t worker);
 int km_table_set_contains(const km_table *t, uint64_t slot, uint32_t worker);
 uint32_t km_table_set_count(const km_table *t, uint64_t slot);
+/* Move a set between its forms without changing it: promote an inline set of KM_SLOT_INLINE
+ * holders to a bitmap (<0 when no bitmap can be had), demote a bitmap of at most KM_SLOT_INLINE
+ * holders to inline ids. set_add and set_remove do this at the thresholds; a batch's undo does it
+ * to restore the form a set had, which the hysteresis does not (src/index.c). */
+int km_table_set_promote(km_table *t, uint64_t slot);
+void km_table_set_demote(km_table *t, uint64_t slot);
 /* Workers of a slot ascending into out (capacity entries); returns the full count. */
 uint32_t km_table_set_list(const km_table *t, uint64_t slot, uint32_t *out, uint32_t capacity);
 

@@ -648,6 +648,133 @@ Test(index, memory_cap_rejects_a_big_batch_and_keeps_content, .timeout = 90)
     fixture_free(&f);
 }
 
+/* A batch that fails on the memory cap half way leaves no trace, whatever its earlier updates did
+ * to the worker sets' form (inline ids or a bitmap). Each round starts from a fresh index whose
+ * cap is exactly the memory of its starting state, with every bitmap of the pool in use, so a
+ * rollback that needed a fresh bitmap would find none; then a few random batches (applied, or
+ * refused at the cap) and one that must fail: random updates over chains held by 3-5 workers, so
+ * sets cross the promotion (a fifth holder) and demotion (down to 3) lines both ways, then a store
+ * the block table cannot take without growing. Checked against the oracle and against the index's
+ * own form counts (shared_sets). */
+enum { CAP_W = 8, CAP_S = 4, CAP_LEN = 32, CAP_CHAINS = 4, CAP_FRESH = 4096 };
+static const uint32_t cap_holders[CAP_CHAINS] = {5, 5, 4, 3};
+
+static km_index *cap_index(uint64_t chains[CAP_CHAINS][CAP_LEN], uint64_t cap, km_oracle *o)
+{
+    km_index *index = make_index(CAP_W, CAP_S, 256, cap);
+    for (uint32_t c = 0; c < CAP_CHAINS; c++)
+        for (uint32_t w = 0; w < cap_holders[c]; w++) {
+            km_update u = {KM_UPDATE_STORE, w, KM_NO_PARENT, chains[c], CAP_LEN, KM_TIER_DEVICE};
+            cr_assert_eq(km_index_apply(index, &u, 1, NULL), KM_OK, "setup: %s",
+                         km_index_last_error(index));
+            km_update_stats ignored;
+            if (o)
+                km_oracle_apply(o, &u, 1, &ignored);
+        }
+    return index;
+}
+
+/* Up to 8 random updates over the chains (removes of random subsets, mostly by their holders;
+ * runs stored with their true parents; clears) into batch; subsets holds 8 * CAP_LEN hashes. */
+static size_t cap_random_updates(km_rng *r, uint64_t chains[CAP_CHAINS][CAP_LEN], km_update *batch,
+                                 uint64_t *subsets)
+{
+    size_t n = 1 + km_rng_below(r, 8);
+    for (size_t k = 0; k < n; k++) {
+        uint32_t c = km_rng_below(r, CAP_CHAINS);
+        uint32_t w = km_rng_below(r, CAP_W);
+        uint32_t pick = km_rng_below(r, 10);
+        if (pick < 4) { /* mostly by a worker that holds the chain */
+            w = km_rng_below(r, cap_holders[c] + 1);
+            uint64_t *sub = subsets + k * CAP_LEN;
+            uint32_t m = 0;
+            for (uint32_t i = 0; i < CAP_LEN; i++)
+                if (km_rng_percent(r, 60))
+                    sub[m++] = chains[c][i];
+            batch[k] = (km_update){KM_UPDATE_REMOVE, w, 0, sub, m, KM_TIER_DEVICE};
+        } else if (pick < 9) {
+            uint32_t a = km_rng_below(r, CAP_LEN);
+            uint32_t b = a + 1 + km_rng_below(r, CAP_LEN - a);
+            batch[k] = (km_update){KM_UPDATE_STORE, w, a ? chains[c][a - 1] : KM_NO_PARENT,
+                                   chains[c] + a, b - a, KM_TIER_DEVICE};
+        } else {
+            batch[k] = (km_update){KM_UPDATE_CLEAR_WORKER, w, 0, NULL, 0, KM_TIER_DEVICE};
+        }
+    }
+    return n;
+}
+
+Test(index, rollback_at_the_cap_restores_set_forms, .timeout = 120)
+{
+    km_rng rng;
+    km_rng_init(&rng, km_test_seed());
+    uint64_t chains[CAP_CHAINS][CAP_LEN];
+    for (uint32_t c = 0; c < CAP_CHAINS; c++)
+        for (uint32_t i = 0; i < CAP_LEN; i++)
+            chains[c][i] = km_rng_hash(&rng);
+    km_index *probe = cap_index(chains, 0, NULL);
+    uint64_t cap = stats_of(probe).memory_bytes;
+    KM_CHECK(stats_of(probe).shared_sets == 2 * CAP_LEN, "setup: %" PRIu64 " shared sets",
+             stats_of(probe).shared_sets);
+    km_index_destroy(probe);
+
+    km_request q[CAP_CHAINS];
+    for (uint32_t c = 0; c < CAP_CHAINS; c++)
+        q[c] = (km_request){chains[c], CAP_LEN};
+    km_match_results res;
+    km_match_results_init(&res);
+    uint64_t *fresh = malloc(CAP_FRESH * sizeof *fresh);
+    uint64_t *subsets = malloc(8 * CAP_LEN * sizeof *subsets);
+    cr_assert(fresh && subsets);
+    char why[512];
+    for (int round = 0; round < 400; round++) {
+        km_oracle o;
+        km_oracle_init(&o, CAP_W);
+        km_index *index = cap_index(chains, cap, &o);
+        uint32_t n_batches = 1 + km_rng_below(&rng, 3);
+        for (uint32_t k = 0; k < n_batches; k++) {
+            int fail = k + 1 == n_batches;
+            km_update batch[9];
+            size_t n = cap_random_updates(&rng, chains, batch, subsets);
+            if (fail) {
+                for (uint32_t i = 0; i < CAP_FRESH; i++)
+                    fresh[i] = km_rng_hash(&rng);
+                batch[n++] = (km_update){KM_UPDATE_STORE, km_rng_below(&rng, CAP_W),
+                                         KM_NO_PARENT, fresh, CAP_FRESH, KM_TIER_DEVICE};
+            }
+            km_index_stats before = stats_of(index);
+            km_update_stats got;
+            int rc = km_index_apply(index, batch, n, &got);
+            if (rc == KM_OK) {
+                KM_CHECK(!fail, "round %d: %u fresh blocks fit under the cap", round, CAP_FRESH);
+                km_update_stats expect;
+                km_oracle_apply(&o, batch, n, &expect);
+                KM_CHECK(km_update_stats_equal(&got, &expect, why, sizeof why), "round %d: %s",
+                         round, why);
+            } else {
+                KM_CHECK(rc == KM_ERR_MEMORY_CAP, "round %d: %s", round, km_error_name(rc));
+                km_index_stats after = stats_of(index);
+                KM_CHECK(after.shared_sets == before.shared_sets &&
+                             after.segment_keys == before.segment_keys &&
+                             after.segment_pairs == before.segment_pairs,
+                         "round %d batch %u (%zu updates): shared sets %" PRIu64 "->%" PRIu64
+                         ", segment keys %" PRIu64 "->%" PRIu64 ", segment pairs %" PRIu64
+                         "->%" PRIu64, round, k, n, before.shared_sets, after.shared_sets,
+                         before.segment_keys, after.segment_keys, before.segment_pairs,
+                         after.segment_pairs);
+            }
+            KM_CHECK(km_check_index(&o, index, CAP_S, q, CAP_CHAINS, &res, why, sizeof why),
+                     "round %d batch %u (%s, %zu updates): %s", round, k,
+                     rc ? "rolled back" : "applied", n, why);
+        }
+        km_index_destroy(index);
+        km_oracle_free(&o);
+    }
+    free(fresh);
+    free(subsets);
+    km_match_results_free(&res);
+}
+
 /* ---- widely held blocks -------------------------------------------------------------------- */
 
 Test(index, widely_held_blocks_grow_and_shrink, .timeout = 60)
