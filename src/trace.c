@@ -129,6 +129,29 @@ static int grow(void **p, size_t *cap, size_t need, size_t size)
     return 0;
 }
 
+enum { LINE_OK, LINE_END, LINE_TOO_LONG, LINE_NO_MEMORY };
+
+/* Read one line (its newline included, if any; NUL bytes kept) into *buf, stopping as soon as it
+ * would pass max bytes, so an oversize line costs at most max bytes of memory whatever its length.
+ * Returns LINE_OK (*len set), LINE_END (end of file or read error: see ferror), LINE_TOO_LONG or
+ * LINE_NO_MEMORY. */
+static int read_line(FILE *f, char **buf, size_t *cap, size_t max, size_t *len)
+{
+    size_t n = 0;
+    int c = EOF;
+    while ((c = getc_unlocked(f)) != EOF) {
+        if (n == max)
+            return LINE_TOO_LONG;
+        if (grow((void **)buf, cap, n + 1, 1) != 0)
+            return LINE_NO_MEMORY;
+        (*buf)[n++] = (char)c;
+        if (c == '\n')
+            break;
+    }
+    *len = n;
+    return n == 0 || ferror(f) ? LINE_END : LINE_OK;
+}
+
 int km_trace_load_mooncake(const char *path, km_trace *out, char *err, size_t err_size)
 {
     if (err && err_size)
@@ -152,18 +175,24 @@ int km_trace_load_mooncake(const char *path, km_trace *out, char *err, size_t er
     size_t line_cap = 0;
     uint64_t line_no = 0;
     int status = KM_OK;
-    ssize_t len;
+    size_t len = 0;
+    int got;
 
     errno = 0;
-    while ((len = getline(&line, &line_cap, f)) >= 0) {
+    while ((got = read_line(f, &line, &line_cap, KM_TRACE_MAX_LINE_BYTES, &len)) != LINE_END) {
         line_no++;
-        if ((uint64_t)len > KM_TRACE_MAX_LINE_BYTES) {
+        if (got == LINE_TOO_LONG) {
             trace_error(err, err_size, "%s:%llu: line longer than %llu bytes", path,
                         (unsigned long long)line_no, (unsigned long long)KM_TRACE_MAX_LINE_BYTES);
             status = KM_ERR_TOO_LARGE;
             goto done;
         }
-        if (is_blank(line, (size_t)len))
+        if (got == LINE_NO_MEMORY) {
+            trace_error(err, err_size, "%s:%llu: out of memory", path, (unsigned long long)line_no);
+            status = KM_ERR_OUT_OF_MEMORY;
+            goto done;
+        }
+        if (is_blank(line, len))
             continue;
         if (t.n_requests >= KM_TRACE_MAX_REQUESTS) {
             trace_error(err, err_size, "%s:%llu: more than %llu requests", path,
@@ -172,7 +201,7 @@ int km_trace_load_mooncake(const char *path, km_trace *out, char *err, size_t er
             goto done;
         }
         json_error_t jerr;
-        json_t *obj = json_loadb(line, (size_t)len, 0, &jerr);
+        json_t *obj = json_loadb(line, len, 0, &jerr);
         if (!obj) {
             trace_error(err, err_size, "%s:%llu: invalid JSON: %s", path,
                         (unsigned long long)line_no, jerr.text);
