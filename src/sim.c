@@ -949,7 +949,8 @@ int km_sim_run(const km_sim_config *cfg, km_sim_result *results, char *why, size
         return rc;
     if ((rc = km_sim_trace_trim(&trace, cfg->max_requests, cfg->time_scale)) != KM_OK) {
         km_trace_free(&trace);
-        return km_why(why, why_size, rc, "time_scale");
+        return km_why(why, why_size, rc, "time_scale %g puts arrivals past %llu ms", cfg->time_scale,
+                      (unsigned long long)KM_TRACE_MAX_TIMESTAMP_MS);
     }
     sim_log(cfg, "%zu requests, %u workers, %u policies%s", trace.n_requests, cfg->workers,
             cfg->n_policies, cfg->zmq ? ", events over ZMQ" : "");

@@ -233,9 +233,15 @@ int km_sim_trace_trim(km_trace *trace, size_t max_requests, double time_scale)
         return KM_ERR_INVALID_ARGUMENT;
     if (max_requests && trace->n_requests > max_requests)
         trace->n_requests = max_requests;
-    if (time_scale != 1.0)
-        for (size_t i = 0; i < trace->n_requests; i++)
-            trace->requests[i].timestamp_ms =
-                (uint64_t)llround((double)trace->requests[i].timestamp_ms * time_scale);
+    if (time_scale == 1.0)
+        return KM_OK;
+    /* Scaled arrivals stay within the trace limit, so llround is defined and the clock holds them. */
+    for (size_t i = 0; i < trace->n_requests; i++)
+        if (!((double)trace->requests[i].timestamp_ms * time_scale <=
+              (double)KM_TRACE_MAX_TIMESTAMP_MS))
+            return KM_ERR_INVALID_ARGUMENT;
+    for (size_t i = 0; i < trace->n_requests; i++)
+        trace->requests[i].timestamp_ms =
+            (uint64_t)llround((double)trace->requests[i].timestamp_ms * time_scale);
     return KM_OK;
 }

@@ -43,7 +43,8 @@ int km_sim_generate_trace(const km_sim_generator_config *cfg, km_trace *out, cha
                           size_t why_size);
 
 /* Keep the first max_requests requests (0 = all) and scale arrival times by time_scale (0.5 =
- * twice as fast). Errors: KM_ERR_INVALID_ARGUMENT (time_scale <= 0). */
+ * twice as fast). Errors: KM_ERR_INVALID_ARGUMENT (time_scale <= 0, or a scaled arrival past
+ * KM_TRACE_MAX_TIMESTAMP_MS). */
 int km_sim_trace_trim(km_trace *trace, size_t max_requests, double time_scale);
 
 #endif

@@ -85,7 +85,7 @@ static const char *check_request(json_t *obj, uint64_t *ts, uint64_t *in_len, ui
     if (!json_is_object(obj))
         return "not a JSON object";
     *field = "timestamp";
-    if (field_u64(obj, *field, UINT64_MAX >> 1, ts, &why) != 0)
+    if (field_u64(obj, *field, KM_TRACE_MAX_TIMESTAMP_MS, ts, &why) != 0)
         return why;
     *field = "input_length";
     if (field_u64(obj, *field, UINT32_MAX, in_len, &why) != 0)
@@ -173,7 +173,7 @@ int km_trace_load_mooncake(const char *path, km_trace *out, char *err, size_t er
     size_t *offsets = NULL, offsets_cap = 0;
     char *line = NULL;
     size_t line_cap = 0;
-    uint64_t line_no = 0;
+    uint64_t line_no = 0, last_line = 0; /* last_line: the last request's */
     int status = KM_OK;
     size_t len = 0;
     int got;
@@ -222,6 +222,15 @@ int km_trace_load_mooncake(const char *path, km_trace *out, char *err, size_t er
             status = KM_ERR_PARSE;
             goto done;
         }
+        if (t.n_requests > 0 && ts < t.requests[t.n_requests - 1].timestamp_ms) {
+            trace_error(err, err_size, "%s:%llu: field \"timestamp\": %llu is before line %llu's %llu",
+                        path, (unsigned long long)line_no, (unsigned long long)ts,
+                        (unsigned long long)last_line,
+                        (unsigned long long)t.requests[t.n_requests - 1].timestamp_ms);
+            json_decref(obj);
+            status = KM_ERR_PARSE;
+            goto done;
+        }
         size_t n_ids = json_array_size(ids);
         if (grow((void **)&t.requests, &req_cap, t.n_requests + 1, sizeof(*t.requests)) != 0 ||
             grow((void **)&offsets, &offsets_cap, t.n_requests + 1, sizeof(*offsets)) != 0 ||
@@ -253,6 +262,7 @@ int km_trace_load_mooncake(const char *path, km_trace *out, char *err, size_t er
         offsets[t.n_requests] = t.n_ids;
         t.n_ids += n_ids;
         t.n_requests++;
+        last_line = line_no;
     }
     if (ferror(f)) {
         trace_error(err, err_size, "%s: read error after line %llu: %s", path,

@@ -27,7 +27,12 @@ typedef struct km_trace {
  * ../shared/data/mooncake/conversation_trace.jsonl (relative to the repository root). */
 const char *km_trace_default_path(void);
 
-/* Parse a Mooncake JSONL file (jansson). Bad lines fail the load with a message naming the line.
+/* The largest timestamp a trace may hold: 2^53 ms (285 000 years), exact as a double, and its
+ * microseconds fit a uint64_t clock with room to spare. */
+#define KM_TRACE_MAX_TIMESTAMP_MS (UINT64_C(1) << 53)
+
+/* Parse a Mooncake JSONL file (jansson). Bad lines fail the load with a message naming the line:
+ * among them a timestamp earlier than the line before's (arrivals are replayed in file order).
  * Returns KM_OK, KM_ERR_IO (missing / unreadable: err says which), KM_ERR_PARSE, KM_ERR_OUT_OF_MEMORY. */
 int km_trace_load_mooncake(const char *path, km_trace *out, char *err, size_t err_size);
 void km_trace_free(km_trace *trace); /* zeroed or loaded trace; leaves it zeroed */

@@ -11,6 +11,8 @@
 #include <criterion/criterion.h>
 
 #include "kvmatch/error.h"
+#include "sim.h"
+#include "sim_workload.h"
 #include "trace.h"
 
 #define LINE(ts, in, ids) \
@@ -76,4 +78,70 @@ Test(trace, oversize_line_is_refused_within_the_limit, .timeout = 30)
     cr_assert(strstr(err, ":2: line longer than"), "%s", err);
     cr_assert_eq(t.n_requests, 0);
     cr_assert_lt(grown_mb, 64, "loading grew the resident set by %ld MiB", grown_mb);
+}
+
+/* Arrivals are replayed in file order: a timestamp earlier than the line before is refused, not
+ * replayed as virtual time running backwards (the simulator did, and reported a makespan that
+ * ignored it). */
+Test(trace, timestamp_going_backwards_is_refused, .timeout = 10)
+{
+    char err[256] = "";
+    int rc = load_string(LINE("10", "5", "[1]") LINE("10", "5", "[1]") LINE("9", "5", "[1]"),
+                         NULL, err, sizeof err);
+    cr_assert_eq(rc, KM_ERR_PARSE, "%s", err);
+    cr_assert(strstr(err, ":3: field \"timestamp\""), "%s", err);
+    cr_assert(strstr(err, "before"), "%s", err);
+
+    km_sim_config cfg;
+    km_sim_config_init(&cfg);
+    cfg.log = NULL;
+    static const char text[] = LINE("3000", "1000", "[1, 2]") LINE("1000", "1000", "[3, 4]");
+    char *path = temp_file(text, sizeof text - 1);
+    cfg.trace_path = path;
+    km_sim_result res[KM_SIM_MAX_POLICIES];
+    char why[512] = "";
+    rc = km_sim_run(&cfg, res, why, sizeof why);
+    drop_file(path);
+    cr_assert_eq(rc, KM_ERR_PARSE, "%s", why);
+    cr_assert(strstr(why, ":2: field \"timestamp\""), "%s", why);
+}
+
+/* Timestamps stay within KM_TRACE_MAX_TIMESTAMP_MS (2^53 ms), so their microseconds fit the
+ * simulator's uint64_t clock; beyond it the clock wrapped and a later request arrived first. A
+ * real one at the old bound (2^63, past it by one) was accepted too. */
+Test(trace, timestamp_beyond_the_limit_is_refused, .timeout = 10)
+{
+    char err[256] = "";
+    km_trace t;
+    cr_assert_eq(load_string(LINE("9007199254740992", "5", "[1]"), &t, err, sizeof err), KM_OK,
+                 "%s", err);
+    cr_assert_eq(t.requests[0].timestamp_ms, KM_TRACE_MAX_TIMESTAMP_MS);
+    km_trace_free(&t);
+    static const char *const bad[] = {
+        LINE("9007199254740993", "5", "[1]"),
+        LINE("0", "5", "[1]") LINE("18446744073709552", "5", "[1]"),
+        LINE("9223372036854775807", "5", "[1]"),
+        LINE("9223372036854775808.0", "5", "[1]"),
+        LINE("1e300", "5", "[1]"),
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        err[0] = '\0';
+        cr_assert_eq(load_string(bad[i], NULL, err, sizeof err), KM_ERR_PARSE, "case %zu: %s", i,
+                     err);
+        cr_assert(strstr(err, "field \"timestamp\": value out of range"), "case %zu: %s", i, err);
+    }
+}
+
+/* --time-scale cannot push an arrival past the limit either (llround of a value beyond int64 is
+ * undefined, and the clock would wrap). */
+Test(trace, time_scale_cannot_pass_the_limit, .timeout = 10)
+{
+    char err[256] = "";
+    km_trace t;
+    cr_assert_eq(load_string(LINE("0", "5", "[1]") LINE("1000000000000", "5", "[1]"), &t, err,
+                             sizeof err), KM_OK, "%s", err);
+    cr_assert_eq(km_sim_trace_trim(&t, 0, 1e7), KM_ERR_INVALID_ARGUMENT);
+    cr_assert_eq(km_sim_trace_trim(&t, 0, 1000.0), KM_OK);
+    cr_assert_eq(t.requests[1].timestamp_ms, UINT64_C(1000000000000000));
+    km_trace_free(&t);
 }
