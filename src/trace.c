@@ -99,6 +99,8 @@ static const char *check_request(json_t *obj, uint64_t *ts, uint64_t *in_len, ui
         return "missing field";
     if (!json_is_array(*ids))
         return "not an array";
+    if (json_array_size(*ids) == 0)
+        return "empty"; /* no prompt to expand */
     if (json_array_size(*ids) > KM_TRACE_MAX_IDS_PER_REQUEST)
         return "too many ids";
     *field = NULL;
@@ -268,6 +270,12 @@ int km_trace_load_mooncake(const char *path, km_trace *out, char *err, size_t er
         trace_error(err, err_size, "%s: read error after line %llu: %s", path,
                     (unsigned long long)line_no, strerror(errno));
         status = KM_ERR_IO;
+        goto done;
+    }
+    if (t.n_requests == 0) {
+        trace_error(err, err_size, "%s: no requests (%llu lines)", path,
+                    (unsigned long long)line_no);
+        status = KM_ERR_PARSE;
         goto done;
     }
     for (size_t i = 0; i < t.n_requests; i++)

@@ -145,3 +145,57 @@ Test(trace, time_scale_cannot_pass_the_limit, .timeout = 10)
     cr_assert_eq(t.requests[1].timestamp_ms, UINT64_C(1000000000000000));
     km_trace_free(&t);
 }
+
+/* Run the simulator (one policy, two workers) on a trace held in a string. */
+static int sim_string(const char *text, char *why, size_t why_size)
+{
+    km_sim_config cfg;
+    km_sim_config_init(&cfg);
+    cfg.log = NULL;
+    cfg.workers = 2;
+    cfg.policies[0] = "kv";
+    cfg.n_policies = 1;
+    char *path = temp_file(text, strlen(text));
+    cfg.trace_path = path;
+    km_sim_result res[KM_SIM_MAX_POLICIES];
+    int rc = km_sim_run(&cfg, res, why, why_size);
+    drop_file(path);
+    return rc;
+}
+
+/* An empty file, or one of blank lines only, is not a trace: sim replayed it as zero requests
+ * and printed a table of zeros with exit status 0. */
+Test(trace, file_without_requests_is_refused, .timeout = 20)
+{
+    static const char *const empty[] = {"", "\n", " \r\n\t\n"};
+    for (size_t i = 0; i < sizeof empty / sizeof empty[0]; i++) {
+        char err[256] = "";
+        cr_assert_eq(load_string(empty[i], NULL, err, sizeof err), KM_ERR_PARSE, "case %zu: %s",
+                     i, err);
+        cr_assert(strstr(err, "no requests"), "case %zu: %s", i, err);
+        char why[512] = "";
+        cr_assert_eq(sim_string(empty[i], why, sizeof why), KM_ERR_PARSE, "case %zu: %s", i, why);
+        cr_assert(strstr(why, "no requests"), "case %zu: %s", i, why);
+    }
+}
+
+/* A request without ids has no prompt to expand: refused at its line. sim failed on it with
+ * "KM_ERR_NULL_POINTER: request 0: tokens" when it came first, and routed the previous request's
+ * first token for it otherwise. */
+Test(trace, request_without_ids_is_refused, .timeout = 20)
+{
+    static const char *const cases[] = {
+        LINE("0", "100", "[]") LINE("5", "100", "[1]"),
+        LINE("0", "100", "[1]") LINE("5", "100", "[]"),
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        char err[256] = "", where[32];
+        snprintf(where, sizeof where, ":%zu: field \"hash_ids\": empty", i + 1);
+        cr_assert_eq(load_string(cases[i], NULL, err, sizeof err), KM_ERR_PARSE, "case %zu: %s",
+                     i, err);
+        cr_assert(strstr(err, where), "case %zu: %s", i, err);
+        char why[512] = "";
+        cr_assert_eq(sim_string(cases[i], why, sizeof why), KM_ERR_PARSE, "case %zu: %s", i, why);
+        cr_assert(strstr(why, where), "case %zu: %s", i, why);
+    }
+}
