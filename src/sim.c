@@ -146,10 +146,15 @@ static double pct(double *v, size_t n, double q)
     return v[i < n ? i : n - 1];
 }
 
-/* The request's tokens (expanded from its ids, cut to input_length) and chain hashes. */
+/* The request's tokens (expanded from its ids, cut to input_length, at least one) and chain
+ * hashes. Only the ids the cut keeps are expanded: a long id list costs nothing past input_length. */
 static int request_tokens(run *r, const km_trace_request *q, uint32_t *n_tokens, uint32_t *n_blocks)
 {
-    size_t need = (size_t)q->n_ids * KM_SIM_TOKENS_PER_ID;
+    if (q->n_ids == 0)
+        return KM_ERR_INVALID_ARGUMENT; /* the loader and the generator never give one */
+    uint64_t used = ((uint64_t)q->input_length + KM_SIM_TOKENS_PER_ID - 1) / KM_SIM_TOKENS_PER_ID;
+    uint32_t n_ids = used == 0 ? 1 : used < q->n_ids ? (uint32_t)used : q->n_ids;
+    size_t need = (size_t)n_ids * KM_SIM_TOKENS_PER_ID;
     if (need > r->cap_tokens) {
         uint32_t *t = realloc(r->tokens, need * sizeof *t);
         uint64_t *c = realloc(r->chains, need * sizeof *c);
@@ -161,7 +166,7 @@ static int request_tokens(run *r, const km_trace_request *q, uint32_t *n_tokens,
             return KM_ERR_OUT_OF_MEMORY;
         r->cap_tokens = need;
     }
-    for (uint32_t i = 0; i < q->n_ids; i++)
+    for (uint32_t i = 0; i < n_ids; i++)
         km_trace_id_tokens(q->ids[i], KM_SIM_TOKENS_PER_ID, r->tokens + (size_t)i * KM_SIM_TOKENS_PER_ID);
     uint32_t n = q->input_length < need ? q->input_length : (uint32_t)need;
     if (n == 0)

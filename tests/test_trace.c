@@ -199,3 +199,35 @@ Test(trace, request_without_ids_is_refused, .timeout = 20)
         cr_assert(strstr(why, where), "case %zu: %s", i, why);
     }
 }
+
+/* A trace line of n ids (0, 1, ..., n - 1) and the given input length, at timestamp ts. */
+static char *line_with_ids(uint64_t ts, uint32_t input_length, uint32_t n)
+{
+    size_t cap = 128 + (size_t)n * 12, at = 0;
+    char *s = malloc(cap);
+    cr_assert(s);
+    at += (size_t)snprintf(s + at, cap - at,
+                           "{\"timestamp\": %llu, \"input_length\": %u, \"output_length\": 4, "
+                           "\"hash_ids\": [", (unsigned long long)ts, input_length);
+    for (uint32_t i = 0; i < n; i++)
+        at += (size_t)snprintf(s + at, cap - at, i ? ", %u" : "%u", i);
+    snprintf(s + at, cap - at, "]}\n");
+    return s;
+}
+
+/* sim expands only the ids that input_length uses: a request of 2^18 ids but 1000 tokens cost
+ * 2^27 expanded tokens (512 MiB written, 1 GiB of chain slots) before it was cut to 1000. */
+Test(trace, sim_expands_only_the_ids_input_length_uses, .timeout = 60)
+{
+    char why[512] = "";
+    char *small = line_with_ids(0, 1000, 2);
+    cr_assert_eq(sim_string(small, why, sizeof why), KM_OK, "%s", why); /* the baseline */
+    free(small);
+    char *big = line_with_ids(0, 1000, 1u << 18);
+    long before = max_rss_kb();
+    int rc = sim_string(big, why, sizeof why);
+    long grown_mb = (max_rss_kb() - before) / 1024;
+    free(big);
+    cr_assert_eq(rc, KM_OK, "%s", why);
+    cr_assert_lt(grown_mb, 128, "the run grew the resident set by %ld MiB", grown_mb);
+}
