@@ -45,8 +45,10 @@ static void trace_error(char *err, size_t err_size, const char *fmt, ...)
     va_end(ap);
 }
 
-/* A non-negative integer field no larger than max. Returns 0 on success. */
-static int field_u64(json_t *obj, const char *name, uint64_t max, uint64_t *out, const char **why)
+/* A non-negative integer field no larger than max; a real is taken, truncated, where
+ * truncate_real, else only when integral. Returns 0 on success. */
+static int field_u64(json_t *obj, const char *name, uint64_t max, int truncate_real, uint64_t *out,
+                     const char **why)
 {
     json_t *v = json_object_get(obj, name);
     if (!v) {
@@ -62,11 +64,16 @@ static int field_u64(json_t *obj, const char *name, uint64_t max, uint64_t *out,
         *out = (uint64_t)x;
         return 0;
     }
-    /* Some trace tools write timestamps as reals: accept a finite non-negative real, truncated. */
+    /* Some trace tools write timestamps as reals: accept a finite non-negative real, truncated.
+     * A token count is an integer: a fraction is refused, not truncated. */
     if (json_is_real(v)) {
         double d = json_real_value(v);
         if (!isfinite(d) || d < 0.0 || d > (double)max) {
             *why = "value out of range";
+            return -1;
+        }
+        if (!truncate_real && d != floor(d)) {
+            *why = "not an integer";
             return -1;
         }
         *out = (uint64_t)d;
@@ -85,13 +92,13 @@ static const char *check_request(json_t *obj, uint64_t *ts, uint64_t *in_len, ui
     if (!json_is_object(obj))
         return "not a JSON object";
     *field = "timestamp";
-    if (field_u64(obj, *field, KM_TRACE_MAX_TIMESTAMP_MS, ts, &why) != 0)
+    if (field_u64(obj, *field, KM_TRACE_MAX_TIMESTAMP_MS, 1, ts, &why) != 0)
         return why;
     *field = "input_length";
-    if (field_u64(obj, *field, UINT32_MAX, in_len, &why) != 0)
+    if (field_u64(obj, *field, UINT32_MAX, 0, in_len, &why) != 0)
         return why;
     *field = "output_length";
-    if (field_u64(obj, *field, UINT32_MAX, out_len, &why) != 0)
+    if (field_u64(obj, *field, UINT32_MAX, 0, out_len, &why) != 0)
         return why;
     *field = "hash_ids";
     *ids = json_object_get(obj, *field);

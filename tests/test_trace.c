@@ -231,3 +231,24 @@ Test(trace, sim_expands_only_the_ids_input_length_uses, .timeout = 60)
     cr_assert_eq(rc, KM_OK, "%s", why);
     cr_assert_lt(grown_mb, 128, "the run grew the resident set by %ld MiB", grown_mb);
 }
+
+/* Token counts are integers: a fractional input_length or output_length is refused, not truncated
+ * (5.7 tokens became 5). An integral real (5.0) and a real timestamp (truncated to the
+ * millisecond, as some trace tools write them) still load. */
+Test(trace, fractional_token_count_is_refused, .timeout = 10)
+{
+    char err[256] = "";
+    cr_assert_eq(load_string(LINE("0", "5.7", "[1]"), NULL, err, sizeof err), KM_ERR_PARSE, "%s",
+                 err);
+    cr_assert(strstr(err, ":1: field \"input_length\": not an integer"), "%s", err);
+    err[0] = '\0';
+    cr_assert_eq(load_string("{\"timestamp\": 0, \"input_length\": 5, \"output_length\": 0.5, "
+                             "\"hash_ids\": [1]}\n", NULL, err, sizeof err), KM_ERR_PARSE, "%s",
+                 err);
+    cr_assert(strstr(err, ":1: field \"output_length\": not an integer"), "%s", err);
+    km_trace t;
+    cr_assert_eq(load_string(LINE("12.9", "5.0", "[1]"), &t, err, sizeof err), KM_OK, "%s", err);
+    cr_assert_eq(t.requests[0].timestamp_ms, 12);
+    cr_assert_eq(t.requests[0].input_length, 5);
+    km_trace_free(&t);
+}
