@@ -210,7 +210,7 @@ int km_trace_load_mooncake(const char *path, km_trace *out, char *err, size_t er
             goto done;
         }
         json_error_t jerr;
-        json_t *obj = json_loadb(line, len, 0, &jerr);
+        json_t *obj = json_loadb(line, len, JSON_REJECT_DUPLICATES, &jerr);
         if (!obj) {
             trace_error(err, err_size, "%s:%llu: invalid JSON: %s", path,
                         (unsigned long long)line_no, jerr.text);

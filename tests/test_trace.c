@@ -252,3 +252,13 @@ Test(trace, fractional_token_count_is_refused, .timeout = 10)
     cr_assert_eq(t.requests[0].input_length, 5);
     km_trace_free(&t);
 }
+
+/* A field given twice is ambiguous: refused instead of silently taking the last one. */
+Test(trace, duplicate_field_is_refused, .timeout = 10)
+{
+    char err[256] = "";
+    cr_assert_eq(load_string("{\"timestamp\": 0, \"timestamp\": 7, \"input_length\": 5, "
+                             "\"output_length\": 1, \"hash_ids\": [1]}\n", NULL, err, sizeof err),
+                 KM_ERR_PARSE, "%s", err);
+    cr_assert(strstr(err, ":1: invalid JSON: duplicate object key"), "%s", err);
+}
