@@ -119,7 +119,7 @@ run: deps
 FUZZ_CC ?= clang
 FUZZ_SECONDS ?= 60
 FUZZ_RSS_MB ?= 2048
-FUZZ_TARGETS ?= protocol kv_events snapshot analyze server_config
+FUZZ_TARGETS ?= protocol kv_events snapshot analyze server_config trace
 FUZZ_SANITIZE := -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined
 
 fuzz-build:
