@@ -50,6 +50,12 @@ static int load_string(const char *text, km_trace *out, char *err, size_t err_si
     return rc;
 }
 
+static void quiet(void *user, const char *line)
+{
+    (void)user;
+    (void)line;
+}
+
 static long max_rss_kb(void)
 {
     struct rusage ru;
@@ -94,7 +100,7 @@ Test(trace, timestamp_going_backwards_is_refused, .timeout = 10)
 
     km_sim_config cfg;
     km_sim_config_init(&cfg);
-    cfg.log = NULL;
+    cfg.log = quiet;
     static const char text[] = LINE("3000", "1000", "[1, 2]") LINE("1000", "1000", "[3, 4]");
     char *path = temp_file(text, sizeof text - 1);
     cfg.trace_path = path;
@@ -151,7 +157,7 @@ static int sim_string(const char *text, char *why, size_t why_size)
 {
     km_sim_config cfg;
     km_sim_config_init(&cfg);
-    cfg.log = NULL;
+    cfg.log = quiet;
     cfg.workers = 2;
     cfg.policies[0] = "kv";
     cfg.n_policies = 1;
