@@ -152,7 +152,13 @@ static int request_tokens(run *r, const km_trace_request *q, uint32_t *n_tokens,
 {
     if (q->n_ids == 0)
         return KM_ERR_INVALID_ARGUMENT; /* the loader and the generator never give one */
-    uint64_t used = ((uint64_t)q->input_length + KM_SIM_TOKENS_PER_ID - 1) / KM_SIM_TOKENS_PER_ID;
+    /* A prompt longer than the server takes is expanded only one token past its limit, enough
+     * for the server to refuse the route (a route error), not the whole input_length. */
+    uint64_t input = q->input_length;
+    const km_welcome *wel = r->client ? km_client_welcome(r->client) : NULL;
+    if (wel && input > (uint64_t)wel->limits.max_tokens_per_route)
+        input = (uint64_t)wel->limits.max_tokens_per_route + 1;
+    uint64_t used = (input + KM_SIM_TOKENS_PER_ID - 1) / KM_SIM_TOKENS_PER_ID;
     uint32_t n_ids = used == 0 ? 1 : used < q->n_ids ? (uint32_t)used : q->n_ids;
     size_t need = (size_t)n_ids * KM_SIM_TOKENS_PER_ID;
     if (need > r->cap_tokens) {
@@ -168,7 +174,7 @@ static int request_tokens(run *r, const km_trace_request *q, uint32_t *n_tokens,
     }
     for (uint32_t i = 0; i < n_ids; i++)
         km_trace_id_tokens(q->ids[i], KM_SIM_TOKENS_PER_ID, r->tokens + (size_t)i * KM_SIM_TOKENS_PER_ID);
-    uint32_t n = q->input_length < need ? q->input_length : (uint32_t)need;
+    uint32_t n = input < need ? (uint32_t)input : (uint32_t)need;
     if (n == 0)
         n = 1;
     km_hash_config hc = {r->cfg->engine.block_size, NULL, NULL};

@@ -268,3 +268,19 @@ Test(trace, duplicate_field_is_refused, .timeout = 10)
                  KM_ERR_PARSE, "%s", err);
     cr_assert(strstr(err, ":1: invalid JSON: duplicate object key"), "%s", err);
 }
+
+/* A prompt longer than the server takes (max_tokens_per_route, 2^20 by default) is expanded only
+ * one token past that limit, so the server refuses the route as too large and the run goes on:
+ * 2^17 ids of 2^26 tokens were expanded whole (64 M tokens, 768 MiB of tokens and chain hashes)
+ * before the route was refused anyway (until 2026-12-01). */
+Test(trace, sim_expands_no_more_than_the_server_takes, .timeout = 60)
+{
+    char why[512] = "";
+    char *big = line_with_ids(0, 1u << 26, 1u << 17);
+    long before = max_rss_kb();
+    int rc = sim_string(big, why, sizeof why);
+    long grown_mb = (max_rss_kb() - before) / 1024;
+    free(big);
+    cr_assert_eq(rc, KM_OK, "%s", why);
+    cr_assert_lt(grown_mb, 128, "the run grew the resident set by %ld MiB", grown_mb);
+}
