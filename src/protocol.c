@@ -1413,6 +1413,15 @@ static int read_nonempty_str(km_protocol_decoder *d, const msgpack_object *o, co
 
 /* Optional readers: leave *out untouched when the field is absent. */
 #define OPT(call, value) ((value) ? (call) : KM_OK)
+/* OPT that also sets *has when the value was present and read. */
+#define OPT_HAS(call, value, has) ((value) ? opt_read((call), (has)) : KM_OK)
+
+static inline int opt_read(int rc, bool *has)
+{
+    if (rc == KM_OK)
+        *has = true;
+    return rc;
+}
 
 static int check_array_object(km_protocol_decoder *d, const msgpack_object *o, const char *field,
                               uint32_t limit, const char *limit_name)
@@ -1854,41 +1863,21 @@ static int decode_worker(km_protocol_decoder *d, const msgpack_object *o, km_wor
         (rc = OPT(read_str(d, v[BREAKER], "breaker", &w->breaker), v[BREAKER])) ||
         (rc = read_optional_u64(d, v[BLOCKS], "blocks", &w->has_blocks, &w->blocks)))
         return rc;
-    if (v[HEALTHY]) {
-        if ((rc = read_bool(d, v[HEALTHY], "healthy", &w->healthy)))
-            return rc;
-        w->has_healthy = true;
-    }
-    if (v[FAILURES]) {
-        if ((rc = read_u32(d, v[FAILURES], "failures", &w->failures)))
-            return rc;
-        w->has_failures = true;
-    }
-    if (v[ELIGIBLE]) {
-        if ((rc = read_bool(d, v[ELIGIBLE], "eligible", &w->eligible)))
-            return rc;
-        w->has_eligible = true;
-    }
-    if (v[DP_RANK]) {
-        if ((rc = read_u32(d, v[DP_RANK], "dp_rank", &w->dp_rank)))
-            return rc;
-        w->has_dp_rank = true;
-    }
-    if (v[EXPECTED_SEQ]) {
-        if ((rc = read_u64(d, v[EXPECTED_SEQ], "expected_seq", &w->expected_seq)))
-            return rc;
-        w->has_expected_seq = true;
-    }
-    if (v[LAST_EVENT_AGE_S]) {
-        if ((rc = read_double(d, v[LAST_EVENT_AGE_S], "last_event_age_s", &w->last_event_age_s)))
-            return rc;
-        w->has_last_event_age_s = true;
-    }
-    if (v[LOAD]) {
-        if ((rc = read_load(d, v[LOAD], &w->load)))
-            return rc;
-        w->has_load = true;
-    }
+    if ((rc = OPT_HAS(read_bool(d, v[HEALTHY], "healthy", &w->healthy), v[HEALTHY],
+                      &w->has_healthy)) ||
+        (rc = OPT_HAS(read_u32(d, v[FAILURES], "failures", &w->failures), v[FAILURES],
+                      &w->has_failures)) ||
+        (rc = OPT_HAS(read_bool(d, v[ELIGIBLE], "eligible", &w->eligible), v[ELIGIBLE],
+                      &w->has_eligible)) ||
+        (rc = OPT_HAS(read_u32(d, v[DP_RANK], "dp_rank", &w->dp_rank), v[DP_RANK],
+                      &w->has_dp_rank)) ||
+        (rc = OPT_HAS(read_u64(d, v[EXPECTED_SEQ], "expected_seq", &w->expected_seq),
+                      v[EXPECTED_SEQ], &w->has_expected_seq)) ||
+        (rc = OPT_HAS(read_double(d, v[LAST_EVENT_AGE_S], "last_event_age_s",
+                                  &w->last_event_age_s),
+                      v[LAST_EVENT_AGE_S], &w->has_last_event_age_s)) ||
+        (rc = OPT_HAS(read_load(d, v[LOAD], &w->load), v[LOAD], &w->has_load)))
+        return rc;
     return KM_OK;
 }
 

@@ -2534,6 +2534,15 @@ Test(server, an_override_of_a_request_without_blocks_teaches_nothing_and_misses_
     srv_cleanup(&s);
 }
 
+/* km_server_create's answer to cfg; the server, if made, is destroyed at once. */
+static int try_create(const km_server_config *cfg, char *why, size_t why_size)
+{
+    km_server *server = NULL;
+    int rc = km_server_create(cfg, &server, why, why_size);
+    km_server_destroy(server);
+    return rc;
+}
+
 /* server.h: a pool's approx_ttl_ms is at most UINT64_MAX / 1,000,000 (its TTL in ns must fit 64
  * bits, as the JSON config already required); a longer one is refused. Until 2026-11-30 the
  * product wrapped: 18,446,744,073,710 ms (584 years) made a TTL of 0.45 ms, and every block
@@ -2545,14 +2554,11 @@ Test(server, an_approximate_mode_ttl_whose_nanoseconds_overflow_is_refused, .tim
     test_config(&cfg, &s, KM_POLICY_PREFIX, 1);
     g_pool.approx_ttl_ms = UINT64_MAX / 1000000 + 1;
     char why[256] = "";
-    km_server *server = NULL;
-    int rc = km_server_create(&cfg, &server, why, sizeof why);
-    km_server_destroy(server);
+    int rc = try_create(&cfg, why, sizeof why);
     cr_assert_eq(rc, KM_ERR_INVALID_ARGUMENT, "%s: %s", km_error_name(rc), why);
     cr_assert(strstr(why, "approx_ttl_ms"), "%s", why);
     g_pool.approx_ttl_ms = UINT64_MAX / 1000000;
-    rc = km_server_create(&cfg, &server, why, sizeof why);
-    km_server_destroy(server);
+    rc = try_create(&cfg, why, sizeof why);
     cr_assert_eq(rc, KM_OK, "%s: %s", km_error_name(rc), why);
     srv_cleanup(&s);
 }
@@ -2967,33 +2973,23 @@ Test(server, a_breaker_cooldown_whose_nanoseconds_overflow_is_refused, .timeout 
     test_config(&cfg, &s, KM_POLICY_PREFIX, 1);
     cfg.breaker_cooldown_ms = UINT64_MAX / 1000000 + 1;
     char why[256] = "";
-    km_server *server = NULL;
-    int rc = km_server_create(&cfg, &server, why, sizeof why);
-    km_server_destroy(server);
+    int rc = try_create(&cfg, why, sizeof why);
     cr_assert_eq(rc, KM_ERR_INVALID_ARGUMENT, "%s: %s", km_error_name(rc), why);
     cr_assert(strstr(why, "breaker_cooldown_ms"), "%s", why);
     cfg.breaker_cooldown_ms = 0; /* open and half-open at once: no cooldown to speak of */
-    server = NULL;
-    rc = km_server_create(&cfg, &server, why, sizeof why);
-    km_server_destroy(server);
+    rc = try_create(&cfg, why, sizeof why);
     cr_assert_eq(rc, KM_ERR_INVALID_ARGUMENT, "%s: %s", km_error_name(rc), why);
     cfg.breaker_failures = 0; /* no breaker: its cooldown is never used */
-    server = NULL;
-    rc = km_server_create(&cfg, &server, why, sizeof why);
-    km_server_destroy(server);
+    rc = try_create(&cfg, why, sizeof why);
     cr_assert_eq(rc, KM_OK, "%s: %s", km_error_name(rc), why);
     cfg.breaker_failures = 5;
     cfg.breaker_cooldown_ms = UINT64_MAX / 1000000;
-    server = NULL;
-    rc = km_server_create(&cfg, &server, why, sizeof why);
-    km_server_destroy(server);
+    rc = try_create(&cfg, why, sizeof why);
     cr_assert_eq(rc, KM_OK, "%s: %s", km_error_name(rc), why);
     /* The active-work TTL is turned into ns the same way (it wrapped to a TTL of microseconds,
      * ending every attempt at once, until 2026-11-30). */
     cfg.active_ttl_ms = UINT64_MAX / 1000000 + 1;
-    server = NULL;
-    rc = km_server_create(&cfg, &server, why, sizeof why);
-    km_server_destroy(server);
+    rc = try_create(&cfg, why, sizeof why);
     cr_assert_eq(rc, KM_ERR_INVALID_ARGUMENT, "%s: %s", km_error_name(rc), why);
     cr_assert(strstr(why, "active_ttl_ms"), "%s", why);
     srv_cleanup(&s);
