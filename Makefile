@@ -35,7 +35,9 @@ ifeq ($(CUDA),1)
 endif
 NVCCFLAGS ?= -O3 -std=c++17 $(CUDA_ARCH) -Xcompiler -Wall,-fno-strict-aliasing -Iinclude -Isrc -DKM_HAVE_CUDA=1
 
-LIB_SRC := $(filter-out $(if $(filter 1,$(CUDA)),,src/backend_cuda.c),$(wildcard src/*.c))
+# src/<subsystem>/*.c is the library (src/cli is the command line); kernels/ is the CUDA backend,
+# built only with CUDA=1.
+LIB_SRC := $(filter-out src/cli/%,$(wildcard src/*/*.c)) $(if $(filter 1,$(CUDA)),$(wildcard kernels/*.c),)
 CLI_SRC := $(wildcard src/cli/*.c) $(wildcard bench/*.c)
 TEST_SRC := $(wildcard tests/*.c)
 CU_SRC := $(if $(filter 1,$(CUDA)),$(wildcard kernels/*.cu),)

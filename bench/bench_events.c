@@ -34,7 +34,7 @@
 #include "bench_common.h"
 #include "bench_lru.h"
 #include "cli/commands.h"
-#include "trace.h"
+#include "sim/trace.h"
 #include "kvmatch/feed.h"
 #include "kvmatch/index.h"
 #include "kvmatch/kv_events.h"

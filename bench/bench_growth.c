@@ -3,13 +3,13 @@
  * between two decisions, so its worst case is added to some request's latency.
  *
  * Rows (each from empty, fresh random 64-bit keys, the same keys for every row of a structure):
- *   u64map  incremental     the bookkeeping map as built (src/u64map.c): one reserve of 24 keys,
+ *   u64map  incremental     the bookkeeping map as built (src/base/u64_map.c): one reserve of 24 keys,
  *                           then 24 find-or-insert, per call (approximate mode's pattern)
  *   u64map  stop-the-world  the same calls, but every growth is finished in the call that starts
  *                           it (km_u64map_finish_growth): the old behaviour, as the same-run baseline
  *   approx  as built        km_approx_record of 24 new blocks, 16 workers in turn
  *   index   default size    km_index_store of a 24-block run, 16 workers in turn, from the default
- *                           initial_blocks (the slot tables grow incrementally: src/table.h)
+ *                           initial_blocks (the slot tables grow incrementally: src/index/host_table.h)
  *   index   sized at start  the same, with initial_blocks covering every block stored
  *   replica stop-the-world  "default size" under a backend with a device replica's host side
  *                           (dirty-slot tracking, a sync after every batch) but no device: every
@@ -17,11 +17,11 @@
  *                           behaviour), as the same-run baseline. The upload itself is not in it
  *   replica bounded steps   the same as built: a sync moves at most KM_REPLICA_GROWTH_STEP_SLOTS old
  *                           slots of a growing table, for at most KM_REPLICA_GROWTH_BUDGET_MS
- *                           (src/index.c, advance_growths)
+ *                           (src/index/index.c, advance_growths)
  *   feed    index sized     KV events for 4 workers, each message storing the next 16 blocks of
  *                           the worker's chain, a flush every 8 messages (as the service batches);
  *                           the index is sized at start, so what grows is the feed's own engine-hash
- *                           maps (src/emap.c, incremental)
+ *                           maps (src/events/engine_hash_map.c, incremental)
  * Reported: total time, mean, 99.9th percentile and worst call (for the feed: a message, or a
  * message and the flush after it). */
 #include <inttypes.h>
@@ -36,8 +36,8 @@
 #include "kvmatch/feed.h"
 #include "kvmatch/index.h"
 #include "kvmatch/kv_events.h"
-#include "index_impl.h"
-#include "u64map.h"
+#include "index/index_internal.h"
+#include "base/u64_map.h"
 
 #define KEYS_PER_CALL 24
 #define WORKERS 16

@@ -2,7 +2,7 @@
  * of today's peers (bench/baselines.h) on the Mooncake conversation trace.
  *
  * Workload. Every request of the trace is expanded to chain hashes (block size 16; each 512-token id
- * becomes 32 blocks of 16 tokens, src/trace.h), truncated to its input length. The first 80% of the
+ * becomes 32 blocks of 16 tokens, src/sim/trace.h), truncated to its input length. The first 80% of the
  * requests build the cluster state, the last 20% are the queries. State requests are assigned to
  * workers by a deterministic rule modelled on vllm-router's cache_aware policy without its load
  * terms (a static replay has no in-flight load): if the deepest existing match covers more than 30%
@@ -39,7 +39,7 @@
 #include "bench_common.h"
 #include "cli/commands.h"
 #include "kvmatch/kvmatch.h"
-#include "trace.h"
+#include "sim/trace.h"
 
 #define BENCH_BLOCK_SIZE 16u
 #define BENCH_TOKENS_PER_ID 512u

@@ -24,7 +24,7 @@
 #include "bench_lru.h"
 #include "cli/commands.h"
 #include "kvmatch/kvmatch.h"
-#include "trace.h"
+#include "sim/trace.h"
 
 #define RP_WORKERS 16u
 #define RP_BLOCK 16u

@@ -1,13 +1,13 @@
-/* The C-linkage seam between the CUDA backend's vtable (src/backend_cuda.c, C11) and its device
- * code (kernels/backend_cuda.cu, CUDA C++). Only plain C types cross it: no cudaStream_t, no
+/* The C-linkage seam between the CUDA backend's vtable (kernels/cuda_backend.c, C11) and its device
+ * code (kernels/cuda_kernels.cu, CUDA C++). Only plain C types cross it: no cudaStream_t, no
  * cuda_runtime.h, no <<<>>>. Every function returns KM_OK or a negative km_status; a CUDA runtime
  * failure is KM_ERR_CUDA with the detail (call, cudaGetErrorString, source line) kept for
  * km_cuda_last_error(). Nothing here aborts or exits. Every call that touches the device makes
  * the handle's device current on the calling thread first (cudaSetDevice) and leaves it current.
  *
- * The device side holds a replica of the index's two host tables (src/table.h) in cudaMalloc memory,
+ * The device side holds a replica of the index's two host tables (src/index/host_table.h) in cudaMalloc memory,
  * same slot layout and bitmap pool, plus one stream, pinned staging buffers and scoring scratch.
- * Scoring runs km_walk_request (src/shared.h) on the replica, so results are bit-identical to the
+ * Scoring runs km_walk_request (src/index/slot_walk.h) on the replica, so results are bit-identical to the
  * CPU backend's as long as the replica equals the host tables. */
 #ifndef KM_CUDA_SEAM_H
 #define KM_CUDA_SEAM_H
@@ -16,7 +16,7 @@
 #include <stdint.h>
 
 #include "kvmatch/index.h"
-#include "shared.h"
+#include "index/slot_walk.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -71,7 +71,7 @@ const char *km_cuda_last_error(const km_cuda *cuda);
  * as soon as this returns. */
 int km_cuda_sync_table(km_cuda *cuda, km_cuda_table_id table, const km_cuda_table_source *src);
 
-/* Scoring parameters; reserve is km_match_results_reserve (src/index_impl.h), passed in so the
+/* Scoring parameters; reserve is km_match_results_reserve (src/index/index_internal.h), passed in so the
  * C compiler checks its type and the device code needs no index internals. It must keep the
  * buffers' contents when it grows them (it reallocates): matches are appended chunk by chunk. */
 typedef struct km_cuda_match_args {

@@ -3,9 +3,9 @@
 
 GCC 12 finds a function whose only effects are __builtin_prefetch calls "const" and deletes the
 calls to it that it has not inlined yet, so a prefetch helper can lose every instruction without
-a warning (src/shared.h, KM_PREFETCHER). This script disassembles the given objects with line
-information (objdump -dl) and checks that each marked source line below produced at least one
-prefetch instruction somewhere in them.
+a warning (src/index/slot_walk.h, KM_PREFETCHER). This script finds every prefetch call under src/,
+disassembles the objects built from src/ with line information (objdump -dl) and checks that each
+such line produced at least one prefetch instruction somewhere in them.
 
 usage: check_prefetch.py BUILD_DIR
 exit 0: all found; 1: some line has none (listed); 2: cannot check (no objdump, no objects).
@@ -16,25 +16,21 @@ import subprocess
 import sys
 from pathlib import Path
 
-# (source file, a text that appears on exactly the line holding the prefetch)
-MARKED = [
-    ("src/shared.h", "KM_PREFETCH(&v->slots[km_slot_home(key, v->shift)]);"),
-    ("src/shared.h", "KM_PREFETCH(&hashes[k * S]);"),
-    ("src/shared.h", "KM_PREFETCH(&hashes[(k + 1) * S - 1]);"),
-    ("src/u64map.h", "__builtin_prefetch(&now[h & (m->capacity - 1)]);"),
-    ("src/u64map.h", "__builtin_prefetch(&before[h & (m->old_capacity - 1)]);"),
-    ("src/emap.h", "__builtin_prefetch(m->entries + km_oamap_home(key, m->capacity)"),
-    ("src/emap.h", "__builtin_prefetch(m->old + km_oamap_home(key, m->old_capacity)"),
-]
-OBJECTS = ["src/backend_cpu.o", "src/approx.o", "src/index.o", "src/feed.o"]
+# Every line under src/ that calls a prefetch (KM_PREFETCH or __builtin_prefetch; not the macro's
+# own #define) must produce a prefetch instruction in some object built from src/.
+CALL = re.compile(r"\b(KM_PREFETCH|__builtin_prefetch)\s*\(")
 
 
-def line_of(path, text):
-    lines = Path(path).read_text().splitlines()
-    hits = [i + 1 for i, line in enumerate(lines) if text in line]
-    if len(hits) != 1:
-        sys.exit(f"check_prefetch: '{text}' is on {len(hits)} lines of {path}, expected 1")
-    return hits[0]
+def marked_lines(root):
+    """(path relative to root, line number, text) of each prefetch call under root/src."""
+    marked = []
+    for path in sorted((root / "src").rglob("*")):
+        if path.suffix not in (".c", ".h"):
+            continue
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if CALL.search(line) and not line.lstrip().startswith("#"):
+                marked.append((path.relative_to(root).as_posix(), n, line.strip()))
+    return marked
 
 
 def main():
@@ -44,10 +40,12 @@ def main():
     if not shutil.which("objdump"):
         print("check_prefetch: objdump not found")
         return 2
-    objects = [build / o for o in OBJECTS]
-    missing = [str(o) for o in objects if not o.exists()]
-    if missing:
-        print("check_prefetch: objects not built: " + ", ".join(missing))
+    root = Path(__file__).resolve().parent.parent
+    marked = marked_lines(root)
+    objects = sorted((build / "src").rglob("*.o"))
+    if not marked or not objects:
+        print(f"check_prefetch: nothing to check ({len(marked)} prefetch lines, "
+              f"{len(objects)} objects under {build / 'src'})")
         return 2
     found = set()  # (file name, line) of each prefetch instruction
     where = None
@@ -58,19 +56,19 @@ def main():
         for line in out.splitlines():
             m = loc.match(line.strip())
             if m:
-                where = (Path(m.group(1)).name, int(m.group(2)))
+                where = (m.group(1), int(m.group(2)))
             elif "prefetch" in line and where:
                 found.add(where)
     absent = []
-    for path, text in MARKED:
-        n = line_of(path, text)
-        if (Path(path).name, n) not in found:
+    for path, n, text in marked:
+        # objdump names a file as the compiler was given it: relative or absolute.
+        if not any(line == n and (f == path or f.endswith("/" + path)) for f, line in found):
             absent.append(f"{path}:{n}: {text}")
     if absent:
         print("check_prefetch: no prefetch instruction was emitted for:")
         print("\n".join("  " + a for a in absent))
         return 1
-    print(f"check_prefetch: all {len(MARKED)} marked prefetch lines have instructions")
+    print(f"check_prefetch: all {len(marked)} prefetch lines under src/ have instructions")
     return 0
 
 

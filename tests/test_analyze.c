@@ -1,4 +1,4 @@
-/* Routing analysis (src/analyze.h): record sets built here with jansson, each with answers known in
+/* Routing analysis (src/analyze/analyze.h): record sets built here with jansson, each with answers known in
  * advance: every metric of a hand-built set (reuse, owner vs chosen and its cost, stale and approx
  * predictions, outcome kinds with HTTP 200 streams that did not finish, TTFT, recovery windows),
  * joins by (instance, decision_id) and by (request_id, attempt_id), unjoined records on both sides,
@@ -21,7 +21,7 @@
 
 #include <jansson.h>
 
-#include "analyze.h"
+#include "analyze/analyze.h"
 #include "test_util.h"
 
 #define BLOCK 16

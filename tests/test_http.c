@@ -1,4 +1,4 @@
-/* Metrics (include/kvmatch/metrics.h) and the HTTP probe/scrape server (src/http.h).
+/* Metrics (include/kvmatch/metrics.h) and the HTTP probe/scrape server (src/service/http.h).
  *
  * Suite `metrics`: the exposition text checked line by line (family headers, cumulative buckets,
  * +Inf == _count, _sum, escaping of label values and help text, number formatting) against
@@ -28,7 +28,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "http.h"
+#include "service/http.h"
 #include "kvmatch/metrics.h"
 #include "test_util.h"
 

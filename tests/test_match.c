@@ -10,7 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "index_impl.h"
+#include "index/index_internal.h"
 #include "test_util.h"
 
 static km_index *make_index(uint32_t max_workers, uint32_t S, uint32_t threads)
@@ -76,7 +76,7 @@ static void property(uint32_t S, uint32_t W, uint32_t threads)
 #define PROPERTY(S, W, T) \
     Test(match_property, s##S##_w##W##_t##T, .timeout = 60) { property(S, W, T); }
 
-/* Scoring while the block table grows incrementally reads both of its arrays (src/table.h): store
+/* Scoring while the block table grows incrementally reads both of its arrays (src/index/host_table.h): store
  * whole corpus chains (and now and then remove part of one, so keys are erased from the old array
  * too) until the block table has grown past KM_TABLE_INCREMENTAL_SLOTS twice, and after every
  * update that leaves it mid-growth, score requests against the oracle. */
@@ -431,7 +431,7 @@ Test(match_trace, mooncake_64_workers_by_conversation, .timeout = 90) { trace_pr
 Test(match_trace, mooncake_1024_workers_round_robin, .timeout = 90) { trace_property(1024, 0); }
 
 /* The walk's prefetches are what keep several DRAM misses in flight; GCC can delete a
- * prefetch-only helper's calls without a warning (src/shared.h, KM_PREFETCHER). Check in the
+ * prefetch-only helper's calls without a warning (src/index/slot_walk.h, KM_PREFETCHER). Check in the
  * objects of this build that every marked prefetch line produced an instruction. */
 Test(build, prefetches_are_emitted, .timeout = 60)
 {

@@ -1,5 +1,5 @@
 /* The index's side of the device-replica protocol, without a GPU. `mirror` below is a backend that
- * keeps the CUDA backend's contract (src/backend_cuda.c, kernels/) on the host: one array per
+ * keeps the CUDA backend's contract (kernels/cuda_backend.c, kernels/) on the host: one array per
  * table, uploaded whole at create and whenever a table's layout_changed, else patched from the
  * tables' dirty-slot and dirty-bitmap lists; scoring runs km_walk_request over its own copy, as the
  * device does. So what these tests check is what a device replica would be given: whether the
@@ -12,7 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "index_impl.h"
+#include "index/index_internal.h"
 #include "test_util.h"
 
 /* ---- the host replica ------------------------------------------------------------------------ */

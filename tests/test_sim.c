@@ -1,4 +1,4 @@
-/* `kvmatch sim` (src/sim.h) end to end on small workloads: deterministic per seed and identical
+/* `kvmatch sim` (src/sim/sim.h) end to end on small workloads: deterministic per seed and identical
  * whether the engines' events reach kvmatch in process or over ZMQ through the real subscriber;
  * exact predictions when events are delivered as they happen; a lag (only) where a vLLM-like
  * engine publishes once per step; the attribution of predicted against realized reuse adding up;
@@ -16,9 +16,9 @@
 #include <criterion/criterion.h>
 #include <jansson.h>
 
-#include "analyze.h"
+#include "analyze/analyze.h"
 #include "kvmatch/error.h"
-#include "sim.h"
+#include "sim/sim.h"
 
 static void quiet(void *user, const char *line)
 {

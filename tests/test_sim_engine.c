@@ -1,4 +1,4 @@
-/* The simulated engine (src/sim_engine.h): LRU order (a request's tail before its head, oldest
+/* The simulated engine (src/sim/engine.h): LRU order (a request's tail before its head, oldest
  * first), capacity and admission errors, hit accounting with vLLM's full-prompt rule, reference
  * counts, concurrent prefills of equal content, restart, the time model and the step scheduler,
  * determinism; a property test of random admits / prefill completions / finishes against a
@@ -18,7 +18,7 @@
 #include "kvmatch/feed.h"
 #include "kvmatch/hash.h"
 #include "kvmatch/kv_events.h"
-#include "sim_engine.h"
+#include "sim/engine.h"
 #include "test_util.h"
 
 #define BS 4u /* block size of most tests */

@@ -1,4 +1,4 @@
-/* The simulator's built-in workload (src/sim_workload.h): deterministic, Mooncake-shaped (shared
+/* The simulator's built-in workload (src/sim/workload.h): deterministic, Mooncake-shaped (shared
  * system prompts, multi-turn sessions whose turns extend each other, bounded prompts), and its
  * chain hashes share exactly the prefixes its ids share. */
 #include <stdlib.h>
@@ -7,8 +7,8 @@
 #include <criterion/criterion.h>
 
 #include "kvmatch/error.h"
-#include "sim_workload.h"
-#include "trace.h"
+#include "sim/workload.h"
+#include "sim/trace.h"
 
 static bool same_trace(const km_trace *a, const km_trace *b)
 {

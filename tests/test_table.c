@@ -1,5 +1,5 @@
-/* The host hash table (src/table.c), the bookkeeping map (src/u64map.c) and the feed's engine-hash
- * map (src/emap.c) under churn and growth, against a brute-force oracle: backward-shift deletion
+/* The host hash table (src/index/host_table.c), the bookkeeping map (src/base/u64_map.c) and the feed's engine-hash
+ * map (src/events/engine_hash_map.c) under churn and growth, against a brute-force oracle: backward-shift deletion
  * keeps every key reachable from its home slot, leaves no tombstone, never rehashes a table whose
  * live count stays put, and lists every slot it moves so that a replica patched from the dirty list
  * (what the CUDA backend does) equals the table; incremental growth keeps every key findable while
@@ -7,11 +7,11 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "emap.h"
+#include "events/engine_hash_map.h"
 #include "kvmatch/error.h"
-#include "table.h"
+#include "index/host_table.h"
 #include "test_util.h"
-#include "u64map.h"
+#include "base/u64_map.h"
 
 /* The inverse of km_slot_home's multiplier modulo 2^64 (Newton's iteration), so a test can pick a
  * key's home slot. */
@@ -609,7 +609,7 @@ Test(table, incremental_growth_matches_oracle, .timeout = 120)
     free(o.holders);
 }
 
-/* ---- the feed's engine-hash map (src/emap.c) ----------------------------------------------------- */
+/* ---- the feed's engine-hash map (src/events/engine_hash_map.c) ----------------------------------------------------- */
 
 /* Every key agrees with the oracle (presence, chain, media), and an iteration yields each live
  * entry once. */

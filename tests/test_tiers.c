@@ -14,7 +14,7 @@
 #include "kvmatch/feed.h"
 #include "kvmatch/hash.h"
 #include "test_util.h"
-#include "u64map.h"
+#include "base/u64_map.h"
 
 /* ---- the model: (hash, worker) -> tier, for pairs the oracle says are held ------------------------ */
 

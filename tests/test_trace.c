@@ -1,4 +1,4 @@
-/* The Mooncake trace loader (src/trace.h) on bad input: every malformed, out-of-range or oversize
+/* The Mooncake trace loader (src/sim/trace.h) on bad input: every malformed, out-of-range or oversize
  * file fails with an error code and a message naming the line (and the field), reads no more of
  * an oversize line than the limit allows, and never yields a trace the simulator would replay
  * wrongly. Files are temporary and removed by each test. */
@@ -11,9 +11,9 @@
 #include <criterion/criterion.h>
 
 #include "kvmatch/error.h"
-#include "sim.h"
-#include "sim_workload.h"
-#include "trace.h"
+#include "sim/sim.h"
+#include "sim/workload.h"
+#include "sim/trace.h"
 
 #define LINE(ts, in, ids) \
     "{\"timestamp\": " ts ", \"input_length\": " in ", \"output_length\": 7, \"hash_ids\": " ids "}\n"

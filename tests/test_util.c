@@ -3,7 +3,7 @@
  * the oracle is a map from chain hash to a sorted list of holders, and a request's depth for a
  * worker is found by walking the request block by block. */
 #include "test_util.h"
-#include "trace.h"
+#include "sim/trace.h"
 
 #include <inttypes.h>
 #include <stdarg.h>

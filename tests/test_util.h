@@ -161,7 +161,7 @@ void km_request_set_free(km_request_set *s);
 
 /* ---- the Mooncake trace -------------------------------------------------------------------- */
 
-/* Chain hashes of the first requests of the Mooncake conversation trace (src/trace.h). */
+/* Chain hashes of the first requests of the Mooncake conversation trace (src/sim/trace.h). */
 typedef struct km_trace_case {
     uint64_t *hashes;   /* all requests' chain hashes, back to back */
     size_t *offset;     /* request i: hashes + offset[i] */

@@ -1,12 +1,12 @@
 /* `kvmatch analyze [--json] [--html OUT.html] RECORDS.jsonl...`: join decision and outcome records
- * and report how well routing predicted KV reuse (src/analyze.h, docs/ANALYZE.md). Exit status: 0
+ * and report how well routing predicted KV reuse (src/analyze/analyze.h, docs/ANALYZE.md). Exit status: 0
  * when the report was written (bad lines are reported, not fatal), 1 when no file could be read or
  * the report could not be written, 2 on a usage error. */
 #include <stdio.h>
 #include <string.h>
 
-#include "analyze.h"
-#include "commands.h"
+#include "analyze/analyze.h"
+#include "cli/commands.h"
 
 static void analyze_usage(FILE *f)
 {

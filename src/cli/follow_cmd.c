@@ -11,7 +11,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "commands.h"
+#include "cli/commands.h"
 #include "kvmatch/subscriber.h"
 
 #define FOLLOW_MAX_WORKERS 256

@@ -8,7 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "commands.h"
+#include "cli/commands.h"
 #include "kvmatch/kvmatch.h"
 
 /* Largest block size accepted on the command line (tokens). */

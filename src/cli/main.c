@@ -2,7 +2,7 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "commands.h"
+#include "cli/commands.h"
 #include "kvmatch/kvmatch.h"
 
 static void usage(FILE *f)

@@ -11,7 +11,7 @@
 
 #include <jansson.h>
 
-#include "commands.h"
+#include "cli/commands.h"
 #include "kvmatch/kvmatch.h"
 
 static void route_usage(FILE *f)

@@ -6,9 +6,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "commands.h"
+#include "cli/commands.h"
 #include "kvmatch/kvmatch.h"
-#include "server_impl.h"
+#include "service/server_internal.h"
 
 #define MAX_FLAG_POOLS 64
 #define MAX_FLAG_WORKERS 4096

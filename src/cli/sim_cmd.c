@@ -10,9 +10,9 @@
 
 #include <jansson.h>
 
-#include "commands.h"
+#include "cli/commands.h"
 #include "kvmatch/kvmatch.h"
-#include "sim.h"
+#include "sim/sim.h"
 
 static void sim_usage(FILE *f)
 {

@@ -1,5 +1,5 @@
 /* libFuzzer harness for the server configuration loader, km_server_config_load_json
- * (src/server_config.c), on a file of fuzzed bytes (a memfd, read through /proc/self/fd).
+ * (src/service/server_config.c), on a file of fuzzed bytes (a memfd, read through /proc/self/fd).
  *
  * Contracts checked: a failure has a negative code, a non-empty why and no owner; a success has
  * an owner, and every string and array the configuration points to is readable (pools, their

@@ -1,4 +1,4 @@
-/* libFuzzer harness for the Mooncake trace loader, km_trace_load_mooncake (src/trace.c), on a file
+/* libFuzzer harness for the Mooncake trace loader, km_trace_load_mooncake (src/sim/trace.c), on a file
  * of fuzzed bytes (a memfd, read through /proc/self/fd), and the expansion of what it loaded.
  *
  * Contracts checked: a failure has a negative code, a non-empty message and a zeroed trace; a
@@ -14,7 +14,7 @@
 #include <unistd.h>
 
 #include "kvmatch/error.h"
-#include "trace.h"
+#include "sim/trace.h"
 
 #define CHECK(cond)                                                                          \
     do {                                                                                     \

@@ -1,0 +1,129 @@
+/* The open-addressing core shared by the host's keyed maps (src/base/u64_map.c: u64 -> u64 bookkeeping;
+ * src/events/engine_hash_map.c: the feed's engine-hash maps): entries of `entry_size` bytes that begin with a u64 key,
+ * linear probing from a Fibonacci-hashed home, backward-shift deletion, and incremental growth.
+ * Keys 0 (empty) and 1 (erased, only ever in the old array of a growing map) are reserved: callers
+ * map their keys through km_u64map_key() first.
+ *
+ * Growth: past 70% a map allocates the doubled array (zeroed, from src/base/zeroed_pages.c) and keeps the old
+ * one; maps of KM_OAMAP_INCREMENTAL_SLOTS or more then move the old slots over the following
+ * reserves (16 slots per entry reserved, at least 1,024) and erases (64), so no single call pays
+ * for rehashing millions of entries. While it grows, both arrays are live: an entry is in exactly
+ * one of them; lookups try the new array, then the old one from max(home, migrated), going on at
+ * `migrated` when a probe run wraps past the old array's end and stopping at an empty slot or
+ * back where they started; an erase of an entry still in the old array leaves key 1 there, so its
+ * probe runs stay whole. The moved part of the old array is given back a 2 MiB piece at a time.
+ *
+ * The lookups are inline so that each map's constant entry size specialises them. */
+#ifndef KM_OAMAP_H
+#define KM_OAMAP_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "index/host_table.h"
+
+#define KM_OAMAP_EMPTY UINT64_C(0)
+#define KM_OAMAP_ERASED UINT64_C(1)
+
+/* Maps below this many slots rehash at once when they grow (a few hundred microseconds at most). */
+#define KM_OAMAP_INCREMENTAL_SLOTS (UINT64_C(1) << 14)
+
+typedef struct km_oamap {
+    uint8_t *entries;
+    uint64_t capacity; /* power of two, or 0 before the first reserve */
+    uint64_t live;     /* entries in both arrays */
+    uint64_t in_new;   /* of them, in `entries` */
+    /* While growing: the previous array; its slots [migrated, old_capacity) are still to move. */
+    uint8_t *old;
+    uint64_t old_capacity;
+    uint64_t migrated;
+    km_memory *memory; /* both arrays are accounted here while they live; NULL: not accounted */
+    uint32_t entry_size;
+    uint32_t min_capacity; /* the first array's size */
+} km_oamap;
+
+/* An empty map of entries of entry_size bytes (at least 8, the key first). */
+void km_oamap_init(km_oamap *m, uint32_t entry_size, uint32_t min_capacity, km_memory *memory);
+void km_oamap_free(km_oamap *m);
+
+static inline uint64_t km_oamap_entry_key(const uint8_t *e)
+{
+    uint64_t key;
+    memcpy(&key, e, sizeof key);
+    return key;
+}
+
+static inline uint64_t km_oamap_home(uint64_t key, uint64_t capacity)
+{
+    return (key * UINT64_C(0x9E3779B97F4A7C15)) & (capacity - 1);
+}
+
+/* The entry of key in the new array, or NULL. */
+static inline uint8_t *km_oamap_find_new(const km_oamap *m, uint64_t key, size_t entry_size)
+{
+    if (m->capacity == 0)
+        return NULL;
+    for (uint64_t i = km_oamap_home(key, m->capacity);; i = (i + 1) & (m->capacity - 1)) {
+        uint8_t *e = m->entries + i * entry_size;
+        uint64_t k = km_oamap_entry_key(e);
+        if (k == key)
+            return e;
+        if (k == KM_OAMAP_EMPTY)
+            return NULL;
+    }
+}
+
+/* The entry of key in the old array if it has not moved yet, or NULL (see the file comment). */
+static inline uint8_t *km_oamap_find_old(const km_oamap *m, uint64_t key, size_t entry_size)
+{
+    if (!m->old)
+        return NULL;
+    uint64_t i = km_oamap_home(key, m->old_capacity);
+    if (i < m->migrated)
+        i = m->migrated;
+    uint64_t start = i;
+    for (;;) {
+        uint8_t *e = m->old + i * entry_size;
+        uint64_t k = km_oamap_entry_key(e);
+        if (k == key)
+            return e;
+        if (k == KM_OAMAP_EMPTY)
+            return NULL;
+        if (++i == m->old_capacity)
+            i = m->migrated;
+        if (i == start)
+            return NULL;
+    }
+}
+
+/* The entry of key (> 1) in either array, or NULL. Valid until the next reserve or erase. */
+static inline uint8_t *km_oamap_find(const km_oamap *m, uint64_t key, size_t entry_size)
+{
+    uint8_t *e = km_oamap_find_new(m, key, entry_size);
+    return e ? e : km_oamap_find_old(m, key, entry_size);
+}
+
+/* Copy an entry whose key is in neither array into the new one, which has room; returns it. Never
+ * moves another entry. */
+uint8_t *km_oamap_place(km_oamap *m, const void *entry);
+/* Room for `extra` more entries through km_oamap_place (70% load once every old entry has moved),
+ * after moving a growing map's share. KM_ERR_MEMORY_CAP / KM_ERR_OUT_OF_MEMORY (nothing changed). */
+int km_oamap_reserve(km_oamap *m, uint64_t extra);
+/* Erase an entry a find returned: later entries may move (backward shift), and a growing map moves
+ * a few more; pointers into the map are stale afterwards. */
+void km_oamap_erase(km_oamap *m, uint8_t *entry);
+/* Move every remaining old entry now. */
+void km_oamap_finish_growth(km_oamap *m);
+/* Size an empty map for `entries` at the densest load a reserve accepts (70%: restoring saved
+ * state, half the memory of a reserve). KM_ERR_INVALID_ARGUMENT when not empty. */
+int km_oamap_size_for(km_oamap *m, uint64_t entries);
+/* Drop every entry (the current array is kept; a growth in progress ends). */
+void km_oamap_clear(km_oamap *m);
+/* Iteration: start *cursor at 0; each call returns the next entry, or NULL at the end. The map must
+ * not change during an iteration. */
+uint8_t *km_oamap_next(const km_oamap *m, uint64_t *cursor);
+/* Bytes of both arrays. */
+uint64_t km_oamap_bytes(const km_oamap *m);
+
+#endif

@@ -1,0 +1,56 @@
+/* Zeroed arrays with piecewise release, for incrementally growing tables. Contract in zeroed_pages.h. */
+#include "base/zeroed_pages.h"
+
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+
+void *km_pages_alloc(uint64_t bytes)
+{
+    if (bytes < KM_PAGES_PIECE)
+        return calloc(1, bytes ? bytes : 1);
+    /* Over-map by one piece and trim, so the array starts on a piece boundary (pieces are given
+     * back on those). Fresh anonymous pages read as zero. */
+    uint8_t *raw = mmap(NULL, bytes + KM_PAGES_PIECE, PROT_READ | PROT_WRITE,
+                        MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (raw == MAP_FAILED)
+        return NULL;
+    uint64_t lead = (KM_PAGES_PIECE - (uintptr_t)raw % KM_PAGES_PIECE) % KM_PAGES_PIECE;
+    if (lead)
+        munmap(raw, lead);
+    if (KM_PAGES_PIECE - lead)
+        munmap(raw + lead + bytes, KM_PAGES_PIECE - lead);
+    return raw + lead;
+}
+
+void km_pages_release(void *p, uint64_t bytes, uint64_t from, uint64_t to)
+{
+    if (!p || to <= from)
+        return;
+    if (bytes >= KM_PAGES_PIECE)
+        munmap((uint8_t *)p + from, to - from);
+    else if (from == 0 && to == bytes)
+        free(p);
+}
+
+void km_pages_free(void *p, uint64_t bytes)
+{
+    km_pages_release(p, bytes, 0, bytes);
+}
+
+uint64_t km_pages_releasable(uint64_t bytes, uint64_t done)
+{
+    return bytes < KM_PAGES_PIECE ? 0 : done / KM_PAGES_PIECE * KM_PAGES_PIECE;
+}
+
+void km_pages_advise_huge(void *p, uint64_t bytes, int prefault)
+{
+    if (!p || bytes < KM_PAGES_PIECE)
+        return;
+#ifdef MADV_HUGEPAGE
+    madvise(p, bytes, MADV_HUGEPAGE);
+#endif
+    if (prefault) /* one write per 4 KiB page faults in (and clears) each page, or 2 MiB at once */
+        for (uint64_t off = 0; off < bytes; off += 4096)
+            ((volatile uint8_t *)p)[off] = 0;
+}

@@ -1,0 +1,30 @@
+/* Zeroed arrays for the hash tables that grow incrementally (src/index/host_table.c, src/base/u64_map.c): large ones
+ * come straight from the kernel, so nothing is cleared up front and a growth can hand the moved
+ * part of its previous array back a piece at a time (unmapping a few hundred MiB in one call takes
+ * tens of milliseconds: the pause incremental growth is there to avoid). */
+#ifndef KM_PAGES_H
+#define KM_PAGES_H
+
+#include <stdint.h>
+
+/* Arrays of at least this many bytes are mapped directly, start on a boundary of it, and are given
+ * back in whole pieces of it; smaller ones come from calloc and are only ever freed whole. */
+#define KM_PAGES_PIECE (UINT64_C(2) << 20)
+
+/* `bytes` of zeroed memory, or NULL. Mapped arrays are not advised as huge pages (see
+ * km_pages_advise_huge): their 4 KiB pages are cleared by the kernel as they are first written. */
+void *km_pages_alloc(uint64_t bytes);
+/* Give back bytes [from, to) of an array of `bytes` from km_pages_alloc: for a mapped array, `from`
+ * and `to` are multiples of KM_PAGES_PIECE (or `to` = bytes); a calloc'd one is freed only when the
+ * range is the whole array. The range is not read or written afterwards. */
+void km_pages_release(void *p, uint64_t bytes, uint64_t from, uint64_t to);
+/* The whole array (NULL is ignored). */
+void km_pages_free(void *p, uint64_t bytes);
+/* Of the first `done` bytes (moved out and never read again), the whole pieces: what
+ * km_pages_release may give back. 0 for a calloc'd array. */
+uint64_t km_pages_releasable(uint64_t bytes, uint64_t done);
+/* Ask for transparent huge pages on a mapped array (best effort; no effect on a calloc'd one).
+ * prefault: write every page now, so the clearing happens here rather than on first use. */
+void km_pages_advise_huge(void *p, uint64_t bytes, int prefault);
+
+#endif

@@ -1,0 +1,862 @@
+/* Active work (include/kvmatch/active.h): per-worker load as this instance saw it, from the
+ * decision to FINISHED or expiry.
+ *
+ * Layout: entries live in a slab addressed by u32 index (a free list threads the unused ones). A
+ * u64map sends the XXH3 hash of the key to the first entry with that hash; entries with equal
+ * hashes chain through hash_next and are told apart by comparing the ids they keep. Each live
+ * entry is on two doubly-linked lists: the touch list (all entries, ascending last-touch time; a
+ * lifecycle event moves its entry to the tail, so expiry reads from the head) and its worker's list
+ * (for km_active_remove_worker).
+ *
+ * Invariants: for every worker, each load value equals the sum of its live entries' charges
+ * (in_flight: 1 each; pending prefill: prefill_pending; decode: decode_blocks), so subtracting an
+ * entry's charge never underflows (saturations counts the case anyway); last_touch along the touch
+ * list is non-decreasing because every touch uses the handle's clock, which never goes back. */
+#include "kvmatch/active.h"
+
+#include <inttypes.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <xxhash.h>
+
+#include "base/u64_map.h"
+#include "base/error_detail.h"
+
+#define NIL UINT32_MAX
+
+typedef struct entry {
+    uint64_t hash;      /* XXH3 of the key (key_hash) */
+    char *ids;          /* "request\0attempt\0", malloc'd; NULL when the slot is free */
+    uint32_t request_len, attempt_len;
+    uint32_t worker;
+    uint32_t hash_next; /* next entry with the same hash; free-list link when free */
+    uint32_t touch_prev, touch_next;
+    uint32_t worker_prev, worker_next;
+    bool dispatched, first_token;
+    uint32_t prompt_tokens, predicted_cached_tokens, expected_output_tokens, block_size;
+    uint64_t prefill_charged; /* what the entry added to pending prefill (after corrections) */
+    uint64_t prefill_pending; /* what it still holds there (0 after FIRST_TOKEN) */
+    uint64_t decode_blocks;
+    int64_t engine_cached_tokens;
+    uint64_t begin_ns, dispatched_ns, first_token_ns, last_touch_ns;
+    void *user; /* the caller's pointer (km_active_set_user) */
+} entry;
+
+/* A recently ended id, to tell "already finished" / "expired" from "never seen". */
+typedef struct ended_slot {
+    uint64_t hash;
+    char *ids; /* owned; NULL when unused */
+    uint32_t request_len, attempt_len;
+    km_active_end end;
+} ended_slot;
+
+typedef struct worker_state {
+    km_active_load load;
+    uint32_t head; /* first entry of the worker's list */
+} worker_state;
+
+struct km_active {
+    km_active_config cfg;
+    km_memory memory; /* for the u64maps; no cap */
+    entry *slab;
+    uint32_t slab_capacity, free_head, live;
+    km_u64map by_hash; /* km_u64map_key(hash) -> first entry index */
+    uint32_t touch_head, touch_tail;
+    worker_state *workers;
+    ended_slot *ended;  /* ring of cfg.remember_ended slots */
+    uint32_t ended_next;
+    km_u64map ended_by_hash; /* km_u64map_key(hash) -> ring slot of the latest end with that hash */
+    char *unremembered_ids;  /* ids of the last ended entry when the ring is off (summary storage) */
+    size_t unremembered_size;
+    void *ids_cache;         /* released id buffers of IDS_CACHED_BYTES, linked through their start */
+    uint32_t ids_cached;
+    uint64_t clock;          /* latest now_ns seen */
+    km_active_stats stats;
+    char last_error[256];
+};
+
+/* Id buffers are made by km_active_begin and released when their entry's end leaves the ended
+ * ring: in the service, by the scheduler and the loop thread in turn, one of each per decision,
+ * which through malloc is a cross-thread free per decision (glibc's arena lock and fastbin
+ * consolidation). Buffers of up to IDS_CACHED_BYTES (a UUID request id and a short attempt id)
+ * are all that size and kept on a free list, at most IDS_CACHE_MAX of them. */
+enum { IDS_CACHED_BYTES = 64, IDS_CACHE_MAX = 65536 };
+
+static size_t ids_size(uint32_t request_len, uint32_t attempt_len)
+{
+    return (size_t)request_len + attempt_len + 2;
+}
+
+static char *ids_alloc(km_active *a, size_t size)
+{
+    if (size > IDS_CACHED_BYTES)
+        return malloc(size);
+    if (!a->ids_cache)
+        return malloc(IDS_CACHED_BYTES);
+    char *ids = a->ids_cache;
+    memcpy(&a->ids_cache, ids, sizeof(void *));
+    a->ids_cached--;
+    return ids;
+}
+
+static void ids_release(km_active *a, char *ids, size_t size)
+{
+    if (!ids)
+        return;
+    if (size > IDS_CACHED_BYTES || a->ids_cached >= IDS_CACHE_MAX) {
+        free(ids);
+        return;
+    }
+    memcpy(ids, &a->ids_cache, sizeof(void *));
+    a->ids_cache = ids;
+    a->ids_cached++;
+}
+
+void km_active_config_init(km_active_config *cfg)
+{
+    if (!cfg)
+        return;
+    memset(cfg, 0, sizeof *cfg);
+    cfg->max_workers = 1024;
+    cfg->ttl_ns = UINT64_C(600) * 1000000000u;
+    cfg->max_entries = 1u << 20;
+    cfg->remember_ended = 4096;
+}
+
+const char *km_active_end_name(km_active_end end)
+{
+    switch (end) {
+    case KM_ACTIVE_END_COMPLETE: return "complete";
+    case KM_ACTIVE_END_INCOMPLETE: return "incomplete";
+    case KM_ACTIVE_END_ERROR: return "error";
+    case KM_ACTIVE_END_CANCELLED: return "cancelled";
+    case KM_ACTIVE_END_EXPIRED: return "expired";
+    case KM_ACTIVE_END_WORKER_REMOVED: return "worker_removed";
+    case KM_ACTIVE_END_EVICTED: return "evicted";
+    }
+    return "unknown";
+}
+
+/* ---- errors ------------------------------------------------------------------------------- */
+
+__attribute__((format(printf, 3, 4))) static int active_fail(km_active *a, int status,
+                                                               const char *fmt, ...)
+{
+    if (!a)
+        return status;
+    va_list ap;
+    va_start(ap, fmt);
+    km_vstatus_message(a->last_error, sizeof a->last_error, status, fmt, ap);
+    va_end(ap);
+    return status;
+}
+
+const char *km_active_last_error(const km_active *active)
+{
+    return active ? active->last_error : "";
+}
+
+/* Ids in messages are cut to keep the sentence readable. */
+#define ID_FMT "request '%.*s' attempt '%.*s'"
+#define ID_ARGS(k)                                                                             \
+    (int)((k)->request_id_len > 64 ? 64 : (k)->request_id_len), (k)->request_id,              \
+        (int)((k)->attempt_id_len > 64 ? 64 : (k)->attempt_id_len), (k)->attempt_id
+
+/* ---- create / destroy --------------------------------------------------------------------- */
+
+int km_active_create(const km_active_config *cfg, km_active **out)
+{
+    if (!out)
+        return KM_ERR_NULL_POINTER;
+    *out = NULL;
+    km_active_config c;
+    if (cfg)
+        c = *cfg;
+    else
+        km_active_config_init(&c);
+    if (c.max_workers < 1 || c.max_workers > 65534u || c.ttl_ns == 0 || c.max_entries == 0 ||
+        c.max_entries >= NIL)
+        return KM_ERR_INVALID_ARGUMENT;
+    km_active *a = calloc(1, sizeof *a);
+    if (!a)
+        return KM_ERR_OUT_OF_MEMORY;
+    a->cfg = c;
+    a->free_head = NIL;
+    a->touch_head = a->touch_tail = NIL;
+    km_u64map_init(&a->by_hash, &a->memory);
+    km_u64map_init(&a->ended_by_hash, &a->memory);
+    a->workers = calloc(c.max_workers, sizeof *a->workers);
+    a->ended = c.remember_ended ? calloc(c.remember_ended, sizeof *a->ended) : NULL;
+    if (!a->workers || (c.remember_ended && !a->ended)) {
+        km_active_destroy(a);
+        return KM_ERR_OUT_OF_MEMORY;
+    }
+    for (uint32_t w = 0; w < c.max_workers; w++)
+        a->workers[w].head = NIL;
+    *out = a;
+    return KM_OK;
+}
+
+void km_active_destroy(km_active *a)
+{
+    if (!a)
+        return;
+    for (uint32_t i = 0; i < a->slab_capacity; i++)
+        free(a->slab[i].ids);
+    free(a->slab);
+    if (a->ended)
+        for (uint32_t i = 0; i < a->cfg.remember_ended; i++)
+            free(a->ended[i].ids);
+    free(a->ended);
+    free(a->unremembered_ids);
+    while (a->ids_cache) {
+        void *next;
+        memcpy(&next, a->ids_cache, sizeof next);
+        free(a->ids_cache);
+        a->ids_cache = next;
+    }
+    free(a->workers);
+    km_u64map_free(&a->by_hash);
+    km_u64map_free(&a->ended_by_hash);
+    free(a);
+}
+
+/* ---- keys --------------------------------------------------------------------------------- */
+
+static int check_key(km_active *a, const km_active_key *key)
+{
+    if (!key)
+        return active_fail(a, KM_ERR_NULL_POINTER, "key is NULL");
+    if (!key->request_id || (key->attempt_id_len && !key->attempt_id))
+        return active_fail(a, KM_ERR_NULL_POINTER, "request id or attempt id is NULL");
+    if (key->request_id_len == 0)
+        return active_fail(a, KM_ERR_INVALID_ARGUMENT, "request id is empty");
+    if (key->request_id_len > KM_ACTIVE_ID_MAX || key->attempt_id_len > KM_ACTIVE_ID_MAX)
+        return active_fail(a, KM_ERR_TOO_LARGE,
+                           "request id (%zu bytes) or attempt id (%zu bytes) longer than %u bytes",
+                           key->request_id_len, key->attempt_id_len, KM_ACTIVE_ID_MAX);
+    if (memchr(key->request_id, 0, key->request_id_len) ||
+        (key->attempt_id_len && memchr(key->attempt_id, 0, key->attempt_id_len)))
+        return active_fail(a, KM_ERR_INVALID_ARGUMENT, "request id or attempt id contains a NUL byte");
+    return KM_OK;
+}
+
+/* The request id's length seeds the attempt's hash, so ("ab","c") and ("a","bc") differ even
+ * before the ids are compared. */
+static uint64_t key_hash(const km_active_key *key)
+{
+    uint64_t h = XXH3_64bits(key->request_id, key->request_id_len);
+    return XXH3_64bits_withSeed(key->attempt_id_len ? key->attempt_id : "", key->attempt_id_len,
+                                h ^ (uint64_t)key->request_id_len);
+}
+
+static bool ids_equal(const char *ids, uint32_t request_len, uint32_t attempt_len,
+                      const km_active_key *key)
+{
+    return request_len == key->request_id_len && attempt_len == key->attempt_id_len &&
+           memcmp(ids, key->request_id, request_len) == 0 &&
+           (attempt_len == 0 || memcmp(ids + request_len + 1, key->attempt_id, attempt_len) == 0);
+}
+
+static uint32_t find_entry(const km_active *a, const km_active_key *key, uint64_t hash)
+{
+    const uint64_t *head = km_u64map_find(&a->by_hash, km_u64map_key(hash));
+    for (uint32_t i = head ? (uint32_t)*head : NIL; i != NIL; i = a->slab[i].hash_next) {
+        const entry *e = &a->slab[i];
+        if (e->hash == hash && ids_equal(e->ids, e->request_len, e->attempt_len, key))
+            return i;
+    }
+    return NIL;
+}
+
+static const ended_slot *find_ended(const km_active *a, const km_active_key *key, uint64_t hash)
+{
+    const uint64_t *slot = km_u64map_find(&a->ended_by_hash, km_u64map_key(hash));
+    if (!slot)
+        return NULL;
+    const ended_slot *s = &a->ended[*slot];
+    if (s->ids && s->hash == hash && ids_equal(s->ids, s->request_len, s->attempt_len, key))
+        return s;
+    return NULL; /* another id with the same hash ended later: this one reads as unknown */
+}
+
+static uint64_t advance_clock(km_active *a, uint64_t now_ns)
+{
+    if (now_ns > a->clock)
+        a->clock = now_ns;
+    return a->clock;
+}
+
+static uint64_t saturating_sub(km_active *a, uint64_t value, uint64_t amount)
+{
+    if (amount > value) {
+        a->stats.saturations++;
+        return 0;
+    }
+    return value - amount;
+}
+
+/* ---- lists -------------------------------------------------------------------------------- */
+
+static void touch_unlink(km_active *a, uint32_t i)
+{
+    entry *e = &a->slab[i];
+    if (e->touch_prev != NIL)
+        a->slab[e->touch_prev].touch_next = e->touch_next;
+    else
+        a->touch_head = e->touch_next;
+    if (e->touch_next != NIL)
+        a->slab[e->touch_next].touch_prev = e->touch_prev;
+    else
+        a->touch_tail = e->touch_prev;
+    e->touch_prev = e->touch_next = NIL;
+}
+
+static void touch_append(km_active *a, uint32_t i)
+{
+    entry *e = &a->slab[i];
+    e->touch_prev = a->touch_tail;
+    e->touch_next = NIL;
+    if (a->touch_tail != NIL)
+        a->slab[a->touch_tail].touch_next = i;
+    else
+        a->touch_head = i;
+    a->touch_tail = i;
+}
+
+static void touch(km_active *a, uint32_t i, uint64_t now)
+{
+    a->slab[i].last_touch_ns = now;
+    if (a->touch_tail != i) {
+        touch_unlink(a, i);
+        touch_append(a, i);
+    }
+}
+
+static void worker_link(km_active *a, uint32_t i)
+{
+    entry *e = &a->slab[i];
+    worker_state *w = &a->workers[e->worker];
+    e->worker_prev = NIL;
+    e->worker_next = w->head;
+    if (w->head != NIL)
+        a->slab[w->head].worker_prev = i;
+    w->head = i;
+}
+
+static void worker_unlink(km_active *a, uint32_t i)
+{
+    entry *e = &a->slab[i];
+    if (e->worker_prev != NIL)
+        a->slab[e->worker_prev].worker_next = e->worker_next;
+    else
+        a->workers[e->worker].head = e->worker_next;
+    if (e->worker_next != NIL)
+        a->slab[e->worker_next].worker_prev = e->worker_prev;
+}
+
+/* Remove entry i from the hash chain (the map entry is updated or erased). */
+static void hash_unlink(km_active *a, uint32_t i)
+{
+    uint64_t mkey = km_u64map_key(a->slab[i].hash);
+    uint64_t *head = km_u64map_find(&a->by_hash, mkey);
+    if (!head)
+        return; /* cannot happen: every live entry is reachable */
+    if ((uint32_t)*head == i) {
+        if (a->slab[i].hash_next == NIL)
+            km_u64map_erase(&a->by_hash, mkey);
+        else
+            *head = a->slab[i].hash_next;
+        return;
+    }
+    for (uint32_t p = (uint32_t)*head; p != NIL; p = a->slab[p].hash_next) {
+        if (a->slab[p].hash_next == i) {
+            a->slab[p].hash_next = a->slab[i].hash_next;
+            return;
+        }
+    }
+}
+
+/* ---- ending an entry ---------------------------------------------------------------------- */
+
+/* Release entry i's load, fill *s, unlink it everywhere, keep its ids in the ended ring (or the
+ * single summary buffer), and free the slab slot. s's id pointers stay valid until the next end. */
+static void end_entry(km_active *a, uint32_t i, km_active_end end, uint64_t now,
+                      km_active_summary *s)
+{
+    entry *e = &a->slab[i];
+    km_active_load *load = &a->workers[e->worker].load;
+    load->in_flight = saturating_sub(a, load->in_flight, 1);
+    load->pending_prefill_tokens = saturating_sub(a, load->pending_prefill_tokens, e->prefill_pending);
+    load->active_decode_blocks = saturating_sub(a, load->active_decode_blocks, e->decode_blocks);
+
+    memset(s, 0, sizeof *s);
+    s->request_id = e->ids;
+    s->request_id_len = e->request_len;
+    s->attempt_id = e->ids + e->request_len + 1;
+    s->attempt_id_len = e->attempt_len;
+    s->worker = e->worker;
+    s->end = end;
+    s->prompt_tokens = e->prompt_tokens;
+    s->predicted_cached_tokens = e->predicted_cached_tokens;
+    s->expected_output_tokens = e->expected_output_tokens;
+    s->block_size = e->block_size;
+    s->prefill_tokens_charged = e->prefill_charged;
+    s->decode_blocks_charged = e->decode_blocks;
+    s->engine_cached_tokens = e->engine_cached_tokens;
+    s->dispatched = e->dispatched;
+    s->first_token = e->first_token;
+    s->begin_ns = e->begin_ns;
+    s->dispatched_ns = e->dispatched_ns;
+    s->first_token_ns = e->first_token_ns;
+    s->last_event_ns = e->last_touch_ns;
+    s->end_ns = now;
+    s->user = e->user;
+
+    hash_unlink(a, i);
+    touch_unlink(a, i);
+    worker_unlink(a, i);
+
+    if (a->cfg.remember_ended) {
+        uint32_t k = a->ended_next;
+        a->ended_next = (k + 1) % a->cfg.remember_ended;
+        ended_slot *slot = &a->ended[k];
+        if (slot->ids) {
+            uint64_t mkey = km_u64map_key(slot->hash);
+            uint64_t *v = km_u64map_find(&a->ended_by_hash, mkey);
+            if (v && *v == k)
+                km_u64map_erase(&a->ended_by_hash, mkey);
+            ids_release(a, slot->ids, ids_size(slot->request_len, slot->attempt_len));
+        }
+        slot->hash = e->hash;
+        slot->ids = e->ids;
+        slot->request_len = e->request_len;
+        slot->attempt_len = e->attempt_len;
+        slot->end = end;
+        /* A failed map insert (out of memory) only means this id will later read as unknown. */
+        (void)km_u64map_put(&a->ended_by_hash, km_u64map_key(e->hash), k, 1);
+    } else {
+        ids_release(a, a->unremembered_ids, a->unremembered_size);
+        a->unremembered_ids = e->ids;
+        a->unremembered_size = ids_size(e->request_len, e->attempt_len);
+    }
+    e->ids = NULL;
+    e->hash_next = a->free_head;
+    a->free_head = i;
+    a->live--;
+    a->stats.ended[end]++;
+}
+
+/* Find the live entry for an event, or classify the miss (unknown / late / duplicate) with an
+ * error naming the event. */
+static int lookup_for_event(km_active *a, const km_active_key *key, const char *event,
+                            uint32_t *out)
+{
+    int rc = check_key(a, key);
+    if (rc)
+        return rc;
+    uint64_t hash = key_hash(key);
+    uint32_t i = find_entry(a, key, hash);
+    if (i != NIL) {
+        *out = i;
+        return KM_OK;
+    }
+    const ended_slot *s = a->ended ? find_ended(a, key, hash) : NULL;
+    if (s && (s->end == KM_ACTIVE_END_EXPIRED || s->end == KM_ACTIVE_END_WORKER_REMOVED ||
+              s->end == KM_ACTIVE_END_EVICTED)) {
+        a->stats.late++;
+        return active_fail(a, KM_ERR_NOT_FOUND, "%s for " ID_FMT ": the entry ended earlier (%s)",
+                           event, ID_ARGS(key), km_active_end_name(s->end));
+    }
+    if (s) {
+        a->stats.duplicates++;
+        return active_fail(a, KM_ERR_PROTOCOL, "%s for " ID_FMT " after FINISHED (outcome %s)",
+                           event, ID_ARGS(key), km_active_end_name(s->end));
+    }
+    a->stats.unknown++;
+    return active_fail(a, KM_ERR_NOT_FOUND, "%s for " ID_FMT ": no such active request", event,
+                       ID_ARGS(key));
+}
+
+/* ---- lifecycle ---------------------------------------------------------------------------- */
+
+static int grow_slab(km_active *a)
+{
+    uint64_t wanted = a->slab_capacity ? (uint64_t)a->slab_capacity * 2 : 64;
+    uint32_t capacity = wanted > a->cfg.max_entries ? a->cfg.max_entries : (uint32_t)wanted;
+    entry *slab = realloc(a->slab, (size_t)capacity * sizeof *slab);
+    if (!slab)
+        return KM_ERR_OUT_OF_MEMORY;
+    a->slab = slab;
+    for (uint32_t i = capacity; i-- > a->slab_capacity;) {
+        memset(&slab[i], 0, sizeof slab[i]);
+        slab[i].hash_next = a->free_head;
+        a->free_head = i;
+    }
+    a->slab_capacity = capacity;
+    return KM_OK;
+}
+
+int km_active_begin(km_active *a, uint32_t worker, const km_active_key *key,
+                    uint32_t prompt_tokens, uint32_t cached_tokens_predicted,
+                    uint32_t expected_output_tokens, uint32_t block_size, uint64_t now_ns)
+{
+    if (!a)
+        return KM_ERR_NULL_POINTER;
+    a->last_error[0] = '\0';
+    int rc = check_key(a, key);
+    if (rc)
+        return rc;
+    if (worker >= a->cfg.max_workers)
+        return active_fail(a, KM_ERR_WORKER_RANGE, "worker %" PRIu32 " out of range (max_workers %" PRIu32 ")",
+                           worker, a->cfg.max_workers);
+    if (block_size == 0)
+        return active_fail(a, KM_ERR_BLOCK_SIZE, "block size 0 for " ID_FMT, ID_ARGS(key));
+    uint64_t hash = key_hash(key);
+    /* One lookup of the hash's chain serves the duplicate check and the insertion below (nothing
+     * between them changes the map, so the pointer stays valid). */
+    uint64_t mkey = km_u64map_key(hash);
+    uint64_t *head = km_u64map_find(&a->by_hash, mkey);
+    for (uint32_t j = head ? (uint32_t)*head : NIL; j != NIL; j = a->slab[j].hash_next) {
+        const entry *e = &a->slab[j];
+        if (e->hash == hash && ids_equal(e->ids, e->request_len, e->attempt_len, key)) {
+            a->stats.duplicates++;
+            return active_fail(a, KM_ERR_PROTOCOL, ID_FMT " is already active (routed twice?)",
+                               ID_ARGS(key));
+        }
+    }
+    if (a->live >= a->cfg.max_entries)
+        return active_fail(a, KM_ERR_OVERLOADED, "%" PRIu32 " active requests, the configured maximum",
+                           a->cfg.max_entries);
+
+    /* Allocate everything before touching any state. */
+    if (a->free_head == NIL && (rc = grow_slab(a)) != KM_OK)
+        return active_fail(a, rc, "cannot grow the active-work table");
+    size_t size = key->request_id_len + key->attempt_id_len + 2;
+    char *ids = ids_alloc(a, size);
+    if (!ids)
+        return active_fail(a, KM_ERR_OUT_OF_MEMORY, "cannot copy the ids");
+    uint32_t chain_next = head ? (uint32_t)*head : NIL;
+    uint32_t i = a->free_head;
+    if (head) {
+        *head = i; /* the new entry heads the chain */
+    } else if ((rc = km_u64map_put(&a->by_hash, mkey, i, 1)) != KM_OK) {
+        ids_release(a, ids, size);
+        return active_fail(a, rc, "cannot grow the active-work map");
+    }
+    a->free_head = a->slab[i].hash_next;
+
+    memcpy(ids, key->request_id, key->request_id_len);
+    ids[key->request_id_len] = '\0';
+    if (key->attempt_id_len)
+        memcpy(ids + key->request_id_len + 1, key->attempt_id, key->attempt_id_len);
+    ids[key->request_id_len + 1 + key->attempt_id_len] = '\0';
+
+    uint64_t now = advance_clock(a, now_ns);
+    entry *e = &a->slab[i];
+    memset(e, 0, sizeof *e);
+    e->hash = hash;
+    e->ids = ids;
+    e->request_len = (uint32_t)key->request_id_len;
+    e->attempt_len = (uint32_t)key->attempt_id_len;
+    e->worker = worker;
+    e->hash_next = chain_next;
+    e->prompt_tokens = prompt_tokens;
+    e->predicted_cached_tokens = cached_tokens_predicted;
+    e->expected_output_tokens = expected_output_tokens;
+    e->block_size = block_size;
+    uint32_t cached = cached_tokens_predicted < prompt_tokens ? cached_tokens_predicted : prompt_tokens;
+    e->prefill_charged = e->prefill_pending = (uint64_t)prompt_tokens - cached;
+    uint64_t tokens = (uint64_t)prompt_tokens + expected_output_tokens;
+    e->decode_blocks = (tokens + block_size - 1) / block_size;
+    e->engine_cached_tokens = KM_ACTIVE_CACHED_UNKNOWN;
+    e->begin_ns = e->last_touch_ns = now;
+    e->touch_prev = e->touch_next = NIL;
+    touch_append(a, i);
+    worker_link(a, i);
+
+    km_active_load *load = &a->workers[worker].load;
+    load->in_flight += 1;
+    load->pending_prefill_tokens += e->prefill_pending;
+    load->active_decode_blocks += e->decode_blocks;
+    a->live++;
+    a->stats.begun++;
+    return KM_OK;
+}
+
+int km_active_dispatched(km_active *a, const km_active_key *key, uint64_t now_ns)
+{
+    if (!a)
+        return KM_ERR_NULL_POINTER;
+    a->last_error[0] = '\0';
+    uint32_t i;
+    int rc = lookup_for_event(a, key, "DISPATCHED", &i);
+    if (rc)
+        return rc;
+    entry *e = &a->slab[i];
+    if (e->first_token) {
+        a->stats.out_of_order++;
+        return active_fail(a, KM_ERR_PROTOCOL, "DISPATCHED for " ID_FMT " after FIRST_TOKEN",
+                           ID_ARGS(key));
+    }
+    uint64_t now = advance_clock(a, now_ns);
+    if (!e->dispatched) {
+        e->dispatched = true;
+        e->dispatched_ns = now;
+    }
+    touch(a, i, now);
+    return KM_OK;
+}
+
+int km_active_move(km_active *a, const km_active_key *key, uint32_t worker, uint64_t now_ns)
+{
+    if (!a)
+        return KM_ERR_NULL_POINTER;
+    a->last_error[0] = '\0';
+    if (worker >= a->cfg.max_workers)
+        return active_fail(a, KM_ERR_WORKER_RANGE, "worker %u (max_workers %u)", worker,
+                           a->cfg.max_workers);
+    uint32_t i;
+    int rc = lookup_for_event(a, key, "a move", &i);
+    if (rc)
+        return rc;
+    entry *e = &a->slab[i];
+    uint64_t now = advance_clock(a, now_ns);
+    touch(a, i, now);
+    if (e->worker == worker)
+        return KM_OK;
+    km_active_load *from = &a->workers[e->worker].load, *to = &a->workers[worker].load;
+    from->in_flight = saturating_sub(a, from->in_flight, 1);
+    from->pending_prefill_tokens = saturating_sub(a, from->pending_prefill_tokens, e->prefill_pending);
+    from->active_decode_blocks = saturating_sub(a, from->active_decode_blocks, e->decode_blocks);
+    worker_unlink(a, i);
+    e->worker = worker;
+    worker_link(a, i);
+    to->in_flight++;
+    to->pending_prefill_tokens += e->prefill_pending;
+    to->active_decode_blocks += e->decode_blocks;
+    a->stats.moved++;
+    return KM_OK;
+}
+
+int km_active_first_token(km_active *a, const km_active_key *key, int64_t engine_cached_tokens,
+                          uint64_t now_ns)
+{
+    if (!a)
+        return KM_ERR_NULL_POINTER;
+    a->last_error[0] = '\0';
+    if (engine_cached_tokens < KM_ACTIVE_CACHED_UNKNOWN)
+        return active_fail(a, KM_ERR_INVALID_ARGUMENT, "engine cached tokens %" PRId64 " is negative",
+                           engine_cached_tokens);
+    uint32_t i;
+    int rc = lookup_for_event(a, key, "FIRST_TOKEN", &i);
+    if (rc)
+        return rc;
+    entry *e = &a->slab[i];
+    if (e->first_token) {
+        a->stats.duplicates++;
+        return active_fail(a, KM_ERR_PROTOCOL, "FIRST_TOKEN twice for " ID_FMT, ID_ARGS(key));
+    }
+    uint64_t now = advance_clock(a, now_ns);
+    km_active_load *load = &a->workers[e->worker].load;
+    load->pending_prefill_tokens = saturating_sub(a, load->pending_prefill_tokens, e->prefill_pending);
+    e->prefill_pending = 0;
+    e->first_token = true;
+    e->first_token_ns = now;
+    if (engine_cached_tokens != KM_ACTIVE_CACHED_UNKNOWN)
+        e->engine_cached_tokens = engine_cached_tokens;
+    touch(a, i, now);
+    return KM_OK;
+}
+
+int km_active_report_cached(km_active *a, const km_active_key *key, int64_t engine_cached_tokens,
+                            uint64_t now_ns)
+{
+    if (!a)
+        return KM_ERR_NULL_POINTER;
+    a->last_error[0] = '\0';
+    if (engine_cached_tokens < 0)
+        return active_fail(a, KM_ERR_INVALID_ARGUMENT, "engine cached tokens %" PRId64 " is negative",
+                           engine_cached_tokens);
+    uint32_t i;
+    int rc = lookup_for_event(a, key, "cached-tokens report", &i);
+    if (rc)
+        return rc;
+    entry *e = &a->slab[i];
+    uint64_t now = advance_clock(a, now_ns);
+    e->engine_cached_tokens = engine_cached_tokens;
+    if (!e->first_token) {
+        uint64_t cached = (uint64_t)engine_cached_tokens < e->prompt_tokens
+                              ? (uint64_t)engine_cached_tokens
+                              : e->prompt_tokens;
+        uint64_t corrected = e->prompt_tokens - cached;
+        if (corrected != e->prefill_pending) {
+            km_active_load *load = &a->workers[e->worker].load;
+            load->pending_prefill_tokens =
+                saturating_sub(a, load->pending_prefill_tokens, e->prefill_pending) + corrected;
+            e->prefill_pending = e->prefill_charged = corrected;
+            a->stats.corrections++;
+        }
+    }
+    touch(a, i, now);
+    return KM_OK;
+}
+
+int km_active_finish(km_active *a, const km_active_key *key, km_active_end outcome,
+                     uint64_t now_ns, km_active_summary *summary)
+{
+    if (!a)
+        return KM_ERR_NULL_POINTER;
+    a->last_error[0] = '\0';
+    if (outcome != KM_ACTIVE_END_COMPLETE && outcome != KM_ACTIVE_END_INCOMPLETE &&
+        outcome != KM_ACTIVE_END_ERROR && outcome != KM_ACTIVE_END_CANCELLED)
+        return active_fail(a, KM_ERR_INVALID_ARGUMENT,
+                           "FINISHED outcome %d is not complete, incomplete, error or cancelled",
+                           (int)outcome);
+    uint32_t i;
+    int rc = lookup_for_event(a, key, "FINISHED", &i);
+    if (rc)
+        return rc;
+    km_active_summary local;
+    end_entry(a, i, outcome, advance_clock(a, now_ns), summary ? summary : &local);
+    return KM_OK;
+}
+
+int km_active_expire(km_active *a, uint64_t now_ns, km_active_summary_fn on_expired, void *user,
+                     size_t *n_expired)
+{
+    return km_active_expire_some(a, now_ns, SIZE_MAX, on_expired, user, n_expired);
+}
+
+int km_active_expire_some(km_active *a, uint64_t now_ns, size_t max,
+                          km_active_summary_fn on_expired, void *user, size_t *n_expired)
+{
+    if (n_expired)
+        *n_expired = 0;
+    if (!a)
+        return KM_ERR_NULL_POINTER;
+    a->last_error[0] = '\0';
+    uint64_t now = advance_clock(a, now_ns);
+    size_t n = 0;
+    while (a->touch_head != NIL && n < max) {
+        uint32_t i = a->touch_head;
+        if (now - a->slab[i].last_touch_ns < a->cfg.ttl_ns)
+            break; /* the list is ordered: every later entry is younger */
+        km_active_summary s;
+        end_entry(a, i, KM_ACTIVE_END_EXPIRED, now, &s);
+        n++;
+        if (on_expired)
+            on_expired(user, &s);
+    }
+    if (n_expired)
+        *n_expired = n;
+    return KM_OK;
+}
+
+int km_active_evict_oldest(km_active *a, uint64_t now_ns, km_active_summary_fn on_evicted,
+                           void *user)
+{
+    if (!a)
+        return KM_ERR_NULL_POINTER;
+    a->last_error[0] = '\0';
+    if (a->touch_head == NIL)
+        return active_fail(a, KM_ERR_NOT_FOUND, "no active entry to evict");
+    km_active_summary s;
+    end_entry(a, a->touch_head, KM_ACTIVE_END_EVICTED, advance_clock(a, now_ns), &s);
+    if (on_evicted)
+        on_evicted(user, &s);
+    return KM_OK;
+}
+
+int km_active_remove_worker(km_active *a, uint32_t worker, uint64_t now_ns,
+                            km_active_summary_fn on_removed, void *user, size_t *n_removed)
+{
+    if (n_removed)
+        *n_removed = 0;
+    if (!a)
+        return KM_ERR_NULL_POINTER;
+    a->last_error[0] = '\0';
+    if (worker >= a->cfg.max_workers)
+        return active_fail(a, KM_ERR_WORKER_RANGE, "worker %" PRIu32 " out of range (max_workers %" PRIu32 ")",
+                           worker, a->cfg.max_workers);
+    uint64_t now = advance_clock(a, now_ns);
+    size_t n = 0;
+    while (a->workers[worker].head != NIL) {
+        km_active_summary s;
+        end_entry(a, a->workers[worker].head, KM_ACTIVE_END_WORKER_REMOVED, now, &s);
+        n++;
+        if (on_removed)
+            on_removed(user, &s);
+    }
+    km_active_load *load = &a->workers[worker].load;
+    if (load->in_flight || load->pending_prefill_tokens || load->active_decode_blocks) {
+        a->stats.saturations++; /* a broken sum invariant; reset rather than keep phantom load */
+        memset(load, 0, sizeof *load);
+    }
+    if (n_removed)
+        *n_removed = n;
+    return KM_OK;
+}
+
+/* ---- inspection --------------------------------------------------------------------------- */
+
+int km_active_worker_load(const km_active *a, uint32_t worker, km_active_load *out)
+{
+    if (!a || !out)
+        return KM_ERR_NULL_POINTER;
+    if (worker >= a->cfg.max_workers)
+        return KM_ERR_WORKER_RANGE;
+    *out = a->workers[worker].load;
+    return KM_OK;
+}
+
+int km_active_get_stats(const km_active *a, km_active_stats *out)
+{
+    if (!a || !out)
+        return KM_ERR_NULL_POINTER;
+    *out = a->stats;
+    memset(&out->total, 0, sizeof out->total);
+    for (uint32_t w = 0; w < a->cfg.max_workers; w++) {
+        out->total.in_flight += a->workers[w].load.in_flight;
+        out->total.pending_prefill_tokens += a->workers[w].load.pending_prefill_tokens;
+        out->total.active_decode_blocks += a->workers[w].load.active_decode_blocks;
+    }
+    out->entries = a->live;
+    return KM_OK;
+}
+
+int km_active_contains(const km_active *a, const km_active_key *key)
+{
+    if (!a || !key || !key->request_id || !key->request_id_len ||
+        key->request_id_len > KM_ACTIVE_ID_MAX || key->attempt_id_len > KM_ACTIVE_ID_MAX ||
+        (key->attempt_id_len && !key->attempt_id))
+        return 0;
+    return find_entry(a, key, key_hash(key)) != NIL;
+}
+
+int km_active_set_user(km_active *a, const km_active_key *key, void *user)
+{
+    if (!a)
+        return KM_ERR_NULL_POINTER;
+    int rc = check_key(a, key);
+    if (rc)
+        return rc;
+    uint32_t i = find_entry(a, key, key_hash(key));
+    if (i == NIL)
+        return active_fail(a, KM_ERR_NOT_FOUND, ID_FMT " is not active", ID_ARGS(key));
+    a->slab[i].user = user;
+    return KM_OK;
+}
+
+void *km_active_user(const km_active *a, const km_active_key *key)
+{
+    if (!a || !key || !key->request_id || key->request_id_len == 0 ||
+        key->request_id_len > KM_ACTIVE_ID_MAX || key->attempt_id_len > KM_ACTIVE_ID_MAX ||
+        (key->attempt_id_len && !key->attempt_id))
+        return NULL;
+    uint32_t i = find_entry(a, key, key_hash(key));
+    return i == NIL ? NULL : a->slab[i].user;
+}

@@ -1,0 +1,546 @@
+/* Decision policies (include/kvmatch/policy.h): pure functions from one request's scored candidates
+ * to a chosen worker, plus the owner of the deepest match kept apart from it. No allocation: every
+ * pass recomputes what it needs from the candidates, which is cheaper than scratch memory at the
+ * sizes a pool has (up to a few thousand workers), and keeps the functions reentrant. */
+#include "kvmatch/policy.h"
+#include "base/error_detail.h"
+
+#include <math.h>
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <string.h>
+
+/* ---- names -------------------------------------------------------------------------------- */
+
+static const char *const kind_names[KM_POLICY_KIND_COUNT] = {
+    [KM_POLICY_KV] = "kv",
+    [KM_POLICY_CACHE_AWARE] = "cache_aware",
+    [KM_POLICY_PREFIX] = "prefix",
+    [KM_POLICY_LEAST_LOAD] = "least_load",
+    [KM_POLICY_ROUND_ROBIN] = "round_robin",
+};
+
+static const char *const reason_names[KM_POLICY_REASON_COUNT] = {
+    [KM_POLICY_REASON_MIN_COST] = "min_cost",
+    [KM_POLICY_REASON_SAMPLED] = "sampled",
+    [KM_POLICY_REASON_CACHE_HIT] = "cache_hit",
+    [KM_POLICY_REASON_IMBALANCE] = "imbalance",
+    [KM_POLICY_REASON_BELOW_THRESHOLD] = "below_threshold",
+    [KM_POLICY_REASON_DEEPEST_MATCH] = "deepest_match",
+    [KM_POLICY_REASON_NO_MATCH] = "no_match",
+    [KM_POLICY_REASON_LEAST_LOAD] = "least_load",
+    [KM_POLICY_REASON_ROUND_ROBIN] = "round_robin",
+};
+
+const char *km_policy_kind_name(km_policy_kind kind)
+{
+    if ((unsigned)kind < KM_POLICY_KIND_COUNT)
+        return kind_names[kind];
+    return "unknown";
+}
+
+int km_policy_kind_parse(const char *name, km_policy_kind *out)
+{
+    if (!name || !out)
+        return KM_ERR_NULL_POINTER;
+    for (unsigned k = 0; k < KM_POLICY_KIND_COUNT; k++) {
+        if (strcmp(name, kind_names[k]) == 0) {
+            *out = (km_policy_kind)k;
+            return KM_OK;
+        }
+    }
+    return KM_ERR_INVALID_ARGUMENT;
+}
+
+const char *km_policy_reason_name(km_policy_reason reason)
+{
+    if ((unsigned)reason < KM_POLICY_REASON_COUNT)
+        return reason_names[reason];
+    return "unknown";
+}
+
+const char *km_policy_load_kind(km_policy_kind kind)
+{
+    switch (kind) {
+    case KM_POLICY_KV:
+        return "active_decode_blocks";
+    case KM_POLICY_CACHE_AWARE:
+    case KM_POLICY_PREFIX:
+    case KM_POLICY_LEAST_LOAD:
+        return "in_flight_requests";
+    case KM_POLICY_ROUND_ROBIN:
+        return "none";
+    }
+    return "unknown";
+}
+
+double km_policy_load_value(km_policy_kind kind, const km_policy_candidate *cand)
+{
+    if (!cand)
+        return 0.0;
+    switch (kind) {
+    case KM_POLICY_KV:
+        return (double)cand->active_decode_blocks;
+    case KM_POLICY_CACHE_AWARE:
+    case KM_POLICY_PREFIX:
+    case KM_POLICY_LEAST_LOAD:
+        return (double)cand->in_flight;
+    case KM_POLICY_ROUND_ROBIN:
+        return NAN; /* weighs no load: records write null, replies nil, never a measured 0 */
+    }
+    return 0.0;
+}
+
+/* ---- configuration ------------------------------------------------------------------------ */
+
+void km_policy_config_init(km_policy_config *cfg)
+{
+    if (!cfg)
+        return;
+    memset(cfg, 0, sizeof *cfg);
+    cfg->kind = KM_POLICY_KV;
+    cfg->kv.prefill_load_scale = 1.0;
+    cfg->kv.device_weight = 1.0;
+    cfg->kv.host_weight = 0.75;
+    cfg->kv.disk_weight = 0.25;
+    cfg->kv.temperature = 0.0;
+    cfg->cache_aware.cache_threshold = 0.3;
+    cfg->cache_aware.balance_abs_threshold = 64;
+    cfg->cache_aware.balance_rel_threshold = 1.5;
+}
+
+static int fail(char *why, size_t why_size, int status, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    km_vstatus_message(why, why_size, status, fmt, ap);
+    va_end(ap);
+    return status;
+}
+
+/* A finite value >= 0, or a sentence naming the field. */
+static int check_non_negative(const char *field, double value, char *why, size_t why_size)
+{
+    if (isnan(value) || isinf(value) || value < 0.0)
+        return fail(why, why_size, KM_ERR_INVALID_ARGUMENT,
+                    "policy config %s is %g; it must be a finite number >= 0", field, value);
+    return KM_OK;
+}
+
+int km_policy_config_validate(const km_policy_config *cfg, char *why, size_t why_size)
+{
+    if (why && why_size)
+        why[0] = '\0';
+    if (!cfg)
+        return fail(why, why_size, KM_ERR_NULL_POINTER, "policy config is NULL");
+    if ((unsigned)cfg->kind >= KM_POLICY_KIND_COUNT)
+        return fail(why, why_size, KM_ERR_INVALID_ARGUMENT,
+                    "policy kind %d is unknown (kv, cache_aware, prefix, least_load, round_robin)",
+                    (int)cfg->kind);
+    int rc;
+    if ((rc = check_non_negative("kv.prefill_load_scale", cfg->kv.prefill_load_scale, why,
+                                 why_size)) ||
+        (rc = check_non_negative("kv.device_weight", cfg->kv.device_weight, why, why_size)) ||
+        (rc = check_non_negative("kv.host_weight", cfg->kv.host_weight, why, why_size)) ||
+        (rc = check_non_negative("kv.disk_weight", cfg->kv.disk_weight, why, why_size)) ||
+        (rc = check_non_negative("kv.temperature", cfg->kv.temperature, why, why_size)) ||
+        (rc = check_non_negative("cache_aware.balance_rel_threshold",
+                                 cfg->cache_aware.balance_rel_threshold, why, why_size)))
+        return rc;
+    double t = cfg->cache_aware.cache_threshold;
+    if (isnan(t) || t < 0.0 || t > 1.0)
+        return fail(why, why_size, KM_ERR_INVALID_ARGUMENT,
+                    "policy config cache_aware.cache_threshold is %g; it must lie in [0, 1]", t);
+    return KM_OK;
+}
+
+/* ---- state -------------------------------------------------------------------------------- */
+
+void km_policy_state_init(km_policy_state *state, uint64_t seed)
+{
+    if (!state)
+        return;
+    memset(state, 0, sizeof *state);
+    state->rng_state = seed;
+}
+
+const char *km_policy_last_error(const km_policy_state *state)
+{
+    return state ? state->last_error : "";
+}
+
+/* splitmix64 (Steele, Lea, Flood 2014): one 64-bit state word, full period, good enough for
+ * choosing among workers, and trivially replayable from a recorded state. */
+static uint64_t rng_next(km_policy_state *state)
+{
+    uint64_t z = (state->rng_state += UINT64_C(0x9E3779B97F4A7C15));
+    z = (z ^ (z >> 30)) * UINT64_C(0xBF58476D1CE4E5B9);
+    z = (z ^ (z >> 27)) * UINT64_C(0x94D049BB133111EB);
+    return z ^ (z >> 31);
+}
+
+/* Uniform in [0, 1) with 53 random bits. */
+static double rng_uniform(km_policy_state *state)
+{
+    return (double)(rng_next(state) >> 11) * 0x1.0p-53;
+}
+
+/* ---- orders and costs --------------------------------------------------------------------- */
+
+static uint64_t ceil_div(uint64_t a, uint64_t b)
+{
+    return a / b + (a % b != 0);
+}
+
+/* Three-way compare of two unsigned values: -1, 0, 1. */
+#define CMP3(a, b) (((a) > (b)) - ((a) < (b)))
+
+/* "Least load" order: in_flight, pending_prefill_tokens, active_decode_blocks, worker id. */
+static int compare_load(const km_policy_candidate *a, const km_policy_candidate *b)
+{
+    int c;
+    if ((c = CMP3(a->in_flight, b->in_flight)))
+        return c;
+    if ((c = CMP3(a->pending_prefill_tokens, b->pending_prefill_tokens)))
+        return c;
+    if ((c = CMP3(a->active_decode_blocks, b->active_decode_blocks)))
+        return c;
+    return CMP3(a->worker, b->worker);
+}
+
+/* The index of the least-loaded candidate. */
+static uint32_t least_loaded(const km_policy_candidate *cands, uint32_t n)
+{
+    uint32_t best = 0;
+    for (uint32_t i = 1; i < n; i++)
+        if (compare_load(&cands[i], &cands[best]) < 0)
+            best = i;
+    return best;
+}
+
+/* The index of the fewest in_flight, ties to the lower worker id (cache_aware's load). */
+static uint32_t least_in_flight(const km_policy_candidate *cands, uint32_t n)
+{
+    uint32_t best = 0;
+    for (uint32_t i = 1; i < n; i++) {
+        const km_policy_candidate *a = &cands[i], *b = &cands[best];
+        if (a->in_flight < b->in_flight || (a->in_flight == b->in_flight && a->worker < b->worker))
+            best = i;
+    }
+    return best;
+}
+
+/* The deepest match (depth >= 1), ties by the load order; KM_POLICY_NO_OWNER when none. */
+static uint32_t find_owner(const km_policy_candidate *cands, uint32_t n)
+{
+    uint32_t owner = KM_POLICY_NO_OWNER;
+    for (uint32_t i = 0; i < n; i++) {
+        if (cands[i].depth == 0)
+            continue;
+        if (owner == KM_POLICY_NO_OWNER || cands[i].depth > cands[owner].depth ||
+            (cands[i].depth == cands[owner].depth && compare_load(&cands[i], &cands[owner]) < 0))
+            owner = i;
+    }
+    return owner;
+}
+
+uint32_t km_policy_owner(const km_policy_candidate *cands, uint32_t n)
+{
+    return cands ? find_owner(cands, n) : KM_POLICY_NO_OWNER;
+}
+
+/* The parts of the kv cost that depend on the request only. */
+typedef struct kv_request_terms {
+    double request_tokens; /* max(prompt_tokens, n_blocks * B): Dynamo's isl */
+    double request_blocks; /* max(n_blocks, ceil(prompt_tokens / B)) */
+    double output_blocks;  /* ceil(expected_output_tokens / B) */
+} kv_request_terms;
+
+static kv_request_terms kv_terms(const km_policy_request *req)
+{
+    kv_request_terms t;
+    uint64_t scored_tokens = (uint64_t)req->n_blocks * req->block_size;
+    t.request_tokens =
+        (double)(req->prompt_tokens > scored_tokens ? req->prompt_tokens : scored_tokens);
+    uint64_t prompt_blocks = ceil_div(req->prompt_tokens, req->block_size);
+    t.request_blocks = (double)(prompt_blocks > req->n_blocks ? prompt_blocks : req->n_blocks);
+    t.output_blocks = (double)ceil_div(req->expected_output_tokens, req->block_size);
+    return t;
+}
+
+/* Dynamo's raw prefill is (active_prefill_tokens + isl) / B, one division in floating point: a
+ * worker with 1 queued token is cheaper than one with 16, which rounding each worker's pending
+ * prefill up to whole blocks would tie (or, with prefill_load_scale != 1, invert). The sum stays
+ * in tokens until one final division, so with dyadic weights and scale (every default) the
+ * numerator is exact and equal costs are equal doubles: ties break by compare_kv's order, not by
+ * the rounding of a different sequence of operations. */
+static double kv_cost(const km_policy_config *cfg, const km_policy_request *req,
+                      const kv_request_terms *t, const km_policy_candidate *c)
+{
+    double block_size = (double)req->block_size;
+    double raw_prefill_tokens = t->request_tokens + (double)c->pending_prefill_tokens;
+    double overlap_credit = (double)c->device_blocks * cfg->kv.device_weight +
+                            (double)c->host_blocks * cfg->kv.host_weight +
+                            (double)c->disk_blocks * cfg->kv.disk_weight;
+    double uncovered_tokens = raw_prefill_tokens - overlap_credit * block_size;
+    if (uncovered_tokens < 0.0)
+        uncovered_tokens = 0.0;
+    double decode_blocks = (double)c->active_decode_blocks + t->request_blocks + t->output_blocks;
+    return (cfg->kv.prefill_load_scale * uncovered_tokens + decode_blocks * block_size) /
+           block_size;
+}
+
+/* kv's order at temperature 0: cost, active_decode_blocks, in_flight, indexed_blocks, worker. */
+static int compare_kv(double cost_a, const km_policy_candidate *a, double cost_b,
+                      const km_policy_candidate *b)
+{
+    int c;
+    if ((c = CMP3(cost_a, cost_b)))
+        return c;
+    if ((c = CMP3(a->active_decode_blocks, b->active_decode_blocks)))
+        return c;
+    if ((c = CMP3(a->in_flight, b->in_flight)))
+        return c;
+    if ((c = CMP3(a->indexed_blocks, b->indexed_blocks)))
+        return c;
+    return CMP3(a->worker, b->worker);
+}
+
+/* ---- softmax ------------------------------------------------------------------------------ */
+
+/* Dynamo's weights: exp(-(cost - min) / ((max - min) * T)), all 1 when max == min. The largest
+ * weight is exactly 1 (at the minimum cost), so the sum is in [1, n] and never overflows. */
+static double softmax_weight(double cost, double min, double max, double temperature)
+{
+    if (max == min)
+        return 1.0;
+    return exp(-((cost - min) / (max - min)) / temperature);
+}
+
+int km_policy_softmax_probabilities(const double *costs, uint32_t n, double temperature,
+                                    double *probs)
+{
+    if (!costs || !probs)
+        return KM_ERR_NULL_POINTER;
+    if (n == 0 || isnan(temperature) || isinf(temperature) || temperature <= 0.0)
+        return KM_ERR_INVALID_ARGUMENT;
+    double min = costs[0], max = costs[0];
+    for (uint32_t i = 0; i < n; i++) {
+        if (isnan(costs[i]) || isinf(costs[i]))
+            return KM_ERR_INVALID_ARGUMENT;
+        if (costs[i] < min)
+            min = costs[i];
+        if (costs[i] > max)
+            max = costs[i];
+    }
+    double sum = 0.0;
+    for (uint32_t i = 0; i < n; i++)
+        sum += softmax_weight(costs[i], min, max, temperature);
+    for (uint32_t i = 0; i < n; i++)
+        probs[i] = softmax_weight(costs[i], min, max, temperature) / sum;
+    return KM_OK;
+}
+
+/* ---- the policies --------------------------------------------------------------------------- */
+
+static void decide_kv(const km_policy_config *cfg, km_policy_state *state,
+                      const km_policy_request *req, const km_policy_candidate *cands, uint32_t n,
+                      km_policy_decision *out, double *costs_out)
+{
+    kv_request_terms t = kv_terms(req);
+    double min = 0.0, max = 0.0;
+    uint32_t best = 0;
+    double best_cost = 0.0;
+    for (uint32_t i = 0; i < n; i++) {
+        double cost = kv_cost(cfg, req, &t, &cands[i]);
+        if (costs_out)
+            costs_out[i] = cost;
+        if (i == 0) {
+            min = max = best_cost = cost;
+            continue;
+        }
+        if (cost < min)
+            min = cost;
+        if (cost > max)
+            max = cost;
+        if (compare_kv(cost, &cands[i], best_cost, &cands[best]) < 0) {
+            best = i;
+            best_cost = cost;
+        }
+    }
+    if (cfg->kv.temperature == 0.0) {
+        out->chosen = best;
+        out->chosen_cost = best_cost;
+        out->reason = KM_POLICY_REASON_MIN_COST;
+        return;
+    }
+    double temperature = cfg->kv.temperature;
+    double sum = 0.0;
+    /* The passes below recompute each cost (the same expression, so the same double) unless the
+     * caller gave costs_out, which already holds them. */
+    for (uint32_t i = 0; i < n; i++) {
+        double cost = costs_out ? costs_out[i] : kv_cost(cfg, req, &t, &cands[i]);
+        sum += softmax_weight(cost, min, max, temperature);
+    }
+    double target = rng_uniform(state) * sum;
+    double cumulative = 0.0;
+    uint32_t chosen = UINT32_MAX, last_positive = 0;
+    double chosen_cost = 0.0;
+    for (uint32_t i = 0; i < n; i++) {
+        double cost = costs_out ? costs_out[i] : kv_cost(cfg, req, &t, &cands[i]);
+        double w = softmax_weight(cost, min, max, temperature);
+        if (w <= 0.0)
+            continue; /* underflowed: probability 0, never drawn */
+        last_positive = i;
+        cumulative += w;
+        if (target < cumulative) {
+            chosen = i;
+            chosen_cost = cost;
+            break;
+        }
+    }
+    if (chosen == UINT32_MAX) { /* rounding left target at or above the last cumulative sum */
+        chosen = last_positive;
+        chosen_cost = kv_cost(cfg, req, &t, &cands[chosen]);
+    }
+    out->chosen = chosen;
+    out->chosen_cost = chosen_cost;
+    out->reason = KM_POLICY_REASON_SAMPLED;
+}
+
+static void decide_cache_aware(const km_policy_config *cfg, const km_policy_candidate *cands,
+                               uint32_t n, km_policy_decision *out, double *costs_out)
+{
+    uint32_t min = cands[0].in_flight, max = cands[0].in_flight;
+    for (uint32_t i = 0; i < n; i++) {
+        if (costs_out)
+            costs_out[i] = (double)cands[i].in_flight;
+        if (cands[i].in_flight < min)
+            min = cands[i].in_flight;
+        if (cands[i].in_flight > max)
+            max = cands[i].in_flight;
+    }
+    bool imbalanced = (uint64_t)(max - min) > cfg->cache_aware.balance_abs_threshold &&
+                      (double)max > (double)min * cfg->cache_aware.balance_rel_threshold;
+    if (imbalanced) {
+        out->chosen = least_in_flight(cands, n);
+        out->reason = KM_POLICY_REASON_IMBALANCE;
+    } else if (out->owner != KM_POLICY_NO_OWNER &&
+               out->match_ratio > cfg->cache_aware.cache_threshold) {
+        out->chosen = out->owner;
+        out->reason = KM_POLICY_REASON_CACHE_HIT;
+    } else {
+        out->chosen = least_in_flight(cands, n);
+        out->reason = KM_POLICY_REASON_BELOW_THRESHOLD;
+    }
+    out->chosen_cost = (double)cands[out->chosen].in_flight;
+}
+
+/* ---- validation and dispatch -------------------------------------------------------------- */
+
+static int state_fail(km_policy_state *state, int status, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    km_vstatus_message(state->last_error, sizeof state->last_error, status, fmt, ap);
+    va_end(ap);
+    return status;
+}
+
+static int validate_input(const km_policy_config *cfg, km_policy_state *state,
+                          const km_policy_request *req, const km_policy_candidate *cands,
+                          uint32_t n)
+{
+    int rc = km_policy_config_validate(cfg, state->last_error, sizeof state->last_error);
+    if (rc != KM_OK)
+        return rc;
+    if (n == 0)
+        return state_fail(state, KM_ERR_INVALID_ARGUMENT,
+                          "no candidate workers: a decision needs at least one");
+    if (req->block_size == 0)
+        return state_fail(state, KM_ERR_BLOCK_SIZE, "request block_size is 0");
+    uint64_t scored_tokens = (uint64_t)req->n_blocks * req->block_size;
+    if (req->prompt_tokens != 0 && req->prompt_tokens < scored_tokens)
+        return state_fail(state, KM_ERR_INVALID_ARGUMENT,
+                          "request prompt_tokens %llu is fewer than its %u blocks of %u tokens",
+                          (unsigned long long)req->prompt_tokens, req->n_blocks, req->block_size);
+    for (uint32_t i = 0; i < n; i++) {
+        const km_policy_candidate *c = &cands[i];
+        if (c->depth > req->n_blocks)
+            return state_fail(state, KM_ERR_INVALID_ARGUMENT,
+                              "candidate %u (worker %u): depth %u exceeds the request's %u blocks",
+                              i, c->worker, c->depth, req->n_blocks);
+        uint64_t split = (uint64_t)c->device_blocks + c->host_blocks + c->disk_blocks;
+        if (split != c->depth)
+            return state_fail(state, KM_ERR_INVALID_ARGUMENT,
+                              "candidate %u (worker %u): tier split %u device + %u host + %u disk "
+                              "does not add up to depth %u",
+                              i, c->worker, c->device_blocks, c->host_blocks, c->disk_blocks,
+                              c->depth);
+    }
+    return KM_OK;
+}
+
+int km_policy_decide(const km_policy_config *cfg, km_policy_state *state,
+                     const km_policy_request *req, const km_policy_candidate *cands, uint32_t n,
+                     km_policy_decision *out, double *costs_out)
+{
+    if (!state)
+        return KM_ERR_NULL_POINTER;
+    if (!cfg || !req || !cands || !out)
+        return state_fail(state, KM_ERR_NULL_POINTER, "km_policy_decide: %s is NULL",
+                          !cfg ? "cfg" : !req ? "req" : !cands ? "cands" : "out");
+    int rc = validate_input(cfg, state, req, cands, n);
+    if (rc != KM_OK)
+        return rc;
+    state->last_error[0] = '\0';
+
+    km_policy_decision d;
+    memset(&d, 0, sizeof d);
+    d.owner = find_owner(cands, n);
+    d.owner_depth = d.owner == KM_POLICY_NO_OWNER ? 0 : cands[d.owner].depth;
+    d.match_ratio = req->n_blocks ? (double)d.owner_depth / (double)req->n_blocks : 0.0;
+
+    switch (cfg->kind) {
+    case KM_POLICY_KV:
+        decide_kv(cfg, state, req, cands, n, &d, costs_out);
+        break;
+    case KM_POLICY_CACHE_AWARE:
+        decide_cache_aware(cfg, cands, n, &d, costs_out);
+        break;
+    case KM_POLICY_PREFIX:
+        if (costs_out)
+            for (uint32_t i = 0; i < n; i++)
+                costs_out[i] = (double)(req->n_blocks - cands[i].depth);
+        if (d.owner != KM_POLICY_NO_OWNER) {
+            d.chosen = d.owner;
+            d.reason = KM_POLICY_REASON_DEEPEST_MATCH;
+        } else {
+            d.chosen = least_loaded(cands, n);
+            d.reason = KM_POLICY_REASON_NO_MATCH;
+        }
+        d.chosen_cost = (double)(req->n_blocks - cands[d.chosen].depth);
+        break;
+    case KM_POLICY_LEAST_LOAD:
+        if (costs_out)
+            for (uint32_t i = 0; i < n; i++)
+                costs_out[i] = (double)cands[i].in_flight;
+        d.chosen = least_loaded(cands, n);
+        d.chosen_cost = (double)cands[d.chosen].in_flight;
+        d.reason = KM_POLICY_REASON_LEAST_LOAD;
+        break;
+    case KM_POLICY_ROUND_ROBIN:
+        if (costs_out) /* it compares nothing: no cost (null in records, nil on the wire) */
+            for (uint32_t i = 0; i < n; i++)
+                costs_out[i] = NAN;
+        d.chosen = (uint32_t)(state->round_robin_cursor % n);
+        state->round_robin_cursor++;
+        d.chosen_cost = NAN;
+        d.reason = KM_POLICY_REASON_ROUND_ROBIN;
+        break;
+    }
+    d.chosen_depth = cands[d.chosen].depth;
+    *out = d;
+    return KM_OK;
+}

@@ -1,0 +1,2115 @@
+/* The event feed (include/kvmatch/feed.h): per-worker seq tracking, gap / replay / restart
+ * handling, engine-hash -> chain-hash maps, and the queue of index updates that km_feed_flush
+ * applies as one batch. docs/EVENTS.md ("The feed") states the rules this file implements.
+ *
+ * Invariants, per worker:
+ *  - expected is the next seq to apply; every applied message had exactly seq == expected, so the
+ *    worker's updates are queued in its engine's order.
+ *  - buffer holds live messages with seq >= expected (ascending: SUB delivers in order and a
+ *    restart empties it) while a replay is in flight, and is empty otherwise.
+ *  - last_live is the seq of the last live message; a live seq at or below it can only come from a
+ *    new publisher process (PUB/SUB neither duplicates nor reorders).
+ *  - a message is applied only after its updates have room in the queue and its new map entries
+ *    have room in the map, so applying never fails half-way.
+ *  - a map entry's chain is set by the first store of its engine hash and kept until the entry is
+ *    erased, so the index holds exactly one chain per entry (apply_stored). */
+#include "kvmatch/feed.h"
+
+#include <inttypes.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#define XXH_STATIC_LINKING_ONLY /* XXH3_state_t on the stack */
+#include <xxhash.h>
+
+#include "kvmatch/hash.h"
+#include "events/engine_hash_map.h"
+#include "base/u64_map.h"
+#include "base/error_detail.h"
+
+#define MEDIUM_COUNT 4u
+#define EMAP_PREFETCH_AHEAD 8u /* blocks: apply_stored loads map slots this far ahead */
+
+/* ---- engine-hash map --------------------------------------------------------------------------- */
+
+/* chain == CHAIN_UNHASHABLE marks an engine hash whose block could not be hashed (extra keys we
+ * cannot read); its descendants inherit the mark. 0 is never a chain hash (HASHING.md). */
+#define CHAIN_UNHASHABLE UINT64_C(0)
+/* Engine hashes map to their chain hash and media in a km_emap (src/events/engine_hash_map.h), one per worker. */
+
+/* ---- copied messages (held while a replay runs) ------------------------------------------------- */
+
+typedef struct held_message {
+    uint64_t seq;
+    bool malformed;
+    double timestamp;
+    uint32_t n_events;
+    const km_kv_event *events; /* inside the same allocation */
+    size_t bytes;
+} held_message;
+
+static size_t align8(size_t n)
+{
+    return (n + 7) & ~(size_t)7;
+}
+
+/* One allocation holding the message and deep copies of the fields the feed uses. */
+static held_message *held_copy(uint64_t seq, const km_kv_batch *batch)
+{
+    uint32_t n = batch ? batch->n_events : 0;
+    size_t bytes = align8(sizeof(held_message)) + align8((size_t)n * sizeof(km_kv_event));
+    for (uint32_t i = 0; i < n; i++) {
+        const km_kv_event *e = &batch->events[i];
+        bytes += align8((size_t)e->n_block_hashes * 8) + align8((size_t)e->n_token_ids * 4);
+        if (e->extra_keys_present)
+            bytes += align8(e->n_block_hashes);
+        if (e->extra_keys_opaque)
+            bytes += align8(e->n_block_hashes);
+        if (e->lora_name)
+            bytes += align8(strlen(e->lora_name) + 1);
+        if (e->cache_salt)
+            bytes += align8(strlen(e->cache_salt) + 1);
+    }
+    unsigned char *p = malloc(bytes);
+    if (!p)
+        return NULL;
+    held_message *m = (held_message *)p;
+    size_t at = align8(sizeof(held_message));
+    km_kv_event *events = (km_kv_event *)(p + at);
+    at += align8((size_t)n * sizeof(km_kv_event));
+    for (uint32_t i = 0; i < n; i++) {
+        const km_kv_event *src = &batch->events[i];
+        km_kv_event *dst = &events[i];
+        *dst = *src;
+        dst->medium_name = NULL;
+        dst->kv_cache_spec_kind = NULL;
+        if (src->n_block_hashes) {
+            memcpy(p + at, src->block_hashes, (size_t)src->n_block_hashes * 8);
+            dst->block_hashes = (const uint64_t *)(p + at);
+            at += align8((size_t)src->n_block_hashes * 8);
+        } else {
+            dst->block_hashes = NULL;
+        }
+        if (src->n_token_ids) {
+            memcpy(p + at, src->token_ids, (size_t)src->n_token_ids * 4);
+            dst->token_ids = (const uint32_t *)(p + at);
+            at += align8((size_t)src->n_token_ids * 4);
+        } else {
+            dst->token_ids = NULL;
+        }
+        if (src->extra_keys_present) {
+            if (src->n_block_hashes)
+                memcpy(p + at, src->extra_keys_present, src->n_block_hashes);
+            dst->extra_keys_present = p + at;
+            at += align8(src->n_block_hashes);
+        }
+        if (src->extra_keys_opaque) {
+            if (src->n_block_hashes)
+                memcpy(p + at, src->extra_keys_opaque, src->n_block_hashes);
+            dst->extra_keys_opaque = p + at;
+            at += align8(src->n_block_hashes);
+        }
+        if (src->lora_name) {
+            size_t len = strlen(src->lora_name) + 1;
+            memcpy(p + at, src->lora_name, len);
+            dst->lora_name = (const char *)(p + at);
+            at += align8(len);
+        }
+        if (src->cache_salt) {
+            size_t len = strlen(src->cache_salt) + 1;
+            memcpy(p + at, src->cache_salt, len);
+            dst->cache_salt = (const char *)(p + at);
+            at += align8(len);
+        }
+    }
+    m->seq = seq;
+    m->malformed = batch == NULL;
+    m->timestamp = batch ? batch->timestamp : 0.0;
+    m->n_events = n;
+    m->events = events;
+    m->bytes = bytes;
+    return m;
+}
+
+/* A view of a message to apply: a decoded batch or a held copy. */
+typedef struct message_view {
+    bool malformed;
+    double timestamp;
+    const km_kv_event *events;
+    uint32_t n_events;
+} message_view;
+
+static message_view view_of_batch(const km_kv_batch *batch)
+{
+    message_view v = {batch == NULL, 0.0, NULL, 0};
+    if (batch) {
+        v.timestamp = batch->timestamp;
+        v.events = batch->events;
+        v.n_events = batch->n_events;
+    }
+    return v;
+}
+
+static message_view view_of_held(const held_message *m)
+{
+    message_view v = {m->malformed, m->timestamp, m->events, m->n_events};
+    return v;
+}
+
+/* Content digest of a message, to recognise a late live copy of a message a replay delivered. */
+#define DIGEST_MALFORMED UINT64_C(0x6d616c666f726d64)
+
+static uint64_t message_digest(const message_view *v)
+{
+    if (v->malformed)
+        return DIGEST_MALFORMED;
+    XXH3_state_t st;
+    XXH3_64bits_reset(&st);
+    XXH3_64bits_update(&st, &v->timestamp, sizeof v->timestamp);
+    XXH3_64bits_update(&st, &v->n_events, sizeof v->n_events);
+    for (uint32_t i = 0; i < v->n_events; i++) {
+        const km_kv_event *e = &v->events[i];
+        uint32_t head[4] = {(uint32_t)e->kind, e->n_block_hashes, e->block_size, (uint32_t)e->medium};
+        XXH3_64bits_update(&st, head, sizeof head);
+        if (e->n_block_hashes)
+            XXH3_64bits_update(&st, e->block_hashes, (size_t)e->n_block_hashes * 8);
+        if (e->has_parent_block_hash)
+            XXH3_64bits_update(&st, &e->parent_block_hash, 8);
+        if (e->n_token_ids)
+            XXH3_64bits_update(&st, e->token_ids, (size_t)e->n_token_ids * 4);
+        if (e->lora_name)
+            XXH3_64bits_update(&st, e->lora_name, strlen(e->lora_name) + 1);
+        if (e->cache_salt)
+            XXH3_64bits_update(&st, e->cache_salt, strlen(e->cache_salt) + 1);
+    }
+    uint64_t d = XXH3_64bits_digest(&st);
+    return d == DIGEST_MALFORMED ? d + 1 : d;
+}
+
+/* ---- workers ------------------------------------------------------------------------------------- */
+
+typedef enum replay_kind {
+    REPLAY_NONE = 0,
+    REPLAY_BOOTSTRAP, /* from seq 0 at add time: establishes the stream position */
+    REPLAY_GAP,       /* fills [expected, ...): anything the replay cannot give is lost */
+    REPLAY_RESYNC,    /* from seq 0 after km_feed_resync_worker: like BOOTSTRAP */
+} replay_kind;
+
+/* Lost seq ranges remembered per worker: a live copy of a seq that a replay could no longer give
+ * may still be in flight on the SUB socket, and must not pass for a new engine process. */
+#define LOST_RANGES 8u
+
+typedef struct dedup_slot {
+    uint64_t seq; /* UINT64_MAX = empty */
+    uint64_t digest;
+} dedup_slot;
+
+typedef struct worker {
+    uint32_t id;
+    uint64_t generation; /* unique per add, to match queued groups with this incarnation */
+    char name[KM_FEED_NAME_MAX];
+    char identity[KM_FEED_NAME_MAX];
+    bool has_replay;
+    bool restored;       /* state came from km_feed_restore */
+    bool awaiting_claim; /* restored, not yet added again */
+
+    bool has_expected;
+    uint64_t expected;
+    bool has_last_live;
+    uint64_t last_live;
+    bool degraded;
+
+    replay_kind replay;
+    uint64_t replay_id;
+    uint64_t replay_from;
+    bool replay_progress; /* the replay applied at least one message */
+    bool replay_refusal_logged; /* one log line per request for its refused items */
+
+    held_message **buffer; /* ring of buffer_capacity */
+    uint32_t buffer_head, buffer_count, buffer_capacity;
+    uint64_t buffer_bytes;
+
+    km_emap map;
+    dedup_slot *dedup; /* replay_dedup_window slots, allocated with the first replay item */
+    uint64_t lost_from[LOST_RANGES], lost_to[LOST_RANGES]; /* recent seq ranges given up as lost */
+    uint32_t lost_next, lost_count;
+
+    km_feed_worker_counters c;
+    bool has_last_receive;
+    uint64_t last_receive_ns;
+    double last_engine_timestamp;
+
+    km_feed_window *history; /* ring of closed windows, max_windows */
+    uint32_t history_head, history_count;
+    uint64_t windows_total;
+    bool recovery_open, degraded_open;
+    km_feed_window recovery, degraded_window;
+} worker;
+
+/* ---- the queue ------------------------------------------------------------------------------------- */
+
+typedef struct queued_update {
+    km_update_kind kind;
+    uint32_t worker;
+    uint64_t parent;
+    uint64_t offset; /* into feed->hashes */
+    uint64_t count;
+    uint32_t tier; /* km_tier of STORE / SET_TIER */
+} queued_update;
+
+typedef struct queued_group {
+    uint32_t worker;
+    uint64_t generation;
+    uint64_t first, count; /* into feed->queue */
+} queued_group;
+
+struct km_feed {
+    km_index *index;
+    km_feed_config config;
+    char last_error[256];
+
+    worker **workers; /* ascending by id */
+    uint32_t n_workers;
+    size_t workers_capacity;
+    uint64_t next_generation;
+    uint64_t next_request_id;
+
+    km_feed_action *actions; /* FIFO */
+    size_t actions_head, actions_count, actions_capacity;
+
+    queued_update *queue;
+    size_t queue_count, queue_capacity;
+    queued_group *groups;
+    size_t group_count, group_capacity;
+    uint64_t *hashes;
+    size_t hash_count, hash_capacity;
+    bool group_open;
+    km_update *scratch;
+    size_t scratch_capacity;
+    /* Per block of one event: the tier it ends in, and (removals) its chain hash. */
+    uint8_t *tier_scratch;
+    uint64_t *tier_chains;
+    size_t tier_scratch_capacity;
+};
+
+/* ---- small helpers ---------------------------------------------------------------------------------- */
+
+static int feed_fail(km_feed *feed, int status, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    km_vstatus_message(feed->last_error, sizeof feed->last_error, status, fmt, ap);
+    va_end(ap);
+    return status;
+}
+
+static void feed_log(const km_feed *feed, const worker *w, const char *fmt, ...)
+{
+    char line[512];
+    int n = snprintf(line, sizeof line, "feed: worker %u (%s): ", w->id, w->name);
+    va_list ap;
+    va_start(ap, fmt);
+    if (n > 0 && (size_t)n < sizeof line)
+        vsnprintf(line + n, sizeof line - (size_t)n, fmt, ap);
+    va_end(ap);
+    if (feed->config.log)
+        feed->config.log(feed->config.log_user, line);
+    else
+        fprintf(stderr, "kvmatch: %s\n", line);
+}
+
+/* Grow the array whose address is array_ptr (a T **) to hold `need` elements; capacity doubles.
+ * On failure the array and capacity are unchanged. The pointer is moved with memcpy so one helper
+ * serves every element type. */
+static int grow_array(void *array_ptr, size_t *capacity, size_t need, size_t size)
+{
+    if (need <= *capacity)
+        return KM_OK;
+    size_t c = *capacity ? *capacity : 16;
+    while (c < need)
+        c *= 2;
+    void *p;
+    memcpy(&p, array_ptr, sizeof p);
+    void *q = realloc(p, c * size);
+    if (!q)
+        return KM_ERR_OUT_OF_MEMORY;
+    memcpy(array_ptr, &q, sizeof q);
+    *capacity = c;
+    return KM_OK;
+}
+
+#define GROW(array, capacity, need) grow_array(&(array), &(capacity), (need), sizeof *(array))
+
+uint64_t km_feed_clock_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * UINT64_C(1000000000) + (uint64_t)ts.tv_nsec;
+}
+
+const char *km_feed_last_error(const km_feed *feed)
+{
+    return feed ? feed->last_error : "";
+}
+
+const char *km_feed_state_name(km_feed_state state)
+{
+    switch (state) {
+    case KM_FEED_STATE_SYNCING: return "SYNCING";
+    case KM_FEED_STATE_LIVE: return "LIVE";
+    case KM_FEED_STATE_GAP: return "GAP";
+    case KM_FEED_STATE_DEGRADED: return "DEGRADED";
+    }
+    return "unknown";
+}
+
+const char *km_feed_window_cause_name(km_feed_window_cause cause)
+{
+    switch (cause) {
+    case KM_FEED_WINDOW_STARTUP: return "startup";
+    case KM_FEED_WINDOW_GAP: return "gap";
+    case KM_FEED_WINDOW_RESTART: return "restart";
+    case KM_FEED_WINDOW_RESYNC: return "resync";
+    case KM_FEED_WINDOW_DEGRADED: return "degraded";
+    case KM_FEED_WINDOW_RESUME: return "resume";
+    }
+    return "unknown";
+}
+
+const char *km_feed_window_end_name(km_feed_window_end end)
+{
+    switch (end) {
+    case KM_FEED_END_OPEN: return "open";
+    case KM_FEED_END_RECOVERED: return "recovered";
+    case KM_FEED_END_LOST: return "lost";
+    case KM_FEED_END_RESTART: return "restart";
+    case KM_FEED_END_CLEARED: return "cleared";
+    case KM_FEED_END_RESYNC: return "resync";
+    }
+    return "unknown";
+}
+
+/* ---- lifecycle ----------------------------------------------------------------------------------- */
+
+void km_feed_config_init(km_feed_config *cfg)
+{
+    memset(cfg, 0, sizeof *cfg);
+    cfg->block_size = 16;
+    cfg->degraded_policy = KM_FEED_DEGRADED_KEEP_FLAGGED;
+    cfg->extra_keys_policy = KM_FEED_EXTRA_KEYS_SKIP;
+    cfg->bootstrap_replay = true;
+    cfg->max_buffered_messages = 10000;
+    cfg->max_buffered_bytes = UINT64_C(256) << 20;
+    cfg->max_windows = 64;
+    cfg->max_queued_hashes = UINT64_C(1) << 24;
+    cfg->replay_dedup_window = 1024;
+}
+
+int km_feed_create(km_index *index, const km_feed_config *cfg_in, km_feed **out)
+{
+    if (!out)
+        return KM_ERR_NULL_POINTER;
+    *out = NULL;
+    if (!index)
+        return KM_ERR_NULL_POINTER;
+    km_feed_config cfg;
+    if (cfg_in)
+        cfg = *cfg_in;
+    else
+        km_feed_config_init(&cfg);
+    if (cfg.block_size == 0)
+        return KM_ERR_BLOCK_SIZE;
+    if (cfg.max_buffered_messages == 0 || cfg.max_buffered_bytes == 0 || cfg.max_windows == 0 ||
+        cfg.max_queued_hashes == 0 || cfg.replay_dedup_window == 0 ||
+        (unsigned)cfg.degraded_policy > KM_FEED_DEGRADED_DROP ||
+        (unsigned)cfg.extra_keys_policy > KM_FEED_EXTRA_KEYS_IGNORE)
+        return KM_ERR_INVALID_ARGUMENT;
+    km_feed *feed = calloc(1, sizeof *feed);
+    if (!feed)
+        return KM_ERR_OUT_OF_MEMORY;
+    feed->index = index;
+    feed->config = cfg;
+    *out = feed;
+    return KM_OK;
+}
+
+static void buffer_clear(worker *w)
+{
+    for (uint32_t i = 0; i < w->buffer_count; i++)
+        free(w->buffer[(w->buffer_head + i) % w->buffer_capacity]);
+    w->buffer_head = w->buffer_count = 0;
+    w->buffer_bytes = 0;
+}
+
+static void worker_free(worker *w)
+{
+    if (!w)
+        return;
+    buffer_clear(w);
+    free(w->buffer);
+    km_emap_free(&w->map);
+    free(w->dedup);
+    free(w->history);
+    free(w);
+}
+
+void km_feed_destroy(km_feed *feed)
+{
+    if (!feed)
+        return;
+    for (uint32_t i = 0; i < feed->n_workers; i++)
+        worker_free(feed->workers[i]);
+    free(feed->workers);
+    free(feed->actions);
+    free(feed->queue);
+    free(feed->groups);
+    free(feed->hashes);
+    free(feed->tier_scratch);
+    free(feed->tier_chains);
+    free(feed->scratch);
+    free(feed);
+}
+
+/* ---- worker lookup --------------------------------------------------------------------------------- */
+
+static uint32_t worker_slot(const km_feed *feed, uint32_t id, bool *found)
+{
+    uint32_t lo = 0, hi = feed->n_workers;
+    while (lo < hi) {
+        uint32_t mid = lo + (hi - lo) / 2;
+        if (feed->workers[mid]->id < id)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    *found = lo < feed->n_workers && feed->workers[lo]->id == id;
+    return lo;
+}
+
+static worker *find_worker(const km_feed *feed, uint32_t id)
+{
+    bool found;
+    uint32_t slot = worker_slot(feed, id, &found);
+    return found ? feed->workers[slot] : NULL;
+}
+
+/* ---- actions ---------------------------------------------------------------------------------------- */
+
+/* Actions are tiny and few; when even one cannot be queued, start_replay treats the request as
+ * failed at once and cancel_replay relies on the transport's timeout. */
+static int push_action(km_feed *feed, km_feed_action a)
+{
+    if (feed->actions_count == feed->actions_capacity) {
+        size_t cap = feed->actions_capacity ? feed->actions_capacity * 2 : 16;
+        km_feed_action *fresh = malloc(cap * sizeof *fresh);
+        if (!fresh)
+            return KM_ERR_OUT_OF_MEMORY;
+        for (size_t i = 0; i < feed->actions_count; i++)
+            fresh[i] = feed->actions[(feed->actions_head + i) % feed->actions_capacity];
+        free(feed->actions);
+        feed->actions = fresh;
+        feed->actions_head = 0;
+        feed->actions_capacity = cap;
+    }
+    feed->actions[(feed->actions_head + feed->actions_count) % feed->actions_capacity] = a;
+    feed->actions_count++;
+    return KM_OK;
+}
+
+int km_feed_next_action(km_feed *feed, km_feed_action *out)
+{
+    if (!feed || !out || feed->actions_count == 0)
+        return 0;
+    *out = feed->actions[feed->actions_head];
+    feed->actions_head = (feed->actions_head + 1) % feed->actions_capacity;
+    feed->actions_count--;
+    return 1;
+}
+
+/* ---- queue -------------------------------------------------------------------------------------------- */
+
+static int tier_scratch_reserve(km_feed *feed, size_t n)
+{
+    if (n <= feed->tier_scratch_capacity)
+        return KM_OK;
+    uint8_t *t = realloc(feed->tier_scratch, n);
+    if (!t)
+        return KM_ERR_OUT_OF_MEMORY;
+    feed->tier_scratch = t;
+    uint64_t *c = realloc(feed->tier_chains, n * sizeof *c);
+    if (!c)
+        return KM_ERR_OUT_OF_MEMORY;
+    feed->tier_chains = c;
+    feed->tier_scratch_capacity = n;
+    return KM_OK;
+}
+
+/* Room for one group of up to n_updates updates and n_hashes hashes. */
+static int queue_reserve(km_feed *feed, size_t n_updates, size_t n_hashes)
+{
+    int rc = GROW(feed->queue, feed->queue_capacity, feed->queue_count + n_updates);
+    if (!rc)
+        rc = GROW(feed->groups, feed->group_capacity, feed->group_count + 1);
+    if (!rc)
+        rc = GROW(feed->hashes, feed->hash_capacity, feed->hash_count + n_hashes);
+    return rc;
+}
+
+static void group_begin(km_feed *feed, const worker *w)
+{
+    queued_group *g = &feed->groups[feed->group_count];
+    g->worker = w->id;
+    g->generation = w->generation;
+    g->first = feed->queue_count;
+    g->count = 0;
+    feed->group_open = true;
+}
+
+static void group_end(km_feed *feed)
+{
+    queued_group *g = &feed->groups[feed->group_count];
+    g->count = feed->queue_count - g->first;
+    feed->group_open = false;
+    if (g->count)
+        feed->group_count++;
+}
+
+/* Queue one update; room was reserved. hashes (count of them) are already at feed->hashes +
+ * offset. */
+static void queue_push(km_feed *feed, km_update_kind kind, uint32_t id, uint64_t parent,
+                       uint64_t offset, uint64_t count)
+{
+    queued_update *u = &feed->queue[feed->queue_count++];
+    u->kind = kind;
+    u->worker = id;
+    u->parent = parent;
+    u->offset = offset;
+    u->count = count;
+    u->tier = KM_TIER_DEVICE;
+}
+
+/* The best (fastest) tier among the media in a mask: GPU, then CPU, then disk or other. */
+static km_tier best_tier(uint8_t media)
+{
+    if (media & (1u << KM_KV_MEDIUM_GPU))
+        return KM_TIER_DEVICE;
+    if (media & (1u << KM_KV_MEDIUM_CPU))
+        return KM_TIER_HOST;
+    return KM_TIER_DISK;
+}
+
+/* Queue SET_TIER updates for the chains at feed->hashes[first .. first + n) whose wanted tier
+ * (tiers[i]) differs from `already`: one update per tier, hashes regrouped in place after the
+ * current end of the hash queue (room reserved by the caller: n more hashes, KM_TIER_COUNT more
+ * updates). */
+static void queue_tier_fixes(km_feed *feed, uint32_t worker_id, const uint64_t *chains,
+                             const uint8_t *tiers, uint32_t n, km_tier already)
+{
+    for (uint32_t t = 0; t < KM_TIER_COUNT; t++) {
+        if (t == (uint32_t)already)
+            continue;
+        uint64_t offset = feed->hash_count, count = 0;
+        for (uint32_t i = 0; i < n; i++)
+            if (tiers[i] == t)
+                feed->hashes[offset + count++] = chains[i];
+        if (!count)
+            continue;
+        feed->hash_count += count;
+        queue_push(feed, KM_UPDATE_SET_TIER, worker_id, KM_NO_PARENT, offset, count);
+        feed->queue[feed->queue_count - 1].tier = t;
+    }
+}
+
+/* A control update (clear / remove worker) as a group of its own. Such updates carry no hashes and
+ * never allocate in the index; if even this queue push cannot get memory, the worker is left as it
+ * is and the error returned. */
+static int queue_control(km_feed *feed, const worker *w, km_update_kind kind)
+{
+    int rc = queue_reserve(feed, 1, 0);
+    if (rc)
+        return rc;
+    group_begin(feed, w);
+    queue_push(feed, kind, w->id, KM_NO_PARENT, feed->hash_count, 0);
+    group_end(feed);
+    return KM_OK;
+}
+
+void km_feed_pending(const km_feed *feed, uint64_t *updates, uint64_t *hashes)
+{
+    if (updates)
+        *updates = feed ? feed->queue_count : 0;
+    if (hashes)
+        *hashes = feed ? feed->hash_count : 0;
+}
+
+/* ---- windows -------------------------------------------------------------------------------------------- */
+
+static void window_init(km_feed_window *win, km_feed_window_cause cause, uint64_t now,
+                        uint64_t from_seq)
+{
+    memset(win, 0, sizeof *win);
+    win->cause = cause;
+    win->end = KM_FEED_END_OPEN;
+    win->start_ns = now;
+    win->from_seq = from_seq;
+}
+
+static void history_push(const km_feed *feed, worker *w, const km_feed_window *win)
+{
+    uint32_t cap = feed->config.max_windows;
+    if (!w->history)
+        return; /* allocated at add time; NULL only if that failed, then history is not kept */
+    if (w->history_count < cap) {
+        w->history[(w->history_head + w->history_count) % cap] = *win;
+        w->history_count++;
+    } else {
+        w->history[w->history_head] = *win;
+        w->history_head = (w->history_head + 1) % cap;
+    }
+}
+
+static void window_close(const km_feed *feed, worker *w, km_feed_window *win, uint64_t now,
+                         km_feed_window_end end)
+{
+    win->end = end;
+    win->end_ns = now < win->start_ns ? win->start_ns : now;
+    win->duration_ns = win->end_ns - win->start_ns;
+    history_push(feed, w, win);
+}
+
+static void open_recovery(worker *w, km_feed_window_cause cause, uint64_t now, uint64_t from_seq)
+{
+    if (w->recovery_open)
+        return; /* one recovery at a time: a gap during a restart's replay belongs to the restart */
+    window_init(&w->recovery, cause, now, from_seq);
+    w->recovery_open = true;
+    w->windows_total++;
+}
+
+static void close_recovery(const km_feed *feed, worker *w, uint64_t now, km_feed_window_end end)
+{
+    if (!w->recovery_open)
+        return;
+    w->recovery_open = false;
+    window_close(feed, w, &w->recovery, now, end);
+}
+
+static void exit_degraded(const km_feed *feed, worker *w, uint64_t now, km_feed_window_end end)
+{
+    if (!w->degraded)
+        return;
+    w->degraded = false;
+    if (w->degraded_open) {
+        w->degraded_open = false;
+        window_close(feed, w, &w->degraded_window, now, end);
+    }
+    feed_log(feed, w, "DEGRADED ended (%s)", km_feed_window_end_name(end));
+}
+
+/* History was lost (or refused by the index): the worker's index is incomplete. */
+static void enter_degraded(km_feed *feed, worker *w, uint64_t now, const char *why)
+{
+    if (!w->degraded) {
+        w->degraded = true;
+        window_init(&w->degraded_window, KM_FEED_WINDOW_DEGRADED, now, 0);
+        w->degraded_open = true;
+        w->windows_total++;
+        feed_log(feed, w, "DEGRADED: %s", why);
+    }
+    /* DROP forgets the engine-hash map with the index: its media bits may be stale too (a lost
+     * BlockRemoved), and a held entry keeps its chain on a later store (apply_stored), so a stale
+     * bit would keep a block indexed after its last real removal. Blocks whose parents were
+     * forgotten are skipped until a sequence starts again, as after a clear. */
+    if (feed->config.degraded_policy == KM_FEED_DEGRADED_DROP) {
+        if (queue_control(feed, w, KM_UPDATE_CLEAR_WORKER) != KM_OK)
+            feed_log(feed, w, "out of memory queueing the DROP-policy clear");
+        else
+            km_emap_clear(&w->map);
+    }
+}
+
+static void declare_lost(km_feed *feed, worker *w, uint64_t n, uint64_t now)
+{
+    if (n == 0)
+        return;
+    w->lost_from[w->lost_next] = w->expected;
+    w->lost_to[w->lost_next] = w->expected + n;
+    w->lost_next = (w->lost_next + 1) % LOST_RANGES;
+    if (w->lost_count < LOST_RANGES)
+        w->lost_count++;
+    w->c.lost += n;
+    if (w->recovery_open)
+        w->recovery.lost += n;
+    if (w->degraded_open)
+        w->degraded_window.lost += n;
+    char why[96];
+    snprintf(why, sizeof why, "%" PRIu64 " message(s) lost before seq %" PRIu64, n, w->expected + n);
+    enter_degraded(feed, w, now, why);
+}
+
+/* ---- the replay dedup window ------------------------------------------------------------------------------ */
+
+static void dedup_remember(const km_feed *feed, worker *w, uint64_t seq, uint64_t digest)
+{
+    uint32_t size = feed->config.replay_dedup_window;
+    if (!w->dedup) {
+        w->dedup = malloc((size_t)size * sizeof *w->dedup);
+        if (!w->dedup)
+            return; /* without it a late duplicate reads as a restart: safe, only costly */
+        for (uint32_t i = 0; i < size; i++)
+            w->dedup[i].seq = UINT64_MAX;
+    }
+    dedup_slot *s = &w->dedup[seq % size];
+    s->seq = seq;
+    s->digest = digest;
+}
+
+static bool dedup_matches(const km_feed *feed, const worker *w, uint64_t seq, uint64_t digest)
+{
+    if (!w->dedup)
+        return false;
+    const dedup_slot *s = &w->dedup[seq % feed->config.replay_dedup_window];
+    return s->seq == seq && s->digest == digest;
+}
+
+static void dedup_clear(const km_feed *feed, worker *w)
+{
+    if (w->dedup)
+        for (uint32_t i = 0; i < feed->config.replay_dedup_window; i++)
+            w->dedup[i].seq = UINT64_MAX;
+    w->lost_count = w->lost_next = 0;
+}
+
+static bool was_lost(const worker *w, uint64_t seq)
+{
+    for (uint32_t i = 0; i < w->lost_count; i++)
+        if (seq >= w->lost_from[i] && seq < w->lost_to[i])
+            return true;
+    return false;
+}
+
+/* ---- applying one message ---------------------------------------------------------------------------------- */
+
+static uint8_t medium_bit(km_kv_medium m)
+{
+    return (uint8_t)(1u << ((unsigned)m < MEDIUM_COUNT ? (unsigned)m : KM_KV_MEDIUM_OTHER));
+}
+
+static unsigned medium_index(km_kv_medium m)
+{
+    return (unsigned)m < MEDIUM_COUNT ? (unsigned)m : KM_KV_MEDIUM_OTHER;
+}
+
+/* Does a block of this event carry extra keys kvmatch cannot reproduce (the decoder's opaque flags;
+ * for a caller that gives only presence flags: any present entry on an event without a LoRA
+ * name)? Only KM_FEED_EXTRA_KEYS_SKIP asks. */
+static bool block_is_opaque(const km_feed *feed, const km_kv_event *e, bool lora_set, uint32_t i)
+{
+    if (feed->config.extra_keys_policy != KM_FEED_EXTRA_KEYS_SKIP)
+        return false;
+    if (e->extra_keys_opaque)
+        return e->extra_keys_opaque[i] != 0;
+    return e->extra_keys_present && !lora_set && e->extra_keys_present[i];
+}
+
+/* An engine hash names one block (its parent, tokens and extra keys). A BlockStored of an engine
+ * hash the worker already holds is that same block arriving in another medium (vLLM's CPU
+ * offloading connector announces its copies so, with extra_keys nil), or the same medium again:
+ * it adds its medium and never renames the block. The chain hash (or the unhashable mark) the
+ * first store gave it stays until the block has left every medium, so the index holds exactly one
+ * chain per held engine hash, the one a BlockRemoved will remove. A new block after a held one is
+ * chained from the held chain. */
+static void apply_stored(km_feed *feed, worker *w, const km_kv_event *e)
+{
+    uint32_t n = e->n_block_hashes;
+    if (e->block_size != feed->config.block_size) {
+        w->c.block_size_mismatch++;
+        return;
+    }
+    w->c.stored_by_medium[medium_index(e->medium)] += n;
+    if (n == 0)
+        return;
+    uint8_t bit = medium_bit(e->medium);
+
+    uint64_t parent_chain = KM_NO_PARENT;
+    bool starts_sequence = true;
+    if (e->has_parent_block_hash) {
+        const km_emap_entry *p = km_emap_find(&w->map, e->parent_block_hash);
+        if (!p) {
+            w->c.unknown_parent_blocks += n;
+            return;
+        }
+        parent_chain = p->chain;
+        starts_sequence = false;
+    }
+
+    /* LoRA: the adapter name; an engine that sends only the deprecated lora_id gets a name derived
+     * from it, so that adapter blocks never pass for base-model blocks. */
+    char lora_buf[40];
+    const char *lora = e->lora_name;
+    if ((!lora || !lora[0]) && e->has_lora_id) {
+        snprintf(lora_buf, sizeof lora_buf, "#lora_id=%" PRId64, e->lora_id);
+        lora = lora_buf;
+    }
+    bool lora_set = lora && lora[0];
+    /* The salt names block 0 only, so it matters only for a run that starts a sequence. */
+    km_hash_config hc = {feed->config.block_size, lora_set ? lora : NULL,
+                         starts_sequence ? e->cache_salt : NULL};
+    uint64_t seed_first = km_hash_block_seed(&hc, 0), seed_rest = km_hash_block_seed(&hc, 1);
+
+    /* Blocks [0, hashable) have chains and form the STORE run; the first block without one (an
+     * opaque block, one after an unhashable parent or block, one held as unhashable) ends it, and
+     * every later new block of the event is unhashable too. */
+    uint64_t offset = feed->hash_count;
+    uint64_t *chains = feed->hashes + offset;
+    km_tier event_tier = best_tier(bit);
+    bool run_open = starts_sequence || parent_chain != CHAIN_UNHASHABLE;
+    uint64_t previous = parent_chain;
+    uint32_t hashable = 0, unhashable = 0, n_fixes = 0;
+    /* Each upsert is likely a cache miss, and hashing a block between two of them keeps the next
+     * from starting: load the map slots a few blocks ahead (without it the block-by-block store
+     * cost about a tenth of the in-process event rate; BENCHMARKS.md "Events"). */
+    for (uint32_t i = 0; i < n && i < EMAP_PREFETCH_AHEAD; i++)
+        km_emap_prefetch(&w->map, e->block_hashes[i]);
+    for (uint32_t i = 0; i < n; i++) {
+        if (i + EMAP_PREFETCH_AHEAD < n)
+            km_emap_prefetch(&w->map, e->block_hashes[i + EMAP_PREFETCH_AHEAD]);
+        km_emap_entry *m = km_emap_upsert(&w->map, e->block_hashes[i]);
+        bool held = m->media != 0; /* a held entry always has a medium; a new one has none */
+        km_tier tier_before = best_tier(m->media);
+        if (!held) {
+            if (run_open && !block_is_opaque(feed, e, lora_set, i)) {
+                bool root = starts_sequence && i == 0;
+                uint64_t local = km_hash_local(e->token_ids + (size_t)i * feed->config.block_size,
+                                               feed->config.block_size,
+                                               root ? seed_first : seed_rest);
+                m->chain = root ? km_hash_chain_root(local) : km_hash_chain_step(previous, local);
+            } else {
+                m->chain = CHAIN_UNHASHABLE;
+            }
+        }
+        m->media |= bit;
+        if (m->chain == CHAIN_UNHASHABLE) {
+            run_open = false;
+            unhashable++;
+            continue;
+        }
+        km_tier tier_now = best_tier(m->media);
+        if (run_open) {
+            chains[hashable++] = m->chain;
+            previous = m->chain;
+            /* The STORE below says event_tier; a block held in a faster medium keeps its tier. */
+            if (tier_now != event_tier) {
+                feed->tier_chains[n_fixes] = m->chain;
+                feed->tier_scratch[n_fixes++] = (uint8_t)tier_now;
+            }
+        } else if (tier_now != tier_before) {
+            /* Held with a chain but past the run (after an unhashable block): no STORE names it,
+             * so a faster new medium reaches the index as a tier change alone. */
+            feed->tier_chains[n_fixes] = m->chain;
+            feed->tier_scratch[n_fixes++] = (uint8_t)tier_now;
+        }
+    }
+    if (hashable) {
+        feed->hash_count += hashable;
+        queue_push(feed, KM_UPDATE_STORE, w->id, starts_sequence ? KM_NO_PARENT : parent_chain,
+                   offset, hashable);
+        feed->queue[feed->queue_count - 1].tier = event_tier;
+        w->c.blocks_stored += hashable;
+    }
+    if (n_fixes)
+        queue_tier_fixes(feed, w->id, feed->tier_chains, feed->tier_scratch, n_fixes,
+                         (km_tier)KM_TIER_COUNT /* none: every listed block needs its update */);
+    w->c.unhashable_blocks += unhashable;
+}
+
+static void apply_removed(km_feed *feed, worker *w, const km_kv_event *e)
+{
+    uint32_t n = e->n_block_hashes;
+    w->c.removed_by_medium[medium_index(e->medium)] += n;
+    uint8_t bit = medium_bit(e->medium);
+    uint64_t offset = feed->hash_count;
+    uint64_t count = 0;
+    uint32_t n_moved = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        km_emap_entry *m = km_emap_find(&w->map, e->block_hashes[i]);
+        if (!m) {
+            w->c.unknown_removes++;
+            continue;
+        }
+        uint8_t before = m->media;
+        m->media &= (uint8_t)~bit;
+        if (m->media) {
+            /* Still held in another medium; its tier changes when the fastest copy went. */
+            if (m->chain != CHAIN_UNHASHABLE && best_tier(m->media) != best_tier(before)) {
+                feed->tier_chains[n_moved] = m->chain;
+                feed->tier_scratch[n_moved++] = (uint8_t)best_tier(m->media);
+            }
+            continue;
+        }
+        uint64_t chain = m->chain;
+        km_emap_erase(&w->map, m);
+        if (chain == CHAIN_UNHASHABLE)
+            continue;
+        feed->hashes[offset + count++] = chain;
+    }
+    if (count) {
+        feed->hash_count += count;
+        queue_push(feed, KM_UPDATE_REMOVE, w->id, KM_NO_PARENT, offset, count);
+        w->c.blocks_removed += count;
+    }
+    if (n_moved)
+        queue_tier_fixes(feed, w->id, feed->tier_chains, feed->tier_scratch, n_moved,
+                         (km_tier)KM_TIER_COUNT /* none: every moved block needs its update */);
+}
+
+/* Apply the message with seq == w->expected: consume the seq, queue its updates as one group. */
+static void apply_message(km_feed *feed, worker *w, uint64_t seq, const message_view *v,
+                          bool from_replay, uint64_t now)
+{
+    w->expected = seq + 1;
+    w->has_expected = true;
+    if (from_replay) {
+        w->c.replayed++;
+        if (w->recovery_open)
+            w->recovery.replayed++;
+        dedup_remember(feed, w, seq, message_digest(v));
+    }
+    if (v->malformed)
+        return;
+    w->last_engine_timestamp = v->timestamp;
+
+    size_t n_hashes = 0, n_stored = 0;
+    for (uint32_t i = 0; i < v->n_events; i++) {
+        n_hashes += v->events[i].n_block_hashes;
+        if (v->events[i].kind == KM_KV_EVENT_BLOCK_STORED)
+            n_stored += v->events[i].n_block_hashes;
+    }
+    if (feed->hash_count + n_hashes > feed->config.max_queued_hashes) {
+        w->c.dropped_messages++;
+        enter_degraded(feed, w, now, "update queue full (flush not called often enough)");
+        return;
+    }
+    /* Per event: its update plus up to one SET_TIER per tier; per block: its hash plus one for a
+     * tier fix. */
+    if (queue_reserve(feed, (size_t)v->n_events * (1 + KM_TIER_COUNT), 2 * n_hashes) ||
+        tier_scratch_reserve(feed, n_hashes) || km_emap_reserve(&w->map, n_stored)) {
+        w->c.dropped_messages++;
+        enter_degraded(feed, w, now, "out of memory queueing a message's updates");
+        return;
+    }
+    group_begin(feed, w);
+    for (uint32_t i = 0; i < v->n_events; i++) {
+        const km_kv_event *e = &v->events[i];
+        w->c.events++;
+        switch (e->kind) {
+        case KM_KV_EVENT_BLOCK_STORED: apply_stored(feed, w, e); break;
+        case KM_KV_EVENT_BLOCK_REMOVED: apply_removed(feed, w, e); break;
+        case KM_KV_EVENT_ALL_BLOCKS_CLEARED:
+            w->c.clears++;
+            queue_push(feed, KM_UPDATE_CLEAR_WORKER, w->id, KM_NO_PARENT, feed->hash_count, 0);
+            km_emap_clear(&w->map);
+            /* Everything stored from here on is observed: the index is complete again. */
+            exit_degraded(feed, w, now, KM_FEED_END_CLEARED);
+            break;
+        }
+    }
+    group_end(feed);
+}
+
+/* ---- replay and the live buffer ---------------------------------------------------------------------------------- */
+
+static held_message *buffer_front(const worker *w)
+{
+    return w->buffer_count ? w->buffer[w->buffer_head] : NULL;
+}
+
+static void buffer_pop(worker *w)
+{
+    held_message *m = w->buffer[w->buffer_head];
+    w->buffer_bytes -= m->bytes;
+    free(m);
+    w->buffer_head = (w->buffer_head + 1) % w->buffer_capacity;
+    w->buffer_count--;
+}
+
+static km_feed_state worker_state(const worker *w)
+{
+    if (!w->has_expected || w->replay == REPLAY_BOOTSTRAP || w->replay == REPLAY_RESYNC)
+        return KM_FEED_STATE_SYNCING;
+    if (w->degraded)
+        return KM_FEED_STATE_DEGRADED;
+    if (w->replay == REPLAY_GAP ||
+        (w->recovery_open && w->recovery.cause == KM_FEED_WINDOW_RESUME))
+        return KM_FEED_STATE_GAP;
+    return KM_FEED_STATE_LIVE;
+}
+
+/* Close the recovery window once the stream position is known and no replay is running. */
+static void settle(km_feed *feed, worker *w, uint64_t now)
+{
+    if (w->replay != REPLAY_NONE || !w->has_expected || !w->recovery_open)
+        return;
+    km_feed_window_end end = w->recovery.lost ? KM_FEED_END_LOST : KM_FEED_END_RECOVERED;
+    close_recovery(feed, w, now, end);
+}
+
+static void cancel_replay(km_feed *feed, worker *w)
+{
+    if (w->replay == REPLAY_NONE)
+        return;
+    km_feed_action a = {KM_FEED_ACTION_REPLAY_CANCEL, w->id, w->replay_id, 0};
+    push_action(feed, a); /* if this fails, the transport's timeout ends the request anyway */
+    w->replay = REPLAY_NONE;
+}
+
+static void start_replay(km_feed *feed, worker *w, replay_kind kind, uint64_t from, uint64_t now)
+{
+    if (kind == REPLAY_GAP)
+        open_recovery(w, KM_FEED_WINDOW_GAP, now, from);
+    uint64_t id = ++feed->next_request_id;
+    km_feed_action a = {KM_FEED_ACTION_REPLAY_REQUEST, w->id, id, from};
+    if (push_action(feed, a) != KM_OK) {
+        /* Could not even ask: behave as if the request had failed at once. */
+        w->c.replay_failures++;
+        return;
+    }
+    w->replay = kind;
+    w->replay_id = id;
+    w->replay_from = from;
+    w->replay_progress = false;
+    w->replay_refusal_logged = false;
+    w->c.replay_requests++;
+    if (w->recovery_open)
+        w->recovery.replay_requests++;
+    feed_log(feed, w, "replay request %" PRIu64 " from seq %" PRIu64 " (%s)", id, from,
+             kind == REPLAY_GAP ? "gap" : kind == REPLAY_BOOTSTRAP ? "bootstrap" : "resync");
+}
+
+/* Apply buffered live messages in order. A hole before the next buffered message is either lost
+ * (holes_lost) or asked for with a new replay. */
+static void drain(km_feed *feed, worker *w, bool holes_lost, uint64_t now)
+{
+    held_message *m;
+    while ((m = buffer_front(w))) {
+        if (m->seq < w->expected) {
+            w->c.duplicates++;
+            buffer_pop(w);
+            continue;
+        }
+        if (m->seq > w->expected) {
+            if (!holes_lost && w->has_replay) {
+                w->c.gaps++;
+                start_replay(feed, w, REPLAY_GAP, w->expected, now);
+                if (w->replay != REPLAY_NONE)
+                    return;
+            }
+            declare_lost(feed, w, m->seq - w->expected, now);
+            w->expected = m->seq;
+        }
+        message_view v = view_of_held(m);
+        apply_message(feed, w, m->seq, &v, false, now);
+        buffer_pop(w);
+    }
+    settle(feed, w, now);
+}
+
+/* The replay in flight will not complete (it failed, or the live buffer overflowed): what it has
+ * not given is lost, except before a stream position exists (bootstrap / resync), where the stream
+ * simply starts at the first live message held. */
+static void abandon_replay(km_feed *feed, worker *w, bool send_cancel, uint64_t now)
+{
+    if (send_cancel)
+        cancel_replay(feed, w);
+    w->replay = REPLAY_NONE;
+    w->c.replay_failures++;
+    if (!w->has_expected) {
+        held_message *m = buffer_front(w);
+        if (!m) {
+            settle(feed, w, now);
+            return;
+        }
+        w->c.history_unavailable += m->seq;
+        w->has_expected = true;
+        w->expected = m->seq;
+    }
+    drain(feed, w, true, now);
+}
+
+static int buffer_push(const km_feed *feed, worker *w, uint64_t seq, const km_kv_batch *batch)
+{
+    if (w->buffer_count >= feed->config.max_buffered_messages)
+        return KM_ERR_TOO_LARGE;
+    if (w->buffer_count == w->buffer_capacity) {
+        uint32_t cap = w->buffer_capacity ? w->buffer_capacity * 2 : 16;
+        if (cap > feed->config.max_buffered_messages)
+            cap = feed->config.max_buffered_messages;
+        held_message **fresh = malloc((size_t)cap * sizeof *fresh);
+        if (!fresh)
+            return KM_ERR_OUT_OF_MEMORY;
+        for (uint32_t i = 0; i < w->buffer_count; i++)
+            fresh[i] = w->buffer[(w->buffer_head + i) % w->buffer_capacity];
+        free(w->buffer);
+        w->buffer = fresh;
+        w->buffer_head = 0;
+        w->buffer_capacity = cap;
+    }
+    held_message *m = held_copy(seq, batch);
+    if (!m)
+        return KM_ERR_OUT_OF_MEMORY;
+    if (w->buffer_bytes + m->bytes > feed->config.max_buffered_bytes) {
+        free(m);
+        return KM_ERR_TOO_LARGE;
+    }
+    w->buffer[(w->buffer_head + w->buffer_count) % w->buffer_capacity] = m;
+    w->buffer_count++;
+    w->buffer_bytes += m->bytes;
+    return KM_OK;
+}
+
+/* A live message that passed the restart / duplicate checks. */
+static void deliver_live(km_feed *feed, worker *w, uint64_t seq, const km_kv_batch *batch,
+                         uint64_t now)
+{
+    if (w->replay != REPLAY_NONE) {
+        if (buffer_push(feed, w, seq, batch) == KM_OK)
+            return;
+        /* Overflow (or no memory to hold it): give up on the replay; what it had not yet given
+         * is lost. Then take this message as if no replay had been running. */
+        w->c.buffer_overflows++;
+        feed_log(feed, w, "live buffer full (%u messages) during replay %" PRIu64 ": abandoning it",
+                 w->buffer_count, w->replay_id);
+        abandon_replay(feed, w, true, now);
+    }
+    if (!w->has_expected) {
+        /* First message without a bootstrap replay: it defines the stream position. */
+        w->c.history_unavailable += seq;
+        w->has_expected = true;
+        w->expected = seq;
+    }
+    message_view v = view_of_batch(batch);
+    if (seq > w->expected) {
+        w->c.gaps++;
+        if (w->has_replay) {
+            feed_log(feed, w, "gap: expected seq %" PRIu64 ", got %" PRIu64, w->expected, seq);
+            start_replay(feed, w, REPLAY_GAP, w->expected, now);
+            if (w->replay != REPLAY_NONE && buffer_push(feed, w, seq, batch) == KM_OK)
+                return;
+            if (w->replay != REPLAY_NONE) { /* no memory to hold even this one message */
+                cancel_replay(feed, w);
+                w->c.replay_failures++;
+            }
+        } else {
+            open_recovery(w, KM_FEED_WINDOW_GAP, now, w->expected);
+        }
+        declare_lost(feed, w, seq - w->expected, now);
+        w->expected = seq;
+    }
+    apply_message(feed, w, seq, &v, false, now);
+    settle(feed, w, now);
+}
+
+/* seq went back: a new engine process. Its predecessor's KV died with it. */
+static void restart_worker(km_feed *feed, worker *w, uint64_t seq, uint64_t now)
+{
+    w->c.restarts++;
+    feed_log(feed, w, "restart: seq %" PRIu64 " after %s %" PRIu64 "; dropping its blocks", seq,
+             w->has_expected ? "expected" : "last", w->has_expected ? w->expected : w->last_live);
+    cancel_replay(feed, w);
+    buffer_clear(w);
+    close_recovery(feed, w, now, KM_FEED_END_RESTART);
+    exit_degraded(feed, w, now, KM_FEED_END_RESTART);
+    if (queue_control(feed, w, KM_UPDATE_CLEAR_WORKER) != KM_OK)
+        enter_degraded(feed, w, now, "out of memory queueing the restart's clear");
+    km_emap_clear(&w->map);
+    dedup_clear(feed, w);
+    open_recovery(w, KM_FEED_WINDOW_RESTART, now, seq);
+    w->has_expected = true;
+    w->expected = 0; /* a new publisher starts at 0: anything before seq is a gap */
+}
+
+/* A restored worker added again with the same identity: resume from its saved position. */
+static int claim_restored(km_feed *feed, worker *w, const km_feed_worker_config *cfg, uint64_t now)
+{
+    w->awaiting_claim = false;
+    w->has_replay = cfg->has_replay;
+    snprintf(w->name, sizeof w->name, "%s", cfg->name ? cfg->name : "");
+    if (!w->has_expected) {
+        /* Saved before its stream position was known: bootstrap as a new worker would. */
+        if (feed->config.bootstrap_replay && w->has_replay)
+            start_replay(feed, w, REPLAY_BOOTSTRAP, 0, now);
+    } else if (w->has_replay) {
+        feed_log(feed, w, "resuming from seq %" PRIu64 " (restart of kvmatch)", w->expected);
+        start_replay(feed, w, REPLAY_GAP, w->expected, now);
+    }
+    feed->last_error[0] = '\0';
+    return KM_OK;
+}
+
+/* ---- public inputs --------------------------------------------------------------------------------------- */
+
+int km_feed_add_worker(km_feed *feed, const km_feed_worker_config *cfg, uint64_t now_ns)
+{
+    return km_feed_add_worker_identity(feed, cfg, NULL, now_ns);
+}
+
+int km_feed_add_worker_identity(km_feed *feed, const km_feed_worker_config *cfg,
+                                const char *identity_in, uint64_t now_ns)
+{
+    if (!feed || !cfg)
+        return KM_ERR_NULL_POINTER;
+    km_worker_stats ws;
+    int rc = km_index_worker_stats(feed->index, cfg->worker, &ws);
+    if (rc)
+        return feed_fail(feed, KM_ERR_WORKER_RANGE, "worker %u is outside the index", cfg->worker);
+    bool found;
+    uint32_t slot = worker_slot(feed, cfg->worker, &found);
+    const char *identity = identity_in ? identity_in : cfg->name ? cfg->name : "";
+    if (found && feed->workers[slot]->awaiting_claim) {
+        worker *r = feed->workers[slot];
+        if (strncmp(r->identity, identity, KM_FEED_NAME_MAX - 1) == 0)
+            return claim_restored(feed, r, cfg, now_ns);
+        /* Another producer under this id: forget the restored state and start afresh. */
+        feed_log(feed, r, "restored identity \"%s\" differs from \"%s\": starting afresh",
+                 r->identity, identity);
+        if (queue_control(feed, r, KM_UPDATE_CLEAR_WORKER) != KM_OK)
+            return feed_fail(feed, KM_ERR_OUT_OF_MEMORY, "update queue");
+        memmove(feed->workers + slot, feed->workers + slot + 1,
+                (size_t)(feed->n_workers - slot - 1) * sizeof *feed->workers);
+        feed->n_workers--;
+        worker_free(r);
+        found = false;
+    }
+    if (found)
+        return feed_fail(feed, KM_ERR_INVALID_ARGUMENT, "worker %u is already followed", cfg->worker);
+    if (GROW(feed->workers, feed->workers_capacity, (size_t)feed->n_workers + 1))
+        return feed_fail(feed, KM_ERR_OUT_OF_MEMORY, "worker table");
+    worker *w = calloc(1, sizeof *w);
+    if (w) {
+        km_emap_init(&w->map);
+        w->history = calloc(feed->config.max_windows, sizeof *w->history);
+    }
+    if (!w || !w->history) {
+        worker_free(w);
+        return feed_fail(feed, KM_ERR_OUT_OF_MEMORY, "worker state");
+    }
+    w->id = cfg->worker;
+    w->generation = ++feed->next_generation;
+    snprintf(w->name, sizeof w->name, "%s", cfg->name ? cfg->name : "");
+    snprintf(w->identity, sizeof w->identity, "%s", identity);
+    w->has_replay = cfg->has_replay;
+    if (queue_control(feed, w, KM_UPDATE_CLEAR_WORKER) != KM_OK) {
+        worker_free(w);
+        return feed_fail(feed, KM_ERR_OUT_OF_MEMORY, "update queue");
+    }
+    memmove(feed->workers + slot + 1, feed->workers + slot,
+            (size_t)(feed->n_workers - slot) * sizeof *feed->workers);
+    feed->workers[slot] = w;
+    feed->n_workers++;
+    open_recovery(w, KM_FEED_WINDOW_STARTUP, now_ns, 0);
+    if (feed->config.bootstrap_replay && w->has_replay)
+        start_replay(feed, w, REPLAY_BOOTSTRAP, 0, now_ns);
+    feed->last_error[0] = '\0';
+    return KM_OK;
+}
+
+int km_feed_remove_worker(km_feed *feed, uint32_t id, uint64_t now_ns)
+{
+    (void)now_ns;
+    if (!feed)
+        return KM_ERR_NULL_POINTER;
+    bool found;
+    uint32_t slot = worker_slot(feed, id, &found);
+    if (!found)
+        return feed_fail(feed, KM_ERR_INVALID_ARGUMENT, "worker %u is not followed", id);
+    worker *w = feed->workers[slot];
+    int rc = queue_control(feed, w, KM_UPDATE_REMOVE_WORKER);
+    if (rc)
+        return feed_fail(feed, rc, "update queue");
+    cancel_replay(feed, w);
+    memmove(feed->workers + slot, feed->workers + slot + 1,
+            (size_t)(feed->n_workers - slot - 1) * sizeof *feed->workers);
+    feed->n_workers--;
+    worker_free(w);
+    feed->last_error[0] = '\0';
+    return KM_OK;
+}
+
+int km_feed_resync_worker(km_feed *feed, uint32_t id, uint64_t now_ns)
+{
+    if (!feed)
+        return KM_ERR_NULL_POINTER;
+    worker *w = find_worker(feed, id);
+    if (!w)
+        return feed_fail(feed, KM_ERR_INVALID_ARGUMENT, "worker %u is not followed", id);
+    int rc = queue_control(feed, w, KM_UPDATE_CLEAR_WORKER);
+    if (rc)
+        return feed_fail(feed, rc, "update queue");
+    feed_log(feed, w, "resync requested");
+    cancel_replay(feed, w);
+    buffer_clear(w);
+    close_recovery(feed, w, now_ns, KM_FEED_END_RESYNC);
+    exit_degraded(feed, w, now_ns, KM_FEED_END_RESYNC);
+    km_emap_clear(&w->map);
+    dedup_clear(feed, w);
+    w->has_expected = false;
+    open_recovery(w, KM_FEED_WINDOW_RESYNC, now_ns, 0);
+    if (w->has_replay)
+        start_replay(feed, w, REPLAY_RESYNC, 0, now_ns);
+    feed->last_error[0] = '\0';
+    return KM_OK;
+}
+
+/* Is the seq of a live message the decoder rejected that message's place in the stream? Only when
+ * it is exactly where the next live message belongs: right after the last live seq (SUB delivers
+ * in order), or, before any live message, the next seq to apply. Any other value read from frames
+ * that did not decode may be garbage, and taking it could make the next healthy message look like
+ * a gap or an engine restart. Written so that nothing wraps. */
+static bool rejected_live_seq_fits(const worker *w, uint64_t seq)
+{
+    if (w->has_last_live)
+        return seq > w->last_live && seq - w->last_live == 1;
+    return w->has_expected && seq == w->expected;
+}
+
+int km_feed_live(km_feed *feed, uint32_t id, uint64_t seq, const km_kv_batch *batch, uint64_t now_ns)
+{
+    if (!feed)
+        return KM_ERR_NULL_POINTER;
+    worker *w = find_worker(feed, id);
+    if (!w)
+        return feed_fail(feed, KM_ERR_INVALID_ARGUMENT, "worker %u is not followed", id);
+    w->c.messages++;
+    w->has_last_receive = true;
+    w->last_receive_ns = now_ns;
+    if (seq == KM_KV_REPLAY_END_SEQ) {
+        w->c.malformed++; /* the replay end marker's seq, never a message's */
+        return KM_OK;
+    }
+    if (batch) {
+        w->c.rejected_events += batch->n_rejected;
+        w->c.unknown_events += batch->n_unknown_events;
+    } else {
+        w->c.malformed++;
+        if (!rejected_live_seq_fits(w, seq))
+            return KM_OK; /* a gap or restart behind it shows at the next healthy message */
+    }
+
+    bool restart = false;
+    if (w->has_last_live && seq <= w->last_live) {
+        restart = true; /* SUB never repeats or reorders: a new publisher */
+    } else if (w->has_expected && seq < w->expected) {
+        /* Seen before only through a replay: a late live copy of a replayed message (the sockets
+         * are not ordered with each other), or a new publisher. The content tells them apart. */
+        message_view v = view_of_batch(batch);
+        bool late_lost = was_lost(w, seq);
+        if (late_lost || !batch || dedup_matches(feed, w, seq, message_digest(&v))) {
+            w->has_last_live = true;
+            w->last_live = seq;
+            if (late_lost)
+                w->c.late_lost++;
+            else
+                w->c.duplicates++;
+            return KM_OK;
+        }
+        restart = true;
+    }
+    w->has_last_live = true;
+    w->last_live = seq;
+    if (restart)
+        restart_worker(feed, w, seq, now_ns);
+    deliver_live(feed, w, seq, batch, now_ns);
+    return KM_OK;
+}
+
+int km_feed_malformed(km_feed *feed, uint32_t id, uint64_t now_ns)
+{
+    if (!feed)
+        return KM_ERR_NULL_POINTER;
+    worker *w = find_worker(feed, id);
+    if (!w)
+        return feed_fail(feed, KM_ERR_INVALID_ARGUMENT, "worker %u is not followed", id);
+    w->c.malformed++;
+    w->has_last_receive = true;
+    w->last_receive_ns = now_ns;
+    return KM_OK;
+}
+
+static worker *replay_worker(km_feed *feed, uint32_t id, uint64_t request_id, int *rc)
+{
+    worker *w = find_worker(feed, id);
+    if (!w) {
+        *rc = feed_fail(feed, KM_ERR_INVALID_ARGUMENT, "worker %u is not followed", id);
+        return NULL;
+    }
+    *rc = KM_OK;
+    if (w->replay == REPLAY_NONE || w->replay_id != request_id) {
+        w->c.stale_replay_items++;
+        return NULL;
+    }
+    return w;
+}
+
+/* Why a replay item must be refused, or NULL when it may be applied. A request from replay_from
+ * returns the publisher's buffered messages with seq >= replay_from, consecutive and in order,
+ * the first one later than asked when older history was evicted. What no such answer holds:
+ *  - seq 2^64-1 (the end marker's) or a seq below the start;
+ *  - a skip past the newest seq the live stream has shown (when it has shown one at or after the
+ *    start): the publisher had sent at most that far when it answered, unless the live socket
+ *    lags by more than the whole replay buffer; declaring the seqs in between lost would then
+ *    drop their live copies, still on their way, as late copies of lost seqs;
+ *  - the same for the first item of a bootstrap or resync (no position yet), measured from the
+ *    live messages held while this request runs (a last_live from before it, restored from a
+ *    snapshot, may be older than the engine's whole buffer): taken, it would set the position
+ *    past the live stream, whose next message would then read as an engine restart;
+ *  - for a rejected payload (batch NULL): any seq but the next one to apply (its frames did not
+ *    decode, so the seq may be garbage; one below it is a harmless duplicate). */
+static const char *replay_item_refusal(const worker *w, uint64_t seq, bool decoded)
+{
+    if (seq == KM_KV_REPLAY_END_SEQ)
+        return "seq 2^64-1 is the end marker's";
+    if (seq < w->replay_from)
+        return "below the requested start";
+    if (!decoded && (!w->has_expected || seq > w->expected))
+        return "a rejected payload's seq that is not the next to apply";
+    /* Without a position, every live message is held while the replay runs, the newest last. */
+    bool live_reference = w->has_expected ? seq > w->expected && w->last_live >= w->replay_from
+                                          : w->buffer_count > 0;
+    if (live_reference && w->has_last_live && seq > w->last_live && seq - w->last_live > 1)
+        return "skips past the newest live seq";
+    return NULL;
+}
+
+int km_feed_replay_item(km_feed *feed, uint32_t id, uint64_t request_id, uint64_t seq,
+                        const km_kv_batch *batch, uint64_t now_ns)
+{
+    if (!feed)
+        return KM_ERR_NULL_POINTER;
+    int rc;
+    worker *w = replay_worker(feed, id, request_id, &rc);
+    if (!w)
+        return rc;
+    w->has_last_receive = true;
+    w->last_receive_ns = now_ns;
+    if (batch) {
+        w->c.rejected_events += batch->n_rejected;
+        w->c.unknown_events += batch->n_unknown_events;
+    } else {
+        w->c.malformed++;
+    }
+    const char *refusal = replay_item_refusal(w, seq, batch != NULL);
+    if (refusal) {
+        w->c.refused_replay_items++;
+        if (!w->replay_refusal_logged) {
+            w->replay_refusal_logged = true;
+            feed_log(feed, w,
+                     "replay %" PRIu64 " from seq %" PRIu64 ": item seq %" PRIu64 " refused (%s)%s",
+                     request_id, w->replay_from, seq, refusal,
+                     "; further refusals of this request are only counted");
+        }
+        return KM_OK;
+    }
+    if (!w->has_expected) {
+        /* Bootstrap / resync: the first message the engine still has sets the position. */
+        w->c.history_unavailable += seq - (seq < w->replay_from ? seq : w->replay_from);
+        w->has_expected = true;
+        w->expected = seq;
+    }
+    if (seq < w->expected) {
+        w->c.duplicates++;
+        return KM_OK;
+    }
+    /* The replay skips ahead (its history was evicted): use the live buffer for what it holds of
+     * the hole; the rest is lost. */
+    while (seq > w->expected) {
+        held_message *m = buffer_front(w);
+        if (m && m->seq < w->expected) {
+            w->c.duplicates++;
+            buffer_pop(w);
+            continue;
+        }
+        if (m && m->seq < seq) {
+            if (m->seq > w->expected) {
+                declare_lost(feed, w, m->seq - w->expected, now_ns);
+                w->expected = m->seq;
+            }
+            message_view hv = view_of_held(m);
+            apply_message(feed, w, m->seq, &hv, false, now_ns);
+            buffer_pop(w);
+            continue;
+        }
+        feed_log(feed, w, "replay %" PRIu64 " resumes at seq %" PRIu64 ", expected %" PRIu64
+                 ": history evicted", request_id, seq, w->expected);
+        declare_lost(feed, w, seq - w->expected, now_ns);
+        w->expected = seq;
+    }
+    message_view v = view_of_batch(batch);
+    apply_message(feed, w, seq, &v, true, now_ns);
+    w->replay_progress = true;
+    return KM_OK;
+}
+
+int km_feed_replay_end(km_feed *feed, uint32_t id, uint64_t request_id, uint64_t now_ns)
+{
+    if (!feed)
+        return KM_ERR_NULL_POINTER;
+    int rc;
+    worker *w = replay_worker(feed, id, request_id, &rc);
+    if (!w)
+        return rc;
+    w->has_last_receive = true;
+    w->last_receive_ns = now_ns;
+    replay_kind kind = w->replay;
+    bool progress = w->replay_progress;
+    w->replay = REPLAY_NONE;
+    if (kind != REPLAY_GAP && !w->has_expected) {
+        /* The engine had published nothing when it answered: its stream starts at 0. */
+        w->has_expected = true;
+        w->expected = 0;
+    }
+    /* A gap replay that gave nothing new cannot fill the hole: asking again would loop. */
+    drain(feed, w, kind == REPLAY_GAP && !progress, now_ns);
+    return KM_OK;
+}
+
+int km_feed_replay_failed(km_feed *feed, uint32_t id, uint64_t request_id,
+                          km_feed_replay_failure reason, uint64_t now_ns)
+{
+    if (!feed)
+        return KM_ERR_NULL_POINTER;
+    int rc;
+    worker *w = replay_worker(feed, id, request_id, &rc);
+    if (!w)
+        return rc;
+    feed_log(feed, w, "replay %" PRIu64 " failed (%s)", request_id,
+             reason == KM_FEED_REPLAY_TIMEOUT ? "timeout" : "unreachable");
+    abandon_replay(feed, w, false, now_ns);
+    return KM_OK;
+}
+
+/* ---- flush ---------------------------------------------------------------------------------------------- */
+
+static void accumulate(km_update_stats *sum, const km_update_stats *s)
+{
+    sum->stored += s->stored;
+    sum->duplicate_stores += s->duplicate_stores;
+    sum->removed += s->removed;
+    sum->absent_removes += s->absent_removes;
+    sum->cleared += s->cleared;
+    sum->orphan_runs += s->orphan_runs;
+    sum->tier_changes += s->tier_changes;
+    sum->absent_tier_changes += s->absent_tier_changes;
+}
+
+static void queue_reset(km_feed *feed)
+{
+    feed->queue_count = feed->group_count = feed->hash_count = 0;
+}
+
+int km_feed_flush(km_feed *feed, uint64_t now_ns, km_feed_flush_stats *stats)
+{
+    km_feed_flush_stats local;
+    if (!stats)
+        stats = &local;
+    memset(stats, 0, sizeof *stats);
+    if (!feed)
+        return KM_ERR_NULL_POINTER;
+    feed->last_error[0] = '\0';
+    if (feed->group_count == 0)
+        return KM_OK;
+    if (GROW(feed->scratch, feed->scratch_capacity, feed->queue_count))
+        return feed_fail(feed, KM_ERR_OUT_OF_MEMORY, "flush scratch");
+    for (size_t i = 0; i < feed->queue_count; i++) {
+        const queued_update *q = &feed->queue[i];
+        km_update *u = &feed->scratch[i];
+        u->kind = q->kind;
+        u->worker = q->worker;
+        u->parent = q->parent;
+        u->hashes = q->count ? feed->hashes + q->offset : NULL;
+        u->n_hashes = q->count;
+        u->tier = (km_tier)q->tier;
+    }
+    km_update_stats st;
+    int rc = km_index_apply(feed->index, feed->scratch, feed->queue_count, &st);
+    if (rc == KM_OK) {
+        stats->updates = feed->queue_count;
+        stats->groups = feed->group_count;
+        stats->index = st;
+        queue_reset(feed);
+        return KM_OK;
+    }
+    if (rc != KM_ERR_MEMORY_CAP && rc != KM_ERR_OUT_OF_MEMORY)
+        return feed_fail(feed, rc, "index refused the batch: %s", km_index_last_error(feed->index));
+
+    /* Message by message: each still all or nothing; a refused one is dropped. */
+    int first_error = rc;
+    char detail[192];
+    snprintf(detail, sizeof detail, "%s", km_index_last_error(feed->index));
+    size_t n_failed = 0;
+    for (size_t g = 0; g < feed->group_count; g++) {
+        queued_group *grp = &feed->groups[g];
+        rc = km_index_apply(feed->index, feed->scratch + grp->first, grp->count, &st);
+        if (rc == KM_OK) {
+            stats->updates += grp->count;
+            stats->groups++;
+            accumulate(&stats->index, &st);
+        } else {
+            feed->groups[n_failed++] = *grp; /* compact the failures in place (n_failed <= g) */
+        }
+    }
+    stats->groups_failed = n_failed;
+    /* Mark the failures after the queue is reset: a DROP-policy clear queues into it. */
+    queued_group failed_small[16];
+    queued_group *failed = n_failed <= 16 ? failed_small : malloc(n_failed * sizeof *failed);
+    if (failed)
+        memcpy(failed, feed->groups, n_failed * sizeof *failed);
+    queue_reset(feed);
+    for (size_t i = 0; failed && i < n_failed; i++) {
+        worker *w = find_worker(feed, failed[i].worker);
+        if (!w || w->generation != failed[i].generation)
+            continue;
+        w->c.dropped_messages++;
+        enter_degraded(feed, w, now_ns, "the index refused a message's updates");
+    }
+    if (failed != failed_small)
+        free(failed);
+    if (feed->queue_count) {
+        /* Only clears (DROP policy): they never allocate, so apply them now. */
+        for (size_t i = 0; i < feed->queue_count; i++) {
+            const queued_update *q = &feed->queue[i];
+            km_update u = {q->kind, q->worker, q->parent, NULL, 0, KM_TIER_DEVICE};
+            if (km_index_apply(feed->index, &u, 1, &st) == KM_OK)
+                accumulate(&stats->index, &st);
+        }
+        queue_reset(feed);
+    }
+    return feed_fail(feed, first_error, "%zu message(s) dropped: %s", n_failed, detail);
+}
+
+/* ---- inspection ------------------------------------------------------------------------------------------ */
+
+int km_feed_get_worker_info(const km_feed *feed, uint32_t id, km_feed_worker_info *out)
+{
+    if (!feed || !out)
+        return KM_ERR_NULL_POINTER;
+    const worker *w = find_worker(feed, id);
+    if (!w)
+        return KM_ERR_INVALID_ARGUMENT;
+    memset(out, 0, sizeof *out);
+    out->worker = w->id;
+    memcpy(out->name, w->name, sizeof out->name);
+    out->state = worker_state(w);
+    out->has_replay = w->has_replay;
+    out->replay_in_flight = w->replay != REPLAY_NONE;
+    out->has_expected_seq = w->has_expected;
+    out->expected_seq = w->has_expected ? w->expected : 0;
+    out->has_last_receive = w->has_last_receive;
+    out->last_receive_ns = w->last_receive_ns;
+    out->last_engine_timestamp = w->last_engine_timestamp;
+    out->buffered_messages = w->buffer_count;
+    out->buffered_bytes = w->buffer_bytes;
+    out->map_entries = w->map.live;
+    out->counters = w->c;
+    out->windows_total = w->windows_total;
+    out->windows_open = (uint32_t)w->recovery_open + (uint32_t)w->degraded_open;
+    out->windows_kept = w->history_count + out->windows_open;
+    out->restored = w->restored;
+    out->awaiting_claim = w->awaiting_claim;
+    return KM_OK;
+}
+
+int km_feed_get_worker_windows(const km_feed *feed, uint32_t id, km_feed_window *out, uint32_t capacity,
+                           uint32_t *n_out)
+{
+    if (!feed || !n_out || (!out && capacity))
+        return KM_ERR_NULL_POINTER;
+    const worker *w = find_worker(feed, id);
+    if (!w)
+        return KM_ERR_INVALID_ARGUMENT;
+    /* Closed windows oldest first, then the open ones by start time. */
+    const km_feed_window *open[2];
+    uint32_t n_open = 0;
+    if (w->degraded_open)
+        open[n_open++] = &w->degraded_window;
+    if (w->recovery_open)
+        open[n_open++] = &w->recovery;
+    if (n_open == 2 && open[1]->start_ns < open[0]->start_ns) {
+        const km_feed_window *t = open[0];
+        open[0] = open[1];
+        open[1] = t;
+    }
+    uint32_t n = w->history_count + n_open;
+    for (uint32_t i = 0; i < n && i < capacity; i++)
+        out[i] = i < w->history_count
+                     ? w->history[(w->history_head + i) % feed->config.max_windows]
+                     : *open[i - w->history_count];
+    *n_out = n;
+    return KM_OK;
+}
+
+int km_feed_get_workers(const km_feed *feed, uint32_t *workers, uint32_t capacity, uint32_t *n_out)
+{
+    if (!feed || !n_out || (!workers && capacity))
+        return KM_ERR_NULL_POINTER;
+    for (uint32_t i = 0; i < feed->n_workers && i < capacity; i++)
+        workers[i] = feed->workers[i]->id;
+    *n_out = feed->n_workers;
+    return KM_OK;
+}
+
+/* ---- snapshots (restart of kvmatch) ----------------------------------------------------------------------- */
+
+/* Feed state section, little-endian:
+ *   header: magic "KMFEEDST" (8), version u32, block_size u32, n_workers u32, reserved u32 (0)
+ *   per worker, ascending id:
+ *     id u32, flags u32 (FS_*), name_len u16, identity_len u16, name, identity,
+ *     expected u64, last_live u64, map_entries u64,
+ *     map_entries x {key u64 (nonzero, not a tombstone), chain u64, media u8 (1..15)}
+ *   nothing after the last worker. */
+static const unsigned char FEED_MAGIC[8] = {'K', 'M', 'F', 'E', 'E', 'D', 'S', 'T'};
+#define FS_HAS_REPLAY 1u
+#define FS_HAS_EXPECTED 2u
+#define FS_HAS_LAST_LIVE 4u
+#define FS_DEGRADED 8u
+#define FS_KNOWN_FLAGS 15u
+#define FS_ENTRY_BYTES 17u
+
+typedef struct fs_writer {
+    unsigned char *p;
+    size_t at;
+} fs_writer;
+
+static void fs_put(fs_writer *w, const void *src, size_t n)
+{
+    memcpy(w->p + w->at, src, n);
+    w->at += n;
+}
+
+static void fs_u64(fs_writer *w, uint64_t v)
+{
+    unsigned char b[8];
+    for (int i = 0; i < 8; i++)
+        b[i] = (unsigned char)(v >> (8 * i));
+    fs_put(w, b, 8);
+}
+
+static void fs_u32(fs_writer *w, uint32_t v)
+{
+    unsigned char b[4];
+    for (int i = 0; i < 4; i++)
+        b[i] = (unsigned char)(v >> (8 * i));
+    fs_put(w, b, 4);
+}
+
+static void fs_u16(fs_writer *w, uint16_t v)
+{
+    unsigned char b[2] = {(unsigned char)v, (unsigned char)(v >> 8)};
+    fs_put(w, b, 2);
+}
+
+int km_feed_export_state(const km_feed *feed, void **out, size_t *size_out)
+{
+    if (!feed || !out || !size_out)
+        return KM_ERR_NULL_POINTER;
+    *out = NULL;
+    *size_out = 0;
+    if (feed->queue_count || feed->group_count)
+        return KM_ERR_INVALID_ARGUMENT;
+    size_t size = 24;
+    for (uint32_t i = 0; i < feed->n_workers; i++) {
+        const worker *w = feed->workers[i];
+        size += 12 + strlen(w->name) + strlen(w->identity) + 24 + (size_t)w->map.live * FS_ENTRY_BYTES;
+    }
+    fs_writer wr = {malloc(size), 0};
+    if (!wr.p)
+        return KM_ERR_OUT_OF_MEMORY;
+    fs_put(&wr, FEED_MAGIC, 8);
+    fs_u32(&wr, KM_FEED_STATE_VERSION);
+    fs_u32(&wr, feed->config.block_size);
+    fs_u32(&wr, feed->n_workers);
+    fs_u32(&wr, 0);
+    for (uint32_t i = 0; i < feed->n_workers; i++) {
+        const worker *w = feed->workers[i];
+        uint32_t flags = (w->has_replay ? FS_HAS_REPLAY : 0) | (w->has_expected ? FS_HAS_EXPECTED : 0) |
+                         (w->has_last_live ? FS_HAS_LAST_LIVE : 0) | (w->degraded ? FS_DEGRADED : 0);
+        size_t name_len = strlen(w->name), id_len = strlen(w->identity);
+        fs_u32(&wr, w->id);
+        fs_u32(&wr, flags);
+        fs_u16(&wr, (uint16_t)name_len);
+        fs_u16(&wr, (uint16_t)id_len);
+        fs_put(&wr, w->name, name_len);
+        fs_put(&wr, w->identity, id_len);
+        fs_u64(&wr, w->has_expected ? w->expected : 0);
+        fs_u64(&wr, w->has_last_live ? w->last_live : 0);
+        fs_u64(&wr, w->map.live);
+        uint64_t cursor = 0;
+        for (const km_emap_entry *e; (e = km_emap_next(&w->map, &cursor));) {
+            fs_u64(&wr, e->key);
+            fs_u64(&wr, e->chain);
+            fs_put(&wr, &e->media, 1);
+        }
+    }
+    *out = wr.p;
+    *size_out = wr.at;
+    return KM_OK;
+}
+
+typedef struct fs_reader {
+    const unsigned char *p;
+    size_t size, at;
+} fs_reader;
+
+static bool fs_take(fs_reader *r, void *dst, size_t n)
+{
+    if (r->size - r->at < n)
+        return false;
+    if (dst)
+        memcpy(dst, r->p + r->at, n);
+    r->at += n;
+    return true;
+}
+
+static bool fs_get_u64(fs_reader *r, uint64_t *v)
+{
+    unsigned char b[8];
+    if (!fs_take(r, b, 8))
+        return false;
+    *v = 0;
+    for (int i = 7; i >= 0; i--)
+        *v = (*v << 8) | b[i];
+    return true;
+}
+
+static bool fs_get_u32(fs_reader *r, uint32_t *v)
+{
+    unsigned char b[4];
+    if (!fs_take(r, b, 4))
+        return false;
+    *v = (uint32_t)b[0] | (uint32_t)b[1] << 8 | (uint32_t)b[2] << 16 | (uint32_t)b[3] << 24;
+    return true;
+}
+
+static bool fs_get_u16(fs_reader *r, uint16_t *v)
+{
+    unsigned char b[2];
+    if (!fs_take(r, b, 2))
+        return false;
+    *v = (uint16_t)(b[0] | b[1] << 8);
+    return true;
+}
+
+static void free_workers(worker **ws, uint32_t n)
+{
+    for (uint32_t i = 0; i < n; i++)
+        worker_free(ws[i]);
+    free(ws);
+}
+
+int km_feed_import_state(km_feed *feed, const void *data, size_t size, uint64_t now_ns)
+{
+    if (!feed || (!data && size))
+        return KM_ERR_NULL_POINTER;
+    if (feed->n_workers)
+        return feed_fail(feed, KM_ERR_INVALID_ARGUMENT, "restore into a feed that follows workers");
+    fs_reader r = {data, size, 0};
+    unsigned char magic[8];
+    uint32_t version, block_size, n_workers, reserved;
+    if (!fs_take(&r, magic, 8) || memcmp(magic, FEED_MAGIC, 8) != 0)
+        return feed_fail(feed, KM_ERR_CORRUPT, "feed state: bad magic or truncated header");
+    if (!fs_get_u32(&r, &version))
+        return feed_fail(feed, KM_ERR_CORRUPT, "feed state: truncated header");
+    if (version != KM_FEED_STATE_VERSION)
+        return feed_fail(feed, KM_ERR_INCOMPATIBLE, "feed state version %u (this build reads %u)",
+                         version, KM_FEED_STATE_VERSION);
+    if (!fs_get_u32(&r, &block_size) || !fs_get_u32(&r, &n_workers) || !fs_get_u32(&r, &reserved))
+        return feed_fail(feed, KM_ERR_CORRUPT, "feed state: truncated header");
+    if (reserved != 0)
+        return feed_fail(feed, KM_ERR_CORRUPT, "feed state: reserved header field is %u", reserved);
+    if (block_size != feed->config.block_size)
+        return feed_fail(feed, KM_ERR_INCOMPATIBLE, "feed state block size %u, feed has %u",
+                         block_size, feed->config.block_size);
+    /* Each worker takes at least 36 bytes: bounds the allocation by the input. */
+    if (n_workers > (size - r.at) / 36)
+        return feed_fail(feed, KM_ERR_CORRUPT, "feed state: %u workers in %zu bytes", n_workers, size);
+    worker **ws = calloc(n_workers ? n_workers : 1, sizeof *ws);
+    if (!ws)
+        return feed_fail(feed, KM_ERR_OUT_OF_MEMORY, "feed state: worker table");
+    int rc = KM_OK;
+    const char *why = "";
+    uint32_t n = 0;
+    while (n < n_workers) {
+        uint32_t id, flags;
+        uint16_t name_len, id_len;
+        uint64_t expected, last_live, entries;
+        km_worker_stats ws_stats;
+        if (!fs_get_u32(&r, &id) || !fs_get_u32(&r, &flags) || !fs_get_u16(&r, &name_len) ||
+            !fs_get_u16(&r, &id_len)) {
+            rc = KM_ERR_CORRUPT, why = "truncated worker header";
+            break;
+        }
+        if (flags & ~FS_KNOWN_FLAGS) {
+            rc = KM_ERR_CORRUPT, why = "unknown worker flags";
+            break;
+        }
+        if (n && id <= ws[n - 1]->id) {
+            rc = KM_ERR_CORRUPT, why = "worker ids not ascending";
+            break;
+        }
+        if (km_index_worker_stats(feed->index, id, &ws_stats) != KM_OK) {
+            rc = KM_ERR_INCOMPATIBLE, why = "worker id outside the index";
+            break;
+        }
+        if (name_len >= KM_FEED_NAME_MAX || id_len >= KM_FEED_NAME_MAX) {
+            rc = KM_ERR_CORRUPT, why = "worker name too long";
+            break;
+        }
+        worker *w = calloc(1, sizeof *w);
+        if (w) {
+            km_emap_init(&w->map);
+            w->history = calloc(feed->config.max_windows, sizeof *w->history);
+        }
+        if (!w || !w->history) {
+            worker_free(w);
+            rc = KM_ERR_OUT_OF_MEMORY, why = "worker state";
+            break;
+        }
+        ws[n] = w;
+        if (!fs_take(&r, w->name, name_len) || !fs_take(&r, w->identity, id_len) ||
+            !fs_get_u64(&r, &expected) || !fs_get_u64(&r, &last_live) || !fs_get_u64(&r, &entries)) {
+            rc = KM_ERR_CORRUPT, why = "truncated worker";
+            n++;
+            break;
+        }
+        n++;
+        if (memchr(w->name, '\0', name_len) || memchr(w->identity, '\0', id_len)) {
+            rc = KM_ERR_CORRUPT, why = "NUL inside a worker name";
+            break;
+        }
+        if (entries > (r.size - r.at) / FS_ENTRY_BYTES) {
+            rc = KM_ERR_CORRUPT, why = "map larger than the section";
+            break;
+        }
+        if (!(flags & FS_HAS_EXPECTED) && (expected || entries)) {
+            rc = KM_ERR_CORRUPT, why = "map or seq without a stream position";
+            break;
+        }
+        w->id = id;
+        w->has_replay = flags & FS_HAS_REPLAY;
+        w->has_expected = flags & FS_HAS_EXPECTED;
+        w->expected = expected;
+        w->has_last_live = flags & FS_HAS_LAST_LIVE;
+        w->last_live = last_live;
+        w->degraded = flags & FS_DEGRADED;
+        if (entries && km_emap_size_for(&w->map, entries) != KM_OK) {
+            rc = KM_ERR_OUT_OF_MEMORY, why = "engine-hash map";
+            break;
+        }
+        for (uint64_t j = 0; j < entries && !rc; j++) {
+            uint64_t key = 0, chain = 0;
+            uint8_t media = 0;
+            fs_get_u64(&r, &key);
+            fs_get_u64(&r, &chain);
+            fs_take(&r, &media, 1);
+            /* Keys are stored mapped (km_u64map_key), so never 0 or 1; the map maps them again,
+             * which leaves such keys as they are. */
+            if (key <= 1 || media == 0 || media >= (1u << MEDIUM_COUNT)) {
+                rc = KM_ERR_CORRUPT, why = "bad map entry";
+                break;
+            }
+            if (km_emap_find(&w->map, key)) {
+                rc = KM_ERR_CORRUPT, why = "duplicate map entry";
+                break;
+            }
+            km_emap_entry *m = km_emap_upsert(&w->map, key);
+            m->chain = chain;
+            m->media = media;
+        }
+        if (rc)
+            break;
+    }
+    if (!rc && r.at != r.size)
+        rc = KM_ERR_CORRUPT, why = "trailing bytes";
+    if (rc) {
+        free_workers(ws, n);
+        return feed_fail(feed, rc, "feed state: %s (worker record %u)", why, n);
+    }
+    /* Install: nothing below fails. */
+    free(feed->workers);
+    feed->workers = ws;
+    feed->workers_capacity = n_workers ? n_workers : 1;
+    feed->n_workers = n_workers;
+    for (uint32_t i = 0; i < n_workers; i++) {
+        worker *w = ws[i];
+        w->generation = ++feed->next_generation;
+        w->restored = true;
+        w->awaiting_claim = true;
+        if (w->has_expected)
+            open_recovery(w, KM_FEED_WINDOW_RESUME, now_ns, w->expected);
+        else
+            open_recovery(w, KM_FEED_WINDOW_STARTUP, now_ns, 0);
+        if (w->degraded) { /* stays DEGRADED; nothing is dropped (restoring loses nothing) */
+            window_init(&w->degraded_window, KM_FEED_WINDOW_DEGRADED, now_ns, 0);
+            w->degraded_open = true;
+            w->windows_total++;
+        }
+    }
+    feed->last_error[0] = '\0';
+    return KM_OK;
+}
+
+int km_feed_save(km_feed *feed, const char *path, uint64_t now_ns)
+{
+    if (!feed || !path)
+        return KM_ERR_NULL_POINTER;
+    int rc = km_feed_flush(feed, now_ns, NULL);
+    if (rc)
+        return rc;
+    void *state = NULL;
+    size_t size = 0;
+    rc = km_feed_export_state(feed, &state, &size);
+    if (rc)
+        return feed_fail(feed, rc, "exporting the feed state");
+    rc = km_index_save(feed->index, path, state, size);
+    free(state);
+    if (rc)
+        return feed_fail(feed, rc, "%s", km_index_last_error(feed->index));
+    feed->last_error[0] = '\0';
+    return KM_OK;
+}
+
+/* Drop every worker's blocks from the index (a snapshot whose feed part is unusable). */
+static void clear_index(km_feed *feed)
+{
+    km_worker_stats st;
+    km_update_stats us;
+    for (uint32_t id = 0; km_index_worker_stats(feed->index, id, &st) == KM_OK; id++) {
+        if (!st.blocks)
+            continue;
+        km_update u = {KM_UPDATE_REMOVE_WORKER, id, KM_NO_PARENT, NULL, 0, KM_TIER_DEVICE};
+        km_index_apply(feed->index, &u, 1, &us);
+    }
+}
+
+int km_feed_restore(km_feed *feed, const char *path, uint64_t now_ns)
+{
+    if (!feed || !path)
+        return KM_ERR_NULL_POINTER;
+    if (feed->n_workers || feed->queue_count)
+        return feed_fail(feed, KM_ERR_INVALID_ARGUMENT, "restore into a feed that is in use");
+    void *user = NULL;
+    size_t size = 0;
+    int rc = km_index_load(feed->index, path, &user, &size);
+    if (rc)
+        return feed_fail(feed, rc, "snapshot %s: %s", path, km_index_last_error(feed->index));
+    rc = km_feed_import_state(feed, user, size, now_ns);
+    free(user);
+    if (rc) {
+        char detail[sizeof feed->last_error];
+        snprintf(detail, sizeof detail, "%s", feed->last_error);
+        clear_index(feed);
+        return feed_fail(feed, rc, "snapshot %s: %s", path, detail);
+    }
+    return KM_OK;
+}

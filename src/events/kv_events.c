@@ -1,0 +1,1284 @@
+/* KV-event wire decoder (include/kvmatch/kv_events.h, docs/EVENTS.md).
+ *
+ * A payload goes through three stages, each bounded before the next one spends memory:
+ *  1. prescan_payload walks the raw msgpack bytes once, with no allocation: it checks that the
+ *     payload is exactly one complete, well-formed value, that no container declares more elements
+ *     than there are bytes left, that nesting stays within msgpack-c's stack, and that the value
+ *     count is within max_payload_objects. It also computes exactly how much msgpack-c's zone will
+ *     need. msgpack-c allocates a container's element array from its *declared* length before
+ *     reading any element, so without this stage a 5-byte payload could request gigabytes.
+ *  2. msgpack_unpack builds the object tree in the handle's zone, which is kept across calls and
+ *     grown to the largest payload seen, so steady-state decoding does not allocate. Strings and
+ *     bins in the tree point into the caller's payload.
+ *  3. decode_batch walks the tree against the event schemas and copies what the caller gets
+ *     (arrays, strings) into the handle's arena, also kept across calls.
+ * Stage 1 makes stage 2's result predictable; stage 3 never trusts a size it has not checked
+ * against a configured limit. */
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <msgpack.h>
+
+#include "kvmatch/kv_events.h"
+#include "base/msgpack_names.h"
+
+#define LAST_ERROR_BYTES        512
+#define REJECT_MESSAGE_BYTES    200
+#define UNKNOWN_TYPE_NAME_BYTES 64 /* buffer for the first unknown type name, NUL included */
+#define NO_ELEMENT              UINT32_MAX
+
+/* ---- arena: handle-owned storage for decoded results ----------------------------------------- */
+
+/* Blocks form a list, newest first; pointers handed out stay valid until arena_reset. A reset
+ * that finds several blocks replaces them with one block of their total size, so after the first
+ * few messages a decode fits in a single block and allocates nothing. */
+typedef struct arena_block {
+    struct arena_block *next;
+    size_t capacity;
+    size_t used;
+    size_t reserved; /* keeps the header a multiple of ARENA_ALIGN */
+} arena_block;
+
+#define ARENA_ALIGN     16u
+#define ARENA_MIN_BLOCK ((size_t)16 << 10)
+_Static_assert(sizeof(arena_block) % ARENA_ALIGN == 0, "arena block header breaks alignment");
+
+typedef struct arena {
+    arena_block *blocks;
+    size_t capacity_total;
+} arena;
+
+static unsigned char *arena_block_data(arena_block *block)
+{
+    return (unsigned char *)block + sizeof *block;
+}
+
+static arena_block *arena_block_new(size_t capacity)
+{
+    arena_block *block = malloc(sizeof *block + capacity);
+    if (block) {
+        block->next = NULL;
+        block->capacity = capacity;
+        block->used = 0;
+    }
+    return block;
+}
+
+static void arena_release(arena *a)
+{
+    arena_block *block = a->blocks;
+    while (block) {
+        arena_block *next = block->next;
+        free(block);
+        block = next;
+    }
+    a->blocks = NULL;
+    a->capacity_total = 0;
+}
+
+static void arena_reset(arena *a)
+{
+    if (a->blocks && a->blocks->next) {
+        size_t total = a->capacity_total;
+        arena_release(a);
+        a->blocks =
+            arena_block_new(total); /* failure leaves an empty arena: the next alloc retries */
+        if (a->blocks)
+            a->capacity_total = total;
+    }
+    if (a->blocks)
+        a->blocks->used = 0;
+}
+
+/* `count` elements of `size` bytes, aligned to ARENA_ALIGN; NULL on overflow or out of memory.
+ * A zero-byte request returns a valid, non-dereferenceable-but-non-NULL pointer. */
+static void *arena_alloc_array(arena *a, size_t count, size_t size)
+{
+    static _Alignas(16) unsigned char empty_allocation[ARENA_ALIGN];
+    if (count == 0 || size == 0)
+        return empty_allocation;
+    if (count > (SIZE_MAX - ARENA_ALIGN) / size)
+        return NULL;
+    size_t bytes = (count * size + ARENA_ALIGN - 1) & ~(size_t)(ARENA_ALIGN - 1);
+    arena_block *block = a->blocks;
+    if (!block || block->capacity - block->used < bytes) {
+        size_t capacity = a->capacity_total > ARENA_MIN_BLOCK ? a->capacity_total : ARENA_MIN_BLOCK;
+        if (capacity < bytes)
+            capacity = bytes;
+        block = arena_block_new(capacity);
+        if (!block)
+            return NULL;
+        block->next = a->blocks;
+        a->blocks = block;
+        a->capacity_total += capacity;
+    }
+    void *p = arena_block_data(block) + block->used;
+    block->used += bytes;
+    return p;
+}
+
+/* ---- the handle ------------------------------------------------------------------------------ */
+
+struct km_kv_decoder {
+    km_kv_decoder_config config;
+    arena results;
+    msgpack_zone zone; /* msgpack-c's object tree; chunk_size grows to the largest payload seen */
+    bool zone_ready;
+    bool zone_overflowed; /* the last unpack needed a second chunk: grow before the next one */
+    size_t zone_chunk_bytes;
+    km_kv_decoder_stats stats;
+    /* Context for error messages while an event is being decoded. */
+    uint32_t event_position;
+    const char *event_type; /* NULL until the event's type is known */
+    char last_error[LAST_ERROR_BYTES];
+};
+
+void km_kv_decoder_config_init(km_kv_decoder_config *cfg)
+{
+    if (!cfg)
+        return;
+    memset(cfg, 0, sizeof *cfg);
+    cfg->max_payload_bytes = (uint64_t)64 << 20;
+    cfg->max_payload_objects = 1u << 22;
+    cfg->max_events_per_batch = 1u << 16;
+    cfg->max_hashes_per_event = 1u << 20;
+    cfg->max_tokens_per_event = 1u << 22;
+    cfg->max_string_bytes = 1024;
+}
+
+int km_kv_decoder_create(const km_kv_decoder_config *cfg, km_kv_decoder **out)
+{
+    if (!out)
+        return KM_ERR_NULL_POINTER;
+    *out = NULL;
+    km_kv_decoder_config config;
+    if (cfg)
+        config = *cfg;
+    else
+        km_kv_decoder_config_init(&config);
+    if (config.max_payload_bytes == 0 || config.max_payload_objects == 0 ||
+        config.max_events_per_batch == 0 || config.max_hashes_per_event == 0 ||
+        config.max_tokens_per_event == 0 || config.max_string_bytes == 0)
+        return KM_ERR_INVALID_ARGUMENT;
+    km_kv_decoder *dec = calloc(1, sizeof *dec);
+    if (!dec)
+        return KM_ERR_OUT_OF_MEMORY;
+    dec->config = config;
+    *out = dec;
+    return KM_OK;
+}
+
+void km_kv_decoder_destroy(km_kv_decoder *dec)
+{
+    if (!dec)
+        return;
+    arena_release(&dec->results);
+    if (dec->zone_ready)
+        msgpack_zone_destroy(&dec->zone);
+    free(dec);
+}
+
+const char *km_kv_decoder_last_error(const km_kv_decoder *dec)
+{
+    return dec ? dec->last_error : "";
+}
+
+int km_kv_decoder_get_stats(const km_kv_decoder *dec, km_kv_decoder_stats *out)
+{
+    if (!dec || !out)
+        return KM_ERR_NULL_POINTER;
+    *out = dec->stats;
+    out->retained_bytes = (uint64_t)dec->results.capacity_total + dec->zone_chunk_bytes;
+    return KM_OK;
+}
+
+const char *km_kv_event_kind_name(km_kv_event_kind kind)
+{
+    switch (kind) {
+    case KM_KV_EVENT_BLOCK_STORED: return "BlockStored";
+    case KM_KV_EVENT_BLOCK_REMOVED: return "BlockRemoved";
+    case KM_KV_EVENT_ALL_BLOCKS_CLEARED: return "AllBlocksCleared";
+    }
+    return "unknown";
+}
+
+const char *km_kv_medium_name(km_kv_medium medium)
+{
+    switch (medium) {
+    case KM_KV_MEDIUM_GPU: return "GPU";
+    case KM_KV_MEDIUM_CPU: return "CPU";
+    case KM_KV_MEDIUM_DISK: return "DISK";
+    case KM_KV_MEDIUM_OTHER: return "other";
+    }
+    return "unknown";
+}
+
+/* ---- errors ---------------------------------------------------------------------------------- */
+
+#if defined(__GNUC__)
+#define KM_PRINTF(fmt_index, first_arg) __attribute__((format(printf, fmt_index, first_arg)))
+#else
+#define KM_PRINTF(fmt_index, first_arg)
+#endif
+
+static int decoder_vfail(km_kv_decoder *dec, int status, const char *prefix, const char *fmt,
+                         va_list ap)
+{
+    int n = snprintf(dec->last_error, sizeof dec->last_error, "%s: %s", km_error_name(status),
+                     prefix ? prefix : "");
+    if (n > 0 && (size_t)n < sizeof dec->last_error)
+        vsnprintf(dec->last_error + n, sizeof dec->last_error - (size_t)n, fmt, ap);
+    return status;
+}
+
+KM_PRINTF(3, 4) static int decoder_fail(km_kv_decoder *dec, int status, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    decoder_vfail(dec, status, NULL, fmt, ap);
+    va_end(ap);
+    return status;
+}
+
+/* "event 3 (BlockStored), field token_ids[7]: " + the message. `field` may be NULL, `element`
+ * NO_ELEMENT. */
+KM_PRINTF(5, 6)
+static int event_fail(km_kv_decoder *dec, int status, const char *field, uint32_t element,
+                      const char *fmt, ...)
+{
+    char where[160];
+    int n = snprintf(where, sizeof where, "event %u", dec->event_position);
+    if (n > 0 && (size_t)n < sizeof where && dec->event_type)
+        n += snprintf(where + n, sizeof where - (size_t)n, " (%s)", dec->event_type);
+    if (n > 0 && (size_t)n < sizeof where && field) {
+        n += snprintf(where + n, sizeof where - (size_t)n, ", field %s", field);
+        if (n > 0 && (size_t)n < sizeof where && element != NO_ELEMENT)
+            n += snprintf(where + n, sizeof where - (size_t)n, "[%u]", element);
+    }
+    if (n > 0 && (size_t)n < sizeof where)
+        snprintf(where + n, sizeof where - (size_t)n, ": ");
+    va_list ap;
+    va_start(ap, fmt);
+    decoder_vfail(dec, status, where, fmt, ap);
+    va_end(ap);
+    return status;
+}
+
+/* ---- stage 1: bounded pre-scan of the raw bytes ---------------------------------------------- */
+
+typedef struct payload_shape {
+    uint64_t objects;    /* msgpack values, map keys included */
+    uint64_t zone_bytes; /* what msgpack-c's unpacker allocates from its zone for this payload */
+} payload_shape;
+
+static uint64_t read_be(const uint8_t *p, unsigned bytes)
+{
+    uint64_t v = 0;
+    for (unsigned i = 0; i < bytes; i++)
+        v = v << 8 | p[i];
+    return v;
+}
+
+/* One value header at p[0..available): the header length, how many bytes of body follow it
+ * (str/bin/ext), and for containers the element count (maps: key + value per entry).
+ * Returns 0, or -1 when the header itself does not fit, -2 for the reserved byte 0xc1. */
+typedef struct value_header {
+    unsigned header_bytes;
+    uint64_t body_bytes;
+    bool is_container;
+    bool is_map;
+    uint64_t entries; /* containers: declared length (pairs for maps) */
+} value_header;
+
+static int read_value_header(const uint8_t *p, size_t available, value_header *h)
+{
+    memset(h, 0, sizeof *h);
+    uint8_t b = p[0];
+    unsigned len_bytes = 0; /* size field width for str/bin/ext/array/map with explicit length */
+    h->header_bytes = 1;
+    if (b <= 0x7f || b >= 0xe0 || b == 0xc0 || b == 0xc2 || b == 0xc3)
+        return 0; /* fixint, nil, bool */
+    if (b >= 0x80 && b <= 0x8f) {
+        h->is_container = h->is_map = true;
+        h->entries = b & 0x0fu;
+        return 0;
+    }
+    if (b >= 0x90 && b <= 0x9f) {
+        h->is_container = true;
+        h->entries = b & 0x0fu;
+        return 0;
+    }
+    if (b >= 0xa0 && b <= 0xbf) {
+        h->body_bytes = b & 0x1fu;
+        return 0;
+    }
+    /* clang-format off */
+    switch (b) {
+    case 0xc1:
+        return -2;
+    case 0xcc: case 0xd0: h->header_bytes = 2; break;
+    case 0xcd: case 0xd1: h->header_bytes = 3; break;
+    case 0xca: case 0xce: case 0xd2: h->header_bytes = 5; break;
+    case 0xcb: case 0xcf: case 0xd3: h->header_bytes = 9; break;
+    case 0xd4: h->header_bytes = 2; h->body_bytes = 1; break; /* fixext: type byte + data */
+    case 0xd5: h->header_bytes = 2; h->body_bytes = 2; break;
+    case 0xd6: h->header_bytes = 2; h->body_bytes = 4; break;
+    case 0xd7: h->header_bytes = 2; h->body_bytes = 8; break;
+    case 0xd8: h->header_bytes = 2; h->body_bytes = 16; break;
+    case 0xc4: case 0xd9: len_bytes = 1; break; /* bin 8, str 8 */
+    case 0xc5: case 0xda: len_bytes = 2; break;
+    case 0xc6: case 0xdb: len_bytes = 4; break;
+    case 0xc7: len_bytes = 1; break; /* ext 8/16/32: length, then a type byte */
+    case 0xc8: len_bytes = 2; break;
+    case 0xc9: len_bytes = 4; break;
+    case 0xdc: len_bytes = 2; h->is_container = true; break;
+    case 0xdd: len_bytes = 4; h->is_container = true; break;
+    case 0xde: len_bytes = 2; h->is_container = h->is_map = true; break;
+    case 0xdf: len_bytes = 4; h->is_container = h->is_map = true; break;
+    default:
+        return -2; /* unreachable: every byte is covered above */
+    }
+    /* clang-format on */
+    if (len_bytes) {
+        bool is_ext = b >= 0xc7 && b <= 0xc9;
+        h->header_bytes = 1 + len_bytes + (is_ext ? 1u : 0u);
+        if (available < h->header_bytes)
+            return -1;
+        uint64_t length = read_be(p + 1, len_bytes);
+        if (h->is_container)
+            h->entries = length;
+        else
+            h->body_bytes = length;
+        return 0;
+    }
+    return available < h->header_bytes ? -1 : 0;
+}
+
+static int prescan_payload(km_kv_decoder *dec, const uint8_t *p, size_t size, payload_shape *shape)
+{
+    uint64_t pending[KM_KV_MAX_NESTING_DEPTH]; /* values still expected by each open container */
+    unsigned depth = 0;
+    size_t pos = 0;
+    uint64_t objects = 0, zone_bytes = 0;
+    for (;;) {
+        if (pos >= size)
+            return decoder_fail(dec, KM_ERR_PARSE,
+                                "payload truncated: %zu bytes end inside a value nested %u deep",
+                                size, depth);
+        value_header h;
+        int rc = read_value_header(p + pos, size - pos, &h);
+        if (rc == -2)
+            return decoder_fail(dec, KM_ERR_PARSE,
+                                "byte 0x%02x at offset %zu is not a valid msgpack type", p[pos],
+                                pos);
+        if (rc == -1)
+            return decoder_fail(
+                dec, KM_ERR_PARSE,
+                "payload truncated: value header at offset %zu needs %u bytes, %zu left", pos,
+                h.header_bytes, size - pos);
+        if (++objects > dec->config.max_payload_objects)
+            return decoder_fail(dec, KM_ERR_TOO_LARGE,
+                                "payload holds more than max_payload_objects = %u msgpack values",
+                                dec->config.max_payload_objects);
+        pos += h.header_bytes;
+        size_t left = size - pos;
+        if (h.is_container) {
+            uint64_t values = h.is_map ? 2 * h.entries : h.entries;
+            if (depth >= KM_KV_MAX_NESTING_DEPTH)
+                return decoder_fail(dec, KM_ERR_TOO_LARGE,
+                                    "containers nested deeper than %u at offset %zu",
+                                    KM_KV_MAX_NESTING_DEPTH, pos - h.header_bytes);
+            /* Every value takes at least one byte: a longer declaration is a lie or a
+             * truncation. */
+            if (values > left)
+                return decoder_fail(
+                    dec, KM_ERR_PARSE,
+                    "payload truncated or corrupt: %s at offset %zu declares %llu entries "
+                    "but only %zu bytes follow",
+                    h.is_map ? "map" : "array", pos - h.header_bytes, (unsigned long long)h.entries,
+                    left);
+            zone_bytes +=
+                h.entries * (h.is_map ? sizeof(msgpack_object_kv) : sizeof(msgpack_object));
+            if (values > 0) {
+                pending[depth++] = values;
+                continue;
+            }
+        } else {
+            if (h.body_bytes > left)
+                return decoder_fail(
+                    dec, KM_ERR_PARSE,
+                    "payload truncated: value at offset %zu needs %llu more bytes, %zu left",
+                    pos - h.header_bytes, (unsigned long long)h.body_bytes, left);
+            pos += (size_t)h.body_bytes;
+        }
+        /* A value just ended: close every container it completes. */
+        while (depth > 0 && --pending[depth - 1] == 0)
+            depth--;
+        if (depth == 0)
+            break;
+    }
+    if (pos != size)
+        return decoder_fail(
+            dec, KM_ERR_PARSE,
+            "%zu bytes follow the batch value (a payload is exactly one msgpack value)",
+            size - pos);
+    shape->objects = objects;
+    shape->zone_bytes = zone_bytes;
+    return KM_OK;
+}
+
+/* ---- stage 2: msgpack-c's object tree in a reused zone --------------------------------------- */
+
+#define ZONE_MIN_CHUNK ((size_t)16 << 10)
+#define ZONE_SLACK     256u
+
+/* Make the zone's first chunk hold `needed` bytes, so msgpack-c never allocates another. */
+static int ensure_zone(km_kv_decoder *dec, uint64_t needed)
+{
+    needed += ZONE_SLACK;
+    if (dec->zone_ready && dec->zone_chunk_bytes >= needed && !dec->zone_overflowed)
+        return KM_OK;
+    /* Double (amortised growth) but never past what the largest allowed payload can need. */
+    uint64_t ceiling =
+        (uint64_t)dec->config.max_payload_objects * sizeof(msgpack_object) + ZONE_SLACK;
+    uint64_t chunk = dec->zone_chunk_bytes ? (uint64_t)dec->zone_chunk_bytes * 2 : ZONE_MIN_CHUNK;
+    if (chunk > ceiling)
+        chunk = ceiling;
+    if (chunk < needed)
+        chunk = needed;
+    if (dec->zone_ready)
+        msgpack_zone_destroy(&dec->zone);
+    dec->zone_ready = false;
+    dec->zone_overflowed = false;
+    dec->zone_chunk_bytes = 0;
+    if (!msgpack_zone_init(&dec->zone, (size_t)chunk))
+        return decoder_fail(dec, KM_ERR_OUT_OF_MEMORY,
+                            "cannot allocate %llu bytes for the msgpack zone",
+                            (unsigned long long)chunk);
+    dec->zone_ready = true;
+    dec->zone_chunk_bytes = (size_t)chunk;
+    return KM_OK;
+}
+
+/* ---- stage 3: the schema walk ---------------------------------------------------------------- */
+
+typedef enum stored_field {
+    STORED_BLOCK_HASHES,
+    STORED_PARENT_BLOCK_HASH,
+    STORED_TOKEN_IDS,
+    STORED_BLOCK_SIZE,
+    STORED_LORA_ID,
+    STORED_MEDIUM,
+    STORED_LORA_NAME,
+    STORED_EXTRA_KEYS,
+    STORED_GROUP_IDX,
+    STORED_KV_CACHE_SPEC_KIND,
+    STORED_KV_CACHE_SPEC_SLIDING_WINDOW,
+    STORED_FIELD_COUNT
+} stored_field;
+
+typedef enum removed_field {
+    REMOVED_BLOCK_HASHES,
+    REMOVED_MEDIUM,
+    REMOVED_GROUP_IDX,
+    REMOVED_FIELD_COUNT
+} removed_field;
+
+#define MAX_SCHEMA_FIELDS STORED_FIELD_COUNT
+
+/* Field names in positional order (the position after the type name). */
+static const char *const stored_field_names[STORED_FIELD_COUNT] = {
+    "block_hashes",
+    "parent_block_hash",
+    "token_ids",
+    "block_size",
+    "lora_id",
+    "medium",
+    "lora_name",
+    "extra_keys",
+    "group_idx",
+    "kv_cache_spec_kind",
+    "kv_cache_spec_sliding_window",
+};
+static const char *const removed_field_names[REMOVED_FIELD_COUNT] = {"block_hashes", "medium",
+                                                                     "group_idx"};
+
+typedef struct event_schema {
+    const char *type_name;
+    km_kv_event_kind kind;
+    const char *const *field_names;
+    unsigned n_fields;
+} event_schema;
+
+static const event_schema event_schemas[] = {
+    {"BlockStored", KM_KV_EVENT_BLOCK_STORED, stored_field_names, STORED_FIELD_COUNT},
+    {"BlockRemoved", KM_KV_EVENT_BLOCK_REMOVED, removed_field_names, REMOVED_FIELD_COUNT},
+    {"AllBlocksCleared", KM_KV_EVENT_ALL_BLOCKS_CLEARED, NULL, 0},
+};
+
+static bool str_equals(const msgpack_object *o, const char *s)
+{
+    size_t n = strlen(s);
+    return o->type == MSGPACK_OBJECT_STR && o->via.str.size == n &&
+           memcmp(o->via.str.ptr, s, n) == 0;
+}
+
+static bool ascii_case_equals(const char *a, size_t a_len, const char *b)
+{
+    size_t b_len = strlen(b);
+    if (a_len != b_len)
+        return false;
+    for (size_t i = 0; i < a_len; i++) {
+        char x = a[i], y = b[i];
+        if (x >= 'a' && x <= 'z')
+            x = (char)(x - 'a' + 'A');
+        if (y >= 'a' && y <= 'z')
+            y = (char)(y - 'a' + 'A');
+        if (x != y)
+            return false;
+    }
+    return true;
+}
+
+/* The decode of one batch: where valid and rejected events go. */
+typedef struct batch_builder {
+    km_kv_event *events;
+    km_kv_rejected_event *rejected;
+    km_kv_batch *batch;
+} batch_builder;
+
+static int out_of_memory(km_kv_decoder *dec, const char *what)
+{
+    return decoder_fail(dec, KM_ERR_OUT_OF_MEMORY, "cannot allocate memory for %s", what);
+}
+
+/* Copy a string into the arena, NUL-terminated. */
+static const char *arena_copy_string(km_kv_decoder *dec, const char *s, size_t n)
+{
+    char *copy = arena_alloc_array(&dec->results, n + 1, 1);
+    if (copy) {
+        if (n)
+            memcpy(copy, s, n);
+        copy[n] = 0;
+    }
+    return copy;
+}
+
+/* An engine block hash -> u64 id (rule in kv_events.h). */
+static int read_hash(km_kv_decoder *dec, const msgpack_object *o, const char *field,
+                     uint32_t element, uint64_t *out)
+{
+    switch (o->type) {
+    case MSGPACK_OBJECT_POSITIVE_INTEGER: *out = o->via.u64; return KM_OK;
+    case MSGPACK_OBJECT_NEGATIVE_INTEGER: *out = (uint64_t)o->via.i64; return KM_OK;
+    case MSGPACK_OBJECT_BIN: {
+        uint32_t n = o->via.bin.size;
+        if (n < 1 || n > KM_KV_MAX_BYTES_HASH)
+            return event_fail(dec, KM_ERR_PARSE, field, element,
+                              "a bytes hash must be 1..%u bytes long, got %u", KM_KV_MAX_BYTES_HASH,
+                              n);
+        unsigned take = n < 8 ? n : 8;
+        *out = read_be((const uint8_t *)o->via.bin.ptr + (n - take), take);
+        return KM_OK;
+    }
+    default:
+        return event_fail(dec, KM_ERR_PARSE, field, element,
+                          "expected a block hash (int or bytes), got %s", km_msgpack_type_name(o));
+    }
+}
+
+static int read_hash_array(km_kv_decoder *dec, const msgpack_object *o, const char *field,
+                           const uint64_t **out, uint32_t *n_out)
+{
+    if (o->type != MSGPACK_OBJECT_ARRAY)
+        return event_fail(dec, KM_ERR_PARSE, field, NO_ELEMENT,
+                          "expected an array of block hashes, got %s", km_msgpack_type_name(o));
+    uint32_t n = o->via.array.size;
+    if (n > dec->config.max_hashes_per_event)
+        return event_fail(dec, KM_ERR_TOO_LARGE, field, NO_ELEMENT,
+                          "%u hashes, limit max_hashes_per_event = %u", n,
+                          dec->config.max_hashes_per_event);
+    uint64_t *hashes = arena_alloc_array(&dec->results, n, sizeof *hashes);
+    if (!hashes)
+        return out_of_memory(dec, "block hashes");
+    for (uint32_t i = 0; i < n; i++) {
+        int rc = read_hash(dec, &o->via.array.ptr[i], field, i, &hashes[i]);
+        if (rc != KM_OK)
+            return rc;
+    }
+    *out = hashes;
+    *n_out = n;
+    return KM_OK;
+}
+
+static int read_token_array(km_kv_decoder *dec, const msgpack_object *o, const char *field,
+                            const uint32_t **out, uint32_t *n_out)
+{
+    if (o->type != MSGPACK_OBJECT_ARRAY)
+        return event_fail(dec, KM_ERR_PARSE, field, NO_ELEMENT,
+                          "expected an array of token ids, got %s", km_msgpack_type_name(o));
+    uint32_t n = o->via.array.size;
+    if (n > dec->config.max_tokens_per_event)
+        return event_fail(dec, KM_ERR_TOO_LARGE, field, NO_ELEMENT,
+                          "%u tokens, limit max_tokens_per_event = %u", n,
+                          dec->config.max_tokens_per_event);
+    uint32_t *tokens = arena_alloc_array(&dec->results, n, sizeof *tokens);
+    if (!tokens)
+        return out_of_memory(dec, "token ids");
+    const msgpack_object *items = o->via.array.ptr;
+    for (uint32_t i = 0; i < n; i++) {
+        if (items[i].type != MSGPACK_OBJECT_POSITIVE_INTEGER || items[i].via.u64 > UINT32_MAX) {
+            if (items[i].type == MSGPACK_OBJECT_POSITIVE_INTEGER ||
+                items[i].type == MSGPACK_OBJECT_NEGATIVE_INTEGER)
+                return event_fail(dec, KM_ERR_PARSE, field, i, "token id out of range 0..2^32-1");
+            return event_fail(dec, KM_ERR_PARSE, field, i, "expected an int in 0..2^32-1, got %s",
+                              km_msgpack_type_name(&items[i]));
+        }
+        tokens[i] = (uint32_t)items[i].via.u64;
+    }
+    *out = tokens;
+    *n_out = n;
+    return KM_OK;
+}
+
+/* int|nil (absent = nil) as int64. */
+static int read_optional_i64(km_kv_decoder *dec, const msgpack_object *o, const char *field,
+                             bool *has, int64_t *out)
+{
+    *has = false;
+    *out = 0;
+    if (!o || o->type == MSGPACK_OBJECT_NIL)
+        return KM_OK;
+    if (o->type == MSGPACK_OBJECT_NEGATIVE_INTEGER ||
+        (o->type == MSGPACK_OBJECT_POSITIVE_INTEGER && o->via.u64 <= INT64_MAX)) {
+        *has = true;
+        *out = o->via.i64;
+        return KM_OK;
+    }
+    if (o->type == MSGPACK_OBJECT_POSITIVE_INTEGER)
+        return event_fail(dec, KM_ERR_PARSE, field, NO_ELEMENT, "value above 2^63-1");
+    return event_fail(dec, KM_ERR_PARSE, field, NO_ELEMENT, "expected an int or nil, got %s",
+                      km_msgpack_type_name(o));
+}
+
+/* int|nil (absent = nil) in 0..2^32-1. */
+static int read_optional_u32(km_kv_decoder *dec, const msgpack_object *o, const char *field,
+                             bool *has, uint32_t *out)
+{
+    *has = false;
+    *out = 0;
+    if (!o || o->type == MSGPACK_OBJECT_NIL)
+        return KM_OK;
+    if (o->type == MSGPACK_OBJECT_POSITIVE_INTEGER && o->via.u64 <= UINT32_MAX) {
+        *has = true;
+        *out = (uint32_t)o->via.u64;
+        return KM_OK;
+    }
+    if (o->type == MSGPACK_OBJECT_POSITIVE_INTEGER || o->type == MSGPACK_OBJECT_NEGATIVE_INTEGER)
+        return event_fail(dec, KM_ERR_PARSE, field, NO_ELEMENT, "value out of range 0..2^32-1");
+    return event_fail(dec, KM_ERR_PARSE, field, NO_ELEMENT, "expected an int or nil, got %s",
+                      km_msgpack_type_name(o));
+}
+
+/* str|nil (absent = nil), copied; *out NULL for nil. *has_nul reports an embedded NUL byte. */
+static int read_optional_string(km_kv_decoder *dec, const msgpack_object *o, const char *field,
+                                const char **out, bool *has_nul)
+{
+    *out = NULL;
+    *has_nul = false;
+    if (!o || o->type == MSGPACK_OBJECT_NIL)
+        return KM_OK;
+    if (o->type != MSGPACK_OBJECT_STR)
+        return event_fail(dec, KM_ERR_PARSE, field, NO_ELEMENT, "expected a str or nil, got %s",
+                          km_msgpack_type_name(o));
+    uint32_t n = o->via.str.size;
+    if (n > dec->config.max_string_bytes)
+        return event_fail(dec, KM_ERR_TOO_LARGE, field, NO_ELEMENT,
+                          "%u bytes, limit max_string_bytes = %u", n, dec->config.max_string_bytes);
+    *has_nul = n > 0 && memchr(o->via.str.ptr, 0, n) != NULL;
+    *out = arena_copy_string(dec, o->via.str.ptr, n);
+    return *out ? KM_OK : out_of_memory(dec, field);
+}
+
+/* Does a BlockStored's extra_keys entry hold only keys kvmatch's hashing reproduces? vLLM builds
+ * each entry as lora keys + multimodal keys + cache salt (first block of a request only) + prompt-
+ * embedding digests (generate_block_hash_extra_keys). Known: a first element naming the event's
+ * adapter (lora_name, or the deprecated int lora_id), and, when first_block (position 0), one
+ * string after it: the salt (*salt set). Anything else is opaque: arrays (multimodal (identifier,
+ * offset) pairs), bytes (prompt embeddings), more strings (older engines' multimodal hashes), other
+ * types, a salt with a NUL byte or over max_string_bytes. A lone multimodal hash string of an older
+ * engine in block 0 passes for a salt: the chain is then hashed under a salt no router request
+ * carries, a miss, never a false match. */
+static bool extra_keys_entry_known(const km_kv_event *ev, const msgpack_object *entry,
+                                   bool first_block, uint32_t max_string_bytes,
+                                   const msgpack_object **salt)
+{
+    *salt = NULL;
+    if (entry->type == MSGPACK_OBJECT_NIL)
+        return true;
+    if (entry->type != MSGPACK_OBJECT_ARRAY)
+        return false;
+    uint32_t n = entry->via.array.size, i = 0;
+    const msgpack_object *items = entry->via.array.ptr;
+    if (n > 0 && ev->lora_name && ev->lora_name[0] && str_equals(&items[0], ev->lora_name))
+        i = 1;
+    else if (n > 0 && ev->has_lora_id && items[0].type == MSGPACK_OBJECT_POSITIVE_INTEGER &&
+             ev->lora_id >= 0 && items[0].via.u64 == (uint64_t)ev->lora_id)
+        i = 1;
+    if (i == n)
+        return true;
+    if (!first_block || n - i != 1 || items[i].type != MSGPACK_OBJECT_STR)
+        return false;
+    uint32_t len = items[i].via.str.size;
+    if (len == 0 || len > max_string_bytes || memchr(items[i].via.str.ptr, 0, len))
+        return false;
+    *salt = &items[i];
+    return true;
+}
+
+static int read_medium(km_kv_decoder *dec, const msgpack_object *o, km_kv_medium *medium,
+                       const char **name, bool *has_nul)
+{
+    int rc = read_optional_string(dec, o, "medium", name, has_nul);
+    if (rc != KM_OK)
+        return rc;
+    *medium = KM_KV_MEDIUM_GPU;
+    if (*name) {
+        size_t n = o->via.str.size;
+        if (ascii_case_equals(*name, n, "GPU"))
+            *medium = KM_KV_MEDIUM_GPU;
+        else if (ascii_case_equals(*name, n, "CPU"))
+            *medium = KM_KV_MEDIUM_CPU;
+        else if (ascii_case_equals(*name, n, "DISK"))
+            *medium = KM_KV_MEDIUM_DISK;
+        else
+            *medium = KM_KV_MEDIUM_OTHER;
+    }
+    return KM_OK;
+}
+
+/* Report the current event as rejected: it stays out of batch.events. */
+KM_PRINTF(5, 6)
+static int reject_event(km_kv_decoder *dec, batch_builder *b, km_kv_event_kind kind, int status,
+                        const char *fmt, ...)
+{
+    char message[REJECT_MESSAGE_BYTES];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(message, sizeof message, fmt, ap);
+    va_end(ap);
+    km_kv_rejected_event *r = &b->rejected[b->batch->n_rejected];
+    r->position = dec->event_position;
+    r->kind = kind;
+    r->status = status;
+    r->message = arena_copy_string(dec, message, strlen(message));
+    if (!r->message)
+        return out_of_memory(dec, "a rejected event's message");
+    b->batch->n_rejected++;
+    return KM_OK;
+}
+
+/* Collect an event's fields by schema position. Positional: element i + 1; missing trailing
+ * elements stay NULL (= default), extra ones are ignored. Map: by key; unknown keys and non-str
+ * keys are ignored, a repeated known key is an error. */
+static int gather_fields(km_kv_decoder *dec, const msgpack_object *event,
+                         const event_schema *schema, const msgpack_object **fields)
+{
+    for (unsigned f = 0; f < schema->n_fields; f++)
+        fields[f] = NULL;
+    if (event->type == MSGPACK_OBJECT_ARRAY) {
+        uint32_t n = event->via.array.size;
+        for (unsigned f = 0; f < schema->n_fields && f + 1 < n; f++)
+            fields[f] = &event->via.array.ptr[f + 1];
+        return KM_OK;
+    }
+    const msgpack_object_kv *kv = event->via.map.ptr;
+    for (uint32_t i = 0; i < event->via.map.size; i++) {
+        for (unsigned f = 0; f < schema->n_fields; f++) {
+            if (!str_equals(&kv[i].key, schema->field_names[f]))
+                continue;
+            if (fields[f])
+                return event_fail(dec, KM_ERR_PARSE, schema->field_names[f], NO_ELEMENT,
+                                  "key appears twice in the event map");
+            fields[f] = &kv[i].val;
+            break;
+        }
+    }
+    return KM_OK;
+}
+
+static int require_field(km_kv_decoder *dec, const msgpack_object *const *fields,
+                         const event_schema *schema, unsigned f)
+{
+    if (fields[f])
+        return KM_OK;
+    return event_fail(dec, KM_ERR_PARSE, schema->field_names[f], NO_ELEMENT,
+                      "required field missing");
+}
+
+static int decode_block_stored(km_kv_decoder *dec, const event_schema *schema,
+                               const msgpack_object *const *fields, batch_builder *b)
+{
+    int rc;
+    for (unsigned f = STORED_BLOCK_HASHES; f <= STORED_BLOCK_SIZE; f++)
+        if (f != STORED_PARENT_BLOCK_HASH && (rc = require_field(dec, fields, schema, f)) != KM_OK)
+            return rc;
+    km_kv_event ev;
+    memset(&ev, 0, sizeof ev);
+    ev.kind = KM_KV_EVENT_BLOCK_STORED;
+    ev.position = dec->event_position;
+    if ((rc = read_hash_array(dec, fields[STORED_BLOCK_HASHES], "block_hashes", &ev.block_hashes,
+                              &ev.n_block_hashes)) != KM_OK)
+        return rc;
+    const msgpack_object *parent = fields[STORED_PARENT_BLOCK_HASH];
+    if (parent && parent->type != MSGPACK_OBJECT_NIL) {
+        if ((rc = read_hash(dec, parent, "parent_block_hash", NO_ELEMENT, &ev.parent_block_hash)) !=
+            KM_OK)
+            return rc;
+        ev.has_parent_block_hash = true;
+    }
+    if ((rc = read_token_array(dec, fields[STORED_TOKEN_IDS], "token_ids", &ev.token_ids,
+                               &ev.n_token_ids)) != KM_OK)
+        return rc;
+    const msgpack_object *block_size = fields[STORED_BLOCK_SIZE];
+    if (block_size->type != MSGPACK_OBJECT_POSITIVE_INTEGER &&
+        block_size->type != MSGPACK_OBJECT_NEGATIVE_INTEGER)
+        return event_fail(dec, KM_ERR_PARSE, "block_size", NO_ELEMENT, "expected an int, got %s",
+                          km_msgpack_type_name(block_size));
+    if ((rc = read_optional_i64(dec, fields[STORED_LORA_ID], "lora_id", &ev.has_lora_id,
+                                &ev.lora_id)) != KM_OK)
+        return rc;
+    bool medium_nul, lora_nul, kind_nul;
+    if ((rc = read_medium(dec, fields[STORED_MEDIUM], &ev.medium, &ev.medium_name, &medium_nul)) !=
+        KM_OK)
+        return rc;
+    if ((rc = read_optional_string(dec, fields[STORED_LORA_NAME], "lora_name", &ev.lora_name,
+                                   &lora_nul)) != KM_OK)
+        return rc;
+    const msgpack_object *extra = fields[STORED_EXTRA_KEYS];
+    if (extra && extra->type != MSGPACK_OBJECT_NIL && extra->type != MSGPACK_OBJECT_ARRAY)
+        return event_fail(dec, KM_ERR_PARSE, "extra_keys", NO_ELEMENT,
+                          "expected an array (one entry per block) or nil, got %s",
+                          km_msgpack_type_name(extra));
+    if ((rc = read_optional_u32(dec, fields[STORED_GROUP_IDX], "group_idx", &ev.has_group_idx,
+                                &ev.group_idx)) != KM_OK)
+        return rc;
+    if ((rc = read_optional_string(dec, fields[STORED_KV_CACHE_SPEC_KIND], "kv_cache_spec_kind",
+                                   &ev.kv_cache_spec_kind, &kind_nul)) != KM_OK)
+        return rc;
+    if ((rc = read_optional_i64(
+             dec, fields[STORED_KV_CACHE_SPEC_SLIDING_WINDOW], "kv_cache_spec_sliding_window",
+             &ev.has_kv_cache_spec_sliding_window, &ev.kv_cache_spec_sliding_window)) != KM_OK)
+        return rc;
+
+    /* Every field is well-typed; what follows are consistency checks that reject only this
+     * event. */
+    if (block_size->type == MSGPACK_OBJECT_NEGATIVE_INTEGER || block_size->via.u64 < 1)
+        return reject_event(
+            dec, b, KM_KV_EVENT_BLOCK_STORED, KM_ERR_BLOCK_SIZE, "block_size %lld is below 1",
+            block_size->type == MSGPACK_OBJECT_NEGATIVE_INTEGER ? (long long)block_size->via.i64
+                                                                : 0LL);
+    if (block_size->via.u64 > UINT32_MAX)
+        return reject_event(dec, b, KM_KV_EVENT_BLOCK_STORED, KM_ERR_BLOCK_SIZE,
+                            "block_size %llu is above 2^32-1",
+                            (unsigned long long)block_size->via.u64);
+    ev.block_size = (uint32_t)block_size->via.u64;
+    uint64_t expected_tokens = (uint64_t)ev.block_size * ev.n_block_hashes;
+    if (ev.n_token_ids != expected_tokens)
+        return reject_event(dec, b, KM_KV_EVENT_BLOCK_STORED, KM_ERR_PARSE,
+                            "token_ids has %u tokens, block_size %u x %u block_hashes needs %llu",
+                            ev.n_token_ids, ev.block_size, ev.n_block_hashes,
+                            (unsigned long long)expected_tokens);
+    if (lora_nul || medium_nul || kind_nul)
+        return reject_event(dec, b, KM_KV_EVENT_BLOCK_STORED, KM_ERR_PARSE,
+                            "%s contains a NUL byte",
+                            lora_nul     ? "lora_name"
+                            : medium_nul ? "medium"
+                                         : "kv_cache_spec_kind");
+    if (extra && extra->type == MSGPACK_OBJECT_ARRAY) {
+        if (extra->via.array.size != ev.n_block_hashes)
+            return reject_event(dec, b, KM_KV_EVENT_BLOCK_STORED, KM_ERR_PARSE,
+                                "extra_keys has %u entries for %u blocks", extra->via.array.size,
+                                ev.n_block_hashes);
+        uint8_t *present = arena_alloc_array(&dec->results, ev.n_block_hashes, 1);
+        uint8_t *opaque = arena_alloc_array(&dec->results, ev.n_block_hashes, 1);
+        if (!present || !opaque)
+            return out_of_memory(dec, "extra_keys flags");
+        for (uint32_t i = 0; i < ev.n_block_hashes; i++) {
+            const msgpack_object *entry = &extra->via.array.ptr[i];
+            present[i] = !(entry->type == MSGPACK_OBJECT_NIL ||
+                           (entry->type == MSGPACK_OBJECT_ARRAY && entry->via.array.size == 0));
+            const msgpack_object *salt = NULL;
+            opaque[i] = present[i] &&
+                        !extra_keys_entry_known(&ev, entry, i == 0 && !ev.has_parent_block_hash,
+                                                dec->config.max_string_bytes, &salt);
+            if (salt) {
+                ev.cache_salt = arena_copy_string(dec, salt->via.str.ptr, salt->via.str.size);
+                if (!ev.cache_salt)
+                    return out_of_memory(dec, "cache salt");
+            }
+        }
+        ev.extra_keys_present = present;
+        ev.extra_keys_opaque = opaque;
+    }
+    b->events[b->batch->n_events++] = ev;
+    return KM_OK;
+}
+
+static int decode_block_removed(km_kv_decoder *dec, const event_schema *schema,
+                                const msgpack_object *const *fields, batch_builder *b)
+{
+    int rc = require_field(dec, fields, schema, REMOVED_BLOCK_HASHES);
+    if (rc != KM_OK)
+        return rc;
+    km_kv_event ev;
+    memset(&ev, 0, sizeof ev);
+    ev.kind = KM_KV_EVENT_BLOCK_REMOVED;
+    ev.position = dec->event_position;
+    if ((rc = read_hash_array(dec, fields[REMOVED_BLOCK_HASHES], "block_hashes", &ev.block_hashes,
+                              &ev.n_block_hashes)) != KM_OK)
+        return rc;
+    bool medium_nul;
+    if ((rc = read_medium(dec, fields[REMOVED_MEDIUM], &ev.medium, &ev.medium_name, &medium_nul)) !=
+        KM_OK)
+        return rc;
+    if ((rc = read_optional_u32(dec, fields[REMOVED_GROUP_IDX], "group_idx", &ev.has_group_idx,
+                                &ev.group_idx)) != KM_OK)
+        return rc;
+    if (medium_nul)
+        return reject_event(dec, b, KM_KV_EVENT_BLOCK_REMOVED, KM_ERR_PARSE,
+                            "medium contains a NUL byte");
+    b->events[b->batch->n_events++] = ev;
+    return KM_OK;
+}
+
+/* The event's type name: element 0 of a positional event, the "type" entry of a map event. */
+static int find_event_type(km_kv_decoder *dec, const msgpack_object *event,
+                           const msgpack_object **type)
+{
+    *type = NULL;
+    if (event->type == MSGPACK_OBJECT_ARRAY) {
+        if (event->via.array.size == 0)
+            return event_fail(dec, KM_ERR_PARSE, NULL, NO_ELEMENT,
+                              "empty array (a positional event starts with its type name)");
+        *type = &event->via.array.ptr[0];
+    } else if (event->type == MSGPACK_OBJECT_MAP) {
+        const msgpack_object_kv *kv = event->via.map.ptr;
+        for (uint32_t i = 0; i < event->via.map.size; i++) {
+            if (!str_equals(&kv[i].key, "type"))
+                continue;
+            if (*type)
+                return event_fail(dec, KM_ERR_PARSE, "type", NO_ELEMENT,
+                                  "key appears twice in the event map");
+            *type = &kv[i].val;
+        }
+        if (!*type)
+            return event_fail(dec, KM_ERR_PARSE, NULL, NO_ELEMENT, "event map has no \"type\" key");
+    } else {
+        return event_fail(dec, KM_ERR_PARSE, NULL, NO_ELEMENT,
+                          "expected an event (array or map), got %s", km_msgpack_type_name(event));
+    }
+    if ((*type)->type != MSGPACK_OBJECT_STR)
+        return event_fail(dec, KM_ERR_PARSE, "type", NO_ELEMENT,
+                          "expected the type name as str, got %s", km_msgpack_type_name(*type));
+    return KM_OK;
+}
+
+static int decode_event(km_kv_decoder *dec, const msgpack_object *event, batch_builder *b)
+{
+    dec->event_type = NULL;
+    const msgpack_object *type;
+    int rc = find_event_type(dec, event, &type);
+    if (rc != KM_OK)
+        return rc;
+    const event_schema *schema = NULL;
+    for (size_t i = 0; i < sizeof event_schemas / sizeof event_schemas[0]; i++)
+        if (str_equals(type, event_schemas[i].type_name))
+            schema = &event_schemas[i];
+    if (!schema) {
+        km_kv_batch *batch = b->batch;
+        if (batch->n_unknown_events++ == 0) {
+            uint32_t n = type->via.str.size;
+            if (n > UNKNOWN_TYPE_NAME_BYTES - 1)
+                n = UNKNOWN_TYPE_NAME_BYTES - 1;
+            batch->first_unknown_type = arena_copy_string(dec, type->via.str.ptr, n);
+            if (!batch->first_unknown_type)
+                return out_of_memory(dec, "the unknown type name");
+        }
+        return KM_OK;
+    }
+    dec->event_type = schema->type_name;
+    const msgpack_object *fields[MAX_SCHEMA_FIELDS];
+    if ((rc = gather_fields(dec, event, schema, fields)) != KM_OK)
+        return rc;
+    switch (schema->kind) {
+    case KM_KV_EVENT_BLOCK_STORED: return decode_block_stored(dec, schema, fields, b);
+    case KM_KV_EVENT_BLOCK_REMOVED: return decode_block_removed(dec, schema, fields, b);
+    case KM_KV_EVENT_ALL_BLOCKS_CLEARED: {
+        km_kv_event *ev = &b->events[b->batch->n_events++];
+        memset(ev, 0, sizeof *ev);
+        ev->kind = KM_KV_EVENT_ALL_BLOCKS_CLEARED;
+        ev->position = dec->event_position;
+        return KM_OK;
+    }
+    }
+    return decoder_fail(dec, KM_ERR_INTERNAL, "event schema without a decoder");
+}
+
+/* [ts, events, data_parallel_rank]; the rank may be absent, extra trailing elements are ignored. */
+static int decode_batch(km_kv_decoder *dec, const msgpack_object *root, km_kv_batch *out)
+{
+    if (root->type != MSGPACK_OBJECT_ARRAY)
+        return decoder_fail(
+            dec, KM_ERR_PARSE,
+            "payload: expected the batch array [ts, events, data_parallel_rank], got %s",
+            km_msgpack_type_name(root));
+    const msgpack_object *items = root->via.array.ptr;
+    if (root->via.array.size < 2)
+        return decoder_fail(dec, KM_ERR_PARSE,
+                            "batch array has %u elements, at least 2 needed (ts, events)",
+                            root->via.array.size);
+    const msgpack_object *ts = &items[0];
+    switch (ts->type) {
+    case MSGPACK_OBJECT_FLOAT32:
+    case MSGPACK_OBJECT_FLOAT64: out->timestamp = ts->via.f64; break;
+    case MSGPACK_OBJECT_POSITIVE_INTEGER: out->timestamp = (double)ts->via.u64; break;
+    case MSGPACK_OBJECT_NEGATIVE_INTEGER: out->timestamp = (double)ts->via.i64; break;
+    default:
+        return decoder_fail(dec, KM_ERR_PARSE, "batch ts: expected a float or int, got %s",
+                            km_msgpack_type_name(ts));
+    }
+    if (root->via.array.size >= 3) {
+        const msgpack_object *rank = &items[2];
+        if (rank->type == MSGPACK_OBJECT_POSITIVE_INTEGER && rank->via.u64 <= UINT32_MAX) {
+            out->has_data_parallel_rank = true;
+            out->data_parallel_rank = (uint32_t)rank->via.u64;
+        } else if (rank->type == MSGPACK_OBJECT_POSITIVE_INTEGER ||
+                   rank->type == MSGPACK_OBJECT_NEGATIVE_INTEGER) {
+            return decoder_fail(dec, KM_ERR_PARSE,
+                                "batch data_parallel_rank: out of range 0..2^32-1");
+        } else if (rank->type != MSGPACK_OBJECT_NIL) {
+            return decoder_fail(dec, KM_ERR_PARSE,
+                                "batch data_parallel_rank: expected an int or nil, got %s",
+                                km_msgpack_type_name(rank));
+        }
+    }
+    const msgpack_object *events = &items[1];
+    if (events->type != MSGPACK_OBJECT_ARRAY)
+        return decoder_fail(dec, KM_ERR_PARSE, "batch events: expected an array, got %s",
+                            km_msgpack_type_name(events));
+    uint32_t n = events->via.array.size;
+    if (n > dec->config.max_events_per_batch)
+        return decoder_fail(dec, KM_ERR_TOO_LARGE,
+                            "batch has %u events, limit max_events_per_batch = %u", n,
+                            dec->config.max_events_per_batch);
+    batch_builder b = {
+        .events = arena_alloc_array(&dec->results, n, sizeof(km_kv_event)),
+        .rejected = arena_alloc_array(&dec->results, n, sizeof(km_kv_rejected_event)),
+        .batch = out,
+    };
+    if (!b.events || !b.rejected)
+        return out_of_memory(dec, "the event array");
+    for (uint32_t i = 0; i < n; i++) {
+        dec->event_position = i;
+        int rc = decode_event(dec, &events->via.array.ptr[i], &b);
+        if (rc != KM_OK)
+            return rc;
+    }
+    out->events = b.events;
+    out->rejected = b.rejected;
+    out->n_payload_events = n;
+    return KM_OK;
+}
+
+/* ---- entry points ---------------------------------------------------------------------------- */
+
+static void begin_call(km_kv_decoder *dec)
+{
+    dec->last_error[0] = 0;
+    dec->event_type = NULL;
+    arena_reset(&dec->results);
+}
+
+static int decode_payload_into(km_kv_decoder *dec, const void *payload, size_t size,
+                               km_kv_batch *out)
+{
+    if (!payload && size)
+        return decoder_fail(dec, KM_ERR_NULL_POINTER, "payload is NULL with size %zu", size);
+    if (size == 0)
+        return decoder_fail(dec, KM_ERR_PARSE, "empty payload");
+    if (size > dec->config.max_payload_bytes)
+        return decoder_fail(dec, KM_ERR_TOO_LARGE,
+                            "payload is %zu bytes, limit max_payload_bytes = %llu", size,
+                            (unsigned long long)dec->config.max_payload_bytes);
+    payload_shape shape = {0, 0};
+    int rc = prescan_payload(dec, payload, size, &shape);
+    if (rc != KM_OK)
+        return rc;
+    if ((rc = ensure_zone(dec, shape.zone_bytes)) != KM_OK)
+        return rc;
+    msgpack_object root;
+    size_t offset = 0;
+    /* After ensure_zone / msgpack_zone_clear the zone hands out its first chunk from here. */
+    uintptr_t first_chunk = (uintptr_t)dec->zone.chunk_list.ptr;
+    msgpack_unpack_return unpacked = msgpack_unpack(payload, size, &offset, &dec->zone, &root);
+    if (unpacked == MSGPACK_UNPACK_SUCCESS)
+        rc = decode_batch(dec, &root, out);
+    else if (unpacked == MSGPACK_UNPACK_NOMEM_ERROR)
+        rc = decoder_fail(dec, KM_ERR_OUT_OF_MEMORY,
+                          "msgpack-c ran out of memory unpacking %zu bytes", size);
+    else
+        rc = decoder_fail(dec, KM_ERR_INTERNAL,
+                          "msgpack-c returned %d for a payload the pre-scan accepted",
+                          (int)unpacked);
+    /* The pre-scan sized the first chunk; a pointer outside it means msgpack-c took another
+     * chunk (the estimate was short): grow before the next payload, so that steady state stays
+     * allocation-free. */
+    uintptr_t now = (uintptr_t)dec->zone.chunk_list.ptr;
+    if (now < first_chunk || now > first_chunk + dec->zone_chunk_bytes)
+        dec->zone_overflowed = true;
+    msgpack_zone_clear(&dec->zone);
+    return rc;
+}
+
+static int finish_call(km_kv_decoder *dec, int rc, km_kv_batch *batch)
+{
+    if (rc != KM_OK) {
+        dec->stats.messages_rejected++;
+        return rc;
+    }
+    dec->stats.messages_decoded++;
+    if (batch) {
+        dec->stats.events_decoded += batch->n_events;
+        dec->stats.events_rejected += batch->n_rejected;
+        dec->stats.events_unknown += batch->n_unknown_events;
+    }
+    return KM_OK;
+}
+
+int km_kv_decode_payload(km_kv_decoder *dec, const void *payload, size_t payload_size,
+                         km_kv_batch *out)
+{
+    if (!dec)
+        return KM_ERR_NULL_POINTER;
+    begin_call(dec);
+    if (!out)
+        return finish_call(dec, decoder_fail(dec, KM_ERR_NULL_POINTER, "out is NULL"), NULL);
+    memset(out, 0, sizeof *out);
+    int rc = decode_payload_into(dec, payload, payload_size, out);
+    if (rc != KM_OK)
+        memset(out, 0, sizeof *out);
+    return finish_call(dec, rc, out);
+}
+
+static int check_frame(km_kv_decoder *dec, const km_kv_frame *frames, size_t i)
+{
+    if (frames[i].size && !frames[i].data)
+        return decoder_fail(dec, KM_ERR_NULL_POINTER, "frame %zu has %zu bytes but no data", i,
+                            frames[i].size);
+    return KM_OK;
+}
+
+static int decode_message_into(km_kv_decoder *dec, km_kv_source source, const km_kv_frame *frames,
+                               size_t n_frames, km_kv_message *out)
+{
+    size_t topic_index = SIZE_MAX, seq_index, payload_index;
+    const char *what;
+    switch (source) {
+    case KM_KV_SOURCE_SUBSCRIBER:
+        what = "live message";
+        if (n_frames != 3)
+            return decoder_fail(dec, KM_ERR_PARSE,
+                                "live message has %zu frames, expected 3 (topic, seq, payload)",
+                                n_frames);
+        topic_index = 0;
+        seq_index = 1;
+        payload_index = 2;
+        out->kind = KM_KV_MESSAGE_LIVE;
+        break;
+    case KM_KV_SOURCE_REPLAY:
+        what = "replay reply";
+        if (n_frames != 3 && n_frames != 4)
+            return decoder_fail(
+                dec, KM_ERR_PARSE,
+                "replay reply has %zu frames, expected 3 ([empty, seq, payload], up to "
+                "v0.25) or 4 ([empty, topic, seq, payload], v0.26+)",
+                n_frames);
+        if (!frames)
+            return decoder_fail(dec, KM_ERR_NULL_POINTER, "frames is NULL");
+        if (frames[0].size != 0)
+            return decoder_fail(dec, KM_ERR_PARSE,
+                                "replay reply frame 0 has %zu bytes, expected the empty delimiter "
+                                "(frames must come from a DEALER socket)",
+                                frames[0].size);
+        if (n_frames == 4)
+            topic_index = 1;
+        seq_index = n_frames - 2;
+        payload_index = n_frames - 1;
+        out->kind = KM_KV_MESSAGE_REPLAY_ITEM;
+        break;
+    default:
+        return decoder_fail(dec, KM_ERR_INVALID_ARGUMENT, "unknown km_kv_source %d", (int)source);
+    }
+    if (!frames)
+        return decoder_fail(dec, KM_ERR_NULL_POINTER, "frames is NULL");
+    for (size_t i = 0; i < n_frames; i++) {
+        int rc = check_frame(dec, frames, i);
+        if (rc != KM_OK)
+            return rc;
+    }
+    out->topic = "";
+    if (topic_index != SIZE_MAX) {
+        const km_kv_frame *topic = &frames[topic_index];
+        if (topic->size > dec->config.max_string_bytes)
+            return decoder_fail(dec, KM_ERR_TOO_LARGE,
+                                "%s topic frame is %zu bytes, limit max_string_bytes = %u", what,
+                                topic->size, dec->config.max_string_bytes);
+        out->topic = arena_copy_string(dec, topic->data, topic->size);
+        if (!out->topic)
+            return out_of_memory(dec, "the topic");
+        out->topic_size = (uint32_t)topic->size;
+        out->has_topic = true;
+    }
+    const km_kv_frame *seq = &frames[seq_index];
+    if (seq->size != 8)
+        return decoder_fail(dec, KM_ERR_PARSE,
+                            "%s seq frame (frame %zu) has %zu bytes, expected 8 (big-endian u64)",
+                            what, seq_index, seq->size);
+    out->seq = read_be(seq->data, 8);
+    const km_kv_frame *payload = &frames[payload_index];
+    if (source == KM_KV_SOURCE_REPLAY && out->seq == KM_KV_REPLAY_END_SEQ) {
+        if (payload->size != 0)
+            return decoder_fail(
+                dec, KM_ERR_PARSE,
+                "replay end marker (seq 0xffffffffffffffff) carries a %zu-byte payload; "
+                "it must be empty",
+                payload->size);
+        out->kind = KM_KV_MESSAGE_REPLAY_END;
+        return KM_OK;
+    }
+    if (payload->size == 0)
+        return decoder_fail(dec, KM_ERR_PARSE, "%s seq %llu has an empty payload%s", what,
+                            (unsigned long long)out->seq,
+                            out->seq == KM_KV_REPLAY_END_SEQ
+                                ? " (a replay end marker, but this came from the SUB socket)"
+                                : "");
+    return decode_payload_into(dec, payload->data, payload->size, &out->batch);
+}
+
+int km_kv_decode_message(km_kv_decoder *dec, km_kv_source source, const km_kv_frame *frames,
+                         size_t n_frames, km_kv_message *out)
+{
+    if (!dec)
+        return KM_ERR_NULL_POINTER;
+    begin_call(dec);
+    if (!out)
+        return finish_call(dec, decoder_fail(dec, KM_ERR_NULL_POINTER, "out is NULL"), NULL);
+    memset(out, 0, sizeof *out);
+    int rc = decode_message_into(dec, source, frames, n_frames, out);
+    if (rc != KM_OK)
+        memset(out, 0, sizeof *out);
+    return finish_call(dec, rc, &out->batch);
+}

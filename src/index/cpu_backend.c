@@ -1,0 +1,454 @@
+/* The CPU backend: scores requests straight from the host tables with km_walk_request (the code
+ * the CUDA kernel runs), across a persistent pool of threads. A batch runs in two phases: each
+ * request's entry count (its block 0's holder count) first, so every walk then writes its entries
+ * straight into their final place in the results. Lanes claim requests in small chunks, so a slow
+ * or late lane never holds the batch up; inside a chunk, the next request's first lookups and the
+ * hash-array lines of the one after are prefetched while the current one walks, and the walk itself
+ * prefetches KM_PREFETCH_AHEAD keys ahead, so several DRAM misses are always in flight per thread. */
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stddef.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "index/index_internal.h"
+
+/* ---- a persistent pool that does not wait for late helpers ------------------------------------
+ *
+ * A batch of ~1000 requests takes a few hundred microseconds; waking a parked helper can take tens
+ * (more on a busy or virtualised machine). So the caller never waits for a helper to wake: it starts
+ * on the job at once, the job's work is claimed in small chunks, and a helper that wakes after all
+ * of it has been claimed backs out. The caller waits only for helpers actually inside the job.
+ *
+ * Joining is a Dekker pair on sequentially consistent atomics: a helper increments `inside` and
+ * then checks that `open_generation` is still the generation it woke for; the caller clears
+ * `open_generation` and then reads `inside`. At least one of them sees
+ * the other's write, so either the helper backs out or the caller waits for it. */
+
+typedef void (*pool_job)(void *arg, uint32_t thread_index);
+
+typedef struct km_thread_pool {
+    pthread_t *threads;
+    uint32_t n_threads; /* helper threads; the caller is thread n_threads */
+    pthread_mutex_t mutex;
+    pthread_cond_t start;
+    uint64_t generation; /* under mutex */
+    int stop;            /* under mutex */
+    pool_job job;        /* written before generation advances, read after */
+    void *arg;
+    atomic_uint_fast64_t open_generation; /* the generation that may still be joined, else 0 */
+    atomic_uint inside;  /* helpers running the current job */
+} km_thread_pool;
+
+typedef struct pool_thread_arg {
+    km_thread_pool *pool;
+    uint32_t index;
+} pool_thread_arg;
+
+/* Brief waits for another thread that is running (a helper finishing a chunk): spin, then yield
+ * so a helper sharing this core can run. */
+static void pool_relax(uint32_t *spins)
+{
+    if (++*spins < 256) {
+#if defined(__x86_64__) || defined(__i386__)
+        __builtin_ia32_pause();
+#endif
+    } else {
+        sched_yield();
+    }
+}
+
+static void *pool_main(void *p)
+{
+    pool_thread_arg self = *(pool_thread_arg *)p;
+    free(p);
+    km_thread_pool *pool = self.pool;
+    uint64_t seen = 0;
+    for (;;) {
+        pthread_mutex_lock(&pool->mutex);
+        while (!pool->stop && pool->generation == seen)
+            pthread_cond_wait(&pool->start, &pool->mutex);
+        int stop = pool->stop;
+        seen = pool->generation;
+        pool_job job = pool->job;
+        void *arg = pool->arg;
+        pthread_mutex_unlock(&pool->mutex);
+        if (stop)
+            break;
+        atomic_fetch_add(&pool->inside, 1);
+        if (atomic_load(&pool->open_generation) == seen) /* not a job that has since closed */
+            job(arg, self.index);
+        atomic_fetch_sub(&pool->inside, 1);
+    }
+    return NULL;
+}
+
+static void pool_destroy(km_thread_pool *pool)
+{
+    if (!pool)
+        return;
+    pthread_mutex_lock(&pool->mutex);
+    pool->stop = 1;
+    pthread_cond_broadcast(&pool->start);
+    pthread_mutex_unlock(&pool->mutex);
+    for (uint32_t i = 0; i < pool->n_threads; i++)
+        pthread_join(pool->threads[i], NULL);
+    pthread_mutex_destroy(&pool->mutex);
+    pthread_cond_destroy(&pool->start);
+    free(pool->threads);
+    free(pool);
+}
+
+static km_thread_pool *pool_create(uint32_t helpers)
+{
+    km_thread_pool *pool = calloc(1, sizeof *pool);
+    if (!pool)
+        return NULL;
+    pthread_mutex_init(&pool->mutex, NULL);
+    pthread_cond_init(&pool->start, NULL);
+    atomic_init(&pool->open_generation, 0);
+    atomic_init(&pool->inside, 0);
+    pool->threads = calloc(helpers ? helpers : 1, sizeof *pool->threads);
+    if (!pool->threads) {
+        pool_destroy(pool);
+        return NULL;
+    }
+    for (uint32_t i = 0; i < helpers; i++) {
+        pool_thread_arg *arg = malloc(sizeof *arg);
+        if (arg) { /* filled before the thread starts: it reads them at once */
+            arg->pool = pool;
+            arg->index = i;
+        }
+        if (!arg || pthread_create(&pool->threads[i], NULL, pool_main, arg) != 0) {
+            free(arg);
+            pool_destroy(pool);
+            return NULL;
+        }
+        pthread_setname_np(pool->threads[i], "km-index"); /* for top -H, perf, bench ipc */
+        pool->n_threads++;
+    }
+    return pool;
+}
+
+/* Run job(arg, t) on the caller (t = n_threads) and on every helper that wakes while the job is
+ * open (t = 0 .. n_threads-1); return when the caller's call has returned and no helper is inside.
+ * Contract for the job: it claims its work dynamically and returns once none is left to claim, so
+ * it is correct whichever lanes run it, the caller's alone included. */
+static void pool_run(km_thread_pool *pool, pool_job job, void *arg)
+{
+    pthread_mutex_lock(&pool->mutex);
+    pool->job = job;
+    pool->arg = arg;
+    pool->generation++;
+    atomic_store(&pool->open_generation, pool->generation);
+    pthread_cond_broadcast(&pool->start);
+    pthread_mutex_unlock(&pool->mutex);
+    job(arg, pool->n_threads);
+    atomic_store(&pool->open_generation, 0);
+    uint32_t spins = 0;
+    while (atomic_load(&pool->inside) != 0)
+        pool_relax(&spins);
+}
+
+/* ---- scoring --------------------------------------------------------------------------- */
+
+/* The walk's entries are written straight into km_worker_match arrays. */
+_Static_assert(sizeof(km_walk_entry) == sizeof(km_worker_match) &&
+                   offsetof(km_walk_entry, worker) == offsetof(km_worker_match, worker) &&
+                   offsetof(km_walk_entry, depth) == offsetof(km_worker_match, depth),
+               "km_walk_entry and km_worker_match must share a layout");
+
+typedef struct cpu_lane {
+    uint64_t *scratch; /* KM_WALK_SCRATCH_WORDS(max_workers) */
+    int status;
+} cpu_lane;
+
+typedef struct cpu_state {
+    km_thread_pool *pool; /* NULL when single-threaded */
+    uint32_t n_lanes;
+    cpu_lane *lanes;
+} cpu_state;
+
+/* One batch, run by every lane that joins it, in two phases:
+ *   1. count: each request's entry count is the holder count of its block 0, known from one
+ *      lookup, so every request's output can be placed exactly and the walks write in place (no
+ *      copy of the batch's results, which at 1024 workers are ~8 KB per request);
+ *   2. walk: every request is walked straight into its place.
+ * Both phases hand out requests in chunks. The lane that completes the last count chunk lays the
+ * results out (prefix sums, one reserve) and opens phase 2; a lane with no count chunk left waits
+ * for that, which is only ever a lane in the middle of a chunk. */
+enum { PHASE_COUNT = 0, PHASE_WALK = 1, PHASE_FAILED = 2 };
+
+typedef struct match_job {
+    const km_index *index;
+    const km_request *requests;
+    size_t n_requests;
+    km_match_results *results;
+    cpu_state *state;
+    atomic_size_t next_count; /* phase 1: the next unclaimed request */
+    atomic_size_t counted;    /* phase 1: requests whose count is written */
+    atomic_int phase;
+    atomic_size_t next_walk;  /* phase 2: the next unclaimed request */
+    size_t total_matches;     /* written before phase becomes PHASE_WALK */
+} match_job;
+
+/* Prefetch every lookup of a request that does not depend on the walk: block 0 and each segment
+ * key. Issued one request ahead, so the next request's misses overlap this one's walk. */
+KM_PREFETCHER static inline void prefetch_request(const km_table_view *blocks,
+                                                  const km_table_view *segments, uint32_t S,
+                                                  const km_request *r)
+{
+    if (r->n_hashes == 0)
+        return;
+    km_view_prefetch(blocks, r->hashes[0]);
+    if (S == 0)
+        return;
+    /* Only the first segment keys: most queries stop after a few segments, and the walk itself
+     * prefetches KM_PREFETCH_AHEAD keys ahead as it goes. */
+    for (uint32_t k = 1; k <= KM_PREFETCH_AHEAD && k * S <= r->n_hashes; k++)
+        km_view_prefetch(segments, r->hashes[k * S - 1]);
+}
+
+/* Prefetch the lines of a request's hash array that prefetch_request and the first segments of
+ * its walk will read, so their own loads do not miss. Issued two requests ahead. */
+KM_PREFETCHER static inline void prefetch_request_input(uint32_t S, const km_request *r)
+{
+    if (r->n_hashes == 0)
+        return;
+    __builtin_prefetch(r->hashes, 0, 1);
+    for (uint32_t k = 0; S && k < KM_PREFETCH_AHEAD && k * S < r->n_hashes; k++)
+        km_prefetch_segment_input(r->hashes, S, k, r->n_hashes);
+}
+
+#define CPU_COUNT_CHUNK 64u
+#define CPU_WALK_CHUNK 8u
+
+/* Phase 1 for requests [r, end): block 0's slot is prefetched 8 requests ahead and the line of
+ * the request's hash array holding block 0 16 ahead (the slot's address needs the hash). */
+static void count_chunk(match_job *job, const km_table_view *blocks, size_t r, size_t end)
+{
+    const km_request *requests = job->requests;
+    for (size_t k = r; k < end && k < r + 16; k++)
+        if (requests[k].n_hashes)
+            __builtin_prefetch(requests[k].hashes, 0, 1);
+    for (size_t k = r; k < end && k < r + 8; k++)
+        if (requests[k].n_hashes)
+            km_view_prefetch(blocks, requests[k].hashes[0]);
+    for (; r < end; r++) {
+        if (r + 16 < end && requests[r + 16].n_hashes)
+            __builtin_prefetch(requests[r + 16].hashes, 0, 1);
+        if (r + 8 < end && requests[r + 8].n_hashes)
+            km_view_prefetch(blocks, requests[r + 8].hashes[0]);
+        const km_request *req = &requests[r];
+        uint64_t slot = req->n_hashes ? km_view_find(blocks, req->hashes[0]) : KM_SLOT_NONE;
+        job->results->requests[r].count = slot == KM_SLOT_NONE ? 0 : km_slot_count(km_view_slot(blocks, slot));
+    }
+}
+
+/* Between the phases, on the lane that completed the last count chunk. */
+static void lay_out_results(match_job *job)
+{
+    km_match_results *results = job->results;
+    size_t total = 0;
+    for (size_t i = 0; i < job->n_requests; i++) {
+        results->requests[i].first = total;
+        total += results->requests[i].count;
+    }
+    job->total_matches = total;
+    int ok = km_match_results_reserve(results, job->n_requests, total) == KM_OK;
+    atomic_store_explicit(&job->phase, ok ? PHASE_WALK : PHASE_FAILED, memory_order_release);
+}
+
+/* Phase 2: the lane's claimed requests as one stream. It holds the chunk being walked and, from
+ * two requests before that chunk's end, the next one, claimed ahead, so the prefetches of the next
+ * requests run across the chunk boundary instead of every chunk starting cold. */
+typedef struct walk_stream {
+    match_job *job;
+    size_t r, end;             /* the chunk being walked */
+    size_t next_r, next_end;   /* the chunk claimed ahead; next_r == SIZE_MAX: not claimed */
+} walk_stream;
+
+static void stream_claim(walk_stream *w, size_t *r, size_t *end)
+{
+    size_t n = w->job->n_requests;
+    *r = atomic_fetch_add_explicit(&w->job->next_walk, CPU_WALK_CHUNK, memory_order_relaxed);
+    if (*r > n)
+        *r = n;
+    *end = *r + CPU_WALK_CHUNK < n ? *r + CPU_WALK_CHUNK : n;
+}
+
+/* The request `ahead` places after the current one (1 or 2), or NULL when the stream ends first. */
+static const km_request *stream_peek(walk_stream *w, size_t ahead)
+{
+    if (w->r + ahead < w->end)
+        return &w->job->requests[w->r + ahead];
+    if (w->next_r == SIZE_MAX)
+        stream_claim(w, &w->next_r, &w->next_end);
+    size_t k = w->next_r + (w->r + ahead - w->end);
+    return k < w->next_end ? &w->job->requests[k] : NULL;
+}
+
+/* Walk every request this lane can claim. A walk's cost follows its entry count and its segment
+ * skips, not its block count, so lanes claim small chunks: a lane that drew cheap requests takes
+ * more. */
+static int walk_stream_run(match_job *job, cpu_lane *lane, const km_table_view *blocks,
+                           const km_table_view *segments)
+{
+    uint32_t S = job->index->config.segment_blocks;
+    uint32_t max_workers = job->index->config.max_workers;
+    km_match_results *results = job->results;
+    walk_stream w = {.job = job, .next_r = SIZE_MAX};
+    stream_claim(&w, &w.r, &w.end);
+    if (w.r >= w.end)
+        return KM_OK;
+    prefetch_request(blocks, segments, S, &job->requests[w.r]);
+    const km_request *ahead = stream_peek(&w, 1);
+    if (ahead)
+        prefetch_request_input(S, ahead);
+    for (;;) {
+        if ((ahead = stream_peek(&w, 2)))
+            prefetch_request_input(S, ahead);
+        if ((ahead = stream_peek(&w, 1)))
+            prefetch_request(blocks, segments, S, ahead);
+        const km_request *req = &job->requests[w.r];
+        km_request_result *res = &results->requests[w.r];
+        uint32_t owner, owner_depth, probes;
+        uint32_t m = km_walk_request(blocks, segments, S, req->hashes, req->n_hashes,
+                                     (km_walk_entry *)(results->matches + res->first),
+                                     lane->scratch, max_workers, &owner, &owner_depth, &probes);
+        if (m != res->count) /* the tables cannot change between the phases */
+            return KM_ERR_INTERNAL;
+        res->owner = owner;
+        res->owner_depth = owner_depth;
+        res->probes = probes;
+        if (++w.r == w.end) {
+            if (w.next_r == SIZE_MAX)
+                stream_claim(&w, &w.next_r, &w.next_end);
+            if (w.next_r >= w.next_end)
+                return KM_OK;
+            w.r = w.next_r;
+            w.end = w.next_end;
+            w.next_r = SIZE_MAX;
+        }
+    }
+}
+
+static void match_lane(void *p, uint32_t lane_index)
+{
+    match_job *job = p;
+    cpu_lane *lane = &job->state->lanes[lane_index];
+    km_table_view blocks = km_table_get_view(&job->index->blocks);
+    km_table_view segments = km_table_get_view(&job->index->segments);
+    size_t n = job->n_requests;
+    for (;;) {
+        size_t r = atomic_fetch_add_explicit(&job->next_count, CPU_COUNT_CHUNK, memory_order_relaxed);
+        if (r >= n)
+            break;
+        size_t end = r + CPU_COUNT_CHUNK < n ? r + CPU_COUNT_CHUNK : n;
+        count_chunk(job, &blocks, r, end);
+        /* acq_rel: the last lane to finish sees every other lane's counts. */
+        if (atomic_fetch_add_explicit(&job->counted, end - r, memory_order_acq_rel) + (end - r) == n)
+            lay_out_results(job);
+    }
+    uint32_t spins = 0;
+    int phase;
+    while ((phase = atomic_load_explicit(&job->phase, memory_order_acquire)) == PHASE_COUNT)
+        pool_relax(&spins);
+    if (phase == PHASE_FAILED)
+        return;
+    int rc = walk_stream_run(job, lane, &blocks, &segments);
+    if (rc)
+        lane->status = rc;
+}
+
+static int cpu_create(km_index *index, void **state_out, char *why, size_t why_size)
+{
+    (void)why;
+    (void)why_size;
+    cpu_state *state = calloc(1, sizeof *state);
+    if (!state)
+        return KM_ERR_OUT_OF_MEMORY;
+    uint32_t threads = index->config.threads ? index->config.threads : 1;
+    state->n_lanes = threads;
+    state->lanes = calloc(threads, sizeof *state->lanes);
+    if (!state->lanes)
+        goto oom;
+    uint32_t max_workers = index->config.max_workers;
+    for (uint32_t i = 0; i < threads; i++) {
+        state->lanes[i].scratch = malloc(KM_WALK_SCRATCH_WORDS((size_t)max_workers) * sizeof(uint64_t));
+        if (!state->lanes[i].scratch)
+            goto oom;
+    }
+    if (threads > 1) {
+        state->pool = pool_create(threads - 1);
+        if (!state->pool)
+            goto oom;
+    }
+    *state_out = state;
+    return KM_OK;
+oom:
+    km_backend_cpu.destroy(state);
+    return KM_ERR_OUT_OF_MEMORY;
+}
+
+static void cpu_destroy(void *p)
+{
+    cpu_state *state = p;
+    if (!state)
+        return;
+    pool_destroy(state->pool);
+    for (uint32_t i = 0; state->lanes && i < state->n_lanes; i++) {
+        free(state->lanes[i].scratch);
+    }
+    free(state->lanes);
+    free(state);
+}
+
+/* Below this many requests a batch is scored on the calling thread alone. */
+#define CPU_MIN_REQUESTS_PER_LANE 16
+
+static int cpu_match(void *p, km_index *index, const km_request *requests, size_t n,
+                     km_match_results *results)
+{
+    cpu_state *state = p;
+    if (n == 0) { /* no count chunk would ever open phase 2 */
+        results->n_matches = 0;
+        results->probes = 0;
+        return KM_OK;
+    }
+    match_job job = {.index = index, .requests = requests, .n_requests = n, .results = results,
+                     .state = state};
+    atomic_init(&job.next_count, 0);
+    atomic_init(&job.counted, 0);
+    atomic_init(&job.phase, PHASE_COUNT);
+    atomic_init(&job.next_walk, 0);
+    for (uint32_t l = 0; l < state->n_lanes; l++)
+        state->lanes[l].status = KM_OK;
+    if (state->pool && n >= (size_t)state->n_lanes * CPU_MIN_REQUESTS_PER_LANE)
+        pool_run(state->pool, match_lane, &job);
+    else
+        match_lane(&job, 0);
+    if (atomic_load(&job.phase) == PHASE_FAILED)
+        return km_index_fail(index, KM_ERR_OUT_OF_MEMORY, "results for %zu matches",
+                             job.total_matches);
+    for (uint32_t l = 0; l < state->n_lanes; l++)
+        if (state->lanes[l].status)
+            return km_index_fail(index, state->lanes[l].status,
+                                 "cpu scoring: tables changed during a batch");
+    uint64_t probes = 0;
+    for (size_t i = 0; i < n; i++)
+        probes += results->requests[i].probes;
+    results->n_matches = job.total_matches;
+    results->probes = probes;
+    return KM_OK;
+}
+
+const km_backend_ops km_backend_cpu = {
+    .name = "cpu",
+    .create = cpu_create,
+    .destroy = cpu_destroy,
+    .sync = NULL,
+    .match = cpu_match,
+    .needs_dirty_tracking = 0,
+};

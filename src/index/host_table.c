@@ -1,0 +1,634 @@
+/* Host hash table over km_slot: linear probing with backward-shift deletion, bitmap pool for widely
+ * held blocks, optional block metadata, dirty-slot tracking for device replicas, accounted memory. */
+#include "index/host_table.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "kvmatch/error.h"
+#include "base/zeroed_pages.h"
+
+/* Grow when keys (+ tombstones, which only a loaded old snapshot can hold, purged on load) pass 70%
+ * of the slots; growth at least doubles the capacity. */
+#define TABLE_MAX_LOAD_NUM 7
+#define TABLE_MAX_LOAD_DEN 10
+#define TABLE_MIN_CAPACITY 64u
+
+int km_memory_reserve(km_memory *m, uint64_t old_bytes, uint64_t new_bytes)
+{
+    if (new_bytes > old_bytes && m->cap && m->used - old_bytes + new_bytes > m->cap)
+        return KM_ERR_MEMORY_CAP;
+    m->used = m->used - old_bytes + new_bytes;
+    return KM_OK;
+}
+
+void km_memory_release(km_memory *m, uint64_t bytes)
+{
+    m->used -= bytes;
+}
+
+static uint32_t log2_u64(uint64_t x)
+{
+    return 63u - (uint32_t)__builtin_clzll(x);
+}
+
+static uint64_t table_slot_bytes(const km_table *t, uint64_t capacity, int with_meta)
+{
+    return capacity * (sizeof(km_slot) + (with_meta ? sizeof(km_block_meta) : 0) + t->aux_bytes);
+}
+
+static uint64_t pool_bytes(const km_table *t, uint64_t pool_capacity)
+{
+    return pool_capacity * ((uint64_t)t->words_per_set * sizeof(uint64_t) + sizeof(uint32_t));
+}
+
+/* Each array is zeroed memory from src/base/zeroed_pages.c (an all-zero slot is empty). The slots of a table
+ * made at its full size (km_table_init) are probed at random: they are backed by transparent huge
+ * pages and faulted in at once (one TLB entry per 2 MiB instead of per 4 KiB; a dependent random
+ * read on a 128 MiB table measured 240 ns with huge pages against 331 ns without on the development
+ * machine). The arrays a growth moves keys into are not: random moves into fresh huge pages clear
+ * the whole array within the first few hundred moves (see src/base/u64_map.c); they are advised once the
+ * move ends, so the kernel may back them with huge pages later. Best effort throughout. */
+static uint64_t slots_bytes(uint64_t capacity)
+{
+    return capacity * sizeof(km_slot);
+}
+
+static uint64_t meta_bytes(uint64_t capacity)
+{
+    return capacity * sizeof(km_block_meta);
+}
+
+static uint64_t aux_array_bytes(const km_table *t, uint64_t capacity)
+{
+    return capacity * t->aux_bytes;
+}
+
+typedef struct table_arrays {
+    km_slot *slots;
+    km_block_meta *meta;
+    uint8_t *aux;
+} table_arrays;
+
+static void arrays_free(const km_table *t, table_arrays *a, uint64_t capacity)
+{
+    km_pages_free(a->slots, slots_bytes(capacity));
+    km_pages_free(a->meta, meta_bytes(capacity));
+    km_pages_free(a->aux, aux_array_bytes(t, capacity));
+    memset(a, 0, sizeof *a);
+}
+
+/* Zeroed arrays for `capacity` slots (meta and aux as the table has them). KM_OK or
+ * KM_ERR_OUT_OF_MEMORY, with nothing allocated. */
+static int arrays_alloc(const km_table *t, uint64_t capacity, int with_meta, table_arrays *a)
+{
+    memset(a, 0, sizeof *a);
+    a->slots = km_pages_alloc(slots_bytes(capacity));
+    a->meta = with_meta ? km_pages_alloc(meta_bytes(capacity)) : NULL;
+    a->aux = t->aux_bytes ? km_pages_alloc(aux_array_bytes(t, capacity)) : NULL;
+    if (!a->slots || (with_meta && !a->meta) || (t->aux_bytes && !a->aux)) {
+        arrays_free(t, a, capacity);
+        return KM_ERR_OUT_OF_MEMORY;
+    }
+    return KM_OK;
+}
+
+/* Old-array slots are never listed: a growth sets layout_changed, and a replica is synced only
+ * after the move ends. */
+static void mark_dirty_slot(km_table *t, uint64_t slot)
+{
+    if (!t->track_dirty || t->layout_changed || slot >= t->capacity)
+        return;
+    if (t->n_dirty_slots == t->dirty_slots_capacity) {
+        size_t cap = t->dirty_slots_capacity ? t->dirty_slots_capacity * 2 : 1024;
+        uint64_t *grown = realloc(t->dirty_slots, cap * sizeof *grown);
+        if (!grown) { /* cannot track: the replica re-uploads everything instead */
+            t->layout_changed = 1;
+            return;
+        }
+        t->dirty_slots = grown;
+        t->dirty_slots_capacity = cap;
+    }
+    t->dirty_slots[t->n_dirty_slots++] = slot;
+}
+
+static void mark_dirty_set(km_table *t, uint32_t set)
+{
+    if (!t->track_dirty || t->layout_changed)
+        return;
+    if (t->n_dirty_sets == t->dirty_sets_capacity) {
+        size_t cap = t->dirty_sets_capacity ? t->dirty_sets_capacity * 2 : 256;
+        uint32_t *grown = realloc(t->dirty_sets, cap * sizeof *grown);
+        if (!grown) {
+            t->layout_changed = 1;
+            return;
+        }
+        t->dirty_sets = grown;
+        t->dirty_sets_capacity = cap;
+    }
+    t->dirty_sets[t->n_dirty_sets++] = set;
+}
+
+void km_table_clear_dirty(km_table *t)
+{
+    t->n_dirty_slots = 0;
+    t->n_dirty_sets = 0;
+    t->layout_changed = 0;
+}
+
+/* Put a key's slot, metadata and aux bytes into a fresh slot of the new array, which has room and
+ * no tombstones. Returns the slot. */
+static uint64_t place_new(km_table *t, const km_slot *slot, const km_block_meta *meta,
+                          const uint8_t *aux)
+{
+    uint64_t j = km_slot_home(slot->key, t->shift);
+    while (t->slots[j].key != KM_KEY_EMPTY)
+        j = (j + 1) & (t->capacity - 1);
+    t->slots[j] = *slot;
+    if (t->meta)
+        t->meta[j] = *meta;
+    if (t->aux)
+        memcpy(km_table_aux(t, j), aux, t->aux_bytes);
+    return j;
+}
+
+/* Give back the whole pieces of the old arrays that the move from slot from_slot to to_slot
+ * passed; to_slot = old_capacity gives back everything from from_slot's piece on. */
+static void release_old_part(km_table *t, uint64_t from_slot, uint64_t to_slot)
+{
+    void *arrays[3] = {t->old_slots, t->old_meta, t->old_aux};
+    uint64_t per_slot[3] = {sizeof(km_slot), sizeof(km_block_meta), t->aux_bytes};
+    for (int k = 0; k < 3; k++) {
+        uint64_t bytes = t->old_capacity * per_slot[k];
+        uint64_t from = km_pages_releasable(bytes, from_slot * per_slot[k]);
+        uint64_t to = to_slot == t->old_capacity ? bytes
+                                                 : km_pages_releasable(bytes, to_slot * per_slot[k]);
+        km_pages_release(arrays[k], bytes, from, to);
+    }
+}
+
+/* Give back what the move has not given back of the old arrays (all of them once it is over). */
+static void release_old(km_table *t)
+{
+    if (!t->old_slots)
+        return;
+    release_old_part(t, t->migrated, t->old_capacity);
+    km_memory_release(t->memory, table_slot_bytes(t, t->old_capacity, t->meta != NULL));
+    t->old_slots = NULL;
+    t->old_meta = NULL;
+    t->old_aux = NULL;
+    t->old_capacity = 0;
+    t->old_shift = 0;
+    t->migrated = 0;
+}
+
+/* Move up to `n` slots of the old array (from `migrated` on) into the new one, giving back each
+ * whole piece passed. Never allocates. */
+static void migrate(km_table *t, uint64_t n)
+{
+    if (!t->old_slots)
+        return;
+    uint64_t from = t->migrated;
+    uint64_t end = t->old_capacity - from > n ? from + n : t->old_capacity;
+    for (uint64_t j = from; j < end; j++) {
+        const km_slot *s = &t->old_slots[j];
+        if (s->key <= KM_KEY_TOMBSTONE)
+            continue;
+        uint64_t to = place_new(t, s, t->old_meta ? &t->old_meta[j] : NULL,
+                                t->old_aux ? t->old_aux + j * t->aux_bytes : NULL);
+        mark_dirty_slot(t, to);
+    }
+    t->migrated = end;
+    if (end == t->old_capacity) { /* over: the new slots may have huge pages from now on */
+        release_old(t);
+        km_pages_advise_huge(t->slots, slots_bytes(t->capacity), 0);
+        return;
+    }
+    release_old_part(t, from, end);
+}
+
+void km_table_finish_growth(km_table *t)
+{
+    migrate(t, UINT64_MAX);
+}
+
+int km_table_advance_growth(km_table *t, uint64_t max_slots)
+{
+    migrate(t, max_slots);
+    return t->old_slots != NULL;
+}
+
+/* Replace the arrays with ones of new_capacity slots and move every key now (small tables, and
+ * purging a loaded file's tombstones at the same capacity). On failure nothing changes. */
+static int table_rehash(km_table *t, uint64_t new_capacity)
+{
+    km_table_finish_growth(t);
+    int with_meta = t->meta != NULL;
+    uint64_t old_bytes = table_slot_bytes(t, t->capacity, with_meta);
+    uint64_t new_bytes = table_slot_bytes(t, new_capacity, with_meta);
+    int rc = km_memory_reserve(t->memory, old_bytes, new_bytes);
+    if (rc)
+        return rc;
+    table_arrays fresh;
+    if (arrays_alloc(t, new_capacity, with_meta, &fresh) != KM_OK) {
+        km_memory_reserve(t->memory, new_bytes, old_bytes);
+        return KM_ERR_OUT_OF_MEMORY;
+    }
+    table_arrays old = {t->slots, t->meta, t->aux};
+    uint64_t old_capacity = t->capacity;
+    t->slots = fresh.slots;
+    t->meta = fresh.meta;
+    t->aux = fresh.aux;
+    t->capacity = new_capacity;
+    t->shift = 64u - log2_u64(new_capacity);
+    for (uint64_t i = 0; i < old_capacity; i++)
+        if (old.slots[i].key > KM_KEY_TOMBSTONE)
+            place_new(t, &old.slots[i], old.meta ? &old.meta[i] : NULL,
+                      old.aux ? old.aux + i * t->aux_bytes : NULL);
+    arrays_free(t, &old, old_capacity);
+    km_pages_advise_huge(t->slots, slots_bytes(t->capacity), 0);
+    t->tombstones = 0;
+    t->layout_changed = 1;
+    t->n_dirty_slots = 0;
+    return KM_OK;
+}
+
+/* Start moving into arrays of new_capacity slots; the keys move over the next reserves, inserts
+ * and erases (migrate). Small tables move everything now. On failure nothing changes. */
+static int table_grow(km_table *t, uint64_t new_capacity)
+{
+    km_table_finish_growth(t); /* at most one growth in progress */
+    if (t->capacity < KM_TABLE_INCREMENTAL_SLOTS || t->tombstones)
+        return table_rehash(t, new_capacity);
+    int with_meta = t->meta != NULL;
+    uint64_t old_bytes = table_slot_bytes(t, t->capacity, with_meta);
+    uint64_t new_bytes = table_slot_bytes(t, new_capacity, with_meta);
+    /* Both arrays live until the move ends. */
+    int rc = km_memory_reserve(t->memory, old_bytes, old_bytes + new_bytes);
+    if (rc)
+        return rc;
+    table_arrays fresh;
+    if (arrays_alloc(t, new_capacity, with_meta, &fresh) != KM_OK) {
+        km_memory_reserve(t->memory, old_bytes + new_bytes, old_bytes);
+        return KM_ERR_OUT_OF_MEMORY;
+    }
+    t->old_slots = t->slots;
+    t->old_meta = t->meta;
+    t->old_aux = t->aux;
+    t->old_capacity = t->capacity;
+    t->old_shift = t->shift;
+    t->migrated = 0;
+    t->slots = fresh.slots;
+    t->meta = fresh.meta;
+    t->aux = fresh.aux;
+    t->capacity = new_capacity;
+    t->shift = 64u - log2_u64(new_capacity);
+    t->layout_changed = 1; /* a replica re-uploads (after the move: km_table_finish_growth) */
+    t->n_dirty_slots = 0;
+    return KM_OK;
+}
+
+static int over_load(uint64_t used, uint64_t capacity)
+{
+    return used * TABLE_MAX_LOAD_DEN > capacity * TABLE_MAX_LOAD_NUM;
+}
+
+/* Smallest power-of-two capacity that holds `keys` under the maximum load. */
+static uint64_t capacity_for(uint64_t keys)
+{
+    uint64_t capacity = TABLE_MIN_CAPACITY;
+    while (over_load(keys, capacity))
+        capacity *= 2;
+    return capacity;
+}
+
+int km_table_init(km_table *t, uint64_t initial_keys, uint32_t max_workers, int with_meta,
+                  uint32_t aux_bytes, km_memory *memory)
+{
+    memset(t, 0, sizeof *t);
+    t->memory = memory;
+    t->words_per_set = (max_workers + 63u) / 64u;
+    t->aux_bytes = aux_bytes;
+    uint64_t capacity = capacity_for(initial_keys);
+    uint64_t bytes = table_slot_bytes(t, capacity, with_meta);
+    int rc = km_memory_reserve(memory, 0, bytes);
+    if (rc)
+        return rc;
+    table_arrays a;
+    if (arrays_alloc(t, capacity, with_meta, &a) != KM_OK) {
+        km_memory_release(memory, bytes);
+        memset(t, 0, sizeof *t);
+        return KM_ERR_OUT_OF_MEMORY;
+    }
+    t->slots = a.slots;
+    t->meta = a.meta;
+    t->aux = a.aux;
+    km_pages_advise_huge(t->slots, slots_bytes(capacity), 1); /* cleared here, not on first use */
+    t->capacity = capacity;
+    t->shift = 64u - log2_u64(capacity);
+    return KM_OK;
+}
+
+void km_table_free(km_table *t)
+{
+    if (!t->slots)
+        return;
+    release_old(t);
+    km_memory_release(t->memory, table_slot_bytes(t, t->capacity, t->meta != NULL));
+    km_memory_release(t->memory, pool_bytes(t, t->pool_capacity));
+    table_arrays a = {t->slots, t->meta, t->aux};
+    arrays_free(t, &a, t->capacity);
+    free(t->pool);
+    free(t->pool_free);
+    free(t->dirty_slots);
+    free(t->dirty_sets);
+    memset(t, 0, sizeof *t);
+}
+
+uint64_t km_table_find(const km_table *t, uint64_t key)
+{
+    km_table_view v = km_table_get_view(t);
+    return km_view_find(&v, key);
+}
+
+int km_table_insert_grows(const km_table *t)
+{
+    return over_load(t->live + t->tombstones + 1, t->capacity);
+}
+
+/* Slots of the old array a growing table moves per key reserved (or erased): the old array holds
+ * at most 70% of its capacity and the next growth comes 0.7 * old capacity keys later, so the
+ * move ends after 1/16 of that. */
+#define MIGRATE_PER_KEY 16u
+
+int km_table_reserve(km_table *t, uint64_t extra)
+{
+    if (t->old_slots)
+        migrate(t, extra > UINT64_MAX / MIGRATE_PER_KEY ? UINT64_MAX : MIGRATE_PER_KEY * extra);
+    if (!over_load(t->live + t->tombstones + extra, t->capacity))
+        return KM_OK;
+    /* Mostly live keys: at least double, so growth is amortised and the load drops to <= 35%.
+     * Mostly tombstones: rehash at the same capacity to purge them. Never shrink here. */
+    uint64_t capacity = capacity_for(t->live + extra);
+    if ((t->live + extra) * 2 > t->capacity && capacity < t->capacity * 2)
+        capacity = t->capacity * 2;
+    if (capacity < t->capacity)
+        capacity = t->capacity;
+    return capacity == t->capacity ? table_rehash(t, capacity) : table_grow(t, capacity);
+}
+
+int km_table_insert(km_table *t, uint64_t key, int allow_grow, uint64_t *slot_out)
+{
+    if (allow_grow) {
+        int rc = km_table_reserve(t, 1);
+        if (rc)
+            return rc;
+    }
+    uint64_t i = km_slot_home(key, t->shift);
+    while (t->slots[i].key != KM_KEY_EMPTY && t->slots[i].key != KM_KEY_TOMBSTONE)
+        i = (i + 1) & (t->capacity - 1);
+    if (t->slots[i].key == KM_KEY_TOMBSTONE)
+        t->tombstones--;
+    t->slots[i].key = key;
+    for (uint32_t j = 0; j < KM_SLOT_INLINE; j++)
+        t->slots[i].ids[j] = KM_SLOT_ID_EMPTY;
+    if (t->meta)
+        memset(&t->meta[i], 0, sizeof t->meta[i]);
+    if (t->aux)
+        memset(km_table_aux(t, i), 0, t->aux_bytes);
+    t->live++;
+    mark_dirty_slot(t, i);
+    *slot_out = i;
+    return KM_OK;
+}
+
+void km_table_erase(km_table *t, uint64_t slot)
+{
+    if (slot >= t->capacity) { /* still in the old array: a tombstone keeps its probe runs whole */
+        uint64_t j = slot - t->capacity;
+        memset(&t->old_slots[j], 0, sizeof t->old_slots[j]);
+        t->old_slots[j].key = KM_KEY_TOMBSTONE;
+        t->live--;
+        migrate(t, MIGRATE_PER_KEY); /* a table that only shrinks still finishes its move */
+        return;
+    }
+    /* Backward-shift deletion. Walk the probe run after the hole; a key whose home does not lie
+     * in (hole, j] may move back into the hole (it stays reachable from its home), and its old
+     * slot becomes the hole. The run ends at the first empty slot. Every slot written is marked
+     * dirty, so a device replica patched from the list ends up identical. */
+    uint64_t mask = t->capacity - 1;
+    uint64_t hole = slot;
+    for (uint64_t j = (slot + 1) & mask; t->slots[j].key != KM_KEY_EMPTY; j = (j + 1) & mask) {
+        if (!km_probe_may_fill(km_slot_home(t->slots[j].key, t->shift), hole, j, mask))
+            continue; /* home lies after the hole: moving the key back would hide it */
+        t->slots[hole] = t->slots[j];
+        if (t->meta)
+            t->meta[hole] = t->meta[j];
+        if (t->aux)
+            memcpy(km_table_aux(t, hole), km_table_aux(t, j), t->aux_bytes);
+        mark_dirty_slot(t, hole);
+        hole = j;
+    }
+    memset(&t->slots[hole], 0, sizeof t->slots[hole]); /* empty: all zero */
+    if (t->meta)
+        memset(&t->meta[hole], 0, sizeof t->meta[hole]);
+    if (t->aux)
+        memset(km_table_aux(t, hole), 0, t->aux_bytes);
+    t->live--;
+    mark_dirty_slot(t, hole);
+    migrate(t, MIGRATE_PER_KEY);
+}
+
+int km_table_purge_tombstones(km_table *t)
+{
+    return t->tombstones ? table_rehash(t, t->capacity) : KM_OK;
+}
+
+static uint64_t *pool_bits(const km_table *t, uint32_t set)
+{
+    return t->pool + (uint64_t)set * t->words_per_set;
+}
+
+static int pool_alloc(km_table *t, uint32_t *set_out)
+{
+    if (t->pool_free_count > 0) {
+        *set_out = t->pool_free[--t->pool_free_count];
+        return KM_OK;
+    }
+    if (t->pool_high == t->pool_capacity) {
+        uint64_t capacity = t->pool_capacity ? (uint64_t)t->pool_capacity * 2 : 64;
+        if (capacity > UINT32_MAX)
+            return KM_ERR_MEMORY_CAP;
+        int rc = km_memory_reserve(t->memory, pool_bytes(t, t->pool_capacity), pool_bytes(t, capacity));
+        if (rc)
+            return rc;
+        uint64_t *pool = realloc(t->pool, capacity * t->words_per_set * sizeof(uint64_t));
+        if (!pool) {
+            km_memory_reserve(t->memory, pool_bytes(t, capacity), pool_bytes(t, t->pool_capacity));
+            return KM_ERR_OUT_OF_MEMORY;
+        }
+        t->pool = pool;
+        uint32_t *free_stack = realloc(t->pool_free, capacity * sizeof(uint32_t));
+        if (!free_stack) {
+            /* pool is already larger, which is harmless; keep accounting at the old size */
+            km_memory_reserve(t->memory, pool_bytes(t, capacity), pool_bytes(t, t->pool_capacity));
+            return KM_ERR_OUT_OF_MEMORY;
+        }
+        t->pool_free = free_stack;
+        memset(t->pool + (uint64_t)t->pool_capacity * t->words_per_set, 0,
+               (capacity - t->pool_capacity) * t->words_per_set * sizeof(uint64_t));
+        t->pool_capacity = (uint32_t)capacity;
+        t->layout_changed = 1;
+    }
+    *set_out = t->pool_high++;
+    return KM_OK;
+}
+
+static void pool_release(km_table *t, uint32_t set)
+{
+    memset(pool_bits(t, set), 0, t->words_per_set * sizeof(uint64_t));
+    t->pool_free[t->pool_free_count++] = set;
+}
+
+int km_table_set_contains(const km_table *t, uint64_t slot, uint32_t worker)
+{
+    return km_slot_contains(km_table_slot(t, slot), t->pool, t->words_per_set, worker);
+}
+
+uint32_t km_table_set_count(const km_table *t, uint64_t slot)
+{
+    return km_slot_count(km_table_slot(t, slot));
+}
+
+int km_table_set_add(km_table *t, uint64_t slot, uint32_t worker)
+{
+    km_slot *s = km_table_slot(t, slot);
+    if (km_slot_is_shared(s)) {
+        uint32_t set = km_slot_pool_index(s);
+        uint64_t *bits = pool_bits(t, set);
+        uint64_t bit = UINT64_C(1) << (worker & 63);
+        if (bits[worker >> 6] & bit)
+            return 0;
+        bits[worker >> 6] |= bit;
+        s->ids[3]++;
+        t->pairs++;
+        mark_dirty_set(t, set);
+        mark_dirty_slot(t, slot);
+        return 1;
+    }
+    uint32_t n = 0;
+    for (; n < KM_SLOT_INLINE && s->ids[n] != KM_SLOT_ID_EMPTY; n++)
+        if (s->ids[n] == worker)
+            return 0;
+    if (n < KM_SLOT_INLINE) { /* insert keeping ids ascending */
+        uint32_t j = n;
+        while (j > 0 && s->ids[j - 1] > worker) {
+            s->ids[j] = s->ids[j - 1];
+            j--;
+        }
+        s->ids[j] = (uint16_t)worker;
+        t->pairs++;
+        mark_dirty_slot(t, slot);
+        return 1;
+    }
+    /* Fifth holder: the set moves to a bitmap first. */
+    int rc = km_table_set_promote(t, slot);
+    return rc ? rc : km_table_set_add(t, slot, worker);
+}
+
+int km_table_set_promote(km_table *t, uint64_t slot)
+{
+    uint32_t set;
+    int rc = pool_alloc(t, &set);
+    if (rc)
+        return rc;
+    km_slot *s = km_table_slot(t, slot);
+    uint64_t *bits = pool_bits(t, set);
+    for (uint32_t j = 0; j < KM_SLOT_INLINE; j++)
+        bits[s->ids[j] >> 6] |= UINT64_C(1) << (s->ids[j] & 63);
+    s->ids[0] = KM_SLOT_ID_SHARED;
+    s->ids[1] = (uint16_t)(set & 0xFFFFu);
+    s->ids[2] = (uint16_t)(set >> 16);
+    s->ids[3] = KM_SLOT_INLINE;
+    t->shared_sets++;
+    mark_dirty_set(t, set);
+    mark_dirty_slot(t, slot);
+    return KM_OK;
+}
+
+void km_table_set_demote(km_table *t, uint64_t slot)
+{
+    km_slot *s = km_table_slot(t, slot);
+    uint32_t set = km_slot_pool_index(s);
+    const uint64_t *bits = pool_bits(t, set);
+    uint16_t ids[KM_SLOT_INLINE] = {KM_SLOT_ID_EMPTY, KM_SLOT_ID_EMPTY, KM_SLOT_ID_EMPTY,
+                                    KM_SLOT_ID_EMPTY};
+    uint32_t n = 0;
+    for (uint32_t w = 0; w < t->words_per_set; w++)
+        for (uint64_t word = bits[w]; word; word &= word - 1)
+            ids[n++] = (uint16_t)(w * 64u + (uint32_t)__builtin_ctzll(word));
+    memcpy(s->ids, ids, sizeof ids);
+    pool_release(t, set);
+    t->shared_sets--;
+    mark_dirty_set(t, set);
+    mark_dirty_slot(t, slot);
+}
+
+int km_table_set_remove(km_table *t, uint64_t slot, uint32_t worker)
+{
+    km_slot *s = km_table_slot(t, slot);
+    if (km_slot_is_shared(s)) {
+        uint32_t set = km_slot_pool_index(s);
+        uint64_t *bits = pool_bits(t, set);
+        uint64_t bit = UINT64_C(1) << (worker & 63);
+        if (!(bits[worker >> 6] & bit))
+            return 0;
+        bits[worker >> 6] &= ~bit;
+        s->ids[3]--;
+        t->pairs--;
+        mark_dirty_set(t, set);
+        mark_dirty_slot(t, slot);
+        if (s->ids[3] <= KM_SLOT_DEMOTE_AT)
+            km_table_set_demote(t, slot);
+        return 1;
+    }
+    for (uint32_t i = 0; i < KM_SLOT_INLINE && s->ids[i] != KM_SLOT_ID_EMPTY; i++) {
+        if (s->ids[i] != worker)
+            continue;
+        for (uint32_t j = i; j + 1 < KM_SLOT_INLINE; j++)
+            s->ids[j] = s->ids[j + 1];
+        s->ids[KM_SLOT_INLINE - 1] = KM_SLOT_ID_EMPTY;
+        t->pairs--;
+        mark_dirty_slot(t, slot);
+        return 1;
+    }
+    return 0;
+}
+
+uint32_t km_table_set_list(const km_table *t, uint64_t slot, uint32_t *out, uint32_t capacity)
+{
+    const km_slot *s = km_table_slot(t, slot);
+    uint32_t n = 0;
+    if (km_slot_is_shared(s)) {
+        const uint64_t *bits = pool_bits(t, km_slot_pool_index(s));
+        for (uint32_t w = 0; w < t->words_per_set; w++)
+            for (uint64_t word = bits[w]; word; word &= word - 1) {
+                if (n < capacity)
+                    out[n] = w * 64u + (uint32_t)__builtin_ctzll(word);
+                n++;
+            }
+        return n;
+    }
+    for (uint32_t i = 0; i < KM_SLOT_INLINE && s->ids[i] != KM_SLOT_ID_EMPTY; i++) {
+        if (n < capacity)
+            out[n] = s->ids[i];
+        n++;
+    }
+    return n;
+}
+
+uint64_t km_table_bytes(const km_table *t)
+{
+    return table_slot_bytes(t, t->capacity + t->old_capacity, t->meta != NULL) +
+           pool_bytes(t, t->pool_capacity);
+}

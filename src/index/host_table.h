@@ -1,0 +1,183 @@
+/* The host hash table: open addressing with linear probing over 16-byte km_slot (src/index/slot_walk.h),
+ * backward-shift deletion (no tombstones, so removes never force a purging rehash and probe runs
+ * stay as short as the live load makes them), a pool of bitmaps for widely-held blocks, optional
+ * per-slot block metadata, dirty-slot tracking for device replicas (every slot a shift moves is
+ * listed), and memory accounting against a shared cap. Single writer; readers use km_table_view.
+ *
+ * Growth is incremental once the table is large (KM_TABLE_INCREMENTAL_SLOTS): the keys move to the
+ * doubled arrays a bounded number of slots per reserve, insert and erase, so no single call pays
+ * for rehashing millions of keys. While a table grows both arrays are live:
+ *  - a key is in exactly one of them; lookups try the new array, then the old one from
+ *    max(home, migrated) (old slots below `migrated` have moved, and may have been unmapped);
+ *  - a slot index names either array: [0, capacity) the new one, [capacity, capacity +
+ *    old_capacity) the old one. Every accessor below takes either; inserts go to the new array;
+ *  - erasing a key still in the old array leaves KM_KEY_TOMBSTONE there, so the old array's probe
+ *    runs stay whole (it never holds any otherwise);
+ *  - a device replica mirrors one array, so it is not synced while a move lasts (scoring runs on
+ *    the host meanwhile, and each update batch moves a bounded step more: km_table_advance_growth;
+ *    src/index/index.c, sync_backend).
+ * An empty slot is all zero bytes (fresh arrays are zeroed pages, erase writes zeros). */
+#ifndef KM_TABLE_H
+#define KM_TABLE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "index/slot_walk.h"
+
+/* Tables below this many slots rehash at once when they grow (a few hundred microseconds at most);
+ * larger ones grow incrementally. */
+#define KM_TABLE_INCREMENTAL_SLOTS (UINT64_C(1) << 14)
+
+/* Memory accounting shared by every table of one index. cap 0 = unlimited. */
+typedef struct km_memory {
+    uint64_t used;
+    uint64_t cap;
+} km_memory;
+
+/* Per-block facts the update planner needs and scoring never reads (parallel to the slots). */
+#define KM_POSITION_UNKNOWN UINT32_MAX
+typedef struct km_block_meta {
+    uint64_t parent;   /* chain hash of the previous block, KM_NO_PARENT at position 0 */
+    uint64_t anchor;   /* chain hash of the first block of this block's segment */
+    uint32_t position; /* block index in its sequence, or KM_POSITION_UNKNOWN (orphan) */
+    uint32_t reserved;
+} km_block_meta;
+
+/* Demote a shared (bitmap) set back to inline form when it shrinks to this many holders. Below
+ * KM_SLOT_INLINE (hysteresis), so a set whose holders hover around five does not change form on
+ * every change; a set of 4 holders may thus have either form, and a batch's undo logs which it
+ * had (src/index/index.c). */
+#define KM_SLOT_DEMOTE_AT 3u
+
+typedef struct km_table {
+    km_slot *slots;
+    km_block_meta *meta; /* NULL unless created with_meta */
+    uint8_t *aux;        /* aux_bytes per slot for the table's owner, moved with the key and zeroed
+                          * on insert and erase; NULL when aux_bytes is 0 */
+    uint32_t aux_bytes;
+    uint64_t capacity;   /* power of two */
+    uint32_t shift;
+    uint64_t live;       /* keys, in both arrays while growing */
+    uint64_t tombstones; /* in the new array: always 0 outside snapshot loading, which purges any */
+
+    /* While growing: the previous arrays; their slots [migrated, old_capacity) are still to move.
+     * old_slots is NULL otherwise. */
+    km_slot *old_slots;
+    km_block_meta *old_meta;
+    uint8_t *old_aux;
+    uint64_t old_capacity;
+    uint32_t old_shift;
+    uint64_t migrated;
+    uint64_t pairs;      /* sum of set sizes */
+    uint64_t shared_sets;
+
+    uint64_t *pool; /* pool_capacity bitmaps of words_per_set words */
+    uint32_t words_per_set;
+    uint32_t pool_capacity;
+    uint32_t pool_high;   /* bitmaps ever handed out (next fresh index) */
+    uint32_t *pool_free;  /* stack of released bitmap indices */
+    uint32_t pool_free_count;
+
+    /* Device replicas: when track_dirty, every slot written is appended to dirty_slots and every
+     * bitmap written to dirty_sets; a reallocation sets layout_changed (replica re-uploads all). */
+    int track_dirty;
+    int layout_changed;
+    uint64_t *dirty_slots;
+    size_t n_dirty_slots, dirty_slots_capacity;
+    uint32_t *dirty_sets;
+    size_t n_dirty_sets, dirty_sets_capacity;
+
+    km_memory *memory;
+} km_table;
+
+/* Backward-shift deletion, shared by every linear-probing map in kvmatch (this table, src/base/u64_map.c,
+ * the feed's engine-hash maps): after a hole opens at `hole`, the key at slot j further along the
+ * same probe run, whose home slot is `home`, may move back into the hole iff its home does not lie
+ * in (hole, j], so it stays reachable from its home. mask = capacity - 1. */
+static inline int km_probe_may_fill(uint64_t home, uint64_t hole, uint64_t j, uint64_t mask)
+{
+    return ((j - home) & mask) >= ((j - hole) & mask);
+}
+
+/* Create with room for at least `initial_keys` keys at the maximum load. with_meta: a
+ * km_block_meta per slot; aux_bytes: that many owner-defined bytes per slot (0 for none). */
+int km_table_init(km_table *t, uint64_t initial_keys, uint32_t max_workers, int with_meta,
+                  uint32_t aux_bytes, km_memory *memory);
+
+/* The slot, metadata and aux bytes at a slot index of either array (see the file comment). */
+static inline km_slot *km_table_slot(const km_table *t, uint64_t slot)
+{
+    return slot < t->capacity ? &t->slots[slot] : &t->old_slots[slot - t->capacity];
+}
+static inline km_block_meta *km_table_meta(const km_table *t, uint64_t slot)
+{
+    return slot < t->capacity ? &t->meta[slot] : &t->old_meta[slot - t->capacity];
+}
+static inline uint8_t *km_table_aux(const km_table *t, uint64_t slot)
+{
+    return slot < t->capacity ? t->aux + slot * t->aux_bytes
+                              : t->old_aux + (slot - t->capacity) * t->aux_bytes;
+}
+void km_table_free(km_table *t);
+
+static inline km_table_view km_table_get_view(const km_table *t)
+{
+    km_table_view v = {t->slots, t->pool, t->capacity - 1, t->shift, t->words_per_set,
+                       t->old_slots, t->old_capacity ? t->old_capacity - 1 : 0, t->old_shift,
+                       t->migrated};
+    return v;
+}
+
+/* Slot index of key (in either array), or KM_SLOT_NONE. */
+uint64_t km_table_find(const km_table *t, uint64_t key);
+/* Move every key still in the old array now (a no-op when not growing). Slot indices held by the
+ * caller are stale afterwards. Never allocates. */
+void km_table_finish_growth(km_table *t);
+/* Move up to max_slots more slots of the old array. Returns 1 while the table is still growing,
+ * 0 once the move is over (or when it was not growing). Slot indices held by the caller are stale
+ * afterwards. Never allocates. */
+int km_table_advance_growth(km_table *t, uint64_t max_slots);
+/* 1 when km_table_insert(t, ..., allow_grow = 1, ...) of one more key would grow the table first. */
+int km_table_insert_grows(const km_table *t);
+/* Make room for `extra` more keys (grow), and move 16 * extra slots of a growing table's old
+ * array (so the move ends long before the new array fills). Slot indices held by the caller are
+ * stale afterwards. KM_ERR_MEMORY_CAP / OUT_OF_MEMORY. */
+int km_table_reserve(km_table *t, uint64_t extra);
+/* Insert a key with an empty set into the new array; the caller checked it is absent. allow_grow
+ * = 1 reserves first (see km_table_reserve); allow_grow = 0 is for undo (never allocates, never
+ * moves a key; relies on the load factor leaving empty slots). Returns KM_OK and *slot. */
+int km_table_insert(km_table *t, uint64_t key, int allow_grow, uint64_t *slot);
+/* Erase a key whose set is empty. Backward shift may move later keys of its probe run into
+ * earlier slots, and a growing table moves a few old slots: every slot index the caller holds for
+ * this table is stale afterwards (a caller scanning the slots of a table that is not growing, in
+ * ascending order, re-examines `slot`; keys only move towards it). Never allocates. */
+void km_table_erase(km_table *t, uint64_t slot);
+/* Rehash at the same capacity when the table holds tombstones (only a loaded file can bring them;
+ * kvmatch has not written any since backward-shift deletion); erase requires none. */
+int km_table_purge_tombstones(km_table *t);
+
+/* Set operations. add: 1 added, 0 already present, <0 error (bitmap allocation); remove: 1 removed,
+ * 0 absent. Neither erases the key; callers erase when the count reaches 0. */
+int km_table_set_add(km_table *t, uint64_t slot, uint32_t worker);
+int km_table_set_remove(km_table *t, uint64_t slot, uint32_t worker);
+int km_table_set_contains(const km_table *t, uint64_t slot, uint32_t worker);
+uint32_t km_table_set_count(const km_table *t, uint64_t slot);
+/* Move a set between its forms without changing it: promote an inline set of KM_SLOT_INLINE
+ * holders to a bitmap (<0 when no bitmap can be had), demote a bitmap of at most KM_SLOT_INLINE
+ * holders to inline ids. set_add and set_remove do this at the thresholds; a batch's undo does it
+ * to restore the form a set had, which the hysteresis does not (src/index/index.c). */
+int km_table_set_promote(km_table *t, uint64_t slot);
+void km_table_set_demote(km_table *t, uint64_t slot);
+/* Workers of a slot ascending into out (capacity entries); returns the full count. */
+uint32_t km_table_set_list(const km_table *t, uint64_t slot, uint32_t *out, uint32_t capacity);
+
+/* Bytes of slot + meta + aux + pool memory, both arrays while growing. */
+uint64_t km_table_bytes(const km_table *t);
+void km_table_clear_dirty(km_table *t);
+
+/* Accounted allocation helpers shared by the index's other structures. */
+int km_memory_reserve(km_memory *m, uint64_t old_bytes, uint64_t new_bytes);
+void km_memory_release(km_memory *m, uint64_t bytes);
+
+#endif

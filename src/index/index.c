@@ -1,0 +1,1451 @@
+/* The index handle and its update planner.
+ *
+ * Updates apply to the host tables (the authoritative state) in order. The planner keeps three
+ * things exact or sound:
+ *  - block sets: exactly which workers hold each chain hash, and per-worker counters;
+ *  - segment keys: for the chain hash e of a segment's last block (positions S-1, 2S-1, ...), a set
+ *    of workers that certainly hold all S blocks of that segment. A worker joins when it stores e
+ *    and holds the S-1 blocks before it on e's chain (checked through per-block parent links); it
+ *    leaves when it removes any of those blocks (found through the anchor list of the segment's
+ *    first block) or is cleared. Out-of-order stores may leave a worker out: scoring then walks that
+ *    segment block by block, so results stay exact (src/index/slot_walk.h, km_walk_request);
+ *  - all-or-nothing batches: every mutation of a batch that may allocate is logged, and a failure
+ *    (memory cap, out of memory) undoes the log in reverse. Undo never allocates: undoing in
+ *    reverse only ever restores a key set the table held earlier in the batch, under its maximum
+ *    load, and the capacity never shrinks, so a re-insert always finds an empty slot; each step
+ *    also restores the set's form (inline or bitmap, logged since a set of 4 may have either), so
+ *    a bitmap an undone promotion held is free again before an undone demotion takes one back (a
+ *    form left different once made a later step need a bitmap at the cap and drop a worker
+ *    instead). Undo finds every key again by hash: erases shift slots (src/index/host_table.h), so no slot
+ *    index is kept across them.
+ * After a batch the backend's replica is synced; a CUDA failure moves the index to the CPU backend. */
+#include <inttypes.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "index/index_internal.h"
+#include "kvmatch/hash.h"
+#include "base/error_detail.h"
+
+#define ANCHOR_NONE UINT32_MAX
+
+
+/* ---- errors and logging ---------------------------------------------------------------------- */
+
+int km_index_fail(km_index *index, int status, const char *fmt, ...)
+{
+    if (!index)
+        return status;
+    va_list ap;
+    va_start(ap, fmt);
+    km_vstatus_message(index->last_error, sizeof index->last_error, status, fmt, ap);
+    va_end(ap);
+    return status;
+}
+
+void km_index_log(const km_index *index, const char *fmt, ...)
+{
+    char line[512];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(line, sizeof line, fmt, ap);
+    va_end(ap);
+    if (index && index->config.log)
+        index->config.log(index->config.log_user, line);
+    else
+        fprintf(stderr, "kvmatch: %s\n", line);
+}
+
+const char *km_index_last_error(const km_index *index)
+{
+    return index ? index->last_error : "";
+}
+
+const char *km_index_backend_name(const km_index *index)
+{
+    return index && index->backend ? index->backend->name : "none";
+}
+
+/* ---- lifecycle ------------------------------------------------------------------------------- */
+
+void km_index_config_init(km_index_config *cfg)
+{
+    memset(cfg, 0, sizeof *cfg);
+    cfg->max_workers = 1024;
+    cfg->segment_blocks = 32;
+    cfg->initial_blocks = 1u << 16;
+    cfg->max_request_blocks = 1u << 20;
+    cfg->backend = KM_BACKEND_AUTO;
+}
+
+static int select_backend(km_index *index)
+{
+    char why[256] = "";
+    km_backend_kind kind = index->config.backend;
+    if (kind == KM_BACKEND_CUDA || kind == KM_BACKEND_AUTO) {
+#if KM_HAVE_CUDA
+        int rc = km_backend_cuda.create(index, &index->backend_state, why, sizeof why);
+        if (rc == KM_OK) {
+            index->backend = &km_backend_cuda;
+            if (kind == KM_BACKEND_AUTO)
+                km_index_log(index, "backend: cuda (auto: %s)", why);
+            return KM_OK;
+        }
+        if (kind == KM_BACKEND_CUDA)
+            return km_index_fail(index, rc, "cuda backend unavailable: %s", why);
+#else
+        snprintf(why, sizeof why, "built without CUDA (nvcc absent or CUDA=0)");
+        if (kind == KM_BACKEND_CUDA)
+            return km_index_fail(index, KM_ERR_BACKEND_UNAVAILABLE, "cuda backend unavailable: %s", why);
+#endif
+    }
+    int rc = km_backend_cpu.create(index, &index->backend_state, why, sizeof why);
+    if (rc)
+        return km_index_fail(index, rc, "cpu backend: %s", why);
+    index->backend = &km_backend_cpu;
+    if (kind == KM_BACKEND_AUTO)
+        km_index_log(index, "backend: cpu (auto: %s)", why[0] ? why : "no CUDA device");
+    return KM_OK;
+}
+
+static void set_dirty_tracking(km_index *index)
+{
+    int on = index->backend && index->backend->needs_dirty_tracking;
+    index->blocks.track_dirty = on;
+    index->segments.track_dirty = on;
+    km_table_clear_dirty(&index->blocks);
+    km_table_clear_dirty(&index->segments);
+}
+
+int km_index_create(const km_index_config *cfg_in, km_index **out)
+{
+    if (!out)
+        return KM_ERR_NULL_POINTER;
+    *out = NULL;
+    km_index_config cfg;
+    if (cfg_in)
+        cfg = *cfg_in;
+    else
+        km_index_config_init(&cfg);
+    if (cfg.max_workers == 0 || cfg.max_workers > KM_MAX_WORKERS_LIMIT ||
+        cfg.segment_blocks > KM_MAX_SEGMENT_BLOCKS || cfg.max_request_blocks == 0 ||
+        cfg.backend < KM_BACKEND_AUTO || cfg.backend > KM_BACKEND_CUDA)
+        return KM_ERR_INVALID_ARGUMENT;
+    if (cfg.threads == 0) {
+        long n = sysconf(_SC_NPROCESSORS_ONLN);
+        cfg.threads = n > 0 ? (uint32_t)n : 1;
+    }
+    km_index *index = calloc(1, sizeof *index);
+    if (!index)
+        return KM_ERR_OUT_OF_MEMORY;
+    index->config = cfg;
+    index->memory.cap = cfg.memory_cap_bytes;
+    index->anchor_free_head = ANCHOR_NONE;
+    index->replica_growth_step = KM_REPLICA_GROWTH_STEP_SLOTS;
+    index->replica_growth_budget_ms = KM_REPLICA_GROWTH_BUDGET_MS;
+    km_u64map_init(&index->anchors, &index->memory);
+    int rc = km_table_init(&index->blocks, cfg.initial_blocks, cfg.max_workers, 1, 0, &index->memory);
+    if (!rc) /* aux: one fingerprint byte per block of each segment key */
+        rc = km_table_init(&index->segments,
+                           cfg.segment_blocks ? cfg.initial_blocks / cfg.segment_blocks + 1 : 1,
+                           cfg.max_workers, 0, cfg.segment_blocks, &index->memory);
+    for (uint32_t t = 0; t + 1 < KM_TIER_COUNT && !rc; t++)
+        rc = km_table_init(&index->lower[t], 16, cfg.max_workers, 0, 0, &index->memory);
+    if (!rc) {
+        index->workers = calloc(cfg.max_workers, sizeof *index->workers);
+        if (!index->workers)
+            rc = KM_ERR_OUT_OF_MEMORY;
+    }
+    if (!rc)
+        rc = select_backend(index);
+    if (rc) {
+        km_index_destroy(index);
+        return rc;
+    }
+    set_dirty_tracking(index);
+    *out = index;
+    return KM_OK;
+}
+
+void km_index_destroy(km_index *index)
+{
+    if (!index)
+        return;
+    if (index->backend)
+        index->backend->destroy(index->backend_state);
+    km_backend_cpu.destroy(index->host_scorer);
+    km_table_free(&index->blocks);
+    km_table_free(&index->segments);
+    for (uint32_t t = 0; t + 1 < KM_TIER_COUNT; t++)
+        km_table_free(&index->lower[t]);
+    km_u64map_free(&index->anchors);
+    free(index->anchor_nodes);
+    free(index->workers);
+    free(index->undo_log);
+    free(index->undo_saved);
+    free(index->undo_touched);
+    free(index);
+}
+
+/* Move to the CPU backend after a CUDA failure; the host tables are complete, so nothing is lost. */
+static void fall_back_to_cpu(km_index *index, int status, const char *what)
+{
+    char detail[256];
+    snprintf(detail, sizeof detail, "%s", index->last_error);
+    index->backend->destroy(index->backend_state);
+    index->backend_state = NULL;
+    index->replica_stale = 0;
+    char why[256] = "";
+    if (index->host_scorer) { /* already scoring on the host while a growth lasts: keep it */
+        index->backend_state = index->host_scorer;
+        index->host_scorer = NULL;
+    } else if (km_backend_cpu.create(index, &index->backend_state, why, sizeof why) != KM_OK) {
+        index->backend = NULL; /* cannot happen for the CPU backend short of OOM */
+        return;
+    }
+    index->backend = &km_backend_cpu;
+    set_dirty_tracking(index);
+    km_index_log(index, "backend: cpu (fallback: %s failed with %s: %s)", what, km_error_name(status),
+                 detail);
+}
+
+static void sync_backend(km_index *index);
+
+/* The CPU backend a replica's index keeps for scoring on the host (a table growing, a failed sync
+ * or match), created on first need and kept. False when it cannot be had (why says why). */
+static bool have_host_scorer(km_index *index, char *why, size_t why_size)
+{
+    if (!index->host_scorer &&
+        km_backend_cpu.create(index, &index->host_scorer, why, why_size) != KM_OK)
+        index->host_scorer = NULL;
+    return index->host_scorer != NULL;
+}
+
+int km_index_use_backend(km_index *index, const km_backend_ops *ops, char *why, size_t why_size)
+{
+    if (!index || !ops)
+        return KM_ERR_NULL_POINTER;
+    km_table_finish_growth(&index->blocks);
+    km_table_finish_growth(&index->segments);
+    const km_backend_ops *old_ops = index->backend;
+    void *old_state = index->backend_state;
+    void *state = NULL;
+    int rc = ops->create(index, &state, why, why_size);
+    /* On failure the old backend stays with what its next sync still owes it (dirty lists, the
+     * finished move's layout_changed, replica_stale), so nothing is cleared before this point. */
+    if (rc)
+        return rc;
+    index->backend = ops;
+    index->backend_state = state;
+    index->replica_stale = 0;
+    set_dirty_tracking(index); /* the new backend was made from the tables as they are */
+    if (old_ops)
+        old_ops->destroy(old_state);
+    return KM_OK;
+}
+
+/* ---- undo log -------------------------------------------------------------------------------- */
+
+typedef enum undo_kind {
+    UNDO_BLOCK_ADDED,    /* worker was added to key's block set (key may have been new) */
+    UNDO_BLOCK_REMOVED,  /* worker was removed; meta holds the block's metadata */
+    UNDO_BLOCK_META,     /* meta of key was overwritten; meta holds the old value */
+    UNDO_SEG_ADDED,
+    UNDO_SEG_REMOVED,
+    UNDO_ANCHOR_LINKED,  /* key (segment end) was linked under anchor aux */
+    UNDO_ANCHOR_UNLINKED,
+    UNDO_WORKER_COUNTERS, /* worker's counters before the batch: index->undo_saved[aux] */
+    UNDO_TIER_ADDED,      /* worker was added to key's set in lower tier table aux */
+    UNDO_TIER_REMOVED,    /* worker was removed from key's set in lower tier table aux */
+} undo_kind;
+
+/* 48 bytes: a store logs one or two per block, so the entry stays small (a worker's counters,
+ * 128 bytes, are saved once per batch in index->undo_saved instead). */
+typedef struct km_undo_entry {
+    uint16_t kind;     /* undo_kind */
+    /* *_ADDED: the add promoted the set to a bitmap; *_REMOVED: the remove demoted it inline. The
+     * undo moves it back: with the demotion's hysteresis the count alone does not say which form
+     * a set of 4 had, and a form left different could make a later undo step need a bitmap that
+     * is not there (a worker silently dropped at the memory cap). */
+    uint16_t reshaped;
+    uint32_t worker;
+    uint64_t key;
+    uint64_t aux;
+    union {
+        km_block_meta meta;
+    } u;
+} undo_entry;
+_Static_assert(sizeof(undo_entry) == 48, "undo entries stay 48 bytes");
+
+typedef struct batch {
+    km_index *index;
+    km_update_stats *stats;
+    int logging;
+    size_t n_log;   /* entries in index->undo_log */
+    size_t n_saved; /* entries in index->undo_saved */
+} batch;
+
+/* Batches this large give their log back afterwards instead of keeping it for the next one. */
+#define UNDO_KEEP_ENTRIES (UINT64_C(1) << 16)
+
+static int undo_push(batch *b, const undo_entry *e)
+{
+    if (!b->logging)
+        return KM_OK;
+    km_index *index = b->index;
+    if (b->n_log == index->undo_capacity) {
+        size_t cap = index->undo_capacity ? index->undo_capacity * 2 : 1024;
+        undo_entry *grown = realloc(index->undo_log, cap * sizeof *grown);
+        if (!grown)
+            return KM_ERR_OUT_OF_MEMORY;
+        index->undo_log = grown;
+        index->undo_capacity = cap;
+    }
+    index->undo_log[b->n_log++] = *e;
+    return KM_OK;
+}
+
+/* Log a worker's counters the first time the batch touches it. Call before changing them. */
+static int touch_worker(batch *b, uint32_t worker)
+{
+    km_index *index = b->index;
+    if (!b->logging || index->undo_touched[worker])
+        return KM_OK;
+    if (b->n_saved == index->undo_saved_capacity) {
+        size_t cap = index->undo_saved_capacity ? index->undo_saved_capacity * 2 : 16;
+        struct km_saved_counters *grown = realloc(index->undo_saved, cap * sizeof *grown);
+        if (!grown)
+            return KM_ERR_OUT_OF_MEMORY;
+        index->undo_saved = grown;
+        index->undo_saved_capacity = cap;
+    }
+    undo_entry e = {.kind = UNDO_WORKER_COUNTERS, .worker = worker, .aux = b->n_saved};
+    int rc = undo_push(b, &e);
+    if (rc)
+        return rc;
+    index->undo_saved[b->n_saved].worker = worker;
+    index->undo_saved[b->n_saved++].counters = index->workers[worker];
+    index->undo_touched[worker] = 1;
+    return KM_OK;
+}
+
+/* ---- anchor lists: segment first block -> segment ends with a non-empty set ------------------- */
+
+static int anchor_node_alloc(km_index *index, uint32_t *out)
+{
+    if (index->anchor_free_head != ANCHOR_NONE) {
+        *out = index->anchor_free_head;
+        index->anchor_free_head = index->anchor_nodes[*out].next;
+        return KM_OK;
+    }
+    if (index->anchor_nodes_high == index->anchor_nodes_capacity) {
+        uint64_t cap = index->anchor_nodes_capacity ? (uint64_t)index->anchor_nodes_capacity * 2 : 256;
+        if (cap >= ANCHOR_NONE)
+            return KM_ERR_MEMORY_CAP;
+        size_t node = sizeof *index->anchor_nodes;
+        int rc = km_memory_reserve(&index->memory, index->anchor_nodes_capacity * node, cap * node);
+        if (rc)
+            return rc;
+        void *grown = realloc(index->anchor_nodes, cap * node);
+        if (!grown) {
+            km_memory_reserve(&index->memory, cap * node, index->anchor_nodes_capacity * node);
+            return KM_ERR_OUT_OF_MEMORY;
+        }
+        index->anchor_nodes = grown;
+        index->anchor_nodes_capacity = (uint32_t)cap;
+    }
+    *out = index->anchor_nodes_high++;
+    return KM_OK;
+}
+
+static int anchor_link(km_index *index, uint64_t anchor, uint64_t end, int allow_grow)
+{
+    uint64_t *head = km_u64map_find(&index->anchors, anchor);
+    if (!head && allow_grow) { /* reserve the map entry first so a failure leaves no orphan node */
+        int rc = km_u64map_reserve(&index->anchors, 1);
+        if (rc)
+            return rc;
+    }
+    uint32_t node;
+    int rc = anchor_node_alloc(index, &node);
+    if (rc)
+        return rc;
+    head = km_u64map_find(&index->anchors, anchor);
+    index->anchor_nodes[node].end = end;
+    index->anchor_nodes[node].next = head ? (uint32_t)*head : ANCHOR_NONE;
+    if (head) {
+        *head = node;
+        return KM_OK;
+    }
+    rc = km_u64map_put(&index->anchors, anchor, node, 0);
+    if (rc) { /* unreachable after the reserve above; keep the node pool consistent anyway */
+        index->anchor_nodes[node].next = index->anchor_free_head;
+        index->anchor_free_head = node;
+    }
+    return rc;
+}
+
+static void anchor_unlink(km_index *index, uint64_t anchor, uint64_t end)
+{
+    uint64_t *head = km_u64map_find(&index->anchors, anchor);
+    if (!head)
+        return;
+    uint32_t prev = ANCHOR_NONE;
+    for (uint32_t n = (uint32_t)*head; n != ANCHOR_NONE; prev = n, n = index->anchor_nodes[n].next) {
+        if (index->anchor_nodes[n].end != end)
+            continue;
+        uint32_t next = index->anchor_nodes[n].next;
+        if (prev == ANCHOR_NONE)
+            *head = next;
+        else
+            index->anchor_nodes[prev].next = next;
+        index->anchor_nodes[n].next = index->anchor_free_head;
+        index->anchor_free_head = n;
+        if (*head == ANCHOR_NONE)
+            km_u64map_erase(&index->anchors, anchor);
+        return;
+    }
+}
+
+/* ---- raw set changes with undo logging --------------------------------------------------------- */
+
+static km_table *undo_table(km_index *index, const undo_entry *e)
+{
+    if (e->kind == UNDO_TIER_ADDED || e->kind == UNDO_TIER_REMOVED)
+        return &index->lower[e->aux];
+    return e->kind == UNDO_SEG_ADDED || e->kind == UNDO_SEG_REMOVED ? &index->segments
+                                                                    : &index->blocks;
+}
+
+/* The undo entry that reverses adding (added = 1) or removing worker from key's set in t. */
+static undo_entry undo_for(const km_index *index, const km_table *t, int added, uint32_t worker,
+                           uint64_t key)
+{
+    undo_entry e = {.worker = worker, .key = key};
+    if (t == &index->segments) {
+        e.kind = added ? UNDO_SEG_ADDED : UNDO_SEG_REMOVED;
+    } else if (t == &index->blocks) {
+        e.kind = added ? UNDO_BLOCK_ADDED : UNDO_BLOCK_REMOVED;
+    } else {
+        e.kind = added ? UNDO_TIER_ADDED : UNDO_TIER_REMOVED;
+        e.aux = (uint64_t)(t - index->lower);
+    }
+    return e;
+}
+
+static double monotonic_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec / 1e6;
+}
+
+static const char *table_name(const km_index *index, const km_table *t)
+{
+    if (t == &index->blocks)
+        return "block";
+    if (t == &index->segments)
+        return "segment";
+    return t == &index->lower[KM_TIER_HOST - 1] ? "host-tier" : "disk-tier";
+}
+
+/* A pause for growth: the insert that grew a table (a small one rehashes at once; a large one only
+ * allocates, and its keys move over the next inserts), or a device sync that finished a move. */
+static void note_growth_pause(km_index *index, double ms)
+{
+    index->table_growth_ms_total += ms;
+    if (ms > index->table_growth_ms_max)
+        index->table_growth_ms_max = ms;
+}
+
+/* A table just grew: count it and say so, since the remedy (sizing the index at start) is the
+ * operator's. */
+static void note_growth(km_index *index, const km_table *t, uint64_t from, double ms)
+{
+    index->table_growths++;
+    note_growth_pause(index, ms);
+    km_index_log(index,
+                 "%s table grew from %" PRIu64 " to %" PRIu64 " slots (%.1f ms in the insert that "
+                 "grew it%s); initial_blocks sizes the index at start",
+                 table_name(index, t), from, t->capacity, ms,
+                 t->old_slots ? "; its keys move to the new slots over the next inserts" : "");
+}
+
+/* Add worker to key's set in table t (inserting the key if absent). Returns 1 added, 0 present. */
+static int table_add(batch *b, km_table *t, uint64_t key, uint32_t worker, uint64_t *slot_out,
+                     int *inserted)
+{
+    uint64_t slot = km_table_find(t, key);
+    *inserted = 0;
+    /* Log first: if logging fails nothing has changed yet. */
+    undo_entry e = undo_for(b->index, t, 1, worker, key);
+    if (slot != KM_SLOT_NONE && km_table_set_contains(t, slot, worker)) {
+        *slot_out = slot;
+        return 0;
+    }
+    e.reshaped = slot != KM_SLOT_NONE && !km_slot_is_shared(km_table_slot(t, slot)) &&
+                 km_table_set_count(t, slot) == KM_SLOT_INLINE;
+    int rc = undo_push(b, &e);
+    if (rc)
+        return rc;
+    if (slot == KM_SLOT_NONE) {
+        uint64_t capacity = t->capacity;
+        double start = km_table_insert_grows(t) ? monotonic_ms() : 0;
+        rc = km_table_insert(t, key, 1, &slot);
+        if (rc) {
+            b->n_log -= b->logging;
+            return rc;
+        }
+        if (t->capacity != capacity)
+            note_growth(b->index, t, capacity, monotonic_ms() - start);
+        *inserted = 1;
+    }
+    rc = km_table_set_add(t, slot, worker);
+    if (rc < 0) {
+        if (*inserted)
+            km_table_erase(t, slot);
+        b->n_log -= b->logging;
+        return rc;
+    }
+    *slot_out = slot;
+    return 1;
+}
+
+/* Remove worker from the set at slot of table t; erases the key when the set empties. Returns 1
+ * when the key was erased. */
+static int table_remove_at(batch *b, km_table *t, uint64_t slot, uint32_t worker)
+{
+    const km_slot *s = km_table_slot(t, slot);
+    undo_entry e = undo_for(b->index, t, 0, worker, s->key);
+    e.reshaped = km_slot_is_shared(s) && km_slot_count(s) == KM_SLOT_DEMOTE_AT + 1;
+    if (t->meta)
+        e.u.meta = *km_table_meta(t, slot);
+    int rc = undo_push(b, &e);
+    if (rc)
+        return rc;
+    km_table_set_remove(t, slot, worker);
+    if (km_table_set_count(t, slot) == 0) {
+        km_table_erase(t, slot);
+        return 1;
+    }
+    return 0;
+}
+
+/* ---- segment keys -------------------------------------------------------------------------- */
+
+static uint32_t segment_size(const km_index *index)
+{
+    return index->config.segment_blocks;
+}
+
+/* ---- segment fingerprints ---------------------------------------------------------------------
+ * The segment table's aux bytes hold, per segment key, one byte per block of its chain: a
+ * fingerprint of that block's chain hash (chain_fingerprint), or 0 where it is unknown. A worker
+ * that loses block X at offset k of a segment leaves each segment key of that anchor whose byte k
+ * matches X's fingerprint or is 0. A mismatch proves X is not on that key's chain; a false match
+ * (about 1 in 255) drops the worker from a segment it still holds, which is sound: scoring walks
+ * that segment block by block and stays exact. This replaced walking parent links from every
+ * candidate segment end back to X's position (up to S-1 dependent lookups each). */
+static inline uint8_t chain_fingerprint(uint64_t chain)
+{
+    uint8_t f = (uint8_t)(chain >> 56);
+    return f ? f : 1;
+}
+
+/* Fingerprints of the S blocks ending at `end`, by walking parent links (0 past a break). */
+static void fingerprints_by_walk(const km_index *index, uint64_t end, uint8_t *fps)
+{
+    uint32_t S = index->config.segment_blocks;
+    memset(fps, 0, S);
+    uint64_t cursor = end;
+    for (uint32_t k = S; k-- > 0;) {
+        uint64_t slot = km_table_find(&index->blocks, cursor);
+        if (slot == KM_SLOT_NONE)
+            return;
+        fps[k] = chain_fingerprint(cursor);
+        cursor = km_table_meta(&index->blocks, slot)->parent;
+        if (cursor == KM_NO_PARENT)
+            return;
+    }
+}
+
+/* Add worker to the segment key `end` (first block `anchor`); `fps` are the fingerprints of its
+ * S blocks, stored when the key is new. */
+static int segment_add(batch *b, uint64_t anchor, uint64_t end, uint32_t worker, const uint8_t *fps)
+{
+    km_index *index = b->index;
+    uint64_t slot;
+    int inserted;
+    int rc = table_add(b, &index->segments, end, worker, &slot, &inserted);
+    if (rc <= 0)
+        return rc;
+    if (!inserted)
+        return KM_OK;
+    memcpy(km_table_aux(&index->segments, slot), fps, index->segments.aux_bytes);
+    undo_entry e = {.kind = UNDO_ANCHOR_LINKED, .key = end, .aux = anchor};
+    rc = undo_push(b, &e);
+    if (!rc) {
+        rc = anchor_link(index, anchor, end, 1);
+        if (rc)
+            b->n_log -= b->logging;
+    }
+    return rc; /* on failure the caller's rollback removes the segment key logged above */
+}
+
+/* Remove worker from segment key `end`; unlink it from its anchor when the set empties. */
+static int segment_remove_at(batch *b, uint64_t slot, uint64_t anchor, uint32_t worker)
+{
+    km_index *index = b->index;
+    uint64_t end = km_table_slot(&index->segments, slot)->key;
+    int rc = table_remove_at(b, &index->segments, slot, worker);
+    if (rc < 0)
+        return rc;
+    if (rc == 1) {
+        undo_entry e = {.kind = UNDO_ANCHOR_UNLINKED, .key = end, .aux = anchor};
+        rc = undo_push(b, &e);
+        if (rc)
+            return rc;
+        anchor_unlink(index, anchor, end);
+    }
+    return KM_OK;
+}
+
+/* Does worker hold all S blocks of the segment ending at `end` (at `position`)? Walks the parent
+ * links back from end, checking each block is held and sits one position earlier; fills fps. */
+static int holds_segment(const km_index *index, uint32_t worker, uint64_t end, uint32_t position,
+                         uint8_t *fps)
+{
+    uint32_t S = segment_size(index);
+    uint64_t cursor = end;
+    for (uint32_t k = 0; k < S; k++) {
+        uint64_t slot = km_table_find(&index->blocks, cursor);
+        if (slot == KM_SLOT_NONE || !km_table_set_contains(&index->blocks, slot, worker) ||
+            km_table_meta(&index->blocks, slot)->position != position - k)
+            return 0;
+        fps[S - 1 - k] = chain_fingerprint(cursor);
+        cursor = km_table_meta(&index->blocks, slot)->parent;
+    }
+    return 1;
+}
+
+/* After worker lost `block` (metadata m): drop worker from every segment key whose chain includes
+ * it (or, about once in 255, one whose fingerprint only looks so: sound). */
+static int invalidate_segments(batch *b, uint32_t worker, uint64_t block, const km_block_meta *m)
+{
+    km_index *index = b->index;
+    if (segment_size(index) == 0 || m->position == KM_POSITION_UNKNOWN)
+        return KM_OK;
+    uint64_t *head = km_u64map_find(&index->anchors, m->anchor);
+    if (!head)
+        return KM_OK;
+    uint32_t n = (uint32_t)*head;
+    while (n != ANCHOR_NONE) {
+        uint64_t end = index->anchor_nodes[n].end;
+        n = index->anchor_nodes[n].next; /* read before a possible unlink frees the node */
+        uint64_t slot = km_table_find(&index->segments, end);
+        if (slot == KM_SLOT_NONE || !km_table_set_contains(&index->segments, slot, worker))
+            continue;
+        uint8_t fp = km_table_aux(&index->segments, slot)[m->position % segment_size(index)];
+        if (fp != 0 && fp != chain_fingerprint(block))
+            continue; /* block is not on this segment's chain */
+        int rc = segment_remove_at(b, slot, m->anchor, worker);
+        if (rc)
+            return rc;
+    }
+    return KM_OK;
+}
+
+/* ---- the four update kinds ---------------------------------------------------------------------- */
+
+/* ---- storage tiers ---------------------------------------------------------------------------- */
+
+static int lower_tiers_empty(const km_index *index)
+{
+    for (uint32_t t = 0; t + 1 < KM_TIER_COUNT; t++)
+        if (index->lower[t].pairs)
+            return 0;
+    return 1;
+}
+
+/* The recorded tier of a pair the worker holds. */
+static km_tier pair_tier(const km_index *index, uint64_t key, uint32_t worker)
+{
+    for (uint32_t t = 0; t + 1 < KM_TIER_COUNT; t++) {
+        const km_table *lt = &index->lower[t];
+        if (!lt->pairs)
+            continue;
+        uint64_t slot = km_table_find(lt, key);
+        if (slot != KM_SLOT_NONE && km_table_set_contains(lt, slot, worker))
+            return (km_tier)(t + 1);
+    }
+    return KM_TIER_DEVICE;
+}
+
+/* Make the tier of a pair the worker holds (or is about to stop holding: KM_TIER_DEVICE clears
+ * it from the lower tables) equal to `tier`. Returns 1 when it changed, 0 when not, <0 on error. */
+static int set_pair_tier(batch *b, uint64_t key, uint32_t worker, km_tier tier)
+{
+    km_index *index = b->index;
+    if (tier == KM_TIER_DEVICE && lower_tiers_empty(index))
+        return 0; /* the common case: every pair is device-resident */
+    km_tier current = pair_tier(index, key, worker);
+    if (current == tier)
+        return 0;
+    if (tier != KM_TIER_DEVICE) {
+        uint64_t slot;
+        int inserted;
+        int rc = table_add(b, &index->lower[tier - 1], key, worker, &slot, &inserted);
+        if (rc < 0)
+            return rc;
+    }
+    if (current != KM_TIER_DEVICE) {
+        km_table *lt = &index->lower[current - 1];
+        int rc = table_remove_at(b, lt, km_table_find(lt, key), worker);
+        if (rc < 0)
+            return rc;
+    }
+    return 1;
+}
+
+static int apply_set_tier(batch *b, const km_update *u)
+{
+    km_index *index = b->index;
+    for (size_t i = 0; i < u->n_hashes; i++) {
+        uint64_t slot = km_table_find(&index->blocks, u->hashes[i]);
+        if (slot == KM_SLOT_NONE || !km_table_set_contains(&index->blocks, slot, u->worker)) {
+            b->stats->absent_tier_changes++;
+            continue;
+        }
+        int rc = set_pair_tier(b, u->hashes[i], u->worker, u->tier);
+        if (rc < 0)
+            return rc;
+        b->stats->tier_changes += (uint64_t)rc;
+    }
+    return KM_OK;
+}
+
+/* How many blocks ahead an update starts loading a block's slot and metadata (measured with
+ * `kvmatch bench replay --ceiling`: a store's misses are independent, a remove's come in a
+ * dependent chain, so removes gain from starting earlier). */
+enum { STORE_AHEAD = 8, REMOVE_AHEAD = 16 };
+
+static int apply_store(batch *b, const km_update *u)
+{
+    km_index *index = b->index;
+    km_worker_counters *wc = &index->workers[u->worker];
+    uint32_t S = segment_size(index);
+    int rc = touch_worker(b, u->worker);
+    if (rc)
+        return rc;
+
+    /* Position and segment anchor of the block before the run (unknown for an orphan run). */
+    uint32_t prev_position = KM_POSITION_UNKNOWN;
+    uint64_t prev_anchor = 0;
+    if (u->parent != KM_NO_PARENT) {
+        uint64_t ps = km_table_find(&index->blocks, u->parent);
+        if (ps != KM_SLOT_NONE) {
+            prev_position = km_table_meta(&index->blocks, ps)->position;
+            prev_anchor = km_table_meta(&index->blocks, ps)->anchor;
+        }
+        if (prev_position == KM_POSITION_UNKNOWN)
+            b->stats->orphan_runs++;
+    }
+    uint32_t run_consecutive = 0;
+    const km_table *blocks = &index->blocks;
+    for (size_t i = 0; i < u->n_hashes; i++) {
+        /* Most stored blocks are new: their slot and metadata are misses; start them early. */
+        if (i + STORE_AHEAD < u->n_hashes) {
+            uint64_t home = km_slot_home(u->hashes[i + STORE_AHEAD], blocks->shift);
+            __builtin_prefetch(&blocks->slots[home], 1);
+            __builtin_prefetch(&blocks->meta[home], 1);
+        }
+        uint64_t key = u->hashes[i];
+        uint64_t parent = i == 0 ? u->parent : u->hashes[i - 1];
+        uint32_t position = KM_POSITION_UNKNOWN;
+        uint64_t anchor = 0;
+        if (parent == KM_NO_PARENT)
+            position = 0;
+        else if (prev_position != KM_POSITION_UNKNOWN && prev_position + 1 < KM_POSITION_UNKNOWN)
+            position = prev_position + 1;
+        if (position != KM_POSITION_UNKNOWN)
+            anchor = S && position % S == 0 ? key : prev_anchor;
+
+        uint64_t slot;
+        int inserted;
+        int added = table_add(b, &index->blocks, key, u->worker, &slot, &inserted);
+        if (added < 0)
+            return added;
+        km_block_meta *m = km_table_meta(&index->blocks, slot);
+        if (inserted) {
+            m->parent = parent;
+            m->position = position;
+            m->anchor = anchor;
+        } else if (m->position == KM_POSITION_UNKNOWN && position != KM_POSITION_UNKNOWN) {
+            undo_entry e = {.kind = UNDO_BLOCK_META, .key = key};
+            e.u.meta = *m;
+            rc = undo_push(b, &e);
+            if (rc)
+                return rc;
+            m->parent = parent;
+            m->position = position;
+            m->anchor = anchor;
+        }
+        /* From here on the table's metadata is the truth (first writer wins on a disagreement). */
+        if (u->tier != KM_TIER_DEVICE || !lower_tiers_empty(index)) {
+            rc = set_pair_tier(b, key, u->worker, u->tier);
+            if (rc < 0)
+                return rc;
+            b->stats->tier_changes += (uint64_t)rc;
+        }
+        if (added == 1) {
+            b->stats->stored++;
+            wc->blocks++;
+            wc->stores++;
+        } else {
+            b->stats->duplicate_stores++;
+            wc->duplicate_stores++;
+        }
+        /* Blocks of this run the worker now holds at consecutive positions: S of them ending
+         * here make the segment held without walking it again. */
+        if (m->position != KM_POSITION_UNKNOWN &&
+            (run_consecutive == 0 || m->position == prev_position + 1))
+            run_consecutive++;
+        else
+            run_consecutive = m->position != KM_POSITION_UNKNOWN;
+        prev_position = m->position;
+        prev_anchor = m->anchor;
+        if (S && prev_position != KM_POSITION_UNKNOWN && prev_position % S == S - 1) {
+            uint8_t fps[KM_MAX_SEGMENT_BLOCKS];
+            int held = run_consecutive >= S;
+            if (held) /* this run's last S hashes are the segment's chain */
+                for (uint32_t k = 0; k < S; k++)
+                    fps[k] = chain_fingerprint(u->hashes[i + 1 - S + k]);
+            else
+                held = holds_segment(index, u->worker, key, prev_position, fps);
+            rc = held ? segment_add(b, prev_anchor, key, u->worker, fps) : KM_OK;
+            if (rc)
+                return rc;
+        }
+    }
+    return KM_OK;
+}
+
+/* A remove's misses come in a dependent chain per block (its slot, then its metadata, then the
+ * anchor map entry the metadata names): start the first two REMOVE_AHEAD blocks ahead and the
+ * third half as far ahead, so several blocks' chains overlap. */
+
+static void remove_prefetch(const km_index *index, const km_update *u, size_t i)
+{
+    const km_table *t = &index->blocks;
+    if (i + REMOVE_AHEAD < u->n_hashes) {
+        uint64_t home = km_slot_home(u->hashes[i + REMOVE_AHEAD], t->shift);
+        __builtin_prefetch(&t->slots[home]);
+        __builtin_prefetch(&t->meta[home]);
+    }
+    if (i + REMOVE_AHEAD / 2 < u->n_hashes && index->config.segment_blocks) {
+        uint64_t slot = km_table_find(t, u->hashes[i + REMOVE_AHEAD / 2]);
+        if (slot != KM_SLOT_NONE && km_table_meta(t, slot)->position != KM_POSITION_UNKNOWN)
+            km_u64map_prefetch(&index->anchors, km_table_meta(t, slot)->anchor);
+    }
+}
+
+static int apply_remove(batch *b, const km_update *u)
+{
+    km_index *index = b->index;
+    km_worker_counters *wc = &index->workers[u->worker];
+    int rc = touch_worker(b, u->worker);
+    if (rc)
+        return rc;
+    for (size_t i = 0; i < u->n_hashes; i++) {
+        remove_prefetch(index, u, i);
+        uint64_t key = u->hashes[i];
+        uint64_t slot = km_table_find(&index->blocks, key);
+        if (slot == KM_SLOT_NONE || !km_table_set_contains(&index->blocks, slot, u->worker)) {
+            b->stats->absent_removes++;
+            wc->absent_removes++;
+            continue;
+        }
+        km_block_meta meta = *km_table_meta(&index->blocks, slot);
+        /* Segments first: their chain walk still sees this block's metadata. */
+        rc = invalidate_segments(b, u->worker, key, &meta);
+        if (rc)
+            return rc;
+        rc = set_pair_tier(b, key, u->worker, KM_TIER_DEVICE);
+        if (rc < 0)
+            return rc;
+        rc = table_remove_at(b, &index->blocks, slot, u->worker);
+        if (rc < 0)
+            return rc;
+        b->stats->removed++;
+        wc->blocks--;
+        wc->removes++;
+    }
+    return KM_OK;
+}
+
+static int apply_clear(batch *b, const km_update *u)
+{
+    km_index *index = b->index;
+    uint32_t w = u->worker;
+    int rc = touch_worker(b, w);
+    if (rc)
+        return rc;
+    /* The scans below walk one array per table: finish any growth first (a whole-table pass
+     * either way). */
+    km_table_finish_growth(&index->segments);
+    km_table_finish_growth(&index->blocks);
+    for (uint32_t t = 0; t + 1 < KM_TIER_COUNT; t++)
+        km_table_finish_growth(&index->lower[t]);
+    /* Segment keys first: unlinking needs each end block's anchor from the block metadata.
+     * Each scan stays on a slot after removing w there: an erase shifts later keys of the probe run
+     * back, possibly into this very slot (km_table_erase). */
+    km_table *seg = &index->segments;
+    for (uint64_t s = 0; s < seg->capacity;) {
+        uint64_t end = seg->slots[s].key;
+        if (end <= KM_KEY_TOMBSTONE || !km_table_set_contains(seg, s, w)) {
+            s++;
+            continue;
+        }
+        uint64_t bs = km_table_find(&index->blocks, end);
+        uint64_t anchor = bs == KM_SLOT_NONE ? 0 : km_table_meta(&index->blocks, bs)->anchor;
+        rc = segment_remove_at(b, s, anchor, w);
+        if (rc)
+            return rc;
+    }
+    for (uint32_t t = 0; t + 1 < KM_TIER_COUNT; t++) {
+        km_table *lt = &index->lower[t];
+        for (uint64_t s = 0; lt->pairs && s < lt->capacity;) {
+            if (lt->slots[s].key <= KM_KEY_TOMBSTONE || !km_table_set_contains(lt, s, w)) {
+                s++;
+                continue;
+            }
+            rc = table_remove_at(b, lt, s, w);
+            if (rc < 0)
+                return rc;
+        }
+    }
+    km_table *blk = &index->blocks;
+    for (uint64_t s = 0; s < blk->capacity;) {
+        if (blk->slots[s].key <= KM_KEY_TOMBSTONE || !km_table_set_contains(blk, s, w)) {
+            s++;
+            continue;
+        }
+        rc = table_remove_at(b, blk, s, w);
+        if (rc < 0)
+            return rc;
+        b->stats->cleared++;
+    }
+    km_worker_counters *wc = &index->workers[w];
+    if (u->kind == KM_UPDATE_REMOVE_WORKER) {
+        memset(wc, 0, sizeof *wc);
+    } else {
+        wc->blocks = 0;
+        wc->clears++;
+    }
+    return KM_OK;
+}
+
+/* Undo one logged mutation. Never allocates (see the file comment). */
+static void undo_one(km_index *index, const undo_entry *e)
+{
+    switch (e->kind) {
+    case UNDO_BLOCK_ADDED:
+    case UNDO_SEG_ADDED:
+    case UNDO_TIER_ADDED: {
+        km_table *t = undo_table(index, e);
+        uint64_t slot = km_table_find(t, e->key);
+        if (slot == KM_SLOT_NONE)
+            return;
+        km_table_set_remove(t, slot, e->worker);
+        if (e->reshaped)
+            km_table_set_demote(t, slot);
+        if (km_table_set_count(t, slot) == 0)
+            km_table_erase(t, slot);
+        return;
+    }
+    case UNDO_BLOCK_REMOVED:
+    case UNDO_SEG_REMOVED:
+    case UNDO_TIER_REMOVED: {
+        km_table *t = undo_table(index, e);
+        uint64_t slot = km_table_find(t, e->key);
+        if (slot == KM_SLOT_NONE) {
+            km_table_insert(t, e->key, 0, &slot);
+            if (t->meta)
+                *km_table_meta(t, slot) = e->u.meta;
+            /* A segment key comes back after its blocks (logged later, undone earlier). */
+            if (t->aux)
+                fingerprints_by_walk(index, e->key, km_table_aux(t, slot));
+        }
+        km_table_set_add(t, slot, e->worker);
+        if (e->reshaped) /* the bitmap its demotion released is free again by now */
+            km_table_set_promote(t, slot);
+        return;
+    }
+    case UNDO_BLOCK_META: {
+        uint64_t slot = km_table_find(&index->blocks, e->key);
+        if (slot != KM_SLOT_NONE)
+            *km_table_meta(&index->blocks, slot) = e->u.meta;
+        return;
+    }
+    case UNDO_ANCHOR_LINKED:
+        anchor_unlink(index, e->aux, e->key);
+        return;
+    case UNDO_ANCHOR_UNLINKED:
+        anchor_link(index, e->aux, e->key, 0);
+        return;
+    case UNDO_WORKER_COUNTERS:
+        index->workers[e->worker] = index->undo_saved[e->aux].counters;
+        return;
+    }
+}
+
+static int validate_updates(km_index *index, const km_update *updates, size_t n)
+{
+    for (size_t i = 0; i < n; i++) {
+        const km_update *u = &updates[i];
+        if (u->kind < KM_UPDATE_STORE || u->kind > KM_UPDATE_SET_TIER)
+            return km_index_fail(index, KM_ERR_INVALID_ARGUMENT, "update %zu: unknown kind %d", i,
+                                 (int)u->kind);
+        if ((u->kind == KM_UPDATE_STORE || u->kind == KM_UPDATE_SET_TIER) &&
+            (unsigned)u->tier >= KM_TIER_COUNT)
+            return km_index_fail(index, KM_ERR_INVALID_ARGUMENT, "update %zu: unknown tier %d", i,
+                                 (int)u->tier);
+        if (u->worker >= index->config.max_workers)
+            return km_index_fail(index, KM_ERR_WORKER_RANGE,
+                                 "update %zu: worker %u out of range (max_workers %u)", i, u->worker,
+                                 index->config.max_workers);
+        if (u->kind != KM_UPDATE_STORE && u->kind != KM_UPDATE_REMOVE && u->kind != KM_UPDATE_SET_TIER)
+            continue;
+        if (u->n_hashes > 0 && !u->hashes)
+            return km_index_fail(index, KM_ERR_NULL_POINTER, "update %zu: hashes is NULL", i);
+        for (size_t j = 0; j < u->n_hashes; j++)
+            if (u->hashes[j] <= KM_KEY_TOMBSTONE)
+                return km_index_fail(index, KM_ERR_INVALID_ARGUMENT,
+                                     "update %zu: hash %zu is a reserved value (%llu); chain "
+                                     "hashes are remapped (docs/HASHING.md)",
+                                     i, j, (unsigned long long)u->hashes[j]);
+        if (u->kind == KM_UPDATE_STORE && u->parent == KM_HASH_RESERVED_TOMBSTONE)
+            return km_index_fail(index, KM_ERR_INVALID_ARGUMENT, "update %zu: parent is reserved", i);
+    }
+    return KM_OK;
+}
+
+/* One batch's share of the moves while a replica waits: up to replica_growth_step old slots of each
+ * growing table, in chunks of 512, ending early once replica_growth_budget_ms have passed since
+ * `start` (the first steps into fresh arrays pay a page fault for most keys they move), but never
+ * before one chunk per table, so every move progresses. Returns 1 while a table is still growing. */
+static int advance_growths(km_index *index, double start)
+{
+    km_table *tables[2] = {&index->blocks, &index->segments};
+    int growing = 0;
+    for (int k = 0; k < 2; k++) {
+        uint64_t left = index->replica_growth_step;
+        while (tables[k]->old_slots && left > 0) {
+            uint64_t n = left < 512 ? left : 512;
+            km_table_advance_growth(tables[k], n);
+            left -= n;
+            if (index->replica_growth_budget_ms > 0 &&
+                monotonic_ms() - start >= index->replica_growth_budget_ms)
+                break;
+        }
+        growing |= tables[k]->old_slots != NULL;
+    }
+    return growing;
+}
+
+/* A device replica mirrors one array per table, so it cannot follow a table whose keys are moving
+ * between two. While a move lasts the replica is left as it was and marked stale, batches are
+ * scored on the host (km_index_match_batch), and each batch moves a bounded step more
+ * (advance_growths); the first sync after the move ends uploads the tables whole (the growth set
+ * layout_changed, which also stopped dirty-slot tracking meanwhile). Only when no host scorer can
+ * be had does the move end here at once, a pause as long as rehashing the table. */
+static void sync_backend(km_index *index)
+{
+    if (!index->backend->sync)
+        return;
+    if (index->blocks.old_slots || index->segments.old_slots) {
+        double start = monotonic_ms();
+        int growing = advance_growths(index, start);
+        char why[256] = "";
+        if (growing && !have_host_scorer(index, why, sizeof why))
+            km_index_log(index, "no host scorer while a table grows (%s): the move ends now", why);
+        if (growing && !index->host_scorer) {
+            km_table_finish_growth(&index->blocks);
+            km_table_finish_growth(&index->segments);
+            growing = 0;
+        }
+        note_growth_pause(index, monotonic_ms() - start);
+        if (growing) {
+            index->replica_stale = 1;
+            return;
+        }
+    }
+    index->replica_stale = 0;
+    int rc = index->backend->sync(index->backend_state, index);
+    if (rc == KM_ERR_CUDA) {
+        fall_back_to_cpu(index, rc, "sync");
+        return;
+    }
+    if (rc) {
+        /* Another failure (out of memory for staging): the replica is behind, the host tables are
+         * right. Batches are scored on the host until a later sync succeeds; the dirty lists stay
+         * for it. Without a host scorer the backend gives way to the CPU, as on a CUDA error. Until
+         * 2026-11-30 the replica was trusted as it was, and the batch reported as failed although
+         * its updates were in. */
+        char why[256] = "";
+        if (!have_host_scorer(index, why, sizeof why)) {
+            fall_back_to_cpu(index, rc, "sync");
+            return;
+        }
+        index->replica_stale = 1;
+        km_index_log(index, "backend %s: sync failed with %s: scoring on the host until one succeeds",
+                     index->backend->name, km_error_name(rc));
+        return;
+    }
+    km_table_clear_dirty(&index->blocks);
+    km_table_clear_dirty(&index->segments);
+    return;
+}
+
+int km_index_apply(km_index *index, const km_update *updates, size_t n_updates,
+                   km_update_stats *stats_out)
+{
+    if (!index)
+        return KM_ERR_NULL_POINTER;
+    index->last_error[0] = '\0';
+    if (!updates && n_updates > 0)
+        return km_index_fail(index, KM_ERR_NULL_POINTER, "updates is NULL");
+    int rc = validate_updates(index, updates, n_updates);
+    if (rc)
+        return rc;
+
+    km_update_stats stats = {0};
+    batch b = {.index = index, .stats = &stats};
+    /* Only stores and tier changes allocate; a batch without them cannot fail half way and needs
+     * no log. */
+    for (size_t i = 0; i < n_updates && !b.logging; i++)
+        b.logging = (updates[i].kind == KM_UPDATE_STORE || updates[i].kind == KM_UPDATE_SET_TIER) &&
+                    updates[i].n_hashes > 0;
+    if (b.logging && !index->undo_touched) {
+        index->undo_touched = calloc(index->config.max_workers, 1);
+        if (!index->undo_touched)
+            return km_index_fail(index, KM_ERR_OUT_OF_MEMORY, "undo bookkeeping");
+    }
+    for (size_t i = 0; i < n_updates && !rc; i++) {
+        const km_update *u = &updates[i];
+        switch (u->kind) {
+        case KM_UPDATE_STORE:
+            rc = apply_store(&b, u);
+            break;
+        case KM_UPDATE_REMOVE:
+            rc = apply_remove(&b, u);
+            break;
+        case KM_UPDATE_CLEAR_WORKER:
+        case KM_UPDATE_REMOVE_WORKER:
+            rc = apply_clear(&b, u);
+            break;
+        case KM_UPDATE_SET_TIER:
+            rc = apply_set_tier(&b, u);
+            break;
+        }
+        if (rc)
+            km_index_fail(index, rc, "update %zu (worker %u): %s; batch rolled back", i, u->worker,
+                          rc == KM_ERR_MEMORY_CAP ? "memory cap reached" : km_strerror(rc));
+    }
+    if (rc) {
+        for (size_t i = b.n_log; i-- > 0;)
+            undo_one(index, &index->undo_log[i]);
+    }
+    for (size_t i = 0; i < b.n_saved; i++)
+        index->undo_touched[index->undo_saved[i].worker] = 0;
+    if (index->undo_capacity > UNDO_KEEP_ENTRIES) {
+        free(index->undo_log);
+        index->undo_log = NULL;
+        index->undo_capacity = 0;
+    }
+    sync_backend(index); /* never fails the batch: a replica behind is scored around */
+    if (rc)
+        return rc;
+    if (stats_out)
+        *stats_out = stats;
+    return KM_OK;
+}
+
+int km_index_store(km_index *index, uint32_t worker, uint64_t parent, const uint64_t *hashes,
+                   size_t n_hashes)
+{
+    km_update u = {KM_UPDATE_STORE, worker, parent, hashes, n_hashes, KM_TIER_DEVICE};
+    return km_index_apply(index, &u, 1, NULL);
+}
+
+int km_index_remove(km_index *index, uint32_t worker, const uint64_t *hashes, size_t n_hashes)
+{
+    km_update u = {KM_UPDATE_REMOVE, worker, KM_NO_PARENT, hashes, n_hashes, KM_TIER_DEVICE};
+    return km_index_apply(index, &u, 1, NULL);
+}
+
+int km_index_clear_worker(km_index *index, uint32_t worker)
+{
+    km_update u = {KM_UPDATE_CLEAR_WORKER, worker, KM_NO_PARENT, NULL, 0, KM_TIER_DEVICE};
+    return km_index_apply(index, &u, 1, NULL);
+}
+
+int km_index_remove_worker(km_index *index, uint32_t worker)
+{
+    km_update u = {KM_UPDATE_REMOVE_WORKER, worker, KM_NO_PARENT, NULL, 0, KM_TIER_DEVICE};
+    return km_index_apply(index, &u, 1, NULL);
+}
+
+/* ---- snapshots support (src/index/snapshot.c) ------------------------------------------------------- */
+
+int km_index_rebuild_anchors(km_index *index)
+{
+    km_table_finish_growth(&index->segments); /* the scan walks one array */
+    const km_table *seg = &index->segments;
+    for (uint64_t s = 0; s < seg->capacity; s++) {
+        uint64_t end = seg->slots[s].key;
+        if (end <= KM_KEY_TOMBSTONE)
+            continue;
+        uint64_t bs = km_table_find(&index->blocks, end);
+        if (bs == KM_SLOT_NONE || km_table_meta(&index->blocks, bs)->position == KM_POSITION_UNKNOWN)
+            return KM_ERR_CORRUPT;
+        int rc = anchor_link(index, km_table_meta(&index->blocks, bs)->anchor, end, 1);
+        if (rc)
+            return rc;
+    }
+    return KM_OK;
+}
+
+void km_index_tables_replaced(km_index *index)
+{
+    set_dirty_tracking(index);
+    index->blocks.layout_changed = 1;
+    index->segments.layout_changed = 1;
+    sync_backend(index);
+}
+
+/* ---- scoring ------------------------------------------------------------------------------ */
+
+void km_match_results_init(km_match_results *r)
+{
+    memset(r, 0, sizeof *r);
+}
+
+void km_match_results_free(km_match_results *r)
+{
+    if (!r)
+        return;
+    free(r->requests);
+    free(r->matches);
+    free(r->tiers);
+    memset(r, 0, sizeof *r);
+}
+
+/* Buffers are allocated on first use even for 0 entries: callers index them as `matches + first`
+ * for every request, and pointer arithmetic on NULL is undefined even with an offset of 0. */
+int km_match_results_reserve(km_match_results *r, size_t n_requests, size_t n_matches)
+{
+    if (n_requests > r->requests_capacity) {
+        size_t cap = r->requests_capacity ? r->requests_capacity : 64;
+        while (cap < n_requests)
+            cap *= 2;
+        void *grown = realloc(r->requests, cap * sizeof *r->requests);
+        if (!grown)
+            return KM_ERR_OUT_OF_MEMORY;
+        r->requests = grown;
+        r->requests_capacity = cap;
+    }
+    if (n_matches > r->matches_capacity || !r->matches) {
+        size_t cap = r->matches_capacity ? r->matches_capacity : 256;
+        while (cap < n_matches)
+            cap *= 2;
+        void *grown = realloc(r->matches, cap * sizeof *r->matches);
+        if (!grown)
+            return KM_ERR_OUT_OF_MEMORY;
+        r->matches = grown;
+        r->matches_capacity = cap;
+    }
+    return KM_OK;
+}
+
+/* Split each worker's matched prefix by tier: for block i of a request, every worker listed in a
+ * lower tier table whose depth exceeds i holds block i in that tier. Probes only blocks below the
+ * request's deepest match, and nothing at all while every pair is device-resident. */
+static int split_tiers(km_index *index, const km_request *requests, size_t n_requests,
+                       km_match_results *results)
+{
+    if (results->n_matches > results->tiers_capacity || !results->tiers) { /* never NULL after */
+        size_t cap = results->tiers_capacity ? results->tiers_capacity : 256;
+        while (cap < results->n_matches)
+            cap *= 2;
+        void *grown = realloc(results->tiers, cap * sizeof *results->tiers);
+        if (!grown)
+            return km_index_fail(index, KM_ERR_OUT_OF_MEMORY, "tier split for %zu matches",
+                                 results->n_matches);
+        results->tiers = grown;
+        results->tiers_capacity = cap;
+    }
+    if (results->n_matches)
+        memset(results->tiers, 0, results->n_matches * sizeof *results->tiers);
+    if (lower_tiers_empty(index))
+        return KM_OK;
+    uint32_t *holders = malloc(index->config.max_workers * sizeof *holders);
+    if (!holders)
+        return km_index_fail(index, KM_ERR_OUT_OF_MEMORY, "tier split scratch");
+    for (size_t q = 0; q < n_requests; q++) {
+        const km_request_result *rr = &results->requests[q];
+        const km_worker_match *m = results->matches + rr->first;
+        km_match_tiers *tiers = results->tiers + rr->first;
+        for (uint32_t i = 0; i < rr->owner_depth; i++) {
+            for (uint32_t t = 0; t + 1 < KM_TIER_COUNT; t++) {
+                const km_table *lt = &index->lower[t];
+                if (!lt->pairs)
+                    continue;
+                uint64_t slot = km_table_find(lt, requests[q].hashes[i]);
+                if (slot == KM_SLOT_NONE)
+                    continue;
+                uint32_t n = km_table_set_list(lt, slot, holders, index->config.max_workers);
+                /* Both lists ascend by worker: merge. */
+                uint32_t j = 0;
+                for (uint32_t h = 0; h < n; h++) {
+                    while (j < rr->count && m[j].worker < holders[h])
+                        j++;
+                    if (j == rr->count)
+                        break;
+                    if (m[j].worker == holders[h] && i < m[j].depth) {
+                        if (t == KM_TIER_HOST - 1)
+                            tiers[j].host_blocks++;
+                        else
+                            tiers[j].disk_blocks++;
+                    }
+                }
+            }
+        }
+    }
+    free(holders);
+    return KM_OK;
+}
+
+int km_index_match_batch(km_index *index, const km_request *requests, size_t n_requests,
+                         km_match_results *results)
+{
+    if (!index)
+        return KM_ERR_NULL_POINTER;
+    index->last_error[0] = '\0';
+    if (!results || (!requests && n_requests > 0))
+        return km_index_fail(index, KM_ERR_NULL_POINTER, "requests or results is NULL");
+    for (size_t i = 0; i < n_requests; i++) {
+        if (requests[i].n_hashes > index->config.max_request_blocks)
+            return km_index_fail(index, KM_ERR_TOO_LARGE,
+                                 "request %zu has %u blocks; max_request_blocks is %u", i,
+                                 requests[i].n_hashes, index->config.max_request_blocks);
+        if (requests[i].n_hashes > 0 && !requests[i].hashes)
+            return km_index_fail(index, KM_ERR_NULL_POINTER, "request %zu: hashes is NULL", i);
+    }
+    results->n_requests = 0;
+    results->n_matches = 0;
+    results->probes = 0;
+    if (km_match_results_reserve(results, n_requests, 0))
+        return km_index_fail(index, KM_ERR_OUT_OF_MEMORY, "results for %zu requests", n_requests);
+    if (n_requests == 0)
+        return KM_OK;
+    int rc;
+    if (index->replica_stale) { /* a table is growing, or a sync failed: the host tables are the
+                                 * current ones */
+        index->host_scored_batches++;
+        rc = km_backend_cpu.match(index->host_scorer, index, requests, n_requests, results);
+    } else {
+        rc = index->backend->match(index->backend_state, index, requests, n_requests, results);
+    }
+    if (rc == KM_ERR_CUDA) {
+        fall_back_to_cpu(index, rc, "match");
+        results->n_matches = 0;
+        results->probes = 0;
+        rc = index->backend->match(index->backend_state, index, requests, n_requests, results);
+    } else if (rc && !index->replica_stale && index->backend != &km_backend_cpu) {
+        /* A replica's scoring failed otherwise (out of memory for a batch's staging): the host
+         * tables are current, so this batch is scored there; the replica stays for the next. */
+        char why[256] = "";
+        if (have_host_scorer(index, why, sizeof why)) {
+            km_index_log(index, "backend %s: scoring failed with %s: this batch scored on the host",
+                         index->backend->name, km_error_name(rc));
+            index->last_error[0] = '\0';
+            results->n_matches = 0;
+            results->probes = 0;
+            index->host_scored_batches++;
+            rc = km_backend_cpu.match(index->host_scorer, index, requests, n_requests, results);
+        }
+    }
+    if (rc) {
+        results->n_requests = 0; /* a failed backend may have filled some: none is valid */
+        results->n_matches = 0;
+        results->probes = 0;
+        return index->last_error[0] ? rc : km_index_fail(index, rc, "scoring failed");
+    }
+    results->n_requests = n_requests;
+    rc = split_tiers(index, requests, n_requests, results);
+    if (rc)
+        results->n_requests = 0;
+    return rc;
+}
+
+/* ---- inspection --------------------------------------------------------------------------- */
+
+int km_index_worker_stats(const km_index *index, uint32_t worker, km_worker_stats *out)
+{
+    if (!index || !out)
+        return KM_ERR_NULL_POINTER;
+    if (worker >= index->config.max_workers)
+        return KM_ERR_WORKER_RANGE;
+    *out = index->workers[worker];
+    return KM_OK;
+}
+
+int km_index_get_stats(const km_index *index, km_index_stats *out)
+{
+    if (!index || !out)
+        return KM_ERR_NULL_POINTER;
+    memset(out, 0, sizeof *out);
+    out->blocks = index->blocks.live;
+    out->pairs = index->blocks.pairs;
+    out->segment_keys = index->segments.live;
+    out->segment_pairs = index->segments.pairs;
+    out->shared_sets = index->blocks.shared_sets;
+    out->host_pairs = index->lower[KM_TIER_HOST - 1].pairs;
+    out->disk_pairs = index->lower[KM_TIER_DISK - 1].pairs;
+    out->block_capacity = index->blocks.capacity;
+    out->table_growths = index->table_growths;
+    out->table_growth_ms_max = index->table_growth_ms_max;
+    out->table_growth_ms_total = index->table_growth_ms_total;
+    out->host_scored_batches = index->host_scored_batches;
+    out->memory_bytes = index->memory.used;
+    out->memory_cap_bytes = index->memory.cap;
+    return KM_OK;
+}
+
+int km_index_holders(const km_index *index, uint64_t hash, uint32_t *workers, uint32_t capacity,
+                     uint32_t *n_out)
+{
+    if (!index || !n_out || (!workers && capacity > 0))
+        return KM_ERR_NULL_POINTER;
+    uint64_t slot = hash <= KM_KEY_TOMBSTONE ? KM_SLOT_NONE : km_table_find(&index->blocks, hash);
+    *n_out = slot == KM_SLOT_NONE ? 0 : km_table_set_list(&index->blocks, slot, workers, capacity);
+    return KM_OK;
+}
+
+int km_index_pair_tier(const km_index *index, uint64_t hash, uint32_t worker, km_tier *tier)
+{
+    if (!index || !tier)
+        return KM_ERR_NULL_POINTER;
+    if (worker >= index->config.max_workers)
+        return KM_ERR_WORKER_RANGE;
+    uint64_t slot = hash <= KM_KEY_TOMBSTONE ? KM_SLOT_NONE : km_table_find(&index->blocks, hash);
+    if (slot == KM_SLOT_NONE || !km_table_set_contains(&index->blocks, slot, worker))
+        return KM_ERR_NOT_FOUND;
+    *tier = pair_tier(index, hash, worker);
+    return KM_OK;
+}

@@ -1,0 +1,130 @@
+/* Internal: the km_index handle and the backend interface. Never included by public headers.
+ *
+ * The host tables are the index's authoritative state: the update planner (src/index/index.c) applies
+ * every update to them, keeping segment keys sound and per-worker counters exact, so a CPU fallback
+ * always has the whole index. A backend only scores: the CPU backend reads the host tables in place;
+ * the CUDA backend keeps a device replica that sync() patches from the tables' dirty-slot lists. */
+#ifndef KM_INDEX_IMPL_H
+#define KM_INDEX_IMPL_H
+
+#include <stdarg.h>
+#include <stdbool.h>
+
+#include "kvmatch/index.h"
+#include "index/host_table.h"
+#include "base/u64_map.h"
+
+typedef struct km_backend_ops {
+    const char *name;
+    /* Set up backend state for an index whose host tables exist. Errors mean "not usable"
+     * (KM_ERR_BACKEND_UNAVAILABLE, KM_ERR_CUDA with detail in `why`, why_size bytes). */
+    int (*create)(km_index *index, void **state, char *why, size_t why_size);
+    /* Release everything create() made; state may be NULL. */
+    void (*destroy)(void *state);
+    /* Make the backend's view equal to the host tables after an update batch: upload dirty slots
+     * and bitmaps, or everything when a table's layout changed. Clears nothing; the index clears
+     * the dirty lists after a successful sync. */
+    int (*sync)(void *state, km_index *index);
+    /* Score n requests into results (already sized: results->requests has n entries). Must give
+     * exactly what km_walk_request gives for each request, entries ascending by worker. */
+    int (*match)(void *state, km_index *index, const km_request *requests, size_t n,
+                 km_match_results *results);
+    /* Does this backend need dirty-slot tracking on the host tables? */
+    int needs_dirty_tracking;
+} km_backend_ops;
+
+/* A step's cost is its keys' random writes into the new arrays: 0.55-0.61 ms on average per table
+ * on the 2-core VM for 8 K old slots (tables of 2-8 M slots; 65,536 took 4.8-6.8 ms), so a move
+ * of a 4 M-slot table takes about 512 batches; the budget cuts the first steps into fresh pages
+ * short (docs/BENCHMARKS.md, "Growth"). */
+#define KM_REPLICA_GROWTH_STEP_SLOTS (UINT64_C(1) << 13)
+#define KM_REPLICA_GROWTH_BUDGET_MS 0.5
+
+extern const km_backend_ops km_backend_cpu;
+#if KM_HAVE_CUDA
+extern const km_backend_ops km_backend_cuda;
+#endif
+
+/* Per-worker counters (the public km_worker_stats). */
+typedef km_worker_stats km_worker_counters;
+
+struct km_index {
+    km_index_config config;
+    km_memory memory;
+    /* Table growths so far, and the pauses they caused (km_index_stats). */
+    uint64_t table_growths;
+    double table_growth_ms_max, table_growth_ms_total;
+    km_table blocks;    /* chain hash -> workers holding the block; with km_block_meta */
+    km_table segments;  /* chain hash of a segment's last block -> workers holding all of it */
+    /* Lower storage tiers: lower[t - 1] maps a block to the workers whose best tier for it is t
+     * (KM_TIER_HOST, KM_TIER_DISK). A pair is in at most one, and only while it is in `blocks`;
+     * a pair in neither is device-resident. Host-only: scoring's tier split runs on the host. */
+    km_table lower[KM_TIER_COUNT - 1];
+    /* anchor (first block of a segment) -> list of segment-last-block hashes with a non-empty set,
+     * so a remove can find the segment keys it invalidates. Nodes in anchor_nodes. */
+    km_u64map anchors;
+    struct km_anchor_node { uint64_t end; uint32_t next; uint32_t reserved; } *anchor_nodes;
+    uint32_t anchor_nodes_capacity, anchor_nodes_high, anchor_free_head;
+
+    km_worker_counters *workers;
+
+    /* Update batches' scratch, kept between batches (single writer) so a batch allocates nothing
+     * in the common case: the undo log (src/index/index.c), the counters of each worker a batch touched
+     * as they were before it, and a touched flag per worker (all 0 between batches). */
+    struct km_undo_entry *undo_log;
+    size_t undo_capacity;
+    struct km_saved_counters { uint32_t worker; km_worker_counters counters; } *undo_saved;
+    size_t undo_saved_capacity;
+    uint8_t *undo_touched;
+
+    const km_backend_ops *backend;
+    void *backend_state;
+    /* A device replica mirrors one array per table, so while the block or segment table grows it
+     * is not synced (replica_stale) and batches are scored on the host by a CPU backend,
+     * host_scorer, created the first time it is needed; host_scored_batches counts them
+     * (km_index_stats). A sync that failed (other than a CUDA error, which falls back to the CPU
+     * for good) marks the replica stale too, until a later sync succeeds. */
+    int replica_stale;
+    void *host_scorer;
+    uint64_t host_scored_batches;
+    /* While a replica waits, each update batch moves up to replica_growth_step old-array slots of
+     * a growing table (on top of the 16 per key its inserts and erases move), and stops early
+     * after replica_growth_budget_ms (0: no limit), but never before 512 slots: a move ends even
+     * when nothing is inserted. KM_REPLICA_GROWTH_STEP_SLOTS and KM_REPLICA_GROWTH_BUDGET_MS; tests
+     * lower the step to watch a move of a small table. */
+    uint64_t replica_growth_step;
+    double replica_growth_budget_ms;
+
+    char last_error[256];
+};
+
+/* Record detail for km_index_last_error and return `status`. */
+int km_index_fail(km_index *index, int status, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+void km_index_log(const km_index *index, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+/* Rebuild the anchor lists (segment start -> segment ends with holders) from the segment table
+ * and the block metadata; the index's anchor structures must be empty. KM_ERR_CORRUPT when a
+ * segment key's last block is missing from the block table. */
+int km_index_rebuild_anchors(km_index *index);
+/* After the host tables were replaced wholesale (snapshot load): re-arm dirty tracking and give
+ * the backend a full upload; a CUDA failure falls back to the CPU backend. */
+void km_index_tables_replaced(km_index *index);
+
+/* Replace the index's backend with `ops`: any growth in progress is finished, the new backend is
+ * created (a replica uploads the tables whole), and then the old one is destroyed. On failure the
+ * old backend stays as it was, with whatever its next sync still has to send (dirty lists, a
+ * finished move's whole upload), and `why` says what failed. For tests: a host replica that keeps
+ * the device replica's contract exercises the sync protocol without a GPU (tests/test_replica.c). */
+int km_index_use_backend(km_index *index, const km_backend_ops *ops, char *why, size_t why_size);
+
+/* Grow results to hold n requests and `matches` entries; afterwards results->matches is never
+ * NULL (even for 0 entries), so `matches + first` is always defined. */
+int km_match_results_reserve(km_match_results *r, size_t n_requests, size_t n_matches);
+
+/* The file km_index_save writes first and renames over `path`: "<path>.tmp.<writer's pid>".
+ * False when it does not fit in out[0..size). A writer killed before the rename leaves it behind;
+ * whoever reaps such a writer removes it (the subscriber's background snapshots). */
+bool km_snapshot_temp_path(const char *path, long pid, char *out, size_t size);
+
+#endif

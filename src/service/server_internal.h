@@ -1,0 +1,18 @@
+/* Internal: what src/service/server.c and src/service/server_config.c share. */
+#ifndef KM_SERVER_IMPL_H
+#define KM_SERVER_IMPL_H
+
+#include <stdbool.h>
+#include <stddef.h>
+
+#include "kvmatch/policy.h"
+
+/* Set one policy parameter by name (docs/SERVICE.md lists them). KM_ERR_INVALID_ARGUMENT for an
+ * unknown name or a value out of range, with the detail in why. */
+int km_server_policy_param(km_policy_config *policy, const char *name, double value, char *why,
+                           size_t why_size);
+
+/* Pool names: [A-Za-z0-9._-], 1 .. KM_SERVER_NAME_MAX - 1 bytes, not starting with '.'. */
+bool km_server_name_valid(const char *name);
+
+#endif

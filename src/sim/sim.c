@@ -1,0 +1,975 @@
+/* `kvmatch sim` (src/sim/sim.h, docs/SIM.md): the virtual-time loop. */
+#include "sim/sim.h"
+
+#include <inttypes.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "kvmatch/client.h"
+#include "kvmatch/hash.h"
+#include "kvmatch/publisher.h"
+#include "kvmatch/server.h"
+#include "sim/trace.h"
+#include "base/error_detail.h"
+
+void km_sim_config_init(km_sim_config *cfg)
+{
+    if (!cfg)
+        return;
+    memset(cfg, 0, sizeof *cfg);
+    km_sim_generator_config_init(&cfg->generator);
+    cfg->time_scale = 1.0;
+    cfg->workers = 8;
+    km_sim_engine_config_init(&cfg->engine);
+    cfg->engine.capacity_blocks = 4096; /* 64 k tokens: small enough that placement matters */
+    cfg->policies[0] = "kv";
+    cfg->policies[1] = "cache_aware";
+    cfg->policies[2] = "least_load";
+    cfg->policies[3] = "round_robin";
+    cfg->n_policies = 4;
+    cfg->cut_worker = -1;
+    cfg->restart_worker = -1;
+    cfg->replay_buffer = 10000;
+    cfg->restart_kvmatch_at_s = -1;
+    cfg->approx_dispatch_max_bytes = -1;
+}
+
+static double wall_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+}
+
+static void sim_log(const km_sim_config *cfg, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void sim_log(const km_sim_config *cfg, const char *fmt, ...)
+{
+    char line[512];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(line, sizeof line, fmt, ap);
+    va_end(ap);
+    if (cfg->log)
+        cfg->log(cfg->log_user, line);
+    else
+        fprintf(stderr, "kvmatch sim: %s\n", line);
+}
+
+static void quiet(void *user, const char *line)
+{
+    (void)user;
+    (void)line;
+}
+
+/* Per request, what the run learns about it. */
+typedef struct req_state {
+    uint64_t arrival_us;
+    uint64_t decision_id;
+    uint32_t worker;          /* the worker the router sent it to (the chosen one, or an override) */
+    uint32_t predicted_depth; /* that worker's depth in the decision */
+    uint32_t truth_depth;     /* that engine's cached depth at the decision instant */
+    bool chosen_degraded;     /* the decision said the chosen worker's history was lost */
+    bool routed, admitted, first_token, finished;
+    uint32_t cached_tokens;   /* engine-reported, at admission */
+} req_state;
+
+typedef struct run {
+    const km_sim_config *cfg;
+    const km_trace *trace;
+    km_sim_result *res;
+    char dir[64];
+    char sock[160], addr[180], records[512];
+    km_server *server;
+    pthread_t server_thread;
+    bool server_running;
+    int server_status;
+    km_client *client;
+    km_sim_engine **engines;
+    km_publisher **pubs;
+    uint64_t *published; /* per worker: messages published (next seq) */
+    uint32_t worker_base; /* worker ids used: base .. base + workers - 1 */
+    char pool[64];
+    req_state *reqs;
+    km_lifecycle_event *pending; /* lifecycle reports to send */
+    size_t n_pending, cap_pending;
+    double *ttft_ms;
+    size_t n_ttft;
+    double *decision_us;
+    size_t n_decision;
+    double decision_wall;
+    uint64_t *per_worker;
+    uint32_t rr;        /* round-robin fallback when a route fails */
+    uint32_t bypass_rr; /* the second ingress path's own round robin */
+    uint64_t rng;       /* faults' random draws */
+    uint64_t *live_next; /* per worker: seq after the last message sent live (the barrier's goal) */
+    uint64_t t0_us;      /* first arrival: fault times count from it */
+    bool restarted, kvmatch_restarted;
+    int *open_window; /* per worker: index into res->windows of its open window, -1 none,
+                       * -2 open but not listed (over KM_SIM_MAX_WINDOWS) */
+    uint32_t open_count;
+    const char *policy;
+    km_server_worker *ws; /* the pool's workers, for (re)starting the server */
+    char (*names)[32];
+    char snap_dir[96];
+    uint32_t subscriptions; /* per publisher, in total (a restarted server subscribes again) */
+    uint32_t *tokens;
+    uint64_t *chains;
+    size_t cap_tokens;
+} run;
+
+static void *server_main(void *arg)
+{
+    run *r = arg;
+    r->server_status = km_server_run(r->server, false);
+    return NULL;
+}
+
+static int cmp_double(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+static double pct(double *v, size_t n, double q)
+{
+    if (!n)
+        return 0;
+    qsort(v, n, sizeof *v, cmp_double);
+    size_t i = (size_t)(q * (double)(n - 1) + 0.5);
+    return v[i < n ? i : n - 1];
+}
+
+/* The request's tokens (expanded from its ids, cut to input_length, at least one) and chain
+ * hashes. Only the ids the cut keeps are expanded: a long id list costs nothing past input_length. */
+static int request_tokens(run *r, const km_trace_request *q, uint32_t *n_tokens, uint32_t *n_blocks)
+{
+    if (q->n_ids == 0)
+        return KM_ERR_INVALID_ARGUMENT; /* the loader and the generator never give one */
+    /* A prompt longer than the server takes is expanded only one token past its limit, enough
+     * for the server to refuse the route (a route error), not the whole input_length. */
+    uint64_t input = q->input_length;
+    const km_welcome *wel = r->client ? km_client_welcome(r->client) : NULL;
+    if (wel && input > (uint64_t)wel->limits.max_tokens_per_route)
+        input = (uint64_t)wel->limits.max_tokens_per_route + 1;
+    uint64_t used = (input + KM_SIM_TOKENS_PER_ID - 1) / KM_SIM_TOKENS_PER_ID;
+    uint32_t n_ids = used == 0 ? 1 : used < q->n_ids ? (uint32_t)used : q->n_ids;
+    size_t need = (size_t)n_ids * KM_SIM_TOKENS_PER_ID;
+    if (need > r->cap_tokens) {
+        uint32_t *t = realloc(r->tokens, need * sizeof *t);
+        uint64_t *c = realloc(r->chains, need * sizeof *c);
+        if (t)
+            r->tokens = t;
+        if (c)
+            r->chains = c;
+        if (!t || !c)
+            return KM_ERR_OUT_OF_MEMORY;
+        r->cap_tokens = need;
+    }
+    for (uint32_t i = 0; i < n_ids; i++)
+        km_trace_id_tokens(q->ids[i], KM_SIM_TOKENS_PER_ID, r->tokens + (size_t)i * KM_SIM_TOKENS_PER_ID);
+    uint32_t n = input < need ? (uint32_t)input : (uint32_t)need;
+    if (n == 0)
+        n = 1;
+    km_hash_config hc = {r->cfg->engine.block_size, NULL, NULL};
+    size_t nb = 0;
+    int rc = km_hash_sequence(&hc, r->tokens, n, 0, KM_NO_PARENT, NULL, r->chains, &nb);
+    *n_tokens = n;
+    *n_blocks = (uint32_t)nb;
+    return rc;
+}
+
+/* Queue a lifecycle report for request `index`, stamped with the router's elapsed time: virtual
+ * microseconds `time_us` since its arrival, as a router would measure on its own clock. */
+static int queue_report(run *r, km_lifecycle_kind kind, size_t index, uint64_t time_us)
+{
+    if (r->n_pending == r->cap_pending) {
+        size_t cap = r->cap_pending ? r->cap_pending * 2 : 64;
+        km_lifecycle_event *g = realloc(r->pending, cap * sizeof *g);
+        if (!g)
+            return KM_ERR_OUT_OF_MEMORY;
+        r->pending = g;
+        r->cap_pending = cap;
+    }
+    const req_state *s = &r->reqs[index];
+    km_lifecycle_event *e = &r->pending[r->n_pending];
+    memset(e, 0, sizeof *e);
+    e->kind = kind;
+    e->has_decision_id = true;
+    e->decision_id = s->decision_id;
+    e->has_worker = true;
+    e->worker = s->worker;
+    e->has_elapsed_ms = true;
+    e->elapsed_ms = time_us > s->arrival_us ? (double)(time_us - s->arrival_us) / 1000.0 : 0.0;
+    if (kind == KM_LIFECYCLE_FINISHED) {
+        const km_trace_request *q = &r->trace->requests[index];
+        e->outcome = KM_OUTCOME_COMPLETE;
+        e->finish_reason = "length";
+        e->done_seen = true;
+        e->has_http_status = true;
+        e->http_status = 200;
+        e->has_cached_tokens = s->admitted;
+        e->cached_tokens = s->cached_tokens;
+        e->has_prompt_tokens = true;
+        e->prompt_tokens = q->input_length;
+        e->has_output_tokens = true;
+        e->output_tokens = q->output_length ? q->output_length : 1;
+    }
+    r->n_pending++;
+    return KM_OK;
+}
+
+static int flush_reports(run *r, char *why, size_t why_size)
+{
+    if (!r->n_pending)
+        return KM_OK;
+    km_message reply;
+    int rc = km_client_lifecycle(r->client, r->pending, (uint32_t)r->n_pending, 10000, &reply);
+    if (rc != KM_OK)
+        return km_why(why, why_size, rc, "lifecycle reports: %s", km_client_last_error(r->client));
+    r->n_pending = 0;
+    return KM_OK;
+}
+
+/* Drain an engine's completions and messages at virtual time `now`. */
+static uint64_t fault_rand(run *r)
+{
+    uint64_t z = (r->rng += UINT64_C(0x9e3779b97f4a7c15));
+    z = (z ^ (z >> 30)) * UINT64_C(0xbf58476d1ce4e5b9);
+    z = (z ^ (z >> 27)) * UINT64_C(0x94d049bb133111eb);
+    return z ^ (z >> 31);
+}
+
+/* One draw: true with probability p (53 random bits against p). */
+static bool fault_chance(run *r, double p)
+{
+    return (double)(fault_rand(r) >> 11) * (1.0 / 9007199254740992.0) < p;
+}
+
+/* Is worker w's message at virtual time now lost on the wire? */
+static bool message_dropped(run *r, uint32_t w, uint64_t now_us)
+{
+    const km_sim_config *cfg = r->cfg;
+    double t = (double)(now_us - r->t0_us) / 1e6;
+    if (cfg->cut_worker == (int)w && t >= cfg->cut_at_s && t < cfg->cut_at_s + cfg->cut_for_s)
+        return true;
+    if (cfg->drop_events > 0 && t >= cfg->drop_from_s)
+        return fault_chance(r, cfg->drop_events);
+    return false;
+}
+
+static int drain_engine(run *r, uint32_t w, uint64_t now_us, char *why, size_t why_size)
+{
+    km_sim_completion c;
+    while (km_sim_engine_next_completion(r->engines[w], &c)) {
+        if (c.request_id >= r->trace->n_requests)
+            continue;
+        req_state *s = &r->reqs[c.request_id];
+        if (!s->routed) {
+            /* Not decided by kvmatch (second ingress, route error): the engine's facts count,
+             * nothing is reported to kvmatch. */
+            if (c.kind == KM_SIM_ADMITTED)
+                r->res->actual_reused_tokens += c.cached_tokens;
+            else if (c.kind == KM_SIM_FIRST_TOKEN)
+                r->ttft_ms[r->n_ttft++] = (double)(c.time_us - s->arrival_us) / 1000.0;
+            else if (c.kind == KM_SIM_FINISHED)
+                r->res->output_tokens += c.output_tokens;
+            if (c.kind == KM_SIM_FINISHED || c.kind == KM_SIM_REJECTED)
+                s->finished = true;
+            if (c.kind == KM_SIM_FINISHED && c.time_us / 1e6 > r->res->makespan_s)
+                r->res->makespan_s = (double)c.time_us / 1e6;
+            continue;
+        }
+        int rc = KM_OK;
+        switch (c.kind) {
+        case KM_SIM_ADMITTED:
+            s->admitted = true;
+            s->cached_tokens = c.cached_tokens;
+            r->res->actual_reused_tokens += c.cached_tokens;
+            if (s->predicted_depth == c.held_blocks)
+                r->res->realized_as_predicted++;
+            else if (s->truth_depth != s->predicted_depth) {
+                r->res->diff_index_wrong++;
+                if (r->cfg->approx)
+                    r->res->diff_assumed++;
+                else if (s->chosen_degraded)
+                    r->res->diff_lost++;
+                else
+                    r->res->diff_not_delivered++;
+            }
+            else
+                r->res->diff_cache_changed++;
+            break;
+        case KM_SIM_FIRST_TOKEN:
+            s->first_token = true;
+            r->ttft_ms[r->n_ttft++] = (double)(c.time_us - s->arrival_us) / 1000.0;
+            rc = queue_report(r, KM_LIFECYCLE_FIRST_TOKEN, c.request_id, c.time_us);
+            break;
+        case KM_SIM_FINISHED:
+            s->finished = true;
+            r->res->output_tokens += c.output_tokens;
+            if (c.time_us / 1e6 > r->res->makespan_s)
+                r->res->makespan_s = (double)c.time_us / 1e6;
+            rc = queue_report(r, KM_LIFECYCLE_FINISHED, c.request_id, c.time_us);
+            break;
+        case KM_SIM_REJECTED:
+            r->res->rejected++;
+            s->finished = true;
+            rc = queue_report(r, KM_LIFECYCLE_FINISHED, c.request_id, c.time_us);
+            if (!rc) {
+                km_lifecycle_event *e = &r->pending[r->n_pending - 1];
+                e->outcome = KM_OUTCOME_ERROR;
+                e->error = "the engine cannot hold this request";
+                e->finish_reason = NULL;
+                e->done_seen = false;
+            }
+            break;
+        }
+        if (rc)
+            return km_why(why, why_size, rc, "out of memory");
+    }
+    km_sim_message m;
+    while (km_sim_engine_take_message(r->engines[w], &m)) {
+        int rc = KM_OK;
+        if (r->cfg->approx) { /* no event stream: the engine's messages reach nobody */
+            r->published[w] = m.seq + 1;
+            continue;
+        }
+        bool drop = message_dropped(r, w, now_us);
+        r->res->dropped_messages += drop;
+        if (r->cfg->zmq) {
+            /* Dropped live, still buffered: the replay endpoint can give it back. */
+            uint64_t seq;
+            if (drop)
+                km_publisher_drop_live(r->pubs[w], true);
+            rc = km_publisher_publish(r->pubs[w], m.payload, m.payload_size, &seq);
+            if (drop)
+                km_publisher_drop_live(r->pubs[w], false);
+        } else if (!drop) {
+            rc = km_server_deliver_events(r->server, r->worker_base + w, m.seq, m.payload,
+                                          m.payload_size);
+        }
+        if (!drop)
+            r->live_next[w] = m.seq + 1;
+        if (rc != KM_OK)
+            return km_why(why, why_size, rc, "worker %u: delivering events: %s", w, km_strerror(rc));
+        r->published[w] = m.seq + 1;
+    }
+    return KM_OK;
+}
+
+/* Over ZMQ, wait until the server has taken every published message of every worker (its next
+ * seq caught up); in process, delivery is synchronous. Bounded: a worker that never catches up
+ * (a fault) stops being waited for. */
+static int wait_delivered(run *r, char *why, size_t why_size)
+{
+    if (!r->cfg->zmq)
+        return KM_OK;
+    for (int tries = 0; tries < 400; tries++) {
+        km_message m, reply;
+        memset(&m, 0, sizeof m);
+        m.type = KM_MESSAGE_WORKERS;
+        m.workers.action = KM_ADMIN_LIST;
+        m.workers.pool = r->pool;
+        int rc = km_client_call(r->client, &m, 10000, &reply);
+        if (rc != KM_OK)
+            return km_why(why, why_size, rc, "worker list: %s", km_client_last_error(r->client));
+        bool all = true;
+        for (uint32_t i = 0; i < reply.workers.n_workers; i++) {
+            const km_worker_info *wi = &reply.workers.workers[i];
+            uint32_t w = wi->worker - r->worker_base;
+            /* Only what was sent live can be waited for: a dropped message shows up as a gap,
+             * which replay may or may not fill. */
+            if (w < r->cfg->workers && (!wi->has_expected_seq || wi->expected_seq < r->live_next[w]))
+                all = false;
+        }
+        if (all)
+            return KM_OK;
+        struct timespec ts = {0, 500000};
+        nanosleep(&ts, NULL);
+    }
+    return KM_OK;
+}
+
+/* A decision showed worker w's index state: open or close its recovery window. */
+static void observe_state(run *r, uint32_t w, const char *state, uint64_t now_us)
+{
+    if (!state || w >= r->cfg->workers)
+        return;
+    double t = (double)(now_us - r->t0_us) / 1e6;
+    bool live = !strcmp(state, "LIVE") || !strcmp(state, "APPROX");
+    int *ow = &r->open_window[w];
+    if (live && *ow != -1) {
+        if (*ow >= 0)
+            r->res->windows[*ow].end_s = t;
+        *ow = -1;
+        r->open_count--;
+    } else if (!live && *ow == -1) {
+        r->res->windows_total++;
+        r->open_count++;
+        if (r->res->n_windows < KM_SIM_MAX_WINDOWS) {
+            km_sim_window *win = &r->res->windows[r->res->n_windows];
+            memset(win, 0, sizeof *win);
+            win->worker = w;
+            snprintf(win->state, sizeof win->state, "%s", state);
+            win->start_s = t;
+            win->end_s = -1;
+            *ow = (int)r->res->n_windows++;
+        } else {
+            *ow = -2;
+        }
+    }
+}
+
+static int route_one(run *r, size_t index, uint64_t now_us, char *why, size_t why_size)
+{
+    const km_trace_request *q = &r->trace->requests[index];
+    req_state *s = &r->reqs[index];
+    uint32_t n_tokens, n_blocks;
+    int rc = request_tokens(r, q, &n_tokens, &n_blocks);
+    if (rc)
+        return km_why(why, why_size, rc, "request %zu: tokens", index);
+    r->res->prompt_tokens += n_tokens;
+    if (r->cfg->second_ingress > 0 &&
+        fault_chance(r, r->cfg->second_ingress)) {
+        /* Another router sends it on, round robin, and never tells kvmatch. */
+        uint32_t bw = r->bypass_rr++ % r->cfg->workers;
+        r->res->bypassed++;
+        s->worker = r->worker_base + bw;
+        r->per_worker[bw]++;
+        rc = km_sim_engine_submit(r->engines[bw], index, r->tokens, n_tokens,
+                                  q->output_length ? q->output_length : 1, now_us);
+        return rc ? km_why(why, why_size, rc, "engine %u: %s", bw,
+                           km_sim_engine_last_error(r->engines[bw]))
+                  : KM_OK;
+    }
+    char rid[32];
+    snprintf(rid, sizeof rid, "r%zu", index);
+    km_route_request route;
+    memset(&route, 0, sizeof route);
+    route.request_id = rid;
+    route.attempt_id = "0";
+    route.pool = r->pool;
+    route.input = KM_ROUTE_INPUT_TOKENS;
+    route.tokens = r->tokens;
+    route.n_tokens = n_tokens;
+    route.has_expected_output_tokens = true;
+    route.expected_output_tokens = q->output_length;
+    /* The override fault, drawn before the decision: such a route asks for the candidates' depths
+     * (the prediction for the worker it will really go to). */
+    bool override = r->cfg->override > 0 && r->cfg->workers > 1 &&
+                    fault_chance(r, r->cfg->override);
+    route.brief = !override;
+    km_message reply;
+    double t0 = wall_s();
+    rc = km_client_route(r->client, &route, 1, 10000, &reply);
+    double dt = wall_s() - t0;
+    r->decision_wall += dt;
+    r->decision_us[r->n_decision++] = dt * 1e6;
+    if (rc != KM_OK)
+        return km_why(why, why_size, rc, "route %zu: %s", index, km_client_last_error(r->client));
+    const km_route_decision *d = &reply.decision.decisions[0];
+    uint32_t w;
+    if (d->status != KM_OK || d->chosen_worker < r->worker_base ||
+        d->chosen_worker >= r->worker_base + r->cfg->workers) {
+        r->res->route_errors++;
+        if (r->res->route_errors <= 3)
+            sim_log(r->cfg, "request %zu: %s", index, d->message ? d->message : "no decision");
+        w = r->rr++ % r->cfg->workers;
+    } else {
+        w = d->chosen_worker - r->worker_base;
+        uint32_t predicted = d->chosen_depth;
+        const char *state = d->chosen_state;
+        if (override) {
+            /* The router sends it to another worker, uniformly drawn, and reports that one
+             * (queue_report's `worker`): the prediction that counts is that worker's row. */
+            uint32_t other = (w + 1 + (uint32_t)(fault_rand(r) % (r->cfg->workers - 1))) % r->cfg->workers;
+            const km_candidate_score *row = NULL;
+            for (uint32_t k = 0; k < d->n_candidates; k++)
+                if (d->candidates[k].worker == r->worker_base + other)
+                    row = &d->candidates[k];
+            if (!row)
+                return km_why(why, why_size, KM_ERR_PROTOCOL,
+                              "route %zu: the decision has no candidate row for worker %u", index,
+                              r->worker_base + other);
+            w = other;
+            predicted = row->depth;
+            state = row->state;
+            r->res->overridden++;
+        }
+        s->routed = true;
+        s->decision_id = d->decision_id;
+        s->predicted_depth = predicted;
+        r->res->routed++;
+        r->res->predicted_reused_tokens += (uint64_t)predicted * r->cfg->engine.block_size;
+        /* The truth at the decision instant: what the engine it goes to caches now. */
+        s->truth_depth = km_sim_engine_cached_depth(r->engines[w], r->chains, n_blocks);
+        s->chosen_degraded = state && !strcmp(state, "DEGRADED");
+        if (s->truth_depth == predicted) {
+            r->res->exact_predictions++;
+        } else {
+            if (s->truth_depth < predicted)
+                r->res->over_predictions++;
+            else
+                r->res->under_predictions++;
+            if (km_sim_engine_pending_events(r->engines[w]))
+                r->res->pending_at_decision++;
+        }
+        observe_state(r, d->chosen_worker - r->worker_base, d->chosen_state, now_us);
+        if (d->has_owner)
+            observe_state(r, d->owner_worker - r->worker_base, d->owner_state, now_us);
+        if (r->open_count) {
+            bool exact = s->truth_depth == predicted;
+            r->res->decisions_in_windows++;
+            r->res->exact_in_windows += exact;
+            for (uint32_t k = 0; k < r->cfg->workers; k++)
+                if (r->open_window[k] >= 0) {
+                    r->res->windows[r->open_window[k]].decisions++;
+                    r->res->windows[r->open_window[k]].exact += exact;
+                }
+        }
+        if (d->has_owner && d->owner_worker != d->chosen_worker) {
+            r->res->owner_not_chosen++;
+            if (d->owner_depth > d->chosen_depth)
+                r->res->owner_forgone_tokens +=
+                    (uint64_t)(d->owner_depth - d->chosen_depth) * r->cfg->engine.block_size;
+        }
+    }
+    s->worker = r->worker_base + w;
+    r->per_worker[w]++;
+    rc = km_sim_engine_submit(r->engines[w], index, r->tokens, n_tokens,
+                              q->output_length ? q->output_length : 1, now_us);
+    if (rc)
+        return km_why(why, why_size, rc, "engine %u: %s", w, km_sim_engine_last_error(r->engines[w]));
+    /* The router sent it on at once. */
+    if (s->routed && (rc = queue_report(r, KM_LIFECYCLE_DISPATCHED, index, now_us)) != KM_OK)
+        return km_why(why, why_size, rc, "out of memory");
+    return KM_OK;
+}
+
+static void run_teardown(run *r)
+{
+    km_client_close(r->client);
+    r->client = NULL;
+    if (r->server_running) {
+        km_server_stop(r->server);
+        pthread_join(r->server_thread, NULL);
+        r->server_running = false;
+    }
+    km_server_destroy(r->server);
+    r->server = NULL;
+    for (uint32_t w = 0; r->engines && w < r->cfg->workers; w++)
+        km_sim_engine_destroy(r->engines[w]);
+    for (uint32_t w = 0; r->pubs && w < r->cfg->workers; w++)
+        km_publisher_stop(r->pubs[w]);
+    free(r->engines);
+    free(r->pubs);
+    free(r->published);
+    free(r->live_next);
+    free(r->open_window);
+    free(r->ws);
+    free(r->names);
+    if (r->snap_dir[0]) {
+        char path[256];
+        snprintf(path, sizeof path, "%s/%s.snap", r->snap_dir, r->pool);
+        unlink(path);
+        rmdir(r->snap_dir);
+    }
+    free(r->reqs);
+    free(r->pending);
+    free(r->ttft_ms);
+    free(r->decision_us);
+    free(r->per_worker);
+    free(r->tokens);
+    free(r->chains);
+    if (r->dir[0]) {
+        unlink(r->sock);
+        if (!r->cfg->records_dir)
+            unlink(r->records);
+        rmdir(r->dir);
+    }
+}
+
+/* A kvmatch serve in this process for the run's pool (again after a restart fault). */
+static int start_server(run *r, char *why, size_t why_size)
+{
+    const km_sim_config *cfg = r->cfg;
+    km_server_pool pool;
+    memset(&pool, 0, sizeof pool);
+    pool.name = r->pool;
+    pool.block_size = cfg->engine.block_size;
+    km_policy_config_init(&pool.policy);
+    if (km_policy_kind_parse(r->policy, &pool.policy.kind) != KM_OK)
+        return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT, "unknown policy \"%s\"", r->policy);
+    pool.workers = r->ws;
+    pool.n_workers = cfg->workers;
+    /* Approximate mode: each worker's assumed blocks bounded as its engine's cache is, least
+     * recently routed forgotten first. Its TTL and touch times count wall time, of which a run
+     * spends too little for either: the TTL is set beyond any run (so the table does not depend
+     * on how long the run took) and every touch counts. */
+    pool.approx_capacity_blocks = cfg->approx ? cfg->engine.capacity_blocks : 0;
+    pool.approx_ttl_ms = UINT64_C(1000000000000); /* 1e9 s */
+    pool.approx_every_touch = true;
+    km_server_config sc;
+    km_server_config_init(&sc);
+    sc.socket_path = r->sock;
+    sc.records_path = r->records;
+    sc.max_workers = cfg->workers < 64 ? 64 : cfg->workers;
+    sc.backend = KM_BACKEND_CPU;
+    sc.index_threads = 1;
+    if (cfg->approx_dispatch_max_bytes >= 0)
+        sc.approx_dispatch_max_bytes = (uint64_t)cfg->approx_dispatch_max_bytes;
+    /* The circuit breaker's cooldown counts wall time too: an engine restart failing its running
+     * requests would hold the engine back for a wall-clock cooldown, so the table would depend on
+     * the machine's speed. Off. */
+    sc.breaker_failures = 0;
+    sc.pools = &pool;
+    sc.n_pools = 1;
+    sc.log = quiet;
+    if (r->snap_dir[0]) {
+        sc.snapshot_dir = r->snap_dir;
+        sc.snapshot_interval_ms = 0; /* only on the way out */
+    }
+    snprintf(r->addr, sizeof r->addr, "unix:%s", r->sock);
+    int rc = km_server_create(&sc, &r->server, why, why_size);
+    if (rc)
+        return rc;
+    if (pthread_create(&r->server_thread, NULL, server_main, r) != 0)
+        return km_why(why, why_size, KM_ERR_INTERNAL, "server thread");
+    r->server_running = true;
+    return KM_OK;
+}
+
+/* The kvmatch restart fault: the old server drains (writing its snapshot when configured) and a
+ * new one starts on the same socket; the engines' publishers see a new subscriber. */
+static int restart_kvmatch(run *r, char *why, size_t why_size)
+{
+    int rc = flush_reports(r, why, why_size);
+    if (rc)
+        return rc;
+    km_client_close(r->client);
+    r->client = NULL;
+    km_server_stop(r->server);
+    pthread_join(r->server_thread, NULL);
+    r->server_running = false;
+    km_server_destroy(r->server);
+    r->server = NULL;
+    r->res->kvmatch_restarts++;
+    if ((rc = start_server(r, why, why_size)) != KM_OK)
+        return rc;
+    if ((rc = km_client_connect(r->addr, 10000, &r->client, why, why_size)) != KM_OK)
+        return rc;
+    r->subscriptions++;
+    for (uint32_t w = 0; r->cfg->zmq && w < r->cfg->workers; w++)
+        if (!km_publisher_wait_subscribers(r->pubs[w], r->subscriptions, 10000))
+            return km_why(why, why_size, KM_ERR_TIMEOUT, "worker %u: the new server never subscribed", w);
+    return KM_OK;
+}
+
+static int run_policy(const km_sim_config *cfg, const km_trace *trace, const char *policy,
+                      km_sim_result *res, char *why, size_t why_size)
+{
+    run r;
+    memset(&r, 0, sizeof r);
+    r.cfg = cfg;
+    r.trace = trace;
+    r.res = res;
+    r.policy = policy;
+    memset(res, 0, sizeof *res);
+    snprintf(res->policy, sizeof res->policy, "%s", policy);
+    res->requests = trace->n_requests;
+    double started = wall_s();
+    uint32_t W = cfg->workers;
+    size_t N = trace->n_requests;
+    r.engines = calloc(W, sizeof *r.engines);
+    r.pubs = calloc(W, sizeof *r.pubs);
+    r.published = calloc(W, sizeof *r.published);
+    r.live_next = calloc(W, sizeof *r.live_next);
+    r.open_window = malloc((W ? W : 1) * sizeof *r.open_window);
+    for (uint32_t w = 0; r.open_window && w < W; w++)
+        r.open_window[w] = -1;
+    r.rng = cfg->generator.seed ^ UINT64_C(0x66617573);
+    r.per_worker = calloc(W, sizeof *r.per_worker);
+    r.reqs = calloc(N ? N : 1, sizeof *r.reqs);
+    r.ttft_ms = calloc(N ? N : 1, sizeof *r.ttft_ms);
+    r.decision_us = calloc(N ? N : 1, sizeof *r.decision_us);
+    int rc = r.open_window && r.live_next && r.engines && r.pubs && r.published && r.per_worker && r.reqs && r.ttft_ms && r.decision_us
+                 ? KM_OK
+                 : km_why(why, why_size, KM_ERR_OUT_OF_MEMORY, "simulation state");
+    snprintf(r.pool, sizeof r.pool, "sim-%s", policy);
+    for (uint32_t w = 0; !rc && w < W; w++) {
+        km_sim_engine_config ec = cfg->engine;
+        ec.process_seed = cfg->generator.seed * 1000003u + w + 1;
+        if ((rc = km_sim_engine_create(&ec, &r.engines[w])) != KM_OK)
+            km_why(why, why_size, rc, "engine %u: %s", w, km_strerror(rc));
+        if (!rc && cfg->zmq) {
+            km_publisher_config pc;
+            km_publisher_config_init(&pc);
+            pc.buffer_steps = cfg->replay_buffer ? cfg->replay_buffer : 10000;
+            rc = km_publisher_start(&pc, &r.pubs[w], why, why_size);
+        }
+    }
+    /* The server: here, or a running one. */
+    if (!rc) {
+        strcpy(r.dir, "/tmp/kvmatch-sim-XXXXXX");
+        if (!mkdtemp(r.dir)) {
+            r.dir[0] = '\0';
+            rc = km_why(why, why_size, KM_ERR_IO, "temporary directory");
+        }
+    }
+    if (!rc) {
+        snprintf(r.sock, sizeof r.sock, "%s/s.sock", r.dir);
+        if (cfg->records_dir)
+            snprintf(r.records, sizeof r.records, "%s/records-%s.jsonl", cfg->records_dir, policy);
+        else
+            snprintf(r.records, sizeof r.records, "%s/records.jsonl", r.dir);
+        snprintf(r.addr, sizeof r.addr, "%s", cfg->connect ? cfg->connect : "");
+    }
+    km_server_worker *ws = r.ws = calloc(W ? W : 1, sizeof *ws);
+    char (*names)[32] = r.names = calloc(W ? W : 1, sizeof *names);
+    if (!rc && cfg->restart_kvmatch_at_s >= 0 && cfg->restart_kvmatch_snapshot) {
+        snprintf(r.snap_dir, sizeof r.snap_dir, "%s/snap", r.dir);
+    }
+    if (!rc && (!ws || !names))
+        rc = km_why(why, why_size, KM_ERR_OUT_OF_MEMORY, "workers");
+    for (uint32_t w = 0; !rc && w < W; w++) {
+        snprintf(names[w], sizeof names[w], "engine-%u", w);
+        ws[w].id = r.worker_base + w;
+        ws[w].name = names[w];
+        ws[w].event_endpoint = cfg->approx ? NULL
+                               : cfg->zmq  ? km_publisher_endpoint(r.pubs[w])
+                                           : KM_SERVER_LOCAL_EVENTS;
+        ws[w].replay_endpoint = cfg->zmq ? km_publisher_replay_endpoint(r.pubs[w]) : NULL;
+    }
+    if (!rc && !cfg->connect)
+        rc = start_server(&r, why, why_size);
+    if (!rc) {
+        rc = km_client_connect(r.addr, 10000, &r.client, why, why_size);
+    }
+    if (!rc && cfg->connect) {
+        /* A running server: a pool of our own, then the workers. */
+        km_message m, reply;
+        memset(&m, 0, sizeof m);
+        m.type = KM_MESSAGE_POOLS;
+        m.pools.action = KM_ADMIN_ADD;
+        km_pool_info pi;
+        memset(&pi, 0, sizeof pi);
+        pi.name = r.pool;
+        pi.block_size = cfg->engine.block_size;
+        pi.policy = policy;
+        m.pools.pools = &pi;
+        m.pools.n_pools = 1;
+        rc = km_client_call(r.client, &m, 10000, &reply);
+        if (!rc && reply.ack.items[0].status != KM_OK)
+            rc = km_why(why, why_size, reply.ack.items[0].status, "adding pool %s: %s", r.pool,
+                        reply.ack.items[0].message);
+        km_worker_info *wi = calloc(W ? W : 1, sizeof *wi);
+        for (uint32_t w = 0; !rc && wi && w < W; w++) {
+            wi[w].pool = r.pool;
+            wi[w].worker = ws[w].id;
+            wi[w].name = ws[w].name;
+            wi[w].event_endpoint = ws[w].event_endpoint;
+            wi[w].replay_endpoint = ws[w].replay_endpoint;
+        }
+        memset(&m, 0, sizeof m);
+        m.type = KM_MESSAGE_WORKERS;
+        m.workers.action = KM_ADMIN_ADD;
+        m.workers.workers = wi;
+        m.workers.n_workers = W;
+        if (!rc && wi && (rc = km_client_call(r.client, &m, 10000, &reply)) == KM_OK)
+            for (uint32_t w = 0; w < W && !rc; w++)
+                if (reply.ack.items[w].status != KM_OK)
+                    rc = km_why(why, why_size, reply.ack.items[w].status, "adding worker %u: %s",
+                                ws[w].id, reply.ack.items[w].message);
+        free(wi);
+    }
+    r.subscriptions = 1;
+    for (uint32_t w = 0; !rc && cfg->zmq && w < W; w++)
+        if (!km_publisher_wait_subscribers(r.pubs[w], 1, 10000))
+            rc = km_why(why, why_size, KM_ERR_TIMEOUT, "worker %u: the server never subscribed", w);
+
+    /* The virtual-time loop. */
+    size_t next = 0;
+    uint64_t first_arrival = N ? trace->requests[0].timestamp_ms * 1000u : 0;
+    r.t0_us = first_arrival;
+    while (!rc) {
+        uint64_t t_arrival = next < N ? trace->requests[next].timestamp_ms * 1000u : UINT64_MAX;
+        uint64_t t_engine = UINT64_MAX;
+        for (uint32_t w = 0; w < W; w++) {
+            uint64_t t = km_sim_engine_next_event_us(r.engines[w]);
+            if (t < t_engine)
+                t_engine = t;
+        }
+        if (t_arrival == UINT64_MAX && t_engine == UINT64_MAX)
+            break;
+        if (t_engine <= t_arrival) {
+            for (uint32_t w = 0; w < W && !rc; w++)
+                if (km_sim_engine_next_event_us(r.engines[w]) <= t_engine) {
+                    rc = km_sim_engine_advance(r.engines[w], t_engine);
+                    if (rc)
+                        km_why(why, why_size, rc, "engine %u: %s", w,
+                               km_sim_engine_last_error(r.engines[w]));
+                }
+        } else {
+            /* Events as they happen: what a step in progress changed is told now. */
+            for (uint32_t w = 0; w < W && !rc && !cfg->step_delivery; w++)
+                if (km_sim_engine_pending_events(r.engines[w])) {
+                    rc = km_sim_engine_end_step(r.engines[w], t_arrival, NULL);
+                    if (!rc)
+                        rc = drain_engine(&r, w, t_arrival, why, why_size);
+                }
+            /* Everything the engines published is with the server before it decides. */
+            if (!rc)
+                rc = flush_reports(&r, why, why_size);
+            if (!rc)
+                rc = wait_delivered(&r, why, why_size);
+            if (!rc) {
+                r.reqs[next].arrival_us = t_arrival;
+                rc = route_one(&r, next, t_arrival, why, why_size);
+                next++;
+            }
+        }
+        uint64_t t_now = t_engine <= t_arrival ? t_engine : t_arrival;
+        for (uint32_t w = 0; w < W && !rc; w++)
+            rc = drain_engine(&r, w, t_now, why, why_size);
+        /* The engine restart, once its time has come. */
+        if (!rc && !r.restarted && cfg->restart_worker >= 0 && (uint32_t)cfg->restart_worker < W &&
+            t_now >= r.t0_us + (uint64_t)(cfg->restart_at_s * 1e6)) {
+            uint32_t rw = (uint32_t)cfg->restart_worker;
+            r.restarted = true;
+            rc = km_sim_engine_restart(r.engines[rw], cfg->generator.seed * 7919u + 77u, t_now);
+            if (cfg->zmq && !rc)
+                km_publisher_restart(r.pubs[rw]);
+            r.live_next[rw] = 0;
+            r.published[rw] = 0;
+            /* Its running requests died with it: the router sees them fail. */
+            for (size_t i = 0; !rc && i < next; i++) {
+                req_state *s = &r.reqs[i];
+                if (s->worker != r.worker_base + rw || s->finished)
+                    continue;
+                s->finished = true;
+                res->lost_to_restart++;
+                if (s->routed && (rc = queue_report(&r, KM_LIFECYCLE_FINISHED, i, t_now)) == KM_OK) {
+                    km_lifecycle_event *e = &r.pending[r.n_pending - 1];
+                    e->outcome = KM_OUTCOME_ERROR;
+                    e->error = "the engine restarted";
+                    e->finish_reason = NULL;
+                    e->done_seen = false;
+                    e->has_cached_tokens = s->admitted;
+                }
+            }
+            if (rc)
+                km_why(why, why_size, rc, "engine restart");
+        }
+        if (!rc && !r.kvmatch_restarted && cfg->restart_kvmatch_at_s >= 0 && !cfg->connect &&
+            t_now >= r.t0_us + (uint64_t)(cfg->restart_kvmatch_at_s * 1e6)) {
+            r.kvmatch_restarted = true;
+            rc = restart_kvmatch(&r, why, why_size);
+        }
+    }
+    if (!rc)
+        rc = flush_reports(&r, why, why_size);
+    if (!rc) {
+        res->makespan_s -= (double)first_arrival / 1e6;
+        if (res->makespan_s > 0)
+            res->output_tokens_per_s = (double)res->output_tokens / res->makespan_s;
+        res->ttft_p50_ms = pct(r.ttft_ms, r.n_ttft, 0.50);
+        res->ttft_p99_ms = pct(r.ttft_ms, r.n_ttft, 0.99);
+        res->decisions_per_s = r.decision_wall > 0 ? (double)r.n_decision / r.decision_wall : 0;
+        res->decision_p50_us = pct(r.decision_us, r.n_decision, 0.50);
+        res->decision_p99_us = pct(r.decision_us, r.n_decision, 0.99);
+        uint64_t max = 0;
+        for (uint32_t w = 0; w < W; w++)
+            if (r.per_worker[w] > max)
+                max = r.per_worker[w];
+        res->load_imbalance = N ? (double)max / ((double)N / W) : 0;
+        for (size_t i = 0; i < N; i++)
+            res->unadmitted += r.reqs[i].routed && !r.reqs[i].admitted;
+    }
+    if (cfg->connect && r.client) {
+        /* Leave the running server as it was: our workers out. */
+        km_message m, reply;
+        memset(&m, 0, sizeof m);
+        m.type = KM_MESSAGE_WORKERS;
+        m.workers.action = KM_ADMIN_REMOVE;
+        km_worker_info wi[1];
+        for (uint32_t w = 0; w < W; w++) {
+            memset(wi, 0, sizeof wi);
+            wi[0].pool = r.pool;
+            wi[0].worker = r.worker_base + w;
+            m.workers.workers = wi;
+            m.workers.n_workers = 1;
+            km_client_call(r.client, &m, 10000, &reply);
+        }
+    }
+    run_teardown(&r);
+    res->wall_s = wall_s() - started;
+    return rc;
+}
+
+int km_sim_run(const km_sim_config *cfg, km_sim_result *results, char *why, size_t why_size)
+{
+    if (!cfg || !results)
+        return km_why(why, why_size, KM_ERR_NULL_POINTER, "config or results is NULL");
+    if (cfg->workers == 0 || cfg->workers > 4096 || cfg->n_policies == 0 ||
+        cfg->n_policies > KM_SIM_MAX_POLICIES || !(cfg->time_scale > 0))
+        return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,
+                      "workers must be 1..4096, policies 1..%u, time_scale > 0", KM_SIM_MAX_POLICIES);
+    if (cfg->restart_kvmatch_at_s >= 0 && cfg->restart_kvmatch_snapshot && !cfg->zmq)
+        return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,
+                      "restarting kvmatch from its snapshot needs --zmq: only subscriber-fed pools "
+                      "are saved (in-process feeds start empty)");
+    if (cfg->restart_kvmatch_at_s >= 0 && cfg->connect)
+        return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,
+                      "--restart-kvmatch restarts the server in this process, not a --connect one");
+    if (cfg->approx && (cfg->zmq || cfg->drop_events > 0 || cfg->cut_worker >= 0 ||
+                        (cfg->restart_kvmatch_at_s >= 0 && cfg->restart_kvmatch_snapshot)))
+        return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,
+                      "approximate mode has no event stream: --approx excludes --zmq, --connect, "
+                      "--drop-events, --cut and a snapshot restart");
+    if (!(cfg->override >= 0 && cfg->override < 1))
+        return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT, "override must be in [0, 1)");
+    if (cfg->connect && !cfg->zmq)
+        return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,
+                      "--connect needs --zmq: a server in another process hears the engines over ZMQ");
+    for (uint32_t i = 0; i < cfg->n_policies; i++) {
+        km_policy_kind k;
+        if (!cfg->policies[i] || km_policy_kind_parse(cfg->policies[i], &k) != KM_OK)
+            return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT, "unknown policy \"%s\"",
+                          cfg->policies[i] ? cfg->policies[i] : "(null)");
+    }
+    if (cfg->records_dir) {
+        struct stat st;
+        if (stat(cfg->records_dir, &st) != 0 && mkdir(cfg->records_dir, 0755) != 0)
+            return km_why(why, why_size, KM_ERR_IO, "records dir %s cannot be created",
+                          cfg->records_dir);
+    }
+    km_trace trace;
+    int rc;
+    if (cfg->trace_path)
+        rc = km_trace_load_mooncake(cfg->trace_path, &trace, why, why_size);
+    else
+        rc = km_sim_generate_trace(&cfg->generator, &trace, why, why_size);
+    if (rc)
+        return rc;
+    if ((rc = km_sim_trace_trim(&trace, cfg->max_requests, cfg->time_scale)) != KM_OK) {
+        km_trace_free(&trace);
+        return km_why(why, why_size, rc, "time_scale %g puts arrivals past %llu ms", cfg->time_scale,
+                      (unsigned long long)KM_TRACE_MAX_TIMESTAMP_MS);
+    }
+    sim_log(cfg, "%zu requests, %u workers, %u policies%s", trace.n_requests, cfg->workers,
+            cfg->n_policies, cfg->zmq ? ", events over ZMQ" : "");
+    for (uint32_t i = 0; i < cfg->n_policies && !rc; i++) {
+        rc = run_policy(cfg, &trace, cfg->policies[i], &results[i], why, why_size);
+        if (!rc)
+            sim_log(cfg, "%s: done in %.1f s", cfg->policies[i], results[i].wall_s);
+    }
+    km_trace_free(&trace);
+    return rc;
+}

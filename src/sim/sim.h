@@ -1,0 +1,141 @@
+/* Internal: `kvmatch sim` (docs/SIM.md). A workload replayed in virtual time through a cluster of
+ * simulated engines (src/sim/engine.h), every request routed by a real `kvmatch serve` (in this
+ * process, or a running one with `connect`) over the real protocol, the engines' KV events fed to
+ * it (in process, or over ZMQ with `zmq`), and the router's lifecycle reports sent back, so the
+ * records are complete. Each policy runs the identical workload on a fresh cluster and server; the
+ * results say, per policy, what reuse the engines really got, how right the index was at each
+ * decision instant, and what it cost in time-to-first-token. */
+#ifndef KM_SIM_H
+#define KM_SIM_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kvmatch/index.h"
+#include "sim/engine.h"
+#include "sim/workload.h"
+
+#define KM_SIM_MAX_POLICIES 8u
+
+typedef struct km_sim_config {
+    const char *trace_path;              /* a Mooncake JSONL trace; NULL = the generator */
+    km_sim_generator_config generator;
+    size_t max_requests;                 /* 0 = all */
+    double time_scale;                   /* arrival times x this; default 1 */
+    uint32_t workers;                    /* default 8 */
+    km_sim_engine_config engine;         /* every engine (block size, capacity, time model); the
+                                          * process seed is derived per worker */
+    const char *policies[KM_SIM_MAX_POLICIES];
+    uint32_t n_policies;                 /* default: kv, cache_aware, least_load, round_robin */
+    const char *connect;                 /* "unix:/path" of a running kvmatch serve (needs zmq);
+                                          * NULL = a server in this process */
+    bool zmq;                            /* engines publish over ZMQ on loopback TCP (the real
+                                          * subscriber, seq numbers and replay) */
+    const char *records_dir;             /* keep records-<policy>.jsonl here; NULL = not kept */
+    bool step_delivery;                  /* engines publish once per step, as vLLM does (a cache
+                                          * changed at a step's start is told at its end: the
+                                          * index lags within a step); default false: events are
+                                          * delivered as they happen, so the index is exact */
+    /* Faults, one at a time or together (docs/SIM.md, "Faults"). Times are virtual seconds from
+     * the first arrival. */
+    double drop_events;                  /* drop this share of engine messages on the wire, from
+                                          * drop_from_s on; 0 = none */
+    double drop_from_s;
+    int cut_worker;                      /* cut this worker's stream (-1 = none) ... */
+    double cut_at_s, cut_for_s;          /* ... from cut_at_s for cut_for_s seconds */
+    uint32_t replay_buffer;              /* --zmq: messages each engine keeps for replay (vLLM's
+                                          * buffer_steps); default 10,000 */
+    int restart_worker;                  /* restart this engine (-1 = none): cache lost, seq back to
+                                          * 0, its running requests fail */
+    double restart_at_s;
+    double restart_kvmatch_at_s;         /* stop kvmatch and start a new one then (< 0 = never) */
+    bool restart_kvmatch_snapshot;       /* ... restoring the snapshot the old one wrote on the way
+                                          * out (needs zmq: only subscriber feeds are saved) */
+    double second_ingress;               /* this share of requests bypasses kvmatch (another
+                                          * router): their load is invisible here, their events
+                                          * are not */
+    double override;                     /* this share of routed requests the router sends to
+                                          * another worker than the decision's (uniformly drawn)
+                                          * and says so (lifecycle `worker`) */
+    /* Workers in approximate mode: no event stream (the engines' messages reach nobody); the index
+     * learns from the decisions (and reported overrides) alone, each worker's assumed blocks
+     * bounded by the engine's capacity. In process only (no zmq, no connect). */
+    bool approx;
+    int64_t approx_dispatch_max_bytes;   /* the server's approx_dispatch_max_bytes; < 0 = its
+                                          * default (0: overrides teach nothing) */
+    km_log_fn log;                       /* progress lines; NULL = stderr */
+    void *log_user;
+} km_sim_config;
+
+void km_sim_config_init(km_sim_config *cfg);
+
+/* One policy's run. Token counts are prompt tokens; depths are blocks of engine.block_size. */
+/* A recovery window as the decisions saw it: from the first decision that showed the worker's
+ * index state other than LIVE to the first that showed it LIVE again (virtual seconds from the
+ * first arrival; end < 0 while still open at the end of the run). */
+#define KM_SIM_MAX_WINDOWS 16u
+typedef struct km_sim_window {
+    uint32_t worker;
+    char state[16];      /* the state that opened it: SYNCING, GAP, DEGRADED, ... */
+    double start_s, end_s;
+    uint64_t decisions;  /* decisions taken while it was open (any worker chosen) */
+    uint64_t exact;      /* of those, exact predictions */
+} km_sim_window;
+
+typedef struct km_sim_result {
+    char policy[32];
+    uint64_t requests;                /* requests in the workload */
+    uint64_t routed;                  /* decided by kvmatch */
+    uint64_t route_errors;            /* answered with an error (then sent round-robin) */
+    uint64_t rejected;                /* requests no engine can ever hold */
+    uint64_t prompt_tokens;
+    uint64_t output_tokens;
+    uint64_t actual_reused_tokens;    /* what the engines reused when they ran each request */
+    uint64_t predicted_reused_tokens; /* the chosen worker's predicted depth x block size */
+    /* The prediction against the chosen engine's real cache at the decision instant. */
+    uint64_t exact_predictions;
+    uint64_t over_predictions;        /* the index claimed blocks the engine no longer had */
+    uint64_t under_predictions;       /* the engine had blocks the index did not know of */
+    uint64_t pending_at_decision;     /* of the inexact ones: the engine had events produced but
+                                       * not yet published (a step in progress) */
+    /* Predicted depth against the blocks held when the request ran, and why they differ. */
+    uint64_t realized_as_predicted;
+    uint64_t diff_index_wrong;        /* the index already differed at the decision instant: */
+    uint64_t diff_not_delivered;      /*   ... events not yet delivered (a step unpublished, a gap
+                                       *   being replayed, a cut in progress) */
+    uint64_t diff_lost;               /*   ... events lost (the chosen worker was DEGRADED) */
+    uint64_t diff_assumed;            /*   ... no events at all: the placement was assumed
+                                       *   (approximate mode) */
+    uint64_t diff_cache_changed;      /* the index was right; the cache changed before the request
+                                       * ran (evictions, new blocks) */
+    uint64_t unadmitted;              /* routed but never run (rejected, or lost to a restart
+                                       * before its admission): the attribution's remainder */
+    uint64_t bypassed;                /* requests sent by the second ingress path */
+    uint64_t overridden;              /* routed requests the router sent to another worker (fault);
+                                       * their prediction is that worker's depth in the decision */
+    uint64_t dropped_messages;        /* engine messages dropped on the wire (faults) */
+    uint64_t lost_to_restart;         /* requests running on an engine when it restarted */
+    uint64_t kvmatch_restarts;        /* restarts of kvmatch itself (fault) */
+    uint64_t owner_not_chosen;        /* the deepest match was on another worker */
+    uint64_t owner_forgone_tokens;    /* their (owner depth - chosen depth) x block size */
+    double ttft_p50_ms, ttft_p99_ms;  /* virtual time, arrival to first token */
+    double makespan_s;                /* first arrival to last finish, virtual */
+    double output_tokens_per_s;       /* over the makespan */
+    double load_imbalance;            /* max / mean requests per worker */
+    double decisions_per_s;           /* routing calls per second of wall time spent in them */
+    double decision_p50_us, decision_p99_us; /* one route's round trip, wall time */
+    double wall_s;                    /* the whole run, wall time */
+    /* Routing quality inside recovery windows (see km_sim_window) against outside them. */
+    uint64_t decisions_in_windows, exact_in_windows;
+    uint64_t windows_total;           /* windows seen; the first KM_SIM_MAX_WINDOWS are listed */
+    uint32_t n_windows;
+    km_sim_window windows[KM_SIM_MAX_WINDOWS];
+} km_sim_result;
+
+/* Run every policy of cfg; results holds cfg->n_policies entries (in order). Errors:
+ * KM_ERR_INVALID_ARGUMENT (why says which setting), KM_ERR_IO (trace, sockets), errors of the
+ * parts (server, engines, client), each with why. */
+int km_sim_run(const km_sim_config *cfg, km_sim_result *results, char *why, size_t why_size);
+
+#endif
