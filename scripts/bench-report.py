@@ -58,7 +58,7 @@ def server_cpu(r):
     """The server's CPU per decision, with the loop and scheduler threads' shares when known."""
     total = fmt(r.get('server_cpu_us_per_decision'), 2)
     by = r.get('server_cpu_us_per_decision_by_thread') or {}
-    # The main thread runs the event loop: "loop" (files from fb3eb61 name it by the process).
+    # The main thread runs the event loop: "loop" (older result files name it by the process).
     loop, sched = by.get('loop', by.get('kvmatch')), by.get('km-scheduler')
     if loop is None or sched is None:
         return total
@@ -180,9 +180,13 @@ def render_replay_ceiling(d):
 
 def render_sim(d):
     w = d.get("workload", {})
+    m = d.get("machine")
+    # `kvmatch sim --json` writes no machine field; the wall-time columns still depend on one.
+    where = (f"machine: {m.get('cpu', '?')}, {m.get('cores', '?')} cores" if m else
+             "machine: not recorded in the JSON")
     out = [f"Command: `kvmatch sim --json` ({w.get('source', '?')} workload, {w.get('requests', '?')} requests, "
            f"seed {w.get('seed', '?')}, {d.get('workers', '?')} engines of {d.get('capacity_blocks', '?')} blocks, "
-           f"events {d.get('events', '?')}, delivered {d.get('delivery', '?')}). Everything but the last two "
+           f"events {d.get('events', '?')}, delivered {d.get('delivery', '?')}); {where}. Everything but the last two "
            f"columns is virtual time and deterministic.\n"]
     out.append("| policy | requests | actual reused tokens | predicted reused tokens | exact predictions | "
                "owner not chosen | TTFT p50 (ms) | TTFT p99 (ms) | load imbalance | decisions/s (wall) | "
