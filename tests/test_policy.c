@@ -157,7 +157,9 @@ Test(policy, config_validate_rejects_each_bad_field, .timeout = 30)
 
 Test(policy, kind_and_reason_names, .timeout = 30)
 {
-    const char *kinds[] = {"kv", "cache_aware", "prefix", "least_load", "round_robin"};
+    const char *kinds[] = {"kv",          "cache_aware", "prefix", "least_load",
+                           "round_robin", "llmd",        "preble", "ttft"};
+    cr_assert_eq(KM_POLICY_KIND_COUNT, sizeof kinds / sizeof kinds[0]);
     for (unsigned k = 0; k < KM_POLICY_KIND_COUNT; k++) {
         cr_assert_str_eq(km_policy_kind_name((km_policy_kind)k), kinds[k]);
         km_policy_kind parsed = (km_policy_kind)99;
@@ -171,10 +173,12 @@ Test(policy, kind_and_reason_names, .timeout = 30)
     cr_assert_eq(parsed, KM_POLICY_PREFIX, "failed parse must not write");
     cr_assert_eq(km_policy_kind_parse(NULL, &parsed), KM_ERR_NULL_POINTER);
     cr_assert_eq(km_policy_kind_parse("kv", NULL), KM_ERR_NULL_POINTER);
-    cr_assert_str_eq(km_policy_kind_name((km_policy_kind)9), "unknown");
+    cr_assert_str_eq(km_policy_kind_name(KM_POLICY_KIND_COUNT), "unknown");
 
-    const char *reasons[] = {"min_cost",      "sampled",  "cache_hit",  "imbalance",  "below_threshold",
-                             "deepest_match", "no_match", "least_load", "round_robin"};
+    const char *reasons[] = {"min_cost",    "sampled",   "cache_hit", "imbalance", "below_threshold",
+                             "deepest_match", "no_match", "least_load", "round_robin", "max_score",
+                             "exploit",     "explore",   "min_ttft"};
+    cr_assert_eq(KM_POLICY_REASON_COUNT, sizeof reasons / sizeof reasons[0]);
     for (unsigned r = 0; r < KM_POLICY_REASON_COUNT; r++)
         cr_assert_str_eq(km_policy_reason_name((km_policy_reason)r), reasons[r]);
     cr_assert_str_eq(km_policy_reason_name((km_policy_reason)42), "unknown");

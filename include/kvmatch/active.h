@@ -2,10 +2,11 @@
  *
  * Every routing decision begins an entry keyed by (request id, attempt id); the router's lifecycle
  * messages (DISPATCHED, FIRST_TOKEN, FINISHED) move it along, and entries whose FINISHED never
- * comes expire after a TTL. Per worker the handle keeps three load values, each the sum over the
+ * comes expire after a TTL. Per worker the handle keeps four load values, each the sum over the
  * worker's live entries of what that entry was charged:
  *
  *   in_flight               1 per entry, from the decision until FINISHED / expiry;
+ *   prefilling              1 per entry, from the decision until FIRST_TOKEN (or its end);
  *   pending_prefill_tokens  prompt_tokens - min(cached_tokens_predicted, prompt_tokens), charged
  *                           at the decision and released at FIRST_TOKEN (the prefill is done),
  *                           corrected by km_active_report_cached before that;
@@ -170,6 +171,16 @@ int km_active_begin(km_active *active, uint32_t worker, const km_active_key *key
                     uint32_t prompt_tokens, uint32_t cached_tokens_predicted,
                     uint32_t expected_output_tokens, uint32_t block_size, uint64_t now_ns);
 
+/* The entry holds the cached prefix named prefix_key (any 64-bit name of it, e.g. the chain hash
+ * of its last block; 0 = none) of prefix_tokens tokens on its worker. While another live entry of
+ * the same worker holds the same prefix, this one's allocated_blocks charge leaves out the
+ * prefix's full blocks: concurrent requests on one prefix share its KV. The first holder keeps
+ * paying for it until it ends. At most once per entry (KM_ERR_PROTOCOL); a move to another worker
+ * forgets it. Errors: KM_ERR_NULL_POINTER, KM_ERR_NOT_FOUND, KM_ERR_PROTOCOL, KM_ERR_OUT_OF_MEMORY
+ * (nothing changes). */
+int km_active_share_prefix(km_active *active, const km_active_key *key, uint64_t prefix_key,
+                           uint32_t prefix_tokens);
+
 /* The request was sent to the engine: no load change; the first call records the time, a repeat
  * is accepted and changes nothing but the last-touch time (idempotent). Errors: KM_ERR_NOT_FOUND,
  * KM_ERR_PROTOCOL (after FIRST_TOKEN: out_of_order; or already finished: duplicate). */
@@ -238,8 +249,13 @@ void *km_active_user(const km_active *active, const km_active_key *key);
 
 typedef struct km_active_load {
     uint64_t in_flight;
+    uint64_t prefilling; /* of in_flight, the entries whose FIRST_TOKEN has not come */
     uint64_t pending_prefill_tokens;
     uint64_t active_decode_blocks;
+    /* The KV blocks those requests take, counting a prefix that several of them share once:
+     * each request's footprint, less the blocks of its declared prefix when another live
+     * request on the worker declared the same one (km_active_share_prefix). */
+    uint64_t allocated_blocks;
 } km_active_load;
 
 /* One worker's load. Errors: KM_ERR_NULL_POINTER, KM_ERR_WORKER_RANGE. */

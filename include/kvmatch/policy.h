@@ -27,6 +27,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "kvmatch/engine_model.h"
 #include "kvmatch/error.h"
 
 #ifdef __cplusplus
@@ -36,28 +37,58 @@ extern "C" {
 /* "No owner": no candidate holds even the request's first block. */
 #define KM_POLICY_NO_OWNER UINT32_MAX
 
-typedef enum km_policy_kind {
-    KM_POLICY_KV = 0,
-    KM_POLICY_CACHE_AWARE = 1,
-    KM_POLICY_PREFIX = 2,
-    KM_POLICY_LEAST_LOAD = 3,
-    KM_POLICY_ROUND_ROBIN = 4,
-} km_policy_kind;
-#define KM_POLICY_KIND_COUNT 5u
+#define KM_POLICY_KIND_LIST(X)                                                                     \
+    X(KM_POLICY_KV, "kv")                                                                          \
+    X(KM_POLICY_CACHE_AWARE, "cache_aware")                                                        \
+    X(KM_POLICY_PREFIX, "prefix")                                                                  \
+    X(KM_POLICY_LEAST_LOAD, "least_load")                                                          \
+    X(KM_POLICY_ROUND_ROBIN, "round_robin")                                                        \
+    X(KM_POLICY_LLMD, "llmd")                                                                      \
+    X(KM_POLICY_PREBLE, "preble")                                                                  \
+    X(KM_POLICY_TTFT, "ttft")
 
-/* Why the chosen candidate was chosen; recorded with the decision. */
+typedef enum km_policy_kind {
+#define KM_POLICY_KIND_ENUM(value, name) value,
+    KM_POLICY_KIND_LIST(KM_POLICY_KIND_ENUM)
+#undef KM_POLICY_KIND_ENUM
+    KM_POLICY_KIND_COUNT
+} km_policy_kind;
+
+/* Why the chosen candidate was chosen; recorded with the decision:
+ *   min_cost         kv, temperature 0: lowest cost (after tie breaks)
+ *   sampled          kv, temperature > 0: drawn from the softmax
+ *   cache_hit        cache_aware: match ratio above cache_threshold -> owner
+ *   imbalance        cache_aware: load imbalanced -> least in-flight
+ *   below_threshold  cache_aware: match ratio <= cache_threshold -> least in-flight
+ *   deepest_match    prefix: the owner
+ *   no_match         prefix: nobody holds block 0 -> least load
+ *   least_load       least_load
+ *   round_robin      round_robin
+ *   max_score        llmd: the highest weighted score
+ *   exploit          preble: the cached part outweighs the rest -> the deepest match
+ *   explore          preble: otherwise -> the lowest estimated load + prefill cost
+ *   min_ttft         ttft: the lowest predicted time to first token */
+#define KM_POLICY_REASON_LIST(X)                                                                   \
+    X(KM_POLICY_REASON_MIN_COST, "min_cost")                                                       \
+    X(KM_POLICY_REASON_SAMPLED, "sampled")                                                         \
+    X(KM_POLICY_REASON_CACHE_HIT, "cache_hit")                                                     \
+    X(KM_POLICY_REASON_IMBALANCE, "imbalance")                                                     \
+    X(KM_POLICY_REASON_BELOW_THRESHOLD, "below_threshold")                                         \
+    X(KM_POLICY_REASON_DEEPEST_MATCH, "deepest_match")                                             \
+    X(KM_POLICY_REASON_NO_MATCH, "no_match")                                                       \
+    X(KM_POLICY_REASON_LEAST_LOAD, "least_load")                                                   \
+    X(KM_POLICY_REASON_ROUND_ROBIN, "round_robin")                                                 \
+    X(KM_POLICY_REASON_MAX_SCORE, "max_score")                                                     \
+    X(KM_POLICY_REASON_EXPLOIT, "exploit")                                                         \
+    X(KM_POLICY_REASON_EXPLORE, "explore")                                                         \
+    X(KM_POLICY_REASON_MIN_TTFT, "min_ttft")
+
 typedef enum km_policy_reason {
-    KM_POLICY_REASON_MIN_COST = 0,        /* kv, temperature 0: lowest cost (after tie breaks) */
-    KM_POLICY_REASON_SAMPLED = 1,         /* kv, temperature > 0: drawn from the softmax */
-    KM_POLICY_REASON_CACHE_HIT = 2,       /* cache_aware: match ratio above cache_threshold -> owner */
-    KM_POLICY_REASON_IMBALANCE = 3,       /* cache_aware: load imbalanced -> least in-flight */
-    KM_POLICY_REASON_BELOW_THRESHOLD = 4, /* cache_aware: match ratio <= cache_threshold -> least in-flight */
-    KM_POLICY_REASON_DEEPEST_MATCH = 5,   /* prefix: the owner */
-    KM_POLICY_REASON_NO_MATCH = 6,        /* prefix: nobody holds block 0 -> least load */
-    KM_POLICY_REASON_LEAST_LOAD = 7,      /* least_load */
-    KM_POLICY_REASON_ROUND_ROBIN = 8,     /* round_robin */
+#define KM_POLICY_REASON_ENUM(value, name) value,
+    KM_POLICY_REASON_LIST(KM_POLICY_REASON_ENUM)
+#undef KM_POLICY_REASON_ENUM
+    KM_POLICY_REASON_COUNT
 } km_policy_reason;
-#define KM_POLICY_REASON_COUNT 9u
 
 /* Policy parameters. km_policy_config_init sets the peers' defaults; fields of the policies a pool
  * does not use are ignored (but still validated, so a config file with a bad value fails early). */
@@ -82,6 +113,23 @@ typedef struct km_policy_config {
         uint32_t balance_abs_threshold;
         double balance_rel_threshold;
     } cache_aware;
+    struct {
+        /* Weights of llm-d's three scorers (finite, >= 0, not all 0): precise prefix cache,
+         * queue, KV-cache utilization; defaults those llm-d's precise-prefix configuration
+         * ships (km_policy_config_init). */
+        double prefix_weight, queue_weight, kv_usage_weight;
+        /* Prefix credit of a block held in host memory (llm-d's CPU tier weight; device is 1,
+         * disk is weighted like host); in [0, 1]. */
+        double host_tier_weight;
+    } llmd;
+    struct {
+        /* Exploit when cached tokens > exploit_ratio x the tokens left to prefill (Preble's E2
+         * rule is 1); finite, >= 0. */
+        double exploit_ratio;
+    } preble;
+    /* The engines of the pool (ttft and preble estimate times with it; llmd divides KV usage by
+     * its capacity_blocks). Default: km_engine_model_init. */
+    km_engine_model engine;
 } km_policy_config;
 
 /* One candidate worker of one request. Scoring fills the match fields (km_index_match_batch: depth
@@ -93,8 +141,11 @@ typedef struct km_policy_candidate {
     /* depth split by each block's best tier; device + host + disk must equal depth. */
     uint32_t device_blocks, host_blocks, disk_blocks;
     uint32_t in_flight;              /* requests routed to it and not finished, as this instance saw */
+    uint32_t prefilling;             /* of those, requests whose first token is not seen yet */
     uint64_t pending_prefill_tokens; /* prompt tokens routed to it whose first token is not seen yet */
     uint64_t active_decode_blocks;   /* KV blocks of its running requests (prompt + output so far) */
+    uint64_t allocated_blocks;       /* of those, the blocks they allocate: each one's less its
+                                      * cached prefix (km_active_load.allocated_blocks) */
     /* Blocks the index says it holds in total (km_worker_stats.blocks; Dynamo's "tree size");
      * 0 = unknown. Only the kv policy's tie break reads it. */
     uint64_t indexed_blocks;

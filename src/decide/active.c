@@ -40,6 +40,9 @@ typedef struct entry {
     uint64_t prefill_charged; /* what the entry added to pending prefill (after corrections) */
     uint64_t prefill_pending; /* what it still holds there (0 after FIRST_TOKEN) */
     uint64_t decode_blocks;
+    uint64_t new_blocks;   /* what it charged to allocated_blocks */
+    uint64_t prefix_key;   /* the prefix it declared (km_active_share_prefix); 0 = none */
+    uint64_t prefix_blocks; /* that prefix's full blocks */
     int64_t engine_cached_tokens;
     uint64_t begin_ns, dispatched_ns, first_token_ns, last_touch_ns;
     void *user; /* the caller's pointer (km_active_set_user) */
@@ -69,6 +72,7 @@ struct km_active {
     ended_slot *ended;  /* ring of cfg.remember_ended slots */
     uint32_t ended_next;
     km_u64map ended_by_hash; /* km_u64map_key(hash) -> ring slot of the latest end with that hash */
+    km_u64map prefixes;      /* km_u64map_key(prefix_slot(worker, key)) -> live entries holding it */
     char *unremembered_ids;  /* ids of the last ended entry when the ring is off (summary storage) */
     size_t unremembered_size;
     void *ids_cache;         /* released id buffers of IDS_CACHED_BYTES, linked through their start */
@@ -188,6 +192,7 @@ int km_active_create(const km_active_config *cfg, km_active **out)
     a->touch_head = a->touch_tail = NIL;
     km_u64map_init(&a->by_hash, &a->memory);
     km_u64map_init(&a->ended_by_hash, &a->memory);
+    km_u64map_init(&a->prefixes, &a->memory);
     a->workers = calloc(c.max_workers, sizeof *a->workers);
     a->ended = c.remember_ended ? calloc(c.remember_ended, sizeof *a->ended) : NULL;
     if (!a->workers || (c.remember_ended && !a->ended)) {
@@ -221,6 +226,7 @@ void km_active_destroy(km_active *a)
     free(a->workers);
     km_u64map_free(&a->by_hash);
     km_u64map_free(&a->ended_by_hash);
+    km_u64map_free(&a->prefixes);
     free(a);
 }
 
@@ -380,6 +386,45 @@ static void hash_unlink(km_active *a, uint32_t i)
     }
 }
 
+/* ---- shared prefixes ------------------------------------------------------------------------ */
+
+/* The map slot of prefix `key` on `worker`. */
+static uint64_t prefix_slot(uint32_t worker, uint64_t key)
+{
+    return km_u64map_key(key ^ ((uint64_t)(worker + 1) * UINT64_C(0x9E3779B97F4A7C15)));
+}
+
+/* Entry i stops holding its prefix: the holders' count drops (and the slot goes at 0). */
+static void prefix_release(km_active *a, entry *e)
+{
+    if (!e->prefix_key)
+        return;
+    uint64_t slot = prefix_slot(e->worker, e->prefix_key);
+    uint64_t *n = km_u64map_find(&a->prefixes, slot);
+    if (n && *n > 1)
+        (*n)--;
+    else if (n)
+        km_u64map_erase(&a->prefixes, slot);
+}
+
+/* Entry e (on e->worker, its load not yet charged with new_blocks) holds its prefix again: when
+ * another live entry of that worker holds it, e shares its blocks and allocates only the rest.
+ * Returns KM_OK or KM_ERR_OUT_OF_MEMORY (nothing changed). */
+static int prefix_take(km_active *a, entry *e)
+{
+    e->new_blocks = e->decode_blocks;
+    if (!e->prefix_key)
+        return KM_OK;
+    uint64_t slot = prefix_slot(e->worker, e->prefix_key);
+    uint64_t *n = km_u64map_find(&a->prefixes, slot);
+    if (n) {
+        (*n)++;
+        e->new_blocks = e->decode_blocks > e->prefix_blocks ? e->decode_blocks - e->prefix_blocks : 0;
+        return KM_OK;
+    }
+    return km_u64map_put(&a->prefixes, slot, 1, 1) ? KM_ERR_OUT_OF_MEMORY : KM_OK;
+}
+
 /* ---- ending an entry ---------------------------------------------------------------------- */
 
 /* Release entry i's load, fill *s, unlink it everywhere, keep its ids in the ended ring (or the
@@ -390,8 +435,12 @@ static void end_entry(km_active *a, uint32_t i, km_active_end end, uint64_t now,
     entry *e = &a->slab[i];
     km_active_load *load = &a->workers[e->worker].load;
     load->in_flight = saturating_sub(a, load->in_flight, 1);
+    if (!e->first_token)
+        load->prefilling = saturating_sub(a, load->prefilling, 1);
     load->pending_prefill_tokens = saturating_sub(a, load->pending_prefill_tokens, e->prefill_pending);
     load->active_decode_blocks = saturating_sub(a, load->active_decode_blocks, e->decode_blocks);
+    load->allocated_blocks = saturating_sub(a, load->allocated_blocks, e->new_blocks);
+    prefix_release(a, e);
 
     memset(s, 0, sizeof *s);
     s->request_id = e->ids;
@@ -572,6 +621,7 @@ int km_active_begin(km_active *a, uint32_t worker, const km_active_key *key,
     e->prefill_charged = e->prefill_pending = (uint64_t)prompt_tokens - cached;
     uint64_t tokens = (uint64_t)prompt_tokens + expected_output_tokens;
     e->decode_blocks = (tokens + block_size - 1) / block_size;
+    e->new_blocks = e->decode_blocks;
     e->engine_cached_tokens = KM_ACTIVE_CACHED_UNKNOWN;
     e->begin_ns = e->last_touch_ns = now;
     e->touch_prev = e->touch_next = NIL;
@@ -580,10 +630,41 @@ int km_active_begin(km_active *a, uint32_t worker, const km_active_key *key,
 
     km_active_load *load = &a->workers[worker].load;
     load->in_flight += 1;
+    load->prefilling += 1;
     load->pending_prefill_tokens += e->prefill_pending;
     load->active_decode_blocks += e->decode_blocks;
+    load->allocated_blocks += e->new_blocks;
     a->live++;
     a->stats.begun++;
+    return KM_OK;
+}
+
+int km_active_share_prefix(km_active *a, const km_active_key *key, uint64_t prefix_key,
+                           uint32_t prefix_tokens)
+{
+    if (!a)
+        return KM_ERR_NULL_POINTER;
+    a->last_error[0] = '\0';
+    uint32_t i;
+    int rc = lookup_for_event(a, key, "a shared prefix", &i);
+    if (rc)
+        return rc;
+    entry *e = &a->slab[i];
+    if (e->prefix_key)
+        return active_fail(a, KM_ERR_PROTOCOL, "a prefix was already declared for " ID_FMT,
+                           ID_ARGS(key));
+    if (!prefix_key || !prefix_tokens)
+        return KM_OK;
+    km_active_load *load = &a->workers[e->worker].load;
+    uint64_t before = e->new_blocks;
+    e->prefix_key = prefix_key;
+    e->prefix_blocks = prefix_tokens / e->block_size;
+    if ((rc = prefix_take(a, e))) {
+        e->prefix_key = e->prefix_blocks = 0;
+        e->new_blocks = before;
+        return active_fail(a, rc, "no memory to record a shared prefix");
+    }
+    load->allocated_blocks = saturating_sub(a, load->allocated_blocks, before) + e->new_blocks;
     return KM_OK;
 }
 
@@ -630,14 +711,23 @@ int km_active_move(km_active *a, const km_active_key *key, uint32_t worker, uint
         return KM_OK;
     km_active_load *from = &a->workers[e->worker].load, *to = &a->workers[worker].load;
     from->in_flight = saturating_sub(a, from->in_flight, 1);
+    if (!e->first_token)
+        from->prefilling = saturating_sub(a, from->prefilling, 1);
     from->pending_prefill_tokens = saturating_sub(a, from->pending_prefill_tokens, e->prefill_pending);
     from->active_decode_blocks = saturating_sub(a, from->active_decode_blocks, e->decode_blocks);
+    from->allocated_blocks = saturating_sub(a, from->allocated_blocks, e->new_blocks);
+    /* The declared prefix was the decision's worker's: on another one nothing is known shared. */
+    prefix_release(a, e);
+    e->prefix_key = e->prefix_blocks = 0;
+    e->new_blocks = e->decode_blocks;
     worker_unlink(a, i);
     e->worker = worker;
     worker_link(a, i);
     to->in_flight++;
+    to->prefilling += !e->first_token;
     to->pending_prefill_tokens += e->prefill_pending;
     to->active_decode_blocks += e->decode_blocks;
+    to->allocated_blocks += e->new_blocks;
     a->stats.moved++;
     return KM_OK;
 }
@@ -663,6 +753,7 @@ int km_active_first_token(km_active *a, const km_active_key *key, int64_t engine
     uint64_t now = advance_clock(a, now_ns);
     km_active_load *load = &a->workers[e->worker].load;
     load->pending_prefill_tokens = saturating_sub(a, load->pending_prefill_tokens, e->prefill_pending);
+    load->prefilling = saturating_sub(a, load->prefilling, 1);
     e->prefill_pending = 0;
     e->first_token = true;
     e->first_token_ns = now;
@@ -792,7 +883,8 @@ int km_active_remove_worker(km_active *a, uint32_t worker, uint64_t now_ns,
             on_removed(user, &s);
     }
     km_active_load *load = &a->workers[worker].load;
-    if (load->in_flight || load->pending_prefill_tokens || load->active_decode_blocks) {
+    if (load->in_flight || load->prefilling || load->pending_prefill_tokens ||
+        load->active_decode_blocks || load->allocated_blocks) {
         a->stats.saturations++; /* a broken sum invariant; reset rather than keep phantom load */
         memset(load, 0, sizeof *load);
     }
@@ -821,8 +913,10 @@ int km_active_get_stats(const km_active *a, km_active_stats *out)
     memset(&out->total, 0, sizeof out->total);
     for (uint32_t w = 0; w < a->cfg.max_workers; w++) {
         out->total.in_flight += a->workers[w].load.in_flight;
+        out->total.prefilling += a->workers[w].load.prefilling;
         out->total.pending_prefill_tokens += a->workers[w].load.pending_prefill_tokens;
         out->total.active_decode_blocks += a->workers[w].load.active_decode_blocks;
+        out->total.allocated_blocks += a->workers[w].load.allocated_blocks;
     }
     out->entries = a->live;
     return KM_OK;

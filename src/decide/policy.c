@@ -14,23 +14,15 @@
 /* ---- names -------------------------------------------------------------------------------- */
 
 static const char *const kind_names[KM_POLICY_KIND_COUNT] = {
-    [KM_POLICY_KV] = "kv",
-    [KM_POLICY_CACHE_AWARE] = "cache_aware",
-    [KM_POLICY_PREFIX] = "prefix",
-    [KM_POLICY_LEAST_LOAD] = "least_load",
-    [KM_POLICY_ROUND_ROBIN] = "round_robin",
+#define KM_POLICY_KIND_NAME(value, name) [value] = name,
+    KM_POLICY_KIND_LIST(KM_POLICY_KIND_NAME)
+#undef KM_POLICY_KIND_NAME
 };
 
 static const char *const reason_names[KM_POLICY_REASON_COUNT] = {
-    [KM_POLICY_REASON_MIN_COST] = "min_cost",
-    [KM_POLICY_REASON_SAMPLED] = "sampled",
-    [KM_POLICY_REASON_CACHE_HIT] = "cache_hit",
-    [KM_POLICY_REASON_IMBALANCE] = "imbalance",
-    [KM_POLICY_REASON_BELOW_THRESHOLD] = "below_threshold",
-    [KM_POLICY_REASON_DEEPEST_MATCH] = "deepest_match",
-    [KM_POLICY_REASON_NO_MATCH] = "no_match",
-    [KM_POLICY_REASON_LEAST_LOAD] = "least_load",
-    [KM_POLICY_REASON_ROUND_ROBIN] = "round_robin",
+#define KM_POLICY_REASON_NAME(value, name) [value] = name,
+    KM_POLICY_REASON_LIST(KM_POLICY_REASON_NAME)
+#undef KM_POLICY_REASON_NAME
 };
 
 const char *km_policy_kind_name(km_policy_kind kind)
@@ -71,6 +63,13 @@ const char *km_policy_load_kind(km_policy_kind kind)
         return "in_flight_requests";
     case KM_POLICY_ROUND_ROBIN:
         return "none";
+    case KM_POLICY_LLMD:
+        return "queued_requests";
+    case KM_POLICY_PREBLE:
+    case KM_POLICY_TTFT:
+        return "pending_prefill_tokens";
+    case KM_POLICY_KIND_COUNT:
+        break;
     }
     return "unknown";
 }
@@ -88,6 +87,13 @@ double km_policy_load_value(km_policy_kind kind, const km_policy_candidate *cand
         return (double)cand->in_flight;
     case KM_POLICY_ROUND_ROBIN:
         return NAN; /* weighs no load: records write null, replies nil, never a measured 0 */
+    case KM_POLICY_LLMD:
+        return (double)cand->prefilling;
+    case KM_POLICY_PREBLE:
+    case KM_POLICY_TTFT:
+        return (double)cand->pending_prefill_tokens;
+    case KM_POLICY_KIND_COUNT:
+        break;
     }
     return 0.0;
 }
@@ -108,6 +114,12 @@ void km_policy_config_init(km_policy_config *cfg)
     cfg->cache_aware.cache_threshold = 0.3;
     cfg->cache_aware.balance_abs_threshold = 64;
     cfg->cache_aware.balance_rel_threshold = 1.5;
+    cfg->llmd.prefix_weight = 3.0;
+    cfg->llmd.queue_weight = 2.0;
+    cfg->llmd.kv_usage_weight = 2.0;
+    cfg->llmd.host_tier_weight = 0.8;
+    cfg->preble.exploit_ratio = 1.0;
+    km_engine_model_init(&cfg->engine);
 }
 
 static int fail(char *why, size_t why_size, int status, const char *fmt, ...)
@@ -136,7 +148,8 @@ int km_policy_config_validate(const km_policy_config *cfg, char *why, size_t why
         return fail(why, why_size, KM_ERR_NULL_POINTER, "policy config is NULL");
     if ((unsigned)cfg->kind >= KM_POLICY_KIND_COUNT)
         return fail(why, why_size, KM_ERR_INVALID_ARGUMENT,
-                    "policy kind %d is unknown (kv, cache_aware, prefix, least_load, round_robin)",
+                    "policy kind %d is unknown (kv, cache_aware, prefix, least_load, round_robin, "
+                    "llmd, preble, ttft)",
                     (int)cfg->kind);
     int rc;
     if ((rc = check_non_negative("kv.prefill_load_scale", cfg->kv.prefill_load_scale, why,
@@ -146,8 +159,24 @@ int km_policy_config_validate(const km_policy_config *cfg, char *why, size_t why
         (rc = check_non_negative("kv.disk_weight", cfg->kv.disk_weight, why, why_size)) ||
         (rc = check_non_negative("kv.temperature", cfg->kv.temperature, why, why_size)) ||
         (rc = check_non_negative("cache_aware.balance_rel_threshold",
-                                 cfg->cache_aware.balance_rel_threshold, why, why_size)))
+                                 cfg->cache_aware.balance_rel_threshold, why, why_size)) ||
+        (rc = check_non_negative("llmd.prefix_weight", cfg->llmd.prefix_weight, why, why_size)) ||
+        (rc = check_non_negative("llmd.queue_weight", cfg->llmd.queue_weight, why, why_size)) ||
+        (rc = check_non_negative("llmd.kv_usage_weight", cfg->llmd.kv_usage_weight, why,
+                                 why_size)) ||
+        (rc = check_non_negative("preble.exploit_ratio", cfg->preble.exploit_ratio, why,
+                                 why_size)))
         return rc;
+    if (cfg->llmd.prefix_weight + cfg->llmd.queue_weight + cfg->llmd.kv_usage_weight <= 0.0)
+        return fail(why, why_size, KM_ERR_INVALID_ARGUMENT,
+                    "policy config llmd weights are all 0; at least one must be positive");
+    double h = cfg->llmd.host_tier_weight;
+    if (isnan(h) || h < 0.0 || h > 1.0)
+        return fail(why, why_size, KM_ERR_INVALID_ARGUMENT,
+                    "policy config llmd.host_tier_weight is %g; it must lie in [0, 1]", h);
+    char model_why[160];
+    if ((rc = km_engine_model_validate(&cfg->engine, model_why, sizeof model_why)))
+        return fail(why, why_size, rc, "policy config engine: %s", model_why);
     double t = cfg->cache_aware.cache_threshold;
     if (isnan(t) || t < 0.0 || t > 1.0)
         return fail(why, why_size, KM_ERR_INVALID_ARGUMENT,
@@ -437,6 +466,227 @@ static void decide_cache_aware(const km_policy_config *cfg, const km_policy_cand
     out->chosen_cost = (double)cands[out->chosen].in_flight;
 }
 
+/* ---- engine-model helpers (ttft, preble) --------------------------------------------------- */
+
+/* Tokens of the request: max(prompt_tokens, n_blocks * B). */
+static uint64_t request_tokens(const km_policy_request *req)
+{
+    uint64_t scored = (uint64_t)req->n_blocks * req->block_size;
+    return req->prompt_tokens > scored ? req->prompt_tokens : scored;
+}
+
+/* Blocks of the candidate's match an engine would count as a hit: vLLM recomputes the prompt's
+ * last token, so a hit never covers it (min(depth, (prompt - 1) / B)). */
+static uint32_t hit_blocks(const km_policy_request *req, const km_policy_candidate *c)
+{
+    uint64_t tokens = request_tokens(req);
+    if (tokens == 0)
+        return 0;
+    uint64_t cap = (tokens - 1) / req->block_size;
+    return c->depth < cap ? c->depth : (uint32_t)cap;
+}
+
+/* The candidate's load in the engine model's terms. Decode context is not tracked per request:
+ * the decodes' share of the worker's KV footprint stands in for it. */
+static km_engine_load engine_load_of(const km_policy_candidate *c, uint32_t block_size)
+{
+    km_engine_load load;
+    uint32_t prefilling = c->prefilling < c->in_flight ? c->prefilling : c->in_flight;
+    load.prefill_tokens = c->pending_prefill_tokens;
+    load.prefill_requests = prefilling;
+    load.decode_requests = c->in_flight - prefilling;
+    load.decode_context_tokens =
+        c->in_flight ? c->active_decode_blocks * block_size * load.decode_requests / c->in_flight : 0;
+    load.used_blocks = c->allocated_blocks;
+    return load;
+}
+
+/* The predicted time to first token of req on c, in microseconds (engine_model.h). */
+static double predicted_ttft_us(const km_policy_config *cfg, const km_policy_request *req,
+                                const km_policy_candidate *c)
+{
+    uint32_t hit = hit_blocks(req, c);
+    /* The hit's lower-tier blocks are the last of its depth only when the split says so; the
+     * split does not say where each tier lies, so every lower-tier block inside the hit counts. */
+    uint32_t lower = c->host_blocks + c->disk_blocks;
+    uint32_t host = c->host_blocks, disk = c->disk_blocks;
+    if (lower > hit) {
+        uint32_t drop = lower - hit;
+        uint32_t from_disk = drop < disk ? drop : disk;
+        disk -= from_disk;
+        host -= drop - from_disk;
+    }
+    uint64_t tokens = request_tokens(req);
+    uint64_t cached = (uint64_t)hit * req->block_size;
+    uint64_t request_blocks = ceil_div(tokens + req->expected_output_tokens, req->block_size);
+    km_engine_load load = engine_load_of(c, req->block_size);
+    return km_engine_model_predict_ttft_us(&cfg->engine, &load, cached, tokens - cached, host, disk,
+                                           request_blocks, req->expected_output_tokens);
+}
+
+/* ---- llmd: llm-d's precise prefix-cache scorer with its load scorers ------------------------- */
+
+static double llmd_prefix_credit(const km_policy_config *cfg, const km_policy_candidate *c)
+{
+    return (double)c->device_blocks + cfg->llmd.host_tier_weight * (double)(c->host_blocks + c->disk_blocks);
+}
+
+static double llmd_kv_usage(const km_policy_config *cfg, const km_policy_candidate *c)
+{
+    double usage = (double)c->allocated_blocks / (double)cfg->engine.capacity_blocks;
+    return usage < 1.0 ? usage : 1.0;
+}
+
+/* (value - min) / (max - min), and 1 when every candidate has the same value (llm-d's min-max
+ * normalisation; flip = 1 scores the smallest value highest). */
+static double min_max(double value, double min, double max, int flip)
+{
+    if (max == min)
+        return 1.0;
+    double x = (value - min) / (max - min);
+    return flip ? 1.0 - x : x;
+}
+
+static void decide_llmd(const km_policy_config *cfg, const km_policy_candidate *cands, uint32_t n,
+                        km_policy_decision *out, double *costs_out)
+{
+    double pmin = 0, pmax = 0, qmin = 0, qmax = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        double p = llmd_prefix_credit(cfg, &cands[i]), q = (double)cands[i].prefilling;
+        if (i == 0 || p < pmin)
+            pmin = p;
+        if (i == 0 || p > pmax)
+            pmax = p;
+        if (i == 0 || q < qmin)
+            qmin = q;
+        if (i == 0 || q > qmax)
+            qmax = q;
+    }
+    uint32_t best = 0;
+    double best_score = -1.0;
+    for (uint32_t i = 0; i < n; i++) {
+        const km_policy_candidate *c = &cands[i];
+        double score =
+            cfg->llmd.prefix_weight * min_max(llmd_prefix_credit(cfg, c), pmin, pmax, 0) +
+            cfg->llmd.queue_weight * min_max((double)c->prefilling, qmin, qmax, 1) +
+            cfg->llmd.kv_usage_weight * (1.0 - llmd_kv_usage(cfg, c));
+        if (costs_out)
+            costs_out[i] = score;
+        if (i == 0 || score > best_score ||
+            (score == best_score && compare_load(c, &cands[best]) < 0)) {
+            best = i;
+            best_score = score;
+        }
+    }
+    out->chosen = best;
+    out->chosen_cost = best_score;
+    out->reason = KM_POLICY_REASON_MAX_SCORE;
+}
+
+/* ---- preble: Preble's E2 (exploit the cached prefix, else explore by load) ------------------- */
+
+/* Preble's load cost L_i of c, in microseconds: the prefill time of the work queued there plus
+ * its running decodes' remaining output at c's time per output token. Preble sums both over a
+ * window of recent assignments and takes the median output length; here the worker's current
+ * active work stands in for the window and the request's expected output (Preble's fallback,
+ * max_new_tokens) for the median. */
+static double preble_load_us(const km_policy_config *cfg, const km_policy_request *req,
+                             const km_policy_candidate *c)
+{
+    const km_engine_model *m = &cfg->engine;
+    km_engine_load load = engine_load_of(c, req->block_size);
+    km_engine_load queue_only = load;
+    queue_only.used_blocks = 0;
+    double prefill = load.prefill_tokens
+                         ? km_engine_model_predict_ttft_us(m, &queue_only, 0, 0, 0, 0, 0, 0)
+                         : 0.0;
+    km_engine_step decode = {0, 0, load.decode_requests, load.decode_context_tokens};
+    double tpot = km_engine_model_step_us(m, &decode);
+    double output = (double)(req->expected_output_tokens ? req->expected_output_tokens : 1);
+    return prefill + (double)load.decode_requests * output * tpot;
+}
+
+static void decide_preble(const km_policy_config *cfg, const km_policy_request *req,
+                          const km_policy_candidate *cands, uint32_t n, km_policy_decision *out,
+                          double *costs_out)
+{
+    /* Exploit when the cached part (the deepest match anywhere) outweighs the rest: the candidates
+     * are the workers holding that match; else explore over every worker. Either way the lowest
+     * load cost wins (ties: the load order). */
+    bool exploit = false;
+    if (out->owner != KM_POLICY_NO_OWNER) {
+        uint64_t tokens = request_tokens(req);
+        uint64_t cached = (uint64_t)hit_blocks(req, &cands[out->owner]) * req->block_size;
+        exploit = (double)cached > cfg->preble.exploit_ratio * (double)(tokens - cached);
+    }
+    uint32_t best = UINT32_MAX;
+    double best_cost = 0.0;
+    for (uint32_t i = 0; i < n; i++) {
+        double cost = preble_load_us(cfg, req, &cands[i]) / 1000.0;
+        if (costs_out)
+            costs_out[i] = cost;
+        if (exploit && cands[i].depth != out->owner_depth)
+            continue;
+        if (best == UINT32_MAX || cost < best_cost ||
+            (cost == best_cost && compare_load(&cands[i], &cands[best]) < 0)) {
+            best = i;
+            best_cost = cost;
+        }
+    }
+    out->chosen = best;
+    out->chosen_cost = best_cost;
+    out->reason = exploit ? KM_POLICY_REASON_EXPLOIT : KM_POLICY_REASON_EXPLORE;
+}
+
+/* ---- ttft: the lowest predicted time to first token ----------------------------------------- */
+
+/* The prefill time of `tokens` tokens after `before` cached ones on an idle engine, beyond its
+ * step floor: the work a choice adds to the cluster. */
+static double prefill_work_us(const km_engine_model *m, uint64_t before, uint64_t tokens)
+{
+    return m->token_us * (double)tokens +
+           m->prefill_us_per_pair * (double)km_engine_model_chunk_pairs(before, tokens);
+}
+
+static void decide_ttft(const km_policy_config *cfg, const km_policy_request *req,
+                        const km_policy_candidate *cands, uint32_t n, km_policy_decision *out,
+                        double *costs_out)
+{
+    /* The cost of a worker: the time to first token predicted there, plus the prefill work the
+     * choice adds over the best-cached candidate (the tokens that one would not recompute) times
+     * the requests it will delay: those that arrive at that worker while it is still busy, about
+     * as many as wait there now (at least one). */
+    uint64_t tokens = request_tokens(req);
+    uint32_t best_hit = out->owner == KM_POLICY_NO_OWNER ? 0 : hit_blocks(req, &cands[out->owner]);
+    uint64_t best_cached = (uint64_t)best_hit * req->block_size;
+    double best_work = prefill_work_us(&cfg->engine, best_cached, tokens - best_cached);
+    uint32_t best = 0;
+    double best_ms = 0.0;
+    for (uint32_t i = 0; i < n; i++) {
+        const km_policy_candidate *c = &cands[i];
+        uint64_t cached = (uint64_t)hit_blocks(req, c) * req->block_size;
+        double extra = prefill_work_us(&cfg->engine, cached, tokens - cached) - best_work;
+        double delayed = c->prefilling > 1 ? (double)c->prefilling : 1.0;
+        double ms = (predicted_ttft_us(cfg, req, c) + delayed * (extra > 0 ? extra : 0)) / 1000.0;
+        if (costs_out)
+            costs_out[i] = ms;
+        int better = i == 0 || ms < best_ms;
+        if (!better && ms == best_ms) {
+            /* Equal costs: the deeper match (it leaves the others' caches for other prefixes),
+             * then the least load. */
+            int by_depth = CMP3(cands[best].depth, c->depth);
+            better = by_depth > 0 || (by_depth == 0 && compare_load(c, &cands[best]) < 0);
+        }
+        if (better) {
+            best = i;
+            best_ms = ms;
+        }
+    }
+    out->chosen = best;
+    out->chosen_cost = best_ms;
+    out->reason = KM_POLICY_REASON_MIN_TTFT;
+}
+
 /* ---- validation and dispatch -------------------------------------------------------------- */
 
 static int state_fail(km_policy_state *state, int status, const char *fmt, ...)
@@ -538,6 +788,17 @@ int km_policy_decide(const km_policy_config *cfg, km_policy_state *state,
         state->round_robin_cursor++;
         d.chosen_cost = NAN;
         d.reason = KM_POLICY_REASON_ROUND_ROBIN;
+        break;
+    case KM_POLICY_LLMD:
+        decide_llmd(cfg, cands, n, &d, costs_out);
+        break;
+    case KM_POLICY_PREBLE:
+        decide_preble(cfg, req, cands, n, &d, costs_out);
+        break;
+    case KM_POLICY_TTFT:
+        decide_ttft(cfg, req, cands, n, &d, costs_out);
+        break;
+    case KM_POLICY_KIND_COUNT:
         break;
     }
     d.chosen_depth = cands[d.chosen].depth;

@@ -1241,8 +1241,10 @@ static void decide_route(km_server *s, job *j, route_job *r, pool *p, const km_r
         km_active_load load;
         if (km_active_worker_load(s->active, ids[i], &load) == KM_OK) {
             c->in_flight = load.in_flight > UINT32_MAX ? UINT32_MAX : (uint32_t)load.in_flight;
+            c->prefilling = load.prefilling > UINT32_MAX ? UINT32_MAX : (uint32_t)load.prefilling;
             c->pending_prefill_tokens = load.pending_prefill_tokens;
             c->active_decode_blocks = load.active_decode_blocks;
+            c->allocated_blocks = load.allocated_blocks;
         }
         km_worker_stats ws;
         if (km_index_worker_stats(p->index, ids[i], &ws) == KM_OK)
@@ -1329,6 +1331,13 @@ static void decide_route(km_server *s, job *j, route_job *r, pool *p, const km_r
                                          : km_active_last_error(s->active));
         return;
     }
+    /* The cached prefix it will use there, so concurrent requests on one prefix count its KV
+     * once (best effort: without memory for it, the request counts whole). */
+    uint32_t hit = pd.chosen_depth;
+    if (prompt > 0 && hit > (prompt - 1) / p->block_size)
+        hit = (prompt - 1) / p->block_size;
+    if (hit && hit <= r->n_hashes)
+        km_active_share_prefix(s->active, &key, r->hashes[hit - 1], hit * p->block_size);
     uint64_t decision_id = atomic_fetch_add(&s->next_decision_id, 1);
 
     /* The candidates' rows, for the reply (unless the route asked for a brief one) and for the

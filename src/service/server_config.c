@@ -62,11 +62,22 @@ int km_server_policy_param(km_policy_config *p, const char *name, double value, 
         p->cache_aware.balance_abs_threshold = (uint32_t)value;
     } else if (!strcmp(name, "balance_rel_threshold"))
         p->cache_aware.balance_rel_threshold = value;
+    else if (!strcmp(name, "prefix_weight"))
+        p->llmd.prefix_weight = value;
+    else if (!strcmp(name, "queue_weight"))
+        p->llmd.queue_weight = value;
+    else if (!strcmp(name, "kv_usage_weight"))
+        p->llmd.kv_usage_weight = value;
+    else if (!strcmp(name, "host_tier_weight"))
+        p->llmd.host_tier_weight = value;
+    else if (!strcmp(name, "exploit_ratio"))
+        p->preble.exploit_ratio = value;
     else
         return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,
                     "unknown policy parameter \"%s\" (temperature, prefill_load_scale, "
                     "device_weight, host_weight, disk_weight, cache_threshold, "
-                    "balance_abs_threshold, balance_rel_threshold)",
+                    "balance_abs_threshold, balance_rel_threshold, prefix_weight, queue_weight, "
+                    "kv_usage_weight, host_tier_weight, exploit_ratio)",
                     name);
     return KM_OK;
 }
@@ -232,8 +243,14 @@ static void read_pool(reader *r, km_server_config_json *o, json_t *jp, uint32_t 
     if (!r->rc && policy && km_policy_kind_parse(policy, &p->policy.kind) != KM_OK)
         r->rc = km_why(r->why, r->why_size, KM_ERR_PARSE,
                      "%spolicy: unknown policy \"%s\" (kv, cache_aware, prefix, least_load, "
-                     "round_robin)",
+                     "round_robin, llmd, preble, ttft)",
                      where, policy);
+    const char *engine = NULL;
+    get_string(r, jp, "engine", where, &engine);
+    if (!r->rc && engine && km_engine_model_preset(engine, &p->policy.engine) != KM_OK)
+        r->rc = km_why(r->why, r->why_size, KM_ERR_PARSE,
+                       "%sengine: unknown engine preset \"%s\" (kvmatch sim --help lists them)",
+                       where, engine);
     json_t *params = json_object_get(jp, "params");
     if (!r->rc && params) {
         if (!json_is_object(params)) {
