@@ -114,9 +114,9 @@ void km_policy_config_init(km_policy_config *cfg)
     cfg->cache_aware.cache_threshold = 0.3;
     cfg->cache_aware.balance_abs_threshold = 64;
     cfg->cache_aware.balance_rel_threshold = 1.5;
-    cfg->llmd.prefix_weight = 3.0;
-    cfg->llmd.queue_weight = 2.0;
-    cfg->llmd.kv_usage_weight = 2.0;
+    cfg->llmd.prefix_weight = 2.0;
+    cfg->llmd.queue_weight = 1.0;
+    cfg->llmd.kv_usage_weight = 1.0;
     cfg->llmd.host_tier_weight = 0.8;
     cfg->preble.exploit_ratio = 1.0;
     km_engine_model_init(&cfg->engine);
@@ -550,26 +550,34 @@ static double min_max(double value, double min, double max, int flip)
 static void decide_llmd(const km_policy_config *cfg, const km_policy_candidate *cands, uint32_t n,
                         km_policy_decision *out, double *costs_out)
 {
+    /* The prefix scorer normalises over the workers that hold the request's first block only
+     * (min-max; 1 when they all match alike, a lone holder included); the others score 0. So of
+     * two holders the shorter match scores 0, as a miss does: llm-d's rule, kept. */
     double pmin = 0, pmax = 0, qmin = 0, qmax = 0;
+    bool any_holder = false;
     for (uint32_t i = 0; i < n; i++) {
-        double p = llmd_prefix_credit(cfg, &cands[i]), q = (double)cands[i].prefilling;
-        if (i == 0 || p < pmin)
-            pmin = p;
-        if (i == 0 || p > pmax)
-            pmax = p;
+        double q = (double)cands[i].prefilling;
         if (i == 0 || q < qmin)
             qmin = q;
         if (i == 0 || q > qmax)
             qmax = q;
+        if (cands[i].depth == 0)
+            continue;
+        double p = llmd_prefix_credit(cfg, &cands[i]);
+        if (!any_holder || p < pmin)
+            pmin = p;
+        if (!any_holder || p > pmax)
+            pmax = p;
+        any_holder = true;
     }
     uint32_t best = 0;
     double best_score = -1.0;
     for (uint32_t i = 0; i < n; i++) {
         const km_policy_candidate *c = &cands[i];
-        double score =
-            cfg->llmd.prefix_weight * min_max(llmd_prefix_credit(cfg, c), pmin, pmax, 0) +
-            cfg->llmd.queue_weight * min_max((double)c->prefilling, qmin, qmax, 1) +
-            cfg->llmd.kv_usage_weight * (1.0 - llmd_kv_usage(cfg, c));
+        double prefix = c->depth ? min_max(llmd_prefix_credit(cfg, c), pmin, pmax, 0) : 0.0;
+        double score = cfg->llmd.prefix_weight * prefix +
+                       cfg->llmd.queue_weight * min_max((double)c->prefilling, qmin, qmax, 1) +
+                       cfg->llmd.kv_usage_weight * (1.0 - llmd_kv_usage(cfg, c));
         if (costs_out)
             costs_out[i] = score;
         if (i == 0 || score > best_score ||
