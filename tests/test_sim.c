@@ -32,6 +32,8 @@ static void small_config(km_sim_config *cfg, uint64_t seed)
     cfg->generator.seed = seed;
     cfg->generator.requests = 120;
     cfg->workers = 4;
+    /* Small caches (64 k tokens each), so placement and eviction matter on a short workload. */
+    cfg->engine.model.capacity_blocks = 4096;
     cfg->log = quiet;
 }
 
@@ -82,10 +84,10 @@ Test(sim, deterministic_and_the_same_over_zmq, .timeout = 120)
     small_config(&cfg, 11);
     km_sim_result a[KM_SIM_MAX_POLICIES], b[KM_SIM_MAX_POLICIES], c[KM_SIM_MAX_POLICIES];
     char why[512];
-    cr_assert_eq(km_sim_run(&cfg, a, why, sizeof why), KM_OK, "%s", why);
-    cr_assert_eq(km_sim_run(&cfg, b, why, sizeof why), KM_OK, "%s", why);
+    cr_assert_eq(km_sim_run(&cfg, a, NULL, why, sizeof why), KM_OK, "%s", why);
+    cr_assert_eq(km_sim_run(&cfg, b, NULL, why, sizeof why), KM_OK, "%s", why);
     cfg.zmq = true;
-    cr_assert_eq(km_sim_run(&cfg, c, why, sizeof why), KM_OK, "%s", why);
+    cr_assert_eq(km_sim_run(&cfg, c, NULL, why, sizeof why), KM_OK, "%s", why);
     for (uint32_t i = 0; i < cfg.n_policies; i++) {
         assert_same(&a[i], &b[i], "the same seed twice", true);
         assert_same(&a[i], &c[i], "in process vs ZMQ", false);
@@ -93,7 +95,7 @@ Test(sim, deterministic_and_the_same_over_zmq, .timeout = 120)
     }
     /* Another seed is another workload. */
     small_config(&cfg, 12);
-    cr_assert_eq(km_sim_run(&cfg, b, why, sizeof why), KM_OK, "%s", why);
+    cr_assert_eq(km_sim_run(&cfg, b, NULL, why, sizeof why), KM_OK, "%s", why);
     cr_assert_neq(a[0].prompt_tokens, b[0].prompt_tokens);
 }
 
@@ -104,10 +106,10 @@ Test(sim, exact_when_events_arrive_as_they_happen, .timeout = 120)
     /* Pressure: a fast arrival rate and small caches, so engines evict mid-step. */
     cfg.generator.rate_per_s = 40;
     cfg.generator.requests = 250;
-    cfg.engine.capacity_blocks = 1024;
+    cfg.engine.model.capacity_blocks = 1024;
     km_sim_result r[KM_SIM_MAX_POLICIES];
     char why[512];
-    cr_assert_eq(km_sim_run(&cfg, r, why, sizeof why), KM_OK, "%s", why);
+    cr_assert_eq(km_sim_run(&cfg, r, NULL, why, sizeof why), KM_OK, "%s", why);
     uint64_t cache_changed = 0;
     for (uint32_t i = 0; i < cfg.n_policies; i++) {
         check_accounting(&r[i]);
@@ -122,7 +124,7 @@ Test(sim, exact_when_events_arrive_as_they_happen, .timeout = 120)
      * every inexact prediction is one of those. */
     cfg.step_delivery = true;
     km_sim_result s[KM_SIM_MAX_POLICIES];
-    cr_assert_eq(km_sim_run(&cfg, s, why, sizeof why), KM_OK, "%s", why);
+    cr_assert_eq(km_sim_run(&cfg, s, NULL, why, sizeof why), KM_OK, "%s", why);
     uint64_t inexact = 0;
     for (uint32_t i = 0; i < cfg.n_policies; i++) {
         check_accounting(&s[i]);
@@ -152,7 +154,7 @@ Test(sim, records_carry_the_simulated_ttft, .timeout = 120)
     cfg.records_dir = dir;
     km_sim_result r[KM_SIM_MAX_POLICIES];
     char why[512];
-    cr_assert_eq(km_sim_run(&cfg, r, why, sizeof why), KM_OK, "%s", why);
+    cr_assert_eq(km_sim_run(&cfg, r, NULL, why, sizeof why), KM_OK, "%s", why);
     char path[256];
     snprintf(path, sizeof path, "%s/records-kv.jsonl", dir);
 
@@ -213,7 +215,7 @@ Test(sim, cache_aware_routing_reuses_more_than_round_robin, .timeout = 120)
     cfg.n_policies = 2;
     km_sim_result r[KM_SIM_MAX_POLICIES];
     char why[512];
-    cr_assert_eq(km_sim_run(&cfg, r, why, sizeof why), KM_OK, "%s", why);
+    cr_assert_eq(km_sim_run(&cfg, r, NULL, why, sizeof why), KM_OK, "%s", why);
     cr_assert_gt(r[0].actual_reused_tokens, r[1].actual_reused_tokens,
                  "kv %llu vs round_robin %llu reused tokens",
                  (unsigned long long)r[0].actual_reused_tokens,
@@ -228,21 +230,21 @@ Test(sim, bad_settings, .timeout = 20)
     char why[512];
     small_config(&cfg, 1);
     cfg.policies[0] = "fastest";
-    cr_assert_eq(km_sim_run(&cfg, r, why, sizeof why), KM_ERR_INVALID_ARGUMENT);
+    cr_assert_eq(km_sim_run(&cfg, r, NULL, why, sizeof why), KM_ERR_INVALID_ARGUMENT);
     cr_assert(strstr(why, "fastest"), "%s", why);
     small_config(&cfg, 1);
     cfg.workers = 0;
-    cr_assert_eq(km_sim_run(&cfg, r, why, sizeof why), KM_ERR_INVALID_ARGUMENT);
+    cr_assert_eq(km_sim_run(&cfg, r, NULL, why, sizeof why), KM_ERR_INVALID_ARGUMENT);
     small_config(&cfg, 1);
     cfg.connect = "unix:/tmp/nowhere.sock";
-    cr_assert_eq(km_sim_run(&cfg, r, why, sizeof why), KM_ERR_INVALID_ARGUMENT);
+    cr_assert_eq(km_sim_run(&cfg, r, NULL, why, sizeof why), KM_ERR_INVALID_ARGUMENT);
     cr_assert(strstr(why, "--zmq"), "%s", why);
     small_config(&cfg, 1);
     cfg.trace_path = "/nonexistent/trace.jsonl";
-    cr_assert_eq(km_sim_run(&cfg, r, why, sizeof why), KM_ERR_IO);
+    cr_assert_eq(km_sim_run(&cfg, r, NULL, why, sizeof why), KM_ERR_IO);
     small_config(&cfg, 1);
     cfg.time_scale = 0;
-    cr_assert_eq(km_sim_run(&cfg, r, why, sizeof why), KM_ERR_INVALID_ARGUMENT);
+    cr_assert_eq(km_sim_run(&cfg, r, NULL, why, sizeof why), KM_ERR_INVALID_ARGUMENT);
 }
 
 /* Each fault moves the numbers the way it should (one policy, the same workload each time). */
@@ -255,12 +257,12 @@ Test(sim, faults_move_the_numbers, .timeout = 180)
     cfg.n_policies = 1;
     km_sim_result base, drop_local, drop_zmq, restart, bypass;
     char why[512];
-    cr_assert_eq(km_sim_run(&cfg, &base, why, sizeof why), KM_OK, "%s", why);
+    cr_assert_eq(km_sim_run(&cfg, &base, NULL, why, sizeof why), KM_OK, "%s", why);
     cr_assert_eq(base.exact_predictions, base.routed);
 
     /* Lost messages with no replay (in process): the index misses changes for good. */
     cfg.drop_events = 0.05;
-    cr_assert_eq(km_sim_run(&cfg, &drop_local, why, sizeof why), KM_OK, "%s", why);
+    cr_assert_eq(km_sim_run(&cfg, &drop_local, NULL, why, sizeof why), KM_OK, "%s", why);
     check_accounting(&drop_local);
     cr_assert_gt(drop_local.dropped_messages, 0);
     cr_assert_lt(drop_local.exact_predictions, drop_local.routed);
@@ -282,7 +284,7 @@ Test(sim, faults_move_the_numbers, .timeout = 180)
 
     /* The same losses over ZMQ: the subscriber sees the gaps and replay repairs them. */
     cfg.zmq = true;
-    cr_assert_eq(km_sim_run(&cfg, &drop_zmq, why, sizeof why), KM_OK, "%s", why);
+    cr_assert_eq(km_sim_run(&cfg, &drop_zmq, NULL, why, sizeof why), KM_OK, "%s", why);
     check_accounting(&drop_zmq);
     cr_assert_eq(drop_zmq.dropped_messages, drop_local.dropped_messages, "the same draws");
     cr_assert_lt(drop_zmq.routed - drop_zmq.exact_predictions,
@@ -295,7 +297,7 @@ Test(sim, faults_move_the_numbers, .timeout = 180)
      * the index still claims the old cache. */
     cfg.restart_worker = 0;
     cfg.restart_at_s = 15;
-    cr_assert_eq(km_sim_run(&cfg, &restart, why, sizeof why), KM_OK, "%s", why);
+    cr_assert_eq(km_sim_run(&cfg, &restart, NULL, why, sizeof why), KM_OK, "%s", why);
     check_accounting(&restart);
     cr_assert_gt(restart.lost_to_restart, 0);
     cr_assert_gt(restart.over_predictions, 0);
@@ -304,7 +306,7 @@ Test(sim, faults_move_the_numbers, .timeout = 180)
 
     /* A second ingress path: its requests are invisible to kvmatch, their blocks are not. */
     cfg.second_ingress = 0.3;
-    cr_assert_eq(km_sim_run(&cfg, &bypass, why, sizeof why), KM_OK, "%s", why);
+    cr_assert_eq(km_sim_run(&cfg, &bypass, NULL, why, sizeof why), KM_OK, "%s", why);
     cr_assert_eq(bypass.routed + bypass.bypassed, bypass.requests);
     cr_assert_gt(bypass.bypassed, bypass.requests / 5);
     cr_assert_lt(bypass.bypassed, bypass.requests / 2);
@@ -322,6 +324,7 @@ Test(sim, cut_recovers_or_degrades_by_replay_buffer, .timeout = 180)
     small_config(&cfg, 41);
     cfg.generator.requests = 400;
     cfg.generator.rate_per_s = 20;
+    cfg.engine.model.capacity_blocks = 1024; /* evictions during the cut */
     cfg.policies[0] = "kv";
     cfg.n_policies = 1;
     cfg.zmq = true;
@@ -331,14 +334,14 @@ Test(sim, cut_recovers_or_degrades_by_replay_buffer, .timeout = 180)
     km_sim_result base, longer, shorter, local;
     char why[512];
     cfg.cut_worker = -1;
-    cr_assert_eq(km_sim_run(&cfg, &base, why, sizeof why), KM_OK, "%s", why);
+    cr_assert_eq(km_sim_run(&cfg, &base, NULL, why, sizeof why), KM_OK, "%s", why);
     cfg.cut_worker = 0;
     cfg.replay_buffer = 100;
-    cr_assert_eq(km_sim_run(&cfg, &longer, why, sizeof why), KM_OK, "%s", why);
+    cr_assert_eq(km_sim_run(&cfg, &longer, NULL, why, sizeof why), KM_OK, "%s", why);
     cfg.replay_buffer = 4;
-    cr_assert_eq(km_sim_run(&cfg, &shorter, why, sizeof why), KM_OK, "%s", why);
+    cr_assert_eq(km_sim_run(&cfg, &shorter, NULL, why, sizeof why), KM_OK, "%s", why);
     cfg.zmq = false;
-    cr_assert_eq(km_sim_run(&cfg, &local, why, sizeof why), KM_OK, "%s", why);
+    cr_assert_eq(km_sim_run(&cfg, &local, NULL, why, sizeof why), KM_OK, "%s", why);
     check_accounting(&base);
     check_accounting(&longer);
     check_accounting(&shorter);
@@ -379,12 +382,12 @@ Test(sim, kvmatch_restart_with_and_without_snapshot, .timeout = 180)
     km_sim_result empty, restored, local;
     char why[512];
     cfg.restart_kvmatch_snapshot = false;
-    cr_assert_eq(km_sim_run(&cfg, &empty, why, sizeof why), KM_OK, "%s", why);
+    cr_assert_eq(km_sim_run(&cfg, &empty, NULL, why, sizeof why), KM_OK, "%s", why);
     cfg.restart_kvmatch_snapshot = true;
-    cr_assert_eq(km_sim_run(&cfg, &restored, why, sizeof why), KM_OK, "%s", why);
+    cr_assert_eq(km_sim_run(&cfg, &restored, NULL, why, sizeof why), KM_OK, "%s", why);
     cfg.zmq = false;
     cfg.restart_kvmatch_snapshot = false;
-    cr_assert_eq(km_sim_run(&cfg, &local, why, sizeof why), KM_OK, "%s", why);
+    cr_assert_eq(km_sim_run(&cfg, &local, NULL, why, sizeof why), KM_OK, "%s", why);
     cr_assert_eq(empty.kvmatch_restarts, 1);
     cr_assert_eq(restored.kvmatch_restarts, 1);
     check_accounting(&empty);
@@ -395,7 +398,7 @@ Test(sim, kvmatch_restart_with_and_without_snapshot, .timeout = 180)
     cr_assert_gt(local.under_predictions, empty.under_predictions);
     /* The snapshot variant needs ZMQ. */
     cfg.restart_kvmatch_snapshot = true;
-    cr_assert_eq(km_sim_run(&cfg, &local, why, sizeof why), KM_ERR_INVALID_ARGUMENT);
+    cr_assert_eq(km_sim_run(&cfg, &local, NULL, why, sizeof why), KM_ERR_INVALID_ARGUMENT);
 }
 
 /* --connect: the simulation drives a separate `kvmatch serve` process (its own pool and workers,
@@ -430,7 +433,7 @@ Test(sim, through_a_running_kvmatch_serve, .timeout = 120)
     cfg.connect = addr;
     km_sim_result r;
     char why[512];
-    int rc = km_sim_run(&cfg, &r, why, sizeof why);
+    int rc = km_sim_run(&cfg, &r, NULL, why, sizeof why);
     kill(pid, SIGTERM);
     int status = 0;
     waitpid(pid, &status, 0);
@@ -493,7 +496,7 @@ Test(sim, approximate_mode_and_router_overrides, .timeout = 120)
     snprintf(path, sizeof path, "%s/records-cache_aware.jsonl", dir);
     km_sim_result events, taught, untaught;
     uint64_t from_source, decisions, dispatched;
-    cr_assert_eq(km_sim_run(&cfg, &events, why, sizeof why), KM_OK, "%s", why);
+    cr_assert_eq(km_sim_run(&cfg, &events, NULL, why, sizeof why), KM_OK, "%s", why);
     check_accounting(&events);
     cr_assert_gt(events.overridden, 0);
     cr_assert_lt(events.overridden, events.routed);
@@ -504,7 +507,7 @@ Test(sim, approximate_mode_and_router_overrides, .timeout = 120)
     unlink(path); /* the next run's records alone (the writer appends) */
 
     cfg.approx = true;
-    cr_assert_eq(km_sim_run(&cfg, &taught, why, sizeof why), KM_OK, "%s", why);
+    cr_assert_eq(km_sim_run(&cfg, &taught, NULL, why, sizeof why), KM_OK, "%s", why);
     check_accounting(&taught);
     count_records(path, "approx", &from_source, &decisions, &dispatched);
     cr_assert_eq(decisions, taught.routed);
@@ -518,11 +521,11 @@ Test(sim, approximate_mode_and_router_overrides, .timeout = 120)
      * simulator keeps out of the table (sim.c, start_server). */
     km_sim_result again;
     unlink(path);
-    cr_assert_eq(km_sim_run(&cfg, &again, why, sizeof why), KM_OK, "%s", why);
+    cr_assert_eq(km_sim_run(&cfg, &again, NULL, why, sizeof why), KM_OK, "%s", why);
     assert_same(&taught, &again, "approximate mode twice", true);
 
     cfg.approx_dispatch_max_bytes = 0;
-    cr_assert_eq(km_sim_run(&cfg, &untaught, why, sizeof why), KM_OK, "%s", why);
+    cr_assert_eq(km_sim_run(&cfg, &untaught, NULL, why, sizeof why), KM_OK, "%s", why);
     check_accounting(&untaught);
     cr_assert_eq(untaught.overridden, taught.overridden, "the same workload, the same overrides");
     cr_assert_gt(taught.exact_predictions, untaught.exact_predictions,
@@ -537,12 +540,12 @@ Test(sim, approximate_mode_and_router_overrides, .timeout = 120)
     small_config(&cfg, 1);
     cfg.approx = true;
     cfg.zmq = true;
-    cr_assert_eq(km_sim_run(&cfg, &events, why, sizeof why), KM_ERR_INVALID_ARGUMENT);
+    cr_assert_eq(km_sim_run(&cfg, &events, NULL, why, sizeof why), KM_ERR_INVALID_ARGUMENT);
     small_config(&cfg, 1);
     cfg.approx = true;
     cfg.drop_events = 0.1;
-    cr_assert_eq(km_sim_run(&cfg, &events, why, sizeof why), KM_ERR_INVALID_ARGUMENT);
+    cr_assert_eq(km_sim_run(&cfg, &events, NULL, why, sizeof why), KM_ERR_INVALID_ARGUMENT);
     small_config(&cfg, 1);
     cfg.override = 1.0;
-    cr_assert_eq(km_sim_run(&cfg, &events, why, sizeof why), KM_ERR_INVALID_ARGUMENT);
+    cr_assert_eq(km_sim_run(&cfg, &events, NULL, why, sizeof why), KM_ERR_INVALID_ARGUMENT);
 }

@@ -29,8 +29,8 @@ static km_sim_engine *make_engine(uint32_t capacity, uint64_t seed)
 {
     km_sim_engine_config cfg;
     km_sim_engine_config_init(&cfg);
-    cfg.block_size = BS;
-    cfg.capacity_blocks = capacity;
+    cfg.model.block_size = BS;
+    cfg.model.capacity_blocks = capacity;
     cfg.process_seed = seed;
     km_sim_engine *e = NULL;
     cr_assert_eq(km_sim_engine_create(&cfg, &e), KM_OK);
@@ -85,15 +85,15 @@ Test(sim_engine, config_and_errors, .timeout = 10)
 {
     km_sim_engine_config cfg;
     km_sim_engine_config_init(&cfg);
-    cr_assert_eq(cfg.block_size, 16);
+    cr_assert_eq(cfg.model.block_size, 16);
     km_sim_engine *e = NULL;
-    cfg.block_size = 0;
+    cfg.model.block_size = 0;
     cr_assert_eq(km_sim_engine_create(&cfg, &e), KM_ERR_BLOCK_SIZE);
     km_sim_engine_config_init(&cfg);
-    cfg.capacity_blocks = 0;
+    cfg.model.capacity_blocks = 0;
     cr_assert_eq(km_sim_engine_create(&cfg, &e), KM_ERR_INVALID_ARGUMENT);
     km_sim_engine_config_init(&cfg);
-    cfg.prefill_us_per_token = -1;
+    cfg.model.token_us = -1;
     cr_assert_eq(km_sim_engine_create(&cfg, &e), KM_ERR_INVALID_ARGUMENT);
     cr_assert_eq(km_sim_engine_create(NULL, NULL), KM_ERR_NULL_POINTER);
     km_sim_engine_destroy(NULL);
@@ -324,8 +324,8 @@ Test(sim_engine, restart_drops_everything_and_restarts_seq, .timeout = 10)
 {
     km_sim_engine_config cfg;
     km_sim_engine_config_init(&cfg);
-    cfg.block_size = BS;
-    cfg.capacity_blocks = 16;
+    cfg.model.block_size = BS;
+    cfg.model.capacity_blocks = 16;
     cfg.process_seed = 11;
     km_sim_engine *e;
     cr_assert_eq(km_sim_engine_create(&cfg, &e), KM_OK);
@@ -383,17 +383,43 @@ static km_sim_completion next_completion(km_sim_engine *e)
     return c;
 }
 
+/* Round time constants, so the known answers below read as arithmetic (no preset's figures). */
+static void fixed_time_model(km_sim_engine_config *cfg)
+{
+    cfg->model.step_floor_us = 1000.0;
+    cfg->model.token_us = 100.0;
+    cfg->model.prefill_us_per_pair = 0.0;
+    cfg->model.decode_us_per_request = 50.0;
+    cfg->model.decode_us_per_context_token = 0.064;
+    cfg->model.max_num_batched_tokens = 8192;
+    cfg->model.max_num_seqs = 256;
+}
+
 Test(sim_engine, time_model_and_single_request_timeline, .timeout = 10)
 {
     km_sim_engine_config cfg;
     km_sim_engine_config_init(&cfg);
-    cr_assert_float_eq(km_sim_engine_prefill_time_us(&cfg, 1000), 8000.0 + 100.0 * 1000, 1e-6);
-    cr_assert_float_eq(km_sim_engine_decode_step_us(&cfg, 4, 10000), 8000.0 + 200 + 640, 1e-6);
-    cr_assert_float_eq(km_sim_engine_step_us(&cfg, 10, 2, 100),
-                       8000.0 + 1000 + 100 + 6.4, 1e-6);
+    fixed_time_model(&cfg);
+    km_engine_step prefill = {1000, 0, 0, 0}, decode = {0, 0, 4, 10000}, mixed = {10, 0, 2, 100};
+    /* The linear layers take the longer of the floor (weights read once) and the tokens' compute. */
+    cr_assert_float_eq(km_engine_model_step_us(&cfg.model, &prefill), 100.0 * 1000, 1e-6);
+    cr_assert_float_eq(km_engine_model_step_us(&cfg.model, &decode), 1000.0 + 200 + 640, 1e-6);
+    cr_assert_float_eq(km_engine_model_step_us(&cfg.model, &mixed), 100.0 * 12 + 100 + 6.4, 1e-6);
+    km_engine_step small = {5, 0, 0, 0};
+    cr_assert_float_eq(km_engine_model_step_us(&cfg.model, &small), 1000.0, 1e-6);
+    km_engine_step pairs = {0, 1000, 0, 0};
+    cfg.model.prefill_us_per_pair = 0.5;
+    cr_assert_float_eq(km_engine_model_step_us(&cfg.model, &pairs), 1000.0 + 500, 1e-6);
+    cfg.model.prefill_us_per_pair = 0.0;
+    /* A chunk of c tokens after k attends to c * k + c * (c + 1) / 2 pairs; chunking a prompt
+     * does not change its total. */
+    cr_assert_eq(km_engine_model_chunk_pairs(0, 4), 10);
+    cr_assert_eq(km_engine_model_chunk_pairs(6, 4), 34);
+    cr_assert_eq(km_engine_model_chunk_pairs(0, 6) + km_engine_model_chunk_pairs(6, 4),
+                 km_engine_model_chunk_pairs(0, 10));
 
-    cfg.block_size = BS;
-    cfg.capacity_blocks = 64;
+    cfg.model.block_size = BS;
+    cfg.model.capacity_blocks = 64;
     km_sim_engine *e;
     cr_assert_eq(km_sim_engine_create(&cfg, &e), KM_OK);
     cr_assert_eq(km_sim_engine_next_event_us(e), UINT64_MAX);
@@ -406,15 +432,15 @@ Test(sim_engine, time_model_and_single_request_timeline, .timeout = 10)
     cr_assert_eq(c.kind, KM_SIM_ADMITTED);
     cr_assert_eq(c.time_us, 1000);
     cr_assert_eq(c.cached_tokens, 0);
-    uint64_t t1 = 1000 + 8000 + 100 * 20;
+    uint64_t t1 = 1000 + 100 * 20;
     cr_assert_eq(km_sim_engine_next_event_us(e), t1);
     cr_assert_eq(km_sim_engine_advance(e, UINT64_MAX - 1), KM_OK);
     c = next_completion(e);
     cr_assert_eq(c.kind, KM_SIM_FIRST_TOKEN);
     cr_assert_eq(c.time_us, t1);
     /* Two decode steps of one request with 21, then 22 tokens of context. */
-    uint64_t t2 = t1 + (uint64_t)ceil(8000 + 50 + 0.064 * 21);
-    uint64_t t3 = t2 + (uint64_t)ceil(8000 + 50 + 0.064 * 22);
+    uint64_t t2 = t1 + (uint64_t)ceil(1000 + 50 + 0.064 * 21);
+    uint64_t t3 = t2 + (uint64_t)ceil(1000 + 50 + 0.064 * 22);
     c = next_completion(e);
     cr_assert_eq(c.kind, KM_SIM_FINISHED);
     cr_assert_eq(c.time_us, t3, "finished at %" PRIu64 ", expected %" PRIu64, c.time_us, t3);
@@ -432,10 +458,10 @@ Test(sim_engine, time_model_and_single_request_timeline, .timeout = 10)
     cr_assert_eq(km_sim_engine_advance(e, UINT64_MAX - 1), KM_OK);
     c = next_completion(e);
     cr_assert_eq(c.kind, KM_SIM_FIRST_TOKEN);
-    cr_assert_eq(c.time_us, t3 + 5 + 8000 + 100 * 4);
+    cr_assert_eq(c.time_us, t3 + 5 + 1000);
     c = next_completion(e);
     cr_assert_eq(c.kind, KM_SIM_FINISHED);
-    cr_assert_eq(c.time_us, t3 + 5 + 8000 + 100 * 4);
+    cr_assert_eq(c.time_us, t3 + 5 + 1000);
     cr_assert_eq(km_sim_engine_submit(e, 9, t, 20, 1, 0), KM_ERR_INVALID_ARGUMENT);
     km_sim_engine_destroy(e);
 }
@@ -444,42 +470,54 @@ Test(sim_engine, scheduler_batches_and_queues, .timeout = 10)
 {
     km_sim_engine_config cfg;
     km_sim_engine_config_init(&cfg);
-    cfg.block_size = BS;
-    cfg.capacity_blocks = 12;
-    cfg.max_batch = 2;
-    cfg.max_prefill_tokens_per_step = 30;
+    fixed_time_model(&cfg);
+    cfg.model.block_size = BS;
+    cfg.model.capacity_blocks = 12;
+    cfg.model.max_num_seqs = 2;
+    cfg.model.max_num_batched_tokens = 30;
     km_sim_engine *e;
     cr_assert_eq(km_sim_engine_create(&cfg, &e), KM_OK);
     uint32_t t[4][16];
     for (int i = 0; i < 4; i++)
         make_tokens(t[i], 16, (uint32_t)i + 1, 0, (uint32_t)i + 1);
-    /* Each needs (16 + 4) / 4 = 5 blocks: two fit in 12, a third waits for blocks. */
+    /* Each needs (16 + 4) / 4 = 5 blocks: two fit in 12, a third waits. */
     for (int i = 0; i < 3; i++)
         cr_assert_eq(km_sim_engine_submit(e, (uint64_t)i, t[i], 16, 4, 0), KM_OK);
-    /* A request that can never fit is rejected, not stuck. */
+    /* A request that can never fit is rejected when it reaches the head, not stuck. */
     uint32_t big[64] = {0};
     cr_assert_eq(km_sim_engine_submit(e, 99, big, 64, 1, 0), KM_OK);
     cr_assert_eq(km_sim_engine_advance(e, 0), KM_OK);
-    /* The prefill budget (30) admits only request 0 in the first step (16 + 16 > 30). */
+    /* The budget (30 tokens) takes request 0 whole and the first 14 tokens of request 1 (chunked
+     * prefill); max_num_seqs (2) keeps request 2 waiting. */
     km_sim_completion c = next_completion(e);
     cr_assert_eq(c.request_id, 0);
     cr_assert_eq(c.kind, KM_SIM_ADMITTED);
-    cr_assert_eq(km_sim_engine_next_completion(e, &c), 0);
-    uint64_t end1 = km_sim_engine_next_event_us(e);
-    cr_assert_eq(end1, 8000 + 1600);
-    cr_assert_eq(km_sim_engine_advance(e, end1), KM_OK);
-    c = next_completion(e);
-    cr_assert_eq(c.kind, KM_SIM_FIRST_TOKEN);
-    /* Step 2 starts at end1: request 0 decodes, request 1 is admitted (batch 2 = max). */
     c = next_completion(e);
     cr_assert_eq(c.request_id, 1);
     cr_assert_eq(c.kind, KM_SIM_ADMITTED);
-    cr_assert_eq(c.time_us, end1);
+    cr_assert_eq(km_sim_engine_next_completion(e, &c), 0);
+    uint64_t end1 = km_sim_engine_next_event_us(e);
+    cr_assert_eq(end1, 100 * 30);
+    cr_assert_eq(km_sim_engine_advance(e, end1), KM_OK);
+    c = next_completion(e);
+    cr_assert_eq(c.request_id, 0);
+    cr_assert_eq(c.kind, KM_SIM_FIRST_TOKEN);
+    cr_assert_eq(km_sim_engine_next_completion(e, &c), 0, "request 1 is still prefilling");
     km_sim_engine_stats st;
     km_sim_engine_get_stats(e, &st);
+    /* Request 1's first three blocks (12 of its 14 computed tokens) are cached already. */
+    cr_assert_eq(st.blocks_stored, 4 + 3);
     cr_assert_eq(st.waiting, 2);
     cr_assert_eq(st.running, 2);
-    cr_assert(st.blocks_in_use <= cfg.capacity_blocks);
+    /* Step 2: request 0 decodes (context 17), request 1 prefills its last 2 tokens. */
+    uint64_t end2 = end1 + (uint64_t)ceil(1000 + 50 + 0.064 * 17);
+    cr_assert_eq(km_sim_engine_next_event_us(e), end2);
+    cr_assert_eq(km_sim_engine_advance(e, end2), KM_OK);
+    c = next_completion(e);
+    cr_assert_eq(c.request_id, 1);
+    cr_assert_eq(c.kind, KM_SIM_FIRST_TOKEN);
+    cr_assert_eq(c.time_us, end2);
+    cr_assert(st.blocks_in_use <= cfg.model.capacity_blocks);
     /* Run everything. */
     cr_assert_eq(km_sim_engine_advance(e, UINT64_MAX - 1), KM_OK);
     int finished = 0, rejected = 0, admitted = 0;
@@ -777,8 +815,8 @@ Test(sim_engine, property_random_ops_match_brute_force_model, .timeout = 60)
         uint64_t seed = km_rng_next(&r);
         km_sim_engine_config cfg;
         km_sim_engine_config_init(&cfg);
-        cfg.block_size = BS;
-        cfg.capacity_blocks = cap;
+        cfg.model.block_size = BS;
+        cfg.model.capacity_blocks = cap;
         cfg.process_seed = seed;
         km_sim_engine *e;
         cr_assert_eq(km_sim_engine_create(&cfg, &e), KM_OK);
@@ -923,10 +961,10 @@ Test(sim_engine, scheduler_events_feed_an_exact_index, .timeout = 60)
     for (int round = 0; round < 3; round++) {
         km_sim_engine_config cfg;
         km_sim_engine_config_init(&cfg);
-        cfg.block_size = BS;
-        cfg.capacity_blocks = 24 + km_rng_below(&r, 64);
-        cfg.max_batch = 1 + km_rng_below(&r, 8);
-        cfg.max_prefill_tokens_per_step = 16 + km_rng_below(&r, 64);
+        cfg.model.block_size = BS;
+        cfg.model.capacity_blocks = 24 + km_rng_below(&r, 64);
+        cfg.model.max_num_seqs = 1 + km_rng_below(&r, 8);
+        cfg.model.max_num_batched_tokens = 16 + km_rng_below(&r, 64);
         cfg.process_seed = km_rng_next(&r);
         cfg.clear_on_restart = round == 2;
         km_sim_engine *e;
@@ -959,7 +997,7 @@ Test(sim_engine, scheduler_events_feed_an_exact_index, .timeout = 60)
                 cr_assert_eq(km_sim_engine_advance(e, next), KM_OK, "%s",
                              km_sim_engine_last_error(e));
                 km_sim_engine_get_stats(e, &st);
-                KM_CHECK(st.blocks_in_use <= cfg.capacity_blocks, "capacity");
+                KM_CHECK(st.blocks_in_use <= cfg.model.capacity_blocks, "capacity");
                 /* Evictions of a step that has just started are published when it ends (as in
                  * vLLM): compare when what was published describes the cache. */
                 if (st.steps != before && km_sim_engine_pending_events(e) == 0) {
@@ -1009,9 +1047,9 @@ static run_digest run_fixed_workload(uint64_t seed)
     km_rng_init(&r, seed);
     km_sim_engine_config cfg;
     km_sim_engine_config_init(&cfg);
-    cfg.block_size = BS;
-    cfg.capacity_blocks = 40;
-    cfg.max_batch = 4;
+    cfg.model.block_size = BS;
+    cfg.model.capacity_blocks = 40;
+    cfg.model.max_num_seqs = 4;
     km_sim_engine *e;
     cr_assert_eq(km_sim_engine_create(&cfg, &e), KM_OK);
     run_digest d = {0, 0, 0, 0};

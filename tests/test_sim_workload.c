@@ -1,14 +1,17 @@
-/* The simulator's built-in workload (src/sim/workload.h): deterministic, Mooncake-shaped (shared
- * system prompts, multi-turn sessions whose turns extend each other, bounded prompts), and its
- * chain hashes share exactly the prefixes its ids share. */
+/* The simulator's built-in workloads (src/sim/workload.h): deterministic per seed, each shape with
+ * the sharing it promises (shared prefixes, sessions whose turns extend each other, bounded
+ * prompts), chain hashes that share exactly the tokens the ids share, and workload statistics
+ * against a brute-force count over chain hashes. */
 #include <stdlib.h>
 #include <string.h>
 
 #include <criterion/criterion.h>
 
 #include "kvmatch/error.h"
+#include "base/u64_map.h"
 #include "sim/workload.h"
 #include "sim/trace.h"
+#include "test_util.h"
 
 static bool same_trace(const km_trace *a, const km_trace *b)
 {
@@ -24,92 +27,201 @@ static bool same_trace(const km_trace *a, const km_trace *b)
     return true;
 }
 
-Test(sim_workload, deterministic_per_seed, .timeout = 20)
+Test(sim_workload, deterministic_per_seed, .timeout = 30)
 {
-    km_sim_generator_config cfg;
-    km_sim_generator_config_init(&cfg);
-    km_trace a, b, c;
-    cr_assert_eq(km_sim_generate_trace(&cfg, &a, NULL, 0), KM_OK);
-    cr_assert_eq(km_sim_generate_trace(&cfg, &b, NULL, 0), KM_OK);
-    cfg.seed = 2;
-    cr_assert_eq(km_sim_generate_trace(&cfg, &c, NULL, 0), KM_OK);
-    cr_assert_eq(a.n_requests, cfg.requests);
-    cr_assert(same_trace(&a, &b), "the same seed gives the same trace");
-    cr_assert_not(same_trace(&a, &c), "another seed gives another trace");
-    km_trace_free(&a);
-    km_trace_free(&b);
-    km_trace_free(&c);
+    for (unsigned k = 0; k < KM_SIM_SHAPE_COUNT; k++) {
+        km_sim_generator_config cfg;
+        cr_assert_eq(km_sim_generator_config_shape((km_sim_shape)k, &cfg), KM_OK);
+        km_trace a, b, c;
+        cr_assert_eq(km_sim_generate_trace(&cfg, &a, NULL, 0), KM_OK);
+        cr_assert_eq(km_sim_generate_trace(&cfg, &b, NULL, 0), KM_OK);
+        cfg.seed = 2;
+        cr_assert_eq(km_sim_generate_trace(&cfg, &c, NULL, 0), KM_OK);
+        cr_assert_eq(a.n_requests, cfg.requests, "%s", km_sim_shape_name((km_sim_shape)k));
+        cr_assert(same_trace(&a, &b), "%s: the same seed gives the same trace",
+                  km_sim_shape_name((km_sim_shape)k));
+        cr_assert_not(same_trace(&a, &c), "%s: another seed gives another trace",
+                      km_sim_shape_name((km_sim_shape)k));
+        km_trace_free(&a);
+        km_trace_free(&b);
+        km_trace_free(&c);
+    }
 }
 
-Test(sim_workload, mooncake_shape, .timeout = 20)
+Test(sim_workload, shape_names_round_trip)
 {
-    km_sim_generator_config cfg;
-    km_sim_generator_config_init(&cfg);
-    cfg.requests = 2000;
-    km_trace t;
-    cr_assert_eq(km_sim_generate_trace(&cfg, &t, NULL, 0), KM_OK);
-    /* System prompt ids are the smallest: they come first. */
-    uint32_t sys_ids = cfg.system_prompts * cfg.system_prompt_ids_max;
-    size_t extends = 0, on_popular = 0;
-    for (size_t i = 0; i < t.n_requests; i++) {
-        const km_trace_request *r = &t.requests[i];
-        if (i)
-            cr_assert_geq(r->timestamp_ms, t.requests[i - 1].timestamp_ms, "arrival order");
-        cr_assert_leq(r->n_ids, cfg.max_input_ids);
-        cr_assert_eq(r->input_length, r->n_ids * KM_SIM_TOKENS_PER_ID);
-        cr_assert_geq(r->output_length, 1);
-        cr_assert_leq(r->output_length, 8 * cfg.output_tokens_mean);
-        cr_assert_lt(r->ids[0], sys_ids, "request %zu starts with a system prompt", i);
-        on_popular += r->ids[0] == 0;
-        /* A later turn: some earlier request's ids are a strict prefix of these. */
-        for (size_t j = i; j-- > 0 && i - j < 400;) {
-            const km_trace_request *q = &t.requests[j];
-            if (q->n_ids < r->n_ids && q->ids[q->n_ids - 1] >= sys_ids &&
-                !memcmp(q->ids, r->ids, q->n_ids * sizeof *q->ids)) {
-                extends++;
-                break;
-            }
+    for (unsigned k = 0; k < KM_SIM_SHAPE_COUNT; k++) {
+        km_sim_shape s;
+        cr_assert_eq(km_sim_shape_parse(km_sim_shape_name((km_sim_shape)k), &s), KM_OK);
+        cr_assert_eq(s, (km_sim_shape)k);
+    }
+    km_sim_shape s;
+    cr_assert_eq(km_sim_shape_parse("chats", &s), KM_ERR_INVALID_ARGUMENT);
+    cr_assert_eq(km_sim_shape_parse(NULL, &s), KM_ERR_NULL_POINTER);
+    cr_assert_str_eq(km_sim_shape_name(KM_SIM_SHAPE_COUNT), "unknown");
+}
+
+/* The tokens two prompts share from their start, from their ids alone: whole ids while both use
+ * them whole, then the shorter use of the first id they both use in part. */
+static uint32_t common_tokens(const km_trace_request *a, const km_trace_request *b)
+{
+    uint32_t common = 0;
+    for (uint32_t k = 0; k < a->n_ids && k < b->n_ids && a->ids[k] == b->ids[k]; k++) {
+        uint32_t ua = a->input_length - k * KM_SIM_TOKENS_PER_ID;
+        uint32_t ub = b->input_length - k * KM_SIM_TOKENS_PER_ID;
+        ua = ua < KM_SIM_TOKENS_PER_ID ? ua : KM_SIM_TOKENS_PER_ID;
+        ub = ub < KM_SIM_TOKENS_PER_ID ? ub : KM_SIM_TOKENS_PER_ID;
+        common += ua < ub ? ua : ub;
+        if (ua < KM_SIM_TOKENS_PER_ID || ub < KM_SIM_TOKENS_PER_ID)
+            break;
+    }
+    return common;
+}
+
+/* Does some earlier request's prompt lie wholly inside r's, beyond the shared prefixes (an earlier
+ * turn of r's session)? */
+static bool extends_an_earlier_turn(const km_trace *t, size_t i, uint32_t shared_ids)
+{
+    const km_trace_request *r = &t->requests[i];
+    for (size_t j = i; j-- > 0 && i - j < 2000;) {
+        const km_trace_request *q = &t->requests[j];
+        if (q->input_length < r->input_length && q->ids[q->n_ids - 1] >= shared_ids &&
+            common_tokens(q, r) == q->input_length)
+            return true;
+    }
+    return false;
+}
+
+Test(sim_workload, each_shape_shares_what_it_promises, .timeout = 60)
+{
+    for (unsigned k = 0; k < KM_SIM_SHAPE_COUNT; k++) {
+        km_sim_generator_config cfg;
+        km_sim_generator_config_shape((km_sim_shape)k, &cfg);
+        cfg.requests = 1500;
+        const char *name = km_sim_shape_name((km_sim_shape)k);
+        km_trace t;
+        cr_assert_eq(km_sim_generate_trace(&cfg, &t, NULL, 0), KM_OK, "%s", name);
+        /* The header's and the prefixes' ids come first: the smallest ids. */
+        uint32_t shared_ids = cfg.common_tokens / KM_SIM_TOKENS_PER_ID +
+                              cfg.prefixes * ((cfg.prefix_tokens_max + KM_SIM_TOKENS_PER_ID - 1) /
+                                              KM_SIM_TOKENS_PER_ID);
+        size_t extends = 0, on_first = 0;
+        for (size_t i = 0; i < t.n_requests; i++) {
+            const km_trace_request *r = &t.requests[i];
+            if (i)
+                cr_assert_geq(r->timestamp_ms, t.requests[i - 1].timestamp_ms, "%s: order", name);
+            cr_assert_leq(r->input_length, cfg.max_input_tokens, "%s", name);
+            cr_assert_geq(r->input_length,
+                          cfg.common_tokens + cfg.prefix_tokens_min + cfg.new_tokens_min, "%s", name);
+            cr_assert_eq(r->n_ids, (r->input_length + KM_SIM_TOKENS_PER_ID - 1) / KM_SIM_TOKENS_PER_ID,
+                         "%s", name);
+            cr_assert(r->output_length >= 1 && r->output_length <= 8 * cfg.output_tokens_mean,
+                      "%s", name);
+            cr_assert_lt(r->ids[0], shared_ids, "%s: request %zu starts with a shared prefix", name, i);
+            on_first += common_tokens(r, &t.requests[0]) >= cfg.common_tokens + 1;
+            if (i > 0 && t.requests[0].ids[0] == r->ids[0] && cfg.common_tokens)
+                cr_assert_geq(common_tokens(r, &t.requests[0]), cfg.common_tokens, "%s", name);
+            extends += extends_an_earlier_turn(&t, i, shared_ids);
         }
+        if (cfg.session_share > 0) {
+            /* Sessions of several turns: a good share of requests extend an earlier one. */
+            cr_assert_gt(extends, t.n_requests / 3, "%s: %zu of %zu extend an earlier turn", name,
+                         extends, t.n_requests);
+        } else {
+            cr_assert_eq(extends, 0, "%s: single turns extend nothing", name);
+        }
+        /* Popular prefixes: the first request's prefix comes back often. */
+        cr_assert_gt(on_first, t.n_requests / 20, "%s", name);
+        km_trace_free(&t);
     }
-    /* With 70% sessions of 2..6 turns, well over a third of requests continue a conversation. */
-    cr_assert_gt(extends, t.n_requests / 3, "%zu of %zu requests extend an earlier turn", extends,
-                 t.n_requests);
-    /* Zipf over 4 prompts: the first is the most used (48% expected). */
-    cr_assert_gt(on_popular, t.n_requests / 3);
-    /* Poisson arrivals at 8/s of sessions and singles: the trace spans at least a few minutes. */
-    double span_s = (double)t.requests[t.n_requests - 1].timestamp_ms / 1000.0;
-    cr_assert_gt(span_s, 60.0);
-    km_trace_free(&t);
 }
 
-Test(sim_workload, chain_hashes_share_what_ids_share, .timeout = 30)
+Test(sim_workload, chain_hashes_share_what_ids_share, .timeout = 60)
 {
-    km_sim_generator_config cfg;
-    km_sim_generator_config_init(&cfg);
-    cfg.requests = 200;
-    km_trace t;
-    cr_assert_eq(km_sim_generate_trace(&cfg, &t, NULL, 0), KM_OK);
-    const uint32_t bs = 16, per_id = KM_SIM_TOKENS_PER_ID / bs;
-    uint64_t *ha = malloc(cfg.max_input_ids * per_id * sizeof *ha);
-    uint64_t *hb = malloc(cfg.max_input_ids * per_id * sizeof *hb);
-    for (size_t i = 1; i < t.n_requests; i++) {
-        const km_trace_request *a = &t.requests[i - 1], *b = &t.requests[i];
-        uint32_t na, nb;
-        cr_assert_eq(km_trace_chain_hashes(a, bs, KM_SIM_TOKENS_PER_ID, ha, &na), KM_OK);
-        cr_assert_eq(km_trace_chain_hashes(b, bs, KM_SIM_TOKENS_PER_ID, hb, &nb), KM_OK);
-        cr_assert_eq(na, a->n_ids * per_id);
-        uint32_t common = 0;
-        while (common < a->n_ids && common < b->n_ids && a->ids[common] == b->ids[common])
-            common++;
-        uint32_t shared = 0;
-        while (shared < na && shared < nb && ha[shared] == hb[shared])
-            shared++;
-        cr_assert_eq(shared, common * per_id, "requests %zu/%zu: %u common ids, %u shared blocks",
-                     i - 1, i, common, shared);
+    for (unsigned k = 0; k < KM_SIM_SHAPE_COUNT; k++) {
+        km_sim_generator_config cfg;
+        km_sim_generator_config_shape((km_sim_shape)k, &cfg);
+        cfg.requests = 150;
+        km_trace t;
+        cr_assert_eq(km_sim_generate_trace(&cfg, &t, NULL, 0), KM_OK);
+        const uint32_t bs = 16;
+        size_t cap = cfg.max_input_tokens / bs + 1;
+        uint64_t *ha = malloc(cap * sizeof *ha), *hb = malloc(cap * sizeof *hb);
+        for (size_t i = 1; i < t.n_requests; i++) {
+            const km_trace_request *a = &t.requests[i - 1], *b = &t.requests[i];
+            uint32_t na, nb;
+            cr_assert_eq(km_trace_chain_hashes(a, bs, KM_SIM_TOKENS_PER_ID, ha, &na), KM_OK);
+            cr_assert_eq(km_trace_chain_hashes(b, bs, KM_SIM_TOKENS_PER_ID, hb, &nb), KM_OK);
+            cr_assert_eq(na, a->input_length / bs);
+            uint32_t shared = 0;
+            while (shared < na && shared < nb && ha[shared] == hb[shared])
+                shared++;
+            cr_assert_eq(shared, common_tokens(a, b) / bs, "%s: requests %zu/%zu",
+                         km_sim_shape_name((km_sim_shape)k), i - 1, i);
+        }
+        free(ha);
+        free(hb);
+        km_trace_free(&t);
     }
-    free(ha);
-    free(hb);
-    km_trace_free(&t);
+}
+
+/* Reusable tokens by brute force: every full block's chain hash seen in an earlier prompt, the
+ * leading run of them, never the prompt's last token. */
+static uint64_t reusable_by_hashes(const km_trace *t, uint32_t bs)
+{
+    km_memory memory = {0};
+    km_u64map seen;
+    km_u64map_init(&seen, &memory);
+    uint64_t *h = malloc(((size_t)1 << 20) * sizeof *h);
+    uint64_t total = 0;
+    for (size_t i = 0; i < t->n_requests; i++) {
+        const km_trace_request *r = &t->requests[i];
+        uint32_t n;
+        cr_assert_eq(km_trace_chain_hashes(r, bs, KM_SIM_TOKENS_PER_ID, h, &n), KM_OK);
+        uint32_t run = 0;
+        while (run < n && km_u64map_find(&seen, km_u64map_key(h[run])))
+            run++;
+        uint32_t cap = (r->input_length - 1) / bs;
+        total += (uint64_t)(run < cap ? run : cap) * bs;
+        for (uint32_t b = 0; b < n; b++)
+            cr_assert_eq(km_u64map_put(&seen, km_u64map_key(h[b]), 1, 1), KM_OK);
+    }
+    free(h);
+    km_u64map_free(&seen);
+    return total;
+}
+
+Test(sim_workload, statistics_match_a_brute_force_count, .timeout = 60)
+{
+    for (unsigned k = 0; k < KM_SIM_SHAPE_COUNT; k++) {
+        km_sim_generator_config cfg;
+        km_sim_generator_config_shape((km_sim_shape)k, &cfg);
+        cfg.requests = 300;
+        cfg.seed = km_test_seed() + k;
+        km_trace t;
+        cr_assert_eq(km_sim_generate_trace(&cfg, &t, NULL, 0), KM_OK);
+        for (uint32_t bs = 16; bs <= 64; bs *= 4) {
+            km_sim_workload_stats st;
+            cr_assert_eq(km_sim_workload_stats_of(&t, bs, &st), KM_OK);
+            uint64_t expect = reusable_by_hashes(&t, bs);
+            cr_assert_eq(st.reusable_tokens, expect, "%s, block %u, seed %llu: %llu reusable, "
+                         "brute force %llu", km_sim_shape_name((km_sim_shape)k), bs,
+                         (unsigned long long)cfg.seed, (unsigned long long)st.reusable_tokens,
+                         (unsigned long long)expect);
+            uint64_t prompt = 0;
+            for (size_t i = 0; i < t.n_requests; i++)
+                prompt += t.requests[i].input_length;
+            cr_assert_eq(st.prompt_tokens, prompt);
+            cr_assert_float_eq(st.reusable_share, (double)expect / (double)prompt, 1e-12);
+            cr_assert(st.prompt_p50 <= st.prompt_p99 && st.prompt_mean > 0);
+            cr_assert_gt(st.arrival_rate_per_s, 0);
+        }
+        km_trace_free(&t);
+    }
+    km_sim_workload_stats st;
+    cr_assert_eq(km_sim_workload_stats_of(NULL, 16, &st), KM_ERR_NULL_POINTER);
+    km_trace empty = {0};
+    cr_assert_eq(km_sim_workload_stats_of(&empty, 0, &st), KM_ERR_BLOCK_SIZE);
 }
 
 Test(sim_workload, bad_configs_and_trim, .timeout = 10)
@@ -131,9 +243,18 @@ Test(sim_workload, bad_configs_and_trim, .timeout = 10)
     cfg.turns_max = 1;
     cr_assert_eq(km_sim_generate_trace(&cfg, &t, why, sizeof why), KM_ERR_INVALID_ARGUMENT);
     km_sim_generator_config_init(&cfg);
-    cfg.max_input_ids = cfg.system_prompt_ids_max;
+    cfg.max_input_tokens = cfg.prefix_tokens_max;
+    cr_assert_eq(km_sim_generate_trace(&cfg, &t, why, sizeof why), KM_ERR_INVALID_ARGUMENT);
+    cr_assert(strstr(why, "max_input_tokens"), "%s", why);
+    km_sim_generator_config_init(&cfg);
+    cfg.common_tokens = 100;
+    cr_assert_eq(km_sim_generate_trace(&cfg, &t, why, sizeof why), KM_ERR_INVALID_ARGUMENT);
+    cr_assert(strstr(why, "common_tokens"), "%s", why);
+    km_sim_generator_config_init(&cfg);
+    cfg.shape = KM_SIM_SHAPE_COUNT;
     cr_assert_eq(km_sim_generate_trace(&cfg, &t, why, sizeof why), KM_ERR_INVALID_ARGUMENT);
     cr_assert_eq(km_sim_generate_trace(NULL, &t, why, sizeof why), KM_ERR_NULL_POINTER);
+    cr_assert_eq(km_sim_generator_config_shape(KM_SIM_SHAPE_COUNT, &cfg), KM_ERR_INVALID_ARGUMENT);
 
     km_sim_generator_config_init(&cfg);
     cr_assert_eq(km_sim_generate_trace(&cfg, &t, NULL, 0), KM_OK);

@@ -106,7 +106,7 @@ Test(trace, timestamp_going_backwards_is_refused, .timeout = 10)
     cfg.trace_path = path;
     km_sim_result res[KM_SIM_MAX_POLICIES];
     char why[512] = "";
-    rc = km_sim_run(&cfg, res, why, sizeof why);
+    rc = km_sim_run(&cfg, res, NULL, why, sizeof why);
     drop_file(path);
     cr_assert_eq(rc, KM_ERR_PARSE, "%s", why);
     cr_assert(strstr(why, ":2: field \"timestamp\""), "%s", why);
@@ -164,7 +164,7 @@ static int sim_string(const char *text, char *why, size_t why_size)
     char *path = temp_file(text, strlen(text));
     cfg.trace_path = path;
     km_sim_result res[KM_SIM_MAX_POLICIES];
-    int rc = km_sim_run(&cfg, res, why, why_size);
+    int rc = km_sim_run(&cfg, res, NULL, why, why_size);
     drop_file(path);
     return rc;
 }

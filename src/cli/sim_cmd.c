@@ -12,20 +12,33 @@
 
 #include "cli/commands.h"
 #include "kvmatch/kvmatch.h"
+#include "sim/report.h"
 #include "sim/sim.h"
 
 static void sim_usage(FILE *f)
 {
     fprintf(f,
-            "usage: kvmatch sim [--trace FILE] [--workers N] [--policy P[,P...]] [options]\n"
-            "  --trace FILE        a Mooncake JSONL trace (default: the built-in generator)\n"
+            "usage: kvmatch sim [--workload SHAPE | --trace FILE] [--sweep LOADS] [options]\n"
+            "  --workload SHAPE    built-in workload: chat (default), system_prompt, agent, docqa\n"
+            "  --trace FILE        a Mooncake JSONL trace instead\n"
             "  --requests N        replay the first N requests (generator: draw N; default 600)\n"
-            "  --time-scale X      arrival times x X (0.5 = twice the rate)\n"
-            "  --rate R            generator: new conversations per second (default 8)\n"
+            "  --load X            arrivals at X times the cluster's capacity (round robin's\n"
+            "                      throughput with every request at once, measured first)\n"
+            "  --sweep X,Y,...     every policy at every load, one table (and --html)\n"
+            "  --time-scale X      arrival times x X instead (0.5 = twice the rate)\n"
+            "  --rate R            generator: new sessions or requests per second\n"
             "  --seed N            generator and engines (default 1)\n"
             "  --workers N         simulated engines (default 8)\n"
-            "  --capacity BLOCKS   each engine's KV cache in 16-token blocks (default 4096)\n"
-            "  --policy LIST       kv,cache_aware,least_load,round_robin (default), prefix\n"
+            "  --engine PRESET     the engines' speed and memory (default %s):",
+            KM_ENGINE_MODEL_DEFAULT_PRESET);
+    for (size_t i = 0; km_engine_model_preset_name(i); i++)
+        fprintf(f, " %s", km_engine_model_preset_name(i));
+    fprintf(f,
+            "\n"
+            "  --capacity BLOCKS   each engine's KV cache in blocks instead of the preset's\n"
+            "  --policy LIST       comma-separated, or all: kv, cache_aware, prefix, least_load,\n"
+            "                      round_robin, llmd, preble, ttft (default: all)\n"
+            "  --html FILE         with --load or --sweep: a self-contained report with charts\n"
             "  --zmq               engines publish over ZMQ on loopback (the real subscriber)\n"
             "  --step-delivery     engines publish once per step like vLLM (default: as events happen)\n"
             "  --connect ADDR      route through a running kvmatch serve (needs --zmq)\n"
@@ -44,6 +57,23 @@ static void sim_usage(FILE *f)
             "                      worker than the decision's and reports it\n"
             "  --restart-kvmatch T[:snapshot|:nosnapshot]  stop kvmatch at T and start a new one,\n"
             "                      from the snapshot it wrote (needs --zmq) or empty\n");
+}
+
+/* Comma-separated loads into cfg->loads; 0 on success. */
+static int parse_loads(const char *v, km_sim_config *cfg)
+{
+    char buf[512];
+    snprintf(buf, sizeof buf, "%s", v);
+    cfg->n_loads = 0;
+    char *save = NULL;
+    for (char *t = strtok_r(buf, ",", &save); t; t = strtok_r(NULL, ",", &save)) {
+        char *end;
+        double x = strtod(t, &end);
+        if (*end || end == t || !(x > 0 && x <= 100) || cfg->n_loads == KM_SIM_MAX_LOADS)
+            return -1;
+        cfg->loads[cfg->n_loads++] = x;
+    }
+    return cfg->n_loads ? 0 : -1;
 }
 
 static int parse_u64(const char *s, uint64_t *out)
@@ -116,6 +146,12 @@ static json_t *result_json(const km_sim_result *r)
 {
     json_t *o = json_object();
     json_object_set_new(o, "policy", json_string(r->policy));
+    if (r->load > 0)
+        json_object_set_new(o, "load", json_real(r->load));
+    json_object_set_new(o, "offered_rps", json_real(r->offered_rps));
+    json_object_set_new(o, "throughput_rps", json_real(r->throughput_rps));
+    json_object_set_new(o, "first_token_rps", json_real(r->first_token_rps));
+    json_object_set_new(o, "reused_share", json_real(r->reused_share));
     json_object_set_new(o, "requests", json_integer((json_int_t)r->requests));
     json_object_set_new(o, "routed", json_integer((json_int_t)r->routed));
     json_object_set_new(o, "route_errors", json_integer((json_int_t)r->route_errors));
@@ -147,6 +183,7 @@ static json_t *result_json(const km_sim_result *r)
     json_object_set_new(o, "lost_to_restart", json_integer((json_int_t)r->lost_to_restart));
     json_object_set_new(o, "kvmatch_restarts", json_integer((json_int_t)r->kvmatch_restarts));
     json_object_set_new(o, "owner_forgone_tokens", json_integer((json_int_t)r->owner_forgone_tokens));
+    json_object_set_new(o, "ttft_mean_ms", json_real(r->ttft_mean_ms));
     json_object_set_new(o, "ttft_p50_ms", json_real(r->ttft_p50_ms));
     json_object_set_new(o, "ttft_p99_ms", json_real(r->ttft_p99_ms));
     json_object_set_new(o, "output_tokens_per_s", json_real(r->output_tokens_per_s));
@@ -181,12 +218,94 @@ static json_t *result_json(const km_sim_result *r)
     return o;
 }
 
+static json_t *engine_json(const km_engine_model *m, const char *preset)
+{
+    json_t *o = json_object();
+    json_object_set_new(o, "preset", json_string(preset));
+    json_object_set_new(o, "block_size", json_integer(m->block_size));
+    json_object_set_new(o, "capacity_blocks", json_integer(m->capacity_blocks));
+    json_object_set_new(o, "max_num_batched_tokens", json_integer(m->max_num_batched_tokens));
+    json_object_set_new(o, "max_num_seqs", json_integer(m->max_num_seqs));
+    json_object_set_new(o, "step_floor_us", json_real(m->step_floor_us));
+    json_object_set_new(o, "token_us", json_real(m->token_us));
+    json_object_set_new(o, "prefill_us_per_pair", json_real(m->prefill_us_per_pair));
+    json_object_set_new(o, "decode_us_per_request", json_real(m->decode_us_per_request));
+    json_object_set_new(o, "decode_us_per_context_token", json_real(m->decode_us_per_context_token));
+    return o;
+}
+
+static int print_json(const km_sim_config *cfg, const km_sim_report *report)
+{
+    const km_sim_summary *sum = report->summary;
+    json_t *root = json_object();
+    json_t *w = json_object();
+    json_object_set_new(w, "source", json_string(cfg->trace_path ? cfg->trace_path : "generator"));
+    if (!cfg->trace_path)
+        json_object_set_new(w, "shape", json_string(km_sim_shape_name(cfg->generator.shape)));
+    json_object_set_new(w, "requests", json_integer((json_int_t)sum->workload.requests));
+    json_object_set_new(w, "seed", json_integer((json_int_t)cfg->generator.seed));
+    json_object_set_new(w, "time_scale", json_real(cfg->time_scale));
+    json_object_set_new(w, "prompt_mean_tokens", json_real(sum->workload.prompt_mean));
+    json_object_set_new(w, "prompt_p50_tokens", json_real(sum->workload.prompt_p50));
+    json_object_set_new(w, "prompt_p99_tokens", json_real(sum->workload.prompt_p99));
+    json_object_set_new(w, "output_mean_tokens", json_real(sum->workload.output_mean));
+    json_object_set_new(w, "reusable_share", json_real(sum->workload.reusable_share));
+    json_object_set_new(w, "arrival_rate_per_s", json_real(sum->workload.arrival_rate_per_s));
+    json_object_set_new(root, "workload", w);
+    json_object_set_new(root, "workers", json_integer(cfg->workers));
+    json_object_set_new(root, "engine", engine_json(&cfg->engine.model, report->engine));
+    json_object_set_new(root, "capacity_blocks", json_integer(cfg->engine.model.capacity_blocks));
+    json_object_set_new(root, "block_size", json_integer(cfg->engine.model.block_size));
+    json_object_set_new(root, "events", json_string(cfg->approx ? "none (approximate mode)"
+                                                    : cfg->zmq  ? "zmq"
+                                                                : "in-process"));
+    json_object_set_new(root, "delivery",
+                        json_string(cfg->step_delivery ? "per step" : "as they happen"));
+    json_object_set_new(root, "default_policy", json_string(report->default_policy));
+    json_t *arr = json_array();
+    if (cfg->n_loads) {
+        json_object_set_new(root, "capacity_rps", json_real(sum->capacity_rps));
+        json_t *loads = json_array();
+        for (uint32_t l = 0; l < cfg->n_loads; l++)
+            json_array_append_new(loads, json_real(cfg->loads[l]));
+        json_object_set_new(root, "loads", loads);
+        for (uint32_t p = 0; p < cfg->n_policies; p++) {
+            json_t *o = json_object();
+            json_object_set_new(o, "policy", json_string(cfg->policies[p]));
+            json_t *per = json_array();
+            for (uint32_t l = 0; l < cfg->n_loads; l++)
+                json_array_append_new(per, result_json(&report->results[l * cfg->n_policies + p]));
+            json_object_set_new(o, "loads", per);
+            json_array_append_new(arr, o);
+        }
+    } else {
+        for (uint32_t i = 0; i < cfg->n_policies; i++)
+            json_array_append_new(arr, result_json(&report->results[i]));
+    }
+    json_object_set_new(root, "policies", arr);
+    char *text = json_dumps(root, JSON_INDENT(2));
+    puts(text);
+    free(text);
+    json_decref(root);
+    return 0;
+}
+
 int km_cmd_sim(int argc, char **argv)
 {
     km_sim_config cfg;
     km_sim_config_init(&cfg);
     bool json = false, verbose = false;
     static char policy_buf[256];
+    const char *html = NULL, *engine = KM_ENGINE_MODEL_DEFAULT_PRESET;
+    km_sim_shape shape = KM_SIM_SHAPE_CHAT;
+    bool have_seed = false, have_rate = false, have_capacity = false;
+    uint64_t seed = 1, capacity = 0;
+    double rate = 0;
+    uint64_t requests = 0;
+    /* Every policy, unless --policy says otherwise. */
+    cfg.n_policies = 0;
+    for (unsigned k = 0; k < KM_POLICY_KIND_COUNT; k++)
+        cfg.policies[cfg.n_policies++] = km_policy_kind_name((km_policy_kind)k);
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         uint64_t x;
@@ -211,19 +330,30 @@ int km_cmd_sim(int argc, char **argv)
             i++;
             if (!strcmp(a, "--trace"))
                 cfg.trace_path = v;
-            else if (!strcmp(a, "--requests") && !parse_u64(v, &x) && x >= 1 && x <= 10000000) {
-                cfg.max_requests = x;
-                cfg.generator.requests = (uint32_t)x;
-            } else if (!strcmp(a, "--time-scale") && atof(v) > 0)
+            else if (!strcmp(a, "--requests") && !parse_u64(v, &x) && x >= 1 && x <= 10000000)
+                requests = x;
+            else if (!strcmp(a, "--time-scale") && atof(v) > 0)
                 cfg.time_scale = atof(v);
-            else if (!strcmp(a, "--rate") && atof(v) > 0)
-                cfg.generator.rate_per_s = atof(v);
-            else if (!strcmp(a, "--seed") && !parse_u64(v, &x))
-                cfg.generator.seed = x;
-            else if (!strcmp(a, "--workers") && !parse_u64(v, &x) && x >= 1 && x <= 4096)
+            else if (!strcmp(a, "--rate") && atof(v) > 0) {
+                rate = atof(v);
+                have_rate = true;
+            } else if (!strcmp(a, "--seed") && !parse_u64(v, &x)) {
+                seed = x;
+                have_seed = true;
+            } else if (!strcmp(a, "--workers") && !parse_u64(v, &x) && x >= 1 && x <= 4096)
                 cfg.workers = (uint32_t)x;
-            else if (!strcmp(a, "--capacity") && !parse_u64(v, &x) && x >= 1 && x <= UINT32_MAX)
-                cfg.engine.capacity_blocks = (uint32_t)x;
+            else if (!strcmp(a, "--capacity") && !parse_u64(v, &x) && x >= 1 && x < UINT32_MAX) {
+                capacity = x;
+                have_capacity = true;
+            } else if (!strcmp(a, "--workload") && km_sim_shape_parse(v, &shape) == KM_OK)
+                ;
+            else if (!strcmp(a, "--engine") && km_engine_model_preset_summary(v))
+                engine = v;
+            else if ((!strcmp(a, "--load") || !strcmp(a, "--sweep")) && !parse_loads(v, &cfg) &&
+                     (!strcmp(a, "--sweep") || cfg.n_loads == 1))
+                ;
+            else if (!strcmp(a, "--html"))
+                html = v;
             else if (!strcmp(a, "--connect"))
                 cfg.connect = v;
             else if (!strcmp(a, "--records"))
@@ -276,7 +406,7 @@ int km_cmd_sim(int argc, char **argv)
                 cfg.approx_dispatch_max_bytes = (int64_t)(x << 20);
             else if (!strcmp(a, "--replay-buffer") && !parse_u64(v, &x) && x >= 1 && x <= 10000000)
                 cfg.replay_buffer = (uint32_t)x;
-            else if (!strcmp(a, "--policy")) {
+            else if (!strcmp(a, "--policy") && strcmp(v, "all") != 0) {
                 snprintf(policy_buf, sizeof policy_buf, "%s", v);
                 cfg.n_policies = 0;
                 char *save = NULL;
@@ -287,6 +417,8 @@ int km_cmd_sim(int argc, char **argv)
                     }
                     cfg.policies[cfg.n_policies++] = t;
                 }
+            } else if (!strcmp(a, "--policy")) {
+                ; /* all: the default */
             } else {
                 fprintf(stderr, "kvmatch sim: unknown option or bad value: %s %s\n", a, v);
                 sim_usage(stderr);
@@ -294,38 +426,47 @@ int km_cmd_sim(int argc, char **argv)
             }
         }
     }
+    km_sim_generator_config_shape(shape, &cfg.generator);
+    if (have_seed)
+        cfg.generator.seed = seed;
+    if (have_rate)
+        cfg.generator.rate_per_s = rate;
+    if (requests) {
+        cfg.max_requests = requests;
+        cfg.generator.requests = (uint32_t)requests;
+    }
+    km_engine_model_preset(engine, &cfg.engine.model);
+    if (have_capacity)
+        cfg.engine.model.capacity_blocks = (uint32_t)capacity;
+    if (html && !cfg.n_loads) {
+        fprintf(stderr, "kvmatch sim: --html draws against load: it needs --load or --sweep\n");
+        return 2;
+    }
     cfg.log = quiet_or_stderr;
     cfg.log_user = verbose || !json ? (void *)1 : NULL;
-    km_sim_result results[KM_SIM_MAX_POLICIES];
+    static km_sim_result results[KM_SIM_MAX_POLICIES * KM_SIM_MAX_LOADS];
+    km_sim_summary summary;
     char why[512];
-    int rc = km_sim_run(&cfg, results, why, sizeof why);
+    int rc = km_sim_run(&cfg, results, &summary, why, sizeof why);
     if (rc != KM_OK) {
         fprintf(stderr, "kvmatch sim: %s: %s\n", km_error_name(rc), why);
         return 1;
     }
-    if (json) {
-        json_t *root = json_object();
-        json_t *w = json_object();
-        json_object_set_new(w, "source", json_string(cfg.trace_path ? cfg.trace_path : "generator"));
-        json_object_set_new(w, "requests", json_integer((json_int_t)results[0].requests));
-        json_object_set_new(w, "seed", json_integer((json_int_t)cfg.generator.seed));
-        json_object_set_new(w, "time_scale", json_real(cfg.time_scale));
-        json_object_set_new(root, "workload", w);
-        json_object_set_new(root, "workers", json_integer(cfg.workers));
-        json_object_set_new(root, "capacity_blocks", json_integer(cfg.engine.capacity_blocks));
-        json_object_set_new(root, "block_size", json_integer(cfg.engine.block_size));
-        json_object_set_new(root, "events", json_string(cfg.approx ? "none (approximate mode)"
-                                                        : cfg.zmq  ? "zmq"
-                                                                   : "in-process"));
-        json_object_set_new(root, "delivery", json_string(cfg.step_delivery ? "per step" : "as they happen"));
-        json_t *arr = json_array();
-        for (uint32_t i = 0; i < cfg.n_policies; i++)
-            json_array_append_new(arr, result_json(&results[i]));
-        json_object_set_new(root, "policies", arr);
-        char *text = json_dumps(root, JSON_INDENT(2));
-        puts(text);
-        free(text);
-        json_decref(root);
+    km_policy_config defaults;
+    km_policy_config_init(&defaults);
+    const char *workload = cfg.trace_path ? cfg.trace_path : km_sim_shape_name(shape);
+    km_sim_report report = {&cfg, results, &summary, workload,
+                            have_capacity ? "custom" : engine, km_policy_kind_name(defaults.kind)};
+    if (html && (rc = km_sim_report_html(&report, html, why, sizeof why)) != KM_OK) {
+        fprintf(stderr, "kvmatch sim: %s: %s\n", km_error_name(rc), why);
+        return 1;
+    }
+    if (json)
+        return print_json(&cfg, &report);
+    if (cfg.n_loads) {
+        km_sim_report_text(&report, stdout);
+        if (html)
+            printf("\nreport: %s\n", html);
         return 0;
     }
     printf("%-30s", "");

@@ -49,7 +49,12 @@ typedef struct sim_request {
     uint32_t n_blocks;
     uint32_t held_blocks; /* leading blocks referenced from the cache at admission */
     km_sim_admission admission;
+    /* Prompt tokens whose KV exists (the hit, then each computed chunk) and the full blocks up to
+     * which the prompt's blocks were cached or found cached already. */
+    uint32_t computed;
+    uint32_t cached_to;
     /* scheduler */
+    uint32_t step_tokens; /* tokens the running step computes for it (a chunk, or 1 decode) */
     uint32_t output_tokens;
     uint32_t generated;
     uint64_t submit_us;
@@ -97,13 +102,11 @@ struct km_sim_engine {
     uint64_t seq_next;
 
     /* scheduler */
-    ring waiting;     /* u32 slots, FIFO */
-    uint32_t *running; /* decoding slots, admission order */
+    ring waiting;      /* u32 slots, FIFO */
+    uint32_t *running; /* admitted slots, prefilling or decoding, admission order */
     uint32_t n_running, running_capacity;
-    uint32_t *step_prefills; /* admitted in the running step */
-    uint32_t n_step_prefills;
-    uint32_t *step_decodes; /* decoding in the running step */
-    uint32_t n_step_decodes, step_decodes_capacity;
+    uint32_t *step;    /* slots the running step computes, in running order */
+    uint32_t n_step, step_capacity;
     bool step_active;
     uint64_t step_start_us, step_end_us;
     uint64_t clock_us;
@@ -195,39 +198,8 @@ static int grow_u32(uint32_t **array, uint32_t *capacity, uint32_t need)
 void km_sim_engine_config_init(km_sim_engine_config *cfg)
 {
     memset(cfg, 0, sizeof *cfg);
-    cfg->block_size = 16;
-    cfg->capacity_blocks = 16384;
+    km_engine_model_init(&cfg->model);
     cfg->process_seed = 1;
-    cfg->max_batch = 256;
-    cfg->max_prefill_tokens_per_step = 8192;
-    cfg->step_overhead_us = 8000.0;
-    cfg->prefill_us_per_token = 100.0;
-    cfg->decode_us_per_request = 50.0;
-    cfg->decode_us_per_context_token = 0.064;
-}
-
-double km_sim_engine_step_us(const km_sim_engine_config *cfg, uint64_t prefill_tokens,
-                             uint32_t decode_batch, uint64_t context_tokens)
-{
-    return cfg->step_overhead_us + cfg->prefill_us_per_token * (double)prefill_tokens +
-           cfg->decode_us_per_request * (double)decode_batch +
-           cfg->decode_us_per_context_token * (double)context_tokens;
-}
-
-double km_sim_engine_prefill_time_us(const km_sim_engine_config *cfg, uint64_t uncached_tokens)
-{
-    return km_sim_engine_step_us(cfg, uncached_tokens, 0, 0);
-}
-
-double km_sim_engine_decode_step_us(const km_sim_engine_config *cfg, uint32_t batch,
-                                    uint64_t context_tokens)
-{
-    return km_sim_engine_step_us(cfg, 0, batch, context_tokens);
-}
-
-static bool time_constant_ok(double v)
-{
-    return isfinite(v) && v >= 0.0;
 }
 
 /* ---- the free queue (vLLM's FreeKVCacheBlockQueue) --------------------------------------------- */
@@ -267,7 +239,7 @@ static void reset_blocks(km_sim_engine *e)
 {
     e->free_head = e->free_tail = NO_BLOCK;
     e->n_free = 0;
-    for (uint32_t b = 0; b < e->cfg.capacity_blocks; b++) {
+    for (uint32_t b = 0; b < e->cfg.model.capacity_blocks; b++) {
         memset(&e->blocks[b], 0, sizeof e->blocks[b]);
         e->blocks[b].prev = e->blocks[b].next = NO_BLOCK;
         free_queue_append(e, b);
@@ -304,7 +276,7 @@ static void emit_stored(km_sim_engine *e, const sim_request *r, uint32_t first, 
         msgpack_pack_uint64(&pk, km_sim_engine_engine_hash(e, r->chains[first - 1]));
     else
         msgpack_pack_nil(&pk);
-    uint32_t bs = e->cfg.block_size;
+    uint32_t bs = e->cfg.model.block_size;
     msgpack_pack_array(&pk, (end - first) * bs);
     for (size_t t = (size_t)first * bs; t < (size_t)end * bs; t++)
         msgpack_pack_uint32(&pk, r->tokens[t]);
@@ -409,19 +381,17 @@ int km_sim_engine_create(const km_sim_engine_config *cfg, km_sim_engine **out)
         c = *cfg;
     else
         km_sim_engine_config_init(&c);
-    if (c.block_size < 1)
-        return KM_ERR_BLOCK_SIZE;
-    if (c.capacity_blocks < 1 || c.capacity_blocks == UINT32_MAX || c.max_batch < 1 ||
-        c.max_prefill_tokens_per_step < 1 || !time_constant_ok(c.step_overhead_us) ||
-        !time_constant_ok(c.prefill_us_per_token) || !time_constant_ok(c.decode_us_per_request) ||
-        !time_constant_ok(c.decode_us_per_context_token))
+    int vrc = km_engine_model_validate(&c.model, NULL, 0);
+    if (vrc)
+        return vrc;
+    if (c.model.capacity_blocks == UINT32_MAX)
         return KM_ERR_INVALID_ARGUMENT;
     km_sim_engine *e = calloc(1, sizeof *e);
     if (!e)
         return KM_ERR_OUT_OF_MEMORY;
     e->cfg = c;
-    e->hash_cfg.block_size = c.block_size;
-    e->blocks = malloc((size_t)c.capacity_blocks * sizeof *e->blocks);
+    e->hash_cfg.block_size = c.model.block_size;
+    e->blocks = malloc((size_t)c.model.capacity_blocks * sizeof *e->blocks);
     if (!e->blocks) {
         free(e);
         return KM_ERR_OUT_OF_MEMORY;
@@ -468,8 +438,7 @@ void km_sim_engine_destroy(km_sim_engine *engine)
     free(engine->completions.items);
     free(engine->taken_payload);
     free(engine->running);
-    free(engine->step_prefills);
-    free(engine->step_decodes);
+    free(engine->step);
     msgpack_sbuffer_destroy(&engine->events);
     msgpack_sbuffer_destroy(&engine->payload);
     km_u64map_free(&engine->cached);
@@ -525,7 +494,7 @@ static int slot_create(km_sim_engine *e, uint64_t request_id, const uint32_t *to
         e->slots_capacity = cap;
         e->n_slots = cap;
     }
-    uint32_t n_full = n_tokens / e->cfg.block_size;
+    uint32_t n_full = n_tokens / e->cfg.model.block_size;
     uint32_t *copy = malloc((size_t)n_tokens * sizeof *copy);
     uint64_t *chains = malloc(((size_t)n_full + 1) * sizeof *chains);
     if (!copy || !chains || km_u64map_reserve(&e->requests, 1)) {
@@ -560,7 +529,7 @@ static uint32_t leading_held(const km_sim_engine *e, const uint64_t *chains, uin
 
 static uint32_t blocks_for(const km_sim_engine *e, uint64_t tokens)
 {
-    return (uint32_t)((tokens + e->cfg.block_size - 1) / e->cfg.block_size);
+    return (uint32_t)((tokens + e->cfg.model.block_size - 1) / e->cfg.model.block_size);
 }
 
 /* What admitting slot s would find (no side effects). */
@@ -568,7 +537,7 @@ static void admission_plan(const km_sim_engine *e, const sim_request *r, uint32_
                            km_sim_admission *a, uint64_t *total_blocks)
 {
     memset(a, 0, sizeof *a);
-    uint32_t bs = e->cfg.block_size;
+    uint32_t bs = e->cfg.model.block_size;
     a->prompt_tokens = r->n_tokens;
     a->full_blocks = r->n_full;
     a->held_blocks = leading_held(e, r->chains, r->n_full);
@@ -587,12 +556,12 @@ static int admit_slot(km_sim_engine *e, uint32_t s, uint32_t reserve_tokens, km_
     km_sim_admission a;
     uint64_t total;
     admission_plan(e, r, reserve_tokens, &a, &total);
-    if (total > e->cfg.capacity_blocks)
+    if (total > e->cfg.model.capacity_blocks)
         return fail(e, KM_ERR_TOO_LARGE,
                     "request %llu needs %llu blocks (%u prompt + %u reserved tokens), the engine "
                     "has %u",
                     (unsigned long long)r->id, (unsigned long long)total, r->n_tokens,
-                    reserve_tokens, e->cfg.capacity_blocks);
+                    reserve_tokens, e->cfg.model.capacity_blocks);
     uint32_t held = a.held_blocks;
     uint32_t held_free = 0;
     for (uint32_t k = 0; k < held; k++) {
@@ -641,6 +610,8 @@ static int admit_slot(km_sim_engine *e, uint32_t s, uint32_t reserve_tokens, km_
     r->n_blocks = (uint32_t)total;
     r->held_blocks = held;
     r->admission = a;
+    r->computed = a.cached_tokens;
+    r->cached_to = held;
     r->phase = REQ_PREFILL;
     e->stats.admissions++;
     e->stats.prompt_tokens += r->n_tokens;
@@ -651,15 +622,22 @@ static int admit_slot(km_sim_engine *e, uint32_t s, uint32_t reserve_tokens, km_
     return KM_OK;
 }
 
-static int complete_slot(km_sim_engine *e, uint32_t s, uint32_t *stored_out)
+/* The prompt's full blocks [r->cached_to, to) are computed: cache each whose chain hash no other
+ * block caches yet and queue one BlockStored per run of newly cached blocks; a block whose content
+ * is cached already stays private to the request (a duplicate). *stored_out (may be NULL) gets
+ * the number of blocks cached. */
+static int cache_prompt_blocks(km_sim_engine *e, uint32_t s, uint32_t to, uint32_t *stored_out)
 {
     sim_request *r = &e->slots[s];
-    if (km_u64map_reserve(&e->cached, r->n_full))
-        return fail(e, KM_ERR_OUT_OF_MEMORY, "no memory to cache %u blocks", r->n_full);
+    if (to > r->n_full)
+        to = r->n_full;
+    uint32_t from = r->cached_to > r->held_blocks ? r->cached_to : r->held_blocks;
     uint32_t stored = 0;
+    if (from < to && km_u64map_reserve(&e->cached, to - from))
+        return fail(e, KM_ERR_OUT_OF_MEMORY, "no memory to cache %u blocks", to - from);
     uint32_t run_start = NO_BLOCK;
-    for (uint32_t k = r->held_blocks; k <= r->n_full; k++) {
-        bool cache_it = k < r->n_full && !km_u64map_find(&e->cached, r->chains[k]);
+    for (uint32_t k = from; k <= to; k++) {
+        bool cache_it = k < to && !km_u64map_find(&e->cached, r->chains[k]);
         if (cache_it) {
             sim_block *blk = &e->blocks[r->blocks[k]];
             blk->chain = r->chains[k];
@@ -671,7 +649,7 @@ static int complete_slot(km_sim_engine *e, uint32_t s, uint32_t *stored_out)
             if (run_start == NO_BLOCK)
                 run_start = k;
         } else {
-            if (k < r->n_full)
+            if (k < to)
                 e->stats.duplicate_blocks++;
             if (run_start != NO_BLOCK) {
                 emit_stored(e, r, run_start, k);
@@ -679,10 +657,23 @@ static int complete_slot(km_sim_engine *e, uint32_t s, uint32_t *stored_out)
             }
         }
     }
+    if (to > r->cached_to)
+        r->cached_to = to;
     e->stats.blocks_stored += stored;
-    r->phase = REQ_DECODE;
     if (stored_out)
         *stored_out = stored;
+    return KM_OK;
+}
+
+/* The whole prompt is computed: its remaining full blocks are cached. */
+static int complete_slot(km_sim_engine *e, uint32_t s, uint32_t *stored_out)
+{
+    sim_request *r = &e->slots[s];
+    int rc = cache_prompt_blocks(e, s, r->n_full, stored_out);
+    if (rc)
+        return rc;
+    r->computed = r->n_tokens;
+    r->phase = REQ_DECODE;
     return KM_OK;
 }
 
@@ -817,39 +808,52 @@ int km_sim_engine_submit(km_sim_engine *engine, uint64_t request_id, const uint3
     return KM_OK;
 }
 
-/* Start a step at time t: every decoding request decodes, and waiting requests are admitted FCFS
- * while the batch, the prefill token budget and the free blocks allow. Returns KM_OK with
- * step_active false when there was nothing to run. */
-static int start_step(km_sim_engine *e, uint64_t t)
+static int step_push(km_sim_engine *e, uint32_t s)
 {
-    int rc = grow_u32(&e->step_decodes, &e->step_decodes_capacity, e->n_running);
+    int rc = grow_u32(&e->step, &e->step_capacity, e->n_step + 1);
     if (rc)
         return fail(e, rc, "no memory for the step");
-    uint64_t context = 0;
-    for (uint32_t i = 0; i < e->n_running; i++) {
-        const sim_request *r = &e->slots[e->running[i]];
-        e->step_decodes[i] = e->running[i];
-        context += (uint64_t)r->n_tokens + r->generated;
+    e->step[e->n_step++] = s;
+    return KM_OK;
+}
+
+/* Start a step at time t, scheduling as vLLM v1 does within max_num_batched_tokens: first the
+ * running requests in admission order (a decode takes one token, a prefill in progress its next
+ * chunk), then waiting requests first come, first served while the budget lasts and fewer than
+ * max_num_seqs run, each admitted with its cached prefix and a first chunk of the rest. A waiting
+ * request that does not fit in the free blocks waits, and so does everyone behind it. Returns
+ * KM_OK with step_active false when there was nothing to run. */
+static int start_step(km_sim_engine *e, uint64_t t)
+{
+    const km_engine_model *m = &e->cfg.model;
+    uint64_t budget = m->max_num_batched_tokens;
+    km_engine_step shape = {0, 0, 0, 0};
+    int rc;
+    e->n_step = 0;
+    for (uint32_t i = 0; i < e->n_running && budget > 0; i++) {
+        uint32_t s = e->running[i];
+        sim_request *r = &e->slots[s];
+        if (r->phase == REQ_DECODE) {
+            r->step_tokens = 1;
+            shape.decode_requests++;
+            shape.decode_context_tokens += (uint64_t)r->n_tokens + r->generated;
+        } else {
+            uint64_t need = r->n_tokens - r->computed;
+            r->step_tokens = (uint32_t)(need < budget ? need : budget);
+            shape.prefill_tokens += r->step_tokens;
+            shape.prefill_pairs += km_engine_model_chunk_pairs(r->computed, r->step_tokens);
+        }
+        budget -= r->step_tokens;
+        if ((rc = step_push(e, s)))
+            return rc;
     }
-    e->n_step_decodes = e->n_running;
-    e->n_step_prefills = 0;
-    uint64_t prefill_tokens = 0;
-    uint32_t prefill_capacity = e->cfg.max_batch;
-    while (e->waiting.count && e->n_step_decodes + e->n_step_prefills < e->cfg.max_batch) {
+    while (e->waiting.count && budget > 0 && e->n_running < m->max_num_seqs) {
         uint32_t s = *(uint32_t *)ring_front(&e->waiting);
         sim_request *r = &e->slots[s];
         km_sim_admission plan;
         uint64_t total;
         uint32_t reserve = r->output_tokens;
         admission_plan(e, r, reserve, &plan, &total);
-        if (e->n_step_prefills > 0 &&
-            prefill_tokens + plan.uncached_tokens > e->cfg.max_prefill_tokens_per_step)
-            break;
-        if (!e->step_prefills) {
-            e->step_prefills = malloc((size_t)prefill_capacity * sizeof *e->step_prefills);
-            if (!e->step_prefills)
-                return fail(e, KM_ERR_OUT_OF_MEMORY, "no memory for the step");
-        }
         rc = admit_slot(e, s, reserve, &plan);
         if (rc == KM_ERR_TOO_LARGE) {
             e->last_error[0] = '\0';
@@ -867,18 +871,25 @@ static int start_step(km_sim_engine *e, uint64_t t)
         }
         if (rc)
             return rc;
+        if ((rc = grow_u32(&e->running, &e->running_capacity, e->n_running + 1)))
+            return fail(e, rc, "no memory for the running set");
         ring_pop(&e->waiting, NULL);
-        e->step_prefills[e->n_step_prefills++] = s;
-        prefill_tokens += plan.uncached_tokens;
-        rc = push_completion(e, r, KM_SIM_ADMITTED, t, KM_OK);
-        if (rc)
+        e->running[e->n_running++] = s;
+        uint64_t need = r->n_tokens - r->computed; /* >= 1: a hit never covers the last token */
+        r->step_tokens = (uint32_t)(need < budget ? need : budget);
+        shape.prefill_tokens += r->step_tokens;
+        shape.prefill_pairs += km_engine_model_chunk_pairs(r->computed, r->step_tokens);
+        budget -= r->step_tokens;
+        if ((rc = step_push(e, s)))
+            return rc;
+        if ((rc = push_completion(e, r, KM_SIM_ADMITTED, t, KM_OK)))
             return rc;
     }
-    if (e->n_step_decodes == 0 && e->n_step_prefills == 0) {
+    if (e->n_step == 0) {
         e->step_active = false;
         return KM_OK;
     }
-    double us = km_sim_engine_step_us(&e->cfg, prefill_tokens, e->n_step_decodes, context);
+    double us = km_engine_model_step_us(m, &shape);
     uint64_t duration = (uint64_t)ceil(us);
     if (duration < 1)
         duration = 1;
@@ -900,17 +911,32 @@ static int remove_running(km_sim_engine *e, uint32_t s)
     return KM_ERR_INTERNAL;
 }
 
-/* End the running step: the decoding requests (in admission order) produce a token, then the
- * prefills complete (in admission order) with their first token; finished requests release their
- * blocks in that order; the step's events become one message. */
+/* End the running step, in the step's order: a decode produces a token; a prefill chunk is
+ * computed and the prompt's blocks it completed are cached, and the chunk that ends the prompt
+ * produces the first token. Finished requests release their blocks in that order; the step's
+ * events become one message. */
 static int end_step(km_sim_engine *e)
 {
     uint64_t t = e->step_end_us;
     int rc;
-    for (uint32_t i = 0; i < e->n_step_decodes; i++) {
-        uint32_t s = e->step_decodes[i];
+    for (uint32_t i = 0; i < e->n_step; i++) {
+        uint32_t s = e->step[i];
         sim_request *r = &e->slots[s];
-        r->generated++;
+        if (r->phase == REQ_DECODE) {
+            r->generated++;
+        } else {
+            r->computed += r->step_tokens;
+            if (r->computed < r->n_tokens) {
+                if ((rc = cache_prompt_blocks(e, s, r->computed / e->cfg.model.block_size, NULL)))
+                    return rc;
+                continue;
+            }
+            if ((rc = complete_slot(e, s, NULL)))
+                return rc;
+            r->generated = 1;
+            if ((rc = push_completion(e, r, KM_SIM_FIRST_TOKEN, t, KM_OK)))
+                return rc;
+        }
         if (r->generated >= r->output_tokens) {
             if ((rc = push_completion(e, r, KM_SIM_FINISHED, t, KM_OK)))
                 return rc;
@@ -919,26 +945,7 @@ static int end_step(km_sim_engine *e)
             e->stats.finished++;
         }
     }
-    for (uint32_t i = 0; i < e->n_step_prefills; i++) {
-        uint32_t s = e->step_prefills[i];
-        sim_request *r = &e->slots[s];
-        if ((rc = complete_slot(e, s, NULL)))
-            return rc;
-        r->generated = 1;
-        if ((rc = push_completion(e, r, KM_SIM_FIRST_TOKEN, t, KM_OK)))
-            return rc;
-        if (r->generated >= r->output_tokens) {
-            if ((rc = push_completion(e, r, KM_SIM_FINISHED, t, KM_OK)))
-                return rc;
-            finish_slot(e, s);
-            e->stats.finished++;
-        } else {
-            if ((rc = grow_u32(&e->running, &e->running_capacity, e->n_running + 1)))
-                return fail(e, rc, "no memory for the running set");
-            e->running[e->n_running++] = s;
-        }
-    }
-    e->n_step_decodes = e->n_step_prefills = 0;
+    e->n_step = 0;
     e->stats.steps++;
     e->stats.busy_us += t - e->step_start_us;
     e->step_active = false;
@@ -1006,7 +1013,7 @@ int km_sim_engine_restart(km_sim_engine *engine, uint64_t new_seed, uint64_t now
             slot_release(e, s);
     e->waiting.head = e->waiting.count = 0;
     e->n_running = 0;
-    e->n_step_decodes = e->n_step_prefills = 0;
+    e->n_step = 0;
     e->step_active = false;
     if (now_us > e->clock_us)
         e->clock_us = now_us;
@@ -1041,7 +1048,7 @@ void km_sim_engine_cached_chains(const km_sim_engine *engine, uint64_t *out, siz
                                  size_t *n_out)
 {
     size_t n = 0;
-    for (uint32_t b = 0; b < engine->cfg.capacity_blocks; b++)
+    for (uint32_t b = 0; b < engine->cfg.model.capacity_blocks; b++)
         if (engine->blocks[b].cached) {
             if (out && n < capacity)
                 out[n] = engine->blocks[b].chain;

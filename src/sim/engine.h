@@ -33,6 +33,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "kvmatch/engine_model.h"
 #include "kvmatch/error.h"
 
 typedef struct km_sim_engine km_sim_engine;
@@ -41,9 +42,10 @@ typedef struct km_sim_engine km_sim_engine;
 #define KM_SIM_ENGINE_MAX_REQUEST_ID (UINT64_MAX - 2u)
 
 typedef struct km_sim_engine_config {
-    /* ---- prefix cache ---- */
-    uint32_t block_size;      /* tokens per block, >= 1; default 16 (vLLM's default) */
-    uint32_t capacity_blocks; /* KV blocks of the engine, >= 1; default 16384 */
+    /* Speed, memory and scheduler limits (include/kvmatch/engine_model.h): block size, KV
+     * capacity in blocks, the per-step token budget (max_num_batched_tokens), max_num_seqs and the
+     * step-time constants. Default: the KM_ENGINE_MODEL_DEFAULT_PRESET preset. */
+    km_engine_model model;
     /* Engine hashes are XXH3-64(chain hash, seed = process_seed): random-looking, equal for equal
      * content within one process, different after a restart with another seed (vLLM's NONE_HASH
      * is random per process). Default 1. */
@@ -52,42 +54,17 @@ typedef struct km_sim_engine_config {
     /* After km_sim_engine_restart, publish one AllBlocksCleared message (seq 0) at once. vLLM emits
      * nothing when a process dies and a new one starts; default false. */
     bool clear_on_restart;
-
-    /* ---- step scheduler and time model (docs/SIM_ENGINE.md, "Time model") ---- */
-    uint32_t max_batch;                   /* requests in one step at most; default 256 */
-    uint32_t max_prefill_tokens_per_step; /* uncached prompt tokens admitted per step (the first
-                                           * request of a step is admitted whatever its size);
-                                           * default 8192 */
-    double step_overhead_us;      /* every step: weights read once; default 8000 */
-    double prefill_us_per_token;  /* per uncached prompt token; default 100 */
-    double decode_us_per_request; /* per request decoding in the step; default 50 */
-    double decode_us_per_context_token; /* per token of context of a decoding request (KV read);
-                                         * default 0.064 */
 } km_sim_engine_config;
 
 void km_sim_engine_config_init(km_sim_engine_config *cfg);
 
-/* cfg NULL = defaults. Errors: KM_ERR_NULL_POINTER (out), KM_ERR_BLOCK_SIZE,
- * KM_ERR_INVALID_ARGUMENT (capacity 0, max_batch 0, max_prefill_tokens_per_step 0, a negative or
- * non-finite time constant), KM_ERR_OUT_OF_MEMORY. */
+/* cfg NULL = defaults. Errors: KM_ERR_NULL_POINTER (out), KM_ERR_BLOCK_SIZE, KM_ERR_INVALID_ARGUMENT
+ * (a model km_engine_model_validate refuses, or capacity_blocks UINT32_MAX), KM_ERR_OUT_OF_MEMORY. */
 int km_sim_engine_create(const km_sim_engine_config *cfg, km_sim_engine **out);
 void km_sim_engine_destroy(km_sim_engine *engine); /* NULL is a no-op */
 
 /* Detail of the last failed call ("" after a success). Valid until the next call. */
 const char *km_sim_engine_last_error(const km_sim_engine *engine);
-
-/* ---- time model: pure functions of the configuration ----------------------------------------- */
-
-/* A step that prefills `uncached_tokens` and decodes nothing:
- * step_overhead_us + prefill_us_per_token * uncached_tokens. */
-double km_sim_engine_prefill_time_us(const km_sim_engine_config *cfg, uint64_t uncached_tokens);
-/* A step that only decodes `batch` requests holding `context_tokens` tokens of KV in all:
- * step_overhead_us + decode_us_per_request * batch + decode_us_per_context_token * context_tokens. */
-double km_sim_engine_decode_step_us(const km_sim_engine_config *cfg, uint32_t batch,
-                                    uint64_t context_tokens);
-/* A mixed step (what the scheduler uses): the overhead once, plus both terms above. */
-double km_sim_engine_step_us(const km_sim_engine_config *cfg, uint64_t prefill_tokens,
-                             uint32_t decode_batch, uint64_t context_tokens);
 
 /* ---- cache operations ------------------------------------------------------------------------- */
 

@@ -28,7 +28,6 @@ void km_sim_config_init(km_sim_config *cfg)
     cfg->time_scale = 1.0;
     cfg->workers = 8;
     km_sim_engine_config_init(&cfg->engine);
-    cfg->engine.capacity_blocks = 4096; /* 64 k tokens: small enough that placement matters */
     cfg->policies[0] = "kv";
     cfg->policies[1] = "cache_aware";
     cfg->policies[2] = "least_load";
@@ -101,6 +100,11 @@ typedef struct run {
     size_t n_pending, cap_pending;
     double *ttft_ms;
     size_t n_ttft;
+    double *finish_s; /* virtual finish time of each finished request, in finishing order */
+    size_t n_finish;
+    double *last_admit_s; /* per worker: the latest admission, virtual seconds */
+    double *first_token_s; /* virtual time of each first token */
+    size_t n_first_token;
     double *decision_us;
     size_t n_decision;
     double decision_wall;
@@ -115,6 +119,8 @@ typedef struct run {
                        * -2 open but not listed (over KM_SIM_MAX_WINDOWS) */
     uint32_t open_count;
     const char *policy;
+    bool direct; /* no kvmatch: every request goes round robin straight to an engine, and the
+                  * engines' messages reach nobody (the capacity probes) */
     km_server_worker *ws; /* the pool's workers, for (re)starting the server */
     char (*names)[32];
     char snap_dir[96];
@@ -177,7 +183,7 @@ static int request_tokens(run *r, const km_trace_request *q, uint32_t *n_tokens,
     uint32_t n = input < need ? (uint32_t)input : (uint32_t)need;
     if (n == 0)
         n = 1;
-    km_hash_config hc = {r->cfg->engine.block_size, NULL, NULL};
+    km_hash_config hc = {r->cfg->engine.model.block_size, NULL, NULL};
     size_t nb = 0;
     int rc = km_hash_sequence(&hc, r->tokens, n, 0, KM_NO_PARENT, NULL, r->chains, &nb);
     *n_tokens = n;
@@ -225,14 +231,20 @@ static int queue_report(run *r, km_lifecycle_kind kind, size_t index, uint64_t t
     return KM_OK;
 }
 
+/* Send the queued lifecycle reports, in frames of at most the server's max_batch_items. */
 static int flush_reports(run *r, char *why, size_t why_size)
 {
     if (!r->n_pending)
         return KM_OK;
-    km_message reply;
-    int rc = km_client_lifecycle(r->client, r->pending, (uint32_t)r->n_pending, 10000, &reply);
-    if (rc != KM_OK)
-        return km_why(why, why_size, rc, "lifecycle reports: %s", km_client_last_error(r->client));
+    const km_welcome *wel = km_client_welcome(r->client);
+    size_t per = wel && wel->limits.max_batch_items ? wel->limits.max_batch_items : 1024;
+    for (size_t at = 0; at < r->n_pending; at += per) {
+        size_t n = r->n_pending - at < per ? r->n_pending - at : per;
+        km_message reply;
+        int rc = km_client_lifecycle(r->client, r->pending + at, (uint32_t)n, 10000, &reply);
+        if (rc != KM_OK)
+            return km_why(why, why_size, rc, "lifecycle reports: %s", km_client_last_error(r->client));
+    }
     r->n_pending = 0;
     return KM_OK;
 }
@@ -274,12 +286,18 @@ static int drain_engine(run *r, uint32_t w, uint64_t now_us, char *why, size_t w
         if (!s->routed) {
             /* Not decided by kvmatch (second ingress, route error): the engine's facts count,
              * nothing is reported to kvmatch. */
-            if (c.kind == KM_SIM_ADMITTED)
+            if (c.kind == KM_SIM_ADMITTED) {
                 r->res->actual_reused_tokens += c.cached_tokens;
-            else if (c.kind == KM_SIM_FIRST_TOKEN)
+                r->last_admit_s[w] = (double)c.time_us / 1e6;
+            }
+            else if (c.kind == KM_SIM_FIRST_TOKEN) {
                 r->ttft_ms[r->n_ttft++] = (double)(c.time_us - s->arrival_us) / 1000.0;
-            else if (c.kind == KM_SIM_FINISHED)
+                r->first_token_s[r->n_first_token++] = (double)c.time_us / 1e6;
+            }
+            else if (c.kind == KM_SIM_FINISHED) {
                 r->res->output_tokens += c.output_tokens;
+                r->finish_s[r->n_finish++] = (double)c.time_us / 1e6;
+            }
             if (c.kind == KM_SIM_FINISHED || c.kind == KM_SIM_REJECTED)
                 s->finished = true;
             if (c.kind == KM_SIM_FINISHED && c.time_us / 1e6 > r->res->makespan_s)
@@ -289,6 +307,7 @@ static int drain_engine(run *r, uint32_t w, uint64_t now_us, char *why, size_t w
         int rc = KM_OK;
         switch (c.kind) {
         case KM_SIM_ADMITTED:
+            r->last_admit_s[w] = (double)c.time_us / 1e6;
             s->admitted = true;
             s->cached_tokens = c.cached_tokens;
             r->res->actual_reused_tokens += c.cached_tokens;
@@ -309,11 +328,13 @@ static int drain_engine(run *r, uint32_t w, uint64_t now_us, char *why, size_t w
         case KM_SIM_FIRST_TOKEN:
             s->first_token = true;
             r->ttft_ms[r->n_ttft++] = (double)(c.time_us - s->arrival_us) / 1000.0;
+            r->first_token_s[r->n_first_token++] = (double)c.time_us / 1e6;
             rc = queue_report(r, KM_LIFECYCLE_FIRST_TOKEN, c.request_id, c.time_us);
             break;
         case KM_SIM_FINISHED:
             s->finished = true;
             r->res->output_tokens += c.output_tokens;
+            r->finish_s[r->n_finish++] = (double)c.time_us / 1e6;
             if (c.time_us / 1e6 > r->res->makespan_s)
                 r->res->makespan_s = (double)c.time_us / 1e6;
             rc = queue_report(r, KM_LIFECYCLE_FINISHED, c.request_id, c.time_us);
@@ -337,7 +358,7 @@ static int drain_engine(run *r, uint32_t w, uint64_t now_us, char *why, size_t w
     km_sim_message m;
     while (km_sim_engine_take_message(r->engines[w], &m)) {
         int rc = KM_OK;
-        if (r->cfg->approx) { /* no event stream: the engine's messages reach nobody */
+        if (r->cfg->approx || r->direct) { /* no event stream: the messages reach nobody */
             r->published[w] = m.seq + 1;
             continue;
         }
@@ -436,8 +457,7 @@ static int route_one(run *r, size_t index, uint64_t now_us, char *why, size_t wh
     if (rc)
         return km_why(why, why_size, rc, "request %zu: tokens", index);
     r->res->prompt_tokens += n_tokens;
-    if (r->cfg->second_ingress > 0 &&
-        fault_chance(r, r->cfg->second_ingress)) {
+    if (r->direct || (r->cfg->second_ingress > 0 && fault_chance(r, r->cfg->second_ingress))) {
         /* Another router sends it on, round robin, and never tells kvmatch. */
         uint32_t bw = r->bypass_rr++ % r->cfg->workers;
         r->res->bypassed++;
@@ -507,7 +527,7 @@ static int route_one(run *r, size_t index, uint64_t now_us, char *why, size_t wh
         s->decision_id = d->decision_id;
         s->predicted_depth = predicted;
         r->res->routed++;
-        r->res->predicted_reused_tokens += (uint64_t)predicted * r->cfg->engine.block_size;
+        r->res->predicted_reused_tokens += (uint64_t)predicted * r->cfg->engine.model.block_size;
         /* The truth at the decision instant: what the engine it goes to caches now. */
         s->truth_depth = km_sim_engine_cached_depth(r->engines[w], r->chains, n_blocks);
         s->chosen_degraded = state && !strcmp(state, "DEGRADED");
@@ -538,7 +558,7 @@ static int route_one(run *r, size_t index, uint64_t now_us, char *why, size_t wh
             r->res->owner_not_chosen++;
             if (d->owner_depth > d->chosen_depth)
                 r->res->owner_forgone_tokens +=
-                    (uint64_t)(d->owner_depth - d->chosen_depth) * r->cfg->engine.block_size;
+                    (uint64_t)(d->owner_depth - d->chosen_depth) * r->cfg->engine.model.block_size;
         }
     }
     s->worker = r->worker_base + w;
@@ -584,6 +604,9 @@ static void run_teardown(run *r)
     free(r->reqs);
     free(r->pending);
     free(r->ttft_ms);
+    free(r->finish_s);
+    free(r->last_admit_s);
+    free(r->first_token_s);
     free(r->decision_us);
     free(r->per_worker);
     free(r->tokens);
@@ -603,17 +626,20 @@ static int start_server(run *r, char *why, size_t why_size)
     km_server_pool pool;
     memset(&pool, 0, sizeof pool);
     pool.name = r->pool;
-    pool.block_size = cfg->engine.block_size;
+    pool.block_size = cfg->engine.model.block_size;
     km_policy_config_init(&pool.policy);
     if (km_policy_kind_parse(r->policy, &pool.policy.kind) != KM_OK)
         return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT, "unknown policy \"%s\"", r->policy);
+    /* The router knows the engines it routes to: the policies that estimate times use the very
+     * model the simulated engines run on. */
+    pool.policy.engine = cfg->engine.model;
     pool.workers = r->ws;
     pool.n_workers = cfg->workers;
     /* Approximate mode: each worker's assumed blocks bounded as its engine's cache is, least
      * recently routed forgotten first. Its TTL and touch times count wall time, of which a run
      * spends too little for either: the TTL is set beyond any run (so the table does not depend
      * on how long the run took) and every touch counts. */
-    pool.approx_capacity_blocks = cfg->approx ? cfg->engine.capacity_blocks : 0;
+    pool.approx_capacity_blocks = cfg->approx ? cfg->engine.model.capacity_blocks : 0;
     pool.approx_ttl_ms = UINT64_C(1000000000000); /* 1e9 s */
     pool.approx_every_touch = true;
     km_server_config sc;
@@ -672,11 +698,40 @@ static int restart_kvmatch(run *r, char *why, size_t why_size)
     return KM_OK;
 }
 
+/* Finished requests per second between the 10th and the 90th percentile of the finish times (in
+ * finishing order already, which is time order): the run's steady part, without ramp and drain. */
+static double steady_throughput(double *finish_s, size_t n)
+{
+    if (n < 10)
+        return 0;
+    qsort(finish_s, n, sizeof *finish_s, cmp_double);
+    size_t lo = n / 10, hi = n - 1 - n / 10;
+    double span = finish_s[hi] - finish_s[lo];
+    return span > 0 ? (double)(hi - lo) / span : 0;
+}
+
+/* Finished requests per second from the 10th percentile of finish times until `until` (the first
+ * moment some engine had nothing left waiting): the throughput while every engine had a queue.
+ * 0 when fewer than a tenth of the requests finished in that window. Call after
+ * steady_throughput (which sorts finish_s). */
+static double saturated_throughput(const double *finish_s, size_t n, double until)
+{
+    if (n < 10)
+        return 0;
+    size_t lo = n / 10, hi = lo;
+    while (hi + 1 < n && finish_s[hi + 1] <= until)
+        hi++;
+    if (hi - lo < n / 10 || !(finish_s[hi] > finish_s[lo]))
+        return 0;
+    return (double)(hi - lo) / (finish_s[hi] - finish_s[lo]);
+}
+
 static int run_policy(const km_sim_config *cfg, const km_trace *trace, const char *policy,
-                      km_sim_result *res, char *why, size_t why_size)
+                      bool direct, km_sim_result *res, char *why, size_t why_size)
 {
     run r;
     memset(&r, 0, sizeof r);
+    r.direct = direct;
     r.cfg = cfg;
     r.trace = trace;
     r.res = res;
@@ -698,8 +753,11 @@ static int run_policy(const km_sim_config *cfg, const km_trace *trace, const cha
     r.per_worker = calloc(W, sizeof *r.per_worker);
     r.reqs = calloc(N ? N : 1, sizeof *r.reqs);
     r.ttft_ms = calloc(N ? N : 1, sizeof *r.ttft_ms);
+    r.finish_s = calloc(N ? N : 1, sizeof *r.finish_s);
+    r.last_admit_s = calloc(W ? W : 1, sizeof *r.last_admit_s);
+    r.first_token_s = calloc(N ? N : 1, sizeof *r.first_token_s);
     r.decision_us = calloc(N ? N : 1, sizeof *r.decision_us);
-    int rc = r.open_window && r.live_next && r.engines && r.pubs && r.published && r.per_worker && r.reqs && r.ttft_ms && r.decision_us
+    int rc = r.open_window && r.live_next && r.engines && r.pubs && r.published && r.per_worker && r.reqs && r.ttft_ms && r.finish_s && r.last_admit_s && r.first_token_s && r.decision_us
                  ? KM_OK
                  : km_why(why, why_size, KM_ERR_OUT_OF_MEMORY, "simulation state");
     snprintf(r.pool, sizeof r.pool, "sim-%s", policy);
@@ -747,9 +805,9 @@ static int run_policy(const km_sim_config *cfg, const km_trace *trace, const cha
                                            : KM_SERVER_LOCAL_EVENTS;
         ws[w].replay_endpoint = cfg->zmq ? km_publisher_replay_endpoint(r.pubs[w]) : NULL;
     }
-    if (!rc && !cfg->connect)
+    if (!rc && !cfg->connect && !direct)
         rc = start_server(&r, why, why_size);
-    if (!rc) {
+    if (!rc && !direct) {
         rc = km_client_connect(r.addr, 10000, &r.client, why, why_size);
     }
     if (!rc && cfg->connect) {
@@ -761,7 +819,7 @@ static int run_policy(const km_sim_config *cfg, const km_trace *trace, const cha
         km_pool_info pi;
         memset(&pi, 0, sizeof pi);
         pi.name = r.pool;
-        pi.block_size = cfg->engine.block_size;
+        pi.block_size = cfg->engine.model.block_size;
         pi.policy = policy;
         m.pools.pools = &pi;
         m.pools.n_pools = 1;
@@ -879,8 +937,23 @@ static int run_policy(const km_sim_config *cfg, const km_trace *trace, const cha
         res->makespan_s -= (double)first_arrival / 1e6;
         if (res->makespan_s > 0)
             res->output_tokens_per_s = (double)res->output_tokens / res->makespan_s;
+        double ttft_sum = 0;
+        for (size_t i = 0; i < r.n_ttft; i++)
+            ttft_sum += r.ttft_ms[i];
+        res->ttft_mean_ms = r.n_ttft ? ttft_sum / (double)r.n_ttft : 0;
         res->ttft_p50_ms = pct(r.ttft_ms, r.n_ttft, 0.50);
         res->ttft_p99_ms = pct(r.ttft_ms, r.n_ttft, 0.99);
+        res->reused_share = res->prompt_tokens ? (double)res->actual_reused_tokens /
+                                                     (double)res->prompt_tokens
+                                               : 0;
+        res->throughput_rps = steady_throughput(r.finish_s, r.n_finish);
+        res->first_token_rps = steady_throughput(r.first_token_s, r.n_first_token);
+        double saturated_until = INFINITY;
+        for (uint32_t w = 0; w < W; w++)
+            if (r.last_admit_s[w] < saturated_until)
+                saturated_until = r.last_admit_s[w];
+        res->saturated_throughput_rps = saturated_throughput(r.finish_s, r.n_finish, saturated_until);
+        res->offered_rps = km_sim_arrival_rate(trace);
         res->decisions_per_s = r.decision_wall > 0 ? (double)r.n_decision / r.decision_wall : 0;
         res->decision_p50_us = pct(r.decision_us, r.n_decision, 0.50);
         res->decision_p99_us = pct(r.decision_us, r.n_decision, 0.99);
@@ -913,14 +986,136 @@ static int run_policy(const km_sim_config *cfg, const km_trace *trace, const cha
     return rc;
 }
 
-int km_sim_run(const km_sim_config *cfg, km_sim_result *results, char *why, size_t why_size)
+/* A copy of trace's request list (sharing its id pool) with arrivals at first + (t - first) * scale,
+ * or all at the first arrival when scale is 0. */
+static int scaled_copy(const km_trace *trace, double scale, km_trace *out)
+{
+    *out = *trace;
+    out->requests = malloc((trace->n_requests ? trace->n_requests : 1) * sizeof *out->requests);
+    if (!out->requests)
+        return KM_ERR_OUT_OF_MEMORY;
+    uint64_t first = trace->n_requests ? trace->requests[0].timestamp_ms : 0;
+    for (size_t i = 0; i < trace->n_requests; i++) {
+        out->requests[i] = trace->requests[i];
+        double t = (double)(trace->requests[i].timestamp_ms - first) * scale;
+        if (!(t <= (double)(KM_TRACE_MAX_TIMESTAMP_MS - first))) {
+            free(out->requests);
+            out->requests = NULL;
+            return KM_ERR_INVALID_ARGUMENT;
+        }
+        out->requests[i].timestamp_ms = first + (uint64_t)llround(t);
+    }
+    return KM_OK;
+}
+
+/* Round robin on `trace` with every request arriving at once, straight to the engines (no
+ * kvmatch, no fault, no records: round robin needs no index). */
+static int probe_rr(const km_sim_config *cfg, const km_trace *trace, km_sim_result *res,
+                    char *why, size_t why_size)
+{
+    km_sim_config c = *cfg;
+    c.records_dir = NULL;
+    c.drop_events = 0;
+    c.cut_worker = -1;
+    c.restart_worker = -1;
+    c.restart_kvmatch_at_s = -1;
+    c.second_ingress = 0;
+    c.override = 0;
+    c.zmq = false;
+    c.connect = NULL;
+    c.log = quiet;
+    km_trace replay;
+    int rc = scaled_copy(trace, 0.0, &replay);
+    if (rc)
+        return km_why(why, why_size, rc, "out of memory");
+    rc = run_policy(&c, &replay, "round_robin", true, res, why, why_size);
+    free(replay.requests);
+    return rc;
+}
+
+/* Requests an engine can hold at once for this workload: KV blocks over a mean request's own
+ * (its share of the prompt no other request shares, and its output), at most max_num_seqs. */
+static double engine_concurrency(const km_sim_config *cfg, const km_sim_workload_stats *w)
+{
+    const km_engine_model *m = &cfg->engine.model;
+    double own = w->prompt_mean * (1.0 - w->reusable_share) + w->output_mean;
+    double blocks = own / m->block_size + 1.0;
+    double n = (double)m->capacity_blocks / blocks;
+    return n < m->max_num_seqs ? n : m->max_num_seqs;
+}
+
+/* The cluster's capacity on this workload (docs/SIM.md, "Load"): the rate at which round robin
+ * finishes requests while every engine has a queue, every request of a sample of the workload
+ * arriving at once. The sample holds KM_SIM_CAPACITY_QUEUE times what the engines can hold at
+ * once (engine_concurrency), so the queues last for most of the run; a trace gives what it has,
+ * the generator draws more requests of the same kind. When the queues emptied before a tenth of
+ * the requests finished, the sample doubles, up to KM_SIM_CAPACITY_MAX_SAMPLE requests. */
+static int measure_capacity(const km_sim_config *cfg, const km_trace *trace, size_t n,
+                            km_sim_summary *sum, char *why, size_t why_size)
+{
+    double started = wall_s();
+    double want = KM_SIM_CAPACITY_QUEUE * cfg->workers * engine_concurrency(cfg, &sum->workload);
+    size_t size = want > (double)n ? (size_t)want : n;
+    int rc = KM_OK;
+    for (;;) {
+        if (size > KM_SIM_CAPACITY_MAX_SAMPLE)
+            size = KM_SIM_CAPACITY_MAX_SAMPLE;
+        km_trace more = {0};
+        km_trace sample = *trace;
+        if (cfg->trace_path) {
+            sample.n_requests = size < trace->n_requests ? size : trace->n_requests;
+        } else if (size > trace->n_requests) {
+            km_sim_generator_config g = cfg->generator;
+            g.requests = (uint32_t)size;
+            if ((rc = km_sim_generate_trace(&g, &more, why, why_size)))
+                return rc;
+            sample = more;
+        } else {
+            sample.n_requests = size;
+        }
+        km_sim_result res;
+        rc = probe_rr(cfg, &sample, &res, why, why_size);
+        km_trace_free(&more);
+        if (rc)
+            return rc;
+        sum->capacity_probes++;
+        sum->capacity_requests = sample.n_requests;
+        if (res.saturated_throughput_rps > 0) {
+            sum->capacity_rps = res.saturated_throughput_rps;
+            break;
+        }
+        if (sample.n_requests >= KM_SIM_CAPACITY_MAX_SAMPLE ||
+            (cfg->trace_path && sample.n_requests >= trace->n_requests))
+            return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,
+                          "%zu requests at once never kept %u engines queued long enough to "
+                          "measure their capacity%s",
+                          sample.n_requests, cfg->workers,
+                          cfg->trace_path ? " (the trace has no more)" : "");
+        size *= 2;
+    }
+    sum->capacity_wall_s = wall_s() - started;
+    return KM_OK;
+}
+
+int km_sim_run(const km_sim_config *cfg, km_sim_result *results, km_sim_summary *summary,
+               char *why, size_t why_size)
 {
     if (!cfg || !results)
         return km_why(why, why_size, KM_ERR_NULL_POINTER, "config or results is NULL");
     if (cfg->workers == 0 || cfg->workers > 4096 || cfg->n_policies == 0 ||
-        cfg->n_policies > KM_SIM_MAX_POLICIES || !(cfg->time_scale > 0))
+        cfg->n_policies > KM_SIM_MAX_POLICIES || !(cfg->time_scale > 0) ||
+        cfg->n_loads > KM_SIM_MAX_LOADS)
         return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,
-                      "workers must be 1..4096, policies 1..%u, time_scale > 0", KM_SIM_MAX_POLICIES);
+                      "workers must be 1..4096, policies 1..%u, loads 0..%u, time_scale > 0",
+                      KM_SIM_MAX_POLICIES, KM_SIM_MAX_LOADS);
+    for (uint32_t i = 0; i < cfg->n_loads; i++)
+        if (!(cfg->loads[i] > 0 && cfg->loads[i] <= 100))
+            return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,
+                          "load %g is out of range: a load is a fraction of the capacity, in (0, 100]",
+                          cfg->loads[i]);
+    if (cfg->n_loads && cfg->time_scale != 1.0)
+        return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,
+                      "a load sets the arrival times: it excludes a time scale");
     if (cfg->restart_kvmatch_at_s >= 0 && cfg->restart_kvmatch_snapshot && !cfg->zmq)
         return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,
                       "restarting kvmatch from its snapshot needs --zmq: only subscriber-fed pools "
@@ -958,17 +1153,62 @@ int km_sim_run(const km_sim_config *cfg, km_sim_result *results, char *why, size
         rc = km_sim_generate_trace(&cfg->generator, &trace, why, why_size);
     if (rc)
         return rc;
+    km_sim_summary local;
+    km_sim_summary *sum = summary ? summary : &local;
+    memset(sum, 0, sizeof *sum);
+    size_t n = cfg->max_requests && cfg->max_requests < trace.n_requests ? cfg->max_requests
+                                                                         : trace.n_requests;
+    km_trace head = trace;
+    head.n_requests = n;
+    if ((rc = km_sim_workload_stats_of(&head, cfg->engine.model.block_size, &sum->workload))) {
+        km_trace_free(&trace);
+        return km_why(why, why_size, rc, "workload statistics");
+    }
+    sim_log(cfg, "%zu requests, %u workers, %u policies%s", n, cfg->workers, cfg->n_policies,
+            cfg->zmq ? ", events over ZMQ" : "");
+    if (cfg->n_loads) {
+        if (!(sum->workload.arrival_rate_per_s > 0)) {
+            km_trace_free(&trace);
+            return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,
+                          "a load needs arrivals spread over time (the trace's all come at once)");
+        }
+        rc = measure_capacity(cfg, &trace, n, sum, why, why_size);
+        if (rc) {
+            km_trace_free(&trace);
+            return rc;
+        }
+        sim_log(cfg, "capacity: %.2f requests/s (round robin, %zu requests at once, %u runs, %.1f s)",
+                sum->capacity_rps, sum->capacity_requests, sum->capacity_probes,
+                sum->capacity_wall_s);
+    }
     if ((rc = km_sim_trace_trim(&trace, cfg->max_requests, cfg->time_scale)) != KM_OK) {
         km_trace_free(&trace);
         return km_why(why, why_size, rc, "time_scale %g puts arrivals past %llu ms", cfg->time_scale,
                       (unsigned long long)KM_TRACE_MAX_TIMESTAMP_MS);
     }
-    sim_log(cfg, "%zu requests, %u workers, %u policies%s", trace.n_requests, cfg->workers,
-            cfg->n_policies, cfg->zmq ? ", events over ZMQ" : "");
-    for (uint32_t i = 0; i < cfg->n_policies && !rc; i++) {
-        rc = run_policy(cfg, &trace, cfg->policies[i], &results[i], why, why_size);
-        if (!rc)
-            sim_log(cfg, "%s: done in %.1f s", cfg->policies[i], results[i].wall_s);
+    uint32_t n_loads = cfg->n_loads ? cfg->n_loads : 1;
+    for (uint32_t l = 0; l < n_loads && !rc; l++) {
+        km_trace scaled = trace;
+        double load = cfg->n_loads ? cfg->loads[l] : 0;
+        if (cfg->n_loads) {
+            sum->time_scale[l] = sum->workload.arrival_rate_per_s / (load * sum->capacity_rps);
+            if ((rc = scaled_copy(&trace, sum->time_scale[l], &scaled))) {
+                km_why(why, why_size, rc, "load %g puts arrivals past %llu ms", load,
+                       (unsigned long long)KM_TRACE_MAX_TIMESTAMP_MS);
+                break;
+            }
+        }
+        for (uint32_t i = 0; i < cfg->n_policies && !rc; i++) {
+            km_sim_result *res = &results[l * cfg->n_policies + i];
+            rc = run_policy(cfg, &scaled, cfg->policies[i], false, res, why, why_size);
+            res->load = load;
+            if (!rc && cfg->n_loads)
+                sim_log(cfg, "load %.2f, %s: done in %.1f s", load, cfg->policies[i], res->wall_s);
+            else if (!rc)
+                sim_log(cfg, "%s: done in %.1f s", cfg->policies[i], res->wall_s);
+        }
+        if (cfg->n_loads)
+            free(scaled.requests);
     }
     km_trace_free(&trace);
     return rc;

@@ -16,13 +16,23 @@
 #include "sim/engine.h"
 #include "sim/workload.h"
 
-#define KM_SIM_MAX_POLICIES 8u
+#define KM_SIM_MAX_POLICIES 16u
+#define KM_SIM_MAX_LOADS 16u
+/* The capacity run's sample: this many times the requests the engines can hold at once, and at
+ * most this many requests. */
+#define KM_SIM_CAPACITY_QUEUE 4.0
+#define KM_SIM_CAPACITY_MAX_SAMPLE 100000u
 
 typedef struct km_sim_config {
     const char *trace_path;              /* a Mooncake JSONL trace; NULL = the generator */
     km_sim_generator_config generator;
     size_t max_requests;                 /* 0 = all */
     double time_scale;                   /* arrival times x this; default 1 */
+    /* Offered load as a fraction of the cluster's capacity (docs/SIM.md, "Load"): with n_loads
+     * > 0, arrivals are rescaled so requests arrive at loads[i] times the capacity, and every
+     * policy runs at every load (results in load-major order). Excludes time_scale != 1. */
+    double loads[KM_SIM_MAX_LOADS];
+    uint32_t n_loads;
     uint32_t workers;                    /* default 8 */
     km_sim_engine_config engine;         /* every engine (block size, capacity, time model); the
                                           * process seed is derived per worker */
@@ -85,6 +95,19 @@ typedef struct km_sim_window {
 
 typedef struct km_sim_result {
     char policy[32];
+    double load;                      /* the offered load of this run; 0 = the trace's own times */
+    double offered_rps;               /* km_sim_arrival_rate of the replayed arrivals */
+    /* Requests finished per second between the 10th and the 90th percentile of finish times
+     * (the steady part of the run, without its ramp and its drain). */
+    double throughput_rps;
+    /* First tokens per second between the 10th and the 90th percentile of their times: the rate
+     * the cluster takes requests on. */
+    double first_token_rps;
+    /* The same until the first moment some engine had nothing left waiting (0 when fewer than a
+     * tenth of the requests finished before it): the cluster's throughput while saturated. */
+    double saturated_throughput_rps;
+    double reused_share;              /* actual_reused_tokens / prompt_tokens */
+    double ttft_mean_ms;
     uint64_t requests;                /* requests in the workload */
     uint64_t routed;                  /* decided by kvmatch */
     uint64_t route_errors;            /* answered with an error (then sent round-robin) */
@@ -133,9 +156,26 @@ typedef struct km_sim_result {
     km_sim_window windows[KM_SIM_MAX_WINDOWS];
 } km_sim_result;
 
-/* Run every policy of cfg; results holds cfg->n_policies entries (in order). Errors:
- * KM_ERR_INVALID_ARGUMENT (why says which setting), KM_ERR_IO (trace, sockets), errors of the
- * parts (server, engines, client), each with why. */
-int km_sim_run(const km_sim_config *cfg, km_sim_result *results, char *why, size_t why_size);
+/* What a run found out about its workload and cluster. */
+typedef struct km_sim_summary {
+    km_sim_workload_stats workload;   /* of the requests replayed, at their original times */
+    /* The cluster's capacity on this workload, requests per second: round robin's
+     * saturated_throughput_rps with every request of a large enough sample of the workload
+     * arriving at once (docs/SIM.md, "Load"; measured only when cfg->n_loads > 0, else 0). */
+    double capacity_rps;
+    size_t capacity_requests;         /* the sample it was measured on */
+    uint32_t capacity_probes;         /* round-robin runs it took (the sample doubles when it was
+                                       * too small) */
+    double capacity_wall_s;           /* their wall time */
+    /* Per load: the factor the arrival times were scaled by. */
+    double time_scale[KM_SIM_MAX_LOADS];
+} km_sim_summary;
+
+/* Run every policy of cfg (at every load of cfg->loads, when given); results holds
+ * max(cfg->n_loads, 1) * cfg->n_policies entries, load-major: results[load * n_policies + policy].
+ * summary may be NULL. Errors: KM_ERR_INVALID_ARGUMENT (why says which setting), KM_ERR_IO
+ * (trace, sockets), errors of the parts (server, engines, client), each with why. */
+int km_sim_run(const km_sim_config *cfg, km_sim_result *results, km_sim_summary *summary,
+               char *why, size_t why_size);
 
 #endif

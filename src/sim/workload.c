@@ -8,23 +8,108 @@
 
 #include "kvmatch/error.h"
 #include "base/error_detail.h"
+#include "base/u64_map.h"
+
+static const char *const shape_names[KM_SIM_SHAPE_COUNT] = {
+#define KM_SIM_SHAPE_NAME(value, name) [value] = name,
+    KM_SIM_SHAPE_LIST(KM_SIM_SHAPE_NAME)
+#undef KM_SIM_SHAPE_NAME
+};
+
+const char *km_sim_shape_name(km_sim_shape shape)
+{
+    return (unsigned)shape < KM_SIM_SHAPE_COUNT ? shape_names[shape] : "unknown";
+}
+
+int km_sim_shape_parse(const char *name, km_sim_shape *out)
+{
+    if (!name || !out)
+        return KM_ERR_NULL_POINTER;
+    for (unsigned k = 0; k < KM_SIM_SHAPE_COUNT; k++)
+        if (strcmp(name, shape_names[k]) == 0) {
+            *out = (km_sim_shape)k;
+            return KM_OK;
+        }
+    return KM_ERR_INVALID_ARGUMENT;
+}
+
+int km_sim_generator_config_shape(km_sim_shape shape, km_sim_generator_config *cfg)
+{
+    if (!cfg)
+        return KM_ERR_NULL_POINTER;
+    if ((unsigned)shape >= KM_SIM_SHAPE_COUNT)
+        return KM_ERR_INVALID_ARGUMENT;
+    memset(cfg, 0, sizeof *cfg);
+    cfg->shape = shape;
+    cfg->seed = 1;
+    cfg->requests = 600;
+    cfg->prefix_zipf = 1.0;
+    switch (shape) {
+    case KM_SIM_SHAPE_CHAT:
+        cfg->rate_per_s = 8.0;
+        cfg->prefixes = 4;
+        cfg->prefix_tokens_min = 512;
+        cfg->prefix_tokens_max = 2048;
+        cfg->session_share = 0.7;
+        cfg->turns_min = 2;
+        cfg->turns_max = 6;
+        cfg->think_time_s = 2.0;
+        cfg->new_tokens_min = 100;
+        cfg->new_tokens_max = 1500;
+        cfg->output_tokens_mean = 350;
+        cfg->max_input_tokens = 16384;
+        break;
+    case KM_SIM_SHAPE_SYSTEM_PROMPT:
+        cfg->rate_per_s = 12.0;
+        cfg->prefixes = 8;
+        cfg->prefix_tokens_min = 2000;
+        cfg->prefix_tokens_max = 6000;
+        cfg->session_share = 0.0;
+        cfg->turns_min = 2;
+        cfg->turns_max = 2;
+        cfg->new_tokens_min = 50;
+        cfg->new_tokens_max = 500;
+        cfg->output_tokens_mean = 200;
+        cfg->max_input_tokens = 16384;
+        break;
+    case KM_SIM_SHAPE_AGENT:
+        cfg->rate_per_s = 1.0;
+        cfg->prefixes = 2;
+        cfg->prefix_tokens_min = 3000;
+        cfg->prefix_tokens_max = 5000;
+        cfg->session_share = 1.0;
+        cfg->turns_min = 8;
+        cfg->turns_max = 24;
+        cfg->think_time_s = 1.0;
+        cfg->new_tokens_min = 200;
+        cfg->new_tokens_max = 2000;
+        cfg->output_tokens_mean = 120;
+        cfg->max_input_tokens = 32768;
+        break;
+    case KM_SIM_SHAPE_DOCQA:
+        cfg->rate_per_s = 10.0;
+        cfg->common_tokens = 512;
+        cfg->prefixes = 32;
+        cfg->prefix_tokens_min = 4000;
+        cfg->prefix_tokens_max = 12000;
+        cfg->prefix_zipf = 0.8;
+        cfg->session_share = 0.0;
+        cfg->turns_min = 2;
+        cfg->turns_max = 2;
+        cfg->new_tokens_min = 30;
+        cfg->new_tokens_max = 300;
+        cfg->output_tokens_mean = 80;
+        cfg->max_input_tokens = 32768;
+        break;
+    default:
+        break;
+    }
+    return KM_OK;
+}
 
 void km_sim_generator_config_init(km_sim_generator_config *cfg)
 {
-    if (!cfg)
-        return;
-    memset(cfg, 0, sizeof *cfg);
-    cfg->seed = 1;
-    cfg->requests = 600;
-    cfg->rate_per_s = 8.0;
-    cfg->system_prompts = 4;
-    cfg->system_prompt_ids_max = 4;
-    cfg->session_share = 0.7;
-    cfg->turns_max = 6;
-    cfg->think_time_s = 2.0;
-    cfg->user_ids_max = 3;
-    cfg->output_tokens_mean = 350;
-    cfg->max_input_ids = 32;
+    km_sim_generator_config_shape(KM_SIM_SHAPE_CHAT, cfg);
 }
 
 typedef struct rng {
@@ -60,6 +145,7 @@ typedef struct staged {
     double arrival_s;
     uint64_t order; /* creation order: ties in arrival keep it */
     uint32_t output_tokens;
+    uint32_t input_tokens;
     size_t offset;
     uint32_t n_ids;
 } staged;
@@ -72,7 +158,7 @@ typedef struct stage {
 } stage;
 
 static int stage_add(stage *st, double arrival_s, uint32_t output_tokens, const uint32_t *ids,
-                     uint32_t n_ids)
+                     uint32_t n_ids, uint32_t input_tokens)
 {
     if (st->n == st->cap) {
         size_t cap = st->cap ? st->cap * 2 : 256;
@@ -93,7 +179,7 @@ static int stage_add(stage *st, double arrival_s, uint32_t output_tokens, const 
         st->cap_pool = cap;
     }
     memcpy(st->pool + st->n_pool, ids, n_ids * sizeof *ids);
-    st->reqs[st->n] = (staged){arrival_s, st->n, output_tokens, st->n_pool, n_ids};
+    st->reqs[st->n] = (staged){arrival_s, st->n, output_tokens, input_tokens, st->n_pool, n_ids};
     st->n++;
     st->n_pool += n_ids;
     return KM_OK;
@@ -118,77 +204,130 @@ static uint32_t draw_output(rng *r, uint32_t mean)
     return (uint32_t)x;
 }
 
+/* A prompt under construction: `tokens` tokens over the ids that cover them. Growing it uses the
+ * last id further before adding fresh ones, so the old prompt stays a prefix of the new. */
+typedef struct prompt {
+    uint32_t *ids;
+    uint32_t n_ids, cap_ids;
+    uint32_t tokens;
+} prompt;
+
+static void prompt_append(prompt *p, uint32_t tokens, const uint32_t *from_ids, uint32_t *next_id)
+{
+    uint32_t target = p->tokens + tokens;
+    uint32_t need = (target + KM_SIM_TOKENS_PER_ID - 1) / KM_SIM_TOKENS_PER_ID;
+    for (uint32_t i = 0; p->n_ids < need && p->n_ids < p->cap_ids; i++)
+        p->ids[p->n_ids++] = from_ids ? from_ids[i] : (*next_id)++;
+    p->tokens = target;
+}
+
+static int check_config(const km_sim_generator_config *c, char *why, size_t why_size)
+{
+    const char *bad = NULL;
+    if ((unsigned)c->shape >= KM_SIM_SHAPE_COUNT)
+        bad = "shape is unknown";
+    else if (c->requests == 0)
+        bad = "requests must be >= 1";
+    else if (!(c->rate_per_s > 0) || !isfinite(c->rate_per_s))
+        bad = "rate_per_s must be > 0";
+    else if (c->prefixes == 0 || c->prefix_tokens_min == 0 ||
+             c->prefix_tokens_min > c->prefix_tokens_max)
+        bad = "prefixes and prefix_tokens_min must be >= 1, prefix_tokens_min <= prefix_tokens_max";
+    else if (c->common_tokens % KM_SIM_TOKENS_PER_ID)
+        bad = "common_tokens must be a multiple of 512 (whole ids)";
+    else if (!(c->prefix_zipf >= 0) || !isfinite(c->prefix_zipf))
+        bad = "prefix_zipf must be >= 0";
+    else if (!(c->session_share >= 0 && c->session_share <= 1))
+        bad = "session_share must be in 0..1";
+    else if (c->turns_min < 2 || c->turns_min > c->turns_max)
+        bad = "turns_min must be >= 2 and <= turns_max";
+    else if (!(c->think_time_s >= 0) || !isfinite(c->think_time_s))
+        bad = "think_time_s must be >= 0";
+    else if (c->new_tokens_min == 0 || c->new_tokens_min > c->new_tokens_max)
+        bad = "new_tokens_min must be >= 1 and <= new_tokens_max";
+    else if (c->output_tokens_mean == 0)
+        bad = "output_tokens_mean must be >= 1";
+    else if ((uint64_t)c->max_input_tokens <=
+             (uint64_t)c->common_tokens + c->prefix_tokens_max + c->new_tokens_max)
+        bad = "max_input_tokens must exceed common_tokens + prefix_tokens_max + new_tokens_max";
+    return bad ? km_why(why, why_size, KM_ERR_INVALID_ARGUMENT, "generator: %s", bad) : KM_OK;
+}
+
 int km_sim_generate_trace(const km_sim_generator_config *cfg, km_trace *out, char *why,
                           size_t why_size)
 {
     if (!cfg || !out)
         return km_why(why, why_size, KM_ERR_NULL_POINTER, "config or out is NULL");
     memset(out, 0, sizeof *out);
-    if (cfg->requests == 0 || !(cfg->rate_per_s > 0) || cfg->system_prompts == 0 ||
-        cfg->system_prompt_ids_max == 0 || !(cfg->session_share >= 0 && cfg->session_share <= 1) ||
-        cfg->turns_max < 2 || !(cfg->think_time_s >= 0) || cfg->user_ids_max == 0 ||
-        cfg->output_tokens_mean == 0 || cfg->max_input_ids < cfg->system_prompt_ids_max + 1)
-        return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,
-                      "generator: requests, rate_per_s, system_prompts, system_prompt_ids_max, "
-                      "user_ids_max, output_tokens_mean must be >= 1 (rate > 0), session_share in "
-                      "0..1, turns_max >= 2, think_time_s >= 0, max_input_ids > "
-                      "system_prompt_ids_max");
-    rng r = {cfg->seed ^ UINT64_C(0x6b766d73696d)};
+    int rc = check_config(cfg, why, why_size);
+    if (rc)
+        return rc;
+    rng r = {cfg->seed ^ UINT64_C(0x6b766d73696d) ^ ((uint64_t)cfg->shape << 48)};
     uint32_t next_id = 0;
-    /* System prompts: ids allocated first, so they are the smallest. */
-    uint32_t *sys_ids = calloc(cfg->system_prompts, sizeof *sys_ids);
-    uint32_t *sys_len = calloc(cfg->system_prompts, sizeof *sys_len);
-    double *sys_weight = calloc(cfg->system_prompts, sizeof *sys_weight);
-    uint32_t *ids = malloc((cfg->max_input_ids + 1) * sizeof *ids);
+    /* The common header (whole ids), then the shared prefixes: their ids are allocated first, so
+     * they are the smallest. Each prefix starts a fresh id, so prefixes share the header only. */
+    uint32_t per = KM_SIM_TOKENS_PER_ID;
+    uint32_t max_ids = (cfg->max_input_tokens + per - 1) / per + 1;
+    uint32_t header_ids = cfg->common_tokens / per;
+    uint32_t *header = calloc(header_ids + 1, sizeof *header);
+    uint32_t *pre_first = calloc(cfg->prefixes, sizeof *pre_first);
+    uint32_t *pre_len = calloc(cfg->prefixes, sizeof *pre_len);
+    double *pre_weight = calloc(cfg->prefixes, sizeof *pre_weight);
+    prompt p = {malloc((size_t)max_ids * sizeof(uint32_t)), 0, max_ids, 0};
     stage st = {0};
-    int rc = sys_ids && sys_len && sys_weight && ids ? KM_OK : KM_ERR_OUT_OF_MEMORY;
+    rc = header && pre_first && pre_len && pre_weight && p.ids ? KM_OK : KM_ERR_OUT_OF_MEMORY;
+    for (uint32_t i = 0; i < header_ids; i++)
+        header[i] = next_id++;
     double total_weight = 0;
-    for (uint32_t k = 0; !rc && k < cfg->system_prompts; k++) {
-        sys_ids[k] = next_id;
-        sys_len[k] = between(&r, 1, cfg->system_prompt_ids_max);
-        next_id += sys_len[k];
-        sys_weight[k] = 1.0 / (k + 1); /* Zipf, s = 1 */
-        total_weight += sys_weight[k];
+    for (uint32_t k = 0; !rc && k < cfg->prefixes; k++) {
+        pre_len[k] = between(&r, cfg->prefix_tokens_min, cfg->prefix_tokens_max);
+        pre_first[k] = next_id;
+        next_id += (pre_len[k] + per - 1) / per;
+        pre_weight[k] = 1.0 / pow((double)(k + 1), cfg->prefix_zipf);
+        total_weight += pre_weight[k];
     }
+    uint32_t *pre_ids = malloc((size_t)max_ids * sizeof *pre_ids);
+    if (!rc && !pre_ids)
+        rc = KM_ERR_OUT_OF_MEMORY;
     double clock_s = 0;
     while (!rc && st.n < cfg->requests) {
         clock_s += exponential(&r, 1.0 / cfg->rate_per_s);
-        /* The system prompt. */
         double pick = next_unit(&r) * total_weight;
         uint32_t k = 0;
-        while (k + 1 < cfg->system_prompts && pick >= sys_weight[k]) {
-            pick -= sys_weight[k];
+        while (k + 1 < cfg->prefixes && pick >= pre_weight[k]) {
+            pick -= pre_weight[k];
             k++;
         }
-        uint32_t n = 0;
-        for (uint32_t i = 0; i < sys_len[k]; i++)
-            ids[n++] = sys_ids[k] + i;
+        p.n_ids = 0;
+        p.tokens = 0;
+        prompt_append(&p, cfg->common_tokens, header, &next_id);
+        for (uint32_t i = 0; i < max_ids; i++)
+            pre_ids[i] = pre_first[k] + i;
+        prompt_append(&p, pre_len[k], pre_ids, &next_id);
         bool session = next_unit(&r) < cfg->session_share;
-        uint32_t turns = session ? between(&r, 2, cfg->turns_max) : 1;
+        uint32_t turns = session ? between(&r, cfg->turns_min, cfg->turns_max) : 1;
         double arrival = clock_s;
         for (uint32_t t = 0; t < turns && !rc; t++) {
-            uint32_t user = between(&r, 1, cfg->user_ids_max);
-            if (n + user > cfg->max_input_ids)
-                break; /* the conversation no longer fits the context: it ends */
-            for (uint32_t i = 0; i < user; i++)
-                ids[n++] = next_id++;
+            uint32_t add = between(&r, cfg->new_tokens_min, cfg->new_tokens_max);
+            if ((uint64_t)p.tokens + add > cfg->max_input_tokens)
+                break; /* the session no longer fits the context: it ends */
+            prompt_append(&p, add, NULL, &next_id);
             uint32_t output = draw_output(&r, cfg->output_tokens_mean);
-            rc = stage_add(&st, arrival, output, ids, n);
-            /* The next turn: this answer becomes part of the prompt (its ids: one per 512 tokens,
-             * at least one), after the user reads it: an assumed 20 ms per answer token plus an
-             * exponential think time. */
-            uint32_t answer = (output + KM_SIM_TOKENS_PER_ID - 1) / KM_SIM_TOKENS_PER_ID;
-            if (n + answer > cfg->max_input_ids)
+            rc = stage_add(&st, arrival, output, p.ids, p.n_ids, p.tokens);
+            /* The next turn re-sends this answer too, after it was generated (an assumed 20 ms
+             * per output token) and a think time (a user reading, a tool running). */
+            if ((uint64_t)p.tokens + output > cfg->max_input_tokens)
                 break;
-            for (uint32_t i = 0; i < answer; i++)
-                ids[n++] = next_id++;
+            prompt_append(&p, output, NULL, &next_id);
             arrival += output * 0.020 + exponential(&r, cfg->think_time_s);
         }
     }
-    free(sys_ids);
-    free(sys_len);
-    free(sys_weight);
-    free(ids);
+    free(header);
+    free(pre_first);
+    free(pre_len);
+    free(pre_weight);
+    free(pre_ids);
+    free(p.ids);
     if (!rc) {
         qsort(st.reqs, st.n, sizeof *st.reqs, by_arrival);
         size_t keep = st.n < cfg->requests ? st.n : cfg->requests;
@@ -206,7 +345,7 @@ int km_sim_generate_trace(const km_sim_generator_config *cfg, km_trace *out, cha
                 memcpy(out->id_pool + at, st.pool + s->offset, s->n_ids * sizeof *out->id_pool);
                 km_trace_request *q = &out->requests[i];
                 q->timestamp_ms = (uint64_t)llround(s->arrival_s * 1000.0);
-                q->input_length = s->n_ids * KM_SIM_TOKENS_PER_ID;
+                q->input_length = s->input_tokens;
                 q->output_length = s->output_tokens;
                 q->n_ids = s->n_ids;
                 q->ids = out->id_pool + at;
@@ -244,4 +383,83 @@ int km_sim_trace_trim(km_trace *trace, size_t max_requests, double time_scale)
         trace->requests[i].timestamp_ms =
             (uint64_t)llround((double)trace->requests[i].timestamp_ms * time_scale);
     return KM_OK;
+}
+
+double km_sim_arrival_rate(const km_trace *trace)
+{
+    size_t n = trace ? trace->n_requests : 0;
+    if (n < 10)
+        return 0;
+    size_t lo = n / 10, hi = n - 1 - n / 10;
+    double span_s =
+        (double)(trace->requests[hi].timestamp_ms - trace->requests[lo].timestamp_ms) / 1000.0;
+    return span_s > 0 ? (double)(hi - lo) / span_s : 0;
+}
+
+static int cmp_u32(const void *a, const void *b)
+{
+    uint32_t x = *(const uint32_t *)a, y = *(const uint32_t *)b;
+    return x < y ? -1 : x > y;
+}
+
+int km_sim_workload_stats_of(const km_trace *trace, uint32_t block_size,
+                             km_sim_workload_stats *out)
+{
+    if (!trace || !out)
+        return KM_ERR_NULL_POINTER;
+    if (block_size == 0)
+        return KM_ERR_BLOCK_SIZE;
+    memset(out, 0, sizeof *out);
+    size_t n = trace->n_requests;
+    if (n == 0)
+        return KM_OK;
+    uint32_t *lengths = malloc(n * sizeof *lengths);
+    km_memory memory = {0};
+    km_u64map seen; /* id + 2 -> the most tokens of it an earlier prompt used */
+    km_u64map_init(&seen, &memory);
+    int rc = lengths ? KM_OK : KM_ERR_OUT_OF_MEMORY;
+    const uint32_t per = KM_SIM_TOKENS_PER_ID;
+    for (size_t i = 0; !rc && i < n; i++) {
+        const km_trace_request *q = &trace->requests[i];
+        lengths[i] = q->input_length;
+        out->prompt_tokens += q->input_length;
+        out->output_tokens += q->output_length;
+        /* Ids chain: an id seen before stands for its whole prefix. The reuse runs while the ids
+         * were seen at least as far as this prompt uses them. */
+        uint64_t reusable = 0;
+        for (uint32_t k = 0; k < q->n_ids && (uint64_t)k * per < q->input_length; k++) {
+            uint32_t used = q->input_length - k * per < per ? q->input_length - k * per : per;
+            const uint64_t *v = km_u64map_find(&seen, (uint64_t)q->ids[k] + 2);
+            uint32_t before = v ? (uint32_t)*v : 0;
+            reusable += before < used ? before : used;
+            if (before < used)
+                break;
+        }
+        uint64_t cap = (uint64_t)(q->input_length ? q->input_length - 1 : 0) / block_size * block_size;
+        reusable = reusable / block_size * block_size;
+        out->reusable_tokens += reusable < cap ? reusable : cap;
+        for (uint32_t k = 0; !rc && k < q->n_ids && (uint64_t)k * per < q->input_length; k++) {
+            uint32_t used = q->input_length - k * per < per ? q->input_length - k * per : per;
+            uint64_t *v = km_u64map_find(&seen, (uint64_t)q->ids[k] + 2);
+            if (v && *v >= used)
+                continue;
+            rc = km_u64map_put(&seen, (uint64_t)q->ids[k] + 2, used, 1);
+        }
+    }
+    if (!rc) {
+        out->requests = n;
+        qsort(lengths, n, sizeof *lengths, cmp_u32);
+        out->prompt_mean = (double)out->prompt_tokens / (double)n;
+        out->prompt_p50 = lengths[(size_t)(0.50 * (double)(n - 1) + 0.5)];
+        out->prompt_p99 = lengths[(size_t)(0.99 * (double)(n - 1) + 0.5)];
+        out->output_mean = (double)out->output_tokens / (double)n;
+        out->reusable_share =
+            out->prompt_tokens ? (double)out->reusable_tokens / (double)out->prompt_tokens : 0.0;
+        out->span_s = (double)(trace->requests[n - 1].timestamp_ms - trace->requests[0].timestamp_ms) /
+                      1000.0;
+        out->arrival_rate_per_s = km_sim_arrival_rate(trace);
+    }
+    km_u64map_free(&seen);
+    free(lengths);
+    return rc;
 }

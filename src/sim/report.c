@@ -1,0 +1,340 @@
+/* Reports of a load sweep (src/sim/report.h): the text table and the HTML page with its charts. */
+#include "sim/report.h"
+
+#include <math.h>
+#include <string.h>
+
+#include "kvmatch/error.h"
+#include "kvmatch/metrics.h"
+#include "base/error_detail.h"
+
+static uint32_t n_loads(const km_sim_report *r)
+{
+    return r->cfg->n_loads ? r->cfg->n_loads : 1;
+}
+
+static const km_sim_result *at(const km_sim_report *r, uint32_t load, uint32_t policy)
+{
+    return &r->results[load * r->cfg->n_policies + policy];
+}
+
+/* The default policy's column, or -1 when it did not run. */
+static int default_column(const km_sim_report *r)
+{
+    for (uint32_t p = 0; r->default_policy && p < r->cfg->n_policies; p++)
+        if (!strcmp(r->cfg->policies[p], r->default_policy))
+            return (int)p;
+    return -1;
+}
+
+/* other / default, or 0 when the default's figure is 0. */
+static double ratio(double other, double dflt)
+{
+    return dflt > 0 ? other / dflt : 0;
+}
+
+void km_sim_report_text(const km_sim_report *r, FILE *out)
+{
+    const km_sim_config *cfg = r->cfg;
+    fprintf(out, "workload %s, %llu requests, %u workers, engine %s; capacity %.2f requests/s\n",
+            r->workload, (unsigned long long)r->summary->workload.requests, cfg->workers, r->engine,
+            r->summary->capacity_rps);
+    fprintf(out, "%-24s", "");
+    for (uint32_t p = 0; p < cfg->n_policies; p++)
+        fprintf(out, " %12s", cfg->policies[p]);
+    fprintf(out, "\n");
+    static const char *const metrics[] = {"ttft_p50_ms", "ttft_p99_ms", "reused_share"};
+    for (uint32_t l = 0; l < n_loads(r); l++)
+        for (int k = 0; k < 3; k++) {
+            char label[48];
+            snprintf(label, sizeof label, "load %.2f %s", cfg->loads[l], metrics[k]);
+            fprintf(out, "%-24s", label);
+            for (uint32_t p = 0; p < cfg->n_policies; p++) {
+                const km_sim_result *x = at(r, l, p);
+                if (k == 0)
+                    fprintf(out, " %12.1f", x->ttft_p50_ms);
+                else if (k == 1)
+                    fprintf(out, " %12.1f", x->ttft_p99_ms);
+                else
+                    fprintf(out, " %11.1f%%", 100.0 * x->reused_share);
+            }
+            fprintf(out, "\n");
+        }
+    int d = default_column(r);
+    if (d < 0 || cfg->n_policies < 2)
+        return;
+    fprintf(out, "\n%s (default) against each policy: its TTFT over the default's, p50 / p99 "
+                 "(above 1: the default is faster)\n%-14s",
+            r->default_policy, "");
+    for (uint32_t l = 0; l < n_loads(r); l++) {
+        char label[32];
+        snprintf(label, sizeof label, "load %.2f", cfg->loads[l]);
+        fprintf(out, " %15s", label);
+    }
+    fprintf(out, "\n");
+    for (uint32_t p = 0; p < cfg->n_policies; p++) {
+        if ((int)p == d)
+            continue;
+        fprintf(out, "%-14s", cfg->policies[p]);
+        for (uint32_t l = 0; l < n_loads(r); l++) {
+            const km_sim_result *x = at(r, l, p), *y = at(r, l, (uint32_t)d);
+            char cell[32];
+            snprintf(cell, sizeof cell, "%.2f / %.2f", ratio(x->ttft_p50_ms, y->ttft_p50_ms),
+                     ratio(x->ttft_p99_ms, y->ttft_p99_ms));
+            fprintf(out, " %15s", cell);
+        }
+        fprintf(out, "\n");
+    }
+}
+
+/* ---- HTML ------------------------------------------------------------------------------------ */
+
+#define CHART_W 640
+#define CHART_H 360
+#define LEFT 72
+#define RIGHT 150
+#define TOP 36
+#define BOTTOM 52
+
+static const char *const palette[] = {"#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd",
+                                      "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"};
+
+/* A round step for about `want` intervals over range: 1, 2, 2.5 or 5 times a power of ten. */
+static double nice_step(double range, int want)
+{
+    if (!(range > 0))
+        return 1;
+    double raw = range / want, mag = pow(10, floor(log10(raw))), f = raw / mag;
+    double nice = f <= 1 ? 1 : f <= 2 ? 2 : f <= 2.5 ? 2.5 : f <= 5 ? 5 : 10;
+    return nice * mag;
+}
+
+typedef struct axis {
+    double lo, hi;
+    int log; /* log10 scale */
+} axis;
+
+static double x_px(const axis *a, double v)
+{
+    return LEFT + (v - a->lo) / (a->hi - a->lo) * (CHART_W - LEFT - RIGHT);
+}
+
+static double y_px(const axis *a, double v)
+{
+    double t = a->log ? (log10(v) - log10(a->lo)) / (log10(a->hi) - log10(a->lo))
+                      : (v - a->lo) / (a->hi - a->lo);
+    return CHART_H - BOTTOM - t * (CHART_H - TOP - BOTTOM);
+}
+
+static void tick_label(char *buf, size_t size, double v)
+{
+    if (v >= 1000 && fmod(v, 1000) == 0)
+        snprintf(buf, size, "%gk", v / 1000);
+    else
+        snprintf(buf, size, "%g", v);
+}
+
+/* metric: 0 TTFT p50, 1 TTFT p99 (ms, log scale), 2 reused share (%, linear). */
+static double metric(const km_sim_result *x, int which)
+{
+    return which == 0 ? x->ttft_p50_ms : which == 1 ? x->ttft_p99_ms : 100.0 * x->reused_share;
+}
+
+static void chart(const km_sim_report *r, km_text *t, int which)
+{
+    static const char *const ids[] = {"chart-ttft-p50", "chart-ttft-p99", "chart-reuse"};
+    static const char *const titles[] = {"TTFT p50 against load (ms, log scale)",
+                                         "TTFT p99 against load (ms, log scale)",
+                                         "Prompt tokens reused against load (%)"};
+    const km_sim_config *cfg = r->cfg;
+    uint32_t nl = n_loads(r);
+    axis x = {cfg->loads[0], cfg->loads[0], 0};
+    double lo = INFINITY, hi = 0;
+    for (uint32_t l = 0; l < nl; l++) {
+        if (cfg->loads[l] < x.lo)
+            x.lo = cfg->loads[l];
+        if (cfg->loads[l] > x.hi)
+            x.hi = cfg->loads[l];
+        for (uint32_t p = 0; p < cfg->n_policies; p++) {
+            double v = metric(at(r, l, p), which);
+            if (which < 2 && !(v > 0))
+                continue;
+            lo = v < lo ? v : lo;
+            hi = v > hi ? v : hi;
+        }
+    }
+    double xstep = nice_step(x.hi - x.lo, 5);
+    x.lo = floor(x.lo / xstep) * xstep;
+    x.hi = ceil(x.hi / xstep) * xstep;
+    if (x.hi <= x.lo)
+        x.hi = x.lo + xstep;
+    axis y;
+    if (which < 2) {
+        if (!isfinite(lo))
+            lo = hi = 1;
+        y.lo = pow(10, floor(log10(lo)));
+        y.hi = pow(10, ceil(log10(hi)));
+        if (y.hi <= y.lo)
+            y.hi = y.lo * 10;
+        y.log = 1;
+    } else {
+        double ystep = nice_step(hi > 0 ? hi : 1, 5);
+        y.lo = 0;
+        y.hi = ceil((hi > 0 ? hi : 1) / ystep) * ystep;
+        y.log = 0;
+    }
+    km_text_printf(t,
+                   "<h2>%s</h2>\n<svg xmlns=\"http://www.w3.org/2000/svg\" id=\"%s\" width=\"%d\" "
+                   "height=\"%d\" viewBox=\"0 0 %d %d\" font-family=\"sans-serif\" font-size=\"12\">\n",
+                   titles[which], ids[which], CHART_W, CHART_H, CHART_W, CHART_H);
+    /* axes and ticks */
+    km_text_printf(t, "<g stroke=\"#444\">\n<line x1=\"%d\" y1=\"%d\" x2=\"%d\" y2=\"%d\"/>\n",
+                   LEFT, CHART_H - BOTTOM, CHART_W - RIGHT, CHART_H - BOTTOM);
+    km_text_printf(t, "<line x1=\"%d\" y1=\"%d\" x2=\"%d\" y2=\"%d\"/>\n</g>\n", LEFT, TOP, LEFT,
+                   CHART_H - BOTTOM);
+    char label[32];
+    for (double v = x.lo; v <= x.hi + xstep / 2; v += xstep) {
+        double px = x_px(&x, v);
+        tick_label(label, sizeof label, round(v * 1000) / 1000);
+        km_text_printf(t,
+                       "<line x1=\"%.1f\" y1=\"%d\" x2=\"%.1f\" y2=\"%d\" stroke=\"#444\"/>"
+                       "<text x=\"%.1f\" y=\"%d\" text-anchor=\"middle\">%s</text>\n",
+                       px, CHART_H - BOTTOM, px, CHART_H - BOTTOM + 5, px, CHART_H - BOTTOM + 19,
+                       label);
+    }
+    if (y.log) {
+        for (double dec = y.lo; dec < y.hi * 1.0001; dec *= 10)
+            for (int m = 1; m <= 5; m += m == 1 ? 1 : 3) { /* 1, 2, 5 */
+                double v = dec * m;
+                if (v > y.hi * 1.0001)
+                    break;
+                double py = y_px(&y, v);
+                tick_label(label, sizeof label, v);
+                km_text_printf(t,
+                               "<line x1=\"%d\" y1=\"%.1f\" x2=\"%d\" y2=\"%.1f\" stroke=\"#ddd\"/>"
+                               "<text x=\"%d\" y=\"%.1f\" text-anchor=\"end\">%s</text>\n",
+                               LEFT, py, CHART_W - RIGHT, py, LEFT - 6, py + 4, label);
+            }
+    } else {
+        double ystep = nice_step(y.hi, 5);
+        for (double v = 0; v <= y.hi + ystep / 2; v += ystep) {
+            double py = y_px(&y, v);
+            tick_label(label, sizeof label, v);
+            km_text_printf(t,
+                           "<line x1=\"%d\" y1=\"%.1f\" x2=\"%d\" y2=\"%.1f\" stroke=\"#ddd\"/>"
+                           "<text x=\"%d\" y=\"%.1f\" text-anchor=\"end\">%s</text>\n",
+                           LEFT, py, CHART_W - RIGHT, py, LEFT - 6, py + 4, label);
+        }
+    }
+    km_text_printf(t, "<text x=\"%d\" y=\"%d\" text-anchor=\"middle\">offered load (fraction of "
+                      "capacity)</text>\n",
+                   (LEFT + CHART_W - RIGHT) / 2, CHART_H - 12);
+    km_text_printf(t,
+                   "<text x=\"16\" y=\"%d\" transform=\"rotate(-90 16 %d)\" "
+                   "text-anchor=\"middle\">%s</text>\n",
+                   (TOP + CHART_H - BOTTOM) / 2, (TOP + CHART_H - BOTTOM) / 2,
+                   which < 2 ? "TTFT (ms)" : "reused (%)");
+    /* one line per policy, the default drawn wider */
+    int d = default_column(r);
+    for (uint32_t p = 0; p < cfg->n_policies; p++) {
+        const char *color = palette[p % (sizeof palette / sizeof palette[0])];
+        km_text_printf(t, "<polyline fill=\"none\" stroke=\"%s\" stroke-width=\"%s\" points=\"",
+                       color, (int)p == d ? "3.5" : "1.5");
+        for (uint32_t l = 0; l < nl; l++) {
+            double v = metric(at(r, l, p), which);
+            if (y.log && !(v > 0))
+                continue;
+            km_text_printf(t, "%.1f,%.1f ", x_px(&x, cfg->loads[l]), y_px(&y, v));
+        }
+        km_text_printf(t, "\"/>\n");
+        for (uint32_t l = 0; l < nl; l++) {
+            double v = metric(at(r, l, p), which);
+            if (y.log && !(v > 0))
+                continue;
+            km_text_printf(t, "<circle cx=\"%.1f\" cy=\"%.1f\" r=\"3\" fill=\"%s\"/>\n",
+                           x_px(&x, cfg->loads[l]), y_px(&y, v), color);
+        }
+        double ly = TOP + 16.0 * p;
+        km_text_printf(t,
+                       "<line x1=\"%d\" y1=\"%.1f\" x2=\"%d\" y2=\"%.1f\" stroke=\"%s\" "
+                       "stroke-width=\"%s\"/><text x=\"%d\" y=\"%.1f\">%s%s</text>\n",
+                       CHART_W - RIGHT + 12, ly, CHART_W - RIGHT + 32, ly, color,
+                       (int)p == d ? "3.5" : "1.5", CHART_W - RIGHT + 38, ly + 4, cfg->policies[p],
+                       (int)p == d ? " (default)" : "");
+    }
+    km_text_printf(t, "</svg>\n");
+}
+
+static void html_escape(km_text *t, const char *s)
+{
+    for (; s && *s; s++) {
+        if (*s == '<')
+            km_text_append_cstr(t, "&lt;");
+        else if (*s == '>')
+            km_text_append_cstr(t, "&gt;");
+        else if (*s == '&')
+            km_text_append_cstr(t, "&amp;");
+        else if (*s == '"')
+            km_text_append_cstr(t, "&quot;");
+        else
+            km_text_append(t, s, 1);
+    }
+}
+
+int km_sim_report_html(const km_sim_report *r, const char *path, char *why, size_t why_size)
+{
+    km_text t;
+    km_text_init(&t, 64u << 20);
+    const km_sim_config *cfg = r->cfg;
+    const km_sim_workload_stats *w = &r->summary->workload;
+    km_text_printf(&t, "<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>kvmatch sim: "
+                       "routing policies against load</title>\n<style>body{font-family:sans-serif;"
+                       "margin:24px;max-width:900px}table{border-collapse:collapse;font-size:13px}"
+                       "td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}"
+                       "th:first-child,td:first-child{text-align:left}svg{display:block;"
+                       "margin:8px 0;border:1px solid #ddd}</style></head><body>\n");
+    km_text_printf(&t, "<h1>Routing policies against load</h1>\n<p>Workload <b>");
+    html_escape(&t, r->workload);
+    km_text_printf(&t,
+                   "</b>: %llu requests, prompts of %.0f tokens on average (p50 %.0f, p99 %.0f), "
+                   "%.1f%% of prompt tokens reusable in principle. %u workers, engine <b>",
+                   (unsigned long long)w->requests, w->prompt_mean, w->prompt_p50, w->prompt_p99,
+                   100.0 * w->reusable_share, cfg->workers);
+    html_escape(&t, r->engine);
+    km_text_printf(&t,
+                   "</b>. Capacity (round robin, every request at once): %.2f requests/s; a load "
+                   "of 1 offers that rate. Default policy: <b>",
+                   r->summary->capacity_rps);
+    html_escape(&t, r->default_policy ? r->default_policy : "");
+    km_text_printf(&t, "</b>.</p>\n");
+    for (int which = 0; which < 3; which++)
+        chart(r, &t, which);
+    km_text_printf(&t, "<h2>Figures</h2>\n<table><tr><th>load</th><th>policy</th><th>TTFT p50 "
+                       "ms</th><th>TTFT p99 ms</th><th>TTFT mean ms</th><th>reused</th>"
+                       "<th>throughput req/s</th></tr>\n");
+    for (uint32_t l = 0; l < n_loads(r); l++)
+        for (uint32_t p = 0; p < cfg->n_policies; p++) {
+            const km_sim_result *x = at(r, l, p);
+            km_text_printf(&t, "<tr><td>%.2f</td><td>", cfg->loads[l]);
+            html_escape(&t, cfg->policies[p]);
+            km_text_printf(&t,
+                           "</td><td>%.1f</td><td>%.1f</td><td>%.1f</td><td>%.1f%%</td>"
+                           "<td>%.2f</td></tr>\n",
+                           x->ttft_p50_ms, x->ttft_p99_ms, x->ttft_mean_ms,
+                           100.0 * x->reused_share, x->throughput_rps);
+        }
+    km_text_printf(&t, "</table>\n</body></html>\n");
+    int rc = t.status;
+    if (rc)
+        km_why(why, why_size, rc, "the report does not fit in memory");
+    FILE *f = rc ? NULL : fopen(path, "w");
+    if (!rc && !f)
+        rc = km_why(why, why_size, KM_ERR_IO, "cannot write %s", path);
+    if (f) {
+        int bad = fwrite(km_text_cstr(&t), 1, t.length, f) != t.length;
+        if (fclose(f) != 0 || bad)
+            rc = km_why(why, why_size, KM_ERR_IO, "writing %s failed", path);
+    }
+    km_text_free(&t);
+    return rc;
+}
