@@ -455,6 +455,7 @@ typedef struct model_entry {
     int dispatched, first_token;
     uint32_t prompt, predicted, output, block_size;
     uint64_t prefill_pending, prefill_charged, decode;
+    uint64_t prefix_key, prefix_blocks, allocated; /* the shared-prefix charge */
     int64_t engine_cached;
     uint64_t begin, dispatched_at, first_token_at, last_touch;
 } model_entry;
@@ -540,12 +541,14 @@ static void model_compare_loads(const model *m, const km_active *a, int step)
     km_active_stats st = stats_of(a);
     uint64_t total_live = 0;
     for (uint32_t w = 0; w < PM_WORKERS; w++) {
-        uint64_t inflight = 0, prefill = 0, decode = 0;
+        uint64_t inflight = 0, prefill = 0, decode = 0, prefilling = 0, allocated = 0;
         for (int i = 0; i < PM_KEYS; i++)
             if (m->e[i].live && m->e[i].worker == w) {
                 inflight++;
                 prefill += m->e[i].prefill_pending;
                 decode += m->e[i].decode;
+                prefilling += !m->e[i].first_token;
+                allocated += m->e[i].allocated;
             }
         total_live += inflight;
         km_active_load l = load_of(a, w);
@@ -555,6 +558,9 @@ static void model_compare_loads(const model *m, const km_active *a, int step)
                  ") != model (%" PRIu64 ", %" PRIu64 ", %" PRIu64 ")",
                  step, w, l.in_flight, l.pending_prefill_tokens, l.active_decode_blocks, inflight,
                  prefill, decode);
+        KM_CHECK(l.prefilling == prefilling && l.allocated_blocks == allocated,
+                 "step %d worker %u: prefilling %" PRIu64 " allocated %" PRIu64 " != model %" PRIu64
+                 " %" PRIu64, step, w, l.prefilling, l.allocated_blocks, prefilling, allocated);
     }
     KM_CHECK(st.entries == total_live, "step %d entries %" PRIu64 " != %" PRIu64, step, st.entries,
              total_live);
@@ -615,8 +621,30 @@ Test(active, random_lifecycles_match_a_model, .timeout = 30)
                 e->block_size = bs;
                 e->prefill_pending = e->prefill_charged = prompt - (predicted < prompt ? predicted : prompt);
                 e->decode = ((uint64_t)prompt + output + bs - 1) / bs;
+                e->allocated = e->decode;
                 e->engine_cached = KM_ACTIVE_CACHED_UNKNOWN;
                 e->begin = e->last_touch = now;
+                /* Half the time a cached prefix, from a few names: requests on one worker that
+                 * name the same one share its blocks, all but the first holder. */
+                if (km_rng_percent(&r, 50)) {
+                    uint64_t key = 1 + km_rng_below(&r, 3);
+                    uint32_t tokens = km_rng_below(&r, prompt + 1);
+                    KM_CHECK(km_active_share_prefix(a, &k, key, tokens) == KM_OK, "step %d share", step);
+                    if (key && tokens) {
+                        e->prefix_key = key;
+                        e->prefix_blocks = tokens / bs;
+                        for (int j = 0; j < PM_KEYS; j++)
+                            if (j != i && m.e[j].live && m.e[j].worker == w &&
+                                m.e[j].prefix_key == key) {
+                                e->allocated = e->decode > e->prefix_blocks ? e->decode - e->prefix_blocks
+                                                                            : 0;
+                                break;
+                            }
+                    }
+                    KM_CHECK(km_active_share_prefix(a, &k, key, tokens) ==
+                                 (e->prefix_key ? KM_ERR_PROTOCOL : KM_OK),
+                             "step %d: a second prefix for one entry", step);
+                }
             }
         } else if (op < 45) {
             rc = km_active_dispatched(a, &k, now_model);
@@ -667,6 +695,10 @@ Test(active, random_lifecycles_match_a_model, .timeout = 30)
             } else {
                 KM_CHECK(rc == KM_OK, "step %d move: %d %s", step, rc, km_active_last_error(a));
                 expect_moves += e->worker != w;
+                if (e->worker != w) { /* on another worker, nothing is known shared */
+                    e->prefix_key = e->prefix_blocks = 0;
+                    e->allocated = e->decode;
+                }
                 e->worker = w;
                 e->last_touch = now;
             }

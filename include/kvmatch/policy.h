@@ -5,18 +5,37 @@
  * in its arguments, and the only mutable input is the caller's km_policy_state (round-robin cursor
  * and a seeded random source), so a decision can be replayed exactly from a record.
  *
- * Every decision keeps two workers apart (the brief's "the best match may belong to another
- * replica"): the OWNER of the prediction (the candidate with the deepest match) and the CHOSEN
- * worker. They differ whenever load outweighs the match, and a record must show both.
+ * Every decision keeps two workers apart (the best match may belong to another replica): the
+ * OWNER of the prediction (the candidate with the deepest match) and the CHOSEN worker. They
+ * differ whenever load outweighs the match, and a record must show both.
  *
- * Policies (km_policy_kind), each reproducing a peer's behaviour (reference/peers.md):
- *   kv           NVIDIA Dynamo's KV router, current form: prefill cost after a tier-weighted
- *                overlap credit, scaled, plus decode blocks; argmin or softmax sampling.
+ * Policies (km_policy_kind). Those named for a peer reproduce its rule, from the source named, on
+ * the candidates kvmatch scores (its exact per-worker match instead of the peer's own index):
+ *   kv           NVIDIA Dynamo's KV router, current form (lib/kv-router, DefaultWorkerSelector):
+ *                prefill cost after a tier-weighted overlap credit, scaled, plus decode blocks;
+ *                argmin or softmax sampling.
  *   cache_aware  vllm-router's cache_aware decision with its CLI defaults, on block overlap
  *                (depth / n_blocks) instead of matched characters / input characters.
  *   prefix       deepest match, ties to lower load; nothing matched -> least load.
  *   least_load   fewest in-flight requests.
  *   round_robin  a cursor over the candidate list, blind to load and cache.
+ *   llmd         llm-d's precise prefix-cache routing as its shipped configuration weighs it
+ *                (llm-d-inference-scheduler deploy/config/epp-precise-prefix-cache-config.yaml):
+ *                precise-prefix-cache-scorer 2, kv-cache-utilization-scorer 1, queue-scorer 1,
+ *                max-score picker. Differs: its KV utilization and waiting queue are the engine's
+ *                metrics; here they are this instance's view (allocated blocks over the engine
+ *                model's capacity, requests before their first token); its picker breaks ties at
+ *                random, here by least load.
+ *   preble       Preble's E2 scheduling (ICLR'25; WukLab/preble, global_scheduler_with_time.py):
+ *                exploit the workers holding the deepest match when its cached part outweighs
+ *                the rest, else explore all; either way the lowest load cost. Differs: Preble
+ *                sums load over a 3-minute window of its own assignments and may add an eviction
+ *                cost; here the load is the worker's current active work, timed by the engine
+ *                model, and eviction is not costed; no post-assignment rebalancing.
+ *   ttft         kvmatch's own: the lowest predicted time to first token (the engine model over
+ *                the exact per-tier match and the worker's queued prefill, decodes and KV), plus
+ *                the prefill work a choice adds over the best-cached worker times the requests
+ *                waiting where it adds it.
  * The exact rule of each is documented at km_policy_decide.
  *
  * Thread-safety: every function is reentrant. A km_policy_state is not: the caller serialises the
@@ -280,6 +299,31 @@ const char *km_policy_last_error(const km_policy_state *state);
  * round_robin: index state->round_robin_cursor % n, then the cursor advances by one; load and
  *   match are ignored; reason round_robin. costs_out: NAN for every candidate (it compares
  *   nothing), and chosen_cost NAN.
+ *
+ * Below, hit = min(depth, (T - 1) / B) blocks with T = max(prompt_tokens, n_blocks * B): what an
+ * engine would count as cached (vLLM recomputes the prompt's last token). The engine model is
+ * cfg->engine; a candidate's load in its terms: prefill_tokens = pending_prefill_tokens,
+ * decode_requests = in_flight - prefilling, decode context = active_decode_blocks * B scaled by
+ * the decodes' share of in_flight, used blocks = allocated_blocks.
+ *
+ * llmd: score = prefix_weight * P + queue_weight * Q + kv_usage_weight * (1 - U), the highest
+ *   wins (ties: the load order); reason max_score; costs_out: the scores. P: the prefix credit
+ *   (device blocks + host_tier_weight * (host + disk blocks)) min-max normalised over the
+ *   candidates with depth >= 1 (1 when they are all equal or alone), 0 without a match. Q:
+ *   (max - prefilling) / (max - min) over all candidates, 1 when all are equal. U: allocated_blocks
+ *   / engine.capacity_blocks, at most 1.
+ *
+ * preble: exploit when owner's hit * B > exploit_ratio * (T - owner's hit * B): the candidates are
+ *   those with depth == owner depth; else explore: all. The lowest load cost wins (ties: the load
+ *   order); reasons exploit / explore; costs_out: every candidate's load cost in ms, L = the
+ *   predicted time to prefill its queued tokens (km_engine_model_predict_ttft_us with no request
+ *   of its own) + decode_requests * expected_output_tokens (1 when unknown) * its decode step.
+ *
+ * ttft: cost = km_engine_model_predict_ttft_us (cached = hit * B with the hit's host and disk
+ *   blocks, uncached = T - cached, the request's blocks ceil((T + expected_output_tokens) / B))
+ *   + max(1, prefilling) * the prefill work of (T - cached) tokens beyond the best-cached
+ *   candidate's (token_us per token plus the attention pairs), in ms; the lowest wins (ties: the
+ *   deeper match, then the load order); reason min_ttft; costs_out: the costs.
  *
  * Only round_robin (cursor) and kv with temperature > 0 (one random draw) change *state; a failed
  * call changes nothing but state->last_error.

@@ -1,0 +1,233 @@
+/* The policies that reproduce peers' routers beyond kv and cache_aware, and kvmatch's own:
+ * llmd (llm-d's precise prefix-cache scorer with its queue and KV-utilization scorers), preble
+ * (Preble's E2) and ttft (the lowest predicted time to first token plus the prefill work a choice
+ * adds). Known answers worked out by hand from each source's rules, and invariants on fresh random
+ * candidates: an idle worker holding the whole prompt wins; a saturated one loses. */
+#include <math.h>
+#include <string.h>
+
+#include "test_util.h"
+
+#include "kvmatch/policy.h"
+
+static km_policy_candidate cand(uint32_t worker, uint32_t depth, uint32_t in_flight,
+                                uint32_t prefilling, uint64_t pending, uint64_t decode_blocks)
+{
+    km_policy_candidate c;
+    memset(&c, 0, sizeof c);
+    c.worker = worker;
+    c.depth = c.device_blocks = depth;
+    c.in_flight = in_flight;
+    c.prefilling = prefilling;
+    c.pending_prefill_tokens = pending;
+    c.active_decode_blocks = c.allocated_blocks = decode_blocks;
+    return c;
+}
+
+/* Round numbers, so the expected costs below are arithmetic. */
+static km_policy_config config(km_policy_kind kind)
+{
+    km_policy_config cfg;
+    km_policy_config_init(&cfg);
+    cfg.kind = kind;
+    km_engine_model *m = &cfg.engine;
+    m->block_size = 16;
+    m->capacity_blocks = 1000;
+    m->max_num_batched_tokens = 1000;
+    m->max_num_seqs = 100;
+    m->step_floor_us = 1000;
+    m->token_us = 10;
+    m->prefill_us_per_pair = 0;
+    m->decode_us_per_request = 0;
+    m->decode_us_per_context_token = 0;
+    m->host_load_us_per_block = 0;
+    m->disk_load_us_per_block = 0;
+    return cfg;
+}
+
+static km_policy_request request(uint32_t n_blocks, uint64_t prompt, uint64_t output)
+{
+    km_policy_request r = {n_blocks, 16, prompt, output};
+    return r;
+}
+
+static km_policy_decision decide(const km_policy_config *cfg, const km_policy_request *req,
+                                 const km_policy_candidate *c, uint32_t n, double *costs)
+{
+    km_policy_state st;
+    km_policy_state_init(&st, 1);
+    km_policy_decision d;
+    cr_assert_eq(km_policy_decide(cfg, &st, req, c, n, &d, costs), KM_OK, "%s",
+                 km_policy_last_error(&st));
+    return d;
+}
+
+/* llm-d: score = 2 x prefix + 1 x queue + 1 x (1 - KV usage). Prefix: min-max over the workers
+ * that hold the first block (others 0, a lone holder or equal holders 1); queue: (max - q) /
+ * (max - min), all equal 1; usage: allocated blocks over the capacity. */
+Test(policy_peers, llmd_known_answers)
+{
+    km_policy_config cfg = config(KM_POLICY_LLMD);
+    km_policy_request req = request(10, 160, 10);
+    /* w1 holds 8 blocks, w2 holds 4 (the shorter holder scores 0, as a miss does), w3 none. */
+    km_policy_candidate c[3] = {cand(1, 8, 4, 4, 0, 500), cand(2, 4, 0, 0, 0, 100),
+                                cand(3, 0, 2, 2, 0, 0)};
+    double costs[3];
+    km_policy_decision d = decide(&cfg, &req, c, 3, costs);
+    cr_assert_float_eq(costs[0], 2 * 1.0 + 1 * 0.0 + 1 * 0.5, 1e-12);
+    cr_assert_float_eq(costs[1], 2 * 0.0 + 1 * 1.0 + 1 * 0.9, 1e-12);
+    cr_assert_float_eq(costs[2], 2 * 0.0 + 1 * 0.5 + 1 * 1.0, 1e-12);
+    cr_assert_eq(d.chosen, 0);
+    cr_assert_eq(d.reason, KM_POLICY_REASON_MAX_SCORE);
+    cr_assert_float_eq(d.chosen_cost, 2.5, 1e-12);
+    /* A lone holder scores 1 on the prefix; a queue that outweighs it moves the choice. */
+    cfg.llmd.queue_weight = 3;
+    c[1].depth = c[1].device_blocks = 0;
+    d = decide(&cfg, &req, c, 3, costs);
+    cr_assert_float_eq(costs[0], 2 * 1.0 + 3 * 0.0 + 0.5, 1e-12);
+    cr_assert_float_eq(costs[1], 2 * 0.0 + 3 * 1.0 + 0.9, 1e-12);
+    cr_assert_eq(d.chosen, 1);
+    /* A host-tier block counts host_tier_weight (0.8) on the prefix. */
+    km_policy_config h = config(KM_POLICY_LLMD);
+    km_policy_candidate t[2] = {cand(1, 5, 0, 0, 0, 0), cand(2, 5, 0, 0, 0, 0)};
+    t[1].device_blocks = 4;
+    t[1].host_blocks = 1;
+    d = decide(&h, &req, t, 2, costs);
+    cr_assert_float_eq(costs[1], 2 * 0.0 + 1 + 1, 1e-12, "4.8 is the minimum of {5, 4.8}");
+    cr_assert_eq(d.chosen, 0);
+    /* Equal scores fall to the load order. */
+    km_policy_candidate e[2] = {cand(7, 3, 1, 0, 50, 0), cand(4, 3, 1, 0, 10, 0)};
+    d = decide(&h, &req, e, 2, NULL);
+    cr_assert_eq(e[d.chosen].worker, 4);
+}
+
+/* Preble E2: cached tokens (the deepest match anywhere, vLLM's hit rule) over the rest -> exploit
+ * among the workers holding that match; else explore over all. Either picks the lowest load cost
+ * L = queued prefill time + running decodes x expected output x the worker's time per token. */
+Test(policy_peers, preble_exploits_and_explores)
+{
+    km_policy_config cfg = config(KM_POLICY_PREBLE);
+    km_policy_request req = request(10, 170, 10);
+    /* w1 holds 8 of 10 blocks (128 cached of 170 tokens: exploit) but has queued work; w2 holds 8
+     * with less; w3 holds nothing and is idle. Exploit picks w2, not the idle w3. */
+    km_policy_candidate c[3] = {cand(1, 8, 5, 5, 3000, 0), cand(2, 8, 2, 2, 1000, 0),
+                                cand(3, 0, 0, 0, 0, 0)};
+    double costs[3];
+    km_policy_decision d = decide(&cfg, &req, c, 3, costs);
+    cr_assert_eq(d.chosen, 1);
+    cr_assert_eq(d.reason, KM_POLICY_REASON_EXPLOIT);
+    /* 3000 queued tokens on an idle engine: three full steps of 1000 tokens at 10 us each. */
+    cr_assert_float_eq(costs[0], 30.0, 1e-9);
+    cr_assert_float_eq(costs[1], 10.0, 1e-9);
+    cr_assert_float_eq(costs[2], 0.0, 1e-9);
+    /* Decodes: 3 running, 10 tokens to go each, at the worker's decode step (the 1 ms floor);
+     * they also take 3 tokens of each step's budget, so the 1000 queued tokens need a second
+     * step (10 + 1 ms). */
+    c[1].in_flight = 5;
+    c[1].prefilling = 2;
+    d = decide(&cfg, &req, c, 3, costs);
+    cr_assert_float_eq(costs[1], 11.0 + 3 * 10 * 1.0, 1e-9);
+    cr_assert_eq(d.chosen, 0, "w1 now costs less than w2");
+    /* Mostly uncached (4 of 10 blocks): explore, the idle worker. */
+    c[0].depth = c[0].device_blocks = 4;
+    c[1].depth = c[1].device_blocks = 4;
+    d = decide(&cfg, &req, c, 3, costs);
+    cr_assert_eq(d.chosen, 2);
+    cr_assert_eq(d.reason, KM_POLICY_REASON_EXPLORE);
+}
+
+/* ttft: predicted TTFT (engine_model.h) plus the extra prefill work over the best-cached worker,
+ * times the requests waiting at the worker (at least one). */
+Test(policy_peers, ttft_known_answers)
+{
+    km_policy_config cfg = config(KM_POLICY_TTFT);
+    km_policy_request req = request(100, 1610, 20);
+    /* w1 holds 90 of the 100 blocks with 2000 tokens queued; w2 is idle and cold. */
+    km_policy_candidate c[2] = {cand(1, 90, 2, 2, 2000, 0), cand(2, 0, 0, 0, 0, 0)};
+    double costs[2];
+    km_policy_decision d = decide(&cfg, &req, c, 2, costs);
+    /* w1: 2000 queued + 170 own tokens = 3 steps of the 1 ms floor or 10 us a token: 10 + 10 +
+     * 1.7 ms. w2: 1610 tokens, 10 + 6.1 ms, plus 1440 extra tokens (14.4 ms) once. */
+    cr_assert_float_eq(costs[0], 21.7, 1e-9);
+    cr_assert_float_eq(costs[1], 16.1 + 14.4, 1e-9);
+    cr_assert_eq(d.chosen, 0);
+    cr_assert_eq(d.reason, KM_POLICY_REASON_MIN_TTFT);
+    /* A longer queue at the owner tips it. */
+    c[0].pending_prefill_tokens = 20000;
+    d = decide(&cfg, &req, c, 2, costs);
+    cr_assert_float_eq(costs[0], 201.7, 1e-9);
+    cr_assert_eq(d.chosen, 1);
+    /* Moving the work onto a worker with waiting requests charges it once per waiter. */
+    c[1].prefilling = c[1].in_flight = 3;
+    d = decide(&cfg, &req, c, 2, costs);
+    cr_assert_float_eq(costs[1], 16.1 + 3 * 14.4, 1e-9);
+    /* A worker without room for the request's KV waits for running requests to end. */
+    km_policy_candidate m[2] = {cand(1, 0, 4, 0, 0, 0), cand(2, 0, 4, 0, 0, 995)};
+    d = decide(&cfg, &req, m, 2, costs);
+    cr_assert_gt(costs[1], costs[0]);
+    cr_assert_eq(d.chosen, 0);
+}
+
+static km_policy_candidate random_candidate(km_rng *r, uint32_t worker, uint32_t n_blocks)
+{
+    uint32_t in_flight = km_rng_below(r, 50);
+    km_policy_candidate c = cand(worker, km_rng_below(r, n_blocks + 1), in_flight,
+                                 in_flight ? km_rng_below(r, in_flight + 1) : 0,
+                                 km_rng_below(r, 30000), km_rng_below(r, 900));
+    if (c.depth && km_rng_percent(r, 30)) {
+        c.host_blocks = km_rng_below(r, c.depth + 1);
+        c.device_blocks = c.depth - c.host_blocks;
+    }
+    return c;
+}
+
+Test(policy_peers, an_idle_worker_with_the_whole_prompt_wins, .timeout = 60)
+{
+    km_rng r;
+    km_rng_init(&r, km_test_seed());
+    km_policy_kind kinds[] = {KM_POLICY_LLMD, KM_POLICY_PREBLE, KM_POLICY_TTFT};
+    for (int i = 0; i < 3000; i++) {
+        km_policy_config cfg = config(kinds[i % 3]);
+        uint32_t n_blocks = 1 + km_rng_below(&r, 200), n = 2 + km_rng_below(&r, 10);
+        km_policy_request req = request(n_blocks, (uint64_t)n_blocks * 16 + 1 + km_rng_below(&r, 15),
+                                        km_rng_below(&r, 500));
+        km_policy_candidate c[12];
+        uint32_t idle = km_rng_below(&r, n);
+        for (uint32_t k = 0; k < n; k++)
+            c[k] = random_candidate(&r, 10 + k, n_blocks);
+        c[idle] = cand(10 + idle, n_blocks, 0, 0, 0, 0);
+        for (uint32_t k = 0; k < n; k++)
+            if (k != idle && c[k].depth == n_blocks && c[k].in_flight == 0)
+                c[k].in_flight = c[k].prefilling = 1; /* one idle whole holder only */
+        km_policy_decision d = decide(&cfg, &req, c, n, NULL);
+        KM_CHECK(d.chosen == idle, "%s chose worker %u (depth %u, in flight %u), not the idle "
+                 "holder of the whole prompt %u",
+                 km_policy_kind_name(cfg.kind), c[d.chosen].worker, c[d.chosen].depth,
+                 c[d.chosen].in_flight, c[idle].worker);
+    }
+}
+
+Test(policy_peers, a_saturated_worker_loses, .timeout = 60)
+{
+    km_rng r;
+    km_rng_init(&r, km_test_seed());
+    km_policy_kind kinds[] = {KM_POLICY_LLMD, KM_POLICY_PREBLE, KM_POLICY_TTFT};
+    for (int i = 0; i < 3000; i++) {
+        km_policy_config cfg = config(kinds[i % 3]);
+        uint32_t n_blocks = 1 + km_rng_below(&r, 200), n = 2 + km_rng_below(&r, 10);
+        km_policy_request req = request(n_blocks, (uint64_t)n_blocks * 16, km_rng_below(&r, 500));
+        km_policy_candidate c[12];
+        /* Every worker holds the same prefix; one is swamped: the longest queue, every slot and
+         * block taken. */
+        uint32_t depth = km_rng_below(&r, n_blocks + 1);
+        for (uint32_t k = 0; k < n; k++) {
+            c[k] = random_candidate(&r, 10 + k, n_blocks);
+            c[k].depth = c[k].device_blocks = depth;
+            c[k].host_blocks = 0;
+        }
+        uint32_t full = km_rng_below(&r, n);
+        c[full] = cand(10 + full, depth, 400, 300, 10000000, 2000);
+        km_policy_decision d = decide(&cfg, &req, c, n, NULL);
+        KM_CHECK(d.chosen != full, "%s chose the saturated worker", km_policy_kind_name(cfg.kind));
+    }
+}
