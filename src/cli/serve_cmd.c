@@ -8,7 +8,7 @@
 
 #include "cli/commands.h"
 #include "kvmatch/kvmatch.h"
-#include "service/server_internal.h"
+#include "service/server_config.h"
 
 #define MAX_FLAG_POOLS 64
 #define MAX_FLAG_WORKERS 4096

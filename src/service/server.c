@@ -54,7 +54,7 @@
 #include "kvmatch/records.h"
 #include "kvmatch/server.h"
 #include "kvmatch/subscriber.h"
-#include "service/server_internal.h"
+#include "service/server_config.h"
 #include "base/u64_map.h"
 
 #define MAX_POOLS 4096u

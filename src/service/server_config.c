@@ -12,7 +12,7 @@
 #include "base/error_detail.h"
 #include "kvmatch/server.h"
 #include "kvmatch/subscriber.h"
-#include "service/server_internal.h"
+#include "service/server_config.h"
 
 void km_server_config_init(km_server_config *cfg)
 {

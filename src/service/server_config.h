@@ -1,6 +1,7 @@
-/* Internal: what src/service/server.c and src/service/server_config.c share. */
-#ifndef KM_SERVER_IMPL_H
-#define KM_SERVER_IMPL_H
+/* Internal: the configuration checks that the JSON config reader (server_config.c), the POOLS
+ * message and `kvmatch serve`'s flags share. */
+#ifndef KM_SERVER_CONFIG_H
+#define KM_SERVER_CONFIG_H
 
 #include <stdbool.h>
 #include <stddef.h>
