@@ -1,0 +1,368 @@
+/* Admin messages on the loop thread: WORKERS (add, remove, update, list), POOLS (add, update,
+ * list) and STATUS. */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "base/error_detail.h"
+#include "base/utf8.h"
+#include "kvmatch/kvmatch.h"
+#include "service/server_config.h"
+#include "service/server_internal.h"
+
+/* Runtime view of one worker (admin_lock held). */
+static void worker_view(km_server *s, uint32_t id, km_worker_info *out)
+{
+    worker_slot *w = &s->workers[id];
+    pool *p = s->pools[w->pool];
+    memset(out, 0, sizeof *out);
+    out->pool = p->name;
+    out->worker = id;
+    out->name = w->name;
+    out->event_endpoint = w->event_endpoint;
+    out->replay_endpoint = w->replay_endpoint;
+    out->has_dp_rank = w->has_dp_rank;
+    out->dp_rank = w->dp_rank;
+    out->state = worker_state(s, id);
+    km_worker_stats ws;
+    if (km_index_worker_stats(p->index, id, &ws) == KM_OK) {
+        out->has_blocks = true;
+        out->blocks = ws.blocks;
+    }
+    if (w->events) {
+        km_feed_worker_info info;
+        if (feed_info(s, id, &info) == KM_OK) {
+            if (info.has_last_receive) {
+                out->has_last_event_age_s = true;
+                out->last_event_age_s = (double)(now_ns() - info.last_receive_ns) / 1e9;
+            }
+            out->has_expected_seq = info.has_expected_seq;
+            out->expected_seq = info.expected_seq;
+        }
+    }
+    km_active_load load;
+    uint64_t now = now_ns();
+    pthread_mutex_lock(&s->active_lock);
+    if (km_active_worker_load(s->active, id, &load) == KM_OK) {
+        out->has_load = true;
+        out->load.in_flight = (uint32_t)load.in_flight;
+        out->load.pending_prefill_tokens = load.pending_prefill_tokens;
+        out->load.active_decode_blocks = load.active_decode_blocks;
+    }
+    out->has_healthy = true;
+    out->healthy = !w->unhealthy;
+    out->breaker = breaker_state_name(worker_breaker(w, now));
+    out->has_failures = true;
+    out->failures = w->failures;
+    out->has_eligible = true;
+    out->eligible = worker_eligibility(s, id, now) == ELIGIBLE;
+    pthread_mutex_unlock(&s->active_lock);
+}
+
+/* KM_OK when the worker a WORKERS remove / update item names exists in the pool it names
+ * (admin_lock held); else KM_ERR_NOT_FOUND with the reason in why. */
+static int named_worker(km_server *s, const km_worker_info *wi, char *why, size_t why_size)
+{
+    int pi = pool_find(s, wi->pool);
+    if (pi < 0)
+        return km_why(why, why_size, KM_ERR_NOT_FOUND, "no pool %s", wi->pool);
+    if (wi->worker >= s->cfg.max_workers || !s->workers[wi->worker].used ||
+        s->workers[wi->worker].pool != (uint32_t)pi)
+        return km_why(why, why_size, KM_ERR_NOT_FOUND, "worker %u is not in pool %s", wi->worker,
+                      wi->pool);
+    return KM_OK;
+}
+
+void handle_workers(conn *c, const km_message *m)
+{
+    km_server *s = c->server;
+    const km_workers_message *wm = &m->workers;
+    km_message reply;
+    memset(&reply, 0, sizeof reply);
+    reply.has_id = true;
+    reply.id = m->id;
+    pthread_mutex_lock(&s->admin_lock);
+    if (wm->action == KM_ADMIN_LIST) {
+        int pi = wm->pool ? pool_find(s, wm->pool) : -1;
+        if (wm->pool && pi < 0) {
+            pthread_mutex_unlock(&s->admin_lock);
+            send_error(c, m->id, KM_ERR_NOT_FOUND, "no pool %s", wm->pool);
+            return;
+        }
+        km_worker_info *list = calloc(s->cfg.max_workers, sizeof *list);
+        uint32_t n = 0;
+        for (uint32_t id = 0; list && id < s->cfg.max_workers; id++)
+            if (s->workers[id].used && (pi < 0 || s->workers[id].pool == (uint32_t)pi))
+                worker_view(s, id, &list[n++]);
+        reply.type = KM_MESSAGE_WORKER_LIST;
+        reply.workers.action = KM_ADMIN_LIST;
+        reply.workers.workers = list;
+        reply.workers.n_workers = n;
+        if (list)
+            send_message(c, &reply);
+        else
+            send_error(c, m->id, KM_ERR_OUT_OF_MEMORY, "worker list");
+        pthread_mutex_unlock(&s->admin_lock);
+        free(list);
+        return;
+    }
+    if (wm->action != KM_ADMIN_ADD && wm->action != KM_ADMIN_REMOVE &&
+        wm->action != KM_ADMIN_UPDATE) {
+        pthread_mutex_unlock(&s->admin_lock);
+        send_error(c, m->id, KM_ERR_PROTOCOL, "WORKERS action must be add, remove, update or list");
+        return;
+    }
+    km_item_status *items = calloc(wm->n_workers ? wm->n_workers : 1, sizeof *items);
+    char(*msgs)[256] = calloc(wm->n_workers ? wm->n_workers : 1, sizeof *msgs);
+    if (!items || !msgs) {
+        pthread_mutex_unlock(&s->admin_lock);
+        free(items);
+        free(msgs);
+        send_error(c, m->id, KM_ERR_OUT_OF_MEMORY, "workers reply");
+        return;
+    }
+    for (uint32_t i = 0; i < wm->n_workers; i++) {
+        const km_worker_info *wi = &wm->workers[i];
+        int rc = wi->status;
+        if (rc != KM_OK) {
+            snprintf(msgs[i], sizeof msgs[i], "%s", wi->message ? wi->message : "malformed");
+        } else if (wm->action == KM_ADMIN_ADD) {
+            int pi = pool_find(s, wi->pool);
+            if (pi < 0) {
+                rc = km_why(msgs[i], sizeof msgs[i], KM_ERR_NOT_FOUND, "no pool %s", wi->pool);
+            } else {
+                km_server_worker w = {wi->worker, wi->name, wi->event_endpoint, wi->replay_endpoint};
+                rc = worker_add(s, (uint32_t)pi, &w, msgs[i], sizeof msgs[i]);
+                if (rc == KM_OK) {
+                    s->workers[wi->worker].has_dp_rank = wi->has_dp_rank;
+                    s->workers[wi->worker].dp_rank = wi->dp_rank;
+                }
+                if (rc == KM_OK && wi->has_healthy)
+                    worker_set_health(s, wi->worker, wi->healthy);
+                if (rc == KM_OK)
+                    slog(s, "worker %u (%s) added to pool %s%s%s", wi->worker,
+                         s->workers[wi->worker].name, wi->pool,
+                         wi->event_endpoint ? "" : " in approximate mode",
+                         wi->has_healthy && !wi->healthy ? ", unhealthy" : "");
+            }
+        } else if (wm->action == KM_ADMIN_UPDATE) {
+            rc = named_worker(s, wi, msgs[i], sizeof msgs[i]);
+            if (rc == KM_OK && !wi->has_healthy)
+                rc = km_why(msgs[i], sizeof msgs[i], KM_ERR_INVALID_ARGUMENT,
+                           "worker %u: update needs `healthy` (the only field it changes)",
+                           wi->worker);
+            if (rc == KM_OK && worker_set_health(s, wi->worker, wi->healthy))
+                slog(s, "worker %u (%s) marked %s by the router", wi->worker,
+                     s->workers[wi->worker].name, wi->healthy ? "healthy" : "unhealthy");
+        } else {
+            if ((rc = named_worker(s, wi, msgs[i], sizeof msgs[i])) == KM_OK)
+                rc = worker_remove(s, wi->worker, msgs[i], sizeof msgs[i]);
+            if (rc == KM_OK)
+                slog(s, "worker %u removed from pool %s", wi->worker, wi->pool);
+        }
+        items[i].status = rc;
+        items[i].message = rc == KM_OK ? NULL : msgs[i];
+    }
+    pthread_mutex_unlock(&s->admin_lock);
+    reply.type = KM_MESSAGE_ACK;
+    reply.ack.items = items;
+    reply.ack.n_items = wm->n_workers;
+    send_message(c, &reply);
+    free(items);
+    free(msgs);
+}
+
+/* One of a POOLS add / update's params: a policy parameter, or (add only: a pool's approximate
+ * mode keeps its TTL and capacity for its life) approx_ttl_s or approx_capacity_blocks. */
+static int pool_param(km_admin_action action, km_server_pool *pc, const km_param *param, char *why,
+                      size_t why_size)
+{
+    bool ttl = !strcmp(param->name, "approx_ttl_s");
+    if (!ttl && strcmp(param->name, "approx_capacity_blocks") != 0)
+        return km_server_policy_param(&pc->policy, param->name, param->value, why, why_size);
+    if (action != KM_ADMIN_ADD)
+        return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,
+                      "%s is set when a pool is added; it cannot change", param->name);
+    double v = param->value;
+    if (ttl) {
+        if (!(v >= 0.001 && v <= 1e9))
+            return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,
+                          "approx_ttl_s %g is outside [0.001, 1e9]", v);
+        pc->approx_ttl_ms = (uint64_t)llround(v * 1000);
+    } else {
+        if (!(v >= 0 && v <= 1e15) || v != floor(v))
+            return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,
+                          "approx_capacity_blocks %g is not a whole number in [0, 1e15]", v);
+        pc->approx_capacity_blocks = (uint64_t)v;
+    }
+    return KM_OK;
+}
+
+void handle_pools(conn *c, const km_message *m)
+{
+    km_server *s = c->server;
+    const km_pools_message *pm = &m->pools;
+    km_message reply;
+    memset(&reply, 0, sizeof reply);
+    reply.has_id = true;
+    reply.id = m->id;
+    pthread_mutex_lock(&s->admin_lock);
+    if (pm->action == KM_ADMIN_LIST) {
+        km_pool_info *list = calloc(s->n_pools ? s->n_pools : 1, sizeof *list);
+        km_param(*params)[10] = calloc(s->n_pools ? s->n_pools : 1, sizeof *params);
+        for (uint32_t i = 0; list && params && i < s->n_pools; i++) {
+            pool *p = s->pools[i];
+            list[i].name = p->name;
+            list[i].model = p->model;
+            list[i].block_size = p->block_size;
+            list[i].policy = km_policy_kind_name(p->policy.kind);
+            km_param *pp = params[i];
+            pp[0] = (km_param){"temperature", p->policy.kv.temperature};
+            pp[1] = (km_param){"prefill_load_scale", p->policy.kv.prefill_load_scale};
+            pp[2] = (km_param){"device_weight", p->policy.kv.device_weight};
+            pp[3] = (km_param){"host_weight", p->policy.kv.host_weight};
+            pp[4] = (km_param){"disk_weight", p->policy.kv.disk_weight};
+            pp[5] = (km_param){"cache_threshold", p->policy.cache_aware.cache_threshold};
+            pp[6] = (km_param){"balance_abs_threshold", p->policy.cache_aware.balance_abs_threshold};
+            pp[7] = (km_param){"balance_rel_threshold", p->policy.cache_aware.balance_rel_threshold};
+            pp[8] = (km_param){"approx_ttl_s", (double)p->approx_ttl_ms / 1000.0};
+            pp[9] = (km_param){"approx_capacity_blocks", (double)p->approx_capacity_blocks};
+            list[i].params = pp;
+            list[i].n_params = 10;
+        }
+        reply.type = KM_MESSAGE_POOL_LIST;
+        reply.pools.action = KM_ADMIN_LIST;
+        reply.pools.pools = list;
+        reply.pools.n_pools = s->n_pools;
+        if (list && params)
+            send_message(c, &reply);
+        else
+            send_error(c, m->id, KM_ERR_OUT_OF_MEMORY, "pool list");
+        pthread_mutex_unlock(&s->admin_lock);
+        free(list);
+        free(params);
+        return;
+    }
+    if (pm->action != KM_ADMIN_ADD && pm->action != KM_ADMIN_UPDATE) {
+        pthread_mutex_unlock(&s->admin_lock);
+        send_error(c, m->id, KM_ERR_PROTOCOL, "POOLS action must be add, update or list");
+        return;
+    }
+    km_item_status *items = calloc(pm->n_pools ? pm->n_pools : 1, sizeof *items);
+    char(*msgs)[256] = calloc(pm->n_pools ? pm->n_pools : 1, sizeof *msgs);
+    for (uint32_t i = 0; items && msgs && i < pm->n_pools; i++) {
+        const km_pool_info *pi = &pm->pools[i];
+        int rc = pi->status;
+        if (rc != KM_OK) {
+            snprintf(msgs[i], sizeof msgs[i], "%s", pi->message ? pi->message : "malformed");
+            items[i].status = rc;
+            items[i].message = msgs[i];
+            continue;
+        }
+        int at = pool_find(s, pi->name);
+        km_server_pool pc;
+        memset(&pc, 0, sizeof pc);
+        km_policy_config_init(&pc.policy);
+        if (pm->action == KM_ADMIN_UPDATE) {
+            if (at < 0) {
+                rc = km_why(msgs[i], sizeof msgs[i], KM_ERR_NOT_FOUND, "no pool %s", pi->name);
+            } else if (pi->block_size && pi->block_size != s->pools[at]->block_size) {
+                rc = km_why(msgs[i], sizeof msgs[i], KM_ERR_INVALID_ARGUMENT,
+                           "pool %s: block_size cannot change (the index is hashed with %u)",
+                           pi->name, s->pools[at]->block_size);
+            } else if (pi->model && !km_utf8_name(pi->model)) {
+                /* As pool_create checks it: the model is a string in /status and the records. */
+                rc = km_why(msgs[i], sizeof msgs[i], KM_ERR_INVALID_ARGUMENT,
+                           "pool %s: model must be UTF-8 without control characters", pi->name);
+            }
+            if (rc == KM_OK)
+                pc.policy = s->pools[at]->policy;
+        } else if (at >= 0) {
+            rc = km_why(msgs[i], sizeof msgs[i], KM_ERR_INVALID_ARGUMENT, "pool %s already exists",
+                       pi->name);
+        } else if (s->n_pools >= MAX_POOLS) {
+            rc = km_why(msgs[i], sizeof msgs[i], KM_ERR_TOO_LARGE, "at most %u pools", MAX_POOLS);
+        }
+        if (rc == KM_OK && pi->policy && km_policy_kind_parse(pi->policy, &pc.policy.kind) != KM_OK)
+            rc = km_why(msgs[i], sizeof msgs[i], KM_ERR_INVALID_ARGUMENT, "unknown policy \"%s\"",
+                       pi->policy);
+        for (uint32_t k = 0; rc == KM_OK && k < pi->n_params; k++)
+            rc = pool_param(pm->action, &pc, &pi->params[k], msgs[i], sizeof msgs[i]);
+        char detail[192];
+        if (rc == KM_OK && km_policy_config_validate(&pc.policy, detail, sizeof detail) != KM_OK)
+            rc = km_why(msgs[i], sizeof msgs[i], KM_ERR_INVALID_ARGUMENT, "%s", detail);
+        if (rc == KM_OK && pm->action == KM_ADMIN_UPDATE) {
+            s->pools[at]->policy = pc.policy;
+            if (pi->model) {
+                char *model = strdup(pi->model);
+                if (model) {
+                    free(s->pools[at]->model);
+                    s->pools[at]->model = model;
+                }
+            }
+        } else if (rc == KM_OK) {
+            pc.name = pi->name;
+            pc.model = pi->model;
+            pc.block_size = pi->block_size;
+            pool *np = NULL;
+            rc = pool_create(s, &pc, &np, msgs[i], sizeof msgs[i]);
+            if (rc == KM_OK)
+                s->pools[s->n_pools++] = np;
+        }
+        if (rc == KM_OK)
+            slog(s, "pool %s %s (policy %s)", pi->name,
+                 pm->action == KM_ADMIN_ADD ? "added" : "updated",
+                 km_policy_kind_name(pc.policy.kind));
+        items[i].status = rc;
+        items[i].message = rc == KM_OK ? NULL : msgs[i];
+    }
+    pthread_mutex_unlock(&s->admin_lock);
+    if (!items || !msgs) {
+        send_error(c, m->id, KM_ERR_OUT_OF_MEMORY, "pools reply");
+    } else {
+        reply.type = KM_MESSAGE_ACK;
+        reply.ack.items = items;
+        reply.ack.n_items = pm->n_pools;
+        send_message(c, &reply);
+    }
+    free(items);
+    free(msgs);
+}
+
+void handle_status(conn *c, const km_message *m)
+{
+    km_server *s = c->server;
+    km_message reply;
+    memset(&reply, 0, sizeof reply);
+    reply.type = KM_MESSAGE_STATUS_REPLY;
+    reply.has_id = true;
+    reply.id = m->id;
+    char reason[160];
+    km_status_reply *st = &reply.status_reply;
+    st->kvmatch_version = KVMATCH_VERSION;
+    st->uptime_s = (double)(now_ns() - s->start_ns) / 1e9;
+    st->ready = readiness(s, reason, sizeof reason);
+    st->connections = (uint32_t)atomic_load(&s->st.open);
+    st->decisions = atomic_load(&s->st.decisions);
+    km_record_writer_counters rc;
+    memset(&rc, 0, sizeof rc);
+    if (s->records)
+        km_record_writer_stats(s->records, &rc);
+    st->records_dropped = rc.dropped;
+    pthread_mutex_lock(&s->admin_lock);
+    st->backend = s->n_pools ? km_index_backend_name(s->pools[0]->index) : NULL;
+    km_worker_info *list = calloc(s->cfg.max_workers, sizeof *list);
+    uint32_t n = 0;
+    for (uint32_t id = 0; list && id < s->cfg.max_workers; id++)
+        if (s->workers[id].used)
+            worker_view(s, id, &list[n++]);
+    st->workers = list;
+    st->n_workers = n;
+    if (list)
+        send_message(c, &reply);
+    else
+        send_error(c, m->id, KM_ERR_OUT_OF_MEMORY, "status");
+    pthread_mutex_unlock(&s->admin_lock);
+    free(list);
+}

@@ -1,0 +1,409 @@
+/* Attempts and outcome records: what an outcome record needs from its decision, kept from the
+ * decision to its end; lifecycle reports (DISPATCHED, FIRST_TOKEN, FINISHED, a router override)
+ * applied to active work and the attempt; the outcome record of each end. */
+#include <inttypes.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "base/error_detail.h"
+#include "kvmatch/kvmatch.h"
+#include "service/server_internal.h"
+
+/* One allocation: the struct and its strings (NULL strings stay NULL). active_lock held. */
+attempt *attempt_new(attempt_cache *cache, const char *request_id, const char *attempt_id,
+                     const char *model, const char *pool_name, const char *endpoint)
+{
+    const char *in[5] = {request_id, attempt_id, model, pool_name, endpoint};
+    size_t len[5], total = 0;
+    for (int i = 0; i < 5; i++) {
+        len[i] = in[i] ? strlen(in[i]) + 1 : 0;
+        total += len[i];
+    }
+    bool cached_size = total <= ATTEMPT_CACHED_STRINGS;
+    attempt *a = NULL;
+    if (cached_size && cache->head) {
+        a = cache->head;
+        cache->head = a->next_free;
+        cache->count--;
+    } else {
+        a = malloc(sizeof *a + (cached_size ? ATTEMPT_CACHED_STRINGS : total));
+        if (!a)
+            return NULL;
+    }
+    memset(a, 0, sizeof *a);
+    a->cached_size = cached_size;
+    a->router_dispatched_ms = a->router_ttft_ms = NAN;
+    const char **out[5] = {&a->request_id, &a->attempt_id, &a->model, &a->pool, &a->endpoint};
+    char *p = a->strings;
+    for (int i = 0; i < 5; i++) {
+        if (!in[i])
+            continue;
+        memcpy(p, in[i], len[i]);
+        *out[i] = p;
+        p += len[i];
+    }
+    return a;
+}
+
+/* active_lock held (or the server being destroyed). */
+static void attempt_drop_hashes(attempt_cache *cache, attempt *a)
+{
+    if (!a->hashes)
+        return;
+    cache->hash_bytes -= (uint64_t)a->n_hashes * sizeof *a->hashes;
+    free(a->hashes);
+    a->hashes = NULL;
+    a->n_hashes = 0;
+}
+
+void attempt_free(attempt_cache *cache, attempt *a)
+{
+    if (a)
+        attempt_drop_hashes(cache, a);
+    if (a && a->cached_size && cache->count < ATTEMPT_CACHE_MAX) {
+        a->next_free = cache->head;
+        cache->head = a;
+        cache->count++;
+        return;
+    }
+    free(a);
+}
+
+void attempt_cache_free(attempt_cache *cache)
+{
+    while (cache->head) {
+        attempt *a = cache->head;
+        cache->head = a->next_free;
+        free(a);
+    }
+    cache->count = 0;
+}
+
+/* A decision in a pool with approximate-mode workers keeps its request's hashes, within
+ * approx_dispatch_max_bytes, for a router override to one of them (dispatch_lesson), until the
+ * attempt's FIRST_TOKEN or its end. Only once the pool has seen an override: a router that follows
+ * every decision pays nothing (a copy and an allocation per decision cost the scheduler about a
+ * tenth of its time in bench ipc), and one that overrides has its first overrides unlearned.
+ * active_lock held. Without them such an override teaches nothing (approx_dispatch_unlearned). */
+void attempt_keep_hashes(km_server *s, attempt *a, const pool *p, const route_job *r)
+{
+    if (!p->overrides_seen || !p->n_approx_members || !r->n_hashes)
+        return;
+    uint64_t bytes = (uint64_t)r->n_hashes * sizeof *r->hashes;
+    if (s->attempt_cache.hash_bytes + bytes > s->cfg.approx_dispatch_max_bytes)
+        return;
+    if (!(a->hashes = malloc(bytes)))
+        return;
+    memcpy(a->hashes, r->hashes, bytes);
+    a->n_hashes = (uint32_t)r->n_hashes;
+    s->attempt_cache.hash_bytes += bytes;
+}
+
+/* active_lock held. */
+static attempt *attempt_by_key(km_server *s, const char *request_id, const char *attempt_id)
+{
+    km_active_key key = km_active_key_of(request_id, attempt_id);
+    return km_active_user(s->active, &key);
+}
+
+static void attempt_forget(km_server *s, attempt *a)
+{
+    km_u64map_erase(&s->attempts_by_decision, km_u64map_key(a->decision_id));
+    attempt_free(&s->attempt_cache, a);
+}
+
+static km_record_time mono_to_record(uint64_t mono)
+{
+    km_record_time now = km_record_time_now();
+    km_record_time t = {now.wall_ns - ((int64_t)now.monotonic_ns - (int64_t)mono), (int64_t)mono};
+    return t;
+}
+
+static void write_outcome(km_server *s, const attempt *a, km_record_outcome outcome,
+                          const km_lifecycle_event *ev, const km_active_summary *sum,
+                          const char *error)
+{
+    atomic_fetch_add(&s->st.outcomes, 1);
+    km_counter_add(s->m_outcomes, 1);
+    if (!s->records)
+        return;
+    km_outcome_record r;
+    km_outcome_record_init(&r);
+    r.common.record_id = (int64_t)atomic_fetch_add(&s->next_record_id, 1);
+    r.common.instance = s->instance;
+    r.common.host = s->host;
+    r.common.kvmatch_version = KVMATCH_VERSION;
+    r.common.decision_id = (int64_t)a->decision_id;
+    r.common.request_id = a->request_id;
+    r.common.attempt_id = a->attempt_id ? a->attempt_id : "";
+    r.common.model = a->model ? a->model : a->pool;
+    r.common.pool = a->pool;
+    r.common.endpoint = a->endpoint;
+    r.common.time = km_record_time_now();
+    r.outcome = outcome;
+    r.decided = a->decided;
+    if (sum && sum->dispatched)
+        r.dispatched = mono_to_record(sum->dispatched_ns);
+    else if (a->dispatched.monotonic_ns)
+        r.dispatched = a->dispatched;
+    if (sum && sum->first_token)
+        r.first_token = mono_to_record(sum->first_token_ns);
+    if (ev) /* only a FINISHED report ends an attempt with an event: expiry, eviction and a
+             * removed worker received none, and their finished_* stay null */
+        r.finished = r.common.time;
+    r.router_dispatched_ms = a->router_dispatched_ms;
+    r.router_ttft_ms = a->router_ttft_ms;
+    if (ev && ev->has_elapsed_ms)
+        r.router_e2e_ms = ev->elapsed_ms;
+    if (ev) {
+        r.finish_reason = ev->finish_reason;
+        r.done_seen = ev->done_seen ? KM_RECORD_FLAG_TRUE : KM_RECORD_FLAG_FALSE;
+        if (ev->has_http_status)
+            r.http_status = ev->http_status;
+        r.error = ev->error;
+        if (ev->has_cached_tokens)
+            r.cached_tokens = (int64_t)ev->cached_tokens;
+        if (ev->has_prompt_tokens)
+            r.prompt_tokens = (int64_t)ev->prompt_tokens;
+        if (ev->has_output_tokens)
+            r.output_tokens = (int64_t)ev->output_tokens;
+        r.retries = ev->retries;
+    }
+    if (error)
+        r.error = error;
+    if (!ev && sum && sum->engine_cached_tokens != KM_ACTIVE_CACHED_UNKNOWN)
+        r.cached_tokens = sum->engine_cached_tokens;
+    r.worker = a->chosen_name;
+    r.dispatched_worker = a->dispatched_name[0] ? a->dispatched_name : NULL;
+    r.source = a->source;
+    r.block_size = a->block_size;
+    r.predicted_depth_blocks = a->chosen_depth;
+    r.owner_worker = a->has_owner ? a->owner_name : NULL;
+    r.owner_depth_blocks = a->owner_depth;
+    /* Formatted on the writer's thread; a full queue drops it and counts it. */
+    km_record_writer_submit_outcome(s->records, &r);
+}
+
+/* km_active callbacks (active_lock held). */
+/* The outcome record of an entry km_active ended without FINISHED, and its attempt released. */
+static void end_attempt(km_server *s, const km_active_summary *sum, km_record_outcome outcome,
+                        const char *error)
+{
+    attempt *a = sum->user;
+    if (!a)
+        return;
+    write_outcome(s, a, outcome, NULL, sum, error);
+    attempt_forget(s, a);
+}
+
+void record_expired(void *user, const km_active_summary *sum)
+{
+    km_server *s = user;
+    atomic_fetch_add(&s->st.expired, 1);
+    km_counter_add(s->m_expired, 1);
+    end_attempt(s, sum, KM_RECORD_OUTCOME_EXPIRED, NULL);
+}
+
+/* An entry ended early to make room: its outcome is `expired` (FINISHED never came), with the
+ * reason in `error`. The first eviction, and every 100,000th, is logged. */
+void record_evicted(void *user, const km_active_summary *sum)
+{
+    km_server *s = user;
+    uint64_t n = atomic_fetch_add(&s->st.evicted, 1) + 1;
+    km_counter_add(s->m_evicted, 1);
+    if (n == 1 || n % 100000 == 0)
+        slog(s, "active work: %" PRIu64 " entries evicted so far to make room (max_active_entries "
+             "%u): FINISHED is not reported for them, or the TTL (%" PRIu64 " ms) is long for this "
+             "rate", n, s->cfg.max_active_entries, s->cfg.active_ttl_ms);
+    end_attempt(s, sum, KM_RECORD_OUTCOME_EXPIRED,
+                "evicted before its TTL: the active-work table was full (max_active_entries)");
+}
+
+void record_removed(void *user, const km_active_summary *sum)
+{
+    end_attempt(user, sum, KM_RECORD_OUTCOME_ERROR, "worker removed from its pool before FINISHED");
+}
+
+static km_active_end active_end_of(km_outcome o)
+{
+    switch (o) {
+    case KM_OUTCOME_COMPLETE: return KM_ACTIVE_END_COMPLETE;
+    case KM_OUTCOME_INCOMPLETE: return KM_ACTIVE_END_INCOMPLETE;
+    case KM_OUTCOME_CANCELLED: return KM_ACTIVE_END_CANCELLED;
+    default: return KM_ACTIVE_END_ERROR;
+    }
+}
+
+static km_record_outcome record_outcome_of(km_outcome o)
+{
+    switch (o) {
+    case KM_OUTCOME_COMPLETE: return KM_RECORD_OUTCOME_COMPLETE;
+    case KM_OUTCOME_INCOMPLETE: return KM_RECORD_OUTCOME_INCOMPLETE;
+    case KM_OUTCOME_CANCELLED: return KM_RECORD_OUTCOME_CANCELLED;
+    default: return KM_RECORD_OUTCOME_ERROR;
+    }
+}
+
+/* Approximate mode assumes the worker a request went to holds its blocks (approx.h). The
+ * decision taught that to its chosen worker; when the router reports another approximate-mode
+ * worker, that one is taught too, at the scheduler's next housekeeping (apply_lessons). The chosen
+ * worker's assumption is left to its TTL: other decisions may have taught it the same blocks.
+ * active_lock held. */
+static void lesson_queue(km_server *s, const attempt *a, uint32_t worker)
+{
+    if (!a->has_blocks)
+        return; /* nothing to teach, nothing missed */
+    dispatch_lesson *l = NULL;
+    uint64_t bytes = (uint64_t)a->n_hashes * sizeof *l->hashes;
+    /* The copy counts against approx_dispatch_max_bytes until it is taught: reports that move one
+     * attempt back and forth would otherwise queue a copy each. */
+    if (a->hashes && s->attempt_cache.hash_bytes + bytes <= s->cfg.approx_dispatch_max_bytes)
+        l = malloc(sizeof *l + bytes);
+    if (!l) {
+        atomic_fetch_add(&s->st.dispatch_unlearned, 1);
+        return;
+    }
+    s->attempt_cache.hash_bytes += bytes;
+    l->worker = worker;
+    l->incarnation = s->workers[worker].incarnation;
+    l->n_hashes = a->n_hashes;
+    memcpy(l->hashes, a->hashes, (size_t)a->n_hashes * sizeof *l->hashes);
+    l->next = s->lessons; /* newest first: apply_lessons reverses */
+    s->lessons = l;
+    atomic_store(&s->lessons_queued, true);
+}
+
+/* One lifecycle report (active_lock held). Returns KM_OK or an error with *msg. */
+static int lifecycle_one(km_server *s, const km_lifecycle_event *ev, char *msg, size_t msg_size)
+{
+    if (ev->status != KM_OK)
+        return km_why(msg, msg_size, ev->status, "%s", ev->message ? ev->message : "malformed");
+    attempt *a = NULL;
+    if (ev->has_decision_id) {
+        uint64_t *v = km_u64map_find(&s->attempts_by_decision, km_u64map_key(ev->decision_id));
+        a = v ? (attempt *)(uintptr_t)*v : NULL;
+    } else if (ev->request_id) {
+        a = attempt_by_key(s, ev->request_id, ev->attempt_id);
+    }
+    if (!a && ev->request_id) {
+        /* No attempt: active work still tells a duplicate (already finished: KM_ERR_PROTOCOL) or
+         * a late report (expired, evicted, worker removed) from an unknown id, and counts it. The
+         * entry is not live, so nothing changes (one whose attempt could not be kept, out of
+         * memory, is live: the event applies to it, without an outcome record). */
+        km_active_key key = km_active_key_of(ev->request_id, ev->attempt_id);
+        uint64_t now = now_ns();
+        int rc = ev->kind == KM_LIFECYCLE_DISPATCHED ? km_active_dispatched(s->active, &key, now)
+                 : ev->kind == KM_LIFECYCLE_FIRST_TOKEN
+                     ? km_active_first_token(s->active, &key, KM_ACTIVE_CACHED_UNKNOWN, now)
+                     : km_active_finish(s->active, &key, active_end_of(ev->outcome), now, NULL);
+        if (rc == KM_OK)
+            return KM_OK;
+        if (rc != KM_ERR_NOT_FOUND)
+            return km_why(msg, msg_size, rc, "%s", km_active_last_error(s->active));
+    }
+    if (!a)
+        return km_why(msg, msg_size, KM_ERR_NOT_FOUND,
+                     "no active attempt for %s%" PRIu64 "%s%s%s%s",
+                     ev->has_decision_id ? "decision " : "", ev->has_decision_id ? ev->decision_id : 0,
+                     ev->request_id ? " request " : "", ev->request_id ? ev->request_id : "",
+                     ev->attempt_id ? " attempt " : "", ev->attempt_id ? ev->attempt_id : "");
+    km_active_key key = km_active_key_of(a->request_id, a->attempt_id);
+    uint64_t now = now_ns();
+    int rc = KM_OK;
+    /* The router sent the attempt to another worker than the decision's (PROTOCOL.md, `worker`):
+     * its load moves there, and its outcome record says so. A worker outside the decision's pool
+     * fails the event and changes nothing. */
+    if (ev->has_worker && ev->worker != a->worker) {
+        int pi = pool_find(s, a->pool);
+        if (ev->worker >= s->cfg.max_workers || pi < 0 || !is_member(s->pools[pi], ev->worker))
+            return km_why(msg, msg_size, KM_ERR_NOT_FOUND, "worker %u is not in pool %s",
+                          ev->worker, a->pool);
+        rc = km_active_move(s->active, &key, ev->worker, now);
+        if (rc != KM_OK)
+            return km_why(msg, msg_size, rc, "%s", km_active_last_error(s->active));
+        s->pools[pi]->overrides_seen = true;
+        a->worker = ev->worker;
+        memcpy(a->dispatched_name, s->workers[ev->worker].name, sizeof a->dispatched_name);
+        if (!strcmp(a->dispatched_name, a->chosen_name))
+            a->dispatched_name[0] = '\0';
+        if (!s->workers[ev->worker].events)
+            lesson_queue(s, a, ev->worker);
+    }
+    switch (ev->kind) {
+    case KM_LIFECYCLE_DISPATCHED:
+        rc = km_active_dispatched(s->active, &key, now);
+        if (rc == KM_OK && !a->dispatched.monotonic_ns)
+            a->dispatched = km_record_time_now();
+        if (rc == KM_OK && ev->has_elapsed_ms && isnan(a->router_dispatched_ms))
+            a->router_dispatched_ms = ev->elapsed_ms;
+        break;
+    case KM_LIFECYCLE_FIRST_TOKEN:
+        rc = km_active_first_token(s->active, &key,
+                                   ev->has_cached_tokens ? (int64_t)ev->cached_tokens
+                                                         : KM_ACTIVE_CACHED_UNKNOWN,
+                                   now);
+        if (rc == KM_OK && ev->has_elapsed_ms && isnan(a->router_ttft_ms))
+            a->router_ttft_ms = ev->elapsed_ms; /* the first FIRST_TOKEN counts, as its time does */
+        /* Streaming has begun: the router knows where the attempt went and has said so, if it
+         * overrode the choice (lesson_queue). Its hashes make room for newer decisions'. */
+        if (rc == KM_OK)
+            attempt_drop_hashes(&s->attempt_cache, a);
+        break;
+    case KM_LIFECYCLE_FINISHED: {
+        if (ev->has_cached_tokens)
+            km_active_report_cached(s->active, &key, (int64_t)ev->cached_tokens, now);
+        km_active_summary sum;
+        rc = km_active_finish(s->active, &key, active_end_of(ev->outcome), now, &sum);
+        if (rc == KM_OK) {
+            breaker_outcome(s, a->worker, ev->outcome, now); /* the worker the attempt ran on */
+            write_outcome(s, a, record_outcome_of(ev->outcome), ev, &sum, NULL);
+            attempt_forget(s, a);
+        }
+        break;
+    }
+    default:
+        return km_why(msg, msg_size, KM_ERR_PROTOCOL, "unknown lifecycle kind");
+    }
+    if (rc != KM_OK)
+        return km_why(msg, msg_size, rc, "%s", km_active_last_error(s->active));
+    return KM_OK;
+}
+
+void handle_lifecycle(conn *c, const km_message *m)
+{
+    km_server *s = c->server;
+    const km_lifecycle_batch *lb = &m->lifecycle;
+    km_item_status *items = calloc(lb->n_events, sizeof *items);
+    char(*msgs)[256] = calloc(lb->n_events, sizeof *msgs);
+    if (!items || !msgs) {
+        free(items);
+        free(msgs);
+        send_error(c, m->id, KM_ERR_OUT_OF_MEMORY, "lifecycle reply");
+        return;
+    }
+    pthread_mutex_lock(&s->active_lock);
+    for (uint32_t i = 0; i < lb->n_events; i++) {
+        atomic_fetch_add(&s->st.lifecycle, 1);
+        km_counter_add(s->m_lifecycle, 1);
+        items[i].status = lifecycle_one(s, &lb->events[i], msgs[i], sizeof msgs[i]);
+        if (items[i].status != KM_OK) {
+            items[i].message = msgs[i];
+            atomic_fetch_add(&s->st.lifecycle_errors, 1);
+        }
+    }
+    bool lessons = s->lessons != NULL;
+    pthread_mutex_unlock(&s->active_lock);
+    if (lessons)
+        wake_scheduler(s); /* the next decision should already know */
+    km_message reply;
+    memset(&reply, 0, sizeof reply);
+    reply.type = KM_MESSAGE_ACK;
+    reply.has_id = true;
+    reply.id = m->id;
+    reply.ack.items = items;
+    reply.ack.n_items = lb->n_events;
+    send_message(c, &reply);
+    free(items);
+    free(msgs);
+}

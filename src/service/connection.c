@@ -1,0 +1,287 @@
+/* A router connection's lifetime on the loop thread: accepted, read into frames (each handed to
+ * handle_frame), its replies queued and written (uv_try_write first, uv_write for the rest),
+ * reading paused while replies pile up, closed and freed once no job holds it. */
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "service/server_internal.h"
+
+static void conn_flush(conn *c);
+static void on_read(uv_stream_t *stream, ssize_t nread, const uv_buf_t *buf);
+static void alloc_cb(uv_handle_t *h, size_t suggested, uv_buf_t *buf);
+
+/* Reading paused while replies piled up (conn_send) starts again once they drained, while the
+ * server drains too (what was sent before the stop is answered, a new ROUTE refused). libuv wants
+ * the allocation callback again (NULL is refused with UV_EINVAL: until 2026-11-30 a paused
+ * connection never read again); a connection that cannot read is closed. */
+static void conn_resume_reading(conn *c)
+{
+    c->paused = false;
+    int rc = uv_read_start(&c->h.stream, alloc_cb, on_read);
+    if (rc < 0) {
+        slog(c->server, "closing a connection whose reading could not resume: %s", uv_strerror(rc));
+        conn_close(c);
+    }
+}
+
+void conn_maybe_free(conn *c)
+{
+    if (!c->handle_closed || c->jobs_in_flight)
+        return;
+    km_frame_reader_destroy(c->reader);
+    km_protocol_decoder_destroy(c->decoder);
+    km_frame_buffer_free(&c->outbox);
+    km_frame_buffer_free(&c->writing);
+    free(c);
+}
+
+static void on_conn_closed(uv_handle_t *h)
+{
+    conn *c = h->data;
+    c->handle_closed = true;
+    conn_maybe_free(c);
+}
+
+void conn_close(conn *c)
+{
+    if (c->closing)
+        return;
+    km_server *s = c->server;
+    c->closing = true;
+    if (c->prev)
+        c->prev->next = c->next;
+    else
+        s->conns = c->next;
+    if (c->next)
+        c->next->prev = c->prev;
+    atomic_fetch_sub(&s->st.open, 1);
+    uv_close(&c->h.handle, on_conn_closed);
+}
+
+/* A connection whose peer is done (EOF) closes once every reply it is owed is written. */
+void conn_close_if_finished(conn *c)
+{
+    if (c->eof && !c->closing && !c->jobs_in_flight && !c->write_in_flight && c->outbox.size == 0)
+        conn_close(c);
+}
+
+static void on_write(uv_write_t *req, int status)
+{
+    conn *c = req->data;
+    c->write_in_flight = false;
+    c->writing.size = 0;
+    if (status < 0) {
+        conn_close(c);
+        return;
+    }
+    if (c->closing)
+        return;
+    km_server *s = c->server;
+    if (c->paused && c->outbox.size < s->cfg.max_outbox_bytes / 8 && !c->eof)
+        conn_resume_reading(c);
+    conn_flush(c);
+    conn_close_if_finished(c);
+}
+
+static void alloc_cb(uv_handle_t *h, size_t suggested, uv_buf_t *buf)
+{
+    (void)suggested;
+    conn *c = h->data;
+    buf->base = c->rbuf;
+    buf->len = sizeof c->rbuf;
+}
+
+static void conn_flush(conn *c)
+{
+    if (c->closing || c->write_in_flight || c->outbox.size == 0)
+        return;
+    /* Try the write now: a reply the socket takes whole needs no write request, no callback and
+     * none of the epoll_ctl calls libuv makes when a request completes. Only what is left (the
+     * peer's buffer full) goes through uv_write. */
+    uv_buf_t now = uv_buf_init((char *)c->outbox.data, (unsigned)c->outbox.size);
+    int n = uv_try_write(&c->h.stream, &now, 1);
+    if (n < 0 && n != UV_EAGAIN) {
+        conn_close(c);
+        return;
+    }
+    size_t written = n > 0 ? (size_t)n : 0;
+    if (written == c->outbox.size) {
+        c->outbox.size = 0;
+        if (c->paused && !c->eof)
+            conn_resume_reading(c);
+        return;
+    }
+    km_frame_buffer t = c->writing;
+    c->writing = c->outbox;
+    c->outbox = t;
+    c->outbox.size = 0;
+    uv_buf_t buf = uv_buf_init((char *)c->writing.data + written,
+                               (unsigned)(c->writing.size - written));
+    c->write_req.data = c;
+    c->write_in_flight = true;
+    int rc = uv_write(&c->write_req, &c->h.stream, &buf, 1, on_write);
+    if (rc < 0) {
+        c->write_in_flight = false;
+        conn_close(c);
+    }
+}
+
+/* Queue bytes for the peer; a reader that lets too much pile up is closed. Only replies already
+ * waiting make a reader slow: a reply that finds nothing unwritten is taken whatever its size (up
+ * to max_frame_bytes), so a small max_outbox_bytes never cuts off a client that reads promptly. */
+void conn_send(conn *c, const km_frame_buffer *frames)
+{
+    km_server *s = c->server;
+    if (c->closing || frames->size == 0)
+        return;
+    size_t waiting = c->outbox.size + c->writing.size;
+    if (waiting > 0 && waiting + frames->size > s->cfg.max_outbox_bytes) {
+        atomic_fetch_add(&s->st.slow_closed, 1);
+        slog(s, "closing a connection that does not read its replies (%zu bytes waiting)",
+             c->outbox.size + c->writing.size);
+        conn_close(c);
+        return;
+    }
+    if (c->outbox.capacity < c->outbox.size + frames->size) {
+        size_t cap = c->outbox.capacity ? c->outbox.capacity : 4096;
+        while (cap < c->outbox.size + frames->size)
+            cap *= 2;
+        uint8_t *g = realloc(c->outbox.data, cap);
+        if (!g) {
+            conn_close(c);
+            return;
+        }
+        c->outbox.data = g;
+        c->outbox.capacity = cap;
+    }
+    memcpy(c->outbox.data + c->outbox.size, frames->data, frames->size);
+    c->outbox.size += frames->size;
+    if (!c->paused && c->reading && c->outbox.size + c->writing.size > s->cfg.max_outbox_bytes / 4) {
+        c->paused = true;
+        uv_read_stop(&c->h.stream);
+    }
+    conn_flush(c);
+}
+
+void send_error(conn *c, uint64_t id, int code, const char *fmt, ...)
+{
+    char msg[512];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    km_frame_buffer fb;
+    km_frame_buffer_init(&fb);
+    if (km_protocol_encode_error(id, code, msg, &fb) == KM_OK)
+        conn_send(c, &fb);
+    km_frame_buffer_free(&fb);
+}
+
+void send_message(conn *c, const km_message *m)
+{
+    km_frame_buffer fb;
+    km_frame_buffer_init(&fb);
+    char why[256];
+    int rc = km_protocol_encode(m, c->server->cfg.limits.max_frame_bytes, &fb, why, sizeof why);
+    if (rc == KM_OK)
+        conn_send(c, &fb);
+    else
+        send_error(c, m->id, rc, "encoding the reply failed: %s", why);
+    km_frame_buffer_free(&fb);
+}
+
+static void on_read(uv_stream_t *stream, ssize_t nread, const uv_buf_t *buf)
+{
+    conn *c = stream->data;
+    if (c->closing)
+        return;
+    if (nread < 0) {
+        /* EOF or a reset: answer what is in flight, then close. A partial frame is dropped. */
+        uv_read_stop(stream);
+        c->reading = false;
+        c->eof = true;
+        if (nread != UV_EOF)
+            conn_close(c);
+        else
+            conn_close_if_finished(c);
+        return;
+    }
+    const uint8_t *data = (const uint8_t *)buf->base;
+    size_t left = (size_t)nread;
+    while (left > 0 && !c->closing) {
+        size_t consumed = 0;
+        const uint8_t *payload = NULL;
+        size_t psize = 0;
+        int rc = km_frame_reader_next(c->reader, data, left, &consumed, &payload, &psize);
+        if (rc != KM_OK) {
+            atomic_fetch_add(&c->server->st.bad_frames, 1);
+            send_error(c, 0, rc, "%s", km_frame_reader_last_error(c->reader));
+            uv_read_stop(stream);
+            c->reading = false;
+            c->eof = true; /* no more input: the stream cannot be re-synced */
+            conn_close_if_finished(c);
+            return;
+        }
+        data += consumed;
+        left -= consumed;
+        if (!payload)
+            continue;
+        bool keep = handle_frame(c, payload, psize);
+        /* Everything a request needs was copied out of the frame: an idle connection keeps
+         * neither a large frame's buffer nor its decoded tree. */
+        km_protocol_decoder_release(c->decoder);
+        km_frame_reader_release(c->reader);
+        if (!keep) {
+            uv_read_stop(stream);
+            c->reading = false;
+            c->eof = true;
+            conn_close_if_finished(c);
+            return;
+        }
+    }
+}
+
+void on_connection(uv_stream_t *listener, int status)
+{
+    km_server *s = listener->data;
+    if (status < 0)
+        return;
+    conn *c = calloc(1, sizeof *c);
+    if (!c)
+        return;
+    c->server = s;
+    bool tcp = listener == (uv_stream_t *)&s->tcp_listener;
+    int rc = tcp ? uv_tcp_init(&s->loop, &c->h.tcp) : uv_pipe_init(&s->loop, &c->h.pipe, 0);
+    if (rc < 0) {
+        free(c);
+        return;
+    }
+    c->h.handle.data = c;
+    if (uv_accept(listener, &c->h.stream) < 0) {
+        c->closing = true;
+        uv_close(&c->h.handle, on_conn_closed);
+        return;
+    }
+    atomic_fetch_add(&s->st.accepted, 1);
+    if (s->draining || atomic_load(&s->st.open) >= s->cfg.max_connections ||
+        km_frame_reader_create(s->cfg.limits.max_frame_bytes, &c->reader) != KM_OK ||
+        km_protocol_decoder_create(&s->cfg.limits, &c->decoder) != KM_OK) {
+        atomic_fetch_add(&s->st.refused, 1);
+        c->closing = true;
+        uv_close(&c->h.handle, on_conn_closed);
+        return;
+    }
+    if (tcp)
+        uv_tcp_nodelay(&c->h.tcp, 1);
+    km_frame_buffer_init(&c->outbox);
+    km_frame_buffer_init(&c->writing);
+    c->next = s->conns;
+    if (s->conns)
+        s->conns->prev = c;
+    s->conns = c;
+    atomic_fetch_add(&s->st.open, 1);
+    c->reading = true;
+    uv_read_start(&c->h.stream, alloc_cb, on_read);
+}

@@ -1,0 +1,225 @@
+/* The loop thread's own work: a frame's dispatch by message type (HELLO first), delivery of
+ * finished jobs' replies, the stop (signals, km_server_stop) and the drain that answers what was
+ * sent before it. */
+#include <inttypes.h>
+#include <signal.h>
+#include <string.h>
+#include <sys/ioctl.h>
+
+#include "kvmatch/kvmatch.h"
+#include "service/server_internal.h"
+
+/* One frame. Returns false when the connection must close (after what was queued is written). */
+bool handle_frame(conn *c, const uint8_t *payload, size_t size)
+{
+    km_server *s = c->server;
+    atomic_fetch_add(&s->st.frames, 1);
+    km_counter_add(s->m_frames, 1);
+    km_message m;
+    int rc = km_protocol_decode(c->decoder, payload, size, &m);
+    if (rc != KM_OK) {
+        atomic_fetch_add(&s->st.bad_frames, 1);
+        km_counter_add(s->m_bad_frames, 1);
+        if (!c->hello_done) { /* before HELLO, a frame that is not a readable HELLO ends it */
+            if (m.type == KM_MESSAGE_HELLO)
+                send_error(c, m.has_id ? m.id : 0, rc, "HELLO: %s",
+                           km_protocol_decoder_last_error(c->decoder));
+            else
+                send_error(c, m.has_id ? m.id : 0, KM_ERR_PROTOCOL,
+                           "the first message must be HELLO (this one is unreadable: %s)",
+                           km_protocol_decoder_last_error(c->decoder));
+            return false;
+        }
+        send_error(c, m.has_id ? m.id : 0, rc, "%s", km_protocol_decoder_last_error(c->decoder));
+        return m.has_id; /* without an id the peer cannot match replies: close */
+    }
+    if (!c->hello_done && m.type != KM_MESSAGE_HELLO) {
+        send_error(c, m.id, KM_ERR_PROTOCOL, "the first message must be HELLO, got %s",
+                   km_message_type_name(m.type));
+        return false;
+    }
+    switch (m.type) {
+    case KM_MESSAGE_HELLO: {
+        if (m.hello.protocol_version != KM_PROTOCOL_VERSION) {
+            send_error(c, m.id, KM_ERR_INCOMPATIBLE,
+                       "protocol version %u is not spoken here; this server speaks %u",
+                       m.hello.protocol_version, KM_PROTOCOL_VERSION);
+            return false;
+        }
+        c->hello_done = true;
+        km_message w;
+        memset(&w, 0, sizeof w);
+        w.type = KM_MESSAGE_WELCOME;
+        w.has_id = true;
+        w.id = m.id;
+        w.welcome.protocol_version = KM_PROTOCOL_VERSION;
+        w.welcome.kvmatch_version = KVMATCH_VERSION;
+        w.welcome.server_name = "kvmatch serve";
+        w.welcome.limits = s->cfg.limits;
+        send_message(c, &w);
+        return true;
+    }
+    case KM_MESSAGE_ROUTE: handle_route(c, &m); return true;
+    case KM_MESSAGE_LIFECYCLE: handle_lifecycle(c, &m); return true;
+    case KM_MESSAGE_WORKERS: handle_workers(c, &m); return true;
+    case KM_MESSAGE_POOLS: handle_pools(c, &m); return true;
+    case KM_MESSAGE_STATUS: handle_status(c, &m); return true;
+    default:
+        send_error(c, m.id, KM_ERR_PROTOCOL, "%s is not a request a server answers",
+                   km_message_type_name(m.type));
+        return true;
+    }
+}
+
+/* Encode and send the replies of a list of finished jobs, then free them (loop thread). */
+void deliver_jobs(km_server *s, job *list)
+{
+    while (list) {
+        job *j = list;
+        list = j->next;
+        conn *c = j->conn;
+        c->jobs_in_flight--;
+        if (!c->closing) {
+            if (!j->encoded)
+                encode_job_reply(s, j);
+            conn_send(c, &j->reply);
+        }
+        job_free(j);
+        if (c->closing)
+            conn_maybe_free(c);
+        else
+            conn_close_if_finished(c);
+    }
+}
+
+void deliver_done(km_server *s)
+{
+    pthread_mutex_lock(&s->done_lock);
+    job *list = s->done_head;
+    s->done_head = s->done_tail = NULL;
+    pthread_mutex_unlock(&s->done_lock);
+    deliver_jobs(s, list);
+}
+
+void on_wake(uv_async_t *h)
+{
+    km_server *s = h->data;
+    deliver_done(s);
+    if (atomic_load(&s->stop_requested) && !s->draining)
+        begin_drain(s);
+}
+
+static bool drained(km_server *s)
+{
+    pthread_mutex_lock(&s->queue_lock);
+    bool idle = !s->queue_head && !s->scheduler_busy;
+    pthread_mutex_unlock(&s->queue_lock);
+    if (!idle)
+        return false;
+    pthread_mutex_lock(&s->done_lock);
+    bool none = s->done_head == NULL;
+    pthread_mutex_unlock(&s->done_lock);
+    if (!none)
+        return false;
+    for (conn *c = s->conns; c; c = c->next) {
+        if (c->jobs_in_flight || c->write_in_flight || c->outbox.size)
+            return false;
+        /* Requests a client sent before the stop may still be in its socket or half read: they
+         * are read and answered (decided, or refused as shutting down) before the connection
+         * closes. Until 2026-11-30 a drain could end between two reads and close a connection
+         * whose last requests were never answered. */
+        if (c->closing || c->eof)
+            continue;
+        if (km_frame_reader_pending(c->reader) > 0)
+            return false;
+        uv_os_fd_t fd;
+        int unread = 0;
+        if (c->reading && uv_fileno(&c->h.handle, &fd) == 0 && ioctl(fd, FIONREAD, &unread) == 0 &&
+            unread > 0)
+            return false;
+    }
+    return true;
+}
+
+static void close_everything(km_server *s)
+{
+    while (s->conns)
+        conn_close(s->conns);
+    if (!uv_is_closing((uv_handle_t *)&s->wake))
+        uv_close((uv_handle_t *)&s->wake, NULL);
+    if (s->dispatch_inited && !uv_is_closing((uv_handle_t *)&s->dispatch))
+        uv_close((uv_handle_t *)&s->dispatch, NULL);
+    if (s->expiry_timer_inited && !uv_is_closing((uv_handle_t *)&s->expiry_timer)) {
+        uv_close((uv_handle_t *)&s->expiry_timer, NULL);
+        uv_close((uv_handle_t *)&s->expiry_more, NULL);
+    }
+    if (s->drain_timer_started && !uv_is_closing((uv_handle_t *)&s->drain_timer))
+        uv_close((uv_handle_t *)&s->drain_timer, NULL);
+    if (s->signals_installed) {
+        uv_close((uv_handle_t *)&s->sigterm, NULL);
+        uv_close((uv_handle_t *)&s->sigint, NULL);
+        s->signals_installed = false;
+    }
+}
+
+/* The drain timed out: routes still queued are dropped unanswered (their connections close now;
+ * deciding them would only begin active work and write decision records for replies nobody can
+ * read). Returns how many. A batch being scored ends normally, and km_server_run delivers it
+ * (freeing its closed connection) after joining the scheduler. */
+static uint64_t drop_queued(km_server *s)
+{
+    pthread_mutex_lock(&s->queue_lock);
+    job *list = s->queue_head;
+    s->queue_head = s->queue_tail = NULL;
+    uint64_t routes = s->queued_routes;
+    s->queued_routes = 0;
+    pthread_mutex_unlock(&s->queue_lock);
+    while (list) {
+        job *j = list;
+        list = j->next;
+        j->conn->jobs_in_flight--;
+        job_free(j);
+    }
+    return routes;
+}
+
+static void on_drain_tick(uv_timer_t *t)
+{
+    km_server *s = t->data;
+    deliver_done(s);
+    if (drained(s) || now_ns() >= s->drain_deadline_ns) {
+        if (!drained(s)) {
+            uint64_t dropped = drop_queued(s);
+            atomic_fetch_add(&s->st.dropped_at_shutdown, dropped);
+            slog(s, "drain timeout: closing with work unfinished (%" PRIu64 " queued routes dropped "
+                 "unanswered; a batch being scored ends first)", dropped);
+        }
+        uv_timer_stop(t);
+        close_everything(s);
+    }
+}
+
+void begin_drain(km_server *s)
+{
+    if (s->draining)
+        return;
+    s->draining = true;
+    slog(s, "stopping: no new connections or routes; finishing queued decisions");
+    if (s->have_unix && !uv_is_closing((uv_handle_t *)&s->unix_listener))
+        uv_close((uv_handle_t *)&s->unix_listener, NULL);
+    if (s->have_tcp && !uv_is_closing((uv_handle_t *)&s->tcp_listener))
+        uv_close((uv_handle_t *)&s->tcp_listener, NULL);
+    s->drain_deadline_ns = now_ns() + (uint64_t)s->cfg.drain_timeout_ms * 1000000u;
+    uv_timer_init(&s->loop, &s->drain_timer);
+    s->drain_timer.data = s;
+    s->drain_timer_started = true;
+    uv_timer_start(&s->drain_timer, on_drain_tick, 0, 5);
+}
+
+void on_signal(uv_signal_t *h, int signum)
+{
+    km_server *s = h->data;
+    slog(s, "%s received", signum == SIGTERM ? "SIGTERM" : "SIGINT");
+    atomic_store(&s->stop_requested, true);
+    begin_drain(s);
+}

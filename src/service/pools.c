@@ -1,0 +1,396 @@
+/* Pools and their workers (admin_lock held unless said otherwise): a pool's index, subscriber,
+ * in-process feed and approximate-mode state; membership; a worker added or removed; a worker's
+ * index state. */
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#include <xxhash.h>
+
+#include "base/error_detail.h"
+#include "base/utf8.h"
+#include "service/server_config.h"
+#include "service/server_internal.h"
+
+int pool_find(const km_server *s, const char *name)
+{
+    for (uint32_t i = 0; i < s->n_pools; i++)
+        if (!strcmp(s->pools[i]->name, name))
+            return (int)i;
+    return -1;
+}
+
+int pool_for_model(const km_server *s, const char *model)
+{
+    for (uint32_t i = 0; i < s->n_pools; i++)
+        if (s->pools[i]->model && !strcmp(s->pools[i]->model, model))
+            return (int)i;
+    return -1;
+}
+
+void pool_destroy(pool *p)
+{
+    if (!p)
+        return;
+    km_subscriber_destroy(p->sub);
+    km_feed_destroy(p->local_feed);
+    km_kv_decoder_destroy(p->local_decoder);
+    pthread_mutex_destroy(&p->local_lock);
+    km_approx_destroy(p->approx);
+    km_approx_updates_free(&p->approx_updates);
+    km_index_destroy(p->index);
+    km_match_results_free(&p->results);
+    free(p->requests);
+    free(p->members);
+    free(p->model);
+    free(p->snapshot_path);
+    free(p);
+}
+
+int pool_create(km_server *s, const km_server_pool *pc, pool **out, char *why,
+                size_t why_size)
+{
+    *out = NULL;
+    if (!km_server_name_valid(pc->name))
+        return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,
+                     "pool name \"%s\" must be 1..%u of [A-Za-z0-9._-]", pc->name ? pc->name : "",
+                     KM_SERVER_NAME_MAX - 1);
+    if (pc->block_size == 0)
+        return km_why(why, why_size, KM_ERR_BLOCK_SIZE, "pool %s: block_size must be at least 1",
+                     pc->name);
+    if (pc->approx_ttl_ms > UINT64_MAX / 1000000)
+        return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,
+                      "pool %s: approx_ttl_ms %" PRIu64 " is over %" PRIu64 " (the TTL in ns must "
+                      "fit 64 bits)", pc->name, pc->approx_ttl_ms, UINT64_MAX / 1000000);
+    if (pc->model && !km_utf8_name(pc->model))
+        return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,
+                     "pool %s: model must be UTF-8 without control characters", pc->name);
+    char detail[192];
+    if (km_policy_config_validate(&pc->policy, detail, sizeof detail) != KM_OK)
+        return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT, "pool %s: %s", pc->name, detail);
+    pool *p = calloc(1, sizeof *p);
+    if (!p)
+        return km_why(why, why_size, KM_ERR_OUT_OF_MEMORY, "pool %s", pc->name);
+    snprintf(p->name, sizeof p->name, "%s", pc->name);
+    pthread_mutex_init(&p->local_lock, NULL);
+    p->block_size = pc->block_size;
+    p->policy = pc->policy;
+    km_policy_state_init(&p->policy_state, s->cfg.seed ^ XXH3_64bits(pc->name, strlen(pc->name)));
+    p->approx_ttl_ms = pc->approx_ttl_ms ? pc->approx_ttl_ms : 120000;
+    p->approx_capacity_blocks = pc->approx_capacity_blocks;
+    km_approx_updates_init(&p->approx_updates);
+    km_match_results_init(&p->results);
+    int rc = KM_OK;
+    if (pc->model && !(p->model = strdup(pc->model)))
+        rc = KM_ERR_OUT_OF_MEMORY;
+    if (!rc && s->snapshot_dir) {
+        size_t n = strlen(s->snapshot_dir) + strlen(p->name) + 8;
+        p->snapshot_path = malloc(n);
+        if (!p->snapshot_path)
+            rc = KM_ERR_OUT_OF_MEMORY;
+        else
+            snprintf(p->snapshot_path, n, "%s/%s.snap", s->snapshot_dir, p->name);
+    }
+    if (rc) {
+        pool_destroy(p);
+        return km_why(why, why_size, rc, "pool %s", pc->name);
+    }
+    km_index_config ic;
+    km_index_config_init(&ic);
+    ic.max_workers = s->cfg.max_workers;
+    ic.backend = s->cfg.backend;
+    ic.threads = s->cfg.index_threads;
+    ic.memory_cap_bytes = s->cfg.index_memory_cap_bytes;
+    if (s->cfg.index_initial_blocks)
+        ic.initial_blocks = s->cfg.index_initial_blocks;
+    ic.log = s->log;
+    ic.log_user = s->log_user;
+    if ((rc = km_index_create(&ic, &p->index)) != KM_OK) {
+        pool_destroy(p);
+        return km_why(why, why_size, rc, "pool %s: creating its index: %s", pc->name,
+                     km_strerror(rc));
+    }
+    km_approx_config ac;
+    km_approx_config_init(&ac);
+    ac.max_workers = s->cfg.max_workers;
+    ac.ttl_ns = p->approx_ttl_ms * UINT64_C(1000000);
+    ac.worker_capacity_blocks = p->approx_capacity_blocks;
+    if (pc->approx_every_touch)
+        ac.refresh_ns = 0;
+    if ((rc = km_approx_create(&ac, &p->approx)) != KM_OK) {
+        pool_destroy(p);
+        return km_why(why, why_size, rc, "pool %s: approximate-mode state: %s", pc->name,
+                     km_strerror(rc));
+    }
+    *out = p;
+    return KM_OK;
+}
+
+/* The pool's subscriber, created (restoring its snapshot when there is one) on first use. */
+static int pool_subscriber(km_server *s, pool *p, char *why, size_t why_size)
+{
+    if (p->sub)
+        return KM_OK;
+    km_subscriber_config sc;
+    km_subscriber_config_init(&sc);
+    sc.feed.block_size = p->block_size;
+    sc.feed.log = s->log;
+    sc.feed.log_user = s->log_user;
+    sc.log = s->log;
+    sc.log_user = s->log_user;
+    sc.snapshot_path = p->snapshot_path;
+    sc.snapshot_interval_ms = p->snapshot_path ? s->cfg.snapshot_interval_ms : 0;
+    sc.snapshot_background = true; /* the scheduler must not stop routing while a snapshot is written */
+    sc.on_received = wake_scheduler;
+    sc.on_received_user = s;
+    struct stat stt;
+    sc.restore_path = p->snapshot_path && stat(p->snapshot_path, &stt) == 0 ? p->snapshot_path : NULL;
+    int rc = km_subscriber_create(p->index, &sc, &p->sub);
+    if (rc)
+        return km_why(why, why_size, rc, "pool %s: event subscriber: %s", p->name, km_strerror(rc));
+    km_subscriber_stats st;
+    if (sc.restore_path && km_subscriber_get_stats(p->sub, &st) == KM_OK)
+        slog(s, "pool %s: snapshot %s %s%s%s", p->name, sc.restore_path,
+             st.restored ? "restored" : "not restored: ", st.restored ? "" : km_error_name(st.restore_status),
+             st.restored ? "; workers resume from their saved seq + 1" : "; starting empty");
+    return KM_OK;
+}
+
+/* The pool's in-process feed, created on first use. */
+static int pool_local_feed(km_server *s, pool *p, char *why, size_t why_size)
+{
+    if (p->local_feed)
+        return KM_OK;
+    km_feed_config fc;
+    km_feed_config_init(&fc);
+    fc.block_size = p->block_size;
+    fc.bootstrap_replay = false;
+    fc.log = s->log;
+    fc.log_user = s->log_user;
+    int rc = km_feed_create(p->index, &fc, &p->local_feed);
+    if (!rc)
+        rc = km_kv_decoder_create(NULL, &p->local_decoder);
+    if (rc) {
+        km_feed_destroy(p->local_feed);
+        p->local_feed = NULL;
+        return km_why(why, why_size, rc, "pool %s: in-process event feed: %s", p->name,
+                      km_strerror(rc));
+    }
+    return KM_OK;
+}
+
+/* A worker's feed view, from its subscriber or the in-process feed (admin_lock held). */
+int feed_info(km_server *s, uint32_t id, km_feed_worker_info *out)
+{
+    worker_slot *w = &s->workers[id];
+    pool *p = s->pools[w->pool];
+    if (!w->events)
+        return KM_ERR_NOT_FOUND;
+    if (!w->local)
+        return km_subscriber_get_worker_info(p->sub, id, out);
+    pthread_mutex_lock(&p->local_lock);
+    int rc = km_feed_get_worker_info(p->local_feed, id, out);
+    pthread_mutex_unlock(&p->local_lock);
+    return rc;
+}
+
+int feed_windows(km_server *s, uint32_t id, km_feed_window *out, uint32_t cap, uint32_t *n)
+{
+    worker_slot *w = &s->workers[id];
+    pool *p = s->pools[w->pool];
+    if (!w->local)
+        return km_subscriber_get_worker_windows(p->sub, id, out, cap, n);
+    pthread_mutex_lock(&p->local_lock);
+    int rc = km_feed_get_worker_windows(p->local_feed, id, out, cap, n);
+    pthread_mutex_unlock(&p->local_lock);
+    return rc;
+}
+
+static int members_insert(pool *p, uint32_t id)
+{
+    if (p->n_members == p->members_capacity) {
+        uint32_t cap = p->members_capacity ? p->members_capacity * 2 : 16;
+        uint32_t *g = realloc(p->members, cap * sizeof *g);
+        if (!g)
+            return KM_ERR_OUT_OF_MEMORY;
+        p->members = g;
+        p->members_capacity = cap;
+    }
+    uint32_t i = p->n_members;
+    while (i > 0 && p->members[i - 1] > id) {
+        p->members[i] = p->members[i - 1];
+        i--;
+    }
+    p->members[i] = id;
+    p->n_members++;
+    return KM_OK;
+}
+
+static void members_erase(pool *p, uint32_t id)
+{
+    for (uint32_t i = 0; i < p->n_members; i++)
+        if (p->members[i] == id) {
+            memmove(p->members + i, p->members + i + 1, (p->n_members - i - 1) * sizeof *p->members);
+            p->n_members--;
+            return;
+        }
+}
+
+bool is_member(const pool *p, uint32_t id)
+{
+    uint32_t lo = 0, hi = p->n_members;
+    while (lo < hi) {
+        uint32_t mid = (lo + hi) / 2;
+        if (p->members[mid] < id)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo < p->n_members && p->members[lo] == id;
+}
+
+/* Add a worker (admin_lock held). */
+int worker_add(km_server *s, uint32_t pool_index, const km_server_worker *w, char *why,
+               size_t why_size)
+{
+    pool *p = s->pools[pool_index];
+    if (w->id >= s->cfg.max_workers)
+        return km_why(why, why_size, KM_ERR_WORKER_RANGE, "worker %u: ids are 0..%u (max_workers)",
+                     w->id, s->cfg.max_workers - 1);
+    worker_slot *slot = &s->workers[w->id];
+    if (slot->used)
+        return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT, "worker %u already exists (pool %s)",
+                     w->id, s->pools[slot->pool]->name);
+    if (w->name && (strlen(w->name) == 0 || strlen(w->name) >= KM_SERVER_NAME_MAX ||
+                    !km_utf8_name(w->name)))
+        return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,
+                     "worker %u: name must be 1..%u bytes of UTF-8 without control characters "
+                     "(it is a label in /metrics and a string in /status and the records)",
+                     w->id, KM_SERVER_NAME_MAX - 1);
+    if (w->replay_endpoint && !w->event_endpoint)
+        return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,
+                     "worker %u: a replay endpoint needs an event endpoint", w->id);
+    int rc;
+    bool local = w->event_endpoint && !strcmp(w->event_endpoint, KM_SERVER_LOCAL_EVENTS);
+    if (local) {
+        if ((rc = pool_local_feed(s, p, why, why_size)) != KM_OK)
+            return rc;
+        km_feed_worker_config fw = {w->id, w->name, false};
+        pthread_mutex_lock(&p->local_lock);
+        rc = km_feed_add_worker(p->local_feed, &fw, now_ns());
+        pthread_mutex_unlock(&p->local_lock);
+        if (rc)
+            return km_why(why, why_size, rc, "worker %u: %s", w->id, km_feed_last_error(p->local_feed));
+    } else if (w->event_endpoint) {
+        if ((rc = pool_subscriber(s, p, why, why_size)) != KM_OK)
+            return rc;
+        km_subscriber_worker sw = {w->id, w->name, w->event_endpoint, w->replay_endpoint};
+        if ((rc = km_subscriber_add_worker(p->sub, &sw)) != KM_OK)
+            return km_why(why, why_size, rc, "worker %u: %s", w->id, km_subscriber_last_error(p->sub));
+    }
+    if ((rc = members_insert(p, w->id)) != KM_OK) {
+        if (local) {
+            pthread_mutex_lock(&p->local_lock);
+            km_feed_remove_worker(p->local_feed, w->id, now_ns());
+            pthread_mutex_unlock(&p->local_lock);
+        } else if (w->event_endpoint) {
+            km_subscriber_remove_worker(p->sub, w->id);
+        }
+        return km_why(why, why_size, rc, "worker %u", w->id);
+    }
+    memset(slot, 0, sizeof *slot);
+    slot->used = true;
+    slot->pool = pool_index;
+    slot->events = w->event_endpoint != NULL;
+    slot->local = local;
+    slot->incarnation = ++s->next_incarnation;
+    p->n_approx_members += !slot->events;
+    if (w->name)
+        snprintf(slot->name, sizeof slot->name, "%s", w->name);
+    else
+        snprintf(slot->name, sizeof slot->name, "w%u", w->id);
+    slot->event_endpoint = w->event_endpoint ? strdup(w->event_endpoint) : NULL;
+    slot->replay_endpoint = w->replay_endpoint ? strdup(w->replay_endpoint) : NULL;
+    return KM_OK;
+}
+
+/* Remove a worker (admin_lock held): it stops being a candidate; its blocks leave the index; its
+ * active work ends (outcome records say so). */
+int worker_remove(km_server *s, uint32_t id, char *why, size_t why_size)
+{
+    if (id >= s->cfg.max_workers || !s->workers[id].used)
+        return km_why(why, why_size, KM_ERR_NOT_FOUND, "worker %u does not exist", id);
+    worker_slot *slot = &s->workers[id];
+    pool *p = s->pools[slot->pool];
+    if (slot->local) {
+        pthread_mutex_lock(&p->local_lock);
+        km_feed_remove_worker(p->local_feed, id, now_ns());
+        pthread_mutex_unlock(&p->local_lock);
+    } else if (slot->events) {
+        km_subscriber_remove_worker(p->sub, id);
+    } else {
+        km_approx_updates_clear(&p->approx_updates);
+        km_approx_clear_worker(p->approx, id, &p->approx_updates);
+        km_approx_updates_clear(&p->approx_updates);
+        km_index_remove_worker(p->index, id);
+        p->n_approx_members--;
+    }
+    members_erase(p, id);
+    free(slot->event_endpoint);
+    free(slot->replay_endpoint);
+    pthread_mutex_lock(&s->active_lock);
+    bool restricted = health_may_restrict(slot);
+    memset(slot, 0, sizeof *slot);
+    health_changed(s, slot, restricted);
+    km_active_remove_worker(s->active, id, now_ns(), record_removed, s, NULL);
+    pthread_mutex_unlock(&s->active_lock);
+    return KM_OK;
+}
+
+/* Index state of a worker, now (admin_lock held). */
+const char *worker_state(km_server *s, uint32_t id)
+{
+    worker_slot *w = &s->workers[id];
+    if (!w->used)
+        return "REMOVED";
+    if (!w->events)
+        return "APPROX";
+    km_feed_worker_info info;
+    return feed_info(s, id, &info) == KM_OK ? km_feed_state_name(info.state) : "UNKNOWN";
+}
+
+/* The same, read once per scoring batch (a batch decides against one view of the feeds). */
+const char *worker_state_in_batch(km_server *s, uint32_t id)
+{
+    worker_slot *w = &s->workers[id];
+    if (w->used && w->events && w->state_batch == s->batch_stamp && w->state)
+        return w->state;
+    w->state = worker_state(s, id);
+    w->state_batch = s->batch_stamp;
+    return w->state;
+}
+
+int km_server_deliver_events(km_server *s, uint32_t worker, uint64_t seq, const void *payload,
+                             size_t size)
+{
+    if (!s || (!payload && size))
+        return KM_ERR_NULL_POINTER;
+    pthread_mutex_lock(&s->admin_lock);
+    if (worker >= s->cfg.max_workers || !s->workers[worker].used || !s->workers[worker].local) {
+        pthread_mutex_unlock(&s->admin_lock);
+        return KM_ERR_NOT_FOUND;
+    }
+    pool *p = s->pools[s->workers[worker].pool];
+    uint64_t now = now_ns();
+    pthread_mutex_lock(&p->local_lock);
+    km_kv_batch batch;
+    int rc = km_kv_decode_payload(p->local_decoder, payload, size, &batch);
+    /* A payload that does not decode still consumes its seq, as on the wire. */
+    int rc2 = km_feed_live(p->local_feed, worker, seq, rc == KM_OK ? &batch : NULL, now);
+    pthread_mutex_unlock(&p->local_lock);
+    pthread_mutex_unlock(&s->admin_lock);
+    wake_scheduler(s);
+    return rc != KM_OK ? rc : rc2;
+}

@@ -1,0 +1,459 @@
+/* The scheduler role: the scheduler thread, and the loop thread when it runs a small batch
+ * inline or a slice of active-work expiry; housekeeping between batches (events, approximate-mode
+ * expiry and lessons), a batch scored per pool and decided route by route, and the batch
+ * scratch. */
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "service/server_internal.h"
+
+/* Subscriber I/O thread: events arrived; the scheduler flushes them at once instead of at its
+ * next tick, so the index is fresh before the next decision. */
+void wake_scheduler(void *user)
+{
+    km_server *s = user;
+    pthread_mutex_lock(&s->queue_lock);
+    s->events_pending = true;
+    pthread_cond_signal(&s->queue_cond);
+    pthread_mutex_unlock(&s->queue_lock);
+}
+
+static int grow(void **p, size_t *cap, size_t need, size_t elem)
+{
+    if (need <= *cap)
+        return KM_OK;
+    size_t n = *cap ? *cap : 16;
+    while (n < need)
+        n *= 2;
+    void *g = realloc(*p, n * elem);
+    if (!g)
+        return KM_ERR_OUT_OF_MEMORY;
+    *p = g;
+    *cap = n;
+    return KM_OK;
+}
+
+int scratch_reserve(batch_scratch *b, size_t n_cands)
+{
+    size_t cap = b->cap_cands;
+    if (grow((void **)&b->cands, &cap, n_cands, sizeof *b->cands))
+        return KM_ERR_OUT_OF_MEMORY;
+    cap = b->cap_cands;
+    if (grow((void **)&b->costs, &cap, n_cands, sizeof *b->costs))
+        return KM_ERR_OUT_OF_MEMORY;
+    cap = b->cap_cands;
+    if (grow((void **)&b->scores, &cap, n_cands, sizeof *b->scores))
+        return KM_ERR_OUT_OF_MEMORY;
+    cap = b->cap_cands;
+    if (grow((void **)&b->rcands, &cap, n_cands, sizeof *b->rcands))
+        return KM_ERR_OUT_OF_MEMORY;
+    b->cap_cands = cap;
+    return KM_OK;
+}
+
+/* A stamp no worker in b->seen carries yet. */
+uint32_t next_stamp(km_server *s, batch_scratch *b)
+{
+    if (++b->candidate_stamp == 0) { /* wrapped: no stale stamp may match */
+        memset(b->seen, 0, s->cfg.max_workers * sizeof *b->seen);
+        b->candidate_stamp = 1;
+    }
+    return b->candidate_stamp;
+}
+
+/* Apply approximate-mode updates to pool p's index. The index refuses a batch as a whole (its
+ * memory cap): km_approx then assumes pairs the index lacks, or the index keeps pairs km_approx
+ * evicted, and a later decision touching such a pair only refreshes it, which stores nothing. So
+ * every worker the refused updates name is cleared on both sides (approx.h) and learns again from
+ * its next decisions. Returns km_index_apply's status. Scheduler role and admin_lock held. */
+static int approx_apply(km_server *s, pool *p, batch_scratch *b, const km_update *updates, size_t n)
+{
+    int rc = km_index_apply(p->index, updates, n, NULL);
+    if (rc == KM_OK)
+        return KM_OK;
+    slog(s, "pool %s: approximate-mode updates refused: %s; the blocks assumed on their workers are "
+         "forgotten", p->name, km_index_last_error(p->index));
+    uint32_t stamp = next_stamp(s, b);
+    km_approx_updates_clear(&p->approx_updates);
+    for (size_t i = 0; i < n; i++) {
+        uint32_t w = updates[i].worker;
+        if (b->seen[w] != stamp) {
+            b->seen[w] = stamp;
+            km_approx_clear_worker(p->approx, w, &p->approx_updates);
+        }
+    }
+    if (km_index_apply(p->index, p->approx_updates.updates, p->approx_updates.n_updates, NULL))
+        slog(s, "pool %s: clearing approximate-mode workers: %s", p->name,
+             km_index_last_error(p->index));
+    km_approx_updates_clear(&p->approx_updates);
+    return rc;
+}
+
+static void run_batch(km_server *s, job *jobs, batch_scratch *b)
+{
+    uint64_t t0 = now_ns();
+    uint32_t n_routes = 0;
+    for (job *j = jobs; j; j = j->next) {
+        n_routes += j->n_routes;
+        km_histogram_observe(s->m_queue_seconds, (double)(t0 - j->enqueued_ns) / 1e9);
+    }
+    pthread_mutex_lock(&s->admin_lock);
+    s->batch_stamp++;
+    for (uint32_t i = 0; i < s->n_pools; i++)
+        s->pools[i]->n_requests = 0;
+    /* Requests per pool, in job order. */
+    for (job *j = jobs; j; j = j->next)
+        for (uint32_t k = 0; k < j->n_routes; k++) {
+            route_job *r = &j->routes[k];
+            if (r->status != KM_OK)
+                continue;
+            if (r->pool >= s->n_pools) {
+                route_fail(r, KM_ERR_NOT_FOUND, "the pool was removed");
+                continue;
+            }
+            pool *p = s->pools[r->pool];
+            if (grow((void **)&p->requests, &p->requests_capacity, p->n_requests + 1,
+                     sizeof *p->requests)) {
+                route_fail(r, KM_ERR_OUT_OF_MEMORY, "batch");
+                continue;
+            }
+            p->requests[p->n_requests].hashes = r->hashes;
+            p->requests[p->n_requests].n_hashes = r->n_hashes;
+            p->n_requests++;
+        }
+    for (uint32_t i = 0; i < s->n_pools; i++) {
+        pool *p = s->pools[i];
+        if (!p->n_requests)
+            continue;
+        int rc = km_index_match_batch(p->index, p->requests, p->n_requests, &p->results);
+        if (rc != KM_OK) {
+            slog(s, "pool %s: scoring failed: %s", p->name, km_index_last_error(p->index));
+            p->n_requests = SIZE_MAX; /* marks the failure below */
+        }
+    }
+    uint64_t scored = now_ns();
+    size_t *cursor = calloc(s->n_pools ? s->n_pools : 1, sizeof *cursor);
+    km_approx_updates_clear(&b->updates);
+    for (job *j = jobs; j; j = j->next) {
+        j->decisions = job_alloc(j, (j->n_routes ? j->n_routes : 1) * sizeof *j->decisions);
+        if (j->decisions)
+            memset(j->decisions, 0, j->n_routes * sizeof *j->decisions);
+        for (uint32_t k = 0; k < j->n_routes; k++) {
+            route_job *r = &j->routes[k];
+            if (r->status != KM_OK || !cursor || !j->decisions) {
+                if (r->status == KM_OK)
+                    route_fail(r, KM_ERR_OUT_OF_MEMORY, "batch");
+                continue;
+            }
+            pool *p = s->pools[r->pool];
+            size_t q = cursor[r->pool]++;
+            if (p->n_requests == SIZE_MAX) {
+                route_fail(r, KM_ERR_INTERNAL, "scoring failed: %s", km_index_last_error(p->index));
+                continue;
+            }
+            /* active_lock per route, not per batch: the loop thread's lifecycle reports
+             * (DISPATCHED, FIRST_TOKEN, FINISHED for every request) wait one decision at most. */
+            pthread_mutex_lock(&s->active_lock);
+            decide_route(s, j, r, p, &p->results.requests[q], b, &j->decisions[k], scored);
+            pthread_mutex_unlock(&s->active_lock);
+        }
+    }
+    free(cursor);
+    /* Approximate-mode learning: what this batch's decisions taught, one index batch per pool. */
+    if (b->updates.n_updates && grow((void **)&b->pool_updates, &b->cap_pool_updates,
+                                     b->updates.n_updates, sizeof *b->pool_updates) == KM_OK) {
+        for (uint32_t i = 0; i < s->n_pools; i++) {
+            size_t n = 0;
+            for (size_t u = 0; u < b->updates.n_updates; u++) {
+                const km_update *up = &b->updates.updates[u];
+                if (up->worker < s->cfg.max_workers && s->workers[up->worker].used &&
+                    s->workers[up->worker].pool == i)
+                    b->pool_updates[n++] = *up;
+            }
+            if (!n)
+                continue;
+            approx_apply(s, s->pools[i], b, b->pool_updates, n);
+        }
+    }
+    pthread_mutex_unlock(&s->admin_lock);
+    uint64_t t1 = now_ns();
+    atomic_fetch_add(&s->st.batches, 1);
+    km_histogram_observe(s->m_batch_routes, n_routes);
+    km_histogram_observe(s->m_batch_seconds, (double)(t1 - t0) / 1e9);
+}
+
+/* Between batches: apply queued events, approximate-mode expiry. */
+/* Expire due active work, slice by slice, at most `limit` entries (scheduler role held). True
+ * when it stopped at the limit (more may be due). */
+static bool expire_due(km_server *s, uint32_t limit)
+{
+    uint32_t ended = 0;
+    while (ended < limit) {
+        size_t n = 0;
+        uint32_t slice = limit - ended < EXPIRY_SLICE ? limit - ended : EXPIRY_SLICE;
+        pthread_mutex_lock(&s->active_lock);
+        km_active_expire_some(s->active, now_ns(), slice, record_expired, s, &n);
+        pthread_mutex_unlock(&s->active_lock);
+        ended += (uint32_t)n;
+        if (n < slice)
+            return false;
+    }
+    return true;
+}
+
+/* Router overrides queued by lifecycle reports (lesson_queue): each teaches its worker, if it is
+ * still the same approximate-mode worker, in the order they were reported. Scheduler role and
+ * admin_lock held. */
+static void apply_lessons(km_server *s, batch_scratch *b, uint64_t now)
+{
+    if (!atomic_load(&s->lessons_queued))
+        return;
+    pthread_mutex_lock(&s->active_lock);
+    dispatch_lesson *newest = s->lessons;
+    s->lessons = NULL;
+    atomic_store(&s->lessons_queued, false);
+    pthread_mutex_unlock(&s->active_lock);
+    /* Queued newest first: taught oldest first, so a worker's latest request is its most recently
+     * touched prefix (the last its capacity evicts), as if each had been taught when reported. */
+    dispatch_lesson *l = NULL;
+    uint64_t released_bytes = 0;
+    while (newest) {
+        dispatch_lesson *next = newest->next;
+        newest->next = l;
+        l = newest;
+        newest = next;
+    }
+    while (l) {
+        dispatch_lesson *next = l->next;
+        worker_slot *w = &s->workers[l->worker];
+        if (w->used && !w->events && w->incarnation == l->incarnation) {
+            pool *p = s->pools[w->pool];
+            km_approx_updates_clear(&b->updates);
+            int rc = km_approx_record(p->approx, l->worker, l->hashes, l->n_hashes, now, &b->updates);
+            if (rc == KM_OK && b->updates.n_updates)
+                rc = approx_apply(s, p, b, b->updates.updates, b->updates.n_updates);
+            km_approx_updates_clear(&b->updates);
+            if (rc == KM_OK)
+                atomic_fetch_add(&s->st.dispatch_learned, 1);
+            else
+                atomic_fetch_add(&s->st.dispatch_unlearned, 1);
+        }
+        released_bytes += (uint64_t)l->n_hashes * sizeof *l->hashes;
+        free(l);
+        l = next;
+    }
+    pthread_mutex_lock(&s->active_lock);
+    s->attempt_cache.hash_bytes -= released_bytes;
+    pthread_mutex_unlock(&s->active_lock);
+}
+
+/* The scheduler role's chores before scoring: apply received events, expire approximate-mode
+ * pairs, and (expire_limit > 0) expire active work (expire_due). */
+static void housekeeping(km_server *s, batch_scratch *b, uint32_t expire_limit)
+{
+    if (expire_limit)
+        (void)expire_due(s, expire_limit);
+    uint64_t now = now_ns();
+    pthread_mutex_lock(&s->admin_lock);
+    for (uint32_t i = 0; i < s->n_pools; i++) {
+        pool *p = s->pools[i];
+        if (p->sub) {
+            int rc = km_subscriber_flush(p->sub, NULL);
+            if (rc != KM_OK)
+                slog(s, "pool %s: applying events: %s", p->name, km_subscriber_last_error(p->sub));
+        }
+        if (p->local_feed) {
+            pthread_mutex_lock(&p->local_lock);
+            int rc = km_feed_flush(p->local_feed, now, NULL);
+            if (rc != KM_OK)
+                slog(s, "pool %s: applying in-process events: %s", p->name,
+                     km_feed_last_error(p->local_feed));
+            pthread_mutex_unlock(&p->local_lock);
+        }
+        if (km_approx_next_expiry(p->approx) <= now) {
+            km_approx_updates_clear(&b->updates);
+            if (km_approx_expire(p->approx, now, &b->updates, NULL) == KM_OK && b->updates.n_updates)
+                approx_apply(s, p, b, b->updates.updates, b->updates.n_updates);
+            km_approx_updates_clear(&b->updates);
+        }
+    }
+    apply_lessons(s, b, now);
+    pthread_mutex_unlock(&s->admin_lock);
+}
+
+void scratch_free(batch_scratch *b)
+{
+    free(b->cands);
+    free(b->costs);
+    free(b->scores);
+    free(b->rcands);
+    free(b->pool_updates);
+    free(b->seen);
+    km_approx_updates_free(&b->updates);
+    memset(b, 0, sizeof *b);
+}
+
+/* Take whole frames from the queue, up to max_batch_routes (a bigger frame goes alone). Called
+ * with queue_lock held. */
+static job *take_jobs(km_server *s)
+{
+    job *take = NULL, **tail = &take;
+    uint32_t routes = 0;
+    while (s->queue_head &&
+           (routes == 0 || routes + s->queue_head->n_routes <= s->cfg.max_batch_routes)) {
+        job *j = s->queue_head;
+        s->queue_head = j->next;
+        j->next = NULL;
+        *tail = j;
+        tail = &j->next;
+        routes += j->n_routes;
+    }
+    if (!s->queue_head)
+        s->queue_tail = NULL;
+    s->queued_routes -= routes;
+    return take;
+}
+
+void *scheduler_main(void *arg)
+{
+    km_server *s = arg;
+    uint64_t next_tick = now_ns() + SCHEDULER_TICK_MS * UINT64_C(1000000);
+    for (;;) {
+        pthread_mutex_lock(&s->queue_lock);
+        /* Run when the role is free and there is something to do: frames, received events, or
+         * the periodic tick (approximate-mode expiry). A wake-up for nothing (the loop thread
+         * finished a batch inline, a spurious one) goes back to sleep without housekeeping. */
+        bool tick = false;
+        for (;;) {
+            if (s->scheduler_stop && !s->queue_head && !s->scheduler_busy)
+                break;
+            tick = now_ns() >= next_tick;
+            if (!s->scheduler_busy && (s->queue_head || s->events_pending || tick))
+                break;
+            struct timespec ts;
+            clock_gettime(CLOCK_REALTIME, &ts);
+            ts.tv_nsec += SCHEDULER_TICK_MS * 1000000L;
+            if (ts.tv_nsec >= 1000000000L) {
+                ts.tv_sec++;
+                ts.tv_nsec -= 1000000000L;
+            }
+            pthread_cond_timedwait(&s->queue_cond, &s->queue_lock, &ts);
+        }
+        if (s->scheduler_stop && !s->queue_head && !s->scheduler_busy) {
+            pthread_mutex_unlock(&s->queue_lock);
+            break;
+        }
+        if (tick)
+            next_tick = now_ns() + SCHEDULER_TICK_MS * UINT64_C(1000000);
+        uint64_t queued = s->queued_routes;
+        job *take = take_jobs(s);
+        uint32_t taken = (uint32_t)(queued - s->queued_routes); /* at most one frame's over the cap */
+        s->scheduler_busy = true; /* housekeeping alone holds the role too: it uses the scratch */
+        s->events_pending = false; /* housekeeping below flushes them */
+        pthread_mutex_unlock(&s->queue_lock);
+
+        /* Before a batch, active work too: twice the batch's routes (at least a slice, at most
+         * EXPIRY_PER_PASS), which keeps up with any decision rate without holding the batch's own
+         * routes up for more. A pass for the tick alone leaves it to the loop thread. */
+        uint32_t expire = 2 * taken < EXPIRY_SLICE ? EXPIRY_SLICE : 2 * taken;
+        housekeeping(s, &s->scratch, take ? (expire < EXPIRY_PER_PASS ? expire : EXPIRY_PER_PASS) : 0);
+        if (take) {
+            run_batch(s, take, &s->scratch);
+            /* Nothing queued: this thread would only wait while the loop thread encodes the
+             * batch's replies, so it encodes them itself and the loop thread gets back sooner to
+             * the frames that will make the next batch. */
+            pthread_mutex_lock(&s->queue_lock);
+            bool nothing_queued = s->queue_head == NULL;
+            pthread_mutex_unlock(&s->queue_lock);
+            for (job *j = take; nothing_queued && j; j = j->next) {
+                encode_job_reply(s, j);
+                j->encoded = true;
+            }
+            pthread_mutex_lock(&s->done_lock);
+            if (s->done_tail)
+                s->done_tail->next = take;
+            else
+                s->done_head = take;
+            job *last = take;
+            while (last->next)
+                last = last->next;
+            s->done_tail = last;
+            pthread_mutex_unlock(&s->done_lock);
+        }
+        pthread_mutex_lock(&s->queue_lock);
+        s->scheduler_busy = false;
+        pthread_mutex_unlock(&s->queue_lock);
+        if (take)
+            uv_async_send(&s->wake);
+    }
+    return NULL;
+}
+
+/* Active work whose FINISHED never came: ended (an `expired` outcome record each) on the loop
+ * thread, which handles every other lifecycle report too. */
+/* One slice of due active work on the loop thread, holding the scheduler role for it. True when
+ * a full slice ended (more may be due); false too when the role is busy: the scheduler thread
+ * expires before each of its batches. */
+static bool loop_expire_slice(km_server *s)
+{
+    pthread_mutex_lock(&s->queue_lock);
+    if (s->scheduler_busy) {
+        pthread_mutex_unlock(&s->queue_lock);
+        return false;
+    }
+    s->scheduler_busy = true;
+    pthread_mutex_unlock(&s->queue_lock);
+    bool more = expire_due(s, EXPIRY_SLICE);
+    pthread_mutex_lock(&s->queue_lock);
+    s->scheduler_busy = false;
+    if (s->queue_head || s->events_pending) /* work that arrived meanwhile is the scheduler's */
+        pthread_cond_signal(&s->queue_cond);
+    pthread_mutex_unlock(&s->queue_lock);
+    return more;
+}
+
+static void on_expiry_more(uv_idle_t *h)
+{
+    if (!loop_expire_slice(h->data))
+        uv_idle_stop(h);
+}
+
+void on_expiry_tick(uv_timer_t *t)
+{
+    km_server *s = t->data;
+    if (!uv_is_active((uv_handle_t *)&s->expiry_more) && loop_expire_slice(s))
+        uv_idle_start(&s->expiry_more, on_expiry_more); /* the rest, a slice per loop pass */
+}
+
+/* After the loop iteration's reads (a uv_check callback): frames queued in this iteration either
+ * run here at once, when the scheduler role is free and they hold at most inline_routes routes,
+ * or go to the scheduler thread with one wake-up. Inline, a lone route costs no thread hand-off
+ * either way (two wake-ups fewer); bigger batches go to the scheduler, so decoding and encoding
+ * on this thread overlap their scoring. */
+void on_dispatch(uv_check_t *h)
+{
+    km_server *s = h->data;
+    if (!s->dispatch_pending)
+        return;
+    s->dispatch_pending = false;
+    pthread_mutex_lock(&s->queue_lock);
+    if (s->scheduler_busy || !s->queue_head || s->queued_routes > s->inline_routes) {
+        pthread_cond_signal(&s->queue_cond);
+        pthread_mutex_unlock(&s->queue_lock);
+        return;
+    }
+    job *take = take_jobs(s);
+    s->scheduler_busy = true;
+    s->events_pending = false; /* housekeeping below flushes them */
+    pthread_mutex_unlock(&s->queue_lock);
+    housekeeping(s, &s->scratch, 0); /* active work: the expiry timer's, between passes */
+    run_batch(s, take, &s->scratch);
+    pthread_mutex_lock(&s->queue_lock);
+    s->scheduler_busy = false;
+    if (s->queue_head || s->events_pending) /* work that arrived meanwhile is the scheduler's */
+        pthread_cond_signal(&s->queue_cond);
+    pthread_mutex_unlock(&s->queue_lock);
+    atomic_fetch_add(&s->st.inline_batches, 1);
+    deliver_jobs(s, take);
+}

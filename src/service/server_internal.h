@@ -1,0 +1,431 @@
+/* Internal to the routing service's files (src/service/: server.c, connection.c, loop.c, jobs.c,
+ * scheduler.c, decision.c, pools.c, health.c, attempts.c, admin.c, status.c): its structures, what
+ * each thread owns, the lock order, and the functions the files share.
+ *
+ * Threads and what they own:
+ *  - the loop thread (km_server_run, libuv): listeners, connections, frame reading and decoding,
+ *    hashing of token input (so it overlaps the scheduler's current batch: double buffering),
+ *    lifecycle reports and active-work expiry, WORKERS / POOLS / STATUS, encoding and writing
+ *    replies; and, when the scheduler is idle, small batches itself (on_dispatch, inline_routes);
+ *  - the scheduler thread: takes whole ROUTE frames off the queue, flushes each pool's events,
+ *    scores every pool's share of the batch with one km_index_match_batch, runs the policies,
+ *    begins active work, writes decision records, teaches approximate-mode pools, and hands the
+ *    jobs back to the loop thread (uv_async), their replies already encoded when nothing else
+ *    was queued;
+ *  - subscribers' I/O threads, the records writer and the HTTP server run their own.
+ *
+ * Locks (never nested in another order than listed):
+ *  admin_lock  pools, workers, and every index call (the indexes are not thread-safe: the scheduler
+ *              holds it for a whole batch; admin operations take it between batches). Pool
+ *              metadata (names, models, block sizes, the pool array) is written only on the loop
+ *              thread, by admin handlers holding admin_lock, so the loop thread reads it without
+ *              the lock: decoding a ROUTE never waits for a batch;
+ *  active_lock km_active and the attempts kept for outcome records; the scheduler takes it per
+ *              decision, so a lifecycle report waits one decision at most;
+ *  queue_lock  the route queue; done_lock the finished jobs.
+ */
+#ifndef KM_SERVER_IMPL_H
+#define KM_SERVER_IMPL_H
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <time.h>
+
+#include <uv.h>
+
+#include "base/u64_map.h"
+#include "kvmatch/active.h"
+#include "kvmatch/approx.h"
+#include "kvmatch/metrics.h"
+#include "kvmatch/policy.h"
+#include "kvmatch/records.h"
+#include "kvmatch/server.h"
+#include "kvmatch/subscriber.h"
+#include "service/http.h"
+
+#define MAX_POOLS 4096u
+#define READ_CHUNK (64u * 1024u)
+#define SCHEDULER_TICK_MS 20u
+
+/* Active work whose FINISHED never comes is expired only by the holder of the scheduler role, so
+ * expiry never contends with a batch's decisions for active_lock:
+ *  - the scheduler thread, before each batch (housekeeping): twice the batch's routes (at least
+ *    a slice, at most EXPIRY_PER_PASS), which keeps up with any decision rate;
+ *  - the loop thread, when the role is free: every EXPIRY_TICK_MS, one slice per pass of the event
+ *    loop (on_expiry_tick, then on_expiry_more while a full slice ended), taking the role for the
+ *    slice, so sockets are served and inline batches decided between slices.
+ * Entries end in slices of EXPIRY_SLICE per hold of active_lock, so a lifecycle report waits for
+ * one slice at most. Measured on the 2-core VM (docs/BENCHMARKS.md "IPC"): ending every due entry
+ * per tick held the loop 0.5-9 ms; slices on the loop thread without the role made the scheduler
+ * wait for active_lock 130-175 ms of every second at 180,000 decisions/s (a holder preempted by
+ * the third busy thread, presumably) while the machine sat 16% idle; expiry on the scheduler
+ * thread alone kept the role busy at 20,000 single routes/s, so those routes lost the inline path
+ * (median p99 4.5 ms against 3.1 ms in six shuffled runs each). */
+#define EXPIRY_TICK_MS 20u
+#define EXPIRY_SLICE 64u
+#define EXPIRY_PER_PASS 1024u
+
+static inline uint64_t now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * UINT64_C(1000000000) + (uint64_t)ts.tv_nsec;
+}
+
+typedef struct conn conn;
+
+/* One route of a queued ROUTE frame, deep-copied out of the connection's decoder. */
+typedef struct route_job {
+    int status; /* KM_OK, or this route is answered with the error below */
+    char message[256];
+    char *request_id, *attempt_id, *model, *endpoint, *policy_name;
+    uint32_t pool;
+    km_route_input input;
+    uint64_t *hashes;
+    uint32_t n_hashes;
+    uint32_t *candidates; /* NULL = every worker of the pool */
+    uint32_t n_candidates;
+    uint64_t prompt_tokens; /* as given, else n_tokens (token input) or n_hashes x block size */
+    bool has_prompt_tokens;
+    uint64_t expected_output_tokens;
+    bool has_expected_output_tokens;
+    bool brief; /* no candidate rows in the reply */
+} route_job;
+
+/* Bump allocator for one job's copies. */
+typedef struct chunk {
+    struct chunk *next;
+    size_t used, size;
+    _Alignas(16) unsigned char data[];
+} chunk;
+
+typedef struct job {
+    struct job *next;
+    conn *conn;
+    uint64_t msg_id;
+    uint64_t enqueued_ns;
+    route_job *routes;
+    uint32_t n_routes;
+    km_route_decision *decisions; /* filled by the scheduler, encoded by the loop thread */
+    km_frame_buffer reply;
+    bool encoded; /* reply already encoded (by the scheduler, when it had nothing queued) */
+    chunk *chunks;
+} job;
+
+/* What an outcome record needs from its decision; kept from the decision to FINISHED / expiry. */
+typedef struct attempt {
+    uint64_t decision_id;
+    const char *request_id, *attempt_id, *model, *pool, *endpoint; /* in strings[] */
+    char chosen_name[KM_SERVER_NAME_MAX], owner_name[KM_SERVER_NAME_MAX];
+    char dispatched_name[KM_SERVER_NAME_MAX]; /* "" unless the router used another worker */
+    bool has_owner;
+    uint32_t worker;
+    km_record_source source;
+    uint32_t block_size, chosen_depth, owner_depth;
+    km_record_time decided;
+    km_record_time dispatched, first_token; /* monotonic 0 = absent */
+    double router_dispatched_ms, router_ttft_ms; /* the router's elapsed_ms; NAN = not reported */
+    bool cached_size;  /* allocated with ATTEMPT_CACHED_STRINGS bytes of strings: reusable */
+    /* The request's block hashes, kept (approx_dispatch_max_bytes) when its pool has
+     * approximate-mode workers: a report that the router used another of them teaches it. */
+    uint64_t *hashes;
+    uint32_t n_hashes;
+    bool has_blocks; /* the request had a block: an override has something to teach */
+    struct attempt *next_free; /* in attempt_cache */
+    char strings[]; /* the ids and names, one allocation with the struct */
+} attempt;
+
+/* Attempts are made by the scheduler thread and released by the loop thread (outcome or expiry),
+ * one of each per decision: through malloc that is a cross-thread free per decision, which glibc
+ * pays for with its arena lock and fastbin consolidation. Attempts whose strings fit
+ * ATTEMPT_CACHED_STRINGS are instead kept on this free list (under active_lock, which both
+ * threads hold when they make or release one), at most ATTEMPT_CACHE_MAX of them. */
+enum { ATTEMPT_CACHED_STRINGS = 192, ATTEMPT_CACHE_MAX = 65536 };
+
+typedef struct attempt_cache {
+    attempt *head;
+    uint32_t count;
+    uint64_t hash_bytes; /* the live attempts' `hashes` and the queued lessons', all together
+                          * (at most approx_dispatch_max_bytes) */
+} attempt_cache;
+
+/* A router override to an approximate-mode worker (lifecycle `worker`): the request's blocks
+ * are assumed on that worker from the report on. Made by the loop thread under active_lock,
+ * applied by the scheduler role (which owns the approximate-mode state) at its next
+ * housekeeping; `incarnation` tells a worker removed and added again meanwhile. */
+typedef struct dispatch_lesson {
+    struct dispatch_lesson *next;
+    uint32_t worker;
+    uint64_t incarnation;
+    uint32_t n_hashes;
+    uint64_t hashes[];
+} dispatch_lesson;
+
+typedef struct worker_slot {
+    bool used;
+    uint32_t pool;
+    bool events; /* fed by KV events; else approximate mode */
+    bool local;  /* events handed over in process (km_server_deliver_events), no sockets */
+    bool has_dp_rank; /* WORKERS add `dp_rank`, echoed in WORKER_LIST and /status */
+    uint32_t dp_rank;
+    uint64_t incarnation; /* distinct for every worker_add */
+    char name[KM_SERVER_NAME_MAX];
+    char *event_endpoint, *replay_endpoint;
+    /* per batch: state name cached */
+    uint64_t state_batch;
+    const char *state;
+    /* Health (SERVICE.md, "Worker health"), under active_lock: the router's verdict and the
+     * circuit breaker fed by this instance's outcomes. */
+    bool unhealthy;            /* the router said so (WORKERS add / update `healthy` false) */
+    uint32_t failures;         /* outcomes error or incomplete in a row */
+    bool breaker_tripped;      /* failures reached breaker_failures; a complete outcome clears it */
+    uint64_t breaker_until_ns; /* tripped: open until then, half-open after */
+    uint64_t probe_decision;   /* half-open: the latest decision made for it (0: none); the probe
+                                * is in flight while attempts_by_decision holds it on this worker */
+} worker_slot;
+
+typedef struct pool {
+    char name[KM_SERVER_NAME_MAX];
+    char *model;
+    uint32_t block_size;
+    km_policy_config policy;
+    km_policy_state policy_state;
+    km_index *index;
+    km_subscriber *sub; /* created with the first event-fed worker */
+    /* Workers whose events arrive in process (event endpoint "local": the simulator). */
+    pthread_mutex_t local_lock; /* local_feed, local_decoder */
+    km_feed *local_feed;
+    km_kv_decoder *local_decoder;
+    km_approx *approx;
+    km_approx_updates approx_updates;
+    uint64_t approx_ttl_ms, approx_capacity_blocks;
+    uint32_t *members; /* worker ids, ascending */
+    uint32_t n_members, members_capacity;
+    uint32_t n_approx_members; /* of which in approximate mode */
+    bool overrides_seen; /* a lifecycle report named another worker than its decision's: from then
+                          * on decisions keep their hashes (attempt_keep_hashes); active_lock */
+    char *snapshot_path; /* NULL = none */
+    /* per batch */
+    km_request *requests;
+    size_t n_requests, requests_capacity;
+    km_match_results results;
+} pool;
+
+/* Scratch for one batch: the scheduler role's (whoever holds scheduler_busy). */
+typedef struct batch_scratch {
+    km_policy_candidate *cands;
+    double *costs;
+    km_candidate_score *scores;
+    km_record_candidate *rcands;
+    size_t cap_cands;
+    km_update *pool_updates;
+    size_t cap_pool_updates;
+    km_approx_updates updates;
+    uint32_t *seen;           /* max_workers stamps (next_stamp): a route's candidate seen
+                               * already, a worker cleared already (approx_apply) */
+    uint32_t candidate_stamp; /* the latest stamp */
+} batch_scratch;
+
+struct conn {
+    union {
+        uv_handle_t handle;
+        uv_stream_t stream;
+        uv_pipe_t pipe;
+        uv_tcp_t tcp;
+    } h;
+    km_server *server;
+    conn *prev, *next;
+    km_frame_reader *reader;
+    km_protocol_decoder *decoder;
+    km_frame_buffer outbox, writing;
+    uv_write_t write_req;
+    bool write_in_flight, reading, paused, eof, closing, handle_closed, hello_done;
+    uint32_t jobs_in_flight;
+    char rbuf[READ_CHUNK];
+};
+
+struct km_server {
+    km_server_config cfg;
+    char *socket_path, *tcp, *http_addr, *records_path, *snapshot_dir, *default_pool;
+    km_log_fn log;
+    void *log_user;
+
+    uv_loop_t loop;
+    uv_pipe_t unix_listener;
+    uv_tcp_t tcp_listener;
+    bool have_unix, have_tcp;
+    bool own_socket_file; /* bound by this server: unlinked at destroy */
+    uint16_t tcp_port;
+    uv_signal_t sigterm, sigint;
+    bool signals_installed;
+    uv_async_t wake;
+    uv_timer_t drain_timer;
+    atomic_bool draining; /* written by the loop thread, read by the HTTP thread too (/readyz) */
+    bool drain_timer_started;
+    uint64_t drain_deadline_ns;
+    atomic_bool stop_requested;
+    conn *conns;
+
+    pthread_t scheduler;
+    bool scheduler_started;
+    pthread_mutex_t queue_lock;
+    pthread_cond_t queue_cond;
+    job *queue_head, *queue_tail;
+    uint64_t queued_routes;
+    bool scheduler_stop;
+    /* The scheduler role: held (under queue_lock) by whoever runs housekeeping or a batch, the
+     * scheduler thread or the loop thread running a small batch inline (on_dispatch). */
+    bool scheduler_busy;
+    bool events_pending; /* a subscriber received messages since the last housekeeping */
+    batch_scratch scratch; /* the role's */
+    uv_check_t dispatch;   /* after each loop iteration's reads: run or hand off new frames */
+    bool dispatch_pending; /* loop thread: frames were queued in this iteration */
+    bool dispatch_inited;
+    uint32_t inline_routes; /* cfg.inline_routes, at most max_batch_routes */
+
+    pthread_mutex_t done_lock;
+    job *done_head, *done_tail;
+
+    pthread_mutex_t admin_lock;
+    pool **pools;
+    uint32_t n_pools;
+    worker_slot *workers;
+    uint64_t batch_stamp;
+    uint64_t next_incarnation;
+
+    pthread_mutex_t active_lock;
+    km_active *active;
+    km_u64map attempts_by_decision; /* decision id -> attempt*; by ids: the active entry's user */
+    attempt_cache attempt_cache;     /* released attempts for reuse (active_lock) */
+    dispatch_lesson *lessons;        /* for the next housekeeping, newest first (active_lock) */
+    uint32_t health_restricted;      /* workers unhealthy or with a tripped breaker (active_lock;
+                                      * health_changed): 0 lets decide_route skip the checks */
+    atomic_bool lessons_queued;      /* lessons is not empty: housekeeping takes the lock only then */
+    km_memory attempts_memory;
+    uv_timer_t expiry_timer; /* loop thread: active-work expiry while the scheduler role is free */
+    uv_idle_t expiry_more;   /* runs while a full slice ended */
+    bool expiry_timer_inited;
+
+    km_record_writer *records;
+    char instance[33];
+    char host[128];
+    atomic_uint_fast64_t next_record_id, next_decision_id;
+
+    km_metrics *metrics;
+    km_counter *m_decisions, *m_route_errors, *m_frames, *m_bad_frames, *m_lifecycle,
+        *m_outcomes, *m_expired, *m_evicted, *m_overloaded;
+    km_histogram *m_batch_routes, *m_batch_seconds, *m_queue_seconds;
+    km_http *http;
+    uint16_t http_port;
+
+    uint64_t start_ns;
+    struct {
+        atomic_uint_fast64_t accepted, open, refused, slow_closed, frames, bad_frames, routes,
+            decisions, route_errors, overloaded, batches, inline_batches, lifecycle,
+            lifecycle_errors, outcomes, expired, evicted, dropped_at_shutdown,
+            dispatch_learned, dispatch_unlearned, breaker_opened, no_healthy;
+    } st;
+    int shutdown_status;
+};
+
+typedef enum breaker_state { BREAKER_CLOSED, BREAKER_OPEN, BREAKER_HALF_OPEN } breaker_state;
+
+typedef enum eligibility {
+    ELIGIBLE = 0,
+    INELIGIBLE_UNHEALTHY,    /* the router said so */
+    INELIGIBLE_BREAKER_OPEN, /* failures reached the threshold, cooldown running */
+    INELIGIBLE_PROBING,      /* half-open, its probe attempt still in flight */
+} eligibility;
+
+/* server.c */
+void slog(km_server *s, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+/* connection.c */
+void conn_maybe_free(conn *c);
+void conn_close(conn *c);
+void conn_close_if_finished(conn *c);
+void conn_send(conn *c, const km_frame_buffer *frames);
+void send_error(conn *c, uint64_t id, int code, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+void send_message(conn *c, const km_message *m);
+void on_connection(uv_stream_t *listener, int status);
+
+/* loop.c */
+bool handle_frame(conn *c, const uint8_t *payload, size_t size);
+void deliver_jobs(km_server *s, job *list);
+void deliver_done(km_server *s);
+void on_wake(uv_async_t *h);
+void begin_drain(km_server *s);
+void on_signal(uv_signal_t *h, int signum);
+
+/* jobs.c */
+void *job_alloc(job *j, size_t n);
+void job_free(job *j);
+void route_fail(route_job *r, int status, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+void encode_job_reply(km_server *s, job *j);
+void handle_route(conn *c, const km_message *m);
+
+/* scheduler.c */
+void wake_scheduler(void *user);
+int scratch_reserve(batch_scratch *b, size_t n_cands);
+uint32_t next_stamp(km_server *s, batch_scratch *b);
+void scratch_free(batch_scratch *b);
+void *scheduler_main(void *arg);
+void on_expiry_tick(uv_timer_t *t);
+void on_dispatch(uv_check_t *h);
+
+/* decision.c */
+void decide_route(km_server *s, job *j, route_job *r, pool *p, const km_request_result *rr,
+                  batch_scratch *b, km_route_decision *d, uint64_t scored_ns);
+
+/* pools.c */
+int pool_find(const km_server *s, const char *name);
+int pool_for_model(const km_server *s, const char *model);
+void pool_destroy(pool *p);
+int pool_create(km_server *s, const km_server_pool *pc, pool **out, char *why,
+                size_t why_size);
+int feed_info(km_server *s, uint32_t id, km_feed_worker_info *out);
+int feed_windows(km_server *s, uint32_t id, km_feed_window *out, uint32_t cap, uint32_t *n);
+bool is_member(const pool *p, uint32_t id);
+int worker_add(km_server *s, uint32_t pool_index, const km_server_worker *w, char *why,
+               size_t why_size);
+int worker_remove(km_server *s, uint32_t id, char *why, size_t why_size);
+const char *worker_state(km_server *s, uint32_t id);
+const char *worker_state_in_batch(km_server *s, uint32_t id);
+
+/* health.c */
+bool health_may_restrict(const worker_slot *w);
+void health_changed(km_server *s, const worker_slot *w, bool restricted_before);
+breaker_state worker_breaker(const worker_slot *w, uint64_t now);
+const char *breaker_state_name(breaker_state b);
+eligibility worker_eligibility(km_server *s, uint32_t id, uint64_t now);
+void breaker_outcome(km_server *s, uint32_t id, km_outcome outcome, uint64_t now);
+bool worker_set_health(km_server *s, uint32_t id, bool healthy);
+
+/* attempts.c */
+attempt *attempt_new(attempt_cache *cache, const char *request_id, const char *attempt_id,
+                     const char *model, const char *pool_name, const char *endpoint);
+void attempt_free(attempt_cache *cache, attempt *a);
+void attempt_cache_free(attempt_cache *cache);
+void attempt_keep_hashes(km_server *s, attempt *a, const pool *p, const route_job *r);
+void record_expired(void *user, const km_active_summary *sum);
+void record_evicted(void *user, const km_active_summary *sum);
+void record_removed(void *user, const km_active_summary *sum);
+void handle_lifecycle(conn *c, const km_message *m);
+
+/* admin.c */
+void handle_workers(conn *c, const km_message *m);
+void handle_pools(conn *c, const km_message *m);
+void handle_status(conn *c, const km_message *m);
+
+/* status.c */
+bool readiness(km_server *s, char *reason, size_t reason_size);
+bool http_readiness(void *user, km_text *reason);
+int http_status(void *user, km_text *out);
+int http_metrics(void *user, km_text *out);
+int setup_metrics(km_server *s);
+
+#endif

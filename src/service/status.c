@@ -1,0 +1,345 @@
+/* What the service reports about itself: readiness, /status (JSON), /metrics (the registered
+ * metrics and the per-worker and records samples), and km_server_get_stats. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <jansson.h>
+
+#include "kvmatch/kvmatch.h"
+#include "service/server_internal.h"
+
+bool readiness(km_server *s, char *reason, size_t reason_size)
+{
+    uint32_t events = 0, live = 0, approx = 0;
+    pthread_mutex_lock(&s->admin_lock);
+    for (uint32_t id = 0; id < s->cfg.max_workers; id++) {
+        worker_slot *w = &s->workers[id];
+        if (!w->used)
+            continue;
+        if (!w->events) {
+            approx++;
+            continue;
+        }
+        events++;
+        km_feed_worker_info info;
+        if (feed_info(s, id, &info) == KM_OK && info.state == KM_FEED_STATE_LIVE)
+            live++;
+    }
+    pthread_mutex_unlock(&s->admin_lock);
+    bool ready = !s->draining && (events == 0 || (double)live >= s->cfg.ready_share * events - 1e-9);
+    snprintf(reason, reason_size, "%s%u/%u event-fed workers LIVE (need %.0f%%), %u approximate",
+             s->draining ? "shutting down; " : "", live, events, s->cfg.ready_share * 100.0, approx);
+    return ready;
+}
+
+bool http_readiness(void *user, km_text *reason)
+{
+    char buf[200];
+    bool ready = readiness(user, buf, sizeof buf);
+    km_text_append_cstr(reason, buf);
+    return ready;
+}
+
+int http_status(void *user, km_text *out)
+{
+    km_server *s = user;
+    json_t *root = json_object();
+    char reason[200];
+    bool ready = readiness(s, reason, sizeof reason);
+    json_object_set_new(root, "kvmatch_version", json_string(KVMATCH_VERSION));
+    json_object_set_new(root, "uptime_s", json_real((double)(now_ns() - s->start_ns) / 1e9));
+    json_object_set_new(root, "ready", json_boolean(ready));
+    json_object_set_new(root, "ready_reason", json_string(reason));
+    json_object_set_new(root, "connections", json_integer((json_int_t)atomic_load(&s->st.open)));
+    json_object_set_new(root, "decisions", json_integer((json_int_t)atomic_load(&s->st.decisions)));
+    json_t *workers = json_array();
+    pthread_mutex_lock(&s->admin_lock);
+    json_t *pools = json_array();
+    for (uint32_t i = 0; i < s->n_pools; i++) {
+        pool *p = s->pools[i];
+        json_t *jp = json_object();
+        json_object_set_new(jp, "name", json_string(p->name));
+        json_object_set_new(jp, "model", p->model ? json_string(p->model) : json_null());
+        json_object_set_new(jp, "block_size", json_integer(p->block_size));
+        json_object_set_new(jp, "policy", json_string(km_policy_kind_name(p->policy.kind)));
+        json_object_set_new(jp, "backend", json_string(km_index_backend_name(p->index)));
+        km_index_stats is;
+        if (km_index_get_stats(p->index, &is) == KM_OK) {
+            json_object_set_new(jp, "blocks", json_integer((json_int_t)is.blocks));
+            json_object_set_new(jp, "pairs", json_integer((json_int_t)is.pairs));
+            json_object_set_new(jp, "memory_bytes", json_integer((json_int_t)is.memory_bytes));
+            json_object_set_new(jp, "block_capacity", json_integer((json_int_t)is.block_capacity));
+            json_object_set_new(jp, "table_growths", json_integer((json_int_t)is.table_growths));
+            json_object_set_new(jp, "table_growth_ms_max", json_real(is.table_growth_ms_max));
+            json_object_set_new(jp, "host_scored_batches",
+                                json_integer((json_int_t)is.host_scored_batches));
+        }
+        json_array_append_new(pools, jp);
+    }
+    uint64_t now = now_ns();
+    for (uint32_t id = 0; id < s->cfg.max_workers; id++) {
+        worker_slot *w = &s->workers[id];
+        if (!w->used)
+            continue;
+        pool *p = s->pools[w->pool];
+        json_t *jw = json_object();
+        json_object_set_new(jw, "id", json_integer(id));
+        json_object_set_new(jw, "name", json_string(w->name));
+        json_object_set_new(jw, "pool", json_string(p->name));
+        json_object_set_new(jw, "mode", json_string(w->events ? "events" : "approx"));
+        json_object_set_new(jw, "dp_rank", w->has_dp_rank ? json_integer(w->dp_rank) : json_null());
+        pthread_mutex_lock(&s->active_lock);
+        json_object_set_new(jw, "healthy", json_boolean(!w->unhealthy));
+        json_object_set_new(jw, "breaker", json_string(breaker_state_name(worker_breaker(w, now))));
+        json_object_set_new(jw, "failures", json_integer(w->failures));
+        json_object_set_new(jw, "eligible", json_boolean(worker_eligibility(s, id, now) == ELIGIBLE));
+        pthread_mutex_unlock(&s->active_lock);
+        km_worker_stats ws;
+        if (km_index_worker_stats(p->index, id, &ws) == KM_OK)
+            json_object_set_new(jw, "blocks", json_integer((json_int_t)ws.blocks));
+        km_feed_worker_info info;
+        if (w->events && feed_info(s, id, &info) == KM_OK) {
+            json_object_set_new(jw, "state", json_string(km_feed_state_name(info.state)));
+            json_object_set_new(jw, "expected_seq", info.has_expected_seq
+                                                        ? json_integer((json_int_t)info.expected_seq)
+                                                        : json_null());
+            json_object_set_new(jw, "last_event_age_s",
+                                info.has_last_receive
+                                    ? json_real((double)(now - info.last_receive_ns) / 1e9)
+                                    : json_null());
+            json_object_set_new(jw, "gaps", json_integer((json_int_t)info.counters.gaps));
+            json_object_set_new(jw, "replayed", json_integer((json_int_t)info.counters.replayed));
+            json_object_set_new(jw, "lost", json_integer((json_int_t)info.counters.lost));
+            json_object_set_new(jw, "restarts", json_integer((json_int_t)info.counters.restarts));
+            km_feed_window win[16];
+            uint32_t nw = 0;
+            json_t *jwin = json_array();
+            if (feed_windows(s, id, win, 16, &nw) == KM_OK)
+                for (uint32_t k = 0; k < nw && k < 16; k++) {
+                    json_t *o = json_object();
+                    json_object_set_new(o, "cause", json_string(km_feed_window_cause_name(win[k].cause)));
+                    json_object_set_new(o, "end", json_string(km_feed_window_end_name(win[k].end)));
+                    json_object_set_new(o, "start_age_s", json_real((double)(now - win[k].start_ns) / 1e9));
+                    json_object_set_new(o, "duration_s",
+                                        win[k].end_ns ? json_real((double)win[k].duration_ns / 1e9)
+                                                      : json_null());
+                    json_object_set_new(o, "lost", json_integer((json_int_t)win[k].lost));
+                    json_array_append_new(jwin, o);
+                }
+            json_object_set_new(jw, "recovery_windows", jwin);
+        } else {
+            json_object_set_new(jw, "state", json_string(w->events ? "UNKNOWN" : "APPROX"));
+        }
+        json_array_append_new(workers, jw);
+    }
+    pthread_mutex_unlock(&s->admin_lock);
+    json_object_set_new(root, "pools", pools);
+    json_object_set_new(root, "workers", workers);
+    char *text = json_dumps(root, JSON_COMPACT);
+    json_decref(root);
+    if (!text) {
+        km_text_append_cstr(out, "out of memory building the status");
+        return KM_ERR_OUT_OF_MEMORY;
+    }
+    km_text_append_cstr(out, text);
+    free(text);
+    return KM_OK;
+}
+
+int http_metrics(void *user, km_text *out)
+{
+    km_server *s = user;
+    km_prom_write_family(out, "kvmatch_worker_blocks", "Blocks the index holds per worker.",
+                         KM_METRIC_GAUGE);
+    pthread_mutex_lock(&s->admin_lock);
+    uint32_t degraded = 0, ineligible = 0;
+    uint64_t gaps = 0, replayed = 0, restarts = 0, lost = 0, events = 0, now = now_ns();
+    for (uint32_t id = 0; id < s->cfg.max_workers; id++) {
+        worker_slot *w = &s->workers[id];
+        if (!w->used)
+            continue;
+        pool *p = s->pools[w->pool];
+        km_worker_stats ws;
+        char ids[16];
+        snprintf(ids, sizeof ids, "%u", id);
+        const char *state = worker_state(s, id);
+        km_metric_label labels[4] = {{"worker", ids}, {"name", w->name}, {"pool", p->name},
+                                     {"state", state}};
+        if (km_index_worker_stats(p->index, id, &ws) == KM_OK)
+            km_prom_write_sample_u64(out, "kvmatch_worker_blocks", labels, 4, ws.blocks);
+        pthread_mutex_lock(&s->active_lock);
+        ineligible += worker_eligibility(s, id, now) != ELIGIBLE;
+        pthread_mutex_unlock(&s->active_lock);
+        km_feed_worker_info info;
+        if (w->events && feed_info(s, id, &info) == KM_OK) {
+            degraded += info.state == KM_FEED_STATE_DEGRADED;
+            gaps += info.counters.gaps;
+            replayed += info.counters.replayed;
+            restarts += info.counters.restarts;
+            lost += info.counters.lost;
+            events += info.counters.events;
+        }
+    }
+    pthread_mutex_unlock(&s->admin_lock);
+    struct {
+        const char *name, *help;
+        km_metric_type type;
+        uint64_t v;
+    } rows[] = {
+        {"kvmatch_degraded_workers", "Event-fed workers whose history was lost.", KM_METRIC_GAUGE,
+         degraded},
+        {"kvmatch_ineligible_workers",
+         "Workers a route cannot choose now: unhealthy by the router's word or held back by their "
+         "circuit breaker.",
+         KM_METRIC_GAUGE, ineligible},
+        {"kvmatch_kv_events_total", "KV events applied, all workers.", KM_METRIC_COUNTER, events},
+        {"kvmatch_event_gaps_total", "Sequence gaps detected.", KM_METRIC_COUNTER, gaps},
+        {"kvmatch_event_replayed_total", "Messages applied from replays.", KM_METRIC_COUNTER,
+         replayed},
+        {"kvmatch_event_lost_total", "Sequence numbers lost for good.", KM_METRIC_COUNTER, lost},
+        {"kvmatch_engine_restarts_total", "Engine restarts detected.", KM_METRIC_COUNTER, restarts},
+        {"kvmatch_connections", "Router connections open.", KM_METRIC_GAUGE,
+         atomic_load(&s->st.open)},
+        {"kvmatch_lifecycle_errors_total", "Lifecycle reports answered with an error.",
+         KM_METRIC_COUNTER, atomic_load(&s->st.lifecycle_errors)},
+        {"kvmatch_approx_dispatch_learned_total",
+         "Router overrides to an approximate-mode worker that taught it the request's blocks.",
+         KM_METRIC_COUNTER, atomic_load(&s->st.dispatch_learned)},
+        {"kvmatch_approx_dispatch_unlearned_total",
+         "Router overrides to an approximate-mode worker that could not teach it "
+         "(approx_dispatch_max_bytes).",
+         KM_METRIC_COUNTER, atomic_load(&s->st.dispatch_unlearned)},
+        {"kvmatch_breaker_opened_total",
+         "Circuit breakers opened or reopened by failed attempts (breaker_failures).",
+         KM_METRIC_COUNTER, atomic_load(&s->st.breaker_opened)},
+        {"kvmatch_no_healthy_worker_total",
+         "Routes refused because no candidate was eligible (unhealthy or breaker open).",
+         KM_METRIC_COUNTER, atomic_load(&s->st.no_healthy)},
+    };
+    for (size_t i = 0; i < sizeof rows / sizeof rows[0]; i++) {
+        km_prom_write_family(out, rows[i].name, rows[i].help, rows[i].type);
+        km_prom_write_sample_u64(out, rows[i].name, NULL, 0, rows[i].v);
+    }
+    km_record_writer_counters rc;
+    memset(&rc, 0, sizeof rc);
+    if (s->records)
+        km_record_writer_stats(s->records, &rc);
+    /* Every writer counter (docs/RECORDS.md): dropped, failed and invalid records are the ones
+     * an analyzer will not find. */
+    struct {
+        const char *name, *help;
+        km_metric_type type;
+        uint64_t v;
+    } records[] = {
+        {"kvmatch_records_submitted_total", "Records the writer took into its queue.",
+         KM_METRIC_COUNTER, rc.submitted},
+        {"kvmatch_records_dropped_total", "Records the writer could not take (queue full).",
+         KM_METRIC_COUNTER, rc.dropped},
+        {"kvmatch_records_written_total", "Records written to the records file.",
+         KM_METRIC_COUNTER, rc.written},
+        {"kvmatch_records_failed_total",
+         "Records lost to an I/O error (full disk, unwritable or missing directory).",
+         KM_METRIC_COUNTER, rc.failed},
+        {"kvmatch_records_invalid_total", "Records that did not format (a bad field).",
+         KM_METRIC_COUNTER, rc.invalid},
+        {"kvmatch_records_pending", "Records taken, not yet written, failed or invalid.",
+         KM_METRIC_GAUGE, rc.pending},
+        {"kvmatch_records_bytes_total", "Bytes written to the records files.", KM_METRIC_COUNTER,
+         rc.bytes},
+        {"kvmatch_records_rotations_total", "Records files rotated.", KM_METRIC_COUNTER,
+         rc.rotations},
+        {"kvmatch_records_write_errors_total",
+         "Failed system calls of the records writer (open, write, fdatasync, rename).",
+         KM_METRIC_COUNTER, rc.write_errors},
+    };
+    for (size_t i = 0; i < sizeof records / sizeof records[0]; i++) {
+        km_prom_write_family(out, records[i].name, records[i].help, records[i].type);
+        km_prom_write_sample_u64(out, records[i].name, NULL, 0, records[i].v);
+    }
+    return out->status;
+}
+
+int setup_metrics(km_server *s)
+{
+    int rc = km_metrics_create(&s->metrics);
+    size_t nb, nl;
+    const double *bb = km_metrics_batch_size_buckets(&nb);
+    const double *lb = km_metrics_latency_buckets_seconds(&nl);
+    if (!rc)
+        rc = km_metrics_add_counter(s->metrics, "kvmatch_decisions_total", "Routes decided.", NULL, 0,
+                                    &s->m_decisions);
+    if (!rc)
+        rc = km_metrics_add_counter(s->metrics, "kvmatch_route_errors_total",
+                                    "Routes answered with an error.", NULL, 0, &s->m_route_errors);
+    if (!rc)
+        rc = km_metrics_add_counter(s->metrics, "kvmatch_frames_total", "Frames received.", NULL, 0,
+                                    &s->m_frames);
+    if (!rc)
+        rc = km_metrics_add_counter(s->metrics, "kvmatch_bad_frames_total",
+                                    "Frames that failed to decode.", NULL, 0, &s->m_bad_frames);
+    if (!rc)
+        rc = km_metrics_add_counter(s->metrics, "kvmatch_lifecycle_events_total",
+                                    "DISPATCHED / FIRST_TOKEN / FINISHED reports.", NULL, 0,
+                                    &s->m_lifecycle);
+    if (!rc)
+        rc = km_metrics_add_counter(s->metrics, "kvmatch_outcomes_total",
+                                    "Outcome records (FINISHED and expiries).", NULL, 0, &s->m_outcomes);
+    if (!rc)
+        rc = km_metrics_add_counter(s->metrics, "kvmatch_active_expired_total",
+                                    "Active work that expired without FINISHED.", NULL, 0,
+                                    &s->m_expired);
+    if (!rc)
+        rc = km_metrics_add_counter(s->metrics, "kvmatch_active_evicted_total",
+                                    "Active work ended early to make room (max_active_entries).",
+                                    NULL, 0, &s->m_evicted);
+    if (!rc)
+        rc = km_metrics_add_counter(s->metrics, "kvmatch_overloaded_total",
+                                    "ROUTE frames refused: queue full.", NULL, 0, &s->m_overloaded);
+    if (!rc)
+        rc = km_metrics_add_histogram(s->metrics, "kvmatch_batch_routes", "Routes per scoring batch.",
+                                      NULL, 0, bb, nb, &s->m_batch_routes);
+    if (!rc)
+        rc = km_metrics_add_histogram(s->metrics, "kvmatch_batch_seconds",
+                                      "Time to score and decide one batch.", NULL, 0, lb, nl,
+                                      &s->m_batch_seconds);
+    if (!rc)
+        rc = km_metrics_add_histogram(s->metrics, "kvmatch_queue_wait_seconds",
+                                      "Time a ROUTE frame waited for its batch.", NULL, 0, lb, nl,
+                                      &s->m_queue_seconds);
+    return rc;
+}
+
+void km_server_get_stats(km_server *s, km_server_stats *o)
+{
+    memset(o, 0, sizeof *o);
+    if (!s)
+        return;
+    o->connections_accepted = atomic_load(&s->st.accepted);
+    o->connections_open = atomic_load(&s->st.open);
+    o->connections_refused = atomic_load(&s->st.refused);
+    o->slow_clients_closed = atomic_load(&s->st.slow_closed);
+    o->frames = atomic_load(&s->st.frames);
+    o->bad_frames = atomic_load(&s->st.bad_frames);
+    o->routes = atomic_load(&s->st.routes);
+    o->decisions = atomic_load(&s->st.decisions);
+    o->route_errors = atomic_load(&s->st.route_errors);
+    o->overloaded = atomic_load(&s->st.overloaded);
+    o->batches = atomic_load(&s->st.batches);
+    o->inline_batches = atomic_load(&s->st.inline_batches);
+    o->lifecycle_events = atomic_load(&s->st.lifecycle);
+    o->lifecycle_errors = atomic_load(&s->st.lifecycle_errors);
+    o->outcomes = atomic_load(&s->st.outcomes);
+    o->expired = atomic_load(&s->st.expired);
+    o->evicted = atomic_load(&s->st.evicted);
+    o->routes_dropped_at_shutdown = atomic_load(&s->st.dropped_at_shutdown);
+    o->approx_dispatch_learned = atomic_load(&s->st.dispatch_learned);
+    o->approx_dispatch_unlearned = atomic_load(&s->st.dispatch_unlearned);
+    o->breaker_opened = atomic_load(&s->st.breaker_opened);
+    o->no_healthy_worker = atomic_load(&s->st.no_healthy);
+    if (s->records) {
+        km_record_writer_counters rc;
+        km_record_writer_stats(s->records, &rc);
+        o->records_dropped = rc.dropped;
+    }
+}
