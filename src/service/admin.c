@@ -24,7 +24,7 @@ static void worker_view(km_server *s, uint32_t id, km_worker_info *out)
     out->replay_endpoint = w->replay_endpoint;
     out->has_dp_rank = w->has_dp_rank;
     out->dp_rank = w->dp_rank;
-    out->state = worker_state(s, id);
+    out->state = km_srv_worker_state(s, id);
     km_worker_stats ws;
     if (km_index_worker_stats(p->index, id, &ws) == KM_OK) {
         out->has_blocks = true;
@@ -32,7 +32,7 @@ static void worker_view(km_server *s, uint32_t id, km_worker_info *out)
     }
     if (w->events) {
         km_feed_worker_info info;
-        if (feed_info(s, id, &info) == KM_OK) {
+        if (km_srv_feed_info(s, id, &info) == KM_OK) {
             if (info.has_last_receive) {
                 out->has_last_event_age_s = true;
                 out->last_event_age_s = (double)(now_ns() - info.last_receive_ns) / 1e9;
@@ -52,11 +52,11 @@ static void worker_view(km_server *s, uint32_t id, km_worker_info *out)
     }
     out->has_healthy = true;
     out->healthy = !w->unhealthy;
-    out->breaker = breaker_state_name(worker_breaker(w, now));
+    out->breaker = km_srv_breaker_state_name(km_srv_worker_breaker(w, now));
     out->has_failures = true;
     out->failures = w->failures;
     out->has_eligible = true;
-    out->eligible = worker_eligibility(s, id, now) == ELIGIBLE;
+    out->eligible = km_srv_worker_eligibility(s, id, now) == ELIGIBLE;
     pthread_mutex_unlock(&s->active_lock);
 }
 
@@ -64,7 +64,7 @@ static void worker_view(km_server *s, uint32_t id, km_worker_info *out)
  * (admin_lock held); else KM_ERR_NOT_FOUND with the reason in why. */
 static int named_worker(km_server *s, const km_worker_info *wi, char *why, size_t why_size)
 {
-    int pi = pool_find(s, wi->pool);
+    int pi = km_srv_pool_find(s, wi->pool);
     if (pi < 0)
         return km_why(why, why_size, KM_ERR_NOT_FOUND, "no pool %s", wi->pool);
     if (wi->worker >= s->cfg.max_workers || !s->workers[wi->worker].used ||
@@ -74,7 +74,7 @@ static int named_worker(km_server *s, const km_worker_info *wi, char *why, size_
     return KM_OK;
 }
 
-void handle_workers(conn *c, const km_message *m)
+void km_srv_handle_workers(conn *c, const km_message *m)
 {
     km_server *s = c->server;
     const km_workers_message *wm = &m->workers;
@@ -84,10 +84,10 @@ void handle_workers(conn *c, const km_message *m)
     reply.id = m->id;
     pthread_mutex_lock(&s->admin_lock);
     if (wm->action == KM_ADMIN_LIST) {
-        int pi = wm->pool ? pool_find(s, wm->pool) : -1;
+        int pi = wm->pool ? km_srv_pool_find(s, wm->pool) : -1;
         if (wm->pool && pi < 0) {
             pthread_mutex_unlock(&s->admin_lock);
-            send_error(c, m->id, KM_ERR_NOT_FOUND, "no pool %s", wm->pool);
+            km_srv_send_error(c, m->id, KM_ERR_NOT_FOUND, "no pool %s", wm->pool);
             return;
         }
         km_worker_info *list = calloc(s->cfg.max_workers, sizeof *list);
@@ -100,9 +100,9 @@ void handle_workers(conn *c, const km_message *m)
         reply.workers.workers = list;
         reply.workers.n_workers = n;
         if (list)
-            send_message(c, &reply);
+            km_srv_send_message(c, &reply);
         else
-            send_error(c, m->id, KM_ERR_OUT_OF_MEMORY, "worker list");
+            km_srv_send_error(c, m->id, KM_ERR_OUT_OF_MEMORY, "worker list");
         pthread_mutex_unlock(&s->admin_lock);
         free(list);
         return;
@@ -110,7 +110,8 @@ void handle_workers(conn *c, const km_message *m)
     if (wm->action != KM_ADMIN_ADD && wm->action != KM_ADMIN_REMOVE &&
         wm->action != KM_ADMIN_UPDATE) {
         pthread_mutex_unlock(&s->admin_lock);
-        send_error(c, m->id, KM_ERR_PROTOCOL, "WORKERS action must be add, remove, update or list");
+        km_srv_send_error(c, m->id, KM_ERR_PROTOCOL,
+                          "WORKERS action must be add, remove, update or list");
         return;
     }
     km_item_status *items = calloc(wm->n_workers ? wm->n_workers : 1, sizeof *items);
@@ -119,7 +120,7 @@ void handle_workers(conn *c, const km_message *m)
         pthread_mutex_unlock(&s->admin_lock);
         free(items);
         free(msgs);
-        send_error(c, m->id, KM_ERR_OUT_OF_MEMORY, "workers reply");
+        km_srv_send_error(c, m->id, KM_ERR_OUT_OF_MEMORY, "workers reply");
         return;
     }
     for (uint32_t i = 0; i < wm->n_workers; i++) {
@@ -128,23 +129,23 @@ void handle_workers(conn *c, const km_message *m)
         if (rc != KM_OK) {
             snprintf(msgs[i], sizeof msgs[i], "%s", wi->message ? wi->message : "malformed");
         } else if (wm->action == KM_ADMIN_ADD) {
-            int pi = pool_find(s, wi->pool);
+            int pi = km_srv_pool_find(s, wi->pool);
             if (pi < 0) {
                 rc = km_why(msgs[i], sizeof msgs[i], KM_ERR_NOT_FOUND, "no pool %s", wi->pool);
             } else {
                 km_server_worker w = {wi->worker, wi->name, wi->event_endpoint, wi->replay_endpoint};
-                rc = worker_add(s, (uint32_t)pi, &w, msgs[i], sizeof msgs[i]);
+                rc = km_srv_worker_add(s, (uint32_t)pi, &w, msgs[i], sizeof msgs[i]);
                 if (rc == KM_OK) {
                     s->workers[wi->worker].has_dp_rank = wi->has_dp_rank;
                     s->workers[wi->worker].dp_rank = wi->dp_rank;
                 }
                 if (rc == KM_OK && wi->has_healthy)
-                    worker_set_health(s, wi->worker, wi->healthy);
+                    km_srv_worker_set_health(s, wi->worker, wi->healthy);
                 if (rc == KM_OK)
-                    slog(s, "worker %u (%s) added to pool %s%s%s", wi->worker,
-                         s->workers[wi->worker].name, wi->pool,
-                         wi->event_endpoint ? "" : " in approximate mode",
-                         wi->has_healthy && !wi->healthy ? ", unhealthy" : "");
+                    km_srv_log(s, "worker %u (%s) added to pool %s%s%s", wi->worker,
+                               s->workers[wi->worker].name, wi->pool,
+                               wi->event_endpoint ? "" : " in approximate mode",
+                               wi->has_healthy && !wi->healthy ? ", unhealthy" : "");
             }
         } else if (wm->action == KM_ADMIN_UPDATE) {
             rc = named_worker(s, wi, msgs[i], sizeof msgs[i]);
@@ -152,14 +153,14 @@ void handle_workers(conn *c, const km_message *m)
                 rc = km_why(msgs[i], sizeof msgs[i], KM_ERR_INVALID_ARGUMENT,
                            "worker %u: update needs `healthy` (the only field it changes)",
                            wi->worker);
-            if (rc == KM_OK && worker_set_health(s, wi->worker, wi->healthy))
-                slog(s, "worker %u (%s) marked %s by the router", wi->worker,
-                     s->workers[wi->worker].name, wi->healthy ? "healthy" : "unhealthy");
+            if (rc == KM_OK && km_srv_worker_set_health(s, wi->worker, wi->healthy))
+                km_srv_log(s, "worker %u (%s) marked %s by the router", wi->worker,
+                           s->workers[wi->worker].name, wi->healthy ? "healthy" : "unhealthy");
         } else {
             if ((rc = named_worker(s, wi, msgs[i], sizeof msgs[i])) == KM_OK)
-                rc = worker_remove(s, wi->worker, msgs[i], sizeof msgs[i]);
+                rc = km_srv_worker_remove(s, wi->worker, msgs[i], sizeof msgs[i]);
             if (rc == KM_OK)
-                slog(s, "worker %u removed from pool %s", wi->worker, wi->pool);
+                km_srv_log(s, "worker %u removed from pool %s", wi->worker, wi->pool);
         }
         items[i].status = rc;
         items[i].message = rc == KM_OK ? NULL : msgs[i];
@@ -168,7 +169,7 @@ void handle_workers(conn *c, const km_message *m)
     reply.type = KM_MESSAGE_ACK;
     reply.ack.items = items;
     reply.ack.n_items = wm->n_workers;
-    send_message(c, &reply);
+    km_srv_send_message(c, &reply);
     free(items);
     free(msgs);
 }
@@ -199,7 +200,7 @@ static int pool_param(km_admin_action action, km_server_pool *pc, const km_param
     return KM_OK;
 }
 
-void handle_pools(conn *c, const km_message *m)
+void km_srv_handle_pools(conn *c, const km_message *m)
 {
     km_server *s = c->server;
     const km_pools_message *pm = &m->pools;
@@ -236,9 +237,9 @@ void handle_pools(conn *c, const km_message *m)
         reply.pools.pools = list;
         reply.pools.n_pools = s->n_pools;
         if (list && params)
-            send_message(c, &reply);
+            km_srv_send_message(c, &reply);
         else
-            send_error(c, m->id, KM_ERR_OUT_OF_MEMORY, "pool list");
+            km_srv_send_error(c, m->id, KM_ERR_OUT_OF_MEMORY, "pool list");
         pthread_mutex_unlock(&s->admin_lock);
         free(list);
         free(params);
@@ -246,7 +247,7 @@ void handle_pools(conn *c, const km_message *m)
     }
     if (pm->action != KM_ADMIN_ADD && pm->action != KM_ADMIN_UPDATE) {
         pthread_mutex_unlock(&s->admin_lock);
-        send_error(c, m->id, KM_ERR_PROTOCOL, "POOLS action must be add, update or list");
+        km_srv_send_error(c, m->id, KM_ERR_PROTOCOL, "POOLS action must be add, update or list");
         return;
     }
     km_item_status *items = calloc(pm->n_pools ? pm->n_pools : 1, sizeof *items);
@@ -260,7 +261,7 @@ void handle_pools(conn *c, const km_message *m)
             items[i].message = msgs[i];
             continue;
         }
-        int at = pool_find(s, pi->name);
+        int at = km_srv_pool_find(s, pi->name);
         km_server_pool pc;
         memset(&pc, 0, sizeof pc);
         km_policy_config_init(&pc.policy);
@@ -272,7 +273,8 @@ void handle_pools(conn *c, const km_message *m)
                            "pool %s: block_size cannot change (the index is hashed with %u)",
                            pi->name, s->pools[at]->block_size);
             } else if (pi->model && !km_utf8_name(pi->model)) {
-                /* As pool_create checks it: the model is a string in /status and the records. */
+                /* As km_srv_pool_create checks it: the model is a string in /status and the
+                 * records. */
                 rc = km_why(msgs[i], sizeof msgs[i], KM_ERR_INVALID_ARGUMENT,
                            "pool %s: model must be UTF-8 without control characters", pi->name);
             }
@@ -306,31 +308,31 @@ void handle_pools(conn *c, const km_message *m)
             pc.model = pi->model;
             pc.block_size = pi->block_size;
             pool *np = NULL;
-            rc = pool_create(s, &pc, &np, msgs[i], sizeof msgs[i]);
+            rc = km_srv_pool_create(s, &pc, &np, msgs[i], sizeof msgs[i]);
             if (rc == KM_OK)
                 s->pools[s->n_pools++] = np;
         }
         if (rc == KM_OK)
-            slog(s, "pool %s %s (policy %s)", pi->name,
-                 pm->action == KM_ADMIN_ADD ? "added" : "updated",
-                 km_policy_kind_name(pc.policy.kind));
+            km_srv_log(s, "pool %s %s (policy %s)", pi->name,
+                       pm->action == KM_ADMIN_ADD ? "added" : "updated",
+                       km_policy_kind_name(pc.policy.kind));
         items[i].status = rc;
         items[i].message = rc == KM_OK ? NULL : msgs[i];
     }
     pthread_mutex_unlock(&s->admin_lock);
     if (!items || !msgs) {
-        send_error(c, m->id, KM_ERR_OUT_OF_MEMORY, "pools reply");
+        km_srv_send_error(c, m->id, KM_ERR_OUT_OF_MEMORY, "pools reply");
     } else {
         reply.type = KM_MESSAGE_ACK;
         reply.ack.items = items;
         reply.ack.n_items = pm->n_pools;
-        send_message(c, &reply);
+        km_srv_send_message(c, &reply);
     }
     free(items);
     free(msgs);
 }
 
-void handle_status(conn *c, const km_message *m)
+void km_srv_handle_status(conn *c, const km_message *m)
 {
     km_server *s = c->server;
     km_message reply;
@@ -342,7 +344,7 @@ void handle_status(conn *c, const km_message *m)
     km_status_reply *st = &reply.status_reply;
     st->kvmatch_version = KVMATCH_VERSION;
     st->uptime_s = (double)(now_ns() - s->start_ns) / 1e9;
-    st->ready = readiness(s, reason, sizeof reason);
+    st->ready = km_srv_readiness(s, reason, sizeof reason);
     st->connections = (uint32_t)atomic_load(&s->st.open);
     st->decisions = atomic_load(&s->st.decisions);
     km_record_writer_counters rc;
@@ -360,9 +362,9 @@ void handle_status(conn *c, const km_message *m)
     st->workers = list;
     st->n_workers = n;
     if (list)
-        send_message(c, &reply);
+        km_srv_send_message(c, &reply);
     else
-        send_error(c, m->id, KM_ERR_OUT_OF_MEMORY, "status");
+        km_srv_send_error(c, m->id, KM_ERR_OUT_OF_MEMORY, "status");
     pthread_mutex_unlock(&s->admin_lock);
     free(list);
 }

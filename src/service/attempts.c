@@ -11,8 +11,8 @@
 #include "service/server_internal.h"
 
 /* One allocation: the struct and its strings (NULL strings stay NULL). active_lock held. */
-attempt *attempt_new(attempt_cache *cache, const char *request_id, const char *attempt_id,
-                     const char *model, const char *pool_name, const char *endpoint)
+attempt *km_srv_attempt_new(attempt_cache *cache, const char *request_id, const char *attempt_id,
+                            const char *model, const char *pool_name, const char *endpoint)
 {
     const char *in[5] = {request_id, attempt_id, model, pool_name, endpoint};
     size_t len[5], total = 0;
@@ -57,7 +57,7 @@ static void attempt_drop_hashes(attempt_cache *cache, attempt *a)
     a->n_hashes = 0;
 }
 
-void attempt_free(attempt_cache *cache, attempt *a)
+void km_srv_attempt_free(attempt_cache *cache, attempt *a)
 {
     if (a)
         attempt_drop_hashes(cache, a);
@@ -70,7 +70,7 @@ void attempt_free(attempt_cache *cache, attempt *a)
     free(a);
 }
 
-void attempt_cache_free(attempt_cache *cache)
+void km_srv_attempt_cache_free(attempt_cache *cache)
 {
     while (cache->head) {
         attempt *a = cache->head;
@@ -86,7 +86,7 @@ void attempt_cache_free(attempt_cache *cache)
  * every decision pays nothing (a copy and an allocation per decision cost the scheduler about a
  * tenth of its time in bench ipc), and one that overrides has its first overrides unlearned.
  * active_lock held. Without them such an override teaches nothing (approx_dispatch_unlearned). */
-void attempt_keep_hashes(km_server *s, attempt *a, const pool *p, const route_job *r)
+void km_srv_attempt_keep_hashes(km_server *s, attempt *a, const pool *p, const route_job *r)
 {
     if (!p->overrides_seen || !p->n_approx_members || !r->n_hashes)
         return;
@@ -110,7 +110,7 @@ static attempt *attempt_by_key(km_server *s, const char *request_id, const char 
 static void attempt_forget(km_server *s, attempt *a)
 {
     km_u64map_erase(&s->attempts_by_decision, km_u64map_key(a->decision_id));
-    attempt_free(&s->attempt_cache, a);
+    km_srv_attempt_free(&s->attempt_cache, a);
 }
 
 static km_record_time mono_to_record(uint64_t mono)
@@ -197,7 +197,7 @@ static void end_attempt(km_server *s, const km_active_summary *sum, km_record_ou
     attempt_forget(s, a);
 }
 
-void record_expired(void *user, const km_active_summary *sum)
+void km_srv_record_expired(void *user, const km_active_summary *sum)
 {
     km_server *s = user;
     atomic_fetch_add(&s->st.expired, 1);
@@ -207,20 +207,21 @@ void record_expired(void *user, const km_active_summary *sum)
 
 /* An entry ended early to make room: its outcome is `expired` (FINISHED never came), with the
  * reason in `error`. The first eviction, and every 100,000th, is logged. */
-void record_evicted(void *user, const km_active_summary *sum)
+void km_srv_record_evicted(void *user, const km_active_summary *sum)
 {
     km_server *s = user;
     uint64_t n = atomic_fetch_add(&s->st.evicted, 1) + 1;
     km_counter_add(s->m_evicted, 1);
     if (n == 1 || n % 100000 == 0)
-        slog(s, "active work: %" PRIu64 " entries evicted so far to make room (max_active_entries "
-             "%u): FINISHED is not reported for them, or the TTL (%" PRIu64 " ms) is long for this "
-             "rate", n, s->cfg.max_active_entries, s->cfg.active_ttl_ms);
+        km_srv_log(s, "active work: %" PRIu64 " entries evicted so far to make room "
+                   "(max_active_entries %u): FINISHED is not reported for them, or the TTL "
+                   "(%" PRIu64 " ms) is long for this rate", n, s->cfg.max_active_entries,
+                   s->cfg.active_ttl_ms);
     end_attempt(s, sum, KM_RECORD_OUTCOME_EXPIRED,
                 "evicted before its TTL: the active-work table was full (max_active_entries)");
 }
 
-void record_removed(void *user, const km_active_summary *sum)
+void km_srv_record_removed(void *user, const km_active_summary *sum)
 {
     end_attempt(user, sum, KM_RECORD_OUTCOME_ERROR, "worker removed from its pool before FINISHED");
 }
@@ -315,8 +316,9 @@ static int lifecycle_one(km_server *s, const km_lifecycle_event *ev, char *msg, 
      * its load moves there, and its outcome record says so. A worker outside the decision's pool
      * fails the event and changes nothing. */
     if (ev->has_worker && ev->worker != a->worker) {
-        int pi = pool_find(s, a->pool);
-        if (ev->worker >= s->cfg.max_workers || pi < 0 || !is_member(s->pools[pi], ev->worker))
+        int pi = km_srv_pool_find(s, a->pool);
+        if (ev->worker >= s->cfg.max_workers || pi < 0 ||
+            !km_srv_pool_is_member(s->pools[pi], ev->worker))
             return km_why(msg, msg_size, KM_ERR_NOT_FOUND, "worker %u is not in pool %s",
                           ev->worker, a->pool);
         rc = km_active_move(s->active, &key, ev->worker, now);
@@ -356,7 +358,8 @@ static int lifecycle_one(km_server *s, const km_lifecycle_event *ev, char *msg, 
         km_active_summary sum;
         rc = km_active_finish(s->active, &key, active_end_of(ev->outcome), now, &sum);
         if (rc == KM_OK) {
-            breaker_outcome(s, a->worker, ev->outcome, now); /* the worker the attempt ran on */
+            /* the worker the attempt ran on */
+            km_srv_breaker_outcome(s, a->worker, ev->outcome, now);
             write_outcome(s, a, record_outcome_of(ev->outcome), ev, &sum, NULL);
             attempt_forget(s, a);
         }
@@ -370,7 +373,7 @@ static int lifecycle_one(km_server *s, const km_lifecycle_event *ev, char *msg, 
     return KM_OK;
 }
 
-void handle_lifecycle(conn *c, const km_message *m)
+void km_srv_handle_lifecycle(conn *c, const km_message *m)
 {
     km_server *s = c->server;
     const km_lifecycle_batch *lb = &m->lifecycle;
@@ -379,7 +382,7 @@ void handle_lifecycle(conn *c, const km_message *m)
     if (!items || !msgs) {
         free(items);
         free(msgs);
-        send_error(c, m->id, KM_ERR_OUT_OF_MEMORY, "lifecycle reply");
+        km_srv_send_error(c, m->id, KM_ERR_OUT_OF_MEMORY, "lifecycle reply");
         return;
     }
     pthread_mutex_lock(&s->active_lock);
@@ -395,7 +398,7 @@ void handle_lifecycle(conn *c, const km_message *m)
     bool lessons = s->lessons != NULL;
     pthread_mutex_unlock(&s->active_lock);
     if (lessons)
-        wake_scheduler(s); /* the next decision should already know */
+        km_srv_wake_scheduler(s); /* the next decision should already know */
     km_message reply;
     memset(&reply, 0, sizeof reply);
     reply.type = KM_MESSAGE_ACK;
@@ -403,7 +406,7 @@ void handle_lifecycle(conn *c, const km_message *m)
     reply.id = m->id;
     reply.ack.items = items;
     reply.ack.n_items = lb->n_events;
-    send_message(c, &reply);
+    km_srv_send_message(c, &reply);
     free(items);
     free(msgs);
 }

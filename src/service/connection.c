@@ -1,5 +1,5 @@
 /* A router connection's lifetime on the loop thread: accepted, read into frames (each handed to
- * handle_frame), its replies queued and written (uv_try_write first, uv_write for the rest),
+ * km_srv_handle_frame), its replies queued and written (uv_try_write first, uv_write for the rest),
  * reading paused while replies pile up, closed and freed once no job holds it. */
 #include <stdarg.h>
 #include <stdio.h>
@@ -12,21 +12,22 @@ static void conn_flush(conn *c);
 static void on_read(uv_stream_t *stream, ssize_t nread, const uv_buf_t *buf);
 static void alloc_cb(uv_handle_t *h, size_t suggested, uv_buf_t *buf);
 
-/* Reading paused while replies piled up (conn_send) starts again once they drained, while the
- * server drains too (what was sent before the stop is answered, a new ROUTE refused). libuv wants
- * the allocation callback again (NULL is refused with UV_EINVAL: until 2026-11-30 a paused
+/* Reading paused while replies piled up (km_srv_conn_send) starts again once they drained, while
+ * the server drains too (what was sent before the stop is answered, a new ROUTE refused). libuv
+ * wants the allocation callback again (NULL is refused with UV_EINVAL: until 2026-11-30 a paused
  * connection never read again); a connection that cannot read is closed. */
 static void conn_resume_reading(conn *c)
 {
     c->paused = false;
     int rc = uv_read_start(&c->h.stream, alloc_cb, on_read);
     if (rc < 0) {
-        slog(c->server, "closing a connection whose reading could not resume: %s", uv_strerror(rc));
-        conn_close(c);
+        km_srv_log(c->server, "closing a connection whose reading could not resume: %s",
+                   uv_strerror(rc));
+        km_srv_conn_close(c);
     }
 }
 
-void conn_maybe_free(conn *c)
+void km_srv_conn_maybe_free(conn *c)
 {
     if (!c->handle_closed || c->jobs_in_flight)
         return;
@@ -41,10 +42,10 @@ static void on_conn_closed(uv_handle_t *h)
 {
     conn *c = h->data;
     c->handle_closed = true;
-    conn_maybe_free(c);
+    km_srv_conn_maybe_free(c);
 }
 
-void conn_close(conn *c)
+void km_srv_conn_close(conn *c)
 {
     if (c->closing)
         return;
@@ -61,10 +62,10 @@ void conn_close(conn *c)
 }
 
 /* A connection whose peer is done (EOF) closes once every reply it is owed is written. */
-void conn_close_if_finished(conn *c)
+void km_srv_conn_close_if_finished(conn *c)
 {
     if (c->eof && !c->closing && !c->jobs_in_flight && !c->write_in_flight && c->outbox.size == 0)
-        conn_close(c);
+        km_srv_conn_close(c);
 }
 
 static void on_write(uv_write_t *req, int status)
@@ -73,7 +74,7 @@ static void on_write(uv_write_t *req, int status)
     c->write_in_flight = false;
     c->writing.size = 0;
     if (status < 0) {
-        conn_close(c);
+        km_srv_conn_close(c);
         return;
     }
     if (c->closing)
@@ -82,7 +83,7 @@ static void on_write(uv_write_t *req, int status)
     if (c->paused && c->outbox.size < s->cfg.max_outbox_bytes / 8 && !c->eof)
         conn_resume_reading(c);
     conn_flush(c);
-    conn_close_if_finished(c);
+    km_srv_conn_close_if_finished(c);
 }
 
 static void alloc_cb(uv_handle_t *h, size_t suggested, uv_buf_t *buf)
@@ -103,7 +104,7 @@ static void conn_flush(conn *c)
     uv_buf_t now = uv_buf_init((char *)c->outbox.data, (unsigned)c->outbox.size);
     int n = uv_try_write(&c->h.stream, &now, 1);
     if (n < 0 && n != UV_EAGAIN) {
-        conn_close(c);
+        km_srv_conn_close(c);
         return;
     }
     size_t written = n > 0 ? (size_t)n : 0;
@@ -124,14 +125,14 @@ static void conn_flush(conn *c)
     int rc = uv_write(&c->write_req, &c->h.stream, &buf, 1, on_write);
     if (rc < 0) {
         c->write_in_flight = false;
-        conn_close(c);
+        km_srv_conn_close(c);
     }
 }
 
 /* Queue bytes for the peer; a reader that lets too much pile up is closed. Only replies already
  * waiting make a reader slow: a reply that finds nothing unwritten is taken whatever its size (up
  * to max_frame_bytes), so a small max_outbox_bytes never cuts off a client that reads promptly. */
-void conn_send(conn *c, const km_frame_buffer *frames)
+void km_srv_conn_send(conn *c, const km_frame_buffer *frames)
 {
     km_server *s = c->server;
     if (c->closing || frames->size == 0)
@@ -139,9 +140,9 @@ void conn_send(conn *c, const km_frame_buffer *frames)
     size_t waiting = c->outbox.size + c->writing.size;
     if (waiting > 0 && waiting + frames->size > s->cfg.max_outbox_bytes) {
         atomic_fetch_add(&s->st.slow_closed, 1);
-        slog(s, "closing a connection that does not read its replies (%zu bytes waiting)",
-             c->outbox.size + c->writing.size);
-        conn_close(c);
+        km_srv_log(s, "closing a connection that does not read its replies (%zu bytes waiting)",
+                   c->outbox.size + c->writing.size);
+        km_srv_conn_close(c);
         return;
     }
     if (c->outbox.capacity < c->outbox.size + frames->size) {
@@ -150,7 +151,7 @@ void conn_send(conn *c, const km_frame_buffer *frames)
             cap *= 2;
         uint8_t *g = realloc(c->outbox.data, cap);
         if (!g) {
-            conn_close(c);
+            km_srv_conn_close(c);
             return;
         }
         c->outbox.data = g;
@@ -165,7 +166,7 @@ void conn_send(conn *c, const km_frame_buffer *frames)
     conn_flush(c);
 }
 
-void send_error(conn *c, uint64_t id, int code, const char *fmt, ...)
+void km_srv_send_error(conn *c, uint64_t id, int code, const char *fmt, ...)
 {
     char msg[512];
     va_list ap;
@@ -175,20 +176,20 @@ void send_error(conn *c, uint64_t id, int code, const char *fmt, ...)
     km_frame_buffer fb;
     km_frame_buffer_init(&fb);
     if (km_protocol_encode_error(id, code, msg, &fb) == KM_OK)
-        conn_send(c, &fb);
+        km_srv_conn_send(c, &fb);
     km_frame_buffer_free(&fb);
 }
 
-void send_message(conn *c, const km_message *m)
+void km_srv_send_message(conn *c, const km_message *m)
 {
     km_frame_buffer fb;
     km_frame_buffer_init(&fb);
     char why[256];
     int rc = km_protocol_encode(m, c->server->cfg.limits.max_frame_bytes, &fb, why, sizeof why);
     if (rc == KM_OK)
-        conn_send(c, &fb);
+        km_srv_conn_send(c, &fb);
     else
-        send_error(c, m->id, rc, "encoding the reply failed: %s", why);
+        km_srv_send_error(c, m->id, rc, "encoding the reply failed: %s", why);
     km_frame_buffer_free(&fb);
 }
 
@@ -203,9 +204,9 @@ static void on_read(uv_stream_t *stream, ssize_t nread, const uv_buf_t *buf)
         c->reading = false;
         c->eof = true;
         if (nread != UV_EOF)
-            conn_close(c);
+            km_srv_conn_close(c);
         else
-            conn_close_if_finished(c);
+            km_srv_conn_close_if_finished(c);
         return;
     }
     const uint8_t *data = (const uint8_t *)buf->base;
@@ -217,18 +218,18 @@ static void on_read(uv_stream_t *stream, ssize_t nread, const uv_buf_t *buf)
         int rc = km_frame_reader_next(c->reader, data, left, &consumed, &payload, &psize);
         if (rc != KM_OK) {
             atomic_fetch_add(&c->server->st.bad_frames, 1);
-            send_error(c, 0, rc, "%s", km_frame_reader_last_error(c->reader));
+            km_srv_send_error(c, 0, rc, "%s", km_frame_reader_last_error(c->reader));
             uv_read_stop(stream);
             c->reading = false;
             c->eof = true; /* no more input: the stream cannot be re-synced */
-            conn_close_if_finished(c);
+            km_srv_conn_close_if_finished(c);
             return;
         }
         data += consumed;
         left -= consumed;
         if (!payload)
             continue;
-        bool keep = handle_frame(c, payload, psize);
+        bool keep = km_srv_handle_frame(c, payload, psize);
         /* Everything a request needs was copied out of the frame: an idle connection keeps
          * neither a large frame's buffer nor its decoded tree. */
         km_protocol_decoder_release(c->decoder);
@@ -237,13 +238,13 @@ static void on_read(uv_stream_t *stream, ssize_t nread, const uv_buf_t *buf)
             uv_read_stop(stream);
             c->reading = false;
             c->eof = true;
-            conn_close_if_finished(c);
+            km_srv_conn_close_if_finished(c);
             return;
         }
     }
 }
 
-void on_connection(uv_stream_t *listener, int status)
+void km_srv_on_connection(uv_stream_t *listener, int status)
 {
     km_server *s = listener->data;
     if (status < 0)

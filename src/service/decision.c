@@ -41,33 +41,35 @@ static bool prediction_observed(const km_server *s, const km_policy_candidate *c
 
 /* Decide one route whose scoring result is rr (admin_lock and active_lock held). Fills the reply
  * decision *d (candidate arrays in the job's memory) or fails the route. */
-void decide_route(km_server *s, job *j, route_job *r, pool *p, const km_request_result *rr,
-                  batch_scratch *b, km_route_decision *d, uint64_t scored_ns)
+void km_srv_decide_route(km_server *s, job *j, route_job *r, pool *p, const km_request_result *rr,
+                         batch_scratch *b, km_route_decision *d, uint64_t scored_ns)
 {
     /* Candidates: the request's (each must be a worker of this pool), else the pool's. */
     const uint32_t *ids = r->candidates ? r->candidates : p->members;
     uint32_t n = r->candidates ? r->n_candidates : p->n_members;
     if (n == 0) {
-        route_fail(r, KM_ERR_NOT_FOUND, "pool %s has no workers", p->name);
+        km_srv_route_fail(r, KM_ERR_NOT_FOUND, "pool %s has no workers", p->name);
         return;
     }
     /* The route's own candidates must be members, each once (the pool's members are, by
      * construction). Duplicates are found in O(n) with a stamp per worker id. */
     for (uint32_t i = 0; r->candidates && i < n; i++) {
-        if (!is_member(p, ids[i])) {
-            route_fail(r, KM_ERR_NOT_FOUND, "candidate worker %u is not in pool %s", ids[i], p->name);
+        if (!km_srv_pool_is_member(p, ids[i])) {
+            km_srv_route_fail(r, KM_ERR_NOT_FOUND, "candidate worker %u is not in pool %s", ids[i],
+                              p->name);
             return;
         }
         if (i == 0)
-            next_stamp(s, b);
+            km_srv_scratch_next_stamp(s, b);
         if (b->seen[ids[i]] == b->candidate_stamp) {
-            route_fail(r, KM_ERR_INVALID_ARGUMENT, "candidate worker %u is listed twice", ids[i]);
+            km_srv_route_fail(r, KM_ERR_INVALID_ARGUMENT, "candidate worker %u is listed twice",
+                              ids[i]);
             return;
         }
         b->seen[ids[i]] = b->candidate_stamp;
     }
-    if (scratch_reserve(b, n)) {
-        route_fail(r, KM_ERR_OUT_OF_MEMORY, "candidate scratch");
+    if (km_srv_scratch_reserve(b, n)) {
+        km_srv_route_fail(r, KM_ERR_OUT_OF_MEMORY, "candidate scratch");
         return;
     }
     const km_worker_match *m = p->results.matches + rr->first;
@@ -106,7 +108,7 @@ void decide_route(km_server *s, job *j, route_job *r, pool *p, const km_request_
             n_eligible++;
             continue;
         }
-        eligibility e = worker_eligibility(s, ids[i], now);
+        eligibility e = km_srv_worker_eligibility(s, ids[i], now);
         if (e == ELIGIBLE)
             b->cands[n_eligible++] = cand;
         else
@@ -122,16 +124,16 @@ void decide_route(km_server *s, job *j, route_job *r, pool *p, const km_request_
     }
     if (n_eligible == 0) {
         atomic_fetch_add(&s->st.no_healthy, 1);
-        route_fail(r, KM_ERR_NO_HEALTHY_WORKER,
-                   "no eligible worker among the %u candidates of pool %s: %u unhealthy (the "
-                   "router's word), %u circuit breaker%s open, %u half-open with a probe in "
-                   "flight", n, p->name, unhealthy, breaker_open, breaker_open == 1 ? "" : "s",
-                   probing);
+        km_srv_route_fail(r, KM_ERR_NO_HEALTHY_WORKER,
+                          "no eligible worker among the %u candidates of pool %s: %u unhealthy "
+                          "(the router's word), %u circuit breaker%s open, %u half-open with a "
+                          "probe in flight", n, p->name, unhealthy, breaker_open,
+                          breaker_open == 1 ? "" : "s", probing);
         return;
     }
     km_policy_config pc = p->policy;
     if (r->policy_name && km_policy_kind_parse(r->policy_name, &pc.kind) != KM_OK) {
-        route_fail(r, KM_ERR_INVALID_ARGUMENT, "unknown policy \"%s\"", r->policy_name);
+        km_srv_route_fail(r, KM_ERR_INVALID_ARGUMENT, "unknown policy \"%s\"", r->policy_name);
         return;
     }
     km_policy_request req = {r->n_hashes, p->block_size, r->prompt_tokens,
@@ -139,7 +141,7 @@ void decide_route(km_server *s, job *j, route_job *r, pool *p, const km_request_
     km_policy_decision pd;
     int rc = km_policy_decide(&pc, &p->policy_state, &req, b->cands, n_eligible, &pd, b->costs);
     if (rc != KM_OK) {
-        route_fail(r, rc, "%s", km_policy_last_error(&p->policy_state));
+        km_srv_route_fail(r, rc, "%s", km_policy_last_error(&p->policy_state));
         return;
     }
     for (uint32_t i = n_eligible; i < n; i++)
@@ -158,7 +160,7 @@ void decide_route(km_server *s, job *j, route_job *r, pool *p, const km_request_
         has_owner = true;
     }
     uint32_t owner = has_owner ? b->cands[owner_at].worker : 0;
-    const char *chosen_state = worker_state_in_batch(s, chosen);
+    const char *chosen_state = km_srv_worker_state_in_batch(s, chosen);
     bool observed = prediction_observed(s, b->cands, n, has_owner, owner, chosen);
 
     /* Active work first: a duplicate attempt id fails the route before anything is recorded. */
@@ -171,17 +173,18 @@ void decide_route(km_server *s, job *j, route_job *r, pool *p, const km_request_
         rc = km_active_begin(s->active, chosen, &key, prompt,
                              predicted > UINT32_MAX ? UINT32_MAX : (uint32_t)predicted, expected,
                              p->block_size, now);
-        /* Full: the least recently touched entry makes room (record_evicted), once. */
+        /* Full: the least recently touched entry makes room (km_srv_record_evicted), once. */
         if (rc != KM_ERR_OVERLOADED ||
-            km_active_evict_oldest(s->active, now, record_evicted, s) != KM_OK)
+            km_active_evict_oldest(s->active, now, km_srv_record_evicted, s) != KM_OK)
             break;
     }
     if (rc != KM_OK) {
-        route_fail(r, rc == KM_ERR_PROTOCOL ? KM_ERR_INVALID_ARGUMENT : rc,
-                   rc == KM_ERR_PROTOCOL ? "request %s attempt %s is already in flight" : "%s%s",
-                   rc == KM_ERR_PROTOCOL ? r->request_id : "active work: ",
-                   rc == KM_ERR_PROTOCOL ? (r->attempt_id ? r->attempt_id : "(none)")
-                                         : km_active_last_error(s->active));
+        km_srv_route_fail(r, rc == KM_ERR_PROTOCOL ? KM_ERR_INVALID_ARGUMENT : rc,
+                          rc == KM_ERR_PROTOCOL ? "request %s attempt %s is already in flight"
+                                                : "%s%s",
+                          rc == KM_ERR_PROTOCOL ? r->request_id : "active work: ",
+                          rc == KM_ERR_PROTOCOL ? (r->attempt_id ? r->attempt_id : "(none)")
+                                                : km_active_last_error(s->active));
         return;
     }
     uint64_t decision_id = atomic_fetch_add(&s->next_decision_id, 1);
@@ -191,10 +194,10 @@ void decide_route(km_server *s, job *j, route_job *r, pool *p, const km_request_
      * never read. */
     km_candidate_score *scores = NULL;
     if (!r->brief || s->records) {
-        scores = job_alloc(j, n * sizeof *scores);
+        scores = km_srv_job_alloc(j, n * sizeof *scores);
         if (!scores) {
             km_active_finish(s->active, &key, KM_ACTIVE_END_ERROR, now, NULL);
-            route_fail(r, KM_ERR_OUT_OF_MEMORY, "reply candidates");
+            km_srv_route_fail(r, KM_ERR_OUT_OF_MEMORY, "reply candidates");
             return;
         }
     }
@@ -212,7 +215,7 @@ void decide_route(km_server *s, job *j, route_job *r, pool *p, const km_request_
         sc->load.pending_prefill_tokens = c->pending_prefill_tokens;
         sc->load.active_decode_blocks = c->active_decode_blocks;
         sc->cost = b->costs[i];
-        sc->state = worker_state_in_batch(s, c->worker);
+        sc->state = km_srv_worker_state_in_batch(s, c->worker);
         sc->eligible = i < n_eligible;
     }
     /* Load values as the record shows them: before this decision's own charge. */
@@ -228,7 +231,7 @@ void decide_route(km_server *s, job *j, route_job *r, pool *p, const km_request_
     d->has_owner = has_owner;
     d->owner_worker = owner;
     d->owner_depth = owner_depth;
-    d->owner_state = has_owner ? worker_state_in_batch(s, owner) : NULL;
+    d->owner_state = has_owner ? km_srv_worker_state_in_batch(s, owner) : NULL;
     d->n_blocks = r->n_hashes;
     d->block_size = p->block_size;
     d->source = observed ? KM_PREDICTION_EVENTS : KM_PREDICTION_APPROX;
@@ -241,8 +244,8 @@ void decide_route(km_server *s, job *j, route_job *r, pool *p, const km_request_
     d->n_candidates = r->brief ? 0 : n;
 
     /* The attempt, for its outcome record. */
-    attempt *a = attempt_new(&s->attempt_cache, r->request_id, r->attempt_id,
-                             r->model ? r->model : p->model, p->name, r->endpoint);
+    attempt *a = km_srv_attempt_new(&s->attempt_cache, r->request_id, r->attempt_id,
+                                    r->model ? r->model : p->model, p->name, r->endpoint);
     if (a) {
         a->decision_id = decision_id;
         /* Both arrays are KM_SERVER_NAME_MAX bytes and the source is NUL-terminated. */
@@ -256,22 +259,22 @@ void decide_route(km_server *s, job *j, route_job *r, pool *p, const km_request_
         a->chosen_depth = pd.chosen_depth;
         a->owner_depth = owner_depth;
         a->has_blocks = r->n_hashes > 0;
-        attempt_keep_hashes(s, a, p, r);
+        km_srv_attempt_keep_hashes(s, a, p, r);
         if (s->records) /* only outcome records read it; records are set at start */
             a->decided = km_record_time_now();
         if (km_u64map_put(&s->attempts_by_decision, km_u64map_key(decision_id), (uintptr_t)a, 1) ||
             km_active_set_user(s->active, &key, a)) {
             km_u64map_erase(&s->attempts_by_decision, km_u64map_key(decision_id));
-            attempt_free(&s->attempt_cache, a);
+            km_srv_attempt_free(&s->attempt_cache, a);
             a = NULL;
         }
     }
     if (!a)
-        slog(s, "decision %" PRIu64 ": out of memory keeping its attempt; its outcome record will be "
-             "missing", decision_id);
-    /* A half-open worker's probe (worker_eligibility); one whose attempt could not be kept is not
-     * tracked, and the next route may probe too. */
-    if (check_health && worker_breaker(&s->workers[chosen], now) == BREAKER_HALF_OPEN)
+        km_srv_log(s, "decision %" PRIu64 ": out of memory keeping its attempt; its outcome record "
+                   "will be missing", decision_id);
+    /* A half-open worker's probe (km_srv_worker_eligibility); one whose attempt could not be kept
+     * is not tracked, and the next route may probe too. */
+    if (check_health && km_srv_worker_breaker(&s->workers[chosen], now) == BREAKER_HALF_OPEN)
         s->workers[chosen].probe_decision = decision_id;
 
     /* The decision record. */

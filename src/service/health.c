@@ -4,30 +4,31 @@
 
 #include "service/server_internal.h"
 
-/* Whether w may be ineligible now or later without another change of its health: health_changed
- * keeps health_restricted counting such workers (active_lock held), given what this was before. */
-bool health_may_restrict(const worker_slot *w)
+/* Whether w may be ineligible now or later without another change of its health:
+ * km_srv_health_changed keeps health_restricted counting such workers (active_lock held), given
+ * what this was before. */
+bool km_srv_health_may_restrict(const worker_slot *w)
 {
     return w->unhealthy || w->breaker_tripped;
 }
 
-void health_changed(km_server *s, const worker_slot *w, bool restricted_before)
+void km_srv_health_changed(km_server *s, const worker_slot *w, bool restricted_before)
 {
-    bool now = health_may_restrict(w);
+    bool now = km_srv_health_may_restrict(w);
     if (now && !restricted_before)
         s->health_restricted++;
     else if (!now && restricted_before)
         s->health_restricted--;
 }
 
-breaker_state worker_breaker(const worker_slot *w, uint64_t now)
+breaker_state km_srv_worker_breaker(const worker_slot *w, uint64_t now)
 {
     if (!w->breaker_tripped)
         return BREAKER_CLOSED;
     return now < w->breaker_until_ns ? BREAKER_OPEN : BREAKER_HALF_OPEN;
 }
 
-const char *breaker_state_name(breaker_state b)
+const char *km_srv_breaker_state_name(breaker_state b)
 {
     return b == BREAKER_OPEN ? "open" : b == BREAKER_HALF_OPEN ? "half_open" : "closed";
 }
@@ -46,14 +47,14 @@ static bool probe_in_flight(km_server *s, uint32_t id)
 }
 
 /* Can a route choose worker id now (admin_lock or the loop thread, and active_lock held)? A
- * half-open breaker lets one attempt through at a time, the probe (decide_route sets
+ * half-open breaker lets one attempt through at a time, the probe (km_srv_decide_route sets
  * probe_decision), so the first outcome after the cooldown decides before more follow. */
-eligibility worker_eligibility(km_server *s, uint32_t id, uint64_t now)
+eligibility km_srv_worker_eligibility(km_server *s, uint32_t id, uint64_t now)
 {
     const worker_slot *w = &s->workers[id];
     if (w->unhealthy)
         return INELIGIBLE_UNHEALTHY;
-    breaker_state b = worker_breaker(w, now);
+    breaker_state b = km_srv_worker_breaker(w, now);
     if (b == BREAKER_OPEN)
         return INELIGIBLE_BREAKER_OPEN;
     if (b == BREAKER_HALF_OPEN && probe_in_flight(s, id))
@@ -66,14 +67,14 @@ eligibility worker_eligibility(km_server *s, uint32_t id, uint64_t now)
  * whatever its HTTP status: the brief's point) count as failures, and the breaker_failures-th in
  * a row opens it for breaker_cooldown_ms, as does any failure while half-open; `cancelled` says
  * nothing about the worker. */
-void breaker_outcome(km_server *s, uint32_t id, km_outcome outcome, uint64_t now)
+void km_srv_breaker_outcome(km_server *s, uint32_t id, km_outcome outcome, uint64_t now)
 {
     worker_slot *w = &s->workers[id];
     if (outcome == KM_OUTCOME_COMPLETE) {
-        bool before = health_may_restrict(w);
+        bool before = km_srv_health_may_restrict(w);
         w->failures = 0;
         w->breaker_tripped = false;
-        health_changed(s, w, before);
+        km_srv_health_changed(s, w, before);
         return;
     }
     if (outcome != KM_OUTCOME_ERROR && outcome != KM_OUTCOME_INCOMPLETE)
@@ -81,29 +82,30 @@ void breaker_outcome(km_server *s, uint32_t id, km_outcome outcome, uint64_t now
     if (w->failures < UINT32_MAX)
         w->failures++;
     uint32_t threshold = s->cfg.breaker_failures;
-    if (!threshold || w->failures < threshold || worker_breaker(w, now) == BREAKER_OPEN)
+    if (!threshold || w->failures < threshold || km_srv_worker_breaker(w, now) == BREAKER_OPEN)
         return;
-    bool reopened = w->breaker_tripped, before = health_may_restrict(w);
+    bool reopened = w->breaker_tripped, before = km_srv_health_may_restrict(w);
     w->breaker_tripped = true;
-    health_changed(s, w, before);
+    km_srv_health_changed(s, w, before);
     w->probe_decision = 0; /* what was decided before this cooldown is not its probe */
     uint64_t cooldown = s->cfg.breaker_cooldown_ms * 1000000u;
     w->breaker_until_ns = now > UINT64_MAX - cooldown ? UINT64_MAX : now + cooldown;
     atomic_fetch_add(&s->st.breaker_opened, 1);
-    slog(s, "worker %u (%s): circuit breaker %s after %u failed attempts in a row (last: %s); not "
-         "chosen for %" PRIu64 " ms", id, w->name, reopened ? "reopened" : "open", w->failures,
-         outcome == KM_OUTCOME_ERROR ? "error" : "incomplete", s->cfg.breaker_cooldown_ms);
+    km_srv_log(s, "worker %u (%s): circuit breaker %s after %u failed attempts in a row (last: "
+               "%s); not chosen for %" PRIu64 " ms", id, w->name, reopened ? "reopened" : "open",
+               w->failures, outcome == KM_OUTCOME_ERROR ? "error" : "incomplete",
+               s->cfg.breaker_cooldown_ms);
 }
 
 /* The router's verdict on a worker (admin_lock held); true when it changed. Its breaker is
  * this instance's own evidence and stays as it is. */
-bool worker_set_health(km_server *s, uint32_t id, bool healthy)
+bool km_srv_worker_set_health(km_server *s, uint32_t id, bool healthy)
 {
     pthread_mutex_lock(&s->active_lock);
     worker_slot *w = &s->workers[id];
-    bool changed = w->unhealthy == healthy, before = health_may_restrict(w);
+    bool changed = w->unhealthy == healthy, before = km_srv_health_may_restrict(w);
     w->unhealthy = !healthy;
-    health_changed(s, w, before);
+    km_srv_health_changed(s, w, before);
     pthread_mutex_unlock(&s->active_lock);
     return changed;
 }

@@ -10,7 +10,7 @@
 #include "kvmatch/kvmatch.h"
 #include "service/server_internal.h"
 
-void *job_alloc(job *j, size_t n)
+void *km_srv_job_alloc(job *j, size_t n)
 {
     n = (n + 15) & ~(size_t)15;
     if (!j->chunks || j->chunks->size - j->chunks->used < n) {
@@ -38,13 +38,13 @@ static char *job_strdup(job *j, const char *s)
     if (!s)
         return NULL;
     size_t n = strlen(s) + 1;
-    char *p = job_alloc(j, n);
+    char *p = km_srv_job_alloc(j, n);
     if (p)
         memcpy(p, s, n);
     return p;
 }
 
-void job_free(job *j)
+void km_srv_job_free(job *j)
 {
     if (!j)
         return;
@@ -57,7 +57,7 @@ void job_free(job *j)
     free(j);
 }
 
-void route_fail(route_job *r, int status, const char *fmt, ...)
+void km_srv_route_fail(route_job *r, int status, const char *fmt, ...)
 {
     r->status = status;
     va_list ap;
@@ -67,7 +67,7 @@ void route_fail(route_job *r, int status, const char *fmt, ...)
 }
 
 /* On the loop thread, in parallel with the scheduler's next batch. */
-void encode_job_reply(km_server *s, job *j)
+void km_srv_job_encode_reply(km_server *s, job *j)
 {
     km_route_decision *ds = j->decisions;
     if (!ds) {
@@ -101,12 +101,12 @@ void encode_job_reply(km_server *s, job *j)
         km_protocol_encode_error(j->msg_id, rc, why, &j->reply);
 }
 
-void handle_route(conn *c, const km_message *m)
+void km_srv_handle_route(conn *c, const km_message *m)
 {
     km_server *s = c->server;
     const km_route_batch *rb = &m->route;
     if (s->draining) {
-        send_error(c, m->id, KM_ERR_SHUTTING_DOWN, "the service is shutting down");
+        km_srv_send_error(c, m->id, KM_ERR_SHUTTING_DOWN, "the service is shutting down");
         return;
     }
     pthread_mutex_lock(&s->queue_lock);
@@ -115,23 +115,24 @@ void handle_route(conn *c, const km_message *m)
     if (full) {
         atomic_fetch_add(&s->st.overloaded, 1);
         km_counter_add(s->m_overloaded, 1);
-        send_error(c, m->id, KM_ERR_OVERLOADED, "%u routes are queued (max_queued_routes %u)",
-                   (unsigned)s->queued_routes, s->cfg.max_queued_routes);
+        km_srv_send_error(c, m->id, KM_ERR_OVERLOADED,
+                          "%u routes are queued (max_queued_routes %u)",
+                          (unsigned)s->queued_routes, s->cfg.max_queued_routes);
         return;
     }
     job *j = calloc(1, sizeof *j);
     if (!j) {
-        send_error(c, m->id, KM_ERR_OUT_OF_MEMORY, "queueing the routes");
+        km_srv_send_error(c, m->id, KM_ERR_OUT_OF_MEMORY, "queueing the routes");
         return;
     }
     km_frame_buffer_init(&j->reply);
     j->conn = c;
     j->msg_id = m->id;
     j->n_routes = rb->n_routes;
-    j->routes = job_alloc(j, rb->n_routes * sizeof *j->routes);
+    j->routes = km_srv_job_alloc(j, rb->n_routes * sizeof *j->routes);
     if (!j->routes) {
-        job_free(j);
-        send_error(c, m->id, KM_ERR_OUT_OF_MEMORY, "queueing the routes");
+        km_srv_job_free(j);
+        km_srv_send_error(c, m->id, KM_ERR_OUT_OF_MEMORY, "queueing the routes");
         return;
     }
     memset(j->routes, 0, rb->n_routes * sizeof *j->routes);
@@ -144,7 +145,8 @@ void handle_route(conn *c, const km_message *m)
         r->request_id = job_strdup(j, in->request_id ? in->request_id : "");
         r->attempt_id = job_strdup(j, in->attempt_id);
         if (in->status != KM_OK) {
-            route_fail(r, in->status, "%s", in->message ? in->message : km_strerror(in->status));
+            km_srv_route_fail(r, in->status, "%s",
+                              in->message ? in->message : km_strerror(in->status));
             continue;
         }
         r->model = job_strdup(j, in->model);
@@ -152,23 +154,24 @@ void handle_route(conn *c, const km_message *m)
         r->policy_name = job_strdup(j, in->policy);
         int pi = -1;
         if (in->pool)
-            pi = pool_find(s, in->pool);
+            pi = km_srv_pool_find(s, in->pool);
         else if (in->model)
-            pi = pool_for_model(s, in->model);
+            pi = km_srv_pool_for_model(s, in->model);
         /* Only a route naming neither falls back: a model no pool serves is refused, never
          * decided on a pool serving another model. */
         if (pi < 0 && !in->pool && !in->model && s->default_pool)
-            pi = pool_find(s, s->default_pool);
+            pi = km_srv_pool_find(s, s->default_pool);
         if (pi < 0 && !in->pool && !in->model && !s->default_pool && s->n_pools > 0)
             pi = 0;
         if (pi < 0) {
             if (in->pool)
-                route_fail(r, KM_ERR_NOT_FOUND, "no pool %s", in->pool);
+                km_srv_route_fail(r, KM_ERR_NOT_FOUND, "no pool %s", in->pool);
             else if (in->model)
-                route_fail(r, KM_ERR_NOT_FOUND, "no pool serves model %s", in->model);
+                km_srv_route_fail(r, KM_ERR_NOT_FOUND, "no pool serves model %s", in->model);
             else
-                route_fail(r, KM_ERR_NOT_FOUND, "no pool: the route names none, and the default "
-                           "pool %s does not exist", s->default_pool ? s->default_pool : "(none)");
+                km_srv_route_fail(r, KM_ERR_NOT_FOUND, "no pool: the route names none, and the "
+                                  "default pool %s does not exist",
+                                  s->default_pool ? s->default_pool : "(none)");
             continue;
         }
         pool *p = s->pools[pi];
@@ -176,9 +179,9 @@ void handle_route(conn *c, const km_message *m)
         r->input = in->input;
         if (in->input == KM_ROUTE_INPUT_TOKENS) {
             size_t nb = in->n_tokens / p->block_size;
-            r->hashes = job_alloc(j, (nb ? nb : 1) * sizeof *r->hashes);
+            r->hashes = km_srv_job_alloc(j, (nb ? nb : 1) * sizeof *r->hashes);
             if (!r->hashes) {
-                route_fail(r, KM_ERR_OUT_OF_MEMORY, "hashing");
+                km_srv_route_fail(r, KM_ERR_OUT_OF_MEMORY, "hashing");
                 continue;
             }
             km_hash_config hc = {p->block_size, in->lora_name, in->cache_salt};
@@ -186,7 +189,7 @@ void handle_route(conn *c, const km_message *m)
             int rc = km_hash_sequence(&hc, in->tokens, in->n_tokens, 0, KM_NO_PARENT, NULL,
                                       r->hashes, &got);
             if (rc != KM_OK) {
-                route_fail(r, rc, "hashing the tokens: %s", km_strerror(rc));
+                km_srv_route_fail(r, rc, "hashing the tokens: %s", km_strerror(rc));
                 continue;
             }
             r->n_hashes = (uint32_t)got;
@@ -194,14 +197,14 @@ void handle_route(conn *c, const km_message *m)
             r->has_prompt_tokens = true;
         } else {
             if (in->block_size && in->block_size != p->block_size) {
-                route_fail(r, KM_ERR_INVALID_ARGUMENT,
-                           "hashes were computed with block size %u; pool %s uses %u",
-                           in->block_size, p->name, p->block_size);
+                km_srv_route_fail(r, KM_ERR_INVALID_ARGUMENT,
+                                  "hashes were computed with block size %u; pool %s uses %u",
+                                  in->block_size, p->name, p->block_size);
                 continue;
             }
-            r->hashes = job_alloc(j, (in->n_hashes ? in->n_hashes : 1) * sizeof *r->hashes);
+            r->hashes = km_srv_job_alloc(j, (in->n_hashes ? in->n_hashes : 1) * sizeof *r->hashes);
             if (!r->hashes) {
-                route_fail(r, KM_ERR_OUT_OF_MEMORY, "copying the hashes");
+                km_srv_route_fail(r, KM_ERR_OUT_OF_MEMORY, "copying the hashes");
                 continue;
             }
             memcpy(r->hashes, in->hashes, in->n_hashes * sizeof *r->hashes);
@@ -214,15 +217,16 @@ void handle_route(conn *c, const km_message *m)
         r->brief = in->brief;
         r->expected_output_tokens = in->expected_output_tokens;
         if (in->candidates) {
-            r->candidates = job_alloc(j, (in->n_candidates ? in->n_candidates : 1) * sizeof(uint32_t));
+            r->candidates =
+                km_srv_job_alloc(j, (in->n_candidates ? in->n_candidates : 1) * sizeof(uint32_t));
             if (!r->candidates) {
-                route_fail(r, KM_ERR_OUT_OF_MEMORY, "candidates");
+                km_srv_route_fail(r, KM_ERR_OUT_OF_MEMORY, "candidates");
                 continue;
             }
             memcpy(r->candidates, in->candidates, in->n_candidates * sizeof(uint32_t));
             r->n_candidates = in->n_candidates;
             if (r->n_candidates == 0) {
-                route_fail(r, KM_ERR_INVALID_ARGUMENT, "candidates is empty");
+                km_srv_route_fail(r, KM_ERR_INVALID_ARGUMENT, "candidates is empty");
                 continue;
             }
         }
@@ -237,5 +241,5 @@ void handle_route(conn *c, const km_message *m)
     s->queue_tail = j;
     s->queued_routes += j->n_routes;
     pthread_mutex_unlock(&s->queue_lock);
-    s->dispatch_pending = true; /* on_dispatch runs it or wakes the scheduler */
+    s->dispatch_pending = true; /* km_srv_on_dispatch runs it or wakes the scheduler */
 }

@@ -10,7 +10,7 @@
 #include "service/server_internal.h"
 
 /* One frame. Returns false when the connection must close (after what was queued is written). */
-bool handle_frame(conn *c, const uint8_t *payload, size_t size)
+bool km_srv_handle_frame(conn *c, const uint8_t *payload, size_t size)
 {
     km_server *s = c->server;
     atomic_fetch_add(&s->st.frames, 1);
@@ -22,28 +22,29 @@ bool handle_frame(conn *c, const uint8_t *payload, size_t size)
         km_counter_add(s->m_bad_frames, 1);
         if (!c->hello_done) { /* before HELLO, a frame that is not a readable HELLO ends it */
             if (m.type == KM_MESSAGE_HELLO)
-                send_error(c, m.has_id ? m.id : 0, rc, "HELLO: %s",
-                           km_protocol_decoder_last_error(c->decoder));
+                km_srv_send_error(c, m.has_id ? m.id : 0, rc, "HELLO: %s",
+                                  km_protocol_decoder_last_error(c->decoder));
             else
-                send_error(c, m.has_id ? m.id : 0, KM_ERR_PROTOCOL,
-                           "the first message must be HELLO (this one is unreadable: %s)",
-                           km_protocol_decoder_last_error(c->decoder));
+                km_srv_send_error(c, m.has_id ? m.id : 0, KM_ERR_PROTOCOL,
+                                  "the first message must be HELLO (this one is unreadable: %s)",
+                                  km_protocol_decoder_last_error(c->decoder));
             return false;
         }
-        send_error(c, m.has_id ? m.id : 0, rc, "%s", km_protocol_decoder_last_error(c->decoder));
+        km_srv_send_error(c, m.has_id ? m.id : 0, rc, "%s",
+                          km_protocol_decoder_last_error(c->decoder));
         return m.has_id; /* without an id the peer cannot match replies: close */
     }
     if (!c->hello_done && m.type != KM_MESSAGE_HELLO) {
-        send_error(c, m.id, KM_ERR_PROTOCOL, "the first message must be HELLO, got %s",
-                   km_message_type_name(m.type));
+        km_srv_send_error(c, m.id, KM_ERR_PROTOCOL, "the first message must be HELLO, got %s",
+                          km_message_type_name(m.type));
         return false;
     }
     switch (m.type) {
     case KM_MESSAGE_HELLO: {
         if (m.hello.protocol_version != KM_PROTOCOL_VERSION) {
-            send_error(c, m.id, KM_ERR_INCOMPATIBLE,
-                       "protocol version %u is not spoken here; this server speaks %u",
-                       m.hello.protocol_version, KM_PROTOCOL_VERSION);
+            km_srv_send_error(c, m.id, KM_ERR_INCOMPATIBLE,
+                              "protocol version %u is not spoken here; this server speaks %u",
+                              m.hello.protocol_version, KM_PROTOCOL_VERSION);
             return false;
         }
         c->hello_done = true;
@@ -56,23 +57,23 @@ bool handle_frame(conn *c, const uint8_t *payload, size_t size)
         w.welcome.kvmatch_version = KVMATCH_VERSION;
         w.welcome.server_name = "kvmatch serve";
         w.welcome.limits = s->cfg.limits;
-        send_message(c, &w);
+        km_srv_send_message(c, &w);
         return true;
     }
-    case KM_MESSAGE_ROUTE: handle_route(c, &m); return true;
-    case KM_MESSAGE_LIFECYCLE: handle_lifecycle(c, &m); return true;
-    case KM_MESSAGE_WORKERS: handle_workers(c, &m); return true;
-    case KM_MESSAGE_POOLS: handle_pools(c, &m); return true;
-    case KM_MESSAGE_STATUS: handle_status(c, &m); return true;
+    case KM_MESSAGE_ROUTE: km_srv_handle_route(c, &m); return true;
+    case KM_MESSAGE_LIFECYCLE: km_srv_handle_lifecycle(c, &m); return true;
+    case KM_MESSAGE_WORKERS: km_srv_handle_workers(c, &m); return true;
+    case KM_MESSAGE_POOLS: km_srv_handle_pools(c, &m); return true;
+    case KM_MESSAGE_STATUS: km_srv_handle_status(c, &m); return true;
     default:
-        send_error(c, m.id, KM_ERR_PROTOCOL, "%s is not a request a server answers",
-                   km_message_type_name(m.type));
+        km_srv_send_error(c, m.id, KM_ERR_PROTOCOL, "%s is not a request a server answers",
+                          km_message_type_name(m.type));
         return true;
     }
 }
 
 /* Encode and send the replies of a list of finished jobs, then free them (loop thread). */
-void deliver_jobs(km_server *s, job *list)
+void km_srv_deliver_jobs(km_server *s, job *list)
 {
     while (list) {
         job *j = list;
@@ -81,32 +82,32 @@ void deliver_jobs(km_server *s, job *list)
         c->jobs_in_flight--;
         if (!c->closing) {
             if (!j->encoded)
-                encode_job_reply(s, j);
-            conn_send(c, &j->reply);
+                km_srv_job_encode_reply(s, j);
+            km_srv_conn_send(c, &j->reply);
         }
-        job_free(j);
+        km_srv_job_free(j);
         if (c->closing)
-            conn_maybe_free(c);
+            km_srv_conn_maybe_free(c);
         else
-            conn_close_if_finished(c);
+            km_srv_conn_close_if_finished(c);
     }
 }
 
-void deliver_done(km_server *s)
+void km_srv_deliver_done(km_server *s)
 {
     pthread_mutex_lock(&s->done_lock);
     job *list = s->done_head;
     s->done_head = s->done_tail = NULL;
     pthread_mutex_unlock(&s->done_lock);
-    deliver_jobs(s, list);
+    km_srv_deliver_jobs(s, list);
 }
 
-void on_wake(uv_async_t *h)
+void km_srv_on_wake(uv_async_t *h)
 {
     km_server *s = h->data;
-    deliver_done(s);
+    km_srv_deliver_done(s);
     if (atomic_load(&s->stop_requested) && !s->draining)
-        begin_drain(s);
+        km_srv_begin_drain(s);
 }
 
 static bool drained(km_server *s)
@@ -144,7 +145,7 @@ static bool drained(km_server *s)
 static void close_everything(km_server *s)
 {
     while (s->conns)
-        conn_close(s->conns);
+        km_srv_conn_close(s->conns);
     if (!uv_is_closing((uv_handle_t *)&s->wake))
         uv_close((uv_handle_t *)&s->wake, NULL);
     if (s->dispatch_inited && !uv_is_closing((uv_handle_t *)&s->dispatch))
@@ -178,7 +179,7 @@ static uint64_t drop_queued(km_server *s)
         job *j = list;
         list = j->next;
         j->conn->jobs_in_flight--;
-        job_free(j);
+        km_srv_job_free(j);
     }
     return routes;
 }
@@ -186,25 +187,25 @@ static uint64_t drop_queued(km_server *s)
 static void on_drain_tick(uv_timer_t *t)
 {
     km_server *s = t->data;
-    deliver_done(s);
+    km_srv_deliver_done(s);
     if (drained(s) || now_ns() >= s->drain_deadline_ns) {
         if (!drained(s)) {
             uint64_t dropped = drop_queued(s);
             atomic_fetch_add(&s->st.dropped_at_shutdown, dropped);
-            slog(s, "drain timeout: closing with work unfinished (%" PRIu64 " queued routes dropped "
-                 "unanswered; a batch being scored ends first)", dropped);
+            km_srv_log(s, "drain timeout: closing with work unfinished (%" PRIu64 " queued routes "
+                       "dropped unanswered; a batch being scored ends first)", dropped);
         }
         uv_timer_stop(t);
         close_everything(s);
     }
 }
 
-void begin_drain(km_server *s)
+void km_srv_begin_drain(km_server *s)
 {
     if (s->draining)
         return;
     s->draining = true;
-    slog(s, "stopping: no new connections or routes; finishing queued decisions");
+    km_srv_log(s, "stopping: no new connections or routes; finishing queued decisions");
     if (s->have_unix && !uv_is_closing((uv_handle_t *)&s->unix_listener))
         uv_close((uv_handle_t *)&s->unix_listener, NULL);
     if (s->have_tcp && !uv_is_closing((uv_handle_t *)&s->tcp_listener))
@@ -216,10 +217,10 @@ void begin_drain(km_server *s)
     uv_timer_start(&s->drain_timer, on_drain_tick, 0, 5);
 }
 
-void on_signal(uv_signal_t *h, int signum)
+void km_srv_on_signal(uv_signal_t *h, int signum)
 {
     km_server *s = h->data;
-    slog(s, "%s received", signum == SIGTERM ? "SIGTERM" : "SIGINT");
+    km_srv_log(s, "%s received", signum == SIGTERM ? "SIGTERM" : "SIGINT");
     atomic_store(&s->stop_requested, true);
-    begin_drain(s);
+    km_srv_begin_drain(s);
 }

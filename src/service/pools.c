@@ -14,7 +14,7 @@
 #include "service/server_config.h"
 #include "service/server_internal.h"
 
-int pool_find(const km_server *s, const char *name)
+int km_srv_pool_find(const km_server *s, const char *name)
 {
     for (uint32_t i = 0; i < s->n_pools; i++)
         if (!strcmp(s->pools[i]->name, name))
@@ -22,7 +22,7 @@ int pool_find(const km_server *s, const char *name)
     return -1;
 }
 
-int pool_for_model(const km_server *s, const char *model)
+int km_srv_pool_for_model(const km_server *s, const char *model)
 {
     for (uint32_t i = 0; i < s->n_pools; i++)
         if (s->pools[i]->model && !strcmp(s->pools[i]->model, model))
@@ -30,7 +30,7 @@ int pool_for_model(const km_server *s, const char *model)
     return -1;
 }
 
-void pool_destroy(pool *p)
+void km_srv_pool_destroy(pool *p)
 {
     if (!p)
         return;
@@ -49,8 +49,8 @@ void pool_destroy(pool *p)
     free(p);
 }
 
-int pool_create(km_server *s, const km_server_pool *pc, pool **out, char *why,
-                size_t why_size)
+int km_srv_pool_create(km_server *s, const km_server_pool *pc, pool **out, char *why,
+                       size_t why_size)
 {
     *out = NULL;
     if (!km_server_name_valid(pc->name))
@@ -94,7 +94,7 @@ int pool_create(km_server *s, const km_server_pool *pc, pool **out, char *why,
             snprintf(p->snapshot_path, n, "%s/%s.snap", s->snapshot_dir, p->name);
     }
     if (rc) {
-        pool_destroy(p);
+        km_srv_pool_destroy(p);
         return km_why(why, why_size, rc, "pool %s", pc->name);
     }
     km_index_config ic;
@@ -108,7 +108,7 @@ int pool_create(km_server *s, const km_server_pool *pc, pool **out, char *why,
     ic.log = s->log;
     ic.log_user = s->log_user;
     if ((rc = km_index_create(&ic, &p->index)) != KM_OK) {
-        pool_destroy(p);
+        km_srv_pool_destroy(p);
         return km_why(why, why_size, rc, "pool %s: creating its index: %s", pc->name,
                      km_strerror(rc));
     }
@@ -120,7 +120,7 @@ int pool_create(km_server *s, const km_server_pool *pc, pool **out, char *why,
     if (pc->approx_every_touch)
         ac.refresh_ns = 0;
     if ((rc = km_approx_create(&ac, &p->approx)) != KM_OK) {
-        pool_destroy(p);
+        km_srv_pool_destroy(p);
         return km_why(why, why_size, rc, "pool %s: approximate-mode state: %s", pc->name,
                      km_strerror(rc));
     }
@@ -143,7 +143,7 @@ static int pool_subscriber(km_server *s, pool *p, char *why, size_t why_size)
     sc.snapshot_path = p->snapshot_path;
     sc.snapshot_interval_ms = p->snapshot_path ? s->cfg.snapshot_interval_ms : 0;
     sc.snapshot_background = true; /* the scheduler must not stop routing while a snapshot is written */
-    sc.on_received = wake_scheduler;
+    sc.on_received = km_srv_wake_scheduler;
     sc.on_received_user = s;
     struct stat stt;
     sc.restore_path = p->snapshot_path && stat(p->snapshot_path, &stt) == 0 ? p->snapshot_path : NULL;
@@ -152,9 +152,10 @@ static int pool_subscriber(km_server *s, pool *p, char *why, size_t why_size)
         return km_why(why, why_size, rc, "pool %s: event subscriber: %s", p->name, km_strerror(rc));
     km_subscriber_stats st;
     if (sc.restore_path && km_subscriber_get_stats(p->sub, &st) == KM_OK)
-        slog(s, "pool %s: snapshot %s %s%s%s", p->name, sc.restore_path,
-             st.restored ? "restored" : "not restored: ", st.restored ? "" : km_error_name(st.restore_status),
-             st.restored ? "; workers resume from their saved seq + 1" : "; starting empty");
+        km_srv_log(s, "pool %s: snapshot %s %s%s%s", p->name, sc.restore_path,
+                   st.restored ? "restored" : "not restored: ",
+                   st.restored ? "" : km_error_name(st.restore_status),
+                   st.restored ? "; workers resume from their saved seq + 1" : "; starting empty");
     return KM_OK;
 }
 
@@ -182,7 +183,7 @@ static int pool_local_feed(km_server *s, pool *p, char *why, size_t why_size)
 }
 
 /* A worker's feed view, from its subscriber or the in-process feed (admin_lock held). */
-int feed_info(km_server *s, uint32_t id, km_feed_worker_info *out)
+int km_srv_feed_info(km_server *s, uint32_t id, km_feed_worker_info *out)
 {
     worker_slot *w = &s->workers[id];
     pool *p = s->pools[w->pool];
@@ -196,7 +197,7 @@ int feed_info(km_server *s, uint32_t id, km_feed_worker_info *out)
     return rc;
 }
 
-int feed_windows(km_server *s, uint32_t id, km_feed_window *out, uint32_t cap, uint32_t *n)
+int km_srv_feed_windows(km_server *s, uint32_t id, km_feed_window *out, uint32_t cap, uint32_t *n)
 {
     worker_slot *w = &s->workers[id];
     pool *p = s->pools[w->pool];
@@ -238,7 +239,7 @@ static void members_erase(pool *p, uint32_t id)
         }
 }
 
-bool is_member(const pool *p, uint32_t id)
+bool km_srv_pool_is_member(const pool *p, uint32_t id)
 {
     uint32_t lo = 0, hi = p->n_members;
     while (lo < hi) {
@@ -252,8 +253,8 @@ bool is_member(const pool *p, uint32_t id)
 }
 
 /* Add a worker (admin_lock held). */
-int worker_add(km_server *s, uint32_t pool_index, const km_server_worker *w, char *why,
-               size_t why_size)
+int km_srv_worker_add(km_server *s, uint32_t pool_index, const km_server_worker *w, char *why,
+                      size_t why_size)
 {
     pool *p = s->pools[pool_index];
     if (w->id >= s->cfg.max_workers)
@@ -318,7 +319,7 @@ int worker_add(km_server *s, uint32_t pool_index, const km_server_worker *w, cha
 
 /* Remove a worker (admin_lock held): it stops being a candidate; its blocks leave the index; its
  * active work ends (outcome records say so). */
-int worker_remove(km_server *s, uint32_t id, char *why, size_t why_size)
+int km_srv_worker_remove(km_server *s, uint32_t id, char *why, size_t why_size)
 {
     if (id >= s->cfg.max_workers || !s->workers[id].used)
         return km_why(why, why_size, KM_ERR_NOT_FOUND, "worker %u does not exist", id);
@@ -341,16 +342,16 @@ int worker_remove(km_server *s, uint32_t id, char *why, size_t why_size)
     free(slot->event_endpoint);
     free(slot->replay_endpoint);
     pthread_mutex_lock(&s->active_lock);
-    bool restricted = health_may_restrict(slot);
+    bool restricted = km_srv_health_may_restrict(slot);
     memset(slot, 0, sizeof *slot);
-    health_changed(s, slot, restricted);
-    km_active_remove_worker(s->active, id, now_ns(), record_removed, s, NULL);
+    km_srv_health_changed(s, slot, restricted);
+    km_active_remove_worker(s->active, id, now_ns(), km_srv_record_removed, s, NULL);
     pthread_mutex_unlock(&s->active_lock);
     return KM_OK;
 }
 
 /* Index state of a worker, now (admin_lock held). */
-const char *worker_state(km_server *s, uint32_t id)
+const char *km_srv_worker_state(km_server *s, uint32_t id)
 {
     worker_slot *w = &s->workers[id];
     if (!w->used)
@@ -358,16 +359,16 @@ const char *worker_state(km_server *s, uint32_t id)
     if (!w->events)
         return "APPROX";
     km_feed_worker_info info;
-    return feed_info(s, id, &info) == KM_OK ? km_feed_state_name(info.state) : "UNKNOWN";
+    return km_srv_feed_info(s, id, &info) == KM_OK ? km_feed_state_name(info.state) : "UNKNOWN";
 }
 
 /* The same, read once per scoring batch (a batch decides against one view of the feeds). */
-const char *worker_state_in_batch(km_server *s, uint32_t id)
+const char *km_srv_worker_state_in_batch(km_server *s, uint32_t id)
 {
     worker_slot *w = &s->workers[id];
     if (w->used && w->events && w->state_batch == s->batch_stamp && w->state)
         return w->state;
-    w->state = worker_state(s, id);
+    w->state = km_srv_worker_state(s, id);
     w->state_batch = s->batch_stamp;
     return w->state;
 }
@@ -391,6 +392,6 @@ int km_server_deliver_events(km_server *s, uint32_t worker, uint64_t seq, const 
     int rc2 = km_feed_live(p->local_feed, worker, seq, rc == KM_OK ? &batch : NULL, now);
     pthread_mutex_unlock(&p->local_lock);
     pthread_mutex_unlock(&s->admin_lock);
-    wake_scheduler(s);
+    km_srv_wake_scheduler(s);
     return rc != KM_OK ? rc : rc2;
 }

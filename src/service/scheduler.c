@@ -10,7 +10,7 @@
 
 /* Subscriber I/O thread: events arrived; the scheduler flushes them at once instead of at its
  * next tick, so the index is fresh before the next decision. */
-void wake_scheduler(void *user)
+void km_srv_wake_scheduler(void *user)
 {
     km_server *s = user;
     pthread_mutex_lock(&s->queue_lock);
@@ -34,7 +34,7 @@ static int grow(void **p, size_t *cap, size_t need, size_t elem)
     return KM_OK;
 }
 
-int scratch_reserve(batch_scratch *b, size_t n_cands)
+int km_srv_scratch_reserve(batch_scratch *b, size_t n_cands)
 {
     size_t cap = b->cap_cands;
     if (grow((void **)&b->cands, &cap, n_cands, sizeof *b->cands))
@@ -53,7 +53,7 @@ int scratch_reserve(batch_scratch *b, size_t n_cands)
 }
 
 /* A stamp no worker in b->seen carries yet. */
-uint32_t next_stamp(km_server *s, batch_scratch *b)
+uint32_t km_srv_scratch_next_stamp(km_server *s, batch_scratch *b)
 {
     if (++b->candidate_stamp == 0) { /* wrapped: no stale stamp may match */
         memset(b->seen, 0, s->cfg.max_workers * sizeof *b->seen);
@@ -72,9 +72,9 @@ static int approx_apply(km_server *s, pool *p, batch_scratch *b, const km_update
     int rc = km_index_apply(p->index, updates, n, NULL);
     if (rc == KM_OK)
         return KM_OK;
-    slog(s, "pool %s: approximate-mode updates refused: %s; the blocks assumed on their workers are "
-         "forgotten", p->name, km_index_last_error(p->index));
-    uint32_t stamp = next_stamp(s, b);
+    km_srv_log(s, "pool %s: approximate-mode updates refused: %s; the blocks assumed on their "
+               "workers are forgotten", p->name, km_index_last_error(p->index));
+    uint32_t stamp = km_srv_scratch_next_stamp(s, b);
     km_approx_updates_clear(&p->approx_updates);
     for (size_t i = 0; i < n; i++) {
         uint32_t w = updates[i].worker;
@@ -84,8 +84,8 @@ static int approx_apply(km_server *s, pool *p, batch_scratch *b, const km_update
         }
     }
     if (km_index_apply(p->index, p->approx_updates.updates, p->approx_updates.n_updates, NULL))
-        slog(s, "pool %s: clearing approximate-mode workers: %s", p->name,
-             km_index_last_error(p->index));
+        km_srv_log(s, "pool %s: clearing approximate-mode workers: %s", p->name,
+                   km_index_last_error(p->index));
     km_approx_updates_clear(&p->approx_updates);
     return rc;
 }
@@ -109,13 +109,13 @@ static void run_batch(km_server *s, job *jobs, batch_scratch *b)
             if (r->status != KM_OK)
                 continue;
             if (r->pool >= s->n_pools) {
-                route_fail(r, KM_ERR_NOT_FOUND, "the pool was removed");
+                km_srv_route_fail(r, KM_ERR_NOT_FOUND, "the pool was removed");
                 continue;
             }
             pool *p = s->pools[r->pool];
             if (grow((void **)&p->requests, &p->requests_capacity, p->n_requests + 1,
                      sizeof *p->requests)) {
-                route_fail(r, KM_ERR_OUT_OF_MEMORY, "batch");
+                km_srv_route_fail(r, KM_ERR_OUT_OF_MEMORY, "batch");
                 continue;
             }
             p->requests[p->n_requests].hashes = r->hashes;
@@ -128,7 +128,7 @@ static void run_batch(km_server *s, job *jobs, batch_scratch *b)
             continue;
         int rc = km_index_match_batch(p->index, p->requests, p->n_requests, &p->results);
         if (rc != KM_OK) {
-            slog(s, "pool %s: scoring failed: %s", p->name, km_index_last_error(p->index));
+            km_srv_log(s, "pool %s: scoring failed: %s", p->name, km_index_last_error(p->index));
             p->n_requests = SIZE_MAX; /* marks the failure below */
         }
     }
@@ -136,26 +136,27 @@ static void run_batch(km_server *s, job *jobs, batch_scratch *b)
     size_t *cursor = calloc(s->n_pools ? s->n_pools : 1, sizeof *cursor);
     km_approx_updates_clear(&b->updates);
     for (job *j = jobs; j; j = j->next) {
-        j->decisions = job_alloc(j, (j->n_routes ? j->n_routes : 1) * sizeof *j->decisions);
+        j->decisions = km_srv_job_alloc(j, (j->n_routes ? j->n_routes : 1) * sizeof *j->decisions);
         if (j->decisions)
             memset(j->decisions, 0, j->n_routes * sizeof *j->decisions);
         for (uint32_t k = 0; k < j->n_routes; k++) {
             route_job *r = &j->routes[k];
             if (r->status != KM_OK || !cursor || !j->decisions) {
                 if (r->status == KM_OK)
-                    route_fail(r, KM_ERR_OUT_OF_MEMORY, "batch");
+                    km_srv_route_fail(r, KM_ERR_OUT_OF_MEMORY, "batch");
                 continue;
             }
             pool *p = s->pools[r->pool];
             size_t q = cursor[r->pool]++;
             if (p->n_requests == SIZE_MAX) {
-                route_fail(r, KM_ERR_INTERNAL, "scoring failed: %s", km_index_last_error(p->index));
+                km_srv_route_fail(r, KM_ERR_INTERNAL, "scoring failed: %s",
+                                  km_index_last_error(p->index));
                 continue;
             }
             /* active_lock per route, not per batch: the loop thread's lifecycle reports
              * (DISPATCHED, FIRST_TOKEN, FINISHED for every request) wait one decision at most. */
             pthread_mutex_lock(&s->active_lock);
-            decide_route(s, j, r, p, &p->results.requests[q], b, &j->decisions[k], scored);
+            km_srv_decide_route(s, j, r, p, &p->results.requests[q], b, &j->decisions[k], scored);
             pthread_mutex_unlock(&s->active_lock);
         }
     }
@@ -193,7 +194,7 @@ static bool expire_due(km_server *s, uint32_t limit)
         size_t n = 0;
         uint32_t slice = limit - ended < EXPIRY_SLICE ? limit - ended : EXPIRY_SLICE;
         pthread_mutex_lock(&s->active_lock);
-        km_active_expire_some(s->active, now_ns(), slice, record_expired, s, &n);
+        km_active_expire_some(s->active, now_ns(), slice, km_srv_record_expired, s, &n);
         pthread_mutex_unlock(&s->active_lock);
         ended += (uint32_t)n;
         if (n < slice)
@@ -261,14 +262,15 @@ static void housekeeping(km_server *s, batch_scratch *b, uint32_t expire_limit)
         if (p->sub) {
             int rc = km_subscriber_flush(p->sub, NULL);
             if (rc != KM_OK)
-                slog(s, "pool %s: applying events: %s", p->name, km_subscriber_last_error(p->sub));
+                km_srv_log(s, "pool %s: applying events: %s", p->name,
+                           km_subscriber_last_error(p->sub));
         }
         if (p->local_feed) {
             pthread_mutex_lock(&p->local_lock);
             int rc = km_feed_flush(p->local_feed, now, NULL);
             if (rc != KM_OK)
-                slog(s, "pool %s: applying in-process events: %s", p->name,
-                     km_feed_last_error(p->local_feed));
+                km_srv_log(s, "pool %s: applying in-process events: %s", p->name,
+                           km_feed_last_error(p->local_feed));
             pthread_mutex_unlock(&p->local_lock);
         }
         if (km_approx_next_expiry(p->approx) <= now) {
@@ -282,7 +284,7 @@ static void housekeeping(km_server *s, batch_scratch *b, uint32_t expire_limit)
     pthread_mutex_unlock(&s->admin_lock);
 }
 
-void scratch_free(batch_scratch *b)
+void km_srv_scratch_free(batch_scratch *b)
 {
     free(b->cands);
     free(b->costs);
@@ -315,7 +317,7 @@ static job *take_jobs(km_server *s)
     return take;
 }
 
-void *scheduler_main(void *arg)
+void *km_srv_scheduler_main(void *arg)
 {
     km_server *s = arg;
     uint64_t next_tick = now_ns() + SCHEDULER_TICK_MS * UINT64_C(1000000);
@@ -367,7 +369,7 @@ void *scheduler_main(void *arg)
             bool nothing_queued = s->queue_head == NULL;
             pthread_mutex_unlock(&s->queue_lock);
             for (job *j = take; nothing_queued && j; j = j->next) {
-                encode_job_reply(s, j);
+                km_srv_job_encode_reply(s, j);
                 j->encoded = true;
             }
             pthread_mutex_lock(&s->done_lock);
@@ -419,7 +421,7 @@ static void on_expiry_more(uv_idle_t *h)
         uv_idle_stop(h);
 }
 
-void on_expiry_tick(uv_timer_t *t)
+void km_srv_on_expiry_tick(uv_timer_t *t)
 {
     km_server *s = t->data;
     if (!uv_is_active((uv_handle_t *)&s->expiry_more) && loop_expire_slice(s))
@@ -431,7 +433,7 @@ void on_expiry_tick(uv_timer_t *t)
  * or go to the scheduler thread with one wake-up. Inline, a lone route costs no thread hand-off
  * either way (two wake-ups fewer); bigger batches go to the scheduler, so decoding and encoding
  * on this thread overlap their scoring. */
-void on_dispatch(uv_check_t *h)
+void km_srv_on_dispatch(uv_check_t *h)
 {
     km_server *s = h->data;
     if (!s->dispatch_pending)
@@ -455,5 +457,5 @@ void on_dispatch(uv_check_t *h)
         pthread_cond_signal(&s->queue_cond);
     pthread_mutex_unlock(&s->queue_lock);
     atomic_fetch_add(&s->st.inline_batches, 1);
-    deliver_jobs(s, take);
+    km_srv_deliver_jobs(s, take);
 }

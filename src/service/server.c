@@ -18,7 +18,7 @@
 #include "base/error_detail.h"
 #include "service/server_internal.h"
 
-void slog(km_server *s, const char *fmt, ...)
+void km_srv_log(km_server *s, const char *fmt, ...)
 {
     char line[512];
     va_list ap;
@@ -104,7 +104,7 @@ void km_server_destroy(km_server *s)
     /* Handles still open (destroy without run): close them and let the loop finish. */
     if (uv_loop_alive(&s->loop)) {
         while (s->conns)
-            conn_close(s->conns);
+            km_srv_conn_close(s->conns);
         if (s->have_unix && !uv_is_closing((uv_handle_t *)&s->unix_listener))
             uv_close((uv_handle_t *)&s->unix_listener, NULL);
         if (s->have_tcp && !uv_is_closing((uv_handle_t *)&s->tcp_listener))
@@ -120,16 +120,16 @@ void km_server_destroy(km_server *s)
     uv_loop_close(&s->loop);
     for (job *j = s->queue_head; j;) {
         job *n = j->next;
-        job_free(j);
+        km_srv_job_free(j);
         j = n;
     }
     for (job *j = s->done_head; j;) {
         job *n = j->next;
-        job_free(j);
+        km_srv_job_free(j);
         j = n;
     }
     for (uint32_t i = 0; i < s->n_pools; i++)
-        pool_destroy(s->pools[i]);
+        km_srv_pool_destroy(s->pools[i]);
     free(s->pools);
     if (s->workers)
         for (uint32_t i = 0; i < s->cfg.max_workers; i++) {
@@ -139,8 +139,8 @@ void km_server_destroy(km_server *s)
     free(s->workers);
     uint64_t cursor = 0;
     for (km_u64map_entry *e; (e = km_u64map_next(&s->attempts_by_decision, &cursor));)
-        attempt_free(&s->attempt_cache, (attempt *)(uintptr_t)e->value);
-    attempt_cache_free(&s->attempt_cache);
+        km_srv_attempt_free(&s->attempt_cache, (attempt *)(uintptr_t)e->value);
+    km_srv_attempt_cache_free(&s->attempt_cache);
     while (s->lessons) {
         dispatch_lesson *l = s->lessons;
         s->lessons = l->next;
@@ -148,7 +148,7 @@ void km_server_destroy(km_server *s)
     }
     km_u64map_free(&s->attempts_by_decision);
     km_active_destroy(s->active);
-    scratch_free(&s->scratch);
+    km_srv_scratch_free(&s->scratch);
     if (s->records) {
         km_record_writer_flush(s->records, 5000);
         km_record_writer_destroy(s->records);
@@ -194,8 +194,8 @@ int km_server_create(const km_server_config *cfg_in, km_server **out, char *why,
         return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,
                      "max_workers, max_batch_routes, max_queued_routes, max_connections, "
                      "max_outbox_bytes (>= 4096), active_ttl_ms or ready_share out of range");
-    /* The cooldown is added to a time in ns (breaker_outcome): bounded as the JSON config and the
-     * CLI bound it, so the product cannot wrap to a short cooldown. */
+    /* The cooldown is added to a time in ns (km_srv_breaker_outcome): bounded as the JSON config
+     * and the CLI bound it, so the product cannot wrap to a short cooldown. */
     if (cfg.breaker_failures &&
         (cfg.breaker_cooldown_ms == 0 || cfg.breaker_cooldown_ms > UINT64_MAX / 1000000))
         return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,
@@ -241,7 +241,7 @@ int km_server_create(const km_server_config *cfg_in, km_server **out, char *why,
         if ((rc = km_active_create(&ac, &s->active)) != KM_OK)
             km_why(why, why_size, rc, "active work: %s", km_strerror(rc));
     }
-    if (!rc && (rc = setup_metrics(s)) != KM_OK)
+    if (!rc && (rc = km_srv_metrics_setup(s)) != KM_OK)
         km_why(why, why_size, rc, "metrics: %s", km_strerror(rc));
     if (!rc && s->snapshot_dir) {
         struct stat st;
@@ -251,18 +251,18 @@ int km_server_create(const km_server_config *cfg_in, km_server **out, char *why,
     }
     for (uint32_t i = 0; !rc && i < cfg.n_pools; i++) {
         const km_server_pool *pc = &cfg.pools[i];
-        if (pool_find(s, pc->name ? pc->name : "") >= 0) {
+        if (km_srv_pool_find(s, pc->name ? pc->name : "") >= 0) {
             rc = km_why(why, why_size, KM_ERR_INVALID_ARGUMENT, "pool %s is listed twice", pc->name);
             break;
         }
         pool *p = NULL;
-        if ((rc = pool_create(s, pc, &p, why, why_size)) != KM_OK)
+        if ((rc = km_srv_pool_create(s, pc, &p, why, why_size)) != KM_OK)
             break;
         s->pools[s->n_pools++] = p;
         for (uint32_t k = 0; !rc && k < pc->n_workers; k++)
-            rc = worker_add(s, s->n_pools - 1, &pc->workers[k], why, why_size);
+            rc = km_srv_worker_add(s, s->n_pools - 1, &pc->workers[k], why, why_size);
     }
-    if (!rc && s->default_pool && pool_find(s, s->default_pool) < 0)
+    if (!rc && s->default_pool && km_srv_pool_find(s, s->default_pool) < 0)
         rc = km_why(why, why_size, KM_ERR_INVALID_ARGUMENT, "default_pool %s is not a pool",
                    s->default_pool);
     if (!rc && s->records_path) {
@@ -292,7 +292,7 @@ int km_server_create(const km_server_config *cfg_in, km_server **out, char *why,
         }
         int e = rc ? 0 : uv_pipe_bind(&s->unix_listener, s->socket_path);
         if (!e && !rc)
-            e = uv_listen((uv_stream_t *)&s->unix_listener, 511, on_connection);
+            e = uv_listen((uv_stream_t *)&s->unix_listener, 511, km_srv_on_connection);
         if (rc) {
             /* reported above */
         } else if (e) {
@@ -322,7 +322,7 @@ int km_server_create(const km_server_config *cfg_in, km_server **out, char *why,
             if (!e)
                 e = uv_tcp_bind(&s->tcp_listener, (struct sockaddr *)&sa, 0);
             if (!e)
-                e = uv_listen((uv_stream_t *)&s->tcp_listener, 511, on_connection);
+                e = uv_listen((uv_stream_t *)&s->tcp_listener, 511, km_srv_on_connection);
             if (e)
                 rc = km_why(why, why_size, KM_ERR_IO, "tcp %s: %s", s->tcp, uv_strerror(e));
             else {
@@ -336,16 +336,16 @@ int km_server_create(const km_server_config *cfg_in, km_server **out, char *why,
         }
     }
     if (!rc) {
-        uv_async_init(&s->loop, &s->wake, on_wake);
+        uv_async_init(&s->loop, &s->wake, km_srv_on_wake);
         s->wake.data = s;
         uv_check_init(&s->loop, &s->dispatch);
         s->dispatch.data = s;
-        uv_check_start(&s->dispatch, on_dispatch);
+        uv_check_start(&s->dispatch, km_srv_on_dispatch);
         uv_unref((uv_handle_t *)&s->dispatch); /* it alone does not keep the loop running */
         s->dispatch_inited = true;
         uv_timer_init(&s->loop, &s->expiry_timer);
         s->expiry_timer.data = s;
-        uv_timer_start(&s->expiry_timer, on_expiry_tick, EXPIRY_TICK_MS, EXPIRY_TICK_MS);
+        uv_timer_start(&s->expiry_timer, km_srv_on_expiry_tick, EXPIRY_TICK_MS, EXPIRY_TICK_MS);
         uv_unref((uv_handle_t *)&s->expiry_timer);
         uv_idle_init(&s->loop, &s->expiry_more);
         s->expiry_more.data = s;
@@ -366,9 +366,9 @@ int km_server_create(const km_server_config *cfg_in, km_server **out, char *why,
             hc.allow_non_loopback = cfg.allow_non_loopback;
             hc.metrics = s->metrics;
             hc.callbacks.user = s;
-            hc.callbacks.readiness = http_readiness;
-            hc.callbacks.status_json = http_status;
-            hc.callbacks.append_metrics = http_metrics;
+            hc.callbacks.readiness = km_srv_http_readiness;
+            hc.callbacks.status_json = km_srv_http_status;
+            hc.callbacks.append_metrics = km_srv_http_metrics;
             hc.log = s->log;
             hc.log_user = s->log_user;
             char herr[200];
@@ -387,7 +387,7 @@ int km_server_create(const km_server_config *cfg_in, km_server **out, char *why,
     if (!rc) {
         s->inline_routes = cfg.inline_routes < cfg.max_batch_routes ? cfg.inline_routes
                                                                    : cfg.max_batch_routes;
-        if (pthread_create(&s->scheduler, NULL, scheduler_main, s) != 0)
+        if (pthread_create(&s->scheduler, NULL, km_srv_scheduler_main, s) != 0)
             rc = km_why(why, why_size, KM_ERR_INTERNAL, "starting the scheduler thread");
         else {
             pthread_setname_np(s->scheduler, "km-scheduler"); /* for top -H, perf, bench ipc */
@@ -410,14 +410,14 @@ int km_server_run(km_server *s, bool install_signals)
         uv_signal_init(&s->loop, &s->sigterm);
         uv_signal_init(&s->loop, &s->sigint);
         s->sigterm.data = s->sigint.data = s;
-        uv_signal_start(&s->sigterm, on_signal, SIGTERM);
-        uv_signal_start(&s->sigint, on_signal, SIGINT);
+        uv_signal_start(&s->sigterm, km_srv_on_signal, SIGTERM);
+        uv_signal_start(&s->sigint, km_srv_on_signal, SIGINT);
         s->signals_installed = true;
         signal(SIGPIPE, SIG_IGN);
     }
-    slog(s, "serving on %s%s%s%s%s (%u pools)", s->socket_path ? s->socket_path : "",
-         s->socket_path && s->tcp ? " and " : "", s->tcp ? "tcp " : "", s->tcp ? s->tcp : "",
-         s->http_addr ? ", http on" : "", s->n_pools);
+    km_srv_log(s, "serving on %s%s%s%s%s (%u pools)", s->socket_path ? s->socket_path : "",
+               s->socket_path && s->tcp ? " and " : "", s->tcp ? "tcp " : "", s->tcp ? s->tcp : "",
+               s->http_addr ? ", http on" : "", s->n_pools);
     /* A peer that closes while its replies are written makes write() raise SIGPIPE, which ends
      * the process unless it is ignored: a program embedding the server (install_signals false)
      * need not ignore it. The signal is directed at the writing thread, this one, so blocking it
@@ -428,7 +428,7 @@ int km_server_run(km_server *s, bool install_signals)
     sigaddset(&pipe_only, SIGPIPE);
     pthread_sigmask(SIG_BLOCK, &pipe_only, &caller_mask);
     if (atomic_load(&s->stop_requested))
-        begin_drain(s);
+        km_srv_begin_drain(s);
     uv_run(&s->loop, UV_RUN_DEFAULT);
     struct timespec no_wait = {0, 0};
     while (sigtimedwait(&pipe_only, NULL, &no_wait) == SIGPIPE) {
@@ -443,28 +443,29 @@ int km_server_run(km_server *s, bool install_signals)
     s->scheduler_started = false;
     /* A batch that ended after a drain timeout closed its connections: nothing is sent, but the
      * jobs and the closed connections they kept are freed. */
-    deliver_done(s);
+    km_srv_deliver_done(s);
     int status = KM_OK;
     for (uint32_t i = 0; i < s->n_pools; i++) {
         pool *p = s->pools[i];
         if (p->sub && p->snapshot_path) {
             int rc = km_subscriber_save(p->sub, NULL);
             if (rc != KM_OK) {
-                slog(s, "pool %s: snapshot not written: %s", p->name, km_subscriber_last_error(p->sub));
+                km_srv_log(s, "pool %s: snapshot not written: %s", p->name,
+                           km_subscriber_last_error(p->sub));
                 if (status == KM_OK)
                     status = rc;
             } else {
-                slog(s, "pool %s: snapshot written to %s", p->name, p->snapshot_path);
+                km_srv_log(s, "pool %s: snapshot written to %s", p->name, p->snapshot_path);
             }
         }
     }
     if (s->records) {
         if (km_record_writer_flush(s->records, 10000) != KM_OK)
-            slog(s, "records: not every record reached the disk before the timeout");
+            km_srv_log(s, "records: not every record reached the disk before the timeout");
     }
     km_http_stop(s->http);
     s->http = NULL;
-    slog(s, "stopped");
+    km_srv_log(s, "stopped");
     return status;
 }
 

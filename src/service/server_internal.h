@@ -6,7 +6,8 @@
  *  - the loop thread (km_server_run, libuv): listeners, connections, frame reading and decoding,
  *    hashing of token input (so it overlaps the scheduler's current batch: double buffering),
  *    lifecycle reports and active-work expiry, WORKERS / POOLS / STATUS, encoding and writing
- *    replies; and, when the scheduler is idle, small batches itself (on_dispatch, inline_routes);
+ *    replies; and, when the scheduler is idle, small batches itself (km_srv_on_dispatch,
+ *    inline_routes);
  *  - the scheduler thread: takes whole ROUTE frames off the queue, flushes each pool's events,
  *    scores every pool's share of the batch with one km_index_match_batch, runs the policies,
  *    begins active work, writes decision records, teaches approximate-mode pools, and hands the
@@ -55,8 +56,8 @@
  *  - the scheduler thread, before each batch (housekeeping): twice the batch's routes (at least
  *    a slice, at most EXPIRY_PER_PASS), which keeps up with any decision rate;
  *  - the loop thread, when the role is free: every EXPIRY_TICK_MS, one slice per pass of the event
- *    loop (on_expiry_tick, then on_expiry_more while a full slice ended), taking the role for the
- *    slice, so sockets are served and inline batches decided between slices.
+ *    loop (km_srv_on_expiry_tick, then on_expiry_more while a full slice ended), taking the role
+ *    for the slice, so sockets are served and inline batches decided between slices.
  * Entries end in slices of EXPIRY_SLICE per hold of active_lock, so a lifecycle report waits for
  * one slice at most. Measured on the 2-core VM (docs/BENCHMARKS.md "IPC"): ending every due entry
  * per tick held the loop 0.5-9 ms; slices on the loop thread without the role made the scheduler
@@ -171,7 +172,7 @@ typedef struct worker_slot {
     bool local;  /* events handed over in process (km_server_deliver_events), no sockets */
     bool has_dp_rank; /* WORKERS add `dp_rank`, echoed in WORKER_LIST and /status */
     uint32_t dp_rank;
-    uint64_t incarnation; /* distinct for every worker_add */
+    uint64_t incarnation; /* distinct for every km_srv_worker_add */
     char name[KM_SERVER_NAME_MAX];
     char *event_endpoint, *replay_endpoint;
     /* per batch: state name cached */
@@ -206,7 +207,8 @@ typedef struct pool {
     uint32_t n_members, members_capacity;
     uint32_t n_approx_members; /* of which in approximate mode */
     bool overrides_seen; /* a lifecycle report named another worker than its decision's: from then
-                          * on decisions keep their hashes (attempt_keep_hashes); active_lock */
+                          * on decisions keep their hashes (km_srv_attempt_keep_hashes);
+                          * active_lock */
     char *snapshot_path; /* NULL = none */
     /* per batch */
     km_request *requests;
@@ -224,8 +226,8 @@ typedef struct batch_scratch {
     km_update *pool_updates;
     size_t cap_pool_updates;
     km_approx_updates updates;
-    uint32_t *seen;           /* max_workers stamps (next_stamp): a route's candidate seen
-                               * already, a worker cleared already (approx_apply) */
+    uint32_t *seen;           /* max_workers stamps (km_srv_scratch_next_stamp): a route's
+                               * candidate seen already, a worker cleared already (approx_apply) */
     uint32_t candidate_stamp; /* the latest stamp */
 } batch_scratch;
 
@@ -277,7 +279,7 @@ struct km_server {
     uint64_t queued_routes;
     bool scheduler_stop;
     /* The scheduler role: held (under queue_lock) by whoever runs housekeeping or a batch, the
-     * scheduler thread or the loop thread running a small batch inline (on_dispatch). */
+     * scheduler thread or the loop thread running a small batch inline (km_srv_on_dispatch). */
     bool scheduler_busy;
     bool events_pending; /* a subscriber received messages since the last housekeeping */
     batch_scratch scratch; /* the role's */
@@ -302,7 +304,8 @@ struct km_server {
     attempt_cache attempt_cache;     /* released attempts for reuse (active_lock) */
     dispatch_lesson *lessons;        /* for the next housekeeping, newest first (active_lock) */
     uint32_t health_restricted;      /* workers unhealthy or with a tripped breaker (active_lock;
-                                      * health_changed): 0 lets decide_route skip the checks */
+                                      * km_srv_health_changed): 0 lets km_srv_decide_route skip
+                                      * the checks */
     atomic_bool lessons_queued;      /* lessons is not empty: housekeeping takes the lock only then */
     km_memory attempts_memory;
     uv_timer_t expiry_timer; /* loop thread: active-work expiry while the scheduler role is free */
@@ -340,92 +343,97 @@ typedef enum eligibility {
     INELIGIBLE_PROBING,      /* half-open, its probe attempt still in flight */
 } eligibility;
 
+/* Functions the files share, grouped by the file that defines them (their contracts are at the
+ * definitions). The km_srv_ prefix marks them internal to the service: the library exports them only
+ * because C has no linkage between static and global. */
+
 /* server.c */
-void slog(km_server *s, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+void km_srv_log(km_server *s, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 
 /* connection.c */
-void conn_maybe_free(conn *c);
-void conn_close(conn *c);
-void conn_close_if_finished(conn *c);
-void conn_send(conn *c, const km_frame_buffer *frames);
-void send_error(conn *c, uint64_t id, int code, const char *fmt, ...)
+void km_srv_conn_maybe_free(conn *c);
+void km_srv_conn_close(conn *c);
+void km_srv_conn_close_if_finished(conn *c);
+void km_srv_conn_send(conn *c, const km_frame_buffer *frames);
+void km_srv_send_error(conn *c, uint64_t id, int code, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));
-void send_message(conn *c, const km_message *m);
-void on_connection(uv_stream_t *listener, int status);
+void km_srv_send_message(conn *c, const km_message *m);
+void km_srv_on_connection(uv_stream_t *listener, int status);
 
 /* loop.c */
-bool handle_frame(conn *c, const uint8_t *payload, size_t size);
-void deliver_jobs(km_server *s, job *list);
-void deliver_done(km_server *s);
-void on_wake(uv_async_t *h);
-void begin_drain(km_server *s);
-void on_signal(uv_signal_t *h, int signum);
+bool km_srv_handle_frame(conn *c, const uint8_t *payload, size_t size);
+void km_srv_deliver_jobs(km_server *s, job *list);
+void km_srv_deliver_done(km_server *s);
+void km_srv_on_wake(uv_async_t *h);
+void km_srv_begin_drain(km_server *s);
+void km_srv_on_signal(uv_signal_t *h, int signum);
 
 /* jobs.c */
-void *job_alloc(job *j, size_t n);
-void job_free(job *j);
-void route_fail(route_job *r, int status, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
-void encode_job_reply(km_server *s, job *j);
-void handle_route(conn *c, const km_message *m);
+void *km_srv_job_alloc(job *j, size_t n);
+void km_srv_job_free(job *j);
+void km_srv_route_fail(route_job *r, int status, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+void km_srv_job_encode_reply(km_server *s, job *j);
+void km_srv_handle_route(conn *c, const km_message *m);
 
 /* scheduler.c */
-void wake_scheduler(void *user);
-int scratch_reserve(batch_scratch *b, size_t n_cands);
-uint32_t next_stamp(km_server *s, batch_scratch *b);
-void scratch_free(batch_scratch *b);
-void *scheduler_main(void *arg);
-void on_expiry_tick(uv_timer_t *t);
-void on_dispatch(uv_check_t *h);
+void km_srv_wake_scheduler(void *user);
+int km_srv_scratch_reserve(batch_scratch *b, size_t n_cands);
+uint32_t km_srv_scratch_next_stamp(km_server *s, batch_scratch *b);
+void km_srv_scratch_free(batch_scratch *b);
+void *km_srv_scheduler_main(void *arg);
+void km_srv_on_expiry_tick(uv_timer_t *t);
+void km_srv_on_dispatch(uv_check_t *h);
 
 /* decision.c */
-void decide_route(km_server *s, job *j, route_job *r, pool *p, const km_request_result *rr,
-                  batch_scratch *b, km_route_decision *d, uint64_t scored_ns);
+void km_srv_decide_route(km_server *s, job *j, route_job *r, pool *p, const km_request_result *rr,
+                         batch_scratch *b, km_route_decision *d, uint64_t scored_ns);
 
 /* pools.c */
-int pool_find(const km_server *s, const char *name);
-int pool_for_model(const km_server *s, const char *model);
-void pool_destroy(pool *p);
-int pool_create(km_server *s, const km_server_pool *pc, pool **out, char *why,
-                size_t why_size);
-int feed_info(km_server *s, uint32_t id, km_feed_worker_info *out);
-int feed_windows(km_server *s, uint32_t id, km_feed_window *out, uint32_t cap, uint32_t *n);
-bool is_member(const pool *p, uint32_t id);
-int worker_add(km_server *s, uint32_t pool_index, const km_server_worker *w, char *why,
-               size_t why_size);
-int worker_remove(km_server *s, uint32_t id, char *why, size_t why_size);
-const char *worker_state(km_server *s, uint32_t id);
-const char *worker_state_in_batch(km_server *s, uint32_t id);
+int km_srv_pool_find(const km_server *s, const char *name);
+int km_srv_pool_for_model(const km_server *s, const char *model);
+void km_srv_pool_destroy(pool *p);
+int km_srv_pool_create(km_server *s, const km_server_pool *pc, pool **out, char *why,
+                       size_t why_size);
+int km_srv_feed_info(km_server *s, uint32_t id, km_feed_worker_info *out);
+int km_srv_feed_windows(km_server *s, uint32_t id, km_feed_window *out, uint32_t cap, uint32_t *n);
+bool km_srv_pool_is_member(const pool *p, uint32_t id);
+int km_srv_worker_add(km_server *s, uint32_t pool_index, const km_server_worker *w, char *why,
+                      size_t why_size);
+int km_srv_worker_remove(km_server *s, uint32_t id, char *why, size_t why_size);
+const char *km_srv_worker_state(km_server *s, uint32_t id);
+const char *km_srv_worker_state_in_batch(km_server *s, uint32_t id);
 
 /* health.c */
-bool health_may_restrict(const worker_slot *w);
-void health_changed(km_server *s, const worker_slot *w, bool restricted_before);
-breaker_state worker_breaker(const worker_slot *w, uint64_t now);
-const char *breaker_state_name(breaker_state b);
-eligibility worker_eligibility(km_server *s, uint32_t id, uint64_t now);
-void breaker_outcome(km_server *s, uint32_t id, km_outcome outcome, uint64_t now);
-bool worker_set_health(km_server *s, uint32_t id, bool healthy);
+bool km_srv_health_may_restrict(const worker_slot *w);
+void km_srv_health_changed(km_server *s, const worker_slot *w, bool restricted_before);
+breaker_state km_srv_worker_breaker(const worker_slot *w, uint64_t now);
+const char *km_srv_breaker_state_name(breaker_state b);
+eligibility km_srv_worker_eligibility(km_server *s, uint32_t id, uint64_t now);
+void km_srv_breaker_outcome(km_server *s, uint32_t id, km_outcome outcome, uint64_t now);
+bool km_srv_worker_set_health(km_server *s, uint32_t id, bool healthy);
 
 /* attempts.c */
-attempt *attempt_new(attempt_cache *cache, const char *request_id, const char *attempt_id,
-                     const char *model, const char *pool_name, const char *endpoint);
-void attempt_free(attempt_cache *cache, attempt *a);
-void attempt_cache_free(attempt_cache *cache);
-void attempt_keep_hashes(km_server *s, attempt *a, const pool *p, const route_job *r);
-void record_expired(void *user, const km_active_summary *sum);
-void record_evicted(void *user, const km_active_summary *sum);
-void record_removed(void *user, const km_active_summary *sum);
-void handle_lifecycle(conn *c, const km_message *m);
+attempt *km_srv_attempt_new(attempt_cache *cache, const char *request_id, const char *attempt_id,
+                            const char *model, const char *pool_name, const char *endpoint);
+void km_srv_attempt_free(attempt_cache *cache, attempt *a);
+void km_srv_attempt_cache_free(attempt_cache *cache);
+void km_srv_attempt_keep_hashes(km_server *s, attempt *a, const pool *p, const route_job *r);
+void km_srv_record_expired(void *user, const km_active_summary *sum);
+void km_srv_record_evicted(void *user, const km_active_summary *sum);
+void km_srv_record_removed(void *user, const km_active_summary *sum);
+void km_srv_handle_lifecycle(conn *c, const km_message *m);
 
 /* admin.c */
-void handle_workers(conn *c, const km_message *m);
-void handle_pools(conn *c, const km_message *m);
-void handle_status(conn *c, const km_message *m);
+void km_srv_handle_workers(conn *c, const km_message *m);
+void km_srv_handle_pools(conn *c, const km_message *m);
+void km_srv_handle_status(conn *c, const km_message *m);
 
 /* status.c */
-bool readiness(km_server *s, char *reason, size_t reason_size);
-bool http_readiness(void *user, km_text *reason);
-int http_status(void *user, km_text *out);
-int http_metrics(void *user, km_text *out);
-int setup_metrics(km_server *s);
+bool km_srv_readiness(km_server *s, char *reason, size_t reason_size);
+bool km_srv_http_readiness(void *user, km_text *reason);
+int km_srv_http_status(void *user, km_text *out);
+int km_srv_http_metrics(void *user, km_text *out);
+int km_srv_metrics_setup(km_server *s);
 
 #endif

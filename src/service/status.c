@@ -9,7 +9,7 @@
 #include "kvmatch/kvmatch.h"
 #include "service/server_internal.h"
 
-bool readiness(km_server *s, char *reason, size_t reason_size)
+bool km_srv_readiness(km_server *s, char *reason, size_t reason_size)
 {
     uint32_t events = 0, live = 0, approx = 0;
     pthread_mutex_lock(&s->admin_lock);
@@ -23,7 +23,7 @@ bool readiness(km_server *s, char *reason, size_t reason_size)
         }
         events++;
         km_feed_worker_info info;
-        if (feed_info(s, id, &info) == KM_OK && info.state == KM_FEED_STATE_LIVE)
+        if (km_srv_feed_info(s, id, &info) == KM_OK && info.state == KM_FEED_STATE_LIVE)
             live++;
     }
     pthread_mutex_unlock(&s->admin_lock);
@@ -33,20 +33,20 @@ bool readiness(km_server *s, char *reason, size_t reason_size)
     return ready;
 }
 
-bool http_readiness(void *user, km_text *reason)
+bool km_srv_http_readiness(void *user, km_text *reason)
 {
     char buf[200];
-    bool ready = readiness(user, buf, sizeof buf);
+    bool ready = km_srv_readiness(user, buf, sizeof buf);
     km_text_append_cstr(reason, buf);
     return ready;
 }
 
-int http_status(void *user, km_text *out)
+int km_srv_http_status(void *user, km_text *out)
 {
     km_server *s = user;
     json_t *root = json_object();
     char reason[200];
-    bool ready = readiness(s, reason, sizeof reason);
+    bool ready = km_srv_readiness(s, reason, sizeof reason);
     json_object_set_new(root, "kvmatch_version", json_string(KVMATCH_VERSION));
     json_object_set_new(root, "uptime_s", json_real((double)(now_ns() - s->start_ns) / 1e9));
     json_object_set_new(root, "ready", json_boolean(ready));
@@ -91,15 +91,17 @@ int http_status(void *user, km_text *out)
         json_object_set_new(jw, "dp_rank", w->has_dp_rank ? json_integer(w->dp_rank) : json_null());
         pthread_mutex_lock(&s->active_lock);
         json_object_set_new(jw, "healthy", json_boolean(!w->unhealthy));
-        json_object_set_new(jw, "breaker", json_string(breaker_state_name(worker_breaker(w, now))));
+        json_object_set_new(jw, "breaker",
+                            json_string(km_srv_breaker_state_name(km_srv_worker_breaker(w, now))));
         json_object_set_new(jw, "failures", json_integer(w->failures));
-        json_object_set_new(jw, "eligible", json_boolean(worker_eligibility(s, id, now) == ELIGIBLE));
+        json_object_set_new(jw, "eligible",
+                            json_boolean(km_srv_worker_eligibility(s, id, now) == ELIGIBLE));
         pthread_mutex_unlock(&s->active_lock);
         km_worker_stats ws;
         if (km_index_worker_stats(p->index, id, &ws) == KM_OK)
             json_object_set_new(jw, "blocks", json_integer((json_int_t)ws.blocks));
         km_feed_worker_info info;
-        if (w->events && feed_info(s, id, &info) == KM_OK) {
+        if (w->events && km_srv_feed_info(s, id, &info) == KM_OK) {
             json_object_set_new(jw, "state", json_string(km_feed_state_name(info.state)));
             json_object_set_new(jw, "expected_seq", info.has_expected_seq
                                                         ? json_integer((json_int_t)info.expected_seq)
@@ -115,7 +117,7 @@ int http_status(void *user, km_text *out)
             km_feed_window win[16];
             uint32_t nw = 0;
             json_t *jwin = json_array();
-            if (feed_windows(s, id, win, 16, &nw) == KM_OK)
+            if (km_srv_feed_windows(s, id, win, 16, &nw) == KM_OK)
                 for (uint32_t k = 0; k < nw && k < 16; k++) {
                     json_t *o = json_object();
                     json_object_set_new(o, "cause", json_string(km_feed_window_cause_name(win[k].cause)));
@@ -147,7 +149,7 @@ int http_status(void *user, km_text *out)
     return KM_OK;
 }
 
-int http_metrics(void *user, km_text *out)
+int km_srv_http_metrics(void *user, km_text *out)
 {
     km_server *s = user;
     km_prom_write_family(out, "kvmatch_worker_blocks", "Blocks the index holds per worker.",
@@ -163,16 +165,16 @@ int http_metrics(void *user, km_text *out)
         km_worker_stats ws;
         char ids[16];
         snprintf(ids, sizeof ids, "%u", id);
-        const char *state = worker_state(s, id);
+        const char *state = km_srv_worker_state(s, id);
         km_metric_label labels[4] = {{"worker", ids}, {"name", w->name}, {"pool", p->name},
                                      {"state", state}};
         if (km_index_worker_stats(p->index, id, &ws) == KM_OK)
             km_prom_write_sample_u64(out, "kvmatch_worker_blocks", labels, 4, ws.blocks);
         pthread_mutex_lock(&s->active_lock);
-        ineligible += worker_eligibility(s, id, now) != ELIGIBLE;
+        ineligible += km_srv_worker_eligibility(s, id, now) != ELIGIBLE;
         pthread_mutex_unlock(&s->active_lock);
         km_feed_worker_info info;
-        if (w->events && feed_info(s, id, &info) == KM_OK) {
+        if (w->events && km_srv_feed_info(s, id, &info) == KM_OK) {
             degraded += info.state == KM_FEED_STATE_DEGRADED;
             gaps += info.counters.gaps;
             replayed += info.counters.replayed;
@@ -260,7 +262,7 @@ int http_metrics(void *user, km_text *out)
     return out->status;
 }
 
-int setup_metrics(km_server *s)
+int km_srv_metrics_setup(km_server *s)
 {
     int rc = km_metrics_create(&s->metrics);
     size_t nb, nl;
