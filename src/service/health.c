@@ -4,20 +4,27 @@
 
 #include "service/server_internal.h"
 
-/* Whether w may be ineligible now or later without another change of its health:
- * km_srv_health_changed keeps health_restricted counting such workers (active_lock held), given
- * what this was before. */
-bool km_srv_health_may_restrict(const worker_slot *w)
+/* Whether w may be ineligible now or later without another change of its health: health_changed
+ * keeps health_restricted counting such workers (active_lock held), given what this was before. */
+static bool health_may_restrict(const worker_slot *w)
 {
     return w->unhealthy || w->breaker_tripped;
 }
 
-void km_srv_health_changed(km_server *s, const worker_slot *w, bool restricted_before)
+static void health_changed(km_server *s, const worker_slot *w, bool restricted_before)
 {
-    bool now = km_srv_health_may_restrict(w);
+    bool now = health_may_restrict(w);
     if (now && !restricted_before)
         s->health_restricted++;
     else if (!now && restricted_before)
+        s->health_restricted--;
+}
+
+/* Worker w leaves its pool (active_lock held, before its slot is cleared): it no longer counts in
+ * health_restricted. */
+void km_srv_health_forget(km_server *s, const worker_slot *w)
+{
+    if (health_may_restrict(w))
         s->health_restricted--;
 }
 
@@ -71,10 +78,10 @@ void km_srv_breaker_outcome(km_server *s, uint32_t id, km_outcome outcome, uint6
 {
     worker_slot *w = &s->workers[id];
     if (outcome == KM_OUTCOME_COMPLETE) {
-        bool before = km_srv_health_may_restrict(w);
+        bool before = health_may_restrict(w);
         w->failures = 0;
         w->breaker_tripped = false;
-        km_srv_health_changed(s, w, before);
+        health_changed(s, w, before);
         return;
     }
     if (outcome != KM_OUTCOME_ERROR && outcome != KM_OUTCOME_INCOMPLETE)
@@ -84,9 +91,9 @@ void km_srv_breaker_outcome(km_server *s, uint32_t id, km_outcome outcome, uint6
     uint32_t threshold = s->cfg.breaker_failures;
     if (!threshold || w->failures < threshold || km_srv_worker_breaker(w, now) == BREAKER_OPEN)
         return;
-    bool reopened = w->breaker_tripped, before = km_srv_health_may_restrict(w);
+    bool reopened = w->breaker_tripped, before = health_may_restrict(w);
     w->breaker_tripped = true;
-    km_srv_health_changed(s, w, before);
+    health_changed(s, w, before);
     w->probe_decision = 0; /* what was decided before this cooldown is not its probe */
     uint64_t cooldown = s->cfg.breaker_cooldown_ms * 1000000u;
     w->breaker_until_ns = now > UINT64_MAX - cooldown ? UINT64_MAX : now + cooldown;
@@ -103,9 +110,9 @@ bool km_srv_worker_set_health(km_server *s, uint32_t id, bool healthy)
 {
     pthread_mutex_lock(&s->active_lock);
     worker_slot *w = &s->workers[id];
-    bool changed = w->unhealthy == healthy, before = km_srv_health_may_restrict(w);
+    bool changed = w->unhealthy == healthy, before = health_may_restrict(w);
     w->unhealthy = !healthy;
-    km_srv_health_changed(s, w, before);
+    health_changed(s, w, before);
     pthread_mutex_unlock(&s->active_lock);
     return changed;
 }

@@ -241,5 +241,5 @@ void km_srv_handle_route(conn *c, const km_message *m)
     s->queue_tail = j;
     s->queued_routes += j->n_routes;
     pthread_mutex_unlock(&s->queue_lock);
-    s->dispatch_pending = true; /* km_srv_on_dispatch runs it or wakes the scheduler */
+    s->dispatch_pending = true; /* on_dispatch (scheduler.c) runs it or wakes the scheduler */
 }

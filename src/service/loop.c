@@ -148,12 +148,7 @@ static void close_everything(km_server *s)
         km_srv_conn_close(s->conns);
     if (!uv_is_closing((uv_handle_t *)&s->wake))
         uv_close((uv_handle_t *)&s->wake, NULL);
-    if (s->dispatch_inited && !uv_is_closing((uv_handle_t *)&s->dispatch))
-        uv_close((uv_handle_t *)&s->dispatch, NULL);
-    if (s->expiry_timer_inited && !uv_is_closing((uv_handle_t *)&s->expiry_timer)) {
-        uv_close((uv_handle_t *)&s->expiry_timer, NULL);
-        uv_close((uv_handle_t *)&s->expiry_more, NULL);
-    }
+    km_srv_scheduler_close_handles(s);
     if (s->drain_timer_started && !uv_is_closing((uv_handle_t *)&s->drain_timer))
         uv_close((uv_handle_t *)&s->drain_timer, NULL);
     if (s->signals_installed) {

@@ -342,9 +342,8 @@ int km_srv_worker_remove(km_server *s, uint32_t id, char *why, size_t why_size)
     free(slot->event_endpoint);
     free(slot->replay_endpoint);
     pthread_mutex_lock(&s->active_lock);
-    bool restricted = km_srv_health_may_restrict(slot);
+    km_srv_health_forget(s, slot);
     memset(slot, 0, sizeof *slot);
-    km_srv_health_changed(s, slot, restricted);
     km_active_remove_worker(s->active, id, now_ns(), km_srv_record_removed, s, NULL);
     pthread_mutex_unlock(&s->active_lock);
     return KM_OK;

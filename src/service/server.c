@@ -87,20 +87,9 @@ void km_server_destroy(km_server *s)
 {
     if (!s)
         return;
-    if (s->scheduler_started) {
-        pthread_mutex_lock(&s->queue_lock);
-        s->scheduler_stop = true;
-        pthread_cond_signal(&s->queue_cond);
-        pthread_mutex_unlock(&s->queue_lock);
-        pthread_join(s->scheduler, NULL);
-    }
+    km_srv_scheduler_stop(s);
     km_http_stop(s->http);
-    if (s->dispatch_inited && !uv_is_closing((uv_handle_t *)&s->dispatch))
-        uv_close((uv_handle_t *)&s->dispatch, NULL); /* unreferenced: close it explicitly */
-    if (s->expiry_timer_inited && !uv_is_closing((uv_handle_t *)&s->expiry_timer)) {
-        uv_close((uv_handle_t *)&s->expiry_timer, NULL);
-        uv_close((uv_handle_t *)&s->expiry_more, NULL);
-    }
+    km_srv_scheduler_close_handles(s);
     /* Handles still open (destroy without run): close them and let the loop finish. */
     if (uv_loop_alive(&s->loop)) {
         while (s->conns)
@@ -338,19 +327,6 @@ int km_server_create(const km_server_config *cfg_in, km_server **out, char *why,
     if (!rc) {
         uv_async_init(&s->loop, &s->wake, km_srv_on_wake);
         s->wake.data = s;
-        uv_check_init(&s->loop, &s->dispatch);
-        s->dispatch.data = s;
-        uv_check_start(&s->dispatch, km_srv_on_dispatch);
-        uv_unref((uv_handle_t *)&s->dispatch); /* it alone does not keep the loop running */
-        s->dispatch_inited = true;
-        uv_timer_init(&s->loop, &s->expiry_timer);
-        s->expiry_timer.data = s;
-        uv_timer_start(&s->expiry_timer, km_srv_on_expiry_tick, EXPIRY_TICK_MS, EXPIRY_TICK_MS);
-        uv_unref((uv_handle_t *)&s->expiry_timer);
-        uv_idle_init(&s->loop, &s->expiry_more);
-        s->expiry_more.data = s;
-        uv_unref((uv_handle_t *)&s->expiry_more); /* neither keeps the loop running */
-        s->expiry_timer_inited = true;
     }
     if (!rc && s->http_addr) {
         char host[128];
@@ -365,10 +341,7 @@ int km_server_create(const km_server_config *cfg_in, km_server **out, char *why,
             hc.port = (uint16_t)port;
             hc.allow_non_loopback = cfg.allow_non_loopback;
             hc.metrics = s->metrics;
-            hc.callbacks.user = s;
-            hc.callbacks.readiness = km_srv_http_readiness;
-            hc.callbacks.status_json = km_srv_http_status;
-            hc.callbacks.append_metrics = km_srv_http_metrics;
+            hc.callbacks = km_srv_http_callbacks(s);
             hc.log = s->log;
             hc.log_user = s->log_user;
             char herr[200];
@@ -378,22 +351,8 @@ int km_server_create(const km_server_config *cfg_in, km_server **out, char *why,
                 s->http_port = km_http_port(s->http);
         }
     }
-    if (!rc) {
-        km_approx_updates_init(&s->scratch.updates);
-        s->scratch.seen = calloc(cfg.max_workers, sizeof *s->scratch.seen);
-        if (!s->scratch.seen)
-            rc = km_why(why, why_size, KM_ERR_OUT_OF_MEMORY, "scheduler scratch");
-    }
-    if (!rc) {
-        s->inline_routes = cfg.inline_routes < cfg.max_batch_routes ? cfg.inline_routes
-                                                                   : cfg.max_batch_routes;
-        if (pthread_create(&s->scheduler, NULL, km_srv_scheduler_main, s) != 0)
-            rc = km_why(why, why_size, KM_ERR_INTERNAL, "starting the scheduler thread");
-        else {
-            pthread_setname_np(s->scheduler, "km-scheduler"); /* for top -H, perf, bench ipc */
-            s->scheduler_started = true;
-        }
-    }
+    if (!rc)
+        rc = km_srv_scheduler_start(s, why, why_size);
     if (rc) {
         km_server_destroy(s);
         return rc;
@@ -435,12 +394,7 @@ int km_server_run(km_server *s, bool install_signals)
     }
     pthread_sigmask(SIG_SETMASK, &caller_mask, NULL);
     /* Drained: stop the scheduler, then persist. */
-    pthread_mutex_lock(&s->queue_lock);
-    s->scheduler_stop = true;
-    pthread_cond_signal(&s->queue_cond);
-    pthread_mutex_unlock(&s->queue_lock);
-    pthread_join(s->scheduler, NULL);
-    s->scheduler_started = false;
+    km_srv_scheduler_stop(s);
     /* A batch that ended after a drain timeout closed its connections: nothing is sent, but the
      * jobs and the closed connections they kept are freed. */
     km_srv_deliver_done(s);

@@ -6,8 +6,8 @@
  *  - the loop thread (km_server_run, libuv): listeners, connections, frame reading and decoding,
  *    hashing of token input (so it overlaps the scheduler's current batch: double buffering),
  *    lifecycle reports and active-work expiry, WORKERS / POOLS / STATUS, encoding and writing
- *    replies; and, when the scheduler is idle, small batches itself (km_srv_on_dispatch,
- *    inline_routes);
+ *    replies; and, when the scheduler is idle, small batches itself (on_dispatch in
+ *    scheduler.c, inline_routes);
  *  - the scheduler thread: takes whole ROUTE frames off the queue, flushes each pool's events,
  *    scores every pool's share of the batch with one km_index_match_batch, runs the policies,
  *    begins active work, writes decision records, teaches approximate-mode pools, and hands the
@@ -49,25 +49,6 @@
 
 #define MAX_POOLS 4096u
 #define READ_CHUNK (64u * 1024u)
-#define SCHEDULER_TICK_MS 20u
-
-/* Active work whose FINISHED never comes is expired only by the holder of the scheduler role, so
- * expiry never contends with a batch's decisions for active_lock:
- *  - the scheduler thread, before each batch (housekeeping): twice the batch's routes (at least
- *    a slice, at most EXPIRY_PER_PASS), which keeps up with any decision rate;
- *  - the loop thread, when the role is free: every EXPIRY_TICK_MS, one slice per pass of the event
- *    loop (km_srv_on_expiry_tick, then on_expiry_more while a full slice ended), taking the role
- *    for the slice, so sockets are served and inline batches decided between slices.
- * Entries end in slices of EXPIRY_SLICE per hold of active_lock, so a lifecycle report waits for
- * one slice at most. Measured on the 2-core VM (docs/BENCHMARKS.md "IPC"): ending every due entry
- * per tick held the loop 0.5-9 ms; slices on the loop thread without the role made the scheduler
- * wait for active_lock 130-175 ms of every second at 180,000 decisions/s (a holder preempted by
- * the third busy thread, presumably) while the machine sat 16% idle; expiry on the scheduler
- * thread alone kept the role busy at 20,000 single routes/s, so those routes lost the inline path
- * (median p99 4.5 ms against 3.1 ms in six shuffled runs each). */
-#define EXPIRY_TICK_MS 20u
-#define EXPIRY_SLICE 64u
-#define EXPIRY_PER_PASS 1024u
 
 static inline uint64_t now_ns(void)
 {
@@ -279,7 +260,7 @@ struct km_server {
     uint64_t queued_routes;
     bool scheduler_stop;
     /* The scheduler role: held (under queue_lock) by whoever runs housekeeping or a batch, the
-     * scheduler thread or the loop thread running a small batch inline (km_srv_on_dispatch). */
+     * scheduler thread or the loop thread running a small batch inline (on_dispatch). */
     bool scheduler_busy;
     bool events_pending; /* a subscriber received messages since the last housekeeping */
     batch_scratch scratch; /* the role's */
@@ -304,8 +285,7 @@ struct km_server {
     attempt_cache attempt_cache;     /* released attempts for reuse (active_lock) */
     dispatch_lesson *lessons;        /* for the next housekeeping, newest first (active_lock) */
     uint32_t health_restricted;      /* workers unhealthy or with a tripped breaker (active_lock;
-                                      * km_srv_health_changed): 0 lets km_srv_decide_route skip
-                                      * the checks */
+                                      * health.c): 0 lets km_srv_decide_route skip the checks */
     atomic_bool lessons_queued;      /* lessons is not empty: housekeeping takes the lock only then */
     km_memory attempts_memory;
     uv_timer_t expiry_timer; /* loop thread: active-work expiry while the scheduler role is free */
@@ -381,9 +361,9 @@ void km_srv_wake_scheduler(void *user);
 int km_srv_scratch_reserve(batch_scratch *b, size_t n_cands);
 uint32_t km_srv_scratch_next_stamp(km_server *s, batch_scratch *b);
 void km_srv_scratch_free(batch_scratch *b);
-void *km_srv_scheduler_main(void *arg);
-void km_srv_on_expiry_tick(uv_timer_t *t);
-void km_srv_on_dispatch(uv_check_t *h);
+int km_srv_scheduler_start(km_server *s, char *why, size_t why_size);
+void km_srv_scheduler_stop(km_server *s);
+void km_srv_scheduler_close_handles(km_server *s);
 
 /* decision.c */
 void km_srv_decide_route(km_server *s, job *j, route_job *r, pool *p, const km_request_result *rr,
@@ -405,8 +385,7 @@ const char *km_srv_worker_state(km_server *s, uint32_t id);
 const char *km_srv_worker_state_in_batch(km_server *s, uint32_t id);
 
 /* health.c */
-bool km_srv_health_may_restrict(const worker_slot *w);
-void km_srv_health_changed(km_server *s, const worker_slot *w, bool restricted_before);
+void km_srv_health_forget(km_server *s, const worker_slot *w);
 breaker_state km_srv_worker_breaker(const worker_slot *w, uint64_t now);
 const char *km_srv_breaker_state_name(breaker_state b);
 eligibility km_srv_worker_eligibility(km_server *s, uint32_t id, uint64_t now);
@@ -431,9 +410,7 @@ void km_srv_handle_status(conn *c, const km_message *m);
 
 /* status.c */
 bool km_srv_readiness(km_server *s, char *reason, size_t reason_size);
-bool km_srv_http_readiness(void *user, km_text *reason);
-int km_srv_http_status(void *user, km_text *out);
-int km_srv_http_metrics(void *user, km_text *out);
+km_http_callbacks km_srv_http_callbacks(km_server *s);
 int km_srv_metrics_setup(km_server *s);
 
 #endif

@@ -33,7 +33,7 @@ bool km_srv_readiness(km_server *s, char *reason, size_t reason_size)
     return ready;
 }
 
-bool km_srv_http_readiness(void *user, km_text *reason)
+static bool http_readiness(void *user, km_text *reason)
 {
     char buf[200];
     bool ready = km_srv_readiness(user, buf, sizeof buf);
@@ -41,7 +41,7 @@ bool km_srv_http_readiness(void *user, km_text *reason)
     return ready;
 }
 
-int km_srv_http_status(void *user, km_text *out)
+static int http_status(void *user, km_text *out)
 {
     km_server *s = user;
     json_t *root = json_object();
@@ -149,7 +149,7 @@ int km_srv_http_status(void *user, km_text *out)
     return KM_OK;
 }
 
-int km_srv_http_metrics(void *user, km_text *out)
+static int http_metrics(void *user, km_text *out)
 {
     km_server *s = user;
     km_prom_write_family(out, "kvmatch_worker_blocks", "Blocks the index holds per worker.",
@@ -260,6 +260,14 @@ int km_srv_http_metrics(void *user, km_text *out)
         km_prom_write_sample_u64(out, records[i].name, NULL, 0, records[i].v);
     }
     return out->status;
+}
+
+/* The HTTP server's callbacks (service/http.h): /readyz, /status and the service's samples in
+ * /metrics; they run on the HTTP thread and take admin_lock and active_lock briefly. */
+km_http_callbacks km_srv_http_callbacks(km_server *s)
+{
+    km_http_callbacks cb = {s, http_readiness, http_status, http_metrics};
+    return cb;
 }
 
 int km_srv_metrics_setup(km_server *s)
