@@ -1,6 +1,8 @@
-/* One route's decision, on the scheduler role with admin_lock and active_lock held: candidates
- * and their eligibility, the policy, active work begun, the reply's rows, the attempt kept for
- * its outcome record, the decision record, and approximate-mode learning. */
+/* One route's decision, by the scheduler role with admin_lock and active_lock held, in named steps
+ * over one candidate type (the policy's km_policy_candidate rows in the batch scratch, with a
+ * route_choice for what is chosen from them): gather the candidates, choose, begin active work,
+ * fill the reply, keep the attempt for its outcome record, record the decision, teach approximate
+ * mode. */
 #include <inttypes.h>
 #include <math.h>
 #include <string.h>
@@ -39,17 +41,54 @@ static bool prediction_observed(const km_server *s, const km_policy_candidate *c
     return true;
 }
 
-/* Decide one route whose scoring result is rr (admin_lock and active_lock held). Fills the reply
- * decision *d (candidate arrays in the job's memory) or fails the route. */
-void km_srv_decide_route(km_server *s, job *j, route_job *r, pool *p, const km_request_result *rr,
-                         batch_scratch *b, km_route_decision *d, uint64_t scored_ns)
+/* The index state of worker id, read once per scoring batch (a batch decides against one view of
+ * the feeds). */
+static const char *worker_state_in_batch(km_server *s, uint32_t id)
+{
+    worker_slot *w = &s->workers[id];
+    if (w->used && w->events && w->state_batch == s->batch_stamp && w->state)
+        return w->state;
+    w->state = km_srv_worker_state(s, id);
+    w->state_batch = s->batch_stamp;
+    return w->state;
+}
+
+/* One route's decision as it passes from step to step. Its candidates are the policy's rows in the
+ * batch scratch, b->cands[0..n): the n_eligible the policy weighs first, then the ineligible ones
+ * (unhealthy or held back by their breaker), each part in the route's order; beside them
+ * b->costs[i] (NAN for the ineligible: not weighed) and, when the reply or the record shows rows,
+ * b->states[i]. Their load is what this instance saw before this decision's own charge. The rest
+ * is what was chosen from them. The reply, the attempt and the decision record are each filled
+ * from this, never from one another. */
+typedef struct route_choice {
+    uint64_t now;
+    bool check_health; /* some worker of the service may be ineligible (health_restricted) */
+    uint32_t n, n_eligible;
+    km_policy_kind kind; /* the pool's policy, or the one the route names */
+    km_policy_reason reason;
+    uint32_t chosen_at; /* index into b->cands */
+    uint32_t chosen, chosen_depth;
+    const char *chosen_state;
+    bool has_owner; /* the prediction owner: the deepest match among every candidate */
+    uint32_t owner, owner_depth; /* worker 0 and depth 0 without an owner */
+    const char *owner_state;     /* NULL without an owner */
+    bool observed;               /* the prediction is an observation (events), else approx */
+    km_active_key key;
+    uint64_t decision_id;
+} route_choice;
+
+/* The route's candidates, each with its match (depth by tier), its load and its indexed blocks,
+ * the eligible ones first. False when the route failed: a candidate of its own outside the pool
+ * or listed twice, no candidate at all, or none eligible. */
+static bool gather_candidates(km_server *s, route_job *r, const pool *p,
+                              const km_request_result *rr, batch_scratch *b, route_choice *c)
 {
     /* Candidates: the request's (each must be a worker of this pool), else the pool's. */
     const uint32_t *ids = r->candidates ? r->candidates : p->members;
     uint32_t n = r->candidates ? r->n_candidates : p->n_members;
     if (n == 0) {
         km_srv_route_fail(r, KM_ERR_NOT_FOUND, "pool %s has no workers", p->name);
-        return;
+        return false;
     }
     /* The route's own candidates must be members, each once (the pool's members are, by
      * construction). Duplicates are found in O(n) with a stamp per worker id. */
@@ -57,58 +96,55 @@ void km_srv_decide_route(km_server *s, job *j, route_job *r, pool *p, const km_r
         if (!km_srv_pool_is_member(p, ids[i])) {
             km_srv_route_fail(r, KM_ERR_NOT_FOUND, "candidate worker %u is not in pool %s", ids[i],
                               p->name);
-            return;
+            return false;
         }
         if (i == 0)
             km_srv_scratch_next_stamp(s, b);
         if (b->seen[ids[i]] == b->candidate_stamp) {
             km_srv_route_fail(r, KM_ERR_INVALID_ARGUMENT, "candidate worker %u is listed twice",
                               ids[i]);
-            return;
+            return false;
         }
         b->seen[ids[i]] = b->candidate_stamp;
     }
     if (km_srv_scratch_reserve(b, n)) {
         km_srv_route_fail(r, KM_ERR_OUT_OF_MEMORY, "candidate scratch");
-        return;
+        return false;
     }
     const km_worker_match *m = p->results.matches + rr->first;
     const km_match_tiers *tiers = p->results.tiers + rr->first;
-    uint64_t now = now_ns();
-    /* Eligible candidates first, in the route's order, then the ineligible ones (unhealthy or
-     * held back by their breaker), also in order: the policy weighs the first n_eligible; the
-     * others still have rows, so the reply and the record show what they held. */
+    c->now = now_ns();
     /* While no worker of the service is unhealthy or has a tripped breaker (the usual case), every
      * candidate is eligible and goes straight to its place. */
-    bool check_health = s->health_restricted > 0;
+    c->check_health = s->health_restricted > 0;
     uint32_t n_eligible = 0, back = n, unhealthy = 0, breaker_open = 0, probing = 0;
     for (uint32_t i = 0; i < n; i++) {
         km_policy_candidate cand;
-        km_policy_candidate *c = check_health ? &cand : &b->cands[i];
-        memset(c, 0, sizeof *c);
-        c->worker = ids[i];
+        km_policy_candidate *pc = c->check_health ? &cand : &b->cands[i];
+        memset(pc, 0, sizeof *pc);
+        pc->worker = ids[i];
         uint32_t at;
         const km_worker_match *hit = find_match(m, rr->count, ids[i], &at);
         if (hit) {
-            c->depth = hit->depth;
-            c->host_blocks = tiers[at].host_blocks;
-            c->disk_blocks = tiers[at].disk_blocks;
-            c->device_blocks = hit->depth - c->host_blocks - c->disk_blocks;
+            pc->depth = hit->depth;
+            pc->host_blocks = tiers[at].host_blocks;
+            pc->disk_blocks = tiers[at].disk_blocks;
+            pc->device_blocks = hit->depth - pc->host_blocks - pc->disk_blocks;
         }
         km_active_load load;
         if (km_active_worker_load(s->active, ids[i], &load) == KM_OK) {
-            c->in_flight = load.in_flight > UINT32_MAX ? UINT32_MAX : (uint32_t)load.in_flight;
-            c->pending_prefill_tokens = load.pending_prefill_tokens;
-            c->active_decode_blocks = load.active_decode_blocks;
+            pc->in_flight = load.in_flight > UINT32_MAX ? UINT32_MAX : (uint32_t)load.in_flight;
+            pc->pending_prefill_tokens = load.pending_prefill_tokens;
+            pc->active_decode_blocks = load.active_decode_blocks;
         }
         km_worker_stats ws;
         if (km_index_worker_stats(p->index, ids[i], &ws) == KM_OK)
-            c->indexed_blocks = ws.blocks;
-        if (!check_health) {
+            pc->indexed_blocks = ws.blocks;
+        if (!c->check_health) {
             n_eligible++;
             continue;
         }
-        eligibility e = km_srv_worker_eligibility(s, ids[i], now);
+        eligibility e = km_srv_worker_eligibility(s, ids[i], c->now);
         if (e == ELIGIBLE)
             b->cands[n_eligible++] = cand;
         else
@@ -129,24 +165,39 @@ void km_srv_decide_route(km_server *s, job *j, route_job *r, pool *p, const km_r
                           "(the router's word), %u circuit breaker%s open, %u half-open with a "
                           "probe in flight", n, p->name, unhealthy, breaker_open,
                           breaker_open == 1 ? "" : "s", probing);
-        return;
+        return false;
     }
+    c->n = n;
+    c->n_eligible = n_eligible;
+    return true;
+}
+
+/* The policy's choice among the eligible candidates, the prediction owner among all of them, and
+ * the source of the prediction. False when the route failed: an unknown policy name, or the
+ * policy refused the candidates. */
+static bool choose(km_server *s, route_job *r, pool *p, batch_scratch *b, route_choice *c)
+{
     km_policy_config pc = p->policy;
     if (r->policy_name && km_policy_kind_parse(r->policy_name, &pc.kind) != KM_OK) {
         km_srv_route_fail(r, KM_ERR_INVALID_ARGUMENT, "unknown policy \"%s\"", r->policy_name);
-        return;
+        return false;
     }
     km_policy_request req = {r->n_hashes, p->block_size, r->prompt_tokens,
                              r->has_expected_output_tokens ? r->expected_output_tokens : 0};
     km_policy_decision pd;
-    int rc = km_policy_decide(&pc, &p->policy_state, &req, b->cands, n_eligible, &pd, b->costs);
+    int rc = km_policy_decide(&pc, &p->policy_state, &req, b->cands, c->n_eligible, &pd, b->costs);
     if (rc != KM_OK) {
         km_srv_route_fail(r, rc, "%s", km_policy_last_error(&p->policy_state));
-        return;
+        return false;
     }
+    uint32_t n = c->n, n_eligible = c->n_eligible;
     for (uint32_t i = n_eligible; i < n; i++)
         b->costs[i] = NAN; /* not weighed */
-    uint32_t chosen = b->cands[pd.chosen].worker;
+    c->kind = pc.kind;
+    c->reason = pd.reason;
+    c->chosen_at = pd.chosen;
+    c->chosen = b->cands[pd.chosen].worker;
+    c->chosen_depth = pd.chosen_depth;
     /* The prediction owner is the deepest match among every candidate: an ineligible worker that
      * holds more than any eligible one is the owner (the record says where the KV is, and that it
      * could not be used); ties with an eligible one stay with the policy's owner, ties among
@@ -159,23 +210,32 @@ void km_srv_decide_route(km_server *s, job *j, route_job *r, pool *p, const km_r
         owner_depth = b->cands[owner_at].depth;
         has_owner = true;
     }
-    uint32_t owner = has_owner ? b->cands[owner_at].worker : 0;
-    const char *chosen_state = km_srv_worker_state_in_batch(s, chosen);
-    bool observed = prediction_observed(s, b->cands, n, has_owner, owner, chosen);
+    c->has_owner = has_owner;
+    c->owner = has_owner ? b->cands[owner_at].worker : 0;
+    c->owner_depth = owner_depth;
+    c->chosen_state = worker_state_in_batch(s, c->chosen);
+    c->observed = prediction_observed(s, b->cands, n, has_owner, c->owner, c->chosen);
+    return true;
+}
 
-    /* Active work first: a duplicate attempt id fails the route before anything is recorded. */
+/* The route's active work on the chosen worker, and its decision id. Active work comes first: a
+ * duplicate attempt id fails the route before anything is recorded. False when the route failed:
+ * already in flight, or no room in the active-work table even after evicting its oldest entry. */
+static bool begin_active_work(km_server *s, route_job *r, const pool *p, route_choice *c)
+{
     uint32_t prompt = r->prompt_tokens > UINT32_MAX ? UINT32_MAX : (uint32_t)r->prompt_tokens;
-    uint64_t predicted = (uint64_t)pd.chosen_depth * p->block_size;
+    uint64_t predicted = (uint64_t)c->chosen_depth * p->block_size;
     uint32_t expected = r->expected_output_tokens > UINT32_MAX ? UINT32_MAX
                                                                : (uint32_t)r->expected_output_tokens;
-    km_active_key key = km_active_key_of(r->request_id, r->attempt_id);
+    c->key = km_active_key_of(r->request_id, r->attempt_id);
+    int rc = KM_OK;
     for (int tries = 0; tries < 2; tries++) {
-        rc = km_active_begin(s->active, chosen, &key, prompt,
+        rc = km_active_begin(s->active, c->chosen, &c->key, prompt,
                              predicted > UINT32_MAX ? UINT32_MAX : (uint32_t)predicted, expected,
-                             p->block_size, now);
+                             p->block_size, c->now);
         /* Full: the least recently touched entry makes room (km_srv_record_evicted), once. */
         if (rc != KM_ERR_OVERLOADED ||
-            km_active_evict_oldest(s->active, now, km_srv_record_evicted, s) != KM_OK)
+            km_active_evict_oldest(s->active, c->now, km_srv_record_evicted, s) != KM_OK)
             break;
     }
     if (rc != KM_OK) {
@@ -185,156 +245,200 @@ void km_srv_decide_route(km_server *s, job *j, route_job *r, pool *p, const km_r
                           rc == KM_ERR_PROTOCOL ? r->request_id : "active work: ",
                           rc == KM_ERR_PROTOCOL ? (r->attempt_id ? r->attempt_id : "(none)")
                                                 : km_active_last_error(s->active));
-        return;
+        return false;
     }
-    uint64_t decision_id = atomic_fetch_add(&s->next_decision_id, 1);
+    c->decision_id = atomic_fetch_add(&s->next_decision_id, 1);
+    return true;
+}
 
-    /* The candidates' rows, for the reply (unless the route asked for a brief one) and for the
-     * decision record. A brief route with records off needs none: they would be written and
-     * never read. */
-    km_candidate_score *scores = NULL;
-    if (!r->brief || s->records) {
-        scores = km_srv_job_alloc(j, n * sizeof *scores);
-        if (!scores) {
-            km_active_finish(s->active, &key, KM_ACTIVE_END_ERROR, now, NULL);
+/* The owner's index state, and (rows) every candidate's, for the reply's and the record's rows. */
+static void read_states(km_server *s, batch_scratch *b, bool rows, route_choice *c)
+{
+    for (uint32_t i = 0; rows && i < c->n; i++)
+        b->states[i] = worker_state_in_batch(s, b->cands[i].worker);
+    c->owner_state = c->has_owner ? worker_state_in_batch(s, c->owner) : NULL;
+}
+
+/* The reply's decision *d, with the candidates' rows in the job's memory unless the route asked
+ * for a brief reply. False when the route failed (no memory for the rows): its active work ends. */
+static bool fill_reply(km_server *s, job *j, route_job *r, const pool *p, const batch_scratch *b,
+                       const route_choice *c, km_route_decision *d)
+{
+    km_candidate_score *rows = NULL;
+    if (!r->brief) {
+        rows = km_srv_job_alloc(j, c->n * sizeof *rows);
+        if (!rows) {
+            km_active_finish(s->active, &c->key, KM_ACTIVE_END_ERROR, c->now, NULL);
             km_srv_route_fail(r, KM_ERR_OUT_OF_MEMORY, "reply candidates");
-            return;
+            return false;
         }
     }
-    const char *load_kind = km_policy_load_kind(pc.kind);
-    for (uint32_t i = 0; scores && i < n; i++) {
-        const km_policy_candidate *c = &b->cands[i];
-        km_candidate_score *sc = &scores[i];
-        memset(sc, 0, sizeof *sc);
-        sc->worker = c->worker;
-        sc->depth = c->depth;
-        sc->device_blocks = c->device_blocks;
-        sc->host_blocks = c->host_blocks;
-        sc->disk_blocks = c->disk_blocks;
-        sc->load.in_flight = c->in_flight;
-        sc->load.pending_prefill_tokens = c->pending_prefill_tokens;
-        sc->load.active_decode_blocks = c->active_decode_blocks;
-        sc->cost = b->costs[i];
-        sc->state = km_srv_worker_state_in_batch(s, c->worker);
-        sc->eligible = i < n_eligible;
+    for (uint32_t i = 0; rows && i < c->n; i++) {
+        const km_policy_candidate *pc = &b->cands[i];
+        km_candidate_score *row = &rows[i];
+        memset(row, 0, sizeof *row);
+        row->worker = pc->worker;
+        row->depth = pc->depth;
+        row->device_blocks = pc->device_blocks;
+        row->host_blocks = pc->host_blocks;
+        row->disk_blocks = pc->disk_blocks;
+        row->load.in_flight = pc->in_flight;
+        row->load.pending_prefill_tokens = pc->pending_prefill_tokens;
+        row->load.active_decode_blocks = pc->active_decode_blocks;
+        row->cost = b->costs[i];
+        row->state = b->states[i];
+        row->eligible = i < c->n_eligible;
     }
-    /* Load values as the record shows them: before this decision's own charge. */
     memset(d, 0, sizeof *d);
     d->status = KM_OK;
     d->request_id = r->request_id;
     d->attempt_id = r->attempt_id;
-    d->decision_id = decision_id;
+    d->decision_id = c->decision_id;
     d->pool = p->name;
-    d->chosen_worker = chosen;
-    d->chosen_depth = pd.chosen_depth;
-    d->chosen_state = chosen_state;
-    d->has_owner = has_owner;
-    d->owner_worker = owner;
-    d->owner_depth = owner_depth;
-    d->owner_state = has_owner ? km_srv_worker_state_in_batch(s, owner) : NULL;
+    d->chosen_worker = c->chosen;
+    d->chosen_depth = c->chosen_depth;
+    d->chosen_state = c->chosen_state;
+    d->has_owner = c->has_owner;
+    d->owner_worker = c->owner;
+    d->owner_depth = c->owner_depth;
+    d->owner_state = c->owner_state;
     d->n_blocks = r->n_hashes;
     d->block_size = p->block_size;
-    d->source = observed ? KM_PREDICTION_EVENTS : KM_PREDICTION_APPROX;
-    d->policy = km_policy_kind_name(pc.kind);
-    d->reason = km_policy_reason_name(pd.reason);
-    d->load_kind = load_kind;
+    d->source = c->observed ? KM_PREDICTION_EVENTS : KM_PREDICTION_APPROX;
+    d->policy = km_policy_kind_name(c->kind);
+    d->reason = km_policy_reason_name(c->reason);
+    d->load_kind = km_policy_load_kind(c->kind);
     d->load_scope = "this_instance";
-    d->load_value = km_policy_load_value(pc.kind, &b->cands[pd.chosen]);
-    d->candidates = r->brief ? NULL : scores;
-    d->n_candidates = r->brief ? 0 : n;
+    d->load_value = km_policy_load_value(c->kind, &b->cands[c->chosen_at]);
+    d->candidates = rows;
+    d->n_candidates = rows ? c->n : 0;
+    return true;
+}
 
-    /* The attempt, for its outcome record. */
+/* The attempt its outcome record will need, kept until FINISHED or expiry; NULL (logged) when it
+ * could not be kept, and the outcome record will be missing. A half-open worker's probe is this
+ * decision (km_srv_worker_eligibility); one whose attempt could not be kept is not tracked, and
+ * the next route may probe too. */
+static attempt *keep_attempt(km_server *s, route_job *r, pool *p, const route_choice *c)
+{
     attempt *a = km_srv_attempt_new(&s->attempt_cache, r->request_id, r->attempt_id,
                                     r->model ? r->model : p->model, p->name, r->endpoint);
     if (a) {
-        a->decision_id = decision_id;
+        a->decision_id = c->decision_id;
         /* Both arrays are KM_SERVER_NAME_MAX bytes and the source is NUL-terminated. */
-        memcpy(a->chosen_name, s->workers[chosen].name, sizeof a->chosen_name);
-        if (has_owner)
-            memcpy(a->owner_name, s->workers[owner].name, sizeof a->owner_name);
-        a->has_owner = has_owner;
-        a->worker = chosen;
-        a->source = observed ? KM_RECORD_SOURCE_EVENTS : KM_RECORD_SOURCE_APPROX;
+        memcpy(a->chosen_name, s->workers[c->chosen].name, sizeof a->chosen_name);
+        if (c->has_owner)
+            memcpy(a->owner_name, s->workers[c->owner].name, sizeof a->owner_name);
+        a->has_owner = c->has_owner;
+        a->worker = c->chosen;
+        a->source = c->observed ? KM_RECORD_SOURCE_EVENTS : KM_RECORD_SOURCE_APPROX;
         a->block_size = p->block_size;
-        a->chosen_depth = pd.chosen_depth;
-        a->owner_depth = owner_depth;
+        a->chosen_depth = c->chosen_depth;
+        a->owner_depth = c->owner_depth;
         a->has_blocks = r->n_hashes > 0;
         km_srv_attempt_keep_hashes(s, a, p, r);
         if (s->records) /* only outcome records read it; records are set at start */
             a->decided = km_record_time_now();
-        if (km_u64map_put(&s->attempts_by_decision, km_u64map_key(decision_id), (uintptr_t)a, 1) ||
-            km_active_set_user(s->active, &key, a)) {
-            km_u64map_erase(&s->attempts_by_decision, km_u64map_key(decision_id));
+        uint64_t key = km_u64map_key(c->decision_id);
+        if (km_u64map_put(&s->attempts_by_decision, key, (uintptr_t)a, 1) ||
+            km_active_set_user(s->active, &c->key, a)) {
+            km_u64map_erase(&s->attempts_by_decision, key);
             km_srv_attempt_free(&s->attempt_cache, a);
             a = NULL;
         }
     }
     if (!a)
         km_srv_log(s, "decision %" PRIu64 ": out of memory keeping its attempt; its outcome record "
-                   "will be missing", decision_id);
-    /* A half-open worker's probe (km_srv_worker_eligibility); one whose attempt could not be kept
-     * is not tracked, and the next route may probe too. */
-    if (check_health && km_srv_worker_breaker(&s->workers[chosen], now) == BREAKER_HALF_OPEN)
-        s->workers[chosen].probe_decision = decision_id;
+                   "will be missing", c->decision_id);
+    worker_slot *w = &s->workers[c->chosen];
+    if (c->check_health && km_srv_worker_breaker(w, c->now) == BREAKER_HALF_OPEN)
+        w->probe_decision = c->decision_id;
+    return a;
+}
 
-    /* The decision record. */
-    if (s->records) {
-        km_decision_record rec;
-        km_decision_record_init(&rec);
-        rec.common.record_id = (int64_t)atomic_fetch_add(&s->next_record_id, 1);
-        rec.common.instance = s->instance;
-        rec.common.host = s->host;
-        rec.common.kvmatch_version = KVMATCH_VERSION;
-        rec.common.decision_id = (int64_t)decision_id;
-        rec.common.request_id = r->request_id;
-        rec.common.attempt_id = r->attempt_id ? r->attempt_id : "";
-        rec.common.model = r->model ? r->model : (p->model ? p->model : p->name);
-        rec.common.pool = p->name;
-        rec.common.endpoint = r->endpoint;
-        rec.common.time = a ? a->decided : km_record_time_now();
-        rec.source = observed ? KM_RECORD_SOURCE_EVENTS : KM_RECORD_SOURCE_APPROX;
-        rec.input = r->input == KM_ROUTE_INPUT_TOKENS ? KM_RECORD_INPUT_TOKENS : KM_RECORD_INPUT_HASHES;
-        rec.block_size = p->block_size;
-        rec.block_count = r->n_hashes;
-        if (r->has_prompt_tokens || r->input == KM_ROUTE_INPUT_TOKENS)
-            rec.prompt_tokens = (int64_t)r->prompt_tokens;
-        if (r->has_expected_output_tokens)
-            rec.expected_output_tokens = (int64_t)r->expected_output_tokens;
-        rec.scored_monotonic_ns = (int64_t)scored_ns;
-        rec.owner.worker = has_owner ? s->workers[owner].name : NULL;
-        rec.owner.state = has_owner ? d->owner_state : NULL;
-        rec.owner.depth_blocks = owner_depth;
-        rec.chosen.worker = s->workers[chosen].name;
-        rec.chosen.state = chosen_state;
-        rec.chosen.depth_blocks = pd.chosen_depth;
-        rec.policy = d->policy;
-        rec.reason = d->reason;
-        rec.load_kind = load_kind;
-        rec.load_value = d->load_value;
-        for (uint32_t i = 0; i < n; i++) {
-            km_record_candidate *rc2 = &b->rcands[i];
-            km_record_candidate_init(rc2);
-            rc2->worker = s->workers[scores[i].worker].name;
-            rc2->state = scores[i].state;
-            rc2->depth_blocks = scores[i].depth;
-            rc2->device_blocks = scores[i].device_blocks;
-            rc2->host_blocks = scores[i].host_blocks;
-            rc2->disk_blocks = scores[i].disk_blocks;
-            rc2->in_flight = scores[i].load.in_flight;
-            rc2->pending_prefill_tokens = (int64_t)scores[i].load.pending_prefill_tokens;
-            rc2->active_decode_blocks = (int64_t)scores[i].load.active_decode_blocks;
-            rc2->cost = scores[i].cost;
-            rc2->eligible = scores[i].eligible;
-        }
-        rec.candidates = b->rcands;
-        rec.n_candidates = n;
-        km_record_writer_submit_decision(s->records, &rec);
+/* The decision record (records on), at the attempt's decision time when it was kept. */
+static void record_decision(km_server *s, const route_job *r, const pool *p, batch_scratch *b,
+                            const route_choice *c, const attempt *a, uint64_t scored_ns)
+{
+    km_decision_record rec;
+    km_decision_record_init(&rec);
+    rec.common.record_id = (int64_t)atomic_fetch_add(&s->next_record_id, 1);
+    rec.common.instance = s->instance;
+    rec.common.host = s->host;
+    rec.common.kvmatch_version = KVMATCH_VERSION;
+    rec.common.decision_id = (int64_t)c->decision_id;
+    rec.common.request_id = r->request_id;
+    rec.common.attempt_id = r->attempt_id ? r->attempt_id : "";
+    rec.common.model = r->model ? r->model : (p->model ? p->model : p->name);
+    rec.common.pool = p->name;
+    rec.common.endpoint = r->endpoint;
+    rec.common.time = a ? a->decided : km_record_time_now();
+    rec.source = c->observed ? KM_RECORD_SOURCE_EVENTS : KM_RECORD_SOURCE_APPROX;
+    rec.input = r->input == KM_ROUTE_INPUT_TOKENS ? KM_RECORD_INPUT_TOKENS : KM_RECORD_INPUT_HASHES;
+    rec.block_size = p->block_size;
+    rec.block_count = r->n_hashes;
+    if (r->has_prompt_tokens || r->input == KM_ROUTE_INPUT_TOKENS)
+        rec.prompt_tokens = (int64_t)r->prompt_tokens;
+    if (r->has_expected_output_tokens)
+        rec.expected_output_tokens = (int64_t)r->expected_output_tokens;
+    rec.scored_monotonic_ns = (int64_t)scored_ns;
+    rec.owner.worker = c->has_owner ? s->workers[c->owner].name : NULL;
+    rec.owner.state = c->owner_state;
+    rec.owner.depth_blocks = c->owner_depth;
+    rec.chosen.worker = s->workers[c->chosen].name;
+    rec.chosen.state = c->chosen_state;
+    rec.chosen.depth_blocks = c->chosen_depth;
+    rec.policy = km_policy_kind_name(c->kind);
+    rec.reason = km_policy_reason_name(c->reason);
+    rec.load_kind = km_policy_load_kind(c->kind);
+    rec.load_value = km_policy_load_value(c->kind, &b->cands[c->chosen_at]);
+    for (uint32_t i = 0; i < c->n; i++) {
+        const km_policy_candidate *pc = &b->cands[i];
+        km_record_candidate *row = &b->rcands[i];
+        km_record_candidate_init(row);
+        row->worker = s->workers[pc->worker].name;
+        row->state = b->states[i];
+        row->depth_blocks = pc->depth;
+        row->device_blocks = pc->device_blocks;
+        row->host_blocks = pc->host_blocks;
+        row->disk_blocks = pc->disk_blocks;
+        row->in_flight = pc->in_flight;
+        row->pending_prefill_tokens = (int64_t)pc->pending_prefill_tokens;
+        row->active_decode_blocks = (int64_t)pc->active_decode_blocks;
+        row->cost = b->costs[i];
+        row->eligible = i < c->n_eligible;
     }
+    rec.candidates = b->rcands;
+    rec.n_candidates = c->n;
+    km_record_writer_submit_decision(s->records, &rec);
+}
 
-    /* Approximate mode: the chosen worker, when its index is not fed by its own events, is assumed
-     * to hold the request's blocks from now on. */
-    if (!s->workers[chosen].events && r->n_hashes)
-        km_approx_record(p->approx, chosen, r->hashes, r->n_hashes, now, &b->updates);
+/* Approximate mode: the chosen worker, when its index is not fed by its own events, is assumed to
+ * hold the request's blocks from now on. The updates collect in b->updates; the batch applies them
+ * to the pools' indexes after its last decision (scheduler.c). */
+static void approx_learn(km_server *s, const route_job *r, pool *p, batch_scratch *b,
+                         const route_choice *c)
+{
+    if (!s->workers[c->chosen].events && r->n_hashes)
+        km_approx_record(p->approx, c->chosen, r->hashes, r->n_hashes, c->now, &b->updates);
+}
+
+/* Decide one route whose scoring result is rr (admin_lock and active_lock held). Fills the reply
+ * decision *d (candidate rows in the job's memory) or fails the route. */
+void km_srv_decide_route(km_server *s, job *j, route_job *r, pool *p, const km_request_result *rr,
+                         batch_scratch *b, km_route_decision *d, uint64_t scored_ns)
+{
+    route_choice c;
+    if (!gather_candidates(s, r, p, rr, b, &c) || !choose(s, r, p, b, &c) ||
+        !begin_active_work(s, r, p, &c))
+        return;
+    read_states(s, b, !r->brief || s->records, &c); /* a brief route without records has no rows */
+    if (!fill_reply(s, j, r, p, b, &c, d))
+        return;
+    attempt *a = keep_attempt(s, r, p, &c);
+    if (s->records)
+        record_decision(s, r, p, b, &c, a, scored_ns);
+    approx_learn(s, r, p, b, &c);
     atomic_fetch_add(&s->st.decisions, 1);
     km_counter_add(s->m_decisions, 1);
 }

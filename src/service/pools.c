@@ -361,17 +361,6 @@ const char *km_srv_worker_state(km_server *s, uint32_t id)
     return km_srv_feed_info(s, id, &info) == KM_OK ? km_feed_state_name(info.state) : "UNKNOWN";
 }
 
-/* The same, read once per scoring batch (a batch decides against one view of the feeds). */
-const char *km_srv_worker_state_in_batch(km_server *s, uint32_t id)
-{
-    worker_slot *w = &s->workers[id];
-    if (w->used && w->events && w->state_batch == s->batch_stamp && w->state)
-        return w->state;
-    w->state = km_srv_worker_state(s, id);
-    w->state_batch = s->batch_stamp;
-    return w->state;
-}
-
 int km_server_deliver_events(km_server *s, uint32_t worker, uint64_t seq, const void *payload,
                              size_t size)
 {

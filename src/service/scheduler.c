@@ -64,7 +64,7 @@ int km_srv_scratch_reserve(batch_scratch *b, size_t n_cands)
     if (grow((void **)&b->costs, &cap, n_cands, sizeof *b->costs))
         return KM_ERR_OUT_OF_MEMORY;
     cap = b->cap_cands;
-    if (grow((void **)&b->scores, &cap, n_cands, sizeof *b->scores))
+    if (grow((void **)&b->states, &cap, n_cands, sizeof *b->states))
         return KM_ERR_OUT_OF_MEMORY;
     cap = b->cap_cands;
     if (grow((void **)&b->rcands, &cap, n_cands, sizeof *b->rcands))
@@ -309,7 +309,7 @@ void km_srv_scratch_free(batch_scratch *b)
 {
     free(b->cands);
     free(b->costs);
-    free(b->scores);
+    free(b->states);
     free(b->rcands);
     free(b->pool_updates);
     free(b->seen);

@@ -201,7 +201,7 @@ typedef struct pool {
 typedef struct batch_scratch {
     km_policy_candidate *cands;
     double *costs;
-    km_candidate_score *scores;
+    const char **states; /* a candidate's index state, for the reply's and the record's rows */
     km_record_candidate *rcands;
     size_t cap_cands;
     km_update *pool_updates;
@@ -382,7 +382,6 @@ int km_srv_worker_add(km_server *s, uint32_t pool_index, const km_server_worker 
                       size_t why_size);
 int km_srv_worker_remove(km_server *s, uint32_t id, char *why, size_t why_size);
 const char *km_srv_worker_state(km_server *s, uint32_t id);
-const char *km_srv_worker_state_in_batch(km_server *s, uint32_t id);
 
 /* health.c */
 void km_srv_health_forget(km_server *s, const worker_slot *w);
