@@ -35,9 +35,18 @@ breaker_state km_srv_worker_breaker(const worker_slot *w, uint64_t now)
     return now < w->breaker_until_ns ? BREAKER_OPEN : BREAKER_HALF_OPEN;
 }
 
+static const char *const breaker_state_names[] = {
+#define KM_BREAKER_STATE_NAME(value, name) [value] = name,
+    KM_BREAKER_STATE_LIST(KM_BREAKER_STATE_NAME)
+#undef KM_BREAKER_STATE_NAME
+};
+
+/* "closed", "open", "half_open"; "unknown" for a value outside the list. */
 const char *km_srv_breaker_state_name(breaker_state b)
 {
-    return b == BREAKER_OPEN ? "open" : b == BREAKER_HALF_OPEN ? "half_open" : "closed";
+    return (unsigned)b < sizeof breaker_state_names / sizeof breaker_state_names[0]
+               ? breaker_state_names[b]
+               : "unknown";
 }
 
 /* Is the probe decided for worker id while half-open still in flight there (active_lock held)?

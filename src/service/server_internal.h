@@ -314,7 +314,19 @@ struct km_server {
     int shutdown_status;
 };
 
-typedef enum breaker_state { BREAKER_CLOSED, BREAKER_OPEN, BREAKER_HALF_OPEN } breaker_state;
+/* A worker's circuit breaker (health.c) and its name in WORKER_LIST and /status: closed; open
+ * (failures reached breaker_failures, the cooldown runs); half-open (cooldown over, one probe
+ * attempt at a time). */
+#define KM_BREAKER_STATE_LIST(X)                                                                  \
+    X(BREAKER_CLOSED, "closed")                                                                   \
+    X(BREAKER_OPEN, "open")                                                                       \
+    X(BREAKER_HALF_OPEN, "half_open")
+
+typedef enum breaker_state {
+#define KM_BREAKER_STATE_ENUM(value, name) value,
+    KM_BREAKER_STATE_LIST(KM_BREAKER_STATE_ENUM)
+#undef KM_BREAKER_STATE_ENUM
+} breaker_state;
 
 typedef enum eligibility {
     ELIGIBLE = 0,
