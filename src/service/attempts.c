@@ -83,9 +83,9 @@ void km_srv_attempt_cache_free(attempt_cache *cache)
 /* A decision in a pool with approximate-mode workers keeps its request's hashes, within
  * approx_dispatch_max_bytes, for a router override to one of them (dispatch_lesson), until the
  * attempt's FIRST_TOKEN or its end. Only once the pool has seen an override: a router that follows
- * every decision pays nothing (a copy and an allocation per decision cost the scheduler about a
- * tenth of its time in bench ipc), and one that overrides has its first overrides unlearned.
- * active_lock held. Without them such an override teaches nothing (approx_dispatch_unlearned). */
+ * every decision pays no copy and no allocation per decision (docs/BENCHMARKS.md, "IPC"), and one
+ * that overrides has its first overrides unlearned. active_lock held. Without them such an
+ * override teaches nothing (approx_dispatch_unlearned). */
 void km_srv_attempt_keep_hashes(km_server *s, attempt *a, const pool *p, const route_job *r)
 {
     if (!p->overrides_seen || !p->n_approx_members || !r->n_hashes)
@@ -185,8 +185,8 @@ static void write_outcome(km_server *s, const attempt *a, km_record_outcome outc
     km_record_writer_submit_outcome(s->records, &r);
 }
 
-/* km_active callbacks (active_lock held). */
-/* The outcome record of an entry km_active ended without FINISHED, and its attempt released. */
+/* The outcome record of an entry km_active ended without FINISHED, and its attempt released. The
+ * km_srv_record_* functions below are km_active's callbacks (active_lock held). */
 static void end_attempt(km_server *s, const km_active_summary *sum, km_record_outcome outcome,
                         const char *error)
 {

@@ -14,8 +14,8 @@ static void alloc_cb(uv_handle_t *h, size_t suggested, uv_buf_t *buf);
 
 /* Reading paused while replies piled up (km_srv_conn_send) starts again once they drained, while
  * the server drains too (what was sent before the stop is answered, a new ROUTE refused). libuv
- * wants the allocation callback again (NULL is refused with UV_EINVAL: until 2026-11-30 a paused
- * connection never read again); a connection that cannot read is closed. */
+ * wants the allocation callback again (it refuses NULL with UV_EINVAL); a connection that cannot
+ * read is closed. */
 static void conn_resume_reading(conn *c)
 {
     c->paused = false;

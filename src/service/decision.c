@@ -28,8 +28,7 @@ static const km_worker_match *find_match(const km_worker_match *m, uint32_t coun
 /* The prediction is an observation (`events`) only when every depth it reports is one: the
  * owner's and the chosen worker's, and when nothing matched, every candidate's zero. A pool may
  * mix workers with and without event endpoints; one approximate-mode worker among those makes the
- * prediction `approx` (RECORDS.md, "source"). Until 2026-11-30 the chosen worker alone decided
- * it, so an assumed match on another owner was labelled `events`. */
+ * prediction `approx` (RECORDS.md, "source"), whichever worker is chosen. */
 static bool prediction_observed(const km_server *s, const km_policy_candidate *cands, uint32_t n,
                                 bool has_owner, uint32_t owner, uint32_t chosen)
 {

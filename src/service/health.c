@@ -80,7 +80,7 @@ eligibility km_srv_worker_eligibility(km_server *s, uint32_t id, uint64_t now)
 
 /* An attempt on worker `id` ended with a FINISHED report (active_lock held). `complete` closes
  * the breaker; `error` and `incomplete` (a stream that ended without finish_reason and [DONE],
- * whatever its HTTP status: the brief's point) count as failures, and the breaker_failures-th in
+ * whatever its HTTP status) count as failures, and the breaker_failures-th in
  * a row opens it for breaker_cooldown_ms, as does any failure while half-open; `cancelled` says
  * nothing about the worker. */
 void km_srv_breaker_outcome(km_server *s, uint32_t id, km_outcome outcome, uint64_t now)

@@ -15,7 +15,7 @@ void *km_srv_job_alloc(job *j, size_t n)
     n = (n + 15) & ~(size_t)15;
     if (!j->chunks || j->chunks->size - j->chunks->used < n) {
         /* Chunks grow from 4 KB to 64 KB: a lone route needs about 1 KB, so a frame of one route
-         * no longer takes a 64 KB block (no speed difference measured either way). */
+         * does not take a 64 KB block. */
         size_t step = j->chunks ? 2 * (j->chunks->size + sizeof(chunk)) : 4096;
         if (step > 64 * 1024)
             step = 64 * 1024;
@@ -137,8 +137,8 @@ void km_srv_handle_route(conn *c, const km_message *m)
     }
     memset(j->routes, 0, rb->n_routes * sizeof *j->routes);
     atomic_fetch_add(&s->st.routes, rb->n_routes);
-    /* No admin_lock: the pool metadata read here is written only on this thread (see the lock
-     * notes at the top), and the scheduler may hold the lock for a whole batch. */
+    /* No admin_lock: the pool metadata read here is written only on this thread (the lock order
+     * in server_internal.h), and the scheduler may hold the lock for a whole batch. */
     for (uint32_t i = 0; i < rb->n_routes; i++) {
         const km_route_request *in = &rb->routes[i];
         route_job *r = &j->routes[i];

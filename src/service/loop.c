@@ -127,8 +127,7 @@ static bool drained(km_server *s)
             return false;
         /* Requests a client sent before the stop may still be in its socket or half read: they
          * are read and answered (decided, or refused as shutting down) before the connection
-         * closes. Until 2026-11-30 a drain could end between two reads and close a connection
-         * whose last requests were never answered. */
+         * closes, so a drain never ends between two reads with requests unanswered. */
         if (c->closing || c->eof)
             continue;
         if (km_frame_reader_pending(c->reader) > 0)

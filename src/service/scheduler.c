@@ -17,14 +17,10 @@
  *    a slice, at most EXPIRY_PER_PASS), which keeps up with any decision rate;
  *  - the loop thread, when the role is free: every EXPIRY_TICK_MS, one slice per pass of the event
  *    loop (on_expiry_tick, then on_expiry_more while a full slice ended), taking the role for the
- *    slice, so sockets are served and inline batches decided between slices.
- * Entries end in slices of EXPIRY_SLICE per hold of active_lock, so a lifecycle report waits for
- * one slice at most. Measured on the 2-core VM (docs/BENCHMARKS.md "IPC"): ending every due entry
- * per tick held the loop 0.5-9 ms; slices on the loop thread without the role made the scheduler
- * wait for active_lock 130-175 ms of every second at 180,000 decisions/s (a holder preempted by
- * the third busy thread, presumably) while the machine sat 16% idle; expiry on the scheduler
- * thread alone kept the role busy at 20,000 single routes/s, so those routes lost the inline path
- * (median p99 4.5 ms against 3.1 ms in six shuffled runs each). */
+ *    slice, so sockets are served and inline batches decided between slices, and single routes
+ *    keep the inline path (on_dispatch) while nothing else holds the role.
+ * Entries end in slices of EXPIRY_SLICE per hold of active_lock, so neither the loop thread nor a
+ * lifecycle report waits for more than one slice (docs/BENCHMARKS.md, "IPC"). */
 #define EXPIRY_TICK_MS 20u
 #define EXPIRY_SLICE 64u
 #define EXPIRY_PER_PASS 1024u
@@ -205,7 +201,6 @@ static void run_batch(km_server *s, job *jobs, batch_scratch *b)
     km_histogram_observe(s->m_batch_seconds, (double)(t1 - t0) / 1e9);
 }
 
-/* Between batches: apply queued events, approximate-mode expiry. */
 /* Expire due active work, slice by slice, at most `limit` entries (scheduler role held). True
  * when it stopped at the limit (more may be due). */
 static bool expire_due(km_server *s, uint32_t limit)
@@ -413,11 +408,9 @@ static void *scheduler_main(void *arg)
     return NULL;
 }
 
-/* Active work whose FINISHED never came: ended (an `expired` outcome record each) on the loop
- * thread, which handles every other lifecycle report too. */
-/* One slice of due active work on the loop thread, holding the scheduler role for it. True when
- * a full slice ended (more may be due); false too when the role is busy: the scheduler thread
- * expires before each of its batches. */
+/* One slice of due active work (an `expired` outcome record each) on the loop thread, holding the
+ * scheduler role for it. True when a full slice ended (more may be due); false too when the role
+ * is busy: the scheduler thread expires before each of its batches. */
 static bool loop_expire_slice(km_server *s)
 {
     pthread_mutex_lock(&s->queue_lock);
