@@ -1,29 +1,45 @@
-/* Internal to the routing service's files (src/service/: server.c, connection.c, loop.c, jobs.c,
- * scheduler.c, decision.c, pools.c, health.c, attempts.c, admin.c, status.c): its structures, what
- * each thread owns, the lock order, and the functions the files share.
+/* Internal to the routing service (src/service/): its structures, what each thread owns, the lock
+ * order, and the functions its files share. Nothing outside src/service/ includes it.
+ *
+ * Files: server.c (create, run, stop, destroy), connection.c (a connection's lifetime and its
+ * write side), loop.c (frames by type, replies delivered, stop and drain), jobs.c (ROUTE frames
+ * into jobs, their replies), scheduler.c (the scheduler role: batches, housekeeping, expiry),
+ * decision.c (one route's decision), pools.c (pools and workers), health.c (worker health and
+ * circuit breakers), attempts.c (attempts, lifecycle reports, outcome records), admin.c (WORKERS,
+ * POOLS, STATUS), status.c (readiness, /status, /metrics, counters).
  *
  * Threads and what they own:
- *  - the loop thread (km_server_run, libuv): listeners, connections, frame reading and decoding,
- *    hashing of token input (so it overlaps the scheduler's current batch: double buffering),
- *    lifecycle reports and active-work expiry, WORKERS / POOLS / STATUS, encoding and writing
- *    replies; and, when the scheduler is idle, small batches itself (on_dispatch in
- *    scheduler.c, inline_routes);
- *  - the scheduler thread: takes whole ROUTE frames off the queue, flushes each pool's events,
- *    scores every pool's share of the batch with one km_index_match_batch, runs the policies,
- *    begins active work, writes decision records, teaches approximate-mode pools, and hands the
- *    jobs back to the loop thread (uv_async), their replies already encoded when nothing else
- *    was queued;
- *  - subscribers' I/O threads, the records writer and the HTTP server run their own.
+ *  - the loop thread (km_server_run, libuv): listeners, connections and their buffers, frame
+ *    reading and decoding, hashing of token input (so it overlaps the scheduler's current batch:
+ *    double buffering), lifecycle reports, WORKERS / POOLS / STATUS, encoding and writing
+ *    replies, the drain; it alone writes pool metadata;
+ *  - the scheduler role, held by one thread at a time (scheduler_busy, under queue_lock): the
+ *    batch scratch, each pool's per-batch requests and results, the workers' per-batch states,
+ *    approximate-mode learning (decisions and dispatch lessons) and expiry. The scheduler thread
+ *    holds it for housekeeping and whole batches: it takes whole ROUTE frames off the queue,
+ *    flushes each pool's events, scores every pool's share of the batch with one
+ *    km_index_match_batch, decides each route (decision.c), and hands the jobs back to the loop
+ *    thread (uv_async), their replies already encoded when nothing else was queued. The loop
+ *    thread holds it for a small batch inline (on_dispatch, inline_routes) and for a slice of
+ *    active-work expiry while the role is free;
+ *  - subscribers' I/O threads (which wake the scheduler when events arrive), the records writer
+ *    and the HTTP server (status.c's callbacks) run their own.
  *
- * Locks (never nested in another order than listed):
- *  admin_lock  pools, workers, and every index call (the indexes are not thread-safe: the scheduler
- *              holds it for a whole batch; admin operations take it between batches). Pool
- *              metadata (names, models, block sizes, the pool array) is written only on the loop
- *              thread, by admin handlers holding admin_lock, so the loop thread reads it without
- *              the lock: decoding a ROUTE never waits for a batch;
- *  active_lock km_active and the attempts kept for outcome records; the scheduler takes it per
- *              decision, so a lifecycle report waits one decision at most;
- *  queue_lock  the route queue; done_lock the finished jobs.
+ * Locks, in the order they nest (one is taken only while holding none listed after it):
+ *  admin_lock   pools, workers, each pool's approximate-mode state, and every index call (the
+ *               indexes are not thread-safe: the scheduler holds it for a whole batch; admin
+ *               operations take it between batches). Pool metadata (names, models, block sizes,
+ *               the pool array) is written only on the loop thread, by admin handlers holding
+ *               admin_lock, so the loop thread reads it without the lock: decoding a ROUTE never
+ *               waits for a batch;
+ *  active_lock  km_active, the attempts kept for outcome records (and their cache), the queued
+ *               dispatch lessons, and each worker's health (the router's verdict, its breaker);
+ *               the scheduler takes it per decision, so a lifecycle report waits one decision at
+ *               most;
+ *  local_lock   a pool's in-process feed and decoder (workers whose events are "local"); a
+ *               decision reads a worker's feed state under it;
+ *  queue_lock   the route queue and the scheduler role; done_lock the finished jobs. Both are
+ *               leaves: nothing else is taken while one is held.
  */
 #ifndef KM_SERVER_IMPL_H
 #define KM_SERVER_IMPL_H
