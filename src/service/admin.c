@@ -74,6 +74,8 @@ static int named_worker(km_server *s, const km_worker_info *wi, char *why, size_
     return KM_OK;
 }
 
+/* A WORKERS frame: list (WORKER_LIST), or add / remove / update each worker under admin_lock,
+ * answered with an ACK of per-worker statuses. */
 void km_srv_handle_workers(conn *c, const km_message *m)
 {
     km_server *s = c->server;
@@ -200,6 +202,8 @@ static int pool_param(km_admin_action action, km_server_pool *pc, const km_param
     return KM_OK;
 }
 
+/* A POOLS frame: list (POOL_LIST), or add / update each pool under admin_lock, answered with an
+ * ACK of per-pool statuses. */
 void km_srv_handle_pools(conn *c, const km_message *m)
 {
     km_server *s = c->server;
@@ -332,6 +336,7 @@ void km_srv_handle_pools(conn *c, const km_message *m)
     free(msgs);
 }
 
+/* A STATUS frame: uptime, readiness, counters and every worker's view (STATUS_REPLY). */
 void km_srv_handle_status(conn *c, const km_message *m)
 {
     km_server *s = c->server;

@@ -57,6 +57,8 @@ static void attempt_drop_hashes(attempt_cache *cache, attempt *a)
     a->n_hashes = 0;
 }
 
+/* Release an attempt (its kept hashes included) to the cache, or free it; NULL is a no-op.
+ * active_lock held (or the server being destroyed). */
 void km_srv_attempt_free(attempt_cache *cache, attempt *a)
 {
     if (a)
@@ -70,6 +72,7 @@ void km_srv_attempt_free(attempt_cache *cache, attempt *a)
     free(a);
 }
 
+/* Free every cached attempt (the server being destroyed). */
 void km_srv_attempt_cache_free(attempt_cache *cache)
 {
     while (cache->head) {
@@ -197,6 +200,7 @@ static void end_attempt(km_server *s, const km_active_summary *sum, km_record_ou
     attempt_forget(s, a);
 }
 
+/* An entry km_active expired (its TTL passed without FINISHED): an `expired` outcome record. */
 void km_srv_record_expired(void *user, const km_active_summary *sum)
 {
     km_server *s = user;
@@ -221,6 +225,7 @@ void km_srv_record_evicted(void *user, const km_active_summary *sum)
                 "evicted before its TTL: the active-work table was full (max_active_entries)");
 }
 
+/* An entry ended because its worker left the pool: an `error` outcome record saying so. */
 void km_srv_record_removed(void *user, const km_active_summary *sum)
 {
     end_attempt(user, sum, KM_RECORD_OUTCOME_ERROR, "worker removed from its pool before FINISHED");
@@ -373,6 +378,8 @@ static int lifecycle_one(km_server *s, const km_lifecycle_event *ev, char *msg, 
     return KM_OK;
 }
 
+/* A LIFECYCLE frame (loop thread): each report applied under one hold of active_lock, answered
+ * with an ACK of per-report statuses; queued dispatch lessons wake the scheduler. */
 void km_srv_handle_lifecycle(conn *c, const km_message *m)
 {
     km_server *s = c->server;

@@ -27,6 +27,7 @@ static void conn_resume_reading(conn *c)
     }
 }
 
+/* Free a connection once its handle is closed and no job refers to it (loop thread). */
 void km_srv_conn_maybe_free(conn *c)
 {
     if (!c->handle_closed || c->jobs_in_flight)
@@ -45,6 +46,8 @@ static void on_conn_closed(uv_handle_t *h)
     km_srv_conn_maybe_free(c);
 }
 
+/* Start closing a connection (idempotent): it leaves the server's list at once; its memory goes
+ * when the handle has closed and its last job was delivered (km_srv_conn_maybe_free). */
 void km_srv_conn_close(conn *c)
 {
     if (c->closing)
@@ -166,6 +169,7 @@ void km_srv_conn_send(conn *c, const km_frame_buffer *frames)
     conn_flush(c);
 }
 
+/* Queue an ERROR reply (message id, status code, formatted text) for the peer. */
 void km_srv_send_error(conn *c, uint64_t id, int code, const char *fmt, ...)
 {
     char msg[512];
@@ -180,6 +184,8 @@ void km_srv_send_error(conn *c, uint64_t id, int code, const char *fmt, ...)
     km_frame_buffer_free(&fb);
 }
 
+/* Encode and queue one reply; one that does not encode within max_frame_bytes is answered with
+ * an ERROR naming why. */
 void km_srv_send_message(conn *c, const km_message *m)
 {
     km_frame_buffer fb;
@@ -244,6 +250,8 @@ static void on_read(uv_stream_t *stream, ssize_t nread, const uv_buf_t *buf)
     }
 }
 
+/* A listener's new connection (loop thread): refused (closed at once) while draining, at
+ * max_connections, or without memory for its reader and decoder; else it reads. */
 void km_srv_on_connection(uv_stream_t *listener, int status)
 {
     km_server *s = listener->data;

@@ -28,6 +28,8 @@ void km_srv_health_forget(km_server *s, const worker_slot *w)
         s->health_restricted--;
 }
 
+/* A worker's breaker at time now: closed unless tripped, open during the cooldown, half-open
+ * after it. */
 breaker_state km_srv_worker_breaker(const worker_slot *w, uint64_t now)
 {
     if (!w->breaker_tripped)

@@ -10,6 +10,8 @@
 #include "kvmatch/kvmatch.h"
 #include "service/server_internal.h"
 
+/* Memory that lives as long as the job (16-byte aligned; freed with it by km_srv_job_free); NULL
+ * when out of memory. The loop thread fills a job before queueing it, the scheduler role after. */
 void *km_srv_job_alloc(job *j, size_t n)
 {
     n = (n + 15) & ~(size_t)15;
@@ -44,6 +46,7 @@ static char *job_strdup(job *j, const char *s)
     return p;
 }
 
+/* The job, its reply and every km_srv_job_alloc block; NULL is a no-op. */
 void km_srv_job_free(job *j)
 {
     if (!j)
@@ -57,6 +60,7 @@ void km_srv_job_free(job *j)
     free(j);
 }
 
+/* Mark a route failed: its reply is this status and formatted message (cut at 255 bytes). */
 void km_srv_route_fail(route_job *r, int status, const char *fmt, ...)
 {
     r->status = status;
@@ -101,6 +105,8 @@ void km_srv_job_encode_reply(km_server *s, job *j)
         km_protocol_encode_error(j->msg_id, rc, why, &j->reply);
 }
 
+/* A ROUTE frame (loop thread): each route copied into one job, the job queued for the scheduler
+ * role; refused whole while draining or when max_queued_routes would be exceeded. */
 void km_srv_handle_route(conn *c, const km_message *m)
 {
     km_server *s = c->server;

@@ -93,6 +93,7 @@ void km_srv_deliver_jobs(km_server *s, job *list)
     }
 }
 
+/* Deliver what the scheduler thread finished (its done list), on the loop thread. */
 void km_srv_deliver_done(km_server *s)
 {
     pthread_mutex_lock(&s->done_lock);
@@ -102,6 +103,7 @@ void km_srv_deliver_done(km_server *s)
     km_srv_deliver_jobs(s, list);
 }
 
+/* The loop's uv_async: finished jobs to deliver, or a stop km_server_stop requested. */
 void km_srv_on_wake(uv_async_t *h)
 {
     km_server *s = h->data;
@@ -194,6 +196,8 @@ static void on_drain_tick(uv_timer_t *t)
     }
 }
 
+/* Stop accepting connections and routes, then finish what was sent before (answered, or dropped
+ * at drain_timeout_ms) and close everything, which ends km_server_run's loop. Idempotent. */
 void km_srv_begin_drain(km_server *s)
 {
     if (s->draining)
@@ -211,6 +215,7 @@ void km_srv_begin_drain(km_server *s)
     uv_timer_start(&s->drain_timer, on_drain_tick, 0, 5);
 }
 
+/* SIGTERM or SIGINT (km_server_run installs them): drain and stop. */
 void km_srv_on_signal(uv_signal_t *h, int signum)
 {
     km_server *s = h->data;

@@ -14,6 +14,7 @@
 #include "service/server_config.h"
 #include "service/server_internal.h"
 
+/* The index of the pool named `name`, or -1. */
 int km_srv_pool_find(const km_server *s, const char *name)
 {
     for (uint32_t i = 0; i < s->n_pools; i++)
@@ -22,6 +23,7 @@ int km_srv_pool_find(const km_server *s, const char *name)
     return -1;
 }
 
+/* The index of the first pool serving `model`, or -1. */
 int km_srv_pool_for_model(const km_server *s, const char *model)
 {
     for (uint32_t i = 0; i < s->n_pools; i++)
@@ -30,6 +32,8 @@ int km_srv_pool_for_model(const km_server *s, const char *model)
     return -1;
 }
 
+/* A pool and everything it owns (subscriber, feeds, index, approximate-mode state); NULL is a
+ * no-op. */
 void km_srv_pool_destroy(pool *p)
 {
     if (!p)
@@ -49,6 +53,8 @@ void km_srv_pool_destroy(pool *p)
     free(p);
 }
 
+/* A pool from its config, with its index and approximate-mode state; its subscriber and in-process
+ * feed come with its first worker that needs them. KM_OK, or an error with why filled. */
 int km_srv_pool_create(km_server *s, const km_server_pool *pc, pool **out, char *why,
                        size_t why_size)
 {
@@ -197,6 +203,8 @@ int km_srv_feed_info(km_server *s, uint32_t id, km_feed_worker_info *out)
     return rc;
 }
 
+/* A worker's latest recovery windows (up to cap), from its subscriber or the in-process feed
+ * (admin_lock held). */
 int km_srv_feed_windows(km_server *s, uint32_t id, km_feed_window *out, uint32_t cap, uint32_t *n)
 {
     worker_slot *w = &s->workers[id];
@@ -239,6 +247,7 @@ static void members_erase(pool *p, uint32_t id)
         }
 }
 
+/* Whether worker id belongs to pool p (binary search of its ascending members). */
 bool km_srv_pool_is_member(const pool *p, uint32_t id)
 {
     uint32_t lo = 0, hi = p->n_members;

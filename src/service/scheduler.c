@@ -51,6 +51,8 @@ static int grow(void **p, size_t *cap, size_t need, size_t elem)
     return KM_OK;
 }
 
+/* Room for n_cands candidates in the scratch's per-candidate arrays (cands, costs, states,
+ * rcands); KM_ERR_OUT_OF_MEMORY leaves what it has. Scheduler role held. */
 int km_srv_scratch_reserve(batch_scratch *b, size_t n_cands)
 {
     size_t cap = b->cap_cands;
@@ -300,6 +302,7 @@ static void housekeeping(km_server *s, batch_scratch *b, uint32_t expire_limit)
     pthread_mutex_unlock(&s->admin_lock);
 }
 
+/* Free the scratch's arrays and zero it (the server being destroyed). */
 void km_srv_scratch_free(batch_scratch *b)
 {
     free(b->cands);

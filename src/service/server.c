@@ -18,6 +18,8 @@
 #include "base/error_detail.h"
 #include "service/server_internal.h"
 
+/* One line to the configured log callback, else to stderr with the "kvmatch serve: " prefix;
+ * longer lines are cut at 511 bytes. Any thread. */
 void km_srv_log(km_server *s, const char *fmt, ...)
 {
     char line[512];

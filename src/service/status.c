@@ -9,6 +9,8 @@
 #include "kvmatch/kvmatch.h"
 #include "service/server_internal.h"
 
+/* Ready to take traffic: not draining, and at least ready_share of the event-fed workers LIVE
+ * (approximate-mode workers do not count); the reason says which, either way. Takes admin_lock. */
 bool km_srv_readiness(km_server *s, char *reason, size_t reason_size)
 {
     uint32_t events = 0, live = 0, approx = 0;
@@ -270,6 +272,8 @@ km_http_callbacks km_srv_http_callbacks(km_server *s)
     return cb;
 }
 
+/* The service's registered metrics (counters and histograms); the per-worker and records
+ * samples are appended at each scrape (http_metrics). */
 int km_srv_metrics_setup(km_server *s)
 {
     int rc = km_metrics_create(&s->metrics);
