@@ -478,7 +478,7 @@ static void count_records(const char *path, const char *source, uint64_t *decisi
 /* Approximate mode (no event streams) and router overrides. With events the index stays exact
  * even for overridden requests (their prediction is the row of the worker they went to). Without,
  * every decision says `approx`, and the index, which can only assume, is inexact under cache
- * pressure. Overrides reported by the router teach the worker they went to (server.c,
+ * pressure. Overrides reported by the router teach the worker they went to (src/service/attempts.c,
  * lesson_queue): with that, more predictions are exact and fewer under the truth than when the
  * server keeps no hashes for them (approx_dispatch_max_bytes 0), on the identical workload. */
 Test(sim, approximate_mode_and_router_overrides, .timeout = 120)
