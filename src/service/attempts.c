@@ -123,6 +123,27 @@ static km_record_time mono_to_record(uint64_t mono)
     return t;
 }
 
+/* The fields a decision record and its outcome records share, with this server's next record id;
+ * the caller sets the time. A NULL attempt_id is written as "". */
+km_record_common km_srv_record_common(km_server *s, uint64_t decision_id, const char *request_id,
+                                      const char *attempt_id, const char *model,
+                                      const char *pool_name, const char *endpoint)
+{
+    km_record_common c;
+    memset(&c, 0, sizeof c);
+    c.record_id = (int64_t)atomic_fetch_add(&s->next_record_id, 1);
+    c.instance = s->instance;
+    c.host = s->host;
+    c.kvmatch_version = KVMATCH_VERSION;
+    c.decision_id = (int64_t)decision_id;
+    c.request_id = request_id;
+    c.attempt_id = attempt_id ? attempt_id : "";
+    c.model = model;
+    c.pool = pool_name;
+    c.endpoint = endpoint;
+    return c;
+}
+
 static void write_outcome(km_server *s, const attempt *a, km_record_outcome outcome,
                           const km_lifecycle_event *ev, const km_active_summary *sum,
                           const char *error)
@@ -133,16 +154,8 @@ static void write_outcome(km_server *s, const attempt *a, km_record_outcome outc
         return;
     km_outcome_record r;
     km_outcome_record_init(&r);
-    r.common.record_id = (int64_t)atomic_fetch_add(&s->next_record_id, 1);
-    r.common.instance = s->instance;
-    r.common.host = s->host;
-    r.common.kvmatch_version = KVMATCH_VERSION;
-    r.common.decision_id = (int64_t)a->decision_id;
-    r.common.request_id = a->request_id;
-    r.common.attempt_id = a->attempt_id ? a->attempt_id : "";
-    r.common.model = a->model ? a->model : a->pool;
-    r.common.pool = a->pool;
-    r.common.endpoint = a->endpoint;
+    r.common = km_srv_record_common(s, a->decision_id, a->request_id, a->attempt_id,
+                                    a->model ? a->model : a->pool, a->pool, a->endpoint);
     r.common.time = km_record_time_now();
     r.outcome = outcome;
     r.decided = a->decided;

@@ -7,7 +7,6 @@
 #include <math.h>
 #include <string.h>
 
-#include "kvmatch/kvmatch.h"
 #include "service/server_internal.h"
 
 static const km_worker_match *find_match(const km_worker_match *m, uint32_t count, uint32_t worker,
@@ -361,16 +360,9 @@ static void record_decision(km_server *s, const route_job *r, const pool *p, bat
 {
     km_decision_record rec;
     km_decision_record_init(&rec);
-    rec.common.record_id = (int64_t)atomic_fetch_add(&s->next_record_id, 1);
-    rec.common.instance = s->instance;
-    rec.common.host = s->host;
-    rec.common.kvmatch_version = KVMATCH_VERSION;
-    rec.common.decision_id = (int64_t)c->decision_id;
-    rec.common.request_id = r->request_id;
-    rec.common.attempt_id = r->attempt_id ? r->attempt_id : "";
-    rec.common.model = r->model ? r->model : (p->model ? p->model : p->name);
-    rec.common.pool = p->name;
-    rec.common.endpoint = r->endpoint;
+    rec.common = km_srv_record_common(s, c->decision_id, r->request_id, r->attempt_id,
+                                      r->model ? r->model : (p->model ? p->model : p->name),
+                                      p->name, r->endpoint);
     rec.common.time = a ? a->decided : km_record_time_now();
     rec.source = c->observed ? KM_RECORD_SOURCE_EVENTS : KM_RECORD_SOURCE_APPROX;
     rec.input = r->input == KM_ROUTE_INPUT_TOKENS ? KM_RECORD_INPUT_TOKENS : KM_RECORD_INPUT_HASHES;

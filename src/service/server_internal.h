@@ -425,6 +425,9 @@ attempt *km_srv_attempt_new(attempt_cache *cache, const char *request_id, const 
 void km_srv_attempt_free(attempt_cache *cache, attempt *a);
 void km_srv_attempt_cache_free(attempt_cache *cache);
 void km_srv_attempt_keep_hashes(km_server *s, attempt *a, const pool *p, const route_job *r);
+km_record_common km_srv_record_common(km_server *s, uint64_t decision_id, const char *request_id,
+                                      const char *attempt_id, const char *model,
+                                      const char *pool_name, const char *endpoint);
 void km_srv_record_expired(void *user, const km_active_summary *sum);
 void km_srv_record_evicted(void *user, const km_active_summary *sum);
 void km_srv_record_removed(void *user, const km_active_summary *sum);
