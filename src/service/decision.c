@@ -132,8 +132,10 @@ static bool gather_candidates(km_server *s, route_job *r, const pool *p,
         km_active_load load;
         if (km_active_worker_load(s->active, ids[i], &load) == KM_OK) {
             pc->in_flight = load.in_flight > UINT32_MAX ? UINT32_MAX : (uint32_t)load.in_flight;
+            pc->prefilling = load.prefilling > UINT32_MAX ? UINT32_MAX : (uint32_t)load.prefilling;
             pc->pending_prefill_tokens = load.pending_prefill_tokens;
             pc->active_decode_blocks = load.active_decode_blocks;
+            pc->allocated_blocks = load.allocated_blocks;
         }
         km_worker_stats ws;
         if (km_index_worker_stats(p->index, ids[i], &ws) == KM_OK)
@@ -245,6 +247,13 @@ static bool begin_active_work(km_server *s, route_job *r, const pool *p, route_c
                                                 : km_active_last_error(s->active));
         return false;
     }
+    /* The cached prefix it will use there, so concurrent requests on one prefix count its KV
+     * once (best effort: without memory for it, the request counts whole). */
+    uint32_t hit = c->chosen_depth;
+    if (prompt > 0 && hit > (prompt - 1) / p->block_size)
+        hit = (prompt - 1) / p->block_size;
+    if (hit && hit <= r->n_hashes)
+        km_active_share_prefix(s->active, &c->key, r->hashes[hit - 1], hit * p->block_size);
     c->decision_id = atomic_fetch_add(&s->next_decision_id, 1);
     return true;
 }
