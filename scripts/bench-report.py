@@ -2,7 +2,7 @@
 """Render a benchmark's JSON as its markdown section of docs/BENCHMARKS.md, between the markers
 <!-- NAME:begin --> and <!-- NAME:end --> (stdlib only). NAME is the "benchmark" field of the JSON,
 else the file's name without .json (bench/results/events.json -> events): index, ipc, events,
-replay, replay-ceiling, sim and growth have renderers; `make bench` renders all seven.
+replay, replay-ceiling, sim, growth and routing have renderers; `make bench` renders all eight.
 
 usage: scripts/bench-report.py [bench/results/index.json] [docs/BENCHMARKS.md]
 """
@@ -212,8 +212,37 @@ def render_growth(d):
     return "\n".join(out)
 
 
+def render_routing(d):
+    judged = d.get("judged_policy", d.get("default_policy", "?"))
+    sm = d["summary"]
+    out = [f"Command: `python3 scripts/bench-routing.py build/kvmatch > bench/results/routing.json` "
+           f"({d['workers']} workers, {d['requests']} requests, loads {d['loads']}, seeds "
+           f"{', '.join(str(x) for x in d['seeds'])}; the Mooncake trace "
+           f"{'in three windows' if d.get('trace') else 'absent: not run'}). Virtual time: the figures "
+           f"are the same on every machine.\n"]
+    out.append(f"`{judged}` within 2% of the best other policy: TTFT p50 in {sm['p50_holds']} of "
+               f"{sm['cells']} cells, p99 in {sm['p99_holds']} of {sm['cells']}; p99 at least 3x better "
+               f"than `round_robin`'s at load 0.8 in {sm['round_robin_holds']} of "
+               f"{sm['round_robin_cells']}.\n")
+    out.append(f"| workload | load | seed | `{judged}` p50 | best other p50 | `{judged}` p99 | "
+               f"best other p99 | round robin p99 / `{judged}`'s |")
+    out.append("|---|---:|---:|---:|---|---:|---|---:|")
+    for c in d["cells"]:
+        p50 = f"{c['default_p50_ms']:,.1f}" + ("" if c["p50_holds"] else " (worse)")
+        p99 = f"{c['default_p99_ms']:,.1f}" + ("" if c["p99_holds"] else " (worse)")
+        rr = c["p99_over_round_robin"]
+        rr_text = f"{rr:.2f}" if rr is not None else "?"
+        if "round_robin_target_holds" in c and not c["round_robin_target_holds"]:
+            rr_text += " (under 3)"
+        out.append(f"| {c['workload']} | {c['load']:.2f} | {c['seed']} | {p50} | "
+                   f"{c['best_other_p50']} {c['best_other_p50_ms']:,.1f} | {p99} | "
+                   f"{c['best_other_p99']} {c['best_other_p99_ms']:,.1f} | {rr_text} |")
+    return "\n".join(out)
+
+
 RENDERERS = {"index": render, "ipc": render_ipc, "events": render_events, "replay": render_replay,
-             "replay-ceiling": render_replay_ceiling, "sim": render_sim, "growth": render_growth}
+             "replay-ceiling": render_replay_ceiling, "sim": render_sim, "growth": render_growth,
+             "routing": render_routing}
 
 
 def main():

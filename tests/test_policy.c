@@ -76,7 +76,17 @@ Test(policy, config_defaults_are_the_peers, .timeout = 30)
 {
     km_policy_config cfg;
     km_policy_config_init(&cfg);
-    cr_assert_eq(cfg.kind, KM_POLICY_KV);
+    /* The default kind is the one that won the routing benchmark (docs/BENCHMARKS.md, "Routing");
+     * every policy's parameters default to its peer's. */
+    cr_assert_eq(cfg.kind, KM_POLICY_TTFT);
+    cr_assert_eq(cfg.llmd.prefix_weight, 2.0);
+    cr_assert_eq(cfg.llmd.queue_weight, 1.0);
+    cr_assert_eq(cfg.llmd.kv_usage_weight, 1.0);
+    cr_assert_eq(cfg.llmd.host_tier_weight, 0.8);
+    cr_assert_eq(cfg.preble.exploit_ratio, 1.0);
+    km_engine_model m;
+    km_engine_model_init(&m);
+    cr_assert(memcmp(&cfg.engine, &m, sizeof m) == 0);
     cr_assert_eq(cfg.kv.prefill_load_scale, 1.0);
     cr_assert_eq(cfg.kv.device_weight, 1.0);
     cr_assert_eq(cfg.kv.host_weight, 0.75);

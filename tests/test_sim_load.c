@@ -157,7 +157,7 @@ Test(sim_load, command_line_sweep_json_and_html_report, .timeout = 300)
     json_error_t err;
     json_t *root = json_load_file(json_path, 0, &err);
     cr_assert_not_null(root, "%s: %s", json_path, err.text);
-    cr_assert_str_eq(json_string_value(json_object_get(root, "default_policy")), "kv");
+    cr_assert_str_eq(json_string_value(json_object_get(root, "default_policy")), "ttft");
     cr_assert_gt(json_real_value(json_object_get(root, "capacity_rps")), 0);
     cr_assert_str_eq(json_string_value(json_object_get(json_object_get(root, "workload"), "shape")),
                      "agent");

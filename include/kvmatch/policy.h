@@ -112,7 +112,7 @@ typedef enum km_policy_reason {
 /* Policy parameters. km_policy_config_init sets the peers' defaults; fields of the policies a pool
  * does not use are ignored (but still validated, so a config file with a bad value fails early). */
 typedef struct km_policy_config {
-    km_policy_kind kind; /* default KM_POLICY_KV */
+    km_policy_kind kind; /* default KM_POLICY_TTFT (docs/BENCHMARKS.md, "Routing") */
     struct {
         /* Multiplies the uncovered prefill blocks (Dynamo's prefill_load_scale, formerly
          * overlap_score_weight); finite, >= 0; default 1.0. 0 = decode load only. */
@@ -205,7 +205,7 @@ typedef struct km_policy_decision {
 
 /* ---- configuration ----------------------------------------------------------------------- */
 
-/* Defaults: kind kv; kv: prefill_load_scale 1, weights 1 / 0.75 / 0.25, temperature 0;
+/* Defaults: kind ttft; kv: prefill_load_scale 1, weights 1 / 0.75 / 0.25, temperature 0;
  * cache_aware: 0.3, 64, 1.5 (vllm-router's CLI defaults). */
 void km_policy_config_init(km_policy_config *cfg);
 

@@ -23,8 +23,8 @@ static void serve_usage(FILE *f)
             "  --records PATH|none     decision and outcome JSONL (default kvmatch-records.jsonl)\n"
             "  --snapshot-dir DIR      event pools' snapshots (restored at start, written on SIGTERM)\n"
             "  --snapshot-interval-s N periodic snapshots (default 60; 0 = only on shutdown)\n"
-            "  --pool NAME:BLOCK_SIZE[:POLICY[:MODEL]]  add a pool (policy kv, cache_aware, prefix,\n"
-            "                          least_load, round_robin; default kv)\n"
+            "  --pool NAME:BLOCK_SIZE[:POLICY[:MODEL]]  add a pool (policy ttft, kv, cache_aware,\n"
+            "                          prefix, least_load, round_robin, llmd, preble; default ttft)\n"
             "  --worker POOL:ID[=PUB[,REPLAY]]  add a worker; without PUB it is in approximate mode\n"
             "  --param POOL:NAME=VALUE policy parameter (temperature, cache_threshold, ...)\n"
             "  --max-workers N  --backend auto|cpu|cuda  --threads N  --max-batch N\n"
@@ -34,7 +34,7 @@ static void serve_usage(FILE *f)
             "  --active-ttl-s N  --max-active N  --approx-dispatch-mb N\n"
             "  --breaker-failures N  --breaker-cooldown-ms N\n"
             "  --ready-share X  --seed N  --allow-non-loopback\n"
-            "Without --config and --pool, one pool \"default\" (block size 16, policy kv) is made.\n"
+            "Without --config and --pool, one pool \"default\" (block size 16, policy ttft) is made.\n"
             "SIGTERM / SIGINT: stop accepting, finish queued decisions, flush records, snapshot, exit 0.\n",
             KM_PROTOCOL_DEFAULT_SOCKET);
 }

@@ -105,7 +105,7 @@ void km_policy_config_init(km_policy_config *cfg)
     if (!cfg)
         return;
     memset(cfg, 0, sizeof *cfg);
-    cfg->kind = KM_POLICY_KV;
+    cfg->kind = KM_POLICY_TTFT;
     cfg->kv.prefill_load_scale = 1.0;
     cfg->kv.device_weight = 1.0;
     cfg->kv.host_weight = 0.75;
