@@ -7,7 +7,7 @@
 #   make bench      benchmarks -> bench/results/*.json
 #   make fuzz       libFuzzer harnesses (tests/fuzz/) under ASan + UBSan, FUZZ_SECONDS each (needs
 #                   clang; not part of `make test`; docs/FUZZING.md)
-#   make run        install missing Debian packages, build, run the main job (kvmatch sim)
+#   make run        install missing Debian packages, build, run the main job (a kvmatch sim sweep)
 # V=1 shows the commands.
 
 CC ?= cc
@@ -109,9 +109,12 @@ bench: all
 		python3 scripts/bench-report.py bench/results/$$b.json docs/BENCHMARKS.md || exit 1; done
 	$(Q)cat bench/results/index.json bench/results/events.json bench/results/ipc.json bench/results/replay.json bench/results/sim.json bench/results/growth.json
 
+# The main job: every policy on agent loops at three loads of the cluster's capacity, the default
+# policy against each of the others, and an HTML report (docs/SIM.md, "Load sweeps").
 run: deps
 	$(Q)$(MAKE) --no-print-directory all
-	$(Q)$(BIN) sim
+	$(Q)$(BIN) sim --workload agent --workers 4 --requests 600 --sweep 0.5,0.8,0.95 \
+	    --html $(BUILD)/sim-report.html
 
 # ---- fuzzing (docs/FUZZING.md) -----------------------------------------------------------------
 # The library is rebuilt with clang into build-fuzz/ (sanitizers + coverage instrumentation); each
