@@ -21,7 +21,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "index/host_table.h"
+#include "base/memory_budget.h"
 
 #define KM_OAMAP_EMPTY UINT64_C(0)
 #define KM_OAMAP_ERASED UINT64_C(1)
@@ -42,6 +42,15 @@ typedef struct km_oamap {
     uint32_t entry_size;
     uint32_t min_capacity; /* the first array's size */
 } km_oamap;
+
+/* Backward-shift deletion, shared by every linear-probing map in kvmatch (these maps and the
+ * index's host tables, src/index/host_table.c): after a hole opens at `hole`, the key at slot j further along the
+ * same probe run, whose home slot is `home`, may move back into the hole iff its home does not lie
+ * in (hole, j], so it stays reachable from its home. mask = capacity - 1. */
+static inline int km_probe_may_fill(uint64_t home, uint64_t hole, uint64_t j, uint64_t mask)
+{
+    return ((j - home) & mask) >= ((j - hole) & mask);
+}
 
 /* An empty map of entries of entry_size bytes (at least 8, the key first). */
 void km_oamap_init(km_oamap *m, uint32_t entry_size, uint32_t min_capacity, km_memory *memory);

@@ -14,8 +14,8 @@
 
 #include <stdint.h>
 
+#include "base/memory_budget.h"
 #include "base/open_map.h"
-#include "index/host_table.h"
 
 typedef struct km_u64map_entry {
     uint64_t key;

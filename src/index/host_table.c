@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "kvmatch/error.h"
+#include "base/open_map.h" /* km_probe_may_fill */
 #include "base/zeroed_pages.h"
 
 /* Grow when keys (+ tombstones, which only a loaded old snapshot can hold, purged on load) pass 70%
@@ -13,19 +14,6 @@
 #define TABLE_MAX_LOAD_NUM 7
 #define TABLE_MAX_LOAD_DEN 10
 #define TABLE_MIN_CAPACITY 64u
-
-int km_memory_reserve(km_memory *m, uint64_t old_bytes, uint64_t new_bytes)
-{
-    if (new_bytes > old_bytes && m->cap && m->used - old_bytes + new_bytes > m->cap)
-        return KM_ERR_MEMORY_CAP;
-    m->used = m->used - old_bytes + new_bytes;
-    return KM_OK;
-}
-
-void km_memory_release(km_memory *m, uint64_t bytes)
-{
-    m->used -= bytes;
-}
 
 static uint32_t log2_u64(uint64_t x)
 {

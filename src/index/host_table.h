@@ -2,7 +2,8 @@
  * backward-shift deletion (no tombstones, so removes never force a purging rehash and probe runs
  * stay as short as the live load makes them), a pool of bitmaps for widely-held blocks, optional
  * per-slot block metadata, dirty-slot tracking for device replicas (every slot a shift moves is
- * listed), and memory accounting against a shared cap. Single writer; readers use km_table_view.
+ * listed), and memory accounting against a shared cap (src/base/memory_budget.h). Single writer;
+ * readers use km_table_view.
  *
  * Growth is incremental once the table is large (KM_TABLE_INCREMENTAL_SLOTS): the keys move to the
  * doubled arrays a bounded number of slots per reserve, insert and erase, so no single call pays
@@ -23,17 +24,12 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "base/memory_budget.h"
 #include "index/slot_walk.h"
 
 /* Tables below this many slots rehash at once when they grow (a few hundred microseconds at most);
  * larger ones grow incrementally. */
 #define KM_TABLE_INCREMENTAL_SLOTS (UINT64_C(1) << 14)
-
-/* Memory accounting shared by every table of one index. cap 0 = unlimited. */
-typedef struct km_memory {
-    uint64_t used;
-    uint64_t cap;
-} km_memory;
 
 /* Per-block facts the update planner needs and scoring never reads (parallel to the slots). */
 #define KM_POSITION_UNKNOWN UINT32_MAX
@@ -90,15 +86,6 @@ typedef struct km_table {
 
     km_memory *memory;
 } km_table;
-
-/* Backward-shift deletion, shared by every linear-probing map in kvmatch (this table, src/base/u64_map.c,
- * the feed's engine-hash maps): after a hole opens at `hole`, the key at slot j further along the
- * same probe run, whose home slot is `home`, may move back into the hole iff its home does not lie
- * in (hole, j], so it stays reachable from its home. mask = capacity - 1. */
-static inline int km_probe_may_fill(uint64_t home, uint64_t hole, uint64_t j, uint64_t mask)
-{
-    return ((j - home) & mask) >= ((j - hole) & mask);
-}
 
 /* Create with room for at least `initial_keys` keys at the maximum load. with_meta: a
  * km_block_meta per slot; aux_bytes: that many owner-defined bytes per slot (0 for none). */
@@ -175,9 +162,5 @@ uint32_t km_table_set_list(const km_table *t, uint64_t slot, uint32_t *out, uint
 /* Bytes of slot + meta + aux + pool memory, both arrays while growing. */
 uint64_t km_table_bytes(const km_table *t);
 void km_table_clear_dirty(km_table *t);
-
-/* Accounted allocation helpers shared by the index's other structures. */
-int km_memory_reserve(km_memory *m, uint64_t old_bytes, uint64_t new_bytes);
-void km_memory_release(km_memory *m, uint64_t bytes);
 
 #endif
