@@ -13,6 +13,7 @@
 #ifndef KVMATCH_INDEX_H
 #define KVMATCH_INDEX_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -196,6 +197,12 @@ int km_index_match_batch(km_index *index, const km_request *requests, size_t n_r
  * the directory. A reader never sees half a snapshot. Format: docs/ARCHITECTURE.md "Snapshots".
  * Errors: KM_ERR_NULL_POINTER, KM_ERR_IO (with errno's text in km_index_last_error). */
 int km_index_save(km_index *index, const char *path, const void *user, size_t user_size);
+
+/* The temporary file km_index_save writes first and renames over `path`: "<path>.tmp.<pid>", pid
+ * being the writing process's. False when it does not fit in out[0..size). A writer killed before
+ * the rename leaves it behind; whoever reaps such a writer (a process forked to save in the
+ * background) removes it. */
+bool km_index_save_temp_path(const char *path, long pid, char *out, size_t size);
 
 /* Replace the index's content with the snapshot at `path`. The file is read, checksummed and
  * checked in full before anything changes: on any error the index is exactly as it was.

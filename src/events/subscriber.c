@@ -13,7 +13,6 @@
  * ended gets a fresh one, so late answers to an old request can never be mistaken for the new
  * one's. */
 #include "kvmatch/subscriber.h"
-#include "index/index_internal.h"
 #include "base/error_detail.h"
 
 #include <errno.h>
@@ -920,7 +919,7 @@ static void reap_snapshot_child(km_subscriber *sub, bool wait)
      * period. The previous snapshot, at the path itself, is untouched either way. */
     char tmp[4096];
     if (sub->config.snapshot_path &&
-        km_snapshot_temp_path(sub->config.snapshot_path, (long)child, tmp, sizeof tmp))
+        km_index_save_temp_path(sub->config.snapshot_path, (long)child, tmp, sizeof tmp))
         unlink(tmp);
     sub->stats.snapshot_failures++;
     snprintf(sub->stats.last_snapshot_error, sizeof sub->stats.last_snapshot_error,

@@ -8,7 +8,6 @@
 #define KM_INDEX_IMPL_H
 
 #include <stdarg.h>
-#include <stdbool.h>
 
 #include "kvmatch/index.h"
 #include "index/host_table.h"
@@ -121,10 +120,5 @@ int km_index_use_backend(km_index *index, const km_backend_ops *ops, char *why, 
 /* Grow results to hold n requests and `matches` entries; afterwards results->matches is never
  * NULL (even for 0 entries), so `matches + first` is always defined. */
 int km_match_results_reserve(km_match_results *r, size_t n_requests, size_t n_matches);
-
-/* The file km_index_save writes first and renames over `path`: "<path>.tmp.<writer's pid>".
- * False when it does not fit in out[0..size). A writer killed before the rename leaves it behind;
- * whoever reaps such a writer removes it (the subscriber's background snapshots). */
-bool km_snapshot_temp_path(const char *path, long pid, char *out, size_t size);
 
 #endif

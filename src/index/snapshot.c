@@ -115,7 +115,7 @@ static void header_seal(header_fields *h)
     h->header_hash = XXH3_64bits(h, offsetof(header_fields, header_hash));
 }
 
-bool km_snapshot_temp_path(const char *path, long pid, char *out, size_t size)
+bool km_index_save_temp_path(const char *path, long pid, char *out, size_t size)
 {
     int n = snprintf(out, size, "%s.tmp.%ld", path, pid);
     return n >= 0 && (size_t)n < size;
@@ -129,7 +129,7 @@ int km_index_save(km_index *index, const char *path, const void *user, size_t us
     if (!path || (!user && user_size > 0))
         return km_index_fail(index, KM_ERR_NULL_POINTER, "snapshot path or user section is NULL");
     char tmp[4096];
-    if (!km_snapshot_temp_path(path, (long)getpid(), tmp, sizeof tmp))
+    if (!km_index_save_temp_path(path, (long)getpid(), tmp, sizeof tmp))
         return km_index_fail(index, KM_ERR_INVALID_ARGUMENT, "snapshot path too long");
     writer w = {.fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644)};
     if (w.fd < 0)
