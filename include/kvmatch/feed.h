@@ -34,6 +34,7 @@
 #include <stdint.h>
 
 #include "kvmatch/error.h"
+#include "kvmatch/log.h"
 #include "kvmatch/index.h"
 #include "kvmatch/kv_events.h"
 

@@ -18,6 +18,7 @@
 #include <stdint.h>
 
 #include "kvmatch/error.h"
+#include "kvmatch/log.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -39,8 +40,6 @@ typedef enum km_backend_kind {
     KM_BACKEND_CPU = 1,
     KM_BACKEND_CUDA = 2,
 } km_backend_kind;
-
-typedef void (*km_log_fn)(void *user, const char *line);
 
 typedef struct km_index_config {
     uint32_t max_workers;       /* worker ids are 0 .. max_workers-1; 1 .. KM_MAX_WORKERS_LIMIT; default 1024 */

@@ -2,6 +2,7 @@
 #ifndef KVMATCH_H
 #define KVMATCH_H
 #include "kvmatch/error.h"
+#include "kvmatch/log.h"
 #include "kvmatch/hash.h"
 #include "kvmatch/index.h"
 #include "kvmatch/kv_events.h"

@@ -33,6 +33,7 @@
 #include <stdint.h>
 
 #include "kvmatch/error.h"
+#include "kvmatch/log.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -231,8 +232,6 @@ int km_record_instance_id(char out[33]);
 
 typedef struct km_record_writer km_record_writer;
 
-typedef void (*km_record_log_fn)(void *user, const char *line);
-
 typedef struct km_record_writer_config {
     const char *path;          /* required: the JSONL file; appended to when it exists */
     uint64_t max_file_bytes;   /* rotate when the next line would make the file larger; 0 = never;
@@ -246,7 +245,7 @@ typedef struct km_record_writer_config {
     uint64_t max_line_bytes;   /* longest line accepted; default 1 MiB */
     uint32_t flush_interval_ms; /* a line reaches the kernel at most this long after the writer
                                  * takes it (it is buffered meanwhile); >= 1; default 200 */
-    km_record_log_fn log;      /* one line per I/O failure and per recovery; NULL = stderr */
+    km_log_fn log;             /* one line per I/O failure and per recovery; NULL = stderr */
     void *log_user;
 } km_record_writer_config;
 

@@ -23,6 +23,7 @@
 #include <stdint.h>
 
 #include "kvmatch/error.h"
+#include "kvmatch/log.h"
 #include "kvmatch/index.h"
 #include "kvmatch/policy.h"
 #include "kvmatch/protocol.h"

@@ -25,6 +25,7 @@
 #include <stdint.h>
 
 #include "kvmatch/error.h"
+#include "kvmatch/log.h"
 #include "kvmatch/feed.h"
 #include "kvmatch/index.h"
 #include "kvmatch/kv_events.h"

@@ -32,7 +32,7 @@
 #include <stdint.h>
 
 #include "kvmatch/error.h"
-#include "kvmatch/index.h" /* km_log_fn */
+#include "kvmatch/log.h"
 #include "kvmatch/metrics.h"
 
 #ifdef __cplusplus
