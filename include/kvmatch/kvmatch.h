@@ -3,6 +3,7 @@
 #define KVMATCH_H
 #include "kvmatch/error.h"
 #include "kvmatch/log.h"
+#include "kvmatch/text.h"
 #include "kvmatch/hash.h"
 #include "kvmatch/index.h"
 #include "kvmatch/kv_events.h"

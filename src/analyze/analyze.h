@@ -45,7 +45,7 @@
 #include <stdint.h>
 
 #include "kvmatch/error.h"
-#include "kvmatch/metrics.h" /* km_text */
+#include "kvmatch/text.h"
 
 typedef struct km_analysis km_analysis;
 
