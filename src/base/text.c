@@ -6,6 +6,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "base/array.h"
+
 void km_text_init(km_text *text, size_t max_bytes)
 {
     if (!text)
@@ -52,20 +54,9 @@ static int text_reserve(km_text *text, size_t extra)
         text->status = KM_ERR_TOO_LARGE;
         return text->status;
     }
-    size_t need = text->length + extra + 1;
-    if (need <= text->capacity)
-        return KM_OK;
-    size_t capacity = text->capacity ? text->capacity : 256;
-    while (capacity < need)
-        capacity *= 2;
-    char *data = realloc(text->data, capacity);
-    if (!data) {
+    if (KM_ARRAY_GROW(text->data, text->capacity, text->length + extra + 1, 256))
         text->status = KM_ERR_OUT_OF_MEMORY;
-        return text->status;
-    }
-    text->data = data;
-    text->capacity = capacity;
-    return KM_OK;
+    return text->status;
 }
 
 int km_text_append(km_text *text, const char *bytes, size_t length)

@@ -12,6 +12,7 @@
 #include <jansson.h>
 
 #include "cli/commands.h"
+#include "base/array.h"
 #include "kvmatch/kvmatch.h"
 
 static void route_usage(FILE *f)
@@ -167,14 +168,9 @@ static int read_numbers(uint64_t **out, size_t *n_out, uint64_t max, bool hex)
             free(v);
             return -1;
         }
-        if (n == cap) {
-            cap *= 2;
-            uint64_t *g = realloc(v, cap * sizeof *g);
-            if (!g) {
-                free(v);
-                return -1;
-            }
-            v = g;
+        if (KM_ARRAY_GROW(v, cap, n + 1, 1024)) {
+            free(v);
+            return -1;
         }
         v[n++] = x;
     }

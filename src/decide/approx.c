@@ -23,6 +23,7 @@
 #include <string.h>
 
 #include "base/u64_map.h"
+#include "base/array.h"
 #include "base/error_detail.h"
 
 #define NIL UINT32_MAX
@@ -177,30 +178,15 @@ void km_approx_updates_free(km_approx_updates *buf)
 /* Room for `updates` more updates and `hashes` more hashes, without changing the content. */
 static int buf_reserve(km_approx_updates *buf, size_t updates, size_t hashes)
 {
-    if (buf->n_updates + updates > buf->updates_capacity) {
-        size_t capacity = buf->updates_capacity ? buf->updates_capacity : 16;
-        while (capacity < buf->n_updates + updates)
-            capacity *= 2;
-        km_update *u = realloc(buf->updates, capacity * sizeof *u);
-        if (!u)
-            return KM_ERR_OUT_OF_MEMORY;
-        buf->updates = u;
-        size_t *o = realloc(buf->offsets, capacity * sizeof *o);
-        if (!o)
-            return KM_ERR_OUT_OF_MEMORY; /* updates grew; harmless */
-        buf->offsets = o;
-        buf->updates_capacity = capacity;
-    }
-    if (buf->n_hashes + hashes > buf->hashes_capacity) {
-        size_t capacity = buf->hashes_capacity ? buf->hashes_capacity : 256;
-        while (capacity < buf->n_hashes + hashes)
-            capacity *= 2;
-        uint64_t *h = realloc(buf->hashes, capacity * sizeof *h);
-        if (!h)
-            return KM_ERR_OUT_OF_MEMORY;
-        buf->hashes = h;
-        buf->hashes_capacity = capacity;
-    }
+    /* updates and offsets share updates_capacity, which moves once both have grown (an updates
+     * array larger than its capacity is harmless). */
+    size_t updates_capacity = buf->updates_capacity, offsets_capacity = updates_capacity;
+    if (KM_ARRAY_GROW(buf->updates, updates_capacity, buf->n_updates + updates, 16) ||
+        KM_ARRAY_GROW(buf->offsets, offsets_capacity, buf->n_updates + updates, 16))
+        return KM_ERR_OUT_OF_MEMORY;
+    buf->updates_capacity = updates_capacity;
+    if (KM_ARRAY_GROW(buf->hashes, buf->hashes_capacity, buf->n_hashes + hashes, 256))
+        return KM_ERR_OUT_OF_MEMORY;
     /* The hash storage may have moved: re-point every update. */
     for (size_t i = 0; i < buf->n_updates; i++)
         buf->updates[i].hashes = buf->updates[i].n_hashes ? buf->hashes + buf->offsets[i] : NULL;
@@ -512,13 +498,8 @@ int km_approx_expire(km_approx *a, uint64_t now_ns, km_approx_updates *buf, size
         k++;
     if (k == 0)
         return KM_OK;
-    if (k > a->scratch_capacity) {
-        expired_pair *s = realloc(a->scratch, k * sizeof *s);
-        if (!s)
-            return approx_fail(a, KM_ERR_OUT_OF_MEMORY, "cannot list %zu expired blocks", k);
-        a->scratch = s;
-        a->scratch_capacity = k;
-    }
+    if (KM_ARRAY_GROW(a->scratch, a->scratch_capacity, k, 0))
+        return approx_fail(a, KM_ERR_OUT_OF_MEMORY, "cannot list %zu expired blocks", k);
     size_t j = 0;
     for (uint32_t i = a->global_head; j < k; i = a->slab[i].global_next, j++) {
         a->scratch[j].worker = a->slab[i].worker;

@@ -2,6 +2,7 @@
  * XPUB so the publisher can tell when subscribers are connected) and a ROUTER replay endpoint
  * served by its own thread from a bounded ring of the newest messages. */
 #include "base/error_detail.h"
+#include "base/array.h"
 #include "kvmatch/publisher.h"
 
 #include <errno.h>
@@ -157,15 +158,8 @@ static void take_request(km_publisher *p)
         pthread_mutex_lock(&p->lock);
         p->replay_requests++;
         if (!p->mute) {
-            if (p->pending_count == p->pending_capacity) {
-                size_t cap = p->pending_capacity ? p->pending_capacity * 2 : 8;
-                pending_request *g = realloc(p->pending, cap * sizeof *g);
-                if (g) {
-                    p->pending = g;
-                    p->pending_capacity = cap;
-                }
-            }
-            if (p->pending_count < p->pending_capacity)
+            /* Without room the request goes unanswered, as a lost one would. */
+            if (!KM_ARRAY_GROW(p->pending, p->pending_capacity, p->pending_count + 1, 8))
                 p->pending[p->pending_count++] = req;
         }
         pthread_mutex_unlock(&p->lock);
@@ -352,17 +346,11 @@ int km_publisher_publish(km_publisher *p, const void *payload, size_t size, uint
             memcpy(log_copy, payload, size);
     }
     pthread_mutex_lock(&p->lock);
-    if (log_copy && p->log_count == p->log_capacity) {
-        size_t cap = p->log_capacity ? p->log_capacity * 2 : 64;
-        buffered *g = realloc(p->log, cap * sizeof *g);
-        if (!g) {
-            pthread_mutex_unlock(&p->lock);
-            free(copy);
-            free(log_copy);
-            return KM_ERR_OUT_OF_MEMORY;
-        }
-        p->log = g;
-        p->log_capacity = cap;
+    if (log_copy && KM_ARRAY_GROW(p->log, p->log_capacity, p->log_count + 1, 64)) {
+        pthread_mutex_unlock(&p->lock);
+        free(copy);
+        free(log_copy);
+        return KM_ERR_OUT_OF_MEMORY;
     }
     uint64_t seq = p->next_seq++;
     uint32_t steps = p->config.buffer_steps;

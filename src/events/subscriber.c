@@ -13,6 +13,7 @@
  * ended gets a fresh one, so late answers to an old request can never be mistaken for the new
  * one's. */
 #include "kvmatch/subscriber.h"
+#include "base/array.h"
 #include "base/error_detail.h"
 
 #include <errno.h>
@@ -261,22 +262,15 @@ static sworker *find_sworker(const km_subscriber *sub, uint32_t id, size_t *inde
 
 static int rebuild_items(km_subscriber *sub)
 {
+    /* Three parallel arrays of one capacity: each grows from it to twice what is needed now, and
+     * the capacity moves only once all three have. */
     size_t need = 1 + 2 * sub->n_workers;
-    if (need > sub->items_capacity) {
-        size_t cap = need * 2;
-        zmq_pollitem_t *items = realloc(sub->items, cap * sizeof *items);
-        if (items)
-            sub->items = items;
-        sworker **iw = realloc(sub->item_worker, cap * sizeof *iw);
-        if (iw)
-            sub->item_worker = iw;
-        bool *ir = realloc(sub->item_is_replay, cap * sizeof *ir);
-        if (ir)
-            sub->item_is_replay = ir;
-        if (!items || !iw || !ir)
-            return KM_ERR_OUT_OF_MEMORY;
-        sub->items_capacity = cap;
-    }
+    size_t cap_items = sub->items_capacity, cap_worker = cap_items, cap_replay = cap_items;
+    if (KM_ARRAY_GROW(sub->items, cap_items, need, 2 * need) ||
+        KM_ARRAY_GROW(sub->item_worker, cap_worker, need, 2 * need) ||
+        KM_ARRAY_GROW(sub->item_is_replay, cap_replay, need, 2 * need))
+        return KM_ERR_OUT_OF_MEMORY;
+    sub->items_capacity = cap_items;
     size_t n = 0;
     sub->items[n] = (zmq_pollitem_t){sub->control_io, 0, ZMQ_POLLIN, 0};
     sub->item_worker[n] = NULL;

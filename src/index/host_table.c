@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "kvmatch/error.h"
+#include "base/array.h"
 #include "base/open_map.h" /* km_probe_may_fill */
 #include "base/zeroed_pages.h"
 
@@ -87,15 +88,9 @@ static void mark_dirty_slot(km_table *t, uint64_t slot)
 {
     if (!t->track_dirty || t->layout_changed || slot >= t->capacity)
         return;
-    if (t->n_dirty_slots == t->dirty_slots_capacity) {
-        size_t cap = t->dirty_slots_capacity ? t->dirty_slots_capacity * 2 : 1024;
-        uint64_t *grown = realloc(t->dirty_slots, cap * sizeof *grown);
-        if (!grown) { /* cannot track: the replica re-uploads everything instead */
-            t->layout_changed = 1;
-            return;
-        }
-        t->dirty_slots = grown;
-        t->dirty_slots_capacity = cap;
+    if (KM_ARRAY_GROW(t->dirty_slots, t->dirty_slots_capacity, t->n_dirty_slots + 1, 1024)) {
+        t->layout_changed = 1; /* cannot track: the replica re-uploads everything instead */
+        return;
     }
     t->dirty_slots[t->n_dirty_slots++] = slot;
 }
@@ -104,15 +99,9 @@ static void mark_dirty_set(km_table *t, uint32_t set)
 {
     if (!t->track_dirty || t->layout_changed)
         return;
-    if (t->n_dirty_sets == t->dirty_sets_capacity) {
-        size_t cap = t->dirty_sets_capacity ? t->dirty_sets_capacity * 2 : 256;
-        uint32_t *grown = realloc(t->dirty_sets, cap * sizeof *grown);
-        if (!grown) {
-            t->layout_changed = 1;
-            return;
-        }
-        t->dirty_sets = grown;
-        t->dirty_sets_capacity = cap;
+    if (KM_ARRAY_GROW(t->dirty_sets, t->dirty_sets_capacity, t->n_dirty_sets + 1, 256)) {
+        t->layout_changed = 1;
+        return;
     }
     t->dirty_sets[t->n_dirty_sets++] = set;
 }

@@ -28,6 +28,7 @@
 #include <unistd.h>
 
 #include "index/index_internal.h"
+#include "base/array.h"
 #include "kvmatch/hash.h"
 #include "base/error_detail.h"
 
@@ -297,14 +298,8 @@ static int undo_push(batch *b, const undo_entry *e)
     if (!b->logging)
         return KM_OK;
     km_index *index = b->index;
-    if (b->n_log == index->undo_capacity) {
-        size_t cap = index->undo_capacity ? index->undo_capacity * 2 : 1024;
-        undo_entry *grown = realloc(index->undo_log, cap * sizeof *grown);
-        if (!grown)
-            return KM_ERR_OUT_OF_MEMORY;
-        index->undo_log = grown;
-        index->undo_capacity = cap;
-    }
+    if (KM_ARRAY_GROW(index->undo_log, index->undo_capacity, b->n_log + 1, 1024))
+        return KM_ERR_OUT_OF_MEMORY;
     index->undo_log[b->n_log++] = *e;
     return KM_OK;
 }
@@ -315,14 +310,8 @@ static int touch_worker(batch *b, uint32_t worker)
     km_index *index = b->index;
     if (!b->logging || index->undo_touched[worker])
         return KM_OK;
-    if (b->n_saved == index->undo_saved_capacity) {
-        size_t cap = index->undo_saved_capacity ? index->undo_saved_capacity * 2 : 16;
-        struct km_saved_counters *grown = realloc(index->undo_saved, cap * sizeof *grown);
-        if (!grown)
-            return KM_ERR_OUT_OF_MEMORY;
-        index->undo_saved = grown;
-        index->undo_saved_capacity = cap;
-    }
+    if (KM_ARRAY_GROW(index->undo_saved, index->undo_saved_capacity, b->n_saved + 1, 16))
+        return KM_ERR_OUT_OF_MEMORY;
     undo_entry e = {.kind = UNDO_WORKER_COUNTERS, .worker = worker, .aux = b->n_saved};
     int rc = undo_push(b, &e);
     if (rc)
@@ -1249,26 +1238,11 @@ void km_match_results_free(km_match_results *r)
  * for every request, and pointer arithmetic on NULL is undefined even with an offset of 0. */
 int km_match_results_reserve(km_match_results *r, size_t n_requests, size_t n_matches)
 {
-    if (n_requests > r->requests_capacity) {
-        size_t cap = r->requests_capacity ? r->requests_capacity : 64;
-        while (cap < n_requests)
-            cap *= 2;
-        void *grown = realloc(r->requests, cap * sizeof *r->requests);
-        if (!grown)
-            return KM_ERR_OUT_OF_MEMORY;
-        r->requests = grown;
-        r->requests_capacity = cap;
-    }
-    if (n_matches > r->matches_capacity || !r->matches) {
-        size_t cap = r->matches_capacity ? r->matches_capacity : 256;
-        while (cap < n_matches)
-            cap *= 2;
-        void *grown = realloc(r->matches, cap * sizeof *r->matches);
-        if (!grown)
-            return KM_ERR_OUT_OF_MEMORY;
-        r->matches = grown;
-        r->matches_capacity = cap;
-    }
+    if (KM_ARRAY_GROW(r->requests, r->requests_capacity, n_requests, 64))
+        return KM_ERR_OUT_OF_MEMORY;
+    /* At least one entry, so that matches is never NULL. */
+    if (KM_ARRAY_GROW(r->matches, r->matches_capacity, n_matches ? n_matches : 1, 256))
+        return KM_ERR_OUT_OF_MEMORY;
     return KM_OK;
 }
 
@@ -1278,17 +1252,10 @@ int km_match_results_reserve(km_match_results *r, size_t n_requests, size_t n_ma
 static int split_tiers(km_index *index, const km_request *requests, size_t n_requests,
                        km_match_results *results)
 {
-    if (results->n_matches > results->tiers_capacity || !results->tiers) { /* never NULL after */
-        size_t cap = results->tiers_capacity ? results->tiers_capacity : 256;
-        while (cap < results->n_matches)
-            cap *= 2;
-        void *grown = realloc(results->tiers, cap * sizeof *results->tiers);
-        if (!grown)
-            return km_index_fail(index, KM_ERR_OUT_OF_MEMORY, "tier split for %zu matches",
-                                 results->n_matches);
-        results->tiers = grown;
-        results->tiers_capacity = cap;
-    }
+    size_t need = results->n_matches ? results->n_matches : 1; /* never NULL after */
+    if (KM_ARRAY_GROW(results->tiers, results->tiers_capacity, need, 256))
+        return km_index_fail(index, KM_ERR_OUT_OF_MEMORY, "tier split for %zu matches",
+                             results->n_matches);
     if (results->n_matches)
         memset(results->tiers, 0, results->n_matches * sizeof *results->tiers);
     if (lower_tiers_empty(index))
