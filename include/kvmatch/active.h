@@ -111,22 +111,29 @@ static inline km_active_key km_active_key_of(const char *request_id, const char 
     return key;
 }
 
-/* How an entry ended. The first four are the router's FINISHED outcomes (issue 4: `complete` only
- * when the final finish_reason and [DONE] were seen; `incomplete` for a stream that ended without
- * them, even with HTTP 200). */
+/* How an entry ended, and the name records and logs give it; the values follow the list's order
+ * from 0. The first four are the router's FINISHED outcomes (`complete` only when the final
+ * finish_reason and [DONE] were seen; `incomplete` for a stream that ended without them, even
+ * with HTTP 200); EXPIRED: no event for ttl_ns (km_active_expire); WORKER_REMOVED:
+ * km_active_remove_worker; EVICTED: the least recently touched, to make room
+ * (km_active_evict_oldest). */
+#define KM_ACTIVE_END_LIST(X)                         \
+    X(KM_ACTIVE_END_COMPLETE, "complete")             \
+    X(KM_ACTIVE_END_INCOMPLETE, "incomplete")         \
+    X(KM_ACTIVE_END_ERROR, "error")                   \
+    X(KM_ACTIVE_END_CANCELLED, "cancelled")           \
+    X(KM_ACTIVE_END_EXPIRED, "expired")               \
+    X(KM_ACTIVE_END_WORKER_REMOVED, "worker_removed") \
+    X(KM_ACTIVE_END_EVICTED, "evicted")
+
 typedef enum km_active_end {
-    KM_ACTIVE_END_COMPLETE = 0,
-    KM_ACTIVE_END_INCOMPLETE = 1,
-    KM_ACTIVE_END_ERROR = 2,
-    KM_ACTIVE_END_CANCELLED = 3,
-    KM_ACTIVE_END_EXPIRED = 4,        /* no event for ttl_ns (km_active_expire) */
-    KM_ACTIVE_END_WORKER_REMOVED = 5, /* km_active_remove_worker */
-    KM_ACTIVE_END_EVICTED = 6,        /* the least recently touched, to make room (km_active_evict_oldest) */
+#define KM_ACTIVE_END_ENUM(value, name) value,
+    KM_ACTIVE_END_LIST(KM_ACTIVE_END_ENUM)
+#undef KM_ACTIVE_END_ENUM
 } km_active_end;
 #define KM_ACTIVE_END_COUNT 7u
 
-/* "complete", "incomplete", "error", "cancelled", "expired", "worker_removed", "evicted";
- * "unknown" else. */
+/* The name in KM_ACTIVE_END_LIST; "unknown" for any other value. */
 const char *km_active_end_name(km_active_end end);
 
 /* Everything the handle knew about an entry when it ended: what the service writes into the

@@ -128,15 +128,21 @@ const double *km_metrics_latency_buckets_seconds(size_t *count);
 
 /* ---- writing samples directly (for values produced at scrape time) ---------------------------- */
 
-/* The type words of # TYPE lines. */
+/* The metric types, and the words of their # TYPE lines; the values follow the list's order
+ * from 0. */
+#define KM_METRIC_TYPE_LIST(X)          \
+    X(KM_METRIC_COUNTER, "counter")     \
+    X(KM_METRIC_GAUGE, "gauge")         \
+    X(KM_METRIC_HISTOGRAM, "histogram") \
+    X(KM_METRIC_UNTYPED, "untyped")
+
 typedef enum km_metric_type {
-    KM_METRIC_COUNTER = 0,
-    KM_METRIC_GAUGE = 1,
-    KM_METRIC_HISTOGRAM = 2,
-    KM_METRIC_UNTYPED = 3,
+#define KM_METRIC_TYPE_ENUM(value, name) value,
+    KM_METRIC_TYPE_LIST(KM_METRIC_TYPE_ENUM)
+#undef KM_METRIC_TYPE_ENUM
 } km_metric_type;
 
-/* "counter", "gauge", "histogram", "untyped" ("untyped" for unknown values). */
+/* The word in KM_METRIC_TYPE_LIST; "untyped" for any other value. */
 const char *km_metric_type_name(km_metric_type type);
 
 /* "# HELP name help\n# TYPE name type\n" with help escaped. Write it once per family, before the

@@ -130,18 +130,17 @@ void km_active_config_init(km_active_config *cfg)
     cfg->remember_ended = 4096;
 }
 
+static const char *const active_end_names[] = {
+#define KM_ACTIVE_END_NAME(value, name) [value] = name,
+    KM_ACTIVE_END_LIST(KM_ACTIVE_END_NAME)
+#undef KM_ACTIVE_END_NAME
+};
+_Static_assert(sizeof active_end_names / sizeof active_end_names[0] == KM_ACTIVE_END_COUNT,
+               "KM_ACTIVE_END_COUNT is the length of KM_ACTIVE_END_LIST");
+
 const char *km_active_end_name(km_active_end end)
 {
-    switch (end) {
-    case KM_ACTIVE_END_COMPLETE: return "complete";
-    case KM_ACTIVE_END_INCOMPLETE: return "incomplete";
-    case KM_ACTIVE_END_ERROR: return "error";
-    case KM_ACTIVE_END_CANCELLED: return "cancelled";
-    case KM_ACTIVE_END_EXPIRED: return "expired";
-    case KM_ACTIVE_END_WORKER_REMOVED: return "worker_removed";
-    case KM_ACTIVE_END_EVICTED: return "evicted";
-    }
-    return "unknown";
+    return (unsigned)end < KM_ACTIVE_END_COUNT ? active_end_names[end] : "unknown";
 }
 
 /* ---- errors ------------------------------------------------------------------------------- */

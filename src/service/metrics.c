@@ -21,14 +21,16 @@
 
 /* ---- Prometheus text helpers ------------------------------------------------------------------- */
 
+static const char *const metric_type_names[] = {
+#define KM_METRIC_TYPE_NAME(value, name) [value] = name,
+    KM_METRIC_TYPE_LIST(KM_METRIC_TYPE_NAME)
+#undef KM_METRIC_TYPE_NAME
+};
+
 const char *km_metric_type_name(km_metric_type type)
 {
-    switch (type) {
-    case KM_METRIC_COUNTER: return "counter";
-    case KM_METRIC_GAUGE: return "gauge";
-    case KM_METRIC_HISTOGRAM: return "histogram";
-    default: return "untyped";
-    }
+    size_t n = sizeof metric_type_names / sizeof metric_type_names[0];
+    return (unsigned)type < n ? metric_type_names[type] : "untyped";
 }
 
 static bool is_alpha_(char c)
