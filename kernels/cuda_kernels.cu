@@ -3,7 +3,7 @@
  * the shared per-request walk (src/index/slot_walk.h), so that results are bit-identical to the CPU
  * backend's. Reached only through the C-linkage seam in kernels/cuda_seam.h.
  *
- * Shape of the file (house style: thin C-linkage seam): `static __global__` kernels, each with a
+ * Shape of the file (a thin C-linkage seam): `static __global__` kernels, each with a
  * `static` launcher that takes a cudaStream_t, computes the grid and returns the launch status;
  * `extern "C"` entry points with plain C types that return a km_status. Every CUDA call is checked;
  * a failure becomes KM_ERR_CUDA with the detail in km_cuda_last_error() (never an abort), and the

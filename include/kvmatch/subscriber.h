@@ -66,8 +66,8 @@ typedef struct km_subscriber_config {
      * subscriber starts empty. NULL = none. */
     const char *restore_path;
     /* Periodic snapshots written by a forked child process from a copy-on-write image of the
-     * index and feed, so the thread that flushes pauses only for the fork (tens of milliseconds
-     * at 10 M pairs) instead of the whole write (seconds). The child is reaped by later flushes,
+     * index and feed, so the thread that flushes pauses only for the fork (which copies page tables,
+     * not the data) instead of the whole write. The child is reaped by later flushes,
      * km_subscriber_get_stats, km_subscriber_save (which waits for it) and destroy; its result is
      * counted in stats.snapshots / snapshot_failures when reaped. If fork fails the snapshot is
      * written in place. Default false. */

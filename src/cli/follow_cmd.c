@@ -1,7 +1,7 @@
 /* `kvmatch follow`: follow workers' KV-event streams, print their status, snapshot the index and
  * the stream positions periodically and on SIGTERM / SIGINT, and restore them on start (docs/EVENTS.md,
- * "Restart of kvmatch"). A small operator tool until the service exists; the daemon will do the
- * same through km_subscriber_save on shutdown. */
+ * "Restart of kvmatch"). The same subscriber keeps the indexes of `kvmatch serve`; this command runs
+ * it alone, to watch the streams without serving routes. */
 #define _POSIX_C_SOURCE 200809L
 #include <errno.h>
 #include <signal.h>

@@ -240,8 +240,9 @@ static int reserve_pairs(km_approx *a, size_t n)
     if (!slab)
         return KM_ERR_OUT_OF_MEMORY;
     a->slab = slab;
-    /* The new slots stay untouched until used: linking them all into the free list here wrote
-     * every page of the grown part at once (at 10 M pairs, a 200 ms pause to fault in 200 MB). */
+    /* The new slots stay untouched until used: linking them all into the free list here would write
+     * every page of the grown part at once, a pause as long as the growth is large
+     * (docs/BENCHMARKS.md, "Growth"). */
     a->free_count += (uint32_t)capacity - a->slab_capacity;
     a->slab_capacity = (uint32_t)capacity;
     return KM_OK;

@@ -456,8 +456,8 @@ static void handle_replay(km_subscriber *sub, sworker *w, received *r, uint64_t 
     }
     /* Only an answer that moved the stream (an item applied or consumed, history found lost, the
      * state changed) earns the request more time: refused, stale or unreadable items do not, so an
-     * endpoint that keeps sending them without an end marker times out like a silent one (until
-     * 2026-11-30 every answer reset the deadline and kept the worker in GAP for good). */
+     * endpoint that keeps sending them without an end marker times out like a silent one instead
+     * of keeping the worker in GAP for good. */
     bool progress = !known || km_feed_get_worker_info(sub->feed, w->id, &after) != KM_OK ||
                     after.expected_seq != before.expected_seq ||
                     after.has_expected_seq != before.has_expected_seq || after.state != before.state;

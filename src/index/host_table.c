@@ -31,13 +31,13 @@ static uint64_t pool_bytes(const km_table *t, uint64_t pool_capacity)
     return pool_capacity * ((uint64_t)t->words_per_set * sizeof(uint64_t) + sizeof(uint32_t));
 }
 
-/* Each array is zeroed memory from src/base/zeroed_pages.c (an all-zero slot is empty). The slots of a table
- * made at its full size (km_table_init) are probed at random: they are backed by transparent huge
- * pages and faulted in at once (one TLB entry per 2 MiB instead of per 4 KiB; a dependent random
- * read on a 128 MiB table measured 240 ns with huge pages against 331 ns without on the development
- * machine). The arrays a growth moves keys into are not: random moves into fresh huge pages clear
- * the whole array within the first few hundred moves (see src/base/u64_map.c); they are advised once the
- * move ends, so the kernel may back them with huge pages later. Best effort throughout. */
+/* Each array is zeroed memory from src/base/zeroed_pages.c (an all-zero slot is empty). The slots
+ * of a table made at its full size (km_table_init) are probed at random: they are backed by
+ * transparent huge pages and faulted in at once, one TLB entry per 2 MiB instead of per 4 KiB, so
+ * a random probe misses the TLB less often (docs/BENCHMARKS.md, "Growth"). The arrays a growth
+ * moves keys into are not: random moves into fresh huge pages clear the whole array within the
+ * first few hundred moves (see src/base/u64_map.c); they are advised once the move ends, so the
+ * kernel may back them with huge pages later. Best effort throughout. */
 static uint64_t slots_bytes(uint64_t capacity)
 {
     return capacity * sizeof(km_slot);

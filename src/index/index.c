@@ -717,7 +717,7 @@ static int apply_set_tier(batch *b, const km_update *u)
     return KM_OK;
 }
 
-/* How many blocks ahead an update starts loading a block's slot and metadata (measured with
+/* How many blocks ahead an update starts loading a block's slot and metadata (tuned with
  * `kvmatch bench replay --ceiling`: a store's misses are independent, a remove's come in a
  * dependent chain, so removes gain from starting earlier). */
 enum { STORE_AHEAD = 8, REMOVE_AHEAD = 16 };
@@ -1082,9 +1082,8 @@ static void sync_backend(km_index *index)
     if (rc) {
         /* Another failure (out of memory for staging): the replica is behind, the host tables are
          * right. Batches are scored on the host until a later sync succeeds; the dirty lists stay
-         * for it. Without a host scorer the backend gives way to the CPU, as on a CUDA error. Until
-         * 2026-11-30 the replica was trusted as it was, and the batch reported as failed although
-         * its updates were in. */
+         * for it. Without a host scorer the backend gives way to the CPU, as on a CUDA error. The
+         * batch itself has succeeded: its updates are in the host tables. */
         char why[256] = "";
         if (!have_host_scorer(index, why, sizeof why)) {
             fall_back_to_cpu(index, rc, "sync");

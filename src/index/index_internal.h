@@ -32,10 +32,11 @@ typedef struct km_backend_ops {
     int needs_dirty_tracking;
 } km_backend_ops;
 
-/* A step's cost is its keys' random writes into the new arrays: 0.55-0.61 ms on average per table
- * on the 2-core VM for 8 K old slots (tables of 2-8 M slots; 65,536 took 4.8-6.8 ms), so a move
- * of a 4 M-slot table takes about 512 batches; the budget cuts the first steps into fresh pages
- * short (docs/BENCHMARKS.md, "Growth"). */
+/* While a device replica waits for a table's move, each update batch moves this many old slots,
+ * within this budget: a step's cost is its keys' random writes into the new arrays, so the step
+ * bounds every batch's pause while a move of a table of millions of slots still ends within about
+ * a thousand batches, and the budget cuts the first steps into fresh pages short
+ * (docs/BENCHMARKS.md, "Growth"). */
 #define KM_REPLICA_GROWTH_STEP_SLOTS (UINT64_C(1) << 13)
 #define KM_REPLICA_GROWTH_BUDGET_MS 0.5
 
