@@ -18,5 +18,5 @@
 #include "kvmatch/client.h"
 #include "kvmatch/server.h"
 #include "kvmatch/publisher.h"
-#define KVMATCH_VERSION "0.1.0"
+#include "kvmatch/version.h"
 #endif

@@ -7,7 +7,8 @@
 
 #include "base/error_detail.h"
 #include "base/utf8.h"
-#include "kvmatch/kvmatch.h"
+#include "kvmatch/server.h"
+#include "kvmatch/version.h"
 #include "service/server_config.h"
 #include "service/server_internal.h"
 

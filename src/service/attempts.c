@@ -7,7 +7,8 @@
 #include <string.h>
 
 #include "base/error_detail.h"
-#include "kvmatch/kvmatch.h"
+#include "kvmatch/server.h"
+#include "kvmatch/version.h"
 #include "service/server_internal.h"
 
 /* One allocation: the struct and its strings (NULL strings stay NULL). active_lock held. */

@@ -7,7 +7,8 @@
 #include <string.h>
 
 #include "kvmatch/hash.h"
-#include "kvmatch/kvmatch.h"
+#include "kvmatch/server.h"
+#include "kvmatch/version.h"
 #include "service/server_internal.h"
 
 /* Memory that lives as long as the job (16-byte aligned; freed with it by km_srv_job_free); NULL

@@ -6,7 +6,8 @@
 #include <string.h>
 #include <sys/ioctl.h>
 
-#include "kvmatch/kvmatch.h"
+#include "kvmatch/server.h"
+#include "kvmatch/version.h"
 #include "service/server_internal.h"
 
 /* One frame. Returns false when the connection must close (after what was queued is written). */

@@ -6,7 +6,8 @@
 
 #include <jansson.h>
 
-#include "kvmatch/kvmatch.h"
+#include "kvmatch/server.h"
+#include "kvmatch/version.h"
 #include "service/server_internal.h"
 
 /* Ready to take traffic: not draining, and at least ready_share of the event-fed workers LIVE
