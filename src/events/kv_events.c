@@ -1,12 +1,10 @@
 /* KV-event wire decoder (include/kvmatch/kv_events.h, docs/EVENTS.md).
  *
  * A payload goes through three stages, each bounded before the next one spends memory:
- *  1. prescan_payload walks the raw msgpack bytes once, with no allocation: it checks that the
- *     payload is exactly one complete, well-formed value, that no container declares more elements
- *     than there are bytes left, that nesting stays within msgpack-c's stack, and that the value
- *     count is within max_payload_objects. It also computes exactly how much msgpack-c's zone will
- *     need. msgpack-c allocates a container's element array from its *declared* length before
- *     reading any element, so without this stage a 5-byte payload could request gigabytes.
+ *  1. km_msgpack_scan (src/base/msgpack_scan.h) walks the raw bytes once, with no allocation:
+ *     exactly one well-formed value, no container declaring more elements than there are bytes
+ *     left, nesting within msgpack-c's stack, at most max_payload_objects values. It also says
+ *     exactly how much msgpack-c's zone will need.
  *  2. msgpack_unpack builds the object tree in the handle's zone, which is kept across calls and
  *     grown to the largest payload seen, so steady-state decoding does not allocate. Strings and
  *     bins in the tree point into the caller's payload.
@@ -22,7 +20,7 @@
 #include <msgpack.h>
 
 #include "kvmatch/kv_events.h"
-#include "base/msgpack_names.h"
+#include "base/msgpack_scan.h"
 
 #define LAST_ERROR_BYTES        512
 #define REJECT_MESSAGE_BYTES    200
@@ -268,165 +266,24 @@ static int event_fail(km_kv_decoder *dec, int status, const char *field, uint32_
 
 /* ---- stage 1: bounded pre-scan of the raw bytes ---------------------------------------------- */
 
-typedef struct payload_shape {
-    uint64_t objects;    /* msgpack values, map keys included */
-    uint64_t zone_bytes; /* what msgpack-c's unpacker allocates from its zone for this payload */
-} payload_shape;
+_Static_assert(KM_KV_MAX_NESTING_DEPTH <= KM_MSGPACK_SCAN_MAX_DEPTH,
+               "the scanner cannot follow the nesting the header promises");
 
-static uint64_t read_be(const uint8_t *p, unsigned bytes)
+static int prescan_payload(km_kv_decoder *dec, const void *payload, size_t size,
+                           km_msgpack_scan_result *shape)
 {
-    uint64_t v = 0;
-    for (unsigned i = 0; i < bytes; i++)
-        v = v << 8 | p[i];
-    return v;
-}
-
-/* One value header at p[0..available): the header length, how many bytes of body follow it
- * (str/bin/ext), and for containers the element count (maps: key + value per entry).
- * Returns 0, or -1 when the header itself does not fit, -2 for the reserved byte 0xc1. */
-typedef struct value_header {
-    unsigned header_bytes;
-    uint64_t body_bytes;
-    bool is_container;
-    bool is_map;
-    uint64_t entries; /* containers: declared length (pairs for maps) */
-} value_header;
-
-static int read_value_header(const uint8_t *p, size_t available, value_header *h)
-{
-    memset(h, 0, sizeof *h);
-    uint8_t b = p[0];
-    unsigned len_bytes = 0; /* size field width for str/bin/ext/array/map with explicit length */
-    h->header_bytes = 1;
-    if (b <= 0x7f || b >= 0xe0 || b == 0xc0 || b == 0xc2 || b == 0xc3)
-        return 0; /* fixint, nil, bool */
-    if (b >= 0x80 && b <= 0x8f) {
-        h->is_container = h->is_map = true;
-        h->entries = b & 0x0fu;
-        return 0;
-    }
-    if (b >= 0x90 && b <= 0x9f) {
-        h->is_container = true;
-        h->entries = b & 0x0fu;
-        return 0;
-    }
-    if (b >= 0xa0 && b <= 0xbf) {
-        h->body_bytes = b & 0x1fu;
-        return 0;
-    }
-    /* clang-format off */
-    switch (b) {
-    case 0xc1:
-        return -2;
-    case 0xcc: case 0xd0: h->header_bytes = 2; break;
-    case 0xcd: case 0xd1: h->header_bytes = 3; break;
-    case 0xca: case 0xce: case 0xd2: h->header_bytes = 5; break;
-    case 0xcb: case 0xcf: case 0xd3: h->header_bytes = 9; break;
-    case 0xd4: h->header_bytes = 2; h->body_bytes = 1; break; /* fixext: type byte + data */
-    case 0xd5: h->header_bytes = 2; h->body_bytes = 2; break;
-    case 0xd6: h->header_bytes = 2; h->body_bytes = 4; break;
-    case 0xd7: h->header_bytes = 2; h->body_bytes = 8; break;
-    case 0xd8: h->header_bytes = 2; h->body_bytes = 16; break;
-    case 0xc4: case 0xd9: len_bytes = 1; break; /* bin 8, str 8 */
-    case 0xc5: case 0xda: len_bytes = 2; break;
-    case 0xc6: case 0xdb: len_bytes = 4; break;
-    case 0xc7: len_bytes = 1; break; /* ext 8/16/32: length, then a type byte */
-    case 0xc8: len_bytes = 2; break;
-    case 0xc9: len_bytes = 4; break;
-    case 0xdc: len_bytes = 2; h->is_container = true; break;
-    case 0xdd: len_bytes = 4; h->is_container = true; break;
-    case 0xde: len_bytes = 2; h->is_container = h->is_map = true; break;
-    case 0xdf: len_bytes = 4; h->is_container = h->is_map = true; break;
-    default:
-        return -2; /* unreachable: every byte is covered above */
-    }
-    /* clang-format on */
-    if (len_bytes) {
-        bool is_ext = b >= 0xc7 && b <= 0xc9;
-        h->header_bytes = 1 + len_bytes + (is_ext ? 1u : 0u);
-        if (available < h->header_bytes)
-            return -1;
-        uint64_t length = read_be(p + 1, len_bytes);
-        if (h->is_container)
-            h->entries = length;
-        else
-            h->body_bytes = length;
-        return 0;
-    }
-    return available < h->header_bytes ? -1 : 0;
-}
-
-static int prescan_payload(km_kv_decoder *dec, const uint8_t *p, size_t size, payload_shape *shape)
-{
-    uint64_t pending[KM_KV_MAX_NESTING_DEPTH]; /* values still expected by each open container */
-    unsigned depth = 0;
-    size_t pos = 0;
-    uint64_t objects = 0, zone_bytes = 0;
-    for (;;) {
-        if (pos >= size)
-            return decoder_fail(dec, KM_ERR_PARSE,
-                                "payload truncated: %zu bytes end inside a value nested %u deep",
-                                size, depth);
-        value_header h;
-        int rc = read_value_header(p + pos, size - pos, &h);
-        if (rc == -2)
-            return decoder_fail(dec, KM_ERR_PARSE,
-                                "byte 0x%02x at offset %zu is not a valid msgpack type", p[pos],
-                                pos);
-        if (rc == -1)
-            return decoder_fail(
-                dec, KM_ERR_PARSE,
-                "payload truncated: value header at offset %zu needs %u bytes, %zu left", pos,
-                h.header_bytes, size - pos);
-        if (++objects > dec->config.max_payload_objects)
-            return decoder_fail(dec, KM_ERR_TOO_LARGE,
-                                "payload holds more than max_payload_objects = %u msgpack values",
-                                dec->config.max_payload_objects);
-        pos += h.header_bytes;
-        size_t left = size - pos;
-        if (h.is_container) {
-            uint64_t values = h.is_map ? 2 * h.entries : h.entries;
-            if (depth >= KM_KV_MAX_NESTING_DEPTH)
-                return decoder_fail(dec, KM_ERR_TOO_LARGE,
-                                    "containers nested deeper than %u at offset %zu",
-                                    KM_KV_MAX_NESTING_DEPTH, pos - h.header_bytes);
-            /* Every value takes at least one byte: a longer declaration is a lie or a
-             * truncation. */
-            if (values > left)
-                return decoder_fail(
-                    dec, KM_ERR_PARSE,
-                    "payload truncated or corrupt: %s at offset %zu declares %llu entries "
-                    "but only %zu bytes follow",
-                    h.is_map ? "map" : "array", pos - h.header_bytes, (unsigned long long)h.entries,
-                    left);
-            zone_bytes +=
-                h.entries * (h.is_map ? sizeof(msgpack_object_kv) : sizeof(msgpack_object));
-            if (values > 0) {
-                pending[depth++] = values;
-                continue;
-            }
-        } else {
-            if (h.body_bytes > left)
-                return decoder_fail(
-                    dec, KM_ERR_PARSE,
-                    "payload truncated: value at offset %zu needs %llu more bytes, %zu left",
-                    pos - h.header_bytes, (unsigned long long)h.body_bytes, left);
-            pos += (size_t)h.body_bytes;
-        }
-        /* A value just ended: close every container it completes. */
-        while (depth > 0 && --pending[depth - 1] == 0)
-            depth--;
-        if (depth == 0)
-            break;
-    }
-    if (pos != size)
-        return decoder_fail(
-            dec, KM_ERR_PARSE,
-            "%zu bytes follow the batch value (a payload is exactly one msgpack value)",
-            size - pos);
-    shape->objects = objects;
-    shape->zone_bytes = zone_bytes;
-    return KM_OK;
+    const km_msgpack_limits limits = {
+        .max_depth = KM_KV_MAX_NESTING_DEPTH,
+        .max_objects = dec->config.max_payload_objects,
+        .max_objects_name = "max_payload_objects",
+        .value_name = "the batch value (a payload is exactly one msgpack value)",
+    };
+    int rc = km_msgpack_scan(payload, size, &limits, shape);
+    if (rc == KM_OK)
+        return KM_OK;
+    char why[LAST_ERROR_BYTES];
+    km_msgpack_scan_explain(&limits, shape, why, sizeof why);
+    return decoder_fail(dec, rc, "%s", why);
 }
 
 /* ---- stage 2: msgpack-c's object tree in a reused zone --------------------------------------- */
@@ -580,7 +437,7 @@ static int read_hash(km_kv_decoder *dec, const msgpack_object *o, const char *fi
                               "a bytes hash must be 1..%u bytes long, got %u", KM_KV_MAX_BYTES_HASH,
                               n);
         unsigned take = n < 8 ? n : 8;
-        *out = read_be((const uint8_t *)o->via.bin.ptr + (n - take), take);
+        *out = km_read_be((const uint8_t *)o->via.bin.ptr + (n - take), take);
         return KM_OK;
     }
     default:
@@ -1113,7 +970,7 @@ static int decode_payload_into(km_kv_decoder *dec, const void *payload, size_t s
         return decoder_fail(dec, KM_ERR_TOO_LARGE,
                             "payload is %zu bytes, limit max_payload_bytes = %llu", size,
                             (unsigned long long)dec->config.max_payload_bytes);
-    payload_shape shape = {0, 0};
+    km_msgpack_scan_result shape;
     int rc = prescan_payload(dec, payload, size, &shape);
     if (rc != KM_OK)
         return rc;
@@ -1247,7 +1104,7 @@ static int decode_message_into(km_kv_decoder *dec, km_kv_source source, const km
         return decoder_fail(dec, KM_ERR_PARSE,
                             "%s seq frame (frame %zu) has %zu bytes, expected 8 (big-endian u64)",
                             what, seq_index, seq->size);
-    out->seq = read_be(seq->data, 8);
+    out->seq = km_read_be(seq->data, 8);
     const km_kv_frame *payload = &frames[payload_index];
     if (source == KM_KV_SOURCE_REPLAY && out->seq == KM_KV_REPLAY_END_SEQ) {
         if (payload->size != 0)

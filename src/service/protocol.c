@@ -3,10 +3,9 @@
  *
  * Decoding a payload goes through three stages, each bounded before the next one spends memory
  * (the same plan as src/events/kv_events.c):
- *  1. prescan walks the raw msgpack bytes once without allocating: exactly one complete value, no
- *     container declaring more elements than there are bytes left, nesting within msgpack-c's
- *     stack, at most max_objects values. msgpack-c allocates a container's element array from its
- *     *declared* length, so without this stage a 5-byte payload could ask for gigabytes.
+ *  1. km_msgpack_scan (src/base/msgpack_scan.h) walks the raw bytes once without allocating:
+ *     exactly one complete value, no container declaring more elements than there are bytes
+ *     left, nesting within msgpack-c's stack, at most max_objects values.
  *  2. msgpack_unpack builds the object tree in the decoder's zone.
  *  3. The schema walk checks every field and copies what the caller gets (strings NUL-terminated,
  *     arrays converted) into the same zone, so the result does not point into the payload.
@@ -22,7 +21,7 @@
 
 #include "kvmatch/protocol.h"
 #include "base/error_detail.h"
-#include "base/msgpack_names.h"
+#include "base/msgpack_scan.h"
 
 #if defined(__GNUC__)
 #define KM_PRINTF(fmt_index, first_arg) __attribute__((format(printf, fmt_index, first_arg)))
@@ -1081,179 +1080,24 @@ static void *zone_array(km_protocol_decoder *d, size_t count, size_t size)
 
 /* ---- stage 1: bounded pre-scan --------------------------------------------------------------- */
 
-static uint64_t read_be(const uint8_t *p, unsigned bytes)
-{
-    uint64_t v = 0;
-    for (unsigned i = 0; i < bytes; i++)
-        v = v << 8 | p[i];
-    return v;
-}
-
-/* One value header: its length, the bytes of body after it (str/bin/ext), and for containers the
- * declared entries. Returns 0, -1 when the header does not fit, -2 for the reserved byte 0xc1. */
-typedef struct value_header {
-    unsigned header_bytes;
-    uint64_t body_bytes;
-    bool is_container;
-    bool is_map;
-    uint64_t entries;
-} value_header;
-
-static int read_value_header(const uint8_t *p, size_t available, value_header *h)
-{
-    memset(h, 0, sizeof *h);
-    uint8_t b = p[0];
-    unsigned len_bytes = 0;
-    h->header_bytes = 1;
-    if (b <= 0x7f || b >= 0xe0 || b == 0xc0 || b == 0xc2 || b == 0xc3)
-        return 0;
-    if (b >= 0x80 && b <= 0x9f) {
-        h->is_container = true;
-        h->is_map = b <= 0x8f;
-        h->entries = b & 0x0fu;
-        return 0;
-    }
-    if (b >= 0xa0 && b <= 0xbf) {
-        h->body_bytes = b & 0x1fu;
-        return 0;
-    }
-    /* clang-format off */
-    switch (b) {
-    case 0xcc: case 0xd0: h->header_bytes = 2; break;
-    case 0xcd: case 0xd1: h->header_bytes = 3; break;
-    case 0xca: case 0xce: case 0xd2: h->header_bytes = 5; break;
-    case 0xcb: case 0xcf: case 0xd3: h->header_bytes = 9; break;
-    case 0xd4: h->header_bytes = 2; h->body_bytes = 1; break;
-    case 0xd5: h->header_bytes = 2; h->body_bytes = 2; break;
-    case 0xd6: h->header_bytes = 2; h->body_bytes = 4; break;
-    case 0xd7: h->header_bytes = 2; h->body_bytes = 8; break;
-    case 0xd8: h->header_bytes = 2; h->body_bytes = 16; break;
-    case 0xc4: case 0xd9: len_bytes = 1; break;
-    case 0xc5: case 0xda: len_bytes = 2; break;
-    case 0xc6: case 0xdb: len_bytes = 4; break;
-    case 0xc7: len_bytes = 1; break;
-    case 0xc8: len_bytes = 2; break;
-    case 0xc9: len_bytes = 4; break;
-    case 0xdc: len_bytes = 2; h->is_container = true; break;
-    case 0xdd: len_bytes = 4; h->is_container = true; break;
-    case 0xde: len_bytes = 2; h->is_container = h->is_map = true; break;
-    case 0xdf: len_bytes = 4; h->is_container = h->is_map = true; break;
-    default: return -2; /* 0xc1 */
-    }
-    /* clang-format on */
-    if (len_bytes) {
-        bool is_ext = b >= 0xc7 && b <= 0xc9;
-        h->header_bytes = 1 + len_bytes + (is_ext ? 1u : 0u);
-        if (available < h->header_bytes)
-            return -1;
-        uint64_t length = read_be(p + 1, len_bytes);
-        if (h->is_container)
-            h->entries = length;
-        else
-            h->body_bytes = length;
-        return 0;
-    }
-    return available < h->header_bytes ? -1 : 0;
-}
+_Static_assert(KM_PROTOCOL_MAX_NESTING_DEPTH <= KM_MSGPACK_SCAN_MAX_DEPTH,
+               "the scanner cannot follow the nesting the header promises");
 
 static int prescan(km_protocol_decoder *d, const uint8_t *p, size_t size)
 {
-    /* Values still to come in the open containers: the innermost count in `remaining` (the
-     * payload itself is a container of one value), the enclosing ones in `pending`. This scan was
-     * a fifth of a client's time decoding decisions with 16 candidate rows; keeping the innermost
-     * count out of memory and taking the common values (one-byte values, short strings, 64-bit
-     * numbers: hashes, costs) before the general header decoder cut that client's CPU per decision
-     * by 8-10% (`bench ipc --only 5`, four shuffled pairs: 5.45-6.07 us against 6.00-6.79). */
-    uint64_t pending[KM_PROTOCOL_MAX_NESTING_DEPTH];
-    unsigned depth = 0;
-    uint64_t remaining = 1;
-    size_t pos = 0;
-    uint64_t objects = 0;
-    const uint64_t max_objects = d->limits.max_objects;
-    for (;;) {
-        if (pos >= size)
-            return field_fail(d, KM_ERR_PARSE, NULL, NO_ELEMENT,
-                              "payload truncated: %zu bytes end inside a value nested %u deep",
-                              size, depth);
-        uint8_t b = p[pos];
-        size_t left = size - pos;
-        if (b <= 0x7f || b >= 0xe0 || b == 0xc0 || b == 0xc2 || b == 0xc3) {
-            pos += 1; /* fixint, nil, false, true */
-        } else if ((b & 0xe0) == 0xa0) { /* fixstr */
-            size_t body = b & 0x1fu;
-            if (body > left - 1)
-                return field_fail(d, KM_ERR_PARSE, NULL, NO_ELEMENT,
-                                  "payload truncated: value at offset %zu needs %zu more bytes, "
-                                  "%zu left",
-                                  pos, body, left - 1);
-            pos += 1 + body;
-        } else if (b == 0xcb || b == 0xcf || b == 0xd3) { /* float 64, uint 64, int 64 */
-            if (left < 9)
-                return field_fail(d, KM_ERR_PARSE, NULL, NO_ELEMENT,
-                                  "payload truncated: value header at offset %zu needs 9 bytes, "
-                                  "%zu left",
-                                  pos, left);
-            pos += 9;
-        } else {
-            value_header h;
-            int rc = read_value_header(p + pos, left, &h);
-            if (rc == -2)
-                return field_fail(d, KM_ERR_PARSE, NULL, NO_ELEMENT,
-                                  "byte 0x%02x at offset %zu is not a valid msgpack type", b, pos);
-            if (rc == -1)
-                return field_fail(d, KM_ERR_PARSE, NULL, NO_ELEMENT,
-                                  "payload truncated: value header at offset %zu needs %u bytes, "
-                                  "%zu left",
-                                  pos, h.header_bytes, left);
-            pos += h.header_bytes;
-            left = size - pos;
-            if (h.is_container) {
-                uint64_t values = h.is_map ? 2 * h.entries : h.entries;
-                if (depth >= KM_PROTOCOL_MAX_NESTING_DEPTH)
-                    return field_fail(d, KM_ERR_TOO_LARGE, NULL, NO_ELEMENT,
-                                      "containers nested deeper than %u at offset %zu",
-                                      KM_PROTOCOL_MAX_NESTING_DEPTH, pos - h.header_bytes);
-                if (values > left)
-                    return field_fail(d, KM_ERR_PARSE, NULL, NO_ELEMENT,
-                                      "payload truncated or corrupt: %s at offset %zu declares %" PRIu64
-                                      " entries but only %zu bytes follow",
-                                      h.is_map ? "map" : "array", pos - h.header_bytes, h.entries,
-                                      left);
-                if (values > 0) {
-                    if (++objects > max_objects)
-                        goto too_many;
-                    pending[depth++] = remaining;
-                    remaining = values;
-                    continue;
-                }
-            } else {
-                if (h.body_bytes > left)
-                    return field_fail(d, KM_ERR_PARSE, NULL, NO_ELEMENT,
-                                      "payload truncated: value at offset %zu needs %" PRIu64
-                                      " more bytes, %zu left",
-                                      pos - h.header_bytes, h.body_bytes, left);
-                pos += (size_t)h.body_bytes;
-            }
-        }
-        if (++objects > max_objects)
-            goto too_many;
-        /* One value of the innermost container is complete; so may be the containers. */
-        while (--remaining == 0) {
-            if (depth == 0) {
-                if (pos != size)
-                    return field_fail(d, KM_ERR_PARSE, NULL, NO_ELEMENT,
-                                      "%zu bytes follow the message map (a frame holds exactly one "
-                                      "value)",
-                                      size - pos);
-                return KM_OK;
-            }
-            remaining = pending[--depth];
-        }
-    }
-too_many:
-    return field_fail(d, KM_ERR_TOO_LARGE, NULL, NO_ELEMENT,
-                      "payload holds more than max_objects = %u msgpack values",
-                      d->limits.max_objects);
+    const km_msgpack_limits limits = {
+        .max_depth = KM_PROTOCOL_MAX_NESTING_DEPTH,
+        .max_objects = d->limits.max_objects,
+        .max_objects_name = "max_objects",
+        .value_name = "the message map (a frame holds exactly one value)",
+    };
+    km_msgpack_scan_result scan;
+    int rc = km_msgpack_scan(p, size, &limits, &scan);
+    if (rc == KM_OK)
+        return KM_OK;
+    char why[ERROR_BYTES];
+    km_msgpack_scan_explain(&limits, &scan, why, sizeof why);
+    return field_fail(d, rc, NULL, NO_ELEMENT, "%s", why);
 }
 
 /* ---- stage 3: field readers ------------------------------------------------------------------ */
