@@ -723,6 +723,28 @@ Test(kv_events, create_destroy_and_config_validation)
     cr_assert_str_eq(km_kv_medium_name(KM_KV_MEDIUM_OTHER), "other");
 }
 
+/* Every value of both X-macro lists has its name; any other value, negative ones and the event
+ * kinds' unused 0 included, is "unknown". */
+Test(kv_events, names_of_every_listed_value_and_of_none_other)
+{
+#define EXPECT_NAME(function, type, enumerator, value, name)                                   \
+    cr_assert_eq((int)enumerator, value);                                                      \
+    cr_assert_str_eq(function((type)value), name);
+#define KIND(...) EXPECT_NAME(km_kv_event_kind_name, km_kv_event_kind, __VA_ARGS__)
+#define MEDIUM(...) EXPECT_NAME(km_kv_medium_name, km_kv_medium, __VA_ARGS__)
+    KM_KV_EVENT_KIND_LIST(KIND)
+    KM_KV_MEDIUM_LIST(MEDIUM)
+#undef KIND
+#undef MEDIUM
+#undef EXPECT_NAME
+    static const int outside[] = {-1, -1000, 4, 1 << 20};
+    for (size_t i = 0; i < sizeof outside / sizeof outside[0]; i++) {
+        cr_assert_str_eq(km_kv_event_kind_name((km_kv_event_kind)outside[i]), "unknown");
+        cr_assert_str_eq(km_kv_medium_name((km_kv_medium)outside[i]), "unknown");
+    }
+    cr_assert_str_eq(km_kv_event_kind_name((km_kv_event_kind)0), "unknown");
+}
+
 Test(kv_events, null_arguments_are_errors_not_crashes)
 {
     km_kv_decoder *d = new_decoder(NULL);

@@ -1740,3 +1740,36 @@ Test(protocol, names, .timeout = 5)
     cr_assert_str_eq(km_lifecycle_kind_name(KM_LIFECYCLE_FIRST_TOKEN), "FIRST_TOKEN");
     cr_assert_str_eq(km_admin_action_name(KM_ADMIN_UPDATE), "update");
 }
+
+/* Every value of each X-macro list has its name; values outside a list get the name of its value 0
+ * (or UNKNOWN), negative ones included. */
+Test(protocol, names_of_every_listed_value_and_of_none_other, .timeout = 5)
+{
+#define EXPECT_NAME(function, type, enumerator, value, name)                                   \
+    cr_assert_eq((int)enumerator, value);                                                      \
+    cr_assert_str_eq(function((type)value), name);
+#define MESSAGE_TYPE(...) EXPECT_NAME(km_message_type_name, km_message_type, __VA_ARGS__)
+#define SOURCE(...) EXPECT_NAME(km_prediction_source_name, km_prediction_source, __VA_ARGS__)
+#define KIND(...) EXPECT_NAME(km_lifecycle_kind_name, km_lifecycle_kind, __VA_ARGS__)
+#define OUTCOME(...) EXPECT_NAME(km_outcome_name, km_outcome, __VA_ARGS__)
+#define ACTION(...) EXPECT_NAME(km_admin_action_name, km_admin_action, __VA_ARGS__)
+    KM_MESSAGE_TYPE_LIST(MESSAGE_TYPE)
+    KM_PREDICTION_SOURCE_LIST(SOURCE)
+    KM_LIFECYCLE_KIND_LIST(KIND)
+    KM_OUTCOME_LIST(OUTCOME)
+    KM_ADMIN_ACTION_LIST(ACTION)
+#undef MESSAGE_TYPE
+#undef SOURCE
+#undef KIND
+#undef OUTCOME
+#undef ACTION
+#undef EXPECT_NAME
+    static const int outside[] = {-1, -1000, 14, 1 << 20};
+    for (size_t i = 0; i < sizeof outside / sizeof outside[0]; i++) {
+        cr_assert_str_eq(km_message_type_name((km_message_type)outside[i]), "UNKNOWN");
+        cr_assert_str_eq(km_prediction_source_name((km_prediction_source)outside[i]), "none");
+        cr_assert_str_eq(km_lifecycle_kind_name((km_lifecycle_kind)outside[i]), "NONE");
+        cr_assert_str_eq(km_outcome_name((km_outcome)outside[i]), "none");
+        cr_assert_str_eq(km_admin_action_name((km_admin_action)outside[i]), "none");
+    }
+}

@@ -93,18 +93,32 @@ const char *km_kv_decoder_last_error(const km_kv_decoder *decoder);
 
 /* ---- decoded events ----------------------------------------------------------------------- */
 
+/* The two enums below are generated from X-macro lists of X(enumerator, value, name), so that an
+ * enum and its *_name function can never drift apart. */
+#define KM_KV_ENUM_ENTRY(enumerator, value, name) enumerator = value,
+
+/* The name of an event kind is its wire name. */
+#define KM_KV_EVENT_KIND_LIST(X)                                                               \
+    X(KM_KV_EVENT_BLOCK_STORED, 1, "BlockStored")           /* the worker now holds these     \
+                                                             * blocks */                      \
+    X(KM_KV_EVENT_BLOCK_REMOVED, 2, "BlockRemoved")         /* the worker evicted these       \
+                                                             * blocks */                      \
+    X(KM_KV_EVENT_ALL_BLOCKS_CLEARED, 3, "AllBlocksCleared") /* the worker dropped its whole   \
+                                                              * prefix cache */
+
 typedef enum km_kv_event_kind {
-    KM_KV_EVENT_BLOCK_STORED = 1,       /* the worker now holds these blocks */
-    KM_KV_EVENT_BLOCK_REMOVED = 2,      /* the worker evicted these blocks */
-    KM_KV_EVENT_ALL_BLOCKS_CLEARED = 3, /* the worker dropped its whole prefix cache */
+    KM_KV_EVENT_KIND_LIST(KM_KV_ENUM_ENTRY)
 } km_kv_event_kind;
 
 /* The storage tier an event is about. nil (and an absent field) means GPU. */
+#define KM_KV_MEDIUM_LIST(X)                                                                   \
+    X(KM_KV_MEDIUM_GPU, 0, "GPU")     /* "GPU" in any case, nil, absent */                     \
+    X(KM_KV_MEDIUM_CPU, 1, "CPU")     /* "CPU" in any case */                                  \
+    X(KM_KV_MEDIUM_DISK, 2, "DISK")   /* "DISK" in any case */                                 \
+    X(KM_KV_MEDIUM_OTHER, 3, "other") /* any other string; medium_name says which */
+
 typedef enum km_kv_medium {
-    KM_KV_MEDIUM_GPU = 0,   /* "GPU" in any case, nil, absent */
-    KM_KV_MEDIUM_CPU = 1,   /* "CPU" in any case */
-    KM_KV_MEDIUM_DISK = 2,  /* "DISK" in any case */
-    KM_KV_MEDIUM_OTHER = 3, /* any other string; medium_name says which */
+    KM_KV_MEDIUM_LIST(KM_KV_ENUM_ENTRY)
 } km_kv_medium;
 
 /* One valid event. Fields not used by a kind are zero / NULL. Arrays and strings are owned by the

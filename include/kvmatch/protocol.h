@@ -99,24 +99,35 @@ const char *km_frame_reader_last_error(const km_frame_reader *reader);
 
 /* ---- messages -------------------------------------------------------------------------------- */
 
+/* The enums of this header are generated from X-macro lists of X(enumerator, value, name), so that
+ * an enum and its names (the *_name functions, and the decoder's reading of the same strings) can
+ * never drift apart. */
+#define KM_PROTOCOL_ENUM_ENTRY(enumerator, value, name) enumerator = value,
+
+/* The wire name of each message type is its "type" string. */
+#define KM_MESSAGE_TYPE_LIST(X)                                                                \
+    X(KM_MESSAGE_UNKNOWN, 0, "UNKNOWN")                                                        \
+    /* client -> server */                                                                     \
+    X(KM_MESSAGE_HELLO, 1, "HELLO")         /* handshake, first message of a connection */     \
+    X(KM_MESSAGE_ROUTE, 2, "ROUTE")         /* one or more route requests */                   \
+    X(KM_MESSAGE_LIFECYCLE, 3, "LIFECYCLE") /* DISPATCHED / FIRST_TOKEN / FINISHED reports     \
+                                             * (also sent as single-event messages of those    \
+                                             * three types) */                                 \
+    X(KM_MESSAGE_WORKERS, 4, "WORKERS")     /* add / remove / update (health) / list workers */ \
+    X(KM_MESSAGE_POOLS, 5, "POOLS")         /* add / update / list pools */                    \
+    X(KM_MESSAGE_STATUS, 6, "STATUS")       /* service summary request */                      \
+    /* server -> client */                                                                     \
+    X(KM_MESSAGE_WELCOME, 7, "WELCOME")   /* handshake reply */                                \
+    X(KM_MESSAGE_DECISION, 8, "DECISION") /* reply to ROUTE: one decision or error per route */ \
+    X(KM_MESSAGE_ACK, 9, "ACK") /* reply to LIFECYCLE and to WORKERS / POOLS add, remove,      \
+                                 * update */                                                   \
+    X(KM_MESSAGE_WORKER_LIST, 10, "WORKER_LIST") /* reply to WORKERS list */                   \
+    X(KM_MESSAGE_POOL_LIST, 11, "POOL_LIST")     /* reply to POOLS list */                     \
+    X(KM_MESSAGE_STATUS_REPLY, 12, "STATUS_REPLY")                                             \
+    X(KM_MESSAGE_ERROR, 13, "ERROR") /* the whole request failed */
+
 typedef enum km_message_type {
-    KM_MESSAGE_UNKNOWN = 0,
-    /* client -> server */
-    KM_MESSAGE_HELLO = 1,     /* handshake, first message of a connection */
-    KM_MESSAGE_ROUTE = 2,     /* one or more route requests */
-    KM_MESSAGE_LIFECYCLE = 3, /* DISPATCHED / FIRST_TOKEN / FINISHED reports (also sent as
-                               * single-event messages of those three types) */
-    KM_MESSAGE_WORKERS = 4,   /* add / remove / update (health) / list workers */
-    KM_MESSAGE_POOLS = 5,     /* add / update / list pools */
-    KM_MESSAGE_STATUS = 6,    /* service summary request */
-    /* server -> client */
-    KM_MESSAGE_WELCOME = 7,      /* handshake reply */
-    KM_MESSAGE_DECISION = 8,     /* reply to ROUTE: one decision or error per route */
-    KM_MESSAGE_ACK = 9,          /* reply to LIFECYCLE and to WORKERS / POOLS add, remove, update */
-    KM_MESSAGE_WORKER_LIST = 10, /* reply to WORKERS list */
-    KM_MESSAGE_POOL_LIST = 11,   /* reply to POOLS list */
-    KM_MESSAGE_STATUS_REPLY = 12,
-    KM_MESSAGE_ERROR = 13, /* the whole request failed */
+    KM_MESSAGE_TYPE_LIST(KM_PROTOCOL_ENUM_ENTRY)
 } km_message_type;
 
 /* Wire name ("ROUTE"); "UNKNOWN" otherwise. */
@@ -182,10 +193,15 @@ typedef struct km_route_batch {
 
 /* ---- DECISION ---- */
 
+#define KM_PREDICTION_SOURCE_LIST(X)                                                           \
+    X(KM_PREDICTION_NONE, 0, "none")     /* only in a failed decision */                       \
+    X(KM_PREDICTION_EVENTS, 1, "events") /* the index is fed by the workers' KV events         \
+                                          * (observations) */                                  \
+    X(KM_PREDICTION_APPROX, 2, "approx") /* the index holds this instance's own decisions      \
+                                          * (predictions) */
+
 typedef enum km_prediction_source {
-    KM_PREDICTION_NONE = 0,   /* only in a failed decision */
-    KM_PREDICTION_EVENTS = 1, /* the index is fed by the workers' KV events (observations) */
-    KM_PREDICTION_APPROX = 2, /* the index holds this instance's own decisions (predictions) */
+    KM_PREDICTION_SOURCE_LIST(KM_PROTOCOL_ENUM_ENTRY)
 } km_prediction_source;
 
 /* "events", "approx"; "none" otherwise. */
@@ -251,19 +267,28 @@ typedef struct km_decision_batch {
 
 /* ---- LIFECYCLE ---- */
 
+#define KM_LIFECYCLE_KIND_LIST(X)                                                              \
+    X(KM_LIFECYCLE_NONE, 0, "NONE") /* only in an item that failed to decode */                \
+    X(KM_LIFECYCLE_DISPATCHED, 1, "DISPATCHED")                                                \
+    X(KM_LIFECYCLE_FIRST_TOKEN, 2, "FIRST_TOKEN")                                              \
+    X(KM_LIFECYCLE_FINISHED, 3, "FINISHED")
+
 typedef enum km_lifecycle_kind {
-    KM_LIFECYCLE_NONE = 0, /* only in an item that failed to decode */
-    KM_LIFECYCLE_DISPATCHED = 1,
-    KM_LIFECYCLE_FIRST_TOKEN = 2,
-    KM_LIFECYCLE_FINISHED = 3,
+    KM_LIFECYCLE_KIND_LIST(KM_PROTOCOL_ENUM_ENTRY)
 } km_lifecycle_kind;
 
+#define KM_OUTCOME_LIST(X)                                                                     \
+    X(KM_OUTCOME_NONE, 0, "none")                                                              \
+    X(KM_OUTCOME_COMPLETE, 1, "complete")     /* the final finish_reason and the [DONE]        \
+                                               * sentinel were seen */                         \
+    X(KM_OUTCOME_INCOMPLETE, 2, "incomplete") /* the stream ended without them, whatever the   \
+                                               * HTTP status */                                \
+    X(KM_OUTCOME_ERROR, 3, "error")           /* an error was reported or the HTTP status was  \
+                                               * not 2xx */                                    \
+    X(KM_OUTCOME_CANCELLED, 4, "cancelled")   /* the client went away */
+
 typedef enum km_outcome {
-    KM_OUTCOME_NONE = 0,
-    KM_OUTCOME_COMPLETE = 1,   /* the final finish_reason and the [DONE] sentinel were seen */
-    KM_OUTCOME_INCOMPLETE = 2, /* the stream ended without them, whatever the HTTP status */
-    KM_OUTCOME_ERROR = 3,      /* an error was reported or the HTTP status was not 2xx */
-    KM_OUTCOME_CANCELLED = 4,  /* the client went away */
+    KM_OUTCOME_LIST(KM_PROTOCOL_ENUM_ENTRY)
 } km_outcome;
 
 /* "DISPATCHED", "FIRST_TOKEN", "FINISHED"; "NONE" otherwise. */
@@ -324,12 +349,16 @@ typedef struct km_ack {
 
 /* ---- WORKERS / POOLS / STATUS ---- */
 
+#define KM_ADMIN_ACTION_LIST(X)                                                                \
+    X(KM_ADMIN_NONE, 0, "none")                                                                \
+    X(KM_ADMIN_ADD, 1, "add")                                                                  \
+    X(KM_ADMIN_REMOVE, 2, "remove")                                                            \
+    X(KM_ADMIN_UPDATE, 3, "update") /* POOLS: policy and parameters; WORKERS: the router's     \
+                                     * health verdict */                                       \
+    X(KM_ADMIN_LIST, 4, "list")
+
 typedef enum km_admin_action {
-    KM_ADMIN_NONE = 0,
-    KM_ADMIN_ADD = 1,
-    KM_ADMIN_REMOVE = 2,
-    KM_ADMIN_UPDATE = 3, /* POOLS: policy and parameters; WORKERS: the router's health verdict */
-    KM_ADMIN_LIST = 4,
+    KM_ADMIN_ACTION_LIST(KM_PROTOCOL_ENUM_ENTRY)
 } km_admin_action;
 
 /* "add", "remove", "update", "list"; "none" otherwise. */

@@ -192,25 +192,25 @@ int km_kv_decoder_get_stats(const km_kv_decoder *dec, km_kv_decoder_stats *out)
     return KM_OK;
 }
 
+#define NAME_ENTRY(enumerator, value, name) [value] = name,
+static const char *const event_kind_names[] = {KM_KV_EVENT_KIND_LIST(NAME_ENTRY)};
+static const char *const medium_names[] = {KM_KV_MEDIUM_LIST(NAME_ENTRY)};
+#undef NAME_ENTRY
+
+/* table[value] when the list names the value, else "unknown". */
+static const char *name_in(const char *const *table, size_t count, int value)
+{
+    return value >= 0 && (size_t)value < count && table[value] ? table[value] : "unknown";
+}
+
 const char *km_kv_event_kind_name(km_kv_event_kind kind)
 {
-    switch (kind) {
-    case KM_KV_EVENT_BLOCK_STORED: return "BlockStored";
-    case KM_KV_EVENT_BLOCK_REMOVED: return "BlockRemoved";
-    case KM_KV_EVENT_ALL_BLOCKS_CLEARED: return "AllBlocksCleared";
-    }
-    return "unknown";
+    return name_in(event_kind_names, sizeof event_kind_names / sizeof *event_kind_names, kind);
 }
 
 const char *km_kv_medium_name(km_kv_medium medium)
 {
-    switch (medium) {
-    case KM_KV_MEDIUM_GPU: return "GPU";
-    case KM_KV_MEDIUM_CPU: return "CPU";
-    case KM_KV_MEDIUM_DISK: return "DISK";
-    case KM_KV_MEDIUM_OTHER: return "other";
-    }
-    return "unknown";
+    return name_in(medium_names, sizeof medium_names / sizeof *medium_names, medium);
 }
 
 /* ---- errors ---------------------------------------------------------------------------------- */

@@ -57,67 +57,45 @@ static bool limits_valid(const km_protocol_limits *l)
            l->max_hashes_per_route && l->max_candidates && l->max_params && l->max_string_bytes;
 }
 
-static const char *const message_type_names[] = {
-    [KM_MESSAGE_UNKNOWN] = "UNKNOWN",       [KM_MESSAGE_HELLO] = "HELLO",
-    [KM_MESSAGE_ROUTE] = "ROUTE",           [KM_MESSAGE_LIFECYCLE] = "LIFECYCLE",
-    [KM_MESSAGE_WORKERS] = "WORKERS",       [KM_MESSAGE_POOLS] = "POOLS",
-    [KM_MESSAGE_STATUS] = "STATUS",         [KM_MESSAGE_WELCOME] = "WELCOME",
-    [KM_MESSAGE_DECISION] = "DECISION",     [KM_MESSAGE_ACK] = "ACK",
-    [KM_MESSAGE_WORKER_LIST] = "WORKER_LIST", [KM_MESSAGE_POOL_LIST] = "POOL_LIST",
-    [KM_MESSAGE_STATUS_REPLY] = "STATUS_REPLY", [KM_MESSAGE_ERROR] = "ERROR",
-};
-#define MESSAGE_TYPE_COUNT (sizeof message_type_names / sizeof message_type_names[0])
+/* Name tables from the header's X-macro lists: [value] = name. */
+#define NAME_ENTRY(enumerator, value, name) [value] = name,
+static const char *const message_type_names[] = {KM_MESSAGE_TYPE_LIST(NAME_ENTRY)};
+static const char *const prediction_source_names[] = {KM_PREDICTION_SOURCE_LIST(NAME_ENTRY)};
+static const char *const lifecycle_kind_names[] = {KM_LIFECYCLE_KIND_LIST(NAME_ENTRY)};
+static const char *const outcome_names[] = {KM_OUTCOME_LIST(NAME_ENTRY)};
+static const char *const admin_action_names[] = {KM_ADMIN_ACTION_LIST(NAME_ENTRY)};
+#undef NAME_ENTRY
+#define COUNT_OF(table) (sizeof table / sizeof table[0])
+
+/* table[value] when the list names the value, else the name of value 0 (UNKNOWN, NONE). */
+static const char *name_in(const char *const *table, size_t count, int value)
+{
+    return value >= 0 && (size_t)value < count && table[value] ? table[value] : table[0];
+}
 
 const char *km_message_type_name(km_message_type type)
 {
-    if ((unsigned)type < MESSAGE_TYPE_COUNT && message_type_names[type])
-        return message_type_names[type];
-    return "UNKNOWN";
+    return name_in(message_type_names, COUNT_OF(message_type_names), type);
 }
 
 const char *km_prediction_source_name(km_prediction_source source)
 {
-    switch (source) {
-    case KM_PREDICTION_EVENTS: return "events";
-    case KM_PREDICTION_APPROX: return "approx";
-    case KM_PREDICTION_NONE: break;
-    }
-    return "none";
+    return name_in(prediction_source_names, COUNT_OF(prediction_source_names), source);
 }
 
 const char *km_lifecycle_kind_name(km_lifecycle_kind kind)
 {
-    switch (kind) {
-    case KM_LIFECYCLE_DISPATCHED: return "DISPATCHED";
-    case KM_LIFECYCLE_FIRST_TOKEN: return "FIRST_TOKEN";
-    case KM_LIFECYCLE_FINISHED: return "FINISHED";
-    case KM_LIFECYCLE_NONE: break;
-    }
-    return "NONE";
+    return name_in(lifecycle_kind_names, COUNT_OF(lifecycle_kind_names), kind);
 }
 
 const char *km_outcome_name(km_outcome outcome)
 {
-    switch (outcome) {
-    case KM_OUTCOME_COMPLETE: return "complete";
-    case KM_OUTCOME_INCOMPLETE: return "incomplete";
-    case KM_OUTCOME_ERROR: return "error";
-    case KM_OUTCOME_CANCELLED: return "cancelled";
-    case KM_OUTCOME_NONE: break;
-    }
-    return "none";
+    return name_in(outcome_names, COUNT_OF(outcome_names), outcome);
 }
 
 const char *km_admin_action_name(km_admin_action action)
 {
-    switch (action) {
-    case KM_ADMIN_ADD: return "add";
-    case KM_ADMIN_REMOVE: return "remove";
-    case KM_ADMIN_UPDATE: return "update";
-    case KM_ADMIN_LIST: return "list";
-    case KM_ADMIN_NONE: break;
-    }
-    return "none";
+    return name_in(admin_action_names, COUNT_OF(admin_action_names), action);
 }
 
 km_outcome km_outcome_from_stream(const char *finish_reason, bool done_seen, bool has_http_status,
@@ -1102,6 +1080,24 @@ static int prescan(km_protocol_decoder *d, const uint8_t *p, size_t size)
 
 /* ---- stage 3: field readers ------------------------------------------------------------------ */
 
+/* Wire names to enum values, from the header's X-macro lists: the value whose name is s[0..n), or
+ * the list's value 0 (UNKNOWN, NONE), which no wire string stands for. */
+#define NAMED_ENTRY(enumerator, value, name)                                                    \
+    if ((value) != 0 && n == sizeof(name) - 1 && memcmp(s, name, n) == 0)                       \
+        return enumerator;
+#define DEFINE_NAMED(function, type, list)                                                      \
+    static type function(const char *s, size_t n)                                              \
+    {                                                                                          \
+        list(NAMED_ENTRY) return (type)0;                                                      \
+    }
+DEFINE_NAMED(message_type_named, km_message_type, KM_MESSAGE_TYPE_LIST)
+DEFINE_NAMED(prediction_source_named, km_prediction_source, KM_PREDICTION_SOURCE_LIST)
+DEFINE_NAMED(lifecycle_kind_named, km_lifecycle_kind, KM_LIFECYCLE_KIND_LIST)
+DEFINE_NAMED(outcome_named, km_outcome, KM_OUTCOME_LIST)
+DEFINE_NAMED(admin_action_named, km_admin_action, KM_ADMIN_ACTION_LIST)
+#undef DEFINE_NAMED
+#undef NAMED_ENTRY
+
 /* A map's known fields: values[i] is the value of names[i], NULL when absent or nil (nil and
  * absent mean the same for every optional field). Non-string keys and unknown names are ignored;
  * a known name twice is KM_ERR_PARSE. */
@@ -1478,11 +1474,8 @@ static int read_source(km_protocol_decoder *d, const msgpack_object *o, km_predi
     int rc = read_str(d, o, "source", &s);
     if (rc)
         return rc;
-    if (strcmp(s, "events") == 0)
-        *out = KM_PREDICTION_EVENTS;
-    else if (strcmp(s, "approx") == 0)
-        *out = KM_PREDICTION_APPROX;
-    else
+    *out = prediction_source_named(s, strlen(s));
+    if (*out == KM_PREDICTION_NONE)
         return field_fail(d, KM_ERR_PARSE, "source", NO_ELEMENT,
                           "expected \"events\" or \"approx\", got \"%s\"", s);
     return KM_OK;
@@ -1606,13 +1599,8 @@ static int decode_lifecycle_event(km_protocol_decoder *d, const msgpack_object *
             return missing(d, "event");
         if ((rc = read_str(d, v[LC_EVENT], "event", &name)))
             return rc;
-        if (strcmp(name, "DISPATCHED") == 0)
-            kind = KM_LIFECYCLE_DISPATCHED;
-        else if (strcmp(name, "FIRST_TOKEN") == 0)
-            kind = KM_LIFECYCLE_FIRST_TOKEN;
-        else if (strcmp(name, "FINISHED") == 0)
-            kind = KM_LIFECYCLE_FINISHED;
-        else
+        kind = lifecycle_kind_named(name, strlen(name));
+        if (kind == KM_LIFECYCLE_NONE)
             return field_fail(d, KM_ERR_PARSE, "event", NO_ELEMENT,
                               "expected DISPATCHED, FIRST_TOKEN or FINISHED, got \"%s\"", name);
     }
@@ -1660,24 +1648,19 @@ static int decode_lifecycle_event(km_protocol_decoder *d, const msgpack_object *
                                                 e->http_status, e->error);
     if (!outcome) {
         e->outcome = derived;
-    } else if (strcmp(outcome, "complete") == 0) {
-        if (derived != KM_OUTCOME_COMPLETE)
-            return field_fail(d, KM_ERR_INVALID_ARGUMENT, "outcome", NO_ELEMENT,
-                              "\"complete\" needs a final finish_reason, done_seen true, no error "
-                              "and a 2xx http_status (the stream says %s)",
-                              km_outcome_name(derived));
-        e->outcome = KM_OUTCOME_COMPLETE;
-    } else if (strcmp(outcome, "incomplete") == 0) {
-        e->outcome = KM_OUTCOME_INCOMPLETE;
-    } else if (strcmp(outcome, "error") == 0) {
-        e->outcome = KM_OUTCOME_ERROR;
-    } else if (strcmp(outcome, "cancelled") == 0) {
-        e->outcome = KM_OUTCOME_CANCELLED;
-    } else {
+        return KM_OK;
+    }
+    km_outcome sent = outcome_named(outcome, strlen(outcome));
+    if (sent == KM_OUTCOME_NONE)
         return field_fail(d, KM_ERR_PARSE, "outcome", NO_ELEMENT,
                           "expected complete, incomplete, error or cancelled, got \"%s\"",
                           outcome);
-    }
+    if (sent == KM_OUTCOME_COMPLETE && derived != KM_OUTCOME_COMPLETE)
+        return field_fail(d, KM_ERR_INVALID_ARGUMENT, "outcome", NO_ELEMENT,
+                          "\"complete\" needs a final finish_reason, done_seen true, no error "
+                          "and a 2xx http_status (the stream says %s)",
+                          km_outcome_name(derived));
+    e->outcome = sent;
     return KM_OK;
 }
 
@@ -1870,13 +1853,11 @@ static int read_action(km_protocol_decoder *d, const msgpack_object *o, km_admin
     int rc = read_str(d, o, "action", &s);
     if (rc)
         return rc;
-    for (km_admin_action a = KM_ADMIN_ADD; a <= KM_ADMIN_LIST; a++)
-        if (strcmp(s, km_admin_action_name(a)) == 0) {
-            *out = a;
-            return KM_OK;
-        }
-    return field_fail(d, KM_ERR_PARSE, "action", NO_ELEMENT,
-                      "expected add, remove, update or list, got \"%s\"", s);
+    *out = admin_action_named(s, strlen(s));
+    if (*out == KM_ADMIN_NONE)
+        return field_fail(d, KM_ERR_PARSE, "action", NO_ELEMENT,
+                          "expected add, remove, update or list, got \"%s\"", s);
+    return KM_OK;
 }
 
 static int decode_body(km_protocol_decoder *d, const msgpack_object *root, km_message *m)
@@ -2071,18 +2052,6 @@ static int decode_body(km_protocol_decoder *d, const msgpack_object *root, km_me
                       (int)m->type);
 }
 
-/* The single-event lifecycle forms: type DISPATCHED / FIRST_TOKEN / FINISHED. */
-static km_lifecycle_kind single_event_kind(const msgpack_object *type)
-{
-    if (type->via.str.size == 10 && memcmp(type->via.str.ptr, "DISPATCHED", 10) == 0)
-        return KM_LIFECYCLE_DISPATCHED;
-    if (type->via.str.size == 11 && memcmp(type->via.str.ptr, "FIRST_TOKEN", 11) == 0)
-        return KM_LIFECYCLE_FIRST_TOKEN;
-    if (type->via.str.size == 8 && memcmp(type->via.str.ptr, "FINISHED", 8) == 0)
-        return KM_LIFECYCLE_FINISHED;
-    return KM_LIFECYCLE_NONE;
-}
-
 static int decode_message(km_protocol_decoder *d, const uint8_t *p, size_t size, km_message *m)
 {
     int rc = prescan(d, p, size);
@@ -2115,7 +2084,8 @@ static int decode_message(km_protocol_decoder *d, const uint8_t *p, size_t size,
                           km_msgpack_type_name(head[0]));
     if (!m->has_id)
         return missing(d, "id");
-    km_lifecycle_kind single = single_event_kind(head[0]);
+    /* The single-event lifecycle forms: type DISPATCHED / FIRST_TOKEN / FINISHED. */
+    km_lifecycle_kind single = lifecycle_kind_named(head[0]->via.str.ptr, head[0]->via.str.size);
     if (single != KM_LIFECYCLE_NONE) {
         m->type = KM_MESSAGE_LIFECYCLE;
         km_lifecycle_event *e = zone_array(d, 1, sizeof *e);
@@ -2137,12 +2107,10 @@ static int decode_message(km_protocol_decoder *d, const uint8_t *p, size_t size,
         m->lifecycle.n_events = 1;
         return KM_OK;
     }
-    for (unsigned t = KM_MESSAGE_HELLO; t < MESSAGE_TYPE_COUNT; t++) {
-        size_t len = strlen(message_type_names[t]);
-        if (head[0]->via.str.size == len && memcmp(head[0]->via.str.ptr, message_type_names[t], len) == 0) {
-            m->type = (km_message_type)t;
-            return decode_body(d, &root, m);
-        }
+    km_message_type type = message_type_named(head[0]->via.str.ptr, head[0]->via.str.size);
+    if (type != KM_MESSAGE_UNKNOWN) {
+        m->type = type;
+        return decode_body(d, &root, m);
     }
     int shown = head[0]->via.str.size > 64 ? 64 : (int)head[0]->via.str.size;
     return field_fail(d, KM_ERR_PROTOCOL, "type", NO_ELEMENT, "unknown message type \"%.*s\"",
