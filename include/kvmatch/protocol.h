@@ -34,7 +34,7 @@ extern "C" {
 /* Default maximum payload of one frame (the length prefix excluded). */
 #define KM_PROTOCOL_DEFAULT_MAX_FRAME_BYTES (16u << 20)
 /* Deepest container nesting a payload may have (msgpack-c's unpacker stack). Valid messages nest
- * at most 5 deep (message, decisions, decision, candidates, candidate, load). */
+ * at most 5 deep (message, decisions, decision, candidates, candidate row). */
 #define KM_PROTOCOL_MAX_NESTING_DEPTH 32u
 /* Default Unix socket path of `kvmatch serve`. */
 #define KM_PROTOCOL_DEFAULT_SOCKET "/tmp/kvmatch.sock"

@@ -252,7 +252,7 @@ static void put_item_status(writer *w, map_mark *m, const char *where, int statu
 }
 
 /* "name[i]." into buf (the field-path prefix of an array item's error messages). Written by hand:
- * it runs once per item of every frame, and snprintf was a visible share of encoding a batch. */
+ * it runs once per item of every frame, where snprintf is a visible share of encoding a batch. */
 static void item_where(char *buf, size_t size, const char *name, uint32_t i)
 {
     char digits[10];
@@ -343,8 +343,8 @@ static void encode_decision(writer *w, const km_route_decision *d, uint32_t i)
     put_str(w, &m, "load_scope", d->load_scope);
     put_double_or_nil(w, &m, "load_value", d->load_value);
     if (check_array(w, where, "candidates", d->candidates, d->n_candidates)) {
-        /* Positional rows (docs/PROTOCOL.md, "ROUTE -> DECISION", `candidates`): a decision
-         * with 16 candidates is ~180 msgpack values instead of ~400, both ways. */
+        /* Positional rows (docs/PROTOCOL.md, "ROUTE -> DECISION", `candidates`): less than half
+         * the msgpack values of one map per candidate, to encode and to decode. */
         put_key(w, &m, "candidates");
         msgpack_pack_array(&w->packer, d->n_candidates);
         for (uint32_t c = 0; c < d->n_candidates; c++) {

@@ -4,12 +4,14 @@
 #ifndef KM_PROTOCOL_INTERNAL_H
 #define KM_PROTOCOL_INTERNAL_H
 
+/* printf-format checking of the *_fail helpers. */
 #if defined(__GNUC__)
 #define KM_PRINTF(fmt_index, first_arg) __attribute__((format(printf, fmt_index, first_arg)))
 #else
 #define KM_PRINTF(fmt_index, first_arg)
 #endif
 
-#define ERROR_BYTES          512
+/* The frame reader's and the decoder's error messages, NUL included. */
+#define ERROR_BYTES 512
 
 #endif
