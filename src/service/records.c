@@ -34,7 +34,7 @@
 
 /* ---- small helpers ------------------------------------------------------------------------------ */
 
-static int64_t clock_ns(clockid_t clock)
+static int64_t km_record_clock_ns(clockid_t clock)
 {
     struct timespec ts;
     clock_gettime(clock, &ts);
@@ -44,8 +44,8 @@ static int64_t clock_ns(clockid_t clock)
 km_record_time km_record_time_now(void)
 {
     km_record_time t;
-    t.wall_ns = clock_ns(CLOCK_REALTIME);
-    t.monotonic_ns = clock_ns(CLOCK_MONOTONIC);
+    t.wall_ns = km_record_clock_ns(CLOCK_REALTIME);
+    t.monotonic_ns = km_record_clock_ns(CLOCK_MONOTONIC);
     return t;
 }
 
@@ -1099,7 +1099,7 @@ static void buffer_line(km_record_writer *w, const char *data, size_t len)
     w->buf_lines++;
     if (w->buf_deadline_ns == 0)
         w->buf_deadline_ns =
-            clock_ns(CLOCK_MONOTONIC) + (int64_t)w->config.flush_interval_ms * 1000000;
+            km_record_clock_ns(CLOCK_MONOTONIC) + (int64_t)w->config.flush_interval_ms * 1000000;
 }
 
 static void sync_file(km_record_writer *w, bool *sync_failed)
@@ -1156,7 +1156,7 @@ static void *writer_thread(void *arg)
     for (;;) {
         while (w->count == 0 && !w->stopping && w->flush_target <= w->synced_through) {
             if (w->buf_len > 0) {
-                if (clock_ns(CLOCK_MONOTONIC) >= w->buf_deadline_ns)
+                if (km_record_clock_ns(CLOCK_MONOTONIC) >= w->buf_deadline_ns)
                     break;
                 struct timespec ts;
                 deadline_to_timespec(w->buf_deadline_ns, &ts);
@@ -1190,7 +1190,7 @@ static void *writer_thread(void *arg)
         bool flush = w->flush_target > w->synced_through;
         pthread_mutex_unlock(&w->lock);
 
-        bool due = w->buf_len > 0 && clock_ns(CLOCK_MONOTONIC) >= w->buf_deadline_ns;
+        bool due = w->buf_len > 0 && km_record_clock_ns(CLOCK_MONOTONIC) >= w->buf_deadline_ns;
         if (stop || flush || due)
             buffer_write(w);
         if (stop || flush) {
@@ -1495,7 +1495,7 @@ int km_record_writer_flush(km_record_writer *w, uint32_t timeout_ms)
     if (!w)
         return KM_ERR_NULL_POINTER;
     struct timespec deadline;
-    int64_t deadline_ns = clock_ns(CLOCK_MONOTONIC) + (int64_t)timeout_ms * 1000000;
+    int64_t deadline_ns = km_record_clock_ns(CLOCK_MONOTONIC) + (int64_t)timeout_ms * 1000000;
     deadline_to_timespec(deadline_ns, &deadline);
     pthread_mutex_lock(&w->lock);
     uint64_t target = w->submitted;
