@@ -1,0 +1,776 @@
+/* The background JSONL writer of decision and outcome records (include/kvmatch/records.h,
+ * docs/RECORDS.md).
+ *
+ * Submitters copy a line, or a record struct with everything it points to (one
+ * allocation), into a bounded ring under a mutex held only for the pointer updates; one thread
+ * takes everything queued at once, formats the records, and copies the lines into a buffer that
+ * goes to the file when full, when flush_interval_ms has passed since its first line, or on flush
+ * / destroy.
+ * The buffer never spans a rotation, and a failed write is truncated back to the last whole line,
+ * so no line is ever split or half-written. I/O failures are counted and logged on the transition
+ * (failing, recovered), never fatal: the file is closed and reopened for the next line. */
+#include "kvmatch/records.h"
+#include "base/utf8.h"
+#include "service/records_internal.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+/* ---- the background writer ---------------------------------------------------------------------- */
+
+/* What a queue slot holds: a line, or a deep copy of a record to be formatted by the writer. */
+typedef enum queued_kind {
+    QUEUED_LINE = 0,     /* data: the line's bytes, len of them */
+    QUEUED_DECISION = 1, /* data: a km_decision_record with everything it points to, len bytes */
+    QUEUED_OUTCOME = 2,  /* data: a km_outcome_record likewise */
+} queued_kind;
+
+typedef struct queued_line {
+    char *data;
+    size_t len;
+    queued_kind kind;
+} queued_line;
+
+struct km_record_writer {
+    km_record_writer_config config; /* path points to path_copy */
+    char *path_copy;
+    char *rotate_from, *rotate_to; /* scratch for rotated names */
+    size_t rotate_name_size;
+
+    pthread_mutex_t lock;
+    pthread_cond_t work;  /* the writer thread waits here */
+    pthread_cond_t done;  /* flushers wait here */
+    pthread_t thread;
+
+    /* under lock */
+    queued_line *ring;
+    uint32_t head, count;
+    uint64_t queued_bytes;
+    bool stopping;
+    uint64_t submitted, dropped, written, failed, invalid, bytes, rotations, write_errors;
+    uint64_t flush_target;   /* highest `submitted` a flusher waits for */
+    uint64_t synced_through; /* lines (written + failed) covered by the last fdatasync */
+    uint64_t failed_at_last_flush, sync_failures, sync_failures_at_last_flush;
+    uint64_t invalid_at_last_flush;
+    int last_error_status;
+    char last_error[512];
+
+    /* writer thread only */
+    int fd;
+    bool regular_file;  /* rotation and truncation only for regular files */
+    uint64_t file_bytes;
+    uint64_t rotation_base; /* file_bytes when a rotation failed: the next try waits for another
+                             * max_file_bytes, so a failing rename is not retried on every line */
+    char *buf;
+    size_t buf_len, buf_cap;
+    uint64_t buf_lines;
+    int64_t buf_deadline_ns;
+    bool failing; /* the last I/O operation failed (log on transitions only) */
+};
+
+void km_record_writer_config_init(km_record_writer_config *cfg)
+{
+    if (!cfg)
+        return;
+    memset(cfg, 0, sizeof *cfg);
+    cfg->max_file_bytes = UINT64_C(256) << 20;
+    cfg->keep_files = 8;
+    cfg->queue_capacity = 65536;
+    cfg->max_queue_bytes = UINT64_C(64) << 20;
+    cfg->max_line_bytes = UINT64_C(1) << 20;
+    cfg->flush_interval_ms = 200;
+}
+
+static void writer_log(km_record_writer *w, const char *line)
+{
+    if (w->config.log)
+        w->config.log(w->config.log_user, line);
+    else
+        fprintf(stderr, "kvmatch: records: %s\n", line);
+}
+
+/* Count an I/O failure: stats, last_error, and one log line when the writer starts failing.
+ * Takes the lock. */
+static void io_failure(km_record_writer *w, const char *what, const char *name, int err)
+{
+    char sentence[512];
+    snprintf(sentence, sizeof sentence, "%s: %s %s: %s", km_error_name(KM_ERR_IO), what, name,
+             strerror(err));
+    pthread_mutex_lock(&w->lock);
+    w->write_errors++;
+    w->last_error_status = KM_ERR_IO;
+    snprintf(w->last_error, sizeof w->last_error, "%s", sentence);
+    pthread_mutex_unlock(&w->lock);
+    if (!w->failing) {
+        char line[600];
+        snprintf(line, sizeof line, "%s (records are counted as failed until a write succeeds)",
+                 sentence);
+        writer_log(w, line);
+    }
+    w->failing = true;
+}
+
+static void io_success(km_record_writer *w)
+{
+    if (w->failing) {
+        char line[600];
+        snprintf(line, sizeof line, "writing %s again", w->config.path);
+        writer_log(w, line);
+    }
+    w->failing = false;
+}
+
+static void close_file(km_record_writer *w)
+{
+    if (w->fd >= 0)
+        close(w->fd);
+    w->fd = -1;
+}
+
+/* Open (create) the file for appending; make sure it ends with a newline. */
+static bool open_file(km_record_writer *w)
+{
+    if (w->fd >= 0)
+        return true;
+    int fd = open(w->config.path, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+    if (fd < 0) {
+        io_failure(w, "open", w->config.path, errno);
+        return false;
+    }
+    struct stat st;
+    if (fstat(fd, &st) != 0) {
+        io_failure(w, "fstat", w->config.path, errno);
+        close(fd);
+        return false;
+    }
+    w->fd = fd;
+    w->regular_file = S_ISREG(st.st_mode);
+    w->file_bytes = w->regular_file ? (uint64_t)st.st_size : 0;
+    if (w->regular_file && st.st_size > 0) {
+        /* a crash mid-line left a partial record: start ours on a line of its own */
+        int rfd = open(w->config.path, O_RDONLY | O_CLOEXEC);
+        char last = '\n';
+        if (rfd >= 0) {
+            if (pread(rfd, &last, 1, st.st_size - 1) != 1)
+                last = '\n';
+            close(rfd);
+        }
+        if (last != '\n') {
+            if (write(fd, "\n", 1) != 1) {
+                io_failure(w, "write", w->config.path, errno ? errno : EIO);
+                close_file(w);
+                return false;
+            }
+            w->file_bytes++;
+        }
+    }
+    return true;
+}
+
+/* Write all of fd's data, retrying partial writes and EINTR. 0 or an errno. */
+static int write_all(int fd, const char *data, size_t len)
+{
+    while (len > 0) {
+        ssize_t n = write(fd, data, len);
+        if (n < 0) {
+            if (errno == EINTR)
+                continue;
+            return errno;
+        }
+        if (n == 0)
+            return EIO;
+        data += n;
+        len -= (size_t)n;
+    }
+    return 0;
+}
+
+/* Before a write: does the path still name the open file? When the file or its directory was
+ * removed or moved away (by hand, by another program's rotation), writes to the open file would
+ * succeed and count as written although no reader can find them: close it, so the write reopens
+ * the path (a missing directory then fails the write, counted, until it is back). The file's
+ * size is refreshed too: a file truncated behind our back must not be cut back (after a failed
+ * write) or rotated by the size we remembered. */
+static void check_file(km_record_writer *w)
+{
+    if (w->fd < 0)
+        return;
+    struct stat by_name, open_file_st;
+    if (stat(w->config.path, &by_name) != 0 || fstat(w->fd, &open_file_st) != 0 ||
+        by_name.st_dev != open_file_st.st_dev || by_name.st_ino != open_file_st.st_ino) {
+        close_file(w);
+        return;
+    }
+    if (w->regular_file)
+        w->file_bytes = (uint64_t)open_file_st.st_size;
+}
+
+/* Send the buffer to the file. On failure its lines count as failed, a partial write is cut back
+ * to the last whole line, and the file is closed (reopened for the next line). */
+static void buffer_write(km_record_writer *w)
+{
+    if (w->buf_len == 0)
+        return;
+    uint64_t lines = w->buf_lines;
+    size_t len = w->buf_len;
+    bool ok = false;
+    check_file(w);
+    if (open_file(w)) {
+        int err = write_all(w->fd, w->buf, len);
+        if (err == 0) {
+            ok = true;
+            w->file_bytes += len;
+            io_success(w);
+        } else {
+            io_failure(w, "write", w->config.path, err);
+            if (w->regular_file && ftruncate(w->fd, (off_t)w->file_bytes) != 0)
+                io_failure(w, "ftruncate (cutting a partial line)", w->config.path, errno);
+            close_file(w);
+        }
+    }
+    pthread_mutex_lock(&w->lock);
+    if (ok) {
+        w->written += lines;
+        w->bytes += len;
+    } else {
+        w->failed += lines;
+    }
+    pthread_mutex_unlock(&w->lock);
+    w->buf_len = 0;
+    w->buf_lines = 0;
+    w->buf_deadline_ns = 0;
+}
+
+/* path -> path.1 -> ... -> path.keep (the oldest is overwritten), or path removed (keep 0). The
+ * buffer was written first. A rename that fails is counted; the writer then keeps appending. */
+static void rotate(km_record_writer *w)
+{
+    close_file(w);
+    uint32_t keep = w->config.keep_files;
+    const char *path = w->config.path;
+    bool ok = true;
+    if (keep == 0) {
+        if (unlink(path) != 0 && errno != ENOENT) {
+            io_failure(w, "unlink (rotation)", path, errno);
+            ok = false;
+        }
+    } else {
+        for (uint32_t i = keep - 1; i >= 1; i--) {
+            snprintf(w->rotate_from, w->rotate_name_size, "%s.%u", path, i);
+            snprintf(w->rotate_to, w->rotate_name_size, "%s.%u", path, i + 1);
+            if (rename(w->rotate_from, w->rotate_to) != 0 && errno != ENOENT) {
+                io_failure(w, "rename (rotation)", w->rotate_from, errno);
+                ok = false;
+            }
+        }
+        snprintf(w->rotate_to, w->rotate_name_size, "%s.1", path);
+        if (ok && rename(path, w->rotate_to) != 0 && errno != ENOENT) {
+            io_failure(w, "rename (rotation)", path, errno);
+            ok = false;
+        }
+    }
+    if (ok) {
+        pthread_mutex_lock(&w->lock);
+        w->rotations++;
+        pthread_mutex_unlock(&w->lock);
+    }
+    w->rotation_base = 0;
+    if (open_file(w) && !ok)
+        w->rotation_base = w->file_bytes;
+}
+
+/* Copy one line into the buffer, first writing the buffer out / rotating as needed. */
+static void buffer_line(km_record_writer *w, const char *data, size_t len)
+{
+    uint64_t need = (uint64_t)len + 1;
+    if (w->fd < 0 && w->buf_len == 0)
+        open_file(w); /* learn the file's size for the rotation check; a failure fails at write */
+    uint64_t max = w->config.max_file_bytes;
+    if (max > 0 && w->fd >= 0 && w->regular_file) {
+        if (w->rotation_base > w->file_bytes)
+            w->rotation_base = 0; /* the file was truncated or replaced behind our back */
+        uint64_t would = w->file_bytes - w->rotation_base + w->buf_len;
+        if (w->file_bytes + w->buf_len > 0 && would + need > max) {
+            buffer_write(w);
+            if (w->fd >= 0 && w->file_bytes > 0)
+                rotate(w);
+        }
+    }
+    if (w->buf_len + need > w->buf_cap)
+        buffer_write(w);
+    memcpy(w->buf + w->buf_len, data, len);
+    w->buf[w->buf_len + len] = '\n';
+    w->buf_len += (size_t)need;
+    w->buf_lines++;
+    if (w->buf_deadline_ns == 0)
+        w->buf_deadline_ns =
+            km_record_clock_ns(CLOCK_MONOTONIC) + (int64_t)w->config.flush_interval_ms * 1000000;
+}
+
+static void sync_file(km_record_writer *w, bool *sync_failed)
+{
+    if (w->fd < 0)
+        return;
+    if (fdatasync(w->fd) != 0 && errno != EINVAL && errno != EROFS) {
+        /* EINVAL: a FIFO or special file, which has nothing to sync */
+        io_failure(w, "fdatasync", w->config.path, errno);
+        *sync_failed = true;
+    }
+}
+
+/* A record queued by km_record_writer_submit_decision / _outcome: format it here, off the
+ * caller's thread. A record that does not format is counted as invalid, with the sentence. */
+static void format_and_buffer(km_record_writer *w, const queued_line *q)
+{
+    char *line = NULL;
+    size_t len = 0;
+    char error[400];
+    int rc = q->kind == QUEUED_DECISION
+                 ? km_decision_record_format((const km_decision_record *)(void *)q->data, &line,
+                                             &len, error, sizeof error)
+                 : km_outcome_record_format((const km_outcome_record *)(void *)q->data, &line, &len,
+                                            error, sizeof error);
+    if (rc == KM_OK && len > w->config.max_line_bytes) {
+        rc = KM_ERR_TOO_LARGE;
+        snprintf(error, sizeof error, "%s: a %s record of %zu bytes (max_line_bytes %" PRIu64 ")",
+                 km_error_name(rc), q->kind == QUEUED_DECISION ? "decision" : "outcome", len,
+                 w->config.max_line_bytes);
+    }
+    if (rc == KM_OK) {
+        buffer_line(w, line, len);
+    } else {
+        pthread_mutex_lock(&w->lock);
+        w->invalid++;
+        w->last_error_status = rc;
+        snprintf(w->last_error, sizeof w->last_error, "record not written: %s", error);
+        pthread_mutex_unlock(&w->lock);
+    }
+    free(line);
+}
+
+static void deadline_to_timespec(int64_t deadline_ns, struct timespec *ts)
+{
+    ts->tv_sec = (time_t)(deadline_ns / 1000000000);
+    ts->tv_nsec = (long)(deadline_ns % 1000000000);
+}
+
+static void *writer_thread(void *arg)
+{
+    km_record_writer *w = arg;
+    pthread_mutex_lock(&w->lock);
+    for (;;) {
+        while (w->count == 0 && !w->stopping && w->flush_target <= w->synced_through) {
+            if (w->buf_len > 0) {
+                if (km_record_clock_ns(CLOCK_MONOTONIC) >= w->buf_deadline_ns)
+                    break;
+                struct timespec ts;
+                deadline_to_timespec(w->buf_deadline_ns, &ts);
+                pthread_cond_timedwait(&w->work, &w->lock, &ts);
+            } else {
+                pthread_cond_wait(&w->work, &w->lock);
+            }
+        }
+        uint32_t n = w->count, head = w->head, capacity = w->config.queue_capacity;
+        pthread_mutex_unlock(&w->lock);
+
+        /* The taken lines stay counted in the queue until copied, so submitters never touch
+         * these slots meanwhile. */
+        uint64_t freed_bytes = 0;
+        for (uint32_t i = 0; i < n; i++) {
+            queued_line *q = &w->ring[(head + i) % capacity];
+            if (q->kind == QUEUED_LINE)
+                buffer_line(w, q->data, q->len);
+            else
+                format_and_buffer(w, q);
+            freed_bytes += q->len;
+            free(q->data);
+            q->data = NULL;
+        }
+
+        pthread_mutex_lock(&w->lock);
+        w->head = (head + n) % capacity;
+        w->count -= n;
+        w->queued_bytes -= freed_bytes;
+        bool stop = w->stopping && w->count == 0;
+        bool flush = w->flush_target > w->synced_through;
+        pthread_mutex_unlock(&w->lock);
+
+        bool due = w->buf_len > 0 && km_record_clock_ns(CLOCK_MONOTONIC) >= w->buf_deadline_ns;
+        if (stop || flush || due)
+            buffer_write(w);
+        if (stop || flush) {
+            bool sync_failed = false;
+            sync_file(w, &sync_failed);
+            pthread_mutex_lock(&w->lock);
+            if (sync_failed)
+                w->sync_failures++;
+            w->synced_through = w->written + w->failed + w->invalid;
+            pthread_cond_broadcast(&w->done);
+            pthread_mutex_unlock(&w->lock);
+        }
+        if (stop)
+            break;
+        pthread_mutex_lock(&w->lock);
+    }
+    close_file(w);
+    return NULL;
+}
+
+int km_record_writer_create(const km_record_writer_config *cfg, km_record_writer **out)
+{
+    if (out)
+        *out = NULL;
+    if (!cfg || !out || !cfg->path)
+        return KM_ERR_NULL_POINTER;
+    if (cfg->path[0] == '\0' || cfg->queue_capacity == 0 || cfg->max_queue_bytes == 0 ||
+        cfg->max_line_bytes == 0 || cfg->flush_interval_ms == 0 ||
+        cfg->max_line_bytes > (UINT64_C(1) << 30))
+        return KM_ERR_INVALID_ARGUMENT;
+
+    km_record_writer *w = calloc(1, sizeof *w);
+    if (!w)
+        return KM_ERR_OUT_OF_MEMORY;
+    w->config = *cfg;
+    w->fd = -1;
+    size_t path_len = strlen(cfg->path);
+    w->rotate_name_size = path_len + 16;
+    w->path_copy = strdup(cfg->path);
+    w->rotate_from = malloc(w->rotate_name_size);
+    w->rotate_to = malloc(w->rotate_name_size);
+    w->ring = calloc(cfg->queue_capacity, sizeof *w->ring);
+    /* one buffer of at least 1 MiB that also holds the longest line and its newline */
+    w->buf_cap = (size_t)(cfg->max_line_bytes + 1 > (UINT64_C(1) << 20) ? cfg->max_line_bytes + 1
+                                                                         : (UINT64_C(1) << 20));
+    w->buf = malloc(w->buf_cap);
+    if (!w->path_copy || !w->rotate_from || !w->rotate_to || !w->ring || !w->buf) {
+        free(w->path_copy);
+        free(w->rotate_from);
+        free(w->rotate_to);
+        free(w->ring);
+        free(w->buf);
+        free(w);
+        return KM_ERR_OUT_OF_MEMORY;
+    }
+    w->config.path = w->path_copy;
+
+    pthread_condattr_t attr;
+    pthread_condattr_init(&attr);
+    pthread_condattr_setclock(&attr, CLOCK_MONOTONIC);
+    pthread_mutex_init(&w->lock, NULL);
+    pthread_cond_init(&w->work, &attr);
+    pthread_cond_init(&w->done, &attr);
+    pthread_condattr_destroy(&attr);
+    if (pthread_create(&w->thread, NULL, writer_thread, w) == 0) {
+        pthread_setname_np(w->thread, "km-records"); /* for top -H, perf, bench ipc */
+    } else {
+        pthread_cond_destroy(&w->work);
+        pthread_cond_destroy(&w->done);
+        pthread_mutex_destroy(&w->lock);
+        free(w->path_copy);
+        free(w->rotate_from);
+        free(w->rotate_to);
+        free(w->ring);
+        free(w->buf);
+        free(w);
+        return KM_ERR_INTERNAL;
+    }
+    *out = w;
+    return KM_OK;
+}
+
+void km_record_writer_destroy(km_record_writer *w)
+{
+    if (!w)
+        return;
+    pthread_mutex_lock(&w->lock);
+    w->stopping = true;
+    pthread_cond_signal(&w->work);
+    pthread_mutex_unlock(&w->lock);
+    pthread_join(w->thread, NULL);
+    for (uint32_t i = 0; i < w->count; i++) /* none: the thread drains before it stops */
+        free(w->ring[(w->head + i) % w->config.queue_capacity].data);
+    pthread_cond_destroy(&w->work);
+    pthread_cond_destroy(&w->done);
+    pthread_mutex_destroy(&w->lock);
+    free(w->path_copy);
+    free(w->rotate_from);
+    free(w->rotate_to);
+    free(w->ring);
+    free(w->buf);
+    free(w);
+}
+
+/* Queue `copy` (malloc'd, len bytes, NULL after a failed allocation; owned from here on). */
+static int enqueue(km_record_writer *w, char *copy, size_t len, queued_kind kind)
+{
+    pthread_mutex_lock(&w->lock);
+    int status = KM_OK;
+    if (w->stopping)
+        status = KM_ERR_SHUTTING_DOWN;
+    else if (!copy)
+        status = KM_ERR_OUT_OF_MEMORY;
+    else if (w->count >= w->config.queue_capacity || w->queued_bytes + len > w->config.max_queue_bytes)
+        status = KM_ERR_OVERLOADED;
+    if (status == KM_OK) {
+        w->ring[(w->head + w->count) % w->config.queue_capacity] = (queued_line){copy, len, kind};
+        w->count++;
+        w->queued_bytes += len;
+        w->submitted++;
+        if (w->count == 1)
+            pthread_cond_signal(&w->work);
+        copy = NULL;
+    } else if (status != KM_ERR_SHUTTING_DOWN) {
+        w->dropped++;
+    }
+    pthread_mutex_unlock(&w->lock);
+    free(copy);
+    return status;
+}
+
+int km_record_writer_submit(km_record_writer *w, const char *line, size_t len)
+{
+    if (!w || !line)
+        return KM_ERR_NULL_POINTER;
+    if (len == 0 || memchr(line, '\n', len))
+        return KM_ERR_INVALID_ARGUMENT;
+    if (len > w->config.max_line_bytes)
+        return KM_ERR_TOO_LARGE;
+    char *copy = malloc(len);
+    if (copy)
+        memcpy(copy, line, len);
+    return enqueue(w, copy, len, QUEUED_LINE);
+}
+
+/* ---- deep copies of records (one allocation: the struct, its arrays, then its strings) ---------- */
+
+/* The bytes of the maximal subpart of an ill-formed UTF-8 sequence at s (Unicode 3.9, "U+FFFD
+ * substitution of maximal subparts"): a lead byte and the continuation bytes that could still have
+ * completed it; one byte when the first byte cannot start a sequence. Only called where
+ * utf8_sequence found no well-formed sequence. */
+static size_t utf8_bad_prefix(const unsigned char *s, size_t left)
+{
+    unsigned char c = s[0], lo = 0x80, hi = 0xBF;
+    size_t n;
+    if (c >= 0xC2 && c <= 0xDF)
+        n = 2;
+    else if (c >= 0xE0 && c <= 0xEF)
+        n = 3, lo = c == 0xE0 ? 0xA0 : 0x80, hi = c == 0xED ? 0x9F : 0xBF;
+    else if (c >= 0xF0 && c <= 0xF4)
+        n = 4, lo = c == 0xF0 ? 0x90 : 0x80, hi = c == 0xF4 ? 0x8F : 0xBF;
+    else
+        return 1;
+    size_t i = 1;
+    if (i < left && s[i] >= lo && s[i] <= hi)
+        for (i++; i < n && i < left && (s[i] & 0xC0) == 0x80; i++)
+            ;
+    return i;
+}
+
+/* Copy s to out (when not NULL) with every ill-formed UTF-8 sequence replaced by U+FFFD, and NUL;
+ * returns the bytes that takes, NUL included. Strings a router sends are msgpack str, which
+ * nothing forces to be UTF-8 (a Latin-1 request id, an error text cut in the middle of a
+ * character): refusing them at format time would lose the whole record. */
+static size_t clean_copy(char *out, const char *s)
+{
+    const unsigned char *p = (const unsigned char *)s;
+    size_t n = strlen(s), o = 0;
+    for (size_t i = 0; i < n;) {
+        /* ASCII runs (ids and names, nearly always the whole string) in one copy. */
+        size_t run = 0;
+        while (i + run < n && p[i + run] < 0x80)
+            run++;
+        if (run) {
+            if (out)
+                memcpy(out + o, p + i, run);
+            i += run;
+            o += run;
+            continue;
+        }
+        size_t k = km_utf8_sequence(p + i, n - i);
+        if (k) {
+            if (out)
+                memcpy(out + o, p + i, k);
+            i += k;
+            o += k;
+        } else {
+            if (out)
+                memcpy(out + o, "\xef\xbf\xbd", 3);
+            i += utf8_bad_prefix(p + i, n - i);
+            o += 3;
+        }
+    }
+    if (out)
+        out[o] = '\0';
+    return o + 1;
+}
+
+static size_t string_bytes(const char *s) { return s ? clean_copy(NULL, s) : 0; }
+
+static const char *copy_string(char **cursor, const char *s)
+{
+    if (!s)
+        return NULL;
+    const char *copy = *cursor;
+    *cursor += clean_copy(*cursor, s);
+    return copy;
+}
+
+static size_t common_string_bytes(const km_record_common *c)
+{
+    return string_bytes(c->instance) + string_bytes(c->host) + string_bytes(c->kvmatch_version) +
+           string_bytes(c->request_id) + string_bytes(c->attempt_id) + string_bytes(c->model) +
+           string_bytes(c->pool) + string_bytes(c->endpoint);
+}
+
+static void copy_common_strings(km_record_common *c, char **cursor)
+{
+    c->instance = copy_string(cursor, c->instance);
+    c->host = copy_string(cursor, c->host);
+    c->kvmatch_version = copy_string(cursor, c->kvmatch_version);
+    c->request_id = copy_string(cursor, c->request_id);
+    c->attempt_id = copy_string(cursor, c->attempt_id);
+    c->model = copy_string(cursor, c->model);
+    c->pool = copy_string(cursor, c->pool);
+    c->endpoint = copy_string(cursor, c->endpoint);
+}
+
+int km_record_writer_submit_decision(km_record_writer *w, const km_decision_record *r)
+{
+    if (!w || !r)
+        return KM_ERR_NULL_POINTER;
+    if (r->n_candidates > KM_RECORD_MAX_CANDIDATES)
+        return KM_ERR_TOO_LARGE;
+    if (r->n_candidates > 0 && !r->candidates)
+        return KM_ERR_NULL_POINTER;
+    size_t size = sizeof *r + r->n_candidates * sizeof *r->candidates + common_string_bytes(&r->common) +
+                  string_bytes(r->owner.worker) + string_bytes(r->owner.state) +
+                  string_bytes(r->chosen.worker) + string_bytes(r->chosen.state) +
+                  string_bytes(r->policy) + string_bytes(r->reason) + string_bytes(r->load_kind);
+    for (size_t i = 0; i < r->n_candidates; i++)
+        size += string_bytes(r->candidates[i].worker) + string_bytes(r->candidates[i].state);
+    char *block = malloc(size);
+    if (block) {
+        km_decision_record *copy = (km_decision_record *)(void *)block;
+        *copy = *r;
+        km_record_candidate *candidates = (km_record_candidate *)(void *)(block + sizeof *r);
+        if (r->n_candidates)
+            memcpy(candidates, r->candidates, r->n_candidates * sizeof *candidates);
+        copy->candidates = r->n_candidates ? candidates : NULL;
+        char *cursor = block + sizeof *r + r->n_candidates * sizeof *candidates;
+        copy_common_strings(&copy->common, &cursor);
+        copy->owner.worker = copy_string(&cursor, r->owner.worker);
+        copy->owner.state = copy_string(&cursor, r->owner.state);
+        copy->chosen.worker = copy_string(&cursor, r->chosen.worker);
+        copy->chosen.state = copy_string(&cursor, r->chosen.state);
+        copy->policy = copy_string(&cursor, r->policy);
+        copy->reason = copy_string(&cursor, r->reason);
+        copy->load_kind = copy_string(&cursor, r->load_kind);
+        for (size_t i = 0; i < r->n_candidates; i++) {
+            candidates[i].worker = copy_string(&cursor, r->candidates[i].worker);
+            candidates[i].state = copy_string(&cursor, r->candidates[i].state);
+        }
+    }
+    return enqueue(w, block, size, QUEUED_DECISION);
+}
+
+int km_record_writer_submit_outcome(km_record_writer *w, const km_outcome_record *r)
+{
+    if (!w || !r)
+        return KM_ERR_NULL_POINTER;
+    size_t size = sizeof *r + common_string_bytes(&r->common) + string_bytes(r->finish_reason) +
+                  string_bytes(r->error) + string_bytes(r->worker) +
+                  string_bytes(r->dispatched_worker) + string_bytes(r->owner_worker);
+    char *block = malloc(size);
+    if (block) {
+        km_outcome_record *copy = (km_outcome_record *)(void *)block;
+        *copy = *r;
+        char *cursor = block + sizeof *r;
+        copy_common_strings(&copy->common, &cursor);
+        copy->finish_reason = copy_string(&cursor, r->finish_reason);
+        copy->error = copy_string(&cursor, r->error);
+        copy->worker = copy_string(&cursor, r->worker);
+        copy->dispatched_worker = copy_string(&cursor, r->dispatched_worker);
+        copy->owner_worker = copy_string(&cursor, r->owner_worker);
+    }
+    return enqueue(w, block, size, QUEUED_OUTCOME);
+}
+
+int km_record_writer_flush(km_record_writer *w, uint32_t timeout_ms)
+{
+    if (!w)
+        return KM_ERR_NULL_POINTER;
+    struct timespec deadline;
+    int64_t deadline_ns = km_record_clock_ns(CLOCK_MONOTONIC) + (int64_t)timeout_ms * 1000000;
+    deadline_to_timespec(deadline_ns, &deadline);
+    pthread_mutex_lock(&w->lock);
+    uint64_t target = w->submitted;
+    if (w->flush_target < target)
+        w->flush_target = target;
+    if (target == 0 || w->synced_through < target)
+        pthread_cond_signal(&w->work);
+    int status = KM_OK;
+    while (w->synced_through < target) {
+        if (timeout_ms == 0)
+            pthread_cond_wait(&w->done, &w->lock);
+        else if (pthread_cond_timedwait(&w->done, &w->lock, &deadline) == ETIMEDOUT &&
+                 w->synced_through < target) {
+            status = KM_ERR_TIMEOUT;
+            break;
+        }
+    }
+    if (status == KM_OK) {
+        if (w->failed > w->failed_at_last_flush || w->sync_failures > w->sync_failures_at_last_flush)
+            status = KM_ERR_IO;
+        else if (w->invalid > w->invalid_at_last_flush)
+            status = KM_ERR_INVALID_ARGUMENT;
+        w->failed_at_last_flush = w->failed;
+        w->sync_failures_at_last_flush = w->sync_failures;
+        w->invalid_at_last_flush = w->invalid;
+    }
+    pthread_mutex_unlock(&w->lock);
+    return status;
+}
+
+void km_record_writer_stats(km_record_writer *w, km_record_writer_counters *out)
+{
+    if (!out)
+        return;
+    memset(out, 0, sizeof *out);
+    if (!w)
+        return;
+    pthread_mutex_lock(&w->lock);
+    out->submitted = w->submitted;
+    out->dropped = w->dropped;
+    out->written = w->written;
+    out->failed = w->failed;
+    out->invalid = w->invalid;
+    out->pending = w->submitted - w->written - w->failed - w->invalid;
+    out->bytes = w->bytes;
+    out->rotations = w->rotations;
+    out->write_errors = w->write_errors;
+    out->last_error_status = w->last_error_status;
+    pthread_mutex_unlock(&w->lock);
+}
+
+size_t km_record_writer_last_error(km_record_writer *w, char *buf, size_t size)
+{
+    if (!w) {
+        if (buf && size)
+            buf[0] = '\0';
+        return 0;
+    }
+    pthread_mutex_lock(&w->lock);
+    size_t n = strlen(w->last_error);
+    if (buf && size)
+        snprintf(buf, size, "%s", w->last_error);
+    pthread_mutex_unlock(&w->lock);
+    return n;
+}
