@@ -812,6 +812,13 @@ Test(records, names_and_instance_ids, .timeout = 10)
     cr_assert_str_eq(km_record_source_name((km_record_source)0), "unknown");
     cr_assert_str_eq(km_record_input_name(KM_RECORD_INPUT_HASHES), "hashes");
     cr_assert_str_eq(km_record_outcome_name(KM_RECORD_OUTCOME_INCOMPLETE), "incomplete");
+    /* past either end of a list */
+    cr_assert_str_eq(km_record_source_name((km_record_source)3), "unknown");
+    cr_assert_str_eq(km_record_input_name((km_record_input)0), "unknown");
+    cr_assert_str_eq(km_record_input_name((km_record_input)-1), "unknown");
+    cr_assert_str_eq(km_record_outcome_name(KM_RECORD_OUTCOME_EXPIRED), "expired");
+    cr_assert_str_eq(km_record_outcome_name((km_record_outcome)6), "unknown");
+    cr_assert_str_eq(km_record_outcome_name((km_record_outcome)0x7fffffff), "unknown");
     char a[33], b[33];
     cr_assert_eq(km_record_instance_id(a), KM_OK);
     cr_assert_eq(km_record_instance_id(b), KM_OK);

@@ -55,30 +55,41 @@ typedef enum km_record_flag {
     KM_RECORD_FLAG_TRUE = 2,
 } km_record_flag;
 
-/* Where the overlap prediction came from. The values equal protocol.h's km_prediction_source. */
-typedef enum km_record_source {
-    KM_RECORD_SOURCE_EVENTS = 1, /* "events": fed by the workers' KV events (observations) */
-    KM_RECORD_SOURCE_APPROX = 2, /* "approx": learned from this instance's own decisions */
-} km_record_source;
+/* The enums below are X-macro lists, X(NAME, value, "name"): the list generates the enum, and
+ * km_record_*_name the names records use. */
 
-/* What the router sent to be scored. */
-typedef enum km_record_input {
-    KM_RECORD_INPUT_TOKENS = 1, /* "tokens": token ids, hashed by kvmatch */
-    KM_RECORD_INPUT_HASHES = 2, /* "hashes": chain hashes computed by the router */
-} km_record_input;
+/* Where the overlap prediction came from. The values equal protocol.h's km_prediction_source.
+ *   events  fed by the workers' KV events (observations)
+ *   approx  learned from this instance's own decisions */
+#define KM_RECORD_SOURCE_LIST(X)            \
+    X(KM_RECORD_SOURCE_EVENTS, 1, "events") \
+    X(KM_RECORD_SOURCE_APPROX, 2, "approx")
 
-/* How an attempt ended (issue 4 section 2: `complete` only when the final finish_reason and the
- * [DONE] sentinel were seen). Values 1..4 equal protocol.h's km_outcome; EXPIRED is the record's
- * own (no FINISHED ever came). */
-typedef enum km_record_outcome {
-    KM_RECORD_OUTCOME_COMPLETE = 1,   /* "complete": final finish_reason and [DONE] seen */
-    KM_RECORD_OUTCOME_INCOMPLETE = 2, /* "incomplete": the stream ended without them, whatever
-                                       * the HTTP status */
-    KM_RECORD_OUTCOME_ERROR = 3,      /* "error": the upstream or the router reported an error */
-    KM_RECORD_OUTCOME_CANCELLED = 4,  /* "cancelled": the client or the router cancelled it */
-    KM_RECORD_OUTCOME_EXPIRED = 5,    /* "expired": FINISHED never came; the active-work entry
-                                       * hit its TTL */
-} km_record_outcome;
+/* What the router sent to be scored.
+ *   tokens  token ids, hashed by kvmatch
+ *   hashes  chain hashes computed by the router */
+#define KM_RECORD_INPUT_LIST(X)            \
+    X(KM_RECORD_INPUT_TOKENS, 1, "tokens") \
+    X(KM_RECORD_INPUT_HASHES, 2, "hashes")
+
+/* How an attempt ended. Values 1..4 equal protocol.h's km_outcome; EXPIRED is the record's own.
+ *   complete    the final finish_reason and the [DONE] sentinel were both seen (only then)
+ *   incomplete  the stream ended without them, whatever the HTTP status
+ *   error       the upstream or the router reported an error
+ *   cancelled   the client or the router cancelled it
+ *   expired     FINISHED never came; the active-work entry hit its TTL */
+#define KM_RECORD_OUTCOME_LIST(X)                    \
+    X(KM_RECORD_OUTCOME_COMPLETE, 1, "complete")     \
+    X(KM_RECORD_OUTCOME_INCOMPLETE, 2, "incomplete") \
+    X(KM_RECORD_OUTCOME_ERROR, 3, "error")           \
+    X(KM_RECORD_OUTCOME_CANCELLED, 4, "cancelled")   \
+    X(KM_RECORD_OUTCOME_EXPIRED, 5, "expired")
+
+#define KM_RECORD_ENUM_ENTRY(name, value, text) name = value,
+typedef enum km_record_source { KM_RECORD_SOURCE_LIST(KM_RECORD_ENUM_ENTRY) } km_record_source;
+typedef enum km_record_input { KM_RECORD_INPUT_LIST(KM_RECORD_ENUM_ENTRY) } km_record_input;
+typedef enum km_record_outcome { KM_RECORD_OUTCOME_LIST(KM_RECORD_ENUM_ENTRY) } km_record_outcome;
+#undef KM_RECORD_ENUM_ENTRY
 
 /* A moment, on both clocks (either may be KM_RECORD_ABSENT). */
 typedef struct km_record_time {

@@ -6,6 +6,7 @@
  * name (with the nested object it is in). */
 #include "kvmatch/records.h"
 #include "base/utf8.h"
+#include "base/enum_names.h"
 #include "base/error_detail.h"
 #include "service/records_internal.h"
 
@@ -29,34 +30,23 @@ km_record_time km_record_time_now(void)
     return t;
 }
 
+static const char *const source_names[] = {KM_RECORD_SOURCE_LIST(KM_ENUM_NAME_ENTRY)};
+static const char *const input_names[] = {KM_RECORD_INPUT_LIST(KM_ENUM_NAME_ENTRY)};
+static const char *const outcome_names[] = {KM_RECORD_OUTCOME_LIST(KM_ENUM_NAME_ENTRY)};
+
 const char *km_record_source_name(km_record_source source)
 {
-    switch (source) {
-    case KM_RECORD_SOURCE_EVENTS: return "events";
-    case KM_RECORD_SOURCE_APPROX: return "approx";
-    }
-    return "unknown";
+    return KM_ENUM_NAME(source_names, source);
 }
 
 const char *km_record_input_name(km_record_input input)
 {
-    switch (input) {
-    case KM_RECORD_INPUT_TOKENS: return "tokens";
-    case KM_RECORD_INPUT_HASHES: return "hashes";
-    }
-    return "unknown";
+    return KM_ENUM_NAME(input_names, input);
 }
 
 const char *km_record_outcome_name(km_record_outcome outcome)
 {
-    switch (outcome) {
-    case KM_RECORD_OUTCOME_COMPLETE: return "complete";
-    case KM_RECORD_OUTCOME_INCOMPLETE: return "incomplete";
-    case KM_RECORD_OUTCOME_ERROR: return "error";
-    case KM_RECORD_OUTCOME_CANCELLED: return "cancelled";
-    case KM_RECORD_OUTCOME_EXPIRED: return "expired";
-    }
-    return "unknown";
+    return KM_ENUM_NAME(outcome_names, outcome);
 }
 
 int km_record_instance_id(char out[33])
