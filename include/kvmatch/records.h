@@ -10,16 +10,16 @@
  *
  * Two parts:
  *  - formatting: plain structs the service fills, and pure functions that turn one into a single
- *    line of JSON (jansson; no newline inside, none at the end). Missing values are JSON null,
+ *    line of JSON (written field by field; no newline inside, none at the end). Missing values are JSON null,
  *    never 0: km_decision_record_init / km_outcome_record_init set every optional field to its
  *    "absent" value (KM_RECORD_ABSENT for integers, NAN for reals, NULL for strings,
  *    KM_RECORD_FLAG_UNKNOWN for booleans). Thread-safe (no shared state).
  *  - km_record_writer: a background writer that appends lines to a JSONL file with size-based
  *    rotation. Submitting never does I/O and never waits for it: km_record_writer_submit copies a
- *    formatted line, km_record_writer_submit_decision / _outcome deep-copy a record struct (about
- *    1 us) and leave the formatting (jansson: tens of us per decision) to the writer thread, so the
- *    routing thread pays neither; a full bounded queue refuses the record (KM_ERR_OVERLOADED,
- *    counted as dropped). One writer thread per handle formats and does buffered appends.
+ *    formatted line, km_record_writer_submit_decision / _outcome deep-copy a record struct and
+ *    leave the formatting to the writer thread, so the routing thread pays for neither; a full
+ *    bounded queue refuses the record (KM_ERR_OVERLOADED, counted as dropped). One writer thread
+ *    per handle formats and does buffered appends.
  *
  * Clocks: every `monotonic_ns` is CLOCK_MONOTONIC of the host kvmatch runs on (the record's
  * "host"), comparable only with other monotonic times from the same host and boot; every `wall_ns`
@@ -116,8 +116,7 @@ typedef struct km_record_common {
     const char *pool;             /* required */
     const char *endpoint;         /* e.g. "/v1/chat/completions"; NULL = null */
     km_record_time time;          /* when the record's event happened (decision made, outcome
-                                   * known);
-                                   * both clocks required */
+                                   * known); both clocks required */
 } km_record_common;
 
 /* One worker's state at the decision: in the owner / chosen summaries and per candidate. */
@@ -303,9 +302,7 @@ int km_record_writer_submit(km_record_writer *writer, const char *line, size_t l
  * memory may change as soon as this returns). In the copy every ill-formed UTF-8 sequence of a
  * string (its maximal subpart) is replaced by U+FFFD: strings a router sent are not checked on
  * the wire, and one bad byte must not lose the whole record. The writer thread formats it, so
- * formatting
- * (jansson, tens of microseconds for a decision with a few candidates) never runs on the
- * caller's thread. A record that fails to format there is counted as `invalid` with the sentence
+ * formatting never runs on the caller's thread. A record that fails to format there is counted as `invalid` with the sentence
  * in last_error (what km_decision_record_format would have returned); check records in tests
  * with the format functions. Same queue, limits and errors as km_record_writer_submit (the copy's
  * size counts against max_queue_bytes), plus KM_ERR_TOO_LARGE (more than

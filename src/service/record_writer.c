@@ -1,12 +1,11 @@
 /* The background JSONL writer of decision and outcome records (include/kvmatch/records.h,
  * docs/RECORDS.md).
  *
- * Submitters copy a line, or a record struct with everything it points to (one
- * allocation), into a bounded ring under a mutex held only for the pointer updates; one thread
- * takes everything queued at once, formats the records, and copies the lines into a buffer that
- * goes to the file when full, when flush_interval_ms has passed since its first line, or on flush
- * / destroy.
- * The buffer never spans a rotation, and a failed write is truncated back to the last whole line,
+ * Submitters copy a line, or a record struct with everything it points to (one allocation), into a
+ * bounded ring under a mutex held only for the pointer updates; one thread takes everything queued
+ * at once, formats the records, and copies the lines into a buffer that goes to the file when
+ * full, when flush_interval_ms has passed since its first line, or on flush / destroy. The
+ * buffer never spans a rotation, and a failed write is truncated back to the last whole line,
  * so no line is ever split or half-written. I/O failures are counted and logged on the transition
  * (failing, recovered), never fatal: the file is closed and reopened for the next line. */
 #include "kvmatch/records.h"
@@ -23,8 +22,6 @@
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
-
-/* ---- the background writer ---------------------------------------------------------------------- */
 
 /* What a queue slot holds: a line, or a deep copy of a record to be formatted by the writer. */
 typedef enum queued_kind {
@@ -57,7 +54,7 @@ struct km_record_writer {
     bool stopping;
     uint64_t submitted, dropped, written, failed, invalid, bytes, rotations, write_errors;
     uint64_t flush_target;   /* highest `submitted` a flusher waits for */
-    uint64_t synced_through; /* lines (written + failed) covered by the last fdatasync */
+    uint64_t synced_through; /* lines (written + failed + invalid) covered by the last fdatasync */
     uint64_t failed_at_last_flush, sync_failures, sync_failures_at_last_flush;
     uint64_t invalid_at_last_flush;
     int last_error_status;
@@ -554,7 +551,7 @@ int km_record_writer_submit(km_record_writer *w, const char *line, size_t len)
 /* The bytes of the maximal subpart of an ill-formed UTF-8 sequence at s (Unicode 3.9, "U+FFFD
  * substitution of maximal subparts"): a lead byte and the continuation bytes that could still have
  * completed it; one byte when the first byte cannot start a sequence. Only called where
- * utf8_sequence found no well-formed sequence. */
+ * km_utf8_sequence found no well-formed sequence. */
 static size_t utf8_bad_prefix(const unsigned char *s, size_t left)
 {
     unsigned char c = s[0], lo = 0x80, hi = 0xBF;

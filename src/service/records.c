@@ -152,9 +152,9 @@ void km_outcome_record_from_decision(km_outcome_record *o, const km_decision_rec
 
 /* The state of one format call: the line being written and the first failure, which wins (later
  * puts are no-ops). Records are written straight into the line, field by field in the order the
- * schema lists them: building a jansson tree per record and dumping it cost the writer thread
- * 6.4-8.6 us per decision (docs/BENCHMARKS.md "IPC"). The output is compact JSON as
- * json_dumps(JSON_COMPACT | JSON_REAL_PRECISION(16)) wrote it; the tests parse every line back
+ * schema lists them, since a jansson tree built and dumped per record cost the writer thread
+ * several times more (docs/BENCHMARKS.md, "IPC"). The output is compact JSON as
+ * json_dumps(JSON_COMPACT | JSON_REAL_PRECISION(16)) writes it; the tests parse every line back
  * with jansson. */
 #define MAX_DEPTH 4
 typedef struct builder {
