@@ -296,7 +296,7 @@ struct km_feed {
 
 /* ---- small helpers ---------------------------------------------------------------------------------- */
 
-static int feed_fail(km_feed *feed, int status, const char *fmt, ...)
+static int km_feed_fail(km_feed *feed, int status, const char *fmt, ...)
 {
     va_list ap;
     va_start(ap, fmt);
@@ -443,7 +443,7 @@ static void buffer_clear(worker *w)
     w->buffer_bytes = 0;
 }
 
-static void worker_free(worker *w)
+static void km_feed_worker_free(worker *w)
 {
     if (!w)
         return;
@@ -460,7 +460,7 @@ void km_feed_destroy(km_feed *feed)
     if (!feed)
         return;
     for (uint32_t i = 0; i < feed->n_workers; i++)
-        worker_free(feed->workers[i]);
+        km_feed_worker_free(feed->workers[i]);
     free(feed->workers);
     free(feed->actions);
     free(feed->queue);
@@ -646,8 +646,8 @@ void km_feed_pending(const km_feed *feed, uint64_t *updates, uint64_t *hashes)
 
 /* ---- windows -------------------------------------------------------------------------------------------- */
 
-static void window_init(km_feed_window *win, km_feed_window_cause cause, uint64_t now,
-                        uint64_t from_seq)
+static void km_feed_window_init(km_feed_window *win, km_feed_window_cause cause, uint64_t now,
+                                uint64_t from_seq)
 {
     memset(win, 0, sizeof *win);
     win->cause = cause;
@@ -679,11 +679,12 @@ static void window_close(const km_feed *feed, worker *w, km_feed_window *win, ui
     history_push(feed, w, win);
 }
 
-static void open_recovery(worker *w, km_feed_window_cause cause, uint64_t now, uint64_t from_seq)
+static void km_feed_open_recovery(worker *w, km_feed_window_cause cause, uint64_t now,
+                                  uint64_t from_seq)
 {
     if (w->recovery_open)
         return; /* one recovery at a time: a gap during a restart's replay belongs to the restart */
-    window_init(&w->recovery, cause, now, from_seq);
+    km_feed_window_init(&w->recovery, cause, now, from_seq);
     w->recovery_open = true;
     w->windows_total++;
 }
@@ -713,7 +714,7 @@ static void enter_degraded(km_feed *feed, worker *w, uint64_t now, const char *w
 {
     if (!w->degraded) {
         w->degraded = true;
-        window_init(&w->degraded_window, KM_FEED_WINDOW_DEGRADED, now, 0);
+        km_feed_window_init(&w->degraded_window, KM_FEED_WINDOW_DEGRADED, now, 0);
         w->degraded_open = true;
         w->windows_total++;
         feed_log(feed, w, "DEGRADED: %s", why);
@@ -1068,7 +1069,7 @@ static void cancel_replay(km_feed *feed, worker *w)
 static void start_replay(km_feed *feed, worker *w, replay_kind kind, uint64_t from, uint64_t now)
 {
     if (kind == REPLAY_GAP)
-        open_recovery(w, KM_FEED_WINDOW_GAP, now, from);
+        km_feed_open_recovery(w, KM_FEED_WINDOW_GAP, now, from);
     uint64_t id = ++feed->next_request_id;
     km_feed_action a = {KM_FEED_ACTION_REPLAY_REQUEST, w->id, id, from};
     if (push_action(feed, a) != KM_OK) {
@@ -1202,7 +1203,7 @@ static void deliver_live(km_feed *feed, worker *w, uint64_t seq, const km_kv_bat
                 w->c.replay_failures++;
             }
         } else {
-            open_recovery(w, KM_FEED_WINDOW_GAP, now, w->expected);
+            km_feed_open_recovery(w, KM_FEED_WINDOW_GAP, now, w->expected);
         }
         declare_lost(feed, w, seq - w->expected, now);
         w->expected = seq;
@@ -1225,7 +1226,7 @@ static void restart_worker(km_feed *feed, worker *w, uint64_t seq, uint64_t now)
         enter_degraded(feed, w, now, "out of memory queueing the restart's clear");
     km_emap_clear(&w->map);
     dedup_clear(feed, w);
-    open_recovery(w, KM_FEED_WINDOW_RESTART, now, seq);
+    km_feed_open_recovery(w, KM_FEED_WINDOW_RESTART, now, seq);
     w->has_expected = true;
     w->expected = 0; /* a new publisher starts at 0: anything before seq is a gap */
 }
@@ -1263,7 +1264,8 @@ int km_feed_add_worker_identity(km_feed *feed, const km_feed_worker_config *cfg,
     km_worker_stats ws;
     int rc = km_index_worker_stats(feed->index, cfg->worker, &ws);
     if (rc)
-        return feed_fail(feed, KM_ERR_WORKER_RANGE, "worker %u is outside the index", cfg->worker);
+        return km_feed_fail(feed, KM_ERR_WORKER_RANGE,
+                            "worker %u is outside the index", cfg->worker);
     bool found;
     uint32_t slot = worker_slot(feed, cfg->worker, &found);
     const char *identity = identity_in ? identity_in : cfg->name ? cfg->name : "";
@@ -1275,25 +1277,26 @@ int km_feed_add_worker_identity(km_feed *feed, const km_feed_worker_config *cfg,
         feed_log(feed, r, "restored identity \"%s\" differs from \"%s\": starting afresh",
                  r->identity, identity);
         if (queue_control(feed, r, KM_UPDATE_CLEAR_WORKER) != KM_OK)
-            return feed_fail(feed, KM_ERR_OUT_OF_MEMORY, "update queue");
+            return km_feed_fail(feed, KM_ERR_OUT_OF_MEMORY, "update queue");
         memmove(feed->workers + slot, feed->workers + slot + 1,
                 (size_t)(feed->n_workers - slot - 1) * sizeof *feed->workers);
         feed->n_workers--;
-        worker_free(r);
+        km_feed_worker_free(r);
         found = false;
     }
     if (found)
-        return feed_fail(feed, KM_ERR_INVALID_ARGUMENT, "worker %u is already followed", cfg->worker);
+        return km_feed_fail(feed, KM_ERR_INVALID_ARGUMENT,
+                            "worker %u is already followed", cfg->worker);
     if (GROW(feed->workers, feed->workers_capacity, (size_t)feed->n_workers + 1))
-        return feed_fail(feed, KM_ERR_OUT_OF_MEMORY, "worker table");
+        return km_feed_fail(feed, KM_ERR_OUT_OF_MEMORY, "worker table");
     worker *w = calloc(1, sizeof *w);
     if (w) {
         km_emap_init(&w->map);
         w->history = calloc(feed->config.max_windows, sizeof *w->history);
     }
     if (!w || !w->history) {
-        worker_free(w);
-        return feed_fail(feed, KM_ERR_OUT_OF_MEMORY, "worker state");
+        km_feed_worker_free(w);
+        return km_feed_fail(feed, KM_ERR_OUT_OF_MEMORY, "worker state");
     }
     w->id = cfg->worker;
     w->generation = ++feed->next_generation;
@@ -1301,14 +1304,14 @@ int km_feed_add_worker_identity(km_feed *feed, const km_feed_worker_config *cfg,
     snprintf(w->identity, sizeof w->identity, "%s", identity);
     w->has_replay = cfg->has_replay;
     if (queue_control(feed, w, KM_UPDATE_CLEAR_WORKER) != KM_OK) {
-        worker_free(w);
-        return feed_fail(feed, KM_ERR_OUT_OF_MEMORY, "update queue");
+        km_feed_worker_free(w);
+        return km_feed_fail(feed, KM_ERR_OUT_OF_MEMORY, "update queue");
     }
     memmove(feed->workers + slot + 1, feed->workers + slot,
             (size_t)(feed->n_workers - slot) * sizeof *feed->workers);
     feed->workers[slot] = w;
     feed->n_workers++;
-    open_recovery(w, KM_FEED_WINDOW_STARTUP, now_ns, 0);
+    km_feed_open_recovery(w, KM_FEED_WINDOW_STARTUP, now_ns, 0);
     if (feed->config.bootstrap_replay && w->has_replay)
         start_replay(feed, w, REPLAY_BOOTSTRAP, 0, now_ns);
     feed->last_error[0] = '\0';
@@ -1323,16 +1326,16 @@ int km_feed_remove_worker(km_feed *feed, uint32_t id, uint64_t now_ns)
     bool found;
     uint32_t slot = worker_slot(feed, id, &found);
     if (!found)
-        return feed_fail(feed, KM_ERR_INVALID_ARGUMENT, "worker %u is not followed", id);
+        return km_feed_fail(feed, KM_ERR_INVALID_ARGUMENT, "worker %u is not followed", id);
     worker *w = feed->workers[slot];
     int rc = queue_control(feed, w, KM_UPDATE_REMOVE_WORKER);
     if (rc)
-        return feed_fail(feed, rc, "update queue");
+        return km_feed_fail(feed, rc, "update queue");
     cancel_replay(feed, w);
     memmove(feed->workers + slot, feed->workers + slot + 1,
             (size_t)(feed->n_workers - slot - 1) * sizeof *feed->workers);
     feed->n_workers--;
-    worker_free(w);
+    km_feed_worker_free(w);
     feed->last_error[0] = '\0';
     return KM_OK;
 }
@@ -1343,10 +1346,10 @@ int km_feed_resync_worker(km_feed *feed, uint32_t id, uint64_t now_ns)
         return KM_ERR_NULL_POINTER;
     worker *w = find_worker(feed, id);
     if (!w)
-        return feed_fail(feed, KM_ERR_INVALID_ARGUMENT, "worker %u is not followed", id);
+        return km_feed_fail(feed, KM_ERR_INVALID_ARGUMENT, "worker %u is not followed", id);
     int rc = queue_control(feed, w, KM_UPDATE_CLEAR_WORKER);
     if (rc)
-        return feed_fail(feed, rc, "update queue");
+        return km_feed_fail(feed, rc, "update queue");
     feed_log(feed, w, "resync requested");
     cancel_replay(feed, w);
     buffer_clear(w);
@@ -1355,7 +1358,7 @@ int km_feed_resync_worker(km_feed *feed, uint32_t id, uint64_t now_ns)
     km_emap_clear(&w->map);
     dedup_clear(feed, w);
     w->has_expected = false;
-    open_recovery(w, KM_FEED_WINDOW_RESYNC, now_ns, 0);
+    km_feed_open_recovery(w, KM_FEED_WINDOW_RESYNC, now_ns, 0);
     if (w->has_replay)
         start_replay(feed, w, REPLAY_RESYNC, 0, now_ns);
     feed->last_error[0] = '\0';
@@ -1380,7 +1383,7 @@ int km_feed_live(km_feed *feed, uint32_t id, uint64_t seq, const km_kv_batch *ba
         return KM_ERR_NULL_POINTER;
     worker *w = find_worker(feed, id);
     if (!w)
-        return feed_fail(feed, KM_ERR_INVALID_ARGUMENT, "worker %u is not followed", id);
+        return km_feed_fail(feed, KM_ERR_INVALID_ARGUMENT, "worker %u is not followed", id);
     w->c.messages++;
     w->has_last_receive = true;
     w->last_receive_ns = now_ns;
@@ -1430,7 +1433,7 @@ int km_feed_malformed(km_feed *feed, uint32_t id, uint64_t now_ns)
         return KM_ERR_NULL_POINTER;
     worker *w = find_worker(feed, id);
     if (!w)
-        return feed_fail(feed, KM_ERR_INVALID_ARGUMENT, "worker %u is not followed", id);
+        return km_feed_fail(feed, KM_ERR_INVALID_ARGUMENT, "worker %u is not followed", id);
     w->c.malformed++;
     w->has_last_receive = true;
     w->last_receive_ns = now_ns;
@@ -1441,7 +1444,7 @@ static worker *replay_worker(km_feed *feed, uint32_t id, uint64_t request_id, in
 {
     worker *w = find_worker(feed, id);
     if (!w) {
-        *rc = feed_fail(feed, KM_ERR_INVALID_ARGUMENT, "worker %u is not followed", id);
+        *rc = km_feed_fail(feed, KM_ERR_INVALID_ARGUMENT, "worker %u is not followed", id);
         return NULL;
     }
     *rc = KM_OK;
@@ -1620,7 +1623,7 @@ int km_feed_flush(km_feed *feed, uint64_t now_ns, km_feed_flush_stats *stats)
     if (feed->group_count == 0)
         return KM_OK;
     if (GROW(feed->scratch, feed->scratch_capacity, feed->queue_count))
-        return feed_fail(feed, KM_ERR_OUT_OF_MEMORY, "flush scratch");
+        return km_feed_fail(feed, KM_ERR_OUT_OF_MEMORY, "flush scratch");
     for (size_t i = 0; i < feed->queue_count; i++) {
         const queued_update *q = &feed->queue[i];
         km_update *u = &feed->scratch[i];
@@ -1641,7 +1644,8 @@ int km_feed_flush(km_feed *feed, uint64_t now_ns, km_feed_flush_stats *stats)
         return KM_OK;
     }
     if (rc != KM_ERR_MEMORY_CAP && rc != KM_ERR_OUT_OF_MEMORY)
-        return feed_fail(feed, rc, "index refused the batch: %s", km_index_last_error(feed->index));
+        return km_feed_fail(feed, rc,
+                            "index refused the batch: %s", km_index_last_error(feed->index));
 
     /* Message by message: each still all or nothing; a refused one is dropped. */
     int first_error = rc;
@@ -1685,7 +1689,7 @@ int km_feed_flush(km_feed *feed, uint64_t now_ns, km_feed_flush_stats *stats)
         }
         queue_reset(feed);
     }
-    return feed_fail(feed, first_error, "%zu message(s) dropped: %s", n_failed, detail);
+    return km_feed_fail(feed, first_error, "%zu message(s) dropped: %s", n_failed, detail);
 }
 
 /* ---- inspection ------------------------------------------------------------------------------------------ */
@@ -1903,7 +1907,7 @@ static bool fs_get_u16(fs_reader *r, uint16_t *v)
 static void free_workers(worker **ws, uint32_t n)
 {
     for (uint32_t i = 0; i < n; i++)
-        worker_free(ws[i]);
+        km_feed_worker_free(ws[i]);
     free(ws);
 }
 
@@ -1912,30 +1916,34 @@ int km_feed_import_state(km_feed *feed, const void *data, size_t size, uint64_t 
     if (!feed || (!data && size))
         return KM_ERR_NULL_POINTER;
     if (feed->n_workers)
-        return feed_fail(feed, KM_ERR_INVALID_ARGUMENT, "restore into a feed that follows workers");
+        return km_feed_fail(feed, KM_ERR_INVALID_ARGUMENT,
+                            "restore into a feed that follows workers");
     fs_reader r = {data, size, 0};
     unsigned char magic[8];
     uint32_t version, block_size, n_workers, reserved;
     if (!fs_take(&r, magic, 8) || memcmp(magic, FEED_MAGIC, 8) != 0)
-        return feed_fail(feed, KM_ERR_CORRUPT, "feed state: bad magic or truncated header");
+        return km_feed_fail(feed, KM_ERR_CORRUPT, "feed state: bad magic or truncated header");
     if (!fs_get_u32(&r, &version))
-        return feed_fail(feed, KM_ERR_CORRUPT, "feed state: truncated header");
+        return km_feed_fail(feed, KM_ERR_CORRUPT, "feed state: truncated header");
     if (version != KM_FEED_STATE_VERSION)
-        return feed_fail(feed, KM_ERR_INCOMPATIBLE, "feed state version %u (this build reads %u)",
-                         version, KM_FEED_STATE_VERSION);
+        return km_feed_fail(feed, KM_ERR_INCOMPATIBLE,
+                            "feed state version %u (this build reads %u)", version,
+                            KM_FEED_STATE_VERSION);
     if (!fs_get_u32(&r, &block_size) || !fs_get_u32(&r, &n_workers) || !fs_get_u32(&r, &reserved))
-        return feed_fail(feed, KM_ERR_CORRUPT, "feed state: truncated header");
+        return km_feed_fail(feed, KM_ERR_CORRUPT, "feed state: truncated header");
     if (reserved != 0)
-        return feed_fail(feed, KM_ERR_CORRUPT, "feed state: reserved header field is %u", reserved);
+        return km_feed_fail(feed, KM_ERR_CORRUPT,
+                            "feed state: reserved header field is %u", reserved);
     if (block_size != feed->config.block_size)
-        return feed_fail(feed, KM_ERR_INCOMPATIBLE, "feed state block size %u, feed has %u",
-                         block_size, feed->config.block_size);
+        return km_feed_fail(feed, KM_ERR_INCOMPATIBLE, "feed state block size %u, feed has %u",
+                            block_size, feed->config.block_size);
     /* Each worker takes at least 36 bytes: bounds the allocation by the input. */
     if (n_workers > (size - r.at) / 36)
-        return feed_fail(feed, KM_ERR_CORRUPT, "feed state: %u workers in %zu bytes", n_workers, size);
+        return km_feed_fail(feed, KM_ERR_CORRUPT,
+                            "feed state: %u workers in %zu bytes", n_workers, size);
     worker **ws = calloc(n_workers ? n_workers : 1, sizeof *ws);
     if (!ws)
-        return feed_fail(feed, KM_ERR_OUT_OF_MEMORY, "feed state: worker table");
+        return km_feed_fail(feed, KM_ERR_OUT_OF_MEMORY, "feed state: worker table");
     int rc = KM_OK;
     const char *why = "";
     uint32_t n = 0;
@@ -1971,7 +1979,7 @@ int km_feed_import_state(km_feed *feed, const void *data, size_t size, uint64_t 
             w->history = calloc(feed->config.max_windows, sizeof *w->history);
         }
         if (!w || !w->history) {
-            worker_free(w);
+            km_feed_worker_free(w);
             rc = KM_ERR_OUT_OF_MEMORY, why = "worker state";
             break;
         }
@@ -2033,7 +2041,7 @@ int km_feed_import_state(km_feed *feed, const void *data, size_t size, uint64_t 
         rc = KM_ERR_CORRUPT, why = "trailing bytes";
     if (rc) {
         free_workers(ws, n);
-        return feed_fail(feed, rc, "feed state: %s (worker record %u)", why, n);
+        return km_feed_fail(feed, rc, "feed state: %s (worker record %u)", why, n);
     }
     /* Install: nothing below fails. */
     free(feed->workers);
@@ -2046,11 +2054,11 @@ int km_feed_import_state(km_feed *feed, const void *data, size_t size, uint64_t 
         w->restored = true;
         w->awaiting_claim = true;
         if (w->has_expected)
-            open_recovery(w, KM_FEED_WINDOW_RESUME, now_ns, w->expected);
+            km_feed_open_recovery(w, KM_FEED_WINDOW_RESUME, now_ns, w->expected);
         else
-            open_recovery(w, KM_FEED_WINDOW_STARTUP, now_ns, 0);
+            km_feed_open_recovery(w, KM_FEED_WINDOW_STARTUP, now_ns, 0);
         if (w->degraded) { /* stays DEGRADED; nothing is dropped (restoring loses nothing) */
-            window_init(&w->degraded_window, KM_FEED_WINDOW_DEGRADED, now_ns, 0);
+            km_feed_window_init(&w->degraded_window, KM_FEED_WINDOW_DEGRADED, now_ns, 0);
             w->degraded_open = true;
             w->windows_total++;
         }
@@ -2070,11 +2078,11 @@ int km_feed_save(km_feed *feed, const char *path, uint64_t now_ns)
     size_t size = 0;
     rc = km_feed_export_state(feed, &state, &size);
     if (rc)
-        return feed_fail(feed, rc, "exporting the feed state");
+        return km_feed_fail(feed, rc, "exporting the feed state");
     rc = km_index_save(feed->index, path, state, size);
     free(state);
     if (rc)
-        return feed_fail(feed, rc, "%s", km_index_last_error(feed->index));
+        return km_feed_fail(feed, rc, "%s", km_index_last_error(feed->index));
     feed->last_error[0] = '\0';
     return KM_OK;
 }
@@ -2097,19 +2105,19 @@ int km_feed_restore(km_feed *feed, const char *path, uint64_t now_ns)
     if (!feed || !path)
         return KM_ERR_NULL_POINTER;
     if (feed->n_workers || feed->queue_count)
-        return feed_fail(feed, KM_ERR_INVALID_ARGUMENT, "restore into a feed that is in use");
+        return km_feed_fail(feed, KM_ERR_INVALID_ARGUMENT, "restore into a feed that is in use");
     void *user = NULL;
     size_t size = 0;
     int rc = km_index_load(feed->index, path, &user, &size);
     if (rc)
-        return feed_fail(feed, rc, "snapshot %s: %s", path, km_index_last_error(feed->index));
+        return km_feed_fail(feed, rc, "snapshot %s: %s", path, km_index_last_error(feed->index));
     rc = km_feed_import_state(feed, user, size, now_ns);
     free(user);
     if (rc) {
         char detail[sizeof feed->last_error];
         snprintf(detail, sizeof detail, "%s", feed->last_error);
         clear_index(feed);
-        return feed_fail(feed, rc, "snapshot %s: %s", path, detail);
+        return km_feed_fail(feed, rc, "snapshot %s: %s", path, detail);
     }
     return KM_OK;
 }
