@@ -28,8 +28,8 @@
 #include "events/engine_hash_map.h"
 #include "base/u64_map.h"
 #include "base/error_detail.h"
+#include "events/feed_internal.h"
 
-#define MEDIUM_COUNT 4u
 #define EMAP_PREFETCH_AHEAD 8u /* blocks: apply_stored loads map slots this far ahead */
 
 /* ---- engine-hash map --------------------------------------------------------------------------- */
@@ -41,14 +41,14 @@
 
 /* ---- copied messages (held while a replay runs) ------------------------------------------------- */
 
-typedef struct held_message {
+struct held_message {
     uint64_t seq;
     bool malformed;
     double timestamp;
     uint32_t n_events;
     const km_kv_event *events; /* inside the same allocation */
     size_t bytes;
-} held_message;
+};
 
 static size_t align8(size_t n)
 {
@@ -188,115 +188,9 @@ static uint64_t message_digest(const message_view *v)
     return d == DIGEST_MALFORMED ? d + 1 : d;
 }
 
-/* ---- workers ------------------------------------------------------------------------------------- */
-
-typedef enum replay_kind {
-    REPLAY_NONE = 0,
-    REPLAY_BOOTSTRAP, /* from seq 0 at add time: establishes the stream position */
-    REPLAY_GAP,       /* fills [expected, ...): anything the replay cannot give is lost */
-    REPLAY_RESYNC,    /* from seq 0 after km_feed_resync_worker: like BOOTSTRAP */
-} replay_kind;
-
-/* Lost seq ranges remembered per worker: a live copy of a seq that a replay could no longer give
- * may still be in flight on the SUB socket, and must not pass for a new engine process. */
-#define LOST_RANGES 8u
-
-typedef struct dedup_slot {
-    uint64_t seq; /* UINT64_MAX = empty */
-    uint64_t digest;
-} dedup_slot;
-
-typedef struct worker {
-    uint32_t id;
-    uint64_t generation; /* unique per add, to match queued groups with this incarnation */
-    char name[KM_FEED_NAME_MAX];
-    char identity[KM_FEED_NAME_MAX];
-    bool has_replay;
-    bool restored;       /* state came from km_feed_restore */
-    bool awaiting_claim; /* restored, not yet added again */
-
-    bool has_expected;
-    uint64_t expected;
-    bool has_last_live;
-    uint64_t last_live;
-    bool degraded;
-
-    replay_kind replay;
-    uint64_t replay_id;
-    uint64_t replay_from;
-    bool replay_progress; /* the replay applied at least one message */
-    bool replay_refusal_logged; /* one log line per request for its refused items */
-
-    held_message **buffer; /* ring of buffer_capacity */
-    uint32_t buffer_head, buffer_count, buffer_capacity;
-    uint64_t buffer_bytes;
-
-    km_emap map;
-    dedup_slot *dedup; /* replay_dedup_window slots, allocated with the first replay item */
-    uint64_t lost_from[LOST_RANGES], lost_to[LOST_RANGES]; /* recent seq ranges given up as lost */
-    uint32_t lost_next, lost_count;
-
-    km_feed_worker_counters c;
-    bool has_last_receive;
-    uint64_t last_receive_ns;
-    double last_engine_timestamp;
-
-    km_feed_window *history; /* ring of closed windows, max_windows */
-    uint32_t history_head, history_count;
-    uint64_t windows_total;
-    bool recovery_open, degraded_open;
-    km_feed_window recovery, degraded_window;
-} worker;
-
-/* ---- the queue ------------------------------------------------------------------------------------- */
-
-typedef struct queued_update {
-    km_update_kind kind;
-    uint32_t worker;
-    uint64_t parent;
-    uint64_t offset; /* into feed->hashes */
-    uint64_t count;
-    uint32_t tier; /* km_tier of STORE / SET_TIER */
-} queued_update;
-
-typedef struct queued_group {
-    uint32_t worker;
-    uint64_t generation;
-    uint64_t first, count; /* into feed->queue */
-} queued_group;
-
-struct km_feed {
-    km_index *index;
-    km_feed_config config;
-    char last_error[256];
-
-    worker **workers; /* ascending by id */
-    uint32_t n_workers;
-    size_t workers_capacity;
-    uint64_t next_generation;
-    uint64_t next_request_id;
-
-    km_feed_action *actions; /* FIFO */
-    size_t actions_head, actions_count, actions_capacity;
-
-    queued_update *queue;
-    size_t queue_count, queue_capacity;
-    queued_group *groups;
-    size_t group_count, group_capacity;
-    uint64_t *hashes;
-    size_t hash_count, hash_capacity;
-    bool group_open;
-    km_update *scratch;
-    size_t scratch_capacity;
-    /* Per block of one event: the tier it ends in, and (removals) its chain hash. */
-    uint8_t *tier_scratch;
-    uint64_t *tier_chains;
-    size_t tier_scratch_capacity;
-};
-
 /* ---- small helpers ---------------------------------------------------------------------------------- */
 
-static int km_feed_fail(km_feed *feed, int status, const char *fmt, ...)
+int km_feed_fail(km_feed *feed, int status, const char *fmt, ...)
 {
     va_list ap;
     va_start(ap, fmt);
@@ -443,7 +337,7 @@ static void buffer_clear(worker *w)
     w->buffer_bytes = 0;
 }
 
-static void km_feed_worker_free(worker *w)
+void km_feed_worker_free(worker *w)
 {
     if (!w)
         return;
@@ -646,7 +540,7 @@ void km_feed_pending(const km_feed *feed, uint64_t *updates, uint64_t *hashes)
 
 /* ---- windows -------------------------------------------------------------------------------------------- */
 
-static void km_feed_window_init(km_feed_window *win, km_feed_window_cause cause, uint64_t now,
+void km_feed_window_init(km_feed_window *win, km_feed_window_cause cause, uint64_t now,
                                 uint64_t from_seq)
 {
     memset(win, 0, sizeof *win);
@@ -679,7 +573,7 @@ static void window_close(const km_feed *feed, worker *w, km_feed_window *win, ui
     history_push(feed, w, win);
 }
 
-static void km_feed_open_recovery(worker *w, km_feed_window_cause cause, uint64_t now,
+void km_feed_open_recovery(worker *w, km_feed_window_cause cause, uint64_t now,
                                   uint64_t from_seq)
 {
     if (w->recovery_open)
@@ -1760,364 +1654,5 @@ int km_feed_get_workers(const km_feed *feed, uint32_t *workers, uint32_t capacit
     for (uint32_t i = 0; i < feed->n_workers && i < capacity; i++)
         workers[i] = feed->workers[i]->id;
     *n_out = feed->n_workers;
-    return KM_OK;
-}
-
-/* ---- snapshots (restart of kvmatch) ----------------------------------------------------------------------- */
-
-/* Feed state section, little-endian:
- *   header: magic "KMFEEDST" (8), version u32, block_size u32, n_workers u32, reserved u32 (0)
- *   per worker, ascending id:
- *     id u32, flags u32 (FS_*), name_len u16, identity_len u16, name, identity,
- *     expected u64, last_live u64, map_entries u64,
- *     map_entries x {key u64 (nonzero, not a tombstone), chain u64, media u8 (1..15)}
- *   nothing after the last worker. */
-static const unsigned char FEED_MAGIC[8] = {'K', 'M', 'F', 'E', 'E', 'D', 'S', 'T'};
-#define FS_HAS_REPLAY 1u
-#define FS_HAS_EXPECTED 2u
-#define FS_HAS_LAST_LIVE 4u
-#define FS_DEGRADED 8u
-#define FS_KNOWN_FLAGS 15u
-#define FS_ENTRY_BYTES 17u
-
-typedef struct fs_writer {
-    unsigned char *p;
-    size_t at;
-} fs_writer;
-
-static void fs_put(fs_writer *w, const void *src, size_t n)
-{
-    memcpy(w->p + w->at, src, n);
-    w->at += n;
-}
-
-static void fs_u64(fs_writer *w, uint64_t v)
-{
-    unsigned char b[8];
-    for (int i = 0; i < 8; i++)
-        b[i] = (unsigned char)(v >> (8 * i));
-    fs_put(w, b, 8);
-}
-
-static void fs_u32(fs_writer *w, uint32_t v)
-{
-    unsigned char b[4];
-    for (int i = 0; i < 4; i++)
-        b[i] = (unsigned char)(v >> (8 * i));
-    fs_put(w, b, 4);
-}
-
-static void fs_u16(fs_writer *w, uint16_t v)
-{
-    unsigned char b[2] = {(unsigned char)v, (unsigned char)(v >> 8)};
-    fs_put(w, b, 2);
-}
-
-int km_feed_export_state(const km_feed *feed, void **out, size_t *size_out)
-{
-    if (!feed || !out || !size_out)
-        return KM_ERR_NULL_POINTER;
-    *out = NULL;
-    *size_out = 0;
-    if (feed->queue_count || feed->group_count)
-        return KM_ERR_INVALID_ARGUMENT;
-    size_t size = 24;
-    for (uint32_t i = 0; i < feed->n_workers; i++) {
-        const worker *w = feed->workers[i];
-        size += 12 + strlen(w->name) + strlen(w->identity) + 24 + (size_t)w->map.live * FS_ENTRY_BYTES;
-    }
-    fs_writer wr = {malloc(size), 0};
-    if (!wr.p)
-        return KM_ERR_OUT_OF_MEMORY;
-    fs_put(&wr, FEED_MAGIC, 8);
-    fs_u32(&wr, KM_FEED_STATE_VERSION);
-    fs_u32(&wr, feed->config.block_size);
-    fs_u32(&wr, feed->n_workers);
-    fs_u32(&wr, 0);
-    for (uint32_t i = 0; i < feed->n_workers; i++) {
-        const worker *w = feed->workers[i];
-        uint32_t flags = (w->has_replay ? FS_HAS_REPLAY : 0) | (w->has_expected ? FS_HAS_EXPECTED : 0) |
-                         (w->has_last_live ? FS_HAS_LAST_LIVE : 0) | (w->degraded ? FS_DEGRADED : 0);
-        size_t name_len = strlen(w->name), id_len = strlen(w->identity);
-        fs_u32(&wr, w->id);
-        fs_u32(&wr, flags);
-        fs_u16(&wr, (uint16_t)name_len);
-        fs_u16(&wr, (uint16_t)id_len);
-        fs_put(&wr, w->name, name_len);
-        fs_put(&wr, w->identity, id_len);
-        fs_u64(&wr, w->has_expected ? w->expected : 0);
-        fs_u64(&wr, w->has_last_live ? w->last_live : 0);
-        fs_u64(&wr, w->map.live);
-        uint64_t cursor = 0;
-        for (const km_emap_entry *e; (e = km_emap_next(&w->map, &cursor));) {
-            fs_u64(&wr, e->key);
-            fs_u64(&wr, e->chain);
-            fs_put(&wr, &e->media, 1);
-        }
-    }
-    *out = wr.p;
-    *size_out = wr.at;
-    return KM_OK;
-}
-
-typedef struct fs_reader {
-    const unsigned char *p;
-    size_t size, at;
-} fs_reader;
-
-static bool fs_take(fs_reader *r, void *dst, size_t n)
-{
-    if (r->size - r->at < n)
-        return false;
-    if (dst)
-        memcpy(dst, r->p + r->at, n);
-    r->at += n;
-    return true;
-}
-
-static bool fs_get_u64(fs_reader *r, uint64_t *v)
-{
-    unsigned char b[8];
-    if (!fs_take(r, b, 8))
-        return false;
-    *v = 0;
-    for (int i = 7; i >= 0; i--)
-        *v = (*v << 8) | b[i];
-    return true;
-}
-
-static bool fs_get_u32(fs_reader *r, uint32_t *v)
-{
-    unsigned char b[4];
-    if (!fs_take(r, b, 4))
-        return false;
-    *v = (uint32_t)b[0] | (uint32_t)b[1] << 8 | (uint32_t)b[2] << 16 | (uint32_t)b[3] << 24;
-    return true;
-}
-
-static bool fs_get_u16(fs_reader *r, uint16_t *v)
-{
-    unsigned char b[2];
-    if (!fs_take(r, b, 2))
-        return false;
-    *v = (uint16_t)(b[0] | b[1] << 8);
-    return true;
-}
-
-static void free_workers(worker **ws, uint32_t n)
-{
-    for (uint32_t i = 0; i < n; i++)
-        km_feed_worker_free(ws[i]);
-    free(ws);
-}
-
-int km_feed_import_state(km_feed *feed, const void *data, size_t size, uint64_t now_ns)
-{
-    if (!feed || (!data && size))
-        return KM_ERR_NULL_POINTER;
-    if (feed->n_workers)
-        return km_feed_fail(feed, KM_ERR_INVALID_ARGUMENT,
-                            "restore into a feed that follows workers");
-    fs_reader r = {data, size, 0};
-    unsigned char magic[8];
-    uint32_t version, block_size, n_workers, reserved;
-    if (!fs_take(&r, magic, 8) || memcmp(magic, FEED_MAGIC, 8) != 0)
-        return km_feed_fail(feed, KM_ERR_CORRUPT, "feed state: bad magic or truncated header");
-    if (!fs_get_u32(&r, &version))
-        return km_feed_fail(feed, KM_ERR_CORRUPT, "feed state: truncated header");
-    if (version != KM_FEED_STATE_VERSION)
-        return km_feed_fail(feed, KM_ERR_INCOMPATIBLE,
-                            "feed state version %u (this build reads %u)", version,
-                            KM_FEED_STATE_VERSION);
-    if (!fs_get_u32(&r, &block_size) || !fs_get_u32(&r, &n_workers) || !fs_get_u32(&r, &reserved))
-        return km_feed_fail(feed, KM_ERR_CORRUPT, "feed state: truncated header");
-    if (reserved != 0)
-        return km_feed_fail(feed, KM_ERR_CORRUPT,
-                            "feed state: reserved header field is %u", reserved);
-    if (block_size != feed->config.block_size)
-        return km_feed_fail(feed, KM_ERR_INCOMPATIBLE, "feed state block size %u, feed has %u",
-                            block_size, feed->config.block_size);
-    /* Each worker takes at least 36 bytes: bounds the allocation by the input. */
-    if (n_workers > (size - r.at) / 36)
-        return km_feed_fail(feed, KM_ERR_CORRUPT,
-                            "feed state: %u workers in %zu bytes", n_workers, size);
-    worker **ws = calloc(n_workers ? n_workers : 1, sizeof *ws);
-    if (!ws)
-        return km_feed_fail(feed, KM_ERR_OUT_OF_MEMORY, "feed state: worker table");
-    int rc = KM_OK;
-    const char *why = "";
-    uint32_t n = 0;
-    while (n < n_workers) {
-        uint32_t id, flags;
-        uint16_t name_len, id_len;
-        uint64_t expected, last_live, entries;
-        km_worker_stats ws_stats;
-        if (!fs_get_u32(&r, &id) || !fs_get_u32(&r, &flags) || !fs_get_u16(&r, &name_len) ||
-            !fs_get_u16(&r, &id_len)) {
-            rc = KM_ERR_CORRUPT, why = "truncated worker header";
-            break;
-        }
-        if (flags & ~FS_KNOWN_FLAGS) {
-            rc = KM_ERR_CORRUPT, why = "unknown worker flags";
-            break;
-        }
-        if (n && id <= ws[n - 1]->id) {
-            rc = KM_ERR_CORRUPT, why = "worker ids not ascending";
-            break;
-        }
-        if (km_index_worker_stats(feed->index, id, &ws_stats) != KM_OK) {
-            rc = KM_ERR_INCOMPATIBLE, why = "worker id outside the index";
-            break;
-        }
-        if (name_len >= KM_FEED_NAME_MAX || id_len >= KM_FEED_NAME_MAX) {
-            rc = KM_ERR_CORRUPT, why = "worker name too long";
-            break;
-        }
-        worker *w = calloc(1, sizeof *w);
-        if (w) {
-            km_emap_init(&w->map);
-            w->history = calloc(feed->config.max_windows, sizeof *w->history);
-        }
-        if (!w || !w->history) {
-            km_feed_worker_free(w);
-            rc = KM_ERR_OUT_OF_MEMORY, why = "worker state";
-            break;
-        }
-        ws[n] = w;
-        if (!fs_take(&r, w->name, name_len) || !fs_take(&r, w->identity, id_len) ||
-            !fs_get_u64(&r, &expected) || !fs_get_u64(&r, &last_live) || !fs_get_u64(&r, &entries)) {
-            rc = KM_ERR_CORRUPT, why = "truncated worker";
-            n++;
-            break;
-        }
-        n++;
-        if (memchr(w->name, '\0', name_len) || memchr(w->identity, '\0', id_len)) {
-            rc = KM_ERR_CORRUPT, why = "NUL inside a worker name";
-            break;
-        }
-        if (entries > (r.size - r.at) / FS_ENTRY_BYTES) {
-            rc = KM_ERR_CORRUPT, why = "map larger than the section";
-            break;
-        }
-        if (!(flags & FS_HAS_EXPECTED) && (expected || entries)) {
-            rc = KM_ERR_CORRUPT, why = "map or seq without a stream position";
-            break;
-        }
-        w->id = id;
-        w->has_replay = flags & FS_HAS_REPLAY;
-        w->has_expected = flags & FS_HAS_EXPECTED;
-        w->expected = expected;
-        w->has_last_live = flags & FS_HAS_LAST_LIVE;
-        w->last_live = last_live;
-        w->degraded = flags & FS_DEGRADED;
-        if (entries && km_emap_size_for(&w->map, entries) != KM_OK) {
-            rc = KM_ERR_OUT_OF_MEMORY, why = "engine-hash map";
-            break;
-        }
-        for (uint64_t j = 0; j < entries && !rc; j++) {
-            uint64_t key = 0, chain = 0;
-            uint8_t media = 0;
-            fs_get_u64(&r, &key);
-            fs_get_u64(&r, &chain);
-            fs_take(&r, &media, 1);
-            /* Keys are stored mapped (km_u64map_key), so never 0 or 1; the map maps them again,
-             * which leaves such keys as they are. */
-            if (key <= 1 || media == 0 || media >= (1u << MEDIUM_COUNT)) {
-                rc = KM_ERR_CORRUPT, why = "bad map entry";
-                break;
-            }
-            if (km_emap_find(&w->map, key)) {
-                rc = KM_ERR_CORRUPT, why = "duplicate map entry";
-                break;
-            }
-            km_emap_entry *m = km_emap_upsert(&w->map, key);
-            m->chain = chain;
-            m->media = media;
-        }
-        if (rc)
-            break;
-    }
-    if (!rc && r.at != r.size)
-        rc = KM_ERR_CORRUPT, why = "trailing bytes";
-    if (rc) {
-        free_workers(ws, n);
-        return km_feed_fail(feed, rc, "feed state: %s (worker record %u)", why, n);
-    }
-    /* Install: nothing below fails. */
-    free(feed->workers);
-    feed->workers = ws;
-    feed->workers_capacity = n_workers ? n_workers : 1;
-    feed->n_workers = n_workers;
-    for (uint32_t i = 0; i < n_workers; i++) {
-        worker *w = ws[i];
-        w->generation = ++feed->next_generation;
-        w->restored = true;
-        w->awaiting_claim = true;
-        if (w->has_expected)
-            km_feed_open_recovery(w, KM_FEED_WINDOW_RESUME, now_ns, w->expected);
-        else
-            km_feed_open_recovery(w, KM_FEED_WINDOW_STARTUP, now_ns, 0);
-        if (w->degraded) { /* stays DEGRADED; nothing is dropped (restoring loses nothing) */
-            km_feed_window_init(&w->degraded_window, KM_FEED_WINDOW_DEGRADED, now_ns, 0);
-            w->degraded_open = true;
-            w->windows_total++;
-        }
-    }
-    feed->last_error[0] = '\0';
-    return KM_OK;
-}
-
-int km_feed_save(km_feed *feed, const char *path, uint64_t now_ns)
-{
-    if (!feed || !path)
-        return KM_ERR_NULL_POINTER;
-    int rc = km_feed_flush(feed, now_ns, NULL);
-    if (rc)
-        return rc;
-    void *state = NULL;
-    size_t size = 0;
-    rc = km_feed_export_state(feed, &state, &size);
-    if (rc)
-        return km_feed_fail(feed, rc, "exporting the feed state");
-    rc = km_index_save(feed->index, path, state, size);
-    free(state);
-    if (rc)
-        return km_feed_fail(feed, rc, "%s", km_index_last_error(feed->index));
-    feed->last_error[0] = '\0';
-    return KM_OK;
-}
-
-/* Drop every worker's blocks from the index (a snapshot whose feed part is unusable). */
-static void clear_index(km_feed *feed)
-{
-    km_worker_stats st;
-    km_update_stats us;
-    for (uint32_t id = 0; km_index_worker_stats(feed->index, id, &st) == KM_OK; id++) {
-        if (!st.blocks)
-            continue;
-        km_update u = {KM_UPDATE_REMOVE_WORKER, id, KM_NO_PARENT, NULL, 0, KM_TIER_DEVICE};
-        km_index_apply(feed->index, &u, 1, &us);
-    }
-}
-
-int km_feed_restore(km_feed *feed, const char *path, uint64_t now_ns)
-{
-    if (!feed || !path)
-        return KM_ERR_NULL_POINTER;
-    if (feed->n_workers || feed->queue_count)
-        return km_feed_fail(feed, KM_ERR_INVALID_ARGUMENT, "restore into a feed that is in use");
-    void *user = NULL;
-    size_t size = 0;
-    int rc = km_index_load(feed->index, path, &user, &size);
-    if (rc)
-        return km_feed_fail(feed, rc, "snapshot %s: %s", path, km_index_last_error(feed->index));
-    rc = km_feed_import_state(feed, user, size, now_ns);
-    free(user);
-    if (rc) {
-        char detail[sizeof feed->last_error];
-        snprintf(detail, sizeof detail, "%s", feed->last_error);
-        clear_index(feed);
-        return km_feed_fail(feed, rc, "snapshot %s: %s", path, detail);
-    }
     return KM_OK;
 }

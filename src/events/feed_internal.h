@@ -1,0 +1,136 @@
+/* Internal to the event feed (src/events/feed.c, src/events/feed_snapshot.c): the feed handle and
+ * its per-worker state, which the feed proper drives and the snapshot code saves and restores.
+ * Never included by public headers. */
+#ifndef KM_EVENTS_FEED_INTERNAL_H
+#define KM_EVENTS_FEED_INTERNAL_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "kvmatch/feed.h"
+#include "events/engine_hash_map.h"
+
+#define MEDIUM_COUNT 4u
+
+/* A live message copied while a replay runs (src/events/feed.c). */
+typedef struct held_message held_message;
+
+/* ---- workers ------------------------------------------------------------------------------------- */
+
+typedef enum replay_kind {
+    REPLAY_NONE = 0,
+    REPLAY_BOOTSTRAP, /* from seq 0 at add time: establishes the stream position */
+    REPLAY_GAP,       /* fills [expected, ...): anything the replay cannot give is lost */
+    REPLAY_RESYNC,    /* from seq 0 after km_feed_resync_worker: like BOOTSTRAP */
+} replay_kind;
+
+/* Lost seq ranges remembered per worker: a live copy of a seq that a replay could no longer give
+ * may still be in flight on the SUB socket, and must not pass for a new engine process. */
+#define LOST_RANGES 8u
+
+typedef struct dedup_slot {
+    uint64_t seq; /* UINT64_MAX = empty */
+    uint64_t digest;
+} dedup_slot;
+
+typedef struct worker {
+    uint32_t id;
+    uint64_t generation; /* unique per add, to match queued groups with this incarnation */
+    char name[KM_FEED_NAME_MAX];
+    char identity[KM_FEED_NAME_MAX];
+    bool has_replay;
+    bool restored;       /* state came from km_feed_restore */
+    bool awaiting_claim; /* restored, not yet added again */
+
+    bool has_expected;
+    uint64_t expected;
+    bool has_last_live;
+    uint64_t last_live;
+    bool degraded;
+
+    replay_kind replay;
+    uint64_t replay_id;
+    uint64_t replay_from;
+    bool replay_progress; /* the replay applied at least one message */
+    bool replay_refusal_logged; /* one log line per request for its refused items */
+
+    held_message **buffer; /* ring of buffer_capacity */
+    uint32_t buffer_head, buffer_count, buffer_capacity;
+    uint64_t buffer_bytes;
+
+    km_emap map;
+    dedup_slot *dedup; /* replay_dedup_window slots, allocated with the first replay item */
+    uint64_t lost_from[LOST_RANGES], lost_to[LOST_RANGES]; /* recent seq ranges given up as lost */
+    uint32_t lost_next, lost_count;
+
+    km_feed_worker_counters c;
+    bool has_last_receive;
+    uint64_t last_receive_ns;
+    double last_engine_timestamp;
+
+    km_feed_window *history; /* ring of closed windows, max_windows */
+    uint32_t history_head, history_count;
+    uint64_t windows_total;
+    bool recovery_open, degraded_open;
+    km_feed_window recovery, degraded_window;
+} worker;
+
+/* ---- the queue ------------------------------------------------------------------------------------- */
+
+typedef struct queued_update {
+    km_update_kind kind;
+    uint32_t worker;
+    uint64_t parent;
+    uint64_t offset; /* into feed->hashes */
+    uint64_t count;
+    uint32_t tier; /* km_tier of STORE / SET_TIER */
+} queued_update;
+
+typedef struct queued_group {
+    uint32_t worker;
+    uint64_t generation;
+    uint64_t first, count; /* into feed->queue */
+} queued_group;
+
+struct km_feed {
+    km_index *index;
+    km_feed_config config;
+    char last_error[256];
+
+    worker **workers; /* ascending by id */
+    uint32_t n_workers;
+    size_t workers_capacity;
+    uint64_t next_generation;
+    uint64_t next_request_id;
+
+    km_feed_action *actions; /* FIFO */
+    size_t actions_head, actions_count, actions_capacity;
+
+    queued_update *queue;
+    size_t queue_count, queue_capacity;
+    queued_group *groups;
+    size_t group_count, group_capacity;
+    uint64_t *hashes;
+    size_t hash_count, hash_capacity;
+    bool group_open;
+    km_update *scratch;
+    size_t scratch_capacity;
+    /* Per block of one event: the tier it ends in, and (removals) its chain hash. */
+    uint8_t *tier_scratch;
+    uint64_t *tier_chains;
+    size_t tier_scratch_capacity;
+};
+
+/* Record a failure in feed->last_error ("KM_ERR_NAME: detail"); returns status. */
+int km_feed_fail(km_feed *feed, int status, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+/* Free a worker and everything it holds; NULL is a no-op. */
+void km_feed_worker_free(worker *w);
+/* A fresh open window of cause, started at now. */
+void km_feed_window_init(km_feed_window *win, km_feed_window_cause cause, uint64_t now,
+                         uint64_t from_seq);
+/* Open w's recovery window, unless one is open already. */
+void km_feed_open_recovery(worker *w, km_feed_window_cause cause, uint64_t now,
+                           uint64_t from_seq);
+
+#endif
