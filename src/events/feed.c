@@ -56,7 +56,7 @@ static size_t align8(size_t n)
 }
 
 /* One allocation holding the message and deep copies of the fields the feed uses. */
-static held_message *held_copy(uint64_t seq, const km_kv_batch *batch)
+static held_message *km_feed_held_copy(uint64_t seq, const km_kv_batch *batch)
 {
     uint32_t n = batch ? batch->n_events : 0;
     size_t bytes = align8(sizeof(held_message)) + align8((size_t)n * sizeof(km_kv_event));
@@ -141,7 +141,7 @@ typedef struct message_view {
     uint32_t n_events;
 } message_view;
 
-static message_view view_of_batch(const km_kv_batch *batch)
+static message_view km_feed_view_of_batch(const km_kv_batch *batch)
 {
     message_view v = {batch == NULL, 0.0, NULL, 0};
     if (batch) {
@@ -152,7 +152,7 @@ static message_view view_of_batch(const km_kv_batch *batch)
     return v;
 }
 
-static message_view view_of_held(const held_message *m)
+static message_view km_feed_view_of_held(const held_message *m)
 {
     message_view v = {m->malformed, m->timestamp, m->events, m->n_events};
     return v;
@@ -161,7 +161,7 @@ static message_view view_of_held(const held_message *m)
 /* Content digest of a message, to recognise a late live copy of a message a replay delivered. */
 #define DIGEST_MALFORMED UINT64_C(0x6d616c666f726d64)
 
-static uint64_t message_digest(const message_view *v)
+static uint64_t km_feed_message_digest(const message_view *v)
 {
     if (v->malformed)
         return DIGEST_MALFORMED;
@@ -870,7 +870,7 @@ static void apply_message(km_feed *feed, worker *w, uint64_t seq, const message_
         w->c.replayed++;
         if (w->recovery_open)
             w->recovery.replayed++;
-        dedup_remember(feed, w, seq, message_digest(v));
+        dedup_remember(feed, w, seq, km_feed_message_digest(v));
     }
     if (v->malformed)
         return;
@@ -1004,7 +1004,7 @@ static void drain(km_feed *feed, worker *w, bool holes_lost, uint64_t now)
             declare_lost(feed, w, m->seq - w->expected, now);
             w->expected = m->seq;
         }
-        message_view v = view_of_held(m);
+        message_view v = km_feed_view_of_held(m);
         apply_message(feed, w, m->seq, &v, false, now);
         buffer_pop(w);
     }
@@ -1051,7 +1051,7 @@ static int buffer_push(const km_feed *feed, worker *w, uint64_t seq, const km_kv
         w->buffer_head = 0;
         w->buffer_capacity = cap;
     }
-    held_message *m = held_copy(seq, batch);
+    held_message *m = km_feed_held_copy(seq, batch);
     if (!m)
         return KM_ERR_OUT_OF_MEMORY;
     if (w->buffer_bytes + m->bytes > feed->config.max_buffered_bytes) {
@@ -1084,7 +1084,7 @@ static void deliver_live(km_feed *feed, worker *w, uint64_t seq, const km_kv_bat
         w->has_expected = true;
         w->expected = seq;
     }
-    message_view v = view_of_batch(batch);
+    message_view v = km_feed_view_of_batch(batch);
     if (seq > w->expected) {
         w->c.gaps++;
         if (w->has_replay) {
@@ -1300,9 +1300,9 @@ int km_feed_live(km_feed *feed, uint32_t id, uint64_t seq, const km_kv_batch *ba
     } else if (w->has_expected && seq < w->expected) {
         /* Seen before only through a replay: a late live copy of a replayed message (the sockets
          * are not ordered with each other), or a new publisher. The content tells them apart. */
-        message_view v = view_of_batch(batch);
+        message_view v = km_feed_view_of_batch(batch);
         bool late_lost = was_lost(w, seq);
-        if (late_lost || !batch || dedup_matches(feed, w, seq, message_digest(&v))) {
+        if (late_lost || !batch || dedup_matches(feed, w, seq, km_feed_message_digest(&v))) {
             w->has_last_live = true;
             w->last_live = seq;
             if (late_lost)
@@ -1432,7 +1432,7 @@ int km_feed_replay_item(km_feed *feed, uint32_t id, uint64_t request_id, uint64_
                 declare_lost(feed, w, m->seq - w->expected, now_ns);
                 w->expected = m->seq;
             }
-            message_view hv = view_of_held(m);
+            message_view hv = km_feed_view_of_held(m);
             apply_message(feed, w, m->seq, &hv, false, now_ns);
             buffer_pop(w);
             continue;
@@ -1442,7 +1442,7 @@ int km_feed_replay_item(km_feed *feed, uint32_t id, uint64_t request_id, uint64_
         declare_lost(feed, w, seq - w->expected, now_ns);
         w->expected = seq;
     }
-    message_view v = view_of_batch(batch);
+    message_view v = km_feed_view_of_batch(batch);
     apply_message(feed, w, seq, &v, true, now_ns);
     w->replay_progress = true;
     return KM_OK;
