@@ -1,6 +1,6 @@
-/* Internal to the event feed (src/events/feed.c, src/events/feed_snapshot.c): the feed handle and
- * its per-worker state, which the feed proper drives and the snapshot code saves and restores.
- * Never included by public headers. */
+/* Internal to the event feed (src/events/feed.c, feed_message.c, feed_snapshot.c): the feed handle
+ * and its per-worker state, which the feed proper drives and the snapshot code saves and restores,
+ * and the copies of live messages held while a replay runs. Never included by public headers. */
 #ifndef KM_EVENTS_FEED_INTERNAL_H
 #define KM_EVENTS_FEED_INTERNAL_H
 
@@ -12,8 +12,48 @@
 
 #define MEDIUM_COUNT 4u
 
-/* A live message copied while a replay runs (src/events/feed.c). */
-typedef struct held_message held_message;
+/* ---- copied messages (src/events/feed_message.c) ------------------------------------------------ */
+
+/* A live message copied while a replay runs. */
+typedef struct held_message {
+    uint64_t seq;
+    bool malformed;
+    double timestamp;
+    uint32_t n_events;
+    const km_kv_event *events; /* inside the same allocation */
+    size_t bytes;
+} held_message;
+
+/* A view of a message to apply: a decoded batch or a held copy. */
+typedef struct message_view {
+    bool malformed;
+    double timestamp;
+    const km_kv_event *events;
+    uint32_t n_events;
+} message_view;
+
+static inline message_view km_feed_view_of_batch(const km_kv_batch *batch)
+{
+    message_view v = {batch == NULL, 0.0, NULL, 0};
+    if (batch) {
+        v.timestamp = batch->timestamp;
+        v.events = batch->events;
+        v.n_events = batch->n_events;
+    }
+    return v;
+}
+
+static inline message_view km_feed_view_of_held(const held_message *m)
+{
+    message_view v = {m->malformed, m->timestamp, m->events, m->n_events};
+    return v;
+}
+
+/* One allocation holding the message and deep copies of the fields the feed uses; NULL when out of
+ * memory. A NULL batch is a malformed message. */
+held_message *km_feed_held_copy(uint64_t seq, const km_kv_batch *batch);
+/* Content digest of a message, to recognise a late live copy of a message a replay delivered. */
+uint64_t km_feed_message_digest(const message_view *v);
 
 /* ---- workers ------------------------------------------------------------------------------------- */
 
