@@ -1519,6 +1519,16 @@ Test(feed, config_validation, .timeout = 5)
     cr_assert_str_eq(km_feed_state_name(KM_FEED_STATE_DEGRADED), "DEGRADED");
     cr_assert_str_eq(km_feed_window_cause_name(KM_FEED_WINDOW_RESTART), "restart");
     cr_assert_str_eq(km_feed_window_end_name(KM_FEED_END_LOST), "lost");
+    /* both ends of each list, and past them */
+    cr_assert_str_eq(km_feed_state_name(KM_FEED_STATE_SYNCING), "SYNCING");
+    cr_assert_str_eq(km_feed_state_name((km_feed_state)4), "unknown");
+    cr_assert_str_eq(km_feed_state_name((km_feed_state)-1), "unknown");
+    cr_assert_str_eq(km_feed_window_cause_name((km_feed_window_cause)0), "unknown");
+    cr_assert_str_eq(km_feed_window_cause_name(KM_FEED_WINDOW_RESUME), "resume");
+    cr_assert_str_eq(km_feed_window_cause_name((km_feed_window_cause)7), "unknown");
+    cr_assert_str_eq(km_feed_window_end_name(KM_FEED_END_OPEN), "open");
+    cr_assert_str_eq(km_feed_window_end_name(KM_FEED_END_RESYNC), "resync");
+    cr_assert_str_eq(km_feed_window_end_name((km_feed_window_end)6), "unknown");
     km_index_destroy(index);
 }
 

@@ -211,33 +211,60 @@ void km_feed_pending(const km_feed *feed, uint64_t *updates, uint64_t *hashes);
 
 /* ---- inspection --------------------------------------------------------------------------------- */
 
-typedef enum km_feed_state {
-    KM_FEED_STATE_SYNCING = 0,  /* no stream position yet (waiting for the first message, or a
-                                 * bootstrap / resync replay is running) */
-    KM_FEED_STATE_LIVE = 1,     /* every message since the stream position was applied in order */
-    KM_FEED_STATE_GAP = 2,      /* a replay is filling a gap; the index lags the worker */
-    KM_FEED_STATE_DEGRADED = 3, /* history was lost: the worker's index is incomplete until a
-                                 * restart, an AllBlocksCleared or a resync */
-} km_feed_state;
+/* The three enums below are X-macro lists, X(NAME, value, "name"): the list generates the enum,
+ * and the km_feed_*_name functions the names. */
 
+/* A worker's state.
+ *   SYNCING   no stream position yet (waiting for the first message, or a bootstrap / resync
+ *             replay is running)
+ *   LIVE      every message since the stream position was applied in order
+ *   GAP       a replay is filling a gap; the index lags the worker
+ *   DEGRADED  history was lost: the worker's index is incomplete until a restart, an
+ *             AllBlocksCleared or a resync */
+#define KM_FEED_STATE_LIST(X)                \
+    X(KM_FEED_STATE_SYNCING, 0, "SYNCING")   \
+    X(KM_FEED_STATE_LIVE, 1, "LIVE")         \
+    X(KM_FEED_STATE_GAP, 2, "GAP")           \
+    X(KM_FEED_STATE_DEGRADED, 3, "DEGRADED")
+
+/* Why a recovery window opened, and until when it lasts.
+ *   startup   worker added, until its stream position and history are known
+ *   gap       a seq gap, until a replay filled it or it was found lost
+ *   restart   seq went back (new engine process), until its stream is applied
+ *   resync    km_feed_resync_worker, until the rebuild finished
+ *   degraded  history lost, until a restart, AllBlocksCleared or resync
+ *   resume    restart of kvmatch: restored from a snapshot, until the stream from the saved
+ *             seq + 1 is applied (or found lost) */
+#define KM_FEED_WINDOW_CAUSE_LIST(X)          \
+    X(KM_FEED_WINDOW_STARTUP, 1, "startup")   \
+    X(KM_FEED_WINDOW_GAP, 2, "gap")           \
+    X(KM_FEED_WINDOW_RESTART, 3, "restart")   \
+    X(KM_FEED_WINDOW_RESYNC, 4, "resync")     \
+    X(KM_FEED_WINDOW_DEGRADED, 5, "degraded") \
+    X(KM_FEED_WINDOW_RESUME, 6, "resume")
+
+/* How a window ended.
+ *   open       still open
+ *   recovered  the history is complete again
+ *   lost       recovery finished but history was lost (a DEGRADED window opened)
+ *   restart    ended by an engine restart
+ *   cleared    DEGRADED ended by AllBlocksCleared: the engine dropped everything
+ *   resync     ended by km_feed_resync_worker */
+#define KM_FEED_WINDOW_END_LIST(X)           \
+    X(KM_FEED_END_OPEN, 0, "open")           \
+    X(KM_FEED_END_RECOVERED, 1, "recovered") \
+    X(KM_FEED_END_LOST, 2, "lost")           \
+    X(KM_FEED_END_RESTART, 3, "restart")     \
+    X(KM_FEED_END_CLEARED, 4, "cleared")     \
+    X(KM_FEED_END_RESYNC, 5, "resync")
+
+#define KM_FEED_ENUM_ENTRY(name, value, text) name = value,
+typedef enum km_feed_state { KM_FEED_STATE_LIST(KM_FEED_ENUM_ENTRY) } km_feed_state;
 typedef enum km_feed_window_cause {
-    KM_FEED_WINDOW_STARTUP = 1,  /* worker added, until its stream position and history are known */
-    KM_FEED_WINDOW_GAP = 2,      /* a seq gap, until a replay filled it or it was found lost */
-    KM_FEED_WINDOW_RESTART = 3,  /* seq went back (new engine process), until its stream is applied */
-    KM_FEED_WINDOW_RESYNC = 4,   /* km_feed_resync_worker, until the rebuild finished */
-    KM_FEED_WINDOW_DEGRADED = 5, /* history lost, until a restart, AllBlocksCleared or resync */
-    KM_FEED_WINDOW_RESUME = 6,   /* restart of kvmatch: restored from a snapshot, until the stream
-                                  * from the saved seq + 1 is applied (or found lost) */
+    KM_FEED_WINDOW_CAUSE_LIST(KM_FEED_ENUM_ENTRY)
 } km_feed_window_cause;
-
-typedef enum km_feed_window_end {
-    KM_FEED_END_OPEN = 0,      /* still open */
-    KM_FEED_END_RECOVERED = 1, /* the history is complete again */
-    KM_FEED_END_LOST = 2,      /* recovery finished but history was lost (a DEGRADED window opened) */
-    KM_FEED_END_RESTART = 3,   /* ended by an engine restart */
-    KM_FEED_END_CLEARED = 4,   /* DEGRADED ended by AllBlocksCleared: the engine dropped everything */
-    KM_FEED_END_RESYNC = 5,    /* ended by km_feed_resync_worker */
-} km_feed_window_end;
+typedef enum km_feed_window_end { KM_FEED_WINDOW_END_LIST(KM_FEED_ENUM_ENTRY) } km_feed_window_end;
+#undef KM_FEED_ENUM_ENTRY
 
 /* One recovery window. Times are the local monotonic clock (the now_ns of the calls). */
 typedef struct km_feed_window {
@@ -362,11 +389,9 @@ int km_feed_save(km_feed *feed, const char *path, uint64_t now_ns);
  * blocks are dropped first). Restored workers never claimed stay in the index until removed. */
 int km_feed_restore(km_feed *feed, const char *path, uint64_t now_ns);
 
-/* "SYNCING", "LIVE", "GAP", "DEGRADED"; "unknown" otherwise. */
+/* The names in the lists above ("SYNCING", "startup", "open", ...); "unknown" outside them. */
 const char *km_feed_state_name(km_feed_state state);
-/* "startup", "gap", "restart", "resync", "degraded", "resume"; "unknown" otherwise. */
 const char *km_feed_window_cause_name(km_feed_window_cause cause);
-/* "open", "recovered", "lost", "restart", "cleared", "resync"; "unknown" otherwise. */
 const char *km_feed_window_end_name(km_feed_window_end end);
 
 #ifdef __cplusplus

@@ -25,6 +25,7 @@
 #include "kvmatch/hash.h"
 #include "events/engine_hash_map.h"
 #include "base/u64_map.h"
+#include "base/enum_names.h"
 #include "base/error_detail.h"
 #include "events/feed_internal.h"
 
@@ -97,41 +98,23 @@ const char *km_feed_last_error(const km_feed *feed)
     return feed ? feed->last_error : "";
 }
 
+static const char *const state_names[] = {KM_FEED_STATE_LIST(KM_ENUM_NAME_ENTRY)};
+static const char *const window_cause_names[] = {KM_FEED_WINDOW_CAUSE_LIST(KM_ENUM_NAME_ENTRY)};
+static const char *const window_end_names[] = {KM_FEED_WINDOW_END_LIST(KM_ENUM_NAME_ENTRY)};
+
 const char *km_feed_state_name(km_feed_state state)
 {
-    switch (state) {
-    case KM_FEED_STATE_SYNCING: return "SYNCING";
-    case KM_FEED_STATE_LIVE: return "LIVE";
-    case KM_FEED_STATE_GAP: return "GAP";
-    case KM_FEED_STATE_DEGRADED: return "DEGRADED";
-    }
-    return "unknown";
+    return KM_ENUM_NAME(state_names, state);
 }
 
 const char *km_feed_window_cause_name(km_feed_window_cause cause)
 {
-    switch (cause) {
-    case KM_FEED_WINDOW_STARTUP: return "startup";
-    case KM_FEED_WINDOW_GAP: return "gap";
-    case KM_FEED_WINDOW_RESTART: return "restart";
-    case KM_FEED_WINDOW_RESYNC: return "resync";
-    case KM_FEED_WINDOW_DEGRADED: return "degraded";
-    case KM_FEED_WINDOW_RESUME: return "resume";
-    }
-    return "unknown";
+    return KM_ENUM_NAME(window_cause_names, cause);
 }
 
 const char *km_feed_window_end_name(km_feed_window_end end)
 {
-    switch (end) {
-    case KM_FEED_END_OPEN: return "open";
-    case KM_FEED_END_RECOVERED: return "recovered";
-    case KM_FEED_END_LOST: return "lost";
-    case KM_FEED_END_RESTART: return "restart";
-    case KM_FEED_END_CLEARED: return "cleared";
-    case KM_FEED_END_RESYNC: return "resync";
-    }
-    return "unknown";
+    return KM_ENUM_NAME(window_end_names, end);
 }
 
 /* ---- lifecycle ----------------------------------------------------------------------------------- */
