@@ -20,9 +20,10 @@
  *
  * Lifecycle: km_feed_config_init -> adjust -> km_feed_create(index) -> km_feed_add_worker ... ->
  * any number of km_feed_live / km_feed_replay_* / km_feed_next_action / km_feed_flush /
- * km_feed_worker_info -> km_feed_destroy. The handle is not thread-safe (km_subscriber serialises
- * it under its lock). The index must outlive the feed; the feed writes to it only in km_feed_flush,
- * and it owns the index worker ids it is given (it clears them when a worker is added or removed).
+ * km_feed_get_worker_info -> km_feed_destroy. The handle is not thread-safe (km_subscriber
+ * serialises it under its lock). The index must outlive the feed; the feed writes to it only in
+ * km_feed_flush, and it owns the index worker ids it is given (it clears them when a worker is
+ * added or removed).
  *
  * Times: every `now_ns` is the caller's monotonic clock in nanoseconds (km_feed_clock_ns() gives
  * CLOCK_MONOTONIC); it must not go backwards. */
@@ -104,7 +105,7 @@ const char *km_feed_last_error(const km_feed *feed);
 /* CLOCK_MONOTONIC in nanoseconds. */
 uint64_t km_feed_clock_ns(void);
 
-/* ---- workers ---------------------------------------------------------------------------------- */
+/* ---- workers --------------------------------------------------------------------------------- */
 
 typedef struct km_feed_worker_config {
     uint32_t worker;  /* index worker id: 0 .. the index's max_workers - 1 */
@@ -132,7 +133,7 @@ int km_feed_remove_worker(km_feed *feed, uint32_t worker, uint64_t now_ns);
  * Errors: KM_ERR_INVALID_ARGUMENT (not added). */
 int km_feed_resync_worker(km_feed *feed, uint32_t worker, uint64_t now_ns);
 
-/* ---- inputs ----------------------------------------------------------------------------------- */
+/* ---- inputs ---------------------------------------------------------------------------------- */
 
 /* A message from the worker's live (SUB) stream. batch NULL: the frames held a readable seq but
  * the payload was rejected by the decoder; the message is counted as malformed, and its seq is
@@ -169,7 +170,7 @@ typedef enum km_feed_replay_failure {
 int km_feed_replay_failed(km_feed *feed, uint32_t worker, uint64_t request_id,
                           km_feed_replay_failure reason, uint64_t now_ns);
 
-/* ---- actions for the transport ---------------------------------------------------------------- */
+/* ---- actions for the transport --------------------------------------------------------------- */
 
 typedef enum km_feed_action_kind {
     /* Send one replay request for seqs >= start_seq to the worker's replay endpoint. A worker has
@@ -190,7 +191,7 @@ typedef struct km_feed_action {
 /* Pop the oldest pending action: 1 when *out was filled, 0 when none is pending. */
 int km_feed_next_action(km_feed *feed, km_feed_action *out);
 
-/* ---- applying ----------------------------------------------------------------------------------- */
+/* ---- applying -------------------------------------------------------------------------------- */
 
 typedef struct km_feed_flush_stats {
     uint64_t updates;          /* km_update entries applied */
@@ -209,7 +210,7 @@ int km_feed_flush(km_feed *feed, uint64_t now_ns, km_feed_flush_stats *stats);
 /* Hashes and updates waiting for the next flush. */
 void km_feed_pending(const km_feed *feed, uint64_t *updates, uint64_t *hashes);
 
-/* ---- inspection --------------------------------------------------------------------------------- */
+/* ---- inspection ------------------------------------------------------------------------------ */
 
 /* The three enums below are X-macro lists, X(NAME, value, "name"): the list generates the enum,
  * and the km_feed_*_name functions the names. */
@@ -345,7 +346,7 @@ int km_feed_get_worker_windows(const km_feed *feed, uint32_t worker, km_feed_win
 /* Worker ids currently followed, ascending; *n_out gets the full count. */
 int km_feed_get_workers(const km_feed *feed, uint32_t *workers, uint32_t capacity, uint32_t *n_out);
 
-/* ---- snapshots (restart of kvmatch) ----------------------------------------------------------- */
+/* ---- snapshots (restart of kvmatch) ---------------------------------------------------------- */
 
 /* Feed-state format version written by km_feed_save / km_feed_export_state. */
 #define KM_FEED_STATE_VERSION 1u

@@ -1,6 +1,8 @@
 /* The event feed (include/kvmatch/feed.h): per-worker seq tracking, gap / replay / restart
  * handling, engine-hash -> chain-hash maps, and the queue of index updates that km_feed_flush
- * applies as one batch. docs/EVENTS.md ("The feed") states the rules this file implements.
+ * applies as one batch. docs/EVENTS.md ("The feed") states the rules this file implements. The
+ * copies of live messages held while a replay runs are made in feed_message.c, snapshots of the
+ * feed's state in feed_snapshot.c; the types they share are in feed_internal.h.
  *
  * Invariants, per worker:
  *  - expected is the next seq to apply; every applied message had exactly seq == expected, so the
@@ -31,14 +33,15 @@
 
 #define EMAP_PREFETCH_AHEAD 8u /* blocks: apply_stored loads map slots this far ahead */
 
-/* ---- engine-hash map --------------------------------------------------------------------------- */
+/* ---- engine-hash map ------------------------------------------------------------------------- */
 
-/* chain == CHAIN_UNHASHABLE marks an engine hash whose block could not be hashed (extra keys we
- * cannot read); its descendants inherit the mark. 0 is never a chain hash (HASHING.md). */
+/* Engine hashes map to their chain hash and media in a km_emap (src/events/engine_hash_map.h), one
+ * per worker. chain == CHAIN_UNHASHABLE marks an engine hash whose block could not be hashed
+ * (extra keys kvmatch cannot read); its descendants inherit the mark. 0 is never a chain hash
+ * (HASHING.md). */
 #define CHAIN_UNHASHABLE UINT64_C(0)
-/* Engine hashes map to their chain hash and media in a km_emap (src/events/engine_hash_map.h), one per worker. */
 
-/* ---- small helpers ---------------------------------------------------------------------------------- */
+/* ---- small helpers --------------------------------------------------------------------------- */
 
 int km_feed_fail(km_feed *feed, int status, const char *fmt, ...)
 {
@@ -117,7 +120,7 @@ const char *km_feed_window_end_name(km_feed_window_end end)
     return KM_ENUM_NAME(window_end_names, end);
 }
 
-/* ---- lifecycle ----------------------------------------------------------------------------------- */
+/* ---- lifecycle ------------------------------------------------------------------------------- */
 
 void km_feed_config_init(km_feed_config *cfg)
 {
@@ -198,7 +201,7 @@ void km_feed_destroy(km_feed *feed)
     free(feed);
 }
 
-/* ---- worker lookup --------------------------------------------------------------------------------- */
+/* ---- worker lookup --------------------------------------------------------------------------- */
 
 static uint32_t worker_slot(const km_feed *feed, uint32_t id, bool *found)
 {
@@ -221,7 +224,7 @@ static worker *find_worker(const km_feed *feed, uint32_t id)
     return found ? feed->workers[slot] : NULL;
 }
 
-/* ---- actions ---------------------------------------------------------------------------------------- */
+/* ---- actions --------------------------------------------------------------------------------- */
 
 /* Actions are tiny and few; when even one cannot be queued, start_replay treats the request as
  * failed at once and cancel_replay relies on the transport's timeout. */
@@ -254,7 +257,7 @@ int km_feed_next_action(km_feed *feed, km_feed_action *out)
     return 1;
 }
 
-/* ---- queue -------------------------------------------------------------------------------------------- */
+/* ---- queue ----------------------------------------------------------------------------------- */
 
 static int tier_scratch_reserve(km_feed *feed, size_t n)
 {
@@ -370,7 +373,7 @@ void km_feed_pending(const km_feed *feed, uint64_t *updates, uint64_t *hashes)
         *hashes = feed ? feed->hash_count : 0;
 }
 
-/* ---- windows -------------------------------------------------------------------------------------------- */
+/* ---- windows --------------------------------------------------------------------------------- */
 
 void km_feed_window_init(km_feed_window *win, km_feed_window_cause cause, uint64_t now,
                                 uint64_t from_seq)
@@ -476,7 +479,7 @@ static void declare_lost(km_feed *feed, worker *w, uint64_t n, uint64_t now)
     enter_degraded(feed, w, now, why);
 }
 
-/* ---- the replay dedup window ------------------------------------------------------------------------------ */
+/* ---- the replay dedup window ----------------------------------------------------------------- */
 
 static void dedup_remember(const km_feed *feed, worker *w, uint64_t seq, uint64_t digest)
 {
@@ -517,7 +520,7 @@ static bool was_lost(const worker *w, uint64_t seq)
     return false;
 }
 
-/* ---- applying one message ---------------------------------------------------------------------------------- */
+/* ---- applying one message -------------------------------------------------------------------- */
 
 static uint8_t medium_bit(km_kv_medium m)
 {
@@ -596,8 +599,7 @@ static void apply_stored(km_feed *feed, worker *w, const km_kv_event *e)
     uint64_t previous = parent_chain;
     uint32_t hashable = 0, unhashable = 0, n_fixes = 0;
     /* Each upsert is likely a cache miss, and hashing a block between two of them keeps the next
-     * from starting: load the map slots a few blocks ahead (without it the block-by-block store
-     * cost about a tenth of the in-process event rate; BENCHMARKS.md "Events"). */
+     * from starting: load the map slots a few blocks ahead (docs/BENCHMARKS.md, "Events"). */
     for (uint32_t i = 0; i < n && i < EMAP_PREFETCH_AHEAD; i++)
         km_emap_prefetch(&w->map, e->block_hashes[i]);
     for (uint32_t i = 0; i < n; i++) {
@@ -746,7 +748,7 @@ static void apply_message(km_feed *feed, worker *w, uint64_t seq, const message_
     group_end(feed);
 }
 
-/* ---- replay and the live buffer ---------------------------------------------------------------------------------- */
+/* ---- replay and the live buffer -------------------------------------------------------------- */
 
 static held_message *buffer_front(const worker *w)
 {
@@ -975,7 +977,7 @@ static int claim_restored(km_feed *feed, worker *w, const km_feed_worker_config 
     return KM_OK;
 }
 
-/* ---- public inputs --------------------------------------------------------------------------------------- */
+/* ---- public inputs --------------------------------------------------------------------------- */
 
 int km_feed_add_worker(km_feed *feed, const km_feed_worker_config *cfg, uint64_t now_ns)
 {
@@ -1318,7 +1320,7 @@ int km_feed_replay_failed(km_feed *feed, uint32_t id, uint64_t request_id,
     return KM_OK;
 }
 
-/* ---- flush ---------------------------------------------------------------------------------------------- */
+/* ---- flush ----------------------------------------------------------------------------------- */
 
 static void accumulate(km_update_stats *sum, const km_update_stats *s)
 {
@@ -1418,7 +1420,7 @@ int km_feed_flush(km_feed *feed, uint64_t now_ns, km_feed_flush_stats *stats)
     return km_feed_fail(feed, first_error, "%zu message(s) dropped: %s", n_failed, detail);
 }
 
-/* ---- inspection ------------------------------------------------------------------------------------------ */
+/* ---- inspection ------------------------------------------------------------------------------ */
 
 int km_feed_get_worker_info(const km_feed *feed, uint32_t id, km_feed_worker_info *out)
 {

@@ -10,9 +10,11 @@
 #include "kvmatch/feed.h"
 #include "events/engine_hash_map.h"
 
+/* The km_kv_medium values (GPU, CPU, DISK, OTHER); an engine-hash map entry's media is a mask of
+ * them. */
 #define MEDIUM_COUNT 4u
 
-/* ---- copied messages (src/events/feed_message.c) ------------------------------------------------ */
+/* ---- copied messages (src/events/feed_message.c) --------------------------------------------- */
 
 /* A live message copied while a replay runs. */
 typedef struct held_message {
@@ -55,7 +57,7 @@ held_message *km_feed_held_copy(uint64_t seq, const km_kv_batch *batch);
 /* Content digest of a message, to recognise a late live copy of a message a replay delivered. */
 uint64_t km_feed_message_digest(const message_view *v);
 
-/* ---- workers ------------------------------------------------------------------------------------- */
+/* ---- workers --------------------------------------------------------------------------------- */
 
 typedef enum replay_kind {
     REPLAY_NONE = 0,
@@ -73,6 +75,8 @@ typedef struct dedup_slot {
     uint64_t digest;
 } dedup_slot;
 
+/* One followed worker: identity, stream position, replay in flight, live messages held meanwhile,
+ * engine-hash map, counters and recovery windows. */
 typedef struct worker {
     uint32_t id;
     uint64_t generation; /* unique per add, to match queued groups with this incarnation */
@@ -115,8 +119,10 @@ typedef struct worker {
     km_feed_window recovery, degraded_window;
 } worker;
 
-/* ---- the queue ------------------------------------------------------------------------------------- */
+/* ---- the queue ------------------------------------------------------------------------------- */
 
+/* Updates queued for the next km_feed_flush, in groups: one group per applied message or control
+ * update of one worker incarnation, each applied all or nothing. */
 typedef struct queued_update {
     km_update_kind kind;
     uint32_t worker;

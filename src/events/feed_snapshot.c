@@ -14,14 +14,15 @@
 #include "events/feed_internal.h"
 
 
-/* ---- snapshots (restart of kvmatch) ----------------------------------------------------------------------- */
+/* ---- snapshots (restart of kvmatch) ---------------------------------------------------------- */
 
 /* Feed state section, little-endian:
  *   header: magic "KMFEEDST" (8), version u32, block_size u32, n_workers u32, reserved u32 (0)
  *   per worker, ascending id:
  *     id u32, flags u32 (FS_*), name_len u16, identity_len u16, name, identity,
  *     expected u64, last_live u64, map_entries u64,
- *     map_entries x {key u64 (nonzero, not a tombstone), chain u64, media u8 (1..15)}
+ *     map_entries x {key u64 (mapped as km_u64map_key maps it: never 0 or 1), chain u64,
+ *                    media u8 (1..15)}
  *   nothing after the last worker. */
 static const unsigned char FEED_MAGIC[8] = {'K', 'M', 'F', 'E', 'E', 'D', 'S', 'T'};
 #define FS_HAS_REPLAY 1u
