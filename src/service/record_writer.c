@@ -546,7 +546,7 @@ int km_record_writer_submit(km_record_writer *w, const char *line, size_t len)
     return enqueue(w, copy, len, QUEUED_LINE);
 }
 
-/* ---- deep copies of records (one allocation: the struct, its arrays, then its strings) ---------- */
+/* ---- deep copies of records (one allocation: the struct, its arrays, then its strings) ------- */
 
 /* The bytes of the maximal subpart of an ill-formed UTF-8 sequence at s (Unicode 3.9, "U+FFFD
  * substitution of maximal subparts"): a lead byte and the continuation bytes that could still have

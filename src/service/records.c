@@ -20,7 +20,7 @@
 #include <sys/random.h>
 #include <time.h>
 
-/* ---- small helpers ------------------------------------------------------------------------------ */
+/* ---- small helpers --------------------------------------------------------------------------- */
 
 km_record_time km_record_time_now(void)
 {
@@ -72,7 +72,7 @@ int km_record_instance_id(char out[33])
     return KM_OK;
 }
 
-/* ---- init --------------------------------------------------------------------------------------- */
+/* ---- init ------------------------------------------------------------------------------------ */
 
 static void common_init(km_record_common *c)
 {
@@ -148,7 +148,7 @@ void km_outcome_record_from_decision(km_outcome_record *o, const km_decision_rec
     o->owner_depth_blocks = d->owner.depth_blocks;
 }
 
-/* ---- JSON writing with validation -------------------------------------------------------------- */
+/* ---- JSON writing with validation ------------------------------------------------------------ */
 
 /* The state of one format call: the line being written and the first failure, which wins (later
  * puts are no-ops). Records are written straight into the line, field by field in the order the
