@@ -63,7 +63,7 @@ static void intern_free(intern_table *t)
 }
 
 /* The id of bytes[0..len), adding it when new. NONE on out of memory. */
-static uint32_t intern(intern_table *t, const void *bytes, size_t len)
+static uint32_t km_analysis_intern(intern_table *t, const void *bytes, size_t len)
 {
     for (uint64_t seed = 0;; seed++) {
         uint64_t key = km_u64map_key(XXH3_64bits_withSeed(bytes, len, seed));
@@ -103,9 +103,9 @@ static uint32_t intern(intern_table *t, const void *bytes, size_t len)
     }
 }
 
-static uint32_t intern_cstr(intern_table *t, const char *s)
+static uint32_t km_analysis_intern_cstr(intern_table *t, const char *s)
 {
-    return intern(t, s ? s : "", s ? strlen(s) : 0);
+    return km_analysis_intern(t, s ? s : "", s ? strlen(s) : 0);
 }
 
 /* ---- points: one per decision or (unjoined) outcome ------------------------------------------ */
@@ -229,7 +229,7 @@ struct km_analysis {
     double reuse_max_tokens; /* chart scale */
 };
 
-static void set_error(km_analysis *a, const char *format, ...)
+static void km_analysis_set_error(km_analysis *a, const char *format, ...)
 {
     va_list ap;
     va_start(ap, format);
@@ -237,10 +237,10 @@ static void set_error(km_analysis *a, const char *format, ...)
     va_end(ap);
 }
 
-static int fail_memory(km_analysis *a, const char *where)
+static int km_analysis_fail_memory(km_analysis *a, const char *where)
 {
     a->broken = 1;
-    set_error(a, "out of memory while %s", where);
+    km_analysis_set_error(a, "out of memory while %s", where);
     return KM_ERR_OUT_OF_MEMORY;
 }
 
@@ -276,8 +276,8 @@ int km_analysis_create(const km_analysis_config *cfg, km_analysis **out)
     intern_init(&a->worker_keys, &a->memory);
     km_u64map_init(&a->by_decision, &a->memory);
     km_u64map_init(&a->pending, &a->memory);
-    a->live_state = intern_cstr(&a->strings, "LIVE");
-    a->approx_state = intern_cstr(&a->strings, "APPROX");
+    a->live_state = km_analysis_intern_cstr(&a->strings, "LIVE");
+    a->approx_state = km_analysis_intern_cstr(&a->strings, "APPROX");
     if (a->live_state == NONE || a->approx_state == NONE) {
         km_analysis_destroy(a);
         return KM_ERR_OUT_OF_MEMORY;
@@ -287,7 +287,7 @@ int km_analysis_create(const km_analysis_config *cfg, km_analysis **out)
 }
 
 /* Free every decision's kept candidates (those never joined with an outcome). */
-static void pending_free(km_analysis *a)
+static void km_analysis_pending_free(km_analysis *a)
 {
     uint64_t cursor = 0;
     for (km_u64map_entry *e; (e = km_u64map_next(&a->pending, &cursor));)
@@ -311,7 +311,7 @@ void km_analysis_destroy(km_analysis *a)
     free(a->workers);
     free(a->points);
     km_u64map_free(&a->by_decision);
-    pending_free(a);
+    km_analysis_pending_free(a);
     free(a->observations);
     problems_free(&a->invalid);
     problems_free(&a->unjoined_decisions);
@@ -324,15 +324,15 @@ void km_analysis_destroy(km_analysis *a)
 }
 
 /* Keep a problem when fewer than max_listed are kept. */
-static int add_problem(km_analysis *a, problem_list *list, uint32_t file, uint64_t line,
-                       const char *format, ...)
+static int km_analysis_add_problem(km_analysis *a, problem_list *list, uint32_t file, uint64_t line,
+                                   const char *format, ...)
 {
     if (list->n >= a->cfg.max_listed)
         return KM_OK;
     if (!list->items) {
         list->items = calloc(a->cfg.max_listed, sizeof *list->items);
         if (!list->items)
-            return fail_memory(a, "listing a problem");
+            return km_analysis_fail_memory(a, "listing a problem");
     }
     char buffer[512];
     va_list ap;
@@ -341,7 +341,7 @@ static int add_problem(km_analysis *a, problem_list *list, uint32_t file, uint64
     va_end(ap);
     char *what = strdup(buffer);
     if (!what)
-        return fail_memory(a, "listing a problem");
+        return km_analysis_fail_memory(a, "listing a problem");
     list->items[list->n++] = (km_analysis_problem){.file = str(a, file), .line = line, .what = what};
     return KM_OK;
 }
@@ -488,11 +488,11 @@ static void request_key(const char *request_id, const char *attempt_id, uint64_t
 static uint32_t worker_id(km_analysis *a, uint32_t instance, uint32_t host, uint32_t pool,
                           const char *name)
 {
-    uint32_t name_id = intern_cstr(&a->strings, name);
+    uint32_t name_id = km_analysis_intern_cstr(&a->strings, name);
     if (name_id == NONE)
         return NONE;
     uint32_t parts[4] = {instance, instance == NONE ? host : NONE, pool, name_id};
-    uint32_t id = intern(&a->worker_keys, parts, sizeof parts);
+    uint32_t id = km_analysis_intern(&a->worker_keys, parts, sizeof parts);
     if (id == NONE)
         return NONE;
     if (id >= a->workers_capacity) {
@@ -595,7 +595,7 @@ static int push_observation(km_analysis *a, uint32_t worker, uint32_t state, int
         size_t capacity = a->observations_capacity ? a->observations_capacity * 2 : 256;
         observation *o = realloc(a->observations, capacity * sizeof *o);
         if (!o)
-            return fail_memory(a, "keeping index-state observations");
+            return km_analysis_fail_memory(a, "keeping index-state observations");
         a->observations = o;
         a->observations_capacity = capacity;
     }
@@ -609,9 +609,9 @@ static int push_observation(km_analysis *a, uint32_t worker, uint32_t state, int
  * worker in a file, every change, and (at the file's end) the last. */
 static int observe(km_analysis *a, uint32_t worker, const char *state_name, int64_t time_ns)
 {
-    uint32_t state = intern_cstr(&a->strings, state_name);
+    uint32_t state = km_analysis_intern_cstr(&a->strings, state_name);
     if (state == NONE)
-        return fail_memory(a, "interning a state");
+        return km_analysis_fail_memory(a, "interning a state");
     if (state == a->approx_state)
         return KM_OK; /* approximate pools have no stream to recover */
     worker_info *w = &a->workers[worker];
@@ -670,7 +670,7 @@ static int count_ineligible(km_analysis *a, json_t *candidates, uint32_t host, u
             continue;
         uint32_t id = worker_id(a, NONE, host, pool, name);
         if (id == NONE)
-            return fail_memory(a, "interning names");
+            return km_analysis_fail_memory(a, "interning names");
         a->workers[id].ineligible++;
         a->summary.health.ineligible_candidates++;
         counted = 1;
@@ -758,20 +758,20 @@ static int take_decision(km_analysis *a, json_t *root, uint32_t file, uint64_t l
     } else {
         p = new_point(a, &index);
         if (!p)
-            return fail_memory(a, "keeping a decision");
+            return km_analysis_fail_memory(a, "keeping a decision");
         p->key_check = key[1];
         if (km_u64map_put(&a->by_decision, map_key, index, 1) != KM_OK)
-            return fail_memory(a, "indexing a decision");
+            return km_analysis_fail_memory(a, "indexing a decision");
     }
     a->summary.input.decisions++;
-    uint32_t host = intern_cstr(&a->strings, c.host);
-    uint32_t pool = intern_cstr(&a->strings, c.pool);
-    uint32_t instance = intern_cstr(&a->strings, c.instance);
-    uint32_t policy_id = intern_cstr(&a->strings, policy);
+    uint32_t host = km_analysis_intern_cstr(&a->strings, c.host);
+    uint32_t pool = km_analysis_intern_cstr(&a->strings, c.pool);
+    uint32_t instance = km_analysis_intern_cstr(&a->strings, c.instance);
+    uint32_t policy_id = km_analysis_intern_cstr(&a->strings, policy);
     uint32_t chosen_id = host == NONE || pool == NONE ? NONE
                                                       : worker_id(a, NONE, host, pool, chosen.worker);
     if (instance == NONE || policy_id == NONE || chosen_id == NONE)
-        return fail_memory(a, "interning names");
+        return km_analysis_fail_memory(a, "interning names");
     p->flags |= POINT_DECISION | (events ? POINT_EVENTS : POINT_APPROX);
     p->time_ns = c.monotonic_ns;
     p->predicted = chosen.depth_tokens;
@@ -793,9 +793,9 @@ static int take_decision(km_analysis *a, json_t *root, uint32_t file, uint64_t l
             p->flags |= POINT_OWNER_NOT_CHOSEN;
         if (owner_ineligible)
             p->flags |= POINT_OWNER_INELIGIBLE;
-        p->owner_name = intern_cstr(&a->strings, owner.worker);
+        p->owner_name = km_analysis_intern_cstr(&a->strings, owner.worker);
         if (p->owner_name == NONE)
-            return fail_memory(a, "interning names");
+            return km_analysis_fail_memory(a, "interning names");
     }
     if (any_ineligible) {
         int rc = count_ineligible(a, candidates, host, pool, owner.worker);
@@ -807,17 +807,17 @@ static int take_decision(km_analysis *a, json_t *root, uint32_t file, uint64_t l
     if (n_candidates) {
         pending_candidates *kept = malloc(sizeof *kept + n_candidates * sizeof kept->rows[0]);
         if (!kept)
-            return fail_memory(a, "keeping a decision's candidates");
+            return km_analysis_fail_memory(a, "keeping a decision's candidates");
         kept->n = n_candidates;
         for (size_t i = 0; i < n_candidates; i++) {
             json_t *cand = json_array_get(candidates, i);
-            kept->rows[i].name = intern_cstr(&a->strings,
-                                             json_string_value(json_object_get(cand, "worker")));
+            kept->rows[i].name = km_analysis_intern_cstr(
+                &a->strings, json_string_value(json_object_get(cand, "worker")));
             kept->rows[i].depth_tokens =
                 (int64_t)json_integer_value(json_object_get(cand, "depth_tokens"));
             if (kept->rows[i].name == NONE) {
                 free(kept);
-                return fail_memory(a, "interning names");
+                return km_analysis_fail_memory(a, "interning names");
             }
         }
         if (p->flags & POINT_OUTCOME) {
@@ -826,7 +826,7 @@ static int take_decision(km_analysis *a, json_t *root, uint32_t file, uint64_t l
         } else if (km_u64map_put(&a->pending, pending_key(index), (uint64_t)(uintptr_t)kept, 1) !=
                    KM_OK) {
             free(kept);
-            return fail_memory(a, "keeping a decision's candidates");
+            return km_analysis_fail_memory(a, "keeping a decision's candidates");
         }
     }
     if (events) {
@@ -836,11 +836,11 @@ static int take_decision(km_analysis *a, json_t *root, uint32_t file, uint64_t l
             p->flags |= POINT_OWNER_NOT_LIVE;
         /* the chosen and the owner are candidates too, normally; observe them anyway */
         uint32_t stream = worker_id(a, instance, host, pool, chosen.worker);
-        int rc = stream == NONE ? fail_memory(a, "interning names")
+        int rc = stream == NONE ? km_analysis_fail_memory(a, "interning names")
                                 : observe(a, stream, chosen.state, c.monotonic_ns);
         if (rc == KM_OK && owner.worker) {
             uint32_t owner_id = worker_id(a, instance, host, pool, owner.worker);
-            rc = owner_id == NONE ? fail_memory(a, "interning names")
+            rc = owner_id == NONE ? km_analysis_fail_memory(a, "interning names")
                                   : observe(a, owner_id, owner.state, c.monotonic_ns);
         }
         for (size_t i = 0; rc == KM_OK && i < n_candidates; i++) {
@@ -848,7 +848,8 @@ static int take_decision(km_analysis *a, json_t *root, uint32_t file, uint64_t l
             const char *name = json_string_value(json_object_get(cand, "worker"));
             const char *state = json_string_value(json_object_get(cand, "state"));
             uint32_t id = worker_id(a, instance, host, pool, name);
-            rc = id == NONE ? fail_memory(a, "interning names") : observe(a, id, state, c.monotonic_ns);
+            rc = id == NONE ? km_analysis_fail_memory(a, "interning names")
+                            : observe(a, id, state, c.monotonic_ns);
         }
         if (rc != KM_OK)
             return rc;
@@ -929,33 +930,33 @@ static int take_outcome(km_analysis *a, json_t *root, uint32_t file, uint64_t li
     } else {
         p = new_point(a, &index);
         if (!p)
-            return fail_memory(a, "keeping an outcome");
+            return km_analysis_fail_memory(a, "keeping an outcome");
         p->key_check = key[1];
         if (km_u64map_put(&a->by_decision, map_key, index, 1) != KM_OK)
-            return fail_memory(a, "indexing an outcome");
+            return km_analysis_fail_memory(a, "indexing an outcome");
         /* outcome only, so far: what the outcome itself knows */
         p->time_ns = decided >= 0 ? decided : c.monotonic_ns;
         p->predicted = predicted_depth;
         p->decision_id = c.decision_id;
         request_key(c.request_id, c.attempt_id, p->request_key);
-        p->host = intern_cstr(&a->strings, c.host);
-        p->pool = intern_cstr(&a->strings, c.pool);
-        p->instance = intern_cstr(&a->strings, c.instance);
+        p->host = km_analysis_intern_cstr(&a->strings, c.host);
+        p->pool = km_analysis_intern_cstr(&a->strings, c.pool);
+        p->instance = km_analysis_intern_cstr(&a->strings, c.instance);
         if (p->host == NONE || p->pool == NONE || p->instance == NONE)
-            return fail_memory(a, "interning names");
+            return km_analysis_fail_memory(a, "interning names");
     }
-    uint32_t host = intern_cstr(&a->strings, c.host);
-    uint32_t pool = intern_cstr(&a->strings, c.pool);
+    uint32_t host = km_analysis_intern_cstr(&a->strings, c.host);
+    uint32_t pool = km_analysis_intern_cstr(&a->strings, c.pool);
     uint32_t worker_index = host == NONE || pool == NONE ? NONE
                                                          : worker_id(a, NONE, host, pool, worker);
     if (worker_index == NONE)
-        return fail_memory(a, "interning names");
+        return km_analysis_fail_memory(a, "interning names");
     /* an override names another worker than the chosen one (the server writes null for the chosen
      * one; an older writer might not) */
     if (dispatched && strcmp(dispatched, worker)) {
         p->dispatched = worker_id(a, NONE, host, pool, dispatched);
         if (p->dispatched == NONE)
-            return fail_memory(a, "interning names");
+            return km_analysis_fail_memory(a, "interning names");
         p->flags |= POINT_OVERRIDDEN;
     }
     p->flags |= POINT_OUTCOME;
@@ -1051,7 +1052,7 @@ static int invalid_line(km_analysis *a, uint32_t file, uint64_t line, const char
     va_start(ap, format);
     vsnprintf(buffer, sizeof buffer, format, ap);
     va_end(ap);
-    return add_problem(a, &a->invalid, file, line, "%s", buffer);
+    return km_analysis_add_problem(a, &a->invalid, file, line, "%s", buffer);
 }
 
 /* One line: a record applied, or counted invalid. KM_OK or out of memory. */
@@ -1109,23 +1110,23 @@ int km_analysis_add_file(km_analysis *a, const char *path)
     if (a->broken)
         return KM_ERR_OUT_OF_MEMORY;
     if (a->finished) {
-        set_error(a, "add_file after finish: the analysis is complete");
+        km_analysis_set_error(a, "add_file after finish: the analysis is complete");
         return KM_ERR_INVALID_ARGUMENT;
     }
-    uint32_t file = intern_cstr(&a->strings, path);
+    uint32_t file = km_analysis_intern_cstr(&a->strings, path);
     if (file == NONE)
-        return fail_memory(a, "naming a file");
+        return km_analysis_fail_memory(a, "naming a file");
     FILE *f = fopen(path, "rb");
     if (!f) {
         a->summary.input.files_failed++;
-        set_error(a, "%s: cannot open: %s", path, strerror(errno));
+        km_analysis_set_error(a, "%s: cannot open: %s", path, strerror(errno));
         return KM_ERR_IO;
     }
     line_reader r = {.file = f, .max = a->cfg.max_line_bytes};
     r.chunk = malloc(ANALYSIS_READ_CHUNK);
     if (!r.chunk) {
         fclose(f);
-        return fail_memory(a, "reading a file");
+        return km_analysis_fail_memory(a, "reading a file");
     }
     a->file_generation++;
     a->summary.input.files++;
@@ -1136,12 +1137,13 @@ int km_analysis_add_file(km_analysis *a, const char *path)
         if (got == 0)
             break;
         if (got == -2) {
-            rc = fail_memory(a, "reading a line");
+            rc = km_analysis_fail_memory(a, "reading a line");
             break;
         }
         if (got < 0) {
             a->summary.input.files_failed++;
-            set_error(a, "%s: read error after line %" PRIu64 ": %s", path, line, strerror(errno));
+            km_analysis_set_error(a, "%s: read error after line %" PRIu64 ": %s", path, line,
+                                  strerror(errno));
             rc = KM_ERR_IO;
             break;
         }
@@ -1269,14 +1271,14 @@ static int compare_double(const void *x, const void *y)
 }
 
 /* Pair what is left unjoined by (request_id, attempt_id), in reading order. */
-static int join_by_request(km_analysis *a)
+static int km_analysis_join_by_request(km_analysis *a)
 {
     uint32_t *decisions = malloc((a->n_points + 1) * sizeof *decisions);
     uint32_t *outcomes = malloc((a->n_points + 1) * sizeof *outcomes);
     if (!decisions || !outcomes) {
         free(decisions);
         free(outcomes);
-        return fail_memory(a, "joining by request");
+        return km_analysis_fail_memory(a, "joining by request");
     }
     size_t nd = 0, no = 0;
     for (size_t i = 0; i < a->n_points; i++) {
@@ -1380,7 +1382,7 @@ static int push_window(km_analysis *a, size_t *capacity, const km_analysis_windo
         size_t grown = *capacity ? *capacity * 2 : 16;
         km_analysis_window *w = realloc(a->windows, grown * sizeof *w);
         if (!w)
-            return fail_memory(a, "building recovery windows");
+            return km_analysis_fail_memory(a, "building recovery windows");
         a->windows = w;
         *capacity = grown;
     }
@@ -1397,7 +1399,7 @@ static int build_windows(km_analysis *a)
     /* left_by[file] = stream + 1 once that stream's run of observations from file ended */
     uint32_t *left_by = calloc((size_t)a->file_generation + 1, sizeof *left_by);
     if (!left_by)
-        return fail_memory(a, "building recovery windows");
+        return km_analysis_fail_memory(a, "building recovery windows");
     size_t capacity = 0;
     size_t i = 0;
     while (i < a->n_observations) {
@@ -1470,7 +1472,7 @@ static int assign_windows(km_analysis *a)
     size_t n = 0;
     uint32_t *order = malloc((a->n_points + 1) * sizeof *order);
     if (!order)
-        return fail_memory(a, "ordering decisions");
+        return km_analysis_fail_memory(a, "ordering decisions");
     for (size_t i = 0; i < a->n_points; i++)
         if (a->points[i].flags & POINT_DECISION)
             order[n++] = (uint32_t)i;
@@ -1515,21 +1517,21 @@ int km_analysis_finish(km_analysis *a)
     if (a->broken)
         return KM_ERR_OUT_OF_MEMORY;
     if (a->finished) {
-        set_error(a, "finish called twice");
+        km_analysis_set_error(a, "finish called twice");
         return KM_ERR_INVALID_ARGUMENT;
     }
     a->finished = 1;
     km_analysis_summary *s = &a->summary;
-    int rc = join_by_request(a);
+    int rc = km_analysis_join_by_request(a);
     if (rc != KM_OK)
         return rc;
-    pending_free(a); /* what is left belongs to decisions without outcome */
+    km_analysis_pending_free(a); /* what is left belongs to decisions without outcome */
 
     /* hosts: distinct host ids among decisions and outcomes */
     {
         uint8_t *seen = calloc(a->strings.n + 1, 1);
         if (!seen)
-            return fail_memory(a, "counting hosts");
+            return km_analysis_fail_memory(a, "counting hosts");
         for (size_t i = 0; i < a->n_points; i++) {
             const point *p = &a->points[i];
             if (!(p->flags & POINT_MERGED_AWAY) && !seen[p->host]) {
@@ -1552,7 +1554,7 @@ int km_analysis_finish(km_analysis *a)
         free(router_ttfts);
         free(policy_index);
         free(worker_index);
-        return fail_memory(a, "computing metrics");
+        return km_analysis_fail_memory(a, "computing metrics");
     }
     size_t n_ttft = 0, n_router_ttft = 0, n_policies = 0, n_workers = 0;
     a->min_time_ns = INT64_MAX;
@@ -1756,13 +1758,16 @@ int km_analysis_finish(km_analysis *a)
     for (size_t i = 0; i < a->n_points && rc == KM_OK; i++) {
         const point *p = &a->points[i];
         if ((p->flags & POINT_DECISION) && !(p->flags & POINT_OUTCOME))
-            rc = add_problem(a, &a->unjoined_decisions, p->decision_file, p->decision_line,
-                             "decision %" PRId64 " of instance %s has no outcome", p->decision_id,
-                             str(a, p->instance));
+            rc = km_analysis_add_problem(a, &a->unjoined_decisions, p->decision_file,
+                                         p->decision_line,
+                                         "decision %" PRId64 " of instance %s has no outcome",
+                                         p->decision_id, str(a, p->instance));
         else if ((p->flags & POINT_OUTCOME) && !(p->flags & POINT_DECISION))
-            rc = add_problem(a, &a->unjoined_outcomes, p->outcome_file, p->outcome_line,
-                             "outcome of decision %" PRId64 " of instance %s has no decision",
-                             p->decision_id, str(a, p->instance));
+            rc = km_analysis_add_problem(a, &a->unjoined_outcomes, p->outcome_file,
+                                         p->outcome_line,
+                                         "outcome of decision %" PRId64
+                                         " of instance %s has no decision",
+                                         p->decision_id, str(a, p->instance));
     }
     if (rc != KM_OK)
         return rc;
@@ -1770,7 +1775,7 @@ int km_analysis_finish(km_analysis *a)
     /* decision points by time, for the charts */
     a->time_order = malloc((a->n_points + 1) * sizeof *a->time_order);
     if (!a->time_order)
-        return fail_memory(a, "ordering decisions");
+        return km_analysis_fail_memory(a, "ordering decisions");
     for (size_t i = 0; i < a->n_points; i++)
         if (a->points[i].flags & POINT_DECISION)
             a->time_order[a->n_time_order++] = (uint32_t)i;
@@ -2610,7 +2615,7 @@ int km_analysis_write_html(km_analysis *a, const char *path)
     km_text_init(&page, 0);
     int rc = km_analysis_render_html(a, &page);
     if (rc != KM_OK) {
-        set_error(a, "rendering the HTML report: %s", km_strerror(rc));
+        km_analysis_set_error(a, "rendering the HTML report: %s", km_strerror(rc));
         km_text_free(&page);
         return rc;
     }
@@ -2624,16 +2629,17 @@ int km_analysis_write_html(km_analysis *a, const char *path)
     memcpy(temporary + n, ".tmp", 5);
     FILE *f = fopen(temporary, "wb");
     if (!f) {
-        set_error(a, "%s: cannot create: %s", temporary, strerror(errno));
+        km_analysis_set_error(a, "%s: cannot create: %s", temporary, strerror(errno));
         rc = KM_ERR_IO;
     } else {
         size_t written = fwrite(page.data, 1, page.length, f);
         int close_failed = fclose(f);
         if (written != page.length || close_failed) {
-            set_error(a, "%s: write failed: %s", temporary, strerror(errno));
+            km_analysis_set_error(a, "%s: write failed: %s", temporary, strerror(errno));
             rc = KM_ERR_IO;
         } else if (rename(temporary, path)) {
-            set_error(a, "%s: cannot rename over %s: %s", temporary, path, strerror(errno));
+            km_analysis_set_error(a, "%s: cannot rename over %s: %s", temporary, path,
+                                  strerror(errno));
             rc = KM_ERR_IO;
         }
         if (rc != KM_OK)
