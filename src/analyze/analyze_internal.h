@@ -68,7 +68,7 @@ typedef struct point {
                                * host and pool) when POINT_OVERRIDDEN, else NONE */
     uint32_t owner_name;      /* prediction.owner.worker (string id); NONE = no owner */
     uint32_t flags;
-    uint8_t outcome_kind;     /* 1..5 as km_record_outcome */
+    uint8_t outcome_kind;     /* a km_record_outcome (kvmatch/records.h) */
 } point;
 
 /* A worker's index state seen at a decision. */

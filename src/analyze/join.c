@@ -26,6 +26,7 @@
 #include <xxhash.h>
 
 #include "base/u64_map.h"
+#include "kvmatch/records.h"
 
 /* Bytes read from a file at a time. */
 #define ANALYSIS_READ_CHUNK ((size_t)1 << 20)
@@ -524,12 +525,14 @@ static int take_decision(km_analysis *a, json_t *root, uint32_t file, uint64_t l
     return 1;
 }
 
+/* The km_record_outcome a record's "outcome" names; 0 for none. */
 static int parse_outcome_kind(const char *s)
 {
-    static const char *const names[] = {"complete", "incomplete", "error", "cancelled", "expired"};
-    for (int i = 0; i < 5; i++)
-        if (!strcmp(s, names[i]))
-            return i + 1;
+#define KM_OUTCOME_IF_NAMED(name, value, text) \
+    if (!strcmp(s, text))                      \
+        return name;
+    KM_RECORD_OUTCOME_LIST(KM_OUTCOME_IF_NAMED)
+#undef KM_OUTCOME_IF_NAMED
     return 0;
 }
 

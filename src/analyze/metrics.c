@@ -6,9 +6,12 @@
 #include "analyze/analyze_internal.h"
 
 #include <inttypes.h>
+#include <stdbool.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "kvmatch/records.h"
 
 /* ---- finish: fallback join, windows, metrics -------------------------------------------------- */
 
@@ -364,19 +367,20 @@ int km_analysis_finish(km_analysis *a)
             }
             km_analysis_outcomes *o = &s->outcomes;
             switch (p->outcome_kind) {
-            case 1: o->complete++; break;
-            case 2:
+            case KM_RECORD_OUTCOME_COMPLETE: o->complete++; break;
+            case KM_RECORD_OUTCOME_INCOMPLETE:
                 o->incomplete++;
                 if (f & POINT_HTTP_200)
                     o->incomplete_http_200++;
                 break;
-            case 3: o->error++; break;
-            case 4: o->cancelled++; break;
+            case KM_RECORD_OUTCOME_ERROR: o->error++; break;
+            case KM_RECORD_OUTCOME_CANCELLED: o->cancelled++; break;
             default: o->expired++; break;
             }
-            if (p->outcome_kind == 1 && p->ttft_ns >= 0)
+            bool complete = p->outcome_kind == KM_RECORD_OUTCOME_COMPLETE;
+            if (complete && p->ttft_ns >= 0)
                 ttfts[n_ttft++] = p->ttft_ns;
-            if (p->outcome_kind == 1 && p->router_ttft_ms >= 0)
+            if (complete && p->router_ttft_ms >= 0)
                 router_ttfts[n_router_ttft++] = p->router_ttft_ms;
             /* the copy is the chosen worker's, override or not */
             if ((f & POINT_DECISION) &&
