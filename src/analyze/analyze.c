@@ -11,7 +11,7 @@
 
 #include <xxhash.h>
 
-/* ---- interned byte strings ----------------------------------------------------------------- */
+/* ---- interned byte strings ------------------------------------------------------------------- */
 
 static void intern_init(intern_table *t, km_memory *memory)
 {
@@ -74,6 +74,8 @@ uint32_t km_analysis_intern_cstr(intern_table *t, const char *s)
     return km_analysis_intern(t, s ? s : "", s ? strlen(s) : 0);
 }
 
+/* ---- errors ---------------------------------------------------------------------------------- */
+
 void km_analysis_set_error(km_analysis *a, const char *format, ...)
 {
     va_list ap;
@@ -94,7 +96,7 @@ const char *km_analysis_last_error(const km_analysis *analysis)
     return analysis ? analysis->last_error : "";
 }
 
-/* ---- lifecycle ------------------------------------------------------------------------------ */
+/* ---- lifecycle ------------------------------------------------------------------------------- */
 
 int km_analysis_create(const km_analysis_config *cfg, km_analysis **out)
 {

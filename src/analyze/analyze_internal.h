@@ -12,9 +12,10 @@
 #include "analyze/analyze.h"
 #include "base/u64_map.h"
 
+/* An id that names nothing: no string, no worker. */
 #define NONE UINT32_MAX
 
-/* ---- interned byte strings ----------------------------------------------------------------- */
+/* ---- interned byte strings ------------------------------------------------------------------- */
 
 /* Each distinct byte string gets a dense id; items are NUL-terminated copies. */
 typedef struct intern_table {

@@ -1,18 +1,18 @@
-/* Routing analysis over linked decision and outcome records (src/analyze/analyze.h, docs/ANALYZE.md).
+/* Reading decision and outcome records and joining them (src/analyze/analyze.h, docs/ANALYZE.md).
  *
- * Reading: each file is read through a fixed buffer; a line longer than max_line_bytes is skipped
- * to its newline and counted invalid, so no input grows memory past that limit. Each valid record
- * becomes or completes one compact `point`; a map keyed by a 128-bit hash of (instance,
- * decision_id) finds the point a record belongs to, so the join needs no record text. At finish the
- * points left unjoined are paired by a hash of (request_id, attempt_id), then every metric is one
- * pass over the points. A router override (an outcome's dispatched_worker) is compared with the
- * dispatched worker's depth at the decision: a decision read before its outcome keeps its
- * candidates' depths aside (`pending`) until the outcome joins it, then only that one depth stays
- * in the point. Worker health (candidates[].eligible) is counted per worker as each decision is
- * read; the point keeps one flag bit, whether its owner was ineligible. Recovery windows come from per-worker index-state observations: within a
- * file only the first observation of each worker, every change of state and the last observation
- * are kept (a file is written in decision order), and at finish they are sorted by time per worker
- * and swept into windows, so files may be given in any order. */
+ * Each file is read through a fixed buffer; a line longer than max_line_bytes is skipped to its
+ * newline and counted invalid, so no input grows memory past that limit. Each valid record becomes
+ * or completes one compact `point`; a map keyed by a 128-bit hash of (instance, decision_id) finds
+ * the point a record belongs to, so the join needs no record text. At finish the points left
+ * unjoined are paired by a hash of (request_id, attempt_id) (km_analysis_join_by_request). A router
+ * override (an outcome's dispatched_worker) is compared with the dispatched worker's depth at the
+ * decision: a decision read before its outcome keeps its candidates' depths aside (`pending`)
+ * until the outcome joins it, then only that one depth stays in the point. Worker health
+ * (candidates[].eligible) is counted per worker as each decision is read; the point keeps one flag
+ * bit, whether its owner was ineligible. Index states are kept as per-worker observations: within
+ * a file only the first observation of each worker, every change of state and the last
+ * observation (a file is written in decision order); metrics.c sorts them by time and sweeps them
+ * into recovery windows, so files may be given in any order. */
 #include "analyze/analyze_internal.h"
 
 #include <errno.h>
@@ -220,7 +220,7 @@ static point *new_point(km_analysis *a, uint32_t *index)
     return p;
 }
 
-/* ---- router overrides ---------------------------------------------------------------------- */
+/* ---- router overrides ------------------------------------------------------------------------ */
 
 /* The pending map's key of a point (never the reserved keys 0 and 1). */
 static uint64_t pending_key(uint32_t index)
@@ -255,7 +255,7 @@ static void settle_pending(km_analysis *a, uint32_t index)
     km_u64map_erase(&a->pending, pending_key(index));
 }
 
-/* ---- index-state observations ------------------------------------------------------------------ */
+/* ---- index-state observations ---------------------------------------------------------------- */
 
 static int push_observation(km_analysis *a, uint32_t worker, uint32_t state, int64_t time_ns)
 {
@@ -309,7 +309,7 @@ static int end_file_observations(km_analysis *a)
     return KM_OK;
 }
 
-/* ---- records ---------------------------------------------------------------------------------- */
+/* ---- records --------------------------------------------------------------------------------- */
 
 static int is_live(const char *state)
 {
@@ -646,7 +646,7 @@ static int take_outcome(km_analysis *a, json_t *root, uint32_t file, uint64_t li
     return 1;
 }
 
-/* ---- reading files ---------------------------------------------------------------------------- */
+/* ---- reading files --------------------------------------------------------------------------- */
 
 typedef struct line_reader {
     FILE *file;
@@ -839,7 +839,7 @@ int km_analysis_add_file(km_analysis *a, const char *path)
     return rc;
 }
 
-/* ---- fallback join -------------------------------------------------------------------------- */
+/* ---- fallback join --------------------------------------------------------------------------- */
 
 /* The analysis whose points the comparators below read (qsort has no context argument);
  * thread-local, so handles finished on different threads stay independent. */

@@ -13,7 +13,7 @@
 
 #include "kvmatch/records.h"
 
-/* ---- finish: fallback join, windows, metrics -------------------------------------------------- */
+/* ---- orders of points, observations, windows, policies and workers --------------------------- */
 
 /* The analysis whose points the comparators below read (qsort has no context argument);
  * thread-local, so handles finished on different threads stay independent. */
@@ -95,6 +95,8 @@ static int compare_double(const void *x, const void *y)
     double a = *(const double *)x, b = *(const double *)y;
     return (a > b) - (a < b);
 }
+
+/* ---- per-worker rows, quality, recovery windows ---------------------------------------------- */
 
 /* The per-worker stats row of worker (a worker table id), added on first use. worker_index maps
  * ids to row index + 1. */
@@ -276,6 +278,8 @@ static int assign_windows(km_analysis *a)
     free(order);
     return KM_OK;
 }
+
+/* ---- finish ---------------------------------------------------------------------------------- */
 
 int km_analysis_finish(km_analysis *a)
 {
@@ -570,7 +574,7 @@ const km_analysis_summary *km_analysis_summary_get(const km_analysis *a)
     return a && a->finished && !a->broken ? &a->summary : NULL;
 }
 
-/* ---- difference buckets ----------------------------------------------------------------------- */
+/* ---- difference buckets ---------------------------------------------------------------------- */
 
 static const int64_t diff_edges[] = {16, 64, 256, 1024, 4096}; /* magnitude bucket starts after 1 */
 

@@ -17,8 +17,6 @@
 #define ANALYSIS_CHART_MAX_POINTS 2000
 #define ANALYSIS_CHART_MAX_WINDOWS 500
 
-/* ---- HTML report ------------------------------------------------------------------------------ */
-
 #define SVG_WIDTH 720
 #define SVG_HEIGHT 300
 #define SVG_LEFT 64

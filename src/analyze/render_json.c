@@ -7,8 +7,6 @@
 
 #include <jansson.h>
 
-/* ---- JSON report ------------------------------------------------------------------------------ */
-
 static json_t *json_quality(const km_analysis_quality *q)
 {
     return json_pack("{sI sI sI sI sI sI sI sI sI sI sI sf}", "decisions", (json_int_t)q->decisions,

@@ -4,8 +4,6 @@
 #include <inttypes.h>
 #include <stdint.h>
 
-/* ---- text report ------------------------------------------------------------------------------ */
-
 static double percent(uint64_t part, uint64_t whole)
 {
     return whole ? 100.0 * (double)part / (double)whole : 0.0;
