@@ -172,6 +172,20 @@ static void buffer_clear(worker *w)
     w->buffer_bytes = 0;
 }
 
+worker *km_feed_worker_new(const km_feed *feed)
+{
+    worker *w = calloc(1, sizeof *w);
+    if (!w)
+        return NULL;
+    km_emap_init(&w->map);
+    w->history = calloc(feed->config.max_windows, sizeof *w->history);
+    if (!w->history) {
+        km_feed_worker_free(w);
+        return NULL;
+    }
+    return w;
+}
+
 void km_feed_worker_free(worker *w)
 {
     if (!w)
@@ -1017,15 +1031,9 @@ int km_feed_add_worker_identity(km_feed *feed, const km_feed_worker_config *cfg,
                             "worker %u is already followed", cfg->worker);
     if (GROW(feed->workers, feed->workers_capacity, (size_t)feed->n_workers + 1))
         return km_feed_fail(feed, KM_ERR_OUT_OF_MEMORY, "worker table");
-    worker *w = calloc(1, sizeof *w);
-    if (w) {
-        km_emap_init(&w->map);
-        w->history = calloc(feed->config.max_windows, sizeof *w->history);
-    }
-    if (!w || !w->history) {
-        km_feed_worker_free(w);
+    worker *w = km_feed_worker_new(feed);
+    if (!w)
         return km_feed_fail(feed, KM_ERR_OUT_OF_MEMORY, "worker state");
-    }
     w->id = cfg->worker;
     w->generation = ++feed->next_generation;
     snprintf(w->name, sizeof w->name, "%s", cfg->name ? cfg->name : "");

@@ -170,6 +170,9 @@ struct km_feed {
 /* Record a failure in feed->last_error ("KM_ERR_NAME: detail"); returns status. */
 int km_feed_fail(km_feed *feed, int status, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
+/* A zeroed worker with an empty engine-hash map and room for max_windows closed windows; NULL when
+ * out of memory. */
+worker *km_feed_worker_new(const km_feed *feed);
 /* Free a worker and everything it holds; NULL is a no-op. */
 void km_feed_worker_free(worker *w);
 /* A fresh open window of cause, started at now. */

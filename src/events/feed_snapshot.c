@@ -225,13 +225,8 @@ int km_feed_import_state(km_feed *feed, const void *data, size_t size, uint64_t 
             rc = KM_ERR_CORRUPT, why = "worker name too long";
             break;
         }
-        worker *w = calloc(1, sizeof *w);
-        if (w) {
-            km_emap_init(&w->map);
-            w->history = calloc(feed->config.max_windows, sizeof *w->history);
-        }
-        if (!w || !w->history) {
-            km_feed_worker_free(w);
+        worker *w = km_feed_worker_new(feed);
+        if (!w) {
             rc = KM_ERR_OUT_OF_MEMORY, why = "worker state";
             break;
         }
