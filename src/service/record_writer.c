@@ -421,6 +421,25 @@ static void *writer_thread(void *arg)
     return NULL;
 }
 
+/* The handle's lock and condition variables (initialised, no thread waiting). */
+static void writer_free_sync(km_record_writer *w)
+{
+    pthread_cond_destroy(&w->work);
+    pthread_cond_destroy(&w->done);
+    pthread_mutex_destroy(&w->lock);
+}
+
+/* The handle and its allocations; any of them may be NULL. */
+static void writer_free_memory(km_record_writer *w)
+{
+    free(w->path_copy);
+    free(w->rotate_from);
+    free(w->rotate_to);
+    free(w->ring);
+    free(w->buf);
+    free(w);
+}
+
 int km_record_writer_create(const km_record_writer_config *cfg, km_record_writer **out)
 {
     if (out)
@@ -448,12 +467,7 @@ int km_record_writer_create(const km_record_writer_config *cfg, km_record_writer
                                                                          : (UINT64_C(1) << 20));
     w->buf = malloc(w->buf_cap);
     if (!w->path_copy || !w->rotate_from || !w->rotate_to || !w->ring || !w->buf) {
-        free(w->path_copy);
-        free(w->rotate_from);
-        free(w->rotate_to);
-        free(w->ring);
-        free(w->buf);
-        free(w);
+        writer_free_memory(w);
         return KM_ERR_OUT_OF_MEMORY;
     }
     w->config.path = w->path_copy;
@@ -468,15 +482,8 @@ int km_record_writer_create(const km_record_writer_config *cfg, km_record_writer
     if (pthread_create(&w->thread, NULL, writer_thread, w) == 0) {
         pthread_setname_np(w->thread, "km-records"); /* for top -H, perf, bench ipc */
     } else {
-        pthread_cond_destroy(&w->work);
-        pthread_cond_destroy(&w->done);
-        pthread_mutex_destroy(&w->lock);
-        free(w->path_copy);
-        free(w->rotate_from);
-        free(w->rotate_to);
-        free(w->ring);
-        free(w->buf);
-        free(w);
+        writer_free_sync(w);
+        writer_free_memory(w);
         return KM_ERR_INTERNAL;
     }
     *out = w;
@@ -494,15 +501,8 @@ void km_record_writer_destroy(km_record_writer *w)
     pthread_join(w->thread, NULL);
     for (uint32_t i = 0; i < w->count; i++) /* none: the thread drains before it stops */
         free(w->ring[(w->head + i) % w->config.queue_capacity].data);
-    pthread_cond_destroy(&w->work);
-    pthread_cond_destroy(&w->done);
-    pthread_mutex_destroy(&w->lock);
-    free(w->path_copy);
-    free(w->rotate_from);
-    free(w->rotate_to);
-    free(w->ring);
-    free(w->buf);
-    free(w);
+    writer_free_sync(w);
+    writer_free_memory(w);
 }
 
 /* Queue `copy` (malloc'd, len bytes, NULL after a failed allocation; owned from here on). */
