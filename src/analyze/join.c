@@ -18,6 +18,7 @@
 #include <errno.h>
 #include <inttypes.h>
 #include <stdarg.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -220,6 +221,41 @@ static point *new_point(km_analysis *a, uint32_t *index)
     return p;
 }
 
+/* The point a valid record of type (POINT_DECISION or POINT_OUTCOME) keyed (instance,
+ * decision_id) belongs to, in *index: the one a record of the other type started (joined: counted
+ * in by_decision_id), or a new one (*created, when created is not NULL). Returns 0, 1 when that
+ * point holds a record of this type already (a duplicate, to be counted and not used), or
+ * KM_ERR_OUT_OF_MEMORY. */
+static int point_of_record(km_analysis *a, const common_fields *c, uint32_t type, uint32_t *index,
+                           bool *created)
+{
+    uint64_t key[2];
+    decision_key(c->instance, c->decision_id, key);
+    /* The map holds the low 64 bits, the point the high 64: two keys equal in the low half only
+     * (about n^2 / 2^65 for n decisions) would make the newer one take the map entry. */
+    uint64_t map_key = km_u64map_key(key[0]);
+    uint64_t *found = km_u64map_find(&a->by_decision, map_key);
+    if (created)
+        *created = false;
+    if (found && a->points[*found].key_check == key[1]) {
+        *index = (uint32_t)*found;
+        if (a->points[*index].flags & type)
+            return 1;
+        a->summary.join.by_decision_id++;
+        return 0;
+    }
+    bool decision = type == POINT_DECISION;
+    point *p = new_point(a, index);
+    if (!p)
+        return km_analysis_fail_memory(a, decision ? "keeping a decision" : "keeping an outcome");
+    p->key_check = key[1];
+    if (km_u64map_put(&a->by_decision, map_key, *index, 1) != KM_OK)
+        return km_analysis_fail_memory(a, decision ? "indexing a decision" : "indexing an outcome");
+    if (created)
+        *created = true;
+    return 0;
+}
+
 /* ---- router overrides ------------------------------------------------------------------------ */
 
 /* The pending map's key of a point (never the reserved keys 0 and 1). */
@@ -406,32 +442,16 @@ static int take_decision(km_analysis *a, json_t *root, uint32_t file, uint64_t l
     }
 
     /* Valid: from here on only out-of-memory can fail. */
-    uint64_t key[2];
-    decision_key(c.instance, c.decision_id, key);
-    /* The map holds the low 64 bits, the point the high 64: two keys equal in the low half only
-     * (about n^2 / 2^65 for n decisions) would make the newer one take the map entry. */
-    uint64_t map_key = km_u64map_key(key[0]);
-    uint64_t *found = km_u64map_find(&a->by_decision, map_key);
     uint32_t index;
-    point *p;
-    if (found && a->points[*found].key_check == key[1]) {
-        index = (uint32_t)*found;
-        p = &a->points[index];
-        if (p->flags & POINT_DECISION) {
-            a->summary.join.duplicate_decisions++;
-            a->summary.input.decisions++;
-            return 1;
-        }
-        a->summary.join.by_decision_id++;
-    } else {
-        p = new_point(a, &index);
-        if (!p)
-            return km_analysis_fail_memory(a, "keeping a decision");
-        p->key_check = key[1];
-        if (km_u64map_put(&a->by_decision, map_key, index, 1) != KM_OK)
-            return km_analysis_fail_memory(a, "indexing a decision");
-    }
+    int seen = point_of_record(a, &c, POINT_DECISION, &index, NULL);
+    if (seen < 0)
+        return seen;
     a->summary.input.decisions++;
+    if (seen) {
+        a->summary.join.duplicate_decisions++;
+        return 1;
+    }
+    point *p = &a->points[index];
     uint32_t host = km_analysis_intern_cstr(&a->strings, c.host);
     uint32_t pool = km_analysis_intern_cstr(&a->strings, c.pool);
     uint32_t instance = km_analysis_intern_cstr(&a->strings, c.instance);
@@ -582,28 +602,18 @@ static int take_outcome(km_analysis *a, json_t *root, uint32_t file, uint64_t li
         dispatched = json_string_value(dw);
     }
 
-    uint64_t key[2];
-    decision_key(c.instance, c.decision_id, key);
-    uint64_t map_key = km_u64map_key(key[0]);
-    uint64_t *found = km_u64map_find(&a->by_decision, map_key);
     uint32_t index;
-    point *p;
+    bool created;
     a->summary.input.outcomes++;
-    if (found && a->points[*found].key_check == key[1]) {
-        index = (uint32_t)*found;
-        p = &a->points[index];
-        if (p->flags & POINT_OUTCOME) {
-            a->summary.join.duplicate_outcomes++;
-            return 1;
-        }
-        a->summary.join.by_decision_id++;
-    } else {
-        p = new_point(a, &index);
-        if (!p)
-            return km_analysis_fail_memory(a, "keeping an outcome");
-        p->key_check = key[1];
-        if (km_u64map_put(&a->by_decision, map_key, index, 1) != KM_OK)
-            return km_analysis_fail_memory(a, "indexing an outcome");
+    int seen = point_of_record(a, &c, POINT_OUTCOME, &index, &created);
+    if (seen < 0)
+        return seen;
+    if (seen) {
+        a->summary.join.duplicate_outcomes++;
+        return 1;
+    }
+    point *p = &a->points[index];
+    if (created) {
         /* outcome only, so far: what the outcome itself knows */
         p->time_ns = decided >= 0 ? decided : c.monotonic_ns;
         p->predicted = predicted_depth;
