@@ -70,7 +70,7 @@ static void feed_log(const km_feed *feed, const worker *w, const char *fmt, ...)
 /* Grow the array whose address is array_ptr (a T **) to hold `need` elements; capacity doubles.
  * On failure the array and capacity are unchanged. The pointer is moved with memcpy so one helper
  * serves every element type. */
-static int grow_array(void *array_ptr, size_t *capacity, size_t need, size_t size)
+static int km_feed_grow_array(void *array_ptr, size_t *capacity, size_t need, size_t size)
 {
     if (need <= *capacity)
         return KM_OK;
@@ -87,7 +87,8 @@ static int grow_array(void *array_ptr, size_t *capacity, size_t need, size_t siz
     return KM_OK;
 }
 
-#define GROW(array, capacity, need) grow_array(&(array), &(capacity), (need), sizeof *(array))
+#define GROW(array, capacity, need) \
+    km_feed_grow_array(&(array), &(capacity), (need), sizeof *(array))
 
 uint64_t km_feed_clock_ns(void)
 {
@@ -231,7 +232,7 @@ static uint32_t worker_slot(const km_feed *feed, uint32_t id, bool *found)
     return lo;
 }
 
-static worker *find_worker(const km_feed *feed, uint32_t id)
+static worker *km_feed_find_worker(const km_feed *feed, uint32_t id)
 {
     bool found;
     uint32_t slot = worker_slot(feed, id, &found);
@@ -368,7 +369,7 @@ static void queue_tier_fixes(km_feed *feed, uint32_t worker_id, const uint64_t *
 /* A control update (clear / remove worker) as a group of its own. Such updates carry no hashes and
  * never allocate in the index; if even this queue push cannot get memory, the worker is left as it
  * is and the error returned. */
-static int queue_control(km_feed *feed, const worker *w, km_update_kind kind)
+static int km_feed_queue_control(km_feed *feed, const worker *w, km_update_kind kind)
 {
     int rc = queue_reserve(feed, 1, 0);
     if (rc)
@@ -440,7 +441,8 @@ static void close_recovery(const km_feed *feed, worker *w, uint64_t now, km_feed
     window_close(feed, w, &w->recovery, now, end);
 }
 
-static void exit_degraded(const km_feed *feed, worker *w, uint64_t now, km_feed_window_end end)
+static void km_feed_exit_degraded(const km_feed *feed, worker *w, uint64_t now,
+                                  km_feed_window_end end)
 {
     if (!w->degraded)
         return;
@@ -453,7 +455,7 @@ static void exit_degraded(const km_feed *feed, worker *w, uint64_t now, km_feed_
 }
 
 /* History was lost (or refused by the index): the worker's index is incomplete. */
-static void enter_degraded(km_feed *feed, worker *w, uint64_t now, const char *why)
+static void km_feed_enter_degraded(km_feed *feed, worker *w, uint64_t now, const char *why)
 {
     if (!w->degraded) {
         w->degraded = true;
@@ -467,7 +469,7 @@ static void enter_degraded(km_feed *feed, worker *w, uint64_t now, const char *w
      * bit would keep a block indexed after its last real removal. Blocks whose parents were
      * forgotten are skipped until a sequence starts again, as after a clear. */
     if (feed->config.degraded_policy == KM_FEED_DEGRADED_DROP) {
-        if (queue_control(feed, w, KM_UPDATE_CLEAR_WORKER) != KM_OK)
+        if (km_feed_queue_control(feed, w, KM_UPDATE_CLEAR_WORKER) != KM_OK)
             feed_log(feed, w, "out of memory queueing the DROP-policy clear");
         else
             km_emap_clear(&w->map);
@@ -490,7 +492,7 @@ static void declare_lost(km_feed *feed, worker *w, uint64_t n, uint64_t now)
         w->degraded_window.lost += n;
     char why[96];
     snprintf(why, sizeof why, "%" PRIu64 " message(s) lost before seq %" PRIu64, n, w->expected + n);
-    enter_degraded(feed, w, now, why);
+    km_feed_enter_degraded(feed, w, now, why);
 }
 
 /* ---- the replay dedup window ----------------------------------------------------------------- */
@@ -732,7 +734,7 @@ static void apply_message(km_feed *feed, worker *w, uint64_t seq, const message_
     }
     if (feed->hash_count + n_hashes > feed->config.max_queued_hashes) {
         w->c.dropped_messages++;
-        enter_degraded(feed, w, now, "update queue full (flush not called often enough)");
+        km_feed_enter_degraded(feed, w, now, "update queue full (flush not called often enough)");
         return;
     }
     /* Per event: its update plus up to one SET_TIER per tier; per block: its hash plus one for a
@@ -740,7 +742,7 @@ static void apply_message(km_feed *feed, worker *w, uint64_t seq, const message_
     if (queue_reserve(feed, (size_t)v->n_events * (1 + KM_TIER_COUNT), 2 * n_hashes) ||
         tier_scratch_reserve(feed, n_hashes) || km_emap_reserve(&w->map, n_stored)) {
         w->c.dropped_messages++;
-        enter_degraded(feed, w, now, "out of memory queueing a message's updates");
+        km_feed_enter_degraded(feed, w, now, "out of memory queueing a message's updates");
         return;
     }
     group_begin(feed, w);
@@ -755,7 +757,7 @@ static void apply_message(km_feed *feed, worker *w, uint64_t seq, const message_
             queue_push(feed, KM_UPDATE_CLEAR_WORKER, w->id, KM_NO_PARENT, feed->hash_count, 0);
             km_emap_clear(&w->map);
             /* Everything stored from here on is observed: the index is complete again. */
-            exit_degraded(feed, w, now, KM_FEED_END_CLEARED);
+            km_feed_exit_degraded(feed, w, now, KM_FEED_END_CLEARED);
             break;
         }
     }
@@ -963,9 +965,9 @@ static void restart_worker(km_feed *feed, worker *w, uint64_t seq, uint64_t now)
     cancel_replay(feed, w);
     buffer_clear(w);
     close_recovery(feed, w, now, KM_FEED_END_RESTART);
-    exit_degraded(feed, w, now, KM_FEED_END_RESTART);
-    if (queue_control(feed, w, KM_UPDATE_CLEAR_WORKER) != KM_OK)
-        enter_degraded(feed, w, now, "out of memory queueing the restart's clear");
+    km_feed_exit_degraded(feed, w, now, KM_FEED_END_RESTART);
+    if (km_feed_queue_control(feed, w, KM_UPDATE_CLEAR_WORKER) != KM_OK)
+        km_feed_enter_degraded(feed, w, now, "out of memory queueing the restart's clear");
     km_emap_clear(&w->map);
     dedup_clear(feed, w);
     km_feed_open_recovery(w, KM_FEED_WINDOW_RESTART, now, seq);
@@ -1018,7 +1020,7 @@ int km_feed_add_worker_identity(km_feed *feed, const km_feed_worker_config *cfg,
         /* Another producer under this id: forget the restored state and start afresh. */
         feed_log(feed, r, "restored identity \"%s\" differs from \"%s\": starting afresh",
                  r->identity, identity);
-        if (queue_control(feed, r, KM_UPDATE_CLEAR_WORKER) != KM_OK)
+        if (km_feed_queue_control(feed, r, KM_UPDATE_CLEAR_WORKER) != KM_OK)
             return km_feed_fail(feed, KM_ERR_OUT_OF_MEMORY, "update queue");
         memmove(feed->workers + slot, feed->workers + slot + 1,
                 (size_t)(feed->n_workers - slot - 1) * sizeof *feed->workers);
@@ -1039,7 +1041,7 @@ int km_feed_add_worker_identity(km_feed *feed, const km_feed_worker_config *cfg,
     snprintf(w->name, sizeof w->name, "%s", cfg->name ? cfg->name : "");
     snprintf(w->identity, sizeof w->identity, "%s", identity);
     w->has_replay = cfg->has_replay;
-    if (queue_control(feed, w, KM_UPDATE_CLEAR_WORKER) != KM_OK) {
+    if (km_feed_queue_control(feed, w, KM_UPDATE_CLEAR_WORKER) != KM_OK) {
         km_feed_worker_free(w);
         return km_feed_fail(feed, KM_ERR_OUT_OF_MEMORY, "update queue");
     }
@@ -1064,7 +1066,7 @@ int km_feed_remove_worker(km_feed *feed, uint32_t id, uint64_t now_ns)
     if (!found)
         return km_feed_fail(feed, KM_ERR_INVALID_ARGUMENT, "worker %u is not followed", id);
     worker *w = feed->workers[slot];
-    int rc = queue_control(feed, w, KM_UPDATE_REMOVE_WORKER);
+    int rc = km_feed_queue_control(feed, w, KM_UPDATE_REMOVE_WORKER);
     if (rc)
         return km_feed_fail(feed, rc, "update queue");
     cancel_replay(feed, w);
@@ -1080,17 +1082,17 @@ int km_feed_resync_worker(km_feed *feed, uint32_t id, uint64_t now_ns)
 {
     if (!feed)
         return KM_ERR_NULL_POINTER;
-    worker *w = find_worker(feed, id);
+    worker *w = km_feed_find_worker(feed, id);
     if (!w)
         return km_feed_fail(feed, KM_ERR_INVALID_ARGUMENT, "worker %u is not followed", id);
-    int rc = queue_control(feed, w, KM_UPDATE_CLEAR_WORKER);
+    int rc = km_feed_queue_control(feed, w, KM_UPDATE_CLEAR_WORKER);
     if (rc)
         return km_feed_fail(feed, rc, "update queue");
     feed_log(feed, w, "resync requested");
     cancel_replay(feed, w);
     buffer_clear(w);
     close_recovery(feed, w, now_ns, KM_FEED_END_RESYNC);
-    exit_degraded(feed, w, now_ns, KM_FEED_END_RESYNC);
+    km_feed_exit_degraded(feed, w, now_ns, KM_FEED_END_RESYNC);
     km_emap_clear(&w->map);
     dedup_clear(feed, w);
     w->has_expected = false;
@@ -1117,7 +1119,7 @@ int km_feed_live(km_feed *feed, uint32_t id, uint64_t seq, const km_kv_batch *ba
 {
     if (!feed)
         return KM_ERR_NULL_POINTER;
-    worker *w = find_worker(feed, id);
+    worker *w = km_feed_find_worker(feed, id);
     if (!w)
         return km_feed_fail(feed, KM_ERR_INVALID_ARGUMENT, "worker %u is not followed", id);
     w->c.messages++;
@@ -1167,7 +1169,7 @@ int km_feed_malformed(km_feed *feed, uint32_t id, uint64_t now_ns)
 {
     if (!feed)
         return KM_ERR_NULL_POINTER;
-    worker *w = find_worker(feed, id);
+    worker *w = km_feed_find_worker(feed, id);
     if (!w)
         return km_feed_fail(feed, KM_ERR_INVALID_ARGUMENT, "worker %u is not followed", id);
     w->c.malformed++;
@@ -1178,7 +1180,7 @@ int km_feed_malformed(km_feed *feed, uint32_t id, uint64_t now_ns)
 
 static worker *replay_worker(km_feed *feed, uint32_t id, uint64_t request_id, int *rc)
 {
-    worker *w = find_worker(feed, id);
+    worker *w = km_feed_find_worker(feed, id);
     if (!w) {
         *rc = km_feed_fail(feed, KM_ERR_INVALID_ARGUMENT, "worker %u is not followed", id);
         return NULL;
@@ -1407,11 +1409,11 @@ int km_feed_flush(km_feed *feed, uint64_t now_ns, km_feed_flush_stats *stats)
         memcpy(failed, feed->groups, n_failed * sizeof *failed);
     queue_reset(feed);
     for (size_t i = 0; failed && i < n_failed; i++) {
-        worker *w = find_worker(feed, failed[i].worker);
+        worker *w = km_feed_find_worker(feed, failed[i].worker);
         if (!w || w->generation != failed[i].generation)
             continue;
         w->c.dropped_messages++;
-        enter_degraded(feed, w, now_ns, "the index refused a message's updates");
+        km_feed_enter_degraded(feed, w, now_ns, "the index refused a message's updates");
     }
     if (failed != failed_small)
         free(failed);
@@ -1434,7 +1436,7 @@ int km_feed_get_worker_info(const km_feed *feed, uint32_t id, km_feed_worker_inf
 {
     if (!feed || !out)
         return KM_ERR_NULL_POINTER;
-    const worker *w = find_worker(feed, id);
+    const worker *w = km_feed_find_worker(feed, id);
     if (!w)
         return KM_ERR_INVALID_ARGUMENT;
     memset(out, 0, sizeof *out);
@@ -1465,7 +1467,7 @@ int km_feed_get_worker_windows(const km_feed *feed, uint32_t id, km_feed_window 
 {
     if (!feed || !n_out || (!out && capacity))
         return KM_ERR_NULL_POINTER;
-    const worker *w = find_worker(feed, id);
+    const worker *w = km_feed_find_worker(feed, id);
     if (!w)
         return KM_ERR_INVALID_ARGUMENT;
     /* Closed windows oldest first, then the open ones by start time. */
