@@ -710,22 +710,10 @@ static void apply_removed(km_feed *feed, worker *w, const km_kv_event *e)
                          (km_tier)KM_TIER_COUNT /* none: every moved block needs its update */);
 }
 
-/* Apply the message with seq == w->expected: consume the seq, queue its updates as one group. */
-static void apply_message(km_feed *feed, worker *w, uint64_t seq, const message_view *v,
-                          bool from_replay, uint64_t now)
+/* Queue the updates of a well-formed message's events as one group; a message whose updates do not
+ * fit (the queue's limit, or no memory) is dropped and its worker DEGRADED. */
+static void km_feed_queue_message(km_feed *feed, worker *w, const message_view *v, uint64_t now)
 {
-    w->expected = seq + 1;
-    w->has_expected = true;
-    if (from_replay) {
-        w->c.replayed++;
-        if (w->recovery_open)
-            w->recovery.replayed++;
-        dedup_remember(feed, w, seq, km_feed_message_digest(v));
-    }
-    if (v->malformed)
-        return;
-    w->last_engine_timestamp = v->timestamp;
-
     size_t n_hashes = 0, n_stored = 0;
     for (uint32_t i = 0; i < v->n_events; i++) {
         n_hashes += v->events[i].n_block_hashes;
@@ -762,6 +750,24 @@ static void apply_message(km_feed *feed, worker *w, uint64_t seq, const message_
         }
     }
     group_end(feed);
+}
+
+/* Apply the message with seq == w->expected: consume the seq, queue its updates as one group. */
+static void apply_message(km_feed *feed, worker *w, uint64_t seq, const message_view *v,
+                          bool from_replay, uint64_t now)
+{
+    w->expected = seq + 1;
+    w->has_expected = true;
+    if (from_replay) {
+        w->c.replayed++;
+        if (w->recovery_open)
+            w->recovery.replayed++;
+        dedup_remember(feed, w, seq, km_feed_message_digest(v));
+    }
+    if (v->malformed)
+        return;
+    w->last_engine_timestamp = v->timestamp;
+    km_feed_queue_message(feed, w, v, now);
 }
 
 /* ---- replay and the live buffer -------------------------------------------------------------- */
