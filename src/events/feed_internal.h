@@ -167,6 +167,23 @@ struct km_feed {
     size_t tier_scratch_capacity;
 };
 
+/* Grow the array whose address is array_ptr (a T **) to hold `need` elements (feed.c). */
+int km_feed_grow_array(void *array_ptr, size_t *capacity, size_t need, size_t size);
+#define GROW(array, capacity, need) \
+    km_feed_grow_array(&(array), &(capacity), (need), sizeof *(array))
+
+/* The worker followed under id, or NULL (feed.c). */
+worker *km_feed_find_worker(const km_feed *feed, uint32_t id);
+/* History was lost (or refused by the index): the worker's index is incomplete (feed.c). */
+void km_feed_enter_degraded(km_feed *feed, worker *w, uint64_t now, const char *why);
+/* The worker's index is complete again: DEGRADED ends, for the reason `end` (feed.c). */
+void km_feed_exit_degraded(const km_feed *feed, worker *w, uint64_t now, km_feed_window_end end);
+
+/* A control update (clear / remove worker) queued as a group of its own (feed_updates.c). */
+int km_feed_queue_control(km_feed *feed, const worker *w, km_update_kind kind);
+/* Queue the updates of a well-formed message's events as one group (feed_updates.c). */
+void km_feed_queue_message(km_feed *feed, worker *w, const message_view *v, uint64_t now);
+
 /* Record a failure in feed->last_error ("KM_ERR_NAME: detail"); returns status. */
 int km_feed_fail(km_feed *feed, int status, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));

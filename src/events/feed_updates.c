@@ -1,0 +1,463 @@
+/* The event feed's index updates (include/kvmatch/feed.h, docs/EVENTS.md "The feed"): a
+ * message's events become updates in the feed's queue (engine hashes to chain hashes through the
+ * worker's engine-hash map, tier changes from the media a block is held in), one group per
+ * message, and km_feed_flush applies the whole queue as one index batch (message by message when
+ * the index refuses it). The stream's state machine, which decides what is applied, is feed.c.
+ *
+ * Invariants:
+ *  - a message is applied only after its updates have room in the queue and its new map entries
+ *    have room in the map, so applying never fails half-way.
+ *  - a map entry's chain is set by the first store of its engine hash and kept until the entry is
+ *    erased, so the index holds exactly one chain per entry (apply_stored). */
+#include <inttypes.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kvmatch/hash.h"
+#include "events/engine_hash_map.h"
+#include "events/feed_internal.h"
+
+#define EMAP_PREFETCH_AHEAD 8u /* blocks: apply_stored loads map slots this far ahead */
+
+/* ---- engine-hash map ------------------------------------------------------------------------- */
+
+/* Engine hashes map to their chain hash and media in a km_emap (src/events/engine_hash_map.h), one
+ * per worker. chain == CHAIN_UNHASHABLE marks an engine hash whose block could not be hashed
+ * (extra keys kvmatch cannot read); its descendants inherit the mark. 0 is never a chain hash
+ * (HASHING.md). */
+#define CHAIN_UNHASHABLE UINT64_C(0)
+
+/* ---- queue ----------------------------------------------------------------------------------- */
+
+static int tier_scratch_reserve(km_feed *feed, size_t n)
+{
+    if (n <= feed->tier_scratch_capacity)
+        return KM_OK;
+    uint8_t *t = realloc(feed->tier_scratch, n);
+    if (!t)
+        return KM_ERR_OUT_OF_MEMORY;
+    feed->tier_scratch = t;
+    uint64_t *c = realloc(feed->tier_chains, n * sizeof *c);
+    if (!c)
+        return KM_ERR_OUT_OF_MEMORY;
+    feed->tier_chains = c;
+    feed->tier_scratch_capacity = n;
+    return KM_OK;
+}
+
+/* Room for one group of up to n_updates updates and n_hashes hashes. */
+static int queue_reserve(km_feed *feed, size_t n_updates, size_t n_hashes)
+{
+    int rc = GROW(feed->queue, feed->queue_capacity, feed->queue_count + n_updates);
+    if (!rc)
+        rc = GROW(feed->groups, feed->group_capacity, feed->group_count + 1);
+    if (!rc)
+        rc = GROW(feed->hashes, feed->hash_capacity, feed->hash_count + n_hashes);
+    return rc;
+}
+
+static void group_begin(km_feed *feed, const worker *w)
+{
+    queued_group *g = &feed->groups[feed->group_count];
+    g->worker = w->id;
+    g->generation = w->generation;
+    g->first = feed->queue_count;
+    g->count = 0;
+    feed->group_open = true;
+}
+
+static void group_end(km_feed *feed)
+{
+    queued_group *g = &feed->groups[feed->group_count];
+    g->count = feed->queue_count - g->first;
+    feed->group_open = false;
+    if (g->count)
+        feed->group_count++;
+}
+
+/* Queue one update; room was reserved. hashes (count of them) are already at feed->hashes +
+ * offset. */
+static void queue_push(km_feed *feed, km_update_kind kind, uint32_t id, uint64_t parent,
+                       uint64_t offset, uint64_t count)
+{
+    queued_update *u = &feed->queue[feed->queue_count++];
+    u->kind = kind;
+    u->worker = id;
+    u->parent = parent;
+    u->offset = offset;
+    u->count = count;
+    u->tier = KM_TIER_DEVICE;
+}
+
+/* The best (fastest) tier among the media in a mask: GPU, then CPU, then disk or other. */
+static km_tier best_tier(uint8_t media)
+{
+    if (media & (1u << KM_KV_MEDIUM_GPU))
+        return KM_TIER_DEVICE;
+    if (media & (1u << KM_KV_MEDIUM_CPU))
+        return KM_TIER_HOST;
+    return KM_TIER_DISK;
+}
+
+/* Queue SET_TIER updates for the chains at feed->hashes[first .. first + n) whose wanted tier
+ * (tiers[i]) differs from `already`: one update per tier, hashes regrouped in place after the
+ * current end of the hash queue (room reserved by the caller: n more hashes, KM_TIER_COUNT more
+ * updates). */
+static void queue_tier_fixes(km_feed *feed, uint32_t worker_id, const uint64_t *chains,
+                             const uint8_t *tiers, uint32_t n, km_tier already)
+{
+    for (uint32_t t = 0; t < KM_TIER_COUNT; t++) {
+        if (t == (uint32_t)already)
+            continue;
+        uint64_t offset = feed->hash_count, count = 0;
+        for (uint32_t i = 0; i < n; i++)
+            if (tiers[i] == t)
+                feed->hashes[offset + count++] = chains[i];
+        if (!count)
+            continue;
+        feed->hash_count += count;
+        queue_push(feed, KM_UPDATE_SET_TIER, worker_id, KM_NO_PARENT, offset, count);
+        feed->queue[feed->queue_count - 1].tier = t;
+    }
+}
+
+/* A control update (clear / remove worker) as a group of its own. Such updates carry no hashes and
+ * never allocate in the index; if even this queue push cannot get memory, the worker is left as it
+ * is and the error returned. */
+int km_feed_queue_control(km_feed *feed, const worker *w, km_update_kind kind)
+{
+    int rc = queue_reserve(feed, 1, 0);
+    if (rc)
+        return rc;
+    group_begin(feed, w);
+    queue_push(feed, kind, w->id, KM_NO_PARENT, feed->hash_count, 0);
+    group_end(feed);
+    return KM_OK;
+}
+
+void km_feed_pending(const km_feed *feed, uint64_t *updates, uint64_t *hashes)
+{
+    if (updates)
+        *updates = feed ? feed->queue_count : 0;
+    if (hashes)
+        *hashes = feed ? feed->hash_count : 0;
+}
+
+/* ---- applying one message's events ----------------------------------------------------------- */
+
+static uint8_t medium_bit(km_kv_medium m)
+{
+    return (uint8_t)(1u << ((unsigned)m < MEDIUM_COUNT ? (unsigned)m : KM_KV_MEDIUM_OTHER));
+}
+
+static unsigned medium_index(km_kv_medium m)
+{
+    return (unsigned)m < MEDIUM_COUNT ? (unsigned)m : KM_KV_MEDIUM_OTHER;
+}
+
+/* Does a block of this event carry extra keys kvmatch cannot reproduce (the decoder's opaque flags;
+ * for a caller that gives only presence flags: any present entry on an event without a LoRA
+ * name)? Only KM_FEED_EXTRA_KEYS_SKIP asks. */
+static bool block_is_opaque(const km_feed *feed, const km_kv_event *e, bool lora_set, uint32_t i)
+{
+    if (feed->config.extra_keys_policy != KM_FEED_EXTRA_KEYS_SKIP)
+        return false;
+    if (e->extra_keys_opaque)
+        return e->extra_keys_opaque[i] != 0;
+    return e->extra_keys_present && !lora_set && e->extra_keys_present[i];
+}
+
+/* An engine hash names one block (its parent, tokens and extra keys). A BlockStored of an engine
+ * hash the worker already holds is that same block arriving in another medium (vLLM's CPU
+ * offloading connector announces its copies so, with extra_keys nil), or the same medium again:
+ * it adds its medium and never renames the block. The chain hash (or the unhashable mark) the
+ * first store gave it stays until the block has left every medium, so the index holds exactly one
+ * chain per held engine hash, the one a BlockRemoved will remove. A new block after a held one is
+ * chained from the held chain. */
+static void apply_stored(km_feed *feed, worker *w, const km_kv_event *e)
+{
+    uint32_t n = e->n_block_hashes;
+    if (e->block_size != feed->config.block_size) {
+        w->c.block_size_mismatch++;
+        return;
+    }
+    w->c.stored_by_medium[medium_index(e->medium)] += n;
+    if (n == 0)
+        return;
+    uint8_t bit = medium_bit(e->medium);
+
+    uint64_t parent_chain = KM_NO_PARENT;
+    bool starts_sequence = true;
+    if (e->has_parent_block_hash) {
+        const km_emap_entry *p = km_emap_find(&w->map, e->parent_block_hash);
+        if (!p) {
+            w->c.unknown_parent_blocks += n;
+            return;
+        }
+        parent_chain = p->chain;
+        starts_sequence = false;
+    }
+
+    /* LoRA: the adapter name; an engine that sends only the deprecated lora_id gets a name derived
+     * from it, so that adapter blocks never pass for base-model blocks. */
+    char lora_buf[40];
+    const char *lora = e->lora_name;
+    if ((!lora || !lora[0]) && e->has_lora_id) {
+        snprintf(lora_buf, sizeof lora_buf, "#lora_id=%" PRId64, e->lora_id);
+        lora = lora_buf;
+    }
+    bool lora_set = lora && lora[0];
+    /* The salt names block 0 only, so it matters only for a run that starts a sequence. */
+    km_hash_config hc = {feed->config.block_size, lora_set ? lora : NULL,
+                         starts_sequence ? e->cache_salt : NULL};
+    uint64_t seed_first = km_hash_block_seed(&hc, 0), seed_rest = km_hash_block_seed(&hc, 1);
+
+    /* Blocks [0, hashable) have chains and form the STORE run; the first block without one (an
+     * opaque block, one after an unhashable parent or block, one held as unhashable) ends it, and
+     * every later new block of the event is unhashable too. */
+    uint64_t offset = feed->hash_count;
+    uint64_t *chains = feed->hashes + offset;
+    km_tier event_tier = best_tier(bit);
+    bool run_open = starts_sequence || parent_chain != CHAIN_UNHASHABLE;
+    uint64_t previous = parent_chain;
+    uint32_t hashable = 0, unhashable = 0, n_fixes = 0;
+    /* Each upsert is likely a cache miss, and hashing a block between two of them keeps the next
+     * from starting: load the map slots a few blocks ahead (docs/BENCHMARKS.md, "Events"). */
+    for (uint32_t i = 0; i < n && i < EMAP_PREFETCH_AHEAD; i++)
+        km_emap_prefetch(&w->map, e->block_hashes[i]);
+    for (uint32_t i = 0; i < n; i++) {
+        if (i + EMAP_PREFETCH_AHEAD < n)
+            km_emap_prefetch(&w->map, e->block_hashes[i + EMAP_PREFETCH_AHEAD]);
+        km_emap_entry *m = km_emap_upsert(&w->map, e->block_hashes[i]);
+        bool held = m->media != 0; /* a held entry always has a medium; a new one has none */
+        km_tier tier_before = best_tier(m->media);
+        if (!held) {
+            if (run_open && !block_is_opaque(feed, e, lora_set, i)) {
+                bool root = starts_sequence && i == 0;
+                uint64_t local = km_hash_local(e->token_ids + (size_t)i * feed->config.block_size,
+                                               feed->config.block_size,
+                                               root ? seed_first : seed_rest);
+                m->chain = root ? km_hash_chain_root(local) : km_hash_chain_step(previous, local);
+            } else {
+                m->chain = CHAIN_UNHASHABLE;
+            }
+        }
+        m->media |= bit;
+        if (m->chain == CHAIN_UNHASHABLE) {
+            run_open = false;
+            unhashable++;
+            continue;
+        }
+        km_tier tier_now = best_tier(m->media);
+        if (run_open) {
+            chains[hashable++] = m->chain;
+            previous = m->chain;
+            /* The STORE below says event_tier; a block held in a faster medium keeps its tier. */
+            if (tier_now != event_tier) {
+                feed->tier_chains[n_fixes] = m->chain;
+                feed->tier_scratch[n_fixes++] = (uint8_t)tier_now;
+            }
+        } else if (tier_now != tier_before) {
+            /* Held with a chain but past the run (after an unhashable block): no STORE names it,
+             * so a faster new medium reaches the index as a tier change alone. */
+            feed->tier_chains[n_fixes] = m->chain;
+            feed->tier_scratch[n_fixes++] = (uint8_t)tier_now;
+        }
+    }
+    if (hashable) {
+        feed->hash_count += hashable;
+        queue_push(feed, KM_UPDATE_STORE, w->id, starts_sequence ? KM_NO_PARENT : parent_chain,
+                   offset, hashable);
+        feed->queue[feed->queue_count - 1].tier = event_tier;
+        w->c.blocks_stored += hashable;
+    }
+    if (n_fixes)
+        queue_tier_fixes(feed, w->id, feed->tier_chains, feed->tier_scratch, n_fixes,
+                         (km_tier)KM_TIER_COUNT /* none: every listed block needs its update */);
+    w->c.unhashable_blocks += unhashable;
+}
+
+static void apply_removed(km_feed *feed, worker *w, const km_kv_event *e)
+{
+    uint32_t n = e->n_block_hashes;
+    w->c.removed_by_medium[medium_index(e->medium)] += n;
+    uint8_t bit = medium_bit(e->medium);
+    uint64_t offset = feed->hash_count;
+    uint64_t count = 0;
+    uint32_t n_moved = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        km_emap_entry *m = km_emap_find(&w->map, e->block_hashes[i]);
+        if (!m) {
+            w->c.unknown_removes++;
+            continue;
+        }
+        uint8_t before = m->media;
+        m->media &= (uint8_t)~bit;
+        if (m->media) {
+            /* Still held in another medium; its tier changes when the fastest copy went. */
+            if (m->chain != CHAIN_UNHASHABLE && best_tier(m->media) != best_tier(before)) {
+                feed->tier_chains[n_moved] = m->chain;
+                feed->tier_scratch[n_moved++] = (uint8_t)best_tier(m->media);
+            }
+            continue;
+        }
+        uint64_t chain = m->chain;
+        km_emap_erase(&w->map, m);
+        if (chain == CHAIN_UNHASHABLE)
+            continue;
+        feed->hashes[offset + count++] = chain;
+    }
+    if (count) {
+        feed->hash_count += count;
+        queue_push(feed, KM_UPDATE_REMOVE, w->id, KM_NO_PARENT, offset, count);
+        w->c.blocks_removed += count;
+    }
+    if (n_moved)
+        queue_tier_fixes(feed, w->id, feed->tier_chains, feed->tier_scratch, n_moved,
+                         (km_tier)KM_TIER_COUNT /* none: every moved block needs its update */);
+}
+
+/* Queue the updates of a well-formed message's events as one group; a message whose updates do not
+ * fit (the queue's limit, or no memory) is dropped and its worker DEGRADED. */
+void km_feed_queue_message(km_feed *feed, worker *w, const message_view *v, uint64_t now)
+{
+    size_t n_hashes = 0, n_stored = 0;
+    for (uint32_t i = 0; i < v->n_events; i++) {
+        n_hashes += v->events[i].n_block_hashes;
+        if (v->events[i].kind == KM_KV_EVENT_BLOCK_STORED)
+            n_stored += v->events[i].n_block_hashes;
+    }
+    if (feed->hash_count + n_hashes > feed->config.max_queued_hashes) {
+        w->c.dropped_messages++;
+        km_feed_enter_degraded(feed, w, now, "update queue full (flush not called often enough)");
+        return;
+    }
+    /* Per event: its update plus up to one SET_TIER per tier; per block: its hash plus one for a
+     * tier fix. */
+    if (queue_reserve(feed, (size_t)v->n_events * (1 + KM_TIER_COUNT), 2 * n_hashes) ||
+        tier_scratch_reserve(feed, n_hashes) || km_emap_reserve(&w->map, n_stored)) {
+        w->c.dropped_messages++;
+        km_feed_enter_degraded(feed, w, now, "out of memory queueing a message's updates");
+        return;
+    }
+    group_begin(feed, w);
+    for (uint32_t i = 0; i < v->n_events; i++) {
+        const km_kv_event *e = &v->events[i];
+        w->c.events++;
+        switch (e->kind) {
+        case KM_KV_EVENT_BLOCK_STORED: apply_stored(feed, w, e); break;
+        case KM_KV_EVENT_BLOCK_REMOVED: apply_removed(feed, w, e); break;
+        case KM_KV_EVENT_ALL_BLOCKS_CLEARED:
+            w->c.clears++;
+            queue_push(feed, KM_UPDATE_CLEAR_WORKER, w->id, KM_NO_PARENT, feed->hash_count, 0);
+            km_emap_clear(&w->map);
+            /* Everything stored from here on is observed: the index is complete again. */
+            km_feed_exit_degraded(feed, w, now, KM_FEED_END_CLEARED);
+            break;
+        }
+    }
+    group_end(feed);
+}
+
+/* ---- flush ----------------------------------------------------------------------------------- */
+
+static void accumulate(km_update_stats *sum, const km_update_stats *s)
+{
+    sum->stored += s->stored;
+    sum->duplicate_stores += s->duplicate_stores;
+    sum->removed += s->removed;
+    sum->absent_removes += s->absent_removes;
+    sum->cleared += s->cleared;
+    sum->orphan_runs += s->orphan_runs;
+    sum->tier_changes += s->tier_changes;
+    sum->absent_tier_changes += s->absent_tier_changes;
+}
+
+static void queue_reset(km_feed *feed)
+{
+    feed->queue_count = feed->group_count = feed->hash_count = 0;
+}
+
+int km_feed_flush(km_feed *feed, uint64_t now_ns, km_feed_flush_stats *stats)
+{
+    km_feed_flush_stats local;
+    if (!stats)
+        stats = &local;
+    memset(stats, 0, sizeof *stats);
+    if (!feed)
+        return KM_ERR_NULL_POINTER;
+    feed->last_error[0] = '\0';
+    if (feed->group_count == 0)
+        return KM_OK;
+    if (GROW(feed->scratch, feed->scratch_capacity, feed->queue_count))
+        return km_feed_fail(feed, KM_ERR_OUT_OF_MEMORY, "flush scratch");
+    for (size_t i = 0; i < feed->queue_count; i++) {
+        const queued_update *q = &feed->queue[i];
+        km_update *u = &feed->scratch[i];
+        u->kind = q->kind;
+        u->worker = q->worker;
+        u->parent = q->parent;
+        u->hashes = q->count ? feed->hashes + q->offset : NULL;
+        u->n_hashes = q->count;
+        u->tier = (km_tier)q->tier;
+    }
+    km_update_stats st;
+    int rc = km_index_apply(feed->index, feed->scratch, feed->queue_count, &st);
+    if (rc == KM_OK) {
+        stats->updates = feed->queue_count;
+        stats->groups = feed->group_count;
+        stats->index = st;
+        queue_reset(feed);
+        return KM_OK;
+    }
+    if (rc != KM_ERR_MEMORY_CAP && rc != KM_ERR_OUT_OF_MEMORY)
+        return km_feed_fail(feed, rc,
+                            "index refused the batch: %s", km_index_last_error(feed->index));
+
+    /* Message by message: each still all or nothing; a refused one is dropped. */
+    int first_error = rc;
+    char detail[192];
+    snprintf(detail, sizeof detail, "%s", km_index_last_error(feed->index));
+    size_t n_failed = 0;
+    for (size_t g = 0; g < feed->group_count; g++) {
+        queued_group *grp = &feed->groups[g];
+        rc = km_index_apply(feed->index, feed->scratch + grp->first, grp->count, &st);
+        if (rc == KM_OK) {
+            stats->updates += grp->count;
+            stats->groups++;
+            accumulate(&stats->index, &st);
+        } else {
+            feed->groups[n_failed++] = *grp; /* compact the failures in place (n_failed <= g) */
+        }
+    }
+    stats->groups_failed = n_failed;
+    /* Mark the failures after the queue is reset: a DROP-policy clear queues into it. */
+    queued_group failed_small[16];
+    queued_group *failed = n_failed <= 16 ? failed_small : malloc(n_failed * sizeof *failed);
+    if (failed)
+        memcpy(failed, feed->groups, n_failed * sizeof *failed);
+    queue_reset(feed);
+    for (size_t i = 0; failed && i < n_failed; i++) {
+        worker *w = km_feed_find_worker(feed, failed[i].worker);
+        if (!w || w->generation != failed[i].generation)
+            continue;
+        w->c.dropped_messages++;
+        km_feed_enter_degraded(feed, w, now_ns, "the index refused a message's updates");
+    }
+    if (failed != failed_small)
+        free(failed);
+    if (feed->queue_count) {
+        /* Only clears (DROP policy): they never allocate, so apply them now. */
+        for (size_t i = 0; i < feed->queue_count; i++) {
+            const queued_update *q = &feed->queue[i];
+            km_update u = {q->kind, q->worker, q->parent, NULL, 0, KM_TIER_DEVICE};
+            if (km_index_apply(feed->index, &u, 1, &st) == KM_OK)
+                accumulate(&stats->index, &st);
+        }
+        queue_reset(feed);
+    }
+    return km_feed_fail(feed, first_error, "%zu message(s) dropped: %s", n_failed, detail);
+}
