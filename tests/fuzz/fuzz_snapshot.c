@@ -1,5 +1,5 @@
 /* libFuzzer harness for snapshot loading: km_index_load (src/index/snapshot.c) and km_feed_restore
- * (the index part, then the feed state of its caller section, src/events/feed.c).
+ * (the index part, then the feed state of its caller section, src/events/feed_snapshot.c).
  *
  * Input: a snapshot file. The checksums would stop nearly every mutation at the first check, so
  * when the input starts with the magic the harness seals it first (payload hash over the bytes

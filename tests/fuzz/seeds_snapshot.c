@@ -38,7 +38,8 @@ static void put_u16(state_buf *b, uint16_t v) { put(b, &v, 2); }
 static void put_u32(state_buf *b, uint32_t v) { put(b, &v, 4); }
 static void put_u64(state_buf *b, uint64_t v) { put(b, &v, 8); }
 
-/* A feed state (src/events/feed.c km_feed_export_state): workers 1 and 2, with engine-hash maps. */
+/* A feed state (src/events/feed_snapshot.c km_feed_export_state): workers 1 and 2, with
+ * engine-hash maps. */
 static void feed_state(state_buf *b)
 {
     b->size = 0;
