@@ -1,6 +1,8 @@
-/* Internal to the event feed (src/events/feed.c, feed_message.c, feed_snapshot.c): the feed handle
- * and its per-worker state, which the feed proper drives and the snapshot code saves and restores,
- * and the copies of live messages held while a replay runs. Never included by public headers. */
+/* Internal to the event feed (src/events/feed.c, feed_updates.c, feed_message.c, feed_snapshot.c):
+ * the feed handle and its per-worker state, which the state machine (feed.c) drives, the update
+ * queue (feed_updates.c) fills from each applied message, and the snapshot code saves and
+ * restores; the copies of live messages held while a replay runs; the functions the files call
+ * across. Never included by public headers. */
 #ifndef KM_EVENTS_FEED_INTERNAL_H
 #define KM_EVENTS_FEED_INTERNAL_H
 
@@ -119,7 +121,7 @@ typedef struct worker {
     km_feed_window recovery, degraded_window;
 } worker;
 
-/* ---- the queue ------------------------------------------------------------------------------- */
+/* ---- the queue (src/events/feed_updates.c) --------------------------------------------------- */
 
 /* Updates queued for the next km_feed_flush, in groups: one group per applied message or control
  * update of one worker incarnation, each applied all or nothing. */
