@@ -1,4 +1,4 @@
-/* The service's HTTP endpoint for probes and scrapes (issue 4, section 8), on libmicrohttpd.
+/* The service's HTTP endpoint for probes and scrapes, on libmicrohttpd.
  *
  * Routes (GET, and HEAD which gets the same headers without the body):
  *   /healthz  200 "ok\n" for as long as the process serves HTTP (liveness: nothing is consulted)
