@@ -642,8 +642,12 @@ static pid_t start_server(const char *self, const char *sock, bool records, cons
     argv[n++] = getenv("KM_BENCH_IPC_THREADS") ? getenv("KM_BENCH_IPC_THREADS") : "1";
     argv[n++] = "--active-ttl-s";
     argv[n++] = "1";
+    /* KM_BENCH_IPC_POLICY: the pool's policy (default kv, whose cost the tables have always used). */
+    static char pool_spec[64];
+    snprintf(pool_spec, sizeof pool_spec, "main:16:%s",
+             getenv("KM_BENCH_IPC_POLICY") ? getenv("KM_BENCH_IPC_POLICY") : "kv");
     argv[n++] = "--pool";
-    argv[n++] = "main:16:kv";
+    argv[n++] = pool_spec;
     static char wspec[WORKERS][32];
     for (int i = 0; i < WORKERS; i++) {
         snprintf(wspec[i], sizeof wspec[i], "main:%d", i);

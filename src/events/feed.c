@@ -52,26 +52,6 @@ static void feed_log(const km_feed *feed, const worker *w, const char *fmt, ...)
         fprintf(stderr, "kvmatch: %s\n", line);
 }
 
-/* Grow the array whose address is array_ptr (a T **) to hold `need` elements; capacity doubles.
- * On failure the array and capacity are unchanged. The pointer is moved with memcpy so one helper
- * serves every element type. */
-int km_feed_grow_array(void *array_ptr, size_t *capacity, size_t need, size_t size)
-{
-    if (need <= *capacity)
-        return KM_OK;
-    size_t c = *capacity ? *capacity : 16;
-    while (c < need)
-        c *= 2;
-    void *p;
-    memcpy(&p, array_ptr, sizeof p);
-    void *q = realloc(p, c * size);
-    if (!q)
-        return KM_ERR_OUT_OF_MEMORY;
-    memcpy(array_ptr, &q, sizeof q);
-    *capacity = c;
-    return KM_OK;
-}
-
 uint64_t km_feed_clock_ns(void)
 {
     struct timespec ts;

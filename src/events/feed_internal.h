@@ -9,6 +9,7 @@
 #include <stdbool.h>
 #include <stdint.h>
 
+#include "base/array.h"
 #include "kvmatch/feed.h"
 #include "events/engine_hash_map.h"
 
@@ -170,9 +171,7 @@ struct km_feed {
 };
 
 /* Grow the array whose address is array_ptr (a T **) to hold `need` elements (feed.c). */
-int km_feed_grow_array(void *array_ptr, size_t *capacity, size_t need, size_t size);
-#define GROW(array, capacity, need) \
-    km_feed_grow_array(&(array), &(capacity), (need), sizeof *(array))
+#define GROW(array, capacity, need) KM_ARRAY_GROW(array, capacity, need, 16)
 
 /* The worker followed under id, or NULL (feed.c). */
 worker *km_feed_find_worker(const km_feed *feed, uint32_t id);

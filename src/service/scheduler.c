@@ -7,6 +7,7 @@
 #include <time.h>
 
 #include "base/error_detail.h"
+#include "base/array.h"
 #include "service/server_internal.h"
 
 #define SCHEDULER_TICK_MS 20u
@@ -36,36 +37,21 @@ void km_srv_wake_scheduler(void *user)
     pthread_mutex_unlock(&s->queue_lock);
 }
 
-static int grow(void **p, size_t *cap, size_t need, size_t elem)
-{
-    if (need <= *cap)
-        return KM_OK;
-    size_t n = *cap ? *cap : 16;
-    while (n < need)
-        n *= 2;
-    void *g = realloc(*p, n * elem);
-    if (!g)
-        return KM_ERR_OUT_OF_MEMORY;
-    *p = g;
-    *cap = n;
-    return KM_OK;
-}
-
 /* Room for n_cands candidates in the scratch's per-candidate arrays (cands, costs, states,
  * rcands); KM_ERR_OUT_OF_MEMORY leaves what it has. Scheduler role held. */
 int km_srv_scratch_reserve(batch_scratch *b, size_t n_cands)
 {
     size_t cap = b->cap_cands;
-    if (grow((void **)&b->cands, &cap, n_cands, sizeof *b->cands))
+    if (KM_ARRAY_GROW(b->cands, cap, n_cands, 16))
         return KM_ERR_OUT_OF_MEMORY;
     cap = b->cap_cands;
-    if (grow((void **)&b->costs, &cap, n_cands, sizeof *b->costs))
+    if (KM_ARRAY_GROW(b->costs, cap, n_cands, 16))
         return KM_ERR_OUT_OF_MEMORY;
     cap = b->cap_cands;
-    if (grow((void **)&b->states, &cap, n_cands, sizeof *b->states))
+    if (KM_ARRAY_GROW(b->states, cap, n_cands, 16))
         return KM_ERR_OUT_OF_MEMORY;
     cap = b->cap_cands;
-    if (grow((void **)&b->rcands, &cap, n_cands, sizeof *b->rcands))
+    if (KM_ARRAY_GROW(b->rcands, cap, n_cands, 16))
         return KM_ERR_OUT_OF_MEMORY;
     b->cap_cands = cap;
     return KM_OK;
@@ -132,8 +118,7 @@ static void run_batch(km_server *s, job *jobs, batch_scratch *b)
                 continue;
             }
             pool *p = s->pools[r->pool];
-            if (grow((void **)&p->requests, &p->requests_capacity, p->n_requests + 1,
-                     sizeof *p->requests)) {
+            if (KM_ARRAY_GROW(p->requests, p->requests_capacity, p->n_requests + 1, 16)) {
                 km_srv_route_fail(r, KM_ERR_OUT_OF_MEMORY, "batch");
                 continue;
             }
@@ -181,8 +166,8 @@ static void run_batch(km_server *s, job *jobs, batch_scratch *b)
     }
     free(cursor);
     /* Approximate-mode learning: what this batch's decisions taught, one index batch per pool. */
-    if (b->updates.n_updates && grow((void **)&b->pool_updates, &b->cap_pool_updates,
-                                     b->updates.n_updates, sizeof *b->pool_updates) == KM_OK) {
+    if (b->updates.n_updates &&
+        KM_ARRAY_GROW(b->pool_updates, b->cap_pool_updates, b->updates.n_updates, 16) == KM_OK) {
         for (uint32_t i = 0; i < s->n_pools; i++) {
             size_t n = 0;
             for (size_t u = 0; u < b->updates.n_updates; u++) {

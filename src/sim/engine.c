@@ -17,6 +17,7 @@
 
 #include "kvmatch/hash.h"
 #include "base/u64_map.h"
+#include "base/array.h"
 #include "base/error_detail.h"
 
 #define NO_BLOCK UINT32_MAX
@@ -104,9 +105,11 @@ struct km_sim_engine {
     /* scheduler */
     ring waiting;      /* u32 slots, FIFO */
     uint32_t *running; /* admitted slots, prefilling or decoding, admission order */
-    uint32_t n_running, running_capacity;
+    uint32_t n_running;
+    size_t running_capacity;
     uint32_t *step;    /* slots the running step computes, in running order */
-    uint32_t n_step, step_capacity;
+    uint32_t n_step;
+    size_t step_capacity;
     bool step_active;
     uint64_t step_start_us, step_end_us;
     uint64_t clock_us;
@@ -178,20 +181,6 @@ static int ring_pop(ring *r, void *out)
     return 1;
 }
 
-static int grow_u32(uint32_t **array, uint32_t *capacity, uint32_t need)
-{
-    if (need <= *capacity)
-        return KM_OK;
-    uint32_t cap = *capacity ? *capacity : 16;
-    while (cap < need)
-        cap *= 2;
-    uint32_t *fresh = realloc(*array, (size_t)cap * sizeof *fresh);
-    if (!fresh)
-        return KM_ERR_OUT_OF_MEMORY;
-    *array = fresh;
-    *capacity = cap;
-    return KM_OK;
-}
 
 /* ---- configuration and time model -------------------------------------------------------------- */
 
@@ -810,7 +799,7 @@ int km_sim_engine_submit(km_sim_engine *engine, uint64_t request_id, const uint3
 
 static int step_push(km_sim_engine *e, uint32_t s)
 {
-    int rc = grow_u32(&e->step, &e->step_capacity, e->n_step + 1);
+    int rc = KM_ARRAY_GROW(e->step, e->step_capacity, e->n_step + 1, 16);
     if (rc)
         return fail(e, rc, "no memory for the step");
     e->step[e->n_step++] = s;
@@ -871,7 +860,7 @@ static int start_step(km_sim_engine *e, uint64_t t)
         }
         if (rc)
             return rc;
-        if ((rc = grow_u32(&e->running, &e->running_capacity, e->n_running + 1)))
+        if ((rc = KM_ARRAY_GROW(e->running, e->running_capacity, e->n_running + 1, 16)))
             return fail(e, rc, "no memory for the running set");
         ring_pop(&e->waiting, NULL);
         e->running[e->n_running++] = s;

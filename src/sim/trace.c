@@ -4,6 +4,8 @@
  * 12k-request trace costs two allocations, not twelve thousand. */
 #include "sim/trace.h"
 
+#include "base/array.h"
+
 #include <errno.h>
 #include <jansson.h>
 #include <math.h>
@@ -123,20 +125,6 @@ static int is_blank(const char *s, size_t n)
 }
 
 /* Grow *p (elements of size `size`) to hold at least `need`; doubles. Returns 0 or -1. */
-static int grow(void **p, size_t *cap, size_t need, size_t size)
-{
-    if (need <= *cap)
-        return 0;
-    size_t n = *cap ? *cap : 256;
-    while (n < need)
-        n *= 2;
-    void *q = realloc(*p, n * size);
-    if (!q)
-        return -1;
-    *p = q;
-    *cap = n;
-    return 0;
-}
 
 enum { LINE_OK, LINE_END, LINE_TOO_LONG, LINE_NO_MEMORY };
 
@@ -151,7 +139,7 @@ static int read_line(FILE *f, char **buf, size_t *cap, size_t max, size_t *len)
     while ((c = getc_unlocked(f)) != EOF) {
         if (n == max)
             return LINE_TOO_LONG;
-        if (grow((void **)buf, cap, n + 1, 1) != 0)
+        if (km_array_grow(buf, cap, n + 1, 1, 256) != KM_OK)
             return LINE_NO_MEMORY;
         (*buf)[n++] = (char)c;
         if (c == '\n')
@@ -241,9 +229,9 @@ int km_trace_load_mooncake(const char *path, km_trace *out, char *err, size_t er
             goto done;
         }
         size_t n_ids = json_array_size(ids);
-        if (grow((void **)&t.requests, &req_cap, t.n_requests + 1, sizeof(*t.requests)) != 0 ||
-            grow((void **)&offsets, &offsets_cap, t.n_requests + 1, sizeof(*offsets)) != 0 ||
-            grow((void **)&t.id_pool, &pool_cap, t.n_ids + n_ids, sizeof(*t.id_pool)) != 0) {
+        if (KM_ARRAY_GROW(t.requests, req_cap, t.n_requests + 1, 256) != KM_OK ||
+            KM_ARRAY_GROW(offsets, offsets_cap, t.n_requests + 1, 256) != KM_OK ||
+            KM_ARRAY_GROW(t.id_pool, pool_cap, t.n_ids + n_ids, 256) != KM_OK) {
             json_decref(obj);
             trace_error(err, err_size, "%s:%llu: out of memory", path, (unsigned long long)line_no);
             status = KM_ERR_OUT_OF_MEMORY;
