@@ -289,7 +289,7 @@ static void write_known_set(const char *path, const char *b)
 {
     FILE *f = fopen(path, "w");
     cr_assert(f);
-    /* D1: owner A (12 blocks) not chosen; B (0) chosen: the brief's case. */
+    /* D1: owner A (12 blocks) not chosen; B (0) chosen: owner and chosen kept apart. */
     decision_spec d1 = {.instance = "i1", .id = 1, .request = "r1", .attempt = "0", .host = "h1",
                         .pool = "p", .time_ns = 1 * SEC, .source = "events", .prompt = 650,
                         .owner = "A", .owner_state = "LIVE", .owner_blocks = 12, .chosen = b,

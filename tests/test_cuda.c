@@ -1,4 +1,4 @@
-/* The CUDA backend against the CPU backend (house style item 8): the same updates go to one index
+/* The CUDA backend against the CPU backend: the same updates go to one index
  * of each kind, and every scoring batch must come back identical bit for bit (the CPU side is also
  * checked against the brute-force oracle). Random workloads for every segment size at 8 and 1024
  * workers, and the Mooncake trace. Without a usable device these tests are reported as skipped.

@@ -1,5 +1,5 @@
 /* Decision policies (include/kvmatch/policy.h): expected choices on hand-built cases for every
- * policy (the brief's "best match on A under the threshold, B chosen", tie breaks, the imbalance
+ * policy ("best match on A under the threshold, B chosen", tie breaks, the imbalance
  * thresholds exactly at and just over, tier weights changing the choice), bad input, and property
  * tests against a brute-force oracle written differently (integer arithmetic and a full sort of
  * key tuples instead of a running minimum in doubles): kv at temperature 0, prefix, least_load,
@@ -332,7 +332,7 @@ Test(policy, bad_input_gets_a_code_and_a_sentence, .timeout = 30)
     cr_assert_str_empty(km_policy_last_error(&st));
 }
 
-/* ---- the brief's case ----------------------------------------------------------------------- */
+/* ---- best match under the threshold, another worker chosen ---------------------------------- */
 
 Test(policy, brief_case_owner_and_chosen_are_kept_apart, .timeout = 30)
 {

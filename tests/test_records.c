@@ -491,7 +491,7 @@ static void check_outcome_line(const char *line, size_t len, const km_outcome_re
     json_decref(o);
 }
 
-/* A minimal valid decision: the brief's case (best match on A under the threshold, B chosen). */
+/* A minimal valid decision: the case of the best match on A under the threshold, B chosen). */
 static void brief_case(km_decision_record *r, km_record_candidate cands[2])
 {
     km_decision_record_init(r);

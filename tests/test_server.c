@@ -1,6 +1,6 @@
 /* The routing service (include/kvmatch/server.h) end to end: a real server in this process on a
  * temporary Unix socket, driven by the C client library (and raw sockets for bad input). Covers the
- * handshake, routing in approximate and event-fed pools, the brief's "best match under the
+ * handshake, routing in approximate and event-fed pools, the "best match under the
  * threshold" case with both workers in the reply and the record, lifecycle and outcome records
  * (validated against docs/records.schema.json when python3-jsonschema is present), active-work TTL
  * expiry, run-time workers and pools, every bad-input case (each must leave other clients served

@@ -1,5 +1,5 @@
 /* Shared helpers for the Criterion suites: a replayable random source, the brute-force placement
- * oracle the index is checked against (house style item 8: the CPU backend is checked against
+ * oracle the index is checked against (the CPU backend is checked against
  * brute force, and every other backend against the CPU backend), a random workload generator
  * (prefix trees of token sequences, store / remove / clear batches, scoring requests) and result
  * comparison. Test files include this; tests/test_util.c implements it.
