@@ -806,6 +806,15 @@ static int step_push(km_sim_engine *e, uint32_t s)
     return KM_OK;
 }
 
+/* The next chunk of r's prompt within `budget` tokens, added to the step's shape. */
+static void schedule_chunk(sim_request *r, uint64_t budget, km_engine_step *shape)
+{
+    uint64_t need = r->n_tokens - r->computed;
+    r->step_tokens = (uint32_t)(need < budget ? need : budget);
+    shape->prefill_tokens += r->step_tokens;
+    shape->prefill_pairs += km_engine_model_chunk_pairs(r->computed, r->step_tokens);
+}
+
 /* Start a step at time t, scheduling as vLLM v1 does within max_num_batched_tokens: first the
  * running requests in admission order (a decode takes one token, a prefill in progress its next
  * chunk), then waiting requests first come, first served while the budget lasts and fewer than
@@ -827,10 +836,7 @@ static int start_step(km_sim_engine *e, uint64_t t)
             shape.decode_requests++;
             shape.decode_context_tokens += (uint64_t)r->n_tokens + r->generated;
         } else {
-            uint64_t need = r->n_tokens - r->computed;
-            r->step_tokens = (uint32_t)(need < budget ? need : budget);
-            shape.prefill_tokens += r->step_tokens;
-            shape.prefill_pairs += km_engine_model_chunk_pairs(r->computed, r->step_tokens);
+            schedule_chunk(r, budget, &shape);
         }
         budget -= r->step_tokens;
         if ((rc = step_push(e, s)))
@@ -864,10 +870,7 @@ static int start_step(km_sim_engine *e, uint64_t t)
             return fail(e, rc, "no memory for the running set");
         ring_pop(&e->waiting, NULL);
         e->running[e->n_running++] = s;
-        uint64_t need = r->n_tokens - r->computed; /* >= 1: a hit never covers the last token */
-        r->step_tokens = (uint32_t)(need < budget ? need : budget);
-        shape.prefill_tokens += r->step_tokens;
-        shape.prefill_pairs += km_engine_model_chunk_pairs(r->computed, r->step_tokens);
+        schedule_chunk(r, budget, &shape); /* >= 1 token: a hit never covers the last one */
         budget -= r->step_tokens;
         if ((rc = step_push(e, s)))
             return rc;

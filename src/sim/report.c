@@ -134,6 +134,18 @@ static void tick_label(char *buf, size_t size, double v)
         snprintf(buf, size, "%g", v);
 }
 
+/* A horizontal grid line at value v, labelled on the y axis. */
+static void y_gridline(km_text *t, const axis *y, double v)
+{
+    char label[32];
+    double py = y_px(y, v);
+    tick_label(label, sizeof label, v);
+    km_text_printf(t,
+                   "<line x1=\"%d\" y1=\"%.1f\" x2=\"%d\" y2=\"%.1f\" stroke=\"#ddd\"/>"
+                   "<text x=\"%d\" y=\"%.1f\" text-anchor=\"end\">%s</text>\n",
+                   LEFT, py, CHART_W - RIGHT, py, LEFT - 6, py + 4, label);
+}
+
 /* metric: 0 TTFT p50, 1 TTFT p99 (ms, log scale), 2 reused share (%, linear). */
 static double metric(const km_sim_result *x, int which)
 {
@@ -208,22 +220,12 @@ static void chart(const km_sim_report *r, km_text *t, int which)
                 double v = dec * m;
                 if (v > y.hi * 1.0001)
                     break;
-                double py = y_px(&y, v);
-                tick_label(label, sizeof label, v);
-                km_text_printf(t,
-                               "<line x1=\"%d\" y1=\"%.1f\" x2=\"%d\" y2=\"%.1f\" stroke=\"#ddd\"/>"
-                               "<text x=\"%d\" y=\"%.1f\" text-anchor=\"end\">%s</text>\n",
-                               LEFT, py, CHART_W - RIGHT, py, LEFT - 6, py + 4, label);
+                y_gridline(t, &y, v);
             }
     } else {
         double ystep = nice_step(y.hi, 5);
         for (double v = 0; v <= y.hi + ystep / 2; v += ystep) {
-            double py = y_px(&y, v);
-            tick_label(label, sizeof label, v);
-            km_text_printf(t,
-                           "<line x1=\"%d\" y1=\"%.1f\" x2=\"%d\" y2=\"%.1f\" stroke=\"#ddd\"/>"
-                           "<text x=\"%d\" y=\"%.1f\" text-anchor=\"end\">%s</text>\n",
-                           LEFT, py, CHART_W - RIGHT, py, LEFT - 6, py + 4, label);
+            y_gridline(t, &y, v);
         }
     }
     km_text_printf(t, "<text x=\"%d\" y=\"%d\" text-anchor=\"middle\">offered load (fraction of "

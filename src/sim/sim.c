@@ -17,6 +17,7 @@
 #include "kvmatch/publisher.h"
 #include "kvmatch/server.h"
 #include "sim/trace.h"
+#include "base/array.h"
 #include "base/error_detail.h"
 
 void km_sim_config_init(km_sim_config *cfg)
@@ -195,14 +196,8 @@ static int request_tokens(run *r, const km_trace_request *q, uint32_t *n_tokens,
  * microseconds `time_us` since its arrival, as a router would measure on its own clock. */
 static int queue_report(run *r, km_lifecycle_kind kind, size_t index, uint64_t time_us)
 {
-    if (r->n_pending == r->cap_pending) {
-        size_t cap = r->cap_pending ? r->cap_pending * 2 : 64;
-        km_lifecycle_event *g = realloc(r->pending, cap * sizeof *g);
-        if (!g)
-            return KM_ERR_OUT_OF_MEMORY;
-        r->pending = g;
-        r->cap_pending = cap;
-    }
+    if (KM_ARRAY_GROW(r->pending, r->cap_pending, r->n_pending + 1, 64))
+        return KM_ERR_OUT_OF_MEMORY;
     const req_state *s = &r->reqs[index];
     km_lifecycle_event *e = &r->pending[r->n_pending];
     memset(e, 0, sizeof *e);
