@@ -180,6 +180,19 @@ Test(server_config, bad_files_are_refused_naming_the_field, .timeout = 10)
          KM_ERR_PARSE, "pools[0].policy"},
         {"{\"pools\": [{\"name\": \"p\", \"block_size\": 16, \"params\": {\"temperature\": -1}}]}",
          KM_ERR_INVALID_ARGUMENT, "pools[0].params"},
+        {"{\"pools\": [{\"name\": \"p\", \"block_size\": 16, \"engine\": \"llama-9000\"}]}",
+         KM_ERR_PARSE, "pools[0].engine"},
+        {"{\"pools\": [{\"name\": \"p\", \"block_size\": 16, \"engine\": 70}]}", KM_ERR_PARSE,
+         "pools[0].engine"},
+        {"{\"pools\": [{\"name\": \"p\", \"block_size\": 16, \"params\": {\"prefix_weight\": -1}}]}",
+         KM_ERR_INVALID_ARGUMENT, "llmd.prefix_weight"},
+        {"{\"pools\": [{\"name\": \"p\", \"block_size\": 16, \"params\": {\"prefix_weight\": 0, "
+         "\"queue_weight\": 0, \"kv_usage_weight\": 0}}]}",
+         KM_ERR_INVALID_ARGUMENT, "llmd weights"},
+        {"{\"pools\": [{\"name\": \"p\", \"block_size\": 16, \"params\": {\"host_tier_weight\": 2}}]}",
+         KM_ERR_INVALID_ARGUMENT, "host_tier_weight"},
+        {"{\"pools\": [{\"name\": \"p\", \"block_size\": 16, \"params\": {\"exploit_ratio\": -0.5}}]}",
+         KM_ERR_INVALID_ARGUMENT, "preble.exploit_ratio"},
         {"{\"pools\": [{\"name\": \"p\", \"block_size\": 16, \"workers\": [{\"name\": \"x\"}]}]}",
          KM_ERR_PARSE, "pools[0].workers[0].id"},
         {"{\"pools\": [{\"name\": \"p\", \"block_size\": 16, \"workers\": [{\"id\": 1, "
@@ -215,4 +228,33 @@ Test(server_config, bad_files_are_refused_naming_the_field, .timeout = 10)
     cr_assert(strstr(why, "/nonexistent/kvmatch.json"), "%s", why);
     cr_assert_eq(km_server_config_load_json(NULL, &cfg, &owner, why, sizeof why),
                  KM_ERR_NULL_POINTER);
+}
+
+/* A pool names its engine preset and the new policies' parameters. */
+Test(server_config, pool_engine_and_peer_policy_params, .timeout = 10)
+{
+    char path[64], why[256] = "";
+    write_temp(path, sizeof path,
+               "{\"pools\": [{\"name\": \"p\", \"block_size\": 16, \"policy\": \"llmd\", "
+               "\"engine\": \"llama3-70b-h100x4\", \"params\": {\"prefix_weight\": 3, "
+               "\"queue_weight\": 2, \"kv_usage_weight\": 2, \"host_tier_weight\": 0.5, "
+               "\"exploit_ratio\": 2}}]}");
+    km_server_config cfg;
+    km_server_config_init(&cfg);
+    km_server_config_json *owner = NULL;
+    int rc = km_server_config_load_json(path, &cfg, &owner, why, sizeof why);
+    unlink(path);
+    cr_assert_eq(rc, KM_OK, "%s", why);
+    cr_assert_eq(cfg.n_pools, 1);
+    const km_policy_config *p = &cfg.pools[0].policy;
+    cr_assert_eq(p->kind, KM_POLICY_LLMD);
+    km_engine_model m;
+    cr_assert_eq(km_engine_model_preset("llama3-70b-h100x4", &m), KM_OK);
+    cr_assert(memcmp(&p->engine, &m, sizeof m) == 0, "the preset's model");
+    cr_assert_eq(p->llmd.prefix_weight, 3);
+    cr_assert_eq(p->llmd.queue_weight, 2);
+    cr_assert_eq(p->llmd.kv_usage_weight, 2);
+    cr_assert_eq(p->llmd.host_tier_weight, 0.5);
+    cr_assert_eq(p->preble.exploit_ratio, 2);
+    km_server_config_json_free(owner);
 }

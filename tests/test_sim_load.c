@@ -180,6 +180,21 @@ Test(sim_load, command_line_sweep_json_and_html_report, .timeout = 300)
     snprintf(cmd, sizeof cmd, "python3 tests/check_html.py %s/report.html --expect-svg 3", dir);
     int status = system(cmd);
     cr_expect(WIFEXITED(status) && WEXITSTATUS(status) == 0, "check_html.py refused the report");
+    /* Bad values are refused with exit status 2, naming the option. */
+    static const char *const bad[] = {"--load 0", "--load abc", "--sweep 0.5,,x", "--engine nope",
+                                      "--workload chats"};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        char opt[32];
+        sscanf(bad[i], "%31s", opt);
+        snprintf(cmd, sizeof cmd, "%s sim --requests 50 %s 2>&1 >/dev/null | grep -q -- '%s'; "
+                 "%s sim --requests 50 %s >/dev/null 2>&1; test $? -eq 2",
+                 getenv("KM_BIN"), bad[i], opt, getenv("KM_BIN"), bad[i]);
+        cr_expect_eq(system(cmd), 0, "%s: not refused with status 2 and its name", bad[i]);
+    }
+    /* An unknown policy fails the run (status 1) and names it. */
+    snprintf(cmd, sizeof cmd, "%s sim --requests 50 --policy kv,nope 2>&1 | grep -q 'unknown policy \"nope\"'",
+             getenv("KM_BIN"));
+    cr_expect_eq(system(cmd), 0, "an unknown policy is not named");
     /* --html without a load is refused, and says why. */
     snprintf(cmd, sizeof cmd, "%s sim --requests 50 --html %s/x.html 2>&1 | grep -q 'needs --load'",
              getenv("KM_BIN"), dir);
