@@ -84,6 +84,8 @@ Test(policy, config_defaults_are_the_peers, .timeout = 30)
     cr_assert_eq(cfg.llmd.kv_usage_weight, 1.0);
     cr_assert_eq(cfg.llmd.host_tier_weight, 0.8);
     cr_assert_eq(cfg.preble.exploit_ratio, 1.0);
+    cr_assert_eq(cfg.ttft.load_bound, 1.25);
+    cr_assert_eq(cfg.ttft.hot_prefix_sharers, 1);
     km_engine_model m;
     km_engine_model_init(&m);
     cr_assert(memcmp(&cfg.engine, &m, sizeof m) == 0);

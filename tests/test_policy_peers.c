@@ -168,6 +168,91 @@ Test(policy_peers, ttft_known_answers)
     cr_assert_eq(d.chosen, 0);
 }
 
+/* A prompt being prefilled on a worker is as good as cached there for a request queued behind it:
+ * ttft weighs the queued depth (the index's depth extended by the blocks queued prefills will
+ * store); without it the same worker looks cold and busy. */
+Test(policy_peers, ttft_counts_the_prefix_a_queued_prefill_will_store)
+{
+    km_policy_config cfg = config(KM_POLICY_TTFT);
+    km_policy_request req = request(100, 1610, 20);
+    /* w1 is computing the same 1600-token prefix for another request; w2 is idle and cold. */
+    km_policy_candidate c[2] = {cand(1, 0, 1, 1, 1600, 0), cand(2, 0, 0, 0, 0, 0)};
+    c[0].queued_depth = 100;
+    double costs[2];
+    km_policy_decision d = decide(&cfg, &req, c, 2, costs);
+    /* w1: 1600 queued + 10 own tokens, 10 + 6.1 ms. w2: 1610 tokens, 16.1 ms, plus the 1600 tokens
+     * w1 would not recompute (16 ms) once. */
+    cr_assert_float_eq(costs[0], 16.1, 1e-9);
+    cr_assert_float_eq(costs[1], 16.1 + 16.0, 1e-9);
+    cr_assert_eq(d.chosen, 0);
+    /* Without the queued depth w1 looks cold behind 1600 tokens: w2 wins. */
+    c[0].queued_depth = 0;
+    d = decide(&cfg, &req, c, 2, costs);
+    cr_assert_float_eq(costs[0], 32.1, 1e-9);
+    cr_assert_float_eq(costs[1], 16.1, 1e-9);
+    cr_assert_eq(d.chosen, 1);
+    /* A queued depth below the index's depth changes nothing. */
+    c[0] = cand(1, 60, 1, 1, 1600, 0);
+    c[0].queued_depth = 30;
+    km_policy_candidate plain[2] = {cand(1, 60, 1, 1, 1600, 0), cand(2, 0, 0, 0, 0, 0)};
+    double plain_costs[2];
+    decide(&cfg, &req, c, 2, costs);
+    decide(&cfg, &req, plain, 2, plain_costs);
+    cr_assert_float_eq(costs[0], plain_costs[0], 1e-12);
+    cr_assert_float_eq(costs[1], plain_costs[1], 1e-12);
+    /* More than the request's blocks is refused. */
+    c[0].queued_depth = 101;
+    km_policy_state st;
+    km_policy_state_init(&st, 1);
+    cr_assert_eq(km_policy_decide(&cfg, &st, &req, c, 2, &d, costs), KM_ERR_INVALID_ARGUMENT);
+    cr_assert(strstr(km_policy_last_error(&st), "queued depth 101"), "%s",
+              km_policy_last_error(&st));
+}
+
+/* Bounded load: a holder loaded past ceil(1.25 x (in flight + 1) / n) is passed over while the
+ * request's prefix is in use there by other requests, so a hot prefix is copied to a less loaded
+ * worker; a prefix no one else is using there keeps its holder, however loaded. */
+Test(policy_peers, ttft_passes_over_a_hot_prefix_on_an_overloaded_holder)
+{
+    km_policy_config cfg = config(KM_POLICY_TTFT);
+    km_policy_request req = request(100, 1610, 20);
+    /* 12 in flight: the bound is ceil(1.25 x 13 / 3) = 6; w1 would hold 11. */
+    km_policy_candidate c[3] = {cand(1, 100, 10, 0, 0, 0), cand(2, 0, 1, 0, 0, 0),
+                                cand(3, 0, 1, 0, 0, 0)};
+    double costs[3];
+    km_policy_decision d = decide(&cfg, &req, c, 3, costs);
+    cr_assert_eq(d.chosen, 0, "a cold prefix stays with its holder");
+    c[0].prefix_sharers = 3;
+    d = decide(&cfg, &req, c, 3, costs);
+    cr_assert_neq(d.chosen, 0, "the hot prefix was queued behind 10 requests");
+    cr_assert(isnan(costs[0]), "a worker passed over is not weighed: %g", costs[0]);
+    cr_assert(!isnan(costs[1]) && !isnan(costs[2]));
+    /* Within the bound (10 in flight: ceil(1.25 x 11 / 3) = 5 >= 4 + 1), or with the bound off,
+     * the holder wins. */
+    c[0].in_flight = 4;
+    c[1].in_flight = c[2].in_flight = 3;
+    d = decide(&cfg, &req, c, 3, costs);
+    cr_assert_eq(d.chosen, 0);
+    c[0].in_flight = 10;
+    cfg.ttft.load_bound = 0.0;
+    d = decide(&cfg, &req, c, 3, costs);
+    cr_assert_eq(d.chosen, 0);
+    /* hot_prefix_sharers 0 bounds a worker whatever it holds; a higher one needs more sharers. */
+    cfg.ttft.load_bound = 1.25;
+    cfg.ttft.hot_prefix_sharers = 4;
+    d = decide(&cfg, &req, c, 3, costs);
+    cr_assert_eq(d.chosen, 0, "3 sharers are below 4");
+    c[0].prefix_sharers = 0;
+    cfg.ttft.hot_prefix_sharers = 0;
+    d = decide(&cfg, &req, c, 3, costs);
+    cr_assert_neq(d.chosen, 0);
+    /* A bound below 1 (other than 0) is refused. */
+    cfg.ttft.load_bound = 0.5;
+    char why[160];
+    cr_assert_eq(km_policy_config_validate(&cfg, why, sizeof why), KM_ERR_INVALID_ARGUMENT);
+    cr_assert(strstr(why, "ttft.load_bound"), "%s", why);
+}
+
 static km_policy_candidate random_candidate(km_rng *r, uint32_t worker, uint32_t n_blocks)
 {
     uint32_t in_flight = km_rng_below(r, 50);
@@ -178,6 +263,8 @@ static km_policy_candidate random_candidate(km_rng *r, uint32_t worker, uint32_t
         c.host_blocks = km_rng_below(r, c.depth + 1);
         c.device_blocks = c.depth - c.host_blocks;
     }
+    if (c.prefilling && km_rng_percent(r, 30)) /* a busy worker may be computing more of it */
+        c.queued_depth = c.depth + km_rng_below(r, n_blocks - c.depth + 1);
     return c;
 }
 

@@ -3114,3 +3114,80 @@ Test(server, health_checks_stay_on_while_any_worker_is_restricted, .timeout = 30
     srv_stop(&s);
     srv_cleanup(&s);
 }
+
+/* A request routed while another with the same prompt is still being prefilled on a worker finds
+ * that prompt cached there once it runs: the ttft pool sends it to the same worker and charges
+ * it only the prefill the queued one does not cover. The promise ends with the first request's
+ * FIRST_TOKEN (the engine's own events report the blocks from then on); the decision records say
+ * what was queued. Workers take events (none are sent), so the index alone never learns the
+ * prompt. */
+Test(server, a_prompt_being_prefilled_draws_the_same_prompt_to_its_worker, .timeout = 30)
+{
+    srv s = {0};
+    km_server_config cfg;
+    test_config(&cfg, &s, KM_POLICY_TTFT, 0);
+    km_server_worker ws[3] = {{0, "e0", KM_SERVER_LOCAL_EVENTS, NULL},
+                              {1, "e1", KM_SERVER_LOCAL_EVENTS, NULL},
+                              {2, "e2", KM_SERVER_LOCAL_EVENTS, NULL}};
+    g_pool.workers = ws;
+    g_pool.n_workers = 3;
+    srv_start(&s, &cfg);
+    km_client *c = connect_client(&s);
+    km_message reply;
+    km_route_request r = prefix_route("first", 64 * BS);
+    r.brief = false;
+    const km_route_decision *d = route_one(c, &r, &reply);
+    cr_assert_eq(d->status, KM_OK, "%s", d->message);
+    uint32_t computing = d->chosen_worker;
+    uint64_t first_id = d->decision_id;
+    cr_assert_eq(d->owner_depth, 0, "the index knows nothing");
+
+    r = prefix_route("second", 64 * BS);
+    r.brief = false;
+    d = route_one(c, &r, &reply);
+    cr_assert_eq(d->status, KM_OK, "%s", d->message);
+    cr_assert_eq(d->chosen_worker, computing,
+                 "the second request went to %u, not to %u which is computing its prompt",
+                 d->chosen_worker, computing);
+    cr_assert_eq(candidate(d, computing)->load.pending_prefill_tokens, 64 * BS,
+                 "the first request's prefill");
+    uint64_t second_id = d->decision_id;
+
+    r = prefix_route("probe", 64 * BS);
+    r.brief = false;
+    d = route_one(c, &r, &reply);
+    cr_assert_eq(candidate(d, computing)->load.pending_prefill_tokens, 64 * BS,
+                 "the second request was charged prefill the first one covers");
+    cr_assert_eq(report(c, KM_LIFECYCLE_FINISHED, "probe", false, 0), KM_OK);
+
+    /* The first prefill ran: nothing is queued, and the index (no events) holds nothing, so a
+     * third request weighs every worker cold and avoids the busy one. */
+    cr_assert_eq(report(c, KM_LIFECYCLE_FIRST_TOKEN, "first", false, 0), KM_OK);
+    r = prefix_route("third", 64 * BS);
+    r.brief = false;
+    d = route_one(c, &r, &reply);
+    cr_assert_eq(d->status, KM_OK, "%s", d->message);
+    cr_assert_neq(d->chosen_worker, computing, "a released promise still draws requests");
+    km_client_close(c);
+    srv_stop(&s);
+
+    bool checked = false;
+    check_schema(&s, &checked);
+    json_t *all = read_records(&s);
+    json_t *first = find_record(all, "decision", (int64_t)first_id);
+    json_t *second = find_record(all, "decision", (int64_t)second_id);
+    cr_assert(first && second);
+    size_t i;
+    json_t *row;
+    json_array_foreach(json_object_get(second, "candidates"), i, row)
+    {
+        const char *w = json_string_value(json_object_get(row, "worker"));
+        json_int_t queued = json_integer_value(json_object_get(row, "queued_depth_blocks"));
+        cr_assert_eq(queued, strcmp(w, ws[computing].name) == 0 ? 64 : 0, "%s: queued depth %lld",
+                     w, (long long)queued);
+    }
+    json_array_foreach(json_object_get(first, "candidates"), i, row)
+        cr_assert_eq(json_integer_value(json_object_get(row, "queued_depth_blocks")), 0);
+    json_decref(all);
+    srv_cleanup(&s);
+}

@@ -193,6 +193,10 @@ Test(server_config, bad_files_are_refused_naming_the_field, .timeout = 10)
          KM_ERR_INVALID_ARGUMENT, "host_tier_weight"},
         {"{\"pools\": [{\"name\": \"p\", \"block_size\": 16, \"params\": {\"exploit_ratio\": -0.5}}]}",
          KM_ERR_INVALID_ARGUMENT, "preble.exploit_ratio"},
+        {"{\"pools\": [{\"name\": \"p\", \"block_size\": 16, \"params\": {\"load_bound\": 0.9}}]}",
+         KM_ERR_INVALID_ARGUMENT, "ttft.load_bound"},
+        {"{\"pools\": [{\"name\": \"p\", \"block_size\": 16, \"params\": {\"hot_prefix_sharers\": 1.5}}]}",
+         KM_ERR_INVALID_ARGUMENT, "hot_prefix_sharers"},
         {"{\"pools\": [{\"name\": \"p\", \"block_size\": 16, \"workers\": [{\"name\": \"x\"}]}]}",
          KM_ERR_PARSE, "pools[0].workers[0].id"},
         {"{\"pools\": [{\"name\": \"p\", \"block_size\": 16, \"workers\": [{\"id\": 1, "
@@ -238,7 +242,7 @@ Test(server_config, pool_engine_and_peer_policy_params, .timeout = 10)
                "{\"pools\": [{\"name\": \"p\", \"block_size\": 16, \"policy\": \"llmd\", "
                "\"engine\": \"llama3-70b-h100x4\", \"params\": {\"prefix_weight\": 3, "
                "\"queue_weight\": 2, \"kv_usage_weight\": 2, \"host_tier_weight\": 0.5, "
-               "\"exploit_ratio\": 2}}]}");
+               "\"exploit_ratio\": 2, \"load_bound\": 2, \"hot_prefix_sharers\": 3}}]}");
     km_server_config cfg;
     km_server_config_init(&cfg);
     km_server_config_json *owner = NULL;
@@ -256,5 +260,7 @@ Test(server_config, pool_engine_and_peer_policy_params, .timeout = 10)
     cr_assert_eq(p->llmd.kv_usage_weight, 2);
     cr_assert_eq(p->llmd.host_tier_weight, 0.5);
     cr_assert_eq(p->preble.exploit_ratio, 2);
+    cr_assert_eq(p->ttft.load_bound, 2);
+    cr_assert_eq(p->ttft.hot_prefix_sharers, 3);
     km_server_config_json_free(owner);
 }

@@ -78,6 +78,9 @@ typedef struct km_active_config {
                               * default 1 << 20 */
     uint32_t remember_ended; /* recently ended ids kept to classify late events; 0 = none;
                               * default 4096 */
+    uint32_t max_queued_blocks; /* blocks promised by queued prefills (km_active_queue_blocks), all
+                                 * workers; a promise past it is cut short and counted; 0 = none
+                                 * kept; default 1 << 20 */
 } km_active_config;
 
 void km_active_config_init(km_active_config *cfg);
@@ -188,6 +191,31 @@ int km_active_begin(km_active *active, uint32_t worker, const km_active_key *key
 int km_active_share_prefix(km_active *active, const km_active_key *key, uint64_t prefix_key,
                            uint32_t prefix_tokens);
 
+/* Queued prefixes. Between a decision and its FIRST_TOKEN the engine is computing the entry's
+ * prompt, and once that prefill has run it holds the prompt's blocks; a request routed there
+ * meanwhile will find them cached. The entry's worker is promised `hashes[0..n)` (the request's
+ * chain hashes beyond what the worker holds or is promised, in prompt order) until the entry's
+ * FIRST_TOKEN, its end, or a move to another worker (a move forgets the promise). A second
+ * promise while one is held, or one after FIRST_TOKEN, is KM_ERR_PROTOCOL; n = 0 is a no-op. A promise that would take the table past
+ * max_queued_blocks keeps only its leading part (counted in queued_truncated), which only makes
+ * km_active_queued_depth shorter, never wrong. Blocks are told apart by (worker, hash), mixed
+ * into one 64-bit key: two promises collide with the probability of a 64-bit hash collision.
+ * Errors: KM_ERR_NULL_POINTER, KM_ERR_NOT_FOUND, KM_ERR_PROTOCOL, KM_ERR_OUT_OF_MEMORY (nothing
+ * changes). */
+int km_active_queue_blocks(km_active *active, const km_active_key *key, const uint64_t *hashes,
+                           uint32_t n);
+
+/* The leading blocks of a request (chain hashes hashes[0..n)) that `worker` holds or will hold
+ * once its queued prefills have run: `from` (the blocks it holds now, e.g. the index's depth;
+ * <= n) extended by every following block some live entry there has promised. O(1 + the
+ * extension) map lookups. 0 for invalid arguments; `from` when nothing extends it. */
+uint32_t km_active_queued_depth(const km_active *active, uint32_t worker, const uint64_t *hashes,
+                                uint32_t n, uint32_t from);
+
+/* Live entries of `worker` that declared the prefix named prefix_key (km_active_share_prefix): how
+ * many concurrent requests there use it. 0 for invalid arguments. O(1). */
+uint32_t km_active_prefix_sharers(const km_active *active, uint32_t worker, uint64_t prefix_key);
+
 /* The request was sent to the engine: no load change; the first call records the time, a repeat
  * is accepted and changes nothing but the last-touch time (idempotent). Errors: KM_ERR_NOT_FOUND,
  * KM_ERR_PROTOCOL (after FIRST_TOKEN: out_of_order; or already finished: duplicate). */
@@ -280,6 +308,8 @@ typedef struct km_active_stats {
     uint64_t saturations;  /* subtractions clamped at 0 (a broken invariant; expected 0) */
     uint64_t corrections;  /* km_active_report_cached calls that changed a pending prefill */
     uint64_t moved;        /* entries km_active_move gave to another worker */
+    uint64_t queued_blocks;    /* blocks promised by queued prefills now (km_active_queue_blocks) */
+    uint64_t queued_truncated; /* promised blocks left out at max_queued_blocks */
 } km_active_stats;
 
 /* Errors: KM_ERR_NULL_POINTER. */

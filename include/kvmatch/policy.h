@@ -33,9 +33,11 @@
  *                cost; here the load is the worker's current active work, timed by the engine
  *                model, and eviction is not costed; no post-assignment rebalancing.
  *   ttft         kvmatch's own: the lowest predicted time to first token (the engine model over
- *                the exact per-tier match and the worker's queued prefill, decodes and KV), plus
- *                the prefill work a choice adds over the best-cached worker times the requests
- *                waiting where it adds it.
+ *                the exact per-tier match, extended by the blocks prefills queued there will
+ *                store, and the worker's queued prefill, decodes and KV), plus the prefill work a
+ *                choice adds over the best-cached worker times the requests waiting where it adds
+ *                it; a worker loaded past a bound is passed over while the request's prefix is
+ *                hot there, so a hot prefix is copied rather than queued behind.
  * The exact rule of each is documented at km_policy_decide.
  *
  * Thread-safety: every function is reentrant. A km_policy_state is not: the caller serialises the
@@ -146,6 +148,17 @@ typedef struct km_policy_config {
          * rule is 1); finite, >= 0. */
         double exploit_ratio;
     } preble;
+    struct {
+        /* Bounded load (consistent hashing with bounded loads, Mirrokni, Thorup and Zadimoghaddam,
+         * SODA'18): a worker whose in-flight requests would pass ceil(load_bound x (the
+         * candidates' in-flight + 1) / n) is not weighed while the request's prefix is hot there
+         * (prefix_sharers >= hot_prefix_sharers) and some worker is within the bound. 0 = off, else
+         * finite and >= 1; default 1.25. */
+        double load_bound;
+        /* Requests in flight on a worker sharing the request's prefix that make it hot there;
+         * default 1 (any concurrent sharer). 0 bounds every worker whatever it holds. */
+        uint32_t hot_prefix_sharers;
+    } ttft;
     /* The engines of the pool (ttft and preble estimate times with it; llmd divides KV usage by
      * its capacity_blocks). Default: km_engine_model_init. */
     km_engine_model engine;
@@ -168,6 +181,13 @@ typedef struct km_policy_candidate {
     /* Blocks the index says it holds in total (km_worker_stats.blocks; Dynamo's "tree size");
      * 0 = unknown. Only the kv policy's tie break reads it. */
     uint64_t indexed_blocks;
+    /* Leading blocks of the request it will hold once the prefills already routed to it have run:
+     * depth extended by the blocks those requests promised (km_active_queued_depth); 0 or below
+     * depth = depth. <= n_blocks. Only the ttft policy reads it. */
+    uint32_t queued_depth;
+    /* Requests in flight on it that use the same cached prefix as this request (the prefix of its
+     * hit there; km_active_prefix_sharers): how hot that prefix is on it. Only ttft reads it. */
+    uint32_t prefix_sharers;
 } km_policy_candidate;
 
 /* The request being placed. */
@@ -319,11 +339,15 @@ const char *km_policy_last_error(const km_policy_state *state);
  *   predicted time to prefill its queued tokens (km_engine_model_predict_ttft_us with no request
  *   of its own) + decode_requests * expected_output_tokens (1 when unknown) * its decode step.
  *
- * ttft: cost = km_engine_model_predict_ttft_us (cached = hit * B with the hit's host and disk
- *   blocks, uncached = T - cached, the request's blocks ceil((T + expected_output_tokens) / B))
- *   + max(1, prefilling) * the prefill work of (T - cached) tokens beyond the best-cached
- *   candidate's (token_us per token plus the attention pairs), in ms; the lowest wins (ties: the
- *   deeper match, then the load order); reason min_ttft; costs_out: the costs.
+ * ttft: workers the bound leaves out (cfg->ttft: in_flight + 1 > the bound and prefix_sharers >=
+ *   hot_prefix_sharers, while some worker has in_flight + 1 within it) are not weighed (cost
+ *   NAN). With queued hit = min(max(depth, queued_depth), (T - 1) / B) (the blocks beyond depth
+ *   are on the device): cost = km_engine_model_predict_ttft_us (cached = queued hit * B with the
+ *   hit's host and disk blocks, uncached = T - cached, the request's blocks ceil((T +
+ *   expected_output_tokens) / B)) + max(1, prefilling) * the prefill work of (T - cached) tokens
+ *   beyond the best-cached candidate's (token_us per token plus the attention pairs), in ms; the
+ *   lowest wins (ties: the deeper queued hit, then the load order); reason min_ttft; costs_out:
+ *   the costs.
  *
  * Only round_robin (cursor) and kv with temperature > 0 (one random draw) change *state; a failed
  * call changes nothing but state->last_error.
@@ -331,8 +355,8 @@ const char *km_policy_last_error(const km_policy_state *state);
  * Errors (state->last_error says which argument and why; *out, costs_out untouched):
  *   KM_ERR_NULL_POINTER      cfg, state, req, cands or out NULL
  *   KM_ERR_INVALID_ARGUMENT  n == 0; an invalid cfg (km_policy_config_validate); a candidate whose
- *                            tier split does not add up to its depth, or whose depth exceeds
- *                            n_blocks; prompt_tokens > 0 but < n_blocks * block_size
+ *                            tier split does not add up to its depth, or whose depth or queued
+ *                            depth exceeds n_blocks; prompt_tokens > 0 but < n_blocks * block_size
  *   KM_ERR_BLOCK_SIZE        block_size 0
  * Cost: O(n) (two more passes of exp() for sampling). */
 int km_policy_decide(const km_policy_config *cfg, km_policy_state *state,

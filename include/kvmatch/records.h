@@ -138,6 +138,9 @@ typedef struct km_record_candidate {
     int64_t in_flight;                 /* load this instance saw: requests in flight */
     int64_t pending_prefill_tokens;    /* prefill tokens not yet processed */
     int64_t active_decode_blocks;      /* KV blocks of decodes in progress */
+    /* depth_blocks extended by the blocks prefills queued on it will store (km_active_queued_depth);
+     * absent (null) where the pool keeps no queued prefixes */
+    int64_t queued_depth_blocks;
     double cost;                       /* the policy's cost (lower is better); NAN = null */
     bool eligible;                     /* could be chosen: healthy, breaker not open (init: true) */
 } km_record_candidate;

@@ -43,6 +43,8 @@ typedef struct entry {
     uint64_t new_blocks;   /* what it charged to allocated_blocks */
     uint64_t prefix_key;   /* the prefix it declared (km_active_share_prefix); 0 = none */
     uint64_t prefix_blocks; /* that prefix's full blocks */
+    uint64_t *queued;       /* the blocks its prefill will store (km_active_queue_blocks), malloc'd */
+    uint32_t n_queued;
     int64_t engine_cached_tokens;
     uint64_t begin_ns, dispatched_ns, first_token_ns, last_touch_ns;
     void *user; /* the caller's pointer (km_active_set_user) */
@@ -73,6 +75,7 @@ struct km_active {
     uint32_t ended_next;
     km_u64map ended_by_hash; /* km_u64map_key(hash) -> ring slot of the latest end with that hash */
     km_u64map prefixes;      /* km_u64map_key(prefix_slot(worker, key)) -> live entries holding it */
+    km_u64map queued;        /* prefix_slot(worker, block hash) -> live entries promising it */
     char *unremembered_ids;  /* ids of the last ended entry when the ring is off (summary storage) */
     size_t unremembered_size;
     void *ids_cache;         /* released id buffers of IDS_CACHED_BYTES, linked through their start */
@@ -128,6 +131,7 @@ void km_active_config_init(km_active_config *cfg)
     cfg->ttl_ns = UINT64_C(600) * 1000000000u;
     cfg->max_entries = 1u << 20;
     cfg->remember_ended = 4096;
+    cfg->max_queued_blocks = 1u << 20;
 }
 
 static const char *const active_end_names[] = {
@@ -192,6 +196,7 @@ int km_active_create(const km_active_config *cfg, km_active **out)
     km_u64map_init(&a->by_hash, &a->memory);
     km_u64map_init(&a->ended_by_hash, &a->memory);
     km_u64map_init(&a->prefixes, &a->memory);
+    km_u64map_init(&a->queued, &a->memory);
     a->workers = calloc(c.max_workers, sizeof *a->workers);
     a->ended = c.remember_ended ? calloc(c.remember_ended, sizeof *a->ended) : NULL;
     if (!a->workers || (c.remember_ended && !a->ended)) {
@@ -208,8 +213,10 @@ void km_active_destroy(km_active *a)
 {
     if (!a)
         return;
-    for (uint32_t i = 0; i < a->slab_capacity; i++)
+    for (uint32_t i = 0; i < a->slab_capacity; i++) {
         free(a->slab[i].ids);
+        free(a->slab[i].queued);
+    }
     free(a->slab);
     if (a->ended)
         for (uint32_t i = 0; i < a->cfg.remember_ended; i++)
@@ -226,6 +233,7 @@ void km_active_destroy(km_active *a)
     km_u64map_free(&a->by_hash);
     km_u64map_free(&a->ended_by_hash);
     km_u64map_free(&a->prefixes);
+    km_u64map_free(&a->queued);
     free(a);
 }
 
@@ -424,6 +432,26 @@ static int prefix_take(km_active *a, entry *e)
     return km_u64map_put(&a->prefixes, slot, 1, 1) ? KM_ERR_OUT_OF_MEMORY : KM_OK;
 }
 
+/* ---- queued prefixes ------------------------------------------------------------------------ */
+
+/* Entry e's promise ends (its prefill ran, it ended or moved): each promised block's count drops
+ * (and its slot goes at 0). */
+static void queued_release(km_active *a, entry *e)
+{
+    for (uint32_t k = 0; k < e->n_queued; k++) {
+        uint64_t slot = prefix_slot(e->worker, e->queued[k]);
+        uint64_t *n = km_u64map_find(&a->queued, slot);
+        if (n && *n > 1)
+            (*n)--;
+        else if (n)
+            km_u64map_erase(&a->queued, slot);
+    }
+    a->stats.queued_blocks = saturating_sub(a, a->stats.queued_blocks, e->n_queued);
+    free(e->queued);
+    e->queued = NULL;
+    e->n_queued = 0;
+}
+
 /* ---- ending an entry ---------------------------------------------------------------------- */
 
 /* Release entry i's load, fill *s, unlink it everywhere, keep its ids in the ended ring (or the
@@ -440,6 +468,7 @@ static void end_entry(km_active *a, uint32_t i, km_active_end end, uint64_t now,
     load->active_decode_blocks = saturating_sub(a, load->active_decode_blocks, e->decode_blocks);
     load->allocated_blocks = saturating_sub(a, load->allocated_blocks, e->new_blocks);
     prefix_release(a, e);
+    queued_release(a, e);
 
     memset(s, 0, sizeof *s);
     s->request_id = e->ids;
@@ -667,6 +696,72 @@ int km_active_share_prefix(km_active *a, const km_active_key *key, uint64_t pref
     return KM_OK;
 }
 
+int km_active_queue_blocks(km_active *a, const km_active_key *key, const uint64_t *hashes,
+                           uint32_t n)
+{
+    if (!a)
+        return KM_ERR_NULL_POINTER;
+    a->last_error[0] = '\0';
+    if (n && !hashes)
+        return active_fail(a, KM_ERR_NULL_POINTER, "promised block hashes are NULL");
+    uint32_t i;
+    int rc = lookup_for_event(a, key, "a queued prefix", &i);
+    if (rc)
+        return rc;
+    entry *e = &a->slab[i];
+    if (e->queued || e->first_token)
+        return active_fail(a, KM_ERR_PROTOCOL, "%s for " ID_FMT,
+                           e->first_token ? "a queued prefix after FIRST_TOKEN"
+                                          : "a second queued prefix",
+                           ID_ARGS(key));
+    uint64_t room = a->cfg.max_queued_blocks > a->stats.queued_blocks
+                        ? a->cfg.max_queued_blocks - a->stats.queued_blocks
+                        : 0;
+    uint32_t keep = n < room ? n : (uint32_t)room;
+    a->stats.queued_truncated += n - keep;
+    if (keep == 0)
+        return KM_OK;
+    uint64_t *copy = malloc((size_t)keep * sizeof *copy);
+    if (!copy || km_u64map_reserve(&a->queued, keep) != KM_OK) {
+        free(copy);
+        return active_fail(a, KM_ERR_OUT_OF_MEMORY, "no memory to record a queued prefix");
+    }
+    memcpy(copy, hashes, (size_t)keep * sizeof *copy);
+    for (uint32_t k = 0; k < keep; k++) {
+        uint64_t slot = prefix_slot(e->worker, copy[k]);
+        uint64_t *count = km_u64map_find(&a->queued, slot);
+        if (count)
+            (*count)++;
+        else
+            (void)km_u64map_put(&a->queued, slot, 1, 0); /* room reserved above */
+    }
+    e->queued = copy;
+    e->n_queued = keep;
+    a->stats.queued_blocks += keep;
+    return KM_OK;
+}
+
+uint32_t km_active_prefix_sharers(const km_active *a, uint32_t worker, uint64_t prefix_key)
+{
+    if (!a || worker >= a->cfg.max_workers || !prefix_key)
+        return 0;
+    const uint64_t *n = km_u64map_find(&a->prefixes, prefix_slot(worker, prefix_key));
+    return n ? (uint32_t)*n : 0;
+}
+
+uint32_t km_active_queued_depth(const km_active *a, uint32_t worker, const uint64_t *hashes,
+                                uint32_t n, uint32_t from)
+{
+    if (!a || (n && !hashes) || worker >= a->cfg.max_workers || from > n)
+        return 0;
+    uint32_t depth = from;
+    if (a->stats.queued_blocks == 0)
+        return depth;
+    while (depth < n && km_u64map_find(&a->queued, prefix_slot(worker, hashes[depth])))
+        depth++;
+    return depth;
+}
+
 int km_active_dispatched(km_active *a, const km_active_key *key, uint64_t now_ns)
 {
     if (!a)
@@ -719,6 +814,7 @@ int km_active_move(km_active *a, const km_active_key *key, uint32_t worker, uint
     prefix_release(a, e);
     e->prefix_key = e->prefix_blocks = 0;
     e->new_blocks = e->decode_blocks;
+    queued_release(a, e); /* the blocks were promised on the decision's worker */
     worker_unlink(a, i);
     e->worker = worker;
     worker_link(a, i);
@@ -754,6 +850,7 @@ int km_active_first_token(km_active *a, const km_active_key *key, int64_t engine
     load->pending_prefill_tokens = saturating_sub(a, load->pending_prefill_tokens, e->prefill_pending);
     load->prefilling = saturating_sub(a, load->prefilling, 1);
     e->prefill_pending = 0;
+    queued_release(a, e); /* the prefill ran: the worker's cache (and the index) has the blocks */
     e->first_token = true;
     e->first_token_ns = now;
     if (engine_cached_tokens != KM_ACTIVE_CACHED_UNKNOWN)

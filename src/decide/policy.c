@@ -119,6 +119,8 @@ void km_policy_config_init(km_policy_config *cfg)
     cfg->llmd.kv_usage_weight = 1.0;
     cfg->llmd.host_tier_weight = 0.8;
     cfg->preble.exploit_ratio = 1.0;
+    cfg->ttft.load_bound = 1.25;
+    cfg->ttft.hot_prefix_sharers = 1;
     km_engine_model_init(&cfg->engine);
 }
 
@@ -170,6 +172,12 @@ int km_policy_config_validate(const km_policy_config *cfg, char *why, size_t why
     if (cfg->llmd.prefix_weight + cfg->llmd.queue_weight + cfg->llmd.kv_usage_weight <= 0.0)
         return fail(why, why_size, KM_ERR_INVALID_ARGUMENT,
                     "policy config llmd weights are all 0; at least one must be positive");
+    double bound = cfg->ttft.load_bound;
+    if (isnan(bound) || isinf(bound) || (bound != 0.0 && bound < 1.0))
+        return fail(why, why_size, KM_ERR_INVALID_ARGUMENT,
+                    "policy config ttft.load_bound is %g; it must be 0 (off) or a finite value "
+                    ">= 1",
+                    bound);
     double h = cfg->llmd.host_tier_weight;
     if (isnan(h) || h < 0.0 || h > 1.0)
         return fail(why, why_size, KM_ERR_INVALID_ARGUMENT,
@@ -477,13 +485,29 @@ static uint64_t request_tokens(const km_policy_request *req)
 
 /* Blocks of the candidate's match an engine would count as a hit: vLLM recomputes the prompt's
  * last token, so a hit never covers it (min(depth, (prompt - 1) / B)). */
-static uint32_t hit_blocks(const km_policy_request *req, const km_policy_candidate *c)
+static uint32_t hit_of_depth(const km_policy_request *req, uint32_t depth)
 {
     uint64_t tokens = request_tokens(req);
     if (tokens == 0)
         return 0;
     uint64_t cap = (tokens - 1) / req->block_size;
-    return c->depth < cap ? c->depth : (uint32_t)cap;
+    return depth < cap ? depth : (uint32_t)cap;
+}
+
+static uint32_t hit_blocks(const km_policy_request *req, const km_policy_candidate *c)
+{
+    return hit_of_depth(req, c->depth);
+}
+
+/* c's depth once the prefills queued on it have run: extended by their promised blocks. */
+static uint32_t queued_depth_of(const km_policy_candidate *c)
+{
+    return c->queued_depth > c->depth ? c->queued_depth : c->depth;
+}
+
+static uint32_t queued_hit_blocks(const km_policy_request *req, const km_policy_candidate *c)
+{
+    return hit_of_depth(req, queued_depth_of(c));
 }
 
 /* The candidate's load in the engine model's terms. Decode context is not tracked per request:
@@ -505,9 +529,10 @@ static km_engine_load engine_load_of(const km_policy_candidate *c, uint32_t bloc
 static double predicted_ttft_us(const km_policy_config *cfg, const km_policy_request *req,
                                 const km_policy_candidate *c)
 {
-    uint32_t hit = hit_blocks(req, c);
+    uint32_t hit = queued_hit_blocks(req, c);
     /* The hit's lower-tier blocks are the last of its depth only when the split says so; the
-     * split does not say where each tier lies, so every lower-tier block inside the hit counts. */
+     * split does not say where each tier lies, so every lower-tier block inside the hit counts.
+     * Blocks beyond depth that queued prefills will store land on the device. */
     uint32_t lower = c->host_blocks + c->disk_blocks;
     uint32_t host = c->host_blocks, disk = c->disk_blocks;
     if (lower > hit) {
@@ -656,6 +681,20 @@ static double prefill_work_us(const km_engine_model *m, uint64_t before, uint64_
            m->prefill_us_per_pair * (double)km_engine_model_chunk_pairs(before, tokens);
 }
 
+/* The most requests a worker may hold after this one while the request's prefix is hot there:
+ * ceil(load_bound * (the candidates' in-flight requests + 1) / n) (consistent hashing with
+ * bounded loads); infinite when load_bound is 0. */
+static double ttft_load_bound(const km_policy_config *cfg, const km_policy_candidate *cands,
+                              uint32_t n)
+{
+    if (cfg->ttft.load_bound <= 0.0)
+        return INFINITY;
+    double total = 0.0;
+    for (uint32_t i = 0; i < n; i++)
+        total += cands[i].in_flight;
+    return ceil(cfg->ttft.load_bound * (total + 1.0) / n);
+}
+
 static void decide_ttft(const km_policy_config *cfg, const km_policy_request *req,
                         const km_policy_candidate *cands, uint32_t n, km_policy_decision *out,
                         double *costs_out)
@@ -665,24 +704,43 @@ static void decide_ttft(const km_policy_config *cfg, const km_policy_request *re
      * the requests it will delay: those that arrive at that worker while it is still busy, about
      * as many as wait there now (at least one). */
     uint64_t tokens = request_tokens(req);
-    uint32_t best_hit = out->owner == KM_POLICY_NO_OWNER ? 0 : hit_blocks(req, &cands[out->owner]);
+    uint32_t best_hit = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        uint32_t hit = queued_hit_blocks(req, &cands[i]);
+        best_hit = hit > best_hit ? hit : best_hit;
+    }
     uint64_t best_cached = (uint64_t)best_hit * req->block_size;
     double best_work = prefill_work_us(&cfg->engine, best_cached, tokens - best_cached);
     uint32_t best = 0;
     double best_ms = 0.0;
+    /* Bounded load: a worker past the bound, where the request's prefix is hot, is not weighed
+     * while some worker is within it (the hot prefix is copied to a less loaded worker rather
+     * than queued behind its holder's load). */
+    double bound = ttft_load_bound(cfg, cands, n);
+    bool any_within = false;
+    for (uint32_t i = 0; i < n; i++)
+        any_within |= (double)cands[i].in_flight + 1.0 <= bound;
+    bool seen = false;
     for (uint32_t i = 0; i < n; i++) {
         const km_policy_candidate *c = &cands[i];
-        uint64_t cached = (uint64_t)hit_blocks(req, c) * req->block_size;
+        if (any_within && (double)c->in_flight + 1.0 > bound &&
+            c->prefix_sharers >= cfg->ttft.hot_prefix_sharers) {
+            if (costs_out)
+                costs_out[i] = NAN; /* not weighed */
+            continue;
+        }
+        uint64_t cached = (uint64_t)queued_hit_blocks(req, c) * req->block_size;
         double extra = prefill_work_us(&cfg->engine, cached, tokens - cached) - best_work;
         double delayed = c->prefilling > 1 ? (double)c->prefilling : 1.0;
         double ms = (predicted_ttft_us(cfg, req, c) + delayed * (extra > 0 ? extra : 0)) / 1000.0;
         if (costs_out)
             costs_out[i] = ms;
-        int better = i == 0 || ms < best_ms;
+        int better = !seen || ms < best_ms;
+        seen = true;
         if (!better && ms == best_ms) {
-            /* Equal costs: the deeper match (it leaves the others' caches for other prefixes),
-             * then the least load. */
-            int by_depth = CMP3(cands[best].depth, c->depth);
+            /* Equal costs: the deeper queued hit (it leaves the others' caches for other
+             * prefixes), then the least load. */
+            int by_depth = CMP3(queued_depth_of(&cands[best]), queued_depth_of(c));
             better = by_depth > 0 || (by_depth == 0 && compare_load(c, &cands[best]) < 0);
         }
         if (better) {
@@ -729,6 +787,11 @@ static int validate_input(const km_policy_config *cfg, km_policy_state *state,
             return state_fail(state, KM_ERR_INVALID_ARGUMENT,
                               "candidate %u (worker %u): depth %u exceeds the request's %u blocks",
                               i, c->worker, c->depth, req->n_blocks);
+        if (c->queued_depth > req->n_blocks)
+            return state_fail(state, KM_ERR_INVALID_ARGUMENT,
+                              "candidate %u (worker %u): queued depth %u exceeds the request's %u "
+                              "blocks",
+                              i, c->worker, c->queued_depth, req->n_blocks);
         uint64_t split = (uint64_t)c->device_blocks + c->host_blocks + c->disk_blocks;
         if (split != c->depth)
             return state_fail(state, KM_ERR_INVALID_ARGUMENT,

@@ -39,6 +39,13 @@ static bool prediction_observed(const km_server *s, const km_policy_candidate *c
     return true;
 }
 
+/* Does the pool keep queued prefixes (km_active_queue_blocks)? Only for the policy that weighs
+ * them: the others never read a queued depth, and promising costs a map insert per new block. */
+static bool queues_prefixes(const pool *p)
+{
+    return p->policy.kind == KM_POLICY_TTFT;
+}
+
 /* The index state of worker id, read once per scoring batch (a batch decides against one view of
  * the feeds). */
 static const char *worker_state_in_batch(km_server *s, uint32_t id)
@@ -66,6 +73,7 @@ typedef struct route_choice {
     km_policy_reason reason;
     uint32_t chosen_at; /* index into b->cands */
     uint32_t chosen, chosen_depth;
+    uint32_t chosen_queued_depth; /* chosen_depth extended by prefills queued there (0: none) */
     const char *chosen_state;
     bool has_owner; /* the prediction owner: the deepest match among every candidate */
     uint32_t owner, owner_depth; /* worker 0 and depth 0 without an owner */
@@ -112,6 +120,9 @@ static bool gather_candidates(km_server *s, route_job *r, const pool *p,
     const km_worker_match *m = p->results.matches + rr->first;
     const km_match_tiers *tiers = p->results.tiers + rr->first;
     c->now = now_ns();
+    /* Queued depths are read where a policy may weigh them: pools that promise queued prefixes,
+     * and routes that name their own policy. */
+    bool queued = queues_prefixes(p) || r->policy_name;
     /* While no worker of the service is unhealthy or has a tripped breaker (the usual case), every
      * candidate is eligible and goes straight to its place. */
     c->check_health = s->health_restricted > 0;
@@ -140,6 +151,16 @@ static bool gather_candidates(km_server *s, route_job *r, const pool *p,
         km_worker_stats ws;
         if (km_index_worker_stats(p->index, ids[i], &ws) == KM_OK)
             pc->indexed_blocks = ws.blocks;
+        if (queued) {
+            pc->queued_depth =
+                km_active_queued_depth(s->active, ids[i], r->hashes, r->n_hashes, pc->depth);
+            uint32_t held = pc->queued_depth > pc->depth ? pc->queued_depth : pc->depth;
+            if (r->prompt_tokens > 0 && held > (r->prompt_tokens - 1) / p->block_size)
+                held = (uint32_t)((r->prompt_tokens - 1) / p->block_size);
+            if (held)
+                pc->prefix_sharers =
+                    km_active_prefix_sharers(s->active, ids[i], r->hashes[held - 1]);
+        }
         if (!c->check_health) {
             n_eligible++;
             continue;
@@ -198,6 +219,7 @@ static bool choose(km_server *s, route_job *r, pool *p, batch_scratch *b, route_
     c->chosen_at = pd.chosen;
     c->chosen = b->cands[pd.chosen].worker;
     c->chosen_depth = pd.chosen_depth;
+    c->chosen_queued_depth = b->cands[pd.chosen].queued_depth;
     /* The prediction owner is the deepest match among every candidate: an ineligible worker that
      * holds more than any eligible one is the owner (the record says where the KV is, and that it
      * could not be used); ties with an eligible one stay with the policy's owner, ties among
@@ -224,7 +246,10 @@ static bool choose(km_server *s, route_job *r, pool *p, batch_scratch *b, route_
 static bool begin_active_work(km_server *s, route_job *r, const pool *p, route_choice *c)
 {
     uint32_t prompt = r->prompt_tokens > UINT32_MAX ? UINT32_MAX : (uint32_t)r->prompt_tokens;
-    uint64_t predicted = (uint64_t)c->chosen_depth * p->block_size;
+    /* The prefill it adds: what neither the worker's cache nor the prefills queued there cover. */
+    uint32_t covered = c->chosen_queued_depth > c->chosen_depth ? c->chosen_queued_depth
+                                                                : c->chosen_depth;
+    uint64_t predicted = (uint64_t)covered * p->block_size;
     uint32_t expected = r->expected_output_tokens > UINT32_MAX ? UINT32_MAX
                                                                : (uint32_t)r->expected_output_tokens;
     c->key = km_active_key_of(r->request_id, r->attempt_id);
@@ -249,11 +274,15 @@ static bool begin_active_work(km_server *s, route_job *r, const pool *p, route_c
     }
     /* The cached prefix it will use there, so concurrent requests on one prefix count its KV
      * once (best effort: without memory for it, the request counts whole). */
-    uint32_t hit = c->chosen_depth;
+    uint32_t hit = covered;
     if (prompt > 0 && hit > (prompt - 1) / p->block_size)
         hit = (prompt - 1) / p->block_size;
     if (hit && hit <= r->n_hashes)
         km_active_share_prefix(s->active, &c->key, r->hashes[hit - 1], hit * p->block_size);
+    /* The blocks its prefill will store there, promised until its first token (best effort as
+     * above: without memory, later routes see only the index). */
+    if (queues_prefixes(p) && covered < r->n_hashes)
+        km_active_queue_blocks(s->active, &c->key, r->hashes + covered, r->n_hashes - covered);
     c->decision_id = atomic_fetch_add(&s->next_decision_id, 1);
     return true;
 }
@@ -405,6 +434,9 @@ static void record_decision(km_server *s, const route_job *r, const pool *p, bat
         row->in_flight = pc->in_flight;
         row->pending_prefill_tokens = (int64_t)pc->pending_prefill_tokens;
         row->active_decode_blocks = (int64_t)pc->active_decode_blocks;
+        if (queues_prefixes(p))
+            row->queued_depth_blocks =
+                (int64_t)(pc->queued_depth > pc->depth ? pc->queued_depth : pc->depth);
         row->cost = b->costs[i];
         row->eligible = i < c->n_eligible;
     }

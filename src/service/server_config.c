@@ -72,12 +72,21 @@ int km_server_policy_param(km_policy_config *p, const char *name, double value, 
         p->llmd.host_tier_weight = value;
     else if (!strcmp(name, "exploit_ratio"))
         p->preble.exploit_ratio = value;
-    else
+    else if (!strcmp(name, "load_bound"))
+        p->ttft.load_bound = value;
+    else if (!strcmp(name, "hot_prefix_sharers")) {
+        if (!(value >= 0 && value <= UINT32_MAX) || value != (double)(uint32_t)value)
+            return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,
+                        "hot_prefix_sharers %g is not a whole number in [0, %u]", value,
+                        UINT32_MAX);
+        p->ttft.hot_prefix_sharers = (uint32_t)value;
+    } else
         return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,
                     "unknown policy parameter \"%s\" (temperature, prefill_load_scale, "
                     "device_weight, host_weight, disk_weight, cache_threshold, "
                     "balance_abs_threshold, balance_rel_threshold, prefix_weight, queue_weight, "
-                    "kv_usage_weight, host_tier_weight, exploit_ratio)",
+                    "kv_usage_weight, host_tier_weight, exploit_ratio, load_bound, "
+                    "hot_prefix_sharers)",
                     name);
     return KM_OK;
 }
