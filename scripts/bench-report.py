@@ -223,10 +223,11 @@ def render_routing(d):
     out.append(f"`{judged}` within 2% of the best other policy: TTFT p50 in {sm['p50_holds']} of "
                f"{sm['cells']} cells, p99 in {sm['p99_holds']} of {sm['cells']}; p99 at least 3x better "
                f"than `round_robin`'s at load 0.8 in {sm['round_robin_holds']} of "
-               f"{sm['round_robin_cells']}.\n")
+               f"{sm['round_robin_cells']} (reachable at all, round robin's p99 at least 3x the "
+               f"floor, in {sm.get('round_robin_reachable', '?')} of {sm['round_robin_cells']}).\n")
     out.append(f"| workload | load | seed | `{judged}` p50 | best other p50 | `{judged}` p99 | "
-               f"best other p99 | round robin p99 / `{judged}`'s |")
-    out.append("|---|---:|---:|---:|---|---:|---|---:|")
+               f"best other p99 | round robin p99 / `{judged}`'s | round robin p99 / floor |")
+    out.append("|---|---:|---:|---:|---|---:|---|---:|---:|")
     for c in d["cells"]:
         p50 = f"{c['default_p50_ms']:,.1f}" + ("" if c["p50_holds"] else " (worse)")
         p99 = f"{c['default_p99_ms']:,.1f}" + ("" if c["p99_holds"] else " (worse)")
@@ -234,9 +235,13 @@ def render_routing(d):
         rr_text = f"{rr:.2f}" if rr is not None else "?"
         if "round_robin_target_holds" in c and not c["round_robin_target_holds"]:
             rr_text += " (under 3)"
+        reach = c.get("round_robin_over_floor")
+        reach_text = f"{reach:.2f}" if reach is not None else "?"
+        if "round_robin_target_reachable" in c and not c["round_robin_target_reachable"]:
+            reach_text += " (3x out of reach)"
         out.append(f"| {c['workload']} | {c['load']:.2f} | {c['seed']} | {p50} | "
                    f"{c['best_other_p50']} {c['best_other_p50_ms']:,.1f} | {p99} | "
-                   f"{c['best_other_p99']} {c['best_other_p99_ms']:,.1f} | {rr_text} |")
+                   f"{c['best_other_p99']} {c['best_other_p99_ms']:,.1f} | {rr_text} | {reach_text} |")
     return "\n".join(out)
 
 

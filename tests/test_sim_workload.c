@@ -167,7 +167,9 @@ Test(sim_workload, chain_hashes_share_what_ids_share, .timeout = 60)
 
 /* Reusable tokens by brute force: every full block's chain hash seen in an earlier prompt, the
  * leading run of them, never the prompt's last token. */
-static uint64_t reusable_by_hashes(const km_trace *t, uint32_t bs)
+/* Reusable tokens of the whole trace by chain hashes; per_request (may be NULL) gets each
+ * request's. */
+static uint64_t reusable_by_hashes(const km_trace *t, uint32_t bs, uint64_t *per_request)
 {
     km_memory memory = {0};
     km_u64map seen;
@@ -183,12 +185,20 @@ static uint64_t reusable_by_hashes(const km_trace *t, uint32_t bs)
             run++;
         uint32_t cap = (r->input_length - 1) / bs;
         total += (uint64_t)(run < cap ? run : cap) * bs;
+        if (per_request)
+            per_request[i] = (uint64_t)(run < cap ? run : cap) * bs;
         for (uint32_t b = 0; b < n; b++)
             cr_assert_eq(km_u64map_put(&seen, km_u64map_key(h[b]), 1, 1), KM_OK);
     }
     free(h);
     km_u64map_free(&seen);
     return total;
+}
+
+static int cmp_ms(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
 }
 
 Test(sim_workload, statistics_match_a_brute_force_count, .timeout = 60)
@@ -201,9 +211,30 @@ Test(sim_workload, statistics_match_a_brute_force_count, .timeout = 60)
         km_trace t;
         cr_assert_eq(km_sim_generate_trace(&cfg, &t, NULL, 0), KM_OK);
         for (uint32_t bs = 16; bs <= 64; bs *= 4) {
+            km_engine_model model;
+            km_engine_model_init(&model);
+            model.block_size = bs;
             km_sim_workload_stats st;
-            cr_assert_eq(km_sim_workload_stats_of(&t, bs, &st), KM_OK);
-            uint64_t expect = reusable_by_hashes(&t, bs);
+            cr_assert_eq(km_sim_workload_stats_of(&t, &model, &st), KM_OK);
+            uint64_t *each = malloc(t.n_requests * sizeof *each);
+            double *floor_ms = malloc(t.n_requests * sizeof *floor_ms);
+            uint64_t expect = reusable_by_hashes(&t, bs, each);
+            /* The floor: each request alone on an idle engine with its reusable tokens cached. */
+            km_engine_load idle = {0, 0, 0, 0, 0};
+            for (size_t i = 0; i < t.n_requests; i++) {
+                const km_trace_request *q = &t.requests[i];
+                floor_ms[i] = km_engine_model_predict_ttft_us(
+                                  &model, &idle, each[i], q->input_length - each[i], 0, 0,
+                                  (q->input_length + q->output_length + bs - 1) / bs,
+                                  q->output_length) / 1000.0;
+            }
+            qsort(floor_ms, t.n_requests, sizeof *floor_ms, cmp_ms);
+            size_t n = t.n_requests;
+            cr_assert_float_eq(st.floor_ttft_p50_ms, floor_ms[(size_t)(0.5 * (n - 1) + 0.5)], 1e-9);
+            cr_assert_float_eq(st.floor_ttft_p99_ms, floor_ms[(size_t)(0.99 * (n - 1) + 0.5)], 1e-9);
+            cr_assert(st.floor_ttft_p50_ms >= model.step_floor_us / 1000.0);
+            free(each);
+            free(floor_ms);
             cr_assert_eq(st.reusable_tokens, expect, "%s, block %u, seed %llu: %llu reusable, "
                          "brute force %llu", km_sim_shape_name((km_sim_shape)k), bs,
                          (unsigned long long)cfg.seed, (unsigned long long)st.reusable_tokens,
@@ -219,9 +250,14 @@ Test(sim_workload, statistics_match_a_brute_force_count, .timeout = 60)
         km_trace_free(&t);
     }
     km_sim_workload_stats st;
-    cr_assert_eq(km_sim_workload_stats_of(NULL, 16, &st), KM_ERR_NULL_POINTER);
+    km_engine_model model;
+    km_engine_model_init(&model);
+    cr_assert_eq(km_sim_workload_stats_of(NULL, &model, &st), KM_ERR_NULL_POINTER);
+    cr_assert_eq(km_sim_workload_stats_of(&st == NULL ? NULL : &(km_trace){0}, NULL, &st),
+                 KM_ERR_NULL_POINTER);
     km_trace empty = {0};
-    cr_assert_eq(km_sim_workload_stats_of(&empty, 0, &st), KM_ERR_BLOCK_SIZE);
+    model.block_size = 0;
+    cr_assert_eq(km_sim_workload_stats_of(&empty, &model, &st), KM_ERR_BLOCK_SIZE);
 }
 
 Test(sim_workload, bad_configs_and_trim, .timeout = 10)

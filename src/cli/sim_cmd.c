@@ -250,6 +250,8 @@ static int print_json(const km_sim_config *cfg, const km_sim_report *report)
     json_object_set_new(w, "prompt_p99_tokens", json_real(sum->workload.prompt_p99));
     json_object_set_new(w, "output_mean_tokens", json_real(sum->workload.output_mean));
     json_object_set_new(w, "reusable_share", json_real(sum->workload.reusable_share));
+    json_object_set_new(w, "floor_ttft_p50_ms", json_real(sum->workload.floor_ttft_p50_ms));
+    json_object_set_new(w, "floor_ttft_p99_ms", json_real(sum->workload.floor_ttft_p99_ms));
     json_object_set_new(w, "arrival_rate_per_s", json_real(sum->workload.arrival_rate_per_s));
     json_object_set_new(root, "workload", w);
     json_object_set_new(root, "workers", json_integer(cfg->workers));

@@ -1155,7 +1155,7 @@ int km_sim_run(const km_sim_config *cfg, km_sim_result *results, km_sim_summary 
                                                                          : trace.n_requests;
     km_trace head = trace;
     head.n_requests = n;
-    if ((rc = km_sim_workload_stats_of(&head, cfg->engine.model.block_size, &sum->workload))) {
+    if ((rc = km_sim_workload_stats_of(&head, &cfg->engine.model, &sum->workload))) {
         km_trace_free(&trace);
         return km_why(why, why_size, rc, "workload statistics");
     }

@@ -402,11 +402,18 @@ static int cmp_u32(const void *a, const void *b)
     return x < y ? -1 : x > y;
 }
 
-int km_sim_workload_stats_of(const km_trace *trace, uint32_t block_size,
+static int cmp_double(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+int km_sim_workload_stats_of(const km_trace *trace, const km_engine_model *model,
                              km_sim_workload_stats *out)
 {
-    if (!trace || !out)
+    if (!trace || !model || !out)
         return KM_ERR_NULL_POINTER;
+    uint32_t block_size = model->block_size;
     if (block_size == 0)
         return KM_ERR_BLOCK_SIZE;
     memset(out, 0, sizeof *out);
@@ -414,10 +421,12 @@ int km_sim_workload_stats_of(const km_trace *trace, uint32_t block_size,
     if (n == 0)
         return KM_OK;
     uint32_t *lengths = malloc(n * sizeof *lengths);
+    double *floor_ms = malloc(n * sizeof *floor_ms);
     km_memory memory = {0};
     km_u64map seen; /* id + 2 -> the most tokens of it an earlier prompt used */
     km_u64map_init(&seen, &memory);
-    int rc = lengths ? KM_OK : KM_ERR_OUT_OF_MEMORY;
+    int rc = lengths && floor_ms ? KM_OK : KM_ERR_OUT_OF_MEMORY;
+    const km_engine_load idle = {0, 0, 0, 0, 0};
     const uint32_t per = KM_SIM_TOKENS_PER_ID;
     for (size_t i = 0; !rc && i < n; i++) {
         const km_trace_request *q = &trace->requests[i];
@@ -437,7 +446,13 @@ int km_sim_workload_stats_of(const km_trace *trace, uint32_t block_size,
         }
         uint64_t cap = (uint64_t)(q->input_length ? q->input_length - 1 : 0) / block_size * block_size;
         reusable = reusable / block_size * block_size;
-        out->reusable_tokens += reusable < cap ? reusable : cap;
+        reusable = reusable < cap ? reusable : cap;
+        out->reusable_tokens += reusable;
+        uint64_t blocks = ((uint64_t)q->input_length + q->output_length + block_size - 1) / block_size;
+        floor_ms[i] = km_engine_model_predict_ttft_us(model, &idle, reusable,
+                                                      q->input_length - reusable, 0, 0, blocks,
+                                                      q->output_length) /
+                      1000.0;
         for (uint32_t k = 0; !rc && k < q->n_ids && (uint64_t)k * per < q->input_length; k++) {
             uint32_t used = q->input_length - k * per < per ? q->input_length - k * per : per;
             uint64_t *v = km_u64map_find(&seen, (uint64_t)q->ids[k] + 2);
@@ -452,6 +467,9 @@ int km_sim_workload_stats_of(const km_trace *trace, uint32_t block_size,
         out->prompt_mean = (double)out->prompt_tokens / (double)n;
         out->prompt_p50 = lengths[(size_t)(0.50 * (double)(n - 1) + 0.5)];
         out->prompt_p99 = lengths[(size_t)(0.99 * (double)(n - 1) + 0.5)];
+        qsort(floor_ms, n, sizeof *floor_ms, cmp_double);
+        out->floor_ttft_p50_ms = floor_ms[(size_t)(0.50 * (double)(n - 1) + 0.5)];
+        out->floor_ttft_p99_ms = floor_ms[(size_t)(0.99 * (double)(n - 1) + 0.5)];
         out->output_mean = (double)out->output_tokens / (double)n;
         out->reusable_share =
             out->prompt_tokens ? (double)out->reusable_tokens / (double)out->prompt_tokens : 0.0;
@@ -461,5 +479,6 @@ int km_sim_workload_stats_of(const km_trace *trace, uint32_t block_size,
     }
     km_u64map_free(&seen);
     free(lengths);
+    free(floor_ms);
     return rc;
 }

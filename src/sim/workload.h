@@ -23,6 +23,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "kvmatch/engine_model.h"
 #include "sim/trace.h"
 
 #define KM_SIM_TOKENS_PER_ID 512u
@@ -99,15 +100,19 @@ typedef struct km_sim_workload_stats {
     double reusable_share;
     double span_s;           /* first to last arrival */
     double arrival_rate_per_s; /* km_sim_arrival_rate */
+    /* The floor no routing can go below: each request's time to first token alone on an idle
+     * engine of the model that holds its reusable tokens (km_engine_model_predict_ttft_us with no
+     * load), p50 and p99 over the requests, in ms. */
+    double floor_ttft_p50_ms, floor_ttft_p99_ms;
 } km_sim_workload_stats;
 
 /* Requests per second between the 10th and the 90th percentile of arrival times (the run's body,
  * without the sparse ends of its sessions); 0 with fewer than 10 requests or no spread. */
 double km_sim_arrival_rate(const km_trace *trace);
 
-/* Statistics of the first trace->n_requests requests. Errors: KM_ERR_NULL_POINTER,
- * KM_ERR_BLOCK_SIZE, KM_ERR_OUT_OF_MEMORY. */
-int km_sim_workload_stats_of(const km_trace *trace, uint32_t block_size,
+/* Statistics of the first trace->n_requests requests, in blocks of model->block_size, timed by
+ * the model. Errors: KM_ERR_NULL_POINTER, KM_ERR_BLOCK_SIZE, KM_ERR_OUT_OF_MEMORY. */
+int km_sim_workload_stats_of(const km_trace *trace, const km_engine_model *model,
                              km_sim_workload_stats *out);
 
 #endif
