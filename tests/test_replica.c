@@ -35,6 +35,7 @@ typedef struct mirror {
     uint32_t fail_syncs; /* the next this many syncs fail (out of memory) after patching half */
     uint32_t fail_matches; /* the next this many matches fail (out of memory) half way */
     uint64_t patch_out_of_range; /* a dirty slot or bitmap outside the replica's arrays */
+    int fail_cuda; /* every sync and match fails with KM_ERR_CUDA, as after a sticky device error */
 } mirror;
 
 static void mirror_table_free(mirror_table *m)
@@ -98,6 +99,8 @@ static int mirror_sync(void *state, km_index *index)
 {
     mirror *mr = state;
     mr->syncs++;
+    if (mr->fail_cuda)
+        return km_index_fail(index, KM_ERR_CUDA, "mirror: sync: a sticky device error");
     if (mr->fail_syncs) { /* a staging allocation failing part way: the blocks are patched */
         mr->fail_syncs--;
         int rc = mirror_sync_table(mr, &mr->blocks, &index->blocks, 0);
@@ -153,6 +156,8 @@ static int mirror_match(void *state, km_index *index, const km_request *requests
 {
     mirror *mr = state;
     mr->matches++;
+    if (mr->fail_cuda)
+        return km_index_fail(index, KM_ERR_CUDA, "mirror: match: a sticky device error");
     if (mr->fail_matches) { /* results half filled, then a staging allocation fails */
         mr->fail_matches--;
         results->n_requests = n;
@@ -619,6 +624,126 @@ Test(replica, a_failed_replica_match_is_scored_on_the_host, .timeout = 60)
                  " -> %" PRIu64, step, host, index->host_scored_batches);
         cr_assert_eq(mirror_of(index), mr, "the replica was dropped");
     }
+    km_match_results_free(&res);
+    km_request_set_free(&rs);
+    km_workload_free(&wl);
+    km_corpus_free(&corpus);
+    km_oracle_free(&o);
+    km_index_destroy(index);
+}
+
+/* ---- a CUDA failure when no CPU backend can be made ------------------------------------------ */
+
+/* The CPU backend with a create that fails (out of host memory) while cpu_create_fails is set. */
+static int cpu_create_fails;
+
+static int scarce_cpu_create(km_index *index, void **state, char *why, size_t why_size)
+{
+    if (cpu_create_fails) {
+        snprintf(why, why_size, "scratch for the scoring lanes");
+        return KM_ERR_OUT_OF_MEMORY;
+    }
+    return km_backend_cpu.create(index, state, why, why_size);
+}
+
+static void scarce_cpu_destroy(void *state)
+{
+    km_backend_cpu.destroy(state);
+}
+
+static const km_backend_ops scarce_cpu_backend = {
+    .name = "cpu",
+    .create = scarce_cpu_create,
+    .destroy = scarce_cpu_destroy,
+    .sync = NULL,
+    .match = NULL, /* the index scores host states with km_backend_cpu.match */
+    .needs_dirty_tracking = 0,
+};
+
+typedef struct log_lines {
+    int n;
+    char last[512];
+} log_lines;
+
+static void keep_log_line(void *user, const char *line)
+{
+    log_lines *l = user;
+    l->n++;
+    snprintf(l->last, sizeof l->last, "%s", line);
+}
+
+/* A sticky CUDA error while no CPU backend can be created (host memory exhausted): the index
+ * keeps its failed backend (never none), the batch's updates stay in the host tables, the match
+ * fails with KM_ERR_OUT_OF_MEMORY naming both failures, and the log says so. Once memory is
+ * back, the next call falls back to the CPU and scores exactly. Until 2026-12-02 the fallback
+ * destroyed the failed backend first and left the index without one, dereferenced at once. */
+Test(replica, a_cuda_failure_without_memory_for_the_cpu_keeps_a_backend, .timeout = 60)
+{
+    const uint32_t S = 4, W = 64;
+    char why[512] = "";
+    km_rng r;
+    km_rng_init(&r, km_test_seed() ^ 0xF411);
+    /* Tables that never grow here: a growth would create the host scorer the fallback reuses. */
+    log_lines log = {0};
+    km_index_config cfg;
+    km_test_config(&cfg, NULL);
+    cfg.backend = KM_BACKEND_CPU;
+    cfg.max_workers = W;
+    cfg.segment_blocks = S;
+    cfg.threads = 2;
+    cfg.initial_blocks = 1u << 17;
+    cfg.log = keep_log_line;
+    cfg.log_user = &log;
+    km_index *index = NULL;
+    cr_assert_eq(km_index_create(&cfg, &index), KM_OK);
+    cr_assert_eq(km_index_use_backend(index, &mirror_backend, why, sizeof why), KM_OK, "%s", why);
+    index->host_ops = &scarce_cpu_backend;
+    km_oracle o;
+    km_oracle_init(&o, W);
+    km_corpus corpus;
+    km_corpus_generate(&corpus, &r, 150, 4, 200);
+    km_workload wl;
+    km_workload_init(&wl, &corpus, W);
+    km_request_set rs = {0};
+    km_match_results res;
+    km_match_results_init(&res);
+    km_update_stats got, expect;
+
+    km_workload_step(&wl, &r, &o, 6);
+    cr_assert_eq(km_index_apply(index, wl.updates, wl.n_updates, &got), KM_OK);
+    km_oracle_apply(&o, wl.updates, wl.n_updates, &expect);
+    mirror *mr = mirror_of(index);
+    cr_assert_null(index->host_scorer, "a host scorer exists: the fallback would not create one");
+    mr->fail_cuda = 1;
+    cpu_create_fails = 1;
+
+    /* The sync fails; the batch does not (its updates are in the host tables). */
+    km_workload_step(&wl, &r, &o, 6);
+    int rc = km_index_apply(index, wl.updates, wl.n_updates, &got);
+    cr_assert_eq(rc, KM_OK, "the batch failed with its sync: %s (%s)", km_error_name(rc),
+                 km_index_last_error(index));
+    km_oracle_apply(&o, wl.updates, wl.n_updates, &expect);
+    cr_assert_eq(mirror_of(index), mr, "the failed backend was replaced by nothing");
+    cr_assert(strstr(log.last, "no cpu backend") && strstr(log.last, "KM_ERR_CUDA"),
+              "the log does not say what failed: %s", log.last);
+
+    km_request_set_generate(&rs, &r, &corpus, 300);
+    rc = km_index_match_batch(index, rs.requests, rs.n, &res);
+    cr_assert_eq(rc, KM_ERR_OUT_OF_MEMORY, "match: %s", km_error_name(rc));
+    cr_assert_eq(res.n_requests, 0, "a failed match left results");
+    cr_assert_eq(mirror_of(index), mr);
+    cr_assert(strstr(km_index_last_error(index), "sticky device error") &&
+                  strstr(km_index_last_error(index), "scratch for the scoring lanes"),
+              "last error does not name both failures: %s", km_index_last_error(index));
+
+    /* Memory is back: the next match falls back, and the CPU backend has every update. */
+    cpu_create_fails = 0;
+    rc = km_index_match_batch(index, rs.requests, rs.n, &res);
+    cr_assert_eq(rc, KM_OK, "match after memory came back: %s (%s)", km_error_name(rc),
+                 km_index_last_error(index));
+    cr_assert_str_eq(km_index_backend_name(index), "cpu");
+    cr_assert(strstr(log.last, "fallback: match failed with KM_ERR_CUDA"), "log: %s", log.last);
+    cr_assert(km_check_results(&o, rs.requests, rs.n, &res, S, why, sizeof why), "%s", why);
     km_match_results_free(&res);
     km_request_set_free(&rs);
     km_workload_free(&wl);

@@ -96,12 +96,18 @@ static int select_backend(km_index *index)
                 km_index_log(index, "backend: cuda (auto: %s)", why);
             return KM_OK;
         }
-        if (kind == KM_BACKEND_CUDA)
+        if (kind == KM_BACKEND_CUDA) {
+            /* The caller gets no index to ask km_index_last_error: the log line keeps the reason. */
+            km_index_log(index, "backend: cuda unavailable (%s): %s", km_error_name(rc), why);
             return km_index_fail(index, rc, "cuda backend unavailable: %s", why);
+        }
 #else
         snprintf(why, sizeof why, "built without CUDA (nvcc absent or CUDA=0)");
-        if (kind == KM_BACKEND_CUDA)
+        if (kind == KM_BACKEND_CUDA) {
+            km_index_log(index, "backend: cuda unavailable (%s): %s",
+                         km_error_name(KM_ERR_BACKEND_UNAVAILABLE), why);
             return km_index_fail(index, KM_ERR_BACKEND_UNAVAILABLE, "cuda backend unavailable: %s", why);
+        }
 #endif
     }
     int rc = km_backend_cpu.create(index, &index->backend_state, why, sizeof why);
@@ -148,6 +154,7 @@ int km_index_create(const km_index_config *cfg_in, km_index **out)
     index->anchor_free_head = ANCHOR_NONE;
     index->replica_growth_step = KM_REPLICA_GROWTH_STEP_SLOTS;
     index->replica_growth_budget_ms = KM_REPLICA_GROWTH_BUDGET_MS;
+    index->host_ops = &km_backend_cpu;
     km_u64map_init(&index->anchors, &index->memory);
     int rc = km_table_init(&index->blocks, cfg.initial_blocks, cfg.max_workers, 1, 0, &index->memory);
     if (!rc) /* aux: one fingerprint byte per block of each segment key */
@@ -192,26 +199,40 @@ void km_index_destroy(km_index *index)
     free(index);
 }
 
-/* Move to the CPU backend after a CUDA failure; the host tables are complete, so nothing is lost. */
-static void fall_back_to_cpu(km_index *index, int status, const char *what)
+/* Move to the CPU backend after a CUDA failure; the host tables are complete, so nothing is lost.
+ * The CPU backend is made before the failed one is destroyed: when it cannot be made (out of host
+ * memory), the index keeps its backend, whose next call fails again and retries this, and the
+ * status (KM_ERR_OUT_OF_MEMORY, detail in last_error) goes to the caller. The index never has no
+ * backend. */
+static int fall_back_to_cpu(km_index *index, int status, const char *what)
 {
     char detail[256];
     snprintf(detail, sizeof detail, "%s", index->last_error);
-    index->backend->destroy(index->backend_state);
-    index->backend_state = NULL;
-    index->replica_stale = 0;
     char why[256] = "";
+    void *state = NULL;
+    int rc = KM_OK;
     if (index->host_scorer) { /* already scoring on the host while a growth lasts: keep it */
-        index->backend_state = index->host_scorer;
+        state = index->host_scorer;
         index->host_scorer = NULL;
-    } else if (km_backend_cpu.create(index, &index->backend_state, why, sizeof why) != KM_OK) {
-        index->backend = NULL; /* cannot happen for the CPU backend short of OOM */
-        return;
+    } else {
+        rc = index->host_ops->create(index, &state, why, sizeof why);
     }
+    if (rc != KM_OK) {
+        km_index_log(index, "backend %s: %s failed with %s (%s); no cpu backend to fall back to: "
+                     "%s %s", index->backend->name, what, km_error_name(status), detail,
+                     km_error_name(rc), why);
+        return km_index_fail(index, rc, "%s failed with %s (%s) and the cpu backend could not be "
+                             "created: %s %s", what, km_error_name(status), detail,
+                             km_error_name(rc), why);
+    }
+    index->backend->destroy(index->backend_state);
+    index->backend_state = state;
     index->backend = &km_backend_cpu;
+    index->replica_stale = 0;
     set_dirty_tracking(index);
     km_index_log(index, "backend: cpu (fallback: %s failed with %s: %s)", what, km_error_name(status),
                  detail);
+    return KM_OK;
 }
 
 static void sync_backend(km_index *index);
@@ -221,7 +242,7 @@ static void sync_backend(km_index *index);
 static bool have_host_scorer(km_index *index, char *why, size_t why_size)
 {
     if (!index->host_scorer &&
-        km_backend_cpu.create(index, &index->host_scorer, why, why_size) != KM_OK)
+        index->host_ops->create(index, &index->host_scorer, why, why_size) != KM_OK)
         index->host_scorer = NULL;
     return index->host_scorer != NULL;
 }
@@ -1328,10 +1349,11 @@ int km_index_match_batch(km_index *index, const km_request *requests, size_t n_r
         rc = index->backend->match(index->backend_state, index, requests, n_requests, results);
     }
     if (rc == KM_ERR_CUDA) {
-        fall_back_to_cpu(index, rc, "match");
         results->n_matches = 0;
         results->probes = 0;
-        rc = index->backend->match(index->backend_state, index, requests, n_requests, results);
+        rc = fall_back_to_cpu(index, rc, "match");
+        if (rc == KM_OK)
+            rc = index->backend->match(index->backend_state, index, requests, n_requests, results);
     } else if (rc && !index->replica_stale && index->backend != &km_backend_cpu) {
         /* A replica's scoring failed otherwise (out of memory for a batch's staging): the host
          * tables are current, so this batch is scored there; the replica stays for the next. */

@@ -94,6 +94,9 @@ struct km_index {
      * lower the step to watch a move of a small table. */
     uint64_t replica_growth_step;
     double replica_growth_budget_ms;
+    /* Makes the CPU backend states for a fallback and for host_scorer: km_backend_cpu's create,
+     * destroy and match. Tests put in one whose create can fail, as it does out of host memory. */
+    const km_backend_ops *host_ops;
 
     char last_error[256];
 };
