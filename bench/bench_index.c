@@ -930,7 +930,8 @@ static void usage(FILE *f)
                "  --workers N  only one of the worker counts (64 or 1024)\n"
                "  --reps N     timed repetitions of every batch (default 5, 3 with --quick)\n"
                "  --backends L comma-separated rows to measure, e.g. cpu,radix_compressed; cpu is\n"
-               "               always built, as the reference the others are checked against\n"
+               "               always built, as the reference the others are checked against;\n"
+               "               exit status 1 when cuda is named and could not be measured\n"
                "  --trace PATH Mooncake JSONL trace (default: $KM_MOONCAKE_TRACE or %s)\n",
             "../shared/data/mooncake/conversation_trace.jsonl");
 }
@@ -1223,6 +1224,13 @@ int km_bench_index_main(int argc, char **argv)
     }
 
     int status = failed ? 1 : 0;
+    /* A row asked for by name that could not be measured fails the run (a GPU check must not
+     * pass without its device); without --backends the cuda row is optional, as noted. */
+    if (only && list_names(only, "cuda") && cuda_noted) {
+        fprintf(stderr, "kvmatch bench index: --backends names cuda and it was not measured "
+                        "(see notes)\n");
+        status = 1;
+    }
     if (!failed) {
         json_t *ratios = json_object();
         for (size_t wi = 0; wi < N_WORKER_COUNTS; wi++) {

@@ -1,24 +1,37 @@
 #!/usr/bin/env bash
-# The GPU checks, for a lent machine with an NVIDIA GPU, nvcc and (ideally) compute-sanitizer but
-# no network and none of our Debian libraries. Builds with CUDA=1, runs the CUDA test suite under
-# compute-sanitizer, then the whole test binary, then the index benchmark, and writes what it saw
-# into OUTDIR (at most 8 files, flat: the device tool returns no more).
+# The GPU check, for a lent machine with an NVIDIA GPU, nvcc and (ideally) compute-sanitizer but no
+# network and none of our Debian libraries. It passes only when the GPU was really exercised: the
+# CUDA test suite ran with KM_REQUIRE_CUDA=1 (a missing or unusable device fails it, naming the
+# reason, instead of skipping) with no test skipped, and `bench index` measured the cuda row.
 #
 # Here, once (needs apt and network):   scripts/fetch-gpu-debs.sh .deps/debs
 # There (device tool):                  run(command="scripts/gpu-check.sh $OUT", carry=[".deps"],
-#                                           timeout_s=360)
+#                                           timeout_s=330)
+# To skip the build there, build here with `make CUDA=1 -j2 build/kvmatch build/kvmatch-tests`,
+# carry "build" too and set KM_PREBUILT=1 (the binaries are used as they are).
 #
-# The .deb files are unpacked with `dpkg -x` into a private prefix (never into /). Headers and link
-# libraries come from it through CPATH / LIBRARY_PATH; at run time only the sonames the machine
-# lacks are put on LD_LIBRARY_PATH, so system tools never load our copies. Each step has its own
-# time limit (KM_T_BUILD 90 s, KM_T_CUDA 60 s per suite, KM_T_TESTS 60 s, KM_T_BENCH 75 s: under
-# 5 minutes in all; the full bench took 60 s on 2 CPU cores here); a failed step does not stop the
-# next. The exit status is 0 only when every step passed. Outputs:
-#   summary.txt  one line per step with its status and seconds
-#   env.txt      nvidia-smi, nvcc and compute-sanitizer versions, the prefix's libraries
+# Steps, each with its own time limit, all within KM_BUDGET (290 s) so the whole check fits in
+# 5 minutes; a failed step does not stop the next:
+#   env      the GPU as nvidia-smi sees it (name, driver, compute capability); FAIL without one
+#   prefix   the carried .deb files unpacked with `dpkg -x` into a private prefix (never into /):
+#            headers and link libraries through CPATH / LIBRARY_PATH; at run time only the
+#            sonames (from `readelf -d`) the machine lacks go on LD_LIBRARY_PATH, so system tools
+#            never load our copies
+#   build    make CUDA=1 (KM_T_BUILD, 120 s)
+#   load     the test binary starts (`--list`); a loader error is shown, never discarded
+#   cuda     the verdict: the CUDA suite without the sanitizer (KM_T_CUDA, 90 s); FAIL on any
+#            failed or skipped test
+#   bench    kvmatch bench index --quick --backends cuda (KM_T_BENCH, 60 s); FAIL without a cuda row
+#   memcheck each CUDA test alone under compute-sanitizer with its own limit (KM_T_MEMCHECK, 30 s),
+#            while the budget lasts; tests the budget leaves out are listed as not run
+# Outputs in OUTDIR (7 files, flat: the device tool returns at most 8):
+#   summary.txt  one line per step with its status and seconds, then PASS or FAIL
+#   env.txt      the GPU's name, driver and compute capability, nvidia-smi, nvcc and
+#                compute-sanitizer versions, each soname of the prefix (private or the system's),
+#                the binaries' NEEDED libraries
 #   build.log    make CUDA=1
-#   cuda.log     the CUDA suite(s) under compute-sanitizer (or plain, if it is missing)
-#   tests.log    the whole test binary
+#   cuda.log     the test binary's --list and the CUDA suite's verbose run
+#   memcheck.log each CUDA test under compute-sanitizer
 #   bench.json   build/kvmatch bench index --json (stdout); bench.log its stderr
 set -uo pipefail
 shopt -s nullglob
@@ -32,10 +45,12 @@ cd "$root" || exit 1
 debs=${KM_DEBS:-$root/.deps/debs}
 prefix=${KM_PREFIX:-/tmp/kvmatch-prefix}
 jobs=${KM_JOBS:-16}
-t_build=${KM_T_BUILD:-90}
-t_cuda=${KM_T_CUDA:-60}
-t_tests=${KM_T_TESTS:-60}
-t_bench=${KM_T_BENCH:-75}
+budget=${KM_BUDGET:-290}
+t_build=${KM_T_BUILD:-120}
+t_cuda=${KM_T_CUDA:-90}
+t_bench=${KM_T_BENCH:-60}
+t_memcheck=${KM_T_MEMCHECK:-30}
+export KM_REQUIRE_CUDA=1
 
 summary="$out/summary.txt"
 : >"$summary"
@@ -44,17 +59,13 @@ step() { # step NAME STATUS SECONDS [NOTE]
     printf '%-8s %-6s %4ss %s\n' "$1" "$2" "$3" "${4:-}" | tee -a "$summary"
     [ "$2" = ok ] || [ "$2" = skip ] || failed=1
 }
+# Seconds left of the budget, never below 1.
+left() { local l=$((budget - SECONDS)); [ "$l" -gt 1 ] && echo "$l" || echo 1; }
+# The smaller of a step's own limit and what the budget leaves.
+limit() { local l; l=$(left); [ "$1" -lt "$l" ] && echo "$1" || echo "$l"; }
 
 # ---- environment --------------------------------------------------------------------------------
-{
-    echo "== date"; date -u
-    echo "== nvidia-smi"; nvidia-smi 2>&1 || echo "(nvidia-smi failed)"
-    echo "== nvcc"; command -v nvcc && nvcc --version 2>&1 | tail -2
-    echo "== compute-sanitizer"; command -v compute-sanitizer && compute-sanitizer --version 2>&1 | head -2
-    echo "== cc"; cc --version 2>&1 | head -1
-    echo "== os"; head -2 /etc/os-release 2>/dev/null
-} >"$out/env.txt" 2>&1
-
+t0=$SECONDS
 if ! command -v nvcc >/dev/null; then
     for d in /usr/local/cuda/bin /usr/local/cuda-*/bin; do
         [ -x "$d/nvcc" ] && export PATH="$d:$PATH" && break
@@ -62,15 +73,40 @@ if ! command -v nvcc >/dev/null; then
 fi
 if command -v nvcc >/dev/null; then
     export CUDA_HOME=${CUDA_HOME:-$(cd "$(dirname "$(command -v nvcc)")/.." && pwd)}
+    [ -x "$CUDA_HOME/compute-sanitizer/compute-sanitizer" ] && export PATH="$PATH:$CUDA_HOME/compute-sanitizer"
+fi
+gpu=$(nvidia-smi --query-gpu=name,driver_version,compute_cap --format=csv,noheader 2>&1)
+gpu_rc=$?
+{
+    echo "== date"; date -u
+    echo "== gpu (name, driver, compute capability)"; echo "$gpu"
+    echo "== nvidia-smi"; nvidia-smi 2>&1 || echo "(nvidia-smi failed)"
+    echo "== nvcc"; command -v nvcc && nvcc --version 2>&1 | tail -2
+    echo "== compute-sanitizer"; command -v compute-sanitizer && compute-sanitizer --version 2>&1 | head -2
+    echo "== cc"; cc --version 2>&1 | head -1
+    echo "== os"; head -2 /etc/os-release 2>/dev/null
+    echo "== cpus"; nproc
+} >"$out/env.txt" 2>&1
+if [ "$gpu_rc" -eq 0 ] && [ -n "$gpu" ]; then
+    step env ok $((SECONDS - t0)) "$(head -1 <<<"$gpu")"
+else
+    step env FAIL $((SECONDS - t0)) "nvidia-smi sees no GPU: $(head -1 <<<"$gpu")"
 fi
 
 # ---- private prefix from the carried .deb files -------------------------------------------------
+# The SONAME a shared library declares (readelf -d; objdump -p where binutils' readelf is absent).
+soname_of() {
+    if command -v readelf >/dev/null; then
+        readelf -d "$1" 2>/dev/null | sed -n 's/.*(SONAME).*\[\(.*\)\].*/\1/p' | head -1
+    else
+        objdump -p "$1" 2>/dev/null | awk '$1 == "SONAME" {print $2; exit}'
+    fi
+}
 t0=$SECONDS
 rm -rf "$prefix"
 mkdir -p "$prefix" "$prefix/runlib"
 n_debs=0
 for f in "$debs"/*.deb; do
-    [ -e "$f" ] || continue
     if command -v dpkg >/dev/null; then
         dpkg -x "$f" "$prefix"
     else # no dpkg: a .deb is an ar archive holding data.tar.*
@@ -82,18 +118,25 @@ libdirs=""
 for d in "$prefix/usr/lib/x86_64-linux-gnu" "$prefix/lib/x86_64-linux-gnu"; do
     [ -d "$d" ] && libdirs="$libdirs $d"
 done
-# Only sonames the system lacks go on the loader path.
-system_sonames=$(ldconfig -p 2>/dev/null | awk '{print $1}' | sort -u)
+# Every shared object in the prefix under the soname it declares (whatever its file name:
+# libgit2.so.1.5 and libhttp_parser.so.2.9 have two-part versions), when the system lacks it.
+system_sonames=$(ldconfig -p 2>/dev/null | awk 'NR > 1 {print $1}' | sort -u)
+declare -A seen_soname=()
 for d in $libdirs; do
-    for lib in "$d"/lib*.so.*; do
-        [ -e "$lib" ] || continue
-        soname=$(basename "$lib")
-        case "$soname" in *.so.*.*) continue ;; esac # versioned file; the soname link is enough
-        if ! grep -qxF "$soname" <<<"$system_sonames"; then
+    for lib in "$d"/lib*.so*; do
+        [ -f "$lib" ] || continue
+        soname=$(soname_of "$lib")
+        [ -n "$soname" ] || continue
+        [ -n "${seen_soname[$soname]:-}" ] && continue
+        seen_soname[$soname]=1
+        if grep -qxF "$soname" <<<"$system_sonames"; then
+            echo "system  $soname ($(basename "$lib") not used)"
+        else
             ln -sf "$lib" "$prefix/runlib/$soname"
+            echo "private $soname -> $(basename "$lib")"
         fi
     done
-done
+done >"$prefix/sonames.txt"
 if [ "$n_debs" -gt 0 ]; then
     export CPATH="$prefix/usr/include${CPATH:+:$CPATH}"
     ldflags=""
@@ -108,16 +151,22 @@ else
     run_ld_path="${LD_LIBRARY_PATH:-}"
     step prefix skip $((SECONDS - t0)) "no .deb files in $debs (using the system's libraries)"
 fi
-{ echo "== private runtime libraries"; ls -l "$prefix/runlib"; } >>"$out/env.txt" 2>&1
+{ echo "== sonames of the prefix (readelf -d)"; cat "$prefix/sonames.txt"; } >>"$out/env.txt" 2>&1
 
 # ---- build --------------------------------------------------------------------------------------
 t0=$SECONDS
-if timeout "$t_build" make CUDA=1 -j"$jobs" build/kvmatch build/kvmatch-tests build/libkvmatch.a \
-        >"$out/build.log" 2>&1; then
+tests=build/kvmatch-tests
+if [ "${KM_PREBUILT:-0}" = 1 ] && [ -x "$tests" ] && [ -x build/kvmatch ]; then
+    echo "KM_PREBUILT=1: using the carried build/kvmatch and $tests" >"$out/build.log"
+    step build skip 0 "prebuilt binaries carried (KM_PREBUILT=1)"
+elif timeout "$(limit "$t_build")" make CUDA=1 -j"$jobs" build/kvmatch "$tests" >"$out/build.log" 2>&1; then
     step build ok $((SECONDS - t0))
 else
     step build FAIL $((SECONDS - t0)) "see build.log"
 fi
+for b in "$tests" build/kvmatch; do
+    { echo "== readelf -d $b (NEEDED)"; readelf -d "$b" 2>&1 | grep NEEDED; } >>"$out/env.txt" 2>&1
+done
 
 # ---- the trace ----------------------------------------------------------------------------------
 if [ -z "${KM_MOONCAKE_TRACE:-}" ]; then
@@ -130,58 +179,86 @@ if [ -z "${KM_MOONCAKE_TRACE:-}" ]; then
     done
 fi
 
-# ---- CUDA suite under compute-sanitizer ---------------------------------------------------------
-tests=build/kvmatch-tests
+# ---- the CUDA suite: the verdict ------------------------------------------------------------------
+# Criterion's --list: "cuda: 9 tests", then one "├── name" / "└── name" line per test.
 t0=$SECONDS
+cuda_tests=""
 if [ ! -x "$tests" ]; then
-    step cuda FAIL 0 "no test binary"
-    step tests FAIL 0 "no test binary"
+    step load FAIL 0 "no $tests"
 else
-    suites=$(LD_LIBRARY_PATH="$run_ld_path" "$tests" --list 2>/dev/null |
-             sed -n 's/^\([A-Za-z0-9_]*cuda[A-Za-z0-9_]*\): [0-9]* tests\{0,1\}$/\1/p')
-    if [ -z "$suites" ]; then
-        step cuda FAIL 0 "no test suite named *cuda* in $tests --list"
+    { echo "== $tests --list"; LD_LIBRARY_PATH="$run_ld_path" timeout 20 "$tests" --list 2>&1; } \
+        >"$out/cuda.log"
+    list_rc=$?
+    cuda_tests=$(awk '/^[A-Za-z0-9_]+: [0-9]+ tests?$/ {suite = $1; sub(":", "", suite); next}
+                      suite == "cuda" && NF >= 2 {print $NF}' "$out/cuda.log")
+    if [ -z "$cuda_tests" ]; then
+        step load FAIL $((SECONDS - t0)) "no cuda suite in --list (exit $list_rc): $(sed -n 2p "$out/cuda.log" | cut -c1-200)"
     else
-        sanitizer=()
-        if command -v compute-sanitizer >/dev/null; then
-            sanitizer=(compute-sanitizer --tool memcheck --target-processes all --error-exitcode 86)
-        fi
-        status=ok
-        for s in $suites; do
-            echo "== suite $s ${sanitizer[*]:-(no compute-sanitizer)}" >>"$out/cuda.log"
-            LD_LIBRARY_PATH="$run_ld_path" timeout "$t_cuda" "${sanitizer[@]}" "$tests" \
-                --filter "$s/*" --jobs 1 --verbose >>"$out/cuda.log" 2>&1
-            rc=$?
-            echo "== suite $s exit $rc" >>"$out/cuda.log"
-            [ "$rc" -eq 0 ] || status=FAIL
-        done
-        step cuda "$status" $((SECONDS - t0)) "suites: ${suites//$'\n'/ } ${sanitizer[0]:-(no compute-sanitizer)}"
+        step load ok $((SECONDS - t0)) "$(wc -w <<<"$cuda_tests") cuda tests"
     fi
-
-    # ---- everything ----------------------------------------------------------------------------
-    t0=$SECONDS
-    LD_LIBRARY_PATH="$run_ld_path" timeout "$t_tests" "$tests" --jobs "$jobs" >"$out/tests.log" 2>&1
+fi
+t0=$SECONDS
+if [ -n "$cuda_tests" ]; then
+    echo "== suite cuda, KM_REQUIRE_CUDA=1, trace ${KM_MOONCAKE_TRACE:-(default path)}" >>"$out/cuda.log"
+    LD_LIBRARY_PATH="$run_ld_path" timeout "$(limit "$t_cuda")" "$tests" --filter 'cuda/*' --jobs 1 \
+        --verbose >>"$out/cuda.log" 2>&1
     rc=$?
-    synth=$(grep -a "Synthesis" "$out/tests.log" | tail -1)
-    if [ "$rc" -eq 0 ]; then step tests ok $((SECONDS - t0)) "$synth"; else step tests FAIL $((SECONDS - t0)) "exit $rc; $synth"; fi
+    echo "== exit $rc" >>"$out/cuda.log"
+    synth=$(grep -a "Synthesis" "$out/cuda.log" | tail -1)
+    skips=$(grep -ac '^\[SKIP\]' "$out/cuda.log")
+    first_fail=$(grep -a -m1 -E '^\[----\] .*:[0-9]+: |^\[FAIL\]' "$out/cuda.log" | cut -c1-240)
+    if [ "$rc" -eq 0 ] && [ "$skips" -eq 0 ] && [ -n "$synth" ]; then
+        step cuda ok $((SECONDS - t0)) "$synth"
+    elif [ "$rc" -eq 0 ]; then
+        step cuda FAIL $((SECONDS - t0)) "$skips skipped (a GPU check passes no skip): $(grep -a -m1 '^\[SKIP\]\|^\[----\]' "$out/cuda.log" | cut -c1-200)"
+    else
+        step cuda FAIL $((SECONDS - t0)) "exit $rc; $synth; $first_fail"
+    fi
+else
+    step cuda FAIL 0 "not run: no test binary that lists the cuda suite"
 fi
 
 # ---- benchmark ----------------------------------------------------------------------------------
 t0=$SECONDS
 if [ -x build/kvmatch ]; then
-    LD_LIBRARY_PATH="$run_ld_path" timeout "$t_bench" build/kvmatch bench index --json \
-        >"$out/bench.json" 2>"$out/bench.log"
+    LD_LIBRARY_PATH="$run_ld_path" timeout "$(limit "$t_bench")" build/kvmatch bench index --quick \
+        --backends cuda --json >"$out/bench.json" 2>"$out/bench.log"
     rc=$?
-    if [ "$rc" -eq 0 ]; then
-        step bench ok $((SECONDS - t0)) "trace: ${KM_MOONCAKE_TRACE:-default path}"
-    elif [ -z "${KM_MOONCAKE_TRACE:-}" ]; then
-        step bench skip $((SECONDS - t0)) "exit $rc; no trace carried (see bench.log)"
+    if grep -q '"backend": *"cuda"' "$out/bench.json" && [ "$rc" -eq 0 ]; then
+        step bench ok $((SECONDS - t0)) "cuda measured; trace: ${KM_MOONCAKE_TRACE:-default path}"
     else
-        step bench FAIL $((SECONDS - t0)) "exit $rc (see bench.log)"
+        step bench FAIL $((SECONDS - t0)) "exit $rc; no cuda row unless measured: $(tail -1 "$out/bench.log" | cut -c1-200)"
     fi
 else
     step bench FAIL 0 "no build/kvmatch"
 fi
 
-echo "gpu-check: $([ "$failed" -eq 0 ] && echo PASS || echo FAIL) (outputs in $out)" | tee -a "$summary"
+# ---- each CUDA test under compute-sanitizer, while the budget lasts ------------------------------
+t0=$SECONDS
+if [ -z "$cuda_tests" ]; then
+    step memcheck FAIL 0 "no cuda tests listed"
+elif ! command -v compute-sanitizer >/dev/null; then
+    echo "compute-sanitizer not found" >"$out/memcheck.log"
+    step memcheck skip 0 "compute-sanitizer not found (the verdict above ran without it)"
+else
+    : >"$out/memcheck.log"
+    ok=0; bad=""; not_run=""
+    for t in $cuda_tests; do
+        if [ $((budget - SECONDS)) -lt 10 ]; then
+            not_run="$not_run $t"
+            continue
+        fi
+        echo "== cuda/$t under compute-sanitizer memcheck" >>"$out/memcheck.log"
+        LD_LIBRARY_PATH="$run_ld_path" timeout "$(limit "$t_memcheck")" compute-sanitizer --tool memcheck \
+            --target-processes all --error-exitcode 86 "$tests" --filter "cuda/$t" --jobs 1 \
+            --verbose >>"$out/memcheck.log" 2>&1
+        rc=$?
+        echo "== cuda/$t exit $rc$([ "$rc" -eq 124 ] && echo ' (its time limit: not a verdict)')" >>"$out/memcheck.log"
+        if [ "$rc" -eq 0 ]; then ok=$((ok + 1)); elif [ "$rc" -eq 124 ]; then not_run="$not_run $t(timeout)"; else bad="$bad $t(exit $rc)"; fi
+    done
+    note="$ok clean${bad:+; failed:$bad}${not_run:+; not finished:$not_run}"
+    if [ -n "$bad" ]; then step memcheck FAIL $((SECONDS - t0)) "$note"; else step memcheck ok $((SECONDS - t0)) "$note"; fi
+fi
+
+echo "gpu-check: $([ "$failed" -eq 0 ] && echo PASS || echo FAIL) in ${SECONDS}s (outputs in $out)" | tee -a "$summary"
 exit "$failed"
