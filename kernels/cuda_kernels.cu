@@ -1,21 +1,22 @@
 /* The CUDA backend's device side: a replica of the index's two host tables in device memory, kept
- * equal to them by patches of dirty slots and bitmaps, and batched scoring of requests on it with
- * the shared per-request walk (src/index/slot_walk.h), so that results are bit-identical to the CPU
- * backend's. Reached only through the C-linkage seam in kernels/cuda_seam.h.
+ * equal to them by patches of dirty slots and bitmaps, and batched scoring of requests on it, one
+ * warp per request, with the warp walk (src/index/warp_walk.h) whose results are bit-identical to
+ * the CPU backend's (tests/test_warp_walk.c runs it under a host warp emulation). Reached only
+ * through the C-linkage seam in kernels/cuda_seam.h.
  *
  * Shape of the file (a thin C-linkage seam): `static __global__` kernels, each with a
  * `static` launcher that takes a cudaStream_t, computes the grid and returns the launch status;
  * `extern "C"` entry points with plain C types that return a km_status. Every CUDA call is checked;
  * a failure becomes KM_ERR_CUDA with the detail in km_cuda_last_error() (never an abort), and the
- * index then moves to the CPU backend.
+ * index then moves to the CPU backend; device or pinned memory exhausted is KM_ERR_OUT_OF_MEMORY
+ * (not sticky: the index scores on the host meanwhile).
  *
  * Ordering: all device work runs on one stream. Pinned staging buffers are rewritten by the host
- * only after the copies that read them are known complete (an event for the sync staging, a stream
- * synchronisation at the end of each scoring chunk for the scoring staging). Device buffers are
- * only freed or regrown after the stream is drained (km_cuda_device_reserve). */
+ * only after the copies that read them are known complete (an event per sync staging buffer, a
+ * stream synchronisation at the end of each scoring chunk for the scoring staging). Device buffers
+ * are only freed or regrown after the stream is drained (km_cuda_device_reserve). */
 #include <cuda_runtime.h>
 
-#include <cub/device/device_radix_sort.cuh>
 #include <cub/device/device_scan.cuh>
 
 #include <limits.h>
@@ -27,6 +28,7 @@
 #include <string.h>
 
 #include "cuda_seam.h"
+#include "index/warp_walk.h"
 #include "kvmatch/error.h"
 
 /* The device writes km_walk_entry; the host reads km_worker_match: the same bytes. */
@@ -36,21 +38,25 @@ static_assert(offsetof(km_walk_entry, depth) == offsetof(km_worker_match, depth)
 static_assert(sizeof(km_slot) == 16 && alignof(km_slot) == 16, "slot layout");
 
 /* ---- tunables ---------------------------------------------------------------------------------
- * Scoring runs in chunks so that per-request scratch (max_workers walk entries + the walk's
- * KM_WALK_SCRATCH_WORDS scratch words, in global memory) stays bounded: at most KM_CUDA_MATCH_CHUNK
- * requests per launch and at most KM_CUDA_SCRATCH_BUDGET bytes of scratch (max_workers = 65534:
- * 810,984 bytes per request, 331 requests per chunk).
+ * Scoring runs in chunks so that per-request scratch (max_workers walk entries, as many compacted
+ * ones, and the walk's KM_WALK_SCRATCH_WORDS scratch words, in global memory) stays bounded: at
+ * most KM_CUDA_MATCH_CHUNK requests per launch and at most KM_CUDA_SCRATCH_BUDGET bytes of scratch
+ * (max_workers = 65534: 1,335,256 bytes per request, 201 requests per chunk).
  * A chunk stages at most KM_CUDA_HASH_BUDGET hashes, except that a single longer request is always
  * accepted alone (max_request_blocks bounds it). */
 #define KM_CUDA_MATCH_CHUNK 8192u
 #define KM_CUDA_SCRATCH_BUDGET ((size_t)256 << 20)
 #define KM_CUDA_HASH_BUDGET ((uint64_t)1 << 22)
 /* Pinned staging for one round of dirty-slot or dirty-bitmap patches; longer dirty lists are sent
- * in several rounds (each carries current contents, so rounds commute). */
+ * in several rounds (each carries current contents, so rounds commute). There are two such
+ * buffers, used in turn, so the host fills one while the previous round's copy reads the other. */
 #define KM_CUDA_SYNC_ROUND_BYTES ((size_t)32 << 20)
-/* Threads per block: the walk is one long dependent chain of loads per thread; 64 spreads the
- * largest chunk (8192 requests, 128 blocks) over all of an H100/H200's multiprocessors. */
-#define KM_CUDA_WALK_THREADS 64u
+/* Scoring: one warp per request (src/index/warp_walk.h), KM_CUDA_WALK_WARPS warps per block (1,000
+ * requests: 250 blocks, every multiprocessor of an H100/H200 busy). A warp's walk scratch lives in
+ * shared memory when the block's fits in KM_CUDA_WALK_SHARED_BYTES (up to 2,800 workers), else in
+ * its row of global scratch. */
+#define KM_CUDA_WALK_WARPS 4u
+#define KM_CUDA_WALK_SHARED_BYTES ((size_t)48 << 10)
 #define KM_CUDA_COPY_THREADS 256u
 #define KM_CUDA_MAX_GRID 65535u /* grid-stride loops cover anything beyond */
 
@@ -75,20 +81,29 @@ typedef struct km_cuda_buffer {
 struct km_cuda {
     int device;
     cudaStream_t stream;
-    cudaEvent_t sync_staging_free; /* recorded after the last copy out of sync_host */
-    int sync_staging_pending;      /* the event was recorded and not waited for since */
+    cudaEvent_t sync_staging_free[2]; /* recorded after the last copy out of sync_host[i] */
+    int sync_staging_pending[2];      /* the event was recorded and not waited for since */
+    int sync_staging_next;            /* the buffer the next round fills */
 
     km_cuda_replica tables[KM_CUDA_TABLE_COUNT];
 
-    /* sync: [payload (slots or bitmaps)][destination indices], pinned and its device mirror;
-     * sort keys out + values in + values out; CUB temp storage (also used by the scan). */
-    km_cuda_buffer sync_host, sync_dev, sort_dev, temp_dev;
+    /* sync: [payload (slots or bitmaps)][destination indices], pinned (two, in turn) and one
+     * device mirror (the stream orders each round's copy after the previous round's scatter);
+     * CUB temp storage for the scoring scan. */
+    km_cuda_buffer sync_host[2], sync_dev, temp_dev;
+    /* Host bitmap, one bit per slot or pool bitmap of the table being patched: which destinations
+     * a patch has staged already, so each is sent once and written by one thread. All zero between
+     * patches. */
+    uint64_t *staged_bits;
+    uint64_t staged_bits_capacity; /* bits */
 
     /* scoring: offsets (n+1 u64) and packed hashes, pinned and device; per-request results
      * (count, owner, owner_depth, probes: 4 arrays of m u32) pinned and device (+ first: m u32);
      * walk scratch; compacted entries. */
     km_cuda_buffer offsets_host, offsets_dev, hashes_host, hashes_dev, meta_host, meta_dev;
     km_cuda_buffer entries_dev, scratch_dev, compact_dev;
+
+    size_t last_chunk_matches; /* entries of the last scoring chunk: the next one's guess */
 
     char description[192];
     char last_error[256];
@@ -98,7 +113,10 @@ struct km_cuda {
 
 /* Record a CUDA failure: the runtime function's name (the text of the call up to its '('), the
  * runtime's sentence and error name, and the line. Clears the runtime's non-sticky error state so
- * the failure is not reported again by an unrelated later call. */
+ * the failure is not reported again by an unrelated later call. Device or pinned memory exhausted
+ * (cudaErrorMemoryAllocation) is not sticky and leaves the context usable: it is
+ * KM_ERR_OUT_OF_MEMORY, so the index scores on the host until a later sync succeeds instead of
+ * leaving the device for good; every other failure is KM_ERR_CUDA. */
 static int km_cuda_fail(km_cuda *c, cudaError_t e, const char *call, int line)
 {
     const char *paren = strchr(call, '(');
@@ -107,7 +125,7 @@ static int km_cuda_fail(km_cuda *c, cudaError_t e, const char *call, int line)
     if (c)
         snprintf(c->last_error, sizeof c->last_error, "%.*s: %s [%s] (kernels/cuda_kernels.cu:%d)",
                  name_len, call, cudaGetErrorString(e), cudaGetErrorName(e), line);
-    return KM_ERR_CUDA;
+    return e == cudaErrorMemoryAllocation ? KM_ERR_OUT_OF_MEMORY : KM_ERR_CUDA;
 }
 
 static int km_cuda_fail_status(km_cuda *c, int status, const char *fmt, ...)
@@ -177,7 +195,7 @@ static int km_cuda_pinned_reserve(km_cuda *c, km_cuda_buffer *b, size_t bytes)
     if (bytes <= b->bytes)
         return KM_OK;
     KM_CUDA_CHECK(c, cudaStreamSynchronize(c->stream));
-    c->sync_staging_pending = 0; /* drained: every recorded event has completed */
+    c->sync_staging_pending[0] = c->sync_staging_pending[1] = 0; /* drained: events completed */
     if (b->ptr) {
         void *old = b->ptr;
         b->ptr = NULL;
@@ -214,15 +232,6 @@ static unsigned km_cuda_grid(uint64_t items, unsigned threads)
     return (unsigned)blocks;
 }
 
-/* Bits needed to tell apart keys 0 .. max_key (radix sort passes), at least 1. */
-static int km_cuda_key_bits(uint64_t max_key)
-{
-    int bits = 1;
-    while (bits < 64 && (max_key >> bits) != 0)
-        bits++;
-    return bits;
-}
-
 /* ---- kernels and launchers -------------------------------------------------------------------- */
 
 /* The device-usability probe: proves this build's machine code loads and runs on the device. */
@@ -238,68 +247,44 @@ static cudaError_t km_launch_probe(cudaStream_t stream, uint32_t *out)
     return cudaGetLastError();
 }
 
-static __global__ void km_iota_kernel(uint32_t *out, uint32_t n)
+/* Patch replica slots: slots[index[i]] = staged[i]. The host staged each destination once
+ * (km_cuda_patch_slots), so every slot has one writer. */
+static __global__ void km_scatter_slots_kernel(km_slot *slots, const uint64_t *index,
+                                               const km_slot *staged, uint32_t n)
 {
     for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x)
-        out[i] = i;
-}
-
-static cudaError_t km_launch_iota(cudaStream_t stream, uint32_t *out, uint32_t n)
-{
-    km_iota_kernel<<<km_cuda_grid(n, KM_CUDA_COPY_THREADS), KM_CUDA_COPY_THREADS, 0, stream>>>(out, n);
-    return cudaGetLastError();
-}
-
-/* Patch replica slots. sorted_index[0..n) ascending (radix-sorted destinations), source[i] = the
- * staging position of sorted_index[i]. Only the last entry of each run of equal destinations
- * writes, so every destination slot has exactly one writer (all entries of a run carry the same
- * bytes anyway: they were read from the host table at the same moment). */
-static __global__ void km_scatter_slots_kernel(km_slot *slots, const uint64_t *sorted_index,
-                                               const uint32_t *source, const km_slot *staged,
-                                               uint32_t n)
-{
-    for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
-        uint64_t dst = sorted_index[i];
-        if (i + 1 < n && sorted_index[i + 1] == dst)
-            continue;
-        slots[dst] = staged[source[i]];
-    }
+        slots[index[i]] = staged[i];
 }
 
 static cudaError_t km_launch_scatter_slots(cudaStream_t stream, km_slot *slots,
-                                           const uint64_t *sorted_index, const uint32_t *source,
-                                           const km_slot *staged, uint32_t n)
+                                           const uint64_t *index, const km_slot *staged, uint32_t n)
 {
     km_scatter_slots_kernel<<<km_cuda_grid(n, KM_CUDA_COPY_THREADS), KM_CUDA_COPY_THREADS, 0,
-                              stream>>>(slots, sorted_index, source, staged, n);
+                              stream>>>(slots, index, staged, n);
     return cudaGetLastError();
 }
 
-/* Patch replica bitmaps: one thread per (entry, word); same last-of-run rule as the slots. */
+/* Patch replica bitmaps: one thread per (entry, word); each destination staged once. */
 static __global__ void km_scatter_sets_kernel(uint64_t *pool, uint32_t words_per_set,
-                                              const uint32_t *sorted_index, const uint32_t *source,
-                                              const uint64_t *staged, uint32_t n)
+                                              const uint32_t *index, const uint64_t *staged,
+                                              uint32_t n)
 {
     uint64_t total = (uint64_t)n * words_per_set;
     for (uint64_t t = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; t < total;
          t += (uint64_t)gridDim.x * blockDim.x) {
         uint32_t i = (uint32_t)(t / words_per_set);
         uint32_t w = (uint32_t)(t % words_per_set);
-        uint32_t dst = sorted_index[i];
-        if (i + 1 < n && sorted_index[i + 1] == dst)
-            continue;
-        pool[(uint64_t)dst * words_per_set + w] = staged[(uint64_t)source[i] * words_per_set + w];
+        pool[(uint64_t)index[i] * words_per_set + w] = staged[t];
     }
 }
 
 static cudaError_t km_launch_scatter_sets(cudaStream_t stream, uint64_t *pool,
-                                          uint32_t words_per_set, const uint32_t *sorted_index,
-                                          const uint32_t *source, const uint64_t *staged,
-                                          uint32_t n)
+                                          uint32_t words_per_set, const uint32_t *index,
+                                          const uint64_t *staged, uint32_t n)
 {
     km_scatter_sets_kernel<<<km_cuda_grid((uint64_t)n * words_per_set, KM_CUDA_COPY_THREADS),
-                             KM_CUDA_COPY_THREADS, 0, stream>>>(pool, words_per_set, sorted_index,
-                                                                source, staged, n);
+                             KM_CUDA_COPY_THREADS, 0, stream>>>(pool, words_per_set, index, staged,
+                                                                n);
     return cudaGetLastError();
 }
 
@@ -311,30 +296,39 @@ typedef struct km_cuda_walk_out {
     uint32_t *probes;
 } km_cuda_walk_out;
 
-/* Scoring, reference kernel: one thread per request runs km_walk_request, the very code the CPU
- * backend runs, on the replica. Request r's hashes are hashes[offsets[r] .. offsets[r+1]); its
- * entries land in entries[r * max_workers ..) (ascending by worker), its walk scratch is
- * scratch[r * KM_WALK_SCRATCH_WORDS(max_workers) ..) (u64 words). */
-static __global__ void km_walk_kernel(km_table_view blocks, km_table_view segments,
-                                      uint32_t segment_blocks, const uint64_t *hashes,
-                                      const uint64_t *offsets, uint32_t n, uint32_t max_workers,
-                                      km_walk_entry *entries, uint64_t *scratch,
-                                      km_cuda_walk_out out)
+/* Scoring: warp w of the grid walks request w with km_warp_walk_request, the code the host warp
+ * emulation checks against the CPU backend (tests/test_warp_walk.c), on the replica. Request r's
+ * hashes are hashes[offsets[r] .. offsets[r+1]); its entries land in entries[r * max_workers ..)
+ * (ascending by worker); its walk scratch is the warp's slice of dynamic shared memory when
+ * scratch_shared, else scratch[r * KM_WALK_SCRATCH_WORDS(max_workers) ..). A warp past the last
+ * request leaves as a whole, so every collective in the walk has all 32 lanes. */
+static __global__ void km_warp_walk_kernel(km_table_view blocks, km_table_view segments,
+                                           uint32_t segment_blocks, const uint64_t *hashes,
+                                           const uint64_t *offsets, uint32_t n,
+                                           uint32_t max_workers, km_walk_entry *entries,
+                                           uint64_t *scratch, int scratch_shared,
+                                           km_cuda_walk_out out)
 {
-    uint32_t r = blockIdx.x * blockDim.x + threadIdx.x;
+    extern __shared__ uint64_t km_walk_shared[];
+    uint32_t warp = threadIdx.x / KM_WARP_LANES;
+    uint64_t r = (uint64_t)blockIdx.x * KM_CUDA_WALK_WARPS + warp;
     if (r >= n)
         return;
+    km_lane lane = {threadIdx.x % KM_WARP_LANES, NULL, NULL};
+    uint64_t words = KM_WALK_SCRATCH_WORDS((uint64_t)max_workers);
+    uint64_t *mine = scratch_shared ? km_walk_shared + warp * words : scratch + r * words;
     uint64_t begin = offsets[r];
     uint32_t len = (uint32_t)(offsets[r + 1] - begin);
     uint32_t owner, owner_depth, probes;
-    uint32_t count = km_walk_request(&blocks, &segments, segment_blocks, hashes + begin, len,
-                                     entries + (uint64_t)r * max_workers,
-                                     scratch + (uint64_t)r * KM_WALK_SCRATCH_WORDS(max_workers), max_workers, &owner,
-                                     &owner_depth, &probes);
-    out.count[r] = count;
-    out.owner[r] = owner;
-    out.owner_depth[r] = owner_depth;
-    out.probes[r] = probes;
+    uint32_t count = km_warp_walk_request(&lane, &blocks, &segments, segment_blocks, hashes + begin,
+                                          len, entries + r * max_workers, mine, &owner,
+                                          &owner_depth, &probes);
+    if (lane.id == 0) {
+        out.count[r] = count;
+        out.owner[r] = owner;
+        out.owner_depth[r] = owner_depth;
+        out.probes[r] = probes;
+    }
 }
 
 static cudaError_t km_launch_walk(cudaStream_t stream, km_table_view blocks,
@@ -343,10 +337,12 @@ static cudaError_t km_launch_walk(cudaStream_t stream, km_table_view blocks,
                                   uint32_t max_workers, km_walk_entry *entries, uint64_t *scratch,
                                   km_cuda_walk_out out)
 {
-    unsigned grid = (unsigned)((n + KM_CUDA_WALK_THREADS - 1) / KM_CUDA_WALK_THREADS);
-    km_walk_kernel<<<grid, KM_CUDA_WALK_THREADS, 0, stream>>>(blocks, segments, segment_blocks,
-                                                             hashes, offsets, n, max_workers,
-                                                             entries, scratch, out);
+    unsigned grid = (unsigned)((n + KM_CUDA_WALK_WARPS - 1) / KM_CUDA_WALK_WARPS);
+    size_t shared = KM_CUDA_WALK_WARPS * KM_WALK_SCRATCH_WORDS((size_t)max_workers) * sizeof(uint64_t);
+    int scratch_shared = shared <= KM_CUDA_WALK_SHARED_BYTES;
+    km_warp_walk_kernel<<<grid, KM_CUDA_WALK_WARPS * KM_WARP_LANES, scratch_shared ? shared : 0,
+                          stream>>>(blocks, segments, segment_blocks, hashes, offsets, n,
+                                    max_workers, entries, scratch, scratch_shared, out);
     return cudaGetLastError();
 }
 
@@ -417,7 +413,6 @@ extern "C" void km_cuda_destroy(km_cuda *c)
     for (int i = 0; i < KM_CUDA_TABLE_COUNT; i++)
         km_cuda_replica_free(&c->tables[i]);
     km_cuda_buffer_free_device(&c->sync_dev);
-    km_cuda_buffer_free_device(&c->sort_dev);
     km_cuda_buffer_free_device(&c->temp_dev);
     km_cuda_buffer_free_device(&c->offsets_dev);
     km_cuda_buffer_free_device(&c->hashes_dev);
@@ -425,12 +420,15 @@ extern "C" void km_cuda_destroy(km_cuda *c)
     km_cuda_buffer_free_device(&c->entries_dev);
     km_cuda_buffer_free_device(&c->scratch_dev);
     km_cuda_buffer_free_device(&c->compact_dev);
-    km_cuda_buffer_free_pinned(&c->sync_host);
+    km_cuda_buffer_free_pinned(&c->sync_host[0]);
+    km_cuda_buffer_free_pinned(&c->sync_host[1]);
+    free(c->staged_bits);
     km_cuda_buffer_free_pinned(&c->offsets_host);
     km_cuda_buffer_free_pinned(&c->hashes_host);
     km_cuda_buffer_free_pinned(&c->meta_host);
-    if (c->sync_staging_free)
-        (void)cudaEventDestroy(c->sync_staging_free);
+    for (int i = 0; i < 2; i++)
+        if (c->sync_staging_free[i])
+            (void)cudaEventDestroy(c->sync_staging_free[i]);
     if (c->stream)
         (void)cudaStreamDestroy(c->stream);
     (void)cudaGetLastError();
@@ -543,8 +541,8 @@ extern "C" int km_cuda_create(int device, km_cuda **out, char *why, size_t why_s
     }
     c->device = device;
     e = cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking);
-    if (e == cudaSuccess)
-        e = cudaEventCreateWithFlags(&c->sync_staging_free, cudaEventDisableTiming);
+    for (int i = 0; i < 2 && e == cudaSuccess; i++)
+        e = cudaEventCreateWithFlags(&c->sync_staging_free[i], cudaEventDisableTiming);
     if (e != cudaSuccess) {
         snprintf(why, why_size, "CUDA device %d: creating the stream: %s [%s]", device,
                  cudaGetErrorString(e), cudaGetErrorName(e));
@@ -586,7 +584,7 @@ static int km_cuda_upload_table(km_cuda *c, km_cuda_replica *r, const km_cuda_ta
 {
     /* Queued scoring may read the old replica; nothing may overwrite or free it before it ends. */
     KM_CUDA_CHECK(c, cudaStreamSynchronize(c->stream));
-    c->sync_staging_pending = 0;
+    c->sync_staging_pending[0] = c->sync_staging_pending[1] = 0;
     r->valid = 0;
     if (r->capacity != src->capacity) {
         if (r->slots) {
@@ -632,141 +630,164 @@ static int km_cuda_upload_table(km_cuda *c, km_cuda_replica *r, const km_cuda_ta
     return KM_OK;
 }
 
-/* Wait until the copies reading the sync staging buffer have completed. */
-static int km_cuda_wait_sync_staging(km_cuda *c)
+/* The pinned staging buffer the next round fills, once the copies that read it have completed. */
+static int km_cuda_next_sync_staging(km_cuda *c, int *which)
 {
-    if (c->sync_staging_pending) {
-        KM_CUDA_CHECK(c, cudaEventSynchronize(c->sync_staging_free));
-        c->sync_staging_pending = 0;
+    int b = c->sync_staging_next;
+    c->sync_staging_next ^= 1;
+    if (c->sync_staging_pending[b]) {
+        KM_CUDA_CHECK(c, cudaEventSynchronize(c->sync_staging_free[b]));
+        c->sync_staging_pending[b] = 0;
+    }
+    *which = b;
+    return KM_OK;
+}
+
+/* Both pinned staging buffers and the device one hold `bytes`. */
+static int km_cuda_sync_staging_reserve(km_cuda *c, size_t bytes)
+{
+    KM_CHECK(km_cuda_pinned_reserve(c, &c->sync_host[0], bytes));
+    KM_CHECK(km_cuda_pinned_reserve(c, &c->sync_host[1], bytes));
+    return km_cuda_device_reserve(c, &c->sync_dev, bytes);
+}
+
+/* The staged-destination bitmap covers `bits` destinations (all zero). */
+static int km_cuda_staged_bits_reserve(km_cuda *c, uint64_t bits)
+{
+    if (bits <= c->staged_bits_capacity)
+        return KM_OK;
+    uint64_t words = (bits + 63) / 64;
+    uint64_t *fresh = (uint64_t *)calloc(words, sizeof(uint64_t));
+    if (!fresh)
+        return km_cuda_fail_status(c, KM_ERR_OUT_OF_MEMORY,
+                                   "CUDA backend: %llu bytes for the staged-destination bitmap",
+                                   (unsigned long long)(words * sizeof(uint64_t)));
+    free(c->staged_bits);
+    c->staged_bits = fresh;
+    c->staged_bits_capacity = words * 64;
+    return KM_OK;
+}
+
+/* Mark destination i staged; nonzero when it already was. */
+static int km_cuda_staged_before(km_cuda *c, uint64_t i)
+{
+    uint64_t bit = UINT64_C(1) << (i & 63);
+    uint64_t *word = &c->staged_bits[i >> 6];
+    int before = (*word & bit) != 0;
+    *word |= bit;
+    return before;
+}
+
+/* Stage dirty[0..n) of a slot list, each destination once, in rounds of at most K; copy and
+ * scatter each round. Staging layout: [km_slot payload[K]][u64 index[K]], 256-byte aligned. */
+static int km_cuda_patch_slot_rounds(km_cuda *c, km_cuda_replica *r, const km_cuda_table_source *src,
+                                     size_t K, size_t index_at)
+{
+    const size_t n = src->n_dirty_slots;
+    for (size_t next = 0; next < n;) {
+        int b;
+        KM_CHECK(km_cuda_next_sync_staging(c, &b));
+        char *h_base = (char *)c->sync_host[b].ptr, *d_base = (char *)c->sync_dev.ptr;
+        km_slot *h_payload = (km_slot *)h_base;
+        uint64_t *h_index = (uint64_t *)(h_base + index_at);
+        uint32_t k = 0;
+        while (next < n && k < K) {
+            uint64_t slot = src->dirty_slots[next++];
+            if (km_cuda_staged_before(c, slot))
+                continue;
+            h_index[k] = slot;
+            h_payload[k] = src->slots[slot];
+            k++;
+        }
+        if (k == 0)
+            break;
+        KM_CUDA_CHECK(c, cudaMemcpyAsync(d_base, h_payload, (size_t)k * sizeof(km_slot),
+                                         cudaMemcpyHostToDevice, c->stream));
+        KM_CUDA_CHECK(c, cudaMemcpyAsync(d_base + index_at, h_index, (size_t)k * sizeof(uint64_t),
+                                         cudaMemcpyHostToDevice, c->stream));
+        KM_CUDA_CHECK(c, cudaEventRecord(c->sync_staging_free[b], c->stream));
+        c->sync_staging_pending[b] = 1;
+        KM_CUDA_CHECK(c, km_launch_scatter_slots(c->stream, r->slots,
+                                                 (const uint64_t *)(d_base + index_at),
+                                                 (const km_slot *)d_base, k));
     }
     return KM_OK;
 }
 
-/* Patch the dirty slots, in rounds bounded by the staging size. Staging layout (pinned and its
- * device mirror): [km_slot payload[K]][u64 index[K]]; sort buffer: [u64 sorted[K]][u32 source[K]]
- * [u32 sorted_source[K]]; each part 256-byte aligned. */
+/* Patch the dirty slots: each listed slot once (the list repeats some), in rounds bounded by the
+ * staging size. */
 static int km_cuda_patch_slots(km_cuda *c, km_cuda_replica *r, const km_cuda_table_source *src)
 {
     size_t n = src->n_dirty_slots;
     if (n == 0)
         return KM_OK;
-    size_t per = sizeof(km_slot) + sizeof(uint64_t);
-    size_t K = KM_CUDA_SYNC_ROUND_BYTES / per;
+    size_t K = KM_CUDA_SYNC_ROUND_BYTES / (sizeof(km_slot) + sizeof(uint64_t));
     if (K > n)
         K = n;
     size_t index_at = km_cuda_align(K * sizeof(km_slot));
-    size_t staging_bytes = index_at + K * sizeof(uint64_t);
-    size_t source_at = km_cuda_align(K * sizeof(uint64_t));
-    size_t sorted_source_at = source_at + km_cuda_align(K * sizeof(uint32_t));
-    size_t sort_bytes = sorted_source_at + K * sizeof(uint32_t);
-    KM_CHECK(km_cuda_wait_sync_staging(c));
-    KM_CHECK(km_cuda_pinned_reserve(c, &c->sync_host, staging_bytes));
-    KM_CHECK(km_cuda_device_reserve(c, &c->sync_dev, staging_bytes));
-    KM_CHECK(km_cuda_device_reserve(c, &c->sort_dev, sort_bytes));
-    char *h_base = (char *)c->sync_host.ptr, *d_base = (char *)c->sync_dev.ptr;
-    char *sort_base = (char *)c->sort_dev.ptr;
-    km_slot *h_payload = (km_slot *)h_base;
-    uint64_t *h_index = (uint64_t *)(h_base + index_at);
-    km_slot *d_payload = (km_slot *)d_base;
-    uint64_t *d_index = (uint64_t *)(d_base + index_at);
-    uint64_t *d_sorted = (uint64_t *)sort_base;
-    uint32_t *d_source = (uint32_t *)(sort_base + source_at);
-    uint32_t *d_sorted_source = (uint32_t *)(sort_base + sorted_source_at);
-    int end_bit = km_cuda_key_bits(r->capacity - 1);
+    KM_CHECK(km_cuda_sync_staging_reserve(c, index_at + K * sizeof(uint64_t)));
+    KM_CHECK(km_cuda_staged_bits_reserve(c, src->capacity));
+    int rc = km_cuda_patch_slot_rounds(c, r, src, K, index_at);
+    for (size_t i = 0; i < n; i++) /* all zero again, whatever the rounds got through */
+        c->staged_bits[src->dirty_slots[i] >> 6] = 0;
+    return rc;
+}
 
-    for (size_t base = 0; base < n; base += K) {
-        uint32_t k = (uint32_t)(n - base < K ? n - base : K);
-        /* The host writes the staging only once the previous round's copies out of it are done. */
-        KM_CHECK(km_cuda_wait_sync_staging(c));
-        for (uint32_t i = 0; i < k; i++) {
-            uint64_t slot = src->dirty_slots[base + i];
-            h_index[i] = slot;
-            h_payload[i] = src->slots[slot];
+/* The same for bitmaps. Staging: [u64 payload[K * words_per_set]][u32 index[K]]. */
+static int km_cuda_patch_set_rounds(km_cuda *c, km_cuda_replica *r, const km_cuda_table_source *src,
+                                    size_t K, size_t index_at)
+{
+    const size_t n = src->n_dirty_sets;
+    const uint32_t wps = src->words_per_set;
+    for (size_t next = 0; next < n;) {
+        int b;
+        KM_CHECK(km_cuda_next_sync_staging(c, &b));
+        char *h_base = (char *)c->sync_host[b].ptr, *d_base = (char *)c->sync_dev.ptr;
+        uint64_t *h_payload = (uint64_t *)h_base;
+        uint32_t *h_index = (uint32_t *)(h_base + index_at);
+        uint32_t k = 0;
+        while (next < n && k < K) {
+            uint32_t set = src->dirty_sets[next++];
+            if (km_cuda_staged_before(c, set))
+                continue;
+            h_index[k] = set;
+            memcpy(h_payload + (size_t)k * wps, src->pool + (size_t)set * wps,
+                   (size_t)wps * sizeof(uint64_t));
+            k++;
         }
-        KM_CUDA_CHECK(c, cudaMemcpyAsync(d_payload, h_payload, (size_t)k * sizeof(km_slot),
+        if (k == 0)
+            break;
+        KM_CUDA_CHECK(c, cudaMemcpyAsync(d_base, h_payload, (size_t)k * wps * sizeof(uint64_t),
                                          cudaMemcpyHostToDevice, c->stream));
-        KM_CUDA_CHECK(c, cudaMemcpyAsync(d_index, h_index, (size_t)k * sizeof(uint64_t),
+        KM_CUDA_CHECK(c, cudaMemcpyAsync(d_base + index_at, h_index, (size_t)k * sizeof(uint32_t),
                                          cudaMemcpyHostToDevice, c->stream));
-        KM_CUDA_CHECK(c, cudaEventRecord(c->sync_staging_free, c->stream));
-        c->sync_staging_pending = 1;
-        KM_CUDA_CHECK(c, km_launch_iota(c->stream, d_source, k));
-        size_t temp_bytes = 0;
-        KM_CUDA_CHECK(c, cub::DeviceRadixSort::SortPairs(NULL, temp_bytes, d_index, d_sorted,
-                                                         d_source, d_sorted_source, (int)k, 0,
-                                                         end_bit, c->stream));
-        KM_CHECK(km_cuda_temp_reserve(c, temp_bytes));
-        KM_CUDA_CHECK(c, cub::DeviceRadixSort::SortPairs(c->temp_dev.ptr, temp_bytes, d_index,
-                                                         d_sorted, d_source, d_sorted_source,
-                                                         (int)k, 0, end_bit, c->stream));
-        KM_CUDA_CHECK(c, km_launch_scatter_slots(c->stream, r->slots, d_sorted, d_sorted_source,
-                                                 d_payload, k));
+        KM_CUDA_CHECK(c, cudaEventRecord(c->sync_staging_free[b], c->stream));
+        c->sync_staging_pending[b] = 1;
+        KM_CUDA_CHECK(c, km_launch_scatter_sets(c->stream, r->pool, wps,
+                                                (const uint32_t *)(d_base + index_at),
+                                                (const uint64_t *)d_base, k));
     }
     return KM_OK;
 }
 
-/* Patch the dirty bitmaps the same way. Staging: [u64 payload[K * words_per_set]][u32 index[K]];
- * sort buffer: [u32 sorted[K]][u32 source[K]][u32 sorted_source[K]]; each part 256-byte aligned. */
 static int km_cuda_patch_sets(km_cuda *c, km_cuda_replica *r, const km_cuda_table_source *src)
 {
     size_t n = src->n_dirty_sets;
     if (n == 0)
         return KM_OK;
     uint32_t wps = src->words_per_set;
-    size_t per = (size_t)wps * sizeof(uint64_t) + sizeof(uint32_t);
-    size_t K = KM_CUDA_SYNC_ROUND_BYTES / per;
+    size_t K = KM_CUDA_SYNC_ROUND_BYTES / ((size_t)wps * sizeof(uint64_t) + sizeof(uint32_t));
     if (K == 0)
         K = 1;
     if (K > n)
         K = n;
     size_t index_at = km_cuda_align(K * wps * sizeof(uint64_t));
-    size_t staging_bytes = index_at + K * sizeof(uint32_t);
-    size_t source_at = km_cuda_align(K * sizeof(uint32_t));
-    size_t sorted_source_at = 2 * source_at;
-    size_t sort_bytes = sorted_source_at + K * sizeof(uint32_t);
-    KM_CHECK(km_cuda_wait_sync_staging(c));
-    KM_CHECK(km_cuda_pinned_reserve(c, &c->sync_host, staging_bytes));
-    KM_CHECK(km_cuda_device_reserve(c, &c->sync_dev, staging_bytes));
-    KM_CHECK(km_cuda_device_reserve(c, &c->sort_dev, sort_bytes));
-    char *h_base = (char *)c->sync_host.ptr, *d_base = (char *)c->sync_dev.ptr;
-    char *sort_base = (char *)c->sort_dev.ptr;
-    uint64_t *h_payload = (uint64_t *)h_base;
-    uint32_t *h_index = (uint32_t *)(h_base + index_at);
-    uint64_t *d_payload = (uint64_t *)d_base;
-    uint32_t *d_index = (uint32_t *)(d_base + index_at);
-    uint32_t *d_sorted = (uint32_t *)sort_base;
-    uint32_t *d_source = (uint32_t *)(sort_base + source_at);
-    uint32_t *d_sorted_source = (uint32_t *)(sort_base + sorted_source_at);
-    int end_bit = km_cuda_key_bits(r->pool_capacity - 1);
-
-    for (size_t base = 0; base < n; base += K) {
-        uint32_t k = (uint32_t)(n - base < K ? n - base : K);
-        KM_CHECK(km_cuda_wait_sync_staging(c));
-        for (uint32_t i = 0; i < k; i++) {
-            uint32_t set = src->dirty_sets[base + i];
-            h_index[i] = set;
-            memcpy(h_payload + (size_t)i * wps, src->pool + (size_t)set * wps,
-                   (size_t)wps * sizeof(uint64_t));
-        }
-        KM_CUDA_CHECK(c, cudaMemcpyAsync(d_payload, h_payload,
-                                         (size_t)k * wps * sizeof(uint64_t),
-                                         cudaMemcpyHostToDevice, c->stream));
-        KM_CUDA_CHECK(c, cudaMemcpyAsync(d_index, h_index, (size_t)k * sizeof(uint32_t),
-                                         cudaMemcpyHostToDevice, c->stream));
-        KM_CUDA_CHECK(c, cudaEventRecord(c->sync_staging_free, c->stream));
-        c->sync_staging_pending = 1;
-        KM_CUDA_CHECK(c, km_launch_iota(c->stream, d_source, k));
-        size_t temp_bytes = 0;
-        KM_CUDA_CHECK(c, cub::DeviceRadixSort::SortPairs(NULL, temp_bytes, d_index, d_sorted,
-                                                         d_source, d_sorted_source, (int)k, 0,
-                                                         end_bit, c->stream));
-        KM_CHECK(km_cuda_temp_reserve(c, temp_bytes));
-        KM_CUDA_CHECK(c, cub::DeviceRadixSort::SortPairs(c->temp_dev.ptr, temp_bytes, d_index,
-                                                         d_sorted, d_source, d_sorted_source,
-                                                         (int)k, 0, end_bit, c->stream));
-        KM_CUDA_CHECK(c, km_launch_scatter_sets(c->stream, r->pool, wps, d_sorted,
-                                                d_sorted_source, d_payload, k));
-    }
-    return KM_OK;
+    KM_CHECK(km_cuda_sync_staging_reserve(c, index_at + K * sizeof(uint32_t)));
+    KM_CHECK(km_cuda_staged_bits_reserve(c, src->pool_capacity));
+    int rc = km_cuda_patch_set_rounds(c, r, src, K, index_at);
+    for (size_t i = 0; i < n; i++)
+        c->staged_bits[src->dirty_sets[i] >> 6] = 0;
+    return rc;
 }
 
 static int km_cuda_source_valid(km_cuda *c, const km_cuda_table_source *src)
@@ -900,13 +921,31 @@ static int km_cuda_match_chunk(km_cuda *c, const km_cuda_match_args *args,
     KM_CHECK(km_cuda_temp_reserve(c, temp_bytes));
     KM_CUDA_CHECK(c, cub::DeviceScan::ExclusiveSum(c->temp_dev.ptr, temp_bytes, out.count, d_first,
                                                    (int)m, c->stream));
+    /* Compact every request's entries (the caller reserved compact_dev for m * W), then copy back
+     * the per-request outputs and a guess of the entries (twice the last chunk's, at least 4,096
+     * per chunk): one round trip, a second only when the chunk has more entries than guessed. */
+    KM_CUDA_CHECK(c, km_launch_gather(c->stream, (const km_walk_entry *)c->entries_dev.ptr, W,
+                                      out.count, d_first, m, (km_walk_entry *)c->compact_dev.ptr));
+    size_t base = results->n_matches;
+    size_t most = (size_t)m * W;
+    size_t guess = c->last_chunk_matches * 2 > 4096 ? c->last_chunk_matches * 2 : 4096;
+    if (guess > most)
+        guess = most;
+    int rc = args->reserve(results, n_requests, base + guess);
+    if (rc != KM_OK)
+        return km_cuda_fail_status(c, rc, "CUDA backend: reserving results for %zu matches",
+                                   base + guess);
     uint32_t *h_meta = (uint32_t *)c->meta_host.ptr;
     KM_CUDA_CHECK(c, cudaMemcpyAsync(h_meta, d_meta, 4 * (size_t)m * sizeof(uint32_t),
                                      cudaMemcpyDeviceToHost, c->stream));
+    /* Pageable destination: the copy has completed once the synchronisation returns. */
+    KM_CUDA_CHECK(c, cudaMemcpyAsync(results->matches + base, c->compact_dev.ptr,
+                                     guess * sizeof(km_walk_entry), cudaMemcpyDeviceToHost,
+                                     c->stream));
     KM_CUDA_CHECK(c, cudaStreamSynchronize(c->stream));
 
     /* The host sums the same counts the scan summed, so its offsets equal d_first. */
-    size_t base = results->n_matches, chunk_matches = 0;
+    size_t chunk_matches = 0;
     uint64_t chunk_probes = 0;
     for (uint32_t i = 0; i < m; i++) {
         uint32_t count = h_meta[i];
@@ -924,20 +963,18 @@ static int km_cuda_match_chunk(km_cuda *c, const km_cuda_match_args *args,
         chunk_matches += count;
     }
     results->probes += chunk_probes;
-    if (chunk_matches == 0)
-        return KM_OK;
-    int rc = args->reserve(results, n_requests, base + chunk_matches);
-    if (rc != KM_OK)
-        return km_cuda_fail_status(c, rc, "CUDA backend: reserving results for %zu matches",
-                                   base + chunk_matches);
-    KM_CHECK(km_cuda_device_reserve(c, &c->compact_dev, chunk_matches * sizeof(km_walk_entry)));
-    KM_CUDA_CHECK(c, km_launch_gather(c->stream, (const km_walk_entry *)c->entries_dev.ptr, W,
-                                      out.count, d_first, m, (km_walk_entry *)c->compact_dev.ptr));
-    /* Pageable destination: the copy has completed once the synchronisation returns. */
-    KM_CUDA_CHECK(c, cudaMemcpyAsync(results->matches + base, c->compact_dev.ptr,
-                                     chunk_matches * sizeof(km_walk_entry), cudaMemcpyDeviceToHost,
-                                     c->stream));
-    KM_CUDA_CHECK(c, cudaStreamSynchronize(c->stream));
+    c->last_chunk_matches = chunk_matches;
+    if (chunk_matches > guess) {
+        rc = args->reserve(results, n_requests, base + chunk_matches);
+        if (rc != KM_OK)
+            return km_cuda_fail_status(c, rc, "CUDA backend: reserving results for %zu matches",
+                                       base + chunk_matches);
+        KM_CUDA_CHECK(c, cudaMemcpyAsync(results->matches + base + guess,
+                                         (const km_walk_entry *)c->compact_dev.ptr + guess,
+                                         (chunk_matches - guess) * sizeof(km_walk_entry),
+                                         cudaMemcpyDeviceToHost, c->stream));
+        KM_CUDA_CHECK(c, cudaStreamSynchronize(c->stream));
+    }
     results->n_matches = base + chunk_matches;
     return KM_OK;
 }
@@ -982,9 +1019,10 @@ extern "C" int km_cuda_match(km_cuda *c, const km_cuda_match_args *args,
                                    (unsigned)blocks->words_per_set, (unsigned)W, (unsigned)words);
     KM_CUDA_CHECK(c, cudaSetDevice(c->device));
 
-    /* Chunk capacity from the scratch budget: W walk entries + the walk's scratch words per request. */
+    /* Chunk capacity from the scratch budget: W walk entries, W compacted entries and the walk's
+     * scratch words per request. */
     size_t scratch_words = KM_WALK_SCRATCH_WORDS((size_t)W);
-    size_t per_request = (size_t)W * sizeof(km_walk_entry) + scratch_words * sizeof(uint64_t);
+    size_t per_request = 2 * (size_t)W * sizeof(km_walk_entry) + scratch_words * sizeof(uint64_t);
     size_t chunk_cap = KM_CUDA_SCRATCH_BUDGET / per_request;
     if (chunk_cap < 1)
         chunk_cap = 1;
@@ -993,7 +1031,10 @@ extern "C" int km_cuda_match(km_cuda *c, const km_cuda_match_args *args,
     if (chunk_cap > n)
         chunk_cap = n;
     KM_CHECK(km_cuda_device_reserve(c, &c->entries_dev, chunk_cap * W * sizeof(km_walk_entry)));
-    KM_CHECK(km_cuda_device_reserve(c, &c->scratch_dev, chunk_cap * scratch_words * sizeof(uint64_t)));
+    KM_CHECK(km_cuda_device_reserve(c, &c->compact_dev, chunk_cap * W * sizeof(km_walk_entry)));
+    if (KM_CUDA_WALK_WARPS * scratch_words * sizeof(uint64_t) > KM_CUDA_WALK_SHARED_BYTES)
+        KM_CHECK(km_cuda_device_reserve(c, &c->scratch_dev,
+                                        chunk_cap * scratch_words * sizeof(uint64_t)));
     KM_CHECK(km_cuda_device_reserve(c, &c->meta_dev, km_cuda_align(chunk_cap * 4 * sizeof(uint32_t)) +
                                                          chunk_cap * sizeof(uint32_t)));
     KM_CHECK(km_cuda_pinned_reserve(c, &c->meta_host, chunk_cap * 4 * sizeof(uint32_t)));

@@ -2,13 +2,15 @@
  * code (kernels/cuda_kernels.cu, CUDA C++). Only plain C types cross it: no cudaStream_t, no
  * cuda_runtime.h, no <<<>>>. Every function returns KM_OK or a negative km_status; a CUDA runtime
  * failure is KM_ERR_CUDA with the detail (call, cudaGetErrorString, source line) kept for
- * km_cuda_last_error(). Nothing here aborts or exits. Every call that touches the device makes
+ * km_cuda_last_error(), except device or pinned memory exhausted, which is KM_ERR_OUT_OF_MEMORY
+ * (not sticky: a replica it left half written is uploaded whole by the next sync). Nothing here
+ * aborts or exits. Every call that touches the device makes
  * the handle's device current on the calling thread first (cudaSetDevice) and leaves it current.
  *
  * The device side holds a replica of the index's two host tables (src/index/host_table.h) in cudaMalloc memory,
  * same slot layout and bitmap pool, plus one stream, pinned staging buffers and scoring scratch.
- * Scoring runs km_walk_request (src/index/slot_walk.h) on the replica, so results are bit-identical to the
- * CPU backend's as long as the replica equals the host tables. */
+ * Scoring runs km_warp_walk_request (src/index/warp_walk.h), one warp per request, on the replica,
+ * so results are bit-identical to the CPU backend's as long as the replica equals the host tables. */
 #ifndef KM_CUDA_SEAM_H
 #define KM_CUDA_SEAM_H
 
@@ -65,8 +67,8 @@ const char *km_cuda_describe(const km_cuda *cuda);
 const char *km_cuda_last_error(const km_cuda *cuda);
 
 /* Make one replica equal to its host table: reallocate and upload whole when src->full or the
- * capacity or pool size differs from the replica, else patch the dirty slots and bitmaps (grouped
- * by destination on the device, one writer per destination). The device work may still be running
+ * capacity or pool size differs from the replica, else patch the dirty slots and bitmaps (each
+ * destination staged once by the host, so one writer per destination on the device). The device work may still be running
  * when this returns; it is ordered before every later scoring call. The host may change the table
  * as soon as this returns. */
 int km_cuda_sync_table(km_cuda *cuda, km_cuda_table_id table, const km_cuda_table_source *src);

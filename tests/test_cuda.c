@@ -221,8 +221,8 @@ static km_request *chain_requests(km_rng *r, const uint64_t *chains, uint32_t n_
     return q;
 }
 
-/* The widest bitmaps (KM_MAX_WORKERS_LIMIT workers: 1,024 words per set, 331 requests per scoring
- * chunk, so 700 requests take three) and bitmap patches longer than one staging round: 5,000 blocks
+/* The widest bitmaps (KM_MAX_WORKERS_LIMIT workers: 1,024 words per set, 201 requests per scoring
+ * chunk, so 700 requests take four) and bitmap patches longer than one staging round: 5,000 blocks
  * whose holders are spread over the words become 5,000 bitmaps (a pool growth: uploaded whole);
  * the 6th and 7th holders and every REMOVE_WORKER then rewrite all of them in one batch, patched in
  * two rounds
