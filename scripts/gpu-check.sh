@@ -8,7 +8,9 @@
 # There (device tool):                  run(command="scripts/gpu-check.sh $OUT", carry=[".deps"],
 #                                           timeout_s=330)
 # To skip the build there, build here with `make CUDA=1 -j2 build/kvmatch build/kvmatch-tests`,
-# carry "build" too and set KM_PREBUILT=1 (the binaries are used as they are).
+# carry them too and set KM_PREBUILT=1 (the binaries are used as they are):
+#   run(command="KM_PREBUILT=1 scripts/gpu-check.sh $OUT", timeout_s=330,
+#       carry=[".deps", "build/kvmatch", "build/kvmatch-tests"])
 #
 # Steps, each with its own time limit, all within KM_BUDGET (290 s) so the whole check fits in
 # 5 minutes; a failed step does not stop the next:
