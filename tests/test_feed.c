@@ -12,6 +12,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <msgpack.h>
+
 #include "kv_test_publisher.h"
 #include "kvmatch/feed.h"
 #include "kvmatch/hash.h"
@@ -375,6 +377,130 @@ Test(feed, unknown_parent_and_block_size_mismatch_are_counted, .timeout = 10)
     km_worker_stats ws;
     km_index_worker_stats(f.index, 0, &ws);
     cr_assert_eq(ws.blocks, 0);
+    fx_free(&f);
+}
+
+/* Log lines the feed wrote, for the refusal tests. */
+typedef struct log_capture {
+    char lines[8][600];
+    int n;
+} log_capture;
+
+static void capture_log(void *user, const char *line)
+{
+    log_capture *c = user;
+    if (c->n < 8)
+        snprintf(c->lines[c->n], sizeof c->lines[c->n], "%s", line);
+    c->n++;
+}
+
+/* [ts, [["BlockStored", [1], null, <tokens> tokens, 4], ["FutureEvent", 1]], null]: a store whose
+ * token count does not fit, and an unknown event type. */
+static void pack_token_count_and_unknown_type(msgpack_sbuffer *sb, uint32_t tokens)
+{
+    msgpack_packer pk;
+    msgpack_sbuffer_init(sb);
+    msgpack_packer_init(&pk, sb, msgpack_sbuffer_write);
+    msgpack_pack_array(&pk, 3);
+    msgpack_pack_double(&pk, 1.0);
+    msgpack_pack_array(&pk, 2);
+    msgpack_pack_array(&pk, 5);
+    msgpack_pack_str_with_body(&pk, "BlockStored", 11);
+    msgpack_pack_array(&pk, 1);
+    msgpack_pack_uint64(&pk, 1);
+    msgpack_pack_nil(&pk);
+    msgpack_pack_array(&pk, tokens);
+    for (uint32_t i = 0; i < tokens; i++)
+        msgpack_pack_uint32(&pk, i);
+    msgpack_pack_uint32(&pk, BS);
+    msgpack_pack_array(&pk, 2);
+    msgpack_pack_str_with_body(&pk, "FutureEvent", 11);
+    msgpack_pack_int(&pk, 1);
+    msgpack_pack_nil(&pk);
+}
+
+Test(feed, refused_events_counted_by_reason_flagged_and_logged_at_a_bounded_rate, .timeout = 10)
+{
+    km_feed_config cfg;
+    km_test_feed_config(&cfg, BS);
+    log_capture logs = {.n = 0};
+    cfg.log = capture_log;
+    cfg.log_user = &logs;
+    fx f;
+    fx_init_cfg(&f, &cfg, KM_TEST_ENCODING_POSITIONAL, KM_TEST_HASH_INT);
+    fx_add(&f, 0, false);
+    fx_add(&f, 1, false);
+    int base_lines = logs.n;
+    uint32_t tokens[4 * 8];
+    for (uint32_t i = 0; i < 32; i++)
+        tokens[i] = i;
+    uint64_t eh[2] = {40, 41};
+
+    /* Worker 0 runs with block size 8: every store refused, the worker flagged. */
+    for (int i = 0; i < 5; i++) {
+        km_test_batch_stored(&f.batch, eh, 2, false, 0, tokens, 8, NULL, NULL);
+        fx_live(&f, 0, fx_keep(&f));
+    }
+    km_feed_worker_info info = fx_info(&f, 0);
+    cr_assert_eq(info.counters.refused[KM_FEED_REFUSED_BLOCK_SIZE], 5);
+    cr_assert(info.config_refused);
+    cr_assert_eq(info.state, KM_FEED_STATE_LIVE);
+    /* One line for the first refusal, none for the next four (within the interval). */
+    cr_assert_eq(logs.n, base_lines + 1, "%d lines", logs.n - base_lines);
+    cr_assert(strstr(logs.lines[base_lines], "worker 0") &&
+                  strstr(logs.lines[base_lines], "block_size_mismatch 1") &&
+                  strstr(logs.lines[base_lines], "block_size 8, the pool's is 4"),
+              "%s", logs.lines[base_lines]);
+    /* After the interval the next refusal logs the ones counted meanwhile. */
+    f.now += UINT64_C(11000000000);
+    km_test_batch_stored(&f.batch, eh, 2, false, 0, tokens, 8, NULL, NULL);
+    fx_live(&f, 0, fx_keep(&f));
+    cr_assert_eq(logs.n, base_lines + 2);
+    cr_assert(strstr(logs.lines[base_lines + 1], "block_size_mismatch 5"), "%s",
+              logs.lines[base_lines + 1]);
+    /* A store of the right size clears the flag. */
+    km_test_batch_stored(&f.batch, eh, 1, false, 0, tokens, BS, NULL, NULL);
+    fx_live(&f, 0, fx_keep(&f));
+    info = fx_info(&f, 0);
+    cr_assert_not(info.config_refused);
+    cr_assert_eq(info.counters.blocks_stored, 1);
+
+    /* Worker 1: one of each other reason; nothing reaches the index but the good store. */
+    f.seq_base = f.n; /* worker 1's own stream from seq 0 */
+    km_test_batch_stored(&f.batch, eh, 1, true, 999, tokens, BS, NULL, NULL);       /* parent */
+    km_test_batch_stored(&f.batch, eh + 1, 1, false, 0, tokens, BS, NULL, "HBM3"); /* medium */
+    fx_live(&f, 1, fx_keep(&f));
+    msgpack_sbuffer sb;
+    pack_token_count_and_unknown_type(&sb, BS + 1);
+    km_kv_batch b;
+    cr_assert_eq(km_kv_decode_payload(f.dec, sb.data, sb.size, &b), KM_OK);
+    cr_assert_eq(b.n_rejected, 1);
+    cr_assert_eq(b.rejected[0].reason, KM_KV_REJECTED_TOKEN_COUNT);
+    cr_assert_eq(km_feed_live(f.feed, 1, 1, &b, f.now++), KM_OK);
+    msgpack_sbuffer_destroy(&sb);
+    cr_assert_eq(km_feed_live(f.feed, 1, 2, NULL, f.now++), KM_OK); /* undecodable */
+    fx_flush(&f);
+    info = fx_info(&f, 1);
+    cr_assert_eq(info.counters.refused[KM_FEED_REFUSED_UNKNOWN_PARENT], 1);
+    cr_assert_eq(info.counters.refused[KM_FEED_REFUSED_UNKNOWN_MEDIUM], 1);
+    cr_assert_eq(info.counters.refused[KM_FEED_REFUSED_TOKEN_COUNT], 1);
+    cr_assert_eq(info.counters.refused[KM_FEED_REFUSED_UNKNOWN_TYPE], 1);
+    cr_assert_eq(info.counters.refused[KM_FEED_REFUSED_UNDECODABLE], 1);
+    cr_assert_eq(info.counters.refused[KM_FEED_REFUSED_BLOCK_SIZE], 0);
+    cr_assert_not(info.config_refused, "no store was refused for its configuration");
+    cr_assert_eq(info.counters.blocks_stored, 1, "the unknown medium's store is applied");
+    km_worker_stats ws;
+    km_index_worker_stats(f.index, 1, &ws);
+    cr_assert_eq(ws.blocks, 1);
+    cr_assert_eq(info.counters.stored_by_medium[KM_KV_MEDIUM_OTHER], 1);
+    /* Worker 1's first line named its first refusals; the rest wait for the interval. */
+    cr_assert_eq(logs.n, base_lines + 3);
+    cr_assert(strstr(logs.lines[base_lines + 2], "worker 1") &&
+                  strstr(logs.lines[base_lines + 2], "unknown_parent 1") &&
+                  strstr(logs.lines[base_lines + 2], "unknown_medium 1"),
+              "%s", logs.lines[base_lines + 2]);
+    cr_assert_str_eq(km_feed_refusal_name(KM_FEED_REFUSED_UNDECODABLE), "undecodable");
+    cr_assert_str_eq(km_feed_refusal_name((km_feed_refusal)99), "unknown");
     fx_free(&f);
 }
 

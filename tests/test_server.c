@@ -1595,6 +1595,61 @@ Test(server, local_event_workers, .timeout = 30)
     srv_cleanup(&s);
 }
 
+/* Refused events are visible to an operator: a worker whose engine runs another block size is
+ * flagged in /status, /metrics and readiness; other refusals are counted by reason. */
+Test(server, refused_events_are_shown_per_worker_and_reason, .timeout = 30)
+{
+    srv s = {0};
+    km_server_config cfg;
+    test_config(&cfg, &s, KM_POLICY_PREFIX, 0);
+    char http[] = "127.0.0.1:0";
+    cfg.http = http;
+    km_server_worker ws[2] = {{0, "e0", KM_SERVER_LOCAL_EVENTS, NULL},
+                              {1, "e1", KM_SERVER_LOCAL_EVENTS, NULL}};
+    g_pool.workers = ws;
+    g_pool.n_workers = 2;
+    srv_start(&s, &cfg);
+    for (uint32_t i = 0; i < 4 * BS; i++)
+        g_tokens[i] = 9000 + i;
+    uint64_t eh[2] = {31, 32};
+    km_test_batch b;
+    km_test_batch_init(&b, KM_TEST_ENCODING_POSITIONAL, KM_TEST_HASH_INT, 0);
+    km_test_batch_stored(&b, eh, 2, false, 0, g_tokens, 2 * BS, NULL, NULL); /* another size */
+    size_t size;
+    const void *payload = km_test_batch_payload(&b, &size);
+    cr_assert_eq(km_server_deliver_events(s.server, 0, 0, payload, size), KM_OK);
+    km_test_batch_reset(&b);
+    km_test_batch_stored(&b, eh, 1, true, 77, g_tokens, BS, NULL, NULL); /* unknown parent */
+    km_test_batch_stored(&b, eh + 1, 1, false, 0, g_tokens, BS, NULL, "CPU_PINNED");
+    payload = km_test_batch_payload(&b, &size);
+    cr_assert_eq(km_server_deliver_events(s.server, 1, 0, payload, size), KM_OK);
+    uint16_t port = km_server_http_port(s.server);
+    static char body[1 << 16];
+    cr_assert_eq(http_get(port, "/status", body, sizeof body), 200);
+    cr_assert(strstr(body, "\"config_refused\":true") && strstr(body, "\"config_refused\":false"),
+              "status: %s", body);
+    cr_assert(strstr(body, "\"block_size_mismatch\":1") && strstr(body, "\"unknown_parent\":1") &&
+                  strstr(body, "\"history_unavailable\":0"),
+              "status: %s", body);
+    cr_assert(strstr(body, "1/2 event-fed workers LIVE and accepting stores"), "status: %s", body);
+    cr_assert_eq(http_get(port, "/metrics", body, sizeof body), 200);
+    cr_assert(strstr(body, "kvmatch_worker_refused_events_total{worker=\"0\",name=\"e0\",pool=\"main\","
+                           "reason=\"block_size_mismatch\"} 1"),
+              "metrics: %s", body);
+    cr_assert(strstr(body, "kvmatch_worker_refused_events_total{worker=\"1\",name=\"e1\",pool=\"main\","
+                           "reason=\"unknown_parent\"} 1"),
+              "metrics: %s", body);
+    cr_assert(strstr(body, "kvmatch_worker_config_refused{worker=\"0\",name=\"e0\",pool=\"main\"} 1"),
+              "metrics: %s", body);
+    cr_assert(strstr(body, "kvmatch_worker_config_refused{worker=\"1\",name=\"e1\",pool=\"main\"} 0"),
+              "metrics: %s", body);
+    cr_assert(strstr(body, "kvmatch_worker_history_unavailable_total{worker=\"0\""), "metrics: %s",
+              body);
+    km_test_batch_free(&b);
+    srv_stop(&s);
+    srv_cleanup(&s);
+}
+
 /* Encode `m` and write it whole to the raw socket fd. */
 static void raw_send_message(int fd, const km_message *m)
 {

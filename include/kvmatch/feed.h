@@ -259,12 +259,35 @@ void km_feed_pending(const km_feed *feed, uint64_t *updates, uint64_t *hashes);
     X(KM_FEED_END_CLEARED, 4, "cleared")     \
     X(KM_FEED_END_RESYNC, 5, "resync")
 
+/* Why an event was refused (kept out of the index) or skipped, counted per worker and reason.
+ *   block_size_mismatch  BlockStored whose block_size is not the pool's (or outside 1..2^32-1):
+ *                        the engine runs with another block size, a configuration error
+ *   token_count          BlockStored whose token_ids are not block_size per block hash
+ *   unknown_parent       BlockStored whose parent's engine hash the worker's map does not hold
+ *                        (expected after joining mid-stream; its blocks are skipped)
+ *   unknown_type         an event type this decoder does not know (skipped)
+ *   undecodable          a message whose frames or payload did not decode (counted per message)
+ *   unknown_medium       BlockStored or BlockRemoved naming a medium no tier is known for: still
+ *                        applied, at the disk tier (the slowest), and counted so an operator sees it
+ *   invalid_event        any other inconsistent event (extra_keys not one entry per block, a NUL
+ *                        byte inside a string field) */
+#define KM_FEED_REFUSAL_LIST(X)                                 \
+    X(KM_FEED_REFUSED_BLOCK_SIZE, 0, "block_size_mismatch")     \
+    X(KM_FEED_REFUSED_TOKEN_COUNT, 1, "token_count")            \
+    X(KM_FEED_REFUSED_UNKNOWN_PARENT, 2, "unknown_parent")      \
+    X(KM_FEED_REFUSED_UNKNOWN_TYPE, 3, "unknown_type")          \
+    X(KM_FEED_REFUSED_UNDECODABLE, 4, "undecodable")            \
+    X(KM_FEED_REFUSED_UNKNOWN_MEDIUM, 5, "unknown_medium")      \
+    X(KM_FEED_REFUSED_INVALID_EVENT, 6, "invalid_event")
+#define KM_FEED_REFUSAL_COUNT 7u
+
 #define KM_FEED_ENUM_ENTRY(name, value, text) name = value,
 typedef enum km_feed_state { KM_FEED_STATE_LIST(KM_FEED_ENUM_ENTRY) } km_feed_state;
 typedef enum km_feed_window_cause {
     KM_FEED_WINDOW_CAUSE_LIST(KM_FEED_ENUM_ENTRY)
 } km_feed_window_cause;
 typedef enum km_feed_window_end { KM_FEED_WINDOW_END_LIST(KM_FEED_ENUM_ENTRY) } km_feed_window_end;
+typedef enum km_feed_refusal { KM_FEED_REFUSAL_LIST(KM_FEED_ENUM_ENTRY) } km_feed_refusal;
 #undef KM_FEED_ENUM_ENTRY
 
 /* One recovery window. Times are the local monotonic clock (the now_ns of the calls). */
@@ -313,6 +336,9 @@ typedef struct km_feed_worker_counters {
                                   * its start, 2^64-1, skipping past the newest live seq) or, for
                                   * a rejected payload, is not the next seq to apply: skipped */
     uint64_t dropped_messages;   /* messages whose updates were dropped (queue full, index refused) */
+    /* Events refused or skipped, by km_feed_refusal (undecodable: messages). Counted as received:
+     * a message seen live and again in a replay counts twice. */
+    uint64_t refused[KM_FEED_REFUSAL_COUNT];
 } km_feed_worker_counters;
 
 typedef struct km_feed_worker_info {
@@ -336,6 +362,11 @@ typedef struct km_feed_worker_info {
     uint32_t windows_open;
     bool restored;               /* state came from a snapshot (km_feed_restore) */
     bool awaiting_claim;         /* restored, not yet added again by the transport */
+    /* The engine's configuration does not fit the pool: since the worker was added (or its engine
+     * last restarted, or a resync) at least one BlockStored was refused for its block size and
+     * none was applied. Such a worker would read LIVE with no blocks forever; readiness does not
+     * count it (docs/EVENTS.md, "Refused events"). */
+    bool config_refused;
 } km_feed_worker_info;
 
 /* Errors: KM_ERR_NULL_POINTER, KM_ERR_INVALID_ARGUMENT (not added). */
@@ -394,6 +425,8 @@ int km_feed_restore(km_feed *feed, const char *path, uint64_t now_ns);
 const char *km_feed_state_name(km_feed_state state);
 const char *km_feed_window_cause_name(km_feed_window_cause cause);
 const char *km_feed_window_end_name(km_feed_window_end end);
+/* "block_size_mismatch", "token_count", ... (KM_FEED_REFUSAL_LIST); "unknown" outside it. */
+const char *km_feed_refusal_name(km_feed_refusal reason);
 
 #ifdef __cplusplus
 }

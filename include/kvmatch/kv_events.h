@@ -163,10 +163,22 @@ typedef struct km_kv_event {
     int64_t kv_cache_spec_sliding_window;
 } km_kv_event;
 
+/* Which consistency check a well-typed event failed. */
+#define KM_KV_REJECTION_LIST(X)                                                                \
+    X(KM_KV_REJECTED_BLOCK_SIZE, 1, "block_size")   /* block_size below 1 or above 2^32-1 */   \
+    X(KM_KV_REJECTED_TOKEN_COUNT, 2, "token_count") /* token_ids not block_size per block */   \
+    X(KM_KV_REJECTED_EXTRA_KEYS, 3, "extra_keys")   /* extra_keys not one entry per block */   \
+    X(KM_KV_REJECTED_NUL_BYTE, 4, "nul_byte")       /* a NUL byte inside a string field */
+
+typedef enum km_kv_rejection {
+    KM_KV_REJECTION_LIST(KM_KV_ENUM_ENTRY)
+} km_kv_rejection;
+
 /* A well-typed event that failed a consistency check; left out of km_kv_batch.events. */
 typedef struct km_kv_rejected_event {
     uint32_t position; /* index in the payload's events array */
     km_kv_event_kind kind;
+    km_kv_rejection reason;
     int status;          /* KM_ERR_BLOCK_SIZE (block_size < 1 or > 2^32-1) or KM_ERR_PARSE */
     const char *message; /* "token_ids has 30 tokens, block_size 16 x 2 block_hashes needs 32" */
 } km_kv_rejected_event;
@@ -252,6 +264,8 @@ int km_kv_decoder_get_stats(const km_kv_decoder *decoder, km_kv_decoder_stats *o
 const char *km_kv_event_kind_name(km_kv_event_kind kind);
 /* "GPU", "CPU", "DISK", "other"; "unknown" otherwise. */
 const char *km_kv_medium_name(km_kv_medium medium);
+/* "block_size", "token_count", "extra_keys", "nul_byte"; "unknown" otherwise. */
+const char *km_kv_rejection_name(km_kv_rejection reason);
 
 #ifdef __cplusplus
 }

@@ -56,10 +56,23 @@ static void print_status(km_subscriber *sub, const km_index *index)
         km_feed_worker_info info;
         if (km_subscriber_get_worker_info(sub, ids[i], &info) != KM_OK)
             continue;
-        printf("  worker %u %s: %s, next seq %llu, messages %llu, lost %llu, restarts %llu%s\n",
+        char refused[320] = "";
+        size_t used = 0;
+        for (unsigned r = 0; r < KM_FEED_REFUSAL_COUNT && used < sizeof refused; r++) {
+            if (!info.counters.refused[r])
+                continue;
+            int k = snprintf(refused + used, sizeof refused - used, "%s %s %llu",
+                             used ? "," : ", refused:", km_feed_refusal_name((km_feed_refusal)r),
+                             (unsigned long long)info.counters.refused[r]);
+            used += k > 0 ? (size_t)k : 0;
+        }
+        printf("  worker %u %s: %s%s, next seq %llu, messages %llu, lost %llu, restarts %llu, "
+               "history unavailable %llu%s%s\n",
                info.worker, info.name, km_feed_state_name(info.state),
+               info.config_refused ? " (every store refused: block size is not the pool's)" : "",
                (unsigned long long)info.expected_seq, (unsigned long long)info.counters.messages,
                (unsigned long long)info.counters.lost, (unsigned long long)info.counters.restarts,
+               (unsigned long long)info.counters.history_unavailable, refused,
                info.restored ? " (restored)" : "");
     }
     fflush(stdout);

@@ -67,6 +67,12 @@ const char *km_feed_last_error(const km_feed *feed)
 static const char *const state_names[] = {KM_FEED_STATE_LIST(KM_ENUM_NAME_ENTRY)};
 static const char *const window_cause_names[] = {KM_FEED_WINDOW_CAUSE_LIST(KM_ENUM_NAME_ENTRY)};
 static const char *const window_end_names[] = {KM_FEED_WINDOW_END_LIST(KM_ENUM_NAME_ENTRY)};
+static const char *const refusal_names[] = {KM_FEED_REFUSAL_LIST(KM_ENUM_NAME_ENTRY)};
+
+const char *km_feed_refusal_name(km_feed_refusal reason)
+{
+    return KM_ENUM_NAME(refusal_names, reason);
+}
 
 const char *km_feed_state_name(km_feed_state state)
 {
@@ -608,6 +614,7 @@ static void restart_worker(km_feed *feed, worker *w, uint64_t seq, uint64_t now)
         km_feed_enter_degraded(feed, w, now, "out of memory queueing the restart's clear");
     km_emap_clear(&w->map);
     dedup_clear(feed, w);
+    w->stores_applied = w->stores_refused_for_config = 0;
     km_feed_open_recovery(w, KM_FEED_WINDOW_RESTART, now, seq);
     w->has_expected = true;
     w->expected = 0; /* a new publisher starts at 0: anything before seq is a gap */
@@ -733,12 +740,85 @@ int km_feed_resync_worker(km_feed *feed, uint32_t id, uint64_t now_ns)
     km_feed_exit_degraded(feed, w, now_ns, KM_FEED_END_RESYNC);
     km_emap_clear(&w->map);
     dedup_clear(feed, w);
+    w->stores_applied = w->stores_refused_for_config = 0;
     w->has_expected = false;
     km_feed_open_recovery(w, KM_FEED_WINDOW_RESYNC, now_ns, 0);
     if (w->has_replay)
         start_replay(feed, w, REPLAY_RESYNC, 0, now_ns);
     feed->last_error[0] = '\0';
     return KM_OK;
+}
+
+/* ---- refused events -------------------------------------------------------------------------- */
+
+/* At most one refusal log line per worker per interval: an engine configured with another block
+ * size refuses every store, and a line per event would drown the log. */
+#define REFUSAL_LOG_INTERVAL_NS UINT64_C(10000000000)
+
+void km_feed_count_refusal(worker *w, km_feed_refusal reason, uint64_t n, const char *example)
+{
+    if ((unsigned)reason >= KM_FEED_REFUSAL_COUNT || n == 0)
+        return;
+    w->c.refused[reason] += n;
+    if (example)
+        snprintf(w->refusal_example, sizeof w->refusal_example, "%s", example);
+}
+
+/* The refusals of a decoded message (decoder-level reasons) or of one that did not decode. */
+static void count_message_refusals(worker *w, const km_kv_batch *batch)
+{
+    if (!batch) {
+        w->c.malformed++;
+        km_feed_count_refusal(w, KM_FEED_REFUSED_UNDECODABLE, 1, "a message that did not decode");
+        return;
+    }
+    w->c.rejected_events += batch->n_rejected;
+    w->c.unknown_events += batch->n_unknown_events;
+    for (uint32_t i = 0; i < batch->n_rejected; i++) {
+        const km_kv_rejected_event *r = &batch->rejected[i];
+        km_feed_refusal reason = r->reason == KM_KV_REJECTED_TOKEN_COUNT ? KM_FEED_REFUSED_TOKEN_COUNT
+                                 : r->reason == KM_KV_REJECTED_BLOCK_SIZE
+                                     ? KM_FEED_REFUSED_BLOCK_SIZE
+                                     : KM_FEED_REFUSED_INVALID_EVENT;
+        km_feed_count_refusal(w, reason, 1, r->message);
+        if (reason == KM_FEED_REFUSED_BLOCK_SIZE)
+            w->stores_refused_for_config++;
+    }
+    if (batch->n_unknown_events) {
+        char example[96];
+        snprintf(example, sizeof example, "event type \"%s\"",
+                 batch->first_unknown_type ? batch->first_unknown_type : "?");
+        km_feed_count_refusal(w, KM_FEED_REFUSED_UNKNOWN_TYPE, batch->n_unknown_events, example);
+    }
+}
+
+/* One log line naming the worker and, per reason, the refusals since the previous line; at most
+ * one per REFUSAL_LOG_INTERVAL_NS per worker (the counters keep counting meanwhile). */
+static void log_refusals(const km_feed *feed, worker *w, uint64_t now)
+{
+    if (w->has_refusal_log && now - w->refusal_log_ns < REFUSAL_LOG_INTERVAL_NS)
+        return;
+    char list[384];
+    size_t used = 0;
+    list[0] = '\0';
+    for (unsigned r = 0; r < KM_FEED_REFUSAL_COUNT; r++) {
+        uint64_t fresh = w->c.refused[r] - w->refusals_logged[r];
+        if (!fresh || used >= sizeof list)
+            continue;
+        int n = snprintf(list + used, sizeof list - used, "%s%s %" PRIu64, used ? ", " : "",
+                         km_feed_refusal_name((km_feed_refusal)r), fresh);
+        used += n > 0 ? (size_t)n : 0;
+    }
+    if (!list[0])
+        return;
+    memcpy(w->refusals_logged, w->c.refused, sizeof w->refusals_logged);
+    w->has_refusal_log = true;
+    w->refusal_log_ns = now;
+    feed_log(feed, w, "refused or skipped events: %s (latest: %s)%s", list, w->refusal_example,
+             w->stores_refused_for_config && !w->stores_applied
+                 ? "; every store refused for its block size: the engine's block size is not "
+                   "the pool's"
+                 : "");
 }
 
 /* Is the seq of a live message the decoder rejected that message's place in the stream? Only when
@@ -764,16 +844,15 @@ int km_feed_live(km_feed *feed, uint32_t id, uint64_t seq, const km_kv_batch *ba
     w->has_last_receive = true;
     w->last_receive_ns = now_ns;
     if (seq == KM_KV_REPLAY_END_SEQ) {
-        w->c.malformed++; /* the replay end marker's seq, never a message's */
+        /* the replay end marker's seq, never a message's */
+        count_message_refusals(w, NULL);
+        log_refusals(feed, w, now_ns);
         return KM_OK;
     }
-    if (batch) {
-        w->c.rejected_events += batch->n_rejected;
-        w->c.unknown_events += batch->n_unknown_events;
-    } else {
-        w->c.malformed++;
-        if (!rejected_live_seq_fits(w, seq))
-            return KM_OK; /* a gap or restart behind it shows at the next healthy message */
+    count_message_refusals(w, batch);
+    if (!batch && !rejected_live_seq_fits(w, seq)) {
+        log_refusals(feed, w, now_ns);
+        return KM_OK; /* a gap or restart behind it shows at the next healthy message */
     }
 
     bool restart = false;
@@ -800,6 +879,7 @@ int km_feed_live(km_feed *feed, uint32_t id, uint64_t seq, const km_kv_batch *ba
     if (restart)
         restart_worker(feed, w, seq, now_ns);
     deliver_live(feed, w, seq, batch, now_ns);
+    log_refusals(feed, w, now_ns);
     return KM_OK;
 }
 
@@ -810,9 +890,10 @@ int km_feed_malformed(km_feed *feed, uint32_t id, uint64_t now_ns)
     worker *w = km_feed_find_worker(feed, id);
     if (!w)
         return km_feed_fail(feed, KM_ERR_INVALID_ARGUMENT, "worker %u is not followed", id);
-    w->c.malformed++;
+    count_message_refusals(w, NULL);
     w->has_last_receive = true;
     w->last_receive_ns = now_ns;
+    log_refusals(feed, w, now_ns);
     return KM_OK;
 }
 
@@ -861,8 +942,21 @@ static const char *replay_item_refusal(const worker *w, uint64_t seq, bool decod
     return NULL;
 }
 
+static int replay_item(km_feed *feed, uint32_t id, uint64_t request_id, uint64_t seq,
+                       const km_kv_batch *batch, uint64_t now_ns);
+
 int km_feed_replay_item(km_feed *feed, uint32_t id, uint64_t request_id, uint64_t seq,
                         const km_kv_batch *batch, uint64_t now_ns)
+{
+    int rc = replay_item(feed, id, request_id, seq, batch, now_ns);
+    worker *w = feed ? km_feed_find_worker(feed, id) : NULL;
+    if (w)
+        log_refusals(feed, w, now_ns);
+    return rc;
+}
+
+static int replay_item(km_feed *feed, uint32_t id, uint64_t request_id, uint64_t seq,
+                       const km_kv_batch *batch, uint64_t now_ns)
 {
     if (!feed)
         return KM_ERR_NULL_POINTER;
@@ -872,12 +966,7 @@ int km_feed_replay_item(km_feed *feed, uint32_t id, uint64_t request_id, uint64_
         return rc;
     w->has_last_receive = true;
     w->last_receive_ns = now_ns;
-    if (batch) {
-        w->c.rejected_events += batch->n_rejected;
-        w->c.unknown_events += batch->n_unknown_events;
-    } else {
-        w->c.malformed++;
-    }
+    count_message_refusals(w, batch);
     const char *refusal = replay_item_refusal(w, seq, batch != NULL);
     if (refusal) {
         w->c.refused_replay_items++;
@@ -997,6 +1086,7 @@ int km_feed_get_worker_info(const km_feed *feed, uint32_t id, km_feed_worker_inf
     out->windows_kept = w->history_count + out->windows_open;
     out->restored = w->restored;
     out->awaiting_claim = w->awaiting_claim;
+    out->config_refused = w->stores_refused_for_config > 0 && w->stores_applied == 0;
     return KM_OK;
 }
 

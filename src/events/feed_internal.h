@@ -111,6 +111,14 @@ typedef struct worker {
     uint32_t lost_next, lost_count;
 
     km_feed_worker_counters c;
+    /* BlockStored events applied, and refused for their block size, since the worker was added,
+     * its engine last restarted or a resync: all refused means config_refused. */
+    uint64_t stores_applied, stores_refused_for_config;
+    /* The refusal log line: counts at the last line, when it was written, the latest example. */
+    uint64_t refusals_logged[KM_FEED_REFUSAL_COUNT];
+    bool has_refusal_log;
+    uint64_t refusal_log_ns;
+    char refusal_example[160];
     bool has_last_receive;
     uint64_t last_receive_ns;
     double last_engine_timestamp;
@@ -179,6 +187,10 @@ worker *km_feed_find_worker(const km_feed *feed, uint32_t id);
 void km_feed_enter_degraded(km_feed *feed, worker *w, uint64_t now, const char *why);
 /* The worker's index is complete again: DEGRADED ends, for the reason `end` (feed.c). */
 void km_feed_exit_degraded(const km_feed *feed, worker *w, uint64_t now, km_feed_window_end end);
+
+/* Count a refused or skipped event (or undecodable message) for w; example, when not NULL, is
+ * the sentence the next refusal log line quotes (feed.c). */
+void km_feed_count_refusal(worker *w, km_feed_refusal reason, uint64_t n, const char *example);
 
 /* A control update (clear / remove worker) queued as a group of its own (feed_updates.c). */
 int km_feed_queue_control(km_feed *feed, const worker *w, km_update_kind kind);

@@ -158,6 +158,17 @@ static unsigned medium_index(km_kv_medium m)
     return (unsigned)m < MEDIUM_COUNT ? (unsigned)m : KM_KV_MEDIUM_OTHER;
 }
 
+/* A medium string no tier is known for is applied at the slowest tier, and counted. */
+static void count_unknown_medium(worker *w, const km_kv_event *e)
+{
+    if (e->medium != KM_KV_MEDIUM_OTHER)
+        return;
+    char example[96];
+    snprintf(example, sizeof example, "%s with medium \"%s\"", km_kv_event_kind_name(e->kind),
+             e->medium_name ? e->medium_name : "?");
+    km_feed_count_refusal(w, KM_FEED_REFUSED_UNKNOWN_MEDIUM, 1, example);
+}
+
 /* Does a block of this event carry extra keys kvmatch cannot reproduce (the decoder's opaque flags;
  * for a caller that gives only presence flags: any present entry on an event without a LoRA
  * name)? Only KM_FEED_EXTRA_KEYS_SKIP asks. */
@@ -181,9 +192,16 @@ static void apply_stored(km_feed *feed, worker *w, const km_kv_event *e)
 {
     uint32_t n = e->n_block_hashes;
     if (e->block_size != feed->config.block_size) {
+        char example[96];
+        snprintf(example, sizeof example, "BlockStored with block_size %u, the pool's is %u",
+                 e->block_size, feed->config.block_size);
         w->c.block_size_mismatch++;
+        w->stores_refused_for_config++;
+        km_feed_count_refusal(w, KM_FEED_REFUSED_BLOCK_SIZE, 1, example);
         return;
     }
+    w->stores_applied++;
+    count_unknown_medium(w, e);
     w->c.stored_by_medium[medium_index(e->medium)] += n;
     if (n == 0)
         return;
@@ -195,6 +213,8 @@ static void apply_stored(km_feed *feed, worker *w, const km_kv_event *e)
         const km_emap_entry *p = km_emap_find(&w->map, e->parent_block_hash);
         if (!p) {
             w->c.unknown_parent_blocks += n;
+            km_feed_count_refusal(w, KM_FEED_REFUSED_UNKNOWN_PARENT, 1,
+                                  "BlockStored whose parent block is not known");
             return;
         }
         parent_chain = p->chain;
@@ -283,6 +303,7 @@ static void apply_stored(km_feed *feed, worker *w, const km_kv_event *e)
 static void apply_removed(km_feed *feed, worker *w, const km_kv_event *e)
 {
     uint32_t n = e->n_block_hashes;
+    count_unknown_medium(w, e);
     w->c.removed_by_medium[medium_index(e->medium)] += n;
     uint8_t bit = medium_bit(e->medium);
     uint64_t offset = feed->hash_count;

@@ -195,6 +195,7 @@ int km_kv_decoder_get_stats(const km_kv_decoder *dec, km_kv_decoder_stats *out)
 #define NAME_ENTRY(enumerator, value, name) [value] = name,
 static const char *const event_kind_names[] = {KM_KV_EVENT_KIND_LIST(NAME_ENTRY)};
 static const char *const medium_names[] = {KM_KV_MEDIUM_LIST(NAME_ENTRY)};
+static const char *const rejection_names[] = {KM_KV_REJECTION_LIST(NAME_ENTRY)};
 #undef NAME_ENTRY
 
 /* table[value] when the list names the value, else "unknown". */
@@ -211,6 +212,11 @@ const char *km_kv_event_kind_name(km_kv_event_kind kind)
 const char *km_kv_medium_name(km_kv_medium medium)
 {
     return name_in(medium_names, sizeof medium_names / sizeof *medium_names, medium);
+}
+
+const char *km_kv_rejection_name(km_kv_rejection reason)
+{
+    return name_in(rejection_names, sizeof rejection_names / sizeof *rejection_names, reason);
 }
 
 /* ---- errors ---------------------------------------------------------------------------------- */
@@ -617,9 +623,9 @@ static int read_medium(km_kv_decoder *dec, const msgpack_object *o, km_kv_medium
 }
 
 /* Report the current event as rejected: it stays out of batch.events. */
-KM_PRINTF(5, 6)
-static int reject_event(km_kv_decoder *dec, batch_builder *b, km_kv_event_kind kind, int status,
-                        const char *fmt, ...)
+KM_PRINTF(6, 7)
+static int reject_event(km_kv_decoder *dec, batch_builder *b, km_kv_event_kind kind,
+                        km_kv_rejection reason, int status, const char *fmt, ...)
 {
     char message[REJECT_MESSAGE_BYTES];
     va_list ap;
@@ -629,6 +635,7 @@ static int reject_event(km_kv_decoder *dec, batch_builder *b, km_kv_event_kind k
     km_kv_rejected_event *r = &b->rejected[b->batch->n_rejected];
     r->position = dec->event_position;
     r->kind = kind;
+    r->reason = reason;
     r->status = status;
     r->message = arena_copy_string(dec, message, strlen(message));
     if (!r->message)
@@ -734,30 +741,31 @@ static int decode_block_stored(km_kv_decoder *dec, const event_schema *schema,
      * event. */
     if (block_size->type == MSGPACK_OBJECT_NEGATIVE_INTEGER || block_size->via.u64 < 1)
         return reject_event(
-            dec, b, KM_KV_EVENT_BLOCK_STORED, KM_ERR_BLOCK_SIZE, "block_size %lld is below 1",
+            dec, b, KM_KV_EVENT_BLOCK_STORED, KM_KV_REJECTED_BLOCK_SIZE, KM_ERR_BLOCK_SIZE,
+            "block_size %lld is below 1",
             block_size->type == MSGPACK_OBJECT_NEGATIVE_INTEGER ? (long long)block_size->via.i64
                                                                 : 0LL);
     if (block_size->via.u64 > UINT32_MAX)
-        return reject_event(dec, b, KM_KV_EVENT_BLOCK_STORED, KM_ERR_BLOCK_SIZE,
-                            "block_size %llu is above 2^32-1",
+        return reject_event(dec, b, KM_KV_EVENT_BLOCK_STORED, KM_KV_REJECTED_BLOCK_SIZE,
+                            KM_ERR_BLOCK_SIZE, "block_size %llu is above 2^32-1",
                             (unsigned long long)block_size->via.u64);
     ev.block_size = (uint32_t)block_size->via.u64;
     uint64_t expected_tokens = (uint64_t)ev.block_size * ev.n_block_hashes;
     if (ev.n_token_ids != expected_tokens)
-        return reject_event(dec, b, KM_KV_EVENT_BLOCK_STORED, KM_ERR_PARSE,
-                            "token_ids has %u tokens, block_size %u x %u block_hashes needs %llu",
+        return reject_event(dec, b, KM_KV_EVENT_BLOCK_STORED, KM_KV_REJECTED_TOKEN_COUNT,
+                            KM_ERR_PARSE, "token_ids has %u tokens, block_size %u x %u block_hashes needs %llu",
                             ev.n_token_ids, ev.block_size, ev.n_block_hashes,
                             (unsigned long long)expected_tokens);
     if (lora_nul || medium_nul || kind_nul)
-        return reject_event(dec, b, KM_KV_EVENT_BLOCK_STORED, KM_ERR_PARSE,
-                            "%s contains a NUL byte",
+        return reject_event(dec, b, KM_KV_EVENT_BLOCK_STORED, KM_KV_REJECTED_NUL_BYTE,
+                            KM_ERR_PARSE, "%s contains a NUL byte",
                             lora_nul     ? "lora_name"
                             : medium_nul ? "medium"
                                          : "kv_cache_spec_kind");
     if (extra && extra->type == MSGPACK_OBJECT_ARRAY) {
         if (extra->via.array.size != ev.n_block_hashes)
-            return reject_event(dec, b, KM_KV_EVENT_BLOCK_STORED, KM_ERR_PARSE,
-                                "extra_keys has %u entries for %u blocks", extra->via.array.size,
+            return reject_event(dec, b, KM_KV_EVENT_BLOCK_STORED, KM_KV_REJECTED_EXTRA_KEYS,
+                                KM_ERR_PARSE, "extra_keys has %u entries for %u blocks", extra->via.array.size,
                                 ev.n_block_hashes);
         uint8_t *present = arena_alloc_array(&dec->results, ev.n_block_hashes, 1);
         uint8_t *opaque = arena_alloc_array(&dec->results, ev.n_block_hashes, 1);
@@ -805,8 +813,8 @@ static int decode_block_removed(km_kv_decoder *dec, const event_schema *schema,
                                 &ev.group_idx)) != KM_OK)
         return rc;
     if (medium_nul)
-        return reject_event(dec, b, KM_KV_EVENT_BLOCK_REMOVED, KM_ERR_PARSE,
-                            "medium contains a NUL byte");
+        return reject_event(dec, b, KM_KV_EVENT_BLOCK_REMOVED, KM_KV_REJECTED_NUL_BYTE,
+                            KM_ERR_PARSE, "medium contains a NUL byte");
     b->events[b->batch->n_events++] = ev;
     return KM_OK;
 }

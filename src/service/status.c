@@ -26,12 +26,15 @@ bool km_srv_readiness(km_server *s, char *reason, size_t reason_size)
         }
         events++;
         km_feed_worker_info info;
-        if (km_srv_feed_info(s, id, &info) == KM_OK && info.state == KM_FEED_STATE_LIVE)
+        /* A worker whose every store is refused for its configuration is not ready: LIVE with no
+         * blocks, forever. */
+        if (km_srv_feed_info(s, id, &info) == KM_OK && info.state == KM_FEED_STATE_LIVE &&
+            !info.config_refused)
             live++;
     }
     pthread_mutex_unlock(&s->admin_lock);
     bool ready = !s->draining && (events == 0 || (double)live >= s->cfg.ready_share * events - 1e-9);
-    snprintf(reason, reason_size, "%s%u/%u event-fed workers LIVE (need %.0f%%), %u approximate",
+    snprintf(reason, reason_size, "%s%u/%u event-fed workers LIVE and accepting stores (need %.0f%%), %u approximate",
              s->draining ? "shutting down; " : "", live, events, s->cfg.ready_share * 100.0, approx);
     return ready;
 }
@@ -117,6 +120,14 @@ static int http_status(void *user, km_text *out)
             json_object_set_new(jw, "replayed", json_integer((json_int_t)info.counters.replayed));
             json_object_set_new(jw, "lost", json_integer((json_int_t)info.counters.lost));
             json_object_set_new(jw, "restarts", json_integer((json_int_t)info.counters.restarts));
+            json_object_set_new(jw, "history_unavailable",
+                                json_integer((json_int_t)info.counters.history_unavailable));
+            json_object_set_new(jw, "config_refused", json_boolean(info.config_refused));
+            json_t *jref = json_object();
+            for (unsigned r = 0; r < KM_FEED_REFUSAL_COUNT; r++)
+                json_object_set_new(jref, km_feed_refusal_name((km_feed_refusal)r),
+                                    json_integer((json_int_t)info.counters.refused[r]));
+            json_object_set_new(jw, "refused_events", jref);
             km_feed_window win[16];
             uint32_t nw = 0;
             json_t *jwin = json_array();
@@ -150,6 +161,50 @@ static int http_status(void *user, km_text *out)
     km_text_append_cstr(out, text);
     free(text);
     return KM_OK;
+}
+
+/* Per event-fed worker: refused or skipped events by reason, the engine history that was gone
+ * before the worker joined, and the configuration flag (admin_lock held). */
+static void worker_refusal_samples(km_server *s, km_text *out)
+{
+    static const char refused[] = "kvmatch_worker_refused_events_total";
+    static const char history[] = "kvmatch_worker_history_unavailable_total";
+    static const char config[] = "kvmatch_worker_config_refused";
+    km_prom_write_family(out, refused,
+                         "Events refused or kept out of the index per worker, by reason "
+                         "(undecodable: messages).",
+                         KM_METRIC_COUNTER);
+    for (int pass = 0; pass < 3; pass++) {
+        if (pass == 1)
+            km_prom_write_family(out, history,
+                                 "Event seqs the engine no longer held when the worker joined.",
+                                 KM_METRIC_COUNTER);
+        if (pass == 2)
+            km_prom_write_family(out, config,
+                                 "1 when every store of the worker is refused for its block size.",
+                                 KM_METRIC_GAUGE);
+        for (uint32_t id = 0; id < s->cfg.max_workers; id++) {
+            worker_slot *w = &s->workers[id];
+            km_feed_worker_info info;
+            if (!w->used || !w->events || km_srv_feed_info(s, id, &info) != KM_OK)
+                continue;
+            char ids[16];
+            snprintf(ids, sizeof ids, "%u", id);
+            km_metric_label labels[4] = {{"worker", ids}, {"name", w->name},
+                                         {"pool", s->pools[w->pool]->name}, {"reason", NULL}};
+            if (pass == 0) {
+                for (unsigned r = 0; r < KM_FEED_REFUSAL_COUNT; r++) {
+                    labels[3].value = km_feed_refusal_name((km_feed_refusal)r);
+                    km_prom_write_sample_u64(out, refused, labels, 4, info.counters.refused[r]);
+                }
+            } else if (pass == 1) {
+                km_prom_write_sample_u64(out, history, labels, 3,
+                                         info.counters.history_unavailable);
+            } else {
+                km_prom_write_sample_u64(out, config, labels, 3, info.config_refused ? 1 : 0);
+            }
+        }
+    }
 }
 
 static int http_metrics(void *user, km_text *out)
@@ -186,6 +241,7 @@ static int http_metrics(void *user, km_text *out)
             events += info.counters.events;
         }
     }
+    worker_refusal_samples(s, out);
     pthread_mutex_unlock(&s->admin_lock);
     struct {
         const char *name, *help;
