@@ -504,6 +504,157 @@ Test(feed, refused_events_counted_by_reason_flagged_and_logged_at_a_bounded_rate
     fx_free(&f);
 }
 
+/* A batch holding one BlockStored as SGLang 0.5.23's encoder writes it: a tagged map with
+ * parent_block_hash and lora_id always present, medium / cache_salt / session_id only when set,
+ * no extra_keys. */
+static void pack_sglang_stored(msgpack_sbuffer *sb, const uint64_t *hashes, uint32_t n,
+                               bool has_parent, uint64_t parent, const uint32_t *tokens,
+                               const char *medium, const char *salt)
+{
+    msgpack_packer pk;
+    msgpack_sbuffer_init(sb);
+    msgpack_packer_init(&pk, sb, msgpack_sbuffer_write);
+    msgpack_pack_array(&pk, 3);
+    msgpack_pack_double(&pk, 1.0);
+    msgpack_pack_array(&pk, 1);
+    msgpack_pack_map(&pk, 6 + (medium ? 1 : 0) + (salt ? 2 : 0));
+    msgpack_pack_str_with_body(&pk, "type", 4);
+    msgpack_pack_str_with_body(&pk, "BlockStored", 11);
+    msgpack_pack_str_with_body(&pk, "block_hashes", 12);
+    msgpack_pack_array(&pk, n);
+    for (uint32_t i = 0; i < n; i++)
+        msgpack_pack_uint64(&pk, hashes[i]);
+    msgpack_pack_str_with_body(&pk, "parent_block_hash", 17);
+    if (has_parent)
+        msgpack_pack_uint64(&pk, parent);
+    else
+        msgpack_pack_nil(&pk);
+    msgpack_pack_str_with_body(&pk, "token_ids", 9);
+    msgpack_pack_array(&pk, n * BS);
+    for (uint32_t i = 0; i < n * BS; i++)
+        msgpack_pack_uint32(&pk, tokens[i]);
+    msgpack_pack_str_with_body(&pk, "block_size", 10);
+    msgpack_pack_uint32(&pk, BS);
+    msgpack_pack_str_with_body(&pk, "lora_id", 7);
+    msgpack_pack_nil(&pk);
+    if (medium) {
+        msgpack_pack_str_with_body(&pk, "medium", 6);
+        msgpack_pack_str_with_body(&pk, medium, strlen(medium));
+    }
+    if (salt) {
+        msgpack_pack_str_with_body(&pk, "cache_salt", 10);
+        msgpack_pack_str_with_body(&pk, salt, strlen(salt));
+        msgpack_pack_str_with_body(&pk, "session_id", 10);
+        msgpack_pack_str_with_body(&pk, "sess-1", 6);
+    }
+    msgpack_pack_nil(&pk);
+}
+
+static void live_payload(fx *f, uint32_t w, uint64_t seq, msgpack_sbuffer *sb)
+{
+    km_kv_batch b;
+    int rc = km_kv_decode_payload(f->dec, sb->data, sb->size, &b);
+    cr_assert_eq(rc, KM_OK, "decode: %s", km_kv_decoder_last_error(f->dec));
+    cr_assert_eq(b.n_rejected, 0, "%s", b.n_rejected ? b.rejected[0].message : "");
+    cr_assert_eq(km_feed_live(f->feed, w, seq, &b, f->now++), KM_OK);
+    msgpack_sbuffer_destroy(sb);
+}
+
+/* Deliver the test batch built so far as the message at seq. */
+static void live_batch(fx *f, uint32_t w, uint64_t seq)
+{
+    size_t size;
+    const void *p = km_test_batch_payload(&f->batch, &size);
+    km_kv_batch b;
+    cr_assert_eq(km_kv_decode_payload(f->dec, p, size, &b), KM_OK);
+    cr_assert_eq(km_feed_live(f->feed, w, seq, &b, f->now++), KM_OK);
+    km_test_batch_reset(&f->batch);
+}
+
+/* SGLang sends the salt as BlockStored's own cache_salt field, on every event of the request:
+ * its blocks are indexed under the salted chain (a route without the salt does not match them),
+ * and a continuation chains from the salted parent. */
+Test(feed, sglang_cache_salt_field_names_the_salted_chain, .timeout = 10)
+{
+    fx f;
+    fx_init(&f);
+    fx_add(&f, 0, false);
+    uint32_t tokens[4 * BS];
+    for (uint32_t i = 0; i < 4 * BS; i++)
+        tokens[i] = 500 + i;
+    uint64_t eh[4] = {-5LL, 6, 7, 8}; /* SGLang's namespaced hashes are signed int64 */
+    msgpack_sbuffer sb;
+    pack_sglang_stored(&sb, eh, 2, false, 0, tokens, NULL, "tenant-a");
+    live_payload(&f, 0, 0, &sb);
+    pack_sglang_stored(&sb, eh + 2, 2, true, eh[1], tokens + 2 * BS, "GPU", "tenant-a");
+    live_payload(&f, 0, 1, &sb);
+    fx_flush(&f);
+    km_hash_config salted = {BS, NULL, "tenant-a"}, plain = {BS, NULL, NULL};
+    uint64_t want[4], unsalted[4];
+    size_t nb;
+    cr_assert_eq(km_hash_sequence(&salted, tokens, 4 * BS, 0, KM_NO_PARENT, NULL, want, &nb), KM_OK);
+    cr_assert_eq(km_hash_sequence(&plain, tokens, 4 * BS, 0, KM_NO_PARENT, NULL, unsalted, &nb),
+                 KM_OK);
+    char why[256];
+    cr_assert(km_test_index_holds_exactly(f.index, 0, want, 4, why, sizeof why), "%s", why);
+    for (int i = 0; i < 4; i++)
+        cr_assert_neq(want[i], unsalted[i], "a route without the salt must not match");
+    fx_free(&f);
+}
+
+/* Media of SGLang's tiers and of vLLM's connectors map to tiers; EXTERNAL is a medium of its own,
+ * so removing the DISK copy leaves the EXTERNAL one. */
+Test(feed, engine_media_strings_map_to_media_and_tiers, .timeout = 10)
+{
+    fx f;
+    fx_init(&f);
+    fx_add(&f, 0, false);
+    uint32_t tokens[2 * BS];
+    for (uint32_t i = 0; i < 2 * BS; i++)
+        tokens[i] = 70 + i;
+    uint64_t eh[2] = {11, 12};
+    km_hash_config plain = {BS, NULL, NULL};
+    uint64_t chains[2];
+    size_t nb;
+    km_hash_sequence(&plain, tokens, 2 * BS, 0, KM_NO_PARENT, NULL, chains, &nb);
+    msgpack_sbuffer sb;
+    pack_sglang_stored(&sb, eh, 2, false, 0, tokens, "CPU_PINNED", NULL);
+    live_payload(&f, 0, 0, &sb);
+    pack_sglang_stored(&sb, eh, 2, false, 0, tokens, "EXTERNAL", NULL);
+    live_payload(&f, 0, 1, &sb);
+    pack_sglang_stored(&sb, eh, 2, false, 0, tokens, "STORAGE", NULL);
+    live_payload(&f, 0, 2, &sb);
+    fx_flush(&f);
+    km_feed_worker_info info = fx_info(&f, 0);
+    cr_assert_eq(info.counters.stored_by_medium[KM_KV_MEDIUM_CPU], 2);
+    cr_assert_eq(info.counters.stored_by_medium[KM_KV_MEDIUM_EXTERNAL], 2);
+    cr_assert_eq(info.counters.stored_by_medium[KM_KV_MEDIUM_DISK], 2);
+    cr_assert_eq(info.counters.refused[KM_FEED_REFUSED_UNKNOWN_MEDIUM], 0);
+    /* Host tier while the pinned copy is there. */
+    km_match_results res;
+    km_match_results_init(&res);
+    km_request q = {chains, 2};
+    cr_assert_eq(km_index_match_batch(f.index, &q, 1, &res), KM_OK);
+    cr_assert_eq(res.matches[0].depth, 2);
+    cr_assert_eq(res.tiers[0].host_blocks, 2);
+    /* The host copy and the disk copy go; the external one still holds the blocks (disk tier). */
+    km_test_batch_removed(&f.batch, eh, 2, "cpu_pinned");
+    live_batch(&f, 0, 3);
+    km_test_batch_removed(&f.batch, eh, 2, "DISK");
+    live_batch(&f, 0, 4);
+    fx_flush(&f);
+    char why[256];
+    cr_assert(km_test_index_holds_exactly(f.index, 0, chains, 2, why, sizeof why), "%s", why);
+    cr_assert_eq(km_index_match_batch(f.index, &q, 1, &res), KM_OK);
+    cr_assert_eq(res.tiers[0].disk_blocks, 2);
+    km_test_batch_removed(&f.batch, eh, 2, "external");
+    live_batch(&f, 0, 5);
+    fx_flush(&f);
+    cr_assert(km_test_index_holds_exactly(f.index, 0, chains, 0, why, sizeof why), "%s", why);
+    km_match_results_free(&res);
+    fx_free(&f);
+}
+
 /* Build a BlockStored with extra_keys flags directly (the helper's payloads carry none). */
 Test(feed, extra_keys_policy, .timeout = 10)
 {

@@ -737,7 +737,7 @@ Test(kv_events, names_of_every_listed_value_and_of_none_other)
 #undef KIND
 #undef MEDIUM
 #undef EXPECT_NAME
-    static const int outside[] = {-1, -1000, 4, 1 << 20};
+    static const int outside[] = {-1, -1000, 5, 1 << 20};
     for (size_t i = 0; i < sizeof outside / sizeof outside[0]; i++) {
         cr_assert_str_eq(km_kv_event_kind_name((km_kv_event_kind)outside[i]), "unknown");
         cr_assert_str_eq(km_kv_medium_name((km_kv_medium)outside[i]), "unknown");
@@ -1032,6 +1032,12 @@ Test(kv_events, medium_variants)
         {"CPU", KM_KV_MEDIUM_CPU},   {"cpu", KM_KV_MEDIUM_CPU},    {"DISK", KM_KV_MEDIUM_DISK},
         {"disk", KM_KV_MEDIUM_DISK}, {NULL, KM_KV_MEDIUM_GPU},     {"REMOTE", KM_KV_MEDIUM_OTHER},
         {"", KM_KV_MEDIUM_OTHER},    {"GPUS", KM_KV_MEDIUM_OTHER}, {"CP", KM_KV_MEDIUM_OTHER},
+        /* SGLang's tiers, vLLM's offloading connector, LMCache's torch device names */
+        {"CPU_PINNED", KM_KV_MEDIUM_CPU}, {"cpu_pinned", KM_KV_MEDIUM_CPU},
+        {"EXTERNAL", KM_KV_MEDIUM_EXTERNAL}, {"STORAGE", KM_KV_MEDIUM_DISK},
+        {"cuda", KM_KV_MEDIUM_GPU}, {"cuda:0", KM_KV_MEDIUM_GPU}, {"cuda:12", KM_KV_MEDIUM_GPU},
+        {"cuda:", KM_KV_MEDIUM_OTHER}, {"cuda:1x", KM_KV_MEDIUM_OTHER},
+        {"CPU_PINNEDX", KM_KV_MEDIUM_OTHER}, {"LocalCPUBackend", KM_KV_MEDIUM_OTHER},
     };
     km_kv_decoder *d = new_decoder(NULL);
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
@@ -2535,5 +2541,103 @@ Test(kv_events, fixtures_encoded_by_msgspec, .timeout = 30)
         free(data);
     }
     json_decref(root);
+    km_kv_decoder_destroy(d);
+}
+
+/* A map BlockStored of 2 blocks of 2 tokens with the keys that came after vLLM's positional
+ * fields: lookahead_token_ids (vLLM 0.33, `lookahead` packs it unless NULL; n_lists lists of
+ * `per_list` tokens, the last one `last_len` long) and cache_salt (SGLang). */
+static void pack_map_stored_extras(pk_buf *b, bool has_parent, uint32_t n_lists, uint32_t per_list,
+                                   uint32_t last_len, const char *salt, bool lookahead_as_str)
+{
+    msgpack_packer *pk = pk_begin(b);
+    msgpack_pack_array(pk, 3);
+    msgpack_pack_double(pk, 1.0);
+    msgpack_pack_array(pk, 1);
+    msgpack_pack_map(pk, 7 + (salt ? 1 : 0));
+    pack_cstr(pk, "type");
+    pack_cstr(pk, "BlockStored");
+    pack_cstr(pk, "block_hashes");
+    msgpack_pack_array(pk, 2);
+    msgpack_pack_uint64(pk, 1);
+    msgpack_pack_uint64(pk, 2);
+    pack_cstr(pk, "parent_block_hash");
+    if (has_parent)
+        msgpack_pack_uint64(pk, 9);
+    else
+        msgpack_pack_nil(pk);
+    pack_cstr(pk, "token_ids");
+    msgpack_pack_array(pk, 4);
+    for (uint32_t i = 0; i < 4; i++)
+        msgpack_pack_uint32(pk, 10 + i);
+    pack_cstr(pk, "block_size");
+    msgpack_pack_uint32(pk, 2);
+    pack_cstr(pk, "lora_id");
+    msgpack_pack_nil(pk);
+    pack_cstr(pk, "lookahead_token_ids");
+    if (lookahead_as_str) {
+        pack_cstr(pk, "12");
+    } else {
+        msgpack_pack_array(pk, n_lists);
+        for (uint32_t l = 0; l < n_lists; l++) {
+            uint32_t len = l + 1 == n_lists ? last_len : per_list;
+            msgpack_pack_array(pk, len);
+            for (uint32_t t = 0; t < len; t++)
+                msgpack_pack_uint32(pk, 100 * (l + 1) + t);
+        }
+    }
+    if (salt) {
+        pack_cstr(pk, "cache_salt");
+        pack_cstr(pk, salt);
+    }
+    msgpack_pack_nil(pk); /* data_parallel_rank */
+}
+
+Test(kv_events, lookahead_tokens_and_top_level_cache_salt)
+{
+    km_kv_decoder *d = new_decoder(NULL);
+    km_kv_batch batch;
+    pk_buf b;
+    pack_map_stored_extras(&b, false, 2, 1, 1, "tenant-a", false);
+    EXPECT_OK(d, decode_buf(d, &b, &batch));
+    pk_end(&b);
+    cr_assert_eq(batch.n_events, 1);
+    const km_kv_event *e = &batch.events[0];
+    cr_assert_eq(e->n_lookahead_tokens, 1);
+    cr_assert_eq(e->lookahead_token_ids[0], 100);
+    cr_assert_eq(e->lookahead_token_ids[1], 200);
+    cr_assert_str_eq(e->cache_salt, "tenant-a");
+    /* With a parent the salt does not name a first block: not delivered. */
+    pack_map_stored_extras(&b, true, 2, 2, 2, "tenant-a", false);
+    EXPECT_OK(d, decode_buf(d, &b, &batch));
+    pk_end(&b);
+    cr_assert_eq(batch.n_events, 1);
+    cr_assert_null(batch.events[0].cache_salt);
+    cr_assert_eq(batch.events[0].n_lookahead_tokens, 2);
+    cr_assert_eq(batch.events[0].lookahead_token_ids[3], 201);
+    /* One list per block, all of one non-zero length: otherwise only this event is rejected. */
+    const struct {
+        uint32_t lists, per, last;
+        const char *needle;
+    } bad[] = {{1, 1, 1, "1 lists for 2 blocks"},
+               {3, 1, 1, "3 lists for 2 blocks"},
+               {2, 2, 1, "has 1 tokens, block 0's has 2"},
+               {2, 0, 0, "empty"}};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        pack_map_stored_extras(&b, false, bad[i].lists, bad[i].per, bad[i].last, NULL, false);
+        EXPECT_OK(d, decode_buf(d, &b, &batch));
+        pk_end(&b);
+        cr_assert_eq(batch.n_events, 0);
+        cr_assert_eq(batch.n_rejected, 1);
+        cr_assert_eq(batch.rejected[0].reason, KM_KV_REJECTED_TOKEN_COUNT);
+        cr_assert(strstr(batch.rejected[0].message, bad[i].needle), "%s",
+                  batch.rejected[0].message);
+    }
+    /* A lookahead field of the wrong type is a message the decoder cannot trust. */
+    pack_map_stored_extras(&b, false, 0, 0, 0, NULL, true);
+    EXPECT_ERROR(d, decode_buf(d, &b, &batch), KM_ERR_PARSE, "lookahead_token_ids");
+    pk_end(&b);
+    cr_assert_str_eq(km_kv_rejection_name(KM_KV_REJECTED_TOKEN_COUNT), "token_count");
+    cr_assert_str_eq(km_kv_rejection_name((km_kv_rejection)0), "unknown");
     km_kv_decoder_destroy(d);
 }

@@ -309,8 +309,10 @@ typedef struct km_feed_worker_counters {
     uint64_t events;             /* events applied */
     uint64_t blocks_stored;      /* blocks of applied BlockStored events, hashed and queued */
     uint64_t blocks_removed;     /* blocks whose last medium was removed (queued REMOVE) */
-    uint64_t stored_by_medium[4];  /* blocks of applied BlockStored events by km_kv_medium */
-    uint64_t removed_by_medium[4]; /* blocks of applied BlockRemoved events by km_kv_medium */
+    uint64_t stored_by_medium[KM_KV_MEDIUM_COUNT];  /* blocks of applied BlockStored events by
+                                                     * km_kv_medium */
+    uint64_t removed_by_medium[KM_KV_MEDIUM_COUNT]; /* blocks of applied BlockRemoved events by
+                                                     * km_kv_medium */
     uint64_t clears;             /* AllBlocksCleared events applied */
     uint64_t gaps;               /* seq gaps detected */
     uint64_t replay_requests;    /* replay requests issued */

@@ -110,12 +110,15 @@ typedef enum km_kv_event_kind {
     KM_KV_EVENT_KIND_LIST(KM_KV_ENUM_ENTRY)
 } km_kv_event_kind;
 
-/* The storage tier an event is about. nil (and an absent field) means GPU. */
+/* The storage medium an event is about, from the strings vLLM, SGLang and their KV connectors
+ * publish (any letter case; docs/EVENTS.md, "Media"). nil (and an absent field) means GPU. */
 #define KM_KV_MEDIUM_LIST(X)                                                                   \
-    X(KM_KV_MEDIUM_GPU, 0, "GPU")     /* "GPU" in any case, nil, absent */                     \
-    X(KM_KV_MEDIUM_CPU, 1, "CPU")     /* "CPU" in any case */                                  \
-    X(KM_KV_MEDIUM_DISK, 2, "DISK")   /* "DISK" in any case */                                 \
-    X(KM_KV_MEDIUM_OTHER, 3, "other") /* any other string; medium_name says which */
+    X(KM_KV_MEDIUM_GPU, 0, "GPU")     /* "GPU", "cuda", "cuda:<n>", nil, absent */             \
+    X(KM_KV_MEDIUM_CPU, 1, "CPU")     /* host memory: "CPU", "CPU_PINNED" */                   \
+    X(KM_KV_MEDIUM_DISK, 2, "DISK")   /* "DISK", "STORAGE" */                                  \
+    X(KM_KV_MEDIUM_OTHER, 3, "other") /* any other string; medium_name says which */           \
+    X(KM_KV_MEDIUM_EXTERNAL, 4, "EXTERNAL") /* a shared or remote pool: "EXTERNAL" */
+#define KM_KV_MEDIUM_COUNT 5u
 
 typedef enum km_kv_medium {
     KM_KV_MEDIUM_LIST(KM_KV_ENUM_ENTRY)
@@ -154,10 +157,15 @@ typedef struct km_kv_event {
      * bare strings from older engines), prompt-embedding digests (bytes) or anything unknown.
      * Hashing such a block from its tokens would name the wrong content (docs/EVENTS.md). */
     const uint8_t *extra_keys_opaque;
-    /* The cache salt, recovered from block 0's extra_keys entry when the event starts a sequence
-     * (no parent): vLLM appends it after the LoRA and multimodal keys of the first block only.
-     * NULL when there is none. */
+    /* The cache salt of an event that starts a sequence (no parent): SGLang's top-level
+     * cache_salt field, else the salt recovered from block 0's extra_keys entry (vLLM appends it
+     * after the LoRA and multimodal keys of the first block only). NULL when there is none. */
     const char *cache_salt;
+    /* Lookahead hashing (vLLM with EAGLE / MTP speculative decoding): the engine's hash of block
+     * i also covers the n_lookahead_tokens tokens after it, lookahead_token_ids[i * n .. (i+1) * n)
+     * (checked: one list per block, all of one length >= 1). NULL / 0 when absent or nil. */
+    const uint32_t *lookahead_token_ids;
+    uint32_t n_lookahead_tokens;
     const char *kv_cache_spec_kind; /* NULL when nil or absent */
     bool has_kv_cache_spec_sliding_window;
     int64_t kv_cache_spec_sliding_window;
@@ -262,7 +270,7 @@ int km_kv_decoder_get_stats(const km_kv_decoder *decoder, km_kv_decoder_stats *o
 
 /* "BlockStored", "BlockRemoved", "AllBlocksCleared" (the wire names); "unknown" otherwise. */
 const char *km_kv_event_kind_name(km_kv_event_kind kind);
-/* "GPU", "CPU", "DISK", "other"; "unknown" otherwise. */
+/* "GPU", "CPU", "DISK", "other", "EXTERNAL"; "unknown" otherwise. */
 const char *km_kv_medium_name(km_kv_medium medium);
 /* "block_size", "token_count", "extra_keys", "nul_byte"; "unknown" otherwise. */
 const char *km_kv_rejection_name(km_kv_rejection reason);

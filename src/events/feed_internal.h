@@ -13,9 +13,9 @@
 #include "kvmatch/feed.h"
 #include "events/engine_hash_map.h"
 
-/* The km_kv_medium values (GPU, CPU, DISK, OTHER); an engine-hash map entry's media is a mask of
- * them. */
-#define MEDIUM_COUNT 4u
+/* The km_kv_medium values (GPU, CPU, DISK, OTHER, EXTERNAL); an engine-hash map entry's media is
+ * a mask of them. */
+#define MEDIUM_COUNT KM_KV_MEDIUM_COUNT
 
 /* ---- copied messages (src/events/feed_message.c) --------------------------------------------- */
 

@@ -92,7 +92,8 @@ static void queue_push(km_feed *feed, km_update_kind kind, uint32_t id, uint64_t
     u->tier = KM_TIER_DEVICE;
 }
 
-/* The best (fastest) tier among the media in a mask: GPU, then CPU, then disk or other. */
+/* The best (fastest) tier among the media in a mask: GPU, then CPU (host), then disk for DISK,
+ * EXTERNAL and unknown media. */
 static km_tier best_tier(uint8_t media)
 {
     if (media & (1u << KM_KV_MEDIUM_GPU))

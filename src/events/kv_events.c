@@ -339,6 +339,9 @@ typedef enum stored_field {
     STORED_GROUP_IDX,
     STORED_KV_CACHE_SPEC_KIND,
     STORED_KV_CACHE_SPEC_SLIDING_WINDOW,
+    STORED_POSITIONAL_COUNT, /* fields after this one are read from map events only */
+    STORED_LOOKAHEAD_TOKEN_IDS = STORED_POSITIONAL_COUNT, /* vLLM 0.33+ */
+    STORED_CACHE_SALT,                                    /* SGLang */
     STORED_FIELD_COUNT
 } stored_field;
 
@@ -364,6 +367,8 @@ static const char *const stored_field_names[STORED_FIELD_COUNT] = {
     "group_idx",
     "kv_cache_spec_kind",
     "kv_cache_spec_sliding_window",
+    "lookahead_token_ids",
+    "cache_salt",
 };
 static const char *const removed_field_names[REMOVED_FIELD_COUNT] = {"block_hashes", "medium",
                                                                      "group_idx"};
@@ -373,12 +378,15 @@ typedef struct event_schema {
     km_kv_event_kind kind;
     const char *const *field_names;
     unsigned n_fields;
+    unsigned n_positional; /* fields a positional event carries; later ones are map keys only */
 } event_schema;
 
 static const event_schema event_schemas[] = {
-    {"BlockStored", KM_KV_EVENT_BLOCK_STORED, stored_field_names, STORED_FIELD_COUNT},
-    {"BlockRemoved", KM_KV_EVENT_BLOCK_REMOVED, removed_field_names, REMOVED_FIELD_COUNT},
-    {"AllBlocksCleared", KM_KV_EVENT_ALL_BLOCKS_CLEARED, NULL, 0},
+    {"BlockStored", KM_KV_EVENT_BLOCK_STORED, stored_field_names, STORED_FIELD_COUNT,
+     STORED_POSITIONAL_COUNT},
+    {"BlockRemoved", KM_KV_EVENT_BLOCK_REMOVED, removed_field_names, REMOVED_FIELD_COUNT,
+     REMOVED_FIELD_COUNT},
+    {"AllBlocksCleared", KM_KV_EVENT_ALL_BLOCKS_CLEARED, NULL, 0, 0},
 };
 
 static bool str_equals(const msgpack_object *o, const char *s)
@@ -601,6 +609,90 @@ static bool extra_keys_entry_known(const km_kv_event *ev, const msgpack_object *
     return true;
 }
 
+/* The medium strings the engines and their KV connectors publish (docs/EVENTS.md, "Media"). */
+static const struct {
+    const char *name;
+    km_kv_medium medium;
+} known_media[] = {
+    {"GPU", KM_KV_MEDIUM_GPU},            /* vLLM, SGLang */
+    {"CUDA", KM_KV_MEDIUM_GPU},           /* LMCache: a torch device name */
+    {"CPU", KM_KV_MEDIUM_CPU},            /* vLLM and its offloading connectors, LMCache, Mooncake */
+    {"CPU_PINNED", KM_KV_MEDIUM_CPU},     /* SGLang's host tier (L2) */
+    {"DISK", KM_KV_MEDIUM_DISK},          /* SGLang (L3) */
+    {"STORAGE", KM_KV_MEDIUM_DISK},       /* vLLM's offloading connector, storage tier */
+    {"EXTERNAL", KM_KV_MEDIUM_EXTERNAL},  /* SGLang's shared or remote pool (L4) */
+};
+
+/* Any letter case; "cuda:<n>" (a torch device with its index) is the GPU. */
+static km_kv_medium medium_of_name(const char *name, size_t n)
+{
+    for (size_t i = 0; i < sizeof known_media / sizeof known_media[0]; i++)
+        if (ascii_case_equals(name, n, known_media[i].name))
+            return known_media[i].medium;
+    if (n > 5 && ascii_case_equals(name, 5, "CUDA:")) {
+        size_t i = 5;
+        while (i < n && name[i] >= '0' && name[i] <= '9')
+            i++;
+        if (i == n)
+            return KM_KV_MEDIUM_GPU;
+    }
+    return KM_KV_MEDIUM_OTHER;
+}
+
+/* lookahead_token_ids: nil, or one list of token ids per block, all of one length L >= 1 (the
+ * engine's num_hash_lookahead_tokens). Delivered flat, block by block. A list count or length
+ * that does not fit is reported through *inconsistent (the event is rejected, not the message). */
+static int read_lookahead(km_kv_decoder *dec, const msgpack_object *o, uint32_t n_blocks,
+                          km_kv_event *ev, char *inconsistent, size_t inconsistent_size)
+{
+    if (!o || o->type == MSGPACK_OBJECT_NIL)
+        return KM_OK;
+    if (o->type != MSGPACK_OBJECT_ARRAY)
+        return event_fail(dec, KM_ERR_PARSE, "lookahead_token_ids", NO_ELEMENT,
+                          "expected an array (one list per block) or nil, got %s",
+                          km_msgpack_type_name(o));
+    uint32_t n = o->via.array.size;
+    const msgpack_object *lists = o->via.array.ptr;
+    uint64_t total = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        if (lists[i].type != MSGPACK_OBJECT_ARRAY)
+            return event_fail(dec, KM_ERR_PARSE, "lookahead_token_ids", i,
+                              "expected an array of token ids, got %s",
+                              km_msgpack_type_name(&lists[i]));
+        total += lists[i].via.array.size;
+    }
+    if (total > dec->config.max_tokens_per_event)
+        return event_fail(dec, KM_ERR_TOO_LARGE, "lookahead_token_ids", NO_ELEMENT,
+                          "%llu tokens, limit max_tokens_per_event = %u",
+                          (unsigned long long)total, dec->config.max_tokens_per_event);
+    uint32_t per_block = n ? lists[0].via.array.size : 0;
+    uint32_t *tokens = arena_alloc_array(&dec->results, total ? total : 1, sizeof *tokens);
+    if (!tokens)
+        return out_of_memory(dec, "lookahead token ids");
+    uint64_t at = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        const uint32_t *list;
+        uint32_t len;
+        int rc = read_token_array(dec, &lists[i], "lookahead_token_ids", &list, &len);
+        if (rc != KM_OK)
+            return rc;
+        if (len)
+            memcpy(tokens + at, list, (size_t)len * sizeof *list);
+        at += len;
+        if (len != per_block && !inconsistent[0])
+            snprintf(inconsistent, inconsistent_size,
+                     "lookahead_token_ids[%u] has %u tokens, block 0's has %u", i, len, per_block);
+    }
+    if (!inconsistent[0] && n != n_blocks)
+        snprintf(inconsistent, inconsistent_size,
+                 "lookahead_token_ids has %u lists for %u blocks", n, n_blocks);
+    if (!inconsistent[0] && n && per_block == 0)
+        snprintf(inconsistent, inconsistent_size, "lookahead_token_ids lists are empty");
+    ev->lookahead_token_ids = tokens;
+    ev->n_lookahead_tokens = per_block;
+    return KM_OK;
+}
+
 static int read_medium(km_kv_decoder *dec, const msgpack_object *o, km_kv_medium *medium,
                        const char **name, bool *has_nul)
 {
@@ -608,17 +700,8 @@ static int read_medium(km_kv_decoder *dec, const msgpack_object *o, km_kv_medium
     if (rc != KM_OK)
         return rc;
     *medium = KM_KV_MEDIUM_GPU;
-    if (*name) {
-        size_t n = o->via.str.size;
-        if (ascii_case_equals(*name, n, "GPU"))
-            *medium = KM_KV_MEDIUM_GPU;
-        else if (ascii_case_equals(*name, n, "CPU"))
-            *medium = KM_KV_MEDIUM_CPU;
-        else if (ascii_case_equals(*name, n, "DISK"))
-            *medium = KM_KV_MEDIUM_DISK;
-        else
-            *medium = KM_KV_MEDIUM_OTHER;
-    }
+    if (*name)
+        *medium = medium_of_name(*name, o->via.str.size);
     return KM_OK;
 }
 
@@ -654,7 +737,7 @@ static int gather_fields(km_kv_decoder *dec, const msgpack_object *event,
         fields[f] = NULL;
     if (event->type == MSGPACK_OBJECT_ARRAY) {
         uint32_t n = event->via.array.size;
-        for (unsigned f = 0; f < schema->n_fields && f + 1 < n; f++)
+        for (unsigned f = 0; f < schema->n_positional && f + 1 < n; f++)
             fields[f] = &event->via.array.ptr[f + 1];
         return KM_OK;
     }
@@ -736,6 +819,15 @@ static int decode_block_stored(km_kv_decoder *dec, const event_schema *schema,
              dec, fields[STORED_KV_CACHE_SPEC_SLIDING_WINDOW], "kv_cache_spec_sliding_window",
              &ev.has_kv_cache_spec_sliding_window, &ev.kv_cache_spec_sliding_window)) != KM_OK)
         return rc;
+    bool salt_nul;
+    char lookahead_problem[REJECT_MESSAGE_BYTES] = "";
+    if ((rc = read_lookahead(dec, fields[STORED_LOOKAHEAD_TOKEN_IDS], ev.n_block_hashes, &ev,
+                             lookahead_problem, sizeof lookahead_problem)) != KM_OK)
+        return rc;
+    const char *top_salt = NULL;
+    if ((rc = read_optional_string(dec, fields[STORED_CACHE_SALT], "cache_salt", &top_salt,
+                                   &salt_nul)) != KM_OK)
+        return rc;
 
     /* Every field is well-typed; what follows are consistency checks that reject only this
      * event. */
@@ -756,12 +848,16 @@ static int decode_block_stored(km_kv_decoder *dec, const event_schema *schema,
                             KM_ERR_PARSE, "token_ids has %u tokens, block_size %u x %u block_hashes needs %llu",
                             ev.n_token_ids, ev.block_size, ev.n_block_hashes,
                             (unsigned long long)expected_tokens);
-    if (lora_nul || medium_nul || kind_nul)
+    if (lookahead_problem[0])
+        return reject_event(dec, b, KM_KV_EVENT_BLOCK_STORED, KM_KV_REJECTED_TOKEN_COUNT,
+                            KM_ERR_PARSE, "%s", lookahead_problem);
+    if (lora_nul || medium_nul || kind_nul || salt_nul)
         return reject_event(dec, b, KM_KV_EVENT_BLOCK_STORED, KM_KV_REJECTED_NUL_BYTE,
                             KM_ERR_PARSE, "%s contains a NUL byte",
                             lora_nul     ? "lora_name"
                             : medium_nul ? "medium"
-                                         : "kv_cache_spec_kind");
+                            : kind_nul   ? "kv_cache_spec_kind"
+                                         : "cache_salt");
     if (extra && extra->type == MSGPACK_OBJECT_ARRAY) {
         if (extra->via.array.size != ev.n_block_hashes)
             return reject_event(dec, b, KM_KV_EVENT_BLOCK_STORED, KM_KV_REJECTED_EXTRA_KEYS,
@@ -788,6 +884,11 @@ static int decode_block_stored(km_kv_decoder *dec, const event_schema *schema,
         ev.extra_keys_present = present;
         ev.extra_keys_opaque = opaque;
     }
+    /* SGLang names the salt of the request that stored the blocks in a field of its own, on
+     * every event of the request: it counts where the salt counts, on a run that starts a
+     * sequence (docs/HASHING.md). It wins over a salt read from extra_keys. */
+    if (top_salt && top_salt[0] && !ev.has_parent_block_hash)
+        ev.cache_salt = top_salt;
     b->events[b->batch->n_events++] = ev;
     return KM_OK;
 }

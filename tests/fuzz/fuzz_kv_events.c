@@ -71,7 +71,7 @@ static void check_batch(const km_kv_batch *b, size_t max_string)
         CHECK((int64_t)e->position > last && e->position < b->n_payload_events);
         last = e->position;
         CHECK(e->kind >= KM_KV_EVENT_BLOCK_STORED && e->kind <= KM_KV_EVENT_ALL_BLOCKS_CLEARED);
-        CHECK(e->medium >= KM_KV_MEDIUM_GPU && e->medium <= KM_KV_MEDIUM_OTHER);
+        CHECK(e->medium >= KM_KV_MEDIUM_GPU && e->medium < KM_KV_MEDIUM_COUNT);
         CHECK(e->n_block_hashes == 0 || e->block_hashes);
         for (uint32_t k = 0; k < e->n_block_hashes; k++)
             sink += e->block_hashes[k];
