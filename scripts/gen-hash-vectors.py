@@ -11,8 +11,9 @@ The output is deterministic (fixed PRNG seed), so regenerating gives the same fi
 
 Hash definition (include/kvmatch/hash.h, docs/HASHING.md):
   local_i  = XXH3-64(tokens of block i as little-endian u32, seed_i)
-  lora_seed = 1337 if the LoRA name is NULL/empty, else XXH3-64(utf8(lora), seed 1337)
-  seed_0   = XXH3-64(utf8(salt), seed lora_seed) if the cache salt is non-empty, else lora_seed
+  lora_seed = 1337 if the LoRA name is NULL/empty, else 1337 + XXH3-64(utf8(lora), seed 0) mod 2^64
+  seed_0   = lora_seed + XXH3-64(utf8(salt), seed 1) mod 2^64 if the cache salt is non-empty,
+             else lora_seed
   seed_i   = lora_seed for i >= 1
   chain_0  = remap(local_0)
   chain_i  = remap(XXH3-64(le64(chain_{i-1}) || le64(local_i), seed 1337))
@@ -41,6 +42,9 @@ REMAP_TOMBSTONE = 0xC2B2AE3D27D4EB4F
 U32_MAX = 0xFFFFFFFF
 
 
+MASK64 = (1 << 64) - 1
+
+
 def xxh3(data: bytes, seed: int) -> int:
     return xxhash.xxh3_64_intdigest(data, seed=seed)
 
@@ -54,8 +58,8 @@ def remap(x: int) -> int:
 
 
 def seeds(lora, salt):
-    lora_seed = SEED if not lora else xxh3(lora.encode("utf-8"), SEED)
-    seed0 = xxh3(salt.encode("utf-8"), lora_seed) if salt else lora_seed
+    lora_seed = SEED if not lora else (SEED + xxh3(lora.encode("utf-8"), 0)) & MASK64
+    seed0 = (lora_seed + xxh3(salt.encode("utf-8"), 1)) & MASK64 if salt else lora_seed
     return lora_seed, seed0
 
 

@@ -277,7 +277,8 @@ Test(restart, feed_state_round_trip, .timeout = 20)
     }
     unsigned char *bad = malloc(size);
     memcpy(bad, state, size);
-    bad[8] = 2; /* version */
+    cr_assert_eq(bad[8], KM_FEED_STATE_VERSION);
+    bad[8] = 1; /* chain hashes under the earlier LoRA / salt seed rules (HASHING.md) */
     cr_assert_eq(km_feed_import_state(fc, bad, size, 1), KM_ERR_INCOMPATIBLE);
     cr_assert(strstr(km_feed_last_error(fc), "version") != NULL, "%s", km_feed_last_error(fc));
     memcpy(bad, state, size);
@@ -959,6 +960,48 @@ Test(restart, bad_feed_section_leaves_the_index_empty, .timeout = 20)
     km_index_stats is;
     cr_assert_eq(km_index_get_stats(b, &is), KM_OK);
     cr_assert_eq(is.pairs, 0);
+    km_feed_destroy(fb);
+    km_index_destroy(a);
+    km_index_destroy(b);
+    unlink(path);
+    rmdir(dir);
+}
+
+/* A snapshot whose feed section is of format version 1 (its chain hashes follow the earlier LoRA
+ * and salt seed rules) is refused, never misread: the index it carries is not kept. */
+Test(restart, snapshot_of_the_earlier_hash_rules_is_refused, .timeout = 20)
+{
+    char dir[64], path[128];
+    snprintf(dir, sizeof dir, "/tmp/kvmatch-restart-XXXXXX");
+    cr_assert(mkdtemp(dir) != NULL);
+    snprintf(path, sizeof path, "%s/x.snap", dir);
+    km_index *a = km_test_make_index(16);
+    km_feed *fa = make_feed(a);
+    km_feed_worker_config wc = {4, "w4", false};
+    cr_assert_eq(km_feed_add_worker(fa, &wc, 1), KM_OK);
+    cr_assert_eq(km_feed_flush(fa, 2, NULL), KM_OK);
+    uint64_t hashes[3] = {11, 12, 13};
+    km_update u = {KM_UPDATE_STORE, 4, KM_NO_PARENT, hashes, 3, KM_TIER_DEVICE};
+    cr_assert_eq(km_index_apply(a, &u, 1, NULL), KM_OK);
+    void *state;
+    size_t size;
+    cr_assert_eq(km_feed_export_state(fa, &state, &size), KM_OK);
+    unsigned char *bytes = state;
+    cr_assert_eq(bytes[8], KM_FEED_STATE_VERSION);
+    bytes[8] = 1;
+    cr_assert_eq(km_index_save(a, path, state, size), KM_OK);
+    free(state);
+    km_index *b = km_test_make_index(16);
+    km_feed *fb = make_feed(b);
+    cr_assert_eq(km_feed_restore(fb, path, 3), KM_ERR_INCOMPATIBLE, "%s", km_feed_last_error(fb));
+    cr_assert(strstr(km_feed_last_error(fb), "version") != NULL, "%s", km_feed_last_error(fb));
+    km_index_stats is;
+    cr_assert_eq(km_index_get_stats(b, &is), KM_OK);
+    cr_assert_eq(is.pairs, 0);
+    uint32_t n;
+    cr_assert_eq(km_feed_get_workers(fb, NULL, 0, &n), KM_OK);
+    cr_assert_eq(n, 0);
+    km_feed_destroy(fa);
     km_feed_destroy(fb);
     km_index_destroy(a);
     km_index_destroy(b);

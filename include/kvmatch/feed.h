@@ -381,8 +381,11 @@ int km_feed_get_workers(const km_feed *feed, uint32_t *workers, uint32_t capacit
 
 /* ---- snapshots (restart of kvmatch) ---------------------------------------------------------- */
 
-/* Feed-state format version written by km_feed_save / km_feed_export_state. */
-#define KM_FEED_STATE_VERSION 1u
+/* Feed-state format version written by km_feed_save / km_feed_export_state. 2: chain hashes
+ * under the LoRA / salt seed rules of docs/HASHING.md ("Seeds"), media masks of
+ * KM_KV_MEDIUM_COUNT bits. Any other version is refused (KM_ERR_INCOMPATIBLE): the chain hashes it
+ * holds may name blocks under other rules. */
+#define KM_FEED_STATE_VERSION 2u
 
 /* Serialise what a restart needs, per worker: id, name, identity, replay flag, stream position
  * (next seq to apply, last live seq), DEGRADED flag and the engine-hash -> chain-hash (+ medium

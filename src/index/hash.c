@@ -15,18 +15,21 @@ uint64_t km_hash_remap(uint64_t value)
     return value;
 }
 
+/* NVIDIA Dynamo's rule: 1337 + XXH3-64(name, seed 0), wrapping. */
 static uint64_t lora_seed(const km_hash_config *cfg)
 {
     if (!cfg->lora_name || !cfg->lora_name[0])
         return KM_HASH_SEED;
-    return XXH3_64bits_withSeed(cfg->lora_name, strlen(cfg->lora_name), KM_HASH_SEED);
+    return KM_HASH_SEED + XXH3_64bits_withSeed(cfg->lora_name, strlen(cfg->lora_name), 0);
 }
 
+/* The salt adds XXH3-64(salt, seed 1), wrapping, as Dynamo's cache namespace does; on block 0
+ * only (HASHING.md, "Seeds", says why). */
 uint64_t km_hash_block_seed(const km_hash_config *cfg, uint64_t position)
 {
     uint64_t seed = lora_seed(cfg);
     if (position == 0 && cfg->cache_salt && cfg->cache_salt[0])
-        seed = XXH3_64bits_withSeed(cfg->cache_salt, strlen(cfg->cache_salt), seed);
+        seed += XXH3_64bits_withSeed(cfg->cache_salt, strlen(cfg->cache_salt), 1);
     return seed;
 }
 
