@@ -655,6 +655,131 @@ Test(feed, engine_media_strings_map_to_media_and_tiers, .timeout = 10)
     fx_free(&f);
 }
 
+/* A batch with one BlockStored as vLLM 0.33 encodes it under lookahead hashing (a tagged map with
+ * lookahead_token_ids, L per block; lookahead NULL: the field is absent). */
+static void pack_lookahead_stored(msgpack_sbuffer *sb, const uint64_t *hashes, uint32_t n,
+                                  bool has_parent, uint64_t parent, const uint32_t *tokens,
+                                  const uint32_t *lookahead, uint32_t l)
+{
+    msgpack_packer pk;
+    msgpack_sbuffer_init(sb);
+    msgpack_packer_init(&pk, sb, msgpack_sbuffer_write);
+    msgpack_pack_array(&pk, 3);
+    msgpack_pack_double(&pk, 1.0);
+    msgpack_pack_array(&pk, 1);
+    msgpack_pack_map(&pk, 8 + (lookahead ? 1 : 0));
+    msgpack_pack_str_with_body(&pk, "type", 4);
+    msgpack_pack_str_with_body(&pk, "BlockStored", 11);
+    msgpack_pack_str_with_body(&pk, "block_hashes", 12);
+    msgpack_pack_array(&pk, n);
+    for (uint32_t i = 0; i < n; i++)
+        msgpack_pack_uint64(&pk, hashes[i]);
+    msgpack_pack_str_with_body(&pk, "parent_block_hash", 17);
+    if (has_parent)
+        msgpack_pack_uint64(&pk, parent);
+    else
+        msgpack_pack_nil(&pk);
+    msgpack_pack_str_with_body(&pk, "token_ids", 9);
+    msgpack_pack_array(&pk, n * BS);
+    for (uint32_t i = 0; i < n * BS; i++)
+        msgpack_pack_uint32(&pk, tokens[i]);
+    msgpack_pack_str_with_body(&pk, "block_size", 10);
+    msgpack_pack_uint32(&pk, BS);
+    msgpack_pack_str_with_body(&pk, "lora_id", 7);
+    msgpack_pack_nil(&pk);
+    msgpack_pack_str_with_body(&pk, "medium", 6);
+    msgpack_pack_str_with_body(&pk, "GPU", 3);
+    msgpack_pack_str_with_body(&pk, "lora_name", 9);
+    msgpack_pack_nil(&pk);
+    if (lookahead) {
+        msgpack_pack_str_with_body(&pk, "lookahead_token_ids", 19);
+        msgpack_pack_array(&pk, n);
+        for (uint32_t i = 0; i < n; i++) {
+            msgpack_pack_array(&pk, l);
+            for (uint32_t k = 0; k < l; k++)
+                msgpack_pack_uint32(&pk, lookahead[i * l + k]);
+        }
+    }
+    msgpack_pack_nil(&pk);
+}
+
+/* Depth of the leading chains of `chains` that worker w holds (a scan of the index). */
+static uint32_t held_depth(km_index *index, uint32_t w, const uint64_t *chains, uint32_t n)
+{
+    km_match_results res;
+    km_match_results_init(&res);
+    km_request q = {chains, n};
+    cr_assert_eq(km_index_match_batch(index, &q, 1, &res), KM_OK);
+    uint32_t depth = 0;
+    for (uint32_t j = 0; j < res.requests[0].count; j++)
+        if (res.matches[res.requests[0].first + j].worker == w)
+            depth = res.matches[res.requests[0].first + j].depth;
+    km_match_results_free(&res);
+    return depth;
+}
+
+/* vLLM's hit rule under lookahead hashing (EAGLE / MTP): a block counts for a request only when
+ * its following L tokens match too; the same content stored under two lookahead variants is two
+ * chains, so removing one leaves the other; stores without the pool's lookahead are refused. */
+Test(feed, lookahead_hashing_follows_the_engines_hit_rule, .timeout = 10)
+{
+    km_feed_config cfg;
+    km_test_feed_config(&cfg, BS);
+    cfg.hash_lookahead_tokens = 1;
+    fx f;
+    fx_init_cfg(&f, &cfg, KM_TEST_ENCODING_POSITIONAL, KM_TEST_HASH_INT);
+    fx_add(&f, 0, false);
+    uint32_t t[3 * BS + 1];
+    for (uint32_t i = 0; i < 3 * BS + 1; i++)
+        t[i] = 40 + i;
+    uint64_t eh[3] = {501, 502, 503};
+    uint32_t la[3] = {t[BS], t[2 * BS], t[3 * BS]};
+    msgpack_sbuffer sb;
+    pack_lookahead_stored(&sb, eh, 3, false, 0, t, la, 1);
+    live_payload(&f, 0, 0, &sb);
+    fx_flush(&f);
+    km_hash_config route = {BS, NULL, NULL};
+    uint64_t want[3];
+    size_t nb;
+    cr_assert_eq(km_hash_sequence_lookahead(&route, 1, t, 3 * BS + 1, 0, KM_NO_PARENT, NULL, want,
+                                            &nb),
+                 KM_OK);
+    cr_assert_eq(nb, 3);
+    char why[256];
+    cr_assert(km_test_index_holds_exactly(f.index, 0, want, 3, why, sizeof why), "%s", why);
+    /* A prompt that diverges right after block 1's boundary: block 1's lookahead differs, so the
+     * engine hits block 0 only, and so does the index. */
+    uint32_t other[2 * BS + 1];
+    memcpy(other, t, sizeof other);
+    other[2 * BS] = 9999;
+    uint64_t diverged[2];
+    cr_assert_eq(km_hash_sequence_lookahead(&route, 1, other, 2 * BS + 1, 0, KM_NO_PARENT, NULL,
+                                            diverged, &nb),
+                 KM_OK);
+    cr_assert_eq(held_depth(f.index, 0, diverged, 2), 1);
+    /* The engine stores that variant of block 1 too (same tokens, another engine hash). */
+    uint32_t la_other = 9999;
+    pack_lookahead_stored(&sb, (uint64_t[]){602}, 1, true, eh[0], t + BS, &la_other, 1);
+    live_payload(&f, 0, 1, &sb);
+    fx_flush(&f);
+    cr_assert_eq(held_depth(f.index, 0, diverged, 2), 2);
+    /* Evicting the first variant leaves the second. */
+    km_test_batch_removed(&f.batch, eh + 1, 2, NULL);
+    live_batch(&f, 0, 2);
+    fx_flush(&f);
+    cr_assert_eq(held_depth(f.index, 0, diverged, 2), 2);
+    cr_assert_eq(held_depth(f.index, 0, want, 3), 1);
+    /* A store without lookahead tokens in this pool: refused, the worker flagged. */
+    km_feed_worker_info info = fx_info(&f, 0);
+    cr_assert_not(info.config_refused);
+    pack_lookahead_stored(&sb, (uint64_t[]){700}, 1, false, 0, t, NULL, 0);
+    live_payload(&f, 0, 3, &sb);
+    info = fx_info(&f, 0);
+    cr_assert_eq(info.counters.refused[KM_FEED_REFUSED_LOOKAHEAD], 1);
+    cr_assert_not(info.config_refused, "earlier stores were applied");
+    fx_free(&f);
+}
+
 /* Build a BlockStored with extra_keys flags directly (the helper's payloads carry none). */
 Test(feed, extra_keys_policy, .timeout = 10)
 {

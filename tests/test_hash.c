@@ -411,3 +411,64 @@ Test(error, names_and_messages_for_every_code, .timeout = 30)
                       name);
     }
 }
+
+/* Lookahead hashing: block i covers its tokens and the L after it, and is hashed only once they
+ * exist. Vectors from Python's xxhash (docs/HASHING.md, "Lookahead hashing"). */
+Test(hash, lookahead_vectors_and_split_form, .timeout = 30)
+{
+    static const struct {
+        uint32_t tokens[10];
+        size_t n;
+        uint32_t lookahead;
+        size_t blocks;
+        uint64_t local[2], chain[2];
+    } cases[] = {
+        {{1, 2, 3, 4, 5, 6, 7, 8, 9}, 9, 1, 2,
+         {UINT64_C(0x1a92ffa9004c0851), UINT64_C(0x1ac55a72d61806e3)},
+         {UINT64_C(0x1a92ffa9004c0851), UINT64_C(0xb64e31be06d3e9dd)}},
+        {{1, 2, 3, 4, 5, 6, 7, 8}, 8, 1, 1, {UINT64_C(0x1a92ffa9004c0851), 0},
+         {UINT64_C(0x1a92ffa9004c0851), 0}},
+        {{1, 2, 3, 4, 5, 6, 7, 8, 9, 10}, 10, 2, 2,
+         {UINT64_C(0xe53e9f562d4d0eda), UINT64_C(0x38fbdb9103e14577)},
+         {UINT64_C(0xe53e9f562d4d0eda), UINT64_C(0x8bc30087951001ac)}},
+        /* Diverging right after block 1's boundary changes block 1 (its lookahead), not block 0. */
+        {{1, 2, 3, 4, 5, 6, 7, 9, 9}, 9, 1, 2,
+         {UINT64_C(0x1a92ffa9004c0851), UINT64_C(0x3e88eaf4a8c39afb)},
+         {UINT64_C(0x1a92ffa9004c0851), UINT64_C(0xf0ed95bbf140bf97)}},
+        {{1, 2}, 2, 3, 0, {0, 0}, {0, 0}}, /* fewer tokens than the lookahead */
+    };
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+        km_hash_config cfg = {4, NULL, NULL};
+        uint64_t local[3], chain[3];
+        size_t nb = 99;
+        cr_assert_eq(km_hash_sequence_lookahead(&cfg, cases[c].lookahead, cases[c].tokens,
+                                                cases[c].n, 0, KM_NO_PARENT, local, chain, &nb),
+                     KM_OK);
+        cr_assert_eq(nb, cases[c].blocks, "case %zu: %zu blocks", c, nb);
+        for (size_t i = 0; i < nb; i++) {
+            cr_assert_eq(local[i], cases[c].local[i], "case %zu block %zu", c, i);
+            cr_assert_eq(chain[i], cases[c].chain[i], "case %zu block %zu", c, i);
+            uint64_t split = km_hash_local_lookahead(cases[c].tokens + 4 * i, 4,
+                                                     cases[c].tokens + 4 * i + 4,
+                                                     cases[c].lookahead, KM_HASH_SEED);
+            cr_assert_eq(split, local[i], "the split form hashes the same bytes");
+        }
+    }
+    /* Random contents: the split form equals the contiguous one, and L = 0 is plain hashing. */
+    km_rng r;
+    km_rng_init(&r, km_test_seed());
+    uint32_t t[64];
+    for (int round = 0; round < 200; round++) {
+        for (int i = 0; i < 64; i++)
+            t[i] = (uint32_t)km_rng_next(&r);
+        uint32_t b = 1 + (uint32_t)(km_rng_next(&r) % 40), l = (uint32_t)(km_rng_next(&r) % 20);
+        uint64_t seed = km_rng_next(&r);
+        cr_assert_eq(km_hash_local_lookahead(t, b, t + b, l, seed), km_hash_local(t, b + l, seed));
+    }
+    km_hash_config plain = {4, NULL, NULL};
+    uint64_t chain[1];
+    size_t nb;
+    cr_assert_eq(km_hash_sequence_lookahead(&plain, KM_HASH_MAX_LOOKAHEAD + 1, t, 8, 0,
+                                            KM_NO_PARENT, NULL, chain, &nb),
+                 KM_ERR_INVALID_ARGUMENT);
+}

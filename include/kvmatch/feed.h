@@ -73,6 +73,11 @@ typedef enum km_feed_extra_keys_policy {
 typedef struct km_feed_config {
     uint32_t block_size; /* the pool's tokens per block; events with another size are rejected;
                           * default 16 */
+    /* The engines' lookahead hashing (vLLM's num_hash_lookahead_tokens with EAGLE / MTP
+     * speculative decoding; docs/HASHING.md): each BlockStored must carry this many
+     * lookahead_token_ids per block (0: none), else it is refused as lookahead_mismatch.
+     * At most KM_HASH_MAX_LOOKAHEAD; default 0. */
+    uint32_t hash_lookahead_tokens;
     km_feed_degraded_policy degraded_policy; /* default KM_FEED_DEGRADED_KEEP_FLAGGED */
     km_feed_extra_keys_policy extra_keys_policy; /* default KM_FEED_EXTRA_KEYS_SKIP */
     /* Ask a worker that has a replay endpoint for its whole buffered history (replay from seq 0)
@@ -270,7 +275,10 @@ void km_feed_pending(const km_feed *feed, uint64_t *updates, uint64_t *hashes);
  *   unknown_medium       BlockStored or BlockRemoved naming a medium no tier is known for: still
  *                        applied, at the disk tier (the slowest), and counted so an operator sees it
  *   invalid_event        any other inconsistent event (extra_keys not one entry per block, a NUL
- *                        byte inside a string field) */
+ *                        byte inside a string field)
+ *   lookahead_mismatch   BlockStored whose lookahead tokens per block are not the pool's
+ *                        hash_lookahead_tokens: the engine's speculative-decoding setting differs
+ *                        from the pool's, a configuration error like block_size_mismatch */
 #define KM_FEED_REFUSAL_LIST(X)                                 \
     X(KM_FEED_REFUSED_BLOCK_SIZE, 0, "block_size_mismatch")     \
     X(KM_FEED_REFUSED_TOKEN_COUNT, 1, "token_count")            \
@@ -278,8 +286,9 @@ void km_feed_pending(const km_feed *feed, uint64_t *updates, uint64_t *hashes);
     X(KM_FEED_REFUSED_UNKNOWN_TYPE, 3, "unknown_type")          \
     X(KM_FEED_REFUSED_UNDECODABLE, 4, "undecodable")            \
     X(KM_FEED_REFUSED_UNKNOWN_MEDIUM, 5, "unknown_medium")      \
-    X(KM_FEED_REFUSED_INVALID_EVENT, 6, "invalid_event")
-#define KM_FEED_REFUSAL_COUNT 7u
+    X(KM_FEED_REFUSED_INVALID_EVENT, 6, "invalid_event")        \
+    X(KM_FEED_REFUSED_LOOKAHEAD, 7, "lookahead_mismatch")
+#define KM_FEED_REFUSAL_COUNT 8u
 
 #define KM_FEED_ENUM_ENTRY(name, value, text) name = value,
 typedef enum km_feed_state { KM_FEED_STATE_LIST(KM_FEED_ENUM_ENTRY) } km_feed_state;
@@ -365,8 +374,8 @@ typedef struct km_feed_worker_info {
     bool restored;               /* state came from a snapshot (km_feed_restore) */
     bool awaiting_claim;         /* restored, not yet added again by the transport */
     /* The engine's configuration does not fit the pool: since the worker was added (or its engine
-     * last restarted, or a resync) at least one BlockStored was refused for its block size and
-     * none was applied. Such a worker would read LIVE with no blocks forever; readiness does not
+     * last restarted, or a resync) at least one BlockStored was refused for its block size or its
+     * lookahead tokens and none was applied. Such a worker would read LIVE with no blocks forever; readiness does not
      * count it (docs/EVENTS.md, "Refused events"). */
     bool config_refused;
 } km_feed_worker_info;

@@ -22,6 +22,9 @@ extern "C" {
 #define KM_HASH_REMAP_EMPTY UINT64_C(0x9e3779b97f4a7c15)
 #define KM_HASH_REMAP_TOMBSTONE UINT64_C(0xc2b2ae3d27d4eb4f)
 
+/* Most lookahead tokens a configuration may name. */
+#define KM_HASH_MAX_LOOKAHEAD 1024u
+
 typedef struct km_hash_config {
     uint32_t block_size;   /* tokens per block, >= 1 (16 by default in the service) */
     const char *lora_name; /* NULL or "" = base model; otherwise changes every block's seed */
@@ -33,6 +36,12 @@ uint64_t km_hash_block_seed(const km_hash_config *cfg, uint64_t position);
 
 /* XXH3-64 of `block_size` tokens (little-endian u32) with `seed`. */
 uint64_t km_hash_local(const uint32_t *tokens, uint32_t block_size, uint64_t seed);
+
+/* XXH3-64 of `block_size` tokens followed by `n_lookahead` more (both little-endian u32) with
+ * `seed`: the local hash of a block under lookahead hashing when its tokens and the ones after it
+ * are held apart (equal to km_hash_local over the concatenation). */
+uint64_t km_hash_local_lookahead(const uint32_t *tokens, uint32_t block_size,
+                                 const uint32_t *lookahead, uint32_t n_lookahead, uint64_t seed);
 
 /* One chaining step: remap(XXH3-64(le64(parent_chain) || le64(local), seed 1337)). */
 uint64_t km_hash_chain_step(uint64_t parent_chain, uint64_t local);
@@ -51,6 +60,16 @@ uint64_t km_hash_remap(uint64_t value);
 int km_hash_sequence(const km_hash_config *cfg, const uint32_t *tokens, size_t n_tokens,
                      uint64_t first_position, uint64_t parent_chain, uint64_t *local_out,
                      uint64_t *chain_out, size_t *n_blocks_out);
+
+/* km_hash_sequence under lookahead hashing (vLLM's num_hash_lookahead_tokens, with EAGLE / MTP
+ * speculative decoding; docs/HASHING.md): each block's local hash also covers the
+ * `lookahead_tokens` (L) tokens after it, and a block is hashed only once those are in `tokens`:
+ * *n_blocks_out = (n_tokens - L) / block_size, 0 when n_tokens < L. L = 0 is km_hash_sequence.
+ * Errors: those of km_hash_sequence, KM_ERR_INVALID_ARGUMENT (L over KM_HASH_MAX_LOOKAHEAD). */
+int km_hash_sequence_lookahead(const km_hash_config *cfg, uint32_t lookahead_tokens,
+                               const uint32_t *tokens, size_t n_tokens, uint64_t first_position,
+                               uint64_t parent_chain, uint64_t *local_out, uint64_t *chain_out,
+                               size_t *n_blocks_out);
 
 #ifdef __cplusplus
 }

@@ -51,6 +51,10 @@ typedef struct km_server_pool {
     const char *name;   /* required, unique; [A-Za-z0-9._-]{1,63} (it names the snapshot file) */
     const char *model;  /* routes naming this model (and no pool) go here; NULL = none */
     uint32_t block_size; /* tokens per block, as the engines' --block-size; required */
+    /* The engines' lookahead hashing (vLLM's num_hash_lookahead_tokens under EAGLE / MTP
+     * speculative decoding; docs/HASHING.md): routes' token ids are hashed with it and event
+     * workers' stores must carry as many lookahead tokens; 0 = none (default), at most 1024. */
+    uint32_t hash_lookahead_tokens;
     km_policy_config policy;
     uint64_t approx_ttl_ms;          /* approximate mode: a routed block is assumed held this
                                       * long; at most UINT64_MAX / 1,000,000; 0 = default

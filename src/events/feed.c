@@ -24,6 +24,7 @@
 #include "events/engine_hash_map.h"
 #include "base/enum_names.h"
 #include "base/error_detail.h"
+#include "kvmatch/hash.h"
 #include "events/feed_internal.h"
 
 /* ---- small helpers --------------------------------------------------------------------------- */
@@ -119,6 +120,8 @@ int km_feed_create(km_index *index, const km_feed_config *cfg_in, km_feed **out)
         km_feed_config_init(&cfg);
     if (cfg.block_size == 0)
         return KM_ERR_BLOCK_SIZE;
+    if (cfg.hash_lookahead_tokens > KM_HASH_MAX_LOOKAHEAD)
+        return KM_ERR_INVALID_ARGUMENT;
     if (cfg.max_buffered_messages == 0 || cfg.max_buffered_bytes == 0 || cfg.max_windows == 0 ||
         cfg.max_queued_hashes == 0 || cfg.replay_dedup_window == 0 ||
         (unsigned)cfg.degraded_policy > KM_FEED_DEGRADED_DROP ||

@@ -32,6 +32,7 @@ held_message *km_feed_held_copy(uint64_t seq, const km_kv_batch *batch)
             bytes += align8(strlen(e->lora_name) + 1);
         if (e->cache_salt)
             bytes += align8(strlen(e->cache_salt) + 1);
+        bytes += align8((size_t)e->n_block_hashes * e->n_lookahead_tokens * 4);
     }
     unsigned char *p = malloc(bytes);
     if (!p)
@@ -84,6 +85,14 @@ held_message *km_feed_held_copy(uint64_t seq, const km_kv_batch *batch)
             dst->cache_salt = (const char *)(p + at);
             at += align8(len);
         }
+        size_t lookahead_bytes = (size_t)src->n_block_hashes * src->n_lookahead_tokens * 4;
+        if (lookahead_bytes) {
+            memcpy(p + at, src->lookahead_token_ids, lookahead_bytes);
+            dst->lookahead_token_ids = (const uint32_t *)(p + at);
+            at += align8(lookahead_bytes);
+        } else {
+            dst->lookahead_token_ids = NULL;
+        }
     }
     m->seq = seq;
     m->malformed = batch == NULL;
@@ -119,6 +128,9 @@ uint64_t km_feed_message_digest(const message_view *v)
             XXH3_64bits_update(&st, e->lora_name, strlen(e->lora_name) + 1);
         if (e->cache_salt)
             XXH3_64bits_update(&st, e->cache_salt, strlen(e->cache_salt) + 1);
+        if (e->n_lookahead_tokens)
+            XXH3_64bits_update(&st, e->lookahead_token_ids,
+                               (size_t)e->n_block_hashes * e->n_lookahead_tokens * 4);
     }
     uint64_t d = XXH3_64bits_digest(&st);
     return d == DIGEST_MALFORMED ? d + 1 : d;

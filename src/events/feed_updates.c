@@ -201,6 +201,15 @@ static void apply_stored(km_feed *feed, worker *w, const km_kv_event *e)
         km_feed_count_refusal(w, KM_FEED_REFUSED_BLOCK_SIZE, 1, example);
         return;
     }
+    if (e->n_lookahead_tokens != feed->config.hash_lookahead_tokens) {
+        char example[112];
+        snprintf(example, sizeof example,
+                 "BlockStored with %u lookahead tokens per block, the pool hashes %u",
+                 e->n_lookahead_tokens, feed->config.hash_lookahead_tokens);
+        w->stores_refused_for_config++;
+        km_feed_count_refusal(w, KM_FEED_REFUSED_LOOKAHEAD, 1, example);
+        return;
+    }
     w->stores_applied++;
     count_unknown_medium(w, e);
     w->c.stored_by_medium[medium_index(e->medium)] += n;
@@ -258,9 +267,11 @@ static void apply_stored(km_feed *feed, worker *w, const km_kv_event *e)
         if (!held) {
             if (run_open && !block_is_opaque(feed, e, lora_set, i)) {
                 bool root = starts_sequence && i == 0;
-                uint64_t local = km_hash_local(e->token_ids + (size_t)i * feed->config.block_size,
-                                               feed->config.block_size,
-                                               root ? seed_first : seed_rest);
+                uint32_t la = e->n_lookahead_tokens;
+                uint64_t local = km_hash_local_lookahead(
+                    e->token_ids + (size_t)i * feed->config.block_size, feed->config.block_size,
+                    la ? e->lookahead_token_ids + (size_t)i * la : NULL, la,
+                    root ? seed_first : seed_rest);
                 m->chain = root ? km_hash_chain_root(local) : km_hash_chain_step(previous, local);
             } else {
                 m->chain = CHAIN_UNHASHABLE;

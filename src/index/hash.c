@@ -2,6 +2,7 @@
 #include "kvmatch/hash.h"
 
 #include <string.h>
+#define XXH_STATIC_LINKING_ONLY /* XXH3_state_t on the stack */
 #include <xxhash.h>
 
 #include "kvmatch/error.h"
@@ -55,6 +56,39 @@ uint64_t km_hash_local(const uint32_t *tokens, uint32_t block_size, uint64_t see
 #endif
 }
 
+/* Feed n tokens to a streaming XXH3 state as little-endian u32. */
+static void update_tokens(XXH3_state_t *st, const uint32_t *tokens, uint32_t n)
+{
+#if __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+    XXH3_64bits_update(st, tokens, (size_t)n * sizeof(uint32_t));
+#else
+    uint8_t buf[4096];
+    for (uint32_t i = 0; i < n;) {
+        size_t k = 0;
+        for (; i < n && k + 4 <= sizeof buf; i++, k += 4) {
+            buf[k] = (uint8_t)tokens[i];
+            buf[k + 1] = (uint8_t)(tokens[i] >> 8);
+            buf[k + 2] = (uint8_t)(tokens[i] >> 16);
+            buf[k + 3] = (uint8_t)(tokens[i] >> 24);
+        }
+        XXH3_64bits_update(st, buf, k);
+    }
+#endif
+}
+
+uint64_t km_hash_local_lookahead(const uint32_t *tokens, uint32_t block_size,
+                                 const uint32_t *lookahead, uint32_t n_lookahead, uint64_t seed)
+{
+    if (n_lookahead == 0)
+        return km_hash_local(tokens, block_size, seed);
+    /* XXH3's streaming digest equals the one-shot hash of the concatenated input. */
+    XXH3_state_t st;
+    XXH3_64bits_reset_withSeed(&st, seed);
+    update_tokens(&st, tokens, block_size);
+    update_tokens(&st, lookahead, n_lookahead);
+    return XXH3_64bits_digest(&st);
+}
+
 static void store_le64(uint8_t *p, uint64_t v)
 {
     for (int i = 0; i < 8; i++)
@@ -78,17 +112,33 @@ int km_hash_sequence(const km_hash_config *cfg, const uint32_t *tokens, size_t n
                      uint64_t first_position, uint64_t parent_chain, uint64_t *local_out,
                      uint64_t *chain_out, size_t *n_blocks_out)
 {
+    return km_hash_sequence_lookahead(cfg, 0, tokens, n_tokens, first_position, parent_chain,
+                                      local_out, chain_out, n_blocks_out);
+}
+
+int km_hash_sequence_lookahead(const km_hash_config *cfg, uint32_t lookahead_tokens,
+                               const uint32_t *tokens, size_t n_tokens, uint64_t first_position,
+                               uint64_t parent_chain, uint64_t *local_out, uint64_t *chain_out,
+                               size_t *n_blocks_out)
+{
     if (!cfg || !chain_out || !n_blocks_out || (!tokens && n_tokens > 0))
         return KM_ERR_NULL_POINTER;
     if (cfg->block_size == 0)
         return KM_ERR_BLOCK_SIZE;
-    size_t n_blocks = n_tokens / cfg->block_size;
+    if (lookahead_tokens > KM_HASH_MAX_LOOKAHEAD ||
+        cfg->block_size > UINT32_MAX - KM_HASH_MAX_LOOKAHEAD)
+        return KM_ERR_INVALID_ARGUMENT;
+    uint32_t lookahead = lookahead_tokens;
+    size_t n_blocks = n_tokens < lookahead ? 0 : (n_tokens - lookahead) / cfg->block_size;
     uint64_t seed_rest = lora_seed(cfg);
     uint64_t chain = parent_chain;
     for (size_t i = 0; i < n_blocks; i++) {
         uint64_t position = first_position + i;
         uint64_t seed = position == 0 ? km_hash_block_seed(cfg, 0) : seed_rest;
-        uint64_t local = km_hash_local(tokens + i * cfg->block_size, cfg->block_size, seed);
+        /* Under lookahead hashing the block's L following tokens are the ones that come next
+         * in `tokens`, so the hash runs over block_size + L contiguous tokens. */
+        uint64_t local = km_hash_local(tokens + i * cfg->block_size,
+                                       cfg->block_size + lookahead, seed);
         chain = position == 0 ? km_hash_chain_root(local) : km_hash_chain_step(chain, local);
         if (local_out)
             local_out[i] = local;

@@ -193,8 +193,9 @@ void km_srv_handle_route(conn *c, const km_message *m)
             }
             km_hash_config hc = {p->block_size, in->lora_name, in->cache_salt};
             size_t got = 0;
-            int rc = km_hash_sequence(&hc, in->tokens, in->n_tokens, 0, KM_NO_PARENT, NULL,
-                                      r->hashes, &got);
+            int rc = km_hash_sequence_lookahead(&hc, p->hash_lookahead_tokens, in->tokens,
+                                                in->n_tokens, 0, KM_NO_PARENT, NULL, r->hashes,
+                                                &got);
             if (rc != KM_OK) {
                 km_srv_route_fail(r, rc, "hashing the tokens: %s", km_strerror(rc));
                 continue;

@@ -82,6 +82,7 @@ int km_srv_pool_create(km_server *s, const km_server_pool *pc, pool **out, char 
     snprintf(p->name, sizeof p->name, "%s", pc->name);
     pthread_mutex_init(&p->local_lock, NULL);
     p->block_size = pc->block_size;
+    p->hash_lookahead_tokens = pc->hash_lookahead_tokens;
     p->policy = pc->policy;
     km_policy_state_init(&p->policy_state, s->cfg.seed ^ XXH3_64bits(pc->name, strlen(pc->name)));
     p->approx_ttl_ms = pc->approx_ttl_ms ? pc->approx_ttl_ms : 120000;
@@ -142,6 +143,7 @@ static int pool_subscriber(km_server *s, pool *p, char *why, size_t why_size)
     km_subscriber_config sc;
     km_subscriber_config_init(&sc);
     sc.feed.block_size = p->block_size;
+    sc.feed.hash_lookahead_tokens = p->hash_lookahead_tokens;
     sc.feed.log = s->log;
     sc.feed.log_user = s->log_user;
     sc.log = s->log;
@@ -173,6 +175,7 @@ static int pool_local_feed(km_server *s, pool *p, char *why, size_t why_size)
     km_feed_config fc;
     km_feed_config_init(&fc);
     fc.block_size = p->block_size;
+    fc.hash_lookahead_tokens = p->hash_lookahead_tokens;
     fc.bootstrap_replay = false;
     fc.log = s->log;
     fc.log_user = s->log_user;

@@ -10,6 +10,7 @@
 #include <jansson.h>
 
 #include "base/error_detail.h"
+#include "kvmatch/hash.h"
 #include "kvmatch/server.h"
 #include "kvmatch/subscriber.h"
 #include "service/server_config.h"
@@ -245,6 +246,8 @@ static void read_pool(reader *r, km_server_config_json *o, json_t *jp, uint32_t 
     get_string(r, jp, "name", where, &p->name);
     get_string(r, jp, "model", where, &p->model);
     get_u32(r, jp, "block_size", where, 1, 1u << 20, &p->block_size);
+    get_u32(r, jp, "hash_lookahead_tokens", where, 0, KM_HASH_MAX_LOOKAHEAD,
+            &p->hash_lookahead_tokens);
     get_u64(r, jp, "approx_ttl_ms", where, 1, UINT64_MAX / 1000000, &p->approx_ttl_ms);
     get_u64(r, jp, "approx_capacity_blocks", where, 0, UINT64_MAX, &p->approx_capacity_blocks);
     const char *policy = NULL;

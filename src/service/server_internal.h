@@ -189,6 +189,7 @@ typedef struct pool {
     char name[KM_SERVER_NAME_MAX];
     char *model;
     uint32_t block_size;
+    uint32_t hash_lookahead_tokens;
     km_policy_config policy;
     km_policy_state policy_state;
     km_index *index;
