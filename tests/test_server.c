@@ -473,18 +473,24 @@ static double metric_value(const char *body, const char *name)
     return at ? strtod(at + strlen(key), NULL) : -1;
 }
 
-/* Records lost to I/O (an unwritable records directory) are visible in /metrics, as RECORDS.md
- * says, not only dropped ones: an operator must see that the records are incomplete. */
+/* Records lost to I/O (the records directory removed while serving) are visible in /metrics, as
+ * RECORDS.md says, not only dropped ones: an operator must see that the records are incomplete. */
 Test(server, metrics_export_the_records_writer_counters, .timeout = 30)
 {
     srv s = {0};
     km_server_config cfg;
     test_config(&cfg, &s, KM_POLICY_PREFIX, 2);
-    snprintf(s.records, sizeof s.records, "%s/missing/records.jsonl", s.dir);
+    char sub[96];
+    snprintf(sub, sizeof sub, "%s/sub", s.dir);
+    cr_assert_eq(mkdir(sub, 0755), 0);
+    snprintf(s.records, sizeof s.records, "%s/records.jsonl", sub);
     cfg.records_path = s.records;
     char http[] = "127.0.0.1:0";
     cfg.http = http;
     srv_start(&s, &cfg);
+    char rm[160];
+    snprintf(rm, sizeof rm, "rm -rf '%s'", sub);
+    cr_assert_eq(system(rm), 0);
     km_client *c = connect_client(&s);
     km_message reply;
     km_route_request r = prefix_route("lost-1", 4 * BS);
@@ -507,6 +513,10 @@ Test(server, metrics_export_the_records_writer_counters, .timeout = 30)
     cr_assert_eq(metric_value(body, "kvmatch_records_dropped_total"), 0);
     cr_assert_geq(metric_value(body, "kvmatch_records_pending"), 0);
     km_client_close(c);
+    km_server_stop(s.server);
+    pthread_join(s.thread, NULL);
+    s.running = false;
+    cr_assert_eq(s.run_status, KM_ERR_IO, "records were lost: the run says so");
     srv_stop(&s);
     srv_cleanup(&s);
 }

@@ -276,6 +276,8 @@ typedef struct km_record_writer_counters {
     uint64_t write_errors; /* failed system calls (open, write, fdatasync, rename) */
     int last_error_status; /* status of the last failure (KM_ERR_IO, or a format error of an
                             * invalid record; KM_OK when none) */
+    bool failing;          /* the last I/O operation failed: lines are being lost now; cleared
+                            * by the next successful write */
 } km_record_writer_counters;
 
 void km_record_writer_config_init(km_record_writer_config *cfg);

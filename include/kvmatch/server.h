@@ -153,12 +153,18 @@ void km_server_config_json_free(km_server_config_json *owner);
 
 /* Validate, bind the listeners, create the pools (indexes, subscribers restoring their snapshots,
  * approximate-mode state), the records writer and the HTTP server, and start the scheduler.
- * Errors: KM_ERR_INVALID_ARGUMENT (why says which field), KM_ERR_IO (a socket could not be bound:
- * in use, permission), KM_ERR_OUT_OF_MEMORY, and those of the parts. */
+ * A failure at any step releases what the earlier steps made and returns the error; it never
+ * aborts the process.
+ * Errors: KM_ERR_INVALID_ARGUMENT (why says which field: a TCP address that is not HOST:PORT or
+ * not loopback, a socket path that is empty or longer than a Unix socket path takes),
+ * KM_ERR_IO (a socket could not be bound: in use, permission, a missing directory; the records
+ * file cannot be opened for appending), KM_ERR_OUT_OF_MEMORY, and those of the parts. */
 int km_server_create(const km_server_config *cfg, km_server **out, char *why, size_t why_size);
 
 /* Serve until SIGTERM / SIGINT (when install_signals) or km_server_stop, then drain and return
- * KM_OK (or the first shutdown error: a snapshot that could not be written). install_signals also
+ * KM_OK, or the first shutdown error: a snapshot that could not be written, KM_ERR_IO when records
+ * were lost (an I/O error during the run, or lines still unwritten after the final flush's 10 s;
+ * each logged with the count). install_signals also
  * ignores SIGPIPE process-wide; without it, SIGPIPE is blocked in the calling thread while it
  * serves (a peer closing mid-reply is an EPIPE, not the end of the process), and the caller's
  * signal mask is restored on return. */

@@ -276,7 +276,8 @@ int km_cmd_serve(int argc, char **argv)
     if (rc != KM_OK) {
         fprintf(stderr, "kvmatch serve: %s: %s\n", km_error_name(rc), why);
         km_server_config_json_free(owner);
-        return 1;
+        /* a setting the server refused is a configuration error; anything else failed to start */
+        return rc == KM_ERR_INVALID_ARGUMENT || rc == KM_ERR_TOO_LARGE ? 2 : 1;
     }
     if (km_server_tcp_port(server))
         fprintf(stderr, "kvmatch serve: tcp port %u\n", km_server_tcp_port(server));

@@ -59,6 +59,7 @@ struct km_record_writer {
     uint64_t invalid_at_last_flush;
     int last_error_status;
     char last_error[512];
+    bool failing_now; /* `failing`, for km_record_writer_stats */
 
     /* writer thread only */
     int fd;
@@ -103,6 +104,7 @@ static void io_failure(km_record_writer *w, const char *what, const char *name, 
              strerror(err));
     pthread_mutex_lock(&w->lock);
     w->write_errors++;
+    w->failing_now = true;
     w->last_error_status = KM_ERR_IO;
     snprintf(w->last_error, sizeof w->last_error, "%s", sentence);
     pthread_mutex_unlock(&w->lock);
@@ -118,6 +120,9 @@ static void io_failure(km_record_writer *w, const char *what, const char *name, 
 static void io_success(km_record_writer *w)
 {
     if (w->failing) {
+        pthread_mutex_lock(&w->lock);
+        w->failing_now = false;
+        pthread_mutex_unlock(&w->lock);
         char line[600];
         snprintf(line, sizeof line, "writing %s again", w->config.path);
         writer_log(w, line);
@@ -172,9 +177,11 @@ static bool open_file(km_record_writer *w)
     return true;
 }
 
-/* Write all of fd's data, retrying partial writes and EINTR. 0 or an errno. */
-static int write_all(int fd, const char *data, size_t len)
+/* Write all of data, retrying partial writes and EINTR. 0 or an errno; *done says how many bytes
+ * reached the file either way. */
+static int write_all(int fd, const char *data, size_t len, size_t *done)
 {
+    *done = 0;
     while (len > 0) {
         ssize_t n = write(fd, data, len);
         if (n < 0) {
@@ -186,6 +193,7 @@ static int write_all(int fd, const char *data, size_t len)
             return EIO;
         data += n;
         len -= (size_t)n;
+        *done += (size_t)n;
     }
     return 0;
 }
@@ -210,36 +218,41 @@ static void check_file(km_record_writer *w)
         w->file_bytes = (uint64_t)open_file_st.st_size;
 }
 
-/* Send the buffer to the file. On failure its lines count as failed, a partial write is cut back
- * to the last whole line, and the file is closed (reopened for the next line). */
+/* Send the buffer to the file. On failure (a full disk, a file size limit) the whole lines that
+ * reached the file count as written, the rest as failed; a partial line is cut back, and the
+ * file is closed (reopened for the next line). */
 static void buffer_write(km_record_writer *w)
 {
     if (w->buf_len == 0)
         return;
-    uint64_t lines = w->buf_lines;
-    size_t len = w->buf_len;
-    bool ok = false;
+    uint64_t lines = w->buf_lines, kept_lines = 0;
+    size_t len = w->buf_len, kept = 0;
     check_file(w);
     if (open_file(w)) {
-        int err = write_all(w->fd, w->buf, len);
+        size_t done = 0;
+        int err = write_all(w->fd, w->buf, len, &done);
         if (err == 0) {
-            ok = true;
-            w->file_bytes += len;
+            kept = len;
+            kept_lines = lines;
             io_success(w);
         } else {
             io_failure(w, "write", w->config.path, err);
-            if (w->regular_file && ftruncate(w->fd, (off_t)w->file_bytes) != 0)
+            for (size_t i = 0; i < done; i++)
+                if (w->buf[i] == '\n') {
+                    kept = i + 1;
+                    kept_lines++;
+                }
+            if (w->regular_file && done > kept &&
+                ftruncate(w->fd, (off_t)(w->file_bytes + kept)) != 0)
                 io_failure(w, "ftruncate (cutting a partial line)", w->config.path, errno);
             close_file(w);
         }
+        w->file_bytes += kept;
     }
     pthread_mutex_lock(&w->lock);
-    if (ok) {
-        w->written += lines;
-        w->bytes += len;
-    } else {
-        w->failed += lines;
-    }
+    w->written += kept_lines;
+    w->bytes += kept;
+    w->failed += lines - kept_lines;
     pthread_mutex_unlock(&w->lock);
     w->buf_len = 0;
     w->buf_lines = 0;
@@ -754,6 +767,7 @@ void km_record_writer_stats(km_record_writer *w, km_record_writer_counters *out)
     out->rotations = w->rotations;
     out->write_errors = w->write_errors;
     out->last_error_status = w->last_error_status;
+    out->failing = w->failing_now;
     pthread_mutex_unlock(&w->lock);
 }
 

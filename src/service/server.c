@@ -3,6 +3,7 @@
  * thread until drained, then persist), stop, destroy. The threads, what each owns and the lock
  * order: service/server_internal.h. */
 #include <errno.h>
+#include <fcntl.h>
 #include <inttypes.h>
 #include <signal.h>
 #include <stdarg.h>
@@ -79,6 +80,54 @@ static bool unix_socket_answers(const char *path)
     return answers;
 }
 
+/* A Unix socket path the kernel takes whole: not empty (an empty path would bind an abstract
+ * socket no client can name), shorter than sun_path (a longer one would be cut), in a directory
+ * that exists (bind reports a missing one as EACCES, which reads as a permission problem). */
+static int check_socket_path(const char *path, char *why, size_t why_size)
+{
+    size_t max = sizeof ((struct sockaddr_un *)0)->sun_path - 1;
+    size_t len = strlen(path);
+    if (len == 0)
+        return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,
+                      "the socket path is empty (give a path, or none for TCP only)");
+    if (len > max)
+        return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,
+                      "socket %s is %zu bytes long; a Unix socket path has 1..%zu bytes", path, len,
+                      max);
+    char dir[sizeof ((struct sockaddr_un *)0)->sun_path];
+    memcpy(dir, path, len + 1);
+    char *slash = strrchr(dir, '/');
+    if (!slash)
+        snprintf(dir, sizeof dir, ".");
+    else if (slash == dir)
+        dir[1] = '\0';
+    else
+        *slash = '\0';
+    struct stat st;
+    if (stat(dir, &st) != 0)
+        return km_why(why, why_size, KM_ERR_IO, "socket %s: directory %s: %s", path, dir,
+                      strerror(errno));
+    if (!S_ISDIR(st.st_mode))
+        return km_why(why, why_size, KM_ERR_IO, "socket %s: %s is not a directory", path, dir);
+    return KM_OK;
+}
+
+/* The records file can be opened for appending (created when missing): a directory, a read-only
+ * file or directory, a missing directory is refused at start rather than found at the first
+ * decision. A FIFO or device is taken as it is (opening a FIFO nobody reads would block). */
+static int check_records_path(const char *path, char *why, size_t why_size)
+{
+    struct stat st;
+    if (stat(path, &st) == 0 && !S_ISREG(st.st_mode) && !S_ISDIR(st.st_mode))
+        return KM_OK;
+    int fd = open(path, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC | O_NONBLOCK, 0644);
+    if (fd < 0)
+        return km_why(why, why_size, KM_ERR_IO, "records %s cannot be written: %s", path,
+                      strerror(errno));
+    close(fd);
+    return KM_OK;
+}
+
 static bool loopback_host(const char *h)
 {
     return !strcmp(h, "127.0.0.1") || !strcmp(h, "::1") || !strcmp(h, "localhost") ||
@@ -100,7 +149,7 @@ void km_server_destroy(km_server *s)
             uv_close((uv_handle_t *)&s->unix_listener, NULL);
         if (s->have_tcp && !uv_is_closing((uv_handle_t *)&s->tcp_listener))
             uv_close((uv_handle_t *)&s->tcp_listener, NULL);
-        if (!uv_is_closing((uv_handle_t *)&s->wake))
+        if (s->wake_inited && !uv_is_closing((uv_handle_t *)&s->wake))
             uv_close((uv_handle_t *)&s->wake, NULL);
         if (s->signals_installed) {
             uv_close((uv_handle_t *)&s->sigterm, NULL);
@@ -194,6 +243,11 @@ int km_server_create(const km_server_config *cfg_in, km_server **out, char *why,
                      "64 bits)", cfg.breaker_cooldown_ms, UINT64_MAX / 1000000);
     if (cfg.n_pools > MAX_POOLS)
         return km_why(why, why_size, KM_ERR_TOO_LARGE, "%u pools; at most %u", cfg.n_pools, MAX_POOLS);
+    if (cfg.socket_path) {
+        int rc = check_socket_path(cfg.socket_path, why, why_size);
+        if (rc != KM_OK)
+            return rc;
+    }
     km_server *s = calloc(1, sizeof *s);
     if (!s)
         return km_why(why, why_size, KM_ERR_OUT_OF_MEMORY, "server");
@@ -256,6 +310,8 @@ int km_server_create(const km_server_config *cfg_in, km_server **out, char *why,
     if (!rc && s->default_pool && km_srv_pool_find(s, s->default_pool) < 0)
         rc = km_why(why, why_size, KM_ERR_INVALID_ARGUMENT, "default_pool %s is not a pool",
                    s->default_pool);
+    if (!rc && s->records_path)
+        rc = check_records_path(s->records_path, why, why_size);
     if (!rc && s->records_path) {
         km_record_writer_config wc;
         km_record_writer_config_init(&wc);
@@ -329,6 +385,7 @@ int km_server_create(const km_server_config *cfg_in, km_server **out, char *why,
     if (!rc) {
         uv_async_init(&s->loop, &s->wake, km_srv_on_wake);
         s->wake.data = s;
+        s->wake_inited = true;
     }
     if (!rc && s->http_addr) {
         char host[128];
@@ -416,8 +473,20 @@ int km_server_run(km_server *s, bool install_signals)
         }
     }
     if (s->records) {
-        if (km_record_writer_flush(s->records, 10000) != KM_OK)
-            km_srv_log(s, "records: not every record reached the disk before the timeout");
+        int flushed = km_record_writer_flush(s->records, 10000);
+        km_record_writer_counters rc;
+        km_record_writer_stats(s->records, &rc);
+        if (flushed == KM_ERR_TIMEOUT)
+            km_srv_log(s, "records: %" PRIu64 " records still waiting after 10 s were not written "
+                       "to %s", rc.pending, s->records_path);
+        if (rc.failed > 0) {
+            char last[256];
+            km_record_writer_last_error(s->records, last, sizeof last);
+            km_srv_log(s, "records: %" PRIu64 " of %" PRIu64 " records were lost to I/O errors "
+                       "(last: %s)", rc.failed, rc.submitted, last);
+        }
+        if (status == KM_OK && (rc.failed > 0 || flushed == KM_ERR_TIMEOUT))
+            status = KM_ERR_IO;
     }
     km_http_stop(s->http);
     s->http = NULL;

@@ -262,6 +262,7 @@ struct km_server {
     uv_signal_t sigterm, sigint;
     bool signals_installed;
     uv_async_t wake;
+    bool wake_inited; /* uv_async_init ran: destroy closes it only then */
     uv_timer_t drain_timer;
     atomic_bool draining; /* written by the loop thread, read by the HTTP thread too (/readyz) */
     bool drain_timer_started;

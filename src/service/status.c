@@ -10,8 +10,11 @@
 #include "kvmatch/version.h"
 #include "service/server_internal.h"
 
-/* Ready to take traffic: not draining, and at least ready_share of the event-fed workers LIVE
- * (approximate-mode workers do not count); the reason says which, either way. Takes admin_lock. */
+/* Ready to take traffic: not draining, the records writer not failing (its last write reached
+ * the file: decisions are still served while it fails, but their records are lost, and an
+ * orchestrator should send traffic elsewhere), and at least ready_share of the event-fed workers
+ * LIVE (approximate-mode workers do not count); the reason says which, either way. Takes
+ * admin_lock. */
 bool km_srv_readiness(km_server *s, char *reason, size_t reason_size)
 {
     uint32_t events = 0, live = 0, approx = 0;
@@ -33,15 +36,26 @@ bool km_srv_readiness(km_server *s, char *reason, size_t reason_size)
             live++;
     }
     pthread_mutex_unlock(&s->admin_lock);
-    bool ready = !s->draining && (events == 0 || (double)live >= s->cfg.ready_share * events - 1e-9);
-    snprintf(reason, reason_size, "%s%u/%u event-fed workers LIVE and accepting stores (need %.0f%%), %u approximate",
-             s->draining ? "shutting down; " : "", live, events, s->cfg.ready_share * 100.0, approx);
+    km_record_writer_counters rc;
+    km_record_writer_stats(s->records, &rc); /* zeroes when there is no writer */
+    char records[200] = "";
+    if (rc.failing) {
+        char last[160];
+        km_record_writer_last_error(s->records, last, sizeof last);
+        snprintf(records, sizeof records, "records cannot be written (%s); ", last);
+    }
+    bool ready = !s->draining && !rc.failing &&
+                 (events == 0 || (double)live >= s->cfg.ready_share * events - 1e-9);
+    snprintf(reason, reason_size,
+             "%s%s%u/%u event-fed workers LIVE and accepting stores (need %.0f%%), %u approximate",
+             s->draining ? "shutting down; " : "", records, live, events,
+             s->cfg.ready_share * 100.0, approx);
     return ready;
 }
 
 static bool http_readiness(void *user, km_text *reason)
 {
-    char buf[200];
+    char buf[400];
     bool ready = km_srv_readiness(user, buf, sizeof buf);
     km_text_append_cstr(reason, buf);
     return ready;
@@ -51,7 +65,7 @@ static int http_status(void *user, km_text *out)
 {
     km_server *s = user;
     json_t *root = json_object();
-    char reason[200];
+    char reason[400];
     bool ready = km_srv_readiness(s, reason, sizeof reason);
     json_object_set_new(root, "kvmatch_version", json_string(KVMATCH_VERSION));
     json_object_set_new(root, "uptime_s", json_real((double)(now_ns() - s->start_ns) / 1e9));

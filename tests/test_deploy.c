@@ -1,0 +1,410 @@
+/* What an operator meets on a first deployment: start-up errors that name the bad setting and
+ * never abort (a TCP address that is not loopback or not HOST:PORT, a socket path the kernel would
+ * cut or cannot reach, a records file that cannot be written), records lost at run time made
+ * visible (readiness, the run's status, whole lines kept on a full disk).
+ * Servers run in this process or as `kvmatch serve` children on temporary Unix sockets and
+ * loopback; every test bounds its time. */
+#include <errno.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/time.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <pthread.h>
+
+#include "kv_test_publisher.h"
+#include "kvmatch/kvmatch.h"
+#include "test_util.h"
+
+#define BS 4u
+
+typedef struct deploy_server {
+    km_server *server;
+    pthread_t thread;
+    bool running;
+    int run_status;
+} deploy_server;
+
+static char g_dir[64];
+
+static void make_dir(void)
+{
+    strcpy(g_dir, "/tmp/kvmatch-deploy-XXXXXX");
+    cr_assert_not_null(mkdtemp(g_dir));
+}
+
+static void remove_dir(void)
+{
+    char cmd[256];
+    snprintf(cmd, sizeof cmd, "chmod -R u+w '%s' 2>/dev/null; rm -rf '%s'", g_dir, g_dir);
+    if (system(cmd) != 0)
+        fprintf(stderr, "could not remove %s\n", g_dir);
+}
+
+static void quiet_log(void *user, const char *line)
+{
+    (void)user;
+    if (getenv("KM_TEST_SERVER_LOG"))
+        fprintf(stderr, "serve: %s\n", line);
+}
+
+static km_server_worker g_workers[4];
+static km_server_pool g_pool;
+
+/* One approximate-mode pool "main" of two workers, no records, no TCP: tests set what they need. */
+static void base_config(km_server_config *cfg)
+{
+    km_server_config_init(cfg);
+    cfg->records_path = NULL;
+    cfg->max_workers = 8;
+    cfg->backend = KM_BACKEND_CPU;
+    cfg->index_threads = 1;
+    cfg->log = quiet_log;
+    memset(&g_pool, 0, sizeof g_pool);
+    g_pool.name = "main";
+    g_pool.model = "m1";
+    g_pool.block_size = BS;
+    km_policy_config_init(&g_pool.policy);
+    g_pool.policy.kind = KM_POLICY_PREFIX;
+    for (uint32_t i = 0; i < 2; i++)
+        g_workers[i] = (km_server_worker){i, NULL, NULL, NULL};
+    g_pool.workers = g_workers;
+    g_pool.n_workers = 2;
+    cfg->pools = &g_pool;
+    cfg->n_pools = 1;
+}
+
+static void *run_thread(void *arg)
+{
+    deploy_server *d = arg;
+    d->run_status = km_server_run(d->server, false);
+    return NULL;
+}
+
+static void start(deploy_server *d, const km_server_config *cfg)
+{
+    char why[256];
+    int rc = km_server_create(cfg, &d->server, why, sizeof why);
+    cr_assert_eq(rc, KM_OK, "km_server_create: %s", why);
+    cr_assert_eq(pthread_create(&d->thread, NULL, run_thread, d), 0);
+    d->running = true;
+}
+
+/* Stop and destroy; the run's status. */
+static int stop(deploy_server *d)
+{
+    if (d->running) {
+        km_server_stop(d->server);
+        pthread_join(d->thread, NULL);
+        d->running = false;
+    }
+    km_server_destroy(d->server);
+    d->server = NULL;
+    return d->run_status;
+}
+
+/* km_server_create must fail with `status` and a sentence containing `words`. */
+static void expect_create_error(const km_server_config *cfg, int status, const char *words)
+{
+    km_server *s = NULL;
+    char why[512] = "";
+    int rc = km_server_create(cfg, &s, why, sizeof why);
+    cr_assert_eq(rc, status, "expected %s, got %s: %s", km_error_name(status), km_error_name(rc),
+                 why);
+    cr_assert_null(s);
+    cr_assert(strstr(why, words), "the error names the problem (\"%s\"): %s", words, why);
+}
+
+static const char *kvmatch_bin(void)
+{
+    const char *bin = getenv("KM_BIN") ? getenv("KM_BIN") : "build/kvmatch";
+    if (access(bin, X_OK) != 0)
+        cr_assert_fail("%s is not executable (set KM_BIN)", bin);
+    return bin;
+}
+
+/* Run `kvmatch ARGS` (bounded to 20 s), output in out; the exit status (-1: killed by a signal). */
+static int run_cli(char *out, size_t out_size, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+static int run_cli(char *out, size_t out_size, const char *fmt, ...)
+{
+    char args[4096], cmd[4400];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(args, sizeof args, fmt, ap);
+    va_end(ap);
+    snprintf(cmd, sizeof cmd, "timeout -s KILL 20 %s %s </dev/null", kvmatch_bin(), args);
+    int status = km_test_run_capture(cmd, out, out_size);
+    /* the shell reports a child killed by SIGABRT (or the timeout's SIGKILL) as 128 + signal */
+    return status > 128 ? -1 : status;
+}
+
+/* ---- start-up errors ------------------------------------------------------------------------- */
+
+/* A TCP address that is not loopback or not HOST:PORT is refused with the sentence that says so,
+ * with a Unix socket already bound: the cleanup releases only what was set up (it used to close a
+ * handle it had not initialised and abort the process, an embedding program with it). */
+Test(deploy, a_bad_tcp_address_is_an_error_never_an_abort, .timeout = 60)
+{
+    make_dir();
+    char sock[128];
+    snprintf(sock, sizeof sock, "%s/s.sock", g_dir);
+    km_server_config cfg;
+    base_config(&cfg);
+    cfg.socket_path = sock;
+    cfg.tcp = "0.0.0.0:1234";
+    expect_create_error(&cfg, KM_ERR_INVALID_ARGUMENT, "not a loopback address");
+    cfg.tcp = "127.0.0.1:abc";
+    expect_create_error(&cfg, KM_ERR_INVALID_ARGUMENT, "is not HOST:PORT");
+    cfg.socket_path = NULL;
+    expect_create_error(&cfg, KM_ERR_INVALID_ARGUMENT, "is not HOST:PORT");
+    struct stat st;
+    cr_assert_neq(stat(sock, &st), 0, "a failed start leaves no socket file");
+
+    static char out[8192];
+    for (int i = 0; i < 2; i++) {
+        int rc = run_cli(out, sizeof out, "serve --socket %s --records none --tcp %s", sock,
+                         i ? "127.0.0.1:abc" : "0.0.0.0:1234");
+        cr_assert_eq(rc, 2, "a bad --tcp is a configuration error (exit 2), got %d: %s", rc, out);
+        cr_assert(strstr(out, i ? "is not HOST:PORT" : "not a loopback address"), "%s", out);
+    }
+    remove_dir();
+}
+
+/* A socket path the kernel would cut (over 107 bytes), an empty one (an abstract socket nobody
+ * can name) and one in a missing directory are refused naming the problem; the longest path the
+ * kernel takes works, for the server and for the client alike. */
+Test(deploy, socket_paths_the_kernel_would_cut_or_cannot_reach_are_refused, .timeout = 60)
+{
+    make_dir();
+    km_server_config cfg;
+    base_config(&cfg);
+    char path[256];
+    size_t base = (size_t)snprintf(path, sizeof path, "%s/", g_dir);
+    memset(path + base, 'a', 108 - base);
+    path[108] = '\0';
+    cfg.socket_path = path;
+    expect_create_error(&cfg, KM_ERR_INVALID_ARGUMENT, "1..107 bytes");
+    cfg.socket_path = "";
+    expect_create_error(&cfg, KM_ERR_INVALID_ARGUMENT, "socket path is empty");
+    char missing[160];
+    snprintf(missing, sizeof missing, "%s/no-such-dir/s.sock", g_dir);
+    cfg.socket_path = missing;
+    expect_create_error(&cfg, KM_ERR_IO, "No such file or directory");
+
+    path[107] = '\0'; /* 107 bytes: the longest sun_path takes with its NUL */
+    cfg.socket_path = path;
+    deploy_server d = {0};
+    start(&d, &cfg);
+    char addr[300];
+    snprintf(addr, sizeof addr, "unix:%s", path);
+    km_client *c = NULL;
+    char why[256];
+    int rc = km_client_connect(addr, 3000, &c, why, sizeof why);
+    cr_assert_eq(rc, KM_OK, "a client reaches the 107-byte path: %s", why);
+    km_client_close(c);
+    cr_assert_eq(stop(&d), KM_OK);
+
+    static char out[8192];
+    rc = run_cli(out, sizeof out, "serve --socket '' --records none");
+    cr_assert_eq(rc, 2, "exit %d: %s", rc, out);
+    cr_assert(strstr(out, "socket path is empty"), "%s", out);
+    rc = run_cli(out, sizeof out, "serve --socket %s --records none", missing);
+    cr_assert_eq(rc, 1, "a missing directory is a start failure (exit 1), got %d: %s", rc, out);
+    cr_assert(strstr(out, "No such file or directory"), "%s", out);
+    remove_dir();
+}
+
+/* A records path that cannot be written (a directory, a missing directory, a read-only
+ * directory) is refused at start, naming the path and the reason. */
+Test(deploy, an_unwritable_records_path_is_refused_at_start, .timeout = 30)
+{
+    make_dir();
+    char sock[128], records[160];
+    snprintf(sock, sizeof sock, "%s/s.sock", g_dir);
+    km_server_config cfg;
+    base_config(&cfg);
+    cfg.socket_path = sock;
+    cfg.records_path = g_dir;
+    expect_create_error(&cfg, KM_ERR_IO, "Is a directory");
+    snprintf(records, sizeof records, "%s/missing/records.jsonl", g_dir);
+    cfg.records_path = records;
+    expect_create_error(&cfg, KM_ERR_IO, "cannot be written");
+    if (geteuid() != 0) { /* root writes into a read-only directory */
+        char ro[128];
+        snprintf(ro, sizeof ro, "%s/ro", g_dir);
+        cr_assert_eq(mkdir(ro, 0555), 0);
+        snprintf(records, sizeof records, "%s/records.jsonl", ro);
+        expect_create_error(&cfg, KM_ERR_IO, "Permission denied");
+    }
+    struct stat st;
+    cr_assert_neq(stat(sock, &st), 0, "a failed start leaves no socket file");
+    static char out[8192];
+    int rc = run_cli(out, sizeof out, "serve --socket %s --records %s", sock, g_dir);
+    cr_assert_eq(rc, 1, "exit %d: %s", rc, out);
+    cr_assert(strstr(out, "cannot be written"), "%s", out);
+    remove_dir();
+}
+
+/* GET path from 127.0.0.1:port; the HTTP status, the body in body. */
+static int http_get(uint16_t port, const char *path, char *body, size_t body_size)
+{
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    cr_assert(fd >= 0);
+    struct sockaddr_in sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sin_family = AF_INET;
+    sa.sin_port = htons(port);
+    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    cr_assert_eq(connect(fd, (struct sockaddr *)&sa, sizeof sa), 0);
+    struct timeval tv = {3, 0};
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    char req[256];
+    int n = snprintf(req, sizeof req, "GET %s HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+                     path);
+    cr_assert_eq(write(fd, req, (size_t)n), n);
+    static char resp[1 << 16];
+    size_t got = 0;
+    ssize_t k;
+    while (got < sizeof resp - 1 && (k = read(fd, resp + got, sizeof resp - 1 - got)) > 0)
+        got += (size_t)k;
+    resp[got] = '\0';
+    close(fd);
+    int status = 0;
+    sscanf(resp, "HTTP/1.%*d %d", &status);
+    const char *b = strstr(resp, "\r\n\r\n");
+    snprintf(body, body_size, "%s", b ? b + 4 : "");
+    return status;
+}
+
+static km_route_request route_of(const char *request_id, uint32_t *tokens, uint32_t n)
+{
+    km_route_request r;
+    memset(&r, 0, sizeof r);
+    r.request_id = request_id;
+    r.pool = "main";
+    r.input = KM_ROUTE_INPUT_TOKENS;
+    r.tokens = tokens;
+    r.n_tokens = n;
+    return r;
+}
+
+/* Poll /readyz until it answers `want` (up to 5 s); the last status. */
+static int wait_readyz(uint16_t port, int want, char *body, size_t body_size)
+{
+    int got = 0;
+    for (int i = 0; i < 100; i++) {
+        got = http_get(port, "/readyz", body, body_size);
+        if (got == want)
+            break;
+        km_test_sleep_ms(50);
+    }
+    return got;
+}
+
+/* Records lost at run time (the records directory removed under the service): /readyz turns 503
+ * naming the records while decisions are still served, back to 200 once a write succeeds again;
+ * the run ends with KM_ERR_IO, not KM_OK. */
+Test(deploy, records_lost_at_run_time_fail_readiness_and_the_run, .timeout = 60)
+{
+    make_dir();
+    char sock[128], sub[128], records[160], addr[160];
+    snprintf(sock, sizeof sock, "%s/s.sock", g_dir);
+    snprintf(addr, sizeof addr, "unix:%s", sock);
+    snprintf(sub, sizeof sub, "%s/sub", g_dir);
+    snprintf(records, sizeof records, "%s/records.jsonl", sub);
+    cr_assert_eq(mkdir(sub, 0755), 0);
+    km_server_config cfg;
+    base_config(&cfg);
+    cfg.socket_path = sock;
+    cfg.records_path = records;
+    char http[] = "127.0.0.1:0";
+    cfg.http = http;
+    deploy_server d = {0};
+    start(&d, &cfg);
+    uint16_t port = km_server_http_port(d.server);
+    static char body[1 << 16];
+    cr_assert_eq(wait_readyz(port, 200, body, sizeof body), 200, "%s", body);
+
+    km_client *c = NULL;
+    char why[256];
+    cr_assert_eq(km_client_connect(addr, 3000, &c, why, sizeof why), KM_OK, "%s", why);
+    uint32_t tokens[16];
+    for (uint32_t i = 0; i < 16; i++)
+        tokens[i] = 100 + i;
+    char cmd[200];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", sub);
+    cr_assert_eq(system(cmd), 0);
+    km_message reply;
+    km_route_request r = route_of("lost-1", tokens, 16);
+    cr_assert_eq(km_client_route(c, &r, 1, 5000, &reply), KM_OK);
+    cr_assert_eq(reply.decision.decisions[0].status, KM_OK, "decisions are still served");
+    cr_assert_eq(wait_readyz(port, 503, body, sizeof body), 503, "%s", body);
+    cr_assert(strstr(body, "records cannot be written"), "%s", body);
+    double failed = 0;
+    for (int i = 0; i < 100 && failed < 1; i++) { /* the line is written within 200 ms */
+        cr_assert_eq(http_get(port, "/metrics", body, sizeof body), 200);
+        const char *at = strstr(body, "\nkvmatch_records_failed_total ");
+        failed = at ? strtod(at + strlen("\nkvmatch_records_failed_total "), NULL) : 0;
+        if (failed < 1)
+            km_test_sleep_ms(50);
+    }
+    cr_assert_geq(failed, 1, "the lost record is counted");
+
+    cr_assert_eq(mkdir(sub, 0755), 0);
+    r = route_of("kept-2", tokens, 16);
+    cr_assert_eq(km_client_route(c, &r, 1, 5000, &reply), KM_OK);
+    cr_assert_eq(wait_readyz(port, 200, body, sizeof body), 200, "a write that succeeds again "
+                 "makes the service ready: %s", body);
+    km_client_close(c);
+    cr_assert_eq(stop(&d), KM_ERR_IO, "records were lost: the run does not end with KM_OK");
+    remove_dir();
+}
+
+/* A write that fills the disk (here: a file size limit) keeps the whole lines that reached the
+ * file and counts only the rest as failed, instead of cutting the whole buffer back. */
+Test(deploy, a_full_disk_keeps_the_whole_lines_that_fit, .timeout = 30)
+{
+    make_dir();
+    char path[128];
+    snprintf(path, sizeof path, "%s/records.jsonl", g_dir);
+    signal(SIGXFSZ, SIG_IGN); /* the write fails with EFBIG instead */
+    struct rlimit lim = {10050, 10050};
+    cr_assert_eq(setrlimit(RLIMIT_FSIZE, &lim), 0);
+    km_record_writer_config wc;
+    km_record_writer_config_init(&wc);
+    wc.path = path;
+    wc.flush_interval_ms = 5000; /* one buffer, one write */
+    wc.log = quiet_log;
+    km_record_writer *w = NULL;
+    cr_assert_eq(km_record_writer_create(&wc, &w), KM_OK);
+    char line[100];
+    memset(line, 'x', 99);
+    line[99] = '\0';
+    for (int i = 0; i < 300; i++)
+        cr_assert_eq(km_record_writer_submit(w, line, 99), KM_OK);
+    cr_assert_eq(km_record_writer_flush(w, 10000), KM_ERR_IO);
+    km_record_writer_counters st;
+    km_record_writer_stats(w, &st);
+    cr_assert_eq(st.written, 100, "the 100 whole lines that fit are written (%llu)",
+                 (unsigned long long)st.written);
+    cr_assert_eq(st.failed, 200, "the rest failed (%llu)", (unsigned long long)st.failed);
+    cr_assert(st.failing);
+    km_record_writer_destroy(w);
+    struct stat fs;
+    cr_assert_eq(stat(path, &fs), 0);
+    cr_assert_eq(fs.st_size, 10000, "whole lines only: %lld bytes", (long long)fs.st_size);
+    remove_dir();
+}
