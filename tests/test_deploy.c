@@ -1,7 +1,8 @@
 /* What an operator meets on a first deployment: start-up errors that name the bad setting and
  * never abort (a TCP address that is not loopback or not HOST:PORT, a socket path the kernel would
  * cut or cannot reach, a records file that cannot be written), records lost at run time made
- * visible (readiness, the run's status, whole lines kept on a full disk).
+ * visible (readiness, the run's status, whole lines kept on a full disk), the HTTP probes under
+ * idle connections, and connections past the limit.
  * Servers run in this process or as `kvmatch serve` children on temporary Unix sockets and
  * loopback; every test bounds its time. */
 #include <errno.h>
@@ -406,5 +407,132 @@ Test(deploy, a_full_disk_keeps_the_whole_lines_that_fit, .timeout = 30)
     struct stat fs;
     cr_assert_eq(stat(path, &fs), 0);
     cr_assert_eq(fs.st_size, 10000, "whole lines only: %lld bytes", (long long)fs.st_size);
+    remove_dir();
+}
+
+/* ---- connections ----------------------------------------------------------------------------- */
+
+static pthread_mutex_t g_log_lock = PTHREAD_MUTEX_INITIALIZER;
+static char g_log[1 << 16];
+static size_t g_log_len;
+
+/* Keeps every line (for the tests that count what was logged). */
+static void keep_log(void *user, const char *line)
+{
+    (void)user;
+    pthread_mutex_lock(&g_log_lock);
+    g_log_len += (size_t)snprintf(g_log + g_log_len, sizeof g_log - g_log_len, "%s\n", line);
+    if (g_log_len >= sizeof g_log)
+        g_log_len = sizeof g_log - 1;
+    pthread_mutex_unlock(&g_log_lock);
+}
+
+static int log_count(const char *words)
+{
+    int n = 0;
+    pthread_mutex_lock(&g_log_lock);
+    for (const char *p = g_log; (p = strstr(p, words)); p++)
+        n++;
+    pthread_mutex_unlock(&g_log_lock);
+    return n;
+}
+
+static int tcp_connect(uint16_t port)
+{
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    cr_assert(fd >= 0);
+    struct sockaddr_in sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sin_family = AF_INET;
+    sa.sin_port = htons(port);
+    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    cr_assert_eq(connect(fd, (struct sockaddr *)&sa, sizeof sa), 0, "%s", strerror(errno));
+    return fd;
+}
+
+/* 64 idle HTTP connections (a scraper's keep-alive pool, a port scan) do not lock the probes out:
+ * /healthz answers at once. */
+Test(deploy, idle_http_connections_do_not_block_the_probes, .timeout = 60)
+{
+    make_dir();
+    char sock[128];
+    snprintf(sock, sizeof sock, "%s/s.sock", g_dir);
+    km_server_config cfg;
+    base_config(&cfg);
+    cfg.socket_path = sock;
+    char http[] = "127.0.0.1:0";
+    cfg.http = http;
+    deploy_server d = {0};
+    start(&d, &cfg);
+    uint16_t port = km_server_http_port(d.server);
+    int fds[64];
+    for (int i = 0; i < 64; i++)
+        fds[i] = tcp_connect(port);
+    km_test_sleep_ms(200); /* let the HTTP thread accept them */
+    static char body[1 << 16];
+    double t0 = km_test_now();
+    int status = http_get(port, "/healthz", body, sizeof body);
+    double took = km_test_now() - t0;
+    cr_assert_eq(status, 200, "/healthz with 64 idle connections open: %d", status);
+    cr_assert_lt(took, 2.0, "answered in %.2f s", took);
+    for (int i = 0; i < 64; i++)
+        close(fds[i]);
+    cr_assert_eq(stop(&d), KM_OK);
+    remove_dir();
+}
+
+/* A connection past max_connections gets an ERROR frame saying why before it is closed, a log
+ * line, and a count in /metrics by reason. */
+Test(deploy, a_connection_past_the_limit_is_told_why_counted_and_logged, .timeout = 60)
+{
+    make_dir();
+    char sock[128], addr[160];
+    snprintf(sock, sizeof sock, "%s/s.sock", g_dir);
+    snprintf(addr, sizeof addr, "unix:%s", sock);
+    km_server_config cfg;
+    base_config(&cfg);
+    cfg.socket_path = sock;
+    cfg.max_connections = 2;
+    cfg.log = keep_log;
+    char http[] = "127.0.0.1:0";
+    cfg.http = http;
+    deploy_server d = {0};
+    start(&d, &cfg);
+    km_client *c[2] = {NULL, NULL};
+    char why[256];
+    for (int i = 0; i < 2; i++)
+        cr_assert_eq(km_client_connect(addr, 3000, &c[i], why, sizeof why), KM_OK, "%s", why);
+
+    int fd = socket(AF_UNIX, SOCK_STREAM, 0);
+    struct sockaddr_un sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sun_family = AF_UNIX;
+    snprintf(sa.sun_path, sizeof sa.sun_path, "%.100s", sock);
+    cr_assert_eq(connect(fd, (struct sockaddr *)&sa, sizeof sa), 0);
+    struct timeval tv = {3, 0};
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    char frame[1024];
+    size_t got = 0;
+    ssize_t k;
+    while (got < sizeof frame && (k = read(fd, frame + got, sizeof frame - got)) > 0)
+        got += (size_t)k;
+    close(fd);
+    cr_assert_gt(got, 4, "an ERROR frame before the close (%zu bytes)", got);
+    cr_assert_not_null(memmem(frame, got, "max_connections (2)", 19), "the frame says why");
+
+    km_client *third = NULL;
+    int rc = km_client_connect(addr, 3000, &third, why, sizeof why);
+    cr_assert_eq(rc, KM_ERR_OVERLOADED, "the client reports the refusal: %s: %s",
+                 km_error_name(rc), why);
+    cr_assert(strstr(why, "max_connections"), "%s", why);
+
+    static char body[1 << 16];
+    cr_assert_eq(http_get(km_server_http_port(d.server), "/metrics", body, sizeof body), 200);
+    cr_assert(strstr(body, "kvmatch_connections_rejected_total{reason=\"max_connections\"} 2"),
+              "%s", body);
+    cr_assert_geq(log_count("connection refused: max_connections (2)"), 1, "%s", g_log);
+    for (int i = 0; i < 2; i++)
+        km_client_close(c[i]);
+    cr_assert_eq(stop(&d), KM_OK);
     remove_dir();
 }

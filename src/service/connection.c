@@ -1,6 +1,7 @@
 /* A router connection's lifetime on the loop thread: accepted, read into frames (each handed to
  * km_srv_handle_frame), its replies queued and written (uv_try_write first, uv_write for the rest),
  * reading paused while replies pile up, closed and freed once no job holds it. */
+#include <inttypes.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -250,8 +251,35 @@ static void on_read(uv_stream_t *stream, ssize_t nread, const uv_buf_t *buf)
     }
 }
 
-/* A listener's new connection (loop thread): refused (closed at once) while draining, at
- * max_connections, or without memory for its reader and decoder; else it reads. */
+/* Refuse a connection just accepted: an ERROR frame (message id 0) written without waiting (a
+ * peer that does not read loses it; the socket buffer of a new connection takes it), counted by
+ * reason, logged at most once a second with the count since the last line, then closed. */
+static void refuse_connection(km_server *s, conn *c, int code, atomic_uint_fast64_t *counter,
+                              const char *why)
+{
+    atomic_fetch_add(&s->st.refused, 1);
+    atomic_fetch_add(counter, 1);
+    km_frame_buffer fb;
+    km_frame_buffer_init(&fb);
+    if (km_protocol_encode_error(0, code, why, &fb) == KM_OK) {
+        uv_buf_t b = uv_buf_init((char *)fb.data, (unsigned)fb.size);
+        (void)uv_try_write(&c->h.stream, &b, 1);
+    }
+    km_frame_buffer_free(&fb);
+    s->refusals_unlogged++;
+    uint64_t now = now_ns();
+    if (s->refusal_log_ns == 0 || now - s->refusal_log_ns >= UINT64_C(1000000000)) {
+        km_srv_log(s, "connection refused: %s (%" PRIu64 " refused since the last such line, %" PRIu64
+                   " in all)", why, s->refusals_unlogged, (uint64_t)atomic_load(&s->st.refused));
+        s->refusal_log_ns = now;
+        s->refusals_unlogged = 0;
+    }
+    c->closing = true;
+    uv_close(&c->h.handle, on_conn_closed);
+}
+
+/* A listener's new connection (loop thread): refused (an ERROR frame, then closed) while
+ * draining, at max_connections, or without memory for its reader and decoder; else it reads. */
 void km_srv_on_connection(uv_stream_t *listener, int status)
 {
     km_server *s = listener->data;
@@ -274,12 +302,21 @@ void km_srv_on_connection(uv_stream_t *listener, int status)
         return;
     }
     atomic_fetch_add(&s->st.accepted, 1);
-    if (s->draining || atomic_load(&s->st.open) >= s->cfg.max_connections ||
-        km_frame_reader_create(s->cfg.limits.max_frame_bytes, &c->reader) != KM_OK ||
+    char why[160];
+    if (s->draining) {
+        refuse_connection(s, c, KM_ERR_SHUTTING_DOWN, &s->st.refused_draining,
+                          "the service is shutting down");
+        return;
+    }
+    if (atomic_load(&s->st.open) >= s->cfg.max_connections) {
+        snprintf(why, sizeof why, "max_connections (%u) connections are open", s->cfg.max_connections);
+        refuse_connection(s, c, KM_ERR_OVERLOADED, &s->st.refused_limit, why);
+        return;
+    }
+    if (km_frame_reader_create(s->cfg.limits.max_frame_bytes, &c->reader) != KM_OK ||
         km_protocol_decoder_create(&s->cfg.limits, &c->decoder) != KM_OK) {
-        atomic_fetch_add(&s->st.refused, 1);
-        c->closing = true;
-        uv_close(&c->h.handle, on_conn_closed);
+        refuse_connection(s, c, KM_ERR_OUT_OF_MEMORY, &s->st.refused_memory,
+                          "no memory for the connection's reader");
         return;
     }
     if (tcp)

@@ -53,8 +53,8 @@ void km_http_config_init(km_http_config *cfg)
     cfg->bind_address = "127.0.0.1";
     cfg->port = 0;
     cfg->allow_non_loopback = false;
-    cfg->max_connections = 64;
-    cfg->connection_timeout_s = 10;
+    cfg->max_connections = 1024;
+    cfg->connection_timeout_s = 3;
 }
 
 static int start_fail(char *error, size_t error_size, int status, const char *format, ...)

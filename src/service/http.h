@@ -68,8 +68,11 @@ typedef struct km_http_config {
     bool allow_non_loopback;  /* permit a non-loopback bind_address; default false */
     km_metrics *metrics;      /* rendered at /metrics; NULL = none; must outlive the server */
     km_http_callbacks callbacks;
-    uint32_t max_connections;      /* concurrent connections; more are refused; default 64 */
-    uint32_t connection_timeout_s; /* an idle connection is closed after this; default 10 */
+    uint32_t max_connections;      /* concurrent connections; more wait in the listen backlog
+                                    * until one closes; default 1024, so idle keep-alive
+                                    * connections do not lock the probes out */
+    uint32_t connection_timeout_s; /* an idle connection is closed after this; default 3 (a
+                                    * probe or a scrape takes milliseconds) */
     km_log_fn log;                 /* libmicrohttpd's error lines; NULL = stderr */
     void *log_user;
 } km_http_config;

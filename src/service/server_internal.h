@@ -328,7 +328,12 @@ struct km_server {
             decisions, route_errors, overloaded, batches, inline_batches, lifecycle,
             lifecycle_errors, outcomes, expired, evicted, dropped_at_shutdown,
             dispatch_learned, dispatch_unlearned, breaker_opened, no_healthy;
+        /* connections refused at accept, by reason (their sum is `refused`) */
+        atomic_uint_fast64_t refused_limit, refused_draining, refused_memory;
     } st;
+    /* Log lines about refused connections: at most one a second, with the count since. Loop
+     * thread only. */
+    uint64_t refusal_log_ns, refusals_unlogged;
     int shutdown_status;
 };
 

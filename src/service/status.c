@@ -296,6 +296,23 @@ static int http_metrics(void *user, km_text *out)
         km_prom_write_family(out, rows[i].name, rows[i].help, rows[i].type);
         km_prom_write_sample_u64(out, rows[i].name, NULL, 0, rows[i].v);
     }
+    struct {
+        const char *reason;
+        uint64_t v;
+    } rejected[] = {
+        {"max_connections", atomic_load(&s->st.refused_limit)},
+        {"shutting_down", atomic_load(&s->st.refused_draining)},
+        {"out_of_memory", atomic_load(&s->st.refused_memory)},
+    };
+    km_prom_write_family(out, "kvmatch_connections_rejected_total",
+                         "Router connections refused when accepted (an ERROR frame, then closed), "
+                         "by reason.",
+                         KM_METRIC_COUNTER);
+    for (size_t i = 0; i < sizeof rejected / sizeof rejected[0]; i++) {
+        km_metric_label label = {"reason", rejected[i].reason};
+        km_prom_write_sample_u64(out, "kvmatch_connections_rejected_total", &label, 1,
+                                 rejected[i].v);
+    }
     km_record_writer_counters rc;
     memset(&rc, 0, sizeof rc);
     if (s->records)
