@@ -536,12 +536,15 @@ static int handshake(km_client *c, int64_t deadline)
     int rc = km_protocol_encode(&hello, 0, &c->out, why, sizeof why);
     if (rc)
         return client_fail(c, rc, "HELLO: %s", why);
-    if ((rc = flush_out(c, deadline)))
-        return rc;
+    /* A server that refuses the connection (max_connections, shutting down) writes an ERROR
+     * saying why and closes, maybe before the HELLO is sent: the ERROR is still read. */
+    int sent = flush_out(c, deadline);
+    if (sent && sent != KM_ERR_CLOSED)
+        return sent;
     const uint8_t *payload;
     size_t size;
     if ((rc = read_frame(c, deadline, &payload, &size)))
-        return rc;
+        return sent ? sent : rc;
     km_message reply;
     if ((rc = decode_reply(c, payload, size, &reply)))
         return rc;
