@@ -1,8 +1,8 @@
 /* What an operator meets on a first deployment: start-up errors that name the bad setting and
  * never abort (a TCP address that is not loopback or not HOST:PORT, a socket path the kernel would
  * cut or cannot reach, a records file that cannot be written), records lost at run time made
- * visible (readiness, the run's status, whole lines kept on a full disk), the HTTP probes under
- * idle connections, and connections past the limit.
+ * visible (readiness, the run's status, whole lines kept on a full disk), SIGHUP, the HTTP probes
+ * under idle connections, and connections past the limit.
  * Servers run in this process or as `kvmatch serve` children on temporary Unix sockets and
  * loopback; every test bounds its time. */
 #include <errno.h>
@@ -534,5 +534,103 @@ Test(deploy, a_connection_past_the_limit_is_told_why_counted_and_logged, .timeou
     for (int i = 0; i < 2; i++)
         km_client_close(c[i]);
     cr_assert_eq(stop(&d), KM_OK);
+    remove_dir();
+}
+
+/* ---- signals --------------------------------------------------------------------------------- */
+
+/* `kvmatch serve` in a child, its stderr in DIR/serve.log; waits until it answers on sock. */
+static pid_t spawn_serve(const char *sock, const char *records, const char *extra)
+{
+    char cmd[1024], log[128];
+    snprintf(log, sizeof log, "%s/serve.log", g_dir);
+    snprintf(cmd, sizeof cmd, "exec %s serve --socket %s --records %s --pool main:4:prefix "
+             "--worker main:0 --worker main:1 %s 2>%s", kvmatch_bin(), sock, records, extra, log);
+    pid_t pid = fork();
+    cr_assert(pid >= 0);
+    if (pid == 0) {
+        execl("/bin/sh", "sh", "-c", cmd, (char *)NULL);
+        _exit(127);
+    }
+    char addr[160];
+    snprintf(addr, sizeof addr, "unix:%s", sock);
+    for (int i = 0; i < 500; i++) {
+        km_client *c = NULL;
+        if (km_client_connect(addr, 1000, &c, NULL, 0) == KM_OK) {
+            km_client_close(c);
+            return pid;
+        }
+        int st;
+        cr_assert_eq(waitpid(pid, &st, WNOHANG), 0, "kvmatch serve exited at start");
+        km_test_sleep_ms(10);
+    }
+    kill(pid, SIGKILL);
+    cr_assert_fail("kvmatch serve did not come up");
+    return -1;
+}
+
+static uint64_t route_via(const char *sock, const char *request_id)
+{
+    char addr[160];
+    snprintf(addr, sizeof addr, "unix:%s", sock);
+    km_client *c = NULL;
+    char why[256];
+    cr_assert_eq(km_client_connect(addr, 3000, &c, why, sizeof why), KM_OK, "%s", why);
+    uint32_t tokens[16];
+    for (uint32_t i = 0; i < 16; i++)
+        tokens[i] = 500 + i;
+    km_route_request r = route_of(request_id, tokens, 16);
+    km_message reply;
+    cr_assert_eq(km_client_route(c, &r, 1, 5000, &reply), KM_OK);
+    cr_assert_eq(reply.decision.decisions[0].status, KM_OK);
+    uint64_t id = reply.decision.decisions[0].decision_id;
+    km_client_close(c);
+    return id;
+}
+
+/* Does the file hold a decision record of this request? */
+static bool file_has(const char *path, const char *words)
+{
+    FILE *f = fopen(path, "r");
+    if (!f)
+        return false;
+    static char buf[1 << 20];
+    size_t n = fread(buf, 1, sizeof buf - 1, f);
+    buf[n] = '\0';
+    fclose(f);
+    return strstr(buf, words) != NULL;
+}
+
+/* SIGHUP (logrotate's postrotate, systemctl reload, a closed terminal) never stops the service:
+ * the records file is reopened (a rotated file keeps what was decided before, the path gets what
+ * comes after), routing goes on, and SIGTERM still drains and exits 0. */
+Test(deploy, sighup_reopens_the_records_and_never_stops_the_service, .timeout = 60)
+{
+    make_dir();
+    char sock[128], records[160], rotated[170], log[128];
+    snprintf(sock, sizeof sock, "%s/s.sock", g_dir);
+    snprintf(records, sizeof records, "%s/records.jsonl", g_dir);
+    snprintf(rotated, sizeof rotated, "%s.1", records);
+    snprintf(log, sizeof log, "%s/serve.log", g_dir);
+    pid_t pid = spawn_serve(sock, records, "");
+    route_via(sock, "before-rotation");
+    km_test_sleep_ms(400); /* the writer's flush interval */
+    cr_assert_eq(rename(records, rotated), 0);
+    cr_assert_eq(kill(pid, SIGHUP), 0);
+    km_test_sleep_ms(200);
+    int st = 0;
+    cr_assert_eq(waitpid(pid, &st, WNOHANG), 0, "SIGHUP did not end the service (status %d)", st);
+    route_via(sock, "after-rotation");
+    cr_assert_eq(kill(pid, SIGHUP), 0);
+    km_test_sleep_ms(100);
+    cr_assert_eq(kill(pid, SIGTERM), 0);
+    cr_assert_eq(waitpid(pid, &st, 0), pid);
+    cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "exit status %d", st);
+    cr_assert(file_has(rotated, "\"before-rotation\""), "the rotated file keeps its decision");
+    cr_assert(file_has(records, "\"after-rotation\""), "the path gets the later decision");
+    cr_assert(!file_has(records, "\"before-rotation\""));
+    cr_assert(file_has(log, "SIGHUP received"), "the reopen is logged");
+    struct stat sst;
+    cr_assert_neq(stat(sock, &sst), 0, "the socket file is removed at exit");
     remove_dir();
 }

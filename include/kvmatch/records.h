@@ -323,6 +323,12 @@ int km_record_writer_submit_outcome(km_record_writer *writer, const km_outcome_r
  * Thread-safe. */
 int km_record_writer_flush(km_record_writer *writer, uint32_t timeout_ms);
 
+/* Close the file once the lines submitted before this call are written to it; the next line
+ * opens the path again (creating it). For an outside rotation that copies and truncates or moves
+ * the file (logrotate's postrotate, SIGHUP): lines never go to a file no one reads. Never waits.
+ * Errors: KM_ERR_NULL_POINTER. Thread-safe. */
+int km_record_writer_reopen(km_record_writer *writer);
+
 /* Counters now. Thread-safe. */
 void km_record_writer_stats(km_record_writer *writer, km_record_writer_counters *out);
 

@@ -137,6 +137,11 @@ typedef struct km_server_config {
 
     km_log_fn log; /* one line per notable event; NULL = stderr */
     void *log_user;
+    /* SIGHUP (with install_signals), after the server reopened its records file: the embedding
+     * program's part (reopen its log file, reload its configuration: km_server_reload). Runs on
+     * the loop thread; NULL = none. SIGHUP never stops the server. */
+    void (*on_hangup)(km_server *server, void *user);
+    void *hangup_user;
 } km_server_config;
 
 void km_server_config_init(km_server_config *cfg);
@@ -164,7 +169,8 @@ int km_server_create(const km_server_config *cfg, km_server **out, char *why, si
 /* Serve until SIGTERM / SIGINT (when install_signals) or km_server_stop, then drain and return
  * KM_OK, or the first shutdown error: a snapshot that could not be written, KM_ERR_IO when records
  * were lost (an I/O error during the run, or lines still unwritten after the final flush's 10 s;
- * each logged with the count). install_signals also
+ * each logged with the count). install_signals also takes SIGHUP: the records file is reopened
+ * (after a rotation from outside) and on_hangup runs; the server keeps serving. It also
  * ignores SIGPIPE process-wide; without it, SIGPIPE is blocked in the calling thread while it
  * serves (a peer closing mid-reply is an EPIPE, not the end of the process), and the caller's
  * signal mask is restored on return. */

@@ -156,6 +156,7 @@ static void close_everything(km_server *s)
     if (s->signals_installed) {
         uv_close((uv_handle_t *)&s->sigterm, NULL);
         uv_close((uv_handle_t *)&s->sigint, NULL);
+        uv_close((uv_handle_t *)&s->sighup, NULL);
         s->signals_installed = false;
     }
 }
@@ -217,6 +218,20 @@ void km_srv_begin_drain(km_server *s)
 }
 
 /* SIGTERM or SIGINT (km_server_run installs them): drain and stop. */
+void km_srv_on_hangup(uv_signal_t *h, int signum)
+{
+    (void)signum;
+    km_server *s = h->data;
+    if (s->records) {
+        km_record_writer_reopen(s->records);
+        km_srv_log(s, "SIGHUP received: records file %s reopened", s->records_path);
+    } else {
+        km_srv_log(s, "SIGHUP received");
+    }
+    if (s->cfg.on_hangup)
+        s->cfg.on_hangup(s, s->cfg.hangup_user);
+}
+
 void km_srv_on_signal(uv_signal_t *h, int signum)
 {
     km_server *s = h->data;

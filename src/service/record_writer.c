@@ -60,6 +60,7 @@ struct km_record_writer {
     int last_error_status;
     char last_error[512];
     bool failing_now; /* `failing`, for km_record_writer_stats */
+    bool reopen_requested; /* km_record_writer_reopen: close the file once the queue is written */
 
     /* writer thread only */
     int fd;
@@ -377,7 +378,8 @@ static void *writer_thread(void *arg)
     km_record_writer *w = arg;
     pthread_mutex_lock(&w->lock);
     for (;;) {
-        while (w->count == 0 && !w->stopping && w->flush_target <= w->synced_through) {
+        while (w->count == 0 && !w->stopping && w->flush_target <= w->synced_through &&
+               !w->reopen_requested) {
             if (w->buf_len > 0) {
                 if (km_record_clock_ns(CLOCK_MONOTONIC) >= w->buf_deadline_ns)
                     break;
@@ -411,7 +413,17 @@ static void *writer_thread(void *arg)
         w->queued_bytes -= freed_bytes;
         bool stop = w->stopping && w->count == 0;
         bool flush = w->flush_target > w->synced_through;
+        bool reopen = w->reopen_requested && w->count == 0;
+        if (reopen)
+            w->reopen_requested = false;
         pthread_mutex_unlock(&w->lock);
+        if (reopen) {
+            /* what was taken goes to the old file; the next line opens the path again */
+            bool sync_failed = false;
+            buffer_write(w);
+            sync_file(w, &sync_failed);
+            close_file(w);
+        }
 
         bool due = w->buf_len > 0 && km_record_clock_ns(CLOCK_MONOTONIC) >= w->buf_deadline_ns;
         if (stop || flush || due)
@@ -747,6 +759,17 @@ int km_record_writer_flush(km_record_writer *w, uint32_t timeout_ms)
     }
     pthread_mutex_unlock(&w->lock);
     return status;
+}
+
+int km_record_writer_reopen(km_record_writer *w)
+{
+    if (!w)
+        return KM_ERR_NULL_POINTER;
+    pthread_mutex_lock(&w->lock);
+    w->reopen_requested = true;
+    pthread_cond_signal(&w->work);
+    pthread_mutex_unlock(&w->lock);
+    return KM_OK;
 }
 
 void km_record_writer_stats(km_record_writer *w, km_record_writer_counters *out)

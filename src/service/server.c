@@ -154,6 +154,7 @@ void km_server_destroy(km_server *s)
         if (s->signals_installed) {
             uv_close((uv_handle_t *)&s->sigterm, NULL);
             uv_close((uv_handle_t *)&s->sigint, NULL);
+            uv_close((uv_handle_t *)&s->sighup, NULL);
         }
         uv_run(&s->loop, UV_RUN_DEFAULT);
     }
@@ -427,9 +428,12 @@ int km_server_run(km_server *s, bool install_signals)
     if (install_signals) {
         uv_signal_init(&s->loop, &s->sigterm);
         uv_signal_init(&s->loop, &s->sigint);
-        s->sigterm.data = s->sigint.data = s;
+        uv_signal_init(&s->loop, &s->sighup);
+        s->sigterm.data = s->sigint.data = s->sighup.data = s;
         uv_signal_start(&s->sigterm, km_srv_on_signal, SIGTERM);
         uv_signal_start(&s->sigint, km_srv_on_signal, SIGINT);
+        uv_signal_start(&s->sighup, km_srv_on_hangup, SIGHUP);
+        s->cfg_signals_ignore_hangup = true;
         s->signals_installed = true;
         signal(SIGPIPE, SIG_IGN);
     }
@@ -448,6 +452,8 @@ int km_server_run(km_server *s, bool install_signals)
     if (atomic_load(&s->stop_requested))
         km_srv_begin_drain(s);
     uv_run(&s->loop, UV_RUN_DEFAULT);
+    if (s->cfg_signals_ignore_hangup)
+        signal(SIGHUP, SIG_IGN); /* the handle is closed: a late SIGHUP must not end the drain */
     struct timespec no_wait = {0, 0};
     while (sigtimedwait(&pipe_only, NULL, &no_wait) == SIGPIPE) {
     }

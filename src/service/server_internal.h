@@ -259,8 +259,10 @@ struct km_server {
     bool have_unix, have_tcp;
     bool own_socket_file; /* bound by this server: unlinked at destroy */
     uint16_t tcp_port;
-    uv_signal_t sigterm, sigint;
+    uv_signal_t sigterm, sigint, sighup;
     bool signals_installed;
+    bool cfg_signals_ignore_hangup; /* km_server_run installed the signals: SIGHUP stays harmless
+                                     * after the loop ends */
     uv_async_t wake;
     bool wake_inited; /* uv_async_init ran: destroy closes it only then */
     uv_timer_t drain_timer;
@@ -382,6 +384,8 @@ void km_srv_deliver_done(km_server *s);
 void km_srv_on_wake(uv_async_t *h);
 void km_srv_begin_drain(km_server *s);
 void km_srv_on_signal(uv_signal_t *h, int signum);
+/* SIGHUP: reopen the records file, run the config's on_hangup; never stops the server. */
+void km_srv_on_hangup(uv_signal_t *h, int signum);
 
 /* jobs.c */
 void *km_srv_job_alloc(job *j, size_t n);
