@@ -2,7 +2,7 @@
  * never abort (a TCP address that is not loopback or not HOST:PORT, a socket path the kernel would
  * cut or cannot reach, a records file that cannot be written), records lost at run time made
  * visible (readiness, the run's status, whole lines kept on a full disk), SIGHUP, the HTTP probes
- * under idle connections, and connections past the limit.
+ * under idle connections, connections past the limit, and the command line's exit statuses.
  * Servers run in this process or as `kvmatch serve` children on temporary Unix sockets and
  * loopback; every test bounds its time. */
 #include <errno.h>
@@ -632,5 +632,81 @@ Test(deploy, sighup_reopens_the_records_and_never_stops_the_service, .timeout = 
     cr_assert(file_has(log, "SIGHUP received"), "the reopen is logged");
     struct stat sst;
     cr_assert_neq(stat(sock, &sst), 0, "the socket file is removed at exit");
+    remove_dir();
+}
+
+/* ---- the command line ------------------------------------------------------------------------ */
+
+/* The value of "key": N in a JSON line of out (-1 when absent). */
+static long long json_int(const char *out, const char *key)
+{
+    char k[64];
+    snprintf(k, sizeof k, "\"%s\":", key);
+    const char *at = strstr(out, k);
+    return at ? strtoll(at + strlen(k), NULL, 10) : -1;
+}
+
+/* `kvmatch route` without --request-id works every time (each call gets an id of its own, not
+ * one shared id still in flight), and --finish reports the attempt's end. */
+Test(deploy, route_twice_without_a_request_id_then_finish, .timeout = 60)
+{
+    make_dir();
+    char sock[128], records[160];
+    snprintf(sock, sizeof sock, "%s/s.sock", g_dir);
+    snprintf(records, sizeof records, "%s/records.jsonl", g_dir);
+    km_server_config cfg;
+    base_config(&cfg);
+    cfg.socket_path = sock;
+    cfg.records_path = records;
+    deploy_server d = {0};
+    start(&d, &cfg);
+    static char out[8192], second[8192];
+    char cmd[512];
+    snprintf(cmd, sizeof cmd, "seq 1 64 | %s route --connect=unix:%s --pool=main", kvmatch_bin(),
+             sock);
+    int rc = km_test_run_capture(cmd, out, sizeof out);
+    cr_assert_eq(rc, 0, "first route: %s", out);
+    rc = km_test_run_capture(cmd, second, sizeof second);
+    cr_assert_eq(rc, 0, "the same route again: %s", second);
+    cr_assert(strstr(out, "\"request_id\":\"route-"), "%s", out);
+    long long id = json_int(out, "decision_id");
+    cr_assert_gt(id, 0, "%s", out);
+    rc = run_cli(out, sizeof out, "route --connect unix:%s --finish %lld", sock, id);
+    cr_assert_eq(rc, 0, "finish: %s", out);
+    cr_assert(strstr(out, "\"status\":\"KM_OK\""), "%s", out);
+    rc = run_cli(out, sizeof out, "route --connect unix:%s --finish %lld --outcome=sideways", sock,
+                 id);
+    cr_assert_eq(rc, 2, "%s", out);
+    cr_assert_eq(stop(&d), KM_OK);
+    cr_assert(file_has(records, "\"outcome\":\"complete\""), "the finish left an outcome record");
+    remove_dir();
+}
+
+/* Settings that could never work are refused before anything runs: follow's snapshot into a
+ * missing directory (it used to start and fail at every interval), a simulated fault aimed at a
+ * worker the run does not have (it injected nothing and exited 0); and an analysis of files
+ * without one valid record fails (exit 1) instead of reporting on nothing. */
+Test(deploy, commands_refuse_what_could_never_work, .timeout = 60)
+{
+    make_dir();
+    static char out[16384];
+    int rc = run_cli(out, sizeof out, "follow --endpoint 0=tcp://127.0.0.1:9 --snapshot %s/no/i.snap",
+                     g_dir);
+    cr_assert_eq(rc, 1, "exit %d: %s", rc, out);
+    cr_assert(strstr(out, "No such file or directory"), "%s", out);
+    rc = run_cli(out, sizeof out, "sim --workers 8 --requests 10 --cut 99:1:1");
+    cr_assert_eq(rc, 2, "exit %d: %s", rc, out);
+    cr_assert(strstr(out, "0..7"), "the error names the range: %s", out);
+    rc = run_cli(out, sizeof out, "sim --workers 8 --requests 10 --restart-engine 8@1");
+    cr_assert_eq(rc, 2, "exit %d: %s", rc, out);
+    char path[128];
+    snprintf(path, sizeof path, "%s/garbage.jsonl", g_dir);
+    FILE *f = fopen(path, "w");
+    cr_assert_not_null(f);
+    fputs("not json\n{\"type\": \"decision\"}\n", f);
+    fclose(f);
+    rc = run_cli(out, sizeof out, "analyze %s", path);
+    cr_assert_eq(rc, 1, "exit %d: %s", rc, out);
+    cr_assert(strstr(out, "no valid record"), "%s", out);
     remove_dir();
 }

@@ -1,12 +1,15 @@
 /* `kvmatch analyze [--json] [--html OUT.html] RECORDS.jsonl...`: join decision and outcome records
  * and report how well routing predicted KV reuse (src/analyze/analyze.h, docs/ANALYZE.md). Exit status: 0
- * when the report was written (bad lines are reported, not fatal), 1 when no file could be read or
- * the report could not be written, 2 on a usage error. */
+ * when the report was written (bad lines are reported, not fatal), 1 when no file could be read,
+ * the input held no valid record (the report is still printed) or the report could not be written,
+ * 2 on a usage error. */
+#include <inttypes.h>
 #include <stdio.h>
 #include <string.h>
 
 #include "analyze/analyze.h"
 #include "cli/commands.h"
+#include "cli/options.h"
 
 static void analyze_usage(FILE *f)
 {
@@ -21,36 +24,37 @@ static void analyze_usage(FILE *f)
 
 int km_cmd_analyze(int argc, char **argv)
 {
-    int json = 0, n_files = 0, options_done = 0;
+    static const struct option options[] = {
+        {"help", no_argument, NULL, 'h'},
+        {"json", no_argument, NULL, 'j'},
+        {"html", required_argument, NULL, 'H'},
+        {NULL, 0, NULL, 0},
+    };
+    int json = 0;
     const char *html = NULL;
-    /* options may come anywhere before "--"; the files keep their order in argv */
-    for (int i = 1; i < argc; i++) {
-        const char *arg = argv[i];
-        if (options_done || arg[0] != '-' || !arg[1]) {
-            argv[1 + n_files++] = argv[i];
-        } else if (!strcmp(arg, "--")) {
-            options_done = 1;
-        } else if (!strcmp(arg, "-h") || !strcmp(arg, "--help")) {
+    /* options may come anywhere before "--" (getopt_long moves the files after them, in order) */
+    km_cli_getopt_begin(argv, "analyze");
+    int opt;
+    while ((opt = getopt_long(argc, argv, "h", options, NULL)) != -1) {
+        switch (opt) {
+        case 'h':
             analyze_usage(stdout);
-            return 0;
-        } else if (!strcmp(arg, "--json")) {
+            return KM_EXIT_OK;
+        case 'j':
             json = 1;
-        } else if (!strcmp(arg, "--html")) {
-            if (i + 1 >= argc) {
-                fprintf(stderr, "kvmatch analyze: --html needs an output path\n");
-                return 2;
-            }
-            html = argv[++i];
-        } else {
-            fprintf(stderr, "kvmatch analyze: unknown option '%s'\n", arg);
-            analyze_usage(stderr);
-            return 2;
+            break;
+        case 'H':
+            html = optarg;
+            break;
+        default:
+            return km_cli_usage_error("analyze");
         }
     }
+    int n_files = argc - optind;
+    argv += optind - 1; /* the files are argv[1..n_files] */
     if (!n_files) {
         fprintf(stderr, "kvmatch analyze: no records file given\n");
-        analyze_usage(stderr);
-        return 2;
+        return km_cli_usage_error("analyze");
     }
     km_analysis *analysis = NULL;
     int rc = km_analysis_create(NULL, &analysis);
@@ -100,6 +104,12 @@ int km_cmd_analyze(int argc, char **argv)
             fprintf(stderr, "kvmatch analyze: %s\n", km_analysis_last_error(analysis));
             status = 1;
         }
+    }
+    const km_analysis_input *in = &km_analysis_summary_get(analysis)->input;
+    if (in->decisions + in->outcomes == 0) {
+        fprintf(stderr, "kvmatch analyze: no valid record in the input (%" PRIu64 " lines, %" PRIu64
+                " invalid)\n", in->lines, in->invalid);
+        status = 1;
     }
 out:
     km_analysis_destroy(analysis);

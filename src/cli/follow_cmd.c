@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include "cli/commands.h"
+#include "cli/options.h"
 #include "kvmatch/subscriber.h"
 
 #define FOLLOW_MAX_WORKERS 256
@@ -31,7 +32,9 @@ static void follow_usage(FILE *f)
             "                      [--snapshot-interval-s N] [--status-s N] [--block-size N]\n"
             "  Follow workers' KV events (vLLM / SGLang ZMQ publishers). With --snapshot, the\n"
             "  index and stream positions are restored from PATH at start (if it exists),\n"
-            "  saved every N s (default 60) and on SIGTERM / SIGINT. Status every N s (default 5).\n");
+            "  saved every N s (default 60; 0 = only on exit) and on SIGTERM / SIGINT; its\n"
+            "  directory must exist and be writable. Status every N s (default 5).\n"
+            "  Exit status: 0 ok, 1 failure (start, snapshot), 2 usage.\n");
 }
 
 static int parse_u32(const char *s, uint32_t *out)
@@ -85,59 +88,100 @@ static double mono_s(void)
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
+/* The directory a snapshot file goes to exists and takes new files (the save writes a temporary
+ * file beside the target, then renames it); false with the sentence printed. */
+static bool snapshot_dir_writable(const char *path)
+{
+    char dir[4096];
+    snprintf(dir, sizeof dir, "%s", path);
+    char *slash = strrchr(dir, '/');
+    if (!slash)
+        snprintf(dir, sizeof dir, ".");
+    else if (slash == dir)
+        dir[1] = '\0';
+    else
+        *slash = '\0';
+    if (access(dir, W_OK | X_OK) != 0) {
+        fprintf(stderr, "kvmatch follow: --snapshot %s: directory %s: %s\n", path, dir,
+                strerror(errno));
+        return false;
+    }
+    return true;
+}
+
 int km_cmd_follow(int argc, char **argv)
 {
+    static const struct option options[] = {
+        {"help", no_argument, NULL, 'h'},
+        {"endpoint", required_argument, NULL, 'e'},
+        {"snapshot", required_argument, NULL, 's'},
+        {"snapshot-interval-s", required_argument, NULL, 'i'},
+        {"status-s", required_argument, NULL, 't'},
+        {"block-size", required_argument, NULL, 'b'},
+        {NULL, 0, NULL, 0},
+    };
     static char specs[FOLLOW_MAX_WORKERS][2 * KM_SUBSCRIBER_ENDPOINT_MAX + 16];
     km_subscriber_worker workers[FOLLOW_MAX_WORKERS];
     uint32_t n_workers = 0, interval_s = 60, status_s = 5, block_size = 16;
     const char *snapshot = NULL;
-    for (int i = 1; i < argc; i++) {
-        const char *a = argv[i];
-        const char *v = i + 1 < argc ? argv[i + 1] : NULL;
-        if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
+    km_cli_getopt_begin(argv, "follow");
+    int opt;
+    while ((opt = getopt_long(argc, argv, "h", options, NULL)) != -1) {
+        const char *v = optarg;
+        switch (opt) {
+        case 'h':
             follow_usage(stdout);
-            return 0;
-        }
-        if (!v) {
-            fprintf(stderr, "kvmatch follow: unknown or incomplete option '%s'\n", a);
-            follow_usage(stderr);
-            return 2;
-        }
-        i++;
-        if (!strcmp(a, "--endpoint")) {
+            return KM_EXIT_OK;
+        case 'e': {
             if (n_workers == FOLLOW_MAX_WORKERS || strlen(v) >= sizeof specs[0]) {
-                fprintf(stderr, "kvmatch follow: too many workers or endpoint too long\n");
-                return 2;
+                fprintf(stderr, "kvmatch follow: at most %u --endpoint, each under %zu bytes\n",
+                        FOLLOW_MAX_WORKERS, sizeof specs[0]);
+                return KM_EXIT_USAGE;
             }
-            char *s = specs[n_workers];
-            snprintf(s, sizeof specs[0], "%s", v);
-            char *eq = strchr(s, '=');
+            char *sp = specs[n_workers];
+            snprintf(sp, sizeof specs[0], "%s", v);
+            char *eq = strchr(sp, '=');
             uint32_t id;
-            if (!eq || (*eq = '\0', parse_u32(s, &id))) {
-                fprintf(stderr, "kvmatch follow: --endpoint wants ID=PUB[,REPLAY], got '%s'\n", v);
-                return 2;
+            if (!eq || (*eq = '\0', parse_u32(sp, &id))) {
+                fprintf(stderr, "kvmatch follow: --endpoint wants ID=PUB[,REPLAY], got \"%s\"\n", v);
+                return KM_EXIT_USAGE;
             }
             char *pub = eq + 1, *comma = strchr(pub, ',');
             if (comma)
                 *comma = '\0';
             workers[n_workers] = (km_subscriber_worker){id, NULL, pub, comma ? comma + 1 : NULL};
             n_workers++;
-        } else if (!strcmp(a, "--snapshot")) {
-            snapshot = v;
-        } else if (!strcmp(a, "--snapshot-interval-s") && !parse_u32(v, &interval_s)) {
-        } else if (!strcmp(a, "--status-s") && !parse_u32(v, &status_s) && status_s) {
-        } else if (!strcmp(a, "--block-size") && !parse_u32(v, &block_size) && block_size) {
-        } else {
-            fprintf(stderr, "kvmatch follow: bad option '%s %s'\n", a, v);
-            follow_usage(stderr);
-            return 2;
+            break;
         }
+        case 's':
+            snapshot = v;
+            break;
+        case 'i':
+            if (!km_cli_u32("follow", "snapshot-interval-s", v, 0, 86400, &interval_s))
+                return KM_EXIT_USAGE;
+            break;
+        case 't':
+            if (!km_cli_u32("follow", "status-s", v, 1, 86400, &status_s))
+                return KM_EXIT_USAGE;
+            break;
+        case 'b':
+            if (!km_cli_u32("follow", "block-size", v, 1, 1u << 20, &block_size))
+                return KM_EXIT_USAGE;
+            break;
+        default:
+            return km_cli_usage_error("follow");
+        }
+    }
+    if (optind < argc) {
+        fprintf(stderr, "kvmatch follow: unexpected argument \"%s\"\n", argv[optind]);
+        return km_cli_usage_error("follow");
     }
     if (!n_workers) {
         fprintf(stderr, "kvmatch follow: no --endpoint given\n");
-        follow_usage(stderr);
-        return 2;
+        return km_cli_usage_error("follow");
     }
+    if (snapshot && !snapshot_dir_writable(snapshot))
+        return KM_EXIT_FAILURE;
     km_index *index = NULL;
     int rc = km_index_create(NULL, &index);
     if (rc) {

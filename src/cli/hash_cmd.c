@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "cli/commands.h"
+#include "cli/options.h"
 #include "kvmatch/kvmatch.h"
 
 /* Largest block size accepted on the command line (tokens). */
@@ -16,19 +17,17 @@
 /* Longest token literal accepted (digits); anything longer is over 2^32-1 anyway. */
 #define HASH_CMD_MAX_DIGITS 32
 
-static int parse_block_size(const char *s, uint32_t *out)
+static void hash_usage(FILE *f)
 {
-    if (!s || !*s)
-        return -1;
-    for (const char *p = s; *p; p++)
-        if (!isdigit((unsigned char)*p))
-            return -1;
-    errno = 0;
-    unsigned long long v = strtoull(s, NULL, 10);
-    if (errno || v == 0 || v > HASH_CMD_MAX_BLOCK_SIZE)
-        return -1;
-    *out = (uint32_t)v;
-    return 0;
+    fprintf(f,
+            "usage: kvmatch hash --block-size N [--lora NAME] [--salt S] < token ids\n"
+            "  Chain-hash decimal token ids (separated by spaces, commas or newlines) as kvmatch\n"
+            "  does (docs/HASHING.md); one line per full block: index, local hash, chain hash.\n"
+            "  --block-size N  tokens per block, 1..%u (required)\n"
+            "  --lora NAME     the LoRA adapter the tokens are for (changes every hash)\n"
+            "  --salt S        the cache salt (changes every hash)\n"
+            "  Exit status: 0 ok, 1 bad input or a write error, 2 usage.\n",
+            HASH_CMD_MAX_BLOCK_SIZE);
 }
 
 static int is_separator(int c)
@@ -38,35 +37,44 @@ static int is_separator(int c)
 
 int km_cmd_hash(int argc, char **argv)
 {
+    static const struct option options[] = {
+        {"help", no_argument, NULL, 'h'},
+        {"block-size", required_argument, NULL, 'b'},
+        {"lora", required_argument, NULL, 'l'},
+        {"salt", required_argument, NULL, 's'},
+        {NULL, 0, NULL, 0},
+    };
     km_hash_config cfg = {.block_size = 0};
-    const char *block_size_arg = NULL;
-    for (int i = 1; i < argc; i++) {
-        const char *a = argv[i];
-        const char **target = NULL;
-        if (!strcmp(a, "--block-size"))
-            target = &block_size_arg;
-        else if (!strcmp(a, "--lora"))
-            target = &cfg.lora_name;
-        else if (!strcmp(a, "--salt"))
-            target = &cfg.cache_salt;
-        else {
-            fprintf(stderr, "kvmatch hash: unknown option '%s'\n", a);
-            return 2;
+    km_cli_getopt_begin(argv, "hash");
+    int opt;
+    while ((opt = getopt_long(argc, argv, "h", options, NULL)) != -1) {
+        switch (opt) {
+        case 'h':
+            hash_usage(stdout);
+            return KM_EXIT_OK;
+        case 'b':
+            if (!km_cli_u32("hash", "block-size", optarg, 1, HASH_CMD_MAX_BLOCK_SIZE,
+                            &cfg.block_size))
+                return KM_EXIT_USAGE;
+            break;
+        case 'l':
+            cfg.lora_name = optarg;
+            break;
+        case 's':
+            cfg.cache_salt = optarg;
+            break;
+        default:
+            return km_cli_usage_error("hash");
         }
-        if (i + 1 >= argc) {
-            fprintf(stderr, "kvmatch hash: %s needs a value\n", a);
-            return 2;
-        }
-        *target = argv[++i];
     }
-    if (!block_size_arg) {
+    if (optind < argc) {
+        fprintf(stderr, "kvmatch hash: unexpected argument \"%s\" (token ids come on stdin)\n",
+                argv[optind]);
+        return km_cli_usage_error("hash");
+    }
+    if (!cfg.block_size) {
         fprintf(stderr, "kvmatch hash: --block-size N is required\n");
-        return 2;
-    }
-    if (parse_block_size(block_size_arg, &cfg.block_size)) {
-        fprintf(stderr, "kvmatch hash: block size must be an integer from 1 to %u, got '%s'\n",
-                HASH_CMD_MAX_BLOCK_SIZE, block_size_arg);
-        return 2;
+        return km_cli_usage_error("hash");
     }
     uint32_t *block = malloc((size_t)cfg.block_size * sizeof *block);
     if (!block) {

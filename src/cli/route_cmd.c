@@ -8,10 +8,14 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/random.h>
+#include <time.h>
+#include <unistd.h>
 
 #include <jansson.h>
 
 #include "cli/commands.h"
+#include "cli/options.h"
 #include "base/array.h"
 #include "kvmatch/kvmatch.h"
 
@@ -27,7 +31,13 @@ static void route_usage(FILE *f)
             "       kvmatch route [--connect ADDR] --add-worker POOL:ID[=PUB[,REPLAY]]\n"
             "       kvmatch route [--connect ADDR] --remove-worker POOL:ID\n"
             "       kvmatch route [--connect ADDR] --set-health POOL:ID=healthy|unhealthy\n"
-            "  ADDR: unix:/path (default unix:%s) or tcp:127.0.0.1:PORT\n",
+            "       kvmatch route [--connect ADDR] --finish DECISION_ID\n"
+            "                     [--outcome complete|incomplete|error|cancelled]\n"
+            "  ADDR: unix:/path (default unix:%s) or tcp:127.0.0.1:PORT\n"
+            "  Without --request-id each call gets a fresh one (route-<16 hex digits>). A route\n"
+            "  starts an attempt the service counts as load until --finish reports its end (or\n"
+            "  its active-work TTL expires). Options take --opt VALUE or --opt=VALUE.\n"
+            "  Exit status: 0 ok, 1 the service refused or could not be reached, 2 usage.\n",
             KM_PROTOCOL_DEFAULT_SOCKET);
 }
 
@@ -179,85 +189,132 @@ static int read_numbers(uint64_t **out, size_t *n_out, uint64_t max, bool hex)
     return 0;
 }
 
+/* A request id no other call of this command uses: "route-" and 16 random hex digits, so calls
+ * without --request-id never collide with an attempt still in flight. */
+static void fresh_request_id(char *out, size_t size)
+{
+    uint64_t r = 0;
+    if (getrandom(&r, sizeof r, 0) != (ssize_t)sizeof r) {
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        r = ((uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec) ^ ((uint64_t)getpid() << 40);
+    }
+    snprintf(out, size, "route-%016" PRIx64, r);
+}
+
+enum {
+    OPT_CONNECT = 256, OPT_POOL, OPT_MODEL, OPT_REQUEST_ID, OPT_ATTEMPT_ID, OPT_LORA, OPT_SALT,
+    OPT_POLICY, OPT_EXPECTED_OUTPUT, OPT_CANDIDATES, OPT_ADD_WORKER, OPT_REMOVE_WORKER,
+    OPT_SET_HEALTH, OPT_HASHES, OPT_STATUS, OPT_WORKERS, OPT_FINISH, OPT_OUTCOME,
+};
+
 int km_cmd_route(int argc, char **argv)
 {
+    static const struct option options[] = {
+        {"help", no_argument, NULL, 'h'},
+        {"connect", required_argument, NULL, OPT_CONNECT},
+        {"pool", required_argument, NULL, OPT_POOL},
+        {"model", required_argument, NULL, OPT_MODEL},
+        {"request-id", required_argument, NULL, OPT_REQUEST_ID},
+        {"attempt-id", required_argument, NULL, OPT_ATTEMPT_ID},
+        {"lora", required_argument, NULL, OPT_LORA},
+        {"salt", required_argument, NULL, OPT_SALT},
+        {"policy", required_argument, NULL, OPT_POLICY},
+        {"expected-output", required_argument, NULL, OPT_EXPECTED_OUTPUT},
+        {"candidates", required_argument, NULL, OPT_CANDIDATES},
+        {"add-worker", required_argument, NULL, OPT_ADD_WORKER},
+        {"remove-worker", required_argument, NULL, OPT_REMOVE_WORKER},
+        {"set-health", required_argument, NULL, OPT_SET_HEALTH},
+        {"hashes", no_argument, NULL, OPT_HASHES},
+        {"status", no_argument, NULL, OPT_STATUS},
+        {"workers", no_argument, NULL, OPT_WORKERS},
+        {"finish", required_argument, NULL, OPT_FINISH},
+        {"outcome", required_argument, NULL, OPT_OUTCOME},
+        {NULL, 0, NULL, 0},
+    };
     const char *addr = "unix:" KM_PROTOCOL_DEFAULT_SOCKET;
     km_route_request r;
     memset(&r, 0, sizeof r);
-    r.request_id = "manual";
-    bool hashes = false, status = false, list = false;
+    char request_id[32];
+    fresh_request_id(request_id, sizeof request_id);
+    r.request_id = request_id;
+    bool hashes = false, status = false, list = false, finish = false;
     const char *add = NULL, *remove_w = NULL, *health = NULL;
+    uint64_t finish_id = 0;
+    km_outcome outcome = KM_OUTCOME_COMPLETE;
     static uint32_t cands[4096]; /* the protocol's default max_candidates */
-    for (int i = 1; i < argc; i++) {
-        const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
-        if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
+    km_cli_getopt_begin(argv, "route");
+    int opt;
+    while ((opt = getopt_long(argc, argv, "h", options, NULL)) != -1) {
+        const char *v = optarg;
+        switch (opt) {
+        case 'h':
             route_usage(stdout);
-            return 0;
-        } else if (!strcmp(a, "--hashes")) {
-            hashes = true;
-        } else if (!strcmp(a, "--status")) {
-            status = true;
-        } else if (!strcmp(a, "--workers")) {
-            list = true;
-        } else if (!v) {
-            fprintf(stderr, "kvmatch route: %s needs a value\n", a);
-            route_usage(stderr);
-            return 2;
-        } else {
-            i++;
-            if (!strcmp(a, "--connect"))
-                addr = v;
-            else if (!strcmp(a, "--pool"))
-                r.pool = v;
-            else if (!strcmp(a, "--model"))
-                r.model = v;
-            else if (!strcmp(a, "--request-id"))
-                r.request_id = v;
-            else if (!strcmp(a, "--attempt-id"))
-                r.attempt_id = v;
-            else if (!strcmp(a, "--lora"))
-                r.lora_name = v;
-            else if (!strcmp(a, "--salt"))
-                r.cache_salt = v;
-            else if (!strcmp(a, "--policy"))
-                r.policy = v;
-            else if (!strcmp(a, "--expected-output")) {
-                r.has_expected_output_tokens = true;
-                if (!parse_decimal(v, UINT64_MAX, &r.expected_output_tokens)) {
-                    fprintf(stderr, "kvmatch route: --expected-output wants a count, got \"%s\"\n",
-                            v);
-                    return 2;
+            return KM_EXIT_OK;
+        case OPT_CONNECT: addr = v; break;
+        case OPT_POOL: r.pool = v; break;
+        case OPT_MODEL: r.model = v; break;
+        case OPT_REQUEST_ID: r.request_id = v; break;
+        case OPT_ATTEMPT_ID: r.attempt_id = v; break;
+        case OPT_LORA: r.lora_name = v; break;
+        case OPT_SALT: r.cache_salt = v; break;
+        case OPT_POLICY: r.policy = v; break;
+        case OPT_HASHES: hashes = true; break;
+        case OPT_STATUS: status = true; break;
+        case OPT_WORKERS: list = true; break;
+        case OPT_ADD_WORKER: add = v; break;
+        case OPT_REMOVE_WORKER: remove_w = v; break;
+        case OPT_SET_HEALTH: health = v; break;
+        case OPT_EXPECTED_OUTPUT:
+            r.has_expected_output_tokens = true;
+            if (!km_cli_u64("route", "expected-output", v, 0, UINT64_MAX, &r.expected_output_tokens))
+                return KM_EXIT_USAGE;
+            break;
+        case OPT_FINISH:
+            finish = true;
+            if (!km_cli_u64("route", "finish", v, 1, UINT64_MAX, &finish_id))
+                return KM_EXIT_USAGE;
+            break;
+        case OPT_OUTCOME: {
+            bool known = false;
+            for (int k = KM_OUTCOME_COMPLETE; k <= KM_OUTCOME_CANCELLED && !known; k++)
+                if (!strcmp(v, km_outcome_name((km_outcome)k))) {
+                    outcome = (km_outcome)k;
+                    known = true;
                 }
-            } else if (!strcmp(a, "--candidates")) {
-                if (!parse_candidates(v, cands, sizeof cands / sizeof cands[0],
-                                      &r.n_candidates)) {
-                    fprintf(stderr,
-                            "kvmatch route: --candidates wants 1 to %zu worker ids (0,1,...), "
-                            "got \"%s\"\n",
-                            sizeof cands / sizeof cands[0], v);
-                    return 2;
-                }
-                r.candidates = cands;
-            } else if (!strcmp(a, "--add-worker"))
-                add = v;
-            else if (!strcmp(a, "--remove-worker"))
-                remove_w = v;
-            else if (!strcmp(a, "--set-health"))
-                health = v;
-            else {
-                fprintf(stderr, "kvmatch route: unknown option %s\n", a);
-                route_usage(stderr);
-                return 2;
+            if (!known) {
+                fprintf(stderr, "kvmatch route: --outcome is complete, incomplete, error or "
+                                "cancelled, got \"%s\"\n", v);
+                return KM_EXIT_USAGE;
             }
+            break;
         }
+        case OPT_CANDIDATES:
+            if (!parse_candidates(v, cands, sizeof cands / sizeof cands[0], &r.n_candidates)) {
+                fprintf(stderr,
+                        "kvmatch route: --candidates wants 1 to %zu worker ids (0,1,...), "
+                        "got \"%s\"\n",
+                        sizeof cands / sizeof cands[0], v);
+                return KM_EXIT_USAGE;
+            }
+            r.candidates = cands;
+            break;
+        default:
+            return km_cli_usage_error("route");
+        }
+    }
+    if (optind < argc) {
+        fprintf(stderr, "kvmatch route: unexpected argument \"%s\" (token ids come on stdin)\n",
+                argv[optind]);
+        return km_cli_usage_error("route");
     }
     /* Every argument and input word is checked before connecting: a usage error exits 2 whether a
      * server is up or not. */
     if ((status ? 1 : 0) + (list ? 1 : 0) + (add ? 1 : 0) + (remove_w ? 1 : 0) +
-            (health ? 1 : 0) > 1) {
+            (health ? 1 : 0) + (finish ? 1 : 0) > 1) {
         fprintf(stderr, "kvmatch route: give one of --status, --workers, --add-worker, "
-                        "--remove-worker, --set-health\n");
-        return 2;
+                        "--remove-worker, --set-health, --finish\n");
+        return KM_EXIT_USAGE;
     }
     char spec[1024];
     km_worker_info w;
@@ -271,7 +328,7 @@ int km_cmd_route(int argc, char **argv)
             fprintf(stderr, "kvmatch route: %s wants %s, got \"%s\"\n",
                     add ? "--add-worker" : "--remove-worker",
                     add ? "POOL:ID[=PUB[,REPLAY]]" : "POOL:ID", v);
-            return 2;
+            return KM_EXIT_USAGE;
         }
     }
     if (health) {
@@ -288,23 +345,23 @@ int km_cmd_route(int argc, char **argv)
         if (!ok) {
             fprintf(stderr, "kvmatch route: --set-health wants POOL:ID=healthy|unhealthy, got \"%s\"\n",
                     health);
-            return 2;
+            return KM_EXIT_USAGE;
         }
         w.has_healthy = true;
         w.healthy = !strcmp(eq + 1, "healthy");
     }
     uint64_t *nums = NULL;
     size_t n = 0;
-    if (!status && !list && !add && !remove_w && !health &&
+    if (!status && !list && !add && !remove_w && !health && !finish &&
         read_numbers(&nums, &n, hashes ? UINT64_MAX : UINT32_MAX, hashes) != 0)
-        return 2;
+        return KM_EXIT_USAGE;
     km_client *c = NULL;
     char why[256];
     int rc = km_client_connect(addr, 5000, &c, why, sizeof why);
     if (rc != KM_OK) {
         fprintf(stderr, "kvmatch route: %s\n", why); /* "KM_ERR_NAME: detail" */
         free(nums);
-        return 1;
+        return KM_EXIT_FAILURE;
     }
     km_message reply;
     int exit_code = 0;
@@ -320,6 +377,29 @@ int km_cmd_route(int argc, char **argv)
             json_object_set_new(o, "workers", json_integer(reply.status_reply.n_workers));
             print_json(o);
         }
+    } else if (finish) {
+        /* FINISHED of the attempt a decision started: its active work ends and an outcome record
+         * is written. complete needs a finish reason and the stream's end (the outcome rule). */
+        km_lifecycle_event e;
+        memset(&e, 0, sizeof e);
+        e.kind = KM_LIFECYCLE_FINISHED;
+        e.has_decision_id = true;
+        e.decision_id = finish_id;
+        e.outcome = outcome;
+        e.finish_reason = outcome == KM_OUTCOME_COMPLETE ? "stop" : NULL;
+        e.done_seen = outcome == KM_OUTCOME_COMPLETE;
+        e.error = outcome == KM_OUTCOME_ERROR ? "reported with kvmatch route --finish" : NULL;
+        rc = km_client_lifecycle(c, &e, 1, 5000, &reply);
+        if (rc == KM_OK && reply.type == KM_MESSAGE_ACK)
+            for (uint32_t i = 0; i < reply.ack.n_items; i++) {
+                json_t *o = json_object();
+                json_object_set_new(o, "decision_id", json_integer((json_int_t)finish_id));
+                json_object_set_new(o, "status", json_string(km_error_name(reply.ack.items[i].status)));
+                if (reply.ack.items[i].message)
+                    json_object_set_new(o, "message", json_string(reply.ack.items[i].message));
+                exit_code |= reply.ack.items[i].status != KM_OK;
+                print_json(o);
+            }
     } else if (list || add || remove_w || health) {
         km_message m;
         memset(&m, 0, sizeof m);

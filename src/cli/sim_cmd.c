@@ -428,6 +428,18 @@ int km_cmd_sim(int argc, char **argv)
             }
         }
     }
+    /* a fault aimed at a worker the run does not have would inject nothing */
+    if (cfg.cut_worker >= 0 && (uint32_t)cfg.cut_worker >= cfg.workers) {
+        fprintf(stderr, "kvmatch sim: --cut names worker %d; the workers are 0..%u (--workers %u)\n",
+                cfg.cut_worker, cfg.workers - 1, cfg.workers);
+        return 2;
+    }
+    if (cfg.restart_worker >= 0 && (uint32_t)cfg.restart_worker >= cfg.workers) {
+        fprintf(stderr, "kvmatch sim: --restart-engine names worker %d; the workers are 0..%u "
+                        "(--workers %u)\n",
+                cfg.restart_worker, cfg.workers - 1, cfg.workers);
+        return 2;
+    }
     km_sim_generator_config_shape(shape, &cfg.generator);
     if (have_seed)
         cfg.generator.seed = seed;
