@@ -710,3 +710,62 @@ Test(deploy, commands_refuse_what_could_never_work, .timeout = 60)
     cr_assert(strstr(out, "no valid record"), "%s", out);
     remove_dir();
 }
+
+/* ---- configuration ---------------------------------------------------------------------------- */
+
+/* Load `json` (written to a file); the status, the sentence in why. */
+static int load_config(const char *json, char *why, size_t why_size)
+{
+    char path[128];
+    snprintf(path, sizeof path, "%s/serve.json", g_dir);
+    FILE *f = fopen(path, "w");
+    cr_assert_not_null(f);
+    fputs(json, f);
+    fclose(f);
+    km_server_config cfg;
+    km_server_config_init(&cfg);
+    km_server_config_json *owner = NULL;
+    int rc = km_server_config_load_json(path, &cfg, &owner, why, why_size);
+    km_server_config_json_free(owner);
+    return rc;
+}
+
+/* A key the reader does not know is refused with its path and the keys it takes, at every level
+ * (it used to be ignored: "polcy" ran the default policy); a policy parameter of another policy
+ * than the pool's is refused, since it would change nothing. */
+Test(deploy, unknown_config_keys_and_foreign_policy_parameters_are_refused, .timeout = 30)
+{
+    make_dir();
+    char why[1024];
+    static const struct {
+        const char *json, *words;
+    } bad[] = {
+        {"{\"pools\": [{\"name\": \"p\", \"block_size\": 16, \"polcy\": \"kv\"}]}",
+         "pools[0]: unknown key \"polcy\""},
+        {"{\"sockett\": \"/tmp/x.sock\"}", "the top level: unknown key \"sockett\""},
+        {"{\"index\": {\"thread\": 2}}", "index: unknown key \"thread\""},
+        {"{\"scheduler\": {\"max_batch\": 2}}", "scheduler: unknown key \"max_batch\""},
+        {"{\"records\": {\"path\": \"r.jsonl\", \"max_bytes\": 5}}", "records: unknown key"},
+        {"{\"pools\": [{\"name\": \"p\", \"block_size\": 16, \"workers\": [{\"id\": 0, "
+         "\"event\": \"tcp://127.0.0.1:1\"}]}]}",
+         "pools[0].workers[0]: unknown key \"event\""},
+        {"{\"pools\": [{\"name\": \"p\", \"block_size\": 16, \"policy\": \"prefix\", "
+         "\"params\": {\"temperature\": 0.5}}]}",
+         "params.temperature: a parameter of policy kv; this pool's policy is prefix"},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        int rc = load_config(bad[i].json, why, sizeof why);
+        cr_assert_neq(rc, KM_OK, "%s was accepted", bad[i].json);
+        cr_assert(strstr(why, bad[i].words), "%s: %s", bad[i].json, why);
+    }
+    cr_assert_eq(load_config("{\"pools\": [{\"name\": \"p\", \"block_size\": 16, \"policy\": \"kv\", "
+                             "\"params\": {\"temperature\": 0.5}}]}", why, sizeof why), KM_OK, "%s",
+                 why);
+    static char out[8192];
+    int rc;
+    load_config("{\"tcp\": \"127.0.0.1:1\", \"polcy\": 1}", why, sizeof why);
+    rc = run_cli(out, sizeof out, "serve --config %s/serve.json", g_dir);
+    cr_assert_eq(rc, 2, "a configuration error exits 2, whatever its kind: %d: %s", rc, out);
+    cr_assert(strstr(out, "unknown key \"polcy\""), "%s", out);
+    remove_dir();
+}

@@ -125,7 +125,7 @@ Test(server_config, documented_example_loads_with_every_value, .timeout = 10)
 Test(server_config, fields_left_out_keep_their_defaults, .timeout = 10)
 {
     char path[64], why[256] = "";
-    write_temp(path, sizeof path, "{\"scheduler\": {\"inline_routes\": 0}, \"unknown_field\": 1}");
+    write_temp(path, sizeof path, "{\"scheduler\": {\"inline_routes\": 0}}");
     km_server_config cfg, defaults;
     km_server_config_init(&cfg);
     km_server_config_init(&defaults);
@@ -178,20 +178,25 @@ Test(server_config, bad_files_are_refused_naming_the_field, .timeout = 10)
          "pools[0].block_size"},
         {"{\"pools\": [{\"name\": \"p\", \"block_size\": 16, \"policy\": \"fastest\"}]}",
          KM_ERR_PARSE, "pools[0].policy"},
-        {"{\"pools\": [{\"name\": \"p\", \"block_size\": 16, \"params\": {\"temperature\": -1}}]}",
+        {"{\"pools\": [{\"name\": \"p\", \"block_size\": 16, \"policy\": \"kv\", "
+         "\"params\": {\"temperature\": -1}}]}",
          KM_ERR_INVALID_ARGUMENT, "pools[0].params"},
         {"{\"pools\": [{\"name\": \"p\", \"block_size\": 16, \"engine\": \"llama-9000\"}]}",
          KM_ERR_PARSE, "pools[0].engine"},
         {"{\"pools\": [{\"name\": \"p\", \"block_size\": 16, \"engine\": 70}]}", KM_ERR_PARSE,
          "pools[0].engine"},
-        {"{\"pools\": [{\"name\": \"p\", \"block_size\": 16, \"params\": {\"prefix_weight\": -1}}]}",
+        {"{\"pools\": [{\"name\": \"p\", \"block_size\": 16, \"policy\": \"llmd\", "
+         "\"params\": {\"prefix_weight\": -1}}]}",
          KM_ERR_INVALID_ARGUMENT, "llmd.prefix_weight"},
-        {"{\"pools\": [{\"name\": \"p\", \"block_size\": 16, \"params\": {\"prefix_weight\": 0, "
+        {"{\"pools\": [{\"name\": \"p\", \"block_size\": 16, \"policy\": \"llmd\", "
+         "\"params\": {\"prefix_weight\": 0, "
          "\"queue_weight\": 0, \"kv_usage_weight\": 0}}]}",
          KM_ERR_INVALID_ARGUMENT, "llmd weights"},
-        {"{\"pools\": [{\"name\": \"p\", \"block_size\": 16, \"params\": {\"host_tier_weight\": 2}}]}",
+        {"{\"pools\": [{\"name\": \"p\", \"block_size\": 16, \"policy\": \"llmd\", "
+         "\"params\": {\"host_tier_weight\": 2}}]}",
          KM_ERR_INVALID_ARGUMENT, "host_tier_weight"},
-        {"{\"pools\": [{\"name\": \"p\", \"block_size\": 16, \"params\": {\"exploit_ratio\": -0.5}}]}",
+        {"{\"pools\": [{\"name\": \"p\", \"block_size\": 16, \"policy\": \"preble\", "
+         "\"params\": {\"exploit_ratio\": -0.5}}]}",
          KM_ERR_INVALID_ARGUMENT, "preble.exploit_ratio"},
         {"{\"pools\": [{\"name\": \"p\", \"block_size\": 16, \"params\": {\"load_bound\": 0.9}}]}",
          KM_ERR_INVALID_ARGUMENT, "ttft.load_bound"},
@@ -241,15 +246,18 @@ Test(server_config, pool_engine_and_peer_policy_params, .timeout = 10)
     write_temp(path, sizeof path,
                "{\"pools\": [{\"name\": \"p\", \"block_size\": 16, \"policy\": \"llmd\", "
                "\"engine\": \"llama3-70b-h100x4\", \"params\": {\"prefix_weight\": 3, "
-               "\"queue_weight\": 2, \"kv_usage_weight\": 2, \"host_tier_weight\": 0.5, "
-               "\"exploit_ratio\": 2, \"load_bound\": 2, \"hot_prefix_sharers\": 3}}]}");
+               "\"queue_weight\": 2, \"kv_usage_weight\": 2, \"host_tier_weight\": 0.5}}, "
+               "{\"name\": \"q\", \"block_size\": 16, \"policy\": \"preble\", "
+               "\"params\": {\"exploit_ratio\": 2}}, "
+               "{\"name\": \"r\", \"block_size\": 16, \"policy\": \"ttft\", "
+               "\"params\": {\"load_bound\": 2, \"hot_prefix_sharers\": 3}}]}");
     km_server_config cfg;
     km_server_config_init(&cfg);
     km_server_config_json *owner = NULL;
     int rc = km_server_config_load_json(path, &cfg, &owner, why, sizeof why);
     unlink(path);
     cr_assert_eq(rc, KM_OK, "%s", why);
-    cr_assert_eq(cfg.n_pools, 1);
+    cr_assert_eq(cfg.n_pools, 3);
     const km_policy_config *p = &cfg.pools[0].policy;
     cr_assert_eq(p->kind, KM_POLICY_LLMD);
     km_engine_model m;
@@ -259,8 +267,8 @@ Test(server_config, pool_engine_and_peer_policy_params, .timeout = 10)
     cr_assert_eq(p->llmd.queue_weight, 2);
     cr_assert_eq(p->llmd.kv_usage_weight, 2);
     cr_assert_eq(p->llmd.host_tier_weight, 0.5);
-    cr_assert_eq(p->preble.exploit_ratio, 2);
-    cr_assert_eq(p->ttft.load_bound, 2);
-    cr_assert_eq(p->ttft.hot_prefix_sharers, 3);
+    cr_assert_eq(cfg.pools[1].policy.preble.exploit_ratio, 2);
+    cr_assert_eq(cfg.pools[2].policy.ttft.load_bound, 2);
+    cr_assert_eq(cfg.pools[2].policy.ttft.hot_prefix_sharers, 3);
     km_server_config_json_free(owner);
 }

@@ -92,6 +92,26 @@ int km_server_policy_param(km_policy_config *p, const char *name, double value, 
     return KM_OK;
 }
 
+const char *km_server_policy_param_owner(const char *name)
+{
+    static const struct {
+        const char *name, *policy;
+    } owners[] = {
+        {"temperature", "kv"},           {"prefill_load_scale", "kv"},
+        {"overlap_score_weight", "kv"},  {"device_weight", "kv"},
+        {"host_weight", "kv"},           {"disk_weight", "kv"},
+        {"cache_threshold", "cache_aware"}, {"balance_abs_threshold", "cache_aware"},
+        {"balance_rel_threshold", "cache_aware"}, {"prefix_weight", "llmd"},
+        {"queue_weight", "llmd"},        {"kv_usage_weight", "llmd"},
+        {"host_tier_weight", "llmd"},    {"exploit_ratio", "preble"},
+        {"load_bound", "ttft"},          {"hot_prefix_sharers", "ttft"},
+    };
+    for (size_t i = 0; name && i < sizeof owners / sizeof owners[0]; i++)
+        if (!strcmp(owners[i].name, name))
+            return owners[i].policy;
+    return NULL;
+}
+
 bool km_server_name_valid(const char *name)
 {
     size_t n = name ? strlen(name) : 0;
@@ -232,6 +252,32 @@ static void get_bool(reader *r, json_t *obj, const char *key, const char *where,
     *out = json_is_true(v);
 }
 
+/* Every key of obj must be one of `known` (NULL-terminated): a misspelt key would otherwise be
+ * ignored and its setting silently left at the default. */
+static void check_keys(reader *r, json_t *obj, const char *where, const char *const *known)
+{
+    if (r->rc || !json_is_object(obj))
+        return;
+    const char *key;
+    json_t *v;
+    json_object_foreach(obj, key, v)
+    {
+        bool ok = false;
+        for (const char *const *k = known; *k && !ok; k++)
+            ok = !strcmp(*k, key);
+        if (ok)
+            continue;
+        char list[600];
+        size_t n = 0;
+        list[0] = '\0';
+        for (const char *const *k = known; *k && n < sizeof list; k++)
+            n += (size_t)snprintf(list + n, sizeof list - n, "%s%s", k == known ? "" : ", ", *k);
+        r->rc = km_why(r->why, r->why_size, KM_ERR_PARSE, "%s: unknown key \"%s\" (known: %s)",
+                       where[0] ? where : "the top level", key, list);
+        return;
+    }
+}
+
 static void read_pool(reader *r, km_server_config_json *o, json_t *jp, uint32_t i)
 {
     char where[96];
@@ -243,6 +289,12 @@ static void read_pool(reader *r, km_server_config_json *o, json_t *jp, uint32_t 
         r->rc = km_why(r->why, r->why_size, KM_ERR_PARSE, "pools[%u]: expected an object", i);
         return;
     }
+    static const char *const pool_keys[] = {"name", "model", "block_size", "approx_ttl_ms",
+                                            "approx_capacity_blocks", "policy", "engine",
+                                            "params", "workers", NULL};
+    char pool_where[96];
+    snprintf(pool_where, sizeof pool_where, "pools[%u]", i);
+    check_keys(r, jp, pool_where, pool_keys);
     get_string(r, jp, "name", where, &p->name);
     get_string(r, jp, "model", where, &p->model);
     get_u32(r, jp, "block_size", where, 1, 1u << 20, &p->block_size);
@@ -276,6 +328,14 @@ static void read_pool(reader *r, km_server_config_json *o, json_t *jp, uint32_t 
             if (!json_is_number(v)) {
                 r->rc = km_why(r->why, r->why_size, KM_ERR_PARSE, "%sparams.%s: expected a number",
                              where, key);
+                return;
+            }
+            const char *owner = km_server_policy_param_owner(key);
+            const char *kind = km_policy_kind_name(p->policy.kind);
+            if (owner && strcmp(owner, kind) != 0) {
+                r->rc = km_why(r->why, r->why_size, KM_ERR_INVALID_ARGUMENT,
+                               "%sparams.%s: a parameter of policy %s; this pool's policy is %s",
+                               where, key, owner, kind);
                 return;
             }
             char detail[256];
@@ -330,6 +390,11 @@ static void read_pool(reader *r, km_server_config_json *o, json_t *jp, uint32_t 
         km_server_worker base = {.id = UINT32_MAX};
         uint32_t dp = 1;
         uint64_t id = UINT64_MAX;
+        static const char *const worker_keys[] = {"id", "name", "events", "replay", "dp_size",
+                                                  NULL};
+        char worker_where[128];
+        snprintf(worker_where, sizeof worker_where, "%sworkers[%zu]", where, k);
+        check_keys(r, jw, worker_where, worker_keys);
         get_u64(r, jw, "id", wwhere, 0, KM_MAX_WORKERS_LIMIT - 1, &id);
         get_string(r, jw, "name", wwhere, &base.name);
         get_string(r, jw, "events", wwhere, &base.event_endpoint);
@@ -402,6 +467,27 @@ int km_server_config_load_json(const char *path, km_server_config *target, km_se
     }
     o->root = root;
     reader r = {why, why_size, KM_OK};
+    static const char *const top_keys[] = {
+        "socket", "tcp", "http", "allow_non_loopback", "default_pool", "max_connections",
+        "max_outbox_bytes", "active_ttl_ms", "max_active_entries", "approx_dispatch_max_bytes",
+        "breaker_failures", "breaker_cooldown_ms", "ready_share", "drain_timeout_ms", "seed",
+        "records", "snapshot", "index", "scheduler", "limits", "pools", NULL};
+    static const char *const records_keys[] = {"path", "max_file_bytes", NULL};
+    static const char *const snapshot_keys[] = {"dir", "interval_ms", NULL};
+    static const char *const index_keys[] = {"max_workers", "threads", "memory_cap_bytes",
+                                             "initial_blocks", "backend", NULL};
+    static const char *const scheduler_keys[] = {"max_batch_routes", "max_queued_routes",
+                                                 "inline_routes", NULL};
+    static const char *const limits_keys[] = {"max_frame_bytes", "max_objects", "max_batch_items",
+                                              "max_tokens_per_route", "max_hashes_per_route",
+                                              "max_candidates", "max_string_bytes", NULL};
+    check_keys(&r, root, "", top_keys);
+    if (json_is_object(json_object_get(root, "records")))
+        check_keys(&r, json_object_get(root, "records"), "records", records_keys);
+    check_keys(&r, json_object_get(root, "snapshot"), "snapshot", snapshot_keys);
+    check_keys(&r, json_object_get(root, "index"), "index", index_keys);
+    check_keys(&r, json_object_get(root, "scheduler"), "scheduler", scheduler_keys);
+    check_keys(&r, json_object_get(root, "limits"), "limits", limits_keys);
     get_string(&r, root, "socket", "", &cfg->socket_path);
     get_string(&r, root, "tcp", "", &cfg->tcp);
     get_string(&r, root, "http", "", &cfg->http);
