@@ -249,7 +249,7 @@ Test(server_config, pool_engine_and_peer_policy_params, .timeout = 10)
                "\"queue_weight\": 2, \"kv_usage_weight\": 2, \"host_tier_weight\": 0.5}}, "
                "{\"name\": \"q\", \"block_size\": 16, \"policy\": \"preble\", "
                "\"params\": {\"exploit_ratio\": 2}}, "
-               "{\"name\": \"r\", \"block_size\": 16, \"policy\": \"ttft\", "
+               "{\"name\": \"r\", \"block_size\": 16, \"hash_lookahead_tokens\": 2, \"policy\": \"ttft\", "
                "\"params\": {\"load_bound\": 2, \"hot_prefix_sharers\": 3}}]}");
     km_server_config cfg;
     km_server_config_init(&cfg);
@@ -270,5 +270,6 @@ Test(server_config, pool_engine_and_peer_policy_params, .timeout = 10)
     cr_assert_eq(cfg.pools[1].policy.preble.exploit_ratio, 2);
     cr_assert_eq(cfg.pools[2].policy.ttft.load_bound, 2);
     cr_assert_eq(cfg.pools[2].policy.ttft.hot_prefix_sharers, 3);
+    cr_assert_eq(cfg.pools[2].hash_lookahead_tokens, 2, "a pool key of its own, not unknown");
     km_server_config_json_free(owner);
 }

@@ -289,9 +289,12 @@ static void read_pool(reader *r, km_server_config_json *o, json_t *jp, uint32_t 
         r->rc = km_why(r->why, r->why_size, KM_ERR_PARSE, "pools[%u]: expected an object", i);
         return;
     }
-    static const char *const pool_keys[] = {"name", "model", "block_size", "approx_ttl_ms",
-                                            "approx_capacity_blocks", "policy", "engine",
-                                            "params", "workers", NULL};
+    static const char *const pool_keys[] = {"name",          "model",
+                                            "block_size",    "hash_lookahead_tokens",
+                                            "approx_ttl_ms", "approx_capacity_blocks",
+                                            "policy",        "engine",
+                                            "params",        "workers",
+                                            NULL};
     char pool_where[96];
     snprintf(pool_where, sizeof pool_where, "pools[%u]", i);
     check_keys(r, jp, pool_where, pool_keys);
