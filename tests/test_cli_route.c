@@ -16,6 +16,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <jansson.h>
+
 #include "kvmatch/client.h"
 #include "test_util.h"
 
@@ -108,7 +110,15 @@ static void send_all(int fd, const km_frame_buffer *out)
 static void fake_answer(int fd, const km_message *m)
 {
     km_message reply = {.has_id = true, .id = m->id};
-    km_route_decision d = {.request_id = "", .decision_id = 0, .source = KM_PREDICTION_APPROX};
+    km_candidate_score row = {.worker = 3, .depth = 2, .device_blocks = 2, .cost = 1.5,
+                              .state = "APPROX", .eligible = true};
+    km_route_decision d = {.request_id = "", .decision_id = 0, .source = KM_PREDICTION_APPROX,
+                           .pool = "default", .chosen_worker = 3, .chosen_depth = 2,
+                           .chosen_state = "APPROX", .has_owner = true, .owner_worker = 3,
+                           .owner_depth = 2, .owner_state = "APPROX", .n_blocks = 5,
+                           .block_size = 16, .policy = "kv", .reason = "min_cost",
+                           .load_kind = "active_decode_blocks", .load_scope = "this_instance",
+                           .load_value = 4.0, .candidates = &row, .n_candidates = 1};
     if (m->type == KM_MESSAGE_HELLO) {
         reply.type = KM_MESSAGE_WELCOME;
         reply.welcome.protocol_version = KM_PROTOCOL_VERSION;
@@ -267,4 +277,48 @@ Test(cli_route, numbers_are_decimal, .timeout = 60)
     cr_assert_eq(r.status, 0, "exit %d, stderr: %s", r.status, r.err);
     cr_assert(strstr(r.out, "\"decision_id\":26"), "%s", r.out);
     fake_stop(&s);
+}
+
+/* The decision is printed under the protocol's field names: every key of the output and of its
+ * candidate rows is a field docs/PROTOCOL.md defines, and the worker chosen, the prediction owner
+ * and the block count read as chosen_worker, owner_worker and n_blocks there and here. */
+static void expect_documented(json_t *o, const char *doc)
+{
+    const char *key;
+    json_t *value;
+    json_object_foreach(o, key, value)
+    {
+        char quoted[64];
+        snprintf(quoted, sizeof quoted, "`%s`", key);
+        cr_expect(strstr(doc, quoted), "`kvmatch route` prints \"%s\", a name docs/PROTOCOL.md "
+                  "does not define", key);
+    }
+}
+
+Test(cli_route, output_uses_the_protocol_field_names, .timeout = 60)
+{
+    char *doc = malloc(1 << 20);
+    read_file("docs/PROTOCOL.md", doc, 1 << 20);
+    cr_assert(strstr(doc, "`chosen_worker`"), "docs/PROTOCOL.md not readable from the test's directory");
+    fake_server s;
+    fake_start(&s);
+    route_run r;
+    run_route((const char *const[]){"--connect", s.address, NULL}, "1 2 3\n", &r);
+    fake_stop(&s);
+    cr_assert_eq(r.status, 0, "exit %d, stderr: %s", r.status, r.err);
+    json_error_t err;
+    json_t *o = json_loads(r.out, 0, &err);
+    cr_assert(o, "not one JSON object: %s (%s)", r.out, err.text);
+    expect_documented(o, doc);
+    cr_expect_eq(json_integer_value(json_object_get(o, "chosen_worker")), 3, "%s", r.out);
+    cr_expect_eq(json_integer_value(json_object_get(o, "owner_worker")), 3, "%s", r.out);
+    cr_expect_eq(json_integer_value(json_object_get(o, "n_blocks")), 5, "%s", r.out);
+    cr_expect_eq(json_integer_value(json_object_get(o, "status")), 0, "%s", r.out);
+    json_t *rows = json_object_get(o, "candidates");
+    cr_assert_eq(json_array_size(rows), 1, "%s", r.out);
+    expect_documented(json_array_get(rows, 0), doc);
+    cr_expect_eq(json_integer_value(json_object_get(json_array_get(rows, 0), "device_blocks")), 2,
+                 "%s", r.out);
+    json_decref(o);
+    free(doc);
 }

@@ -41,46 +41,89 @@ static void route_usage(FILE *f)
             KM_PROTOCOL_DEFAULT_SOCKET);
 }
 
+/* The output speaks the protocol's field names (docs/PROTOCOL.md): a decision, an ACK item, a
+ * worker and STATUS_REPLY are printed under the names they travel under, so one name means one
+ * thing in the protocol, this command and every client. A failed item prints its `status` code
+ * with the code's `name` (as an ERROR message carries it) and `message`. */
+static json_t *nullable_string(const char *s)
+{
+    return s ? json_string(s) : json_null();
+}
+
+/* NAN (no value: round_robin's load, an unweighed cost) prints as null, as in the records;
+ * json_real would refuse it and drop the key. */
+static json_t *nullable_real(double x)
+{
+    return isfinite(x) ? json_real(x) : json_null();
+}
+
+static void set_status(json_t *o, int status, const char *message)
+{
+    json_object_set_new(o, "status", json_integer(status));
+    if (status != KM_OK) {
+        json_object_set_new(o, "name", json_string(km_error_name(status)));
+        json_object_set_new(o, "message", json_string(message ? message : ""));
+    }
+}
+
 static json_t *decision_json(const km_route_decision *d)
 {
     json_t *o = json_object();
     json_object_set_new(o, "request_id", json_string(d->request_id ? d->request_id : ""));
-    if (d->status != KM_OK) {
-        json_object_set_new(o, "error", json_string(km_error_name(d->status)));
-        json_object_set_new(o, "message", json_string(d->message ? d->message : ""));
+    json_object_set_new(o, "attempt_id", nullable_string(d->attempt_id));
+    set_status(o, d->status, d->message);
+    if (d->status != KM_OK)
         return o;
-    }
     json_object_set_new(o, "decision_id", json_integer((json_int_t)d->decision_id));
     json_object_set_new(o, "pool", json_string(d->pool ? d->pool : ""));
-    json_object_set_new(o, "chosen", json_integer(d->chosen_worker));
+    json_object_set_new(o, "chosen_worker", json_integer(d->chosen_worker));
     json_object_set_new(o, "chosen_depth", json_integer(d->chosen_depth));
-    json_object_set_new(o, "chosen_state", json_string(d->chosen_state ? d->chosen_state : ""));
-    json_object_set_new(o, "owner", d->has_owner ? json_integer(d->owner_worker) : json_null());
+    json_object_set_new(o, "chosen_state", nullable_string(d->chosen_state));
+    json_object_set_new(o, "owner_worker", d->has_owner ? json_integer(d->owner_worker) : json_null());
     json_object_set_new(o, "owner_depth", json_integer(d->owner_depth));
-    json_object_set_new(o, "blocks", json_integer(d->n_blocks));
+    json_object_set_new(o, "owner_state", nullable_string(d->has_owner ? d->owner_state : NULL));
+    json_object_set_new(o, "n_blocks", json_integer(d->n_blocks));
+    json_object_set_new(o, "block_size", json_integer(d->block_size));
     json_object_set_new(o, "source", json_string(km_prediction_source_name(d->source)));
-    json_object_set_new(o, "policy", json_string(d->policy ? d->policy : ""));
-    json_object_set_new(o, "reason", json_string(d->reason ? d->reason : ""));
-    json_object_set_new(o, "load_kind", json_string(d->load_kind ? d->load_kind : ""));
-    /* NAN (round_robin weighs no load): null, as in the records; json_real would refuse it and
-     * drop the key. */
-    json_object_set_new(o, "load_value",
-                        isfinite(d->load_value) ? json_real(d->load_value) : json_null());
+    json_object_set_new(o, "policy", nullable_string(d->policy));
+    json_object_set_new(o, "reason", nullable_string(d->reason));
+    json_object_set_new(o, "load_kind", nullable_string(d->load_kind));
+    json_object_set_new(o, "load_scope", nullable_string(d->load_scope));
+    json_object_set_new(o, "load_value", nullable_real(d->load_value));
     json_t *cands = json_array();
     for (uint32_t i = 0; i < d->n_candidates; i++) {
         const km_candidate_score *c = &d->candidates[i];
         json_t *jc = json_object();
         json_object_set_new(jc, "worker", json_integer(c->worker));
         json_object_set_new(jc, "depth", json_integer(c->depth));
-        json_object_set_new(jc, "device", json_integer(c->device_blocks));
-        json_object_set_new(jc, "host", json_integer(c->host_blocks));
-        json_object_set_new(jc, "disk", json_integer(c->disk_blocks));
+        json_object_set_new(jc, "device_blocks", json_integer(c->device_blocks));
+        json_object_set_new(jc, "host_blocks", json_integer(c->host_blocks));
+        json_object_set_new(jc, "disk_blocks", json_integer(c->disk_blocks));
         json_object_set_new(jc, "in_flight", json_integer(c->load.in_flight));
-        json_object_set_new(jc, "cost", json_real(c->cost));
-        json_object_set_new(jc, "state", json_string(c->state ? c->state : ""));
+        json_object_set_new(jc, "pending_prefill_tokens",
+                            json_integer((json_int_t)c->load.pending_prefill_tokens));
+        json_object_set_new(jc, "active_decode_blocks",
+                            json_integer((json_int_t)c->load.active_decode_blocks));
+        json_object_set_new(jc, "cost", nullable_real(c->cost));
+        json_object_set_new(jc, "state", nullable_string(c->state));
+        json_object_set_new(jc, "eligible", json_boolean(c->eligible));
         json_array_append_new(cands, jc);
     }
     json_object_set_new(o, "candidates", cands);
+    return o;
+}
+
+static json_t *worker_json(const km_worker_info *wi)
+{
+    json_t *o = json_object();
+    json_object_set_new(o, "pool", json_string(wi->pool ? wi->pool : ""));
+    json_object_set_new(o, "worker", json_integer(wi->worker));
+    json_object_set_new(o, "name", nullable_string(wi->name));
+    json_object_set_new(o, "state", nullable_string(wi->state));
+    json_object_set_new(o, "blocks", wi->has_blocks ? json_integer((json_int_t)wi->blocks) : json_null());
+    json_object_set_new(o, "healthy", wi->has_healthy ? json_boolean(wi->healthy) : json_null());
+    json_object_set_new(o, "breaker", nullable_string(wi->breaker));
+    json_object_set_new(o, "eligible", wi->has_eligible ? json_boolean(wi->eligible) : json_null());
     return o;
 }
 
@@ -374,7 +417,13 @@ int km_cmd_route(int argc, char **argv)
             json_object_set_new(o, "ready", json_boolean(reply.status_reply.ready));
             json_object_set_new(o, "connections", json_integer(reply.status_reply.connections));
             json_object_set_new(o, "decisions", json_integer((json_int_t)reply.status_reply.decisions));
-            json_object_set_new(o, "workers", json_integer(reply.status_reply.n_workers));
+            json_object_set_new(o, "records_dropped",
+                                json_integer((json_int_t)reply.status_reply.records_dropped));
+            json_object_set_new(o, "backend", nullable_string(reply.status_reply.backend));
+            json_t *workers = json_array();
+            for (uint32_t i = 0; i < reply.status_reply.n_workers; i++)
+                json_array_append_new(workers, worker_json(&reply.status_reply.workers[i]));
+            json_object_set_new(o, "workers", workers);
             print_json(o);
         }
     } else if (finish) {
@@ -415,27 +464,13 @@ int km_cmd_route(int argc, char **argv)
         if (rc == KM_OK && reply.type == KM_MESSAGE_ACK) {
             for (uint32_t i = 0; i < reply.ack.n_items; i++) {
                 json_t *o = json_object();
-                json_object_set_new(o, "status", json_string(km_error_name(reply.ack.items[i].status)));
-                if (reply.ack.items[i].message)
-                    json_object_set_new(o, "message", json_string(reply.ack.items[i].message));
+                set_status(o, reply.ack.items[i].status, reply.ack.items[i].message);
                 exit_code |= reply.ack.items[i].status != KM_OK;
                 print_json(o);
             }
         } else if (rc == KM_OK && reply.type == KM_MESSAGE_WORKER_LIST) {
             for (uint32_t i = 0; i < reply.workers.n_workers; i++) {
-                const km_worker_info *wi = &reply.workers.workers[i];
-                json_t *o = json_object();
-                json_object_set_new(o, "pool", json_string(wi->pool ? wi->pool : ""));
-                json_object_set_new(o, "worker", json_integer(wi->worker));
-                json_object_set_new(o, "name", json_string(wi->name ? wi->name : ""));
-                json_object_set_new(o, "state", json_string(wi->state ? wi->state : ""));
-                json_object_set_new(o, "blocks", wi->has_blocks ? json_integer((json_int_t)wi->blocks)
-                                                                : json_null());
-                json_object_set_new(o, "healthy", wi->has_healthy ? json_boolean(wi->healthy)
-                                                                  : json_null());
-                json_object_set_new(o, "breaker", wi->breaker ? json_string(wi->breaker) : json_null());
-                json_object_set_new(o, "eligible", wi->has_eligible ? json_boolean(wi->eligible)
-                                                                    : json_null());
+                json_t *o = worker_json(&reply.workers.workers[i]);
                 print_json(o);
             }
         }
