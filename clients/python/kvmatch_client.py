@@ -33,36 +33,63 @@ for a connection-level ERROR, id 0, whatever its code, which the message names) 
 stays closed. So does a reply that cannot be read, does not fit its request or answers an id
 that is not outstanding (never sent, or answered already): it raises a ``KvmatchError`` with code
 -7 ``KM_ERR_TOO_LARGE``, -8 ``KM_ERR_PARSE`` or -16 ``KM_ERR_PROTOCOL`` and closes the connection.
-A Client is not thread-safe: use one per thread.
+A Client is not thread-safe: use one per thread. After any failure that closed it,
+``reconnect()`` dials the same address again (the requests that were in flight are not resent).
 """
 
 import socket
 import struct
 import time
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import msgpack
+
+Message = Dict[str, Any]
 
 PROTOCOL_VERSION = 1
 DEFAULT_SOCKET = "/tmp/kvmatch.sock"
 DEFAULT_MAX_FRAME_BYTES = 16 << 20
 CLIENT_NAME = "kvmatch-python"
 
-# km_status codes (include/kvmatch/error.h) used on this side.
+# Every km_status code (include/kvmatch/error.h): a decision's or ACK item's "status" and an
+# ERROR's "code" are one of these; error_name() gives the name.
+KM_OK = 0
 KM_ERR_INVALID_ARGUMENT = -1
+KM_ERR_NULL_POINTER = -2
+KM_ERR_BLOCK_SIZE = -3
+KM_ERR_WORKER_RANGE = -4
+KM_ERR_OUT_OF_MEMORY = -5
+KM_ERR_MEMORY_CAP = -6
 KM_ERR_TOO_LARGE = -7
 KM_ERR_PARSE = -8
+KM_ERR_BACKEND_UNAVAILABLE = -9
+KM_ERR_CUDA = -10
 KM_ERR_IO = -11
+KM_ERR_INTERNAL = -12
+KM_ERR_CORRUPT = -13
 KM_ERR_INCOMPATIBLE = -14
 KM_ERR_NOT_FOUND = -15
 KM_ERR_PROTOCOL = -16
+KM_ERR_OVERLOADED = -17
+KM_ERR_SHUTTING_DOWN = -18
 KM_ERR_TIMEOUT = -19
 KM_ERR_CLOSED = -20
+KM_ERR_NO_HEALTHY_WORKER = -21
+
+ERROR_NAMES = {code: name for name, code in globals().items()
+               if name.startswith("KM_") and isinstance(code, int) and code <= 0}
+
+
+def error_name(code: int) -> str:
+    """The km_status name of a code ("KM_ERR_NOT_FOUND"), or "KM_ERR_UNKNOWN(<code>)" for a code
+    this client does not know (a newer server)."""
+    return ERROR_NAMES.get(code, "KM_ERR_UNKNOWN(%d)" % code)
 
 
 class KvmatchError(Exception):
     """A failure with a km_status code (negative int), its name and a sentence."""
 
-    def __init__(self, code, name, message):
+    def __init__(self, code: int, name: str, message: str) -> None:
         super().__init__("%s: %s" % (name, message))
         self.code = code
         self.name = name
@@ -70,11 +97,12 @@ class KvmatchError(Exception):
 
 
 class ConnectionClosed(KvmatchError):
-    def __init__(self, message):
+    def __init__(self, message: str) -> None:
         super().__init__(KM_ERR_CLOSED, "KM_ERR_CLOSED", message)
 
 
-def outcome_from_stream(finish_reason, done_seen, http_status=None, error=None):
+def outcome_from_stream(finish_reason: Optional[str], done_seen: bool,
+                        http_status: Optional[int] = None, error: Optional[str] = None) -> str:
     """The outcome rule of docs/PROTOCOL.md: "error" when an error was seen or the HTTP status is
     known and not 2xx; else "complete" only when the final finish_reason and the [DONE] sentinel
     were both seen; else "incomplete" (even with HTTP 200)."""
@@ -151,8 +179,10 @@ def _expected_reply(message):
 class Client:
     """One connection to kvmatch serve. Create with Client.connect()."""
 
-    def __init__(self, sock, max_frame_bytes=DEFAULT_MAX_FRAME_BYTES):
+    def __init__(self, sock: socket.socket, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> None:
         self._sock = sock
+        self.address = None  # type: Optional[str]
+        self._client_name = CLIENT_NAME
         self._buffer = bytearray()
         self._next_id = 1
         self._kept = {}  # id -> reply dict, arrival order kept by dict order
@@ -162,12 +192,13 @@ class Client:
         self._abandoned = {}
         self._closed = False
         self._max_frame_bytes = max_frame_bytes
-        self.welcome = None
+        self.welcome = None  # type: Optional[Message]
 
     # ---- connection ---------------------------------------------------------------------------
 
     @classmethod
-    def connect(cls, address="unix:" + DEFAULT_SOCKET, timeout=5.0, client_name=CLIENT_NAME):
+    def connect(cls, address: str = "unix:" + DEFAULT_SOCKET, timeout: Optional[float] = 5.0,
+                client_name: str = CLIENT_NAME) -> "Client":
         """Connect and do the HELLO / WELCOME handshake within `timeout` seconds (None: no
         limit). Raises KvmatchError (KM_ERR_INCOMPATIBLE when the server refuses our version,
         KM_ERR_PARSE / KM_ERR_PROTOCOL for a reply that is unreadable, neither WELCOME nor ERROR,
@@ -209,11 +240,21 @@ class Client:
             raise KvmatchError(KM_ERR_INCOMPATIBLE, "KM_ERR_INCOMPATIBLE",
                                "the server speaks protocol %r" % reply.get("protocol"))
         client.welcome = reply
+        client.address, client._client_name = address, client_name
         limits = reply.get("limits") or {}
         client._max_frame_bytes = limits.get("max_frame_bytes", DEFAULT_MAX_FRAME_BYTES)
         return client
 
-    def close(self):
+    def reconnect(self, timeout: Optional[float] = 5.0) -> None:
+        """Close this connection (if open) and dial the same address again with a new handshake.
+        Requests in flight on the old connection get no reply (they are not resent: a router
+        decides again); kept replies are dropped. Raises as connect() does, leaving the client
+        closed."""
+        self.close()
+        fresh = type(self).connect(self.address, timeout, self._client_name)
+        self.__dict__.update(fresh.__dict__)
+
+    def close(self) -> None:
         """Close the connection. No reply is read after: the requests whose reply has not arrived
         are forgotten, and replies already kept are still returned by receive / wait."""
         if not self._closed:
@@ -227,25 +268,29 @@ class Client:
             except OSError:
                 pass
 
-    def __enter__(self):
+    def __enter__(self) -> "Client":
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: Any) -> None:
         self.close()
 
     @property
-    def outstanding(self):
+    def outstanding(self) -> int:
         """Requests sent whose reply has not been returned yet and still can be: not given up by a
         blocking call that timed out, and once the connection is closed only those whose reply
         had arrived (kept by wait; receive / wait still return them)."""
         return len(self._outstanding)
 
-    def fileno(self):
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def fileno(self) -> int:
         return self._sock.fileno()
 
     # ---- pipelined ----------------------------------------------------------------------------
 
-    def send(self, message, timeout=5.0):
+    def send(self, message: Message, timeout: Optional[float] = 5.0) -> int:
         """Send a request dict (its "id" is assigned here); returns the id."""
         if self._closed:
             raise ConnectionClosed("the connection is closed")
@@ -255,13 +300,13 @@ class Client:
         deadline = None if timeout is None else time.monotonic() + timeout
         return self._send_raw(message, deadline)
 
-    def send_route(self, routes, timeout=5.0):
+    def send_route(self, routes: Iterable[Message], timeout: Optional[float] = 5.0) -> int:
         return self.send({"type": "ROUTE", "routes": list(routes)}, timeout)
 
-    def send_lifecycle(self, events, timeout=5.0):
+    def send_lifecycle(self, events: Iterable[Message], timeout: Optional[float] = 5.0) -> int:
         return self.send({"type": "LIFECYCLE", "events": list(events)}, timeout)
 
-    def receive(self, timeout=5.0):
+    def receive(self, timeout: Optional[float] = 5.0) -> Message:
         """The next reply (kept ones first), whatever its id."""
         if self._kept:
             rid = next(iter(self._kept))
@@ -277,7 +322,7 @@ class Client:
         self._outstanding.pop(reply.get("id"), None)
         return reply
 
-    def wait(self, request_id, timeout=5.0):
+    def wait(self, request_id: int, timeout: Optional[float] = 5.0) -> Message:
         """The reply to request_id; replies to other ids that arrive meanwhile are kept."""
         if request_id in self._kept:
             self._outstanding.pop(request_id, None)
@@ -298,7 +343,7 @@ class Client:
 
     # ---- blocking -----------------------------------------------------------------------------
 
-    def call(self, message, timeout=5.0):
+    def call(self, message: Message, timeout: Optional[float] = 5.0) -> Message:
         """send + wait; an ERROR reply raises KvmatchError."""
         deadline = None if timeout is None else time.monotonic() + timeout
         rid = self.send(message, timeout)
@@ -310,29 +355,30 @@ class Client:
             self._abandoned[rid] = self._outstanding.pop(rid)
             raise
         if reply.get("type") == "ERROR":
-            raise KvmatchError(reply.get("code", KM_ERR_PROTOCOL), reply.get("name", "?"),
-                               _server_words(reply))
+            code = reply.get("code", KM_ERR_PROTOCOL)
+            raise KvmatchError(code, reply.get("name") or error_name(code), _server_words(reply))
         return reply
 
-    def route(self, routes, timeout=5.0):
+    def route(self, routes: Iterable[Message], timeout: Optional[float] = 5.0) -> Message:
         """ROUTE -> DECISION dict; check each decision's "status" (0 = decided)."""
         return self.call({"type": "ROUTE", "routes": list(routes)}, timeout)
 
-    def lifecycle(self, events, timeout=5.0):
+    def lifecycle(self, events: Iterable[Message], timeout: Optional[float] = 5.0) -> Message:
         """LIFECYCLE -> ACK dict with one {"status", "message"} per event."""
         return self.call({"type": "LIFECYCLE", "events": list(events)}, timeout)
 
-    def dispatched(self, timeout=5.0, **fields):
+    def dispatched(self, timeout: Optional[float] = 5.0, **fields: Any) -> Message:
         return self.lifecycle([dict(fields, event="DISPATCHED")], timeout)
 
-    def first_token(self, timeout=5.0, **fields):
+    def first_token(self, timeout: Optional[float] = 5.0, **fields: Any) -> Message:
         return self.lifecycle([dict(fields, event="FIRST_TOKEN")], timeout)
 
-    def finished(self, timeout=5.0, **fields):
+    def finished(self, timeout: Optional[float] = 5.0, **fields: Any) -> Message:
         """FINISHED; without an explicit "outcome" the server derives it by the outcome rule."""
         return self.lifecycle([dict(fields, event="FINISHED")], timeout)
 
-    def workers(self, action, workers=None, pool=None, timeout=5.0):
+    def workers(self, action: str, workers: Optional[Iterable[Message]] = None,
+                pool: Optional[str] = None, timeout: Optional[float] = 5.0) -> Message:
         message = {"type": "WORKERS", "action": action}
         if workers is not None:
             message["workers"] = list(workers)
@@ -340,13 +386,14 @@ class Client:
             message["pool"] = pool
         return self.call(message, timeout)
 
-    def pools(self, action, pools=None, timeout=5.0):
+    def pools(self, action: str, pools: Optional[Iterable[Message]] = None,
+              timeout: Optional[float] = 5.0) -> Message:
         message = {"type": "POOLS", "action": action}
         if pools is not None:
             message["pools"] = list(pools)
         return self.call(message, timeout)
 
-    def status(self, timeout=5.0):
+    def status(self, timeout: Optional[float] = 5.0) -> Message:
         return self.call({"type": "STATUS"}, timeout)
 
     # ---- frames -------------------------------------------------------------------------------

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Build and test one client of `kvmatch serve` against the real daemon: python.
+#   scripts/test-clients.sh LANGUAGE [KVMATCH_BINARY]
+# Exits 0 when the client's tests pass, 77 when the toolchain or a Debian package it needs is
+# absent (the last line says which; scripts/install-deps.sh --clients installs them), anything
+# else when a test fails. Everything is built offline in a temporary directory:
+#   python: a venv (Debian's python3, its system site packages for msgpack), the package installed
+#           into it with `pip install --no-index` from a copy of clients/python, then its tests and the fake-server
+#           test tests/test_python_client.py, run by the venv's python outside the source tree.
+set -uo pipefail
+lang=${1:?usage: test-clients.sh python [KVMATCH_BINARY]}
+root=$(cd "$(dirname "$0")/.." && pwd)
+bin=${2:-${KM_BIN:-}}
+if [ -z "$bin" ]; then
+    for b in "$root/build/kvmatch" "$root/build-cpu/kvmatch"; do
+        [ -x "$b" ] && { bin=$b; break; }
+    done
+fi
+[ -n "$bin" ] && [ -x "$bin" ] || { echo "test-clients: no kvmatch binary (make, or pass one)"; exit 1; }
+export KM_BIN=$(cd "$(dirname "$bin")" && pwd)/$(basename "$bin")
+work=$(mktemp -d /tmp/kvmatch-clients-XXXXXX)
+trap 'rm -rf "$work"' EXIT
+
+skip() { echo "skipped: $*"; exit 77; }
+has_deb() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok installed"; }
+
+case "$lang" in
+python)
+    py=/usr/bin/python3
+    [ -x "$py" ] || skip "Debian's python3 is not installed"
+    "$py" -c 'import venv, ensurepip' 2>/dev/null || skip "python3-venv is not installed"
+    "$py" -c 'import msgpack' 2>/dev/null || skip "python3-msgpack is not installed"
+    "$py" -m venv --system-site-packages "$work/venv" || exit 1
+    # Installed from a copy, so the build leaves nothing in the source tree.
+    cp -r "$root/clients/python" "$work/package" && rm -rf "$work/package/tests" || exit 1
+    "$work/venv/bin/pip" install -q --no-index --no-build-isolation "$work/package" || exit 1
+    cd "$work" || exit 1
+    "$work/venv/bin/python" -c 'import kvmatch_client, sys; sys.exit(not kvmatch_client.__file__.startswith(sys.prefix))' \
+        || { echo "test-clients: kvmatch_client was not imported from the venv"; exit 1; }
+    timeout 180 "$work/venv/bin/python" "$root/clients/python/tests/test_server.py" || exit 1
+    timeout 120 "$work/venv/bin/python" "$root/tests/test_python_client.py" || exit 1
+    ;;
+*)
+    echo "test-clients: unknown language $lang (python)"; exit 2 ;;
+esac
