@@ -2,11 +2,12 @@
 # Install the Debian packages kvmatch needs, only those missing. Called by `make run` / `make test`.
 # (chromium: the headless render check of `kvmatch analyze --html`; python3-*: test tooling.)
 # With --clients, also what the client tests need (scripts/test-clients.sh; without these they
-# are reported skipped): python3-venv for the Python package.
+# are reported skipped): python3-venv for the Python package, Debian's Go toolchain and msgpack
+# package for Go.
 # Uses apt-get as root, or through sudo when available. Prints nothing when all are present.
 set -euo pipefail
 packages=(build-essential pkg-config libxxhash-dev libjansson-dev libmsgpack-dev libzmq3-dev libuv1-dev libmicrohttpd-dev libcriterion-dev python3 python3-msgpack python3-jsonschema chromium)
-client_packages=(python3-venv)
+client_packages=(python3-venv golang-go golang-github-vmihailenco-msgpack.v5-dev)
 if [ "${1:-}" = "--clients" ]; then
     packages+=("${client_packages[@]}")
 fi

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build and test one client of `kvmatch serve` against the real daemon: python.
+# Build and test one client of `kvmatch serve` against the real daemon: python or go.
 #   scripts/test-clients.sh LANGUAGE [KVMATCH_BINARY]
 # Exits 0 when the client's tests pass, 77 when the toolchain or a Debian package it needs is
 # absent (the last line says which; scripts/install-deps.sh --clients installs them), anything
@@ -7,8 +7,11 @@
 #   python: a venv (Debian's python3, its system site packages for msgpack), the package installed
 #           into it with `pip install --no-index` from a copy of clients/python, then its tests and the fake-server
 #           test tests/test_python_client.py, run by the venv's python outside the source tree.
+#   go:     Debian's Go toolchain (/usr/bin/go) and Debian's msgpack package for Go, in GOPATH mode
+#           (the module linked into a temporary GOPATH beside /usr/share/gocode, where Debian
+#           installs Go sources), GOPROXY=off; gofmt and go vet must be clean.
 set -uo pipefail
-lang=${1:?usage: test-clients.sh python [KVMATCH_BINARY]}
+lang=${1:?usage: test-clients.sh python|go [KVMATCH_BINARY]}
 root=$(cd "$(dirname "$0")/.." && pwd)
 bin=${2:-${KM_BIN:-}}
 if [ -z "$bin" ]; then
@@ -40,6 +43,21 @@ python)
     timeout 180 "$work/venv/bin/python" "$root/clients/python/tests/test_server.py" || exit 1
     timeout 120 "$work/venv/bin/python" "$root/tests/test_python_client.py" || exit 1
     ;;
+go)
+    has_deb golang-go || skip "golang-go (Debian's Go toolchain) is not installed"
+    has_deb golang-github-vmihailenco-msgpack.v5-dev \
+        || skip "golang-github-vmihailenco-msgpack.v5-dev (msgpack for Go) is not installed"
+    export GO111MODULE=off GOPROXY=off GOFLAGS= GOPATH="$work/gopath:/usr/share/gocode" \
+        GOCACHE="$work/gocache" KM_ROOT="$root"
+    mkdir -p "$work/gopath/src/kvmatch/clients" || exit 1
+    ln -s "$root/clients/go" "$work/gopath/src/kvmatch/clients/go" || exit 1
+    cd "$work/gopath/src/kvmatch/clients/go" || exit 1
+    unformatted=$(/usr/bin/gofmt -l .)
+    [ -z "$unformatted" ] || { echo "test-clients: gofmt would change: $unformatted"; exit 1; }
+    /usr/bin/go vet ./... || exit 1
+    timeout 400 /usr/bin/go test -count=1 -v ./... 2>&1 | grep -v -E '^(=== RUN|=== PAUSE|=== CONT)'
+    [ "${PIPESTATUS[0]}" -eq 0 ] || exit 1
+    ;;
 *)
-    echo "test-clients: unknown language $lang (python)"; exit 2 ;;
+    echo "test-clients: unknown language $lang (python, go)"; exit 2 ;;
 esac

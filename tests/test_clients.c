@@ -1,4 +1,4 @@
-/* The clients of clients/ against a real `kvmatch serve`: each test runs
+/* The Python and Go clients (clients/) against a real `kvmatch serve`: each test runs
  * scripts/test-clients.sh for one language, which builds the client offline and runs its own tests
  * (they start the daemon, $KM_BIN, on a Unix socket in a temporary directory). A language whose
  * toolchain or Debian packages are absent is reported skipped with the script's reason
@@ -30,4 +30,9 @@ static void run_client_tests(const char *language)
 Test(clients, python_package_against_the_daemon, .timeout = 300)
 {
     run_client_tests("python");
+}
+
+Test(clients, go_client_against_the_daemon, .timeout = 600)
+{
+    run_client_tests("go");
 }

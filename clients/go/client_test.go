@@ -1,0 +1,606 @@
+package kvmatch
+
+// The client against a real `kvmatch serve` ($KM_BIN, else build/kvmatch or build-cpu/kvmatch)
+// started on a Unix socket in a temporary directory: routes (blocking, pipelined from many
+// goroutines, batched), the lifecycle reports, WORKERS / POOLS / STATUS, each error the server
+// answers, a server that goes away mid-request and reconnecting once it is back. Replies a real
+// server never sends (wrong count, wrong type, unknown id, connection-level ERROR, unreadable or
+// oversize frames) come from a fake server written here. Every test is bounded by a context.
+
+import (
+	"bytes"
+	"context"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"strconv"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/vmihailenco/msgpack/v5"
+)
+
+const testWorkers = 3
+
+func repoRoot(t *testing.T) string {
+	dir, err := filepath.Abs("../..")
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Built from a GOPATH link, the working directory is the link's: find the root by its header.
+	if _, err := os.Stat(filepath.Join(dir, "include/kvmatch/error.h")); err != nil {
+		if root := os.Getenv("KM_ROOT"); root != "" {
+			return root
+		}
+		t.Fatalf("no repository root above %s (set KM_ROOT)", dir)
+	}
+	return dir
+}
+
+func kvmatchBinary(t *testing.T) string {
+	candidates := []string{os.Getenv("KM_BIN"), filepath.Join(repoRoot(t), "build/kvmatch"),
+		filepath.Join(repoRoot(t), "build-cpu/kvmatch")}
+	for _, c := range candidates {
+		if c == "" {
+			continue
+		}
+		if st, err := os.Stat(c); err == nil && st.Mode()&0o111 != 0 {
+			return c
+		}
+	}
+	t.Fatal("no kvmatch binary: build it with make, or set KM_BIN")
+	return ""
+}
+
+type server struct {
+	t       *testing.T
+	dir     string
+	address string
+	cmd     *exec.Cmd
+}
+
+func startServer(t *testing.T) *server {
+	s := &server{t: t, dir: t.TempDir()}
+	s.address = "unix:" + filepath.Join(s.dir, "kvmatch.sock")
+	s.start()
+	t.Cleanup(s.stop)
+	return s
+}
+
+func (s *server) start() {
+	path := s.address[5:]
+	os.Remove(path)
+	args := []string{"serve", "--socket", path, "--records", "none", "--max-workers", "64",
+		"--pool", "default:16:kv"}
+	for w := 0; w < testWorkers; w++ {
+		args = append(args, "--worker", fmt.Sprintf("default:%d", w))
+	}
+	s.cmd = exec.Command(kvmatchBinary(s.t), args...)
+	log, _ := os.Create(filepath.Join(s.dir, "serve.log"))
+	s.cmd.Stderr = log
+	if err := s.cmd.Start(); err != nil {
+		s.t.Fatal(err)
+	}
+	deadline := time.Now().Add(20 * time.Second)
+	for time.Now().Before(deadline) {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+		c, err := Dial(ctx, s.address)
+		cancel()
+		if err == nil {
+			c.Close()
+			return
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	s.t.Fatalf("kvmatch serve did not accept on %s", path)
+}
+
+// pause stops the server (SIGSTOP) and returns once every thread of it is stopped.
+func (s *server) pause() {
+	s.cmd.Process.Signal(syscall.SIGSTOP)
+	deadline := time.Now().Add(10 * time.Second)
+	for time.Now().Before(deadline) {
+		tasks, _ := filepath.Glob(fmt.Sprintf("/proc/%d/task/*/stat", s.cmd.Process.Pid))
+		stopped := len(tasks) > 0
+		for _, task := range tasks {
+			b, _ := os.ReadFile(task)
+			rest := b[bytes.LastIndexByte(b, ')')+1:]
+			if len(rest) < 2 || rest[1] != 'T' {
+				stopped = false
+			}
+		}
+		if stopped {
+			return
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	s.t.Fatal("kvmatch serve did not stop")
+}
+
+func (s *server) kill() {
+	if s.cmd != nil && s.cmd.ProcessState == nil {
+		s.cmd.Process.Kill()
+		s.cmd.Wait()
+	}
+}
+
+func (s *server) stop() {
+	if s.cmd != nil && s.cmd.ProcessState == nil {
+		s.cmd.Process.Signal(syscall.SIGTERM)
+		done := make(chan struct{})
+		go func() { s.cmd.Wait(); close(done) }()
+		select {
+		case <-done:
+		case <-time.After(20 * time.Second):
+			s.cmd.Process.Kill()
+			<-done
+		}
+	}
+}
+
+func testContext(t *testing.T) context.Context {
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	t.Cleanup(cancel)
+	return ctx
+}
+
+func dialT(t *testing.T, ctx context.Context, address string) *Client {
+	c, err := Dial(ctx, address)
+	if err != nil {
+		t.Fatalf("dial %s: %v", address, err)
+	}
+	t.Cleanup(func() { c.Close() })
+	return c
+}
+
+func prompt(n, seed int) []uint32 {
+	p := make([]uint32, n)
+	for i := range p {
+		p[i] = uint32((seed*7919 + i*31) % 50000)
+	}
+	return p
+}
+
+func u32(v uint32) *uint32   { return &v }
+func u64(v uint64) *uint64   { return &v }
+func f64(v float64) *float64 { return &v }
+func boolp(v bool) *bool     { return &v }
+
+func expectCode(t *testing.T, err error, code Code, what string) {
+	t.Helper()
+	var ke *Error
+	if !errors.Is(err, code) || !errors.As(err, &ke) || ke.Code != code {
+		t.Fatalf("%s: expected %s, got %v", what, code.Name(), err)
+	}
+}
+
+func statuses(items []AckItem) []Code {
+	out := make([]Code, len(items))
+	for i, it := range items {
+		out[i] = it.Status
+	}
+	return out
+}
+
+func TestErrorNamesMatchTheHeader(t *testing.T) {
+	header, err := os.ReadFile(filepath.Join(repoRoot(t), "include/kvmatch/error.h"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	found := regexp.MustCompile(`X\((KM_\w+), (-?\d+),`).FindAllSubmatch(header, -1)
+	if len(found) == 0 || len(found) != len(CodeNames) {
+		t.Fatalf("error.h has %d codes, the client %d", len(found), len(CodeNames))
+	}
+	for _, m := range found {
+		code, _ := strconv.Atoi(string(m[2]))
+		if Code(code).Name() != string(m[1]) {
+			t.Errorf("code %d: client names it %s, error.h %s", code, Code(code).Name(), m[1])
+		}
+	}
+	if Code(-99).Name() != "KM_ERR_UNKNOWN(-99)" {
+		t.Errorf("an unknown code: %s", Code(-99).Name())
+	}
+}
+
+func TestOutcomeRule(t *testing.T) {
+	cases := []struct {
+		reason        string
+		done          bool
+		status        uint32
+		errSeen, want string
+	}{{"stop", true, 200, "", "complete"}, {"stop", false, 200, "", "incomplete"},
+		{"", true, 200, "", "incomplete"}, {"stop", true, 503, "", "error"},
+		{"stop", true, 200, "reset", "error"}, {"length", true, 0, "", "complete"}}
+	for _, c := range cases {
+		if got := OutcomeFromStream(c.reason, c.done, c.status, c.errSeen); got != c.want {
+			t.Errorf("%+v: got %s", c, got)
+		}
+	}
+}
+
+func TestAddressForms(t *testing.T) {
+	ctx := testContext(t)
+	for _, bad := range []string{"", "unix:", "tcp:nohost", "http://x", "tcp::80"} {
+		_, err := Dial(ctx, bad)
+		expectCode(t, err, ErrInvalidArgument, "address "+strconv.Quote(bad))
+	}
+}
+
+func TestRouteAndLifecycle(t *testing.T) {
+	s := startServer(t)
+	ctx := testContext(t)
+	c := dialT(t, ctx, s.address)
+	if c.Welcome().Limits.MaxBatchItems == 0 || c.Welcome().Protocol != 1 {
+		t.Fatalf("welcome %+v", c.Welcome())
+	}
+	tokens := prompt(100, 1)
+	ds, err := c.Route(ctx, RouteRequest{RequestID: "r1", AttemptID: "0", Pool: "default",
+		Tokens: tokens, ExpectedOutputTokens: u64(50)})
+	if err != nil || len(ds) != 1 || ds[0].Err() != nil {
+		t.Fatalf("route: %v %+v", err, ds)
+	}
+	d := ds[0]
+	if d.ChosenWorker >= testWorkers || d.NBlocks != 6 || d.BlockSize != 16 || d.Source != "approx" ||
+		d.Policy != "kv" || d.LoadScope != "this_instance" || len(d.Candidates) != testWorkers ||
+		d.LoadValue == nil || d.OwnerWorker != nil {
+		t.Fatalf("decision %+v", d)
+	}
+	for _, ev := range []LifecycleEvent{
+		{Event: EventDispatched, DecisionID: d.DecisionID, Worker: u32(d.ChosenWorker), ElapsedMs: f64(1)},
+		{Event: EventFirstToken, DecisionID: d.DecisionID, ElapsedMs: f64(20)},
+		{Event: EventFinished, DecisionID: d.DecisionID, FinishReason: "stop", DoneSeen: true,
+			HTTPStatus: 200, CachedTokens: u64(0), ElapsedMs: f64(90)},
+	} {
+		if err := c.Report(ctx, ev); err != nil {
+			t.Fatalf("%s: %v", ev.Event, err)
+		}
+	}
+	again, err := c.Route(ctx, RouteRequest{RequestID: "r2", Tokens: tokens, Brief: true})
+	if err != nil || again[0].OwnerWorker == nil || *again[0].OwnerWorker != d.ChosenWorker ||
+		again[0].OwnerDepth != 6 || len(again[0].Candidates) != 0 {
+		t.Fatalf("the chosen worker learned the prompt: %v %+v", err, again)
+	}
+	d3, _ := c.Route(ctx, RouteRequest{RequestID: "r3", Tokens: tokens})
+	items, err := c.Lifecycle(ctx,
+		LifecycleEvent{Event: EventFinished, RequestID: "r1", AttemptID: "0"},
+		LifecycleEvent{Event: EventDispatched, DecisionID: 987654321},
+		LifecycleEvent{Event: EventFirstToken, DecisionID: d3[0].DecisionID},
+		LifecycleEvent{Event: EventFirstToken, DecisionID: d3[0].DecisionID},
+		LifecycleEvent{Event: EventFinished, DecisionID: d3[0].DecisionID, Outcome: "complete", FinishReason: "stop"},
+		LifecycleEvent{Event: EventFinished, DecisionID: d3[0].DecisionID, ElapsedMs: f64(-1)})
+	want := []Code{ErrProtocol, ErrNotFound, OK, ErrProtocol, ErrInvalidArgument, ErrInvalidArgument}
+	if err != nil || fmt.Sprint(statuses(items)) != fmt.Sprint(want) {
+		t.Fatalf("lifecycle statuses %v, want %v (%v)", statuses(items), want, err)
+	}
+	if err := items[1].Err(); !errors.Is(err, ErrNotFound) || err.(*Error).Message == "" {
+		t.Fatalf("an item's error says why: %v", err)
+	}
+}
+
+func TestRouteErrors(t *testing.T) {
+	s := startServer(t)
+	ctx := testContext(t)
+	c := dialT(t, ctx, s.address)
+	ds, err := c.Route(ctx,
+		RouteRequest{RequestID: "ok", Tokens: prompt(40, 0)},
+		RouteRequest{RequestID: "nopool", Pool: "nope", Tokens: prompt(40, 0)},
+		RouteRequest{RequestID: "nomodel", Model: "no-such-model", Tokens: prompt(40, 0)},
+		RouteRequest{RequestID: "badsize", Hashes: []uint64{1, 2}, BlockSize: 32},
+		RouteRequest{RequestID: "", Tokens: []uint32{1}},
+		RouteRequest{RequestID: "range", Tokens: prompt(20, 0), Candidates: []uint32{63}},
+		RouteRequest{RequestID: "empty"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	got := make([]Code, len(ds))
+	for i := range ds {
+		got[i] = ds[i].Status
+		if i > 0 && i < 6 && ds[i].Message == "" {
+			t.Errorf("route %d failed without a message", i)
+		}
+	}
+	want := []Code{OK, ErrNotFound, ErrNotFound, ErrInvalidArgument, ErrParse, ErrNotFound, OK}
+	if fmt.Sprint(got) != fmt.Sprint(want) {
+		t.Fatalf("per-route statuses %v, want %v: %+v", got, want, ds)
+	}
+	call, err := c.SendMessage(ctx, map[string]interface{}{"type": "NO_SUCH_TYPE"})
+	reply, err := do(ctx, call, err)
+	expectCode(t, err, ErrProtocol, "an unknown type")
+	if reply == nil || reply.Type != "ERROR" {
+		t.Fatalf("the ERROR reply is returned: %+v", reply)
+	}
+	call, err = c.SendMessage(ctx, map[string]interface{}{"type": "ROUTE", "routes": "r"})
+	_, err = do(ctx, call, err)
+	expectCode(t, err, ErrParse, "routes not an array")
+	many := make([]RouteRequest, c.Welcome().Limits.MaxBatchItems+1)
+	for i := range many {
+		many[i].RequestID = fmt.Sprint("x", i)
+	}
+	_, err = c.Route(ctx, many...)
+	expectCode(t, err, ErrTooLarge, "a batch over max_batch_items")
+	call, err = c.SendMessage(ctx, map[string]interface{}{"type": "WORKERS", "action": "explode"})
+	_, err = do(ctx, call, err)
+	expectCode(t, err, ErrParse, "an unknown WORKERS action")
+	if ds, err := c.Route(ctx, RouteRequest{RequestID: "still", Tokens: []uint32{1}}); err != nil || ds[0].Err() != nil {
+		t.Fatalf("still serving after the errors: %v", err)
+	}
+	if items, err := c.UpdateWorkers(ctx, Worker{Pool: "default", Worker: 1, Healthy: boolp(false)}); err != nil || items[0].Err() != nil {
+		t.Fatalf("health update: %v %+v", err, items)
+	}
+	ds, _ = c.Route(ctx, RouteRequest{RequestID: "down", Tokens: []uint32{1}, Candidates: []uint32{1}})
+	if !errors.Is(ds[0].Err(), ErrNoHealthyWorker) {
+		t.Fatalf("only an unhealthy candidate: %+v", ds[0])
+	}
+}
+
+func TestAdmin(t *testing.T) {
+	s := startServer(t)
+	ctx := testContext(t)
+	c := dialT(t, ctx, s.address)
+	ws, err := c.ListWorkers(ctx, "")
+	if err != nil || len(ws) != testWorkers || ws[0].Eligible == nil || ws[0].State == "" {
+		t.Fatalf("list: %v %+v", err, ws)
+	}
+	items, err := c.AddWorkers(ctx, Worker{Pool: "default", Worker: 10, Name: "w10"},
+		Worker{Pool: "default", Worker: 1000}, Worker{Pool: "nope", Worker: 11},
+		Worker{Pool: "default", Worker: 12, Name: "bad\nname"},
+		Worker{Pool: "default", Worker: 13, ReplayEndpoint: "tcp://127.0.0.1:1"})
+	want := []Code{OK, ErrWorkerRange, ErrNotFound, ErrInvalidArgument, ErrInvalidArgument}
+	if err != nil || fmt.Sprint(statuses(items)) != fmt.Sprint(want) {
+		t.Fatalf("add statuses %v, want %v (%v)", statuses(items), want, err)
+	}
+	if ws, _ := c.ListWorkers(ctx, "default"); len(ws) != testWorkers+1 {
+		t.Fatalf("w10 listed: %+v", ws)
+	}
+	items, _ = c.RemoveWorkers(ctx, Worker{Pool: "default", Worker: 10}, Worker{Pool: "default", Worker: 99})
+	if fmt.Sprint(statuses(items)) != fmt.Sprint([]Code{OK, ErrNotFound}) {
+		t.Fatalf("remove statuses %v", statuses(items))
+	}
+	items, _ = c.UpdateWorkers(ctx, Worker{Pool: "default", Worker: 0})
+	if items[0].Status != ErrInvalidArgument {
+		t.Fatalf("update without healthy: %+v", items)
+	}
+	items, _ = c.AddPools(ctx, Pool{Name: "second", BlockSize: 32, Policy: "least_load"}, Pool{Name: "nosize"})
+	if fmt.Sprint(statuses(items)) != fmt.Sprint([]Code{OK, ErrBlockSize}) {
+		t.Fatalf("pool add statuses %v", statuses(items))
+	}
+	pools, err := c.ListPools(ctx)
+	if err != nil || len(pools) != 2 || pools[1].Name != "second" || pools[1].BlockSize != 32 || len(pools[1].Params) == 0 {
+		t.Fatalf("pool list: %v %+v", err, pools)
+	}
+	st, err := c.Status(ctx)
+	if err != nil || st.KvmatchVersion == "" || len(st.Workers) != testWorkers || st.Backend == "" {
+		t.Fatalf("status: %v %+v", err, st)
+	}
+}
+
+func TestPipelinedFromManyGoroutines(t *testing.T) {
+	s := startServer(t)
+	ctx := testContext(t)
+	c := dialT(t, ctx, s.address)
+	var wg sync.WaitGroup
+	errs := make(chan error, 16)
+	for g := 0; g < 16; g++ {
+		wg.Add(1)
+		go func(g int) {
+			defer wg.Done()
+			for i := 0; i < 20; i++ {
+				routes := make([]RouteRequest, 1+i%4)
+				for j := range routes {
+					routes[j] = RouteRequest{RequestID: fmt.Sprintf("g%d-%d-%d", g, i, j), Tokens: prompt(16*(j+1), g*100+i)}
+				}
+				ds, err := c.Route(ctx, routes...)
+				if err == nil && len(ds) != len(routes) {
+					err = fmt.Errorf("%d decisions for %d routes", len(ds), len(routes))
+				}
+				for j := 0; err == nil && j < len(ds); j++ {
+					if ds[j].RequestID != routes[j].RequestID {
+						err = fmt.Errorf("decision %d answers %s, not %s", j, ds[j].RequestID, routes[j].RequestID)
+					}
+				}
+				if err != nil {
+					errs <- err
+					return
+				}
+			}
+		}(g)
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Fatal(err)
+	}
+	// Sent first, waited for in reverse order.
+	var calls []*Call
+	for i := 0; i < 8; i++ {
+		call, err := c.SendRoute(ctx, []RouteRequest{{RequestID: fmt.Sprint("p", i), Tokens: []uint32{uint32(i)}}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		calls = append(calls, call)
+	}
+	for i := len(calls) - 1; i >= 0; i-- {
+		reply, err := calls[i].Wait(ctx)
+		if err != nil || reply.ID != calls[i].ID || reply.Decisions[0].RequestID != fmt.Sprint("p", i) {
+			t.Fatalf("call %d: %v %+v", i, err, reply)
+		}
+	}
+	if c.Outstanding() != 0 {
+		t.Fatalf("%d still outstanding", c.Outstanding())
+	}
+}
+
+func TestServerGoesAwayThenReconnect(t *testing.T) {
+	s := startServer(t)
+	ctx := testContext(t)
+	c := dialT(t, ctx, s.address)
+	s.pause() // the request is read by no one ...
+	call, err := c.SendRoute(ctx, []RouteRequest{{RequestID: "lost", Tokens: prompt(32, 0)}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	s.kill() // ... and the server dies with it in flight
+	_, err = call.Wait(ctx)
+	expectCode(t, err, ErrClosed, "server gone mid-request")
+	_, err = c.Route(ctx, RouteRequest{RequestID: "x"})
+	expectCode(t, err, ErrClosed, "a call after")
+	short, cancel := context.WithTimeout(ctx, time.Second)
+	if err := c.Reconnect(short); err == nil {
+		t.Fatal("reconnect with no server succeeded")
+	}
+	cancel()
+	s.start()
+	if err := c.Reconnect(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if ds, err := c.Route(ctx, RouteRequest{RequestID: "back", Tokens: []uint32{1}}); err != nil || ds[0].Err() != nil {
+		t.Fatalf("served again: %v", err)
+	}
+}
+
+// ---- a fake server, for replies a real one never sends -----------------------------------------
+
+type fakeMode int
+
+const (
+	fakeMiscount        fakeMode = iota // one decision fewer than routes
+	fakeWrongType                       // a ROUTE answered with STATUS_REPLY
+	fakeUnknownID                       // a reply to an id never sent
+	fakeConnectionError                 // ERROR id 0
+	fakeGarbage                         // a payload that is not msgpack
+	fakeDeep                            // nested deeper than the client reads
+	fakeOversize                        // a frame over max_frame_bytes
+	fakeWelcomeWrongID                  // WELCOME to another id than the HELLO's
+	fakeRefuseHello                     // ERROR KM_ERR_INCOMPATIBLE to the HELLO
+	fakeSilentOnce                      // the first ROUTE gets no reply, the next ones one each
+)
+
+func fakeServer(t *testing.T, mode fakeMode) string {
+	path := filepath.Join(t.TempDir(), "fake.sock")
+	l, err := net.Listen("unix", path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { l.Close() })
+	go func() {
+		nc, err := l.Accept()
+		if err != nil {
+			return
+		}
+		defer nc.Close()
+		send := func(m map[string]interface{}) {
+			b, _ := msgpack.Marshal(m)
+			writeFrame(nc, b)
+		}
+		silent := mode == fakeSilentOnce
+		for {
+			var header [4]byte
+			if _, err := io.ReadFull(nc, header[:]); err != nil {
+				return
+			}
+			payload := make([]byte, binary.BigEndian.Uint32(header[:]))
+			if _, err := io.ReadFull(nc, payload); err != nil {
+				return
+			}
+			var m map[string]interface{}
+			if msgpack.Unmarshal(payload, &m) != nil {
+				return
+			}
+			id := m["id"]
+			switch {
+			case m["type"] == "HELLO" && mode == fakeRefuseHello:
+				send(map[string]interface{}{"type": "ERROR", "id": id, "code": -14, "name": "KM_ERR_INCOMPATIBLE", "message": "protocol 1 is not spoken here"})
+			case m["type"] == "HELLO" && mode == fakeWelcomeWrongID:
+				send(map[string]interface{}{"type": "WELCOME", "id": 7, "protocol": 1, "kvmatch_version": "fake"})
+			case m["type"] == "HELLO":
+				send(map[string]interface{}{"type": "WELCOME", "id": id, "protocol": 1, "kvmatch_version": "fake",
+					"limits": map[string]interface{}{"max_frame_bytes": 4096, "max_batch_items": 16}})
+			case silent:
+				silent = false
+			default:
+				routes, _ := m["routes"].([]interface{})
+				decisions := []interface{}{}
+				for range routes {
+					decisions = append(decisions, map[string]interface{}{"status": 0, "decision_id": 1, "chosen_worker": 2, "source": "events",
+						"candidates": []interface{}{[]interface{}{2, 1, 1, 0, 0, 0, 0, 0, nil, "LIVE", true, "appended"}}})
+				}
+				switch mode {
+				case fakeMiscount:
+					send(map[string]interface{}{"type": "DECISION", "id": id, "decisions": decisions[1:]})
+				case fakeWrongType:
+					send(map[string]interface{}{"type": "STATUS_REPLY", "id": id, "kvmatch_version": "fake"})
+				case fakeUnknownID:
+					send(map[string]interface{}{"type": "DECISION", "id": 4242, "decisions": decisions})
+				case fakeConnectionError:
+					send(map[string]interface{}{"type": "ERROR", "id": 0, "code": -19, "name": "KM_ERR_TIMEOUT", "message": "idle"})
+				case fakeGarbage:
+					writeFrame(nc, []byte{0xc1, 0x00})
+				case fakeDeep:
+					deep := bytes.Repeat([]byte{0x91}, 100)
+					writeFrame(nc, append(deep, 0xc0))
+				case fakeOversize:
+					var h [4]byte
+					binary.BigEndian.PutUint32(h[:], 1<<20)
+					nc.Write(h[:])
+				default:
+					send(map[string]interface{}{"type": "DECISION", "id": id, "decisions": decisions})
+				}
+			}
+		}
+	}()
+	return "unix:" + path
+}
+
+func TestRefusedReplies(t *testing.T) {
+	ctx := testContext(t)
+	for _, tc := range []struct {
+		mode fakeMode
+		code Code
+		name string
+	}{{fakeMiscount, ErrProtocol, "one decision fewer"}, {fakeWrongType, ErrProtocol, "wrong type"},
+		{fakeUnknownID, ErrProtocol, "unknown id"}, {fakeConnectionError, ErrClosed, "connection-level ERROR"},
+		{fakeGarbage, ErrParse, "not msgpack"}, {fakeDeep, ErrParse, "nested too deep"},
+		{fakeOversize, ErrTooLarge, "frame over max_frame_bytes"}} {
+		c := dialT(t, ctx, fakeServer(t, tc.mode))
+		_, err := c.Route(ctx, RouteRequest{RequestID: "a"}, RouteRequest{RequestID: "b"})
+		expectCode(t, err, tc.code, tc.name)
+		if c.Err() == nil {
+			t.Fatalf("%s: the connection stays open", tc.name)
+		}
+		_, err = c.Route(ctx, RouteRequest{RequestID: "c"})
+		expectCode(t, err, ErrClosed, tc.name+": a call after")
+	}
+	_, err := Dial(ctx, fakeServer(t, fakeWelcomeWrongID))
+	expectCode(t, err, ErrProtocol, "a WELCOME to another id")
+	_, err = Dial(ctx, fakeServer(t, fakeRefuseHello))
+	expectCode(t, err, ErrIncompatible, "a refused handshake")
+}
+
+func TestDeadlineGivesTheRequestUp(t *testing.T) {
+	ctx := testContext(t)
+	c := dialT(t, ctx, fakeServer(t, fakeSilentOnce))
+	short, cancel := context.WithTimeout(ctx, 200*time.Millisecond)
+	_, err := c.Route(short, RouteRequest{RequestID: "slow"})
+	cancel()
+	if !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("expected the deadline, got %v", err)
+	}
+	ds, err := c.Route(ctx, RouteRequest{RequestID: "next"})
+	if err != nil || len(ds) != 1 || ds[0].Candidates[0].Cost != nil || ds[0].Candidates[0].State != "LIVE" {
+		t.Fatalf("the connection stays usable: %v %+v", err, ds)
+	}
+	big := make([]uint32, 4096)
+	_, err = c.Route(ctx, RouteRequest{RequestID: "big", Tokens: big})
+	expectCode(t, err, ErrTooLarge, "a request over max_frame_bytes is not sent")
+	if c.Err() != nil {
+		t.Fatal("refusing to send does not close the connection")
+	}
+}

@@ -1,0 +1,445 @@
+package kvmatch
+
+import (
+	"github.com/vmihailenco/msgpack/v5"
+)
+
+// The messages of docs/PROTOCOL.md. Go names are the wire names in CamelCase (chosen_worker is
+// ChosenWorker); the msgpack tags are the wire names. A pointer field is one whose absence means
+// something other than its zero value (OwnerWorker: no worker holds block 0; LoadValue: the
+// policy weighed no load; CachedTokens: unknown).
+
+// Limits are the server's limits from WELCOME; a client stays within them in what it sends.
+type Limits struct {
+	MaxFrameBytes     uint32 `msgpack:"max_frame_bytes"`
+	MaxObjects        uint32 `msgpack:"max_objects"`
+	MaxBatchItems     uint32 `msgpack:"max_batch_items"`
+	MaxTokensPerRoute uint32 `msgpack:"max_tokens_per_route"`
+	MaxHashesPerRoute uint32 `msgpack:"max_hashes_per_route"`
+	MaxCandidates     uint32 `msgpack:"max_candidates"`
+	MaxParams         uint32 `msgpack:"max_params"`
+	MaxStringBytes    uint32 `msgpack:"max_string_bytes"`
+}
+
+// Welcome is the server's answer to the handshake.
+type Welcome struct {
+	Protocol       uint32 `msgpack:"protocol"`
+	KvmatchVersion string `msgpack:"kvmatch_version"`
+	Server         string `msgpack:"server"`
+	Limits         Limits `msgpack:"limits"`
+}
+
+// RouteRequest is one route of a ROUTE. Exactly one of Tokens and Hashes is sent: Hashes when it
+// is not nil, else Tokens (nil or empty: a prompt shorter than one block). Zero values of the
+// optional fields are not sent.
+type RouteRequest struct {
+	RequestID            string
+	AttemptID            string
+	Model                string
+	Pool                 string
+	Endpoint             string
+	Tokens               []uint32
+	Hashes               []uint64
+	BlockSize            uint32 // with Hashes: the block size they were computed with
+	LoraName             string
+	CacheSalt            string
+	Candidates           []uint32 // nil: every worker of the pool
+	Brief                bool     // no candidate rows in the decision
+	Policy               string
+	PromptTokens         *uint64
+	ExpectedOutputTokens *uint64
+}
+
+// Event names of LIFECYCLE.
+const (
+	EventDispatched = "DISPATCHED"
+	EventFirstToken = "FIRST_TOKEN"
+	EventFinished   = "FINISHED"
+)
+
+// LifecycleEvent is one report of what happened to a routed request. DecisionID 0 and an empty
+// RequestID are not sent (the server counts decision ids from 1); at least one of them is
+// required.
+type LifecycleEvent struct {
+	Event      string
+	DecisionID uint64
+	RequestID  string
+	AttemptID  string
+	Worker     *uint32  // the worker actually used, if known
+	ElapsedMs  *float64 // router clock: ms from the request's arrival to this event
+	// FINISHED only.
+	Outcome      string // empty: the server derives it (OutcomeFromStream)
+	FinishReason string
+	DoneSeen     bool
+	HTTPStatus   uint32 // 0: unknown
+	Error        string
+	CachedTokens *uint64 // nil: unknown (not 0)
+	PromptTokens *uint64
+	OutputTokens *uint64
+	Retries      uint32
+}
+
+// WorkerLoad is the load this kvmatch instance saw on a worker.
+type WorkerLoad struct {
+	InFlight             uint32 `msgpack:"in_flight"`
+	PendingPrefillTokens uint64 `msgpack:"pending_prefill_tokens"`
+	ActiveDecodeBlocks   uint64 `msgpack:"active_decode_blocks"`
+}
+
+// Worker is a worker map: what WORKERS add / remove / update send (Pool, Worker, Name,
+// EventEndpoint, ReplayEndpoint, DPRank, Healthy), and, in WORKER_LIST and STATUS_REPLY, the
+// runtime fields too.
+type Worker struct {
+	Pool           string      `msgpack:"pool"`
+	Worker         uint32      `msgpack:"worker"`
+	Name           string      `msgpack:"name"`
+	EventEndpoint  string      `msgpack:"event_endpoint"`
+	ReplayEndpoint string      `msgpack:"replay_endpoint"`
+	DPRank         *uint32     `msgpack:"dp_rank"`
+	Healthy        *bool       `msgpack:"healthy"`
+	State          string      `msgpack:"state"`
+	Blocks         uint64      `msgpack:"blocks"`
+	LastEventAgeS  *float64    `msgpack:"last_event_age_s"`
+	ExpectedSeq    *uint64     `msgpack:"expected_seq"`
+	Load           *WorkerLoad `msgpack:"load"`
+	Breaker        string      `msgpack:"breaker"`
+	Failures       uint32      `msgpack:"failures"`
+	Eligible       *bool       `msgpack:"eligible"`
+}
+
+// Pool is a pool map of POOLS add / update and POOL_LIST. BlockSize 0 is not sent (add then
+// fails that pool with ErrBlockSize; update leaves it unchanged).
+type Pool struct {
+	Name      string             `msgpack:"name"`
+	Model     string             `msgpack:"model"`
+	BlockSize uint32             `msgpack:"block_size"`
+	Policy    string             `msgpack:"policy"`
+	Params    map[string]float64 `msgpack:"params"`
+}
+
+// Candidate is one candidate row of a decision (11 positional values on the wire).
+type Candidate struct {
+	Worker               uint32
+	Depth                uint32
+	DeviceBlocks         uint32
+	HostBlocks           uint32
+	DiskBlocks           uint32
+	InFlight             uint32
+	PendingPrefillTokens uint64
+	ActiveDecodeBlocks   uint64
+	Cost                 *float64 // nil: not weighed (round_robin, an ineligible worker)
+	State                string
+	Eligible             bool
+}
+
+// Decision answers one route. Status OK: decided; else Message says why and only the ids are set.
+type Decision struct {
+	Status       Code        `msgpack:"status"`
+	Message      string      `msgpack:"message"`
+	RequestID    string      `msgpack:"request_id"`
+	AttemptID    string      `msgpack:"attempt_id"`
+	DecisionID   uint64      `msgpack:"decision_id"`
+	Pool         string      `msgpack:"pool"`
+	ChosenWorker uint32      `msgpack:"chosen_worker"`
+	ChosenDepth  uint32      `msgpack:"chosen_depth"`
+	ChosenState  string      `msgpack:"chosen_state"`
+	OwnerWorker  *uint32     `msgpack:"owner_worker"` // nil: no worker holds block 0
+	OwnerDepth   uint32      `msgpack:"owner_depth"`
+	OwnerState   string      `msgpack:"owner_state"`
+	NBlocks      uint32      `msgpack:"n_blocks"`
+	BlockSize    uint32      `msgpack:"block_size"`
+	Source       string      `msgpack:"source"`
+	Policy       string      `msgpack:"policy"`
+	Reason       string      `msgpack:"reason"`
+	LoadKind     string      `msgpack:"load_kind"`
+	LoadScope    string      `msgpack:"load_scope"`
+	LoadValue    *float64    `msgpack:"load_value"` // nil: the policy weighed no load
+	Candidates   []Candidate `msgpack:"candidates"`
+}
+
+// Err is nil for a decided route, else its failure as an *Error.
+func (d *Decision) Err() error { return statusError(d.Status, d.Message) }
+
+// AckItem is one status of an ACK: one per event, worker or pool of the request.
+type AckItem struct {
+	Status  Code   `msgpack:"status"`
+	Message string `msgpack:"message"`
+}
+
+// Err is nil for an item that succeeded, else its failure as an *Error.
+func (a *AckItem) Err() error { return statusError(a.Status, a.Message) }
+
+// StatusReply answers STATUS.
+type StatusReply struct {
+	KvmatchVersion string   `msgpack:"kvmatch_version"`
+	UptimeS        float64  `msgpack:"uptime_s"`
+	Ready          bool     `msgpack:"ready"`
+	Connections    uint32   `msgpack:"connections"`
+	Decisions      uint64   `msgpack:"decisions"`
+	RecordsDropped uint64   `msgpack:"records_dropped"`
+	Backend        string   `msgpack:"backend"`
+	Workers        []Worker `msgpack:"workers"`
+}
+
+// Reply is any message from the server, as decoded: Type says which fields mean something.
+// ERROR: Code, Name, Message. WELCOME: Protocol, KvmatchVersion, Server, Limits. DECISION:
+// KvmatchVersion, Decisions. ACK: Items. WORKER_LIST: Workers. POOL_LIST: Pools. STATUS_REPLY:
+// Status (STATUS_REPLY's own "decisions" count is Status.Decisions).
+type Reply struct {
+	Type           string
+	ID             uint64
+	Code           Code
+	Name           string
+	Message        string
+	Protocol       uint32
+	Server         string
+	Limits         Limits
+	KvmatchVersion string
+	Decisions      []Decision
+	Items          []AckItem
+	Workers        []Worker
+	Pools          []Pool
+	Status         StatusReply
+}
+
+// DecodeMsgpack reads a reply map. Unknown keys are skipped; a key that appears twice is refused.
+func (r *Reply) DecodeMsgpack(d *msgpack.Decoder) error {
+	n, err := d.DecodeMapLen()
+	if err != nil {
+		return err
+	}
+	if n < 0 {
+		return newError(ErrParse, "a reply is a map, got nil")
+	}
+	seen := make(map[string]bool, n)
+	for i := 0; i < n; i++ {
+		key, err := d.DecodeString()
+		if err != nil {
+			return err
+		}
+		if seen[key] {
+			return newError(ErrParse, "key %q appears twice", key)
+		}
+		seen[key] = true
+		switch key {
+		case "type":
+			err = d.Decode(&r.Type)
+		case "id":
+			err = d.Decode(&r.ID)
+		case "code":
+			err = d.Decode(&r.Code)
+		case "name":
+			err = d.Decode(&r.Name)
+		case "message":
+			err = d.Decode(&r.Message)
+		case "protocol":
+			err = d.Decode(&r.Protocol)
+		case "server":
+			err = d.Decode(&r.Server)
+		case "limits":
+			err = d.Decode(&r.Limits)
+		case "kvmatch_version":
+			err = d.Decode(&r.KvmatchVersion)
+			r.Status.KvmatchVersion = r.KvmatchVersion
+		case "decisions":
+			// DECISION's list, or STATUS_REPLY's count of decisions since start.
+			var c byte
+			if c, err = d.PeekCode(); err == nil {
+				if isArrayCode(c) {
+					err = d.Decode(&r.Decisions)
+				} else {
+					err = d.Decode(&r.Status.Decisions)
+				}
+			}
+		case "items":
+			err = d.Decode(&r.Items)
+		case "workers":
+			err = d.Decode(&r.Workers)
+			r.Status.Workers = r.Workers
+		case "pools":
+			err = d.Decode(&r.Pools)
+		case "uptime_s":
+			err = d.Decode(&r.Status.UptimeS)
+		case "ready":
+			err = d.Decode(&r.Status.Ready)
+		case "connections":
+			err = d.Decode(&r.Status.Connections)
+		case "records_dropped":
+			err = d.Decode(&r.Status.RecordsDropped)
+		case "backend":
+			err = d.Decode(&r.Status.Backend)
+		default:
+			err = d.Skip()
+		}
+		if err != nil {
+			return newError(ErrParse, "%s: %v", key, err)
+		}
+	}
+	return nil
+}
+
+func isArrayCode(c byte) bool {
+	return (c >= 0x90 && c <= 0x9f) || c == 0xdc || c == 0xdd
+}
+
+// Err is nil unless the reply is an ERROR, which it returns as an *Error with the server's code.
+func (r *Reply) Err() error {
+	if r.Type != "ERROR" {
+		return nil
+	}
+	code := r.Code
+	if code == OK {
+		code = ErrProtocol
+	}
+	return &Error{Code: code, Message: serverWords(code, r.Message)}
+}
+
+// ---- encoding ---------------------------------------------------------------------------------
+
+// fields is a msgpack map under construction: keys and values in order, written with its length.
+type fields []interface{}
+
+func (f fields) encode(e *msgpack.Encoder) error {
+	if err := e.EncodeMapLen(len(f) / 2); err != nil {
+		return err
+	}
+	for _, v := range f {
+		if err := e.Encode(v); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func (f fields) str(key, v string) fields {
+	if v != "" {
+		return append(f, key, v)
+	}
+	return f
+}
+
+func (r *RouteRequest) EncodeMsgpack(e *msgpack.Encoder) error {
+	f := fields{"request_id", r.RequestID}
+	f = f.str("attempt_id", r.AttemptID).str("model", r.Model).str("pool", r.Pool)
+	f = f.str("endpoint", r.Endpoint).str("lora_name", r.LoraName).str("cache_salt", r.CacheSalt)
+	f = f.str("policy", r.Policy)
+	if r.Hashes != nil {
+		f = append(f, "hashes", r.Hashes)
+		if r.BlockSize != 0 {
+			f = append(f, "block_size", r.BlockSize)
+		}
+	} else if r.Tokens != nil {
+		f = append(f, "tokens", r.Tokens)
+	} else {
+		f = append(f, "tokens", []uint32{})
+	}
+	if r.Candidates != nil {
+		f = append(f, "candidates", r.Candidates)
+	}
+	if r.Brief {
+		f = append(f, "brief", true)
+	}
+	if r.PromptTokens != nil {
+		f = append(f, "prompt_tokens", *r.PromptTokens)
+	}
+	if r.ExpectedOutputTokens != nil {
+		f = append(f, "expected_output_tokens", *r.ExpectedOutputTokens)
+	}
+	return f.encode(e)
+}
+
+func (ev *LifecycleEvent) EncodeMsgpack(e *msgpack.Encoder) error {
+	f := fields{}.str("event", ev.Event)
+	if ev.DecisionID != 0 {
+		f = append(f, "decision_id", ev.DecisionID)
+	}
+	f = f.str("request_id", ev.RequestID).str("attempt_id", ev.AttemptID)
+	if ev.Worker != nil {
+		f = append(f, "worker", *ev.Worker)
+	}
+	if ev.ElapsedMs != nil {
+		f = append(f, "elapsed_ms", *ev.ElapsedMs)
+	}
+	f = f.str("outcome", ev.Outcome).str("finish_reason", ev.FinishReason).str("error", ev.Error)
+	if ev.DoneSeen {
+		f = append(f, "done_seen", true)
+	}
+	if ev.HTTPStatus != 0 {
+		f = append(f, "http_status", ev.HTTPStatus)
+	}
+	for _, n := range []struct {
+		key string
+		v   *uint64
+	}{{"cached_tokens", ev.CachedTokens}, {"prompt_tokens", ev.PromptTokens}, {"output_tokens", ev.OutputTokens}} {
+		if n.v != nil {
+			f = append(f, n.key, *n.v)
+		}
+	}
+	if ev.Retries != 0 {
+		f = append(f, "retries", ev.Retries)
+	}
+	return f.encode(e)
+}
+
+// EncodeMsgpack writes the fields a WORKERS request carries (the runtime fields are replies' only).
+func (w *Worker) EncodeMsgpack(e *msgpack.Encoder) error {
+	f := fields{"pool", w.Pool, "worker", w.Worker}
+	f = f.str("name", w.Name).str("event_endpoint", w.EventEndpoint).str("replay_endpoint", w.ReplayEndpoint)
+	if w.DPRank != nil {
+		f = append(f, "dp_rank", *w.DPRank)
+	}
+	if w.Healthy != nil {
+		f = append(f, "healthy", *w.Healthy)
+	}
+	return f.encode(e)
+}
+
+func (p *Pool) EncodeMsgpack(e *msgpack.Encoder) error {
+	f := fields{"name", p.Name}
+	f = f.str("model", p.Model).str("policy", p.Policy)
+	if p.BlockSize != 0 {
+		f = append(f, "block_size", p.BlockSize)
+	}
+	if p.Params != nil {
+		f = append(f, "params", p.Params)
+	}
+	return f.encode(e)
+}
+
+// ---- decoding ---------------------------------------------------------------------------------
+
+// DecodeMsgpack reads a candidate row: an array whose first 11 values are the row's fields in
+// order (nil: absent; later values, which a newer server may append, are skipped).
+func (c *Candidate) DecodeMsgpack(d *msgpack.Decoder) error {
+	n, err := d.DecodeArrayLen()
+	if err != nil {
+		return err
+	}
+	*c = Candidate{Eligible: true}
+	u32 := []*uint32{&c.Worker, &c.Depth, &c.DeviceBlocks, &c.HostBlocks, &c.DiskBlocks, &c.InFlight}
+	for i := 0; i < n; i++ {
+		switch {
+		case i < 6:
+			err = d.Decode(u32[i])
+		case i == 6:
+			err = d.Decode(&c.PendingPrefillTokens)
+		case i == 7:
+			err = d.Decode(&c.ActiveDecodeBlocks)
+		case i == 8:
+			err = d.Decode(&c.Cost)
+		case i == 9:
+			err = d.Decode(&c.State)
+		case i == 10:
+			var eligible *bool
+			if err = d.Decode(&eligible); err == nil && eligible != nil {
+				c.Eligible = *eligible
+			}
+		default:
+			err = d.Skip()
+		}
+		if err != nil {
+			return err
+		}
+	}
+	return nil
+}
