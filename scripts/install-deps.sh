@@ -3,11 +3,11 @@
 # (chromium: the headless render check of `kvmatch analyze --html`; python3-*: test tooling.)
 # With --clients, also what the client tests need (scripts/test-clients.sh; without these they
 # are reported skipped): python3-venv for the Python package, Debian's Go toolchain and msgpack
-# package for Go.
+# package for Go, Debian's Rust toolchain and the rmp-serde / serde crates for Rust.
 # Uses apt-get as root, or through sudo when available. Prints nothing when all are present.
 set -euo pipefail
 packages=(build-essential pkg-config libxxhash-dev libjansson-dev libmsgpack-dev libzmq3-dev libuv1-dev libmicrohttpd-dev libcriterion-dev python3 python3-msgpack python3-jsonschema chromium)
-client_packages=(python3-venv golang-go golang-github-vmihailenco-msgpack.v5-dev)
+client_packages=(python3-venv golang-go golang-github-vmihailenco-msgpack.v5-dev cargo rustc librust-rmp-serde-dev librust-serde-dev)
 if [ "${1:-}" = "--clients" ]; then
     packages+=("${client_packages[@]}")
 fi

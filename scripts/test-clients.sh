@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build and test one client of `kvmatch serve` against the real daemon: python or go.
+# Build and test one client of `kvmatch serve` against the real daemon: python, go or rust.
 #   scripts/test-clients.sh LANGUAGE [KVMATCH_BINARY]
 # Exits 0 when the client's tests pass, 77 when the toolchain or a Debian package it needs is
 # absent (the last line says which; scripts/install-deps.sh --clients installs them), anything
@@ -10,8 +10,11 @@
 #   go:     Debian's Go toolchain (/usr/bin/go) and Debian's msgpack package for Go, in GOPATH mode
 #           (the module linked into a temporary GOPATH beside /usr/share/gocode, where Debian
 #           installs Go sources), GOPROXY=off; gofmt and go vet must be clean.
+#   rust:   Debian's cargo, rustc and rustdoc against Debian's packaged crates
+#           (/usr/share/cargo/registry as a directory source replacing crates.io), --offline, on a
+#           copy of clients/rust (the tests, the doc example and examples/ are built).
 set -uo pipefail
-lang=${1:?usage: test-clients.sh python|go [KVMATCH_BINARY]}
+lang=${1:?usage: test-clients.sh python|go|rust [KVMATCH_BINARY]}
 root=$(cd "$(dirname "$0")/.." && pwd)
 bin=${2:-${KM_BIN:-}}
 if [ -z "$bin" ]; then
@@ -58,6 +61,22 @@ go)
     timeout 400 /usr/bin/go test -count=1 -v ./... 2>&1 | grep -v -E '^(=== RUN|=== PAUSE|=== CONT)'
     [ "${PIPESTATUS[0]}" -eq 0 ] || exit 1
     ;;
+rust)
+    for p in cargo rustc librust-rmp-serde-dev librust-serde-dev; do
+        has_deb "$p" || skip "$p (Debian's Rust toolchain and crates) is not installed"
+    done
+    mkdir -p "$work/cargo-home" || exit 1
+    printf '%s\n' '[source.crates-io]' 'replace-with = "debian"' '[source.debian]' \
+        'directory = "/usr/share/cargo/registry"' '[net]' 'offline = true' > "$work/cargo-home/config.toml"
+    cp -r "$root/clients/rust" "$work/rust" && rm -rf "$work/rust/target" "$work/rust/Cargo.lock" || exit 1
+    export CARGO_HOME="$work/cargo-home" CARGO_TARGET_DIR="$work/target" RUSTC=/usr/bin/rustc \
+        RUSTDOC=/usr/bin/rustdoc KM_ROOT="$root"
+    cd "$work/rust" || exit 1
+    timeout 500 /usr/bin/cargo test --offline --all-targets 2>&1 | grep -v -E '^test .* \.\.\. ok$'
+    [ "${PIPESTATUS[0]}" -eq 0 ] || exit 1
+    timeout 300 /usr/bin/cargo test --offline --doc 2>&1 | tail -n 3
+    [ "${PIPESTATUS[0]}" -eq 0 ] || exit 1
+    ;;
 *)
-    echo "test-clients: unknown language $lang (python, go)"; exit 2 ;;
+    echo "test-clients: unknown language $lang (python, go, rust)"; exit 2 ;;
 esac

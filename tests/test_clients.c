@@ -1,4 +1,4 @@
-/* The Python and Go clients (clients/) against a real `kvmatch serve`: each test runs
+/* The Python, Go and Rust clients (clients/) against a real `kvmatch serve`: each test runs
  * scripts/test-clients.sh for one language, which builds the client offline and runs its own tests
  * (they start the daemon, $KM_BIN, on a Unix socket in a temporary directory). A language whose
  * toolchain or Debian packages are absent is reported skipped with the script's reason
@@ -35,4 +35,9 @@ Test(clients, python_package_against_the_daemon, .timeout = 300)
 Test(clients, go_client_against_the_daemon, .timeout = 600)
 {
     run_client_tests("go");
+}
+
+Test(clients, rust_client_against_the_daemon, .timeout = 600)
+{
+    run_client_tests("rust");
 }

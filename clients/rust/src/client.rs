@@ -1,0 +1,710 @@
+//! One connection to `kvmatch serve`: handshake, pipelined sends and receives, blocking calls.
+
+use std::collections::{HashMap, VecDeque};
+use std::io::{self, Read, Write};
+use std::net::{Shutdown, SocketAddr, TcpStream};
+use std::os::unix::net::UnixStream;
+use std::time::{Duration, Instant};
+
+use crate::error::{Code, Error, Result};
+use crate::messages::{
+    AckItem, Decision, LifecycleEvent, Pool, RouteRequest, StatusReply, Welcome, Worker,
+};
+use crate::value::{Fields, Value};
+
+/// The protocol this client speaks.
+pub const PROTOCOL_VERSION: u32 = 1;
+/// Where `kvmatch serve` listens unless told otherwise.
+pub const DEFAULT_ADDRESS: &str = "unix:/tmp/kvmatch.sock";
+/// Sent in HELLO, for the server's logs.
+pub const CLIENT_NAME: &str = "kvmatch-rust";
+const DEFAULT_MAX_FRAME_BYTES: u32 = 16 << 20;
+
+/// A reply as read: its type, id and whole map. The accessors decode the typed view.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Reply {
+    pub kind: String,
+    pub id: u64,
+    pub body: Value,
+}
+
+impl Reply {
+    /// The failure an ERROR reply carries; None for any other reply.
+    pub fn error(&self) -> Option<Error> {
+        if self.kind != "ERROR" {
+            return None;
+        }
+        let code = match self.body.get("code").and_then(Value::as_i64) {
+            Some(c) if c < 0 => Code(c),
+            _ => Code::PROTOCOL,
+        };
+        let message = self.body.get("message").and_then(Value::as_str).unwrap_or("");
+        Some(Error::from_server(code, message))
+    }
+
+    fn list(&self, key: &str) -> Result<&[Value]> {
+        Fields { value: &self.body, what: &self.kind }.array(key)
+    }
+
+    /// DECISION: one decision per route, in the routes' order.
+    pub fn decisions(&self) -> Result<Vec<Decision>> {
+        let list = self.list("decisions")?;
+        let mut out = Vec::with_capacity(list.len());
+        for (i, d) in list.iter().enumerate() {
+            out.push(Decision::from_value(d, &format!("decisions[{}]", i))?);
+        }
+        Ok(out)
+    }
+
+    /// ACK: one item per event, worker or pool of the request.
+    pub fn items(&self) -> Result<Vec<AckItem>> {
+        let list = self.list("items")?;
+        let mut out = Vec::with_capacity(list.len());
+        for (i, item) in list.iter().enumerate() {
+            out.push(AckItem::from_value(item, &format!("items[{}]", i))?);
+        }
+        Ok(out)
+    }
+
+    /// WORKER_LIST.
+    pub fn workers(&self) -> Result<Vec<Worker>> {
+        let list = self.list("workers")?;
+        let mut out = Vec::with_capacity(list.len());
+        for (i, w) in list.iter().enumerate() {
+            out.push(Worker::from_value(w, &format!("workers[{}]", i))?);
+        }
+        Ok(out)
+    }
+
+    /// POOL_LIST.
+    pub fn pools(&self) -> Result<Vec<Pool>> {
+        let list = self.list("pools")?;
+        let mut out = Vec::with_capacity(list.len());
+        for (i, p) in list.iter().enumerate() {
+            out.push(Pool::from_value(p, &format!("pools[{}]", i))?);
+        }
+        Ok(out)
+    }
+
+    /// STATUS_REPLY.
+    pub fn status(&self) -> Result<StatusReply> {
+        StatusReply::from_value(&self.body)
+    }
+}
+
+/// What the reply to a request must be besides an ERROR.
+#[derive(Clone, Debug)]
+struct Expected {
+    request: String,
+    reply: Option<&'static str>, // None: a type no server answers (only ERROR fits)
+    list: Option<&'static str>,  // the reply's list whose length is checked
+    count: usize,
+}
+
+fn expected_reply(message: &Value) -> Expected {
+    let kind = message.get("type").and_then(Value::as_str).unwrap_or("").to_string();
+    let count = |key: &str| message.get(key).and_then(Value::as_array).map_or(0, |a| a.len());
+    let listing = message.get("action").and_then(Value::as_str) == Some("list");
+    let (reply, list, n) = match kind.as_str() {
+        "ROUTE" => (Some("DECISION"), Some("decisions"), count("routes")),
+        "LIFECYCLE" => (Some("ACK"), Some("items"), count("events")),
+        "DISPATCHED" | "FIRST_TOKEN" | "FINISHED" => (Some("ACK"), Some("items"), 1),
+        "WORKERS" if listing => (Some("WORKER_LIST"), None, 0),
+        "POOLS" if listing => (Some("POOL_LIST"), None, 0),
+        "WORKERS" => (Some("ACK"), Some("items"), count("workers")),
+        "POOLS" => (Some("ACK"), Some("items"), count("pools")),
+        "STATUS" => (Some("STATUS_REPLY"), None, 0),
+        _ => (None, None, 0),
+    };
+    Expected { request: kind, reply, list, count: n }
+}
+
+enum Stream {
+    Unix(UnixStream),
+    Tcp(TcpStream),
+}
+
+impl Stream {
+    fn set_timeouts(&self, t: Option<Duration>) -> io::Result<()> {
+        match self {
+            Stream::Unix(s) => s.set_read_timeout(t).and_then(|_| s.set_write_timeout(t)),
+            Stream::Tcp(s) => s.set_read_timeout(t).and_then(|_| s.set_write_timeout(t)),
+        }
+    }
+    fn shutdown(&self) {
+        let _ = match self {
+            Stream::Unix(s) => s.shutdown(Shutdown::Both),
+            Stream::Tcp(s) => s.shutdown(Shutdown::Both),
+        };
+    }
+}
+
+impl Read for Stream {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        match self {
+            Stream::Unix(s) => s.read(buf),
+            Stream::Tcp(s) => s.read(buf),
+        }
+    }
+}
+
+impl Write for Stream {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        match self {
+            Stream::Unix(s) => s.write(buf),
+            Stream::Tcp(s) => s.write(buf),
+        }
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+fn timed_out(e: &io::Error) -> bool {
+    matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut)
+}
+
+/// A connection to kvmatch serve. Not for sharing between threads: use one per thread (the
+/// server serves hundreds of connections), or one per task behind a lock.
+///
+/// Pipelined use: `send_route` / `send_lifecycle` / `send` return the request's id at once;
+/// `receive` returns the next reply to arrive (any id), `wait(id)` the reply to one id, keeping
+/// replies to other ids that arrive meanwhile. Blocking use: `route`, `lifecycle`, `report`,
+/// the WORKERS / POOLS calls and `status` send and wait; an ERROR reply is their `Err`.
+///
+/// Every wait is bounded by the client's timeout (`set_timeout`). A timeout (`Code::TIMEOUT`)
+/// leaves the connection usable: a blocking call gives its request up (the reply is dropped when
+/// it comes), a `wait` may be called again. A reply that cannot be read, is not of its request's
+/// type, holds another count of decisions or items than its request had routes, events, workers
+/// or pools, or answers an id that is not waiting (`Code::PARSE`, `PROTOCOL`, `TOO_LARGE`), a
+/// connection-level ERROR (id 0) and a server that goes away (`Code::CLOSED`) close the
+/// connection: later calls fail with `Code::CLOSED` until `reconnect`.
+pub struct Client {
+    address: String,
+    stream: Option<Stream>,
+    buffer: Vec<u8>,
+    next_id: u64,
+    outstanding: HashMap<u64, Expected>,
+    abandoned: HashMap<u64, Expected>,
+    kept: VecDeque<Reply>,
+    welcome: Welcome,
+    max_frame_bytes: u32,
+    timeout: Option<Duration>,
+    closed_by: Option<Error>,
+}
+
+impl Client {
+    /// Connect to "unix:/path" or "tcp:IP:PORT" ("tcp:[::1]:7070" for IPv6) and do the HELLO /
+    /// WELCOME handshake, within `timeout` (None: no limit), which stays the client's timeout.
+    /// Fails with INVALID_ARGUMENT for an address of another form, IO when the connection fails,
+    /// INCOMPATIBLE when the server does not speak PROTOCOL_VERSION, the server's code when it
+    /// refuses the handshake, PROTOCOL / PARSE for a reply that is not a WELCOME to the HELLO.
+    pub fn connect(address: &str, timeout: Option<Duration>) -> Result<Client> {
+        let deadline = timeout.map(|t| Instant::now() + t);
+        let stream = open(address, timeout)?;
+        let mut client = Client {
+            address: address.to_string(),
+            stream: Some(stream),
+            buffer: Vec::new(),
+            next_id: 1,
+            outstanding: HashMap::new(),
+            abandoned: HashMap::new(),
+            kept: VecDeque::new(),
+            welcome: Welcome::default(),
+            max_frame_bytes: DEFAULT_MAX_FRAME_BYTES,
+            timeout,
+            closed_by: None,
+        };
+        client.handshake(deadline)?;
+        Ok(client)
+    }
+
+    fn handshake(&mut self, deadline: Option<Instant>) -> Result<()> {
+        let hello = Value::Map(vec![
+            ("type".into(), Value::Str("HELLO".into())),
+            ("protocol".into(), Value::UInt(PROTOCOL_VERSION as u64)),
+            ("client".into(), Value::Str(CLIENT_NAME.into())),
+        ]);
+        let id = self.send_value(hello, deadline)?;
+        self.outstanding.remove(&id);
+        let reply = match self.read_reply(deadline) {
+            Ok(r) => r,
+            Err(e) => {
+                self.close();
+                return Err(e);
+            }
+        };
+        let refuse = |client: &mut Client, e: Error| {
+            client.close();
+            Err(e)
+        };
+        if let Some(e) = reply.error() {
+            let code = e.code;
+            return refuse(self, Error::new(code, format!("the server refused the handshake: {}", e.message)));
+        }
+        if reply.kind != "WELCOME" {
+            return refuse(self, Error::new(Code::PROTOCOL, format!("expected WELCOME, got {}", reply.kind)));
+        }
+        if reply.id != id {
+            let m = format!("the WELCOME answers request {}, not the HELLO ({})", reply.id, id);
+            return refuse(self, Error::new(Code::PROTOCOL, m));
+        }
+        let welcome = match Welcome::from_value(&reply.body) {
+            Ok(w) => w,
+            Err(e) => return refuse(self, e),
+        };
+        if welcome.protocol != PROTOCOL_VERSION {
+            let m = format!("the server speaks protocol {}", welcome.protocol);
+            return refuse(self, Error::new(Code::INCOMPATIBLE, m));
+        }
+        if welcome.limits.max_frame_bytes != 0 {
+            self.max_frame_bytes = welcome.limits.max_frame_bytes;
+        }
+        self.welcome = welcome;
+        Ok(())
+    }
+
+    /// The server's WELCOME on the current connection: versions and limits.
+    pub fn welcome(&self) -> &Welcome {
+        &self.welcome
+    }
+
+    pub fn address(&self) -> &str {
+        &self.address
+    }
+
+    /// Bounds every later send and wait (None: no limit).
+    pub fn set_timeout(&mut self, timeout: Option<Duration>) {
+        self.timeout = timeout;
+    }
+
+    /// Requests sent whose reply has not been returned yet and still can be (not given up by a
+    /// blocking call that timed out; once closed, only those whose reply had arrived).
+    pub fn outstanding(&self) -> usize {
+        self.outstanding.len()
+    }
+
+    /// Whether the connection is closed; `closed_by` says why.
+    pub fn is_closed(&self) -> bool {
+        self.stream.is_none()
+    }
+
+    pub fn closed_by(&self) -> Option<&Error> {
+        self.closed_by.as_ref()
+    }
+
+    /// Close the connection. Requests whose reply has not arrived are forgotten; replies already
+    /// kept are still returned by receive / wait.
+    pub fn close(&mut self) {
+        if let Some(s) = self.stream.take() {
+            s.shutdown();
+        }
+        let kept: Vec<u64> = self.kept.iter().map(|r| r.id).collect();
+        self.outstanding.retain(|id, _| kept.contains(id));
+        self.abandoned.clear();
+        self.buffer.clear();
+        if self.closed_by.is_none() {
+            self.closed_by = Some(Error::new(Code::CLOSED, "the connection is closed"));
+        }
+    }
+
+    /// Close this connection (if open) and dial the same address again with a new handshake.
+    /// Requests in flight on the old connection get no reply (they are not resent: a router
+    /// decides again). On failure the client stays closed.
+    pub fn reconnect(&mut self) -> Result<()> {
+        self.close();
+        let fresh = Client::connect(&self.address, self.timeout)?;
+        *self = fresh;
+        Ok(())
+    }
+
+    fn fail(&mut self, e: Error) -> Error {
+        self.close();
+        self.closed_by = Some(e.clone());
+        e
+    }
+
+    fn closed_error(&self) -> Error {
+        match &self.closed_by {
+            Some(e) if e.code == Code::CLOSED => e.clone(),
+            Some(e) => Error::new(Code::CLOSED, format!("the connection is closed ({})", e)),
+            None => Error::new(Code::CLOSED, "the connection is closed"),
+        }
+    }
+
+    fn deadline(&self) -> Option<Instant> {
+        self.timeout.map(|t| Instant::now() + t)
+    }
+
+    // ---- pipelined ------------------------------------------------------------------------------
+
+    /// Send any request map with its "type" (the id is assigned here); returns the id.
+    pub fn send(&mut self, message: Value) -> Result<u64> {
+        if message.get("type").and_then(Value::as_str) == Some("HELLO") {
+            return Err(Error::new(Code::INVALID_ARGUMENT, "HELLO is sent by connect"));
+        }
+        if self.stream.is_none() {
+            return Err(self.closed_error());
+        }
+        let deadline = self.deadline();
+        self.send_value(message, deadline)
+    }
+
+    /// Send a ROUTE; returns its id.
+    pub fn send_route(&mut self, routes: &[RouteRequest]) -> Result<u64> {
+        let list = routes.iter().map(RouteRequest::to_value).collect();
+        self.send(message("ROUTE", vec![("routes", Value::Array(list))]))
+    }
+
+    /// Send a LIFECYCLE; returns its id.
+    pub fn send_lifecycle(&mut self, events: &[LifecycleEvent]) -> Result<u64> {
+        let list = events.iter().map(LifecycleEvent::to_value).collect();
+        self.send(message("LIFECYCLE", vec![("events", Value::Array(list))]))
+    }
+
+    /// The next reply, kept ones first, whatever its id (an ERROR reply too).
+    pub fn receive(&mut self) -> Result<Reply> {
+        if let Some(r) = self.kept.pop_front() {
+            self.outstanding.remove(&r.id);
+            return Ok(r);
+        }
+        if self.stream.is_none() {
+            return Err(self.closed_error());
+        }
+        if self.outstanding.is_empty() {
+            return Err(Error::new(Code::INVALID_ARGUMENT, "no request is waiting for a reply"));
+        }
+        let deadline = self.deadline();
+        let reply = self.read_unabandoned(deadline)?;
+        self.outstanding.remove(&reply.id);
+        Ok(reply)
+    }
+
+    /// The reply to request `id` (an ERROR reply too); replies to other ids that arrive meanwhile
+    /// are kept. NOT_FOUND at once for an id never sent or already answered.
+    pub fn wait(&mut self, id: u64) -> Result<Reply> {
+        if let Some(pos) = self.kept.iter().position(|r| r.id == id) {
+            self.outstanding.remove(&id);
+            return Ok(self.kept.remove(pos).expect("position is in range"));
+        }
+        if self.stream.is_none() {
+            return Err(self.closed_error());
+        }
+        if !self.outstanding.contains_key(&id) {
+            return Err(Error::new(Code::NOT_FOUND, format!("request {} is not waiting for a reply", id)));
+        }
+        let deadline = self.deadline();
+        loop {
+            let reply = self.read_unabandoned(deadline)?;
+            if reply.id == id {
+                self.outstanding.remove(&id);
+                return Ok(reply);
+            }
+            self.kept.push_back(reply);
+        }
+    }
+
+    // ---- blocking -------------------------------------------------------------------------------
+
+    /// send + wait; an ERROR reply is the `Err`. On a timeout the request is given up.
+    pub fn call(&mut self, message: Value) -> Result<Reply> {
+        let id = self.send(message)?;
+        match self.wait(id) {
+            Ok(reply) => match reply.error() {
+                Some(e) => Err(e),
+                None => Ok(reply),
+            },
+            Err(e) => {
+                if e.code == Code::TIMEOUT {
+                    if let Some(exp) = self.outstanding.remove(&id) {
+                        self.abandoned.insert(id, exp);
+                    }
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// One decision per route, in the routes' order; a route that failed has a non-OK `status`
+    /// (`Decision::result`). The `Err` is the whole request's.
+    pub fn route(&mut self, routes: &[RouteRequest]) -> Result<Vec<Decision>> {
+        let list = routes.iter().map(RouteRequest::to_value).collect();
+        self.call(message("ROUTE", vec![("routes", Value::Array(list))]))?.decisions()
+    }
+
+    /// One ACK item per event (`AckItem::result` for each).
+    pub fn lifecycle(&mut self, events: &[LifecycleEvent]) -> Result<Vec<AckItem>> {
+        let list = events.iter().map(LifecycleEvent::to_value).collect();
+        self.call(message("LIFECYCLE", vec![("events", Value::Array(list))]))?.items()
+    }
+
+    /// One event; the `Err` is the request's or the event's own.
+    pub fn report(&mut self, event: &LifecycleEvent) -> Result<()> {
+        let items = self.lifecycle(std::slice::from_ref(event))?;
+        match items.first() {
+            Some(item) => item.result(),
+            None => Err(Error::new(Code::PROTOCOL, "an ACK without its item")),
+        }
+    }
+
+    fn admin(&mut self, kind: &str, action: &str, key: &str, list: Vec<Value>) -> Result<Vec<AckItem>> {
+        let m = message(kind, vec![("action", Value::Str(action.into())), (key, Value::Array(list))]);
+        self.call(m)?.items()
+    }
+
+    /// WORKERS add: `pool`, `worker` and optionally `name`, `event_endpoint`, `replay_endpoint`,
+    /// `dp_rank`, `healthy`. One ACK item per worker.
+    pub fn add_workers(&mut self, workers: &[Worker]) -> Result<Vec<AckItem>> {
+        self.admin("WORKERS", "add", "workers", workers.iter().map(Worker::to_value).collect())
+    }
+
+    /// WORKERS remove (`pool`, `worker`). One ACK item per worker.
+    pub fn remove_workers(&mut self, workers: &[Worker]) -> Result<Vec<AckItem>> {
+        self.admin("WORKERS", "remove", "workers", workers.iter().map(Worker::to_value).collect())
+    }
+
+    /// WORKERS update: `healthy` (required) of workers named by `pool` and `worker`.
+    pub fn update_workers(&mut self, workers: &[Worker]) -> Result<Vec<AckItem>> {
+        self.admin("WORKERS", "update", "workers", workers.iter().map(Worker::to_value).collect())
+    }
+
+    /// WORKERS list, with the runtime fields; `pool` None lists every pool's.
+    pub fn list_workers(&mut self, pool: Option<&str>) -> Result<Vec<Worker>> {
+        let mut fields = vec![("action", Value::Str("list".into()))];
+        if let Some(p) = pool {
+            fields.push(("pool", Value::Str(p.into())));
+        }
+        self.call(message("WORKERS", fields))?.workers()
+    }
+
+    /// POOLS add (`name`, `block_size` required). One ACK item per pool.
+    pub fn add_pools(&mut self, pools: &[Pool]) -> Result<Vec<AckItem>> {
+        self.admin("POOLS", "add", "pools", pools.iter().map(Pool::to_value).collect())
+    }
+
+    /// POOLS update (model, policy, params). One ACK item per pool.
+    pub fn update_pools(&mut self, pools: &[Pool]) -> Result<Vec<AckItem>> {
+        self.admin("POOLS", "update", "pools", pools.iter().map(Pool::to_value).collect())
+    }
+
+    /// POOLS list, with every policy parameter.
+    pub fn list_pools(&mut self) -> Result<Vec<Pool>> {
+        self.call(message("POOLS", vec![("action", Value::Str("list".into()))]))?.pools()
+    }
+
+    /// STATUS.
+    pub fn status(&mut self) -> Result<StatusReply> {
+        self.call(message("STATUS", vec![]))?.status()
+    }
+
+    // ---- frames ---------------------------------------------------------------------------------
+
+    fn send_value(&mut self, message: Value, deadline: Option<Instant>) -> Result<u64> {
+        let id = self.next_id;
+        let mut entries = match message {
+            Value::Map(e) => e,
+            _ => return Err(Error::new(Code::INVALID_ARGUMENT, "a request is a map")),
+        };
+        entries.retain(|(k, _)| k != "id");
+        entries.insert(1.min(entries.len()), ("id".to_string(), Value::UInt(id)));
+        let message = Value::Map(entries);
+        let mut frame = vec![0u8; 4];
+        message.encode(&mut frame);
+        let length = frame.len() - 4;
+        if length > self.max_frame_bytes as usize {
+            let m = format!(
+                "{} message encodes to {} bytes, max_frame_bytes is {}",
+                message.get("type").and_then(Value::as_str).unwrap_or("?"),
+                length,
+                self.max_frame_bytes
+            );
+            return Err(Error::new(Code::TOO_LARGE, m));
+        }
+        frame[..4].copy_from_slice(&(length as u32).to_be_bytes());
+        let left = match remaining(deadline) {
+            Some(Duration::ZERO) => {
+                // Nothing sent yet: the stream is intact.
+                return Err(Error::new(Code::TIMEOUT, "send timed out before any byte was sent"));
+            }
+            left => left,
+        };
+        self.next_id += 1;
+        let stream = match self.stream.as_mut() {
+            Some(s) => s,
+            None => return Err(self.closed_error()),
+        };
+        let written = stream.set_timeouts(left).and_then(|_| stream.write_all(&frame));
+        if let Err(e) = written {
+            // Part of the frame may be out: the stream cannot be continued.
+            let err = if timed_out(&e) {
+                Error::new(Code::TIMEOUT, "send timed out; connection closed mid-frame")
+            } else {
+                Error::new(Code::CLOSED, format!("send failed: {}", e))
+            };
+            return Err(self.fail(err));
+        }
+        self.outstanding.insert(id, expected_reply(&message));
+        Ok(id)
+    }
+
+    /// The next reply someone may still want (late replies to given-up calls are checked and
+    /// dropped), checked against its request.
+    fn read_unabandoned(&mut self, deadline: Option<Instant>) -> Result<Reply> {
+        loop {
+            let reply = self.read_reply(deadline)?;
+            if let Some(exp) = self.abandoned.remove(&reply.id) {
+                self.check_reply(&reply, &exp)?;
+                continue;
+            }
+            let exp = match self.outstanding.get(&reply.id) {
+                Some(exp) if !self.kept.iter().any(|r| r.id == reply.id) => exp.clone(),
+                _ => {
+                    let m = format!("the server answered request {}, which is not waiting for a reply", reply.id);
+                    return Err(self.fail(Error::new(Code::PROTOCOL, m)));
+                }
+            };
+            self.check_reply(&reply, &exp)?;
+            return Ok(reply);
+        }
+    }
+
+    fn check_reply(&mut self, reply: &Reply, exp: &Expected) -> Result<()> {
+        if reply.kind == "ERROR" {
+            return Ok(());
+        }
+        if exp.reply != Some(reply.kind.as_str()) {
+            let m = format!("the server answered request {} ({}) with {}", reply.id, exp.request, reply.kind);
+            return Err(self.fail(Error::new(Code::PROTOCOL, m)));
+        }
+        if let Some(key) = exp.list {
+            let got = reply.body.get(key).and_then(Value::as_array).map_or(0, |a| a.len());
+            if got != exp.count {
+                let m = format!("the server answered request {} with {} {} for {}", reply.id, got, key, exp.count);
+                return Err(self.fail(Error::new(Code::PROTOCOL, m)));
+            }
+        }
+        Ok(())
+    }
+
+    /// One whole frame, decoded, with a connection-level ERROR turned into CLOSED. A timeout
+    /// keeps the partial bytes for the next call.
+    fn read_reply(&mut self, deadline: Option<Instant>) -> Result<Reply> {
+        let payload = self.read_frame(deadline)?;
+        let body = match Value::decode(&payload) {
+            Ok(v) => v,
+            Err(e) => return Err(self.fail(e)),
+        };
+        if !matches!(body, Value::Map(_)) {
+            return Err(self.fail(Error::new(Code::PARSE, "a reply is a map")));
+        }
+        let kind = body.get("type").and_then(Value::as_str).unwrap_or("").to_string();
+        let id = match body.get("id") {
+            None => 0,
+            Some(v) => match v.as_u64() {
+                Some(id) => id,
+                None => return Err(self.fail(Error::new(Code::PARSE, "a reply's id is a uint"))),
+            },
+        };
+        let reply = Reply { kind, id, body };
+        if reply.kind == "ERROR" && reply.id == 0 {
+            // The server is closing the connection: CLOSED whatever its code, which is named.
+            let e = reply.error().unwrap_or_else(|| Error::new(Code::PROTOCOL, ""));
+            let m = format!("the server closes the connection: {} ({}): {}", e.code, e.code.0, e.message);
+            return Err(self.fail(Error::new(Code::CLOSED, m)));
+        }
+        Ok(reply)
+    }
+
+    fn read_frame(&mut self, deadline: Option<Instant>) -> Result<Vec<u8>> {
+        loop {
+            if self.buffer.len() >= 4 {
+                let mut header = [0u8; 4];
+                header.copy_from_slice(&self.buffer[..4]);
+                let length = u32::from_be_bytes(header);
+                if length == 0 {
+                    return Err(self.fail(Error::new(Code::PROTOCOL, "reply frame declares 0 bytes")));
+                }
+                if length > self.max_frame_bytes {
+                    let m = format!("reply frame declares {} bytes, max_frame_bytes is {}", length, self.max_frame_bytes);
+                    return Err(self.fail(Error::new(Code::TOO_LARGE, m)));
+                }
+                let end = 4 + length as usize;
+                if self.buffer.len() >= end {
+                    let payload = self.buffer[4..end].to_vec();
+                    self.buffer.drain(..end);
+                    return Ok(payload);
+                }
+            }
+            let left = remaining(deadline);
+            if left == Some(Duration::ZERO) {
+                return Err(Error::new(Code::TIMEOUT, "no reply before the timeout"));
+            }
+            let stream = match self.stream.as_mut() {
+                Some(s) => s,
+                None => return Err(self.closed_error()),
+            };
+            let mut chunk = [0u8; 65536];
+            let got = stream.set_timeouts(left).and_then(|_| stream.read(&mut chunk));
+            match got {
+                Ok(0) => {
+                    let m = if self.buffer.is_empty() {
+                        "the server closed the connection"
+                    } else {
+                        "the server closed the connection mid-frame"
+                    };
+                    return Err(self.fail(Error::new(Code::CLOSED, m)));
+                }
+                Ok(n) => self.buffer.extend_from_slice(&chunk[..n]),
+                Err(e) if timed_out(&e) => {
+                    return Err(Error::new(Code::TIMEOUT, "no reply before the timeout"))
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => {
+                    return Err(self.fail(Error::new(Code::CLOSED, format!("the connection failed: {}", e))))
+                }
+            }
+        }
+    }
+}
+
+impl Drop for Client {
+    fn drop(&mut self) {
+        self.close();
+    }
+}
+
+/// Time left before `deadline`: None for no deadline, ZERO once it passed.
+fn remaining(deadline: Option<Instant>) -> Option<Duration> {
+    deadline.map(|d| d.saturating_duration_since(Instant::now()))
+}
+
+fn message(kind: &str, fields: Vec<(&str, Value)>) -> Value {
+    let mut entries = vec![("type".to_string(), Value::Str(kind.to_string()))];
+    entries.extend(fields.into_iter().map(|(k, v)| (k.to_string(), v)));
+    Value::Map(entries)
+}
+
+fn open(address: &str, timeout: Option<Duration>) -> Result<Stream> {
+    let invalid = |m: String| Error::new(Code::INVALID_ARGUMENT, m);
+    if let Some(path) = address.strip_prefix("unix:") {
+        if path.is_empty() {
+            return Err(invalid("empty unix socket path".into()));
+        }
+        return UnixStream::connect(path)
+            .map(Stream::Unix)
+            .map_err(|e| Error::new(Code::IO, format!("connect to {}: {}", address, e)));
+    }
+    if let Some(target) = address.strip_prefix("tcp:") {
+        let addr: SocketAddr = target
+            .parse()
+            .map_err(|_| invalid(format!("expected tcp:IP:PORT, got {:?}", address)))?;
+        let stream = match timeout {
+            Some(t) if t > Duration::ZERO => TcpStream::connect_timeout(&addr, t),
+            _ => TcpStream::connect(addr),
+        }
+        .map_err(|e| Error::new(Code::IO, format!("connect to {}: {}", address, e)))?;
+        let _ = stream.set_nodelay(true);
+        return Ok(Stream::Tcp(stream));
+    }
+    Err(invalid(format!("address must start with unix: or tcp:, got {:?}", address)))
+}

@@ -1,0 +1,476 @@
+//! The client against a real `kvmatch serve` ($KM_BIN, else build/kvmatch or build-cpu/kvmatch)
+//! started on a Unix socket in a temporary directory: routes (blocking, pipelined, batched), the
+//! lifecycle reports, WORKERS / POOLS / STATUS, each error the server answers, a server that goes
+//! away mid-request and reconnecting once it is back. Replies a real server never sends (wrong
+//! count, wrong type, unknown id, connection-level ERROR, unreadable or oversize frames) come
+//! from a fake server written here. Every wait is bounded by the client's timeout.
+
+use std::fs;
+use std::io::{Read, Write};
+use std::os::unix::net::UnixListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use kvmatch_client::{
+    outcome_from_stream, Client, Code, Event, LifecycleEvent, Pool, Prompt, RouteRequest, Value,
+    Worker,
+};
+
+const WORKERS: u32 = 3;
+const TIMEOUT: Option<Duration> = Some(Duration::from_secs(20));
+
+fn root() -> PathBuf {
+    match std::env::var("KM_ROOT") {
+        Ok(r) if !r.is_empty() => PathBuf::from(r),
+        _ => Path::new(env!("CARGO_MANIFEST_DIR")).join("../.."),
+    }
+}
+
+fn binary() -> PathBuf {
+    let mut candidates = Vec::new();
+    if let Ok(b) = std::env::var("KM_BIN") {
+        candidates.push(PathBuf::from(b));
+    }
+    candidates.push(root().join("build/kvmatch"));
+    candidates.push(root().join("build-cpu/kvmatch"));
+    candidates
+        .into_iter()
+        .find(|p| p.is_file())
+        .expect("no kvmatch binary: build it with make, or set KM_BIN")
+}
+
+struct TempDir(PathBuf);
+
+impl TempDir {
+    fn new(tag: &str) -> TempDir {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.subsec_nanos())
+            .unwrap_or(0);
+        let dir = std::env::temp_dir()
+            .join(format!("kvmatch-rust-{}-{}-{}", tag, std::process::id(), nanos));
+        fs::create_dir_all(&dir).expect("temporary directory");
+        TempDir(dir)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = fs::remove_dir_all(&self.0);
+    }
+}
+
+struct Server {
+    dir: TempDir,
+    address: String,
+    child: Option<Child>,
+}
+
+impl Server {
+    fn start(tag: &str) -> Server {
+        let dir = TempDir::new(tag);
+        let address = format!("unix:{}", dir.0.join("kvmatch.sock").display());
+        let mut s = Server { dir, address, child: None };
+        s.spawn();
+        s
+    }
+
+    fn spawn(&mut self) {
+        let sock = self.dir.0.join("kvmatch.sock");
+        let _ = fs::remove_file(&sock);
+        let mut cmd = Command::new(binary());
+        cmd.args(["serve", "--records", "none", "--max-workers", "64", "--pool", "default:16:kv"])
+            .arg("--socket")
+            .arg(&sock)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
+        for w in 0..WORKERS {
+            cmd.arg("--worker").arg(format!("default:{}", w));
+        }
+        self.child = Some(cmd.spawn().expect("start kvmatch serve"));
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while Instant::now() < deadline {
+            if Client::connect(&self.address, Some(Duration::from_secs(1))).is_ok() {
+                return;
+            }
+            thread::sleep(Duration::from_millis(50));
+        }
+        panic!("kvmatch serve did not accept on {}", sock.display());
+    }
+
+    /// SIGSTOP, returning once every thread of the server is stopped.
+    fn pause(&self) {
+        let pid = self.child.as_ref().expect("running").id();
+        let status = Command::new("kill").args(["-STOP", &pid.to_string()]).status();
+        assert!(status.map(|s| s.success()).unwrap_or(false), "kill -STOP");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            let tasks = fs::read_dir(format!("/proc/{}/task", pid)).expect("/proc");
+            let all_stopped = tasks.filter_map(|t| t.ok()).all(|t| {
+                let stat = fs::read_to_string(t.path().join("stat")).unwrap_or_default();
+                stat.rsplit(')').next().map_or(false, |rest| rest.trim_start().starts_with('T'))
+            });
+            if all_stopped {
+                return;
+            }
+            thread::sleep(Duration::from_millis(10));
+        }
+        panic!("kvmatch serve did not stop");
+    }
+
+    fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+fn prompt(n: usize, seed: usize) -> Vec<u32> {
+    (0..n).map(|i| ((seed * 7919 + i * 31) % 50000) as u32).collect()
+}
+
+fn tokens(request_id: &str, t: Vec<u32>) -> RouteRequest {
+    RouteRequest { request_id: request_id.into(), prompt: Prompt::Tokens(t), ..Default::default() }
+}
+
+fn expect_code<T: std::fmt::Debug>(r: kvmatch_client::Result<T>, code: Code, what: &str) {
+    match r {
+        Err(e) => assert_eq!(e.code, code, "{}: expected {}, got {}", what, code, e),
+        Ok(v) => panic!("{}: expected {}, got {:?}", what, code, v),
+    }
+}
+
+fn str_map(entries: &[(&str, Value)]) -> Value {
+    Value::Map(entries.iter().map(|(k, v)| (k.to_string(), v.clone())).collect())
+}
+
+#[test]
+fn error_names_match_the_header() {
+    let header = fs::read_to_string(root().join("include/kvmatch/error.h")).expect("error.h");
+    let mut n = 0;
+    for line in header.lines() {
+        let line = line.trim_start();
+        if let Some(rest) = line.strip_prefix("X(KM_") {
+            let mut parts = rest.splitn(3, ',');
+            let name = format!("KM_{}", parts.next().unwrap_or("").trim());
+            let code: i64 = parts.next().unwrap_or("").trim().parse().expect("a code");
+            assert_eq!(Code(code).name(), name, "code {}", code);
+            n += 1;
+        }
+    }
+    assert!(n > 0 && n == Code::ALL.len(), "error.h has {} codes, the client {}", n, Code::ALL.len());
+    assert_eq!(Code(-99).name(), "KM_ERR_UNKNOWN(-99)");
+}
+
+#[test]
+fn outcome_rule() {
+    assert_eq!(outcome_from_stream(Some("stop"), true, Some(200), None), "complete");
+    assert_eq!(outcome_from_stream(Some("stop"), false, Some(200), None), "incomplete");
+    assert_eq!(outcome_from_stream(None, true, Some(200), None), "incomplete");
+    assert_eq!(outcome_from_stream(Some("stop"), true, Some(503), None), "error");
+    assert_eq!(outcome_from_stream(Some("stop"), true, Some(200), Some("reset")), "error");
+    assert_eq!(outcome_from_stream(Some("length"), true, None, None), "complete");
+}
+
+#[test]
+fn address_forms() {
+    for bad in ["", "unix:", "tcp:nohost", "http://x", "tcp:localhost:80"] {
+        expect_code(Client::connect(bad, TIMEOUT).map(|_| ()), Code::INVALID_ARGUMENT, bad);
+    }
+}
+
+#[test]
+fn route_and_lifecycle() {
+    let s = Server::start("route");
+    let mut c = Client::connect(&s.address, TIMEOUT).expect("connect");
+    assert_eq!(c.welcome().protocol, 1);
+    assert!(c.welcome().limits.max_batch_items >= 1);
+    let t = prompt(100, 1);
+    let mut r1 = tokens("r1", t.clone());
+    r1.attempt_id = Some("0".into());
+    r1.pool = Some("default".into());
+    r1.expected_output_tokens = Some(50);
+    let d = c.route(&[r1]).expect("route").remove(0);
+    d.result().expect("decided");
+    assert!(d.chosen_worker < WORKERS);
+    assert_eq!((d.n_blocks, d.block_size, d.source.as_str()), (6, 16, "approx"));
+    assert_eq!(d.policy.as_deref(), Some("kv"));
+    assert_eq!(d.load_scope.as_deref(), Some("this_instance"));
+    assert_eq!(d.candidates.len(), WORKERS as usize);
+    assert!(d.owner_worker.is_none() && d.load_value.is_some());
+    for ev in [
+        LifecycleEvent { event: Event::Dispatched, decision_id: Some(d.decision_id), worker: Some(d.chosen_worker), elapsed_ms: Some(1.0), ..Default::default() },
+        LifecycleEvent { event: Event::FirstToken, decision_id: Some(d.decision_id), elapsed_ms: Some(20.0), ..Default::default() },
+        LifecycleEvent { event: Event::Finished, decision_id: Some(d.decision_id), finish_reason: Some("stop".into()), done_seen: true, http_status: Some(200), cached_tokens: Some(0), elapsed_ms: Some(90.0), ..Default::default() },
+    ] {
+        c.report(&ev).unwrap_or_else(|e| panic!("{:?}: {}", ev.event, e));
+    }
+    let mut r2 = tokens("r2", t.clone());
+    r2.brief = true;
+    let again = c.route(&[r2]).expect("route").remove(0);
+    assert_eq!(again.owner_worker, Some(d.chosen_worker), "the chosen worker learned the prompt");
+    assert_eq!(again.owner_depth, 6);
+    assert!(again.candidates.is_empty(), "brief: no rows");
+    let d3 = c.route(&[tokens("r3", t)]).expect("route").remove(0);
+    let id3 = Some(d3.decision_id);
+    let items = c
+        .lifecycle(&[
+            LifecycleEvent { event: Event::Finished, request_id: Some("r1".into()), attempt_id: Some("0".into()), ..Default::default() },
+            LifecycleEvent { event: Event::Dispatched, decision_id: Some(987654321), ..Default::default() },
+            LifecycleEvent { event: Event::FirstToken, decision_id: id3, ..Default::default() },
+            LifecycleEvent { event: Event::FirstToken, decision_id: id3, ..Default::default() },
+            LifecycleEvent { event: Event::Finished, decision_id: id3, outcome: Some("complete".into()), finish_reason: Some("stop".into()), ..Default::default() },
+            LifecycleEvent { event: Event::Finished, decision_id: id3, elapsed_ms: Some(-1.0), ..Default::default() },
+        ])
+        .expect("lifecycle");
+    let got: Vec<Code> = items.iter().map(|i| i.status).collect();
+    assert_eq!(got, vec![Code::PROTOCOL, Code::NOT_FOUND, Code::OK, Code::PROTOCOL, Code::INVALID_ARGUMENT, Code::INVALID_ARGUMENT]);
+    let e = items[1].result().expect_err("unknown decision");
+    assert!(e.code == Code::NOT_FOUND && !e.message.is_empty());
+}
+
+#[test]
+fn route_errors() {
+    let s = Server::start("errors");
+    let mut c = Client::connect(&s.address, TIMEOUT).expect("connect");
+    let mut nopool = tokens("nopool", prompt(40, 0));
+    nopool.pool = Some("nope".into());
+    let mut nomodel = tokens("nomodel", prompt(40, 0));
+    nomodel.model = Some("no-such-model".into());
+    let badsize = RouteRequest { request_id: "badsize".into(), prompt: Prompt::Hashes { hashes: vec![1, 2], block_size: Some(32) }, ..Default::default() };
+    let mut range = tokens("range", prompt(20, 0));
+    range.candidates = Some(vec![63]);
+    let ds = c
+        .route(&[tokens("ok", prompt(40, 0)), nopool, nomodel, badsize, tokens("", vec![1]), range, tokens("empty", vec![])])
+        .expect("route");
+    let got: Vec<Code> = ds.iter().map(|d| d.status).collect();
+    assert_eq!(got, vec![Code::OK, Code::NOT_FOUND, Code::NOT_FOUND, Code::INVALID_ARGUMENT, Code::PARSE, Code::NOT_FOUND, Code::OK]);
+    assert!(ds[1..6].iter().all(|d| d.message.as_deref().map_or(false, |m| !m.is_empty())));
+    expect_code(c.call(str_map(&[("type", Value::Str("NO_SUCH_TYPE".into()))])), Code::PROTOCOL, "unknown type");
+    expect_code(c.call(str_map(&[("type", Value::Str("ROUTE".into())), ("routes", Value::Str("r".into()))])), Code::PARSE, "routes not an array");
+    let many: Vec<RouteRequest> = (0..=c.welcome().limits.max_batch_items).map(|i| tokens(&format!("x{}", i), vec![])).collect();
+    expect_code(c.route(&many), Code::TOO_LARGE, "a batch over max_batch_items");
+    expect_code(c.call(str_map(&[("type", Value::Str("WORKERS".into())), ("action", Value::Str("explode".into()))])), Code::PARSE, "unknown action");
+    c.route(&[tokens("still", vec![1])]).expect("still serving").remove(0).result().expect("decided");
+    let down = Worker { pool: "default".into(), worker: 1, healthy: Some(false), ..Default::default() };
+    c.update_workers(&[down]).expect("update").remove(0).result().expect("health update");
+    let mut only = tokens("down", vec![1]);
+    only.candidates = Some(vec![1]);
+    let d = c.route(&[only]).expect("route").remove(0);
+    assert_eq!(d.result().map_err(|e| e.code), Err(Code::NO_HEALTHY_WORKER));
+}
+
+#[test]
+fn admin() {
+    let s = Server::start("admin");
+    let mut c = Client::connect(&s.address, TIMEOUT).expect("connect");
+    let ws = c.list_workers(None).expect("list");
+    assert_eq!(ws.len(), WORKERS as usize);
+    assert!(ws[0].eligible.is_some() && ws[0].state.is_some());
+    let w = |pool: &str, worker: u32| Worker { pool: pool.into(), worker, ..Default::default() };
+    let mut named = w("default", 10);
+    named.name = Some("w10".into());
+    let mut bad_name = w("default", 12);
+    bad_name.name = Some("bad\nname".into());
+    let mut replay_only = w("default", 13);
+    replay_only.replay_endpoint = Some("tcp://127.0.0.1:1".into());
+    let items = c.add_workers(&[named, w("default", 1000), w("nope", 11), bad_name, replay_only]).expect("add");
+    let got: Vec<Code> = items.iter().map(|i| i.status).collect();
+    assert_eq!(got, vec![Code::OK, Code::WORKER_RANGE, Code::NOT_FOUND, Code::INVALID_ARGUMENT, Code::INVALID_ARGUMENT]);
+    assert_eq!(c.list_workers(Some("default")).expect("list").len(), WORKERS as usize + 1);
+    let items = c.remove_workers(&[w("default", 10), w("default", 99)]).expect("remove");
+    assert_eq!(items.iter().map(|i| i.status).collect::<Vec<_>>(), vec![Code::OK, Code::NOT_FOUND]);
+    assert_eq!(c.update_workers(&[w("default", 0)]).expect("update")[0].status, Code::INVALID_ARGUMENT);
+    let second = Pool { name: "second".into(), block_size: Some(32), policy: Some("least_load".into()), ..Default::default() };
+    let nosize = Pool { name: "nosize".into(), ..Default::default() };
+    let items = c.add_pools(&[second, nosize]).expect("pools add");
+    assert_eq!(items.iter().map(|i| i.status).collect::<Vec<_>>(), vec![Code::OK, Code::BLOCK_SIZE]);
+    let pools = c.list_pools().expect("pools list");
+    assert_eq!(pools.len(), 2);
+    assert_eq!((pools[1].name.as_str(), pools[1].block_size), ("second", Some(32)));
+    assert!(!pools[1].params.is_empty());
+    let st = c.status().expect("status");
+    assert!(!st.kvmatch_version.is_empty() && st.backend.is_some());
+    assert_eq!(st.workers.len(), WORKERS as usize);
+}
+
+#[test]
+fn pipelined() {
+    let s = Server::start("pipelined");
+    let mut c = Client::connect(&s.address, TIMEOUT).expect("connect");
+    let mut sent = std::collections::HashMap::new();
+    for i in 0..64usize {
+        let routes: Vec<RouteRequest> = (0..1 + i % 4).map(|j| tokens(&format!("p{}-{}", i, j), prompt(16 * (j + 1), i))).collect();
+        sent.insert(c.send_route(&routes).expect("send"), routes.len());
+    }
+    assert_eq!(c.outstanding(), 64);
+    for _ in 0..64 {
+        let reply = c.receive().expect("receive");
+        let n = sent.remove(&reply.id).expect("a reply per request, once");
+        assert_eq!(reply.decisions().expect("decisions").len(), n);
+    }
+    assert_eq!(c.outstanding(), 0);
+    let a = c.send_route(&[tokens("wa", vec![1])]).expect("send");
+    let b = c.send_route(&[tokens("wb", vec![2])]).expect("send");
+    assert_eq!(c.wait(b).expect("wait b").id, b);
+    assert_eq!(c.wait(a).expect("wait a").id, a);
+    expect_code(c.wait(a), Code::NOT_FOUND, "a reply already returned");
+    expect_code(c.receive(), Code::INVALID_ARGUMENT, "nothing outstanding");
+}
+
+#[test]
+fn server_goes_away_then_reconnect() {
+    let mut s = Server::start("away");
+    let mut c = Client::connect(&s.address, TIMEOUT).expect("connect");
+    s.pause(); // the request is read by no one ...
+    let id = c.send_route(&[tokens("lost", prompt(32, 0))]).expect("send");
+    s.kill(); // ... and the server dies with it in flight
+    expect_code(c.wait(id), Code::CLOSED, "server gone mid-request");
+    assert!(c.is_closed());
+    expect_code(c.route(&[tokens("x", vec![1])]), Code::CLOSED, "a call after");
+    expect_code(c.reconnect(), Code::IO, "reconnect with no server");
+    s.spawn();
+    c.reconnect().expect("reconnect");
+    assert!(!c.is_closed() && c.outstanding() == 0);
+    c.route(&[tokens("back", vec![1])]).expect("served again").remove(0).result().expect("decided");
+}
+
+// ---- a fake server, for replies a real one never sends ------------------------------------------
+
+#[derive(Clone, Copy, PartialEq)]
+enum Fake {
+    Miscount,
+    WrongType,
+    UnknownId,
+    ConnectionError,
+    Garbage,
+    Deep,
+    Oversize,
+    WelcomeWrongId,
+    RefuseHello,
+    SilentOnce,
+}
+
+fn frame(v: &Value) -> Vec<u8> {
+    let mut out = vec![0u8; 4];
+    v.encode(&mut out);
+    let n = (out.len() - 4) as u32;
+    out[..4].copy_from_slice(&n.to_be_bytes());
+    out
+}
+
+fn raw_frame(payload: &[u8]) -> Vec<u8> {
+    let mut out = (payload.len() as u32).to_be_bytes().to_vec();
+    out.extend_from_slice(payload);
+    out
+}
+
+fn fake_server(dir: &TempDir, mode: Fake) -> String {
+    let path = dir.0.join(format!("fake-{}.sock", mode as u8));
+    let listener = UnixListener::bind(&path).expect("bind");
+    thread::spawn(move || {
+        let (mut conn, _) = match listener.accept() {
+            Ok(c) => c,
+            Err(_) => return,
+        };
+        let mut silent = mode == Fake::SilentOnce;
+        loop {
+            let mut header = [0u8; 4];
+            if conn.read_exact(&mut header).is_err() {
+                return;
+            }
+            let mut payload = vec![0u8; u32::from_be_bytes(header) as usize];
+            if conn.read_exact(&mut payload).is_err() {
+                return;
+            }
+            let m = match Value::decode(&payload) {
+                Ok(m) => m,
+                Err(_) => return,
+            };
+            let id = m.get("id").cloned().unwrap_or(Value::UInt(0));
+            let kind = m.get("type").and_then(Value::as_str).unwrap_or("").to_string();
+            let n = m.get("routes").and_then(Value::as_array).map_or(0, |r| r.len());
+            let row = Value::Array(vec![
+                Value::UInt(2), Value::UInt(1), Value::UInt(1), Value::UInt(0), Value::UInt(0), Value::UInt(0),
+                Value::UInt(0), Value::UInt(0), Value::Nil, Value::Str("LIVE".into()), Value::Bool(true), Value::Str("appended".into()),
+            ]);
+            let decision = str_map(&[("status", Value::UInt(0)), ("decision_id", Value::UInt(1)), ("chosen_worker", Value::UInt(2)), ("source", Value::Str("events".into())), ("candidates", Value::Array(vec![row]))]);
+            let decisions = |k: usize| Value::Array(vec![decision.clone(); k]);
+            let t = |s: &str| ("type", Value::Str(s.into()));
+            let out = if kind == "HELLO" {
+                match mode {
+                    Fake::RefuseHello => frame(&str_map(&[t("ERROR"), ("id", id), ("code", Value::Int(-14)), ("name", Value::Str("KM_ERR_INCOMPATIBLE".into())), ("message", Value::Str("protocol 1 is not spoken here".into()))])),
+                    Fake::WelcomeWrongId => frame(&str_map(&[t("WELCOME"), ("id", Value::UInt(7)), ("protocol", Value::UInt(1)), ("kvmatch_version", Value::Str("fake".into()))])),
+                    _ => frame(&str_map(&[t("WELCOME"), ("id", id), ("protocol", Value::UInt(1)), ("kvmatch_version", Value::Str("fake".into())), ("limits", str_map(&[("max_frame_bytes", Value::UInt(4096)), ("max_batch_items", Value::UInt(16))]))])),
+                }
+            } else if silent {
+                silent = false;
+                continue;
+            } else {
+                match mode {
+                    Fake::Miscount => frame(&str_map(&[t("DECISION"), ("id", id), ("decisions", decisions(n.saturating_sub(1)))])),
+                    Fake::WrongType => frame(&str_map(&[t("STATUS_REPLY"), ("id", id), ("kvmatch_version", Value::Str("fake".into()))])),
+                    Fake::UnknownId => frame(&str_map(&[t("DECISION"), ("id", Value::UInt(4242)), ("decisions", decisions(n))])),
+                    Fake::ConnectionError => frame(&str_map(&[t("ERROR"), ("id", Value::UInt(0)), ("code", Value::Int(-19)), ("name", Value::Str("KM_ERR_TIMEOUT".into())), ("message", Value::Str("idle".into()))])),
+                    Fake::Garbage => raw_frame(&[0xc1, 0x00]),
+                    Fake::Deep => {
+                        let mut p = vec![0x91u8; 100];
+                        p.push(0xc0);
+                        raw_frame(&p)
+                    }
+                    Fake::Oversize => (1u32 << 20).to_be_bytes().to_vec(),
+                    _ => frame(&str_map(&[t("DECISION"), ("id", id), ("decisions", decisions(n))])),
+                }
+            };
+            if conn.write_all(&out).is_err() {
+                return;
+            }
+        }
+    });
+    format!("unix:{}", path.display())
+}
+
+#[test]
+fn refused_replies() {
+    let dir = TempDir::new("fake");
+    for (mode, code, what) in [
+        (Fake::Miscount, Code::PROTOCOL, "one decision fewer"),
+        (Fake::WrongType, Code::PROTOCOL, "wrong type"),
+        (Fake::UnknownId, Code::PROTOCOL, "unknown id"),
+        (Fake::ConnectionError, Code::CLOSED, "connection-level ERROR"),
+        (Fake::Garbage, Code::PARSE, "not msgpack"),
+        (Fake::Deep, Code::PARSE, "nested too deep"),
+        (Fake::Oversize, Code::TOO_LARGE, "frame over max_frame_bytes"),
+    ] {
+        let mut c = Client::connect(&fake_server(&dir, mode), TIMEOUT).expect("connect");
+        expect_code(c.route(&[tokens("a", vec![]), tokens("b", vec![])]), code, what);
+        assert!(c.is_closed(), "{}: the connection stays open", what);
+        expect_code(c.route(&[tokens("c", vec![])]), Code::CLOSED, what);
+    }
+    expect_code(Client::connect(&fake_server(&dir, Fake::WelcomeWrongId), TIMEOUT).map(|_| ()), Code::PROTOCOL, "WELCOME to another id");
+    expect_code(Client::connect(&fake_server(&dir, Fake::RefuseHello), TIMEOUT).map(|_| ()), Code::INCOMPATIBLE, "refused handshake");
+}
+
+#[test]
+fn timeout_gives_the_request_up() {
+    let dir = TempDir::new("silent");
+    let mut c = Client::connect(&fake_server(&dir, Fake::SilentOnce), TIMEOUT).expect("connect");
+    c.set_timeout(Some(Duration::from_millis(200)));
+    expect_code(c.route(&[tokens("slow", vec![])]), Code::TIMEOUT, "no reply");
+    assert!(!c.is_closed() && c.outstanding() == 0);
+    c.set_timeout(TIMEOUT);
+    let d = c.route(&[tokens("next", vec![])]).expect("the connection stays usable").remove(0);
+    assert_eq!(d.candidates[0].cost, None);
+    assert_eq!(d.candidates[0].state.as_deref(), Some("LIVE"));
+    expect_code(c.route(&[tokens("big", vec![0; 4096])]), Code::TOO_LARGE, "a request over max_frame_bytes is not sent");
+    assert!(!c.is_closed(), "refusing to send does not close the connection");
+}
