@@ -99,7 +99,7 @@ bench: all
 	$(Q)mkdir -p bench/results
 	$(Q)$(BIN) bench index --json > bench/results/index.json
 	$(Q)$(BIN) bench events --json > bench/results/events.json
-	$(Q)$(BIN) bench ipc --json > bench/results/ipc.json
+	$(Q)scripts/bench-clients.sh $(BIN) --json > bench/results/ipc.json
 	$(Q)$(BIN) bench replay --json > bench/results/replay.json
 	$(Q)$(BIN) bench replay --ceiling --json > bench/results/replay-ceiling.json
 	$(Q)$(BIN) sim --json > bench/results/sim.json

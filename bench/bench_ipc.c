@@ -13,7 +13,15 @@
  * measured this way, so a slow reply delays nothing but itself). One driver thread polls every
  * connection. Two baselines, measured in the same run on the same schedule: `ping` (kvmatch's
  * transport alone: a report the loop thread answers itself) and `echo` (no kvmatch at all: a
- * child that echoes raw frames; run_echo_phase). Output: docs/BENCHMARKS.md "IPC". */
+ * child that echoes raw frames; run_echo_phase).
+ *
+ * Client languages (--clients DIR): each executable in DIR is another language's client driver
+ * (scripts/bench-clients.sh builds them from clients/), run as `DIR/NAME ADDRESS SCHEDULE PER_FRAME
+ * WINDOW SECONDS` against the same server on the schedule of the C client's one-connection closed
+ * loop phases (window 4, single and batched frames, prompts of the repeat workload from the same
+ * generator, written to SCHEDULE one per line); it prints one JSON line (decisions_per_s,
+ * rtt_p50_us, rtt_p99_us, frames, errors), shown beside the C client's row of the same run
+ * (run_client_phases). Output: docs/BENCHMARKS.md "IPC". */
 
 #include <dirent.h>
 #include <errno.h>
@@ -665,10 +673,133 @@ static pid_t start_server(const char *self, const char *sock, bool records, cons
     _exit(127);
 }
 
+/* The one-connection closed-loop phases every client language drives (their index in the phase
+ * table below, for the C client's row). */
+static const struct {
+    const char *frame;
+    uint32_t per_frame, window;
+    size_t c_phase;
+} client_phases[] = {{"single", 1, 4, 1}, {"batched", BATCH_ROUTES, 4, 4}};
+
+#define SCHEDULE_PROMPTS 4096
+
+/* SCHEDULE_PROMPTS prompts of the repeat workload, one per line of decimal hashes. */
+static int write_schedule(const char *path, const workload *from)
+{
+    workload w = *from;
+    w.fresh = false;
+    FILE *f = fopen(path, "w");
+    if (!f)
+        return KM_ERR_IO;
+    uint64_t hashes[64];
+    for (int i = 0; i < SCHEDULE_PROMPTS; i++) {
+        uint32_t n = workload_request(&w, hashes);
+        for (uint32_t k = 0; k < n; k++)
+            fprintf(f, k ? " %" PRIu64 : "%" PRIu64, hashes[k]);
+        fputc('\n', f);
+    }
+    return fclose(f) == 0 ? KM_OK : KM_ERR_IO;
+}
+
+static int cmp_names(const void *a, const void *b)
+{
+    return strcmp(*(char *const *)a, *(char *const *)b);
+}
+
+/* Run each driver of clients_dir on each client phase and add its rows (with the C client's of
+ * the same run, c_results[phase]) to results and to the text table. A driver that fails is
+ * reported and gives no row; the others still run. */
+static void run_client_phases(const char *clients_dir, const char *addr, const char *dir,
+                              const workload *w, double seconds, const phase_result *c_results,
+                              const bool *c_ran, json_t *results, bool json)
+{
+    char schedule[400];
+    snprintf(schedule, sizeof schedule, "%s/schedule.txt", dir);
+    if (write_schedule(schedule, w) != KM_OK) {
+        fprintf(stderr, "bench ipc: cannot write %s\n", schedule);
+        return;
+    }
+    DIR *d = opendir(clients_dir);
+    if (!d) {
+        fprintf(stderr, "bench ipc: --clients %s: %s\n", clients_dir, strerror(errno));
+        return;
+    }
+    char *names[32];
+    size_t n_names = 0;
+    struct dirent *e;
+    while ((e = readdir(d)) && n_names < 32) {
+        char path[4400];
+        snprintf(path, sizeof path, "%s/%s", clients_dir, e->d_name);
+        struct stat st;
+        if (e->d_name[0] != '.' && stat(path, &st) == 0 && S_ISREG(st.st_mode) && access(path, X_OK) == 0)
+            names[n_names++] = strdup(e->d_name);
+    }
+    closedir(d);
+    qsort(names, n_names, sizeof *names, cmp_names);
+    if (!json)
+        printf("\n%-8s %-8s %-6s %14s %11s %11s %7s\n", "client", "frame", "window", "decisions/s",
+               "rtt p50 us", "rtt p99 us", "errors");
+    for (size_t p = 0; p < sizeof client_phases / sizeof client_phases[0]; p++) {
+        if (c_ran[client_phases[p].c_phase] && !json) {
+            const phase_result *c = &c_results[client_phases[p].c_phase];
+            printf("%-8s %-8s %-6u %14.0f %11.1f %11.1f %7" PRIu64 "\n", "c", client_phases[p].frame,
+                   client_phases[p].window, c->decisions_per_s, c->rtt_p50_us, c->rtt_p99_us, c->errors);
+        }
+        for (size_t i = 0; i < n_names; i++) {
+            char cmd[5000], out[4096];
+            snprintf(cmd, sizeof cmd, "'%s/%s' '%s' '%s' %u %u %g", clients_dir, names[i], addr,
+                     schedule, client_phases[p].per_frame, client_phases[p].window, seconds);
+            FILE *pipe = popen(cmd, "r");
+            size_t got = pipe ? fread(out, 1, sizeof out - 1, pipe) : 0;
+            out[got] = '\0';
+            int rc = pipe ? pclose(pipe) : -1;
+            /* The last line is the result. */
+            char *line = out;
+            for (char *nl = strchr(out, '\n'); nl && nl[1]; nl = strchr(nl + 1, '\n'))
+                line = nl + 1;
+            json_error_t err;
+            json_t *r = rc == 0 ? json_loads(line, JSON_DECODE_ANY, &err) : NULL;
+            double dps = json_number_value(json_object_get(r, "decisions_per_s"));
+            if (!json_is_object(r) || !json_is_number(json_object_get(r, "decisions_per_s"))) {
+                fprintf(stderr, "bench ipc: client %s (%s frames) gave no result (exit %d): %s\n",
+                        names[i], client_phases[p].frame, rc, out);
+                json_decref(r);
+                continue;
+            }
+            json_t *o = json_object();
+            json_object_set_new(o, "client", json_string(names[i]));
+            json_object_set_new(o, "workload", json_string("repeat"));
+            json_object_set_new(o, "reply", json_string("full"));
+            json_object_set_new(o, "connections", json_integer(1));
+            json_object_set_new(o, "frame", json_string(client_phases[p].frame));
+            json_object_set_new(o, "routes_per_frame", json_integer(client_phases[p].per_frame));
+            json_object_set_new(o, "window", json_integer(client_phases[p].window));
+            json_object_set_new(o, "offered_per_s", json_null());
+            json_object_set_new(o, "decisions_per_s", json_real(km_bench_round_to(dps, 1)));
+            double p50 = json_number_value(json_object_get(r, "rtt_p50_us"));
+            double p99 = json_number_value(json_object_get(r, "rtt_p99_us"));
+            json_int_t errors = json_integer_value(json_object_get(r, "errors"));
+            json_object_set_new(o, "rtt_p50_us", json_real(km_bench_round_to(p50, 0.1)));
+            json_object_set_new(o, "rtt_p99_us", json_real(km_bench_round_to(p99, 0.1)));
+            json_object_set_new(o, "errors", json_integer(errors));
+            json_array_append_new(results, o);
+            json_decref(r);
+            if (!json) {
+                printf("%-8s %-8s %-6u %14.0f %11.1f %11.1f %7" PRId64 "\n", names[i],
+                       client_phases[p].frame, client_phases[p].window, dps, p50, p99, (int64_t)errors);
+                fflush(stdout);
+            }
+        }
+    }
+    for (size_t i = 0; i < n_names; i++)
+        free(names[i]);
+}
+
 int km_bench_ipc_main(int argc, char **argv)
 {
     bool json = false, quick = false, records = false;
     const char *connect_to = NULL; /* a running server (pool "main") instead of a child */
+    const char *clients_dir = NULL; /* other languages' client drivers (run_client_phases) */
     int only = -1; /* run one phase (0-based, repeat then fresh), for profiling */
     double seconds = 2.0;
     for (int i = 1; i < argc; i++) {
@@ -684,8 +815,11 @@ int km_bench_ipc_main(int argc, char **argv)
             only = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--seconds") && i + 1 < argc)
             seconds = atof(argv[++i]);
+        else if (!strcmp(argv[i], "--clients") && i + 1 < argc)
+            clients_dir = argv[++i];
         else {
-            fprintf(stderr, "usage: kvmatch bench ipc [--json] [--quick] [--seconds S] [--records]\n");
+            fprintf(stderr, "usage: kvmatch bench ipc [--json] [--quick] [--seconds S] [--records]"
+                            " [--clients DIR]\n");
             return 2;
         }
     }
@@ -775,6 +909,8 @@ int km_bench_ipc_main(int argc, char **argv)
                "conns", "frame", "offered", "decisions/s", "rtt p50 us", "rtt p99 us", "errors",
                "srv us/d", "drv us/d", "idle%", "steal%");
     size_t n_phases = sizeof phases / sizeof phases[0];
+    phase_result c_results[sizeof phases / sizeof phases[0]];
+    bool c_ran[sizeof phases / sizeof phases[0]] = {false};
     for (size_t i = 0; i < n_phases && !status; i++) {
         w.fresh = !strcmp(phases[i].workload, "fresh");
         g_brief = !strcmp(phases[i].reply, "brief");
@@ -796,12 +932,16 @@ int km_bench_ipc_main(int argc, char **argv)
             status = 1;
             break;
         }
+        c_results[i] = pr;
+        c_ran[i] = true;
         json_t *o = json_object();
+        json_object_set_new(o, "client", json_string("c"));
         json_object_set_new(o, "workload", json_string(wname));
         json_object_set_new(o, "reply", json_string(phases[i].reply));
         json_object_set_new(o, "connections", json_integer(phases[i].conns));
         json_object_set_new(o, "frame", json_string(phases[i].frame));
         json_object_set_new(o, "routes_per_frame", json_integer(phases[i].per_frame));
+        json_object_set_new(o, "window", phases[i].rate > 0 ? json_null() : json_integer(phases[i].window));
         json_object_set_new(o, "offered_per_s", phases[i].rate > 0 ? json_real(phases[i].rate) : json_null());
         json_object_set_new(o, "decisions_per_s", json_real(km_bench_round_to(pr.decisions_per_s, 1)));
         json_object_set_new(o, "rtt_p50_us", json_real(km_bench_round_to(pr.rtt_p50_us, 0.1)));
@@ -834,6 +974,8 @@ int km_bench_ipc_main(int argc, char **argv)
             fflush(stdout);
         }
     }
+    if (clients_dir && !status)
+        run_client_phases(clients_dir, addr, dir, &w, seconds, c_results, c_ran, results, json);
     json_object_set_new(root, "results", results);
     json_t *wl = json_object();
     json_object_set_new(wl, "workers", json_integer(WORKERS));

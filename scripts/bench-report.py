@@ -79,7 +79,8 @@ def render_ipc(d):
                "| server CPU us / decision (loop + scheduler threads) | driver CPU us / decision | idle % | steal % |")
     out.append("|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
 
-    for r in d["results"]:
+    c_rows = [r for r in d["results"] if r.get("client", "c") == "c"]
+    for r in c_rows:
         offered = "open" if r.get("offered_per_s") is None else fmt(r["offered_per_s"])
         out.append(f"| {r.get('workload', '')} | {r.get('reply', '')} | {r['connections']} | {r['frame']} | "
                    f"{offered} | {fmt(r['decisions_per_s'])} | {fmt(r['rtt_p50_us'], 1)} | "
@@ -89,16 +90,36 @@ def render_ipc(d):
     out.append("")
     # Same-run ratios of each open-loop row's round trips to the machine's own floor (the echo row:
     # a child that only echoes, no kvmatch), which moves with the VM from run to run.
-    echo = next((r for r in d["results"] if r.get("reply") == "echo"), None)
+    echo = next((r for r in c_rows if r.get("reply") == "echo"), None)
     if echo and echo.get("rtt_p99_us") and echo.get("rtt_p50_us"):
         parts = []
-        for r in d["results"]:
+        for r in c_rows:
             if r is echo or r.get("offered_per_s") is None:
                 continue
             name = "ping" if r.get("reply") == "ping" else f"{r.get('workload')} {r.get('reply')} {r['frame']}"
             parts.append(f"{name} {r['rtt_p50_us'] / echo['rtt_p50_us']:.2f} / {r['rtt_p99_us'] / echo['rtt_p99_us']:.2f}")
         out.append("Round trips against the echo floor of the same run (p50 / p99 ratio), at the same offered "
                    "rate: " + "; ".join(parts) + ".\n")
+    # Client languages (bench ipc --clients): each driver's rows beside the C client's of the same
+    # run on the same schedule (one connection, closed loop, the same window and frame).
+    others = [r for r in d["results"] if r.get("client", "c") != "c"]
+    if others:
+        out.append("Client languages (`scripts/bench-clients.sh`: `kvmatch bench ipc --clients DIR`), one "
+                   "connection, closed loop, repeat prompts, full replies, against the C client in the same run:\n")
+        out.append("| client | frame | window | decisions/s | rtt p50 (us) | rtt p99 (us) | errors |")
+        out.append("|---|---|---:|---:|---:|---:|---:|")
+        for frame in ("single", "batched"):
+            shape = [r for r in others if r["frame"] == frame]
+            if not shape:
+                continue
+            window = shape[0].get("window")
+            same = [r for r in c_rows if r["frame"] == frame and r["connections"] == 1
+                    and r.get("workload") == "repeat" and r.get("reply") == "full"
+                    and r.get("offered_per_s") is None and r.get("window", window) == window]
+            for r in same[:1] + shape:
+                out.append(f"| {r.get('client', 'c')} | {frame} | {window} | {fmt(r['decisions_per_s'])} | "
+                           f"{fmt(r['rtt_p50_us'], 1)} | {fmt(r['rtt_p99_us'], 1)} | {r.get('errors', '')} |")
+        out.append("")
     out.append("CPU per decision: run time of every server thread (/proc/PID/task/*/schedstat) and of the "
                "driver process over the measured interval, divided by the routes answered (for `ping`, "
                "by the reports answered; for `echo`, by the frames echoed, and the server is the echo "

@@ -5,7 +5,10 @@
  * (`scripts/install-deps.sh --clients` installs them); a failing client test fails here with the
  * end of its output. */
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
+
+#include <jansson.h>
 
 #include "test_util.h"
 
@@ -40,4 +43,66 @@ Test(clients, go_client_against_the_daemon, .timeout = 600)
 Test(clients, rust_client_against_the_daemon, .timeout = 600)
 {
     run_client_tests("rust");
+}
+
+/* `kvmatch bench ipc --clients DIR` runs each driver in DIR on the C client's one-connection
+ * schedule and adds its rows: the Python client's driver gives a row per frame shape, with every
+ * route decided; a driver that fails gives none and the run goes on. (What the rows measure is
+ * the benchmark's business; this checks that they are there and come from real decisions.) */
+Test(clients, bench_ipc_adds_a_row_per_client_language, .timeout = 180)
+{
+    if (system("/usr/bin/python3 -c 'import msgpack' >/dev/null 2>&1") != 0)
+        cr_skip_test("python3-msgpack is missing: the Python driver cannot run");
+    const char *bin = getenv("KM_BIN") && *getenv("KM_BIN") ? getenv("KM_BIN") : "build/kvmatch";
+    char dir[] = "/tmp/kvmatch-test-bench-clients-XXXXXX";
+    cr_assert(mkdtemp(dir), "mkdtemp");
+    char path[256], cmd[1024];
+    snprintf(path, sizeof path, "%s/python", dir);
+    FILE *f = fopen(path, "w");
+    cr_assert(f);
+    fprintf(f, "#!/bin/sh\nPYTHONPATH=clients/python exec /usr/bin/python3 clients/python/bench.py \"$@\"\n");
+    fclose(f);
+    snprintf(path, sizeof path, "%s/broken", dir);
+    f = fopen(path, "w");
+    cr_assert(f);
+    fprintf(f, "#!/bin/sh\necho 'no result' && exit 3\n");
+    fclose(f);
+    snprintf(cmd, sizeof cmd, "chmod +x %s/python %s/broken && %s bench ipc --quick --only 1 --clients %s "
+             "--json > %s/out.json 2> %s/err.txt", dir, dir, bin, dir, dir, dir);
+    int rc = system(cmd);
+    snprintf(path, sizeof path, "%s/out.json", dir);
+    json_error_t err;
+    json_t *root = json_load_file(path, 0, &err);
+    snprintf(path, sizeof path, "%s/err.txt", dir);
+    static char errors[8192];
+    FILE *ef = fopen(path, "r");
+    size_t n = ef ? fread(errors, 1, sizeof errors - 1, ef) : 0;
+    errors[n] = '\0';
+    if (ef)
+        fclose(ef);
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+    cr_assert_eq(system(cmd), 0);
+    cr_assert_eq(rc, 0, "bench ipc failed: %s", errors);
+    cr_assert(root, "no JSON: %s", err.text);
+    cr_expect(strstr(errors, "client broken"), "the failing driver is reported: %s", errors);
+    int python_rows = 0, c_rows = 0;
+    size_t i;
+    json_t *r;
+    json_array_foreach(json_object_get(root, "results"), i, r)
+    {
+        const char *client = json_string_value(json_object_get(r, "client"));
+        cr_assert(client, "every row names its client");
+        cr_expect(strcmp(client, "broken"), "a failed driver has no row");
+        if (!strcmp(client, "c"))
+            c_rows++;
+        if (strcmp(client, "python"))
+            continue;
+        python_rows++;
+        cr_expect_eq(json_integer_value(json_object_get(r, "errors")), 0);
+        cr_expect_gt(json_number_value(json_object_get(r, "decisions_per_s")), 0);
+        cr_expect_eq(json_integer_value(json_object_get(r, "connections")), 1);
+    }
+    cr_expect_eq(python_rows, 2, "one row per frame shape (single, batched)");
+    cr_expect_eq(c_rows, 1, "--only 1: the C client's single-route phase");
+    json_decref(root);
 }
