@@ -618,6 +618,11 @@ func (cn *conn) deliver(reply *Reply) error {
 		return err
 	}
 	cn.mu.Lock()
+	if _, still := cn.calls[reply.ID]; !still {
+		// The connection failed meanwhile (Close from another goroutine): the call has its error.
+		cn.mu.Unlock()
+		return nil
+	}
 	delete(cn.calls, reply.ID)
 	if !call.abandoned {
 		call.reply = reply

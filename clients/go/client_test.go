@@ -604,3 +604,35 @@ func TestDeadlineGivesTheRequestUp(t *testing.T) {
 		t.Fatal("refusing to send does not close the connection")
 	}
 }
+
+// Close from one goroutine while others are routing: every call ends with its decisions or
+// ErrClosed, none hangs or panics.
+func TestCloseWhileRouting(t *testing.T) {
+	s := startServer(t)
+	ctx := testContext(t)
+	c := dialT(t, ctx, s.address)
+	var wg sync.WaitGroup
+	errs := make(chan error, 8)
+	for g := 0; g < 8; g++ {
+		wg.Add(1)
+		go func(g int) {
+			defer wg.Done()
+			for i := 0; ; i++ {
+				_, err := c.Route(ctx, RouteRequest{RequestID: fmt.Sprintf("c%d-%d", g, i), Tokens: prompt(32, i)})
+				if err != nil {
+					if !errors.Is(err, ErrClosed) {
+						errs <- err
+					}
+					return
+				}
+			}
+		}(g)
+	}
+	time.Sleep(100 * time.Millisecond)
+	c.Close()
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Fatalf("a call ended with %v, not ErrClosed", err)
+	}
+}
