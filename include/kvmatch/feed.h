@@ -418,9 +418,9 @@ int km_feed_save(km_feed *feed, const char *path, uint64_t now_ns);
 
 /* Restart of kvmatch: load the index and feed state saved by km_feed_save into a fresh feed (no
  * worker followed; its index's content is replaced). Nothing is installed unless the whole file
- * is valid: on any error the feed is unchanged and the index is left empty of every worker (if the
- * index part had loaded, it is cleared again), km_feed_last_error says why, and workers added
- * afterwards bootstrap normally. Errors: KM_ERR_IO (missing, unreadable), KM_ERR_CORRUPT,
+ * is valid, the feed section included (km_index_load_checked): on any error the feed and the index
+ * are exactly as they were, km_feed_last_error says why, and workers added afterwards bootstrap
+ * normally. Errors: KM_ERR_IO (missing, unreadable), KM_ERR_CORRUPT,
  * KM_ERR_INCOMPATIBLE, KM_ERR_INVALID_ARGUMENT (workers already followed), KM_ERR_MEMORY_CAP,
  * KM_ERR_OUT_OF_MEMORY.
  *

@@ -212,6 +212,18 @@ bool km_index_save_temp_path(const char *path, long pid, char *out, size_t size)
  * KM_ERR_OUT_OF_MEMORY. */
 int km_index_load(km_index *index, const char *path, void **user_out, size_t *user_size_out);
 
+/* Judges a snapshot's caller section before km_index_load_checked changes anything: KM_OK lets the
+ * load go on; any other status refuses the whole snapshot. Called once, after every check of the
+ * index part passed; the section is only lent for the call. */
+typedef int (*km_snapshot_check_fn)(void *user, const void *section, size_t section_size);
+
+/* km_index_load, with the caller section judged by `check` (NULL: none) before the index's
+ * content is replaced: a section `check` refuses leaves the index exactly as it was and returns
+ * `check`'s status (km_index_last_error says the caller section was refused), so a caller whose own
+ * state must come from the same file installs both or neither. */
+int km_index_load_checked(km_index *index, const char *path, km_snapshot_check_fn check,
+                          void *check_user, void **user_out, size_t *user_size_out);
+
 /* ---- inspection --------------------------------------------------------------------------- */
 
 typedef struct km_worker_stats {

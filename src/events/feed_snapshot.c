@@ -163,13 +163,18 @@ static void free_workers(worker **ws, uint32_t n)
     free(ws);
 }
 
-int km_feed_import_state(km_feed *feed, const void *data, size_t size, uint64_t now_ns)
+/* A feed state parsed and validated in full, not yet installed. */
+typedef struct staged_state {
+    worker **workers;
+    uint32_t n_workers;
+} staged_state;
+
+/* Parse and validate a section into *out without touching the feed's workers (km_feed_fail
+ * records why on failure; nothing is kept then). */
+static int parse_state(km_feed *feed, const void *data, size_t size, staged_state *out)
 {
-    if (!feed || (!data && size))
-        return KM_ERR_NULL_POINTER;
-    if (feed->n_workers)
-        return km_feed_fail(feed, KM_ERR_INVALID_ARGUMENT,
-                            "restore into a feed that follows workers");
+    out->workers = NULL;
+    out->n_workers = 0;
     fs_reader r = {data, size, 0};
     unsigned char magic[8];
     uint32_t version, block_size, n_workers, reserved;
@@ -290,7 +295,18 @@ int km_feed_import_state(km_feed *feed, const void *data, size_t size, uint64_t 
         free_workers(ws, n);
         return km_feed_fail(feed, rc, "feed state: %s (worker record %u)", why, n);
     }
-    /* Install: nothing below fails. */
+    out->workers = ws;
+    out->n_workers = n_workers;
+    return KM_OK;
+}
+
+/* Install a parsed state into a feed that follows no worker: nothing here fails. */
+static void install_state(km_feed *feed, staged_state *st, uint64_t now_ns)
+{
+    worker **ws = st->workers;
+    uint32_t n_workers = st->n_workers;
+    st->workers = NULL;
+    st->n_workers = 0;
     free(feed->workers);
     feed->workers = ws;
     feed->workers_capacity = n_workers ? n_workers : 1;
@@ -311,6 +327,20 @@ int km_feed_import_state(km_feed *feed, const void *data, size_t size, uint64_t 
         }
     }
     feed->last_error[0] = '\0';
+}
+
+int km_feed_import_state(km_feed *feed, const void *data, size_t size, uint64_t now_ns)
+{
+    if (!feed || (!data && size))
+        return KM_ERR_NULL_POINTER;
+    if (feed->n_workers)
+        return km_feed_fail(feed, KM_ERR_INVALID_ARGUMENT,
+                            "restore into a feed that follows workers");
+    staged_state st;
+    int rc = parse_state(feed, data, size, &st);
+    if (rc)
+        return rc;
+    install_state(feed, &st, now_ns);
     return KM_OK;
 }
 
@@ -334,17 +364,17 @@ int km_feed_save(km_feed *feed, const char *path, uint64_t now_ns)
     return KM_OK;
 }
 
-/* Drop every worker's blocks from the index (a snapshot whose feed part is unusable). */
-static void clear_index(km_feed *feed)
+/* km_index_load_checked's judge of the caller section: the feed state parsed into the staging
+ * area, so that the index is replaced only when the feed's part is valid too. */
+typedef struct restore_check {
+    km_feed *feed;
+    staged_state staged;
+} restore_check;
+
+static int check_feed_section(void *user, const void *section, size_t size)
 {
-    km_worker_stats st;
-    km_update_stats us;
-    for (uint32_t id = 0; km_index_worker_stats(feed->index, id, &st) == KM_OK; id++) {
-        if (!st.blocks)
-            continue;
-        km_update u = {KM_UPDATE_REMOVE_WORKER, id, KM_NO_PARENT, NULL, 0, KM_TIER_DEVICE};
-        km_index_apply(feed->index, &u, 1, &us);
-    }
+    restore_check *rc = user;
+    return parse_state(rc->feed, section, size, &rc->staged);
 }
 
 int km_feed_restore(km_feed *feed, const char *path, uint64_t now_ns)
@@ -353,18 +383,19 @@ int km_feed_restore(km_feed *feed, const char *path, uint64_t now_ns)
         return KM_ERR_NULL_POINTER;
     if (feed->n_workers || feed->queue_count)
         return km_feed_fail(feed, KM_ERR_INVALID_ARGUMENT, "restore into a feed that is in use");
-    void *user = NULL;
-    size_t size = 0;
-    int rc = km_index_load(feed->index, path, &user, &size);
-    if (rc)
-        return km_feed_fail(feed, rc, "snapshot %s: %s", path, km_index_last_error(feed->index));
-    rc = km_feed_import_state(feed, user, size, now_ns);
-    free(user);
+    /* The feed section is judged before the index part is installed: on any failure neither the
+     * index nor the feed changes. */
+    restore_check check = {feed, {NULL, 0}};
+    feed->last_error[0] = '\0';
+    int rc = km_index_load_checked(feed->index, path, check_feed_section, &check, NULL, NULL);
     if (rc) {
-        char detail[sizeof feed->last_error];
-        snprintf(detail, sizeof detail, "%s", feed->last_error);
-        clear_index(feed);
-        return km_feed_fail(feed, rc, "snapshot %s: %s", path, detail);
+        if (feed->last_error[0]) { /* the feed section was refused: say why */
+            char detail[sizeof feed->last_error];
+            snprintf(detail, sizeof detail, "%s", feed->last_error);
+            return km_feed_fail(feed, rc, "snapshot %s: %s", path, detail);
+        }
+        return km_feed_fail(feed, rc, "snapshot %s: %s", path, km_index_last_error(feed->index));
     }
+    install_state(feed, &check.staged, now_ns);
     return KM_OK;
 }

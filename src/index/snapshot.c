@@ -440,6 +440,12 @@ static int check_lower_tiers(km_index *index, const km_index *staged)
 
 int km_index_load(km_index *index, const char *path, void **user_out, size_t *user_size_out)
 {
+    return km_index_load_checked(index, path, NULL, NULL, user_out, user_size_out);
+}
+
+int km_index_load_checked(km_index *index, const char *path, km_snapshot_check_fn check,
+                          void *check_user, void **user_out, size_t *user_size_out)
+{
     if (!index)
         return KM_ERR_NULL_POINTER;
     index->last_error[0] = '\0';
@@ -551,6 +557,11 @@ int km_index_load(km_index *index, const char *path, void **user_out, size_t *us
     }
     if (!rc)
         rc = check_lower_tiers(index, &staged);
+    if (!rc && check) {
+        rc = check(check_user, user, (size_t)user_size);
+        if (rc)
+            km_index_fail(index, rc, "snapshot %s: the caller section was refused", path);
+    }
     if (rc) {
         km_table_free(&staged.blocks);
         km_table_free(&staged.segments);

@@ -10,7 +10,8 @@
  * Contracts checked: a refused file leaves a non-empty message and the index exactly as it was
  * (its known content still scores the same); a loaded index is usable: scoring, stores that
  * continue loaded blocks, removes and removing every worker work, and afterwards nothing is left.
- * km_feed_restore either succeeds or leaves the index with no pairs. */
+ * km_feed_restore, into an index that holds something, either succeeds or leaves the index exactly
+ * as it was and the feed following no worker. */
 #include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -148,8 +149,10 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     }
     km_index_destroy(index);
 
-    /* km_feed_restore into a fresh feed */
+    /* km_feed_restore into a fresh feed over an index that holds something */
     index = new_index();
+    CHECK(km_index_store(index, 1, KM_NO_PARENT, known, 5) == KM_OK);
+    CHECK(km_index_get_stats(index, &before) == KM_OK);
     km_feed_config fcfg;
     km_feed_config_init(&fcfg);
     fcfg.log = quiet;
@@ -159,9 +162,12 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     if (rc != KM_OK) {
         CHECK(rc < 0);
         CHECK(km_feed_last_error(feed)[0] != '\0');
-        km_index_stats st;
-        CHECK(km_index_get_stats(index, &st) == KM_OK);
-        CHECK(st.pairs == 0);
+        CHECK(km_index_get_stats(index, &after) == KM_OK);
+        CHECK(after.pairs == before.pairs && after.blocks == before.blocks &&
+              after.segment_pairs == before.segment_pairs);
+        CHECK(depth_of(index, 1, known, 5) == 5);
+        uint32_t followed = 1;
+        CHECK(km_feed_get_workers(feed, NULL, 0, &followed) == KM_OK && followed == 0);
     } else {
         /* claim the restored workers, then flush what that queues */
         for (uint32_t w = 0; w < MAX_WORKERS; w++) {
