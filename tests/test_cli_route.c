@@ -246,6 +246,12 @@ Test(cli_route, bad_values_exit_2_before_connecting, .timeout = 60)
     expect_usage_error((const char *const[]){"--connect", NO_SERVER, "--set-health", "main:1",
                                              NULL},
                        "", "--set-health");
+    expect_usage_error((const char *const[]){"--connect", NO_SERVER, "--remove-pool", "",
+                                             NULL},
+                       "", "--remove-pool");
+    expect_usage_error((const char *const[]){"--connect", NO_SERVER, "--remove-pool", "p",
+                                             "--workers", NULL},
+                       "", "one of");
     expect_usage_error((const char *const[]){"--connect", NO_SERVER, "--status", "--workers",
                                              NULL},
                        "", "one of");

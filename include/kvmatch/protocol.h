@@ -114,7 +114,7 @@ const char *km_frame_reader_last_error(const km_frame_reader *reader);
                                              * (also sent as single-event messages of those    \
                                              * three types) */                                 \
     X(KM_MESSAGE_WORKERS, 4, "WORKERS")     /* add / remove / update (health) / list workers */ \
-    X(KM_MESSAGE_POOLS, 5, "POOLS")         /* add / update / list pools */                    \
+    X(KM_MESSAGE_POOLS, 5, "POOLS")         /* add / update / remove / list pools */           \
     X(KM_MESSAGE_STATUS, 6, "STATUS")       /* service summary request */                      \
     /* server -> client */                                                                     \
     X(KM_MESSAGE_WELCOME, 7, "WELCOME")   /* handshake reply */                                \
@@ -427,7 +427,7 @@ typedef struct km_pool_info {
 } km_pool_info;
 
 typedef struct km_pools_message {
-    km_admin_action action; /* ADD, UPDATE, LIST (request); LIST (POOL_LIST reply) */
+    km_admin_action action; /* ADD, UPDATE, REMOVE (by name), LIST (request); LIST (POOL_LIST) */
     const km_pool_info *pools;
     uint32_t n_pools;
 } km_pools_message;

@@ -30,6 +30,7 @@ static void route_usage(FILE *f)
             "       kvmatch route [--connect ADDR] --status | --workers\n"
             "       kvmatch route [--connect ADDR] --add-worker POOL:ID[=PUB[,REPLAY]]\n"
             "       kvmatch route [--connect ADDR] --remove-worker POOL:ID\n"
+            "       kvmatch route [--connect ADDR] --remove-pool POOL\n"
             "       kvmatch route [--connect ADDR] --set-health POOL:ID=healthy|unhealthy\n"
             "       kvmatch route [--connect ADDR] --finish DECISION_ID\n"
             "                     [--outcome complete|incomplete|error|cancelled]\n"
@@ -248,7 +249,7 @@ static void fresh_request_id(char *out, size_t size)
 enum {
     OPT_CONNECT = 256, OPT_POOL, OPT_MODEL, OPT_REQUEST_ID, OPT_ATTEMPT_ID, OPT_LORA, OPT_SALT,
     OPT_POLICY, OPT_EXPECTED_OUTPUT, OPT_CANDIDATES, OPT_ADD_WORKER, OPT_REMOVE_WORKER,
-    OPT_SET_HEALTH, OPT_HASHES, OPT_STATUS, OPT_WORKERS, OPT_FINISH, OPT_OUTCOME,
+    OPT_SET_HEALTH, OPT_REMOVE_POOL, OPT_HASHES, OPT_STATUS, OPT_WORKERS, OPT_FINISH, OPT_OUTCOME,
 };
 
 int km_cmd_route(int argc, char **argv)
@@ -268,6 +269,7 @@ int km_cmd_route(int argc, char **argv)
         {"add-worker", required_argument, NULL, OPT_ADD_WORKER},
         {"remove-worker", required_argument, NULL, OPT_REMOVE_WORKER},
         {"set-health", required_argument, NULL, OPT_SET_HEALTH},
+        {"remove-pool", required_argument, NULL, OPT_REMOVE_POOL},
         {"hashes", no_argument, NULL, OPT_HASHES},
         {"status", no_argument, NULL, OPT_STATUS},
         {"workers", no_argument, NULL, OPT_WORKERS},
@@ -282,7 +284,7 @@ int km_cmd_route(int argc, char **argv)
     fresh_request_id(request_id, sizeof request_id);
     r.request_id = request_id;
     bool hashes = false, status = false, list = false, finish = false;
-    const char *add = NULL, *remove_w = NULL, *health = NULL;
+    const char *add = NULL, *remove_w = NULL, *health = NULL, *remove_pool = NULL;
     uint64_t finish_id = 0;
     km_outcome outcome = KM_OUTCOME_COMPLETE;
     static uint32_t cands[4096]; /* the protocol's default max_candidates */
@@ -308,6 +310,7 @@ int km_cmd_route(int argc, char **argv)
         case OPT_ADD_WORKER: add = v; break;
         case OPT_REMOVE_WORKER: remove_w = v; break;
         case OPT_SET_HEALTH: health = v; break;
+        case OPT_REMOVE_POOL: remove_pool = v; break;
         case OPT_EXPECTED_OUTPUT:
             r.has_expected_output_tokens = true;
             if (!km_cli_u64("route", "expected-output", v, 0, UINT64_MAX, &r.expected_output_tokens))
@@ -354,9 +357,13 @@ int km_cmd_route(int argc, char **argv)
     /* Every argument and input word is checked before connecting: a usage error exits 2 whether a
      * server is up or not. */
     if ((status ? 1 : 0) + (list ? 1 : 0) + (add ? 1 : 0) + (remove_w ? 1 : 0) +
-            (health ? 1 : 0) + (finish ? 1 : 0) > 1) {
+            (health ? 1 : 0) + (finish ? 1 : 0) + (remove_pool ? 1 : 0) > 1) {
         fprintf(stderr, "kvmatch route: give one of --status, --workers, --add-worker, "
-                        "--remove-worker, --set-health, --finish\n");
+                        "--remove-worker, --set-health, --finish, --remove-pool\n");
+        return KM_EXIT_USAGE;
+    }
+    if (remove_pool && !*remove_pool) {
+        fprintf(stderr, "kvmatch route: --remove-pool wants a pool name\n");
         return KM_EXIT_USAGE;
     }
     char spec[1024];
@@ -395,7 +402,7 @@ int km_cmd_route(int argc, char **argv)
     }
     uint64_t *nums = NULL;
     size_t n = 0;
-    if (!status && !list && !add && !remove_w && !health && !finish &&
+    if (!status && !list && !add && !remove_w && !health && !finish && !remove_pool &&
         read_numbers(&nums, &n, hashes ? UINT64_MAX : UINT32_MAX, hashes) != 0)
         return KM_EXIT_USAGE;
     km_client *c = NULL;
@@ -449,11 +456,20 @@ int km_cmd_route(int argc, char **argv)
                 exit_code |= reply.ack.items[i].status != KM_OK;
                 print_json(o);
             }
-    } else if (list || add || remove_w || health) {
+    } else if (list || add || remove_w || health || remove_pool) {
         km_message m;
         memset(&m, 0, sizeof m);
         m.type = KM_MESSAGE_WORKERS;
-        if (add || remove_w || health) {
+        km_pool_info pool_item;
+        memset(&pool_item, 0, sizeof pool_item);
+        if (remove_pool) {
+            /* POOLS remove: the pool's workers, index, subscriber and snapshot go with it. */
+            m.type = KM_MESSAGE_POOLS;
+            m.pools.action = KM_ADMIN_REMOVE;
+            pool_item.name = remove_pool;
+            m.pools.pools = &pool_item;
+            m.pools.n_pools = 1;
+        } else if (add || remove_w || health) {
             m.workers.action = add ? KM_ADMIN_ADD : remove_w ? KM_ADMIN_REMOVE : KM_ADMIN_UPDATE;
             m.workers.workers = &w;
             m.workers.n_workers = 1;

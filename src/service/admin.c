@@ -203,8 +203,8 @@ static int pool_param(km_admin_action action, km_server_pool *pc, const km_param
     return KM_OK;
 }
 
-/* A POOLS frame: list (POOL_LIST), or add / update each pool under admin_lock, answered with an
- * ACK of per-pool statuses. */
+/* A POOLS frame: list (POOL_LIST), or add / update / remove each pool under admin_lock, answered
+ * with an ACK of per-pool statuses. */
 void km_srv_handle_pools(conn *c, const km_message *m)
 {
     km_server *s = c->server;
@@ -250,9 +250,11 @@ void km_srv_handle_pools(conn *c, const km_message *m)
         free(params);
         return;
     }
-    if (pm->action != KM_ADMIN_ADD && pm->action != KM_ADMIN_UPDATE) {
+    if (pm->action != KM_ADMIN_ADD && pm->action != KM_ADMIN_UPDATE &&
+        pm->action != KM_ADMIN_REMOVE) {
         pthread_mutex_unlock(&s->admin_lock);
-        km_srv_send_error(c, m->id, KM_ERR_PROTOCOL, "POOLS action must be add, update or list");
+        km_srv_send_error(c, m->id, KM_ERR_PROTOCOL,
+                          "POOLS action must be add, update, remove or list");
         return;
     }
     km_item_status *items = calloc(pm->n_pools ? pm->n_pools : 1, sizeof *items);
@@ -267,6 +269,17 @@ void km_srv_handle_pools(conn *c, const km_message *m)
             continue;
         }
         int at = km_srv_pool_find(s, pi->name);
+        if (pm->action == KM_ADMIN_REMOVE) {
+            if (at < 0)
+                rc = km_why(msgs[i], sizeof msgs[i], KM_ERR_NOT_FOUND, "no pool %s", pi->name);
+            else
+                rc = km_srv_pool_remove(s, (uint32_t)at, msgs[i], sizeof msgs[i]);
+            if (rc == KM_OK)
+                km_srv_log(s, "pool %s removed", pi->name);
+            items[i].status = rc;
+            items[i].message = rc == KM_OK ? NULL : msgs[i];
+            continue;
+        }
         km_server_pool pc;
         memset(&pc, 0, sizeof pc);
         km_policy_config_init(&pc.policy);

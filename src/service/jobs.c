@@ -183,6 +183,7 @@ void km_srv_handle_route(conn *c, const km_message *m)
         }
         pool *p = s->pools[pi];
         r->pool = (uint32_t)pi;
+        r->pool_uid = p->uid;
         r->input = in->input;
         if (in->input == KM_ROUTE_INPUT_TOKENS) {
             size_t nb = in->n_tokens / p->block_size;

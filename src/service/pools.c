@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <xxhash.h>
 
@@ -80,6 +81,7 @@ int km_srv_pool_create(km_server *s, const km_server_pool *pc, pool **out, char 
     if (!p)
         return km_why(why, why_size, KM_ERR_OUT_OF_MEMORY, "pool %s", pc->name);
     snprintf(p->name, sizeof p->name, "%s", pc->name);
+    p->uid = ++s->next_pool_uid;
     pthread_mutex_init(&p->local_lock, NULL);
     p->block_size = pc->block_size;
     p->hash_lookahead_tokens = pc->hash_lookahead_tokens;
@@ -358,6 +360,37 @@ int km_srv_worker_remove(km_server *s, uint32_t id, char *why, size_t why_size)
     memset(slot, 0, sizeof *slot);
     km_active_remove_worker(s->active, id, now_ns(), km_srv_record_removed, s, NULL);
     pthread_mutex_unlock(&s->active_lock);
+    return KM_OK;
+}
+
+/* Remove a pool (admin_lock held; loop thread, which alone writes pool metadata): each of its
+ * workers is removed as km_srv_worker_remove does it (active work ends, outcome records say so),
+ * then everything the pool holds is released: its subscriber (I/O thread, ZMQ context, sockets),
+ * in-process feed, approximate-mode state and index. Its snapshot file is deleted, so a pool
+ * added later under the same name starts empty. The pools after it move down one place (workers
+ * renumbered); a route queued for it fails (route_job.pool_uid). */
+int km_srv_pool_remove(km_server *s, uint32_t pool_index, char *why, size_t why_size)
+{
+    if (pool_index >= s->n_pools)
+        return km_why(why, why_size, KM_ERR_NOT_FOUND, "no pool at %u", pool_index);
+    pool *p = s->pools[pool_index];
+    while (p->n_members) {
+        int rc = km_srv_worker_remove(s, p->members[p->n_members - 1], why, why_size);
+        if (rc)
+            return rc;
+    }
+    memmove(s->pools + pool_index, s->pools + pool_index + 1,
+            (s->n_pools - pool_index - 1) * sizeof *s->pools);
+    s->n_pools--;
+    for (uint32_t id = 0; id < s->cfg.max_workers; id++)
+        if (s->workers[id].used && s->workers[id].pool > pool_index)
+            s->workers[id].pool--;
+    char *snapshot = p->snapshot_path ? strdup(p->snapshot_path) : NULL;
+    km_srv_pool_destroy(p);
+    if (snapshot) {
+        unlink(snapshot);
+        free(snapshot);
+    }
     return KM_OK;
 }
 

@@ -1083,9 +1083,6 @@ static int decode_body(km_protocol_decoder *d, const msgpack_object *root, km_me
         } else {
             if ((rc = read_action(d, v[0], &m->pools.action)))
                 return rc;
-            if (m->pools.action == KM_ADMIN_REMOVE)
-                return field_fail(d, KM_ERR_PARSE, "action", NO_ELEMENT,
-                                  "POOLS takes add, update or list");
             if (m->pools.action == KM_ADMIN_LIST)
                 return KM_OK;
         }

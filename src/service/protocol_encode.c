@@ -597,8 +597,9 @@ static void encode_body(writer *w, map_mark *m, const km_message *msg)
         break;
     case KM_MESSAGE_POOLS:
         if (msg->pools.action != KM_ADMIN_ADD && msg->pools.action != KM_ADMIN_UPDATE &&
-            msg->pools.action != KM_ADMIN_LIST) {
-            writer_fail(w, KM_ERR_INVALID_ARGUMENT, "POOLS action must be add, update or list");
+            msg->pools.action != KM_ADMIN_REMOVE && msg->pools.action != KM_ADMIN_LIST) {
+            writer_fail(w, KM_ERR_INVALID_ARGUMENT,
+                        "POOLS action must be add, update, remove or list");
             break;
         }
         put_str(w, m, "action", km_admin_action_name(msg->pools.action));

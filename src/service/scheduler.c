@@ -113,9 +113,16 @@ static void run_batch(km_server *s, job *jobs, batch_scratch *b)
             route_job *r = &j->routes[k];
             if (r->status != KM_OK)
                 continue;
-            if (r->pool >= s->n_pools) {
-                km_srv_route_fail(r, KM_ERR_NOT_FOUND, "the pool was removed");
-                continue;
+            if (r->pool >= s->n_pools || s->pools[r->pool]->uid != r->pool_uid) {
+                /* Pools removed while it was queued moved the others down. */
+                uint32_t i = 0;
+                while (i < s->n_pools && s->pools[i]->uid != r->pool_uid)
+                    i++;
+                if (i == s->n_pools) {
+                    km_srv_route_fail(r, KM_ERR_NOT_FOUND, "the pool was removed");
+                    continue;
+                }
+                r->pool = i;
             }
             pool *p = s->pools[r->pool];
             if (KM_ARRAY_GROW(p->requests, p->requests_capacity, p->n_requests + 1, 16)) {

@@ -81,6 +81,7 @@ typedef struct route_job {
     char message[256];
     char *request_id, *attempt_id, *model, *endpoint, *policy_name;
     uint32_t pool;
+    uint64_t pool_uid; /* the pool's uid when the route was queued: a pool removed meanwhile fails it */
     km_route_input input;
     uint64_t *hashes;
     uint32_t n_hashes;
@@ -187,6 +188,7 @@ typedef struct worker_slot {
 
 typedef struct pool {
     char name[KM_SERVER_NAME_MAX];
+    uint64_t uid; /* distinct for every pool this server created, never reused */
     char *model;
     uint32_t block_size;
     uint32_t hash_lookahead_tokens;
@@ -298,6 +300,7 @@ struct km_server {
     worker_slot *workers;
     uint64_t batch_stamp;
     uint64_t next_incarnation;
+    uint64_t next_pool_uid;
 
     pthread_mutex_t active_lock;
     km_active *active;
@@ -417,6 +420,7 @@ int km_srv_pool_create(km_server *s, const km_server_pool *pc, pool **out, char 
 int km_srv_feed_info(km_server *s, uint32_t id, km_feed_worker_info *out);
 int km_srv_feed_windows(km_server *s, uint32_t id, km_feed_window *out, uint32_t cap, uint32_t *n);
 bool km_srv_pool_is_member(const pool *p, uint32_t id);
+int km_srv_pool_remove(km_server *s, uint32_t pool_index, char *why, size_t why_size);
 int km_srv_worker_add(km_server *s, uint32_t pool_index, const km_server_worker *w, char *why,
                       size_t why_size);
 int km_srv_worker_remove(km_server *s, uint32_t id, char *why, size_t why_size);

@@ -768,6 +768,7 @@ static int run_policy(const km_sim_config *cfg, const km_trace *trace, const cha
             rc = km_publisher_start(&pc, &r.pubs[w], why, why_size);
         }
     }
+    bool pool_added = false; /* --connect: our pool, removed at the end */
     /* The server: here, or a running one. */
     if (!rc) {
         strcpy(r.dir, "/tmp/kvmatch-sim-XXXXXX");
@@ -822,6 +823,7 @@ static int run_policy(const km_sim_config *cfg, const km_trace *trace, const cha
         if (!rc && reply.ack.items[0].status != KM_OK)
             rc = km_why(why, why_size, reply.ack.items[0].status, "adding pool %s: %s", r.pool,
                         reply.ack.items[0].message);
+        pool_added = rc == KM_OK;
         km_worker_info *wi = calloc(W ? W : 1, sizeof *wi);
         for (uint32_t w = 0; !rc && wi && w < W; w++) {
             wi[w].pool = r.pool;
@@ -960,21 +962,18 @@ static int run_policy(const km_sim_config *cfg, const km_trace *trace, const cha
         for (size_t i = 0; i < N; i++)
             res->unadmitted += r.reqs[i].routed && !r.reqs[i].admitted;
     }
-    if (cfg->connect && r.client) {
-        /* Leave the running server as it was: our workers out. */
+    if (cfg->connect && r.client && pool_added) {
+        /* Leave the running server as it was: our pool, its workers, index and subscriber out. */
         km_message m, reply;
         memset(&m, 0, sizeof m);
-        m.type = KM_MESSAGE_WORKERS;
-        m.workers.action = KM_ADMIN_REMOVE;
-        km_worker_info wi[1];
-        for (uint32_t w = 0; w < W; w++) {
-            memset(wi, 0, sizeof wi);
-            wi[0].pool = r.pool;
-            wi[0].worker = r.worker_base + w;
-            m.workers.workers = wi;
-            m.workers.n_workers = 1;
-            km_client_call(r.client, &m, 10000, &reply);
-        }
+        m.type = KM_MESSAGE_POOLS;
+        m.pools.action = KM_ADMIN_REMOVE;
+        km_pool_info pi;
+        memset(&pi, 0, sizeof pi);
+        pi.name = r.pool;
+        m.pools.pools = &pi;
+        m.pools.n_pools = 1;
+        km_client_call(r.client, &m, 10000, &reply);
     }
     run_teardown(&r);
     res->wall_s = wall_s() - started;
