@@ -15,6 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <sys/time.h>
 #include <unistd.h>
 
 #include <jansson.h>
@@ -1343,6 +1344,10 @@ Test(records, rotation_by_size_keeps_n_files_and_never_splits_a_line, .timeout =
         for (int j = 0; j < counts[k]; j++)
             cr_assert_eq(numbers[k][j], expect++, "gap or reorder across rotated files");
     cr_assert_eq(expect, total);
+    /* every record not in a kept file was deleted by rotation, and counted */
+    cr_assert_eq(s.deleted_records, (uint64_t)numbers[3][0], "deleted %" PRIu64 ", missing %d",
+                 s.deleted_records, numbers[3][0]);
+    cr_assert_eq(s.deleted_files, s.rotations - 3);
 
     /* a line longer than max_file_bytes goes alone into a file */
     int n = snprintf(line, sizeof line, "{\"i\":%d,\"pad\":\"%*s\"}", total, 5000, "");
@@ -1357,6 +1362,84 @@ Test(records, rotation_by_size_keeps_n_files_and_never_splits_a_line, .timeout =
     counts[0] = read_numbers(path, numbers[0], 1000, 4096, &exists);
     cr_assert_eq(counts[0], 1);
     cr_assert_eq(numbers[0][0], total + 1);
+    remove_dir(dir);
+}
+
+/* Lines "{"i":N}" in `name` (a missing file holds none). */
+static int count_lines_in(const char *name)
+{
+    FILE *f = fopen(name, "r");
+    if (!f)
+        return 0;
+    int n = 0;
+    for (int ch; (ch = fgetc(f)) != EOF;)
+        n += ch == '\n';
+    fclose(f);
+    return n;
+}
+
+/* Retention by bytes and by age: the files past either limit are deleted at a rotation, their
+ * records counted exactly (files an earlier run left included), one log line per rotation that
+ * deleted something. */
+Test(records, retention_by_bytes_and_age_counts_every_deleted_record, .timeout = 60)
+{
+    char dir[64], path[128], name[160];
+    make_temp_dir(dir);
+    snprintf(path, sizeof path, "%s/r.jsonl", dir);
+    /* An earlier run's rotated file, old: 7 records (the last one cut short by a crash). */
+    snprintf(name, sizeof name, "%s.1", path);
+    FILE *f = fopen(name, "w");
+    cr_assert(f);
+    for (int i = 0; i < 6; i++)
+        fprintf(f, "{\"old\":%d}\n", i);
+    fputs("{\"old\":6", f);
+    fclose(f);
+    struct timeval past[2] = {{time(NULL) - 7200, 0}, {time(NULL) - 7200, 0}};
+    cr_assert_eq(utimes(name, past), 0);
+
+    log_capture log;
+    km_record_writer_config cfg;
+    writer_config(&cfg, path, &log);
+    cfg.max_file_bytes = 2000;
+    cfg.keep_files = 6;
+    cfg.max_kept_bytes = 5000; /* about two and a half rotated files */
+    cfg.max_age_s = 3600;
+    km_record_writer *w;
+    cr_assert_eq(km_record_writer_create(&cfg, &w), KM_OK);
+    char line[256];
+    const int total = 400;
+    for (int i = 0; i < total; i++) {
+        int n = snprintf(line, sizeof line, "{\"i\":%d,\"pad\":\"%40s\"}", i, "");
+        cr_assert_eq(km_record_writer_submit(w, line, (size_t)n), KM_OK);
+        if (i % 20 == 0)
+            cr_assert_eq(km_record_writer_flush(w, 10000), KM_OK);
+    }
+    cr_assert_eq(km_record_writer_flush(w, 10000), KM_OK);
+    km_record_writer_counters s;
+    km_record_writer_stats(w, &s);
+    km_record_writer_destroy(w);
+    int kept = count_lines_in(path), kept_bytes = 0;
+    for (int k = 1; k <= 7; k++) {
+        snprintf(name, sizeof name, "%s.%d", path, k);
+        struct stat st;
+        if (stat(name, &st) == 0) {
+            cr_assert_leq(k, 6, "%s kept beyond keep_files", name);
+            kept += count_lines_in(name);
+            kept_bytes += (int)st.st_size;
+        }
+    }
+    cr_assert_leq(kept_bytes, 5000, "rotated files hold %d bytes", kept_bytes);
+    cr_assert_gt(s.rotations, 5);
+    /* all 400 records and the earlier run's 7 are either kept or counted as deleted */
+    cr_assert_eq((uint64_t)kept + s.deleted_records, (uint64_t)total + 7,
+                 "kept %d + deleted %" PRIu64 " != %d", kept, s.deleted_records, total + 7);
+    cr_assert_gt(s.deleted_files, 0);
+    pthread_mutex_lock(&log.lock);
+    cr_assert_eq(log.lines, (int)s.deleted_files, "%d log lines for %" PRIu64 " deleted files "
+                 "(one file per rotation here)", log.lines, s.deleted_files);
+    cr_assert(strstr(log.last, "deleted 1 file holding") && strstr(log.last, "max_kept_bytes"),
+              "%s", log.last);
+    pthread_mutex_unlock(&log.lock);
     remove_dir(dir);
 }
 

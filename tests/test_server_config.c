@@ -12,6 +12,7 @@
 #include "test_util.h"
 
 #include "kvmatch/server.h"
+#include "kvmatch/records.h"
 
 /* Write text into a fresh temporary file; returns its path (static buffer per call site). */
 static void write_temp(char *path, size_t size, const char *text)
@@ -71,6 +72,9 @@ Test(server_config, documented_example_loads_with_every_value, .timeout = 10)
     cr_assert_str_eq(cfg.http, "127.0.0.1:7701");
     cr_assert_str_eq(cfg.records_path, "/var/log/kvmatch/records.jsonl");
     cr_assert_eq(cfg.records_max_file_bytes, 268435456);
+    cr_assert_eq(cfg.records_keep_files, 8);
+    cr_assert_eq(cfg.records_max_kept_bytes, UINT64_C(2147483648));
+    cr_assert_eq(cfg.records_max_age_s, 604800);
     cr_assert_str_eq(cfg.snapshot_dir, "/var/lib/kvmatch");
     cr_assert_eq(cfg.snapshot_interval_ms, 60000);
     cr_assert_eq(cfg.max_workers, 1024);
@@ -142,6 +146,30 @@ Test(server_config, fields_left_out_keep_their_defaults, .timeout = 10)
     cr_assert_eq(cfg.breaker_failures, 5);
     cr_assert_eq(cfg.breaker_cooldown_ms, 10000);
     cr_assert_eq(cfg.n_pools, 0);
+    km_server_config_json_free(owner);
+}
+
+/* Records rotation: defaults as the writer's; 0 means what it means to the writer (never rotate),
+ * never "the default". */
+Test(server_config, records_rotation_zero_means_never, .timeout = 10)
+{
+    km_record_writer_config wc;
+    km_record_writer_config_init(&wc);
+    km_server_config cfg;
+    km_server_config_init(&cfg);
+    cr_assert_eq(cfg.records_max_file_bytes, wc.max_file_bytes);
+    cr_assert_eq(cfg.records_keep_files, wc.keep_files);
+    cr_assert_eq(cfg.records_max_kept_bytes, wc.max_kept_bytes);
+    cr_assert_eq(cfg.records_max_age_s, wc.max_age_s);
+    char path[64], why[256] = "";
+    write_temp(path, sizeof path,
+               "{\"records\": {\"path\": \"r.jsonl\", \"max_file_bytes\": 0, \"keep_files\": 0}}");
+    km_server_config_json *owner = NULL;
+    int rc = km_server_config_load_json(path, &cfg, &owner, why, sizeof why);
+    unlink(path);
+    cr_assert_eq(rc, KM_OK, "%s", why);
+    cr_assert_eq(cfg.records_max_file_bytes, 0);
+    cr_assert_eq(cfg.records_keep_files, 0);
     km_server_config_json_free(owner);
 }
 

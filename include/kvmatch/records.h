@@ -253,6 +253,10 @@ typedef struct km_record_writer_config {
     uint32_t keep_files;       /* rotated files kept: path.1 (newest) .. path.N (oldest); older ones
                                 * are deleted; 0 = rotation just starts path again, keeping nothing;
                                 * default 8 */
+    uint64_t max_kept_bytes;   /* the rotated files together, at most (the oldest go first); checked
+                                * at each rotation; 0 = no byte limit (the default) */
+    uint64_t max_age_s;        /* a rotated file last written longer ago is deleted at the next
+                                * rotation; 0 = no age limit (the default) */
     uint32_t queue_capacity;   /* records waiting or being written, at most; >= 1; default 65,536 */
     uint64_t max_queue_bytes;  /* bytes of those records, at most; >= 1; default 64 MiB */
     uint64_t max_line_bytes;   /* longest line accepted; default 1 MiB */
@@ -273,6 +277,10 @@ typedef struct km_record_writer_counters {
                             * submitted - written - failed - invalid */
     uint64_t bytes;        /* bytes written, newlines included */
     uint64_t rotations;    /* files rotated */
+    uint64_t deleted_files;   /* files deleted by retention (keep_files, max_kept_bytes, max_age_s) */
+    uint64_t deleted_records; /* records (lines) in them: every record rotation deleted, whoever
+                               * wrote it; each rotation that deletes logs one line */
+    uint64_t deleted_bytes;
     uint64_t write_errors; /* failed system calls (open, write, fdatasync, rename) */
     int last_error_status; /* status of the last failure (KM_ERR_IO, or a format error of an
                             * invalid record; KM_OK when none) */

@@ -76,7 +76,14 @@ typedef struct km_server_config {
     const char *http;        /* health / readiness / status / metrics "127.0.0.1:PORT"; NULL = none */
     bool allow_non_loopback;
     const char *records_path; /* decision and outcome JSONL (docs/RECORDS.md); NULL = none */
-    uint64_t records_max_file_bytes; /* rotation size; 0 = the writer's default (256 MiB) */
+    /* Rotation and retention of the records (km_record_writer_config, docs/RECORDS.md): the same
+     * meanings, 0 included. records_max_file_bytes: rotation size, 0 = never rotate (default
+     * 256 MiB); records_keep_files: rotated files kept, 0 = none (default 8);
+     * records_max_kept_bytes, records_max_age_s: 0 = no limit (the defaults). */
+    uint64_t records_max_file_bytes;
+    uint32_t records_keep_files;
+    uint64_t records_max_kept_bytes;
+    uint64_t records_max_age_s;
     const char *snapshot_dir; /* event pools' snapshots <dir>/<pool>.snap; NULL = none */
     uint32_t snapshot_interval_ms; /* periodic snapshots; 0 = only at shutdown; default 60,000 */
 

@@ -53,6 +53,7 @@ struct km_record_writer {
     uint64_t queued_bytes;
     bool stopping;
     uint64_t submitted, dropped, written, failed, invalid, bytes, rotations, write_errors;
+    uint64_t deleted_files, deleted_records, deleted_bytes; /* by retention, at rotations */
     uint64_t flush_target;   /* highest `submitted` a flusher waits for */
     uint64_t synced_through; /* lines (written + failed + invalid) covered by the last fdatasync */
     uint64_t failed_at_last_flush, sync_failures, sync_failures_at_last_flush;
@@ -260,21 +261,99 @@ static void buffer_write(km_record_writer *w)
     w->buf_deadline_ns = 0;
 }
 
-/* path -> path.1 -> ... -> path.keep (the oldest is overwritten), or path removed (keep 0). The
- * buffer was written first. A rename that fails is counted; the writer then keeps appending. */
+/* What one rotation deleted (retention), for the counters and its one log line. */
+typedef struct deletion {
+    uint64_t files, records, bytes;
+    const char *why; /* the first rule that deleted a file */
+} deletion;
+
+/* The records (lines) and bytes of a file about to be deleted: read through once, so the count is
+ * exact whoever wrote the file (this writer, an earlier run). False when it cannot be read. */
+static bool count_records(km_record_writer *w, const char *name, uint64_t *records, uint64_t *bytes)
+{
+    *records = *bytes = 0;
+    int fd = open(name, O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return false;
+    /* the writer's own buffer is empty at a rotation (written out first): read into it */
+    bool ends_with_newline = true;
+    for (;;) {
+        ssize_t n = read(fd, w->buf, w->buf_cap);
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n <= 0) {
+            close(fd);
+            *records += !ends_with_newline; /* a last line cut short is a record lost too */
+            return n == 0;
+        }
+        for (const char *p = w->buf, *end = w->buf + n; (p = memchr(p, '\n', (size_t)(end - p)));
+             p++)
+            (*records)++;
+        *bytes += (uint64_t)n;
+        ends_with_newline = w->buf[n - 1] == '\n';
+    }
+}
+
+/* Delete a file that retention gives up (counted in `d` when it existed). */
+static bool retire(km_record_writer *w, const char *name, const char *why, deletion *d)
+{
+    uint64_t records = 0, bytes = 0;
+    bool counted = count_records(w, name, &records, &bytes);
+    if (unlink(name) != 0) {
+        if (errno == ENOENT)
+            return true;
+        io_failure(w, "unlink (rotation)", name, errno);
+        return false;
+    }
+    d->files++;
+    d->records += counted ? records : 0;
+    d->bytes += bytes;
+    if (!d->why)
+        d->why = why;
+    return true;
+}
+
+/* After a rotation, path.1 .. path.keep from the newest: the first one past max_kept_bytes (all
+ * rotated files together) or older than max_age_s, and every older one, are deleted. */
+static void apply_retention(km_record_writer *w, deletion *d)
+{
+    uint64_t kept_bytes = 0;
+    time_t now = time(NULL);
+    const char *why = NULL;
+    for (uint32_t i = 1; i <= w->config.keep_files; i++) {
+        snprintf(w->rotate_from, w->rotate_name_size, "%s.%u", w->config.path, i);
+        struct stat st;
+        if (stat(w->rotate_from, &st) != 0)
+            continue;
+        if (!why && w->config.max_kept_bytes &&
+            kept_bytes + (uint64_t)st.st_size > w->config.max_kept_bytes)
+            why = "max_kept_bytes";
+        if (!why && w->config.max_age_s && now - st.st_mtime > (time_t)w->config.max_age_s)
+            why = "max_age_s";
+        if (why)
+            retire(w, w->rotate_from, why, d);
+        else
+            kept_bytes += (uint64_t)st.st_size;
+    }
+}
+
+/* path -> path.1 -> ... -> path.keep (the oldest, path.keep, deleted first), or path deleted
+ * (keep 0); then the byte and age limits. Every record deleted is counted and the rotation logs
+ * one line saying how many. The buffer was written first. A rename that fails is counted; the
+ * writer then keeps appending. */
 static void rotate(km_record_writer *w)
 {
     close_file(w);
     uint32_t keep = w->config.keep_files;
     const char *path = w->config.path;
     bool ok = true;
+    deletion d = {0, 0, 0, NULL};
     if (keep == 0) {
-        if (unlink(path) != 0 && errno != ENOENT) {
-            io_failure(w, "unlink (rotation)", path, errno);
-            ok = false;
-        }
+        ok = retire(w, path, "keep_files 0", &d);
     } else {
-        for (uint32_t i = keep - 1; i >= 1; i--) {
+        snprintf(w->rotate_from, w->rotate_name_size, "%s.%u", path, keep);
+        ok = retire(w, w->rotate_from, "keep_files", &d);
+        for (uint32_t i = keep - 1; ok && i >= 1; i--) {
             snprintf(w->rotate_from, w->rotate_name_size, "%s.%u", path, i);
             snprintf(w->rotate_to, w->rotate_name_size, "%s.%u", path, i + 1);
             if (rename(w->rotate_from, w->rotate_to) != 0 && errno != ENOENT) {
@@ -288,10 +367,20 @@ static void rotate(km_record_writer *w)
             ok = false;
         }
     }
-    if (ok) {
-        pthread_mutex_lock(&w->lock);
-        w->rotations++;
-        pthread_mutex_unlock(&w->lock);
+    if (ok && keep > 0)
+        apply_retention(w, &d);
+    pthread_mutex_lock(&w->lock);
+    w->rotations += ok;
+    w->deleted_files += d.files;
+    w->deleted_records += d.records;
+    w->deleted_bytes += d.bytes;
+    pthread_mutex_unlock(&w->lock);
+    if (d.files) {
+        char line[512];
+        snprintf(line, sizeof line, "rotation of %s deleted %" PRIu64 " file%s holding %" PRIu64
+                 " records (%" PRIu64 " bytes) under %s", path, d.files, d.files == 1 ? "" : "s",
+                 d.records, d.bytes, d.why);
+        writer_log(w, line);
     }
     w->rotation_base = 0;
     if (open_file(w) && !ok)
@@ -788,6 +877,9 @@ void km_record_writer_stats(km_record_writer *w, km_record_writer_counters *out)
     out->pending = w->submitted - w->written - w->failed - w->invalid;
     out->bytes = w->bytes;
     out->rotations = w->rotations;
+    out->deleted_files = w->deleted_files;
+    out->deleted_records = w->deleted_records;
+    out->deleted_bytes = w->deleted_bytes;
     out->write_errors = w->write_errors;
     out->last_error_status = w->last_error_status;
     out->failing = w->failing_now;

@@ -317,8 +317,10 @@ int km_server_create(const km_server_config *cfg_in, km_server **out, char *why,
         km_record_writer_config wc;
         km_record_writer_config_init(&wc);
         wc.path = s->records_path;
-        if (cfg.records_max_file_bytes)
-            wc.max_file_bytes = cfg.records_max_file_bytes;
+        wc.max_file_bytes = cfg.records_max_file_bytes;
+        wc.keep_files = cfg.records_keep_files;
+        wc.max_kept_bytes = cfg.records_max_kept_bytes;
+        wc.max_age_s = cfg.records_max_age_s;
         wc.log = s->log;
         wc.log_user = s->log_user;
         if ((rc = km_record_writer_create(&wc, &s->records)) != KM_OK)

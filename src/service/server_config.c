@@ -36,6 +36,8 @@ void km_server_config_init(km_server_config *cfg)
     cfg->ready_share = 1.0;
     cfg->drain_timeout_ms = 10000;
     cfg->seed = 0x6b766d;
+    cfg->records_max_file_bytes = UINT64_C(256) << 20;
+    cfg->records_keep_files = 8;
 }
 
 int km_server_policy_param(km_policy_config *p, const char *name, double value, char *why,
@@ -475,7 +477,8 @@ int km_server_config_load_json(const char *path, km_server_config *target, km_se
         "max_outbox_bytes", "active_ttl_ms", "max_active_entries", "approx_dispatch_max_bytes",
         "breaker_failures", "breaker_cooldown_ms", "ready_share", "drain_timeout_ms", "seed",
         "records", "snapshot", "index", "scheduler", "limits", "pools", NULL};
-    static const char *const records_keys[] = {"path", "max_file_bytes", NULL};
+    static const char *const records_keys[] = {"path",           "max_file_bytes", "keep_files",
+                                               "max_kept_bytes", "max_age_s",      NULL};
     static const char *const snapshot_keys[] = {"dir", "interval_ms", NULL};
     static const char *const index_keys[] = {"max_workers", "threads", "memory_cap_bytes",
                                              "initial_blocks", "backend", NULL};
@@ -514,6 +517,10 @@ int km_server_config_load_json(const char *path, km_server_config *target, km_se
             get_string(&r, rec, "path", "records.", &cfg->records_path);
             get_u64(&r, rec, "max_file_bytes", "records.", 0, UINT64_MAX,
                     &cfg->records_max_file_bytes);
+            get_u32(&r, rec, "keep_files", "records.", 0, 1u << 20, &cfg->records_keep_files);
+            get_u64(&r, rec, "max_kept_bytes", "records.", 0, UINT64_MAX,
+                    &cfg->records_max_kept_bytes);
+            get_u64(&r, rec, "max_age_s", "records.", 0, UINT64_MAX, &cfg->records_max_age_s);
         } else
             r.rc = km_why(why, why_size, KM_ERR_PARSE, "records: expected a path or an object");
     }
