@@ -1867,8 +1867,33 @@ Test(feed, flush_is_one_batch_and_survives_the_memory_cap, .timeout = 20)
     km_feed_get_worker_info(feed, 1, &info);
     cr_assert_eq(info.state, KM_FEED_STATE_DEGRADED);
     cr_assert_eq(info.counters.dropped_messages, 1);
+    /* Refused: counted by cause, its events never counted as applied, and the engine hashes it
+     * added to the map forgotten (memory outside the cap stays bounded while the cap holds). */
+    cr_assert_eq(info.counters.refused_messages, 1);
+    cr_assert_eq(info.counters.memory_cap_refusals, 1);
+    cr_assert_eq(info.counters.refused_events, 8);
+    cr_assert_eq(info.counters.events, 0, "refused events counted as applied");
+    cr_assert_eq(info.map_entries, 0, "the refused message's engine hashes stay mapped");
     km_feed_get_worker_info(feed, 0, &info);
     cr_assert_eq(info.state, KM_FEED_STATE_LIVE);
+    cr_assert_eq(info.counters.events, 1);
+    cr_assert_eq(info.counters.refused_messages, 0);
+    cr_assert_eq(info.map_entries, 2);
+    /* The cap holding, message after message is refused: the map does not grow. */
+    for (uint64_t seq = 1; seq <= 20; seq++) {
+        km_test_batch_reset(&b);
+        for (int i = 0; i < 8; i++)
+            km_test_engine_store(&eng, &r, &b, -1, 64);
+        p = km_test_batch_payload(&b, &size);
+        cr_assert_eq(km_kv_decode_payload(dec, p, size, &kb), KM_OK);
+        cr_assert_eq(km_feed_live(feed, 1, seq, &kb, 4 + seq), KM_OK);
+        cr_assert_eq(km_feed_flush(feed, 5 + seq, &fs), KM_ERR_MEMORY_CAP);
+    }
+    km_feed_get_worker_info(feed, 1, &info);
+    cr_assert_eq(info.counters.refused_messages, 21);
+    cr_assert_eq(info.counters.memory_cap_refusals, 21);
+    cr_assert_eq(info.counters.refused_events, 168);
+    cr_assert_eq(info.map_entries, 0);
     km_test_batch_free(&b);
     km_test_engine_free(&eng);
     km_kv_decoder_destroy(dec);

@@ -1605,6 +1605,105 @@ Test(server, local_event_workers, .timeout = 30)
     srv_cleanup(&s);
 }
 
+/* Log lines of the in-process event flush failures (the index at its memory cap). */
+static atomic_int g_flush_failure_lines;
+
+static void count_flush_failures(void *user, const char *line)
+{
+    quiet_log(user, line);
+    if (strstr(line, "applying in-process events"))
+        atomic_fetch_add(&g_flush_failure_lines, 1);
+}
+
+/* An event-fed worker whose index is at its memory cap: every refused message is counted by
+ * cause in /status and /metrics, "applied" counts only what the index took, and the repeated
+ * flush failure is logged once per interval, not once per flush. */
+Test(server, memory_cap_refusals_are_visible_and_logged_sparingly, .timeout = 60)
+{
+    srv s = {0};
+    km_server_config cfg;
+    test_config(&cfg, &s, KM_POLICY_PREFIX, 0);
+    cfg.records_path = NULL;
+    cfg.log = count_flush_failures;
+    atomic_store(&g_flush_failure_lines, 0);
+    char http[] = "127.0.0.1:0";
+    cfg.http = http;
+    km_server_worker ws[1] = {{0, "capped", KM_SERVER_LOCAL_EVENTS, NULL}};
+    g_pool.workers = ws;
+    g_pool.n_workers = 1;
+    /* The cap is what the pool's index takes at creation: its block table cannot grow. */
+    km_index_config ic;
+    km_index_config_init(&ic);
+    ic.max_workers = cfg.max_workers;
+    ic.backend = cfg.backend;
+    ic.threads = cfg.index_threads;
+    ic.initial_blocks = 256;
+    ic.log = quiet_log;
+    km_index *probe_index = NULL;
+    cr_assert_eq(km_index_create(&ic, &probe_index), KM_OK);
+    km_index_stats ist;
+    cr_assert_eq(km_index_get_stats(probe_index, &ist), KM_OK);
+    km_index_destroy(probe_index);
+    cfg.index_initial_blocks = ic.initial_blocks;
+    cfg.index_memory_cap_bytes = ist.memory_bytes;
+    srv_start(&s, &cfg);
+    km_client *c = connect_client(&s);
+    km_test_batch b;
+    km_test_batch_init(&b, KM_TEST_ENCODING_POSITIONAL, KM_TEST_HASH_INT, 0);
+    enum { MESSAGES = 30, BLOCKS = 100 };
+    uint64_t eh[BLOCKS];
+    for (uint32_t msg = 0; msg < MESSAGES; msg++) {
+        for (uint32_t i = 0; i < BLOCKS; i++) {
+            eh[i] = 1000000u * (msg + 1) + i;
+            for (uint32_t t = 0; t < BS; t++)
+                g_tokens[i * BS + t] = 100000u * (msg + 1) + i * BS + t;
+        }
+        km_test_batch_reset(&b);
+        km_test_batch_stored(&b, eh, BLOCKS, false, 0, g_tokens, BS, NULL, NULL);
+        size_t size;
+        const void *payload = km_test_batch_payload(&b, &size);
+        cr_assert_eq(km_server_deliver_events(s.server, 0, msg, payload, size), KM_OK);
+        km_message reply;
+        char id[32];
+        snprintf(id, sizeof id, "cap-%u", msg);
+        km_route_request r = prefix_route(id, 4 * BS); /* each decision flushes the events first */
+        cr_assert_eq(route_one(c, &r, &reply)->status, KM_OK);
+    }
+    uint16_t port = km_server_http_port(s.server);
+    static char body[1 << 18];
+    cr_assert_eq(http_get(port, "/status", body, sizeof body), 200);
+    json_error_t jerr;
+    json_t *st = json_loads(body, 0, &jerr);
+    cr_assert(st, "/status is not JSON: %s", jerr.text);
+    json_t *w = json_array_get(json_object_get(st, "workers"), 0);
+    json_int_t cap_refused =
+        json_integer_value(json_object_get(json_object_get(w, "dropped_messages"), "memory_cap"));
+    json_int_t refused_events = json_integer_value(json_object_get(w, "refused_events"));
+    cr_assert_gt(cap_refused, 0, "no refusal shown in /status");
+    cr_assert_eq(refused_events, cap_refused, "one event per refused message");
+    cr_assert_str_eq(json_string_value(json_object_get(w, "state")), "DEGRADED");
+    json_decref(st);
+    cr_assert_eq(http_get(port, "/metrics", body, sizeof body), 200);
+    char want[256];
+    snprintf(want, sizeof want,
+             "kvmatch_worker_dropped_messages_total{worker=\"0\",name=\"capped\",pool=\"main\","
+             "cause=\"memory_cap\"} %lld\n", (long long)cap_refused);
+    cr_assert(strstr(body, want), "/metrics lacks %s", want);
+    /* applied + refused = delivered: the refused events are not counted as applied */
+    long long applied = (long long)metric_value(body, "kvmatch_kv_events_total");
+    long long refused = (long long)metric_value(body, "kvmatch_kv_events_refused_total");
+    cr_assert_eq(applied + refused, MESSAGES, "applied %lld + refused %lld", applied, refused);
+    cr_assert_eq(refused, cap_refused);
+    /* Dozens of failed flushes within seconds: one log line (the interval is 10 s). */
+    int lines = atomic_load(&g_flush_failure_lines);
+    cr_assert(lines >= 1 && lines <= 2, "%d log lines for %lld refused messages", lines,
+              (long long)cap_refused);
+    km_test_batch_free(&b);
+    km_client_close(c);
+    srv_stop(&s);
+    srv_cleanup(&s);
+}
+
 /* Refused events are visible to an operator: a worker whose engine runs another block size is
  * flagged in /status, /metrics and readiness; other refusals are counted by reason. */
 Test(server, refused_events_are_shown_per_worker_and_reason, .timeout = 30)

@@ -315,7 +315,8 @@ typedef struct km_feed_window {
 /* Counters over the worker's life in this feed (since km_feed_add_worker). */
 typedef struct km_feed_worker_counters {
     uint64_t messages;           /* live messages received (malformed included) */
-    uint64_t events;             /* events applied */
+    uint64_t events;             /* events applied: counted when the index takes their updates
+                                  * (km_feed_flush); a refused message's are refused_events */
     uint64_t blocks_stored;      /* blocks of applied BlockStored events, hashed and queued */
     uint64_t blocks_removed;     /* blocks whose last medium was removed (queued REMOVE) */
     uint64_t stored_by_medium[KM_KV_MEDIUM_COUNT];  /* blocks of applied BlockStored events by
@@ -350,6 +351,11 @@ typedef struct km_feed_worker_counters {
     /* Events refused or skipped, by km_feed_refusal (undecodable: messages). Counted as received:
      * a message seen live and again in a replay counts twice. */
     uint64_t refused[KM_FEED_REFUSAL_COUNT];
+    uint64_t refused_messages;   /* of which the index refused (km_feed_flush): the worker turns
+                                  * DEGRADED and the map forgets the engine hashes they added */
+    uint64_t refused_events;     /* events of the refused messages (never counted in events) */
+    uint64_t memory_cap_refusals; /* refused messages whose batch hit the index's memory cap
+                                  * (KM_ERR_MEMORY_CAP; the rest: out of memory) */
 } km_feed_worker_counters;
 
 typedef struct km_feed_worker_info {

@@ -181,6 +181,7 @@ void km_feed_destroy(km_feed *feed)
     free(feed->queue);
     free(feed->groups);
     free(feed->hashes);
+    free(feed->new_keys);
     free(feed->tier_scratch);
     free(feed->tier_chains);
     free(feed->scratch);

@@ -147,6 +147,10 @@ typedef struct queued_group {
     uint32_t worker;
     uint64_t generation;
     uint64_t first, count; /* into feed->queue */
+    uint64_t events;       /* the message's events: counted applied when the index takes it */
+    uint64_t first_key, n_keys; /* into feed->new_keys: the engine hashes it added to the map,
+                                 * forgotten again when the index refuses it */
+    int refused; /* km_feed_flush: the index's status when it refused the group alone */
 } queued_group;
 
 struct km_feed {
@@ -169,6 +173,8 @@ struct km_feed {
     size_t group_count, group_capacity;
     uint64_t *hashes;
     size_t hash_count, hash_capacity;
+    uint64_t *new_keys; /* engine hashes new to their worker's map, by queued group */
+    size_t new_key_count, new_key_capacity;
     bool group_open;
     km_update *scratch;
     size_t scratch_capacity;

@@ -66,16 +66,22 @@ static void group_begin(km_feed *feed, const worker *w)
     g->generation = w->generation;
     g->first = feed->queue_count;
     g->count = 0;
+    g->events = 0;
+    g->first_key = feed->new_key_count;
+    g->n_keys = 0;
     feed->group_open = true;
 }
 
-static void group_end(km_feed *feed)
+/* Close the open group; false when it queued no update (nothing for the index to refuse). */
+static bool group_end(km_feed *feed)
 {
     queued_group *g = &feed->groups[feed->group_count];
     g->count = feed->queue_count - g->first;
+    g->n_keys = feed->new_key_count - g->first_key;
     feed->group_open = false;
     if (g->count)
         feed->group_count++;
+    return g->count != 0;
 }
 
 /* Queue one update; room was reserved. hashes (count of them) are already at feed->hashes +
@@ -265,6 +271,7 @@ static void apply_stored(km_feed *feed, worker *w, const km_kv_event *e)
         bool held = m->media != 0; /* a held entry always has a medium; a new one has none */
         km_tier tier_before = best_tier(m->media);
         if (!held) {
+            feed->new_keys[feed->new_key_count++] = e->block_hashes[i]; /* reserved */
             if (run_open && !block_is_opaque(feed, e, lora_set, i)) {
                 bool root = starts_sequence && i == 0;
                 uint32_t la = e->n_lookahead_tokens;
@@ -371,7 +378,8 @@ void km_feed_queue_message(km_feed *feed, worker *w, const message_view *v, uint
     /* Per event: its update plus up to one SET_TIER per tier; per block: its hash plus one for a
      * tier fix. */
     if (queue_reserve(feed, (size_t)v->n_events * (1 + KM_TIER_COUNT), 2 * n_hashes) ||
-        tier_scratch_reserve(feed, n_hashes) || km_emap_reserve(&w->map, n_stored)) {
+        tier_scratch_reserve(feed, n_hashes) || km_emap_reserve(&w->map, n_stored) ||
+        GROW(feed->new_keys, feed->new_key_capacity, feed->new_key_count + n_stored)) {
         w->c.dropped_messages++;
         km_feed_enter_degraded(feed, w, now, "out of memory queueing a message's updates");
         return;
@@ -379,7 +387,6 @@ void km_feed_queue_message(km_feed *feed, worker *w, const message_view *v, uint
     group_begin(feed, w);
     for (uint32_t i = 0; i < v->n_events; i++) {
         const km_kv_event *e = &v->events[i];
-        w->c.events++;
         switch (e->kind) {
         case KM_KV_EVENT_BLOCK_STORED: apply_stored(feed, w, e); break;
         case KM_KV_EVENT_BLOCK_REMOVED: apply_removed(feed, w, e); break;
@@ -392,7 +399,12 @@ void km_feed_queue_message(km_feed *feed, worker *w, const message_view *v, uint
             break;
         }
     }
-    group_end(feed);
+    /* Its events count as applied when the index takes its updates (km_feed_flush); one that
+     * queued none is applied already. */
+    if (group_end(feed))
+        feed->groups[feed->group_count - 1].events = v->n_events;
+    else
+        w->c.events += v->n_events;
 }
 
 /* ---- flush ----------------------------------------------------------------------------------- */
@@ -411,7 +423,19 @@ static void accumulate(km_update_stats *sum, const km_update_stats *s)
 
 static void queue_reset(km_feed *feed)
 {
-    feed->queue_count = feed->group_count = feed->hash_count = 0;
+    feed->queue_count = feed->group_count = feed->hash_count = feed->new_key_count = 0;
+}
+
+/* The groups [0, n) were applied: their events count as applied. */
+static void count_applied(km_feed *feed, const queued_group *groups, size_t n)
+{
+    worker *w = NULL;
+    for (size_t g = 0; g < n; g++) {
+        if (!w || w->id != groups[g].worker)
+            w = km_feed_find_worker(feed, groups[g].worker);
+        if (w && w->generation == groups[g].generation)
+            w->c.events += groups[g].events;
+    }
 }
 
 int km_feed_flush(km_feed *feed, uint64_t now_ns, km_feed_flush_stats *stats)
@@ -440,6 +464,7 @@ int km_feed_flush(km_feed *feed, uint64_t now_ns, km_feed_flush_stats *stats)
     km_update_stats st;
     int rc = km_index_apply(feed->index, feed->scratch, feed->queue_count, &st);
     if (rc == KM_OK) {
+        count_applied(feed, feed->groups, feed->group_count);
         stats->updates = feed->queue_count;
         stats->groups = feed->group_count;
         stats->index = st;
@@ -462,7 +487,9 @@ int km_feed_flush(km_feed *feed, uint64_t now_ns, km_feed_flush_stats *stats)
             stats->updates += grp->count;
             stats->groups++;
             accumulate(&stats->index, &st);
+            count_applied(feed, grp, 1);
         } else {
+            grp->refused = rc;
             feed->groups[n_failed++] = *grp; /* compact the failures in place (n_failed <= g) */
         }
     }
@@ -478,6 +505,18 @@ int km_feed_flush(km_feed *feed, uint64_t now_ns, km_feed_flush_stats *stats)
         if (!w || w->generation != failed[i].generation)
             continue;
         w->c.dropped_messages++;
+        w->c.refused_messages++;
+        w->c.refused_events += failed[i].events;
+        if (failed[i].refused == KM_ERR_MEMORY_CAP)
+            w->c.memory_cap_refusals++;
+        /* The map forgets the engine hashes the refused message added (only the queue, never
+         * new_keys, was reset above): blocks the index never took must not hold memory outside
+         * its cap while the cap holds. */
+        for (uint64_t k = 0; k < failed[i].n_keys; k++) {
+            km_emap_entry *m = km_emap_find(&w->map, feed->new_keys[failed[i].first_key + k]);
+            if (m)
+                km_emap_erase(&w->map, m);
+        }
         km_feed_enter_degraded(feed, w, now_ns, "the index refused a message's updates");
     }
     if (failed != failed_small)

@@ -2,6 +2,7 @@
  * inline or a slice of active-work expiry; housekeeping between batches (events, approximate-mode
  * expiry and lessons), a batch scored per pool and decided route by route, and the batch
  * scratch. */
+#include <inttypes.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -259,6 +260,28 @@ static void apply_lessons(km_server *s, batch_scratch *b, uint64_t now)
     pthread_mutex_unlock(&s->active_lock);
 }
 
+/* A pool's event flush failed: one log line per FLUSH_LOG_INTERVAL_NS at most, saying how many
+ * failures went unlogged since the last (a cause that lasts, the index at its memory cap, fails
+ * every flush; the per-worker counts are in /status and /metrics). */
+#define FLUSH_LOG_INTERVAL_NS (UINT64_C(10) * 1000000000u)
+
+static void log_flush_failure(km_server *s, pool *p, const char *what, const char *detail,
+                              uint64_t now)
+{
+    if (p->flush_logged_ns && now - p->flush_logged_ns < FLUSH_LOG_INTERVAL_NS) {
+        p->flush_failures_unlogged++;
+        return;
+    }
+    if (p->flush_failures_unlogged)
+        km_srv_log(s, "pool %s: %s: %s (and %" PRIu64 " more failures in the last %.0f s)",
+                   p->name, what, detail, p->flush_failures_unlogged,
+                   (double)(now - p->flush_logged_ns) / 1e9);
+    else
+        km_srv_log(s, "pool %s: %s: %s", p->name, what, detail);
+    p->flush_logged_ns = now;
+    p->flush_failures_unlogged = 0;
+}
+
 /* The scheduler role's chores before scoring: apply received events, expire approximate-mode
  * pairs, and (expire_limit > 0) expire active work (expire_due). */
 static void housekeeping(km_server *s, batch_scratch *b, uint32_t expire_limit)
@@ -272,15 +295,14 @@ static void housekeeping(km_server *s, batch_scratch *b, uint32_t expire_limit)
         if (p->sub) {
             int rc = km_subscriber_flush(p->sub, NULL);
             if (rc != KM_OK)
-                km_srv_log(s, "pool %s: applying events: %s", p->name,
-                           km_subscriber_last_error(p->sub));
+                log_flush_failure(s, p, "applying events", km_subscriber_last_error(p->sub), now);
         }
         if (p->local_feed) {
             pthread_mutex_lock(&p->local_lock);
             int rc = km_feed_flush(p->local_feed, now, NULL);
             if (rc != KM_OK)
-                km_srv_log(s, "pool %s: applying in-process events: %s", p->name,
-                           km_feed_last_error(p->local_feed));
+                log_flush_failure(s, p, "applying in-process events",
+                                  km_feed_last_error(p->local_feed), now);
             pthread_mutex_unlock(&p->local_lock);
         }
         if (km_approx_next_expiry(p->approx) <= now) {

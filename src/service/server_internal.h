@@ -210,6 +210,10 @@ typedef struct pool {
                           * on decisions keep their hashes (km_srv_attempt_keep_hashes);
                           * active_lock */
     char *snapshot_path; /* NULL = none */
+    /* Failed event flushes repeat while their cause lasts (the index at its memory cap): logged at
+     * most once per FLUSH_LOG_INTERVAL_NS, with how many were not (scheduler role). */
+    uint64_t flush_logged_ns;
+    uint64_t flush_failures_unlogged;
     /* per batch */
     km_request *requests;
     size_t n_requests, requests_capacity;

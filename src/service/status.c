@@ -142,6 +142,21 @@ static int http_status(void *user, km_text *out)
                 json_object_set_new(jref, km_feed_refusal_name((km_feed_refusal)r),
                                     json_integer((json_int_t)info.counters.refused[r]));
             json_object_set_new(jw, "refused_events", jref);
+            /* Messages the feed dropped, by cause: the index's memory cap, no memory, a full
+             * update queue (SERVICE.md, "/status"). */
+            const km_feed_worker_counters *fc = &info.counters;
+            json_t *dropped = json_object();
+            json_object_set_new(dropped, "memory_cap",
+                                json_integer((json_int_t)fc->memory_cap_refusals));
+            json_object_set_new(dropped, "out_of_memory",
+                                json_integer((json_int_t)(fc->refused_messages -
+                                                          fc->memory_cap_refusals)));
+            json_object_set_new(dropped, "queue_full",
+                                json_integer((json_int_t)(fc->dropped_messages -
+                                                          fc->refused_messages)));
+            json_object_set_new(jw, "dropped_messages", dropped);
+            json_object_set_new(jw, "index_refused_events",
+                                json_integer((json_int_t)fc->refused_events));
             km_feed_window win[16];
             uint32_t nw = 0;
             json_t *jwin = json_array();
@@ -228,7 +243,8 @@ static int http_metrics(void *user, km_text *out)
                          KM_METRIC_GAUGE);
     pthread_mutex_lock(&s->admin_lock);
     uint32_t degraded = 0, ineligible = 0;
-    uint64_t gaps = 0, replayed = 0, restarts = 0, lost = 0, events = 0, now = now_ns();
+    uint64_t gaps = 0, replayed = 0, restarts = 0, lost = 0, events = 0, refused_events = 0,
+             now = now_ns();
     for (uint32_t id = 0; id < s->cfg.max_workers; id++) {
         worker_slot *w = &s->workers[id];
         if (!w->used)
@@ -253,6 +269,30 @@ static int http_metrics(void *user, km_text *out)
             restarts += info.counters.restarts;
             lost += info.counters.lost;
             events += info.counters.events;
+            refused_events += info.counters.refused_events;
+        }
+    }
+    /* Messages each event-fed worker's feed dropped, by cause (the /status "dropped_messages"). */
+    km_prom_write_family(out, "kvmatch_worker_dropped_messages_total",
+                         "KV-event messages dropped per worker, by cause: memory_cap (the index's "
+                         "memory cap refused them), out_of_memory, queue_full.",
+                         KM_METRIC_COUNTER);
+    for (uint32_t id = 0; id < s->cfg.max_workers; id++) {
+        worker_slot *w = &s->workers[id];
+        km_feed_worker_info info;
+        if (!w->used || !w->events || km_srv_feed_info(s, id, &info) != KM_OK)
+            continue;
+        const km_feed_worker_counters *fc = &info.counters;
+        char ids[16];
+        snprintf(ids, sizeof ids, "%u", id);
+        const char *causes[3] = {"memory_cap", "out_of_memory", "queue_full"};
+        uint64_t counts[3] = {fc->memory_cap_refusals, fc->refused_messages - fc->memory_cap_refusals,
+                              fc->dropped_messages - fc->refused_messages};
+        for (int k = 0; k < 3; k++) {
+            km_metric_label labels[4] = {{"worker", ids}, {"name", w->name},
+                                         {"pool", s->pools[w->pool]->name}, {"cause", causes[k]}};
+            km_prom_write_sample_u64(out, "kvmatch_worker_dropped_messages_total", labels, 4,
+                                     counts[k]);
         }
     }
     worker_refusal_samples(s, out);
@@ -268,7 +308,11 @@ static int http_metrics(void *user, km_text *out)
          "Workers a route cannot choose now: unhealthy by the router's word or held back by their "
          "circuit breaker.",
          KM_METRIC_GAUGE, ineligible},
-        {"kvmatch_kv_events_total", "KV events applied, all workers.", KM_METRIC_COUNTER, events},
+        {"kvmatch_kv_events_total", "KV events applied (taken by the index), all workers.",
+         KM_METRIC_COUNTER, events},
+        {"kvmatch_kv_events_refused_total",
+         "KV events of messages the index refused (memory cap or out of memory), all workers.",
+         KM_METRIC_COUNTER, refused_events},
         {"kvmatch_event_gaps_total", "Sequence gaps detected.", KM_METRIC_COUNTER, gaps},
         {"kvmatch_event_replayed_total", "Messages applied from replays.", KM_METRIC_COUNTER,
          replayed},
