@@ -28,6 +28,7 @@
 #include <fcntl.h>
 #include <inttypes.h>
 #include <poll.h>
+#include <pthread.h>
 #include <sys/epoll.h>
 #include <sys/prctl.h>
 #include <signal.h>
@@ -629,8 +630,21 @@ static int run_echo_phase(const char *path, uint32_t n_conns, double rate, doubl
     return rc;
 }
 
-static pid_t start_server(const char *self, const char *sock, bool records, const char *dir)
+/* The child `kvmatch serve`. shedding false: load shedding off (max_queue_wait_ms and
+ * max_connection_routes 0, through a config file in dir), so the throughput rows measure the
+ * decision path at saturation, whatever the queue wait; true: the service's defaults. */
+static pid_t start_server(const char *self, const char *sock, bool records, const char *dir,
+                          bool shedding)
 {
+    static char config[320];
+    snprintf(config, sizeof config, "%s/no-shedding.json", dir);
+    if (!shedding) {
+        FILE *f = fopen(config, "w");
+        if (f) {
+            fputs("{\"scheduler\": {\"max_queue_wait_ms\": 0, \"max_connection_routes\": 0}}\n", f);
+            fclose(f);
+        }
+    }
     pid_t pid = fork();
     if (pid != 0)
         return pid;
@@ -640,6 +654,10 @@ static pid_t start_server(const char *self, const char *sock, bool records, cons
     int n = 0;
     argv[n++] = (char *)self;
     argv[n++] = "serve";
+    if (!shedding) {
+        argv[n++] = "--config";
+        argv[n++] = config;
+    }
     argv[n++] = "--socket";
     argv[n++] = (char *)sock;
     argv[n++] = "--records";
@@ -795,9 +813,175 @@ static void run_client_phases(const char *clients_dir, const char *addr, const c
         free(names[i]);
 }
 
+/* The flood rows: FLOOD_CONNS connections each keep FLOOD_WINDOW batched frames outstanding
+ * (16,384 routes in flight, far more than the scheduler decides in the deadline) while one light
+ * client on its own connection sends one route at a time; its round trips and answers are what a
+ * router beside someone else's flood sees. */
+#define FLOOD_CONNS 8
+#define FLOOD_WINDOW 32
+
+typedef struct flood_arg {
+    const char *addr;
+    double seconds;
+    workload w;
+    phase_result pr;
+    int rc;
+} flood_arg;
+
+static void *flood_thread(void *p)
+{
+    flood_arg *a = p;
+    a->rc = run_phase(a->addr, FLOOD_CONNS, BATCH_ROUTES, FLOOD_WINDOW, 0, a->seconds, &a->w, &a->pr);
+    return NULL;
+}
+
+typedef struct flood_result {
+    phase_result flood;
+    double light_p50_us, light_p99_us;
+    uint64_t light_routes, light_overloaded, light_other_errors;
+} flood_result;
+
+static int run_flood(const char *addr, double seconds, flood_result *out)
+{
+    memset(out, 0, sizeof *out);
+    g_brief = true;
+    g_ping = false;
+    flood_arg fa;
+    memset(&fa, 0, sizeof fa);
+    fa.addr = addr;
+    fa.seconds = seconds;
+    workload_init(&fa.w);
+    km_client *c = NULL;
+    char why[200];
+    int rc = km_client_connect(addr, 5000, &c, why, sizeof why);
+    if (rc)
+        return rc;
+    pthread_t t;
+    if (pthread_create(&t, NULL, flood_thread, &fa) != 0) {
+        km_client_close(c);
+        return KM_ERR_INTERNAL;
+    }
+    /* the flood fills the queue first */
+    struct timespec settle = {0, 200000000};
+    nanosleep(&settle, NULL);
+    workload lw;
+    workload_init(&lw);
+    size_t cap = 1 << 20, n = 0;
+    double *rtt = malloc(cap * sizeof *rtt);
+    double end = km_bench_now_s() + seconds - 0.4;
+    uint64_t hashes[64];
+    for (uint64_t k = 0; rtt && km_bench_now_s() < end; k++) {
+        char rid[32];
+        snprintf(rid, sizeof rid, "light-%" PRIu64, k);
+        km_route_request r;
+        memset(&r, 0, sizeof r);
+        r.request_id = rid;
+        r.pool = "main";
+        r.input = KM_ROUTE_INPUT_HASHES;
+        r.hashes = hashes;
+        r.n_hashes = workload_request(&lw, hashes);
+        r.brief = true;
+        km_message m;
+        double t0 = km_bench_now_s();
+        /* A frame refused as a whole (shed) comes back as its ERROR's code. */
+        int st = km_client_route(c, &r, 1, 10000, &m);
+        if (st != KM_OK && st != KM_ERR_OVERLOADED) {
+            rc = st;
+            break;
+        }
+        if (n < cap)
+            rtt[n++] = (km_bench_now_s() - t0) * 1e6;
+        if (st == KM_OK)
+            st = m.decision.n_decisions ? m.decision.decisions[0].status : KM_ERR_INTERNAL;
+        out->light_routes++;
+        out->light_overloaded += st == KM_ERR_OVERLOADED;
+        out->light_other_errors += st != KM_OK && st != KM_ERR_OVERLOADED;
+    }
+    pthread_join(t, NULL);
+    km_client_close(c);
+    if (!rc)
+        rc = fa.rc;
+    out->flood = fa.pr;
+    if (rtt) {
+        qsort(rtt, n, sizeof *rtt, cmp_double);
+        out->light_p50_us = percentile(rtt, n, 0.50);
+        out->light_p99_us = percentile(rtt, n, 0.99);
+    }
+    free(rtt);
+    return rc;
+}
+
+/* Both flood rows: shedding off (the server at addr), then on (a second server with the
+ * service's defaults). */
+static int flood_rows(const char *self, const char *addr, const char *dir, double seconds,
+                      bool json, json_t *results)
+{
+    for (int shedding = 0; shedding < 2; shedding++) {
+        char sock2[320], addr2[340];
+        pid_t pid2 = 0;
+        const char *at = addr;
+        if (shedding) {
+            snprintf(sock2, sizeof sock2, "%s/shed.sock", dir);
+            snprintf(addr2, sizeof addr2, "unix:%s", sock2);
+            pid2 = start_server(self, sock2, false, dir, true);
+            km_client *probe = NULL;
+            for (int i = 0; i < 200 && !probe; i++)
+                if (km_client_connect(addr2, 1000, &probe, NULL, 0) != KM_OK) {
+                    probe = NULL;
+                    struct timespec ts = {0, 20000000};
+                    nanosleep(&ts, NULL);
+                }
+            if (!probe) {
+                kill(pid2, SIGKILL);
+                waitpid(pid2, NULL, 0);
+                return KM_ERR_IO;
+            }
+            km_client_close(probe);
+            at = addr2;
+        }
+        flood_result fr;
+        int rc = run_flood(at, seconds, &fr);
+        if (pid2 > 0) {
+            kill(pid2, SIGTERM);
+            waitpid(pid2, NULL, 0);
+        }
+        if (rc)
+            return rc;
+        const char *name = shedding ? "on" : "off";
+        json_t *o = json_object();
+        json_object_set_new(o, "workload", json_string("flood"));
+        json_object_set_new(o, "shedding", json_string(name));
+        json_object_set_new(o, "flood_connections", json_integer(FLOOD_CONNS));
+        json_object_set_new(o, "flood_routes_in_flight",
+                            json_integer(FLOOD_CONNS * FLOOD_WINDOW * BATCH_ROUTES));
+        json_object_set_new(o, "flood_decisions_per_s",
+                            json_real(km_bench_round_to(fr.flood.decisions_per_s, 1)));
+        json_object_set_new(o, "flood_overloaded", json_integer((json_int_t)fr.flood.errors));
+        json_object_set_new(o, "light_routes", json_integer((json_int_t)fr.light_routes));
+        json_object_set_new(o, "light_rtt_p50_us", json_real(km_bench_round_to(fr.light_p50_us, 0.1)));
+        json_object_set_new(o, "light_rtt_p99_us", json_real(km_bench_round_to(fr.light_p99_us, 0.1)));
+        json_object_set_new(o, "light_overloaded", json_integer((json_int_t)fr.light_overloaded));
+        json_object_set_new(o, "light_other_errors", json_integer((json_int_t)fr.light_other_errors));
+        json_array_append_new(results, o);
+        if (!json) {
+            if (!shedding)
+                printf("\nflood (%d conns x %d frames x %d routes in flight) + one light client "
+                       "(1 route at a time):\n%-9s %14s %11s %13s %13s %14s %12s\n",
+                       FLOOD_CONNS, FLOOD_WINDOW, BATCH_ROUTES, "shedding", "flood dec/s",
+                       "flood shed", "light routes", "light p50 us", "light p99 us",
+                       "light shed");
+            printf("%-9s %14.0f %11" PRIu64 " %13" PRIu64 " %13.1f %14.1f %12" PRIu64 "\n", name,
+                   fr.flood.decisions_per_s, fr.flood.errors, fr.light_routes, fr.light_p50_us,
+                   fr.light_p99_us, fr.light_overloaded);
+            fflush(stdout);
+        }
+    }
+    return KM_OK;
+}
+
 int km_bench_ipc_main(int argc, char **argv)
 {
-    bool json = false, quick = false, records = false;
+    bool json = false, quick = false, records = false, flood = false;
     const char *connect_to = NULL; /* a running server (pool "main") instead of a child */
     const char *clients_dir = NULL; /* other languages' client drivers (run_client_phases) */
     int only = -1; /* run one phase (0-based, repeat then fresh), for profiling */
@@ -809,6 +993,8 @@ int km_bench_ipc_main(int argc, char **argv)
             quick = true;
         else if (!strcmp(argv[i], "--records"))
             records = true;
+        else if (!strcmp(argv[i], "--flood"))
+            flood = true;
         else if (!strcmp(argv[i], "--connect") && i + 1 < argc)
             connect_to = argv[++i];
         else if (!strcmp(argv[i], "--only") && i + 1 < argc)
@@ -819,7 +1005,7 @@ int km_bench_ipc_main(int argc, char **argv)
             clients_dir = argv[++i];
         else {
             fprintf(stderr, "usage: kvmatch bench ipc [--json] [--quick] [--seconds S] [--records]"
-                            " [--clients DIR]\n");
+                            " [--clients DIR] [--flood]\n");
             return 2;
         }
     }
@@ -847,7 +1033,7 @@ int km_bench_ipc_main(int argc, char **argv)
     json_t *root = json_object();
     json_object_set_new(root, "benchmark", json_string("ipc"));
     json_object_set_new(root, "machine", km_bench_machine_json());
-    pid_t pid = connect_to ? 0 : start_server(self, sock, records, dir);
+    pid_t pid = connect_to ? 0 : start_server(self, sock, records, dir, false);
     g_server_pid = pid;
     g_records = records;
     if (connect_to)
@@ -911,6 +1097,15 @@ int km_bench_ipc_main(int argc, char **argv)
     size_t n_phases = sizeof phases / sizeof phases[0];
     phase_result c_results[sizeof phases / sizeof phases[0]];
     bool c_ran[sizeof phases / sizeof phases[0]] = {false};
+    /* --flood: only the flood rows (load shedding off and on). */
+    if (flood && !connect_to) {
+        int rc = flood_rows(self, addr, dir, quick ? 2.0 : seconds < 3 ? 3 : seconds, json, results);
+        if (rc != KM_OK) {
+            fprintf(stderr, "bench ipc: flood failed: %s\n", km_error_name(rc));
+            status = 1;
+        }
+        n_phases = 0;
+    }
     for (size_t i = 0; i < n_phases && !status; i++) {
         w.fresh = !strcmp(phases[i].workload, "fresh");
         g_brief = !strcmp(phases[i].reply, "brief");

@@ -949,6 +949,7 @@ static void real_start(real_server *r, km_server_worker *workers, uint32_t n_wor
     cfg.backend = KM_BACKEND_CPU;
     cfg.index_threads = 1;
     cfg.log = real_quiet_log;
+    cfg.max_queue_wait_ms = 0; /* wall-time shedding is tested in test_server.c */
     cfg.pools = &r->pool;
     cfg.n_pools = 1;
     char why[256];

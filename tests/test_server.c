@@ -76,6 +76,11 @@ static void test_config(km_server_config *cfg, srv *s, km_policy_kind policy, ui
     cfg->backend = KM_BACKEND_CPU;
     cfg->index_threads = 1;
     cfg->log = quiet_log;
+    /* Shedding by queue wait answers by wall time, which a loaded test machine stretches, and
+     * several tests pipeline thousands of routes on one connection on purpose; the test of
+     * shedding turns both on. */
+    cfg->max_queue_wait_ms = 0;
+    cfg->max_connection_routes = 0;
     memset(&g_pool, 0, sizeof g_pool);
     g_pool.name = "main";
     g_pool.model = "m1";
@@ -1345,6 +1350,84 @@ Test(server, workers_and_pools_change_at_run_time, .timeout = 30)
     cr_assert_eq(km_client_call(c, &m, 5000, &reply), KM_OK);
     cr_assert_eq(reply.ack.items[0].status, KM_ERR_INVALID_ARGUMENT);
     km_client_close(c);
+    srv_stop(&s);
+    srv_cleanup(&s);
+}
+
+/* Load shedding: a flood pipelined on one connection past its max_connection_routes gets its
+ * frames refused at once (ERROR KM_ERR_OVERLOADED, counted per route), and routes queued past
+ * max_queue_wait_ms are answered KM_ERR_OVERLOADED without being scored (counted); every route
+ * gets exactly one answer, and another connection is served meanwhile. */
+Test(server, overload_is_shed_with_an_answer_and_counted, .timeout = 60)
+{
+    srv s = {0};
+    km_server_config cfg;
+    test_config(&cfg, &s, KM_POLICY_KV, 8);
+    cfg.records_path = NULL;
+    cfg.max_queue_wait_ms = 1;
+    cfg.max_connection_routes = 1024;
+    cfg.inline_routes = 0;
+    srv_start(&s, &cfg);
+    km_client *flood = connect_client(&s), *light = connect_client(&s);
+    enum { FRAMES = 40, PER_FRAME = 64 };
+    static km_route_request routes[PER_FRAME];
+    static char ids[FRAMES][PER_FRAME][24];
+    uint64_t msg[FRAMES];
+    for (uint32_t i = 0; i < 64 * BS; i++)
+        g_tokens[i] = 900 + i;
+    for (int f = 0; f < FRAMES; f++) {
+        for (int k = 0; k < PER_FRAME; k++) {
+            snprintf(ids[f][k], sizeof ids[f][k], "flood-%d-%d", f, k);
+            routes[k] = token_route(ids[f][k], 0, 64 * BS);
+        }
+        cr_assert_eq(km_client_send_route(flood, routes, PER_FRAME, 10000, &msg[f]), KM_OK);
+    }
+    /* the light client is answered while the flood is being shed */
+    km_message reply;
+    km_route_request lr = token_route("light", 0, 8 * BS);
+    uint64_t light_id;
+    cr_assert_eq(km_client_send_route(light, &lr, 1, 10000, &light_id), KM_OK);
+    cr_assert_eq(km_client_wait(light, light_id, 20000, &reply), KM_OK);
+    bool light_shed = reply.type == KM_MESSAGE_ERROR;
+    cr_assert(light_shed ? reply.error.code == KM_ERR_OVERLOADED
+                         : reply.decision.decisions[0].status == KM_OK);
+    uint64_t decided = 0, shed_wait = 0, refused_frames = 0, refused_routes = 0;
+    for (int f = 0; f < FRAMES; f++) {
+        cr_assert_eq(km_client_wait(flood, msg[f], 20000, &reply), KM_OK, "frame %d unanswered", f);
+        if (reply.type == KM_MESSAGE_ERROR) {
+            cr_assert_eq(reply.error.code, KM_ERR_OVERLOADED);
+            if (strstr(reply.error.message, "max_queue_wait_ms")) {
+                shed_wait += PER_FRAME;
+            } else {
+                cr_assert(strstr(reply.error.message, "max_connection_routes"), "%s",
+                          reply.error.message);
+                refused_frames++;
+                refused_routes += PER_FRAME;
+            }
+            continue;
+        }
+        cr_assert_eq(reply.type, KM_MESSAGE_DECISION);
+        cr_assert_eq(reply.decision.n_decisions, PER_FRAME);
+        for (uint32_t k = 0; k < reply.decision.n_decisions; k++) {
+            cr_assert_eq(reply.decision.decisions[k].status, KM_OK);
+            decided++;
+        }
+    }
+    cr_assert_eq(decided + shed_wait + refused_routes, (uint64_t)FRAMES * PER_FRAME);
+    /* 40 frames of 64 pipelined on one connection: past 1,024 routes in flight, refused */
+    cr_assert_gt(refused_frames, 0, "the connection's budget never refused a frame");
+    km_server_stats st;
+    km_server_get_stats(s.server, &st);
+    cr_assert_eq(st.routes_shed_connection, refused_routes);
+    cr_assert_eq(st.routes_shed_wait, shed_wait + light_shed);
+    cr_log_info("flood of %d routes: %" PRIu64 " decided, %" PRIu64 " shed past the deadline, %"
+                PRIu64 " refused by the connection budget", FRAMES * PER_FRAME, decided,
+                shed_wait, refused_routes);
+    /* the connection that was refused is still served */
+    km_route_request again = token_route("after", 0, 8 * BS);
+    cr_assert_eq(route_one(flood, &again, &reply)->status, KM_OK);
+    km_client_close(flood);
+    km_client_close(light);
     srv_stop(&s);
     srv_cleanup(&s);
 }

@@ -84,6 +84,8 @@ Test(server_config, documented_example_loads_with_every_value, .timeout = 10)
     cr_assert_eq(cfg.index_initial_blocks, 1048576);
     cr_assert_eq(cfg.max_batch_routes, 512);
     cr_assert_eq(cfg.max_queued_routes, 65536);
+    cr_assert_eq(cfg.max_queue_wait_ms, 50);
+    cr_assert_eq(cfg.max_connection_routes, 4096);
     cr_assert_eq(cfg.inline_routes, 16);
     cr_assert_eq(cfg.limits.max_frame_bytes, 16777216);
     cr_assert_eq(cfg.limits.max_batch_items, 4096);

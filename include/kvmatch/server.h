@@ -104,6 +104,13 @@ typedef struct km_server_config {
                                  * scheduler is idle, are decided on the loop thread at once (no
                                  * thread hand-off); 0 = always the scheduler thread; default 16 */
     uint32_t max_queued_routes; /* more waiting than this: ROUTE gets KM_ERR_OVERLOADED; 65,536 */
+    /* Load shedding (docs/RELIABILITY.md): a route that waited in the queue longer than
+     * max_queue_wait_ms is answered KM_ERR_OVERLOADED when the scheduler reaches it, without
+     * being scored (default 50; 0 = no deadline); a ROUTE frame that would take one connection's
+     * queued routes past max_connection_routes is refused at once with KM_ERR_OVERLOADED
+     * (default 4,096; 0 = no per-connection budget). Both counted (routes_shed). */
+    uint32_t max_queue_wait_ms;
+    uint32_t max_connection_routes;
     uint32_t max_connections;   /* more are accepted and closed at once; default 1024 */
     uint64_t max_outbox_bytes;  /* replies waiting for a slow reader beyond this close it;
                                  * default 64 MiB (reading pauses at a quarter of it) */
@@ -216,6 +223,9 @@ typedef struct km_server_stats {
     uint64_t decisions;             /* routes decided */
     uint64_t route_errors;          /* routes answered with an error */
     uint64_t overloaded;            /* ROUTE frames refused with KM_ERR_OVERLOADED */
+    uint64_t routes_shed_wait;      /* routes answered KM_ERR_OVERLOADED: queued past
+                                     * max_queue_wait_ms */
+    uint64_t routes_shed_connection; /* routes of frames refused: over max_connection_routes */
     uint64_t batches;               /* scoring batches */
     uint64_t inline_batches;        /* of which decided on the loop thread (inline_routes) */
     uint64_t lifecycle_events;

@@ -1,6 +1,7 @@
 /* Route jobs: a ROUTE frame copied out of its decoder into one job (pool chosen, token input
  * hashed on the loop thread), queued for the scheduler role; the job's bump-allocated memory;
  * its reply encoded from the decisions. */
+#include <inttypes.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -74,6 +75,13 @@ void km_srv_route_fail(route_job *r, int status, const char *fmt, ...)
 /* On the loop thread, in parallel with the scheduler's next batch. */
 void km_srv_job_encode_reply(km_server *s, job *j)
 {
+    if (j->shed) {
+        char why[160];
+        snprintf(why, sizeof why, "queued %.1f ms, past max_queue_wait_ms %u: not scored",
+                 (double)j->shed_wait_ns / 1e6, s->cfg.max_queue_wait_ms);
+        km_protocol_encode_error(j->msg_id, KM_ERR_OVERLOADED, why, &j->reply);
+        return;
+    }
     km_route_decision *ds = j->decisions;
     if (!ds) {
         km_protocol_encode_error(j->msg_id, KM_ERR_OUT_OF_MEMORY, "no memory for the decisions",
@@ -114,6 +122,17 @@ void km_srv_handle_route(conn *c, const km_message *m)
     const km_route_batch *rb = &m->route;
     if (s->draining) {
         km_srv_send_error(c, m->id, KM_ERR_SHUTTING_DOWN, "the service is shutting down");
+        return;
+    }
+    /* One connection's flood must not fill the queue for everyone: its budget is checked first. */
+    if (s->cfg.max_connection_routes &&
+        c->routes_in_flight + rb->n_routes > s->cfg.max_connection_routes) {
+        atomic_fetch_add(&s->st.shed_connection, rb->n_routes);
+        km_counter_add(s->m_shed_connection, rb->n_routes);
+        km_srv_send_error(c, m->id, KM_ERR_OVERLOADED,
+                          "this connection has %" PRIu64 " routes queued or deciding "
+                          "(max_connection_routes %u)",
+                          c->routes_in_flight, s->cfg.max_connection_routes);
         return;
     }
     pthread_mutex_lock(&s->queue_lock);
@@ -242,12 +261,26 @@ void km_srv_handle_route(conn *c, const km_message *m)
     }
     j->enqueued_ns = now_ns();
     c->jobs_in_flight++;
+    c->routes_in_flight += j->n_routes;
+    /* A frame of a connection with at most LIGHT_CONNECTION_ROUTES routes in flight (this one's
+     * included) goes ahead of the frames of busier connections, after the light ones already
+     * queued: a router sending a few routes at a time is not queued behind someone's flood. */
+    bool light = c->routes_in_flight <= LIGHT_CONNECTION_ROUTES;
     pthread_mutex_lock(&s->queue_lock);
-    if (s->queue_tail)
-        s->queue_tail->next = j;
-    else
-        s->queue_head = j;
-    s->queue_tail = j;
+    if (light && s->queue_head && s->queue_light_tail != s->queue_tail) {
+        job **at = s->queue_light_tail ? &s->queue_light_tail->next : &s->queue_head;
+        j->next = *at;
+        *at = j;
+        s->queue_light_tail = j;
+    } else {
+        if (s->queue_tail)
+            s->queue_tail->next = j;
+        else
+            s->queue_head = j;
+        s->queue_tail = j;
+        if (light)
+            s->queue_light_tail = j;
+    }
     s->queued_routes += j->n_routes;
     pthread_mutex_unlock(&s->queue_lock);
     s->dispatch_pending = true; /* on_dispatch (scheduler.c) runs it or wakes the scheduler */

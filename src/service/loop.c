@@ -81,6 +81,7 @@ void km_srv_deliver_jobs(km_server *s, job *list)
         list = j->next;
         conn *c = j->conn;
         c->jobs_in_flight--;
+        c->routes_in_flight -= j->n_routes;
         if (!c->closing) {
             if (!j->encoded)
                 km_srv_job_encode_reply(s, j);
@@ -169,7 +170,7 @@ static uint64_t drop_queued(km_server *s)
 {
     pthread_mutex_lock(&s->queue_lock);
     job *list = s->queue_head;
-    s->queue_head = s->queue_tail = NULL;
+    s->queue_head = s->queue_tail = s->queue_light_tail = NULL;
     uint64_t routes = s->queued_routes;
     s->queued_routes = 0;
     pthread_mutex_unlock(&s->queue_lock);
@@ -177,6 +178,7 @@ static uint64_t drop_queued(km_server *s)
         job *j = list;
         list = j->next;
         j->conn->jobs_in_flight--;
+        j->conn->routes_in_flight -= j->n_routes;
         km_srv_job_free(j);
     }
     return routes;

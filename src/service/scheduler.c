@@ -101,8 +101,15 @@ static void run_batch(km_server *s, job *jobs, batch_scratch *b)
     uint64_t t0 = now_ns();
     uint32_t n_routes = 0;
     for (job *j = jobs; j; j = j->next) {
-        n_routes += j->n_routes;
         km_histogram_observe(s->m_queue_seconds, (double)(t0 - j->enqueued_ns) / 1e9);
+        if (!j->shed) {
+            n_routes += j->n_routes;
+            continue;
+        }
+        /* Answered as a whole (km_srv_job_encode_reply): one ERROR frame, nothing scored. */
+        j->shed_wait_ns = t0 - j->enqueued_ns;
+        atomic_fetch_add(&s->st.shed_wait, j->n_routes);
+        km_counter_add(s->m_shed_wait, j->n_routes);
     }
     pthread_mutex_lock(&s->admin_lock);
     s->batch_stamp++;
@@ -110,7 +117,7 @@ static void run_batch(km_server *s, job *jobs, batch_scratch *b)
         s->pools[i]->n_requests = 0;
     /* Requests per pool, in job order. */
     for (job *j = jobs; j; j = j->next)
-        for (uint32_t k = 0; k < j->n_routes; k++) {
+        for (uint32_t k = 0; !j->shed && k < j->n_routes; k++) {
             route_job *r = &j->routes[k];
             if (r->status != KM_OK)
                 continue;
@@ -148,6 +155,8 @@ static void run_batch(km_server *s, job *jobs, batch_scratch *b)
     size_t *cursor = calloc(s->n_pools ? s->n_pools : 1, sizeof *cursor);
     km_approx_updates_clear(&b->updates);
     for (job *j = jobs; j; j = j->next) {
+        if (j->shed)
+            continue;
         j->decisions = km_srv_job_alloc(j, (j->n_routes ? j->n_routes : 1) * sizeof *j->decisions);
         if (j->decisions)
             memset(j->decisions, 0, j->n_routes * sizeof *j->decisions);
@@ -329,24 +338,35 @@ void km_srv_scratch_free(batch_scratch *b)
     memset(b, 0, sizeof *b);
 }
 
-/* Take whole frames from the queue, up to max_batch_routes (a bigger frame goes alone). Called
- * with queue_lock held. */
+/* Take whole frames from the queue, up to max_batch_routes (a bigger frame goes alone). Frames
+ * at the head that waited past max_queue_wait_ms come too, marked shed, outside that cap: they
+ * are answered KM_ERR_OVERLOADED without being scored, so an overload drains at the cost of an
+ * answer each and a route behind them waits about the deadline at most. Called with queue_lock
+ * held. */
 static job *take_jobs(km_server *s)
 {
     job *take = NULL, **tail = &take;
     uint32_t routes = 0;
-    while (s->queue_head &&
-           (routes == 0 || routes + s->queue_head->n_routes <= s->cfg.max_batch_routes)) {
+    uint64_t taken = 0;
+    uint64_t deadline_ns = (uint64_t)s->cfg.max_queue_wait_ms * 1000000u, now = now_ns();
+    while (s->queue_head) {
         job *j = s->queue_head;
+        j->shed = deadline_ns && now - j->enqueued_ns > deadline_ns;
+        if (!j->shed && routes != 0 && routes + j->n_routes > s->cfg.max_batch_routes)
+            break;
         s->queue_head = j->next;
+        if (j == s->queue_light_tail)
+            s->queue_light_tail = NULL;
         j->next = NULL;
         *tail = j;
         tail = &j->next;
-        routes += j->n_routes;
+        if (!j->shed)
+            routes += j->n_routes;
+        taken += j->n_routes;
     }
     if (!s->queue_head)
         s->queue_tail = NULL;
-    s->queued_routes -= routes;
+    s->queued_routes -= taken;
     return take;
 }
 
@@ -383,7 +403,7 @@ static void *scheduler_main(void *arg)
             next_tick = now_ns() + SCHEDULER_TICK_MS * UINT64_C(1000000);
         uint64_t queued = s->queued_routes;
         job *take = take_jobs(s);
-        uint32_t taken = (uint32_t)(queued - s->queued_routes); /* at most one frame's over the cap */
+        uint32_t taken = (uint32_t)(queued - s->queued_routes); /* shed frames included */
         s->scheduler_busy = true; /* housekeeping alone holds the role too: it uses the scratch */
         s->events_pending = false; /* housekeeping below flushes them */
         pthread_mutex_unlock(&s->queue_lock);

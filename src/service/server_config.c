@@ -25,6 +25,8 @@ void km_server_config_init(km_server_config *cfg)
     cfg->max_batch_routes = 512;
     cfg->inline_routes = 16;
     cfg->max_queued_routes = 65536;
+    cfg->max_queue_wait_ms = 50;
+    cfg->max_connection_routes = 4096;
     cfg->max_connections = 1024;
     cfg->max_outbox_bytes = (uint64_t)64 << 20;
     km_protocol_limits_init(&cfg->limits);
@@ -560,6 +562,9 @@ int km_server_config_load_json(const char *path, km_server_config *target, km_se
             r.rc = km_why(why, why_size, KM_ERR_PARSE, "scheduler: expected an object");
         get_u32(&r, sched, "max_batch_routes", "scheduler.", 1, 1u << 20, &cfg->max_batch_routes);
         get_u32(&r, sched, "max_queued_routes", "scheduler.", 1, 1u << 24, &cfg->max_queued_routes);
+        get_u32(&r, sched, "max_queue_wait_ms", "scheduler.", 0, 3600000, &cfg->max_queue_wait_ms);
+        get_u32(&r, sched, "max_connection_routes", "scheduler.", 0, 1u << 24,
+                &cfg->max_connection_routes);
         get_u32(&r, sched, "inline_routes", "scheduler.", 0, 1u << 20, &cfg->inline_routes);
     }
     json_t *lim = json_object_get(root, "limits");

@@ -64,6 +64,7 @@
 #include "service/http.h"
 
 #define MAX_POOLS 4096u
+#define LIGHT_CONNECTION_ROUTES 64u
 #define READ_CHUNK (64u * 1024u)
 
 static inline uint64_t now_ns(void)
@@ -111,6 +112,8 @@ typedef struct job {
     km_route_decision *decisions; /* filled by the scheduler, encoded by the loop thread */
     km_frame_buffer reply;
     bool encoded; /* reply already encoded (by the scheduler, when it had nothing queued) */
+    bool shed;    /* queued past max_queue_wait_ms: answered with one ERROR KM_ERR_OVERLOADED */
+    uint64_t shed_wait_ns; /* how long it had waited then */
     chunk *chunks;
 } job;
 
@@ -250,6 +253,7 @@ struct conn {
     uv_write_t write_req;
     bool write_in_flight, reading, paused, eof, closing, handle_closed, hello_done;
     uint32_t jobs_in_flight;
+    uint64_t routes_in_flight; /* routes of its queued or deciding jobs (max_connection_routes) */
     char rbuf[READ_CHUNK];
 };
 
@@ -283,6 +287,8 @@ struct km_server {
     pthread_mutex_t queue_lock;
     pthread_cond_t queue_cond;
     job *queue_head, *queue_tail;
+    job *queue_light_tail; /* the last of the light connections' frames, which lead the queue
+                            * (jobs.c, LIGHT_CONNECTION_ROUTES); NULL: none queued */
     uint64_t queued_routes;
     bool scheduler_stop;
     /* The scheduler role: held (under queue_lock) by whoever runs housekeeping or a batch, the
@@ -326,7 +332,7 @@ struct km_server {
 
     km_metrics *metrics;
     km_counter *m_decisions, *m_route_errors, *m_frames, *m_bad_frames, *m_lifecycle,
-        *m_outcomes, *m_expired, *m_evicted, *m_overloaded;
+        *m_outcomes, *m_expired, *m_evicted, *m_overloaded, *m_shed_wait, *m_shed_connection;
     km_histogram *m_batch_routes, *m_batch_seconds, *m_queue_seconds;
     km_http *http;
     uint16_t http_port;
@@ -334,7 +340,7 @@ struct km_server {
     uint64_t start_ns;
     struct {
         atomic_uint_fast64_t accepted, open, refused, slow_closed, frames, bad_frames, routes,
-            decisions, route_errors, overloaded, batches, inline_batches, lifecycle,
+            decisions, route_errors, overloaded, shed_wait, shed_connection, batches, inline_batches, lifecycle,
             lifecycle_errors, outcomes, expired, evicted, dropped_at_shutdown,
             dispatch_learned, dispatch_unlearned, breaker_opened, no_healthy;
         /* connections refused at accept, by reason (their sum is `refused`) */

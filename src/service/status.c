@@ -447,6 +447,18 @@ int km_srv_metrics_setup(km_server *s)
     if (!rc)
         rc = km_metrics_add_counter(s->metrics, "kvmatch_overloaded_total",
                                     "ROUTE frames refused: queue full.", NULL, 0, &s->m_overloaded);
+    if (!rc) {
+        static const char shed_help[] =
+            "Routes answered KM_ERR_OVERLOADED at once: queued past max_queue_wait_ms "
+            "(queue_wait), or their frame over its connection's max_connection_routes "
+            "(connection_budget).";
+        km_metric_label wait = {"reason", "queue_wait"}, budget = {"reason", "connection_budget"};
+        rc = km_metrics_add_counter(s->metrics, "kvmatch_routes_shed_total", shed_help, &wait, 1,
+                                    &s->m_shed_wait);
+        if (!rc)
+            rc = km_metrics_add_counter(s->metrics, "kvmatch_routes_shed_total", shed_help,
+                                        &budget, 1, &s->m_shed_connection);
+    }
     if (!rc)
         rc = km_metrics_add_histogram(s->metrics, "kvmatch_batch_routes", "Routes per scoring batch.",
                                       NULL, 0, bb, nb, &s->m_batch_routes);
@@ -476,6 +488,8 @@ void km_server_get_stats(km_server *s, km_server_stats *o)
     o->decisions = atomic_load(&s->st.decisions);
     o->route_errors = atomic_load(&s->st.route_errors);
     o->overloaded = atomic_load(&s->st.overloaded);
+    o->routes_shed_wait = atomic_load(&s->st.shed_wait);
+    o->routes_shed_connection = atomic_load(&s->st.shed_connection);
     o->batches = atomic_load(&s->st.batches);
     o->inline_batches = atomic_load(&s->st.inline_batches);
     o->lifecycle_events = atomic_load(&s->st.lifecycle);

@@ -650,6 +650,9 @@ static int start_server(run *r, char *why, size_t why_size)
      * requests would hold the engine back for a wall-clock cooldown, so the table would depend on
      * the machine's speed. Off. */
     sc.breaker_failures = 0;
+    /* Load shedding likewise answers by wall time: the simulator decides every route. */
+    sc.max_queue_wait_ms = 0;
+    sc.max_connection_routes = 0;
     sc.pools = &pool;
     sc.n_pools = 1;
     sc.log = quiet;
