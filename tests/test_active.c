@@ -1466,3 +1466,45 @@ Test(active, evict_oldest_ends_the_least_recently_touched, .timeout = 10)
     cr_assert_str_eq(km_active_end_name(KM_ACTIVE_END_EVICTED), "evicted");
     km_active_destroy(a);
 }
+
+/* After a drain the memory a burst made goes back (km_active_release_idle), and nothing
+ * observable changes: late reports still read as late, ids still end in the ring, new work
+ * begins as before. */
+Test(active, release_idle_gives_memory_back_and_changes_nothing, .timeout = 20)
+{
+    km_active *a = make_active(4, 1000, 100000, 16);
+    char rid[32];
+    for (uint32_t i = 0; i < 20000; i++) {
+        snprintf(rid, sizeof rid, "burst-%u", i);
+        km_active_key k = km_active_key_of(rid, "0");
+        cr_assert_eq(km_active_begin(a, i % 4, &k, 64, 0, 16, 16, 10), KM_OK);
+    }
+    /* some still in flight: only the id cache goes */
+    km_active_key last = km_active_key_of("burst-19999", "0");
+    km_active_key first = km_active_key_of("burst-0", "0");
+    cr_assert_eq(km_active_finish(a, &first, KM_ACTIVE_END_COMPLETE, 20, NULL), KM_OK);
+    km_active_release_idle(a);
+    cr_assert_eq(km_active_contains(a, &last), 1);
+    cr_assert_eq(stats_of(a).entries, 19999);
+    /* everything expires: the slab and the maps go too */
+    size_t n = 0;
+    cr_assert_eq(km_active_expire(a, 10 + 1000 + 1, NULL, NULL, &n), KM_OK);
+    cr_assert_eq(n, 19999);
+    cr_assert_eq(stats_of(a).entries, 0);
+    cr_assert_gt(km_active_release_idle(a), (uint64_t)20000 * 64, "too little given back");
+    cr_assert_eq(km_active_release_idle(a), 0, "a second release finds nothing");
+    km_active_stats st = stats_of(a);
+    cr_assert_eq(st.total.in_flight, 0);
+    cr_assert_eq(st.total.pending_prefill_tokens, 0);
+    /* the latest ends are still remembered: a late report is late, not unknown */
+    cr_assert_eq(km_active_dispatched(a, &last, 3000), KM_ERR_NOT_FOUND);
+    cr_assert_eq(stats_of(a).late, st.late + 1);
+    /* and work begins again */
+    km_active_key again = km_active_key_of("again", "0");
+    cr_assert_eq(km_active_begin(a, 2, &again, 64, 0, 16, 16, 4000), KM_OK);
+    km_active_load load;
+    cr_assert_eq(km_active_worker_load(a, 2, &load), KM_OK);
+    cr_assert_eq(load.in_flight, 1);
+    cr_assert_eq(km_active_finish(a, &again, KM_ACTIVE_END_COMPLETE, 4100, NULL), KM_OK);
+    km_active_destroy(a);
+}

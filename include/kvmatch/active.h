@@ -315,6 +315,12 @@ typedef struct km_active_stats {
 /* Errors: KM_ERR_NULL_POINTER. */
 int km_active_get_stats(const km_active *active, km_active_stats *out);
 
+/* Give memory back after a drain: the cache of released id buffers is freed, and when no entry
+ * is live the entry slab and the maps grow from nothing again (what a burst of in-flight work
+ * made them hold is returned). Nothing observable changes: loads, counters and the ended ring are
+ * kept. Returns the bytes freed (an estimate of the allocations, not of RSS). NULL: 0. */
+uint64_t km_active_release_idle(km_active *active);
+
 /* Is this key an active entry? (1 yes, 0 no; 0 for invalid arguments.) */
 int km_active_contains(const km_active *active, const km_active_key *key);
 

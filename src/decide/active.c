@@ -50,10 +50,15 @@ typedef struct entry {
     void *user; /* the caller's pointer (km_active_set_user) */
 } entry;
 
+enum { IDS_INLINE_BYTES = 64 };
+
 /* A recently ended id, to tell "already finished" / "expired" from "never seen". */
 typedef struct ended_slot {
     uint64_t hash;
-    char *ids; /* owned; NULL when unused */
+    char *ids; /* owned (or inline_ids); NULL when unused */
+    /* Ids that fit are copied here and their buffer released at once: a ring of small buffers
+     * from all over the heap would keep its pages from going back after a drain. */
+    char inline_ids[IDS_INLINE_BYTES];
     uint32_t request_len, attempt_len;
     km_active_end end;
 } ended_slot;
@@ -220,7 +225,8 @@ void km_active_destroy(km_active *a)
     free(a->slab);
     if (a->ended)
         for (uint32_t i = 0; i < a->cfg.remember_ended; i++)
-            free(a->ended[i].ids);
+            if (a->ended[i].ids != a->ended[i].inline_ids)
+                free(a->ended[i].ids);
     free(a->ended);
     free(a->unremembered_ids);
     while (a->ids_cache) {
@@ -235,6 +241,38 @@ void km_active_destroy(km_active *a)
     km_u64map_free(&a->prefixes);
     km_u64map_free(&a->queued);
     free(a);
+}
+
+uint64_t km_active_release_idle(km_active *a)
+{
+    if (!a)
+        return 0;
+    uint64_t freed = 0;
+    while (a->ids_cache) {
+        void *next;
+        memcpy(&next, a->ids_cache, sizeof next);
+        free(a->ids_cache);
+        a->ids_cache = next;
+        freed += IDS_CACHED_BYTES;
+    }
+    a->ids_cached = 0;
+    if (a->live == 0 && a->slab_capacity) {
+        /* Free slots hold no ids (released when their entry ended). */
+        freed += (uint64_t)a->slab_capacity * sizeof *a->slab + km_u64map_bytes(&a->by_hash) +
+                 km_u64map_bytes(&a->prefixes);
+        free(a->slab);
+        a->slab = NULL;
+        a->slab_capacity = 0;
+        a->free_head = NIL;
+        a->touch_head = a->touch_tail = NIL;
+        for (uint32_t w = 0; w < a->cfg.max_workers; w++)
+            a->workers[w].head = NIL;
+        km_u64map_free(&a->by_hash);
+        km_u64map_init(&a->by_hash, &a->memory);
+        km_u64map_free(&a->prefixes);
+        km_u64map_init(&a->prefixes, &a->memory);
+    }
+    return freed;
 }
 
 /* ---- keys --------------------------------------------------------------------------------- */
@@ -506,10 +544,20 @@ static void end_entry(km_active *a, uint32_t i, km_active_end end, uint64_t now,
             uint64_t *v = km_u64map_find(&a->ended_by_hash, mkey);
             if (v && *v == k)
                 km_u64map_erase(&a->ended_by_hash, mkey);
-            ids_release(a, slot->ids, ids_size(slot->request_len, slot->attempt_len));
+            if (slot->ids != slot->inline_ids)
+                ids_release(a, slot->ids, ids_size(slot->request_len, slot->attempt_len));
         }
         slot->hash = e->hash;
-        slot->ids = e->ids;
+        size_t n = ids_size(e->request_len, e->attempt_len);
+        if (n <= IDS_INLINE_BYTES) {
+            memcpy(slot->inline_ids, e->ids, n);
+            ids_release(a, e->ids, n);
+            slot->ids = slot->inline_ids;
+            s->request_id = slot->ids;
+            s->attempt_id = slot->ids + e->request_len + 1;
+        } else {
+            slot->ids = e->ids;
+        }
         slot->request_len = e->request_len;
         slot->attempt_len = e->attempt_len;
         slot->end = end;

@@ -3,6 +3,7 @@
  * expiry and lessons), a batch scored per pool and decided route by route, and the batch
  * scratch. */
 #include <inttypes.h>
+#include <malloc.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -472,11 +473,42 @@ static void on_expiry_more(uv_idle_t *h)
         uv_idle_stop(h);
 }
 
+/* Memory back after a drain: once active work has fallen to an eighth of a peak of at least
+ * DRAIN_RELEASE_MIN entries, the caches that work filled (attempts, id buffers) are freed, the
+ * active-work slab and maps too when nothing is in flight, and the heap's free memory is handed
+ * back to the system (malloc_trim). Loop thread. */
+#define DRAIN_RELEASE_MIN 4096u
+
+static void release_after_drain(km_server *s)
+{
+    pthread_mutex_lock(&s->active_lock);
+    km_active_stats st;
+    km_active_get_stats(s->active, &st);
+    if (st.entries > s->active_peak)
+        s->active_peak = st.entries;
+    bool drained = s->active_peak >= DRAIN_RELEASE_MIN && st.entries * 8 <= s->active_peak;
+    if (drained) {
+        km_active_release_idle(s->active);
+        km_srv_attempt_cache_free(&s->attempt_cache);
+        if (st.entries == 0) {
+            km_u64map_free(&s->attempts_by_decision);
+            km_u64map_init(&s->attempts_by_decision, &s->attempts_memory);
+        }
+        s->active_peak = st.entries;
+    }
+    pthread_mutex_unlock(&s->active_lock);
+    if (drained) {
+        malloc_trim(0);
+        atomic_fetch_add(&s->st.drain_releases, 1);
+    }
+}
+
 static void on_expiry_tick(uv_timer_t *t)
 {
     km_server *s = t->data;
     if (!uv_is_active((uv_handle_t *)&s->expiry_more) && loop_expire_slice(s))
         uv_idle_start(&s->expiry_more, on_expiry_more); /* the rest, a slice per loop pass */
+    release_after_drain(s);
 }
 
 /* After the loop iteration's reads (a uv_check callback): frames queued in this iteration either

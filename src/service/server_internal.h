@@ -321,6 +321,7 @@ struct km_server {
                                       * health.c): 0 lets km_srv_decide_route skip the checks */
     atomic_bool lessons_queued;      /* lessons is not empty: housekeeping takes the lock only then */
     km_memory attempts_memory;
+    uint64_t active_peak; /* most active entries since the last release_after_drain (active_lock) */
     uv_timer_t expiry_timer; /* loop thread: active-work expiry while the scheduler role is free */
     uv_idle_t expiry_more;   /* runs while a full slice ended */
     bool expiry_timer_inited;
@@ -342,7 +343,7 @@ struct km_server {
         atomic_uint_fast64_t accepted, open, refused, slow_closed, frames, bad_frames, routes,
             decisions, route_errors, overloaded, shed_wait, shed_connection, batches, inline_batches, lifecycle,
             lifecycle_errors, outcomes, expired, evicted, dropped_at_shutdown,
-            dispatch_learned, dispatch_unlearned, breaker_opened, no_healthy;
+            dispatch_learned, dispatch_unlearned, breaker_opened, no_healthy, drain_releases;
         /* connections refused at accept, by reason (their sum is `refused`) */
         atomic_uint_fast64_t refused_limit, refused_draining, refused_memory;
     } st;
