@@ -8,6 +8,9 @@
 #   make fuzz       libFuzzer harnesses (tests/fuzz/) under ASan + UBSan, FUZZ_SECONDS each (needs
 #                   clang; not part of `make test`; docs/FUZZING.md)
 #   make run        install missing Debian packages, build, run the main job (a kvmatch sim sweep)
+#   make soak       a bounded soak of a real server (SOAK_SECONDS, default 180; docs/RELIABILITY.md)
+#   make fuzz-replay  every committed fuzz corpus (tests/fuzz/corpus/) once through its harness
+#                   under ASan + UBSan (needs clang; seconds; .ci/run runs it)
 # V=1 shows the commands.
 
 CC ?= cc
@@ -50,7 +53,7 @@ LIB := $(BUILD)/libkvmatch.a
 BIN := $(BUILD)/kvmatch
 TEST_BIN := $(BUILD)/kvmatch-tests
 
-.PHONY: all test asan cuda bench run deps clean fuzz fuzz-build fuzz-bins
+.PHONY: all test asan cuda bench run deps clean fuzz fuzz-build fuzz-bins fuzz-replay soak
 all: $(BIN) $(LIB)
 
 $(BUILD)/%.o: %.c
@@ -151,8 +154,24 @@ fuzz: fuzz-build
 	    ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
 	    build-fuzz/fuzz_$$t -max_total_time=$(FUZZ_SECONDS) -rss_limit_mb=$(FUZZ_RSS_MB) \
 	        -timeout=10 -print_final_stats=1 -artifact_prefix=build-fuzz/artifacts/$$t- \
-	        build-fuzz/corpus/$$t || exit 1; \
+	        build-fuzz/corpus/$$t $$(test -d tests/fuzz/corpus/$$t && echo tests/fuzz/corpus/$$t) \
+	        || exit 1; \
 	done
+
+# Each harness over its committed, minimised corpus (tests/fuzz/corpus/T): every input run once;
+# a crash, leak, sanitizer report or broken contract fails. Merge new finds into the corpus with
+# build-fuzz/fuzz_T -merge=1 tests/fuzz/corpus/T build-fuzz/corpus/T (docs/FUZZING.md).
+fuzz-replay: fuzz-build
+	$(Q)for t in $(FUZZ_TARGETS); do \
+	    test -d tests/fuzz/corpus/$$t || continue; \
+	    echo "  REPLAY $$t ($$(ls tests/fuzz/corpus/$$t | wc -l) inputs)"; \
+	    ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+	    build-fuzz/fuzz_$$t -runs=0 -rss_limit_mb=$(FUZZ_RSS_MB) -timeout=10 tests/fuzz/corpus/$$t \
+	        > build-fuzz/replay_$$t.log 2>&1 || { tail -30 build-fuzz/replay_$$t.log; exit 1; }; \
+	done
+
+soak: all
+	$(Q)scripts/soak.sh $(BIN)
 
 clean:
 	rm -rf build build-cpu build-asan build-fuzz
