@@ -259,7 +259,7 @@ uint64_t km_active_release_idle(km_active *a)
     if (a->live == 0 && a->slab_capacity) {
         /* Free slots hold no ids (released when their entry ended). */
         freed += (uint64_t)a->slab_capacity * sizeof *a->slab + km_u64map_bytes(&a->by_hash) +
-                 km_u64map_bytes(&a->prefixes);
+                 km_u64map_bytes(&a->prefixes) + km_u64map_bytes(&a->queued);
         free(a->slab);
         a->slab = NULL;
         a->slab_capacity = 0;
@@ -271,6 +271,9 @@ uint64_t km_active_release_idle(km_active *a)
         km_u64map_init(&a->by_hash, &a->memory);
         km_u64map_free(&a->prefixes);
         km_u64map_init(&a->prefixes, &a->memory);
+        /* Nothing in flight promises anything (promises end with their entries). */
+        km_u64map_free(&a->queued);
+        km_u64map_init(&a->queued, &a->memory);
     }
     return freed;
 }
