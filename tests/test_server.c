@@ -12,6 +12,7 @@
 #include <pthread.h>
 #include <signal.h>
 #include <malloc.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
