@@ -115,7 +115,8 @@ static int select_backend(km_index *index)
         return km_index_fail(index, rc, "cpu backend: %s", why);
     index->backend = &km_backend_cpu;
     if (kind == KM_BACKEND_AUTO)
-        km_index_log(index, "backend: cpu (auto: %s)", why[0] ? why : "no CUDA device");
+        km_index_log(index, "backend: cpu (auto; the CUDA backend is not used here: %s)",
+                     why[0] ? why : "no CUDA device");
     return KM_OK;
 }
 
