@@ -666,8 +666,8 @@ static pid_t start_server(const char *self, const char *sock, bool records, cons
     argv[n++] = "cpu";
     argv[n++] = "--threads";
     argv[n++] = getenv("KM_BENCH_IPC_THREADS") ? getenv("KM_BENCH_IPC_THREADS") : "1";
-    argv[n++] = "--active-ttl-s";
-    argv[n++] = "1";
+    argv[n++] = "--active-ttl-ms";
+    argv[n++] = "1000";
     /* KM_BENCH_IPC_POLICY: the pool's policy (default kv, whose cost the tables have always used). */
     static char pool_spec[64];
     snprintf(pool_spec, sizeof pool_spec, "main:16:%s",

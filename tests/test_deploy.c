@@ -1,8 +1,9 @@
 /* What an operator meets on a first deployment: start-up errors that name the bad setting and
  * never abort (a TCP address that is not loopback or not HOST:PORT, a socket path the kernel would
  * cut or cannot reach, a records file that cannot be written), records lost at run time made
- * visible (readiness, the run's status, whole lines kept on a full disk), SIGHUP, the HTTP probes
- * under idle connections, connections past the limit, and the command line's exit statuses.
+ * visible (readiness, the run's status, whole lines kept on a full disk), SIGHUP (reopen and
+ * reload), the HTTP probes under idle connections, connections past the limit, unknown config
+ * keys, and the command line's options, ranges and exit statuses.
  * Servers run in this process or as `kvmatch serve` children on temporary Unix sockets and
  * loopback; every test bounds its time. */
 #include <errno.h>
@@ -23,6 +24,8 @@
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <pthread.h>
+
+#include <jansson.h>
 
 #include "kv_test_publisher.h"
 #include "kvmatch/kvmatch.h"
@@ -767,5 +770,174 @@ Test(deploy, unknown_config_keys_and_foreign_policy_parameters_are_refused, .tim
     rc = run_cli(out, sizeof out, "serve --config %s/serve.json", g_dir);
     cr_assert_eq(rc, 2, "a configuration error exits 2, whatever its kind: %d: %s", rc, out);
     cr_assert(strstr(out, "unknown key \"polcy\""), "%s", out);
+    remove_dir();
+}
+
+/* ---- kvmatch serve's command line and reload ------------------------------------------------- */
+
+/* `kvmatch serve ARGS` in a child (stderr to DIR/serve.err); waits until it answers on sock. */
+static pid_t spawn_serve_args(const char *sock, const char *args)
+{
+    char cmd[2048], err[128];
+    snprintf(err, sizeof err, "%s/serve.err", g_dir);
+    snprintf(cmd, sizeof cmd, "exec %s serve --socket=%s %s 2>%s", kvmatch_bin(), sock, args, err);
+    pid_t pid = fork();
+    cr_assert(pid >= 0);
+    if (pid == 0) {
+        execl("/bin/sh", "sh", "-c", cmd, (char *)NULL);
+        _exit(127);
+    }
+    char addr[160];
+    snprintf(addr, sizeof addr, "unix:%s", sock);
+    for (int i = 0; i < 500; i++) {
+        km_client *c = NULL;
+        if (km_client_connect(addr, 1000, &c, NULL, 0) == KM_OK) {
+            km_client_close(c);
+            return pid;
+        }
+        int st;
+        cr_assert_eq(waitpid(pid, &st, WNOHANG), 0, "kvmatch serve exited at start");
+        km_test_sleep_ms(10);
+    }
+    kill(pid, SIGKILL);
+    cr_assert_fail("kvmatch serve did not come up");
+    return -1;
+}
+
+static void write_file(const char *path, const char *text)
+{
+    FILE *f = fopen(path, "w");
+    cr_assert_not_null(f, "%s", path);
+    fputs(text, f);
+    fclose(f);
+}
+
+/* Poll until the file holds `words` (up to 5 s). */
+static bool wait_for(const char *path, const char *words)
+{
+    for (int i = 0; i < 100; i++) {
+        if (file_has(path, words))
+            return true;
+        km_test_sleep_ms(50);
+    }
+    return false;
+}
+
+/* The workers the service lists, as a bitmap of ids below 64. */
+static uint64_t listed_workers(const char *sock)
+{
+    char addr[160], why[256];
+    snprintf(addr, sizeof addr, "unix:%s", sock);
+    km_client *c = NULL;
+    cr_assert_eq(km_client_connect(addr, 3000, &c, why, sizeof why), KM_OK, "%s", why);
+    km_message m, reply;
+    memset(&m, 0, sizeof m);
+    m.type = KM_MESSAGE_WORKERS;
+    m.workers.action = KM_ADMIN_LIST;
+    cr_assert_eq(km_client_call(c, &m, 5000, &reply), KM_OK);
+    cr_assert_eq(reply.type, KM_MESSAGE_WORKER_LIST);
+    uint64_t ids = 0;
+    for (uint32_t i = 0; i < reply.workers.n_workers; i++)
+        if (reply.workers.workers[i].worker < 64)
+            ids |= UINT64_C(1) << reply.workers.workers[i].worker;
+    km_client_close(c);
+    return ids;
+}
+
+/* SIGHUP reads the config file again: a pool's policy and parameters change, its workers become
+ * the listed ones, a new pool is added, a block size change is refused (the rest still applies),
+ * each change is logged; the log file is reopened after a rotation, one JSON object a line. */
+Test(deploy, sighup_reloads_pools_workers_and_policy_from_the_config_file, .timeout = 90)
+{
+    make_dir();
+    char sock[128], cfg[128], log[128], moved[140];
+    snprintf(sock, sizeof sock, "%s/s.sock", g_dir);
+    snprintf(cfg, sizeof cfg, "%s/serve.json", g_dir);
+    snprintf(log, sizeof log, "%s/serve.log", g_dir);
+    snprintf(moved, sizeof moved, "%s.1", log);
+    write_file(cfg, "{\"pools\": [{\"name\": \"main\", \"block_size\": 4, \"policy\": \"prefix\", "
+                    "\"workers\": [{\"id\": 0}, {\"id\": 1}]}]}");
+    char args[512];
+    snprintf(args, sizeof args, "--records=none --config=%s --log-file=%s --log-format=json", cfg,
+             log);
+    pid_t pid = spawn_serve_args(sock, args);
+    cr_assert_eq(listed_workers(sock), 0x3);
+
+    cr_assert_eq(rename(log, moved), 0);
+    write_file(cfg, "{\"pools\": [{\"name\": \"main\", \"block_size\": 4, \"policy\": \"kv\", "
+                    "\"params\": {\"temperature\": 0.5}, \"workers\": [{\"id\": 0}, {\"id\": 2}]},"
+                    " {\"name\": \"extra\", \"block_size\": 16, \"workers\": [{\"id\": 5}]}]}");
+    cr_assert_eq(kill(pid, SIGHUP), 0);
+    cr_assert(wait_for(log, "5 changes applied"), "the reload's summary is logged");
+    cr_assert_eq(listed_workers(sock), (1u << 0) | (1u << 2) | (1u << 5), "workers 0, 2 and 5");
+    cr_assert(file_has(log, "log file reopened"), "the new log file");
+    cr_assert(file_has(log, "\"component\":\"reload\",\"msg\":\"pool main: policy prefix -> kv"));
+    cr_assert(file_has(log, "pool extra added"));
+    cr_assert(file_has(log, "pool main: worker 1 removed"));
+    cr_assert(file_has(moved, "serving on"), "the rotated log keeps the start");
+
+    write_file(cfg, "{\"pools\": [{\"name\": \"main\", \"block_size\": 8, \"policy\": \"kv\", "
+                    "\"workers\": [{\"id\": 0}]}, {\"name\": \"extra\", \"block_size\": 16, "
+                    "\"workers\": [{\"id\": 5}, {\"id\": 6}]}]}");
+    cr_assert_eq(kill(pid, SIGHUP), 0);
+    cr_assert(wait_for(log, "some refused"), "the refusal is summed up");
+    cr_assert(file_has(log, "block_size cannot change"));
+    cr_assert_eq(listed_workers(sock), (1u << 0) | (1u << 2) | (1u << 5) | (1u << 6),
+                 "pool main is refused whole; extra gains worker 6");
+
+    cr_assert_eq(kill(pid, SIGTERM), 0);
+    int st = 0;
+    cr_assert_eq(waitpid(pid, &st, 0), pid);
+    cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "exit status %d", st);
+    /* every line of the JSON log is one object with the four fields */
+    FILE *f = fopen(log, "r");
+    cr_assert_not_null(f);
+    char line[4096];
+    int lines = 0;
+    while (fgets(line, sizeof line, f)) {
+        json_error_t e;
+        json_t *o = json_loads(line, 0, &e);
+        cr_assert_not_null(o, "not JSON: %s", line);
+        cr_assert(json_is_string(json_object_get(o, "ts")) &&
+                  json_is_string(json_object_get(o, "level")) &&
+                  json_is_string(json_object_get(o, "component")) &&
+                  json_is_string(json_object_get(o, "msg")), "%s", line);
+        json_decref(o);
+        lines++;
+    }
+    fclose(f);
+    cr_assert_geq(lines, 8);
+    remove_dir();
+}
+
+/* serve's flags: --opt=value, the config key's name for each setting (the older flag still works
+ * with a warning), a range error that names the range, a policy parameter of another policy. */
+Test(deploy, serve_flags_name_their_settings_and_ranges, .timeout = 60)
+{
+    make_dir();
+    static char out[16384];
+    int rc = run_cli(out, sizeof out, "serve --max-batch-routes=0");
+    cr_assert_eq(rc, 2, "%s", out);
+    cr_assert(strstr(out, "--max-batch-routes wants an integer in 1..1048576, got \"0\""), "%s", out);
+    rc = run_cli(out, sizeof out, "serve --active-ttl-s 5 --socket ''");
+    cr_assert_eq(rc, 2, "%s", out);
+    cr_assert(strstr(out, "--active-ttl-s is deprecated; use --active-ttl-ms"), "%s", out);
+    rc = run_cli(out, sizeof out, "serve --pool x:16:prefix --param x:temperature=1");
+    cr_assert_eq(rc, 2, "%s", out);
+    cr_assert(strstr(out, "a parameter of policy kv; pool x has policy prefix"), "%s", out);
+    rc = run_cli(out, sizeof out, "serve --ready-share=2");
+    cr_assert_eq(rc, 2, "%s", out);
+    cr_assert(strstr(out, "--ready-share wants a number in 0..1"), "%s", out);
+    rc = run_cli(out, sizeof out, "serve --bogus");
+    cr_assert_eq(rc, 2, "%s", out);
+    cr_assert(strstr(out, "bogus"), "%s", out);
+    const char *commands[] = {"serve", "route", "follow", "hash", "sim", "analyze"};
+    for (size_t i = 0; i < sizeof commands / sizeof commands[0]; i++) {
+        char cmd[256];
+        snprintf(cmd, sizeof cmd, "%s %s --help 2>/dev/null", kvmatch_bin(), commands[i]);
+        rc = km_test_run_capture(cmd, out, sizeof out);
+        cr_assert_eq(rc, 0, "%s --help exits 0", commands[i]);
+        cr_assert(strstr(out, "usage"), "%s --help prints its usage on stdout: %s", commands[i], out);
+    }
     remove_dir();
 }

@@ -190,6 +190,16 @@ int km_server_create(const km_server_config *cfg, km_server **out, char *why, si
  * signal mask is restored on return. */
 int km_server_run(km_server *server, bool install_signals);
 
+/* Apply a configuration read again (SIGHUP) to a running server, on the loop thread (from
+ * on_hangup): pools it lists that the server lacks are added; a listed pool's policy, parameters
+ * and model take the new values (its block_size cannot change: that pool is refused); its workers
+ * become the listed ones (a worker not listed is removed, one whose endpoints changed is removed
+ * and added again, a new one is added). Pools it does not list are kept. Settings only a restart
+ * applies (sockets, records, index, scheduler and limits) are not changed; each that differs is
+ * logged. Every change and refusal is logged, then a summary line. KM_OK, or the first refusal's
+ * error (the rest is still applied). */
+int km_server_reload(km_server *server, const km_server_config *config);
+
 /* Ask a running server to stop (drain and return from km_server_run). Any thread. */
 void km_server_stop(km_server *server);
 

@@ -1,5 +1,7 @@
 /* `kvmatch serve`: the routing service (docs/SERVICE.md). A JSON config file (--config) and flags;
- * flags override the file. */
+ * flags override the file. Every setting has one name: the flag is the config key's last part
+ * with '-' for '_' (active_ttl_ms: --active-ttl-ms; scheduler.max_batch_routes:
+ * --max-batch-routes); the older flags still work and say which name replaced them. */
 #define _POSIX_C_SOURCE 200809L
 #include <errno.h>
 #include <stdio.h>
@@ -7,6 +9,7 @@
 #include <string.h>
 
 #include "cli/commands.h"
+#include "cli/options.h"
 #include "kvmatch/kvmatch.h"
 #include "service/server_config.h"
 
@@ -16,44 +19,38 @@
 static void serve_usage(FILE *f)
 {
     fprintf(f,
-            "usage: kvmatch serve [--config FILE] [options]\n"
-            "  --socket PATH           Unix socket (default %s; 'none' for TCP only)\n"
-            "  --tcp HOST:PORT         also listen on loopback TCP\n"
-            "  --http HOST:PORT        /healthz /readyz /status /metrics on loopback\n"
-            "  --records PATH|none     decision and outcome JSONL (default kvmatch-records.jsonl)\n"
-            "  --snapshot-dir DIR      event pools' snapshots (restored at start, written on SIGTERM)\n"
-            "  --snapshot-interval-s N periodic snapshots (default 60; 0 = only on shutdown)\n"
+            "usage: kvmatch serve [--config FILE] [options]   (--opt VALUE or --opt=VALUE)\n"
+            "  --config FILE            JSON configuration (docs/SERVICE.md); flags override it\n"
+            "  --socket PATH            Unix socket (default %s; 'none' for TCP only)\n"
+            "  --tcp HOST:PORT          also listen on loopback TCP\n"
+            "  --http HOST:PORT         /healthz /readyz /status /metrics on loopback\n"
+            "  --allow-non-loopback     permit --tcp and --http on other addresses\n"
+            "  --records PATH|none      decision and outcome JSONL (default kvmatch-records.jsonl)\n"
+            "  --snapshot-dir DIR       event pools' snapshots (restored at start, written on SIGTERM)\n"
+            "  --snapshot-interval-ms N periodic snapshots, 0..86400000 (default 60000; 0 = only\n"
+            "                           on shutdown)\n"
             "  --pool NAME:BLOCK_SIZE[:POLICY[:MODEL]]  add a pool (policy ttft, kv, cache_aware,\n"
-            "                          prefix, least_load, round_robin, llmd, preble; default ttft)\n"
+            "                           prefix, least_load, round_robin, llmd, preble; default ttft)\n"
             "  --worker POOL:ID[=PUB[,REPLAY]]  add a worker; without PUB it is in approximate mode\n"
-            "  --param POOL:NAME=VALUE policy parameter (temperature, cache_threshold, ...)\n"
-            "  --max-workers N  --backend auto|cpu|cuda  --threads N  --max-batch N\n"
-            "  --initial-blocks N (each pool's index sized for N distinct blocks at start)\n"
-            "  --inline-routes N (frames up to N routes are decided on the loop thread when the\n"
-            "                    scheduler is idle; 0 = never; default 16)\n"
-            "  --active-ttl-s N  --max-active N  --approx-dispatch-mb N\n"
-            "  --breaker-failures N  --breaker-cooldown-ms N\n"
-            "  --ready-share X  --seed N  --allow-non-loopback\n"
+            "  --param POOL:NAME=VALUE  policy parameter (temperature, cache_threshold, ...)\n"
+            "  --max-workers N (1..%u)  --backend auto|cpu|cuda  --threads N (0..1024)\n"
+            "  --initial-blocks N       each pool's index sized for N distinct blocks at start\n"
+            "  --max-batch-routes N (1..1048576)  --max-queued-routes N (1..16777216)\n"
+            "  --inline-routes N        frames up to N routes are decided on the loop thread when\n"
+            "                           the scheduler is idle; 0 = never; default 16\n"
+            "  --max-connections N (1..1048576)  --drain-timeout-ms N (0..3600000)\n"
+            "  --active-ttl-ms N (1..604800000)  --max-active-entries N (1..2147483647)\n"
+            "  --approx-dispatch-max-bytes N  --breaker-failures N (0..1048576)\n"
+            "  --breaker-cooldown-ms N  --ready-share X (0..1)  --seed N\n"
+            "  --log-format text|json   log lines: timestamp, level, component (default text)\n"
+            "  --log-file PATH          log to PATH instead of stderr (reopened on SIGHUP)\n"
             "Without --config and --pool, one pool \"default\" (block size 16, policy ttft) is made.\n"
-            "SIGTERM / SIGINT: stop accepting, finish queued decisions, flush records, snapshot, exit 0.\n",
-            KM_PROTOCOL_DEFAULT_SOCKET);
-}
-
-static int parse_u64(const char *s, uint64_t *out)
-{
-    char *end;
-    errno = 0;
-    unsigned long long v = strtoull(s, &end, 10);
-    if (errno || *end || end == s || s[0] == '-')
-        return -1;
-    *out = v;
-    return 0;
-}
-
-static void log_line(void *user, const char *line)
-{
-    (void)user;
-    fprintf(stderr, "kvmatch serve: %s\n", line);
+            "SIGTERM / SIGINT: stop accepting, finish queued decisions, flush records, snapshot, exit.\n"
+            "SIGHUP: reopen the records and log files, reload the config file's pools, workers and\n"
+            "policy parameters; the service keeps serving.\n"
+            "Exit status: 0 stopped cleanly; 1 could not start or lost records or a snapshot;\n"
+            "2 usage or configuration error.\n",
+            KM_PROTOCOL_DEFAULT_SOCKET, KM_MAX_WORKERS_LIMIT);
 }
 
 static int find_pool(km_server_pool *pools, uint32_t n, const char *name, size_t len)
@@ -64,171 +61,335 @@ static int find_pool(km_server_pool *pools, uint32_t n, const char *name, size_t
     return -1;
 }
 
-int km_cmd_serve(int argc, char **argv)
+enum {
+    OPT_CONFIG = 256, OPT_SOCKET, OPT_TCP, OPT_HTTP, OPT_ALLOW_NON_LOOPBACK, OPT_RECORDS,
+    OPT_SNAPSHOT_DIR, OPT_SNAPSHOT_INTERVAL_MS, OPT_POOL, OPT_WORKER, OPT_PARAM, OPT_MAX_WORKERS,
+    OPT_BACKEND, OPT_THREADS, OPT_INITIAL_BLOCKS, OPT_MAX_BATCH_ROUTES, OPT_MAX_QUEUED_ROUTES,
+    OPT_INLINE_ROUTES, OPT_MAX_CONNECTIONS, OPT_DRAIN_TIMEOUT_MS, OPT_ACTIVE_TTL_MS,
+    OPT_MAX_ACTIVE_ENTRIES, OPT_APPROX_DISPATCH_MAX_BYTES, OPT_BREAKER_FAILURES,
+    OPT_BREAKER_COOLDOWN_MS, OPT_READY_SHARE, OPT_SEED, OPT_LOG_FORMAT, OPT_LOG_FILE,
+    /* older names of the same settings */
+    OPT_OLD_SNAPSHOT_INTERVAL_S, OPT_OLD_MAX_BATCH, OPT_OLD_ACTIVE_TTL_S, OPT_OLD_MAX_ACTIVE,
+    OPT_OLD_APPROX_DISPATCH_MB,
+};
+
+static const struct option serve_options[] = {
+    {"help", no_argument, NULL, 'h'},
+    {"config", required_argument, NULL, OPT_CONFIG},
+    {"socket", required_argument, NULL, OPT_SOCKET},
+    {"tcp", required_argument, NULL, OPT_TCP},
+    {"http", required_argument, NULL, OPT_HTTP},
+    {"allow-non-loopback", no_argument, NULL, OPT_ALLOW_NON_LOOPBACK},
+    {"records", required_argument, NULL, OPT_RECORDS},
+    {"snapshot-dir", required_argument, NULL, OPT_SNAPSHOT_DIR},
+    {"snapshot-interval-ms", required_argument, NULL, OPT_SNAPSHOT_INTERVAL_MS},
+    {"pool", required_argument, NULL, OPT_POOL},
+    {"worker", required_argument, NULL, OPT_WORKER},
+    {"param", required_argument, NULL, OPT_PARAM},
+    {"max-workers", required_argument, NULL, OPT_MAX_WORKERS},
+    {"backend", required_argument, NULL, OPT_BACKEND},
+    {"threads", required_argument, NULL, OPT_THREADS},
+    {"initial-blocks", required_argument, NULL, OPT_INITIAL_BLOCKS},
+    {"max-batch-routes", required_argument, NULL, OPT_MAX_BATCH_ROUTES},
+    {"max-queued-routes", required_argument, NULL, OPT_MAX_QUEUED_ROUTES},
+    {"inline-routes", required_argument, NULL, OPT_INLINE_ROUTES},
+    {"max-connections", required_argument, NULL, OPT_MAX_CONNECTIONS},
+    {"drain-timeout-ms", required_argument, NULL, OPT_DRAIN_TIMEOUT_MS},
+    {"active-ttl-ms", required_argument, NULL, OPT_ACTIVE_TTL_MS},
+    {"max-active-entries", required_argument, NULL, OPT_MAX_ACTIVE_ENTRIES},
+    {"approx-dispatch-max-bytes", required_argument, NULL, OPT_APPROX_DISPATCH_MAX_BYTES},
+    {"breaker-failures", required_argument, NULL, OPT_BREAKER_FAILURES},
+    {"breaker-cooldown-ms", required_argument, NULL, OPT_BREAKER_COOLDOWN_MS},
+    {"ready-share", required_argument, NULL, OPT_READY_SHARE},
+    {"seed", required_argument, NULL, OPT_SEED},
+    {"log-format", required_argument, NULL, OPT_LOG_FORMAT},
+    {"log-file", required_argument, NULL, OPT_LOG_FILE},
+    {"snapshot-interval-s", required_argument, NULL, OPT_OLD_SNAPSHOT_INTERVAL_S},
+    {"max-batch", required_argument, NULL, OPT_OLD_MAX_BATCH},
+    {"active-ttl-s", required_argument, NULL, OPT_OLD_ACTIVE_TTL_S},
+    {"max-active", required_argument, NULL, OPT_OLD_MAX_ACTIVE},
+    {"approx-dispatch-mb", required_argument, NULL, OPT_OLD_APPROX_DISPATCH_MB},
+    {NULL, 0, NULL, 0},
+};
+
+static bool g_quiet; /* a reload applies the flags again: no second round of warnings */
+
+static void deprecated(const char *old, const char *now)
 {
-    km_server_config cfg;
-    km_server_config_init(&cfg);
-    cfg.records_path = "kvmatch-records.jsonl";
-    cfg.log = log_line;
-    const char *config_path = NULL;
-    for (int i = 1; i < argc; i++)
-        if (!strcmp(argv[i], "--config") && i + 1 < argc)
-            config_path = argv[i + 1];
-    km_server_config_json *owner = NULL;
+    if (!g_quiet)
+        fprintf(stderr, "kvmatch serve: warning: --%s is deprecated; use --%s (the config file's "
+                    "key of the same name)\n", old, now);
+}
+
+static int apply_flags(int argc, char **argv, km_server_config *cfg);
+
+/* What SIGHUP needs: the logger to reopen, the config file to read again. */
+typedef struct serve_state {
+    km_logger *logger;
+    const char *config_path;
+    int argc;
+    char **argv;
+} serve_state;
+
+static void on_hangup(km_server *server, void *user)
+{
+    serve_state *st = user;
     char why[512];
-    if (config_path && km_server_config_load_json(config_path, &cfg, &owner, why, sizeof why) != KM_OK) {
-        fprintf(stderr, "kvmatch serve: %s\n", why);
-        return 2;
+    if (st->logger) {
+        if (km_logger_reopen(st->logger, why, sizeof why) != KM_OK)
+            km_logger_write(st->logger, why);
+        else
+            km_logger_write(st->logger, "serve: log file reopened");
     }
-    /* Pools from the file are copied so flags can add to them. */
+    if (!st->config_path)
+        return;
+    km_server_config fresh;
+    km_server_config_init(&fresh);
+    fresh.records_path = "kvmatch-records.jsonl";
+    km_server_config_json *owner = NULL;
+    if (km_server_config_load_json(st->config_path, &fresh, &owner, why, sizeof why) != KM_OK) {
+        char line[700];
+        snprintf(line, sizeof line, "serve: reload of %s refused, nothing changed: %s",
+                 st->config_path, why);
+        km_logger_write(st->logger, line);
+        return;
+    }
+    /* the flags override the file, at a reload as at the start */
+    g_quiet = true;
+    int flags = apply_flags(st->argc, st->argv, &fresh);
+    g_quiet = false;
+    if (flags == KM_EXIT_OK)
+        km_server_reload(server, &fresh);
+    km_server_config_json_free(owner);
+}
+
+/* Apply the flags (the second pass) over *cfg, which holds the defaults and the config file's
+ * settings; pools from the file are copied so flags can add to them and their workers. The pools
+ * live in static storage, valid until the next call. KM_EXIT_OK or KM_EXIT_USAGE (said on
+ * stderr). */
+static int apply_flags(int argc, char **argv, km_server_config *cfg)
+{
     static km_server_pool pools[MAX_FLAG_POOLS];
     static km_server_worker workers[MAX_FLAG_POOLS][MAX_FLAG_WORKERS / MAX_FLAG_POOLS];
     uint32_t n_pools = 0;
     uint32_t n_workers[MAX_FLAG_POOLS] = {0};
-    for (uint32_t i = 0; i < cfg.n_pools && n_pools < MAX_FLAG_POOLS; i++)
-        pools[n_pools++] = cfg.pools[i];
-    int status = 0;
-    for (int i = 1; i < argc && !status; i++) {
-        const char *a = argv[i];
-        const char *v = i + 1 < argc ? argv[i + 1] : NULL;
+    for (uint32_t i = 0; i < cfg->n_pools && n_pools < MAX_FLAG_POOLS; i++)
+        pools[n_pools++] = cfg->pools[i];
+    int status = 0, opt;
+    km_cli_getopt_begin(argv, "serve");
+    opterr = !g_quiet;
+    while (!status && (opt = getopt_long(argc, argv, "h", serve_options, NULL)) != -1) {
+        const char *v = optarg;
         uint64_t x;
-        if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
-            serve_usage(stdout);
-            km_server_config_json_free(owner);
-            return 0;
-        } else if (!strcmp(a, "--allow-non-loopback")) {
-            cfg.allow_non_loopback = true;
-            continue;
-        }
-        if (!v) {
-            fprintf(stderr, "kvmatch serve: %s needs a value\n", a);
-            status = 2;
+        uint32_t u;
+        switch (opt) {
+        case OPT_CONFIG:
+        case OPT_LOG_FILE:
+        case OPT_LOG_FORMAT:
+            break; /* read in the first pass */
+        case OPT_ALLOW_NON_LOOPBACK: cfg->allow_non_loopback = true; break;
+        case OPT_SOCKET: cfg->socket_path = strcmp(v, "none") ? v : NULL; break;
+        case OPT_TCP: cfg->tcp = v; break;
+        case OPT_HTTP: cfg->http = v; break;
+        case OPT_RECORDS: cfg->records_path = strcmp(v, "none") ? v : NULL; break;
+        case OPT_SNAPSHOT_DIR: cfg->snapshot_dir = v; break;
+        case OPT_OLD_SNAPSHOT_INTERVAL_S:
+            deprecated("snapshot-interval-s", "snapshot-interval-ms");
+            if (!km_cli_u32("serve", "snapshot-interval-s", v, 0, 86400, &u))
+                status = KM_EXIT_USAGE;
+            cfg->snapshot_interval_ms = u * 1000;
             break;
-        }
-        i++;
-        if (!strcmp(a, "--config")) {
-            /* read above */
-        } else if (!strcmp(a, "--socket")) {
-            cfg.socket_path = strcmp(v, "none") ? v : NULL;
-        } else if (!strcmp(a, "--tcp")) {
-            cfg.tcp = v;
-        } else if (!strcmp(a, "--http")) {
-            cfg.http = v;
-        } else if (!strcmp(a, "--records")) {
-            cfg.records_path = strcmp(v, "none") ? v : NULL;
-        } else if (!strcmp(a, "--snapshot-dir")) {
-            cfg.snapshot_dir = v;
-        } else if (!strcmp(a, "--snapshot-interval-s") && !parse_u64(v, &x) && x <= 86400) {
-            cfg.snapshot_interval_ms = (uint32_t)(x * 1000);
-        } else if (!strcmp(a, "--max-workers") && !parse_u64(v, &x) && x >= 1 && x <= KM_MAX_WORKERS_LIMIT) {
-            cfg.max_workers = (uint32_t)x;
-        } else if (!strcmp(a, "--threads") && !parse_u64(v, &x) && x <= 1024) {
-            cfg.index_threads = (uint32_t)x;
-        } else if (!strcmp(a, "--max-batch") && !parse_u64(v, &x) && x >= 1 && x <= (1u << 20)) {
-            cfg.max_batch_routes = (uint32_t)x;
-        } else if (!strcmp(a, "--initial-blocks") && !parse_u64(v, &x) && x <= (UINT64_C(1) << 36)) {
-            cfg.index_initial_blocks = x;
-        } else if (!strcmp(a, "--inline-routes") && !parse_u64(v, &x) && x <= (1u << 20)) {
-            cfg.inline_routes = (uint32_t)x;
-        } else if (!strcmp(a, "--active-ttl-s") && !parse_u64(v, &x) && x >= 1 && x <= 86400 * 7) {
-            cfg.active_ttl_ms = x * 1000;
-        } else if (!strcmp(a, "--max-active") && !parse_u64(v, &x) && x >= 1 && x < (1u << 31)) {
-            cfg.max_active_entries = (uint32_t)x;
-        } else if (!strcmp(a, "--approx-dispatch-mb") && !parse_u64(v, &x) && x <= (UINT64_C(1) << 40)) {
-            cfg.approx_dispatch_max_bytes = x << 20;
-        } else if (!strcmp(a, "--breaker-failures") && !parse_u64(v, &x) && x <= (1u << 20)) {
-            cfg.breaker_failures = (uint32_t)x;
-        } else if (!strcmp(a, "--breaker-cooldown-ms") && !parse_u64(v, &x) && x >= 1 &&
-                   x <= UINT64_MAX / 1000000) {
-            cfg.breaker_cooldown_ms = x;
-        } else if (!strcmp(a, "--seed") && !parse_u64(v, &x)) {
-            cfg.seed = x;
-        } else if (!strcmp(a, "--ready-share")) {
-            char *end;
-            double d = strtod(v, &end);
-            if (*end || !(d >= 0 && d <= 1)) {
-                fprintf(stderr, "kvmatch serve: --ready-share wants 0..1, got %s\n", v);
-                status = 2;
-            }
-            cfg.ready_share = d;
-        } else if (!strcmp(a, "--backend")) {
+        case OPT_SNAPSHOT_INTERVAL_MS:
+            if (!km_cli_u32("serve", "snapshot-interval-ms", v, 0, 86400000, &cfg->snapshot_interval_ms))
+                status = KM_EXIT_USAGE;
+            break;
+        case OPT_MAX_WORKERS:
+            if (!km_cli_u32("serve", "max-workers", v, 1, KM_MAX_WORKERS_LIMIT, &cfg->max_workers))
+                status = KM_EXIT_USAGE;
+            break;
+        case OPT_THREADS:
+            if (!km_cli_u32("serve", "threads", v, 0, 1024, &cfg->index_threads))
+                status = KM_EXIT_USAGE;
+            break;
+        case OPT_OLD_MAX_BATCH:
+            deprecated("max-batch", "max-batch-routes");
+            /* fall through */
+        case OPT_MAX_BATCH_ROUTES:
+            if (!km_cli_u32("serve", opt == OPT_OLD_MAX_BATCH ? "max-batch" : "max-batch-routes", v,
+                            1, 1u << 20, &cfg->max_batch_routes))
+                status = KM_EXIT_USAGE;
+            break;
+        case OPT_MAX_QUEUED_ROUTES:
+            if (!km_cli_u32("serve", "max-queued-routes", v, 1, 1u << 24, &cfg->max_queued_routes))
+                status = KM_EXIT_USAGE;
+            break;
+        case OPT_INITIAL_BLOCKS:
+            if (!km_cli_u64("serve", "initial-blocks", v, 0, UINT64_C(1) << 36,
+                            &cfg->index_initial_blocks))
+                status = KM_EXIT_USAGE;
+            break;
+        case OPT_INLINE_ROUTES:
+            if (!km_cli_u32("serve", "inline-routes", v, 0, 1u << 20, &cfg->inline_routes))
+                status = KM_EXIT_USAGE;
+            break;
+        case OPT_MAX_CONNECTIONS:
+            if (!km_cli_u32("serve", "max-connections", v, 1, 1u << 20, &cfg->max_connections))
+                status = KM_EXIT_USAGE;
+            break;
+        case OPT_DRAIN_TIMEOUT_MS:
+            if (!km_cli_u32("serve", "drain-timeout-ms", v, 0, 3600000, &cfg->drain_timeout_ms))
+                status = KM_EXIT_USAGE;
+            break;
+        case OPT_OLD_ACTIVE_TTL_S:
+            deprecated("active-ttl-s", "active-ttl-ms");
+            if (!km_cli_u64("serve", "active-ttl-s", v, 1, 86400 * 7, &x))
+                status = KM_EXIT_USAGE;
+            cfg->active_ttl_ms = x * 1000;
+            break;
+        case OPT_ACTIVE_TTL_MS:
+            if (!km_cli_u64("serve", "active-ttl-ms", v, 1, UINT64_C(86400000) * 7, &cfg->active_ttl_ms))
+                status = KM_EXIT_USAGE;
+            break;
+        case OPT_OLD_MAX_ACTIVE:
+            deprecated("max-active", "max-active-entries");
+            /* fall through */
+        case OPT_MAX_ACTIVE_ENTRIES:
+            if (!km_cli_u32("serve", opt == OPT_OLD_MAX_ACTIVE ? "max-active" : "max-active-entries",
+                            v, 1, (1u << 31) - 1, &cfg->max_active_entries))
+                status = KM_EXIT_USAGE;
+            break;
+        case OPT_OLD_APPROX_DISPATCH_MB:
+            deprecated("approx-dispatch-mb", "approx-dispatch-max-bytes");
+            if (!km_cli_u64("serve", "approx-dispatch-mb", v, 0, UINT64_C(1) << 40, &x))
+                status = KM_EXIT_USAGE;
+            cfg->approx_dispatch_max_bytes = x << 20;
+            break;
+        case OPT_APPROX_DISPATCH_MAX_BYTES:
+            if (!km_cli_u64("serve", "approx-dispatch-max-bytes", v, 0, UINT64_C(1) << 60,
+                            &cfg->approx_dispatch_max_bytes))
+                status = KM_EXIT_USAGE;
+            break;
+        case OPT_BREAKER_FAILURES:
+            if (!km_cli_u32("serve", "breaker-failures", v, 0, 1u << 20, &cfg->breaker_failures))
+                status = KM_EXIT_USAGE;
+            break;
+        case OPT_BREAKER_COOLDOWN_MS:
+            if (!km_cli_u64("serve", "breaker-cooldown-ms", v, 1, UINT64_MAX / 1000000,
+                            &cfg->breaker_cooldown_ms))
+                status = KM_EXIT_USAGE;
+            break;
+        case OPT_SEED:
+            if (!km_cli_u64("serve", "seed", v, 0, UINT64_MAX, &cfg->seed))
+                status = KM_EXIT_USAGE;
+            break;
+        case OPT_READY_SHARE:
+            if (!km_cli_double("serve", "ready-share", v, 0, 1, &cfg->ready_share))
+                status = KM_EXIT_USAGE;
+            break;
+        case OPT_BACKEND:
             if (!strcmp(v, "auto"))
-                cfg.backend = KM_BACKEND_AUTO;
+                cfg->backend = KM_BACKEND_AUTO;
             else if (!strcmp(v, "cpu"))
-                cfg.backend = KM_BACKEND_CPU;
+                cfg->backend = KM_BACKEND_CPU;
             else if (!strcmp(v, "cuda"))
-                cfg.backend = KM_BACKEND_CUDA;
+                cfg->backend = KM_BACKEND_CUDA;
             else {
-                fprintf(stderr, "kvmatch serve: --backend is auto, cpu or cuda\n");
-                status = 2;
+                fprintf(stderr, "kvmatch serve: --backend is auto, cpu or cuda, got \"%s\"\n", v);
+                status = KM_EXIT_USAGE;
             }
-        } else if (!strcmp(a, "--pool")) {
+            break;
+        case OPT_POOL: {
             /* NAME:BLOCK_SIZE[:POLICY[:MODEL]] */
             char buf[256];
             snprintf(buf, sizeof buf, "%s", v);
             char *save = NULL;
             char *name = strtok_r(buf, ":", &save), *bs = strtok_r(NULL, ":", &save),
                  *pol = strtok_r(NULL, ":", &save), *model = strtok_r(NULL, "", &save);
-            if (!name || !bs || parse_u64(bs, &x) || x == 0 || x > (1u << 20) || n_pools >= MAX_FLAG_POOLS) {
-                fprintf(stderr, "kvmatch serve: --pool wants NAME:BLOCK_SIZE[:POLICY[:MODEL]], got %s\n", v);
-                status = 2;
+            if (!name || !bs || n_pools >= MAX_FLAG_POOLS) {
+                fprintf(stderr, "kvmatch serve: --pool wants NAME:BLOCK_SIZE[:POLICY[:MODEL]] (at "
+                                "most %u pools), got \"%s\"\n", MAX_FLAG_POOLS, v);
+                status = KM_EXIT_USAGE;
                 break;
             }
             km_server_pool *p = &pools[n_pools];
             memset(p, 0, sizeof *p);
             km_policy_config_init(&p->policy);
-            p->name = strndup(name, strlen(name));
-            p->block_size = (uint32_t)x;
-            p->model = model ? strdup(model) : NULL;
-            if (pol && km_policy_kind_parse(pol, &p->policy.kind) != KM_OK) {
-                fprintf(stderr, "kvmatch serve: unknown policy %s\n", pol);
-                status = 2;
+            uint64_t block_size;
+            if (!km_cli_u64("serve", "pool", bs, 1, 1u << 20, &block_size)) {
+                fprintf(stderr, "kvmatch serve: (the BLOCK_SIZE of --pool %s)\n", v);
+                status = KM_EXIT_USAGE;
                 break;
             }
+            p->block_size = (uint32_t)block_size;
+            if (pol && km_policy_kind_parse(pol, &p->policy.kind) != KM_OK) {
+                fprintf(stderr, "kvmatch serve: --pool %s: unknown policy \"%s\" (ttft, kv, "
+                                "cache_aware, prefix, least_load, round_robin, llmd, preble)\n",
+                        v, pol);
+                status = KM_EXIT_USAGE;
+                break;
+            }
+            p->name = strdup(name);
+            p->model = model ? strdup(model) : NULL;
             n_pools++;
-        } else if (!strcmp(a, "--worker") || !strcmp(a, "--param")) {
+            break;
+        }
+        case OPT_PARAM:
+        case OPT_WORKER: {
             const char *colon = strchr(v, ':');
             int pi = colon ? find_pool(pools, n_pools, v, (size_t)(colon - v)) : -1;
+            const char *flag = opt == OPT_PARAM ? "--param" : "--worker";
             if (pi < 0) {
-                fprintf(stderr, "kvmatch serve: %s %s: no such pool (define it first)\n", a, v);
-                status = 2;
+                fprintf(stderr, "kvmatch serve: %s %s: no such pool (define it first)\n", flag, v);
+                status = KM_EXIT_USAGE;
                 break;
             }
-            if (!strcmp(a, "--param")) {
+            if (opt == OPT_PARAM) {
                 const char *eq = strchr(colon + 1, '=');
                 char pname[64];
                 if (!eq || (size_t)(eq - colon - 1) >= sizeof pname) {
-                    fprintf(stderr, "kvmatch serve: --param wants POOL:NAME=VALUE\n");
-                    status = 2;
+                    fprintf(stderr, "kvmatch serve: --param wants POOL:NAME=VALUE, got \"%s\"\n", v);
+                    status = KM_EXIT_USAGE;
                     break;
                 }
                 snprintf(pname, sizeof pname, "%.*s", (int)(eq - colon - 1), colon + 1);
                 char *end;
                 double d = strtod(eq + 1, &end);
                 km_server_pool *p = &pools[pi];
+                const char *owner = km_server_policy_param_owner(pname);
+                if (owner && strcmp(owner, km_policy_kind_name(p->policy.kind)) != 0) {
+                    fprintf(stderr, "kvmatch serve: --param %s: a parameter of policy %s; pool %s "
+                                    "has policy %s\n", v, owner, p->name,
+                            km_policy_kind_name(p->policy.kind));
+                    status = KM_EXIT_USAGE;
+                    break;
+                }
                 km_policy_config pc = p->policy;
                 char detail[256];
-                if (*end || km_server_policy_param(&pc, pname, d, detail, sizeof detail) != KM_OK) {
-                    fprintf(stderr, "kvmatch serve: --param %s: %s\n", v, *end ? "not a number" : detail);
-                    status = 2;
+                if (*end || end == eq + 1 ||
+                    km_server_policy_param(&pc, pname, d, detail, sizeof detail) != KM_OK) {
+                    fprintf(stderr, "kvmatch serve: --param %s: %s\n", v,
+                            *end || end == eq + 1 ? "not a number" : detail);
+                    status = KM_EXIT_USAGE;
                     break;
                 }
                 p->policy = pc;
-                continue;
+                break;
             }
             /* POOL:ID[=PUB[,REPLAY]] */
             const char *idp = colon + 1;
             char *end;
+            errno = 0;
             unsigned long id = strtoul(idp, &end, 10);
-            if (end == idp || (*end && *end != '=') || id >= KM_MAX_WORKERS_LIMIT) {
-                fprintf(stderr, "kvmatch serve: --worker wants POOL:ID[=PUB[,REPLAY]], got %s\n", v);
-                status = 2;
+            if (end == idp || (*end && *end != '=') || errno || id >= KM_MAX_WORKERS_LIMIT) {
+                fprintf(stderr, "kvmatch serve: --worker wants POOL:ID[=PUB[,REPLAY]] with ID in "
+                                "0..%u, got \"%s\"\n", KM_MAX_WORKERS_LIMIT - 1, v);
+                status = KM_EXIT_USAGE;
                 break;
             }
             if (n_workers[pi] >= MAX_FLAG_WORKERS / MAX_FLAG_POOLS) {
-                fprintf(stderr, "kvmatch serve: too many --worker flags for pool %s (use --config)\n",
-                        pools[pi].name);
-                status = 2;
+                fprintf(stderr, "kvmatch serve: at most %u --worker flags per pool (use --config)\n",
+                        MAX_FLAG_WORKERS / MAX_FLAG_POOLS);
+                status = KM_EXIT_USAGE;
                 break;
             }
             km_server_worker w = {(uint32_t)id, NULL, NULL, NULL};
@@ -252,16 +413,19 @@ int km_cmd_serve(int argc, char **argv)
             workers[pi][n_workers[pi]++] = w;
             p->workers = workers[pi];
             p->n_workers = n_workers[pi];
-        } else {
-            fprintf(stderr, "kvmatch serve: unknown option or bad value: %s %s\n", a, v);
-            status = 2;
+            break;
+        }
+        default:
+            status = km_cli_usage_error("serve");
+            break;
         }
     }
-    if (status) {
-        serve_usage(stderr);
-        km_server_config_json_free(owner);
-        return status;
+    if (!status && optind < argc) {
+        fprintf(stderr, "kvmatch serve: unexpected argument \"%s\"\n", argv[optind]);
+        status = km_cli_usage_error("serve");
     }
+    if (status)
+        return status;
     if (n_pools == 0) {
         km_server_pool *p = &pools[n_pools++];
         memset(p, 0, sizeof *p);
@@ -269,22 +433,86 @@ int km_cmd_serve(int argc, char **argv)
         p->block_size = 16;
         km_policy_config_init(&p->policy);
     }
-    cfg.pools = pools;
-    cfg.n_pools = n_pools;
+    cfg->pools = pools;
+    cfg->n_pools = n_pools;
+    return KM_EXIT_OK;
+}
+
+int km_cmd_serve(int argc, char **argv)
+{
+    km_server_config cfg;
+    km_server_config_init(&cfg);
+    cfg.records_path = "kvmatch-records.jsonl";
+    const char *config_path = NULL, *log_file = NULL;
+    km_log_format log_format = KM_LOG_FORMAT_TEXT;
+    /* First pass: --help, --config and the log settings, which the rest depends on. */
+    km_cli_getopt_begin(argv, "serve");
+    opterr = 0;
+    int opt;
+    while ((opt = getopt_long(argc, argv, "h", serve_options, NULL)) != -1) {
+        if (opt == 'h') {
+            serve_usage(stdout);
+            return KM_EXIT_OK;
+        }
+        if (opt == OPT_CONFIG)
+            config_path = optarg;
+        else if (opt == OPT_LOG_FILE)
+            log_file = optarg;
+        else if (opt == OPT_LOG_FORMAT && km_log_format_parse(optarg, &log_format) != KM_OK) {
+            fprintf(stderr, "kvmatch serve: --log-format is text or json, got \"%s\"\n", optarg);
+            return KM_EXIT_USAGE;
+        }
+    }
+    km_server_config_json *owner = NULL;
+    char why[512];
+    if (config_path && km_server_config_load_json(config_path, &cfg, &owner, why, sizeof why) != KM_OK) {
+        fprintf(stderr, "kvmatch serve: %s\n", why);
+        return KM_EXIT_USAGE;
+    }
+    int status = apply_flags(argc, argv, &cfg);
+    if (status) {
+        km_server_config_json_free(owner);
+        return status;
+    }
+    km_logger_config lc;
+    km_logger_config_init(&lc);
+    lc.path = log_file;
+    lc.format = log_format;
+    lc.component = "serve";
+    serve_state state = {NULL, config_path, argc, argv};
+    if (km_logger_create(&lc, &state.logger, why, sizeof why) != KM_OK) {
+        fprintf(stderr, "kvmatch serve: %s\n", why);
+        km_server_config_json_free(owner);
+        return KM_EXIT_FAILURE;
+    }
+    cfg.log = km_logger_write;
+    cfg.log_user = state.logger;
+    cfg.on_hangup = on_hangup;
+    cfg.hangup_user = &state;
     km_server *server = NULL;
     int rc = km_server_create(&cfg, &server, why, sizeof why);
     if (rc != KM_OK) {
-        fprintf(stderr, "kvmatch serve: %s: %s\n", km_error_name(rc), why);
+        char line[700];
+        snprintf(line, sizeof line, "serve: %s: %s", km_error_name(rc), why);
+        km_logger_write(state.logger, line);
+        km_logger_destroy(state.logger);
         km_server_config_json_free(owner);
         /* a setting the server refused is a configuration error; anything else failed to start */
-        return rc == KM_ERR_INVALID_ARGUMENT || rc == KM_ERR_TOO_LARGE ? 2 : 1;
+        return rc == KM_ERR_INVALID_ARGUMENT || rc == KM_ERR_TOO_LARGE ? KM_EXIT_USAGE
+                                                                        : KM_EXIT_FAILURE;
     }
-    if (km_server_tcp_port(server))
-        fprintf(stderr, "kvmatch serve: tcp port %u\n", km_server_tcp_port(server));
-    if (km_server_http_port(server))
-        fprintf(stderr, "kvmatch serve: http port %u\n", km_server_http_port(server));
+    char line[128];
+    if (km_server_tcp_port(server)) {
+        snprintf(line, sizeof line, "serve: tcp port %u", km_server_tcp_port(server));
+        km_logger_write(state.logger, line);
+    }
+    if (km_server_http_port(server)) {
+        snprintf(line, sizeof line, "serve: http port %u", km_server_http_port(server));
+        km_logger_write(state.logger, line);
+    }
     rc = km_server_run(server, true);
     km_server_destroy(server);
+    km_logger_destroy(state.logger);
     km_server_config_json_free(owner);
-    return rc == KM_OK ? 0 : 1;
+    return rc == KM_OK ? KM_EXIT_OK : KM_EXIT_FAILURE;
 }
