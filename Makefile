@@ -11,7 +11,12 @@
 #   make soak       a bounded soak of a real server (SOAK_SECONDS, default 180; docs/RELIABILITY.md)
 #   make fuzz-replay  every committed fuzz corpus (tests/fuzz/corpus/) once through its harness
 #                   under ASan + UBSan (needs clang; seconds; .ci/run runs it)
-# V=1 shows the commands.
+#   make install    the binary, libkvmatch.a, libkvmatch.so.$(VERSION) (its soname
+#                   libkvmatch.so.$(SOVERSION); it exports the public API alone), the headers,
+#                   kvmatch.pc, the man pages, an example config and systemd unit, under
+#                   $(DESTDIR)$(PREFIX) (default /usr/local); make uninstall removes them
+# V=1 shows the commands. Library flags come from pkg-config (PKG_CONFIG); the dependency script
+# installs Debian packages only for what pkg-config does not find.
 
 CC ?= cc
 # CUDA=0 builds live apart, so switching CUDA on and off never mixes objects built both ways.
@@ -30,13 +35,38 @@ else
   Q := @
 endif
 
-KM_CPPFLAGS := -Iinclude -Isrc -D_GNU_SOURCE -DKM_HAVE_CUDA=$(CUDA)
-KM_CFLAGS := -std=c11 -O2 -g -Wall -Wextra -Wshadow -Wno-unused-function -pthread -MMD -MP $(SANITIZE)
-KM_LDLIBS := -lxxhash -ljansson -lmsgpackc -lzmq -luv -lmicrohttpd -lm -pthread
+# The libraries, by their pkg-config names; without pkg-config (or a .pc file) the usual -l names.
+PKG_CONFIG ?= pkg-config
+KM_PKGS := libxxhash jansson msgpack libzmq libuv libmicrohttpd
+KM_PKG_CFLAGS := $(shell $(PKG_CONFIG) --cflags $(KM_PKGS) 2>/dev/null)
+KM_PKG_LIBS := $(shell $(PKG_CONFIG) --libs $(KM_PKGS) 2>/dev/null || \
+                 echo -lxxhash -ljansson -lmsgpackc -lzmq -luv -lmicrohttpd)
+TEST_LIBS := $(shell $(PKG_CONFIG) --libs criterion 2>/dev/null || echo -lcriterion)
+
+VERSION := $(shell sed -n 's/^\#define KVMATCH_VERSION "\(.*\)"/\1/p' include/kvmatch/version.h)
+SOVERSION := $(firstword $(subst ., ,$(VERSION)))
+
+KM_CPPFLAGS := -Iinclude -Isrc -D_GNU_SOURCE -DKM_HAVE_CUDA=$(CUDA) $(KM_PKG_CFLAGS)
+# -fPIC: the same objects make libkvmatch.a and libkvmatch.so.
+KM_CFLAGS := -std=c11 -O2 -g -fPIC -Wall -Wextra -Wshadow -Wno-unused-function -pthread -MMD -MP \
+             $(SANITIZE)
+KM_LDLIBS := $(KM_PKG_LIBS) -lm -pthread
 ifeq ($(CUDA),1)
   KM_LDLIBS += -L$(CUDA_HOME)/lib64 -lcudart_static -ldl -lrt -lstdc++
 endif
-NVCCFLAGS ?= -O3 -std=c++17 $(CUDA_ARCH) -Xcompiler -Wall,-fno-strict-aliasing -Iinclude -Isrc -DKM_HAVE_CUDA=1
+NVCCFLAGS ?= -O3 -std=c++17 $(CUDA_ARCH) -Xcompiler -Wall,-fno-strict-aliasing,-fPIC -Iinclude -Isrc \
+             -DKM_HAVE_CUDA=1
+
+# Installation layout (GNU conventions).
+PREFIX ?= /usr/local
+DESTDIR ?=
+BINDIR ?= $(PREFIX)/bin
+LIBDIR ?= $(PREFIX)/lib
+INCLUDEDIR ?= $(PREFIX)/include
+MANDIR ?= $(PREFIX)/share/man
+DOCDIR ?= $(PREFIX)/share/doc/kvmatch
+SYSCONFDIR ?= $(if $(filter /usr,$(PREFIX)),/etc,$(PREFIX)/etc)
+INSTALL ?= install
 
 # src/<subsystem>/*.c is the library (src/cli is the command line); kernels/ is the CUDA backend,
 # built only with CUDA=1.
@@ -50,18 +80,30 @@ CLI_OBJ := $(CLI_SRC:%.c=$(BUILD)/%.o)
 TEST_OBJ := $(TEST_SRC:%.c=$(BUILD)/%.o)
 
 LIB := $(BUILD)/libkvmatch.a
+SHLIB := $(BUILD)/libkvmatch.so.$(VERSION)
+SHLIB_MAP := $(BUILD)/libkvmatch.map
+PC := $(BUILD)/kvmatch.pc
 BIN := $(BUILD)/kvmatch
 TEST_BIN := $(BUILD)/kvmatch-tests
 
-.PHONY: all test asan cuda bench run deps clean fuzz fuzz-build fuzz-bins fuzz-replay soak
-all: $(BIN) $(LIB)
+.PHONY: all test test-deps asan cuda bench run deps clean fuzz fuzz-build fuzz-bins fuzz-replay \
+        soak install uninstall shared
+all: $(BIN) $(LIB) $(SHLIB) $(PC)
+shared: $(SHLIB) $(PC)
 
-$(BUILD)/%.o: %.c
+# Objects are rebuilt when the flags they were built with change (a CUDA=0/1 switch lives in
+# another BUILD; this catches CFLAGS, SANITIZE, pkg-config answers).
+FLAGS_STAMP := $(BUILD)/.flags
+FLAGS_NOW := $(CC) $(KM_CPPFLAGS) $(KM_CFLAGS) $(CPPFLAGS) $(CFLAGS) | $(NVCC) $(NVCCFLAGS)
+$(shell mkdir -p $(BUILD) && { [ "$$(cat $(FLAGS_STAMP) 2>/dev/null)" = '$(FLAGS_NOW)' ] || \
+        printf '%s' '$(FLAGS_NOW)' > $(FLAGS_STAMP); })
+
+$(BUILD)/%.o: %.c $(FLAGS_STAMP)
 	@mkdir -p $(dir $@)
 	@$(if $(Q),echo "  CC    $<")
 	$(Q)$(CC) $(KM_CPPFLAGS) $(KM_CFLAGS) $(CPPFLAGS) $(CFLAGS) -c $< -o $@
 
-$(BUILD)/%.cu.o: %.cu
+$(BUILD)/%.cu.o: %.cu $(FLAGS_STAMP)
 	@mkdir -p $(dir $@)
 	@$(if $(Q),echo "  NVCC  $<")
 	$(Q)$(NVCC) $(NVCCFLAGS) -MMD -MP -c $< -o $@
@@ -70,23 +112,74 @@ $(LIB): $(LIB_OBJ)
 	@$(if $(Q),echo "  AR    $@")
 	$(Q)rm -f $@ && ar rcs $@ $^
 
+# The shared library exports the functions the public headers declare, nothing else.
+$(SHLIB_MAP): $(wildcard include/kvmatch/*.h) scripts/export-map.sh
+	@mkdir -p $(dir $@)
+	$(Q)scripts/export-map.sh include/kvmatch > $@
+
+$(SHLIB): $(LIB_OBJ) $(SHLIB_MAP)
+	@$(if $(Q),echo "  LD    $@")
+	$(Q)$(CC) -shared -Wl,-soname,libkvmatch.so.$(SOVERSION) -Wl,--version-script=$(SHLIB_MAP) \
+	    -Wl,--no-undefined $(KM_CFLAGS) $(CFLAGS) $(LIB_OBJ) $(LDFLAGS) $(KM_LDLIBS) -o $@
+	$(Q)ln -sf $(notdir $@) $(BUILD)/libkvmatch.so.$(SOVERSION)
+	$(Q)ln -sf $(notdir $@) $(BUILD)/libkvmatch.so
+
+# kvmatch.pc for the prefix given now (install writes it again: PREFIX may differ there).
+PC_SED := sed -e 's|@PREFIX@|$(PREFIX)|; s|@LIBDIR@|$(LIBDIR)|; s|@INCLUDEDIR@|$(INCLUDEDIR)|' \
+    -e 's|@VERSION@|$(VERSION)|; s|@PKGS@|$(KM_PKGS)|' \
+    -e 's|@LIBS_PRIVATE@|-lm -pthread$(if $(filter 1,$(CUDA)), -L$(CUDA_HOME)/lib64 -lcudart_static -ldl -lrt -lstdc++,)|' \
+    dist/kvmatch.pc.in
+
+$(PC): dist/kvmatch.pc.in include/kvmatch/version.h Makefile
+	@mkdir -p $(dir $@)
+	$(Q)$(PC_SED) > $@
+
+install: $(BIN) $(LIB) $(SHLIB) $(PC)
+	$(INSTALL) -d $(DESTDIR)$(BINDIR) $(DESTDIR)$(LIBDIR)/pkgconfig $(DESTDIR)$(INCLUDEDIR)/kvmatch \
+	    $(DESTDIR)$(MANDIR)/man1 $(DESTDIR)$(DOCDIR)/examples
+	$(INSTALL) -m 0755 $(BIN) $(DESTDIR)$(BINDIR)/kvmatch
+	$(INSTALL) -m 0644 $(LIB) $(DESTDIR)$(LIBDIR)/libkvmatch.a
+	$(INSTALL) -m 0755 $(SHLIB) $(DESTDIR)$(LIBDIR)/
+	ln -sf $(notdir $(SHLIB)) $(DESTDIR)$(LIBDIR)/libkvmatch.so.$(SOVERSION)
+	ln -sf $(notdir $(SHLIB)) $(DESTDIR)$(LIBDIR)/libkvmatch.so
+	$(PC_SED) > $(DESTDIR)$(LIBDIR)/pkgconfig/kvmatch.pc
+	chmod 0644 $(DESTDIR)$(LIBDIR)/pkgconfig/kvmatch.pc
+	$(INSTALL) -m 0644 include/kvmatch/*.h $(DESTDIR)$(INCLUDEDIR)/kvmatch/
+	$(INSTALL) -m 0644 man/*.1 $(DESTDIR)$(MANDIR)/man1/
+	$(INSTALL) -m 0644 LICENSE README.md $(DESTDIR)$(DOCDIR)/
+	$(INSTALL) -m 0644 dist/serve.json $(DESTDIR)$(DOCDIR)/examples/serve.json
+	sed -e 's|@BINDIR@|$(BINDIR)|g; s|@SYSCONFDIR@|$(SYSCONFDIR)|g' dist/kvmatch.service.in \
+	    > $(DESTDIR)$(DOCDIR)/examples/kvmatch.service
+	chmod 0644 $(DESTDIR)$(DOCDIR)/examples/kvmatch.service
+
+uninstall:
+	rm -f $(DESTDIR)$(BINDIR)/kvmatch $(DESTDIR)$(LIBDIR)/libkvmatch.a \
+	    $(DESTDIR)$(LIBDIR)/libkvmatch.so $(DESTDIR)$(LIBDIR)/libkvmatch.so.$(SOVERSION) \
+	    $(DESTDIR)$(LIBDIR)/libkvmatch.so.$(VERSION) $(DESTDIR)$(LIBDIR)/pkgconfig/kvmatch.pc
+	rm -rf $(DESTDIR)$(INCLUDEDIR)/kvmatch $(DESTDIR)$(DOCDIR)
+	rm -f $(addprefix $(DESTDIR)$(MANDIR)/man1/,$(notdir $(wildcard man/*.1)))
+
 $(BIN): $(CLI_OBJ) $(LIB)
 	@$(if $(Q),echo "  LD    $@")
 	$(Q)$(CC) $(KM_CFLAGS) $(CFLAGS) $(CLI_OBJ) $(LIB) $(LDFLAGS) $(KM_LDLIBS) -o $@
 
 $(TEST_BIN): $(TEST_OBJ) $(LIB)
 	@$(if $(Q),echo "  LD    $@")
-	$(Q)$(CC) $(KM_CFLAGS) $(CFLAGS) $(TEST_OBJ) $(LIB) $(LDFLAGS) -lcriterion $(KM_LDLIBS) -o $@
+	$(Q)$(CC) $(KM_CFLAGS) $(CFLAGS) $(TEST_OBJ) $(LIB) $(LDFLAGS) $(TEST_LIBS) $(KM_LDLIBS) -o $@
 
+# What `make` and `make run` need; test-deps adds the test tools.
 deps:
 	$(Q)scripts/install-deps.sh
 
+test-deps:
+	$(Q)scripts/install-deps.sh --test
+
 # Tests run from the repository root so they find tests/vectors and ../shared/data.
-test: deps
-	$(Q)$(MAKE) --no-print-directory $(BIN) $(TEST_BIN)
+test: test-deps
+	$(Q)$(MAKE) --no-print-directory $(BIN) $(TEST_BIN) $(SHLIB) $(PC)
 	$(Q)scripts/run-tests.sh $(TEST_BIN)
 
-asan: deps
+asan: test-deps
 	$(Q)$(MAKE) --no-print-directory BUILD=build-asan CUDA=0 \
 	    SANITIZE="-fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined" \
 	    build-asan/kvmatch build-asan/kvmatch-tests
