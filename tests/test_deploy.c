@@ -941,3 +941,53 @@ Test(deploy, serve_flags_name_their_settings_and_ranges, .timeout = 60)
     }
     remove_dir();
 }
+
+/* ---- metrics ---------------------------------------------------------------------------------- */
+
+/* /metrics: a worker's state is its own gauge (one series per state, 1 for the current one), so a
+ * state change never renames the blocks series; kvmatch_build_info; the process_* metrics; the
+ * records writer's failing gauge. /status writes reals with 10 significant digits. */
+Test(deploy, metrics_carry_worker_state_build_info_and_process, .timeout = 60)
+{
+    make_dir();
+    char sock[128];
+    snprintf(sock, sizeof sock, "%s/s.sock", g_dir);
+    km_server_config cfg;
+    base_config(&cfg);
+    cfg.socket_path = sock;
+    char http[] = "127.0.0.1:0";
+    cfg.http = http;
+    deploy_server d = {0};
+    start(&d, &cfg);
+    static char body[1 << 16];
+    uint16_t port = km_server_http_port(d.server);
+    cr_assert_eq(http_get(port, "/metrics", body, sizeof body), 200);
+    cr_assert(strstr(body, "kvmatch_worker_blocks{worker=\"0\",name=\"w0\",pool=\"main\"} 0"), "%s",
+              body);
+    cr_assert(strstr(body, "# TYPE kvmatch_worker_state gauge"), "%s", body);
+    cr_assert(strstr(body, "kvmatch_worker_state{worker=\"1\",name=\"w1\",pool=\"main\","
+                           "state=\"APPROX\"} 1"), "%s", body);
+    cr_assert(strstr(body, "kvmatch_worker_state{worker=\"1\",name=\"w1\",pool=\"main\","
+                           "state=\"LIVE\"} 0"), "%s", body);
+    cr_assert(strstr(body, "kvmatch_build_info{version=\"" KVMATCH_VERSION "\",cuda=\""), "%s",
+              body);
+    const char *families[] = {"process_cpu_seconds_total", "process_resident_memory_bytes",
+                              "process_virtual_memory_bytes", "process_open_fds",
+                              "process_max_fds", "process_start_time_seconds",
+                              "kvmatch_records_failing"};
+    for (size_t i = 0; i < sizeof families / sizeof families[0]; i++) {
+        char key[96];
+        snprintf(key, sizeof key, "\n%s ", families[i]);
+        const char *at = strstr(body, key);
+        cr_assert_not_null(at, "%s is exported:\n%s", families[i], body);
+        if (strcmp(families[i], "kvmatch_records_failing") != 0)
+            cr_assert_gt(strtod(at + strlen(key), NULL), 0, "%s > 0", families[i]);
+    }
+    cr_assert_eq(http_get(port, "/status", body, sizeof body), 200);
+    const char *up = strstr(body, "\"uptime_s\":");
+    cr_assert_not_null(up, "%s", body);
+    size_t digits = strspn(up + 11, "0123456789.e-");
+    cr_assert_leq(digits, 12, "uptime_s with 10 significant digits at most: %.40s", up);
+    cr_assert_eq(stop(&d), KM_OK);
+    remove_dir();
+}

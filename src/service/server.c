@@ -256,6 +256,9 @@ int km_server_create(const km_server_config *cfg_in, km_server **out, char *why,
     s->log = cfg.log;
     s->log_user = cfg.log_user;
     s->start_ns = now_ns();
+    struct timespec wall;
+    clock_gettime(CLOCK_REALTIME, &wall);
+    s->start_wall_s = (double)wall.tv_sec + (double)wall.tv_nsec / 1e9;
     atomic_init(&s->next_decision_id, 1);
     atomic_init(&s->next_record_id, 1);
     pthread_mutex_init(&s->queue_lock, NULL);

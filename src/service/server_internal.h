@@ -339,6 +339,7 @@ struct km_server {
     uint16_t http_port;
 
     uint64_t start_ns;
+    double start_wall_s; /* CLOCK_REALTIME at create (process_start_time_seconds) */
     struct {
         atomic_uint_fast64_t accepted, open, refused, slow_closed, frames, bad_frames, routes,
             decisions, route_errors, overloaded, shed_wait, shed_connection, batches, inline_batches, lifecycle,

@@ -1,8 +1,11 @@
 /* What the service reports about itself: readiness, /status (JSON), /metrics (the registered
  * metrics and the per-worker and records samples), and km_server_get_stats. */
+#include <dirent.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
+#include <unistd.h>
 
 #include <jansson.h>
 
@@ -181,7 +184,8 @@ static int http_status(void *user, km_text *out)
     pthread_mutex_unlock(&s->admin_lock);
     json_object_set_new(root, "pools", pools);
     json_object_set_new(root, "workers", workers);
-    char *text = json_dumps(root, JSON_COMPACT);
+    /* 10 significant digits: 1.513605972, not 1.5136059719999999 */
+    char *text = json_dumps(root, JSON_COMPACT | JSON_REAL_PRECISION(10));
     json_decref(root);
     if (!text) {
         km_text_append_cstr(out, "out of memory building the status");
@@ -236,11 +240,66 @@ static void worker_refusal_samples(km_server *s, km_text *out)
     }
 }
 
+/* The process_* metrics every Prometheus client library exports, from /proc/self (Linux): CPU
+ * time, resident and virtual memory, open and allowed file descriptors, start time. A value that
+ * cannot be read is left out, never reported as 0. */
+static void write_process_metrics(km_text *out, const km_server *s)
+{
+    long ticks = sysconf(_SC_CLK_TCK), page = sysconf(_SC_PAGESIZE);
+    FILE *f = fopen("/proc/self/stat", "r");
+    char buf[1024];
+    size_t n = f ? fread(buf, 1, sizeof buf - 1, f) : 0;
+    if (f)
+        fclose(f);
+    buf[n] = '\0';
+    const char *after = strrchr(buf, ')'); /* the command name may hold spaces */
+    unsigned long long utime = 0, stime = 0, vsize = 0, rss = 0;
+    if (after && ticks > 0 &&
+        sscanf(after + 2, "%*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %llu %llu %*d %*d %*d %*d "
+                          "%*d %*d %*u %llu %llu", &utime, &stime, &vsize, &rss) == 4) {
+        km_prom_write_family(out, "process_cpu_seconds_total",
+                             "Total user and system CPU time spent in seconds.", KM_METRIC_COUNTER);
+        km_prom_write_sample(out, "process_cpu_seconds_total", NULL, 0,
+                             (double)(utime + stime) / (double)ticks);
+        km_prom_write_family(out, "process_virtual_memory_bytes", "Virtual memory size in bytes.",
+                             KM_METRIC_GAUGE);
+        km_prom_write_sample_u64(out, "process_virtual_memory_bytes", NULL, 0, vsize);
+        km_prom_write_family(out, "process_resident_memory_bytes",
+                             "Resident memory size in bytes.", KM_METRIC_GAUGE);
+        km_prom_write_sample_u64(out, "process_resident_memory_bytes", NULL, 0,
+                                 rss * (unsigned long long)page);
+    }
+    DIR *d = opendir("/proc/self/fd");
+    if (d) {
+        uint64_t fds = 0;
+        for (struct dirent *e; (e = readdir(d));)
+            fds += e->d_name[0] != '.';
+        closedir(d);
+        km_prom_write_family(out, "process_open_fds", "Number of open file descriptors.",
+                             KM_METRIC_GAUGE);
+        km_prom_write_sample_u64(out, "process_open_fds", NULL, 0, fds > 0 ? fds - 1 : 0);
+    }
+    struct rlimit lim;
+    if (getrlimit(RLIMIT_NOFILE, &lim) == 0 && lim.rlim_cur != RLIM_INFINITY) {
+        km_prom_write_family(out, "process_max_fds", "Maximum number of open file descriptors.",
+                             KM_METRIC_GAUGE);
+        km_prom_write_sample_u64(out, "process_max_fds", NULL, 0, (uint64_t)lim.rlim_cur);
+    }
+    km_prom_write_family(out, "process_start_time_seconds",
+                         "Start time of the process since unix epoch in seconds.", KM_METRIC_GAUGE);
+    km_prom_write_sample(out, "process_start_time_seconds", NULL, 0, s->start_wall_s);
+}
+
 static int http_metrics(void *user, km_text *out)
 {
     km_server *s = user;
     km_prom_write_family(out, "kvmatch_worker_blocks", "Blocks the index holds per worker.",
                          KM_METRIC_GAUGE);
+    /* One series per worker and state, 1 for the state it is in: a state change moves the 1,
+     * never renames a series (a state label on the blocks would). */
+    static const char *const states[] = {"LIVE", "SYNCING", "GAP", "DEGRADED", "APPROX"};
+    km_text state_samples;
+    km_text_init(&state_samples, 0);
     pthread_mutex_lock(&s->admin_lock);
     uint32_t degraded = 0, ineligible = 0;
     uint64_t gaps = 0, replayed = 0, restarts = 0, lost = 0, events = 0, refused_events = 0,
@@ -255,9 +314,14 @@ static int http_metrics(void *user, km_text *out)
         snprintf(ids, sizeof ids, "%u", id);
         const char *state = km_srv_worker_state(s, id);
         km_metric_label labels[4] = {{"worker", ids}, {"name", w->name}, {"pool", p->name},
-                                     {"state", state}};
+                                     {"state", NULL}};
         if (km_index_worker_stats(p->index, id, &ws) == KM_OK)
-            km_prom_write_sample_u64(out, "kvmatch_worker_blocks", labels, 4, ws.blocks);
+            km_prom_write_sample_u64(out, "kvmatch_worker_blocks", labels, 3, ws.blocks);
+        for (size_t k = 0; k < sizeof states / sizeof states[0]; k++) {
+            labels[3].value = states[k];
+            km_prom_write_sample_u64(&state_samples, "kvmatch_worker_state", labels, 4,
+                                     !strcmp(state, states[k]));
+        }
         pthread_mutex_lock(&s->active_lock);
         ineligible += km_srv_worker_eligibility(s, id, now) != ELIGIBLE;
         pthread_mutex_unlock(&s->active_lock);
@@ -297,6 +361,18 @@ static int http_metrics(void *user, km_text *out)
     }
     worker_refusal_samples(s, out);
     pthread_mutex_unlock(&s->admin_lock);
+    km_prom_write_family(out, "kvmatch_worker_state",
+                         "1 for the index state each worker is in (LIVE, SYNCING, GAP, DEGRADED: "
+                         "fed by KV events; APPROX: approximate mode), 0 for the others.",
+                         KM_METRIC_GAUGE);
+    km_text_append(out, state_samples.data, state_samples.length);
+    km_text_free(&state_samples);
+    km_metric_label build[2] = {{"version", KVMATCH_VERSION}, {"cuda", KM_HAVE_CUDA ? "true" : "false"}};
+    km_prom_write_family(out, "kvmatch_build_info",
+                         "1, labelled with this binary's version and whether it was built with the "
+                         "CUDA backend.", KM_METRIC_GAUGE);
+    km_prom_write_sample_u64(out, "kvmatch_build_info", build, 2, 1);
+    write_process_metrics(out, s);
     struct {
         const char *name, *help;
         km_metric_type type;
@@ -381,6 +457,10 @@ static int http_metrics(void *user, km_text *out)
          KM_METRIC_COUNTER, rc.invalid},
         {"kvmatch_records_pending", "Records taken, not yet written, failed or invalid.",
          KM_METRIC_GAUGE, rc.pending},
+        {"kvmatch_records_failing",
+         "1 while the records writer's last write failed (records are being lost; /readyz is "
+         "503), else 0.",
+         KM_METRIC_GAUGE, rc.failing},
         {"kvmatch_records_bytes_total", "Bytes written to the records files.", KM_METRIC_COUNTER,
          rc.bytes},
         {"kvmatch_records_rotations_total", "Records files rotated.", KM_METRIC_COUNTER,
