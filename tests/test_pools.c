@@ -260,7 +260,7 @@ Test(pools, cli_remove_pool, .timeout = 60)
         cr_assert(WIFEXITED(status));
         if (attempt == 0) {
             cr_assert_eq(WEXITSTATUS(status), 0, "%s", out);
-            cr_assert(strstr(out, "\"KM_OK\""), "%s", out);
+            cr_assert(strstr(out, "\"status\":0"), "%s", out);
         } else {
             cr_assert_eq(WEXITSTATUS(status), 1, "%s", out);
             cr_assert(strstr(out, "KM_ERR_NOT_FOUND") && strstr(out, "no pool by-cli"), "%s", out);

@@ -1424,9 +1424,27 @@ Test(server, overload_is_shed_with_an_answer_and_counted, .timeout = 60)
     cr_log_info("flood of %d routes: %" PRIu64 " decided, %" PRIu64 " shed past the deadline, %"
                 PRIu64 " refused by the connection budget", FRAMES * PER_FRAME, decided,
                 shed_wait, refused_routes);
-    /* the connection that was refused is still served */
-    km_route_request again = token_route("after", 0, 8 * BS);
-    cr_assert_eq(route_one(flood, &again, &reply)->status, KM_OK);
+    /* the connection that was refused is still served: a lone route is decided (on a busy machine
+     * its own queue wait may pass the 1 ms deadline; it is then shed with an answer, and retried) */
+    bool served = false;
+    for (int attempt = 0; attempt < 100 && !served; attempt++) {
+        char id[32];
+        snprintf(id, sizeof id, "after-%d", attempt);
+        km_route_request again = token_route(id, 0, 8 * BS);
+        uint64_t again_id;
+        cr_assert_eq(km_client_send_route(flood, &again, 1, 10000, &again_id), KM_OK);
+        cr_assert_eq(km_client_wait(flood, again_id, 20000, &reply), KM_OK);
+        if (reply.type == KM_MESSAGE_ERROR) {
+            cr_assert(reply.error.code == KM_ERR_OVERLOADED &&
+                          strstr(reply.error.message, "max_queue_wait_ms"),
+                      "%s", reply.error.message);
+            km_test_sleep_ms(10);
+            continue;
+        }
+        cr_assert_eq(reply.decision.decisions[0].status, KM_OK);
+        served = true;
+    }
+    cr_assert(served, "a lone route on the refused connection was never decided");
     km_client_close(flood);
     km_client_close(light);
     srv_stop(&s);
@@ -1762,7 +1780,7 @@ Test(server, memory_cap_refusals_are_visible_and_logged_sparingly, .timeout = 60
     json_t *w = json_array_get(json_object_get(st, "workers"), 0);
     json_int_t cap_refused =
         json_integer_value(json_object_get(json_object_get(w, "dropped_messages"), "memory_cap"));
-    json_int_t refused_events = json_integer_value(json_object_get(w, "refused_events"));
+    json_int_t refused_events = json_integer_value(json_object_get(w, "index_refused_events"));
     cr_assert_gt(cap_refused, 0, "no refusal shown in /status");
     cr_assert_eq(refused_events, cap_refused, "one event per refused message");
     cr_assert_str_eq(json_string_value(json_object_get(w, "state")), "DEGRADED");

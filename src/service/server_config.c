@@ -484,8 +484,9 @@ int km_server_config_load_json(const char *path, km_server_config *target, km_se
     static const char *const snapshot_keys[] = {"dir", "interval_ms", NULL};
     static const char *const index_keys[] = {"max_workers", "threads", "memory_cap_bytes",
                                              "initial_blocks", "backend", NULL};
-    static const char *const scheduler_keys[] = {"max_batch_routes", "max_queued_routes",
-                                                 "inline_routes", NULL};
+    static const char *const scheduler_keys[] = {"max_batch_routes",  "max_queued_routes",
+                                                 "max_queue_wait_ms", "max_connection_routes",
+                                                 "inline_routes",     NULL};
     static const char *const limits_keys[] = {"max_frame_bytes", "max_objects", "max_batch_items",
                                               "max_tokens_per_route", "max_hashes_per_route",
                                               "max_candidates", "max_string_bytes", NULL};
