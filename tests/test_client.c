@@ -936,7 +936,7 @@ static void real_start(real_server *r, km_server_worker *workers, uint32_t n_wor
     snprintf(r->sock, sizeof r->sock, "%s/s.sock", r->dir);
     snprintf(r->address, sizeof r->address, "unix:%s", r->sock);
     for (uint32_t i = 0; i < n_workers; i++)
-        workers[i] = (km_server_worker){i, NULL, NULL, NULL};
+        workers[i] = (km_server_worker){.id = i};
     r->pool = (km_server_pool){.name = "main", .block_size = 4, .workers = workers,
                                .n_workers = n_workers};
     km_policy_config_init(&r->pool.policy);

@@ -780,6 +780,38 @@ Test(feed, lookahead_hashing_follows_the_engines_hit_rule, .timeout = 10)
     fx_free(&f);
 }
 
+/* indexed_seq never runs ahead of the index: while a message's updates wait for the flush, it
+ * stays where the last flush left it. */
+Test(feed, indexed_seq_waits_for_the_flush, .timeout = 10)
+{
+    fx f;
+    fx_init(&f);
+    fx_add(&f, 0, false);
+    fx_flush(&f);
+    uint32_t tokens[2 * BS];
+    for (uint32_t i = 0; i < 2 * BS; i++)
+        tokens[i] = 3 + i;
+    uint64_t eh[2] = {81, 82};
+    km_test_batch_stored(&f.batch, eh, 1, false, 0, tokens, BS, NULL, NULL);
+    uint64_t first = fx_keep(&f);
+    km_test_batch_stored(&f.batch, eh + 1, 1, true, eh[0], tokens + BS, BS, NULL, NULL);
+    fx_keep(&f);
+    fx_live(&f, 0, first);
+    km_feed_worker_info info = fx_info(&f, 0);
+    cr_assert(info.has_expected_seq && info.expected_seq == first + 1);
+    cr_assert_not(info.has_indexed_seq, "seq 0's blocks are not in the index yet");
+    fx_flush(&f);
+    info = fx_info(&f, 0);
+    cr_assert(info.has_indexed_seq && info.indexed_seq == first + 1);
+    fx_live(&f, 0, first + 1);
+    info = fx_info(&f, 0);
+    cr_assert_eq(info.expected_seq, first + 2);
+    cr_assert_eq(info.indexed_seq, first + 1);
+    fx_flush(&f);
+    cr_assert_eq(fx_info(&f, 0).indexed_seq, first + 2);
+    fx_free(&f);
+}
+
 /* Build a BlockStored with extra_keys flags directly (the helper's payloads carry none). */
 Test(feed, extra_keys_policy, .timeout = 10)
 {

@@ -89,7 +89,7 @@ static void test_config(km_server_config *cfg, srv *s, km_policy_kind policy, ui
     km_policy_config_init(&g_pool.policy);
     g_pool.policy.kind = policy;
     for (uint32_t i = 0; i < n_approx; i++)
-        g_workers[i] = (km_server_worker){i, NULL, NULL, NULL};
+        g_workers[i] = (km_server_worker){.id = i};
     g_pool.workers = g_workers;
     g_pool.n_workers = n_approx;
     cfg->pools = &g_pool;
@@ -538,8 +538,8 @@ Test(server, events_pool_scores_observed_blocks, .timeout = 30)
     km_server_config cfg;
     test_config(&cfg, &s, KM_POLICY_KV, 0);
     km_server_worker ws[2] = {{5, "engine-a", km_test_publisher_endpoint(pub),
-                               km_test_publisher_replay_endpoint(pub)},
-                              {6, "approx-b", NULL, NULL}};
+                               km_test_publisher_replay_endpoint(pub), false, 0},
+                              {6, "approx-b", NULL, NULL, false, 0}};
     g_pool.workers = ws;
     g_pool.n_workers = 2;
     char http[] = "127.0.0.1:0";
@@ -1655,8 +1655,8 @@ Test(server, local_event_workers, .timeout = 30)
     srv s = {0};
     km_server_config cfg;
     test_config(&cfg, &s, KM_POLICY_PREFIX, 0);
-    km_server_worker ws[2] = {{0, "e0", KM_SERVER_LOCAL_EVENTS, NULL},
-                              {1, "e1", KM_SERVER_LOCAL_EVENTS, NULL}};
+    km_server_worker ws[2] = {{0, "e0", KM_SERVER_LOCAL_EVENTS, NULL, false, 0},
+                              {1, "e1", KM_SERVER_LOCAL_EVENTS, NULL, false, 0}};
     g_pool.workers = ws;
     g_pool.n_workers = 2;
     srv_start(&s, &cfg);
@@ -1806,8 +1806,23 @@ Test(server, memory_cap_refusals_are_visible_and_logged_sparingly, .timeout = 60
     srv_cleanup(&s);
 }
 
+/* The startup line, kept for the test that reads it. */
+static pthread_mutex_t g_serving_lock = PTHREAD_MUTEX_INITIALIZER;
+static char g_serving[512];
+
+static void serving_log(void *user, const char *line)
+{
+    quiet_log(user, line);
+    if (!strstr(line, "serving on"))
+        return;
+    pthread_mutex_lock(&g_serving_lock);
+    snprintf(g_serving, sizeof g_serving, "%s", line);
+    pthread_mutex_unlock(&g_serving_lock);
+}
+
 /* Refused events are visible to an operator: a worker whose engine runs another block size is
- * flagged in /status, /metrics and readiness; other refusals are counted by reason. */
+ * flagged in /status, /metrics and readiness; other refusals are counted by reason. The startup
+ * line names the HTTP address as bound. */
 Test(server, refused_events_are_shown_per_worker_and_reason, .timeout = 30)
 {
     srv s = {0};
@@ -1815,11 +1830,23 @@ Test(server, refused_events_are_shown_per_worker_and_reason, .timeout = 30)
     test_config(&cfg, &s, KM_POLICY_PREFIX, 0);
     char http[] = "127.0.0.1:0";
     cfg.http = http;
-    km_server_worker ws[2] = {{0, "e0", KM_SERVER_LOCAL_EVENTS, NULL},
-                              {1, "e1", KM_SERVER_LOCAL_EVENTS, NULL}};
+    cfg.log = serving_log;
+    km_server_worker ws[2] = {{0, "e0", KM_SERVER_LOCAL_EVENTS, NULL, false, 0},
+                              {1, "e1", KM_SERVER_LOCAL_EVENTS, NULL, false, 0}};
     g_pool.workers = ws;
     g_pool.n_workers = 2;
     srv_start(&s, &cfg);
+    char bound[64];
+    snprintf(bound, sizeof bound, "http on 127.0.0.1:%u", km_server_http_port(s.server));
+    bool named = false;
+    for (int tries = 0; tries < 200 && !named; tries++) { /* logged by the serving thread */
+        pthread_mutex_lock(&g_serving_lock);
+        named = strstr(g_serving, bound) != NULL;
+        pthread_mutex_unlock(&g_serving_lock);
+        if (!named)
+            km_test_sleep_ms(10);
+    }
+    cr_assert(named, "startup line \"%s\" lacks \"%s\"", g_serving, bound);
     for (uint32_t i = 0; i < 4 * BS; i++)
         g_tokens[i] = 9000 + i;
     uint64_t eh[2] = {31, 32};
@@ -2172,7 +2199,7 @@ Test(server, a_mixed_pool_labels_a_prediction_by_where_its_depths_come_from, .ti
     srv s = {0};
     km_server_config cfg;
     test_config(&cfg, &s, KM_POLICY_LEAST_LOAD, 0);
-    km_server_worker ws[2] = {{0, "a0", NULL, NULL}, {1, "e1", KM_SERVER_LOCAL_EVENTS, NULL}};
+    km_server_worker ws[2] = {{0, "a0", NULL, NULL, false, 0}, {1, "e1", KM_SERVER_LOCAL_EVENTS, NULL, false, 0}};
     g_pool.workers = ws;
     g_pool.n_workers = 2;
     srv_start(&s, &cfg);
@@ -2399,7 +2426,7 @@ Test(server, a_drain_timeout_drops_queued_routes_and_frees_their_connection, .ti
     test_config(&cfg, &s, KM_POLICY_KV, 0);
     static km_server_worker ws[1024]; /* many candidates: a decision costs far more than reading it */
     for (uint32_t i = 0; i < 1024; i++)
-        ws[i] = (km_server_worker){i, NULL, NULL, NULL};
+        ws[i] = (km_server_worker){.id = i};
     g_pool.workers = ws;
     g_pool.n_workers = 1024;
     cfg.max_workers = 1024;

@@ -118,6 +118,10 @@ Test(server_config, documented_example_loads_with_every_value, .timeout = 10)
     cr_assert_str_eq(llama->workers[1].event_endpoint, "tcp://10.0.0.6:5557");
     cr_assert_eq(llama->workers[2].id, 3);
     cr_assert_str_eq(llama->workers[2].name, "b/dp1");
+    /* dp_size names each rank's dp_rank (shown in /status); a lone engine has none. */
+    cr_assert_not(llama->workers[0].has_dp_rank);
+    cr_assert(llama->workers[1].has_dp_rank && llama->workers[1].dp_rank == 0);
+    cr_assert(llama->workers[2].has_dp_rank && llama->workers[2].dp_rank == 1);
     cr_assert_str_eq(llama->workers[2].event_endpoint, "tcp://10.0.0.6:5558");
     cr_assert_str_eq(small->name, "small");
     cr_assert_eq(small->policy.kind, KM_POLICY_CACHE_AWARE);

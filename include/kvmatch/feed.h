@@ -366,6 +366,11 @@ typedef struct km_feed_worker_info {
     bool replay_in_flight;
     bool has_expected_seq;
     uint64_t expected_seq;       /* next seq to apply */
+    /* The next seq to apply as of the last km_feed_flush while updates are queued (else
+     * expected_seq): the index holds every message before it, so a reader comparing it with the
+     * index never sees a seq ahead of its blocks. */
+    bool has_indexed_seq;
+    uint64_t indexed_seq;
     bool has_last_receive;
     uint64_t last_receive_ns;    /* local monotonic time of the last message (live or replay) */
     double last_engine_timestamp; /* ts of the last applied batch, as the engine sent it (another

@@ -45,6 +45,8 @@ typedef struct km_server_worker {
     const char *name;            /* NULL = "w<id>" */
     const char *event_endpoint;  /* ZMQ PUB endpoint; NULL = approximate mode */
     const char *replay_endpoint; /* ZMQ ROUTER replay endpoint; NULL = none */
+    bool has_dp_rank;            /* a data-parallel rank (a config's dp_size names each one) */
+    uint32_t dp_rank;
 } km_server_worker;
 
 typedef struct km_server_pool {

@@ -1078,6 +1078,10 @@ int km_feed_get_worker_info(const km_feed *feed, uint32_t id, km_feed_worker_inf
     out->replay_in_flight = w->replay != REPLAY_NONE;
     out->has_expected_seq = w->has_expected;
     out->expected_seq = w->has_expected ? w->expected : 0;
+    /* With updates queued, the position as of the last flush. */
+    bool queued = feed->group_count > 0;
+    out->has_indexed_seq = queued ? w->has_flushed_expected : w->has_expected;
+    out->indexed_seq = !out->has_indexed_seq ? 0 : queued ? w->flushed_expected : w->expected;
     out->has_last_receive = w->has_last_receive;
     out->last_receive_ns = w->last_receive_ns;
     out->last_engine_timestamp = w->last_engine_timestamp;

@@ -91,6 +91,10 @@ typedef struct worker {
 
     bool has_expected;
     uint64_t expected;
+    /* expected as of the last flush: while updates are queued, info reports this one, so a reader
+     * never sees a seq whose blocks the index does not hold yet. */
+    bool has_flushed_expected;
+    uint64_t flushed_expected;
     bool has_last_live;
     uint64_t last_live;
     bool degraded;

@@ -438,6 +438,17 @@ static void count_applied(km_feed *feed, const queued_group *groups, size_t n)
     }
 }
 
+/* Everything applied so far is in the index (or dropped, its worker DEGRADED): the positions
+ * info reports catch up. */
+static void publish_positions(km_feed *feed)
+{
+    for (uint32_t i = 0; i < feed->n_workers; i++) {
+        worker *w = feed->workers[i];
+        w->has_flushed_expected = w->has_expected;
+        w->flushed_expected = w->expected;
+    }
+}
+
 int km_feed_flush(km_feed *feed, uint64_t now_ns, km_feed_flush_stats *stats)
 {
     km_feed_flush_stats local;
@@ -447,8 +458,10 @@ int km_feed_flush(km_feed *feed, uint64_t now_ns, km_feed_flush_stats *stats)
     if (!feed)
         return KM_ERR_NULL_POINTER;
     feed->last_error[0] = '\0';
-    if (feed->group_count == 0)
+    if (feed->group_count == 0) {
+        publish_positions(feed);
         return KM_OK;
+    }
     if (GROW(feed->scratch, feed->scratch_capacity, feed->queue_count))
         return km_feed_fail(feed, KM_ERR_OUT_OF_MEMORY, "flush scratch");
     for (size_t i = 0; i < feed->queue_count; i++) {
@@ -469,6 +482,7 @@ int km_feed_flush(km_feed *feed, uint64_t now_ns, km_feed_flush_stats *stats)
         stats->groups = feed->group_count;
         stats->index = st;
         queue_reset(feed);
+        publish_positions(feed);
         return KM_OK;
     }
     if (rc != KM_ERR_MEMORY_CAP && rc != KM_ERR_OUT_OF_MEMORY)
@@ -531,5 +545,6 @@ int km_feed_flush(km_feed *feed, uint64_t now_ns, km_feed_flush_stats *stats)
         }
         queue_reset(feed);
     }
+    publish_positions(feed);
     return km_feed_fail(feed, first_error, "%zu message(s) dropped: %s", n_failed, detail);
 }

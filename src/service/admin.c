@@ -26,11 +26,8 @@ static void worker_view(km_server *s, uint32_t id, km_worker_info *out)
     out->has_dp_rank = w->has_dp_rank;
     out->dp_rank = w->dp_rank;
     out->state = km_srv_worker_state(s, id);
-    km_worker_stats ws;
-    if (km_index_worker_stats(p->index, id, &ws) == KM_OK) {
-        out->has_blocks = true;
-        out->blocks = ws.blocks;
-    }
+    /* The feed's position first, then the index: the index then holds at least every message
+     * before the seq reported (a flush in between only adds to it). */
     if (w->events) {
         km_feed_worker_info info;
         if (km_srv_feed_info(s, id, &info) == KM_OK) {
@@ -38,9 +35,14 @@ static void worker_view(km_server *s, uint32_t id, km_worker_info *out)
                 out->has_last_event_age_s = true;
                 out->last_event_age_s = (double)(now_ns() - info.last_receive_ns) / 1e9;
             }
-            out->has_expected_seq = info.has_expected_seq;
-            out->expected_seq = info.expected_seq;
+            out->has_expected_seq = info.has_indexed_seq;
+            out->expected_seq = info.indexed_seq;
         }
+    }
+    km_worker_stats ws;
+    if (km_index_worker_stats(p->index, id, &ws) == KM_OK) {
+        out->has_blocks = true;
+        out->blocks = ws.blocks;
     }
     km_active_load load;
     uint64_t now = now_ns();
@@ -136,12 +138,9 @@ void km_srv_handle_workers(conn *c, const km_message *m)
             if (pi < 0) {
                 rc = km_why(msgs[i], sizeof msgs[i], KM_ERR_NOT_FOUND, "no pool %s", wi->pool);
             } else {
-                km_server_worker w = {wi->worker, wi->name, wi->event_endpoint, wi->replay_endpoint};
+                km_server_worker w = {wi->worker, wi->name, wi->event_endpoint, wi->replay_endpoint,
+                                      wi->has_dp_rank, wi->dp_rank};
                 rc = km_srv_worker_add(s, (uint32_t)pi, &w, msgs[i], sizeof msgs[i]);
-                if (rc == KM_OK) {
-                    s->workers[wi->worker].has_dp_rank = wi->has_dp_rank;
-                    s->workers[wi->worker].dp_rank = wi->dp_rank;
-                }
                 if (rc == KM_OK && wi->has_healthy)
                     km_srv_worker_set_health(s, wi->worker, wi->healthy);
                 if (rc == KM_OK)

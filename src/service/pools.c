@@ -328,6 +328,8 @@ int km_srv_worker_add(km_server *s, uint32_t pool_index, const km_server_worker 
         snprintf(slot->name, sizeof slot->name, "w%u", w->id);
     slot->event_endpoint = w->event_endpoint ? strdup(w->event_endpoint) : NULL;
     slot->replay_endpoint = w->replay_endpoint ? strdup(w->replay_endpoint) : NULL;
+    slot->has_dp_rank = w->has_dp_rank;
+    slot->dp_rank = w->dp_rank;
     return KM_OK;
 }
 

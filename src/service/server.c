@@ -442,9 +442,18 @@ int km_server_run(km_server *s, bool install_signals)
         s->signals_installed = true;
         signal(SIGPIPE, SIG_IGN);
     }
+    /* The HTTP address as bound: a configured port 0 shows the port the system chose. */
+    char http_desc[200] = "";
+    char http_host[128];
+    int http_configured_port;
+    if (s->http_addr && parse_host_port(s->http_addr, http_host, sizeof http_host,
+                                        &http_configured_port) == KM_OK)
+        snprintf(http_desc, sizeof http_desc,
+                 strchr(http_host, ':') ? ", http on [%s]:%u" : ", http on %s:%u", http_host,
+                 s->http_port);
     km_srv_log(s, "serving on %s%s%s%s%s (%u pools)", s->socket_path ? s->socket_path : "",
                s->socket_path && s->tcp ? " and " : "", s->tcp ? "tcp " : "", s->tcp ? s->tcp : "",
-               s->http_addr ? ", http on" : "", s->n_pools);
+               http_desc, s->n_pools);
     /* A peer that closes while its replies are written makes write() raise SIGPIPE, which ends
      * the process unless it is ignored: a program embedding the server (install_signals false)
      * need not ignore it. The signal is directed at the writing thread, this one, so blocking it

@@ -413,6 +413,8 @@ static void read_pool(reader *r, km_server_config_json *o, json_t *jp, uint32_t 
             km_server_worker w = base;
             w.id = (uint32_t)id + rank;
             if (dp > 1) {
+                w.has_dp_rank = true;
+                w.dp_rank = rank;
                 char buf[KM_SUBSCRIBER_ENDPOINT_MAX], name[KM_SERVER_NAME_MAX];
                 snprintf(name, sizeof name, "%s/dp%u", base.name ? base.name : "engine", rank);
                 w.name = keep_string(o, name);

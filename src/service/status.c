@@ -120,14 +120,17 @@ static int http_status(void *user, km_text *out)
         json_object_set_new(jw, "eligible",
                             json_boolean(km_srv_worker_eligibility(s, id, now) == ELIGIBLE));
         pthread_mutex_unlock(&s->active_lock);
+        /* The feed's position first, then the index: the index then holds at least every
+         * message before expected_seq (a flush in between only adds to it). */
+        km_feed_worker_info info;
+        bool fed = w->events && km_srv_feed_info(s, id, &info) == KM_OK;
         km_worker_stats ws;
         if (km_index_worker_stats(p->index, id, &ws) == KM_OK)
             json_object_set_new(jw, "blocks", json_integer((json_int_t)ws.blocks));
-        km_feed_worker_info info;
-        if (w->events && km_srv_feed_info(s, id, &info) == KM_OK) {
+        if (fed) {
             json_object_set_new(jw, "state", json_string(km_feed_state_name(info.state)));
-            json_object_set_new(jw, "expected_seq", info.has_expected_seq
-                                                        ? json_integer((json_int_t)info.expected_seq)
+            json_object_set_new(jw, "expected_seq", info.has_indexed_seq
+                                                        ? json_integer((json_int_t)info.indexed_seq)
                                                         : json_null());
             json_object_set_new(jw, "last_event_age_s",
                                 info.has_last_receive
