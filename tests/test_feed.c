@@ -812,6 +812,46 @@ Test(feed, indexed_seq_waits_for_the_flush, .timeout = 10)
     fx_free(&f);
 }
 
+/* A hybrid model's partial block (vLLM's cache_partial_block: one hash, group_idx, fewer tokens
+ * than a block) is skipped and counted, and does not flag the worker as misconfigured. */
+Test(feed, partial_blocks_of_hybrid_groups_are_skipped, .timeout = 10)
+{
+    fx f;
+    fx_init(&f);
+    fx_add(&f, 0, false);
+    uint32_t tokens[BS] = {1, 2, 3, 4};
+    uint64_t eh[1] = {91};
+    km_kv_event ev;
+    memset(&ev, 0, sizeof ev);
+    ev.kind = KM_KV_EVENT_BLOCK_STORED;
+    ev.block_hashes = eh;
+    ev.n_block_hashes = 1;
+    ev.token_ids = tokens;
+    ev.n_token_ids = BS - 1;
+    ev.block_size = BS - 1;
+    ev.has_group_idx = true;
+    ev.group_idx = 1;
+    km_kv_batch kb;
+    memset(&kb, 0, sizeof kb);
+    kb.events = &ev;
+    kb.n_events = 1;
+    kb.n_payload_events = 1;
+    cr_assert_eq(km_feed_live(f.feed, 0, 0, &kb, f.now++), KM_OK);
+    fx_flush(&f);
+    km_feed_worker_info info = fx_info(&f, 0);
+    cr_assert_eq(info.counters.refused[KM_FEED_REFUSED_PARTIAL_BLOCK], 1);
+    cr_assert_eq(info.counters.refused[KM_FEED_REFUSED_BLOCK_SIZE], 0);
+    cr_assert_not(info.config_refused);
+    cr_assert_eq(info.map_entries, 0);
+    /* Without group_idx the same event is an engine of another block size. */
+    ev.has_group_idx = false;
+    cr_assert_eq(km_feed_live(f.feed, 0, 1, &kb, f.now++), KM_OK);
+    info = fx_info(&f, 0);
+    cr_assert_eq(info.counters.refused[KM_FEED_REFUSED_BLOCK_SIZE], 1);
+    cr_assert(info.config_refused);
+    fx_free(&f);
+}
+
 /* Build a BlockStored with extra_keys flags directly (the helper's payloads carry none). */
 Test(feed, extra_keys_policy, .timeout = 10)
 {

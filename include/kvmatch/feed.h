@@ -278,7 +278,11 @@ void km_feed_pending(const km_feed *feed, uint64_t *updates, uint64_t *hashes);
  *                        byte inside a string field)
  *   lookahead_mismatch   BlockStored whose lookahead tokens per block are not the pool's
  *                        hash_lookahead_tokens: the engine's speculative-decoding setting differs
- *                        from the pool's, a configuration error like block_size_mismatch */
+ *                        from the pool's, a configuration error like block_size_mismatch
+ *   partial_block        BlockStored of one partial block of a KV-cache group (vLLM's
+ *                        cache_partial_block for hybrid models, Mamba align mode: one block hash,
+ *                        group_idx set, fewer tokens than block_size): not a full prefix block,
+ *                        skipped; not a configuration error */
 #define KM_FEED_REFUSAL_LIST(X)                                 \
     X(KM_FEED_REFUSED_BLOCK_SIZE, 0, "block_size_mismatch")     \
     X(KM_FEED_REFUSED_TOKEN_COUNT, 1, "token_count")            \
@@ -287,8 +291,9 @@ void km_feed_pending(const km_feed *feed, uint64_t *updates, uint64_t *hashes);
     X(KM_FEED_REFUSED_UNDECODABLE, 4, "undecodable")            \
     X(KM_FEED_REFUSED_UNKNOWN_MEDIUM, 5, "unknown_medium")      \
     X(KM_FEED_REFUSED_INVALID_EVENT, 6, "invalid_event")        \
-    X(KM_FEED_REFUSED_LOOKAHEAD, 7, "lookahead_mismatch")
-#define KM_FEED_REFUSAL_COUNT 8u
+    X(KM_FEED_REFUSED_LOOKAHEAD, 7, "lookahead_mismatch")       \
+    X(KM_FEED_REFUSED_PARTIAL_BLOCK, 8, "partial_block")
+#define KM_FEED_REFUSAL_COUNT 9u
 
 #define KM_FEED_ENUM_ENTRY(name, value, text) name = value,
 typedef enum km_feed_state { KM_FEED_STATE_LIST(KM_FEED_ENUM_ENTRY) } km_feed_state;

@@ -198,6 +198,14 @@ static bool block_is_opaque(const km_feed *feed, const km_kv_event *e, bool lora
 static void apply_stored(km_feed *feed, worker *w, const km_kv_event *e)
 {
     uint32_t n = e->n_block_hashes;
+    if (n == 1 && e->has_group_idx && e->block_size < feed->config.block_size) {
+        /* A partial prefix entry of a hybrid model's group: lookup metadata for a prefix that
+         * ends inside a block, which no full-block chain names. Skipping it can only make the
+         * index hold less than the engine. */
+        km_feed_count_refusal(w, KM_FEED_REFUSED_PARTIAL_BLOCK, 1,
+                              "BlockStored of a partial block (hybrid model group)");
+        return;
+    }
     if (e->block_size != feed->config.block_size) {
         char example[96];
         snprintf(example, sizeof example, "BlockStored with block_size %u, the pool's is %u",
