@@ -87,7 +87,7 @@ BIN := $(BUILD)/kvmatch
 TEST_BIN := $(BUILD)/kvmatch-tests
 
 .PHONY: all test test-deps asan cuda bench run deps clean fuzz fuzz-build fuzz-bins fuzz-replay \
-        soak install uninstall shared
+        soak install uninstall shared check-engines
 all: $(BIN) $(LIB) $(SHLIB) $(PC)
 shared: $(SHLIB) $(PC)
 
@@ -178,6 +178,12 @@ test-deps:
 test: test-deps
 	$(Q)$(MAKE) --no-print-directory $(BIN) $(TEST_BIN) $(SHLIB) $(PC)
 	$(Q)scripts/run-tests.sh $(TEST_BIN)
+
+# vLLM's and SGLang's own event encoders against the feed (downloads their wheels; not part of
+# make test, which checks the fixtures this writes).
+check-engines:
+	$(Q)$(MAKE) --no-print-directory $(TEST_BIN)
+	$(Q)KM_TESTS=$(TEST_BIN) scripts/check-engines.sh
 
 asan: test-deps
 	$(Q)$(MAKE) --no-print-directory BUILD=build-asan CUDA=0 \
