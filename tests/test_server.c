@@ -1730,7 +1730,7 @@ Test(server, memory_cap_refusals_are_visible_and_logged_sparingly, .timeout = 60
     atomic_store(&g_flush_failure_lines, 0);
     char http[] = "127.0.0.1:0";
     cfg.http = http;
-    km_server_worker ws[1] = {{0, "capped", KM_SERVER_LOCAL_EVENTS, NULL}};
+    km_server_worker ws[1] = {{0, "capped", KM_SERVER_LOCAL_EVENTS, NULL, false, 0}};
     g_pool.workers = ws;
     g_pool.n_workers = 1;
     /* The cap is what the pool's index takes at creation: its block table cannot grow. */
@@ -3419,9 +3419,9 @@ Test(server, a_prompt_being_prefilled_draws_the_same_prompt_to_its_worker, .time
     srv s = {0};
     km_server_config cfg;
     test_config(&cfg, &s, KM_POLICY_TTFT, 0);
-    km_server_worker ws[3] = {{0, "e0", KM_SERVER_LOCAL_EVENTS, NULL},
-                              {1, "e1", KM_SERVER_LOCAL_EVENTS, NULL},
-                              {2, "e2", KM_SERVER_LOCAL_EVENTS, NULL}};
+    km_server_worker ws[3] = {{0, "e0", KM_SERVER_LOCAL_EVENTS, NULL, false, 0},
+                              {1, "e1", KM_SERVER_LOCAL_EVENTS, NULL, false, 0},
+                              {2, "e2", KM_SERVER_LOCAL_EVENTS, NULL, false, 0}};
     g_pool.workers = ws;
     g_pool.n_workers = 3;
     srv_start(&s, &cfg);
