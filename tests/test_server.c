@@ -1383,6 +1383,15 @@ Test(server, overload_is_shed_with_an_answer_and_counted, .timeout = 60)
         }
         cr_assert_eq(km_client_send_route(flood, routes, PER_FRAME, 10000, &msg[f]), KM_OK);
     }
+    /* A frame bigger than the connection's whole budget is refused whatever else is in flight. */
+    static km_route_request big[1100];
+    static char big_ids[1100][24];
+    for (int k = 0; k < 1100; k++) {
+        snprintf(big_ids[k], sizeof big_ids[k], "big-%d", k);
+        big[k] = token_route(big_ids[k], 0, 4 * BS);
+    }
+    uint64_t big_id;
+    cr_assert_eq(km_client_send_route(flood, big, 1100, 10000, &big_id), KM_OK);
     /* the light client is answered while the flood is being shed */
     km_message reply;
     km_route_request lr = token_route("light", 0, 8 * BS);
@@ -1415,15 +1424,19 @@ Test(server, overload_is_shed_with_an_answer_and_counted, .timeout = 60)
         }
     }
     cr_assert_eq(decided + shed_wait + refused_routes, (uint64_t)FRAMES * PER_FRAME);
-    /* 40 frames of 64 pipelined on one connection: past 1,024 routes in flight, refused */
-    cr_assert_gt(refused_frames, 0, "the connection's budget never refused a frame");
+    cr_assert_eq(km_client_wait(flood, big_id, 20000, &reply), KM_OK);
+    cr_assert_eq(reply.type, KM_MESSAGE_ERROR);
+    cr_assert_eq(reply.error.code, KM_ERR_OVERLOADED);
+    cr_assert(strstr(reply.error.message, "max_connection_routes"), "%s", reply.error.message);
+    refused_frames++;
+    refused_routes += 1100;
     km_server_stats st;
     km_server_get_stats(s.server, &st);
     cr_assert_eq(st.routes_shed_connection, refused_routes);
     cr_assert_eq(st.routes_shed_wait, shed_wait + light_shed);
     cr_log_info("flood of %d routes: %" PRIu64 " decided, %" PRIu64 " shed past the deadline, %"
-                PRIu64 " refused by the connection budget", FRAMES * PER_FRAME, decided,
-                shed_wait, refused_routes);
+                PRIu64 " refused by the connection budget (%" PRIu64 " frames)",
+                FRAMES * PER_FRAME + 1100, decided, shed_wait, refused_routes, refused_frames);
     /* the connection that was refused is still served: a lone route is decided (on a busy machine
      * its own queue wait may pass the 1 ms deadline; it is then shed with an answer, and retried) */
     bool served = false;
