@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Internal to bench/: the baseline vtable and the building blocks the three baselines share --
  * accounted allocation, compact worker sets, a u64 -> u64 open-addressing map (per-worker engine-hash
  * lookups), small children tables for tree nodes, and the active-set walk that settles each worker's

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The baselines' public entry points (argument checks, dispatch through km_baseline_ops) and the
  * shared building blocks declared in bench/baseline_impl.h: worker sets, the u64 map and children
  * tables. */

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Baseline placement indexes: single-threaded re-implementations of what today's cache-aware
  * routers use (../shared/reference/peers.md), built to the same answer contract as km_index so the
  * benchmark compares like with like and tests can use them as independent oracles.

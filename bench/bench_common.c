@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Helpers shared by the benchmark subcommands; see bench_common.h. */
 #include "bench_common.h"
 

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Helpers shared by the benchmark subcommands (bench/bench_*.c): timing, medians, rounding for
  * JSON output, a silent index log, and the machine description every result carries. */
 #ifndef KM_BENCH_COMMON_H

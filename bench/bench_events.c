@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* `kvmatch bench events [--json] [--quick] [--trace PATH]`: KV-event ingestion and restart.
  *
  * Workload (generated once, before any timing): the Mooncake conversation trace, each request sent

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* kvmatch bench growth: how long the longest single call takes while a structure grows from empty.
  * A routing service cannot stop for a rehash: every call below is one the scheduler thread makes
  * between two decisions, so its worst case is added to some request's latency.

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* `kvmatch bench index`: scoring throughput of the placement index against faithful re-implementations
  * of today's peers (bench/baselines.h) on the Mooncake conversation trace.
  *

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* `kvmatch bench ipc`: decisions per second and round-trip latency of a real `kvmatch serve`,
  * started by this command as a child process on a temporary Unix socket (CPU backend, records off
  * unless --records), driven over 1, 16 and 128 connections with single-route and batched frames.

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* A fixed-capacity LRU set of 64-bit block keys (bench_lru.h). */
 #include "bench_lru.h"
 

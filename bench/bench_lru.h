@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* A fixed-capacity LRU set of 64-bit block keys for the benchmarks' simulated engine caches
  * (bench events, bench replay): touch moves a key to the front, evict takes the least recent.
  * Keys must be non-zero. Single-threaded. */

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* `kvmatch bench replay`: Dynamo's indexer-benchmark methodology (../shared/reference/peers.md), so
  * figures stand beside its published ones. The Mooncake trace is replayed through a simulated
  * cluster (16 workers, round robin, each an LRU prefix cache of 65,536 16-token blocks, as in

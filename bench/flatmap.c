@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Baseline "flatmap": the llm-d KV cache indexer's scorer (llm-d/llm-d-kv-cache,
  * ../shared/reference/peers.md) over its in-memory index.
  *

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Baseline "radix": NVIDIA Dynamo's RadixTree (lib/kv-router, ../shared/reference/peers.md).
  *
  * Reproduces: one node per block; a node's children are keyed by the child block's *local* hash

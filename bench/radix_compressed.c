@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Baseline "radix_compressed": the Dynamo RadixTree with compressed edges, after Dynamo's current
  * ConcurrentRadixTreeCompressed (lib/kv-router/src/indexer/concurrent_radix_tree_compressed).
  *

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The CUDA backend's vtable: a thin C11 layer over the C-linkage seam (kernels/cuda_seam.h). It
  * describes the index's host tables to the device side (whole at create or after a reallocation,
  * else their dirty-slot lists) and forwards scoring batches; all CUDA work and every CUDA type stay

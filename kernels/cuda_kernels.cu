@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The CUDA backend's device side: a replica of the index's two host tables in device memory, kept
  * equal to them by patches of dirty slots and bitmaps, and batched scoring of requests on it, one
  * warp per request, with the warp walk (src/index/warp_walk.h) whose results are bit-identical to

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The C-linkage seam between the CUDA backend's vtable (kernels/cuda_backend.c, C11) and its device
  * code (kernels/cuda_kernels.cu, CUDA C++). Only plain C types cross it: no cudaStream_t, no
  * cuda_runtime.h, no <<<>>>. Every function returns KM_OK or a negative km_status; a CUDA runtime

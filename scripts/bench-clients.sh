@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # `kvmatch bench ipc` with a row per client language: builds the Go and Rust drivers offline (as
 # scripts/test-clients.sh builds the clients: Debian's toolchains and packaged crates) and the
 # Python one's venv into a temporary directory, then runs

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """Render a benchmark's JSON as its markdown section of docs/BENCHMARKS.md, between the markers
 <!-- NAME:begin --> and <!-- NAME:end --> (stdlib only). NAME is the "benchmark" field of the JSON,
 else the file's name without .json (bench/results/events.json -> events): index, ipc, events,

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """Routing quality across workloads, loads and seeds: `kvmatch sim --sweep` for every built-in
 workload shape and the Mooncake trace (when present), each at three seeds, every policy at loads
 0.5, 0.8 and 0.95 of the cluster's capacity (docs/SIM.md, "Load"). The trace has one arrival

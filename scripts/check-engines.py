@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """Encode KV-event payloads with vLLM's and SGLang's own event classes and encoders, and write them
 with the index content kvmatch must end with (tests/engine_fixtures/*.txt, read by
 tests/test_engine_fixtures.c in `make test`).

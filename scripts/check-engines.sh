@@ -1,4 +1,5 @@
 #!/bin/sh
+# SPDX-License-Identifier: Apache-2.0
 # make check-engines: fetch vLLM's and SGLang's wheels (pip download --no-deps, into the git-ignored
 # .engine-wheels/), encode KV-event scenarios with their own event classes and encoders
 # (scripts/check-engines.py), and check that kvmatch's feed ends with exactly the index the

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Print the linker version script of libkvmatch.so: every function the public headers in DIR
 # (include/kvmatch) declare is global, everything else local, so the shared library's interface is
 # the documented API and nothing of the implementation (km_srv_*, helpers) leaks into it.

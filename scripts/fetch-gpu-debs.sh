@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Download (not install) the Debian packages kvmatch needs to build and run its tests on a machine
 # that has CUDA but none of our libraries and no network: the lent GPU machine. Run it here, where
 # apt works; scripts/gpu-check.sh unpacks the files there with `dpkg -x` into a private prefix.

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """Generate tests/vectors/hash_vectors.txt: block-hash test vectors from a second implementation of
 docs/HASHING.md that shares no code with kvmatch (seeds, byte layout, chaining and remap are
 written again here; XXH3-64 comes from Python's `xxhash` package, which on PyPI bundles its own

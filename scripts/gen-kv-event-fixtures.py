@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """Generate tests/kv_events_vectors/: KV-event payloads and ZMQ frame sequences encoded by msgspec,
 the encoder vLLM and SGLang publish with, using the event struct definitions of successive vLLM
 versions, plus expected.json with what the decoder (include/kvmatch/kv_events.h) must return.

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # The GPU check, for a lent machine with an NVIDIA GPU, nvcc and (ideally) compute-sanitizer but no
 # network and none of our Debian libraries. It passes only when the GPU was really exercised: the
 # CUDA test suite ran with KM_REQUIRE_CUDA=1 (a missing or unusable device fails it, naming the

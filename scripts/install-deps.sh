@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Make sure what kvmatch needs is present, installing only the Debian packages that are missing.
 #   scripts/install-deps.sh          what `make` and `make run` need: a C compiler, pkg-config and
 #                                    the libraries (found through pkg-config)

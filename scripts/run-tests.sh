@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Run the Criterion test binary with a bounded time. Prints every line but the per-test RUN/PASS
 # noise: failures, assertion messages and each skipped test with its reason ([SKIP] lines: CUDA
 # tests without a usable device, trace tests without the trace), then the skip count, then the

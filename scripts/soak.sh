@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # `make soak`: a bounded soak of a real `kvmatch serve` (docs/RELIABILITY.md). For SOAK_SECONDS
 # (default 180) it runs, against one server: `kvmatch sim --zmq --connect` rounds (each adds its own
 # pool with event-fed engines and full lifecycles, routes, reports, and removes the pool), and

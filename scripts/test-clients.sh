@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Build and test one client of `kvmatch serve` against the real daemon: python, go or rust.
 #   scripts/test-clients.sh LANGUAGE [KVMATCH_BINARY]
 # Exits 0 when the client's tests pass, 77 when the toolchain or a Debian package it needs is

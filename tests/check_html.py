@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """Check a `kvmatch analyze --html` report (python3 stdlib only).
 
 usage: check_html.py REPORT.html [--expect-svg N] [--dom DUMPED_DOM.html]

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """Check kvmatch's dependency rules: which part of the tree may include which.
 
 usage: check_layers.py [ROOT]          check the tree at ROOT (default: this repository)

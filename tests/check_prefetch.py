@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """Check that the compiler kept the software prefetches of the hot paths.
 
 GCC 12 finds a function whose only effects are __builtin_prefetch calls "const" and deletes the

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """Validate kvmatch records files (JSONL) against docs/records.schema.json.
 
 usage: check_records.py [--schema FILE] [--require-links] FILE...

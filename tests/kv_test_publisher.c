@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Test-only helpers: payload builder, simulated engine, index comparison and the ZMQ test
  * publisher (see kv_test_publisher.h). The publisher's live socket is used only by the test thread
  * that publishes; its replay ROUTER only by the publisher's own thread; the replay buffer, the log

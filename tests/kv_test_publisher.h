@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Test-only helpers for the KV-event feed and subscriber suites (compiled into the test binary):
  *
  *  - km_test_batch: builds one msgpack payload `[ts, events, data_parallel_rank]` exactly as vLLM's

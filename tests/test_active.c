@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Active work (include/kvmatch/active.h) and approximate mode (include/kvmatch/approx.h).
  *
  * Suite `active`: each lifecycle step's exact load numbers, corrections by engine-reported cached

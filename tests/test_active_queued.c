@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Queued prefixes of active work (km_active_queue_blocks, km_active_queued_depth in
  * include/kvmatch/active.h).
  *

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Routing analysis (src/analyze/analyze.h): record sets built here with jansson, each with answers known in
  * advance: every metric of a hand-built set (reuse, owner vs chosen and its cost, stale and approx
  * predictions, outcome kinds with HTTP 200 streams that did not finish, TTFT, recovery windows),

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* km_array_grow (src/base/array.h): doubling from the minimum, content kept, no change when there
  * is room, and a size that would overflow refused before anything is allocated. */
 #include <stdint.h>

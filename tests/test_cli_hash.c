@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* `kvmatch hash`: reads token ids from stdin (separated by spaces, commas or newlines) and prints
  * one line per full block, `<block index> <local hash, 16 hex> <chain hash, 16 hex>`, equal to the
  * library's hashing. Bad input exits non-zero with a message on stderr that names the problem.

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* `kvmatch route`: a bad option value or input word exits 2 with a message naming it, before any
  * connection (so the answer does not depend on a server being up), and the numbers it sends are
  * the decimal ones it was given. The binary is $KM_BIN, else build/kvmatch; a small fake server in

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The C client library (include/kvmatch/client.h) against a small fake server run in a thread of
  * the test: it accepts on a temporary Unix socket under /tmp (or TCP on 127.0.0.1), reads frames
  * with the protocol's own reader and decoder, and answers with DECISIONs computed from the

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The Python, Go and Rust clients (clients/) against a real `kvmatch serve`: each test runs
  * scripts/test-clients.sh for one language, which builds the client offline and runs its own tests
  * (they start the daemon, $KM_BIN, on a Unix socket in a temporary directory). A language whose

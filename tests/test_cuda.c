@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The CUDA backend against the CPU backend: the same updates go to one index
  * of each kind, and every scoring batch must come back identical bit for bit (the CPU side is also
  * checked against the brute-force oracle). Random workloads for every segment size at 8 and 1000

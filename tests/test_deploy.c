@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* What an operator meets on a first deployment: start-up errors that name the bad setting and
  * never abort (a TCP address that is not loopback or not HOST:PORT, a socket path the kernel would
  * cut or cannot reach, a records file that cannot be written), records lost at run time made

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Payloads encoded by vLLM's and SGLang's own event classes and msgspec encoders
  * (tests/engine_fixtures/, written by scripts/check-engines.py from the engines' wheels, with the
  * expected index content computed in Python from docs/HASHING.md): decoded, fed to a worker from

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The engine model (include/kvmatch/engine_model.h): each preset reproduces the published figures
  * it was calibrated on (docs/SIM_ENGINE.md, "Presets"), the step formula's known answers, and the
  * predicted time to first token against a step-by-step replay of the same queue, plus its

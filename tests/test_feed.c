@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The event feed (include/kvmatch/feed.h) without sockets: payloads built by the test helper in
  * every encoding, decoded by the real decoder, handed to the feed with a synthetic clock. Covers
  * chain hashing (HASHING.md, LoRA, bytes vs int hashes, parents), removals and tiers, the

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Block hashing (include/kvmatch/hash.h) against vectors from an independent implementation
  * (scripts/gen-hash-vectors.py, Python xxhash), plus the algebra the index relies on: continuing
  * a sequence equals hashing it whole, what salt and LoRA change, the reserved-value remap, errors.

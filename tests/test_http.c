@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Metrics (include/kvmatch/metrics.h) and the HTTP probe/scrape server (src/service/http.h).
  *
  * Suite `metrics`: the exposition text checked line by line (family headers, cumulative buckets,

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Index operations through the public API (include/kvmatch/index.h): lifecycle and config
  * validation, store / remove / holders / counters, error paths that must leave the content
  * unchanged (worker range, NULL pointers, the memory cap, mixed batches: all or nothing), clears,

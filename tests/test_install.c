@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* `make install` as a packager or an operator uses it: into a temporary prefix (and a DESTDIR), a
  * program built against the installed library with pkg-config alone, the shared library's soname
  * and its exported symbols (the public API, nothing of the implementation), the man pages, the

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The KV-event wire decoder (include/kvmatch/kv_events.h) against payloads built here with
  * msgpack-c's packer, covering every shape the publishers send (positional and map events,
  * omitted trailing defaults, unknown fields and types, int / negative / bytes hashes, both replay

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The dependency rules (stated in tests/check_layers.py and docs/ARCHITECTURE.md, "Dependency
  * rules"): the tree obeys them, and the checker finds a violation of every kind it knows, each
  * planted in a copy of the tree, exactly where it was planted and nothing else. */

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The logger (include/kvmatch/log.h): every line has a UTC timestamp, a level and a component, as
  * text or as one JSON object; lines of one shape beyond the burst are left out and counted; a
  * reopen after a rotation writes to the new file. */

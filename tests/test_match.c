@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Scoring (km_index_match_batch) against the brute-force oracle of tests/test_util.c, on fresh
  * random inputs every run (seed printed on failure; replay with KM_TEST_SEED=...): prefix trees
  * of token sequences, workers storing runs (continuations, orphans, out of order, duplicates,

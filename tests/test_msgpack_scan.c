@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The bounded msgpack pre-scan (src/base/msgpack_scan.h): each violation with its status, fields
  * and sentence; then properties on fresh random inputs (valid values in every encoding, and those
  * values cut, corrupted and padded, and plain random bytes): the scanner's verdict equals a

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Decision policies (include/kvmatch/policy.h): expected choices on hand-built cases for every
  * policy ("best match on A under the threshold, B chosen", tie breaks, the imbalance
  * thresholds exactly at and just over, tier weights changing the choice), bad input, and property

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The policies that reproduce peers' routers beyond kv and cache_aware, and kvmatch's own:
  * llmd (llm-d's precise prefix-cache scorer with its queue and KV-utilization scorers), preble
  * (Preble's E2) and ttft (the lowest predicted time to first token plus the prefill work a choice

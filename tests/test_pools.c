@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Pool lifetime in the routing service (docs/PROTOCOL.md "POOLS", docs/RELIABILITY.md): POOLS
  * remove ends a pool's workers and releases everything it holds (index, event subscriber with its
  * I/O thread, ZMQ context and sockets, snapshot file). A server that adds and removes event-fed

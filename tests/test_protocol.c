@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The wire protocol (include/kvmatch/protocol.h, docs/PROTOCOL.md): random round trips of every
  * message type through the encoder, the frame reader and the decoder (compared field by field,
  * and re-encoded byte for byte); the frame reader under random chunkings; and the error cases:

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """The pure-Python client (clients/python/kvmatch_client.py) against a fake server written here:
 a thread accepting on a temporary Unix socket under /tmp (and on 127.0.0.1 for TCP) that speaks
 the framing of docs/PROTOCOL.md and answers with DECISIONs computed from each request, holding

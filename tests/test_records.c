@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Linked decision and outcome records (include/kvmatch/records.h): formatting round trips on random
  * records (every field parsed back with jansson and compared, nulls and escapes included), the
  * brief's case (best match on A, B chosen, both in the record), every bad field rejected with a

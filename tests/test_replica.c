@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The index's side of the device-replica protocol, without a GPU. `mirror` below is a backend that
  * keeps the CUDA backend's contract (kernels/cuda_backend.c, kernels/) on the host: one array per
  * table, uploaded whole at create and whenever a table's layout_changed, else patched from the

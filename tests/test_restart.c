@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Restart of kvmatch (docs/EVENTS.md, "Restart of kvmatch"): the feed state in the snapshot
  * (km_feed_export_state / import / save / restore) and the subscriber's restore_path, against the
  * C test publisher (tests/kv_test_publisher.c), loopback only, every test bounded in time.

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Cache salt and other extra keys (docs/EVENTS.md, "Cache salt and other extra keys"): the decoder
  * reads each BlockStored block's extra_keys entry the way vLLM builds it (LoRA keys, multimodal
  * keys, the salt on a request's first block, prompt-embedding digests), recovers the salt, flags

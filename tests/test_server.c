@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The routing service (include/kvmatch/server.h) end to end: a real server in this process on a
  * temporary Unix socket, driven by the C client library (and raw sockets for bad input). Covers the
  * handshake, routing in approximate and event-fed pools, the "best match under the

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The service's JSON configuration file (km_server_config_load_json, docs/SERVICE.md): the
  * documented example, read from docs/SERVICE.md itself, loads with every value it shows; files
  * that are not JSON, hold a field of the wrong type or a value out of range, or cannot be read are

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* `kvmatch sim` (src/sim/sim.h) end to end on small workloads: deterministic per seed and identical
  * whether the engines' events reach kvmatch in process or over ZMQ through the real subscriber;
  * exact predictions when events are delivered as they happen; a lag (only) where a vLLM-like

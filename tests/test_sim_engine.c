@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The simulated engine (src/sim/engine.h): LRU order (a request's tail before its head, oldest
  * first), capacity and admission errors, hit accounting with vLLM's full-prompt rule, reference
  * counts, concurrent prefills of equal content, restart, the time model and the step scheduler,

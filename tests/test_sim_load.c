@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* `kvmatch sim` at loads relative to the cluster's capacity (docs/SIM.md, "Load"): the capacity
  * is what round robin can serve, so at half of it round robin serves what it is offered, at 1.0 it
  * runs at saturation, and at twice it cannot serve more than the capacity; a sweep is

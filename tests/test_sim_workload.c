@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The simulator's built-in workloads (src/sim/workload.h): deterministic per seed, each shape with
  * the sharing it promises (shared prefixes, sessions whose turns extend each other, bounded
  * prompts), chain hashes that share exactly the tokens the ids share, and workload statistics

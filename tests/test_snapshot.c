@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Snapshots (km_index_save / km_index_load): a random workload is saved and loaded into a fresh
  * index, which must then equal the oracle in everything observable, and keep equalling it while
  * both receive more random updates (the rebuilt anchor lists must invalidate segment keys as the

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The ZMQ subscriber (include/kvmatch/subscriber.h) against the C test publisher
  * (tests/kv_test_publisher.c), loopback only, ephemeral ports, every test bounded in time.
  * Scenarios from the issue: normal flow; both event encodings; int and bytes hashes; both replay

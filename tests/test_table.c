@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The host hash table (src/index/host_table.c), the bookkeeping map (src/base/u64_map.c) and the feed's engine-hash
  * map (src/events/engine_hash_map.c) under churn and growth, against a brute-force oracle: backward-shift deletion
  * keeps every key reachable from its home slot, leaves no tombstone, never rehashes a table whose

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Storage tiers (index.h km_tier, docs/EVENTS.md "Storage tiers"): every (block, worker) pair has
  * a best tier; scoring splits each worker's matched prefix into device / host / disk blocks.
  * Covered: random update batches with tiers (STORE with a tier, SET_TIER, REMOVE, CLEAR) against

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The Mooncake trace loader (src/sim/trace.h) on bad input: every malformed, out-of-range or oversize
  * file fails with an error code and a message naming the line (and the field), reads no more of
  * an oversize line than the limit allows, and never yields a trace the simulator would replay

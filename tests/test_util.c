@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Helpers for the test suites (see tests/test_util.h): seeds, the brute-force oracle, random
  * workloads and result comparison. Deliberately simple and independent of the library's tables:
  * the oracle is a map from chain hash to a sorted list of holders, and a request's depth for a

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Shared helpers for the Criterion suites: a replayable random source, the brute-force placement
  * oracle the index is checked against (the CPU backend is checked against
  * brute force, and every other backend against the CPU backend), a random workload generator

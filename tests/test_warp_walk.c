@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The CUDA scoring kernel's per-lane logic (src/index/warp_walk.h), run on the host by the warp
  * emulator (tests/warp_emulator.h: 32 lanes stepped together, ballot and shuffle emulated), against
  * the CPU backend: for every request, the entry list, owner, owner depth and lookup count must be

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The warp emulator (tests/warp_emulator.h): 32 ucontext stacks and a scheduler that resumes each
  * waiting lane in turn, round after round. A round's values are copied aside once all 32 lanes have
  * posted, so a lane that runs on to its next collective cannot overwrite a value another lane has

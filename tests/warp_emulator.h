@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* A host emulation of one 32-lane warp, for code written against src/index/warp_walk.h: the lane
  * function runs 32 times, once per lane, each on its own stack, and the lanes are stepped together:
  * every lane runs until it reaches a collective (km_lane_ballot, km_lane_shfl) or returns; when all

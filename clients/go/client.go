@@ -1,3 +1,5 @@
+// SPDX-License-Identifier: Apache-2.0
+
 // Package kvmatch is a client of `kvmatch serve` (docs/PROTOCOL.md), the placement index and
 // decision engine a router asks which engine replica should serve a request.
 //

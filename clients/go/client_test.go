@@ -1,3 +1,5 @@
+// SPDX-License-Identifier: Apache-2.0
+
 package kvmatch
 
 // The client against a real `kvmatch serve` ($KM_BIN, else build/kvmatch or build-cpu/kvmatch)

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """Example: route a request through `kvmatch serve`, report its lifecycle, and pipeline a few more.
 
     python example.py [ADDRESS [POOL]]

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Pure-Python client of `kvmatch serve` (docs/PROTOCOL.md), on the standard library's socket
 module and python3-msgpack.
 

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Active work: the load each worker carries, as THIS kvmatch instance saw it.
  *
  * Every routing decision begins an entry keyed by (request id, attempt id); the router's lifecycle

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Approximate mode: the placement index of a pool without KV event sources, learned from this
  * instance's own decisions.
  *

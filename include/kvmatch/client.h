@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* C client of `kvmatch serve` (docs/PROTOCOL.md): connect + handshake, blocking calls, and a
  * pipelined API for many requests in flight on one connection.
  *

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* A model of one inference engine's speed and memory: what a step of vLLM v1's scheduler costs,
  * how many tokens a step may schedule, how many KV blocks the engine has, and, from those, how
  * long a request would wait for its first token on a worker in a given state.

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* kvmatch error codes: one enum for the whole library, 0 = success, negative = failure.
  * The list is an X-macro so km_strerror() and km_error_name() can never drift from it. */
 #ifndef KVMATCH_ERROR_H

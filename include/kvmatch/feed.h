@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The event feed: turns the workers' decoded KV events into placement-index updates, and checks
  * each worker's event stream at the break (docs/EVENTS.md, "The feed").
  *

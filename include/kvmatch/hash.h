@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Block hashing, exactly as defined in docs/HASHING.md.
  *
  * Tokens are u32. A token sequence splits into full blocks of block_size tokens; a partial tail

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The placement index: which workers hold which blocks, and batched prefix-overlap scoring.
  *
  * Keys are chain hashes (include/kvmatch/hash.h): a chain hash names a block together with its

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Decoder for the KV-cache events that vLLM and SGLang workers publish over ZMQ
  * (docs/EVENTS.md; the wire format is vLLM's `vllm/distributed/kv_events.py`).
  *

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* kvmatch: placement index and decision engine for cache-aware LLM routing. Umbrella header. */
 #ifndef KVMATCH_H
 #define KVMATCH_H

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Logging.
  *
  * The log callback the handles' configs take (index, feed, subscriber, records writer, server):

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Metrics: counters, gauges and fixed-bucket histograms that many threads update without locks
  * (C11 atomics, relaxed order), kept in a registry that renders them in the Prometheus text
  * exposition format 0.0.4 (https://prometheus.io/docs/instrumenting/exposition_formats/), plus a

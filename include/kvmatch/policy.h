@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Decision policies: given the scored candidates of one request (each worker's matched prefix,
  * split by storage tier, and the load this kvmatch instance sees on it), pick the worker.
  *

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The wire protocol between routers and `kvmatch serve` (docs/PROTOCOL.md): framing, and the
  * conversion of every message between C structs and msgpack.
  *

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* A KV-event publisher that speaks vLLM's ZmqEventPublisher wire format (docs/EVENTS.md): live
  * messages [topic, seq (8 bytes big-endian), payload] on a PUB socket, and a ROUTER replay endpoint
  * answering [identity, empty, start_seq] with every buffered message from start_seq on, then the

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Linked decision and outcome records (docs/RECORDS.md, schema docs/records.schema.json).
  *
  * Every routing decision leaves one JSON line (a decision record) and every attempt's end one more

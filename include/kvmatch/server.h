@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The routing service (`kvmatch serve`; docs/SERVICE.md, docs/PROTOCOL.md): routers connect over a
  * Unix socket (and optionally loopback TCP), send ROUTE frames and lifecycle reports, and get
  * DECISION frames back. Requests from every connection join one queue; a scheduler thread scores

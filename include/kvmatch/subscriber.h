@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The KV-event subscriber: the ZMQ transport that feeds a km_feed from the workers' own event
  * streams (vLLM / SGLang ZmqEventPublisher; docs/EVENTS.md, "The subscriber").
  *

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* km_text, the growing string that kvmatch's text writers build their output in piece by piece
  * (Prometheus exposition, analysis reports): a base type with no dependency but the error codes. */
 #ifndef KVMATCH_TEXT_H

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The analysis handle (src/analyze/analyze.h, docs/ANALYZE.md): lifecycle, last error, the
  * problem lists, and the interned strings every part of the analysis names things by. Reading and
  * joining the records is join.c, the metrics metrics.c, the reports render_text.c, render_json.c

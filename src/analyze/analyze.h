@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Routing analysis over linked decision and outcome records (docs/ANALYZE.md, docs/RECORDS.md).
  *
  * `kvmatch analyze` and the simulator's reports use this: it streams one or more JSONL record files,

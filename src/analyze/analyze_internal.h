@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Internal to the analyzer (src/analyze/): the analysis handle, the compact point kept per
  * decision or outcome, the observations of index state, and the helpers that reading and joining
  * (join.c), the metrics (metrics.c) and the renderers (render_*.c) share. Never included outside

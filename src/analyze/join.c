@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Reading decision and outcome records and joining them (src/analyze/analyze.h, docs/ANALYZE.md).
  *
  * Each file is read through a fixed buffer; a line longer than max_line_bytes is skipped to its

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The metrics of a finished analysis (src/analyze/analyze.h, docs/ANALYZE.md): once the last
  * file is read, km_analysis_finish completes the join and derives every figure of the summary in
  * passes over the points: reuse predicted against actual, owner against chosen, staleness,

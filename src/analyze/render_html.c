@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The HTML report of a finished analysis (km_analysis_render_html, km_analysis_write_html;
  * docs/ANALYZE.md): one self-contained page, the summary table, inline SVG charts drawn from the
  * points (predicted against actual reuse, hit rate over time with the recovery windows shaded,

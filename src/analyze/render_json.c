@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The JSON report of a finished analysis (km_analysis_render_json; docs/ANALYZE.md lists its
  * keys): one object built with jansson from the summary alone. */
 #include "analyze/analyze.h"

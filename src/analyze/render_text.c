@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The text report of a finished analysis (km_analysis_render_text; docs/ANALYZE.md). */
 #include "analyze/analyze_internal.h"
 

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Growable arrays (contract in array.h). */
 #include "base/array.h"
 

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Growable arrays: the one helper behind every "make room for n elements, doubling" in kvmatch,
  * with the overflow checks a hand-written copy tends to leave out. */
 #ifndef KM_ARRAY_H

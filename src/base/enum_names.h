@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Names of enum values, generated from the enum's X-macro list.
  *
  * A list is `#define KM_<ENUM>_LIST(X) X(KM_<VALUE>, value, "name") ...` in the header that declares

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* km_strerror / km_error_name, generated from the one KM_ERROR_MAP list. */
 #include "kvmatch/error.h"
 

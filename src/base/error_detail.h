@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Internal: the error-with-detail helpers. km_why is for functions that have no handle to keep a
  * last_error in (constructors, configuration readers): it writes the sentence into the caller's
  * buffer (which may be NULL) and returns the status. km_vstatus_message is the shared body of every

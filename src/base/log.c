@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The logger (include/kvmatch/log.h): timestamp, level and component on every line, text or JSON,
  * a file that can be reopened, and a per-shape rate limit. One mutex serialises the writes, so
  * lines from several threads never interleave. */

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Memory accounting against a cap (contract in memory_budget.h). */
 #include "base/memory_budget.h"
 

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Memory accounting against a cap: every table and map of one owner (an index, the active-work
  * table, approximate mode, ...) charges its arrays to one km_memory, so the owner's total stays
  * within its cap and a refused growth is an error code, not an allocation failure later. Plain

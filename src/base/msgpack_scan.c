@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The bounded msgpack pre-scan and the type names of src/base/msgpack_scan.h. The scan is on the
  * path of every frame and event payload, so its loop takes the common values (one-byte values,
  * short strings, 64-bit numbers: hashes, costs) before the general header decoder, and keeps the

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Internal: what the msgpack wire decoders (src/events/kv_events.c, the router protocol's decoder
  * in src/service/) share. km_msgpack_scan is their first stage: it walks untrusted bytes once,
  * without allocating, within hard limits, before msgpack-c unpacks them. msgpack-c allocates a

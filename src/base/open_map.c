@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The open-addressing core of the host's keyed maps (contract and growth protocol in open_map.h). */
 #include "base/open_map.h"
 

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The open-addressing core shared by the host's keyed maps (src/base/u64_map.c: u64 -> u64 bookkeeping;
  * src/events/engine_hash_map.c: the feed's engine-hash maps): entries of `entry_size` bytes that begin with a u64 key,
  * linear probing from a Fibonacci-hashed home, backward-shift deletion, and incremental growth.

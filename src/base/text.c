@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The growing string (contract in include/kvmatch/text.h). */
 #include "kvmatch/text.h"
 

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Open-addressing u64 -> u64 map for host bookkeeping: the shared core (src/base/open_map.h: linear
  * probing, backward-shift deletion, incremental growth) over 16-byte entries. */
 #include "base/u64_map.h"

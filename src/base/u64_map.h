@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* An open-addressing map from u64 keys to u64 values, for host-side bookkeeping (segment anchors,
  * approximate mode's per-worker block maps, active work by hash, attempts by decision). Keys 0 and 1
  * are reserved (0 marks an empty entry, 1 an entry erased from the previous array while the map

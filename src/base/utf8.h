@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Internal: UTF-8 checks shared by the records writer and the service's name validation. */
 #ifndef KM_UTF8_H
 #define KM_UTF8_H

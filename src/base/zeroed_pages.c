@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Zeroed arrays with piecewise release, for incrementally growing tables. Contract in zeroed_pages.h. */
 #include "base/zeroed_pages.h"
 

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Zeroed arrays for the hash tables that grow incrementally (src/index/host_table.c, src/base/u64_map.c): large ones
  * come straight from the kernel, so nothing is cleared up front and a growth can hand the moved
  * part of its previous array back a piece at a time (unmapping a few hundred MiB in one call takes

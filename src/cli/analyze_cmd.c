@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* `kvmatch analyze [--json] [--html OUT.html] RECORDS.jsonl...`: join decision and outcome records
  * and report how well routing predicted KV reuse (src/analyze/analyze.h, docs/ANALYZE.md). Exit status: 0
  * when the report was written (bad lines are reported, not fatal), 1 when no file could be read,

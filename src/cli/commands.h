@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Subcommands of the kvmatch binary. Each takes argv after the subcommand word(s) (argv[0] is the
  * last word, e.g. "index" for `kvmatch bench index`) and returns the process exit status. */
 #ifndef KM_CLI_COMMANDS_H

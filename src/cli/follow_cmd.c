@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* `kvmatch follow`: follow workers' KV-event streams, print their status, snapshot the index and
  * the stream positions periodically and on SIGTERM / SIGINT, and restore them on start (docs/EVENTS.md,
  * "Restart of kvmatch"). The same subscriber keeps the indexes of `kvmatch serve`; this command runs

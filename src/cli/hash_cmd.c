@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* `kvmatch hash`: read decimal token ids from stdin (separated by spaces, commas or newlines), print
  * one line per full block: <block index> <local hash, 16 hex> <chain hash, 16 hex>. Input is read
  * incrementally: memory grows only with the tokens of the current block. */

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* kvmatch: one binary, several subcommands. */
 #include <stdio.h>
 #include <string.h>

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Option parsing shared by the subcommands (cli/options.h). */
 #include "cli/options.h"
 

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* What every subcommand's option parsing shares: the exit statuses, getopt_long set up for a
  * subcommand, and value parsers whose errors name the option, the valid range and what was given.
  *

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* `kvmatch route`: manual queries against a running `kvmatch serve` (docs/SERVICE.md): one ROUTE
  * from token ids on stdin (or --hashes), a STATUS, a worker list, or adding / removing a worker.
  * Prints the reply as JSON lines. */

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* `kvmatch serve`: the routing service (docs/SERVICE.md). A JSON config file (--config) and flags;
  * flags override the file. Every setting has one name: the flag is the config key's last part
  * with '-' for '_' (active_ttl_ms: --active-ttl-ms; scheduler.max_batch_routes:

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* `kvmatch sim`: replay a workload through a simulated cluster routed by kvmatch, one run per
  * policy, and print them side by side (docs/SIM.md). */
 #define _POSIX_C_SOURCE 200809L

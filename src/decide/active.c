@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Active work (include/kvmatch/active.h): per-worker load as this instance saw it, from the
  * decision to FINISHED or expiry.
  *

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Approximate mode (include/kvmatch/approx.h): (worker, block) pairs assumed from this instance's
  * own decisions, with TTL expiry and per-worker capacity, turned into index updates.
  *

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The engine model (include/kvmatch/engine_model.h): step time, presets, and the predicted time to
  * first token the `ttft` policy minimises. */
 #include <math.h>

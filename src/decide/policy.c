@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Decision policies (include/kvmatch/policy.h): pure functions from one request's scored candidates
  * to a chosen worker, plus the owner of the deepest match kept apart from it. No allocation: every
  * pass recomputes what it needs from the candidates, which is cheaper than scratch memory at the

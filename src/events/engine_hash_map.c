@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The feed's engine-hash map: the shared core (src/base/open_map.h) over 24-byte entries. */
 #include "events/engine_hash_map.h"
 

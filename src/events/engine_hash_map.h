@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The event feed's per-worker engine-hash map: an engine's block hash -> the kvmatch chain hash
  * computed for it and the media (device, host, disk, ...) holding it. The shared open-addressing
  * core (src/base/open_map.h: linear probing, backward-shift deletion, incremental growth: a map of 16 K

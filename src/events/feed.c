@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The event feed (include/kvmatch/feed.h): per-worker seq tracking, gap / replay / restart
  * handling and recovery windows. docs/EVENTS.md ("The feed") states the rules this file
  * implements. A message's events become queued index updates in feed_updates.c, which also holds

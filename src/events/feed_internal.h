@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Internal to the event feed (src/events/feed.c, feed_updates.c, feed_message.c, feed_snapshot.c):
  * the feed handle and its per-worker state, which the state machine (feed.c) drives, the update
  * queue (feed_updates.c) fills from each applied message, and the snapshot code saves and

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The event feed's copies of live messages: a message that arrives while a replay runs is copied
  * whole (km_feed_held_copy) and applied after the replay; a content digest (km_feed_message_digest)
  * recognises a late live copy of a message the replay already delivered. */

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The event feed's snapshots (include/kvmatch/feed.h, docs/EVENTS.md): km_feed_export_state /
  * km_feed_import_state turn the feed's per-worker stream positions and engine-hash maps into a
  * byte section and back, and km_feed_save / km_feed_restore store that section with the index in

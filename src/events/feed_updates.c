@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The event feed's index updates (include/kvmatch/feed.h, docs/EVENTS.md "The feed"): a
  * message's events become updates in the feed's queue (engine hashes to chain hashes through the
  * worker's engine-hash map, tier changes from the media a block is held in), one group per

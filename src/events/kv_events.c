@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* KV-event wire decoder (include/kvmatch/kv_events.h, docs/EVENTS.md).
  *
  * A payload goes through three stages, each bounded before the next one spends memory:

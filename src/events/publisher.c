@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* vLLM-compatible KV-event publisher (include/kvmatch/publisher.h): an XPUB for live messages (an
  * XPUB so the publisher can tell when subscribers are connected) and a ROUTER replay endpoint
  * served by its own thread from a bounded ring of the newest messages. */

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The ZMQ transport of the event feed (include/kvmatch/subscriber.h, docs/EVENTS.md).
  *
  * Threads. One I/O thread owns every worker socket and the decoder. Other threads talk to it

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The CPU backend: scores requests straight from the host tables with km_walk_request (the code
  * the CUDA kernel runs), across a persistent pool of threads. A batch runs in two phases: each
  * request's entry count (its block 0's holder count) first, so every walk then writes its entries

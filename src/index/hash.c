@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Block hashing as defined in docs/HASHING.md, on libxxhash's XXH3-64. */
 #include "kvmatch/hash.h"
 

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Host hash table over km_slot: linear probing with backward-shift deletion, bitmap pool for widely
  * held blocks, optional block metadata, dirty-slot tracking for device replicas, accounted memory. */
 #include "index/host_table.h"

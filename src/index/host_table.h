@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The host hash table: open addressing with linear probing over 16-byte km_slot (src/index/slot_walk.h),
  * backward-shift deletion (no tombstones, so removes never force a purging rehash and probe runs
  * stay as short as the live load makes them), a pool of bitmaps for widely-held blocks, optional

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The index handle and its update planner.
  *
  * Updates apply to the host tables (the authoritative state) in order. The planner keeps three

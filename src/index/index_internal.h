@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Internal: the km_index handle and the backend interface. Never included by public headers.
  *
  * The host tables are the index's authoritative state: the update planner (src/index/index.c) applies

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Per-element logic shared by the CPU backend and the CUDA kernels: the table slot layout, slot
  * probing, worker-set membership and enumeration, and the per-request prefix walk. Everything here
  * is `static inline` and marked KM_HD, so the CPU backend runs the very code the GPU runs and the

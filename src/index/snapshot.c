@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Index snapshots: the host tables written raw (slots, block metadata, bitmap pools, per-worker
  * counters) plus an opaque caller section, behind a checksummed header. Raw arrays make a restart
  * a few large reads instead of millions of inserts; the anchor lists are rebuilt from the segment

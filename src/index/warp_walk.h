@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The per-request prefix walk for one warp of 32 lanes: the result km_walk_request
  * (src/index/slot_walk.h) gives, bit for bit (entries, owner, owner depth, lookups counted), with
  * the lookups spread over the lanes. Every function here is what one lane runs; the lanes run it

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Admin messages on the loop thread: WORKERS (add, remove, update, list), POOLS (add, update,
  * list) and STATUS. */
 #include <math.h>

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Attempts and outcome records: what an outcome record needs from its decision, kept from the
  * decision to its end; lifecycle reports (DISPATCHED, FIRST_TOKEN, FINISHED, a router override)
  * applied to active work and the attempt; the outcome record of each end. */

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* C client of `kvmatch serve` (include/kvmatch/client.h): a non-blocking socket driven with
  * poll() so every call honours its timeout, the protocol's frame reader and codec, the ids of the
  * requests whose reply has not been returned yet, and a list of replies that arrived while the

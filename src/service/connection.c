@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* A router connection's lifetime on the loop thread: accepted, read into frames (each handed to
  * km_srv_handle_frame), its replies queued and written (uv_try_write first, uv_write for the rest),
  * reading paused while replies pile up, closed and freed once no job holds it. */

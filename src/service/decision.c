@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* One route's decision, by the scheduler role with admin_lock and active_lock held, in named steps
  * over one candidate type (the policy's km_policy_candidate rows in the batch scratch, with a
  * route_choice for what is chosen from them): gather the candidates, choose, begin active work,

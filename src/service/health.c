@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Worker health (docs/SERVICE.md, "Worker health"), under active_lock: the router's verdict and a
  * circuit breaker fed by this instance's outcomes decide whether a route may choose a worker. */
 #include <inttypes.h>

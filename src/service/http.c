@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Health, readiness, status and metrics over HTTP (src/service/http.h), on libmicrohttpd's internal
  * polling thread.
  *

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The service's HTTP endpoint for probes and scrapes, on libmicrohttpd.
  *
  * Routes (GET, and HEAD which gets the same headers without the body):

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Route jobs: a ROUTE frame copied out of its decoder into one job (pool chosen, token input
  * hashed on the loop thread), queued for the scheduler role; the job's bump-allocated memory;
  * its reply encoded from the decisions. */

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The loop thread's own work: a frame's dispatch by message type (HELLO first), delivery of
  * finished jobs' replies, the stop (signals, km_server_stop) and the drain that answers what was
  * sent before it. */

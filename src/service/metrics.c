@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Metrics registry and Prometheus text rendering (include/kvmatch/metrics.h).
  *
  * Layout: the registry is a list of families; a family owns its series, each allocated once and

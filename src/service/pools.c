@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Pools and their workers (admin_lock held unless said otherwise): a pool's index, subscriber,
  * in-process feed and approximate-mode state; membership; a worker added or removed; a worker's
  * index state. */

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The router protocol's vocabulary (include/kvmatch/protocol.h, docs/PROTOCOL.md): default
  * limits, the names of its enums, and the outcome rule. The frame reader, the encoder and the
  * decoder are in protocol_frame_reader.c, protocol_encode.c and protocol_decode.c. */

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The router protocol's decoder (include/kvmatch/protocol.h, "decoder", docs/PROTOCOL.md): one
  * frame payload into a km_message, every field checked within the configured limits.
  *

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The router protocol's encoder (include/kvmatch/protocol.h, "encoder"): every message from its C
  * struct to one length-prefixed msgpack frame appended to a km_frame_buffer, checking what a
  * decoder would refuse in the peer. */

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The router protocol's frame reader (include/kvmatch/protocol.h, "frame reader"): an arbitrary
  * byte stream cut into length-prefixed frames, in memory bounded by the maximum frame size. */
 #include <inttypes.h>

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Internal: what the source files of the router protocol share (protocol.c: limits and names;
  * protocol_frame_reader.c; protocol_encode.c: the frame buffer and the encoder;
  * protocol_decode.c). Nothing outside them includes it. */

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The background JSONL writer of decision and outcome records (include/kvmatch/records.h,
  * docs/RECORDS.md).
  *

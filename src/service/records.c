@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Linked decision and outcome records: initialisation and JSON formatting
  * (include/kvmatch/records.h, docs/RECORDS.md).
  *

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Internal to the records module (src/service/records.c, src/service/record_writer.c): what the
  * formatting and the writer share. */
 #ifndef KM_RECORDS_INTERNAL_H

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* km_server_reload (include/kvmatch/server.h): apply what a configuration may change at run time
  * (pools, their policies and parameters, their workers) on the loop thread under admin_lock, and
  * log every change and every setting that only a restart applies. */

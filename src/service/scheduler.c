@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The scheduler role: the scheduler thread, and the loop thread when it runs a small batch
  * inline or a slice of active-work expiry; housekeeping between batches (events, approximate-mode
  * expiry and lessons), a batch scored per pool and decided route by route, and the batch

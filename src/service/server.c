@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The routing service's handle (include/kvmatch/server.h, docs/SERVICE.md): create (config,
  * pools, listeners, the loop's handles, the HTTP server, the scheduler thread), run (the loop
  * thread until drained, then persist), stop, destroy. The threads, what each owns and the lock

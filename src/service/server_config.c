@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The service's configuration: defaults, policy parameters by name (shared by the JSON file and the
  * POOLS protocol message), and the JSON file reader (jansson). Format: docs/SERVICE.md. */
 #include <errno.h>

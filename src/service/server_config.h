@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Internal: the configuration checks that the JSON config reader (server_config.c), the POOLS
  * message and `kvmatch serve`'s flags share. */
 #ifndef KM_SERVER_CONFIG_H

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Internal to the routing service (src/service/): its structures, what each thread owns, the lock
  * order, and the functions its files share. Nothing outside src/service/ includes it.
  *

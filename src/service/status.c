@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* What the service reports about itself: readiness, /status (JSON), /metrics (the registered
  * metrics and the per-worker and records samples), and km_server_get_stats. */
 #include <dirent.h>

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The simulated inference engine (src/sim/engine.h, docs/SIM_ENGINE.md). The prefix cache mirrors
  * vLLM v1's BlockPool: a fixed array of blocks, one free queue in LRU order holding both empty and
  * cached blocks (allocation pops its head, evicting a cached block it pops), a map chain hash ->

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* A simulated inference engine for `kvmatch sim` (docs/SIM_ENGINE.md): a vLLM-v1-like prefix cache
  * with LRU eviction, the KV events it would publish in vLLM's exact msgpack wire format, and a
  * step-based time model with continuous batching.

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Reports of a load sweep (src/sim/report.h): the text table and the HTML page with its charts. */
 #include "sim/report.h"
 

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Internal: the reports of a `kvmatch sim` load sweep (docs/SIM.md, "Load sweeps"): a text table
  * of every policy at every load, the default policy against each other policy, and a
  * self-contained HTML page with SVG charts of TTFT p50, TTFT p99 and reuse against load. */

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* `kvmatch sim` (src/sim/sim.h, docs/SIM.md): the virtual-time loop. */
 #include "sim/sim.h"
 

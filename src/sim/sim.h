@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Internal: `kvmatch sim` (docs/SIM.md). A workload replayed in virtual time through a cluster of
  * simulated engines (src/sim/engine.h), every request routed by a real `kvmatch serve` (in this
  * process, or a running one with `connect`) over the real protocol, the engines' KV events fed to

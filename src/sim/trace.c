@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Workload traces: loads the Mooncake FAST'25 JSONL trace with jansson, line by line and within
  * hard limits, and expands a request's 512-token ids into this project's chain hashes
  * (docs/HASHING.md, "Trace expansion"). The loader keeps every request's ids in one pool so a

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Workload traces: the Mooncake FAST'25 JSONL format (timestamp ms, input_length, output_length,
  * hash_ids: one id per 512-token block, ids act as chained prefix hashes) and its expansion into
  * this project's chain hashes. An id expands deterministically into tokens_per_id token ids

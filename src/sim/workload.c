@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Workloads for `kvmatch sim` (src/sim/workload.h). */
 #include "sim/workload.h"
 

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Internal: workloads for `kvmatch sim` (docs/SIM.md, "Workloads"). A workload is a km_trace
  * (src/sim/trace.h): requests of hash ids, one id per 512-token chunk, ids acting as chained
  * prefix names, arrival times in ms. It comes from a Mooncake trace file, or from this generator,

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* libFuzzer harness for the records reader of `kvmatch analyze` (src/analyze/join.c): the input is cut
  * at its first 0x00 byte into two JSONL files (rotated files join across), each added with
  * km_analysis_add_file, then the analysis is finished and rendered as text, JSON and HTML.

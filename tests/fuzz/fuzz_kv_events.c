@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* libFuzzer harness for the KV-event decoder (include/kvmatch/kv_events.h).
  *
  * Input: one mode byte, then either a msgpack payload (mode % 3 == 0) or the frames of one ZMQ

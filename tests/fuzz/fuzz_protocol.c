@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* libFuzzer harness for the router wire protocol (include/kvmatch/protocol.h): the frame reader
  * and the message decoder on untrusted bytes. `make fuzz` builds and runs it (docs/FUZZING.md).
  *

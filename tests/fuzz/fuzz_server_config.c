@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* libFuzzer harness for the server configuration loader, km_server_config_load_json
  * (src/service/server_config.c), on a file of fuzzed bytes (a memfd, read through /proc/self/fd).
  *

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* libFuzzer harness for snapshot loading: km_index_load (src/index/snapshot.c) and km_feed_restore
  * (the index part, then the feed state of its caller section, src/events/feed_snapshot.c).
  *

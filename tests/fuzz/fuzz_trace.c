@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* libFuzzer harness for the Mooncake trace loader, km_trace_load_mooncake (src/sim/trace.c), on a file
  * of fuzzed bytes (a memfd, read through /proc/self/fd), and the expansion of what it loaded.
  *

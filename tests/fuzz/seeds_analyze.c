@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Writes a seed corpus for fuzz_analyze into the directory given as argv[1]: decision and outcome
  * records as docs/RECORDS.md shows them, joined within one file and across two (NUL-separated). */
 #include <stdio.h>

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Writes a seed corpus for fuzz_kv_events into the directory given as argv[1], from the fixtures
  * in tests/kv_events_vectors (run from the repository root): every *.msgpack payload with mode
  * byte 0 (payload) and 4 (tight limits), every *.frames message with mode 1 (SUB) and 2 (replay). */

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Writes a seed corpus for fuzz_protocol into the directory given as argv[1]: one framed message
  * of every type, with most optional fields set, encoded by km_protocol_encode. */
 #include <math.h>

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Writes a seed corpus for fuzz_server_config into the directory given as argv[1]: the example of
  * docs/SERVICE.md and a few smaller configurations. */
 #include <stdio.h>

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Writes a seed corpus for fuzz_snapshot into the directory given as argv[1]: snapshots of small
  * indexes (max_workers 8, segment_blocks 4, as the harness configures) holding chains, a widely
  * shared block (a bitmap set), host and disk tier pairs, with feed states in the caller section

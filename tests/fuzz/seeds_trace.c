@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Writes a seed corpus for fuzz_trace into the directory given as argv[1]: the two requests of the
  * Mooncake release's own format example (UPSTREAM-README.md), and lines near the loader's edges
  * (CRLF, no final newline, blank lines, reals, the largest values, bad fields). */

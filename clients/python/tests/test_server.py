@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """The Python client against a real `kvmatch serve` started here on a Unix socket in a temporary
 directory: routes (blocking, pipelined, batched), the lifecycle reports and the outcome rule,
 WORKERS / POOLS / STATUS, each error the server answers (by code and name), a server that goes

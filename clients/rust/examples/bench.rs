@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! The Rust client's driver for `kvmatch bench ipc --clients` (scripts/bench-clients.sh): one
 //! connection, closed loop, WINDOW frames in flight, each frame PER_FRAME routes of the chain
 //! hashes read from SCHEDULE (one prompt per line, cycled), in pool "main", for SECONDS. Prints one

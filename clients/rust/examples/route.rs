@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! Route a prompt through `kvmatch serve` and report its lifecycle.
 //!
 //!     cargo run --example route -- [ADDRESS [POOL]]

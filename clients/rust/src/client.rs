@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! One connection to `kvmatch serve`: handshake, pipelined sends and receives, blocking calls.
 
 use std::collections::{HashMap, VecDeque};

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! km_status codes and the client's error type.
 
 use std::fmt;

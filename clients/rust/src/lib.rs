@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! Client of `kvmatch serve` (docs/PROTOCOL.md), the placement index and decision engine an LLM
 //! router asks which engine replica should serve a request: routes (blocking, pipelined, batched),
 //! lifecycle reports, WORKERS / POOLS / STATUS, over a Unix socket or loopback TCP.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! The messages of docs/PROTOCOL.md as Rust types. Field names are the wire names
 //! (`chosen_worker`, `owner_worker`, `n_blocks`); an `Option` is a field whose absence means
 //! something (no owner, no load weighed, unknown cached tokens).

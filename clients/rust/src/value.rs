@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! A msgpack value as the protocol uses them (maps with string keys), read through rmp-serde
 //! within a depth limit and written with rmp.
 

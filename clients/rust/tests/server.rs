@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! The client against a real `kvmatch serve` ($KM_BIN, else build/kvmatch or build-cpu/kvmatch)
 //! started on a Unix socket in a temporary directory: routes (blocking, pipelined, batched), the
 //! lifecycle reports, WORKERS / POOLS / STATUS, each error the server answers, a server that goes

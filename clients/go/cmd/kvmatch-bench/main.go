@@ -1,3 +1,5 @@
+// SPDX-License-Identifier: Apache-2.0
+
 // Command kvmatch-bench is the Go client's driver for `kvmatch bench ipc --clients`
 // (scripts/bench-clients.sh): one connection, closed loop, WINDOW frames in flight, each frame
 // PER_FRAME routes of the chain hashes read from SCHEDULE (one prompt per line, cycled), in pool

@@ -1,3 +1,5 @@
+// SPDX-License-Identifier: Apache-2.0
+
 // Package scorer is an example of what a Go router's scoring plugin (an endpoint picker's scorer,
 // say) would call: it asks kvmatch for a decision among the pods the router's filters left and
 // turns it into one score per pod in [0, 1].
