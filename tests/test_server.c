@@ -400,7 +400,7 @@ Test(server, records_keep_requests_whose_strings_are_not_utf8, .timeout = 30)
     srv_cleanup(&s);
 }
 
-/* The brief's case: the best match is on A but under cache_aware's threshold, so B (less loaded)
+/* The owner is not the choice: the best match is on A but under cache_aware's threshold, so B (less loaded)
  * is chosen; the reply and the record name both. */
 Test(server, owner_and_chosen_kept_apart, .timeout = 30)
 {
@@ -3130,7 +3130,7 @@ static void await_breaker(km_client *c, uint32_t worker, const char *state)
     cr_assert_fail("worker %u's breaker never read %s", worker, state);
 }
 
-/* The brief: a router that fed its circuit breaker from the HTTP status alone counted a stream
+/* A router that fed its circuit breaker from the HTTP status alone counted a stream
  * that ended without finish_reason and [DONE] as a success. This instance's breaker counts the
  * outcomes: `error` and `incomplete` are failures, `complete` closes it, `cancelled` says nothing.
  * breaker_failures in a row keep the worker from being chosen for breaker_cooldown_ms; then one
