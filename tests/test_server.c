@@ -230,6 +230,26 @@ static void check_schema(srv *s, bool *checked)
     *checked = true;
 }
 
+/* Each pool's index capped at what it takes at creation (256 initial blocks): its block table
+ * cannot grow. */
+static void cap_index_at_creation(km_server_config *cfg)
+{
+    km_index_config ic;
+    km_index_config_init(&ic);
+    ic.max_workers = cfg->max_workers;
+    ic.backend = cfg->backend;
+    ic.threads = cfg->index_threads;
+    ic.initial_blocks = 256;
+    ic.log = quiet_log;
+    km_index *probe_index = NULL;
+    cr_assert_eq(km_index_create(&ic, &probe_index), KM_OK);
+    km_index_stats ist;
+    cr_assert_eq(km_index_get_stats(probe_index, &ist), KM_OK);
+    km_index_destroy(probe_index);
+    cfg->index_initial_blocks = ic.initial_blocks;
+    cfg->index_memory_cap_bytes = ist.memory_bytes;
+}
+
 /* ---- tests ----------------------------------------------------------------------------------- */
 
 Test(server, route_lifecycle_and_records, .timeout = 30)
@@ -1747,21 +1767,7 @@ Test(server, memory_cap_refusals_are_visible_and_logged_sparingly, .timeout = 60
     km_server_worker ws[1] = {{0, "capped", KM_SERVER_LOCAL_EVENTS, NULL, false, 0}};
     g_pool.workers = ws;
     g_pool.n_workers = 1;
-    /* The cap is what the pool's index takes at creation: its block table cannot grow. */
-    km_index_config ic;
-    km_index_config_init(&ic);
-    ic.max_workers = cfg.max_workers;
-    ic.backend = cfg.backend;
-    ic.threads = cfg.index_threads;
-    ic.initial_blocks = 256;
-    ic.log = quiet_log;
-    km_index *probe_index = NULL;
-    cr_assert_eq(km_index_create(&ic, &probe_index), KM_OK);
-    km_index_stats ist;
-    cr_assert_eq(km_index_get_stats(probe_index, &ist), KM_OK);
-    km_index_destroy(probe_index);
-    cfg.index_initial_blocks = ic.initial_blocks;
-    cfg.index_memory_cap_bytes = ist.memory_bytes;
+    cap_index_at_creation(&cfg);
     srv_start(&s, &cfg);
     km_client *c = connect_client(&s);
     km_test_batch b;
@@ -2713,21 +2719,7 @@ Test(server, blocks_the_index_refused_are_stored_once_it_has_room, .timeout = 60
     km_server_config cfg;
     test_config(&cfg, &s, KM_POLICY_PREFIX, 2);
     cfg.records_path = NULL;
-    /* The cap is what the pool's index takes at creation: its block table cannot grow. */
-    km_index_config ic;
-    km_index_config_init(&ic);
-    ic.max_workers = cfg.max_workers;
-    ic.backend = cfg.backend;
-    ic.threads = cfg.index_threads;
-    ic.initial_blocks = 256;
-    ic.log = quiet_log;
-    km_index *probe_index = NULL;
-    cr_assert_eq(km_index_create(&ic, &probe_index), KM_OK);
-    km_index_stats ist;
-    cr_assert_eq(km_index_get_stats(probe_index, &ist), KM_OK);
-    km_index_destroy(probe_index);
-    cfg.index_initial_blocks = ic.initial_blocks;
-    cfg.index_memory_cap_bytes = ist.memory_bytes;
+    cap_index_at_creation(&cfg);
     srv_start(&s, &cfg);
     km_client *c = connect_client(&s);
     /* Worker 1 takes some room; worker 0 fills the rest, one decision per batch, until a

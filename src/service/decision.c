@@ -47,6 +47,15 @@ static bool queues_prefixes(const pool *p)
     return p->policy.kind == KM_POLICY_TTFT;
 }
 
+/* Blocks of a `depth`-block match an engine would count as a hit: vLLM recomputes the prompt's
+ * last token, so a hit never covers it (a prompt of unknown length is not capped). */
+static uint32_t engine_hit(const route_job *r, const pool *p, uint32_t depth)
+{
+    if (r->prompt_tokens > 0 && depth > (r->prompt_tokens - 1) / p->block_size)
+        return (uint32_t)((r->prompt_tokens - 1) / p->block_size);
+    return depth;
+}
+
 /* The index state of worker id, read once per scoring batch (a batch decides against one view of
  * the feeds). */
 static const char *worker_state_in_batch(km_server *s, uint32_t id)
@@ -155,9 +164,8 @@ static bool gather_candidates(km_server *s, route_job *r, const pool *p,
         if (queued) {
             pc->queued_depth =
                 km_active_queued_depth(s->active, ids[i], r->hashes, r->n_hashes, pc->depth);
-            uint32_t held = pc->queued_depth > pc->depth ? pc->queued_depth : pc->depth;
-            if (r->prompt_tokens > 0 && held > (r->prompt_tokens - 1) / p->block_size)
-                held = (uint32_t)((r->prompt_tokens - 1) / p->block_size);
+            uint32_t held =
+                engine_hit(r, p, pc->queued_depth > pc->depth ? pc->queued_depth : pc->depth);
             if (held)
                 pc->prefix_sharers =
                     km_active_prefix_sharers(s->active, ids[i], r->hashes[held - 1]);
@@ -275,9 +283,7 @@ static bool begin_active_work(km_server *s, route_job *r, const pool *p, route_c
     }
     /* The cached prefix it will use there, so concurrent requests on one prefix count its KV
      * once (best effort: without memory for it, the request counts whole). */
-    uint32_t hit = covered;
-    if (prompt > 0 && hit > (prompt - 1) / p->block_size)
-        hit = (prompt - 1) / p->block_size;
+    uint32_t hit = engine_hit(r, p, covered);
     if (hit && hit <= r->n_hashes)
         km_active_share_prefix(s->active, &c->key, r->hashes[hit - 1], hit * p->block_size);
     /* The blocks its prefill will store there, promised until its first token (best effort as
