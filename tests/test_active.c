@@ -456,6 +456,7 @@ typedef struct model_entry {
     int dispatched, first_token;
     uint32_t prompt, predicted, output, block_size;
     uint64_t prefill_pending, prefill_charged, decode;
+    uint64_t pairs_pending; /* attention pairs of the pending prefill, counted one token at a time */
     uint64_t prefix_key, prefix_blocks, allocated; /* the shared-prefix charge */
     int64_t engine_cached;
     uint64_t begin, dispatched_at, first_token_at, last_touch;
@@ -537,16 +538,27 @@ static void model_end(model *m, int i, int end)
     m->e[i].ended = end;
 }
 
+/* The attention pairs of `pending` tokens prefilled after `cached` ones: token k (1-based) of the
+ * prefill attends to cached + k tokens. */
+static uint64_t pairs_by_counting(uint64_t cached, uint64_t pending)
+{
+    uint64_t pairs = 0;
+    for (uint64_t k = 1; k <= pending; k++)
+        pairs += cached + k;
+    return pairs;
+}
+
 static void model_compare_loads(const model *m, const km_active *a, int step)
 {
     km_active_stats st = stats_of(a);
     uint64_t total_live = 0;
     for (uint32_t w = 0; w < PM_WORKERS; w++) {
-        uint64_t inflight = 0, prefill = 0, decode = 0, prefilling = 0, allocated = 0;
+        uint64_t inflight = 0, prefill = 0, decode = 0, prefilling = 0, allocated = 0, pairs = 0;
         for (int i = 0; i < PM_KEYS; i++)
             if (m->e[i].live && m->e[i].worker == w) {
                 inflight++;
                 prefill += m->e[i].prefill_pending;
+                pairs += m->e[i].pairs_pending;
                 decode += m->e[i].decode;
                 prefilling += !m->e[i].first_token;
                 allocated += m->e[i].allocated;
@@ -559,6 +571,9 @@ static void model_compare_loads(const model *m, const km_active *a, int step)
                  ") != model (%" PRIu64 ", %" PRIu64 ", %" PRIu64 ")",
                  step, w, l.in_flight, l.pending_prefill_tokens, l.active_decode_blocks, inflight,
                  prefill, decode);
+        KM_CHECK(l.pending_prefill_pairs == pairs,
+                 "step %d worker %u: pending pairs %" PRIu64 " != model %" PRIu64, step, w,
+                 l.pending_prefill_pairs, pairs);
         KM_CHECK(l.prefilling == prefilling && l.allocated_blocks == allocated,
                  "step %d worker %u: prefilling %" PRIu64 " allocated %" PRIu64 " != model %" PRIu64
                  " %" PRIu64, step, w, l.prefilling, l.allocated_blocks, prefilling, allocated);
@@ -621,6 +636,7 @@ Test(active, random_lifecycles_match_a_model, .timeout = 30)
                 e->output = output;
                 e->block_size = bs;
                 e->prefill_pending = e->prefill_charged = prompt - (predicted < prompt ? predicted : prompt);
+                e->pairs_pending = pairs_by_counting(prompt - e->prefill_pending, e->prefill_pending);
                 e->decode = ((uint64_t)prompt + output + bs - 1) / bs;
                 e->allocated = e->decode;
                 e->engine_cached = KM_ACTIVE_CACHED_UNKNOWN;
@@ -680,7 +696,7 @@ Test(active, random_lifecycles_match_a_model, .timeout = 30)
                 KM_CHECK(rc == KM_OK, "step %d first token: %d", step, rc);
                 e->first_token = 1;
                 e->first_token_at = now;
-                e->prefill_pending = 0;
+                e->prefill_pending = e->pairs_pending = 0;
                 if (cached != KM_ACTIVE_CACHED_UNKNOWN)
                     e->engine_cached = cached;
                 e->last_touch = now;
@@ -717,6 +733,7 @@ Test(active, random_lifecycles_match_a_model, .timeout = 30)
                 if (!e->first_token) {
                     uint64_t c = (uint64_t)cached < e->prompt ? (uint64_t)cached : e->prompt;
                     e->prefill_pending = e->prefill_charged = e->prompt - c;
+                    e->pairs_pending = pairs_by_counting(c, e->prefill_pending);
                 }
                 e->last_touch = now;
             }

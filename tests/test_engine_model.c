@@ -117,7 +117,8 @@ static double replay_ttft_us(const km_engine_model *m, const km_engine_load *loa
         t += km_engine_model_step_us(m, &s);
         left -= chunk;
     } while (left);
-    return t + m->prefill_us_per_pair * (double)km_engine_model_chunk_pairs(cached, uncached);
+    return t + m->prefill_us_per_pair *
+                   ((double)load->prefill_pairs + (double)km_engine_model_chunk_pairs(cached, uncached));
 }
 
 Test(engine_model, predicted_ttft_follows_the_queue_and_is_monotonic, .timeout = 30)
@@ -128,7 +129,12 @@ Test(engine_model, predicted_ttft_follows_the_queue_and_is_monotonic, .timeout =
         km_engine_model m = preset(km_engine_model_preset_name(p));
         for (int i = 0; i < 2000; i++) {
             km_engine_load load = {km_rng_below(&r, 40000), km_rng_below(&r, 20),
-                                   km_rng_below(&r, 300), km_rng_below(&r, 400000), 0};
+                                   km_rng_below(&r, 300), km_rng_below(&r, 400000), 0, 0};
+            /* Queued prefills' attention: some pairs of the queued tokens after cached prefixes
+             * of up to 30,000 tokens, or none. */
+            if (km_rng_percent(&r, 70))
+                load.prefill_pairs = km_engine_model_chunk_pairs(km_rng_below(&r, 30000),
+                                                                 load.prefill_tokens);
             uint64_t cached = km_rng_below(&r, 20000), uncached = 1 + km_rng_below(&r, 20000);
             double t = km_engine_model_predict_ttft_us(&m, &load, cached, uncached, 0, 0, 10, 100);
             double expect = replay_ttft_us(&m, &load, cached, uncached);
@@ -139,6 +145,10 @@ Test(engine_model, predicted_ttft_follows_the_queue_and_is_monotonic, .timeout =
             more.prefill_tokens += 1 + km_rng_below(&r, 10000);
             KM_CHECK(km_engine_model_predict_ttft_us(&m, &more, cached, uncached, 0, 0, 10, 100) >= t,
                      "queued tokens");
+            more = load;
+            more.prefill_pairs += 1 + km_rng_below(&r, 1000000);
+            KM_CHECK(km_engine_model_predict_ttft_us(&m, &more, cached, uncached, 0, 0, 10, 100) > t,
+                     "queued attention pairs");
             more = load;
             more.decode_requests += 1 + km_rng_below(&r, 50);
             KM_CHECK(km_engine_model_predict_ttft_us(&m, &more, cached, uncached, 0, 0, 10, 100) >= t,

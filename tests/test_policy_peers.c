@@ -162,6 +162,19 @@ Test(policy_peers, ttft_known_answers)
     c[1].prefilling = c[1].in_flight = 3;
     d = decide(&cfg, &req, c, 2, costs);
     cr_assert_float_eq(costs[1], 16.1 + 3 * 14.4, 1e-9);
+    /* The queued prefills' attention counts: at 0.001 us a pair, 10^6 pairs queued at w1 add 1 ms
+     * to its time and nothing to w2's. */
+    c[0].pending_prefill_tokens = 2000;
+    c[1].prefilling = c[1].in_flight = 0;
+    cfg.engine.prefill_us_per_pair = 0.001;
+    double no_pairs[2];
+    decide(&cfg, &req, c, 2, no_pairs);
+    c[0].pending_prefill_pairs = 1000000;
+    decide(&cfg, &req, c, 2, costs);
+    cr_assert_float_eq(costs[0], no_pairs[0] + 1.0, 1e-9);
+    cr_assert_float_eq(costs[1], no_pairs[1], 1e-9);
+    c[0].pending_prefill_pairs = 0;
+    cfg.engine.prefill_us_per_pair = 0;
     /* A worker without room for the request's KV waits for running requests to end. */
     km_policy_candidate m[2] = {cand(1, 0, 4, 0, 0, 0), cand(2, 0, 4, 0, 0, 995)};
     d = decide(&cfg, &req, m, 2, costs);
@@ -247,6 +260,21 @@ Test(policy_peers, ttft_passes_over_a_hot_prefix_on_an_overloaded_holder)
     cfg.ttft.hot_prefix_sharers = 0;
     d = decide(&cfg, &req, c, 3, costs);
     cr_assert_neq(d.chosen, 0);
+    /* A holder whose hit a worker within the bound matches is weighed: passing it over would copy
+     * nothing. Every worker holds the first 10 blocks (a shared preamble), w1 is past the bound
+     * with no queue, w2 and w3 have 20000 tokens queued: w1 has the lowest predicted time. */
+    cfg.ttft.hot_prefix_sharers = 1;
+    km_policy_candidate same[3] = {cand(1, 10, 10, 0, 0, 0), cand(2, 10, 1, 1, 20000, 0),
+                                   cand(3, 10, 1, 1, 20000, 0)};
+    same[0].prefix_sharers = 9;
+    d = decide(&cfg, &req, same, 3, costs);
+    cr_assert_eq(d.chosen, 0, "an equal hit within the bound does not pass over the holder");
+    cr_assert(!isnan(costs[0]));
+    /* One block more at the holder than within the bound: passed over again. */
+    same[0].depth = same[0].device_blocks = 11;
+    d = decide(&cfg, &req, same, 3, costs);
+    cr_assert_neq(d.chosen, 0);
+    cr_assert(isnan(costs[0]));
     /* A bound below 1 (other than 0) is refused. */
     cfg.ttft.load_bound = 0.5;
     char why[160];

@@ -221,7 +221,7 @@ Test(sim_workload, statistics_match_a_brute_force_count, .timeout = 60)
             double *floor_ms = malloc(t.n_requests * sizeof *floor_ms);
             uint64_t expect = reusable_by_hashes(&t, bs, each);
             /* The floor: each request alone on an idle engine with its reusable tokens cached. */
-            km_engine_load idle = {0, 0, 0, 0, 0};
+            km_engine_load idle = {0, 0, 0, 0, 0, 0};
             for (size_t i = 0; i < t.n_requests; i++) {
                 const km_trace_request *q = &t.requests[i];
                 floor_ms[i] = km_engine_model_predict_ttft_us(

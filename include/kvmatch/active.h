@@ -3,7 +3,7 @@
  *
  * Every routing decision begins an entry keyed by (request id, attempt id); the router's lifecycle
  * messages (DISPATCHED, FIRST_TOKEN, FINISHED) move it along, and entries whose FINISHED never
- * comes expire after a TTL. Per worker the handle keeps four load values, each the sum over the
+ * comes expire after a TTL. Per worker the handle keeps these load values, each the sum over the
  * worker's live entries of what that entry was charged:
  *
  *   in_flight               1 per entry, from the decision until FINISHED / expiry;
@@ -11,6 +11,8 @@
  *   pending_prefill_tokens  prompt_tokens - min(cached_tokens_predicted, prompt_tokens), charged
  *                           at the decision and released at FIRST_TOKEN (the prefill is done),
  *                           corrected by km_active_report_cached before that;
+ *   pending_prefill_pairs   the attention pairs of that prefill after its cached prefix
+ *                           (km_engine_model_chunk_pairs), charged, corrected and released with it;
  *   active_decode_blocks    ceil((prompt_tokens + expected_output_tokens) / block_size): the KV
  *                           blocks the request will occupy when its generation ends (Dynamo's
  *                           "potential decode blocks"), charged at the decision, released at
@@ -287,6 +289,9 @@ typedef struct km_active_load {
     uint64_t in_flight;
     uint64_t prefilling; /* of in_flight, the entries whose FIRST_TOKEN has not come */
     uint64_t pending_prefill_tokens;
+    /* The attention pairs of those prefills: each entry's km_engine_model_chunk_pairs(its cached
+     * tokens, its pending prefill tokens), charged and released with its pending prefill. */
+    uint64_t pending_prefill_pairs;
     uint64_t active_decode_blocks;
     /* The KV blocks those requests take, counting a prefix that several of them share once:
      * each request's footprint, less the blocks of its declared prefix when another live

@@ -66,6 +66,8 @@ typedef struct km_engine_load {
     uint32_t decode_requests;  /* requests past their first token, still generating */
     uint64_t decode_context_tokens; /* their context (prompt + output so far); 0 = unknown */
     uint64_t used_blocks;      /* KV blocks the running and queued requests take; 0 = unknown */
+    uint64_t prefill_pairs;    /* the attention pairs of those prefills, each after its own cached
+                                * prefix (km_engine_model_chunk_pairs); 0 = unknown */
 } km_engine_load;
 
 /* Fills *out with the default preset (KM_ENGINE_MODEL_DEFAULT_PRESET). */
@@ -105,14 +107,14 @@ uint64_t km_engine_model_chunk_pairs(uint64_t before, uint64_t chunk);
  *             uncached_tokens tokens beside D decodes, each timed by km_engine_model_step_us
  *             without its attention term,
  *   ttft_us = the sum of those steps
- *             + prefill_us_per_pair * (the request's own attention pairs after cached_tokens)
+ *             + prefill_us_per_pair * (load->prefill_pairs, the queued prefills' attention pairs,
+ *               + the request's own attention pairs after cached_tokens)
  *             + host_blocks * host_load_us_per_block + disk_blocks * disk_load_us_per_block
  *             + a memory wait when used_blocks + request_blocks exceed capacity_blocks: the
  *               running requests, taken to be halfway through an output of output_tokens, free
  *               used_blocks every output_tokens / 2 decode steps; the deficit waits its share.
- * The queued requests' own attention is left out (their cached prefixes are not tracked), for
- * every worker alike. Monotonic: more queued tokens, more decodes or fewer cached tokens never
- * predict less. */
+ * Monotonic: more queued tokens or pairs, more decodes or fewer cached tokens never predict
+ * less. */
 double km_engine_model_predict_ttft_us(const km_engine_model *m, const km_engine_load *load,
                                        uint64_t cached_tokens, uint64_t uncached_tokens,
                                        uint32_t host_blocks, uint32_t disk_blocks,

@@ -153,8 +153,10 @@ typedef struct km_policy_config {
         /* Bounded load (consistent hashing with bounded loads, Mirrokni, Thorup and Zadimoghaddam,
          * SODA'18): a worker whose in-flight requests would pass ceil(load_bound x (the
          * candidates' in-flight + 1) / n) is not weighed while the request's prefix is hot there
-         * (prefix_sharers >= hot_prefix_sharers) and some worker is within the bound. 0 = off, else
-         * finite and >= 1; default 1.25. */
+         * (prefix_sharers >= hot_prefix_sharers), its queued hit there is deeper than on every
+         * worker within the bound (passing it over copies the prefix; a hit some worker within
+         * the bound matches is weighed as usual), and some worker is within the bound. 0 = off,
+         * else finite and >= 1; default 1.25. */
         double load_bound;
         /* Requests in flight on a worker sharing the request's prefix that make it hot there;
          * default 1 (any concurrent sharer). 0 bounds every worker whatever it holds. */
@@ -176,6 +178,7 @@ typedef struct km_policy_candidate {
     uint32_t in_flight;              /* requests routed to it and not finished, as this instance saw */
     uint32_t prefilling;             /* of those, requests whose first token is not seen yet */
     uint64_t pending_prefill_tokens; /* prompt tokens routed to it whose first token is not seen yet */
+    uint64_t pending_prefill_pairs;  /* their attention pairs (km_active_load); only ttft reads it */
     uint64_t active_decode_blocks;   /* KV blocks of its running requests (prompt + output so far) */
     uint64_t allocated_blocks;       /* of those, the blocks they allocate: each one's less its
                                       * cached prefix (km_active_load.allocated_blocks) */
@@ -340,11 +343,12 @@ const char *km_policy_last_error(const km_policy_state *state);
  *   predicted time to prefill its queued tokens (km_engine_model_predict_ttft_us with no request
  *   of its own) + decode_requests * expected_output_tokens (1 when unknown) * its decode step.
  *
- * ttft: workers the bound leaves out (cfg->ttft: in_flight + 1 > the bound and prefix_sharers >=
- *   hot_prefix_sharers, while some worker has in_flight + 1 within it) are not weighed (cost
- *   NAN). With queued hit = min(max(depth, queued_depth), (T - 1) / B) (the blocks beyond depth
- *   are on the device): cost = km_engine_model_predict_ttft_us (cached = queued hit * B with the
- *   hit's host and disk blocks, uncached = T - cached, the request's blocks ceil((T +
+ * ttft: workers the bound leaves out (cfg->ttft: in_flight + 1 > the bound, prefix_sharers >=
+ *   hot_prefix_sharers and a queued hit deeper than every within-bound worker's, while some worker
+ *   has in_flight + 1 within it) are not weighed (cost NAN). With queued hit = min(max(depth, queued_depth), (T - 1) / B) (the blocks beyond depth
+ *   are on the device): cost = km_engine_model_predict_ttft_us (the worker's queue as its
+ *   pending_prefill_tokens and pending_prefill_pairs; cached = queued hit * B with the hit's host
+ *   and disk blocks, uncached = T - cached, the request's blocks ceil((T +
  *   expected_output_tokens) / B)) + max(1, prefilling) * the prefill work of (T - cached) tokens
  *   beyond the best-cached candidate's (token_us per token plus the attention pairs), in ms; the
  *   lowest wins (ties: the deeper queued hit, then the load order); reason min_ttft; costs_out:

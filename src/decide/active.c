@@ -14,6 +14,7 @@
  * entry's charge never underflows (saturations counts the case anyway); last_touch along the touch
  * list is non-decreasing because every touch uses the handle's clock, which never goes back. */
 #include "kvmatch/active.h"
+#include "kvmatch/engine_model.h"
 
 #include <inttypes.h>
 #include <stdarg.h>
@@ -40,6 +41,7 @@ typedef struct entry {
     uint32_t prompt_tokens, predicted_cached_tokens, expected_output_tokens, block_size;
     uint64_t prefill_charged; /* what the entry added to pending prefill (after corrections) */
     uint64_t prefill_pending; /* what it still holds there (0 after FIRST_TOKEN) */
+    uint64_t pairs_pending;   /* the attention pairs of that prefill after its cached prefix */
     uint64_t decode_blocks;
     uint64_t new_blocks;   /* what it charged to allocated_blocks */
     uint64_t prefix_key;   /* the prefix it declared (km_active_share_prefix); 0 = none */
@@ -507,6 +509,7 @@ static void end_entry(km_active *a, uint32_t i, km_active_end end, uint64_t now,
     if (!e->first_token)
         load->prefilling = saturating_sub(a, load->prefilling, 1);
     load->pending_prefill_tokens = saturating_sub(a, load->pending_prefill_tokens, e->prefill_pending);
+    load->pending_prefill_pairs = saturating_sub(a, load->pending_prefill_pairs, e->pairs_pending);
     load->active_decode_blocks = saturating_sub(a, load->active_decode_blocks, e->decode_blocks);
     load->allocated_blocks = saturating_sub(a, load->allocated_blocks, e->new_blocks);
     prefix_release(a, e);
@@ -699,6 +702,7 @@ int km_active_begin(km_active *a, uint32_t worker, const km_active_key *key,
     e->block_size = block_size;
     uint32_t cached = cached_tokens_predicted < prompt_tokens ? cached_tokens_predicted : prompt_tokens;
     e->prefill_charged = e->prefill_pending = (uint64_t)prompt_tokens - cached;
+    e->pairs_pending = km_engine_model_chunk_pairs(cached, e->prefill_pending);
     uint64_t tokens = (uint64_t)prompt_tokens + expected_output_tokens;
     e->decode_blocks = (tokens + block_size - 1) / block_size;
     e->new_blocks = e->decode_blocks;
@@ -712,6 +716,7 @@ int km_active_begin(km_active *a, uint32_t worker, const km_active_key *key,
     load->in_flight += 1;
     load->prefilling += 1;
     load->pending_prefill_tokens += e->prefill_pending;
+    load->pending_prefill_pairs += e->pairs_pending;
     load->active_decode_blocks += e->decode_blocks;
     load->allocated_blocks += e->new_blocks;
     a->live++;
@@ -860,6 +865,7 @@ int km_active_move(km_active *a, const km_active_key *key, uint32_t worker, uint
     if (!e->first_token)
         from->prefilling = saturating_sub(a, from->prefilling, 1);
     from->pending_prefill_tokens = saturating_sub(a, from->pending_prefill_tokens, e->prefill_pending);
+    from->pending_prefill_pairs = saturating_sub(a, from->pending_prefill_pairs, e->pairs_pending);
     from->active_decode_blocks = saturating_sub(a, from->active_decode_blocks, e->decode_blocks);
     from->allocated_blocks = saturating_sub(a, from->allocated_blocks, e->new_blocks);
     /* The declared prefix was the decision's worker's: on another one nothing is known shared. */
@@ -873,6 +879,7 @@ int km_active_move(km_active *a, const km_active_key *key, uint32_t worker, uint
     to->in_flight++;
     to->prefilling += !e->first_token;
     to->pending_prefill_tokens += e->prefill_pending;
+    to->pending_prefill_pairs += e->pairs_pending;
     to->active_decode_blocks += e->decode_blocks;
     to->allocated_blocks += e->new_blocks;
     a->stats.moved++;
@@ -900,8 +907,9 @@ int km_active_first_token(km_active *a, const km_active_key *key, int64_t engine
     uint64_t now = advance_clock(a, now_ns);
     km_active_load *load = &a->workers[e->worker].load;
     load->pending_prefill_tokens = saturating_sub(a, load->pending_prefill_tokens, e->prefill_pending);
+    load->pending_prefill_pairs = saturating_sub(a, load->pending_prefill_pairs, e->pairs_pending);
     load->prefilling = saturating_sub(a, load->prefilling, 1);
-    e->prefill_pending = 0;
+    e->prefill_pending = e->pairs_pending = 0;
     queued_release(a, e); /* the prefill ran: the worker's cache (and the index) has the blocks */
     e->first_token = true;
     e->first_token_ns = now;
@@ -934,9 +942,13 @@ int km_active_report_cached(km_active *a, const km_active_key *key, int64_t engi
         uint64_t corrected = e->prompt_tokens - cached;
         if (corrected != e->prefill_pending) {
             km_active_load *load = &a->workers[e->worker].load;
+            uint64_t pairs = km_engine_model_chunk_pairs(cached, corrected);
             load->pending_prefill_tokens =
                 saturating_sub(a, load->pending_prefill_tokens, e->prefill_pending) + corrected;
+            load->pending_prefill_pairs =
+                saturating_sub(a, load->pending_prefill_pairs, e->pairs_pending) + pairs;
             e->prefill_pending = e->prefill_charged = corrected;
+            e->pairs_pending = pairs;
             a->stats.corrections++;
         }
     }
@@ -1032,7 +1044,7 @@ int km_active_remove_worker(km_active *a, uint32_t worker, uint64_t now_ns,
     }
     km_active_load *load = &a->workers[worker].load;
     if (load->in_flight || load->prefilling || load->pending_prefill_tokens ||
-        load->active_decode_blocks || load->allocated_blocks) {
+        load->pending_prefill_pairs || load->active_decode_blocks || load->allocated_blocks) {
         a->stats.saturations++; /* a broken sum invariant; reset rather than keep phantom load */
         memset(load, 0, sizeof *load);
     }
@@ -1063,6 +1075,7 @@ int km_active_get_stats(const km_active *a, km_active_stats *out)
         out->total.in_flight += a->workers[w].load.in_flight;
         out->total.prefilling += a->workers[w].load.prefilling;
         out->total.pending_prefill_tokens += a->workers[w].load.pending_prefill_tokens;
+        out->total.pending_prefill_pairs += a->workers[w].load.pending_prefill_pairs;
         out->total.active_decode_blocks += a->workers[w].load.active_decode_blocks;
         out->total.allocated_blocks += a->workers[w].load.allocated_blocks;
     }

@@ -170,7 +170,8 @@ double km_engine_model_predict_ttft_us(const km_engine_model *m, const km_engine
         ttft += step_linear_us(m, rest, decodes, load->decode_context_tokens);
     /* The request's own attention after its cached prefix; chunking does not change the pairs
      * (each token attends to every token before it). */
-    ttft += m->prefill_us_per_pair * (double)km_engine_model_chunk_pairs(cached_tokens, uncached_tokens);
+    ttft += m->prefill_us_per_pair * ((double)load->prefill_pairs +
+                                      (double)km_engine_model_chunk_pairs(cached_tokens, uncached_tokens));
     ttft += m->host_load_us_per_block * host_blocks + m->disk_load_us_per_block * disk_blocks;
     /* Memory: the running requests free their blocks as they end; taken to be halfway through an
      * output as long as this request's, they free used_blocks per (output_tokens / 2) decode

@@ -523,6 +523,7 @@ static km_engine_load engine_load_of(const km_policy_candidate *c, uint32_t bloc
     load.decode_context_tokens =
         c->in_flight ? c->active_decode_blocks * block_size * load.decode_requests / c->in_flight : 0;
     load.used_blocks = c->allocated_blocks;
+    load.prefill_pairs = c->pending_prefill_pairs;
     return load;
 }
 
@@ -631,6 +632,7 @@ static double preble_load_us(const km_policy_config *cfg, const km_policy_reques
     km_engine_load load = engine_load_of(c, req->block_size);
     km_engine_load queue_only = load;
     queue_only.used_blocks = 0;
+    queue_only.prefill_pairs = 0; /* the queue's prefill time from its token count, as before */
     double prefill = load.prefill_tokens
                          ? km_engine_model_predict_ttft_us(m, &queue_only, 0, 0, 0, 0, 0, 0)
                          : 0.0;
@@ -714,18 +716,26 @@ static void decide_ttft(const km_policy_config *cfg, const km_policy_request *re
     double best_work = prefill_work_us(&cfg->engine, best_cached, tokens - best_cached);
     uint32_t best = 0;
     double best_ms = 0.0;
-    /* Bounded load: a worker past the bound, where the request's prefix is hot, is not weighed
-     * while some worker is within it (the hot prefix is copied to a less loaded worker rather
-     * than queued behind its holder's load). */
+    /* Bounded load: a worker past the bound, where the request's prefix is hot and deeper than
+     * on any worker within the bound, is not weighed while some worker is within it (the hot
+     * prefix is copied to a less loaded worker rather than queued behind its holder's load). A
+     * holder whose hit some worker within the bound matches is weighed as usual: passing it over
+     * would copy nothing. */
     double bound = ttft_load_bound(cfg, cands, n);
     bool any_within = false;
+    uint32_t within_hit = 0;
     for (uint32_t i = 0; i < n; i++)
-        any_within |= (double)cands[i].in_flight + 1.0 <= bound;
+        if ((double)cands[i].in_flight + 1.0 <= bound) {
+            uint32_t hit = queued_hit_blocks(req, &cands[i]);
+            within_hit = hit > within_hit ? hit : within_hit;
+            any_within = true;
+        }
     bool seen = false;
     for (uint32_t i = 0; i < n; i++) {
         const km_policy_candidate *c = &cands[i];
         if (any_within && (double)c->in_flight + 1.0 > bound &&
-            c->prefix_sharers >= cfg->ttft.hot_prefix_sharers) {
+            c->prefix_sharers >= cfg->ttft.hot_prefix_sharers &&
+            queued_hit_blocks(req, c) > within_hit) {
             if (costs_out)
                 costs_out[i] = NAN; /* not weighed */
             continue;

@@ -155,6 +155,7 @@ static bool gather_candidates(km_server *s, route_job *r, const pool *p,
             pc->in_flight = load.in_flight > UINT32_MAX ? UINT32_MAX : (uint32_t)load.in_flight;
             pc->prefilling = load.prefilling > UINT32_MAX ? UINT32_MAX : (uint32_t)load.prefilling;
             pc->pending_prefill_tokens = load.pending_prefill_tokens;
+            pc->pending_prefill_pairs = load.pending_prefill_pairs;
             pc->active_decode_blocks = load.active_decode_blocks;
             pc->allocated_blocks = load.allocated_blocks;
         }

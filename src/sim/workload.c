@@ -427,7 +427,7 @@ int km_sim_workload_stats_of(const km_trace *trace, const km_engine_model *model
     km_u64map seen; /* id + 2 -> the most tokens of it an earlier prompt used */
     km_u64map_init(&seen, &memory);
     int rc = lengths && floor_ms ? KM_OK : KM_ERR_OUT_OF_MEMORY;
-    const km_engine_load idle = {0, 0, 0, 0, 0};
+    const km_engine_load idle = {0, 0, 0, 0, 0, 0};
     const uint32_t per = KM_SIM_TOKENS_PER_ID;
     for (size_t i = 0; !rc && i < n; i++) {
         const km_trace_request *q = &trace->requests[i];
