@@ -15,6 +15,10 @@
  *    the real km_subscriber (receive_hwm 0) on its I/O thread, the main thread flushing every
  *    millisecond; timed from the first send until every message was received and applied. Any
  *    drop shows as lost seqs and is reported.
+ *  - engine_steps: a second stream shaped like a fleet of engines (build_engine_stream: one small
+ *    message per engine step) through the same publisher and subscriber as zmq, reported in
+ *    messages/s; zmq_floor: the same messages received and dropped undecoded, alternating with
+ *    engine_steps, the transport's own ceiling in the same run.
  *  - restart: an index with ~10 M (block, worker) pairs built through the feed (synthetic
  *    batches, not the trace: the trace's LRU steady state is far smaller), saved with
  *    km_feed_save; timed: create index + feed, km_feed_restore, claim every worker (ready: the
@@ -47,6 +51,7 @@
 #define EV_BLOCKS_PER_ID (EV_TOKENS_PER_ID / EV_BLOCK_SIZE)
 #define WORKER_CAPACITY 65536u /* blocks per worker (an 80 GB-class GPU at 16-token blocks) */
 #define FLUSH_EVERY 64u
+#define STREAM_MAX_WORKERS 64u
 
 static uint64_t splitmix64(uint64_t x)
 {
@@ -69,8 +74,9 @@ typedef struct stream {
     size_t size;
     message *msgs;
     size_t n_msgs;
-    uint64_t block_events, stored_blocks, removed_blocks, requests;
-    uint64_t seqs[EV_WORKERS];
+    uint64_t block_events, stored_blocks, removed_blocks, requests, clears;
+    uint32_t n_workers;
+    uint64_t seqs[STREAM_MAX_WORKERS];
 } stream;
 
 static void pack_str(msgpack_packer *pk, const char *s)
@@ -90,6 +96,7 @@ static int build_stream(const km_trace *trace, uint64_t max_block_events, stream
                         size_t err_size)
 {
     memset(st, 0, sizeof *st);
+    st->n_workers = EV_WORKERS;
     km_bench_lru lrus[EV_WORKERS];
     for (uint32_t w = 0; w < EV_WORKERS; w++)
         if (km_bench_lru_init(&lrus[w], WORKER_CAPACITY)) {
@@ -197,6 +204,226 @@ static int build_stream(const km_trace *trace, uint64_t max_block_events, stream
     return 0;
 }
 
+/* ---- the engine-shaped stream ----------------------------------------------------------------- */
+
+/* One message per simulated engine step, as vLLM's scheduler emits them: each step a few running
+ * requests fill one to three new blocks each (one BlockStored per request, parent = the request's
+ * previous block), the engine evicts least-recently finished blocks once it holds ENG_CAPACITY
+ * (one BlockRemoved, a finished request's blocks tail first), and every ENG_CLEAR_EVERY-th
+ * step of the fleet clears one engine's whole cache (AllBlocksCleared, alone in its message). Engines take
+ * turns, so messages of different engines interleave as a fleet's would. */
+#define ENG_ENGINES 64u
+#define ENG_CAPACITY 4096u  /* blocks per engine */
+#define ENG_RUNNING 8u      /* requests in flight per engine */
+#define ENG_CLEAR_EVERY 20000u
+#define ENG_MESSAGES 200000u
+#define ENG_MESSAGES_QUICK 50000u
+#define ENG_REPS 3
+
+typedef struct eng_chain {
+    uint64_t *hashes; /* engine hashes of the request's blocks, in order */
+    uint32_t n, cap, target;
+} eng_chain;
+
+typedef struct eng_state {
+    eng_chain running[ENG_RUNNING];
+    eng_chain *finished; /* FIFO ring of finished requests, oldest at head */
+    uint32_t fin_head, fin_count, fin_cap;
+    uint32_t stored;
+    uint64_t next_request;
+} eng_state;
+
+static uint64_t eng_rng(uint64_t *s)
+{
+    *s += UINT64_C(0x9E3779B97F4A7C15);
+    return splitmix64(*s);
+}
+
+static void eng_chain_push(eng_chain *c, uint64_t h)
+{
+    if (c->n == c->cap) {
+        c->cap = c->cap ? 2 * c->cap : 16;
+        c->hashes = realloc(c->hashes, c->cap * sizeof *c->hashes);
+    }
+    c->hashes[c->n++] = h;
+}
+
+static void eng_start(eng_state *e, eng_chain *c, uint64_t *rng)
+{
+    c->n = 0;
+    c->target = 4 + (uint32_t)(eng_rng(rng) % 61); /* 4 .. 64 blocks: 64 .. 1,024 tokens */
+    e->next_request++;
+}
+
+static void eng_finish(eng_state *e, eng_chain *c)
+{
+    if (e->fin_count == e->fin_cap) {
+        uint32_t cap = e->fin_cap ? 2 * e->fin_cap : 64;
+        eng_chain *f = calloc(cap, sizeof *f);
+        for (uint32_t i = 0; i < e->fin_count; i++)
+            f[i] = e->finished[(e->fin_head + i) % e->fin_cap];
+        free(e->finished);
+        e->finished = f;
+        e->fin_cap = cap;
+        e->fin_head = 0;
+    }
+    eng_chain *slot = &e->finished[(e->fin_head + e->fin_count++) % e->fin_cap];
+    *slot = *c; /* hand over the hashes; the running slot gets a fresh array */
+    memset(c, 0, sizeof *c);
+}
+
+static void eng_reset(eng_state *e)
+{
+    for (uint32_t i = 0; i < e->fin_count; i++)
+        free(e->finished[(e->fin_head + i) % e->fin_cap].hashes);
+    e->fin_head = e->fin_count = 0;
+    for (uint32_t i = 0; i < ENG_RUNNING; i++)
+        e->running[i].n = 0;
+    e->stored = 0;
+}
+
+static void eng_free(eng_state *e)
+{
+    eng_reset(e);
+    free(e->finished);
+    for (uint32_t i = 0; i < ENG_RUNNING; i++)
+        free(e->running[i].hashes);
+}
+
+static void stream_add_message(stream *st, size_t *msgs_cap, uint32_t w, size_t start, size_t end)
+{
+    if (st->n_msgs == *msgs_cap) {
+        *msgs_cap *= 2;
+        st->msgs = realloc(st->msgs, *msgs_cap * sizeof *st->msgs);
+    }
+    message *m = &st->msgs[st->n_msgs++];
+    m->worker = w;
+    m->seq = st->seqs[w]++;
+    m->offset = start;
+    m->size = end - start;
+}
+
+static int build_engine_stream(uint64_t n_messages, stream *st)
+{
+    memset(st, 0, sizeof *st);
+    st->n_workers = ENG_ENGINES;
+    eng_state *engines = calloc(ENG_ENGINES, sizeof *engines);
+    size_t msgs_cap = 1024;
+    st->msgs = malloc(msgs_cap * sizeof *st->msgs);
+    if (!engines || !st->msgs)
+        return -1;
+    uint64_t rng = 42;
+    for (uint32_t w = 0; w < ENG_ENGINES; w++)
+        for (uint32_t i = 0; i < ENG_RUNNING; i++)
+            eng_start(&engines[w], &engines[w].running[i], &rng);
+    msgpack_sbuffer buf;
+    msgpack_sbuffer_init(&buf);
+    msgpack_packer pk;
+    msgpack_packer_init(&pk, &buf, msgpack_sbuffer_write);
+    uint64_t removed[ENG_CAPACITY];
+    uint64_t block_uid = 1;
+    for (uint64_t m = 0; m < n_messages; m++) {
+        uint32_t w = (uint32_t)(m % ENG_ENGINES);
+        eng_state *e = &engines[w];
+        size_t start = buf.size;
+        double ts = (double)m * 1e-4;
+        if (m % ENG_CLEAR_EVERY == ENG_CLEAR_EVERY - 1) {
+            msgpack_pack_array(&pk, 3);
+            msgpack_pack_double(&pk, ts);
+            msgpack_pack_array(&pk, 1);
+            msgpack_pack_array(&pk, 1);
+            pack_str(&pk, "AllBlocksCleared");
+            msgpack_pack_int64(&pk, 0);
+            eng_reset(e);
+            st->clears++;
+            stream_add_message(st, &msgs_cap, w, start, buf.size);
+            continue;
+        }
+        /* Which requests advance this step, and by how many blocks. */
+        uint32_t n_advance = 4 + (uint32_t)(eng_rng(&rng) % 5); /* 4 .. 8 */
+        uint32_t grow[ENG_RUNNING] = {0};
+        uint32_t new_blocks = 0;
+        for (uint32_t i = 0; i < n_advance; i++) {
+            uint32_t r = (uint32_t)(eng_rng(&rng) % ENG_RUNNING);
+            uint64_t x = eng_rng(&rng) % 10;
+            uint32_t g = x < 6 ? 1 : x < 9 ? 2 : 3;
+            eng_chain *c = &e->running[r];
+            if (c->n + grow[r] + g > c->target)
+                g = c->target - c->n - grow[r];
+            grow[r] += g;
+            new_blocks += g;
+        }
+        /* Evict finished requests' blocks, tail first, to make room. */
+        uint32_t n_removed = 0;
+        while (e->stored + new_blocks > ENG_CAPACITY && e->fin_count) {
+            eng_chain *f = &e->finished[e->fin_head];
+            removed[n_removed++] = f->hashes[--f->n];
+            e->stored--;
+            if (!f->n) {
+                free(f->hashes);
+                memset(f, 0, sizeof *f);
+                e->fin_head = (e->fin_head + 1) % e->fin_cap;
+                e->fin_count--;
+            }
+        }
+        uint32_t n_stored_events = 0;
+        for (uint32_t r = 0; r < ENG_RUNNING; r++)
+            n_stored_events += grow[r] > 0;
+        msgpack_pack_array(&pk, 3);
+        msgpack_pack_double(&pk, ts);
+        msgpack_pack_array(&pk, n_stored_events + (n_removed > 0));
+        if (n_removed) {
+            msgpack_pack_array(&pk, 2);
+            pack_str(&pk, "BlockRemoved");
+            msgpack_pack_array(&pk, n_removed);
+            for (uint32_t i = 0; i < n_removed; i++)
+                msgpack_pack_uint64(&pk, removed[i]);
+        }
+        for (uint32_t r = 0; r < ENG_RUNNING; r++) {
+            if (!grow[r])
+                continue;
+            eng_chain *c = &e->running[r];
+            uint64_t parent = c->n ? c->hashes[c->n - 1] : 0;
+            int has_parent = c->n > 0;
+            uint32_t first = c->n;
+            for (uint32_t b = 0; b < grow[r]; b++)
+                eng_chain_push(c, engine_hash(block_uid++, w));
+            msgpack_pack_array(&pk, 6);
+            pack_str(&pk, "BlockStored");
+            msgpack_pack_array(&pk, grow[r]);
+            for (uint32_t b = first; b < c->n; b++)
+                msgpack_pack_uint64(&pk, c->hashes[b]);
+            if (has_parent)
+                msgpack_pack_uint64(&pk, parent);
+            else
+                msgpack_pack_nil(&pk);
+            msgpack_pack_array(&pk, grow[r] * EV_BLOCK_SIZE);
+            for (uint32_t b = first; b < c->n; b++)
+                for (uint32_t k = 0; k < EV_BLOCK_SIZE; k++)
+                    msgpack_pack_uint32(&pk, (uint32_t)(splitmix64(c->hashes[b] + k) % 32000u));
+            msgpack_pack_uint32(&pk, EV_BLOCK_SIZE);
+            msgpack_pack_nil(&pk); /* lora_id */
+            e->stored += grow[r];
+            if (c->n == c->target) {
+                eng_finish(e, c);
+                eng_start(e, c, &rng);
+            }
+        }
+        msgpack_pack_int64(&pk, 0); /* data_parallel_rank */
+        st->stored_blocks += new_blocks;
+        st->removed_blocks += n_removed;
+        st->block_events += new_blocks + n_removed;
+        stream_add_message(st, &msgs_cap, w, start, buf.size);
+    }
+    for (uint32_t w = 0; w < ENG_ENGINES; w++)
+        eng_free(&engines[w]);
+    free(engines);
+    st->data = msgpack_sbuffer_release(&buf);
+    st->size = buf.size;
+    msgpack_sbuffer_destroy(&buf);
+    return 0;
+}
+
 static void stream_free(stream *st)
 {
     free(st->data);
@@ -234,7 +461,7 @@ static int run_inproc(const stream *st, double *seconds, uint64_t *lost, uint64_
     km_kv_decoder *dec = NULL;
     if (!index || km_feed_create(index, &fc, &feed) || km_kv_decoder_create(NULL, &dec))
         return -1;
-    for (uint32_t w = 0; w < EV_WORKERS; w++) {
+    for (uint32_t w = 0; w < st->n_workers; w++) {
         km_feed_worker_config wc = {w, "bench", false};
         km_feed_add_worker(feed, &wc, 1);
     }
@@ -257,7 +484,7 @@ static int run_inproc(const stream *st, double *seconds, uint64_t *lost, uint64_
     km_feed_flush(feed, 4, NULL);
     *seconds = km_bench_now_s() - t0;
     *lost = 0;
-    for (uint32_t w = 0; w < EV_WORKERS; w++) {
+    for (uint32_t w = 0; w < st->n_workers; w++) {
         km_feed_worker_info info;
         km_feed_get_worker_info(feed, w, &info);
         *lost += info.counters.lost + info.counters.unknown_parent_blocks + info.counters.unknown_removes +
@@ -277,8 +504,8 @@ static int run_inproc(const stream *st, double *seconds, uint64_t *lost, uint64_
 typedef struct zpub {
     const stream *st;
     void *ctx;
-    void *socks[EV_WORKERS];
-    char endpoints[EV_WORKERS][64];
+    void *socks[STREAM_MAX_WORKERS];
+    char endpoints[STREAM_MAX_WORKERS][64];
     volatile int go;
     uint64_t send_errors;
 } zpub;
@@ -309,7 +536,7 @@ static int run_zmq(const stream *st, double *seconds, uint64_t *lost, uint64_t *
     z.st = st;
     z.ctx = zmq_ctx_new();
     int zero = 0;
-    for (uint32_t w = 0; w < EV_WORKERS; w++) {
+    for (uint32_t w = 0; w < st->n_workers; w++) {
         z.socks[w] = zmq_socket(z.ctx, ZMQ_XPUB);
         zmq_setsockopt(z.socks[w], ZMQ_SNDHWM, &zero, sizeof zero);
         zmq_setsockopt(z.socks[w], ZMQ_LINGER, &zero, sizeof zero);
@@ -328,13 +555,13 @@ static int run_zmq(const stream *st, double *seconds, uint64_t *lost, uint64_t *
     km_subscriber *sub = NULL;
     if (!index || km_subscriber_create(index, &sc, &sub))
         return -1;
-    for (uint32_t w = 0; w < EV_WORKERS; w++) {
+    for (uint32_t w = 0; w < st->n_workers; w++) {
         km_subscriber_worker sw = {w, NULL, z.endpoints[w], NULL};
         if (km_subscriber_add_worker(sub, &sw))
             return -1;
     }
     /* Wait for every subscription to reach its XPUB. */
-    for (uint32_t w = 0; w < EV_WORKERS; w++) {
+    for (uint32_t w = 0; w < st->n_workers; w++) {
         char b[64];
         int timeout = 5000;
         zmq_setsockopt(z.socks[w], ZMQ_RCVTIMEO, &timeout, sizeof timeout);
@@ -363,7 +590,7 @@ static int run_zmq(const stream *st, double *seconds, uint64_t *lost, uint64_t *
     pthread_join(th, NULL);
     *send_errors = z.send_errors;
     *lost = 0;
-    for (uint32_t w = 0; w < EV_WORKERS; w++) {
+    for (uint32_t w = 0; w < st->n_workers; w++) {
         km_feed_worker_info info;
         km_subscriber_get_worker_info(sub, w, &info);
         uint64_t missing = st->seqs[w] - (info.has_expected_seq ? info.expected_seq : 0);
@@ -374,8 +601,76 @@ static int run_zmq(const stream *st, double *seconds, uint64_t *lost, uint64_t *
     *pairs = is.pairs;
     km_subscriber_destroy(sub);
     km_index_destroy(index);
-    for (uint32_t w = 0; w < EV_WORKERS; w++)
+    for (uint32_t w = 0; w < st->n_workers; w++)
         zmq_close(z.socks[w]);
+    zmq_ctx_term(z.ctx);
+    return 0;
+}
+
+/* ---- zmq_floor ---------------------------------------------------------------------------------- */
+
+/* The transport alone: the same publisher and messages, one SUB per worker polled on this thread,
+ * every part received (zmq_msg_recv) and dropped undecoded; timed from the first send until every
+ * message arrived. */
+static int run_zmq_floor(const stream *st, double *seconds, uint64_t *lost)
+{
+    zpub z;
+    memset(&z, 0, sizeof z);
+    z.st = st;
+    z.ctx = zmq_ctx_new();
+    int zero = 0;
+    void *subs[STREAM_MAX_WORKERS];
+    zmq_pollitem_t items[STREAM_MAX_WORKERS];
+    for (uint32_t w = 0; w < st->n_workers; w++) {
+        z.socks[w] = zmq_socket(z.ctx, ZMQ_XPUB);
+        zmq_setsockopt(z.socks[w], ZMQ_SNDHWM, &zero, sizeof zero);
+        zmq_setsockopt(z.socks[w], ZMQ_LINGER, &zero, sizeof zero);
+        if (zmq_bind(z.socks[w], "tcp://127.0.0.1:*"))
+            return -1;
+        size_t len = sizeof z.endpoints[w];
+        zmq_getsockopt(z.socks[w], ZMQ_LAST_ENDPOINT, z.endpoints[w], &len);
+        subs[w] = zmq_socket(z.ctx, ZMQ_SUB);
+        zmq_setsockopt(subs[w], ZMQ_RCVHWM, &zero, sizeof zero);
+        zmq_setsockopt(subs[w], ZMQ_LINGER, &zero, sizeof zero);
+        zmq_setsockopt(subs[w], ZMQ_SUBSCRIBE, "", 0);
+        if (zmq_connect(subs[w], z.endpoints[w]))
+            return -1;
+        items[w] = (zmq_pollitem_t){subs[w], 0, ZMQ_POLLIN, 0};
+    }
+    for (uint32_t w = 0; w < st->n_workers; w++) {
+        char b[64];
+        int timeout = 5000;
+        zmq_setsockopt(z.socks[w], ZMQ_RCVTIMEO, &timeout, sizeof timeout);
+        if (zmq_recv(z.socks[w], b, sizeof b, 0) < 0)
+            return -1;
+    }
+    pthread_t th;
+    pthread_create(&th, NULL, zpub_main, &z);
+    double t0 = km_bench_now_s();
+    __atomic_store_n(&z.go, 1, __ATOMIC_RELEASE);
+    uint64_t received = 0;
+    double deadline = t0 + 120;
+    zmq_msg_t part;
+    zmq_msg_init(&part);
+    while (received < st->n_msgs && km_bench_now_s() < deadline) {
+        if (zmq_poll(items, (int)st->n_workers, 100) <= 0)
+            continue;
+        for (uint32_t w = 0; w < st->n_workers; w++) {
+            if (!(items[w].revents & ZMQ_POLLIN))
+                continue;
+            while (zmq_msg_recv(&part, subs[w], ZMQ_DONTWAIT) >= 0)
+                if (!zmq_msg_more(&part))
+                    received++;
+        }
+    }
+    *seconds = km_bench_now_s() - t0;
+    zmq_msg_close(&part);
+    pthread_join(th, NULL);
+    *lost = st->n_msgs - received + z.send_errors;
+    for (uint32_t w = 0; w < st->n_workers; w++) {
+        zmq_close(subs[w]);
+        zmq_close(z.socks[w]);
+    }
     zmq_ctx_term(z.ctx);
     return 0;
 }
@@ -512,23 +807,61 @@ static int restart_once(const char *path, double *ready_s, uint64_t *pairs)
 
 /* ---- main -------------------------------------------------------------------------------------- */
 
+/* --engine-steps-only: the engine-shaped rows alone, for A/B pairs of the per-message path. */
+static int engine_steps_only(int reps, uint64_t n_messages, int inproc_only)
+{
+    stream es;
+    if (build_engine_stream(n_messages, &es))
+        return 1;
+    printf("engine steps: %zu messages from %u engines, %" PRIu64 " block events\n", es.n_msgs,
+           ENG_ENGINES, es.block_events);
+    double s_in;
+    uint64_t lost_in, pairs_in;
+    if (run_inproc(&es, &s_in, &lost_in, &pairs_in))
+        return 1;
+    printf("  inproc       %10.0f messages/s (%" PRIu64 " lost or unmatched, %" PRIu64 " pairs)\n",
+           (double)es.n_msgs / s_in, lost_in, pairs_in);
+    for (int r = 0; r < reps && !inproc_only; r++) {
+        double s_steps, s_floor;
+        uint64_t lost, lost_floor, pairs, se = 0;
+        if (run_zmq(&es, &s_steps, &lost, &pairs, &se) || run_zmq_floor(&es, &s_floor, &lost_floor))
+            return 1;
+        printf("  engine_steps %10.0f messages/s (%" PRIu64 " dropped)   zmq_floor %10.0f messages/s"
+               "   ratio %.2f\n", (double)es.n_msgs / s_steps, lost, (double)es.n_msgs / s_floor,
+               s_floor / s_steps);
+    }
+    stream_free(&es);
+    return 0;
+}
+
 static void usage(FILE *f)
 {
     fprintf(f, "usage: kvmatch bench events [--json] [--quick] [--trace PATH]\n"
+               "       kvmatch bench events --engine-steps-only [--quick] [--messages N] [--inproc]\n"
                "  KV-event ingestion (decode, hash, apply) in process and over loopback ZMQ, and\n"
                "  time to ready after a restart from a snapshot (docs/BENCHMARKS.md)\n"
-               "  --quick   smaller stream and snapshot, fewer reps (< 30 s)\n");
+               "  --quick   smaller stream and snapshot, fewer reps (< 30 s)\n"
+               "  --engine-steps-only  only the engine_steps and zmq_floor rows, as text (for A/B pairs)\n"
+               "    --messages N       that many engine steps (default 200000, 50000 with --quick)\n"
+               "    --inproc           the engine steps in process only (decode, feed, flush every 64)\n");
 }
 
 int km_bench_events_main(int argc, char **argv)
 {
-    int json = 0, quick = 0;
+    int json = 0, quick = 0, engine_only = 0, engine_inproc = 0;
+    uint64_t engine_messages = 0;
     const char *trace_path = NULL;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--json"))
             json = 1;
         else if (!strcmp(argv[i], "--quick"))
             quick = 1;
+        else if (!strcmp(argv[i], "--engine-steps-only"))
+            engine_only = 1;
+        else if (!strcmp(argv[i], "--inproc"))
+            engine_inproc = 1;
+        else if (!strcmp(argv[i], "--messages") && i + 1 < argc)
+            engine_messages = strtoull(argv[++i], NULL, 10);
         else if (!strcmp(argv[i], "--trace") && i + 1 < argc)
             trace_path = argv[++i];
         else if (!strcmp(argv[i], "-h") || !strcmp(argv[i], "--help")) {
@@ -540,6 +873,12 @@ int km_bench_events_main(int argc, char **argv)
             return 2;
         }
     }
+    if (engine_only)
+        return engine_steps_only(ENG_REPS,
+                                 engine_messages ? engine_messages
+                                 : quick         ? ENG_MESSAGES_QUICK
+                                                 : ENG_MESSAGES,
+                                 engine_inproc);
     if (!trace_path)
         trace_path = km_trace_default_path();
     json_t *machine = km_bench_machine_json();
@@ -585,6 +924,33 @@ int km_bench_events_main(int argc, char **argv)
     }
     double s_in = km_bench_median(v_in, (size_t)reps), s_zmq = km_bench_median(v_zmq, (size_t)reps);
 
+    /* The engine-shaped stream through the subscriber, alternating with the transport's floor on
+     * the same messages, so both see the same machine. */
+    stream es;
+    if (build_engine_stream(quick ? ENG_MESSAGES_QUICK : ENG_MESSAGES, &es)) {
+        fprintf(stderr, "kvmatch bench events: out of memory building the engine stream\n");
+        return 1;
+    }
+    double v_steps[ENG_REPS], v_floor[ENG_REPS];
+    uint64_t lost_steps = 0, lost_floor = 0, pairs_steps = 0, send_errors_steps = 0;
+    for (int r = 0; r < ENG_REPS; r++) {
+        uint64_t lost, se = 0;
+        if (run_zmq(&es, &v_steps[r], &lost, &pairs_steps, &se)) {
+            fprintf(stderr, "kvmatch bench events: engine_steps run failed\n");
+            return 1;
+        }
+        lost_steps += lost;
+        send_errors_steps += se;
+        if (run_zmq_floor(&es, &v_floor[r], &lost)) {
+            fprintf(stderr, "kvmatch bench events: zmq_floor run failed\n");
+            return 1;
+        }
+        lost_floor += lost;
+    }
+    double s_steps = km_bench_median(v_steps, ENG_REPS);
+    double s_floor = km_bench_median(v_floor, ENG_REPS);
+    double mps_steps = (double)es.n_msgs / s_steps, mps_floor = (double)es.n_msgs / s_floor;
+
     char dir[] = "/tmp/kvmatch-bench-events-XXXXXX";
     if (!mkdtemp(dir)) {
         fprintf(stderr, "kvmatch bench events: mkdtemp: %s\n", strerror(errno));
@@ -626,6 +992,12 @@ int km_bench_events_main(int argc, char **argv)
             "inproc: one thread, decode + km_feed_live + km_feed_flush every 64 messages; zmq: "
             "publisher thread with one XPUB per worker, km_subscriber I/O thread, main thread "
             "flushing every 1 ms; both end when every message is applied"));
+        json_array_append_new(notes, json_string(
+            "engine_steps: one message per simulated engine step (4-8 requests each storing 1-3 "
+            "blocks, evictions once an engine holds its capacity, a rare AllBlocksCleared), engines "
+            "interleaved, through the same publisher and km_subscriber as zmq; zmq_floor: the same "
+            "messages received by one SUB per engine and dropped undecoded, alternating with "
+            "engine_steps in the same run"));
         json_array_append_new(notes, json_sprintf(
             "restart: synthetic snapshot (chains of %u blocks, half shared by all %u workers) "
             "built through the feed in %.1f s; the file (%.0f MB) is in the page cache; ready = "
@@ -633,18 +1005,35 @@ int km_bench_events_main(int argc, char **argv)
             "install), claim every worker (each asks for a replay from its saved seq + 1)",
             RS_CHAIN, RS_WORKERS, build_s, (double)file_bytes / 1e6));
         json_t *o = json_pack(
-            "{s:s, s:o, s:o, s:o, s:{s:I, s:f, s:f, s:f, s:I, s:I}, s:{s:s, s:I, s:I, s:I, s:I, s:I, s:I, "
+            "{s:s, s:o, s:o, s:o, s:o, s:{s:I, s:f, s:f, s:f, s:I, s:I}, s:{s:s, s:I, s:I, s:I, s:I, s:I, s:I, "
             "s:I, s:I, s:I, s:I, s:b}, s:o}",
             "command", command, "machine", machine,
             "results",
-            json_pack("[{s:s, s:f, s:f, s:I, s:I}, {s:s, s:f, s:f, s:I, s:I, s:I}]", "path",
+            json_pack("[{s:s, s:f, s:f, s:I, s:I}, {s:s, s:f, s:f, s:I, s:I, s:I}, "
+                      "{s:s, s:f, s:f, s:f, s:I, s:I, s:I}, {s:s, s:f, s:f, s:f, s:I}]", "path",
                       "inproc", "block_events_per_s", km_bench_round_to(eps_in, 1), "seconds",
                       km_bench_round_to(s_in, 0.0001), "lost_or_unmatched", (json_int_t)lost_in,
                       "pairs_after", (json_int_t)pairs_in, "path", "zmq", "block_events_per_s",
                       km_bench_round_to(eps_zmq, 1), "seconds", km_bench_round_to(s_zmq, 0.0001), "dropped",
                       (json_int_t)lost_zmq, "send_errors", (json_int_t)send_errors, "pairs_after",
-                      (json_int_t)pairs_zmq),
-            "targets", json_pack("{s:f, s:f}", "block_events_per_s", 2e6, "ready_s", 2.0),
+                      (json_int_t)pairs_zmq,
+                      "path", "engine_steps", "messages_per_s", km_bench_round_to(mps_steps, 1),
+                      "block_events_per_s", km_bench_round_to((double)es.block_events / s_steps, 1),
+                      "seconds", km_bench_round_to(s_steps, 0.0001), "dropped", (json_int_t)lost_steps,
+                      "send_errors", (json_int_t)send_errors_steps, "pairs_after",
+                      (json_int_t)pairs_steps,
+                      "path", "zmq_floor", "messages_per_s", km_bench_round_to(mps_floor, 1),
+                      "block_events_per_s", km_bench_round_to((double)es.block_events / s_floor, 1),
+                      "seconds", km_bench_round_to(s_floor, 0.0001), "dropped", (json_int_t)lost_floor),
+            "targets", json_pack("{s:f, s:f, s:f, s:f}", "block_events_per_s", 2e6, "ready_s", 2.0,
+                                 "engine_messages_per_s", 1e5, "engine_floor_fraction", 0.5),
+            "engine_stream", json_pack("{s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I}", "engines",
+                                       (json_int_t)ENG_ENGINES, "capacity_blocks",
+                                       (json_int_t)ENG_CAPACITY, "messages", (json_int_t)es.n_msgs,
+                                       "block_events", (json_int_t)es.block_events, "stored_blocks",
+                                       (json_int_t)es.stored_blocks, "removed_blocks",
+                                       (json_int_t)es.removed_blocks, "clears",
+                                       (json_int_t)es.clears, "bytes", (json_int_t)es.size),
             "restart", "pairs", (json_int_t)saved_pairs, "ready_s", km_bench_round_to(ready, 0.001),
             "index_load_s", km_bench_round_to(load_s, 0.001), "feed_import_s", km_bench_round_to(import_s, 0.001),
             "file_bytes", (json_int_t)file_bytes, "reps", (json_int_t)restart_reps,
@@ -667,9 +1056,17 @@ int km_bench_events_main(int argc, char **argv)
         printf("  inproc  %12.0f block events/s  (%.3f s, %" PRIu64 " lost)\n", eps_in, s_in, lost_in);
         printf("  zmq     %12.0f block events/s  (%.3f s, %" PRIu64 " dropped)\n", eps_zmq, s_zmq,
                lost_zmq);
+        printf("  engine steps: %zu messages from %u engines, %" PRIu64 " block events (%" PRIu64
+               " stored, %" PRIu64 " removed, %" PRIu64 " clears)\n",
+               es.n_msgs, ENG_ENGINES, es.block_events, es.stored_blocks, es.removed_blocks, es.clears);
+        printf("  engine_steps %10.0f messages/s %12.0f block events/s  (%.3f s, %" PRIu64
+               " dropped)\n", mps_steps, (double)es.block_events / s_steps, s_steps, lost_steps);
+        printf("  zmq_floor    %10.0f messages/s %12.0f block events/s  (%.3f s, %" PRIu64
+               " dropped)\n", mps_floor, (double)es.block_events / s_floor, s_floor, lost_floor);
         printf("  restart %" PRIu64 " pairs: ready in %.3f s (km_bench_median of %d; index load %.3f s, "
                "feed state %.3f s)\n", saved_pairs, ready, restart_reps, load_s, import_s);
     }
     stream_free(&st);
+    stream_free(&es);
     return 0;
 }

@@ -146,8 +146,25 @@ def render_events(d):
     out.append("| path | block events/s | target | dropped or unmatched |")
     out.append("|---|---:|---:|---:|")
     for r in d["results"]:
+        if "messages_per_s" in r:
+            continue
         lost = r.get("dropped", r.get("lost_or_unmatched", ""))
         out.append(f"| {r['path']} | {fmt(r['block_events_per_s'])} | {fmt(t.get('block_events_per_s'))} | {lost} |")
+    steps = [r for r in d["results"] if "messages_per_s" in r]
+    e = d.get("engine_stream")
+    if steps and e:
+        out.append("")
+        out.append(f"Engine steps: {fmt(e.get('messages'))} messages from {e.get('engines', '?')} engines, "
+                   f"{fmt(e.get('block_events'))} block events ({fmt(e.get('stored_blocks'))} stored, "
+                   f"{fmt(e.get('removed_blocks'))} removed, {e.get('clears', 0)} clears).\n")
+        floor = next((r for r in steps if r["path"] == "zmq_floor"), None)
+        out.append("| path | messages/s | block events/s | of zmq_floor | target messages/s | dropped |")
+        out.append("|---|---:|---:|---:|---:|---:|")
+        for r in steps:
+            share = f"{r['messages_per_s'] / floor['messages_per_s']:.2f}" if floor and floor["messages_per_s"] else ""
+            target = fmt(t.get("engine_messages_per_s")) if r["path"] == "engine_steps" else ""
+            out.append(f"| {r['path']} | {fmt(r['messages_per_s'])} | {fmt(r['block_events_per_s'])} | "
+                       f"{share} | {target} | {r.get('dropped', '')} |")
     r = d.get("restart")
     if r:
         out.append("")
