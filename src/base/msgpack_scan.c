@@ -1,8 +1,8 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* The bounded msgpack pre-scan and the type names of src/base/msgpack_scan.h. The scan is on the
  * path of every frame and event payload, so its loop takes the common values (one-byte values,
- * short strings, 64-bit numbers: hashes, costs) before the general header decoder, and keeps the
- * innermost container's count in a register. */
+ * short strings, fixed-width numbers: hashes, token ids, costs) before the general header
+ * decoder, and keeps the innermost container's count in a register. */
 #include "base/msgpack_scan.h"
 
 #include <inttypes.h>
@@ -103,6 +103,22 @@ static unsigned effective_depth(const km_msgpack_limits *limits)
                                                          : KM_MSGPACK_SCAN_MAX_DEPTH;
 }
 
+/* Bytes of a value that is a fixed-width scalar, by its first byte (fixint, nil, bool, the
+ * numbers of 8 to 64 bits: hashes, token ids and costs are these); 0 for every other value. */
+#define SIXTEEN(x) x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x
+static const uint8_t scalar_bytes[256] = {
+    SIXTEEN(1), SIXTEEN(1), SIXTEEN(1), SIXTEEN(1), /* 0x00 .. 0x3f positive fixint */
+    SIXTEEN(1), SIXTEEN(1), SIXTEEN(1), SIXTEEN(1), /* 0x40 .. 0x7f */
+    SIXTEEN(0), SIXTEEN(0), SIXTEEN(0), SIXTEEN(0), /* 0x80 .. 0xbf fixmap, fixarray, fixstr */
+    1, 0, 1, 1,                                     /* 0xc0 nil, 0xc1 reserved, 0xc2, 0xc3 bool */
+    0, 0, 0, 0, 0, 0,                               /* 0xc4 .. 0xc9 bin, ext */
+    5, 9,                                           /* 0xca float 32, 0xcb float 64 */
+    2, 3, 5, 9, 2, 3, 5, 9,                         /* 0xcc .. 0xd3 uint, int 8 .. 64 */
+    0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,             /* 0xd4 .. 0xdf fixext, str, array, map */
+    SIXTEEN(1), SIXTEEN(1),                         /* 0xe0 .. 0xff negative fixint */
+};
+#undef SIXTEEN
+
 int km_msgpack_scan(const void *data, size_t size, const km_msgpack_limits *limits,
                     km_msgpack_scan_result *scan)
 {
@@ -123,18 +139,18 @@ int km_msgpack_scan(const void *data, size_t size, const km_msgpack_limits *limi
             return scan_fail(scan, KM_MSGPACK_SCAN_TRUNCATED, size, 0, 0, depth);
         uint8_t b = p[pos];
         size_t left = size - pos;
-        if (b <= 0x7f || b >= 0xe0 || b == 0xc0 || b == 0xc2 || b == 0xc3) {
-            pos += 1; /* fixint, nil, false, true */
+        unsigned scalar = scalar_bytes[b];
+        if (scalar) {
+            if (left < scalar)
+                return scan_fail(scan, KM_MSGPACK_SCAN_HEADER_TRUNCATED, start, scalar, left,
+                                 depth);
+            pos += scalar;
         } else if ((b & 0xe0) == 0xa0) { /* fixstr */
             size_t body = b & 0x1fu;
             if (body > left - 1)
                 return scan_fail(scan, KM_MSGPACK_SCAN_BODY_TRUNCATED, start, body, left - 1,
                                  depth);
             pos += 1 + body;
-        } else if (b == 0xcb || b == 0xcf || b == 0xd3) { /* float 64, uint 64, int 64 */
-            if (left < 9)
-                return scan_fail(scan, KM_MSGPACK_SCAN_HEADER_TRUNCATED, start, 9, left, depth);
-            pos += 9;
         } else {
             value_header h;
             int rc = read_value_header(p + pos, left, &h);
