@@ -22,6 +22,7 @@
 #include "events/feed_internal.h"
 
 #define EMAP_PREFETCH_AHEAD 8u /* blocks: apply_stored loads map slots this far ahead */
+#define MESSAGE_PREFETCH_KEYS 32u /* map slots a message starts loading before its first event */
 
 /* ---- engine-hash map ------------------------------------------------------------------------- */
 
@@ -392,6 +393,21 @@ void km_feed_queue_message(km_feed *feed, worker *w, const message_view *v, uint
         w->c.dropped_messages++;
         km_feed_enter_degraded(feed, w, now, "out of memory queueing a message's updates");
         return;
+    }
+    /* An engine's step holds several short events: start every map slot the message will look up
+     * (parents and blocks, up to MESSAGE_PREFETCH_KEYS) before the first, so their misses overlap
+     * instead of each event waiting on its own. */
+    uint32_t prefetched = 0;
+    for (uint32_t i = 0; i < v->n_events && prefetched < MESSAGE_PREFETCH_KEYS; i++) {
+        const km_kv_event *e = &v->events[i];
+        if (e->kind == KM_KV_EVENT_BLOCK_STORED && e->has_parent_block_hash) {
+            km_emap_prefetch(&w->map, e->parent_block_hash);
+            prefetched++;
+        }
+        for (uint32_t k = 0; k < e->n_block_hashes && prefetched < MESSAGE_PREFETCH_KEYS; k++) {
+            km_emap_prefetch(&w->map, e->block_hashes[k]);
+            prefetched++;
+        }
     }
     group_begin(feed, w);
     for (uint32_t i = 0; i < v->n_events; i++) {

@@ -745,6 +745,29 @@ static int apply_set_tier(batch *b, const km_update *u)
  * dependent chain, so removes gain from starting earlier). */
 enum { STORE_AHEAD = 8, REMOVE_AHEAD = 16 };
 
+/* Engines send many small updates (one per request per step, of one to a few blocks), too short
+ * for the prefetches inside apply_store and apply_remove to run ahead: a batch also starts the
+ * slots and metadata of the first PREFETCH_PER_UPDATE blocks (and a store's parent) of the update
+ * UPDATES_AHEAD places on, so the misses of consecutive small updates overlap. */
+enum { UPDATES_AHEAD = 4, PREFETCH_PER_UPDATE = 4 };
+
+KM_PREFETCHER static inline void prefetch_update(const km_index *index, const km_update *u)
+{
+    const km_table *t = &index->blocks;
+    if (u->kind != KM_UPDATE_STORE && u->kind != KM_UPDATE_REMOVE)
+        return;
+    if (u->kind == KM_UPDATE_STORE && u->parent != KM_NO_PARENT) {
+        uint64_t home = km_slot_home(u->parent, t->shift);
+        __builtin_prefetch(&t->slots[home]);
+        __builtin_prefetch(&t->meta[home]);
+    }
+    for (size_t k = 0; k < u->n_hashes && k < PREFETCH_PER_UPDATE; k++) {
+        uint64_t home = km_slot_home(u->hashes[k], t->shift);
+        __builtin_prefetch(&t->slots[home], 1);
+        __builtin_prefetch(&t->meta[home], 1);
+    }
+}
+
 static int apply_store(batch *b, const km_update *u)
 {
     km_index *index = b->index;
@@ -1148,6 +1171,8 @@ int km_index_apply(km_index *index, const km_update *updates, size_t n_updates,
     }
     for (size_t i = 0; i < n_updates && !rc; i++) {
         const km_update *u = &updates[i];
+        if (i + UPDATES_AHEAD < n_updates)
+            prefetch_update(index, &updates[i + UPDATES_AHEAD]);
         switch (u->kind) {
         case KM_UPDATE_STORE:
             rc = apply_store(&b, u);
