@@ -17,7 +17,7 @@ set -euo pipefail
 dir=${1:?usage: fetch-gpu-debs.sh DIR}
 packages=(
     # build: headers and link-time symlinks
-    libxxhash-dev libjansson-dev libcriterion-dev libmsgpack-dev libzmq3-dev libuv1-dev libmicrohttpd-dev
+    libxxhash-dev libjansson-dev libcriterion-dev libmsgpack-dev libmsgpuck-dev libzmq3-dev libuv1-dev libmicrohttpd-dev
     # runtime: our direct libraries
     libxxhash0 libjansson4 libcriterion3 libmsgpackc2 libzmq5 libuv1 libmicrohttpd12
     # runtime closure of libcriterion3 (libffi8, libgit2-1.5, libnanomsg5 and what they need)

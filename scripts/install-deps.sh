@@ -42,6 +42,8 @@ need_command pkg-config pkg-config
 need_library libxxhash libxxhash-dev
 need_library jansson libjansson-dev
 need_library msgpack libmsgpack-dev
+# msgpuck (the KV-event decoder's direct path) is one header, without a pkg-config file
+[ -f /usr/include/msgpuck.h ] || have_package libmsgpuck-dev || missing+=(libmsgpuck-dev)
 need_library libzmq libzmq3-dev
 need_library libuv libuv1-dev
 need_library libmicrohttpd libmicrohttpd-dev

@@ -10,6 +10,7 @@
  * (guarded_copy), so reading one byte past the end faults even without sanitizers; `make asan`
  * adds AddressSanitizer and UBSan on top. Randomized tests print their seed (KM_TEST_SEED). */
 #include <inttypes.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -21,6 +22,7 @@
 #include <msgpack.h>
 
 #include "kvmatch/kv_events.h"
+#include "events/kv_events_internal.h"
 #include "test_util.h"
 
 #define FIXTURE_DIR "tests/kv_events_vectors"
@@ -2641,4 +2643,259 @@ Test(kv_events, lookahead_tokens_and_top_level_cache_salt)
     cr_assert_str_eq(km_kv_rejection_name(KM_KV_REJECTED_TOKEN_COUNT), "token_count");
     cr_assert_str_eq(km_kv_rejection_name((km_kv_rejection)0), "unknown");
     km_kv_decoder_destroy(d);
+}
+
+/* ---- the direct path against the tree path ------------------------------------------------------ */
+
+/* An integer in one of msgpack's encodings, as a publisher might pick it: fixint, uint 8..64, or
+ * the signed forms (msgpack-c reads a non-negative signed value as unsigned; the decoder must
+ * too). */
+static void pack_any_int(msgpack_packer *pk, km_rng *r, int64_t v)
+{
+    switch (km_rng_below(r, 4)) {
+    case 0: msgpack_pack_int64(pk, v); break; /* the smallest encoding */
+    case 1:
+        if (v >= 0)
+            msgpack_pack_fix_uint64(pk, (uint64_t)v);
+        else
+            msgpack_pack_fix_int64(pk, v);
+        break;
+    case 2:
+        if (v >= INT32_MIN && v <= INT32_MAX)
+            msgpack_pack_fix_int32(pk, (int32_t)v);
+        else
+            msgpack_pack_fix_int64(pk, v);
+        break;
+    default:
+        if (v >= 0 && v <= UINT16_MAX)
+            msgpack_pack_fix_uint16(pk, (uint16_t)v);
+        else
+            msgpack_pack_int64(pk, v);
+        break;
+    }
+}
+
+/* A value for an optional field: mostly nil or the field's usual type, sometimes another. */
+static void pack_optional(msgpack_packer *pk, km_rng *r, int usual)
+{
+    uint32_t k = km_rng_below(r, 10);
+    if (k < 5)
+        msgpack_pack_nil(pk);
+    else if (k < 8 && usual == 'i')
+        pack_any_int(pk, r, (int64_t)km_rng_below(r, 100) - 10);
+    else if (k < 8 && usual == 's')
+        pack_cstr(pk, km_rng_below(r, 2) ? "GPU" : km_rng_below(r, 2) ? "cpu" : "other\0x");
+    else if (k == 8)
+        msgpack_pack_array(pk, 0);
+    else
+        pack_cstr(pk, "x");
+}
+
+/* One random event near the common positional form, with one deviation now and then. */
+static void pack_random_event(msgpack_packer *pk, km_rng *r)
+{
+    uint32_t kind = km_rng_below(r, 20);
+    if (kind == 0) { /* a cleared event, sometimes with extra elements or as a map */
+        uint32_t extra = km_rng_below(r, 3) == 0 ? 1 : 0;
+        msgpack_pack_array(pk, 1 + extra);
+        pack_cstr(pk, "AllBlocksCleared");
+        if (extra)
+            msgpack_pack_nil(pk);
+        return;
+    }
+    if (kind == 1) { /* a type the decoder does not know, or a map event */
+        if (km_rng_below(r, 2)) {
+            msgpack_pack_array(pk, 2);
+            pack_cstr(pk, "BlockMoved");
+            msgpack_pack_nil(pk);
+        } else {
+            msgpack_pack_map(pk, 2);
+            pack_cstr(pk, "type");
+            pack_cstr(pk, "BlockRemoved");
+            pack_cstr(pk, "block_hashes");
+            msgpack_pack_array(pk, 1);
+            msgpack_pack_uint64(pk, 7);
+        }
+        return;
+    }
+    bool stored = kind < 12;
+    uint32_t n_blocks = km_rng_below(r, 4);
+    uint32_t block_size = 1 + km_rng_below(r, 4);
+    uint32_t n_fields = stored ? 3 + km_rng_below(r, 10) : km_rng_below(r, 5); /* after the tag */
+    msgpack_pack_array(pk, 1 + n_fields);
+    pack_cstr(pk, stored ? "BlockStored" : "BlockRemoved");
+    for (uint32_t f = 0; f < n_fields; f++) {
+        bool deviate = km_rng_below(r, 40) == 0;
+        if (f == 0) { /* block_hashes: ints of any sign and encoding, now and then bytes */
+            msgpack_pack_array(pk, n_blocks);
+            for (uint32_t i = 0; i < n_blocks; i++) {
+                if (deviate && i == 0)
+                    msgpack_pack_bin_with_body(pk, "\x01\x02", 2);
+                else
+                    pack_any_int(pk, r, (int64_t)km_rng_next(r));
+            }
+        } else if (!stored) {
+            pack_optional(pk, r, f == 1 ? 's' : 'i'); /* medium, group_idx, then past the schema */
+        } else if (f == 1) { /* parent */
+            if (km_rng_below(r, 3) == 0)
+                msgpack_pack_nil(pk);
+            else
+                pack_any_int(pk, r, (int64_t)km_rng_next(r));
+        } else if (f == 2) { /* token_ids, the right count unless deviating */
+            uint32_t n = n_blocks * block_size + (deviate ? 1 : 0);
+            msgpack_pack_array(pk, n);
+            for (uint32_t i = 0; i < n; i++)
+                pack_any_int(pk, r, deviate && i == 0 ? -1 : (int64_t)km_rng_below(r, 200000));
+        } else if (f == 3) { /* block_size */
+            pack_any_int(pk, r, deviate ? 0 : block_size);
+        } else {
+            /* lora_id, medium, lora_name, extra_keys, group_idx, kind, sliding window, then past
+             * the positional schema */
+            static const char usual[] = {'i', 's', 's', 'a', 'i', 's', 'i', 'i', 'i'};
+            pack_optional(pk, r, usual[f - 4]);
+        }
+    }
+}
+
+static void expect_same_string(const char *a, const char *b, const char *what)
+{
+    KM_CHECK((a == NULL) == (b == NULL) && (!a || strcmp(a, b) == 0), "%s differs", what);
+}
+
+static void expect_same_flags(const uint8_t *a, const uint8_t *b, uint32_t n, const char *what)
+{
+    KM_CHECK((a == NULL) == (b == NULL) && (!a || memcmp(a, b, n) == 0), "%s differs", what);
+}
+
+static void expect_same_batch(const km_kv_batch *a, const km_kv_batch *b)
+{
+    KM_CHECK(memcmp(&a->timestamp, &b->timestamp, sizeof a->timestamp) == 0, "timestamp");
+    KM_CHECK(a->has_data_parallel_rank == b->has_data_parallel_rank &&
+                 a->data_parallel_rank == b->data_parallel_rank,
+             "rank");
+    KM_CHECK(a->n_events == b->n_events && a->n_rejected == b->n_rejected &&
+                 a->n_unknown_events == b->n_unknown_events &&
+                 a->n_payload_events == b->n_payload_events,
+             "counts %u/%u %u/%u %u/%u", a->n_events, b->n_events, a->n_rejected, b->n_rejected,
+             a->n_unknown_events, b->n_unknown_events);
+    expect_same_string(a->first_unknown_type, b->first_unknown_type, "first unknown type");
+    for (uint32_t i = 0; i < a->n_rejected; i++)
+        KM_CHECK(a->rejected[i].position == b->rejected[i].position &&
+                     a->rejected[i].kind == b->rejected[i].kind &&
+                     a->rejected[i].reason == b->rejected[i].reason &&
+                     a->rejected[i].status == b->rejected[i].status &&
+                     strcmp(a->rejected[i].message, b->rejected[i].message) == 0,
+                 "rejected event %u", i);
+    for (uint32_t i = 0; i < a->n_events; i++) {
+        const km_kv_event *x = &a->events[i], *y = &b->events[i];
+        KM_CHECK(x->kind == y->kind && x->position == y->position, "event %u kind", i);
+        KM_CHECK(x->n_block_hashes == y->n_block_hashes &&
+                     (x->n_block_hashes == 0 ||
+                      memcmp(x->block_hashes, y->block_hashes, 8u * x->n_block_hashes) == 0),
+                 "event %u hashes", i);
+        KM_CHECK(x->medium == y->medium && x->has_group_idx == y->has_group_idx &&
+                     x->group_idx == y->group_idx,
+                 "event %u medium or group", i);
+        expect_same_string(x->medium_name, y->medium_name, "medium name");
+        KM_CHECK(x->has_parent_block_hash == y->has_parent_block_hash &&
+                     x->parent_block_hash == y->parent_block_hash,
+                 "event %u parent", i);
+        KM_CHECK(x->n_token_ids == y->n_token_ids && x->block_size == y->block_size &&
+                     (x->n_token_ids == 0 ||
+                      memcmp(x->token_ids, y->token_ids, 4u * x->n_token_ids) == 0),
+                 "event %u tokens", i);
+        expect_same_string(x->lora_name, y->lora_name, "lora name");
+        KM_CHECK(x->has_lora_id == y->has_lora_id && x->lora_id == y->lora_id, "event %u lora", i);
+        expect_same_flags(x->extra_keys_present, y->extra_keys_present, x->n_block_hashes,
+                          "extra keys present");
+        expect_same_flags(x->extra_keys_opaque, y->extra_keys_opaque, x->n_block_hashes,
+                          "extra keys opaque");
+        expect_same_string(x->cache_salt, y->cache_salt, "cache salt");
+        KM_CHECK(x->n_lookahead_tokens == y->n_lookahead_tokens &&
+                     (x->lookahead_token_ids == NULL) == (y->lookahead_token_ids == NULL),
+                 "event %u lookahead", i);
+        expect_same_string(x->kv_cache_spec_kind, y->kv_cache_spec_kind, "spec kind");
+        KM_CHECK(x->has_kv_cache_spec_sliding_window == y->has_kv_cache_spec_sliding_window &&
+                     x->kv_cache_spec_sliding_window == y->kv_cache_spec_sliding_window,
+                 "event %u sliding window", i);
+    }
+}
+
+Test(kv_events, direct_path_decodes_exactly_as_the_tree_path, .timeout = 120)
+{
+    km_rng r;
+    km_rng_init(&r, km_test_seed() ^ 0xd1ec7u);
+    km_kv_decoder_config cfg;
+    km_kv_decoder_config_init(&cfg);
+    cfg.max_hashes_per_event = 2; /* limits reached now and then: both paths must refuse */
+    cfg.max_payload_objects = 400;
+    km_kv_decoder *direct = new_decoder(&cfg), *tree = new_decoder(&cfg);
+    km_kv_decoder_set_direct_path(tree, false);
+    uint32_t accepted = 0;
+    for (int iter = 0; iter < 20000; iter++) {
+        pk_buf b;
+        msgpack_packer *pk = pk_begin(&b);
+        uint32_t items = km_rng_below(&r, 12) == 0 ? 1 + km_rng_below(&r, 4) : 3;
+        uint32_t n_events = km_rng_below(&r, 8);
+        msgpack_pack_array(pk, items);
+        for (uint32_t i = 0; i < items; i++) {
+            if (i == 0) {
+                uint32_t k = km_rng_below(&r, 4);
+                if (k == 0)
+                    msgpack_pack_double(pk, 1.5e9 + (double)km_rng_below(&r, 1000) / 7);
+                else if (k == 1)
+                    msgpack_pack_float(pk, 1.25f);
+                else if (k == 2)
+                    pack_any_int(pk, &r, (int64_t)km_rng_below(&r, 100) - 50);
+                else
+                    pack_cstr(pk, "ts");
+            } else if (i == 1) {
+                msgpack_pack_array(pk, n_events);
+                for (uint32_t e = 0; e < n_events; e++)
+                    pack_random_event(pk, &r);
+            } else if (i == 2) {
+                uint32_t k = km_rng_below(&r, 6);
+                if (k == 0)
+                    msgpack_pack_nil(pk);
+                else if (k == 1)
+                    pack_any_int(pk, &r, -1);
+                else if (k == 2)
+                    msgpack_pack_uint64(pk, UINT64_C(1) << 33);
+                else
+                    pack_any_int(pk, &r, km_rng_below(&r, 8));
+            } else {
+                msgpack_pack_nil(pk);
+            }
+        }
+        size_t size = b.sb.size;
+        if (km_rng_below(&r, 20) == 0 && size > 1)
+            size = km_rng_below(&r, (uint32_t)size); /* truncated */
+        else if (km_rng_below(&r, 40) == 0)
+            msgpack_pack_nil(pk), size = b.sb.size; /* trailing bytes */
+        km_kv_batch x, y;
+        int rx = decode_bytes(direct, b.sb.data, size, &x);
+        int ry = decode_bytes(tree, b.sb.data, size, &y);
+        KM_CHECK(rx == ry, "iteration %d: direct %s, tree %s (%s)", iter, km_error_name(rx),
+                 km_error_name(ry), km_kv_decoder_last_error(tree));
+        if (rx == KM_OK) {
+            expect_same_batch(&x, &y);
+            accepted++;
+        } else {
+            KM_CHECK(strcmp(km_kv_decoder_last_error(direct), km_kv_decoder_last_error(tree)) == 0,
+                     "iteration %d: messages differ", iter);
+        }
+        pk_end(&b);
+    }
+    km_kv_decoder_stats sx, sy;
+    km_kv_decoder_get_stats(direct, &sx);
+    km_kv_decoder_get_stats(tree, &sy);
+    KM_CHECK(memcmp(&sx, &sy, offsetof(km_kv_decoder_stats, retained_bytes)) == 0,
+             "decoder counters differ");
+    KM_CHECK(accepted > 2000, "only %u payloads decoded: the generator drifted", accepted);
+    KM_CHECK(km_kv_decoder_direct_decoded(direct) > accepted / 4 &&
+                 km_kv_decoder_direct_decoded(tree) == 0,
+             "the direct path decoded %llu of %u payloads",
+             (unsigned long long)km_kv_decoder_direct_decoded(direct), accepted);
+    km_kv_decoder_destroy(direct);
+    km_kv_decoder_destroy(tree);
 }

@@ -12,16 +12,21 @@
  *  3. decode_batch walks the tree against the event schemas and copies what the caller gets
  *     (arrays, strings) into the handle's arena, also kept across calls.
  * Stage 1 makes stage 2's result predictable; stage 3 never trusts a size it has not checked
- * against a configured limit. */
+ * against a configured limit. Before them, the direct path ("the direct path" below) reads the
+ * common positional form in place with msgpuck and hands anything else to the three stages. */
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include <msgpack.h>
+/* msgpuck's functions are inline; this file emits their one external copy (used nowhere else). */
+#define MP_SOURCE 1
+#include <msgpuck.h>
 
 #include "kvmatch/kv_events.h"
 #include "base/msgpack_scan.h"
+#include "events/kv_events_internal.h"
 
 #define LAST_ERROR_BYTES        512
 #define REJECT_MESSAGE_BYTES    200
@@ -91,6 +96,27 @@ static void arena_reset(arena *a)
         a->blocks->used = 0;
 }
 
+/* Where the arena stands: arena_rewind gives back what was allocated since, and keeps valid what
+ * was allocated before (blocks added since stay, empty, for the allocations that follow). */
+typedef struct arena_mark {
+    arena_block *block;
+    size_t used;
+} arena_mark;
+
+static arena_mark arena_get_mark(const arena *a)
+{
+    arena_mark m = {a->blocks, a->blocks ? a->blocks->used : 0};
+    return m;
+}
+
+static void arena_rewind(arena *a, arena_mark m)
+{
+    for (arena_block *block = a->blocks; block && block != m.block; block = block->next)
+        block->used = 0;
+    if (m.block)
+        m.block->used = m.used;
+}
+
 /* `count` elements of `size` bytes, aligned to ARENA_ALIGN; NULL on overflow or out of memory.
  * A zero-byte request returns a valid, non-dereferenceable-but-non-NULL pointer. */
 static void *arena_alloc_array(arena *a, size_t count, size_t size)
@@ -127,6 +153,8 @@ struct km_kv_decoder {
     bool zone_ready;
     bool zone_overflowed; /* the last unpack needed a second chunk: grow before the next one */
     size_t zone_chunk_bytes;
+    bool direct_path; /* try decode_direct first (km_kv_decoder_set_direct_path) */
+    uint64_t direct_decoded; /* payloads the direct path decoded */
     km_kv_decoder_stats stats;
     /* Context for error messages while an event is being decoded. */
     uint32_t event_position;
@@ -165,8 +193,20 @@ int km_kv_decoder_create(const km_kv_decoder_config *cfg, km_kv_decoder **out)
     if (!dec)
         return KM_ERR_OUT_OF_MEMORY;
     dec->config = config;
+    dec->direct_path = true;
     *out = dec;
     return KM_OK;
+}
+
+void km_kv_decoder_set_direct_path(km_kv_decoder *dec, bool on)
+{
+    if (dec)
+        dec->direct_path = on;
+}
+
+uint64_t km_kv_decoder_direct_decoded(const km_kv_decoder *dec)
+{
+    return dec ? dec->direct_decoded : 0;
 }
 
 void km_kv_decoder_destroy(km_kv_decoder *dec)
@@ -1060,6 +1100,301 @@ static int decode_batch(km_kv_decoder *dec, const msgpack_object *root, km_kv_ba
     return KM_OK;
 }
 
+/* ---- the direct path: the common positional form, read in place ------------------------------ */
+
+/* Engines publish one small message per scheduler step, nearly always in one shape: a positional
+ * batch of positional BlockStored / BlockRemoved / AllBlocksCleared events whose optional fields
+ * are nil. For such a payload, building msgpack-c's tree and walking it costs more than the
+ * events themselves, so decode_payload_into first reads it in place with msgpuck's cursor
+ * functions, every read checked against the end of the payload. The direct path takes only what
+ * it can decode exactly as the tree path would (same km_kv_batch, same arena contents); anything
+ * else (a map event, a bytes hash, a string field other than the medium, a limit reached, an
+ * event the tree path would reject or refuse, trailing bytes) makes it decline, and the payload
+ * goes through the three stages above from the start. tests/test_kv_events.c decodes random
+ * payloads both ways and compares. */
+
+#define DIRECT_DECLINED 1 /* not an error: the tree path decodes the payload */
+
+typedef struct direct_cursor {
+    const char *p, *end;
+    uint64_t values;     /* values read so far, against max_payload_objects */
+    uint64_t max_values;
+} direct_cursor;
+
+static bool direct_count(direct_cursor *c)
+{
+    return ++c->values <= c->max_values;
+}
+
+/* The next value's type; false at the end of the payload. */
+static bool direct_peek(const direct_cursor *c, enum mp_type *type)
+{
+    if (c->p >= c->end)
+        return false;
+    *type = mp_typeof(*c->p);
+    return true;
+}
+
+static bool direct_array(direct_cursor *c, uint32_t *n)
+{
+    enum mp_type t;
+    if (!direct_peek(c, &t) || t != MP_ARRAY || mp_check_array(c->p, c->end) > 0 || !direct_count(c))
+        return false;
+    *n = mp_decode_array(&c->p);
+    return *n <= (uint64_t)(c->end - c->p); /* every element takes a byte at least */
+}
+
+static bool direct_nil(direct_cursor *c)
+{
+    enum mp_type t;
+    if (!direct_peek(c, &t) || t != MP_NIL || !direct_count(c))
+        return false;
+    mp_decode_nil(&c->p);
+    return true;
+}
+
+/* An integer as msgpack-c reads it: *negative set for a value below 0 (then *value holds its
+ * two's complement bits). */
+static bool direct_int(direct_cursor *c, uint64_t *value, bool *negative)
+{
+    enum mp_type t;
+    if (!direct_peek(c, &t) || !direct_count(c))
+        return false;
+    if (t == MP_UINT) {
+        if (mp_check_uint(c->p, c->end) > 0)
+            return false;
+        *value = mp_decode_uint(&c->p);
+        *negative = false;
+        return true;
+    }
+    if (t == MP_INT) {
+        if (mp_check_int(c->p, c->end) > 0)
+            return false;
+        int64_t v = mp_decode_int(&c->p);
+        *value = (uint64_t)v;
+        *negative = v < 0;
+        return true;
+    }
+    return false;
+}
+
+static bool direct_is_nil(const direct_cursor *c)
+{
+    enum mp_type t;
+    return direct_peek(c, &t) && t == MP_NIL;
+}
+
+static bool direct_hashes(km_kv_decoder *dec, direct_cursor *c, km_kv_event *ev)
+{
+    uint32_t n;
+    if (!direct_array(c, &n) || n > dec->config.max_hashes_per_event)
+        return false;
+    uint64_t *hashes = arena_alloc_array(&dec->results, n, sizeof *hashes);
+    if (!hashes)
+        return false;
+    for (uint32_t i = 0; i < n; i++) {
+        bool negative;
+        if (!direct_int(c, &hashes[i], &negative))
+            return false;
+    }
+    ev->block_hashes = hashes;
+    ev->n_block_hashes = n;
+    return true;
+}
+
+/* The medium: nil (GPU) or a string without NUL bytes within max_string_bytes. */
+static bool direct_medium(km_kv_decoder *dec, direct_cursor *c, km_kv_event *ev)
+{
+    ev->medium = KM_KV_MEDIUM_GPU;
+    if (direct_is_nil(c))
+        return direct_nil(c);
+    enum mp_type t;
+    if (!direct_peek(c, &t) || t != MP_STR || mp_check_strl(c->p, c->end) > 0 || !direct_count(c))
+        return false;
+    uint32_t n = mp_decode_strl(&c->p);
+    if (n > (uint64_t)(c->end - c->p) || n > dec->config.max_string_bytes ||
+        (n > 0 && memchr(c->p, 0, n)))
+        return false;
+    ev->medium_name = arena_copy_string(dec, c->p, n);
+    c->p += n;
+    if (!ev->medium_name)
+        return false;
+    ev->medium = medium_of_name(ev->medium_name, n);
+    return true;
+}
+
+static bool direct_optional_u32(direct_cursor *c, bool *has, uint32_t *out)
+{
+    if (direct_is_nil(c))
+        return direct_nil(c);
+    uint64_t v;
+    bool negative;
+    if (!direct_int(c, &v, &negative) || negative || v > UINT32_MAX)
+        return false;
+    *has = true;
+    *out = (uint32_t)v;
+    return true;
+}
+
+static bool direct_optional_i64(direct_cursor *c, bool *has, int64_t *out)
+{
+    if (direct_is_nil(c))
+        return direct_nil(c);
+    uint64_t v;
+    bool negative;
+    if (!direct_int(c, &v, &negative) || (!negative && v > INT64_MAX))
+        return false;
+    *has = true;
+    *out = (int64_t)v;
+    return true;
+}
+
+/* [tag, block_hashes, parent, token_ids, block_size, lora_id, medium, lora_name, extra_keys,
+ * group_idx, kv_cache_spec_kind, kv_cache_spec_sliding_window]: the first four fields required;
+ * lora_name, extra_keys and kv_cache_spec_kind only as nil. */
+static bool direct_stored(km_kv_decoder *dec, direct_cursor *c, uint32_t n_fields, km_kv_event *ev)
+{
+    if (n_fields < STORED_BLOCK_SIZE + 1 || n_fields > STORED_POSITIONAL_COUNT)
+        return false;
+    ev->kind = KM_KV_EVENT_BLOCK_STORED;
+    if (!direct_hashes(dec, c, ev))
+        return false;
+    if (direct_is_nil(c)) {
+        if (!direct_nil(c))
+            return false;
+    } else {
+        bool negative;
+        if (!direct_int(c, &ev->parent_block_hash, &negative))
+            return false;
+        ev->has_parent_block_hash = true;
+    }
+    uint32_t n_tokens;
+    if (!direct_array(c, &n_tokens) || n_tokens > dec->config.max_tokens_per_event)
+        return false;
+    uint32_t *tokens = arena_alloc_array(&dec->results, n_tokens, sizeof *tokens);
+    if (!tokens)
+        return false;
+    for (uint32_t i = 0; i < n_tokens; i++) {
+        uint64_t v;
+        bool negative;
+        if (!direct_int(c, &v, &negative) || negative || v > UINT32_MAX)
+            return false;
+        tokens[i] = (uint32_t)v;
+    }
+    ev->token_ids = tokens;
+    ev->n_token_ids = n_tokens;
+    uint64_t block_size;
+    bool negative;
+    if (!direct_int(c, &block_size, &negative) || negative || block_size < 1 ||
+        block_size > UINT32_MAX || (uint64_t)block_size * ev->n_block_hashes != n_tokens)
+        return false; /* the tree path rejects the event, with its reason */
+    ev->block_size = (uint32_t)block_size;
+    for (uint32_t f = STORED_LORA_ID; f < n_fields; f++) {
+        bool ok;
+        switch (f) {
+        case STORED_LORA_ID: ok = direct_optional_i64(c, &ev->has_lora_id, &ev->lora_id); break;
+        case STORED_MEDIUM: ok = direct_medium(dec, c, ev); break;
+        case STORED_GROUP_IDX: ok = direct_optional_u32(c, &ev->has_group_idx, &ev->group_idx); break;
+        case STORED_KV_CACHE_SPEC_SLIDING_WINDOW:
+            ok = direct_optional_i64(c, &ev->has_kv_cache_spec_sliding_window,
+                                     &ev->kv_cache_spec_sliding_window);
+            break;
+        default: ok = direct_nil(c); break; /* lora_name, extra_keys, kv_cache_spec_kind */
+        }
+        if (!ok)
+            return false;
+    }
+    return true;
+}
+
+/* [tag, block_hashes, medium, group_idx], the last two optional. */
+static bool direct_removed(km_kv_decoder *dec, direct_cursor *c, uint32_t n_fields, km_kv_event *ev)
+{
+    if (n_fields < 1 || n_fields > REMOVED_FIELD_COUNT)
+        return false;
+    ev->kind = KM_KV_EVENT_BLOCK_REMOVED;
+    ev->medium = KM_KV_MEDIUM_GPU;
+    if (!direct_hashes(dec, c, ev))
+        return false;
+    if (n_fields > REMOVED_MEDIUM && !direct_medium(dec, c, ev))
+        return false;
+    if (n_fields > REMOVED_GROUP_IDX && !direct_optional_u32(c, &ev->has_group_idx, &ev->group_idx))
+        return false;
+    return true;
+}
+
+static bool direct_event(km_kv_decoder *dec, direct_cursor *c, km_kv_event *ev)
+{
+    uint32_t n;
+    enum mp_type t;
+    if (!direct_array(c, &n) || n < 1 || !direct_peek(c, &t) || t != MP_STR ||
+        mp_check_strl(c->p, c->end) > 0 || !direct_count(c))
+        return false;
+    uint32_t len = mp_decode_strl(&c->p);
+    if (len > (uint64_t)(c->end - c->p))
+        return false;
+    const char *tag = c->p;
+    c->p += len;
+    memset(ev, 0, sizeof *ev);
+#define TAG_IS(name) (len == sizeof(name) - 1 && memcmp(tag, name, len) == 0)
+    if (TAG_IS("BlockStored"))
+        return direct_stored(dec, c, n - 1, ev);
+    if (TAG_IS("BlockRemoved"))
+        return direct_removed(dec, c, n - 1, ev);
+    if (TAG_IS("AllBlocksCleared") && n == 1) {
+        ev->kind = KM_KV_EVENT_ALL_BLOCKS_CLEARED;
+        return true;
+    }
+#undef TAG_IS
+    return false;
+}
+
+/* KM_OK with *out filled, DIRECT_DECLINED (the arena may hold partial results), or
+ * KM_ERR_OUT_OF_MEMORY never: an allocation failure declines too, and the tree path reports it. */
+static int decode_direct(km_kv_decoder *dec, const void *payload, size_t size, km_kv_batch *out)
+{
+    direct_cursor c = {payload, (const char *)payload + size, 0, dec->config.max_payload_objects};
+    uint32_t n_items, n_events;
+    if (!direct_array(&c, &n_items) || n_items < 2 || n_items > 3)
+        return DIRECT_DECLINED;
+    enum mp_type t;
+    if (!direct_peek(&c, &t))
+        return DIRECT_DECLINED;
+    if (t == MP_DOUBLE && mp_check_double(c.p, c.end) <= 0 && direct_count(&c)) {
+        out->timestamp = mp_decode_double(&c.p);
+    } else if (t == MP_FLOAT && mp_check_float(c.p, c.end) <= 0 && direct_count(&c)) {
+        out->timestamp = mp_decode_float(&c.p);
+    } else {
+        uint64_t v;
+        bool negative;
+        if (!direct_int(&c, &v, &negative))
+            return DIRECT_DECLINED;
+        out->timestamp = negative ? (double)(int64_t)v : (double)v;
+    }
+    if (!direct_array(&c, &n_events) || n_events > dec->config.max_events_per_batch)
+        return DIRECT_DECLINED;
+    km_kv_event *events = arena_alloc_array(&dec->results, n_events, sizeof *events);
+    km_kv_rejected_event *rejected =
+        arena_alloc_array(&dec->results, n_events, sizeof(km_kv_rejected_event));
+    if (!events || !rejected)
+        return DIRECT_DECLINED;
+    for (uint32_t i = 0; i < n_events; i++) {
+        if (!direct_event(dec, &c, &events[i]))
+            return DIRECT_DECLINED;
+        events[i].position = i;
+    }
+    if (n_items == 3 && !direct_optional_u32(&c, &out->has_data_parallel_rank,
+                                             &out->data_parallel_rank))
+        return DIRECT_DECLINED;
+    if (c.p != c.end)
+        return DIRECT_DECLINED;
+    out->events = events;
+    out->n_events = n_events;
+    out->rejected = rejected;
+    out->n_payload_events = n_events;
+    return KM_OK;
+}
+
 /* ---- entry points ---------------------------------------------------------------------------- */
 
 static void begin_call(km_kv_decoder *dec)
@@ -1080,6 +1415,15 @@ static int decode_payload_into(km_kv_decoder *dec, const void *payload, size_t s
         return decoder_fail(dec, KM_ERR_TOO_LARGE,
                             "payload is %zu bytes, limit max_payload_bytes = %llu", size,
                             (unsigned long long)dec->config.max_payload_bytes);
+    if (dec->direct_path) {
+        arena_mark mark = arena_get_mark(&dec->results); /* a message's topic may be in the arena */
+        if (decode_direct(dec, payload, size, out) == KM_OK) {
+            dec->direct_decoded++;
+            return KM_OK;
+        }
+        arena_rewind(&dec->results, mark); /* declined: start again on the tree path */
+        memset(out, 0, sizeof *out);
+    }
     km_msgpack_scan_result shape;
     int rc = prescan_payload(dec, payload, size, &shape);
     if (rc != KM_OK)
