@@ -1274,9 +1274,25 @@ static bool direct_stored(km_kv_decoder *dec, direct_cursor *c, uint32_t n_field
     uint32_t *tokens = arena_alloc_array(&dec->results, n_tokens, sizeof *tokens);
     if (!tokens)
         return false;
+    /* The bulk of a message: unsigned values, counted at once, each read with one type check. */
+    c->values += n_tokens;
+    if (c->values > c->max_values)
+        return false;
     for (uint32_t i = 0; i < n_tokens; i++) {
+        if (c->p >= c->end)
+            return false;
+        if (mp_typeof(*c->p) == MP_UINT) {
+            if (mp_check_uint(c->p, c->end) > 0)
+                return false;
+            uint64_t v = mp_decode_uint(&c->p);
+            if (v > UINT32_MAX)
+                return false;
+            tokens[i] = (uint32_t)v;
+            continue;
+        }
         uint64_t v;
         bool negative;
+        c->values--; /* direct_int counts it again */
         if (!direct_int(c, &v, &negative) || negative || v > UINT32_MAX)
             return false;
         tokens[i] = (uint32_t)v;
