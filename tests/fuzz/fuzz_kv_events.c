@@ -11,7 +11,8 @@
  * success has an empty message and a batch whose every part is consistent (event counts add up,
  * positions increase, kinds are known, BlockStored has block_size >= 1 and block_size tokens per
  * hash, arrays and strings are readable to their stated lengths, rejected events say why); the
- * decoder's counters move as documented. */
+ * decoder's counters move as documented; a payload decodes to the same batch (or the same error)
+ * with the direct path on and off. */
 #include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -19,6 +20,7 @@
 #include <string.h>
 
 #include "kvmatch/kv_events.h"
+#include "events/kv_events_internal.h"
 
 #define CHECK(cond)                                                                          \
     do {                                                                                     \
@@ -31,6 +33,9 @@
 #define MAX_FRAMES 8
 
 static km_kv_decoder *dec_default, *dec_tight;
+/* The same configurations with the direct path off: every payload decodes to the same batch, or
+ * fails with the same message, both ways (src/events/kv_events.c, "the direct path"). */
+static km_kv_decoder *tree_default, *tree_tight;
 static volatile uint64_t sink;
 
 static void init(void)
@@ -47,6 +52,10 @@ static void init(void)
     tight.max_string_bytes = 6;
     CHECK(km_kv_decoder_create(NULL, &dec_default) == KM_OK);
     CHECK(km_kv_decoder_create(&tight, &dec_tight) == KM_OK);
+    CHECK(km_kv_decoder_create(NULL, &tree_default) == KM_OK);
+    CHECK(km_kv_decoder_create(&tight, &tree_tight) == KM_OK);
+    km_kv_decoder_set_direct_path(tree_default, false);
+    km_kv_decoder_set_direct_path(tree_tight, false);
 }
 
 static void touch_string(const char *s, size_t max)
@@ -110,6 +119,45 @@ static void check_batch(const km_kv_batch *b, size_t max_string)
     }
 }
 
+static bool same_string(const char *a, const char *b)
+{
+    return (a == NULL) == (b == NULL) && (!a || strcmp(a, b) == 0);
+}
+
+static void check_same_batch(const km_kv_batch *a, const km_kv_batch *b)
+{
+    CHECK(memcmp(&a->timestamp, &b->timestamp, sizeof a->timestamp) == 0);
+    CHECK(a->has_data_parallel_rank == b->has_data_parallel_rank &&
+          a->data_parallel_rank == b->data_parallel_rank);
+    CHECK(a->n_events == b->n_events && a->n_rejected == b->n_rejected &&
+          a->n_unknown_events == b->n_unknown_events && a->n_payload_events == b->n_payload_events);
+    CHECK(same_string(a->first_unknown_type, b->first_unknown_type));
+    for (uint32_t i = 0; i < a->n_rejected; i++)
+        CHECK(a->rejected[i].position == b->rejected[i].position &&
+              a->rejected[i].reason == b->rejected[i].reason &&
+              strcmp(a->rejected[i].message, b->rejected[i].message) == 0);
+    for (uint32_t i = 0; i < a->n_events; i++) {
+        const km_kv_event *x = &a->events[i], *y = &b->events[i];
+        CHECK(x->kind == y->kind && x->position == y->position && x->medium == y->medium);
+        CHECK(same_string(x->medium_name, y->medium_name) && same_string(x->lora_name, y->lora_name));
+        CHECK(x->has_group_idx == y->has_group_idx && x->group_idx == y->group_idx);
+        CHECK(x->has_parent_block_hash == y->has_parent_block_hash &&
+              x->parent_block_hash == y->parent_block_hash);
+        CHECK(x->has_lora_id == y->has_lora_id && x->lora_id == y->lora_id);
+        CHECK(x->n_block_hashes == y->n_block_hashes && x->n_token_ids == y->n_token_ids &&
+              x->block_size == y->block_size);
+        CHECK(x->n_block_hashes == 0 ||
+              memcmp(x->block_hashes, y->block_hashes, 8u * x->n_block_hashes) == 0);
+        CHECK(x->n_token_ids == 0 || memcmp(x->token_ids, y->token_ids, 4u * x->n_token_ids) == 0);
+        CHECK((x->extra_keys_present == NULL) == (y->extra_keys_present == NULL));
+        CHECK(same_string(x->cache_salt, y->cache_salt));
+        CHECK(same_string(x->kv_cache_spec_kind, y->kv_cache_spec_kind));
+        CHECK(x->has_kv_cache_spec_sliding_window == y->has_kv_cache_spec_sliding_window &&
+              x->kv_cache_spec_sliding_window == y->kv_cache_spec_sliding_window);
+        CHECK(x->n_lookahead_tokens == y->n_lookahead_tokens);
+    }
+}
+
 static bool all_zero(const void *p, size_t n)
 {
     const unsigned char *c = p;
@@ -139,11 +187,18 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         km_kv_batch b;
         memset(&b, 0xA5, sizeof b);
         rc = km_kv_decode_payload(dec, copy, size, &b);
+        km_kv_decoder *tree = mode & 4 ? tree_tight : tree_default;
+        km_kv_batch t;
+        int tree_rc = km_kv_decode_payload(tree, copy, size, &t);
         free(copy);
-        if (rc == KM_OK)
+        CHECK(rc == tree_rc);
+        if (rc == KM_OK) {
             check_batch(&b, max_string);
-        else
+            check_same_batch(&b, &t);
+        } else {
             CHECK(all_zero(&b, sizeof b));
+            CHECK(strcmp(km_kv_decoder_last_error(dec), km_kv_decoder_last_error(tree)) == 0);
+        }
     } else {
         km_kv_frame frames[MAX_FRAMES];
         void *owned[MAX_FRAMES];
