@@ -179,8 +179,8 @@ test: test-deps
 	$(Q)$(MAKE) --no-print-directory $(BIN) $(TEST_BIN) $(SHLIB) $(PC)
 	$(Q)scripts/run-tests.sh $(TEST_BIN)
 
-# vLLM's and SGLang's own event encoders against the feed (downloads their wheels; not part of
-# make test, which checks the fixtures this writes).
+# vLLM's own KV-cache manager and publisher, and vLLM's and SGLang's event encoders, against the
+# feed (downloads their wheels; not part of make test, which checks the fixtures this writes).
 check-engines:
 	$(Q)$(MAKE) --no-print-directory $(TEST_BIN)
 	$(Q)KM_TESTS=$(TEST_BIN) scripts/check-engines.sh

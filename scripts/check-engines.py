@@ -1,32 +1,78 @@
 #!/usr/bin/env python3
 # SPDX-License-Identifier: Apache-2.0
-"""Encode KV-event payloads with vLLM's and SGLang's own event classes and encoders, and write them
-with the index content kvmatch must end with (tests/engine_fixtures/*.txt, read by
-tests/test_engine_fixtures.c in `make test`).
+"""Drive vLLM's and SGLang's own KV-cache and event code, and write what they published with what
+kvmatch must conclude from it (tests/engine_fixtures/*.txt, read by tests/test_engine_fixtures.c
+in `make test`).
 
 usage: check-engines.py WHEEL_DIR [OUT_DIR]
 
 WHEEL_DIR holds the vLLM and SGLang wheels (`pip download --no-deps`; scripts/check-engines.sh
-fetches them). Each engine's event module (vllm/distributed/kv_events.py,
-sglang/srt/disaggregation/kv_events.py) is read from its wheel and executed as is; the imports it
-makes but these scenarios never use are stubbed at import time:
-  vLLM:   vllm.config.kv_events.KVEventsConfig, vllm.logger.init_logger,
-          vllm.utils.network_utils (endpoint helpers of the publisher),
-          vllm.v1.core.kv_cache_utils.ExternalBlockHash (a type alias: int | bytes)
-  SGLang: sglang.srt.runtime_context.get_parallel, sglang.srt.utils.network.NetworkAddress
-msgspec, pyzmq and pydantic are the real packages. The expected chain hashes are computed here
-from docs/HASHING.md with Python's xxhash, independently of kvmatch's C code.
+fetches them). Two kinds of fixture:
+
+* Engine runs (vllm_engine_*.txt). vLLM's own KVCacheManager (vllm/v1/core/kv_cache_manager.py,
+  its coordinator, BlockPool and kv_cache_utils, and vllm/v1/request.py's Request with its block
+  hasher) serves request sequences on a small block pool, so that stores, prefix hits and
+  evictions all happen; its events are published by vLLM's own ZmqEventPublisher (msgspec
+  encoder, sequence numbers, replay buffer and ROUTER replay service) on inproc endpoints, and
+  received here on a SUB socket. Each prompt's line carries the engine's own prefix-cache hit
+  (get_computed_blocks) taken when the request arrived, after every message published before it.
+  Scenarios: plain; lookahead hashing (num_hash_lookahead_tokens 1 and 2, configured as vLLM's
+  Scheduler does for EAGLE, prompts diverging right after a block boundary); two DP ranks (one
+  engine and publisher per rank, data_parallel_size 2); live messages dropped inside and beyond
+  the publisher's replay buffer (the publisher's own replay answers recorded); a prefix-cache
+  reset (AllBlocksCleared) and an engine restart (a new manager and publisher, seq from 0).
+* Event encodings (vllm_lookahead.txt, vllm_lora_offload.txt, vllm_salt.txt,
+  sglang_salt_tiers.txt): events built with the engines' event classes and encoders, with the
+  index content computed here from docs/HASHING.md with Python's xxhash.
+
+vLLM's modules are executed from the wheel as they are. The imports they make that these runs
+never use are placeholders whose every call raises (so a use would fail the run, never change
+it); the list of placeholders actually bound is printed at the end. Replaced with a stand-in:
+  vllm.envs                         VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES = True (vLLM's default)
+  vllm.logger.init_logger           logging.getLogger
+  vllm.sampling_params.SamplingParams  the four fields Request reads (max_tokens, extra_args,
+                                    structured_outputs, skip_reading_prefix_cache), all unset
+  vllm.config.get_current_vllm_config_or_none  None (no engine config is current; the KV-cache
+                                    spec registry, its caller, passes it on unused)
+  vllm.config.kv_events.KVEventsConfig  types.SimpleNamespace (the publisher only records its
+                                    settings in one)
+  vllm.platforms.current_platform   register_custom_kv_cache_specs does nothing (as vLLM's base
+                                    Platform, which every in-tree platform inherits it from)
+  vllm.v1.metrics.stats.PrefillStats  types.SimpleNamespace (statistics a Request carries for
+                                    the scheduler's logging, never read here)
+  vllm.v1.utils.ConstantList        vLLM's own class, its source taken from vllm/v1/utils.py
+                                    (the rest of that module needs torch)
+  vllm.utils.network_utils          not needed: inproc endpoints bind without them
+SGLang: sglang/srt/disaggregation/kv_events.py only (its event classes and encoder), with
+sglang.srt.runtime_context.get_parallel and sglang.srt.utils.network.NetworkAddress as
+placeholders; SGLang's radix cache is not driven here (it needs torch).
+msgspec, pyzmq, pydantic and cbor2 are the real packages.
 
 Fixture format, one line each:
   config <block_size> <hash_lookahead_tokens>
-  payload <hex of one msgpack payload>          in seq order, from seq 0, one worker
-  expect <chain hash, 16 hex digits> <tier>     the worker's whole index content; tier is
-                                                device, host or disk
+  worker <id> <replay: 0|1>                 add a worker (index worker id)
+  live <worker> <seq> <hex payload>         a message as the live SUB socket received it
+  replay <worker> <start_seq> <n>           the publisher's answer to a replay request from
+  item <seq> <hex payload>                  start_seq: n items follow
+  prompt <worker> <hit blocks> <check> <tokens, comma-separated>
+                                            the engine's hit for a prompt, in blocks; check is
+                                            exact (kvmatch's capped depth must equal it) or
+                                            unseen (the engine restarted and has published
+                                            nothing yet: not compared)
+  state <worker> <state> <lost>             the worker's feed state and lost count here
+  expect <chain hash, 16 hex digits> <tier> (event encodings) the worker's whole index content;
+                                            tier is device, host or disk
 """
+import ast
 import glob
+import importlib.abc
+import importlib.machinery
+import logging
 import os
+import random
 import struct
 import sys
+import time
 import types
 import zipfile
 
@@ -46,7 +92,9 @@ def module_source(wheel_glob, path):
 
 
 def stub(name, **attrs):
-    m = types.ModuleType(name)
+    """A stand-in module: the given attributes; under vLLM, placeholders for any other name."""
+    m = _PlaceholderModule(name) if name.startswith("vllm") else types.ModuleType(name)
+    m.__path__ = []
     for k, v in attrs.items():
         setattr(m, k, v)
     sys.modules[name] = m
@@ -61,17 +109,113 @@ def load(name, source):
     return m
 
 
+# ---- vLLM from its wheel -----------------------------------------------------------------------
+
+PLACEHOLDERS = set()
+
+
+class _PlaceholderType(type):
+    def __getattr__(cls, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return cls  # class-level constants in annotations and defaults (an enum member)
+
+    def __call__(cls, *args, **kwargs):
+        raise RuntimeError(f"check-engines: {cls.__module__}.{cls.__name__} is a placeholder, "
+                           "but the run used it")
+
+
+class _PlaceholderModule(types.ModuleType):
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        if f"{self.__name__}.{name}" in sys.modules:  # a stand-in submodule
+            return sys.modules[f"{self.__name__}.{name}"]
+        PLACEHOLDERS.add(f"{self.__name__}.{name}")
+        t = _PlaceholderType(name, (), {"__module__": self.__name__})
+        setattr(self, name, t)
+        return t
+
+
+class _WheelImporter(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Modules named in `real` execute from the wheel; every other module under `roots` is a
+    placeholder module."""
+
+    def __init__(self, wheel, real, roots):
+        self.zip = zipfile.ZipFile(wheel)
+        self.names = set(self.zip.namelist())
+        self.real, self.roots = set(real), set(roots)
+
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] not in self.roots:
+            return None
+        return importlib.machinery.ModuleSpec(name, self, is_package=True)
+
+    def create_module(self, spec):
+        m = types.ModuleType(spec.name) if spec.name in self.real else _PlaceholderModule(spec.name)
+        m.__path__ = []
+        return m
+
+    def exec_module(self, m):
+        if m.__name__ not in self.real:
+            return
+        path = m.__name__.replace(".", "/") + ".py"
+        if path not in self.names:
+            path = m.__name__.replace(".", "/") + "/__init__.py"
+        m.__file__ = path
+        exec(compile(self.zip.read(path).decode("utf-8"), path, "exec"), m.__dict__)
+
+
+VLLM_REAL = [
+    "vllm.utils", "vllm.utils.math_utils", "vllm.utils.hashing",
+    "vllm.distributed.kv_events",
+    "vllm.v1.core.block_pool", "vllm.v1.core.kv_cache_utils", "vllm.v1.core.kv_cache_manager",
+    "vllm.v1.core.kv_cache_coordinator", "vllm.v1.core.single_type_kv_cache_manager",
+    "vllm.v1.kv_cache_interface", "vllm.v1.kv_cache_spec_registry",
+    "vllm.v1.request", "vllm.v1.structured_output.request",
+]
+
+
+class SamplingParams:
+    """The fields vllm.v1.request.Request reads, for a plain generation request."""
+
+    def __init__(self, max_tokens):
+        self.max_tokens = max_tokens
+        self.extra_args = None
+        self.structured_outputs = None
+        self.skip_reading_prefix_cache = None
+
+
 def load_vllm(wheel_dir):
-    import logging
-    for pkg in ["vllm", "vllm.config", "vllm.utils", "vllm.v1", "vllm.v1.core"]:
-        stub(pkg)
-    stub("vllm.config.kv_events", KVEventsConfig=object)
+    wheels = glob.glob(os.path.join(wheel_dir, "vllm-*.whl"))
+    if not wheels:
+        sys.exit(f"check-engines: no vLLM wheel in {wheel_dir}")
+    stub("vllm.envs", VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=True)
     stub("vllm.logger", init_logger=logging.getLogger)
-    stub("vllm.utils.network_utils", get_ip=None, get_tcp_uri=None, is_valid_ipv6_address=None,
-         split_zmq_path=None)
-    stub("vllm.v1.core.kv_cache_utils", ExternalBlockHash=int)
-    src, wheel = module_source(os.path.join(wheel_dir, "vllm-*.whl"), "vllm/distributed/kv_events.py")
-    return load("vllm.distributed.kv_events", src), wheel
+    stub("vllm.sampling_params", SamplingParams=SamplingParams)
+    stub("vllm.config", get_current_vllm_config_or_none=lambda: None)
+    stub("vllm.config.kv_events", KVEventsConfig=types.SimpleNamespace)
+    stub("vllm.v1.metrics.stats", PrefillStats=types.SimpleNamespace)
+    stub("vllm.platforms", current_platform=types.SimpleNamespace(
+        register_custom_kv_cache_specs=lambda vllm_config: None))
+    importer = _WheelImporter(wheels[0], VLLM_REAL, {"vllm", "torch", "numpy", "PIL", "uvloop"})
+    sys.meta_path.insert(0, importer)
+    utils_src = importer.zip.read("vllm/v1/utils.py").decode("utf-8")
+    const = next(n for n in ast.parse(utils_src).body
+                 if isinstance(n, ast.ClassDef) and n.name == "ConstantList")
+    v1_utils = stub("vllm.v1.utils")
+    exec("from collections.abc import Sequence\nfrom typing import Generic, TypeVar, overload\n"
+         "T = TypeVar('T')\n" + ast.get_source_segment(utils_src, const), v1_utils.__dict__)
+    import importlib
+    v = types.SimpleNamespace(
+        kv=importlib.import_module("vllm.distributed.kv_events"),
+        manager=importlib.import_module("vllm.v1.core.kv_cache_manager"),
+        utils=importlib.import_module("vllm.v1.core.kv_cache_utils"),
+        spec=importlib.import_module("vllm.v1.kv_cache_interface"),
+        request=importlib.import_module("vllm.v1.request"),
+        hashing=importlib.import_module("vllm.utils.hashing"),
+        wheel=os.path.basename(wheels[0]))
+    return v
 
 
 def load_sglang(wheel_dir):
@@ -119,7 +263,8 @@ def write(out_dir, name, block_size, lookahead, payloads, expect, comment):
             f.write(f"expect {chain:016x} {tier}\n")
 
 
-def vllm_scenarios(kv, wheel, out_dir):
+def vllm_scenarios(v, out_dir):
+    kv, wheel = v.kv, v.wheel
     enc = msgspec.msgpack.Encoder()
     B = 4
     toks = list(range(100, 113))  # 3 blocks and one lookahead token
@@ -190,17 +335,282 @@ def sglang_scenarios(kv, wheel, out_dir):
           f"{wheel}: top-level cache_salt, CPU_PINNED and EXTERNAL media")
 
 
+# ---- vLLM's KVCacheManager and ZmqEventPublisher -----------------------------------------------
+
+class VllmEngine:
+    """One vLLM engine core (one DP rank): its KVCacheManager configured as vLLM's Scheduler does
+    (vllm/v1/core/sched/scheduler.py: with lookahead hashes EAGLE drops no block), one
+    full-attention KV-cache group, events published by its own ZmqEventPublisher."""
+
+    def __init__(self, v, name, block_size, num_blocks, lookahead=0, dp_rank=0, buffer_steps=64):
+        import zmq
+        self.v, self.block_size = v, block_size
+        spec = v.spec.FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=8,
+                                        dtype=None)
+        config = v.spec.KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
+                                      kv_cache_groups=[v.spec.KVCacheGroupSpec(["layer.0"], spec)])
+        self.manager = v.manager.KVCacheManager(
+            config, max_model_len=4096, scheduler_block_size=block_size,
+            hash_block_size=block_size, enable_caching=True, use_eagle=False,
+            num_hash_lookahead_tokens=lookahead, enable_kv_cache_events=True)
+        v.utils.init_none_hash(v.hashing.sha256_cbor)
+        self.hasher = v.utils.get_request_block_hasher(block_size, v.hashing.sha256_cbor, lookahead)
+        self.publisher = v.kv.ZmqEventPublisher(
+            dp_rank, endpoint=f"inproc://{name}", replay_endpoint=f"inproc://{name}-replay",
+            buffer_steps=buffer_steps)
+        ctx = zmq.Context.instance()
+        self.sub = ctx.socket(zmq.SUB)
+        self.sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self.sub.setsockopt(zmq.RCVTIMEO, 5000)
+        self.sub.connect(self.publisher._endpoint)
+        self.replay_endpoint = self.publisher._replay_endpoint
+        time.sleep(0.2)  # the subscription reaches the PUB socket
+        self.n_requests = self.n_batches = 0
+
+    def serve(self, tokens, n_output):
+        """One request: its prefix hit (tokens), allocation, n_output decoded tokens, free."""
+        v = self.v
+        self.n_requests += 1
+        r = v.request.Request(f"r{self.n_requests}", list(tokens), SamplingParams(n_output), None,
+                              block_hasher=self.hasher)
+        blocks, hit, _ = self.manager.get_computed_blocks(r)
+        if self.manager.allocate_slots(r, len(tokens) - hit, hit, blocks) is None:
+            raise RuntimeError("check-engines: the block pool is too small for one request")
+        r.num_computed_tokens = len(tokens)
+        for i in range(n_output):
+            r.append_output_token_ids(7000 + (self.n_requests * 31 + i) % 97)
+            if self.manager.allocate_slots(r, 1) is None:
+                raise RuntimeError("check-engines: the block pool is too small for one request")
+            r.num_computed_tokens += 1
+        self.manager.free(r)
+        return hit, r.all_token_ids[:]
+
+    def publish(self):
+        """Publish the events taken from the manager; return the (seq, payload) the SUB received,
+        or None when there were none."""
+        events = self.manager.take_events()
+        if not events:
+            return None
+        self.n_batches += 1  # a step counter for ts keeps the fixtures reproducible
+        self.publisher.publish(self.v.kv.KVEventBatch(ts=float(self.n_batches), events=events))
+        topic, seq, payload = self.sub.recv_multipart()
+        return int.from_bytes(seq, "big"), payload
+
+    def replay(self, start_seq):
+        """The publisher's own answer to a replay request from start_seq: [(seq, payload)]."""
+        import zmq
+        dealer = zmq.Context.instance().socket(zmq.DEALER)
+        dealer.setsockopt(zmq.RCVTIMEO, 5000)
+        dealer.connect(self.replay_endpoint)
+        dealer.send_multipart([b"", start_seq.to_bytes(8, "big")])
+        items = []
+        while True:
+            frames = dealer.recv_multipart()
+            seq = int.from_bytes(frames[-2], "big")
+            if seq == MASK:
+                break
+            items.append((seq, frames[-1]))
+        dealer.close(linger=0)
+        return items
+
+    def shutdown(self):
+        self.publisher.shutdown()
+        self.sub.close(linger=0)
+
+
+class EngineFixture:
+    def __init__(self, out_dir, name, block_size, lookahead, comment):
+        self.f = open(os.path.join(out_dir, name + ".txt"), "w", encoding="ascii")
+        self.f.write(f"# {comment}\n# GENERATED by scripts/check-engines.py; do not edit.\n")
+        self.f.write(f"config {block_size} {lookahead}\n")
+        self.prompts = self.hits = self.hit_blocks = self.stored = self.removed = self.clears = 0
+
+    def line(self, text):
+        self.f.write(text + "\n")
+
+    def prompt(self, worker, hit_tokens, block_size, tokens, check="exact"):
+        assert hit_tokens % block_size == 0
+        self.prompts += 1
+        self.hits += hit_tokens > 0
+        self.hit_blocks += hit_tokens // block_size
+        self.line(f"prompt {worker} {hit_tokens // block_size} {check} "
+                  + ",".join(str(t) for t in tokens))
+
+    def count(self, payload):
+        for e in msgspec.msgpack.decode(payload)[1]:
+            kind = e["type"] if isinstance(e, dict) else e[0]
+            hashes = (e["block_hashes"] if isinstance(e, dict) else e[1]) if kind != "AllBlocksCleared" else []
+            self.stored += len(hashes) if kind == "BlockStored" else 0
+            self.removed += len(hashes) if kind == "BlockRemoved" else 0
+            self.clears += kind == "AllBlocksCleared"
+
+    def live(self, worker, message):
+        if message is not None:
+            self.count(message[1])
+            self.line(f"live {worker} {message[0]} {message[1].hex()}")
+
+    def replay(self, worker, start_seq, items):
+        self.line(f"replay {worker} {start_seq} {len(items)}")
+        for seq, payload in items:
+            self.line(f"item {seq} {payload.hex()}")
+
+    def close(self):
+        self.f.close()
+        return (f"{self.prompts} prompts, {self.hits} with a hit ({self.hit_blocks} blocks in "
+                f"all); {self.stored} blocks stored, {self.removed} removed, {self.clears} "
+                "AllBlocksCleared")
+
+
+class Workload:
+    """Chat-like prompts: a few shared system prompts, conversations that come back with the
+    previous turn's prompt and output, and prompts that share a prefix up to a block boundary and
+    differ in the tokens right after it (where lookahead hashing decides the hit)."""
+
+    def __init__(self, seed, block_size):
+        self.rng = random.Random(seed)
+        self.block_size = block_size
+        self.systems = [[1000 * (s + 1) + i for i in range(self.rng.randrange(2, 6) * block_size)]
+                        for s in range(3)]
+        self.conversations = []
+
+    def _user(self, n):
+        return [self.rng.randrange(1, 900) for _ in range(n)]
+
+    def next(self):
+        kind = self.rng.random()
+        if self.conversations and kind < 0.35:
+            i = self.rng.randrange(len(self.conversations))
+            tokens = self.conversations.pop(i) + self._user(self.rng.randrange(1, 9))
+        elif kind < 0.6:
+            system = self.rng.choice(self.systems)
+            cut = self.rng.randrange(1, len(system) // self.block_size + 1) * self.block_size
+            tokens = system[:cut] + self._user(self.rng.randrange(1, 4))
+        else:
+            tokens = self.rng.choice(self.systems) + self._user(self.rng.randrange(1, 12))
+        return tokens
+
+    def done(self, all_tokens):
+        if len(all_tokens) < 120 and self.rng.random() < 0.6:
+            self.conversations.append(all_tokens)
+
+
+def run_requests(fixture, engine, worker, workload, n, first="exact", rest="exact"):
+    """n requests; the first prompt's check is `first`, the others' `rest`."""
+    for i in range(n):
+        tokens = workload.next()
+        hit, all_tokens = engine.serve(tokens, workload.rng.randrange(1, 7))
+        fixture.prompt(worker, hit, engine.block_size, tokens, first if i == 0 else rest)
+        fixture.live(worker, engine.publish())
+        workload.done(all_tokens)
+
+
+def vllm_engine_scenarios(v, out_dir):
+    B = 4
+    made = []
+
+    # Plain, and lookahead hashing with L = 1 (EAGLE) and L = 2.
+    for name, lookahead in (("vllm_engine_plain", 0), ("vllm_engine_lookahead1", 1),
+                            ("vllm_engine_lookahead2", 2)):
+        fx = EngineFixture(out_dir, name, B, lookahead,
+                           f"{v.wheel}: KVCacheManager, num_hash_lookahead_tokens {lookahead}, "
+                           "48 blocks, 60 requests")
+        fx.line("worker 0 1")
+        engine = VllmEngine(v, name, B, 48, lookahead)
+        run_requests(fx, engine, 0, Workload(lookahead + 1, B), 60)
+        engine.shutdown()
+        made.append((name, fx.close()))
+
+    # Data-parallel ranks: two engine cores, two publishers, requests spread over both.
+    name = "vllm_engine_dp2"
+    fx = EngineFixture(out_dir, name, B, 1,
+                       f"{v.wheel}: data_parallel_size 2, one KVCacheManager and "
+                       "ZmqEventPublisher per rank, lookahead 1")
+    fx.line("worker 0 1")
+    fx.line("worker 1 1")
+    engines = [VllmEngine(v, name, B, 40, 1, dp_rank=r) for r in range(2)]
+    work = Workload(11, B)
+    for i in range(60):
+        rank = work.rng.randrange(2)
+        run_requests(fx, engines[rank], rank, work, 1)
+    for e in engines:
+        e.shutdown()
+    made.append((name, fx.close()))
+
+    # Live messages dropped inside the replay buffer (replayed), then beyond it (lost: DEGRADED
+    # until the engine's prefix-cache reset), then an engine restart.
+    name = "vllm_engine_gaps_restart"
+    fx = EngineFixture(out_dir, name, B, 1,
+                       f"{v.wheel}: replay buffer of 8 messages, gaps inside and beyond it, "
+                       "reset_prefix_cache (AllBlocksCleared), a new engine process")
+    fx.line("worker 0 1")
+    engine = VllmEngine(v, name, B, 40, 1, buffer_steps=8)
+    work = Workload(21, B)
+    run_requests(fx, engine, 0, work, 10)
+
+    def dropped_then_next(n_dropped):
+        """Serve requests until n_dropped messages were published and not delivered; the next
+        message is delivered after the publisher's answer to the replay the feed will ask for."""
+        first = None
+        while n_dropped:
+            tokens = work.next()
+            hit, all_tokens = engine.serve(tokens, 2)
+            work.done(all_tokens)
+            msg = engine.publish()
+            if msg is not None:
+                first = msg[0] if first is None else first
+                n_dropped -= 1
+        msg = None
+        while msg is None:
+            tokens = work.next()
+            hit, all_tokens = engine.serve(tokens, 2)
+            fx.prompt(0, hit, B, tokens, "unseen")  # kvmatch misses the dropped messages here
+            work.done(all_tokens)
+            msg = engine.publish()
+        items = engine.replay(first)
+        fx.replay(0, first, items)
+        fx.live(0, msg)
+        return items[0][0] - first  # seqs the publisher no longer buffered: lost
+
+    lost = dropped_then_next(3)     # inside the buffer: replayed, exact again
+    assert lost == 0
+    fx.line("state 0 LIVE 0")
+    run_requests(fx, engine, 0, work, 10)
+    lost = dropped_then_next(12)    # beyond it
+    assert lost > 0
+    fx.line(f"state 0 DEGRADED {lost}")
+
+    # DEGRADED: kvmatch missed stores and removals; not compared until the engine's reset.
+    run_requests(fx, engine, 0, work, 5, "unseen", "unseen")
+    if not engine.manager.reset_prefix_cache():
+        raise RuntimeError("check-engines: reset_prefix_cache refused (a request still runs)")
+    fx.live(0, engine.publish())     # AllBlocksCleared: complete again
+    fx.line(f"state 0 LIVE {lost}")
+    run_requests(fx, engine, 0, work, 10)
+    engine.shutdown()
+    engine = VllmEngine(v, name + "-restarted", B, 40, 1, buffer_steps=8)
+    # The new process's first request arrives before it has published anything: kvmatch still
+    # holds the old process's blocks for it, so that one is not compared.
+    run_requests(fx, engine, 0, work, 15, "unseen")
+    fx.line(f"state 0 LIVE {lost}")
+    engine.shutdown()
+    made.append((name, fx.close()))
+    for name, n in made:
+        print(f"check-engines: {name}: {n}")
+
+
 def main():
     if len(sys.argv) < 2:
         sys.exit(__doc__)
     wheel_dir = sys.argv[1]
     out_dir = sys.argv[2] if len(sys.argv) > 2 else "tests/engine_fixtures"
     os.makedirs(out_dir, exist_ok=True)
-    kv, wheel = load_vllm(wheel_dir)
-    vllm_scenarios(kv, wheel, out_dir)
+    v = load_vllm(wheel_dir)
+    vllm_scenarios(v, out_dir)
+    vllm_engine_scenarios(v, out_dir)
     kv, wheel = load_sglang(wheel_dir)
     sglang_scenarios(kv, wheel, out_dir)
     print(f"check-engines: fixtures written to {out_dir}")
+    print("check-engines: placeholders bound (never called): " + ", ".join(sorted(PLACEHOLDERS)))
 
 
 if __name__ == "__main__":

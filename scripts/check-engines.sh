@@ -1,11 +1,12 @@
 #!/bin/sh
 # SPDX-License-Identifier: Apache-2.0
 # make check-engines: fetch vLLM's and SGLang's wheels (pip download --no-deps, into the git-ignored
-# .engine-wheels/), encode KV-event scenarios with their own event classes and encoders
-# (scripts/check-engines.py), and check that kvmatch's feed ends with exactly the index the
-# scenarios predict (the engine_fixtures suite of build/kvmatch-tests). The fixtures are written to
-# tests/engine_fixtures/, which `make test` checks on every run; a difference from the committed
-# ones is reported.
+# .engine-wheels/), run vLLM's own KVCacheManager and ZmqEventPublisher through request sequences
+# and encode KV-event scenarios with the engines' own event classes and encoders
+# (scripts/check-engines.py), and check that kvmatch predicts, prompt by prompt, the engine's own
+# prefix-cache hit, and ends with exactly the index the encoding scenarios predict (the
+# engine_fixtures suite of build/kvmatch-tests). The fixtures are written to tests/engine_fixtures/,
+# which `make test` checks on every run; a difference from the committed ones is reported.
 #
 # VLLM_VERSION / SGLANG_VERSION pick other versions (default 0.33.0 and 0.5.23);
 # KM_TESTS names the test binary (default build/kvmatch-tests).
@@ -22,7 +23,9 @@ if ! ls "$CACHE"/vllm-"$VLLM_VERSION"-*.whl >/dev/null 2>&1 ||
 fi
 if [ ! -x "$CACHE/venv/bin/python" ]; then
     python3 -m venv "$CACHE/venv"
-    "$CACHE/venv/bin/pip" install -q msgspec xxhash pyzmq pydantic
+fi
+if ! "$CACHE/venv/bin/python" -c 'import msgspec, xxhash, zmq, pydantic, cbor2' 2>/dev/null; then
+    "$CACHE/venv/bin/pip" install -q msgspec xxhash pyzmq pydantic cbor2
 fi
 # Only the requested versions' wheels are read.
 WHEELS=$(mktemp -d)

@@ -1,10 +1,19 @@
 /* SPDX-License-Identifier: Apache-2.0 */
-/* Payloads encoded by vLLM's and SGLang's own event classes and msgspec encoders
- * (tests/engine_fixtures/, written by scripts/check-engines.py from the engines' wheels, with the
- * expected index content computed in Python from docs/HASHING.md): decoded, fed to a worker from
- * seq 0 and flushed, the worker's index must hold exactly the expected chains, each in its tier.
- * Covers lookahead hashing, LoRA under Dynamo's seed rule with a CPU offload, the cache salt in
- * vLLM's extra keys and as SGLang's own field, SGLang's CPU_PINNED and EXTERNAL media. */
+/* What vLLM's and SGLang's own code published (tests/engine_fixtures/, written by
+ * scripts/check-engines.py from the engines' wheels; the format is in its docstring), replayed
+ * through a feed as a transport would deliver it:
+ *  - engine runs: vLLM's KVCacheManager served prompts and its ZmqEventPublisher published the
+ *    events; before each prompt the feed has applied every message the engine published before
+ *    it, and the worker's matched depth, capped as an engine caps a hit (the prompt's last token is
+ *    always recomputed), must equal the engine's own prefix-cache hit. Gaps are answered with the
+ *    publisher's own replay answers, and the feed's state and lost count are checked where the
+ *    fixture states them. Covers plain and lookahead hashing, DP ranks, gaps inside and beyond
+ *    the replay buffer, a prefix-cache reset and an engine restart.
+ *  - event encodings: the worker's index must end with exactly the expected chains, each in its
+ *    tier (lookahead variants, LoRA under Dynamo's seed rule with a CPU offload, the cache salt in
+ *    vLLM's extra keys and as SGLang's own field, SGLang's CPU_PINNED and EXTERNAL media).
+ * No event may be refused, except stores whose parent was in messages lost beyond the replay
+ * buffer. */
 #include <dirent.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -12,9 +21,35 @@
 
 #include "kv_test_publisher.h"
 #include "kvmatch/feed.h"
+#include "kvmatch/hash.h"
 #include "test_util.h"
 
 #define FIXTURE_DIR "tests/engine_fixtures"
+#define MAX_WORKERS 4
+#define MAX_REPLAYS 16
+#define MAX_PROMPT_TOKENS 4096
+
+typedef struct recorded_replay {
+    uint32_t worker;
+    uint64_t start_seq;
+    uint32_t n_items;
+    uint64_t *seqs;
+    char **hex; /* one payload each, as hex */
+    bool used;
+} recorded_replay;
+
+typedef struct fixture_run {
+    const char *path;
+    unsigned line_no;
+    km_index *index;
+    km_feed *feed;
+    km_kv_decoder *dec;
+    uint32_t block_size, lookahead;
+    uint64_t now;
+    recorded_replay replays[MAX_REPLAYS];
+    uint32_t n_replays;
+    unsigned prompts_exact, prompts_unseen, replays_served;
+} fixture_run;
 
 static size_t unhex(const char *hex, unsigned char *out, size_t cap)
 {
@@ -24,41 +59,189 @@ static size_t unhex(const char *hex, unsigned char *out, size_t cap)
         cr_assert_eq(sscanf(hex, "%2x", &v), 1, "bad hex");
         out[n++] = (unsigned char)v;
     }
+    cr_assert(!hex[0] || hex[0] == '\n', "payload over %zu bytes", cap);
     return n;
+}
+
+static const km_kv_batch *decode(fixture_run *r, const char *hex, uint64_t seq)
+{
+    static unsigned char payload[1 << 16];
+    static km_kv_batch b;
+    size_t n = unhex(hex, payload, sizeof payload);
+    int rc = km_kv_decode_payload(r->dec, payload, n, &b);
+    cr_assert_eq(rc, KM_OK, "%s:%u seq %llu: %s", r->path, r->line_no, (unsigned long long)seq,
+                 km_kv_decoder_last_error(r->dec));
+    cr_assert_eq(b.n_rejected, 0, "%s:%u seq %llu: %s", r->path, r->line_no,
+                 (unsigned long long)seq, b.n_rejected ? b.rejected[0].message : "");
+    return &b;
+}
+
+/* Answer the feed's replay requests with the publisher's recorded answers. */
+static void serve_actions(fixture_run *r)
+{
+    km_feed_action a;
+    while (km_feed_next_action(r->feed, &a)) {
+        if (a.kind != KM_FEED_ACTION_REPLAY_REQUEST)
+            continue;
+        recorded_replay *rep = NULL;
+        for (uint32_t i = 0; i < r->n_replays && !rep; i++)
+            if (!r->replays[i].used && r->replays[i].worker == a.worker &&
+                r->replays[i].start_seq == a.start_seq)
+                rep = &r->replays[i];
+        cr_assert_not_null(rep, "%s:%u: the feed asked worker %u for a replay from seq %llu, "
+                           "which the engine run did not record",
+                           r->path, r->line_no, a.worker, (unsigned long long)a.start_seq);
+        rep->used = true;
+        for (uint32_t i = 0; i < rep->n_items; i++)
+            cr_assert_eq(km_feed_replay_item(r->feed, a.worker, a.request_id, rep->seqs[i],
+                                             decode(r, rep->hex[i], rep->seqs[i]), r->now++),
+                         KM_OK);
+        cr_assert_eq(km_feed_replay_end(r->feed, a.worker, a.request_id, r->now++), KM_OK);
+        r->replays_served++;
+    }
+}
+
+/* The worker's matched depth for the prompt, capped as the engine caps a hit. */
+static uint32_t predicted_hit(fixture_run *r, uint32_t worker, const uint32_t *tokens, size_t n)
+{
+    static uint64_t chains[MAX_PROMPT_TOKENS];
+    size_t n_blocks = 0;
+    km_hash_config hc = {r->block_size, NULL, NULL};
+    cr_assert_eq(km_hash_sequence_lookahead(&hc, r->lookahead, tokens, n, 0, 0, NULL, chains,
+                                            &n_blocks),
+                 KM_OK);
+    uint32_t depth = 0;
+    if (n_blocks) {
+        km_match_results res;
+        km_match_results_init(&res);
+        km_request q = {chains, (uint32_t)n_blocks};
+        cr_assert_eq(km_index_match_batch(r->index, &q, 1, &res), KM_OK);
+        for (uint32_t i = 0; i < res.requests[0].count; i++)
+            if (res.matches[res.requests[0].first + i].worker == worker)
+                depth = res.matches[res.requests[0].first + i].depth;
+        km_match_results_free(&res);
+    }
+    uint32_t cap = n ? (uint32_t)((n - 1) / r->block_size) : 0;
+    return depth < cap ? depth : cap;
+}
+
+static void check_prompt(fixture_run *r, char *rest)
+{
+    static uint32_t tokens[MAX_PROMPT_TOKENS];
+    unsigned worker, hit;
+    char check[16];
+    int used = 0;
+    cr_assert_eq(sscanf(rest, "%u %u %15s %n", &worker, &hit, check, &used), 3, "%s:%u", r->path,
+                 r->line_no);
+    size_t n = 0;
+    for (char *t = strtok(rest + used, ",\n"); t; t = strtok(NULL, ",\n")) {
+        cr_assert_lt(n, MAX_PROMPT_TOKENS);
+        tokens[n++] = (uint32_t)strtoul(t, NULL, 10);
+    }
+    cr_assert_eq(km_feed_flush(r->feed, r->now++, NULL), KM_OK);
+    uint32_t predicted = predicted_hit(r, worker, tokens, n);
+    if (!strcmp(check, "unseen")) {
+        r->prompts_unseen++;
+        return;
+    }
+    cr_assert_str_eq(check, "exact", "%s:%u", r->path, r->line_no);
+    cr_assert_eq(predicted, hit,
+                 "%s:%u: worker %u, a prompt of %zu tokens: kvmatch predicts a hit of %u blocks, "
+                 "the engine hit %u",
+                 r->path, r->line_no, worker, n, predicted, hit);
+    r->prompts_exact++;
+}
+
+static void check_state(fixture_run *r, const char *rest)
+{
+    unsigned worker;
+    char state[16];
+    unsigned long long lost;
+    cr_assert_eq(sscanf(rest, "%u %15s %llu", &worker, state, &lost), 3);
+    km_feed_worker_info info;
+    cr_assert_eq(km_feed_get_worker_info(r->feed, worker, &info), KM_OK);
+    cr_assert_str_eq(km_feed_state_name(info.state), state, "%s:%u: worker %u", r->path,
+                     r->line_no, worker);
+    cr_assert_eq(info.counters.lost, lost, "%s:%u: worker %u lost %llu, expected %llu", r->path,
+                 r->line_no, worker, (unsigned long long)info.counters.lost, lost);
+}
+
+static char *read_line(FILE *f)
+{
+    static char *line;
+    static size_t cap;
+    return getline(&line, &cap, f) > 0 ? line : NULL;
 }
 
 static void run_fixture(const char *path)
 {
     FILE *f = fopen(path, "r");
     cr_assert_not_null(f, "%s", path);
-    static char line[1 << 16];
-    static unsigned char payload[1 << 15];
-    km_index *index = km_test_make_index(4);
-    km_feed *feed = NULL;
-    km_kv_decoder *dec = NULL;
-    cr_assert_eq(km_kv_decoder_create(NULL, &dec), KM_OK);
-    uint64_t seq = 0, now = 1000, expect[16];
+    fixture_run r = {.path = path, .now = 1000};
+    r.index = km_test_make_index(MAX_WORKERS);
+    cr_assert_eq(km_kv_decoder_create(NULL, &r.dec), KM_OK);
+    uint64_t expect[16], seq = 0;
     uint32_t tiers[16], n_expect = 0;
-    while (fgets(line, sizeof line, f)) {
+    bool workers[MAX_WORKERS] = {false}, engine_run = false;
+    char *line;
+    while ((line = read_line(f))) {
+        r.line_no++;
         if (!strncmp(line, "config ", 7)) {
             km_feed_config cfg;
-            unsigned bs, la;
-            cr_assert_eq(sscanf(line + 7, "%u %u", &bs, &la), 2);
-            km_test_feed_config(&cfg, bs);
-            cfg.hash_lookahead_tokens = la;
-            cr_assert_eq(km_feed_create(index, &cfg, &feed), KM_OK);
-            km_feed_worker_config wc = {0, "engine", false};
-            cr_assert_eq(km_feed_add_worker(feed, &wc, now++), KM_OK);
+            cr_assert_eq(sscanf(line + 7, "%u %u", &r.block_size, &r.lookahead), 2);
+            km_test_feed_config(&cfg, r.block_size);
+            cfg.hash_lookahead_tokens = r.lookahead;
+            /* Replays are asked for gaps only: the engine run records no bootstrap answer. */
+            cfg.bootstrap_replay = false;
+            cr_assert_eq(km_feed_create(r.index, &cfg, &r.feed), KM_OK);
+        } else if (!strncmp(line, "worker ", 7)) {
+            unsigned w, replay;
+            cr_assert_eq(sscanf(line + 7, "%u %u", &w, &replay), 2);
+            cr_assert_lt(w, MAX_WORKERS);
+            km_feed_worker_config wc = {w, "engine", replay != 0};
+            cr_assert_eq(km_feed_add_worker(r.feed, &wc, r.now++), KM_OK);
+            workers[w] = engine_run = true;
+        } else if (!strncmp(line, "live ", 5)) {
+            unsigned w;
+            unsigned long long s;
+            int used = 0;
+            cr_assert_eq(sscanf(line + 5, "%u %llu %n", &w, &s, &used), 2);
+            cr_assert(w < MAX_WORKERS && workers[w], "%s:%u: unknown worker", path, r.line_no);
+            cr_assert_eq(km_feed_live(r.feed, w, s, decode(&r, line + 5 + used, s), r.now++),
+                         KM_OK);
+            serve_actions(&r);
+        } else if (!strncmp(line, "replay ", 7)) {
+            cr_assert_lt(r.n_replays, MAX_REPLAYS);
+            recorded_replay *rep = &r.replays[r.n_replays++];
+            unsigned long long start;
+            cr_assert_eq(sscanf(line + 7, "%u %llu %u", &rep->worker, &start, &rep->n_items), 3);
+            rep->start_seq = start;
+            rep->seqs = calloc(rep->n_items + 1, sizeof *rep->seqs);
+            rep->hex = calloc(rep->n_items + 1, sizeof *rep->hex);
+            for (uint32_t i = 0; i < rep->n_items; i++) {
+                cr_assert_not_null(line = read_line(f));
+                r.line_no++;
+                unsigned long long s;
+                int used = 0;
+                cr_assert_eq(sscanf(line, "item %llu %n", &s, &used), 1, "%s:%u", path,
+                             r.line_no);
+                rep->seqs[i] = s;
+                rep->hex[i] = strdup(line + used);
+            }
+        } else if (!strncmp(line, "prompt ", 7)) {
+            check_prompt(&r, line + 7);
+        } else if (!strncmp(line, "state ", 6)) {
+            cr_assert_eq(km_feed_flush(r.feed, r.now++, NULL), KM_OK);
+            check_state(&r, line + 6);
         } else if (!strncmp(line, "payload ", 8)) {
-            cr_assert_not_null(feed, "%s: payload before config", path);
-            size_t n = unhex(line + 8, payload, sizeof payload);
-            km_kv_batch b;
-            int rc = km_kv_decode_payload(dec, payload, n, &b);
-            cr_assert_eq(rc, KM_OK, "%s seq %llu: %s", path, (unsigned long long)seq,
-                         km_kv_decoder_last_error(dec));
-            cr_assert_eq(b.n_rejected, 0, "%s seq %llu: %s", path, (unsigned long long)seq,
-                         b.n_rejected ? b.rejected[0].message : "");
-            cr_assert_eq(km_feed_live(feed, 0, seq++, &b, now++), KM_OK);
+            /* An event encoding: one worker fed from seq 0. */
+            if (!workers[0]) {
+                km_feed_worker_config wc = {0, "engine", false};
+                cr_assert_eq(km_feed_add_worker(r.feed, &wc, r.now++), KM_OK);
+                workers[0] = true;
+            }
+            cr_assert_eq(km_feed_live(r.feed, 0, seq, decode(&r, line + 8, seq), r.now++), KM_OK);
+            seq++;
         } else if (!strncmp(line, "expect ", 7)) {
             char tier[16];
             unsigned long long chain;
@@ -68,41 +251,68 @@ static void run_fixture(const char *path)
             tiers[n_expect++] = !strcmp(tier, "host") ? KM_TIER_HOST
                                 : !strcmp(tier, "disk") ? KM_TIER_DISK
                                                         : KM_TIER_DEVICE;
+        } else {
+            cr_assert(line[0] == '#' || line[0] == '\n', "%s:%u: unknown line", path, r.line_no);
         }
     }
     fclose(f);
-    cr_assert_not_null(feed, "%s: no config line", path);
-    cr_assert_eq(km_feed_flush(feed, now++, NULL), KM_OK);
-    char why[256];
-    cr_assert(km_test_index_holds_exactly(index, 0, expect, n_expect, why, sizeof why), "%s: %s",
-              path, why);
-    for (uint32_t i = 0; i < n_expect; i++) {
-        km_match_results res;
-        km_match_results_init(&res);
-        km_request q = {&expect[i], 1};
-        cr_assert_eq(km_index_match_batch(index, &q, 1, &res), KM_OK);
-        cr_assert_eq(res.requests[0].count, 1);
-        uint32_t got = res.tiers[0].host_blocks   ? KM_TIER_HOST
-                       : res.tiers[0].disk_blocks ? KM_TIER_DISK
-                                                  : KM_TIER_DEVICE;
-        cr_assert_eq(got, tiers[i], "%s: chain %u in tier %u, expected %u", path, i, got, tiers[i]);
-        km_match_results_free(&res);
+    cr_assert_not_null(r.feed, "%s: no config line", path);
+    cr_assert_eq(km_feed_flush(r.feed, r.now++, NULL), KM_OK);
+    if (engine_run) {
+        cr_assert_gt(r.prompts_exact, 0, "%s: no prompt compared", path);
+        for (uint32_t i = 0; i < r.n_replays; i++)
+            cr_assert(r.replays[i].used, "%s: the replay from seq %llu was never asked for", path,
+                      (unsigned long long)r.replays[i].start_seq);
+    } else {
+        char why[256];
+        cr_assert(km_test_index_holds_exactly(r.index, 0, expect, n_expect, why, sizeof why),
+                  "%s: %s", path, why);
+        for (uint32_t i = 0; i < n_expect; i++) {
+            km_match_results res;
+            km_match_results_init(&res);
+            km_request q = {&expect[i], 1};
+            cr_assert_eq(km_index_match_batch(r.index, &q, 1, &res), KM_OK);
+            cr_assert_eq(res.requests[0].count, 1);
+            uint32_t got = res.tiers[0].host_blocks   ? KM_TIER_HOST
+                           : res.tiers[0].disk_blocks ? KM_TIER_DISK
+                                                      : KM_TIER_DEVICE;
+            cr_assert_eq(got, tiers[i], "%s: chain %u in tier %u, expected %u", path, i, got,
+                         tiers[i]);
+            km_match_results_free(&res);
+        }
     }
-    km_feed_worker_info info;
-    cr_assert_eq(km_feed_get_worker_info(feed, 0, &info), KM_OK);
-    for (unsigned r = 0; r < KM_FEED_REFUSAL_COUNT; r++)
-        cr_assert_eq(info.counters.refused[r], 0, "%s: %s refused", path,
-                     km_feed_refusal_name((km_feed_refusal)r));
-    km_feed_destroy(feed);
-    km_kv_decoder_destroy(dec);
-    km_index_destroy(index);
+    for (uint32_t w = 0; w < MAX_WORKERS; w++) {
+        if (!workers[w])
+            continue;
+        km_feed_worker_info info;
+        cr_assert_eq(km_feed_get_worker_info(r.feed, w, &info), KM_OK);
+        for (unsigned k = 0; k < KM_FEED_REFUSAL_COUNT; k++) {
+            /* Stores continuing blocks stored in lost messages have an unknown parent. */
+            if (k == KM_FEED_REFUSED_UNKNOWN_PARENT && info.counters.lost > 0)
+                continue;
+            cr_assert_eq(info.counters.refused[k], 0, "%s: worker %u: %s refused", path, w,
+                         km_feed_refusal_name((km_feed_refusal)k));
+        }
+    }
+    if (engine_run)
+        cr_log_info("%s: %u prompts equal to the engine's hit, %u not compared, %u replays", path,
+                    r.prompts_exact, r.prompts_unseen, r.replays_served);
+    for (uint32_t i = 0; i < r.n_replays; i++) {
+        for (uint32_t j = 0; j < r.replays[i].n_items; j++)
+            free(r.replays[i].hex[j]);
+        free(r.replays[i].hex);
+        free(r.replays[i].seqs);
+    }
+    km_feed_destroy(r.feed);
+    km_kv_decoder_destroy(r.dec);
+    km_index_destroy(r.index);
 }
 
-Test(engine_fixtures, engines_own_encodings_give_the_expected_index, .timeout = 30)
+Test(engine_fixtures, engines_own_runs_and_encodings_give_the_engines_hits, .timeout = 60)
 {
     DIR *d = opendir(FIXTURE_DIR);
     cr_assert_not_null(d, "%s missing (run from the repository root)", FIXTURE_DIR);
-    unsigned n = 0;
+    unsigned n = 0, engine_runs = 0;
     struct dirent *e;
     while ((e = readdir(d))) {
         size_t len = strlen(e->d_name);
@@ -112,7 +322,9 @@ Test(engine_fixtures, engines_own_encodings_give_the_expected_index, .timeout = 
         snprintf(path, sizeof path, "%s/%s", FIXTURE_DIR, e->d_name);
         run_fixture(path);
         n++;
+        engine_runs += !strncmp(e->d_name, "vllm_engine_", 12);
     }
     closedir(d);
-    cr_assert_geq(n, 4, "only %u fixtures", n);
+    cr_assert_geq(n, 9, "only %u fixtures", n);
+    cr_assert_geq(engine_runs, 5, "only %u engine runs", engine_runs);
 }
