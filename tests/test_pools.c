@@ -16,6 +16,8 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <msgpack.h>
+
 #include "kv_test_publisher.h"
 #include "kvmatch/kvmatch.h"
 #include "test_util.h"
@@ -232,6 +234,129 @@ Test(pools, remove_ends_the_pool_and_frees_its_name, .timeout = 60)
     cr_assert_eq(route_status(c, "later"), KM_OK);
     cr_assert_eq(route_status(c, "main"), KM_OK);
     cr_assert_eq(pools_call(c, KM_ADMIN_REMOVE, "later"), KM_OK);
+    km_client_close(c);
+    pools_stop(&s);
+    km_test_publisher_stop(pub);
+}
+
+/* One POOLS add / update of `name` with hash_lookahead_tokens; the item's status. */
+static int pools_call_lookahead(km_client *c, km_admin_action action, const char *name,
+                                uint32_t lookahead)
+{
+    km_pool_info pi;
+    memset(&pi, 0, sizeof pi);
+    pi.name = name;
+    pi.block_size = action == KM_ADMIN_ADD ? BS : 0;
+    pi.hash_lookahead_tokens = lookahead;
+    km_message m = {.type = KM_MESSAGE_POOLS}, reply;
+    m.pools.action = action;
+    m.pools.pools = &pi;
+    m.pools.n_pools = 1;
+    cr_assert_eq(km_client_call(c, &m, 10000, &reply), KM_OK, "%s", km_client_last_error(c));
+    cr_assert_eq(reply.type, KM_MESSAGE_ACK);
+    return reply.ack.items[0].status;
+}
+
+/* Publish one batch holding a BlockStored of two blocks (engine hashes 501, 502), tokens 1..8,
+ * with one lookahead token per block (5 and 9), as vLLM 0.33 encodes it under EAGLE. */
+static void publish_lookahead_blocks(km_test_publisher *pub)
+{
+    msgpack_sbuffer sb;
+    msgpack_packer pk;
+    msgpack_sbuffer_init(&sb);
+    msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
+    msgpack_pack_array(&pk, 3);
+    msgpack_pack_double(&pk, 1.0);
+    msgpack_pack_array(&pk, 1);
+    msgpack_pack_map(&pk, 6);
+    msgpack_pack_str_with_body(&pk, "type", 4);
+    msgpack_pack_str_with_body(&pk, "BlockStored", 11);
+    msgpack_pack_str_with_body(&pk, "block_hashes", 12);
+    msgpack_pack_array(&pk, 2);
+    msgpack_pack_uint64(&pk, 501);
+    msgpack_pack_uint64(&pk, 502);
+    msgpack_pack_str_with_body(&pk, "parent_block_hash", 17);
+    msgpack_pack_nil(&pk);
+    msgpack_pack_str_with_body(&pk, "token_ids", 9);
+    msgpack_pack_array(&pk, 2 * BS);
+    for (uint32_t t = 1; t <= 2 * BS; t++)
+        msgpack_pack_uint32(&pk, t);
+    msgpack_pack_str_with_body(&pk, "block_size", 10);
+    msgpack_pack_uint32(&pk, BS);
+    msgpack_pack_str_with_body(&pk, "lookahead_token_ids", 19);
+    msgpack_pack_array(&pk, 2);
+    msgpack_pack_array(&pk, 1);
+    msgpack_pack_uint32(&pk, BS + 1);
+    msgpack_pack_array(&pk, 1);
+    msgpack_pack_uint32(&pk, 2 * BS + 1);
+    msgpack_pack_nil(&pk);
+    km_test_publisher_publish(pub, sb.data, sb.size);
+    msgpack_sbuffer_destroy(&sb);
+}
+
+/* The owner depth of a route of `tokens` to pool_name. */
+static uint32_t route_tokens_depth(km_client *c, const char *pool_name, const uint32_t *tokens,
+                                   uint32_t n)
+{
+    static unsigned next_id;
+    char id[32];
+    snprintf(id, sizeof id, "t%u", next_id++);
+    km_route_request r;
+    memset(&r, 0, sizeof r);
+    r.request_id = id;
+    r.pool = pool_name;
+    r.input = KM_ROUTE_INPUT_TOKENS;
+    r.tokens = tokens;
+    r.n_tokens = n;
+    km_message reply;
+    cr_assert_eq(km_client_route(c, &r, 1, 10000, &reply), KM_OK);
+    cr_assert_eq(reply.decision.decisions[0].status, KM_OK, "%s",
+                 reply.decision.decisions[0].message);
+    return reply.decision.decisions[0].has_owner ? reply.decision.decisions[0].owner_depth : 0;
+}
+
+/* POOLS add sets a pool's hash_lookahead_tokens: POOL_LIST shows it, update cannot change it,
+ * a value over the limit is refused, the pool's workers' stores with that many lookahead tokens
+ * are indexed, and token routes hash with it (a prompt diverging right after block 1 holds only
+ * block 0). */
+Test(pools, add_sets_hash_lookahead_tokens, .timeout = 60)
+{
+    km_test_publisher_config pc;
+    km_test_publisher_config_init(&pc);
+    km_test_publisher *pub = NULL;
+    cr_assert_eq(km_test_publisher_start(&pc, &pub), KM_OK);
+    pools_srv s;
+    pools_start(&s);
+    km_client *c = NULL;
+    char why[256];
+    cr_assert_eq(km_client_connect(s.addr, 5000, &c, why, sizeof why), KM_OK, "%s", why);
+
+    cr_assert_eq(pools_call_lookahead(c, KM_ADMIN_ADD, "eagle", 1), KM_OK);
+    cr_assert_eq(pools_call_lookahead(c, KM_ADMIN_ADD, "huge", KM_HASH_MAX_LOOKAHEAD + 1),
+                 KM_ERR_PARSE);
+    cr_assert_eq(pools_call_lookahead(c, KM_ADMIN_UPDATE, "eagle", 2), KM_ERR_INVALID_ARGUMENT);
+    cr_assert_eq(pools_call_lookahead(c, KM_ADMIN_UPDATE, "eagle", 1), KM_OK);
+    km_message m = {.type = KM_MESSAGE_POOLS}, reply;
+    m.pools.action = KM_ADMIN_LIST;
+    cr_assert_eq(km_client_call(c, &m, 5000, &reply), KM_OK);
+    cr_assert_eq(reply.pools.n_pools, 2);
+    cr_assert_str_eq(reply.pools.pools[0].name, "main");
+    cr_assert_eq(reply.pools.pools[0].hash_lookahead_tokens, 0);
+    cr_assert_str_eq(reply.pools.pools[1].name, "eagle");
+    cr_assert_eq(reply.pools.pools[1].hash_lookahead_tokens, 1);
+
+    add_event_workers(c, "eagle", 10, 1, pub);
+    cr_assert(km_test_publisher_wait_subscribers(pub, 1, 5000));
+    publish_lookahead_blocks(pub);
+    uint32_t same[2 * BS + 2], diverging[2 * BS + 2];
+    for (uint32_t t = 0; t < 2 * BS + 2; t++)
+        same[t] = diverging[t] = t + 1;
+    diverging[2 * BS] = 99; /* block 1's lookahead token differs */
+    uint32_t depth = 0;
+    for (int i = 0; i < 500 && depth < 2; i++, km_test_sleep_ms(10))
+        depth = route_tokens_depth(c, "eagle", same, 2 * BS + 2);
+    cr_assert_eq(depth, 2, "the stored blocks never matched");
+    cr_assert_eq(route_tokens_depth(c, "eagle", diverging, 2 * BS + 2), 1);
     km_client_close(c);
     pools_stop(&s);
     km_test_publisher_stop(pub);

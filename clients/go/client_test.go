@@ -370,12 +370,12 @@ func TestAdmin(t *testing.T) {
 	if items[0].Status != ErrInvalidArgument {
 		t.Fatalf("update without healthy: %+v", items)
 	}
-	items, _ = c.AddPools(ctx, Pool{Name: "second", BlockSize: 32, Policy: "least_load"}, Pool{Name: "nosize"})
+	items, _ = c.AddPools(ctx, Pool{Name: "second", BlockSize: 32, HashLookaheadTokens: 2, Policy: "least_load"}, Pool{Name: "nosize"})
 	if fmt.Sprint(statuses(items)) != fmt.Sprint([]Code{OK, ErrBlockSize}) {
 		t.Fatalf("pool add statuses %v", statuses(items))
 	}
 	pools, err := c.ListPools(ctx)
-	if err != nil || len(pools) != 2 || pools[1].Name != "second" || pools[1].BlockSize != 32 || len(pools[1].Params) == 0 {
+	if err != nil || len(pools) != 2 || pools[1].Name != "second" || pools[1].BlockSize != 32 || pools[1].HashLookaheadTokens != 2 || len(pools[1].Params) == 0 {
 		t.Fatalf("pool list: %v %+v", err, pools)
 	}
 	st, err := c.Status(ctx)

@@ -110,13 +110,15 @@ type Worker struct {
 }
 
 // Pool is a pool map of POOLS add / update and POOL_LIST. BlockSize 0 is not sent (add then
-// fails that pool with ErrBlockSize; update leaves it unchanged).
+// fails that pool with ErrBlockSize; update leaves it unchanged). HashLookaheadTokens (the
+// engines' lookahead hashing, set in add only) 0 is not sent: none.
 type Pool struct {
-	Name      string             `msgpack:"name"`
-	Model     string             `msgpack:"model"`
-	BlockSize uint32             `msgpack:"block_size"`
-	Policy    string             `msgpack:"policy"`
-	Params    map[string]float64 `msgpack:"params"`
+	Name                string             `msgpack:"name"`
+	Model               string             `msgpack:"model"`
+	BlockSize           uint32             `msgpack:"block_size"`
+	HashLookaheadTokens uint32             `msgpack:"hash_lookahead_tokens"`
+	Policy              string             `msgpack:"policy"`
+	Params              map[string]float64 `msgpack:"params"`
 }
 
 // Candidate is one candidate row of a decision (11 positional values on the wire).
@@ -401,6 +403,9 @@ func (p *Pool) EncodeMsgpack(e *msgpack.Encoder) error {
 	f = f.str("model", p.Model).str("policy", p.Policy)
 	if p.BlockSize != 0 {
 		f = append(f, "block_size", p.BlockSize)
+	}
+	if p.HashLookaheadTokens != 0 {
+		f = append(f, "hash_lookahead_tokens", p.HashLookaheadTokens)
 	}
 	if p.Params != nil {
 		f = append(f, "params", p.Params)

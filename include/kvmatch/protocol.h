@@ -422,6 +422,9 @@ typedef struct km_pool_info {
     const char *name;    /* required */
     const char *model;   /* NULL when absent */
     uint32_t block_size; /* 0 = absent (UPDATE: unchanged) */
+    /* Tokens after each block its hash covers (the engines' lookahead hashing, docs/HASHING.md);
+     * 0 = none or absent. Set at ADD only: UPDATE refuses a value other than the pool's. */
+    uint32_t hash_lookahead_tokens;
     const char *policy;  /* NULL when absent */
     const km_param *params;
     uint32_t n_params;

@@ -222,6 +222,7 @@ void km_srv_handle_pools(conn *c, const km_message *m)
             list[i].name = p->name;
             list[i].model = p->model;
             list[i].block_size = p->block_size;
+            list[i].hash_lookahead_tokens = p->hash_lookahead_tokens;
             list[i].policy = km_policy_kind_name(p->policy.kind);
             km_param *pp = params[i];
             pp[0] = (km_param){"temperature", p->policy.kv.temperature};
@@ -290,6 +291,12 @@ void km_srv_handle_pools(conn *c, const km_message *m)
                 rc = km_why(msgs[i], sizeof msgs[i], KM_ERR_INVALID_ARGUMENT,
                            "pool %s: block_size cannot change (the index is hashed with %u)",
                            pi->name, s->pools[at]->block_size);
+            } else if (pi->hash_lookahead_tokens &&
+                       pi->hash_lookahead_tokens != s->pools[at]->hash_lookahead_tokens) {
+                rc = km_why(msgs[i], sizeof msgs[i], KM_ERR_INVALID_ARGUMENT,
+                           "pool %s: hash_lookahead_tokens cannot change (the index is hashed "
+                           "with %u)",
+                           pi->name, s->pools[at]->hash_lookahead_tokens);
             } else if (pi->model && !km_utf8_name(pi->model)) {
                 /* As km_srv_pool_create checks it: the model is a string in /status and the
                  * records. */
@@ -325,6 +332,7 @@ void km_srv_handle_pools(conn *c, const km_message *m)
             pc.name = pi->name;
             pc.model = pi->model;
             pc.block_size = pi->block_size;
+            pc.hash_lookahead_tokens = pi->hash_lookahead_tokens;
             pool *np = NULL;
             rc = km_srv_pool_create(s, &pc, &np, msgs[i], sizeof msgs[i]);
             if (rc == KM_OK)

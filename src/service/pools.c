@@ -11,6 +11,7 @@
 
 #include <xxhash.h>
 
+#include "kvmatch/hash.h"
 #include "base/error_detail.h"
 #include "base/utf8.h"
 #include "service/server_config.h"
@@ -68,6 +69,10 @@ int km_srv_pool_create(km_server *s, const km_server_pool *pc, pool **out, char 
     if (pc->block_size == 0)
         return km_why(why, why_size, KM_ERR_BLOCK_SIZE, "pool %s: block_size must be at least 1",
                      pc->name);
+    if (pc->hash_lookahead_tokens > KM_HASH_MAX_LOOKAHEAD)
+        return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,
+                      "pool %s: hash_lookahead_tokens %u is over %u", pc->name,
+                      pc->hash_lookahead_tokens, KM_HASH_MAX_LOOKAHEAD);
     if (pc->approx_ttl_ms > UINT64_MAX / 1000000)
         return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,
                       "pool %s: approx_ttl_ms %" PRIu64 " is over %" PRIu64 " (the TTL in ns must "

@@ -20,6 +20,7 @@
 
 #include <msgpack.h>
 
+#include "kvmatch/hash.h"
 #include "kvmatch/protocol.h"
 #include "base/msgpack_scan.h"
 #include "service/protocol_internal.h"
@@ -804,8 +805,9 @@ static int decode_worker(km_protocol_decoder *d, const msgpack_object *o, km_wor
 
 static int decode_pool(km_protocol_decoder *d, const msgpack_object *o, km_pool_info *p)
 {
-    enum { NAME, MODEL, BLOCK_SIZE, POLICY, PARAMS, N_FIELDS };
-    static const char *const names[N_FIELDS] = {"name", "model", "block_size", "policy", "params"};
+    enum { NAME, MODEL, BLOCK_SIZE, LOOKAHEAD, POLICY, PARAMS, N_FIELDS };
+    static const char *const names[N_FIELDS] = {"name",   "model",  "block_size",
+                                                "hash_lookahead_tokens", "policy", "params"};
     const msgpack_object *v[N_FIELDS];
     int rc = bind_fields(d, o, NULL, names, N_FIELDS, v);
     if (rc)
@@ -813,10 +815,15 @@ static int decode_pool(km_protocol_decoder *d, const msgpack_object *o, km_pool_
     if ((rc = read_nonempty_str(d, v[NAME], "name", &p->name)) ||
         (rc = OPT(read_str(d, v[MODEL], "model", &p->model), v[MODEL])) ||
         (rc = OPT(read_u32(d, v[BLOCK_SIZE], "block_size", &p->block_size), v[BLOCK_SIZE])) ||
+        (rc = OPT(read_u32(d, v[LOOKAHEAD], "hash_lookahead_tokens", &p->hash_lookahead_tokens),
+                  v[LOOKAHEAD])) ||
         (rc = OPT(read_str(d, v[POLICY], "policy", &p->policy), v[POLICY])))
         return rc;
     if (v[BLOCK_SIZE] && p->block_size == 0)
         return field_fail(d, KM_ERR_PARSE, "block_size", NO_ELEMENT, "must be at least 1");
+    if (p->hash_lookahead_tokens > KM_HASH_MAX_LOOKAHEAD)
+        return field_fail(d, KM_ERR_PARSE, "hash_lookahead_tokens", NO_ELEMENT, "%u is over %u",
+                          p->hash_lookahead_tokens, KM_HASH_MAX_LOOKAHEAD);
     if (v[PARAMS]) {
         const msgpack_object *m = v[PARAMS];
         if (m->type != MSGPACK_OBJECT_MAP)

@@ -478,6 +478,8 @@ static void encode_pool(writer *w, const km_pool_info *p, uint32_t i)
     put_str(w, &m, "model", p->model);
     if (p->block_size)
         put_u64(w, &m, "block_size", p->block_size);
+    if (p->hash_lookahead_tokens)
+        put_u64(w, &m, "hash_lookahead_tokens", p->hash_lookahead_tokens);
     put_str(w, &m, "policy", p->policy);
     if (p->n_params && check_array(w, where, "params", p->params, p->n_params)) {
         put_key(w, &m, "params");

@@ -215,7 +215,8 @@ def test_admin(server):
         expect([i["status"] for i in ack["items"]] == [0, kc.KM_ERR_NOT_FOUND], "%r" % ack)
         ack = c.workers("update", [{"pool": "default", "worker": 0}])
         expect(ack["items"][0]["status"] == kc.KM_ERR_INVALID_ARGUMENT, "update without healthy")
-        ack = c.pools("add", [{"name": "second", "block_size": 32, "policy": "least_load"},
+        ack = c.pools("add", [{"name": "second", "block_size": 32, "policy": "least_load",
+                               "hash_lookahead_tokens": 2},
                               {"name": "nosize"},
                               {"name": "badparam", "block_size": 16, "params": {"temperature": "hot"}}])
         got = [item["status"] for item in ack["items"]]
@@ -223,6 +224,8 @@ def test_admin(server):
         pools = c.pools("list")
         expect(pools["type"] == "POOL_LIST" and {p["name"] for p in pools["pools"]} >= {"default", "second"},
                "%r" % pools)
+        second = [p for p in pools["pools"] if p["name"] == "second"][0]
+        expect(second.get("hash_lookahead_tokens") == 2, "lookahead of a pool: %r" % second)
         empty = c.route([{"request_id": "e", "pool": "second", "tokens": prompt(64)}])["decisions"][0]
         expect(empty["status"] == kc.KM_ERR_NOT_FOUND, "a pool with no worker: %r" % empty)
         status = c.status()

@@ -151,6 +151,9 @@ pub struct Pool {
     pub model: Option<String>,
     /// Required in add (its absence fails that pool with BLOCK_SIZE); None in update: unchanged.
     pub block_size: Option<u32>,
+    /// Tokens after each block its hash covers (the engines' lookahead hashing); set in add only,
+    /// None there: none.
+    pub hash_lookahead_tokens: Option<u32>,
     pub policy: Option<String>,
     pub params: Vec<(String, f64)>,
 }
@@ -387,7 +390,8 @@ impl Pool {
             .put("name", Value::Str(self.name.clone()))
             .str("model", &self.model)
             .str("policy", &self.policy)
-            .uint("block_size", self.block_size.map(u64::from));
+            .uint("block_size", self.block_size.map(u64::from))
+            .uint("hash_lookahead_tokens", self.hash_lookahead_tokens.map(u64::from));
         if !self.params.is_empty() {
             m = m.put(
                 "params",
@@ -412,6 +416,7 @@ impl Pool {
             name: f.string("name")?.unwrap_or_default(),
             model: f.string("model")?,
             block_size: f.u32("block_size")?,
+            hash_lookahead_tokens: f.u32("hash_lookahead_tokens")?,
             policy: f.string("policy")?,
             params,
         })

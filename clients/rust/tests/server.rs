@@ -291,13 +291,20 @@ fn admin() {
     let items = c.remove_workers(&[w("default", 10), w("default", 99)]).expect("remove");
     assert_eq!(items.iter().map(|i| i.status).collect::<Vec<_>>(), vec![Code::OK, Code::NOT_FOUND]);
     assert_eq!(c.update_workers(&[w("default", 0)]).expect("update")[0].status, Code::INVALID_ARGUMENT);
-    let second = Pool { name: "second".into(), block_size: Some(32), policy: Some("least_load".into()), ..Default::default() };
+    let second = Pool {
+        name: "second".into(),
+        block_size: Some(32),
+        hash_lookahead_tokens: Some(2),
+        policy: Some("least_load".into()),
+        ..Default::default()
+    };
     let nosize = Pool { name: "nosize".into(), ..Default::default() };
     let items = c.add_pools(&[second, nosize]).expect("pools add");
     assert_eq!(items.iter().map(|i| i.status).collect::<Vec<_>>(), vec![Code::OK, Code::BLOCK_SIZE]);
     let pools = c.list_pools().expect("pools list");
     assert_eq!(pools.len(), 2);
     assert_eq!((pools[1].name.as_str(), pools[1].block_size), ("second", Some(32)));
+    assert_eq!(pools[1].hash_lookahead_tokens, Some(2));
     assert!(!pools[1].params.is_empty());
     let st = c.status().expect("status");
     assert!(!st.kvmatch_version.is_empty() && st.backend.is_some());
