@@ -157,15 +157,18 @@ static int is_hex16(const char *s, size_t n)
 }
 
 /* Check stdout against the library's hashes of tokens under cfg. */
-static void expect_hash_output(const cli_result *res, const km_hash_config *cfg,
-                               const uint32_t *tokens, size_t n_tokens, const char *what)
+static void expect_hash_output_lookahead(const cli_result *res, const km_hash_config *cfg,
+                                         uint32_t lookahead, const uint32_t *tokens,
+                                         size_t n_tokens, const char *what)
 {
     cr_assert(res->exited && res->status == 0, "%s: exit status %d, stderr: %s", what, res->status,
               res->err);
-    size_t nb = n_tokens / cfg->block_size, got_n;
+    size_t nb = n_tokens < lookahead ? 0 : (n_tokens - lookahead) / cfg->block_size, got_n;
     uint64_t *local = calloc(nb + 1, sizeof *local), *chain = calloc(nb + 1, sizeof *chain);
-    cr_assert_eq(km_hash_sequence(cfg, tokens, n_tokens, 0, KM_NO_PARENT, local, chain, &got_n),
+    cr_assert_eq(km_hash_sequence_lookahead(cfg, lookahead, tokens, n_tokens, 0, KM_NO_PARENT,
+                                            local, chain, &got_n),
                  KM_OK);
+    cr_assert_eq(got_n, nb);
     char *copy = strdup(res->out), *save = NULL;
     size_t line_no = 0;
     for (char *line = strtok_r(copy, "\n", &save); line; line = strtok_r(NULL, "\n", &save)) {
@@ -191,6 +194,12 @@ static void expect_hash_output(const cli_result *res, const km_hash_config *cfg,
     free(copy);
     free(local);
     free(chain);
+}
+
+static void expect_hash_output(const cli_result *res, const km_hash_config *cfg,
+                               const uint32_t *tokens, size_t n_tokens, const char *what)
+{
+    expect_hash_output_lookahead(res, cfg, 0, tokens, n_tokens, what);
 }
 
 /* Format tokens with separators drawn from `seps` (each a separator string). */
@@ -281,6 +290,45 @@ Test(cli_hash, partial_tail_and_empty_input, .timeout = 30)
     free_result(&res);
 }
 
+/* --lookahead L: each printed block also covers the L tokens after it and is printed only once
+ * they have been read, equal to km_hash_sequence_lookahead for random inputs, with LoRA and salt
+ * too; --lookahead 0 is plain hashing. */
+Test(cli_hash, lookahead_matches_library, .timeout = 120)
+{
+    km_rng r;
+    km_rng_init(&r, km_test_seed());
+    const char *const seps[] = {" ", ",", "\n"};
+    const uint32_t sizes[] = {1, 4, 7}, lookaheads[] = {0, 1, 2, 5, 9};
+    for (int round = 0; round < 15; round++) {
+        uint32_t bs = sizes[round % 3], la = lookaheads[round % 5];
+        km_hash_config cfg = {bs, round & 4 ? "my-lora" : NULL, round & 8 ? "salt 1" : NULL};
+        size_t n = km_rng_below(&r, bs * 12 + la + 3);
+        uint32_t *tokens = malloc((n + 1) * sizeof *tokens);
+        for (size_t i = 0; i < n; i++)
+            tokens[i] = (uint32_t)km_rng_next(&r);
+        char *input = format_tokens(&r, tokens, n, seps, 3);
+        char bs_text[16], la_text[16];
+        snprintf(bs_text, sizeof bs_text, "%u", bs);
+        snprintf(la_text, sizeof la_text, "%u", la);
+        const char *args[10] = {"--block-size", bs_text, "--lookahead", la_text};
+        int a = 4;
+        if (cfg.lora_name)
+            args[a++] = "--lora", args[a++] = cfg.lora_name;
+        if (cfg.cache_salt)
+            args[a++] = "--salt", args[a++] = cfg.cache_salt;
+        args[a] = NULL;
+        cli_result res;
+        run_hash(args, input, &res);
+        char what[128];
+        snprintf(what, sizeof what, "[KM_TEST_SEED=%llu] round %d (bs %u, L %u, %zu tokens)",
+                 (unsigned long long)km_test_seed(), round, bs, la, n);
+        expect_hash_output_lookahead(&res, &cfg, la, tokens, n, what);
+        free_result(&res);
+        free(input);
+        free(tokens);
+    }
+}
+
 /* Expect failure with a message on stderr that names the problem: it contains one of the
  * NULL-terminated `needles` (case-insensitive): the offending text, or the offending character
  * quoted, or the option's name. */
@@ -329,13 +377,19 @@ Test(cli_hash, bad_input_is_rejected_with_a_message, .timeout = 60)
                    "no --block-size");
     expect_failure((const char *[]){"--block-size", "1048577", NULL}, "1 2 3 4",
                    NEEDLES("1048577"), "block size over 2^20");
+    expect_failure((const char *[]){"--block-size", "4", "--lookahead", "1025", NULL}, "1 2 3 4",
+                   NEEDLES("1025"), "lookahead over 1024");
+    expect_failure((const char *[]){"--block-size", "4", "--lookahead", "x", NULL}, "1 2 3 4",
+                   NEEDLES("\"x\"", "lookahead"), "lookahead not a number");
+    expect_failure((const char *[]){"--block-size", "4", "--lookahead", NULL}, "1 2 3 4",
+                   NEEDLES("lookahead"), "--lookahead without a value");
 }
 
 /* The examples printed in docs/HASHING.md, byte for byte. */
 Test(cli_hash, documented_examples, .timeout = 30)
 {
     static const struct {
-        const char *args[6];
+        const char *args[8];
         const char *input, *output;
     } examples[] = {
         {{"--block-size", "4", NULL}, "1 2 3 4 5 6 7 8",
@@ -346,6 +400,10 @@ Test(cli_hash, documented_examples, .timeout = 30)
          "0 a0dd2602b05d6f92 a0dd2602b05d6f92\n1 e8d3ec39b907b74c 6804a61aadeb6455\n"},
         {{"--block-size", "2", NULL}, "4294967295\n0\n7\n7\n7\n",
          "0 281d4ec618d46521 281d4ec618d46521\n1 1a095246526a89ec 03a0e2019fae48c0\n"},
+        {{"--block-size", "4", "--lookahead", "1", NULL}, "1 2 3 4 5 6 7 8 9",
+         "0 1a92ffa9004c0851 1a92ffa9004c0851\n1 1ac55a72d61806e3 b64e31be06d3e9dd\n"},
+        {{"--block-size", "4", "--lookahead", "2", NULL}, "1 2 3 4 5 6 7 8 9 10",
+         "0 e53e9f562d4d0eda e53e9f562d4d0eda\n1 38fbdb9103e14577 8bc30087951001ac\n"},
     };
     for (size_t i = 0; i < sizeof examples / sizeof examples[0]; i++) {
         cli_result res;

@@ -1,7 +1,8 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* `kvmatch hash`: read decimal token ids from stdin (separated by spaces, commas or newlines), print
- * one line per full block: <block index> <local hash, 16 hex> <chain hash, 16 hex>. Input is read
- * incrementally: memory grows only with the tokens of the current block. */
+ * one line per full block: <block index> <local hash, 16 hex> <chain hash, 16 hex>; under lookahead
+ * hashing (--lookahead L) a block is printed once the L tokens after it have been read. Input is
+ * read incrementally: memory holds only the current block and its lookahead tokens. */
 #include <ctype.h>
 #include <errno.h>
 #include <inttypes.h>
@@ -21,14 +22,16 @@
 static void hash_usage(FILE *f)
 {
     fprintf(f,
-            "usage: kvmatch hash --block-size N [--lora NAME] [--salt S] < token ids\n"
+            "usage: kvmatch hash --block-size N [--lora NAME] [--salt S] [--lookahead L] < token ids\n"
             "  Chain-hash decimal token ids (separated by spaces, commas or newlines) as kvmatch\n"
             "  does (docs/HASHING.md); one line per full block: index, local hash, chain hash.\n"
             "  --block-size N  tokens per block, 1..%u (required)\n"
             "  --lora NAME     the LoRA adapter the tokens are for (changes every hash)\n"
             "  --salt S        the cache salt (changes every hash)\n"
+            "  --lookahead L   each block's hash also covers the L tokens after it, 0..%u (the\n"
+            "                  engines' lookahead hashing with EAGLE / MTP; default 0)\n"
             "  Exit status: 0 ok, 1 bad input or a write error, 2 usage.\n",
-            HASH_CMD_MAX_BLOCK_SIZE);
+            HASH_CMD_MAX_BLOCK_SIZE, KM_HASH_MAX_LOOKAHEAD);
 }
 
 static int is_separator(int c)
@@ -43,9 +46,11 @@ int km_cmd_hash(int argc, char **argv)
         {"block-size", required_argument, NULL, 'b'},
         {"lora", required_argument, NULL, 'l'},
         {"salt", required_argument, NULL, 's'},
+        {"lookahead", required_argument, NULL, 'a'},
         {NULL, 0, NULL, 0},
     };
     km_hash_config cfg = {.block_size = 0};
+    uint32_t lookahead = 0;
     km_cli_getopt_begin(argv, "hash");
     int opt;
     while ((opt = getopt_long(argc, argv, "h", options, NULL)) != -1) {
@@ -64,6 +69,10 @@ int km_cmd_hash(int argc, char **argv)
         case 's':
             cfg.cache_salt = optarg;
             break;
+        case 'a':
+            if (!km_cli_u32("hash", "lookahead", optarg, 0, KM_HASH_MAX_LOOKAHEAD, &lookahead))
+                return KM_EXIT_USAGE;
+            break;
         default:
             return km_cli_usage_error("hash");
         }
@@ -77,7 +86,9 @@ int km_cmd_hash(int argc, char **argv)
         fprintf(stderr, "kvmatch hash: --block-size N is required\n");
         return km_cli_usage_error("hash");
     }
-    uint32_t *block = malloc((size_t)cfg.block_size * sizeof *block);
+    /* The current block followed by its lookahead tokens. */
+    size_t window = (size_t)cfg.block_size + lookahead;
+    uint32_t *block = malloc(window * sizeof *block);
     if (!block) {
         fprintf(stderr, "kvmatch hash: out of memory for a block of %u tokens\n", cfg.block_size);
         return 1;
@@ -116,13 +127,16 @@ int km_cmd_hash(int argc, char **argv)
             block[n_in_block++] = (uint32_t)v;
             n_digits = 0;
             token_index++;
-            if (n_in_block == cfg.block_size) {
+            if (n_in_block == window) {
                 uint64_t local;
                 size_t n_blocks;
-                km_hash_sequence(&cfg, block, n_in_block, block_index, chain, &local, &chain, &n_blocks);
+                km_hash_sequence_lookahead(&cfg, lookahead, block, n_in_block, block_index, chain,
+                                           &local, &chain, &n_blocks);
                 printf("%" PRIu64 " %016" PRIx64 " %016" PRIx64 "\n", block_index, local, chain);
                 block_index++;
-                n_in_block = 0;
+                /* The lookahead tokens start the next block. */
+                memmove(block, block + cfg.block_size, (size_t)lookahead * sizeof *block);
+                n_in_block = lookahead;
             }
         }
         if (c == EOF)
