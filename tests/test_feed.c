@@ -781,6 +781,143 @@ Test(feed, lookahead_hashing_follows_the_engines_hit_rule, .timeout = 10)
     fx_free(&f);
 }
 
+/* One event of a hybrid model's KV-cache group, as vLLM 0.33 sends it (a map with group_idx). */
+typedef struct group_event {
+    bool removed;
+    const uint64_t *hashes;
+    uint32_t n_hashes;
+    bool has_parent;
+    uint64_t parent;
+    const uint32_t *tokens; /* BlockStored: n_tokens of them */
+    uint32_t n_tokens;
+    uint32_t group;
+    const char *medium;
+} group_event;
+
+static void pack_group_batch(msgpack_sbuffer *sb, const group_event *ev, uint32_t n_events)
+{
+    msgpack_packer pk;
+    msgpack_sbuffer_init(sb);
+    msgpack_packer_init(&pk, sb, msgpack_sbuffer_write);
+    msgpack_pack_array(&pk, 3);
+    msgpack_pack_double(&pk, 1.0);
+    msgpack_pack_array(&pk, n_events);
+    for (uint32_t k = 0; k < n_events; k++) {
+        const group_event *e = &ev[k];
+        msgpack_pack_map(&pk, e->removed ? 4 : 7);
+        msgpack_pack_str_with_body(&pk, "type", 4);
+        if (e->removed)
+            msgpack_pack_str_with_body(&pk, "BlockRemoved", 12);
+        else
+            msgpack_pack_str_with_body(&pk, "BlockStored", 11);
+        msgpack_pack_str_with_body(&pk, "block_hashes", 12);
+        msgpack_pack_array(&pk, e->n_hashes);
+        for (uint32_t i = 0; i < e->n_hashes; i++)
+            msgpack_pack_uint64(&pk, e->hashes[i]);
+        msgpack_pack_str_with_body(&pk, "medium", 6);
+        msgpack_pack_str_with_body(&pk, e->medium ? e->medium : "GPU",
+                                   strlen(e->medium ? e->medium : "GPU"));
+        msgpack_pack_str_with_body(&pk, "group_idx", 9);
+        msgpack_pack_uint32(&pk, e->group);
+        if (e->removed)
+            continue;
+        msgpack_pack_str_with_body(&pk, "parent_block_hash", 17);
+        if (e->has_parent)
+            msgpack_pack_uint64(&pk, e->parent);
+        else
+            msgpack_pack_nil(&pk);
+        msgpack_pack_str_with_body(&pk, "token_ids", 9);
+        msgpack_pack_array(&pk, e->n_tokens);
+        for (uint32_t i = 0; i < e->n_tokens; i++)
+            msgpack_pack_uint32(&pk, e->tokens[i]);
+        msgpack_pack_str_with_body(&pk, "block_size", 10);
+        msgpack_pack_uint32(&pk, BS);
+    }
+    msgpack_pack_nil(&pk);
+}
+
+/* Hybrid models: a block counts (is in the index) only while every KV-cache group of the engine
+ * holds it, so the predicted depth never exceeds the engine's hit (vLLM's HybridKVCacheCoordinator
+ * needs every group to serve the prefix) and equals it while the groups hold the same blocks. A
+ * group's removal takes the block out although another group keeps it; a group seen for the
+ * first time (here Mamba, whose store names some blocks of a range) stops every block it does not
+ * hold from counting; a group index from 31 up is refused and no GPU block counts any more. */
+Test(feed, hybrid_model_blocks_count_only_while_every_group_holds_them, .timeout = 10)
+{
+    fx f;
+    fx_init(&f);
+    fx_add(&f, 0, false);
+    uint32_t t[4 * BS];
+    for (uint32_t i = 0; i < 4 * BS; i++)
+        t[i] = 70 + i;
+    uint64_t eh[4] = {801, 802, 803, 804}, want[4];
+    km_hash_config route = {BS, NULL, NULL};
+    size_t nb;
+    cr_assert_eq(km_hash_sequence(&route, t, 4 * BS, 0, KM_NO_PARENT, NULL, want, &nb), KM_OK);
+    char why[256];
+    msgpack_sbuffer sb;
+
+    /* Full attention (group 0) stores 4 blocks: alone, they count. */
+    group_event fa = {false, eh, 4, false, 0, t, 4 * BS, 0, NULL};
+    pack_group_batch(&sb, &fa, 1);
+    live_payload(&f, 0, 0, &sb);
+    fx_flush(&f);
+    cr_assert_eq(held_depth(f.index, 0, want, 4), 4);
+    /* A sliding-window group (1) appears and stores blocks 2..3 only: 0..1 stop counting. */
+    group_event swa = {false, eh + 2, 2, true, eh[1], t + 2 * BS, 2 * BS, 1, NULL};
+    pack_group_batch(&sb, &swa, 1);
+    live_payload(&f, 0, 1, &sb);
+    fx_flush(&f);
+    cr_assert_eq(held_depth(f.index, 0, want, 4), 0);
+    cr_assert(km_test_index_holds_exactly(f.index, 0, want + 2, 2, why, sizeof why), "%s", why);
+    /* It stores blocks 0..1 too: every group holds all four. */
+    group_event swa01 = {false, eh, 2, false, 0, t, 2 * BS, 1, NULL};
+    pack_group_batch(&sb, &swa01, 1);
+    live_payload(&f, 0, 2, &sb);
+    fx_flush(&f);
+    cr_assert_eq(held_depth(f.index, 0, want, 4), 4);
+    /* The window's group lets block 1 go: the prefix stops before it, full attention keeps it. */
+    group_event swa_rm = {true, eh + 1, 1, false, 0, NULL, 0, 1, NULL};
+    pack_group_batch(&sb, &swa_rm, 1);
+    live_payload(&f, 0, 3, &sb);
+    fx_flush(&f);
+    cr_assert_eq(held_depth(f.index, 0, want, 4), 1);
+    cr_assert_eq(fx_info(&f, 0).map_entries, 4);
+    /* Stored again by that group: all four count again. Full attention then lets block 3 go. */
+    group_event again[2] = {{false, eh + 1, 1, true, eh[0], t + BS, BS, 1, NULL},
+                            {true, eh + 3, 1, false, 0, NULL, 0, 0, NULL}};
+    pack_group_batch(&sb, again, 2);
+    live_payload(&f, 0, 4, &sb);
+    fx_flush(&f);
+    cr_assert_eq(held_depth(f.index, 0, want, 4), 3);
+    /* A Mamba group (2) appears, keeping the state of block 2 only (token_ids of blocks 0..2):
+     * no block is held by all three groups, so none counts; its store is skipped and counted. */
+    group_event mamba = {false, eh + 2, 1, false, 0, t, 3 * BS, 2, NULL};
+    pack_group_batch(&sb, &mamba, 1);
+    live_payload(&f, 0, 5, &sb);
+    fx_flush(&f);
+    cr_assert_eq(held_depth(f.index, 0, want, 4), 0);
+    cr_assert(km_test_index_holds_exactly(f.index, 0, NULL, 0, why, sizeof why), "%s", why);
+    km_feed_worker_info info = fx_info(&f, 0);
+    cr_assert_eq(info.counters.refused[KM_FEED_REFUSED_PARTIAL_BLOCK], 1);
+    /* A CPU copy (offloaded by a KV connector) counts as the whole block. */
+    group_event cpu = {false, eh, 1, false, 0, t, BS, 0, "CPU"};
+    pack_group_batch(&sb, &cpu, 1);
+    live_payload(&f, 0, 6, &sb);
+    fx_flush(&f);
+    cr_assert_eq(held_depth(f.index, 0, want, 4), 1);
+    /* A group index from 31 up: refused; GPU blocks never count again, the CPU copy still does. */
+    uint64_t other = 901;
+    group_event high = {false, &other, 1, false, 0, t, BS, 40, NULL};
+    pack_group_batch(&sb, &high, 1);
+    live_payload(&f, 0, 7, &sb);
+    fx_flush(&f);
+    info = fx_info(&f, 0);
+    cr_assert_eq(info.counters.refused[KM_FEED_REFUSED_INVALID_EVENT], 1);
+    cr_assert(km_test_index_holds_exactly(f.index, 0, want, 1, why, sizeof why), "%s", why);
+    fx_free(&f);
+}
+
 /* indexed_seq never runs ahead of the index: while a message's updates wait for the flush, it
  * stays where the last flush left it. */
 Test(feed, indexed_seq_waits_for_the_flush, .timeout = 10)

@@ -2117,7 +2117,14 @@ static void check_batch_invariants(const km_kv_batch *batch)
             sink += e->block_hashes[h];
         if (e->kind == KM_KV_EVENT_BLOCK_STORED) {
             KM_CHECK(e->block_size >= 1, "block_size 0 delivered");
-            KM_CHECK((uint64_t)e->block_size * e->n_block_hashes == e->n_token_ids, "token count");
+            if (e->sparse_blocks)
+                KM_CHECK(e->has_group_idx && e->n_block_hashes > 0 &&
+                             (uint64_t)e->block_size * e->n_block_hashes < e->n_token_ids &&
+                             e->n_token_ids % e->block_size == 0,
+                         "sparse token count");
+            else
+                KM_CHECK((uint64_t)e->block_size * e->n_block_hashes == e->n_token_ids,
+                         "token count");
             for (uint32_t t = 0; t < e->n_token_ids; t++)
                 sink += e->token_ids[t];
             if (e->extra_keys_present)
@@ -2594,6 +2601,72 @@ static void pack_map_stored_extras(pk_buf *b, bool has_parent, uint32_t n_lists,
         pack_cstr(pk, salt);
     }
     msgpack_pack_nil(pk); /* data_parallel_rank */
+}
+
+/* A map BlockStored of `n_hashes` hashes, `n_tokens` tokens, block size 2, group_idx unless
+ * group < 0. */
+static void pack_map_stored_group(pk_buf *b, uint32_t n_hashes, uint32_t n_tokens, int group)
+{
+    msgpack_packer *pk = pk_begin(b);
+    msgpack_pack_array(pk, 3);
+    msgpack_pack_double(pk, 1.0);
+    msgpack_pack_array(pk, 1);
+    msgpack_pack_map(pk, 5 + (group >= 0 ? 1 : 0));
+    pack_cstr(pk, "type");
+    pack_cstr(pk, "BlockStored");
+    pack_cstr(pk, "block_hashes");
+    msgpack_pack_array(pk, n_hashes);
+    for (uint32_t i = 0; i < n_hashes; i++)
+        msgpack_pack_uint64(pk, 1 + i);
+    pack_cstr(pk, "parent_block_hash");
+    msgpack_pack_nil(pk);
+    pack_cstr(pk, "token_ids");
+    msgpack_pack_array(pk, n_tokens);
+    for (uint32_t i = 0; i < n_tokens; i++)
+        msgpack_pack_uint32(pk, 10 + i);
+    pack_cstr(pk, "block_size");
+    msgpack_pack_uint32(pk, 2);
+    if (group >= 0) {
+        pack_cstr(pk, "group_idx");
+        msgpack_pack_uint32(pk, (uint32_t)group);
+    }
+    msgpack_pack_nil(pk); /* data_parallel_rank */
+}
+
+/* A KV-cache group that keeps some blocks of a range (vLLM 0.33's Mamba align mode: token_ids of
+ * the whole range, the hashes of the blocks kept) is delivered as sparse_blocks; the same token
+ * counts without group_idx, or not a whole number of blocks, or fewer than the hashes need, are
+ * still rejected as token_count. */
+Test(kv_events, group_store_of_some_blocks_of_a_range)
+{
+    km_kv_decoder *d = new_decoder(NULL);
+    km_kv_batch batch;
+    pk_buf b;
+    pack_map_stored_group(&b, 1, 8, 1);
+    EXPECT_OK(d, decode_buf(d, &b, &batch));
+    pk_end(&b);
+    cr_assert_eq(batch.n_events, 1);
+    cr_assert(batch.events[0].sparse_blocks);
+    cr_assert_eq(batch.events[0].n_token_ids, 8);
+    cr_assert_eq(batch.events[0].group_idx, 1);
+    pack_map_stored_group(&b, 2, 4, 0);
+    EXPECT_OK(d, decode_buf(d, &b, &batch));
+    pk_end(&b);
+    cr_assert_eq(batch.n_events, 1);
+    cr_assert(!batch.events[0].sparse_blocks, "one block per hash is not sparse");
+    const struct {
+        uint32_t hashes, tokens;
+        int group;
+    } bad[] = {{1, 8, -1}, {1, 7, 1}, {2, 2, 1}, {0, 4, 1}};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        pack_map_stored_group(&b, bad[i].hashes, bad[i].tokens, bad[i].group);
+        EXPECT_OK(d, decode_buf(d, &b, &batch));
+        pk_end(&b);
+        cr_assert_eq(batch.n_events, 0, "case %zu", i);
+        cr_assert_eq(batch.n_rejected, 1, "case %zu", i);
+        cr_assert_eq(batch.rejected[0].reason, KM_KV_REJECTED_TOKEN_COUNT, "case %zu", i);
+    }
+    km_kv_decoder_destroy(d);
 }
 
 Test(kv_events, lookahead_tokens_and_top_level_cache_salt)

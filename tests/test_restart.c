@@ -286,8 +286,14 @@ Test(restart, feed_state_round_trip, .timeout = 20)
     bad[0] ^= 0xff; /* magic */
     cr_assert_eq(km_feed_import_state(fc, bad, size, 1), KM_ERR_CORRUPT);
     memcpy(bad, state, size);
-    bad[size - 1] = 0; /* last map entry's medium mask */
+    bad[size - 5] = 0; /* last map entry's medium mask */
     cr_assert_eq(km_feed_import_state(fc, bad, size, 1), KM_ERR_CORRUPT);
+    memcpy(bad, state, size);
+    bad[size - 1] = 0x80; /* last map entry's groups: the bit no block gets */
+    cr_assert_eq(km_feed_import_state(fc, bad, size, 1), KM_ERR_CORRUPT);
+    bad[size - 1] = 0;
+    bad[8] = 2; /* without the KV-cache groups */
+    cr_assert_eq(km_feed_import_state(fc, bad, size, 1), KM_ERR_INCOMPATIBLE);
     cr_assert_eq(km_feed_get_workers(fc, NULL, 0, &n), KM_OK);
     cr_assert_eq(n, 0);
     free(bad);

@@ -280,9 +280,11 @@ void km_feed_pending(const km_feed *feed, uint64_t *updates, uint64_t *hashes);
  *   lookahead_mismatch   BlockStored whose lookahead tokens per block are not the pool's
  *                        hash_lookahead_tokens: the engine's speculative-decoding setting differs
  *                        from the pool's, a configuration error like block_size_mismatch
- *   partial_block        BlockStored of one partial block of a KV-cache group (vLLM's
- *                        cache_partial_block for hybrid models, Mamba align mode: one block hash,
- *                        group_idx set, fewer tokens than block_size): not a full prefix block,
+ *   partial_block        BlockStored of a KV-cache group that kvmatch cannot place block by block:
+ *                        one partial block (vLLM's cache_partial_block for hybrid models, Mamba
+ *                        align mode: one block hash, group_idx set, fewer tokens than
+ *                        block_size), or the hashes of only some of the blocks its token_ids
+ *                        cover (km_kv_event.sparse_blocks: a group that keeps only some blocks);
  *                        skipped; not a configuration error */
 #define KM_FEED_REFUSAL_LIST(X)                                 \
     X(KM_FEED_REFUSED_BLOCK_SIZE, 0, "block_size_mismatch")     \
@@ -407,16 +409,19 @@ int km_feed_get_workers(const km_feed *feed, uint32_t *workers, uint32_t capacit
 
 /* ---- snapshots (restart of kvmatch) ---------------------------------------------------------- */
 
-/* Feed-state format version written by km_feed_save / km_feed_export_state. 2: chain hashes
+/* Feed-state format version written by km_feed_save / km_feed_export_state. 3: chain hashes
  * under the LoRA / salt seed rules of docs/HASHING.md ("Seeds"), media masks of
- * KM_KV_MEDIUM_COUNT bits. Any other version is refused (KM_ERR_INCOMPATIBLE): the chain hashes it
- * holds may name blocks under other rules. */
-#define KM_FEED_STATE_VERSION 2u
+ * KM_KV_MEDIUM_COUNT bits, and the KV-cache groups holding each block on the GPU. Any other
+ * version is refused (KM_ERR_INCOMPATIBLE): version 1 holds chain hashes under other rules,
+ * version 2 lacks the groups, without which a hybrid model's blocks would count where a group
+ * lacks them. */
+#define KM_FEED_STATE_VERSION 3u
 
 /* Serialise what a restart needs, per worker: id, name, identity, replay flag, stream position
- * (next seq to apply, last live seq), DEGRADED flag and the engine-hash -> chain-hash (+ medium
- * mask) map. Queued (unflushed) updates are NOT part of it: call it right after km_feed_flush (as
- * km_feed_save does) so that the state matches the index. Counters and windows are not kept.
+ * (next seq to apply, last live seq), DEGRADED flag, the engine's KV-cache groups and the
+ * engine-hash -> chain-hash (+ medium mask and groups) map. Queued (unflushed) updates are NOT
+ * part of it: call it right after km_feed_flush (as km_feed_save does) so that the state matches
+ * the index. Counters and windows are not kept.
  * *out is malloc'd (free()). Errors: KM_ERR_NULL_POINTER, KM_ERR_INVALID_ARGUMENT (updates are
  * queued), KM_ERR_OUT_OF_MEMORY. */
 int km_feed_export_state(const km_feed *feed, void **out, size_t *size_out);

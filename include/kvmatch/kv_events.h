@@ -143,8 +143,14 @@ typedef struct km_kv_event {
     /* BLOCK_STORED only */
     bool has_parent_block_hash; /* false: block_hashes[0] starts a sequence (nil on the wire) */
     uint64_t parent_block_hash; /* engine hash of the block before block_hashes[0] */
-    const uint32_t *token_ids;  /* block_size * n_block_hashes tokens, checked */
+    const uint32_t *token_ids;  /* block_size * n_block_hashes tokens, checked (or sparse_blocks) */
     uint32_t n_token_ids;
+    /* A KV-cache group that keeps only some blocks of a range (vLLM's Mamba align mode, a
+     * sliding window's tail) publishes the token_ids of the whole range with the hashes of the
+     * blocks it keeps, without saying which those are: true for an event with group_idx whose
+     * token_ids are a whole number of blocks, more of them than block hashes (at least one). Its
+     * tokens cannot be hashed block by block. */
+    bool sparse_blocks;
     uint32_t block_size;   /* >= 1, checked */
     const char *lora_name; /* NULL when nil or absent (base model); "" is kept as "" */
     bool has_lora_id;      /* deprecated engine-local adapter id */

@@ -8,6 +8,7 @@
 #include "base/u64_map.h"
 
 _Static_assert(offsetof(km_emap_entry, key) == 0, "the core reads the key first");
+_Static_assert(sizeof(km_emap_entry) == 24, "24-byte entries (engine_hash_map.h)");
 
 void km_emap_init(km_emap *m)
 {
@@ -35,7 +36,7 @@ km_emap_entry *km_emap_upsert(km_emap *m, uint64_t engine_hash)
     km_emap_entry *e = km_emap_find(m, engine_hash);
     if (e)
         return e;
-    km_emap_entry fresh = {km_u64map_key(engine_hash), 0, 0};
+    km_emap_entry fresh = {km_u64map_key(engine_hash), 0, 0, 0};
     m->live++;
     return (km_emap_entry *)(void *)km_oamap_place(m, &fresh);
 }

@@ -1,6 +1,7 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* The event feed's per-worker engine-hash map: an engine's block hash -> the kvmatch chain hash
- * computed for it and the media (device, host, disk, ...) holding it. The shared open-addressing
+ * computed for it, the media (device, host, disk, ...) holding it and the KV-cache groups holding
+ * it on the device. The shared open-addressing
  * core (src/base/open_map.h: linear probing, backward-shift deletion, incremental growth: a map of 16 K
  * slots or more moves its entries to the doubled array over the following reserves and erases, so
  * no message pays for rehashing a worker's million blocks) over 24-byte entries; not accounted
@@ -17,6 +18,8 @@ typedef struct km_emap_entry {
     uint64_t key;   /* km_u64map_key(engine hash); 0 = empty, 1 = erased (old array only) */
     uint64_t chain; /* kvmatch chain hash, or the feed's mark for an unhashable block */
     uint8_t media;  /* bit per medium holding the block */
+    uint32_t gpu_groups; /* bit per KV-cache group holding the block on the GPU (group 0 for an
+                          * event without group_idx); 0 exactly when media lacks the GPU bit */
 } km_emap_entry;
 
 /* The core over km_emap_entry: `entries` and `old` are arrays of them. */
@@ -41,8 +44,8 @@ km_emap_entry *km_emap_find(const km_emap *m, uint64_t engine_hash);
  * moved); moves max(16 * extra, 1024) old slots of a growing map. Entry pointers are stale
  * afterwards. KM_OK or KM_ERR_OUT_OF_MEMORY (nothing changed). */
 int km_emap_reserve(km_emap *m, uint64_t extra);
-/* The entry of an engine hash, inserted (chain 0, media 0) when absent: room must have been
- * reserved. Never moves another entry, so pointers from find and upsert stay valid. */
+/* The entry of an engine hash, inserted (chain 0, media 0, gpu_groups 0) when absent: room must
+ * have been reserved. Never moves another entry, so pointers from find and upsert stay valid. */
 km_emap_entry *km_emap_upsert(km_emap *m, uint64_t engine_hash);
 /* Erase an entry find or upsert returned. Later entries may move (backward shift), and a growing
  * map moves a few more: entry pointers are stale afterwards. */

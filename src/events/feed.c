@@ -618,6 +618,7 @@ static void restart_worker(km_feed *feed, worker *w, uint64_t seq, uint64_t now)
     if (km_feed_queue_control(feed, w, KM_UPDATE_CLEAR_WORKER) != KM_OK)
         km_feed_enter_degraded(feed, w, now, "out of memory queueing the restart's clear");
     km_emap_clear(&w->map);
+    w->gpu_groups = 0;
     dedup_clear(feed, w);
     w->stores_applied = w->stores_refused_for_config = 0;
     km_feed_open_recovery(w, KM_FEED_WINDOW_RESTART, now, seq);
@@ -744,6 +745,7 @@ int km_feed_resync_worker(km_feed *feed, uint32_t id, uint64_t now_ns)
     close_recovery(feed, w, now_ns, KM_FEED_END_RESYNC);
     km_feed_exit_degraded(feed, w, now_ns, KM_FEED_END_RESYNC);
     km_emap_clear(&w->map);
+    w->gpu_groups = 0;
     dedup_clear(feed, w);
     w->stores_applied = w->stores_refused_for_config = 0;
     w->has_expected = false;

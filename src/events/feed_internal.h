@@ -111,6 +111,11 @@ typedef struct worker {
     uint64_t buffer_bytes;
 
     km_emap map;
+    /* The engine's KV-cache groups (bit per group_idx, seen in GPU stores; the last bit stands
+     * for every group from 31 up, which no block ever gets). A block counts (is in the index)
+     * while it is held in a medium other than the GPU, or on the GPU by every one of these groups
+     * (feed_updates.c, "KV-cache groups"). Forgotten with the map on a restart or resync. */
+    uint32_t gpu_groups;
     dedup_slot *dedup; /* replay_dedup_window slots, allocated with the first replay item */
     uint64_t lost_from[LOST_RANGES], lost_to[LOST_RANGES]; /* recent seq ranges given up as lost */
     uint32_t lost_next, lost_count;

@@ -21,9 +21,9 @@
  *   header: magic "KMFEEDST" (8), version u32, block_size u32, n_workers u32, reserved u32 (0)
  *   per worker, ascending id:
  *     id u32, flags u32 (FS_*), name_len u16, identity_len u16, name, identity,
- *     expected u64, last_live u64, map_entries u64,
+ *     expected u64, last_live u64, map_entries u64, gpu_groups u32 (the engine's KV-cache groups),
  *     map_entries x {key u64 (mapped as km_u64map_key maps it: never 0 or 1), chain u64,
- *                    media u8 (1..15)}
+ *                    media u8 (1..31), gpu_groups u32 (not 0 exactly when media has the GPU bit)}
  *   nothing after the last worker. */
 static const unsigned char FEED_MAGIC[8] = {'K', 'M', 'F', 'E', 'E', 'D', 'S', 'T'};
 #define FS_HAS_REPLAY 1u
@@ -31,7 +31,10 @@ static const unsigned char FEED_MAGIC[8] = {'K', 'M', 'F', 'E', 'E', 'D', 'S', '
 #define FS_HAS_LAST_LIVE 4u
 #define FS_DEGRADED 8u
 #define FS_KNOWN_FLAGS 15u
-#define FS_ENTRY_BYTES 17u
+#define FS_ENTRY_BYTES 21u
+#define FS_MEDIUM_BIT_GPU (1u << KM_KV_MEDIUM_GPU)
+/* The group bit standing for groups from 31 up, which no block gets (feed_updates.c). */
+#define FS_GROUP_BIT_UNTRACKED (1u << 31)
 
 typedef struct fs_writer {
     unsigned char *p;
@@ -77,7 +80,8 @@ int km_feed_export_state(const km_feed *feed, void **out, size_t *size_out)
     size_t size = 24;
     for (uint32_t i = 0; i < feed->n_workers; i++) {
         const worker *w = feed->workers[i];
-        size += 12 + strlen(w->name) + strlen(w->identity) + 24 + (size_t)w->map.live * FS_ENTRY_BYTES;
+        size += 12 + strlen(w->name) + strlen(w->identity) + 28 +
+                (size_t)w->map.live * FS_ENTRY_BYTES;
     }
     fs_writer wr = {malloc(size), 0};
     if (!wr.p)
@@ -101,11 +105,13 @@ int km_feed_export_state(const km_feed *feed, void **out, size_t *size_out)
         fs_u64(&wr, w->has_expected ? w->expected : 0);
         fs_u64(&wr, w->has_last_live ? w->last_live : 0);
         fs_u64(&wr, w->map.live);
+        fs_u32(&wr, w->gpu_groups);
         uint64_t cursor = 0;
         for (const km_emap_entry *e; (e = km_emap_next(&w->map, &cursor));) {
             fs_u64(&wr, e->key);
             fs_u64(&wr, e->chain);
             fs_put(&wr, &e->media, 1);
+            fs_u32(&wr, e->gpu_groups);
         }
     }
     *out = wr.p;
@@ -195,8 +201,8 @@ static int parse_state(km_feed *feed, const void *data, size_t size, staged_stat
     if (block_size != feed->config.block_size)
         return km_feed_fail(feed, KM_ERR_INCOMPATIBLE, "feed state block size %u, feed has %u",
                             block_size, feed->config.block_size);
-    /* Each worker takes at least 36 bytes: bounds the allocation by the input. */
-    if (n_workers > (size - r.at) / 36)
+    /* Each worker takes at least 40 bytes: bounds the allocation by the input. */
+    if (n_workers > (size - r.at) / 40)
         return km_feed_fail(feed, KM_ERR_CORRUPT,
                             "feed state: %u workers in %zu bytes", n_workers, size);
     worker **ws = calloc(n_workers ? n_workers : 1, sizeof *ws);
@@ -209,6 +215,7 @@ static int parse_state(km_feed *feed, const void *data, size_t size, staged_stat
         uint32_t id, flags;
         uint16_t name_len, id_len;
         uint64_t expected, last_live, entries;
+        uint32_t gpu_groups;
         km_worker_stats ws_stats;
         if (!fs_get_u32(&r, &id) || !fs_get_u32(&r, &flags) || !fs_get_u16(&r, &name_len) ||
             !fs_get_u16(&r, &id_len)) {
@@ -238,7 +245,8 @@ static int parse_state(km_feed *feed, const void *data, size_t size, staged_stat
         }
         ws[n] = w;
         if (!fs_take(&r, w->name, name_len) || !fs_take(&r, w->identity, id_len) ||
-            !fs_get_u64(&r, &expected) || !fs_get_u64(&r, &last_live) || !fs_get_u64(&r, &entries)) {
+            !fs_get_u64(&r, &expected) || !fs_get_u64(&r, &last_live) ||
+            !fs_get_u64(&r, &entries) || !fs_get_u32(&r, &gpu_groups)) {
             rc = KM_ERR_CORRUPT, why = "truncated worker";
             n++;
             break;
@@ -263,6 +271,7 @@ static int parse_state(km_feed *feed, const void *data, size_t size, staged_stat
         w->has_last_live = flags & FS_HAS_LAST_LIVE;
         w->last_live = last_live;
         w->degraded = flags & FS_DEGRADED;
+        w->gpu_groups = gpu_groups;
         if (entries && km_emap_size_for(&w->map, entries) != KM_OK) {
             rc = KM_ERR_OUT_OF_MEMORY, why = "engine-hash map";
             break;
@@ -270,12 +279,15 @@ static int parse_state(km_feed *feed, const void *data, size_t size, staged_stat
         for (uint64_t j = 0; j < entries && !rc; j++) {
             uint64_t key = 0, chain = 0;
             uint8_t media = 0;
+            uint32_t groups = 0;
             fs_get_u64(&r, &key);
             fs_get_u64(&r, &chain);
             fs_take(&r, &media, 1);
+            fs_get_u32(&r, &groups);
             /* Keys are stored mapped (km_u64map_key), so never 0 or 1; the map maps them again,
              * which leaves such keys as they are. */
-            if (key <= 1 || media == 0 || media >= (1u << MEDIUM_COUNT)) {
+            if (key <= 1 || media == 0 || media >= (1u << MEDIUM_COUNT) ||
+                !(media & FS_MEDIUM_BIT_GPU) != !groups || (groups & FS_GROUP_BIT_UNTRACKED)) {
                 rc = KM_ERR_CORRUPT, why = "bad map entry";
                 break;
             }
@@ -286,6 +298,7 @@ static int parse_state(km_feed *feed, const void *data, size_t size, staged_stat
             km_emap_entry *m = km_emap_upsert(&w->map, key);
             m->chain = chain;
             m->media = media;
+            m->gpu_groups = groups;
         }
         if (rc)
             break;

@@ -9,7 +9,8 @@
  *  - a message is applied only after its updates have room in the queue and its new map entries
  *    have room in the map, so applying never fails half-way.
  *  - a map entry's chain is set by the first store of its engine hash and kept until the entry is
- *    erased, so the index holds exactly one chain per entry (apply_stored). */
+ *    erased; the index holds exactly the chains of the entries that count (entry_counts), one per
+ *    entry (apply_stored). */
 #include <inttypes.h>
 #include <stdbool.h>
 #include <stdint.h>
@@ -31,6 +32,36 @@
  * (extra keys kvmatch cannot read); its descendants inherit the mark. 0 is never a chain hash
  * (HASHING.md). */
 #define CHAIN_UNHASHABLE UINT64_C(0)
+
+/* ---- KV-cache groups ------------------------------------------------------------------------- */
+
+/* A hybrid model's engine keeps each KV-cache group's blocks apart (vLLM: full attention, sliding
+ * window, Mamba; one engine hash names the block in every group) and hits a prefix only as far as
+ * every group can serve it: all of the prefix's full-attention blocks, the window's blocks before
+ * its end, a Mamba state exactly at its end (HybridKVCacheCoordinator.find_longest_cache_hit).
+ * The feed counts a block only while every group of the engine holds it on the GPU, so any
+ * prefix of counted blocks is one every group can serve to its end: the predicted depth never
+ * exceeds the engine's hit, and equals it while the groups hold the same blocks. A copy in another
+ * medium (offloaded by a KV connector) counts as the whole block. With one group this is the
+ * plain rule: a block counts while held. */
+#define GROUP_BITS_TRACKED 31u
+#define GROUP_BIT_UNTRACKED (1u << GROUP_BITS_TRACKED)
+#define MEDIUM_BIT_GPU (1u << KM_KV_MEDIUM_GPU)
+
+/* An event's group bit; groups from 31 up share one bit no block gets (never counted). */
+static uint32_t group_bit(const km_kv_event *e)
+{
+    uint32_t g = e->has_group_idx ? e->group_idx : 0;
+    return g < GROUP_BITS_TRACKED ? 1u << g : GROUP_BIT_UNTRACKED;
+}
+
+/* Does a held, hashable entry count (is its chain in the index) under the groups `groups`? */
+static bool entry_counts(const km_emap_entry *m, uint32_t groups)
+{
+    return m->chain != CHAIN_UNHASHABLE &&
+           ((m->media & ~MEDIUM_BIT_GPU) ||
+            (m->media && (m->gpu_groups & groups) == groups));
+}
 
 /* ---- queue ----------------------------------------------------------------------------------- */
 
@@ -208,6 +239,14 @@ static void apply_stored(km_feed *feed, worker *w, const km_kv_event *e)
                               "BlockStored of a partial block (hybrid model group)");
         return;
     }
+    if (e->sparse_blocks) {
+        /* Some blocks of a range, which ones unsaid: skipped. Its group still counts among the
+         * engine's groups (km_feed_queue_message), so no block counts without it: the index
+         * holds less than the engine, never more. */
+        km_feed_count_refusal(w, KM_FEED_REFUSED_PARTIAL_BLOCK, 1,
+                              "BlockStored of some blocks of a range (hybrid model group)");
+        return;
+    }
     if (e->block_size != feed->config.block_size) {
         char example[96];
         snprintf(example, sizeof example, "BlockStored with block_size %u, the pool's is %u",
@@ -224,6 +263,15 @@ static void apply_stored(km_feed *feed, worker *w, const km_kv_event *e)
                  e->n_lookahead_tokens, feed->config.hash_lookahead_tokens);
         w->stores_refused_for_config++;
         km_feed_count_refusal(w, KM_FEED_REFUSED_LOOKAHEAD, 1, example);
+        return;
+    }
+    uint32_t gbit = group_bit(e);
+    if (gbit == GROUP_BIT_UNTRACKED && e->medium == KM_KV_MEDIUM_GPU) {
+        /* Its group's blocks are never known, so no GPU block of the worker counts any more. */
+        char example[96];
+        snprintf(example, sizeof example, "BlockStored of KV-cache group %u (groups from %u up "
+                 "are not told apart)", e->group_idx, GROUP_BITS_TRACKED);
+        km_feed_count_refusal(w, KM_FEED_REFUSED_INVALID_EVENT, 1, example);
         return;
     }
     w->stores_applied++;
@@ -263,13 +311,15 @@ static void apply_stored(km_feed *feed, worker *w, const km_kv_event *e)
 
     /* Blocks [0, hashable) have chains and form the STORE run; the first block without one (an
      * opaque block, one after an unhashable parent or block, one held as unhashable) ends it, and
-     * every later new block of the event is unhashable too. */
+     * every later new block of the event is unhashable too. A hashable block that does not count
+     * yet (a KV-cache group lacks it) is left out: it splits the run, and the blocks after it
+     * form a run of their own from it (an orphan run for the index). */
     uint64_t offset = feed->hash_count;
     uint64_t *chains = feed->hashes + offset;
     km_tier event_tier = best_tier(bit);
     bool run_open = starts_sequence || parent_chain != CHAIN_UNHASHABLE;
-    uint64_t previous = parent_chain;
-    uint32_t hashable = 0, unhashable = 0, n_fixes = 0;
+    uint64_t previous = parent_chain, run_parent = starts_sequence ? KM_NO_PARENT : parent_chain;
+    uint32_t hashable = 0, run_first = 0, unhashable = 0, n_fixes = 0;
     /* Each upsert is likely a cache miss, and hashing a block between two of them keeps the next
      * from starting: load the map slots a few blocks ahead (docs/BENCHMARKS.md, "Events"). */
     for (uint32_t i = 0; i < n && i < EMAP_PREFETCH_AHEAD; i++)
@@ -279,6 +329,7 @@ static void apply_stored(km_feed *feed, worker *w, const km_kv_event *e)
             km_emap_prefetch(&w->map, e->block_hashes[i + EMAP_PREFETCH_AHEAD]);
         km_emap_entry *m = km_emap_upsert(&w->map, e->block_hashes[i]);
         bool held = m->media != 0; /* a held entry always has a medium; a new one has none */
+        bool counted_before = held && entry_counts(m, w->gpu_groups);
         km_tier tier_before = best_tier(m->media);
         if (!held) {
             feed->new_keys[feed->new_key_count++] = e->block_hashes[i]; /* reserved */
@@ -295,12 +346,24 @@ static void apply_stored(km_feed *feed, worker *w, const km_kv_event *e)
             }
         }
         m->media |= bit;
+        if (bit == MEDIUM_BIT_GPU)
+            m->gpu_groups |= gbit;
         if (m->chain == CHAIN_UNHASHABLE) {
             run_open = false;
             unhashable++;
             continue;
         }
         km_tier tier_now = best_tier(m->media);
+        if (run_open && !entry_counts(m, w->gpu_groups)) {
+            if (hashable > run_first) {
+                queue_push(feed, KM_UPDATE_STORE, w->id, run_parent, offset + run_first,
+                           hashable - run_first);
+                feed->queue[feed->queue_count - 1].tier = event_tier;
+            }
+            run_first = hashable;
+            run_parent = previous = m->chain;
+            continue;
+        }
         if (run_open) {
             chains[hashable++] = m->chain;
             previous = m->chain;
@@ -309,20 +372,21 @@ static void apply_stored(km_feed *feed, worker *w, const km_kv_event *e)
                 feed->tier_chains[n_fixes] = m->chain;
                 feed->tier_scratch[n_fixes++] = (uint8_t)tier_now;
             }
-        } else if (tier_now != tier_before) {
+        } else if (counted_before && tier_now != tier_before) {
             /* Held with a chain but past the run (after an unhashable block): no STORE names it,
-             * so a faster new medium reaches the index as a tier change alone. */
+             * so a faster new medium reaches the index as a tier change alone. (One that starts
+             * to count only now is left out of the index: less than the engine holds.) */
             feed->tier_chains[n_fixes] = m->chain;
             feed->tier_scratch[n_fixes++] = (uint8_t)tier_now;
         }
     }
-    if (hashable) {
-        feed->hash_count += hashable;
-        queue_push(feed, KM_UPDATE_STORE, w->id, starts_sequence ? KM_NO_PARENT : parent_chain,
-                   offset, hashable);
+    if (hashable > run_first) {
+        queue_push(feed, KM_UPDATE_STORE, w->id, run_parent, offset + run_first,
+                   hashable - run_first);
         feed->queue[feed->queue_count - 1].tier = event_tier;
-        w->c.blocks_stored += hashable;
     }
+    feed->hash_count += hashable;
+    w->c.blocks_stored += hashable;
     if (n_fixes)
         queue_tier_fixes(feed, w->id, feed->tier_chains, feed->tier_scratch, n_fixes,
                          (km_tier)KM_TIER_COUNT /* none: every listed block needs its update */);
@@ -345,10 +409,23 @@ static void apply_removed(km_feed *feed, worker *w, const km_kv_event *e)
             continue;
         }
         uint8_t before = m->media;
-        m->media &= (uint8_t)~bit;
+        bool counted_before = entry_counts(m, w->gpu_groups);
+        if (bit == MEDIUM_BIT_GPU) {
+            /* The GPU copy goes when the last KV-cache group holding it let it go. */
+            m->gpu_groups &= ~group_bit(e);
+            if (!m->gpu_groups)
+                m->media &= (uint8_t)~bit;
+        } else {
+            m->media &= (uint8_t)~bit;
+        }
         if (m->media) {
-            /* Still held in another medium; its tier changes when the fastest copy went. */
-            if (m->chain != CHAIN_UNHASHABLE && best_tier(m->media) != best_tier(before)) {
+            if (!counted_before)
+                continue;
+            if (!entry_counts(m, w->gpu_groups)) {
+                /* A KV-cache group let it go: the engine's hit stops before it. */
+                feed->hashes[offset + count++] = m->chain;
+            } else if (best_tier(m->media) != best_tier(before)) {
+                /* Still held in another medium; its tier changes when the fastest copy went. */
                 feed->tier_chains[n_moved] = m->chain;
                 feed->tier_scratch[n_moved++] = (uint8_t)best_tier(m->media);
             }
@@ -356,7 +433,7 @@ static void apply_removed(km_feed *feed, worker *w, const km_kv_event *e)
         }
         uint64_t chain = m->chain;
         km_emap_erase(&w->map, m);
-        if (chain == CHAIN_UNHASHABLE)
+        if (!counted_before)
             continue;
         feed->hashes[offset + count++] = chain;
     }
@@ -375,11 +452,22 @@ static void apply_removed(km_feed *feed, worker *w, const km_kv_event *e)
 void km_feed_queue_message(km_feed *feed, worker *w, const message_view *v, uint64_t now)
 {
     size_t n_hashes = 0, n_stored = 0;
+    uint32_t groups = w->gpu_groups;
     for (uint32_t i = 0; i < v->n_events; i++) {
         n_hashes += v->events[i].n_block_hashes;
-        if (v->events[i].kind == KM_KV_EVENT_BLOCK_STORED)
+        if (v->events[i].kind == KM_KV_EVENT_BLOCK_STORED) {
             n_stored += v->events[i].n_block_hashes;
+            if (v->events[i].medium == KM_KV_MEDIUM_GPU)
+                groups |= group_bit(&v->events[i]);
+        }
     }
+    /* A KV-cache group seen for the first time: blocks the other groups held alone stop counting
+     * (one REMOVE, at most one hash per map entry). A store may split its run at every block
+     * that does not count: up to one more update per stored block. */
+    bool new_group = groups != w->gpu_groups;
+    size_t extra_updates = (new_group ? 1 : 0) + (w->gpu_groups & (w->gpu_groups - 1) ||
+                                                  groups & (groups - 1) ? n_stored : 0);
+    size_t extra_hashes = new_group ? w->map.live : 0;
     if (feed->hash_count + n_hashes > feed->config.max_queued_hashes) {
         w->c.dropped_messages++;
         km_feed_enter_degraded(feed, w, now, "update queue full (flush not called often enough)");
@@ -387,7 +475,8 @@ void km_feed_queue_message(km_feed *feed, worker *w, const message_view *v, uint
     }
     /* Per event: its update plus up to one SET_TIER per tier; per block: its hash plus one for a
      * tier fix. */
-    if (queue_reserve(feed, (size_t)v->n_events * (1 + KM_TIER_COUNT), 2 * n_hashes) ||
+    if (queue_reserve(feed, (size_t)v->n_events * (1 + KM_TIER_COUNT) + extra_updates,
+                      2 * n_hashes + extra_hashes) ||
         tier_scratch_reserve(feed, n_hashes) || km_emap_reserve(&w->map, n_stored) ||
         GROW(feed->new_keys, feed->new_key_capacity, feed->new_key_count + n_stored)) {
         w->c.dropped_messages++;
@@ -410,6 +499,18 @@ void km_feed_queue_message(km_feed *feed, worker *w, const message_view *v, uint
         }
     }
     group_begin(feed, w);
+    if (new_group) {
+        uint64_t offset = feed->hash_count, count = 0, cursor = 0;
+        for (const km_emap_entry *m; (m = km_emap_next(&w->map, &cursor));)
+            if (entry_counts(m, w->gpu_groups) && !entry_counts(m, groups))
+                feed->hashes[offset + count++] = m->chain;
+        w->gpu_groups = groups;
+        if (count) {
+            feed->hash_count += count;
+            queue_push(feed, KM_UPDATE_REMOVE, w->id, KM_NO_PARENT, offset, count);
+            w->c.blocks_removed += count;
+        }
+    }
     for (uint32_t i = 0; i < v->n_events; i++) {
         const km_kv_event *e = &v->events[i];
         switch (e->kind) {

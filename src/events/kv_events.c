@@ -884,7 +884,9 @@ static int decode_block_stored(km_kv_decoder *dec, const event_schema *schema,
                             (unsigned long long)block_size->via.u64);
     ev.block_size = (uint32_t)block_size->via.u64;
     uint64_t expected_tokens = (uint64_t)ev.block_size * ev.n_block_hashes;
-    if (ev.n_token_ids != expected_tokens)
+    ev.sparse_blocks = ev.has_group_idx && ev.n_block_hashes > 0 &&
+                       ev.n_token_ids > expected_tokens && ev.n_token_ids % ev.block_size == 0;
+    if (ev.n_token_ids != expected_tokens && !ev.sparse_blocks)
         return reject_event(dec, b, KM_KV_EVENT_BLOCK_STORED, KM_KV_REJECTED_TOKEN_COUNT,
                             KM_ERR_PARSE, "token_ids has %u tokens, block_size %u x %u block_hashes needs %llu",
                             ev.n_token_ids, ev.block_size, ev.n_block_hashes,
