@@ -462,11 +462,10 @@ void km_feed_queue_message(km_feed *feed, worker *w, const message_view *v, uint
         }
     }
     /* A KV-cache group seen for the first time: blocks the other groups held alone stop counting
-     * (one REMOVE, at most one hash per map entry). A store may split its run at every block
-     * that does not count: up to one more update per stored block. */
-    bool new_group = groups != w->gpu_groups;
-    size_t extra_updates = (new_group ? 1 : 0) + (w->gpu_groups & (w->gpu_groups - 1) ||
-                                                  groups & (groups - 1) ? n_stored : 0);
+     * (one REMOVE, at most one hash per map entry). With more than one group a store may split
+     * its run at every block that does not count: up to one more update per stored block. */
+    bool new_group = groups != w->gpu_groups, several_groups = (groups & (groups - 1)) != 0;
+    size_t extra_updates = (new_group ? 1 : 0) + (several_groups ? n_stored : 0);
     size_t extra_hashes = new_group ? w->map.live : 0;
     if (feed->hash_count + n_hashes > feed->config.max_queued_hashes) {
         w->c.dropped_messages++;
