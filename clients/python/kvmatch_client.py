@@ -394,6 +394,12 @@ class Client:
             message["pools"] = list(pools)
         return self.call(message, timeout)
 
+    def remove_pools(self, names: Iterable[str], timeout: Optional[float] = 5.0) -> Message:
+        """POOLS remove: each named pool ends (its workers removed, their active work ended with
+        outcome records) and everything it holds is released. One ACK item per name:
+        KM_ERR_NOT_FOUND for a pool that does not exist."""
+        return self.pools("remove", [{"name": name} for name in names], timeout)
+
     def status(self, timeout: Optional[float] = 5.0) -> Message:
         return self.call({"type": "STATUS"}, timeout)
 

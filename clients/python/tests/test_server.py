@@ -2,13 +2,17 @@
 # SPDX-License-Identifier: Apache-2.0
 """The Python client against a real `kvmatch serve` started here on a Unix socket in a temporary
 directory: routes (blocking, pipelined, batched), the lifecycle reports and the outcome rule,
-WORKERS / POOLS / STATUS, each error the server answers (by code and name), a server that goes
-away mid-request, and reconnecting to it once it is back. The error-name table is checked against
+WORKERS / POOLS (POOLS remove included) / STATUS, each error the server answers (by code and
+name), servers of their own configured to refuse (KM_ERR_OVERLOADED from the per-connection
+budget, KM_ERR_TOO_LARGE for a frame over the server's limit, KM_ERR_SHUTTING_DOWN after a
+SIGTERM while routes are in flight), a server that goes away mid-request, and reconnecting to it
+once it is back. The error-name table is checked against
 include/kvmatch/error.h. The binary is $KM_BIN, else build/kvmatch or build-cpu/kvmatch. Run:
 python tests/test_server.py (exit 0 on success); the whole run is bounded by an alarm.
 Replies a real server never sends (wrong count, wrong type, unknown id) are tested against a fake
 server in tests/test_python_client.py."""
 
+import json
 import os
 import re
 import shutil
@@ -38,19 +42,31 @@ class Server:
     """`kvmatch serve` with one pool "default" (block size 16, policy kv) of WORKERS approximate
     workers, on DIR/kvmatch.sock; start() waits until it accepts."""
 
-    def __init__(self, directory):
+    def __init__(self, directory, config=None):
+        """config: a dict of config-file keys (docs/SERVICE.md) besides the pool, e.g. the
+        scheduler's shedding limits; None: flags only."""
         self.dir = directory
         self.path = os.path.join(directory, "kvmatch.sock")
         self.address = "unix:" + self.path
+        self.config = config
         self.proc = None
 
     def start(self):
         if os.path.exists(self.path):
             os.unlink(self.path)
         args = [kvmatch_binary(), "serve", "--socket", self.path, "--records", "none",
-                "--max-workers", "64", "--pool", "default:16:kv"]
-        for w in range(WORKERS):
-            args += ["--worker", "default:%d" % w]
+                "--max-workers", "64"]
+        if self.config is not None:
+            config = dict(self.config, pools=[{"name": "default", "block_size": 16, "policy": "kv",
+                                               "workers": [{"id": w} for w in range(WORKERS)]}])
+            config_path = os.path.join(self.dir, "kvmatch.json")
+            with open(config_path, "w") as f:
+                json.dump(config, f)
+            args += ["--config", config_path]
+        else:
+            args += ["--pool", "default:16:kv"]
+            for w in range(WORKERS):
+                args += ["--worker", "default:%d" % w]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL,
                                      stderr=open(os.path.join(self.dir, "serve.log"), "ab"))
         deadline = time.monotonic() + 20
@@ -234,6 +250,31 @@ def test_admin(server):
         expect(len(status["workers"]) == WORKERS, "STATUS lists the workers")
 
 
+def test_remove_pools(server):
+    with kc.Client.connect(server.address) as c:
+        ack = c.pools("add", [{"name": "gone", "block_size": 16, "policy": "kv"}])
+        expect(ack["items"] == [{"status": 0}], "pool add %r" % ack)
+        ack = c.workers("add", [{"pool": "gone", "worker": 20}, {"pool": "gone", "worker": 21}])
+        expect([i["status"] for i in ack["items"]] == [0, 0], "workers of the pool %r" % ack)
+        d = c.route([{"request_id": "in-gone", "pool": "gone", "tokens": prompt(64)}])["decisions"][0]
+        expect(d["status"] == 0 and d["chosen_worker"] in (20, 21), "routed in the pool: %r" % d)
+        ack = c.remove_pools(["gone", "never-was"])
+        expect([i["status"] for i in ack["items"]] == [0, kc.KM_ERR_NOT_FOUND],
+               "pool remove statuses %r" % ack["items"])
+        expect("gone" not in {p["name"] for p in c.pools("list")["pools"]}, "the pool is gone")
+        expect(all(w["worker"] not in (20, 21) for w in c.workers("list")["workers"]),
+               "its workers are gone")
+        d = c.route([{"request_id": "after", "pool": "gone", "tokens": prompt(64)}])["decisions"][0]
+        expect(d["status"] == kc.KM_ERR_NOT_FOUND, "a route to the removed pool: %r" % d)
+        # The attempt that was in flight there ended with its worker: its FINISHED comes late.
+        ack = c.finished(request_id="in-gone", elapsed_ms=1.0)
+        expect(ack["items"][0]["status"] == kc.KM_ERR_NOT_FOUND, "a late FINISHED: %r" % ack)
+        # The name is free again.
+        ack = c.pools("add", [{"name": "gone", "block_size": 32}])
+        expect(ack["items"] == [{"status": 0}], "the name is free again: %r" % ack)
+        expect(c.remove_pools(["gone"])["items"] == [{"status": 0}], "removed again")
+
+
 def test_pipelined(server):
     with kc.Client.connect(server.address) as c:
         ids = {}
@@ -284,12 +325,139 @@ def test_server_goes_away_then_reconnect(server):
     c.close()
 
 
+def own_server(directory, name, config):
+    """A second `kvmatch serve` in its own directory under `directory`, with `config`."""
+    path = os.path.join(directory, name)
+    os.mkdir(path)
+    server = Server(path, config)
+    server.start()
+    return server
+
+
+def test_overloaded_by_the_connection_budget(server):
+    """A real server with a budget of 4 routes per connection: a ROUTE frame of 5 is refused at
+    once with KM_ERR_OVERLOADED by name, the connection stays usable, and a pipelined burst gets
+    one reply per frame, each a decision or that refusal."""
+    own = own_server(server.dir, "budget", {"scheduler": {"max_connection_routes": 4,
+                                                           "max_queue_wait_ms": 0}})
+    try:
+        with kc.Client.connect(own.address) as c:
+            routes = [{"request_id": "over-%d" % i, "tokens": prompt(32, i)} for i in range(5)]
+            e = expect_error(lambda: c.route(routes), kc.KM_ERR_OVERLOADED, "5 routes over a budget of 4")
+            expect("max_connection_routes" in e.message, "the refusal names the limit: %s" % e.message)
+            expect(c.route(routes[:4])["decisions"][0]["status"] == 0, "4 routes fit the budget")
+            sent = [c.send_route([{"request_id": "burst-%d-%d" % (i, j), "tokens": prompt(512, i),
+                                   "brief": True} for j in range(3)]) for i in range(40)]
+            decided = refused = 0
+            for rid in sent:
+                reply = c.wait(rid, timeout=30)
+                if reply["type"] == "ERROR":
+                    expect(reply["code"] == kc.KM_ERR_OVERLOADED and reply["name"] == "KM_ERR_OVERLOADED",
+                           "a burst frame failed otherwise: %r" % reply)
+                    refused += 1
+                else:
+                    expect(len(reply["decisions"]) == 3, "one decision per route: %r" % reply)
+                    decided += 1
+            expect(decided + refused == 40 and decided >= 1, "decided %d, refused %d" % (decided, refused))
+            expect(not c.closed, "the connection stays open after refusals")
+    finally:
+        own.stop()
+
+
+def test_oversize_frame_is_refused(server):
+    """A real server whose frame limit is 4,096 bytes: the client, which learnt the limit from
+    WELCOME, refuses a larger request without sending it (the connection stays usable); a
+    client holding a larger limit (an out-of-date view of the server) sends it, and reports the
+    server's KM_ERR_TOO_LARGE answer as the connection's end."""
+    own = own_server(server.dir, "frame", {"limits": {"max_frame_bytes": 4096}})
+    try:
+        with kc.Client.connect(own.address) as c:
+            expect(c.welcome["limits"]["max_frame_bytes"] == 4096, "WELCOME: %r" % c.welcome["limits"])
+            big = [{"request_id": "big", "tokens": prompt(3000)}]
+            e = expect_error(lambda: c.route(big), kc.KM_ERR_TOO_LARGE, "the client's own check")
+            expect("4096" in e.message and not c.closed, "names the limit, stays open: %s" % e.message)
+            expect(c.route([{"request_id": "small", "tokens": prompt(64)}])["decisions"][0]["status"] == 0,
+                   "a request within the limit is decided")
+            c._max_frame_bytes = 1 << 20  # the out-of-date view: nothing stops the frame here
+            e = expect_error(lambda: c.route(big, timeout=10), kc.KM_ERR_CLOSED, "the server's refusal")
+            expect("KM_ERR_TOO_LARGE" in e.message, "the server's code is reported: %s" % e.message)
+            expect(c.closed, "the connection is closed after it")
+        with kc.Client.connect(own.address) as c:
+            expect(c.route([{"request_id": "next", "tokens": prompt(64)}])["decisions"][0]["status"] == 0,
+                   "the server keeps serving other connections")
+    finally:
+        own.stop()
+
+
+def test_shutting_down_while_routes_are_in_flight(server):
+    """SIGTERM while routes are in flight. A connection that does not read its replies holds the
+    drain open (the drain writes every reply before it closes a connection), so the stop is certain
+    to find work: a route sent on another open connection during the drain is answered
+    KM_ERR_SHUTTING_DOWN by name; every route of the stalled connection is answered (decided, or
+    refused the same way when it was still unread) once it reads; then both connections are
+    closed (KM_ERR_CLOSED, never a hang) and the server exits 0."""
+    own = own_server(server.dir, "drain", {"scheduler": {"max_connection_routes": 0,
+                                                          "max_queue_wait_ms": 0,
+                                                          "max_queued_routes": 1 << 20},
+                                           "drain_timeout_ms": 60000})
+    try:
+        stalled = kc.Client.connect(own.address)
+        light = kc.Client.connect(own.address)
+        expect(light.route([{"request_id": "before", "tokens": prompt(64)}])["decisions"][0]["status"] == 0,
+               "decided before the stop")
+        # About a megabyte of replies, far over what the socket buffers: unread, they keep the
+        # server draining.
+        sent = [stalled.send_route([{"request_id": "q-%d-%d" % (i, j), "tokens": prompt(64, i * 64 + j)}
+                                    for j in range(64)], timeout=30) for i in range(100)]
+        own.proc.send_signal(signal.SIGTERM)
+        refused = None
+        deadline = time.monotonic() + 60
+        n = 0
+        while refused is None and time.monotonic() < deadline:
+            try:
+                light.route([{"request_id": "during-%d" % n, "tokens": prompt(64)}], timeout=10)
+                n += 1  # read before the stop took effect: decided; try again
+            except kc.KvmatchError as e:
+                refused = e
+        expect(refused is not None and refused.code == kc.KM_ERR_SHUTTING_DOWN
+               and refused.name == "KM_ERR_SHUTTING_DOWN",
+               "a route during the drain: %s" % refused)
+        decided = shut = 0
+        for rid in sent:
+            reply = stalled.wait(rid, timeout=60)
+            if reply["type"] == "ERROR":
+                expect(reply["code"] == kc.KM_ERR_SHUTTING_DOWN and reply["name"] == "KM_ERR_SHUTTING_DOWN",
+                       "a queued route: %r" % reply)
+                shut += 1
+            else:
+                expect(len(reply["decisions"]) == 64, "one decision per route")
+                decided += 1
+        expect(decided + shut == len(sent), "decided %d, refused %d" % (decided, shut))
+        # Once the drain ends (a few ms after the last reply is read), each connection is closed.
+        for c in (stalled, light):
+            closed = None
+            while closed is None and time.monotonic() < deadline:
+                try:
+                    c.route([{"request_id": "after", "tokens": [1]}], timeout=10)
+                    raise AssertionError("a route was decided after the stop")
+                except kc.KvmatchError as e:
+                    expect(e.code in (kc.KM_ERR_SHUTTING_DOWN, kc.KM_ERR_CLOSED), "after the drain: %s" % e)
+                    if e.code == kc.KM_ERR_CLOSED:
+                        closed = e
+            expect(closed is not None, "the connection was closed after the drain")
+        expect(own.proc.wait(timeout=60) == 0, "kvmatch serve exits 0 after the drain")
+    finally:
+        own.kill()
+
+
 def main():
-    signal.alarm(120)
+    signal.alarm(170)
     directory = tempfile.mkdtemp(prefix="kvmatch-pyclient-")
     server = Server(directory)
     tests = [test_error_names_match_the_header, test_route_and_lifecycle, test_route_errors,
-             test_admin, test_pipelined, test_example, test_server_goes_away_then_reconnect]
+             test_admin, test_remove_pools, test_pipelined, test_example,
+             test_overloaded_by_the_connection_budget, test_oversize_frame_is_refused,
+             test_shutting_down_while_routes_are_in_flight, test_server_goes_away_then_reconnect]
     failed = 0
     try:
         server.start()
