@@ -429,6 +429,17 @@ func (c *Client) UpdatePools(ctx context.Context, pools ...Pool) ([]AckItem, err
 	return c.pools(ctx, "update", pools)
 }
 
+// RemovePools ends the named pools: each one's workers are removed (their active work ends with
+// outcome records) and everything the pool holds is released. One ACK item per name (ErrNotFound
+// for a pool that does not exist).
+func (c *Client) RemovePools(ctx context.Context, names ...string) ([]AckItem, error) {
+	pools := make([]Pool, len(names))
+	for i, name := range names {
+		pools[i] = Pool{Name: name}
+	}
+	return c.pools(ctx, "remove", pools)
+}
+
 // ListPools lists the pools with every policy parameter.
 func (c *Client) ListPools(ctx context.Context) ([]Pool, error) {
 	call, err := c.conn().send(ctx, expected{request: "POOLS", reply: "POOL_LIST"}, "action", "list")

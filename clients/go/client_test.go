@@ -5,7 +5,9 @@ package kvmatch
 // The client against a real `kvmatch serve` ($KM_BIN, else build/kvmatch or build-cpu/kvmatch)
 // started on a Unix socket in a temporary directory: routes (blocking, pipelined from many
 // goroutines, batched), the lifecycle reports, WORKERS / POOLS / STATUS, each error the server
-// answers, a server that goes away mid-request and reconnecting once it is back. Replies a real
+// answers, servers of their own configured to refuse (ErrOverloaded from the per-connection budget,
+// ErrTooLarge for a frame over the server's limit, ErrShuttingDown after a SIGTERM while routes
+// are in flight), a server that goes away mid-request and reconnecting once it is back. Replies a real
 // server never sends (wrong count, wrong type, unknown id, connection-level ERROR, unreadable or
 // oversize frames) come from a fake server written here. Every test is bounded by a context.
 
@@ -13,6 +15,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/binary"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -66,11 +69,17 @@ type server struct {
 	t       *testing.T
 	dir     string
 	address string
+	config  map[string]interface{} // config-file keys besides the pool; nil: flags only
 	cmd     *exec.Cmd
 }
 
 func startServer(t *testing.T) *server {
-	s := &server{t: t, dir: t.TempDir()}
+	return startServerWith(t, nil)
+}
+
+// startServerWith starts a server whose config file holds config (docs/SERVICE.md) and the pool.
+func startServerWith(t *testing.T, config map[string]interface{}) *server {
+	s := &server{t: t, dir: t.TempDir(), config: config}
 	s.address = "unix:" + filepath.Join(s.dir, "kvmatch.sock")
 	s.start()
 	t.Cleanup(s.stop)
@@ -80,10 +89,31 @@ func startServer(t *testing.T) *server {
 func (s *server) start() {
 	path := s.address[5:]
 	os.Remove(path)
-	args := []string{"serve", "--socket", path, "--records", "none", "--max-workers", "64",
-		"--pool", "default:16:kv"}
-	for w := 0; w < testWorkers; w++ {
-		args = append(args, "--worker", fmt.Sprintf("default:%d", w))
+	args := []string{"serve", "--socket", path, "--records", "none", "--max-workers", "64"}
+	if s.config != nil {
+		workers := []map[string]int{}
+		for w := 0; w < testWorkers; w++ {
+			workers = append(workers, map[string]int{"id": w})
+		}
+		config := map[string]interface{}{"pools": []interface{}{map[string]interface{}{
+			"name": "default", "block_size": 16, "policy": "kv", "workers": workers}}}
+		for k, v := range s.config {
+			config[k] = v
+		}
+		b, err := json.Marshal(config)
+		configPath := filepath.Join(s.dir, "kvmatch.json")
+		if err == nil {
+			err = os.WriteFile(configPath, b, 0o600)
+		}
+		if err != nil {
+			s.t.Fatal(err)
+		}
+		args = append(args, "--config", configPath)
+	} else {
+		args = append(args, "--pool", "default:16:kv")
+		for w := 0; w < testWorkers; w++ {
+			args = append(args, "--worker", fmt.Sprintf("default:%d", w))
+		}
 	}
 	s.cmd = exec.Command(kvmatchBinary(s.t), args...)
 	log, _ := os.Create(filepath.Join(s.dir, "serve.log"))
@@ -381,6 +411,221 @@ func TestAdmin(t *testing.T) {
 	st, err := c.Status(ctx)
 	if err != nil || st.KvmatchVersion == "" || len(st.Workers) != testWorkers || st.Backend == "" {
 		t.Fatalf("status: %v %+v", err, st)
+	}
+}
+
+func TestRemovePools(t *testing.T) {
+	s := startServer(t)
+	ctx := testContext(t)
+	c := dialT(t, ctx, s.address)
+	items, err := c.AddPools(ctx, Pool{Name: "gone", BlockSize: 16, Policy: "kv"})
+	if err != nil || items[0].Status != OK {
+		t.Fatalf("pool add: %v %+v", err, items)
+	}
+	items, err = c.AddWorkers(ctx, Worker{Pool: "gone", Worker: 20}, Worker{Pool: "gone", Worker: 21})
+	if err != nil || fmt.Sprint(statuses(items)) != fmt.Sprint([]Code{OK, OK}) {
+		t.Fatalf("workers of the pool: %v %v", err, statuses(items))
+	}
+	ds, err := c.Route(ctx, RouteRequest{RequestID: "in-gone", Pool: "gone", Tokens: prompt(64, 0)})
+	if err != nil || ds[0].Err() != nil || (ds[0].ChosenWorker != 20 && ds[0].ChosenWorker != 21) {
+		t.Fatalf("routed in the pool: %v %+v", err, ds)
+	}
+	items, err = c.RemovePools(ctx, "gone", "never-was")
+	if err != nil || fmt.Sprint(statuses(items)) != fmt.Sprint([]Code{OK, ErrNotFound}) {
+		t.Fatalf("pool remove statuses %v (%v)", statuses(items), err)
+	}
+	pools, _ := c.ListPools(ctx)
+	for _, p := range pools {
+		if p.Name == "gone" {
+			t.Fatalf("the pool is still listed: %+v", pools)
+		}
+	}
+	ws, _ := c.ListWorkers(ctx, "")
+	for _, w := range ws {
+		if w.Worker == 20 || w.Worker == 21 {
+			t.Fatalf("its workers are still listed: %+v", ws)
+		}
+	}
+	ds, err = c.Route(ctx, RouteRequest{RequestID: "after", Pool: "gone", Tokens: prompt(64, 0)})
+	if err != nil || ds[0].Status != ErrNotFound {
+		t.Fatalf("a route to the removed pool: %v %+v", err, ds)
+	}
+	// The attempt in flight there ended with its worker: its FINISHED comes late.
+	items, err = c.Lifecycle(ctx, LifecycleEvent{Event: EventFinished, RequestID: "in-gone", ElapsedMs: f64(1)})
+	if err != nil || items[0].Status != ErrNotFound {
+		t.Fatalf("a late FINISHED: %v %+v", err, items)
+	}
+	if items, err = c.AddPools(ctx, Pool{Name: "gone", BlockSize: 32}); err != nil || items[0].Status != OK {
+		t.Fatalf("the name is free again: %v %+v", err, items)
+	}
+}
+
+// A frame of 5 routes over a budget of 4 is refused at once, by name, and the connection stays;
+// a pipelined burst gets one reply per frame, each a decision or that refusal.
+func TestOverloadedByTheConnectionBudget(t *testing.T) {
+	s := startServerWith(t, map[string]interface{}{"scheduler": map[string]int{
+		"max_connection_routes": 4, "max_queue_wait_ms": 0}})
+	ctx := testContext(t)
+	c := dialT(t, ctx, s.address)
+	routes := make([]RouteRequest, 5)
+	for i := range routes {
+		routes[i] = RouteRequest{RequestID: fmt.Sprintf("over-%d", i), Tokens: prompt(32, i)}
+	}
+	_, err := c.Route(ctx, routes...)
+	expectCode(t, err, ErrOverloaded, "5 routes over a budget of 4")
+	if !regexp.MustCompile(`max_connection_routes`).MatchString(err.Error()) {
+		t.Fatalf("the refusal names the limit: %v", err)
+	}
+	if ds, err := c.Route(ctx, routes[:4]...); err != nil || ds[0].Err() != nil {
+		t.Fatalf("4 routes fit the budget: %v", err)
+	}
+	calls := make([]*Call, 40)
+	for i := range calls {
+		burst := make([]RouteRequest, 3)
+		for j := range burst {
+			burst[j] = RouteRequest{RequestID: fmt.Sprintf("burst-%d-%d", i, j), Tokens: prompt(512, i), Brief: true}
+		}
+		if calls[i], err = c.SendRoute(ctx, burst); err != nil {
+			t.Fatalf("send: %v", err)
+		}
+	}
+	decided, refused := 0, 0
+	for _, call := range calls {
+		reply, err := call.Wait(ctx)
+		if err != nil {
+			t.Fatalf("a burst frame: %v", err)
+		}
+		if rerr := reply.Err(); rerr != nil {
+			expectCode(t, rerr, ErrOverloaded, "a burst frame")
+			refused++
+		} else if len(reply.Decisions) != 3 {
+			t.Fatalf("one decision per route: %+v", reply)
+		} else {
+			decided++
+		}
+	}
+	if decided+refused != 40 || decided == 0 {
+		t.Fatalf("decided %d, refused %d", decided, refused)
+	}
+}
+
+// The client refuses a request over the limit WELCOME gave without sending it; a client holding a
+// larger limit (an out-of-date view of the server) sends it and reports the server's
+// KM_ERR_TOO_LARGE as the connection's end; the server keeps serving other connections.
+func TestOversizeFrameIsRefused(t *testing.T) {
+	s := startServerWith(t, map[string]interface{}{"limits": map[string]int{"max_frame_bytes": 4096}})
+	ctx := testContext(t)
+	c := dialT(t, ctx, s.address)
+	if c.Welcome().Limits.MaxFrameBytes != 4096 {
+		t.Fatalf("welcome limits %+v", c.Welcome().Limits)
+	}
+	big := RouteRequest{RequestID: "big", Tokens: prompt(3000, 0)}
+	_, err := c.Route(ctx, big)
+	expectCode(t, err, ErrTooLarge, "the client's own check")
+	if ds, err := c.Route(ctx, RouteRequest{RequestID: "small", Tokens: prompt(64, 0)}); err != nil || ds[0].Err() != nil {
+		t.Fatalf("a request within the limit: %v", err)
+	}
+	c.conn().maxFrame = 1 << 20 // the out-of-date view: nothing stops the frame here
+	_, err = c.Route(ctx, big)
+	expectCode(t, err, ErrClosed, "the server's refusal")
+	if !regexp.MustCompile(`KM_ERR_TOO_LARGE`).MatchString(err.Error()) {
+		t.Fatalf("the server's code is reported: %v", err)
+	}
+	other := dialT(t, ctx, s.address)
+	if ds, err := other.Route(ctx, RouteRequest{RequestID: "next", Tokens: prompt(64, 0)}); err != nil || ds[0].Err() != nil {
+		t.Fatalf("the server keeps serving: %v", err)
+	}
+}
+
+// SIGTERM while routes are in flight. A connection that never reads its replies (a raw socket
+// here) holds the drain open, as the drain writes every reply before it closes a connection, so
+// the stop is certain to find work: a route on another open connection during the drain gets
+// ErrShuttingDown; every route of a busy client is answered (decided, or refused the same way when
+// still unread); once the stalled socket goes the drain ends, both clients end with ErrClosed,
+// never a hang, and the server exits 0.
+func TestShuttingDownWhileRoutesAreInFlight(t *testing.T) {
+	s := startServerWith(t, map[string]interface{}{
+		"scheduler":        map[string]int{"max_connection_routes": 0, "max_queue_wait_ms": 0, "max_queued_routes": 1 << 20},
+		"drain_timeout_ms": 60000})
+	ctx := testContext(t)
+	busy := dialT(t, ctx, s.address)
+	light := dialT(t, ctx, s.address)
+	if ds, err := light.Route(ctx, RouteRequest{RequestID: "before", Tokens: prompt(64, 0)}); err != nil || ds[0].Err() != nil {
+		t.Fatalf("decided before the stop: %v", err)
+	}
+	stalled, err := net.Dial("unix", s.address[5:])
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer stalled.Close()
+	send := func(kind string, id uint64, kv ...interface{}) {
+		payload, err := encodeMessage(kind, id, kv...)
+		if err == nil {
+			err = writeFrame(stalled, payload)
+		}
+		if err != nil {
+			t.Fatalf("stalled connection, %s: %v", kind, err)
+		}
+	}
+	send("HELLO", 1, "protocol", ProtocolVersion, "client", "stalled")
+	for i := 0; i < 100; i++ { // about a megabyte of replies, far over what the socket buffers
+		frame := make([]interface{}, 64)
+		for j := range frame {
+			frame[j] = &RouteRequest{RequestID: fmt.Sprintf("s-%d-%d", i, j), Tokens: prompt(64, i*64+j)}
+		}
+		send("ROUTE", uint64(2+i), "routes", frame)
+	}
+	calls := make([]*Call, 10)
+	for i := range calls {
+		frame := make([]RouteRequest, 64)
+		for j := range frame {
+			frame[j] = RouteRequest{RequestID: fmt.Sprintf("q-%d-%d", i, j), Tokens: prompt(1024, i*64+j), Brief: true}
+		}
+		if calls[i], err = busy.SendRoute(ctx, frame); err != nil {
+			t.Fatalf("send: %v", err)
+		}
+	}
+	s.cmd.Process.Signal(syscall.SIGTERM)
+	var refused error
+	for n := 0; refused == nil && ctx.Err() == nil; n++ {
+		// Read before the stop took effect: decided; try again.
+		_, refused = light.Route(ctx, RouteRequest{RequestID: fmt.Sprintf("during-%d", n), Tokens: prompt(64, 0)})
+	}
+	expectCode(t, refused, ErrShuttingDown, "a route during the drain")
+	decided, shut := 0, 0
+	for _, call := range calls {
+		reply, err := call.Wait(ctx)
+		if err != nil {
+			t.Fatalf("a queued route: %v", err)
+		}
+		if rerr := reply.Err(); rerr != nil {
+			expectCode(t, rerr, ErrShuttingDown, "a queued route")
+			shut++
+		} else {
+			decided++
+		}
+	}
+	if decided+shut != len(calls) {
+		t.Fatalf("decided %d, refused %d of %d", decided, shut, len(calls))
+	}
+	stalled.Close()
+	// The drain ends a few ms after the stalled socket goes: then each connection is closed.
+	for _, c := range []*Client{busy, light} {
+		err := error(nil)
+		for err == nil || errors.Is(err, ErrShuttingDown) {
+			if ctx.Err() != nil {
+				t.Fatal("the connection was not closed after the drain")
+			}
+			var ds []Decision
+			ds, err = c.Route(ctx, RouteRequest{RequestID: "after", Tokens: []uint32{1}})
+			if err == nil {
+				t.Fatalf("a route was decided after the stop: %+v", ds)
+			}
+		}
+		expectCode(t, err, ErrClosed, "a route after the drain")
+	}
+	if err := s.cmd.Wait(); err != nil {
+		t.Fatalf("kvmatch serve after the drain: %v", err)
 	}
 }
 
