@@ -488,6 +488,14 @@ impl Client {
         self.admin("POOLS", "update", "pools", pools.iter().map(Pool::to_value).collect())
     }
 
+    /// POOLS remove: each named pool ends (its workers removed, their active work ended with
+    /// outcome records) and everything it holds is released. One ACK item per name (NOT_FOUND
+    /// for a pool that does not exist).
+    pub fn remove_pools(&mut self, names: &[&str]) -> Result<Vec<AckItem>> {
+        let list = names.iter().map(|n| Value::Map(vec![("name".to_string(), Value::Str((*n).into()))])).collect();
+        self.admin("POOLS", "remove", "pools", list)
+    }
+
     /// POOLS list, with every policy parameter.
     pub fn list_pools(&mut self) -> Result<Vec<Pool>> {
         self.call(message("POOLS", vec![("action", Value::Str("list".into()))]))?.pools()
@@ -708,4 +716,79 @@ fn open(address: &str, timeout: Option<Duration>) -> Result<Stream> {
         return Ok(Stream::Tcp(stream));
     }
     Err(invalid(format!("address must start with unix: or tcp:, got {:?}", address)))
+}
+
+/// A real `kvmatch serve` whose frame limit is 4,096 bytes, and a client holding a larger one (an
+/// out-of-date view of the server, which only this module can give it): the server's
+/// KM_ERR_TOO_LARGE for the frame reaches the caller as the connection's end. The client's own
+/// check, and everything else against a real server, are in tests/server.rs.
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::path::PathBuf;
+    use std::process::{Command, Stdio};
+
+    fn binary() -> PathBuf {
+        let root = match std::env::var("KM_ROOT") {
+            Ok(r) if !r.is_empty() => PathBuf::from(r),
+            _ => PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.."),
+        };
+        let mut candidates: Vec<PathBuf> = std::env::var("KM_BIN").ok().into_iter().map(PathBuf::from).collect();
+        candidates.push(root.join("build/kvmatch"));
+        candidates.push(root.join("build-cpu/kvmatch"));
+        candidates.into_iter().find(|p| p.is_file()).expect("no kvmatch binary: build it with make, or set KM_BIN")
+    }
+
+    #[test]
+    fn a_frame_over_the_servers_limit_is_refused_by_the_server() {
+        let dir = std::env::temp_dir().join(format!("kvmatch-rust-frame-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("temporary directory");
+        let config = dir.join("kvmatch.json");
+        std::fs::write(
+            &config,
+            r#"{"limits": {"max_frame_bytes": 4096},
+               "pools": [{"name": "default", "block_size": 16, "workers": [{"id": 0}, {"id": 1}]}]}"#,
+        )
+        .expect("config");
+        let sock = dir.join("kvmatch.sock");
+        let mut child = Command::new(binary())
+            .args(["serve", "--records", "none", "--config"])
+            .arg(&config)
+            .arg("--socket")
+            .arg(&sock)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start kvmatch serve");
+        let address = format!("unix:{}", sock.display());
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let mut client = None;
+        while client.is_none() && Instant::now() < deadline {
+            client = Client::connect(&address, Some(Duration::from_secs(1))).ok();
+            if client.is_none() {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let mut c = client.expect("kvmatch serve did not accept");
+            c.set_timeout(Some(Duration::from_secs(20)));
+            assert_eq!(c.welcome().limits.max_frame_bytes, 4096);
+            c.max_frame_bytes = 1 << 20; // the out-of-date view: nothing stops the frame here
+            let big = RouteRequest {
+                request_id: "big".into(),
+                prompt: crate::messages::Prompt::Tokens((0..3000).map(|i| 1000 + i).collect()),
+                ..Default::default()
+            };
+            let e = c.route(&[big]).expect_err("a frame over the server's limit");
+            assert_eq!(e.code, Code::CLOSED, "{}", e);
+            assert!(e.message.contains("KM_ERR_TOO_LARGE"), "the server's code is reported: {}", e);
+            assert!(c.is_closed());
+        }));
+        let _ = child.kill();
+        let _ = child.wait();
+        let _ = std::fs::remove_dir_all(&dir);
+        if let Err(panic) = result {
+            std::panic::resume_unwind(panic);
+        }
+    }
 }

@@ -1,8 +1,10 @@
 // SPDX-License-Identifier: Apache-2.0
 //! The client against a real `kvmatch serve` ($KM_BIN, else build/kvmatch or build-cpu/kvmatch)
 //! started on a Unix socket in a temporary directory: routes (blocking, pipelined, batched), the
-//! lifecycle reports, WORKERS / POOLS / STATUS, each error the server answers, a server that goes
-//! away mid-request and reconnecting once it is back. Replies a real server never sends (wrong
+//! lifecycle reports, WORKERS / POOLS / STATUS, each error the server answers, servers of their own
+//! configured to refuse (OVERLOADED from the per-connection budget, TOO_LARGE for a request over
+//! the server's frame limit, SHUTTING_DOWN after a SIGTERM while routes are in flight), a server
+//! that goes away mid-request and reconnecting once it is back. Replies a real server never sends (wrong
 //! count, wrong type, unknown id, connection-level ERROR, unreadable or oversize frames) come
 //! from a fake server written here. Every wait is bounded by the client's timeout.
 
@@ -66,14 +68,20 @@ impl Drop for TempDir {
 struct Server {
     dir: TempDir,
     address: String,
+    /// Config-file members besides the pool (JSON text, e.g. `"limits": {...}`); None: flags only.
+    config: Option<String>,
     child: Option<Child>,
 }
 
 impl Server {
     fn start(tag: &str) -> Server {
+        Server::start_with(tag, None)
+    }
+
+    fn start_with(tag: &str, config: Option<&str>) -> Server {
         let dir = TempDir::new(tag);
         let address = format!("unix:{}", dir.0.join("kvmatch.sock").display());
-        let mut s = Server { dir, address, child: None };
+        let mut s = Server { dir, address, config: config.map(String::from), child: None };
         s.spawn();
         s
     }
@@ -82,13 +90,26 @@ impl Server {
         let sock = self.dir.0.join("kvmatch.sock");
         let _ = fs::remove_file(&sock);
         let mut cmd = Command::new(binary());
-        cmd.args(["serve", "--records", "none", "--max-workers", "64", "--pool", "default:16:kv"])
+        cmd.args(["serve", "--records", "none", "--max-workers", "64"])
             .arg("--socket")
             .arg(&sock)
             .stdout(Stdio::null())
             .stderr(Stdio::null());
-        for w in 0..WORKERS {
-            cmd.arg("--worker").arg(format!("default:{}", w));
+        if let Some(members) = &self.config {
+            let workers: Vec<String> = (0..WORKERS).map(|w| format!("{{\"id\": {}}}", w)).collect();
+            let text = format!(
+                "{{{}, \"pools\": [{{\"name\": \"default\", \"block_size\": 16, \"policy\": \"kv\", \"workers\": [{}]}}]}}",
+                members,
+                workers.join(", ")
+            );
+            let path = self.dir.0.join("kvmatch.json");
+            fs::write(&path, text).expect("config file");
+            cmd.arg("--config").arg(path);
+        } else {
+            cmd.args(["--pool", "default:16:kv"]);
+            for w in 0..WORKERS {
+                cmd.arg("--worker").arg(format!("default:{}", w));
+            }
         }
         self.child = Some(cmd.spawn().expect("start kvmatch serve"));
         let deadline = Instant::now() + Duration::from_secs(20);
@@ -309,6 +330,158 @@ fn admin() {
     let st = c.status().expect("status");
     assert!(!st.kvmatch_version.is_empty() && st.backend.is_some());
     assert_eq!(st.workers.len(), WORKERS as usize);
+}
+
+#[test]
+fn remove_pools() {
+    let s = Server::start("rmpool");
+    let mut c = Client::connect(&s.address, TIMEOUT).expect("connect");
+    let gone = Pool { name: "gone".into(), block_size: Some(16), policy: Some("kv".into()), ..Default::default() };
+    assert_eq!(c.add_pools(&[gone]).expect("pool add")[0].status, Code::OK);
+    let w = |worker: u32| Worker { pool: "gone".into(), worker, ..Default::default() };
+    let items = c.add_workers(&[w(20), w(21)]).expect("workers add");
+    assert_eq!(items.iter().map(|i| i.status).collect::<Vec<_>>(), vec![Code::OK, Code::OK]);
+    let mut r = tokens("in-gone", prompt(64, 0));
+    r.pool = Some("gone".into());
+    let d = c.route(&[r.clone()]).expect("route").remove(0);
+    d.result().expect("decided");
+    assert!(d.chosen_worker == 20 || d.chosen_worker == 21, "{:?}", d);
+    let items = c.remove_pools(&["gone", "never-was"]).expect("pools remove");
+    assert_eq!(items.iter().map(|i| i.status).collect::<Vec<_>>(), vec![Code::OK, Code::NOT_FOUND]);
+    assert!(c.list_pools().expect("list").iter().all(|p| p.name != "gone"), "the pool is gone");
+    assert!(c.list_workers(None).expect("list").iter().all(|w| w.worker != 20 && w.worker != 21), "its workers are gone");
+    r.request_id = "after".into();
+    assert_eq!(c.route(&[r]).expect("route").remove(0).status, Code::NOT_FOUND, "a route to the removed pool");
+    // The attempt in flight there ended with its worker: its FINISHED comes late.
+    let late = LifecycleEvent { event: Event::Finished, request_id: Some("in-gone".into()), ..Default::default() };
+    assert_eq!(c.lifecycle(&[late]).expect("lifecycle")[0].status, Code::NOT_FOUND);
+    let again = Pool { name: "gone".into(), block_size: Some(32), ..Default::default() };
+    assert_eq!(c.add_pools(&[again]).expect("the name is free again")[0].status, Code::OK);
+}
+
+/// A frame of 5 routes over a budget of 4 is refused at once, by name, and the connection stays;
+/// a pipelined burst gets one reply per frame, each a decision or that refusal.
+#[test]
+fn overloaded_by_the_connection_budget() {
+    let s = Server::start_with("budget", Some(r#""scheduler": {"max_connection_routes": 4, "max_queue_wait_ms": 0}"#));
+    let mut c = Client::connect(&s.address, TIMEOUT).expect("connect");
+    let routes: Vec<RouteRequest> = (0..5).map(|i| tokens(&format!("over-{}", i), prompt(32, i))).collect();
+    match c.route(&routes) {
+        Err(e) => {
+            assert_eq!((e.code, e.code.name()), (Code::OVERLOADED, "KM_ERR_OVERLOADED".to_string()), "{}", e);
+            assert!(e.message.contains("max_connection_routes"), "the refusal names the limit: {}", e);
+        }
+        Ok(v) => panic!("5 routes over a budget of 4 were decided: {:?}", v),
+    }
+    c.route(&routes[..4]).expect("4 routes fit the budget").remove(0).result().expect("decided");
+    let mut ids = Vec::new();
+    for i in 0..40usize {
+        let burst: Vec<RouteRequest> = (0..3)
+            .map(|j| {
+                let mut r = tokens(&format!("burst-{}-{}", i, j), prompt(512, i));
+                r.brief = true;
+                r
+            })
+            .collect();
+        ids.push(c.send_route(&burst).expect("send"));
+    }
+    let (mut decided, mut refused) = (0, 0);
+    for id in ids {
+        let reply = c.wait(id).expect("a reply per frame");
+        match reply.error() {
+            Some(e) => {
+                assert_eq!(e.code, Code::OVERLOADED, "a burst frame: {}", e);
+                refused += 1;
+            }
+            None => {
+                assert_eq!(reply.decisions().expect("decisions").len(), 3);
+                decided += 1;
+            }
+        }
+    }
+    assert!(decided + refused == 40 && decided > 0, "decided {}, refused {}", decided, refused);
+    assert!(!c.is_closed());
+}
+
+/// The client refuses a request over the limit WELCOME gave without sending it, and the connection
+/// stays usable (the server's own answer to such a frame: the unit test in src/client.rs).
+#[test]
+fn oversize_request_is_refused_before_it_is_sent() {
+    let s = Server::start_with("frame", Some(r#""limits": {"max_frame_bytes": 4096}"#));
+    let mut c = Client::connect(&s.address, TIMEOUT).expect("connect");
+    assert_eq!(c.welcome().limits.max_frame_bytes, 4096);
+    let e = c.route(&[tokens("big", prompt(3000, 0))]).expect_err("over the limit");
+    assert_eq!(e.code, Code::TOO_LARGE, "{}", e);
+    assert!(e.message.contains("4096") && !c.is_closed(), "{}", e);
+    c.route(&[tokens("small", prompt(64, 0))]).expect("within the limit").remove(0).result().expect("decided");
+}
+
+/// SIGTERM while routes are in flight. A connection that does not read its replies holds the
+/// drain open (the drain writes every reply before it closes a connection), so the stop is certain
+/// to find work: a route on another open connection during the drain gets SHUTTING_DOWN by name;
+/// every route of the stalled connection is answered (decided, or refused the same way when still
+/// unread) once it reads; then both connections end with CLOSED, never a hang, and the server
+/// exits 0.
+#[test]
+fn shutting_down_while_routes_are_in_flight() {
+    let mut s = Server::start_with(
+        "drain",
+        Some(r#""scheduler": {"max_connection_routes": 0, "max_queue_wait_ms": 0, "max_queued_routes": 1048576}, "drain_timeout_ms": 60000"#),
+    );
+    let mut stalled = Client::connect(&s.address, TIMEOUT).expect("connect");
+    let mut light = Client::connect(&s.address, TIMEOUT).expect("connect");
+    light.route(&[tokens("before", prompt(64, 0))]).expect("route").remove(0).result().expect("decided before the stop");
+    // About a megabyte of replies, far over what the socket buffers: unread, they keep the server
+    // draining.
+    let mut ids = Vec::new();
+    for i in 0..100usize {
+        let frame: Vec<RouteRequest> = (0..64).map(|j| tokens(&format!("q-{}-{}", i, j), prompt(64, i * 64 + j))).collect();
+        ids.push(stalled.send_route(&frame).expect("send"));
+    }
+    let pid = s.child.as_ref().expect("running").id();
+    assert!(Command::new("kill").args(["-TERM", &pid.to_string()]).status().map(|st| st.success()).unwrap_or(false));
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut refused = None;
+    let mut n = 0;
+    while refused.is_none() && Instant::now() < deadline {
+        match light.route(&[tokens(&format!("during-{}", n), prompt(64, 0))]) {
+            Ok(_) => n += 1, // read before the stop took effect: decided; try again
+            Err(e) => refused = Some(e),
+        }
+    }
+    let e = refused.expect("no refusal during the drain");
+    assert_eq!((e.code, e.code.name()), (Code::SHUTTING_DOWN, "KM_ERR_SHUTTING_DOWN".to_string()), "{}", e);
+    let (mut decided, mut shut) = (0, 0);
+    for id in &ids {
+        let reply = stalled.wait(*id).expect("a reply per frame");
+        match reply.error() {
+            Some(e) => {
+                assert_eq!(e.code, Code::SHUTTING_DOWN, "a queued route: {}", e);
+                shut += 1;
+            }
+            None => {
+                assert_eq!(reply.decisions().expect("decisions").len(), 64);
+                decided += 1;
+            }
+        }
+    }
+    assert_eq!(decided + shut, ids.len(), "decided {}, refused {}", decided, shut);
+    // Once the drain ends (a few ms after the last reply is read), each connection is closed.
+    for c in [&mut stalled, &mut light] {
+        loop {
+            assert!(Instant::now() < deadline, "the connection was not closed after the drain");
+            match c.route(&[tokens("after", vec![1])]) {
+                Ok(d) => panic!("a route was decided after the stop: {:?}", d),
+                Err(e) if e.code == Code::SHUTTING_DOWN => continue,
+                Err(e) => {
+                    assert_eq!(e.code, Code::CLOSED, "{}", e);
+                    break;
+                }
+            }
+        }
+    }
+    let status = s.child.take().expect("running").wait().expect("wait");
+    assert!(status.success(), "kvmatch serve after the drain: {}", status);
 }
 
 #[test]
