@@ -1526,3 +1526,79 @@ Test(active, release_idle_gives_memory_back_and_changes_nothing, .timeout = 20)
     cr_assert_eq(km_active_finish(a, &again, KM_ACTIVE_END_COMPLETE, 4100, NULL), KM_OK);
     km_active_destroy(a);
 }
+
+/* The bytes bound (max_bytes): what each entry counts is its slot, its id buffer as allocated (at
+ * least 64 bytes) and its map share, so ids up to 62 bytes together count alike and longer ones
+ * count their length. On random begins and finishes with ids of any length, the counted bytes
+ * equal the sum over a brute-force list of the live entries, a begin is refused with
+ * KM_ERR_MEMORY_CAP exactly when its entry would pass the bound (counted, no load, no entry, no
+ * eviction), and one that fits after a finish is taken. */
+#define BB_KEYS 64
+Test(active, bytes_bound_refuses_exactly_what_would_pass_it, .timeout = 30)
+{
+    km_active_config def;
+    km_active_config_init(&def);
+    cr_assert_eq(def.max_bytes, UINT64_C(1) << 30, "default 1 GiB");
+    uint64_t small = km_active_entry_bytes(1, 0);
+    cr_assert_eq(km_active_entry_bytes(30, 32), small, "ids within the cached buffer count alike");
+    cr_assert_eq(km_active_entry_bytes(100, 0), small + (100 + 2 - 64), "longer ids count their length");
+    cr_assert_eq(km_active_entry_bytes(256, 256), small + (514 - 64));
+
+    km_rng r;
+    km_rng_init(&r, km_test_seed());
+    km_active_config cfg;
+    km_active_config_init(&cfg);
+    cfg.max_workers = 4;
+    cfg.ttl_ns = UINT64_C(1) << 50;
+    cfg.max_entries = 100000;
+    cfg.max_bytes = 20 * km_active_entry_bytes(128, 0);
+    km_active *a = NULL;
+    cr_assert_eq(km_active_create(&cfg, &a), KM_OK);
+    static char ids[BB_KEYS][300];
+    bool live[BB_KEYS] = {false};
+    uint64_t model_bytes = 0, refused = 0, taken = 0;
+    for (int step = 0; step < 20000; step++) {
+        int i = (int)km_rng_below(&r, BB_KEYS);
+        if (!live[i]) {
+            /* A fresh request id of a random length, unique by its prefix. */
+            size_t len = 1 + km_rng_below(&r, 256);
+            int n = snprintf(ids[i], sizeof ids[i], "k%d-%d-", i, step);
+            for (size_t j = (size_t)n; j < len; j++)
+                ids[i][j] = (char)('a' + km_rng_below(&r, 26));
+            ids[i][len > (size_t)n ? len : (size_t)n] = '\0';
+            km_active_key k = km_active_key_of(ids[i], "0");
+            uint64_t need = km_active_entry_bytes(k.request_id_len, 1);
+            uint64_t in_flight = stats_of(a).total.in_flight;
+            int rc = km_active_begin(a, (uint32_t)i % 4, &k, 100, 0, 10, 16, (uint64_t)step);
+            if (model_bytes + need > cfg.max_bytes) {
+                KM_CHECK(rc == KM_ERR_MEMORY_CAP, "step %d: %s over the bound: %s", step,
+                                 ids[i], km_strerror(rc));
+                KM_CHECK(strstr(km_active_last_error(a), "bound"), "%s", km_active_last_error(a));
+                KM_CHECK(stats_of(a).total.in_flight == in_flight, "no load added");
+                KM_CHECK(!km_active_contains(a, &k), "no entry");
+                refused++;
+            } else {
+                KM_CHECK(rc == KM_OK, "step %d: %s fits: %s (%s)", step, ids[i],
+                                 km_strerror(rc), km_active_last_error(a));
+                live[i] = true;
+                model_bytes += need;
+                taken++;
+            }
+        } else {
+            km_active_key k = km_active_key_of(ids[i], "0");
+            KM_CHECK(km_active_finish(a, &k, KM_ACTIVE_END_COMPLETE, (uint64_t)step, NULL) == KM_OK,
+                             "step %d: finish %s", step, ids[i]);
+            live[i] = false;
+            model_bytes -= km_active_entry_bytes(k.request_id_len, 1);
+        }
+        km_active_stats st = stats_of(a);
+        KM_CHECK(st.bytes == model_bytes, "step %d: counted %" PRIu64 ", model %" PRIu64,
+                         step, st.bytes, model_bytes);
+        KM_CHECK(st.bytes <= cfg.max_bytes, "never past the bound");
+        KM_CHECK(st.refused_bytes == refused, "refusals counted");
+        KM_CHECK(st.ended[KM_ACTIVE_END_EVICTED] == 0, "nothing evicted to make room");
+    }
+    cr_assert(refused > 100 && taken > 100, "both sides exercised: %" PRIu64 " refused, %" PRIu64
+              " taken", refused, taken);
+    km_active_destroy(a);
+}

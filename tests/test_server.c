@@ -1215,6 +1215,71 @@ Test(server, candidate_rows_match_with_and_without_an_explicit_list, .timeout = 
     srv_cleanup(&s);
 }
 
+/* max_active_bytes: a route whose active-work entry would take the counted bytes past the bound
+ * is refused with KM_ERR_MEMORY_CAP naming the bound, nothing evicted (the routes in flight keep
+ * their load); the refusal is counted in /status (active_work) and /metrics; once a FINISHED frees
+ * room, routing goes on. */
+Test(server, active_work_past_its_byte_bound_is_refused_and_counted, .timeout = 30)
+{
+    enum { FIT = 5 };
+    srv s = {0};
+    km_server_config cfg;
+    test_config(&cfg, &s, KM_POLICY_LEAST_LOAD, 2);
+    uint64_t each = km_active_entry_bytes(strlen("bytes-0"), 0);
+    cfg.max_active_bytes = FIT * each;
+    char http[] = "127.0.0.1:0";
+    cfg.http = http;
+    srv_start(&s, &cfg);
+    km_client *c = connect_client(&s);
+    km_message reply;
+    for (int i = 0; i < FIT + 3; i++) {
+        char rid[32];
+        snprintf(rid, sizeof rid, "bytes-%d", i);
+        km_route_request r = token_route(rid, 0, 2 * BS);
+        const km_route_decision *d = route_one(c, &r, &reply);
+        if (i < FIT) {
+            cr_assert_eq(d->status, KM_OK, "route %d fits: %s", i, d->message);
+        } else {
+            cr_assert_eq(d->status, KM_ERR_MEMORY_CAP, "route %d: %d %s", i, d->status, d->message);
+            cr_assert(d->message && strstr(d->message, "active work") && strstr(d->message, "bound"),
+                      "%s", d->message);
+        }
+    }
+    km_server_stats ss;
+    km_server_get_stats(s.server, &ss);
+    cr_assert_eq(ss.decisions, FIT);
+    cr_assert_eq(ss.active_refused_bytes, 3);
+    cr_assert_eq(ss.evicted, 0, "nothing is evicted for the byte bound");
+    uint16_t port = km_server_http_port(s.server);
+    static char body[1 << 16];
+    cr_assert_eq(http_get(port, "/metrics", body, sizeof body), 200);
+    cr_assert_eq(metric_value(body, "kvmatch_active_refused_bytes_total"), 3);
+    cr_assert_eq(metric_value(body, "kvmatch_active_bytes"), (double)(FIT * each));
+    cr_assert_eq(http_get(port, "/status", body, sizeof body), 200);
+    json_error_t jerr;
+    json_t *st = json_loads(body, 0, &jerr);
+    cr_assert_not_null(st, "%s", jerr.text);
+    json_t *aw = json_object_get(st, "active_work");
+    cr_assert_eq(json_integer_value(json_object_get(aw, "entries")), FIT);
+    cr_assert_eq(json_integer_value(json_object_get(aw, "bytes")), (json_int_t)(FIT * each));
+    cr_assert_eq(json_integer_value(json_object_get(aw, "max_bytes")), (json_int_t)(FIT * each));
+    cr_assert_eq(json_integer_value(json_object_get(aw, "refused_bytes")), 3);
+    json_decref(st);
+    /* A FINISHED frees one entry's bytes: the next route is decided. */
+    km_lifecycle_event ev;
+    memset(&ev, 0, sizeof ev);
+    ev.kind = KM_LIFECYCLE_FINISHED;
+    ev.request_id = "bytes-0";
+    ev.outcome = KM_OUTCOME_CANCELLED;
+    cr_assert_eq(km_client_lifecycle(c, &ev, 1, 5000, &reply), KM_OK);
+    cr_assert_eq(reply.ack.items[0].status, KM_OK, "%s", reply.ack.items[0].message);
+    km_route_request r = token_route("bytes-9", 0, 2 * BS);
+    cr_assert_eq(route_one(c, &r, &reply)->status, KM_OK, "room again after a FINISHED");
+    km_client_close(c);
+    srv_stop(&s);
+    srv_cleanup(&s);
+}
+
 /* A router that never reports FINISHED fills active work at its routing rate times the TTL. At
  * max_active_entries the least recently touched entry makes room: routing goes on, the load
  * charged stays at the maximum, each eviction is counted and gets an `expired` outcome record

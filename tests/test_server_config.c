@@ -94,6 +94,7 @@ Test(server_config, documented_example_loads_with_every_value, .timeout = 10)
     cr_assert_eq(cfg.max_outbox_bytes, 67108864);
     cr_assert_eq(cfg.active_ttl_ms, 600000);
     cr_assert_eq(cfg.max_active_entries, 1048576);
+    cr_assert_eq(cfg.max_active_bytes, UINT64_C(536870912));
     cr_assert_eq(cfg.approx_dispatch_max_bytes, 33554432);
     cr_assert_eq(cfg.breaker_failures, 3);
     cr_assert_eq(cfg.breaker_cooldown_ms, 30000);
@@ -201,6 +202,8 @@ Test(server_config, bad_files_are_refused_naming_the_field, .timeout = 10)
         {"{\"ready_share\": 2}", KM_ERR_INVALID_ARGUMENT, "ready_share"},
         {"{\"max_connections\": 0}", KM_ERR_INVALID_ARGUMENT, "max_connections"},
         {"{\"max_active_entries\": 0}", KM_ERR_INVALID_ARGUMENT, "max_active_entries"},
+        {"{\"max_active_bytes\": -1}", KM_ERR_PARSE, "max_active_bytes"},
+        {"{\"max_active_bytes\": \"1G\"}", KM_ERR_PARSE, "max_active_bytes"},
         {"{\"socket\": \"/tmp/x.sock\", \"pools\": [{\"name\": \"p\", \"block_size\": 16}], "
          "\"max_connections\": 0}", KM_ERR_INVALID_ARGUMENT, "max_connections"},
         {"{\"approx_dispatch_max_bytes\": -1}", KM_ERR_PARSE, "approx_dispatch_max_bytes"},

@@ -84,6 +84,9 @@ typedef struct km_active_config {
     uint32_t max_queued_blocks; /* blocks promised by queued prefills (km_active_queue_blocks), all
                                  * workers; a promise past it is cut short and counted; 0 = none
                                  * kept; default 1 << 20 */
+    uint64_t max_bytes;      /* bytes live entries are counted as holding (km_active_entry_bytes),
+                              * all workers; a begin that would pass it is KM_ERR_MEMORY_CAP
+                              * (counted in refused_bytes); 0 = no bound; default 1 GiB */
 } km_active_config;
 
 void km_active_config_init(km_active_config *cfg);
@@ -172,6 +175,13 @@ typedef struct km_active_summary {
 /* Receives each entry that expire / remove_worker ends; the entry is already gone. */
 typedef void (*km_active_summary_fn)(void *user, const km_active_summary *summary);
 
+/* What an entry with ids of these lengths is counted as holding against max_bytes: its slot in
+ * the entry table, its id buffer as allocated, and its share of the id map. The table and the
+ * map grow by doubling, so what they have allocated can reach twice the count; the queued-prefix
+ * promises (max_queued_blocks, 8 bytes a block) and the ring of ended ids (remember_ended) are
+ * bounded apart. */
+uint64_t km_active_entry_bytes(size_t request_id_len, size_t attempt_id_len);
+
 /* ---- lifecycle ------------------------------------------------------------------------------ */
 
 /* At the decision (optimistic): a new entry on `worker`; in_flight += 1, pending prefill +=
@@ -179,7 +189,9 @@ typedef void (*km_active_summary_fn)(void *user, const km_active_summary *summar
  * ceil((prompt_tokens + expected_output_tokens) / block_size). Errors: KM_ERR_NULL_POINTER,
  * KM_ERR_WORKER_RANGE, KM_ERR_BLOCK_SIZE (0), KM_ERR_INVALID_ARGUMENT / KM_ERR_TOO_LARGE (ids),
  * KM_ERR_PROTOCOL (this key is already active: counted as a duplicate), KM_ERR_OVERLOADED
- * (max_entries live), KM_ERR_OUT_OF_MEMORY. On error nothing changes. */
+ * (max_entries live), KM_ERR_MEMORY_CAP (the entry would take the live entries past max_bytes:
+ * counted in refused_bytes; no entry is evicted to make room), KM_ERR_OUT_OF_MEMORY. On error
+ * nothing changes. */
 int km_active_begin(km_active *active, uint32_t worker, const km_active_key *key,
                     uint32_t prompt_tokens, uint32_t cached_tokens_predicted,
                     uint32_t expected_output_tokens, uint32_t block_size, uint64_t now_ns);
@@ -316,6 +328,8 @@ typedef struct km_active_stats {
     uint64_t moved;        /* entries km_active_move gave to another worker */
     uint64_t queued_blocks;    /* blocks promised by queued prefills now (km_active_queue_blocks) */
     uint64_t queued_truncated; /* promised blocks left out at max_queued_blocks */
+    uint64_t bytes;            /* bytes the live entries are counted as holding (max_bytes) */
+    uint64_t refused_bytes;    /* begins refused with KM_ERR_MEMORY_CAP at max_bytes */
 } km_active_stats;
 
 /* Errors: KM_ERR_NULL_POINTER. */

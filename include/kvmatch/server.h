@@ -124,6 +124,10 @@ typedef struct km_server_config {
                                   * touched entry (an `expired` outcome record, counted in
                                   * `evicted`), so a router that never reports FINISHED degrades
                                   * load accounting, not routing; default 1,048,576 */
+    uint64_t max_active_bytes;  /* bytes active work's entries are counted as holding
+                                 * (km_active_entry_bytes), at most; a route whose entry would pass
+                                 * it fails with KM_ERR_MEMORY_CAP, nothing evicted (counted in
+                                 * `active_refused_bytes`); 0 = no bound; default 1 GiB */
     uint64_t approx_dispatch_max_bytes; /* block hashes kept, all live attempts together, for
                                   * decisions in pools with approximate-mode workers: a lifecycle
                                   * report naming another such worker (the router overrode the
@@ -246,6 +250,8 @@ typedef struct km_server_stats {
     uint64_t outcomes;              /* outcome records (FINISHED and expiries) */
     uint64_t expired;               /* active work expired by TTL */
     uint64_t evicted;               /* active work ended early to make room (max_active_entries) */
+    uint64_t active_refused_bytes;  /* routes refused: their active work would pass
+                                     * max_active_bytes */
     uint64_t records_dropped;       /* records the writer could not take (queue full) */
     uint64_t routes_dropped_at_shutdown; /* still queued when the drain timed out: unanswered */
     uint64_t approx_dispatch_learned;   /* overrides to an approximate-mode worker that taught it */

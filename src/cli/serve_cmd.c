@@ -41,6 +41,7 @@ static void serve_usage(FILE *f)
             "                           the scheduler is idle; 0 = never; default 16\n"
             "  --max-connections N (1..1048576)  --drain-timeout-ms N (0..3600000)\n"
             "  --active-ttl-ms N (1..604800000)  --max-active-entries N (1..2147483647)\n"
+            "  --max-active-bytes N     active work's entries, counted bytes; 0 = no bound\n"
             "  --approx-dispatch-max-bytes N  --breaker-failures N (0..1048576)\n"
             "  --breaker-cooldown-ms N  --ready-share X (0..1)  --seed N\n"
             "  --log-format text|json   log lines: timestamp, level, component (default text)\n"
@@ -67,7 +68,7 @@ enum {
     OPT_SNAPSHOT_DIR, OPT_SNAPSHOT_INTERVAL_MS, OPT_POOL, OPT_WORKER, OPT_PARAM, OPT_MAX_WORKERS,
     OPT_BACKEND, OPT_THREADS, OPT_INITIAL_BLOCKS, OPT_MAX_BATCH_ROUTES, OPT_MAX_QUEUED_ROUTES,
     OPT_INLINE_ROUTES, OPT_MAX_CONNECTIONS, OPT_DRAIN_TIMEOUT_MS, OPT_ACTIVE_TTL_MS,
-    OPT_MAX_ACTIVE_ENTRIES, OPT_APPROX_DISPATCH_MAX_BYTES, OPT_BREAKER_FAILURES,
+    OPT_MAX_ACTIVE_ENTRIES, OPT_MAX_ACTIVE_BYTES, OPT_APPROX_DISPATCH_MAX_BYTES, OPT_BREAKER_FAILURES,
     OPT_BREAKER_COOLDOWN_MS, OPT_READY_SHARE, OPT_SEED, OPT_LOG_FORMAT, OPT_LOG_FILE,
     /* older names of the same settings */
     OPT_OLD_SNAPSHOT_INTERVAL_S, OPT_OLD_MAX_BATCH, OPT_OLD_ACTIVE_TTL_S, OPT_OLD_MAX_ACTIVE,
@@ -98,6 +99,7 @@ static const struct option serve_options[] = {
     {"drain-timeout-ms", required_argument, NULL, OPT_DRAIN_TIMEOUT_MS},
     {"active-ttl-ms", required_argument, NULL, OPT_ACTIVE_TTL_MS},
     {"max-active-entries", required_argument, NULL, OPT_MAX_ACTIVE_ENTRIES},
+    {"max-active-bytes", required_argument, NULL, OPT_MAX_ACTIVE_BYTES},
     {"approx-dispatch-max-bytes", required_argument, NULL, OPT_APPROX_DISPATCH_MAX_BYTES},
     {"breaker-failures", required_argument, NULL, OPT_BREAKER_FAILURES},
     {"breaker-cooldown-ms", required_argument, NULL, OPT_BREAKER_COOLDOWN_MS},
@@ -257,6 +259,10 @@ static int apply_flags(int argc, char **argv, km_server_config *cfg)
         case OPT_MAX_ACTIVE_ENTRIES:
             if (!km_cli_u32("serve", opt == OPT_OLD_MAX_ACTIVE ? "max-active" : "max-active-entries",
                             v, 1, (1u << 31) - 1, &cfg->max_active_entries))
+                status = KM_EXIT_USAGE;
+            break;
+        case OPT_MAX_ACTIVE_BYTES:
+            if (!km_cli_u64("serve", "max-active-bytes", v, 0, UINT64_MAX, &cfg->max_active_bytes))
                 status = KM_EXIT_USAGE;
             break;
         case OPT_OLD_APPROX_DISPATCH_MB:

@@ -140,6 +140,7 @@ void km_active_config_init(km_active_config *cfg)
     cfg->max_entries = 1u << 20;
     cfg->remember_ended = 4096;
     cfg->max_queued_blocks = 1u << 20;
+    cfg->max_bytes = UINT64_C(1) << 30;
 }
 
 static const char *const active_end_names[] = {
@@ -575,6 +576,7 @@ static void end_entry(km_active *a, uint32_t i, km_active_end end, uint64_t now,
         a->unremembered_ids = e->ids;
         a->unremembered_size = ids_size(e->request_len, e->attempt_len);
     }
+    a->stats.bytes = saturating_sub(a, a->stats.bytes, km_active_entry_bytes(e->request_len, e->attempt_len));
     e->ids = NULL;
     e->hash_next = a->free_head;
     a->free_head = i;
@@ -611,6 +613,31 @@ static int lookup_for_event(km_active *a, const km_active_key *key, const char *
     a->stats.unknown++;
     return active_fail(a, KM_ERR_NOT_FOUND, "%s for " ID_FMT ": no such active request", event,
                        ID_ARGS(key));
+}
+
+/* ---- the bytes bound ------------------------------------------------------------------------ */
+
+/* An id map slot is a 16-byte km_u64map_entry and the map is at most 70% full with a power-of-two
+ * capacity, so one entry's share is at most about three slots: four are counted. */
+enum { ENTRY_MAP_SHARE_BYTES = 4 * 16 };
+
+uint64_t km_active_entry_bytes(size_t request_id_len, size_t attempt_id_len)
+{
+    size_t ids = request_id_len + attempt_id_len + 2;
+    return sizeof(entry) + (ids > IDS_CACHED_BYTES ? ids : IDS_CACHED_BYTES) + ENTRY_MAP_SHARE_BYTES;
+}
+
+/* KM_ERR_MEMORY_CAP (counted) when the key's entry would take the live entries past max_bytes. */
+static int check_bytes_bound(km_active *a, const km_active_key *key)
+{
+    uint64_t need = km_active_entry_bytes(key->request_id_len, key->attempt_id_len);
+    if (!a->cfg.max_bytes || a->stats.bytes + need <= a->cfg.max_bytes)
+        return KM_OK;
+    a->stats.refused_bytes++;
+    return active_fail(a, KM_ERR_MEMORY_CAP,
+                       "%" PRIu64 " bytes held by %" PRIu32 " entries; this request's entry (%" PRIu64
+                       " bytes) would pass the bound of %" PRIu64 " bytes",
+                       a->stats.bytes, a->live, need, a->cfg.max_bytes);
 }
 
 /* ---- lifecycle ---------------------------------------------------------------------------- */
@@ -663,6 +690,8 @@ int km_active_begin(km_active *a, uint32_t worker, const km_active_key *key,
     if (a->live >= a->cfg.max_entries)
         return active_fail(a, KM_ERR_OVERLOADED, "%" PRIu32 " active requests, the configured maximum",
                            a->cfg.max_entries);
+    if ((rc = check_bytes_bound(a, key)) != KM_OK)
+        return rc;
 
     /* Allocate everything before touching any state. */
     if (a->free_head == NIL && (rc = grow_slab(a)) != KM_OK)
@@ -721,6 +750,7 @@ int km_active_begin(km_active *a, uint32_t worker, const km_active_key *key,
     load->allocated_blocks += e->new_blocks;
     a->live++;
     a->stats.begun++;
+    a->stats.bytes += km_active_entry_bytes(key->request_id_len, key->attempt_id_len);
     return KM_OK;
 }
 

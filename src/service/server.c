@@ -288,6 +288,7 @@ int km_server_create(const km_server_config *cfg_in, km_server **out, char *why,
         ac.max_workers = cfg.max_workers;
         ac.ttl_ns = cfg.active_ttl_ms * UINT64_C(1000000);
         ac.max_entries = cfg.max_active_entries;
+        ac.max_bytes = cfg.max_active_bytes;
         if ((rc = km_active_create(&ac, &s->active)) != KM_OK)
             km_why(why, why_size, rc, "active work: %s", km_strerror(rc));
     }

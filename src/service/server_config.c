@@ -33,6 +33,7 @@ void km_server_config_init(km_server_config *cfg)
     km_protocol_limits_init(&cfg->limits);
     cfg->active_ttl_ms = 600000;
     cfg->max_active_entries = 1u << 20;
+    cfg->max_active_bytes = UINT64_C(1) << 30;
     cfg->approx_dispatch_max_bytes = (uint64_t)64 << 20;
     cfg->breaker_failures = 5;
     cfg->breaker_cooldown_ms = 10000;
@@ -479,7 +480,7 @@ int km_server_config_load_json(const char *path, km_server_config *target, km_se
     reader r = {why, why_size, KM_OK};
     static const char *const top_keys[] = {
         "socket", "tcp", "http", "allow_non_loopback", "default_pool", "max_connections",
-        "max_outbox_bytes", "active_ttl_ms", "max_active_entries", "approx_dispatch_max_bytes",
+        "max_outbox_bytes", "active_ttl_ms", "max_active_entries", "max_active_bytes", "approx_dispatch_max_bytes",
         "breaker_failures", "breaker_cooldown_ms", "ready_share", "drain_timeout_ms", "seed",
         "records", "snapshot", "index", "scheduler", "limits", "pools", NULL};
     static const char *const records_keys[] = {"path",           "max_file_bytes", "keep_files",
@@ -509,6 +510,7 @@ int km_server_config_load_json(const char *path, km_server_config *target, km_se
     get_u64(&r, root, "max_outbox_bytes", "", 4096, UINT64_MAX, &cfg->max_outbox_bytes);
     get_u64(&r, root, "active_ttl_ms", "", 1, UINT64_MAX / 1000000, &cfg->active_ttl_ms);
     get_u32(&r, root, "max_active_entries", "", 1, (1u << 31) - 1, &cfg->max_active_entries);
+    get_u64(&r, root, "max_active_bytes", "", 0, UINT64_MAX, &cfg->max_active_bytes);
     get_u64(&r, root, "approx_dispatch_max_bytes", "", 0, UINT64_MAX, &cfg->approx_dispatch_max_bytes);
     get_u32(&r, root, "breaker_failures", "", 0, 1u << 20, &cfg->breaker_failures);
     get_u64(&r, root, "breaker_cooldown_ms", "", 1, UINT64_MAX / 1000000, &cfg->breaker_cooldown_ms);

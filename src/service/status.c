@@ -57,6 +57,17 @@ bool km_srv_readiness(km_server *s, char *reason, size_t reason_size)
     return ready;
 }
 
+/* Active work's counters (the bytes bound: max_active_bytes). Takes active_lock. */
+static km_active_stats active_work_stats(km_server *s)
+{
+    km_active_stats st;
+    memset(&st, 0, sizeof st);
+    pthread_mutex_lock(&s->active_lock);
+    km_active_get_stats(s->active, &st);
+    pthread_mutex_unlock(&s->active_lock);
+    return st;
+}
+
 static bool http_readiness(void *user, km_text *reason)
 {
     char buf[400];
@@ -77,6 +88,12 @@ static int http_status(void *user, km_text *out)
     json_object_set_new(root, "ready_reason", json_string(reason));
     json_object_set_new(root, "connections", json_integer((json_int_t)atomic_load(&s->st.open)));
     json_object_set_new(root, "decisions", json_integer((json_int_t)atomic_load(&s->st.decisions)));
+    km_active_stats active = active_work_stats(s);
+    json_object_set_new(root, "active_work",
+                        json_pack("{sI sI sI sI}", "entries", (json_int_t)active.entries, "bytes",
+                                  (json_int_t)active.bytes, "max_bytes",
+                                  (json_int_t)s->cfg.max_active_bytes, "refused_bytes",
+                                  (json_int_t)active.refused_bytes));
     json_t *workers = json_array();
     pthread_mutex_lock(&s->admin_lock);
     json_t *pools = json_array();
@@ -437,6 +454,17 @@ static int http_metrics(void *user, km_text *out)
         km_prom_write_sample_u64(out, "kvmatch_connections_rejected_total", &label, 1,
                                  rejected[i].v);
     }
+    km_active_stats active = active_work_stats(s);
+    km_prom_write_family(out, "kvmatch_active_bytes",
+                         "Bytes active work's entries are counted as holding (max_active_bytes).",
+                         KM_METRIC_GAUGE);
+    km_prom_write_sample_u64(out, "kvmatch_active_bytes", NULL, 0, active.bytes);
+    km_prom_write_family(out, "kvmatch_active_refused_bytes_total",
+                         "Routes refused with KM_ERR_MEMORY_CAP: their active work would pass "
+                         "max_active_bytes.",
+                         KM_METRIC_COUNTER);
+    km_prom_write_sample_u64(out, "kvmatch_active_refused_bytes_total", NULL, 0,
+                             active.refused_bytes);
     km_record_writer_counters rc;
     memset(&rc, 0, sizeof rc);
     if (s->records)
@@ -581,6 +609,7 @@ void km_server_get_stats(km_server *s, km_server_stats *o)
     o->outcomes = atomic_load(&s->st.outcomes);
     o->expired = atomic_load(&s->st.expired);
     o->evicted = atomic_load(&s->st.evicted);
+    o->active_refused_bytes = active_work_stats(s).refused_bytes;
     o->routes_dropped_at_shutdown = atomic_load(&s->st.dropped_at_shutdown);
     o->approx_dispatch_learned = atomic_load(&s->st.dispatch_learned);
     o->approx_dispatch_unlearned = atomic_load(&s->st.dispatch_unlearned);
