@@ -378,6 +378,71 @@ Test(deploy, records_lost_at_run_time_fail_readiness_and_the_run, .timeout = 60)
     remove_dir();
 }
 
+/* The readiness reason is never cut: with records under a directory whose path is long (here
+ * about 400 bytes, so the reason passes 500), /readyz and /status give the whole sentence, the
+ * records path in it and the workers' count at its end. */
+Test(deploy, a_long_readiness_reason_is_given_whole, .timeout = 60)
+{
+    make_dir();
+    char sub[512], records[600], sock[128], name[121];
+    memset(name, 'd', sizeof name - 1);
+    name[sizeof name - 1] = '\0';
+    snprintf(sub, sizeof sub, "%s/%s", g_dir, name);
+    cr_assert_eq(mkdir(sub, 0755), 0);
+    size_t at = strlen(sub);
+    snprintf(sub + at, sizeof sub - at, "/%s", name);
+    cr_assert_eq(mkdir(sub, 0755), 0);
+    at = strlen(sub);
+    snprintf(sub + at, sizeof sub - at, "/%s", name);
+    cr_assert_eq(mkdir(sub, 0755), 0);
+    snprintf(records, sizeof records, "%s/records.jsonl", sub);
+    cr_assert_gt(strlen(records), 380);
+    snprintf(sock, sizeof sock, "%s/s.sock", g_dir);
+    km_server_config cfg;
+    base_config(&cfg);
+    cfg.socket_path = sock;
+    cfg.records_path = records;
+    char http[] = "127.0.0.1:0";
+    cfg.http = http;
+    deploy_server d = {0};
+    start(&d, &cfg);
+    uint16_t port = km_server_http_port(d.server);
+    static char body[1 << 16];
+    cr_assert_eq(wait_readyz(port, 200, body, sizeof body), 200, "%s", body);
+    char addr[160], cmd[700], why[256];
+    snprintf(addr, sizeof addr, "unix:%s", sock);
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", sub);
+    cr_assert_eq(system(cmd), 0);
+    km_client *c = NULL;
+    cr_assert_eq(km_client_connect(addr, 3000, &c, why, sizeof why), KM_OK, "%s", why);
+    uint32_t tokens[16];
+    for (uint32_t i = 0; i < 16; i++)
+        tokens[i] = 100 + i;
+    km_message reply;
+    km_route_request r = route_of("long-1", tokens, 16);
+    cr_assert_eq(km_client_route(c, &r, 1, 5000, &reply), KM_OK);
+    cr_assert_eq(wait_readyz(port, 503, body, sizeof body), 503, "%s", body);
+    cr_assert(strstr(body, "records cannot be written"), "%s", body);
+    cr_assert(strstr(body, sub), "the whole records path: %s", body);
+    cr_assert(strstr(body, "event-fed workers LIVE") && strstr(body, " approximate"),
+              "the reason's end: %s", body);
+    cr_assert_gt(strlen(body), 500, "%zu bytes", strlen(body));
+    static char readyz[1 << 16];
+    snprintf(readyz, sizeof readyz, "%s", body);
+    cr_assert_eq(http_get(port, "/status", body, sizeof body), 200);
+    json_error_t jerr;
+    json_t *st = json_loads(body, 0, &jerr);
+    cr_assert_not_null(st, "%s", jerr.text);
+    const char *reason = json_string_value(json_object_get(st, "ready_reason"));
+    cr_assert(reason && strstr(readyz, reason) && strlen(reason) > 500 &&
+                  !strcmp(reason + strlen(reason) - strlen("approximate"), "approximate"),
+              "/status gives the same whole reason:\n%s\n%s", reason ? reason : "(none)", readyz);
+    json_decref(st);
+    km_client_close(c);
+    cr_assert_eq(stop(&d), KM_ERR_IO, "records were lost");
+    remove_dir();
+}
+
 /* A write that fills the disk (here: a file size limit) keeps the whole lines that reached the
  * file and counts only the rest as failed, instead of cutting the whole buffer back. */
 Test(deploy, a_full_disk_keeps_the_whole_lines_that_fit, .timeout = 30)

@@ -341,8 +341,11 @@ int km_record_writer_reopen(km_record_writer *writer);
 /* Counters now. Thread-safe. */
 void km_record_writer_stats(km_record_writer *writer, km_record_writer_counters *out);
 
+/* The last failure's sentence is kept within this many bytes, its NUL included. */
+#define KM_RECORD_WRITER_ERROR_BYTES 512u
+
 /* Copy the last failure's sentence (I/O, or an invalid record; "" when none) into buf; returns
- * its full length. Thread-safe. */
+ * its full length. A buf of KM_RECORD_WRITER_ERROR_BYTES always holds it whole. Thread-safe. */
 size_t km_record_writer_last_error(km_record_writer *writer, char *buf, size_t size);
 
 #ifdef __cplusplus

@@ -367,7 +367,7 @@ void km_srv_handle_status(conn *c, const km_message *m)
     reply.type = KM_MESSAGE_STATUS_REPLY;
     reply.has_id = true;
     reply.id = m->id;
-    char reason[160];
+    char reason[KM_SRV_READINESS_REASON_BYTES];
     km_status_reply *st = &reply.status_reply;
     st->kvmatch_version = KVMATCH_VERSION;
     st->uptime_s = (double)(now_ns() - s->start_ns) / 1e9;

@@ -60,7 +60,7 @@ struct km_record_writer {
     uint64_t failed_at_last_flush, sync_failures, sync_failures_at_last_flush;
     uint64_t invalid_at_last_flush;
     int last_error_status;
-    char last_error[512];
+    char last_error[KM_RECORD_WRITER_ERROR_BYTES];
     bool failing_now; /* `failing`, for km_record_writer_stats */
     bool reopen_requested; /* km_record_writer_reopen: close the file once the queue is written */
 

@@ -467,6 +467,10 @@ void km_srv_handle_pools(conn *c, const km_message *m);
 void km_srv_handle_status(conn *c, const km_message *m);
 
 /* status.c */
+/* A readiness reason of this many bytes is never cut: the records writer's last error
+ * (KM_RECORD_WRITER_ERROR_BYTES at most) with the words around it and the workers' counts. */
+#define KM_SRV_READINESS_REASON_BYTES (KM_RECORD_WRITER_ERROR_BYTES + 256u)
+/* Ready to take traffic, and why (or why not) in reason; see status.c. */
 bool km_srv_readiness(km_server *s, char *reason, size_t reason_size);
 km_http_callbacks km_srv_http_callbacks(km_server *s);
 int km_srv_metrics_setup(km_server *s);

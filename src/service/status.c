@@ -42,9 +42,9 @@ bool km_srv_readiness(km_server *s, char *reason, size_t reason_size)
     pthread_mutex_unlock(&s->admin_lock);
     km_record_writer_counters rc;
     km_record_writer_stats(s->records, &rc); /* zeroes when there is no writer */
-    char records[200] = "";
+    char records[KM_RECORD_WRITER_ERROR_BYTES + 64] = "";
     if (rc.failing) {
-        char last[160];
+        char last[KM_RECORD_WRITER_ERROR_BYTES];
         km_record_writer_last_error(s->records, last, sizeof last);
         snprintf(records, sizeof records, "records cannot be written (%s); ", last);
     }
@@ -70,7 +70,7 @@ static km_active_stats active_work_stats(km_server *s)
 
 static bool http_readiness(void *user, km_text *reason)
 {
-    char buf[400];
+    char buf[KM_SRV_READINESS_REASON_BYTES];
     bool ready = km_srv_readiness(user, buf, sizeof buf);
     km_text_append_cstr(reason, buf);
     return ready;
@@ -80,7 +80,7 @@ static int http_status(void *user, km_text *out)
 {
     km_server *s = user;
     json_t *root = json_object();
-    char reason[400];
+    char reason[KM_SRV_READINESS_REASON_BYTES];
     bool ready = km_srv_readiness(s, reason, sizeof reason);
     json_object_set_new(root, "kvmatch_version", json_string(KVMATCH_VERSION));
     json_object_set_new(root, "uptime_s", json_real((double)(now_ns() - s->start_ns) / 1e9));
