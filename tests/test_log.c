@@ -154,3 +154,47 @@ Test(log, an_unwritable_log_file_is_refused_naming_it, .timeout = 10)
     cr_assert_eq(km_log_format_parse("json", &f), KM_OK);
     cr_assert_eq(f, KM_LOG_FORMAT_JSON);
 }
+
+/* A line that states its level (a syslog priority prefix, as libmicrohttpd's lines do) gets that
+ * level whatever its words, and the prefix is not written; a line without one has its level read
+ * from its words; something that only looks like a prefix is text. */
+Test(log, a_stated_level_wins_over_the_words, .timeout = 10)
+{
+    km_logger *l = open_logger(KM_LOG_FORMAT_JSON, 0);
+    km_logger_write(l, KM_LOG_WARNING "http: serving a probe");         /* words: info */
+    km_logger_write(l, KM_LOG_INFO "http: connection refused by peer");  /* words: warning */
+    km_logger_write(l, KM_LOG_ERROR "records: rotated");                /* words: info */
+    km_logger_write(l, "<5>notice level");
+    km_logger_write(l, "<0>emergency level");
+    km_logger_write(l, "connection refused: too many");                 /* no prefix: words */
+    km_logger_write(l, "<8>not a priority");
+    km_logger_write(l, "<4 no closing bracket");
+    km_logger_destroy(l);
+    const char *want[][3] = {
+        {"warning", "http", "serving a probe"},
+        {"info", "http", "connection refused by peer"},
+        {"error", "records", "rotated"},
+        {"info", "serve", "notice level"},
+        {"error", "serve", "emergency level"},
+        {"warning", "serve", "connection refused: too many"},
+        {"info", "serve", "<8>not a priority"},
+        {"info", "serve", "<4 no closing bracket"},
+    };
+    const char *text = slurp(g_path);
+    size_t n = 0;
+    for (const char *line = text; *line; n++) {
+        const char *end = strchr(line, '\n');
+        cr_assert_not_null(end);
+        cr_assert_lt(n, sizeof want / sizeof want[0], "more lines than written: %s", text);
+        json_error_t e;
+        json_t *o = json_loadb(line, (size_t)(end - line), 0, &e);
+        cr_assert_not_null(o, "%s", e.text);
+        cr_assert_str_eq(json_string_value(json_object_get(o, "level")), want[n][0], "line %zu", n);
+        cr_assert_str_eq(json_string_value(json_object_get(o, "component")), want[n][1], "line %zu", n);
+        cr_assert_str_eq(json_string_value(json_object_get(o, "msg")), want[n][2], "line %zu", n);
+        json_decref(o);
+        line = end + 1;
+    }
+    cr_assert_eq(n, sizeof want / sizeof want[0]);
+    cleanup();
+}

@@ -12,9 +12,14 @@
  *   json:  {"ts":"2026-12-02T03:04:05.123456Z","level":"info","component":"serve","msg":"..."}
  * The component is a line's leading word before ": " when it names a part of the library
  * (http, records, reload, backend, index, feed, subscriber, snapshot, serve), else the configured
- * default. The level is read from the words of the line: "error" when it
- * starts with an error code (KM_ERR_...) or says records were lost, "warning" when it says something
- * was refused, failed, cannot be done, fell back or is deprecated, else "info".
+ * default. A line that states its level begins with a syslog priority in angle brackets, the
+ * prefix sd-daemon(3) defines (KM_LOG_ERROR "<3>", KM_LOG_WARNING "<4>", KM_LOG_INFO "<6>"; 0..3
+ * are "error", 4 "warning", 5..7 "info"): the level is that one and the prefix is not written.
+ * Lines of a library are written so, with the library's own level where it gives one, else the
+ * fixed level its caller documents (libmicrohttpd's: KM_LOG_WARNING, src/service/http.c). A line
+ * without the prefix has its level read from its words: "error" when it starts with an error code
+ * (KM_ERR_...) or says records were lost, "warning" when it says something was refused, failed,
+ * cannot be done, fell back or is deprecated, else "info".
  * Rate limit: at most `burst` lines of one shape (the line with its digits left out) in a second;
  * the next line of that shape after the second says how many were left out.
  *
@@ -31,6 +36,11 @@ extern "C" {
 #endif
 
 typedef void (*km_log_fn)(void *user, const char *line);
+
+/* A line's own level, as its first bytes (see above). */
+#define KM_LOG_ERROR "<3>"
+#define KM_LOG_WARNING "<4>"
+#define KM_LOG_INFO "<6>"
 
 typedef enum km_log_format {
     KM_LOG_FORMAT_TEXT = 0,

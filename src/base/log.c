@@ -146,6 +146,18 @@ static uint64_t shape_hash(const char *s)
     return h;
 }
 
+/* The level a line states with a syslog priority prefix ("<4>..."), moving *line past it; NULL
+ * when it states none. */
+static const char *stated_level(const char **line)
+{
+    const char *l = *line;
+    if (l[0] != '<' || l[1] < '0' || l[1] > '7' || l[2] != '>')
+        return NULL;
+    *line = l + 3;
+    return l[1] <= '3' ? "error" : l[1] == '4' ? "warning" : "info";
+}
+
+/* The level of a line that states none, read from its words. */
 static const char *level_of(const char *msg)
 {
     if (!strncmp(msg, "KM_ERR_", 7) || strstr(msg, " lost"))
@@ -188,6 +200,7 @@ void km_logger_write(void *user, const char *line)
     clock_gettime(CLOCK_MONOTONIC, &mono);
     int64_t mono_ns = (int64_t)mono.tv_sec * 1000000000 + mono.tv_nsec;
 
+    const char *level = stated_level(&line);
     /* component: a leading word before ": " that names one of the library's parts */
     static const char *const components[] = {"http", "records", "reload", "backend", "index",
                                              "feed", "subscriber", "snapshot", "serve", NULL};
@@ -236,7 +249,8 @@ void km_logger_write(void *user, const char *line)
     char suffix[64] = "";
     if (left_out)
         snprintf(suffix, sizeof suffix, " (%" PRIu64 " similar lines left out)", left_out);
-    const char *level = level_of(msg);
+    if (!level)
+        level = level_of(msg);
     char out[LINE_MAX_BYTES * 2];
     int n;
     if (l->format == KM_LOG_FORMAT_JSON) {

@@ -71,11 +71,14 @@ static int start_fail(char *error, size_t error_size, int status, const char *fo
 }
 
 /* libmicrohttpd's error lines: to the configured log (or stderr), and kept while starting. */
+/* libmicrohttpd calls its logger for its error messages and gives them no level: most concern one
+ * client connection, which the service survives, and a listener that cannot start is reported by
+ * km_http_start's own error; so they are written at the fixed level KM_LOG_WARNING. */
 static void mhd_logger(void *cls, const char *format, va_list ap)
 {
     km_http *http = cls;
     char line[512];
-    int n = snprintf(line, sizeof line, "http: ");
+    int n = snprintf(line, sizeof line, KM_LOG_WARNING "http: ");
     vsnprintf(line + n, sizeof line - (size_t)n, format, ap);
     size_t length = strlen(line);
     while (length && (line[length - 1] == '\n' || line[length - 1] == '\r'))
@@ -85,7 +88,7 @@ static void mhd_logger(void *cls, const char *format, va_list ap)
     if (http->log)
         http->log(http->log_user, line);
     else
-        fprintf(stderr, "kvmatch: %s\n", line);
+        fprintf(stderr, "kvmatch: %s\n", line + strlen(KM_LOG_WARNING));
 }
 
 /* Parse and check the bind address into *storage; sets *length and *ipv6. */
