@@ -768,6 +768,25 @@ Test(deploy, commands_refuse_what_could_never_work, .timeout = 60)
     cr_assert(strstr(out, "0..7"), "the error names the range: %s", out);
     rc = run_cli(out, sizeof out, "sim --workers 8 --requests 10 --restart-engine 8@1");
     cr_assert_eq(rc, 2, "exit %d: %s", rc, out);
+    /* sim's options: --opt=value and --opt value alike, a range error naming the range, an
+     * unknown option or a missing value refused with exit 2. */
+    rc = run_cli(out, sizeof out, "sim --requests=0");
+    cr_assert_eq(rc, 2, "exit %d: %s", rc, out);
+    cr_assert(strstr(out, "--requests wants an integer in 1..10000000, got \"0\""), "%s", out);
+    rc = run_cli(out, sizeof out, "sim --requests 10 --workers=4097");
+    cr_assert_eq(rc, 2, "exit %d: %s", rc, out);
+    cr_assert(strstr(out, "--workers wants an integer in 1..4096"), "%s", out);
+    rc = run_cli(out, sizeof out, "sim --requests 10 --override=1.5");
+    cr_assert_eq(rc, 2, "exit %d: %s", rc, out);
+    cr_assert(strstr(out, "--override wants a share in (0, 1)"), "%s", out);
+    rc = run_cli(out, sizeof out, "sim --bogus");
+    cr_assert_eq(rc, 2, "exit %d: %s", rc, out);
+    cr_assert(strstr(out, "bogus") && strstr(out, "kvmatch sim --help"), "%s", out);
+    rc = run_cli(out, sizeof out, "sim --requests");
+    cr_assert_eq(rc, 2, "exit %d: %s", rc, out);
+    rc = run_cli(out, sizeof out, "sim --requests=20 --workers 2 --policy=round_robin --json");
+    cr_assert_eq(rc, 0, "exit %d: %s", rc, out);
+    cr_assert(strstr(out, "\"round_robin\""), "%s", out);
     char path[128];
     snprintf(path, sizeof path, "%s/garbage.jsonl", g_dir);
     FILE *f = fopen(path, "w");

@@ -12,6 +12,7 @@
 #include <jansson.h>
 
 #include "cli/commands.h"
+#include "cli/options.h"
 #include "kvmatch/kvmatch.h"
 #include "sim/report.h"
 #include "sim/sim.h"
@@ -20,6 +21,7 @@ static void sim_usage(FILE *f)
 {
     fprintf(f,
             "usage: kvmatch sim [--workload SHAPE | --trace FILE] [--sweep LOADS] [options]\n"
+            "  (--opt VALUE or --opt=VALUE)\n"
             "  --workload SHAPE    built-in workload: chat (default), system_prompt, agent, docqa\n"
             "  --trace FILE        a Mooncake JSONL trace instead\n"
             "  --requests N        replay the first N requests (generator: draw N; default 600)\n"
@@ -75,17 +77,6 @@ static int parse_loads(const char *v, km_sim_config *cfg)
         cfg->loads[cfg->n_loads++] = x;
     }
     return cfg->n_loads ? 0 : -1;
-}
-
-static int parse_u64(const char *s, uint64_t *out)
-{
-    char *end;
-    errno = 0;
-    unsigned long long v = strtoull(s, &end, 10);
-    if (errno || *end || end == s || s[0] == '-')
-        return -1;
-    *out = v;
-    return 0;
 }
 
 static void quiet_or_stderr(void *user, const char *line)
@@ -309,125 +300,224 @@ int km_cmd_sim(int argc, char **argv)
     cfg.n_policies = 0;
     for (unsigned k = 0; k < KM_POLICY_KIND_COUNT; k++)
         cfg.policies[cfg.n_policies++] = km_policy_kind_name((km_policy_kind)k);
-    for (int i = 1; i < argc; i++) {
-        const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
-        uint64_t x;
-        if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
+    enum {
+        OPT_JSON = 256, OPT_ZMQ, OPT_APPROX, OPT_STEP_DELIVERY, OPT_VERBOSE, OPT_TRACE, OPT_REQUESTS,
+        OPT_TIME_SCALE, OPT_RATE, OPT_SEED, OPT_WORKERS, OPT_CAPACITY, OPT_WORKLOAD, OPT_ENGINE,
+        OPT_LOAD, OPT_SWEEP, OPT_HTML, OPT_CONNECT, OPT_RECORDS, OPT_DROP_EVENTS, OPT_CUT,
+        OPT_RESTART_ENGINE, OPT_RESTART_KVMATCH, OPT_SECOND_INGRESS, OPT_OVERRIDE,
+        OPT_APPROX_DISPATCH_MB, OPT_REPLAY_BUFFER, OPT_POLICY,
+    };
+    static const struct option options[] = {
+        {"help", no_argument, NULL, 'h'},
+        {"json", no_argument, NULL, OPT_JSON},
+        {"zmq", no_argument, NULL, OPT_ZMQ},
+        {"approx", no_argument, NULL, OPT_APPROX},
+        {"step-delivery", no_argument, NULL, OPT_STEP_DELIVERY},
+        {"verbose", no_argument, NULL, OPT_VERBOSE},
+        {"trace", required_argument, NULL, OPT_TRACE},
+        {"requests", required_argument, NULL, OPT_REQUESTS},
+        {"time-scale", required_argument, NULL, OPT_TIME_SCALE},
+        {"rate", required_argument, NULL, OPT_RATE},
+        {"seed", required_argument, NULL, OPT_SEED},
+        {"workers", required_argument, NULL, OPT_WORKERS},
+        {"capacity", required_argument, NULL, OPT_CAPACITY},
+        {"workload", required_argument, NULL, OPT_WORKLOAD},
+        {"engine", required_argument, NULL, OPT_ENGINE},
+        {"load", required_argument, NULL, OPT_LOAD},
+        {"sweep", required_argument, NULL, OPT_SWEEP},
+        {"html", required_argument, NULL, OPT_HTML},
+        {"connect", required_argument, NULL, OPT_CONNECT},
+        {"records", required_argument, NULL, OPT_RECORDS},
+        {"drop-events", required_argument, NULL, OPT_DROP_EVENTS},
+        {"cut", required_argument, NULL, OPT_CUT},
+        {"restart-engine", required_argument, NULL, OPT_RESTART_ENGINE},
+        {"restart-kvmatch", required_argument, NULL, OPT_RESTART_KVMATCH},
+        {"second-ingress", required_argument, NULL, OPT_SECOND_INGRESS},
+        {"override", required_argument, NULL, OPT_OVERRIDE},
+        {"approx-dispatch-mb", required_argument, NULL, OPT_APPROX_DISPATCH_MB},
+        {"replay-buffer", required_argument, NULL, OPT_REPLAY_BUFFER},
+        {"policy", required_argument, NULL, OPT_POLICY},
+        {NULL, 0, NULL, 0},
+    };
+    km_cli_getopt_begin(argv, "sim");
+    int opt;
+    while ((opt = getopt_long(argc, argv, "h", options, NULL)) != -1) {
+        const char *v = optarg;
+        switch (opt) {
+        case 'h':
             sim_usage(stdout);
-            return 0;
-        } else if (!strcmp(a, "--json")) {
+            return KM_EXIT_OK;
+        case OPT_JSON:
             json = true;
-        } else if (!strcmp(a, "--zmq")) {
+            break;
+        case OPT_ZMQ:
             cfg.zmq = true;
-        } else if (!strcmp(a, "--approx")) {
+            break;
+        case OPT_APPROX:
             cfg.approx = true;
-        } else if (!strcmp(a, "--step-delivery")) {
+            break;
+        case OPT_STEP_DELIVERY:
             cfg.step_delivery = true;
-        } else if (!strcmp(a, "--verbose")) {
+            break;
+        case OPT_VERBOSE:
             verbose = true;
-        } else if (!v) {
-            fprintf(stderr, "kvmatch sim: %s needs a value\n", a);
-            sim_usage(stderr);
-            return 2;
-        } else {
-            i++;
-            if (!strcmp(a, "--trace"))
-                cfg.trace_path = v;
-            else if (!strcmp(a, "--requests") && !parse_u64(v, &x) && x >= 1 && x <= 10000000)
-                requests = x;
-            else if (!strcmp(a, "--time-scale") && atof(v) > 0)
-                cfg.time_scale = atof(v);
-            else if (!strcmp(a, "--rate") && atof(v) > 0) {
-                rate = atof(v);
-                have_rate = true;
-            } else if (!strcmp(a, "--seed") && !parse_u64(v, &x)) {
-                seed = x;
-                have_seed = true;
-            } else if (!strcmp(a, "--workers") && !parse_u64(v, &x) && x >= 1 && x <= 4096)
-                cfg.workers = (uint32_t)x;
-            else if (!strcmp(a, "--capacity") && !parse_u64(v, &x) && x >= 1 && x < UINT32_MAX) {
-                capacity = x;
-                have_capacity = true;
-            } else if (!strcmp(a, "--workload") && km_sim_shape_parse(v, &shape) == KM_OK)
-                ;
-            else if (!strcmp(a, "--engine") && km_engine_model_preset_summary(v))
-                engine = v;
-            else if ((!strcmp(a, "--load") || !strcmp(a, "--sweep")) && !parse_loads(v, &cfg) &&
-                     (!strcmp(a, "--sweep") || cfg.n_loads == 1))
-                ;
-            else if (!strcmp(a, "--html"))
-                html = v;
-            else if (!strcmp(a, "--connect"))
-                cfg.connect = v;
-            else if (!strcmp(a, "--records"))
-                cfg.records_dir = v;
-            else if (!strcmp(a, "--drop-events")) {
-                /* P[@T] */
-                char *at = strchr(v, '@');
-                cfg.drop_events = atof(v);
-                cfg.drop_from_s = at ? atof(at + 1) : 0;
-                if (!(cfg.drop_events > 0 && cfg.drop_events <= 1) || cfg.drop_from_s < 0) {
-                    fprintf(stderr, "kvmatch sim: --drop-events wants P[@T], 0 < P <= 1\n");
-                    return 2;
-                }
-            } else if (!strcmp(a, "--cut")) {
-                /* W:T:D */
-                int wk;
-                double t, d;
-                if (sscanf(v, "%d:%lf:%lf", &wk, &t, &d) != 3 || wk < 0 || t < 0 || d <= 0) {
-                    fprintf(stderr, "kvmatch sim: --cut wants WORKER:AT_S:FOR_S\n");
-                    return 2;
-                }
-                cfg.cut_worker = wk;
-                cfg.cut_at_s = t;
-                cfg.cut_for_s = d;
-            } else if (!strcmp(a, "--restart-engine")) {
-                int wk;
-                double t;
-                if (sscanf(v, "%d@%lf", &wk, &t) != 2 || wk < 0 || t < 0) {
-                    fprintf(stderr, "kvmatch sim: --restart-engine wants WORKER@AT_S\n");
-                    return 2;
-                }
-                cfg.restart_worker = wk;
-                cfg.restart_at_s = t;
-            } else if (!strcmp(a, "--restart-kvmatch")) {
-                /* T[:snapshot|:nosnapshot] */
-                char mode[32] = "snapshot";
-                double t;
-                if (sscanf(v, "%lf:%31s", &t, mode) < 1 || t < 0 ||
-                    (strcmp(mode, "snapshot") && strcmp(mode, "nosnapshot"))) {
-                    fprintf(stderr, "kvmatch sim: --restart-kvmatch wants AT_S[:snapshot|:nosnapshot]\n");
-                    return 2;
-                }
-                cfg.restart_kvmatch_at_s = t;
-                cfg.restart_kvmatch_snapshot = !strcmp(mode, "snapshot");
-            } else if (!strcmp(a, "--second-ingress") && atof(v) > 0 && atof(v) < 1)
-                cfg.second_ingress = atof(v);
-            else if (!strcmp(a, "--override") && atof(v) > 0 && atof(v) < 1)
-                cfg.override = atof(v);
-            else if (!strcmp(a, "--approx-dispatch-mb") && !parse_u64(v, &x) && x <= (UINT64_C(1) << 40))
-                cfg.approx_dispatch_max_bytes = (int64_t)(x << 20);
-            else if (!strcmp(a, "--replay-buffer") && !parse_u64(v, &x) && x >= 1 && x <= 10000000)
-                cfg.replay_buffer = (uint32_t)x;
-            else if (!strcmp(a, "--policy") && strcmp(v, "all") != 0) {
-                snprintf(policy_buf, sizeof policy_buf, "%s", v);
-                cfg.n_policies = 0;
-                char *save = NULL;
-                for (char *t = strtok_r(policy_buf, ",", &save); t; t = strtok_r(NULL, ",", &save)) {
-                    if (cfg.n_policies == KM_SIM_MAX_POLICIES) {
-                        fprintf(stderr, "kvmatch sim: at most %u policies\n", KM_SIM_MAX_POLICIES);
-                        return 2;
-                    }
-                    cfg.policies[cfg.n_policies++] = t;
-                }
-            } else if (!strcmp(a, "--policy")) {
-                ; /* all: the default */
-            } else {
-                fprintf(stderr, "kvmatch sim: unknown option or bad value: %s %s\n", a, v);
-                sim_usage(stderr);
-                return 2;
+            break;
+        case OPT_TRACE:
+            cfg.trace_path = v;
+            break;
+        case OPT_REQUESTS:
+            if (!km_cli_u64("sim", "requests", v, 1, 10000000, &requests))
+                return KM_EXIT_USAGE;
+            break;
+        case OPT_TIME_SCALE:
+            if (!km_cli_double("sim", "time-scale", v, 1e-6, 1e6, &cfg.time_scale))
+                return KM_EXIT_USAGE;
+            break;
+        case OPT_RATE:
+            if (!km_cli_double("sim", "rate", v, 1e-6, 1e9, &rate))
+                return KM_EXIT_USAGE;
+            have_rate = true;
+            break;
+        case OPT_SEED:
+            if (!km_cli_u64("sim", "seed", v, 0, UINT64_MAX, &seed))
+                return KM_EXIT_USAGE;
+            have_seed = true;
+            break;
+        case OPT_WORKERS:
+            if (!km_cli_u32("sim", "workers", v, 1, 4096, &cfg.workers))
+                return KM_EXIT_USAGE;
+            break;
+        case OPT_CAPACITY:
+            if (!km_cli_u64("sim", "capacity", v, 1, UINT32_MAX - 1, &capacity))
+                return KM_EXIT_USAGE;
+            have_capacity = true;
+            break;
+        case OPT_WORKLOAD:
+            if (km_sim_shape_parse(v, &shape) != KM_OK) {
+                fprintf(stderr, "kvmatch sim: --workload wants chat, system_prompt, agent or docqa, "
+                                "got \"%s\"\n", v);
+                return KM_EXIT_USAGE;
             }
+            break;
+        case OPT_ENGINE:
+            if (!km_engine_model_preset_summary(v)) {
+                fprintf(stderr, "kvmatch sim: --engine wants a preset (--help lists them), got \"%s\"\n", v);
+                return KM_EXIT_USAGE;
+            }
+            engine = v;
+            break;
+        case OPT_LOAD:
+        case OPT_SWEEP:
+            if (parse_loads(v, &cfg) || (opt == OPT_LOAD && cfg.n_loads != 1)) {
+                if (opt == OPT_LOAD)
+                    fprintf(stderr, "kvmatch sim: --load wants one load in (0, 100], got \"%s\"\n", v);
+                else
+                    fprintf(stderr, "kvmatch sim: --sweep wants 1..%u comma-separated loads in "
+                                    "(0, 100], got \"%s\"\n", KM_SIM_MAX_LOADS, v);
+                return KM_EXIT_USAGE;
+            }
+            break;
+        case OPT_HTML:
+            html = v;
+            break;
+        case OPT_CONNECT:
+            cfg.connect = v;
+            break;
+        case OPT_RECORDS:
+            cfg.records_dir = v;
+            break;
+        case OPT_DROP_EVENTS: {
+            /* P[@T] */
+            char *at = strchr(v, '@');
+            cfg.drop_events = atof(v);
+            cfg.drop_from_s = at ? atof(at + 1) : 0;
+            if (!(cfg.drop_events > 0 && cfg.drop_events <= 1) || cfg.drop_from_s < 0) {
+                fprintf(stderr, "kvmatch sim: --drop-events wants P[@T], 0 < P <= 1\n");
+                return KM_EXIT_USAGE;
+            }
+            break;
         }
+        case OPT_CUT: {
+            /* W:T:D */
+            int wk;
+            double t, d;
+            if (sscanf(v, "%d:%lf:%lf", &wk, &t, &d) != 3 || wk < 0 || t < 0 || d <= 0) {
+                fprintf(stderr, "kvmatch sim: --cut wants WORKER:AT_S:FOR_S\n");
+                return KM_EXIT_USAGE;
+            }
+            cfg.cut_worker = wk;
+            cfg.cut_at_s = t;
+            cfg.cut_for_s = d;
+            break;
+        }
+        case OPT_RESTART_ENGINE: {
+            int wk;
+            double t;
+            if (sscanf(v, "%d@%lf", &wk, &t) != 2 || wk < 0 || t < 0) {
+                fprintf(stderr, "kvmatch sim: --restart-engine wants WORKER@AT_S\n");
+                return KM_EXIT_USAGE;
+            }
+            cfg.restart_worker = wk;
+            cfg.restart_at_s = t;
+            break;
+        }
+        case OPT_RESTART_KVMATCH: {
+            /* T[:snapshot|:nosnapshot] */
+            char mode[32] = "snapshot";
+            double t;
+            if (sscanf(v, "%lf:%31s", &t, mode) < 1 || t < 0 ||
+                (strcmp(mode, "snapshot") && strcmp(mode, "nosnapshot"))) {
+                fprintf(stderr, "kvmatch sim: --restart-kvmatch wants AT_S[:snapshot|:nosnapshot]\n");
+                return KM_EXIT_USAGE;
+            }
+            cfg.restart_kvmatch_at_s = t;
+            cfg.restart_kvmatch_snapshot = !strcmp(mode, "snapshot");
+            break;
+        }
+        case OPT_SECOND_INGRESS:
+        case OPT_OVERRIDE: {
+            double share = atof(v);
+            if (!(share > 0 && share < 1)) {
+                fprintf(stderr, "kvmatch sim: --%s wants a share in (0, 1), got \"%s\"\n",
+                        opt == OPT_OVERRIDE ? "override" : "second-ingress", v);
+                return KM_EXIT_USAGE;
+            }
+            *(opt == OPT_OVERRIDE ? &cfg.override : &cfg.second_ingress) = share;
+            break;
+        }
+        case OPT_APPROX_DISPATCH_MB: {
+            uint64_t mb;
+            if (!km_cli_u64("sim", "approx-dispatch-mb", v, 0, UINT64_C(1) << 40, &mb))
+                return KM_EXIT_USAGE;
+            cfg.approx_dispatch_max_bytes = (int64_t)(mb << 20);
+            break;
+        }
+        case OPT_REPLAY_BUFFER:
+            if (!km_cli_u32("sim", "replay-buffer", v, 1, 10000000, &cfg.replay_buffer))
+                return KM_EXIT_USAGE;
+            break;
+        case OPT_POLICY:
+            if (!strcmp(v, "all"))
+                break; /* the default */
+            snprintf(policy_buf, sizeof policy_buf, "%s", v);
+            cfg.n_policies = 0;
+            char *save = NULL;
+            for (char *t = strtok_r(policy_buf, ",", &save); t; t = strtok_r(NULL, ",", &save)) {
+                if (cfg.n_policies == KM_SIM_MAX_POLICIES) {
+                    fprintf(stderr, "kvmatch sim: --policy names at most %u policies\n",
+                            KM_SIM_MAX_POLICIES);
+                    return KM_EXIT_USAGE;
+                }
+                cfg.policies[cfg.n_policies++] = t;
+            }
+            break;
+        default:
+            return km_cli_usage_error("sim");
+        }
+    }
+    if (optind < argc) {
+        fprintf(stderr, "kvmatch sim: unexpected argument \"%s\"\n", argv[optind]);
+        return km_cli_usage_error("sim");
     }
     /* a fault aimed at a worker the run does not have would inject nothing */
     if (cfg.cut_worker >= 0 && (uint32_t)cfg.cut_worker >= cfg.workers) {
