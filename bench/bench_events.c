@@ -39,6 +39,7 @@
 #include "bench_common.h"
 #include "bench_lru.h"
 #include "cli/commands.h"
+#include "cli/options.h"
 #include "sim/trace.h"
 #include "kvmatch/feed.h"
 #include "kvmatch/index.h"
@@ -851,27 +852,50 @@ int km_bench_events_main(int argc, char **argv)
     int json = 0, quick = 0, engine_only = 0, engine_inproc = 0;
     uint64_t engine_messages = 0;
     const char *trace_path = NULL;
-    for (int i = 1; i < argc; i++) {
-        if (!strcmp(argv[i], "--json"))
-            json = 1;
-        else if (!strcmp(argv[i], "--quick"))
-            quick = 1;
-        else if (!strcmp(argv[i], "--engine-steps-only"))
-            engine_only = 1;
-        else if (!strcmp(argv[i], "--inproc"))
-            engine_inproc = 1;
-        else if (!strcmp(argv[i], "--messages") && i + 1 < argc)
-            engine_messages = strtoull(argv[++i], NULL, 10);
-        else if (!strcmp(argv[i], "--trace") && i + 1 < argc)
-            trace_path = argv[++i];
-        else if (!strcmp(argv[i], "-h") || !strcmp(argv[i], "--help")) {
+    enum { OPT_JSON = 256, OPT_QUICK, OPT_TRACE, OPT_ENGINE_ONLY, OPT_INPROC, OPT_MESSAGES };
+    static const struct option options[] = {
+        {"help", no_argument, NULL, 'h'},
+        {"json", no_argument, NULL, OPT_JSON},
+        {"quick", no_argument, NULL, OPT_QUICK},
+        {"trace", required_argument, NULL, OPT_TRACE},
+        {"engine-steps-only", no_argument, NULL, OPT_ENGINE_ONLY},
+        {"inproc", no_argument, NULL, OPT_INPROC},
+        {"messages", required_argument, NULL, OPT_MESSAGES},
+        {NULL, 0, NULL, 0},
+    };
+    km_cli_getopt_begin(argv, "bench events");
+    int opt;
+    while ((opt = getopt_long(argc, argv, "h", options, NULL)) != -1) {
+        switch (opt) {
+        case 'h':
             usage(stdout);
-            return 0;
-        } else {
-            fprintf(stderr, "kvmatch bench events: unknown or incomplete option '%s'\n", argv[i]);
-            usage(stderr);
-            return 2;
+            return KM_EXIT_OK;
+        case OPT_JSON:
+            json = 1;
+            break;
+        case OPT_QUICK:
+            quick = 1;
+            break;
+        case OPT_TRACE:
+            trace_path = optarg;
+            break;
+        case OPT_ENGINE_ONLY:
+            engine_only = 1;
+            break;
+        case OPT_INPROC:
+            engine_inproc = 1;
+            break;
+        case OPT_MESSAGES:
+            if (!km_cli_u64("bench events", "messages", optarg, 1, UINT64_C(1) << 32, &engine_messages))
+                return KM_EXIT_USAGE;
+            break;
+        default:
+            return km_cli_usage_error("bench events");
         }
+    }
+    if (optind < argc) {
+        fprintf(stderr, "kvmatch bench events: unexpected argument \"%s\"\n", argv[optind]);
+        return km_cli_usage_error("bench events");
     }
     if (engine_only)
         return engine_steps_only(ENG_REPS,

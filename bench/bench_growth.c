@@ -33,6 +33,7 @@
 #include <time.h>
 
 #include "bench_common.h"
+#include "cli/options.h"
 #include "kvmatch/approx.h"
 #include "kvmatch/feed.h"
 #include "kvmatch/index.h"
@@ -318,15 +319,33 @@ static int run_feed(size_t calls, double *lat, growth_row *row)
 int km_bench_growth_main(int argc, char **argv)
 {
     int json = 0, quick = 0;
-    for (int i = 1; i < argc; i++) { /* argv[0] is "growth" */
-        if (!strcmp(argv[i], "--json"))
+    enum { OPT_JSON = 256, OPT_QUICK };
+    static const struct option options[] = {
+        {"help", no_argument, NULL, 'h'},
+        {"json", no_argument, NULL, OPT_JSON},
+        {"quick", no_argument, NULL, OPT_QUICK},
+        {NULL, 0, NULL, 0},
+    };
+    km_cli_getopt_begin(argv, "bench growth");
+    int opt;
+    while ((opt = getopt_long(argc, argv, "h", options, NULL)) != -1) {
+        switch (opt) {
+        case 'h':
+            printf("usage: kvmatch bench growth [--json] [--quick]\n");
+            return KM_EXIT_OK;
+        case OPT_JSON:
             json = 1;
-        else if (!strcmp(argv[i], "--quick"))
+            break;
+        case OPT_QUICK:
             quick = 1;
-        else {
-            fprintf(stderr, "usage: kvmatch bench growth [--json] [--quick]\n");
-            return 2;
+            break;
+        default:
+            return km_cli_usage_error("bench growth");
         }
+    }
+    if (optind < argc) {
+        fprintf(stderr, "kvmatch bench growth: unexpected argument \"%s\"\n", argv[optind]);
+        return km_cli_usage_error("bench growth");
     }
     /* 600,000 calls of 24 keys: 14.4 M map entries (a 512 MiB array at the last doubling), 9.6 M
      * approximate-mode pairs over 16 workers; the index stores 4.8 M blocks; the feed 4 M blocks,

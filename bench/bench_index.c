@@ -39,6 +39,7 @@
 #include "baseline_impl.h"
 #include "bench_common.h"
 #include "cli/commands.h"
+#include "cli/options.h"
 #include "kvmatch/kvmatch.h"
 #include "sim/trace.h"
 
@@ -891,20 +892,6 @@ static void print_table(const row *rows, size_t n, double limit, json_t *notes)
     json_array_foreach(notes, k, v) printf("note: %s\n", json_string_value(v));
 }
 
-/* An integer option value in [lo, hi] into *out; else a message and 0. */
-static int option_long(const char *name, const char *text, long lo, long hi, long *out)
-{
-    char *end;
-    errno = 0;
-    long v = strtol(text, &end, 10);
-    if (errno || end == text || *end || v < lo || v > hi) {
-        fprintf(stderr, "kvmatch bench index: %s wants an integer in [%ld, %ld]\n", name, lo, hi);
-        return 0;
-    }
-    *out = v;
-    return 1;
-}
-
 /* 1 when the comma-separated list names `name`. */
 static int list_names(const char *list, const char *name)
 {
@@ -944,47 +931,65 @@ int km_bench_index_main(int argc, char **argv)
     const char *only = NULL;
     uint32_t only_workers = 0;
     const char *trace_path = NULL;
-    for (int i = 1; i < argc; i++) {
-        if (!strcmp(argv[i], "--json")) {
+    enum { OPT_JSON = 256, OPT_QUICK, OPT_THREADS, OPT_REPS, OPT_WORKERS, OPT_BACKENDS, OPT_TRACE };
+    static const struct option options[] = {
+        {"help", no_argument, NULL, 'h'},
+        {"json", no_argument, NULL, OPT_JSON},
+        {"quick", no_argument, NULL, OPT_QUICK},
+        {"threads", required_argument, NULL, OPT_THREADS},
+        {"reps", required_argument, NULL, OPT_REPS},
+        {"workers", required_argument, NULL, OPT_WORKERS},
+        {"backends", required_argument, NULL, OPT_BACKENDS},
+        {"trace", required_argument, NULL, OPT_TRACE},
+        {NULL, 0, NULL, 0},
+    };
+    km_cli_getopt_begin(argv, "bench index");
+    int opt;
+    while ((opt = getopt_long(argc, argv, "h", options, NULL)) != -1) {
+        uint32_t w;
+        switch (opt) {
+        case 'h':
+            usage(stdout);
+            return KM_EXIT_OK;
+        case OPT_JSON:
             json = 1;
-        } else if (!strcmp(argv[i], "--quick")) {
+            break;
+        case OPT_QUICK:
             quick = 1;
-        } else if (!strcmp(argv[i], "--threads") && i + 1 < argc) {
-            long t;
-            if (!option_long(argv[i], argv[i + 1], 1, 4096, &t))
-                return 2;
-            threads = (uint32_t)t;
-            i++;
-        } else if (!strcmp(argv[i], "--reps") && i + 1 < argc) {
-            long r;
-            if (!option_long(argv[i], argv[i + 1], 1, 100000, &r))
-                return 2;
-            reps_wanted = (int)r;
-            i++;
-        } else if (!strcmp(argv[i], "--workers") && i + 1 < argc) {
-            long w;
-            if (!option_long(argv[i], argv[i + 1], 1, 1 << 20, &w))
-                return 2;
-            i++;
+            break;
+        case OPT_THREADS:
+            if (!km_cli_u32("bench index", "threads", optarg, 1, 4096, &threads))
+                return KM_EXIT_USAGE;
+            break;
+        case OPT_REPS:
+            if (!km_cli_u32("bench index", "reps", optarg, 1, 100000, &w))
+                return KM_EXIT_USAGE;
+            reps_wanted = (int)w;
+            break;
+        case OPT_WORKERS:
+            if (!km_cli_u32("bench index", "workers", optarg, 1, 1 << 20, &w))
+                return KM_EXIT_USAGE;
             for (size_t k = 0; k < N_WORKER_COUNTS; k++)
-                if ((uint32_t)w == bench_worker_counts[k])
+                if (w == bench_worker_counts[k])
                     only_workers = bench_worker_counts[k];
             if (!only_workers) {
-                fprintf(stderr, "kvmatch bench index: --workers wants 64 or 1024\n");
-                return 2;
+                fprintf(stderr, "kvmatch bench index: --workers wants 64 or 1024, got \"%s\"\n", optarg);
+                return KM_EXIT_USAGE;
             }
-        } else if (!strcmp(argv[i], "--backends") && i + 1 < argc) {
-            only = argv[++i];
-        } else if (!strcmp(argv[i], "--trace") && i + 1 < argc) {
-            trace_path = argv[++i];
-        } else if (!strcmp(argv[i], "-h") || !strcmp(argv[i], "--help")) {
-            usage(stdout);
-            return 0;
-        } else {
-            fprintf(stderr, "kvmatch bench index: unknown or incomplete option '%s'\n", argv[i]);
-            usage(stderr);
-            return 2;
+            break;
+        case OPT_BACKENDS:
+            only = optarg;
+            break;
+        case OPT_TRACE:
+            trace_path = optarg;
+            break;
+        default:
+            return km_cli_usage_error("bench index");
         }
+    }
+    if (optind < argc) {
+        fprintf(stderr, "kvmatch bench index: unexpected argument \"%s\"\n", argv[optind]);
+        return km_cli_usage_error("bench index");
     }
     if (threads == 0) {
         long n = sysconf(_SC_NPROCESSORS_ONLN);

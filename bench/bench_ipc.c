@@ -46,6 +46,7 @@
 #include <jansson.h>
 
 #include "bench_common.h"
+#include "cli/options.h"
 #include "kvmatch/kvmatch.h"
 
 #define WORKERS 16
@@ -987,28 +988,65 @@ int km_bench_ipc_main(int argc, char **argv)
     const char *clients_dir = NULL; /* other languages' client drivers (run_client_phases) */
     int only = -1; /* run one phase (0-based, repeat then fresh), for profiling */
     double seconds = 2.0;
-    for (int i = 1; i < argc; i++) {
-        if (!strcmp(argv[i], "--json"))
+    enum { OPT_JSON = 256, OPT_QUICK, OPT_RECORDS, OPT_FLOOD, OPT_CONNECT, OPT_ONLY, OPT_SECONDS,
+           OPT_CLIENTS };
+    static const struct option options[] = {
+        {"help", no_argument, NULL, 'h'},
+        {"json", no_argument, NULL, OPT_JSON},
+        {"quick", no_argument, NULL, OPT_QUICK},
+        {"records", no_argument, NULL, OPT_RECORDS},
+        {"flood", no_argument, NULL, OPT_FLOOD},
+        {"connect", required_argument, NULL, OPT_CONNECT},
+        {"only", required_argument, NULL, OPT_ONLY},
+        {"seconds", required_argument, NULL, OPT_SECONDS},
+        {"clients", required_argument, NULL, OPT_CLIENTS},
+        {NULL, 0, NULL, 0},
+    };
+    static const char usage_line[] = "usage: kvmatch bench ipc [--json] [--quick] [--seconds S] "
+                                     "[--records] [--clients DIR] [--flood] [--connect ADDR] "
+                                     "[--only PHASE]   (--opt VALUE or --opt=VALUE)\n";
+    km_cli_getopt_begin(argv, "bench ipc");
+    int opt;
+    while ((opt = getopt_long(argc, argv, "h", options, NULL)) != -1) {
+        uint32_t phase;
+        switch (opt) {
+        case 'h':
+            fputs(usage_line, stdout);
+            return KM_EXIT_OK;
+        case OPT_JSON:
             json = true;
-        else if (!strcmp(argv[i], "--quick"))
+            break;
+        case OPT_QUICK:
             quick = true;
-        else if (!strcmp(argv[i], "--records"))
+            break;
+        case OPT_RECORDS:
             records = true;
-        else if (!strcmp(argv[i], "--flood"))
+            break;
+        case OPT_FLOOD:
             flood = true;
-        else if (!strcmp(argv[i], "--connect") && i + 1 < argc)
-            connect_to = argv[++i];
-        else if (!strcmp(argv[i], "--only") && i + 1 < argc)
-            only = atoi(argv[++i]);
-        else if (!strcmp(argv[i], "--seconds") && i + 1 < argc)
-            seconds = atof(argv[++i]);
-        else if (!strcmp(argv[i], "--clients") && i + 1 < argc)
-            clients_dir = argv[++i];
-        else {
-            fprintf(stderr, "usage: kvmatch bench ipc [--json] [--quick] [--seconds S] [--records]"
-                            " [--clients DIR] [--flood]\n");
-            return 2;
+            break;
+        case OPT_CONNECT:
+            connect_to = optarg;
+            break;
+        case OPT_ONLY: /* a phase number past the last runs none */
+            if (!km_cli_u32("bench ipc", "only", optarg, 0, 99, &phase))
+                return KM_EXIT_USAGE;
+            only = (int)phase;
+            break;
+        case OPT_SECONDS:
+            if (!km_cli_double("bench ipc", "seconds", optarg, 0.01, 3600, &seconds))
+                return KM_EXIT_USAGE;
+            break;
+        case OPT_CLIENTS:
+            clients_dir = optarg;
+            break;
+        default:
+            return km_cli_usage_error("bench ipc");
         }
+    }
+    if (optind < argc) {
+        fprintf(stderr, "kvmatch bench ipc: unexpected argument \"%s\"\n", argv[optind]);
+        return km_cli_usage_error("bench ipc");
     }
     if (quick)
         seconds = 0.5;

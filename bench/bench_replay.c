@@ -24,6 +24,7 @@
 #include "bench_common.h"
 #include "bench_lru.h"
 #include "cli/commands.h"
+#include "cli/options.h"
 #include "kvmatch/kvmatch.h"
 #include "sim/trace.h"
 
@@ -291,21 +292,45 @@ int km_bench_replay_main(int argc, char **argv)
 {
     bool json = false, quick = false, ceiling = false;
     const char *trace_path = NULL, *only = NULL;
-    for (int i = 1; i < argc; i++) {
-        if (!strcmp(argv[i], "--json"))
+    enum { OPT_JSON = 256, OPT_QUICK, OPT_TRACE, OPT_INDEX, OPT_CEILING };
+    static const struct option options[] = {
+        {"help", no_argument, NULL, 'h'},
+        {"json", no_argument, NULL, OPT_JSON},
+        {"quick", no_argument, NULL, OPT_QUICK},
+        {"trace", required_argument, NULL, OPT_TRACE},
+        {"index", required_argument, NULL, OPT_INDEX},
+        {"ceiling", no_argument, NULL, OPT_CEILING},
+        {NULL, 0, NULL, 0},
+    };
+    km_cli_getopt_begin(argv, "bench replay");
+    int opt;
+    while ((opt = getopt_long(argc, argv, "h", options, NULL)) != -1) {
+        switch (opt) {
+        case 'h':
+            usage(stdout);
+            return KM_EXIT_OK;
+        case OPT_JSON:
             json = true;
-        else if (!strcmp(argv[i], "--quick"))
+            break;
+        case OPT_QUICK:
             quick = true;
-        else if (!strcmp(argv[i], "--trace") && i + 1 < argc)
-            trace_path = argv[++i];
-        else if (!strcmp(argv[i], "--index") && i + 1 < argc)
-            only = argv[++i];
-        else if (!strcmp(argv[i], "--ceiling"))
+            break;
+        case OPT_TRACE:
+            trace_path = optarg;
+            break;
+        case OPT_INDEX:
+            only = optarg;
+            break;
+        case OPT_CEILING:
             ceiling = true;
-        else {
-            usage(stderr);
-            return 2;
+            break;
+        default:
+            return km_cli_usage_error("bench replay");
         }
+    }
+    if (optind < argc) {
+        fprintf(stderr, "kvmatch bench replay: unexpected argument \"%s\"\n", argv[optind]);
+        return km_cli_usage_error("bench replay");
     }
     if (!trace_path)
         trace_path = km_trace_default_path();

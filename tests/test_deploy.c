@@ -768,8 +768,8 @@ Test(deploy, commands_refuse_what_could_never_work, .timeout = 60)
     cr_assert(strstr(out, "0..7"), "the error names the range: %s", out);
     rc = run_cli(out, sizeof out, "sim --workers 8 --requests 10 --restart-engine 8@1");
     cr_assert_eq(rc, 2, "exit %d: %s", rc, out);
-    /* sim's options: --opt=value and --opt value alike, a range error naming the range, an
-     * unknown option or a missing value refused with exit 2. */
+    /* sim's and bench's options: --opt=value and --opt value alike, a range error naming the
+     * range, an unknown option or a missing value refused with exit 2. */
     rc = run_cli(out, sizeof out, "sim --requests=0");
     cr_assert_eq(rc, 2, "exit %d: %s", rc, out);
     cr_assert(strstr(out, "--requests wants an integer in 1..10000000, got \"0\""), "%s", out);
@@ -783,6 +783,17 @@ Test(deploy, commands_refuse_what_could_never_work, .timeout = 60)
     cr_assert_eq(rc, 2, "exit %d: %s", rc, out);
     cr_assert(strstr(out, "bogus") && strstr(out, "kvmatch sim --help"), "%s", out);
     rc = run_cli(out, sizeof out, "sim --requests");
+    cr_assert_eq(rc, 2, "exit %d: %s", rc, out);
+    rc = run_cli(out, sizeof out, "bench index --threads=0");
+    cr_assert_eq(rc, 2, "exit %d: %s", rc, out);
+    cr_assert(strstr(out, "--threads wants an integer in 1..4096, got \"0\""), "%s", out);
+    rc = run_cli(out, sizeof out, "bench ipc --seconds 0");
+    cr_assert_eq(rc, 2, "exit %d: %s", rc, out);
+    cr_assert(strstr(out, "--seconds wants a number in 0.01..3600"), "%s", out);
+    rc = run_cli(out, sizeof out, "bench replay --index");
+    cr_assert_eq(rc, 2, "exit %d: %s", rc, out);
+    cr_assert(strstr(out, "kvmatch bench replay --help"), "%s", out);
+    rc = run_cli(out, sizeof out, "bench growth --bogus");
     cr_assert_eq(rc, 2, "exit %d: %s", rc, out);
     rc = run_cli(out, sizeof out, "sim --requests=20 --workers 2 --policy=round_robin --json");
     cr_assert_eq(rc, 0, "exit %d: %s", rc, out);
@@ -1016,7 +1027,9 @@ Test(deploy, serve_flags_name_their_settings_and_ranges, .timeout = 60)
     rc = run_cli(out, sizeof out, "serve --bogus");
     cr_assert_eq(rc, 2, "%s", out);
     cr_assert(strstr(out, "bogus"), "%s", out);
-    const char *commands[] = {"serve", "route", "follow", "hash", "sim", "analyze"};
+    const char *commands[] = {"serve",        "route",      "follow",       "hash",
+                              "sim",          "analyze",    "bench index",  "bench events",
+                              "bench ipc",    "bench replay", "bench growth"};
     for (size_t i = 0; i < sizeof commands / sizeof commands[0]; i++) {
         char cmd[256];
         snprintf(cmd, sizeof cmd, "%s %s --help 2>/dev/null", kvmatch_bin(), commands[i]);
