@@ -65,6 +65,8 @@ while [ $(( $(date +%s) - start )) -lt "$seconds" ]; do
     sim_round
     if [ $((round % 3)) = 0 ]; then flood_round; fi
     round=$((round + 1))
+    # RSS along the way, so a steady climb can be told from a step that levels off.
+    if [ $((round % 15)) = 0 ]; then echo "soak: round $round ($(( $(date +%s) - start )) s): RSS $(rss) kB"; fi
 done
 sleep 6
 threads1=$(threads); fds1=$(fds); rss1=$(rss)
