@@ -5,7 +5,7 @@
 #                                    the libraries (found through pkg-config)
 #   scripts/install-deps.sh --test   that, and what `make test` adds: Criterion, python3 with
 #                                    msgpack and jsonschema (the Python client, the records
-#                                    schema check), chromium (the headless check of
+#                                    schema check), nats-server (the cluster tests), chromium (the headless check of
 #                                    `kvmatch analyze --html`)
 #   scripts/install-deps.sh --clients  that, and what the client tests need
 #                                    (scripts/test-clients.sh; without these they are reported
@@ -47,8 +47,10 @@ need_library msgpack libmsgpack-dev
 need_library libzmq libzmq3-dev
 need_library libuv libuv1-dev
 need_library libmicrohttpd libmicrohttpd-dev
+need_library libnats libnats-dev
 if [ "$test_tools" = 1 ]; then
     need_library criterion libcriterion-dev
+    have_command nats-server || have_package nats-server || missing+=(nats-server)
     need_command python3 python3
     have_command python3 && python3 -c 'import msgpack' 2>/dev/null || have_package python3-msgpack || missing+=(python3-msgpack)
     have_command python3 && python3 -c 'import jsonschema' 2>/dev/null || have_package python3-jsonschema || missing+=(python3-jsonschema)

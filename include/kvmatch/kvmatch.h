@@ -13,6 +13,7 @@
 #include "kvmatch/policy.h"
 #include "kvmatch/active.h"
 #include "kvmatch/approx.h"
+#include "kvmatch/cluster.h"
 #include "kvmatch/metrics.h"
 #include "kvmatch/records.h"
 #include "kvmatch/protocol.h"

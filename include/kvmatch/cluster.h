@@ -1,0 +1,162 @@
+/* The cluster view: several kvmatch instances share their active work over NATS.
+ *
+ * Each instance owns one km_cluster handle. It publishes this instance's per-worker load (the
+ * km_active_load values its own decisions and lifecycle reports produced) whenever a value
+ * changes, and a full state of all of them at every heartbeat; it applies the other instances'
+ * messages into one remote load per worker (the sum over the live remote contributions), which a
+ * decision adds to its own view. Worker ids are the ones the instances' shared configuration
+ * gives; an instance whose configuration differs contributes load to the wrong workers.
+ *
+ * Guarantees (docs/CLUSTER.md says the same with the wire format):
+ *  - every message of an instance carries the next sequence number of its incarnation; a gap is
+ *    counted (lost_messages) and marks that instance's contribution stale until its next full
+ *    state, which replaces the contribution whole and clears it;
+ *  - a contribution whose instance is silent for expire_ms (crash, partition, NATS lost) is
+ *    dropped and counted (expired_instances);
+ *  - km_cluster_create asks the peers for their state and waits (at most sync_timeout_ms) until
+ *    every peer it learns of has answered, so a new or restarted instance has the cluster's active
+ *    work before it reports ready; how long that took is in the stats;
+ *  - NATS down at start or later never fails a call: publishing is skipped (the next full state
+ *    carries it), the remote contributions expire, the view says "this_instance", and the handle
+ *    reconnects, asks for the peers' state again and says "cluster" again;
+ *  - a message that is not a well-formed message of this protocol (bad JSON, wrong version,
+ *    values out of range, an unknown worker, this instance's own id from another process) changes
+ *    nothing and is counted by reason; the last one's reason is kept for operators.
+ * Not guaranteed: the work of a crashed instance is counted only until its contribution expires;
+ * output growth beyond the decode blocks charged at the decision is not modelled (as in km_active).
+ *
+ * Threads: every function may be called from any thread (one mutex inside); the NATS client's
+ * own threads deliver messages and a heartbeat thread publishes the full state and drops expired
+ * contributions.
+ *
+ * Lifecycle: km_cluster_config_init -> adjust -> km_cluster_create (connects or starts retrying,
+ * syncs, starts the heartbeat) -> km_cluster_publish_load / km_cluster_add_remote_load /
+ * km_cluster_get_view / km_cluster_get_stats -> km_cluster_destroy. Every int-returning function
+ * returns KM_OK or a negative km_status. */
+#ifndef KVMATCH_CLUSTER_H
+#define KVMATCH_CLUSTER_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kvmatch/active.h"
+#include "kvmatch/error.h"
+#include "kvmatch/log.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct km_cluster km_cluster;
+
+/* Longest instance id, in bytes; ids are made of [A-Za-z0-9_-] (one NATS subject token). */
+#define KM_CLUSTER_INSTANCE_MAX 64u
+/* Most remote instances applied at once; messages from more are refused (too_many_instances). */
+#define KM_CLUSTER_MAX_INSTANCES 64u
+/* Largest message accepted or sent, in bytes (NATS's default max_payload is 1 MiB). */
+#define KM_CLUSTER_MESSAGE_MAX (1024u * 1024u)
+
+typedef struct km_cluster_config {
+    const char *url;            /* "nats://HOST:PORT" (required) */
+    const char *instance;       /* this instance's id (required) */
+    const char *subject_prefix; /* subjects are PREFIX.change.ID, PREFIX.state.ID, PREFIX.sync;
+                                 * default "kvmatch.cluster" */
+    uint32_t max_workers;       /* worker ids 0 .. max_workers-1; default 1024 */
+    uint32_t heartbeat_ms;      /* full state every this often; >= 10; default 200 */
+    uint32_t expire_ms;         /* a silent instance's contribution is dropped after this;
+                                 * > heartbeat_ms; default 1000 */
+    uint32_t sync_timeout_ms;   /* longest wait for the peers' state at create; default 2000 */
+    uint32_t sync_quiet_ms;     /* with no peer known, how long an answer is awaited; default 100 */
+    uint32_t reconnect_wait_ms; /* between connection attempts; default 200 */
+    /* Fault injection for simulations and benchmarks: one change message in drop_one_in is not
+     * sent although its sequence number is used (a lossy link); 0 = none. */
+    uint32_t drop_one_in;
+    km_log_fn log; /* may be NULL */
+    void *log_user;
+} km_cluster_config;
+
+void km_cluster_config_init(km_cluster_config *cfg);
+
+/* Connect (or start retrying when NATS is unreachable: that is not an error), subscribe, ask the
+ * peers for their state and wait for it within sync_timeout_ms, start the heartbeat. On failure
+ * *out is NULL and why (may be NULL) says what failed. Errors: KM_ERR_NULL_POINTER,
+ * KM_ERR_INVALID_ARGUMENT (a field out of range, a bad id, prefix or URL), KM_ERR_OUT_OF_MEMORY,
+ * KM_ERR_IO (the NATS client could not be set up). */
+int km_cluster_create(const km_cluster_config *cfg, km_cluster **out, char *why, size_t why_size);
+void km_cluster_destroy(km_cluster *cluster); /* NULL is a no-op */
+
+/* This instance's load of `worker` is now *load: published as a change when it differs from the
+ * last value given (an unchanged value sends nothing). Errors: KM_ERR_NULL_POINTER,
+ * KM_ERR_WORKER_RANGE. A NATS failure is not an error (counted in publish_failures). */
+int km_cluster_publish_load(km_cluster *cluster, uint32_t worker, const km_active_load *load);
+
+/* Add the remote contributions' load of `worker` to *load (every field). Errors:
+ * KM_ERR_NULL_POINTER, KM_ERR_WORKER_RANGE. */
+int km_cluster_add_remote_load(km_cluster *cluster, uint32_t worker, km_active_load *load);
+
+/* What a decision's load view was. */
+typedef struct km_cluster_view {
+    /* "cluster" while connected and synced, or while remote contributions are applied;
+     * "this_instance" otherwise (static strings). */
+    const char *scope;
+    uint32_t instances;         /* remote contributions applied */
+    double oldest_age_ms;       /* since the oldest applied contribution's last message; NAN
+                                 * when none */
+    uint32_t n_stale;           /* applied contributions marked stale (a gap, no full state yet,
+                                 * or NATS disconnected) */
+    char stale[8][KM_CLUSTER_INSTANCE_MAX + 1]; /* the first 8 of them, by id */
+} km_cluster_view;
+
+/* The view at now_ns (CLOCK_MONOTONIC). Expired contributions are dropped first. Errors:
+ * KM_ERR_NULL_POINTER. */
+int km_cluster_get_view(km_cluster *cluster, uint64_t now_ns, km_cluster_view *out);
+
+/* Why a message on the subjects was refused; the values follow the list's order from 0. */
+#define KM_CLUSTER_REFUSAL_LIST(X)                            \
+    X(KM_CLUSTER_REFUSED_MALFORMED, "malformed")              \
+    X(KM_CLUSTER_REFUSED_VERSION, "version")                  \
+    X(KM_CLUSTER_REFUSED_SUBJECT, "subject")                  \
+    X(KM_CLUSTER_REFUSED_WORKER, "worker_range")              \
+    X(KM_CLUSTER_REFUSED_OWN_ID, "own_instance_id")           \
+    X(KM_CLUSTER_REFUSED_OLD_INCARNATION, "old_incarnation")  \
+    X(KM_CLUSTER_REFUSED_DUPLICATE, "duplicate")              \
+    X(KM_CLUSTER_REFUSED_TOO_MANY, "too_many_instances")      \
+    X(KM_CLUSTER_REFUSED_TOO_LARGE, "too_large")
+
+typedef enum km_cluster_refusal {
+#define KM_CLUSTER_REFUSAL_ENUM(value, name) value,
+    KM_CLUSTER_REFUSAL_LIST(KM_CLUSTER_REFUSAL_ENUM)
+#undef KM_CLUSTER_REFUSAL_ENUM
+} km_cluster_refusal;
+#define KM_CLUSTER_REFUSAL_COUNT 9u
+
+/* The name in KM_CLUSTER_REFUSAL_LIST; "unknown" for any other value. */
+const char *km_cluster_refusal_name(km_cluster_refusal r);
+
+typedef struct km_cluster_stats {
+    bool connected;              /* the NATS connection is up now */
+    bool synced;                 /* the peers' state was taken at create (or after a reconnect) */
+    double sync_seconds;         /* how long create's sync took; NAN when it did not finish */
+    uint32_t sync_peers;         /* peers whose state the sync took */
+    uint32_t instances;          /* remote contributions held now */
+    uint32_t stale_instances;    /* of them, stale */
+    uint64_t sent;               /* messages published (changes and states) */
+    uint64_t applied;            /* remote messages applied */
+    uint64_t lost_messages;      /* sequence numbers never received (gaps), all instances */
+    uint64_t expired_instances;  /* contributions dropped for silence */
+    uint64_t restarted_instances; /* contributions replaced by a new incarnation of their id */
+    uint64_t publish_failures;   /* publishes the NATS client refused, and drops injected */
+    uint64_t skipped_disconnected; /* changes not published while disconnected */
+    uint64_t reconnects;
+    uint64_t refused[KM_CLUSTER_REFUSAL_COUNT]; /* by km_cluster_refusal */
+    char last_refusal[160];      /* the last refused message's reason ("" when none) */
+} km_cluster_stats;
+
+/* Errors: KM_ERR_NULL_POINTER. */
+int km_cluster_get_stats(km_cluster *cluster, km_cluster_stats *out);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

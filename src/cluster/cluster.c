@@ -1,0 +1,797 @@
+/* The km_cluster handle (include/kvmatch/cluster.h): one NATS connection (libnats), one wildcard
+ * subscription to the cluster's subjects (so every message of a peer arrives in the order it was
+ * sent), this instance's published loads, the remote contributions and their per-worker sum, and
+ * the heartbeat thread. One mutex guards everything; a publish happens under it, so sequence
+ * numbers go out in order. */
+#include <errno.h>
+#include <inttypes.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include <nats/nats.h>
+
+#include "base/error_detail.h"
+#include "cluster/cluster_internal.h"
+
+#define NS_PER_MS UINT64_C(1000000)
+
+typedef struct contribution {
+    bool used;
+    bool has_baseline; /* a full state was applied (else only changes: stale) */
+    bool stale;        /* a gap, no baseline yet, or NATS disconnected since its last state */
+    bool answered_sync; /* sent a state since this handle's last sync request */
+    char id[KM_CLUSTER_INSTANCE_MAX + 1];
+    uint64_t incarnation;
+    uint64_t last_seq;
+    uint64_t last_heard_ns;
+    km_active_load *loads; /* max_workers of them */
+} contribution;
+
+struct km_cluster {
+    km_cluster_config cfg;
+    char *url, *instance, *prefix;
+    size_t prefix_len;
+    uint64_t incarnation;
+
+    pthread_mutex_t lock;
+    pthread_cond_t cond; /* sync answers, heartbeat stop */
+    natsOptions *opts;
+    natsConnection *conn;
+    natsSubscription *sub;
+    bool connected, synced, closing;
+    bool nats_closed; /* the client's closed callback ran: no callback of it comes after */
+    int callbacks_running;
+
+    uint64_t seq;
+    uint64_t changes_made; /* for drop_one_in */
+    km_active_load *local;  /* max_workers: this instance's last published loads */
+    km_active_load *remote; /* max_workers: the sum over contributions */
+    contribution peers[KM_CLUSTER_MAX_INSTANCES];
+
+    /* sync bookkeeping (under lock) */
+    bool sync_running;
+    char expected[KM_CLUSTER_MAX_INSTANCES][KM_CLUSTER_INSTANCE_MAX + 1];
+    uint32_t n_expected;
+
+    km_text subject, body;
+    km_cluster_stats st;
+
+    pthread_t heartbeat;
+    bool heartbeat_started;
+};
+
+static uint64_t mono_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * UINT64_C(1000000000) + (uint64_t)ts.tv_nsec;
+}
+
+static const char *const REFUSAL_NAMES[] = {
+#define KM_CLUSTER_REFUSAL_NAME(value, name) name,
+    KM_CLUSTER_REFUSAL_LIST(KM_CLUSTER_REFUSAL_NAME)
+#undef KM_CLUSTER_REFUSAL_NAME
+};
+
+const char *km_cluster_refusal_name(km_cluster_refusal r)
+{
+    return (unsigned)r < KM_CLUSTER_REFUSAL_COUNT ? REFUSAL_NAMES[r] : "unknown";
+}
+
+void km_cluster_config_init(km_cluster_config *cfg)
+{
+    if (!cfg)
+        return;
+    memset(cfg, 0, sizeof *cfg);
+    cfg->subject_prefix = "kvmatch.cluster";
+    cfg->max_workers = 1024;
+    cfg->heartbeat_ms = 200;
+    cfg->expire_ms = 1000;
+    cfg->sync_timeout_ms = 2000;
+    cfg->sync_quiet_ms = 100;
+    cfg->reconnect_wait_ms = 200;
+}
+
+static void cluster_log(km_cluster *c, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void cluster_log(km_cluster *c, const char *fmt, ...)
+{
+    if (!c->cfg.log)
+        return;
+    char line[512];
+    int n = snprintf(line, sizeof line, "cluster %s: ", c->instance);
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(line + n, sizeof line - (size_t)n, fmt, ap);
+    va_end(ap);
+    c->cfg.log(c->cfg.log_user, line);
+}
+
+/* ---- the remote sum ------------------------------------------------------------------------- */
+
+static void load_add(km_active_load *to, const km_active_load *v)
+{
+    to->in_flight += v->in_flight;
+    to->prefilling += v->prefilling;
+    to->pending_prefill_tokens += v->pending_prefill_tokens;
+    to->active_decode_blocks += v->active_decode_blocks;
+    to->allocated_blocks += v->allocated_blocks;
+}
+
+/* Every field of `to` minus v's, never below 0 (the sum holds each contribution's values, so a
+ * clamp would mean a broken invariant). */
+static void load_sub(km_active_load *to, const km_active_load *v)
+{
+#define SUB(f) to->f = to->f >= v->f ? to->f - v->f : 0
+    SUB(in_flight);
+    SUB(prefilling);
+    SUB(pending_prefill_tokens);
+    SUB(active_decode_blocks);
+    SUB(allocated_blocks);
+#undef SUB
+}
+
+static bool load_equal(const km_active_load *a, const km_active_load *b)
+{
+    return a->in_flight == b->in_flight && a->prefilling == b->prefilling &&
+           a->pending_prefill_tokens == b->pending_prefill_tokens &&
+           a->active_decode_blocks == b->active_decode_blocks &&
+           a->allocated_blocks == b->allocated_blocks;
+}
+
+static bool load_zero(const km_active_load *a)
+{
+    static const km_active_load zero;
+    return load_equal(a, &zero);
+}
+
+/* Set one worker of a contribution, keeping the sum. */
+static void contribution_set(km_cluster *c, contribution *p, uint32_t worker,
+                             const km_active_load *v)
+{
+    load_sub(&c->remote[worker], &p->loads[worker]);
+    p->loads[worker] = *v;
+    load_add(&c->remote[worker], v);
+}
+
+static void contribution_clear(km_cluster *c, contribution *p)
+{
+    static const km_active_load zero;
+    for (uint32_t w = 0; w < c->cfg.max_workers; w++)
+        if (!load_zero(&p->loads[w]))
+            contribution_set(c, p, w, &zero);
+}
+
+static void contribution_drop(km_cluster *c, contribution *p)
+{
+    contribution_clear(c, p);
+    free(p->loads);
+    memset(p, 0, sizeof *p);
+}
+
+static contribution *contribution_find(km_cluster *c, const char *id)
+{
+    for (uint32_t i = 0; i < KM_CLUSTER_MAX_INSTANCES; i++)
+        if (c->peers[i].used && !strcmp(c->peers[i].id, id))
+            return &c->peers[i];
+    return NULL;
+}
+
+/* Drop the contributions silent for expire_ms (lock held). */
+static void expire_silent(km_cluster *c, uint64_t now)
+{
+    uint64_t limit = (uint64_t)c->cfg.expire_ms * NS_PER_MS;
+    for (uint32_t i = 0; i < KM_CLUSTER_MAX_INSTANCES; i++) {
+        contribution *p = &c->peers[i];
+        if (p->used && now > p->last_heard_ns && now - p->last_heard_ns >= limit) {
+            cluster_log(c, "instance %s silent for %" PRIu64 " ms: its contribution is dropped",
+                        p->id, (now - p->last_heard_ns) / NS_PER_MS);
+            contribution_drop(c, p);
+            c->st.expired_instances++;
+        }
+    }
+}
+
+/* ---- publishing (lock held) ----------------------------------------------------------------- */
+
+static void publish(km_cluster *c, const cluster_message *m)
+{
+    if (km_cluster_subject(&c->subject, c->prefix, m->kind, c->instance) != KM_OK ||
+        km_cluster_encode(&c->body, m) != KM_OK) {
+        c->st.publish_failures++;
+        return;
+    }
+    natsStatus s = natsConnection_Publish(c->conn, c->subject.data, c->body.data,
+                                          (int)c->body.length);
+    if (s == NATS_OK)
+        c->st.sent++;
+    else
+        c->st.publish_failures++;
+}
+
+/* The full state: every worker with a non-zero load, and the peers this instance hears. */
+static void publish_state(km_cluster *c)
+{
+    if (!c->connected)
+        return;
+    cluster_worker_load rows[256];
+    cluster_worker_load *w = rows;
+    uint32_t n = 0;
+    for (uint32_t i = 0; i < c->cfg.max_workers; i++)
+        n += !load_zero(&c->local[i]);
+    if (n > 256 && !(w = malloc(n * sizeof *w))) {
+        c->st.publish_failures++;
+        return;
+    }
+    n = 0;
+    for (uint32_t i = 0; i < c->cfg.max_workers; i++)
+        if (!load_zero(&c->local[i]))
+            w[n++] = (cluster_worker_load){i, c->local[i]};
+    char peers[KM_CLUSTER_MAX_INSTANCES][KM_CLUSTER_INSTANCE_MAX + 1];
+    uint32_t np = 0;
+    for (uint32_t i = 0; i < KM_CLUSTER_MAX_INSTANCES; i++)
+        if (c->peers[i].used)
+            memcpy(peers[np++], c->peers[i].id, KM_CLUSTER_INSTANCE_MAX + 1);
+    cluster_message m = {CLUSTER_STATE, {0}, c->incarnation, ++c->seq, w, n, peers, np};
+    memcpy(m.instance, c->instance, strlen(c->instance) + 1);
+    publish(c, &m);
+    if (w != rows)
+        free(w);
+}
+
+static void publish_sync_request(km_cluster *c)
+{
+    cluster_message m = {CLUSTER_SYNC, {0}, c->incarnation, 0, NULL, 0, NULL, 0};
+    memcpy(m.instance, c->instance, strlen(c->instance) + 1);
+    publish(c, &m);
+}
+
+int km_cluster_publish_load(km_cluster *c, uint32_t worker, const km_active_load *load)
+{
+    if (!c || !load)
+        return KM_ERR_NULL_POINTER;
+    if (worker >= c->cfg.max_workers)
+        return KM_ERR_WORKER_RANGE;
+    pthread_mutex_lock(&c->lock);
+    if (!load_equal(&c->local[worker], load)) {
+        c->local[worker] = *load;
+        if (!c->connected) {
+            c->st.skipped_disconnected++; /* the state sent on reconnect carries it */
+        } else {
+            cluster_worker_load row = {worker, *load};
+            cluster_message m = {CLUSTER_CHANGE, {0}, c->incarnation, ++c->seq, &row, 1, NULL, 0};
+            memcpy(m.instance, c->instance, strlen(c->instance) + 1);
+            c->changes_made++;
+            if (c->cfg.drop_one_in && c->changes_made % c->cfg.drop_one_in == 0)
+                c->st.publish_failures++; /* injected loss: the sequence number is spent */
+            else
+                publish(c, &m);
+        }
+    }
+    pthread_mutex_unlock(&c->lock);
+    return KM_OK;
+}
+
+/* ---- applying (NATS delivery thread) -------------------------------------------------------- */
+
+static void refused(km_cluster *c, km_cluster_refusal r, const char *why)
+{
+    c->st.refused[r]++;
+    snprintf(c->st.last_refusal, sizeof c->st.last_refusal, "%s: %.130s", km_cluster_refusal_name(r),
+             why);
+    cluster_log(c, "refused a message (%s)", c->st.last_refusal);
+}
+
+static bool expected_has(const km_cluster *c, const char *id)
+{
+    for (uint32_t i = 0; i < c->n_expected; i++)
+        if (!strcmp(c->expected[i], id))
+            return true;
+    return false;
+}
+
+static void expect_peer(km_cluster *c, const char *id)
+{
+    if (strcmp(id, c->instance) && !expected_has(c, id) && c->n_expected < KM_CLUSTER_MAX_INSTANCES)
+        memcpy(c->expected[c->n_expected++], id, KM_CLUSTER_INSTANCE_MAX + 1);
+}
+
+/* One decoded message (lock held). */
+static void apply(km_cluster *c, const cluster_message *m, uint64_t now)
+{
+    char why[160];
+    if (!strcmp(m->instance, c->instance)) {
+        snprintf(why, sizeof why, "a %s message under this instance's own id (incarnation %" PRIu64
+                 ", this one %" PRIu64 ")", m->kind == CLUSTER_SYNC ? "sync" : "load",
+                 m->incarnation, c->incarnation);
+        refused(c, KM_CLUSTER_REFUSED_OWN_ID, why);
+        return;
+    }
+    if (m->kind == CLUSTER_SYNC) {
+        publish_state(c); /* the newcomer's answer; every peer applies it like a heartbeat */
+        return;
+    }
+    contribution *p = contribution_find(c, m->instance);
+    if (p && m->incarnation < p->incarnation) {
+        snprintf(why, sizeof why, "instance %s incarnation %" PRIu64 " after %" PRIu64,
+                 m->instance, m->incarnation, p->incarnation);
+        refused(c, KM_CLUSTER_REFUSED_OLD_INCARNATION, why);
+        return;
+    }
+    if (p && m->incarnation > p->incarnation) {
+        cluster_log(c, "instance %s restarted (incarnation %" PRIu64 "): its old contribution "
+                    "is replaced", m->instance, m->incarnation);
+        contribution_clear(c, p);
+        p->incarnation = m->incarnation;
+        p->last_seq = 0;
+        p->has_baseline = false;
+        c->st.restarted_instances++;
+    }
+    if (!p) {
+        for (uint32_t i = 0; i < KM_CLUSTER_MAX_INSTANCES && !p; i++)
+            if (!c->peers[i].used)
+                p = &c->peers[i];
+        km_active_load *loads = p ? calloc(c->cfg.max_workers, sizeof *loads) : NULL;
+        if (!loads) {
+            snprintf(why, sizeof why, "instance %s: %s", m->instance,
+                     p ? "out of memory" : "already applying the most instances");
+            refused(c, KM_CLUSTER_REFUSED_TOO_MANY, why);
+            return;
+        }
+        memset(p, 0, sizeof *p);
+        p->used = true;
+        p->loads = loads;
+        p->incarnation = m->incarnation;
+        memcpy(p->id, m->instance, sizeof p->id);
+    }
+    if (p->last_seq && m->seq <= p->last_seq) {
+        snprintf(why, sizeof why, "instance %s seq %" PRIu64 " after %" PRIu64, m->instance,
+                 m->seq, p->last_seq);
+        refused(c, KM_CLUSTER_REFUSED_DUPLICATE, why);
+        return;
+    }
+    if (p->last_seq && m->seq > p->last_seq + 1) {
+        uint64_t lost = m->seq - p->last_seq - 1;
+        c->st.lost_messages += lost;
+        cluster_log(c, "instance %s: %" PRIu64 " message%s lost (seq %" PRIu64 " after %" PRIu64
+                    ")%s", m->instance, lost, lost == 1 ? "" : "s", m->seq, p->last_seq,
+                    m->kind == CLUSTER_STATE ? "; this full state replaces its contribution"
+                                             : "; stale until its next full state");
+        if (m->kind == CLUSTER_CHANGE)
+            p->stale = true;
+    }
+    p->last_seq = m->seq;
+    p->last_heard_ns = now;
+    if (m->kind == CLUSTER_STATE) {
+        static const km_active_load zero;
+        for (uint32_t w = 0; w < c->cfg.max_workers; w++)
+            if (!load_zero(&p->loads[w]))
+                contribution_set(c, p, w, &zero);
+        for (uint32_t i = 0; i < m->n_workers; i++)
+            contribution_set(c, p, m->workers[i].worker, &m->workers[i].load);
+        p->has_baseline = true;
+        p->stale = false;
+        p->answered_sync = true;
+        if (c->sync_running) {
+            expect_peer(c, m->instance);
+            for (uint32_t i = 0; i < m->n_peers; i++)
+                expect_peer(c, m->peers[i]);
+            pthread_cond_broadcast(&c->cond);
+        }
+    } else {
+        for (uint32_t i = 0; i < m->n_workers; i++)
+            contribution_set(c, p, m->workers[i].worker, &m->workers[i].load);
+        if (!p->has_baseline)
+            p->stale = true;
+    }
+    c->st.applied++;
+}
+
+static void on_message(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *closure)
+{
+    (void)nc;
+    (void)sub;
+    km_cluster *c = closure;
+    uint64_t now = mono_ns();
+    const char *subject = natsMsg_GetSubject(msg);
+    pthread_mutex_lock(&c->lock);
+    if (c->closing) {
+        pthread_mutex_unlock(&c->lock);
+        natsMsg_Destroy(msg);
+        return;
+    }
+    c->callbacks_running++;
+    pthread_mutex_unlock(&c->lock);
+
+    cluster_message m;
+    km_cluster_refusal r;
+    char why[160];
+    bool ok = false;
+    /* Decoding runs outside the lock: it touches only the message. */
+    if (strncmp(subject, c->prefix, c->prefix_len) || subject[c->prefix_len] != '.') {
+        r = KM_CLUSTER_REFUSED_SUBJECT;
+        snprintf(why, sizeof why, "subject \"%.80s\" outside the prefix", subject);
+    } else {
+        ok = km_cluster_decode(subject + c->prefix_len + 1, natsMsg_GetData(msg),
+                               (size_t)natsMsg_GetDataLength(msg), c->cfg.max_workers, &m, &r, why,
+                               sizeof why);
+    }
+    pthread_mutex_lock(&c->lock);
+    if (ok)
+        apply(c, &m, now);
+    else
+        refused(c, r, why);
+    c->callbacks_running--;
+    pthread_cond_broadcast(&c->cond);
+    pthread_mutex_unlock(&c->lock);
+    if (ok)
+        km_cluster_message_free(&m);
+    natsMsg_Destroy(msg);
+}
+
+/* ---- connection events ---------------------------------------------------------------------- */
+
+/* Connected (first time late, or again): the state goes out, then the peers are asked for theirs. */
+static void on_connected(natsConnection *nc, void *closure)
+{
+    (void)nc;
+    km_cluster *c = closure;
+    pthread_mutex_lock(&c->lock);
+    if (!c->closing) {
+        bool again = c->synced || c->st.sync_peers || !isnan(c->st.sync_seconds);
+        c->connected = true;
+        c->st.reconnects += again;
+        cluster_log(c, "connected to %s: sending state, asking peers for theirs", c->url);
+        publish_state(c);
+        publish_sync_request(c);
+        c->synced = true;
+    }
+    pthread_mutex_unlock(&c->lock);
+}
+
+static void on_disconnected(natsConnection *nc, void *closure)
+{
+    (void)nc;
+    km_cluster *c = closure;
+    pthread_mutex_lock(&c->lock);
+    if (!c->closing) {
+        c->connected = false;
+        for (uint32_t i = 0; i < KM_CLUSTER_MAX_INSTANCES; i++)
+            if (c->peers[i].used)
+                c->peers[i].stale = true;
+        cluster_log(c, "disconnected from %s: routing on this instance's view; remote "
+                    "contributions are stale and expire in %u ms", c->url, c->cfg.expire_ms);
+    }
+    pthread_mutex_unlock(&c->lock);
+}
+
+static void on_closed(natsConnection *nc, void *closure)
+{
+    (void)nc;
+    km_cluster *c = closure;
+    pthread_mutex_lock(&c->lock);
+    c->nats_closed = true;
+    pthread_cond_broadcast(&c->cond);
+    pthread_mutex_unlock(&c->lock);
+}
+
+/* ---- heartbeat ------------------------------------------------------------------------------ */
+
+static void *heartbeat_main(void *arg)
+{
+    km_cluster *c = arg;
+    pthread_mutex_lock(&c->lock);
+    while (!c->closing) {
+        struct timespec ts;
+        clock_gettime(CLOCK_MONOTONIC, &ts);
+        uint64_t t = (uint64_t)ts.tv_nsec + (uint64_t)c->cfg.heartbeat_ms * NS_PER_MS;
+        ts.tv_sec += (time_t)(t / UINT64_C(1000000000));
+        ts.tv_nsec = (long)(t % UINT64_C(1000000000));
+        pthread_cond_timedwait(&c->cond, &c->lock, &ts);
+        if (c->closing)
+            break;
+        uint64_t now = mono_ns();
+        expire_silent(c, now);
+        /* A sync is done when the state answers stop coming; the heartbeat does not interfere. */
+        if (!c->sync_running)
+            publish_state(c);
+    }
+    pthread_mutex_unlock(&c->lock);
+    return NULL;
+}
+
+/* ---- create / destroy ----------------------------------------------------------------------- */
+
+static bool prefix_valid(const char *p)
+{
+    size_t n = strlen(p);
+    if (n == 0 || n > 128 || p[0] == '.' || p[n - 1] == '.')
+        return false;
+    for (size_t i = 0; i < n; i++) {
+        char ch = p[i];
+        if (ch == '.' && p[i + 1] == '.')
+            return false;
+        if (!(ch == '.' || ch == '_' || ch == '-' || (ch >= 'a' && ch <= 'z') ||
+              (ch >= 'A' && ch <= 'Z') || (ch >= '0' && ch <= '9')))
+            return false;
+    }
+    return true;
+}
+
+static bool sync_complete(const km_cluster *c)
+{
+    if (c->n_expected == 0)
+        return false;
+    for (uint32_t i = 0; i < c->n_expected; i++) {
+        const contribution *p = contribution_find((km_cluster *)c, c->expected[i]);
+        if (!p || !p->answered_sync)
+            return false;
+    }
+    return true;
+}
+
+static void deadline_in(struct timespec *ts, uint64_t from_ns, uint64_t after_ns)
+{
+    uint64_t t = from_ns + after_ns;
+    ts->tv_sec = (time_t)(t / UINT64_C(1000000000));
+    ts->tv_nsec = (long)(t % UINT64_C(1000000000));
+}
+
+/* Ask the peers for their state and wait until every peer learnt of has answered, or no peer
+ * answered within sync_quiet_ms, or sync_timeout_ms passed (lock held, connected). */
+static void sync_with_peers(km_cluster *c)
+{
+    uint64_t t0 = mono_ns();
+    c->sync_running = true;
+    c->n_expected = 0;
+    for (uint32_t i = 0; i < KM_CLUSTER_MAX_INSTANCES; i++)
+        c->peers[i].answered_sync = false;
+    publish_state(c);
+    publish_sync_request(c);
+    natsConnection_Flush(c->conn);
+    for (;;) {
+        uint64_t now = mono_ns();
+        uint64_t waited = now - t0;
+        if (sync_complete(c))
+            break;
+        if (c->n_expected == 0 && waited >= (uint64_t)c->cfg.sync_quiet_ms * NS_PER_MS)
+            break;
+        if (waited >= (uint64_t)c->cfg.sync_timeout_ms * NS_PER_MS) {
+            cluster_log(c, "sync: %u of the peers learnt of did not answer within %u ms",
+                        c->n_expected, c->cfg.sync_timeout_ms);
+            break;
+        }
+        struct timespec ts;
+        deadline_in(&ts, now, 5 * NS_PER_MS); /* the cond runs on CLOCK_MONOTONIC */
+        pthread_cond_timedwait(&c->cond, &c->lock, &ts);
+    }
+    c->sync_running = false;
+    c->synced = true;
+    c->st.sync_seconds = (double)(mono_ns() - t0) / 1e9;
+    uint32_t answered = 0;
+    for (uint32_t i = 0; i < KM_CLUSTER_MAX_INSTANCES; i++)
+        answered += c->peers[i].used && c->peers[i].answered_sync;
+    c->st.sync_peers = answered;
+    cluster_log(c, "took the cluster's view from %u peer%s in %.3f s", answered,
+                answered == 1 ? "" : "s", c->st.sync_seconds);
+}
+
+int km_cluster_create(const km_cluster_config *cfg, km_cluster **out, char *why, size_t why_size)
+{
+    if (!out)
+        return km_why(why, why_size, KM_ERR_NULL_POINTER, "out is NULL");
+    *out = NULL;
+    if (!cfg || !cfg->url || !cfg->instance)
+        return km_why(why, why_size, KM_ERR_NULL_POINTER, "cluster url and instance are required");
+    const char *prefix = cfg->subject_prefix ? cfg->subject_prefix : "kvmatch.cluster";
+    if (!km_cluster_id_valid(cfg->instance, strlen(cfg->instance)))
+        return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,
+                      "instance id \"%.80s\": 1 to %u characters of A-Z a-z 0-9 _ -", cfg->instance,
+                      KM_CLUSTER_INSTANCE_MAX);
+    if (!prefix_valid(prefix))
+        return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,
+                      "subject prefix \"%.80s\": dot-separated tokens of A-Z a-z 0-9 _ -", prefix);
+    if (strncmp(cfg->url, "nats://", 7) || !cfg->url[7])
+        return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,
+                      "cluster url \"%.80s\" is not nats://HOST:PORT", cfg->url);
+    if (cfg->max_workers < 1 || cfg->max_workers > 65534 || cfg->heartbeat_ms < 10 ||
+        cfg->expire_ms <= cfg->heartbeat_ms || cfg->sync_timeout_ms > 600000 ||
+        cfg->reconnect_wait_ms < 1)
+        return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,
+                      "cluster: max_workers 1..65534, heartbeat_ms >= 10, expire_ms > "
+                      "heartbeat_ms, sync_timeout_ms <= 600000, reconnect_wait_ms >= 1");
+    km_cluster *c = calloc(1, sizeof *c);
+    if (!c)
+        return km_why(why, why_size, KM_ERR_OUT_OF_MEMORY, "cluster handle");
+    c->cfg = *cfg;
+    c->url = strdup(cfg->url);
+    c->instance = strdup(cfg->instance);
+    c->prefix = strdup(prefix);
+    c->prefix_len = strlen(prefix);
+    c->local = calloc(cfg->max_workers, sizeof *c->local);
+    c->remote = calloc(cfg->max_workers, sizeof *c->remote);
+    c->st.sync_seconds = NAN;
+    km_text_init(&c->subject, 256);
+    km_text_init(&c->body, KM_CLUSTER_MESSAGE_MAX + 1);
+    struct timespec rt;
+    clock_gettime(CLOCK_REALTIME, &rt);
+    /* Ordered across restarts of one id (the clock's ns since the epoch). */
+    c->incarnation = (uint64_t)rt.tv_sec * UINT64_C(1000000000) + (uint64_t)rt.tv_nsec;
+    pthread_mutex_init(&c->lock, NULL);
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(&c->cond, &ca);
+    pthread_condattr_destroy(&ca);
+    if (!c->url || !c->instance || !c->prefix || !c->local || !c->remote) {
+        km_cluster_destroy(c);
+        return km_why(why, why_size, KM_ERR_OUT_OF_MEMORY, "cluster handle");
+    }
+    natsStatus s = natsOptions_Create(&c->opts);
+    if (s == NATS_OK)
+        s = natsOptions_SetURL(c->opts, c->url);
+    if (s == NATS_OK)
+        s = natsOptions_SetNoEcho(c->opts, true);
+    if (s == NATS_OK)
+        s = natsOptions_SetAllowReconnect(c->opts, true);
+    if (s == NATS_OK)
+        s = natsOptions_SetMaxReconnect(c->opts, -1);
+    if (s == NATS_OK)
+        s = natsOptions_SetReconnectWait(c->opts, c->cfg.reconnect_wait_ms);
+    if (s == NATS_OK)
+        s = natsOptions_SetTimeout(c->opts, 1000);
+    if (s == NATS_OK)
+        s = natsOptions_SetRetryOnFailedConnect(c->opts, true, on_connected, c);
+    if (s == NATS_OK)
+        s = natsOptions_SetDisconnectedCB(c->opts, on_disconnected, c);
+    if (s == NATS_OK)
+        s = natsOptions_SetReconnectedCB(c->opts, on_connected, c);
+    if (s == NATS_OK)
+        s = natsOptions_SetClosedCB(c->opts, on_closed, c);
+    if (s != NATS_OK) {
+        km_why(why, why_size, KM_ERR_IO, "NATS options: %s", natsStatus_GetText(s));
+        km_cluster_destroy(c);
+        return KM_ERR_IO;
+    }
+    s = natsConnection_Connect(&c->conn, c->opts);
+    if (s != NATS_OK && s != NATS_NOT_YET_CONNECTED) {
+        km_why(why, why_size, KM_ERR_IO, "NATS connect to %s: %s", c->url, natsStatus_GetText(s));
+        km_cluster_destroy(c);
+        return KM_ERR_IO;
+    }
+    char wildcard[160];
+    snprintf(wildcard, sizeof wildcard, "%s.>", c->prefix);
+    s = natsConnection_Subscribe(&c->sub, c->conn, wildcard, on_message, c);
+    if (s == NATS_OK)
+        s = natsSubscription_SetPendingLimits(c->sub, 1 << 20, 256 << 20);
+    if (s != NATS_OK) {
+        km_why(why, why_size, KM_ERR_IO, "NATS subscribe to %s: %s", wildcard,
+               natsStatus_GetText(s));
+        km_cluster_destroy(c);
+        return KM_ERR_IO;
+    }
+    pthread_mutex_lock(&c->lock);
+    if (natsConnection_Status(c->conn) == NATS_CONN_STATUS_CONNECTED) {
+        c->connected = true;
+        sync_with_peers(c);
+    } else {
+        cluster_log(c, "NATS at %s unreachable: routing on this instance's view, retrying every "
+                    "%u ms", c->url, c->cfg.reconnect_wait_ms);
+    }
+    pthread_mutex_unlock(&c->lock);
+    if (pthread_create(&c->heartbeat, NULL, heartbeat_main, c) != 0) {
+        km_cluster_destroy(c);
+        return km_why(why, why_size, KM_ERR_IO, "cluster heartbeat thread: %s", strerror(errno));
+    }
+    c->heartbeat_started = true;
+    *out = c;
+    return KM_OK;
+}
+
+void km_cluster_destroy(km_cluster *c)
+{
+    if (!c)
+        return;
+    pthread_mutex_lock(&c->lock);
+    c->closing = true;
+    pthread_cond_broadcast(&c->cond);
+    pthread_mutex_unlock(&c->lock);
+    if (c->heartbeat_started)
+        pthread_join(c->heartbeat, NULL);
+    if (c->sub)
+        natsSubscription_Unsubscribe(c->sub);
+    if (c->conn)
+        natsConnection_Close(c->conn);
+    /* A delivery that began before `closing` was set finishes before the memory goes, and so
+     * does the client's last connection callback (the closed one comes after all others). */
+    pthread_mutex_lock(&c->lock);
+    uint64_t deadline = mono_ns() + 2000 * NS_PER_MS;
+    while (c->callbacks_running > 0 || (c->conn && !c->nats_closed)) {
+        uint64_t now = mono_ns();
+        if (now >= deadline && c->callbacks_running == 0)
+            break;
+        struct timespec ts;
+        deadline_in(&ts, now, 5 * NS_PER_MS);
+        pthread_cond_timedwait(&c->cond, &c->lock, &ts);
+    }
+    pthread_mutex_unlock(&c->lock);
+    natsSubscription_Destroy(c->sub);
+    natsConnection_Destroy(c->conn);
+    natsOptions_Destroy(c->opts);
+    for (uint32_t i = 0; i < KM_CLUSTER_MAX_INSTANCES; i++)
+        free(c->peers[i].loads);
+    km_text_free(&c->subject);
+    km_text_free(&c->body);
+    pthread_cond_destroy(&c->cond);
+    pthread_mutex_destroy(&c->lock);
+    free(c->local);
+    free(c->remote);
+    free(c->url);
+    free(c->instance);
+    free(c->prefix);
+    free(c);
+}
+
+/* ---- reading -------------------------------------------------------------------------------- */
+
+int km_cluster_add_remote_load(km_cluster *c, uint32_t worker, km_active_load *load)
+{
+    if (!c || !load)
+        return KM_ERR_NULL_POINTER;
+    if (worker >= c->cfg.max_workers)
+        return KM_ERR_WORKER_RANGE;
+    pthread_mutex_lock(&c->lock);
+    load_add(load, &c->remote[worker]);
+    pthread_mutex_unlock(&c->lock);
+    return KM_OK;
+}
+
+int km_cluster_get_view(km_cluster *c, uint64_t now, km_cluster_view *out)
+{
+    if (!c || !out)
+        return KM_ERR_NULL_POINTER;
+    memset(out, 0, sizeof *out);
+    out->oldest_age_ms = NAN;
+    pthread_mutex_lock(&c->lock);
+    expire_silent(c, now);
+    uint64_t oldest = UINT64_MAX;
+    for (uint32_t i = 0; i < KM_CLUSTER_MAX_INSTANCES; i++) {
+        const contribution *p = &c->peers[i];
+        if (!p->used)
+            continue;
+        out->instances++;
+        if (p->last_heard_ns < oldest)
+            oldest = p->last_heard_ns;
+        if (p->stale) {
+            if (out->n_stale < 8)
+                memcpy(out->stale[out->n_stale], p->id, sizeof out->stale[0]);
+            out->n_stale++;
+        }
+    }
+    if (out->instances)
+        out->oldest_age_ms = now > oldest ? (double)(now - oldest) / 1e6 : 0.0;
+    out->scope = (c->connected && c->synced) || out->instances ? "cluster" : "this_instance";
+    pthread_mutex_unlock(&c->lock);
+    return KM_OK;
+}
+
+int km_cluster_get_stats(km_cluster *c, km_cluster_stats *out)
+{
+    if (!c || !out)
+        return KM_ERR_NULL_POINTER;
+    pthread_mutex_lock(&c->lock);
+    *out = c->st;
+    out->connected = c->connected;
+    out->synced = c->synced;
+    out->instances = out->stale_instances = 0;
+    for (uint32_t i = 0; i < KM_CLUSTER_MAX_INSTANCES; i++) {
+        out->instances += c->peers[i].used;
+        out->stale_instances += c->peers[i].used && c->peers[i].stale;
+    }
+    pthread_mutex_unlock(&c->lock);
+    return KM_OK;
+}

@@ -1,0 +1,60 @@
+/* Internal to src/cluster/: the wire messages of the cluster protocol (docs/CLUSTER.md,
+ * "Messages") as structures, their encoder and their decoder. The decoder takes untrusted bytes
+ * and either fills a message whose every field is in range or refuses it with a reason; the
+ * encoder writes exactly what the decoder accepts. */
+#ifndef KM_CLUSTER_INTERNAL_H
+#define KM_CLUSTER_INTERNAL_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kvmatch/active.h"
+#include "kvmatch/cluster.h"
+#include "kvmatch/text.h"
+
+#define KM_CLUSTER_PROTOCOL_VERSION 1
+
+typedef enum cluster_kind {
+    CLUSTER_CHANGE, /* some workers' new absolute load, next sequence number */
+    CLUSTER_STATE,  /* every worker's load (absent = 0), next sequence number; replaces all */
+    CLUSTER_SYNC,   /* a new instance asks every peer for its state now; no sequence number */
+} cluster_kind;
+
+typedef struct cluster_worker_load {
+    uint32_t worker;
+    km_active_load load;
+} cluster_worker_load;
+
+typedef struct cluster_message {
+    cluster_kind kind;
+    char instance[KM_CLUSTER_INSTANCE_MAX + 1];
+    uint64_t incarnation;
+    uint64_t seq;
+    cluster_worker_load *workers; /* malloc'd by the decoder, n_workers of them */
+    uint32_t n_workers;
+    char (*peers)[KM_CLUSTER_INSTANCE_MAX + 1]; /* malloc'd by the decoder; STATE only */
+    uint32_t n_peers;
+} cluster_message;
+
+/* Is `id` a valid instance id (1..KM_CLUSTER_INSTANCE_MAX bytes of [A-Za-z0-9_-])? */
+bool km_cluster_id_valid(const char *id, size_t len);
+
+/* The subject a message of `kind` from `instance` goes to: PREFIX.change.ID, PREFIX.state.ID,
+ * PREFIX.sync. */
+int km_cluster_subject(km_text *out, const char *prefix, cluster_kind kind, const char *instance);
+
+/* Encode m as one JSON object into out (cleared first). KM_ERR_TOO_LARGE past
+ * KM_CLUSTER_MESSAGE_MAX, KM_ERR_OUT_OF_MEMORY. */
+int km_cluster_encode(km_text *out, const cluster_message *m);
+
+/* Decode `data` received on `subject` (PREFIX already stripped by the caller: "change.ID",
+ * "state.ID" or "sync") into *m; worker ids must be < max_workers. On success the caller frees
+ * with km_cluster_message_free. On refusal returns false with *refusal and a sentence in why, and
+ * *m holds nothing to free. */
+bool km_cluster_decode(const char *subject, const char *data, size_t len, uint32_t max_workers,
+                       cluster_message *m, km_cluster_refusal *refusal, char *why,
+                       size_t why_size);
+void km_cluster_message_free(cluster_message *m);
+
+#endif

@@ -1,0 +1,247 @@
+/* The cluster protocol's wire messages: JSON objects, encoded by hand into a km_text and decoded
+ * with jansson within hard limits (size, worker ids, peer count), each refusal named. */
+#include <inttypes.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <jansson.h>
+
+#include "base/error_detail.h"
+#include "cluster/cluster_internal.h"
+
+static const char *const KIND_NAMES[] = {"change", "state", "sync"};
+
+bool km_cluster_id_valid(const char *id, size_t len)
+{
+    if (!id || len == 0 || len > KM_CLUSTER_INSTANCE_MAX)
+        return false;
+    for (size_t i = 0; i < len; i++) {
+        char c = id[i];
+        if (!((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+              c == '_' || c == '-'))
+            return false;
+    }
+    return true;
+}
+
+int km_cluster_subject(km_text *out, const char *prefix, cluster_kind kind, const char *instance)
+{
+    km_text_clear(out);
+    if (kind == CLUSTER_SYNC)
+        return km_text_printf(out, "%s.sync", prefix);
+    return km_text_printf(out, "%s.%s.%s", prefix, KIND_NAMES[kind], instance);
+}
+
+int km_cluster_encode(km_text *out, const cluster_message *m)
+{
+    km_text_clear(out);
+    int rc = km_text_printf(out,
+                            "{\"v\":%d,\"kind\":\"%s\",\"instance\":\"%s\",\"incarnation\":%" PRIu64,
+                            KM_CLUSTER_PROTOCOL_VERSION, KIND_NAMES[m->kind], m->instance,
+                            m->incarnation);
+    if (rc == KM_OK && m->kind != CLUSTER_SYNC) {
+        rc = km_text_printf(out, ",\"seq\":%" PRIu64 ",\"workers\":[", m->seq);
+        for (uint32_t i = 0; rc == KM_OK && i < m->n_workers; i++) {
+            const km_active_load *l = &m->workers[i].load;
+            rc = km_text_printf(out,
+                                "%s[%" PRIu32 ",%" PRIu64 ",%" PRIu64 ",%" PRIu64 ",%" PRIu64
+                                ",%" PRIu64 "]",
+                                i ? "," : "", m->workers[i].worker, l->in_flight, l->prefilling,
+                                l->pending_prefill_tokens, l->active_decode_blocks,
+                                l->allocated_blocks);
+        }
+        if (rc == KM_OK)
+            rc = km_text_append_cstr(out, "]");
+        if (rc == KM_OK && m->kind == CLUSTER_STATE) {
+            rc = km_text_append_cstr(out, ",\"peers\":[");
+            for (uint32_t i = 0; rc == KM_OK && i < m->n_peers; i++)
+                rc = km_text_printf(out, "%s\"%s\"", i ? "," : "", m->peers[i]);
+            if (rc == KM_OK)
+                rc = km_text_append_cstr(out, "]");
+        }
+    }
+    if (rc == KM_OK)
+        rc = km_text_append_cstr(out, "}");
+    if (rc == KM_OK && out->length > KM_CLUSTER_MESSAGE_MAX)
+        rc = KM_ERR_TOO_LARGE;
+    return rc;
+}
+
+void km_cluster_message_free(cluster_message *m)
+{
+    if (!m)
+        return;
+    free(m->workers);
+    free(m->peers);
+    m->workers = NULL;
+    m->peers = NULL;
+    m->n_workers = m->n_peers = 0;
+}
+
+static bool refuse(km_cluster_refusal *refusal, km_cluster_refusal r, char *why, size_t why_size,
+                   const char *fmt, ...) __attribute__((format(printf, 5, 6)));
+static bool refuse(km_cluster_refusal *refusal, km_cluster_refusal r, char *why, size_t why_size,
+                   const char *fmt, ...)
+{
+    *refusal = r;
+    if (why && why_size) {
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(why, why_size, fmt, ap);
+        va_end(ap);
+    }
+    return false;
+}
+
+/* A non-negative JSON integer member into *out; false when absent or not one. */
+static bool member_u64(json_t *obj, const char *key, uint64_t *out)
+{
+    json_t *v = json_object_get(obj, key);
+    if (!json_is_integer(v) || json_integer_value(v) < 0)
+        return false;
+    *out = (uint64_t)json_integer_value(v);
+    return true;
+}
+
+static bool decode_workers(json_t *arr, uint32_t max_workers, cluster_message *m,
+                           km_cluster_refusal *refusal, char *why, size_t why_size)
+{
+    if (!json_is_array(arr))
+        return refuse(refusal, KM_CLUSTER_REFUSED_MALFORMED, why, why_size,
+                      "\"workers\" is missing or not an array");
+    size_t n = json_array_size(arr);
+    if (n > max_workers)
+        return refuse(refusal, KM_CLUSTER_REFUSED_WORKER, why, why_size,
+                      "%zu workers listed, at most %u exist", n, max_workers);
+    m->workers = n ? calloc(n, sizeof *m->workers) : NULL;
+    if (n && !m->workers)
+        return refuse(refusal, KM_CLUSTER_REFUSED_TOO_LARGE, why, why_size, "out of memory");
+    for (size_t i = 0; i < n; i++) {
+        json_t *row = json_array_get(arr, i);
+        uint64_t v[6];
+        if (!json_is_array(row) || json_array_size(row) != 6)
+            return refuse(refusal, KM_CLUSTER_REFUSED_MALFORMED, why, why_size,
+                          "workers[%zu] is not an array of 6 integers", i);
+        for (size_t k = 0; k < 6; k++) {
+            json_t *x = json_array_get(row, k);
+            if (!json_is_integer(x) || json_integer_value(x) < 0)
+                return refuse(refusal, KM_CLUSTER_REFUSED_MALFORMED, why, why_size,
+                              "workers[%zu][%zu] is not a non-negative integer", i, k);
+            v[k] = (uint64_t)json_integer_value(x);
+        }
+        if (v[0] >= max_workers)
+            return refuse(refusal, KM_CLUSTER_REFUSED_WORKER, why, why_size,
+                          "worker %" PRIu64 " is out of range (max_workers %u)", v[0],
+                          max_workers);
+        if (v[2] > v[1])
+            return refuse(refusal, KM_CLUSTER_REFUSED_MALFORMED, why, why_size,
+                          "worker %" PRIu64 ": prefilling %" PRIu64 " > in_flight %" PRIu64, v[0],
+                          v[2], v[1]);
+        m->workers[i].worker = (uint32_t)v[0];
+        m->workers[i].load = (km_active_load){v[1], v[2], v[3], v[4], v[5]};
+        m->n_workers = (uint32_t)i + 1;
+    }
+    return true;
+}
+
+static bool decode_peers(json_t *arr, cluster_message *m, km_cluster_refusal *refusal, char *why,
+                         size_t why_size)
+{
+    if (!json_is_array(arr))
+        return refuse(refusal, KM_CLUSTER_REFUSED_MALFORMED, why, why_size,
+                      "\"peers\" is missing or not an array");
+    size_t n = json_array_size(arr);
+    if (n > KM_CLUSTER_MAX_INSTANCES)
+        return refuse(refusal, KM_CLUSTER_REFUSED_TOO_MANY, why, why_size,
+                      "%zu peers listed, at most %u", n, KM_CLUSTER_MAX_INSTANCES);
+    m->peers = n ? calloc(n, sizeof *m->peers) : NULL;
+    if (n && !m->peers)
+        return refuse(refusal, KM_CLUSTER_REFUSED_TOO_LARGE, why, why_size, "out of memory");
+    for (size_t i = 0; i < n; i++) {
+        json_t *p = json_array_get(arr, i);
+        if (!json_is_string(p) || !km_cluster_id_valid(json_string_value(p), json_string_length(p)))
+            return refuse(refusal, KM_CLUSTER_REFUSED_MALFORMED, why, why_size,
+                          "peers[%zu] is not an instance id", i);
+        memcpy(m->peers[i], json_string_value(p), json_string_length(p) + 1);
+        m->n_peers = (uint32_t)i + 1;
+    }
+    return true;
+}
+
+static bool decode_object(json_t *root, const char *subject, uint32_t max_workers,
+                          cluster_message *m, km_cluster_refusal *refusal, char *why,
+                          size_t why_size)
+{
+    if (!json_is_object(root))
+        return refuse(refusal, KM_CLUSTER_REFUSED_MALFORMED, why, why_size, "not a JSON object");
+    uint64_t version;
+    if (!member_u64(root, "v", &version))
+        return refuse(refusal, KM_CLUSTER_REFUSED_MALFORMED, why, why_size, "no version \"v\"");
+    if (version != KM_CLUSTER_PROTOCOL_VERSION)
+        return refuse(refusal, KM_CLUSTER_REFUSED_VERSION, why, why_size,
+                      "version %" PRIu64 ", this instance speaks %d", version,
+                      KM_CLUSTER_PROTOCOL_VERSION);
+    const char *kind = json_string_value(json_object_get(root, "kind"));
+    json_t *inst = json_object_get(root, "instance");
+    if (!kind)
+        return refuse(refusal, KM_CLUSTER_REFUSED_MALFORMED, why, why_size, "no \"kind\"");
+    if (!strcmp(kind, "change"))
+        m->kind = CLUSTER_CHANGE;
+    else if (!strcmp(kind, "state"))
+        m->kind = CLUSTER_STATE;
+    else if (!strcmp(kind, "sync"))
+        m->kind = CLUSTER_SYNC;
+    else
+        return refuse(refusal, KM_CLUSTER_REFUSED_MALFORMED, why, why_size,
+                      "unknown kind \"%.40s\"", kind);
+    if (!json_is_string(inst) || !km_cluster_id_valid(json_string_value(inst), json_string_length(inst)))
+        return refuse(refusal, KM_CLUSTER_REFUSED_MALFORMED, why, why_size,
+                      "\"instance\" is missing or not an instance id");
+    memcpy(m->instance, json_string_value(inst), json_string_length(inst) + 1);
+    /* The subject names the kind and (but for sync) the sender: a message on another's subject
+     * is refused, so one instance cannot speak for another by mistake. */
+    char expect[KM_CLUSTER_INSTANCE_MAX + 16];
+    if (m->kind == CLUSTER_SYNC)
+        snprintf(expect, sizeof expect, "sync");
+    else
+        snprintf(expect, sizeof expect, "%s.%s", KIND_NAMES[m->kind], m->instance);
+    if (strcmp(subject, expect))
+        return refuse(refusal, KM_CLUSTER_REFUSED_SUBJECT, why, why_size,
+                      "a %s message from %s on subject \"%.80s\"", kind, m->instance, subject);
+    if (!member_u64(root, "incarnation", &m->incarnation) || m->incarnation == 0)
+        return refuse(refusal, KM_CLUSTER_REFUSED_MALFORMED, why, why_size,
+                      "\"incarnation\" is missing or not a positive integer");
+    if (m->kind == CLUSTER_SYNC)
+        return true;
+    if (!member_u64(root, "seq", &m->seq) || m->seq == 0)
+        return refuse(refusal, KM_CLUSTER_REFUSED_MALFORMED, why, why_size,
+                      "\"seq\" is missing or not a positive integer");
+    if (!decode_workers(json_object_get(root, "workers"), max_workers, m, refusal, why, why_size))
+        return false;
+    if (m->kind == CLUSTER_STATE &&
+        !decode_peers(json_object_get(root, "peers"), m, refusal, why, why_size))
+        return false;
+    return true;
+}
+
+bool km_cluster_decode(const char *subject, const char *data, size_t len, uint32_t max_workers,
+                       cluster_message *m, km_cluster_refusal *refusal, char *why,
+                       size_t why_size)
+{
+    memset(m, 0, sizeof *m);
+    if (len > KM_CLUSTER_MESSAGE_MAX)
+        return refuse(refusal, KM_CLUSTER_REFUSED_TOO_LARGE, why, why_size,
+                      "%zu bytes, at most %u", len, KM_CLUSTER_MESSAGE_MAX);
+    json_error_t err;
+    json_t *root = json_loadb(data, len, JSON_REJECT_DUPLICATES, &err);
+    if (!root)
+        return refuse(refusal, KM_CLUSTER_REFUSED_MALFORMED, why, why_size, "not JSON: %.80s",
+                      err.text);
+    bool ok = decode_object(root, subject, max_workers, m, refusal, why, why_size);
+    json_decref(root);
+    if (!ok)
+        km_cluster_message_free(m);
+    return ok;
+}

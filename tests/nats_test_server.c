@@ -1,0 +1,121 @@
+/* Starting and stopping a real nats-server for the cluster tests (nats_test_server.h). */
+#include "nats_test_server.h"
+#include "kv_test_publisher.h"
+
+#include <arpa/inet.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+const char *km_nats_server_binary(void)
+{
+    static char found[256];
+    const char *path = getenv("PATH");
+    char buf[4096];
+    snprintf(buf, sizeof buf, "%s:/usr/sbin:/usr/local/sbin", path ? path : "/usr/bin:/bin");
+    for (char *save = NULL, *dir = strtok_r(buf, ":", &save); dir; dir = strtok_r(NULL, ":", &save)) {
+        snprintf(found, sizeof found, "%s/nats-server", dir);
+        if (access(found, X_OK) == 0)
+            return found;
+    }
+    return NULL;
+}
+
+uint16_t km_test_free_port(void)
+{
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = 0};
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t len = sizeof a;
+    uint16_t port = 0;
+    if (fd >= 0 && bind(fd, (struct sockaddr *)&a, sizeof a) == 0 &&
+        getsockname(fd, (struct sockaddr *)&a, &len) == 0)
+        port = ntohs(a.sin_port);
+    if (fd >= 0)
+        close(fd);
+    return port;
+}
+
+static bool accepts(uint16_t port)
+{
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons(port)};
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    bool ok = fd >= 0 && connect(fd, (struct sockaddr *)&a, sizeof a) == 0;
+    if (fd >= 0)
+        close(fd);
+    return ok;
+}
+
+bool km_nats_test_server_restart(km_nats_test_server *s, char *why, size_t why_size)
+{
+    const char *bin = km_nats_server_binary();
+    if (!bin) {
+        snprintf(why, why_size, "nats-server not found in PATH or /usr/sbin (scripts/install-deps.sh "
+                 "--test installs Debian's nats-server)");
+        return false;
+    }
+    char port[16];
+    snprintf(port, sizeof port, "%u", s->port);
+    pid_t pid = fork();
+    if (pid < 0) {
+        snprintf(why, why_size, "fork: %s", strerror(errno));
+        return false;
+    }
+    if (pid == 0) {
+        int fd = open(s->log_path, O_WRONLY | O_CREAT | O_APPEND, 0600);
+        if (fd >= 0) {
+            dup2(fd, 1);
+            dup2(fd, 2);
+        }
+        execl(bin, "nats-server", "-a", "127.0.0.1", "-p", port, (char *)NULL);
+        _exit(127);
+    }
+    s->pid = pid;
+    for (int i = 0; i < 500; i++) {
+        if (accepts(s->port))
+            return true;
+        int status;
+        if (waitpid(pid, &status, WNOHANG) == pid) {
+            s->pid = 0;
+            snprintf(why, why_size, "%s exited (status %d) before listening on 127.0.0.1:%u; see %s",
+                     bin, WIFEXITED(status) ? WEXITSTATUS(status) : -1, s->port, s->log_path);
+            return false;
+        }
+        km_test_sleep_ms(10);
+    }
+    km_nats_test_server_stop(s);
+    snprintf(why, why_size, "%s did not listen on 127.0.0.1:%u within 5 s; see %s", bin, s->port,
+             s->log_path);
+    return false;
+}
+
+bool km_nats_test_server_start(km_nats_test_server *s, char *why, size_t why_size)
+{
+    memset(s, 0, sizeof *s);
+    s->port = km_test_free_port();
+    if (!s->port) {
+        snprintf(why, why_size, "no free loopback port");
+        return false;
+    }
+    snprintf(s->url, sizeof s->url, "nats://127.0.0.1:%u", s->port);
+    snprintf(s->log_path, sizeof s->log_path, "/tmp/km-nats-%u.log", s->port);
+    return km_nats_test_server_restart(s, why, why_size);
+}
+
+void km_nats_test_server_stop(km_nats_test_server *s)
+{
+    if (!s->pid)
+        return;
+    kill(s->pid, SIGKILL);
+    waitpid(s->pid, NULL, 0);
+    s->pid = 0;
+}

@@ -1,0 +1,425 @@
+/* The cluster view (include/kvmatch/cluster.h) through a real nats-server on a loopback port:
+ * instances converge, a lost message is detected and counted, a crashed instance's contribution
+ * expires, NATS down and back, a restarted instance sees running work before create returns, and
+ * bad or foreign messages are refused and counted without harm. A test that cannot start
+ * nats-server fails with the reason. */
+#include <criterion/criterion.h>
+#include <math.h>
+#include <signal.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <nats/nats.h>
+
+#include "cluster/cluster_internal.h"
+#include "kvmatch/cluster.h"
+#include "kv_test_publisher.h"
+#include "nats_test_server.h"
+#include "test_util.h"
+
+#define WORKERS 16u
+
+static km_nats_test_server server;
+
+static void start_server(void)
+{
+    char why[256];
+    if (!km_nats_test_server_start(&server, why, sizeof why))
+        cr_assert_fail("cannot start nats-server: %s", why);
+}
+
+static void stop_server(void)
+{
+    km_nats_test_server_stop(&server);
+}
+
+static km_cluster *instance(const char *id, const char *url, uint32_t expire_ms,
+                            uint32_t drop_one_in)
+{
+    km_cluster_config cfg;
+    km_cluster_config_init(&cfg);
+    cfg.url = url;
+    cfg.instance = id;
+    cfg.max_workers = WORKERS;
+    cfg.heartbeat_ms = 50;
+    cfg.expire_ms = expire_ms;
+    cfg.reconnect_wait_ms = 50;
+    cfg.drop_one_in = drop_one_in;
+    km_cluster *c = NULL;
+    char why[256] = "";
+    int rc = km_cluster_create(&cfg, &c, why, sizeof why);
+    cr_assert_eq(rc, KM_OK, "km_cluster_create(%s): %s", id, why);
+    return c;
+}
+
+static km_active_load remote(km_cluster *c, uint32_t worker)
+{
+    km_active_load l = {0};
+    cr_assert_eq(km_cluster_add_remote_load(c, worker, &l), KM_OK);
+    return l;
+}
+
+static bool load_eq(km_active_load a, km_active_load b)
+{
+    return !memcmp(&a, &b, sizeof a);
+}
+
+static uint64_t mono_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+/* Poll `cond` every 5 ms for at most ms milliseconds. */
+#define WAIT_UNTIL(cond, ms)                                              \
+    do {                                                                  \
+        for (int waited_ = 0; !(cond) && waited_ < (ms); waited_ += 5)    \
+            km_test_sleep_ms(5);                                          \
+    } while (0)
+
+static km_cluster_stats stats(km_cluster *c)
+{
+    km_cluster_stats st;
+    cr_assert_eq(km_cluster_get_stats(c, &st), KM_OK);
+    return st;
+}
+
+/* ---- the codec, without NATS ---------------------------------------------------------------- */
+
+Test(cluster, messages_round_trip_and_bad_ones_are_refused_by_reason)
+{
+    km_text t;
+    km_text_init(&t, 0);
+    cluster_worker_load rows[2] = {{3, {2, 1, 100, 10, 9}}, {15, {1, 0, 0, 4, 4}}};
+    char peers[1][KM_CLUSTER_INSTANCE_MAX + 1] = {"b-2"};
+    cluster_message m = {CLUSTER_STATE, "a_1", 77, 5, rows, 2, peers, 1};
+    cr_assert_eq(km_cluster_encode(&t, &m), KM_OK);
+    cluster_message d;
+    km_cluster_refusal r;
+    char why[160];
+    cr_assert(km_cluster_decode("state.a_1", t.data, t.length, WORKERS, &d, &r, why, sizeof why),
+              "%s", why);
+    cr_assert_eq(d.kind, CLUSTER_STATE);
+    cr_assert_str_eq(d.instance, "a_1");
+    cr_assert_eq(d.incarnation, 77);
+    cr_assert_eq(d.seq, 5);
+    cr_assert_eq(d.n_workers, 2);
+    cr_assert_eq(d.workers[1].worker, 15);
+    cr_assert(load_eq(d.workers[0].load, rows[0].load));
+    cr_assert_eq(d.n_peers, 1);
+    cr_assert_str_eq(d.peers[0], "b-2");
+    km_cluster_message_free(&d);
+
+    struct {
+        const char *subject, *body;
+        km_cluster_refusal want;
+    } bad[] = {
+        {"state.a", "not json", KM_CLUSTER_REFUSED_MALFORMED},
+        {"state.a", "[1,2]", KM_CLUSTER_REFUSED_MALFORMED},
+        {"state.a", "{\"v\":2,\"kind\":\"state\",\"instance\":\"a\",\"incarnation\":1,\"seq\":1,"
+                    "\"workers\":[],\"peers\":[]}", KM_CLUSTER_REFUSED_VERSION},
+        {"state.b", "{\"v\":1,\"kind\":\"state\",\"instance\":\"a\",\"incarnation\":1,\"seq\":1,"
+                    "\"workers\":[],\"peers\":[]}", KM_CLUSTER_REFUSED_SUBJECT},
+        {"change.a", "{\"v\":1,\"kind\":\"change\",\"instance\":\"a\",\"incarnation\":1,\"seq\":1,"
+                     "\"workers\":[[16,1,0,0,0,0]]}", KM_CLUSTER_REFUSED_WORKER},
+        {"change.a", "{\"v\":1,\"kind\":\"change\",\"instance\":\"a\",\"incarnation\":1,\"seq\":1,"
+                     "\"workers\":[[1,-1,0,0,0,0]]}", KM_CLUSTER_REFUSED_MALFORMED},
+        {"change.a", "{\"v\":1,\"kind\":\"change\",\"instance\":\"a\",\"incarnation\":1,\"seq\":1,"
+                     "\"workers\":[[1,1,2,0,0,0]]}", KM_CLUSTER_REFUSED_MALFORMED},
+        {"change.a", "{\"v\":1,\"kind\":\"change\",\"instance\":\"a\",\"incarnation\":1,\"seq\":0,"
+                     "\"workers\":[]}", KM_CLUSTER_REFUSED_MALFORMED},
+        {"change.a b", "{\"v\":1,\"kind\":\"change\",\"instance\":\"a b\",\"incarnation\":1,"
+                       "\"seq\":1,\"workers\":[]}", KM_CLUSTER_REFUSED_MALFORMED},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        bool ok = km_cluster_decode(bad[i].subject, bad[i].body, strlen(bad[i].body), WORKERS, &d,
+                                    &r, why, sizeof why);
+        cr_assert(!ok, "case %zu accepted", i);
+        cr_assert_eq(r, bad[i].want, "case %zu: refused as %s (%s), expected %s", i,
+                     km_cluster_refusal_name(r), why, km_cluster_refusal_name(bad[i].want));
+    }
+    km_text_free(&t);
+}
+
+/* ---- through a real nats-server -------------------------------------------------------------- */
+
+Test(cluster, two_instances_converge_on_each_others_load, .init = start_server,
+     .fini = stop_server, .timeout = 60)
+{
+    km_cluster *a = instance("a", server.url, 2000, 0);
+    km_cluster *b = instance("b", server.url, 2000, 0);
+    /* Random changes on both; each side's remote view must end equal to the other's last values
+     * (the oracle: what each published last). */
+    km_rng rng;
+    km_rng_init(&rng, km_test_seed());
+    km_active_load last_a[WORKERS] = {{0}}, last_b[WORKERS] = {{0}};
+    for (int i = 0; i < 400; i++) {
+        uint32_t w = km_rng_below(&rng, WORKERS);
+        km_active_load l = {km_rng_below(&rng, 50), 0, km_rng_below(&rng, 5000),
+                            km_rng_below(&rng, 300), 0};
+        l.prefilling = l.in_flight ? km_rng_below(&rng, (uint32_t)l.in_flight + 1) : 0;
+        l.allocated_blocks = l.active_decode_blocks;
+        if (km_rng_below(&rng, 2)) {
+            cr_assert_eq(km_cluster_publish_load(a, w, &l), KM_OK);
+            last_a[w] = l;
+        } else {
+            cr_assert_eq(km_cluster_publish_load(b, w, &l), KM_OK);
+            last_b[w] = l;
+        }
+    }
+    bool equal = false;
+    for (int t = 0; t < 400 && !equal; t++) {
+        equal = true;
+        for (uint32_t w = 0; w < WORKERS; w++)
+            equal = equal && load_eq(remote(b, w), last_a[w]) && load_eq(remote(a, w), last_b[w]);
+        if (!equal)
+            km_test_sleep_ms(5);
+    }
+    cr_assert(equal, "the two views did not converge within 2 s");
+    km_cluster_view v;
+    cr_assert_eq(km_cluster_get_view(b, mono_ns(), &v), KM_OK);
+    cr_assert_str_eq(v.scope, "cluster");
+    cr_assert_eq(v.instances, 1);
+    cr_assert_eq(v.n_stale, 0);
+    cr_assert(v.oldest_age_ms >= 0 && v.oldest_age_ms < 2000, "age %f", v.oldest_age_ms);
+    cr_assert_eq(stats(b).lost_messages, 0);
+    cr_assert_eq(stats(a).lost_messages, 0);
+    km_cluster_destroy(a);
+    km_cluster_destroy(b);
+}
+
+/* A raw NATS client that speaks for a made-up instance. */
+static natsConnection *raw_connect(void)
+{
+    natsConnection *nc = NULL;
+    natsStatus s = natsConnection_ConnectTo(&nc, server.url);
+    cr_assert_eq(s, NATS_OK, "raw connect: %s", natsStatus_GetText(s));
+    return nc;
+}
+
+static void raw_publish(natsConnection *nc, const char *subject, const char *body)
+{
+    char full[256];
+    snprintf(full, sizeof full, "kvmatch.cluster.%s", subject);
+    cr_assert_eq(natsConnection_PublishString(nc, full, body), NATS_OK);
+    cr_assert_eq(natsConnection_FlushTimeout(nc, 2000), NATS_OK);
+}
+
+static void raw_load(natsConnection *nc, const char *kind, uint64_t incarnation, uint64_t seq,
+                     uint32_t worker, uint64_t in_flight)
+{
+    char subject[64], body[512];
+    snprintf(subject, sizeof subject, "%s.x", kind);
+    snprintf(body, sizeof body,
+             "{\"v\":1,\"kind\":\"%s\",\"instance\":\"x\",\"incarnation\":%llu,\"seq\":%llu,"
+             "\"workers\":[[%u,%llu,0,0,0,0]]%s}",
+             kind, (unsigned long long)incarnation, (unsigned long long)seq, worker,
+             (unsigned long long)in_flight, strcmp(kind, "state") ? "" : ",\"peers\":[]");
+    raw_publish(nc, subject, body);
+}
+
+Test(cluster, a_lost_message_is_counted_and_marks_its_instance_stale_until_a_full_state,
+     .init = start_server, .fini = stop_server, .timeout = 60)
+{
+    km_cluster *b = instance("b", server.url, 10000, 0);
+    natsConnection *nc = raw_connect();
+    raw_load(nc, "state", 5, 1, 2, 7);
+    raw_load(nc, "change", 5, 2, 2, 8);
+    WAIT_UNTIL(remote(b, 2).in_flight == 8, 2000);
+    cr_assert_eq(remote(b, 2).in_flight, 8);
+    km_cluster_view v;
+    km_cluster_get_view(b, mono_ns(), &v);
+    cr_assert_eq(v.n_stale, 0);
+    raw_load(nc, "change", 5, 5, 3, 4); /* seq 3 and 4 never arrive */
+    WAIT_UNTIL(stats(b).lost_messages == 2, 2000);
+    cr_assert_eq(stats(b).lost_messages, 2);
+    km_cluster_get_view(b, mono_ns(), &v);
+    cr_assert_eq(v.n_stale, 1, "the instance with a gap is stale");
+    cr_assert_str_eq(v.stale[0], "x");
+    cr_assert_eq(remote(b, 3).in_flight, 4, "the change after the gap still applies");
+    raw_load(nc, "state", 5, 6, 3, 1); /* a full state replaces everything */
+    WAIT_UNTIL(remote(b, 2).in_flight == 0, 2000);
+    cr_assert_eq(remote(b, 2).in_flight, 0, "worker 2 is absent from the full state: 0");
+    cr_assert_eq(remote(b, 3).in_flight, 1);
+    km_cluster_get_view(b, mono_ns(), &v);
+    cr_assert_eq(v.n_stale, 0);
+    cr_assert_eq(stats(b).lost_messages, 2);
+    natsConnection_Destroy(nc);
+    km_cluster_destroy(b);
+}
+
+Test(cluster, every_injected_loss_between_two_instances_is_detected,
+     .init = start_server, .fini = stop_server, .timeout = 60)
+{
+    km_cluster *a = instance("a", server.url, 2000, 4);
+    km_cluster *b = instance("b", server.url, 2000, 0);
+    for (uint32_t i = 1; i <= 40; i++) {
+        km_active_load l = {i, 0, 0, 0, 0};
+        km_cluster_publish_load(a, i % WORKERS, &l);
+    }
+    /* 10 of the 40 changes were never sent; the next heartbeat state shows every gap. */
+    WAIT_UNTIL(stats(b).lost_messages == 10 && remote(b, 40 % WORKERS).in_flight == 40, 3000);
+    cr_assert_eq(stats(a).publish_failures, 10);
+    cr_assert_eq(stats(b).lost_messages, 10, "lost %llu of 10",
+                 (unsigned long long)stats(b).lost_messages);
+    for (uint32_t w = 0; w < WORKERS; w++) {
+        uint64_t want = 0;
+        for (uint32_t i = 1; i <= 40; i++)
+            if (i % WORKERS == w)
+                want = i;
+        cr_assert_eq(remote(b, w).in_flight, want, "worker %u after the full state", w);
+    }
+    km_cluster_destroy(a);
+    km_cluster_destroy(b);
+}
+
+Test(cluster, a_crashed_instance_contribution_expires, .init = start_server, .fini = stop_server,
+     .timeout = 60)
+{
+    /* The crashing instance is a child process killed with SIGKILL: no goodbye, no flush. It is
+     * forked before this process starts the NATS client's threads. */
+    pid_t child = fork();
+    cr_assert(child >= 0);
+    if (child == 0) {
+        km_cluster *a = instance("a", server.url, 500, 0);
+        km_active_load l = {5, 1, 100, 9, 9};
+        km_cluster_publish_load(a, 1, &l);
+        for (;;)
+            pause();
+    }
+    km_cluster *b = instance("b", server.url, 500, 0);
+    WAIT_UNTIL(remote(b, 1).in_flight == 5, 5000);
+    cr_assert_eq(remote(b, 1).in_flight, 5, "the child's load never arrived");
+    kill(child, SIGKILL);
+    waitpid(child, NULL, 0);
+    uint64_t killed = mono_ns();
+    WAIT_UNTIL(remote(b, 1).in_flight == 0, 3000);
+    double after_ms = (double)(mono_ns() - killed) / 1e6;
+    cr_assert_eq(remote(b, 1).in_flight, 0, "the crashed instance's load is still counted");
+    cr_assert_eq(stats(b).expired_instances, 1);
+    cr_assert(after_ms < 2000, "expired after %.0f ms (expire_ms 500)", after_ms);
+    km_cluster_view v;
+    km_cluster_get_view(b, mono_ns(), &v);
+    cr_assert_eq(v.instances, 0);
+    km_cluster_destroy(b);
+}
+
+Test(cluster, nats_down_at_start_and_mid_run_keeps_the_local_view_and_catches_up,
+     .init = start_server, .fini = stop_server, .timeout = 60)
+{
+    km_cluster *a = instance("a", server.url, 400, 0);
+    km_cluster *b = instance("b", server.url, 400, 0);
+    km_active_load one = {1, 0, 0, 0, 0}, three = {3, 0, 0, 0, 0};
+    km_cluster_publish_load(a, 0, &one);
+    WAIT_UNTIL(remote(b, 0).in_flight == 1, 2000);
+    cr_assert_eq(remote(b, 0).in_flight, 1);
+
+    km_nats_test_server_stop(&server); /* mid-run */
+    WAIT_UNTIL(!stats(b).connected && stats(b).instances == 0, 3000);
+    cr_assert(!stats(b).connected);
+    km_cluster_view v;
+    km_cluster_get_view(b, mono_ns(), &v);
+    cr_assert_str_eq(v.scope, "this_instance", "NATS gone, contributions expired: local view");
+    cr_assert_eq(remote(b, 0).in_flight, 0);
+    cr_assert_eq(km_cluster_publish_load(a, 0, &three), KM_OK, "publishing never fails");
+    cr_assert_geq(stats(a).skipped_disconnected, 1);
+
+    /* Down at start: create succeeds at once and routes on its own view. */
+    char url[64];
+    snprintf(url, sizeof url, "%s", server.url);
+    uint64_t t0 = mono_ns();
+    km_cluster *c = instance("c", url, 400, 0);
+    cr_assert((mono_ns() - t0) / 1000000 < 1500, "create waited for an absent NATS");
+    km_cluster_get_view(c, mono_ns(), &v);
+    cr_assert_str_eq(v.scope, "this_instance");
+
+    char why[256];
+    cr_assert(km_nats_test_server_restart(&server, why, sizeof why), "%s", why);
+    WAIT_UNTIL(remote(b, 0).in_flight == 3 && remote(c, 0).in_flight == 3, 5000);
+    cr_assert_eq(remote(b, 0).in_flight, 3, "b did not catch up with a's change made while down");
+    cr_assert_eq(remote(c, 0).in_flight, 3, "c (down at its start) did not catch up");
+    km_cluster_get_view(b, mono_ns(), &v);
+    cr_assert_str_eq(v.scope, "cluster");
+    cr_assert_geq(stats(b).reconnects, 1);
+    km_cluster_destroy(c);
+    km_cluster_destroy(a);
+    km_cluster_destroy(b);
+}
+
+Test(cluster, a_new_or_restarted_instance_has_the_running_work_when_create_returns,
+     .init = start_server, .fini = stop_server, .timeout = 60)
+{
+    km_cluster *a = instance("a", server.url, 2000, 0);
+    km_cluster *b = instance("b", server.url, 2000, 0);
+    km_active_load la = {4, 2, 300, 20, 18}, lb = {2, 0, 0, 7, 7};
+    km_cluster_publish_load(a, 5, &la);
+    km_cluster_publish_load(b, 6, &lb);
+    WAIT_UNTIL(remote(a, 6).in_flight == 2 && remote(b, 5).in_flight == 4, 2000);
+    cr_assert_eq(remote(a, 6).in_flight, 2);
+
+    km_cluster *c = instance("c", server.url, 2000, 0);
+    /* No waiting: create returned after the sync. */
+    cr_assert(load_eq(remote(c, 5), la), "c misses a's running work");
+    cr_assert(load_eq(remote(c, 6), lb), "c misses b's running work");
+    km_cluster_stats st = stats(c);
+    cr_assert(st.synced);
+    cr_assert_eq(st.sync_peers, 2);
+    cr_assert(st.sync_seconds >= 0 && st.sync_seconds < 2.0, "sync took %f s", st.sync_seconds);
+
+    /* b restarts under the same id: the new b sees a's work at once, and a replaces b's old
+     * contribution with the new incarnation's (which holds nothing yet). */
+    km_cluster_destroy(b);
+    b = instance("b", server.url, 2000, 0);
+    cr_assert(load_eq(remote(b, 5), la), "restarted b misses a's running work");
+    WAIT_UNTIL(remote(a, 6).in_flight == 0, 2000);
+    cr_assert_eq(remote(a, 6).in_flight, 0);
+    cr_assert_geq(stats(a).restarted_instances, 1);
+    km_cluster_destroy(c);
+    km_cluster_destroy(a);
+    km_cluster_destroy(b);
+}
+
+Test(cluster, bad_and_foreign_messages_are_refused_counted_and_harmless, .init = start_server,
+     .fini = stop_server, .timeout = 60)
+{
+    km_cluster *a = instance("a", server.url, 10000, 0);
+    natsConnection *nc = raw_connect();
+    raw_load(nc, "state", 9, 1, 4, 6);
+    WAIT_UNTIL(remote(a, 4).in_flight == 6, 2000);
+    cr_assert_eq(remote(a, 4).in_flight, 6);
+    raw_publish(nc, "state.x", "garbage");
+    raw_publish(nc, "state.x", "{\"v\":3,\"kind\":\"state\",\"instance\":\"x\",\"incarnation\":9,"
+                               "\"seq\":2,\"workers\":[[4,99,0,0,0,0]],\"peers\":[]}");
+    raw_publish(nc, "change.y", "{\"v\":1,\"kind\":\"change\",\"instance\":\"x\",\"incarnation\":9,"
+                                "\"seq\":2,\"workers\":[[4,99,0,0,0,0]]}");
+    raw_publish(nc, "change.x", "{\"v\":1,\"kind\":\"change\",\"instance\":\"x\",\"incarnation\":9,"
+                                "\"seq\":2,\"workers\":[[9999,99,0,0,0,0]]}");
+    raw_publish(nc, "change.a", "{\"v\":1,\"kind\":\"change\",\"instance\":\"a\",\"incarnation\":9,"
+                                "\"seq\":1,\"workers\":[[4,99,0,0,0,0]]}");
+    raw_load(nc, "change", 9, 1, 4, 99); /* a duplicate sequence number */
+    raw_load(nc, "change", 8, 2, 4, 99); /* an older incarnation */
+    raw_publish(nc, "elsewhere", "{}");
+    km_cluster_stats st;
+    /* Messages of one publisher arrive in order: the last one counted means all were seen. */
+    WAIT_UNTIL((st = stats(a)).refused[KM_CLUSTER_REFUSED_MALFORMED] == 2, 2000);
+    cr_assert_eq(st.refused[KM_CLUSTER_REFUSED_MALFORMED], 2, "garbage and the unknown subject");
+    cr_assert_eq(st.refused[KM_CLUSTER_REFUSED_VERSION], 1);
+    cr_assert_eq(st.refused[KM_CLUSTER_REFUSED_SUBJECT], 1);
+    cr_assert_eq(st.refused[KM_CLUSTER_REFUSED_WORKER], 1);
+    cr_assert_eq(st.refused[KM_CLUSTER_REFUSED_OWN_ID], 1);
+    cr_assert_eq(st.refused[KM_CLUSTER_REFUSED_DUPLICATE], 1);
+    cr_assert_eq(st.refused[KM_CLUSTER_REFUSED_OLD_INCARNATION], 1);
+    cr_assert_neq(st.last_refusal[0], '\0');
+    cr_assert_eq(remote(a, 4).in_flight, 6, "a refused message changed the view");
+    cr_assert_eq(st.lost_messages, 0);
+    /* and the handle keeps applying good messages */
+    raw_load(nc, "change", 9, 2, 4, 7);
+    WAIT_UNTIL(remote(a, 4).in_flight == 7, 2000);
+    cr_assert_eq(remote(a, 4).in_flight, 7);
+    natsConnection_Destroy(nc);
+    km_cluster_destroy(a);
+}
