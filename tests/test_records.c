@@ -927,7 +927,7 @@ Test(records, every_line_validates_against_the_schema, .timeout = 120)
         const char *from, *to;
     } corruptions[] = {
         {"\"units\":\"blocks\"", "\"units\":\"tokens\""},
-        {"\"scope\":\"this_instance\"", "\"scope\":\"cluster\""},
+        {"\"scope\":\"this_instance\"", "\"scope\":\"everyone\""},
         {"\"depth_tokens\":192", "\"depth_tokens\":193"},
         {"\"owner_is_chosen\":false", "\"owner_is_chosen\":true"},
         {"\"source\":\"events\"", "\"source\":\"guess\""},

@@ -167,7 +167,14 @@ typedef struct km_decision_record {
     const char *reason;                /* why this worker, e.g. "min_cost"; NULL = null */
     const char *load_kind;             /* required: the load signal, e.g. "in_flight_requests" */
     double load_value;                 /* the chosen worker's value of that signal; NAN = null */
-    /* scope is always "this_instance": the load this kvmatch instance saw. */
+    /* Whose load view the decision used (docs/CLUSTER.md): "this_instance" (NULL means it) or
+     * "cluster". With "cluster" the record adds load_instances (remote contributions applied),
+     * load_oldest_age_ms (since the oldest one's last message; NAN = null) and
+     * load_stale_instances (the stale ones' ids, comma-separated; NULL = none). */
+    const char *load_scope;
+    int64_t load_instances;
+    double load_oldest_age_ms;
+    const char *load_stale_instances;
 
     const km_record_candidate *candidates; /* may be NULL when n_candidates == 0 */
     size_t n_candidates;

@@ -89,6 +89,17 @@ typedef struct km_server_config {
     uint64_t records_max_age_s;
     const char *snapshot_dir; /* event pools' snapshots <dir>/<pool>.snap; NULL = none */
     uint32_t snapshot_interval_ms; /* periodic snapshots; 0 = only at shutdown; default 60,000 */
+    /* The cluster view (docs/CLUSTER.md): with cluster_url the instance shares its active work
+     * with the others over NATS under cluster_instance (required then) and adds theirs to its
+     * decisions' load; the server is created (so ready) only after the peers' state was taken.
+     * cluster_subject: subject prefix, NULL = "kvmatch.cluster"; the intervals: 0 = the
+     * km_cluster defaults (heartbeat 200 ms, expiry 1000 ms, sync timeout 2000 ms). */
+    const char *cluster_url;
+    const char *cluster_instance;
+    const char *cluster_subject;
+    uint32_t cluster_heartbeat_ms;
+    uint32_t cluster_expire_ms;
+    uint32_t cluster_sync_timeout_ms;
 
     uint32_t max_workers;     /* worker ids 0 .. max_workers - 1; default 1024 */
     km_backend_kind backend;  /* scoring backend of every pool's index; default AUTO */

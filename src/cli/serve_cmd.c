@@ -46,6 +46,9 @@ static void serve_usage(FILE *f)
             "  --breaker-cooldown-ms N  --ready-share X (0..1)  --seed N\n"
             "  --log-format text|json   log lines: timestamp, level, component (default text)\n"
             "  --log-file PATH          log to PATH instead of stderr (reopened on SIGHUP)\n"
+            "  --cluster nats://HOST:PORT|none  share active work with the other instances over\n"
+            "                           NATS (docs/CLUSTER.md); needs --instance\n"
+            "  --instance ID            this instance's id in the cluster (A-Z a-z 0-9 _ -)\n"
             "Without --config and --pool, one pool \"default\" (block size 16, policy ttft) is made.\n"
             "SIGTERM / SIGINT: stop accepting, finish queued decisions, flush records, snapshot, exit.\n"
             "SIGHUP: reopen the records and log files, reload the config file's pools, workers and\n"
@@ -70,6 +73,7 @@ enum {
     OPT_INLINE_ROUTES, OPT_MAX_CONNECTIONS, OPT_DRAIN_TIMEOUT_MS, OPT_ACTIVE_TTL_MS,
     OPT_MAX_ACTIVE_ENTRIES, OPT_MAX_ACTIVE_BYTES, OPT_APPROX_DISPATCH_MAX_BYTES, OPT_BREAKER_FAILURES,
     OPT_BREAKER_COOLDOWN_MS, OPT_READY_SHARE, OPT_SEED, OPT_LOG_FORMAT, OPT_LOG_FILE,
+    OPT_CLUSTER, OPT_INSTANCE,
     /* older names of the same settings */
     OPT_OLD_SNAPSHOT_INTERVAL_S, OPT_OLD_MAX_BATCH, OPT_OLD_ACTIVE_TTL_S, OPT_OLD_MAX_ACTIVE,
     OPT_OLD_APPROX_DISPATCH_MB,
@@ -107,6 +111,8 @@ static const struct option serve_options[] = {
     {"seed", required_argument, NULL, OPT_SEED},
     {"log-format", required_argument, NULL, OPT_LOG_FORMAT},
     {"log-file", required_argument, NULL, OPT_LOG_FILE},
+    {"cluster", required_argument, NULL, OPT_CLUSTER},
+    {"instance", required_argument, NULL, OPT_INSTANCE},
     {"snapshot-interval-s", required_argument, NULL, OPT_OLD_SNAPSHOT_INTERVAL_S},
     {"max-batch", required_argument, NULL, OPT_OLD_MAX_BATCH},
     {"active-ttl-s", required_argument, NULL, OPT_OLD_ACTIVE_TTL_S},
@@ -196,6 +202,8 @@ static int apply_flags(int argc, char **argv, km_server_config *cfg)
         case OPT_HTTP: cfg->http = v; break;
         case OPT_RECORDS: cfg->records_path = strcmp(v, "none") ? v : NULL; break;
         case OPT_SNAPSHOT_DIR: cfg->snapshot_dir = v; break;
+        case OPT_CLUSTER: cfg->cluster_url = strcmp(v, "none") ? v : NULL; break;
+        case OPT_INSTANCE: cfg->cluster_instance = v; break;
         case OPT_OLD_SNAPSHOT_INTERVAL_S:
             deprecated("snapshot-interval-s", "snapshot-interval-ms");
             if (!km_cli_u32("serve", "snapshot-interval-s", v, 0, 86400, &u))

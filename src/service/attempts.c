@@ -222,6 +222,7 @@ void km_srv_record_expired(void *user, const km_active_summary *sum)
     atomic_fetch_add(&s->st.expired, 1);
     km_counter_add(s->m_expired, 1);
     end_attempt(s, sum, KM_RECORD_OUTCOME_EXPIRED, NULL);
+    km_srv_cluster_publish(s, sum->worker);
 }
 
 /* An entry ended early to make room: its outcome is `expired` (FINISHED never came), with the
@@ -238,12 +239,14 @@ void km_srv_record_evicted(void *user, const km_active_summary *sum)
                    s->cfg.active_ttl_ms);
     end_attempt(s, sum, KM_RECORD_OUTCOME_EXPIRED,
                 "evicted before its TTL: the active-work table was full (max_active_entries)");
+    km_srv_cluster_publish(s, sum->worker);
 }
 
 /* An entry ended because its worker left the pool: an `error` outcome record saying so. */
 void km_srv_record_removed(void *user, const km_active_summary *sum)
 {
     end_attempt(user, sum, KM_RECORD_OUTCOME_ERROR, "worker removed from its pool before FINISHED");
+    km_srv_cluster_publish(user, sum->worker);
 }
 
 static km_active_end active_end_of(km_outcome o)
@@ -318,8 +321,10 @@ static int lifecycle_one(km_server *s, const km_lifecycle_event *ev, char *msg, 
                  : ev->kind == KM_LIFECYCLE_FIRST_TOKEN
                      ? km_active_first_token(s->active, &key, KM_ACTIVE_CACHED_UNKNOWN, now)
                      : km_active_finish(s->active, &key, active_end_of(ev->outcome), now, NULL);
-        if (rc == KM_OK)
+        if (rc == KM_OK) {
+            km_srv_cluster_publish_all(s); /* its worker is not known here; rare (no memory) */
             return KM_OK;
+        }
         if (rc != KM_ERR_NOT_FOUND)
             return km_why(msg, msg_size, rc, "%s", km_active_last_error(s->active));
     }
@@ -344,6 +349,8 @@ static int lifecycle_one(km_server *s, const km_lifecycle_event *ev, char *msg, 
         rc = km_active_move(s->active, &key, ev->worker, now);
         if (rc != KM_OK)
             return km_why(msg, msg_size, rc, "%s", km_active_last_error(s->active));
+        km_srv_cluster_publish(s, a->worker);
+        km_srv_cluster_publish(s, ev->worker);
         s->pools[pi]->overrides_seen = true;
         a->worker = ev->worker;
         memcpy(a->dispatched_name, s->workers[ev->worker].name, sizeof a->dispatched_name);
@@ -369,8 +376,10 @@ static int lifecycle_one(km_server *s, const km_lifecycle_event *ev, char *msg, 
             a->router_ttft_ms = ev->elapsed_ms; /* the first FIRST_TOKEN counts, as its time does */
         /* Streaming has begun: the router knows where the attempt went and has said so, if it
          * overrode the choice (lesson_queue). Its hashes make room for newer decisions'. */
-        if (rc == KM_OK)
+        if (rc == KM_OK) {
             attempt_drop_hashes(&s->attempt_cache, a);
+            km_srv_cluster_publish(s, a->worker);
+        }
         break;
     case KM_LIFECYCLE_FINISHED: {
         if (ev->has_cached_tokens)
@@ -378,6 +387,7 @@ static int lifecycle_one(km_server *s, const km_lifecycle_event *ev, char *msg, 
         km_active_summary sum;
         rc = km_active_finish(s->active, &key, active_end_of(ev->outcome), now, &sum);
         if (rc == KM_OK) {
+            km_srv_cluster_publish(s, a->worker);
             /* the worker the attempt ran on */
             km_srv_breaker_outcome(s, a->worker, ev->outcome, now);
             write_outcome(s, a, record_outcome_of(ev->outcome), ev, &sum, NULL);

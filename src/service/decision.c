@@ -91,6 +91,7 @@ typedef struct route_choice {
     bool observed;               /* the prediction is an observation (events), else approx */
     km_active_key key;
     uint64_t decision_id;
+    srv_load_view view; /* whose load the candidates carry (cluster_view.c) */
 } route_choice;
 
 /* The route's candidates, each with its match (depth by tier), its load and its indexed blocks,
@@ -130,6 +131,7 @@ static bool gather_candidates(km_server *s, route_job *r, const pool *p,
     const km_worker_match *m = p->results.matches + rr->first;
     const km_match_tiers *tiers = p->results.tiers + rr->first;
     c->now = now_ns();
+    km_srv_cluster_label(s, c->now, &c->view);
     /* Queued depths are read where a policy may weigh them: pools that promise queued prefixes,
      * and routes that name their own policy. */
     bool queued = queues_prefixes(p) || r->policy_name;
@@ -152,6 +154,7 @@ static bool gather_candidates(km_server *s, route_job *r, const pool *p,
         }
         km_active_load load;
         if (km_active_worker_load(s->active, ids[i], &load) == KM_OK) {
+            km_srv_cluster_add_load(s, ids[i], &load);
             pc->in_flight = load.in_flight > UINT32_MAX ? UINT32_MAX : (uint32_t)load.in_flight;
             pc->prefilling = load.prefilling > UINT32_MAX ? UINT32_MAX : (uint32_t)load.prefilling;
             pc->pending_prefill_tokens = load.pending_prefill_tokens;
@@ -292,6 +295,7 @@ static bool begin_active_work(km_server *s, route_job *r, const pool *p, route_c
     if (queues_prefixes(p) && covered < r->n_hashes)
         km_active_queue_blocks(s->active, &c->key, r->hashes + covered, r->n_hashes - covered);
     c->decision_id = atomic_fetch_add(&s->next_decision_id, 1);
+    km_srv_cluster_publish(s, c->chosen);
     return true;
 }
 
@@ -313,6 +317,7 @@ static bool fill_reply(km_server *s, job *j, route_job *r, const pool *p, const 
         rows = km_srv_job_alloc(j, c->n * sizeof *rows);
         if (!rows) {
             km_active_finish(s->active, &c->key, KM_ACTIVE_END_ERROR, c->now, NULL);
+            km_srv_cluster_publish(s, c->chosen);
             km_srv_route_fail(r, KM_ERR_OUT_OF_MEMORY, "reply candidates");
             return false;
         }
@@ -352,8 +357,16 @@ static bool fill_reply(km_server *s, job *j, route_job *r, const pool *p, const 
     d->policy = km_policy_kind_name(c->kind);
     d->reason = km_policy_reason_name(c->reason);
     d->load_kind = km_policy_load_kind(c->kind);
-    d->load_scope = "this_instance";
+    d->load_scope = c->view.scope;
     d->load_value = km_policy_load_value(c->kind, &b->cands[c->chosen_at]);
+    d->load_instances = c->view.instances;
+    d->load_oldest_age_ms = c->view.oldest_age_ms;
+    d->load_stale_instances = "";
+    if (c->view.stale[0]) {
+        char *stale = km_srv_job_alloc(j, strlen(c->view.stale) + 1);
+        if (stale)
+            d->load_stale_instances = strcpy(stale, c->view.stale);
+    }
     d->candidates = rows;
     d->n_candidates = rows ? c->n : 0;
     return true;
@@ -429,6 +442,10 @@ static void record_decision(km_server *s, const route_job *r, const pool *p, bat
     rec.reason = km_policy_reason_name(c->reason);
     rec.load_kind = km_policy_load_kind(c->kind);
     rec.load_value = km_policy_load_value(c->kind, &b->cands[c->chosen_at]);
+    rec.load_scope = c->view.scope;
+    rec.load_instances = c->view.instances;
+    rec.load_oldest_age_ms = c->view.oldest_age_ms;
+    rec.load_stale_instances = c->view.stale[0] ? c->view.stale : NULL;
     for (uint32_t i = 0; i < c->n; i++) {
         const km_policy_candidate *pc = &b->cands[i];
         km_record_candidate *row = &b->rcands[i];

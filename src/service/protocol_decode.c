@@ -581,19 +581,20 @@ static int decode_decision(km_protocol_decoder *d, const msgpack_object *o, km_r
     enum { STATUS, MESSAGE, REQUEST_ID, ATTEMPT_ID, DECISION_ID, POOL, CHOSEN_WORKER,
            CHOSEN_DEPTH, CHOSEN_STATE, OWNER_WORKER, OWNER_DEPTH, OWNER_STATE, N_BLOCKS,
            BLOCK_SIZE, SOURCE, POLICY, REASON, LOAD_KIND, LOAD_SCOPE, LOAD_VALUE, CANDIDATES,
-           N_FIELDS };
+           LOAD_INSTANCES, LOAD_OLDEST_AGE_MS, LOAD_STALE_INSTANCES, N_FIELDS };
     static const char *const names[N_FIELDS] = {
         "status",      "message",      "request_id",   "attempt_id",   "decision_id",
         "pool",        "chosen_worker", "chosen_depth", "chosen_state", "owner_worker",
         "owner_depth", "owner_state",  "n_blocks",     "block_size",   "source",
         "policy",      "reason",       "load_kind",    "load_scope",   "load_value",
-        "candidates"};
+        "candidates",  "load_instances", "load_oldest_age_ms", "load_stale_instances"};
     const msgpack_object *v[N_FIELDS];
     int rc = bind_fields(d, o, NULL, names, N_FIELDS, v);
     if (rc)
         return rc;
     int status = KM_OK;
     r->load_value = NAN; /* nil or absent: the policy weighed no load */
+    r->load_oldest_age_ms = NAN;
     if ((rc = OPT(read_status(d, v[STATUS], "status", &status), v[STATUS])) ||
         (rc = OPT(read_str(d, v[REQUEST_ID], "request_id", &r->request_id), v[REQUEST_ID])) ||
         (rc = OPT(read_attempt_id(d, v[ATTEMPT_ID], &r->attempt_id), v[ATTEMPT_ID])))
@@ -625,7 +626,13 @@ static int decode_decision(km_protocol_decoder *d, const msgpack_object *o, km_r
         (rc = OPT(read_str(d, v[REASON], "reason", &r->reason), v[REASON])) ||
         (rc = OPT(read_str(d, v[LOAD_KIND], "load_kind", &r->load_kind), v[LOAD_KIND])) ||
         (rc = OPT(read_str(d, v[LOAD_SCOPE], "load_scope", &r->load_scope), v[LOAD_SCOPE])) ||
-        (rc = OPT(read_double(d, v[LOAD_VALUE], "load_value", &r->load_value), v[LOAD_VALUE])))
+        (rc = OPT(read_double(d, v[LOAD_VALUE], "load_value", &r->load_value), v[LOAD_VALUE])) ||
+        (rc = OPT(read_u32(d, v[LOAD_INSTANCES], "load_instances", &r->load_instances),
+                  v[LOAD_INSTANCES])) ||
+        (rc = OPT(read_double(d, v[LOAD_OLDEST_AGE_MS], "load_oldest_age_ms",
+                              &r->load_oldest_age_ms), v[LOAD_OLDEST_AGE_MS])) ||
+        (rc = OPT(read_str(d, v[LOAD_STALE_INSTANCES], "load_stale_instances",
+                           &r->load_stale_instances), v[LOAD_STALE_INSTANCES])))
         return rc;
     if (v[OWNER_WORKER]) {
         r->has_owner = true;

@@ -343,6 +343,12 @@ static void encode_decision(writer *w, const km_route_decision *d, uint32_t i)
     put_str(w, &m, "load_kind", d->load_kind);
     put_str(w, &m, "load_scope", d->load_scope);
     put_double_or_nil(w, &m, "load_value", d->load_value);
+    if (d->load_scope && !strcmp(d->load_scope, "cluster")) {
+        put_u64(w, &m, "load_instances", d->load_instances);
+        put_double_or_nil(w, &m, "load_oldest_age_ms", d->load_oldest_age_ms);
+        put_str(w, &m, "load_stale_instances",
+                d->load_stale_instances ? d->load_stale_instances : "");
+    }
     if (check_array(w, where, "candidates", d->candidates, d->n_candidates)) {
         /* Positional rows (docs/PROTOCOL.md, "ROUTE -> DECISION", `candidates`): less than half
          * the msgpack values of one map per candidate, to encode and to decode. */

@@ -114,6 +114,7 @@ void km_decision_record_init(km_decision_record *r)
     r->expected_output_tokens = KM_RECORD_ABSENT;
     r->scored_monotonic_ns = KM_RECORD_ABSENT;
     r->load_value = NAN;
+    r->load_oldest_age_ms = NAN;
 }
 
 void km_outcome_record_init(km_outcome_record *r)
@@ -690,7 +691,32 @@ int km_decision_record_format(const km_decision_record *r, char **line, size_t *
     open_container(&b, "load", '{');
     put_name(&b, "kind", r->load_kind, true);
     put_real(&b, "value", r->load_value);
-    emit_string(&b, "scope", "this_instance");
+    bool cluster = r->load_scope && !strcmp(r->load_scope, "cluster");
+    if (r->load_scope && !cluster && strcmp(r->load_scope, "this_instance"))
+        fail(&b, KM_ERR_INVALID_ARGUMENT, "field decision.load.scope is \"%s\", not "
+             "this_instance or cluster", r->load_scope);
+    emit_string(&b, "scope", cluster ? "cluster" : "this_instance");
+    if (cluster) {
+        put_count(&b, "instances", r->load_instances < 0 ? 0 : r->load_instances, true);
+        put_real(&b, "oldest_age_ms", r->load_oldest_age_ms);
+        open_container(&b, "stale_instances", '[');
+        /* ids are [A-Za-z0-9_-] (the cluster refuses others): split at commas */
+        for (const char *p = r->load_stale_instances; p && *p && b.status == KM_OK;) {
+            const char *comma = strchr(p, ',');
+            size_t n = comma ? (size_t)(comma - p) : strlen(p);
+            char id[80];
+            if (n >= sizeof id) {
+                fail(&b, KM_ERR_INVALID_ARGUMENT, "field decision.load.stale_instances: an id "
+                     "longer than %zu bytes", sizeof id - 1);
+                break;
+            }
+            memcpy(id, p, n);
+            id[n] = '\0';
+            emit_string(&b, NULL, id);
+            p += n + (comma != NULL);
+        }
+        close_container(&b, ']');
+    }
     close_container(&b, '}');
     close_container(&b, '}');
     annotate(&b, before, "decision");

@@ -189,6 +189,7 @@ void km_server_destroy(km_server *s)
         free(l);
     }
     km_u64map_free(&s->attempts_by_decision);
+    km_cluster_destroy(s->cluster);
     km_active_destroy(s->active);
     km_srv_scratch_free(&s->scratch);
     if (s->records) {
@@ -390,6 +391,9 @@ int km_server_create(const km_server_config *cfg_in, km_server **out, char *why,
             }
         }
     }
+    /* Before the probes answer: a cluster member is ready only with the peers' active work. */
+    if (!rc)
+        rc = km_srv_cluster_start(s, why, why_size);
     if (!rc) {
         uv_async_init(&s->loop, &s->wake, km_srv_on_wake);
         s->wake.data = s;

@@ -482,10 +482,12 @@ int km_server_config_load_json(const char *path, km_server_config *target, km_se
         "socket", "tcp", "http", "allow_non_loopback", "default_pool", "max_connections",
         "max_outbox_bytes", "active_ttl_ms", "max_active_entries", "max_active_bytes", "approx_dispatch_max_bytes",
         "breaker_failures", "breaker_cooldown_ms", "ready_share", "drain_timeout_ms", "seed",
-        "records", "snapshot", "index", "scheduler", "limits", "pools", NULL};
+        "records", "snapshot", "index", "scheduler", "limits", "cluster", "pools", NULL};
     static const char *const records_keys[] = {"path",           "max_file_bytes", "keep_files",
                                                "max_kept_bytes", "max_age_s",      NULL};
     static const char *const snapshot_keys[] = {"dir", "interval_ms", NULL};
+    static const char *const cluster_keys[] = {"url", "instance", "subject", "heartbeat_ms",
+                                               "expire_ms", "sync_timeout_ms", NULL};
     static const char *const index_keys[] = {"max_workers", "threads", "memory_cap_bytes",
                                              "initial_blocks", "backend", NULL};
     static const char *const scheduler_keys[] = {"max_batch_routes",  "max_queued_routes",
@@ -498,6 +500,7 @@ int km_server_config_load_json(const char *path, km_server_config *target, km_se
     if (json_is_object(json_object_get(root, "records")))
         check_keys(&r, json_object_get(root, "records"), "records", records_keys);
     check_keys(&r, json_object_get(root, "snapshot"), "snapshot", snapshot_keys);
+    check_keys(&r, json_object_get(root, "cluster"), "cluster", cluster_keys);
     check_keys(&r, json_object_get(root, "index"), "index", index_keys);
     check_keys(&r, json_object_get(root, "scheduler"), "scheduler", scheduler_keys);
     check_keys(&r, json_object_get(root, "limits"), "limits", limits_keys);
@@ -538,6 +541,17 @@ int km_server_config_load_json(const char *path, km_server_config *target, km_se
             r.rc = km_why(why, why_size, KM_ERR_PARSE, "snapshot: expected an object");
         get_string(&r, snap, "dir", "snapshot.", &cfg->snapshot_dir);
         get_u32(&r, snap, "interval_ms", "snapshot.", 0, UINT32_MAX, &cfg->snapshot_interval_ms);
+    }
+    json_t *clu = json_object_get(root, "cluster");
+    if (clu && !r.rc) {
+        if (!json_is_object(clu))
+            r.rc = km_why(why, why_size, KM_ERR_PARSE, "cluster: expected an object");
+        get_string(&r, clu, "url", "cluster.", &cfg->cluster_url);
+        get_string(&r, clu, "instance", "cluster.", &cfg->cluster_instance);
+        get_string(&r, clu, "subject", "cluster.", &cfg->cluster_subject);
+        get_u32(&r, clu, "heartbeat_ms", "cluster.", 10, 600000, &cfg->cluster_heartbeat_ms);
+        get_u32(&r, clu, "expire_ms", "cluster.", 20, 3600000, &cfg->cluster_expire_ms);
+        get_u32(&r, clu, "sync_timeout_ms", "cluster.", 0, 600000, &cfg->cluster_sync_timeout_ms);
     }
     json_t *idx = json_object_get(root, "index");
     if (idx && !r.rc) {

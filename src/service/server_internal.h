@@ -57,6 +57,7 @@
 #include "base/u64_map.h"
 #include "kvmatch/active.h"
 #include "kvmatch/approx.h"
+#include "kvmatch/cluster.h"
 #include "kvmatch/metrics.h"
 #include "kvmatch/policy.h"
 #include "kvmatch/records.h"
@@ -327,6 +328,7 @@ struct km_server {
     uv_idle_t expiry_more;   /* runs while a full slice ended */
     bool expiry_timer_inited;
 
+    km_cluster *cluster; /* NULL without cluster_url (cluster_view.c; thread-safe) */
     km_record_writer *records;
     char instance[33];
     char host[128];
@@ -472,6 +474,28 @@ void km_srv_handle_status(conn *c, const km_message *m);
 #define KM_SRV_READINESS_REASON_BYTES (KM_RECORD_WRITER_ERROR_BYTES + 256u)
 /* Ready to take traffic, and why (or why not) in reason; see status.c. */
 bool km_srv_readiness(km_server *s, char *reason, size_t reason_size);
+
+/* The cluster view (cluster_view.c, docs/CLUSTER.md). km_srv_cluster_start makes s->cluster from
+ * the configuration (a no-op without cluster_url) and returns once the peers' state was taken.
+ * The publishers read km_active, so active_lock is held; they send a worker's load only when it
+ * changed. km_srv_cluster_add_load adds the other instances' load of a worker; the label is what
+ * a decision says about its load view, its strings valid while *v is. */
+typedef struct srv_load_view {
+    const char *scope; /* "this_instance" or "cluster" (static) */
+    uint32_t instances;
+    double oldest_age_ms; /* NAN when no remote contribution */
+    char stale[8 * (KM_CLUSTER_INSTANCE_MAX + 1)]; /* comma-separated ids; "" = none */
+} srv_load_view;
+int km_srv_cluster_start(km_server *s, char *why, size_t why_size);
+void km_srv_cluster_publish(km_server *s, uint32_t worker);
+void km_srv_cluster_publish_all(km_server *s);
+void km_srv_cluster_add_load(km_server *s, uint32_t worker, km_active_load *load);
+void km_srv_cluster_label(km_server *s, uint64_t now, srv_load_view *v);
+/* /status's "cluster" object (a new reference; JSON null without a cluster) and the
+ * kvmatch_cluster_* metrics (nothing without one). */
+struct json_t;
+struct json_t *km_srv_cluster_status(km_server *s);
+void km_srv_cluster_metrics(km_server *s, km_text *out);
 km_http_callbacks km_srv_http_callbacks(km_server *s);
 int km_srv_metrics_setup(km_server *s);
 

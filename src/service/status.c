@@ -205,6 +205,7 @@ static int http_status(void *user, km_text *out)
     pthread_mutex_unlock(&s->admin_lock);
     json_object_set_new(root, "pools", pools);
     json_object_set_new(root, "workers", workers);
+    json_object_set_new(root, "cluster", km_srv_cluster_status(s));
     /* 10 significant digits: 1.513605972, not 1.5136059719999999 */
     char *text = json_dumps(root, JSON_COMPACT | JSON_REAL_PRECISION(10));
     json_decref(root);
@@ -394,6 +395,7 @@ static int http_metrics(void *user, km_text *out)
                          "CUDA backend.", KM_METRIC_GAUGE);
     km_prom_write_sample_u64(out, "kvmatch_build_info", build, 2, 1);
     write_process_metrics(out, s);
+    km_srv_cluster_metrics(s, out);
     struct {
         const char *name, *help;
         km_metric_type type;

@@ -1,0 +1,194 @@
+/* The service's side of the cluster view (docs/CLUSTER.md): the km_cluster handle made from the
+ * configuration, this instance's per-worker load published after every change of active work,
+ * the other instances' load added to each candidate's, and the label every decision carries.
+ * Without a cluster configured each function is a no-op and decisions say "this_instance". */
+#include <math.h>
+#include <stdio.h>
+#include <string.h>
+
+#include <jansson.h>
+
+#include "base/error_detail.h"
+#include "kvmatch/metrics.h"
+#include "service/server_internal.h"
+
+int km_srv_cluster_start(km_server *s, char *why, size_t why_size)
+{
+    const km_server_config *cfg = &s->cfg;
+    if (!cfg->cluster_url)
+        return KM_OK;
+    if (!cfg->cluster_instance)
+        return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,
+                      "cluster %s: an instance id is required (--instance, cluster.instance)",
+                      cfg->cluster_url);
+    km_cluster_config cc;
+    km_cluster_config_init(&cc);
+    cc.url = cfg->cluster_url;
+    cc.instance = cfg->cluster_instance;
+    if (cfg->cluster_subject)
+        cc.subject_prefix = cfg->cluster_subject;
+    cc.max_workers = cfg->max_workers;
+    if (cfg->cluster_heartbeat_ms)
+        cc.heartbeat_ms = cfg->cluster_heartbeat_ms;
+    if (cfg->cluster_expire_ms)
+        cc.expire_ms = cfg->cluster_expire_ms;
+    else if (cc.expire_ms <= cc.heartbeat_ms)
+        cc.expire_ms = 5 * cc.heartbeat_ms;
+    if (cfg->cluster_sync_timeout_ms)
+        cc.sync_timeout_ms = cfg->cluster_sync_timeout_ms;
+    cc.log = s->log;
+    cc.log_user = s->log_user;
+    char detail[256] = "";
+    int rc = km_cluster_create(&cc, &s->cluster, detail, sizeof detail);
+    if (rc != KM_OK)
+        return km_why(why, why_size, rc, "cluster: %s", detail);
+    km_cluster_stats st;
+    km_cluster_get_stats(s->cluster, &st);
+    if (st.connected)
+        km_srv_log(s, "cluster %s as %s: took the view of %u peer%s in %.3f s", cfg->cluster_url,
+                   cfg->cluster_instance, st.sync_peers, st.sync_peers == 1 ? "" : "s",
+                   st.sync_seconds);
+    else
+        km_srv_log(s, "cluster %s unreachable: routing on this instance's view (load scope "
+                   "this_instance) until it is", cfg->cluster_url);
+    return KM_OK;
+}
+
+void km_srv_cluster_publish(km_server *s, uint32_t worker)
+{
+    km_active_load load;
+    if (s->cluster && km_active_worker_load(s->active, worker, &load) == KM_OK)
+        km_cluster_publish_load(s->cluster, worker, &load);
+}
+
+void km_srv_cluster_publish_all(km_server *s)
+{
+    for (uint32_t w = 0; s->cluster && w < s->cfg.max_workers; w++)
+        km_srv_cluster_publish(s, w);
+}
+
+void km_srv_cluster_add_load(km_server *s, uint32_t worker, km_active_load *load)
+{
+    if (s->cluster)
+        km_cluster_add_remote_load(s->cluster, worker, load);
+}
+
+void km_srv_cluster_label(km_server *s, uint64_t now, srv_load_view *v)
+{
+    memset(v, 0, sizeof *v);
+    v->scope = "this_instance";
+    v->oldest_age_ms = NAN;
+    km_cluster_view cv;
+    if (!s->cluster || km_cluster_get_view(s->cluster, now, &cv) != KM_OK)
+        return;
+    v->scope = cv.scope;
+    v->instances = cv.instances;
+    v->oldest_age_ms = cv.oldest_age_ms;
+    size_t at = 0;
+    for (uint32_t i = 0; i < cv.n_stale && i < 8; i++) {
+        int n = snprintf(v->stale + at, sizeof v->stale - at, "%s%s", i ? "," : "", cv.stale[i]);
+        if (n < 0 || (size_t)n >= sizeof v->stale - at)
+            break;
+        at += (size_t)n;
+    }
+}
+
+/* /status "cluster": null without one. */
+json_t *km_srv_cluster_status(km_server *s)
+{
+    km_cluster_stats st;
+    if (!s->cluster || km_cluster_get_stats(s->cluster, &st) != KM_OK)
+        return json_null();
+    srv_load_view v;
+    km_srv_cluster_label(s, now_ns(), &v);
+    json_t *o = json_object();
+    json_object_set_new(o, "instance", json_string(s->cfg.cluster_instance));
+    json_object_set_new(o, "connected", json_boolean(st.connected));
+    json_object_set_new(o, "synced", json_boolean(st.synced));
+    json_object_set_new(o, "sync_seconds", isnan(st.sync_seconds) ? json_null()
+                                                                  : json_real(st.sync_seconds));
+    json_object_set_new(o, "sync_peers", json_integer(st.sync_peers));
+    json_object_set_new(o, "load_scope", json_string(v.scope));
+    json_object_set_new(o, "instances", json_integer(v.instances));
+    json_object_set_new(o, "oldest_age_ms", isnan(v.oldest_age_ms) ? json_null()
+                                                                   : json_real(v.oldest_age_ms));
+    json_t *stale = json_array();
+    for (char *p = v.stale; *p;) {
+        char *comma = strchr(p, ',');
+        size_t n = comma ? (size_t)(comma - p) : strlen(p);
+        json_array_append_new(stale, json_stringn(p, n));
+        p += n + (comma != NULL);
+    }
+    json_object_set_new(o, "stale_instances", stale);
+    json_object_set_new(o, "sent", json_integer((json_int_t)st.sent));
+    json_object_set_new(o, "applied", json_integer((json_int_t)st.applied));
+    json_object_set_new(o, "lost_messages", json_integer((json_int_t)st.lost_messages));
+    json_object_set_new(o, "expired_instances", json_integer((json_int_t)st.expired_instances));
+    json_object_set_new(o, "restarted_instances",
+                        json_integer((json_int_t)st.restarted_instances));
+    json_object_set_new(o, "publish_failures", json_integer((json_int_t)st.publish_failures));
+    json_object_set_new(o, "skipped_disconnected",
+                        json_integer((json_int_t)st.skipped_disconnected));
+    json_object_set_new(o, "reconnects", json_integer((json_int_t)st.reconnects));
+    json_t *refused = json_object();
+    for (unsigned r = 0; r < KM_CLUSTER_REFUSAL_COUNT; r++)
+        json_object_set_new(refused, km_cluster_refusal_name((km_cluster_refusal)r),
+                            json_integer((json_int_t)st.refused[r]));
+    json_object_set_new(o, "refused", refused);
+    json_object_set_new(o, "last_refusal", json_string(st.last_refusal));
+    return o;
+}
+
+/* The kvmatch_cluster_* series (none without a cluster). */
+void km_srv_cluster_metrics(km_server *s, km_text *out)
+{
+    km_cluster_stats st;
+    if (!s->cluster || km_cluster_get_stats(s->cluster, &st) != KM_OK)
+        return;
+    srv_load_view v;
+    km_srv_cluster_label(s, now_ns(), &v);
+    static const struct {
+        const char *name, *help;
+        km_metric_type type;
+    } fam[] = {
+        {"kvmatch_cluster_connected", "1 while the NATS connection is up.", KM_METRIC_GAUGE},
+        {"kvmatch_cluster_instances", "Remote instances whose load is applied.", KM_METRIC_GAUGE},
+        {"kvmatch_cluster_stale_instances", "Of them, stale (a lost message, or NATS down).",
+         KM_METRIC_GAUGE},
+        {"kvmatch_cluster_oldest_contribution_age_seconds",
+         "Since the oldest applied contribution's last message (0 when none).", KM_METRIC_GAUGE},
+        {"kvmatch_cluster_sync_seconds", "How long taking the peers' state took at start.",
+         KM_METRIC_GAUGE},
+        {"kvmatch_cluster_messages_sent_total", "Load messages this instance published.",
+         KM_METRIC_COUNTER},
+        {"kvmatch_cluster_messages_applied_total", "Remote load messages applied.",
+         KM_METRIC_COUNTER},
+        {"kvmatch_cluster_lost_messages_total", "Remote messages detected lost (sequence gaps).",
+         KM_METRIC_COUNTER},
+        {"kvmatch_cluster_expired_instances_total", "Contributions dropped for silence.",
+         KM_METRIC_COUNTER},
+        {"kvmatch_cluster_publish_failures_total", "Publishes that did not go out.",
+         KM_METRIC_COUNTER},
+    };
+    double values[] = {st.connected,
+                       v.instances,
+                       st.stale_instances,
+                       isnan(v.oldest_age_ms) ? 0.0 : v.oldest_age_ms / 1e3,
+                       isnan(st.sync_seconds) ? 0.0 : st.sync_seconds,
+                       (double)st.sent,
+                       (double)st.applied,
+                       (double)st.lost_messages,
+                       (double)st.expired_instances,
+                       (double)st.publish_failures};
+    for (size_t i = 0; i < sizeof fam / sizeof fam[0]; i++) {
+        km_prom_write_family(out, fam[i].name, fam[i].help, fam[i].type);
+        km_prom_write_sample(out, fam[i].name, NULL, 0, values[i]);
+    }
+    static const char refused[] = "kvmatch_cluster_refused_messages_total";
+    km_prom_write_family(out, refused, "Messages on the cluster subjects refused, by reason.",
+                         KM_METRIC_COUNTER);
+    for (unsigned r = 0; r < KM_CLUSTER_REFUSAL_COUNT; r++) {
+        km_metric_label l = {"reason", km_cluster_refusal_name((km_cluster_refusal)r)};
+        km_prom_write_sample_u64(out, refused, &l, 1, st.refused[r]);
+    }
+}

@@ -1,0 +1,334 @@
+/* Two and three `kvmatch serve` instances (in process) sharing their active work through a real
+ * nats-server: a decision on one weighs the requests another routed, says so in its reply, its
+ * record, /status and /metrics, and a new instance has the running work when it is created. */
+#include <criterion/criterion.h>
+#include <arpa/inet.h>
+#include <jansson.h>
+#include <math.h>
+#include <netinet/in.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/time.h>
+#include <unistd.h>
+
+#include "kv_test_publisher.h"
+#include "kvmatch/kvmatch.h"
+#include "nats_test_server.h"
+#include "test_util.h"
+
+#define BS 4u
+
+typedef struct node {
+    km_server *server;
+    pthread_t thread;
+    char dir[64], sock[128], addr[160], records[128];
+    int run_status;
+} node;
+
+static km_nats_test_server nats;
+static km_server_worker g_workers[2] = {{.id = 0}, {.id = 1}};
+static km_server_pool g_pool;
+static uint32_t g_tokens[64];
+
+static void start_nats(void)
+{
+    char why[256];
+    if (!km_nats_test_server_start(&nats, why, sizeof why))
+        cr_assert_fail("cannot start nats-server: %s", why);
+}
+
+static void stop_nats(void)
+{
+    km_nats_test_server_stop(&nats);
+}
+
+static void *run_thread(void *arg)
+{
+    node *n = arg;
+    n->run_status = km_server_run(n->server, false);
+    return NULL;
+}
+
+static void quiet_log(void *user, const char *line)
+{
+    (void)user;
+    if (getenv("KM_TEST_SERVER_LOG"))
+        fprintf(stderr, "serve: %s\n", line);
+}
+
+static void node_start(node *n, const char *instance)
+{
+    strcpy(n->dir, "/tmp/kvmatch-cluster-XXXXXX");
+    cr_assert_not_null(mkdtemp(n->dir));
+    snprintf(n->sock, sizeof n->sock, "%s/s.sock", n->dir);
+    snprintf(n->addr, sizeof n->addr, "unix:%s", n->sock);
+    snprintf(n->records, sizeof n->records, "%s/records.jsonl", n->dir);
+    km_server_config cfg;
+    km_server_config_init(&cfg);
+    cfg.socket_path = n->sock;
+    cfg.records_path = n->records;
+    cfg.http = "127.0.0.1:0";
+    cfg.max_workers = 8;
+    cfg.backend = KM_BACKEND_CPU;
+    cfg.index_threads = 1;
+    cfg.log = quiet_log;
+    cfg.max_queue_wait_ms = 0;
+    cfg.cluster_url = nats.url;
+    cfg.cluster_instance = instance;
+    cfg.cluster_heartbeat_ms = 50;
+    cfg.cluster_expire_ms = 2000;
+    memset(&g_pool, 0, sizeof g_pool);
+    g_pool.name = "main";
+    g_pool.model = "m1";
+    g_pool.block_size = BS;
+    km_policy_config_init(&g_pool.policy);
+    g_pool.policy.kind = KM_POLICY_LEAST_LOAD;
+    g_pool.workers = g_workers;
+    g_pool.n_workers = 2;
+    cfg.pools = &g_pool;
+    cfg.n_pools = 1;
+    char why[256];
+    int rc = km_server_create(&cfg, &n->server, why, sizeof why);
+    cr_assert_eq(rc, KM_OK, "km_server_create(%s): %s: %s", instance, km_error_name(rc), why);
+    cr_assert_eq(pthread_create(&n->thread, NULL, run_thread, n), 0);
+}
+
+static void node_stop(node *n)
+{
+    km_server_stop(n->server);
+    pthread_join(n->thread, NULL);
+    cr_assert_eq(n->run_status, KM_OK);
+    km_server_destroy(n->server);
+    char cmd[128];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", n->dir);
+    if (system(cmd) != 0)
+        fprintf(stderr, "could not remove %s\n", n->dir);
+}
+
+static km_client *connect_to(node *n)
+{
+    km_client *c = NULL;
+    char why[256];
+    cr_assert_eq(km_client_connect(n->addr, 3000, &c, why, sizeof why), KM_OK, "%s", why);
+    return c;
+}
+
+static const km_route_decision *route(km_client *c, const char *id, km_message *reply)
+{
+    for (uint32_t i = 0; i < 3 * BS; i++)
+        g_tokens[i] = 500 + i;
+    km_route_request r;
+    memset(&r, 0, sizeof r);
+    r.request_id = id;
+    r.pool = "main";
+    r.input = KM_ROUTE_INPUT_TOKENS;
+    r.tokens = g_tokens;
+    r.n_tokens = 3 * BS;
+    cr_assert_eq(km_client_route(c, &r, 1, 5000, reply), KM_OK, "%s", km_client_last_error(c));
+    cr_assert_eq(reply->decision.n_decisions, 1);
+    const km_route_decision *d = &reply->decision.decisions[0];
+    cr_assert_eq(d->status, KM_OK, "%s", d->message ? d->message : "");
+    return d;
+}
+
+static uint32_t in_flight(const km_route_decision *d, uint32_t worker)
+{
+    for (uint32_t i = 0; i < d->n_candidates; i++)
+        if (d->candidates[i].worker == worker)
+            return d->candidates[i].load.in_flight;
+    cr_assert_fail("worker %u not among the candidates", worker);
+    return 0;
+}
+
+static int http_get(uint16_t port, const char *path, char *body, size_t body_size)
+{
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons(port)};
+    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    cr_assert_eq(connect(fd, (struct sockaddr *)&sa, sizeof sa), 0);
+    struct timeval tv = {3, 0};
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    char req[256];
+    int n = snprintf(req, sizeof req, "GET %s HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+                     path);
+    cr_assert_eq(write(fd, req, (size_t)n), n);
+    static char resp[1 << 17];
+    size_t got = 0;
+    ssize_t k;
+    while (got < sizeof resp - 1 && (k = read(fd, resp + got, sizeof resp - 1 - got)) > 0)
+        got += (size_t)k;
+    resp[got] = '\0';
+    close(fd);
+    int status = 0;
+    sscanf(resp, "HTTP/1.%*d %d", &status);
+    const char *b = strstr(resp, "\r\n\r\n");
+    snprintf(body, body_size, "%s", b ? b + 4 : "");
+    return status;
+}
+
+static json_t *status_of(node *n)
+{
+    static char body[1 << 17];
+    cr_assert_eq(http_get(km_server_http_port(n->server), "/status", body, sizeof body), 200);
+    json_error_t e;
+    json_t *o = json_loads(body, 0, &e);
+    cr_assert_not_null(o, "/status is not JSON: %s", e.text);
+    return o;
+}
+
+static json_int_t cluster_int(node *n, const char *key)
+{
+    json_t *st = status_of(n);
+    json_int_t v = json_integer_value(json_object_get(json_object_get(st, "cluster"), key));
+    json_decref(st);
+    return v;
+}
+
+static json_t *last_decision_record(node *n)
+{
+    json_t *last = NULL;
+    for (int tries = 0; tries < 200 && !last; tries++) {
+        FILE *f = fopen(n->records, "r");
+        char *line = NULL;
+        size_t cap = 0;
+        while (f && getline(&line, &cap, f) > 0) {
+            json_t *o = json_loads(line, 0, NULL);
+            if (o && !strcmp(json_string_value(json_object_get(o, "type")), "decision")) {
+                json_decref(last);
+                last = o;
+            } else {
+                json_decref(o);
+            }
+        }
+        free(line);
+        if (f)
+            fclose(f);
+        if (!last)
+            km_test_sleep_ms(20);
+    }
+    cr_assert_not_null(last, "no decision record in %s", n->records);
+    return last;
+}
+
+Test(cluster_serve, decisions_weigh_the_other_instances_work_and_say_so, .init = start_nats,
+     .fini = stop_nats, .timeout = 60)
+{
+    node a, b;
+    node_start(&a, "a");
+    node_start(&b, "b");
+    cr_assert_eq(cluster_int(&b, "sync_peers"), 1, "b took a's state at start");
+    km_client *ca = connect_to(&a), *cb = connect_to(&b);
+    km_message reply;
+    char id[32];
+    for (int i = 0; i < 3; i++) {
+        snprintf(id, sizeof id, "a-%d", i);
+        route(ca, id, &reply);
+    }
+    /* a holds 3 in flight over workers 0 and 1 (least_load: 2 and 1); b must see them. */
+    for (int t = 0; t < 200 && cluster_int(&b, "instances") != 1; t++)
+        km_test_sleep_ms(10);
+    const km_route_decision *d = NULL;
+    for (int t = 0; t < 200; t++) {
+        snprintf(id, sizeof id, "b-probe-%d", t);
+        d = route(cb, id, &reply);
+        bool seen = in_flight(d, 0) + in_flight(d, 1) >= 3;
+        if (seen)
+            break; /* b-probe-t stays in flight on b; finished below */
+        km_lifecycle_event ev = {.kind = KM_LIFECYCLE_FINISHED, .request_id = id,
+                                 .outcome = KM_OUTCOME_CANCELLED};
+        km_message ack;
+        km_client_lifecycle(cb, &ev, 1, 5000, &ack);
+        km_test_sleep_ms(10);
+    }
+    uint32_t w0 = in_flight(d, 0), w1 = in_flight(d, 1);
+    cr_assert_eq(w0 + w1, 3, "b's candidates carry a's 3 requests (%u + %u)", w0, w1);
+    cr_assert(w0 == 2 || w1 == 2);
+    cr_assert_neq(d->chosen_worker, w0 == 2 ? 0u : 1u, "least_load avoids a's busier worker");
+    cr_assert_str_eq(d->load_scope, "cluster");
+    cr_assert_eq(d->load_instances, 1);
+    cr_assert(d->load_oldest_age_ms >= 0 && d->load_oldest_age_ms < 2000, "age %f",
+              d->load_oldest_age_ms);
+    cr_assert_str_eq(d->load_stale_instances ? d->load_stale_instances : "", "");
+
+    json_t *rec = last_decision_record(&b);
+    json_t *load = json_object_get(json_object_get(rec, "decision"), "load");
+    cr_assert_str_eq(json_string_value(json_object_get(load, "scope")), "cluster");
+    cr_assert_eq(json_integer_value(json_object_get(load, "instances")), 1);
+    cr_assert(json_is_array(json_object_get(load, "stale_instances")));
+    json_decref(rec);
+
+    json_t *st = status_of(&b);
+    json_t *cl = json_object_get(st, "cluster");
+    cr_assert(json_is_true(json_object_get(cl, "connected")));
+    cr_assert_str_eq(json_string_value(json_object_get(cl, "load_scope")), "cluster");
+    cr_assert_eq(json_integer_value(json_object_get(cl, "lost_messages")), 0);
+    json_decref(st);
+    static char body[1 << 17];
+    cr_assert_eq(http_get(km_server_http_port(b.server), "/metrics", body, sizeof body), 200);
+    cr_assert(strstr(body, "\nkvmatch_cluster_instances 1"), "%s", body);
+    cr_assert(strstr(body, "kvmatch_cluster_refused_messages_total{reason=\"malformed\"} 0"));
+
+    /* a's requests finish (and b's probe): b's view of them goes back to 0. */
+    km_lifecycle_event probe_end = {.kind = KM_LIFECYCLE_FINISHED, .request_id = id,
+                                    .outcome = KM_OUTCOME_CANCELLED};
+    km_message probe_ack;
+    cr_assert_eq(km_client_lifecycle(cb, &probe_end, 1, 5000, &probe_ack), KM_OK);
+    cr_assert_eq(probe_ack.ack.items[0].status, KM_OK);
+    for (int i = 0; i < 3; i++) {
+        snprintf(id, sizeof id, "a-%d", i);
+        km_lifecycle_event ev = {.kind = KM_LIFECYCLE_FINISHED, .request_id = id,
+                                 .outcome = KM_OUTCOME_CANCELLED};
+        km_message ack;
+        cr_assert_eq(km_client_lifecycle(ca, &ev, 1, 5000, &ack), KM_OK);
+        cr_assert_eq(ack.ack.items[0].status, KM_OK, "%s", ack.ack.items[0].message ? ack.ack.items[0].message : "");
+    }
+    uint32_t left = 3;
+    for (int t = 0; t < 200 && left; t++) {
+        snprintf(id, sizeof id, "b-after-%d", t);
+        d = route(cb, id, &reply);
+        /* b's own routes count too: each is finished at once */
+        left = in_flight(d, 0) + in_flight(d, 1);
+        km_lifecycle_event ev = {.kind = KM_LIFECYCLE_FINISHED, .request_id = id,
+                                 .outcome = KM_OUTCOME_CANCELLED};
+        km_message ack;
+        km_client_lifecycle(cb, &ev, 1, 5000, &ack);
+        if (left)
+            km_test_sleep_ms(10);
+    }
+    cr_assert_eq(left, 0, "a's finished requests still weigh on b's decisions");
+    km_client_close(ca);
+    km_client_close(cb);
+    node_stop(&b);
+    node_stop(&a);
+}
+
+Test(cluster_serve, a_new_instance_has_the_running_work_when_it_is_ready, .init = start_nats,
+     .fini = stop_nats, .timeout = 60)
+{
+    node a;
+    node_start(&a, "a");
+    km_client *ca = connect_to(&a);
+    km_message reply;
+    route(ca, "running-1", &reply);
+    route(ca, "running-2", &reply);
+    node c;
+    node_start(&c, "c"); /* returns once ready: its first decision must see a's two requests */
+    km_client *cc = connect_to(&c);
+    const km_route_decision *d = route(cc, "first", &reply);
+    cr_assert_eq(in_flight(d, 0) + in_flight(d, 1), 2, "c's first decision misses a's work");
+    cr_assert_str_eq(d->load_scope, "cluster");
+    json_t *st = status_of(&c);
+    json_t *cl = json_object_get(st, "cluster");
+    cr_assert_eq(json_integer_value(json_object_get(cl, "sync_peers")), 1);
+    double took = json_real_value(json_object_get(cl, "sync_seconds"));
+    cr_assert(took > 0 && took < 2.0, "sync took %f s", took);
+    json_decref(st);
+    km_client_close(cc);
+    km_client_close(ca);
+    node_stop(&c);
+    node_stop(&a);
+}
