@@ -423,3 +423,25 @@ Test(cluster, bad_and_foreign_messages_are_refused_counted_and_harmless, .init =
     natsConnection_Destroy(nc);
     km_cluster_destroy(a);
 }
+
+Test(cluster, heartbeats_keep_their_interval_however_many_messages_arrive, .init = start_server,
+     .fini = stop_server, .timeout = 60)
+{
+    /* a only listens; b publishes a change every ms for 0.5 s. a's own messages are its
+     * heartbeats (50 ms) and the one state its start sends: a busy peer never makes more. */
+    km_cluster *a = instance("a", server.url, 2000, 0);
+    km_cluster *b = instance("b", server.url, 2000, 0);
+    uint64_t before = stats(a).sent, t0 = mono_ns();
+    for (uint32_t i = 1; i <= 500; i++) {
+        km_active_load l = {i, 0, 0, 0, 0};
+        km_cluster_publish_load(b, 0, &l);
+        km_test_sleep_ms(1);
+    }
+    WAIT_UNTIL(remote(a, 0).in_flight == 500, 2000);
+    uint64_t sent = stats(a).sent - before;
+    double heartbeats = (double)(mono_ns() - t0) / 1e6 / 50.0;
+    cr_assert_leq((double)sent, heartbeats + 3, "a sent %llu messages in %.0f heartbeat intervals",
+                  (unsigned long long)sent, heartbeats);
+    km_cluster_destroy(a);
+    km_cluster_destroy(b);
+}

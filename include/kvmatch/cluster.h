@@ -72,6 +72,12 @@ typedef struct km_cluster_config {
     /* Fault injection for simulations and benchmarks: one change message in drop_one_in is not
      * sent although its sequence number is used (a lossy link); 0 = none. */
     uint32_t drop_one_in;
+    /* Observer: called for each worker row of every applied remote message (change or state),
+     * after it is applied, on the NATS client's delivery thread with the handle's lock held: it
+     * must return quickly and never call the handle. NULL = none. */
+    void (*on_applied)(void *user, const char *instance, uint32_t worker,
+                       const km_active_load *load);
+    void *on_applied_user;
     km_log_fn log; /* may be NULL */
     void *log_user;
 } km_cluster_config;

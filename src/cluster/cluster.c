@@ -65,6 +65,8 @@ struct km_cluster {
     bool heartbeat_started;
 };
 
+static void deadline_in(struct timespec *ts, uint64_t from_ns, uint64_t after_ns);
+
 static uint64_t mono_ns(void)
 {
     struct timespec ts;
@@ -389,6 +391,9 @@ static void apply(km_cluster *c, const cluster_message *m, uint64_t now)
             p->stale = true;
     }
     c->st.applied++;
+    for (uint32_t i = 0; c->cfg.on_applied && i < m->n_workers; i++)
+        c->cfg.on_applied(c->cfg.on_applied_user, m->instance, m->workers[i].worker,
+                          &m->workers[i].load);
 }
 
 static void on_message(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *closure)
@@ -485,16 +490,18 @@ static void *heartbeat_main(void *arg)
 {
     km_cluster *c = arg;
     pthread_mutex_lock(&c->lock);
+    uint64_t due = mono_ns() + (uint64_t)c->cfg.heartbeat_ms * NS_PER_MS;
     while (!c->closing) {
+        /* c->cond is also broadcast by every delivery: only the deadline makes a heartbeat. */
         struct timespec ts;
-        clock_gettime(CLOCK_MONOTONIC, &ts);
-        uint64_t t = (uint64_t)ts.tv_nsec + (uint64_t)c->cfg.heartbeat_ms * NS_PER_MS;
-        ts.tv_sec += (time_t)(t / UINT64_C(1000000000));
-        ts.tv_nsec = (long)(t % UINT64_C(1000000000));
+        deadline_in(&ts, due, 0);
         pthread_cond_timedwait(&c->cond, &c->lock, &ts);
         if (c->closing)
             break;
         uint64_t now = mono_ns();
+        if (now < due)
+            continue;
+        due = now + (uint64_t)c->cfg.heartbeat_ms * NS_PER_MS;
         expire_silent(c, now);
         /* A sync is done when the state answers stop coming; the heartbeat does not interfere. */
         if (!c->sync_running)
