@@ -3,7 +3,8 @@
 """Render a benchmark's JSON as its markdown section of docs/BENCHMARKS.md, between the markers
 <!-- NAME:begin --> and <!-- NAME:end --> (stdlib only). NAME is the "benchmark" field of the JSON,
 else the file's name without .json (bench/results/events.json -> events): index, ipc, events,
-replay, replay-ceiling, sim, growth and routing have renderers; `make bench` renders all eight.
+replay, replay-ceiling, sim, growth, routing and cluster have renderers; `make bench` renders all
+nine.
 
 usage: scripts/bench-report.py [bench/results/index.json] [docs/BENCHMARKS.md]
 """
@@ -251,6 +252,29 @@ def render_growth(d):
     return "\n".join(out)
 
 
+def render_cluster(d):
+    out = [machine_line(d, d.get("command", "kvmatch bench cluster --json"))]
+    out.append(f"Lag phase: {fmt(d.get('lag_updates_per_instance'))} updates per instance at "
+               f"{fmt(d.get('lag_updates_per_instance_per_s'))}/s each; throughput phase: "
+               f"{fmt(d.get('throughput_updates_per_instance'))} per instance, as fast as each "
+               f"publishes.\n")
+    out.append("| instances | updates/s (all published, all applied) | applied/s | lag p50 (ms) | lag p99 (ms) | lost detected | restart ready (s) |")
+    out.append("|---:|---:|---:|---:|---:|---:|---:|")
+    for r in d["results"]:
+        def ms(x):
+            return "not measured" if x is None else f"{x:.3f}"
+        ready = r.get("restart_ready_s")
+        out.append(f"| {r['instances']} | {fmt(r['updates_per_s'])} | {fmt(r['applied_per_s'])} | "
+                   f"{ms(r['lag_p50_ms'])} | {ms(r['lag_p99_ms'])} | {r['lost_detected']} | "
+                   f"{'not measured' if ready is None else f'{ready:.4f}'} |")
+    loss = d.get("injected_loss")
+    if loss:
+        out.append(f"\nInjected loss (2 instances, one change in {loss['drop_one_in']} not sent, "
+                   f"{fmt(loss['updates'])} changes): {loss['detected']} of {loss['injected']} "
+                   f"detected.")
+    return "\n".join(out)
+
+
 def render_routing(d):
     judged = d.get("judged_policy", d.get("default_policy", "?"))
     sm = d["summary"]
@@ -286,7 +310,7 @@ def render_routing(d):
 
 RENDERERS = {"index": render, "ipc": render_ipc, "events": render_events, "replay": render_replay,
              "replay-ceiling": render_replay_ceiling, "sim": render_sim, "growth": render_growth,
-             "routing": render_routing}
+             "routing": render_routing, "cluster": render_cluster}
 
 
 def main():

@@ -15,5 +15,6 @@ int km_bench_events_main(int argc, char **argv); /* bench/bench_events.c: `kvmat
 int km_bench_ipc_main(int argc, char **argv);    /* bench/bench_ipc.c: `kvmatch bench ipc` */
 int km_bench_replay_main(int argc, char **argv); /* bench/bench_replay.c: `kvmatch bench replay` */
 int km_bench_growth_main(int argc, char **argv); /* bench/bench_growth.c: `kvmatch bench growth` */
+int km_bench_cluster_main(int argc, char **argv); /* bench/bench_cluster.c: `kvmatch bench cluster` */
 
 #endif

@@ -24,6 +24,8 @@ static void usage(FILE *f)
             "      sustained query rate under 1 / 10 ms p99 with interleaved updates, per index\n"
             "  kvmatch bench growth [--json] [--quick]\n"
             "      the longest single call while the index and its bookkeeping grow from empty\n"
+            "  kvmatch bench cluster [--json] [--quick] [--rate N]\n"
+            "      active-work updates/s and visibility lag through NATS, 2 and 4 instances\n"
             "  kvmatch follow --endpoint ID=PUB[,REPLAY] ... [--snapshot PATH] [--snapshot-interval-s N]\n"
             "      follow workers' KV events; snapshot periodically and on SIGTERM, restore at start\n"
             "  kvmatch serve [--config FILE] [options]\n"
@@ -73,7 +75,9 @@ int main(int argc, char **argv)
             return km_bench_replay_main(argc - 2, argv + 2);
         if (argc >= 3 && !strcmp(argv[2], "growth"))
             return km_bench_growth_main(argc - 2, argv + 2);
-        fprintf(stderr, "kvmatch bench: unknown or missing benchmark (have: index, events, ipc, replay, growth)\n");
+        if (argc >= 3 && !strcmp(argv[2], "cluster"))
+            return km_bench_cluster_main(argc - 2, argv + 2);
+        fprintf(stderr, "kvmatch bench: unknown or missing benchmark (have: index, events, ipc, replay, growth, cluster)\n");
         return 2;
     }
     fprintf(stderr, "kvmatch: unknown command '%s'\n\n", argv[1]);

@@ -1,0 +1,443 @@
+/* `kvmatch bench cluster`: active-work updates through NATS between kvmatch instances (km_cluster
+ * handles in this process, one NATS connection each, through a nats-server this benchmark starts
+ * on a free loopback port).
+ *
+ * For 2 and 4 instances: every instance publishes paced changes (lag phase, --rate per instance,
+ * default 2,000/s: the visibility lag from one instance's publish to another's applied view, one
+ * host's monotonic clock, p50 / p99), then
+ * as fast as it can (throughput phase: updates/s published by all instances together and applied
+ * by every other one); lost messages detected on loopback; then one instance is destroyed and
+ * created again, and the time until its create returned with the others' active work in its view
+ * is restart_ready_s. A last run injects loss (one change in 50 not sent) and reports how many of
+ * the injected losses were detected. */
+#include <errno.h>
+#include <inttypes.h>
+#include <math.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+
+#include <jansson.h>
+
+#include "bench_common.h"
+#include "cli/commands.h"
+#include "kvmatch/cluster.h"
+
+#define MAX_INSTANCES 4
+#define WORKERS 64u
+
+static uint64_t mono_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * UINT64_C(1000000000) + (uint64_t)ts.tv_nsec;
+}
+
+/* ---- the nats-server -------------------------------------------------------------------------- */
+
+static pid_t nats_pid;
+
+static const char *nats_binary(void)
+{
+    static char found[256];
+    const char *path = getenv("PATH");
+    char buf[4096];
+    snprintf(buf, sizeof buf, "%s:/usr/sbin:/usr/local/sbin", path ? path : "/usr/bin:/bin");
+    for (char *save = NULL, *d = strtok_r(buf, ":", &save); d; d = strtok_r(NULL, ":", &save)) {
+        snprintf(found, sizeof found, "%s/nats-server", d);
+        if (access(found, X_OK) == 0)
+            return found;
+    }
+    return NULL;
+}
+
+static uint16_t free_port(void)
+{
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a = {.sin_family = AF_INET};
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t len = sizeof a;
+    uint16_t port = 0;
+    if (fd >= 0 && bind(fd, (struct sockaddr *)&a, sizeof a) == 0 &&
+        getsockname(fd, (struct sockaddr *)&a, &len) == 0)
+        port = ntohs(a.sin_port);
+    if (fd >= 0)
+        close(fd);
+    return port;
+}
+
+static bool accepts(uint16_t port)
+{
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons(port)};
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    bool ok = fd >= 0 && connect(fd, (struct sockaddr *)&a, sizeof a) == 0;
+    if (fd >= 0)
+        close(fd);
+    return ok;
+}
+
+static bool nats_start(char *url, size_t url_size, char *why, size_t why_size)
+{
+    const char *bin = nats_binary();
+    uint16_t port = free_port();
+    if (!bin || !port) {
+        snprintf(why, why_size, "%s", bin ? "no free loopback port"
+                                          : "nats-server not found (Debian package nats-server)");
+        return false;
+    }
+    char p[16];
+    snprintf(p, sizeof p, "%u", port);
+    nats_pid = fork();
+    if (nats_pid == 0) {
+        freopen("/dev/null", "w", stdout);
+        freopen("/dev/null", "w", stderr);
+        execl(bin, "nats-server", "-a", "127.0.0.1", "-p", p, (char *)NULL);
+        _exit(127);
+    }
+    for (int i = 0; i < 500; i++) {
+        if (accepts(port)) {
+            snprintf(url, url_size, "nats://127.0.0.1:%u", port);
+            return true;
+        }
+        struct timespec ts = {0, 10000000};
+        nanosleep(&ts, NULL);
+    }
+    snprintf(why, why_size, "%.200s did not listen on 127.0.0.1:%u within 5 s", bin, port);
+    return false;
+}
+
+static void nats_stop(void)
+{
+    if (nats_pid > 0) {
+        kill(nats_pid, SIGKILL);
+        waitpid(nats_pid, NULL, 0);
+        nats_pid = 0;
+    }
+}
+
+/* ---- instances and what they observe ---------------------------------------------------------- */
+
+/* One receiving instance: the lag samples it took and the newest update index it saw from each
+ * sender (a state message repeats rows already seen: only a newer index is a new update). */
+typedef struct receiver {
+    int self;
+    double *lag_ms;
+    size_t n_lag, cap_lag;
+    bool sampling;
+    _Atomic uint64_t newest[MAX_INSTANCES];
+} receiver;
+
+static receiver receivers[MAX_INSTANCES];
+static km_cluster *inst[MAX_INSTANCES];
+
+static void on_applied(void *user, const char *instance, uint32_t worker,
+                       const km_active_load *load)
+{
+    (void)worker;
+    receiver *r = user;
+    int from = instance[6] - '0'; /* "bench-N" */
+    if (from < 0 || from >= MAX_INSTANCES)
+        return;
+    uint64_t k = load->active_decode_blocks;
+    if (k <= atomic_load(&r->newest[from]))
+        return;
+    atomic_store(&r->newest[from], k);
+    if (r->sampling && r->n_lag < r->cap_lag)
+        r->lag_ms[r->n_lag++] = (double)(mono_ns() - load->pending_prefill_tokens) / 1e6;
+}
+
+static int make_instance(int i, const char *url, uint32_t drop_one_in, double *took_s)
+{
+    km_cluster_config cfg;
+    km_cluster_config_init(&cfg);
+    char id[16];
+    snprintf(id, sizeof id, "bench-%d", i);
+    cfg.url = url;
+    cfg.instance = id;
+    cfg.max_workers = WORKERS;
+    cfg.heartbeat_ms = 200;
+    cfg.expire_ms = 5000;
+    cfg.drop_one_in = drop_one_in;
+    cfg.on_applied = on_applied;
+    cfg.on_applied_user = &receivers[i];
+    char why[256];
+    double t0 = km_bench_now_s();
+    int rc = km_cluster_create(&cfg, &inst[i], why, sizeof why);
+    if (took_s)
+        *took_s = km_bench_now_s() - t0;
+    if (rc != KM_OK)
+        fprintf(stderr, "kvmatch bench cluster: instance %d: %s\n", i, why);
+    return rc;
+}
+
+/* Publisher threads: instance i publishes updates first .. first + count - 1, each a new value
+ * of worker k % WORKERS carrying its index and its send time, pacing_ns apart (0: at once). */
+typedef struct publisher {
+    int i;
+    uint64_t first, count, pacing_ns;
+} publisher;
+
+static void *publish_main(void *arg)
+{
+    publisher *p = arg;
+    uint64_t next = mono_ns();
+    for (uint64_t k = p->first; k < p->first + p->count; k++) {
+        if (p->pacing_ns) {
+            struct timespec ts = {(time_t)(next / UINT64_C(1000000000)),
+                                  (long)(next % UINT64_C(1000000000))};
+            while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &ts, NULL) == EINTR) {
+            }
+            next += p->pacing_ns;
+        }
+        km_active_load l = {k % 97 + 1, 0, mono_ns(), k, k};
+        km_cluster_publish_load(inst[p->i], (uint32_t)(k % WORKERS), &l);
+    }
+    return NULL;
+}
+
+static void run_publishers(int n, uint64_t first, uint64_t count, uint64_t pacing_ns)
+{
+    pthread_t t[MAX_INSTANCES];
+    publisher p[MAX_INSTANCES];
+    for (int i = 0; i < n; i++) {
+        p[i] = (publisher){i, first, count, pacing_ns};
+        pthread_create(&t[i], NULL, publish_main, &p[i]);
+    }
+    for (int i = 0; i < n; i++)
+        pthread_join(t[i], NULL);
+}
+
+/* Wait until every instance saw update `last` of every other (or timeout_s). */
+static bool wait_all_seen(int n, uint64_t last, double timeout_s)
+{
+    double end = km_bench_now_s() + timeout_s;
+    for (;;) {
+        bool all = true;
+        for (int r = 0; r < n && all; r++)
+            for (int s = 0; s < n && all; s++)
+                all = s == r || atomic_load(&receivers[r].newest[s]) >= last;
+        if (all)
+            return true;
+        if (km_bench_now_s() > end)
+            return false;
+        struct timespec ts = {0, 200000};
+        nanosleep(&ts, NULL);
+    }
+}
+
+static double percentile(double *v, size_t n, double q)
+{
+    if (!n)
+        return NAN;
+    km_bench_sort(v, n);
+    size_t at = (size_t)ceil(q * (double)n) - 1;
+    return v[at < n ? at : n - 1];
+}
+
+static void destroy_all(int n)
+{
+    for (int i = 0; i < n; i++) {
+        km_cluster_destroy(inst[i]);
+        inst[i] = NULL;
+        free(receivers[i].lag_ms);
+    }
+    memset(receivers, 0, sizeof receivers);
+}
+
+/* One row: n instances. */
+static json_t *run_instances(const char *url, int n, uint64_t lag_updates, uint64_t tp_updates,
+                             uint64_t rate, int json)
+{
+    memset(receivers, 0, sizeof receivers);
+    for (int i = 0; i < n; i++) {
+        receivers[i].self = i;
+        receivers[i].cap_lag = (size_t)lag_updates * (size_t)n;
+        receivers[i].lag_ms = malloc(receivers[i].cap_lag * sizeof(double));
+        if (!receivers[i].lag_ms || make_instance(i, url, 0, NULL) != KM_OK) {
+            destroy_all(n);
+            return NULL;
+        }
+    }
+    /* Lag: `rate` updates/s per instance. */
+    for (int i = 0; i < n; i++)
+        receivers[i].sampling = true;
+    run_publishers(n, 1, lag_updates, UINT64_C(1000000000) / rate);
+    bool lag_ok = wait_all_seen(n, lag_updates, 10);
+    for (int i = 0; i < n; i++)
+        receivers[i].sampling = false;
+    size_t total = 0;
+    for (int i = 0; i < n; i++)
+        total += receivers[i].n_lag;
+
+    double *all = malloc((total ? total : 1) * sizeof *all);
+    size_t at = 0;
+    for (int i = 0; i < n; i++) {
+        memcpy(all + at, receivers[i].lag_ms, receivers[i].n_lag * sizeof *all);
+        at += receivers[i].n_lag;
+    }
+    double p50 = percentile(all, total, 0.50), p99 = percentile(all, total, 0.99);
+    free(all);
+    /* Throughput: as fast as each instance can publish. */
+    uint64_t first = lag_updates + 1;
+    double t0 = km_bench_now_s();
+    run_publishers(n, first, tp_updates, 0);
+    bool tp_ok = wait_all_seen(n, first + tp_updates - 1, 30);
+    double elapsed = km_bench_now_s() - t0;
+    uint64_t lost = 0, sent = 0, failures = 0;
+    for (int i = 0; i < n; i++) {
+        km_cluster_stats st;
+        km_cluster_get_stats(inst[i], &st);
+        lost += st.lost_messages;
+        sent += st.sent;
+        failures += st.publish_failures;
+    }
+    /* Restart: instance 0 goes and comes back; the others' last values must be in its view. */
+    km_cluster_destroy(inst[0]);
+    inst[0] = NULL;
+    memset((void *)receivers[0].newest, 0, sizeof receivers[0].newest);
+    double ready_s = NAN;
+    bool restart_ok = make_instance(0, url, 0, &ready_s) == KM_OK;
+    uint64_t last = first + tp_updates - 1;
+    for (int s = 1; s < n && restart_ok; s++)
+        restart_ok = atomic_load(&receivers[0].newest[s]) >= last;
+    km_cluster_stats st0;
+    if (restart_ok)
+        km_cluster_get_stats(inst[0], &st0);
+    json_t *row = json_object();
+    json_object_set_new(row, "instances", json_integer(n));
+    json_object_set_new(row, "updates_per_s",
+                        tp_ok ? json_real(km_bench_round_to((double)(n * tp_updates) / elapsed, 1))
+                              : json_null());
+    json_object_set_new(row, "applied_per_s",
+                        tp_ok ? json_real(km_bench_round_to(
+                                    (double)((uint64_t)n * (uint64_t)(n - 1) * tp_updates) / elapsed, 1))
+                              : json_null());
+    json_object_set_new(row, "lag_p50_ms", lag_ok ? json_real(km_bench_round_to(p50, 0.001)) : json_null());
+    json_object_set_new(row, "lag_p99_ms", lag_ok ? json_real(km_bench_round_to(p99, 0.001)) : json_null());
+    json_object_set_new(row, "lag_samples", json_integer((json_int_t)total));
+    json_object_set_new(row, "lost_detected", json_integer((json_int_t)lost));
+    json_object_set_new(row, "messages_sent", json_integer((json_int_t)sent));
+    json_object_set_new(row, "publish_failures", json_integer((json_int_t)failures));
+    json_object_set_new(row, "restart_ready_s",
+                        restart_ok ? json_real(km_bench_round_to(ready_s, 0.0001)) : json_null());
+    json_object_set_new(row, "restart_sync_peers",
+                        json_integer(restart_ok ? (json_int_t)st0.sync_peers : 0));
+    if (!json)
+        printf("%9d %14.0f %11.3f %11.3f %14" PRIu64 " %16.4f\n", n,
+               tp_ok ? (double)(n * tp_updates) / elapsed : NAN, p50, p99, lost, ready_s);
+    destroy_all(n);
+    return row;
+}
+
+/* Injected loss between two instances: every one detected? */
+static json_t *run_loss(const char *url, uint64_t updates)
+{
+    memset(receivers, 0, sizeof receivers);
+    if (make_instance(0, url, 50, NULL) != KM_OK || make_instance(1, url, 0, NULL) != KM_OK) {
+        destroy_all(2);
+        return NULL;
+    }
+    publisher p = {0, 1, updates, 0};
+    publish_main(&p);
+    km_cluster_stats a, b;
+    /* The losses after the last delivered change show at the next full state. */
+    for (int t = 0; t < 200; t++) {
+        km_cluster_get_stats(inst[0], &a);
+        km_cluster_get_stats(inst[1], &b);
+        if (b.lost_messages >= a.publish_failures)
+            break;
+        struct timespec ts = {0, 10000000};
+        nanosleep(&ts, NULL);
+    }
+    json_t *o = json_object();
+    json_object_set_new(o, "updates", json_integer((json_int_t)updates));
+    json_object_set_new(o, "drop_one_in", json_integer(50));
+    json_object_set_new(o, "injected", json_integer((json_int_t)a.publish_failures));
+    json_object_set_new(o, "detected", json_integer((json_int_t)b.lost_messages));
+    destroy_all(2);
+    return o;
+}
+
+int km_bench_cluster_main(int argc, char **argv)
+{
+    int json = 0, quick = 0;
+    uint64_t rate = 2000;
+    for (int i = 1; i < argc; i++) { /* argv[0] is "cluster" */
+        char *end = NULL;
+        if (!strcmp(argv[i], "--json"))
+            json = 1;
+        else if (!strcmp(argv[i], "--quick"))
+            quick = 1;
+        else if (!strcmp(argv[i], "--rate") && i + 1 < argc &&
+                 (rate = strtoull(argv[++i], &end, 10)) >= 1 && rate <= 100000 && !*end)
+            continue;
+        else {
+            fprintf(stderr, "usage: kvmatch bench cluster [--json] [--quick] [--rate N]\n"
+                            "  --rate N  updates/s per instance in the lag phase, 1..100000 "
+                            "(default 2000)\n");
+            return 2;
+        }
+    }
+    char url[64], why[256];
+    if (!nats_start(url, sizeof url, why, sizeof why)) {
+        fprintf(stderr, "kvmatch bench cluster: cannot start nats-server: %s\n", why);
+        nats_stop();
+        return 1;
+    }
+    uint64_t lag_updates = quick ? 500 : 2000, tp_updates = quick ? 20000 : 100000;
+    json_t *root = json_object();
+    json_object_set_new(root, "benchmark", json_string("cluster"));
+    char command[96];
+    snprintf(command, sizeof command, "kvmatch bench cluster --json%s%s", quick ? " --quick" : "",
+             rate != 2000 ? " --rate N" : "");
+    json_object_set_new(root, "command", json_string(command));
+    json_object_set_new(root, "machine", km_bench_machine_json());
+    json_object_set_new(root, "lag_updates_per_instance", json_integer((json_int_t)lag_updates));
+    json_object_set_new(root, "lag_updates_per_instance_per_s", json_integer((json_int_t)rate));
+    json_object_set_new(root, "throughput_updates_per_instance", json_integer((json_int_t)tp_updates));
+    json_t *results = json_array();
+    if (!json)
+        printf("%9s %14s %11s %11s %14s %16s\n", "instances", "updates/s", "lag p50 ms",
+               "lag p99 ms", "lost detected", "restart ready s");
+    int status = 0;
+    double restart4 = NAN;
+    const int counts[] = {2, 4};
+    for (size_t c = 0; c < 2; c++) {
+        json_t *row = run_instances(url, counts[c], lag_updates, tp_updates, rate, json);
+        if (!row) {
+            status = 1;
+            break;
+        }
+        if (counts[c] == 4)
+            restart4 = json_real_value(json_object_get(row, "restart_ready_s"));
+        json_array_append_new(results, row);
+    }
+    json_object_set_new(root, "results", results);
+    json_object_set_new(root, "restart_ready_s", isnan(restart4) ? json_null() : json_real(restart4));
+    json_t *loss = status ? NULL : run_loss(url, quick ? 5000 : 20000);
+    json_object_set_new(root, "injected_loss", loss ? loss : json_null());
+    nats_stop();
+    if (json) {
+        char *text = json_dumps(root, JSON_INDENT(2) | JSON_REAL_PRECISION(10));
+        if (text)
+            puts(text);
+        free(text);
+    } else if (loss) {
+        printf("injected loss: %" PRIu64 " of %" PRIu64 " detected\n",
+               (uint64_t)json_integer_value(json_object_get(loss, "detected")),
+               (uint64_t)json_integer_value(json_object_get(loss, "injected")));
+    }
+    json_decref(root);
+    return status;
+}
