@@ -569,6 +569,46 @@ Test(analyze, null_cached_tokens_is_unknown_not_zero, .timeout = 10)
     remove_dir(dir);
 }
 
+Test(analyze, decisions_are_counted_by_their_load_view, .timeout = 10)
+{
+    char dir[64], path[128];
+    make_temp_dir(dir);
+    FILE *f = open_in(dir, "r.jsonl", path, sizeof path);
+    decision_spec d = {.instance = "i", .id = 1, .request = "r1", .attempt = "0", .host = "h",
+                       .pool = "p", .time_ns = 10, .source = "events", .prompt = 64, .owner = "A",
+                       .owner_state = "LIVE", .owner_blocks = 3, .chosen = "A", .chosen_state = "LIVE",
+                       .chosen_blocks = 3, .policy = "kv", .cands = {{"A", "LIVE", 3, 0}}, .n_cands = 1};
+    write_record(f, make_decision(&d)); /* this_instance */
+    const char *stale[] = {NULL, "b", NULL};
+    const double age[] = {4.5, 31.25, 2.0};
+    for (int i = 0; i < 3; i++) {
+        decision_spec e = d;
+        char req[16];
+        snprintf(req, sizeof req, "c%d", i);
+        e.id = 2 + i, e.request = req, e.time_ns = 20 + i;
+        json_t *rec = make_decision(&e);
+        json_t *load = json_object_get(json_object_get(rec, "decision"), "load");
+        json_object_set_new(load, "scope", json_string("cluster"));
+        json_object_set_new(load, "instances", json_integer(2));
+        json_object_set_new(load, "oldest_age_ms", json_real(age[i]));
+        json_t *ids = json_array();
+        if (stale[i])
+            json_array_append_new(ids, json_string(stale[i]));
+        json_object_set_new(load, "stale_instances", ids);
+        write_record(f, rec);
+    }
+    fclose(f);
+    const char *paths[] = {path};
+    km_analysis *a = analyze_files(NULL, paths, 1);
+    const km_analysis_summary *s = km_analysis_summary_get(a);
+    EQ(s->load_view.this_instance, 1);
+    EQ(s->load_view.cluster, 3);
+    EQ(s->load_view.cluster_with_stale, 1);
+    cr_expect_float_eq(s->load_view.oldest_age_ms_max, 31.25, 1e-9);
+    km_analysis_destroy(a);
+    remove_dir(dir);
+}
+
 Test(analyze, invalid_lines_are_counted_with_file_and_line, .timeout = 10)
 {
     char dir[64], path[128];

@@ -195,6 +195,14 @@ typedef struct km_analysis_staleness {
     uint64_t approx_decisions;         /* prediction.source == "approx": built on assumptions */
 } km_analysis_staleness;
 
+/* Whose load view the decisions used (decision.load.scope, docs/CLUSTER.md). */
+typedef struct km_analysis_load_view {
+    uint64_t this_instance;            /* scope "this_instance" (or no scope: older records) */
+    uint64_t cluster;                  /* scope "cluster": other instances' work added */
+    uint64_t cluster_with_stale;       /* of those, with at least one stale instance */
+    double oldest_age_ms_max;          /* the largest load.oldest_age_ms of them; 0 when none */
+} km_analysis_load_view;
+
 /* How attempts ended. */
 typedef struct km_analysis_outcomes {
     uint64_t complete, incomplete, error, cancelled, expired;
@@ -276,6 +284,7 @@ typedef struct km_analysis_summary {
     km_analysis_owner owner;
     km_analysis_health health;
     km_analysis_staleness staleness;
+    km_analysis_load_view load_view;
     km_analysis_outcomes outcomes;
     km_analysis_quality in_windows;    /* decisions inside any window of their instance and pool */
     km_analysis_quality outside_windows;

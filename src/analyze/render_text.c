@@ -144,6 +144,13 @@ int km_analysis_render_text(const km_analysis *a, km_text *out)
                    st->events_decisions, st->chosen_not_live, st->owner_not_live, st->stale_decisions,
                    percent(st->stale_decisions, st->events_decisions), st->approx_decisions);
 
+    const km_analysis_load_view *lv = &s->load_view;
+    km_text_printf(out,
+                   "\nload view (decision.load.scope)\n"
+                   "  this_instance %" PRIu64 ", cluster %" PRIu64 " (with a stale instance %" PRIu64
+                   ", oldest contribution at most %.1f ms old)\n",
+                   lv->this_instance, lv->cluster, lv->cluster_with_stale, lv->oldest_age_ms_max);
+
     const km_analysis_outcomes *oc = &s->outcomes;
     km_text_printf(out,
                    "\noutcomes\n"
