@@ -37,10 +37,10 @@ endif
 
 # The libraries, by their pkg-config names; without pkg-config (or a .pc file) the usual -l names.
 PKG_CONFIG ?= pkg-config
-KM_PKGS := libxxhash jansson msgpack libzmq libuv libmicrohttpd libnats
+KM_PKGS := libxxhash jansson msgpack libzmq libuv libmicrohttpd libnats libcurl
 KM_PKG_CFLAGS := $(shell $(PKG_CONFIG) --cflags $(KM_PKGS) 2>/dev/null)
 KM_PKG_LIBS := $(shell $(PKG_CONFIG) --libs $(KM_PKGS) 2>/dev/null || \
-                 echo -lxxhash -ljansson -lmsgpackc -lzmq -luv -lmicrohttpd -lnats)
+                 echo -lxxhash -ljansson -lmsgpackc -lzmq -luv -lmicrohttpd -lnats -lcurl)
 TEST_LIBS := $(shell $(PKG_CONFIG) --libs criterion 2>/dev/null || echo -lcriterion)
 
 VERSION := $(shell sed -n 's/^\#define KVMATCH_VERSION "\(.*\)"/\1/p' include/kvmatch/version.h)

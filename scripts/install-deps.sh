@@ -48,6 +48,7 @@ need_library libzmq libzmq3-dev
 need_library libuv libuv1-dev
 need_library libmicrohttpd libmicrohttpd-dev
 need_library libnats libnats-dev
+need_library libcurl libcurl4-openssl-dev
 if [ "$test_tools" = 1 ]; then
     need_library criterion libcriterion-dev
     have_command nats-server || have_package nats-server || missing+=(nats-server)

@@ -43,7 +43,7 @@ PUBLIC = {
     "hash.h": "index", "index.h": "index",
     "kv_events.h": "events", "feed.h": "events", "subscriber.h": "events", "publisher.h": "events",
     "policy.h": "decide", "active.h": "decide", "approx.h": "decide", "engine_model.h": "decide",
-    "cluster.h": "cluster",
+    "cluster.h": "cluster", "engine_metrics.h": "cluster",
     "protocol.h": "service", "client.h": "service", "records.h": "service",
     "metrics.h": "service", "server.h": "service",
     "kvmatch.h": "cli",

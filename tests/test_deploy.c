@@ -83,7 +83,7 @@ static void base_config(km_server_config *cfg)
     km_policy_config_init(&g_pool.policy);
     g_pool.policy.kind = KM_POLICY_PREFIX;
     for (uint32_t i = 0; i < 2; i++)
-        g_workers[i] = (km_server_worker){i, NULL, NULL, NULL, false, 0};
+        g_workers[i] = (km_server_worker){i, NULL, NULL, NULL, false, 0, NULL};
     g_pool.workers = g_workers;
     g_pool.n_workers = 2;
     cfg->pools = &g_pool;

@@ -14,6 +14,7 @@
 #include "kvmatch/active.h"
 #include "kvmatch/approx.h"
 #include "kvmatch/cluster.h"
+#include "kvmatch/engine_metrics.h"
 #include "kvmatch/metrics.h"
 #include "kvmatch/records.h"
 #include "kvmatch/protocol.h"

@@ -48,6 +48,9 @@ typedef struct km_server_worker {
     const char *replay_endpoint; /* ZMQ ROUTER replay endpoint; NULL = none */
     bool has_dp_rank;            /* a data-parallel rank (a config's dp_size names each one) */
     uint32_t dp_rank;
+    const char *metrics_url;     /* the engine's Prometheus endpoint (http:// or https://), scraped
+                                  * for engine-reported load (kvmatch/engine_metrics.h); NULL =
+                                  * not scraped */
 } km_server_worker;
 
 typedef struct km_server_pool {
@@ -100,6 +103,10 @@ typedef struct km_server_config {
     uint32_t cluster_heartbeat_ms;
     uint32_t cluster_expire_ms;
     uint32_t cluster_sync_timeout_ms;
+    /* Engine-reported load: how often each worker's metrics_url is scraped and how long one scrape
+     * may take; 0 = the defaults (1000 ms, 500 ms). */
+    uint32_t engine_metrics_interval_ms;
+    uint32_t engine_metrics_timeout_ms;
 
     uint32_t max_workers;     /* worker ids 0 .. max_workers - 1; default 1024 */
     km_backend_kind backend;  /* scoring backend of every pool's index; default AUTO */

@@ -407,7 +407,7 @@ static int apply_flags(int argc, char **argv, km_server_config *cfg)
                 status = KM_EXIT_USAGE;
                 break;
             }
-            km_server_worker w = {(uint32_t)id, NULL, NULL, NULL, false, 0};
+            km_server_worker w = {(uint32_t)id, NULL, NULL, NULL, false, 0, NULL};
             if (*end == '=') {
                 char *pub = strdup(end + 1);
                 char *comma = pub ? strchr(pub, ',') : NULL;

@@ -140,7 +140,7 @@ void km_srv_handle_workers(conn *c, const km_message *m)
                 rc = km_why(msgs[i], sizeof msgs[i], KM_ERR_NOT_FOUND, "no pool %s", wi->pool);
             } else {
                 km_server_worker w = {wi->worker, wi->name, wi->event_endpoint, wi->replay_endpoint,
-                                      wi->has_dp_rank, wi->dp_rank};
+                                      wi->has_dp_rank, wi->dp_rank, NULL};
                 rc = km_srv_worker_add(s, (uint32_t)pi, &w, msgs[i], sizeof msgs[i]);
                 if (rc == KM_OK && wi->has_healthy)
                     km_srv_worker_set_health(s, wi->worker, wi->healthy);

@@ -192,3 +192,50 @@ void km_srv_cluster_metrics(km_server *s, km_text *out)
         km_prom_write_sample_u64(out, refused, &l, 1, st.refused[r]);
     }
 }
+
+/* ---- engine-reported load --------------------------------------------------------------------- */
+
+void km_srv_engine_metrics_target(km_server *s, uint32_t id, const char *url)
+{
+    if (!url && !s->engine_metrics)
+        return;
+    if (!s->engine_metrics) {
+        km_engine_metrics_config cfg;
+        km_engine_metrics_config_init(&cfg);
+        cfg.max_workers = s->cfg.max_workers;
+        if (s->cfg.engine_metrics_interval_ms)
+            cfg.interval_ms = s->cfg.engine_metrics_interval_ms;
+        if (s->cfg.engine_metrics_timeout_ms)
+            cfg.timeout_ms = s->cfg.engine_metrics_timeout_ms;
+        cfg.log = s->log;
+        cfg.log_user = s->log_user;
+        char why[200];
+        if (km_engine_metrics_create(&cfg, &s->engine_metrics, why, sizeof why) != KM_OK) {
+            km_srv_log(s, "engine metrics: %s; worker %u is served without them", why, id);
+            return;
+        }
+    }
+    int rc = km_engine_metrics_set_target(s->engine_metrics, id, url);
+    if (rc != KM_OK)
+        km_srv_log(s, "engine metrics: worker %u: %s", id, km_strerror(rc));
+}
+
+json_t *km_srv_engine_reported_status(km_server *s, uint32_t id)
+{
+    km_engine_reported l;
+    if (!s->engine_metrics || km_engine_metrics_get(s->engine_metrics, id, &l) != KM_OK)
+        return json_null();
+    json_t *o = json_object();
+#define REAL_OR_NULL(x) (isnan(x) ? json_null() : json_real(x))
+    json_object_set_new(o, "engine", l.engine ? json_string(l.engine) : json_null());
+    json_object_set_new(o, "running", REAL_OR_NULL(l.running));
+    json_object_set_new(o, "waiting", REAL_OR_NULL(l.waiting));
+    json_object_set_new(o, "kv_usage", REAL_OR_NULL(l.kv_usage));
+#undef REAL_OR_NULL
+    json_object_set_new(o, "age_ms", l.scraped_ns ? json_real((double)(now_ns() - l.scraped_ns) / 1e6)
+                                                  : json_null());
+    json_object_set_new(o, "scrapes", json_integer((json_int_t)l.scrapes));
+    json_object_set_new(o, "failures", json_integer((json_int_t)l.failures));
+    json_object_set_new(o, "last_error", json_string(l.last_error));
+    return o;
+}

@@ -293,6 +293,11 @@ int km_srv_worker_add(km_server *s, uint32_t pool_index, const km_server_worker 
     if (w->replay_endpoint && !w->event_endpoint)
         return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,
                      "worker %u: a replay endpoint needs an event endpoint", w->id);
+    if (w->metrics_url && strncmp(w->metrics_url, "http://", 7) &&
+        strncmp(w->metrics_url, "https://", 8))
+        return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,
+                     "worker %u: metrics \"%s\" is not an http:// or https:// URL", w->id,
+                     w->metrics_url);
     int rc;
     bool local = w->event_endpoint && !strcmp(w->event_endpoint, KM_SERVER_LOCAL_EVENTS);
     if (local) {
@@ -336,6 +341,7 @@ int km_srv_worker_add(km_server *s, uint32_t pool_index, const km_server_worker 
     slot->replay_endpoint = w->replay_endpoint ? strdup(w->replay_endpoint) : NULL;
     slot->has_dp_rank = w->has_dp_rank;
     slot->dp_rank = w->dp_rank;
+    km_srv_engine_metrics_target(s, w->id, w->metrics_url);
     return KM_OK;
 }
 
@@ -361,6 +367,7 @@ int km_srv_worker_remove(km_server *s, uint32_t id, char *why, size_t why_size)
         p->n_approx_members--;
     }
     members_erase(p, id);
+    km_srv_engine_metrics_target(s, id, NULL);
     free(slot->event_endpoint);
     free(slot->replay_endpoint);
     pthread_mutex_lock(&s->active_lock);

@@ -190,6 +190,7 @@ void km_server_destroy(km_server *s)
     }
     km_u64map_free(&s->attempts_by_decision);
     km_cluster_destroy(s->cluster);
+    km_engine_metrics_destroy(s->engine_metrics);
     km_active_destroy(s->active);
     km_srv_scratch_free(&s->scratch);
     if (s->records) {

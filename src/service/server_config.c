@@ -399,8 +399,8 @@ static void read_pool(reader *r, km_server_config_json *o, json_t *jp, uint32_t 
         km_server_worker base = {.id = UINT32_MAX};
         uint32_t dp = 1;
         uint64_t id = UINT64_MAX;
-        static const char *const worker_keys[] = {"id", "name", "events", "replay", "dp_size",
-                                                  NULL};
+        static const char *const worker_keys[] = {"id",      "name",    "events", "replay",
+                                                  "dp_size", "metrics", NULL};
         char worker_where[128];
         snprintf(worker_where, sizeof worker_where, "%sworkers[%zu]", where, k);
         check_keys(r, jw, worker_where, worker_keys);
@@ -408,6 +408,7 @@ static void read_pool(reader *r, km_server_config_json *o, json_t *jp, uint32_t 
         get_string(r, jw, "name", wwhere, &base.name);
         get_string(r, jw, "events", wwhere, &base.event_endpoint);
         get_string(r, jw, "replay", wwhere, &base.replay_endpoint);
+        get_string(r, jw, "metrics", wwhere, &base.metrics_url);
         get_u32(r, jw, "dp_size", wwhere, 1, 1024, &dp);
         if (!r->rc && id == UINT64_MAX)
             r->rc = km_why(r->why, r->why_size, KM_ERR_PARSE, "%sid: required", wwhere);
@@ -482,12 +483,14 @@ int km_server_config_load_json(const char *path, km_server_config *target, km_se
         "socket", "tcp", "http", "allow_non_loopback", "default_pool", "max_connections",
         "max_outbox_bytes", "active_ttl_ms", "max_active_entries", "max_active_bytes", "approx_dispatch_max_bytes",
         "breaker_failures", "breaker_cooldown_ms", "ready_share", "drain_timeout_ms", "seed",
-        "records", "snapshot", "index", "scheduler", "limits", "cluster", "pools", NULL};
+        "records", "snapshot", "index", "scheduler", "limits", "cluster", "engine_metrics",
+        "pools", NULL};
     static const char *const records_keys[] = {"path",           "max_file_bytes", "keep_files",
                                                "max_kept_bytes", "max_age_s",      NULL};
     static const char *const snapshot_keys[] = {"dir", "interval_ms", NULL};
     static const char *const cluster_keys[] = {"url", "instance", "subject", "heartbeat_ms",
                                                "expire_ms", "sync_timeout_ms", NULL};
+    static const char *const engine_metrics_keys[] = {"interval_ms", "timeout_ms", NULL};
     static const char *const index_keys[] = {"max_workers", "threads", "memory_cap_bytes",
                                              "initial_blocks", "backend", NULL};
     static const char *const scheduler_keys[] = {"max_batch_routes",  "max_queued_routes",
@@ -501,6 +504,7 @@ int km_server_config_load_json(const char *path, km_server_config *target, km_se
         check_keys(&r, json_object_get(root, "records"), "records", records_keys);
     check_keys(&r, json_object_get(root, "snapshot"), "snapshot", snapshot_keys);
     check_keys(&r, json_object_get(root, "cluster"), "cluster", cluster_keys);
+    check_keys(&r, json_object_get(root, "engine_metrics"), "engine_metrics", engine_metrics_keys);
     check_keys(&r, json_object_get(root, "index"), "index", index_keys);
     check_keys(&r, json_object_get(root, "scheduler"), "scheduler", scheduler_keys);
     check_keys(&r, json_object_get(root, "limits"), "limits", limits_keys);
@@ -552,6 +556,14 @@ int km_server_config_load_json(const char *path, km_server_config *target, km_se
         get_u32(&r, clu, "heartbeat_ms", "cluster.", 10, 600000, &cfg->cluster_heartbeat_ms);
         get_u32(&r, clu, "expire_ms", "cluster.", 20, 3600000, &cfg->cluster_expire_ms);
         get_u32(&r, clu, "sync_timeout_ms", "cluster.", 0, 600000, &cfg->cluster_sync_timeout_ms);
+    }
+    json_t *em = json_object_get(root, "engine_metrics");
+    if (em && !r.rc) {
+        if (!json_is_object(em))
+            r.rc = km_why(why, why_size, KM_ERR_PARSE, "engine_metrics: expected an object");
+        get_u32(&r, em, "interval_ms", "engine_metrics.", 10, 3600000,
+                &cfg->engine_metrics_interval_ms);
+        get_u32(&r, em, "timeout_ms", "engine_metrics.", 1, 600000, &cfg->engine_metrics_timeout_ms);
     }
     json_t *idx = json_object_get(root, "index");
     if (idx && !r.rc) {

@@ -58,6 +58,7 @@
 #include "kvmatch/active.h"
 #include "kvmatch/approx.h"
 #include "kvmatch/cluster.h"
+#include "kvmatch/engine_metrics.h"
 #include "kvmatch/metrics.h"
 #include "kvmatch/policy.h"
 #include "kvmatch/records.h"
@@ -329,6 +330,8 @@ struct km_server {
     bool expiry_timer_inited;
 
     km_cluster *cluster; /* NULL without cluster_url (cluster_view.c; thread-safe) */
+    km_engine_metrics *engine_metrics; /* made for the first worker with a metrics URL
+                                        * (cluster_view.c; thread-safe) */
     km_record_writer *records;
     char instance[33];
     char host[128];
@@ -496,6 +499,11 @@ void km_srv_cluster_label(km_server *s, uint64_t now, srv_load_view *v);
 struct json_t;
 struct json_t *km_srv_cluster_status(km_server *s);
 void km_srv_cluster_metrics(km_server *s, km_text *out);
+/* Engine-reported load (cluster_view.c): scrape `url` for worker `id` from now on (NULL: stop),
+ * the scraper made on first use (a failure is logged: the worker is served without it); the
+ * worker's values as /status's "engine_reported" (null when not scraped; a new reference). */
+void km_srv_engine_metrics_target(km_server *s, uint32_t id, const char *url);
+struct json_t *km_srv_engine_reported_status(km_server *s, uint32_t id);
 km_http_callbacks km_srv_http_callbacks(km_server *s);
 int km_srv_metrics_setup(km_server *s);
 

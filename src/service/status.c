@@ -200,6 +200,7 @@ static int http_status(void *user, km_text *out)
         } else {
             json_object_set_new(jw, "state", json_string(w->events ? "UNKNOWN" : "APPROX"));
         }
+        json_object_set_new(jw, "engine_reported", km_srv_engine_reported_status(s, id));
         json_array_append_new(workers, jw);
     }
     pthread_mutex_unlock(&s->admin_lock);

@@ -1,0 +1,299 @@
+/* Engine-reported load (include/kvmatch/engine_metrics.h): the metric text of vLLM and SGLang, in
+ * their exact exposition format, parsed; and scraped from a fake /metrics endpoint (libmicrohttpd
+ * on a loopback port) whose answers change: good text, an HTTP error, text without the metrics,
+ * the other engine, no server at all. */
+#include <criterion/criterion.h>
+#include <arpa/inet.h>
+#include <jansson.h>
+#include <math.h>
+#include <netinet/in.h>
+#include <stdlib.h>
+#include <sys/socket.h>
+#include <sys/time.h>
+#include <unistd.h>
+#include <microhttpd.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "kv_test_publisher.h"
+#include "kvmatch/engine_metrics.h"
+#include "kvmatch/kvmatch.h"
+#include "nats_test_server.h"
+
+/* vLLM 0.1x's /metrics (prometheus_client): two data-parallel engines, a histogram, a waiting
+ * metric whose name starts like one read, and a label value holding '}' and an escaped quote. */
+static const char VLLM_TEXT[] =
+    "# HELP vllm:num_requests_running Number of requests in model execution batches.\n"
+    "# TYPE vllm:num_requests_running gauge\n"
+    "vllm:num_requests_running{engine=\"0\",model_name=\"meta-llama/Llama-3.1-8B-Instruct\"} 3.0\n"
+    "vllm:num_requests_running{engine=\"1\",model_name=\"meta-llama/Llama-3.1-8B-Instruct\"} 2.0\n"
+    "# HELP vllm:num_requests_waiting Number of requests waiting to be processed.\n"
+    "# TYPE vllm:num_requests_waiting gauge\n"
+    "vllm:num_requests_waiting{engine=\"0\",model_name=\"odd}\\\"name\"} 7.0\n"
+    "vllm:num_requests_waiting{engine=\"1\",model_name=\"odd}\\\"name\"} 1.0\n"
+    "# HELP vllm:num_requests_waiting_by_reason Number of requests waiting, by reason.\n"
+    "# TYPE vllm:num_requests_waiting_by_reason gauge\n"
+    "vllm:num_requests_waiting_by_reason{engine=\"0\",reason=\"capacity\"} 99.0\n"
+    "# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.\n"
+    "# TYPE vllm:kv_cache_usage_perc gauge\n"
+    "vllm:kv_cache_usage_perc{engine=\"0\",model_name=\"meta-llama/Llama-3.1-8B-Instruct\"} 0.42\n"
+    "vllm:kv_cache_usage_perc{engine=\"1\",model_name=\"meta-llama/Llama-3.1-8B-Instruct\"} 0.61\n"
+    "# HELP vllm:time_to_first_token_seconds Histogram of time to first token in seconds.\n"
+    "# TYPE vllm:time_to_first_token_seconds histogram\n"
+    "vllm:time_to_first_token_seconds_bucket{engine=\"0\",le=\"0.001\"} 0.0\n"
+    "vllm:time_to_first_token_seconds_sum{engine=\"0\"} 12.5\n";
+
+/* SGLang's /metrics (its production_metrics reference). */
+static const char SGLANG_TEXT[] =
+    "# HELP sglang:num_running_reqs The number of running requests.\n"
+    "# TYPE sglang:num_running_reqs gauge\n"
+    "sglang:num_running_reqs{model_name=\"meta-llama/Llama-3.1-8B-Instruct\"} 28.0\n"
+    "# HELP sglang:num_queue_reqs The number of requests in the waiting queue.\n"
+    "# TYPE sglang:num_queue_reqs gauge\n"
+    "sglang:num_queue_reqs{model_name=\"meta-llama/Llama-3.1-8B-Instruct\"} 4.0\n"
+    "# HELP sglang:token_usage The token usage\n"
+    "# TYPE sglang:token_usage gauge\n"
+    "sglang:token_usage{model_name=\"meta-llama/Llama-3.1-8B-Instruct\"} 0.28\n"
+    "# HELP sglang:cache_hit_rate The cache hit rate\n"
+    "# TYPE sglang:cache_hit_rate gauge\n"
+    "sglang:cache_hit_rate{model_name=\"meta-llama/Llama-3.1-8B-Instruct\"} 0.0075\n";
+
+Test(engine_metrics, vllm_text_sums_ranks_and_takes_the_fullest_cache)
+{
+    km_engine_reported l;
+    memset(&l, 0, sizeof l);
+    char why[160];
+    cr_assert_eq(km_engine_metrics_parse(VLLM_TEXT, strlen(VLLM_TEXT), &l, why, sizeof why), KM_OK,
+                 "%s", why);
+    cr_assert_str_eq(l.engine, "vllm");
+    cr_assert_float_eq(l.running, 5.0, 1e-12);
+    cr_assert_float_eq(l.waiting, 8.0, 1e-12, "waiting_by_reason is another metric");
+    cr_assert_float_eq(l.kv_usage, 0.61, 1e-12);
+}
+
+Test(engine_metrics, sglang_text_and_text_without_the_metrics)
+{
+    km_engine_reported l;
+    memset(&l, 0, sizeof l);
+    char why[160];
+    cr_assert_eq(km_engine_metrics_parse(SGLANG_TEXT, strlen(SGLANG_TEXT), &l, why, sizeof why),
+                 KM_OK, "%s", why);
+    cr_assert_str_eq(l.engine, "sglang");
+    cr_assert_float_eq(l.running, 28.0, 1e-12);
+    cr_assert_float_eq(l.waiting, 4.0, 1e-12);
+    cr_assert_float_eq(l.kv_usage, 0.28, 1e-12);
+    const char *bad[] = {"", "garbage\n", "# TYPE vllm:num_requests_running gauge\n",
+                         "vllm:num_requests_running{engine=\"0\" 3.0\n",
+                         "vllm:num_requests_running NaN\n", "vllm:num_requests_running -1\n"};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++)
+        cr_assert_eq(km_engine_metrics_parse(bad[i], strlen(bad[i]), &l, why, sizeof why),
+                     KM_ERR_PARSE, "case %zu accepted", i);
+}
+
+/* ---- a fake /metrics endpoint ---------------------------------------------------------------- */
+
+static pthread_mutex_t fake_lock = PTHREAD_MUTEX_INITIALIZER;
+static const char *fake_body = VLLM_TEXT;
+static unsigned fake_status = 200;
+
+static enum MHD_Result fake_handler(void *cls, struct MHD_Connection *c, const char *url,
+                                    const char *method, const char *version,
+                                    const char *upload, size_t *upload_size, void **state)
+{
+    (void)cls, (void)url, (void)method, (void)version, (void)upload, (void)upload_size;
+    (void)state;
+    pthread_mutex_lock(&fake_lock);
+    const char *b = fake_body;
+    unsigned status = fake_status;
+    pthread_mutex_unlock(&fake_lock);
+    struct MHD_Response *r =
+        MHD_create_response_from_buffer(strlen(b), (void *)b, MHD_RESPMEM_MUST_COPY);
+    MHD_add_response_header(r, "Content-Type", "text/plain; version=0.0.4; charset=utf-8");
+    enum MHD_Result rc = MHD_queue_response(c, status, r);
+    MHD_destroy_response(r);
+    return rc;
+}
+
+static void serve(const char *body, unsigned status)
+{
+    pthread_mutex_lock(&fake_lock);
+    fake_body = body;
+    fake_status = status;
+    pthread_mutex_unlock(&fake_lock);
+}
+
+static km_engine_reported get(km_engine_metrics *m, uint32_t w)
+{
+    km_engine_reported l;
+    cr_assert_eq(km_engine_metrics_get(m, w, &l), KM_OK);
+    return l;
+}
+
+#define WAIT_UNTIL(cond, ms)                                           \
+    do {                                                               \
+        for (int waited_ = 0; !(cond) && waited_ < (ms); waited_ += 5) \
+            km_test_sleep_ms(5);                                       \
+    } while (0)
+
+Test(engine_metrics, scraped_from_a_fake_endpoint_failures_keep_the_last_values, .timeout = 30)
+{
+    uint16_t port = km_test_free_port();
+    struct MHD_Daemon *d = MHD_start_daemon(MHD_USE_INTERNAL_POLLING_THREAD, port, NULL, NULL,
+                                            fake_handler, NULL, MHD_OPTION_END);
+    cr_assert_not_null(d, "fake endpoint on 127.0.0.1:%u", port);
+    km_engine_metrics_config cfg;
+    km_engine_metrics_config_init(&cfg);
+    cfg.max_workers = 4;
+    cfg.interval_ms = 20;
+    cfg.timeout_ms = 500;
+    km_engine_metrics *m = NULL;
+    char why[160];
+    cr_assert_eq(km_engine_metrics_create(&cfg, &m, why, sizeof why), KM_OK, "%s", why);
+    char url[64];
+    snprintf(url, sizeof url, "http://127.0.0.1:%u/metrics", port);
+    cr_assert_eq(km_engine_metrics_set_target(m, 2, url), KM_OK);
+    cr_assert_eq(km_engine_metrics_set_target(m, 3, "http://127.0.0.1:1/metrics"), KM_OK);
+    cr_assert_eq(km_engine_metrics_set_target(m, 1, "ftp://x/"), KM_ERR_INVALID_ARGUMENT);
+    km_engine_reported l;
+    cr_assert_eq(km_engine_metrics_get(m, 0, &l), KM_ERR_NOT_FOUND);
+
+    WAIT_UNTIL(get(m, 2).has_values, 5000);
+    l = get(m, 2);
+    cr_assert(l.has_values);
+    cr_assert_str_eq(l.engine, "vllm");
+    cr_assert_float_eq(l.running, 5.0, 1e-12);
+    cr_assert_float_eq(l.kv_usage, 0.61, 1e-12);
+    cr_assert_gt(l.scraped_ns, 0);
+
+    serve(VLLM_TEXT, 503); /* the engine is unhappy: the last values stay, the failure shows */
+    uint64_t failures = l.failures;
+    WAIT_UNTIL(get(m, 2).failures > failures, 5000);
+    l = get(m, 2);
+    cr_assert_gt(l.failures, failures);
+    cr_assert(strstr(l.last_error, "503"), "%s", l.last_error);
+    cr_assert_float_eq(l.running, 5.0, 1e-12);
+
+    serve("# nothing we read\nprocess_cpu_seconds_total 1.0\n", 200);
+    failures = get(m, 2).failures;
+    WAIT_UNTIL(get(m, 2).failures > failures, 5000);
+    cr_assert(strstr(get(m, 2).last_error, "none of"), "%s", get(m, 2).last_error);
+
+    serve(SGLANG_TEXT, 200);
+    WAIT_UNTIL(!strcmp(get(m, 2).engine, "sglang"), 5000);
+    l = get(m, 2);
+    cr_assert_str_eq(l.engine, "sglang");
+    cr_assert_float_eq(l.running, 28.0, 1e-12);
+    cr_assert_float_eq(l.waiting, 4.0, 1e-12);
+
+    WAIT_UNTIL(get(m, 3).failures > 0, 5000);
+    l = get(m, 3);
+    cr_assert(!l.has_values, "nothing listens there");
+    cr_assert_neq(l.last_error[0], '\0');
+
+    cr_assert_eq(km_engine_metrics_set_target(m, 2, NULL), KM_OK);
+    cr_assert_eq(km_engine_metrics_get(m, 2, &l), KM_ERR_NOT_FOUND);
+    km_engine_metrics_destroy(m);
+    MHD_stop_daemon(d);
+    serve(VLLM_TEXT, 200);
+}
+
+/* ---- in kvmatch serve: /status shows what each worker's engine reports ----------------------- */
+
+static void *serve_thread(void *arg)
+{
+    km_server_run(arg, false);
+    return NULL;
+}
+
+static int http_get(uint16_t port, const char *path, char *body, size_t body_size)
+{
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons(port)};
+    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    cr_assert_eq(connect(fd, (struct sockaddr *)&sa, sizeof sa), 0);
+    struct timeval tv = {3, 0};
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    char req[128];
+    int n = snprintf(req, sizeof req, "GET %s HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+                     path);
+    cr_assert_eq(write(fd, req, (size_t)n), n);
+    static char resp[1 << 16];
+    size_t got = 0;
+    ssize_t k;
+    while (got < sizeof resp - 1 && (k = read(fd, resp + got, sizeof resp - 1 - got)) > 0)
+        got += (size_t)k;
+    resp[got] = '\0';
+    close(fd);
+    int status = 0;
+    sscanf(resp, "HTTP/1.%*d %d", &status);
+    const char *b = strstr(resp, "\r\n\r\n");
+    snprintf(body, body_size, "%s", b ? b + 4 : "");
+    return status;
+}
+
+static double reported_running(uint16_t http_port, uint32_t worker)
+{
+    static char body[1 << 16];
+    cr_assert_eq(http_get(http_port, "/status", body, sizeof body), 200);
+    json_t *st = json_loads(body, 0, NULL);
+    cr_assert_not_null(st);
+    size_t i;
+    json_t *w;
+    double running = -1;
+    json_array_foreach(json_object_get(st, "workers"), i, w)
+    {
+        if (json_integer_value(json_object_get(w, "id")) != worker)
+            continue;
+        json_t *er = json_object_get(w, "engine_reported");
+        running = json_is_object(er) && json_is_number(json_object_get(er, "running"))
+                      ? json_number_value(json_object_get(er, "running"))
+                      : json_is_null(er) ? -2 : -1;
+    }
+    json_decref(st);
+    return running;
+}
+
+Test(engine_metrics, serve_shows_each_workers_engine_reported_load, .timeout = 30)
+{
+    serve(SGLANG_TEXT, 200);
+    uint16_t port = km_test_free_port();
+    struct MHD_Daemon *d = MHD_start_daemon(MHD_USE_INTERNAL_POLLING_THREAD, port, NULL, NULL,
+                                            fake_handler, NULL, MHD_OPTION_END);
+    cr_assert_not_null(d);
+    char dir[] = "/tmp/kvmatch-engine-XXXXXX", sock[96], url[64];
+    cr_assert_not_null(mkdtemp(dir));
+    snprintf(sock, sizeof sock, "%s/s.sock", dir);
+    snprintf(url, sizeof url, "http://127.0.0.1:%u/metrics", port);
+    km_server_worker workers[2] = {{.id = 0, .metrics_url = url}, {.id = 1}};
+    km_server_pool pool = {.name = "main", .block_size = 4, .workers = workers, .n_workers = 2};
+    km_policy_config_init(&pool.policy);
+    km_server_config cfg;
+    km_server_config_init(&cfg);
+    cfg.socket_path = sock;
+    cfg.records_path = NULL;
+    cfg.http = "127.0.0.1:0";
+    cfg.max_workers = 8;
+    cfg.backend = KM_BACKEND_CPU;
+    cfg.index_threads = 1;
+    cfg.engine_metrics_interval_ms = 20;
+    cfg.pools = &pool;
+    cfg.n_pools = 1;
+    km_server *s = NULL;
+    char why[256];
+    cr_assert_eq(km_server_create(&cfg, &s, why, sizeof why), KM_OK, "%s", why);
+    pthread_t t;
+    pthread_create(&t, NULL, serve_thread, s);
+    uint16_t http_port = km_server_http_port(s);
+    WAIT_UNTIL(reported_running(http_port, 0) == 28.0, 5000);
+    cr_assert_float_eq(reported_running(http_port, 0), 28.0, 1e-9);
+    cr_assert_eq(reported_running(http_port, 1), -2, "worker 1 has no metrics URL: null");
+    km_server_stop(s);
+    pthread_join(t, NULL);
+    km_server_destroy(s);
+    MHD_stop_daemon(d);
+    char cmd[96];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+    cr_assert_eq(system(cmd), 0);
+    serve(VLLM_TEXT, 200);
+}
