@@ -200,7 +200,7 @@ static void *publish_main(void *arg)
             }
             next += p->pacing_ns;
         }
-        km_active_load l = {k % 97 + 1, 0, mono_ns(), k, k};
+        km_active_load l = {k % 97 + 1, 0, mono_ns(), k, k, 0};
         km_cluster_publish_load(inst[p->i], (uint32_t)(k % WORKERS), &l);
     }
     return NULL;

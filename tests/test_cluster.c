@@ -94,7 +94,7 @@ Test(cluster, messages_round_trip_and_bad_ones_are_refused_by_reason)
 {
     km_text t;
     km_text_init(&t, 0);
-    cluster_worker_load rows[2] = {{3, {2, 1, 100, 10, 9}}, {15, {1, 0, 0, 4, 4}}};
+    cluster_worker_load rows[2] = {{3, {2, 1, 100, 10, 9, 123456}}, {15, {1, 0, 0, 4, 4, 0}}};
     char peers[1][KM_CLUSTER_INSTANCE_MAX + 1] = {"b-2"};
     cluster_message m = {CLUSTER_STATE, "a_1", 77, 5, rows, 2, peers, 1};
     cr_assert_eq(km_cluster_encode(&t, &m), KM_OK);
@@ -125,11 +125,11 @@ Test(cluster, messages_round_trip_and_bad_ones_are_refused_by_reason)
         {"state.b", "{\"v\":1,\"kind\":\"state\",\"instance\":\"a\",\"incarnation\":1,\"seq\":1,"
                     "\"workers\":[],\"peers\":[]}", KM_CLUSTER_REFUSED_SUBJECT},
         {"change.a", "{\"v\":1,\"kind\":\"change\",\"instance\":\"a\",\"incarnation\":1,\"seq\":1,"
-                     "\"workers\":[[16,1,0,0,0,0]]}", KM_CLUSTER_REFUSED_WORKER},
+                     "\"workers\":[[16,1,0,0,0,0,0]]}", KM_CLUSTER_REFUSED_WORKER},
         {"change.a", "{\"v\":1,\"kind\":\"change\",\"instance\":\"a\",\"incarnation\":1,\"seq\":1,"
-                     "\"workers\":[[1,-1,0,0,0,0]]}", KM_CLUSTER_REFUSED_MALFORMED},
+                     "\"workers\":[[1,-1,0,0,0,0,0]]}", KM_CLUSTER_REFUSED_MALFORMED},
         {"change.a", "{\"v\":1,\"kind\":\"change\",\"instance\":\"a\",\"incarnation\":1,\"seq\":1,"
-                     "\"workers\":[[1,1,2,0,0,0]]}", KM_CLUSTER_REFUSED_MALFORMED},
+                     "\"workers\":[[1,1,2,0,0,0,0]]}", KM_CLUSTER_REFUSED_MALFORMED},
         {"change.a", "{\"v\":1,\"kind\":\"change\",\"instance\":\"a\",\"incarnation\":1,\"seq\":0,"
                      "\"workers\":[]}", KM_CLUSTER_REFUSED_MALFORMED},
         {"change.a b", "{\"v\":1,\"kind\":\"change\",\"instance\":\"a b\",\"incarnation\":1,"
@@ -160,7 +160,7 @@ Test(cluster, two_instances_converge_on_each_others_load, .init = start_server,
     for (int i = 0; i < 400; i++) {
         uint32_t w = km_rng_below(&rng, WORKERS);
         km_active_load l = {km_rng_below(&rng, 50), 0, km_rng_below(&rng, 5000),
-                            km_rng_below(&rng, 300), 0};
+                            km_rng_below(&rng, 300), 0, km_rng_below(&rng, 1000000)};
         l.prefilling = l.in_flight ? km_rng_below(&rng, (uint32_t)l.in_flight + 1) : 0;
         l.allocated_blocks = l.active_decode_blocks;
         if (km_rng_below(&rng, 2)) {
@@ -216,7 +216,7 @@ static void raw_load(natsConnection *nc, const char *kind, uint64_t incarnation,
     snprintf(subject, sizeof subject, "%s.x", kind);
     snprintf(body, sizeof body,
              "{\"v\":1,\"kind\":\"%s\",\"instance\":\"x\",\"incarnation\":%llu,\"seq\":%llu,"
-             "\"workers\":[[%u,%llu,0,0,0,0]]%s}",
+             "\"workers\":[[%u,%llu,0,0,0,0,0]]%s}",
              kind, (unsigned long long)incarnation, (unsigned long long)seq, worker,
              (unsigned long long)in_flight, strcmp(kind, "state") ? "" : ",\"peers\":[]");
     raw_publish(nc, subject, body);
@@ -258,7 +258,7 @@ Test(cluster, every_injected_loss_between_two_instances_is_detected,
     km_cluster *a = instance("a", server.url, 2000, 4);
     km_cluster *b = instance("b", server.url, 2000, 0);
     for (uint32_t i = 1; i <= 40; i++) {
-        km_active_load l = {i, 0, 0, 0, 0};
+        km_active_load l = {i, 0, 0, 0, 0, 0};
         km_cluster_publish_load(a, i % WORKERS, &l);
     }
     /* 10 of the 40 changes were never sent; the next heartbeat state shows every gap. */
@@ -286,7 +286,7 @@ Test(cluster, a_crashed_instance_contribution_expires, .init = start_server, .fi
     cr_assert(child >= 0);
     if (child == 0) {
         km_cluster *a = instance("a", server.url, 500, 0);
-        km_active_load l = {5, 1, 100, 9, 9};
+        km_active_load l = {5, 1, 100, 9, 9, 4000};
         km_cluster_publish_load(a, 1, &l);
         for (;;)
             pause();
@@ -313,7 +313,7 @@ Test(cluster, nats_down_at_start_and_mid_run_keeps_the_local_view_and_catches_up
 {
     km_cluster *a = instance("a", server.url, 400, 0);
     km_cluster *b = instance("b", server.url, 400, 0);
-    km_active_load one = {1, 0, 0, 0, 0}, three = {3, 0, 0, 0, 0};
+    km_active_load one = {1, 0, 0, 0, 0, 0}, three = {3, 0, 0, 0, 0, 0};
     km_cluster_publish_load(a, 0, &one);
     WAIT_UNTIL(remote(b, 0).in_flight == 1, 2000);
     cr_assert_eq(remote(b, 0).in_flight, 1);
@@ -355,7 +355,7 @@ Test(cluster, a_new_or_restarted_instance_has_the_running_work_when_create_retur
 {
     km_cluster *a = instance("a", server.url, 2000, 0);
     km_cluster *b = instance("b", server.url, 2000, 0);
-    km_active_load la = {4, 2, 300, 20, 18}, lb = {2, 0, 0, 7, 7};
+    km_active_load la = {4, 2, 300, 20, 18, 52000}, lb = {2, 0, 0, 7, 7, 0};
     km_cluster_publish_load(a, 5, &la);
     km_cluster_publish_load(b, 6, &lb);
     WAIT_UNTIL(remote(a, 6).in_flight == 2 && remote(b, 5).in_flight == 4, 2000);
@@ -393,13 +393,13 @@ Test(cluster, bad_and_foreign_messages_are_refused_counted_and_harmless, .init =
     cr_assert_eq(remote(a, 4).in_flight, 6);
     raw_publish(nc, "state.x", "garbage");
     raw_publish(nc, "state.x", "{\"v\":3,\"kind\":\"state\",\"instance\":\"x\",\"incarnation\":9,"
-                               "\"seq\":2,\"workers\":[[4,99,0,0,0,0]],\"peers\":[]}");
+                               "\"seq\":2,\"workers\":[[4,99,0,0,0,0,0]],\"peers\":[]}");
     raw_publish(nc, "change.y", "{\"v\":1,\"kind\":\"change\",\"instance\":\"x\",\"incarnation\":9,"
-                                "\"seq\":2,\"workers\":[[4,99,0,0,0,0]]}");
+                                "\"seq\":2,\"workers\":[[4,99,0,0,0,0,0]]}");
     raw_publish(nc, "change.x", "{\"v\":1,\"kind\":\"change\",\"instance\":\"x\",\"incarnation\":9,"
-                                "\"seq\":2,\"workers\":[[9999,99,0,0,0,0]]}");
+                                "\"seq\":2,\"workers\":[[9999,99,0,0,0,0,0]]}");
     raw_publish(nc, "change.a", "{\"v\":1,\"kind\":\"change\",\"instance\":\"a\",\"incarnation\":9,"
-                                "\"seq\":1,\"workers\":[[4,99,0,0,0,0]]}");
+                                "\"seq\":1,\"workers\":[[4,99,0,0,0,0,0]]}");
     raw_load(nc, "change", 9, 1, 4, 99); /* a duplicate sequence number */
     raw_load(nc, "change", 8, 2, 4, 99); /* an older incarnation */
     raw_publish(nc, "elsewhere", "{}");
@@ -433,7 +433,7 @@ Test(cluster, heartbeats_keep_their_interval_however_many_messages_arrive, .init
     km_cluster *b = instance("b", server.url, 2000, 0);
     uint64_t before = stats(a).sent, t0 = mono_ns();
     for (uint32_t i = 1; i <= 500; i++) {
-        km_active_load l = {i, 0, 0, 0, 0};
+        km_active_load l = {i, 0, 0, 0, 0, 0};
         km_cluster_publish_load(b, 0, &l);
         km_test_sleep_ms(1);
     }

@@ -48,7 +48,7 @@ static void pools_quiet(void *user, const char *line)
 /* A server with one approximate-mode pool "main" (workers 0, 1) and a snapshot directory. */
 static void pools_start(pools_srv *s)
 {
-    static km_server_worker workers[2] = {{0, NULL, NULL, NULL, false, 0}, {1, NULL, NULL, NULL, false, 0}};
+    static km_server_worker workers[2] = {{0, NULL, NULL, NULL, false, 0, NULL}, {1, NULL, NULL, NULL, false, 0, NULL}};
     static km_server_pool main_pool;
     strcpy(s->dir, "/tmp/kvmatch-pools-XXXXXX");
     cr_assert_not_null(mkdtemp(s->dir));

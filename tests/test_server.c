@@ -559,8 +559,8 @@ Test(server, events_pool_scores_observed_blocks, .timeout = 30)
     km_server_config cfg;
     test_config(&cfg, &s, KM_POLICY_KV, 0);
     km_server_worker ws[2] = {{5, "engine-a", km_test_publisher_endpoint(pub),
-                               km_test_publisher_replay_endpoint(pub), false, 0},
-                              {6, "approx-b", NULL, NULL, false, 0}};
+                               km_test_publisher_replay_endpoint(pub), false, 0, NULL},
+                              {6, "approx-b", NULL, NULL, false, 0, NULL}};
     g_pool.workers = ws;
     g_pool.n_workers = 2;
     char http[] = "127.0.0.1:0";
@@ -1754,8 +1754,8 @@ Test(server, local_event_workers, .timeout = 30)
     srv s = {0};
     km_server_config cfg;
     test_config(&cfg, &s, KM_POLICY_PREFIX, 0);
-    km_server_worker ws[2] = {{0, "e0", KM_SERVER_LOCAL_EVENTS, NULL, false, 0},
-                              {1, "e1", KM_SERVER_LOCAL_EVENTS, NULL, false, 0}};
+    km_server_worker ws[2] = {{0, "e0", KM_SERVER_LOCAL_EVENTS, NULL, false, 0, NULL},
+                              {1, "e1", KM_SERVER_LOCAL_EVENTS, NULL, false, 0, NULL}};
     g_pool.workers = ws;
     g_pool.n_workers = 2;
     srv_start(&s, &cfg);
@@ -1829,7 +1829,7 @@ Test(server, memory_cap_refusals_are_visible_and_logged_sparingly, .timeout = 60
     atomic_store(&g_flush_failure_lines, 0);
     char http[] = "127.0.0.1:0";
     cfg.http = http;
-    km_server_worker ws[1] = {{0, "capped", KM_SERVER_LOCAL_EVENTS, NULL, false, 0}};
+    km_server_worker ws[1] = {{0, "capped", KM_SERVER_LOCAL_EVENTS, NULL, false, 0, NULL}};
     g_pool.workers = ws;
     g_pool.n_workers = 1;
     cap_index_at_creation(&cfg);
@@ -1916,8 +1916,8 @@ Test(server, refused_events_are_shown_per_worker_and_reason, .timeout = 30)
     char http[] = "127.0.0.1:0";
     cfg.http = http;
     cfg.log = serving_log;
-    km_server_worker ws[2] = {{0, "e0", KM_SERVER_LOCAL_EVENTS, NULL, false, 0},
-                              {1, "e1", KM_SERVER_LOCAL_EVENTS, NULL, false, 0}};
+    km_server_worker ws[2] = {{0, "e0", KM_SERVER_LOCAL_EVENTS, NULL, false, 0, NULL},
+                              {1, "e1", KM_SERVER_LOCAL_EVENTS, NULL, false, 0, NULL}};
     g_pool.workers = ws;
     g_pool.n_workers = 2;
     srv_start(&s, &cfg);
@@ -2284,7 +2284,7 @@ Test(server, a_mixed_pool_labels_a_prediction_by_where_its_depths_come_from, .ti
     srv s = {0};
     km_server_config cfg;
     test_config(&cfg, &s, KM_POLICY_LEAST_LOAD, 0);
-    km_server_worker ws[2] = {{0, "a0", NULL, NULL, false, 0}, {1, "e1", KM_SERVER_LOCAL_EVENTS, NULL, false, 0}};
+    km_server_worker ws[2] = {{0, "a0", NULL, NULL, false, 0, NULL}, {1, "e1", KM_SERVER_LOCAL_EVENTS, NULL, false, 0, NULL}};
     g_pool.workers = ws;
     g_pool.n_workers = 2;
     srv_start(&s, &cfg);
@@ -3490,9 +3490,9 @@ Test(server, a_prompt_being_prefilled_draws_the_same_prompt_to_its_worker, .time
     srv s = {0};
     km_server_config cfg;
     test_config(&cfg, &s, KM_POLICY_TTFT, 0);
-    km_server_worker ws[3] = {{0, "e0", KM_SERVER_LOCAL_EVENTS, NULL, false, 0},
-                              {1, "e1", KM_SERVER_LOCAL_EVENTS, NULL, false, 0},
-                              {2, "e2", KM_SERVER_LOCAL_EVENTS, NULL, false, 0}};
+    km_server_worker ws[3] = {{0, "e0", KM_SERVER_LOCAL_EVENTS, NULL, false, 0, NULL},
+                              {1, "e1", KM_SERVER_LOCAL_EVENTS, NULL, false, 0, NULL},
+                              {2, "e2", KM_SERVER_LOCAL_EVENTS, NULL, false, 0, NULL}};
     g_pool.workers = ws;
     g_pool.n_workers = 3;
     srv_start(&s, &cfg);

@@ -20,7 +20,7 @@
  *
  * Scope: requests routed elsewhere (another router, traffic that bypasses kvmatch) are not here;
  * a fresh process starts empty. A decision that uses these values must say so (load scope
- * "instance", KM_ACTIVE_LOAD_SCOPE).
+ * "this_instance", KM_ACTIVE_LOAD_SCOPE).
  *
  * Two attempts of one request are separate entries. Ids are byte strings (not NUL-terminated on
  * input, since msgpack strings are not); an entry keeps a copy, so lookups compare the full ids and
@@ -67,7 +67,7 @@ extern "C" {
 typedef struct km_active km_active;
 
 /* The scope a decision using these load values must state: what this kvmatch instance saw. */
-#define KM_ACTIVE_LOAD_SCOPE "instance"
+#define KM_ACTIVE_LOAD_SCOPE "this_instance"
 /* Longest request id and attempt id accepted, in bytes (KM_ERR_TOO_LARGE beyond). */
 #define KM_ACTIVE_ID_MAX 256u
 /* "Not reported": engine-reported cached tokens that never arrived. */
@@ -301,14 +301,14 @@ typedef struct km_active_load {
     uint64_t in_flight;
     uint64_t prefilling; /* of in_flight, the entries whose FIRST_TOKEN has not come */
     uint64_t pending_prefill_tokens;
-    /* The attention pairs of those prefills: each entry's km_engine_model_chunk_pairs(its cached
-     * tokens, its pending prefill tokens), charged and released with its pending prefill. */
-    uint64_t pending_prefill_pairs;
     uint64_t active_decode_blocks;
     /* The KV blocks those requests take, counting a prefix that several of them share once:
      * each request's footprint, less the blocks of its declared prefix when another live
      * request on the worker declared the same one (km_active_share_prefix). */
     uint64_t allocated_blocks;
+    /* The attention pairs of the pending prefills: each entry's km_engine_model_chunk_pairs(its
+     * cached tokens, its pending prefill tokens), charged and released with its pending prefill. */
+    uint64_t pending_prefill_pairs;
 } km_active_load;
 
 /* One worker's load. Errors: KM_ERR_NULL_POINTER, KM_ERR_WORKER_RANGE. */

@@ -122,6 +122,7 @@ static void load_add(km_active_load *to, const km_active_load *v)
     to->pending_prefill_tokens += v->pending_prefill_tokens;
     to->active_decode_blocks += v->active_decode_blocks;
     to->allocated_blocks += v->allocated_blocks;
+    to->pending_prefill_pairs += v->pending_prefill_pairs;
 }
 
 /* Every field of `to` minus v's, never below 0 (the sum holds each contribution's values, so a
@@ -134,6 +135,7 @@ static void load_sub(km_active_load *to, const km_active_load *v)
     SUB(pending_prefill_tokens);
     SUB(active_decode_blocks);
     SUB(allocated_blocks);
+    SUB(pending_prefill_pairs);
 #undef SUB
 }
 
@@ -142,7 +144,8 @@ static bool load_equal(const km_active_load *a, const km_active_load *b)
     return a->in_flight == b->in_flight && a->prefilling == b->prefilling &&
            a->pending_prefill_tokens == b->pending_prefill_tokens &&
            a->active_decode_blocks == b->active_decode_blocks &&
-           a->allocated_blocks == b->allocated_blocks;
+           a->allocated_blocks == b->allocated_blocks &&
+           a->pending_prefill_pairs == b->pending_prefill_pairs;
 }
 
 static bool load_zero(const km_active_load *a)

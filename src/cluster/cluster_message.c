@@ -47,10 +47,10 @@ int km_cluster_encode(km_text *out, const cluster_message *m)
             const km_active_load *l = &m->workers[i].load;
             rc = km_text_printf(out,
                                 "%s[%" PRIu32 ",%" PRIu64 ",%" PRIu64 ",%" PRIu64 ",%" PRIu64
-                                ",%" PRIu64 "]",
+                                ",%" PRIu64 ",%" PRIu64 "]",
                                 i ? "," : "", m->workers[i].worker, l->in_flight, l->prefilling,
                                 l->pending_prefill_tokens, l->active_decode_blocks,
-                                l->allocated_blocks);
+                                l->allocated_blocks, l->pending_prefill_pairs);
         }
         if (rc == KM_OK)
             rc = km_text_append_cstr(out, "]");
@@ -120,11 +120,11 @@ static bool decode_workers(json_t *arr, uint32_t max_workers, cluster_message *m
         return refuse(refusal, KM_CLUSTER_REFUSED_TOO_LARGE, why, why_size, "out of memory");
     for (size_t i = 0; i < n; i++) {
         json_t *row = json_array_get(arr, i);
-        uint64_t v[6];
-        if (!json_is_array(row) || json_array_size(row) != 6)
+        uint64_t v[7];
+        if (!json_is_array(row) || json_array_size(row) != 7)
             return refuse(refusal, KM_CLUSTER_REFUSED_MALFORMED, why, why_size,
-                          "workers[%zu] is not an array of 6 integers", i);
-        for (size_t k = 0; k < 6; k++) {
+                          "workers[%zu] is not an array of 7 integers", i);
+        for (size_t k = 0; k < 7; k++) {
             json_t *x = json_array_get(row, k);
             if (!json_is_integer(x) || json_integer_value(x) < 0)
                 return refuse(refusal, KM_CLUSTER_REFUSED_MALFORMED, why, why_size,
@@ -140,7 +140,7 @@ static bool decode_workers(json_t *arr, uint32_t max_workers, cluster_message *m
                           "worker %" PRIu64 ": prefilling %" PRIu64 " > in_flight %" PRIu64, v[0],
                           v[2], v[1]);
         m->workers[i].worker = (uint32_t)v[0];
-        m->workers[i].load = (km_active_load){v[1], v[2], v[3], v[4], v[5]};
+        m->workers[i].load = (km_active_load){v[1], v[2], v[3], v[4], v[5], v[6]};
         m->n_workers = (uint32_t)i + 1;
     }
     return true;

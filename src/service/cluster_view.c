@@ -76,7 +76,7 @@ void km_srv_cluster_add_load(km_server *s, uint32_t worker, km_active_load *load
 void km_srv_cluster_label(km_server *s, uint64_t now, srv_load_view *v)
 {
     memset(v, 0, sizeof *v);
-    v->scope = "this_instance";
+    v->scope = KM_ACTIVE_LOAD_SCOPE;
     v->oldest_age_ms = NAN;
     km_cluster_view cv;
     if (!s->cluster || km_cluster_get_view(s->cluster, now, &cv) != KM_OK)
