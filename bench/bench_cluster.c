@@ -31,6 +31,7 @@
 
 #include "bench_common.h"
 #include "cli/commands.h"
+#include "cli/options.h"
 #include "kvmatch/cluster.h"
 
 #define MAX_INSTANCES 4
@@ -373,21 +374,39 @@ int km_bench_cluster_main(int argc, char **argv)
 {
     int json = 0, quick = 0;
     uint64_t rate = 2000;
-    for (int i = 1; i < argc; i++) { /* argv[0] is "cluster" */
-        char *end = NULL;
-        if (!strcmp(argv[i], "--json"))
+    enum { OPT_JSON = 256, OPT_QUICK, OPT_RATE };
+    static const struct option options[] = {
+        {"help", no_argument, NULL, 'h'},
+        {"json", no_argument, NULL, OPT_JSON},
+        {"quick", no_argument, NULL, OPT_QUICK},
+        {"rate", required_argument, NULL, OPT_RATE},
+        {NULL, 0, NULL, 0},
+    };
+    km_cli_getopt_begin(argv, "bench cluster");
+    int opt;
+    while ((opt = getopt_long(argc, argv, "h", options, NULL)) != -1) {
+        switch (opt) {
+        case 'h':
+            printf("usage: kvmatch bench cluster [--json] [--quick] [--rate N]\n"
+                   "  --rate N  updates/s per instance in the lag phase, 1..100000 (default 2000)\n");
+            return KM_EXIT_OK;
+        case OPT_JSON:
             json = 1;
-        else if (!strcmp(argv[i], "--quick"))
+            break;
+        case OPT_QUICK:
             quick = 1;
-        else if (!strcmp(argv[i], "--rate") && i + 1 < argc &&
-                 (rate = strtoull(argv[++i], &end, 10)) >= 1 && rate <= 100000 && !*end)
-            continue;
-        else {
-            fprintf(stderr, "usage: kvmatch bench cluster [--json] [--quick] [--rate N]\n"
-                            "  --rate N  updates/s per instance in the lag phase, 1..100000 "
-                            "(default 2000)\n");
-            return 2;
+            break;
+        case OPT_RATE:
+            if (!km_cli_u64("bench cluster", "rate", optarg, 1, 100000, &rate))
+                return KM_EXIT_USAGE;
+            break;
+        default:
+            return km_cli_usage_error("bench cluster");
         }
+    }
+    if (optind < argc) {
+        fprintf(stderr, "kvmatch bench cluster: unexpected argument \"%s\"\n", argv[optind]);
+        return km_cli_usage_error("bench cluster");
     }
     char url[64], why[256];
     if (!nats_start(url, sizeof url, why, sizeof why)) {

@@ -793,6 +793,12 @@ Test(deploy, commands_refuse_what_could_never_work, .timeout = 60)
     rc = run_cli(out, sizeof out, "bench replay --index");
     cr_assert_eq(rc, 2, "exit %d: %s", rc, out);
     cr_assert(strstr(out, "kvmatch bench replay --help"), "%s", out);
+    rc = run_cli(out, sizeof out, "bench nope");
+    cr_assert_eq(rc, 2, "%s", out);
+    cr_assert(strstr(out, "unknown benchmark nope"), "%s", out);
+    rc = run_cli(out, sizeof out, "bench cluster --rate=0");
+    cr_assert_eq(rc, 2, "%s", out);
+    cr_assert(strstr(out, "--rate wants an integer in 1..100000"), "%s", out);
     rc = run_cli(out, sizeof out, "bench growth --bogus");
     cr_assert_eq(rc, 2, "exit %d: %s", rc, out);
     rc = run_cli(out, sizeof out, "sim --requests=20 --workers 2 --policy=round_robin --json");
@@ -1029,7 +1035,8 @@ Test(deploy, serve_flags_name_their_settings_and_ranges, .timeout = 60)
     cr_assert(strstr(out, "bogus"), "%s", out);
     const char *commands[] = {"serve",        "route",      "follow",       "hash",
                               "sim",          "analyze",    "bench index",  "bench events",
-                              "bench ipc",    "bench replay", "bench growth"};
+                              "bench ipc",    "bench replay", "bench growth", "bench cluster",
+                              "bench"};
     for (size_t i = 0; i < sizeof commands / sizeof commands[0]; i++) {
         char cmd[256];
         snprintf(cmd, sizeof cmd, "%s %s --help 2>/dev/null", kvmatch_bin(), commands[i]);

@@ -4,6 +4,7 @@
 #include <string.h>
 
 #include "cli/commands.h"
+#include "cli/options.h"
 #include "kvmatch/kvmatch.h"
 
 static void usage(FILE *f)
@@ -77,8 +78,17 @@ int main(int argc, char **argv)
             return km_bench_growth_main(argc - 2, argv + 2);
         if (argc >= 3 && !strcmp(argv[2], "cluster"))
             return km_bench_cluster_main(argc - 2, argv + 2);
-        fprintf(stderr, "kvmatch bench: unknown or missing benchmark (have: index, events, ipc, replay, growth, cluster)\n");
-        return 2;
+        static const char bench_usage[] =
+            "usage: kvmatch bench BENCHMARK [options]   (kvmatch bench BENCHMARK --help for each)\n"
+            "  BENCHMARK: index, events, ipc, replay, growth, cluster (docs/BENCHMARKS.md)\n";
+        if (argc >= 3 && (!strcmp(argv[2], "--help") || !strcmp(argv[2], "-h"))) {
+            fputs(bench_usage, stdout);
+            return KM_EXIT_OK;
+        }
+        fprintf(stderr, "kvmatch bench: %s benchmark%s%s\n", argc >= 3 ? "unknown" : "missing",
+                argc >= 3 ? " " : "", argc >= 3 ? argv[2] : "");
+        fputs(bench_usage, stderr);
+        return KM_EXIT_USAGE;
     }
     fprintf(stderr, "kvmatch: unknown command '%s'\n\n", argv[1]);
     usage(stderr);
