@@ -6,6 +6,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <jansson.h>
@@ -197,4 +198,37 @@ Test(log, a_stated_level_wins_over_the_words, .timeout = 10)
     }
     cr_assert_eq(n, sizeof want / sizeof want[0]);
     cleanup();
+}
+
+/* kvmatch's own lines state their level: every call of the library's log helpers in src/ passes a
+ * format starting with KM_LOG_ERROR, KM_LOG_WARNING or KM_LOG_INFO (tests/check_log_levels.py).
+ * The checker is first shown to find a call that states none, in a planted file. */
+Test(log, every_own_line_states_its_level, .timeout = 30)
+{
+    if (system("command -v python3 >/dev/null 2>&1") != 0)
+        cr_skip_test("python3 not available: log call sites not checked");
+    char dir[] = "/tmp/km-log-levels-XXXXXX";
+    cr_assert_not_null(mkdtemp(dir));
+    char path[256];
+    snprintf(path, sizeof path, "%s/src", dir);
+    cr_assert_eq(mkdir(path, 0700), 0);
+    snprintf(path, sizeof path, "%s/src/planted.c", dir);
+    FILE *f = fopen(path, "w");
+    cr_assert_not_null(f);
+    fputs("void f(km_server *s)\n{\n    km_srv_log(s, KM_LOG_INFO \"stated\");\n"
+          "    km_srv_log(s, \"not stated %d\", 1);\n}\n",
+          f);
+    fclose(f);
+    char cmd[512], out[4096];
+    snprintf(cmd, sizeof cmd, "python3 tests/check_log_levels.py %s", dir);
+    int status = km_test_run_capture(cmd, out, sizeof out);
+    cr_assert_eq(status, 1, "%s", out);
+    cr_assert(strstr(out, "src/planted.c:4: km_srv_log states no level"), "%s", out);
+    cr_assert(!strstr(out, "planted.c:3"), "%s", out);
+    unlink(path);
+    snprintf(path, sizeof path, "%s/src", dir);
+    rmdir(path);
+    rmdir(dir);
+    status = km_test_run_capture("python3 tests/check_log_levels.py .", out, sizeof out);
+    cr_assert_eq(status, 0, "calls that state no level:\n%s", out);
 }

@@ -3,7 +3,9 @@
  *
  * The log callback the handles' configs take (index, feed, subscriber, records writer, server):
  * one call per line, the line without a trailing newline and valid only during the call. A NULL
- * callback means stderr. A handle with threads of its own may call it from any of them.
+ * callback means stderr. A handle with threads of its own may call it from any of them. A line
+ * may begin with its stated level (KM_LOG_ERROR / KM_LOG_WARNING / KM_LOG_INFO, below); a callback
+ * other than km_logger_write reads or strips those three bytes itself.
  *
  * km_logger is a callback a program can hand them (km_logger_write): each line gets a UTC
  * timestamp, a level and a component, as text or as one JSON object per line, to stderr or to a
@@ -16,10 +18,11 @@
  * prefix sd-daemon(3) defines (KM_LOG_ERROR "<3>", KM_LOG_WARNING "<4>", KM_LOG_INFO "<6>"; 0..3
  * are "error", 4 "warning", 5..7 "info"): the level is that one and the prefix is not written.
  * Lines of a library are written so, with the library's own level where it gives one, else the
- * fixed level its caller documents (libmicrohttpd's: KM_LOG_WARNING, src/service/http.c). A line
- * without the prefix has its level read from its words: "error" when it starts with an error code
- * (KM_ERR_...) or says records were lost, "warning" when it says something was refused, failed,
- * cannot be done, fell back or is deprecated, else "info".
+ * fixed level its caller documents (libmicrohttpd's: KM_LOG_WARNING, src/service/http.c), and so
+ * are kvmatch's own lines (tests/check_log_levels.py checks every call site). A line without the
+ * prefix (a program's own, passed to km_logger_write) has its level read from its words: "error"
+ * when it starts with an error code (KM_ERR_...) or says records were lost, "warning" when it says
+ * something was refused, failed, cannot be done, fell back or is deprecated, else "info".
  * Rate limit: at most `burst` lines of one shape (the line with its digits left out) in a second;
  * the next line of that shape after the second says how many were left out.
  *

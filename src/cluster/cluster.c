@@ -15,6 +15,7 @@
 
 #include <nats/nats.h>
 
+#include "base/log_level.h"
 #include "base/error_detail.h"
 #include "cluster/cluster_internal.h"
 
@@ -105,10 +106,11 @@ static void cluster_log(km_cluster *c, const char *fmt, ...)
     if (!c->cfg.log)
         return;
     char line[512];
-    int n = snprintf(line, sizeof line, "cluster %s: ", c->instance);
+    size_t level = km_log_level_length(fmt);
+    int n = snprintf(line, sizeof line, "%.*scluster %s: ", (int)level, fmt, c->instance);
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(line + n, sizeof line - (size_t)n, fmt, ap);
+    vsnprintf(line + n, sizeof line - (size_t)n, fmt + level, ap);
     va_end(ap);
     c->cfg.log(c->cfg.log_user, line);
 }
@@ -193,7 +195,8 @@ static void expire_silent(km_cluster *c, uint64_t now)
     for (uint32_t i = 0; i < KM_CLUSTER_MAX_INSTANCES; i++) {
         contribution *p = &c->peers[i];
         if (p->used && now > p->last_heard_ns && now - p->last_heard_ns >= limit) {
-            cluster_log(c, "instance %s silent for %" PRIu64 " ms: its contribution is dropped",
+            cluster_log(c, KM_LOG_WARNING
+                        "instance %s silent for %" PRIu64 " ms: its contribution is dropped",
                         p->id, (now - p->last_heard_ns) / NS_PER_MS);
             contribution_drop(c, p);
             c->st.expired_instances++;
@@ -288,7 +291,7 @@ static void refused(km_cluster *c, km_cluster_refusal r, const char *why)
     c->st.refused[r]++;
     snprintf(c->st.last_refusal, sizeof c->st.last_refusal, "%s: %.130s", km_cluster_refusal_name(r),
              why);
-    cluster_log(c, "refused a message (%s)", c->st.last_refusal);
+    cluster_log(c, KM_LOG_WARNING "refused a message (%s)", c->st.last_refusal);
 }
 
 static bool expected_has(const km_cluster *c, const char *id)
@@ -328,7 +331,8 @@ static void apply(km_cluster *c, const cluster_message *m, uint64_t now)
         return;
     }
     if (p && m->incarnation > p->incarnation) {
-        cluster_log(c, "instance %s restarted (incarnation %" PRIu64 "): its old contribution "
+        cluster_log(c, KM_LOG_INFO
+                    "instance %s restarted (incarnation %" PRIu64 "): its old contribution "
                     "is replaced", m->instance, m->incarnation);
         contribution_clear(c, p);
         p->incarnation = m->incarnation;
@@ -362,7 +366,8 @@ static void apply(km_cluster *c, const cluster_message *m, uint64_t now)
     if (p->last_seq && m->seq > p->last_seq + 1) {
         uint64_t lost = m->seq - p->last_seq - 1;
         c->st.lost_messages += lost;
-        cluster_log(c, "instance %s: %" PRIu64 " message%s lost (seq %" PRIu64 " after %" PRIu64
+        cluster_log(c, KM_LOG_WARNING
+                    "instance %s: %" PRIu64 " message%s lost (seq %" PRIu64 " after %" PRIu64
                     ")%s", m->instance, lost, lost == 1 ? "" : "s", m->seq, p->last_seq,
                     m->kind == CLUSTER_STATE ? "; this full state replaces its contribution"
                                              : "; stale until its next full state");
@@ -453,7 +458,8 @@ static void on_connected(natsConnection *nc, void *closure)
         bool again = c->synced || c->st.sync_peers || !isnan(c->st.sync_seconds);
         c->connected = true;
         c->st.reconnects += again;
-        cluster_log(c, "connected to %s: sending state, asking peers for theirs", c->url);
+        cluster_log(c, KM_LOG_INFO
+                    "connected to %s: sending state, asking peers for theirs", c->url);
         publish_state(c);
         publish_sync_request(c);
         c->synced = true;
@@ -471,7 +477,8 @@ static void on_disconnected(natsConnection *nc, void *closure)
         for (uint32_t i = 0; i < KM_CLUSTER_MAX_INSTANCES; i++)
             if (c->peers[i].used)
                 c->peers[i].stale = true;
-        cluster_log(c, "disconnected from %s: routing on this instance's view; remote "
+        cluster_log(c, KM_LOG_WARNING
+                    "disconnected from %s: routing on this instance's view; remote "
                     "contributions are stale and expire in %u ms", c->url, c->cfg.expire_ms);
     }
     pthread_mutex_unlock(&c->lock);
@@ -571,7 +578,8 @@ static void sync_with_peers(km_cluster *c)
         if (c->n_expected == 0 && waited >= (uint64_t)c->cfg.sync_quiet_ms * NS_PER_MS)
             break;
         if (waited >= (uint64_t)c->cfg.sync_timeout_ms * NS_PER_MS) {
-            cluster_log(c, "sync: %u of the peers learnt of did not answer within %u ms",
+            cluster_log(c, KM_LOG_WARNING
+                        "sync: %u of the peers learnt of did not answer within %u ms",
                         c->n_expected, c->cfg.sync_timeout_ms);
             break;
         }
@@ -586,7 +594,7 @@ static void sync_with_peers(km_cluster *c)
     for (uint32_t i = 0; i < KM_CLUSTER_MAX_INSTANCES; i++)
         answered += c->peers[i].used && c->peers[i].answered_sync;
     c->st.sync_peers = answered;
-    cluster_log(c, "took the cluster's view from %u peer%s in %.3f s", answered,
+    cluster_log(c, KM_LOG_INFO "took the cluster's view from %u peer%s in %.3f s", answered,
                 answered == 1 ? "" : "s", c->st.sync_seconds);
 }
 
@@ -689,7 +697,8 @@ int km_cluster_create(const km_cluster_config *cfg, km_cluster **out, char *why,
         c->connected = true;
         sync_with_peers(c);
     } else {
-        cluster_log(c, "NATS at %s unreachable: routing on this instance's view, retrying every "
+        cluster_log(c, KM_LOG_WARNING
+                    "NATS at %s unreachable: routing on this instance's view, retrying every "
                     "%u ms", c->url, c->cfg.reconnect_wait_ms);
     }
     pthread_mutex_unlock(&c->lock);

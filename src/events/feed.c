@@ -13,6 +13,7 @@
  *    restart empties it) while a replay is in flight, and is empty otherwise.
  *  - last_live is the seq of the last live message; a live seq at or below it can only come from a
  *    new publisher process (PUB/SUB neither duplicates nor reorders). */
+#include "kvmatch/log.h"
 #include "kvmatch/feed.h"
 
 #include <inttypes.h>
@@ -23,6 +24,7 @@
 #include <time.h>
 
 #include "events/engine_hash_map.h"
+#include "base/log_level.h"
 #include "base/enum_names.h"
 #include "base/error_detail.h"
 #include "kvmatch/hash.h"
@@ -42,16 +44,18 @@ int km_feed_fail(km_feed *feed, int status, const char *fmt, ...)
 static void feed_log(const km_feed *feed, const worker *w, const char *fmt, ...)
 {
     char line[512];
-    int n = snprintf(line, sizeof line, "feed: worker %u (%s): ", w->id, w->name);
+    size_t level = km_log_level_length(fmt);
+    int n = snprintf(line, sizeof line, "%.*sfeed: worker %u (%s): ", (int)level, fmt, w->id,
+                     w->name);
     va_list ap;
     va_start(ap, fmt);
     if (n > 0 && (size_t)n < sizeof line)
-        vsnprintf(line + n, sizeof line - (size_t)n, fmt, ap);
+        vsnprintf(line + n, sizeof line - (size_t)n, fmt + level, ap);
     va_end(ap);
     if (feed->config.log)
         feed->config.log(feed->config.log_user, line);
     else
-        fprintf(stderr, "kvmatch: %s\n", line);
+        fprintf(stderr, "kvmatch: %s\n", line + level);
 }
 
 uint64_t km_feed_clock_ns(void)
@@ -308,7 +312,7 @@ void km_feed_exit_degraded(const km_feed *feed, worker *w, uint64_t now,
         w->degraded_open = false;
         window_close(feed, w, &w->degraded_window, now, end);
     }
-    feed_log(feed, w, "DEGRADED ended (%s)", km_feed_window_end_name(end));
+    feed_log(feed, w, KM_LOG_INFO "DEGRADED ended (%s)", km_feed_window_end_name(end));
 }
 
 /* History was lost (or refused by the index): the worker's index is incomplete. */
@@ -319,7 +323,7 @@ void km_feed_enter_degraded(km_feed *feed, worker *w, uint64_t now, const char *
         km_feed_window_init(&w->degraded_window, KM_FEED_WINDOW_DEGRADED, now, 0);
         w->degraded_open = true;
         w->windows_total++;
-        feed_log(feed, w, "DEGRADED: %s", why);
+        feed_log(feed, w, KM_LOG_WARNING "DEGRADED: %s", why);
     }
     /* DROP forgets the engine-hash map with the index: its media bits may be stale too (a lost
      * BlockRemoved), and a held entry keeps its chain on a later store (apply_stored), so a stale
@@ -327,7 +331,7 @@ void km_feed_enter_degraded(km_feed *feed, worker *w, uint64_t now, const char *
      * forgotten are skipped until a sequence starts again, as after a clear. */
     if (feed->config.degraded_policy == KM_FEED_DEGRADED_DROP) {
         if (km_feed_queue_control(feed, w, KM_UPDATE_CLEAR_WORKER) != KM_OK)
-            feed_log(feed, w, "out of memory queueing the DROP-policy clear");
+            feed_log(feed, w, KM_LOG_ERROR "out of memory queueing the DROP-policy clear");
         else
             km_emap_clear(&w->map);
     }
@@ -478,7 +482,7 @@ static void start_replay(km_feed *feed, worker *w, replay_kind kind, uint64_t fr
     w->c.replay_requests++;
     if (w->recovery_open)
         w->recovery.replay_requests++;
-    feed_log(feed, w, "replay request %" PRIu64 " from seq %" PRIu64 " (%s)", id, from,
+    feed_log(feed, w, KM_LOG_INFO "replay request %" PRIu64 " from seq %" PRIu64 " (%s)", id, from,
              kind == REPLAY_GAP ? "gap" : kind == REPLAY_BOOTSTRAP ? "bootstrap" : "resync");
 }
 
@@ -573,7 +577,8 @@ static void deliver_live(km_feed *feed, worker *w, uint64_t seq, const km_kv_bat
         /* Overflow (or no memory to hold it): give up on the replay; what it had not yet given
          * is lost. Then take this message as if no replay had been running. */
         w->c.buffer_overflows++;
-        feed_log(feed, w, "live buffer full (%u messages) during replay %" PRIu64 ": abandoning it",
+        feed_log(feed, w, KM_LOG_WARNING
+                 "live buffer full (%u messages) during replay %" PRIu64 ": abandoning it",
                  w->buffer_count, w->replay_id);
         abandon_replay(feed, w, true, now);
     }
@@ -587,7 +592,8 @@ static void deliver_live(km_feed *feed, worker *w, uint64_t seq, const km_kv_bat
     if (seq > w->expected) {
         w->c.gaps++;
         if (w->has_replay) {
-            feed_log(feed, w, "gap: expected seq %" PRIu64 ", got %" PRIu64, w->expected, seq);
+            feed_log(feed, w, KM_LOG_WARNING
+                     "gap: expected seq %" PRIu64 ", got %" PRIu64, w->expected, seq);
             start_replay(feed, w, REPLAY_GAP, w->expected, now);
             if (w->replay != REPLAY_NONE && buffer_push(feed, w, seq, batch) == KM_OK)
                 return;
@@ -609,7 +615,8 @@ static void deliver_live(km_feed *feed, worker *w, uint64_t seq, const km_kv_bat
 static void restart_worker(km_feed *feed, worker *w, uint64_t seq, uint64_t now)
 {
     w->c.restarts++;
-    feed_log(feed, w, "restart: seq %" PRIu64 " after %s %" PRIu64 "; dropping its blocks", seq,
+    feed_log(feed, w, KM_LOG_WARNING
+             "restart: seq %" PRIu64 " after %s %" PRIu64 "; dropping its blocks", seq,
              w->has_expected ? "expected" : "last", w->has_expected ? w->expected : w->last_live);
     cancel_replay(feed, w);
     buffer_clear(w);
@@ -637,7 +644,8 @@ static int claim_restored(km_feed *feed, worker *w, const km_feed_worker_config 
         if (feed->config.bootstrap_replay && w->has_replay)
             start_replay(feed, w, REPLAY_BOOTSTRAP, 0, now);
     } else if (w->has_replay) {
-        feed_log(feed, w, "resuming from seq %" PRIu64 " (restart of kvmatch)", w->expected);
+        feed_log(feed, w, KM_LOG_INFO
+                 "resuming from seq %" PRIu64 " (restart of kvmatch)", w->expected);
         start_replay(feed, w, REPLAY_GAP, w->expected, now);
     }
     feed->last_error[0] = '\0';
@@ -669,7 +677,8 @@ int km_feed_add_worker_identity(km_feed *feed, const km_feed_worker_config *cfg,
         if (strncmp(r->identity, identity, KM_FEED_NAME_MAX - 1) == 0)
             return claim_restored(feed, r, cfg, now_ns);
         /* Another producer under this id: forget the restored state and start afresh. */
-        feed_log(feed, r, "restored identity \"%s\" differs from \"%s\": starting afresh",
+        feed_log(feed, r, KM_LOG_WARNING
+                 "restored identity \"%s\" differs from \"%s\": starting afresh",
                  r->identity, identity);
         if (km_feed_queue_control(feed, r, KM_UPDATE_CLEAR_WORKER) != KM_OK)
             return km_feed_fail(feed, KM_ERR_OUT_OF_MEMORY, "update queue");
@@ -739,7 +748,7 @@ int km_feed_resync_worker(km_feed *feed, uint32_t id, uint64_t now_ns)
     int rc = km_feed_queue_control(feed, w, KM_UPDATE_CLEAR_WORKER);
     if (rc)
         return km_feed_fail(feed, rc, "update queue");
-    feed_log(feed, w, "resync requested");
+    feed_log(feed, w, KM_LOG_INFO "resync requested");
     cancel_replay(feed, w);
     buffer_clear(w);
     close_recovery(feed, w, now_ns, KM_FEED_END_RESYNC);
@@ -821,7 +830,8 @@ static void log_refusals(const km_feed *feed, worker *w, uint64_t now)
     memcpy(w->refusals_logged, w->c.refused, sizeof w->refusals_logged);
     w->has_refusal_log = true;
     w->refusal_log_ns = now;
-    feed_log(feed, w, "refused or skipped events: %s (latest: %s)%s", list, w->refusal_example,
+    feed_log(feed, w, KM_LOG_WARNING
+             "refused or skipped events: %s (latest: %s)%s", list, w->refusal_example,
              w->stores_refused_for_config && !w->stores_applied
                  ? "; every store refused for its block size: the engine's block size is not "
                    "the pool's"
@@ -980,6 +990,7 @@ static int replay_item(km_feed *feed, uint32_t id, uint64_t request_id, uint64_t
         if (!w->replay_refusal_logged) {
             w->replay_refusal_logged = true;
             feed_log(feed, w,
+                     KM_LOG_WARNING
                      "replay %" PRIu64 " from seq %" PRIu64 ": item seq %" PRIu64 " refused (%s)%s",
                      request_id, w->replay_from, seq, refusal,
                      "; further refusals of this request are only counted");
@@ -1015,7 +1026,8 @@ static int replay_item(km_feed *feed, uint32_t id, uint64_t request_id, uint64_t
             buffer_pop(w);
             continue;
         }
-        feed_log(feed, w, "replay %" PRIu64 " resumes at seq %" PRIu64 ", expected %" PRIu64
+        feed_log(feed, w, KM_LOG_WARNING
+                 "replay %" PRIu64 " resumes at seq %" PRIu64 ", expected %" PRIu64
                  ": history evicted", request_id, seq, w->expected);
         declare_lost(feed, w, seq - w->expected, now_ns);
         w->expected = seq;
@@ -1058,7 +1070,7 @@ int km_feed_replay_failed(km_feed *feed, uint32_t id, uint64_t request_id,
     worker *w = replay_worker(feed, id, request_id, &rc);
     if (!w)
         return rc;
-    feed_log(feed, w, "replay %" PRIu64 " failed (%s)", request_id,
+    feed_log(feed, w, KM_LOG_WARNING "replay %" PRIu64 " failed (%s)", request_id,
              reason == KM_FEED_REPLAY_TIMEOUT ? "timeout" : "unreachable");
     abandon_replay(feed, w, false, now_ns);
     return KM_OK;

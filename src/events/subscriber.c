@@ -13,7 +13,9 @@
  * times out the DEALER is closed and reopened, and a new request after one that was superseded or
  * ended gets a fresh one, so late answers to an old request can never be mistaken for the new
  * one's. */
+#include "kvmatch/log.h"
 #include "kvmatch/subscriber.h"
+#include "base/log_level.h"
 #include "base/array.h"
 #include "base/error_detail.h"
 
@@ -97,15 +99,16 @@ struct km_subscriber {
 static void sub_log(const km_subscriber *sub, const char *fmt, ...)
 {
     char line[512];
-    int n = snprintf(line, sizeof line, "subscriber: ");
+    size_t level = km_log_level_length(fmt);
+    int n = snprintf(line, sizeof line, "%.*ssubscriber: ", (int)level, fmt);
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(line + n, sizeof line - (size_t)n, fmt, ap);
+    vsnprintf(line + n, sizeof line - (size_t)n, fmt + level, ap);
     va_end(ap);
     if (sub->config.log)
         sub->config.log(sub->config.log_user, line);
     else
-        fprintf(stderr, "kvmatch: %s\n", line);
+        fprintf(stderr, "kvmatch: %s\n", line + level);
 }
 
 static int set_error(km_subscriber *sub, int status, const char *fmt, ...)
@@ -237,7 +240,7 @@ static void reopen_dealer(km_subscriber *sub, sworker *w)
     char err[256];
     w->dealer = open_socket(sub, ZMQ_DEALER, w->replay_endpoint, err, sizeof err);
     if (!w->dealer)
-        sub_log(sub, "worker %u: replay socket: %s", w->id, err);
+        sub_log(sub, KM_LOG_WARNING "worker %u: replay socket: %s", w->id, err);
     w->dealer_used = false;
     w->replay_id = 0;
     sub->items_dirty = true;
@@ -606,7 +609,8 @@ static void check_deadlines(km_subscriber *sub, uint64_t now)
         if (!w->replay_id || now < w->deadline_ns || answer_waiting(w))
             continue;
         uint64_t request = w->replay_id;
-        sub_log(sub, "worker %u: replay request %" PRIu64 " timed out", w->id, request);
+        sub_log(sub, KM_LOG_WARNING
+                "worker %u: replay request %" PRIu64 " timed out", w->id, request);
         reopen_dealer(sub, w);
         pthread_mutex_lock(&sub->lock);
         sub->stats.replay_timeouts++;
@@ -635,7 +639,7 @@ static void *io_main(void *arg)
     received r;
     while (!sub->stopping) {
         if (sub->items_dirty && rebuild_items(sub) != KM_OK) {
-            sub_log(sub, "out of memory building the poll set; retrying");
+            sub_log(sub, KM_LOG_ERROR "out of memory building the poll set; retrying");
             zmq_poll(NULL, 0, 10);
             continue;
         }
@@ -644,7 +648,7 @@ static void *io_main(void *arg)
             if (errno == ETERM)
                 break;
             if (errno != EINTR)
-                sub_log(sub, "zmq_poll: %s", zmq_strerror(errno));
+                sub_log(sub, KM_LOG_ERROR "zmq_poll: %s", zmq_strerror(errno));
             continue;
         }
         uint64_t now = km_feed_clock_ns();
@@ -730,7 +734,8 @@ int km_subscriber_create(km_index *index, const km_subscriber_config *cfg_in, km
         rc = km_feed_restore(sub->feed, cfg.restore_path, km_feed_clock_ns());
         sub->stats.restore_status = rc;
         if (rc)
-            sub_log(sub, "restore failed, starting empty: %s", km_feed_last_error(sub->feed));
+            sub_log(sub, KM_LOG_WARNING
+                    "restore failed, starting empty: %s", km_feed_last_error(sub->feed));
         else
             sub->stats.restored = true;
     }
@@ -922,7 +927,7 @@ static void reap_snapshot_child(km_subscriber *sub, bool wait)
              r < 0 ? "lost" : WIFEXITED(status) ? "exit status" : "killed by a signal",
              why[0] ? why : "no detail");
     snprintf(sub->last_error, sizeof sub->last_error, "%s", sub->stats.last_snapshot_error);
-    sub_log(sub, "%s", sub->stats.last_snapshot_error);
+    sub_log(sub, KM_LOG_WARNING "%s", sub->stats.last_snapshot_error);
 }
 
 /* Under the lock, right after a flush: fork a child that writes the snapshot from its
@@ -989,7 +994,7 @@ int km_subscriber_flush(km_subscriber *sub, km_feed_flush_stats *stats)
         !(sub->config.snapshot_background &&
           save_in_background(sub, sub->config.snapshot_path, now)) &&
         save_locked(sub, sub->config.snapshot_path, now) != KM_OK)
-        sub_log(sub, "periodic snapshot failed: %s", sub->stats.last_snapshot_error);
+        sub_log(sub, KM_LOG_WARNING "periodic snapshot failed: %s", sub->stats.last_snapshot_error);
     pthread_mutex_unlock(&sub->lock);
     return rc;
 }

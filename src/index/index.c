@@ -29,7 +29,9 @@
 #include <unistd.h>
 
 #include "index/index_internal.h"
+#include "base/log_level.h"
 #include "base/array.h"
+#include "kvmatch/log.h"
 #include "kvmatch/hash.h"
 #include "base/error_detail.h"
 
@@ -59,7 +61,7 @@ void km_index_log(const km_index *index, const char *fmt, ...)
     if (index && index->config.log)
         index->config.log(index->config.log_user, line);
     else
-        fprintf(stderr, "kvmatch: %s\n", line);
+        fprintf(stderr, "kvmatch: %s\n", line + km_log_level_length(line));
 }
 
 const char *km_index_last_error(const km_index *index)
@@ -94,18 +96,19 @@ static int select_backend(km_index *index)
         if (rc == KM_OK) {
             index->backend = &km_backend_cuda;
             if (kind == KM_BACKEND_AUTO)
-                km_index_log(index, "backend: cuda (auto: %s)", why);
+                km_index_log(index, KM_LOG_INFO "backend: cuda (auto: %s)", why);
             return KM_OK;
         }
         if (kind == KM_BACKEND_CUDA) {
             /* The caller gets no index to ask km_index_last_error: the log line keeps the reason. */
-            km_index_log(index, "backend: cuda unavailable (%s): %s", km_error_name(rc), why);
+            km_index_log(index, KM_LOG_WARNING
+                         "backend: cuda unavailable (%s): %s", km_error_name(rc), why);
             return km_index_fail(index, rc, "cuda backend unavailable: %s", why);
         }
 #else
         snprintf(why, sizeof why, "built without CUDA (nvcc absent or CUDA=0)");
         if (kind == KM_BACKEND_CUDA) {
-            km_index_log(index, "backend: cuda unavailable (%s): %s",
+            km_index_log(index, KM_LOG_WARNING "backend: cuda unavailable (%s): %s",
                          km_error_name(KM_ERR_BACKEND_UNAVAILABLE), why);
             return km_index_fail(index, KM_ERR_BACKEND_UNAVAILABLE, "cuda backend unavailable: %s", why);
         }
@@ -116,7 +119,8 @@ static int select_backend(km_index *index)
         return km_index_fail(index, rc, "cpu backend: %s", why);
     index->backend = &km_backend_cpu;
     if (kind == KM_BACKEND_AUTO)
-        km_index_log(index, "backend: cpu (auto; the CUDA backend is not used here: %s)",
+        km_index_log(index, KM_LOG_INFO
+                     "backend: cpu (auto; the CUDA backend is not used here: %s)",
                      why[0] ? why : "no CUDA device");
     return KM_OK;
 }
@@ -220,7 +224,8 @@ static int fall_back_to_cpu(km_index *index, int status, const char *what)
         rc = index->host_ops->create(index, &state, why, sizeof why);
     }
     if (rc != KM_OK) {
-        km_index_log(index, "backend %s: %s failed with %s (%s); no cpu backend to fall back to: "
+        km_index_log(index, KM_LOG_ERROR
+                     "backend %s: %s failed with %s (%s); no cpu backend to fall back to: "
                      "%s %s", index->backend->name, what, km_error_name(status), detail,
                      km_error_name(rc), why);
         return km_index_fail(index, rc, "%s failed with %s (%s) and the cpu backend could not be "
@@ -232,7 +237,8 @@ static int fall_back_to_cpu(km_index *index, int status, const char *what)
     index->backend = &km_backend_cpu;
     index->replica_stale = 0;
     set_dirty_tracking(index);
-    km_index_log(index, "backend: cpu (fallback: %s failed with %s: %s)", what, km_error_name(status),
+    km_index_log(index, KM_LOG_WARNING
+                 "backend: cpu (fallback: %s failed with %s: %s)", what, km_error_name(status),
                  detail);
     return KM_OK;
 }
@@ -481,6 +487,7 @@ static void note_growth(km_index *index, const km_table *t, uint64_t from, doubl
     index->table_growths++;
     note_growth_pause(index, ms);
     km_index_log(index,
+                 KM_LOG_INFO
                  "%s table grew from %" PRIu64 " to %" PRIu64 " slots (%.1f ms in the insert that "
                  "grew it%s); initial_blocks sizes the index at start",
                  table_name(index, t), from, t->capacity, ms,
@@ -1107,7 +1114,8 @@ static void sync_backend(km_index *index)
         int growing = advance_growths(index, start);
         char why[256] = "";
         if (growing && !have_host_scorer(index, why, sizeof why))
-            km_index_log(index, "no host scorer while a table grows (%s): the move ends now", why);
+            km_index_log(index, KM_LOG_WARNING
+                         "no host scorer while a table grows (%s): the move ends now", why);
         if (growing && !index->host_scorer) {
             km_table_finish_growth(&index->blocks);
             km_table_finish_growth(&index->segments);
@@ -1136,7 +1144,8 @@ static void sync_backend(km_index *index)
             return;
         }
         index->replica_stale = 1;
-        km_index_log(index, "backend %s: sync failed with %s: scoring on the host until one succeeds",
+        km_index_log(index, KM_LOG_WARNING
+                     "backend %s: sync failed with %s: scoring on the host until one succeeds",
                      index->backend->name, km_error_name(rc));
         return;
     }
@@ -1386,7 +1395,8 @@ int km_index_match_batch(km_index *index, const km_request *requests, size_t n_r
          * tables are current, so this batch is scored there; the replica stays for the next. */
         char why[256] = "";
         if (have_host_scorer(index, why, sizeof why)) {
-            km_index_log(index, "backend %s: scoring failed with %s: this batch scored on the host",
+            km_index_log(index, KM_LOG_WARNING
+                         "backend %s: scoring failed with %s: this batch scored on the host",
                          index->backend->name, km_error_name(rc));
             index->last_error[0] = '\0';
             results->n_matches = 0;

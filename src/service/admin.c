@@ -8,6 +8,7 @@
 
 #include "base/error_detail.h"
 #include "base/utf8.h"
+#include "kvmatch/log.h"
 #include "kvmatch/server.h"
 #include "kvmatch/version.h"
 #include "service/server_config.h"
@@ -145,7 +146,7 @@ void km_srv_handle_workers(conn *c, const km_message *m)
                 if (rc == KM_OK && wi->has_healthy)
                     km_srv_worker_set_health(s, wi->worker, wi->healthy);
                 if (rc == KM_OK)
-                    km_srv_log(s, "worker %u (%s) added to pool %s%s%s", wi->worker,
+                    km_srv_log(s, KM_LOG_INFO "worker %u (%s) added to pool %s%s%s", wi->worker,
                                s->workers[wi->worker].name, wi->pool,
                                wi->event_endpoint ? "" : " in approximate mode",
                                wi->has_healthy && !wi->healthy ? ", unhealthy" : "");
@@ -157,13 +158,13 @@ void km_srv_handle_workers(conn *c, const km_message *m)
                            "worker %u: update needs `healthy` (the only field it changes)",
                            wi->worker);
             if (rc == KM_OK && km_srv_worker_set_health(s, wi->worker, wi->healthy))
-                km_srv_log(s, "worker %u (%s) marked %s by the router", wi->worker,
+                km_srv_log(s, KM_LOG_INFO "worker %u (%s) marked %s by the router", wi->worker,
                            s->workers[wi->worker].name, wi->healthy ? "healthy" : "unhealthy");
         } else {
             if ((rc = named_worker(s, wi, msgs[i], sizeof msgs[i])) == KM_OK)
                 rc = km_srv_worker_remove(s, wi->worker, msgs[i], sizeof msgs[i]);
             if (rc == KM_OK)
-                km_srv_log(s, "worker %u removed from pool %s", wi->worker, wi->pool);
+                km_srv_log(s, KM_LOG_INFO "worker %u removed from pool %s", wi->worker, wi->pool);
         }
         items[i].status = rc;
         items[i].message = rc == KM_OK ? NULL : msgs[i];
@@ -276,7 +277,7 @@ void km_srv_handle_pools(conn *c, const km_message *m)
             else
                 rc = km_srv_pool_remove(s, (uint32_t)at, msgs[i], sizeof msgs[i]);
             if (rc == KM_OK)
-                km_srv_log(s, "pool %s removed", pi->name);
+                km_srv_log(s, KM_LOG_INFO "pool %s removed", pi->name);
             items[i].status = rc;
             items[i].message = rc == KM_OK ? NULL : msgs[i];
             continue;
@@ -339,7 +340,7 @@ void km_srv_handle_pools(conn *c, const km_message *m)
                 s->pools[s->n_pools++] = np;
         }
         if (rc == KM_OK)
-            km_srv_log(s, "pool %s %s (policy %s)", pi->name,
+            km_srv_log(s, KM_LOG_INFO "pool %s %s (policy %s)", pi->name,
                        pm->action == KM_ADMIN_ADD ? "added" : "updated",
                        km_policy_kind_name(pc.policy.kind));
         items[i].status = rc;

@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "base/error_detail.h"
+#include "kvmatch/log.h"
 #include "kvmatch/server.h"
 #include "kvmatch/version.h"
 #include "service/server_internal.h"
@@ -233,7 +234,7 @@ void km_srv_record_evicted(void *user, const km_active_summary *sum)
     uint64_t n = atomic_fetch_add(&s->st.evicted, 1) + 1;
     km_counter_add(s->m_evicted, 1);
     if (n == 1 || n % 100000 == 0)
-        km_srv_log(s, "active work: %" PRIu64 " entries evicted so far to make room "
+        km_srv_log(s, KM_LOG_WARNING "active work: %" PRIu64 " entries evicted so far to make room "
                    "(max_active_entries %u): FINISHED is not reported for them, or the TTL "
                    "(%" PRIu64 " ms) is long for this rate", n, s->cfg.max_active_entries,
                    s->cfg.active_ttl_ms);

@@ -9,6 +9,7 @@
 #include <jansson.h>
 
 #include "base/error_detail.h"
+#include "kvmatch/log.h"
 #include "kvmatch/metrics.h"
 #include "service/server_internal.h"
 
@@ -45,11 +46,13 @@ int km_srv_cluster_start(km_server *s, char *why, size_t why_size)
     km_cluster_stats st;
     km_cluster_get_stats(s->cluster, &st);
     if (st.connected)
-        km_srv_log(s, "cluster %s as %s: took the view of %u peer%s in %.3f s", cfg->cluster_url,
+        km_srv_log(s, KM_LOG_INFO
+                   "cluster %s as %s: took the view of %u peer%s in %.3f s", cfg->cluster_url,
                    cfg->cluster_instance, st.sync_peers, st.sync_peers == 1 ? "" : "s",
                    st.sync_seconds);
     else
-        km_srv_log(s, "cluster %s unreachable: routing on this instance's view (load scope "
+        km_srv_log(s, KM_LOG_WARNING
+                   "cluster %s unreachable: routing on this instance's view (load scope "
                    "this_instance) until it is", cfg->cluster_url);
     return KM_OK;
 }
@@ -211,13 +214,14 @@ void km_srv_engine_metrics_target(km_server *s, uint32_t id, const char *url)
         cfg.log_user = s->log_user;
         char why[200];
         if (km_engine_metrics_create(&cfg, &s->engine_metrics, why, sizeof why) != KM_OK) {
-            km_srv_log(s, "engine metrics: %s; worker %u is served without them", why, id);
+            km_srv_log(s, KM_LOG_WARNING
+                       "engine metrics: %s; worker %u is served without them", why, id);
             return;
         }
     }
     int rc = km_engine_metrics_set_target(s->engine_metrics, id, url);
     if (rc != KM_OK)
-        km_srv_log(s, "engine metrics: worker %u: %s", id, km_strerror(rc));
+        km_srv_log(s, KM_LOG_WARNING "engine metrics: worker %u: %s", id, km_strerror(rc));
 }
 
 json_t *km_srv_engine_reported_status(km_server *s, uint32_t id)

@@ -23,7 +23,8 @@ static void conn_resume_reading(conn *c)
     c->paused = false;
     int rc = uv_read_start(&c->h.stream, alloc_cb, on_read);
     if (rc < 0) {
-        km_srv_log(c->server, "closing a connection whose reading could not resume: %s",
+        km_srv_log(c->server, KM_LOG_WARNING
+                   "closing a connection whose reading could not resume: %s",
                    uv_strerror(rc));
         km_srv_conn_close(c);
     }
@@ -145,7 +146,8 @@ void km_srv_conn_send(conn *c, const km_frame_buffer *frames)
     size_t waiting = c->outbox.size + c->writing.size;
     if (waiting > 0 && waiting + frames->size > s->cfg.max_outbox_bytes) {
         atomic_fetch_add(&s->st.slow_closed, 1);
-        km_srv_log(s, "closing a connection that does not read its replies (%zu bytes waiting)",
+        km_srv_log(s, KM_LOG_WARNING
+                   "closing a connection that does not read its replies (%zu bytes waiting)",
                    c->outbox.size + c->writing.size);
         km_srv_conn_close(c);
         return;
@@ -270,7 +272,8 @@ static void refuse_connection(km_server *s, conn *c, int code, atomic_uint_fast6
     s->refusals_unlogged++;
     uint64_t now = now_ns();
     if (s->refusal_log_ns == 0 || now - s->refusal_log_ns >= UINT64_C(1000000000)) {
-        km_srv_log(s, "connection refused: %s (%" PRIu64 " refused since the last such line, %" PRIu64
+        km_srv_log(s, KM_LOG_WARNING
+                   "connection refused: %s (%" PRIu64 " refused since the last such line, %" PRIu64
                    " in all)", why, s->refusals_unlogged, (uint64_t)atomic_load(&s->st.refused));
         s->refusal_log_ns = now;
         s->refusals_unlogged = 0;

@@ -405,7 +405,8 @@ static attempt *keep_attempt(km_server *s, route_job *r, pool *p, const route_ch
         }
     }
     if (!a)
-        km_srv_log(s, "decision %" PRIu64 ": out of memory keeping its attempt; its outcome record "
+        km_srv_log(s, KM_LOG_ERROR
+                   "decision %" PRIu64 ": out of memory keeping its attempt; its outcome record "
                    "will be missing", c->decision_id);
     worker_slot *w = &s->workers[c->chosen];
     if (c->check_health && km_srv_worker_breaker(w, c->now) == BREAKER_HALF_OPEN)

@@ -110,7 +110,8 @@ void km_srv_breaker_outcome(km_server *s, uint32_t id, km_outcome outcome, uint6
     uint64_t cooldown = s->cfg.breaker_cooldown_ms * 1000000u;
     w->breaker_until_ns = now > UINT64_MAX - cooldown ? UINT64_MAX : now + cooldown;
     atomic_fetch_add(&s->st.breaker_opened, 1);
-    km_srv_log(s, "worker %u (%s): circuit breaker %s after %u failed attempts in a row (last: "
+    km_srv_log(s, KM_LOG_WARNING
+               "worker %u (%s): circuit breaker %s after %u failed attempts in a row (last: "
                "%s); not chosen for %" PRIu64 " ms", id, w->name, reopened ? "reopened" : "open",
                w->failures, outcome == KM_OUTCOME_ERROR ? "error" : "incomplete",
                s->cfg.breaker_cooldown_ms);

@@ -7,6 +7,7 @@
 #include <string.h>
 #include <sys/ioctl.h>
 
+#include "kvmatch/log.h"
 #include "kvmatch/server.h"
 #include "kvmatch/version.h"
 #include "service/server_internal.h"
@@ -193,7 +194,8 @@ static void on_drain_tick(uv_timer_t *t)
         if (!drained(s)) {
             uint64_t dropped = drop_queued(s);
             atomic_fetch_add(&s->st.dropped_at_shutdown, dropped);
-            km_srv_log(s, "drain timeout: closing with work unfinished (%" PRIu64 " queued routes "
+            km_srv_log(s, KM_LOG_WARNING
+                       "drain timeout: closing with work unfinished (%" PRIu64 " queued routes "
                        "dropped unanswered; a batch being scored ends first)", dropped);
         }
         uv_timer_stop(t);
@@ -208,7 +210,7 @@ void km_srv_begin_drain(km_server *s)
     if (s->draining)
         return;
     s->draining = true;
-    km_srv_log(s, "stopping: no new connections or routes; finishing queued decisions");
+    km_srv_log(s, KM_LOG_INFO "stopping: no new connections or routes; finishing queued decisions");
     if (s->have_unix && !uv_is_closing((uv_handle_t *)&s->unix_listener))
         uv_close((uv_handle_t *)&s->unix_listener, NULL);
     if (s->have_tcp && !uv_is_closing((uv_handle_t *)&s->tcp_listener))
@@ -227,9 +229,9 @@ void km_srv_on_hangup(uv_signal_t *h, int signum)
     km_server *s = h->data;
     if (s->records) {
         km_record_writer_reopen(s->records);
-        km_srv_log(s, "SIGHUP received: records file %s reopened", s->records_path);
+        km_srv_log(s, KM_LOG_INFO "SIGHUP received: records file %s reopened", s->records_path);
     } else {
-        km_srv_log(s, "SIGHUP received");
+        km_srv_log(s, KM_LOG_INFO "SIGHUP received");
     }
     if (s->cfg.on_hangup)
         s->cfg.on_hangup(s, s->cfg.hangup_user);
@@ -238,7 +240,7 @@ void km_srv_on_hangup(uv_signal_t *h, int signum)
 void km_srv_on_signal(uv_signal_t *h, int signum)
 {
     km_server *s = h->data;
-    km_srv_log(s, "%s received", signum == SIGTERM ? "SIGTERM" : "SIGINT");
+    km_srv_log(s, KM_LOG_INFO "%s received", signum == SIGTERM ? "SIGTERM" : "SIGINT");
     atomic_store(&s->stop_requested, true);
     km_srv_begin_drain(s);
 }

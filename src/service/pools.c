@@ -11,6 +11,7 @@
 
 #include <xxhash.h>
 
+#include "kvmatch/log.h"
 #include "kvmatch/hash.h"
 #include "base/error_detail.h"
 #include "base/utf8.h"
@@ -168,7 +169,7 @@ static int pool_subscriber(km_server *s, pool *p, char *why, size_t why_size)
         return km_why(why, why_size, rc, "pool %s: event subscriber: %s", p->name, km_strerror(rc));
     km_subscriber_stats st;
     if (sc.restore_path && km_subscriber_get_stats(p->sub, &st) == KM_OK)
-        km_srv_log(s, "pool %s: snapshot %s %s%s%s", p->name, sc.restore_path,
+        km_srv_log(s, KM_LOG_INFO "pool %s: snapshot %s %s%s%s", p->name, sc.restore_path,
                    st.restored ? "restored" : "not restored: ",
                    st.restored ? "" : km_error_name(st.restore_status),
                    st.restored ? "; workers resume from their saved seq + 1" : "; starting empty");

@@ -9,7 +9,9 @@
  * buffer never spans a rotation, and a failed write is truncated back to the last whole line,
  * so no line is ever split or half-written. I/O failures are counted and logged on the transition
  * (failing, recovered), never fatal: the file is closed and reopened for the next line. */
+#include "kvmatch/log.h"
 #include "kvmatch/records.h"
+#include "base/log_level.h"
 #include "base/utf8.h"
 #include "service/records_internal.h"
 
@@ -95,7 +97,7 @@ static void writer_log(km_record_writer *w, const char *line)
     if (w->config.log)
         w->config.log(w->config.log_user, line);
     else
-        fprintf(stderr, "kvmatch: records: %s\n", line);
+        fprintf(stderr, "kvmatch: records: %s\n", line + km_log_level_length(line));
 }
 
 /* Count an I/O failure: stats, last_error, and one log line when the writer starts failing.
@@ -113,7 +115,8 @@ static void io_failure(km_record_writer *w, const char *what, const char *name, 
     pthread_mutex_unlock(&w->lock);
     if (!w->failing) {
         char line[600];
-        snprintf(line, sizeof line, "%s (records are counted as failed until a write succeeds)",
+        snprintf(line, sizeof line, KM_LOG_ERROR
+                 "%s (records are counted as failed until a write succeeds)",
                  sentence);
         writer_log(w, line);
     }
@@ -127,7 +130,7 @@ static void io_success(km_record_writer *w)
         w->failing_now = false;
         pthread_mutex_unlock(&w->lock);
         char line[600];
-        snprintf(line, sizeof line, "writing %s again", w->config.path);
+        snprintf(line, sizeof line, KM_LOG_INFO "writing %s again", w->config.path);
         writer_log(w, line);
     }
     w->failing = false;
@@ -378,7 +381,8 @@ static void rotate(km_record_writer *w)
     pthread_mutex_unlock(&w->lock);
     if (d.files) {
         char line[512];
-        snprintf(line, sizeof line, "rotation of %s deleted %" PRIu64 " file%s holding %" PRIu64
+        snprintf(line, sizeof line, KM_LOG_INFO
+                 "rotation of %s deleted %" PRIu64 " file%s holding %" PRIu64
                  " records (%" PRIu64 " bytes) under %s", path, d.files, d.files == 1 ? "" : "s",
                  d.records, d.bytes, d.why);
         writer_log(w, line);

@@ -38,10 +38,12 @@ static void note_restart_only(km_server *s, const km_server_config *n)
     const km_server_config *c = &s->cfg;
 #define KM_RELOAD_STRING(field, name, live)                                                     \
     if (!same_string(live, n->field))                                                          \
-        km_srv_log(s, "reload: %s changed in the file; it takes effect at restart", name);
+        km_srv_log(s, KM_LOG_WARNING "reload: %s changed in the file; it takes effect at restart", \
+                   name);
 #define KM_RELOAD_NUMBER(field, name)                                                           \
     if (c->field != n->field)                                                                  \
-        km_srv_log(s, "reload: %s changed in the file; it takes effect at restart", name);
+        km_srv_log(s, KM_LOG_WARNING "reload: %s changed in the file; it takes effect at restart", \
+                   name);
     KM_RELOAD_STRING(socket_path, "socket", s->socket_path)
     KM_RELOAD_STRING(tcp, "tcp", s->tcp)
     KM_RELOAD_STRING(http, "http", s->http_addr)
@@ -78,30 +80,33 @@ int km_server_reload(km_server *s, const km_server_config *n)
                          ? km_why(why, sizeof why, KM_ERR_TOO_LARGE, "at most %u pools", MAX_POOLS)
                          : km_srv_pool_create(s, pc, &np, why, sizeof why);
             if (rc != KM_OK) {
-                km_srv_log(s, "reload: pool %s refused: %s", pc->name ? pc->name : "", why);
+                km_srv_log(s, KM_LOG_WARNING
+                           "reload: pool %s refused: %s", pc->name ? pc->name : "", why);
                 first_error = first_error ? first_error : rc;
                 continue;
             }
             s->pools[s->n_pools++] = np;
             at = (int)s->n_pools - 1;
-            km_srv_log(s, "reload: pool %s added (policy %s)", pc->name,
+            km_srv_log(s, KM_LOG_INFO "reload: pool %s added (policy %s)", pc->name,
                        km_policy_kind_name(pc->policy.kind));
             changes++;
         } else {
             pool *p = s->pools[at];
             if (pc->block_size != p->block_size) {
-                km_srv_log(s, "reload: pool %s refused: block_size cannot change (the index is "
+                km_srv_log(s, KM_LOG_WARNING
+                           "reload: pool %s refused: block_size cannot change (the index is "
                            "hashed with %u)", pc->name, p->block_size);
                 first_error = first_error ? first_error : KM_ERR_INVALID_ARGUMENT;
                 continue;
             }
             if (km_policy_config_validate(&pc->policy, detail, sizeof detail) != KM_OK) {
-                km_srv_log(s, "reload: pool %s refused: %s", pc->name, detail);
+                km_srv_log(s, KM_LOG_WARNING "reload: pool %s refused: %s", pc->name, detail);
                 first_error = first_error ? first_error : KM_ERR_INVALID_ARGUMENT;
                 continue;
             }
             if (memcmp(&p->policy, &pc->policy, sizeof p->policy) != 0) {
-                km_srv_log(s, "reload: pool %s: policy %s -> %s, parameters as in the file",
+                km_srv_log(s, KM_LOG_INFO
+                           "reload: pool %s: policy %s -> %s, parameters as in the file",
                            pc->name, km_policy_kind_name(p->policy.kind),
                            km_policy_kind_name(pc->policy.kind));
                 p->policy = pc->policy;
@@ -110,7 +115,7 @@ int km_server_reload(km_server *s, const km_server_config *n)
             if (!same_string(p->model, pc->model)) {
                 char *model = pc->model ? strdup(pc->model) : NULL;
                 if (!pc->model || model) {
-                    km_srv_log(s, "reload: pool %s: model %s -> %s", pc->name,
+                    km_srv_log(s, KM_LOG_INFO "reload: pool %s: model %s -> %s", pc->name,
                                p->model ? p->model : "(none)", pc->model ? pc->model : "(none)");
                     free(p->model);
                     p->model = model;
@@ -128,7 +133,7 @@ int km_server_reload(km_server *s, const km_server_config *n)
             for (uint32_t k = 0; k < pc->n_workers && !keep; k++)
                 keep = pc->workers[k].id == id && worker_unchanged(s, (uint32_t)at, &pc->workers[k]);
             if (!keep && km_srv_worker_remove(s, id, why, sizeof why) == KM_OK) {
-                km_srv_log(s, "reload: pool %s: worker %u removed%s", pc->name, id,
+                km_srv_log(s, KM_LOG_INFO "reload: pool %s: worker %u removed%s", pc->name, id,
                            listed(pc, id) ? " (its endpoints changed)" : "");
                 changes++;
             }
@@ -139,10 +144,11 @@ int km_server_reload(km_server *s, const km_server_config *n)
                 continue; /* kept above, or a worker of another pool: refused below if so */
             int rc = km_srv_worker_add(s, (uint32_t)at, w, why, sizeof why);
             if (rc != KM_OK) {
-                km_srv_log(s, "reload: pool %s: worker %u refused: %s", pc->name, w->id, why);
+                km_srv_log(s, KM_LOG_WARNING
+                           "reload: pool %s: worker %u refused: %s", pc->name, w->id, why);
                 first_error = first_error ? first_error : rc;
             } else {
-                km_srv_log(s, "reload: pool %s: worker %u added", pc->name, w->id);
+                km_srv_log(s, KM_LOG_INFO "reload: pool %s: worker %u added", pc->name, w->id);
                 changes++;
             }
         }
@@ -150,7 +156,8 @@ int km_server_reload(km_server *s, const km_server_config *n)
             const km_server_worker *w = &pc->workers[k];
             if (w->id < s->cfg.max_workers && s->workers[w->id].used &&
                 s->workers[w->id].pool != (uint32_t)at) {
-                km_srv_log(s, "reload: pool %s: worker %u refused: it belongs to pool %s", pc->name,
+                km_srv_log(s, KM_LOG_WARNING
+                           "reload: pool %s: worker %u refused: it belongs to pool %s", pc->name,
                            w->id, s->pools[s->workers[w->id].pool]->name);
                 first_error = first_error ? first_error : KM_ERR_INVALID_ARGUMENT;
             }
@@ -161,11 +168,12 @@ int km_server_reload(km_server *s, const km_server_config *n)
         for (uint32_t k = 0; k < n->n_pools && !in_file; k++)
             in_file = n->pools[k].name && !strcmp(n->pools[k].name, s->pools[i]->name);
         if (!in_file)
-            km_srv_log(s, "reload: pool %s is not in the file; it is kept (a reload adds and "
+            km_srv_log(s, KM_LOG_WARNING
+                       "reload: pool %s is not in the file; it is kept (a reload adds and "
                        "changes pools, never removes one)", s->pools[i]->name);
     }
     pthread_mutex_unlock(&s->admin_lock);
-    km_srv_log(s, "reload: %u change%s applied%s", changes, changes == 1 ? "" : "s",
+    km_srv_log(s, KM_LOG_INFO "reload: %u change%s applied%s", changes, changes == 1 ? "" : "s",
                first_error ? "; some refused (above)" : "");
     if (changes)
         km_srv_wake_scheduler(s);

@@ -80,7 +80,8 @@ static int approx_apply(km_server *s, pool *p, batch_scratch *b, const km_update
     int rc = km_index_apply(p->index, updates, n, NULL);
     if (rc == KM_OK)
         return KM_OK;
-    km_srv_log(s, "pool %s: approximate-mode updates refused: %s; the blocks assumed on their "
+    km_srv_log(s, KM_LOG_WARNING
+               "pool %s: approximate-mode updates refused: %s; the blocks assumed on their "
                "workers are forgotten", p->name, km_index_last_error(p->index));
     uint32_t stamp = km_srv_scratch_next_stamp(s, b);
     km_approx_updates_clear(&p->approx_updates);
@@ -92,7 +93,7 @@ static int approx_apply(km_server *s, pool *p, batch_scratch *b, const km_update
         }
     }
     if (km_index_apply(p->index, p->approx_updates.updates, p->approx_updates.n_updates, NULL))
-        km_srv_log(s, "pool %s: clearing approximate-mode workers: %s", p->name,
+        km_srv_log(s, KM_LOG_WARNING "pool %s: clearing approximate-mode workers: %s", p->name,
                    km_index_last_error(p->index));
     km_approx_updates_clear(&p->approx_updates);
     return rc;
@@ -149,7 +150,8 @@ static void run_batch(km_server *s, job *jobs, batch_scratch *b)
             continue;
         int rc = km_index_match_batch(p->index, p->requests, p->n_requests, &p->results);
         if (rc != KM_OK) {
-            km_srv_log(s, "pool %s: scoring failed: %s", p->name, km_index_last_error(p->index));
+            km_srv_log(s, KM_LOG_ERROR
+                       "pool %s: scoring failed: %s", p->name, km_index_last_error(p->index));
             p->n_requests = SIZE_MAX; /* marks the failure below */
         }
     }
@@ -284,11 +286,12 @@ static void log_flush_failure(km_server *s, pool *p, const char *what, const cha
         return;
     }
     if (p->flush_failures_unlogged)
-        km_srv_log(s, "pool %s: %s: %s (and %" PRIu64 " more failures in the last %.0f s)",
+        km_srv_log(s, KM_LOG_WARNING
+                   "pool %s: %s: %s (and %" PRIu64 " more failures in the last %.0f s)",
                    p->name, what, detail, p->flush_failures_unlogged,
                    (double)(now - p->flush_logged_ns) / 1e9);
     else
-        km_srv_log(s, "pool %s: %s: %s", p->name, what, detail);
+        km_srv_log(s, KM_LOG_WARNING "pool %s: %s: %s", p->name, what, detail);
     p->flush_logged_ns = now;
     p->flush_failures_unlogged = 0;
 }

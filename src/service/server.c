@@ -18,6 +18,7 @@
 #include <unistd.h>
 
 #include "base/error_detail.h"
+#include "base/log_level.h"
 #include "service/server_internal.h"
 
 /* One line to the configured log callback, else to stderr with the "kvmatch serve: " prefix;
@@ -32,7 +33,7 @@ void km_srv_log(km_server *s, const char *fmt, ...)
     if (s->log)
         s->log(s->log_user, line);
     else
-        fprintf(stderr, "kvmatch serve: %s\n", line);
+        fprintf(stderr, "kvmatch serve: %s\n", line + km_log_level_length(line));
 }
 
 void km_server_stop(km_server *server)
@@ -458,7 +459,8 @@ int km_server_run(km_server *s, bool install_signals)
         snprintf(http_desc, sizeof http_desc,
                  strchr(http_host, ':') ? ", http on [%s]:%u" : ", http on %s:%u", http_host,
                  s->http_port);
-    km_srv_log(s, "serving on %s%s%s%s%s (%u pools)", s->socket_path ? s->socket_path : "",
+    km_srv_log(s, KM_LOG_INFO
+               "serving on %s%s%s%s%s (%u pools)", s->socket_path ? s->socket_path : "",
                s->socket_path && s->tcp ? " and " : "", s->tcp ? "tcp " : "", s->tcp ? s->tcp : "",
                http_desc, s->n_pools);
     /* A peer that closes while its replies are written makes write() raise SIGPIPE, which ends
@@ -490,12 +492,13 @@ int km_server_run(km_server *s, bool install_signals)
         if (p->sub && p->snapshot_path) {
             int rc = km_subscriber_save(p->sub, NULL);
             if (rc != KM_OK) {
-                km_srv_log(s, "pool %s: snapshot not written: %s", p->name,
+                km_srv_log(s, KM_LOG_WARNING "pool %s: snapshot not written: %s", p->name,
                            km_subscriber_last_error(p->sub));
                 if (status == KM_OK)
                     status = rc;
             } else {
-                km_srv_log(s, "pool %s: snapshot written to %s", p->name, p->snapshot_path);
+                km_srv_log(s, KM_LOG_INFO
+                           "pool %s: snapshot written to %s", p->name, p->snapshot_path);
             }
         }
     }
@@ -504,12 +507,14 @@ int km_server_run(km_server *s, bool install_signals)
         km_record_writer_counters rc;
         km_record_writer_stats(s->records, &rc);
         if (flushed == KM_ERR_TIMEOUT)
-            km_srv_log(s, "records: %" PRIu64 " records still waiting after 10 s were not written "
+            km_srv_log(s, KM_LOG_ERROR
+                       "records: %" PRIu64 " records still waiting after 10 s were not written "
                        "to %s", rc.pending, s->records_path);
         if (rc.failed > 0) {
             char last[256];
             km_record_writer_last_error(s->records, last, sizeof last);
-            km_srv_log(s, "records: %" PRIu64 " of %" PRIu64 " records were lost to I/O errors "
+            km_srv_log(s, KM_LOG_ERROR
+                       "records: %" PRIu64 " of %" PRIu64 " records were lost to I/O errors "
                        "(last: %s)", rc.failed, rc.submitted, last);
         }
         if (status == KM_OK && (rc.failed > 0 || flushed == KM_ERR_TIMEOUT))
@@ -517,7 +522,7 @@ int km_server_run(km_server *s, bool install_signals)
     }
     km_http_stop(s->http);
     s->http = NULL;
-    km_srv_log(s, "stopped");
+    km_srv_log(s, KM_LOG_INFO "stopped");
     return status;
 }
 
