@@ -981,6 +981,9 @@ static int flood_rows(const char *self, const char *addr, const char *dir, doubl
     return KM_OK;
 }
 
+/* The phases of the default run (the table in km_bench_ipc_main; --only numbers them from 0). */
+#define IPC_PHASES 15
+
 int km_bench_ipc_main(int argc, char **argv)
 {
     bool json = false, quick = false, records = false, flood = false;
@@ -1029,7 +1032,7 @@ int km_bench_ipc_main(int argc, char **argv)
             connect_to = optarg;
             break;
         case OPT_ONLY: /* a phase number past the last runs none */
-            if (!km_cli_u32("bench ipc", "only", optarg, 0, 99, &phase))
+            if (!km_cli_u32("bench ipc", "only", optarg, 0, IPC_PHASES - 1, &phase))
                 return KM_EXIT_USAGE;
             only = (int)phase;
             break;
@@ -1134,6 +1137,7 @@ int km_bench_ipc_main(int argc, char **argv)
                "conns", "frame", "offered", "decisions/s", "rtt p50 us", "rtt p99 us", "errors",
                "srv us/d", "drv us/d", "idle%", "steal%");
     size_t n_phases = sizeof phases / sizeof phases[0];
+    _Static_assert(sizeof phases / sizeof phases[0] == IPC_PHASES, "IPC_PHASES counts the phases");
     phase_result c_results[sizeof phases / sizeof phases[0]];
     bool c_ran[sizeof phases / sizeof phases[0]] = {false};
     /* --flood: only the flood rows (load shedding off and on). */

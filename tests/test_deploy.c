@@ -793,6 +793,9 @@ Test(deploy, commands_refuse_what_could_never_work, .timeout = 60)
     rc = run_cli(out, sizeof out, "bench replay --index");
     cr_assert_eq(rc, 2, "exit %d: %s", rc, out);
     cr_assert(strstr(out, "kvmatch bench replay --help"), "%s", out);
+    rc = run_cli(out, sizeof out, "bench ipc --only=15");
+    cr_assert_eq(rc, 2, "%s", out);
+    cr_assert(strstr(out, "--only wants an integer in 0..14"), "%s", out);
     rc = run_cli(out, sizeof out, "bench nope");
     cr_assert_eq(rc, 2, "%s", out);
     cr_assert(strstr(out, "unknown benchmark nope"), "%s", out);
