@@ -17,9 +17,33 @@
 #include "kvmatch/hash.h"
 #include "kvmatch/publisher.h"
 #include "kvmatch/server.h"
+#include "sim/broker.h"
 #include "sim/trace.h"
 #include "base/array.h"
 #include "base/error_detail.h"
+
+const char *km_sim_mode_name(km_sim_mode mode)
+{
+    switch (mode) {
+    case KM_SIM_MODE_SINGLE:
+        return "single";
+    case KM_SIM_MODE_ISOLATED:
+        return "isolated";
+    case KM_SIM_MODE_SHARED:
+        return "shared";
+    }
+    return "unknown";
+}
+
+bool km_sim_shared_available(char *why, size_t why_size)
+{
+    if (km_sim_broker_binary())
+        return true;
+    km_why(why, why_size, KM_ERR_NOT_FOUND,
+           "the shared mode (--instances > 1) needs nats-server, which is not in PATH, /usr/sbin or "
+           "/usr/local/sbin (Debian package nats-server)");
+    return false;
+}
 
 void km_sim_config_init(km_sim_config *cfg)
 {
@@ -40,6 +64,7 @@ void km_sim_config_init(km_sim_config *cfg)
     cfg->replay_buffer = 10000;
     cfg->restart_kvmatch_at_s = -1;
     cfg->approx_dispatch_max_bytes = -1;
+    cfg->instances = 1;
 }
 
 static double wall_s(void)
@@ -77,21 +102,38 @@ typedef struct req_state {
     uint32_t predicted_depth; /* that worker's depth in the decision */
     uint32_t truth_depth;     /* that engine's cached depth at the decision instant */
     bool chosen_degraded;     /* the decision said the chosen worker's history was lost */
+    uint8_t inst;             /* the instance that decided it */
     bool routed, admitted, first_token, finished;
     uint32_t cached_tokens;   /* engine-reported, at admission */
 } req_state;
+
+/* One kvmatch instance of the run: a server in this process (or a running one with `connect`)
+ * and the router's connection to it. */
+typedef struct sim_instance {
+    char sock[160], addr[180], records[512];
+    char id[16];        /* its cluster instance id (shared mode) */
+    km_server *server;
+    pthread_t thread;
+    bool running;
+    int status;
+    km_client *client;
+} sim_instance;
 
 typedef struct run {
     const km_sim_config *cfg;
     const km_trace *trace;
     km_sim_result *res;
     char dir[64];
-    char sock[160], addr[180], records[512];
-    km_server *server;
-    pthread_t server_thread;
-    bool server_running;
-    int server_status;
-    km_client *client;
+    uint32_t n_inst;
+    sim_instance inst[KM_SIM_MAX_INSTANCES];
+    uint32_t ingress_rr;      /* the next routed request's instance, round robin */
+    const char *cluster_url;  /* shared mode: the broker all instances share; NULL otherwise */
+    char cluster_subject[64]; /* shared mode: this run's subject prefix */
+    uint32_t *own_in_flight;  /* [inst * workers + w]: requests the instance sent to w and has not
+                               * yet been told finished */
+    uint8_t *pending_inst;    /* per pending report: the instance it goes to */
+    km_lifecycle_event *batch; /* one instance's reports, gathered for sending */
+    size_t cap_batch;
     km_sim_engine **engines;
     km_publisher **pubs;
     uint64_t *published; /* per worker: messages published (next seq) */
@@ -134,8 +176,8 @@ typedef struct run {
 
 static void *server_main(void *arg)
 {
-    run *r = arg;
-    r->server_status = km_server_run(r->server, false);
+    sim_instance *in = arg;
+    in->status = km_server_run(in->server, false);
     return NULL;
 }
 
@@ -163,7 +205,7 @@ static int request_tokens(run *r, const km_trace_request *q, uint32_t *n_tokens,
     /* A prompt longer than the server takes is expanded only one token past its limit, enough
      * for the server to refuse the route (a route error), not the whole input_length. */
     uint64_t input = q->input_length;
-    const km_welcome *wel = r->client ? km_client_welcome(r->client) : NULL;
+    const km_welcome *wel = r->inst[0].client ? km_client_welcome(r->inst[0].client) : NULL;
     if (wel && input > (uint64_t)wel->limits.max_tokens_per_route)
         input = (uint64_t)wel->limits.max_tokens_per_route + 1;
     uint64_t used = (input + KM_SIM_TOKENS_PER_ID - 1) / KM_SIM_TOKENS_PER_ID;
@@ -197,9 +239,25 @@ static int request_tokens(run *r, const km_trace_request *q, uint32_t *n_tokens,
  * microseconds `time_us` since its arrival, as a router would measure on its own clock. */
 static int queue_report(run *r, km_lifecycle_kind kind, size_t index, uint64_t time_us)
 {
+    size_t cap = r->cap_pending;
     if (KM_ARRAY_GROW(r->pending, r->cap_pending, r->n_pending + 1, 64))
         return KM_ERR_OUT_OF_MEMORY;
+    if (r->cap_pending != cap) {
+        uint8_t *pi = realloc(r->pending_inst, r->cap_pending);
+        if (!pi)
+            return KM_ERR_OUT_OF_MEMORY;
+        r->pending_inst = pi;
+    }
     const req_state *s = &r->reqs[index];
+    r->pending_inst[r->n_pending] = s->inst;
+    if (kind == KM_LIFECYCLE_FINISHED) {
+        uint32_t w = s->worker - r->worker_base;
+        uint32_t *own = w < r->cfg->workers
+                            ? &r->own_in_flight[(size_t)s->inst * r->cfg->workers + w]
+                            : NULL;
+        if (own && *own)
+            (*own)--;
+    }
     km_lifecycle_event *e = &r->pending[r->n_pending];
     memset(e, 0, sizeof *e);
     e->kind = kind;
@@ -227,19 +285,35 @@ static int queue_report(run *r, km_lifecycle_kind kind, size_t index, uint64_t t
     return KM_OK;
 }
 
-/* Send the queued lifecycle reports, in frames of at most the server's max_batch_items. */
+/* Send the queued lifecycle reports, each to the instance that decided its request (in the
+ * order they were queued), in frames of at most the server's max_batch_items. */
 static int flush_reports(run *r, char *why, size_t why_size)
 {
     if (!r->n_pending)
         return KM_OK;
-    const km_welcome *wel = km_client_welcome(r->client);
-    size_t per = wel && wel->limits.max_batch_items ? wel->limits.max_batch_items : 1024;
-    for (size_t at = 0; at < r->n_pending; at += per) {
-        size_t n = r->n_pending - at < per ? r->n_pending - at : per;
-        km_message reply;
-        int rc = km_client_lifecycle(r->client, r->pending + at, (uint32_t)n, 10000, &reply);
-        if (rc != KM_OK)
-            return km_why(why, why_size, rc, "lifecycle reports: %s", km_client_last_error(r->client));
+    for (uint32_t i = 0; i < r->n_inst; i++) {
+        const km_lifecycle_event *events = r->pending;
+        size_t total = r->n_pending;
+        if (r->n_inst > 1) {
+            if (KM_ARRAY_GROW(r->batch, r->cap_batch, r->n_pending, 64))
+                return km_why(why, why_size, KM_ERR_OUT_OF_MEMORY, "out of memory");
+            total = 0;
+            for (size_t k = 0; k < r->n_pending; k++)
+                if (r->pending_inst[k] == i)
+                    r->batch[total++] = r->pending[k];
+            events = r->batch;
+        }
+        km_client *c = r->inst[i].client;
+        const km_welcome *wel = km_client_welcome(c);
+        size_t per = wel && wel->limits.max_batch_items ? wel->limits.max_batch_items : 1024;
+        for (size_t at = 0; at < total; at += per) {
+            size_t n = total - at < per ? total - at : per;
+            km_message reply;
+            int rc = km_client_lifecycle(c, events + at, (uint32_t)n, 10000, &reply);
+            if (rc != KM_OK)
+                return km_why(why, why_size, rc, "instance %u: lifecycle reports: %s", i,
+                              km_client_last_error(c));
+        }
     }
     r->n_pending = 0;
     return KM_OK;
@@ -369,8 +443,10 @@ static int drain_engine(run *r, uint32_t w, uint64_t now_us, char *why, size_t w
             if (drop)
                 km_publisher_drop_live(r->pubs[w], false);
         } else if (!drop) {
-            rc = km_server_deliver_events(r->server, r->worker_base + w, m.seq, m.payload,
-                                          m.payload_size);
+            /* Every instance indexes every engine. */
+            for (uint32_t i = 0; i < r->n_inst && rc == KM_OK; i++)
+                rc = km_server_deliver_events(r->inst[i].server, r->worker_base + w, m.seq,
+                                              m.payload, m.payload_size);
         }
         if (!drop)
             r->live_next[w] = m.seq + 1;
@@ -394,9 +470,10 @@ static int wait_delivered(run *r, char *why, size_t why_size)
         m.type = KM_MESSAGE_WORKERS;
         m.workers.action = KM_ADMIN_LIST;
         m.workers.pool = r->pool;
-        int rc = km_client_call(r->client, &m, 10000, &reply);
+        int rc = km_client_call(r->inst[0].client, &m, 10000, &reply);
         if (rc != KM_OK)
-            return km_why(why, why_size, rc, "worker list: %s", km_client_last_error(r->client));
+            return km_why(why, why_size, rc, "worker list: %s",
+                          km_client_last_error(r->inst[0].client));
         bool all = true;
         for (uint32_t i = 0; i < reply.workers.n_workers; i++) {
             const km_worker_info *wi = &reply.workers.workers[i];
@@ -481,15 +558,19 @@ static int route_one(run *r, size_t index, uint64_t now_us, char *why, size_t wh
      * (the prediction for the worker it will really go to). */
     bool override = r->cfg->override > 0 && r->cfg->workers > 1 &&
                     fault_chance(r, r->cfg->override);
-    route.brief = !override;
+    /* Several instances: the candidates' in-flight counts show whether others' load was seen. */
+    route.brief = !override && r->n_inst == 1;
+    uint32_t in = r->ingress_rr++ % r->n_inst;
+    s->inst = (uint8_t)in;
+    km_client *client = r->inst[in].client;
     km_message reply;
     double t0 = wall_s();
-    rc = km_client_route(r->client, &route, 1, 10000, &reply);
+    rc = km_client_route(client, &route, 1, 10000, &reply);
     double dt = wall_s() - t0;
     r->decision_wall += dt;
     r->decision_us[r->n_decision++] = dt * 1e6;
     if (rc != KM_OK)
-        return km_why(why, why_size, rc, "route %zu: %s", index, km_client_last_error(r->client));
+        return km_why(why, why_size, rc, "route %zu: %s", index, km_client_last_error(client));
     const km_route_decision *d = &reply.decision.decisions[0];
     uint32_t w;
     if (d->status != KM_OK || d->chosen_worker < r->worker_base ||
@@ -519,7 +600,18 @@ static int route_one(run *r, size_t index, uint64_t now_us, char *why, size_t wh
             state = row->state;
             r->res->overridden++;
         }
+        if (d->load_scope && !strcmp(d->load_scope, "cluster") && d->load_instances > 0)
+            r->res->cluster_scope_decisions++;
+        const uint32_t *own = &r->own_in_flight[(size_t)in * r->cfg->workers];
+        for (uint32_t k = 0; k < d->n_candidates; k++) {
+            uint32_t cw = d->candidates[k].worker - r->worker_base;
+            if (cw < r->cfg->workers && d->candidates[k].load.in_flight > own[cw]) {
+                r->res->remote_load_seen++;
+                break;
+            }
+        }
         s->routed = true;
+        r->own_in_flight[(size_t)in * r->cfg->workers + w]++;
         s->decision_id = d->decision_id;
         s->predicted_depth = predicted;
         r->res->routed++;
@@ -571,15 +663,18 @@ static int route_one(run *r, size_t index, uint64_t now_us, char *why, size_t wh
 
 static void run_teardown(run *r)
 {
-    km_client_close(r->client);
-    r->client = NULL;
-    if (r->server_running) {
-        km_server_stop(r->server);
-        pthread_join(r->server_thread, NULL);
-        r->server_running = false;
+    for (uint32_t i = 0; i < r->n_inst; i++) {
+        sim_instance *in = &r->inst[i];
+        km_client_close(in->client);
+        in->client = NULL;
+        if (in->running) {
+            km_server_stop(in->server);
+            pthread_join(in->thread, NULL);
+            in->running = false;
+        }
+        km_server_destroy(in->server);
+        in->server = NULL;
     }
-    km_server_destroy(r->server);
-    r->server = NULL;
     for (uint32_t w = 0; r->engines && w < r->cfg->workers; w++)
         km_sim_engine_destroy(r->engines[w]);
     for (uint32_t w = 0; r->pubs && w < r->cfg->workers; w++)
@@ -599,6 +694,9 @@ static void run_teardown(run *r)
     }
     free(r->reqs);
     free(r->pending);
+    free(r->pending_inst);
+    free(r->batch);
+    free(r->own_in_flight);
     free(r->ttft_ms);
     free(r->finish_s);
     free(r->last_admit_s);
@@ -608,16 +706,21 @@ static void run_teardown(run *r)
     free(r->tokens);
     free(r->chains);
     if (r->dir[0]) {
-        unlink(r->sock);
-        if (!r->cfg->records_dir)
-            unlink(r->records);
+        for (uint32_t i = 0; i < r->n_inst; i++) {
+            unlink(r->inst[i].sock);
+            if (!r->cfg->records_dir)
+                unlink(r->inst[i].records);
+        }
         rmdir(r->dir);
     }
 }
 
-/* A kvmatch serve in this process for the run's pool (again after a restart fault). */
-static int start_server(run *r, char *why, size_t why_size)
+/* Instance i's kvmatch serve in this process for the run's pool (again after a restart fault);
+ * in shared mode it joins the run's cluster (and has synced with the instances started before it
+ * when this returns). */
+static int start_server(run *r, uint32_t i, char *why, size_t why_size)
 {
+    sim_instance *in = &r->inst[i];
     const km_sim_config *cfg = r->cfg;
     km_server_pool pool;
     memset(&pool, 0, sizeof pool);
@@ -640,8 +743,14 @@ static int start_server(run *r, char *why, size_t why_size)
     pool.approx_every_touch = true;
     km_server_config sc;
     km_server_config_init(&sc);
-    sc.socket_path = r->sock;
-    sc.records_path = r->records;
+    sc.socket_path = in->sock;
+    sc.records_path = in->records;
+    if (r->cluster_url) {
+        snprintf(in->id, sizeof in->id, "sim-%u", i);
+        sc.cluster_url = r->cluster_url;
+        sc.cluster_instance = in->id;
+        sc.cluster_subject = r->cluster_subject;
+    }
     sc.max_workers = cfg->workers < 64 ? 64 : cfg->workers;
     sc.backend = KM_BACKEND_CPU;
     sc.index_threads = 1;
@@ -661,13 +770,15 @@ static int start_server(run *r, char *why, size_t why_size)
         sc.snapshot_dir = r->snap_dir;
         sc.snapshot_interval_ms = 0; /* only on the way out */
     }
-    snprintf(r->addr, sizeof r->addr, "unix:%s", r->sock);
-    int rc = km_server_create(&sc, &r->server, why, why_size);
+    char addr[sizeof in->addr];
+    snprintf(addr, sizeof addr, "unix:%s", in->sock);
+    memcpy(in->addr, addr, sizeof addr);
+    int rc = km_server_create(&sc, &in->server, why, why_size);
     if (rc)
         return rc;
-    if (pthread_create(&r->server_thread, NULL, server_main, r) != 0)
+    if (pthread_create(&in->thread, NULL, server_main, in) != 0)
         return km_why(why, why_size, KM_ERR_INTERNAL, "server thread");
-    r->server_running = true;
+    in->running = true;
     return KM_OK;
 }
 
@@ -678,17 +789,18 @@ static int restart_kvmatch(run *r, char *why, size_t why_size)
     int rc = flush_reports(r, why, why_size);
     if (rc)
         return rc;
-    km_client_close(r->client);
-    r->client = NULL;
-    km_server_stop(r->server);
-    pthread_join(r->server_thread, NULL);
-    r->server_running = false;
-    km_server_destroy(r->server);
-    r->server = NULL;
+    sim_instance *in = &r->inst[0]; /* the fault needs a single instance */
+    km_client_close(in->client);
+    in->client = NULL;
+    km_server_stop(in->server);
+    pthread_join(in->thread, NULL);
+    in->running = false;
+    km_server_destroy(in->server);
+    in->server = NULL;
     r->res->kvmatch_restarts++;
-    if ((rc = start_server(r, why, why_size)) != KM_OK)
+    if ((rc = start_server(r, 0, why, why_size)) != KM_OK)
         return rc;
-    if ((rc = km_client_connect(r->addr, 10000, &r->client, why, why_size)) != KM_OK)
+    if ((rc = km_client_connect(in->addr, 10000, &in->client, why, why_size)) != KM_OK)
         return rc;
     r->subscriptions++;
     for (uint32_t w = 0; r->cfg->zmq && w < r->cfg->workers; w++)
@@ -726,10 +838,14 @@ static double saturated_throughput(const double *finish_s, size_t n, double unti
 }
 
 static int run_policy(const km_sim_config *cfg, const km_trace *trace, const char *policy,
-                      bool direct, km_sim_result *res, char *why, size_t why_size)
+                      bool direct, const char *cluster_url, unsigned run_no, km_sim_result *res,
+                      char *why, size_t why_size)
 {
     run r;
     memset(&r, 0, sizeof r);
+    r.n_inst = cfg->mode == KM_SIM_MODE_SINGLE || direct ? 1 : cfg->instances;
+    r.cluster_url = cfg->mode == KM_SIM_MODE_SHARED && !direct ? cluster_url : NULL;
+    snprintf(r.cluster_subject, sizeof r.cluster_subject, "kvmatch.sim.run%u", run_no);
     r.direct = direct;
     r.cfg = cfg;
     r.trace = trace;
@@ -737,6 +853,8 @@ static int run_policy(const km_sim_config *cfg, const km_trace *trace, const cha
     r.policy = policy;
     memset(res, 0, sizeof *res);
     snprintf(res->policy, sizeof res->policy, "%s", policy);
+    res->mode = cfg->mode;
+    res->instances = r.n_inst;
     res->requests = trace->n_requests;
     double started = wall_s();
     uint32_t W = cfg->workers;
@@ -756,7 +874,8 @@ static int run_policy(const km_sim_config *cfg, const km_trace *trace, const cha
     r.last_admit_s = calloc(W ? W : 1, sizeof *r.last_admit_s);
     r.first_token_s = calloc(N ? N : 1, sizeof *r.first_token_s);
     r.decision_us = calloc(N ? N : 1, sizeof *r.decision_us);
-    int rc = r.open_window && r.live_next && r.engines && r.pubs && r.published && r.per_worker && r.reqs && r.ttft_ms && r.finish_s && r.last_admit_s && r.first_token_s && r.decision_us
+    r.own_in_flight = calloc((size_t)r.n_inst * (W ? W : 1), sizeof *r.own_in_flight);
+    int rc = r.own_in_flight && r.open_window && r.live_next && r.engines && r.pubs && r.published && r.per_worker && r.reqs && r.ttft_ms && r.finish_s && r.last_admit_s && r.first_token_s && r.decision_us
                  ? KM_OK
                  : km_why(why, why_size, KM_ERR_OUT_OF_MEMORY, "simulation state");
     snprintf(r.pool, sizeof r.pool, "sim-%s", policy);
@@ -782,12 +901,19 @@ static int run_policy(const km_sim_config *cfg, const km_trace *trace, const cha
         }
     }
     if (!rc) {
-        snprintf(r.sock, sizeof r.sock, "%s/s.sock", r.dir);
-        if (cfg->records_dir)
-            snprintf(r.records, sizeof r.records, "%s/records-%s.jsonl", cfg->records_dir, policy);
-        else
-            snprintf(r.records, sizeof r.records, "%s/records.jsonl", r.dir);
-        snprintf(r.addr, sizeof r.addr, "%s", cfg->connect ? cfg->connect : "");
+        for (uint32_t i = 0; i < r.n_inst; i++) {
+            sim_instance *in = &r.inst[i];
+            snprintf(in->sock, sizeof in->sock, "%s/s%u.sock", r.dir, i);
+            if (cfg->records_dir && r.n_inst == 1 && cfg->mode == KM_SIM_MODE_SINGLE)
+                snprintf(in->records, sizeof in->records, "%s/records-%s.jsonl", cfg->records_dir,
+                         policy);
+            else if (cfg->records_dir)
+                snprintf(in->records, sizeof in->records, "%s/records-%s-%s-%u.jsonl",
+                         cfg->records_dir, policy, km_sim_mode_name(cfg->mode), i);
+            else
+                snprintf(in->records, sizeof in->records, "%s/records%u.jsonl", r.dir, i);
+            snprintf(in->addr, sizeof in->addr, "%s", cfg->connect ? cfg->connect : "");
+        }
     }
     km_server_worker *ws = r.ws = calloc(W ? W : 1, sizeof *ws);
     char (*names)[32] = r.names = calloc(W ? W : 1, sizeof *names);
@@ -805,11 +931,10 @@ static int run_policy(const km_sim_config *cfg, const km_trace *trace, const cha
                                            : KM_SERVER_LOCAL_EVENTS;
         ws[w].replay_endpoint = cfg->zmq ? km_publisher_replay_endpoint(r.pubs[w]) : NULL;
     }
-    if (!rc && !cfg->connect && !direct)
-        rc = start_server(&r, why, why_size);
-    if (!rc && !direct) {
-        rc = km_client_connect(r.addr, 10000, &r.client, why, why_size);
-    }
+    for (uint32_t i = 0; !rc && !cfg->connect && !direct && i < r.n_inst; i++)
+        rc = start_server(&r, i, why, why_size);
+    for (uint32_t i = 0; !rc && !direct && i < r.n_inst; i++)
+        rc = km_client_connect(r.inst[i].addr, 10000, &r.inst[i].client, why, why_size);
     if (!rc && cfg->connect) {
         /* A running server: a pool of our own, then the workers. */
         km_message m, reply;
@@ -823,7 +948,7 @@ static int run_policy(const km_sim_config *cfg, const km_trace *trace, const cha
         pi.policy = policy;
         m.pools.pools = &pi;
         m.pools.n_pools = 1;
-        rc = km_client_call(r.client, &m, 10000, &reply);
+        rc = km_client_call(r.inst[0].client, &m, 10000, &reply);
         if (!rc && reply.ack.items[0].status != KM_OK)
             rc = km_why(why, why_size, reply.ack.items[0].status, "adding pool %s: %s", r.pool,
                         reply.ack.items[0].message);
@@ -841,7 +966,7 @@ static int run_policy(const km_sim_config *cfg, const km_trace *trace, const cha
         m.workers.action = KM_ADMIN_ADD;
         m.workers.workers = wi;
         m.workers.n_workers = W;
-        if (!rc && wi && (rc = km_client_call(r.client, &m, 10000, &reply)) == KM_OK)
+        if (!rc && wi && (rc = km_client_call(r.inst[0].client, &m, 10000, &reply)) == KM_OK)
             for (uint32_t w = 0; w < W && !rc; w++)
                 if (reply.ack.items[w].status != KM_OK)
                     rc = km_why(why, why_size, reply.ack.items[w].status, "adding worker %u: %s",
@@ -966,7 +1091,7 @@ static int run_policy(const km_sim_config *cfg, const km_trace *trace, const cha
         for (size_t i = 0; i < N; i++)
             res->unadmitted += r.reqs[i].routed && !r.reqs[i].admitted;
     }
-    if (cfg->connect && r.client && pool_added) {
+    if (cfg->connect && r.inst[0].client && pool_added) {
         /* Leave the running server as it was: our pool, its workers, index and subscriber out. */
         km_message m, reply;
         memset(&m, 0, sizeof m);
@@ -977,7 +1102,7 @@ static int run_policy(const km_sim_config *cfg, const km_trace *trace, const cha
         pi.name = r.pool;
         m.pools.pools = &pi;
         m.pools.n_pools = 1;
-        km_client_call(r.client, &m, 10000, &reply);
+        km_client_call(r.inst[0].client, &m, 10000, &reply);
     }
     run_teardown(&r);
     res->wall_s = wall_s() - started;
@@ -1026,7 +1151,9 @@ static int probe_rr(const km_sim_config *cfg, const km_trace *trace, km_sim_resu
     int rc = scaled_copy(trace, 0.0, &replay);
     if (rc)
         return km_why(why, why_size, rc, "out of memory");
-    rc = run_policy(&c, &replay, "round_robin", true, res, why, why_size);
+    c.mode = KM_SIM_MODE_SINGLE;
+    c.instances = 1;
+    rc = run_policy(&c, &replay, "round_robin", true, NULL, 0, res, why, why_size);
     free(replay.requests);
     return rc;
 }
@@ -1131,6 +1258,19 @@ int km_sim_run(const km_sim_config *cfg, km_sim_result *results, km_sim_summary 
     if (cfg->connect && !cfg->zmq)
         return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,
                       "--connect needs --zmq: a server in another process hears the engines over ZMQ");
+    if (cfg->mode > KM_SIM_MODE_SHARED || cfg->instances == 0 ||
+        cfg->instances > KM_SIM_MAX_INSTANCES ||
+        (cfg->mode == KM_SIM_MODE_SINGLE && cfg->instances != 1))
+        return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,
+                      "instances must be 1..%u (1 in the single mode)", KM_SIM_MAX_INSTANCES);
+    if (cfg->mode != KM_SIM_MODE_SINGLE &&
+        (cfg->connect || cfg->zmq || cfg->restart_kvmatch_at_s >= 0))
+        return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,
+                      "several instances run in this process with in-process events: the %s mode "
+                      "excludes --connect, --zmq and --restart-kvmatch",
+                      km_sim_mode_name(cfg->mode));
+    if (cfg->mode == KM_SIM_MODE_SHARED && !km_sim_shared_available(why, why_size))
+        return KM_ERR_NOT_FOUND;
     for (uint32_t i = 0; i < cfg->n_policies; i++) {
         km_policy_kind k;
         if (!cfg->policies[i] || km_policy_kind_parse(cfg->policies[i], &k) != KM_OK)
@@ -1184,6 +1324,15 @@ int km_sim_run(const km_sim_config *cfg, km_sim_result *results, km_sim_summary 
         return km_why(why, why_size, rc, "time_scale %g puts arrivals past %llu ms", cfg->time_scale,
                       (unsigned long long)KM_TRACE_MAX_TIMESTAMP_MS);
     }
+    km_sim_broker broker = {0};
+    if (cfg->mode == KM_SIM_MODE_SHARED) {
+        if ((rc = km_sim_broker_start(&broker, why, why_size)) != KM_OK) {
+            km_trace_free(&trace);
+            return rc;
+        }
+        sim_log(cfg, "%u instances sharing their active work over %s", cfg->instances, broker.url);
+    }
+    unsigned run_no = 0;
     uint32_t n_loads = cfg->n_loads ? cfg->n_loads : 1;
     for (uint32_t l = 0; l < n_loads && !rc; l++) {
         km_trace scaled = trace;
@@ -1198,7 +1347,8 @@ int km_sim_run(const km_sim_config *cfg, km_sim_result *results, km_sim_summary 
         }
         for (uint32_t i = 0; i < cfg->n_policies && !rc; i++) {
             km_sim_result *res = &results[l * cfg->n_policies + i];
-            rc = run_policy(cfg, &scaled, cfg->policies[i], false, res, why, why_size);
+            rc = run_policy(cfg, &scaled, cfg->policies[i], false, broker.url, run_no++, res, why,
+                            why_size);
             res->load = load;
             if (!rc && cfg->n_loads)
                 sim_log(cfg, "load %.2f, %s: done in %.1f s", load, cfg->policies[i], res->wall_s);
@@ -1208,6 +1358,7 @@ int km_sim_run(const km_sim_config *cfg, km_sim_result *results, km_sim_summary 
         if (cfg->n_loads)
             free(scaled.requests);
     }
+    km_sim_broker_stop(&broker);
     km_trace_free(&trace);
     return rc;
 }

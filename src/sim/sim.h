@@ -23,6 +23,21 @@
  * most this many requests. */
 #define KM_SIM_CAPACITY_QUEUE 4.0
 #define KM_SIM_CAPACITY_MAX_SAMPLE 100000u
+#define KM_SIM_MAX_INSTANCES 16u
+
+/* How many kvmatch instances route, and what each sees (docs/SIM.md, "Several instances"). Every
+ * instance indexes the same engines (each hears every engine's events); the requests kvmatch
+ * routes are spread round robin over the instances, and each request's lifecycle reports go to
+ * the instance that decided it. */
+typedef enum km_sim_mode {
+    KM_SIM_MODE_SINGLE = 0, /* one instance */
+    KM_SIM_MODE_ISOLATED,   /* `instances` instances, no cluster: each sees only its own load */
+    KM_SIM_MODE_SHARED,     /* `instances` instances sharing their active work over a nats-server
+                             * the run starts on a free loopback port (docs/CLUSTER.md) */
+} km_sim_mode;
+
+/* "single", "isolated", "shared". */
+const char *km_sim_mode_name(km_sim_mode mode);
 
 typedef struct km_sim_config {
     const char *trace_path;              /* a Mooncake JSONL trace; NULL = the generator */
@@ -75,6 +90,11 @@ typedef struct km_sim_config {
     bool approx;
     int64_t approx_dispatch_max_bytes;   /* the server's approx_dispatch_max_bytes; < 0 = its
                                           * default (0: overrides teach nothing) */
+    km_sim_mode mode;                    /* default single */
+    uint32_t instances;                  /* isolated and shared: 2..KM_SIM_MAX_INSTANCES (1 is
+                                          * accepted and means one instance); single: 1. Several
+                                          * instances exclude --connect, --zmq and
+                                          * --restart-kvmatch */
     km_log_fn log;                       /* progress lines; NULL = stderr */
     void *log_user;
 } km_sim_config;
@@ -96,6 +116,14 @@ typedef struct km_sim_window {
 
 typedef struct km_sim_result {
     char policy[32];
+    km_sim_mode mode;
+    uint32_t instances;
+    /* Decisions whose load view held other instances' work (load_scope "cluster" with at least
+     * one remote contribution applied): 0 unless the mode is shared. */
+    uint64_t cluster_scope_decisions;
+    /* Decisions where some candidate's in-flight count exceeded what the deciding instance itself
+     * had sent to that worker and not yet seen finish: the other instances' load, seen. */
+    uint64_t remote_load_seen;
     double load;                      /* the offered load of this run; 0 = the trace's own times */
     double offered_rps;               /* km_sim_arrival_rate of the replayed arrivals */
     /* Requests finished per second between the 10th and the 90th percentile of finish times
@@ -176,6 +204,9 @@ typedef struct km_sim_summary {
  * max(cfg->n_loads, 1) * cfg->n_policies entries, load-major: results[load * n_policies + policy].
  * summary may be NULL. Errors: KM_ERR_INVALID_ARGUMENT (why says which setting), KM_ERR_IO
  * (trace, sockets), errors of the parts (server, engines, client), each with why. */
+/* Can the shared mode run here (nats-server installed)? False with the reason in why. */
+bool km_sim_shared_available(char *why, size_t why_size);
+
 int km_sim_run(const km_sim_config *cfg, km_sim_result *results, km_sim_summary *summary,
                char *why, size_t why_size);
 
