@@ -50,6 +50,10 @@ static void sim_usage(FILE *f)
             "                      decisions (approximate mode), bounded by each engine's capacity\n"
             "  --approx-dispatch-mb N  the server's --approx-dispatch-mb (0: overrides teach nothing)\n"
             "  --json              one JSON object instead of the table\n"
+            "  --instances N       N > 1: every policy in three modes, one kvmatch instance\n"
+            "                      (single), N without a cluster (isolated) and N sharing their\n"
+            "                      active work over a nats-server started here (shared); ingress\n"
+            "                      round robin over the instances (default 1)\n"
             "faults (times in virtual seconds from the first arrival):\n"
             "  --drop-events P[@T] lose this share of engine messages on the wire (from T on)\n"
             "  --cut W:T:D         cut worker W's event stream at T for D seconds\n"
@@ -130,6 +134,8 @@ static const row rows[] = {
     {"recovery windows seen", U(windows_total)},
     {"  decisions inside them", U(decisions_in_windows)},
     {"  exact inside them", U(exact_in_windows)},
+    {"cluster-scope decisions", U(cluster_scope_decisions)},
+    {"  others' load seen", U(remote_load_seen)},
     {"route errors", U(route_errors)},
     {"rejected by engines", U(rejected)},
 };
@@ -138,6 +144,11 @@ static json_t *result_json(const km_sim_result *r)
 {
     json_t *o = json_object();
     json_object_set_new(o, "policy", json_string(r->policy));
+    json_object_set_new(o, "mode", json_string(km_sim_mode_name(r->mode)));
+    json_object_set_new(o, "instances", json_integer(r->instances));
+    json_object_set_new(o, "cluster_scope_decisions",
+                        json_integer((json_int_t)r->cluster_scope_decisions));
+    json_object_set_new(o, "remote_load_seen", json_integer((json_int_t)r->remote_load_seen));
     if (r->load > 0)
         json_object_set_new(o, "load", json_real(r->load));
     json_object_set_new(o, "offered_rps", json_real(r->offered_rps));
@@ -226,7 +237,61 @@ static json_t *engine_json(const km_engine_model *m, const char *preset)
     return o;
 }
 
-static int print_json(const km_sim_config *cfg, const km_sim_report *report)
+/* The "policies" array of one mode's results. */
+static json_t *policies_json(const km_sim_config *cfg, const km_sim_result *results)
+{
+    json_t *arr = json_array();
+    if (cfg->n_loads) {
+        for (uint32_t p = 0; p < cfg->n_policies; p++) {
+            json_t *o = json_object();
+            json_object_set_new(o, "policy", json_string(cfg->policies[p]));
+            json_t *per = json_array();
+            for (uint32_t l = 0; l < cfg->n_loads; l++)
+                json_array_append_new(per, result_json(&results[l * cfg->n_policies + p]));
+            json_object_set_new(o, "loads", per);
+            json_array_append_new(arr, o);
+        }
+    } else {
+        for (uint32_t i = 0; i < cfg->n_policies; i++)
+            json_array_append_new(arr, result_json(&results[i]));
+    }
+    return arr;
+}
+
+/* modes_results: with several instances, each mode's results (KM_SIM_MODE_SHARED + 1 of them);
+ * NULL for one instance. */
+/* One mode's results (no loads): a column per policy. */
+static void print_table(const km_sim_config *cfg, const km_sim_result *results)
+{
+    printf("%-30s", "");
+    for (uint32_t i = 0; i < cfg->n_policies; i++)
+        printf(" %14s", results[i].policy);
+    printf("\n");
+    for (size_t k = 0; k < sizeof rows / sizeof rows[0]; k++) {
+        printf("%-30s", rows[k].name);
+        for (uint32_t i = 0; i < cfg->n_policies; i++) {
+            const char *base = (const char *)&results[i];
+            if (rows[k].kind == 0)
+                printf(" %14llu", (unsigned long long)*(const uint64_t *)(base + rows[k].offset));
+            else
+                printf(" %14.*f", rows[k].digits, *(const double *)(base + rows[k].offset));
+        }
+        printf("\n");
+    }
+    for (uint32_t i = 0; i < cfg->n_policies; i++)
+        for (uint32_t k = 0; k < results[i].n_windows; k++) {
+            const km_sim_window *w = &results[i].windows[k];
+            char end[32] = "open";
+            if (w->end_s >= 0)
+                snprintf(end, sizeof end, "%.2f s", w->end_s);
+            printf("%s: worker %u %s from %.2f s to %s: %llu decisions, %llu exact\n",
+                   results[i].policy, w->worker, w->state, w->start_s, end,
+                   (unsigned long long)w->decisions, (unsigned long long)w->exact);
+        }
+}
+
+static int print_json(const km_sim_config *cfg, const km_sim_report *report,
+                      km_sim_result *const *modes_results)
 {
     const km_sim_summary *sum = report->summary;
     json_t *root = json_object();
@@ -256,27 +321,28 @@ static int print_json(const km_sim_config *cfg, const km_sim_report *report)
     json_object_set_new(root, "delivery",
                         json_string(cfg->step_delivery ? "per step" : "as they happen"));
     json_object_set_new(root, "default_policy", json_string(report->default_policy));
-    json_t *arr = json_array();
     if (cfg->n_loads) {
         json_object_set_new(root, "capacity_rps", json_real(sum->capacity_rps));
         json_t *loads = json_array();
         for (uint32_t l = 0; l < cfg->n_loads; l++)
             json_array_append_new(loads, json_real(cfg->loads[l]));
         json_object_set_new(root, "loads", loads);
-        for (uint32_t p = 0; p < cfg->n_policies; p++) {
-            json_t *o = json_object();
-            json_object_set_new(o, "policy", json_string(cfg->policies[p]));
-            json_t *per = json_array();
-            for (uint32_t l = 0; l < cfg->n_loads; l++)
-                json_array_append_new(per, result_json(&report->results[l * cfg->n_policies + p]));
-            json_object_set_new(o, "loads", per);
-            json_array_append_new(arr, o);
-        }
-    } else {
-        for (uint32_t i = 0; i < cfg->n_policies; i++)
-            json_array_append_new(arr, result_json(&report->results[i]));
     }
-    json_object_set_new(root, "policies", arr);
+    if (modes_results) {
+        json_object_set_new(root, "instances", json_integer(cfg->instances));
+        json_t *modes = json_array();
+        for (int m = KM_SIM_MODE_SINGLE; m <= KM_SIM_MODE_SHARED; m++) {
+            json_t *o = json_object();
+            json_object_set_new(o, "mode", json_string(km_sim_mode_name((km_sim_mode)m)));
+            json_object_set_new(o, "instances",
+                                json_integer(m == KM_SIM_MODE_SINGLE ? 1 : cfg->instances));
+            json_object_set_new(o, "policies", policies_json(cfg, modes_results[m]));
+            json_array_append_new(modes, o);
+        }
+        json_object_set_new(root, "modes", modes);
+    } else {
+        json_object_set_new(root, "policies", policies_json(cfg, report->results));
+    }
     char *text = json_dumps(root, JSON_INDENT(2));
     puts(text);
     free(text);
@@ -305,7 +371,7 @@ int km_cmd_sim(int argc, char **argv)
         OPT_TIME_SCALE, OPT_RATE, OPT_SEED, OPT_WORKERS, OPT_CAPACITY, OPT_WORKLOAD, OPT_ENGINE,
         OPT_LOAD, OPT_SWEEP, OPT_HTML, OPT_CONNECT, OPT_RECORDS, OPT_DROP_EVENTS, OPT_CUT,
         OPT_RESTART_ENGINE, OPT_RESTART_KVMATCH, OPT_SECOND_INGRESS, OPT_OVERRIDE,
-        OPT_APPROX_DISPATCH_MB, OPT_REPLAY_BUFFER, OPT_POLICY,
+        OPT_APPROX_DISPATCH_MB, OPT_REPLAY_BUFFER, OPT_POLICY, OPT_INSTANCES,
     };
     static const struct option options[] = {
         {"help", no_argument, NULL, 'h'},
@@ -337,6 +403,7 @@ int km_cmd_sim(int argc, char **argv)
         {"approx-dispatch-mb", required_argument, NULL, OPT_APPROX_DISPATCH_MB},
         {"replay-buffer", required_argument, NULL, OPT_REPLAY_BUFFER},
         {"policy", required_argument, NULL, OPT_POLICY},
+        {"instances", required_argument, NULL, OPT_INSTANCES},
         {NULL, 0, NULL, 0},
     };
     km_cli_getopt_begin(argv, "sim");
@@ -492,6 +559,10 @@ int km_cmd_sim(int argc, char **argv)
             cfg.approx_dispatch_max_bytes = (int64_t)(mb << 20);
             break;
         }
+        case OPT_INSTANCES:
+            if (!km_cli_u32("sim", "instances", v, 1, KM_SIM_MAX_INSTANCES, &cfg.instances))
+                return KM_EXIT_USAGE;
+            break;
         case OPT_REPLAY_BUFFER:
             if (!km_cli_u32("sim", "replay-buffer", v, 1, 10000000, &cfg.replay_buffer))
                 return KM_EXIT_USAGE;
@@ -549,55 +620,72 @@ int km_cmd_sim(int argc, char **argv)
     }
     cfg.log = quiet_or_stderr;
     cfg.log_user = verbose || !json ? (void *)1 : NULL;
-    static km_sim_result results[KM_SIM_MAX_POLICIES * KM_SIM_MAX_LOADS];
-    km_sim_summary summary;
+    uint32_t instances = cfg.instances;
     char why[512];
-    int rc = km_sim_run(&cfg, results, &summary, why, sizeof why);
-    if (rc != KM_OK) {
-        fprintf(stderr, "kvmatch sim: %s: %s\n", km_error_name(rc), why);
-        return 1;
+    if (instances > 1) {
+        if (html) {
+            fprintf(stderr, "kvmatch sim: --html draws one mode: it excludes --instances > 1\n");
+            return 2;
+        }
+        if (cfg.zmq || cfg.connect || cfg.restart_kvmatch_at_s >= 0) {
+            fprintf(stderr, "kvmatch sim: several instances run in this process with in-process "
+                            "events: --instances > 1 excludes --zmq, --connect and "
+                            "--restart-kvmatch\n");
+            return 2;
+        }
+        /* Before any run: without nats-server the shared mode cannot run, and nothing falls
+         * back to the other modes alone. */
+        if (!km_sim_shared_available(why, sizeof why)) {
+            fprintf(stderr, "kvmatch sim: --instances %u: %s\n", instances, why);
+            return 1;
+        }
     }
+    static km_sim_result mode_results[KM_SIM_MODE_SHARED + 1][KM_SIM_MAX_POLICIES * KM_SIM_MAX_LOADS];
+    km_sim_result *per_mode[KM_SIM_MODE_SHARED + 1] = {mode_results[0], mode_results[1],
+                                                      mode_results[2]};
+    km_sim_result *results = mode_results[0];
+    km_sim_summary summary;
+    int last_mode = instances > 1 ? KM_SIM_MODE_SHARED : KM_SIM_MODE_SINGLE;
+    for (int m = KM_SIM_MODE_SINGLE; m <= last_mode; m++) {
+        cfg.mode = (km_sim_mode)m;
+        cfg.instances = m == KM_SIM_MODE_SINGLE ? 1 : instances;
+        if (instances > 1 && (verbose || !json))
+            fprintf(stderr, "kvmatch sim: mode %s, %u instance%s\n", km_sim_mode_name(cfg.mode),
+                    cfg.instances, cfg.instances == 1 ? "" : "s");
+        int rc = km_sim_run(&cfg, mode_results[m], &summary, why, sizeof why);
+        if (rc != KM_OK) {
+            fprintf(stderr, "kvmatch sim: %s: %s\n", km_error_name(rc), why);
+            return 1;
+        }
+    }
+    cfg.mode = KM_SIM_MODE_SINGLE;
+    cfg.instances = instances;
     km_policy_config defaults;
     km_policy_config_init(&defaults);
     const char *workload = cfg.trace_path ? cfg.trace_path : km_sim_shape_name(shape);
     km_sim_report report = {&cfg, results, &summary, workload,
                             have_capacity ? "custom" : engine, km_policy_kind_name(defaults.kind)};
-    if (html && (rc = km_sim_report_html(&report, html, why, sizeof why)) != KM_OK) {
-        fprintf(stderr, "kvmatch sim: %s: %s\n", km_error_name(rc), why);
-        return 1;
+    if (html) {
+        int rc = km_sim_report_html(&report, html, why, sizeof why);
+        if (rc != KM_OK) {
+            fprintf(stderr, "kvmatch sim: %s: %s\n", km_error_name(rc), why);
+            return 1;
+        }
     }
     if (json)
-        return print_json(&cfg, &report);
-    if (cfg.n_loads) {
-        km_sim_report_text(&report, stdout);
-        if (html)
-            printf("\nreport: %s\n", html);
-        return 0;
+        return print_json(&cfg, &report, instances > 1 ? per_mode : NULL);
+    for (int m = KM_SIM_MODE_SINGLE; m <= last_mode; m++) {
+        if (instances > 1)
+            printf("%smode %s (%u instance%s)\n", m == KM_SIM_MODE_SINGLE ? "" : "\n",
+                   km_sim_mode_name((km_sim_mode)m), m == KM_SIM_MODE_SINGLE ? 1 : instances,
+                   m == KM_SIM_MODE_SINGLE ? "" : "s");
+        report.results = mode_results[m];
+        if (cfg.n_loads)
+            km_sim_report_text(&report, stdout);
+        else
+            print_table(&cfg, mode_results[m]);
     }
-    printf("%-30s", "");
-    for (uint32_t i = 0; i < cfg.n_policies; i++)
-        printf(" %14s", results[i].policy);
-    printf("\n");
-    for (size_t k = 0; k < sizeof rows / sizeof rows[0]; k++) {
-        printf("%-30s", rows[k].name);
-        for (uint32_t i = 0; i < cfg.n_policies; i++) {
-            const char *base = (const char *)&results[i];
-            if (rows[k].kind == 0)
-                printf(" %14llu", (unsigned long long)*(const uint64_t *)(base + rows[k].offset));
-            else
-                printf(" %14.*f", rows[k].digits, *(const double *)(base + rows[k].offset));
-        }
-        printf("\n");
-    }
-    for (uint32_t i = 0; i < cfg.n_policies; i++)
-        for (uint32_t k = 0; k < results[i].n_windows; k++) {
-            const km_sim_window *w = &results[i].windows[k];
-            char end[32] = "open";
-            if (w->end_s >= 0)
-                snprintf(end, sizeof end, "%.2f s", w->end_s);
-            printf("%s: worker %u %s from %.2f s to %s: %llu decisions, %llu exact\n",
-                   results[i].policy, w->worker, w->state, w->start_s, end,
-                   (unsigned long long)w->decisions, (unsigned long long)w->exact);
-        }
+    if (html)
+        printf("\nreport: %s\n", html);
     return 0;
 }
