@@ -579,17 +579,20 @@ Test(analyze, decisions_are_counted_by_their_load_view, .timeout = 10)
                        .owner_state = "LIVE", .owner_blocks = 3, .chosen = "A", .chosen_state = "LIVE",
                        .chosen_blocks = 3, .policy = "kv", .cands = {{"A", "LIVE", 3, 0}}, .n_cands = 1};
     write_record(f, make_decision(&d)); /* this_instance */
-    const char *stale[] = {NULL, "b", NULL};
-    const double age[] = {4.5, 31.25, 2.0};
-    for (int i = 0; i < 3; i++) {
+    /* Each base scope alone or joined with engine_reported; the oldest age is over all of them. */
+    const char *scope[] = {"cluster", "cluster+engine_reported", "cluster",
+                           "this_instance+engine_reported", "this_instance+engine_reported"};
+    const char *stale[] = {NULL, "b", NULL, NULL, NULL};
+    const double age[] = {4.5, 31.25, 2.0, 40.0, 1.0};
+    for (int i = 0; i < 5; i++) {
         decision_spec e = d;
         char req[16];
         snprintf(req, sizeof req, "c%d", i);
         e.id = 2 + i, e.request = req, e.time_ns = 20 + i;
         json_t *rec = make_decision(&e);
         json_t *load = json_object_get(json_object_get(rec, "decision"), "load");
-        json_object_set_new(load, "scope", json_string("cluster"));
-        json_object_set_new(load, "instances", json_integer(2));
+        json_object_set_new(load, "scope", json_string(scope[i]));
+        json_object_set_new(load, "instances", json_integer(i < 3 ? 2 : 0));
         json_object_set_new(load, "oldest_age_ms", json_real(age[i]));
         json_t *ids = json_array();
         if (stale[i])
@@ -601,10 +604,11 @@ Test(analyze, decisions_are_counted_by_their_load_view, .timeout = 10)
     const char *paths[] = {path};
     km_analysis *a = analyze_files(NULL, paths, 1);
     const km_analysis_summary *s = km_analysis_summary_get(a);
-    EQ(s->load_view.this_instance, 1);
+    EQ(s->load_view.this_instance, 3);
     EQ(s->load_view.cluster, 3);
     EQ(s->load_view.cluster_with_stale, 1);
-    cr_expect_float_eq(s->load_view.oldest_age_ms_max, 31.25, 1e-9);
+    EQ(s->load_view.engine_reported, 3);
+    cr_expect_float_eq(s->load_view.oldest_age_ms_max, 40.0, 1e-9);
     km_analysis_destroy(a);
     remove_dir(dir);
 }

@@ -297,3 +297,223 @@ Test(engine_metrics, serve_shows_each_workers_engine_reported_load, .timeout = 3
     cr_assert_eq(system(cmd), 0);
     serve(VLLM_TEXT, 200);
 }
+
+/* ---- in kvmatch serve: decisions weigh what the engines report, and say so ------------------- */
+
+/* vLLM answering many more requests than kvmatch routed to it (traffic that bypassed kvmatch). */
+static const char BUSY_TEXT[] =
+    "# TYPE vllm:num_requests_running gauge\n"
+    "vllm:num_requests_running{engine=\"0\",model_name=\"m\"} 2.0\n"
+    "# TYPE vllm:num_requests_waiting gauge\n"
+    "vllm:num_requests_waiting{engine=\"0\",model_name=\"m\"} 40.0\n"
+    "# TYPE vllm:kv_cache_usage_perc gauge\n"
+    "vllm:kv_cache_usage_perc{engine=\"0\",model_name=\"m\"} 0.9\n";
+static const char IDLE_TEXT[] =
+    "# TYPE vllm:num_requests_running gauge\n"
+    "vllm:num_requests_running{engine=\"0\",model_name=\"m\"} 0.0\n"
+    "# TYPE vllm:num_requests_waiting gauge\n"
+    "vllm:num_requests_waiting{engine=\"0\",model_name=\"m\"} 0.0\n"
+    "# TYPE vllm:kv_cache_usage_perc gauge\n"
+    "vllm:kv_cache_usage_perc{engine=\"0\",model_name=\"m\"} 0.05\n";
+
+static unsigned engines_status = 200; /* under fake_lock */
+
+/* /busy and /idle: one engine each; both answer engines_status (the body only with 200). */
+static enum MHD_Result engines_handler(void *cls, struct MHD_Connection *c, const char *url,
+                                       const char *method, const char *version,
+                                       const char *upload, size_t *upload_size, void **state)
+{
+    (void)cls, (void)method, (void)version, (void)upload, (void)upload_size, (void)state;
+    pthread_mutex_lock(&fake_lock);
+    unsigned status = engines_status;
+    pthread_mutex_unlock(&fake_lock);
+    const char *b = status != 200 ? "unavailable\n" : !strcmp(url, "/busy") ? BUSY_TEXT : IDLE_TEXT;
+    struct MHD_Response *r =
+        MHD_create_response_from_buffer(strlen(b), (void *)b, MHD_RESPMEM_MUST_COPY);
+    enum MHD_Result rc = MHD_queue_response(c, status, r);
+    MHD_destroy_response(r);
+    return rc;
+}
+
+static json_t *status_json(uint16_t http_port)
+{
+    static char body[1 << 16];
+    cr_assert_eq(http_get(http_port, "/status", body, sizeof body), 200);
+    json_t *st = json_loads(body, 0, NULL);
+    cr_assert_not_null(st);
+    return st;
+}
+
+/* How many workers /status says decisions use the engine's values of. */
+static int fresh_workers(uint16_t http_port)
+{
+    json_t *st = status_json(http_port), *w;
+    size_t i;
+    int fresh = 0;
+    json_array_foreach(json_object_get(st, "workers"), i, w)
+    {
+        json_t *er = json_object_get(w, "engine_reported");
+        fresh += json_is_true(json_object_get(er, "used_by_decisions"));
+    }
+    json_decref(st);
+    return fresh;
+}
+
+static const char *status_load_scope(uint16_t http_port, char *out, size_t size)
+{
+    json_t *st = status_json(http_port);
+    snprintf(out, size, "%s", json_string_value(json_object_get(st, "load_scope")));
+    json_decref(st);
+    return out;
+}
+
+static const km_route_decision *route_one(km_client *c, const char *id, km_message *reply)
+{
+    static uint32_t tokens[8];
+    for (uint32_t i = 0; i < 8; i++)
+        tokens[i] = 900 + i;
+    km_route_request r;
+    memset(&r, 0, sizeof r);
+    r.request_id = id;
+    r.pool = "main";
+    r.input = KM_ROUTE_INPUT_TOKENS;
+    r.tokens = tokens;
+    r.n_tokens = 8;
+    cr_assert_eq(km_client_route(c, &r, 1, 5000, reply), KM_OK, "%s", km_client_last_error(c));
+    cr_assert_eq(reply->decision.n_decisions, 1);
+    const km_route_decision *d = &reply->decision.decisions[0];
+    cr_assert_eq(d->status, KM_OK, "%s", d->message ? d->message : "");
+    return d;
+}
+
+static uint32_t row_in_flight(const km_route_decision *d, uint32_t worker)
+{
+    for (uint32_t i = 0; i < d->n_candidates; i++)
+        if (d->candidates[i].worker == worker)
+            return d->candidates[i].load.in_flight;
+    cr_assert_fail("worker %u not among the candidates", worker);
+    return 0;
+}
+
+/* The decision record of request `id`, waited for (the writer is asynchronous); a new reference. */
+static json_t *decision_record(const char *path, const char *id)
+{
+    for (int t = 0; t < 300; t++) {
+        FILE *f = fopen(path, "r");
+        char *line = NULL;
+        size_t cap = 0;
+        json_t *found = NULL;
+        while (f && !found && getline(&line, &cap, f) > 0) {
+            json_t *o = json_loads(line, 0, NULL);
+            if (o && !strcmp(json_string_value(json_object_get(o, "type")) ?: "", "decision") &&
+                !strcmp(json_string_value(json_object_get(o, "request_id")) ?: "", id))
+                found = o;
+            else
+                json_decref(o);
+        }
+        free(line);
+        if (f)
+            fclose(f);
+        if (found)
+            return found;
+        km_test_sleep_ms(10);
+    }
+    cr_assert_fail("no decision record of %s in %s", id, path);
+    return NULL;
+}
+
+Test(engine_metrics, decisions_weigh_fresh_engine_load_and_state_the_scope, .timeout = 30)
+{
+    engines_status = 200;
+    uint16_t port = km_test_free_port();
+    struct MHD_Daemon *d = MHD_start_daemon(MHD_USE_INTERNAL_POLLING_THREAD, port, NULL, NULL,
+                                            engines_handler, NULL, MHD_OPTION_END);
+    cr_assert_not_null(d);
+    char dir[] = "/tmp/kvmatch-engine-XXXXXX", sock[96], addr[104], records[96], busy[64],
+         idle[64];
+    cr_assert_not_null(mkdtemp(dir));
+    snprintf(sock, sizeof sock, "%s/s.sock", dir);
+    snprintf(addr, sizeof addr, "unix:%s", sock);
+    snprintf(records, sizeof records, "%s/records.jsonl", dir);
+    snprintf(busy, sizeof busy, "http://127.0.0.1:%u/busy", port);
+    snprintf(idle, sizeof idle, "http://127.0.0.1:%u/idle", port);
+    km_server_worker workers[2] = {{.id = 0, .name = "busy", .metrics_url = busy},
+                                   {.id = 1, .name = "idle", .metrics_url = idle}};
+    km_server_pool pool = {.name = "main", .block_size = 4, .workers = workers, .n_workers = 2};
+    km_policy_config_init(&pool.policy);
+    pool.policy.kind = KM_POLICY_LEAST_LOAD; /* ties go to worker 0 */
+    km_server_config cfg;
+    km_server_config_init(&cfg);
+    cfg.socket_path = sock;
+    cfg.records_path = records;
+    cfg.http = "127.0.0.1:0";
+    cfg.max_workers = 8;
+    cfg.backend = KM_BACKEND_CPU;
+    cfg.index_threads = 1;
+    cfg.max_queue_wait_ms = 0;
+    cfg.engine_metrics_interval_ms = 20;
+    cfg.engine_metrics_max_age_ms = 300;
+    cfg.pools = &pool;
+    cfg.n_pools = 1;
+    km_server *s = NULL;
+    char why[256], scope[64];
+    cr_assert_eq(km_server_create(&cfg, &s, why, sizeof why), KM_OK, "%s", why);
+    pthread_t t;
+    pthread_create(&t, NULL, serve_thread, s);
+    uint16_t http_port = km_server_http_port(s);
+    km_client *c = NULL;
+    cr_assert_eq(km_client_connect(addr, 3000, &c, why, sizeof why), KM_OK, "%s", why);
+    WAIT_UNTIL(fresh_workers(http_port) == 2, 5000);
+    cr_assert_eq(fresh_workers(http_port), 2);
+    cr_assert_str_eq(status_load_scope(http_port, scope, sizeof scope),
+                     "this_instance+engine_reported");
+
+    /* kvmatch routed nothing yet: on its own view the tie goes to worker 0, whose engine reports
+     * 2 running and 40 waiting. */
+    km_message reply;
+    const km_route_decision *r = route_one(c, "r1", &reply);
+    cr_assert_eq(r->chosen_worker, 1, "the busy engine loses");
+    cr_assert_eq(row_in_flight(r, 0), 42);
+    cr_assert_eq(row_in_flight(r, 1), 0);
+    cr_assert_str_eq(r->load_scope, "this_instance+engine_reported");
+    cr_assert_eq(r->load_instances, 0);
+    cr_assert(r->load_oldest_age_ms >= 0 && r->load_oldest_age_ms < 300, "age %f",
+              r->load_oldest_age_ms);
+    /* r1 is in flight on worker 1; its engine still says 0: kvmatch's view is not lowered. */
+    r = route_one(c, "r2", &reply);
+    cr_assert_eq(row_in_flight(r, 1), 1);
+    cr_assert_eq(r->chosen_worker, 1);
+
+    json_t *rec = decision_record(records, "r2");
+    json_t *load = json_object_get(json_object_get(rec, "decision"), "load");
+    cr_assert_str_eq(json_string_value(json_object_get(load, "scope")),
+                     "this_instance+engine_reported");
+    cr_assert(json_is_number(json_object_get(load, "oldest_age_ms")));
+    json_decref(rec);
+
+    /* The engines stop answering: their last values stay (/status) but grow stale, and
+     * decisions return to kvmatch's own view. */
+    pthread_mutex_lock(&fake_lock);
+    engines_status = 503;
+    pthread_mutex_unlock(&fake_lock);
+    WAIT_UNTIL(fresh_workers(http_port) == 0, 5000);
+    cr_assert_eq(fresh_workers(http_port), 0);
+    cr_assert_str_eq(status_load_scope(http_port, scope, sizeof scope), "this_instance");
+    r = route_one(c, "r3", &reply);
+    cr_assert_eq(r->chosen_worker, 0, "worker 0 is idle on kvmatch's view (worker 1 holds 2)");
+    cr_assert_eq(row_in_flight(r, 0), 0);
+    cr_assert_str_eq(r->load_scope, "this_instance");
+    rec = decision_record(records, "r3");
+    load = json_object_get(json_object_get(rec, "decision"), "load");
+    cr_assert_str_eq(json_string_value(json_object_get(load, "scope")), "this_instance");
+    cr_assert_null(json_object_get(load, "oldest_age_ms"));
+    json_decref(rec);
+    km_client_close(c);
+    km_server_stop(s);
+    pthread_join(t, NULL);
+    km_server_destroy(s);
+    MHD_stop_daemon(d);
+    char cmd[96];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+    cr_assert_eq(system(cmd), 0);
+}

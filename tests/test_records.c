@@ -764,6 +764,42 @@ Test(records, bad_decision_fields_are_rejected_by_name, .timeout = 10)
 #undef CASE
 }
 
+/* The four load scopes are written as given, each but this_instance with the contributions'
+ * fields; any other scope is refused by name and nothing is written. */
+Test(records, load_scopes_with_engine_reported, .timeout = 10)
+{
+    km_decision_record d;
+    km_record_candidate c[2];
+    const char *scopes[] = {"this_instance", "cluster", "this_instance+engine_reported",
+                            "cluster+engine_reported"};
+    for (size_t i = 0; i < sizeof scopes / sizeof scopes[0]; i++) {
+        brief_case(&d, c);
+        d.load_scope = scopes[i];
+        d.load_oldest_age_ms = 12.5;
+        char *line;
+        size_t len;
+        char error[256];
+        cr_assert_eq(km_decision_record_format(&d, &line, &len, error, sizeof error), KM_OK, "%s",
+                     error);
+        json_t *o = json_loads(line, 0, NULL);
+        json_t *load = json_object_get(json_object_get(o, "decision"), "load");
+        cr_assert_str_eq(json_string_value(json_object_get(load, "scope")), scopes[i]);
+        bool fields = i > 0;
+        cr_assert_eq(json_object_get(load, "oldest_age_ms") != NULL, fields, "%s", scopes[i]);
+        if (fields)
+            cr_assert_float_eq(json_number_value(json_object_get(load, "oldest_age_ms")), 12.5,
+                               1e-12);
+        json_decref(o);
+        free(line);
+    }
+    const char *bad[] = {"engine_reported", "cluster+", "this_instance+cluster", "Cluster"};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        brief_case(&d, c);
+        d.load_scope = bad[i];
+        expect_decision_error(&d, KM_ERR_INVALID_ARGUMENT, "decision.load.scope");
+    }
+}
+
 Test(records, bad_outcome_fields_are_rejected_by_name, .timeout = 10)
 {
     km_decision_record d;

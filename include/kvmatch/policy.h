@@ -24,9 +24,10 @@
  *                (llm-d-inference-scheduler deploy/config/epp-precise-prefix-cache-config.yaml):
  *                precise-prefix-cache-scorer 2, kv-cache-utilization-scorer 1, queue-scorer 1,
  *                max-score picker. Differs: its KV utilization and waiting queue are the engine's
- *                metrics; here they are this instance's view (allocated blocks over the engine
- *                model's capacity, requests before their first token); its picker breaks ties at
- *                random, here by least load.
+ *                metrics; here they are the candidates' (allocated blocks over the engine
+ *                model's capacity, requests before their first token), which the service raises
+ *                to the engine's scraped values when fresh; its picker breaks ties at random,
+ *                here by least load.
  *   preble       Preble's E2 scheduling (ICLR'25; WukLab/preble, global_scheduler_with_time.py):
  *                exploit the workers holding the deepest match when its cached part outweighs
  *                the rest, else explore all; either way the lowest load cost. Differs: Preble
@@ -251,7 +252,7 @@ const char *km_policy_reason_name(km_policy_reason reason);
 /* The load signal a policy weighs, for the decision record's "load kind":
  *   kv -> "active_decode_blocks" (plus pending prefill, inside the cost),
  *   cache_aware, prefix, least_load -> "in_flight_requests", round_robin -> "none".
- * Its scope is always what this kvmatch instance saw (the service states that). */
+ * Its scope is whatever load the candidates carry (the service states it). */
 const char *km_policy_load_kind(km_policy_kind kind);
 /* The value of that signal for one candidate: NAN for round_robin, which weighs none (a record
  * writes it as null, a DECISION reply as nil); 0 when cand is NULL. */

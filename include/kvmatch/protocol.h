@@ -253,11 +253,13 @@ typedef struct km_route_decision {
     const char *reason;     /* km_policy_reason_name: "min_cost", "below_threshold", ... */
     const char *load_kind;  /* km_policy_load_kind: "active_decode_blocks", "in_flight_requests",
                              * "none" */
-    const char *load_scope; /* "this_instance", or "cluster" (docs/CLUSTER.md) */
+    const char *load_scope; /* "this_instance" or "cluster", either possibly joined with
+                             * "+engine_reported" (docs/CLUSTER.md) */
     double load_value;      /* the chosen worker's value of load_kind; NAN = none (round_robin):
                              * encoded as nil, and nil or absent decodes as NAN */
-    /* With load_scope "cluster" only (absent otherwise): remote contributions applied, the age
-     * of the oldest one in ms (NAN = nil), the stale ones' ids comma-separated ("" = none). */
+    /* With every load_scope but "this_instance" (absent with it): remote contributions applied,
+     * the age of the oldest contribution (an instance's or an engine scrape) in ms (NAN = nil),
+     * the stale instances' ids comma-separated ("" = none). */
     uint32_t load_instances;
     double load_oldest_age_ms;
     const char *load_stale_instances;

@@ -167,9 +167,11 @@ typedef struct km_decision_record {
     const char *reason;                /* why this worker, e.g. "min_cost"; NULL = null */
     const char *load_kind;             /* required: the load signal, e.g. "in_flight_requests" */
     double load_value;                 /* the chosen worker's value of that signal; NAN = null */
-    /* Whose load view the decision used (docs/CLUSTER.md): "this_instance" (NULL means it) or
-     * "cluster". With "cluster" the record adds load_instances (remote contributions applied),
-     * load_oldest_age_ms (since the oldest one's last message; NAN = null) and
+    /* Whose load view the decision used (docs/CLUSTER.md): "this_instance" (NULL means it),
+     * "cluster", "this_instance+engine_reported" or "cluster+engine_reported" (some candidate's
+     * fresh engine scrape used); any other is refused. With every scope but "this_instance" the
+     * record adds load_instances (remote contributions applied), load_oldest_age_ms (since the
+     * oldest contribution, an instance's last message or an engine scrape; NAN = null) and
      * load_stale_instances (the stale ones' ids, comma-separated; NULL = none). */
     const char *load_scope;
     int64_t load_instances;

@@ -104,9 +104,11 @@ typedef struct km_server_config {
     uint32_t cluster_expire_ms;
     uint32_t cluster_sync_timeout_ms;
     /* Engine-reported load: how often each worker's metrics_url is scraped and how long one scrape
-     * may take; 0 = the defaults (1000 ms, 500 ms). */
+     * may take; 0 = the defaults (1000 ms, 500 ms). A decision uses a worker's reported values
+     * while their age is below max_age_ms; 0 = three intervals. */
     uint32_t engine_metrics_interval_ms;
     uint32_t engine_metrics_timeout_ms;
+    uint32_t engine_metrics_max_age_ms;
 
     uint32_t max_workers;     /* worker ids 0 .. max_workers - 1; default 1024 */
     km_backend_kind backend;  /* scoring backend of every pool's index; default AUTO */

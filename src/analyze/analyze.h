@@ -197,10 +197,13 @@ typedef struct km_analysis_staleness {
 
 /* Whose load view the decisions used (decision.load.scope, docs/CLUSTER.md). */
 typedef struct km_analysis_load_view {
-    uint64_t this_instance;            /* scope "this_instance" (or no scope: older records) */
-    uint64_t cluster;                  /* scope "cluster": other instances' work added */
+    uint64_t this_instance;            /* scope "this_instance", alone or +engine_reported (or no
+                                        * scope: older records) */
+    uint64_t cluster;                  /* scope "cluster", alone or +engine_reported: other
+                                        * instances' work added */
     uint64_t cluster_with_stale;       /* of those, with at least one stale instance */
-    double oldest_age_ms_max;          /* the largest load.oldest_age_ms of them; 0 when none */
+    uint64_t engine_reported;          /* of all, "+engine_reported": engines' scrapes used */
+    double oldest_age_ms_max;          /* the largest load.oldest_age_ms of all; 0 when none */
 } km_analysis_load_view;
 
 /* How attempts ended. */

@@ -453,20 +453,24 @@ static int take_decision(km_analysis *a, json_t *root, uint32_t file, uint64_t l
         return 1;
     }
     point *p = &a->points[index];
-    /* The load view: a scope other than these two, or a malformed view, is counted as read. */
+    /* The load view: "cluster" or "this_instance", either with "+engine_reported"; any other
+     * scope, or a malformed view, is counted as this_instance. */
     json_t *load = json_object_get(decision, "load");
     const char *scope = json_string_value(json_object_get(load, "scope"));
-    if (scope && !strcmp(scope, "cluster")) {
-        km_analysis_load_view *lv = &a->summary.load_view;
+    km_analysis_load_view *lv = &a->summary.load_view;
+    bool engine = scope && (!strcmp(scope, "cluster+engine_reported") ||
+                            !strcmp(scope, "this_instance+engine_reported"));
+    lv->engine_reported += engine;
+    if (scope && (!strcmp(scope, "cluster") || !strcmp(scope, "cluster+engine_reported"))) {
         lv->cluster++;
         json_t *stale = json_object_get(load, "stale_instances");
         lv->cluster_with_stale += json_is_array(stale) && json_array_size(stale) > 0;
-        json_t *age = json_object_get(load, "oldest_age_ms");
-        if (json_is_number(age) && json_number_value(age) > lv->oldest_age_ms_max)
-            lv->oldest_age_ms_max = json_number_value(age);
     } else {
-        a->summary.load_view.this_instance++;
+        lv->this_instance++;
     }
+    json_t *age = json_object_get(load, "oldest_age_ms");
+    if (json_is_number(age) && json_number_value(age) > lv->oldest_age_ms_max)
+        lv->oldest_age_ms_max = json_number_value(age);
     uint32_t host = km_analysis_intern_cstr(&a->strings, c.host);
     uint32_t pool = km_analysis_intern_cstr(&a->strings, c.pool);
     uint32_t instance = km_analysis_intern_cstr(&a->strings, c.instance);

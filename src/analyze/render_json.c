@@ -150,10 +150,11 @@ int km_analysis_render_json(const km_analysis *a, km_text *out)
     if (!root)
         return KM_ERR_OUT_OF_MEMORY;
     json_object_set_new(root, "load_view",
-                        json_pack("{sI sI sI sf}", "this_instance",
+                        json_pack("{sI sI sI sI sf}", "this_instance",
                                   (json_int_t)s->load_view.this_instance, "cluster",
                                   (json_int_t)s->load_view.cluster, "cluster_with_stale",
-                                  (json_int_t)s->load_view.cluster_with_stale, "oldest_age_ms_max",
+                                  (json_int_t)s->load_view.cluster_with_stale, "engine_reported",
+                                  (json_int_t)s->load_view.engine_reported, "oldest_age_ms_max",
                                   s->load_view.oldest_age_ms_max));
     char *textual = json_dumps(root, JSON_INDENT(2) | JSON_PRESERVE_ORDER | JSON_REAL_PRECISION(10));
     json_decref(root);

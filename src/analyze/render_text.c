@@ -148,8 +148,10 @@ int km_analysis_render_text(const km_analysis *a, km_text *out)
     km_text_printf(out,
                    "\nload view (decision.load.scope)\n"
                    "  this_instance %" PRIu64 ", cluster %" PRIu64 " (with a stale instance %" PRIu64
-                   ", oldest contribution at most %.1f ms old)\n",
-                   lv->this_instance, lv->cluster, lv->cluster_with_stale, lv->oldest_age_ms_max);
+                   "); engine_reported joined %" PRIu64 "; oldest contribution at most %.1f ms "
+                   "old\n",
+                   lv->this_instance, lv->cluster, lv->cluster_with_stale, lv->engine_reported,
+                   lv->oldest_age_ms_max);
 
     const km_analysis_outcomes *oc = &s->outcomes;
     km_text_printf(out,

@@ -224,20 +224,39 @@ void km_srv_engine_metrics_target(km_server *s, uint32_t id, const char *url)
         km_srv_log(s, KM_LOG_WARNING "engine metrics: worker %u: %s", id, km_strerror(rc));
 }
 
-json_t *km_srv_engine_reported_status(km_server *s, uint32_t id)
+uint64_t km_srv_engine_max_age_ns(const km_server *s)
+{
+    uint64_t ms = s->cfg.engine_metrics_max_age_ms;
+    if (!ms)
+        ms = 3u * (uint64_t)(s->cfg.engine_metrics_interval_ms ? s->cfg.engine_metrics_interval_ms
+                                                                : 1000u);
+    return ms * UINT64_C(1000000);
+}
+
+bool km_srv_engine_reported_fresh(km_server *s, uint32_t id, uint64_t now, km_engine_reported *out)
+{
+    return s->engine_metrics && km_engine_metrics_get(s->engine_metrics, id, out) == KM_OK &&
+           out->has_values && out->scraped_ns <= now &&
+           now - out->scraped_ns < km_srv_engine_max_age_ns(s);
+}
+
+json_t *km_srv_engine_reported_status(km_server *s, uint32_t id, uint64_t now, bool *fresh)
 {
     km_engine_reported l;
+    *fresh = km_srv_engine_reported_fresh(s, id, now, &l);
     if (!s->engine_metrics || km_engine_metrics_get(s->engine_metrics, id, &l) != KM_OK)
         return json_null();
     json_t *o = json_object();
+    json_object_set_new(o, "used_by_decisions", json_boolean(*fresh));
 #define REAL_OR_NULL(x) (isnan(x) ? json_null() : json_real(x))
     json_object_set_new(o, "engine", l.engine ? json_string(l.engine) : json_null());
     json_object_set_new(o, "running", REAL_OR_NULL(l.running));
     json_object_set_new(o, "waiting", REAL_OR_NULL(l.waiting));
     json_object_set_new(o, "kv_usage", REAL_OR_NULL(l.kv_usage));
 #undef REAL_OR_NULL
-    json_object_set_new(o, "age_ms", l.scraped_ns ? json_real((double)(now_ns() - l.scraped_ns) / 1e6)
-                                                  : json_null());
+    json_object_set_new(o, "age_ms", l.scraped_ns && l.scraped_ns <= now
+                                         ? json_real((double)(now - l.scraped_ns) / 1e6)
+                                         : json_null());
     json_object_set_new(o, "scrapes", json_integer((json_int_t)l.scrapes));
     json_object_set_new(o, "failures", json_integer((json_int_t)l.failures));
     json_object_set_new(o, "last_error", json_string(l.last_error));

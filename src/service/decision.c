@@ -91,8 +91,55 @@ typedef struct route_choice {
     bool observed;               /* the prediction is an observation (events), else approx */
     km_active_key key;
     uint64_t decision_id;
-    srv_load_view view; /* whose load the candidates carry (cluster_view.c) */
+    srv_load_view view; /* whose load the candidates carry (cluster_view.c), engine_reported
+                         * joined to its scope when an engine's scrape was used */
+    double engine_oldest_age_ms; /* the oldest scrape used, in ms; NAN when none */
 } route_choice;
+
+/* ---- engine-reported load ----------------------------------------------------------------- */
+
+/* The engine sees every request it serves, routed here or not; kvmatch sees its own the moment it
+ * routes them. So a fresh scrape (km_srv_engine_reported_fresh) raises a candidate's load and
+ * never lowers it: in_flight to at least running + waiting, prefilling to at least waiting (the
+ * queue llmd weighs), allocated_blocks to at least kv_usage x the pool's capacity_blocks (llmd's
+ * KV usage). A value the engine did not report raises nothing. True when the scrape was used;
+ * *age_ms is then its age. */
+static bool engine_raise_load(km_server *s, const pool *p, uint64_t now, km_policy_candidate *pc,
+                              double *age_ms)
+{
+    km_engine_reported e;
+    if (!km_srv_engine_reported_fresh(s, pc->worker, now, &e))
+        return false;
+    double running = isnan(e.running) ? 0.0 : e.running;
+    double waiting = isnan(e.waiting) ? 0.0 : e.waiting;
+    double busy = running + waiting;
+    if (busy > (double)pc->in_flight)
+        pc->in_flight = busy >= (double)UINT32_MAX ? UINT32_MAX : (uint32_t)busy;
+    if (waiting > (double)pc->prefilling)
+        pc->prefilling = waiting >= (double)UINT32_MAX ? UINT32_MAX : (uint32_t)waiting;
+    if (!isnan(e.kv_usage) && e.kv_usage > 0.0) {
+        double used = ceil(e.kv_usage * (double)p->policy.engine.capacity_blocks);
+        if (used > (double)pc->allocated_blocks)
+            pc->allocated_blocks = used >= 1e18 ? UINT64_C(1000000000000000000) : (uint64_t)used;
+    }
+    *age_ms = (double)(now - e.scraped_ns) / 1e6;
+    return true;
+}
+
+/* The age of the oldest contribution to the decision's load view, in ms: another instance's or an
+ * engine's scrape; NAN when neither was used. */
+static double oldest_contribution_ms(const route_choice *c)
+{
+    double a = c->view.oldest_age_ms, e = c->engine_oldest_age_ms;
+    return isnan(a) || (!isnan(e) && e > a) ? e : a;
+}
+
+/* The load scope a decision states when engine scrapes were used: its view's, joined. */
+static const char *engine_joined_scope(const char *scope)
+{
+    return strcmp(scope, "cluster") == 0 ? "cluster+engine_reported"
+                                         : "this_instance+engine_reported";
+}
 
 /* The route's candidates, each with its match (depth by tier), its load and its indexed blocks,
  * the eligible ones first. False when the route failed: a candidate of its own outside the pool
@@ -139,6 +186,8 @@ static bool gather_candidates(km_server *s, route_job *r, const pool *p,
      * candidate is eligible and goes straight to its place. */
     c->check_health = s->health_restricted > 0;
     uint32_t n_eligible = 0, back = n, unhealthy = 0, breaker_open = 0, probing = 0;
+    bool engine_used = false;
+    c->engine_oldest_age_ms = NAN;
     for (uint32_t i = 0; i < n; i++) {
         km_policy_candidate cand;
         km_policy_candidate *pc = c->check_health ? &cand : &b->cands[i];
@@ -161,6 +210,12 @@ static bool gather_candidates(km_server *s, route_job *r, const pool *p,
             pc->pending_prefill_pairs = load.pending_prefill_pairs;
             pc->active_decode_blocks = load.active_decode_blocks;
             pc->allocated_blocks = load.allocated_blocks;
+        }
+        double engine_age_ms;
+        if (engine_raise_load(s, p, c->now, pc, &engine_age_ms)) {
+            engine_used = true;
+            if (isnan(c->engine_oldest_age_ms) || engine_age_ms > c->engine_oldest_age_ms)
+                c->engine_oldest_age_ms = engine_age_ms;
         }
         km_worker_stats ws;
         if (km_index_worker_stats(p->index, ids[i], &ws) == KM_OK)
@@ -203,6 +258,8 @@ static bool gather_candidates(km_server *s, route_job *r, const pool *p,
     }
     c->n = n;
     c->n_eligible = n_eligible;
+    if (engine_used)
+        c->view.scope = engine_joined_scope(c->view.scope);
     return true;
 }
 
@@ -360,7 +417,7 @@ static bool fill_reply(km_server *s, job *j, route_job *r, const pool *p, const 
     d->load_scope = c->view.scope;
     d->load_value = km_policy_load_value(c->kind, &b->cands[c->chosen_at]);
     d->load_instances = c->view.instances;
-    d->load_oldest_age_ms = c->view.oldest_age_ms;
+    d->load_oldest_age_ms = oldest_contribution_ms(c);
     d->load_stale_instances = "";
     if (c->view.stale[0]) {
         char *stale = km_srv_job_alloc(j, strlen(c->view.stale) + 1);
@@ -445,7 +502,7 @@ static void record_decision(km_server *s, const route_job *r, const pool *p, bat
     rec.load_value = km_policy_load_value(c->kind, &b->cands[c->chosen_at]);
     rec.load_scope = c->view.scope;
     rec.load_instances = c->view.instances;
-    rec.load_oldest_age_ms = c->view.oldest_age_ms;
+    rec.load_oldest_age_ms = oldest_contribution_ms(c);
     rec.load_stale_instances = c->view.stale[0] ? c->view.stale : NULL;
     for (uint32_t i = 0; i < c->n; i++) {
         const km_policy_candidate *pc = &b->cands[i];

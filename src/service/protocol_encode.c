@@ -343,7 +343,8 @@ static void encode_decision(writer *w, const km_route_decision *d, uint32_t i)
     put_str(w, &m, "load_kind", d->load_kind);
     put_str(w, &m, "load_scope", d->load_scope);
     put_double_or_nil(w, &m, "load_value", d->load_value);
-    if (d->load_scope && !strcmp(d->load_scope, "cluster")) {
+    /* Any scope but this_instance has contributions from elsewhere: other instances, engines. */
+    if (d->load_scope && strcmp(d->load_scope, "this_instance") != 0) {
         put_u64(w, &m, "load_instances", d->load_instances);
         put_double_or_nil(w, &m, "load_oldest_age_ms", d->load_oldest_age_ms);
         put_str(w, &m, "load_stale_instances",

@@ -691,12 +691,21 @@ int km_decision_record_format(const km_decision_record *r, char **line, size_t *
     open_container(&b, "load", '{');
     put_name(&b, "kind", r->load_kind, true);
     put_real(&b, "value", r->load_value);
-    bool cluster = r->load_scope && !strcmp(r->load_scope, "cluster");
-    if (r->load_scope && !cluster && strcmp(r->load_scope, "this_instance"))
+    /* The load scopes a decision may state (docs/RECORDS.md, decision.load.scope); every one but
+     * this_instance carries the contributions' fields. */
+    static const char *const scopes[] = {"this_instance", "cluster",
+                                         "this_instance+engine_reported",
+                                         "cluster+engine_reported"};
+    const char *scope = "this_instance";
+    for (size_t i = 0; r->load_scope && i < sizeof scopes / sizeof scopes[0]; i++)
+        if (strcmp(r->load_scope, scopes[i]) == 0)
+            scope = scopes[i];
+    if (r->load_scope && strcmp(scope, r->load_scope) != 0)
         fail(&b, KM_ERR_INVALID_ARGUMENT, "field decision.load.scope is \"%s\", not "
-             "this_instance or cluster", r->load_scope);
-    emit_string(&b, "scope", cluster ? "cluster" : "this_instance");
-    if (cluster) {
+             "this_instance, cluster, this_instance+engine_reported or cluster+engine_reported",
+             r->load_scope);
+    emit_string(&b, "scope", scope);
+    if (strcmp(scope, "this_instance") != 0) {
         put_count(&b, "instances", r->load_instances < 0 ? 0 : r->load_instances, true);
         put_real(&b, "oldest_age_ms", r->load_oldest_age_ms);
         open_container(&b, "stale_instances", '[');

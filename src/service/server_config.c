@@ -490,7 +490,8 @@ int km_server_config_load_json(const char *path, km_server_config *target, km_se
     static const char *const snapshot_keys[] = {"dir", "interval_ms", NULL};
     static const char *const cluster_keys[] = {"url", "instance", "subject", "heartbeat_ms",
                                                "expire_ms", "sync_timeout_ms", NULL};
-    static const char *const engine_metrics_keys[] = {"interval_ms", "timeout_ms", NULL};
+    static const char *const engine_metrics_keys[] = {"interval_ms", "timeout_ms", "max_age_ms",
+                                                      NULL};
     static const char *const index_keys[] = {"max_workers", "threads", "memory_cap_bytes",
                                              "initial_blocks", "backend", NULL};
     static const char *const scheduler_keys[] = {"max_batch_routes",  "max_queued_routes",
@@ -564,6 +565,8 @@ int km_server_config_load_json(const char *path, km_server_config *target, km_se
         get_u32(&r, em, "interval_ms", "engine_metrics.", 10, 3600000,
                 &cfg->engine_metrics_interval_ms);
         get_u32(&r, em, "timeout_ms", "engine_metrics.", 1, 600000, &cfg->engine_metrics_timeout_ms);
+        get_u32(&r, em, "max_age_ms", "engine_metrics.", 1, 3600000,
+                &cfg->engine_metrics_max_age_ms);
     }
     json_t *idx = json_object_get(root, "index");
     if (idx && !r.rc) {

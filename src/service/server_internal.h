@@ -484,7 +484,8 @@ bool km_srv_readiness(km_server *s, char *reason, size_t reason_size);
  * changed. km_srv_cluster_add_load adds the other instances' load of a worker; the label is what
  * a decision says about its load view, its strings valid while *v is. */
 typedef struct srv_load_view {
-    const char *scope; /* "this_instance" or "cluster" (static) */
+    const char *scope; /* "this_instance" or "cluster" (static); a decision may join
+                        * "+engine_reported" (decision.c) */
     uint32_t instances;
     double oldest_age_ms; /* NAN when no remote contribution */
     char stale[8 * (KM_CLUSTER_INSTANCE_MAX + 1)]; /* comma-separated ids; "" = none */
@@ -500,10 +501,15 @@ struct json_t;
 struct json_t *km_srv_cluster_status(km_server *s);
 void km_srv_cluster_metrics(km_server *s, km_text *out);
 /* Engine-reported load (cluster_view.c): scrape `url` for worker `id` from now on (NULL: stop),
- * the scraper made on first use (a failure is logged: the worker is served without it); the
- * worker's values as /status's "engine_reported" (null when not scraped; a new reference). */
+ * the scraper made on first use (a failure is logged: the worker is served without it). A
+ * decision uses a worker's values while fresh: a good scrape younger than
+ * km_srv_engine_max_age_ns (engine_metrics.max_age_ms, else three intervals); *out is filled
+ * whenever the worker is scraped. The worker's values as /status's "engine_reported" (null when
+ * not scraped; a new reference), *fresh set as km_srv_engine_reported_fresh says. */
 void km_srv_engine_metrics_target(km_server *s, uint32_t id, const char *url);
-struct json_t *km_srv_engine_reported_status(km_server *s, uint32_t id);
+uint64_t km_srv_engine_max_age_ns(const km_server *s);
+bool km_srv_engine_reported_fresh(km_server *s, uint32_t id, uint64_t now, km_engine_reported *out);
+struct json_t *km_srv_engine_reported_status(km_server *s, uint32_t id, uint64_t now, bool *fresh);
 km_http_callbacks km_srv_http_callbacks(km_server *s);
 int km_srv_metrics_setup(km_server *s);
 

@@ -95,6 +95,7 @@ static int http_status(void *user, km_text *out)
                                   (json_int_t)s->cfg.max_active_bytes, "refused_bytes",
                                   (json_int_t)active.refused_bytes));
     json_t *workers = json_array();
+    bool engine_fresh = false; /* some worker's engine scrape is fresh */
     pthread_mutex_lock(&s->admin_lock);
     json_t *pools = json_array();
     for (uint32_t i = 0; i < s->n_pools; i++) {
@@ -200,13 +201,23 @@ static int http_status(void *user, km_text *out)
         } else {
             json_object_set_new(jw, "state", json_string(w->events ? "UNKNOWN" : "APPROX"));
         }
-        json_object_set_new(jw, "engine_reported", km_srv_engine_reported_status(s, id));
+        bool fresh = false;
+        json_object_set_new(jw, "engine_reported",
+                            km_srv_engine_reported_status(s, id, now_ns(), &fresh));
+        engine_fresh |= fresh;
         json_array_append_new(workers, jw);
     }
     pthread_mutex_unlock(&s->admin_lock);
     json_object_set_new(root, "pools", pools);
     json_object_set_new(root, "workers", workers);
     json_object_set_new(root, "cluster", km_srv_cluster_status(s));
+    /* The scope a decision would state now: the load view's, engine_reported joined while some
+     * worker's scrape is fresh (a decision joins it when one of its candidates' is). */
+    srv_load_view view;
+    km_srv_cluster_label(s, now_ns(), &view);
+    char scope[64];
+    snprintf(scope, sizeof scope, "%s%s", view.scope, engine_fresh ? "+engine_reported" : "");
+    json_object_set_new(root, "load_scope", json_string(scope));
     /* 10 significant digits: 1.513605972, not 1.5136059719999999 */
     char *text = json_dumps(root, JSON_COMPACT | JSON_REAL_PRECISION(10));
     json_decref(root);
