@@ -367,6 +367,15 @@ static const char *status_load_scope(uint16_t http_port, char *out, size_t size)
     return out;
 }
 
+/* The value of /metrics sample `series` (name and labels, as written); NAN when absent. */
+static double metrics_sample(uint16_t http_port, const char *series)
+{
+    static char body[1 << 17];
+    cr_assert_eq(http_get(http_port, "/metrics", body, sizeof body), 200);
+    char *at = strstr(body, series);
+    return at ? strtod(at + strlen(series), NULL) : NAN;
+}
+
 static const km_route_decision *route_one(km_client *c, const char *id, km_message *reply)
 {
     static uint32_t tokens[8];
@@ -491,7 +500,19 @@ Test(engine_metrics, decisions_weigh_fresh_engine_load_and_state_the_scope, .tim
     cr_assert(json_is_number(json_object_get(load, "oldest_age_ms")));
     json_decref(rec);
 
-    /* The engines stop answering: their last values stay (/status) but grow stale, and
+    cr_assert_float_eq(metrics_sample(http_port, "kvmatch_worker_engine_running{worker=\"0\","
+                                                 "name=\"busy\",pool=\"main\"} "), 2.0, 1e-9);
+    cr_assert_float_eq(metrics_sample(http_port, "kvmatch_worker_engine_waiting{worker=\"0\","
+                                                 "name=\"busy\",pool=\"main\"} "), 40.0, 1e-9);
+    cr_assert_float_eq(metrics_sample(http_port, "kvmatch_worker_engine_kv_usage{worker=\"1\","
+                                                 "name=\"idle\",pool=\"main\"} "), 0.05, 1e-9);
+    cr_assert_float_eq(metrics_sample(http_port, "kvmatch_worker_engine_fresh{worker=\"0\","
+                                                 "name=\"busy\",pool=\"main\"} "), 1.0, 1e-9);
+    double age = metrics_sample(http_port, "kvmatch_worker_engine_scrape_age_seconds{worker=\"0\","
+                                           "name=\"busy\",pool=\"main\"} ");
+    cr_assert(age >= 0 && age < 0.3, "age %f", age);
+
+    /* The engines stop answering: their last values stay (/status, /metrics) but grow stale, and
      * decisions return to kvmatch's own view. */
     pthread_mutex_lock(&fake_lock);
     engines_status = 503;
@@ -508,6 +529,14 @@ Test(engine_metrics, decisions_weigh_fresh_engine_load_and_state_the_scope, .tim
     cr_assert_str_eq(json_string_value(json_object_get(load, "scope")), "this_instance");
     cr_assert_null(json_object_get(load, "oldest_age_ms"));
     json_decref(rec);
+    cr_assert_float_eq(metrics_sample(http_port, "kvmatch_worker_engine_fresh{worker=\"0\","
+                                                 "name=\"busy\",pool=\"main\"} "), 0.0, 1e-9);
+    cr_assert_float_eq(metrics_sample(http_port, "kvmatch_worker_engine_waiting{worker=\"0\","
+                                                 "name=\"busy\",pool=\"main\"} "), 40.0, 1e-9,
+                       "the last good values are kept");
+    cr_assert_gt(metrics_sample(http_port, "kvmatch_worker_engine_scrape_failures_total{worker="
+                                           "\"0\",name=\"busy\",pool=\"main\"} "), 0.0);
+
     km_client_close(c);
     km_server_stop(s);
     pthread_join(t, NULL);

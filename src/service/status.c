@@ -2,6 +2,7 @@
 /* What the service reports about itself: readiness, /status (JSON), /metrics (the registered
  * metrics and the per-worker and records samples), and km_server_get_stats. */
 #include <dirent.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -324,6 +325,64 @@ static void write_process_metrics(km_text *out, const km_server *s)
     km_prom_write_sample(out, "process_start_time_seconds", NULL, 0, s->start_wall_s);
 }
 
+/* Per worker with a metrics URL: what its engine last reported, how old that is, whether
+ * decisions use it, and the scrapes (admin_lock held). A value the last good scrape did not carry,
+ * or any value before the first good scrape, has no sample. */
+static void engine_reported_samples(km_server *s, km_text *out)
+{
+    enum { RUNNING, WAITING, KV_USAGE, AGE, FRESH, SCRAPES, FAILURES, FAMILIES };
+    static const struct {
+        const char *name, *help;
+        km_metric_type type;
+    } fam[FAMILIES] = {
+        {"kvmatch_worker_engine_running", "Requests running, as the worker's engine reports them.",
+         KM_METRIC_GAUGE},
+        {"kvmatch_worker_engine_waiting", "Requests waiting, as the worker's engine reports them.",
+         KM_METRIC_GAUGE},
+        {"kvmatch_worker_engine_kv_usage", "KV-cache usage (0..1), as the worker's engine reports it.",
+         KM_METRIC_GAUGE},
+        {"kvmatch_worker_engine_scrape_age_seconds", "Since the worker's last good scrape.",
+         KM_METRIC_GAUGE},
+        {"kvmatch_worker_engine_fresh",
+         "1 while decisions use the worker's scraped values (younger than engine_metrics.max_age_ms).",
+         KM_METRIC_GAUGE},
+        {"kvmatch_worker_engine_scrapes_total", "Scrapes of the worker's metrics endpoint.",
+         KM_METRIC_COUNTER},
+        {"kvmatch_worker_engine_scrape_failures_total",
+         "Of them, failed (the last good values are kept).", KM_METRIC_COUNTER},
+    };
+    uint64_t now = now_ns();
+    for (int f = 0; s->engine_metrics && f < FAMILIES; f++) {
+        km_prom_write_family(out, fam[f].name, fam[f].help, fam[f].type);
+        for (uint32_t id = 0; id < s->cfg.max_workers; id++) {
+            worker_slot *w = &s->workers[id];
+            km_engine_reported e;
+            if (!w->used || km_engine_metrics_get(s->engine_metrics, id, &e) != KM_OK)
+                continue;
+            bool fresh = km_srv_engine_reported_fresh(s, id, now, &e);
+            double v = NAN;
+            switch (f) {
+            case RUNNING: v = e.has_values ? e.running : NAN; break;
+            case WAITING: v = e.has_values ? e.waiting : NAN; break;
+            case KV_USAGE: v = e.has_values ? e.kv_usage : NAN; break;
+            case AGE:
+                v = e.has_values && e.scraped_ns <= now ? (double)(now - e.scraped_ns) / 1e9 : NAN;
+                break;
+            case FRESH: v = fresh; break;
+            case SCRAPES: v = (double)e.scrapes; break;
+            case FAILURES: v = (double)e.failures; break;
+            }
+            if (isnan(v))
+                continue;
+            char ids[16];
+            snprintf(ids, sizeof ids, "%u", id);
+            km_metric_label labels[3] = {{"worker", ids}, {"name", w->name},
+                                         {"pool", s->pools[w->pool]->name}};
+            km_prom_write_sample(out, fam[f].name, labels, 3, v);
+        }
+    }
+}
+
 static int http_metrics(void *user, km_text *out)
 {
     km_server *s = user;
@@ -394,6 +453,7 @@ static int http_metrics(void *user, km_text *out)
         }
     }
     worker_refusal_samples(s, out);
+    engine_reported_samples(s, out);
     pthread_mutex_unlock(&s->admin_lock);
     km_prom_write_family(out, "kvmatch_worker_state",
                          "1 for the index state each worker is in (LIVE, SYNCING, GAP, DEGRADED: "
