@@ -78,6 +78,9 @@ Test(server_config, documented_example_loads_with_every_value, .timeout = 10)
     cr_assert_eq(cfg.records_max_age_s, 604800);
     cr_assert_str_eq(cfg.snapshot_dir, "/var/lib/kvmatch");
     cr_assert_eq(cfg.snapshot_interval_ms, 60000);
+    cr_assert_eq(cfg.engine_metrics_interval_ms, 1000);
+    cr_assert_eq(cfg.engine_metrics_timeout_ms, 500);
+    cr_assert_eq(cfg.engine_metrics_max_age_ms, 3000);
     cr_assert_eq(cfg.max_workers, 1024);
     cr_assert_eq(cfg.backend, KM_BACKEND_AUTO);
     cr_assert_eq(cfg.index_threads, 0);
@@ -211,6 +214,9 @@ Test(server_config, bad_files_are_refused_naming_the_field, .timeout = 10)
         {"{\"breaker_cooldown_ms\": 0}", KM_ERR_INVALID_ARGUMENT, "breaker_cooldown_ms"},
         {"{\"limits\": {\"max_frame_bytes\": 1}}", KM_ERR_INVALID_ARGUMENT, "max_frame_bytes"},
         {"{\"records\": 7}", KM_ERR_PARSE, "records"},
+        {"{\"engine_metrics\": {\"max_age_ms\": 0}}", KM_ERR_INVALID_ARGUMENT,
+         "engine_metrics.max_age_ms"},
+        {"{\"engine_metrics\": {\"max_age\": 10}}", KM_ERR_PARSE, "max_age"},
         {"{\"pools\": {}}", KM_ERR_PARSE, "pools"},
         {"{\"pools\": [{\"name\": \"p\", \"block_size\": 0}]}", KM_ERR_INVALID_ARGUMENT,
          "pools[0].block_size"},
