@@ -316,9 +316,18 @@ static const char IDLE_TEXT[] =
     "# TYPE vllm:kv_cache_usage_perc gauge\n"
     "vllm:kv_cache_usage_perc{engine=\"0\",model_name=\"m\"} 0.05\n";
 
+/* An engine with nothing running or waiting but its KV cache nearly full. */
+static const char FULL_TEXT[] =
+    "# TYPE vllm:num_requests_running gauge\n"
+    "vllm:num_requests_running{engine=\"0\",model_name=\"m\"} 0.0\n"
+    "# TYPE vllm:num_requests_waiting gauge\n"
+    "vllm:num_requests_waiting{engine=\"0\",model_name=\"m\"} 0.0\n"
+    "# TYPE vllm:kv_cache_usage_perc gauge\n"
+    "vllm:kv_cache_usage_perc{engine=\"0\",model_name=\"m\"} 0.95\n";
+
 static unsigned engines_status = 200; /* under fake_lock */
 
-/* /busy and /idle: one engine each; both answer engines_status (the body only with 200). */
+/* /busy, /full and /idle: one engine each; all answer engines_status (the body only with 200). */
 static enum MHD_Result engines_handler(void *cls, struct MHD_Connection *c, const char *url,
                                        const char *method, const char *version,
                                        const char *upload, size_t *upload_size, void **state)
@@ -327,7 +336,10 @@ static enum MHD_Result engines_handler(void *cls, struct MHD_Connection *c, cons
     pthread_mutex_lock(&fake_lock);
     unsigned status = engines_status;
     pthread_mutex_unlock(&fake_lock);
-    const char *b = status != 200 ? "unavailable\n" : !strcmp(url, "/busy") ? BUSY_TEXT : IDLE_TEXT;
+    const char *b = status != 200            ? "unavailable\n"
+                    : !strcmp(url, "/busy") ? BUSY_TEXT
+                    : !strcmp(url, "/full") ? FULL_TEXT
+                                            : IDLE_TEXT;
     struct MHD_Response *r =
         MHD_create_response_from_buffer(strlen(b), (void *)b, MHD_RESPMEM_MUST_COPY);
     enum MHD_Result rc = MHD_queue_response(c, status, r);
@@ -376,7 +388,9 @@ static double metrics_sample(uint16_t http_port, const char *series)
     return at ? strtod(at + strlen(series), NULL) : NAN;
 }
 
-static const km_route_decision *route_one(km_client *c, const char *id, km_message *reply)
+/* Route request `id` among `candidates` (two worker ids) with `policy` (NULL: the pool's). */
+static const km_route_decision *route_one(km_client *c, const char *id, const uint32_t *candidates,
+                                          const char *policy, km_message *reply)
 {
     static uint32_t tokens[8];
     for (uint32_t i = 0; i < 8; i++)
@@ -388,6 +402,9 @@ static const km_route_decision *route_one(km_client *c, const char *id, km_messa
     r.input = KM_ROUTE_INPUT_TOKENS;
     r.tokens = tokens;
     r.n_tokens = 8;
+    r.candidates = candidates;
+    r.n_candidates = 2;
+    r.policy = policy;
     cr_assert_eq(km_client_route(c, &r, 1, 5000, reply), KM_OK, "%s", km_client_last_error(c));
     cr_assert_eq(reply->decision.n_decisions, 1);
     const km_route_decision *d = &reply->decision.decisions[0];
@@ -439,18 +456,21 @@ Test(engine_metrics, decisions_weigh_fresh_engine_load_and_state_the_scope, .tim
                                             engines_handler, NULL, MHD_OPTION_END);
     cr_assert_not_null(d);
     char dir[] = "/tmp/kvmatch-engine-XXXXXX", sock[96], addr[104], records[96], busy[64],
-         idle[64];
+         full[64], idle[64];
     cr_assert_not_null(mkdtemp(dir));
     snprintf(sock, sizeof sock, "%s/s.sock", dir);
     snprintf(addr, sizeof addr, "unix:%s", sock);
     snprintf(records, sizeof records, "%s/records.jsonl", dir);
     snprintf(busy, sizeof busy, "http://127.0.0.1:%u/busy", port);
+    snprintf(full, sizeof full, "http://127.0.0.1:%u/full", port);
     snprintf(idle, sizeof idle, "http://127.0.0.1:%u/idle", port);
-    km_server_worker workers[2] = {{.id = 0, .name = "busy", .metrics_url = busy},
-                                   {.id = 1, .name = "idle", .metrics_url = idle}};
-    km_server_pool pool = {.name = "main", .block_size = 4, .workers = workers, .n_workers = 2};
+    km_server_worker workers[3] = {{.id = 0, .name = "busy", .metrics_url = busy},
+                                   {.id = 1, .name = "full", .metrics_url = full},
+                                   {.id = 2, .name = "idle", .metrics_url = idle}};
+    km_server_pool pool = {.name = "main", .block_size = 4, .workers = workers, .n_workers = 3};
     km_policy_config_init(&pool.policy);
-    pool.policy.kind = KM_POLICY_LEAST_LOAD; /* ties go to worker 0 */
+    pool.policy.kind = KM_POLICY_LEAST_LOAD; /* ties go to the lower worker id, as llmd's do */
+    const uint32_t busy_or_idle[2] = {0, 2}, full_or_idle[2] = {1, 2};
     km_server_config cfg;
     km_server_config_init(&cfg);
     cfg.socket_path = sock;
@@ -472,26 +492,31 @@ Test(engine_metrics, decisions_weigh_fresh_engine_load_and_state_the_scope, .tim
     uint16_t http_port = km_server_http_port(s);
     km_client *c = NULL;
     cr_assert_eq(km_client_connect(addr, 3000, &c, why, sizeof why), KM_OK, "%s", why);
-    WAIT_UNTIL(fresh_workers(http_port) == 2, 5000);
-    cr_assert_eq(fresh_workers(http_port), 2);
+    WAIT_UNTIL(fresh_workers(http_port) == 3, 5000);
+    cr_assert_eq(fresh_workers(http_port), 3);
     cr_assert_str_eq(status_load_scope(http_port, scope, sizeof scope),
                      "this_instance+engine_reported");
 
-    /* kvmatch routed nothing yet: on its own view the tie goes to worker 0, whose engine reports
-     * 2 running and 40 waiting. */
+    /* llmd, kvmatch having routed nothing: its scores tie and the tie goes to worker 1, whose
+     * engine reports its KV cache 95% used: its KV-usage term loses it the decision. */
     km_message reply;
-    const km_route_decision *r = route_one(c, "r1", &reply);
-    cr_assert_eq(r->chosen_worker, 1, "the busy engine loses");
+    const km_route_decision *r = route_one(c, "k1", full_or_idle, "llmd", &reply);
+    cr_assert_eq(r->chosen_worker, 2, "the full cache loses");
+    cr_assert_str_eq(r->load_scope, "this_instance+engine_reported");
+    /* least_load: on kvmatch's own view worker 0 (nothing routed there) beats worker 2 (k1);
+     * worker 0's engine reports 2 running and 40 waiting. Worker 2's engine reports 0 while k1 is
+     * in flight there: kvmatch's fresher view is not lowered. */
+    r = route_one(c, "r1", busy_or_idle, NULL, &reply);
+    cr_assert_eq(r->chosen_worker, 2, "the busy engine loses");
     cr_assert_eq(row_in_flight(r, 0), 42);
-    cr_assert_eq(row_in_flight(r, 1), 0);
+    cr_assert_eq(row_in_flight(r, 2), 1);
     cr_assert_str_eq(r->load_scope, "this_instance+engine_reported");
     cr_assert_eq(r->load_instances, 0);
     cr_assert(r->load_oldest_age_ms >= 0 && r->load_oldest_age_ms < 300, "age %f",
               r->load_oldest_age_ms);
-    /* r1 is in flight on worker 1; its engine still says 0: kvmatch's view is not lowered. */
-    r = route_one(c, "r2", &reply);
-    cr_assert_eq(row_in_flight(r, 1), 1);
-    cr_assert_eq(r->chosen_worker, 1);
+    r = route_one(c, "r2", busy_or_idle, NULL, &reply);
+    cr_assert_eq(row_in_flight(r, 2), 2);
+    cr_assert_eq(r->chosen_worker, 2);
 
     json_t *rec = decision_record(records, "r2");
     json_t *load = json_object_get(json_object_get(rec, "decision"), "load");
@@ -505,7 +530,7 @@ Test(engine_metrics, decisions_weigh_fresh_engine_load_and_state_the_scope, .tim
     cr_assert_float_eq(metrics_sample(http_port, "kvmatch_worker_engine_waiting{worker=\"0\","
                                                  "name=\"busy\",pool=\"main\"} "), 40.0, 1e-9);
     cr_assert_float_eq(metrics_sample(http_port, "kvmatch_worker_engine_kv_usage{worker=\"1\","
-                                                 "name=\"idle\",pool=\"main\"} "), 0.05, 1e-9);
+                                                 "name=\"full\",pool=\"main\"} "), 0.95, 1e-9);
     cr_assert_float_eq(metrics_sample(http_port, "kvmatch_worker_engine_fresh{worker=\"0\","
                                                  "name=\"busy\",pool=\"main\"} "), 1.0, 1e-9);
     double age = metrics_sample(http_port, "kvmatch_worker_engine_scrape_age_seconds{worker=\"0\","
@@ -520,8 +545,8 @@ Test(engine_metrics, decisions_weigh_fresh_engine_load_and_state_the_scope, .tim
     WAIT_UNTIL(fresh_workers(http_port) == 0, 5000);
     cr_assert_eq(fresh_workers(http_port), 0);
     cr_assert_str_eq(status_load_scope(http_port, scope, sizeof scope), "this_instance");
-    r = route_one(c, "r3", &reply);
-    cr_assert_eq(r->chosen_worker, 0, "worker 0 is idle on kvmatch's view (worker 1 holds 2)");
+    r = route_one(c, "r3", busy_or_idle, NULL, &reply);
+    cr_assert_eq(r->chosen_worker, 0, "worker 0 is idle on kvmatch's view (worker 2 holds 3)");
     cr_assert_eq(row_in_flight(r, 0), 0);
     cr_assert_str_eq(r->load_scope, "this_instance");
     rec = decision_record(records, "r3");
