@@ -481,7 +481,7 @@ Test(engine_metrics, decisions_weigh_fresh_engine_load_and_state_the_scope, .tim
     cfg.index_threads = 1;
     cfg.max_queue_wait_ms = 0;
     cfg.engine_metrics_interval_ms = 20;
-    cfg.engine_metrics_max_age_ms = 300;
+    cfg.engine_metrics_max_age_ms = 1000; /* 50 intervals: a late scrape stays fresh */
     cfg.pools = &pool;
     cfg.n_pools = 1;
     km_server *s = NULL;
@@ -512,7 +512,7 @@ Test(engine_metrics, decisions_weigh_fresh_engine_load_and_state_the_scope, .tim
     cr_assert_eq(row_in_flight(r, 2), 1);
     cr_assert_str_eq(r->load_scope, "this_instance+engine_reported");
     cr_assert_eq(r->load_instances, 0);
-    cr_assert(r->load_oldest_age_ms >= 0 && r->load_oldest_age_ms < 300, "age %f",
+    cr_assert(r->load_oldest_age_ms >= 0 && r->load_oldest_age_ms < 1000, "age %f",
               r->load_oldest_age_ms);
     r = route_one(c, "r2", busy_or_idle, NULL, &reply);
     cr_assert_eq(row_in_flight(r, 2), 2);
@@ -535,7 +535,7 @@ Test(engine_metrics, decisions_weigh_fresh_engine_load_and_state_the_scope, .tim
                                                  "name=\"busy\",pool=\"main\"} "), 1.0, 1e-9);
     double age = metrics_sample(http_port, "kvmatch_worker_engine_scrape_age_seconds{worker=\"0\","
                                            "name=\"busy\",pool=\"main\"} ");
-    cr_assert(age >= 0 && age < 0.3, "age %f", age);
+    cr_assert(age >= 0 && age < 1.0, "age %f", age);
 
     /* The engines stop answering: their last values stay (/status, /metrics) but grow stale, and
      * decisions return to kvmatch's own view. */
