@@ -33,6 +33,7 @@
 #include "cli/commands.h"
 #include "cli/options.h"
 #include "kvmatch/cluster.h"
+#include "sim/broker.h"
 
 #define MAX_INSTANCES 4
 #define WORKERS 64u
@@ -42,89 +43,6 @@ static uint64_t mono_ns(void)
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (uint64_t)ts.tv_sec * UINT64_C(1000000000) + (uint64_t)ts.tv_nsec;
-}
-
-/* ---- the nats-server -------------------------------------------------------------------------- */
-
-static pid_t nats_pid;
-
-static const char *nats_binary(void)
-{
-    static char found[256];
-    const char *path = getenv("PATH");
-    char buf[4096];
-    snprintf(buf, sizeof buf, "%s:/usr/sbin:/usr/local/sbin", path ? path : "/usr/bin:/bin");
-    for (char *save = NULL, *d = strtok_r(buf, ":", &save); d; d = strtok_r(NULL, ":", &save)) {
-        snprintf(found, sizeof found, "%s/nats-server", d);
-        if (access(found, X_OK) == 0)
-            return found;
-    }
-    return NULL;
-}
-
-static uint16_t free_port(void)
-{
-    int fd = socket(AF_INET, SOCK_STREAM, 0);
-    struct sockaddr_in a = {.sin_family = AF_INET};
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    socklen_t len = sizeof a;
-    uint16_t port = 0;
-    if (fd >= 0 && bind(fd, (struct sockaddr *)&a, sizeof a) == 0 &&
-        getsockname(fd, (struct sockaddr *)&a, &len) == 0)
-        port = ntohs(a.sin_port);
-    if (fd >= 0)
-        close(fd);
-    return port;
-}
-
-static bool accepts(uint16_t port)
-{
-    int fd = socket(AF_INET, SOCK_STREAM, 0);
-    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons(port)};
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    bool ok = fd >= 0 && connect(fd, (struct sockaddr *)&a, sizeof a) == 0;
-    if (fd >= 0)
-        close(fd);
-    return ok;
-}
-
-static bool nats_start(char *url, size_t url_size, char *why, size_t why_size)
-{
-    const char *bin = nats_binary();
-    uint16_t port = free_port();
-    if (!bin || !port) {
-        snprintf(why, why_size, "%s", bin ? "no free loopback port"
-                                          : "nats-server not found (Debian package nats-server)");
-        return false;
-    }
-    char p[16];
-    snprintf(p, sizeof p, "%u", port);
-    nats_pid = fork();
-    if (nats_pid == 0) {
-        freopen("/dev/null", "w", stdout);
-        freopen("/dev/null", "w", stderr);
-        execl(bin, "nats-server", "-a", "127.0.0.1", "-p", p, (char *)NULL);
-        _exit(127);
-    }
-    for (int i = 0; i < 500; i++) {
-        if (accepts(port)) {
-            snprintf(url, url_size, "nats://127.0.0.1:%u", port);
-            return true;
-        }
-        struct timespec ts = {0, 10000000};
-        nanosleep(&ts, NULL);
-    }
-    snprintf(why, why_size, "%.200s did not listen on 127.0.0.1:%u within 5 s", bin, port);
-    return false;
-}
-
-static void nats_stop(void)
-{
-    if (nats_pid > 0) {
-        kill(nats_pid, SIGKILL);
-        waitpid(nats_pid, NULL, 0);
-        nats_pid = 0;
-    }
 }
 
 /* ---- instances and what they observe ---------------------------------------------------------- */
@@ -408,12 +326,13 @@ int km_bench_cluster_main(int argc, char **argv)
         fprintf(stderr, "kvmatch bench cluster: unexpected argument \"%s\"\n", argv[optind]);
         return km_cli_usage_error("bench cluster");
     }
-    char url[64], why[256];
-    if (!nats_start(url, sizeof url, why, sizeof why)) {
+    char why[256];
+    km_sim_broker broker;
+    if (km_sim_broker_start(&broker, why, sizeof why) != KM_OK) {
         fprintf(stderr, "kvmatch bench cluster: cannot start nats-server: %s\n", why);
-        nats_stop();
         return 1;
     }
+    const char *url = broker.url;
     uint64_t lag_updates = quick ? 500 : 2000, tp_updates = quick ? 20000 : 100000;
     json_t *root = json_object();
     json_object_set_new(root, "benchmark", json_string("cluster"));
@@ -446,7 +365,7 @@ int km_bench_cluster_main(int argc, char **argv)
     json_object_set_new(root, "restart_ready_s", isnan(restart4) ? json_null() : json_real(restart4));
     json_t *loss = status ? NULL : run_loss(url, quick ? 5000 : 20000);
     json_object_set_new(root, "injected_loss", loss ? loss : json_null());
-    nats_stop();
+    km_sim_broker_stop(&broker);
     if (json) {
         char *text = json_dumps(root, JSON_INDENT(2) | JSON_REAL_PRECISION(10));
         if (text)
