@@ -17,10 +17,13 @@ typedef struct log_capture {
     char last[512];
 } log_capture;
 
+/* Keeps the last line without its stated level (kvmatch/log.h): it becomes a skip reason. */
 static void capture_log(void *user, const char *line)
 {
     log_capture *c = user;
     c->lines++;
+    if (line[0] == '<' && line[1] >= '0' && line[1] <= '7' && line[2] == '>')
+        line += 3;
     snprintf(c->last, sizeof c->last, "%s", line);
 }
 
