@@ -8,8 +8,10 @@
  * as fast as it can (throughput phase: updates/s published by all instances together and applied
  * by every other one); lost messages detected on loopback; then one instance is destroyed and
  * created again, and the time until its create returned with the others' active work in its view
- * is restart_ready_s. A last run injects loss (one change in 50 not sent) and reports how many of
- * the injected losses were detected. */
+ * is restart_ready_s. Before each lag phase the same paced publishing runs through plain NATS
+ * connections with nothing of kvmatch between (floor_lag_*): what the machine and nats-server cost
+ * on their own, in the same run. A last run injects loss (one change in 50 not sent) and reports
+ * how many of the injected losses were detected. */
 #include <errno.h>
 #include <inttypes.h>
 #include <math.h>
@@ -28,6 +30,7 @@
 #include <sys/socket.h>
 
 #include <jansson.h>
+#include <nats/nats.h>
 
 #include "bench_common.h"
 #include "cli/commands.h"
@@ -107,18 +110,23 @@ typedef struct publisher {
     uint64_t first, count, pacing_ns;
 } publisher;
 
+/* Sleep until *next (monotonic ns), then move it pacing_ns on; nothing when pacing_ns is 0. */
+static void pace(uint64_t *next, uint64_t pacing_ns)
+{
+    if (!pacing_ns)
+        return;
+    struct timespec ts = {(time_t)(*next / UINT64_C(1000000000)), (long)(*next % UINT64_C(1000000000))};
+    while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &ts, NULL) == EINTR) {
+    }
+    *next += pacing_ns;
+}
+
 static void *publish_main(void *arg)
 {
     publisher *p = arg;
     uint64_t next = mono_ns();
     for (uint64_t k = p->first; k < p->first + p->count; k++) {
-        if (p->pacing_ns) {
-            struct timespec ts = {(time_t)(next / UINT64_C(1000000000)),
-                                  (long)(next % UINT64_C(1000000000))};
-            while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &ts, NULL) == EINTR) {
-            }
-            next += p->pacing_ns;
-        }
+        pace(&next, p->pacing_ns);
         km_active_load l = {k % 97 + 1, 0, mono_ns(), k, k, 0};
         km_cluster_publish_load(inst[p->i], (uint32_t)(k % WORKERS), &l);
     }
@@ -164,6 +172,123 @@ static double percentile(double *v, size_t n, double q)
     return v[at < n ? at : n - 1];
 }
 
+/* ---- the floor: the same publishing through plain NATS connections ---------------------------- */
+
+/* A change message's size (docs/CLUSTER.md: one worker's row is about 130 bytes of JSON). */
+#define FLOOR_MESSAGE_BYTES 128
+
+typedef struct floor_conn {
+    int self;
+    natsConnection *nc;
+    natsSubscription *sub;
+    uint64_t count, pacing_ns;
+    double *lag_ms; /* written by the subscription's delivery thread only */
+    size_t n_lag, cap_lag;
+    _Atomic uint64_t received;
+} floor_conn;
+
+static void floor_on_message(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *user)
+{
+    (void)nc;
+    (void)sub;
+    floor_conn *f = user;
+    const char *data = natsMsg_GetData(msg);
+    char *end = NULL;
+    uint64_t sent_ns = data ? strtoull(data, &end, 10) : 0;
+    if (end && end != data && f->n_lag < f->cap_lag)
+        f->lag_ms[f->n_lag++] = (double)(mono_ns() - sent_ns) / 1e6;
+    atomic_fetch_add(&f->received, 1);
+    natsMsg_Destroy(msg);
+}
+
+static void *floor_publish_main(void *arg)
+{
+    floor_conn *f = arg;
+    char subject[32], body[FLOOR_MESSAGE_BYTES];
+    snprintf(subject, sizeof subject, "kvmbench.floor.%d", f->self);
+    uint64_t next = mono_ns();
+    for (uint64_t k = 0; k < f->count; k++) {
+        pace(&next, f->pacing_ns);
+        memset(body, ' ', sizeof body);
+        int len = snprintf(body, sizeof body, "%" PRIu64 " %" PRIu64, mono_ns(), k);
+        body[len] = ' ';
+        natsConnection_Publish(f->nc, subject, body, (int)sizeof body);
+    }
+    natsConnection_Flush(f->nc);
+    return NULL;
+}
+
+/* n plain connections, each publishing `count` messages at `rate`/s and reading the others'
+ * (no echo of its own). The p50 / p99 of every delivery's lag go to *p50 / *p99; false when a
+ * connection failed or not every message arrived within 10 s. */
+static bool floor_lag(const char *url, int n, uint64_t count, uint64_t rate, double *p50, double *p99)
+{
+    floor_conn f[MAX_INSTANCES];
+    memset(f, 0, sizeof f);
+    bool ok = true;
+    for (int i = 0; i < n && ok; i++) {
+        natsOptions *opts = NULL;
+        f[i].self = i;
+        f[i].count = count;
+        f[i].pacing_ns = UINT64_C(1000000000) / rate;
+        f[i].cap_lag = (size_t)count * (size_t)n;
+        f[i].lag_ms = malloc(f[i].cap_lag * sizeof(double));
+        ok = f[i].lag_ms && natsOptions_Create(&opts) == NATS_OK &&
+             natsOptions_SetURL(opts, url) == NATS_OK &&
+             natsOptions_SetNoEcho(opts, true) == NATS_OK &&
+             natsConnection_Connect(&f[i].nc, opts) == NATS_OK &&
+             natsConnection_Subscribe(&f[i].sub, f[i].nc, "kvmbench.floor.*", floor_on_message,
+                                      &f[i]) == NATS_OK &&
+             natsSubscription_SetPendingLimits(f[i].sub, -1, -1) == NATS_OK &&
+             natsConnection_Flush(f[i].nc) == NATS_OK;
+        natsOptions_Destroy(opts);
+        if (!ok)
+            fprintf(stderr, "kvmatch bench cluster: floor connection %d to %s failed: %s\n", i, url,
+                    nats_GetLastError(NULL));
+    }
+    if (ok) {
+        pthread_t t[MAX_INSTANCES];
+        for (int i = 0; i < n; i++)
+            pthread_create(&t[i], NULL, floor_publish_main, &f[i]);
+        for (int i = 0; i < n; i++)
+            pthread_join(t[i], NULL);
+        uint64_t want = count * (uint64_t)(n - 1);
+        double end = km_bench_now_s() + 10;
+        for (int i = 0; i < n && ok; i++)
+            while (atomic_load(&f[i].received) < want && (ok = km_bench_now_s() < end)) {
+                struct timespec ts = {0, 200000};
+                nanosleep(&ts, NULL);
+            }
+    }
+    for (int i = 0; i < n; i++) {
+        /* Unsubscribed before the samples are read: no delivery runs after this. */
+        if (f[i].sub) {
+            natsSubscription_Unsubscribe(f[i].sub);
+            natsSubscription_Destroy(f[i].sub);
+        }
+        if (f[i].nc)
+            natsConnection_Destroy(f[i].nc);
+    }
+    size_t total = 0;
+    for (int i = 0; i < n; i++)
+        total += f[i].n_lag;
+    double *all = malloc((total ? total : 1) * sizeof *all);
+    size_t at = 0;
+    for (int i = 0; i < n && all; i++) {
+        memcpy(all + at, f[i].lag_ms, f[i].n_lag * sizeof *all);
+        at += f[i].n_lag;
+    }
+    ok = ok && all;
+    if (ok) {
+        *p50 = percentile(all, total, 0.50);
+        *p99 = percentile(all, total, 0.99);
+    }
+    free(all);
+    for (int i = 0; i < n; i++)
+        free(f[i].lag_ms);
+    return ok;
+}
+
 static void destroy_all(int n)
 {
     for (int i = 0; i < n; i++) {
@@ -178,6 +303,8 @@ static void destroy_all(int n)
 static json_t *run_instances(const char *url, int n, uint64_t lag_updates, uint64_t tp_updates,
                              uint64_t rate, int json)
 {
+    double floor_p50 = NAN, floor_p99 = NAN;
+    bool floor_ok = floor_lag(url, n, lag_updates, rate, &floor_p50, &floor_p99);
     memset(receivers, 0, sizeof receivers);
     for (int i = 0; i < n; i++) {
         receivers[i].self = i;
@@ -245,6 +372,10 @@ static json_t *run_instances(const char *url, int n, uint64_t lag_updates, uint6
     json_object_set_new(row, "lag_p50_ms", lag_ok ? json_real(km_bench_round_to(p50, 0.001)) : json_null());
     json_object_set_new(row, "lag_p99_ms", lag_ok ? json_real(km_bench_round_to(p99, 0.001)) : json_null());
     json_object_set_new(row, "lag_samples", json_integer((json_int_t)total));
+    json_object_set_new(row, "floor_lag_p50_ms",
+                        floor_ok ? json_real(km_bench_round_to(floor_p50, 0.001)) : json_null());
+    json_object_set_new(row, "floor_lag_p99_ms",
+                        floor_ok ? json_real(km_bench_round_to(floor_p99, 0.001)) : json_null());
     json_object_set_new(row, "lost_detected", json_integer((json_int_t)lost));
     json_object_set_new(row, "messages_sent", json_integer((json_int_t)sent));
     json_object_set_new(row, "publish_failures", json_integer((json_int_t)failures));
@@ -253,8 +384,9 @@ static json_t *run_instances(const char *url, int n, uint64_t lag_updates, uint6
     json_object_set_new(row, "restart_sync_peers",
                         json_integer(restart_ok ? (json_int_t)st0.sync_peers : 0));
     if (!json)
-        printf("%9d %14.0f %11.3f %11.3f %14" PRIu64 " %16.4f\n", n,
-               tp_ok ? (double)(n * tp_updates) / elapsed : NAN, p50, p99, lost, ready_s);
+        printf("%9d %14.0f %11.3f %11.3f %11.3f %11.3f %14" PRIu64 " %16.4f\n", n,
+               tp_ok ? (double)(n * tp_updates) / elapsed : NAN, p50, p99, floor_p50, floor_p99,
+               lost, ready_s);
     destroy_all(n);
     return row;
 }
@@ -346,8 +478,8 @@ int km_bench_cluster_main(int argc, char **argv)
     json_object_set_new(root, "throughput_updates_per_instance", json_integer((json_int_t)tp_updates));
     json_t *results = json_array();
     if (!json)
-        printf("%9s %14s %11s %11s %14s %16s\n", "instances", "updates/s", "lag p50 ms",
-               "lag p99 ms", "lost detected", "restart ready s");
+        printf("%9s %14s %11s %11s %11s %11s %14s %16s\n", "instances", "updates/s", "lag p50 ms",
+               "lag p99 ms", "floor p50", "floor p99", "lost detected", "restart ready s");
     int status = 0;
     double restart4 = NAN;
     const int counts[] = {2, 4};

@@ -258,14 +258,15 @@ def render_cluster(d):
                f"{fmt(d.get('lag_updates_per_instance_per_s'))}/s each; throughput phase: "
                f"{fmt(d.get('throughput_updates_per_instance'))} per instance, as fast as each "
                f"publishes.\n")
-    out.append("| instances | updates/s (all published, all applied) | applied/s | lag p50 (ms) | lag p99 (ms) | lost detected | restart ready (s) |")
-    out.append("|---:|---:|---:|---:|---:|---:|---:|")
+    out.append("| instances | updates/s (all published, all applied) | applied/s | lag p50 (ms) | lag p99 (ms) | NATS floor p50 (ms) | NATS floor p99 (ms) | lost detected | restart ready (s) |")
+    out.append("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in d["results"]:
         def ms(x):
             return "not measured" if x is None else f"{x:.3f}"
         ready = r.get("restart_ready_s")
         out.append(f"| {r['instances']} | {fmt(r['updates_per_s'])} | {fmt(r['applied_per_s'])} | "
-                   f"{ms(r['lag_p50_ms'])} | {ms(r['lag_p99_ms'])} | {r['lost_detected']} | "
+                   f"{ms(r['lag_p50_ms'])} | {ms(r['lag_p99_ms'])} | "
+                   f"{ms(r.get('floor_lag_p50_ms'))} | {ms(r.get('floor_lag_p99_ms'))} | {r['lost_detected']} | "
                    f"{'not measured' if ready is None else f'{ready:.4f}'} |")
     loss = d.get("injected_loss")
     if loss:
