@@ -1529,10 +1529,11 @@ Test(active, release_idle_gives_memory_back_and_changes_nothing, .timeout = 20)
 
 /* The bytes bound (max_bytes): what each entry counts is its slot, its id buffer as allocated (at
  * least 64 bytes) and its map share, so ids up to 62 bytes together count alike and longer ones
- * count their length. On random begins and finishes with ids of any length, the counted bytes
- * equal the sum over a brute-force list of the live entries, a begin is refused with
- * KM_ERR_MEMORY_CAP exactly when its entry would pass the bound (counted, no load, no entry, no
- * eviction), and one that fits after a finish is taken. */
+ * count their length, plus the user bytes its caller keeps beside it. On random begins (half
+ * with random user bytes) and finishes with ids of any length, the counted bytes equal the sum
+ * over a brute-force list of the live entries, a begin is refused with KM_ERR_MEMORY_CAP exactly
+ * when its entry would pass the bound (counted, no load, no entry, no eviction), and one that fits
+ * after a finish is taken. */
 #define BB_KEYS 64
 Test(active, bytes_bound_refuses_exactly_what_would_pass_it, .timeout = 30)
 {
@@ -1556,6 +1557,7 @@ Test(active, bytes_bound_refuses_exactly_what_would_pass_it, .timeout = 30)
     cr_assert_eq(km_active_create(&cfg, &a), KM_OK);
     static char ids[BB_KEYS][300];
     bool live[BB_KEYS] = {false};
+    uint32_t user_bytes[BB_KEYS] = {0};
     uint64_t model_bytes = 0, refused = 0, taken = 0;
     for (int step = 0; step < 20000; step++) {
         int i = (int)km_rng_below(&r, BB_KEYS);
@@ -1567,9 +1569,12 @@ Test(active, bytes_bound_refuses_exactly_what_would_pass_it, .timeout = 30)
                 ids[i][j] = (char)('a' + km_rng_below(&r, 26));
             ids[i][len > (size_t)n ? len : (size_t)n] = '\0';
             km_active_key k = km_active_key_of(ids[i], "0");
-            uint64_t need = km_active_entry_bytes(k.request_id_len, 1);
+            uint32_t user = km_rng_below(&r, 2) ? (uint32_t)km_rng_below(&r, 2000) : 0;
+            uint64_t need = km_active_entry_bytes(k.request_id_len, 1) + user;
             uint64_t in_flight = stats_of(a).total.in_flight;
-            int rc = km_active_begin(a, (uint32_t)i % 4, &k, 100, 0, 10, 16, (uint64_t)step);
+            int rc = user ? km_active_begin_with_user_bytes(a, (uint32_t)i % 4, &k, 100, 0, 10, 16,
+                                                            user, (uint64_t)step)
+                          : km_active_begin(a, (uint32_t)i % 4, &k, 100, 0, 10, 16, (uint64_t)step);
             if (model_bytes + need > cfg.max_bytes) {
                 KM_CHECK(rc == KM_ERR_MEMORY_CAP, "step %d: %s over the bound: %s", step,
                                  ids[i], km_strerror(rc));
@@ -1581,6 +1586,7 @@ Test(active, bytes_bound_refuses_exactly_what_would_pass_it, .timeout = 30)
                 KM_CHECK(rc == KM_OK, "step %d: %s fits: %s (%s)", step, ids[i],
                                  km_strerror(rc), km_active_last_error(a));
                 live[i] = true;
+                user_bytes[i] = user;
                 model_bytes += need;
                 taken++;
             }
@@ -1589,7 +1595,7 @@ Test(active, bytes_bound_refuses_exactly_what_would_pass_it, .timeout = 30)
             KM_CHECK(km_active_finish(a, &k, KM_ACTIVE_END_COMPLETE, (uint64_t)step, NULL) == KM_OK,
                              "step %d: finish %s", step, ids[i]);
             live[i] = false;
-            model_bytes -= km_active_entry_bytes(k.request_id_len, 1);
+            model_bytes -= km_active_entry_bytes(k.request_id_len, 1) + user_bytes[i];
         }
         km_active_stats st = stats_of(a);
         KM_CHECK(st.bytes == model_bytes, "step %d: counted %" PRIu64 ", model %" PRIu64,

@@ -1215,17 +1215,47 @@ Test(server, candidate_rows_match_with_and_without_an_explicit_list, .timeout = 
     srv_cleanup(&s);
 }
 
-/* max_active_bytes: a route whose active-work entry would take the counted bytes past the bound
- * is refused with KM_ERR_MEMORY_CAP naming the bound, nothing evicted (the routes in flight keep
- * their load); the refusal is counted in /status (active_work) and /metrics; once a FINISHED frees
- * room, routing goes on. */
-Test(server, active_work_past_its_byte_bound_is_refused_and_counted, .timeout = 30)
+/* The bytes /status says one route holds in active work (its entry and the attempt kept beside
+ * it for the outcome record), on a server without a byte bound. */
+static uint64_t bytes_one_route_holds(const char *request_id)
 {
-    enum { FIT = 5 };
     srv s = {0};
     km_server_config cfg;
     test_config(&cfg, &s, KM_POLICY_LEAST_LOAD, 2);
-    uint64_t each = km_active_entry_bytes(strlen("bytes-0"), 0);
+    char http[] = "127.0.0.1:0";
+    cfg.http = http;
+    srv_start(&s, &cfg);
+    km_client *c = connect_client(&s);
+    km_message reply;
+    km_route_request r = token_route(request_id, 0, 2 * BS);
+    cr_assert_eq(route_one(c, &r, &reply)->status, KM_OK);
+    static char body[1 << 16];
+    cr_assert_eq(http_get(km_server_http_port(s.server), "/status", body, sizeof body), 200);
+    json_error_t jerr;
+    json_t *st = json_loads(body, 0, &jerr);
+    cr_assert_not_null(st, "%s", jerr.text);
+    uint64_t bytes = (uint64_t)json_integer_value(
+        json_object_get(json_object_get(st, "active_work"), "bytes"));
+    json_decref(st);
+    km_client_close(c);
+    srv_stop(&s);
+    srv_cleanup(&s);
+    return bytes;
+}
+
+/* max_active_bytes: a route whose active-work entry, with the attempt kept beside it for its
+ * outcome record, would take the counted bytes past the bound is refused with KM_ERR_MEMORY_CAP
+ * naming the bound, nothing evicted (the routes in flight keep their load); the refusal is
+ * counted in /status (active_work) and /metrics; once a FINISHED frees room, routing goes on. */
+Test(server, active_work_past_its_byte_bound_is_refused_and_counted, .timeout = 30)
+{
+    enum { FIT = 5 };
+    uint64_t each = bytes_one_route_holds("bytes-0");
+    cr_assert_gt(each, km_active_entry_bytes(strlen("bytes-0"), 0),
+                 "a route counts its attempt beside its entry: %" PRIu64 " bytes", each);
+    srv s = {0};
+    km_server_config cfg;
+    test_config(&cfg, &s, KM_POLICY_LEAST_LOAD, 2);
     cfg.max_active_bytes = FIT * each;
     char http[] = "127.0.0.1:0";
     cfg.http = http;

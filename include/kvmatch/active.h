@@ -84,8 +84,8 @@ typedef struct km_active_config {
     uint32_t max_queued_blocks; /* blocks promised by queued prefills (km_active_queue_blocks), all
                                  * workers; a promise past it is cut short and counted; 0 = none
                                  * kept; default 1 << 20 */
-    uint64_t max_bytes;      /* bytes live entries are counted as holding (km_active_entry_bytes),
-                              * all workers; a begin that would pass it is KM_ERR_MEMORY_CAP
+    uint64_t max_bytes;      /* bytes live entries are counted as holding (km_active_entry_bytes
+                              * and their callers' user bytes), all workers; a begin that would pass it is KM_ERR_MEMORY_CAP
                               * (counted in refused_bytes); 0 = no bound; default 1 GiB */
 } km_active_config;
 
@@ -195,6 +195,15 @@ uint64_t km_active_entry_bytes(size_t request_id_len, size_t attempt_id_len);
 int km_active_begin(km_active *active, uint32_t worker, const km_active_key *key,
                     uint32_t prompt_tokens, uint32_t cached_tokens_predicted,
                     uint32_t expected_output_tokens, uint32_t block_size, uint64_t now_ns);
+
+/* km_active_begin for a caller that keeps user_bytes of its own beside the entry (the object it
+ * attaches with km_active_set_user): they count toward max_bytes and stats.bytes with the entry,
+ * from this begin until the entry ends, so the bound covers what one in-flight request costs
+ * the caller too. km_active_begin is this with user_bytes 0. */
+int km_active_begin_with_user_bytes(km_active *active, uint32_t worker, const km_active_key *key,
+                                    uint32_t prompt_tokens, uint32_t cached_tokens_predicted,
+                                    uint32_t expected_output_tokens, uint32_t block_size,
+                                    uint32_t user_bytes, uint64_t now_ns);
 
 /* The entry holds the cached prefix named prefix_key (any 64-bit name of it, e.g. the chain hash
  * of its last block; 0 = none) of prefix_tokens tokens on its worker. While another live entry of

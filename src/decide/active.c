@@ -51,6 +51,7 @@ typedef struct entry {
     int64_t engine_cached_tokens;
     uint64_t begin_ns, dispatched_ns, first_token_ns, last_touch_ns;
     void *user; /* the caller's pointer (km_active_set_user) */
+    uint32_t user_bytes; /* what the caller keeps beside it, counted in the bytes bound */
 } entry;
 
 enum { IDS_INLINE_BYTES = 64 };
@@ -576,7 +577,8 @@ static void end_entry(km_active *a, uint32_t i, km_active_end end, uint64_t now,
         a->unremembered_ids = e->ids;
         a->unremembered_size = ids_size(e->request_len, e->attempt_len);
     }
-    a->stats.bytes = saturating_sub(a, a->stats.bytes, km_active_entry_bytes(e->request_len, e->attempt_len));
+    a->stats.bytes = saturating_sub(a, a->stats.bytes,
+                                    km_active_entry_bytes(e->request_len, e->attempt_len) + e->user_bytes);
     e->ids = NULL;
     e->hash_next = a->free_head;
     a->free_head = i;
@@ -627,10 +629,11 @@ uint64_t km_active_entry_bytes(size_t request_id_len, size_t attempt_id_len)
     return sizeof(entry) + (ids > IDS_CACHED_BYTES ? ids : IDS_CACHED_BYTES) + ENTRY_MAP_SHARE_BYTES;
 }
 
-/* KM_ERR_MEMORY_CAP (counted) when the key's entry would take the live entries past max_bytes. */
-static int check_bytes_bound(km_active *a, const km_active_key *key)
+/* KM_ERR_MEMORY_CAP (counted) when the key's entry, with the caller's user_bytes beside it, would
+ * take the live entries past max_bytes. */
+static int check_bytes_bound(km_active *a, const km_active_key *key, uint32_t user_bytes)
 {
-    uint64_t need = km_active_entry_bytes(key->request_id_len, key->attempt_id_len);
+    uint64_t need = km_active_entry_bytes(key->request_id_len, key->attempt_id_len) + user_bytes;
     if (!a->cfg.max_bytes || a->stats.bytes + need <= a->cfg.max_bytes)
         return KM_OK;
     a->stats.refused_bytes++;
@@ -663,6 +666,15 @@ int km_active_begin(km_active *a, uint32_t worker, const km_active_key *key,
                     uint32_t prompt_tokens, uint32_t cached_tokens_predicted,
                     uint32_t expected_output_tokens, uint32_t block_size, uint64_t now_ns)
 {
+    return km_active_begin_with_user_bytes(a, worker, key, prompt_tokens, cached_tokens_predicted,
+                                           expected_output_tokens, block_size, 0, now_ns);
+}
+
+int km_active_begin_with_user_bytes(km_active *a, uint32_t worker, const km_active_key *key,
+                                    uint32_t prompt_tokens, uint32_t cached_tokens_predicted,
+                                    uint32_t expected_output_tokens, uint32_t block_size,
+                                    uint32_t user_bytes, uint64_t now_ns)
+{
     if (!a)
         return KM_ERR_NULL_POINTER;
     a->last_error[0] = '\0';
@@ -690,7 +702,7 @@ int km_active_begin(km_active *a, uint32_t worker, const km_active_key *key,
     if (a->live >= a->cfg.max_entries)
         return active_fail(a, KM_ERR_OVERLOADED, "%" PRIu32 " active requests, the configured maximum",
                            a->cfg.max_entries);
-    if ((rc = check_bytes_bound(a, key)) != KM_OK)
+    if ((rc = check_bytes_bound(a, key, user_bytes)) != KM_OK)
         return rc;
 
     /* Allocate everything before touching any state. */
@@ -736,6 +748,7 @@ int km_active_begin(km_active *a, uint32_t worker, const km_active_key *key,
     e->decode_blocks = (tokens + block_size - 1) / block_size;
     e->new_blocks = e->decode_blocks;
     e->engine_cached_tokens = KM_ACTIVE_CACHED_UNKNOWN;
+    e->user_bytes = user_bytes;
     e->begin_ns = e->last_touch_ns = now;
     e->touch_prev = e->touch_next = NIL;
     touch_append(a, i);
@@ -750,7 +763,7 @@ int km_active_begin(km_active *a, uint32_t worker, const km_active_key *key,
     load->allocated_blocks += e->new_blocks;
     a->live++;
     a->stats.begun++;
-    a->stats.bytes += km_active_entry_bytes(key->request_id_len, key->attempt_id_len);
+    a->stats.bytes += km_active_entry_bytes(key->request_id_len, key->attempt_id_len) + user_bytes;
     return KM_OK;
 }
 

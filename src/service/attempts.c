@@ -13,16 +13,36 @@
 #include "kvmatch/version.h"
 #include "service/server_internal.h"
 
-/* One allocation: the struct and its strings (NULL strings stay NULL). active_lock held. */
-attempt *km_srv_attempt_new(attempt_cache *cache, const char *request_id, const char *attempt_id,
-                            const char *model, const char *pool_name, const char *endpoint)
+/* The strings of an attempt as one block: each NUL-terminated, NULL ones absent. */
+static size_t attempt_strings_bytes(const char *const in[5], size_t len[5])
 {
-    const char *in[5] = {request_id, attempt_id, model, pool_name, endpoint};
-    size_t len[5], total = 0;
+    size_t total = 0;
     for (int i = 0; i < 5; i++) {
         len[i] = in[i] ? strlen(in[i]) + 1 : 0;
         total += len[i];
     }
+    return total;
+}
+
+/* An attempt's id-map slots in attempts_by_decision (16-byte entries at most 70% full in a
+ * power-of-two table: about three; four are counted), as active work counts its own. */
+enum { ATTEMPT_MAP_SHARE_BYTES = 4 * 16 };
+
+uint32_t km_srv_attempt_bytes(const char *request_id, const char *attempt_id, const char *model,
+                              const char *pool_name, const char *endpoint)
+{
+    const char *const in[5] = {request_id, attempt_id, model, pool_name, endpoint};
+    size_t len[5], total = attempt_strings_bytes(in, len);
+    size_t strings = total <= ATTEMPT_CACHED_STRINGS ? ATTEMPT_CACHED_STRINGS : total;
+    return (uint32_t)(sizeof(attempt) + strings + ATTEMPT_MAP_SHARE_BYTES);
+}
+
+/* One allocation: the struct and its strings (NULL strings stay NULL). active_lock held. */
+attempt *km_srv_attempt_new(attempt_cache *cache, const char *request_id, const char *attempt_id,
+                            const char *model, const char *pool_name, const char *endpoint)
+{
+    const char *const in[5] = {request_id, attempt_id, model, pool_name, endpoint};
+    size_t len[5], total = attempt_strings_bytes(in, len);
     bool cached_size = total <= ATTEMPT_CACHED_STRINGS;
     attempt *a = NULL;
     if (cached_size && cache->head) {

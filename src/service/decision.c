@@ -323,11 +323,16 @@ static bool begin_active_work(km_server *s, route_job *r, const pool *p, route_c
     uint32_t expected = r->expected_output_tokens > UINT32_MAX ? UINT32_MAX
                                                                : (uint32_t)r->expected_output_tokens;
     c->key = km_active_key_of(r->request_id, r->attempt_id);
+    /* The attempt kept for its outcome record (keep_attempt) counts toward the bytes bound. */
+    uint32_t attempt_bytes = km_srv_attempt_bytes(r->request_id, r->attempt_id,
+                                                  r->model ? r->model : p->model, p->name,
+                                                  r->endpoint);
     int rc = KM_OK;
     for (int tries = 0; tries < 2; tries++) {
-        rc = km_active_begin(s->active, c->chosen, &c->key, prompt,
-                             predicted > UINT32_MAX ? UINT32_MAX : (uint32_t)predicted, expected,
-                             p->block_size, c->now);
+        rc = km_active_begin_with_user_bytes(
+            s->active, c->chosen, &c->key, prompt,
+            predicted > UINT32_MAX ? UINT32_MAX : (uint32_t)predicted, expected, p->block_size,
+            attempt_bytes, c->now);
         /* Full: the least recently touched entry makes room (km_srv_record_evicted), once. */
         if (rc != KM_ERR_OVERLOADED ||
             km_active_evict_oldest(s->active, c->now, km_srv_record_evicted, s) != KM_OK)

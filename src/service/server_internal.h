@@ -453,6 +453,10 @@ void km_srv_breaker_outcome(km_server *s, uint32_t id, km_outcome outcome, uint6
 bool km_srv_worker_set_health(km_server *s, uint32_t id, bool healthy);
 
 /* attempts.c */
+/* What km_srv_attempt_new will allocate for these strings, with the attempt's share of
+ * attempts_by_decision: the bytes the route's active-work entry is charged for it. */
+uint32_t km_srv_attempt_bytes(const char *request_id, const char *attempt_id, const char *model,
+                              const char *pool_name, const char *endpoint);
 attempt *km_srv_attempt_new(attempt_cache *cache, const char *request_id, const char *attempt_id,
                             const char *model, const char *pool_name, const char *endpoint);
 void km_srv_attempt_free(attempt_cache *cache, attempt *a);
