@@ -277,6 +277,49 @@ Test(cluster, every_injected_loss_between_two_instances_is_detected,
     km_cluster_destroy(b);
 }
 
+/* The propagation accessors: a peer has applied everything sent once its applied sequence number
+ * (of the sender's incarnation) reaches the sender's sent one; an injected drop is not "sent", and
+ * the drop rate can be changed on a running handle. */
+Test(cluster, applied_sequence_numbers_reach_the_senders_and_drops_are_not_sent,
+     .init = start_server, .fini = stop_server, .timeout = 60)
+{
+    km_cluster *a = instance("a", server.url, 5000, 0);
+    km_cluster *b = instance("b", server.url, 5000, 0);
+    uint64_t inc = 0, seq = 0, ainc = 0, aseq = 0;
+    cr_assert_eq(km_cluster_get_applied(b, "nobody", &ainc, &aseq), KM_ERR_NOT_FOUND);
+    cr_assert_eq(km_cluster_get_sent(NULL, &inc, &seq), KM_ERR_NULL_POINTER);
+    cr_assert_eq(km_cluster_set_drop_one_in(NULL, 1), KM_ERR_NULL_POINTER);
+    for (uint32_t i = 1; i <= 10; i++) {
+        km_active_load l = {i, 0, 0, 0, 0, 0};
+        km_cluster_publish_load(a, 1, &l);
+        cr_assert_eq(km_cluster_get_sent(a, &inc, &seq), KM_OK);
+        WAIT_UNTIL(km_cluster_get_applied(b, "a", &ainc, &aseq) == KM_OK && ainc == inc &&
+                       aseq >= seq, 2000);
+        cr_assert_eq(ainc, inc, "b holds a's incarnation");
+        cr_assert_geq(aseq, seq, "b applied a's seq %llu (sent %llu)", (unsigned long long)aseq,
+                      (unsigned long long)seq);
+        /* Everything up to the sent seq is applied: the last change is in b's view. */
+        cr_assert_eq(remote(b, 1).in_flight, i);
+    }
+    /* Every change dropped from now on: the sent seq stays (a heartbeat may still send a state,
+     * which carries the value: then it is sent). */
+    cr_assert_eq(km_cluster_set_drop_one_in(a, 1), KM_OK);
+    uint64_t failures = stats(a).publish_failures;
+    km_active_load l = {99, 0, 0, 0, 0, 0};
+    km_cluster_publish_load(a, 2, &l);
+    cr_assert_eq(stats(a).publish_failures, failures + 1, "the change was dropped");
+    cr_assert_eq(km_cluster_set_drop_one_in(a, 0), KM_OK);
+    l.in_flight = 100;
+    km_cluster_publish_load(a, 2, &l);
+    cr_assert_eq(km_cluster_get_sent(a, &inc, &seq), KM_OK);
+    WAIT_UNTIL(km_cluster_get_applied(b, "a", &ainc, &aseq) == KM_OK && aseq >= seq, 2000);
+    cr_assert_geq(aseq, seq);
+    cr_assert_eq(remote(b, 2).in_flight, 100);
+    cr_assert_geq(stats(b).lost_messages, 1, "the dropped change shows as a gap");
+    km_cluster_destroy(a);
+    km_cluster_destroy(b);
+}
+
 Test(cluster, a_crashed_instance_contribution_expires, .init = start_server, .fini = stop_server,
      .timeout = 60)
 {

@@ -162,6 +162,23 @@ typedef struct km_cluster_stats {
 /* Errors: KM_ERR_NULL_POINTER. */
 int km_cluster_get_stats(km_cluster *cluster, km_cluster_stats *out);
 
+/* Propagation, for a caller that waits until one instance's changes have reached the others (the
+ * simulator does, to make propagation explicit in virtual time): the incarnation of this handle
+ * and the sequence number of the last change or state it handed to the NATS client (0 = none
+ * yet). A change not sent (disconnected, or dropped by drop_one_in) does not count. Errors:
+ * KM_ERR_NULL_POINTER. */
+int km_cluster_get_sent(km_cluster *cluster, uint64_t *incarnation, uint64_t *seq);
+
+/* The incarnation and the last sequence number this handle applied from peer `instance` (its
+ * contribution's). Errors: KM_ERR_NULL_POINTER, KM_ERR_NOT_FOUND (no contribution of that id is
+ * held: never heard from, or expired). */
+int km_cluster_get_applied(km_cluster *cluster, const char *instance, uint64_t *incarnation,
+                           uint64_t *seq);
+
+/* Set drop_one_in (km_cluster_config) of a running handle, for fault injection; 0 = no loss.
+ * The count of changes made so far is kept. Errors: KM_ERR_NULL_POINTER. */
+int km_cluster_set_drop_one_in(km_cluster *cluster, uint32_t drop_one_in);
+
 #ifdef __cplusplus
 }
 #endif

@@ -49,6 +49,7 @@ struct km_cluster {
     int callbacks_running;
 
     uint64_t seq;
+    uint64_t sent_seq;     /* the last change or state handed to the NATS client */
     uint64_t changes_made; /* for drop_one_in */
     km_active_load *local;  /* max_workers: this instance's last published loads */
     km_active_load *remote; /* max_workers: the sum over contributions */
@@ -215,9 +216,11 @@ static void publish(km_cluster *c, const cluster_message *m)
     }
     natsStatus s = natsConnection_Publish(c->conn, c->subject.data, c->body.data,
                                           (int)c->body.length);
-    if (s == NATS_OK)
+    if (s == NATS_OK) {
         c->st.sent++;
-    else
+        if (m->kind != CLUSTER_SYNC)
+            c->sent_seq = m->seq;
+    } else
         c->st.publish_failures++;
 }
 
@@ -811,6 +814,42 @@ int km_cluster_get_stats(km_cluster *c, km_cluster_stats *out)
         out->instances += c->peers[i].used;
         out->stale_instances += c->peers[i].used && c->peers[i].stale;
     }
+    pthread_mutex_unlock(&c->lock);
+    return KM_OK;
+}
+
+int km_cluster_get_sent(km_cluster *c, uint64_t *incarnation, uint64_t *seq)
+{
+    if (!c || !incarnation || !seq)
+        return KM_ERR_NULL_POINTER;
+    pthread_mutex_lock(&c->lock);
+    *incarnation = c->incarnation;
+    *seq = c->sent_seq;
+    pthread_mutex_unlock(&c->lock);
+    return KM_OK;
+}
+
+int km_cluster_get_applied(km_cluster *c, const char *instance, uint64_t *incarnation,
+                           uint64_t *seq)
+{
+    if (!c || !instance || !incarnation || !seq)
+        return KM_ERR_NULL_POINTER;
+    pthread_mutex_lock(&c->lock);
+    const contribution *p = contribution_find(c, instance);
+    if (p) {
+        *incarnation = p->incarnation;
+        *seq = p->last_seq;
+    }
+    pthread_mutex_unlock(&c->lock);
+    return p ? KM_OK : KM_ERR_NOT_FOUND;
+}
+
+int km_cluster_set_drop_one_in(km_cluster *c, uint32_t drop_one_in)
+{
+    if (!c)
+        return KM_ERR_NULL_POINTER;
+    pthread_mutex_lock(&c->lock);
+    c->cfg.drop_one_in = drop_one_in;
     pthread_mutex_unlock(&c->lock);
     return KM_OK;
 }
