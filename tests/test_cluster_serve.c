@@ -221,6 +221,11 @@ Test(cluster_serve, decisions_weigh_the_other_instances_work_and_say_so, .init =
     node_start(&a, "a");
     node_start(&b, "b");
     cr_assert_eq(cluster_int(&b, "sync_peers"), 1, "b took a's state at start");
+    /* The handle an observer reads is the one the status reports on. */
+    cr_assert_null(km_server_cluster(NULL));
+    km_cluster_stats cst;
+    cr_assert_eq(km_cluster_get_stats(km_server_cluster(b.server), &cst), KM_OK);
+    cr_assert_eq(cst.sync_peers, 1);
     km_client *ca = connect_to(&a), *cb = connect_to(&b);
     km_message reply;
     char id[32];

@@ -23,6 +23,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "kvmatch/cluster.h"
 #include "kvmatch/error.h"
 #include "kvmatch/log.h"
 #include "kvmatch/index.h"
@@ -243,6 +244,11 @@ void km_server_destroy(km_server *server);
  * (no such local worker), the decoder's (the seq is still consumed, as for a malformed message). */
 int km_server_deliver_events(km_server *server, uint32_t worker, uint64_t seq, const void *payload,
                              size_t size);
+
+/* The server's cluster handle (docs/CLUSTER.md), NULL without cluster_url: for observers that
+ * read its propagation state (the simulator). Valid from km_server_create until
+ * km_server_destroy; its functions are thread-safe. */
+km_cluster *km_server_cluster(km_server *server);
 
 /* The bound TCP / HTTP ports (useful with port 0); 0 when not listening. */
 uint16_t km_server_tcp_port(const km_server *server);

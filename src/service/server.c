@@ -526,6 +526,11 @@ int km_server_run(km_server *s, bool install_signals)
     return status;
 }
 
+km_cluster *km_server_cluster(km_server *s)
+{
+    return s ? s->cluster : NULL;
+}
+
 uint16_t km_server_tcp_port(const km_server *s)
 {
     return s ? s->tcp_port : 0;
