@@ -136,6 +136,13 @@ static const row rows[] = {
     {"  exact inside them", U(exact_in_windows)},
     {"cluster-scope decisions", U(cluster_scope_decisions)},
     {"  others' load seen", U(remote_load_seen)},
+    {"this-instance decisions", U(this_instance_decisions)},
+    {"stale-view decisions", U(stale_view_decisions)},
+    {"propagation waits timed out", U(propagation_timeouts)},
+    {"cluster gaps detected", U(cluster_lost_messages)},
+    {"cluster contributions expired", U(cluster_expired)},
+    {"cluster reconnects", U(cluster_reconnects)},
+    {"cluster changes not sent", U(cluster_publish_failures)},
     {"route errors", U(route_errors)},
     {"rejected by engines", U(rejected)},
 };
@@ -149,6 +156,21 @@ static json_t *result_json(const km_sim_result *r)
     json_object_set_new(o, "cluster_scope_decisions",
                         json_integer((json_int_t)r->cluster_scope_decisions));
     json_object_set_new(o, "remote_load_seen", json_integer((json_int_t)r->remote_load_seen));
+    if (r->mode == KM_SIM_MODE_SHARED) {
+        json_t *c = json_object();
+        json_object_set_new(c, "this_instance_decisions",
+                            json_integer((json_int_t)r->this_instance_decisions));
+        json_object_set_new(c, "stale_view_decisions",
+                            json_integer((json_int_t)r->stale_view_decisions));
+        json_object_set_new(c, "propagation_timeouts",
+                            json_integer((json_int_t)r->propagation_timeouts));
+        json_object_set_new(c, "lost_messages", json_integer((json_int_t)r->cluster_lost_messages));
+        json_object_set_new(c, "expired_instances", json_integer((json_int_t)r->cluster_expired));
+        json_object_set_new(c, "reconnects", json_integer((json_int_t)r->cluster_reconnects));
+        json_object_set_new(c, "publish_failures",
+                            json_integer((json_int_t)r->cluster_publish_failures));
+        json_object_set_new(o, "cluster", c);
+    }
     if (r->load > 0)
         json_object_set_new(o, "load", json_real(r->load));
     json_object_set_new(o, "offered_rps", json_real(r->offered_rps));

@@ -521,6 +521,97 @@ static void observe_state(run *r, uint32_t w, const char *state, uint64_t now_us
     }
 }
 
+static km_cluster *inst_cluster(run *r, uint32_t i)
+{
+    return r->inst[i].server ? km_server_cluster(r->inst[i].server) : NULL;
+}
+
+/* Shared mode: what a decision's view was (load_scope, stale contributions). */
+static void observe_cluster_view(run *r, const km_route_decision *d)
+{
+    km_sim_result *res = r->res;
+    res->this_instance_decisions += d->load_scope && !strncmp(d->load_scope, "this_instance", 13);
+    res->stale_view_decisions += d->load_stale_instances && d->load_stale_instances[0];
+}
+
+static void sleep_us(long us)
+{
+    struct timespec ts = {0, us * 1000};
+    nanosleep(&ts, NULL);
+}
+
+/* Does every instance j hold a contribution of every other instance i, with every message i had
+ * sent when `sent` was taken (sent[i] = {incarnation, seq})? Instances not connected to NATS
+ * neither send nor receive: they are left out. */
+static bool propagated(run *r, const uint64_t (*sent)[2], const bool *connected)
+{
+    for (uint32_t i = 0; i < r->n_inst; i++) {
+        if (!connected[i] || sent[i][1] == 0)
+            continue;
+        for (uint32_t j = 0; j < r->n_inst; j++) {
+            km_cluster *cj = inst_cluster(r, j);
+            uint64_t inc, seq;
+            if (j == i || !cj || !connected[j])
+                continue;
+            if (km_cluster_get_applied(cj, r->inst[i].id, &inc, &seq) != KM_OK)
+                return false;
+            if (inc != sent[i][0] || seq < sent[i][1])
+                return false;
+        }
+    }
+    return true;
+}
+
+static void connected_now(run *r, bool *connected)
+{
+    for (uint32_t i = 0; i < r->n_inst; i++) {
+        km_cluster_stats st;
+        km_cluster *c = inst_cluster(r, i);
+        connected[i] = c && km_cluster_get_stats(c, &st) == KM_OK && st.connected;
+    }
+}
+
+/* Shared mode, before a decision: propagation made explicit in virtual time. Every change an
+ * instance has sent so far (its sent sequence number now) is applied by every other connected
+ * instance before the decision is taken, however long NATS takes in wall time (at most
+ * KM_SIM_PROPAGATION_WAIT_MS, then counted in propagation_timeouts): no decision sees a view
+ * older than the virtual instant it is taken at. A change not sent (an injected drop) is not
+ * waited for: it is a gap, which the next message shows. */
+static void wait_propagated(run *r)
+{
+    if (!r->cluster_url)
+        return;
+    uint64_t sent[KM_SIM_MAX_INSTANCES][2] = {{0}};
+    bool connected[KM_SIM_MAX_INSTANCES];
+    connected_now(r, connected);
+    for (uint32_t i = 0; i < r->n_inst; i++) {
+        km_cluster *c = inst_cluster(r, i);
+        if (c)
+            km_cluster_get_sent(c, &sent[i][0], &sent[i][1]);
+    }
+    double deadline = wall_s() + KM_SIM_PROPAGATION_WAIT_MS / 1000.0;
+    while (!propagated(r, (const uint64_t(*)[2])sent, connected)) {
+        if (wall_s() > deadline) {
+            r->res->propagation_timeouts++;
+            return;
+        }
+        sleep_us(50);
+    }
+}
+
+/* Add an instance's cluster counters to the run's. */
+static void add_cluster_stats(run *r, uint32_t i)
+{
+    km_cluster *c = inst_cluster(r, i);
+    km_cluster_stats st;
+    if (!c || km_cluster_get_stats(c, &st) != KM_OK)
+        return;
+    r->res->cluster_lost_messages += st.lost_messages;
+    r->res->cluster_expired += st.expired_instances;
+    r->res->cluster_reconnects += st.reconnects;
+    r->res->cluster_publish_failures += st.publish_failures;
+}
+
 static int route_one(run *r, size_t index, uint64_t now_us, char *why, size_t why_size)
 {
     const km_trace_request *q = &r->trace->requests[index];
@@ -600,8 +691,11 @@ static int route_one(run *r, size_t index, uint64_t now_us, char *why, size_t wh
             state = row->state;
             r->res->overridden++;
         }
-        if (d->load_scope && !strcmp(d->load_scope, "cluster") && d->load_instances > 0)
-            r->res->cluster_scope_decisions++;
+        bool cluster_scope = d->load_scope && !strcmp(d->load_scope, "cluster") &&
+                             d->load_instances > 0;
+        r->res->cluster_scope_decisions += cluster_scope;
+        if (r->cluster_url)
+            observe_cluster_view(r, d);
         const uint32_t *own = &r->own_in_flight[(size_t)in * r->cfg->workers];
         for (uint32_t k = 0; k < d->n_candidates; k++) {
             uint32_t cw = d->candidates[k].worker - r->worker_base;
@@ -1013,6 +1107,8 @@ static int run_policy(const km_sim_config *cfg, const km_trace *trace, const cha
                 rc = flush_reports(&r, why, why_size);
             if (!rc)
                 rc = wait_delivered(&r, why, why_size);
+            if (!rc)
+                wait_propagated(&r);
             if (!rc) {
                 r.reqs[next].arrival_us = t_arrival;
                 rc = route_one(&r, next, t_arrival, why, why_size);
@@ -1059,6 +1155,8 @@ static int run_policy(const km_sim_config *cfg, const km_trace *trace, const cha
     }
     if (!rc)
         rc = flush_reports(&r, why, why_size);
+    for (uint32_t i = 0; !rc && r.cluster_url && i < r.n_inst; i++)
+        add_cluster_stats(&r, i);
     if (!rc) {
         res->makespan_s -= (double)first_arrival / 1e6;
         if (res->makespan_s > 0)

@@ -24,6 +24,9 @@
 #define KM_SIM_CAPACITY_QUEUE 4.0
 #define KM_SIM_CAPACITY_MAX_SAMPLE 100000u
 #define KM_SIM_MAX_INSTANCES 16u
+/* Shared mode: how long (wall time) a decision waits for every change sent so far to reach every
+ * other instance. */
+#define KM_SIM_PROPAGATION_WAIT_MS 2000u
 
 /* How many kvmatch instances route, and what each sees (docs/SIM.md, "Several instances"). Every
  * instance indexes the same engines (each hears every engine's events); the requests kvmatch
@@ -124,6 +127,16 @@ typedef struct km_sim_result {
     /* Decisions where some candidate's in-flight count exceeded what the deciding instance itself
      * had sent to that worker and not yet seen finish: the other instances' load, seen. */
     uint64_t remote_load_seen;
+    /* Shared mode: how the cluster view behaved (each 0 in the other modes). */
+    uint64_t this_instance_decisions; /* decisions labelled load_scope this_instance */
+    uint64_t stale_view_decisions;    /* decisions whose view listed a stale contribution */
+    uint64_t propagation_timeouts;    /* waits for every change to reach every instance that hit
+                                       * their bound (KM_SIM_PROPAGATION_WAIT_MS) */
+    uint64_t cluster_lost_messages;   /* gaps the instances detected (their lost_messages) */
+    uint64_t cluster_expired;         /* contributions the instances dropped for silence */
+    uint64_t cluster_reconnects;      /* reconnections to NATS, over the instances */
+    uint64_t cluster_publish_failures; /* changes not sent: the lossy link's drops and publishes
+                                        * the NATS client refused */
     double load;                      /* the offered load of this run; 0 = the trace's own times */
     double offered_rps;               /* km_sim_arrival_rate of the replayed arrivals */
     /* Requests finished per second between the 10th and the 90th percentile of finish times
