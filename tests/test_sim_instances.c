@@ -2,16 +2,20 @@
  * isolated instances never see each other's load and replay the same per seed; instances sharing
  * their active work over a real nats-server (started by the simulator on a free loopback port) see
  * the others' requests in their decisions, every change applied before the next decision (so the
- * run is the same per seed); the settings several instances exclude are refused. */
+ * run is the same per seed); the faults of several instances (a killed instance, NATS restarted,
+ * a lossy link) show in the results; the settings several instances exclude are refused. */
 #include <stdbool.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include <criterion/criterion.h>
 
 #include "kvmatch/error.h"
 #include "sim/broker.h"
 #include "sim/sim.h"
+#include "test_util.h"
 
 static void quiet(void *user, const char *line)
 {
@@ -145,6 +149,107 @@ Test(sim_instances, shared_instances_see_each_others_load, .timeout = 120)
     }
 }
 
+/* Three instances, the last killed at 10 s: its contribution stays in the survivors' views until
+ * their expiry (1 s), then no decision counts it; the router's reports of its requests are lost;
+ * every request is still routed and served. */
+Test(sim_instances, a_killed_instance_leaves_the_views_after_expiry, .timeout = 180)
+{
+    skip_without_nats();
+    km_sim_config cfg;
+    moderate_config(&cfg, KM_SIM_MODE_SHARED, 3);
+    cfg.n_policies = 1;
+    cfg.policies[0] = "least_load";
+    cfg.kill_instance_at_s = 10.0;
+    km_sim_result r[KM_SIM_MAX_POLICIES];
+    char why[512];
+    cr_assert_eq(km_sim_run(&cfg, r, NULL, why, sizeof why), KM_OK, "%s", why);
+    cr_assert_eq(r[0].routed, r[0].requests);
+    cr_assert_eq(r[0].route_errors, 0);
+    cr_assert_eq(r[0].propagation_timeouts, 0);
+    cr_assert_gt(r[0].reports_lost_to_kill, 0, "the killed instance's requests were still running");
+    cr_assert_geq(r[0].cluster_expired, 2, "each survivor expired the killed instance");
+    cr_assert_gt(r[0].decisions_after_faults, r[0].requests / 4);
+    cr_assert_eq(r[0].counting_killed_after_faults, 0, "%llu decisions after the expiry still "
+                 "counted the killed instance", (unsigned long long)r[0].counting_killed_after_faults);
+    cr_assert_eq(r[0].cluster_scope_after_faults, r[0].decisions_after_faults,
+                 "the survivors still share their work");
+    cr_assert_eq(r[0].cluster_scope_decisions, r[0].routed);
+}
+
+/* NATS killed at 10 s and started again at 20 s: during the outage the decisions say
+ * this_instance (the remote contributions expired); once it is back every decision is in the
+ * cluster's view again. */
+Test(sim_instances, after_a_nats_restart_decisions_return_to_the_cluster_view, .timeout = 180)
+{
+    skip_without_nats();
+    km_sim_config cfg;
+    moderate_config(&cfg, KM_SIM_MODE_SHARED, 2);
+    cfg.n_policies = 1;
+    cfg.policies[0] = "least_load";
+    cfg.nats_stop_at_s = 10.0;
+    cfg.nats_stop_for_s = 10.0;
+    km_sim_result r[KM_SIM_MAX_POLICIES];
+    char why[512];
+    cr_assert_eq(km_sim_run(&cfg, r, NULL, why, sizeof why), KM_OK, "%s", why);
+    cr_assert_eq(r[0].routed, r[0].requests);
+    cr_assert_eq(r[0].route_errors, 0);
+    cr_assert_eq(r[0].propagation_timeouts, 0);
+    /* About 20 arrivals in the 10 s of outage (2 per second). */
+    cr_assert_gt(r[0].this_instance_decisions, 5, "%llu decisions on the instance's own view",
+                 (unsigned long long)r[0].this_instance_decisions);
+    cr_assert_eq(r[0].this_instance_decisions + r[0].cluster_scope_decisions, r[0].routed);
+    cr_assert_geq(r[0].cluster_reconnects, 2, "both instances reconnected");
+    cr_assert_geq(r[0].cluster_expired, 2);
+    cr_assert_gt(r[0].decisions_after_faults, r[0].requests / 4);
+    cr_assert_eq(r[0].cluster_scope_after_faults, r[0].decisions_after_faults);
+}
+
+/* An outage lasting past the end of a policy's run: the next policy's instances still find NATS
+ * (the run started it again on its way out) and share their work until their own outage. */
+Test(sim_instances, an_outage_past_the_end_leaves_nats_running_for_the_next_policy, .timeout = 180)
+{
+    skip_without_nats();
+    km_sim_config cfg;
+    moderate_config(&cfg, KM_SIM_MODE_SHARED, 2);
+    cfg.nats_stop_at_s = 40.0;
+    cfg.nats_stop_for_s = 1000.0;
+    km_sim_result r[KM_SIM_MAX_POLICIES];
+    char why[512];
+    cr_assert_eq(km_sim_run(&cfg, r, NULL, why, sizeof why), KM_OK, "%s", why);
+    for (uint32_t i = 0; i < cfg.n_policies; i++) {
+        cr_assert_eq(r[i].routed, r[i].requests);
+        cr_assert_gt(r[i].this_instance_decisions, 0, "%s: the outage began", r[i].policy);
+        cr_assert_gt(r[i].cluster_scope_decisions, r[i].routed / 2, "%s: %llu decisions in the "
+                     "cluster's view before it", r[i].policy,
+                     (unsigned long long)r[i].cluster_scope_decisions);
+        cr_assert_eq(r[i].decisions_after_faults, 0, "NATS never came back within the run");
+    }
+}
+
+/* A lossy link (one change in 10 not sent): every loss shows as a gap at the receiver, and the
+ * decisions taken while a contribution was stale say so; the requests are all served. */
+Test(sim_instances, a_lossy_link_is_detected_and_stale_views_are_labelled, .timeout = 180)
+{
+    skip_without_nats();
+    km_sim_config cfg;
+    moderate_config(&cfg, KM_SIM_MODE_SHARED, 2);
+    cfg.n_policies = 1;
+    cfg.policies[0] = "least_load";
+    cfg.cluster_loss = 0.1;
+    km_sim_result r[KM_SIM_MAX_POLICIES];
+    char why[512];
+    cr_assert_eq(km_sim_run(&cfg, r, NULL, why, sizeof why), KM_OK, "%s", why);
+    cr_assert_eq(r[0].routed, r[0].requests);
+    cr_assert_eq(r[0].propagation_timeouts, 0);
+    cr_assert_gt(r[0].cluster_publish_failures, 10, "one change in 10 dropped");
+    /* Each instance's last drop may not be followed by a message before the end. */
+    cr_assert_geq(r[0].cluster_lost_messages + 2, r[0].cluster_publish_failures,
+                  "%llu gaps for %llu drops", (unsigned long long)r[0].cluster_lost_messages,
+                  (unsigned long long)r[0].cluster_publish_failures);
+    cr_assert_leq(r[0].cluster_lost_messages, r[0].cluster_publish_failures);
+    cr_assert_gt(r[0].stale_view_decisions, 0);
+}
+
 Test(sim_instances, bad_settings, .timeout = 20)
 {
     km_sim_config cfg;
@@ -165,4 +270,45 @@ Test(sim_instances, bad_settings, .timeout = 20)
     cfg.restart_kvmatch_at_s = 1;
     cr_assert_eq(km_sim_run(&cfg, r, NULL, why, sizeof why), KM_ERR_INVALID_ARGUMENT);
     cr_assert(strstr(why, "--restart-kvmatch"), "%s", why);
+    moderate_config(&cfg, KM_SIM_MODE_SHARED, 2);
+    cfg.cluster_loss = 1.5;
+    cr_assert_eq(km_sim_run(&cfg, r, NULL, why, sizeof why), KM_ERR_INVALID_ARGUMENT);
+    cr_assert(strstr(why, "lossy"), "%s", why);
+    moderate_config(&cfg, KM_SIM_MODE_SHARED, 2);
+    cfg.nats_stop_at_s = 1;
+    cfg.nats_stop_for_s = 0;
+    cr_assert_eq(km_sim_run(&cfg, r, NULL, why, sizeof why), KM_ERR_INVALID_ARGUMENT);
+    cr_assert(strstr(why, "outage"), "%s", why);
+    moderate_config(&cfg, KM_SIM_MODE_SHARED, 1);
+    cfg.kill_instance_at_s = 1;
+    cr_assert_eq(km_sim_run(&cfg, r, NULL, why, sizeof why), KM_ERR_INVALID_ARGUMENT);
+    cr_assert(strstr(why, "at least 2 instances"), "%s", why);
+}
+
+/* The --fault option: each malformed or out-of-range fault, and a fault without several
+ * instances, refused with exit 2 and a sentence naming the accepted forms. */
+Test(sim_instances, bad_fault_options_are_refused_by_the_cli, .timeout = 60)
+{
+    const char *bin = getenv("KM_BIN") ? getenv("KM_BIN") : "build/kvmatch";
+    if (access(bin, X_OK) != 0)
+        cr_assert_fail("%s is not executable (set KM_BIN)", bin);
+    static const struct {
+        const char *args, *words;
+    } bad[] = {
+        {"--instances 2 --fault lossy=2", "lossy=P (P in (0, 1])"},
+        {"--instances 2 --fault lossy=0", "lossy=P"},
+        {"--instances 2 --fault nats-restart@3+0", "nats-restart@T[+D]"},
+        {"--instances 2 --fault kill-instance@-1", "kill-instance@T"},
+        {"--instances 2 --fault crash@3", "kill-instance@T"},
+        {"--instances 2 --fault kill-instance@3x", "kill-instance@T"},
+        {"--fault kill-instance@3", "need --instances N > 1"},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        char cmd[512], out[4096];
+        snprintf(cmd, sizeof cmd, "timeout -s KILL 20 %s sim --requests 10 %s </dev/null", bin,
+                 bad[i].args);
+        int rc = km_test_run_capture(cmd, out, sizeof out);
+        cr_assert_eq(rc, 2, "%s: exit %d: %s", bad[i].args, rc, out);
+        cr_assert(strstr(out, bad[i].words), "%s: %s", bad[i].args, out);
+    }
 }

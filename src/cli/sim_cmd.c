@@ -63,7 +63,11 @@ static void sim_usage(FILE *f)
             "  --override P        the router sends this share of routed requests to another\n"
             "                      worker than the decision's and reports it\n"
             "  --restart-kvmatch T[:snapshot|:nosnapshot]  stop kvmatch at T and start a new one,\n"
-            "                      from the snapshot it wrote (needs --zmq) or empty\n");
+            "                      from the snapshot it wrote (needs --zmq) or empty\n"
+            "faults of several instances (--instances N > 1; the shared mode only; repeatable):\n"
+            "  --fault kill-instance@T    the last instance stops for good at T\n"
+            "  --fault nats-restart@T[+D] nats-server killed at T, started again D later (default 2)\n"
+            "  --fault lossy=P            each instance sends no change message in every round(1/P)\n");
 }
 
 /* Comma-separated loads into cfg->loads; 0 on success. */
@@ -143,6 +147,11 @@ static const row rows[] = {
     {"cluster contributions expired", U(cluster_expired)},
     {"cluster reconnects", U(cluster_reconnects)},
     {"cluster changes not sent", U(cluster_publish_failures)},
+    {"reports lost to the kill", U(reports_lost_to_kill)},
+    {"decisions counting the killed", U(counting_killed_decisions)},
+    {"decisions after faults", U(decisions_after_faults)},
+    {"  in the cluster's view", U(cluster_scope_after_faults)},
+    {"  counting the killed", U(counting_killed_after_faults)},
     {"route errors", U(route_errors)},
     {"rejected by engines", U(rejected)},
 };
@@ -169,6 +178,16 @@ static json_t *result_json(const km_sim_result *r)
         json_object_set_new(c, "reconnects", json_integer((json_int_t)r->cluster_reconnects));
         json_object_set_new(c, "publish_failures",
                             json_integer((json_int_t)r->cluster_publish_failures));
+        json_object_set_new(c, "reports_lost_to_kill",
+                            json_integer((json_int_t)r->reports_lost_to_kill));
+        json_object_set_new(c, "counting_killed_decisions",
+                            json_integer((json_int_t)r->counting_killed_decisions));
+        json_object_set_new(c, "decisions_after_faults",
+                            json_integer((json_int_t)r->decisions_after_faults));
+        json_object_set_new(c, "cluster_scope_after_faults",
+                            json_integer((json_int_t)r->cluster_scope_after_faults));
+        json_object_set_new(c, "counting_killed_after_faults",
+                            json_integer((json_int_t)r->counting_killed_after_faults));
         json_object_set_new(o, "cluster", c);
     }
     if (r->load > 0)
@@ -393,7 +412,7 @@ int km_cmd_sim(int argc, char **argv)
         OPT_TIME_SCALE, OPT_RATE, OPT_SEED, OPT_WORKERS, OPT_CAPACITY, OPT_WORKLOAD, OPT_ENGINE,
         OPT_LOAD, OPT_SWEEP, OPT_HTML, OPT_CONNECT, OPT_RECORDS, OPT_DROP_EVENTS, OPT_CUT,
         OPT_RESTART_ENGINE, OPT_RESTART_KVMATCH, OPT_SECOND_INGRESS, OPT_OVERRIDE,
-        OPT_APPROX_DISPATCH_MB, OPT_REPLAY_BUFFER, OPT_POLICY, OPT_INSTANCES,
+        OPT_APPROX_DISPATCH_MB, OPT_REPLAY_BUFFER, OPT_POLICY, OPT_INSTANCES, OPT_FAULT,
     };
     static const struct option options[] = {
         {"help", no_argument, NULL, 'h'},
@@ -426,6 +445,7 @@ int km_cmd_sim(int argc, char **argv)
         {"replay-buffer", required_argument, NULL, OPT_REPLAY_BUFFER},
         {"policy", required_argument, NULL, OPT_POLICY},
         {"instances", required_argument, NULL, OPT_INSTANCES},
+        {"fault", required_argument, NULL, OPT_FAULT},
         {NULL, 0, NULL, 0},
     };
     km_cli_getopt_begin(argv, "sim");
@@ -585,6 +605,25 @@ int km_cmd_sim(int argc, char **argv)
             if (!km_cli_u32("sim", "instances", v, 1, KM_SIM_MAX_INSTANCES, &cfg.instances))
                 return KM_EXIT_USAGE;
             break;
+        case OPT_FAULT: {
+            double t, d = cfg.nats_stop_for_s, p;
+            char end;
+            if (sscanf(v, "kill-instance@%lf%c", &t, &end) == 1 && t >= 0) {
+                cfg.kill_instance_at_s = t;
+            } else if ((sscanf(v, "nats-restart@%lf%c", &t, &end) == 1 ||
+                        sscanf(v, "nats-restart@%lf+%lf%c", &t, &d, &end) == 2) &&
+                       t >= 0 && d > 0) {
+                cfg.nats_stop_at_s = t;
+                cfg.nats_stop_for_s = d;
+            } else if (sscanf(v, "lossy=%lf%c", &p, &end) == 1 && p > 0 && p <= 1) {
+                cfg.cluster_loss = p;
+            } else {
+                fprintf(stderr, "kvmatch sim: --fault \"%s\": kill-instance@T, nats-restart@T[+D] "
+                                "(T >= 0, D > 0 virtual seconds) or lossy=P (P in (0, 1])\n", v);
+                return KM_EXIT_USAGE;
+            }
+            break;
+        }
         case OPT_REPLAY_BUFFER:
             if (!km_cli_u32("sim", "replay-buffer", v, 1, 10000000, &cfg.replay_buffer))
                 return KM_EXIT_USAGE;
@@ -644,6 +683,12 @@ int km_cmd_sim(int argc, char **argv)
     cfg.log_user = verbose || !json ? (void *)1 : NULL;
     uint32_t instances = cfg.instances;
     char why[512];
+    if (instances < 2 &&
+        (cfg.kill_instance_at_s >= 0 || cfg.nats_stop_at_s >= 0 || cfg.cluster_loss > 0)) {
+        fprintf(stderr, "kvmatch sim: --fault kill-instance, nats-restart and lossy act on the "
+                        "shared mode: they need --instances N > 1\n");
+        return 2;
+    }
     if (instances > 1) {
         if (html) {
             fprintf(stderr, "kvmatch sim: --html draws one mode: it excludes --instances > 1\n");

@@ -58,26 +58,16 @@ static bool accepts(uint16_t port)
     return ok;
 }
 
-int km_sim_broker_start(km_sim_broker *b, char *why, size_t why_size)
+/* Start nats-server on `port` (b->url and b->log_path set) and wait until it listens. */
+static int spawn(km_sim_broker *b, const char *bin, uint16_t port, char *why, size_t why_size)
 {
-    memset(b, 0, sizeof *b);
-    const char *bin = km_sim_broker_binary();
-    if (!bin)
-        return km_why(why, why_size, KM_ERR_NOT_FOUND,
-                      "the shared mode (--instances > 1) needs nats-server, which is not in PATH, "
-                      "/usr/sbin or /usr/local/sbin (Debian package nats-server)");
-    uint16_t port = free_loopback_port();
-    if (!port)
-        return km_why(why, why_size, KM_ERR_IO, "no free loopback port for nats-server");
     char port_s[16];
     snprintf(port_s, sizeof port_s, "%u", port);
-    snprintf(b->url, sizeof b->url, "nats://127.0.0.1:%u", port);
-    snprintf(b->log_path, sizeof b->log_path, "/tmp/kvmatch-sim-nats-%ld-%u.log", (long)getpid(), port);
     pid_t pid = fork();
     if (pid < 0)
         return km_why(why, why_size, KM_ERR_IO, "fork for nats-server: %s", strerror(errno));
     if (pid == 0) {
-        int fd = open(b->log_path, O_WRONLY | O_CREAT | O_TRUNC, 0600);
+        int fd = open(b->log_path, O_WRONLY | O_CREAT | O_APPEND, 0600);
         if (fd >= 0) {
             dup2(fd, 1);
             dup2(fd, 2);
@@ -103,12 +93,46 @@ int km_sim_broker_start(km_sim_broker *b, char *why, size_t why_size)
     return km_why(why, why_size, KM_ERR_IO, "%s did not listen on 127.0.0.1:%u within 5 s", bin, port);
 }
 
-void km_sim_broker_stop(km_sim_broker *b)
+int km_sim_broker_start(km_sim_broker *b, char *why, size_t why_size)
+{
+    memset(b, 0, sizeof *b);
+    const char *bin = km_sim_broker_binary();
+    if (!bin)
+        return km_why(why, why_size, KM_ERR_NOT_FOUND,
+                      "the shared mode (--instances > 1) needs nats-server, which is not in PATH, "
+                      "/usr/sbin or /usr/local/sbin (Debian package nats-server)");
+    uint16_t port = free_loopback_port();
+    if (!port)
+        return km_why(why, why_size, KM_ERR_IO, "no free loopback port for nats-server");
+    b->port = port;
+    snprintf(b->url, sizeof b->url, "nats://127.0.0.1:%u", port);
+    snprintf(b->log_path, sizeof b->log_path, "/tmp/kvmatch-sim-nats-%ld-%u.log", (long)getpid(), port);
+    unlink(b->log_path);
+    return spawn(b, bin, port, why, why_size);
+}
+
+int km_sim_broker_kill(km_sim_broker *b)
 {
     if (!b->pid)
-        return;
+        return KM_OK;
     kill(b->pid, SIGKILL);
     waitpid(b->pid, NULL, 0);
     b->pid = 0;
-    unlink(b->log_path);
+    return KM_OK;
+}
+
+int km_sim_broker_restart(km_sim_broker *b, char *why, size_t why_size)
+{
+    const char *bin = km_sim_broker_binary();
+    if (!bin || !b->port)
+        return km_why(why, why_size, KM_ERR_NOT_FOUND, "no nats-server to restart");
+    km_sim_broker_kill(b);
+    return spawn(b, bin, b->port, why, why_size);
+}
+
+void km_sim_broker_stop(km_sim_broker *b)
+{
+    km_sim_broker_kill(b);
+    if (b->log_path[0])
+        unlink(b->log_path);
 }

@@ -64,6 +64,9 @@ void km_sim_config_init(km_sim_config *cfg)
     cfg->replay_buffer = 10000;
     cfg->restart_kvmatch_at_s = -1;
     cfg->approx_dispatch_max_bytes = -1;
+    cfg->kill_instance_at_s = -1;
+    cfg->nats_stop_at_s = -1;
+    cfg->nats_stop_for_s = 2;
     cfg->instances = 1;
 }
 
@@ -115,6 +118,7 @@ typedef struct sim_instance {
     km_server *server;
     pthread_t thread;
     bool running;
+    bool dead;          /* killed by the fault: routes and reports no longer reach it */
     int status;
     km_client *client;
 } sim_instance;
@@ -128,6 +132,10 @@ typedef struct run {
     sim_instance inst[KM_SIM_MAX_INSTANCES];
     uint32_t ingress_rr;      /* the next routed request's instance, round robin */
     const char *cluster_url;  /* shared mode: the broker all instances share; NULL otherwise */
+    km_sim_broker *broker;    /* shared mode: that broker (the NATS outage fault stops it) */
+    uint32_t n_alive;         /* instances not killed */
+    bool killed, kill_expired; /* the kill fault: done; the survivors dropped its contribution */
+    bool nats_down, nats_back; /* the NATS outage fault: begun; over, every view whole again */
     char cluster_subject[64]; /* shared mode: this run's subject prefix */
     uint32_t *own_in_flight;  /* [inst * workers + w]: requests the instance sent to w and has not
                                * yet been told finished */
@@ -303,6 +311,12 @@ static int flush_reports(run *r, char *why, size_t why_size)
                     r->batch[total++] = r->pending[k];
             events = r->batch;
         }
+        if (r->inst[i].dead) {
+            /* Nobody receives them: the router's reports of a killed instance's requests. */
+            for (size_t k = 0; k < r->n_pending; k++)
+                r->res->reports_lost_to_kill += r->pending_inst[k] == i;
+            continue;
+        }
         km_client *c = r->inst[i].client;
         const km_welcome *wel = km_client_welcome(c);
         size_t per = wel && wel->limits.max_batch_items ? wel->limits.max_batch_items : 1024;
@@ -445,8 +459,9 @@ static int drain_engine(run *r, uint32_t w, uint64_t now_us, char *why, size_t w
         } else if (!drop) {
             /* Every instance indexes every engine. */
             for (uint32_t i = 0; i < r->n_inst && rc == KM_OK; i++)
-                rc = km_server_deliver_events(r->inst[i].server, r->worker_base + w, m.seq,
-                                              m.payload, m.payload_size);
+                if (!r->inst[i].dead)
+                    rc = km_server_deliver_events(r->inst[i].server, r->worker_base + w, m.seq,
+                                                  m.payload, m.payload_size);
         }
         if (!drop)
             r->live_next[w] = m.seq + 1;
@@ -523,15 +538,34 @@ static void observe_state(run *r, uint32_t w, const char *state, uint64_t now_us
 
 static km_cluster *inst_cluster(run *r, uint32_t i)
 {
-    return r->inst[i].server ? km_server_cluster(r->inst[i].server) : NULL;
+    return r->inst[i].dead || !r->inst[i].server ? NULL : km_server_cluster(r->inst[i].server);
 }
 
-/* Shared mode: what a decision's view was (load_scope, stale contributions). */
-static void observe_cluster_view(run *r, const km_route_decision *d)
+/* Has every fault of the run recovered (none configured: false)? */
+static bool faults_recovered(const run *r)
+{
+    const km_sim_config *cfg = r->cfg;
+    bool kill = cfg->kill_instance_at_s >= 0, nats = cfg->nats_stop_at_s >= 0;
+    return (kill || nats) && (!kill || r->kill_expired) && (!nats || r->nats_back);
+}
+
+/* Shared mode: what a decision's view was (load_scope, stale contributions, the killed
+ * instance's contribution still counted). */
+static void observe_cluster_view(run *r, const km_route_decision *d, bool cluster_scope)
 {
     km_sim_result *res = r->res;
-    res->this_instance_decisions += d->load_scope && !strncmp(d->load_scope, "this_instance", 13);
+    bool this_instance = d->load_scope && !strncmp(d->load_scope, "this_instance", 13);
+    res->this_instance_decisions += this_instance;
     res->stale_view_decisions += d->load_stale_instances && d->load_stale_instances[0];
+    /* The decider's remote contributions are the other survivors' plus, until it expires, the
+     * killed instance's. */
+    bool counting_killed = r->killed && !this_instance && d->load_instances >= r->n_alive;
+    res->counting_killed_decisions += counting_killed;
+    if (faults_recovered(r)) {
+        res->decisions_after_faults++;
+        res->cluster_scope_after_faults += cluster_scope;
+        res->counting_killed_after_faults += counting_killed;
+    }
 }
 
 static void sleep_us(long us)
@@ -540,13 +574,13 @@ static void sleep_us(long us)
     nanosleep(&ts, NULL);
 }
 
-/* Does every instance j hold a contribution of every other instance i, with every message i had
- * sent when `sent` was taken (sent[i] = {incarnation, seq})? Instances not connected to NATS
- * neither send nor receive: they are left out. */
+/* Does every live instance j hold a contribution of every other live instance i, with every
+ * message i had sent when `sent` was taken (sent[i] = {incarnation, seq}; NULL: any)? Instances
+ * not connected to NATS neither send nor receive: they are left out. */
 static bool propagated(run *r, const uint64_t (*sent)[2], const bool *connected)
 {
     for (uint32_t i = 0; i < r->n_inst; i++) {
-        if (!connected[i] || sent[i][1] == 0)
+        if (r->inst[i].dead || !connected[i] || (sent && sent[i][1] == 0))
             continue;
         for (uint32_t j = 0; j < r->n_inst; j++) {
             km_cluster *cj = inst_cluster(r, j);
@@ -555,7 +589,7 @@ static bool propagated(run *r, const uint64_t (*sent)[2], const bool *connected)
                 continue;
             if (km_cluster_get_applied(cj, r->inst[i].id, &inc, &seq) != KM_OK)
                 return false;
-            if (inc != sent[i][0] || seq < sent[i][1])
+            if (sent && (inc != sent[i][0] || seq < sent[i][1]))
                 return false;
         }
     }
@@ -579,7 +613,7 @@ static void connected_now(run *r, bool *connected)
  * waited for: it is a gap, which the next message shows. */
 static void wait_propagated(run *r)
 {
-    if (!r->cluster_url)
+    if (!r->cluster_url || r->nats_down)
         return;
     uint64_t sent[KM_SIM_MAX_INSTANCES][2] = {{0}};
     bool connected[KM_SIM_MAX_INSTANCES];
@@ -599,6 +633,54 @@ static void wait_propagated(run *r)
     }
 }
 
+/* Wait (wall time, at most ms) until `done`; false when it never was. */
+static bool wait_until(run *r, bool (*done)(run *r), uint32_t ms)
+{
+    double deadline = wall_s() + ms / 1000.0;
+    while (!done(r)) {
+        if (wall_s() > deadline)
+            return false;
+        sleep_us(1000);
+    }
+    return true;
+}
+
+/* The killed instance's contribution has left every survivor's view. */
+static bool killed_expired(run *r)
+{
+    const char *id = r->inst[r->n_inst - 1].id;
+    for (uint32_t i = 0; i < r->n_inst; i++) {
+        km_cluster *c = inst_cluster(r, i);
+        uint64_t inc, seq;
+        if (c && km_cluster_get_applied(c, id, &inc, &seq) != KM_ERR_NOT_FOUND)
+            return false;
+    }
+    return true;
+}
+
+/* NATS is gone for every live instance: disconnected, every remote contribution expired. */
+static bool cut_off(run *r)
+{
+    for (uint32_t i = 0; i < r->n_inst; i++) {
+        km_cluster *c = inst_cluster(r, i);
+        km_cluster_stats st;
+        if (c && (km_cluster_get_stats(c, &st) != KM_OK || st.connected || st.instances))
+            return false;
+    }
+    return true;
+}
+
+/* NATS is back: every live instance connected and holding every other's contribution. */
+static bool rejoined(run *r)
+{
+    bool connected[KM_SIM_MAX_INSTANCES];
+    connected_now(r, connected);
+    for (uint32_t i = 0; i < r->n_inst; i++)
+        if (!r->inst[i].dead && !connected[i])
+            return false;
+    return propagated(r, NULL, connected);
+}
+
 /* Add an instance's cluster counters to the run's. */
 static void add_cluster_stats(run *r, uint32_t i)
 {
@@ -610,6 +692,70 @@ static void add_cluster_stats(run *r, uint32_t i)
     r->res->cluster_expired += st.expired_instances;
     r->res->cluster_reconnects += st.reconnects;
     r->res->cluster_publish_failures += st.publish_failures;
+}
+
+/* The kill fault: the last instance stops for good (its server, and with it its cluster handle:
+ * it falls silent). What the router had queued for it is sent first; nothing after. */
+static int kill_instance(run *r, char *why, size_t why_size)
+{
+    int rc = flush_reports(r, why, why_size);
+    if (rc)
+        return rc;
+    sim_instance *in = &r->inst[r->n_inst - 1];
+    add_cluster_stats(r, r->n_inst - 1);
+    km_client_close(in->client);
+    in->client = NULL;
+    km_server_stop(in->server);
+    pthread_join(in->thread, NULL);
+    in->running = false;
+    km_server_destroy(in->server);
+    in->server = NULL;
+    in->dead = true;
+    r->n_alive--;
+    r->killed = true;
+    sim_log(r->cfg, "fault: instance %s killed", in->id);
+    return KM_OK;
+}
+
+/* The faults of the shared mode whose time has come (virtual now_us). */
+static int cluster_faults(run *r, uint64_t now_us, char *why, size_t why_size)
+{
+    const km_sim_config *cfg = r->cfg;
+    if (!r->cluster_url)
+        return KM_OK;
+    double t = (double)(now_us - r->t0_us) / 1e6;
+    int rc = KM_OK;
+    if (cfg->kill_instance_at_s >= 0 && !r->killed && t >= cfg->kill_instance_at_s &&
+        r->n_alive > 1)
+        rc = kill_instance(r, why, why_size);
+    /* The survivors drop the killed instance's contribution after the cluster's expiry: counted
+     * in virtual time from the kill, waited for in wall time. */
+    if (!rc && r->killed && !r->kill_expired &&
+        t >= cfg->kill_instance_at_s + KM_SIM_CLUSTER_EXPIRE_MS / 1000.0) {
+        if (!wait_until(r, killed_expired, KM_SIM_CLUSTER_EXPIRE_MS + 5000))
+            r->res->propagation_timeouts++;
+        r->kill_expired = true;
+    }
+    if (!rc && cfg->nats_stop_at_s >= 0 && !r->nats_down && !r->nats_back &&
+        t >= cfg->nats_stop_at_s) {
+        /* An outage longer than the expiry: the views are this instance's own until NATS is
+         * back (waited for in wall time, so the virtual timeline does not depend on it). */
+        km_sim_broker_kill(r->broker);
+        r->nats_down = true;
+        sim_log(cfg, "fault: nats-server stopped");
+        if (!wait_until(r, cut_off, KM_SIM_CLUSTER_EXPIRE_MS + 5000))
+            r->res->propagation_timeouts++;
+    }
+    if (!rc && r->nats_down && t >= cfg->nats_stop_at_s + cfg->nats_stop_for_s) {
+        if ((rc = km_sim_broker_restart(r->broker, why, why_size)) != KM_OK)
+            return rc;
+        r->nats_down = false;
+        r->nats_back = true;
+        sim_log(cfg, "fault: nats-server started again");
+        if (!wait_until(r, rejoined, 10000))
+            r->res->propagation_timeouts++;
+    }
+    return rc;
 }
 
 static int route_one(run *r, size_t index, uint64_t now_us, char *why, size_t why_size)
@@ -652,6 +798,8 @@ static int route_one(run *r, size_t index, uint64_t now_us, char *why, size_t wh
     /* Several instances: the candidates' in-flight counts show whether others' load was seen. */
     route.brief = !override && r->n_inst == 1;
     uint32_t in = r->ingress_rr++ % r->n_inst;
+    while (r->inst[in].dead)
+        in = r->ingress_rr++ % r->n_inst;
     s->inst = (uint8_t)in;
     km_client *client = r->inst[in].client;
     km_message reply;
@@ -695,7 +843,7 @@ static int route_one(run *r, size_t index, uint64_t now_us, char *why, size_t wh
                              d->load_instances > 0;
         r->res->cluster_scope_decisions += cluster_scope;
         if (r->cluster_url)
-            observe_cluster_view(r, d);
+            observe_cluster_view(r, d, cluster_scope);
         const uint32_t *own = &r->own_in_flight[(size_t)in * r->cfg->workers];
         for (uint32_t k = 0; k < d->n_candidates; k++) {
             uint32_t cw = d->candidates[k].worker - r->worker_base;
@@ -844,6 +992,7 @@ static int start_server(run *r, uint32_t i, char *why, size_t why_size)
         sc.cluster_url = r->cluster_url;
         sc.cluster_instance = in->id;
         sc.cluster_subject = r->cluster_subject;
+        sc.cluster_expire_ms = KM_SIM_CLUSTER_EXPIRE_MS;
     }
     sc.max_workers = cfg->workers < 64 ? 64 : cfg->workers;
     sc.backend = KM_BACKEND_CPU;
@@ -932,13 +1081,15 @@ static double saturated_throughput(const double *finish_s, size_t n, double unti
 }
 
 static int run_policy(const km_sim_config *cfg, const km_trace *trace, const char *policy,
-                      bool direct, const char *cluster_url, unsigned run_no, km_sim_result *res,
+                      bool direct, km_sim_broker *broker, unsigned run_no, km_sim_result *res,
                       char *why, size_t why_size)
 {
     run r;
     memset(&r, 0, sizeof r);
     r.n_inst = cfg->mode == KM_SIM_MODE_SINGLE || direct ? 1 : cfg->instances;
-    r.cluster_url = cfg->mode == KM_SIM_MODE_SHARED && !direct ? cluster_url : NULL;
+    r.n_alive = r.n_inst;
+    r.broker = broker;
+    r.cluster_url = cfg->mode == KM_SIM_MODE_SHARED && !direct && broker ? broker->url : NULL;
     snprintf(r.cluster_subject, sizeof r.cluster_subject, "kvmatch.sim.run%u", run_no);
     r.direct = direct;
     r.cfg = cfg;
@@ -1067,6 +1218,9 @@ static int run_policy(const km_sim_config *cfg, const km_trace *trace, const cha
                                 ws[w].id, reply.ack.items[w].message);
         free(wi);
     }
+    /* The lossy link: every instance's cluster handle sends no change in every round(1/P). */
+    for (uint32_t i = 0; !rc && r.cluster_url && cfg->cluster_loss > 0 && i < r.n_inst; i++)
+        km_cluster_set_drop_one_in(inst_cluster(&r, i), (uint32_t)llround(1.0 / cfg->cluster_loss));
     r.subscriptions = 1;
     for (uint32_t w = 0; !rc && cfg->zmq && w < W; w++)
         if (!km_publisher_wait_subscribers(r.pubs[w], 1, 10000))
@@ -1147,6 +1301,8 @@ static int run_policy(const km_sim_config *cfg, const km_trace *trace, const cha
             if (rc)
                 km_why(why, why_size, rc, "engine restart");
         }
+        if (!rc)
+            rc = cluster_faults(&r, t_now, why, why_size);
         if (!rc && !r.kvmatch_restarted && cfg->restart_kvmatch_at_s >= 0 && !cfg->connect &&
             t_now >= r.t0_us + (uint64_t)(cfg->restart_kvmatch_at_s * 1e6)) {
             r.kvmatch_restarted = true;
@@ -1157,6 +1313,12 @@ static int run_policy(const km_sim_config *cfg, const km_trace *trace, const cha
         rc = flush_reports(&r, why, why_size);
     for (uint32_t i = 0; !rc && r.cluster_url && i < r.n_inst; i++)
         add_cluster_stats(&r, i);
+    /* A run that ended inside its NATS outage leaves the broker running for the next one. */
+    if (r.nats_down) {
+        int restart = km_sim_broker_restart(r.broker, rc ? NULL : why, rc ? 0 : why_size);
+        if (!rc)
+            rc = restart;
+    }
     if (!rc) {
         res->makespan_s -= (double)first_arrival / 1e6;
         if (res->makespan_s > 0)
@@ -1367,6 +1529,15 @@ int km_sim_run(const km_sim_config *cfg, km_sim_result *results, km_sim_summary 
                       "several instances run in this process with in-process events: the %s mode "
                       "excludes --connect, --zmq and --restart-kvmatch",
                       km_sim_mode_name(cfg->mode));
+    if (!(cfg->cluster_loss >= 0 && cfg->cluster_loss <= 1) ||
+        (cfg->nats_stop_at_s >= 0 && !(cfg->nats_stop_for_s > 0)))
+        return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,
+                      "a lossy link's loss is in (0, 1]; a NATS outage lasts more than 0 s");
+    if (cfg->mode == KM_SIM_MODE_SHARED && cfg->instances < 2 &&
+        (cfg->kill_instance_at_s >= 0 || cfg->nats_stop_at_s >= 0 || cfg->cluster_loss > 0))
+        return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,
+                      "the faults of several instances (kill-instance, nats-restart, lossy) need "
+                      "at least 2 instances");
     if (cfg->mode == KM_SIM_MODE_SHARED && !km_sim_shared_available(why, why_size))
         return KM_ERR_NOT_FOUND;
     for (uint32_t i = 0; i < cfg->n_policies; i++) {
@@ -1445,7 +1616,7 @@ int km_sim_run(const km_sim_config *cfg, km_sim_result *results, km_sim_summary 
         }
         for (uint32_t i = 0; i < cfg->n_policies && !rc; i++) {
             km_sim_result *res = &results[l * cfg->n_policies + i];
-            rc = run_policy(cfg, &scaled, cfg->policies[i], false, broker.url, run_no++, res, why,
+            rc = run_policy(cfg, &scaled, cfg->policies[i], false, &broker, run_no++, res, why,
                             why_size);
             res->load = load;
             if (!rc && cfg->n_loads)

@@ -25,8 +25,10 @@
 #define KM_SIM_CAPACITY_MAX_SAMPLE 100000u
 #define KM_SIM_MAX_INSTANCES 16u
 /* Shared mode: how long (wall time) a decision waits for every change sent so far to reach every
- * other instance. */
+ * other instance, and the instances' cluster expiry, which the kill fault's window counts in
+ * virtual time too. */
 #define KM_SIM_PROPAGATION_WAIT_MS 2000u
+#define KM_SIM_CLUSTER_EXPIRE_MS 1000u
 
 /* How many kvmatch instances route, and what each sees (docs/SIM.md, "Several instances"). Every
  * instance indexes the same engines (each hears every engine's events); the requests kvmatch
@@ -93,6 +95,16 @@ typedef struct km_sim_config {
     bool approx;
     int64_t approx_dispatch_max_bytes;   /* the server's approx_dispatch_max_bytes; < 0 = its
                                           * default (0: overrides teach nothing) */
+    /* Faults of the shared mode (docs/SIM.md, "Faults of several instances"); the single and
+     * isolated modes run without them. Times are virtual seconds from the first arrival. */
+    double kill_instance_at_s;           /* the last instance stops then, for good (< 0 = never):
+                                          * its server and its cluster handle go, the router's
+                                          * reports of its requests are lost, the others route */
+    double nats_stop_at_s;               /* the nats-server is killed then (< 0 = never) ... */
+    double nats_stop_for_s;              /* ... and started again on its port this much later */
+    double cluster_loss;                 /* a lossy link: each instance sends no change message
+                                          * in every round(1/P) (the sequence number is spent);
+                                          * 0 = none, else (0, 1] */
     km_sim_mode mode;                    /* default single */
     uint32_t instances;                  /* isolated and shared: 2..KM_SIM_MAX_INSTANCES (1 is
                                           * accepted and means one instance); single: 1. Several
@@ -131,12 +143,21 @@ typedef struct km_sim_result {
     uint64_t this_instance_decisions; /* decisions labelled load_scope this_instance */
     uint64_t stale_view_decisions;    /* decisions whose view listed a stale contribution */
     uint64_t propagation_timeouts;    /* waits for every change to reach every instance that hit
-                                       * their bound (KM_SIM_PROPAGATION_WAIT_MS) */
+                                       * their bound (KM_SIM_PROPAGATION_WAIT_MS), and the faults'
+                                       * waits that did (an expiry, NATS gone or back) */
     uint64_t cluster_lost_messages;   /* gaps the instances detected (their lost_messages) */
     uint64_t cluster_expired;         /* contributions the instances dropped for silence */
     uint64_t cluster_reconnects;      /* reconnections to NATS, over the instances */
     uint64_t cluster_publish_failures; /* changes not sent: the lossy link's drops and publishes
                                         * the NATS client refused */
+    uint64_t reports_lost_to_kill;    /* lifecycle reports for a killed instance: nobody got them */
+    /* Decisions counting the killed instance's contribution after the kill (its work, still
+     * running on the engines, until the survivors expire it). */
+    uint64_t counting_killed_decisions;
+    /* Decisions after every fault of the run had recovered (the killed instance expired, NATS
+     * back and every survivor holding every other's contribution again), and of those the ones
+     * in the cluster's view and the ones still counting the killed instance. */
+    uint64_t decisions_after_faults, cluster_scope_after_faults, counting_killed_after_faults;
     double load;                      /* the offered load of this run; 0 = the trace's own times */
     double offered_rps;               /* km_sim_arrival_rate of the replayed arrivals */
     /* Requests finished per second between the 10th and the 90th percentile of finish times
