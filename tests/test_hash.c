@@ -353,6 +353,14 @@ Test(hash, remap_reserved_values, .timeout = 30)
     }
 }
 
+/* Window keys (HASHING.md, "Window keys"): vectors from Python's xxhash, 12 bytes hashed. */
+Test(hash, window_key_vectors, .timeout = 30)
+{
+    cr_assert_eq(km_hash_window_key(UINT64_C(0x44a2b2379d6d3c3d), 1), UINT64_C(0x23b135fca6fe7287));
+    cr_assert_eq(km_hash_window_key(UINT64_C(0xcb38e4d7fb2dca5c), 1), UINT64_C(0x878762ada09fde58));
+    cr_assert_eq(km_hash_window_key(UINT64_C(0x44a2b2379d6d3c3d), 2), UINT64_C(0x42ea90e22955955e));
+}
+
 Test(hash, errors, .timeout = 30)
 {
     uint32_t tokens[32] = {0};

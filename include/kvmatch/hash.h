@@ -50,6 +50,12 @@ uint64_t km_hash_chain_step(uint64_t parent_chain, uint64_t local);
 /* The chain hash of a first block: remap(local). */
 uint64_t km_hash_chain_root(uint64_t local);
 
+/* The key under which the index records that one sliding-window KV-cache group of a hybrid model
+ * holds the block named by `chain` (docs/HASHING.md, "Window keys"):
+ * remap(XXH3-64(le64(chain) || le32(group), seed 1337)). 12 bytes hashed, so it never equals a
+ * chain step's input (16 bytes). */
+uint64_t km_hash_window_key(uint64_t chain, uint32_t group);
+
 /* Remap a value that collides with a reserved table key; identity for every other value. */
 uint64_t km_hash_remap(uint64_t value);
 

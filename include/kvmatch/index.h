@@ -190,6 +190,34 @@ void km_match_results_free(km_match_results *results);
 int km_index_match_batch(km_index *index, const km_request *requests, size_t n_requests,
                          km_match_results *results);
 
+/* ---- window rules (hybrid models) ---------------------------------------------------------- */
+
+/* A hybrid model's engine (vLLM's HybridKVCacheCoordinator) hits a prefix only as far as each of
+ * its sliding-window KV-cache groups holds the blocks just before the hit's end. For a worker with
+ * window groups the index holds, besides the chain hashes its full-attention groups hold, one
+ * window key per (block, window group) the group holds (km_hash_window_key(chain, group), stored
+ * with ordinary updates), and scoring bounds the worker's depth as the engine does: from its
+ * plain prefix depth d, the largest e <= d such that, for every window group g, the worker holds
+ * the window keys of blocks [max(0, e - g.blocks), e) (vLLM's right-to-left scan, repeated over
+ * the groups until no group lowers it). A worker whose depth drops to 0 loses its entry; the owner
+ * is chosen again; the lookups are counted in probes. The step runs on the host after either
+ * backend's walk, so both give the same results, and costs nothing while no worker has a rule.
+ * Rules are not saved in snapshots: the event feed sets them again (docs/EVENTS.md). */
+#define KM_MAX_WINDOW_GROUPS 8u
+
+typedef struct km_window_group {
+    uint32_t group;  /* the tag in its window keys (vLLM's group_idx) */
+    uint32_t blocks; /* contiguous blocks before a hit's end the group must hold, >= 1 (vLLM:
+                      * max(1, ceil((sliding_window - 1) / block_size))) */
+} km_window_group;
+
+/* Give `worker` the rule of n_groups window groups (0 = none: its plain prefix depth, the
+ * default). Takes effect from the next scoring batch. Errors: KM_ERR_NULL_POINTER,
+ * KM_ERR_WORKER_RANGE, KM_ERR_INVALID_ARGUMENT (more than KM_MAX_WINDOW_GROUPS, blocks 0),
+ * KM_ERR_OUT_OF_MEMORY (the first rule's table). */
+int km_index_set_worker_windows(km_index *index, uint32_t worker, const km_window_group *groups,
+                                uint32_t n_groups);
+
 /* ---- snapshots ------------------------------------------------------------------------------ */
 
 /* Write the index's whole content, and an opaque caller section (the event feed's stream

@@ -104,6 +104,15 @@ uint64_t km_hash_chain_step(uint64_t parent_chain, uint64_t local)
     return km_hash_remap(XXH3_64bits_withSeed(buf, sizeof buf, KM_HASH_SEED));
 }
 
+uint64_t km_hash_window_key(uint64_t chain, uint32_t group)
+{
+    uint8_t buf[12];
+    store_le64(buf, chain);
+    for (int i = 0; i < 4; i++)
+        buf[8 + i] = (uint8_t)(group >> (8 * i));
+    return km_hash_remap(XXH3_64bits_withSeed(buf, sizeof buf, KM_HASH_SEED));
+}
+
 uint64_t km_hash_chain_root(uint64_t local)
 {
     return km_hash_remap(local);

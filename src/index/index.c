@@ -202,6 +202,7 @@ void km_index_destroy(km_index *index)
     free(index->undo_log);
     free(index->undo_saved);
     free(index->undo_touched);
+    free(index->window_rules);
     free(index);
 }
 
@@ -1412,6 +1413,8 @@ int km_index_match_batch(km_index *index, const km_request *requests, size_t n_r
         return index->last_error[0] ? rc : km_index_fail(index, rc, "scoring failed");
     }
     results->n_requests = n_requests;
+    if (index->window_rule_workers)
+        km_window_rules_apply(index, requests, n_requests, results);
     rc = split_tiers(index, requests, n_requests, results);
     if (rc)
         results->n_requests = 0;

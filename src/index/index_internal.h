@@ -99,6 +99,12 @@ struct km_index {
      * destroy and match. Tests put in one whose create can fail, as it does out of host memory. */
     const km_backend_ops *host_ops;
 
+    /* Window rules (src/index/window_rule.c, km_index_set_worker_windows): max_workers entries,
+     * NULL until the first rule is set; window_rule_workers counts the workers with one, and
+     * while it is 0 scoring skips the step. */
+    struct km_window_rule *window_rules;
+    uint32_t window_rule_workers;
+
     char last_error[256];
 };
 
@@ -121,6 +127,11 @@ void km_index_tables_replaced(km_index *index);
  * finished move's whole upload), and `why` says what failed. For tests: a host replica that keeps
  * the device replica's contract exercises the sync protocol without a GPU (tests/test_replica.c). */
 int km_index_use_backend(km_index *index, const km_backend_ops *ops, char *why, size_t why_size);
+
+/* Bound the depth of every worker with a window rule in a scored batch (entries dropped at depth
+ * 0, owners chosen again, probes counted): km_index_set_worker_windows in kvmatch/index.h. */
+void km_window_rules_apply(const km_index *index, const km_request *requests, size_t n,
+                           km_match_results *results);
 
 /* Grow results to hold n requests and `matches` entries; afterwards results->matches is never
  * NULL (even for 0 entries), so `matches + first` is always defined. */
