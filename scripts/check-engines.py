@@ -17,8 +17,9 @@ fetches them). Two kinds of fixture:
   received here on a SUB socket. Each prompt's line carries the engine's own prefix-cache hit
   (get_computed_blocks) taken when the request arrived, after every message published before it.
   Scenarios: plain; lookahead hashing (num_hash_lookahead_tokens 1 and 2, configured as vLLM's
-  Scheduler does for EAGLE, prompts diverging right after a block boundary); a hybrid model (a
-  full-attention and a sliding-window group, HybridKVCacheCoordinator); two DP ranks (one
+  Scheduler does for EAGLE, prompts diverging right after a block boundary); hybrid models
+  (HybridKVCacheCoordinator: a full-attention and a two-block sliding-window group, and a
+  full-attention group with two- and three-block sliding-window groups); two DP ranks (one
   engine and publisher per rank, data_parallel_size 2); live messages dropped inside and beyond
   the publisher's replay buffer (the publisher's own replay answers recorded); a prefix-cache
   reset (AllBlocksCleared) and an engine restart (a new manager and publisher, seq from 0).
@@ -58,7 +59,7 @@ Fixture format, one line each:
   prompt <worker> <hit blocks> <check> <tokens, comma-separated>
                                             the engine's hit for a prompt, in blocks; check is
                                             exact (kvmatch's capped depth must equal it),
-                                            bound (hybrid models: it must not exceed it) or
+                                            bound (it must not exceed it) or
                                             unseen (messages missing, or the engine restarted
                                             and has published nothing yet: not compared)
   state <worker> <state> <lost>             the worker's feed state and lost count here
@@ -377,19 +378,20 @@ def sglang_scenarios(kv, wheel, out_dir):
 class VllmEngine:
     """One vLLM engine core (one DP rank): its KVCacheManager configured as vLLM's Scheduler does
     (vllm/v1/core/sched/scheduler.py: with lookahead hashes EAGLE drops no block), one
-    full-attention KV-cache group, events published by its own ZmqEventPublisher."""
+    full-attention KV-cache group (and, for a hybrid model, one sliding-window group per entry of
+    `windows`, its window in tokens), events published by its own ZmqEventPublisher."""
 
     def __init__(self, v, name, block_size, num_blocks, lookahead=0, dp_rank=0, buffer_steps=64,
-                 hybrid=None):
+                 windows=()):
         import zmq
         self.v, self.block_size = v, block_size
         specs = [v.spec.FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=8,
                                           dtype=None)]
-        # A hybrid model's second KV-cache group: a sliding window of two blocks.
-        if hybrid == "sliding_window":
+        # A hybrid model's sliding-window KV-cache groups.
+        for window in windows:
             specs.append(v.spec.SlidingWindowSpec(block_size=block_size, num_kv_heads=1,
                                                   head_size=8, dtype=None,
-                                                  sliding_window=2 * block_size))
+                                                  sliding_window=window))
         config = v.spec.KVCacheConfig(
             num_blocks=num_blocks, kv_cache_tensors=[],
             kv_cache_groups=[v.spec.KVCacheGroupSpec([f"layer.{i}"], s)
@@ -565,17 +567,19 @@ def vllm_engine_scenarios(v, out_dir):
         engine.shutdown()
         made.append((name, fx.close()))
 
-    # A hybrid model: a full-attention group and a sliding-window group. kvmatch counts a block
-    # only while every group holds it, so its prediction is a lower bound of the engine's hit
-    # ("bound": never above it; the C test counts how often it is equal). Mamba groups are not
-    # driven: their prefix caching (align mode) needs the Scheduler's checkpoint planning.
-    for name, kind in (("vllm_engine_hybrid_swa", "sliding_window"),):
+    # Hybrid models: a full-attention group and sliding-window groups. kvmatch scores them under
+    # vLLM's window rule, so every prompt must equal the engine's hit; the second model's two
+    # windows (2 and 3 blocks) make the coordinator iterate between its groups. Mamba groups are
+    # not driven: their prefix caching (align mode) needs the Scheduler's checkpoint planning.
+    for name, windows, blocks in (("vllm_engine_hybrid_swa", (2 * B,), 96),
+                                  ("vllm_engine_hybrid_swa2", (2 * B, 3 * B + 1), 160)):
         fx = EngineFixture(out_dir, name, B, 0,
-                           f"{v.wheel}: HybridKVCacheCoordinator, full attention + {kind}, "
-                           "96 blocks, 60 requests")
+                           f"{v.wheel}: HybridKVCacheCoordinator, full attention + sliding "
+                           f"windows of {', '.join(map(str, windows))} tokens, {blocks} blocks, "
+                           "60 requests")
         fx.line("worker 0 1")
-        engine = VllmEngine(v, name, B, 96, hybrid=kind)
-        run_requests(fx, engine, 0, Workload(31, B), 60, "bound", "bound")
+        engine = VllmEngine(v, name, B, blocks, windows=windows)
+        run_requests(fx, engine, 0, Workload(31, B), 60)
         engine.shutdown()
         made.append((name, fx.close()))
 

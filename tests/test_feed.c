@@ -12,6 +12,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include <msgpack.h>
 
@@ -792,6 +793,7 @@ typedef struct group_event {
     uint32_t n_tokens;
     uint32_t group;
     const char *medium;
+    uint32_t window; /* BlockStored: > 0 adds kind "sliding_window" with this window in tokens */
 } group_event;
 
 static void pack_group_batch(msgpack_sbuffer *sb, const group_event *ev, uint32_t n_events)
@@ -804,7 +806,7 @@ static void pack_group_batch(msgpack_sbuffer *sb, const group_event *ev, uint32_
     msgpack_pack_array(&pk, n_events);
     for (uint32_t k = 0; k < n_events; k++) {
         const group_event *e = &ev[k];
-        msgpack_pack_map(&pk, e->removed ? 4 : 7);
+        msgpack_pack_map(&pk, e->removed ? 4 : e->window ? 9 : 7);
         msgpack_pack_str_with_body(&pk, "type", 4);
         if (e->removed)
             msgpack_pack_str_with_body(&pk, "BlockRemoved", 12);
@@ -832,6 +834,12 @@ static void pack_group_batch(msgpack_sbuffer *sb, const group_event *ev, uint32_
             msgpack_pack_uint32(&pk, e->tokens[i]);
         msgpack_pack_str_with_body(&pk, "block_size", 10);
         msgpack_pack_uint32(&pk, BS);
+        if (e->window) {
+            msgpack_pack_str_with_body(&pk, "kv_cache_spec_kind", 18);
+            msgpack_pack_str_with_body(&pk, "sliding_window", 14);
+            msgpack_pack_str_with_body(&pk, "kv_cache_spec_sliding_window", 28);
+            msgpack_pack_uint32(&pk, e->window);
+        }
     }
     msgpack_pack_nil(&pk);
 }
@@ -858,41 +866,41 @@ Test(feed, hybrid_model_blocks_count_only_while_every_group_holds_them, .timeout
     msgpack_sbuffer sb;
 
     /* Full attention (group 0) stores 4 blocks: alone, they count. */
-    group_event fa = {false, eh, 4, false, 0, t, 4 * BS, 0, NULL};
+    group_event fa = {false, eh, 4, false, 0, t, 4 * BS, 0, NULL, 0};
     pack_group_batch(&sb, &fa, 1);
     live_payload(&f, 0, 0, &sb);
     fx_flush(&f);
     cr_assert_eq(held_depth(f.index, 0, want, 4), 4);
     /* A sliding-window group (1) appears and stores blocks 2..3 only: 0..1 stop counting. */
-    group_event swa = {false, eh + 2, 2, true, eh[1], t + 2 * BS, 2 * BS, 1, NULL};
+    group_event swa = {false, eh + 2, 2, true, eh[1], t + 2 * BS, 2 * BS, 1, NULL, 0};
     pack_group_batch(&sb, &swa, 1);
     live_payload(&f, 0, 1, &sb);
     fx_flush(&f);
     cr_assert_eq(held_depth(f.index, 0, want, 4), 0);
     cr_assert(km_test_index_holds_exactly(f.index, 0, want + 2, 2, why, sizeof why), "%s", why);
     /* It stores blocks 0..1 too: every group holds all four. */
-    group_event swa01 = {false, eh, 2, false, 0, t, 2 * BS, 1, NULL};
+    group_event swa01 = {false, eh, 2, false, 0, t, 2 * BS, 1, NULL, 0};
     pack_group_batch(&sb, &swa01, 1);
     live_payload(&f, 0, 2, &sb);
     fx_flush(&f);
     cr_assert_eq(held_depth(f.index, 0, want, 4), 4);
     /* The window's group lets block 1 go: the prefix stops before it, full attention keeps it. */
-    group_event swa_rm = {true, eh + 1, 1, false, 0, NULL, 0, 1, NULL};
+    group_event swa_rm = {true, eh + 1, 1, false, 0, NULL, 0, 1, NULL, 0};
     pack_group_batch(&sb, &swa_rm, 1);
     live_payload(&f, 0, 3, &sb);
     fx_flush(&f);
     cr_assert_eq(held_depth(f.index, 0, want, 4), 1);
     cr_assert_eq(fx_info(&f, 0).map_entries, 4);
     /* Stored again by that group: all four count again. Full attention then lets block 3 go. */
-    group_event again[2] = {{false, eh + 1, 1, true, eh[0], t + BS, BS, 1, NULL},
-                            {true, eh + 3, 1, false, 0, NULL, 0, 0, NULL}};
+    group_event again[2] = {{false, eh + 1, 1, true, eh[0], t + BS, BS, 1, NULL, 0},
+                            {true, eh + 3, 1, false, 0, NULL, 0, 0, NULL, 0}};
     pack_group_batch(&sb, again, 2);
     live_payload(&f, 0, 4, &sb);
     fx_flush(&f);
     cr_assert_eq(held_depth(f.index, 0, want, 4), 3);
     /* A Mamba group (2) appears, keeping the state of block 2 only (token_ids of blocks 0..2):
      * no block is held by all three groups, so none counts; its store is skipped and counted. */
-    group_event mamba = {false, eh + 2, 1, false, 0, t, 3 * BS, 2, NULL};
+    group_event mamba = {false, eh + 2, 1, false, 0, t, 3 * BS, 2, NULL, 0};
     pack_group_batch(&sb, &mamba, 1);
     live_payload(&f, 0, 5, &sb);
     fx_flush(&f);
@@ -901,14 +909,14 @@ Test(feed, hybrid_model_blocks_count_only_while_every_group_holds_them, .timeout
     km_feed_worker_info info = fx_info(&f, 0);
     cr_assert_eq(info.counters.refused[KM_FEED_REFUSED_PARTIAL_BLOCK], 1);
     /* A CPU copy (offloaded by a KV connector) counts as the whole block. */
-    group_event cpu = {false, eh, 1, false, 0, t, BS, 0, "CPU"};
+    group_event cpu = {false, eh, 1, false, 0, t, BS, 0, "CPU", 0};
     pack_group_batch(&sb, &cpu, 1);
     live_payload(&f, 0, 6, &sb);
     fx_flush(&f);
     cr_assert_eq(held_depth(f.index, 0, want, 4), 1);
     /* A group index from 31 up: refused; GPU blocks never count again, the CPU copy still does. */
     uint64_t other = 901;
-    group_event high = {false, &other, 1, false, 0, t, BS, 40, NULL};
+    group_event high = {false, &other, 1, false, 0, t, BS, 40, NULL, 0};
     pack_group_batch(&sb, &high, 1);
     live_payload(&f, 0, 7, &sb);
     fx_flush(&f);
@@ -916,6 +924,155 @@ Test(feed, hybrid_model_blocks_count_only_while_every_group_holds_them, .timeout
     cr_assert_eq(info.counters.refused[KM_FEED_REFUSED_INVALID_EVENT], 1);
     cr_assert(km_test_index_holds_exactly(f.index, 0, want, 1, why, sizeof why), "%s", why);
     fx_free(&f);
+}
+
+/* A full-attention group (0) and a sliding-window group (1) of a hybrid model, stored and evicted
+ * at random, each on its own: after every message the worker's depth for each of two sequences
+ * (sharing 4 blocks), cut at every length, must be vLLM's hybrid hit computed by brute force from
+ * what each group holds: the full-attention prefix d, then the largest e <= d at which the window
+ * group holds the blocks [max(0, e - n), e), n = max(1, ceil((window - 1) / block size)). Then
+ * the feed is saved and restored into a new index, whose answers must be the same. */
+#define HY_BLOCKS 12u
+#define HY_SHARED 4u
+#define HY_NODES (HY_BLOCKS + HY_BLOCKS - HY_SHARED)
+
+static uint32_t hy_node(uint32_t seq, uint32_t block)
+{
+    return seq == 0 || block < HY_SHARED ? block : HY_BLOCKS + block - HY_SHARED;
+}
+
+static uint32_t hy_oracle(bool held[2][HY_NODES], uint32_t seq, uint32_t len, uint32_t n)
+{
+    uint32_t d = 0;
+    while (d < len && held[0][hy_node(seq, d)])
+        d++;
+    for (uint32_t e = d;; e--) {
+        bool ok = true;
+        for (uint32_t i = e > n ? e - n : 0; i < e && ok; i++)
+            ok = held[1][hy_node(seq, i)];
+        if (ok) /* always at e == 0 */
+            return e;
+    }
+}
+
+static void hy_check(km_index *index, bool held[2][HY_NODES], uint64_t chains[2][HY_BLOCKS],
+                     uint32_t n, const char *when)
+{
+    for (uint32_t seq = 0; seq < 2; seq++)
+        for (uint32_t len = 1; len <= HY_BLOCKS; len++) {
+            uint32_t want = hy_oracle(held, seq, len, n);
+            uint32_t got = held_depth(index, 0, chains[seq], len);
+            cr_assert_eq(got, want, "%s: sequence %u cut at %u blocks (window of %u blocks): "
+                         "depth %u, vLLM's rule gives %u", when, seq, len, n, got, want);
+        }
+}
+
+Test(feed, hybrid_sliding_window_depth_is_vllms_hit_on_random_group_events, .timeout = 60)
+{
+    km_rng r;
+    km_rng_init(&r, km_test_seed());
+    for (uint32_t round = 0; round < 6; round++) {
+        fx f;
+        fx_init(&f);
+        fx_add(&f, 0, false);
+        uint32_t window = 1 + km_rng_below(&r, 13); /* tokens */
+        uint32_t n = window <= 1 ? 1 : (window - 1 + BS - 1) / BS;
+        static uint32_t tokens[2][HY_BLOCKS * BS];
+        uint64_t eh[2][HY_BLOCKS], chains[2][HY_BLOCKS];
+        for (uint32_t seq = 0; seq < 2; seq++) {
+            for (uint32_t i = 0; i < HY_BLOCKS * BS; i++)
+                tokens[seq][i] = seq && i >= HY_SHARED * BS ? 5000 + i : 100 + i;
+            for (uint32_t b = 0; b < HY_BLOCKS; b++)
+                eh[seq][b] = 1000 + hy_node(seq, b);
+            km_hash_config hc = {BS, NULL, NULL};
+            size_t nb;
+            cr_assert_eq(km_hash_sequence(&hc, tokens[seq], HY_BLOCKS * BS, 0, KM_NO_PARENT, NULL,
+                                          chains[seq], &nb), KM_OK);
+        }
+        bool held[2][HY_NODES] = {{false}};
+        msgpack_sbuffer sb;
+        /* Both groups store sequence 0 in the first message. */
+        group_event first[2] = {
+            {false, eh[0], HY_BLOCKS, false, 0, tokens[0], HY_BLOCKS * BS, 0, NULL, 0},
+            {false, eh[0], HY_BLOCKS, false, 0, tokens[0], HY_BLOCKS * BS, 1, NULL, window}};
+        pack_group_batch(&sb, first, 2);
+        live_payload(&f, 0, 0, &sb);
+        for (uint32_t b = 0; b < HY_BLOCKS; b++)
+            held[0][b] = held[1][b] = true;
+        fx_flush(&f);
+        hy_check(f.index, held, chains, n, "after the first message");
+        for (uint64_t seq_no = 1; seq_no < 60; seq_no++) {
+            group_event ev[3];
+            uint64_t removed[3][HY_BLOCKS];
+            uint32_t n_ev = 0;
+            bool next[2][HY_NODES];
+            memcpy(next, held, sizeof next);
+            for (uint32_t k = 1 + km_rng_below(&r, 3); k > 0; k--) {
+                uint32_t g = km_rng_below(&r, 2), s = km_rng_below(&r, 2);
+                if (km_rng_percent(&r, 50)) {
+                    uint32_t a = km_rng_below(&r, HY_BLOCKS);
+                    uint32_t b = a + 1 + km_rng_below(&r, HY_BLOCKS - a);
+                    /* A store's parent is a block the engine holds (in some group). */
+                    if (a && !next[0][hy_node(s, a - 1)] && !next[1][hy_node(s, a - 1)])
+                        continue;
+                    ev[n_ev++] = (group_event){false, eh[s] + a, b - a, a > 0,
+                                               a ? eh[s][a - 1] : 0, tokens[s] + a * BS,
+                                               (b - a) * BS, g, NULL, g ? window : 0};
+                    for (uint32_t i = a; i < b; i++)
+                        next[g][hy_node(s, i)] = true;
+                } else {
+                    uint32_t m = 0;
+                    for (uint32_t node = 0; node < HY_NODES; node++)
+                        if (next[g][node] && km_rng_percent(&r, 30)) {
+                            removed[n_ev][m++] = 1000 + node;
+                            next[g][node] = false;
+                        }
+                    if (m) {
+                        ev[n_ev] = (group_event){true, removed[n_ev], m, false, 0, NULL, 0, g,
+                                                 NULL, 0};
+                        n_ev++;
+                    }
+                }
+            }
+            if (!n_ev)
+                continue;
+            pack_group_batch(&sb, ev, n_ev);
+            live_payload(&f, 0, seq_no, &sb);
+            memcpy(held, next, sizeof next);
+            fx_flush(&f);
+            char when[48];
+            snprintf(when, sizeof when, "round %u, message %" PRIu64, round, seq_no);
+            hy_check(f.index, held, chains, n, when);
+        }
+        /* Saved and restored: the window rule comes back with the feed's state. */
+        char dir[64], path[96];
+        snprintf(dir, sizeof dir, "/tmp/kvmatch-hybrid-XXXXXX");
+        cr_assert(mkdtemp(dir) != NULL);
+        snprintf(path, sizeof path, "%s/snap", dir);
+        cr_assert_eq(km_feed_save(f.feed, path, f.now++), KM_OK, "%s", km_feed_last_error(f.feed));
+        km_index *index = km_test_make_index(16);
+        km_feed *feed = NULL;
+        cr_assert_eq(km_feed_create(index, &f.cfg, &feed), KM_OK);
+        cr_assert_eq(km_feed_restore(feed, path, f.now++), KM_OK, "%s", km_feed_last_error(feed));
+        hy_check(index, held, chains, n, "restored");
+        km_feed_destroy(feed);
+        km_index_destroy(index);
+        remove(path);
+        rmdir(dir);
+        /* Removed, and added again for an engine without groups: its rule went with it, so the
+         * plain prefix is its depth. */
+        cr_assert_eq(km_feed_remove_worker(f.feed, 0, f.now++), KM_OK);
+        fx_flush(&f);
+        fx_add(&f, 0, false);
+        group_event plain = {false, eh[1], HY_BLOCKS, false, 0, tokens[1], HY_BLOCKS * BS, 0,
+                             NULL, 0};
+        pack_group_batch(&sb, &plain, 1);
+        live_payload(&f, 0, 0, &sb);
+        fx_flush(&f);
+        cr_assert_eq(held_depth(f.index, 0, chains[1], HY_BLOCKS), HY_BLOCKS,
+                     "a worker added again keeps the rule of the one removed");
+        fx_free(&f);
+    }
 }
 
 /* indexed_seq never runs ahead of the index: while a message's updates wait for the flush, it

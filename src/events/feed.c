@@ -190,6 +190,7 @@ void km_feed_destroy(km_feed *feed)
     free(feed->tier_scratch);
     free(feed->tier_chains);
     free(feed->scratch);
+    free(feed->rule_clears);
     free(feed);
 }
 
@@ -625,7 +626,7 @@ static void restart_worker(km_feed *feed, worker *w, uint64_t seq, uint64_t now)
     if (km_feed_queue_control(feed, w, KM_UPDATE_CLEAR_WORKER) != KM_OK)
         km_feed_enter_degraded(feed, w, now, "out of memory queueing the restart's clear");
     km_emap_clear(&w->map);
-    w->gpu_groups = 0;
+    w->gpu_groups = w->window_groups = 0;
     dedup_clear(feed, w);
     w->stores_applied = w->stores_refused_for_config = 0;
     km_feed_open_recovery(w, KM_FEED_WINDOW_RESTART, now, seq);
@@ -726,6 +727,12 @@ int km_feed_remove_worker(km_feed *feed, uint32_t id, uint64_t now_ns)
     if (!found)
         return km_feed_fail(feed, KM_ERR_INVALID_ARGUMENT, "worker %u is not followed", id);
     worker *w = feed->workers[slot];
+    if (w->index_window_groups || w->index_rule_failed) {
+        /* Its rule goes with its blocks, at the next flush. */
+        if (GROW(feed->rule_clears, feed->rule_clear_capacity, feed->rule_clear_count + 1))
+            return km_feed_fail(feed, KM_ERR_OUT_OF_MEMORY, "window rule clears");
+        feed->rule_clears[feed->rule_clear_count++] = id;
+    }
     int rc = km_feed_queue_control(feed, w, KM_UPDATE_REMOVE_WORKER);
     if (rc)
         return km_feed_fail(feed, rc, "update queue");
@@ -754,7 +761,7 @@ int km_feed_resync_worker(km_feed *feed, uint32_t id, uint64_t now_ns)
     close_recovery(feed, w, now_ns, KM_FEED_END_RESYNC);
     km_feed_exit_degraded(feed, w, now_ns, KM_FEED_END_RESYNC);
     km_emap_clear(&w->map);
-    w->gpu_groups = 0;
+    w->gpu_groups = w->window_groups = 0;
     dedup_clear(feed, w);
     w->stores_applied = w->stores_refused_for_config = 0;
     w->has_expected = false;

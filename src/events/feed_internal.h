@@ -116,6 +116,17 @@ typedef struct worker {
      * while it is held in a medium other than the GPU, or on the GPU by every one of these groups
      * (feed_updates.c, "KV-cache groups"). Forgotten with the map on a restart or resync. */
     uint32_t gpu_groups;
+    /* The groups among them whose GPU stores said kind "sliding_window" with a window, and the
+     * contiguous blocks each needs before a hit's end (vLLM: max(1, ceil((window - 1) /
+     * block_size))). While the engine also has another group, they are its window groups
+     * (feed_updates.c, "KV-cache groups"): the index holds their blocks as window keys and scores
+     * the worker under a window rule. Forgotten with gpu_groups. */
+    uint32_t window_groups;
+    uint32_t window_blocks[31];
+    /* The window groups of the rule the index scores this worker by (km_index_set_worker_windows,
+     * set at each flush from window_groups), and whether setting it last failed. */
+    uint32_t index_window_groups;
+    bool index_rule_failed;
     dedup_slot *dedup; /* replay_dedup_window slots, allocated with the first replay item */
     uint64_t lost_from[LOST_RANGES], lost_to[LOST_RANGES]; /* recent seq ranges given up as lost */
     uint32_t lost_next, lost_count;
@@ -188,6 +199,9 @@ struct km_feed {
     bool group_open;
     km_update *scratch;
     size_t scratch_capacity;
+    /* Removed workers whose window rule the index drops at the next flush, with their updates. */
+    uint32_t *rule_clears;
+    size_t rule_clear_count, rule_clear_capacity;
     /* Per block of one event: the tier it ends in, and (removals) its chain hash. */
     uint8_t *tier_scratch;
     uint64_t *tier_chains;
@@ -210,6 +224,9 @@ void km_feed_count_refusal(worker *w, km_feed_refusal reason, uint64_t n, const 
 
 /* A control update (clear / remove worker) queued as a group of its own (feed_updates.c). */
 int km_feed_queue_control(km_feed *feed, const worker *w, km_update_kind kind);
+/* Give the index every followed worker's window rule, and drop those of removed workers; after
+ * the queued updates are applied (feed_updates.c). */
+void km_feed_sync_window_rules(km_feed *feed);
 /* Queue the updates of a well-formed message's events as one group (feed_updates.c). */
 void km_feed_queue_message(km_feed *feed, worker *w, const message_view *v, uint64_t now);
 

@@ -22,6 +22,8 @@
  *   per worker, ascending id:
  *     id u32, flags u32 (FS_*), name_len u16, identity_len u16, name, identity,
  *     expected u64, last_live u64, map_entries u64, gpu_groups u32 (the engine's KV-cache groups),
+ *     window_groups u32 (those of them that are sliding windows: a subset of gpu_groups, never
+ *     the bit of groups from 31 up), then per window group, lowest first, blocks u32 (>= 1),
  *     map_entries x {key u64 (mapped as km_u64map_key maps it: never 0 or 1), chain u64,
  *                    media u8 (1..31), gpu_groups u32 (not 0 exactly when media has the GPU bit)}
  *   nothing after the last worker. */
@@ -80,7 +82,8 @@ int km_feed_export_state(const km_feed *feed, void **out, size_t *size_out)
     size_t size = 24;
     for (uint32_t i = 0; i < feed->n_workers; i++) {
         const worker *w = feed->workers[i];
-        size += 12 + strlen(w->name) + strlen(w->identity) + 28 +
+        size += 12 + strlen(w->name) + strlen(w->identity) + 28 + 4 +
+                4 * (size_t)__builtin_popcount(w->window_groups) +
                 (size_t)w->map.live * FS_ENTRY_BYTES;
     }
     fs_writer wr = {malloc(size), 0};
@@ -106,6 +109,9 @@ int km_feed_export_state(const km_feed *feed, void **out, size_t *size_out)
         fs_u64(&wr, w->has_last_live ? w->last_live : 0);
         fs_u64(&wr, w->map.live);
         fs_u32(&wr, w->gpu_groups);
+        fs_u32(&wr, w->window_groups);
+        for (uint32_t g = w->window_groups; g; g &= g - 1)
+            fs_u32(&wr, w->window_blocks[__builtin_ctz(g)]);
         uint64_t cursor = 0;
         for (const km_emap_entry *e; (e = km_emap_next(&w->map, &cursor));) {
             fs_u64(&wr, e->key);
@@ -215,7 +221,7 @@ static int parse_state(km_feed *feed, const void *data, size_t size, staged_stat
         uint32_t id, flags;
         uint16_t name_len, id_len;
         uint64_t expected, last_live, entries;
-        uint32_t gpu_groups;
+        uint32_t gpu_groups, window_groups = 0;
         km_worker_stats ws_stats;
         if (!fs_get_u32(&r, &id) || !fs_get_u32(&r, &flags) || !fs_get_u16(&r, &name_len) ||
             !fs_get_u16(&r, &id_len)) {
@@ -246,12 +252,27 @@ static int parse_state(km_feed *feed, const void *data, size_t size, staged_stat
         ws[n] = w;
         if (!fs_take(&r, w->name, name_len) || !fs_take(&r, w->identity, id_len) ||
             !fs_get_u64(&r, &expected) || !fs_get_u64(&r, &last_live) ||
-            !fs_get_u64(&r, &entries) || !fs_get_u32(&r, &gpu_groups)) {
+            !fs_get_u64(&r, &entries) || !fs_get_u32(&r, &gpu_groups) ||
+            !fs_get_u32(&r, &window_groups)) {
             rc = KM_ERR_CORRUPT, why = "truncated worker";
             n++;
             break;
         }
         n++;
+        if ((window_groups & ~gpu_groups) || (window_groups & FS_GROUP_BIT_UNTRACKED)) {
+            rc = KM_ERR_CORRUPT, why = "window groups outside the engine's groups";
+            break;
+        }
+        for (uint32_t g = window_groups; g && !rc; g &= g - 1) {
+            uint32_t blocks = 0;
+            if (!fs_get_u32(&r, &blocks))
+                rc = KM_ERR_CORRUPT, why = "truncated window groups";
+            else if (!blocks)
+                rc = KM_ERR_CORRUPT, why = "a window group of 0 blocks";
+            w->window_blocks[__builtin_ctz(g)] = blocks;
+        }
+        if (rc)
+            break;
         if (memchr(w->name, '\0', name_len) || memchr(w->identity, '\0', id_len)) {
             rc = KM_ERR_CORRUPT, why = "NUL inside a worker name";
             break;
@@ -272,6 +293,7 @@ static int parse_state(km_feed *feed, const void *data, size_t size, staged_stat
         w->last_live = last_live;
         w->degraded = flags & FS_DEGRADED;
         w->gpu_groups = gpu_groups;
+        w->window_groups = window_groups;
         if (entries && km_emap_size_for(&w->map, entries) != KM_OK) {
             rc = KM_ERR_OUT_OF_MEMORY, why = "engine-hash map";
             break;
@@ -339,7 +361,11 @@ static void install_state(km_feed *feed, staged_state *st, uint64_t now_ns)
             w->degraded_open = true;
             w->windows_total++;
         }
+        /* The index was loaded without window rules (they are not in its snapshot). */
+        w->index_window_groups = 0;
+        w->index_rule_failed = true;
     }
+    km_feed_sync_window_rules(feed);
     feed->last_error[0] = '\0';
 }
 

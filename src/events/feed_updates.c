@@ -39,11 +39,17 @@
  * window, Mamba; one engine hash names the block in every group) and hits a prefix only as far as
  * every group can serve it: all of the prefix's full-attention blocks, the window's blocks before
  * its end, a Mamba state exactly at its end (HybridKVCacheCoordinator.find_longest_cache_hit).
- * The feed counts a block only while every group of the engine holds it on the GPU, so any
- * prefix of counted blocks is one every group can serve to its end: the predicted depth never
- * exceeds the engine's hit, and equals it while the groups hold the same blocks. A copy in another
- * medium (offloaded by a KV connector) counts as the whole block. With one group this is the
- * plain rule: a block counts while held. */
+ *
+ * Window groups (kind "sliding_window" with a window, while the engine has another group too, at
+ * most KM_MAX_WINDOW_GROUPS of them) are modelled exactly: a block's chain hash counts while every
+ * other group holds it, each window group's holding is kept in the index as the block's window
+ * key (km_hash_window_key), and the index scores the worker under the window rule the flush gives
+ * it (km_index_set_worker_windows), which is vLLM's. Every other group is required: a block counts
+ * only while all of them hold it on the GPU, so any prefix of counted blocks is one those groups
+ * can serve to its end and the prediction never exceeds the engine's hit (for a Mamba group it is
+ * lower: its state is needed only at the hit's end). A copy in another medium (offloaded by a KV
+ * connector) counts as the whole block, window keys included. With one group this is the plain
+ * rule: a block counts while held. */
 #define GROUP_BITS_TRACKED 31u
 #define GROUP_BIT_UNTRACKED (1u << GROUP_BITS_TRACKED)
 #define MEDIUM_BIT_GPU (1u << KM_KV_MEDIUM_GPU)
@@ -53,6 +59,44 @@ static uint32_t group_bit(const km_kv_event *e)
 {
     uint32_t g = e->has_group_idx ? e->group_idx : 0;
     return g < GROUP_BITS_TRACKED ? 1u << g : GROUP_BIT_UNTRACKED;
+}
+
+/* The window groups in effect for w (none while the engine has no other group). */
+static uint32_t window_mask_of(uint32_t gpu_groups, uint32_t window_groups)
+{
+    uint32_t windows = window_groups & gpu_groups;
+    if (!windows || !(gpu_groups & ~windows) ||
+        (uint32_t)__builtin_popcount(windows) > KM_MAX_WINDOW_GROUPS)
+        return 0;
+    return windows;
+}
+
+static uint32_t window_mask(const worker *w)
+{
+    return window_mask_of(w->gpu_groups, w->window_groups);
+}
+
+/* The groups a block's chain hash needs: all but the window groups in effect. */
+static uint32_t required_groups(const worker *w)
+{
+    return w->gpu_groups & ~window_mask(w);
+}
+
+/* The window groups (of `windows`) whose window key for the entry is in the index. */
+static uint32_t entry_windows(const km_emap_entry *m, uint32_t windows)
+{
+    if (m->chain == CHAIN_UNHASHABLE || !m->media)
+        return 0;
+    return (m->media & ~MEDIUM_BIT_GPU) ? windows : (m->gpu_groups & windows);
+}
+
+/* Write the window keys of `chain` for the groups in `groups` at out; returns how many. */
+static uint32_t window_keys(uint64_t *out, uint64_t chain, uint32_t groups)
+{
+    uint32_t n = 0;
+    for (; groups; groups &= groups - 1)
+        out[n++] = km_hash_window_key(chain, (uint32_t)__builtin_ctz(groups));
+    return n;
 }
 
 /* Does a held, hashable entry count (is its chain in the index) under the groups `groups`? */
@@ -221,6 +265,31 @@ static bool block_is_opaque(const km_feed *feed, const km_kv_event *e, bool lora
     return e->extra_keys_present && !lora_set && e->extra_keys_present[i];
 }
 
+/* The window groups `groups` now hold the event's blocks: one STORE of their window keys per group,
+ * over the event's blocks up to the first without a chain (room reserved by the caller: one update
+ * per group, one hash per block and group). Keys already held are stored again, harmlessly. */
+static void queue_window_stores(km_feed *feed, const worker *w, const km_kv_event *e,
+                                uint32_t groups, uint64_t parent_chain)
+{
+    for (; groups; groups &= groups - 1) {
+        uint32_t g = (uint32_t)__builtin_ctz(groups);
+        uint64_t offset = feed->hash_count, count = 0;
+        for (uint32_t i = 0; i < e->n_block_hashes; i++) {
+            const km_emap_entry *m = km_emap_find(&w->map, e->block_hashes[i]);
+            if (!m || m->chain == CHAIN_UNHASHABLE)
+                break;
+            feed->hashes[offset + count++] = km_hash_window_key(m->chain, g);
+        }
+        if (!count)
+            return;
+        feed->hash_count += count;
+        queue_push(feed, KM_UPDATE_STORE, w->id,
+                   parent_chain == KM_NO_PARENT ? KM_NO_PARENT
+                                                : km_hash_window_key(parent_chain, g),
+                   offset, count);
+    }
+}
+
 /* An engine hash names one block (its parent, tokens and extra keys). A BlockStored of an engine
  * hash the worker already holds is that same block arriving in another medium (vLLM's CPU
  * offloading connector announces its copies so, with extra_keys nil), or the same medium again:
@@ -274,6 +343,7 @@ static void apply_stored(km_feed *feed, worker *w, const km_kv_event *e)
         km_feed_count_refusal(w, KM_FEED_REFUSED_INVALID_EVENT, 1, example);
         return;
     }
+    uint32_t required = required_groups(w), windows = window_mask(w);
     w->stores_applied++;
     count_unknown_medium(w, e);
     w->c.stored_by_medium[medium_index(e->medium)] += n;
@@ -329,7 +399,7 @@ static void apply_stored(km_feed *feed, worker *w, const km_kv_event *e)
             km_emap_prefetch(&w->map, e->block_hashes[i + EMAP_PREFETCH_AHEAD]);
         km_emap_entry *m = km_emap_upsert(&w->map, e->block_hashes[i]);
         bool held = m->media != 0; /* a held entry always has a medium; a new one has none */
-        bool counted_before = held && entry_counts(m, w->gpu_groups);
+        bool counted_before = held && entry_counts(m, required);
         km_tier tier_before = best_tier(m->media);
         if (!held) {
             feed->new_keys[feed->new_key_count++] = e->block_hashes[i]; /* reserved */
@@ -354,7 +424,7 @@ static void apply_stored(km_feed *feed, worker *w, const km_kv_event *e)
             continue;
         }
         km_tier tier_now = best_tier(m->media);
-        if (run_open && !entry_counts(m, w->gpu_groups)) {
+        if (run_open && !entry_counts(m, required)) {
             if (hashable > run_first) {
                 queue_push(feed, KM_UPDATE_STORE, w->id, run_parent, offset + run_first,
                            hashable - run_first);
@@ -391,6 +461,9 @@ static void apply_stored(km_feed *feed, worker *w, const km_kv_event *e)
         queue_tier_fixes(feed, w->id, feed->tier_chains, feed->tier_scratch, n_fixes,
                          (km_tier)KM_TIER_COUNT /* none: every listed block needs its update */);
     w->c.unhashable_blocks += unhashable;
+    uint32_t gained = bit == MEDIUM_BIT_GPU ? gbit & windows : windows;
+    if (gained && (starts_sequence || parent_chain != CHAIN_UNHASHABLE))
+        queue_window_stores(feed, w, e, gained, starts_sequence ? KM_NO_PARENT : parent_chain);
 }
 
 static void apply_removed(km_feed *feed, worker *w, const km_kv_event *e)
@@ -401,7 +474,8 @@ static void apply_removed(km_feed *feed, worker *w, const km_kv_event *e)
     uint8_t bit = medium_bit(e->medium);
     uint64_t offset = feed->hash_count;
     uint64_t count = 0;
-    uint32_t n_moved = 0;
+    uint32_t n_moved = 0, required = required_groups(w), windows = window_mask(w);
+    uint64_t window_count = 0;
     for (uint32_t i = 0; i < n; i++) {
         km_emap_entry *m = km_emap_find(&w->map, e->block_hashes[i]);
         if (!m) {
@@ -409,7 +483,8 @@ static void apply_removed(km_feed *feed, worker *w, const km_kv_event *e)
             continue;
         }
         uint8_t before = m->media;
-        bool counted_before = entry_counts(m, w->gpu_groups);
+        bool counted_before = entry_counts(m, required);
+        uint32_t windows_before = entry_windows(m, windows);
         if (bit == MEDIUM_BIT_GPU) {
             /* The GPU copy goes when the last KV-cache group holding it let it go. */
             m->gpu_groups &= ~group_bit(e);
@@ -418,10 +493,17 @@ static void apply_removed(km_feed *feed, worker *w, const km_kv_event *e)
         } else {
             m->media &= (uint8_t)~bit;
         }
+        /* A window group that let the block go: its window key goes, in the same REMOVE. */
+        uint32_t lost = windows_before & ~entry_windows(m, windows);
+        if (lost) {
+            uint32_t k = window_keys(feed->hashes + offset + count, m->chain, lost);
+            count += k;
+            window_count += k;
+        }
         if (m->media) {
             if (!counted_before)
                 continue;
-            if (!entry_counts(m, w->gpu_groups)) {
+            if (!entry_counts(m, required)) {
                 /* A KV-cache group let it go: the engine's hit stops before it. */
                 feed->hashes[offset + count++] = m->chain;
             } else if (best_tier(m->media) != best_tier(before)) {
@@ -440,7 +522,7 @@ static void apply_removed(km_feed *feed, worker *w, const km_kv_event *e)
     if (count) {
         feed->hash_count += count;
         queue_push(feed, KM_UPDATE_REMOVE, w->id, KM_NO_PARENT, offset, count);
-        w->c.blocks_removed += count;
+        w->c.blocks_removed += count - window_count;
     }
     if (n_moved)
         queue_tier_fixes(feed, w->id, feed->tier_chains, feed->tier_scratch, n_moved,
@@ -451,22 +533,43 @@ static void apply_removed(km_feed *feed, worker *w, const km_kv_event *e)
  * fit (the queue's limit, or no memory) is dropped and its worker DEGRADED. */
 void km_feed_queue_message(km_feed *feed, worker *w, const message_view *v, uint64_t now)
 {
-    size_t n_hashes = 0, n_stored = 0;
-    uint32_t groups = w->gpu_groups;
+    size_t n_hashes = 0, n_stored = 0, n_store_events = 0;
+    uint32_t groups = w->gpu_groups, window_groups = w->window_groups;
     for (uint32_t i = 0; i < v->n_events; i++) {
-        n_hashes += v->events[i].n_block_hashes;
-        if (v->events[i].kind == KM_KV_EVENT_BLOCK_STORED) {
-            n_stored += v->events[i].n_block_hashes;
-            if (v->events[i].medium == KM_KV_MEDIUM_GPU)
-                groups |= group_bit(&v->events[i]);
+        const km_kv_event *e = &v->events[i];
+        n_hashes += e->n_block_hashes;
+        if (e->kind != KM_KV_EVENT_BLOCK_STORED)
+            continue;
+        n_stored += e->n_block_hashes;
+        n_store_events++;
+        if (e->medium != KM_KV_MEDIUM_GPU)
+            continue;
+        uint32_t gbit = group_bit(e);
+        /* A group is a window group when its first GPU store says so. */
+        if (!(groups & gbit) && gbit != GROUP_BIT_UNTRACKED && e->kv_cache_spec_kind &&
+            !strcmp(e->kv_cache_spec_kind, "sliding_window") &&
+            e->has_kv_cache_spec_sliding_window && e->kv_cache_spec_sliding_window >= 1) {
+            uint64_t window = (uint64_t)e->kv_cache_spec_sliding_window, b = feed->config.block_size;
+            uint64_t blocks = (window - 1 + b - 1) / b;
+            window_groups |= gbit;
+            w->window_blocks[e->group_idx] = blocks < 1 ? 1 : blocks > UINT32_MAX ? UINT32_MAX
+                                                                                   : (uint32_t)blocks;
         }
+        groups |= gbit;
     }
-    /* A KV-cache group seen for the first time: blocks the other groups held alone stop counting
-     * (one REMOVE, at most one hash per map entry). With more than one group a store may split
-     * its run at every block that does not count: up to one more update per stored block. */
+    /* A KV-cache group seen for the first time: blocks that stop counting (the new group is
+     * required and does not hold them, or a window group's keys leave with the rule) go in one
+     * REMOVE. With more than one group a store may split its run at every block that does not
+     * count: up to one more update per stored block; with window groups each store event stores
+     * their keys, and a removed block removes its keys, one hash per block and group. */
+    uint32_t windows_before = window_mask(w), windows_after = window_mask_of(groups, window_groups);
+    uint32_t n_windows_before = (uint32_t)__builtin_popcount(windows_before);
+    uint32_t n_windows_after = (uint32_t)__builtin_popcount(windows_after);
     bool new_group = groups != w->gpu_groups, several_groups = (groups & (groups - 1)) != 0;
-    size_t extra_updates = (new_group ? 1 : 0) + (several_groups ? n_stored : 0);
-    size_t extra_hashes = new_group ? w->map.live : 0;
+    size_t extra_updates = (new_group ? 1 : 0) + (several_groups ? n_stored : 0) +
+                           n_store_events * n_windows_after;
+    size_t extra_hashes = (new_group ? w->map.live * (1 + (size_t)n_windows_before) : 0) +
+                          n_hashes * n_windows_after;
     if (feed->hash_count + n_hashes > feed->config.max_queued_hashes) {
         w->c.dropped_messages++;
         km_feed_enter_degraded(feed, w, now, "update queue full (flush not called often enough)");
@@ -499,15 +602,24 @@ void km_feed_queue_message(km_feed *feed, worker *w, const message_view *v, uint
     }
     group_begin(feed, w);
     if (new_group) {
-        uint64_t offset = feed->hash_count, count = 0, cursor = 0;
-        for (const km_emap_entry *m; (m = km_emap_next(&w->map, &cursor));)
-            if (entry_counts(m, w->gpu_groups) && !entry_counts(m, groups))
+        /* Blocks that start to count under the new groups (held by the groups no longer
+         * required) are not stored now: less than the engine holds until they are stored again. */
+        uint32_t required_before = required_groups(w), required_after = groups & ~windows_after;
+        uint64_t offset = feed->hash_count, count = 0, window_count = 0, cursor = 0;
+        for (const km_emap_entry *m; (m = km_emap_next(&w->map, &cursor));) {
+            if (entry_counts(m, required_before) && !entry_counts(m, required_after))
                 feed->hashes[offset + count++] = m->chain;
+            uint32_t k = window_keys(feed->hashes + offset + count, m->chain,
+                                     entry_windows(m, windows_before) & ~windows_after);
+            count += k;
+            window_count += k;
+        }
         w->gpu_groups = groups;
+        w->window_groups = window_groups;
         if (count) {
             feed->hash_count += count;
             queue_push(feed, KM_UPDATE_REMOVE, w->id, KM_NO_PARENT, offset, count);
-            w->c.blocks_removed += count;
+            w->c.blocks_removed += count - window_count;
         }
     }
     for (uint32_t i = 0; i < v->n_events; i++) {
@@ -574,7 +686,46 @@ static void publish_positions(km_feed *feed)
     }
 }
 
+void km_feed_sync_window_rules(km_feed *feed)
+{
+    for (size_t i = 0; i < feed->rule_clear_count; i++) {
+        worker *w = km_feed_find_worker(feed, feed->rule_clears[i]);
+        if (w) /* added again under the id: its own rule is set below */
+            w->index_rule_failed = true;
+        else
+            km_index_set_worker_windows(feed->index, feed->rule_clears[i], NULL, 0);
+    }
+    feed->rule_clear_count = 0;
+    for (uint32_t i = 0; i < feed->n_workers; i++) {
+        worker *w = feed->workers[i];
+        uint32_t windows = window_mask(w);
+        if (windows == w->index_window_groups && !w->index_rule_failed)
+            continue;
+        km_window_group rule[KM_MAX_WINDOW_GROUPS];
+        uint32_t n = 0;
+        for (uint32_t g = windows; g; g &= g - 1) {
+            uint32_t group = (uint32_t)__builtin_ctz(g);
+            rule[n++] = (km_window_group){group, w->window_blocks[group]};
+        }
+        /* Fails only without memory for the first rule's table: retried at every flush. */
+        w->index_rule_failed = km_index_set_worker_windows(feed->index, w->id, rule, n) != KM_OK;
+        if (!w->index_rule_failed)
+            w->index_window_groups = windows;
+    }
+}
+
+static int flush_queue(km_feed *feed, uint64_t now_ns, km_feed_flush_stats *stats);
+
 int km_feed_flush(km_feed *feed, uint64_t now_ns, km_feed_flush_stats *stats)
+{
+    int rc = flush_queue(feed, now_ns, stats);
+    if (feed)
+        km_feed_sync_window_rules(feed);
+    return rc;
+}
+
+/* Apply the queue as one index batch (message by message when the index refuses it). */
+static int flush_queue(km_feed *feed, uint64_t now_ns, km_feed_flush_stats *stats)
 {
     km_feed_flush_stats local;
     if (!stats)
