@@ -18,8 +18,10 @@ fetches them). Two kinds of fixture:
   (get_computed_blocks) taken when the request arrived, after every message published before it.
   Scenarios: plain; lookahead hashing (num_hash_lookahead_tokens 1 and 2, configured as vLLM's
   Scheduler does for EAGLE, prompts diverging right after a block boundary); hybrid models
-  (HybridKVCacheCoordinator: a full-attention and a two-block sliding-window group, and a
-  full-attention group with two- and three-block sliding-window groups); two DP ranks (one
+  (HybridKVCacheCoordinator: a full-attention and a two-block sliding-window group, a
+  full-attention group with two- and three-block sliding-window groups, and a full-attention and
+  a Mamba group in align mode, its blocks cached through BlockPool.cache_full_blocks as the
+  Scheduler's checkpoint planning would leave them); two DP ranks (one
   engine and publisher per rank, data_parallel_size 2); live messages dropped inside and beyond
   the publisher's replay buffer (the publisher's own replay answers recorded); a prefix-cache
   reset (AllBlocksCleared) and an engine restart (a new manager and publisher, seq from 0).
@@ -379,10 +381,11 @@ class VllmEngine:
     """One vLLM engine core (one DP rank): its KVCacheManager configured as vLLM's Scheduler does
     (vllm/v1/core/sched/scheduler.py: with lookahead hashes EAGLE drops no block), one
     full-attention KV-cache group (and, for a hybrid model, one sliding-window group per entry of
-    `windows`, its window in tokens), events published by its own ZmqEventPublisher."""
+    `windows`, its window in tokens, or a Mamba group in align mode), events published by its own
+    ZmqEventPublisher."""
 
     def __init__(self, v, name, block_size, num_blocks, lookahead=0, dp_rank=0, buffer_steps=64,
-                 windows=()):
+                 windows=(), mamba=False):
         import zmq
         self.v, self.block_size = v, block_size
         specs = [v.spec.FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=8,
@@ -392,6 +395,9 @@ class VllmEngine:
             specs.append(v.spec.SlidingWindowSpec(block_size=block_size, num_kv_heads=1,
                                                   head_size=8, dtype=None,
                                                   sliding_window=window))
+        if mamba:
+            specs.append(v.spec.MambaSpec(block_size=block_size, shapes=((8,),), dtypes=(None,),
+                                          mamba_cache_mode="align"))
         config = v.spec.KVCacheConfig(
             num_blocks=num_blocks, kv_cache_tensors=[],
             kv_cache_groups=[v.spec.KVCacheGroupSpec([f"layer.{i}"], s)
@@ -431,6 +437,47 @@ class VllmEngine:
             r.num_computed_tokens += 1
         self.manager.free(r)
         return hit, r.all_token_ids[:]
+
+    def serve_checkpoints(self, tokens, rng):
+        """One prompt of a full-attention + Mamba (align mode) model: its prefix hit (tokens), then
+        its full blocks cached through vLLM's own BlockPool.cache_full_blocks as the scheduler's
+        checkpoint planning would leave them: full attention the blocks after its own cached
+        prefix, the Mamba group the state of the last full block and of about a third of the
+        others (block_mask, as MambaManager keeps only checkpointed states), a state it holds
+        already not again. vLLM would cache a second copy of the full-attention blocks between the
+        hybrid hit and the full-attention prefix; kvmatch does not count copies (EVENTS.md
+        "Hybrid models"), so this run leaves them out.
+        The hit's blocks are touched and every block is freed at the end, each group's tail
+        first, as KVCacheManager.free does, so later prompts evict them in vLLM's LRU order."""
+        v, B, pool = self.v, self.block_size, self.manager.block_pool
+        self.n_requests += 1
+        r = v.request.Request(f"r{self.n_requests}", list(tokens), SamplingParams(1), None,
+                              block_hasher=self.hasher)
+        computed, hit, _ = self.manager.get_computed_blocks(r)
+        hit_blocks = [[b for b in group if not b.is_null] for group in computed.blocks]
+        for group in hit_blocks:
+            pool.touch(group)
+        n = len(tokens) // B
+        hashes = r.block_hashes[:n]
+        owned = [list(g) for g in hit_blocks]
+        held = 0  # full attention: the blocks after its own cached prefix, in one run
+        while held < n and pool.get_cached_block(hashes[held], [0]):
+            held += 1
+        if held < n:
+            new = pool.get_new_blocks(n - held)
+            pool.cache_full_blocks(r, [pool.null_block] * held + new, held, n, B,
+                                   kv_cache_group_id=0)
+            owned[0] += new
+        keep = [(i == n - 1 or rng.random() < 0.35) and not pool.get_cached_block(hashes[i], [1])
+                for i in range(n)]
+        if any(keep):
+            new = iter(pool.get_new_blocks(sum(keep)))
+            blocks = [next(new) if k else pool.null_block for k in keep]
+            pool.cache_full_blocks(r, blocks, 0, n, B, kv_cache_group_id=1, block_mask=keep)
+            owned[1] += [b for b in blocks if not b.is_null]
+        for group in owned:
+            pool.free_blocks(reversed(group))
+        return hit, list(tokens)
 
     def publish(self):
         """Publish the events taken from the manager; return the (seq, payload) the SUB received,
@@ -582,6 +629,25 @@ def vllm_engine_scenarios(v, out_dir):
         run_requests(fx, engine, 0, Workload(31, B), 60)
         engine.shutdown()
         made.append((name, fx.close()))
+
+    # A full-attention and a Mamba group in align mode: the Mamba group keeps states at some block
+    # boundaries only (published as sparse_blocks, placed by their engine hashes), and the engine
+    # hits as far as the last state at or below the full-attention prefix.
+    name = "vllm_engine_hybrid_mamba"
+    fx = EngineFixture(out_dir, name, B, 0,
+                       f"{v.wheel}: HybridKVCacheCoordinator, full attention + Mamba (align), "
+                       "64 blocks, 60 requests")
+    fx.line("worker 0 1")
+    engine = VllmEngine(v, name, B, 64, mamba=True)
+    work = Workload(47, B)
+    for i in range(60):
+        tokens = work.next()
+        hit, all_tokens = engine.serve_checkpoints(tokens, work.rng)
+        fx.prompt(0, hit, B, tokens)
+        fx.live(0, engine.publish())
+        work.done(all_tokens)
+    engine.shutdown()
+    made.append((name, fx.close()))
 
     # Data-parallel ranks: two engine cores, two publishers, requests spread over both.
     name = "vllm_engine_dp2"

@@ -793,8 +793,10 @@ typedef struct group_event {
     uint32_t n_tokens;
     uint32_t group;
     const char *medium;
-    uint32_t window; /* BlockStored: > 0 adds kind "sliding_window" with this window in tokens */
+    uint32_t window; /* BlockStored: > 0 adds kind "sliding_window" with this window in tokens,
+                      * GROUP_MAMBA kind "mamba" */
 } group_event;
+#define GROUP_MAMBA UINT32_MAX
 
 static void pack_group_batch(msgpack_sbuffer *sb, const group_event *ev, uint32_t n_events)
 {
@@ -806,7 +808,10 @@ static void pack_group_batch(msgpack_sbuffer *sb, const group_event *ev, uint32_
     msgpack_pack_array(&pk, n_events);
     for (uint32_t k = 0; k < n_events; k++) {
         const group_event *e = &ev[k];
-        msgpack_pack_map(&pk, e->removed ? 4 : e->window ? 9 : 7);
+        msgpack_pack_map(&pk, e->removed                  ? 4
+                              : e->window == GROUP_MAMBA ? 8
+                              : e->window                ? 9
+                                                         : 7);
         msgpack_pack_str_with_body(&pk, "type", 4);
         if (e->removed)
             msgpack_pack_str_with_body(&pk, "BlockRemoved", 12);
@@ -834,7 +839,10 @@ static void pack_group_batch(msgpack_sbuffer *sb, const group_event *ev, uint32_
             msgpack_pack_uint32(&pk, e->tokens[i]);
         msgpack_pack_str_with_body(&pk, "block_size", 10);
         msgpack_pack_uint32(&pk, BS);
-        if (e->window) {
+        if (e->window == GROUP_MAMBA) {
+            msgpack_pack_str_with_body(&pk, "kv_cache_spec_kind", 18);
+            msgpack_pack_str_with_body(&pk, "mamba", 5);
+        } else if (e->window) {
             msgpack_pack_str_with_body(&pk, "kv_cache_spec_kind", 18);
             msgpack_pack_str_with_body(&pk, "sliding_window", 14);
             msgpack_pack_str_with_body(&pk, "kv_cache_spec_sliding_window", 28);
@@ -1073,6 +1081,56 @@ Test(feed, hybrid_sliding_window_depth_is_vllms_hit_on_random_group_events, .tim
                      "a worker added again keeps the rule of the one removed");
         fx_free(&f);
     }
+}
+
+/* A Mamba group (kind "mamba") in align mode keeps states at some block boundaries and publishes
+ * them as some blocks of a range (sparse_blocks). The feed places each by its engine hash where
+ * another group stored the block, and the engine's hit is the last state at or below the
+ * full-attention prefix (a window of one block); a state whose block is unknown is skipped and
+ * counted. */
+Test(feed, hybrid_mamba_states_are_placed_by_engine_hash, .timeout = 10)
+{
+    fx f;
+    fx_init(&f);
+    fx_add(&f, 0, false);
+    uint32_t t[6 * BS];
+    for (uint32_t i = 0; i < 6 * BS; i++)
+        t[i] = 40 + i;
+    uint64_t eh[6] = {701, 702, 703, 704, 705, 706}, want[6];
+    km_hash_config route = {BS, NULL, NULL};
+    size_t nb;
+    cr_assert_eq(km_hash_sequence(&route, t, 6 * BS, 0, KM_NO_PARENT, NULL, want, &nb), KM_OK);
+    msgpack_sbuffer sb;
+    /* Full attention stores blocks 0..4; the Mamba group keeps the states after blocks 1 and 3
+     * (token_ids of blocks 0..3, two hashes). */
+    uint64_t kept[2] = {eh[1], eh[3]};
+    group_event first[2] = {
+        {false, eh, 5, false, 0, t, 5 * BS, 0, NULL, 0},
+        {false, kept, 2, false, 0, t, 4 * BS, 1, NULL, GROUP_MAMBA}};
+    pack_group_batch(&sb, first, 2);
+    live_payload(&f, 0, 0, &sb);
+    fx_flush(&f);
+    cr_assert_eq(held_depth(f.index, 0, want, 5), 4, "the state after block 3 ends the hit");
+    cr_assert_eq(held_depth(f.index, 0, want, 3), 2, "below block 3, the state after block 1");
+    cr_assert_eq(held_depth(f.index, 0, want, 1), 0, "no state after block 0");
+    cr_assert_eq(fx_info(&f, 0).counters.refused[KM_FEED_REFUSED_PARTIAL_BLOCK], 0);
+    /* The state after block 3 is evicted; one after block 5 names a block no group stored. */
+    uint64_t gone = eh[3], unknown = eh[5];
+    group_event next[2] = {{true, &gone, 1, false, 0, NULL, 0, 1, NULL, 0},
+                           {false, &unknown, 1, false, 0, t, 6 * BS, 1, NULL, GROUP_MAMBA}};
+    pack_group_batch(&sb, next, 2);
+    live_payload(&f, 0, 1, &sb);
+    fx_flush(&f);
+    cr_assert_eq(held_depth(f.index, 0, want, 6), 2);
+    cr_assert_eq(fx_info(&f, 0).counters.refused[KM_FEED_REFUSED_PARTIAL_BLOCK], 1);
+    /* Full attention lets block 1 go: the hit stops at its prefix of one block, with no state. */
+    gone = eh[1];
+    group_event fa_rm = {true, &gone, 1, false, 0, NULL, 0, 0, NULL, 0};
+    pack_group_batch(&sb, &fa_rm, 1);
+    live_payload(&f, 0, 2, &sb);
+    fx_flush(&f);
+    cr_assert_eq(held_depth(f.index, 0, want, 6), 0);
+    fx_free(&f);
 }
 
 /* indexed_seq never runs ahead of the index: while a message's updates wait for the flush, it

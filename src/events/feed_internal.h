@@ -116,9 +116,9 @@ typedef struct worker {
      * while it is held in a medium other than the GPU, or on the GPU by every one of these groups
      * (feed_updates.c, "KV-cache groups"). Forgotten with the map on a restart or resync. */
     uint32_t gpu_groups;
-    /* The groups among them whose GPU stores said kind "sliding_window" with a window, and the
-     * contiguous blocks each needs before a hit's end (vLLM: max(1, ceil((window - 1) /
-     * block_size))). While the engine also has another group, they are its window groups
+    /* The groups among them whose first GPU store said kind "sliding_window" with a window, or
+     * "mamba", and the contiguous blocks each needs before a hit's end (vLLM: max(1,
+     * ceil((window - 1) / block_size)); 1 for Mamba, its state at the hit's end). While the engine also has another group, they are its window groups
      * (feed_updates.c, "KV-cache groups"): the index holds their blocks as window keys and scores
      * the worker under a window rule. Forgotten with gpu_groups. */
     uint32_t window_groups;

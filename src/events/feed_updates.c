@@ -40,16 +40,16 @@
  * every group can serve it: all of the prefix's full-attention blocks, the window's blocks before
  * its end, a Mamba state exactly at its end (HybridKVCacheCoordinator.find_longest_cache_hit).
  *
- * Window groups (kind "sliding_window" with a window, while the engine has another group too, at
- * most KM_MAX_WINDOW_GROUPS of them) are modelled exactly: a block's chain hash counts while every
- * other group holds it, each window group's holding is kept in the index as the block's window
- * key (km_hash_window_key), and the index scores the worker under the window rule the flush gives
- * it (km_index_set_worker_windows), which is vLLM's. Every other group is required: a block counts
- * only while all of them hold it on the GPU, so any prefix of counted blocks is one those groups
- * can serve to its end and the prediction never exceeds the engine's hit (for a Mamba group it is
- * lower: its state is needed only at the hit's end). A copy in another medium (offloaded by a KV
- * connector) counts as the whole block, window keys included. With one group this is the plain
- * rule: a block counts while held. */
+ * Window groups (kind "sliding_window" with a window, or "mamba", a window of one block, while
+ * the engine has another group too, at most KM_MAX_WINDOW_GROUPS of them) are modelled exactly: a
+ * block's chain hash counts while every other group holds it, each window group's holding is kept
+ * in the index as the block's window key (km_hash_window_key), and the index scores the worker
+ * under the window rule the flush gives it (km_index_set_worker_windows), which is vLLM's. Every
+ * other group is required: a block counts only while all of them hold it on the GPU, so any
+ * prefix of counted blocks is one those groups can serve to its end and the prediction never
+ * exceeds the engine's hit. A copy in another medium (offloaded by a KV connector) counts as the
+ * whole block, window keys included. With one group this is the plain rule: a block counts while
+ * held. */
 #define GROUP_BITS_TRACKED 31u
 #define GROUP_BIT_UNTRACKED (1u << GROUP_BITS_TRACKED)
 #define MEDIUM_BIT_GPU (1u << KM_KV_MEDIUM_GPU)
@@ -59,6 +59,24 @@ static uint32_t group_bit(const km_kv_event *e)
 {
     uint32_t g = e->has_group_idx ? e->group_idx : 0;
     return g < GROUP_BITS_TRACKED ? 1u << g : GROUP_BIT_UNTRACKED;
+}
+
+/* The blocks a group needs before a hit's end, from its store's spec, or 0 for a group that is
+ * not a window group: a sliding window of W tokens needs max(1, ceil((W - 1) / block_size))
+ * (vLLM's SlidingWindowManager); a Mamba group needs its state at the hit's end, which is a window
+ * of one block (MambaManager: the last cached block at or before the end). */
+static uint32_t window_blocks_of(const km_kv_event *e, uint32_t block_size)
+{
+    if (!e->kv_cache_spec_kind)
+        return 0;
+    if (!strcmp(e->kv_cache_spec_kind, "mamba"))
+        return 1;
+    if (strcmp(e->kv_cache_spec_kind, "sliding_window") || !e->has_kv_cache_spec_sliding_window ||
+        e->kv_cache_spec_sliding_window < 1)
+        return 0;
+    uint64_t window = (uint64_t)e->kv_cache_spec_sliding_window;
+    uint64_t blocks = (window - 1 + block_size - 1) / block_size;
+    return blocks < 1 ? 1 : blocks > UINT32_MAX ? UINT32_MAX : (uint32_t)blocks;
 }
 
 /* The window groups in effect for w (none while the engine has no other group). */
@@ -290,6 +308,31 @@ static void queue_window_stores(km_feed *feed, const worker *w, const km_kv_even
     }
 }
 
+/* A window group's store of some blocks of a range (sparse_blocks): each engine hash the map knows
+ * with a chain is that block, now held by the group on the GPU; its window key is stored, one
+ * update per block (the blocks need not be consecutive). True when every block was placed. Room:
+ * the caller's reservation for a store that splits at every block. */
+static bool place_window_blocks(km_feed *feed, worker *w, const km_kv_event *e)
+{
+    uint32_t gbit = group_bit(e);
+    if (e->medium != KM_KV_MEDIUM_GPU || !(window_mask(w) & gbit))
+        return false;
+    uint32_t placed = 0;
+    for (uint32_t i = 0; i < e->n_block_hashes; i++) {
+        km_emap_entry *m = km_emap_find(&w->map, e->block_hashes[i]);
+        if (!m || m->chain == CHAIN_UNHASHABLE)
+            continue;
+        m->media |= MEDIUM_BIT_GPU;
+        m->gpu_groups |= gbit;
+        feed->hashes[feed->hash_count] = km_hash_window_key(m->chain, e->group_idx);
+        queue_push(feed, KM_UPDATE_STORE, w->id, KM_NO_PARENT, feed->hash_count++, 1);
+        placed++;
+    }
+    w->stores_applied++;
+    w->c.stored_by_medium[medium_index(e->medium)] += placed;
+    return placed == e->n_block_hashes;
+}
+
 /* An engine hash names one block (its parent, tokens and extra keys). A BlockStored of an engine
  * hash the worker already holds is that same block arriving in another medium (vLLM's CPU
  * offloading connector announces its copies so, with extra_keys nil), or the same medium again:
@@ -309,11 +352,14 @@ static void apply_stored(km_feed *feed, worker *w, const km_kv_event *e)
         return;
     }
     if (e->sparse_blocks) {
-        /* Some blocks of a range, which ones unsaid: skipped. Its group still counts among the
-         * engine's groups (km_feed_queue_message), so no block counts without it: the index
-         * holds less than the engine, never more. */
-        km_feed_count_refusal(w, KM_FEED_REFUSED_PARTIAL_BLOCK, 1,
-                              "BlockStored of some blocks of a range (hybrid model group)");
+        /* Some blocks of a range, which ones unsaid. A window group's (Mamba's kept states) are
+         * placed by their engine hashes where the map knows them (another group stored them);
+         * the rest are skipped. A required group still counts among the engine's groups
+         * (km_feed_queue_message), so no block counts without it: the index holds less than
+         * the engine, never more. */
+        if (!place_window_blocks(feed, w, e))
+            km_feed_count_refusal(w, KM_FEED_REFUSED_PARTIAL_BLOCK, 1,
+                                  "BlockStored of some blocks of a range (hybrid model group)");
         return;
     }
     if (e->block_size != feed->config.block_size) {
@@ -546,14 +592,12 @@ void km_feed_queue_message(km_feed *feed, worker *w, const message_view *v, uint
             continue;
         uint32_t gbit = group_bit(e);
         /* A group is a window group when its first GPU store says so. */
-        if (!(groups & gbit) && gbit != GROUP_BIT_UNTRACKED && e->kv_cache_spec_kind &&
-            !strcmp(e->kv_cache_spec_kind, "sliding_window") &&
-            e->has_kv_cache_spec_sliding_window && e->kv_cache_spec_sliding_window >= 1) {
-            uint64_t window = (uint64_t)e->kv_cache_spec_sliding_window, b = feed->config.block_size;
-            uint64_t blocks = (window - 1 + b - 1) / b;
+        uint32_t blocks = 0;
+        if (!(groups & gbit) && gbit != GROUP_BIT_UNTRACKED)
+            blocks = window_blocks_of(e, feed->config.block_size);
+        if (blocks) {
             window_groups |= gbit;
-            w->window_blocks[e->group_idx] = blocks < 1 ? 1 : blocks > UINT32_MAX ? UINT32_MAX
-                                                                                   : (uint32_t)blocks;
+            w->window_blocks[e->group_idx] = blocks;
         }
         groups |= gbit;
     }
