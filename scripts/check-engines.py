@@ -5,6 +5,7 @@ kvmatch must conclude from it (tests/engine_fixtures/*.txt, read by tests/test_e
 in `make test`).
 
 usage: check-engines.py WHEEL_DIR [OUT_DIR]
+       check-engines.py --sglang-radix WHEEL_DIR OUT_DIR   (in a Python that has torch)
 
 WHEEL_DIR holds the vLLM and SGLang wheels (`pip download --no-deps`; scripts/check-engines.sh
 fetches them). Two kinds of fixture:
@@ -47,9 +48,15 @@ it); the list of placeholders actually bound is printed at the end. Replaced wit
   vllm.v1.utils.ConstantList        vLLM's own class, its source taken from vllm/v1/utils.py
                                     (the rest of that module needs torch)
   vllm.utils.network_utils          not needed: inproc endpoints bind without them
-SGLang: sglang/srt/disaggregation/kv_events.py only (its event classes and encoder), with
+SGLang: sglang/srt/disaggregation/kv_events.py (its event classes and encoder), with
 sglang.srt.runtime_context.get_parallel and sglang.srt.utils.network.NetworkAddress as
-placeholders; SGLang's radix cache is not driven here (it needs torch).
+placeholders. With --sglang-radix (a separate process, in a Python that has torch): SGLang's own
+RadixCache (sglang/srt/mem_cache: radix_cache, base_prefix_cache, cache_init_params, events,
+utils, evict_policy, its native block hash compiled from the wheel's C++ source, and
+sglang/srt/utils/cpp_extension_loader) serves prompts through match_prefix, insert and evict,
+and its KV-event recorder's events are published as an engine run (sglang_engine_radix.txt);
+every other sglang module is a placeholder (the list is printed), the token-to-KV allocator a
+stand-in whose free_segment does nothing (create_simulated has no memory pools).
 msgspec, pyzmq, pydantic and cbor2 are the real packages.
 
 Fixture format, one line each:
@@ -727,7 +734,106 @@ def vllm_engine_scenarios(v, out_dir):
         print(f"check-engines: {name}: {n}")
 
 
+# ---- SGLang's RadixCache (a separate process: it needs torch) ----------------------------------
+
+SGLANG_REAL = [
+    "sglang.srt.mem_cache.radix_cache", "sglang.srt.mem_cache.base_prefix_cache",
+    "sglang.srt.mem_cache.cache_init_params", "sglang.srt.mem_cache.events",
+    "sglang.srt.mem_cache.utils", "sglang.srt.mem_cache.evict_policy",
+    "sglang.srt.mem_cache.cpp_utils.native_hash", "sglang.srt.utils.cpp_extension_loader",
+    "sglang.srt.disaggregation.kv_events",
+]
+
+
+class _SglangImporter(_WheelImporter):
+    """As _WheelImporter, from files extracted to `root`: the native hash's C++ source is compiled
+    from its module's directory (torch.utils.cpp_extension)."""
+
+    def __init__(self, wheel, root):
+        super().__init__(wheel, SGLANG_REAL, {"sglang"})
+        self.root = root
+        self.zip.extractall(root, [n for n in self.names if n.startswith("sglang/srt/")])
+
+    def exec_module(self, m):
+        if m.__name__ not in self.real:
+            return
+        m.__file__ = os.path.join(self.root, m.__name__.replace(".", "/") + ".py")
+        with open(m.__file__, encoding="utf-8") as f:
+            exec(compile(f.read(), m.__file__, "exec"), m.__dict__)
+
+
+class _NoKvPool:
+    """The token-to-KV allocator RadixCache.create_simulated takes: evict() hands back the evicted
+    node's slots, which a simulated cache has nowhere to put."""
+    device = "cpu"
+
+    def free_segment(self, value, start_pos=0):
+        pass
+
+
+def sglang_radix_scenario(wheel_dir, out_dir):
+    """SGLang's own RadixCache (create_simulated: the tree, its eviction and its KV-event recorder,
+    without memory pools) serves prompts on a capacity of 160 tokens: each prompt's hit is
+    match_prefix over the prompt without its last token (the scheduler always computes that
+    one), then the prompt and its output are inserted and the least recently used leaves evicted
+    down to the capacity; the recorded events are encoded with SGLang's own KVEventBatch."""
+    import tempfile
+    from array import array
+    wheels = glob.glob(os.path.join(wheel_dir, "sglang-*.whl"))
+    if not wheels:
+        sys.exit(f"check-engines: no SGLang wheel in {wheel_dir}")
+    root = tempfile.mkdtemp(prefix="check-engines-sglang-")
+    sys.meta_path.insert(0, _SglangImporter(wheels[0], root))
+    import importlib
+    import torch
+    rc = importlib.import_module("sglang.srt.mem_cache.radix_cache")
+    base = importlib.import_module("sglang.srt.mem_cache.base_prefix_cache")
+    kv = importlib.import_module("sglang.srt.disaggregation.kv_events")
+    B, capacity = 4, 160
+    cache = rc.RadixCache.create_simulated(mock_allocator=_NoKvPool(), page_size=B,
+                                           enable_kv_cache_events=True)
+    enc = msgspec.msgpack.Encoder()
+    name = "sglang_engine_radix"
+    fx = EngineFixture(out_dir, name, B, 0,
+                       f"{os.path.basename(wheels[0])}: RadixCache, page size {B}, "
+                       f"{capacity} tokens, 60 requests")
+    fx.line("worker 0 1")
+    seq = 0
+
+    def publish():
+        nonlocal seq
+        events = cache.take_events()
+        if events:
+            fx.live(0, (seq, enc.encode(kv.KVEventBatch(ts=float(seq), events=events))))
+            seq += 1
+
+    publish()  # the AllBlocksCleared of the tree's reset
+    work = Workload(53, B)
+    for i in range(60):
+        tokens = work.next()
+        key = rc.RadixKey(array("q", tokens[:-1]))
+        hit = cache.match_prefix(base.MatchPrefixParams(key=key)).device_prefix_len
+        fx.prompt(0, hit, B, tokens)
+        output = [7000 + (i * 31 + k) % 97 for k in range(work.rng.randrange(1, 7))]
+        everything = list(tokens) + output
+        cache.insert(base.InsertParams(key=rc.RadixKey(array("q", everything)),
+                                       value=torch.arange(len(everything))))
+        if cache.total_size() > capacity:
+            cache.evict(base.EvictParams(num_tokens=cache.total_size() - capacity))
+        publish()
+        work.done(everything)
+    print(f"check-engines: {name}: {fx.close()}")
+    print("check-engines: placeholders bound (never called): " + ", ".join(sorted(PLACEHOLDERS)))
+    import shutil
+    shutil.rmtree(root, ignore_errors=True)
+
+
 def main():
+    if len(sys.argv) > 1 and sys.argv[1] == "--sglang-radix":
+        if len(sys.argv) < 4:
+            sys.exit(__doc__)
+        sglang_radix_scenario(sys.argv[2], sys.argv[3])
+        return
     if len(sys.argv) < 2:
         sys.exit(__doc__)
     wheel_dir = sys.argv[1]

@@ -8,11 +8,19 @@
 # engine_fixtures suite of build/kvmatch-tests). The fixtures are written to tests/engine_fixtures/,
 # which `make test` checks on every run; a difference from the committed ones is reported.
 #
-# VLLM_VERSION / SGLANG_VERSION pick other versions (default 0.33.0 and 0.5.23);
-# KM_TESTS names the test binary (default build/kvmatch-tests).
+# SGLang's own RadixCache needs torch: its wheel (the version SGLang pins) and the four NVIDIA
+# wheels whose libraries `import torch` loads and the CUDA toolkit lacks are fetched the same way
+# (--no-deps) into a venv of their own, .engine-wheels/torch-venv; the CUDA 13 toolkit's libraries,
+# a C++ compiler, ninja, Python's headers and OpenSSL's (SGLang compiles its native block hash)
+# must be on the host. When torch cannot be imported or that scenario fails, it is reported as
+# skipped, with the reason, and its committed fixture stays as it is.
+#
+# VLLM_VERSION / SGLANG_VERSION / TORCH_VERSION pick other versions (default 0.33.0, 0.5.23 and
+# 2.14.1); KM_TESTS names the test binary (default build/kvmatch-tests).
 set -eu
 VLLM_VERSION=${VLLM_VERSION:-0.33.0}
 SGLANG_VERSION=${SGLANG_VERSION:-0.5.23}
+TORCH_VERSION=${TORCH_VERSION:-2.14.1}
 KM_TESTS=${KM_TESTS:-build/kvmatch-tests}
 CACHE=.engine-wheels
 
@@ -32,6 +40,31 @@ WHEELS=$(mktemp -d)
 trap 'rm -rf "$WHEELS"' EXIT
 ln -s "$PWD/$CACHE"/vllm-"$VLLM_VERSION"-*.whl "$PWD/$CACHE"/sglang-"$SGLANG_VERSION"-*.whl "$WHEELS"/
 "$CACHE/venv/bin/python" scripts/check-engines.py "$WHEELS" tests/engine_fixtures
+
+# SGLang's RadixCache, in a venv with torch.
+TORCH_WHEELS="torch==$TORCH_VERSION nvidia-cufile==1.15.1.6 nvidia-cusparselt-cu13==0.8.1
+nvidia-nvshmem-cu13==3.4.5 nvidia-nccl-cu13==2.30.7"
+sglang_radix() {
+    if [ ! -x "$CACHE/torch-venv/bin/python" ]; then
+        python3 -m venv "$CACHE/torch-venv" || return 1
+    fi
+    if ! "$CACHE/torch-venv/bin/python" -c 'import torch' 2>/dev/null; then
+        # shellcheck disable=SC2086 # one requirement per word
+        python3 -m pip download -q --no-deps -d "$CACHE" $TORCH_WHEELS || return 1
+        "$CACHE/torch-venv/bin/pip" install -q --no-deps "$CACHE"/torch-"$TORCH_VERSION"-*.whl \
+            "$CACHE"/nvidia_*.whl || return 1
+        "$CACHE/torch-venv/bin/pip" install -q filelock typing-extensions setuptools sympy \
+            networkx jinja2 fsspec numpy msgspec xxhash pyzmq pydantic cbor2 || return 1
+    fi
+    "$CACHE/torch-venv/bin/python" -c 'import torch' || return 1
+    "$CACHE/torch-venv/bin/python" scripts/check-engines.py --sglang-radix "$WHEELS" \
+        tests/engine_fixtures
+}
+if ! sglang_radix; then
+    echo "check-engines: SGLang's RadixCache: skipped (torch or the native hash could not be" \
+         "loaded: see the lines above); tests/engine_fixtures/sglang_engine_radix.txt unchanged"
+    git checkout -q -- tests/engine_fixtures/sglang_engine_radix.txt 2>/dev/null || true
+fi
 "$KM_TESTS" --filter 'engine_fixtures/*'
 if ! git diff --quiet -- tests/engine_fixtures; then
     echo "check-engines: tests/engine_fixtures differ from the committed ones (git diff shows how)"

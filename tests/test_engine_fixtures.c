@@ -9,8 +9,10 @@
  *    publisher's own replay answers, and the feed's state and lost count are checked where the
  *    fixture states them. Covers plain and lookahead hashing, DP ranks, gaps inside and beyond
  *    the replay buffer, a prefix-cache reset and an engine restart, and hybrid models (a
- *    full-attention group with one or two sliding-window groups). A prompt marked "bound" must
- *    only not exceed the engine's hit; how often it equals it is logged.
+ *    full-attention group with one or two sliding-window groups, or a Mamba group); SGLang's
+ *    RadixCache served prompts and its KV-event recorder's events were encoded with SGLang's own
+ *    KVEventBatch. A prompt marked "bound" must only not exceed the engine's hit; how often it
+ *    equals it is logged.
  *  - event encodings: the worker's index must end with exactly the expected chains, each in its
  *    tier (lookahead variants, LoRA under Dynamo's seed rule with a CPU offload, the cache salt in
  *    vLLM's extra keys and as SGLang's own field, SGLang's CPU_PINNED and EXTERNAL media).
