@@ -309,9 +309,10 @@ static void queue_window_stores(km_feed *feed, const worker *w, const km_kv_even
 }
 
 /* A window group's store of some blocks of a range (sparse_blocks): each engine hash the map knows
- * with a chain is that block, now held by the group on the GPU; its window key is stored, one
- * update per block (the blocks need not be consecutive). True when every block was placed. Room:
- * the caller's reservation for a store that splits at every block. */
+ * with a chain, held on the GPU by another group, is that block, now held by this group too; its
+ * window key is stored, one update per block (the blocks need not be consecutive). True when
+ * every block was placed. Room: the caller's reservation for a store that splits at every
+ * block. */
 static bool place_window_blocks(km_feed *feed, worker *w, const km_kv_event *e)
 {
     uint32_t gbit = group_bit(e);
@@ -320,9 +321,8 @@ static bool place_window_blocks(km_feed *feed, worker *w, const km_kv_event *e)
     uint32_t placed = 0;
     for (uint32_t i = 0; i < e->n_block_hashes; i++) {
         km_emap_entry *m = km_emap_find(&w->map, e->block_hashes[i]);
-        if (!m || m->chain == CHAIN_UNHASHABLE)
+        if (!m || m->chain == CHAIN_UNHASHABLE || !(m->media & MEDIUM_BIT_GPU))
             continue;
-        m->media |= MEDIUM_BIT_GPU;
         m->gpu_groups |= gbit;
         feed->hashes[feed->hash_count] = km_hash_window_key(m->chain, e->group_idx);
         queue_push(feed, KM_UPDATE_STORE, w->id, KM_NO_PARENT, feed->hash_count++, 1);
