@@ -4,7 +4,8 @@
  * random, so windows have holes anywhere) are scored and compared with a brute-force statement of
  * the rule: from the plain prefix depth d, the largest e <= d at which every window group holds
  * the blocks [max(0, e - blocks), e). Entries, owners and depths must equal it; workers without a
- * rule keep their plain depth. */
+ * rule keep their plain depth. The same on the CUDA backend, where a device exists (skipped
+ * without one; failed instead under KM_REQUIRE_CUDA=1). */
 #include <stdlib.h>
 #include <string.h>
 
@@ -159,26 +160,38 @@ static void check_batch(km_index *index, const tree *t, const state *s, km_rng *
     km_match_results_free(&res);
 }
 
-static km_index *make_index(uint32_t segment_blocks)
+static km_index *make_index_on(km_backend_kind backend, uint32_t segment_blocks)
 {
     km_index_config cfg;
     km_test_config(&cfg, NULL);
-    cfg.backend = KM_BACKEND_CPU;
+    cfg.backend = backend;
     cfg.max_workers = WORKERS;
     cfg.segment_blocks = segment_blocks;
     cfg.threads = 2;
     km_index *index = NULL;
-    cr_assert_eq(km_index_create(&cfg, &index), KM_OK);
+    int rc = km_index_create(&cfg, &index);
+    if (rc == KM_ERR_BACKEND_UNAVAILABLE && backend == KM_BACKEND_CUDA) {
+        const char *required = getenv("KM_REQUIRE_CUDA");
+        if (required && !strcmp(required, "1"))
+            cr_assert_fail("KM_REQUIRE_CUDA=1 and no usable CUDA device");
+        cr_skip_test("no usable CUDA device: %s", km_error_name(rc));
+    }
+    cr_assert_eq(rc, KM_OK, "%s", km_error_name(rc));
     return index;
 }
 
-Test(window_rule, random_hybrid_states_match_the_rule_by_brute_force, .timeout = 60)
+static km_index *make_index(uint32_t segment_blocks)
+{
+    return make_index_on(KM_BACKEND_CPU, segment_blocks);
+}
+
+static void random_states(km_backend_kind backend)
 {
     km_rng r;
     km_rng_init(&r, km_test_seed());
     static const uint32_t segment_sizes[] = {0, 4};
     for (uint32_t round = 0; round < 8; round++) {
-        km_index *index = make_index(segment_sizes[round % 2]);
+        km_index *index = make_index_on(backend, segment_sizes[round % 2]);
         static tree t;
         static state s;
         memset(&s, 0, sizeof s);
@@ -199,6 +212,17 @@ Test(window_rule, random_hybrid_states_match_the_rule_by_brute_force, .timeout =
         check_batch(index, &t, &s, &r);
         km_index_destroy(index);
     }
+}
+
+Test(window_rule, random_hybrid_states_match_the_rule_by_brute_force, .timeout = 60)
+{
+    random_states(KM_BACKEND_CPU);
+}
+
+/* In the cuda suite, which scripts/gpu-check.sh runs on a device. */
+Test(cuda, window_rules_match_the_rule_on_random_hybrid_states, .timeout = 120)
+{
+    random_states(KM_BACKEND_CUDA);
 }
 
 Test(window_rule, a_lookup_per_block_scanned_is_counted_in_probes, .timeout = 30)
