@@ -1133,6 +1133,64 @@ Test(feed, hybrid_mamba_states_are_placed_by_engine_hash, .timeout = 10)
     fx_free(&f);
 }
 
+/* A feed state whose window groups are not among the engine's groups, or need 0 blocks, or are
+ * cut short, is refused as corrupt, with the reason, and installs nothing. */
+Test(feed, bad_window_groups_in_a_feed_state_are_refused, .timeout = 10)
+{
+    fx f;
+    fx_init(&f);
+    fx_add(&f, 0, false);
+    uint32_t t[2 * BS];
+    for (uint32_t i = 0; i < 2 * BS; i++)
+        t[i] = 90 + i;
+    uint64_t eh[2] = {601, 602};
+    msgpack_sbuffer sb;
+    group_event both[2] = {{false, eh, 2, false, 0, t, 2 * BS, 0, NULL, 0},
+                           {false, eh, 2, false, 0, t, 2 * BS, 3, NULL, 2 * BS}};
+    pack_group_batch(&sb, both, 2);
+    live_payload(&f, 0, 0, &sb);
+    fx_flush(&f);
+    unsigned char *state = NULL;
+    size_t size = 0;
+    cr_assert_eq(km_feed_export_state(f.feed, (void **)&state, &size), KM_OK);
+    /* Worker 0's record: id, flags, two u16 lengths, the strings, three u64, gpu_groups, then
+     * window_groups and one u32 block count for its window group (group 3: 2 blocks). */
+    size_t at = 24 + 8, name_len = state[at] | state[at + 1] << 8,
+           id_len = state[at + 2] | state[at + 3] << 8;
+    size_t groups_at = at + 4 + name_len + id_len + 24, windows_at = groups_at + 4;
+    cr_assert_eq(state[groups_at], (1u << 0) | (1u << 3), "gpu_groups");
+    cr_assert_eq(state[windows_at], 1u << 3, "window_groups");
+    cr_assert_eq(state[windows_at + 4], 2, "the window group's blocks");
+    /* Each case's damage, below, and the reason the refusal must give. */
+    static const char *const why[] = {"window groups outside", "a window group of 0 blocks",
+                                      "truncated"};
+    for (size_t c = 0; c < 3; c++) {
+        unsigned char *bad = malloc(size);
+        memcpy(bad, state, size);
+        size_t bad_size = size;
+        if (c == 0)
+            bad[windows_at] |= 1u << 5; /* group 5: not one of the engine's */
+        else if (c == 1)
+            bad[windows_at + 4] = 0;
+        else
+            bad_size = windows_at + 6; /* inside the block count */
+        km_index *index = km_test_make_index(16);
+        km_feed *feed = NULL;
+        cr_assert_eq(km_feed_create(index, &f.cfg, &feed), KM_OK);
+        cr_assert_eq(km_feed_import_state(feed, bad, bad_size, 1), KM_ERR_CORRUPT, "case %zu", c);
+        cr_assert(strstr(km_feed_last_error(feed), why[c]), "case %zu: %s", c,
+                  km_feed_last_error(feed));
+        uint32_t n_workers = 9;
+        cr_assert_eq(km_feed_get_workers(feed, NULL, 0, &n_workers), KM_OK);
+        cr_assert_eq(n_workers, 0, "case %zu: a refused state installed workers", c);
+        km_feed_destroy(feed);
+        km_index_destroy(index);
+        free(bad);
+    }
+    free(state);
+    fx_free(&f);
+}
+
 /* indexed_seq never runs ahead of the index: while a message's updates wait for the flush, it
  * stays where the last flush left it. */
 Test(feed, indexed_seq_waits_for_the_flush, .timeout = 10)
