@@ -13,6 +13,7 @@
 #include <unistd.h>
 #include <xxhash.h>
 
+#include "index/host_table.h"
 #include "test_util.h"
 
 typedef struct fixture {
@@ -221,16 +222,25 @@ Test(snapshot, bad_files_are_rejected_and_change_nothing, .timeout = 120)
     }
     free(flip);
 
-    /* A different format version (1: before storage tiers), with a correctly resealed header:
-     * incompatible, not corrupt. */
+    /* Older format versions, with a correctly resealed header: incompatible, not corrupt, and the
+     * message names both versions. 1: before storage tiers; 3: 24-byte block metadata (header
+     * field at offset 28). */
     uint8_t *v2 = malloc(size);
-    memcpy(v2, good, size);
-    uint32_t version = 1;
-    memcpy(v2 + 8, &version, 4);
-    uint64_t header_hash = XXH3_64bits(v2, 56);
-    memcpy(v2 + 56, &header_hash, 8);
-    write_file(bad, v2, size);
-    expect_rejected(&f, a, S, bad, KM_ERR_INCOMPATIBLE, "version 1");
+    const uint32_t old_versions[2][2] = {{1, 24}, {3, 24}};
+    for (int k = 0; k < 2; k++) {
+        memcpy(v2, good, size);
+        memcpy(v2 + 8, &old_versions[k][0], 4);
+        memcpy(v2 + 28, &old_versions[k][1], 4);
+        uint64_t header_hash = XXH3_64bits(v2, 56);
+        memcpy(v2 + 56, &header_hash, 8);
+        write_file(bad, v2, size);
+        char said[80];
+        snprintf(said, sizeof said, "format version %u (layout 16/24); this build reads version 4",
+                 old_versions[k][0]);
+        cr_assert_eq(km_index_load(a, bad, NULL, NULL), KM_ERR_INCOMPATIBLE);
+        cr_assert(strstr(km_index_last_error(a), said), "message: %s", km_index_last_error(a));
+        expect_rejected(&f, a, S, bad, KM_ERR_INCOMPATIBLE, "an older version");
+    }
     free(v2);
 
     /* Same file, index with another configuration. */
@@ -370,7 +380,7 @@ Test(snapshot, duplicate_key_in_a_table_is_corrupt, .timeout = 30)
     size_t size;
     uint8_t *buf = read_file(f.path, &size);
     /* Block table: header, section head, table header (capacity, live, tombstones, pairs, ...),
-     * then capacity 16-byte slots and capacity 24-byte metadata entries. */
+     * then capacity slots and capacity metadata entries. */
     uint8_t *th = buf + 64 + 16;
     uint64_t capacity, live, pairs;
     memcpy(&capacity, th, 8);
@@ -388,7 +398,7 @@ Test(snapshot, duplicate_key_in_a_table_is_corrupt, .timeout = 30)
     cr_assert(at != UINT64_MAX);
     uint64_t dup = (at + 1) & (capacity - 1);
     memcpy(slots + dup * 16, slots + at * 16, 16); /* the same key and holder, one slot later */
-    memcpy(meta + dup * 24, meta + at * 24, 24);
+    memcpy(meta + dup * sizeof(km_block_meta), meta + at * sizeof(km_block_meta), sizeof(km_block_meta));
     live++, pairs++;
     memcpy(th + 8, &live, 8);
     memcpy(th + 24, &pairs, 8);
@@ -421,10 +431,12 @@ Test(snapshot, duplicate_key_in_a_table_is_corrupt, .timeout = 30)
 }
 
 /* Found by fuzzing (tests/fuzz/fuzz_snapshot.c): block metadata was loaded unchecked. A block at a
- * known position whose segment anchor is 0 (a reserved key) loaded; removing it then used 0 as a
- * key of the anchor map, whose node lists it corrupted: the next removal looped forever. A known
- * position needs a real anchor (the block itself at a segment start). */
-Test(snapshot, block_metadata_with_a_reserved_anchor_is_corrupt, .timeout = 30)
+ * known position whose segment anchor was 0 (a reserved key of the anchor map) loaded; removing it
+ * then corrupted the map's node lists and the next removal looped forever. Block metadata now
+ * names the anchor by a 32-bit tag that the map key is derived from, so every tag is a valid key:
+ * a block inside a segment may name any tag (0 and 1 included), loads, and removes terminate with
+ * the index consistent. A block at a segment start is its own anchor: any other tag is corrupt. */
+Test(snapshot, block_metadata_anchor_tags_are_checked_or_harmless, .timeout = 30)
 {
     const uint32_t W = 8, S = 4;
     fixture f;
@@ -441,25 +453,49 @@ Test(snapshot, block_metadata_with_a_reserved_anchor_is_corrupt, .timeout = 30)
     uint8_t *th = good + 64 + 16;
     uint64_t capacity;
     memcpy(&capacity, th, 8);
-    size_t slots = 64 + 16 + 56, meta = slots + capacity * 16;
+    /* Header, section head, table header; then capacity slots and capacity metadata entries
+     * (parent u64, anchor tag u32, position u32). */
+    size_t slots = 64 + 16 + 56, meta = slots + capacity * sizeof(km_slot);
     char bad[160];
     snprintf(bad, sizeof bad, "%s/anchor.snap", f.dir);
-    int edited = 0;
+    int rejected = 0, loaded = 0;
     for (uint64_t i = 0; i < capacity; i++) {
         uint64_t key;
-        memcpy(&key, good + slots + i * 16, 8);
+        uint32_t position;
+        memcpy(&key, good + slots + i * sizeof(km_slot), 8);
         if (key <= 1)
             continue;
-        for (uint64_t anchor = 0; anchor < 2; anchor++) { /* both reserved values */
+        memcpy(&position, good + meta + i * sizeof(km_block_meta) + 12, 4);
+        cr_assert(position < 6, "every block of the chain has a known position");
+        for (uint32_t tag = 0; tag < 3; tag++) { /* both reserved map keys, and one more */
+            uint32_t written = tag == 2 ? km_anchor_tag(key) ^ 0x80u : tag;
             memcpy(buf, good, size);
-            memcpy(buf + meta + i * 24 + 8, &anchor, 8); /* parent, anchor, position, reserved */
+            memcpy(buf + meta + i * sizeof(km_block_meta) + 8, &written, 4);
             reseal(buf, size);
             write_file(bad, buf, size);
-            expect_rejected(&f, a, S, bad, KM_ERR_CORRUPT, "a reserved segment anchor");
-            edited++;
+            if (position % S == 0) {
+                expect_rejected(&f, a, S, bad, KM_ERR_CORRUPT, "a segment start naming another anchor");
+                rejected++;
+                continue;
+            }
+            km_index *b = make_index(W, S);
+            cr_assert_eq(km_index_load(b, bad, NULL, NULL), KM_OK, "%s", km_index_last_error(b));
+            cr_assert_eq(km_index_remove(b, 1, chain, 6), KM_OK);
+            for (int k = 0; k < 6; k++) {
+                uint32_t n = 1;
+                cr_assert_eq(km_index_holders(b, chain[k], NULL, 0, &n), KM_OK);
+                cr_assert_eq(n, 0, "block %d still held after the remove", k);
+            }
+            km_index_stats st;
+            km_index_get_stats(b, &st);
+            cr_assert_eq(st.pairs, 0);
+            cr_assert_eq(st.segment_pairs, 0, "the segment key left with its blocks");
+            km_index_destroy(b);
+            loaded++;
         }
     }
-    cr_assert_eq(edited, 12);
+    cr_assert_eq(rejected, 2 * 3, "blocks 0 and 4 start segments");
+    cr_assert_eq(loaded, 4 * 3);
     unlink(bad);
     free(buf);
     free(good);

@@ -32,14 +32,24 @@
  * larger ones grow incrementally. */
 #define KM_TABLE_INCREMENTAL_SLOTS (UINT64_C(1) << 14)
 
-/* Per-block facts the update planner needs and scoring never reads (parallel to the slots). */
+/* Per-block facts the update planner needs and scoring never reads (parallel to the slots). The
+ * segment's first block is kept as a 32-bit tag (km_anchor_tag), the key of its anchor list
+ * (src/index/index.c): two segments whose tags collide share a list, which costs a remove a few
+ * more candidates to check and stays sound. */
 #define KM_POSITION_UNKNOWN UINT32_MAX
 typedef struct km_block_meta {
-    uint64_t parent;   /* chain hash of the previous block, KM_NO_PARENT at position 0 */
-    uint64_t anchor;   /* chain hash of the first block of this block's segment */
-    uint32_t position; /* block index in its sequence, or KM_POSITION_UNKNOWN (orphan) */
-    uint32_t reserved;
+    uint64_t parent;     /* chain hash of the previous block, KM_NO_PARENT at position 0 */
+    uint32_t anchor_tag; /* km_anchor_tag of this block's segment's first block; 0 when unknown */
+    uint32_t position;   /* block index in its sequence, or KM_POSITION_UNKNOWN (orphan) */
 } km_block_meta;
+_Static_assert(sizeof(km_block_meta) == 16, "block metadata is 16 bytes per slot");
+
+/* The tag a segment's first block is known by in block metadata and the anchor lists: the low 32
+ * bits of its chain hash (independent of the high bits that segment fingerprints use). */
+static inline uint32_t km_anchor_tag(uint64_t first_block)
+{
+    return (uint32_t)first_block;
+}
 
 /* Demote a shared (bitmap) set back to inline form when it shrinks to this many holders. Below
  * KM_SLOT_INLINE (hysteresis), so a set whose holders hover around five does not change form on

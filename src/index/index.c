@@ -287,14 +287,14 @@ typedef enum undo_kind {
     UNDO_BLOCK_META,     /* meta of key was overwritten; meta holds the old value */
     UNDO_SEG_ADDED,
     UNDO_SEG_REMOVED,
-    UNDO_ANCHOR_LINKED,  /* key (segment end) was linked under anchor aux */
+    UNDO_ANCHOR_LINKED,  /* key (segment end) was linked under anchor tag aux */
     UNDO_ANCHOR_UNLINKED,
     UNDO_WORKER_COUNTERS, /* worker's counters before the batch: index->undo_saved[aux] */
     UNDO_TIER_ADDED,      /* worker was added to key's set in lower tier table aux */
     UNDO_TIER_REMOVED,    /* worker was removed from key's set in lower tier table aux */
 } undo_kind;
 
-/* 48 bytes: a store logs one or two per block, so the entry stays small (a worker's counters,
+/* 40 bytes: a store logs one or two per block, so the entry stays small (a worker's counters,
  * 128 bytes, are saved once per batch in index->undo_saved instead). */
 typedef struct km_undo_entry {
     uint16_t kind;     /* undo_kind */
@@ -310,7 +310,7 @@ typedef struct km_undo_entry {
         km_block_meta meta;
     } u;
 } undo_entry;
-_Static_assert(sizeof(undo_entry) == 48, "undo entries stay 48 bytes");
+_Static_assert(sizeof(undo_entry) == 40, "undo entries stay 40 bytes");
 
 typedef struct batch {
     km_index *index;
@@ -381,8 +381,16 @@ static int anchor_node_alloc(km_index *index, uint32_t *out)
     return KM_OK;
 }
 
-static int anchor_link(km_index *index, uint64_t anchor, uint64_t end, int allow_grow)
+/* The anchor map's key for a segment's first block, from its tag (km_anchor_tag): the map reserves
+ * keys 0 and 1, which a tag may take. */
+static uint64_t anchor_key(uint32_t anchor_tag)
 {
+    return km_u64map_key(anchor_tag);
+}
+
+static int anchor_link(km_index *index, uint32_t anchor_tag, uint64_t end, int allow_grow)
+{
+    uint64_t anchor = anchor_key(anchor_tag);
     uint64_t *head = km_u64map_find(&index->anchors, anchor);
     if (!head && allow_grow) { /* reserve the map entry first so a failure leaves no orphan node */
         int rc = km_u64map_reserve(&index->anchors, 1);
@@ -408,8 +416,9 @@ static int anchor_link(km_index *index, uint64_t anchor, uint64_t end, int allow
     return rc;
 }
 
-static void anchor_unlink(km_index *index, uint64_t anchor, uint64_t end)
+static void anchor_unlink(km_index *index, uint32_t anchor_tag, uint64_t end)
 {
+    uint64_t anchor = anchor_key(anchor_tag);
     uint64_t *head = km_u64map_find(&index->anchors, anchor);
     if (!head)
         return;
@@ -595,7 +604,7 @@ static void fingerprints_by_walk(const km_index *index, uint64_t end, uint8_t *f
 
 /* Add worker to the segment key `end` (first block `anchor`); `fps` are the fingerprints of its
  * S blocks, stored when the key is new. */
-static int segment_add(batch *b, uint64_t anchor, uint64_t end, uint32_t worker, const uint8_t *fps)
+static int segment_add(batch *b, uint32_t anchor_tag, uint64_t end, uint32_t worker, const uint8_t *fps)
 {
     km_index *index = b->index;
     uint64_t slot;
@@ -606,10 +615,10 @@ static int segment_add(batch *b, uint64_t anchor, uint64_t end, uint32_t worker,
     if (!inserted)
         return KM_OK;
     memcpy(km_table_aux(&index->segments, slot), fps, index->segments.aux_bytes);
-    undo_entry e = {.kind = UNDO_ANCHOR_LINKED, .key = end, .aux = anchor};
+    undo_entry e = {.kind = UNDO_ANCHOR_LINKED, .key = end, .aux = anchor_tag};
     rc = undo_push(b, &e);
     if (!rc) {
-        rc = anchor_link(index, anchor, end, 1);
+        rc = anchor_link(index, anchor_tag, end, 1);
         if (rc)
             b->n_log -= b->logging;
     }
@@ -617,7 +626,7 @@ static int segment_add(batch *b, uint64_t anchor, uint64_t end, uint32_t worker,
 }
 
 /* Remove worker from segment key `end`; unlink it from its anchor when the set empties. */
-static int segment_remove_at(batch *b, uint64_t slot, uint64_t anchor, uint32_t worker)
+static int segment_remove_at(batch *b, uint64_t slot, uint32_t anchor_tag, uint32_t worker)
 {
     km_index *index = b->index;
     uint64_t end = km_table_slot(&index->segments, slot)->key;
@@ -625,11 +634,11 @@ static int segment_remove_at(batch *b, uint64_t slot, uint64_t anchor, uint32_t 
     if (rc < 0)
         return rc;
     if (rc == 1) {
-        undo_entry e = {.kind = UNDO_ANCHOR_UNLINKED, .key = end, .aux = anchor};
+        undo_entry e = {.kind = UNDO_ANCHOR_UNLINKED, .key = end, .aux = anchor_tag};
         rc = undo_push(b, &e);
         if (rc)
             return rc;
-        anchor_unlink(index, anchor, end);
+        anchor_unlink(index, anchor_tag, end);
     }
     return KM_OK;
 }
@@ -659,7 +668,7 @@ static int invalidate_segments(batch *b, uint32_t worker, uint64_t block, const 
     km_index *index = b->index;
     if (segment_size(index) == 0 || m->position == KM_POSITION_UNKNOWN)
         return KM_OK;
-    uint64_t *head = km_u64map_find(&index->anchors, m->anchor);
+    uint64_t *head = km_u64map_find(&index->anchors, anchor_key(m->anchor_tag));
     if (!head)
         return KM_OK;
     uint32_t n = (uint32_t)*head;
@@ -672,7 +681,7 @@ static int invalidate_segments(batch *b, uint32_t worker, uint64_t block, const 
         uint8_t fp = km_table_aux(&index->segments, slot)[m->position % segment_size(index)];
         if (fp != 0 && fp != chain_fingerprint(block))
             continue; /* block is not on this segment's chain */
-        int rc = segment_remove_at(b, slot, m->anchor, worker);
+        int rc = segment_remove_at(b, slot, m->anchor_tag, worker);
         if (rc)
             return rc;
     }
@@ -787,12 +796,12 @@ static int apply_store(batch *b, const km_update *u)
 
     /* Position and segment anchor of the block before the run (unknown for an orphan run). */
     uint32_t prev_position = KM_POSITION_UNKNOWN;
-    uint64_t prev_anchor = 0;
+    uint32_t prev_anchor = 0;
     if (u->parent != KM_NO_PARENT) {
         uint64_t ps = km_table_find(&index->blocks, u->parent);
         if (ps != KM_SLOT_NONE) {
             prev_position = km_table_meta(&index->blocks, ps)->position;
-            prev_anchor = km_table_meta(&index->blocks, ps)->anchor;
+            prev_anchor = km_table_meta(&index->blocks, ps)->anchor_tag;
         }
         if (prev_position == KM_POSITION_UNKNOWN)
             b->stats->orphan_runs++;
@@ -809,13 +818,13 @@ static int apply_store(batch *b, const km_update *u)
         uint64_t key = u->hashes[i];
         uint64_t parent = i == 0 ? u->parent : u->hashes[i - 1];
         uint32_t position = KM_POSITION_UNKNOWN;
-        uint64_t anchor = 0;
+        uint32_t anchor = 0;
         if (parent == KM_NO_PARENT)
             position = 0;
         else if (prev_position != KM_POSITION_UNKNOWN && prev_position + 1 < KM_POSITION_UNKNOWN)
             position = prev_position + 1;
         if (position != KM_POSITION_UNKNOWN)
-            anchor = S && position % S == 0 ? key : prev_anchor;
+            anchor = S && position % S == 0 ? km_anchor_tag(key) : prev_anchor;
 
         uint64_t slot;
         int inserted;
@@ -826,7 +835,7 @@ static int apply_store(batch *b, const km_update *u)
         if (inserted) {
             m->parent = parent;
             m->position = position;
-            m->anchor = anchor;
+            m->anchor_tag = anchor;
         } else if (m->position == KM_POSITION_UNKNOWN && position != KM_POSITION_UNKNOWN) {
             undo_entry e = {.kind = UNDO_BLOCK_META, .key = key};
             e.u.meta = *m;
@@ -835,7 +844,7 @@ static int apply_store(batch *b, const km_update *u)
                 return rc;
             m->parent = parent;
             m->position = position;
-            m->anchor = anchor;
+            m->anchor_tag = anchor;
         }
         /* From here on the table's metadata is the truth (first writer wins on a disagreement). */
         if (u->tier != KM_TIER_DEVICE || !lower_tiers_empty(index)) {
@@ -860,7 +869,7 @@ static int apply_store(batch *b, const km_update *u)
         else
             run_consecutive = m->position != KM_POSITION_UNKNOWN;
         prev_position = m->position;
-        prev_anchor = m->anchor;
+        prev_anchor = m->anchor_tag;
         if (S && prev_position != KM_POSITION_UNKNOWN && prev_position % S == S - 1) {
             uint8_t fps[KM_MAX_SEGMENT_BLOCKS];
             int held = run_consecutive >= S;
@@ -892,7 +901,7 @@ static void remove_prefetch(const km_index *index, const km_update *u, size_t i)
     if (i + REMOVE_AHEAD / 2 < u->n_hashes && index->config.segment_blocks) {
         uint64_t slot = km_table_find(t, u->hashes[i + REMOVE_AHEAD / 2]);
         if (slot != KM_SLOT_NONE && km_table_meta(t, slot)->position != KM_POSITION_UNKNOWN)
-            km_u64map_prefetch(&index->anchors, km_table_meta(t, slot)->anchor);
+            km_u64map_prefetch(&index->anchors, anchor_key(km_table_meta(t, slot)->anchor_tag));
     }
 }
 
@@ -954,7 +963,7 @@ static int apply_clear(batch *b, const km_update *u)
             continue;
         }
         uint64_t bs = km_table_find(&index->blocks, end);
-        uint64_t anchor = bs == KM_SLOT_NONE ? 0 : km_table_meta(&index->blocks, bs)->anchor;
+        uint32_t anchor = bs == KM_SLOT_NONE ? 0 : km_table_meta(&index->blocks, bs)->anchor_tag;
         rc = segment_remove_at(b, s, anchor, w);
         if (rc)
             return rc;
@@ -1035,10 +1044,10 @@ static void undo_one(km_index *index, const undo_entry *e)
         return;
     }
     case UNDO_ANCHOR_LINKED:
-        anchor_unlink(index, e->aux, e->key);
+        anchor_unlink(index, (uint32_t)e->aux, e->key);
         return;
     case UNDO_ANCHOR_UNLINKED:
-        anchor_link(index, e->aux, e->key, 0);
+        anchor_link(index, (uint32_t)e->aux, e->key, 0);
         return;
     case UNDO_WORKER_COUNTERS:
         index->workers[e->worker] = index->undo_saved[e->aux].counters;
@@ -1259,7 +1268,7 @@ int km_index_rebuild_anchors(km_index *index)
         uint64_t bs = km_table_find(&index->blocks, end);
         if (bs == KM_SLOT_NONE || km_table_meta(&index->blocks, bs)->position == KM_POSITION_UNKNOWN)
             return KM_ERR_CORRUPT;
-        int rc = anchor_link(index, km_table_meta(&index->blocks, bs)->anchor, end, 1);
+        int rc = anchor_link(index, km_table_meta(&index->blocks, bs)->anchor_tag, end, 1);
         if (rc)
             return rc;
     }

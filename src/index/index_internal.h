@@ -61,8 +61,9 @@ struct km_index {
      * (KM_TIER_HOST, KM_TIER_DISK). A pair is in at most one, and only while it is in `blocks`;
      * a pair in neither is device-resident. Host-only: scoring's tier split runs on the host. */
     km_table lower[KM_TIER_COUNT - 1];
-    /* anchor (first block of a segment) -> list of segment-last-block hashes with a non-empty set,
-     * so a remove can find the segment keys it invalidates. Nodes in anchor_nodes. */
+    /* anchor tag (km_anchor_tag of a segment's first block) -> list of segment-last-block hashes
+     * with a non-empty set, so a remove can find the segment keys it invalidates (segments whose
+     * tags collide share a list). Nodes in anchor_nodes. */
     km_u64map anchors;
     struct km_anchor_node { uint64_t end; uint32_t next; uint32_t reserved; } *anchor_nodes;
     uint32_t anchor_nodes_capacity, anchor_nodes_high, anchor_free_head;

@@ -24,8 +24,8 @@
 
 #define SNAPSHOT_MAGIC "KVMSNAP1"
 /* 2: lower storage tier tables (sections 5 and 6). 3: the segment table's fingerprints (S bytes per
- * slot) after its slots; no tombstones. */
-#define SNAPSHOT_VERSION 3u
+ * slot) after its slots; no tombstones. 4: 16-byte block metadata (parent, anchor tag, position). */
+#define SNAPSHOT_VERSION 4u
 #define SNAPSHOT_HEADER_BYTES 64u
 
 enum snapshot_section {
@@ -369,13 +369,10 @@ static int take_table(reader *r, uint32_t kind, km_table *t, int with_meta, uint
         shared += km_slot_is_shared(s);
         ok &= slot_valid(t, s, index->config.max_workers, &pairs, pool_seen);
         if (with_meta && index->config.segment_blocks) {
-            /* A block at a known position names its segment's first block (itself at a segment
-             * start): a chain hash, never a reserved key. Updates use it as a key of the anchor
-             * map, where 0 and 1 would corrupt the map (a node list looping forever). */
+            /* A block at a segment start is its own segment's first block: its tag is its own. */
             const km_block_meta *m = &t->meta[i];
-            if (m->position != KM_POSITION_UNKNOWN)
-                ok &= m->anchor > KM_KEY_TOMBSTONE &&
-                      (m->position % index->config.segment_blocks != 0 || m->anchor == s->key);
+            if (m->position != KM_POSITION_UNKNOWN && m->position % index->config.segment_blocks == 0)
+                ok &= m->anchor_tag == km_anchor_tag(s->key);
         }
         /* Reachable from its home slot: no empty slot between home and here. And the only slot of
          * its key: a second copy would be reachable too, so one of the two lies on the other's
