@@ -16,7 +16,6 @@ static km_cuda_table_source km_cuda_source_of(const km_table *t, int full)
     km_cuda_table_source src = {
         .slots = t->slots,
         .capacity = t->capacity,
-        .shift = t->shift,
         .words_per_set = t->words_per_set,
         .pool = t->pool,
         .pool_capacity = t->pool_capacity,

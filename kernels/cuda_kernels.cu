@@ -66,7 +66,6 @@ static_assert(sizeof(km_slot) == 16 && alignof(km_slot) == 16, "slot layout");
 typedef struct km_cuda_replica {
     km_slot *slots;         /* capacity slots, device */
     uint64_t capacity;      /* 0 until the first upload */
-    uint32_t shift;
     uint32_t words_per_set;
     uint64_t *pool;         /* pool_capacity * words_per_set words, device; NULL when empty */
     uint32_t pool_capacity;
@@ -610,7 +609,6 @@ static int km_cuda_upload_table(km_cuda *c, km_cuda_replica *r, const km_cuda_ta
             KM_CUDA_CHECK(c, cudaMalloc((void **)&r->pool, pool_words * sizeof(uint64_t)));
         r->pool_capacity = src->pool_capacity;
     }
-    r->shift = src->shift;
     r->words_per_set = src->words_per_set;
     if (src->capacity > 0)
         KM_CUDA_CHECK(c, cudaMemcpyAsync(r->slots, src->slots, src->capacity * sizeof(km_slot),
@@ -796,11 +794,10 @@ static int km_cuda_source_valid(km_cuda *c, const km_cuda_table_source *src)
     if (!src)
         return km_cuda_fail_status(c, KM_ERR_NULL_POINTER, "CUDA backend: table source is NULL");
     if (src->capacity > 0) {
-        if (!src->slots || (src->capacity & (src->capacity - 1)) != 0 || src->shift < 1 ||
-            src->shift > 63 || src->capacity != UINT64_C(1) << (64 - src->shift))
+        if (!src->slots)
             return km_cuda_fail_status(c, KM_ERR_INVALID_ARGUMENT,
-                                       "CUDA backend: bad table shape (capacity %llu, shift %u)",
-                                       (unsigned long long)src->capacity, (unsigned)src->shift);
+                                       "CUDA backend: bad table shape (capacity %llu, no slots)",
+                                       (unsigned long long)src->capacity);
     }
     if (src->words_per_set == 0 || src->pool_used > src->pool_capacity ||
         (src->pool_used > 0 && !src->pool))
@@ -824,7 +821,7 @@ extern "C" int km_cuda_sync_table(km_cuda *c, km_cuda_table_id id, const km_cuda
     KM_CUDA_CHECK(c, cudaSetDevice(c->device));
     km_cuda_replica *r = &c->tables[id];
 
-    int full = src->full || !r->valid || r->capacity != src->capacity || r->shift != src->shift ||
+    int full = src->full || !r->valid || r->capacity != src->capacity ||
                r->words_per_set != src->words_per_set || r->pool_capacity != src->pool_capacity;
     /* A dirty list as long as the table (repeats count) costs more to patch than the table costs
      * to upload whole. */
@@ -854,12 +851,10 @@ static km_table_view km_cuda_view_of(const km_cuda_replica *r)
     km_table_view v;
     v.slots = r->slots;
     v.pool = r->pool;
-    v.mask = r->capacity ? r->capacity - 1 : 0;
-    v.shift = r->shift;
+    v.capacity = r->capacity;
     v.words_per_set = r->words_per_set;
     v.old_slots = NULL; /* the host finishes a growth before it syncs the replica */
-    v.old_mask = 0;
-    v.old_shift = 0;
+    v.old_capacity = 0;
     v.migrated = 0;
     return v;
 }

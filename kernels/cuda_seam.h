@@ -39,8 +39,7 @@ typedef enum km_cuda_table_id {
  * (so an index listed twice carries the same bytes twice: the order of writes cannot matter). */
 typedef struct km_cuda_table_source {
     const km_slot *slots;   /* capacity slots */
-    uint64_t capacity;      /* power of two, >= 2 */
-    uint32_t shift;         /* 64 - log2(capacity) */
+    uint64_t capacity;      /* slots, any size >= 1 (km_slot_home) */
     uint32_t words_per_set; /* u64 words per bitmap */
     const uint64_t *pool;   /* pool_capacity bitmaps; the first pool_used are the ones ever written */
     uint32_t pool_capacity;

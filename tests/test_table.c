@@ -25,31 +25,44 @@ static uint64_t home_multiplier_inverse(void)
     return inv;
 }
 
-/* A key whose home is `home` in a table of 2^bits slots, hashed as km_slot_home (high bits of the
- * product) or as the u64map (low bits). */
-static uint64_t key_with_home(km_rng *r, uint64_t home, uint32_t bits, int high)
+/* A key whose home is `home` in a u64map of 2^bits slots (low bits of the product). */
+static uint64_t key_with_home(km_rng *r, uint64_t home, uint32_t bits)
 {
     for (;;) {
-        uint64_t x = high ? (home << (64 - bits)) | (km_rng_next(r) >> bits)
-                          : (km_rng_next(r) << bits) | home;
+        uint64_t x = (km_rng_next(r) << bits) | home;
         uint64_t key = x * home_multiplier_inverse();
         if (key > KM_KEY_TOMBSTONE)
             return key;
     }
 }
 
+/* A key whose home is `home` in a table of `capacity` slots, hashed as km_slot_home (the product
+ * scaled onto the capacity): the products mapping to home start at ceil(home * 2^64 / capacity)
+ * and span at least floor(2^64 / capacity) values. */
+static uint64_t key_with_table_home(km_rng *r, uint64_t home, uint64_t capacity)
+{
+    unsigned __int128 first = (((unsigned __int128)home << 64) + capacity - 1) / capacity;
+    uint64_t span = (uint64_t)(((unsigned __int128)1 << 64) / capacity);
+    for (;;) {
+        uint64_t x = (uint64_t)first + km_rng_next(r) % span;
+        uint64_t key = x * home_multiplier_inverse();
+        if (key > KM_KEY_TOMBSTONE) {
+            cr_assert_eq(km_slot_home(key, capacity), home);
+            return key;
+        }
+    }
+}
+
 /* Half the keys have random homes; half crowd into a few homes, some of them at the table's end,
  * so probe runs are long and wrap around past the last slot. */
-static uint64_t clustered_key(km_rng *r, uint32_t shift)
+static uint64_t clustered_key(km_rng *r, uint64_t capacity)
 {
-    uint64_t capacity = UINT64_C(1) << (64 - shift);
     for (;;) {
         uint64_t key = km_rng_hash(r);
         if (km_rng_percent(r, 50)) {
             uint64_t home = km_rng_percent(r, 30) ? capacity - 1 - km_rng_below(r, 3)
                                                   : km_rng_below(r, 8) * 7u;
-            key = key_with_home(r, home, 64 - shift, 1);
-            cr_assert_eq(km_slot_home(key, shift), home);
+            key = key_with_table_home(r, home, capacity);
         }
         if (key > KM_KEY_TOMBSTONE)
             return key;
@@ -66,7 +79,7 @@ static void check_table(const km_table *t, const uint64_t *keys, const uint8_t *
         if (key == KM_KEY_EMPTY)
             continue;
         live++;
-        for (uint64_t j = km_slot_home(key, t->shift); j != i; j = (j + 1) & (t->capacity - 1))
+        for (uint64_t j = km_slot_home(key, t->capacity); j != i; j = km_slot_next(j, t->capacity))
             KM_CHECK(t->slots[j].key != KM_KEY_EMPTY, "key at slot %llu unreachable from its home",
                      (unsigned long long)i);
     }
@@ -103,7 +116,7 @@ Test(table, backward_shift_churn_matches_oracle, .timeout = 60)
         for (size_t k = 0; k < n; k++) {
             /* distinct keys */
             for (;;) {
-                keys[k] = clustered_key(&r, t.shift);
+                keys[k] = clustered_key(&r, t.capacity);
                 size_t j = 0;
                 while (j < k && keys[j] != keys[k])
                     j++;
@@ -158,7 +171,7 @@ Test(table, dirty_list_patches_a_replica_exactly, .timeout = 60)
     uint64_t *keys = malloc(n * sizeof *keys);
     uint8_t *present = calloc(n, 1);
     for (size_t k = 0; k < n; k++) {
-        keys[k] = clustered_key(&r, t.shift);
+        keys[k] = clustered_key(&r, t.capacity);
         for (size_t j = 0; j < k; j++)
             if (keys[j] == keys[k])
                 keys[k] = 0; /* drop a duplicate */
@@ -467,7 +480,7 @@ Test(u64map, a_run_wrapping_past_the_moved_slots_stays_findable, .timeout = 60)
     enum { CROWD = 300 };
     uint64_t crowd[CROWD];
     for (int i = 0; i < CROWD; i++) {
-        crowd[i] = km_u64map_key(key_with_home(&r, capacity - 1, log2_of(capacity), 0));
+        crowd[i] = km_u64map_key(key_with_home(&r, capacity - 1, log2_of(capacity)));
         cr_assert_eq(km_u64map_put(&m, crowd[i], (uint64_t)i, 1), KM_OK);
     }
     uint64_t filler = 0;
@@ -484,7 +497,7 @@ Test(u64map, a_run_wrapping_past_the_moved_slots_stays_findable, .timeout = 60)
         KM_CHECK(v && *v == (uint64_t)i, "crowded key %d lost mid-growth (migrated %llu)", i,
                  (unsigned long long)m.migrated);
     }
-    uint64_t absent = km_u64map_key(key_with_home(&r, capacity - 1, log2_of(capacity), 0));
+    uint64_t absent = km_u64map_key(key_with_home(&r, capacity - 1, log2_of(capacity)));
     cr_assert_null(km_u64map_find(&m, absent), "an absent key with the crowd's home");
     km_u64map_free(&m);
 }
@@ -544,15 +557,15 @@ Test(table, incremental_growth_matches_oracle, .timeout = 120)
     km_rng_init(&r, km_test_seed() ^ 0x7AB1E);
     km_memory memory = {0, 0};
     km_table t;
-    cr_assert_eq(km_table_init(&t, 11000, 64, 1, 4, &memory), KM_OK);
+    cr_assert_eq(km_table_init(&t, 14000, 64, 1, 4, &memory), KM_OK);
     cr_assert_geq(t.capacity, KM_TABLE_INCREMENTAL_SLOTS);
     table_oracle o = {malloc(120000 * sizeof(uint64_t)), calloc(120000, sizeof(uint64_t)), 120000};
     cr_assert(o.keys && o.holders);
-    uint32_t bits = log2_of(t.capacity);
     /* Random 64-bit keys (a repeat among them is a 1 in 10^9 event); the first 400 crowd into the
-     * last three homes, and stay at the end of every doubled table. */
+     * last three homes, and stay near the end of every grown table (home slots scale with it). */
     for (size_t k = 0; k < o.n; k++)
-        o.keys[k] = k < 400 ? key_with_home(&r, t.capacity - 1 - k % 3, bits, 1) : km_rng_hash(&r);
+        o.keys[k] = k < 400 ? key_with_table_home(&r, t.capacity - 1 - k % 3, t.capacity)
+                            : km_rng_hash(&r);
     size_t growing_steps = 0, checks = 0, old_erases = 0, growths = 0, growth_age = 0;
     uint64_t capacity = t.capacity;
     for (size_t step = 0; step < 400000; step++) {
@@ -657,7 +670,7 @@ Test(emap, incremental_growth_matches_oracle, .timeout = 120)
     cr_assert(keys && chains && media);
     for (size_t k = 0; k < n; k++) /* engine hashes: random, 300 crowding into the last home of a
                                     * 32 K-slot array (and of every larger one, by the low bits) */
-        keys[k] = k < 300 ? key_with_home(&r, (UINT64_C(1) << 15) - 1, 15, 0) : km_rng_hash(&r);
+        keys[k] = k < 300 ? key_with_home(&r, (UINT64_C(1) << 15) - 1, 15) : km_rng_hash(&r);
     size_t growing = 0, checks = 0, old_erases = 0, growth_age = 0;
     for (size_t step = 0; step < 60000; step++) {
         uint32_t batch = 1 + km_rng_below(&r, 24);

@@ -8,18 +8,30 @@
 
 #include "kvmatch/error.h"
 #include "base/array.h"
-#include "base/open_map.h" /* km_probe_may_fill */
 #include "base/zeroed_pages.h"
 
-/* Grow when keys (+ tombstones, which only a loaded old snapshot can hold, purged on load) pass 70%
- * of the slots; growth at least doubles the capacity. */
-#define TABLE_MAX_LOAD_NUM 7
-#define TABLE_MAX_LOAD_DEN 10
+/* Grow when keys (+ tombstones, which only a loaded old snapshot can hold, purged on load) pass 80%
+ * of the slots; growth adds at least half the capacity, so the load stays between 53% and 80%.
+ * Linear probing with backward-shift deletion keeps probe runs short there: a successful lookup
+ * at load a reads (1 + 1 / (1 - a)) / 2 slots on average, 3 at 80% (16-byte slots, four to a
+ * cache line). */
+#define TABLE_MAX_LOAD_NUM 4
+#define TABLE_MAX_LOAD_DEN 5
+#define TABLE_GROWTH_NUM 3
+#define TABLE_GROWTH_DEN 2
 #define TABLE_MIN_CAPACITY 64u
 
-static uint32_t log2_u64(uint64_t x)
+/* Slots from `from` forward to `to` along a probe run (wrapping). */
+static uint64_t probe_distance(uint64_t from, uint64_t to, uint64_t capacity)
 {
-    return 63u - (uint32_t)__builtin_clzll(x);
+    return to >= from ? to - from : to + capacity - from;
+}
+
+/* Backward shift: may the key at j, whose home is `home`, move back into the hole? Only if its
+ * home does not lie in (hole, j], or it would become unreachable. */
+static int probe_may_fill(uint64_t home, uint64_t hole, uint64_t j, uint64_t capacity)
+{
+    return probe_distance(home, j, capacity) >= probe_distance(hole, j, capacity);
 }
 
 static uint64_t table_slot_bytes(const km_table *t, uint64_t capacity, int with_meta)
@@ -119,9 +131,9 @@ void km_table_clear_dirty(km_table *t)
 static uint64_t place_new(km_table *t, const km_slot *slot, const km_block_meta *meta,
                           const uint8_t *aux)
 {
-    uint64_t j = km_slot_home(slot->key, t->shift);
+    uint64_t j = km_slot_home(slot->key, t->capacity);
     while (t->slots[j].key != KM_KEY_EMPTY)
-        j = (j + 1) & (t->capacity - 1);
+        j = km_slot_next(j, t->capacity);
     t->slots[j] = *slot;
     if (t->meta)
         t->meta[j] = *meta;
@@ -156,7 +168,6 @@ static void release_old(km_table *t)
     t->old_meta = NULL;
     t->old_aux = NULL;
     t->old_capacity = 0;
-    t->old_shift = 0;
     t->migrated = 0;
 }
 
@@ -218,7 +229,6 @@ static int table_rehash(km_table *t, uint64_t new_capacity)
     t->meta = fresh.meta;
     t->aux = fresh.aux;
     t->capacity = new_capacity;
-    t->shift = 64u - log2_u64(new_capacity);
     for (uint64_t i = 0; i < old_capacity; i++)
         if (old.slots[i].key > KM_KEY_TOMBSTONE)
             place_new(t, &old.slots[i], old.meta ? &old.meta[i] : NULL,
@@ -254,13 +264,11 @@ static int table_grow(km_table *t, uint64_t new_capacity)
     t->old_meta = t->meta;
     t->old_aux = t->aux;
     t->old_capacity = t->capacity;
-    t->old_shift = t->shift;
     t->migrated = 0;
     t->slots = fresh.slots;
     t->meta = fresh.meta;
     t->aux = fresh.aux;
     t->capacity = new_capacity;
-    t->shift = 64u - log2_u64(new_capacity);
     t->layout_changed = 1; /* a replica re-uploads (after the move: km_table_finish_growth) */
     t->n_dirty_slots = 0;
     return KM_OK;
@@ -271,23 +279,31 @@ static int over_load(uint64_t used, uint64_t capacity)
     return used * TABLE_MAX_LOAD_DEN > capacity * TABLE_MAX_LOAD_NUM;
 }
 
-/* Smallest power-of-two capacity that holds `keys` under the maximum load. */
+/* Smallest capacity that holds `keys` under the maximum load. */
 static uint64_t capacity_for(uint64_t keys)
 {
-    uint64_t capacity = TABLE_MIN_CAPACITY;
-    while (over_load(keys, capacity))
-        capacity *= 2;
-    return capacity;
+    uint64_t capacity = keys / TABLE_MAX_LOAD_NUM * TABLE_MAX_LOAD_DEN +
+                        (keys % TABLE_MAX_LOAD_NUM * TABLE_MAX_LOAD_DEN + TABLE_MAX_LOAD_NUM - 1) /
+                            TABLE_MAX_LOAD_NUM;
+    return capacity < TABLE_MIN_CAPACITY ? TABLE_MIN_CAPACITY : capacity;
 }
 
 int km_table_init(km_table *t, uint64_t initial_keys, uint32_t max_workers, int with_meta,
                   uint32_t aux_bytes, km_memory *memory)
 {
+    return km_table_init_capacity(t, capacity_for(initial_keys), max_workers, with_meta, aux_bytes,
+                                  memory);
+}
+
+int km_table_init_capacity(km_table *t, uint64_t capacity, uint32_t max_workers, int with_meta,
+                           uint32_t aux_bytes, km_memory *memory)
+{
     memset(t, 0, sizeof *t);
     t->memory = memory;
     t->words_per_set = (max_workers + 63u) / 64u;
     t->aux_bytes = aux_bytes;
-    uint64_t capacity = capacity_for(initial_keys);
+    if (capacity < TABLE_MIN_CAPACITY)
+        return KM_ERR_INVALID_ARGUMENT;
     uint64_t bytes = table_slot_bytes(t, capacity, with_meta);
     int rc = km_memory_reserve(memory, 0, bytes);
     if (rc)
@@ -303,7 +319,6 @@ int km_table_init(km_table *t, uint64_t initial_keys, uint32_t max_workers, int 
     t->aux = a.aux;
     km_pages_advise_huge(t->slots, slots_bytes(capacity), 1); /* cleared here, not on first use */
     t->capacity = capacity;
-    t->shift = 64u - log2_u64(capacity);
     return KM_OK;
 }
 
@@ -335,8 +350,8 @@ int km_table_insert_grows(const km_table *t)
 }
 
 /* Slots of the old array a growing table moves per key reserved (or erased): the old array holds
- * at most 70% of its capacity and the next growth comes 0.7 * old capacity keys later, so the
- * move ends after 1/16 of that. */
+ * at most 80% of its capacity and the next growth comes 0.4 * old capacity keys later (80% of
+ * 1.5 times it), so the move ends after a sixth of that. */
 #define MIGRATE_PER_KEY 16u
 
 int km_table_reserve(km_table *t, uint64_t extra)
@@ -345,11 +360,12 @@ int km_table_reserve(km_table *t, uint64_t extra)
         migrate(t, extra > UINT64_MAX / MIGRATE_PER_KEY ? UINT64_MAX : MIGRATE_PER_KEY * extra);
     if (!over_load(t->live + t->tombstones + extra, t->capacity))
         return KM_OK;
-    /* Mostly live keys: at least double, so growth is amortised and the load drops to <= 35%.
-     * Mostly tombstones: rehash at the same capacity to purge them. Never shrink here. */
+    /* Mostly live keys: grow by at least half, so growth is amortised and the load drops to <=
+     * 53%. Mostly tombstones: rehash at the same capacity to purge them. Never shrink here. */
     uint64_t capacity = capacity_for(t->live + extra);
-    if ((t->live + extra) * 2 > t->capacity && capacity < t->capacity * 2)
-        capacity = t->capacity * 2;
+    uint64_t grown = t->capacity / TABLE_GROWTH_DEN * TABLE_GROWTH_NUM;
+    if ((t->live + extra) * 2 > t->capacity && capacity < grown)
+        capacity = grown;
     if (capacity < t->capacity)
         capacity = t->capacity;
     return capacity == t->capacity ? table_rehash(t, capacity) : table_grow(t, capacity);
@@ -362,9 +378,9 @@ int km_table_insert(km_table *t, uint64_t key, int allow_grow, uint64_t *slot_ou
         if (rc)
             return rc;
     }
-    uint64_t i = km_slot_home(key, t->shift);
+    uint64_t i = km_slot_home(key, t->capacity);
     while (t->slots[i].key != KM_KEY_EMPTY && t->slots[i].key != KM_KEY_TOMBSTONE)
-        i = (i + 1) & (t->capacity - 1);
+        i = km_slot_next(i, t->capacity);
     if (t->slots[i].key == KM_KEY_TOMBSTONE)
         t->tombstones--;
     t->slots[i].key = key;
@@ -394,10 +410,10 @@ void km_table_erase(km_table *t, uint64_t slot)
      * in (hole, j] may move back into the hole (it stays reachable from its home), and its old
      * slot becomes the hole. The run ends at the first empty slot. Every slot written is marked
      * dirty, so a device replica patched from the list ends up identical. */
-    uint64_t mask = t->capacity - 1;
     uint64_t hole = slot;
-    for (uint64_t j = (slot + 1) & mask; t->slots[j].key != KM_KEY_EMPTY; j = (j + 1) & mask) {
-        if (!km_probe_may_fill(km_slot_home(t->slots[j].key, t->shift), hole, j, mask))
+    for (uint64_t j = km_slot_next(slot, t->capacity); t->slots[j].key != KM_KEY_EMPTY;
+         j = km_slot_next(j, t->capacity)) {
+        if (!probe_may_fill(km_slot_home(t->slots[j].key, t->capacity), hole, j, t->capacity))
             continue; /* home lies after the hole: moving the key back would hide it */
         t->slots[hole] = t->slots[j];
         if (t->meta)

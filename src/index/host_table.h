@@ -1,5 +1,6 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* The host hash table: open addressing with linear probing over 16-byte km_slot (src/index/slot_walk.h),
+ * any capacity (multiply-shift home slots), run at 53-80% load (grows by half at 80%),
  * backward-shift deletion (no tombstones, so removes never force a purging rehash and probe runs
  * stay as short as the live load makes them), a pool of bitmaps for widely-held blocks, optional
  * per-slot block metadata, dirty-slot tracking for device replicas (every slot a shift moves is
@@ -7,7 +8,7 @@
  * readers use km_table_view.
  *
  * Growth is incremental once the table is large (KM_TABLE_INCREMENTAL_SLOTS): the keys move to the
- * doubled arrays a bounded number of slots per reserve, insert and erase, so no single call pays
+ * larger arrays a bounded number of slots per reserve, insert and erase, so no single call pays
  * for rehashing millions of keys. While a table grows both arrays are live:
  *  - a key is in exactly one of them; lookups try the new array, then the old one from
  *    max(home, migrated) (old slots below `migrated` have moved, and may have been unmapped);
@@ -63,8 +64,7 @@ typedef struct km_table {
     uint8_t *aux;        /* aux_bytes per slot for the table's owner, moved with the key and zeroed
                           * on insert and erase; NULL when aux_bytes is 0 */
     uint32_t aux_bytes;
-    uint64_t capacity;   /* power of two */
-    uint32_t shift;
+    uint64_t capacity;   /* slots, any size >= 64 */
     uint64_t live;       /* keys, in both arrays while growing */
     uint64_t tombstones; /* in the new array: always 0 outside snapshot loading, which purges any */
 
@@ -74,7 +74,6 @@ typedef struct km_table {
     km_block_meta *old_meta;
     uint8_t *old_aux;
     uint64_t old_capacity;
-    uint32_t old_shift;
     uint64_t migrated;
     uint64_t pairs;      /* sum of set sizes */
     uint64_t shared_sets;
@@ -102,6 +101,9 @@ typedef struct km_table {
  * km_block_meta per slot; aux_bytes: that many owner-defined bytes per slot (0 for none). */
 int km_table_init(km_table *t, uint64_t initial_keys, uint32_t max_workers, int with_meta,
                   uint32_t aux_bytes, km_memory *memory);
+/* The same with exactly `capacity` slots (at least 64), for a loaded snapshot. */
+int km_table_init_capacity(km_table *t, uint64_t capacity, uint32_t max_workers, int with_meta,
+                           uint32_t aux_bytes, km_memory *memory);
 
 /* The slot, metadata and aux bytes at a slot index of either array (see the file comment). */
 static inline km_slot *km_table_slot(const km_table *t, uint64_t slot)
@@ -121,9 +123,8 @@ void km_table_free(km_table *t);
 
 static inline km_table_view km_table_get_view(const km_table *t)
 {
-    km_table_view v = {t->slots, t->pool, t->capacity - 1, t->shift, t->words_per_set,
-                       t->old_slots, t->old_capacity ? t->old_capacity - 1 : 0, t->old_shift,
-                       t->migrated};
+    km_table_view v = {t->slots,     t->pool,         t->capacity, t->words_per_set,
+                       t->old_slots, t->old_capacity, t->migrated};
     return v;
 }
 

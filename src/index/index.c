@@ -774,12 +774,12 @@ KM_PREFETCHER static inline void prefetch_update(const km_index *index, const km
     if (u->kind != KM_UPDATE_STORE && u->kind != KM_UPDATE_REMOVE)
         return;
     if (u->kind == KM_UPDATE_STORE && u->parent != KM_NO_PARENT) {
-        uint64_t home = km_slot_home(u->parent, t->shift);
+        uint64_t home = km_slot_home(u->parent, t->capacity);
         __builtin_prefetch(&t->slots[home]);
         __builtin_prefetch(&t->meta[home]);
     }
     for (size_t k = 0; k < u->n_hashes && k < PREFETCH_PER_UPDATE; k++) {
-        uint64_t home = km_slot_home(u->hashes[k], t->shift);
+        uint64_t home = km_slot_home(u->hashes[k], t->capacity);
         __builtin_prefetch(&t->slots[home], 1);
         __builtin_prefetch(&t->meta[home], 1);
     }
@@ -811,7 +811,7 @@ static int apply_store(batch *b, const km_update *u)
     for (size_t i = 0; i < u->n_hashes; i++) {
         /* Most stored blocks are new: their slot and metadata are misses; start them early. */
         if (i + STORE_AHEAD < u->n_hashes) {
-            uint64_t home = km_slot_home(u->hashes[i + STORE_AHEAD], blocks->shift);
+            uint64_t home = km_slot_home(u->hashes[i + STORE_AHEAD], blocks->capacity);
             __builtin_prefetch(&blocks->slots[home], 1);
             __builtin_prefetch(&blocks->meta[home], 1);
         }
@@ -894,7 +894,7 @@ static void remove_prefetch(const km_index *index, const km_update *u, size_t i)
 {
     const km_table *t = &index->blocks;
     if (i + REMOVE_AHEAD < u->n_hashes) {
-        uint64_t home = km_slot_home(u->hashes[i + REMOVE_AHEAD], t->shift);
+        uint64_t home = km_slot_home(u->hashes[i + REMOVE_AHEAD], t->capacity);
         __builtin_prefetch(&t->slots[home]);
         __builtin_prefetch(&t->meta[home]);
     }

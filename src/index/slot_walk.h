@@ -50,15 +50,13 @@ typedef struct __attribute__((aligned(16))) km_slot {
 typedef struct km_table_view {
     const km_slot *slots;
     const uint64_t *pool;   /* bitmaps of the shared form, words_per_set words each */
-    uint64_t mask;          /* capacity - 1 (capacity is a power of two) */
-    uint32_t shift;         /* 64 - log2(capacity) */
+    uint64_t capacity;      /* slots; any size >= 1 (km_slot_home maps onto it) */
     uint32_t words_per_set; /* ceil(max_workers / 64) */
     /* A host table that is growing (src/index/host_table.h): its previous array, whose slots below `migrated`
      * have moved. NULL on the device (a replica mirrors one array) and when not growing. A slot
-     * index above mask names old_slots[index - mask - 1]. */
+     * index at or above capacity names old_slots[index - capacity]. */
     const km_slot *old_slots;
-    uint64_t old_mask;
-    uint32_t old_shift;
+    uint64_t old_capacity;
     uint64_t migrated;
 } km_table_view;
 
@@ -68,10 +66,24 @@ typedef struct km_walk_entry {
     uint32_t depth;
 } km_walk_entry;
 
-/* Home slot of a key: Fibonacci hashing of the full 64 bits, so structured test keys spread too. */
-KM_HD static inline uint64_t km_slot_home(uint64_t key, uint32_t shift)
+/* Home slot of a key in a table of `capacity` slots: Fibonacci hashing of the full 64 bits (so
+ * structured test keys spread too), mapped onto [0, capacity) by multiply-shift range reduction,
+ * so a capacity need not be a power of two. For capacity 2^b this is the top b bits of the
+ * product. */
+KM_HD static inline uint64_t km_slot_home(uint64_t key, uint64_t capacity)
 {
-    return (key * UINT64_C(0x9E3779B97F4A7C15)) >> shift;
+    uint64_t h = key * UINT64_C(0x9E3779B97F4A7C15);
+#if defined(__CUDA_ARCH__)
+    return __umul64hi(h, capacity);
+#else
+    return (uint64_t)(((unsigned __int128)h * capacity) >> 64);
+#endif
+}
+
+/* The slot after i in a table of `capacity` slots (probe runs wrap around). */
+KM_HD static inline uint64_t km_slot_next(uint64_t i, uint64_t capacity)
+{
+    return i + 1 == capacity ? 0 : i + 1;
 }
 
 KM_HD static inline int km_slot_is_shared(const km_slot *s)
@@ -105,17 +117,17 @@ KM_HD static inline uint64_t km_view_find_old(const km_table_view *v, uint64_t k
 {
     if (key <= KM_KEY_TOMBSTONE) /* reserved: never a key (1 marks an erased one here) */
         return KM_SLOT_NONE;
-    uint64_t i = km_slot_home(key, v->old_shift);
+    uint64_t i = km_slot_home(key, v->old_capacity);
     if (i < v->migrated)
         i = v->migrated;
     uint64_t start = i;
     for (;;) {
         uint64_t k = v->old_slots[i].key;
         if (k == key)
-            return v->mask + 1 + i;
+            return v->capacity + i;
         if (k == KM_KEY_EMPTY)
             return KM_SLOT_NONE;
-        if (i++ == v->old_mask)
+        if (++i == v->old_capacity)
             i = v->migrated;
         if (i == start)
             return KM_SLOT_NONE;
@@ -127,26 +139,26 @@ KM_HD static inline uint64_t km_view_find_old(const km_table_view *v, uint64_t k
  * < 1), so the loop ends. */
 KM_HD static inline uint64_t km_view_find(const km_table_view *v, uint64_t key)
 {
-    uint64_t i = km_slot_home(key, v->shift);
+    uint64_t i = km_slot_home(key, v->capacity);
     for (;;) {
         uint64_t k = v->slots[i].key;
         if (k == KM_KEY_EMPTY) /* first: a request's reserved value 0 never matches a free slot */
             return v->old_slots ? km_view_find_old(v, key) : KM_SLOT_NONE;
         if (k == key)
             return i;
-        i = (i + 1) & v->mask;
+        i = km_slot_next(i, v->capacity);
     }
 }
 
 /* The slot at an index km_view_find returned (either array). */
 KM_HD static inline const km_slot *km_view_slot(const km_table_view *v, uint64_t slot)
 {
-    return slot <= v->mask ? &v->slots[slot] : &v->old_slots[slot - v->mask - 1];
+    return slot < v->capacity ? &v->slots[slot] : &v->old_slots[slot - v->capacity];
 }
 
 KM_PREFETCHER static inline void km_view_prefetch(const km_table_view *v, uint64_t key)
 {
-    KM_PREFETCH(&v->slots[km_slot_home(key, v->shift)]);
+    KM_PREFETCH(&v->slots[km_slot_home(key, v->capacity)]);
     (void)v;
     (void)key;
 }

@@ -24,7 +24,8 @@
 
 #define SNAPSHOT_MAGIC "KVMSNAP1"
 /* 2: lower storage tier tables (sections 5 and 6). 3: the segment table's fingerprints (S bytes per
- * slot) after its slots; no tombstones. 4: 16-byte block metadata (parent, anchor tag, position). */
+ * slot) after its slots; no tombstones. 4: 16-byte block metadata (parent, anchor tag, position);
+ * tables of any capacity (home slots by multiply-shift range reduction, km_slot_home). */
 #define SNAPSHOT_VERSION 4u
 #define SNAPSHOT_HEADER_BYTES 64u
 
@@ -293,7 +294,7 @@ static int take_table(reader *r, uint32_t kind, km_table *t, int with_meta, uint
     if (rc)
         return rc;
     uint32_t words = (index->config.max_workers + 63u) / 64u;
-    if (h.capacity < 64 || (h.capacity & (h.capacity - 1)) || h.capacity > (UINT64_C(1) << 40) ||
+    if (h.capacity < 64 || h.capacity > (UINT64_C(1) << 40) ||
         h.words_per_set != words || h.has_meta != (uint32_t)with_meta ||
         h.pool_free_count > h.pool_high || h.live + h.tombstones >= h.capacity)
         return km_index_fail(r->index, KM_ERR_CORRUPT, "snapshot: table %u header is inconsistent", kind);
@@ -309,8 +310,8 @@ static int take_table(reader *r, uint32_t kind, km_table *t, int with_meta, uint
                              "header implies %llu", kind, (unsigned long long)bytes,
                              (unsigned long long)expect);
     /* The arrays come from km_table_init so that growth and release work as for any table. */
-    rc = km_table_init(t, h.capacity * 7 / 10 - 1, index->config.max_workers, with_meta, aux_bytes,
-                       memory);
+    rc = km_table_init_capacity(t, h.capacity, index->config.max_workers, with_meta, aux_bytes,
+                                memory);
     if (rc)
         return km_index_fail(r->index, rc, "snapshot: table %u of %llu slots: %s", kind,
                              (unsigned long long)h.capacity, km_strerror(rc));
@@ -378,7 +379,7 @@ static int take_table(reader *r, uint32_t kind, km_table *t, int with_meta, uint
          * its key: a second copy would be reachable too, so one of the two lies on the other's
          * path (lookups would find one, updates change one, and the anchor rebuild would link the
          * key twice, which makes a later removal loop forever). */
-        for (uint64_t j = km_slot_home(s->key, t->shift); ok && j != i; j = (j + 1) & (h.capacity - 1))
+        for (uint64_t j = km_slot_home(s->key, h.capacity); ok && j != i; j = km_slot_next(j, h.capacity))
             ok &= t->slots[j].key != KM_KEY_EMPTY && t->slots[j].key != s->key;
     }
     for (uint32_t k = 0; ok && k < h.pool_free_count; k++) {
