@@ -433,9 +433,10 @@ Test(snapshot, duplicate_key_in_a_table_is_corrupt, .timeout = 30)
 /* Found by fuzzing (tests/fuzz/fuzz_snapshot.c): block metadata was loaded unchecked. A block at a
  * known position whose segment anchor was 0 (a reserved key of the anchor map) loaded; removing it
  * then corrupted the map's node lists and the next removal looped forever. Block metadata now
- * names the anchor by a 32-bit tag that the map key is derived from, so every tag is a valid key:
+ * names the anchor by a 24-bit tag that the map key is derived from, so every tag is a valid key:
  * a block inside a segment may name any tag (0 and 1 included), loads, and removes terminate with
- * the index consistent. A block at a segment start is its own anchor: any other tag is corrupt. */
+ * the index consistent. A block at a segment start is its own anchor: any other tag is corrupt. An
+ * offset past the segment (it indexes the segment fingerprints) is corrupt. */
 Test(snapshot, block_metadata_anchor_tags_are_checked_or_harmless, .timeout = 30)
 {
     const uint32_t W = 8, S = 4;
@@ -454,26 +455,34 @@ Test(snapshot, block_metadata_anchor_tags_are_checked_or_harmless, .timeout = 30
     uint64_t capacity;
     memcpy(&capacity, th, 8);
     /* Header, section head, table header; then capacity slots and capacity metadata entries
-     * (parent u64, anchor tag u32, position u32). */
+     * (parent u64, then a u32: anchor tag in bits 0-23, offset in the segment in bits 24-31). */
     size_t slots = 64 + 16 + 56, meta = slots + capacity * sizeof(km_slot);
     char bad[160];
     snprintf(bad, sizeof bad, "%s/anchor.snap", f.dir);
     int rejected = 0, loaded = 0;
     for (uint64_t i = 0; i < capacity; i++) {
         uint64_t key;
-        uint32_t position;
+        uint32_t placement;
         memcpy(&key, good + slots + i * sizeof(km_slot), 8);
         if (key <= 1)
             continue;
-        memcpy(&position, good + meta + i * sizeof(km_block_meta) + 12, 4);
-        cr_assert(position < 6, "every block of the chain has a known position");
+        memcpy(&placement, good + meta + i * sizeof(km_block_meta) + 8, 4);
+        uint32_t offset = placement >> 24;
+        cr_assert(offset < S, "every block of the chain has a known offset");
+        /* An offset past the segment. */
+        uint32_t past = (placement & 0xFFFFFFu) | S << 24;
+        memcpy(buf, good, size);
+        memcpy(buf + meta + i * sizeof(km_block_meta) + 8, &past, 4);
+        reseal(buf, size);
+        write_file(bad, buf, size);
+        expect_rejected(&f, a, S, bad, KM_ERR_CORRUPT, "an offset past the segment");
         for (uint32_t tag = 0; tag < 3; tag++) { /* both reserved map keys, and one more */
-            uint32_t written = tag == 2 ? km_anchor_tag(key) ^ 0x80u : tag;
+            uint32_t written = (tag == 2 ? km_anchor_tag(key) ^ 0x80u : tag) | offset << 24;
             memcpy(buf, good, size);
             memcpy(buf + meta + i * sizeof(km_block_meta) + 8, &written, 4);
             reseal(buf, size);
             write_file(bad, buf, size);
-            if (position % S == 0) {
+            if (offset == 0) {
                 expect_rejected(&f, a, S, bad, KM_ERR_CORRUPT, "a segment start naming another anchor");
                 rejected++;
                 continue;

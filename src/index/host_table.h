@@ -33,23 +33,41 @@
  * larger ones grow incrementally. */
 #define KM_TABLE_INCREMENTAL_SLOTS (UINT64_C(1) << 14)
 
-/* Per-block facts the update planner needs and scoring never reads (parallel to the slots). The
- * segment's first block is kept as a 32-bit tag (km_anchor_tag), the key of its anchor list
- * (src/index/index.c): two segments whose tags collide share a list, which costs a remove a few
- * more candidates to check and stays sound. */
-#define KM_POSITION_UNKNOWN UINT32_MAX
-typedef struct km_block_meta {
-    uint64_t parent;     /* chain hash of the previous block, KM_NO_PARENT at position 0 */
-    uint32_t anchor_tag; /* km_anchor_tag of this block's segment's first block; 0 when unknown */
-    uint32_t position;   /* block index in its sequence, or KM_POSITION_UNKNOWN (orphan) */
+/* Per-block facts the update planner needs and scoring never reads (parallel to the slots), 12
+ * bytes. What segment keys need of a block's place in its sequence is its offset inside its
+ * segment (position modulo segment_blocks, at most 254) and its segment's first block; that block
+ * is kept as a 24-bit tag (km_anchor_tag), the key of its anchor list (src/index/index.c): two
+ * segments whose tags collide share a list, which costs a remove a few more candidates to check
+ * and stays sound. */
+#define KM_OFFSET_UNKNOWN 0xFFu /* an orphan: no known position */
+#define KM_ANCHOR_TAG_BITS 24u
+typedef struct __attribute__((packed, aligned(4))) km_block_meta {
+    uint64_t parent;   /* chain hash of the previous block, KM_NO_PARENT at position 0 */
+    uint32_t placement; /* bits 0-23: anchor tag; bits 24-31: offset in the segment (position mod
+                         * segment_blocks, 0 without segments) or KM_OFFSET_UNKNOWN */
 } km_block_meta;
-_Static_assert(sizeof(km_block_meta) == 16, "block metadata is 16 bytes per slot");
+_Static_assert(sizeof(km_block_meta) == 12, "block metadata is 12 bytes per slot");
 
-/* The tag a segment's first block is known by in block metadata and the anchor lists: the low 32
+/* The tag a segment's first block is known by in block metadata and the anchor lists: the low 24
  * bits of its chain hash (independent of the high bits that segment fingerprints use). */
 static inline uint32_t km_anchor_tag(uint64_t first_block)
 {
-    return (uint32_t)first_block;
+    return (uint32_t)first_block & ((1u << KM_ANCHOR_TAG_BITS) - 1u);
+}
+static inline uint32_t km_meta_anchor_tag(const km_block_meta *m)
+{
+    return m->placement & ((1u << KM_ANCHOR_TAG_BITS) - 1u);
+}
+static inline uint32_t km_meta_offset(const km_block_meta *m)
+{
+    return m->placement >> KM_ANCHOR_TAG_BITS;
+}
+/* anchor_tag from km_anchor_tag; offset < KM_MAX_SEGMENT_BLOCKS or KM_OFFSET_UNKNOWN. */
+static inline void km_meta_set(km_block_meta *m, uint64_t parent, uint32_t anchor_tag,
+                               uint32_t offset)
+{
+    m->parent = parent;
+    m->placement = anchor_tag | offset << KM_ANCHOR_TAG_BITS;
 }
 
 /* Demote a shared (bitmap) set back to inline form when it shrinks to this many holders. Below

@@ -571,6 +571,13 @@ static uint32_t segment_size(const km_index *index)
     return index->config.segment_blocks;
 }
 
+/* The offset after a known one: block metadata keeps a block's position modulo S (0 without
+ * segment keys). */
+static uint32_t next_offset(uint32_t offset, uint32_t S)
+{
+    return S ? (offset + 1) % S : 0;
+}
+
 /* ---- segment fingerprints ---------------------------------------------------------------------
  * The segment table's aux bytes hold, per segment key, one byte per block of its chain: a
  * fingerprint of that block's chain hash (chain_fingerprint), or 0 where it is unknown. A worker
@@ -643,17 +650,16 @@ static int segment_remove_at(batch *b, uint64_t slot, uint32_t anchor_tag, uint3
     return KM_OK;
 }
 
-/* Does worker hold all S blocks of the segment ending at `end` (at `position`)? Walks the parent
- * links back from end, checking each block is held and sits one position earlier; fills fps. */
-static int holds_segment(const km_index *index, uint32_t worker, uint64_t end, uint32_t position,
-                         uint8_t *fps)
+/* Does worker hold all S blocks of the segment ending at `end` (offset S-1)? Walks the parent
+ * links back from end, checking each block is held and sits one offset earlier; fills fps. */
+static int holds_segment(const km_index *index, uint32_t worker, uint64_t end, uint8_t *fps)
 {
     uint32_t S = segment_size(index);
     uint64_t cursor = end;
     for (uint32_t k = 0; k < S; k++) {
         uint64_t slot = km_table_find(&index->blocks, cursor);
         if (slot == KM_SLOT_NONE || !km_table_set_contains(&index->blocks, slot, worker) ||
-            km_table_meta(&index->blocks, slot)->position != position - k)
+            km_meta_offset(km_table_meta(&index->blocks, slot)) != S - 1 - k)
             return 0;
         fps[S - 1 - k] = chain_fingerprint(cursor);
         cursor = km_table_meta(&index->blocks, slot)->parent;
@@ -666,9 +672,10 @@ static int holds_segment(const km_index *index, uint32_t worker, uint64_t end, u
 static int invalidate_segments(batch *b, uint32_t worker, uint64_t block, const km_block_meta *m)
 {
     km_index *index = b->index;
-    if (segment_size(index) == 0 || m->position == KM_POSITION_UNKNOWN)
+    if (segment_size(index) == 0 || km_meta_offset(m) == KM_OFFSET_UNKNOWN)
         return KM_OK;
-    uint64_t *head = km_u64map_find(&index->anchors, anchor_key(m->anchor_tag));
+    uint32_t anchor_tag = km_meta_anchor_tag(m);
+    uint64_t *head = km_u64map_find(&index->anchors, anchor_key(anchor_tag));
     if (!head)
         return KM_OK;
     uint32_t n = (uint32_t)*head;
@@ -678,10 +685,10 @@ static int invalidate_segments(batch *b, uint32_t worker, uint64_t block, const 
         uint64_t slot = km_table_find(&index->segments, end);
         if (slot == KM_SLOT_NONE || !km_table_set_contains(&index->segments, slot, worker))
             continue;
-        uint8_t fp = km_table_aux(&index->segments, slot)[m->position % segment_size(index)];
+        uint8_t fp = km_table_aux(&index->segments, slot)[km_meta_offset(m)];
         if (fp != 0 && fp != chain_fingerprint(block))
             continue; /* block is not on this segment's chain */
-        int rc = segment_remove_at(b, slot, m->anchor_tag, worker);
+        int rc = segment_remove_at(b, slot, anchor_tag, worker);
         if (rc)
             return rc;
     }
@@ -794,16 +801,16 @@ static int apply_store(batch *b, const km_update *u)
     if (rc)
         return rc;
 
-    /* Position and segment anchor of the block before the run (unknown for an orphan run). */
-    uint32_t prev_position = KM_POSITION_UNKNOWN;
+    /* Offset and segment anchor of the block before the run (unknown for an orphan run). */
+    uint32_t prev_offset = KM_OFFSET_UNKNOWN;
     uint32_t prev_anchor = 0;
     if (u->parent != KM_NO_PARENT) {
         uint64_t ps = km_table_find(&index->blocks, u->parent);
         if (ps != KM_SLOT_NONE) {
-            prev_position = km_table_meta(&index->blocks, ps)->position;
-            prev_anchor = km_table_meta(&index->blocks, ps)->anchor_tag;
+            prev_offset = km_meta_offset(km_table_meta(&index->blocks, ps));
+            prev_anchor = km_meta_anchor_tag(km_table_meta(&index->blocks, ps));
         }
-        if (prev_position == KM_POSITION_UNKNOWN)
+        if (prev_offset == KM_OFFSET_UNKNOWN)
             b->stats->orphan_runs++;
     }
     uint32_t run_consecutive = 0;
@@ -817,14 +824,14 @@ static int apply_store(batch *b, const km_update *u)
         }
         uint64_t key = u->hashes[i];
         uint64_t parent = i == 0 ? u->parent : u->hashes[i - 1];
-        uint32_t position = KM_POSITION_UNKNOWN;
+        uint32_t offset = KM_OFFSET_UNKNOWN;
         uint32_t anchor = 0;
         if (parent == KM_NO_PARENT)
-            position = 0;
-        else if (prev_position != KM_POSITION_UNKNOWN && prev_position + 1 < KM_POSITION_UNKNOWN)
-            position = prev_position + 1;
-        if (position != KM_POSITION_UNKNOWN)
-            anchor = S && position % S == 0 ? km_anchor_tag(key) : prev_anchor;
+            offset = 0;
+        else if (prev_offset != KM_OFFSET_UNKNOWN)
+            offset = next_offset(prev_offset, S);
+        if (offset != KM_OFFSET_UNKNOWN)
+            anchor = S && offset == 0 ? km_anchor_tag(key) : prev_anchor;
 
         uint64_t slot;
         int inserted;
@@ -833,18 +840,14 @@ static int apply_store(batch *b, const km_update *u)
             return added;
         km_block_meta *m = km_table_meta(&index->blocks, slot);
         if (inserted) {
-            m->parent = parent;
-            m->position = position;
-            m->anchor_tag = anchor;
-        } else if (m->position == KM_POSITION_UNKNOWN && position != KM_POSITION_UNKNOWN) {
+            km_meta_set(m, parent, anchor, offset);
+        } else if (km_meta_offset(m) == KM_OFFSET_UNKNOWN && offset != KM_OFFSET_UNKNOWN) {
             undo_entry e = {.kind = UNDO_BLOCK_META, .key = key};
             e.u.meta = *m;
             rc = undo_push(b, &e);
             if (rc)
                 return rc;
-            m->parent = parent;
-            m->position = position;
-            m->anchor_tag = anchor;
+            km_meta_set(m, parent, anchor, offset);
         }
         /* From here on the table's metadata is the truth (first writer wins on a disagreement). */
         if (u->tier != KM_TIER_DEVICE || !lower_tiers_empty(index)) {
@@ -861,23 +864,24 @@ static int apply_store(batch *b, const km_update *u)
             b->stats->duplicate_stores++;
             wc->duplicate_stores++;
         }
-        /* Blocks of this run the worker now holds at consecutive positions: S of them ending
+        /* Blocks of this run the worker now holds at consecutive offsets: S of them ending
          * here make the segment held without walking it again. */
-        if (m->position != KM_POSITION_UNKNOWN &&
-            (run_consecutive == 0 || m->position == prev_position + 1))
+        uint32_t m_offset = km_meta_offset(m);
+        if (m_offset != KM_OFFSET_UNKNOWN &&
+            (run_consecutive == 0 || m_offset == next_offset(prev_offset, S)))
             run_consecutive++;
         else
-            run_consecutive = m->position != KM_POSITION_UNKNOWN;
-        prev_position = m->position;
-        prev_anchor = m->anchor_tag;
-        if (S && prev_position != KM_POSITION_UNKNOWN && prev_position % S == S - 1) {
+            run_consecutive = m_offset != KM_OFFSET_UNKNOWN;
+        prev_offset = m_offset;
+        prev_anchor = km_meta_anchor_tag(m);
+        if (S && prev_offset == S - 1) {
             uint8_t fps[KM_MAX_SEGMENT_BLOCKS];
             int held = run_consecutive >= S;
             if (held) /* this run's last S hashes are the segment's chain */
                 for (uint32_t k = 0; k < S; k++)
                     fps[k] = chain_fingerprint(u->hashes[i + 1 - S + k]);
             else
-                held = holds_segment(index, u->worker, key, prev_position, fps);
+                held = holds_segment(index, u->worker, key, fps);
             rc = held ? segment_add(b, prev_anchor, key, u->worker, fps) : KM_OK;
             if (rc)
                 return rc;
@@ -900,8 +904,8 @@ static void remove_prefetch(const km_index *index, const km_update *u, size_t i)
     }
     if (i + REMOVE_AHEAD / 2 < u->n_hashes && index->config.segment_blocks) {
         uint64_t slot = km_table_find(t, u->hashes[i + REMOVE_AHEAD / 2]);
-        if (slot != KM_SLOT_NONE && km_table_meta(t, slot)->position != KM_POSITION_UNKNOWN)
-            km_u64map_prefetch(&index->anchors, anchor_key(km_table_meta(t, slot)->anchor_tag));
+        if (slot != KM_SLOT_NONE && km_meta_offset(km_table_meta(t, slot)) != KM_OFFSET_UNKNOWN)
+            km_u64map_prefetch(&index->anchors, anchor_key(km_meta_anchor_tag(km_table_meta(t, slot))));
     }
 }
 
@@ -963,7 +967,7 @@ static int apply_clear(batch *b, const km_update *u)
             continue;
         }
         uint64_t bs = km_table_find(&index->blocks, end);
-        uint32_t anchor = bs == KM_SLOT_NONE ? 0 : km_table_meta(&index->blocks, bs)->anchor_tag;
+        uint32_t anchor = bs == KM_SLOT_NONE ? 0 : km_meta_anchor_tag(km_table_meta(&index->blocks, bs));
         rc = segment_remove_at(b, s, anchor, w);
         if (rc)
             return rc;
@@ -1266,9 +1270,10 @@ int km_index_rebuild_anchors(km_index *index)
         if (end <= KM_KEY_TOMBSTONE)
             continue;
         uint64_t bs = km_table_find(&index->blocks, end);
-        if (bs == KM_SLOT_NONE || km_table_meta(&index->blocks, bs)->position == KM_POSITION_UNKNOWN)
+        if (bs == KM_SLOT_NONE ||
+            km_meta_offset(km_table_meta(&index->blocks, bs)) == KM_OFFSET_UNKNOWN)
             return KM_ERR_CORRUPT;
-        int rc = anchor_link(index, km_table_meta(&index->blocks, bs)->anchor_tag, end, 1);
+        int rc = anchor_link(index, km_meta_anchor_tag(km_table_meta(&index->blocks, bs)), end, 1);
         if (rc)
             return rc;
     }

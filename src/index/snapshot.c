@@ -24,7 +24,8 @@
 
 #define SNAPSHOT_MAGIC "KVMSNAP1"
 /* 2: lower storage tier tables (sections 5 and 6). 3: the segment table's fingerprints (S bytes per
- * slot) after its slots; no tombstones. 4: 16-byte block metadata (parent, anchor tag, position);
+ * slot) after its slots; no tombstones. 4: 12-byte block metadata (parent, anchor tag and offset
+ * in the segment);
  * tables of any capacity (home slots by multiply-shift range reduction, km_slot_home). */
 #define SNAPSHOT_VERSION 4u
 #define SNAPSHOT_HEADER_BYTES 64u
@@ -369,11 +370,14 @@ static int take_table(reader *r, uint32_t kind, km_table *t, int with_meta, uint
         live++;
         shared += km_slot_is_shared(s);
         ok &= slot_valid(t, s, index->config.max_workers, &pairs, pool_seen);
-        if (with_meta && index->config.segment_blocks) {
-            /* A block at a segment start is its own segment's first block: its tag is its own. */
+        if (with_meta) {
+            /* An offset inside the segment (it indexes the segment fingerprints), and a block at
+             * a segment start is its own segment's first block: its tag is its own. */
             const km_block_meta *m = &t->meta[i];
-            if (m->position != KM_POSITION_UNKNOWN && m->position % index->config.segment_blocks == 0)
-                ok &= m->anchor_tag == km_anchor_tag(s->key);
+            uint32_t S = index->config.segment_blocks, offset = km_meta_offset(m);
+            ok &= offset == KM_OFFSET_UNKNOWN || offset < (S ? S : 1);
+            if (S && offset == 0)
+                ok &= km_meta_anchor_tag(m) == km_anchor_tag(s->key);
         }
         /* Reachable from its home slot: no empty slot between home and here. And the only slot of
          * its key: a second copy would be reachable too, so one of the two lies on the other's
