@@ -1275,8 +1275,9 @@ int km_bench_index_main(int argc, char **argv)
             "baselines answer one request at a time on the same thread count; the trees read local "
             "hashes, the index and the flat map chain hashes; hashing is outside every timing"));
 
-        char command[512] = "kvmatch bench";
-        for (int i = 0; i < argc; i++) {
+        /* argv[0] is the program name for getopt's messages (km_cli_getopt_begin), not "index". */
+        char command[512] = "kvmatch bench index";
+        for (int i = 1; i < argc; i++) {
             size_t len = strlen(command);
             snprintf(command + len, sizeof command - len, " %s", argv[i]);
         }
