@@ -989,7 +989,8 @@ int km_bench_ipc_main(int argc, char **argv)
     bool json = false, quick = false, records = false, flood = false;
     const char *connect_to = NULL; /* a running server (pool "main") instead of a child */
     const char *clients_dir = NULL; /* other languages' client drivers (run_client_phases) */
-    int only = -1; /* run one phase (0-based, repeat then fresh), for profiling */
+    bool only[IPC_PHASES] = {false}; /* --only: these phases (0-based, the table's row order) */
+    bool only_some = false;
     double seconds = 2.0;
     enum { OPT_JSON = 256, OPT_QUICK, OPT_RECORDS, OPT_FLOOD, OPT_CONNECT, OPT_ONLY, OPT_SECONDS,
            OPT_CLIENTS };
@@ -1007,7 +1008,7 @@ int km_bench_ipc_main(int argc, char **argv)
     };
     static const char usage_line[] = "usage: kvmatch bench ipc [--json] [--quick] [--seconds S] "
                                      "[--records] [--clients DIR] [--flood] [--connect ADDR] "
-                                     "[--only PHASE]   (--opt VALUE or --opt=VALUE)\n";
+                                     "[--only PHASE[,PHASE...]]   (--opt VALUE or --opt=VALUE)\n";
     km_cli_getopt_begin(argv, "bench ipc");
     int opt;
     while ((opt = getopt_long(argc, argv, "h", options, NULL)) != -1) {
@@ -1031,11 +1032,22 @@ int km_bench_ipc_main(int argc, char **argv)
         case OPT_CONNECT:
             connect_to = optarg;
             break;
-        case OPT_ONLY: /* a phase number past the last runs none */
-            if (!km_cli_u32("bench ipc", "only", optarg, 0, IPC_PHASES - 1, &phase))
+        case OPT_ONLY: { /* one phase, or a comma-separated list of them */
+            char list[256];
+            if (strlen(optarg) >= sizeof list) {
+                fprintf(stderr, "kvmatch bench ipc: --only: too long a list\n");
                 return KM_EXIT_USAGE;
-            only = (int)phase;
+            }
+            strcpy(list, optarg);
+            char *save = NULL;
+            for (char *tok = strtok_r(list, ",", &save); tok; tok = strtok_r(NULL, ",", &save)) {
+                if (!km_cli_u32("bench ipc", "only", tok, 0, IPC_PHASES - 1, &phase))
+                    return KM_EXIT_USAGE;
+                only[phase] = true;
+            }
+            only_some = true;
             break;
+        }
         case OPT_SECONDS:
             if (!km_cli_double("bench ipc", "seconds", optarg, 0.01, 3600, &seconds))
                 return KM_EXIT_USAGE;
@@ -1154,7 +1166,7 @@ int km_bench_ipc_main(int argc, char **argv)
         g_brief = !strcmp(phases[i].reply, "brief");
         g_ping = !strcmp(phases[i].reply, "ping");
         const char *wname = phases[i].workload;
-        if (only >= 0 && (size_t)only != i)
+        if (only_some && !only[i])
             continue;
         int rc;
         if (!strcmp(phases[i].reply, "echo")) {
@@ -1212,6 +1224,14 @@ int km_bench_ipc_main(int argc, char **argv)
             fflush(stdout);
         }
     }
+    /* The open-loop rows against the echo floor of this same run (their tail moves with the VM). */
+    const size_t echo = IPC_PHASES - 1;
+    for (size_t i = 0; !json && c_ran[echo] && i < echo; i++)
+        if (c_ran[i] && phases[i].rate > 0 && c_results[echo].rtt_p50_us > 0 &&
+            c_results[echo].rtt_p99_us > 0)
+            printf("%s %s %s against echo: p50 %.2f, p99 %.2f times\n", phases[i].workload,
+                   phases[i].reply, phases[i].frame, c_results[i].rtt_p50_us / c_results[echo].rtt_p50_us,
+                   c_results[i].rtt_p99_us / c_results[echo].rtt_p99_us);
     if (clients_dir && !status)
         run_client_phases(clients_dir, addr, dir, &w, seconds, c_results, c_ran, results, json);
     json_object_set_new(root, "results", results);
