@@ -991,6 +991,153 @@ static void many_clients(uint32_t inline_routes)
 Test(server, many_concurrent_pipelined_clients, .timeout = 60) { many_clients(16); }
 Test(server, many_concurrent_clients_scheduler_thread_only, .timeout = 60) { many_clients(0); }
 
+/* Replies leave each connection in the order its ROUTE frames came, one per frame with one
+ * decision per route, whichever thread decided a frame (inline batches on the loop thread, the
+ * rest on the scheduler thread), and whether the connection's frames were queued ahead of busier
+ * connections' (LIGHT_CONNECTION_ROUTES) or behind them. Random
+ * interleavings: every connection sends frames of random sizes (single routes, small batches that
+ * may run inline, bigger ones that never do) with a random window of frames in flight and random
+ * pauses, from a seed printed on failure. */
+typedef struct ordered_client {
+    srv *s;
+    int index;
+    uint64_t seed;
+    uint32_t frames;
+    uint64_t routes_sent;
+    char failure[256]; /* "" = every reply in order and whole */
+} ordered_client;
+
+static uint64_t splitmix(uint64_t *x)
+{
+    uint64_t z = (*x += UINT64_C(0x9e3779b97f4a7c15));
+    z = (z ^ (z >> 30)) * UINT64_C(0xbf58476d1ce4e5b9);
+    z = (z ^ (z >> 27)) * UINT64_C(0x94d049bb133111eb);
+    return z ^ (z >> 31);
+}
+
+enum { ORDERED_MAX_ROUTES = 40, ORDERED_MAX_WINDOW = 6, ORDERED_MAX_FRAMES = 80 };
+
+static void *ordered_client_main(void *arg)
+{
+    ordered_client *oc = arg;
+    static const uint32_t sizes[] = {1, 1, 1, 1, 2, 3, 5, 16, 17, ORDERED_MAX_ROUTES};
+    km_client *c = NULL;
+    if (km_client_connect(oc->s->addr, 5000, &c, NULL, 0) != KM_OK) {
+        snprintf(oc->failure, sizeof oc->failure, "client %d: connect failed", oc->index);
+        return NULL;
+    }
+    uint64_t rng = oc->seed;
+    uint32_t window = 1 + (uint32_t)(splitmix(&rng) % ORDERED_MAX_WINDOW);
+    uint32_t tokens[8 * BS];
+    uint64_t ids[ORDERED_MAX_FRAMES];
+    uint32_t n_routes[ORDERED_MAX_FRAMES];
+    uint32_t sent = 0, answered = 0;
+    while (answered < oc->frames && !oc->failure[0]) {
+        while (sent < oc->frames && sent - answered < window) {
+            uint32_t n = sizes[splitmix(&rng) % (sizeof sizes / sizeof sizes[0])];
+            km_route_request r[ORDERED_MAX_ROUTES];
+            char rid[ORDERED_MAX_ROUTES][32];
+            memset(r, 0, sizeof r);
+            for (uint32_t k = 0; k < n; k++) {
+                snprintf(rid[k], sizeof rid[k], "c%d-f%u-r%u", oc->index, sent, k);
+                for (uint32_t t = 0; t < 8 * BS; t++)
+                    tokens[t] = (uint32_t)(splitmix(&rng) % 64); /* prefixes shared across routes */
+                r[k].request_id = rid[k];
+                r[k].pool = "main";
+                r[k].input = KM_ROUTE_INPUT_TOKENS;
+                r[k].tokens = tokens;
+                r[k].n_tokens = (1 + (uint32_t)(splitmix(&rng) % 8)) * BS;
+            }
+            if (km_client_send_route(c, r, n, 5000, &ids[sent]) != KM_OK) {
+                snprintf(oc->failure, sizeof oc->failure, "client %d: send failed", oc->index);
+                break;
+            }
+            n_routes[sent++] = n;
+            oc->routes_sent += n;
+            if (splitmix(&rng) % 4 == 0) { /* a pause: the next frame finds another interleaving */
+                struct timespec ts = {0, (long)(splitmix(&rng) % 300) * 1000};
+                nanosleep(&ts, NULL);
+            }
+        }
+        if (oc->failure[0])
+            break;
+        km_message m;
+        int rc = km_client_receive(c, 10000, &m);
+        if (rc != KM_OK) {
+            snprintf(oc->failure, sizeof oc->failure, "client %d: reply %u of %u: %s", oc->index,
+                     answered, sent, km_error_name(rc));
+            break;
+        }
+        uint32_t f = answered++;
+        if (m.id != ids[f] || m.type != KM_MESSAGE_DECISION ||
+            m.decision.n_decisions != n_routes[f]) {
+            snprintf(oc->failure, sizeof oc->failure,
+                     "client %d: reply %u is id %" PRIu64 " (%s, %u decisions); expected id %"
+                     PRIu64 " with %u decisions", oc->index, f, m.id, km_message_type_name(m.type),
+                     m.type == KM_MESSAGE_DECISION ? m.decision.n_decisions : 0, ids[f],
+                     n_routes[f]);
+            break;
+        }
+        for (uint32_t k = 0; k < n_routes[f]; k++) {
+            char want[32];
+            snprintf(want, sizeof want, "c%d-f%u-r%u", oc->index, f, k);
+            const km_route_decision *d = &m.decision.decisions[k];
+            if (d->status != KM_OK || strcmp(d->request_id, want) != 0) {
+                snprintf(oc->failure, sizeof oc->failure, "client %d: frame %u route %u: %s %s",
+                         oc->index, f, k, km_error_name(d->status), d->request_id);
+                break;
+            }
+        }
+    }
+    if (!oc->failure[0] && km_client_outstanding(c) != 0)
+        snprintf(oc->failure, sizeof oc->failure, "client %d: %u replies left over", oc->index,
+                 km_client_outstanding(c));
+    km_client_close(c);
+    return NULL;
+}
+
+static void replies_in_order(uint32_t inline_routes)
+{
+    srv s = {0};
+    km_server_config cfg;
+    test_config(&cfg, &s, KM_POLICY_KV, 8);
+    cfg.records_path = NULL;
+    cfg.inline_routes = inline_routes;
+    srv_start(&s, &cfg);
+    enum { CLIENTS = 12 };
+    uint64_t seed = (uint64_t)time(NULL) * 1000003u + inline_routes;
+    pthread_t th[CLIENTS];
+    ordered_client oc[CLIENTS];
+    uint64_t rng = seed;
+    for (int i = 0; i < CLIENTS; i++) {
+        oc[i] = (ordered_client){.s = &s, .index = i, .seed = splitmix(&rng),
+                                 .frames = 20 + (uint32_t)(splitmix(&rng) % (ORDERED_MAX_FRAMES - 19))};
+        cr_assert_eq(pthread_create(&th[i], NULL, ordered_client_main, &oc[i]), 0);
+    }
+    uint64_t routes = 0;
+    for (int i = 0; i < CLIENTS; i++) {
+        pthread_join(th[i], NULL);
+        cr_expect_str_empty(oc[i].failure, "seed %" PRIu64 ": %s", seed, oc[i].failure);
+        routes += oc[i].routes_sent;
+    }
+    km_server_stats ss;
+    km_server_get_stats(s.server, &ss);
+    cr_assert_eq(ss.decisions, routes, "seed %" PRIu64 ": every route decided once", seed);
+    cr_assert_eq(ss.route_errors, 0);
+    srv_stop(&s);
+    srv_cleanup(&s);
+}
+
+Test(server, replies_keep_each_connections_order_whichever_thread_writes, .timeout = 60)
+{
+    replies_in_order(16);
+}
+
+Test(server, replies_keep_each_connections_order_from_the_scheduler_thread, .timeout = 60)
+{
+    replies_in_order(0);
+}
+
 /* One client, one route at a time: the scheduler is idle when each arrives, so the loop thread
  * decides them itself (the scheduler thread holds the role only for its brief housekeeping ticks,
  * so nearly all of them), with the same answers as through the scheduler thread. */

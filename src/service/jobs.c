@@ -265,9 +265,15 @@ void km_srv_handle_route(conn *c, const km_message *m)
     c->routes_in_flight += j->n_routes;
     /* A frame of a connection with at most LIGHT_CONNECTION_ROUTES routes in flight (this one's
      * included) goes ahead of the frames of busier connections, after the light ones already
-     * queued: a router sending a few routes at a time is not queued behind someone's flood. */
-    bool light = c->routes_in_flight <= LIGHT_CONNECTION_ROUTES;
+     * queued: a router sending a few routes at a time is not queued behind someone's flood. Never
+     * ahead of its own connection's frames, though (queued_behind): a connection's frames are
+     * taken, and so answered, in the order they came. */
     pthread_mutex_lock(&s->queue_lock);
+    bool light = c->routes_in_flight <= LIGHT_CONNECTION_ROUTES && c->queued_behind == 0;
+    if (!light) { /* at the tail, behind the light ones */
+        j->behind = true;
+        c->queued_behind++;
+    }
     if (light && s->queue_head && s->queue_light_tail != s->queue_tail) {
         job **at = s->queue_light_tail ? &s->queue_light_tail->next : &s->queue_head;
         j->next = *at;

@@ -181,6 +181,8 @@ static uint64_t drop_queued(km_server *s)
         list = j->next;
         j->conn->jobs_in_flight--;
         j->conn->routes_in_flight -= j->n_routes;
+        if (j->behind)
+            j->conn->queued_behind--;
         km_srv_job_free(j);
     }
     return routes;

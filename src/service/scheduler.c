@@ -362,6 +362,8 @@ static job *take_jobs(km_server *s)
         s->queue_head = j->next;
         if (j == s->queue_light_tail)
             s->queue_light_tail = NULL;
+        if (j->behind)
+            j->conn->queued_behind--;
         j->next = NULL;
         *tail = j;
         tail = &j->next;
@@ -544,6 +546,9 @@ static void on_dispatch(uv_check_t *h)
         pthread_cond_signal(&s->queue_cond);
     pthread_mutex_unlock(&s->queue_lock);
     atomic_fetch_add(&s->st.inline_batches, 1);
+    /* Jobs the scheduler thread handed back before this batch took the role come first: a
+     * connection's replies leave in the order its frames were taken. */
+    km_srv_deliver_done(s);
     km_srv_deliver_jobs(s, take);
 }
 

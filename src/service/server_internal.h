@@ -116,6 +116,7 @@ typedef struct job {
     km_frame_buffer reply;
     bool encoded; /* reply already encoded (by the scheduler, when it had nothing queued) */
     bool shed;    /* queued past max_queue_wait_ms: answered with one ERROR KM_ERR_OVERLOADED */
+    bool behind;  /* queued behind the light connections' frames (jobs.c; queue_lock) */
     uint64_t shed_wait_ns; /* how long it had waited then */
     chunk *chunks;
 } job;
@@ -257,6 +258,8 @@ struct conn {
     bool write_in_flight, reading, paused, eof, closing, handle_closed, hello_done;
     uint32_t jobs_in_flight;
     uint64_t routes_in_flight; /* routes of its queued or deciding jobs (max_connection_routes) */
+    uint32_t queued_behind;    /* its queued jobs behind the light ones: its next frames go
+                                * there too (jobs.c; queue_lock) */
     char rbuf[READ_CHUNK];
 };
 
