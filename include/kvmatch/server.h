@@ -286,6 +286,9 @@ typedef struct km_server_stats {
                                          * shorter than one block counts in neither */
     uint64_t breaker_opened;            /* circuit breakers opened (or reopened after a probe) */
     uint64_t no_healthy_worker;         /* routes refused: no candidate was eligible */
+    uint64_t scheduler_replies;         /* ROUTE replies the scheduler thread wrote into their
+                                         * sockets itself (no earlier reply of the connection
+                                         * was waiting), without the loop thread */
 } km_server_stats;
 
 void km_server_get_stats(km_server *server, km_server_stats *out);

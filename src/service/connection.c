@@ -1,12 +1,16 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* A router connection's lifetime on the loop thread: accepted, read into frames (each handed to
  * km_srv_handle_frame), its replies queued and written (uv_try_write first, uv_write for the rest),
- * reading paused while replies pile up, closed and freed once no job holds it. */
+ * reading paused while replies pile up, closed and freed once no job holds it. The one write made
+ * off the loop thread: a decided route's reply, by the scheduler thread, when no earlier reply of
+ * the connection is still to be written (km_srv_job_hand_back, under write_lock). */
+#include <errno.h>
 #include <inttypes.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
 
 #include "service/server_internal.h"
 
@@ -39,6 +43,7 @@ void km_srv_conn_maybe_free(conn *c)
     km_protocol_decoder_destroy(c->decoder);
     km_frame_buffer_free(&c->outbox);
     km_frame_buffer_free(&c->writing);
+    pthread_mutex_destroy(&c->write_lock);
     free(c);
 }
 
@@ -56,7 +61,10 @@ void km_srv_conn_close(conn *c)
     if (c->closing)
         return;
     km_server *s = c->server;
+    pthread_mutex_lock(&c->write_lock);
     c->closing = true;
+    uv_close(&c->h.handle, on_conn_closed); /* closes the socket: no write may follow */
+    pthread_mutex_unlock(&c->write_lock);
     if (c->prev)
         c->prev->next = c->next;
     else
@@ -64,7 +72,6 @@ void km_srv_conn_close(conn *c)
     if (c->next)
         c->next->prev = c->prev;
     atomic_fetch_sub(&s->st.open, 1);
-    uv_close(&c->h.handle, on_conn_closed);
 }
 
 /* A connection whose peer is done (EOF) closes once every reply it is owed is written. */
@@ -77,18 +84,23 @@ void km_srv_conn_close_if_finished(conn *c)
 static void on_write(uv_write_t *req, int status)
 {
     conn *c = req->data;
+    pthread_mutex_lock(&c->write_lock);
     c->write_in_flight = false;
     c->writing.size = 0;
     if (status < 0) {
         km_srv_conn_close(c);
+        pthread_mutex_unlock(&c->write_lock);
         return;
     }
-    if (c->closing)
+    if (c->closing) {
+        pthread_mutex_unlock(&c->write_lock);
         return;
+    }
     km_server *s = c->server;
     if (c->paused && c->outbox.size < s->cfg.max_outbox_bytes / 8 && !c->eof)
         conn_resume_reading(c);
     conn_flush(c);
+    pthread_mutex_unlock(&c->write_lock);
     km_srv_conn_close_if_finished(c);
 }
 
@@ -100,6 +112,7 @@ static void alloc_cb(uv_handle_t *h, size_t suggested, uv_buf_t *buf)
     buf->len = sizeof c->rbuf;
 }
 
+/* Write what the outbox holds (write_lock held). */
 static void conn_flush(conn *c)
 {
     if (c->closing || c->write_in_flight || c->outbox.size == 0)
@@ -135,16 +148,17 @@ static void conn_flush(conn *c)
     }
 }
 
-/* Queue bytes for the peer; a reader that lets too much pile up is closed. Only replies already
- * waiting make a reader slow: a reply that finds nothing unwritten is taken whatever its size (up
- * to max_frame_bytes), so a small max_outbox_bytes never cuts off a client that reads promptly. */
-void km_srv_conn_send(conn *c, const km_frame_buffer *frames)
+/* Queue bytes for the peer and write what the socket takes (write_lock held); a reader that lets
+ * too much pile up is closed. Only replies already waiting make a reader slow: a reply that finds
+ * nothing unwritten is taken whatever its size (up to max_frame_bytes), so a small
+ * max_outbox_bytes never cuts off a client that reads promptly. */
+static void conn_send_locked(conn *c, const uint8_t *data, size_t size)
 {
     km_server *s = c->server;
-    if (c->closing || frames->size == 0)
+    if (c->closing || size == 0)
         return;
     size_t waiting = c->outbox.size + c->writing.size;
-    if (waiting > 0 && waiting + frames->size > s->cfg.max_outbox_bytes) {
+    if (waiting > 0 && waiting + size > s->cfg.max_outbox_bytes) {
         atomic_fetch_add(&s->st.slow_closed, 1);
         km_srv_log(s, KM_LOG_WARNING
                    "closing a connection that does not read its replies (%zu bytes waiting)",
@@ -152,9 +166,9 @@ void km_srv_conn_send(conn *c, const km_frame_buffer *frames)
         km_srv_conn_close(c);
         return;
     }
-    if (c->outbox.capacity < c->outbox.size + frames->size) {
+    if (c->outbox.capacity < c->outbox.size + size) {
         size_t cap = c->outbox.capacity ? c->outbox.capacity : 4096;
-        while (cap < c->outbox.size + frames->size)
+        while (cap < c->outbox.size + size)
             cap *= 2;
         uint8_t *g = realloc(c->outbox.data, cap);
         if (!g) {
@@ -164,13 +178,70 @@ void km_srv_conn_send(conn *c, const km_frame_buffer *frames)
         c->outbox.data = g;
         c->outbox.capacity = cap;
     }
-    memcpy(c->outbox.data + c->outbox.size, frames->data, frames->size);
-    c->outbox.size += frames->size;
+    memcpy(c->outbox.data + c->outbox.size, data, size);
+    c->outbox.size += size;
     if (!c->paused && c->reading && c->outbox.size + c->writing.size > s->cfg.max_outbox_bytes / 4) {
         c->paused = true;
         uv_read_stop(&c->h.stream);
     }
     conn_flush(c);
+}
+
+/* Queue frames for the peer (loop thread): conn_send_locked. */
+void km_srv_conn_send(conn *c, const km_frame_buffer *frames)
+{
+    pthread_mutex_lock(&c->write_lock);
+    conn_send_locked(c, frames->data, frames->size);
+    pthread_mutex_unlock(&c->write_lock);
+}
+
+/* A finished job's reply (loop thread, km_srv_deliver_jobs, in the order the jobs were handed
+ * back): what the scheduler thread did not write itself is queued, and the job no longer holds
+ * back the connection's next replies. */
+void km_srv_conn_send_reply(conn *c, job *j)
+{
+    pthread_mutex_lock(&c->write_lock);
+    if (j->reply_written < j->reply.size)
+        conn_send_locked(c, j->reply.data + j->reply_written, j->reply.size - j->reply_written);
+    if (j->owed) {
+        j->owed = false;
+        c->replies_owed--;
+    }
+    pthread_mutex_unlock(&c->write_lock);
+}
+
+/* A decided job going back to the loop thread (scheduler role, before it joins the done list).
+ * write_now (its reply encoded): the reply goes into the socket at once when nothing of the
+ * connection is ahead of it: no earlier job's reply still to be queued (replies_owed), nothing
+ * queued or being written. Otherwise, and for what the socket does not take, the job is owed:
+ * the loop thread sends the rest when it delivers the job, and later replies of the connection
+ * wait for that, so replies leave in the order the jobs were handed back. A socket error leaves
+ * the reply to the loop thread too, whose write then fails and closes the connection. */
+void km_srv_job_hand_back(job *j, bool write_now)
+{
+    conn *c = j->conn;
+    pthread_mutex_lock(&c->write_lock);
+    if (write_now && c->fd >= 0 && !c->closing && c->replies_owed == 0 && !c->write_in_flight &&
+        c->outbox.size == 0 && c->writing.size == 0) {
+        while (j->reply_written < j->reply.size) {
+            ssize_t n = send(c->fd, j->reply.data + j->reply_written,
+                             j->reply.size - j->reply_written, MSG_DONTWAIT | MSG_NOSIGNAL);
+            if (n > 0)
+                j->reply_written += (size_t)n;
+            else if (n < 0 && errno == EINTR)
+                continue;
+            else
+                break;
+        }
+    }
+    bool written = j->reply.size > 0 && j->reply_written == j->reply.size;
+    if (!written) {
+        j->owed = true;
+        c->replies_owed++;
+    }
+    pthread_mutex_unlock(&c->write_lock);
+    if (written)
+        atomic_fetch_add(&c->server->st.scheduler_replies, 1);
 }
 
 /* Queue an ERROR reply (message id, status code, formatted text) for the peer. */
@@ -292,10 +363,20 @@ void km_srv_on_connection(uv_stream_t *listener, int status)
     conn *c = calloc(1, sizeof *c);
     if (!c)
         return;
+    pthread_mutexattr_t recursive;
+    pthread_mutexattr_init(&recursive);
+    pthread_mutexattr_settype(&recursive, PTHREAD_MUTEX_RECURSIVE);
+    int lock_rc = pthread_mutex_init(&c->write_lock, &recursive);
+    pthread_mutexattr_destroy(&recursive);
+    if (lock_rc != 0) {
+        free(c);
+        return;
+    }
     c->server = s;
     bool tcp = listener == (uv_stream_t *)&s->tcp_listener;
     int rc = tcp ? uv_tcp_init(&s->loop, &c->h.tcp) : uv_pipe_init(&s->loop, &c->h.pipe, 0);
     if (rc < 0) {
+        pthread_mutex_destroy(&c->write_lock);
         free(c);
         return;
     }
@@ -325,6 +406,8 @@ void km_srv_on_connection(uv_stream_t *listener, int status)
     }
     if (tcp)
         uv_tcp_nodelay(&c->h.tcp, 1);
+    if (uv_fileno(&c->h.handle, &c->fd) != 0)
+        c->fd = -1; /* the loop thread alone writes its replies (km_srv_job_hand_back) */
     km_frame_buffer_init(&c->outbox);
     km_frame_buffer_init(&c->writing);
     c->next = s->conns;

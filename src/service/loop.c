@@ -87,7 +87,7 @@ void km_srv_deliver_jobs(km_server *s, job *list)
         if (!c->closing) {
             if (!j->encoded)
                 km_srv_job_encode_reply(s, j);
-            km_srv_conn_send(c, &j->reply);
+            km_srv_conn_send_reply(c, j);
         }
         km_srv_job_free(j);
         if (c->closing)

@@ -424,13 +424,18 @@ static void *scheduler_main(void *arg)
             run_batch(s, take, &s->scratch);
             /* Nothing queued: this thread would only wait while the loop thread encodes the
              * batch's replies, so it encodes them itself and the loop thread gets back sooner to
-             * the frames that will make the next batch. */
+             * the frames that will make the next batch; and it writes each into its socket now
+             * (km_srv_job_hand_back), so the reply waits for no wake-up of the loop thread. With
+             * frames queued, encoding on the loop thread overlaps the next batch's scoring. */
             pthread_mutex_lock(&s->queue_lock);
             bool nothing_queued = s->queue_head == NULL;
             pthread_mutex_unlock(&s->queue_lock);
-            for (job *j = take; nothing_queued && j; j = j->next) {
-                km_srv_job_encode_reply(s, j);
-                j->encoded = true;
+            for (job *j = take; j; j = j->next) {
+                if (nothing_queued) {
+                    km_srv_job_encode_reply(s, j);
+                    j->encoded = true;
+                }
+                km_srv_job_hand_back(j, nothing_queued);
             }
             pthread_mutex_lock(&s->done_lock);
             if (s->done_tail)

@@ -20,7 +20,9 @@
  *    holds it for housekeeping and whole batches: it takes whole ROUTE frames off the queue,
  *    flushes each pool's events, scores every pool's share of the batch with one
  *    km_index_match_batch, decides each route (decision.c), and hands the jobs back to the loop
- *    thread (uv_async), their replies already encoded when nothing else was queued. The loop
+ *    thread (uv_async). When nothing else was queued it encodes their replies and writes each
+ *    into its socket itself when no earlier reply of that connection is still to be written
+ *    (km_srv_job_hand_back), so a reply waits for no wake-up of the loop thread. The loop
  *    thread holds it for a small batch inline (on_dispatch, inline_routes) and for a slice of
  *    active-work expiry while the role is free;
  *  - subscribers' I/O threads (which wake the scheduler when events arrive), the records writer
@@ -39,8 +41,9 @@
  *               most;
  *  local_lock   a pool's in-process feed and decoder (workers whose events are "local"); a
  *               decision reads a worker's feed state under it;
- *  queue_lock   the route queue and the scheduler role; done_lock the finished jobs. Both are
- *               leaves: nothing else is taken while one is held.
+ *  queue_lock   the route queue and the scheduler role; done_lock the finished jobs; a
+ *               connection's write_lock its write side (struct conn). All three are leaves:
+ *               nothing else is taken while one is held.
  */
 #ifndef KM_SERVER_IMPL_H
 #define KM_SERVER_IMPL_H
@@ -115,6 +118,8 @@ typedef struct job {
     km_route_decision *decisions; /* filled by the scheduler, encoded by the loop thread */
     km_frame_buffer reply;
     bool encoded; /* reply already encoded (by the scheduler, when it had nothing queued) */
+    bool owed;    /* counted in its connection's replies_owed (km_srv_job_hand_back) */
+    size_t reply_written; /* bytes of reply the scheduler thread wrote into the socket itself */
     bool shed;    /* queued past max_queue_wait_ms: answered with one ERROR KM_ERR_OVERLOADED */
     bool behind;  /* queued behind the light connections' frames (jobs.c; queue_lock) */
     uint64_t shed_wait_ns; /* how long it had waited then */
@@ -256,6 +261,15 @@ struct conn {
     km_frame_buffer outbox, writing;
     uv_write_t write_req;
     bool write_in_flight, reading, paused, eof, closing, handle_closed, hello_done;
+    /* The scheduler thread writes a decided job's reply into the socket itself when no reply of
+     * this connection is ahead of it (km_srv_job_hand_back). write_lock (recursive: a flush may
+     * close) orders that write against the loop thread's: the loop thread holds it while it
+     * changes outbox, writing, write_in_flight, closing or replies_owed and while it writes into
+     * the socket or closes it; the scheduler thread reads them and writes only under it. */
+    pthread_mutex_t write_lock;
+    uv_os_fd_t fd;
+    uint32_t replies_owed; /* jobs handed back by the scheduler thread whose reply the loop thread
+                            * has not yet queued or written (km_srv_deliver_jobs) */
     uint32_t jobs_in_flight;
     uint64_t routes_in_flight; /* routes of its queued or deciding jobs (max_connection_routes) */
     uint32_t queued_behind;    /* its queued jobs behind the light ones: its next frames go
@@ -353,7 +367,8 @@ struct km_server {
         atomic_uint_fast64_t accepted, open, refused, slow_closed, frames, bad_frames, routes,
             decisions, route_errors, overloaded, shed_wait, shed_connection, batches, inline_batches, lifecycle,
             lifecycle_errors, outcomes, expired, evicted, dropped_at_shutdown,
-            dispatch_learned, dispatch_unlearned, breaker_opened, no_healthy, drain_releases;
+            dispatch_learned, dispatch_unlearned, breaker_opened, no_healthy, drain_releases,
+            scheduler_replies;
         /* connections refused at accept, by reason (their sum is `refused`) */
         atomic_uint_fast64_t refused_limit, refused_draining, refused_memory;
     } st;
@@ -396,6 +411,8 @@ void km_srv_conn_maybe_free(conn *c);
 void km_srv_conn_close(conn *c);
 void km_srv_conn_close_if_finished(conn *c);
 void km_srv_conn_send(conn *c, const km_frame_buffer *frames);
+void km_srv_conn_send_reply(conn *c, job *j);
+void km_srv_job_hand_back(job *j, bool write_now);
 void km_srv_send_error(conn *c, uint64_t id, int code, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));
 void km_srv_send_message(conn *c, const km_message *m);

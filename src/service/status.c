@@ -689,6 +689,7 @@ void km_server_get_stats(km_server *s, km_server_stats *o)
     o->approx_dispatch_unlearned = atomic_load(&s->st.dispatch_unlearned);
     o->breaker_opened = atomic_load(&s->st.breaker_opened);
     o->no_healthy_worker = atomic_load(&s->st.no_healthy);
+    o->scheduler_replies = atomic_load(&s->st.scheduler_replies);
     if (s->records) {
         km_record_writer_counters rc;
         km_record_writer_stats(s->records, &rc);
