@@ -240,8 +240,10 @@ void km_srv_job_hand_back(job *j, bool write_now)
         c->replies_owed++;
     }
     pthread_mutex_unlock(&c->write_lock);
-    if (written)
+    if (written) {
+        KM_SRV_STAGE(j, written);
         atomic_fetch_add(&c->server->st.scheduler_replies, 1);
+    }
 }
 
 /* Queue an ERROR reply (message id, status code, formatted text) for the peer. */
@@ -290,6 +292,9 @@ static void on_read(uv_stream_t *stream, ssize_t nread, const uv_buf_t *buf)
             km_srv_conn_close_if_finished(c);
         return;
     }
+#ifdef KM_SRV_STAGE_TRACE
+    c->read_ns = now_ns();
+#endif
     const uint8_t *data = (const uint8_t *)buf->base;
     size_t left = (size_t)nread;
     while (left > 0 && !c->closing) {

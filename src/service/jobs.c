@@ -261,6 +261,9 @@ void km_srv_handle_route(conn *c, const km_message *m)
         }
     }
     j->enqueued_ns = now_ns();
+#ifdef KM_SRV_STAGE_TRACE
+    j->stages.read = c->read_ns;
+#endif
     c->jobs_in_flight++;
     c->routes_in_flight += j->n_routes;
     /* A frame of a connection with at most LIGHT_CONNECTION_ROUTES routes in flight (this one's

@@ -4,6 +4,8 @@
  * sent before it. */
 #include <inttypes.h>
 #include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/ioctl.h>
 
@@ -75,6 +77,31 @@ bool km_srv_handle_frame(conn *c, const uint8_t *payload, size_t size)
     }
 }
 
+#ifdef KM_SRV_STAGE_TRACE
+/* One line per delivered job to $KM_SRV_STAGE_LOG (opened at the first job; nothing when unset):
+ * where it was decided (loop or scheduler), its routes, then each stage's time since the frame's
+ * read in us: queued, batch, scored, decided, handed, picked, written (-1: left to a uv_write). */
+static void stage_log(const job *j)
+{
+    static FILE *f;
+    static bool opened;
+    if (!opened) {
+        opened = true;
+        const char *path = getenv("KM_SRV_STAGE_LOG");
+        f = path ? fopen(path, "w") : NULL;
+    }
+    if (!f)
+        return;
+    const job_stages *t = &j->stages;
+#define SINCE_READ(v) ((v) ? (double)((int64_t)((v) - t->read)) / 1e3 : -1.0)
+    fprintf(f, "%s %u %.1f %.1f %.1f %.1f %.1f %.1f %.1f\n", t->on_loop ? "loop" : "scheduler",
+            j->n_routes, SINCE_READ(j->enqueued_ns), SINCE_READ(t->batch), SINCE_READ(t->scored),
+            SINCE_READ(t->decided), SINCE_READ(t->handed), SINCE_READ(t->picked),
+            SINCE_READ(t->written));
+#undef SINCE_READ
+}
+#endif
+
 /* Encode and send the replies of a list of finished jobs, then free them (loop thread). */
 void km_srv_deliver_jobs(km_server *s, job *list)
 {
@@ -82,12 +109,18 @@ void km_srv_deliver_jobs(km_server *s, job *list)
         job *j = list;
         list = j->next;
         conn *c = j->conn;
+        KM_SRV_STAGE(j, picked);
         c->jobs_in_flight--;
         c->routes_in_flight -= j->n_routes;
         if (!c->closing) {
             if (!j->encoded)
                 km_srv_job_encode_reply(s, j);
             km_srv_conn_send_reply(c, j);
+#ifdef KM_SRV_STAGE_TRACE
+            if (!j->stages.written && !c->outbox.size && !c->write_in_flight)
+                KM_SRV_STAGE(j, written);
+            stage_log(j);
+#endif
         }
         km_srv_job_free(j);
         if (c->closing)

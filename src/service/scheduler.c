@@ -104,6 +104,7 @@ static void run_batch(km_server *s, job *jobs, batch_scratch *b)
     uint64_t t0 = now_ns();
     uint32_t n_routes = 0;
     for (job *j = jobs; j; j = j->next) {
+        KM_SRV_STAGE(j, batch);
         km_histogram_observe(s->m_queue_seconds, (double)(t0 - j->enqueued_ns) / 1e9);
         if (!j->shed) {
             n_routes += j->n_routes;
@@ -156,6 +157,8 @@ static void run_batch(km_server *s, job *jobs, batch_scratch *b)
         }
     }
     uint64_t scored = now_ns();
+    for (job *j = jobs; j; j = j->next)
+        KM_SRV_STAGE(j, scored);
     size_t *cursor = calloc(s->n_pools ? s->n_pools : 1, sizeof *cursor);
     km_approx_updates_clear(&b->updates);
     for (job *j = jobs; j; j = j->next) {
@@ -204,6 +207,8 @@ static void run_batch(km_server *s, job *jobs, batch_scratch *b)
     }
     pthread_mutex_unlock(&s->admin_lock);
     uint64_t t1 = now_ns();
+    for (job *j = jobs; j; j = j->next)
+        KM_SRV_STAGE(j, decided);
     atomic_fetch_add(&s->st.batches, 1);
     km_histogram_observe(s->m_batch_routes, n_routes);
     km_histogram_observe(s->m_batch_seconds, (double)(t1 - t0) / 1e9);
@@ -435,6 +440,7 @@ static void *scheduler_main(void *arg)
                     km_srv_job_encode_reply(s, j);
                     j->encoded = true;
                 }
+                KM_SRV_STAGE(j, handed);
                 km_srv_job_hand_back(j, nothing_queued);
             }
             pthread_mutex_lock(&s->done_lock);
@@ -554,6 +560,12 @@ static void on_dispatch(uv_check_t *h)
     /* Jobs the scheduler thread handed back before this batch took the role come first: a
      * connection's replies leave in the order its frames were taken. */
     km_srv_deliver_done(s);
+#ifdef KM_SRV_STAGE_TRACE
+    for (job *j = take; j; j = j->next) {
+        KM_SRV_STAGE(j, handed);
+        j->stages.on_loop = true;
+    }
+#endif
     km_srv_deliver_jobs(s, take);
 }
 

@@ -108,6 +108,26 @@ typedef struct chunk {
     _Alignas(16) unsigned char data[];
 } chunk;
 
+/* Where a route job's round trip goes: CLOCK_MONOTONIC stamps of each stage, compiled in only by
+ * a diagnostic build (CPPFLAGS=-DKM_SRV_STAGE_TRACE), which writes one line per delivered job to
+ * the file the environment variable KM_SRV_STAGE_LOG names (km_srv_stage_log, loop.c). A normal
+ * build has neither the fields nor the clock reads. */
+#ifdef KM_SRV_STAGE_TRACE
+typedef struct job_stages {
+    uint64_t read;    /* the loop thread's read that brought the frame began */
+    uint64_t batch;   /* its batch began (run_batch) */
+    uint64_t scored;  /* the batch's index scoring ended */
+    uint64_t decided; /* the batch's decisions and learning ended */
+    uint64_t handed;  /* handed back to the loop thread (km_srv_job_hand_back), or decided inline */
+    uint64_t picked;  /* the loop thread took it for delivery */
+    uint64_t written; /* its reply went into the socket (0: left queued for a uv_write) */
+    bool on_loop;     /* decided inline on the loop thread */
+} job_stages;
+#define KM_SRV_STAGE(j, stage) ((j)->stages.stage = now_ns())
+#else
+#define KM_SRV_STAGE(j, stage) ((void)0)
+#endif
+
 typedef struct job {
     struct job *next;
     conn *conn;
@@ -124,6 +144,9 @@ typedef struct job {
     bool behind;  /* queued behind the light connections' frames (jobs.c; queue_lock) */
     uint64_t shed_wait_ns; /* how long it had waited then */
     chunk *chunks;
+#ifdef KM_SRV_STAGE_TRACE
+    job_stages stages; /* queued: enqueued_ns */
+#endif
 } job;
 
 /* What an outcome record needs from its decision; kept from the decision to FINISHED / expiry. */
@@ -274,6 +297,9 @@ struct conn {
     uint64_t routes_in_flight; /* routes of its queued or deciding jobs (max_connection_routes) */
     uint32_t queued_behind;    /* its queued jobs behind the light ones: its next frames go
                                 * there too (jobs.c; queue_lock) */
+#ifdef KM_SRV_STAGE_TRACE
+    uint64_t read_ns; /* the current read began (job_stages.read) */
+#endif
     char rbuf[READ_CHUNK];
 };
 
