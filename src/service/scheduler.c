@@ -430,18 +430,22 @@ static void *scheduler_main(void *arg)
             /* Nothing queued: this thread would only wait while the loop thread encodes the
              * batch's replies, so it encodes them itself and the loop thread gets back sooner to
              * the frames that will make the next batch; and it writes each into its socket now
-             * (km_srv_job_hand_back), so the reply waits for no wake-up of the loop thread. With
-             * frames queued, encoding on the loop thread overlaps the next batch's scoring. */
+             * (km_srv_job_hand_back), so the reply waits for no wake-up of the loop thread. A
+             * batch small enough to have run inline (inline_routes) is answered the same way
+             * whatever is queued: a few replies delay the next batch by microseconds, a wake-up
+             * of the loop thread delays them by up to a scheduler time slice. With frames queued
+             * behind a bigger batch, encoding on the loop thread overlaps the next batch's
+             * scoring. */
             pthread_mutex_lock(&s->queue_lock);
-            bool nothing_queued = s->queue_head == NULL;
+            bool answer_here = s->queue_head == NULL || taken <= s->inline_routes;
             pthread_mutex_unlock(&s->queue_lock);
             for (job *j = take; j; j = j->next) {
-                if (nothing_queued) {
+                if (answer_here) {
                     km_srv_job_encode_reply(s, j);
                     j->encoded = true;
                 }
                 KM_SRV_STAGE(j, handed);
-                km_srv_job_hand_back(j, nothing_queued);
+                km_srv_job_hand_back(j, answer_here);
             }
             pthread_mutex_lock(&s->done_lock);
             if (s->done_tail)
