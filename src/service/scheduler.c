@@ -15,6 +15,10 @@
 
 #define SCHEDULER_TICK_MS 20u
 
+/* A batch of at most this many routes has its replies encoded and written by the scheduler thread
+ * (scheduler_main); the size of a batch the loop thread would run inline by default. */
+#define SCHEDULER_REPLY_ROUTES 16u
+
 /* Active work whose FINISHED never comes is expired only by the holder of the scheduler role, so
  * expiry never contends with a batch's decisions for active_lock:
  *  - the scheduler thread, before each batch (housekeeping): twice the batch's routes (at least
@@ -427,25 +431,25 @@ static void *scheduler_main(void *arg)
         housekeeping(s, &s->scratch, take ? (expire < EXPIRY_PER_PASS ? expire : EXPIRY_PER_PASS) : 0);
         if (take) {
             run_batch(s, take, &s->scratch);
-            /* Nothing queued: this thread would only wait while the loop thread encodes the
-             * batch's replies, so it encodes them itself and the loop thread gets back sooner to
-             * the frames that will make the next batch; and it writes each into its socket now
-             * (km_srv_job_hand_back), so the reply waits for no wake-up of the loop thread. A
-             * batch small enough to have run inline (inline_routes) is answered the same way
-             * whatever is queued: a few replies delay the next batch by microseconds, a wake-up
-             * of the loop thread delays them by up to a scheduler time slice. With frames queued
-             * behind a bigger batch, encoding on the loop thread overlaps the next batch's
-             * scoring. */
+            /* A batch of at most SCHEDULER_REPLY_ROUTES routes is answered here: its replies
+             * encoded and each written into its socket now (km_srv_job_hand_back), so a reply
+             * waits for no wake-up of the loop thread; a few replies delay the next batch by
+             * microseconds, that wake-up delays them by up to a scheduler time slice. A bigger
+             * batch's replies go out together from the loop thread, so the clients' next frames
+             * arrive together for the next full batch; this thread still encodes them when
+             * nothing is queued (it would only wait), and with frames queued the loop thread
+             * encodes them, overlapping the next batch's scoring. */
             pthread_mutex_lock(&s->queue_lock);
-            bool answer_here = s->queue_head == NULL || taken <= s->inline_routes;
+            bool small = taken <= SCHEDULER_REPLY_ROUTES;
+            bool encode_here = small || s->queue_head == NULL;
             pthread_mutex_unlock(&s->queue_lock);
             for (job *j = take; j; j = j->next) {
-                if (answer_here) {
+                if (encode_here) {
                     km_srv_job_encode_reply(s, j);
                     j->encoded = true;
                 }
                 KM_SRV_STAGE(j, handed);
-                km_srv_job_hand_back(j, answer_here);
+                km_srv_job_hand_back(j, small);
             }
             pthread_mutex_lock(&s->done_lock);
             if (s->done_tail)
