@@ -15,8 +15,9 @@
 
 #define SCHEDULER_TICK_MS 20u
 
-/* A batch of at most this many routes has its replies encoded and written by the scheduler thread
- * (scheduler_main); the size of a batch the loop thread would run inline by default. */
+/* Small frames and batches (at most this many routes; the size of a batch the loop thread runs
+ * inline by default): their replies are encoded and written by the scheduler thread
+ * (scheduler_main). */
 #define SCHEDULER_REPLY_ROUTES 16u
 
 /* Active work whose FINISHED never comes is expired only by the holder of the scheduler role, so
@@ -431,25 +432,28 @@ static void *scheduler_main(void *arg)
         housekeeping(s, &s->scratch, take ? (expire < EXPIRY_PER_PASS ? expire : EXPIRY_PER_PASS) : 0);
         if (take) {
             run_batch(s, take, &s->scratch);
-            /* A batch of at most SCHEDULER_REPLY_ROUTES routes is answered here: its replies
-             * encoded and each written into its socket now (km_srv_job_hand_back), so a reply
-             * waits for no wake-up of the loop thread; a few replies delay the next batch by
-             * microseconds, that wake-up delays them by up to a scheduler time slice. A bigger
-             * batch's replies go out together from the loop thread, so the clients' next frames
-             * arrive together for the next full batch; this thread still encodes them when
-             * nothing is queued (it would only wait), and with frames queued the loop thread
-             * encodes them, overlapping the next batch's scoring. */
+            /* A small frame (at most SCHEDULER_REPLY_ROUTES routes) is answered here when its
+             * batch is small too or nothing is queued: its reply encoded and written into its
+             * socket now (km_srv_job_hand_back), so it waits for no wake-up of the loop thread,
+             * which on a machine short of cores waits for a time slice; a small reply delays the
+             * next batch by microseconds. Bigger frames' replies go out together from the loop
+             * thread, so their clients' next frames arrive together for the next full batch; and
+             * behind a big batch with frames queued (a backlog), every reply is encoded on the
+             * loop thread, overlapping the next batch's scoring. With nothing queued this thread
+             * encodes them all (it would only wait). */
             pthread_mutex_lock(&s->queue_lock);
-            bool small = taken <= SCHEDULER_REPLY_ROUTES;
-            bool encode_here = small || s->queue_head == NULL;
+            bool nothing_queued = s->queue_head == NULL;
             pthread_mutex_unlock(&s->queue_lock);
+            bool small_batch = taken <= SCHEDULER_REPLY_ROUTES;
             for (job *j = take; j; j = j->next) {
-                if (encode_here) {
+                bool write_here =
+                    j->n_routes <= SCHEDULER_REPLY_ROUTES && (small_batch || nothing_queued);
+                if (write_here || nothing_queued) {
                     km_srv_job_encode_reply(s, j);
                     j->encoded = true;
                 }
                 KM_SRV_STAGE(j, handed);
-                km_srv_job_hand_back(j, small);
+                km_srv_job_hand_back(j, write_here);
             }
             pthread_mutex_lock(&s->done_lock);
             if (s->done_tail)

@@ -20,9 +20,10 @@
  *    holds it for housekeeping and whole batches: it takes whole ROUTE frames off the queue,
  *    flushes each pool's events, scores every pool's share of the batch with one
  *    km_index_match_batch, decides each route (decision.c), and hands the jobs back to the loop
- *    thread (uv_async). A small batch's replies (SCHEDULER_REPLY_ROUTES) it encodes and writes
- *    each into its socket itself when no earlier reply of that connection is still to be written
- *    (km_srv_job_hand_back), so a reply waits for no wake-up of the loop thread. The loop
+ *    thread (uv_async). A small frame's reply (SCHEDULER_REPLY_ROUTES; not behind a backlog) it
+ *    encodes and writes into its socket itself when no earlier reply of that connection is still
+ *    to be written (km_srv_job_hand_back), so the reply waits for no wake-up of the loop thread.
+ *    The loop
  *    thread holds it for a small batch inline (on_dispatch, inline_routes) and for a slice of
  *    active-work expiry while the role is free;
  *  - subscribers' I/O threads (which wake the scheduler when events arrive), the records writer
