@@ -1148,6 +1148,76 @@ Test(server, replies_keep_each_connections_order_from_the_scheduler_thread, .tim
     replies_in_order(0);
 }
 
+/* A client that sends many single routes, with lifecycle reports between them, before reading any
+ * reply: the scheduler thread writes replies into the socket until it is full (the last perhaps in
+ * part: TCP takes part of a write), the loop thread queues the rest and its own ACKs behind them.
+ * Read at last, the stream holds every reply whole, the DECISIONs in the order of their frames. */
+static void late_reader(bool tcp)
+{
+    srv s = {0};
+    km_server_config cfg;
+    test_config(&cfg, &s, KM_POLICY_KV, 16);
+    cfg.records_path = NULL;
+    cfg.inline_routes = 0; /* every route through the scheduler thread */
+    char listen_tcp[] = "127.0.0.1:0";
+    if (tcp)
+        cfg.tcp = listen_tcp;
+    srv_start(&s, &cfg);
+    if (tcp)
+        snprintf(s.addr, sizeof s.addr, "tcp:127.0.0.1:%u", km_server_tcp_port(s.server));
+    km_client *c = connect_client(&s);
+    enum { ROUTES = 600, REPORT_EVERY = 8 };
+    static uint64_t route_ids[ROUTES];
+    uint32_t reports = 0;
+    for (uint32_t i = 0; i < ROUTES; i++) {
+        char rid[32];
+        snprintf(rid, sizeof rid, "late-%u", i);
+        km_route_request r = token_route(rid, i % 7, 4 * BS);
+        cr_assert_eq(km_client_send_route(c, &r, 1, 5000, &route_ids[i]), KM_OK);
+        if (i % REPORT_EVERY == 0) {
+            km_lifecycle_event ev;
+            memset(&ev, 0, sizeof ev);
+            ev.kind = KM_LIFECYCLE_DISPATCHED;
+            ev.request_id = "nobody";
+            uint64_t id;
+            cr_assert_eq(km_client_send_lifecycle(c, &ev, 1, 5000, &id), KM_OK);
+            reports++;
+        }
+    }
+    struct timespec ts = {0, 300 * 1000000L}; /* the server answers into a socket nobody reads */
+    nanosleep(&ts, NULL);
+    uint32_t decisions = 0, acks = 0;
+    while (decisions + acks < ROUTES + reports) {
+        km_message m;
+        int rc = km_client_receive(c, 10000, &m);
+        cr_assert_eq(rc, KM_OK, "reply %u: %s: %s", decisions + acks, km_error_name(rc),
+                     km_client_last_error(c));
+        if (m.type == KM_MESSAGE_ACK) {
+            acks++;
+            continue;
+        }
+        cr_assert_eq(m.type, KM_MESSAGE_DECISION);
+        cr_assert_eq(m.id, route_ids[decisions], "DECISION %u out of order", decisions);
+        char want[32];
+        snprintf(want, sizeof want, "late-%u", decisions);
+        cr_assert_eq(m.decision.decisions[0].status, KM_OK);
+        cr_assert_str_eq(m.decision.decisions[0].request_id, want);
+        decisions++;
+    }
+    cr_assert_eq(acks, reports);
+    km_server_stats ss;
+    km_server_get_stats(s.server, &ss);
+    cr_assert_gt(ss.scheduler_replies, 0);
+    if (!tcp) /* a Unix socket holds a few hundred KB; loopback TCP's buffers may take them all */
+        cr_assert_lt(ss.scheduler_replies, ROUTES, "the full socket left replies to the loop thread");
+    km_client_close(c);
+    srv_stop(&s);
+    srv_cleanup(&s);
+}
+
+Test(server, a_client_that_reads_late_gets_every_reply_whole, .timeout = 60) { late_reader(false); }
+Test(server, a_tcp_client_that_reads_late_gets_every_reply_whole, .timeout = 60) { late_reader(true); }
+
 /* One client, one route at a time: the scheduler is idle when each arrives, so the loop thread
  * decides them itself (the scheduler thread holds the role only for its brief housekeeping ticks,
  * so nearly all of them), with the same answers as through the scheduler thread. */

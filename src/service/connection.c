@@ -112,10 +112,11 @@ static void alloc_cb(uv_handle_t *h, size_t suggested, uv_buf_t *buf)
     buf->len = sizeof c->rbuf;
 }
 
-/* Write what the outbox holds (write_lock held). */
+/* Write what the outbox holds (write_lock held); nothing while a reply the scheduler thread began
+ * writing is unfinished (reply_cut): its rest goes first. */
 static void conn_flush(conn *c)
 {
-    if (c->closing || c->write_in_flight || c->outbox.size == 0)
+    if (c->closing || c->write_in_flight || c->outbox.size == 0 || c->reply_cut)
         return;
     /* Try the write now: a reply the socket takes whole needs no write request, no callback and
      * none of the epoll_ctl calls libuv makes when a request completes. Only what is left (the
@@ -152,7 +153,7 @@ static void conn_flush(conn *c)
  * too much pile up is closed. Only replies already waiting make a reader slow: a reply that finds
  * nothing unwritten is taken whatever its size (up to max_frame_bytes), so a small
  * max_outbox_bytes never cuts off a client that reads promptly. */
-static void conn_send_locked(conn *c, const uint8_t *data, size_t size)
+static void conn_send_locked(conn *c, const uint8_t *data, size_t size, bool first)
 {
     km_server *s = c->server;
     if (c->closing || size == 0)
@@ -178,7 +179,9 @@ static void conn_send_locked(conn *c, const uint8_t *data, size_t size)
         c->outbox.data = g;
         c->outbox.capacity = cap;
     }
-    memcpy(c->outbox.data + c->outbox.size, data, size);
+    if (first) /* the rest of a reply begun in the socket: before anything queued since */
+        memmove(c->outbox.data + size, c->outbox.data, c->outbox.size);
+    memcpy(c->outbox.data + (first ? 0 : c->outbox.size), data, size);
     c->outbox.size += size;
     if (!c->paused && c->reading && c->outbox.size + c->writing.size > s->cfg.max_outbox_bytes / 4) {
         c->paused = true;
@@ -191,7 +194,7 @@ static void conn_send_locked(conn *c, const uint8_t *data, size_t size)
 void km_srv_conn_send(conn *c, const km_frame_buffer *frames)
 {
     pthread_mutex_lock(&c->write_lock);
-    conn_send_locked(c, frames->data, frames->size);
+    conn_send_locked(c, frames->data, frames->size, false);
     pthread_mutex_unlock(&c->write_lock);
 }
 
@@ -201,8 +204,11 @@ void km_srv_conn_send(conn *c, const km_frame_buffer *frames)
 void km_srv_conn_send_reply(conn *c, job *j)
 {
     pthread_mutex_lock(&c->write_lock);
+    bool cut = j->reply_written > 0 && j->reply_written < j->reply.size;
+    if (cut)
+        c->reply_cut = false; /* its rest goes first (conn_send_locked) */
     if (j->reply_written < j->reply.size)
-        conn_send_locked(c, j->reply.data + j->reply_written, j->reply.size - j->reply_written);
+        conn_send_locked(c, j->reply.data + j->reply_written, j->reply.size - j->reply_written, cut);
     if (j->owed) {
         j->owed = false;
         c->replies_owed--;
@@ -235,6 +241,8 @@ void km_srv_job_hand_back(job *j, bool write_now)
         }
     }
     bool written = j->reply.size > 0 && j->reply_written == j->reply.size;
+    if (j->reply_written > 0 && !written)
+        c->reply_cut = true; /* the socket holds part of a frame: nothing else until its rest */
     if (!written) {
         j->owed = true;
         c->replies_owed++;

@@ -294,6 +294,9 @@ struct conn {
     uv_os_fd_t fd;
     uint32_t replies_owed; /* jobs handed back by the scheduler thread whose reply the loop thread
                             * has not yet queued or written (km_srv_deliver_jobs) */
+    bool reply_cut;        /* the scheduler thread wrote part of a reply: the socket holds part of
+                            * a frame, so nothing else is written until the loop thread queues
+                            * its rest first (km_srv_conn_send_reply) */
     uint32_t jobs_in_flight;
     uint64_t routes_in_flight; /* routes of its queued or deciding jobs (max_connection_routes) */
     uint32_t queued_behind;    /* its queued jobs behind the light ones: its next frames go
