@@ -5,6 +5,7 @@
  * nats-server fails with the reason. */
 #include <criterion/criterion.h>
 #include <math.h>
+#include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
 #include <string.h>
@@ -96,7 +97,8 @@ Test(cluster, messages_round_trip_and_bad_ones_are_refused_by_reason)
     km_text_init(&t, 0);
     cluster_worker_load rows[2] = {{3, {2, 1, 100, 10, 9, 123456}}, {15, {1, 0, 0, 4, 4, 0}}};
     char peers[1][KM_CLUSTER_INSTANCE_MAX + 1] = {"b-2"};
-    cluster_message m = {CLUSTER_STATE, "a_1", 77, 5, rows, 2, peers, 1};
+    cluster_message m = {.kind = CLUSTER_STATE, .instance = "a_1", .incarnation = 77, .seq = 5,
+                         .workers = rows, .n_workers = 2, .peers = peers, .n_peers = 1};
     cr_assert_eq(km_cluster_encode(&t, &m), KM_OK);
     cluster_message d;
     km_cluster_refusal r;
@@ -142,6 +144,87 @@ Test(cluster, messages_round_trip_and_bad_ones_are_refused_by_reason)
         cr_assert_eq(r, bad[i].want, "case %zu: refused as %s (%s), expected %s", i,
                      km_cluster_refusal_name(r), why, km_cluster_refusal_name(bad[i].want));
     }
+    km_text_free(&t);
+}
+
+Test(cluster, predictions_round_trip_every_hash_and_bad_ones_are_refused_by_reason)
+{
+    km_text t;
+    km_text_init(&t, 0);
+    km_rng rng;
+    km_rng_init(&rng, km_test_seed());
+    uint64_t hashes[300];
+    for (size_t i = 0; i < 300; i++)
+        hashes[i] = km_rng_next(&rng);
+    hashes[0] = UINT64_MAX; /* past INT64_MAX: not a JSON integer every parser keeps */
+    hashes[1] = 0;
+    cluster_message m = {.kind = CLUSTER_PREDICT, .instance = "a", .incarnation = 7, .seq = 3,
+                         .pool = "main.v2", .worker = 15, .lesson = true, .hashes = hashes,
+                         .n_hashes = 300};
+    cr_assert_eq(km_cluster_encode(&t, &m), KM_OK);
+    cluster_message d;
+    km_cluster_refusal r;
+    char why[160];
+    cr_assert(km_cluster_decode("predict.a", t.data, t.length, WORKERS, &d, &r, why, sizeof why),
+              "%s", why);
+    cr_assert_eq(d.kind, CLUSTER_PREDICT);
+    cr_assert_eq(d.seq, 3);
+    cr_assert_str_eq(d.pool, "main.v2");
+    cr_assert_eq(d.worker, 15);
+    cr_assert(d.lesson);
+    cr_assert_eq(d.n_hashes, 300);
+    cr_assert_arr_eq(d.hashes, hashes, sizeof hashes);
+    km_cluster_message_free(&d);
+
+#define P(rest)                                                                            \
+    "{\"v\":1,\"kind\":\"predict\",\"instance\":\"a\",\"incarnation\":1,\"seq\":1," rest "}"
+#define H1 "\"hashes\":[\"0000000000000001\"]"
+    struct {
+        const char *subject, *body;
+        km_cluster_refusal want;
+    } bad[] = {
+        {"predict.a", P("\"pool\":\"p\",\"worker\":16,\"lesson\":false," H1),
+         KM_CLUSTER_REFUSED_WORKER},
+        {"predict.a", P("\"pool\":\"p q\",\"worker\":1,\"lesson\":false," H1),
+         KM_CLUSTER_REFUSED_MALFORMED},
+        {"predict.a", P("\"worker\":1,\"lesson\":false,\"hashes\":[\"0000000000000001\"]"),
+         KM_CLUSTER_REFUSED_MALFORMED},
+        {"predict.a", P("\"pool\":\"p\",\"worker\":1,\"hashes\":[\"0000000000000001\"]"),
+         KM_CLUSTER_REFUSED_MALFORMED},
+        {"predict.a", P("\"pool\":\"p\",\"worker\":1,\"lesson\":false,\"hashes\":[]"),
+         KM_CLUSTER_REFUSED_MALFORMED},
+        {"predict.a", P("\"pool\":\"p\",\"worker\":1,\"lesson\":false,\"hashes\":[1]"),
+         KM_CLUSTER_REFUSED_MALFORMED},
+        {"predict.a", P("\"pool\":\"p\",\"worker\":1,\"lesson\":false,"
+                        "\"hashes\":[\"000000000000000g\"]"),
+         KM_CLUSTER_REFUSED_MALFORMED},
+        {"predict.a", P("\"pool\":\"p\",\"worker\":1,\"lesson\":false,"
+                        "\"hashes\":[\"00000000000000001\"]"),
+         KM_CLUSTER_REFUSED_MALFORMED},
+        {"predict.b", P("\"pool\":\"p\",\"worker\":1,\"lesson\":false," H1),
+         KM_CLUSTER_REFUSED_SUBJECT},
+    };
+#undef P
+#undef H1
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        bool ok = km_cluster_decode(bad[i].subject, bad[i].body, strlen(bad[i].body), WORKERS, &d,
+                                    &r, why, sizeof why);
+        cr_assert(!ok, "case %zu accepted", i);
+        cr_assert_eq(r, bad[i].want, "case %zu: refused as %s (%s), expected %s", i,
+                     km_cluster_refusal_name(r), why, km_cluster_refusal_name(bad[i].want));
+    }
+    /* More hashes than a prediction may carry: refused as too large. */
+    km_text big;
+    km_text_init(&big, 0);
+    km_text_append_cstr(&big, "{\"v\":1,\"kind\":\"predict\",\"instance\":\"a\",\"incarnation\":1,"
+                              "\"seq\":1,\"pool\":\"p\",\"worker\":1,\"lesson\":false,\"hashes\":[");
+    for (uint32_t i = 0; i <= KM_CLUSTER_PREDICTION_MAX_HASHES; i++)
+        km_text_printf(&big, "%s\"%016x\"", i ? "," : "", i);
+    km_text_append_cstr(&big, "]}");
+    cr_assert(!km_cluster_decode("predict.a", big.data, big.length, WORKERS, &d, &r, why,
+                                 sizeof why));
+    cr_assert_eq(r, KM_CLUSTER_REFUSED_TOO_LARGE, "%s", why);
+    km_text_free(&big);
     km_text_free(&t);
 }
 
@@ -464,6 +547,124 @@ Test(cluster, bad_and_foreign_messages_are_refused_counted_and_harmless, .init =
     WAIT_UNTIL(remote(a, 4).in_flight == 7, 2000);
     cr_assert_eq(remote(a, 4).in_flight, 7);
     natsConnection_Destroy(nc);
+    km_cluster_destroy(a);
+}
+
+/* What an on_prediction observer was handed, copied (the test's oracle). */
+typedef struct predictions_seen {
+    pthread_mutex_t lock;
+    uint32_t n;
+    char instance[4][KM_CLUSTER_INSTANCE_MAX + 1];
+    char pool[4][KM_CLUSTER_POOL_MAX + 1];
+    uint32_t worker[4];
+    bool lesson[4];
+    uint32_t n_hashes[4];
+    uint64_t first[4], last[4];
+} predictions_seen;
+
+static void prediction_seen(void *user, const km_cluster_prediction *p)
+{
+    predictions_seen *seen = user;
+    pthread_mutex_lock(&seen->lock);
+    if (seen->n < 4) {
+        uint32_t i = seen->n;
+        snprintf(seen->instance[i], sizeof seen->instance[i], "%s", p->instance);
+        snprintf(seen->pool[i], sizeof seen->pool[i], "%s", p->pool);
+        seen->worker[i] = p->worker;
+        seen->lesson[i] = p->lesson;
+        seen->n_hashes[i] = p->n_hashes;
+        seen->first[i] = p->hashes[0];
+        seen->last[i] = p->hashes[p->n_hashes - 1];
+    }
+    seen->n++;
+    pthread_mutex_unlock(&seen->lock);
+}
+
+static uint32_t predictions_count(predictions_seen *seen)
+{
+    pthread_mutex_lock(&seen->lock);
+    uint32_t n = seen->n;
+    pthread_mutex_unlock(&seen->lock);
+    return n;
+}
+
+Test(cluster, predictions_reach_the_peers_in_order_and_bad_ones_are_refused,
+     .init = start_server, .fini = stop_server, .timeout = 60)
+{
+    static predictions_seen seen = {.lock = PTHREAD_MUTEX_INITIALIZER};
+    km_cluster *a = instance("a", server.url, 10000, 0);
+    km_cluster_config cfg;
+    km_cluster_config_init(&cfg);
+    cfg.url = server.url;
+    cfg.instance = "b";
+    cfg.max_workers = WORKERS;
+    cfg.heartbeat_ms = 50;
+    cfg.expire_ms = 10000;
+    cfg.on_prediction = prediction_seen;
+    cfg.on_prediction_user = &seen;
+    km_cluster *b = NULL;
+    char why[256] = "";
+    cr_assert_eq(km_cluster_create(&cfg, &b, why, sizeof why), KM_OK, "%s", why);
+
+    static uint64_t hashes[KM_CLUSTER_PREDICTION_MAX_HASHES + 10];
+    for (uint32_t i = 0; i < KM_CLUSTER_PREDICTION_MAX_HASHES + 10; i++)
+        hashes[i] = UINT64_C(0xfedcba9876543210) + i;
+    km_active_load l = {1, 0, 0, 0, 0, 0};
+    cr_assert_eq(km_cluster_publish_prediction(a, "main", 3, false, hashes, 5), KM_OK);
+    cr_assert_eq(km_cluster_publish_load(a, 3, &l), KM_OK); /* one sequence over both kinds */
+    cr_assert_eq(km_cluster_publish_prediction(a, "main", 7, true, hashes + 1, 2), KM_OK);
+    /* A longer prompt's prediction carries its leading blocks only. */
+    cr_assert_eq(km_cluster_publish_prediction(a, "other", 0, false, hashes,
+                                               KM_CLUSTER_PREDICTION_MAX_HASHES + 10), KM_OK);
+    cr_assert_eq(km_cluster_publish_prediction(a, "main", WORKERS, false, hashes, 1),
+                 KM_ERR_WORKER_RANGE);
+    cr_assert_eq(km_cluster_publish_prediction(a, "no pool", 0, false, hashes, 1),
+                 KM_ERR_INVALID_ARGUMENT);
+    WAIT_UNTIL(predictions_count(&seen) == 3, 3000);
+    cr_assert_eq(predictions_count(&seen), 3);
+    cr_assert_str_eq(seen.instance[0], "a");
+    cr_assert_str_eq(seen.pool[0], "main");
+    cr_assert_eq(seen.worker[0], 3);
+    cr_assert(!seen.lesson[0]);
+    cr_assert_eq(seen.n_hashes[0], 5);
+    cr_assert_eq(seen.first[0], hashes[0]);
+    cr_assert_eq(seen.last[0], hashes[4]);
+    cr_assert_eq(seen.worker[1], 7);
+    cr_assert(seen.lesson[1]);
+    cr_assert_eq(seen.n_hashes[1], 2);
+    cr_assert_eq(seen.first[1], hashes[1]);
+    cr_assert_str_eq(seen.pool[2], "other");
+    cr_assert_eq(seen.n_hashes[2], KM_CLUSTER_PREDICTION_MAX_HASHES);
+    cr_assert_eq(seen.last[2], hashes[KM_CLUSTER_PREDICTION_MAX_HASHES - 1]);
+    WAIT_UNTIL(remote(b, 3).in_flight == 1, 2000);
+    cr_assert_eq(remote(b, 3).in_flight, 1);
+    cr_assert_eq(stats(b).lost_messages, 0, "predictions and loads share one sequence");
+    cr_assert_eq(stats(a).predictions_sent, 3);
+    cr_assert_eq(stats(b).predictions_received, 3);
+
+    /* Malformed and foreign predictions: refused, counted, never handed over. */
+    natsConnection *nc = raw_connect();
+    raw_publish(nc, "predict.x", "{\"v\":1,\"kind\":\"predict\",\"instance\":\"x\","
+                                 "\"incarnation\":1,\"seq\":1,\"pool\":\"main\",\"worker\":1,"
+                                 "\"lesson\":false,\"hashes\":[\"not a hash\"]}");
+    raw_publish(nc, "predict.y", "{\"v\":1,\"kind\":\"predict\",\"instance\":\"x\","
+                                 "\"incarnation\":1,\"seq\":1,\"pool\":\"main\",\"worker\":1,"
+                                 "\"lesson\":false,\"hashes\":[\"0000000000000001\"]}");
+    raw_publish(nc, "predict.b", "{\"v\":1,\"kind\":\"predict\",\"instance\":\"b\","
+                                 "\"incarnation\":1,\"seq\":1,\"pool\":\"main\",\"worker\":1,"
+                                 "\"lesson\":false,\"hashes\":[\"0000000000000001\"]}");
+    raw_publish(nc, "predict.x", "{\"v\":1,\"kind\":\"predict\",\"instance\":\"x\","
+                                 "\"incarnation\":1,\"seq\":1,\"pool\":\"main\",\"worker\":99,"
+                                 "\"lesson\":false,\"hashes\":[\"0000000000000001\"]}");
+    km_cluster_stats st;
+    WAIT_UNTIL((st = stats(b)).refused[KM_CLUSTER_REFUSED_WORKER] == 1, 2000);
+    cr_assert_eq(st.refused[KM_CLUSTER_REFUSED_MALFORMED], 1);
+    cr_assert_eq(st.refused[KM_CLUSTER_REFUSED_SUBJECT], 1);
+    cr_assert_eq(st.refused[KM_CLUSTER_REFUSED_OWN_ID], 1);
+    cr_assert_eq(st.refused[KM_CLUSTER_REFUSED_WORKER], 1);
+    cr_assert_eq(predictions_count(&seen), 3, "a refused prediction was handed over");
+    natsConnection_Destroy(nc);
+    km_cluster_destroy(b);
     km_cluster_destroy(a);
 }
 

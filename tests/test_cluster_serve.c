@@ -15,6 +15,8 @@
 #include <sys/time.h>
 #include <unistd.h>
 
+#include <nats/nats.h>
+
 #include "kv_test_publisher.h"
 #include "kvmatch/kvmatch.h"
 #include "nats_test_server.h"
@@ -60,7 +62,15 @@ static void quiet_log(void *user, const char *line)
         fprintf(stderr, "serve: %s\n", line);
 }
 
+static void node_start_with(node *n, const char *instance, km_server_worker *workers);
+
 static void node_start(node *n, const char *instance)
+{
+    node_start_with(n, instance, g_workers);
+}
+
+/* Start n with the pool's workers given (two of them: approximate mode, or fed by KV events). */
+static void node_start_with(node *n, const char *instance, km_server_worker *workers)
 {
     strcpy(n->dir, "/tmp/kvmatch-cluster-XXXXXX");
     cr_assert_not_null(mkdtemp(n->dir));
@@ -87,7 +97,7 @@ static void node_start(node *n, const char *instance)
     g_pool.block_size = BS;
     km_policy_config_init(&g_pool.policy);
     g_pool.policy.kind = KM_POLICY_LEAST_LOAD;
-    g_pool.workers = g_workers;
+    g_pool.workers = workers;
     g_pool.n_workers = 2;
     cfg.pools = &g_pool;
     cfg.n_pools = 1;
@@ -117,10 +127,20 @@ static km_client *connect_to(node *n)
     return c;
 }
 
+static const km_route_decision *route_prompt(km_client *c, const char *id, uint32_t first_token,
+                                             km_message *reply);
+
 static const km_route_decision *route(km_client *c, const char *id, km_message *reply)
 {
+    return route_prompt(c, id, 500, reply);
+}
+
+/* Route a prompt of 3 blocks: tokens first_token, first_token + 1, ... */
+static const km_route_decision *route_prompt(km_client *c, const char *id, uint32_t first_token,
+                                             km_message *reply)
+{
     for (uint32_t i = 0; i < 3 * BS; i++)
-        g_tokens[i] = 500 + i;
+        g_tokens[i] = first_token + i;
     km_route_request r;
     memset(&r, 0, sizeof r);
     r.request_id = id;
@@ -334,6 +354,161 @@ Test(cluster_serve, a_new_instance_has_the_running_work_when_it_is_ready, .init 
     json_decref(st);
     km_client_close(cc);
     km_client_close(ca);
+    node_stop(&c);
+    node_stop(&a);
+}
+
+/* ---- approximate-mode predictions shared ------------------------------------------------------ */
+
+static uint32_t depth_of(const km_route_decision *d, uint32_t worker)
+{
+    for (uint32_t i = 0; i < d->n_candidates; i++)
+        if (d->candidates[i].worker == worker)
+            return d->candidates[i].depth;
+    cr_assert_fail("worker %u not among the candidates", worker);
+    return 0;
+}
+
+static json_int_t predictions_int(node *n, const char *key)
+{
+    json_t *st = status_of(n);
+    json_t *p = json_object_get(json_object_get(json_object_get(st, "cluster"), "predictions"), key);
+    cr_assert(json_is_integer(p), "/status cluster.predictions.%s", key);
+    json_int_t v = json_integer_value(p);
+    json_decref(st);
+    return v;
+}
+
+static void wait_predictions(node *n, const char *key, json_int_t want)
+{
+    for (int t = 0; t < 300 && predictions_int(n, key) < want; t++)
+        km_test_sleep_ms(10);
+    json_int_t got = predictions_int(n, key);
+    cr_assert_eq(got, want, "cluster.predictions.%s: %lld, expected %lld", key, (long long)got,
+                 (long long)want);
+}
+
+Test(cluster_serve, approximate_mode_predictions_and_lessons_reach_the_other_instance,
+     .init = start_nats, .fini = stop_nats, .timeout = 60)
+{
+    node a, b;
+    node_start(&a, "a");
+    node_start(&b, "b");
+    km_client *ca = connect_to(&a), *cb = connect_to(&b);
+    km_message reply, reply_b;
+
+    /* a routes a prompt: b's first decision on it sees the prefix predicted on a's choice. */
+    uint32_t w = route_prompt(ca, "a-p", 1000, &reply)->chosen_worker;
+    wait_predictions(&b, "applied", 1);
+    const km_route_decision *d = route_prompt(cb, "b-p", 1000, &reply_b);
+    cr_assert_eq(d->source, KM_PREDICTION_APPROX, "a shared prediction is labelled approx");
+    cr_assert(d->has_owner);
+    cr_assert_eq(d->owner_worker, w);
+    cr_assert_eq(d->owner_depth, 3);
+    cr_assert_eq(depth_of(d, w), 3);
+    cr_assert_eq(depth_of(d, 1 - w), 0, "only a's chosen worker holds the prefix");
+
+    /* a routes another prompt and its router overrides the choice: the lesson moves it on b. A
+     * pool keeps its decisions' hashes for lessons once it has seen an override: one first. */
+    for (int i = 0; i < 2; i++) {
+        const km_route_decision *dq = route_prompt(ca, i ? "a-q" : "a-warm", i ? 2000 : 5000,
+                                                   &reply);
+        uint32_t wq = dq->chosen_worker;
+        km_lifecycle_event ev = {.kind = KM_LIFECYCLE_DISPATCHED, .has_decision_id = true,
+                                 .decision_id = dq->decision_id, .has_worker = true,
+                                 .worker = 1 - wq};
+        km_message ack;
+        cr_assert_eq(km_client_lifecycle(ca, &ev, 1, 5000, &ack), KM_OK);
+        cr_assert_eq(ack.ack.items[0].status, KM_OK);
+        if (i)
+            w = wq;
+    }
+    uint32_t moved = 1 - w;
+    /* a's three decisions and its one lesson (b's decision was applied on a): four on b. */
+    wait_predictions(&b, "applied", 4);
+    d = route_prompt(cb, "b-q", 2000, &reply_b);
+    cr_assert_eq(depth_of(d, moved), 3, "the lesson taught b the worker the router used");
+    cr_assert_eq(depth_of(d, w), 3, "the decision's prediction stays until its TTL, as on a");
+    cr_assert_eq(predictions_int(&b, "received"), 4);
+    cr_assert_eq(predictions_int(&b, "refused"), 0);
+    cr_assert_eq(predictions_int(&a, "sent"), 4);
+    wait_predictions(&a, "applied", 2); /* b's two decisions reached a */
+    cr_assert_eq(cluster_int(&b, "lost_messages"), 0);
+    static char body[1 << 17];
+    cr_assert_eq(http_get(km_server_http_port(b.server), "/metrics", body, sizeof body), 200);
+    cr_assert(strstr(body, "kvmatch_cluster_predictions_total{outcome=\"applied\"} 4"), "%s", body);
+    km_client_close(ca);
+    km_client_close(cb);
+    node_stop(&b);
+    node_stop(&a);
+}
+
+static natsConnection *raw_connect(void)
+{
+    natsConnection *nc = NULL;
+    natsStatus st = natsConnection_ConnectTo(&nc, nats.url);
+    cr_assert_eq(st, NATS_OK, "raw connect: %s", natsStatus_GetText(st));
+    return nc;
+}
+
+static void raw_publish(natsConnection *nc, const char *subject, const char *body)
+{
+    cr_assert_eq(natsConnection_PublishString(nc, subject, body), NATS_OK);
+    cr_assert_eq(natsConnection_FlushTimeout(nc, 2000), NATS_OK);
+}
+
+Test(cluster_serve, predictions_for_event_fed_or_unknown_workers_and_bad_ones_change_nothing,
+     .init = start_nats, .fini = stop_nats, .timeout = 60)
+{
+    /* c's workers are fed by KV events (endpoints nobody publishes on): observations win. */
+    char ep0[64], ep1[64];
+    snprintf(ep0, sizeof ep0, "tcp://127.0.0.1:%u", km_test_free_port());
+    snprintf(ep1, sizeof ep1, "tcp://127.0.0.1:%u", km_test_free_port());
+    static km_server_worker observed[2];
+    observed[0] = (km_server_worker){.id = 0, .event_endpoint = ep0};
+    observed[1] = (km_server_worker){.id = 1, .event_endpoint = ep1};
+    node a, c;
+    node_start(&a, "a");
+    node_start_with(&c, "c", observed);
+    km_client *ca = connect_to(&a), *cc = connect_to(&c);
+    km_message reply;
+    route_prompt(ca, "a-p", 3000, &reply);
+    wait_predictions(&c, "ignored_observed", 1);
+    const km_route_decision *d = route_prompt(cc, "c-p", 3000, &reply);
+    cr_assert_eq(d->source, KM_PREDICTION_EVENTS);
+    cr_assert(!d->has_owner, "a's prediction reached an event-fed worker");
+    cr_assert_eq(predictions_int(&c, "applied"), 0);
+
+    /* A prediction for a pool or a worker this instance does not have: refused, counted, said. */
+    natsConnection *nc = raw_connect();
+    raw_publish(nc, "kvmatch.cluster.predict.x",
+                "{\"v\":1,\"kind\":\"predict\",\"instance\":\"x\",\"incarnation\":1,\"seq\":1,"
+                "\"pool\":\"elsewhere\",\"worker\":1,\"lesson\":false,"
+                "\"hashes\":[\"0000000000000001\"]}");
+    raw_publish(nc, "kvmatch.cluster.predict.x",
+                "{\"v\":1,\"kind\":\"predict\",\"instance\":\"x\",\"incarnation\":1,\"seq\":2,"
+                "\"pool\":\"main\",\"worker\":5,\"lesson\":false,"
+                "\"hashes\":[\"0000000000000001\"]}");
+    raw_publish(nc, "kvmatch.cluster.predict.x", "{\"v\":1,\"kind\":\"predict\"");
+    wait_predictions(&a, "refused", 2);
+    json_t *st = status_of(&a);
+    json_t *cl = json_object_get(st, "cluster");
+    cr_assert(strstr(json_string_value(json_object_get(json_object_get(cl, "predictions"),
+                                                       "last_refusal")), "worker 5"));
+    for (int t = 0; t < 200 && json_integer_value(json_object_get(json_object_get(cl, "refused"),
+                                                                  "malformed")) < 1; t++) {
+        json_decref(st);
+        km_test_sleep_ms(10);
+        st = status_of(&a);
+        cl = json_object_get(st, "cluster");
+    }
+    cr_assert_eq(json_integer_value(json_object_get(json_object_get(cl, "refused"), "malformed")), 1);
+    json_decref(st);
+    d = route_prompt(ca, "a-after", 4000, &reply); /* a keeps serving */
+    cr_assert_eq(d->status, KM_OK);
+    natsConnection_Destroy(nc);
+    km_client_close(ca);
+    km_client_close(cc);
     node_stop(&c);
     node_stop(&a);
 }

@@ -4,8 +4,11 @@
  * km_active_load values its own decisions and lifecycle reports produced) whenever a value
  * changes, and a full state of all of them at every heartbeat; it applies the other instances'
  * messages into one remote load per worker (the sum over the live remote contributions), which a
- * decision adds to its own view. Worker ids are the ones the instances' shared configuration
- * gives; an instance whose configuration differs contributes load to the wrong workers.
+ * decision adds to its own view. It also publishes this instance's approximate-mode predictions
+ * (blocks assumed on a worker without KV events, at a decision or a router override) and hands
+ * the other instances' to the service (on_prediction), which teaches them to its own index. Worker
+ * ids are the ones the instances' shared configuration gives; an instance whose configuration
+ * differs contributes load to the wrong workers.
  *
  * Guarantees (docs/CLUSTER.md says the same with the wire format):
  *  - every message of an instance carries the next sequence number of its incarnation; a gap is
@@ -30,9 +33,9 @@
  * contributions.
  *
  * Lifecycle: km_cluster_config_init -> adjust -> km_cluster_create (connects or starts retrying,
- * syncs, starts the heartbeat) -> km_cluster_publish_load / km_cluster_add_remote_load /
- * km_cluster_get_view / km_cluster_get_stats -> km_cluster_destroy. Every int-returning function
- * returns KM_OK or a negative km_status. */
+ * syncs, starts the heartbeat) -> km_cluster_publish_load / km_cluster_publish_prediction /
+ * km_cluster_add_remote_load / km_cluster_get_view / km_cluster_get_stats -> km_cluster_destroy.
+ * Every int-returning function returns KM_OK or a negative km_status. */
 #ifndef KVMATCH_CLUSTER_H
 #define KVMATCH_CLUSTER_H
 
@@ -56,6 +59,25 @@ typedef struct km_cluster km_cluster;
 #define KM_CLUSTER_MAX_INSTANCES 64u
 /* Largest message accepted or sent, in bytes (NATS's default max_payload is 1 MiB). */
 #define KM_CLUSTER_MESSAGE_MAX (1024u * 1024u)
+/* Most block hashes in one approximate-mode prediction: a longer prompt's prediction carries its
+ * leading blocks (a prefix match needs no more), so a message stays within
+ * KM_CLUSTER_MESSAGE_MAX. */
+#define KM_CLUSTER_PREDICTION_MAX_HASHES 32768u
+/* Longest pool name in a prediction, in bytes. */
+#define KM_CLUSTER_POOL_MAX 64u
+
+/* An approximate-mode prediction of another instance: `hashes` (the chain hashes of a prompt's
+ * leading blocks, in order) are assumed on `worker` of the pool named `pool` from now on, because
+ * that instance routed the prompt there (lesson false) or its router reported it sent the prompt
+ * there instead of the chosen worker (lesson true). */
+typedef struct km_cluster_prediction {
+    const char *instance;
+    const char *pool;
+    uint32_t worker;
+    bool lesson;
+    const uint64_t *hashes;
+    uint32_t n_hashes;
+} km_cluster_prediction;
 
 typedef struct km_cluster_config {
     const char *url;            /* "nats://HOST:PORT" (required) */
@@ -78,6 +100,11 @@ typedef struct km_cluster_config {
     void (*on_applied)(void *user, const char *instance, uint32_t worker,
                        const km_active_load *load);
     void *on_applied_user;
+    /* Called for each accepted remote approximate-mode prediction (in its sender's order), on the
+     * NATS client's delivery thread with the handle's lock held: it must copy what it keeps,
+     * return quickly and never call the handle. NULL = predictions are counted and dropped. */
+    void (*on_prediction)(void *user, const km_cluster_prediction *prediction);
+    void *on_prediction_user;
     km_log_fn log; /* may be NULL */
     void *log_user;
 } km_cluster_config;
@@ -96,6 +123,16 @@ void km_cluster_destroy(km_cluster *cluster); /* NULL is a no-op */
  * last value given (an unchanged value sends nothing). Errors: KM_ERR_NULL_POINTER,
  * KM_ERR_WORKER_RANGE. A NATS failure is not an error (counted in publish_failures). */
 int km_cluster_publish_load(km_cluster *cluster, uint32_t worker, const km_active_load *load);
+
+/* This instance assumed `hashes` (n_hashes chain hashes of a prompt's leading blocks) on
+ * approximate-mode `worker` of `pool`: at a decision (lesson false) or at a router override
+ * (lesson true). Published at once to the peers (only the first KM_CLUSTER_PREDICTION_MAX_HASHES
+ * hashes); nothing is sent while disconnected (counted in skipped_disconnected: predictions are
+ * not repeated by the heartbeat). Errors: KM_ERR_NULL_POINTER, KM_ERR_WORKER_RANGE,
+ * KM_ERR_INVALID_ARGUMENT (a pool name empty or over KM_CLUSTER_POOL_MAX bytes, or not printable
+ * ASCII). A NATS failure is not an error (counted in publish_failures). */
+int km_cluster_publish_prediction(km_cluster *cluster, const char *pool, uint32_t worker,
+                                  bool lesson, const uint64_t *hashes, uint32_t n_hashes);
 
 /* Add the remote contributions' load of `worker` to *load (every field). Errors:
  * KM_ERR_NULL_POINTER, KM_ERR_WORKER_RANGE. */
@@ -149,6 +186,8 @@ typedef struct km_cluster_stats {
     uint32_t stale_instances;    /* of them, stale */
     uint64_t sent;               /* messages published (changes and states) */
     uint64_t applied;            /* remote messages applied */
+    uint64_t predictions_sent;   /* of `sent`, approximate-mode predictions (decisions, lessons) */
+    uint64_t predictions_received; /* of `applied`, remote predictions handed to on_prediction */
     uint64_t lost_messages;      /* sequence numbers never received (gaps), all instances */
     uint64_t expired_instances;  /* contributions dropped for silence */
     uint64_t restarted_instances; /* contributions replaced by a new incarnation of their id */

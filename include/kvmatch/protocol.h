@@ -198,8 +198,8 @@ typedef struct km_route_batch {
     X(KM_PREDICTION_NONE, 0, "none")     /* only in a failed decision */                       \
     X(KM_PREDICTION_EVENTS, 1, "events") /* the index is fed by the workers' KV events         \
                                           * (observations) */                                  \
-    X(KM_PREDICTION_APPROX, 2, "approx") /* the index holds this instance's own decisions      \
-                                          * (predictions) */
+    X(KM_PREDICTION_APPROX, 2, "approx") /* the index holds decisions (predictions): this      \
+                                          * instance's, and its cluster peers' */
 
 typedef enum km_prediction_source {
     KM_PREDICTION_SOURCE_LIST(KM_PROTOCOL_ENUM_ENTRY)

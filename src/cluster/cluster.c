@@ -247,7 +247,8 @@ static void publish_state(km_cluster *c)
     for (uint32_t i = 0; i < KM_CLUSTER_MAX_INSTANCES; i++)
         if (c->peers[i].used)
             memcpy(peers[np++], c->peers[i].id, KM_CLUSTER_INSTANCE_MAX + 1);
-    cluster_message m = {CLUSTER_STATE, {0}, c->incarnation, ++c->seq, w, n, peers, np};
+    cluster_message m = {.kind = CLUSTER_STATE, .incarnation = c->incarnation, .seq = ++c->seq,
+                         .workers = w, .n_workers = n, .peers = peers, .n_peers = np};
     memcpy(m.instance, c->instance, strlen(c->instance) + 1);
     publish(c, &m);
     if (w != rows)
@@ -256,7 +257,7 @@ static void publish_state(km_cluster *c)
 
 static void publish_sync_request(km_cluster *c)
 {
-    cluster_message m = {CLUSTER_SYNC, {0}, c->incarnation, 0, NULL, 0, NULL, 0};
+    cluster_message m = {.kind = CLUSTER_SYNC, .incarnation = c->incarnation};
     memcpy(m.instance, c->instance, strlen(c->instance) + 1);
     publish(c, &m);
 }
@@ -274,7 +275,8 @@ int km_cluster_publish_load(km_cluster *c, uint32_t worker, const km_active_load
             c->st.skipped_disconnected++; /* the state sent on reconnect carries it */
         } else {
             cluster_worker_load row = {worker, *load};
-            cluster_message m = {CLUSTER_CHANGE, {0}, c->incarnation, ++c->seq, &row, 1, NULL, 0};
+            cluster_message m = {.kind = CLUSTER_CHANGE, .incarnation = c->incarnation,
+                                 .seq = ++c->seq, .workers = &row, .n_workers = 1};
             memcpy(m.instance, c->instance, strlen(c->instance) + 1);
             c->changes_made++;
             if (c->cfg.drop_one_in && c->changes_made % c->cfg.drop_one_in == 0)
@@ -282,6 +284,36 @@ int km_cluster_publish_load(km_cluster *c, uint32_t worker, const km_active_load
             else
                 publish(c, &m);
         }
+    }
+    pthread_mutex_unlock(&c->lock);
+    return KM_OK;
+}
+
+int km_cluster_publish_prediction(km_cluster *c, const char *pool, uint32_t worker, bool lesson,
+                                  const uint64_t *hashes, uint32_t n_hashes)
+{
+    if (!c || !pool || (!hashes && n_hashes))
+        return KM_ERR_NULL_POINTER;
+    if (worker >= c->cfg.max_workers)
+        return KM_ERR_WORKER_RANGE;
+    if (!km_cluster_pool_name_valid(pool, strlen(pool)))
+        return KM_ERR_INVALID_ARGUMENT;
+    if (n_hashes == 0)
+        return KM_OK;
+    pthread_mutex_lock(&c->lock);
+    if (!c->connected) {
+        c->st.skipped_disconnected++;
+    } else {
+        cluster_message m = {.kind = CLUSTER_PREDICT, .incarnation = c->incarnation,
+                             .seq = ++c->seq, .worker = worker, .lesson = lesson,
+                             .hashes = (uint64_t *)hashes};
+        m.n_hashes = n_hashes < KM_CLUSTER_PREDICTION_MAX_HASHES ? n_hashes
+                                                                 : KM_CLUSTER_PREDICTION_MAX_HASHES;
+        memcpy(m.instance, c->instance, strlen(c->instance) + 1);
+        memcpy(m.pool, pool, strlen(pool) + 1);
+        uint64_t sent = c->st.sent;
+        publish(c, &m);
+        c->st.predictions_sent += c->st.sent - sent;
     }
     pthread_mutex_unlock(&c->lock);
     return KM_OK;
@@ -316,9 +348,11 @@ static void apply(km_cluster *c, const cluster_message *m, uint64_t now)
 {
     char why[160];
     if (!strcmp(m->instance, c->instance)) {
+        const char *what = m->kind == CLUSTER_SYNC      ? "sync"
+                           : m->kind == CLUSTER_PREDICT ? "prediction"
+                                                        : "load";
         snprintf(why, sizeof why, "a %s message under this instance's own id (incarnation %" PRIu64
-                 ", this one %" PRIu64 ")", m->kind == CLUSTER_SYNC ? "sync" : "load",
-                 m->incarnation, c->incarnation);
+                 ", this one %" PRIu64 ")", what, m->incarnation, c->incarnation);
         refused(c, KM_CLUSTER_REFUSED_OWN_ID, why);
         return;
     }
@@ -402,6 +436,13 @@ static void apply(km_cluster *c, const cluster_message *m, uint64_t now)
             p->stale = true;
     }
     c->st.applied++;
+    if (m->kind == CLUSTER_PREDICT) {
+        c->st.predictions_received++;
+        km_cluster_prediction pr = {m->instance, m->pool, m->worker, m->lesson, m->hashes,
+                                    m->n_hashes};
+        if (c->cfg.on_prediction)
+            c->cfg.on_prediction(c->cfg.on_prediction_user, &pr);
+    }
     for (uint32_t i = 0; c->cfg.on_applied && i < m->n_workers; i++)
         c->cfg.on_applied(c->cfg.on_applied_user, m->instance, m->workers[i].worker,
                           &m->workers[i].load);

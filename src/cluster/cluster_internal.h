@@ -19,6 +19,8 @@ typedef enum cluster_kind {
     CLUSTER_CHANGE, /* some workers' new absolute load, next sequence number */
     CLUSTER_STATE,  /* every worker's load (absent = 0), next sequence number; replaces all */
     CLUSTER_SYNC,   /* a new instance asks every peer for its state now; no sequence number */
+    CLUSTER_PREDICT, /* one approximate-mode prediction (pool, worker, hashes), next sequence
+                      * number; changes no load */
 } cluster_kind;
 
 typedef struct cluster_worker_load {
@@ -35,13 +37,23 @@ typedef struct cluster_message {
     uint32_t n_workers;
     char (*peers)[KM_CLUSTER_INSTANCE_MAX + 1]; /* malloc'd by the decoder; STATE only */
     uint32_t n_peers;
+    /* PREDICT only: */
+    char pool[KM_CLUSTER_POOL_MAX + 1];
+    uint32_t worker;
+    bool lesson;
+    uint64_t *hashes; /* malloc'd by the decoder, n_hashes of them (1..PREDICTION_MAX_HASHES) */
+    uint32_t n_hashes;
 } cluster_message;
+
+/* Is `name` a pool name a prediction may carry (1..KM_CLUSTER_POOL_MAX bytes of
+ * [A-Za-z0-9._-], the service's pool names)? */
+bool km_cluster_pool_name_valid(const char *name, size_t len);
 
 /* Is `id` a valid instance id (1..KM_CLUSTER_INSTANCE_MAX bytes of [A-Za-z0-9_-])? */
 bool km_cluster_id_valid(const char *id, size_t len);
 
 /* The subject a message of `kind` from `instance` goes to: PREFIX.change.ID, PREFIX.state.ID,
- * PREFIX.sync. */
+ * PREFIX.predict.ID, PREFIX.sync. */
 int km_cluster_subject(km_text *out, const char *prefix, cluster_kind kind, const char *instance);
 
 /* Encode m as one JSON object into out (cleared first). KM_ERR_TOO_LARGE past
@@ -49,9 +61,9 @@ int km_cluster_subject(km_text *out, const char *prefix, cluster_kind kind, cons
 int km_cluster_encode(km_text *out, const cluster_message *m);
 
 /* Decode `data` received on `subject` (PREFIX already stripped by the caller: "change.ID",
- * "state.ID" or "sync") into *m; worker ids must be < max_workers. On success the caller frees
- * with km_cluster_message_free. On refusal returns false with *refusal and a sentence in why, and
- * *m holds nothing to free. */
+ * "state.ID", "predict.ID" or "sync") into *m; worker ids must be < max_workers. On success the
+ * caller frees with km_cluster_message_free. On refusal returns false with *refusal and a sentence
+ * in why, and *m holds nothing to free. */
 bool km_cluster_decode(const char *subject, const char *data, size_t len, uint32_t max_workers,
                        cluster_message *m, km_cluster_refusal *refusal, char *why,
                        size_t why_size);

@@ -11,7 +11,7 @@
 #include "base/error_detail.h"
 #include "cluster/cluster_internal.h"
 
-static const char *const KIND_NAMES[] = {"change", "state", "sync"};
+static const char *const KIND_NAMES[] = {"change", "state", "sync", "predict"};
 
 bool km_cluster_id_valid(const char *id, size_t len)
 {
@@ -21,6 +21,19 @@ bool km_cluster_id_valid(const char *id, size_t len)
         char c = id[i];
         if (!((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
               c == '_' || c == '-'))
+            return false;
+    }
+    return true;
+}
+
+bool km_cluster_pool_name_valid(const char *name, size_t len)
+{
+    if (!name || len == 0 || len > KM_CLUSTER_POOL_MAX)
+        return false;
+    for (size_t i = 0; i < len; i++) {
+        char c = name[i];
+        if (!((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+              c == '.' || c == '_' || c == '-'))
             return false;
     }
     return true;
@@ -41,7 +54,18 @@ int km_cluster_encode(km_text *out, const cluster_message *m)
                             "{\"v\":%d,\"kind\":\"%s\",\"instance\":\"%s\",\"incarnation\":%" PRIu64,
                             KM_CLUSTER_PROTOCOL_VERSION, KIND_NAMES[m->kind], m->instance,
                             m->incarnation);
-    if (rc == KM_OK && m->kind != CLUSTER_SYNC) {
+    if (rc == KM_OK && m->kind == CLUSTER_PREDICT) {
+        /* Hashes are 64-bit unsigned: JSON integers past 2^63 do not survive every parser, so
+         * each is 16 lowercase hex digits. */
+        rc = km_text_printf(out,
+                            ",\"seq\":%" PRIu64 ",\"pool\":\"%s\",\"worker\":%" PRIu32
+                            ",\"lesson\":%s,\"hashes\":[",
+                            m->seq, m->pool, m->worker, m->lesson ? "true" : "false");
+        for (uint32_t i = 0; rc == KM_OK && i < m->n_hashes; i++)
+            rc = km_text_printf(out, "%s\"%016" PRIx64 "\"", i ? "," : "", m->hashes[i]);
+        if (rc == KM_OK)
+            rc = km_text_append_cstr(out, "]");
+    } else if (rc == KM_OK && m->kind != CLUSTER_SYNC) {
         rc = km_text_printf(out, ",\"seq\":%" PRIu64 ",\"workers\":[", m->seq);
         for (uint32_t i = 0; rc == KM_OK && i < m->n_workers; i++) {
             const km_active_load *l = &m->workers[i].load;
@@ -75,9 +99,11 @@ void km_cluster_message_free(cluster_message *m)
         return;
     free(m->workers);
     free(m->peers);
+    free(m->hashes);
     m->workers = NULL;
     m->peers = NULL;
-    m->n_workers = m->n_peers = 0;
+    m->hashes = NULL;
+    m->n_workers = m->n_peers = m->n_hashes = 0;
 }
 
 static bool refuse(km_cluster_refusal *refusal, km_cluster_refusal r, char *why, size_t why_size,
@@ -170,6 +196,73 @@ static bool decode_peers(json_t *arr, cluster_message *m, km_cluster_refusal *re
     return true;
 }
 
+/* One 16-hex-digit hash string into *out. */
+static bool hex_hash(json_t *v, uint64_t *out)
+{
+    if (!json_is_string(v) || json_string_length(v) != 16)
+        return false;
+    const char *p = json_string_value(v);
+    uint64_t h = 0;
+    for (int i = 0; i < 16; i++) {
+        char c = p[i];
+        unsigned d;
+        if (c >= '0' && c <= '9')
+            d = (unsigned)(c - '0');
+        else if (c >= 'a' && c <= 'f')
+            d = (unsigned)(c - 'a' + 10);
+        else if (c >= 'A' && c <= 'F')
+            d = (unsigned)(c - 'A' + 10);
+        else
+            return false;
+        h = h << 4 | d;
+    }
+    *out = h;
+    return true;
+}
+
+static bool decode_prediction(json_t *root, uint32_t max_workers, cluster_message *m,
+                              km_cluster_refusal *refusal, char *why, size_t why_size)
+{
+    json_t *pool = json_object_get(root, "pool");
+    if (!json_is_string(pool) ||
+        !km_cluster_pool_name_valid(json_string_value(pool), json_string_length(pool)))
+        return refuse(refusal, KM_CLUSTER_REFUSED_MALFORMED, why, why_size,
+                      "\"pool\" is missing or not a pool name (1 to %u of A-Z a-z 0-9 . _ -)",
+                      KM_CLUSTER_POOL_MAX);
+    memcpy(m->pool, json_string_value(pool), json_string_length(pool) + 1);
+    uint64_t worker;
+    if (!member_u64(root, "worker", &worker))
+        return refuse(refusal, KM_CLUSTER_REFUSED_MALFORMED, why, why_size,
+                      "\"worker\" is missing or not a non-negative integer");
+    if (worker >= max_workers)
+        return refuse(refusal, KM_CLUSTER_REFUSED_WORKER, why, why_size,
+                      "worker %" PRIu64 " is out of range (max_workers %u)", worker, max_workers);
+    m->worker = (uint32_t)worker;
+    json_t *lesson = json_object_get(root, "lesson");
+    if (!json_is_boolean(lesson))
+        return refuse(refusal, KM_CLUSTER_REFUSED_MALFORMED, why, why_size,
+                      "\"lesson\" is missing or not a boolean");
+    m->lesson = json_is_true(lesson);
+    json_t *arr = json_object_get(root, "hashes");
+    if (!json_is_array(arr) || json_array_size(arr) == 0)
+        return refuse(refusal, KM_CLUSTER_REFUSED_MALFORMED, why, why_size,
+                      "\"hashes\" is missing, empty or not an array");
+    size_t n = json_array_size(arr);
+    if (n > KM_CLUSTER_PREDICTION_MAX_HASHES)
+        return refuse(refusal, KM_CLUSTER_REFUSED_TOO_LARGE, why, why_size,
+                      "%zu hashes, at most %u", n, KM_CLUSTER_PREDICTION_MAX_HASHES);
+    m->hashes = malloc(n * sizeof *m->hashes);
+    if (!m->hashes)
+        return refuse(refusal, KM_CLUSTER_REFUSED_TOO_LARGE, why, why_size, "out of memory");
+    for (size_t i = 0; i < n; i++) {
+        if (!hex_hash(json_array_get(arr, i), &m->hashes[i]))
+            return refuse(refusal, KM_CLUSTER_REFUSED_MALFORMED, why, why_size,
+                          "hashes[%zu] is not 16 hex digits", i);
+        m->n_hashes = (uint32_t)i + 1;
+    }
+    return true;
+}
+
 static bool decode_object(json_t *root, const char *subject, uint32_t max_workers,
                           cluster_message *m, km_cluster_refusal *refusal, char *why,
                           size_t why_size)
@@ -193,6 +286,8 @@ static bool decode_object(json_t *root, const char *subject, uint32_t max_worker
         m->kind = CLUSTER_STATE;
     else if (!strcmp(kind, "sync"))
         m->kind = CLUSTER_SYNC;
+    else if (!strcmp(kind, "predict"))
+        m->kind = CLUSTER_PREDICT;
     else
         return refuse(refusal, KM_CLUSTER_REFUSED_MALFORMED, why, why_size,
                       "unknown kind \"%.40s\"", kind);
@@ -218,6 +313,8 @@ static bool decode_object(json_t *root, const char *subject, uint32_t max_worker
     if (!member_u64(root, "seq", &m->seq) || m->seq == 0)
         return refuse(refusal, KM_CLUSTER_REFUSED_MALFORMED, why, why_size,
                       "\"seq\" is missing or not a positive integer");
+    if (m->kind == CLUSTER_PREDICT)
+        return decode_prediction(root, max_workers, m, refusal, why, why_size);
     if (!decode_workers(json_object_get(root, "workers"), max_workers, m, refusal, why, why_size))
         return false;
     if (m->kind == CLUSTER_STATE &&

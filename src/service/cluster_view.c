@@ -1,9 +1,12 @@
 /* The service's side of the cluster view (docs/CLUSTER.md): the km_cluster handle made from the
  * configuration, this instance's per-worker load published after every change of active work,
- * the other instances' load added to each candidate's, and the label every decision carries.
+ * the other instances' load added to each candidate's, and the label every decision carries;
+ * approximate-mode predictions published, and the others' queued for the scheduler role.
  * Without a cluster configured each function is a no-op and decisions say "this_instance". */
 #include <math.h>
+#include <pthread.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include <jansson.h>
@@ -12,6 +15,98 @@
 #include "kvmatch/log.h"
 #include "kvmatch/metrics.h"
 #include "service/server_internal.h"
+
+/* The most bytes of remote predictions queued for the scheduler at once; past it a prediction is
+ * dropped and counted (the peers' next decisions teach again). */
+#define PREDICTIONS_MAX_BYTES (UINT64_C(64) << 20)
+
+/* km_cluster's on_prediction: copy the prediction for the scheduler role (NATS delivery thread,
+ * the cluster handle's lock held; predictions_lock is a leaf). */
+static void prediction_received(void *user, const km_cluster_prediction *pr)
+{
+    km_server *s = user;
+    uint64_t bytes = sizeof(remote_prediction) + (uint64_t)pr->n_hashes * sizeof(uint64_t);
+    pthread_mutex_lock(&s->predictions_lock);
+    remote_prediction *r = s->predictions_bytes + bytes <= PREDICTIONS_MAX_BYTES ? malloc(bytes)
+                                                                                 : NULL;
+    if (!r) {
+        s->predictions_dropped++;
+        pthread_mutex_unlock(&s->predictions_lock);
+        return;
+    }
+    r->next = NULL;
+    snprintf(r->instance, sizeof r->instance, "%s", pr->instance);
+    snprintf(r->pool, sizeof r->pool, "%s", pr->pool);
+    r->worker = pr->worker;
+    r->lesson = pr->lesson;
+    r->n_hashes = pr->n_hashes;
+    memcpy(r->hashes, pr->hashes, (size_t)pr->n_hashes * sizeof *r->hashes);
+    if (s->predictions_tail)
+        s->predictions_tail->next = r;
+    else
+        s->predictions_head = r;
+    s->predictions_tail = r;
+    s->predictions_bytes += bytes;
+    atomic_store(&s->predictions_queued, true);
+    pthread_mutex_unlock(&s->predictions_lock);
+}
+
+void km_srv_cluster_publish_prediction(km_server *s, const pool *p, uint32_t worker, bool lesson,
+                                       const uint64_t *hashes, uint32_t n_hashes)
+{
+    if (s->cluster && n_hashes)
+        km_cluster_publish_prediction(s->cluster, p->name, worker, lesson, hashes, n_hashes);
+}
+
+remote_prediction *km_srv_cluster_take_predictions(km_server *s)
+{
+    if (!atomic_load(&s->predictions_queued))
+        return NULL;
+    pthread_mutex_lock(&s->predictions_lock);
+    remote_prediction *head = s->predictions_head;
+    s->predictions_head = s->predictions_tail = NULL;
+    s->predictions_bytes = 0;
+    atomic_store(&s->predictions_queued, false);
+    pthread_mutex_unlock(&s->predictions_lock);
+    return head;
+}
+
+void km_srv_cluster_prediction_outcome(km_server *s, const remote_prediction *r,
+                                       srv_prediction_outcome outcome)
+{
+    bool log_it = false;
+    char line[sizeof s->predictions_last_refusal];
+    pthread_mutex_lock(&s->predictions_lock);
+    switch (outcome) {
+    case SRV_PREDICTION_APPLIED: s->predictions_applied++; break;
+    case SRV_PREDICTION_OBSERVED: s->predictions_observed++; break;
+    case SRV_PREDICTION_REFUSED:
+        s->predictions_refused++;
+        snprintf(line, sizeof line, "instance %s: pool %s has no worker %u here", r->instance,
+                 r->pool, r->worker);
+        /* Logged when the reason changes: one misconfigured peer does not flood the log. */
+        log_it = strcmp(line, s->predictions_last_refusal) != 0;
+        memcpy(s->predictions_last_refusal, line, sizeof line);
+        break;
+    }
+    pthread_mutex_unlock(&s->predictions_lock);
+    if (log_it)
+        km_srv_log(s, KM_LOG_WARNING
+                   "cluster: refused a prediction (%s): the instances' pools or workers differ",
+                   line);
+}
+
+void km_srv_cluster_predictions_free(km_server *s)
+{
+    remote_prediction *r = s->predictions_head;
+    while (r) {
+        remote_prediction *next = r->next;
+        free(r);
+        r = next;
+    }
+    s->predictions_head = s->predictions_tail = NULL;
+    s->predictions_bytes = 0;
+}
 
 int km_srv_cluster_start(km_server *s, char *why, size_t why_size)
 {
@@ -37,6 +132,8 @@ int km_srv_cluster_start(km_server *s, char *why, size_t why_size)
         cc.expire_ms = 5 * cc.heartbeat_ms;
     if (cfg->cluster_sync_timeout_ms)
         cc.sync_timeout_ms = cfg->cluster_sync_timeout_ms;
+    cc.on_prediction = prediction_received;
+    cc.on_prediction_user = s;
     cc.log = s->log;
     cc.log_user = s->log_user;
     char detail[256] = "";
@@ -139,6 +236,18 @@ json_t *km_srv_cluster_status(km_server *s)
                             json_integer((json_int_t)st.refused[r]));
     json_object_set_new(o, "refused", refused);
     json_object_set_new(o, "last_refusal", json_string(st.last_refusal));
+    json_t *pred = json_object();
+    pthread_mutex_lock(&s->predictions_lock);
+    json_object_set_new(pred, "sent", json_integer((json_int_t)st.predictions_sent));
+    json_object_set_new(pred, "received", json_integer((json_int_t)st.predictions_received));
+    json_object_set_new(pred, "applied", json_integer((json_int_t)s->predictions_applied));
+    json_object_set_new(pred, "ignored_observed",
+                        json_integer((json_int_t)s->predictions_observed));
+    json_object_set_new(pred, "refused", json_integer((json_int_t)s->predictions_refused));
+    json_object_set_new(pred, "dropped", json_integer((json_int_t)s->predictions_dropped));
+    json_object_set_new(pred, "last_refusal", json_string(s->predictions_last_refusal));
+    pthread_mutex_unlock(&s->predictions_lock);
+    json_object_set_new(o, "predictions", pred);
     return o;
 }
 
@@ -186,6 +295,27 @@ void km_srv_cluster_metrics(km_server *s, km_text *out)
     for (size_t i = 0; i < sizeof fam / sizeof fam[0]; i++) {
         km_prom_write_family(out, fam[i].name, fam[i].help, fam[i].type);
         km_prom_write_sample(out, fam[i].name, NULL, 0, values[i]);
+    }
+    static const char predictions[] = "kvmatch_cluster_predictions_total";
+    km_prom_write_family(out, predictions,
+                         "Approximate-mode predictions shared between instances, by outcome "
+                         "(sent by this one; received, applied, ignored for KV events, refused "
+                         "for an unknown pool or worker, dropped when too many were queued).",
+                         KM_METRIC_COUNTER);
+    pthread_mutex_lock(&s->predictions_lock);
+    const struct {
+        const char *outcome;
+        uint64_t n;
+    } pred[] = {{"sent", st.predictions_sent},
+                {"received", st.predictions_received},
+                {"applied", s->predictions_applied},
+                {"ignored_observed", s->predictions_observed},
+                {"refused", s->predictions_refused},
+                {"dropped", s->predictions_dropped}};
+    pthread_mutex_unlock(&s->predictions_lock);
+    for (size_t i = 0; i < sizeof pred / sizeof pred[0]; i++) {
+        km_metric_label l = {"outcome", pred[i].outcome};
+        km_prom_write_sample_u64(out, predictions, &l, 1, pred[i].n);
     }
     static const char refused[] = "kvmatch_cluster_refused_messages_total";
     km_prom_write_family(out, refused, "Messages on the cluster subjects refused, by reason.",

@@ -535,12 +535,15 @@ static void record_decision(km_server *s, const route_job *r, const pool *p, bat
 
 /* Approximate mode: the chosen worker, when its index is not fed by its own events, is assumed to
  * hold the request's blocks from now on. The updates collect in b->updates; the batch applies them
- * to the pools' indexes after its last decision (scheduler.c). */
+ * to the pools' indexes after its last decision (scheduler.c). The other instances of a cluster
+ * are told the same prediction. */
 static void approx_learn(km_server *s, const route_job *r, pool *p, batch_scratch *b,
                          const route_choice *c)
 {
-    if (!s->workers[c->chosen].events && r->n_hashes)
+    if (!s->workers[c->chosen].events && r->n_hashes) {
         km_approx_record(p->approx, c->chosen, r->hashes, r->n_hashes, c->now, &b->updates);
+        km_srv_cluster_publish_prediction(s, p, c->chosen, false, r->hashes, r->n_hashes);
+    }
 }
 
 /* Decide one route whose scoring result is rr (admin_lock and active_lock held). Fills the reply

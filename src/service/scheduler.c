@@ -270,6 +270,8 @@ static void apply_lessons(km_server *s, batch_scratch *b, uint64_t now)
                 rc = approx_apply(s, p, b, b->updates.updates, b->updates.n_updates);
             km_approx_updates_clear(&b->updates);
             if (rc == KM_OK)
+                km_srv_cluster_publish_prediction(s, p, l->worker, true, l->hashes, l->n_hashes);
+            if (rc == KM_OK)
                 atomic_fetch_add(&s->st.dispatch_learned, 1);
             else
                 atomic_fetch_add(&s->st.dispatch_unlearned, 1);
@@ -281,6 +283,36 @@ static void apply_lessons(km_server *s, batch_scratch *b, uint64_t now)
     pthread_mutex_lock(&s->active_lock);
     s->attempt_cache.hash_bytes -= released_bytes;
     pthread_mutex_unlock(&s->active_lock);
+}
+
+/* Other instances' approximate-mode predictions (cluster_view.c), in the order received: each
+ * teaches its worker as this instance's own decision would, when the pool and worker exist here
+ * and the worker is in approximate mode (a worker fed by KV events ignores them: observations
+ * win). Scheduler role and admin_lock held. */
+static void apply_remote_predictions(km_server *s, batch_scratch *b, uint64_t now)
+{
+    remote_prediction *r = km_srv_cluster_take_predictions(s);
+    while (r) {
+        remote_prediction *next = r->next;
+        int at = km_srv_pool_find(s, r->pool);
+        worker_slot *w = r->worker < s->cfg.max_workers ? &s->workers[r->worker] : NULL;
+        if (at < 0 || !w || !w->used || w->pool != (uint32_t)at) {
+            km_srv_cluster_prediction_outcome(s, r, SRV_PREDICTION_REFUSED);
+        } else if (w->events) {
+            km_srv_cluster_prediction_outcome(s, r, SRV_PREDICTION_OBSERVED);
+        } else {
+            pool *p = s->pools[at];
+            km_approx_updates_clear(&b->updates);
+            int rc = km_approx_record(p->approx, r->worker, r->hashes, r->n_hashes, now,
+                                      &b->updates);
+            if (rc == KM_OK && b->updates.n_updates)
+                rc = approx_apply(s, p, b, b->updates.updates, b->updates.n_updates);
+            km_approx_updates_clear(&b->updates);
+            km_srv_cluster_prediction_outcome(s, r, SRV_PREDICTION_APPLIED);
+        }
+        free(r);
+        r = next;
+    }
 }
 
 /* A pool's event flush failed: one log line per FLUSH_LOG_INTERVAL_NS at most, saying how many
@@ -337,6 +369,7 @@ static void housekeeping(km_server *s, batch_scratch *b, uint32_t expire_limit)
         }
     }
     apply_lessons(s, b, now);
+    apply_remote_predictions(s, b, now);
     pthread_mutex_unlock(&s->admin_lock);
 }
 

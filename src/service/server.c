@@ -191,6 +191,7 @@ void km_server_destroy(km_server *s)
     }
     km_u64map_free(&s->attempts_by_decision);
     km_cluster_destroy(s->cluster);
+    km_srv_cluster_predictions_free(s); /* after the handle: no delivery queues one now */
     km_engine_metrics_destroy(s->engine_metrics);
     km_active_destroy(s->active);
     km_srv_scratch_free(&s->scratch);
@@ -206,6 +207,7 @@ void km_server_destroy(km_server *s)
     pthread_mutex_destroy(&s->done_lock);
     pthread_mutex_destroy(&s->admin_lock);
     pthread_mutex_destroy(&s->active_lock);
+    pthread_mutex_destroy(&s->predictions_lock);
     free(s->socket_path);
     free(s->tcp);
     free(s->http_addr);
@@ -270,6 +272,7 @@ int km_server_create(const km_server_config *cfg_in, km_server **out, char *why,
     pthread_mutex_init(&s->done_lock, NULL);
     pthread_mutex_init(&s->admin_lock, NULL);
     pthread_mutex_init(&s->active_lock, NULL);
+    pthread_mutex_init(&s->predictions_lock, NULL);
     km_u64map_init(&s->attempts_by_decision, &s->attempts_memory);
     uv_loop_init(&s->loop);
     int rc = KM_OK;

@@ -199,6 +199,19 @@ typedef struct dispatch_lesson {
     uint64_t hashes[];
 } dispatch_lesson;
 
+/* Another instance's approximate-mode prediction (km_cluster_prediction), copied on the NATS
+ * delivery thread and applied by the scheduler role at its next housekeeping
+ * (km_srv_cluster_take_predictions); it counts against the queue's byte bound until then. */
+typedef struct remote_prediction {
+    struct remote_prediction *next;
+    char instance[KM_CLUSTER_INSTANCE_MAX + 1];
+    char pool[KM_CLUSTER_POOL_MAX + 1];
+    uint32_t worker;
+    bool lesson;
+    uint32_t n_hashes;
+    uint64_t hashes[];
+} remote_prediction;
+
 typedef struct worker_slot {
     bool used;
     uint32_t pool;
@@ -377,6 +390,15 @@ struct km_server {
     bool expiry_timer_inited;
 
     km_cluster *cluster; /* NULL without cluster_url (cluster_view.c; thread-safe) */
+    /* Remote approximate-mode predictions for the next housekeeping, oldest first, and what they
+     * came to (cluster_view.c). predictions_lock is a leaf: held only to queue, take or read. */
+    pthread_mutex_t predictions_lock;
+    remote_prediction *predictions_head, *predictions_tail;
+    uint64_t predictions_bytes;
+    atomic_bool predictions_queued; /* predictions_head is not NULL */
+    uint64_t predictions_applied, predictions_observed, predictions_refused,
+        predictions_dropped;              /* predictions_lock */
+    char predictions_last_refusal[192]; /* predictions_lock; "" when none */
     km_engine_metrics *engine_metrics; /* made for the first worker with a metrics URL
                                         * (cluster_view.c; thread-safe) */
     km_record_writer *records;
@@ -553,6 +575,21 @@ void km_srv_cluster_label(km_server *s, uint64_t now, srv_load_view *v);
  * kvmatch_cluster_* metrics (nothing without one). */
 struct json_t;
 struct json_t *km_srv_cluster_status(km_server *s);
+/* Approximate-mode predictions shared with the other instances (docs/CLUSTER.md): this
+ * instance's, published when a decision or a router override teaches an approximate-mode worker
+ * of pool p; the others', taken (oldest first, the caller frees each) by the scheduler role, which
+ * applies each and says what came of it with km_srv_cluster_prediction_outcome. */
+void km_srv_cluster_publish_prediction(km_server *s, const struct pool *p, uint32_t worker,
+                                       bool lesson, const uint64_t *hashes, uint32_t n_hashes);
+remote_prediction *km_srv_cluster_take_predictions(km_server *s);
+typedef enum srv_prediction_outcome {
+    SRV_PREDICTION_APPLIED,  /* taught to the worker as a prediction, like a local decision */
+    SRV_PREDICTION_OBSERVED, /* the worker is fed by KV events here: observations win, ignored */
+    SRV_PREDICTION_REFUSED,  /* no such pool here, or the worker is not one of it */
+} srv_prediction_outcome;
+void km_srv_cluster_prediction_outcome(km_server *s, const remote_prediction *r,
+                                       srv_prediction_outcome outcome);
+void km_srv_cluster_predictions_free(km_server *s);
 void km_srv_cluster_metrics(km_server *s, km_text *out);
 /* Engine-reported load (cluster_view.c): scrape `url` for worker `id` from now on (NULL: stop),
  * the scraper made on first use (a failure is logged: the worker is served without it). A
