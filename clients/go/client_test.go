@@ -285,6 +285,9 @@ func TestRouteAndLifecycle(t *testing.T) {
 		d.LoadValue == nil || d.OwnerWorker != nil {
 		t.Fatalf("decision %+v", d)
 	}
+	if d.LoadInstances != 0 || d.LoadOldestAgeMs != nil || d.LoadStaleInstances != "" {
+		t.Fatalf("this instance's own view carries no cluster fields: %+v", d)
+	}
 	for _, ev := range []LifecycleEvent{
 		{Event: EventDispatched, DecisionID: d.DecisionID, Worker: u32(d.ChosenWorker), ElapsedMs: f64(1)},
 		{Event: EventFirstToken, DecisionID: d.DecisionID, ElapsedMs: f64(20)},
@@ -881,5 +884,72 @@ func TestCloseWhileRouting(t *testing.T) {
 	close(errs)
 	for err := range errs {
 		t.Fatalf("a call ended with %v, not ErrClosed", err)
+	}
+}
+
+func natsServerBinary() string {
+	if p, err := exec.LookPath("nats-server"); err == nil {
+		return p
+	}
+	for _, p := range []string{"/usr/sbin/nats-server", "/usr/bin/nats-server"} {
+		if st, err := os.Stat(p); err == nil && st.Mode()&0o111 != 0 {
+			return p
+		}
+	}
+	return ""
+}
+
+// startNats starts nats-server on a free loopback port and returns its URL once it accepts.
+func startNats(t *testing.T) string {
+	bin := natsServerBinary()
+	if bin == "" {
+		t.Skip("nats-server is not installed (Debian's nats-server)")
+	}
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	port := l.Addr().(*net.TCPAddr).Port
+	l.Close()
+	cmd := exec.Command(bin, "-a", "127.0.0.1", "-p", strconv.Itoa(port))
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { cmd.Process.Kill(); cmd.Wait() })
+	address := fmt.Sprintf("127.0.0.1:%d", port)
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		c, err := net.DialTimeout("tcp", address, time.Second)
+		if err == nil {
+			c.Close()
+			return "nats://" + address
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("nats-server did not accept on %s", address)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// Two instances sharing a real nats-server: a decision on the second says its view is the
+// cluster's, with the first instance's contribution applied, fresh and not stale.
+func TestDecisionLoadViewOfACluster(t *testing.T) {
+	url := startNats(t)
+	startServerWith(t, map[string]interface{}{
+		"cluster": map[string]string{"url": url, "instance": "client-a"}})
+	b := startServerWith(t, map[string]interface{}{
+		"cluster": map[string]string{"url": url, "instance": "client-b"}})
+	ctx := testContext(t)
+	c := dialT(t, ctx, b.address)
+	ds, err := c.Route(ctx, RouteRequest{RequestID: "cluster-1", Tokens: prompt(64, 3)})
+	if err != nil || len(ds) != 1 || ds[0].Err() != nil {
+		t.Fatalf("route: %v %+v", err, ds)
+	}
+	d := ds[0]
+	if d.LoadScope != "cluster" || d.LoadInstances != 1 || d.LoadStaleInstances != "" {
+		t.Fatalf("the other instance's work is applied, none stale: %+v", d)
+	}
+	if d.LoadOldestAgeMs == nil || *d.LoadOldestAgeMs < 0 || *d.LoadOldestAgeMs >= 1000 {
+		t.Fatalf("load_oldest_age_ms within the 1000 ms expiry: %v", d.LoadOldestAgeMs)
 	}
 }

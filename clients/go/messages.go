@@ -138,27 +138,33 @@ type Candidate struct {
 
 // Decision answers one route. Status OK: decided; else Message says why and only the ids are set.
 type Decision struct {
-	Status       Code        `msgpack:"status"`
-	Message      string      `msgpack:"message"`
-	RequestID    string      `msgpack:"request_id"`
-	AttemptID    string      `msgpack:"attempt_id"`
-	DecisionID   uint64      `msgpack:"decision_id"`
-	Pool         string      `msgpack:"pool"`
-	ChosenWorker uint32      `msgpack:"chosen_worker"`
-	ChosenDepth  uint32      `msgpack:"chosen_depth"`
-	ChosenState  string      `msgpack:"chosen_state"`
-	OwnerWorker  *uint32     `msgpack:"owner_worker"` // nil: no worker holds block 0
-	OwnerDepth   uint32      `msgpack:"owner_depth"`
-	OwnerState   string      `msgpack:"owner_state"`
-	NBlocks      uint32      `msgpack:"n_blocks"`
-	BlockSize    uint32      `msgpack:"block_size"`
-	Source       string      `msgpack:"source"`
-	Policy       string      `msgpack:"policy"`
-	Reason       string      `msgpack:"reason"`
-	LoadKind     string      `msgpack:"load_kind"`
-	LoadScope    string      `msgpack:"load_scope"`
-	LoadValue    *float64    `msgpack:"load_value"` // nil: the policy weighed no load
-	Candidates   []Candidate `msgpack:"candidates"`
+	Status       Code     `msgpack:"status"`
+	Message      string   `msgpack:"message"`
+	RequestID    string   `msgpack:"request_id"`
+	AttemptID    string   `msgpack:"attempt_id"`
+	DecisionID   uint64   `msgpack:"decision_id"`
+	Pool         string   `msgpack:"pool"`
+	ChosenWorker uint32   `msgpack:"chosen_worker"`
+	ChosenDepth  uint32   `msgpack:"chosen_depth"`
+	ChosenState  string   `msgpack:"chosen_state"`
+	OwnerWorker  *uint32  `msgpack:"owner_worker"` // nil: no worker holds block 0
+	OwnerDepth   uint32   `msgpack:"owner_depth"`
+	OwnerState   string   `msgpack:"owner_state"`
+	NBlocks      uint32   `msgpack:"n_blocks"`
+	BlockSize    uint32   `msgpack:"block_size"`
+	Source       string   `msgpack:"source"`
+	Policy       string   `msgpack:"policy"`
+	Reason       string   `msgpack:"reason"`
+	LoadKind     string   `msgpack:"load_kind"`
+	LoadScope    string   `msgpack:"load_scope"`
+	LoadValue    *float64 `msgpack:"load_value"` // nil: the policy weighed no load
+	// With every LoadScope but "this_instance" (PROTOCOL.md, CLUSTER.md): the other instances
+	// whose load was added, since the oldest contribution used (nil: none, or this_instance), and
+	// the stale instances' ids, comma-separated ("" when none).
+	LoadInstances      uint32      `msgpack:"load_instances"`
+	LoadOldestAgeMs    *float64    `msgpack:"load_oldest_age_ms"`
+	LoadStaleInstances string      `msgpack:"load_stale_instances"`
+	Candidates         []Candidate `msgpack:"candidates"`
 }
 
 // Err is nil for a decided route, else its failure as an *Error.

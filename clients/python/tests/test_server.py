@@ -17,6 +17,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -144,6 +145,8 @@ def test_route_and_lifecycle(server):
         expect(d["n_blocks"] == len(tokens) // 16 and d["block_size"] == 16, "n_blocks %r" % d)
         expect(d["source"] == "approx" and d["policy"] == "kv", "source / policy %r" % d)
         expect(d["load_scope"] == "this_instance", "load_scope %r" % d)
+        expect(not {"load_instances", "load_oldest_age_ms", "load_stale_instances"} & set(d),
+               "this instance's own view carries no cluster fields: %r" % d)
         expect(len(d["candidates"]) == WORKERS and all(len(row) >= 11 for row in d["candidates"]),
                "one candidate row of 11 values per worker")
         did = d["decision_id"]
@@ -450,6 +453,67 @@ def test_shutting_down_while_routes_are_in_flight(server):
         own.kill()
 
 
+class SkipTest(Exception):
+    """A test whose prerequisite is absent: reported as skipped, with the reason."""
+
+
+def nats_server_binary():
+    return shutil.which("nats-server") or next(
+        (p for p in ("/usr/sbin/nats-server", "/usr/bin/nats-server") if os.access(p, os.X_OK)),
+        None)
+
+
+def free_port():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_decision_load_view_of_a_cluster(server):
+    """Two instances sharing a real nats-server: a decision on the second says its view is the
+    cluster's, with the first instance's contribution applied, fresh and not stale."""
+    binary = nats_server_binary()
+    if binary is None:
+        raise SkipTest("nats-server is not installed (Debian's nats-server)")
+    directory = tempfile.mkdtemp(prefix="kvmatch-pycluster-")
+    port = free_port()
+    nats = subprocess.Popen([binary, "-a", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    instances = []
+    try:
+        deadline = time.monotonic() + 5
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline or nats.poll() is not None:
+                    raise AssertionError("nats-server did not accept on port %d" % port)
+                time.sleep(0.02)
+        for name in ("a", "b"):
+            own_dir = os.path.join(directory, name)
+            os.mkdir(own_dir)
+            own = Server(own_dir, {"cluster": {"url": "nats://127.0.0.1:%d" % port,
+                                               "instance": "client-" + name}})
+            instances.append(own)
+            own.start()  # ready once it took the peers' state
+        with kc.Client.connect(instances[1].address) as c:
+            d = c.route([{"request_id": "cluster-1", "tokens": prompt(64, 3)}])["decisions"][0]
+        expect(d["status"] == 0, "decided: %r" % d)
+        expect(d["load_scope"] == "cluster", "load_scope %r" % d)
+        expect(d["load_instances"] == 1, "the other instance's work is applied: %r" % d)
+        age = d["load_oldest_age_ms"]
+        expect(isinstance(age, float) and 0.0 <= age < 1000.0,
+               "load_oldest_age_ms within the 1000 ms expiry: %r" % d)
+        expect(d["load_stale_instances"] == "", "no stale instance: %r" % d)
+    finally:
+        for own in instances:
+            own.kill()
+        nats.kill()
+        nats.wait()
+        shutil.rmtree(directory, ignore_errors=True)
+
+
 def main():
     signal.alarm(170)
     directory = tempfile.mkdtemp(prefix="kvmatch-pyclient-")
@@ -457,14 +521,18 @@ def main():
     tests = [test_error_names_match_the_header, test_route_and_lifecycle, test_route_errors,
              test_admin, test_remove_pools, test_pipelined, test_example,
              test_overloaded_by_the_connection_budget, test_oversize_frame_is_refused,
-             test_shutting_down_while_routes_are_in_flight, test_server_goes_away_then_reconnect]
-    failed = 0
+             test_shutting_down_while_routes_are_in_flight, test_server_goes_away_then_reconnect,
+             test_decision_load_view_of_a_cluster]
+    failed = skipped = 0
     try:
         server.start()
         for t in tests:
             try:
                 t(server)
                 print("ok   %s" % t.__name__)
+            except SkipTest as e:
+                skipped += 1
+                print("skip %s: %s" % (t.__name__, e))
             except Exception as e:  # report every test, then fail
                 failed += 1
                 print("FAIL %s: %s: %s" % (t.__name__, type(e).__name__, e))
@@ -474,7 +542,8 @@ def main():
         if failed and os.path.exists(log):
             sys.stdout.write(open(log).read()[-2000:])
         shutil.rmtree(directory, ignore_errors=True)
-    print("test_server: %d of %d tests passed" % (len(tests) - failed, len(tests)))
+    print("test_server: %d of %d tests passed, %d skipped"
+          % (len(tests) - failed - skipped, len(tests), skipped))
     return 1 if failed else 0
 
 

@@ -201,6 +201,13 @@ pub struct Decision {
     pub load_scope: Option<String>,
     /// None: the policy weighed no load.
     pub load_value: Option<f64>,
+    /// With every `load_scope` but "this_instance" (PROTOCOL.md, CLUSTER.md): the other
+    /// instances whose load was added; None with "this_instance".
+    pub load_instances: Option<u32>,
+    /// Since the oldest contribution used, in ms; None with "this_instance" or when none was used.
+    pub load_oldest_age_ms: Option<f64>,
+    /// The stale instances' ids, comma-separated ("" when none); None with "this_instance".
+    pub load_stale_instances: Option<String>,
     pub candidates: Vec<Candidate>,
 }
 
@@ -517,6 +524,9 @@ impl Decision {
             load_kind: f.string("load_kind")?,
             load_scope: f.string("load_scope")?,
             load_value: f.f64("load_value")?,
+            load_instances: f.u32("load_instances")?,
+            load_oldest_age_ms: f.f64("load_oldest_age_ms")?,
+            load_stale_instances: f.string("load_stale_instances")?,
             candidates,
         })
     }

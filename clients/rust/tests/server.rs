@@ -10,6 +10,7 @@
 
 use std::fs;
 use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
 use std::os::unix::net::UnixListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -229,6 +230,11 @@ fn route_and_lifecycle() {
     assert_eq!(d.load_scope.as_deref(), Some("this_instance"));
     assert_eq!(d.candidates.len(), WORKERS as usize);
     assert!(d.owner_worker.is_none() && d.load_value.is_some());
+    assert!(
+        d.load_instances.is_none() && d.load_oldest_age_ms.is_none() && d.load_stale_instances.is_none(),
+        "this instance's own view carries no cluster fields: {:?}",
+        d
+    );
     for ev in [
         LifecycleEvent { event: Event::Dispatched, decision_id: Some(d.decision_id), worker: Some(d.chosen_worker), elapsed_ms: Some(1.0), ..Default::default() },
         LifecycleEvent { event: Event::FirstToken, decision_id: Some(d.decision_id), elapsed_ms: Some(20.0), ..Default::default() },
@@ -654,4 +660,72 @@ fn timeout_gives_the_request_up() {
     assert_eq!(d.candidates[0].state.as_deref(), Some("LIVE"));
     expect_code(c.route(&[tokens("big", vec![0; 4096])]), Code::TOO_LARGE, "a request over max_frame_bytes is not sent");
     assert!(!c.is_closed(), "refusing to send does not close the connection");
+}
+
+fn nats_server_binary() -> Option<PathBuf> {
+    let on_path = std::env::var_os("PATH")
+        .map(|p| std::env::split_paths(&p).map(|d| d.join("nats-server")).collect::<Vec<_>>())
+        .unwrap_or_default();
+    on_path
+        .into_iter()
+        .chain([PathBuf::from("/usr/sbin/nats-server"), PathBuf::from("/usr/bin/nats-server")])
+        .find(|p| p.is_file())
+}
+
+/// nats-server on a free loopback port, killed when dropped.
+struct Nats {
+    url: String,
+    child: Child,
+}
+
+impl Nats {
+    fn start(bin: &Path) -> Nats {
+        let port = TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("a free port").port();
+        let child = Command::new(bin)
+            .args(["-a", "127.0.0.1", "-p", &port.to_string()])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start nats-server");
+        let nats = Nats { url: format!("nats://127.0.0.1:{}", port), child };
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(Instant::now() < deadline, "nats-server did not accept on port {}", port);
+            thread::sleep(Duration::from_millis(20));
+        }
+        nats
+    }
+}
+
+impl Drop for Nats {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Two instances sharing a real nats-server: a decision on the second says its view is the
+/// cluster's, with the first instance's contribution applied, fresh and not stale. Without
+/// nats-server the test says "skipped" and why on stderr.
+#[test]
+fn decision_load_view_of_a_cluster() {
+    let bin = match nats_server_binary() {
+        Some(bin) => bin,
+        None => {
+            eprintln!("skipped: decision_load_view_of_a_cluster: nats-server is not installed (Debian's nats-server)");
+            return;
+        }
+    };
+    let nats = Nats::start(&bin);
+    let member = |id: &str| format!(r#""cluster": {{"url": "{}", "instance": "{}"}}"#, nats.url, id);
+    let _a = Server::start_with("cluster-a", Some(&member("client-a")));
+    let b = Server::start_with("cluster-b", Some(&member("client-b")));
+    let mut c = Client::connect(&b.address, TIMEOUT).expect("connect");
+    let d = c.route(&[tokens("cluster-1", prompt(64, 3))]).expect("route").remove(0);
+    d.result().expect("decided");
+    assert_eq!(d.load_scope.as_deref(), Some("cluster"), "{:?}", d);
+    assert_eq!(d.load_instances, Some(1), "the other instance's work is applied: {:?}", d);
+    let age = d.load_oldest_age_ms.expect("load_oldest_age_ms");
+    assert!((0.0..1000.0).contains(&age), "load_oldest_age_ms within the 1000 ms expiry: {}", age);
+    assert_eq!(d.load_stale_instances.as_deref(), Some(""), "no stale instance: {:?}", d);
 }
