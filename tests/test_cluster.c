@@ -114,6 +114,19 @@ Test(cluster, messages_round_trip_and_bad_ones_are_refused_by_reason)
     cr_assert(load_eq(d.workers[0].load, rows[0].load));
     cr_assert_eq(d.n_peers, 1);
     cr_assert_str_eq(d.peers[0], "b-2");
+    cr_assert_eq(d.n_pools, 0);
+    km_cluster_message_free(&d);
+    /* A state's pool list: names and fingerprints, every bit of them. */
+    cluster_pool_fingerprint pools[2] = {{"main", UINT64_MAX}, {"b.v2", 0x0123456789abcdefu}};
+    m.pools = pools;
+    m.n_pools = 2;
+    cr_assert_eq(km_cluster_encode(&t, &m), KM_OK);
+    cr_assert(km_cluster_decode("state.a_1", t.data, t.length, WORKERS, &d, &r, why, sizeof why),
+              "%s", why);
+    cr_assert_eq(d.n_pools, 2);
+    cr_assert_str_eq(d.pools[1].name, "b.v2");
+    cr_assert_eq(d.pools[0].fingerprint, UINT64_MAX);
+    cr_assert_eq(d.pools[1].fingerprint, 0x0123456789abcdefu);
     km_cluster_message_free(&d);
 
     struct {
@@ -136,6 +149,14 @@ Test(cluster, messages_round_trip_and_bad_ones_are_refused_by_reason)
                      "\"workers\":[]}", KM_CLUSTER_REFUSED_MALFORMED},
         {"change.a b", "{\"v\":1,\"kind\":\"change\",\"instance\":\"a b\",\"incarnation\":1,"
                        "\"seq\":1,\"workers\":[]}", KM_CLUSTER_REFUSED_MALFORMED},
+        {"state.a", "{\"v\":1,\"kind\":\"state\",\"instance\":\"a\",\"incarnation\":1,\"seq\":1,"
+                    "\"workers\":[],\"peers\":[],\"pools\":[[\"main\",1]]}",
+         KM_CLUSTER_REFUSED_MALFORMED},
+        {"state.a", "{\"v\":1,\"kind\":\"state\",\"instance\":\"a\",\"incarnation\":1,\"seq\":1,"
+                    "\"workers\":[],\"peers\":[],\"pools\":[[\"a b\",\"0000000000000001\"]]}",
+         KM_CLUSTER_REFUSED_MALFORMED},
+        {"state.a", "{\"v\":1,\"kind\":\"state\",\"instance\":\"a\",\"incarnation\":1,\"seq\":1,"
+                    "\"workers\":[],\"peers\":[],\"pools\":{}}", KM_CLUSTER_REFUSED_MALFORMED},
     };
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         bool ok = km_cluster_decode(bad[i].subject, bad[i].body, strlen(bad[i].body), WORKERS, &d,
@@ -664,6 +685,89 @@ Test(cluster, predictions_reach_the_peers_in_order_and_bad_ones_are_refused,
     cr_assert_eq(st.refused[KM_CLUSTER_REFUSED_WORKER], 1);
     cr_assert_eq(predictions_count(&seen), 3, "a refused prediction was handed over");
     natsConnection_Destroy(nc);
+    km_cluster_destroy(b);
+    km_cluster_destroy(a);
+}
+
+Test(cluster, a_peer_whose_workers_differ_has_its_pool_left_out_counted_once,
+     .init = start_server, .fini = stop_server, .timeout = 60)
+{
+    static predictions_seen seen = {.lock = PTHREAD_MUTEX_INITIALIZER};
+    km_cluster *a = instance("a", server.url, 10000, 0);
+    km_cluster_config cfg;
+    km_cluster_config_init(&cfg);
+    cfg.url = server.url;
+    cfg.instance = "b";
+    cfg.max_workers = WORKERS;
+    cfg.heartbeat_ms = 50;
+    cfg.expire_ms = 10000;
+    cfg.on_prediction = prediction_seen;
+    cfg.on_prediction_user = &seen;
+    km_cluster *b = NULL;
+    char why[256] = "";
+    cr_assert_eq(km_cluster_create(&cfg, &b, why, sizeof why), KM_OK, "%s", why);
+    /* Pool "main" is workers 0-1 on both, "side" is 2; a's "main" means other engines. */
+    uint32_t main_workers[] = {0, 1}, side_workers[] = {2};
+    km_cluster_pool on_b[] = {{"main", 0x1111, main_workers, 2}, {"side", 0x2222, side_workers, 1}};
+    km_cluster_pool on_a[] = {{"main", 0x9999, main_workers, 2}, {"side", 0x2222, side_workers, 1}};
+    cr_assert_eq(km_cluster_set_pools(b, on_b, 2), KM_OK);
+    cr_assert_eq(km_cluster_set_pools(a, on_a, 2), KM_OK);
+    km_active_load l = {3, 0, 0, 0, 0, 0};
+    cr_assert_eq(km_cluster_publish_load(a, 0, &l), KM_OK);
+    cr_assert_eq(km_cluster_publish_load(a, 2, &l), KM_OK);
+    cr_assert_eq(km_cluster_publish_load(a, 5, &l), KM_OK); /* in no pool: compared nowhere */
+    WAIT_UNTIL(remote(b, 2).in_flight == 3 && remote(b, 5).in_flight == 3 &&
+                   stats(b).n_mismatched == 1, 2000);
+    cr_assert_eq(remote(b, 2).in_flight, 3, "the pool both agree on is applied");
+    cr_assert_eq(remote(b, 5).in_flight, 3);
+    cr_assert_eq(remote(b, 0).in_flight, 0, "a's load on main's workers is left out");
+    km_cluster_stats st = stats(b);
+    cr_assert_eq(st.n_mismatched, 1);
+    cr_assert_str_eq(st.mismatched[0].instance, "a");
+    cr_assert_str_eq(st.mismatched[0].pool, "main");
+    cr_assert_eq(st.mismatched[0].theirs, 0x9999);
+    cr_assert_eq(st.mismatched[0].ours, 0x1111);
+    cr_assert_eq(stats(a).n_mismatched, 1, "each side sees the disagreement");
+    /* Predictions for the pool are refused; for the other pool they go through. */
+    uint64_t h[2] = {1, 2};
+    cr_assert_eq(km_cluster_publish_prediction(a, "main", 1, false, h, 2), KM_OK);
+    cr_assert_eq(km_cluster_publish_prediction(a, "side", 2, false, h, 2), KM_OK);
+    WAIT_UNTIL(predictions_count(&seen) == 1, 2000);
+    km_test_sleep_ms(200); /* several heartbeats: the disagreement is counted once */
+    st = stats(b);
+    cr_assert_eq(predictions_count(&seen), 1);
+    cr_assert_str_eq(seen.pool[0], "side");
+    cr_assert_eq(st.refused[KM_CLUSTER_REFUSED_WORKER_MISMATCH], 2,
+                 "the disagreement once and the prediction once: %llu",
+                 (unsigned long long)st.refused[KM_CLUSTER_REFUSED_WORKER_MISMATCH]);
+    cr_assert_eq(remote(b, 0).in_flight, 0);
+    /* a's configuration agrees again: its load on main's workers is applied. */
+    on_a[0].fingerprint = 0x1111;
+    cr_assert_eq(km_cluster_set_pools(a, on_a, 2), KM_OK);
+    WAIT_UNTIL(remote(b, 0).in_flight == 3, 2000);
+    cr_assert_eq(remote(b, 0).in_flight, 3);
+    cr_assert_eq(stats(b).n_mismatched, 0);
+    cr_assert_eq(stats(b).refused[KM_CLUSTER_REFUSED_WORKER_MISMATCH], 2);
+    /* and b's own pools changing moves the pool's workers: worker 5 joins main, a disagrees. */
+    uint32_t main_more[] = {0, 1, 5};
+    km_cluster_pool on_b2[] = {{"main", 0x3333, main_more, 3}, {"side", 0x2222, side_workers, 1}};
+    cr_assert_eq(km_cluster_set_pools(b, on_b2, 2), KM_OK);
+    cr_assert_eq(remote(b, 5).in_flight, 0, "worker 5 now in the pool a disagrees on");
+    cr_assert_eq(remote(b, 0).in_flight, 0);
+    cr_assert_eq(remote(b, 2).in_flight, 3);
+    cr_assert_eq(stats(b).n_mismatched, 1);
+    cr_assert_eq(stats(b).refused[KM_CLUSTER_REFUSED_WORKER_MISMATCH], 3, "a new disagreement");
+    /* Bad pool lists are refused whole. */
+    uint32_t twice[] = {2};
+    km_cluster_pool bad[] = {{"main", 1, main_workers, 2}, {"side", 2, twice, 1},
+                             {"x", 3, twice, 1}};
+    cr_assert_eq(km_cluster_set_pools(b, bad, 3), KM_ERR_INVALID_ARGUMENT, "worker 2 twice");
+    uint32_t far[] = {WORKERS};
+    km_cluster_pool out_of_range[] = {{"main", 1, far, 1}};
+    cr_assert_eq(km_cluster_set_pools(b, out_of_range, 1), KM_ERR_INVALID_ARGUMENT);
+    km_cluster_pool bad_name[] = {{"a pool", 1, main_workers, 2}};
+    cr_assert_eq(km_cluster_set_pools(b, bad_name, 1), KM_ERR_INVALID_ARGUMENT);
+    cr_assert_eq(remote(b, 2).in_flight, 3, "a refused list changed nothing");
     km_cluster_destroy(b);
     km_cluster_destroy(a);
 }

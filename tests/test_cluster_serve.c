@@ -16,6 +16,7 @@
 #include <unistd.h>
 
 #include <nats/nats.h>
+#include <xxhash.h>
 
 #include "kv_test_publisher.h"
 #include "kvmatch/kvmatch.h"
@@ -510,5 +511,78 @@ Test(cluster_serve, predictions_for_event_fed_or_unknown_workers_and_bad_ones_ch
     km_client_close(ca);
     km_client_close(cc);
     node_stop(&c);
+    node_stop(&a);
+}
+
+/* ---- worker-id mismatch between instances ------------------------------------------------------ */
+
+Test(cluster_serve, instances_whose_workers_differ_leave_each_others_pool_out_and_say_so,
+     .init = start_nats, .fini = stop_nats, .timeout = 60)
+{
+    /* d's worker 0 is another engine than a's (another name): the pool means other workers. */
+    static km_server_worker renamed[2] = {{.id = 0, .name = "other-engine"}, {.id = 1}};
+    node a, d;
+    node_start(&a, "a");
+    node_start_with(&d, "d", renamed);
+    km_client *ca = connect_to(&a), *cd = connect_to(&d);
+    km_message reply;
+    route(ca, "a-1", &reply);
+    route(ca, "a-2", &reply);
+    route_prompt(ca, "a-3", 6000, &reply);
+    json_t *st = NULL, *cl = NULL;
+    for (int t = 0; t < 300; t++) {
+        json_decref(st);
+        st = status_of(&d);
+        cl = json_object_get(st, "cluster");
+        if (json_array_size(json_object_get(cl, "mismatched_pools")) == 1 &&
+            json_integer_value(json_object_get(json_object_get(cl, "refused"),
+                                               "worker_mismatch")) >= 4)
+            break;
+        km_test_sleep_ms(10);
+    }
+    json_t *mm = json_array_get(json_object_get(cl, "mismatched_pools"), 0);
+    cr_assert_not_null(mm, "d lists no mismatched pool");
+    cr_assert_str_eq(json_string_value(json_object_get(mm, "instance")), "a");
+    cr_assert_str_eq(json_string_value(json_object_get(mm, "pool")), "main");
+    /* The fingerprints are the documented ones (CLUSTER.md): XXH3 of the block size and the
+     * workers' ids and names. */
+    static const char ours[] = "block_size 4\n0 other-engine\n1 w1\n",
+                      theirs[] = "block_size 4\n0 w0\n1 w1\n";
+    char hex[2][17];
+    snprintf(hex[0], sizeof hex[0], "%016llx",
+             (unsigned long long)XXH3_64bits(ours, sizeof ours - 1));
+    snprintf(hex[1], sizeof hex[1], "%016llx",
+             (unsigned long long)XXH3_64bits(theirs, sizeof theirs - 1));
+    cr_assert_str_eq(json_string_value(json_object_get(mm, "fingerprint")), hex[0]);
+    cr_assert_str_eq(json_string_value(json_object_get(mm, "their_fingerprint")), hex[1]);
+    /* the disagreement once (however many states came since), and a's three predictions */
+    cr_assert_eq(json_integer_value(json_object_get(json_object_get(cl, "refused"),
+                                                    "worker_mismatch")), 4);
+    cr_assert_eq(predictions_int(&a, "sent"), 3);
+    json_decref(st);
+    /* a's requests and its predictions for the pool are left out of d's decisions. */
+    const km_route_decision *dd = route(cd, "d-1", &reply);
+    cr_assert_eq(in_flight(dd, 0) + in_flight(dd, 1), 0, "a's load on the pool reached d");
+    cr_assert(!dd->has_owner, "a's prediction reached d");
+    cr_assert_eq(predictions_int(&d, "applied"), 0);
+    static char body[1 << 17];
+    cr_assert_eq(http_get(km_server_http_port(d.server), "/metrics", body, sizeof body), 200);
+    cr_assert(strstr(body, "\nkvmatch_cluster_mismatched_pools 1"), "%s", body);
+    cr_assert(strstr(body, "kvmatch_cluster_refused_messages_total{reason=\"worker_mismatch\"}"),
+              "%s", body);
+    /* a sees the same disagreement from its side. */
+    for (int t = 0; t < 300; t++) {
+        st = status_of(&a);
+        size_t n = json_array_size(json_object_get(json_object_get(st, "cluster"),
+                                                   "mismatched_pools"));
+        json_decref(st);
+        if (n == 1)
+            break;
+        cr_assert(t < 299, "a lists no mismatched pool");
+        km_test_sleep_ms(10);
+    }
+    km_client_close(ca);
+    km_client_close(cd);
+    node_stop(&d);
     node_stop(&a);
 }

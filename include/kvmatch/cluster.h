@@ -7,8 +7,9 @@
  * decision adds to its own view. It also publishes this instance's approximate-mode predictions
  * (blocks assumed on a worker without KV events, at a decision or a router override) and hands
  * the other instances' to the service (on_prediction), which teaches them to its own index. Worker
- * ids are the ones the instances' shared configuration gives; an instance whose configuration
- * differs contributes load to the wrong workers.
+ * ids are the ones the instances' shared configuration gives; each state carries a fingerprint of
+ * every pool's workers (km_cluster_set_pools), and a peer whose fingerprint for a pool differs has
+ * its load on that pool's workers and its predictions for it left out, counted and logged.
  *
  * Guarantees (docs/CLUSTER.md says the same with the wire format):
  *  - every message of an instance carries the next sequence number of its incarnation; a gap is
@@ -63,8 +64,20 @@ typedef struct km_cluster km_cluster;
  * leading blocks (a prefix match needs no more), so a message stays within
  * KM_CLUSTER_MESSAGE_MAX. */
 #define KM_CLUSTER_PREDICTION_MAX_HASHES 32768u
-/* Longest pool name in a prediction, in bytes. */
+/* Longest pool name in a prediction or a state's pool list, in bytes. */
 #define KM_CLUSTER_POOL_MAX 64u
+/* Most pools an instance announces (km_cluster_set_pools); more are refused. */
+#define KM_CLUSTER_MAX_POOLS 64u
+
+/* One of this instance's pools as the instances must agree on it: its name, a fingerprint of what
+ * its worker ids mean here (the service's: the pool's block size and its workers' ids and names),
+ * and its workers' ids. */
+typedef struct km_cluster_pool {
+    const char *name;
+    uint64_t fingerprint;
+    const uint32_t *workers;
+    uint32_t n_workers;
+} km_cluster_pool;
 
 /* An approximate-mode prediction of another instance: `hashes` (the chain hashes of a prompt's
  * leading blocks, in order) are assumed on `worker` of the pool named `pool` from now on, because
@@ -134,6 +147,16 @@ int km_cluster_publish_load(km_cluster *cluster, uint32_t worker, const km_activ
 int km_cluster_publish_prediction(km_cluster *cluster, const char *pool, uint32_t worker,
                                   bool lesson, const uint64_t *hashes, uint32_t n_hashes);
 
+/* This instance's pools are now pools[0..n_pools) (the set replaces the last one). Each state
+ * message lists their names and fingerprints; a peer whose state gives another fingerprint for a
+ * pool of the same name disagrees on what that pool's worker ids mean: its load on the pool's
+ * workers is left out of the remote sum and its predictions for the pool are refused
+ * (worker_mismatch), until its fingerprint agrees again. Each disagreement is counted and logged
+ * once when it begins. Errors: KM_ERR_NULL_POINTER, KM_ERR_INVALID_ARGUMENT (more than
+ * KM_CLUSTER_MAX_POOLS, a pool name not valid in a prediction, a worker id out of range or in two
+ * pools). */
+int km_cluster_set_pools(km_cluster *cluster, const km_cluster_pool *pools, uint32_t n_pools);
+
 /* Add the remote contributions' load of `worker` to *load (every field). Errors:
  * KM_ERR_NULL_POINTER, KM_ERR_WORKER_RANGE. */
 int km_cluster_add_remote_load(km_cluster *cluster, uint32_t worker, km_active_load *load);
@@ -165,14 +188,15 @@ int km_cluster_get_view(km_cluster *cluster, uint64_t now_ns, km_cluster_view *o
     X(KM_CLUSTER_REFUSED_OLD_INCARNATION, "old_incarnation")  \
     X(KM_CLUSTER_REFUSED_DUPLICATE, "duplicate")              \
     X(KM_CLUSTER_REFUSED_TOO_MANY, "too_many_instances")      \
-    X(KM_CLUSTER_REFUSED_TOO_LARGE, "too_large")
+    X(KM_CLUSTER_REFUSED_TOO_LARGE, "too_large")              \
+    X(KM_CLUSTER_REFUSED_WORKER_MISMATCH, "worker_mismatch")
 
 typedef enum km_cluster_refusal {
 #define KM_CLUSTER_REFUSAL_ENUM(value, name) value,
     KM_CLUSTER_REFUSAL_LIST(KM_CLUSTER_REFUSAL_ENUM)
 #undef KM_CLUSTER_REFUSAL_ENUM
 } km_cluster_refusal;
-#define KM_CLUSTER_REFUSAL_COUNT 9u
+#define KM_CLUSTER_REFUSAL_COUNT 10u
 
 /* The name in KM_CLUSTER_REFUSAL_LIST; "unknown" for any other value. */
 const char *km_cluster_refusal_name(km_cluster_refusal r);
@@ -196,6 +220,13 @@ typedef struct km_cluster_stats {
     uint64_t reconnects;
     uint64_t refused[KM_CLUSTER_REFUSAL_COUNT]; /* by km_cluster_refusal */
     char last_refusal[160];      /* the last refused message's reason ("" when none) */
+    /* (peer, pool) pairs whose fingerprints differ now, and the first 8 of them. */
+    uint32_t n_mismatched;
+    struct {
+        char instance[KM_CLUSTER_INSTANCE_MAX + 1];
+        char pool[KM_CLUSTER_POOL_MAX + 1];
+        uint64_t theirs, ours;
+    } mismatched[8];
 } km_cluster_stats;
 
 /* Errors: KM_ERR_NULL_POINTER. */

@@ -31,6 +31,11 @@ typedef struct contribution {
     uint64_t last_seq;
     uint64_t last_heard_ns;
     km_active_load *loads; /* max_workers of them */
+    cluster_pool_fingerprint *pools; /* KM_CLUSTER_MAX_POOLS: its last state's pool list */
+    uint32_t n_pools;
+    /* Bit i: this instance's pool i (local_pools) has another fingerprint there: the peer's load
+     * on that pool's workers is left out of the remote sum, its predictions for it refused. */
+    uint64_t mismatch;
 } contribution;
 
 struct km_cluster {
@@ -54,6 +59,9 @@ struct km_cluster {
     km_active_load *local;  /* max_workers: this instance's last published loads */
     km_active_load *remote; /* max_workers: the sum over contributions */
     contribution peers[KM_CLUSTER_MAX_INSTANCES];
+    cluster_pool_fingerprint local_pools[KM_CLUSTER_MAX_POOLS]; /* km_cluster_set_pools */
+    uint32_t n_local_pools;
+    int8_t *worker_pool; /* max_workers: the local_pools index of each worker's pool, or -1 */
 
     /* sync bookkeeping (under lock) */
     bool sync_running;
@@ -157,13 +165,90 @@ static bool load_zero(const km_active_load *a)
     return load_equal(a, &zero);
 }
 
+/* Is p's load on `worker` left out of the sum (its pool's fingerprints differ)? */
+static bool excluded(const km_cluster *c, const contribution *p, uint32_t worker)
+{
+    int slot = c->worker_pool[worker];
+    return slot >= 0 && (p->mismatch >> slot & 1u);
+}
+
 /* Set one worker of a contribution, keeping the sum. */
 static void contribution_set(km_cluster *c, contribution *p, uint32_t worker,
                              const km_active_load *v)
 {
-    load_sub(&c->remote[worker], &p->loads[worker]);
+    bool out = excluded(c, p, worker);
+    if (!out)
+        load_sub(&c->remote[worker], &p->loads[worker]);
     p->loads[worker] = *v;
-    load_add(&c->remote[worker], v);
+    if (!out)
+        load_add(&c->remote[worker], v);
+}
+
+/* Take p's loads out of the sum (leave = true) or put them back, as excluded() says now: a change
+ * of p's mismatch or of the workers' pools happens between the two calls. */
+static void contribution_sum(km_cluster *c, contribution *p, bool leave)
+{
+    for (uint32_t w = 0; w < c->cfg.max_workers; w++) {
+        if (excluded(c, p, w) || load_zero(&p->loads[w]))
+            continue;
+        if (leave)
+            load_sub(&c->remote[w], &p->loads[w]);
+        else
+            load_add(&c->remote[w], &p->loads[w]);
+    }
+}
+
+static int local_pool_find(const km_cluster *c, const char *name)
+{
+    for (uint32_t i = 0; i < c->n_local_pools; i++)
+        if (!strcmp(c->local_pools[i].name, name))
+            return (int)i;
+    return -1;
+}
+
+static void refused(km_cluster *c, km_cluster_refusal r, const char *why);
+
+/* Was pool `name` one p disagreed on, by the pool list `before` and p's mask over it? */
+static bool disagreed(const cluster_pool_fingerprint *before, uint32_t n_before, uint64_t mask,
+                      const char *name)
+{
+    for (uint32_t i = 0; i < n_before; i++)
+        if (!strcmp(before[i].name, name))
+            return mask >> i & 1u;
+    return false;
+}
+
+/* Compare p's pool list with this instance's (a pool p does not list is not compared) and sum its
+ * loads as the result says. `before` is the local pool list p->mismatch was computed over: a
+ * disagreement is counted and logged when it begins, and logged when it ends (lock held; p's
+ * loads are out of the sum while the local pool list changes, see km_cluster_set_pools). */
+static void compare_pools(km_cluster *c, contribution *p, const cluster_pool_fingerprint *before,
+                          uint32_t n_before, bool summed)
+{
+    uint64_t mask = 0;
+    for (uint32_t i = 0; i < c->n_local_pools; i++)
+        for (uint32_t k = 0; k < p->n_pools; k++)
+            if (!strcmp(p->pools[k].name, c->local_pools[i].name) &&
+                p->pools[k].fingerprint != c->local_pools[i].fingerprint)
+                mask |= UINT64_C(1) << i;
+    for (uint32_t i = 0; i < c->n_local_pools; i++) {
+        bool now = mask >> i & 1u;
+        bool was = disagreed(before, n_before, p->mismatch, c->local_pools[i].name);
+        if (now && !was) {
+            char why[320];
+            snprintf(why, sizeof why, "instance %s: pool %s's workers differ (fingerprints): its "
+                     "load on them and its predictions for it are left out", p->id,
+                     c->local_pools[i].name);
+            refused(c, KM_CLUSTER_REFUSED_WORKER_MISMATCH, why);
+        } else if (!now && was) {
+            cluster_log(c, KM_LOG_INFO "instance %s agrees on pool %s's workers again: its load "
+                        "on them is applied", p->id, c->local_pools[i].name);
+        }
+    }
+    if (summed)
+        contribution_sum(c, p, true);
+    p->mismatch = mask;
+    contribution_sum(c, p, false);
 }
 
 static void contribution_clear(km_cluster *c, contribution *p)
@@ -178,6 +263,7 @@ static void contribution_drop(km_cluster *c, contribution *p)
 {
     contribution_clear(c, p);
     free(p->loads);
+    free(p->pools);
     memset(p, 0, sizeof *p);
 }
 
@@ -248,7 +334,8 @@ static void publish_state(km_cluster *c)
         if (c->peers[i].used)
             memcpy(peers[np++], c->peers[i].id, KM_CLUSTER_INSTANCE_MAX + 1);
     cluster_message m = {.kind = CLUSTER_STATE, .incarnation = c->incarnation, .seq = ++c->seq,
-                         .workers = w, .n_workers = n, .peers = peers, .n_peers = np};
+                         .workers = w, .n_workers = n, .peers = peers, .n_peers = np,
+                         .pools = c->local_pools, .n_pools = c->n_local_pools};
     memcpy(m.instance, c->instance, strlen(c->instance) + 1);
     publish(c, &m);
     if (w != rows)
@@ -319,6 +406,55 @@ int km_cluster_publish_prediction(km_cluster *c, const char *pool, uint32_t work
     return KM_OK;
 }
 
+int km_cluster_set_pools(km_cluster *c, const km_cluster_pool *pools, uint32_t n_pools)
+{
+    if (!c || (!pools && n_pools))
+        return KM_ERR_NULL_POINTER;
+    if (n_pools > KM_CLUSTER_MAX_POOLS)
+        return KM_ERR_INVALID_ARGUMENT;
+    int8_t *map = malloc(c->cfg.max_workers);
+    if (!map)
+        return KM_ERR_OUT_OF_MEMORY;
+    memset(map, -1, c->cfg.max_workers);
+    for (uint32_t i = 0; i < n_pools; i++) {
+        if (!pools[i].name || !km_cluster_pool_name_valid(pools[i].name, strlen(pools[i].name)) ||
+            (!pools[i].workers && pools[i].n_workers)) {
+            free(map);
+            return KM_ERR_INVALID_ARGUMENT;
+        }
+        for (uint32_t k = 0; k < pools[i].n_workers; k++) {
+            uint32_t w = pools[i].workers[k];
+            if (w >= c->cfg.max_workers || map[w] >= 0) {
+                free(map);
+                return KM_ERR_INVALID_ARGUMENT;
+            }
+            map[w] = (int8_t)i;
+        }
+    }
+    cluster_pool_fingerprint before[KM_CLUSTER_MAX_POOLS]; /* about 5 KiB */
+    pthread_mutex_lock(&c->lock);
+    /* Every contribution leaves the sum, the workers' pools change, each is compared again
+     * (a disagreement that goes on is not counted or logged again) and summed as it says. */
+    for (uint32_t i = 0; i < KM_CLUSTER_MAX_INSTANCES; i++)
+        if (c->peers[i].used)
+            contribution_sum(c, &c->peers[i], true);
+    uint32_t n_before = c->n_local_pools;
+    memcpy(before, c->local_pools, sizeof before);
+    memcpy(c->worker_pool, map, c->cfg.max_workers);
+    c->n_local_pools = n_pools;
+    for (uint32_t i = 0; i < n_pools; i++) {
+        snprintf(c->local_pools[i].name, sizeof c->local_pools[i].name, "%s", pools[i].name);
+        c->local_pools[i].fingerprint = pools[i].fingerprint;
+    }
+    for (uint32_t i = 0; i < KM_CLUSTER_MAX_INSTANCES; i++)
+        if (c->peers[i].used)
+            compare_pools(c, &c->peers[i], before, n_before, false);
+    publish_state(c); /* the peers compare at once */
+    pthread_mutex_unlock(&c->lock);
+    free(map);
+    return KM_OK;
+}
+
 /* ---- applying (NATS delivery thread) -------------------------------------------------------- */
 
 static void refused(km_cluster *c, km_cluster_refusal r, const char *why)
@@ -382,7 +518,10 @@ static void apply(km_cluster *c, const cluster_message *m, uint64_t now)
             if (!c->peers[i].used)
                 p = &c->peers[i];
         km_active_load *loads = p ? calloc(c->cfg.max_workers, sizeof *loads) : NULL;
-        if (!loads) {
+        cluster_pool_fingerprint *pools = loads ? calloc(KM_CLUSTER_MAX_POOLS, sizeof *pools)
+                                                : NULL;
+        if (!pools) {
+            free(loads);
             snprintf(why, sizeof why, "instance %s: %s", m->instance,
                      p ? "out of memory" : "already applying the most instances");
             refused(c, KM_CLUSTER_REFUSED_TOO_MANY, why);
@@ -391,6 +530,7 @@ static void apply(km_cluster *c, const cluster_message *m, uint64_t now)
         memset(p, 0, sizeof *p);
         p->used = true;
         p->loads = loads;
+        p->pools = pools;
         p->incarnation = m->incarnation;
         memcpy(p->id, m->instance, sizeof p->id);
     }
@@ -418,6 +558,11 @@ static void apply(km_cluster *c, const cluster_message *m, uint64_t now)
         for (uint32_t w = 0; w < c->cfg.max_workers; w++)
             if (!load_zero(&p->loads[w]))
                 contribution_set(c, p, w, &zero);
+        /* The pool list first: the loads below are summed as it says. */
+        if (m->n_pools)
+            memcpy(p->pools, m->pools, (size_t)m->n_pools * sizeof *p->pools);
+        p->n_pools = m->n_pools;
+        compare_pools(c, p, c->local_pools, c->n_local_pools, true);
         for (uint32_t i = 0; i < m->n_workers; i++)
             contribution_set(c, p, m->workers[i].worker, &m->workers[i].load);
         p->has_baseline = true;
@@ -436,7 +581,15 @@ static void apply(km_cluster *c, const cluster_message *m, uint64_t now)
             p->stale = true;
     }
     c->st.applied++;
-    if (m->kind == CLUSTER_PREDICT) {
+    int slot = m->kind == CLUSTER_PREDICT ? local_pool_find(c, m->pool) : -1;
+    if (slot >= 0 && (p->mismatch >> slot & 1u)) {
+        /* Counted, not logged: the disagreement was logged when it began. */
+        c->st.refused[KM_CLUSTER_REFUSED_WORKER_MISMATCH]++;
+        snprintf(c->st.last_refusal, sizeof c->st.last_refusal,
+                 "worker_mismatch: instance %.40s: a prediction for pool %.40s, whose workers "
+                 "differ",
+                 m->instance, m->pool);
+    } else if (m->kind == CLUSTER_PREDICT) {
         c->st.predictions_received++;
         km_cluster_prediction pr = {m->instance, m->pool, m->worker, m->lesson, m->hashes,
                                     m->n_hashes};
@@ -676,6 +829,9 @@ int km_cluster_create(const km_cluster_config *cfg, km_cluster **out, char *why,
     c->prefix_len = strlen(prefix);
     c->local = calloc(cfg->max_workers, sizeof *c->local);
     c->remote = calloc(cfg->max_workers, sizeof *c->remote);
+    c->worker_pool = malloc(cfg->max_workers);
+    if (c->worker_pool)
+        memset(c->worker_pool, -1, cfg->max_workers);
     c->st.sync_seconds = NAN;
     km_text_init(&c->subject, 256);
     km_text_init(&c->body, KM_CLUSTER_MESSAGE_MAX + 1);
@@ -689,7 +845,7 @@ int km_cluster_create(const km_cluster_config *cfg, km_cluster **out, char *why,
     pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
     pthread_cond_init(&c->cond, &ca);
     pthread_condattr_destroy(&ca);
-    if (!c->url || !c->instance || !c->prefix || !c->local || !c->remote) {
+    if (!c->url || !c->instance || !c->prefix || !c->local || !c->remote || !c->worker_pool) {
         km_cluster_destroy(c);
         return km_why(why, why_size, KM_ERR_OUT_OF_MEMORY, "cluster handle");
     }
@@ -785,8 +941,11 @@ void km_cluster_destroy(km_cluster *c)
     natsSubscription_Destroy(c->sub);
     natsConnection_Destroy(c->conn);
     natsOptions_Destroy(c->opts);
-    for (uint32_t i = 0; i < KM_CLUSTER_MAX_INSTANCES; i++)
+    for (uint32_t i = 0; i < KM_CLUSTER_MAX_INSTANCES; i++) {
         free(c->peers[i].loads);
+        free(c->peers[i].pools);
+    }
+    free(c->worker_pool);
     km_text_free(&c->subject);
     km_text_free(&c->body);
     pthread_cond_destroy(&c->cond);
@@ -852,8 +1011,25 @@ int km_cluster_get_stats(km_cluster *c, km_cluster_stats *out)
     out->synced = c->synced;
     out->instances = out->stale_instances = 0;
     for (uint32_t i = 0; i < KM_CLUSTER_MAX_INSTANCES; i++) {
-        out->instances += c->peers[i].used;
-        out->stale_instances += c->peers[i].used && c->peers[i].stale;
+        const contribution *p = &c->peers[i];
+        out->instances += p->used;
+        out->stale_instances += p->used && p->stale;
+        for (uint32_t k = 0; p->used && k < c->n_local_pools; k++) {
+            if (!(p->mismatch >> k & 1u))
+                continue;
+            if (out->n_mismatched < 8) {
+                uint64_t theirs = 0;
+                for (uint32_t j = 0; j < p->n_pools; j++)
+                    if (!strcmp(p->pools[j].name, c->local_pools[k].name))
+                        theirs = p->pools[j].fingerprint;
+                memcpy(out->mismatched[out->n_mismatched].instance, p->id, sizeof p->id);
+                memcpy(out->mismatched[out->n_mismatched].pool, c->local_pools[k].name,
+                       sizeof c->local_pools[k].name);
+                out->mismatched[out->n_mismatched].theirs = theirs;
+                out->mismatched[out->n_mismatched].ours = c->local_pools[k].fingerprint;
+            }
+            out->n_mismatched++;
+        }
     }
     pthread_mutex_unlock(&c->lock);
     return KM_OK;

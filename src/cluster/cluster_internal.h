@@ -28,6 +28,11 @@ typedef struct cluster_worker_load {
     km_active_load load;
 } cluster_worker_load;
 
+typedef struct cluster_pool_fingerprint {
+    char name[KM_CLUSTER_POOL_MAX + 1];
+    uint64_t fingerprint;
+} cluster_pool_fingerprint;
+
 typedef struct cluster_message {
     cluster_kind kind;
     char instance[KM_CLUSTER_INSTANCE_MAX + 1];
@@ -37,6 +42,9 @@ typedef struct cluster_message {
     uint32_t n_workers;
     char (*peers)[KM_CLUSTER_INSTANCE_MAX + 1]; /* malloc'd by the decoder; STATE only */
     uint32_t n_peers;
+    /* STATE only: the sender's pools (at most KM_CLUSTER_MAX_POOLS; malloc'd by the decoder) */
+    cluster_pool_fingerprint *pools;
+    uint32_t n_pools;
     /* PREDICT only: */
     char pool[KM_CLUSTER_POOL_MAX + 1];
     uint32_t worker;

@@ -83,6 +83,11 @@ int km_cluster_encode(km_text *out, const cluster_message *m)
             for (uint32_t i = 0; rc == KM_OK && i < m->n_peers; i++)
                 rc = km_text_printf(out, "%s\"%s\"", i ? "," : "", m->peers[i]);
             if (rc == KM_OK)
+                rc = km_text_append_cstr(out, "],\"pools\":[");
+            for (uint32_t i = 0; rc == KM_OK && i < m->n_pools; i++)
+                rc = km_text_printf(out, "%s[\"%s\",\"%016" PRIx64 "\"]", i ? "," : "",
+                                    m->pools[i].name, m->pools[i].fingerprint);
+            if (rc == KM_OK)
                 rc = km_text_append_cstr(out, "]");
         }
     }
@@ -100,10 +105,12 @@ void km_cluster_message_free(cluster_message *m)
     free(m->workers);
     free(m->peers);
     free(m->hashes);
+    free(m->pools);
     m->workers = NULL;
     m->peers = NULL;
     m->hashes = NULL;
-    m->n_workers = m->n_peers = m->n_hashes = 0;
+    m->pools = NULL;
+    m->n_workers = m->n_peers = m->n_hashes = m->n_pools = 0;
 }
 
 static bool refuse(km_cluster_refusal *refusal, km_cluster_refusal r, char *why, size_t why_size,
@@ -220,6 +227,35 @@ static bool hex_hash(json_t *v, uint64_t *out)
     return true;
 }
 
+/* A state's "pools": [[name, 16 hex digits], ...]; absent = none listed. */
+static bool decode_pools(json_t *arr, cluster_message *m, km_cluster_refusal *refusal, char *why,
+                         size_t why_size)
+{
+    if (!arr)
+        return true;
+    if (!json_is_array(arr))
+        return refuse(refusal, KM_CLUSTER_REFUSED_MALFORMED, why, why_size,
+                      "\"pools\" is not an array");
+    size_t n = json_array_size(arr);
+    if (n > KM_CLUSTER_MAX_POOLS)
+        return refuse(refusal, KM_CLUSTER_REFUSED_TOO_LARGE, why, why_size,
+                      "%zu pools listed, at most %u", n, KM_CLUSTER_MAX_POOLS);
+    m->pools = n ? calloc(n, sizeof *m->pools) : NULL;
+    if (n && !m->pools)
+        return refuse(refusal, KM_CLUSTER_REFUSED_TOO_LARGE, why, why_size, "out of memory");
+    for (size_t i = 0; i < n; i++) {
+        json_t *row = json_array_get(arr, i), *name = json_array_get(row, 0);
+        if (!json_is_array(row) || json_array_size(row) != 2 || !json_is_string(name) ||
+            !km_cluster_pool_name_valid(json_string_value(name), json_string_length(name)) ||
+            !hex_hash(json_array_get(row, 1), &m->pools[i].fingerprint))
+            return refuse(refusal, KM_CLUSTER_REFUSED_MALFORMED, why, why_size,
+                          "pools[%zu] is not [pool name, 16 hex digits]", i);
+        memcpy(m->pools[i].name, json_string_value(name), json_string_length(name) + 1);
+        m->n_pools = (uint32_t)i + 1;
+    }
+    return true;
+}
+
 static bool decode_prediction(json_t *root, uint32_t max_workers, cluster_message *m,
                               km_cluster_refusal *refusal, char *why, size_t why_size)
 {
@@ -318,7 +354,8 @@ static bool decode_object(json_t *root, const char *subject, uint32_t max_worker
     if (!decode_workers(json_object_get(root, "workers"), max_workers, m, refusal, why, why_size))
         return false;
     if (m->kind == CLUSTER_STATE &&
-        !decode_peers(json_object_get(root, "peers"), m, refusal, why, why_size))
+        (!decode_peers(json_object_get(root, "peers"), m, refusal, why, why_size) ||
+         !decode_pools(json_object_get(root, "pools"), m, refusal, why, why_size)))
         return false;
     return true;
 }

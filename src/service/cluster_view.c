@@ -3,6 +3,7 @@
  * the other instances' load added to each candidate's, and the label every decision carries;
  * approximate-mode predictions published, and the others' queued for the scheduler role.
  * Without a cluster configured each function is a no-op and decisions say "this_instance". */
+#include <inttypes.h>
 #include <math.h>
 #include <pthread.h>
 #include <stdio.h>
@@ -10,6 +11,7 @@
 #include <string.h>
 
 #include <jansson.h>
+#include <xxhash.h>
 
 #include "base/error_detail.h"
 #include "kvmatch/log.h"
@@ -108,6 +110,43 @@ void km_srv_cluster_predictions_free(km_server *s)
     s->predictions_bytes = 0;
 }
 
+/* What a pool's worker ids mean on this instance: XXH3 of its block size and its workers' ids
+ * and names, ascending by id. Instances sharing the configuration agree; one whose worker 3 is
+ * another engine (another name) or that has other workers does not. Whether a worker is fed by KV
+ * events is not part of it: observations and predictions mix by design. */
+static uint64_t pool_fingerprint(km_server *s, const pool *p, km_text *buf)
+{
+    km_text_clear(buf);
+    km_text_printf(buf, "block_size %u\n", p->block_size);
+    for (uint32_t i = 0; i < p->n_members; i++)
+        km_text_printf(buf, "%u %s\n", p->members[i], s->workers[p->members[i]].name);
+    return XXH3_64bits(buf->data, buf->length);
+}
+
+void km_srv_cluster_pools_changed(km_server *s)
+{
+    if (!s->cluster)
+        return;
+    km_cluster_pool pools[KM_CLUSTER_MAX_POOLS];
+    uint32_t n = 0;
+    km_text buf;
+    km_text_init(&buf, 4096);
+    for (uint32_t i = 0; i < s->n_pools && n < KM_CLUSTER_MAX_POOLS; i++) {
+        const pool *p = s->pools[i];
+        pools[n++] = (km_cluster_pool){p->name, pool_fingerprint(s, p, &buf), p->members,
+                                       p->n_members};
+    }
+    if (s->n_pools > KM_CLUSTER_MAX_POOLS)
+        km_srv_log(s, KM_LOG_WARNING
+                   "cluster: %u pools, the first %u are compared with the other instances'",
+                   s->n_pools, KM_CLUSTER_MAX_POOLS);
+    int rc = km_cluster_set_pools(s->cluster, pools, n);
+    if (rc != KM_OK)
+        km_srv_log(s, KM_LOG_WARNING "cluster: announcing the pools' workers: %s",
+                   km_strerror(rc));
+    km_text_free(&buf);
+}
+
 int km_srv_cluster_start(km_server *s, char *why, size_t why_size)
 {
     const km_server_config *cfg = &s->cfg;
@@ -140,6 +179,7 @@ int km_srv_cluster_start(km_server *s, char *why, size_t why_size)
     int rc = km_cluster_create(&cc, &s->cluster, detail, sizeof detail);
     if (rc != KM_OK)
         return km_why(why, why_size, rc, "cluster: %s", detail);
+    km_srv_cluster_pools_changed(s);
     km_cluster_stats st;
     km_cluster_get_stats(s->cluster, &st);
     if (st.connected)
@@ -248,6 +288,18 @@ json_t *km_srv_cluster_status(km_server *s)
     json_object_set_new(pred, "last_refusal", json_string(s->predictions_last_refusal));
     pthread_mutex_unlock(&s->predictions_lock);
     json_object_set_new(o, "predictions", pred);
+    json_t *mismatched = json_array();
+    for (uint32_t i = 0; i < st.n_mismatched && i < 8; i++) {
+        char theirs[17], ours[17];
+        snprintf(theirs, sizeof theirs, "%016" PRIx64, st.mismatched[i].theirs);
+        snprintf(ours, sizeof ours, "%016" PRIx64, st.mismatched[i].ours);
+        json_array_append_new(mismatched,
+                              json_pack("{s:s, s:s, s:s, s:s}", "instance",
+                                        st.mismatched[i].instance, "pool", st.mismatched[i].pool,
+                                        "their_fingerprint", theirs, "fingerprint", ours));
+    }
+    json_object_set_new(o, "mismatched_pools", mismatched);
+    json_object_set_new(o, "mismatched_pools_total", json_integer(st.n_mismatched));
     return o;
 }
 
@@ -271,6 +323,10 @@ void km_srv_cluster_metrics(km_server *s, km_text *out)
          "Since the oldest applied contribution's last message (0 when none).", KM_METRIC_GAUGE},
         {"kvmatch_cluster_sync_seconds", "How long taking the peers' state took at start.",
          KM_METRIC_GAUGE},
+        {"kvmatch_cluster_mismatched_pools",
+         "(instance, pool) pairs whose workers differ from this instance's (fingerprints): that "
+         "instance's load on the pool's workers and its predictions for it are left out.",
+         KM_METRIC_GAUGE},
         {"kvmatch_cluster_messages_sent_total", "Load messages this instance published.",
          KM_METRIC_COUNTER},
         {"kvmatch_cluster_messages_applied_total", "Remote load messages applied.",
@@ -287,6 +343,7 @@ void km_srv_cluster_metrics(km_server *s, km_text *out)
                        st.stale_instances,
                        isnan(v.oldest_age_ms) ? 0.0 : v.oldest_age_ms / 1e3,
                        isnan(st.sync_seconds) ? 0.0 : st.sync_seconds,
+                       st.n_mismatched,
                        (double)st.sent,
                        (double)st.applied,
                        (double)st.lost_messages,

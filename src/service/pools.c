@@ -343,6 +343,7 @@ int km_srv_worker_add(km_server *s, uint32_t pool_index, const km_server_worker 
     slot->has_dp_rank = w->has_dp_rank;
     slot->dp_rank = w->dp_rank;
     km_srv_engine_metrics_target(s, w->id, w->metrics_url);
+    km_srv_cluster_pools_changed(s);
     return KM_OK;
 }
 
@@ -376,6 +377,7 @@ int km_srv_worker_remove(km_server *s, uint32_t id, char *why, size_t why_size)
     memset(slot, 0, sizeof *slot);
     km_active_remove_worker(s->active, id, now_ns(), km_srv_record_removed, s, NULL);
     pthread_mutex_unlock(&s->active_lock);
+    km_srv_cluster_pools_changed(s);
     return KM_OK;
 }
 
@@ -407,6 +409,7 @@ int km_srv_pool_remove(km_server *s, uint32_t pool_index, char *why, size_t why_
         unlink(snapshot);
         free(snapshot);
     }
+    km_srv_cluster_pools_changed(s);
     return KM_OK;
 }
 

@@ -590,6 +590,9 @@ typedef enum srv_prediction_outcome {
 void km_srv_cluster_prediction_outcome(km_server *s, const remote_prediction *r,
                                        srv_prediction_outcome outcome);
 void km_srv_cluster_predictions_free(km_server *s);
+/* The pools or their workers changed (admin_lock held): the cluster handle is told each pool's
+ * worker fingerprint, which the other instances compare with theirs (docs/CLUSTER.md). */
+void km_srv_cluster_pools_changed(km_server *s);
 void km_srv_cluster_metrics(km_server *s, km_text *out);
 /* Engine-reported load (cluster_view.c): scrape `url` for worker `id` from now on (NULL: stop),
  * the scraper made on first use (a failure is logged: the worker is served without it). A
