@@ -61,8 +61,23 @@ int km_cluster_encode(km_text *out, const cluster_message *m)
                             ",\"seq\":%" PRIu64 ",\"pool\":\"%s\",\"worker\":%" PRIu32
                             ",\"lesson\":%s,\"hashes\":[",
                             m->seq, m->pool, m->worker, m->lesson ? "true" : "false");
-        for (uint32_t i = 0; rc == KM_OK && i < m->n_hashes; i++)
-            rc = km_text_printf(out, "%s\"%016" PRIx64 "\"", i ? "," : "", m->hashes[i]);
+        /* By hand, a chunk at a time: a prediction goes out at every approximate-mode decision,
+         * and a printf per hash costs several times the rest of the message. */
+        static const char HEX[] = "0123456789abcdef";
+        char chunk[64 * 19];
+        for (uint32_t i = 0; rc == KM_OK && i < m->n_hashes;) {
+            size_t at = 0;
+            for (uint32_t end = i + 64 < m->n_hashes ? i + 64 : m->n_hashes; i < end; i++) {
+                if (i)
+                    chunk[at++] = ',';
+                chunk[at++] = '"';
+                for (int d = 15; d >= 0; d--)
+                    chunk[at + (size_t)(15 - d)] = HEX[(m->hashes[i] >> (4 * d)) & 0xf];
+                at += 16;
+                chunk[at++] = '"';
+            }
+            rc = km_text_append(out, chunk, at);
+        }
         if (rc == KM_OK)
             rc = km_text_append_cstr(out, "]");
     } else if (rc == KM_OK && m->kind != CLUSTER_SYNC) {
