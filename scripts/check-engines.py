@@ -17,7 +17,8 @@ fetches them). Two kinds of fixture:
   encoder, sequence numbers, replay buffer and ROUTER replay service) on inproc endpoints, and
   received here on a SUB socket. Each prompt's line carries the engine's own prefix-cache hit
   (get_computed_blocks) taken when the request arrived, after every message published before it.
-  Scenarios: plain; lookahead hashing (num_hash_lookahead_tokens 1 and 2, configured as vLLM's
+  Scenarios: plain; cache salts and LoRA adapters (tenants and adapters sending the prompt texts
+  of unsalted base-model requests); lookahead hashing (num_hash_lookahead_tokens 1 and 2, configured as vLLM's
   Scheduler does for EAGLE, prompts diverging right after a block boundary); hybrid models
   (HybridKVCacheCoordinator: a full-attention and a two-block sliding-window group, a
   full-attention group with two- and three-block sliding-window groups, and a full-attention and
@@ -54,7 +55,8 @@ placeholders. With --sglang-radix (a separate process, in a Python that has torc
 RadixCache (sglang/srt/mem_cache: radix_cache, base_prefix_cache, cache_init_params, events,
 utils, evict_policy, its native block hash compiled from the wheel's C++ source, and
 sglang/srt/utils/cpp_extension_loader) serves prompts through match_prefix, insert and evict,
-and its KV-event recorder's events are published as an engine run (sglang_engine_radix.txt);
+and its KV-event recorder's events are published as engine runs (sglang_engine_radix.txt, and
+sglang_engine_salt.txt with cache-salted and LoRA requests);
 every other sglang module is a placeholder (the list is printed), the token-to-KV allocator a
 stand-in whose free_segment does nothing (create_simulated has no memory pools).
 msgspec, pyzmq, pydantic and cbor2 are the real packages.
@@ -65,8 +67,9 @@ Fixture format, one line each:
   live <worker> <seq> <hex payload>         a message as the live SUB socket received it
   replay <worker> <start_seq> <n>           the publisher's answer to a replay request from
   item <seq> <hex payload>                  start_seq: n items follow
-  prompt <worker> <hit blocks> <check> <tokens, comma-separated>
-                                            the engine's hit for a prompt, in blocks; check is
+  prompt <worker> <hit blocks> <check> [salt=<s>] [lora=<name>] <tokens, comma-separated>
+                                            the engine's hit for a prompt, in blocks, and the
+                                            request's cache salt and LoRA adapter; check is
                                             exact (kvmatch's capped depth must equal it),
                                             bound (it must not exceed it) or
                                             unseen (messages missing, or the engine restarted
@@ -186,7 +189,7 @@ VLLM_REAL = [
     "vllm.v1.core.block_pool", "vllm.v1.core.kv_cache_utils", "vllm.v1.core.kv_cache_manager",
     "vllm.v1.core.kv_cache_coordinator", "vllm.v1.core.single_type_kv_cache_manager",
     "vllm.v1.kv_cache_interface", "vllm.v1.kv_cache_spec_registry",
-    "vllm.v1.request", "vllm.v1.structured_output.request",
+    "vllm.v1.request", "vllm.v1.structured_output.request", "vllm.lora.request",
 ]
 
 
@@ -228,6 +231,7 @@ def load_vllm(wheel_dir):
         utils=importlib.import_module("vllm.v1.core.kv_cache_utils"),
         spec=importlib.import_module("vllm.v1.kv_cache_interface"),
         request=importlib.import_module("vllm.v1.request"),
+        lora=importlib.import_module("vllm.lora.request"),
         hashing=importlib.import_module("vllm.utils.hashing"),
         wheel=os.path.basename(wheels[0]))
     return v
@@ -427,12 +431,13 @@ class VllmEngine:
         time.sleep(0.2)  # the subscription reaches the PUB socket
         self.n_requests = self.n_batches = 0
 
-    def serve(self, tokens, n_output):
-        """One request: its prefix hit (tokens), allocation, n_output decoded tokens, free."""
+    def serve(self, tokens, n_output, salt=None, lora=None):
+        """One request: its prefix hit (tokens), allocation, n_output decoded tokens, free. salt is
+        the request's cache_salt, lora its adapter (a vLLM LoRARequest), both optional."""
         v = self.v
         self.n_requests += 1
         r = v.request.Request(f"r{self.n_requests}", list(tokens), SamplingParams(n_output), None,
-                              block_hasher=self.hasher)
+                              lora_request=lora, cache_salt=salt, block_hasher=self.hasher)
         blocks, hit, _ = self.manager.get_computed_blocks(r)
         if self.manager.allocate_slots(r, len(tokens) - hit, hit, blocks) is None:
             raise RuntimeError("check-engines: the block pool is too small for one request")
@@ -529,12 +534,13 @@ class EngineFixture:
     def line(self, text):
         self.f.write(text + "\n")
 
-    def prompt(self, worker, hit_tokens, block_size, tokens, check="exact"):
+    def prompt(self, worker, hit_tokens, block_size, tokens, check="exact", salt=None, lora=None):
         assert hit_tokens % block_size == 0
         self.prompts += 1
         self.hits += hit_tokens > 0
         self.hit_blocks += hit_tokens // block_size
-        self.line(f"prompt {worker} {hit_tokens // block_size} {check} "
+        keys = "".join(f"{k}={val} " for k, val in (("salt", salt), ("lora", lora)) if val)
+        self.line(f"prompt {worker} {hit_tokens // block_size} {check} {keys}"
                   + ",".join(str(t) for t in tokens))
 
     def count(self, payload):
@@ -620,6 +626,39 @@ def vllm_engine_scenarios(v, out_dir):
         run_requests(fx, engine, 0, Workload(lookahead + 1, B), 60)
         engine.shutdown()
         made.append((name, fx.close()))
+
+    # Cache salts and LoRA adapters: tenants and adapters send the same prompt texts, interleaved
+    # with unsalted base-model requests, on a pool small enough to evict. vLLM keys every block of
+    # an adapter's request and the first block of a salted one apart (its extra keys); kvmatch
+    # must predict each prompt's hit when routed with the same salt and adapter name.
+    name = "vllm_engine_salt_lora"
+    fx = EngineFixture(out_dir, name, B, 0,
+                       f"{v.wheel}: KVCacheManager, cache_salt and LoRA requests sharing prompt "
+                       "texts with base requests, 48 blocks, 90 requests")
+    fx.line("worker 0 1")
+    engine = VllmEngine(v, name, B, 48)
+    adapters = {n: v.lora.LoRARequest(n, i + 1, f"/adapters/{n}")
+                for i, n in enumerate(("sql-adapter", "chat-adapter"))}
+    namespaces = [(None, None), ("tenant-a", None), ("tenant-b", None), (None, "sql-adapter"),
+                  (None, "chat-adapter"), ("tenant-a", "sql-adapter")]
+    work = Workload(61, B)
+    conversation_space = {}
+    for i in range(90):
+        tokens = work.next()
+        # A conversation coming back keeps its tenant and adapter, mostly.
+        turn = next((k for k in conversation_space if tuple(tokens[:len(k)]) == k), None)
+        space = conversation_space.pop(turn) if turn else None
+        if space is None or work.rng.random() < 0.2:
+            space = work.rng.choice(namespaces)
+        salt, lora = space
+        hit, all_tokens = engine.serve(tokens, work.rng.randrange(1, 7), salt,
+                                       adapters[lora] if lora else None)
+        fx.prompt(0, hit, B, tokens, salt=salt, lora=lora)
+        fx.live(0, engine.publish())
+        work.done(all_tokens)
+        conversation_space[tuple(all_tokens)] = space
+    engine.shutdown()
+    made.append((name, fx.close()))
 
     # Hybrid models: a full-attention group and sliding-window groups. kvmatch scores them under
     # vLLM's window rule, so every prompt must equal the engine's hit; the second model's two
@@ -789,40 +828,70 @@ def sglang_radix_scenario(wheel_dir, out_dir):
     rc = importlib.import_module("sglang.srt.mem_cache.radix_cache")
     base = importlib.import_module("sglang.srt.mem_cache.base_prefix_cache")
     kv = importlib.import_module("sglang.srt.disaggregation.kv_events")
+    ev = importlib.import_module("sglang.srt.mem_cache.events")
     B, capacity = 4, 160
-    cache = rc.RadixCache.create_simulated(mock_allocator=_NoKvPool(), page_size=B,
-                                           enable_kv_cache_events=True)
     enc = msgspec.msgpack.Encoder()
-    name = "sglang_engine_radix"
-    fx = EngineFixture(out_dir, name, B, 0,
-                       f"{os.path.basename(wheels[0])}: RadixCache, page size {B}, "
-                       f"{capacity} tokens, 60 requests")
-    fx.line("worker 0 1")
-    seq = 0
 
-    def publish():
-        nonlocal seq
-        events = cache.take_events()
-        if events:
-            fx.live(0, (seq, enc.encode(kv.KVEventBatch(ts=float(seq), events=events))))
-            seq += 1
+    def run(name, seed, namespaces, what):
+        """60 prompts, each in a namespace (cache_salt, LoRA adapter name) drawn from namespaces
+        (a conversation coming back keeps its own, mostly)."""
+        names = ev.KvEventLoraNames()
+        cache = rc.RadixCache.create_simulated(mock_allocator=_NoKvPool(), page_size=B,
+                                               enable_kv_cache_events=True,
+                                               kv_event_lora_names=names)
+        fx = EngineFixture(out_dir, name, B, 0,
+                           f"{os.path.basename(wheels[0])}: RadixCache, page size {B}, "
+                           f"{capacity} tokens, 60 requests{what}")
+        fx.line("worker 0 1")
+        seq = 0
 
-    publish()  # the AllBlocksCleared of the tree's reset
-    work = Workload(53, B)
-    for i in range(60):
-        tokens = work.next()
-        key = rc.RadixKey(array("q", tokens[:-1]))
-        hit = cache.match_prefix(base.MatchPrefixParams(key=key)).device_prefix_len
-        fx.prompt(0, hit, B, tokens)
-        output = [7000 + (i * 31 + k) % 97 for k in range(work.rng.randrange(1, 7))]
-        everything = list(tokens) + output
-        cache.insert(base.InsertParams(key=rc.RadixKey(array("q", everything)),
-                                       value=torch.arange(len(everything))))
-        if cache.total_size() > capacity:
-            cache.evict(base.EvictParams(num_tokens=cache.total_size() - capacity))
-        publish()
-        work.done(everything)
-    print(f"check-engines: {name}: {fx.close()}")
+        def publish():
+            nonlocal seq
+            events = cache.take_events()
+            if events:
+                fx.live(0, (seq, enc.encode(kv.KVEventBatch(ts=float(seq), events=events))))
+                seq += 1
+
+        def extra_key(lora):
+            """SGLang's Req ends a LoRA request's extra_key with its 32-character lora_id and
+            names the namespace in the KV-event LoRA table when the request is admitted."""
+            if not lora:
+                return None
+            lora_id = lora.encode().hex().ljust(32, "0")[:32]
+            key = "engine-extra-" + lora_id
+            names.register(types.SimpleNamespace(extra_key=key, lora_id=lora_id), lora)
+            return key
+
+        publish()  # the AllBlocksCleared of the tree's reset
+        work = Workload(seed, B)
+        conversation_space = {}
+        for i in range(60):
+            tokens = work.next()
+            turn = next((k for k in conversation_space if tuple(tokens[:len(k)]) == k), None)
+            space = conversation_space.pop(turn) if turn else namespaces[0]
+            if len(namespaces) > 1 and (turn is None or work.rng.random() < 0.2):
+                space = work.rng.choice(namespaces)
+            salt, lora = space
+            key = rc.RadixKey(array("q", tokens[:-1]), extra_key(lora), cache_salt=salt)
+            hit = cache.match_prefix(base.MatchPrefixParams(key=key)).device_prefix_len
+            fx.prompt(0, hit, B, tokens, salt=salt, lora=lora)
+            output = [7000 + (i * 31 + k) % 97 for k in range(work.rng.randrange(1, 7))]
+            everything = list(tokens) + output
+            cache.insert(base.InsertParams(
+                key=rc.RadixKey(array("q", everything), extra_key(lora), cache_salt=salt),
+                value=torch.arange(len(everything))))
+            if cache.total_size() > capacity:
+                cache.evict(base.EvictParams(num_tokens=cache.total_size() - capacity))
+            publish()
+            work.done(everything)
+            conversation_space[tuple(everything)] = space
+        print(f"check-engines: {name}: {fx.close()}")
+
+    run("sglang_engine_radix", 53, [(None, None)], "")
+    run("sglang_engine_salt", 59,
+        [(None, None), ("tenant-a", None), ("tenant-b", None), (None, "sql-adapter"),
+         ("tenant-a", "sql-adapter")],
+        ", cache_salt and LoRA requests sharing prompt texts with plain ones")
     print("check-engines: placeholders bound (never called): " + ", ".join(sorted(PLACEHOLDERS)))
     import shutil
     shutil.rmtree(root, ignore_errors=True)

@@ -62,8 +62,9 @@ sglang_radix() {
 }
 if ! sglang_radix; then
     echo "check-engines: SGLang's RadixCache: skipped (torch or the native hash could not be" \
-         "loaded: see the lines above); tests/engine_fixtures/sglang_engine_radix.txt unchanged"
-    git checkout -q -- tests/engine_fixtures/sglang_engine_radix.txt 2>/dev/null || true
+         "loaded: see the lines above); tests/engine_fixtures/sglang_engine_*.txt unchanged"
+    git checkout -q -- tests/engine_fixtures/sglang_engine_radix.txt \
+        tests/engine_fixtures/sglang_engine_salt.txt 2>/dev/null || true
 fi
 "$KM_TESTS" --filter 'engine_fixtures/*'
 if ! git diff --quiet -- tests/engine_fixtures; then

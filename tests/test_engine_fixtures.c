@@ -8,10 +8,11 @@
  *    always recomputed), must equal the engine's own prefix-cache hit. Gaps are answered with the
  *    publisher's own replay answers, and the feed's state and lost count are checked where the
  *    fixture states them. Covers plain and lookahead hashing, DP ranks, gaps inside and beyond
- *    the replay buffer, a prefix-cache reset and an engine restart, and hybrid models (a
+ *    the replay buffer, a prefix-cache reset and an engine restart, requests with a cache salt
+ *    or a LoRA adapter (routed with the same salt and adapter name), and hybrid models (a
  *    full-attention group with one or two sliding-window groups, or a Mamba group); SGLang's
- *    RadixCache served prompts and its KV-event recorder's events were encoded with SGLang's own
- *    KVEventBatch. A prompt marked "bound" must only not exceed the engine's hit; how often it
+ *    RadixCache served prompts, plain and in salted and LoRA namespaces, and its KV-event
+ *    recorder's events were encoded with SGLang's own KVEventBatch. A prompt marked "bound" must only not exceed the engine's hit; how often it
  *    equals it is logged.
  *  - event encodings: the worker's index must end with exactly the expected chains, each in its
  *    tier (lookahead variants, LoRA under Dynamo's seed rule with a CPU offload, the cache salt in
@@ -111,11 +112,12 @@ static void serve_actions(fixture_run *r)
 /* The worker's matched depth for the prompt, capped as the engine caps a hit: the engine
  * recomputes the prompt's last token, so the request holds the blocks before it only (a hybrid
  * model's sliding-window groups are then looked at below that cap, as the engine does). */
-static uint32_t predicted_hit(fixture_run *r, uint32_t worker, const uint32_t *tokens, size_t n)
+static uint32_t predicted_hit(fixture_run *r, uint32_t worker, const char *salt, const char *lora,
+                              const uint32_t *tokens, size_t n)
 {
     static uint64_t chains[MAX_PROMPT_TOKENS];
     size_t n_blocks = 0;
-    km_hash_config hc = {r->block_size, NULL, NULL};
+    km_hash_config hc = {r->block_size, lora, salt};
     cr_assert_eq(km_hash_sequence_lookahead(&hc, r->lookahead, tokens, n, 0, 0, NULL, chains,
                                             &n_blocks),
                  KM_OK);
@@ -144,13 +146,23 @@ static void check_prompt(fixture_run *r, char *rest)
     int used = 0;
     cr_assert_eq(sscanf(rest, "%u %u %15s %n", &worker, &hit, check, &used), 3, "%s:%u", r->path,
                  r->line_no);
+    /* The request's cache salt and LoRA adapter, as a router would send them in the route. */
+    static char salt[64], lora[64];
+    salt[0] = lora[0] = '\0';
+    for (int more = 0; !strncmp(rest + used, "salt=", 5) || !strncmp(rest + used, "lora=", 5);
+         used += more) {
+        char *value = rest[used] == 's' ? salt : lora;
+        cr_assert_eq(sscanf(rest + used + 5, "%63s %n", value, &more), 1, "%s:%u", r->path,
+                     r->line_no);
+        more += 5;
+    }
     size_t n = 0;
     for (char *t = strtok(rest + used, ",\n"); t; t = strtok(NULL, ",\n")) {
         cr_assert_lt(n, MAX_PROMPT_TOKENS);
         tokens[n++] = (uint32_t)strtoul(t, NULL, 10);
     }
     cr_assert_eq(km_feed_flush(r->feed, r->now++, NULL), KM_OK);
-    uint32_t predicted = predicted_hit(r, worker, tokens, n);
+    uint32_t predicted = predicted_hit(r, worker, salt, lora, tokens, n);
     if (!strcmp(check, "unseen")) {
         r->prompts_unseen++;
         return;
@@ -167,9 +179,9 @@ static void check_prompt(fixture_run *r, char *rest)
     }
     cr_assert_str_eq(check, "exact", "%s:%u", r->path, r->line_no);
     cr_assert_eq(predicted, hit,
-                 "%s:%u: worker %u, a prompt of %zu tokens: kvmatch predicts a hit of %u blocks, "
-                 "the engine hit %u",
-                 r->path, r->line_no, worker, n, predicted, hit);
+                 "%s:%u: worker %u, a prompt of %zu tokens (salt \"%s\", adapter \"%s\"): "
+                 "kvmatch predicts a hit of %u blocks, the engine hit %u",
+                 r->path, r->line_no, worker, n, salt, lora, predicted, hit);
     r->prompts_exact++;
 }
 
