@@ -8,7 +8,8 @@
  *    always recomputed), must equal the engine's own prefix-cache hit. Gaps are answered with the
  *    publisher's own replay answers, and the feed's state and lost count are checked where the
  *    fixture states them. Covers plain and lookahead hashing, DP ranks, gaps inside and beyond
- *    the replay buffer, a prefix-cache reset and an engine restart, requests with a cache salt
+ *    the replay buffer, a prefix-cache reset and an engine restart, second copies of a block
+ *    (each evicted on its own), requests with a cache salt
  *    or a LoRA adapter (routed with the same salt and adapter name), and hybrid models (a
  *    full-attention group with one or two sliding-window groups, or a Mamba group); SGLang's
  *    RadixCache served prompts, plain and in salted and LoRA namespaces, and its KV-event

@@ -934,8 +934,114 @@ Test(feed, hybrid_model_blocks_count_only_while_every_group_holds_them, .timeout
     fx_free(&f);
 }
 
+/* Second copies: a GPU store of a block a group holds is another copy (vLLM caches a recomputed
+ * block again), and the block leaves the group with its last copy's removal, whether the copies
+ * go in separate events or one event names the hash twice; the count survives a save and
+ * restore. A group from KM_EMAP_COPY_GROUPS up counts no copies (the block leaves with the first
+ * removal), and a CPU store again is no copy. */
+Test(feed, a_block_leaves_a_group_with_its_last_copy, .timeout = 10)
+{
+    fx f;
+    fx_init(&f);
+    fx_add(&f, 0, false);
+    uint32_t t[BS];
+    for (uint32_t i = 0; i < BS; i++)
+        t[i] = 300 + i;
+    uint64_t eh = 4242, want;
+    km_hash_config route = {BS, NULL, NULL};
+    size_t nb;
+    cr_assert_eq(km_hash_sequence(&route, t, BS, 0, KM_NO_PARENT, NULL, &want, &nb), KM_OK);
+    msgpack_sbuffer sb;
+    uint64_t seq = 0;
+    /* Three copies in group 0 (one event storing it twice, then a third). */
+    group_event store = {false, &eh, 1, false, 0, t, BS, 0, NULL, 0};
+    group_event two[2] = {store, store};
+    pack_group_batch(&sb, two, 2);
+    live_payload(&f, 0, seq++, &sb);
+    pack_group_batch(&sb, &store, 1);
+    live_payload(&f, 0, seq++, &sb);
+    fx_flush(&f);
+    cr_assert_eq(held_depth(f.index, 0, &want, 1), 1);
+    /* One copy goes: two stay. */
+    group_event drop = {true, &eh, 1, false, 0, NULL, 0, 0, NULL, 0};
+    pack_group_batch(&sb, &drop, 1);
+    live_payload(&f, 0, seq++, &sb);
+    fx_flush(&f);
+    cr_assert_eq(held_depth(f.index, 0, &want, 1), 1, "two copies stay");
+    /* Saved and restored: the count comes back with the feed's state. */
+    char dir[64], path[96];
+    snprintf(dir, sizeof dir, "/tmp/kvmatch-copies-XXXXXX");
+    cr_assert(mkdtemp(dir) != NULL);
+    snprintf(path, sizeof path, "%s/snap", dir);
+    cr_assert_eq(km_feed_save(f.feed, path, f.now++), KM_OK, "%s", km_feed_last_error(f.feed));
+    km_index *index = km_test_make_index(16);
+    km_feed *feed = NULL;
+    cr_assert_eq(km_feed_create(index, &f.cfg, &feed), KM_OK);
+    cr_assert_eq(km_feed_restore(feed, path, f.now++), KM_OK, "%s", km_feed_last_error(feed));
+    remove(path);
+    rmdir(dir);
+    km_feed_worker_config wc = {0, "w", false};
+    cr_assert_eq(km_feed_add_worker(feed, &wc, f.now++), KM_OK);
+    /* One event names the hash once: one copy stays; then twice more than held: gone. */
+    km_kv_decoder *dec;
+    cr_assert_eq(km_kv_decoder_create(NULL, &dec), KM_OK);
+    km_kv_batch b;
+    pack_group_batch(&sb, &drop, 1);
+    cr_assert_eq(km_kv_decode_payload(dec, sb.data, sb.size, &b), KM_OK);
+    cr_assert_eq(km_feed_live(feed, 0, seq++, &b, f.now++), KM_OK);
+    msgpack_sbuffer_destroy(&sb);
+    cr_assert_eq(km_feed_flush(feed, f.now++, NULL), KM_OK);
+    cr_assert_eq(held_depth(index, 0, &want, 1), 1, "the last copy stays after the restore");
+    group_event twice[2] = {drop, drop};
+    pack_group_batch(&sb, twice, 2);
+    cr_assert_eq(km_kv_decode_payload(dec, sb.data, sb.size, &b), KM_OK);
+    cr_assert_eq(km_feed_live(feed, 0, seq++, &b, f.now++), KM_OK);
+    msgpack_sbuffer_destroy(&sb);
+    cr_assert_eq(km_feed_flush(feed, f.now++, NULL), KM_OK);
+    cr_assert_eq(held_depth(index, 0, &want, 1), 0, "the last copy went");
+    km_feed_worker_info info;
+    cr_assert_eq(km_feed_get_worker_info(feed, 0, &info), KM_OK);
+    cr_assert_eq(info.counters.unknown_removes, 1, "the removal beyond the copies is unknown");
+    km_kv_decoder_destroy(dec);
+    km_feed_destroy(feed);
+    km_index_destroy(index);
+
+    /* Group 5 (no copies counted): two stores, one removal, and the block has left it. A CPU
+     * store twice is one CPU copy: one CPU removal takes it. */
+    uint64_t eh5 = 5151, want5;
+    uint32_t t5[BS];
+    for (uint32_t i = 0; i < BS; i++)
+        t5[i] = 600 + i;
+    cr_assert_eq(km_hash_sequence(&route, t5, BS, 0, KM_NO_PARENT, NULL, &want5, &nb), KM_OK);
+    group_event g5[2] = {{false, &eh5, 1, false, 0, t5, BS, 5, NULL, 0},
+                         {false, &eh5, 1, false, 0, t5, BS, 5, NULL, 0}};
+    pack_group_batch(&sb, g5, 2);
+    live_payload(&f, 0, seq++, &sb);
+    group_event g5_rm = {true, &eh5, 1, false, 0, NULL, 0, 5, NULL, 0};
+    pack_group_batch(&sb, &g5_rm, 1);
+    live_payload(&f, 0, seq++, &sb);
+    group_event cpu[2] = {{false, &eh5, 1, false, 0, t5, BS, 0, "CPU", 0},
+                          {false, &eh5, 1, false, 0, t5, BS, 0, "CPU", 0}};
+    pack_group_batch(&sb, cpu, 2);
+    live_payload(&f, 0, seq++, &sb);
+    fx_flush(&f);
+    cr_assert_eq(held_depth(f.index, 0, &want5, 1), 1, "held on the CPU");
+    group_event cpu_rm = {true, &eh5, 1, false, 0, NULL, 0, 0, "CPU", 0};
+    pack_group_batch(&sb, &cpu_rm, 1);
+    live_payload(&f, 0, seq++, &sb);
+    fx_flush(&f);
+    cr_assert_eq(held_depth(f.index, 0, &want5, 1), 0, "the CPU's one copy left");
+    /* Only the group-0 block of the first part is left in the map: group 5's copy went with its
+     * first removal. */
+    cr_assert_eq(fx_info(&f, 0).map_entries, 1);
+    fx_free(&f);
+}
+
 /* A full-attention group (0) and a sliding-window group (1) of a hybrid model, stored and evicted
- * at random, each on its own: after every message the worker's depth for each of two sequences
+ * at random, each on its own, against a multiset model of the engine's copies: a store of a block a
+ * group holds is another copy of it there (as vLLM's BlockPool caches a recomputed block again),
+ * a removal takes one copy (a BlockRemoved may name the same hash twice), and the group holds the
+ * block while a copy is left. After every message the worker's depth for each of two sequences
  * (sharing 4 blocks), cut at every length, must be vLLM's hybrid hit computed by brute force from
  * what each group holds: the full-attention prefix d, then the largest e <= d at which the window
  * group holds the blocks [max(0, e - n), e), n = max(1, ceil((window - 1) / block size)). Then
@@ -949,7 +1055,7 @@ static uint32_t hy_node(uint32_t seq, uint32_t block)
     return seq == 0 || block < HY_SHARED ? block : HY_BLOCKS + block - HY_SHARED;
 }
 
-static uint32_t hy_oracle(bool held[2][HY_NODES], uint32_t seq, uint32_t len, uint32_t n)
+static uint32_t hy_oracle(uint32_t held[2][HY_NODES], uint32_t seq, uint32_t len, uint32_t n)
 {
     uint32_t d = 0;
     while (d < len && held[0][hy_node(seq, d)])
@@ -963,7 +1069,7 @@ static uint32_t hy_oracle(bool held[2][HY_NODES], uint32_t seq, uint32_t len, ui
     }
 }
 
-static void hy_check(km_index *index, bool held[2][HY_NODES], uint64_t chains[2][HY_BLOCKS],
+static void hy_check(km_index *index, uint32_t held[2][HY_NODES], uint64_t chains[2][HY_BLOCKS],
                      uint32_t n, const char *when)
 {
     for (uint32_t seq = 0; seq < 2; seq++)
@@ -997,7 +1103,7 @@ Test(feed, hybrid_sliding_window_depth_is_vllms_hit_on_random_group_events, .tim
             cr_assert_eq(km_hash_sequence(&hc, tokens[seq], HY_BLOCKS * BS, 0, KM_NO_PARENT, NULL,
                                           chains[seq], &nb), KM_OK);
         }
-        bool held[2][HY_NODES] = {{false}};
+        uint32_t held[2][HY_NODES] = {{0}}; /* copies per group and block */
         msgpack_sbuffer sb;
         /* Both groups store sequence 0 in the first message. */
         group_event first[2] = {
@@ -1006,14 +1112,14 @@ Test(feed, hybrid_sliding_window_depth_is_vllms_hit_on_random_group_events, .tim
         pack_group_batch(&sb, first, 2);
         live_payload(&f, 0, 0, &sb);
         for (uint32_t b = 0; b < HY_BLOCKS; b++)
-            held[0][b] = held[1][b] = true;
+            held[0][b] = held[1][b] = 1;
         fx_flush(&f);
         hy_check(f.index, held, chains, n, "after the first message");
         for (uint64_t seq_no = 1; seq_no < 60; seq_no++) {
             group_event ev[3];
-            uint64_t removed[3][HY_BLOCKS];
+            uint64_t removed[3][2 * HY_NODES];
             uint32_t n_ev = 0;
-            bool next[2][HY_NODES];
+            uint32_t next[2][HY_NODES];
             memcpy(next, held, sizeof next);
             for (uint32_t k = 1 + km_rng_below(&r, 3); k > 0; k--) {
                 uint32_t g = km_rng_below(&r, 2), s = km_rng_below(&r, 2);
@@ -1027,14 +1133,15 @@ Test(feed, hybrid_sliding_window_depth_is_vllms_hit_on_random_group_events, .tim
                                                a ? eh[s][a - 1] : 0, tokens[s] + a * BS,
                                                (b - a) * BS, g, NULL, g ? window : 0};
                     for (uint32_t i = a; i < b; i++)
-                        next[g][hy_node(s, i)] = true;
+                        next[g][hy_node(s, i)]++;
                 } else {
                     uint32_t m = 0;
                     for (uint32_t node = 0; node < HY_NODES; node++)
-                        if (next[g][node] && km_rng_percent(&r, 30)) {
-                            removed[n_ev][m++] = 1000 + node;
-                            next[g][node] = false;
-                        }
+                        for (uint32_t twice = 0; twice < 2; twice++)
+                            if (next[g][node] && km_rng_percent(&r, twice ? 20 : 30)) {
+                                removed[n_ev][m++] = 1000 + node;
+                                next[g][node]--;
+                            }
                     if (m) {
                         ev[n_ev] = (group_event){true, removed[n_ev], m, false, 0, NULL, 0, g,
                                                  NULL, 0};

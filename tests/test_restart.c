@@ -292,6 +292,13 @@ Test(restart, feed_state_round_trip, .timeout = 20)
     bad[size - 1] = 0x80; /* last map entry's groups: the bit no block gets */
     cr_assert_eq(km_feed_import_state(fc, bad, size, 1), KM_ERR_CORRUPT);
     bad[size - 1] = 0;
+    bad[size - 6] = 1; /* last map entry: a copy in group 2, which does not hold the block */
+    cr_assert_eq(km_feed_import_state(fc, bad, size, 1), KM_ERR_CORRUPT);
+    cr_assert(strstr(km_feed_last_error(fc), "copies") != NULL, "%s", km_feed_last_error(fc));
+    bad[size - 6] = 0;
+    bad[8] = 4; /* without the copies: a block cached twice would leave with its first copy */
+    cr_assert_eq(km_feed_import_state(fc, bad, size, 1), KM_ERR_INCOMPATIBLE);
+    cr_assert(strstr(km_feed_last_error(fc), "version 4") != NULL, "%s", km_feed_last_error(fc));
     bad[8] = 2; /* without the KV-cache groups */
     cr_assert_eq(km_feed_import_state(fc, bad, size, 1), KM_ERR_INCOMPATIBLE);
     cr_assert_eq(km_feed_get_workers(fc, NULL, 0, &n), KM_OK);

@@ -409,14 +409,16 @@ int km_feed_get_workers(const km_feed *feed, uint32_t *workers, uint32_t capacit
 
 /* ---- snapshots (restart of kvmatch) ---------------------------------------------------------- */
 
-/* Feed-state format version written by km_feed_save / km_feed_export_state. 4: chain hashes
+/* Feed-state format version written by km_feed_save / km_feed_export_state. 5: chain hashes
  * under the LoRA / salt seed rules of docs/HASHING.md ("Seeds"), media masks of
- * KM_KV_MEDIUM_COUNT bits, the KV-cache groups holding each block on the GPU, and each worker's
- * sliding-window groups with their window in blocks. Any other version is refused
- * (KM_ERR_INCOMPATIBLE): version 1 holds chain hashes under other rules, version 2 lacks the
- * groups, without which a hybrid model's blocks would count where a group lacks them, version 3
- * the window groups, without which the index would score such a worker without its window rule. */
-#define KM_FEED_STATE_VERSION 4u
+ * KM_KV_MEDIUM_COUNT bits, the KV-cache groups holding each block on the GPU with the copies
+ * beyond the first a group holds, and each worker's sliding-window groups with their window in
+ * blocks. Any other version is refused (KM_ERR_INCOMPATIBLE): version 1 holds chain hashes under
+ * other rules, version 2 lacks the groups, without which a hybrid model's blocks would count where
+ * a group lacks them, version 3 the window groups, without which the index would score such a
+ * worker without its window rule, version 4 the copies, without which a block cached twice would
+ * leave the index with its first copy's removal. */
+#define KM_FEED_STATE_VERSION 5u
 
 /* Serialise what a restart needs, per worker: id, name, identity, replay flag, stream position
  * (next seq to apply, last live seq), DEGRADED flag, the engine's KV-cache groups and the

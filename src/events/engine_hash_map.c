@@ -36,7 +36,7 @@ km_emap_entry *km_emap_upsert(km_emap *m, uint64_t engine_hash)
     km_emap_entry *e = km_emap_find(m, engine_hash);
     if (e)
         return e;
-    km_emap_entry fresh = {km_u64map_key(engine_hash), 0, 0, 0};
+    km_emap_entry fresh = {.key = km_u64map_key(engine_hash)};
     m->live++;
     return (km_emap_entry *)(void *)km_oamap_place(m, &fresh);
 }

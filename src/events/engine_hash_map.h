@@ -1,7 +1,8 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* The event feed's per-worker engine-hash map: an engine's block hash -> the kvmatch chain hash
- * computed for it, the media (device, host, disk, ...) holding it and the KV-cache groups holding
- * it on the device. The shared open-addressing
+ * computed for it, the media (device, host, disk, ...) holding it, the KV-cache groups holding
+ * it on the device and the device copies beyond the first of the lowest groups. The shared
+ * open-addressing
  * core (src/base/open_map.h: linear probing, backward-shift deletion, incremental growth: a map of 16 K
  * slots or more moves its entries to the doubled array over the following reserves and erases, so
  * no message pays for rehashing a worker's million blocks) over 24-byte entries; not accounted
@@ -14,10 +15,20 @@
 #include "base/open_map.h"
 #include "base/u64_map.h"
 
+/* KV-cache groups 0 .. KM_EMAP_COPY_GROUPS - 1 count a block's device copies (in the entry's
+ * padding, so an entry stays 24 bytes). */
+#define KM_EMAP_COPY_GROUPS 3u
+/* The most extra copies an entry counts per group; copies beyond it are not counted. */
+#define KM_EMAP_MAX_EXTRA_COPIES 255u
+
 typedef struct km_emap_entry {
     uint64_t key;   /* km_u64map_key(engine hash); 0 = empty, 1 = erased (old array only) */
     uint64_t chain; /* kvmatch chain hash, or the feed's mark for an unhashable block */
     uint8_t media;  /* bit per medium holding the block */
+    /* Per group g < KM_EMAP_COPY_GROUPS: the device copies of the block in group g beyond the
+     * first (an engine caches a block again when it recomputes it, and removes each copy on its
+     * own); 0 when gpu_groups lacks g's bit. */
+    uint8_t extra_copies[KM_EMAP_COPY_GROUPS];
     uint32_t gpu_groups; /* bit per KV-cache group holding the block on the GPU (group 0 for an
                           * event without group_idx); 0 exactly when media lacks the GPU bit */
 } km_emap_entry;
@@ -44,8 +55,9 @@ km_emap_entry *km_emap_find(const km_emap *m, uint64_t engine_hash);
  * moved); moves max(16 * extra, 1024) old slots of a growing map. Entry pointers are stale
  * afterwards. KM_OK or KM_ERR_OUT_OF_MEMORY (nothing changed). */
 int km_emap_reserve(km_emap *m, uint64_t extra);
-/* The entry of an engine hash, inserted (chain 0, media 0, gpu_groups 0) when absent: room must
- * have been reserved. Never moves another entry, so pointers from find and upsert stay valid. */
+/* The entry of an engine hash, inserted (chain 0, media 0, no copies, gpu_groups 0) when absent:
+ * room must have been reserved. Never moves another entry, so pointers from find and upsert stay
+ * valid. */
 km_emap_entry *km_emap_upsert(km_emap *m, uint64_t engine_hash);
 /* Erase an entry find or upsert returned. Later entries may move (backward shift), and a growing
  * map moves a few more: entry pointers are stale afterwards. */

@@ -25,7 +25,9 @@
  *     window_groups u32 (those of them that are sliding windows: a subset of gpu_groups, never
  *     the bit of groups from 31 up), then per window group, lowest first, blocks u32 (>= 1),
  *     map_entries x {key u64 (mapped as km_u64map_key maps it: never 0 or 1), chain u64,
- *                    media u8 (1..31), gpu_groups u32 (not 0 exactly when media has the GPU bit)}
+ *                    extra_copies u8 x KM_EMAP_COPY_GROUPS (group g's GPU copies beyond the
+ *                    first: 0 unless gpu_groups has g's bit), media u8 (1..31),
+ *                    gpu_groups u32 (not 0 exactly when media has the GPU bit)}
  *   nothing after the last worker. */
 static const unsigned char FEED_MAGIC[8] = {'K', 'M', 'F', 'E', 'E', 'D', 'S', 'T'};
 #define FS_HAS_REPLAY 1u
@@ -33,7 +35,7 @@ static const unsigned char FEED_MAGIC[8] = {'K', 'M', 'F', 'E', 'E', 'D', 'S', '
 #define FS_HAS_LAST_LIVE 4u
 #define FS_DEGRADED 8u
 #define FS_KNOWN_FLAGS 15u
-#define FS_ENTRY_BYTES 21u
+#define FS_ENTRY_BYTES (21u + KM_EMAP_COPY_GROUPS)
 #define FS_MEDIUM_BIT_GPU (1u << KM_KV_MEDIUM_GPU)
 /* The group bit standing for groups from 31 up, which no block gets (feed_updates.c). */
 #define FS_GROUP_BIT_UNTRACKED (1u << 31)
@@ -116,6 +118,7 @@ int km_feed_export_state(const km_feed *feed, void **out, size_t *size_out)
         for (const km_emap_entry *e; (e = km_emap_next(&w->map, &cursor));) {
             fs_u64(&wr, e->key);
             fs_u64(&wr, e->chain);
+            fs_put(&wr, e->extra_copies, KM_EMAP_COPY_GROUPS);
             fs_put(&wr, &e->media, 1);
             fs_u32(&wr, e->gpu_groups);
         }
@@ -300,10 +303,11 @@ static int parse_state(km_feed *feed, const void *data, size_t size, staged_stat
         }
         for (uint64_t j = 0; j < entries && !rc; j++) {
             uint64_t key = 0, chain = 0;
-            uint8_t media = 0;
+            uint8_t media = 0, copies[KM_EMAP_COPY_GROUPS] = {0};
             uint32_t groups = 0;
             fs_get_u64(&r, &key);
             fs_get_u64(&r, &chain);
+            fs_take(&r, copies, KM_EMAP_COPY_GROUPS);
             fs_take(&r, &media, 1);
             fs_get_u32(&r, &groups);
             /* Keys are stored mapped (km_u64map_key), so never 0 or 1; the map maps them again,
@@ -313,6 +317,13 @@ static int parse_state(km_feed *feed, const void *data, size_t size, staged_stat
                 rc = KM_ERR_CORRUPT, why = "bad map entry";
                 break;
             }
+            bool copies_ok = true;
+            for (uint32_t g = 0; g < KM_EMAP_COPY_GROUPS; g++)
+                copies_ok &= !copies[g] || (groups >> g & 1u);
+            if (!copies_ok) {
+                rc = KM_ERR_CORRUPT, why = "copies in a group not holding the block";
+                break;
+            }
             if (km_emap_find(&w->map, key)) {
                 rc = KM_ERR_CORRUPT, why = "duplicate map entry";
                 break;
@@ -320,6 +331,7 @@ static int parse_state(km_feed *feed, const void *data, size_t size, staged_stat
             km_emap_entry *m = km_emap_upsert(&w->map, key);
             m->chain = chain;
             m->media = media;
+            memcpy(m->extra_copies, copies, KM_EMAP_COPY_GROUPS);
             m->gpu_groups = groups;
         }
         if (rc)

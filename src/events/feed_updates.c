@@ -100,6 +100,37 @@ static uint32_t required_groups(const worker *w)
     return w->gpu_groups & ~window_mask(w);
 }
 
+/* Copies. An engine may cache a block a second time in the same group while the first copy is
+ * still cached (vLLM recomputes the blocks a request's hit leaves out: the prompt's last full
+ * block, a hybrid model's full-attention blocks past the hybrid hit; BlockPool keeps both) and
+ * removes each copy with its own BlockRemoved of the same engine hash. The entry counts a group's
+ * GPU copies beyond the first, so a removal takes the block out of the group only with its last
+ * copy. Groups from KM_EMAP_COPY_GROUPS up, and copies beyond KM_EMAP_MAX_EXTRA_COPIES, are not
+ * counted: their block leaves the group with the first removal, less than the engine holds, never
+ * more. Other media hold one copy: a store there again only says the medium holds the block. */
+
+/* A GPU store of the entry's block in the group of gbit: true when the group held it already, a
+ * copy, now counted. */
+static bool gain_copy(km_emap_entry *m, uint32_t gbit)
+{
+    if (!(m->media & MEDIUM_BIT_GPU) || !(m->gpu_groups & gbit))
+        return false;
+    uint32_t g = (uint32_t)__builtin_ctz(gbit);
+    if (g < KM_EMAP_COPY_GROUPS && m->extra_copies[g] < KM_EMAP_MAX_EXTRA_COPIES)
+        m->extra_copies[g]++;
+    return true;
+}
+
+/* A GPU removal from the group of gbit: true when another copy stays there (one fewer counted). */
+static bool drop_copy(km_emap_entry *m, uint32_t gbit)
+{
+    uint32_t g = (uint32_t)__builtin_ctz(gbit);
+    if (g >= KM_EMAP_COPY_GROUPS || !(m->gpu_groups & gbit) || !m->extra_copies[g])
+        return false;
+    m->extra_copies[g]--;
+    return true;
+}
+
 /* The window groups (of `windows`) whose window key for the entry is in the index. */
 static uint32_t entry_windows(const km_emap_entry *m, uint32_t windows)
 {
@@ -323,6 +354,7 @@ static bool place_window_blocks(km_feed *feed, worker *w, const km_kv_event *e)
         km_emap_entry *m = km_emap_find(&w->map, e->block_hashes[i]);
         if (!m || m->chain == CHAIN_UNHASHABLE || !(m->media & MEDIUM_BIT_GPU))
             continue;
+        gain_copy(m, gbit);
         m->gpu_groups |= gbit;
         feed->hashes[feed->hash_count] = km_hash_window_key(m->chain, e->group_idx);
         queue_push(feed, KM_UPDATE_STORE, w->id, KM_NO_PARENT, feed->hash_count++, 1);
@@ -335,8 +367,9 @@ static bool place_window_blocks(km_feed *feed, worker *w, const km_kv_event *e)
 
 /* An engine hash names one block (its parent, tokens and extra keys). A BlockStored of an engine
  * hash the worker already holds is that same block arriving in another medium (vLLM's CPU
- * offloading connector announces its copies so, with extra_keys nil), or the same medium again:
- * it adds its medium and never renames the block. The chain hash (or the unhashable mark) the
+ * offloading connector announces its copies so, with extra_keys nil), or the same medium again
+ * (on the GPU in a group holding it: another copy, counted as above): it adds its medium and never
+ * renames the block. The chain hash (or the unhashable mark) the
  * first store gave it stays until the block has left every medium, so the index holds exactly one
  * chain per held engine hash, the one a BlockRemoved will remove. A new block after a held one is
  * chained from the held chain. */
@@ -461,9 +494,11 @@ static void apply_stored(km_feed *feed, worker *w, const km_kv_event *e)
                 m->chain = CHAIN_UNHASHABLE;
             }
         }
-        m->media |= bit;
-        if (bit == MEDIUM_BIT_GPU)
+        if (bit == MEDIUM_BIT_GPU) {
+            gain_copy(m, gbit);
             m->gpu_groups |= gbit;
+        }
+        m->media |= bit;
         if (m->chain == CHAIN_UNHASHABLE) {
             run_open = false;
             unhashable++;
@@ -528,6 +563,8 @@ static void apply_removed(km_feed *feed, worker *w, const km_kv_event *e)
             w->c.unknown_removes++;
             continue;
         }
+        if (bit == MEDIUM_BIT_GPU && drop_copy(m, group_bit(e)))
+            continue; /* another copy stays in the group: nothing the index sees changes */
         uint8_t before = m->media;
         bool counted_before = entry_counts(m, required);
         uint32_t windows_before = entry_windows(m, windows);
