@@ -36,6 +36,7 @@ static km_nats_test_server nats;
 static km_server_worker g_workers[2] = {{.id = 0}, {.id = 1}};
 static km_server_pool g_pool;
 static uint32_t g_tokens[64];
+static km_policy_kind g_policy = KM_POLICY_LEAST_LOAD;
 
 static void start_nats(void)
 {
@@ -97,7 +98,7 @@ static void node_start_with(node *n, const char *instance, km_server_worker *wor
     g_pool.model = "m1";
     g_pool.block_size = BS;
     km_policy_config_init(&g_pool.policy);
-    g_pool.policy.kind = KM_POLICY_LEAST_LOAD;
+    g_pool.policy.kind = g_policy;
     g_pool.workers = workers;
     g_pool.n_workers = 2;
     cfg.pools = &g_pool;
@@ -584,5 +585,106 @@ Test(cluster_serve, instances_whose_workers_differ_leave_each_others_pool_out_an
     km_client_close(ca);
     km_client_close(cd);
     node_stop(&d);
+    node_stop(&a);
+}
+
+/* The decision record of request `id` on n (records are written asynchronously: polled). */
+static json_t *decision_record_of(node *n, const char *id)
+{
+    char needle[96];
+    snprintf(needle, sizeof needle, "\"request_id\":\"%s\"", id);
+    for (int tries = 0; tries < 200; tries++) {
+        FILE *f = fopen(n->records, "r");
+        char *line = NULL;
+        size_t cap = 0;
+        json_t *found = NULL;
+        while (f && !found && getline(&line, &cap, f) > 0)
+            if (strstr(line, needle) && strstr(line, "\"type\":\"decision\""))
+                found = json_loads(line, 0, NULL);
+        free(line);
+        if (f)
+            fclose(f);
+        if (found)
+            return found;
+        km_test_sleep_ms(20);
+    }
+    cr_assert_fail("no decision record of %s in %s", id, n->records);
+    return NULL;
+}
+
+/* The queued_depth_blocks of worker `name` among a decision record's candidates. */
+static json_int_t queued_depth_of(json_t *rec, const char *name)
+{
+    json_t *cands = json_object_get(rec, "candidates"), *c;
+    size_t i;
+    json_array_foreach(cands, i, c)
+        if (!strcmp(json_string_value(json_object_get(c, "worker")), name))
+            return json_integer_value(json_object_get(c, "queued_depth_blocks"));
+    cr_assert_fail("worker %s not among the candidates", name);
+    return -1;
+}
+
+static void finish(km_client *c, const char *id, km_lifecycle_kind kind)
+{
+    km_lifecycle_event ev = {.kind = kind, .request_id = id, .outcome = KM_OUTCOME_CANCELLED};
+    km_message ack;
+    cr_assert_eq(km_client_lifecycle(c, &ev, 1, 5000, &ack), KM_OK);
+    cr_assert_eq(ack.ack.items[0].status, KM_OK, "%s",
+                 ack.ack.items[0].message ? ack.ack.items[0].message : "");
+}
+
+/* Route the prompt from b until its decision's candidate `worker` shows queued depth `want`
+ * (a's changes reach b within a publish and a delivery); each probe is finished at once. */
+static json_int_t probe_queued_depth(node *b, km_client *cb, uint32_t worker, json_int_t want)
+{
+    char id[32], name[8];
+    snprintf(name, sizeof name, "w%u", worker);
+    json_int_t got = -1;
+    km_message reply;
+    for (int t = 0; t < 100 && got != want; t++) {
+        snprintf(id, sizeof id, "b-q%lld-%d", (long long)want, t);
+        route_prompt(cb, id, 7000, &reply);
+        json_t *rec = decision_record_of(b, id);
+        got = queued_depth_of(rec, name);
+        json_decref(rec);
+        finish(cb, id, KM_LIFECYCLE_FINISHED);
+        if (got != want)
+            km_test_sleep_ms(20);
+    }
+    return got;
+}
+
+Test(cluster_serve, ttft_candidates_count_the_other_instances_queued_prefills,
+     .init = start_nats, .fini = stop_nats, .timeout = 90)
+{
+    /* Workers fed by KV events nobody publishes: no worker holds the prompt, so a candidate's
+     * queued depth is what the queued prefills promise. */
+    char ep0[64], ep1[64];
+    snprintf(ep0, sizeof ep0, "tcp://127.0.0.1:%u", km_test_free_port());
+    snprintf(ep1, sizeof ep1, "tcp://127.0.0.1:%u", km_test_free_port());
+    static km_server_worker observed[2];
+    observed[0] = (km_server_worker){.id = 0, .event_endpoint = ep0};
+    observed[1] = (km_server_worker){.id = 1, .event_endpoint = ep1};
+    g_policy = KM_POLICY_TTFT;
+    node a, b;
+    node_start_with(&a, "a", observed);
+    node_start_with(&b, "b", observed);
+    g_policy = KM_POLICY_LEAST_LOAD;
+    km_client *ca = connect_to(&a), *cb = connect_to(&b);
+    km_message reply;
+    const km_route_decision *d = route_prompt(ca, "a-1", 7000, &reply);
+    uint32_t wa = d->chosen_worker;
+    cr_assert_eq(d->chosen_depth, 0);
+    /* a's request promises the prompt's 3 blocks on wa until its FIRST_TOKEN. */
+    cr_assert_eq(probe_queued_depth(&b, cb, wa, 3), 3,
+                 "b's candidate w%u does not count a's queued prefill", wa);
+    cr_assert_eq(probe_queued_depth(&b, cb, 1 - wa, 0), 0, "the other worker has no promise");
+    finish(ca, "a-1", KM_LIFECYCLE_FIRST_TOKEN);
+    cr_assert_eq(probe_queued_depth(&b, cb, wa, 0), 0,
+                 "a's prefill ran (FIRST_TOKEN): its promise still counts on b");
+    finish(ca, "a-1", KM_LIFECYCLE_FINISHED);
+    km_client_close(ca);
+    km_client_close(cb);
+    node_stop(&b);
     node_stop(&a);
 }

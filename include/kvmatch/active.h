@@ -240,6 +240,17 @@ uint32_t km_active_queued_depth(const km_active *active, uint32_t worker, const 
  * many concurrent requests there use it. 0 for invalid arguments. O(1). */
 uint32_t km_active_prefix_sharers(const km_active *active, uint32_t worker, uint64_t prefix_key);
 
+/* What other instances sharing this one's active work need to weigh `worker` as it does: the
+ * prefix key of each live entry there that declared one (km_active_share_prefix; a key k entries
+ * declared appears k times) into prefixes[0..max_prefixes), and every block hash its queued
+ * prefills promise (km_active_queue_blocks) into queued[0..max_queued), in the worker's entry
+ * order. *n_prefixes and *n_queued get the full counts: past a max only the leading part is
+ * written. O(the worker's entries and promises). Errors: KM_ERR_NULL_POINTER,
+ * KM_ERR_WORKER_RANGE. */
+int km_active_worker_work(const km_active *active, uint32_t worker, uint64_t *prefixes,
+                          uint32_t max_prefixes, uint32_t *n_prefixes, uint64_t *queued,
+                          uint32_t max_queued, uint32_t *n_queued);
+
 /* The request was sent to the engine: no load change; the first call records the time, a repeat
  * is accepted and changes nothing but the last-touch time (idempotent). Errors: KM_ERR_NOT_FOUND,
  * KM_ERR_PROTOCOL (after FIRST_TOKEN: out_of_order; or already finished: duplicate). */

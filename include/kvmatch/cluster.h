@@ -64,6 +64,14 @@ typedef struct km_cluster km_cluster;
  * leading blocks (a prefix match needs no more), so a message stays within
  * KM_CLUSTER_MESSAGE_MAX. */
 #define KM_CLUSTER_PREDICTION_MAX_HASHES 32768u
+/* Most shared-prefix keys and promised block hashes one worker's row of in-flight work carries
+ * in a message (km_cluster_publish_work); a longer list is cut (counted in work_truncated), which
+ * only makes the receivers' prefix_sharers and queued depth smaller, never wrong. */
+#define KM_CLUSTER_WORK_MAX_PREFIXES 4096u
+#define KM_CLUSTER_WORK_MAX_QUEUED 16384u
+/* Most shared-prefix keys plus promised hashes held from all remote instances together; past it
+ * a row keeps its leading part (counted in work_truncated). */
+#define KM_CLUSTER_REMOTE_WORK_MAX (1u << 20)
 /* Longest pool name in a prediction or a state's pool list, in bytes. */
 #define KM_CLUSTER_POOL_MAX 64u
 /* Most pools an instance announces (km_cluster_set_pools); more are refused. */
@@ -137,6 +145,18 @@ void km_cluster_destroy(km_cluster *cluster); /* NULL is a no-op */
  * KM_ERR_WORKER_RANGE. A NATS failure is not an error (counted in publish_failures). */
 int km_cluster_publish_load(km_cluster *cluster, uint32_t worker, const km_active_load *load);
 
+/* km_cluster_publish_load, and also the in-flight work of `worker` that a ttft decision reads
+ * beyond its load: prefixes[0..n_prefixes) the shared-prefix key of each request there that
+ * declared one (km_active_share_prefix; a key listed k times has k sharers) and queued[0..n_queued)
+ * the block hashes its queued prefills promise (km_active_queue_blocks). The work replaces what
+ * was said before about the worker and goes out with the load (a change when either differs, and
+ * every state); lists longer than KM_CLUSTER_WORK_MAX_PREFIXES / KM_CLUSTER_WORK_MAX_QUEUED are
+ * cut (counted in work_truncated). km_cluster_publish_load keeps the last work given. Errors:
+ * KM_ERR_NULL_POINTER, KM_ERR_WORKER_RANGE. */
+int km_cluster_publish_work(km_cluster *cluster, uint32_t worker, const km_active_load *load,
+                            const uint64_t *prefixes, uint32_t n_prefixes, const uint64_t *queued,
+                            uint32_t n_queued);
+
 /* This instance assumed `hashes` (n_hashes chain hashes of a prompt's leading blocks) on
  * approximate-mode `worker` of `pool`: at a decision (lesson false) or at a router override
  * (lesson true). Published at once to the peers (only the first KM_CLUSTER_PREDICTION_MAX_HASHES
@@ -160,6 +180,17 @@ int km_cluster_set_pools(km_cluster *cluster, const km_cluster_pool *pools, uint
 /* Add the remote contributions' load of `worker` to *load (every field). Errors:
  * KM_ERR_NULL_POINTER, KM_ERR_WORKER_RANGE. */
 int km_cluster_add_remote_load(km_cluster *cluster, uint32_t worker, km_active_load *load);
+
+/* The remote instances' requests on `worker` that declared prefix_key (a stale contribution's
+ * count too; a mismatched pool's not). 0 for invalid arguments. */
+uint32_t km_cluster_remote_prefix_sharers(km_cluster *cluster, uint32_t worker,
+                                          uint64_t prefix_key);
+
+/* `from` (<= n) extended by every following block of hashes[0..n) that a remote instance's queued
+ * prefill on `worker` promises (km_active_queued_depth's rule over the remote work). 0 for
+ * invalid arguments. */
+uint32_t km_cluster_remote_queued_depth(km_cluster *cluster, uint32_t worker,
+                                        const uint64_t *hashes, uint32_t n, uint32_t from);
 
 /* What a decision's load view was. */
 typedef struct km_cluster_view {
@@ -218,6 +249,11 @@ typedef struct km_cluster_stats {
     uint64_t publish_failures;   /* publishes the NATS client refused, and drops injected */
     uint64_t skipped_disconnected; /* changes not published while disconnected */
     uint64_t reconnects;
+    uint64_t remote_work;        /* remote prefix keys and promised hashes held now */
+    uint64_t work_truncated;     /* prefix keys and promised hashes cut at the bounds (sent and
+                                  * received) */
+    uint64_t work_omitted;       /* messages sent without their in-flight work (over
+                                  * KM_CLUSTER_MESSAGE_MAX with it) */
     uint64_t refused[KM_CLUSTER_REFUSAL_COUNT]; /* by km_cluster_refusal */
     char last_refusal[160];      /* the last refused message's reason ("" when none) */
     /* (peer, pool) pairs whose fingerprints differ now, and the first 8 of them. */

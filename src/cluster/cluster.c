@@ -16,10 +16,19 @@
 #include <nats/nats.h>
 
 #include "base/log_level.h"
+#include "base/u64_map.h"
 #include "base/error_detail.h"
 #include "cluster/cluster_internal.h"
 
 #define NS_PER_MS UINT64_C(1000000)
+
+/* One worker's in-flight work as one instance last said it (cluster_worker_work without the id). */
+typedef struct held_work {
+    uint64_t *prefixes; /* malloc'd; NULL when none */
+    uint32_t n_prefixes;
+    uint64_t *queued;   /* malloc'd; NULL when none */
+    uint32_t n_queued;
+} held_work;
 
 typedef struct contribution {
     bool used;
@@ -31,6 +40,7 @@ typedef struct contribution {
     uint64_t last_seq;
     uint64_t last_heard_ns;
     km_active_load *loads; /* max_workers of them */
+    held_work *work;       /* max_workers of them */
     cluster_pool_fingerprint *pools; /* KM_CLUSTER_MAX_POOLS: its last state's pool list */
     uint32_t n_pools;
     /* Bit i: this instance's pool i (local_pools) has another fingerprint there: the peer's load
@@ -58,6 +68,14 @@ struct km_cluster {
     uint64_t changes_made; /* for drop_one_in */
     km_active_load *local;  /* max_workers: this instance's last published loads */
     km_active_load *remote; /* max_workers: the sum over contributions */
+    held_work *local_work;  /* max_workers: this instance's last published in-flight work */
+    /* The remote in-flight work summed over contributions (as `remote`, leaving out mismatched
+     * pools): work_slot(worker, prefix key) -> requests declaring it, work_slot(worker, block
+     * hash) -> queued prefills promising it; remote_work_held counts the keys and hashes held. */
+    km_memory work_memory;
+    km_u64map remote_prefixes, remote_queued;
+    uint64_t remote_work_held;
+    bool work_omitted_logged;
     contribution peers[KM_CLUSTER_MAX_INSTANCES];
     cluster_pool_fingerprint local_pools[KM_CLUSTER_MAX_POOLS]; /* km_cluster_set_pools */
     uint32_t n_local_pools;
@@ -184,12 +202,92 @@ static void contribution_set(km_cluster *c, contribution *p, uint32_t worker,
         load_add(&c->remote[worker], v);
 }
 
+/* ---- the remote in-flight work -------------------------------------------------------------- */
+
+/* The map key of a prefix key or block hash on `worker` (the mixing km_active uses). */
+static uint64_t work_slot(uint32_t worker, uint64_t key)
+{
+    return km_u64map_key(key ^ ((uint64_t)(worker + 1) * UINT64_C(0x9E3779B97F4A7C15)));
+}
+
+static void count_add(km_u64map *m, uint64_t slot)
+{
+    uint64_t *n = km_u64map_find(m, slot);
+    if (n)
+        (*n)++;
+    else
+        (void)km_u64map_put(m, slot, 1, 1); /* out of memory: that key is not counted */
+}
+
+static void count_drop(km_u64map *m, uint64_t slot)
+{
+    uint64_t *n = km_u64map_find(m, slot);
+    if (n && *n > 1)
+        (*n)--;
+    else if (n)
+        km_u64map_erase(m, slot);
+}
+
+/* Add one worker's held work to the remote sums (leave = false) or take it out. */
+static void work_sum(km_cluster *c, uint32_t worker, const held_work *w, bool leave)
+{
+    for (uint32_t i = 0; i < w->n_prefixes; i++)
+        (leave ? count_drop : count_add)(&c->remote_prefixes, work_slot(worker, w->prefixes[i]));
+    for (uint32_t i = 0; i < w->n_queued; i++)
+        (leave ? count_drop : count_add)(&c->remote_queued, work_slot(worker, w->queued[i]));
+}
+
+static bool work_empty(const held_work *w)
+{
+    return w->n_prefixes == 0 && w->n_queued == 0;
+}
+
+static void work_free(held_work *w)
+{
+    free(w->prefixes);
+    free(w->queued);
+    memset(w, 0, sizeof *w);
+}
+
+/* Replace p's work on `worker`, keeping the sums; past KM_CLUSTER_REMOTE_WORK_MAX held, only the
+ * leading keys are kept (counted). */
+static void contribution_set_work(km_cluster *c, contribution *p, uint32_t worker,
+                                  const uint64_t *prefixes, uint32_t n_prefixes,
+                                  const uint64_t *queued, uint32_t n_queued)
+{
+    held_work *w = &p->work[worker];
+    bool out = excluded(c, p, worker);
+    if (!out)
+        work_sum(c, worker, w, true);
+    c->remote_work_held -= (uint64_t)w->n_prefixes + w->n_queued;
+    work_free(w);
+    uint64_t room = KM_CLUSTER_REMOTE_WORK_MAX - c->remote_work_held;
+    uint32_t keep_p = n_prefixes < room ? n_prefixes : (uint32_t)room;
+    room -= keep_p;
+    uint32_t keep_q = n_queued < room ? n_queued : (uint32_t)room;
+    c->st.work_truncated += (uint64_t)(n_prefixes - keep_p) + (n_queued - keep_q);
+    if (keep_p && (w->prefixes = malloc((size_t)keep_p * sizeof *w->prefixes))) {
+        memcpy(w->prefixes, prefixes, (size_t)keep_p * sizeof *w->prefixes);
+        w->n_prefixes = keep_p;
+    }
+    if (keep_q && (w->queued = malloc((size_t)keep_q * sizeof *w->queued))) {
+        memcpy(w->queued, queued, (size_t)keep_q * sizeof *w->queued);
+        w->n_queued = keep_q;
+    }
+    c->remote_work_held += (uint64_t)w->n_prefixes + w->n_queued;
+    if (!out)
+        work_sum(c, worker, w, false);
+}
+
 /* Take p's loads out of the sum (leave = true) or put them back, as excluded() says now: a change
  * of p's mismatch or of the workers' pools happens between the two calls. */
 static void contribution_sum(km_cluster *c, contribution *p, bool leave)
 {
     for (uint32_t w = 0; w < c->cfg.max_workers; w++) {
-        if (excluded(c, p, w) || load_zero(&p->loads[w]))
+        if (excluded(c, p, w))
+            continue;
+        work_sum(c, w, &p->work[w], leave);
+        if (load_zero(&p->loads[w]))
             continue;
         if (leave)
             load_sub(&c->remote[w], &p->loads[w]);
@@ -254,15 +352,19 @@ static void compare_pools(km_cluster *c, contribution *p, const cluster_pool_fin
 static void contribution_clear(km_cluster *c, contribution *p)
 {
     static const km_active_load zero;
-    for (uint32_t w = 0; w < c->cfg.max_workers; w++)
+    for (uint32_t w = 0; w < c->cfg.max_workers; w++) {
         if (!load_zero(&p->loads[w]))
             contribution_set(c, p, w, &zero);
+        if (!work_empty(&p->work[w]))
+            contribution_set_work(c, p, w, NULL, 0, NULL, 0);
+    }
 }
 
 static void contribution_drop(km_cluster *c, contribution *p)
 {
     contribution_clear(c, p);
     free(p->loads);
+    free(p->work);
     free(p->pools);
     memset(p, 0, sizeof *p);
 }
@@ -295,8 +397,25 @@ static void expire_silent(km_cluster *c, uint64_t now)
 
 static void publish(km_cluster *c, const cluster_message *m)
 {
-    if (km_cluster_subject(&c->subject, c->prefix, m->kind, c->instance) != KM_OK ||
-        km_cluster_encode(&c->body, m) != KM_OK) {
+    int rc = km_cluster_subject(&c->subject, c->prefix, m->kind, c->instance);
+    if (rc == KM_OK)
+        rc = km_cluster_encode(&c->body, m);
+    if (rc == KM_ERR_TOO_LARGE && m->n_work) {
+        /* The loads still go out; the receivers hold no work of these workers until a message
+         * that fits carries it. */
+        cluster_message bare = *m;
+        bare.work = NULL;
+        bare.n_work = 0;
+        c->st.work_omitted++;
+        if (!c->work_omitted_logged)
+            cluster_log(c, KM_LOG_WARNING
+                        "a %s message with its in-flight work is over %u bytes: sent without "
+                        "it (the peers see the loads only)",
+                        m->kind == CLUSTER_STATE ? "state" : "change", KM_CLUSTER_MESSAGE_MAX);
+        c->work_omitted_logged = true;
+        rc = km_cluster_encode(&c->body, &bare);
+    }
+    if (rc != KM_OK) {
         c->st.publish_failures++;
         return;
     }
@@ -316,30 +435,42 @@ static void publish_state(km_cluster *c)
     if (!c->connected)
         return;
     cluster_worker_load rows[256];
+    cluster_worker_work work_rows[256];
     cluster_worker_load *w = rows;
-    uint32_t n = 0;
+    cluster_worker_work *work = work_rows;
+    uint32_t n = 0, n_work = 0;
     for (uint32_t i = 0; i < c->cfg.max_workers; i++)
-        n += !load_zero(&c->local[i]);
-    if (n > 256 && !(w = malloc(n * sizeof *w))) {
+        n += !load_zero(&c->local[i]) || !work_empty(&c->local_work[i]);
+    if (n > 256 && (!(w = malloc(n * sizeof *w)) || !(work = malloc(n * sizeof *work)))) {
+        if (w != rows)
+            free(w);
         c->st.publish_failures++;
         return;
     }
     n = 0;
-    for (uint32_t i = 0; i < c->cfg.max_workers; i++)
-        if (!load_zero(&c->local[i]))
+    for (uint32_t i = 0; i < c->cfg.max_workers; i++) {
+        const held_work *lw = &c->local_work[i];
+        if (!load_zero(&c->local[i]) || !work_empty(lw))
             w[n++] = (cluster_worker_load){i, c->local[i]};
+        if (!work_empty(lw))
+            work[n_work++] = (cluster_worker_work){i, lw->prefixes, lw->n_prefixes, lw->queued,
+                                                   lw->n_queued};
+    }
     char peers[KM_CLUSTER_MAX_INSTANCES][KM_CLUSTER_INSTANCE_MAX + 1];
     uint32_t np = 0;
     for (uint32_t i = 0; i < KM_CLUSTER_MAX_INSTANCES; i++)
         if (c->peers[i].used)
             memcpy(peers[np++], c->peers[i].id, KM_CLUSTER_INSTANCE_MAX + 1);
     cluster_message m = {.kind = CLUSTER_STATE, .incarnation = c->incarnation, .seq = ++c->seq,
-                         .workers = w, .n_workers = n, .peers = peers, .n_peers = np,
+                         .workers = w, .n_workers = n, .work = work, .n_work = n_work,
+                         .peers = peers, .n_peers = np,
                          .pools = c->local_pools, .n_pools = c->n_local_pools};
     memcpy(m.instance, c->instance, strlen(c->instance) + 1);
     publish(c, &m);
     if (w != rows)
         free(w);
+    if (work != work_rows)
+        free(work);
 }
 
 static void publish_sync_request(km_cluster *c)
@@ -349,6 +480,60 @@ static void publish_sync_request(km_cluster *c)
     publish(c, &m);
 }
 
+static bool hashes_equal(const uint64_t *a, uint32_t na, const uint64_t *b, uint32_t nb)
+{
+    return na == nb && (na == 0 || !memcmp(a, b, (size_t)na * sizeof *a));
+}
+
+/* Keep a copy of hashes[0..n) in *to (lock held); false when out of memory (*to unchanged). */
+static bool hashes_copy(uint64_t **to, uint32_t *n_to, const uint64_t *hashes, uint32_t n)
+{
+    uint64_t *copy = NULL;
+    if (n && !(copy = malloc((size_t)n * sizeof *copy)))
+        return false;
+    if (n)
+        memcpy(copy, hashes, (size_t)n * sizeof *copy);
+    free(*to);
+    *to = copy;
+    *n_to = n;
+    return true;
+}
+
+/* This instance's `worker` now has *load and (when `work` is not NULL) that in-flight work: a
+ * change goes out when either differs from what was last published (lock held). */
+static void publish_worker(km_cluster *c, uint32_t worker, const km_active_load *load,
+                           const held_work *work)
+{
+    held_work *lw = &c->local_work[worker];
+    bool work_changed = work && (!hashes_equal(lw->prefixes, lw->n_prefixes, work->prefixes,
+                                               work->n_prefixes) ||
+                                 !hashes_equal(lw->queued, lw->n_queued, work->queued,
+                                               work->n_queued));
+    if (load_equal(&c->local[worker], load) && !work_changed)
+        return;
+    c->local[worker] = *load;
+    if (work_changed &&
+        (!hashes_copy(&lw->prefixes, &lw->n_prefixes, work->prefixes, work->n_prefixes) ||
+         !hashes_copy(&lw->queued, &lw->n_queued, work->queued, work->n_queued)))
+        work_free(lw); /* out of memory: the peers hold none of this worker's work */
+    if (!c->connected) {
+        c->st.skipped_disconnected++; /* the state sent on reconnect carries it */
+        return;
+    }
+    cluster_worker_load row = {worker, *load};
+    cluster_worker_work work_row = {worker, lw->prefixes, lw->n_prefixes, lw->queued,
+                                    lw->n_queued};
+    cluster_message m = {.kind = CLUSTER_CHANGE, .incarnation = c->incarnation, .seq = ++c->seq,
+                         .workers = &row, .n_workers = 1, .work = &work_row,
+                         .n_work = work_empty(lw) ? 0 : 1};
+    memcpy(m.instance, c->instance, strlen(c->instance) + 1);
+    c->changes_made++;
+    if (c->cfg.drop_one_in && c->changes_made % c->cfg.drop_one_in == 0)
+        c->st.publish_failures++; /* injected loss: the sequence number is spent */
+    else
+        publish(c, &m);
+}
+
 int km_cluster_publish_load(km_cluster *c, uint32_t worker, const km_active_load *load)
 {
     if (!c || !load)
@@ -356,22 +541,30 @@ int km_cluster_publish_load(km_cluster *c, uint32_t worker, const km_active_load
     if (worker >= c->cfg.max_workers)
         return KM_ERR_WORKER_RANGE;
     pthread_mutex_lock(&c->lock);
-    if (!load_equal(&c->local[worker], load)) {
-        c->local[worker] = *load;
-        if (!c->connected) {
-            c->st.skipped_disconnected++; /* the state sent on reconnect carries it */
-        } else {
-            cluster_worker_load row = {worker, *load};
-            cluster_message m = {.kind = CLUSTER_CHANGE, .incarnation = c->incarnation,
-                                 .seq = ++c->seq, .workers = &row, .n_workers = 1};
-            memcpy(m.instance, c->instance, strlen(c->instance) + 1);
-            c->changes_made++;
-            if (c->cfg.drop_one_in && c->changes_made % c->cfg.drop_one_in == 0)
-                c->st.publish_failures++; /* injected loss: the sequence number is spent */
-            else
-                publish(c, &m);
-        }
+    publish_worker(c, worker, load, NULL);
+    pthread_mutex_unlock(&c->lock);
+    return KM_OK;
+}
+
+int km_cluster_publish_work(km_cluster *c, uint32_t worker, const km_active_load *load,
+                            const uint64_t *prefixes, uint32_t n_prefixes, const uint64_t *queued,
+                            uint32_t n_queued)
+{
+    if (!c || !load || (!prefixes && n_prefixes) || (!queued && n_queued))
+        return KM_ERR_NULL_POINTER;
+    if (worker >= c->cfg.max_workers)
+        return KM_ERR_WORKER_RANGE;
+    pthread_mutex_lock(&c->lock);
+    held_work w = {(uint64_t *)prefixes, n_prefixes, (uint64_t *)queued, n_queued};
+    if (w.n_prefixes > KM_CLUSTER_WORK_MAX_PREFIXES) {
+        c->st.work_truncated += w.n_prefixes - KM_CLUSTER_WORK_MAX_PREFIXES;
+        w.n_prefixes = KM_CLUSTER_WORK_MAX_PREFIXES;
     }
+    if (w.n_queued > KM_CLUSTER_WORK_MAX_QUEUED) {
+        c->st.work_truncated += w.n_queued - KM_CLUSTER_WORK_MAX_QUEUED;
+        w.n_queued = KM_CLUSTER_WORK_MAX_QUEUED;
+    }
+    publish_worker(c, worker, load, &w);
     pthread_mutex_unlock(&c->lock);
     return KM_OK;
 }
@@ -479,6 +672,25 @@ static void expect_peer(km_cluster *c, const char *id)
         memcpy(c->expected[c->n_expected++], id, KM_CLUSTER_INSTANCE_MAX + 1);
 }
 
+/* A change's or state's worker rows: each listed worker's load and in-flight work (none when the
+ * message has no work row for it) replace what p said before. */
+static void apply_workers(km_cluster *c, contribution *p, const cluster_message *m)
+{
+    for (uint32_t i = 0; i < m->n_workers; i++) {
+        uint32_t worker = m->workers[i].worker;
+        contribution_set(c, p, worker, &m->workers[i].load);
+        const cluster_worker_work *w = NULL;
+        for (uint32_t k = 0; k < m->n_work && !w; k++)
+            if (m->work[k].worker == worker)
+                w = &m->work[k];
+        if (w)
+            contribution_set_work(c, p, worker, w->prefixes, w->n_prefixes, w->queued,
+                                  w->n_queued);
+        else if (!work_empty(&p->work[worker]))
+            contribution_set_work(c, p, worker, NULL, 0, NULL, 0);
+    }
+}
+
 /* One decoded message (lock held). */
 static void apply(km_cluster *c, const cluster_message *m, uint64_t now)
 {
@@ -518,10 +730,12 @@ static void apply(km_cluster *c, const cluster_message *m, uint64_t now)
             if (!c->peers[i].used)
                 p = &c->peers[i];
         km_active_load *loads = p ? calloc(c->cfg.max_workers, sizeof *loads) : NULL;
-        cluster_pool_fingerprint *pools = loads ? calloc(KM_CLUSTER_MAX_POOLS, sizeof *pools)
-                                                : NULL;
+        held_work *work = loads ? calloc(c->cfg.max_workers, sizeof *work) : NULL;
+        cluster_pool_fingerprint *pools = work ? calloc(KM_CLUSTER_MAX_POOLS, sizeof *pools)
+                                               : NULL;
         if (!pools) {
             free(loads);
+            free(work);
             snprintf(why, sizeof why, "instance %s: %s", m->instance,
                      p ? "out of memory" : "already applying the most instances");
             refused(c, KM_CLUSTER_REFUSED_TOO_MANY, why);
@@ -530,6 +744,7 @@ static void apply(km_cluster *c, const cluster_message *m, uint64_t now)
         memset(p, 0, sizeof *p);
         p->used = true;
         p->loads = loads;
+        p->work = work;
         p->pools = pools;
         p->incarnation = m->incarnation;
         memcpy(p->id, m->instance, sizeof p->id);
@@ -554,17 +769,13 @@ static void apply(km_cluster *c, const cluster_message *m, uint64_t now)
     p->last_seq = m->seq;
     p->last_heard_ns = now;
     if (m->kind == CLUSTER_STATE) {
-        static const km_active_load zero;
-        for (uint32_t w = 0; w < c->cfg.max_workers; w++)
-            if (!load_zero(&p->loads[w]))
-                contribution_set(c, p, w, &zero);
+        contribution_clear(c, p);
         /* The pool list first: the loads below are summed as it says. */
         if (m->n_pools)
             memcpy(p->pools, m->pools, (size_t)m->n_pools * sizeof *p->pools);
         p->n_pools = m->n_pools;
         compare_pools(c, p, c->local_pools, c->n_local_pools, true);
-        for (uint32_t i = 0; i < m->n_workers; i++)
-            contribution_set(c, p, m->workers[i].worker, &m->workers[i].load);
+        apply_workers(c, p, m);
         p->has_baseline = true;
         p->stale = false;
         p->answered_sync = true;
@@ -574,9 +785,8 @@ static void apply(km_cluster *c, const cluster_message *m, uint64_t now)
                 expect_peer(c, m->peers[i]);
             pthread_cond_broadcast(&c->cond);
         }
-    } else {
-        for (uint32_t i = 0; i < m->n_workers; i++)
-            contribution_set(c, p, m->workers[i].worker, &m->workers[i].load);
+    } else if (m->kind == CLUSTER_CHANGE) {
+        apply_workers(c, p, m);
         if (!p->has_baseline)
             p->stale = true;
     }
@@ -829,6 +1039,9 @@ int km_cluster_create(const km_cluster_config *cfg, km_cluster **out, char *why,
     c->prefix_len = strlen(prefix);
     c->local = calloc(cfg->max_workers, sizeof *c->local);
     c->remote = calloc(cfg->max_workers, sizeof *c->remote);
+    c->local_work = calloc(cfg->max_workers, sizeof *c->local_work);
+    km_u64map_init(&c->remote_prefixes, &c->work_memory);
+    km_u64map_init(&c->remote_queued, &c->work_memory);
     c->worker_pool = malloc(cfg->max_workers);
     if (c->worker_pool)
         memset(c->worker_pool, -1, cfg->max_workers);
@@ -845,7 +1058,8 @@ int km_cluster_create(const km_cluster_config *cfg, km_cluster **out, char *why,
     pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
     pthread_cond_init(&c->cond, &ca);
     pthread_condattr_destroy(&ca);
-    if (!c->url || !c->instance || !c->prefix || !c->local || !c->remote || !c->worker_pool) {
+    if (!c->url || !c->instance || !c->prefix || !c->local || !c->remote || !c->local_work ||
+        !c->worker_pool) {
         km_cluster_destroy(c);
         return km_why(why, why_size, KM_ERR_OUT_OF_MEMORY, "cluster handle");
     }
@@ -942,9 +1156,17 @@ void km_cluster_destroy(km_cluster *c)
     natsConnection_Destroy(c->conn);
     natsOptions_Destroy(c->opts);
     for (uint32_t i = 0; i < KM_CLUSTER_MAX_INSTANCES; i++) {
+        for (uint32_t w = 0; c->peers[i].work && w < c->cfg.max_workers; w++)
+            work_free(&c->peers[i].work[w]);
         free(c->peers[i].loads);
+        free(c->peers[i].work);
         free(c->peers[i].pools);
     }
+    for (uint32_t w = 0; c->local_work && w < c->cfg.max_workers; w++)
+        work_free(&c->local_work[w]);
+    free(c->local_work);
+    km_u64map_free(&c->remote_prefixes);
+    km_u64map_free(&c->remote_queued);
     free(c->worker_pool);
     km_text_free(&c->subject);
     km_text_free(&c->body);
@@ -970,6 +1192,30 @@ int km_cluster_add_remote_load(km_cluster *c, uint32_t worker, km_active_load *l
     load_add(load, &c->remote[worker]);
     pthread_mutex_unlock(&c->lock);
     return KM_OK;
+}
+
+uint32_t km_cluster_remote_prefix_sharers(km_cluster *c, uint32_t worker, uint64_t prefix_key)
+{
+    if (!c || worker >= c->cfg.max_workers || !prefix_key)
+        return 0;
+    pthread_mutex_lock(&c->lock);
+    const uint64_t *n = km_u64map_find(&c->remote_prefixes, work_slot(worker, prefix_key));
+    uint32_t sharers = n ? (*n > UINT32_MAX ? UINT32_MAX : (uint32_t)*n) : 0;
+    pthread_mutex_unlock(&c->lock);
+    return sharers;
+}
+
+uint32_t km_cluster_remote_queued_depth(km_cluster *c, uint32_t worker, const uint64_t *hashes,
+                                        uint32_t n, uint32_t from)
+{
+    if (!c || (n && !hashes) || worker >= c->cfg.max_workers || from > n)
+        return 0;
+    pthread_mutex_lock(&c->lock);
+    uint32_t depth = from;
+    while (depth < n && km_u64map_find(&c->remote_queued, work_slot(worker, hashes[depth])))
+        depth++;
+    pthread_mutex_unlock(&c->lock);
+    return depth;
 }
 
 int km_cluster_get_view(km_cluster *c, uint64_t now, km_cluster_view *out)
@@ -1010,6 +1256,7 @@ int km_cluster_get_stats(km_cluster *c, km_cluster_stats *out)
     out->connected = c->connected;
     out->synced = c->synced;
     out->instances = out->stale_instances = 0;
+    out->remote_work = c->remote_work_held;
     for (uint32_t i = 0; i < KM_CLUSTER_MAX_INSTANCES; i++) {
         const contribution *p = &c->peers[i];
         out->instances += p->used;

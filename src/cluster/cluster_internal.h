@@ -28,6 +28,18 @@ typedef struct cluster_worker_load {
     km_active_load load;
 } cluster_worker_load;
 
+/* What a worker's in-flight requests promise a later request there (the parts of km_active a
+ * ttft decision reads beyond the load): the shared-prefix key each declared
+ * (km_active_share_prefix; one per request, so a key listed k times has k sharers) and the block
+ * hashes their queued prefills will store (km_active_queue_blocks). */
+typedef struct cluster_worker_work {
+    uint32_t worker;
+    uint64_t *prefixes; /* n_prefixes <= KM_CLUSTER_WORK_MAX_PREFIXES */
+    uint32_t n_prefixes;
+    uint64_t *queued;   /* n_queued <= KM_CLUSTER_WORK_MAX_QUEUED */
+    uint32_t n_queued;
+} cluster_worker_work;
+
 typedef struct cluster_pool_fingerprint {
     char name[KM_CLUSTER_POOL_MAX + 1];
     uint64_t fingerprint;
@@ -40,6 +52,10 @@ typedef struct cluster_message {
     uint64_t seq;
     cluster_worker_load *workers; /* malloc'd by the decoder, n_workers of them */
     uint32_t n_workers;
+    /* CHANGE and STATE: the in-flight work of workers listed in `workers` (each at most once; a
+     * listed worker without a row has none); malloc'd by the decoder with its arrays */
+    cluster_worker_work *work;
+    uint32_t n_work;
     char (*peers)[KM_CLUSTER_INSTANCE_MAX + 1]; /* malloc'd by the decoder; STATE only */
     uint32_t n_peers;
     /* STATE only: the sender's pools (at most KM_CLUSTER_MAX_POOLS; malloc'd by the decoder) */

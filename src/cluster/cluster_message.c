@@ -47,6 +47,53 @@ int km_cluster_subject(km_text *out, const char *prefix, cluster_kind kind, cons
     return km_text_printf(out, "%s.%s.%s", prefix, KIND_NAMES[kind], instance);
 }
 
+/* hashes[0..n) as comma-separated "16 hex digits" strings. By hand, a chunk at a time: a
+ * prediction goes out at every approximate-mode decision, and a printf per hash costs several
+ * times the rest of the message. */
+static int append_hashes(km_text *out, const uint64_t *hashes, uint32_t n)
+{
+    static const char HEX[] = "0123456789abcdef";
+    char chunk[64 * 19];
+    int rc = KM_OK;
+    for (uint32_t i = 0; rc == KM_OK && i < n;) {
+        size_t at = 0;
+        for (uint32_t end = i + 64 < n ? i + 64 : n; i < end; i++) {
+            if (i)
+                chunk[at++] = ',';
+            chunk[at++] = '"';
+            for (int d = 15; d >= 0; d--)
+                chunk[at + (size_t)(15 - d)] = HEX[(hashes[i] >> (4 * d)) & 0xf];
+            at += 16;
+            chunk[at++] = '"';
+        }
+        rc = km_text_append(out, chunk, at);
+    }
+    return rc;
+}
+
+/* ,"work":[[worker,[prefix keys],[queued hashes]],...] when any row is there. */
+static int append_work(km_text *out, const cluster_message *m)
+{
+    if (m->n_work == 0)
+        return KM_OK;
+    int rc = km_text_append_cstr(out, ",\"work\":[");
+    for (uint32_t i = 0; rc == KM_OK && i < m->n_work; i++) {
+        const cluster_worker_work *w = &m->work[i];
+        rc = km_text_printf(out, "%s[%" PRIu32 ",[", i ? "," : "", w->worker);
+        if (rc == KM_OK)
+            rc = append_hashes(out, w->prefixes, w->n_prefixes);
+        if (rc == KM_OK)
+            rc = km_text_append_cstr(out, "],[");
+        if (rc == KM_OK)
+            rc = append_hashes(out, w->queued, w->n_queued);
+        if (rc == KM_OK)
+            rc = km_text_append_cstr(out, "]]");
+    }
+    if (rc == KM_OK)
+        rc = km_text_append_cstr(out, "]");
+    return rc;
+}
+
 int km_cluster_encode(km_text *out, const cluster_message *m)
 {
     km_text_clear(out);
@@ -61,23 +108,8 @@ int km_cluster_encode(km_text *out, const cluster_message *m)
                             ",\"seq\":%" PRIu64 ",\"pool\":\"%s\",\"worker\":%" PRIu32
                             ",\"lesson\":%s,\"hashes\":[",
                             m->seq, m->pool, m->worker, m->lesson ? "true" : "false");
-        /* By hand, a chunk at a time: a prediction goes out at every approximate-mode decision,
-         * and a printf per hash costs several times the rest of the message. */
-        static const char HEX[] = "0123456789abcdef";
-        char chunk[64 * 19];
-        for (uint32_t i = 0; rc == KM_OK && i < m->n_hashes;) {
-            size_t at = 0;
-            for (uint32_t end = i + 64 < m->n_hashes ? i + 64 : m->n_hashes; i < end; i++) {
-                if (i)
-                    chunk[at++] = ',';
-                chunk[at++] = '"';
-                for (int d = 15; d >= 0; d--)
-                    chunk[at + (size_t)(15 - d)] = HEX[(m->hashes[i] >> (4 * d)) & 0xf];
-                at += 16;
-                chunk[at++] = '"';
-            }
-            rc = km_text_append(out, chunk, at);
-        }
+        if (rc == KM_OK)
+            rc = append_hashes(out, m->hashes, m->n_hashes);
         if (rc == KM_OK)
             rc = km_text_append_cstr(out, "]");
     } else if (rc == KM_OK && m->kind != CLUSTER_SYNC) {
@@ -93,6 +125,8 @@ int km_cluster_encode(km_text *out, const cluster_message *m)
         }
         if (rc == KM_OK)
             rc = km_text_append_cstr(out, "]");
+        if (rc == KM_OK)
+            rc = append_work(out, m);
         if (rc == KM_OK && m->kind == CLUSTER_STATE) {
             rc = km_text_append_cstr(out, ",\"peers\":[");
             for (uint32_t i = 0; rc == KM_OK && i < m->n_peers; i++)
@@ -121,6 +155,13 @@ void km_cluster_message_free(cluster_message *m)
     free(m->peers);
     free(m->hashes);
     free(m->pools);
+    for (uint32_t i = 0; m->work && i < m->n_work; i++) {
+        free(m->work[i].prefixes);
+        free(m->work[i].queued);
+    }
+    free(m->work);
+    m->work = NULL;
+    m->n_work = 0;
     m->workers = NULL;
     m->peers = NULL;
     m->hashes = NULL;
@@ -239,6 +280,77 @@ static bool hex_hash(json_t *v, uint64_t *out)
         h = h << 4 | d;
     }
     *out = h;
+    return true;
+}
+
+/* An array of at most `max` "16 hex digits" strings into a malloc'd *out (NULL when empty). */
+static bool decode_hash_list(json_t *arr, uint32_t max, uint64_t **out, uint32_t *n_out,
+                             const char *what, size_t row, km_cluster_refusal *refusal, char *why,
+                             size_t why_size)
+{
+    if (!json_is_array(arr))
+        return refuse(refusal, KM_CLUSTER_REFUSED_MALFORMED, why, why_size,
+                      "work[%zu]: %s is not an array", row, what);
+    size_t n = json_array_size(arr);
+    if (n > max)
+        return refuse(refusal, KM_CLUSTER_REFUSED_TOO_LARGE, why, why_size,
+                      "work[%zu]: %zu %s, at most %u", row, n, what, max);
+    if (n == 0)
+        return true;
+    if (!(*out = malloc(n * sizeof **out)))
+        return refuse(refusal, KM_CLUSTER_REFUSED_TOO_LARGE, why, why_size, "out of memory");
+    for (size_t i = 0; i < n; i++) {
+        if (!hex_hash(json_array_get(arr, i), &(*out)[i]))
+            return refuse(refusal, KM_CLUSTER_REFUSED_MALFORMED, why, why_size,
+                          "work[%zu]: %s[%zu] is not 16 hex digits", row, what, i);
+        *n_out = (uint32_t)i + 1;
+    }
+    return true;
+}
+
+/* A change's or state's "work": [[worker, [prefix keys], [queued hashes]], ...]; absent = none.
+ * Each row's worker must be one the message lists in "workers", at most once. */
+static bool decode_work(json_t *arr, cluster_message *m, km_cluster_refusal *refusal, char *why,
+                        size_t why_size)
+{
+    if (!arr)
+        return true;
+    if (!json_is_array(arr))
+        return refuse(refusal, KM_CLUSTER_REFUSED_MALFORMED, why, why_size,
+                      "\"work\" is not an array");
+    size_t n = json_array_size(arr);
+    if (n > m->n_workers)
+        return refuse(refusal, KM_CLUSTER_REFUSED_MALFORMED, why, why_size,
+                      "%zu work rows for %u workers listed", n, m->n_workers);
+    m->work = n ? calloc(n, sizeof *m->work) : NULL;
+    if (n && !m->work)
+        return refuse(refusal, KM_CLUSTER_REFUSED_TOO_LARGE, why, why_size, "out of memory");
+    for (size_t i = 0; i < n; i++) {
+        json_t *row = json_array_get(arr, i), *worker = json_array_get(row, 0);
+        if (!json_is_array(row) || json_array_size(row) != 3 || !json_is_integer(worker) ||
+            json_integer_value(worker) < 0)
+            return refuse(refusal, KM_CLUSTER_REFUSED_MALFORMED, why, why_size,
+                          "work[%zu] is not [worker, [prefix keys], [queued hashes]]", i);
+        uint64_t w = (uint64_t)json_integer_value(worker);
+        bool listed = false;
+        for (uint32_t k = 0; k < m->n_workers; k++)
+            listed = listed || m->workers[k].worker == w;
+        for (size_t k = 0; k < i; k++)
+            listed = listed && m->work[k].worker != w;
+        if (!listed)
+            return refuse(refusal, KM_CLUSTER_REFUSED_MALFORMED, why, why_size,
+                          "work[%zu]: worker %" PRIu64 " is not listed in \"workers\" or has two "
+                          "rows", i, w);
+        cluster_worker_work *out = &m->work[i];
+        out->worker = (uint32_t)w;
+        m->n_work = (uint32_t)i + 1;
+        if (!decode_hash_list(json_array_get(row, 1), KM_CLUSTER_WORK_MAX_PREFIXES,
+                              &out->prefixes, &out->n_prefixes, "prefix keys", i, refusal, why,
+                              why_size) ||
+            !decode_hash_list(json_array_get(row, 2), KM_CLUSTER_WORK_MAX_QUEUED, &out->queued,
+                              &out->n_queued, "queued hashes", i, refusal, why, why_size))
+            return false;
+    }
     return true;
 }
 
@@ -366,7 +478,8 @@ static bool decode_object(json_t *root, const char *subject, uint32_t max_worker
                       "\"seq\" is missing or not a positive integer");
     if (m->kind == CLUSTER_PREDICT)
         return decode_prediction(root, max_workers, m, refusal, why, why_size);
-    if (!decode_workers(json_object_get(root, "workers"), max_workers, m, refusal, why, why_size))
+    if (!decode_workers(json_object_get(root, "workers"), max_workers, m, refusal, why, why_size) ||
+        !decode_work(json_object_get(root, "work"), m, refusal, why, why_size))
         return false;
     if (m->kind == CLUSTER_STATE &&
         (!decode_peers(json_object_get(root, "peers"), m, refusal, why, why_size) ||

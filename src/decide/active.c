@@ -841,6 +841,33 @@ int km_active_queue_blocks(km_active *a, const km_active_key *key, const uint64_
     return KM_OK;
 }
 
+/* ---- work shared with other instances -------------------------------------------------------- */
+
+int km_active_worker_work(const km_active *a, uint32_t worker, uint64_t *prefixes,
+                          uint32_t max_prefixes, uint32_t *n_prefixes, uint64_t *queued,
+                          uint32_t max_queued, uint32_t *n_queued)
+{
+    if (!a || !n_prefixes || !n_queued || (max_prefixes && !prefixes) || (max_queued && !queued))
+        return KM_ERR_NULL_POINTER;
+    if (worker >= a->cfg.max_workers)
+        return KM_ERR_WORKER_RANGE;
+    uint32_t np = 0, nq = 0;
+    for (uint32_t i = a->workers[worker].head; i != NIL; i = a->slab[i].worker_next) {
+        const entry *e = &a->slab[i];
+        if (e->prefix_key) {
+            if (np < max_prefixes)
+                prefixes[np] = e->prefix_key;
+            np++;
+        }
+        for (uint32_t k = 0; k < e->n_queued; k++, nq++)
+            if (nq < max_queued)
+                queued[nq] = e->queued[k];
+    }
+    *n_prefixes = np;
+    *n_queued = nq;
+    return KM_OK;
+}
+
 uint32_t km_active_prefix_sharers(const km_active *a, uint32_t worker, uint64_t prefix_key)
 {
     if (!a || worker >= a->cfg.max_workers || !prefix_key)

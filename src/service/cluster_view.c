@@ -197,8 +197,59 @@ int km_srv_cluster_start(km_server *s, char *why, size_t why_size)
 void km_srv_cluster_publish(km_server *s, uint32_t worker)
 {
     km_active_load load;
-    if (s->cluster && km_active_worker_load(s->active, worker, &load) == KM_OK)
-        km_cluster_publish_load(s->cluster, worker, &load);
+    if (!s->cluster || km_active_worker_load(s->active, worker, &load) != KM_OK)
+        return;
+    /* With the load, what a ttft decision elsewhere reads of this worker's requests: their
+     * shared-prefix keys and queued prefills' promised blocks (the cluster handle cuts longer
+     * lists, so no more are gathered). */
+    uint64_t prefixes_small[64], queued_small[256];
+    uint64_t *prefixes = prefixes_small, *queued = queued_small;
+    uint32_t np = 0, nq = 0;
+    if (km_active_worker_work(s->active, worker, prefixes, 64, &np, queued, 256, &nq) != KM_OK)
+        return;
+    if (np > 64 || nq > 256) {
+        uint32_t max_p = np < KM_CLUSTER_WORK_MAX_PREFIXES ? np : KM_CLUSTER_WORK_MAX_PREFIXES;
+        uint32_t max_q = nq < KM_CLUSTER_WORK_MAX_QUEUED ? nq : KM_CLUSTER_WORK_MAX_QUEUED;
+        prefixes = malloc(((size_t)max_p + 1) * sizeof *prefixes);
+        queued = malloc(((size_t)max_q + 1) * sizeof *queued);
+        if (!prefixes || !queued ||
+            km_active_worker_work(s->active, worker, prefixes, max_p, &np, queued, max_q,
+                                  &nq) != KM_OK) {
+            free(prefixes);
+            free(queued);
+            km_cluster_publish_load(s->cluster, worker, &load); /* out of memory: load only */
+            return;
+        }
+        np = np < max_p ? np : max_p;
+        nq = nq < max_q ? nq : max_q;
+    }
+    km_cluster_publish_work(s->cluster, worker, &load, prefixes, np, queued, nq);
+    if (prefixes != prefixes_small) {
+        free(prefixes);
+        free(queued);
+    }
+}
+
+uint32_t km_srv_cluster_prefix_sharers(km_server *s, uint32_t worker, uint64_t prefix_key)
+{
+    uint32_t n = km_active_prefix_sharers(s->active, worker, prefix_key);
+    if (s->cluster)
+        n += km_cluster_remote_prefix_sharers(s->cluster, worker, prefix_key);
+    return n;
+}
+
+uint32_t km_srv_cluster_queued_depth(km_server *s, uint32_t worker, const uint64_t *hashes,
+                                     uint32_t n, uint32_t from)
+{
+    /* A block promised here and the next one promised by another instance both extend it. */
+    uint32_t depth = km_active_queued_depth(s->active, worker, hashes, n, from);
+    while (s->cluster && depth < n) {
+        uint32_t more = km_cluster_remote_queued_depth(s->cluster, worker, hashes, n, depth);
+        if (more == depth)
+            break;
+        depth = km_active_queued_depth(s->active, worker, hashes, n, more);
+    }
+    return depth;
 }
 
 void km_srv_cluster_publish_all(km_server *s)
@@ -270,6 +321,11 @@ json_t *km_srv_cluster_status(km_server *s)
     json_object_set_new(o, "skipped_disconnected",
                         json_integer((json_int_t)st.skipped_disconnected));
     json_object_set_new(o, "reconnects", json_integer((json_int_t)st.reconnects));
+    json_t *work = json_object();
+    json_object_set_new(work, "remote_held", json_integer((json_int_t)st.remote_work));
+    json_object_set_new(work, "truncated", json_integer((json_int_t)st.work_truncated));
+    json_object_set_new(work, "omitted_messages", json_integer((json_int_t)st.work_omitted));
+    json_object_set_new(o, "work", work);
     json_t *refused = json_object();
     for (unsigned r = 0; r < KM_CLUSTER_REFUSAL_COUNT; r++)
         json_object_set_new(refused, km_cluster_refusal_name((km_cluster_refusal)r),

@@ -222,12 +222,11 @@ static bool gather_candidates(km_server *s, route_job *r, const pool *p,
             pc->indexed_blocks = ws.blocks;
         if (queued) {
             pc->queued_depth =
-                km_active_queued_depth(s->active, ids[i], r->hashes, r->n_hashes, pc->depth);
+                km_srv_cluster_queued_depth(s, ids[i], r->hashes, r->n_hashes, pc->depth);
             uint32_t held =
                 engine_hit(r, p, pc->queued_depth > pc->depth ? pc->queued_depth : pc->depth);
             if (held)
-                pc->prefix_sharers =
-                    km_active_prefix_sharers(s->active, ids[i], r->hashes[held - 1]);
+                pc->prefix_sharers = km_srv_cluster_prefix_sharers(s, ids[i], r->hashes[held - 1]);
         }
         if (!c->check_health) {
             n_eligible++;

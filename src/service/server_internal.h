@@ -568,6 +568,12 @@ typedef struct srv_load_view {
 } srv_load_view;
 int km_srv_cluster_start(km_server *s, char *why, size_t why_size);
 void km_srv_cluster_publish(km_server *s, uint32_t worker);
+/* A ttft candidate's prefix_sharers and queued depth (km_active_prefix_sharers,
+ * km_active_queued_depth) over this instance's requests and, with a cluster, the other
+ * instances' (km_cluster_remote_prefix_sharers, km_cluster_remote_queued_depth). */
+uint32_t km_srv_cluster_prefix_sharers(km_server *s, uint32_t worker, uint64_t prefix_key);
+uint32_t km_srv_cluster_queued_depth(km_server *s, uint32_t worker, const uint64_t *hashes,
+                                     uint32_t n, uint32_t from);
 void km_srv_cluster_publish_all(km_server *s);
 void km_srv_cluster_add_load(km_server *s, uint32_t worker, km_active_load *load);
 void km_srv_cluster_label(km_server *s, uint64_t now, srv_load_view *v);
