@@ -2,7 +2,8 @@
  * key and its queued prefill's promised blocks reach the other instances with the load, through
  * the codec and through a real nats-server on a loopback port: they leave with the request's
  * FIRST_TOKEN and end, a gap marks the sender stale until its next state repairs them, a restart
- * replaces them, and malformed work rows are refused and counted without changing anything. */
+ * replaces them, a peer whose pool's workers differ has its work left out until they agree, and
+ * malformed work rows are refused and counted without changing anything. */
 #include <criterion/criterion.h>
 #include <stdio.h>
 #include <string.h>
@@ -268,5 +269,31 @@ Test(cluster_work, malformed_work_rows_are_refused_counted_and_change_nothing,
     cr_assert(strstr(st.last_refusal, "work[0]"), "last refusal: %s", st.last_refusal);
     cr_assert_eq(km_cluster_remote_prefix_sharers(b, 3, PREFIX), 1, "the table is unchanged");
     natsConnection_Destroy(nc);
+    km_cluster_destroy(b);
+}
+
+Test(cluster_work, a_peer_whose_workers_differ_has_its_work_left_out_until_they_agree,
+     .init = start_server, .fini = stop_server, .timeout = 60)
+{
+    km_cluster *a = instance("a", 50), *b = instance("b", 50);
+    static const uint32_t ids[2] = {3, 4};
+    km_cluster_pool ours = {"main", 0x1111u, ids, 2}, theirs = {"main", 0x2222u, ids, 2};
+    cr_assert_eq(km_cluster_set_pools(b, &ours, 1), KM_OK);
+    cr_assert_eq(km_cluster_set_pools(a, &ours, 1), KM_OK);
+    km_active_load busy = {1, 1, 32, 4, 4, 100};
+    cr_assert_eq(km_cluster_publish_work(a, 3, &busy, &PREFIX, 1, PROMPT + 1, 2), KM_OK);
+    WAIT_UNTIL(km_cluster_remote_prefix_sharers(b, 3, PREFIX) == 1, 2000);
+    cr_assert_eq(km_cluster_remote_prefix_sharers(b, 3, PREFIX), 1);
+    cr_assert_eq(km_cluster_set_pools(a, &theirs, 1), KM_OK); /* its state goes out at once */
+    WAIT_UNTIL(stats(b).n_mismatched == 1, 2000);
+    cr_assert_eq(stats(b).n_mismatched, 1);
+    cr_assert_eq(km_cluster_remote_prefix_sharers(b, 3, PREFIX), 0, "a mismatched pool's work");
+    cr_assert_eq(km_cluster_remote_queued_depth(b, 3, PROMPT, 4, 1), 1);
+    cr_assert_eq(km_cluster_set_pools(a, &ours, 1), KM_OK);
+    WAIT_UNTIL(stats(b).n_mismatched == 0, 2000);
+    WAIT_UNTIL(km_cluster_remote_prefix_sharers(b, 3, PREFIX) == 1, 2000);
+    cr_assert_eq(km_cluster_remote_prefix_sharers(b, 3, PREFIX), 1, "agreeing again applies it");
+    cr_assert_eq(km_cluster_remote_queued_depth(b, 3, PROMPT, 4, 1), 3);
+    km_cluster_destroy(a);
     km_cluster_destroy(b);
 }

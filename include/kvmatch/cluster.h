@@ -4,7 +4,10 @@
  * km_active_load values its own decisions and lifecycle reports produced) whenever a value
  * changes, and a full state of all of them at every heartbeat; it applies the other instances'
  * messages into one remote load per worker (the sum over the live remote contributions), which a
- * decision adds to its own view. It also publishes this instance's approximate-mode predictions
+ * decision adds to its own view. With each worker's load goes its in-flight work
+ * (km_cluster_publish_work: its requests' shared-prefix keys and queued prefills' promised
+ * blocks), held and summed the same way, which a ttft decision counts in its candidates'
+ * prefix sharers and queued depth. It also publishes this instance's approximate-mode predictions
  * (blocks assumed on a worker without KV events, at a decision or a router override) and hands
  * the other instances' to the service (on_prediction), which teaches them to its own index. Worker
  * ids are the ones the instances' shared configuration gives; each state carries a fingerprint of
@@ -34,7 +37,8 @@
  * contributions.
  *
  * Lifecycle: km_cluster_config_init -> adjust -> km_cluster_create (connects or starts retrying,
- * syncs, starts the heartbeat) -> km_cluster_publish_load / km_cluster_publish_prediction /
+ * syncs, starts the heartbeat) -> km_cluster_publish_load / km_cluster_publish_work /
+ * km_cluster_publish_prediction /
  * km_cluster_add_remote_load / km_cluster_get_view / km_cluster_get_stats -> km_cluster_destroy.
  * Every int-returning function returns KM_OK or a negative km_status. */
 #ifndef KVMATCH_CLUSTER_H
