@@ -435,8 +435,11 @@ Test(pools, add_and_remove_hundreds_of_times_leaves_nothing, .timeout = 240)
     long threads1 = proc_status_kb("Threads"), rss1 = proc_status_kb("VmRSS");
     int fds1 = open_fds();
     /* A removed pool's threads are joined before POOLS remove answers, but the kernel may list a
-     * joined thread for a moment longer on a busy machine: wait up to 2 s for the count to settle. */
-    for (int wait = 0; wait < 200 && (threads1 != threads0 || fds1 != fds0); wait++) {
+     * joined thread for a moment longer on a busy machine: wait up to 2 s for the count to settle.
+     * The counts may also end below the start (something transient of the server or the test's
+     * publisher was open when the start was taken); only a count above it is a leak, and a leak
+     * per round would show hundreds. */
+    for (int wait = 0; wait < 200 && (threads1 > threads0 || fds1 > fds0); wait++) {
         km_test_sleep_ms(10);
         threads1 = proc_status_kb("Threads");
         fds1 = open_fds();
@@ -446,8 +449,8 @@ Test(pools, add_and_remove_hundreds_of_times_leaves_nothing, .timeout = 240)
                 ROUNDS, threads0, threads1, peak_threads, fds0, fds1, rss0, rss1);
     cr_assert_gt(peak_threads, threads0, "a pool with event-fed workers runs no thread of its own: "
                  "the test measures nothing");
-    cr_assert_eq(threads1, threads0, "threads %ld -> %ld", threads0, threads1);
-    cr_assert_eq(fds1, fds0, "fds %d -> %d", fds0, fds1);
+    cr_assert_leq(threads1, threads0, "threads %ld -> %ld", threads0, threads1);
+    cr_assert_leq(fds1, fds0, "fds %d -> %d", fds0, fds1);
     /* 300 pools kept would be hundreds of MB; allocator slack stays within a few MB. Under
      * AddressSanitizer freed memory stays in quarantine, so resident memory says nothing there. */
 #if !defined(__SANITIZE_ADDRESS__)
