@@ -91,7 +91,13 @@ static void check_batch(const km_kv_batch *b, size_t max_string)
         touch_string(e->cache_salt, max_string);
         if (e->kind == KM_KV_EVENT_BLOCK_STORED) {
             CHECK(e->block_size >= 1);
-            CHECK((uint64_t)e->block_size * e->n_block_hashes == e->n_token_ids);
+            /* Whole blocks, one per hash; or a KV-cache group's store of some blocks of a
+             * longer range (sparse_blocks: more tokens, still whole blocks). */
+            uint64_t blocks_tokens = (uint64_t)e->block_size * e->n_block_hashes;
+            CHECK(e->sparse_blocks ? e->has_group_idx && e->n_block_hashes > 0 &&
+                                         e->n_token_ids > blocks_tokens &&
+                                         e->n_token_ids % e->block_size == 0
+                                   : blocks_tokens == e->n_token_ids);
             CHECK(e->n_token_ids == 0 || e->token_ids);
             for (uint32_t k = 0; k < e->n_token_ids; k++)
                 sink += e->token_ids[k];
