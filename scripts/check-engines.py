@@ -5,6 +5,7 @@ kvmatch must conclude from it (tests/engine_fixtures/*.txt, read by tests/test_e
 in `make test`).
 
 usage: check-engines.py WHEEL_DIR [OUT_DIR]
+       check-engines.py --vllm-offload WHEEL_DIR OUT_DIR   (with PYTHONHASHSEED set)
        check-engines.py --sglang-radix WHEEL_DIR OUT_DIR   (in a Python that has torch)
 
 WHEEL_DIR holds the vLLM and SGLang wheels (`pip download --no-deps`; scripts/check-engines.sh
@@ -29,6 +30,16 @@ fetches them). Two kinds of fixture:
   engine and publisher per rank, data_parallel_size 2); live messages dropped inside and beyond
   the publisher's replay buffer (the publisher's own replay answers recorded); a prefix-cache
   reset (AllBlocksCleared) and an engine restart (a new manager and publisher, seq from 0).
+* The CPU tier (vllm_engine_offload_cpu*.txt). The same KVCacheManager with the
+  OffloadingConnector's scheduler side (offloading/scheduler.py's OffloadingConnectorScheduler,
+  offloading/events.py's self-describing KV events, vllm/v1/kv_offload's CPUOffloadingManager with
+  its LRU policy) on a GPU pool and a CPU cache both small enough to evict, driven step by step
+  as vLLM's Scheduler drives them (get_num_new_matched_tokens after get_computed_blocks,
+  update_state_after_alloc, build_connector_meta, update_connector_output, request_finished,
+  take_events); this script plays the worker, reporting each store job finished 1 to 3 steps
+  after it was scheduled and each load at the next step. Each prompt's line carries the
+  engine's hit (the GPU hit plus the connector's CPU hit from there) and how much of it the CPU
+  gave; offloaded chunks of 1 block (compared exactly) and of 2 blocks (compared as a bound).
 * Event encodings (vllm_lookahead.txt, vllm_lora_offload.txt, vllm_salt.txt,
   sglang_salt_tiers.txt): events built with the engines' event classes and encoders, with the
   index content computed here from docs/HASHING.md with Python's xxhash.
@@ -51,6 +62,27 @@ it); the list of placeholders actually bound is printed at the end. Replaced wit
   vllm.v1.utils.ConstantList        vLLM's own class, its source taken from vllm/v1/utils.py
                                     (the rest of that module needs torch)
   vllm.utils.network_utils          not needed: inproc endpoints bind without them
+For the CPU tier, also:
+  VllmConfig                        types.SimpleNamespace with the five attributes the connector
+                                    reads (cache_config.prefix_cache_retention_interval None,
+                                    cache_config.enable_prefix_caching True, speculative_config
+                                    None, parallel_config.world_size 1,
+                                    parallel_config.decode_context_parallel_size 1)
+  CPUOffloadingSpec                 a subclass of vLLM's OffloadingSpec whose get_manager returns
+                                    vLLM's CPUOffloadingManager (the real spec's module loads the
+                                    GPU worker's transfer code); built from vLLM's OffloadingConfig
+  SchedulerOutput, KVConnectorOutput  types.SimpleNamespace with the fields the connector reads
+                                    (its jobs reported in vLLM's OffloadingWorkerMetadata)
+  kv_connector.utils.yield_req_data  vLLM's own function, its source taken from the wheel (the
+                                    rest of that module needs torch)
+  get_dtype_size                    2 (float16): only the connector's synchronous-load budget,
+                                    off here, uses it
+numpy and prometheus_client are the real packages (the CPU tier's transfer specs hold numpy
+arrays; the connector's statistics classes are Prometheus's). It runs in a process of its own
+(--vllm-offload): vLLM orders a transfer job's blocks by Python's set order, so
+scripts/check-engines.sh sets PYTHONHASHSEED for it and its fixtures repeat (vLLM also derives
+its block hashes' seed from PYTHONHASHSEED when set, which the other runs leave at vLLM's
+default).
 SGLang: sglang/srt/disaggregation/kv_events.py (its event classes and encoder), with
 sglang.srt.runtime_context.get_parallel and sglang.srt.utils.network.NetworkAddress as
 placeholders. With --sglang-radix (a separate process, in a Python that has torch): SGLang's own
@@ -66,12 +98,16 @@ msgspec, pyzmq, pydantic and cbor2 are the real packages.
 Fixture format, one line each:
   config <block_size> <hash_lookahead_tokens>
   worker <id> <replay: 0|1>                 add a worker (index worker id)
+  offload <worker> <blocks per chunk>       the worker's engine offloads to host memory through
+                                            vLLM's OffloadingConnector, in chunks of that many
+                                            blocks (its hit rule: docs/EVENTS.md)
   live <worker> <seq> <hex payload>         a message as the live SUB socket received it
   replay <worker> <start_seq> <n>           the publisher's answer to a replay request from
   item <seq> <hex payload>                  start_seq: n items follow
-  prompt <worker> <hit blocks> <check> [salt=<s>] [lora=<name>] <tokens, comma-separated>
-                                            the engine's hit for a prompt, in blocks, and the
-                                            request's cache salt and LoRA adapter; check is
+  prompt <worker> <hit blocks> <check> [salt=<s>] [lora=<name>] [host=<blocks>] <tokens, ...>
+                                            the engine's hit for a prompt, in blocks, the
+                                            request's cache salt and LoRA adapter, and how many
+                                            blocks of the hit came from host memory; check is
                                             exact (kvmatch's capped depth must equal it),
                                             bound (it must not exceed it) or
                                             unseen (messages missing, or the engine restarted
@@ -217,7 +253,12 @@ def load_vllm(wheel_dir):
     stub("vllm.v1.metrics.stats", PrefillStats=types.SimpleNamespace)
     stub("vllm.platforms", current_platform=types.SimpleNamespace(
         register_custom_kv_cache_specs=lambda vllm_config: None))
-    importer = _WheelImporter(wheels[0], VLLM_REAL, {"vllm", "torch", "numpy", "PIL", "uvloop"})
+    roots = {"vllm", "torch", "PIL", "uvloop"}
+    try:
+        import numpy  # noqa: F401 (the CPU tier's transfer specs hold numpy arrays)
+    except ImportError:
+        roots.add("numpy")
+    importer = _WheelImporter(wheels[0], VLLM_REAL, roots)
     sys.meta_path.insert(0, importer)
     utils_src = importer.zip.read("vllm/v1/utils.py").decode("utf-8")
     const = next(n for n in ast.parse(utils_src).body
@@ -235,7 +276,7 @@ def load_vllm(wheel_dir):
         request=importlib.import_module("vllm.v1.request"),
         lora=importlib.import_module("vllm.lora.request"),
         hashing=importlib.import_module("vllm.utils.hashing"),
-        wheel=os.path.basename(wheels[0]))
+        wheel=os.path.basename(wheels[0]), importer=importer)
     return v
 
 
@@ -534,16 +575,19 @@ class EngineFixture:
         self.prompts = self.hits = self.hit_blocks = self.stored = self.removed = self.clears = 0
         # Copies per (worker, engine hash, group) in the messages delivered, for the summary.
         self.copies, self.held = 0, {}
+        self.cpu_stored = self.cpu_removed = self.cpu_again = 0  # the CPU medium's
 
     def line(self, text):
         self.f.write(text + "\n")
 
-    def prompt(self, worker, hit_tokens, block_size, tokens, check="exact", salt=None, lora=None):
+    def prompt(self, worker, hit_tokens, block_size, tokens, check="exact", salt=None, lora=None,
+               host=None):
         assert hit_tokens % block_size == 0
         self.prompts += 1
         self.hits += hit_tokens > 0
         self.hit_blocks += hit_tokens // block_size
         keys = "".join(f"{k}={val} " for k, val in (("salt", salt), ("lora", lora)) if val)
+        keys += f"host={host} " if host is not None else ""
         self.line(f"prompt {worker} {hit_tokens // block_size} {check} {keys}"
                   + ",".join(str(t) for t in tokens))
 
@@ -557,10 +601,20 @@ class EngineFixture:
             if kind == "AllBlocksCleared":
                 self.forget(worker)
             group = e.get("group_idx", 0) if isinstance(e, dict) else 0
+            medium = None
+            if kind != "AllBlocksCleared":
+                medium = (e.get("medium") if isinstance(e, dict)
+                          else e[6] if kind == "BlockStored" else e[2])
+            if medium == "CPU":
+                self.cpu_stored += len(hashes) if kind == "BlockStored" else 0
+                self.cpu_removed += len(hashes) if kind == "BlockRemoved" else 0
             for h in hashes:
-                key = (worker, h, group)
+                key = (worker, h, group, medium or "GPU")
                 if kind == "BlockStored" and self.held.get(key):
-                    self.copies += 1  # cached again while a copy is still cached
+                    if medium == "CPU":
+                        self.cpu_again += 1  # in a second offloaded chunk
+                    else:
+                        self.copies += 1  # cached again while a copy is still cached
                 delta = 1 if kind == "BlockStored" else -1
                 self.held[key] = max(0, self.held.get(key, 0) + delta)
 
@@ -582,7 +636,9 @@ class EngineFixture:
         self.f.close()
         return (f"{self.prompts} prompts, {self.hits} with a hit ({self.hit_blocks} blocks in "
                 f"all); {self.stored} blocks stored ({self.copies} of them a second copy), "
-                f"{self.removed} removed, {self.clears} AllBlocksCleared")
+                f"{self.removed} removed, {self.clears} AllBlocksCleared"
+                + (f"; CPU: {self.cpu_stored} stored ({self.cpu_again} of them held in another "
+                   f"chunk already), {self.cpu_removed} removed" if self.cpu_stored else ""))
 
 
 class Workload:
@@ -813,6 +869,260 @@ def vllm_engine_scenarios(v, out_dir):
         print(f"check-engines: {name}: {n}")
 
 
+# ---- vLLM's OffloadingConnector: the CPU tier ---------------------------------------------------
+
+OFFLOAD = "vllm.distributed.kv_transfer.kv_connector.v1.offloading"
+VLLM_OFFLOAD_REAL = [
+    OFFLOAD + ".scheduler", OFFLOAD + ".common", OFFLOAD + ".events", OFFLOAD + ".metrics",
+    OFFLOAD + ".config",
+    "vllm.distributed.kv_transfer.kv_connector.v1.base",
+    "vllm.distributed.kv_transfer.kv_connector.v1.metrics",
+    "vllm.v1.kv_offload.base", "vllm.v1.kv_offload.config", "vllm.v1.kv_offload.factory",
+    "vllm.v1.kv_offload.cpu.manager", "vllm.v1.kv_offload.cpu.common",
+    "vllm.v1.kv_offload.cpu.policies.base", "vllm.v1.kv_offload.cpu.policies.factory",
+    "vllm.v1.kv_offload.cpu.policies.lru", "vllm.v1.kv_offload.cpu.policies.arc",
+    "vllm.v1.metrics.cache_hit_source",
+]
+
+
+def load_vllm_offload(v):
+    """The OffloadingConnector's scheduler side and the CPU manager, from the same wheel."""
+    import importlib
+    v.importer.real.update(VLLM_OFFLOAD_REAL)
+    # kv_connector/utils.py needs torch and the model executor; the scheduler side calls only its
+    # yield_req_data, whose source is taken from the wheel.
+    src = v.importer.zip.read("vllm/distributed/kv_transfer/kv_connector/utils.py").decode()
+    fn = next(n for n in ast.parse(src).body
+              if isinstance(n, ast.FunctionDef) and n.name == "yield_req_data")
+    # The connector sizes a token's KV (for its synchronous-load budget, which is off) from the
+    # spec's dtype: the specs here name none, taken as 2 bytes (float16).
+    for m in ("vllm.utils.torch_utils", "vllm.v1.kv_cache_interface"):
+        importlib.import_module(m).get_dtype_size = lambda dtype: 2
+    utils = stub("vllm.distributed.kv_transfer.kv_connector.utils")
+    exec("from collections.abc import Iterator\n" + ast.get_source_segment(src, fn),
+         utils.__dict__)
+    return types.SimpleNamespace(
+        scheduler=importlib.import_module(OFFLOAD + ".scheduler"),
+        common=importlib.import_module(OFFLOAD + ".common"),
+        base=importlib.import_module("vllm.v1.kv_offload.base"),
+        config=importlib.import_module("vllm.v1.kv_offload.config"),
+        cpu=importlib.import_module("vllm.v1.kv_offload.cpu.manager"))
+
+
+class OffloadEngine(VllmEngine):
+    """One vLLM engine core with the OffloadingConnector (CPU tier): its KVCacheManager and the
+    connector's scheduler side (OffloadingConnectorScheduler with vLLM's CPUOffloadingManager,
+    LRU, `cpu_chunks` chunks of one block each) driven step by step as vLLM's Scheduler drives
+    them, one request at a time. This driver plays the worker: a store job submitted in one step
+    is reported finished `store_delay(rng)` steps later (at least 1: the worker submits a step's
+    stores at the start of the next), a job the scheduler asks to flush in that step, and a load
+    job in the step after it was scheduled. Every step's events (the KVCacheManager's, then the
+    connector's take_events, as Scheduler.update_from_output collects them) go out in one
+    message of the engine's ZmqEventPublisher."""
+
+    def __init__(self, v, o, name, block_size, num_blocks, cpu_chunks, rng, blocks_per_chunk=1,
+                 self_describing=True):
+        super().__init__(v, name, block_size, num_blocks)
+        self.o, self.rng = o, rng
+        c = o.config
+        config = c.OffloadingConfig(
+            groups=(c.OffloadingGroupConfig(tokens_per_block=block_size,
+                                            layer_names=("layer.0",), group_id=0),),
+            worker_kv_bytes_per_block=2 * block_size * 8 * 2, enable_kv_cache_events=True,
+            extra_config={"self_describing_kv_events": self_describing},
+            engine_id=name, model=c.OffloadingModelConfig(name="check-engines", dtype="float16"),
+            cache=c.OffloadingCacheConfig(tokens_per_hash=block_size,
+                                          blocks_per_chunk=blocks_per_chunk),
+            parallel=c.OffloadingParallelConfig(
+                rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1,
+                data_parallel_index=0, data_parallel_size=1, data_parallel_rank_local=None,
+                is_parallelism_agnostic=False))
+        manager = o.cpu.CPUOffloadingManager(num_chunks=cpu_chunks, cache_policy="lru",
+                                             enable_events=True)
+
+        class CPUSpec(o.base.OffloadingSpec):
+            """CPUOffloadingSpec's scheduler half: its manager (the worker half, which moves
+            the KV, is this driver)."""
+            def get_manager(self):
+                return manager
+
+            def get_worker(self, kv_caches):
+                raise RuntimeError("check-engines: no worker side")
+
+        # The attributes of VllmConfig the connector's scheduler side reads, as vLLM's defaults
+        # set them for one GPU with prefix caching.
+        vllm_config = types.SimpleNamespace(
+            cache_config=types.SimpleNamespace(prefix_cache_retention_interval=None,
+                                               enable_prefix_caching=True),
+            speculative_config=None,
+            parallel_config=types.SimpleNamespace(world_size=1, decode_context_parallel_size=1))
+        self.connector = o.scheduler.OffloadingConnectorScheduler(
+            CPUSpec(config), vllm_config, self.manager.kv_cache_config)
+        self.jobs = {}          # job id -> the step the worker reports it finished
+        self.loads = {}         # load job id -> its request
+        self.steps = 0
+        self.messages = []
+
+    @staticmethod
+    def store_delay(rng):
+        return rng.choice((1, 1, 2, 3))
+
+    def step(self, new=(), cached=(), finished=()):
+        """One engine step: `new` requests scheduled with their whole block table, `cached` ones
+        with the blocks allocated this step ((request, n_tokens, new block ids)), `finished` ones
+        done. The connector builds its metadata, the worker reports the jobs due, the step's
+        events are published. Returns the requests whose load finished."""
+        out = types.SimpleNamespace(
+            scheduled_new_reqs=[types.SimpleNamespace(
+                req_id=r.request_id, block_ids=self.manager.get_block_ids(r.request_id))
+                for r, _ in new],
+            scheduled_cached_reqs=types.SimpleNamespace(
+                req_ids=[r.request_id for r, _, _ in cached],
+                new_block_ids=[ids for _, _, ids in cached], resumed_req_ids=set()),
+            num_scheduled_tokens={r.request_id: n for r, n, *_ in list(new) + list(cached)},
+            finished_req_ids={r.request_id for r in finished}, preempted_req_ids=set(),
+            kv_cache_block_copies=None, kv_connector_block_state=None)
+        meta = self.connector.build_connector_meta(out)
+        self.steps += 1
+        for job in meta.store_jobs:
+            self.jobs[job] = self.steps + self.store_delay(self.rng)
+        for job in meta.load_jobs:
+            self.jobs[job] = self.steps + 1
+        for job in meta.jobs_to_flush or ():
+            self.jobs[job] = self.steps
+        for r, n, *_ in list(new) + list(cached):
+            r.num_computed_tokens += n
+        done = sorted(j for j, due in self.jobs.items() if due <= self.steps)
+        loaded = []
+        for j in done:
+            del self.jobs[j]
+            if j in self.loads:
+                loaded.append(self.loads.pop(j))
+        worker_meta = self.o.common.OffloadingWorkerMetadata(completed_jobs={j: 1 for j in done})
+        self.connector.update_connector_output(
+            types.SimpleNamespace(kv_connector_worker_meta=worker_meta))
+        for r in loaded:  # Scheduler._update_waiting_for_remote_kv
+            self.manager.cache_blocks(r, r.num_computed_tokens)
+            if r.num_computed_tokens == r.num_tokens:
+                r.num_computed_tokens -= 1
+        events = self.manager.take_events() or []
+        events.extend(self.connector.take_events())
+        if events:
+            self.n_batches += 1
+            self.publisher.publish(self.v.kv.KVEventBatch(ts=float(self.n_batches), events=events))
+            topic, seq, payload = self.sub.recv_multipart()
+            self.messages.append((int.from_bytes(seq, "big"), payload))
+        return loaded
+
+    def take_messages(self):
+        out, self.messages = self.messages, []
+        return out
+
+    def admit(self, tokens, n_output):
+        """A new request arrives: returns (request, GPU hit tokens, connector hit tokens), the
+        engine's own hit as Scheduler.schedule takes it (get_computed_blocks, then the
+        connector's get_num_new_matched_tokens from there)."""
+        v = self.v
+        self.n_requests += 1
+        r = v.request.Request(f"r{self.n_requests}", list(tokens), SamplingParams(n_output), None,
+                              block_hasher=self.hasher)
+        self.connector.on_new_request(r)
+        blocks, local, _ = self.manager.get_computed_blocks(r)
+        external, load_async = self.connector.get_num_new_matched_tokens(r, local)
+        if external is None:
+            raise RuntimeError("check-engines: the connector deferred a lookup")
+        r._check_engines = (blocks, local, external, load_async)
+        return r, local, external
+
+    def serve_admitted(self, r):
+        """Serve an admitted request to its end: the load from the CPU if the connector hit, the
+        prefill, one decode step per output token, the finish."""
+        blocks, local, external, load_async = r._check_engines
+        n = r.num_tokens
+        if external:
+            assert load_async
+            if self.manager.allocate_slots(r, 0, local, blocks,
+                                           num_external_computed_tokens=external,
+                                           delay_cache_blocks=True) is None:
+                raise RuntimeError("check-engines: the block pool is too small for one request")
+            self.connector.update_state_after_alloc(r, self.manager.get_blocks(r.request_id),
+                                                    external)
+            r.num_computed_tokens = local + external
+            job = max(self.connector._req_status[r.request_id].transfer_jobs)
+            self.loads[job] = r
+            self.step()
+            while r in self.loads.values():
+                self.step()
+            new = self.manager.allocate_slots(r, n - r.num_computed_tokens)
+        else:
+            new = self.manager.allocate_slots(r, n - local, local, blocks)
+        if new is None:
+            raise RuntimeError("check-engines: the block pool is too small for one request")
+        self.connector.update_state_after_alloc(r, self.manager.get_blocks(r.request_id), 0)
+        self.step(new=[(r, n - r.num_computed_tokens)])
+        n_output = r.sampling_params.max_tokens
+        for i in range(n_output):
+            r.append_output_token_ids(7000 + (self.n_requests * 31 + i) % 97)
+            if i == n_output - 1:
+                break
+            new = self.manager.allocate_slots(r, 1)
+            if new is None:
+                raise RuntimeError("check-engines: the block pool is too small for one request")
+            self.step(cached=[(r, 1, new.get_block_ids(allow_none=True))])
+        r.status = self.v.request.RequestStatus.FINISHED_LENGTH_CAPPED
+        self.connector.request_finished(r)
+        self.manager.free(r)
+        self.step(finished=[r])
+        return r.all_token_ids[:]
+
+    def drain(self):
+        """Steps without requests until the worker has reported every job."""
+        while self.jobs:
+            self.step()
+
+
+def vllm_offload_scenarios(v, out_dir):
+    """vLLM's OffloadingConnector with the CPU tier: the engine's hit (the GPU prefix hit, then
+    the connector's CPU hit from there) against kvmatch's depth from the events both published."""
+    o = load_vllm_offload(v)
+    B = 4
+    made = []
+    for name, gpu_blocks, cpu_chunks, per_chunk, seed in (
+            ("vllm_engine_offload_cpu", 24, 40, 1, 81),
+            ("vllm_engine_offload_cpu_chunk2", 24, 20, 2, 83)):
+        rng = random.Random(seed)
+        fx = EngineFixture(out_dir, name, B, 0,
+                           f"{v.wheel}: KVCacheManager ({gpu_blocks} blocks) and the "
+                           f"OffloadingConnector's scheduler side (CPUOffloadingManager, LRU, "
+                           f"{cpu_chunks} chunks of {per_chunk} block{'s' if per_chunk > 1 else ''}"
+                           "), stores reported finished 1-3 steps late, 80 requests")
+        fx.line("worker 0 1")
+        fx.line(f"offload 0 {per_chunk}")
+        engine = OffloadEngine(v, o, name, B, gpu_blocks, cpu_chunks, rng, per_chunk)
+        work = Workload(seed, B)
+        host_hits = 0
+        for i in range(80):
+            tokens = work.next()
+            r, local, external = engine.admit(tokens, work.rng.randrange(1, 7))
+            # vLLM recomputes a prompt's last token even after loading it
+            # (Scheduler._update_waiting_for_remote_kv): the hit is what it does not compute.
+            total = min(local + external, (len(tokens) - 1) // B * B)
+            fx.prompt(0, total, B, tokens, "exact" if per_chunk == 1 else "bound",
+                      host=(total - local) // B)
+            host_hits += total > local
+            all_tokens = engine.serve_admitted(r)
+            for m in engine.take_messages():
+                fx.live(0, m)
+            work.done(all_tokens)
+        engine.drain()
+        for m in engine.take_messages():
+            fx.live(0, m)
+        engine.shutdown()
+        made.append((name, fx.close() + f"; {host_hits} prompts hit the CPU tier"))
+    for name, n in made:
+        print(f"check-engines: {name}: {n}")
+
+
 # ---- SGLang's RadixCache (a separate process: it needs torch) ----------------------------------
 
 SGLANG_REAL = [
@@ -942,6 +1252,13 @@ def main():
         if len(sys.argv) < 4:
             sys.exit(__doc__)
         sglang_radix_scenario(sys.argv[2], sys.argv[3])
+        return
+    if len(sys.argv) > 1 and sys.argv[1] == "--vllm-offload":
+        if len(sys.argv) < 4:
+            sys.exit(__doc__)
+        vllm_offload_scenarios(load_vllm(sys.argv[2]), sys.argv[3])
+        print("check-engines: placeholders bound (never called): "
+              + ", ".join(sorted(PLACEHOLDERS)))
         return
     if len(sys.argv) < 2:
         sys.exit(__doc__)

@@ -4,7 +4,8 @@
 # .engine-wheels/), run vLLM's own KVCacheManager and ZmqEventPublisher through request sequences
 # and encode KV-event scenarios with the engines' own event classes and encoders
 # (scripts/check-engines.py), and check that kvmatch predicts, prompt by prompt, the engine's own
-# prefix-cache hit, and ends with exactly the index the encoding scenarios predict (the
+# prefix-cache hit (with the OffloadingConnector's CPU tier too: the GPU hit, then the connector's
+# CPU hit from there), and ends with exactly the index the encoding scenarios predict (the
 # engine_fixtures suite of build/kvmatch-tests). The fixtures are written to tests/engine_fixtures/,
 # which `make test` checks on every run; a difference from the committed ones is reported.
 #
@@ -32,14 +33,21 @@ fi
 if [ ! -x "$CACHE/venv/bin/python" ]; then
     python3 -m venv "$CACHE/venv"
 fi
-if ! "$CACHE/venv/bin/python" -c 'import msgspec, xxhash, zmq, pydantic, cbor2' 2>/dev/null; then
-    "$CACHE/venv/bin/pip" install -q msgspec xxhash pyzmq pydantic cbor2
+# pip through the venv's python: a venv's pip script names the path it was created at.
+if ! "$CACHE/venv/bin/python" -c \
+        'import msgspec, xxhash, zmq, pydantic, cbor2, numpy, prometheus_client' 2>/dev/null; then
+    "$CACHE/venv/bin/python" -m pip install -q msgspec xxhash pyzmq pydantic cbor2 numpy \
+        prometheus_client
 fi
 # Only the requested versions' wheels are read.
 WHEELS=$(mktemp -d)
 trap 'rm -rf "$WHEELS"' EXIT
 ln -s "$PWD/$CACHE"/vllm-"$VLLM_VERSION"-*.whl "$PWD/$CACHE"/sglang-"$SGLANG_VERSION"-*.whl "$WHEELS"/
 "$CACHE/venv/bin/python" scripts/check-engines.py "$WHEELS" tests/engine_fixtures
+# vLLM's OffloadingConnector (the CPU tier) orders a transfer job's blocks by Python's set order:
+# a fixed hash seed makes its fixtures repeat.
+PYTHONHASHSEED=0 "$CACHE/venv/bin/python" scripts/check-engines.py --vllm-offload "$WHEELS" \
+    tests/engine_fixtures
 
 # SGLang's RadixCache, in a venv with torch.
 TORCH_WHEELS="torch==$TORCH_VERSION nvidia-cufile==1.15.1.6 nvidia-cusparselt-cu13==0.8.1
@@ -51,10 +59,10 @@ sglang_radix() {
     if ! "$CACHE/torch-venv/bin/python" -c 'import torch' 2>/dev/null; then
         # shellcheck disable=SC2086 # one requirement per word
         python3 -m pip download -q --no-deps -d "$CACHE" $TORCH_WHEELS || return 1
-        "$CACHE/torch-venv/bin/pip" install -q --no-deps "$CACHE"/torch-"$TORCH_VERSION"-*.whl \
-            "$CACHE"/nvidia_*.whl || return 1
-        "$CACHE/torch-venv/bin/pip" install -q filelock typing-extensions setuptools sympy \
-            networkx jinja2 fsspec numpy msgspec xxhash pyzmq pydantic cbor2 || return 1
+        "$CACHE/torch-venv/bin/python" -m pip install -q --no-deps \
+            "$CACHE"/torch-"$TORCH_VERSION"-*.whl "$CACHE"/nvidia_*.whl || return 1
+        "$CACHE/torch-venv/bin/python" -m pip install -q filelock typing-extensions setuptools \
+            sympy networkx jinja2 fsspec numpy msgspec xxhash pyzmq pydantic cbor2 || return 1
     fi
     "$CACHE/torch-venv/bin/python" -c 'import torch' || return 1
     "$CACHE/torch-venv/bin/python" scripts/check-engines.py --sglang-radix "$WHEELS" \

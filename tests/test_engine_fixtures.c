@@ -13,8 +13,11 @@
  *    or a LoRA adapter (routed with the same salt and adapter name), and hybrid models (a
  *    full-attention group with one or two sliding-window groups, or a Mamba group); SGLang's
  *    RadixCache served prompts, plain and in salted and LoRA namespaces, and its KV-event
- *    recorder's events were encoded with SGLang's own KVEventBatch. A prompt marked "bound" must only not exceed the engine's hit; how often it
- *    equals it is logged.
+ *    recorder's events were encoded with SGLang's own KVEventBatch. vLLM's KVCacheManager with
+ *    its OffloadingConnector's CPU tier: the engine's hit is its GPU hit, then the connector's
+ *    CPU hit from there, and kvmatch's depth and tier split, read under the connector's chunk
+ *    rule (predicted_hit), must give the hit and its host part. A prompt marked "bound" must
+ *    only not exceed the engine's hit; how often it equals it is logged.
  *  - event encodings: the worker's index must end with exactly the expected chains, each in its
  *    tier (lookahead variants, LoRA under Dynamo's seed rule with a CPU offload, the cache salt in
  *    vLLM's extra keys and as SGLang's own field, SGLang's CPU_PINNED and EXTERNAL media).
@@ -58,6 +61,8 @@ typedef struct fixture_run {
     uint32_t n_replays;
     unsigned prompts_exact, prompts_unseen, replays_served;
     unsigned prompts_bound, bound_equal, bound_blocks_short;
+    unsigned prompts_host; /* exact prompts whose engine hit came partly from the host tier */
+    uint32_t host_chunk_blocks[MAX_WORKERS]; /* 0, or the blocks per chunk of its host tier */
 } fixture_run;
 
 static size_t unhex(const char *hex, unsigned char *out, size_t cap)
@@ -110,11 +115,40 @@ static void serve_actions(fixture_run *r)
     }
 }
 
-/* The worker's matched depth for the prompt, capped as the engine caps a hit: the engine
- * recomputes the prompt's last token, so the request holds the blocks before it only (a hybrid
- * model's sliding-window groups are then looked at below that cap, as the engine does). */
+/* The worker's matched depth for the prompt (a route's `depth`) and its tier split, over the
+ * request's first n_blocks blocks. */
+static uint32_t matched_depth(fixture_run *r, uint32_t worker, const uint64_t *chains,
+                              size_t n_blocks, km_match_tiers *tiers)
+{
+    uint32_t depth = 0;
+    *tiers = (km_match_tiers){0, 0};
+    if (!n_blocks)
+        return 0;
+    km_match_results res;
+    km_match_results_init(&res);
+    km_request q = {chains, (uint32_t)n_blocks};
+    cr_assert_eq(km_index_match_batch(r->index, &q, 1, &res), KM_OK);
+    for (uint32_t i = 0; i < res.requests[0].count; i++)
+        if (res.matches[res.requests[0].first + i].worker == worker) {
+            depth = res.matches[res.requests[0].first + i].depth;
+            *tiers = res.tiers[res.requests[0].first + i];
+        }
+    km_match_results_free(&res);
+    return depth;
+}
+
+/* The engine's hit as kvmatch predicts it, in blocks, with the part of it in host memory.
+ * The engine recomputes the prompt's last token, so it never counts the blocks from the one
+ * holding that token (cap). Without a host tier the prediction is the worker's depth over the
+ * blocks before the cap (a hybrid model's sliding-window groups are looked at below that cap,
+ * as the engine does). With vLLM's OffloadingConnector storing chunks of `chunk` blocks in host
+ * memory, the engine hits its device prefix (the depth's device blocks, which lead it, capped),
+ * then loads whole chunks from host memory from there on (a chunk is keyed by its last block,
+ * so a block held in host memory inside a chunk whose later blocks differ does not load): the
+ * depth over the prompt's full blocks cut to a chunk boundary, when that passes the device hit
+ * by a chunk's worth of blocks at least (the connector loads no less), then capped. */
 static uint32_t predicted_hit(fixture_run *r, uint32_t worker, const char *salt, const char *lora,
-                              const uint32_t *tokens, size_t n)
+                              const uint32_t *tokens, size_t n, uint32_t *host_blocks)
 {
     static uint64_t chains[MAX_PROMPT_TOKENS];
     size_t n_blocks = 0;
@@ -123,20 +157,24 @@ static uint32_t predicted_hit(fixture_run *r, uint32_t worker, const char *salt,
                                             &n_blocks),
                  KM_OK);
     uint32_t cap = n ? (uint32_t)((n - 1) / r->block_size) : 0;
-    if (n_blocks > cap)
-        n_blocks = cap;
-    uint32_t depth = 0;
-    if (n_blocks) {
-        km_match_results res;
-        km_match_results_init(&res);
-        km_request q = {chains, (uint32_t)n_blocks};
-        cr_assert_eq(km_index_match_batch(r->index, &q, 1, &res), KM_OK);
-        for (uint32_t i = 0; i < res.requests[0].count; i++)
-            if (res.matches[res.requests[0].first + i].worker == worker)
-                depth = res.matches[res.requests[0].first + i].depth;
-        km_match_results_free(&res);
+    km_match_tiers tiers;
+    uint32_t chunk = r->host_chunk_blocks[worker];
+    if (!chunk) {
+        uint32_t depth = matched_depth(r, worker, chains, n_blocks < cap ? n_blocks : cap, &tiers);
+        *host_blocks = tiers.host_blocks;
+        return depth;
     }
-    return depth;
+    uint32_t depth = matched_depth(r, worker, chains, n_blocks, &tiers);
+    cr_assert_eq(tiers.disk_blocks, 0, "%s:%u: a disk tier", r->path, r->line_no);
+    uint32_t device = depth - tiers.host_blocks;
+    uint32_t hit = device < cap ? device : cap; /* the device prefix hit, capped */
+    uint32_t loaded_to = depth / chunk * chunk;
+    if (tiers.host_blocks && loaded_to >= hit + chunk)
+        hit = loaded_to; /* the connector loads at least one chunk's worth, or nothing */
+    if (hit > cap)
+        hit = cap;
+    *host_blocks = hit - (device < hit ? device : hit);
+    return hit;
 }
 
 static void check_prompt(fixture_run *r, char *rest)
@@ -147,12 +185,14 @@ static void check_prompt(fixture_run *r, char *rest)
     int used = 0;
     cr_assert_eq(sscanf(rest, "%u %u %15s %n", &worker, &hit, check, &used), 3, "%s:%u", r->path,
                  r->line_no);
-    /* The request's cache salt and LoRA adapter, as a router would send them in the route. */
-    static char salt[64], lora[64];
-    salt[0] = lora[0] = '\0';
-    for (int more = 0; !strncmp(rest + used, "salt=", 5) || !strncmp(rest + used, "lora=", 5);
+    /* The request's cache salt and LoRA adapter, as a router would send them in the route, and
+     * how many blocks of the engine's hit came from its host tier (a KV connector's CPU hit). */
+    static char salt[64], lora[64], host[64];
+    salt[0] = lora[0] = host[0] = '\0';
+    for (int more = 0; !strncmp(rest + used, "salt=", 5) || !strncmp(rest + used, "lora=", 5) ||
+                       !strncmp(rest + used, "host=", 5);
          used += more) {
-        char *value = rest[used] == 's' ? salt : lora;
+        char *value = rest[used] == 's' ? salt : rest[used] == 'l' ? lora : host;
         cr_assert_eq(sscanf(rest + used + 5, "%63s %n", value, &more), 1, "%s:%u", r->path,
                      r->line_no);
         more += 5;
@@ -163,7 +203,8 @@ static void check_prompt(fixture_run *r, char *rest)
         tokens[n++] = (uint32_t)strtoul(t, NULL, 10);
     }
     cr_assert_eq(km_feed_flush(r->feed, r->now++, NULL), KM_OK);
-    uint32_t predicted = predicted_hit(r, worker, salt, lora, tokens, n);
+    uint32_t predicted_host;
+    uint32_t predicted = predicted_hit(r, worker, salt, lora, tokens, n, &predicted_host);
     if (!strcmp(check, "unseen")) {
         r->prompts_unseen++;
         return;
@@ -183,6 +224,16 @@ static void check_prompt(fixture_run *r, char *rest)
                  "%s:%u: worker %u, a prompt of %zu tokens (salt \"%s\", adapter \"%s\"): "
                  "kvmatch predicts a hit of %u blocks, the engine hit %u",
                  r->path, r->line_no, worker, n, salt, lora, predicted, hit);
+    if (host[0]) {
+        /* The engine's hit is its device prefix hit, then the connector's host continuation:
+         * kvmatch's tier split must say as much. */
+        unsigned host_blocks = (unsigned)strtoul(host, NULL, 10);
+        cr_assert_eq(predicted_host, host_blocks,
+                     "%s:%u: worker %u, a prompt of %zu tokens: kvmatch places %u of its %u "
+                     "blocks in host memory, the engine hit %u there",
+                     r->path, r->line_no, worker, n, predicted_host, predicted, host_blocks);
+        r->prompts_host += host_blocks > 0;
+    }
     r->prompts_exact++;
 }
 
@@ -236,6 +287,11 @@ static void run_fixture(const char *path)
             km_feed_worker_config wc = {w, "engine", replay != 0};
             cr_assert_eq(km_feed_add_worker(r.feed, &wc, r.now++), KM_OK);
             workers[w] = engine_run = true;
+        } else if (!strncmp(line, "offload ", 8)) {
+            unsigned w, chunk;
+            cr_assert_eq(sscanf(line + 8, "%u %u", &w, &chunk), 2);
+            cr_assert(w < MAX_WORKERS && workers[w] && chunk > 0, "%s:%u", path, r.line_no);
+            r.host_chunk_blocks[w] = chunk;
         } else if (!strncmp(line, "live ", 5)) {
             unsigned w;
             unsigned long long s;
@@ -343,10 +399,11 @@ static void run_fixture(const char *path)
         }
     }
     if (engine_run)
-        cr_log_info("%s: %u prompts equal to the engine's hit; %u at most the engine's hit (%u "
-                    "equal, %u blocks short in all); %u not compared; %u replays",
-                    path, r.prompts_exact, r.prompts_bound, r.bound_equal, r.bound_blocks_short,
-                    r.prompts_unseen, r.replays_served);
+        cr_log_info("%s: %u prompts equal to the engine's hit (%u of them partly from its host "
+                    "tier); %u at most the engine's hit (%u equal, %u blocks short in all); %u not "
+                    "compared; %u replays",
+                    path, r.prompts_exact, r.prompts_host, r.prompts_bound, r.bound_equal,
+                    r.bound_blocks_short, r.prompts_unseen, r.replays_served);
     for (uint32_t i = 0; i < r.n_replays; i++) {
         for (uint32_t j = 0; j < r.replays[i].n_items; j++)
             free(r.replays[i].hex[j]);
