@@ -915,8 +915,9 @@ class OffloadEngine(VllmEngine):
     LRU, `cpu_chunks` chunks of one block each) driven step by step as vLLM's Scheduler drives
     them, one request at a time. This driver plays the worker: a store job submitted in one step
     is reported finished `store_delay(rng)` steps later (at least 1: the worker submits a step's
-    stores at the start of the next), a job the scheduler asks to flush in that step, and a load
-    job in the step after it was scheduled. Every step's events (the KVCacheManager's, then the
+    stores at the start of the next) and never before an earlier store, a job the scheduler asks
+    to flush (and the stores before it) in that step, and a load job in the step after it was
+    scheduled. Every step's events (the KVCacheManager's, then the
     connector's take_events, as Scheduler.update_from_output collects them) go out in one
     message of the engine's ZmqEventPublisher."""
 
@@ -959,6 +960,7 @@ class OffloadEngine(VllmEngine):
         self.connector = o.scheduler.OffloadingConnectorScheduler(
             CPUSpec(config), vllm_config, self.manager.kv_cache_config)
         self.jobs = {}          # job id -> the step the worker reports it finished
+        self.last_store_due = 0
         self.loads = {}         # load job id -> its request
         self.steps = 0
         self.messages = []
@@ -984,12 +986,19 @@ class OffloadEngine(VllmEngine):
             kv_cache_block_copies=None, kv_connector_block_state=None)
         meta = self.connector.build_connector_meta(out)
         self.steps += 1
-        for job in meta.store_jobs:
-            self.jobs[job] = self.steps + self.store_delay(self.rng)
+        # vLLM's CPU worker runs each direction's transfers in the order submitted and reports
+        # them in that order (SingleDirectionOffloadingHandler): a store finishes no earlier than
+        # the stores before it, and waiting for a flushed one finishes those too.
+        for job in sorted(meta.store_jobs):
+            self.last_store_due = max(self.last_store_due, self.steps + self.store_delay(self.rng))
+            self.jobs[job] = self.last_store_due
         for job in meta.load_jobs:
             self.jobs[job] = self.steps + 1
-        for job in meta.jobs_to_flush or ():
-            self.jobs[job] = self.steps
+        if meta.jobs_to_flush:
+            flushed = max(meta.jobs_to_flush)
+            for job in self.jobs:
+                if job <= flushed and job not in self.loads:
+                    self.jobs[job] = self.steps
         for r, n, *_ in list(new) + list(cached):
             r.num_computed_tokens += n
         done = sorted(j for j, due in self.jobs.items() if due <= self.steps)
