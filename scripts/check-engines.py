@@ -961,6 +961,7 @@ class OffloadEngine(VllmEngine):
             CPUSpec(config), vllm_config, self.manager.kv_cache_config)
         self.jobs = {}          # job id -> the step the worker reports it finished
         self.last_store_due = 0
+        self.waiting = {}       # request id -> a request whose load is planned
         self.loads = {}         # load job id -> its request
         self.steps = 0
         self.messages = []
@@ -992,8 +993,9 @@ class OffloadEngine(VllmEngine):
         for job in sorted(meta.store_jobs):
             self.last_store_due = max(self.last_store_due, self.steps + self.store_delay(self.rng))
             self.jobs[job] = self.last_store_due
-        for job in meta.load_jobs:
+        for job, transfer in meta.load_jobs.items():
             self.jobs[job] = self.steps + 1
+            self.loads[job] = self.waiting.pop(transfer.req_id)
         if meta.jobs_to_flush:
             flushed = max(meta.jobs_to_flush)
             for job in self.jobs:
@@ -1028,9 +1030,10 @@ class OffloadEngine(VllmEngine):
         return out
 
     def admit(self, tokens, n_output):
-        """A new request arrives: returns (request, GPU hit tokens, connector hit tokens), the
-        engine's own hit as Scheduler.schedule takes it (get_computed_blocks, then the
-        connector's get_num_new_matched_tokens from there)."""
+        """A new request arrives: returns its admission (request, GPU hit blocks, GPU hit and
+        connector hit in tokens, whether the connector loads asynchronously), the engine's own
+        hit as Scheduler.schedule takes it (get_computed_blocks, then the connector's
+        get_num_new_matched_tokens from there)."""
         v = self.v
         self.n_requests += 1
         r = v.request.Request(f"r{self.n_requests}", list(tokens), SamplingParams(n_output), None,
@@ -1040,16 +1043,16 @@ class OffloadEngine(VllmEngine):
         external, load_async = self.connector.get_num_new_matched_tokens(r, local)
         if external is None:
             raise RuntimeError("check-engines: the connector deferred a lookup")
-        r._check_engines = (blocks, local, external, load_async)
-        return r, local, external
+        return types.SimpleNamespace(request=r, blocks=blocks, local=local, external=external,
+                                     load_async=load_async)
 
-    def serve_admitted(self, r):
+    def serve_admitted(self, admission):
         """Serve an admitted request to its end: the load from the CPU if the connector hit, the
         prefill, one decode step per output token, the finish."""
-        blocks, local, external, load_async = r._check_engines
-        n = r.num_tokens
+        r, blocks, local = admission.request, admission.blocks, admission.local
+        external, n = admission.external, admission.request.num_tokens
         if external:
-            assert load_async
+            assert admission.load_async
             if self.manager.allocate_slots(r, 0, local, blocks,
                                            num_external_computed_tokens=external,
                                            delay_cache_blocks=True) is None:
@@ -1057,8 +1060,7 @@ class OffloadEngine(VllmEngine):
             self.connector.update_state_after_alloc(r, self.manager.get_blocks(r.request_id),
                                                     external)
             r.num_computed_tokens = local + external
-            job = max(self.connector._req_status[r.request_id].transfer_jobs)
-            self.loads[job] = r
+            self.waiting[r.request_id] = r
             self.step()
             while r in self.loads.values():
                 self.step()
@@ -1112,14 +1114,15 @@ def vllm_offload_scenarios(v, out_dir):
         host_hits = 0
         for i in range(80):
             tokens = work.next()
-            r, local, external = engine.admit(tokens, work.rng.randrange(1, 7))
+            admission = engine.admit(tokens, work.rng.randrange(1, 7))
+            local, external = admission.local, admission.external
             # vLLM recomputes a prompt's last token even after loading it
             # (Scheduler._update_waiting_for_remote_kv): the hit is what it does not compute.
             total = min(local + external, (len(tokens) - 1) // B * B)
             fx.prompt(0, total, B, tokens, "exact" if per_chunk == 1 else "bound",
                       host=(total - local) // B)
             host_hits += total > local
-            all_tokens = engine.serve_admitted(r)
+            all_tokens = engine.serve_admitted(admission)
             for m in engine.take_messages():
                 fx.live(0, m)
             work.done(all_tokens)
