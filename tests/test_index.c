@@ -1072,6 +1072,54 @@ Test(index, segment_keys_make_long_requests_cheap, .timeout = 30)
     km_index_destroy(index);
 }
 
+/* A segment finished by a later store than the one that began it is found held by walking back
+ * through the blocks' parents (kept as tags in their metadata): runs of a few blocks as engines
+ * report them, a branch whose first block's parent sits in the middle of an earlier run, and a
+ * branch under a prefix with a hole, which must not earn the segment key it crosses. */
+Test(index, segments_finished_across_stores_and_branches_earn_keys, .timeout = 30)
+{
+    const uint32_t S = 32, L = 256;
+    km_index *index = make_index(8, S, 1024, 0);
+    uint64_t h[256], b[44];
+    fill_chain(h, 21, L);
+    fill_chain(b, 22, 44); /* positions 20 .. 63 of a branch after h[19] */
+    km_rng r;
+    km_rng_init(&r, km_test_seed() ^ 0xB2A7C4);
+    for (uint32_t a = 0, n; a < L; a += n) {
+        n = 1 + km_rng_below(&r, 7);
+        if (n > L - a)
+            n = L - a;
+        cr_assert_eq(km_index_store(index, 1, a ? h[a - 1] : KM_NO_PARENT, h + a, n), KM_OK);
+    }
+    km_index_stats st = stats_of(index);
+    cr_assert(st.segment_keys == L / S && st.segment_pairs == L / S, "runs of 1-7 blocks: %" PRIu64
+              " segment keys, %" PRIu64 " pairs", st.segment_keys, st.segment_pairs);
+    /* Worker 2: the prefix in one run, then the branch from its middle, five blocks a run. */
+    cr_assert_eq(km_index_store(index, 2, KM_NO_PARENT, h, 20), KM_OK);
+    for (uint32_t a = 0; a < 44; a += 5)
+        cr_assert_eq(km_index_store(index, 2, a ? b[a - 1] : h[19], b + a, a + 5 <= 44 ? 5 : 44 - a),
+                     KM_OK);
+    st = stats_of(index);
+    cr_assert(st.segment_keys == L / S + 2 && st.segment_pairs == L / S + 2,
+              "the branch's two segments: %" PRIu64 " keys, %" PRIu64 " pairs", st.segment_keys,
+              st.segment_pairs);
+    /* Worker 3: the prefix without block 5, then the branch: its first segment is not held whole,
+     * its second is. */
+    cr_assert_eq(km_index_store(index, 3, KM_NO_PARENT, h, 20), KM_OK);
+    cr_assert_eq(km_index_remove(index, 3, &h[5], 1), KM_OK);
+    cr_assert_eq(km_index_store(index, 3, h[19], b, 44), KM_OK);
+    st = stats_of(index);
+    cr_assert(st.segment_keys == L / S + 2 && st.segment_pairs == L / S + 3,
+              "worker 3 with a hole: %" PRIu64 " keys, %" PRIu64 " pairs", st.segment_keys,
+              st.segment_pairs);
+    uint64_t q[64];
+    memcpy(q, h, 20 * sizeof *q);
+    memcpy(q + 20, b, 44 * sizeof *q);
+    km_request_result rr = match_one(index, q, 64, NULL);
+    cr_assert(rr.owner == 2 && rr.owner_depth == 64, "owner %u depth %u", rr.owner, rr.owner_depth);
+    km_index_destroy(index);
+}
+
 /* ---- requests carrying reserved values ----------------------------------------------------- */
 
 static void reserved_values(uint32_t S)

@@ -223,11 +223,11 @@ Test(snapshot, bad_files_are_rejected_and_change_nothing, .timeout = 120)
     free(flip);
 
     /* Older format versions, with a correctly resealed header: incompatible, not corrupt, and the
-     * message names both versions. 1: before storage tiers; 3: 24-byte block metadata (header
-     * field at offset 28). */
+     * message names both versions. 1: before storage tiers; 3: 24-byte block metadata; 4: 12-byte
+     * block metadata with the parent's chain hash (header field at offset 28). */
     uint8_t *v2 = malloc(size);
-    const uint32_t old_versions[2][2] = {{1, 24}, {3, 24}};
-    for (int k = 0; k < 2; k++) {
+    const uint32_t old_versions[3][2] = {{1, 24}, {3, 24}, {4, 12}};
+    for (int k = 0; k < 3; k++) {
         memcpy(v2, good, size);
         memcpy(v2 + 8, &old_versions[k][0], 4);
         memcpy(v2 + 28, &old_versions[k][1], 4);
@@ -235,8 +235,8 @@ Test(snapshot, bad_files_are_rejected_and_change_nothing, .timeout = 120)
         memcpy(v2 + 56, &header_hash, 8);
         write_file(bad, v2, size);
         char said[80];
-        snprintf(said, sizeof said, "format version %u (layout 16/24); this build reads version 4",
-                 old_versions[k][0]);
+        snprintf(said, sizeof said, "format version %u (layout 16/%u); this build reads version 5",
+                 old_versions[k][0], old_versions[k][1]);
         cr_assert_eq(km_index_load(a, bad, NULL, NULL), KM_ERR_INCOMPATIBLE);
         cr_assert(strstr(km_index_last_error(a), said), "message: %s", km_index_last_error(a));
         expect_rejected(&f, a, S, bad, KM_ERR_INCOMPATIBLE, "an older version");
@@ -455,7 +455,7 @@ Test(snapshot, block_metadata_anchor_tags_are_checked_or_harmless, .timeout = 30
     uint64_t capacity;
     memcpy(&capacity, th, 8);
     /* Header, section head, table header; then capacity slots and capacity metadata entries
-     * (parent u64, then a u32: anchor tag in bits 0-23, offset in the segment in bits 24-31). */
+     * (a u32: anchor tag in bits 0-23, offset in the segment in bits 24-31; then the parent tag). */
     size_t slots = 64 + 16 + 56, meta = slots + capacity * sizeof(km_slot);
     char bad[160];
     snprintf(bad, sizeof bad, "%s/anchor.snap", f.dir);
@@ -466,20 +466,20 @@ Test(snapshot, block_metadata_anchor_tags_are_checked_or_harmless, .timeout = 30
         memcpy(&key, good + slots + i * sizeof(km_slot), 8);
         if (key <= 1)
             continue;
-        memcpy(&placement, good + meta + i * sizeof(km_block_meta) + 8, 4);
+        memcpy(&placement, good + meta + i * sizeof(km_block_meta), 4);
         uint32_t offset = placement >> 24;
         cr_assert(offset < S, "every block of the chain has a known offset");
         /* An offset past the segment. */
         uint32_t past = (placement & 0xFFFFFFu) | S << 24;
         memcpy(buf, good, size);
-        memcpy(buf + meta + i * sizeof(km_block_meta) + 8, &past, 4);
+        memcpy(buf + meta + i * sizeof(km_block_meta), &past, 4);
         reseal(buf, size);
         write_file(bad, buf, size);
         expect_rejected(&f, a, S, bad, KM_ERR_CORRUPT, "an offset past the segment");
         for (uint32_t tag = 0; tag < 3; tag++) { /* both reserved map keys, and one more */
             uint32_t written = (tag == 2 ? km_anchor_tag(key) ^ 0x80u : tag) | offset << 24;
             memcpy(buf, good, size);
-            memcpy(buf + meta + i * sizeof(km_block_meta) + 8, &written, 4);
+            memcpy(buf + meta + i * sizeof(km_block_meta), &written, 4);
             reseal(buf, size);
             write_file(bad, buf, size);
             if (offset == 0) {

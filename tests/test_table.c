@@ -10,6 +10,7 @@
 
 #include "events/engine_hash_map.h"
 #include "kvmatch/error.h"
+#include "kvmatch/index.h"
 #include "index/host_table.h"
 #include "test_util.h"
 #include "base/u64_map.h"
@@ -94,7 +95,7 @@ static void check_table(const km_table *t, const uint64_t *keys, const uint8_t *
         if (present[k]) {
             /* The set travelled with the key: worker k % 50 was added at insert. */
             KM_CHECK(km_table_set_contains(t, slot, (uint32_t)(k % 50)), "key %zu lost its set", k);
-            KM_CHECK(km_table_meta(t, slot)->parent == (keys[k] ^ 0x5555u),
+            KM_CHECK(km_table_meta(t, slot)->placement == (uint32_t)(keys[k] ^ 0x5555u),
                      "key %zu lost its metadata", k);
         }
     }
@@ -132,7 +133,7 @@ Test(table, backward_shift_churn_matches_oracle, .timeout = 60)
                 uint64_t slot;
                 cr_assert_eq(km_table_insert(&t, keys[k], 1, &slot), KM_OK);
                 cr_assert_geq(km_table_set_add(&t, slot, (uint32_t)(k % 50)), 0);
-                km_table_meta(&t, slot)->parent = keys[k] ^ 0x5555u;
+                km_table_meta(&t, slot)->placement = (uint32_t)(keys[k] ^ 0x5555u);
                 present[k] = 1;
                 live++;
             } else if (present[k]) {
@@ -512,6 +513,14 @@ typedef struct table_oracle {
 
 /* Every key agrees with the oracle through km_table_find and through the view the walk reads:
  * presence, holders, metadata; the live and pair counts and the memory accounted agree too. */
+/* The metadata the growth test gives key k: chains of 8 keys (k - 1 is k's parent, k % 8 its
+ * offset, k / 8 its anchor tag). */
+static void chain_meta(const table_oracle *o, size_t k, km_block_meta *m)
+{
+    km_meta_set(m, k ? o->keys[k - 1] : KM_NO_PARENT, (uint32_t)(k / 8) & 0xFFFFFFu,
+                (uint32_t)(k % 8));
+}
+
 static void growth_check(const km_table *t, const table_oracle *o, const km_memory *memory,
                          const char *when)
 {
@@ -537,9 +546,18 @@ static void growth_check(const km_table *t, const table_oracle *o, const km_memo
         KM_CHECK(got == o->holders[k], "%s: key %zu holders %llx, oracle %llx", when, k,
                  (unsigned long long)got, (unsigned long long)o->holders[k]);
         pairs += (uint64_t)__builtin_popcountll(o->holders[k]);
-        KM_CHECK(km_table_meta(t, slot)->parent == (o->keys[k] ^ 0x5555u) &&
+        km_block_meta want;
+        chain_meta(o, k, &want);
+        const km_block_meta *m = km_table_meta(t, slot);
+        KM_CHECK(m->placement == want.placement &&
+                     km_meta_parent_tag(m) == km_meta_parent_tag(&want) &&
                      km_table_aux(t, slot)[0] == (uint8_t)(o->keys[k] >> 8),
                  "%s: key %zu lost its metadata or aux bytes", when, k);
+        /* Its parent, key k - 1, is found by tag wherever either sits, and only while present. */
+        uint64_t parent = km_table_find_parent(t, m);
+        uint64_t expect = k % 8 == 0 ? KM_SLOT_NONE : km_table_find(t, o->keys[k - 1]);
+        KM_CHECK(parent == expect, "%s: key %zu: parent found at %llu, expected %llu", when, k,
+                 (unsigned long long)parent, (unsigned long long)expect);
     }
     KM_CHECK(live == t->live && pairs == t->pairs, "%s: table counts %llu keys / %llu pairs, "
              "oracle %llu / %llu", when, (unsigned long long)t->live, (unsigned long long)t->pairs,
@@ -578,7 +596,7 @@ Test(table, incremental_growth_matches_oracle, .timeout = 120)
             if (slot == KM_SLOT_NONE) {
                 cr_assert_eq(km_table_insert(&t, o.keys[k], 1, &slot), KM_OK);
                 cr_assert_lt(slot, t.capacity, "an insert lands in the new array");
-                km_table_meta(&t, slot)->parent = o.keys[k] ^ 0x5555u;
+                chain_meta(&o, k, km_table_meta(&t, slot));
                 km_table_aux(&t, slot)[0] = (uint8_t)(o.keys[k] >> 8);
             }
             cr_assert_geq(km_table_set_add(&t, slot, w), 0);
@@ -621,6 +639,86 @@ Test(table, incremental_growth_matches_oracle, .timeout = 120)
              (unsigned long long)memory.used);
     free(o.keys);
     free(o.holders);
+}
+
+/* A key whose parent tag (km_parent_tag) is `tag`: the product's top bits are the tag. */
+static uint64_t key_with_parent_tag(km_rng *r, uint32_t tag)
+{
+    const uint32_t low_bits = 64u - KM_PARENT_TAG_BITS;
+    for (;;) {
+        uint64_t x = (uint64_t)tag << low_bits | (km_rng_next(r) & ((UINT64_C(1) << low_bits) - 1));
+        uint64_t key = x * home_multiplier_inverse();
+        if (key > KM_KEY_TOMBSTONE) {
+            cr_assert_eq(km_parent_tag(key), tag);
+            return key;
+        }
+    }
+}
+
+static uint64_t insert_placed(km_table *t, uint64_t key, uint64_t parent, uint32_t anchor,
+                              uint32_t offset)
+{
+    uint64_t slot;
+    cr_assert_eq(km_table_insert(t, key, 1, &slot), KM_OK);
+    cr_assert_geq(km_table_set_add(t, slot, 0), 0);
+    km_meta_set(km_table_meta(t, slot), parent, anchor, offset);
+    return slot;
+}
+
+/* A block's parent is found from the 24-bit tag in its metadata: the one key of that tag placed in
+ * the block's segment one offset earlier. A key of the same tag elsewhere (another segment, another
+ * offset) is no match; a second one in the same place makes the parent unknown rather than a
+ * guess; a parent that is gone is not found. Keys crowd into the tag's home, so the matches sit
+ * inside one probe run, some wrapping past the last slot. */
+Test(table, a_parent_is_found_by_its_tag_only_when_unique, .timeout = 30)
+{
+    km_rng r;
+    km_rng_init(&r, km_test_seed() ^ 0x9A7E);
+    km_memory memory = {0, 0};
+    for (int round = 0; round < 200; round++) {
+        km_table t;
+        cr_assert_eq(km_table_init(&t, 200, 8, 1, 0, &memory), KM_OK);
+        /* Half the rounds put the tag's home at the last slot, so its run wraps. */
+        const uint32_t tags = 1u << KM_PARENT_TAG_BITS;
+        uint32_t tag = round % 2 ? tags - 1 - km_rng_below(&r, 4) : (uint32_t)km_rng_next(&r) % tags;
+        const uint32_t anchor = 0xABCDEu, offset = 1 + km_rng_below(&r, 30);
+        uint64_t parent = key_with_parent_tag(&r, tag);
+        km_block_meta child;
+        km_meta_set(&child, parent, anchor, offset);
+        cr_assert_eq(km_meta_parent_tag(&child), tag);
+        cr_assert_eq(km_table_find_parent(&t, &child), KM_SLOT_NONE, "an empty table");
+        /* Strangers first: the same tag at another anchor or offset, and keys of other tags. */
+        uint64_t stranger = key_with_parent_tag(&r, tag), elsewhere = key_with_parent_tag(&r, tag);
+        insert_placed(&t, stranger, parent, anchor ^ 1u, offset - 1);
+        insert_placed(&t, elsewhere, parent, anchor, offset == 1 ? 2 : offset - 2);
+        for (int k = 0; k < 20; k++)
+            insert_placed(&t, key_with_parent_tag(&r, tag ^ (1u + km_rng_below(&r, 1000))), parent,
+                          anchor, offset - 1);
+        cr_assert_eq(km_table_find_parent(&t, &child), KM_SLOT_NONE, "only strangers");
+        insert_placed(&t, parent, KM_NO_PARENT, anchor, offset - 1);
+        uint64_t at = km_table_find_parent(&t, &child);
+        cr_assert(at != KM_SLOT_NONE && km_table_slot(&t, at)->key == parent, "round %d", round);
+        /* A sibling with the same tag and place: ambiguous, so unknown. */
+        uint64_t sibling = key_with_parent_tag(&r, tag);
+        insert_placed(&t, sibling, KM_NO_PARENT, anchor, offset - 1);
+        cr_assert_eq(km_table_find_parent(&t, &child), KM_SLOT_NONE, "two candidates");
+        km_table_set_remove(&t, km_table_find(&t, sibling), 0);
+        km_table_erase(&t, km_table_find(&t, sibling));
+        at = km_table_find_parent(&t, &child);
+        cr_assert(at != KM_SLOT_NONE && km_table_slot(&t, at)->key == parent);
+        /* Gone: not found, whatever else holds its tag. */
+        km_table_set_remove(&t, at, 0);
+        km_table_erase(&t, at);
+        cr_assert_eq(km_table_find_parent(&t, &child), KM_SLOT_NONE, "the parent is gone");
+        /* A segment start and an orphan have no parent to find. */
+        km_block_meta start, orphan;
+        km_meta_set(&start, parent, anchor, 0);
+        km_meta_set(&orphan, parent, anchor, KM_OFFSET_UNKNOWN);
+        cr_assert_eq(km_table_find_parent(&t, &start), KM_SLOT_NONE);
+        cr_assert_eq(km_table_find_parent(&t, &orphan), KM_SLOT_NONE);
+        km_table_free(&t);
+    }
+    cr_assert_eq(memory.used, 0);
 }
 
 /* ---- the feed's engine-hash map (src/events/engine_hash_map.c) ----------------------------------------------------- */

@@ -344,6 +344,70 @@ uint64_t km_table_find(const km_table *t, uint64_t key)
     return km_view_find(&v, key);
 }
 
+/* Keys matching a parent tag and placement in one array: those whose home lies in [lo, hi] sit in
+ * the probe runs that start there, so the scan goes from `first` (lo, or where the old array's
+ * unmoved part begins) over every slot up to hi and on to the next empty slot; a run that wraps
+ * past the last slot goes on at `wrap_to`. Stops at the second match. Returns the matches (0, 1
+ * or 2) and the first in *found. */
+static int scan_parent(const km_slot *slots, const km_block_meta *meta, uint64_t capacity,
+                       uint64_t first, uint64_t wrap_to, uint64_t hi, uint32_t tag,
+                       uint32_t placement, uint64_t *found)
+{
+    int matches = 0;
+    int wrapped = 0;
+    uint64_t i = first;
+    for (;;) {
+        uint64_t key = slots[i].key;
+        if (key == KM_KEY_EMPTY) {
+            if (wrapped || i >= hi)
+                return matches;
+        } else if (key != KM_KEY_TOMBSTONE && km_parent_tag(key) == tag &&
+                   meta[i].placement == placement) {
+            *found = i;
+            if (++matches == 2)
+                return matches;
+        }
+        if (++i == capacity) {
+            i = wrap_to;
+            wrapped = 1;
+        }
+        if (i == first)
+            return matches;
+    }
+}
+
+/* The homes a key of this parent tag may have in a table of `capacity` slots: km_slot_home of the
+ * smallest and the largest product with these top bits. */
+static void tag_homes(uint32_t tag, uint64_t capacity, uint64_t *lo, uint64_t *hi)
+{
+    const uint32_t low_bits = 64u - KM_PARENT_TAG_BITS;
+    uint64_t h = (uint64_t)tag << low_bits;
+    *lo = (uint64_t)(((unsigned __int128)h * capacity) >> 64);
+    *hi = (uint64_t)(((unsigned __int128)(h | ((UINT64_C(1) << low_bits) - 1)) * capacity) >> 64);
+}
+
+uint64_t km_table_find_parent(const km_table *t, const km_block_meta *m)
+{
+    uint32_t offset = km_meta_offset(m);
+    if (!t->meta || offset == 0 || offset == KM_OFFSET_UNKNOWN)
+        return KM_SLOT_NONE;
+    uint32_t placement = km_meta_anchor_tag(m) | (offset - 1) << KM_ANCHOR_TAG_BITS;
+    uint32_t tag = km_meta_parent_tag(m);
+    uint64_t lo, hi, found = KM_SLOT_NONE, found_old = KM_SLOT_NONE;
+    tag_homes(tag, t->capacity, &lo, &hi);
+    int matches = scan_parent(t->slots, t->meta, t->capacity, lo, 0, hi, tag, placement, &found);
+    if (matches < 2 && t->old_slots) {
+        tag_homes(tag, t->old_capacity, &lo, &hi);
+        int old = scan_parent(t->old_slots, t->old_meta, t->old_capacity,
+                              lo < t->migrated ? t->migrated : lo, t->migrated, hi, tag,
+                              placement, &found_old);
+        if (old)
+            found = t->capacity + found_old;
+        matches += old;
+    }
+    return matches == 1 ? found : KM_SLOT_NONE;
+}
+
 int km_table_insert_grows(const km_table *t)
 {
     return over_load(t->live + t->tombstones + 1, t->capacity);

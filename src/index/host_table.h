@@ -33,26 +33,47 @@
  * larger ones grow incrementally. */
 #define KM_TABLE_INCREMENTAL_SLOTS (UINT64_C(1) << 14)
 
-/* Per-block facts the update planner needs and scoring never reads (parallel to the slots), 12
+/* Per-block facts the update planner needs and scoring never reads (parallel to the slots), 7
  * bytes. What segment keys need of a block's place in its sequence is its offset inside its
  * segment (position modulo segment_blocks, at most 254) and its segment's first block; that block
  * is kept as a 24-bit tag (km_anchor_tag), the key of its anchor list (src/index/index.c): two
  * segments whose tags collide share a list, which costs a remove a few more candidates to check
- * and stays sound. */
+ * and stays sound.
+ *
+ * The block before it in its segment (its parent) is kept as a 24-bit tag, not a chain hash: the
+ * top 24 bits of the parent's Fibonacci hash (km_parent_tag), which fix the parent's home slot in
+ * a table of up to 2^24 slots (a range of capacity / 2^24 homes beyond). km_table_find_parent
+ * finds it again: the one key of those homes whose own tag is the one kept and whose metadata is
+ * this block's anchor at the offset before. A parent is needed only inside a segment (segment keys
+ * check a worker's hold of a segment, and recompute its fingerprints on undo, by walking back from
+ * its last block), so a block at offset 0 and an orphan keep no parent (tag 0). */
 #define KM_OFFSET_UNKNOWN 0xFFu /* an orphan: no known position */
 #define KM_ANCHOR_TAG_BITS 24u
-typedef struct __attribute__((packed, aligned(4))) km_block_meta {
-    uint64_t parent;   /* chain hash of the previous block, KM_NO_PARENT at position 0 */
-    uint32_t placement; /* bits 0-23: anchor tag; bits 24-31: offset in the segment (position mod
-                         * segment_blocks, 0 without segments) or KM_OFFSET_UNKNOWN */
+#define KM_PARENT_TAG_BITS 24u
+typedef struct __attribute__((packed)) km_block_meta {
+    uint32_t placement;    /* bits 0-23: anchor tag; bits 24-31: offset in the segment (position
+                            * mod segment_blocks, 0 without segments) or KM_OFFSET_UNKNOWN */
+    uint8_t parent_tag[3]; /* km_parent_tag of the previous block, little-endian; 0 at offset 0
+                            * and for an orphan */
 } km_block_meta;
-_Static_assert(sizeof(km_block_meta) == 12, "block metadata is 12 bytes per slot");
+_Static_assert(sizeof(km_block_meta) == 7, "block metadata is 7 bytes per slot");
 
 /* The tag a segment's first block is known by in block metadata and the anchor lists: the low 24
  * bits of its chain hash (independent of the high bits that segment fingerprints use). */
 static inline uint32_t km_anchor_tag(uint64_t first_block)
 {
     return (uint32_t)first_block & ((1u << KM_ANCHOR_TAG_BITS) - 1u);
+}
+/* The tag a block's parent is kept by: the top 24 bits of the product km_slot_home maps onto a
+ * table's capacity (src/index/slot_walk.h), so the tag alone gives the parent's home slot. */
+static inline uint32_t km_parent_tag(uint64_t parent)
+{
+    return (uint32_t)((parent * UINT64_C(0x9E3779B97F4A7C15)) >> (64u - KM_PARENT_TAG_BITS));
+}
+static inline uint32_t km_meta_parent_tag(const km_block_meta *m)
+{
+    return (uint32_t)m->parent_tag[0] | (uint32_t)m->parent_tag[1] << 8 |
+           (uint32_t)m->parent_tag[2] << 16;
 }
 static inline uint32_t km_meta_anchor_tag(const km_block_meta *m)
 {
@@ -62,12 +83,16 @@ static inline uint32_t km_meta_offset(const km_block_meta *m)
 {
     return m->placement >> KM_ANCHOR_TAG_BITS;
 }
-/* anchor_tag from km_anchor_tag; offset < KM_MAX_SEGMENT_BLOCKS or KM_OFFSET_UNKNOWN. */
+/* anchor_tag from km_anchor_tag; offset < KM_MAX_SEGMENT_BLOCKS or KM_OFFSET_UNKNOWN; parent the
+ * chain hash of the block before (kept as its tag only where a walk may need it: offset >= 1). */
 static inline void km_meta_set(km_block_meta *m, uint64_t parent, uint32_t anchor_tag,
                                uint32_t offset)
 {
-    m->parent = parent;
+    uint32_t tag = offset != 0 && offset != KM_OFFSET_UNKNOWN ? km_parent_tag(parent) : 0;
     m->placement = anchor_tag | offset << KM_ANCHOR_TAG_BITS;
+    m->parent_tag[0] = (uint8_t)tag;
+    m->parent_tag[1] = (uint8_t)(tag >> 8);
+    m->parent_tag[2] = (uint8_t)(tag >> 16);
 }
 
 /* Demote a shared (bitmap) set back to inline form when it shrinks to this many holders. Below
@@ -148,6 +173,14 @@ static inline km_table_view km_table_get_view(const km_table *t)
 
 /* Slot index of key (in either array), or KM_SLOT_NONE. */
 uint64_t km_table_find(const km_table *t, uint64_t key);
+/* The slot (in either array) of the parent of a block whose metadata is m, in a table with
+ * metadata: the one key whose km_parent_tag is m's parent tag and whose metadata places it in m's
+ * segment (same anchor tag) at the offset before m's. KM_SLOT_NONE when m's offset is 0 or
+ * unknown, when no key matches (the parent is gone, or was placed otherwise), and when two or more
+ * do (siblings or strangers sharing the tag: the parent is then unknown, never guessed). A parent
+ * that is gone while a key of the same 24-bit tag and placement is present is taken for it; the
+ * callers' contracts state what that can cost (src/index/index.c). */
+uint64_t km_table_find_parent(const km_table *t, const km_block_meta *m);
 /* Move every key still in the old array now (a no-op when not growing). Slot indices held by the
  * caller are stale afterwards. Never allocates. */
 void km_table_finish_growth(km_table *t);

@@ -6,7 +6,8 @@
  *  - block sets: exactly which workers hold each chain hash, and per-worker counters;
  *  - segment keys: for the chain hash e of a segment's last block (positions S-1, 2S-1, ...), a set
  *    of workers that certainly hold all S blocks of that segment. A worker joins when it stores e
- *    and holds the S-1 blocks before it on e's chain (checked through per-block parent links); it
+ *    and holds the S-1 blocks before it on e's chain (checked by walking back through each block's
+ *    parent, found by the parent tag in its metadata: src/index/host_table.h); it
  *    leaves when it removes any of those blocks (found through the anchor list of the segment's
  *    first block) or is cleared. Out-of-order stores may leave a worker out: scoring then walks that
  *    segment block by block, so results stay exact (src/index/slot_walk.h, km_walk_request);
@@ -294,7 +295,7 @@ typedef enum undo_kind {
     UNDO_TIER_REMOVED,    /* worker was removed from key's set in lower tier table aux */
 } undo_kind;
 
-/* 40 bytes: a store logs one or two per block, so the entry stays small (a worker's counters,
+/* 32 bytes: a store logs one or two per block, so the entry stays small (a worker's counters,
  * 128 bytes, are saved once per batch in index->undo_saved instead). */
 typedef struct km_undo_entry {
     uint16_t kind;     /* undo_kind */
@@ -310,7 +311,7 @@ typedef struct km_undo_entry {
         km_block_meta meta;
     } u;
 } undo_entry;
-_Static_assert(sizeof(undo_entry) == 40, "undo entries stay 40 bytes");
+_Static_assert(sizeof(undo_entry) == 32, "undo entries stay 32 bytes");
 
 typedef struct batch {
     km_index *index;
@@ -592,20 +593,16 @@ static inline uint8_t chain_fingerprint(uint64_t chain)
     return f ? f : 1;
 }
 
-/* Fingerprints of the S blocks ending at `end`, by walking parent links (0 past a break). */
+/* Fingerprints of the S blocks ending at `end`, by walking back through their parents (0 past a
+ * break: a block gone, a parent not found by its tag). */
 static void fingerprints_by_walk(const km_index *index, uint64_t end, uint8_t *fps)
 {
     uint32_t S = index->config.segment_blocks;
     memset(fps, 0, S);
-    uint64_t cursor = end;
-    for (uint32_t k = S; k-- > 0;) {
-        uint64_t slot = km_table_find(&index->blocks, cursor);
-        if (slot == KM_SLOT_NONE)
-            return;
-        fps[k] = chain_fingerprint(cursor);
-        cursor = km_table_meta(&index->blocks, slot)->parent;
-        if (cursor == KM_NO_PARENT)
-            return;
+    uint64_t slot = km_table_find(&index->blocks, end);
+    for (uint32_t k = S; k-- > 0 && slot != KM_SLOT_NONE;) {
+        fps[k] = chain_fingerprint(km_table_slot(&index->blocks, slot)->key);
+        slot = km_table_find_parent(&index->blocks, km_table_meta(&index->blocks, slot));
     }
 }
 
@@ -650,19 +647,25 @@ static int segment_remove_at(batch *b, uint64_t slot, uint32_t anchor_tag, uint3
     return KM_OK;
 }
 
-/* Does worker hold all S blocks of the segment ending at `end` (offset S-1)? Walks the parent
- * links back from end, checking each block is held and sits one offset earlier; fills fps. */
+/* Does worker hold all S blocks of the segment ending at `end` (offset S-1)? Walks back from end
+ * through each block's parent (km_table_find_parent), checking each block is held and sits one
+ * offset earlier; fills fps. A parent its tag leaves ambiguous ends the walk with 0, which is
+ * sound (scoring walks that segment block by block). The one way the walk can be misled: a parent
+ * that is gone while another block of its segment, at its offset, carries the same 24-bit tag
+ * (about 2^-24 per such sibling), held by the worker with all of its own ancestors. */
 static int holds_segment(const km_index *index, uint32_t worker, uint64_t end, uint8_t *fps)
 {
     uint32_t S = segment_size(index);
-    uint64_t cursor = end;
+    uint64_t slot = km_table_find(&index->blocks, end);
     for (uint32_t k = 0; k < S; k++) {
-        uint64_t slot = km_table_find(&index->blocks, cursor);
-        if (slot == KM_SLOT_NONE || !km_table_set_contains(&index->blocks, slot, worker) ||
-            km_meta_offset(km_table_meta(&index->blocks, slot)) != S - 1 - k)
+        if (slot == KM_SLOT_NONE || !km_table_set_contains(&index->blocks, slot, worker))
             return 0;
-        fps[S - 1 - k] = chain_fingerprint(cursor);
-        cursor = km_table_meta(&index->blocks, slot)->parent;
+        const km_block_meta *m = km_table_meta(&index->blocks, slot);
+        if (km_meta_offset(m) != S - 1 - k)
+            return 0;
+        fps[S - 1 - k] = chain_fingerprint(km_table_slot(&index->blocks, slot)->key);
+        if (k + 1 < S)
+            slot = km_table_find_parent(&index->blocks, m);
     }
     return 1;
 }

@@ -24,10 +24,11 @@
 
 #define SNAPSHOT_MAGIC "KVMSNAP1"
 /* 2: lower storage tier tables (sections 5 and 6). 3: the segment table's fingerprints (S bytes per
- * slot) after its slots; no tombstones. 4: 12-byte block metadata (parent, anchor tag and offset
- * in the segment);
- * tables of any capacity (home slots by multiply-shift range reduction, km_slot_home). */
-#define SNAPSHOT_VERSION 4u
+ * slot) after its slots; no tombstones. 4: block metadata of anchor tag and offset in the segment
+ * (parent chain hash beside it, 12 bytes); tables of any capacity (home slots by multiply-shift
+ * range reduction, km_slot_home). 5: 7-byte block metadata (the parent kept as a 24-bit tag,
+ * km_parent_tag). */
+#define SNAPSHOT_VERSION 5u
 #define SNAPSHOT_HEADER_BYTES 64u
 
 enum snapshot_section {
