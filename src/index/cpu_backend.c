@@ -1,11 +1,11 @@
 /* SPDX-License-Identifier: Apache-2.0 */
-/* The CPU backend: scores requests straight from the host tables with km_walk_request (the code
- * the CUDA kernel runs), across a persistent pool of threads. A batch runs in two phases: each
- * request's entry count (its block 0's holder count) first, so every walk then writes its entries
- * straight into their final place in the results. Lanes claim requests in small chunks, so a slow
- * or late lane never holds the batch up; inside a chunk, the next request's first lookups and the
- * hash-array lines of the one after are prefetched while the current one walks, and the walk itself
- * prefetches KM_PREFETCH_AHEAD keys ahead, so several DRAM misses are always in flight per thread. */
+/* The CPU backend: scores requests straight from the host tables with the per-element walk steps
+ * of src/index/slot_walk.h (those km_walk_request is made of), across a persistent pool of threads.
+ * A batch runs in two phases: each request's entry count (its block 0's holder count) first, so
+ * every walk then writes its entries straight into their final place in the results. Lanes claim
+ * requests in small chunks, so a slow or late lane never holds the batch up, and each lane walks
+ * several requests interleaved, one lookup per request per turn with the next one prefetched, so
+ * several DRAM misses are always in flight per thread. */
 #include <pthread.h>
 #include <sched.h>
 #include <stdatomic.h>
@@ -161,7 +161,7 @@ _Static_assert(sizeof(km_walk_entry) == sizeof(km_worker_match) &&
                "km_walk_entry and km_worker_match must share a layout");
 
 typedef struct cpu_lane {
-    uint64_t *scratch; /* KM_WALK_SCRATCH_WORDS(max_workers) */
+    uint64_t *scratch; /* KM_WALK_SCRATCH_WORDS(max_workers) per request in flight */
     int status;
 } cpu_lane;
 
@@ -193,34 +193,6 @@ typedef struct match_job {
     atomic_size_t next_walk;  /* phase 2: the next unclaimed request */
     size_t total_matches;     /* written before phase becomes PHASE_WALK */
 } match_job;
-
-/* Prefetch every lookup of a request that does not depend on the walk: block 0 and each segment
- * key. Issued one request ahead, so the next request's misses overlap this one's walk. */
-KM_PREFETCHER static inline void prefetch_request(const km_table_view *blocks,
-                                                  const km_table_view *segments, uint32_t S,
-                                                  const km_request *r)
-{
-    if (r->n_hashes == 0)
-        return;
-    km_view_prefetch(blocks, r->hashes[0]);
-    if (S == 0)
-        return;
-    /* Only the first segment keys: most queries stop after a few segments, and the walk itself
-     * prefetches KM_PREFETCH_AHEAD keys ahead as it goes. */
-    for (uint32_t k = 1; k <= KM_PREFETCH_AHEAD && k * S <= r->n_hashes; k++)
-        km_view_prefetch(segments, r->hashes[k * S - 1]);
-}
-
-/* Prefetch the lines of a request's hash array that prefetch_request and the first segments of
- * its walk will read, so their own loads do not miss. Issued two requests ahead. */
-KM_PREFETCHER static inline void prefetch_request_input(uint32_t S, const km_request *r)
-{
-    if (r->n_hashes == 0)
-        return;
-    __builtin_prefetch(r->hashes, 0, 1);
-    for (uint32_t k = 0; S && k < KM_PREFETCH_AHEAD && k * S < r->n_hashes; k++)
-        km_prefetch_segment_input(r->hashes, S, k, r->n_hashes);
-}
 
 #define CPU_COUNT_CHUNK 64u
 #define CPU_WALK_CHUNK 8u
@@ -261,78 +233,245 @@ static void lay_out_results(match_job *job)
     atomic_store_explicit(&job->phase, ok ? PHASE_WALK : PHASE_FAILED, memory_order_release);
 }
 
-/* Phase 2: the lane's claimed requests as one stream. It holds the chunk being walked and, from
- * two requests before that chunk's end, the next one, claimed ahead, so the prefetches of the next
- * requests run across the chunk boundary instead of every chunk starting cold. */
-typedef struct walk_stream {
+/* Phase 2: the lane's claimed requests, walked CPU_WALK_INFLIGHT at a time, interleaved. A walk is
+ * a chain of lookups (block 0, then segment keys, then the blocks of a segment where workers drop
+ * out), each known only once the one before it has been answered; one request alone leaves the
+ * core waiting on memory at every step. So each request in flight makes one lookup per turn and
+ * prefetches the slot (and the hash-array line) of its next lookup before the lane turns to the
+ * next request: by the time its turn comes back, the line has arrived. The steps are those of
+ * km_walk_request (the same per-element functions of src/index/slot_walk.h, in the same order for
+ * each request), so the results and the probe counts are identical. */
+#define CPU_WALK_INFLIGHT 12u
+/* Scratch for the requests in flight is capped; at large max_workers fewer are in flight. */
+#define CPU_WALK_SCRATCH_CAP_BYTES (256u << 10)
+
+enum {
+    WALK_IDLE = 0,  /* no request */
+    WALK_START,     /* its first hash-array lines are being fetched */
+    WALK_BLOCK0,    /* the lookup of block 0 is next */
+    WALK_SEGMENT,   /* the lookup of segment key k is next */
+    WALK_BLOCKS,    /* the lookup of block i of the range [i, last] is next */
+};
+
+typedef struct walk_flight {
+    int step;
+    int in_segment;     /* WALK_BLOCKS: the range is segment k (else the blocks after the last one) */
+    size_t r;           /* the request */
+    const uint64_t *hashes;
+    uint32_t n, k, i, last, next, probes;
+    uint64_t slot0;
+    uint64_t *open, *kept, *tmp;
+    uint32_t *depth_of;
+} walk_flight;
+
+static uint32_t walk_inflight_for(uint32_t max_workers)
+{
+    size_t bytes = KM_WALK_SCRATCH_WORDS((size_t)max_workers) * sizeof(uint64_t);
+    size_t fit = CPU_WALK_SCRATCH_CAP_BYTES / bytes;
+    return fit < 1 ? 1 : fit > CPU_WALK_INFLIGHT ? CPU_WALK_INFLIGHT : (uint32_t)fit;
+}
+
+typedef struct walk_ctx {
     match_job *job;
-    size_t r, end;             /* the chunk being walked */
-    size_t next_r, next_end;   /* the chunk claimed ahead; next_r == SIZE_MAX: not claimed */
-} walk_stream;
+    const km_table_view *blocks, *segments;
+    uint32_t S, W;
+    size_t r, end; /* the lane's claimed chunk: requests [r, end) not yet started */
+} walk_ctx;
 
-static void stream_claim(walk_stream *w, size_t *r, size_t *end)
+/* The next request this lane may walk, or SIZE_MAX when the batch has none left. */
+static size_t walk_claim(walk_ctx *c)
 {
-    size_t n = w->job->n_requests;
-    *r = atomic_fetch_add_explicit(&w->job->next_walk, CPU_WALK_CHUNK, memory_order_relaxed);
-    if (*r > n)
-        *r = n;
-    *end = *r + CPU_WALK_CHUNK < n ? *r + CPU_WALK_CHUNK : n;
+    if (c->r == c->end) {
+        size_t n = c->job->n_requests;
+        size_t r = atomic_fetch_add_explicit(&c->job->next_walk, CPU_WALK_CHUNK, memory_order_relaxed);
+        if (r >= n)
+            return SIZE_MAX;
+        c->r = r;
+        c->end = r + CPU_WALK_CHUNK < n ? r + CPU_WALK_CHUNK : n;
+    }
+    return c->r++;
 }
 
-/* The request `ahead` places after the current one (1 or 2), or NULL when the stream ends first. */
-static const km_request *stream_peek(walk_stream *w, size_t ahead)
+/* Make block i (of a range ending at last) the flight's next lookup: its slot and the hash-array
+ * line a few blocks on are prefetched. */
+KM_PREFETCHER static inline void walk_enter_block(walk_ctx *c, walk_flight *f, uint32_t i)
 {
-    if (w->r + ahead < w->end)
-        return &w->job->requests[w->r + ahead];
-    if (w->next_r == SIZE_MAX)
-        stream_claim(w, &w->next_r, &w->next_end);
-    size_t k = w->next_r + (w->r + ahead - w->end);
-    return k < w->next_end ? &w->job->requests[k] : NULL;
+    f->step = WALK_BLOCKS;
+    f->i = i;
+    km_view_prefetch(c->blocks, f->hashes[i]);
+    if (i + 1 <= f->last)
+        km_view_prefetch(c->blocks, f->hashes[i + 1]);
+    if (i + 8 <= f->last)
+        __builtin_prefetch(&f->hashes[i + 8], 0, 1);
 }
 
-/* Walk every request this lane can claim. A walk's cost follows its entry count and its segment
- * skips, not its block count, so lanes claim small chunks: a lane that drew cheap requests takes
- * more. */
-static int walk_stream_run(match_job *job, cpu_lane *lane, const km_table_view *blocks,
-                           const km_table_view *segments)
+/* The flight's next lookup after every open worker was found to hold [0, next): segment key k,
+ * the blocks after the last whole segment, or none (0: the walk is over). */
+static int walk_continue(walk_ctx *c, walk_flight *f, uint64_t any)
 {
-    uint32_t S = job->index->config.segment_blocks;
+    uint32_t S = c->S, n = f->n;
+    if (!any)
+        return 0;
+    if (S > 0 && (f->k + 1) * S <= n) {
+        f->step = WALK_SEGMENT;
+        km_view_prefetch(c->segments, f->hashes[(f->k + 1) * S - 1]);
+        /* The lines the step after may read: the next segment's first block and its key (this
+         * segment's were fetched the step before). */
+        if ((f->k + 1) * S < n)
+            km_prefetch_segment_input(f->hashes, S, f->k + 1, n);
+        return 1;
+    }
+    if (f->next < n) {
+        f->in_segment = 0;
+        f->last = n - 1;
+        walk_enter_block(c, f, f->next);
+        return 1;
+    }
+    return 0;
+}
+
+/* One turn of a flight: its one lookup, then the next one set up. Returns 0 when the walk is over
+ * (its entries are then written by walk_finish). */
+static int walk_turn(walk_ctx *c, walk_flight *f)
+{
+    uint32_t S = c->S;
+    switch (f->step) {
+    case WALK_START:
+        f->step = WALK_BLOCK0;
+        km_view_prefetch(c->blocks, f->hashes[0]);
+        if (S > 0 && S <= f->n)
+            km_view_prefetch(c->segments, f->hashes[S - 1]);
+        return 1;
+    case WALK_BLOCK0:
+        f->slot0 = km_view_find(c->blocks, f->hashes[0]);
+        f->probes = 1;
+        if (f->slot0 == KM_SLOT_NONE)
+            return 0;
+        km_walk_open_holders(c->blocks, f->slot0, f->open, f->tmp);
+        f->next = 1;
+        f->k = 0;
+        return walk_continue(c, f, 1);
+    case WALK_SEGMENT: {
+        uint32_t last = (f->k + 1) * S - 1;
+        f->probes++;
+        if (km_walk_segment_split(c->segments, f->hashes[last], f->open, f->kept) &&
+            f->next <= last) {
+            f->in_segment = 1;
+            f->last = last;
+            walk_enter_block(c, f, f->next);
+            return 1;
+        }
+        f->next = last + 1;
+        f->k++;
+        return walk_continue(c, f, km_walk_segment_rejoin(c->W, f->open, f->kept));
+    }
+    case WALK_BLOCKS: {
+        f->probes++;
+        uint64_t any = km_walk_block_step(c->blocks, f->hashes[f->i], f->i, f->open, f->tmp,
+                                          f->depth_of);
+        if (any && f->i < f->last) {
+            walk_enter_block(c, f, f->i + 1);
+            return 1;
+        }
+        if (!f->in_segment)
+            return 0;
+        f->next = f->last + 1;
+        f->k++;
+        return walk_continue(c, f, km_walk_segment_rejoin(c->W, f->open, f->kept));
+    }
+    }
+    return 0;
+}
+
+/* A flight whose walk is over: its entries written in place. */
+static int walk_finish(walk_ctx *c, walk_flight *f)
+{
+    km_match_results *results = c->job->results;
+    km_request_result *res = &results->requests[f->r];
+    uint32_t owner = 0xFFFFFFFFu, owner_depth = 0, m = 0;
+    if (f->n > 0 && f->slot0 != KM_SLOT_NONE)
+        m = km_walk_emit_all(c->blocks, f->slot0, f->n, f->open, f->depth_of,
+                             (km_walk_entry *)(results->matches + res->first), &owner,
+                             &owner_depth);
+    if (m != res->count) /* the tables cannot change between the phases */
+        return KM_ERR_INTERNAL;
+    res->owner = owner;
+    res->owner_depth = owner_depth;
+    res->probes = f->probes;
+    f->step = WALK_IDLE;
+    return KM_OK;
+}
+
+/* Put the lane's next request into an idle flight; 0 when none is left. */
+static int walk_load(walk_ctx *c, walk_flight *f)
+{
+    size_t r = walk_claim(c);
+    if (r == SIZE_MAX)
+        return 0;
+    const km_request *req = &c->job->requests[r];
+    f->r = r;
+    f->hashes = req->hashes;
+    f->n = req->n_hashes;
+    f->probes = 0;
+    f->slot0 = KM_SLOT_NONE;
+    if (f->n == 0) {
+        f->step = WALK_IDLE; /* nothing to look up: finished at once */
+        return 1;
+    }
+    f->step = WALK_START;
+    __builtin_prefetch(f->hashes, 0, 1);
+    if (c->S > 0 && c->S <= f->n)
+        __builtin_prefetch(&f->hashes[c->S - 1], 0, 1);
+    return 1;
+}
+
+static int walk_interleaved(match_job *job, cpu_lane *lane, const km_table_view *blocks,
+                            const km_table_view *segments)
+{
+    walk_ctx c = {.job = job, .blocks = blocks, .segments = segments,
+                  .S = job->index->config.segment_blocks, .W = blocks->words_per_set};
     uint32_t max_workers = job->index->config.max_workers;
-    km_match_results *results = job->results;
-    walk_stream w = {.job = job, .next_r = SIZE_MAX};
-    stream_claim(&w, &w.r, &w.end);
-    if (w.r >= w.end)
-        return KM_OK;
-    prefetch_request(blocks, segments, S, &job->requests[w.r]);
-    const km_request *ahead = stream_peek(&w, 1);
-    if (ahead)
-        prefetch_request_input(S, ahead);
-    for (;;) {
-        if ((ahead = stream_peek(&w, 2)))
-            prefetch_request_input(S, ahead);
-        if ((ahead = stream_peek(&w, 1)))
-            prefetch_request(blocks, segments, S, ahead);
-        const km_request *req = &job->requests[w.r];
-        km_request_result *res = &results->requests[w.r];
-        uint32_t owner, owner_depth, probes;
-        uint32_t m = km_walk_request(blocks, segments, S, req->hashes, req->n_hashes,
-                                     (km_walk_entry *)(results->matches + res->first),
-                                     lane->scratch, max_workers, &owner, &owner_depth, &probes);
-        if (m != res->count) /* the tables cannot change between the phases */
-            return KM_ERR_INTERNAL;
-        res->owner = owner;
-        res->owner_depth = owner_depth;
-        res->probes = probes;
-        if (++w.r == w.end) {
-            if (w.next_r == SIZE_MAX)
-                stream_claim(&w, &w.next_r, &w.next_end);
-            if (w.next_r >= w.next_end)
-                return KM_OK;
-            w.r = w.next_r;
-            w.end = w.next_end;
-            w.next_r = SIZE_MAX;
+    size_t words = KM_WALK_SCRATCH_WORDS((size_t)max_workers);
+    uint32_t n_flights = walk_inflight_for(max_workers);
+    walk_flight flights[CPU_WALK_INFLIGHT];
+    uint32_t active = 0;
+    for (uint32_t s = 0; s < n_flights; s++) {
+        walk_flight *f = &flights[s];
+        uint64_t *scratch = lane->scratch + s * words;
+        f->open = scratch;
+        f->kept = scratch + c.W;
+        f->tmp = scratch + 2u * c.W;
+        f->depth_of = (uint32_t *)(scratch + 3u * c.W);
+        f->step = WALK_IDLE;
+    }
+    /* Fill every flight; a request with no blocks finishes on the spot. */
+    int more = 1;
+    for (uint32_t s = 0; s < n_flights && more; s++) {
+        walk_flight *f = &flights[s];
+        while ((more = walk_load(&c, f)) && f->step == WALK_IDLE) {
+            int rc = walk_finish(&c, f);
+            if (rc)
+                return rc;
+        }
+        active += more;
+    }
+    while (active) {
+        for (uint32_t s = 0; s < n_flights; s++) {
+            walk_flight *f = &flights[s];
+            if (f->step == WALK_IDLE || walk_turn(&c, f))
+                continue;
+            int rc = walk_finish(&c, f);
+            if (rc)
+                return rc;
+            while ((more = walk_load(&c, f)) && f->step == WALK_IDLE) {
+                rc = walk_finish(&c, f);
+                if (rc)
+                    return rc;
+            }
+            active -= !more;
         }
     }
+    return KM_OK;
 }
 
 static void match_lane(void *p, uint32_t lane_index)
@@ -358,7 +497,7 @@ static void match_lane(void *p, uint32_t lane_index)
         pool_relax(&spins);
     if (phase == PHASE_FAILED)
         return;
-    int rc = walk_stream_run(job, lane, &blocks, &segments);
+    int rc = walk_interleaved(job, lane, &blocks, &segments);
     if (rc)
         lane->status = rc;
 }
@@ -377,7 +516,8 @@ static int cpu_create(km_index *index, void **state_out, char *why, size_t why_s
         goto oom;
     uint32_t max_workers = index->config.max_workers;
     for (uint32_t i = 0; i < threads; i++) {
-        state->lanes[i].scratch = malloc(KM_WALK_SCRATCH_WORDS((size_t)max_workers) * sizeof(uint64_t));
+        state->lanes[i].scratch = malloc(walk_inflight_for(max_workers) *
+                                         KM_WALK_SCRATCH_WORDS((size_t)max_workers) * sizeof(uint64_t));
         if (!state->lanes[i].scratch)
             goto oom;
     }

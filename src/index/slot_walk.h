@@ -236,6 +236,24 @@ KM_HD static inline uint32_t km_bit_index(uint64_t word)
 #endif
 }
 
+/* One step of a block walk: look up block i (chain hash `key`), keep in `open` (W words) the
+ * workers that hold it and settle the others at depth i (depth_of[w] = i). `tmp` is W words.
+ * Returns nonzero when `open` is still not empty. */
+KM_HD static inline uint64_t km_walk_block_step(const km_table_view *blocks, uint64_t key,
+                                                uint32_t i, uint64_t *open, uint64_t *tmp,
+                                                uint32_t *depth_of)
+{
+    uint32_t W = blocks->words_per_set;
+    uint64_t slot = km_view_find(blocks, key);
+    uint64_t any = km_view_intersect(blocks, slot, open, tmp);
+    for (uint32_t x = 0; x < W; x++) {
+        for (uint64_t settled = open[x] & ~tmp[x]; settled; settled &= settled - 1)
+            depth_of[x * 64u + km_bit_index(settled)] = i;
+        open[x] = tmp[x];
+    }
+    return any;
+}
+
 /* Walk blocks first..last (inclusive) for the workers in `open` (a bitmap of W words), settling each
  * at the first block it lacks (depth_of[w] = that position) and clearing it from `open`. Stops
  * early when `open` empties. `tmp` is W words. Returns the lookups made. */
@@ -243,25 +261,56 @@ KM_HD static inline uint32_t km_walk_blocks(const km_table_view *blocks, const u
                                             uint32_t first, uint32_t last, uint64_t *open,
                                             uint64_t *tmp, uint32_t *depth_of)
 {
-    uint32_t W = blocks->words_per_set;
     uint32_t probes = 0;
     for (uint32_t i = first; i < first + KM_PREFETCH_AHEAD && i <= last; i++)
         km_view_prefetch(blocks, hashes[i]);
     for (uint32_t i = first; i <= last; i++) {
         if (i + KM_PREFETCH_AHEAD <= last)
             km_view_prefetch(blocks, hashes[i + KM_PREFETCH_AHEAD]);
-        uint64_t slot = km_view_find(blocks, hashes[i]);
         probes++;
-        uint64_t any = km_view_intersect(blocks, slot, open, tmp);
-        for (uint32_t x = 0; x < W; x++) {
-            for (uint64_t settled = open[x] & ~tmp[x]; settled; settled &= settled - 1)
-                depth_of[x * 64u + km_bit_index(settled)] = i;
-            open[x] = tmp[x];
-        }
-        if (!any)
+        if (!km_walk_block_step(blocks, hashes[i], i, open, tmp, depth_of))
             break;
     }
     return probes;
+}
+
+/* The first step of a walk: open (W words) = the holders of block 0, whose slot is slot0 (not
+ * KM_SLOT_NONE). `tmp` is W words. */
+KM_HD static inline void km_walk_open_holders(const km_table_view *blocks, uint64_t slot0,
+                                              uint64_t *open, uint64_t *tmp)
+{
+    for (uint32_t i = 0; i < blocks->words_per_set; i++)
+        tmp[i] = ~UINT64_C(0);
+    km_view_intersect(blocks, slot0, tmp, open);
+}
+
+/* A segment key's lookup (`key`: the chain hash of the segment's last block): `kept` = the open
+ * workers its set holds (they hold the whole segment), `open` = the rest, to be walked block by
+ * block. Returns nonzero when the rest is not empty. */
+KM_HD static inline uint64_t km_walk_segment_split(const km_table_view *segments, uint64_t key,
+                                                   uint64_t *open, uint64_t *kept)
+{
+    uint64_t seg = km_view_find(segments, key);
+    km_view_intersect(segments, seg, open, kept);
+    uint64_t dropped = 0;
+    for (uint32_t i = 0; i < segments->words_per_set; i++) {
+        open[i] &= ~kept[i];
+        dropped |= open[i];
+    }
+    return dropped;
+}
+
+/* After a segment's block walk: the workers it left open held the whole segment though the
+ * segment key did not say so, and rejoin the kept ones. Returns nonzero when some worker is open. */
+KM_HD static inline uint64_t km_walk_segment_rejoin(uint32_t W, uint64_t *open,
+                                                    const uint64_t *kept)
+{
+    uint64_t any = 0;
+    for (uint32_t i = 0; i < W; i++) {
+        open[i] |= kept[i];
+        any |= open[i];
+    }
+    return any;
 }
 
 /* Append worker w with its settled depth to a request's entries; keep the deepest (ties: the
@@ -280,8 +329,37 @@ KM_HD static inline void km_walk_emit(km_walk_entry *entries, uint32_t *m, uint3
     }
 }
 
+/* The last step of a walk of n blocks: the workers still open hold all n; then block 0's holders
+ * (slot0), ascending, are written once each with their settled depth. Returns the entry count. */
+KM_HD static inline uint32_t km_walk_emit_all(const km_table_view *blocks, uint64_t slot0,
+                                              uint32_t n, const uint64_t *open,
+                                              uint32_t *depth_of, km_walk_entry *entries,
+                                              uint32_t *owner, uint32_t *owner_depth)
+{
+    uint32_t W = blocks->words_per_set;
+    for (uint32_t x = 0; x < W; x++)
+        for (uint64_t left = open[x]; left; left &= left - 1)
+            depth_of[x * 64u + km_bit_index(left)] = n;
+    const km_slot *s0 = km_view_slot(blocks, slot0);
+    uint32_t m = 0;
+    if (km_slot_is_shared(s0)) {
+        const uint64_t *bits = blocks->pool + (uint64_t)km_slot_pool_index(s0) * W;
+        for (uint32_t x = 0; x < W; x++)
+            for (uint64_t word = bits[x]; word; word &= word - 1)
+                km_walk_emit(entries, &m, x * 64u + km_bit_index(word), depth_of, owner,
+                             owner_depth);
+        return m;
+    }
+    for (uint32_t i = 0; i < KM_SLOT_INLINE; i++)
+        if (s0->ids[i] != KM_SLOT_ID_EMPTY)
+            km_walk_emit(entries, &m, s0->ids[i], depth_of, owner, owner_depth);
+    return m;
+}
+
 /* The prefix walk for one request: for every worker holding block 0, the number of leading blocks
- * it holds (radix-tree find_matches semantics).
+ * it holds (radix-tree find_matches semantics). Every backend must give exactly its results; the
+ * CPU backend runs the same steps (km_walk_block_step, km_walk_segment_split, ...) for several
+ * requests interleaved (src/index/cpu_backend.c).
  *
  * With segment keys (segment_blocks = S > 0), the segment table maps the chain hash of each
  * segment's last block (positions S-1, 2S-1, ...) to workers that certainly hold the whole segment
@@ -325,9 +403,7 @@ KM_HD static inline uint32_t km_walk_request(const km_table_view *blocks,
     uint64_t *tmp = scratch + 2u * W;
     uint32_t *depth_of = (uint32_t *)(scratch + 3u * W);
     (void)max_workers;
-    for (uint32_t i = 0; i < W; i++)
-        tmp[i] = ~UINT64_C(0);
-    km_view_intersect(blocks, slot0, tmp, open); /* open = holders of block 0 */
+    km_walk_open_holders(blocks, slot0, open, tmp); /* the holders of block 0 */
 
     /* Invariant: every open worker holds blocks [0, next). */
     uint32_t next = 1;
@@ -339,47 +415,16 @@ KM_HD static inline uint32_t km_walk_request(const km_table_view *blocks,
                 km_view_prefetch(segments, hashes[(k + 1 + KM_PREFETCH_AHEAD) * S - 1]);
             if ((k + 2u * KM_PREFETCH_AHEAD) * S < n)
                 km_prefetch_segment_input(hashes, S, k + 2u * KM_PREFETCH_AHEAD, n);
-            uint64_t seg = km_view_find(segments, hashes[last]);
             (*probes)++;
-            km_view_intersect(segments, seg, open, kept);
-            uint64_t dropped = 0;
-            for (uint32_t i = 0; i < W; i++) {
-                open[i] &= ~kept[i]; /* open now holds the dropped workers */
-                dropped |= open[i];
-            }
-            if (dropped) {
+            if (km_walk_segment_split(segments, hashes[last], open, kept))
                 *probes += km_walk_blocks(blocks, hashes, next, last, open, tmp, depth_of);
-                /* Held the whole segment though the segment key did not say so: still open. */
-            }
-            any = 0;
-            for (uint32_t i = 0; i < W; i++) {
-                open[i] |= kept[i];
-                any |= open[i];
-            }
+            any = km_walk_segment_rejoin(W, open, kept);
             next = last + 1;
         }
     }
     if (any && next < n)
         *probes += km_walk_blocks(blocks, hashes, next, n - 1, open, tmp, depth_of);
-    for (uint32_t x = 0; x < W; x++)
-        for (uint64_t left = open[x]; left; left &= left - 1)
-            depth_of[x * 64u + km_bit_index(left)] = n;
-
-    /* Block 0's holders, ascending, each written once with its settled depth. */
-    const km_slot *s0 = km_view_slot(blocks, slot0);
-    uint32_t m = 0;
-    if (km_slot_is_shared(s0)) {
-        const uint64_t *bits = blocks->pool + (uint64_t)km_slot_pool_index(s0) * W;
-        for (uint32_t x = 0; x < W; x++)
-            for (uint64_t word = bits[x]; word; word &= word - 1)
-                km_walk_emit(entries, &m, x * 64u + km_bit_index(word), depth_of, owner,
-                             owner_depth);
-        return m;
-    }
-    for (uint32_t i = 0; i < KM_SLOT_INLINE; i++)
-        if (s0->ids[i] != KM_SLOT_ID_EMPTY)
-            km_walk_emit(entries, &m, s0->ids[i], depth_of, owner, owner_depth);
-    return m;
+    return km_walk_emit_all(blocks, slot0, n, open, depth_of, entries, owner, owner_depth);
 }
 
 #endif
