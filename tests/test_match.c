@@ -157,6 +157,10 @@ PROPERTY(0, 8, 2)
 PROPERTY(0, 1024, 1)
 PROPERTY(0, 1024, 2)
 PROPERTY(32, 64, 7) /* more lanes than this machine's cores: helpers join late or not at all */
+/* Wide bitmaps: fewer requests in flight per lane (their scratch is capped), so a lane's walks
+ * interleave less. */
+PROPERTY(32, 8192, 2)
+PROPERTY(4, 40000, 1)
 
 /* ---- edge cases ---------------------------------------------------------------------------- */
 
