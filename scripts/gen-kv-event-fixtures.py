@@ -166,6 +166,8 @@ def medium_enum(m):
     if m is None:
         return "GPU"
     up = m.upper() if m.isascii() else m
+    if up == "STORAGE":  # vLLM's offloading connector's storage tier
+        return "DISK"
     return up if up in ("GPU", "CPU", "DISK") else "other"
 
 
@@ -192,14 +194,23 @@ def expect_event(ev, position):
         0 if e is None or (isinstance(e, (list, tuple)) and len(e) == 0) else 1 for e in extra]
     x["kv_cache_spec_kind"] = getattr(ev, "kv_cache_spec_kind", None)
     x["kv_cache_spec_sliding_window"] = getattr(ev, "kv_cache_spec_sliding_window", None)
+    x["placeholder"] = placeholder(ev)
     return x
+
+
+def placeholder(ev):
+    """vLLM's OffloadingConnector store without self-describing events: block_size 0, no
+    tokens, no parent, off the GPU."""
+    return (ev.block_size == 0 and len(ev.token_ids) == 0 and ev.parent_block_hash is None
+            and medium_enum(getattr(ev, "medium", None)) != "GPU")
 
 
 def consistent(ev):
     if type(ev).__name__ != "BlockStored":
         return True
     extra = getattr(ev, "extra_keys", None)
-    return (ev.block_size >= 1 and len(ev.token_ids) == ev.block_size * len(ev.block_hashes)
+    return ((placeholder(ev) or ev.block_size >= 1)
+            and len(ev.token_ids) == ev.block_size * len(ev.block_hashes)
             and (extra is None or len(extra) == len(ev.block_hashes)))
 
 
@@ -321,6 +332,27 @@ for newer in (False, True):
             Transferred(block_hashes=[51], src_medium="GPU", dst_medium="DISK"),
             Removed(block_hashes=[51, 52], medium="REMOTE", group_idx=0, **extra_removed),
             Cleared(),
+        ]))
+
+# v0.33: the OffloadingConnector's placeholder stores and their removals (self-describing events
+# off, vLLM's default), positional and map; the same shape on the GPU medium or with a parent is
+# rejected.
+for array_like in (True, False):
+    Batch, Stored, Removed, Cleared, Transferred = v02x_types(array_like=array_like,
+                                                              newer_fields=True)
+    add_payload("v0.33_offload_placeholders" + ("" if array_like else "_map"), Batch(
+        ts=1717000006.5, data_parallel_rank=0, events=[
+            Stored(block_hashes=[71, 72], parent_block_hash=None, token_ids=TOKENS[:32],
+                   block_size=16, lora_id=None, medium="GPU", lora_name=None),
+            Stored(block_hashes=[71], parent_block_hash=None, token_ids=[], block_size=0,
+                   lora_id=None, medium="CPU", lora_name=None, group_idx=0, locality="LOCAL"),
+            Stored(block_hashes=[SHA], parent_block_hash=None, token_ids=[], block_size=0,
+                   lora_id=None, medium="STORAGE", lora_name=None, group_idx=0),
+            Stored(block_hashes=[72], parent_block_hash=None, token_ids=[], block_size=0,
+                   lora_id=None, medium="GPU", lora_name=None, group_idx=0),
+            Stored(block_hashes=[72], parent_block_hash=71, token_ids=[], block_size=0,
+                   lora_id=None, medium="CPU", lora_name=None, group_idx=0),
+            Removed(block_hashes=[71], medium="CPU", group_idx=0, locality="LOCAL"),
         ]))
 
 # Frames: live (custom and default topic), replay in both forms, end markers in both forms.

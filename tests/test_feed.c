@@ -1530,6 +1530,210 @@ Test(feed, a_block_stored_again_on_another_medium_keeps_its_chain, .timeout = 10
     }
 }
 
+/* ---- placeholder stores ---------------------------------------------------------------------- */
+
+/* A placeholder store on CPU (block_size 0, no tokens, no parent: vLLM's OffloadingConnector by
+ * default) of n engine hashes. */
+static void fx_placeholder(fx *f, uint32_t w, const uint64_t *eh, uint32_t n, const char *medium)
+{
+    km_test_batch_stored_extra_keys(&f->batch, eh, n, false, 0, NULL, 0, medium, NULL, NULL);
+    fx_live(f, w, fx_keep(f));
+}
+
+/* Whether the index holds chain for w, and at the host tier. */
+static bool fx_held_at(fx *f, uint32_t w, uint64_t chain, bool *host)
+{
+    uint32_t host_blocks;
+    bool held = fx_match_depth(f, w, &chain, 1, &host_blocks) == 1;
+    *host = host_blocks == 1;
+    return held;
+}
+
+/* Placeholders move blocks the map knows into the host tier, keep them resolvable after the GPU
+ * copy goes, and are skipped and counted (never an error, the worker stays LIVE) for engine hashes
+ * the map does not hold; the refusal log names the reason. */
+Test(feed, placeholder_stores_place_known_blocks_and_count_unknown_ones, .timeout = 10)
+{
+    km_feed_config cfg;
+    km_test_feed_config(&cfg, BS);
+    log_capture logs = {.n = 0};
+    cfg.log = capture_log;
+    cfg.log_user = &logs;
+    km_test_encoding encs[2] = {KM_TEST_ENCODING_POSITIONAL, KM_TEST_ENCODING_MAP};
+    for (int c = 0; c < 2; c++) {
+        logs.n = 0;
+        fx f;
+        fx_init_cfg(&f, &cfg, encs[c], KM_TEST_HASH_INT);
+        fx_add(&f, 0, false);
+        uint32_t tokens[3 * BS];
+        for (uint32_t i = 0; i < 3 * BS; i++)
+            tokens[i] = 500 + i;
+        km_hash_config hc = {BS, NULL, NULL};
+        uint64_t want[3];
+        size_t nb;
+        km_hash_sequence(&hc, tokens, 3 * BS, 0, KM_NO_PARENT, NULL, want, &nb);
+        uint64_t eh[3] = {0x71, 0x72, 0x73}, unknown = 0x99;
+        uint32_t host;
+        char why[256];
+
+        km_test_batch_stored(&f.batch, eh, 3, false, 0, tokens, BS, NULL, NULL);
+        fx_live(&f, 0, fx_keep(&f));
+        /* Blocks 0 and 1 offloaded; a placeholder of a hash never stored. */
+        fx_placeholder(&f, 0, eh, 2, "CPU");
+        fx_placeholder(&f, 0, &unknown, 1, "CPU");
+        fx_flush(&f);
+        cr_assert(km_test_index_holds_exactly(f.index, 0, want, 3, why, sizeof why), "%s", why);
+        cr_assert_eq(fx_match_depth(&f, 0, want, 3, &host), 3);
+        cr_assert_eq(host, 0, "the GPU copy is the faster one");
+        km_feed_worker_info info = fx_info(&f, 0);
+        cr_assert_eq(info.counters.refused[KM_FEED_REFUSED_UNPLACED_PLACEHOLDER], 1);
+        cr_assert_eq(info.counters.stored_by_medium[KM_KV_MEDIUM_CPU], 2);
+        cr_assert_eq(info.map_entries, 3, "an unplaced placeholder adds no entry");
+        cr_assert_eq(info.state, KM_FEED_STATE_LIVE);
+        cr_assert(!info.config_refused);
+        cr_assert_str_eq(km_feed_refusal_name(KM_FEED_REFUSED_UNPLACED_PLACEHOLDER),
+                         "unplaced_placeholder");
+        bool logged = false;
+        for (int i = 0; i < logs.n && i < 8; i++)
+            logged |= strstr(logs.lines[i], "unplaced_placeholder 1") != NULL;
+        cr_assert(logged, "the refusal log names the reason");
+
+        /* The GPU evicts all three: the offloaded two stay, at the host tier; the third leaves
+         * every medium, so a placeholder of it arriving now cannot be placed. */
+        km_test_batch_removed(&f.batch, eh, 3, "GPU");
+        fx_live(&f, 0, fx_keep(&f));
+        fx_placeholder(&f, 0, eh + 2, 1, "CPU");
+        fx_flush(&f);
+        cr_assert(km_test_index_holds_exactly(f.index, 0, want, 2, why, sizeof why), "%s", why);
+        cr_assert_eq(fx_match_depth(&f, 0, want, 3, &host), 2);
+        cr_assert_eq(host, 2);
+        info = fx_info(&f, 0);
+        cr_assert_eq(info.counters.refused[KM_FEED_REFUSED_UNPLACED_PLACEHOLDER], 2);
+        cr_assert_eq(info.map_entries, 2);
+
+        /* The GPU stores block 0 again: device tier; the CPU removal of block 1 (a placeholder's
+         * removal names the same hash) takes it out. */
+        km_test_batch_stored(&f.batch, eh, 1, false, 0, tokens, BS, NULL, NULL);
+        fx_live(&f, 0, fx_keep(&f));
+        km_test_batch_removed(&f.batch, eh + 1, 1, "CPU");
+        fx_live(&f, 0, fx_keep(&f));
+        fx_flush(&f);
+        cr_assert(km_test_index_holds_exactly(f.index, 0, want, 1, why, sizeof why), "%s", why);
+        cr_assert_eq(fx_match_depth(&f, 0, want, 3, &host), 1);
+        cr_assert_eq(host, 0);
+        info = fx_info(&f, 0);
+        cr_assert_eq(info.counters.unknown_removes, 0);
+        cr_assert_eq(info.state, KM_FEED_STATE_LIVE);
+        fx_free(&f);
+    }
+}
+
+/* An engine with two KV-cache groups: a placeholder says nothing about the other group's copy,
+ * so it is skipped and counted, and the block's tier does not move. */
+Test(feed, placeholder_stores_of_a_multi_group_engine_are_skipped, .timeout = 10)
+{
+    fx f;
+    fx_init(&f);
+    fx_add(&f, 0, false);
+    uint32_t tokens[BS] = {1, 2, 3, 4};
+    uint64_t eh = 0x55;
+    msgpack_sbuffer sb;
+    group_event ev[2] = {{false, &eh, 1, false, 0, tokens, BS, 0, NULL, 0},
+                         {false, &eh, 1, false, 0, tokens, BS, 1, NULL, 0}};
+    pack_group_batch(&sb, ev, 2);
+    live_payload(&f, 0, 0, &sb);
+    km_test_batch_stored_extra_keys(&f.batch, &eh, 1, false, 0, NULL, 0, "CPU", NULL, NULL);
+    live_batch(&f, 0, 1);
+    fx_flush(&f);
+    bool host;
+    km_hash_config hc = {BS, NULL, NULL};
+    uint64_t chain;
+    size_t nb;
+    km_hash_sequence(&hc, tokens, BS, 0, KM_NO_PARENT, NULL, &chain, &nb);
+    cr_assert(fx_held_at(&f, 0, chain, &host));
+    cr_assert(!host);
+    km_feed_worker_info info = fx_info(&f, 0);
+    cr_assert_eq(info.counters.refused[KM_FEED_REFUSED_UNPLACED_PLACEHOLDER], 1);
+    cr_assert_eq(info.counters.stored_by_medium[KM_KV_MEDIUM_CPU], 0);
+    fx_free(&f);
+}
+
+/* Random GPU stores (with copies) and removals, and placeholder CPU stores and removals, of the
+ * blocks of one sequence, against a brute-force model of what the worker holds: after every
+ * message the index holds each block exactly while the model does, at the host tier exactly when
+ * the model holds it on CPU alone, and the unplaced placeholders counted are the model's. */
+#define PH_BLOCKS 12u
+Test(feed, placeholder_host_tier_matches_a_model_on_random_events, .timeout = 30)
+{
+    fx f;
+    fx_init(&f);
+    fx_add(&f, 0, false);
+    uint32_t tokens[PH_BLOCKS * BS];
+    for (uint32_t i = 0; i < PH_BLOCKS * BS; i++)
+        tokens[i] = 7000 + i;
+    km_hash_config hc = {BS, NULL, NULL};
+    uint64_t chains[PH_BLOCKS], eh[PH_BLOCKS];
+    size_t nb;
+    km_hash_sequence(&hc, tokens, PH_BLOCKS * BS, 0, KM_NO_PARENT, NULL, chains, &nb);
+    for (uint32_t i = 0; i < PH_BLOCKS; i++)
+        eh[i] = 0x1000 + i;
+    uint32_t gpu_copies[PH_BLOCKS] = {0};
+    bool cpu[PH_BLOCKS] = {false};
+    uint64_t unplaced = 0, host_seen = 0;
+    for (uint32_t step = 0; step < 3000; step++) {
+        uint32_t op = km_rng_below(&f.rng, 4);
+        uint32_t a = km_rng_below(&f.rng, PH_BLOCKS);
+        uint32_t n = 1 + km_rng_below(&f.rng, PH_BLOCKS - a);
+        if (op == 0) {
+            /* GPU store of [a, a + n), parent a - 1: skipped while the parent is not held. */
+            bool parent_held = a == 0 || gpu_copies[a - 1] || cpu[a - 1];
+            km_test_batch_stored(&f.batch, eh + a, n, a > 0, a > 0 ? eh[a - 1] : 0,
+                                 tokens + a * BS, BS, NULL, NULL);
+            if (parent_held)
+                for (uint32_t i = a; i < a + n; i++)
+                    gpu_copies[i]++;
+        } else if (op == 1) {
+            km_test_batch_removed(&f.batch, eh + a, n, "GPU");
+            for (uint32_t i = a; i < a + n; i++)
+                if (gpu_copies[i])
+                    gpu_copies[i]--;
+        } else if (op == 2) {
+            km_test_batch_stored_extra_keys(&f.batch, eh + a, n, false, 0, NULL, 0, "CPU", NULL,
+                                            NULL);
+            for (uint32_t i = a; i < a + n; i++) {
+                if (gpu_copies[i] || cpu[i])
+                    cpu[i] = true;
+                else
+                    unplaced++;
+            }
+        } else {
+            km_test_batch_removed(&f.batch, eh + a, n, "CPU");
+            for (uint32_t i = a; i < a + n; i++)
+                cpu[i] = false;
+        }
+        fx_live(&f, 0, fx_keep(&f));
+        fx_flush(&f);
+        for (uint32_t i = 0; i < PH_BLOCKS; i++) {
+            bool host;
+            bool held = fx_held_at(&f, 0, chains[i], &host);
+            KM_CHECK(held == (gpu_copies[i] || cpu[i]), "step %u block %u held %d, model %u/%d",
+                     step, i, held, gpu_copies[i], cpu[i]);
+            if (held)
+                KM_CHECK(host == (!gpu_copies[i] && cpu[i]), "step %u block %u host %d", step,
+                         i, host);
+            host_seen += held && host;
+        }
+        km_feed_worker_info info = fx_info(&f, 0);
+        KM_CHECK(info.counters.refused[KM_FEED_REFUSED_UNPLACED_PLACEHOLDER] == unplaced,
+                 "step %u unplaced %" PRIu64 ", model %" PRIu64, step,
+                 info.counters.refused[KM_FEED_REFUSED_UNPLACED_PLACEHOLDER], unplaced);
+        KM_CHECK(info.state == KM_FEED_STATE_LIVE, "step %u", step);
+    }
+    cr_assert_gt(host_seen, 0, "the random run reached the host tier");
+    cr_assert_gt(unplaced, 0, "the random run sent placeholders of unknown blocks");
+    fx_free(&f);
+}
+
 /* A block the GPU event marked opaque (an image in block 1) is not indexed, and neither are its
  * descendants; the CPU copy of the same engine hashes, sent without extra_keys, must not turn
  * them into tokens-only chains (which would claim the image blocks for any request with the same

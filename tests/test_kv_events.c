@@ -1246,6 +1246,108 @@ Test(kv_events, inconsistent_events_are_rejected_alone)
     km_kv_decoder_destroy(d);
 }
 
+/* ---- placeholder stores ------------------------------------------------------------------------ */
+
+/* vLLM's OffloadingConnector (self-describing events off) announces each chunk it stores in a
+ * lower tier as BlockStored([key hash], parent nil, token_ids [], block_size 0, medium "CPU",
+ * group_idx, locality, ownership): a placeholder store, delivered off the GPU only. With tokens, a
+ * parent or on the GPU medium, block_size 0 stays rejected; a non-zero block size is a normal
+ * store, checked as always. Positional (the direct path) and map events alike. */
+Test(kv_events, placeholder_stores_are_delivered_off_the_gpu_only)
+{
+    static const uint64_t key_hash[1] = {0xc0ffee0000000001ull};
+    for (int as_map = 0; as_map < 2; as_map++) {
+        km_kv_decoder *d = new_decoder(NULL);
+        pk_buf b;
+        msgpack_packer *pk = pk_begin(&b);
+        batch_open(pk, 9, RANK_VALUE);
+        stored_spec ph = stored_default();
+        ph.as_map = as_map;
+        ph.hashes = key_hash;
+        ph.n_hashes = 1;
+        ph.tokens = NULL;
+        ph.n_tokens = 0;
+        ph.block_size = 0;
+        ph.medium = "CPU";
+        ph.has_group_idx = true;
+        ph.group_idx = 0;
+        stored_spec s = ph;
+        pack_stored(pk, &s); /* 0: CPU placeholder */
+        s.medium = "DISK";
+        s.junk_fields = 2; /* 1: DISK, with vLLM's locality and ownership fields */
+        pack_stored(pk, &s);
+        s = ph;
+        s.medium = "GPU"; /* 2: rejected */
+        pack_stored(pk, &s);
+        s.medium = NULL; /* 3: nil is the GPU: rejected */
+        pack_stored(pk, &s);
+        s = ph;
+        s.has_parent = true; /* 4: a parent: rejected */
+        s.parent = 7;
+        pack_stored(pk, &s);
+        s = ph;
+        s.tokens = eight_tokens; /* 5: tokens: rejected */
+        s.n_tokens = 8;
+        pack_stored(pk, &s);
+        s = stored_default();
+        s.as_map = as_map;
+        s.medium = "CPU"; /* 6: a full CPU store */
+        pack_stored(pk, &s);
+        s.n_tokens = 0; /* 7: block size 4 without tokens: token_count */
+        s.tokens = NULL;
+        pack_stored(pk, &s);
+        s = ph;
+        s.n_hashes = 0; /* 8: a placeholder of no block: delivered, names nothing */
+        pack_stored(pk, &s);
+        batch_close(pk, RANK_VALUE, 0);
+        km_kv_batch batch;
+        int rc = decode_buf(d, &b, &batch);
+        EXPECT_OK(d, rc);
+        cr_assert_eq(batch.n_events, 4, "map %d", as_map);
+        const uint32_t positions[4] = {0, 1, 6, 8};
+        const km_kv_medium media[4] = {KM_KV_MEDIUM_CPU, KM_KV_MEDIUM_DISK, KM_KV_MEDIUM_CPU,
+                                       KM_KV_MEDIUM_CPU};
+        for (uint32_t i = 0; i < 4; i++) {
+            const km_kv_event *e = &batch.events[i];
+            cr_assert_eq(e->position, positions[i], "map %d event %u", as_map, i);
+            cr_assert_eq(e->medium, media[i], "map %d event %u", as_map, i);
+            cr_assert_eq(e->placeholder, i != 2, "map %d event %u", as_map, i);
+            cr_assert_eq(e->block_size, i == 2 ? 4u : 0u);
+            if (e->placeholder) {
+                cr_assert_eq(e->n_token_ids, 0);
+                cr_assert(!e->has_parent_block_hash && !e->sparse_blocks);
+                cr_assert(e->has_group_idx && e->group_idx == 0);
+                cr_assert_eq(e->n_block_hashes, i == 3 ? 0u : 1u);
+                if (e->n_block_hashes)
+                    cr_assert_eq(e->block_hashes[0], key_hash[0]);
+            }
+        }
+        cr_assert_eq(batch.n_rejected, 5);
+        const struct {
+            uint32_t position;
+            km_kv_rejection reason;
+            const char *needle;
+        } expect[] = {
+            {2, KM_KV_REJECTED_BLOCK_SIZE, "names a medium other than the GPU"},
+            {3, KM_KV_REJECTED_BLOCK_SIZE, "names a medium other than the GPU"},
+            {4, KM_KV_REJECTED_BLOCK_SIZE, "block_size 0 is below 1"},
+            {5, KM_KV_REJECTED_BLOCK_SIZE, "block_size 0 is below 1"},
+            {7, KM_KV_REJECTED_TOKEN_COUNT, "token_ids has 0 tokens"},
+        };
+        for (size_t i = 0; i < 5; i++) {
+            const km_kv_rejected_event *r = &batch.rejected[i];
+            cr_assert_eq(r->position, expect[i].position, "map %d rejected %zu", as_map, i);
+            cr_assert_eq(r->reason, expect[i].reason, "map %d rejected %zu", as_map, i);
+            cr_assert(strstr(r->message, expect[i].needle) != NULL, "map %d rejected %zu: %s",
+                      as_map, i, r->message);
+        }
+        cr_assert(strstr(batch.rejected[2].message, "placeholder") == NULL,
+                  "a parent makes it no placeholder: %s", batch.rejected[2].message);
+        pk_end(&b);
+        km_kv_decoder_destroy(d);
+    }
+}
+
 /* ---- wrong types: every field, both forms ------------------------------------------------------ */
 
 static bool hashes_value_is_valid(bad_value v)
@@ -2116,7 +2218,11 @@ static void check_batch_invariants(const km_kv_batch *batch)
         for (uint32_t h = 0; h < e->n_block_hashes; h++)
             sink += e->block_hashes[h];
         if (e->kind == KM_KV_EVENT_BLOCK_STORED) {
-            KM_CHECK(e->block_size >= 1, "block_size 0 delivered");
+            KM_CHECK(e->block_size >= 1 ||
+                         (e->placeholder && e->n_token_ids == 0 && !e->has_parent_block_hash &&
+                          e->medium != KM_KV_MEDIUM_GPU && !e->sparse_blocks),
+                     "block_size 0 delivered outside a placeholder store");
+            KM_CHECK(!e->placeholder || e->block_size == 0, "placeholder with a block size");
             if (e->sparse_blocks)
                 KM_CHECK(e->has_group_idx && e->n_block_hashes > 0 &&
                              (uint64_t)e->block_size * e->n_block_hashes < e->n_token_ids &&
@@ -2450,6 +2556,8 @@ static void check_fixture_event(const char *name, size_t i, const km_kv_event *e
     cr_assert_eq(e->has_kv_cache_spec_sliding_window, window && !json_is_null(window));
     if (e->has_kv_cache_spec_sliding_window)
         cr_assert_eq(e->kv_cache_spec_sliding_window, json_integer_value(window));
+    cr_assert_eq(e->placeholder, json_is_true(json_object_get(x, "placeholder")),
+                 "%s event %zu placeholder", name, i);
 }
 
 static void check_fixture_batch(const char *name, const km_kv_batch *batch, json_t *x)

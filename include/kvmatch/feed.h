@@ -285,7 +285,12 @@ void km_feed_pending(const km_feed *feed, uint64_t *updates, uint64_t *hashes);
  *                        align mode: one block hash, group_idx set, fewer tokens than
  *                        block_size), or the hashes of only some of the blocks its token_ids
  *                        cover (km_kv_event.sparse_blocks: a group that keeps only some blocks);
- *                        skipped; not a configuration error */
+ *                        skipped; not a configuration error
+ *   unplaced_placeholder a placeholder store's engine hash (km_kv_event.placeholder) that the
+ *                        worker's map does not hold (its full store never seen, or the block
+ *                        already gone from every medium), or a placeholder store on an engine with
+ *                        more than one KV-cache group: skipped, counted per engine hash; the index
+ *                        holds less than the engine, never more; not a configuration error */
 #define KM_FEED_REFUSAL_LIST(X)                                 \
     X(KM_FEED_REFUSED_BLOCK_SIZE, 0, "block_size_mismatch")     \
     X(KM_FEED_REFUSED_TOKEN_COUNT, 1, "token_count")            \
@@ -295,8 +300,9 @@ void km_feed_pending(const km_feed *feed, uint64_t *updates, uint64_t *hashes);
     X(KM_FEED_REFUSED_UNKNOWN_MEDIUM, 5, "unknown_medium")      \
     X(KM_FEED_REFUSED_INVALID_EVENT, 6, "invalid_event")        \
     X(KM_FEED_REFUSED_LOOKAHEAD, 7, "lookahead_mismatch")       \
-    X(KM_FEED_REFUSED_PARTIAL_BLOCK, 8, "partial_block")
-#define KM_FEED_REFUSAL_COUNT 9u
+    X(KM_FEED_REFUSED_PARTIAL_BLOCK, 8, "partial_block")        \
+    X(KM_FEED_REFUSED_UNPLACED_PLACEHOLDER, 9, "unplaced_placeholder")
+#define KM_FEED_REFUSAL_COUNT 10u
 
 #define KM_FEED_ENUM_ENTRY(name, value, text) name = value,
 typedef enum km_feed_state { KM_FEED_STATE_LIST(KM_FEED_ENUM_ENTRY) } km_feed_state;

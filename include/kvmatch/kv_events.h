@@ -27,8 +27,9 @@
  *    configured limit is exceeded. Such a message means the publisher speaks something this
  *    decoder does not understand, so no part of it is trusted.
  *  - A single event that is well-typed but inconsistent (token_ids not block_size tokens per
- *    block, block_size outside 1..2^32-1, extra_keys not one entry per block, a NUL byte inside
- *    lora_name, medium or kv_cache_spec_kind) is left out of batch.events and reported in
+ *    block, block_size outside 1..2^32-1 other than a placeholder store's 0, extra_keys not one
+ *    entry per block, a NUL byte inside lora_name, medium or kv_cache_spec_kind) is left out of
+ *    batch.events and reported in
  *    batch.rejected; the rest of the batch is returned and the call succeeds. Everything in
  *    batch.events is therefore consistent and safe to apply as is.
  *  - An event of an unknown type is skipped and counted (batch.n_unknown_events): newer engines
@@ -55,6 +56,10 @@ extern "C" {
 #endif
 
 typedef struct km_kv_decoder km_kv_decoder;
+
+/* The version of the event contract below. 2: a BlockStored may be a placeholder store
+ * (km_kv_event.placeholder, block_size 0); version 1 refused every block_size 0. */
+#define KM_KV_EVENTS_CONTRACT_VERSION 2
 
 /* The seq value of the replay end marker (8 bytes of 0xFF on the wire). */
 #define KM_KV_REPLAY_END_SEQ UINT64_MAX
@@ -151,7 +156,14 @@ typedef struct km_kv_event {
      * token_ids are a whole number of blocks, more of them than block hashes (at least one). Its
      * tokens cannot be hashed block by block. */
     bool sparse_blocks;
-    uint32_t block_size;   /* >= 1, checked */
+    uint32_t block_size;   /* >= 1, checked; 0 exactly for a placeholder store */
+    /* A placeholder store: block_size 0 on the wire, no token_ids, no parent (nil or absent), no
+     * lookahead tokens, and a medium other than the GPU (the same event on the GPU medium is
+     * rejected for its block size). vLLM's OffloadingConnector publishes each chunk it stores in
+     * a lower tier this way unless its self_describing_kv_events option is on: the block_hashes
+     * name blocks the engine announced earlier with full stores, now held in this medium too;
+     * there is nothing to hash. The other fields are decoded and checked as for any store. */
+    bool placeholder;
     const char *lora_name; /* NULL when nil or absent (base model); "" is kept as "" */
     bool has_lora_id;      /* deprecated engine-local adapter id */
     int64_t lora_id;

@@ -547,6 +547,60 @@ static void apply_stored(km_feed *feed, worker *w, const km_kv_event *e)
         queue_window_stores(feed, w, e, gained, starts_sequence ? KM_NO_PARENT : parent_chain);
 }
 
+/* A placeholder store (km_kv_event.placeholder: vLLM's OffloadingConnector without
+ * self-describing events) names blocks by engine hash alone: each one the worker's map holds (a
+ * full store announced it, and some medium still holds it) is now held in the event's medium
+ * too, exactly as a full store on that medium would add it (a bit in the entry's media: other
+ * media than the GPU hold one copy), and moves to a faster tier when it becomes the best one.
+ * Its chain hash, parent and position stay what the full store gave it. An engine hash the map
+ * does not hold names no block kvmatch can place: skipped and counted (unplaced_placeholder),
+ * never an error. So is every placeholder of an engine with more than one KV-cache group: its
+ * per-group offloads say nothing about the other groups, and a medium other than the GPU counts
+ * as the whole block. With one group every held hashable entry already counts, so a placeholder
+ * changes at most a tier in the index. A chunk of several blocks is named by its last block's
+ * hash only: that block alone gets the medium (the engine loads the whole chunk, so kvmatch holds
+ * less than the engine, never more). */
+static void apply_placeholder(km_feed *feed, worker *w, const km_kv_event *e)
+{
+    uint32_t n = e->n_block_hashes;
+    uint32_t groups = w->gpu_groups;
+    if ((groups & (groups - 1)) != 0 || (groups && !(groups & group_bit(e)))) {
+        km_feed_count_refusal(
+            w, KM_FEED_REFUSED_UNPLACED_PLACEHOLDER, n,
+            "placeholder BlockStored: the engine has other or more KV-cache groups");
+        return;
+    }
+    count_unknown_medium(w, e);
+    uint8_t bit = medium_bit(e->medium);
+    uint32_t required = required_groups(w), placed = 0, n_fixes = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        km_emap_entry *m = km_emap_find(&w->map, e->block_hashes[i]);
+        if (!m)
+            continue;
+        placed++;
+        bool counted_before = entry_counts(m, required);
+        km_tier tier_before = best_tier(m->media);
+        m->media |= bit;
+        km_tier tier_now = best_tier(m->media);
+        if (counted_before && tier_now != tier_before) {
+            feed->tier_chains[n_fixes] = m->chain;
+            feed->tier_scratch[n_fixes++] = (uint8_t)tier_now;
+        }
+    }
+    w->stores_applied++;
+    w->c.stored_by_medium[medium_index(e->medium)] += placed;
+    if (n_fixes)
+        queue_tier_fixes(feed, w->id, feed->tier_chains, feed->tier_scratch, n_fixes,
+                         (km_tier)KM_TIER_COUNT /* none: every listed block needs its update */);
+    if (placed < n) {
+        char example[112];
+        snprintf(example, sizeof example,
+                 "placeholder BlockStored (medium %s) of a block not held in any medium",
+                 km_kv_medium_name(e->medium));
+        km_feed_count_refusal(w, KM_FEED_REFUSED_UNPLACED_PLACEHOLDER, n - placed, example);
+    }
+}
+
 static void apply_removed(km_feed *feed, worker *w, const km_kv_event *e)
 {
     uint32_t n = e->n_block_hashes;
@@ -706,7 +760,12 @@ void km_feed_queue_message(km_feed *feed, worker *w, const message_view *v, uint
     for (uint32_t i = 0; i < v->n_events; i++) {
         const km_kv_event *e = &v->events[i];
         switch (e->kind) {
-        case KM_KV_EVENT_BLOCK_STORED: apply_stored(feed, w, e); break;
+        case KM_KV_EVENT_BLOCK_STORED:
+            if (e->placeholder)
+                apply_placeholder(feed, w, e);
+            else
+                apply_stored(feed, w, e);
+            break;
         case KM_KV_EVENT_BLOCK_REMOVED: apply_removed(feed, w, e); break;
         case KM_KV_EVENT_ALL_BLOCKS_CLEARED:
             w->c.clears++;

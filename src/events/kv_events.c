@@ -872,7 +872,17 @@ static int decode_block_stored(km_kv_decoder *dec, const event_schema *schema,
 
     /* Every field is well-typed; what follows are consistency checks that reject only this
      * event. */
-    if (block_size->type == MSGPACK_OBJECT_NEGATIVE_INTEGER || block_size->via.u64 < 1)
+    if (block_size->type == MSGPACK_OBJECT_POSITIVE_INTEGER && block_size->via.u64 == 0 &&
+        ev.n_token_ids == 0 && !ev.has_parent_block_hash && ev.n_lookahead_tokens == 0) {
+        if (ev.medium == KM_KV_MEDIUM_GPU)
+            return reject_event(dec, b, KM_KV_EVENT_BLOCK_STORED, KM_KV_REJECTED_BLOCK_SIZE,
+                                KM_ERR_BLOCK_SIZE,
+                                "block_size 0 is below 1 (a placeholder store, without token_ids "
+                                "or parent, names a medium other than the GPU)");
+        ev.placeholder = true;
+    }
+    if (!ev.placeholder &&
+        (block_size->type == MSGPACK_OBJECT_NEGATIVE_INTEGER || block_size->via.u64 < 1))
         return reject_event(
             dec, b, KM_KV_EVENT_BLOCK_STORED, KM_KV_REJECTED_BLOCK_SIZE, KM_ERR_BLOCK_SIZE,
             "block_size %lld is below 1",
@@ -884,7 +894,7 @@ static int decode_block_stored(km_kv_decoder *dec, const event_schema *schema,
                             (unsigned long long)block_size->via.u64);
     ev.block_size = (uint32_t)block_size->via.u64;
     uint64_t expected_tokens = (uint64_t)ev.block_size * ev.n_block_hashes;
-    ev.sparse_blocks = ev.has_group_idx && ev.n_block_hashes > 0 &&
+    ev.sparse_blocks = !ev.placeholder && ev.has_group_idx && ev.n_block_hashes > 0 &&
                        ev.n_token_ids > expected_tokens && ev.n_token_ids % ev.block_size == 0;
     if (ev.n_token_ids != expected_tokens && !ev.sparse_blocks)
         return reject_event(dec, b, KM_KV_EVENT_BLOCK_STORED, KM_KV_REJECTED_TOKEN_COUNT,
@@ -1303,9 +1313,13 @@ static bool direct_stored(km_kv_decoder *dec, direct_cursor *c, uint32_t n_field
     ev->n_token_ids = n_tokens;
     uint64_t block_size;
     bool negative;
-    if (!direct_int(c, &block_size, &negative) || negative || block_size < 1 ||
-        block_size > UINT32_MAX || (uint64_t)block_size * ev->n_block_hashes != n_tokens)
+    if (!direct_int(c, &block_size, &negative) || negative || block_size > UINT32_MAX ||
+        (uint64_t)block_size * ev->n_block_hashes != n_tokens)
         return false; /* the tree path rejects the event, with its reason */
+    /* block_size 0 is a placeholder store (no tokens, no parent), checked for its medium below. */
+    ev->placeholder = block_size == 0;
+    if (ev->placeholder && (n_tokens || ev->has_parent_block_hash))
+        return false;
     ev->block_size = (uint32_t)block_size;
     for (uint32_t f = STORED_LORA_ID; f < n_fields; f++) {
         bool ok;
@@ -1322,7 +1336,7 @@ static bool direct_stored(km_kv_decoder *dec, direct_cursor *c, uint32_t n_field
         if (!ok)
             return false;
     }
-    return true;
+    return !(ev->placeholder && ev->medium == KM_KV_MEDIUM_GPU); /* the tree path rejects it */
 }
 
 /* [tag, block_hashes, medium, group_idx], the last two optional. */

@@ -10,7 +10,8 @@
  * Contracts checked: a failure has a negative code, a non-empty message and a zeroed result; a
  * success has an empty message and a batch whose every part is consistent (event counts add up,
  * positions increase, kinds are known, BlockStored has block_size >= 1 and block_size tokens per
- * hash, arrays and strings are readable to their stated lengths, rejected events say why); the
+ * hash, or is a placeholder store: block_size 0, no tokens, no parent, a medium other than the GPU;
+ * arrays and strings are readable to their stated lengths, rejected events say why); the
  * decoder's counters move as documented; a payload decodes to the same batch (or the same error)
  * with the direct path on and off. */
 #include <stdbool.h>
@@ -90,7 +91,12 @@ static void check_batch(const km_kv_batch *b, size_t max_string)
         touch_string(e->kv_cache_spec_kind, max_string);
         touch_string(e->cache_salt, max_string);
         if (e->kind == KM_KV_EVENT_BLOCK_STORED) {
-            CHECK(e->block_size >= 1);
+            /* block_size 0 only for a placeholder store, and only in its shape. */
+            CHECK(e->placeholder == (e->block_size == 0));
+            if (e->placeholder)
+                CHECK(e->n_token_ids == 0 && !e->has_parent_block_hash &&
+                      e->medium != KM_KV_MEDIUM_GPU && !e->sparse_blocks &&
+                      e->n_lookahead_tokens == 0);
             /* Whole blocks, one per hash; or a KV-cache group's store of some blocks of a
              * longer range (sparse_blocks: more tokens, still whole blocks). */
             uint64_t blocks_tokens = (uint64_t)e->block_size * e->n_block_hashes;
@@ -111,6 +117,7 @@ static void check_batch(const km_kv_batch *b, size_t max_string)
                 CHECK(!e->has_parent_block_hash && e->cache_salt[0]);
         } else {
             CHECK(e->token_ids == NULL && e->n_token_ids == 0 && e->extra_keys_present == NULL);
+            CHECK(!e->placeholder);
             if (e->kind == KM_KV_EVENT_ALL_BLOCKS_CLEARED)
                 CHECK(e->n_block_hashes == 0);
         }
@@ -161,6 +168,7 @@ static void check_same_batch(const km_kv_batch *a, const km_kv_batch *b)
         CHECK(x->has_kv_cache_spec_sliding_window == y->has_kv_cache_spec_sliding_window &&
               x->kv_cache_spec_sliding_window == y->kv_cache_spec_sliding_window);
         CHECK(x->n_lookahead_tokens == y->n_lookahead_tokens);
+        CHECK(x->placeholder == y->placeholder && x->sparse_blocks == y->sparse_blocks);
     }
 }
 

@@ -1,7 +1,10 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* Writes a seed corpus for fuzz_kv_events into the directory given as argv[1], from the fixtures
  * in tests/kv_events_vectors (run from the repository root): every *.msgpack payload with mode
- * byte 0 (payload) and 4 (tight limits), every *.frames message with mode 1 (SUB) and 2 (replay). */
+ * byte 0 (payload) and 4 (tight limits), every *.frames message with mode 1 (SUB) and 2 (replay).
+ * Among them v0.33_offload_placeholders*.msgpack: vLLM's OffloadingConnector placeholder stores
+ * (block_size 0) on CPU and STORAGE, the same shape on the GPU and with a parent (rejected), and a
+ * placeholder removal. */
 #include <dirent.h>
 #include <stdio.h>
 #include <stdlib.h>
