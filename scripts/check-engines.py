@@ -39,7 +39,10 @@ fetches them). Two kinds of fixture:
   take_events); this script plays the worker, reporting each store job finished 1 to 3 steps
   after it was scheduled and each load at the next step. Each prompt's line carries the
   engine's hit (the GPU hit plus the connector's CPU hit from there) and how much of it the CPU
-  gave; offloaded chunks of 1 block (compared exactly) and of 2 blocks (compared as a bound).
+  gave; offloaded chunks of 1 block (compared exactly) and of 2 blocks (compared as a bound),
+  with self-describing CPU events and with vLLM's default placeholder ones
+  (vllm_engine_offload_cpu_placeholders*.txt; a prompt is a bound while the engine's CPU holds a
+  block whose placeholder named no block kvmatch held).
 * Event encodings (vllm_lookahead.txt, vllm_lora_offload.txt, vllm_salt.txt,
   sglang_salt_tiers.txt): events built with the engines' event classes and encoders, with the
   index content computed here from docs/HASHING.md with Python's xxhash.
@@ -576,6 +579,11 @@ class EngineFixture:
         # Copies per (worker, engine hash, group) in the messages delivered, for the summary.
         self.copies, self.held = 0, {}
         self.cpu_stored = self.cpu_removed = self.cpu_again = 0  # the CPU medium's
+        # Placeholder CPU stores (self-describing events off) of an engine hash no medium held in
+        # the messages delivered: kvmatch cannot place them (refused unplaced_placeholder), and
+        # while such a block is on the engine's CPU, kvmatch's prediction is only a bound.
+        self.unplaced = 0
+        self.unknown_cpu = set()
 
     def line(self, text):
         self.f.write(text + "\n")
@@ -608,7 +616,16 @@ class EngineFixture:
             if medium == "CPU":
                 self.cpu_stored += len(hashes) if kind == "BlockStored" else 0
                 self.cpu_removed += len(hashes) if kind == "BlockRemoved" else 0
+            placeholder = kind == "BlockStored" and medium not in (None, "GPU") and (
+                e["block_size"] if isinstance(e, dict) else e[4]) == 0
             for h in hashes:
+                if kind == "BlockRemoved" and medium == "CPU":
+                    self.unknown_cpu.discard((worker, h))
+                if placeholder and not any(n for k, n in self.held.items()
+                                           if k[0] == worker and k[1] == h):
+                    self.unplaced += 1
+                    self.unknown_cpu.add((worker, h))
+                    continue
                 key = (worker, h, group, medium or "GPU")
                 if kind == "BlockStored" and self.held.get(key):
                     if medium == "CPU":
@@ -621,6 +638,7 @@ class EngineFixture:
     def forget(self, worker):
         """The worker's engine holds nothing any more (cleared, or a new process)."""
         self.held = {k: n for k, n in self.held.items() if k[0] != worker}
+        self.unknown_cpu = {k for k in self.unknown_cpu if k[0] != worker}
 
     def live(self, worker, message):
         if message is not None:
@@ -633,12 +651,16 @@ class EngineFixture:
             self.line(f"item {seq} {payload.hex()}")
 
     def close(self):
+        if self.unplaced:
+            self.line(f"refused unplaced_placeholder {self.unplaced}")
         self.f.close()
         return (f"{self.prompts} prompts, {self.hits} with a hit ({self.hit_blocks} blocks in "
                 f"all); {self.stored} blocks stored ({self.copies} of them a second copy), "
                 f"{self.removed} removed, {self.clears} AllBlocksCleared"
                 + (f"; CPU: {self.cpu_stored} stored ({self.cpu_again} of them held in another "
-                   f"chunk already), {self.cpu_removed} removed" if self.cpu_stored else ""))
+                   f"chunk already), {self.cpu_removed} removed" if self.cpu_stored else "")
+                + (f"; {self.unplaced} placeholder stores of blocks no medium held"
+                   if self.unplaced else ""))
 
 
 class Workload:
@@ -1098,18 +1120,24 @@ def vllm_offload_scenarios(v, out_dir):
     o = load_vllm_offload(v)
     B = 4
     made = []
-    for name, gpu_blocks, cpu_chunks, per_chunk, seed in (
-            ("vllm_engine_offload_cpu", 24, 40, 1, 81),
-            ("vllm_engine_offload_cpu_chunk2", 24, 20, 2, 83)):
+    # self_describing False is vLLM's default: each CPU store is a placeholder BlockStored (the
+    # chunk's key hash, block_size 0), each removal a BlockRemoved of that hash.
+    for name, gpu_blocks, cpu_chunks, per_chunk, seed, self_describing in (
+            ("vllm_engine_offload_cpu", 24, 40, 1, 81, True),
+            ("vllm_engine_offload_cpu_chunk2", 24, 20, 2, 83, True),
+            ("vllm_engine_offload_cpu_placeholders", 24, 40, 1, 81, False),
+            ("vllm_engine_offload_cpu_placeholders_chunk2", 24, 20, 2, 83, False)):
         rng = random.Random(seed)
         fx = EngineFixture(out_dir, name, B, 0,
                            f"{v.wheel}: KVCacheManager ({gpu_blocks} blocks) and the "
                            f"OffloadingConnector's scheduler side (CPUOffloadingManager, LRU, "
                            f"{cpu_chunks} chunks of {per_chunk} block{'s' if per_chunk > 1 else ''}"
-                           "), stores reported finished 1-3 steps late, 80 requests")
+                           f", {'self-describing' if self_describing else 'placeholder'} CPU "
+                           "events), stores reported finished 1-3 steps late, 80 requests")
         fx.line("worker 0 1")
         fx.line(f"offload 0 {per_chunk}")
-        engine = OffloadEngine(v, o, name, B, gpu_blocks, cpu_chunks, rng, per_chunk)
+        engine = OffloadEngine(v, o, name, B, gpu_blocks, cpu_chunks, rng, per_chunk,
+                               self_describing)
         work = Workload(seed, B)
         host_hits = 0
         for i in range(80):
@@ -1119,7 +1147,10 @@ def vllm_offload_scenarios(v, out_dir):
             # vLLM recomputes a prompt's last token even after loading it
             # (Scheduler._update_waiting_for_remote_kv): the hit is what it does not compute.
             total = min(local + external, (len(tokens) - 1) // B * B)
-            fx.prompt(0, total, B, tokens, "exact" if per_chunk == 1 else "bound",
+            # Exact unless a chunk holds more than one block, or the engine's CPU holds a block
+            # whose placeholder store named no block kvmatch held (it could not place it).
+            exact = per_chunk == 1 and not fx.unknown_cpu
+            fx.prompt(0, total, B, tokens, "exact" if exact else "bound",
                       host=(total - local) // B)
             host_hits += total > local
             all_tokens = engine.serve_admitted(admission)
