@@ -2207,6 +2207,8 @@ Test(server, refused_events_are_shown_per_worker_and_reason, .timeout = 30)
     km_test_batch_reset(&b);
     km_test_batch_stored(&b, eh, 1, true, 77, g_tokens, BS, NULL, NULL); /* unknown parent */
     km_test_batch_stored(&b, eh + 1, 1, false, 0, g_tokens, BS, NULL, "CPU_PINNED");
+    uint64_t never_stored = 99; /* a placeholder CPU store of a block no store announced */
+    km_test_batch_stored_extra_keys(&b, &never_stored, 1, false, 0, NULL, 0, "CPU", NULL, NULL);
     payload = km_test_batch_payload(&b, &size);
     cr_assert_eq(km_server_deliver_events(s.server, 1, 0, payload, size), KM_OK);
     uint16_t port = km_server_http_port(s.server);
@@ -2215,6 +2217,7 @@ Test(server, refused_events_are_shown_per_worker_and_reason, .timeout = 30)
     cr_assert(strstr(body, "\"config_refused\":true") && strstr(body, "\"config_refused\":false"),
               "status: %s", body);
     cr_assert(strstr(body, "\"block_size_mismatch\":1") && strstr(body, "\"unknown_parent\":1") &&
+                  strstr(body, "\"unplaced_placeholder\":1") &&
                   strstr(body, "\"history_unavailable\":0"),
               "status: %s", body);
     cr_assert(strstr(body, "1/2 event-fed workers LIVE and accepting stores"), "status: %s", body);
@@ -2224,6 +2227,9 @@ Test(server, refused_events_are_shown_per_worker_and_reason, .timeout = 30)
               "metrics: %s", body);
     cr_assert(strstr(body, "kvmatch_worker_refused_events_total{worker=\"1\",name=\"e1\",pool=\"main\","
                            "reason=\"unknown_parent\"} 1"),
+              "metrics: %s", body);
+    cr_assert(strstr(body, "kvmatch_worker_refused_events_total{worker=\"1\",name=\"e1\",pool=\"main\","
+                           "reason=\"unplaced_placeholder\"} 1"),
               "metrics: %s", body);
     cr_assert(strstr(body, "kvmatch_worker_config_refused{worker=\"0\",name=\"e0\",pool=\"main\"} 1"),
               "metrics: %s", body);
