@@ -1120,6 +1120,49 @@ Test(index, segments_finished_across_stores_and_branches_earn_keys, .timeout = 3
     km_index_destroy(index);
 }
 
+/* A segment completed by short runs is held without walking back only while the worker still
+ * holds its earlier blocks: a remove of one of them or a clear of the worker between the runs
+ * must leave the worker out of the segment key. */
+Test(index, segments_finished_by_short_runs_after_a_loss_earn_no_key, .timeout = 30)
+{
+    const uint32_t S = 4;
+    km_index *index = make_index(8, S, 1024, 0);
+    uint64_t h[12];
+    fill_chain(h, 31, 12);
+    /* Worker 0: block by block; segments 0 and 1 held. */
+    for (uint32_t a = 0; a < 8; a++)
+        cr_assert_eq(km_index_store(index, 0, a ? h[a - 1] : KM_NO_PARENT, h + a, 1), KM_OK);
+    km_index_stats st = stats_of(index);
+    cr_assert(st.segment_keys == 2 && st.segment_pairs == 2, "block by block: %" PRIu64 " keys, %"
+              PRIu64 " pairs", st.segment_keys, st.segment_pairs);
+    /* Worker 1: blocks 0 and 1, loses block 0, then 2 and 3: segment 0 is not held. */
+    cr_assert_eq(km_index_store(index, 1, KM_NO_PARENT, h, 1), KM_OK);
+    cr_assert_eq(km_index_store(index, 1, h[0], h + 1, 1), KM_OK);
+    cr_assert_eq(km_index_remove(index, 1, h, 1), KM_OK);
+    cr_assert_eq(km_index_store(index, 1, h[1], h + 2, 1), KM_OK);
+    cr_assert_eq(km_index_store(index, 1, h[2], h + 3, 1), KM_OK);
+    st = stats_of(index);
+    cr_assert(st.segment_pairs == 2, "a hole at block 0: %" PRIu64 " segment pairs", st.segment_pairs);
+    /* Worker 2: blocks 4 and 5 of segment 1, a clear, then 6 and 7 (4 and 5 stay known through
+     * worker 0): segment 1 is not held. */
+    cr_assert_eq(km_index_store(index, 2, h[3], h + 4, 1), KM_OK);
+    cr_assert_eq(km_index_store(index, 2, h[4], h + 5, 1), KM_OK);
+    cr_assert_eq(km_index_clear_worker(index, 2), KM_OK);
+    cr_assert_eq(km_index_store(index, 2, h[5], h + 6, 1), KM_OK);
+    cr_assert_eq(km_index_store(index, 2, h[6], h + 7, 1), KM_OK);
+    st = stats_of(index);
+    cr_assert(st.segment_pairs == 2, "a clear between the runs: %" PRIu64 " segment pairs",
+              st.segment_pairs);
+    /* Worker 1 stores block 0 again, then 1 to 3 one by one: now it holds segment 0. */
+    cr_assert_eq(km_index_store(index, 1, KM_NO_PARENT, h, 1), KM_OK);
+    for (uint32_t a = 1; a < 4; a++)
+        cr_assert_eq(km_index_store(index, 1, h[a - 1], h + a, 1), KM_OK);
+    st = stats_of(index);
+    cr_assert(st.segment_pairs == 3, "worker 1 whole again: %" PRIu64 " segment pairs",
+              st.segment_pairs);
+    km_index_destroy(index);
+}
+
 /* ---- requests carrying reserved values ----------------------------------------------------- */
 
 static void reserved_values(uint32_t S)

@@ -203,6 +203,8 @@ void km_index_destroy(km_index *index)
     free(index->undo_log);
     free(index->undo_saved);
     free(index->undo_touched);
+    free(index->open_segments);
+    free(index->open_fingerprints);
     free(index->window_rules);
     free(index);
 }
@@ -670,6 +672,99 @@ static int holds_segment(const km_index *index, uint32_t worker, uint64_t end, u
     return 1;
 }
 
+/* ---- open segments ---------------------------------------------------------------------------- */
+
+/* Engines store a sequence one to three blocks per step, so the run that completes a segment is
+ * rarely S blocks long, and holds_segment would walk S - 1 parents (each a dependent miss) to
+ * prove the worker holds the rest. Instead each worker keeps a few open segments it holds from
+ * their first block on: the anchor tag, the offset and chain hash of the last block stored, and
+ * the fingerprints so far. A store whose parent is an open segment's last block, one offset
+ * further in the same anchor, extends it; a segment completed that way is held without a walk.
+ *
+ * Contract: an entry exists only while its worker holds every block it names. A remove of one of
+ * the worker's blocks drops the worker's entries of that block's anchor tag (colliding tags drop
+ * more: sound); clearing or removing the worker drops all of its entries; a rolled-back batch and
+ * a loaded snapshot drop every entry. An entry missing or overwritten only costs the walk. */
+enum { OPEN_SEGMENTS_PER_WORKER = 16 };
+
+static struct km_open_segment *open_entries(km_index *index, uint32_t worker)
+{
+    return index->open_segments ? index->open_segments + (size_t)worker * OPEN_SEGMENTS_PER_WORKER
+                                : NULL;
+}
+
+static uint8_t *open_fps(km_index *index, const struct km_open_segment *o)
+{
+    return index->open_fingerprints + (size_t)(o - index->open_segments) * segment_size(index);
+}
+
+/* The worker's open segment whose last block is `last` at `offset` of `anchor_tag`, or NULL. */
+static struct km_open_segment *open_find(km_index *index, uint32_t worker, uint64_t last,
+                                         uint32_t anchor_tag, uint32_t offset)
+{
+    struct km_open_segment *o = open_entries(index, worker);
+    for (uint32_t k = 0; o && k < OPEN_SEGMENTS_PER_WORKER; k++)
+        if (o[k].used && o[k].last == last && o[k].anchor_tag == anchor_tag && o[k].offset == offset)
+            return &o[k];
+    return NULL;
+}
+
+/* An entry for a segment the worker starts with `first` (reusing `reuse` when not NULL), or NULL
+ * when the entries could not be allocated. */
+static struct km_open_segment *open_start(km_index *index, uint32_t worker,
+                                          struct km_open_segment *reuse, uint64_t first,
+                                          uint32_t anchor_tag)
+{
+    if (!index->open_segments) {
+        size_t n = (size_t)index->config.max_workers * OPEN_SEGMENTS_PER_WORKER;
+        index->open_segments = calloc(n, sizeof *index->open_segments);
+        index->open_fingerprints = malloc(n * segment_size(index));
+        if (!index->open_segments || !index->open_fingerprints) {
+            free(index->open_segments);
+            free(index->open_fingerprints);
+            index->open_segments = NULL;
+            index->open_fingerprints = NULL;
+            return NULL;
+        }
+    }
+    struct km_open_segment *o = reuse;
+    if (!o) {
+        struct km_open_segment *all = open_entries(index, worker);
+        o = &all[first % OPEN_SEGMENTS_PER_WORKER]; /* replaced when all are in use */
+        for (uint32_t k = 0; k < OPEN_SEGMENTS_PER_WORKER; k++)
+            if (!all[k].used) {
+                o = &all[k];
+                break;
+            }
+    }
+    *o = (struct km_open_segment){.last = first, .anchor_tag = anchor_tag, .offset = 0, .used = 1};
+    open_fps(index, o)[0] = chain_fingerprint(first);
+    return o;
+}
+
+/* The worker no longer holds a block of anchor_tag's segments. */
+static void open_drop_anchor(km_index *index, uint32_t worker, uint32_t anchor_tag)
+{
+    struct km_open_segment *o = open_entries(index, worker);
+    for (uint32_t k = 0; o && k < OPEN_SEGMENTS_PER_WORKER; k++)
+        if (o[k].anchor_tag == anchor_tag)
+            o[k].used = 0;
+}
+
+static void open_drop_worker(km_index *index, uint32_t worker)
+{
+    struct km_open_segment *o = open_entries(index, worker);
+    if (o)
+        memset(o, 0, OPEN_SEGMENTS_PER_WORKER * sizeof *o);
+}
+
+void km_index_forget_open_segments(km_index *index)
+{
+    if (index->open_segments)
+        memset(index->open_segments, 0, (size_t)index->config.max_workers *
+                                            OPEN_SEGMENTS_PER_WORKER * sizeof *index->open_segments);
+}
+
 /* After worker lost `block` (metadata m): drop worker from every segment key whose chain includes
  * it (or, about once in 255, one whose fingerprint only looks so: sound). */
 static int invalidate_segments(batch *b, uint32_t worker, uint64_t block, const km_block_meta *m)
@@ -807,6 +902,7 @@ static int apply_store(batch *b, const km_update *u)
     /* Offset and segment anchor of the block before the run (unknown for an orphan run). */
     uint32_t prev_offset = KM_OFFSET_UNKNOWN;
     uint32_t prev_anchor = 0;
+    struct km_open_segment *open = NULL; /* the worker's open segment this run extends */
     if (u->parent != KM_NO_PARENT) {
         uint64_t ps = km_table_find(&index->blocks, u->parent);
         if (ps != KM_SLOT_NONE) {
@@ -815,6 +911,8 @@ static int apply_store(batch *b, const km_update *u)
         }
         if (prev_offset == KM_OFFSET_UNKNOWN)
             b->stats->orphan_runs++;
+        else if (S)
+            open = open_find(index, u->worker, u->parent, prev_anchor, prev_offset);
     }
     uint32_t run_consecutive = 0;
     const km_table *blocks = &index->blocks;
@@ -875,16 +973,34 @@ static int apply_store(batch *b, const km_update *u)
             run_consecutive++;
         else
             run_consecutive = m_offset != KM_OFFSET_UNKNOWN;
+        if (S && m_offset == 0) {
+            open = open_start(index, u->worker, open, key, km_meta_anchor_tag(m));
+        } else if (open && m_offset == open->offset + 1u &&
+                   km_meta_anchor_tag(m) == open->anchor_tag) {
+            open->last = key;
+            open->offset = (uint8_t)m_offset;
+            open_fps(index, open)[m_offset] = chain_fingerprint(key);
+        } else {
+            open = NULL; /* the entry stays: the worker still holds what it names */
+        }
         prev_offset = m_offset;
         prev_anchor = km_meta_anchor_tag(m);
         if (S && prev_offset == S - 1) {
             uint8_t fps[KM_MAX_SEGMENT_BLOCKS];
             int held = run_consecutive >= S;
-            if (held) /* this run's last S hashes are the segment's chain */
+            if (held) { /* this run's last S hashes are the segment's chain */
                 for (uint32_t k = 0; k < S; k++)
                     fps[k] = chain_fingerprint(u->hashes[i + 1 - S + k]);
-            else
+            } else if (open) { /* held from its first block on, by earlier stores */
+                memcpy(fps, open_fps(index, open), S);
+                held = 1;
+            } else {
                 held = holds_segment(index, u->worker, key, fps);
+            }
+            if (open) {
+                open->used = 0;
+                open = NULL;
+            }
             rc = held ? segment_add(b, prev_anchor, key, u->worker, fps) : KM_OK;
             if (rc)
                 return rc;
@@ -929,6 +1045,8 @@ static int apply_remove(batch *b, const km_update *u)
             continue;
         }
         km_block_meta meta = *km_table_meta(&index->blocks, slot);
+        if (km_meta_offset(&meta) != KM_OFFSET_UNKNOWN)
+            open_drop_anchor(index, u->worker, km_meta_anchor_tag(&meta));
         /* Segments first: their chain walk still sees this block's metadata. */
         rc = invalidate_segments(b, u->worker, key, &meta);
         if (rc)
@@ -957,6 +1075,7 @@ static int apply_clear(batch *b, const km_update *u)
      * either way). */
     km_table_finish_growth(&index->segments);
     km_table_finish_growth(&index->blocks);
+    open_drop_worker(index, w);
     for (uint32_t t = 0; t + 1 < KM_TIER_COUNT; t++)
         km_table_finish_growth(&index->lower[t]);
     /* Segment keys first: unlinking needs each end block's anchor from the block metadata.
@@ -1221,6 +1340,7 @@ int km_index_apply(km_index *index, const km_update *updates, size_t n_updates,
     if (rc) {
         for (size_t i = b.n_log; i-- > 0;)
             undo_one(index, &index->undo_log[i]);
+        km_index_forget_open_segments(index);
     }
     for (size_t i = 0; i < b.n_saved; i++)
         index->undo_touched[index->undo_saved[i].worker] = 0;

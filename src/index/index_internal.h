@@ -79,6 +79,13 @@ struct km_index {
     size_t undo_saved_capacity;
     uint8_t *undo_touched;
 
+    /* Open segments (src/index/index.c, "open segments"): per worker OPEN_SEGMENTS_PER_WORKER
+     * entries, and segment_blocks fingerprint bytes per entry; allocated by the first store that
+     * starts one (NULL before, and when that allocation failed: every completion then walks).
+     * Scratch of the update path like the undo log, outside the memory cap. */
+    struct km_open_segment { uint64_t last; uint32_t anchor_tag; uint8_t offset; uint8_t used; } *open_segments;
+    uint8_t *open_fingerprints;
+
     const km_backend_ops *backend;
     void *backend_state;
     /* A device replica mirrors one array per table, so while the block or segment table grows it
@@ -109,6 +116,9 @@ struct km_index {
     char last_error[256];
 };
 
+/* Drop every open segment (the blocks table was replaced, or a batch rolled back): completions
+ * walk until stores open new ones. */
+void km_index_forget_open_segments(km_index *index);
 /* Record detail for km_index_last_error and return `status`. */
 int km_index_fail(km_index *index, int status, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));

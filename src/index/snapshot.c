@@ -591,6 +591,7 @@ int km_index_load_checked(km_index *index, const char *path, km_snapshot_check_f
     free(index->workers);
     index->blocks = staged.blocks;
     index->segments = staged.segments;
+    km_index_forget_open_segments(index);
     index->anchors = staged.anchors;
     index->anchor_nodes = staged.anchor_nodes;
     index->anchor_nodes_capacity = staged.anchor_nodes_capacity;
