@@ -1163,6 +1163,38 @@ Test(index, segments_finished_by_short_runs_after_a_loss_earn_no_key, .timeout =
     km_index_destroy(index);
 }
 
+/* A batch that extends a worker's open segment and then fails on the memory cap is undone: the
+ * extension must be forgotten with it. Here worker 1's block 2 is rolled back, comes back through
+ * worker 0 alone, and worker 1 then stores block 3 on it: worker 1 holds blocks 0, 1 and 3, not
+ * segment [0..3], so its depth is 2 (a remembered extension would claim 4). */
+Test(index, rolled_back_store_leaves_no_open_segment_behind, .timeout = 60)
+{
+    km_index *index = make_index(8, 4, 1024, UINT64_C(4) << 20);
+    uint64_t h[4];
+    fill_chain(h, 91, 4);
+    cr_assert_eq(km_index_store(index, 1, KM_NO_PARENT, h, 1), KM_OK);
+    cr_assert_eq(km_index_store(index, 1, h[0], h + 1, 1), KM_OK);
+    size_t n_big = 300000;
+    uint64_t *big = malloc(n_big * sizeof *big);
+    cr_assert(big);
+    for (size_t i = 0; i < n_big; i++)
+        big[i] = chain_hash(700000 + i / 1000, i % 1000);
+    km_update batch[2] = {{KM_UPDATE_STORE, 1, h[1], h + 2, 1, KM_TIER_DEVICE},
+                          {KM_UPDATE_STORE, 3, KM_NO_PARENT, big, n_big, KM_TIER_DEVICE}};
+    cr_assert_eq(km_index_apply(index, batch, 2, NULL), KM_ERR_MEMORY_CAP);
+    free(big);
+    cr_assert_eq(km_index_store(index, 0, KM_NO_PARENT, h, 3), KM_OK);
+    cr_assert_eq(km_index_store(index, 1, h[2], h + 3, 1), KM_OK);
+    km_worker_match m[4];
+    km_request_result rr = match_one(index, h, 4, m);
+    uint32_t depth1 = 0;
+    for (uint32_t i = 0; i < rr.count; i++)
+        if (m[i].worker == 1)
+            depth1 = m[i].depth;
+    cr_assert_eq(depth1, 2, "worker 1 holds blocks 0, 1 and 3 (got depth %u)", depth1);
+    km_index_destroy(index);
+}
+
 /* ---- requests carrying reserved values ----------------------------------------------------- */
 
 static void reserved_values(uint32_t S)
