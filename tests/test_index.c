@@ -546,6 +546,21 @@ Test(index, largest_worker_range, .timeout = 30)
     km_index_destroy(index);
 }
 
+/* Applies `first` followed by a store of 300,000 fresh blocks (worker 3, chains from
+ * `big_chain_seed`) that cannot fit a 4 MiB cap, and asserts the batch is refused: the batch is
+ * undone, `first` included. */
+static void apply_then_exceed_cap(km_index *index, km_update first, uint64_t big_chain_seed)
+{
+    size_t n_big = 300000;
+    uint64_t *big = malloc(n_big * sizeof *big);
+    cr_assert(big);
+    for (size_t i = 0; i < n_big; i++)
+        big[i] = chain_hash(big_chain_seed + i / 1000, i % 1000);
+    km_update batch[2] = {first, {KM_UPDATE_STORE, 3, KM_NO_PARENT, big, n_big, KM_TIER_DEVICE}};
+    cr_assert_eq(km_index_apply(index, batch, 2, NULL), KM_ERR_MEMORY_CAP);
+    free(big);
+}
+
 /* A batch that removes a block (dropping the only holder's segment key) and then fails on the
  * memory cap is undone: the segment key comes back, and it must still know its chain, so that a
  * later remove of another of its blocks drops the worker again (segment fingerprints are rebuilt
@@ -558,15 +573,8 @@ Test(index, undone_segment_key_still_invalidates, .timeout = 60)
     cr_assert_eq(km_index_store(index, 2, KM_NO_PARENT, h, 8), KM_OK);
     cr_assert_eq(match_one(index, h, 8, NULL).owner_depth, 8);
     /* Remove block 1 (worker 2 leaves segment [0..3]), then a store far over the cap. */
-    size_t n_big = 300000;
-    uint64_t *big = malloc(n_big * sizeof *big);
-    cr_assert(big);
-    for (size_t i = 0; i < n_big; i++)
-        big[i] = chain_hash(500000 + i / 1000, i % 1000);
-    km_update batch[2] = {{KM_UPDATE_REMOVE, 2, KM_NO_PARENT, h + 1, 1, KM_TIER_DEVICE},
-                          {KM_UPDATE_STORE, 3, KM_NO_PARENT, big, n_big, KM_TIER_DEVICE}};
-    cr_assert_eq(km_index_apply(index, batch, 2, NULL), KM_ERR_MEMORY_CAP);
-    free(big);
+    apply_then_exceed_cap(index, (km_update){KM_UPDATE_REMOVE, 2, KM_NO_PARENT, h + 1, 1,
+                                             KM_TIER_DEVICE}, 500000);
     km_index_stats st = stats_of(index);
     cr_assert_eq(st.segment_keys, 2, "both segment keys are back after the rollback");
     cr_assert_eq(match_one(index, h, 8, NULL).owner_depth, 8);
@@ -1174,15 +1182,8 @@ Test(index, rolled_back_store_leaves_no_open_segment_behind, .timeout = 60)
     fill_chain(h, 91, 4);
     cr_assert_eq(km_index_store(index, 1, KM_NO_PARENT, h, 1), KM_OK);
     cr_assert_eq(km_index_store(index, 1, h[0], h + 1, 1), KM_OK);
-    size_t n_big = 300000;
-    uint64_t *big = malloc(n_big * sizeof *big);
-    cr_assert(big);
-    for (size_t i = 0; i < n_big; i++)
-        big[i] = chain_hash(700000 + i / 1000, i % 1000);
-    km_update batch[2] = {{KM_UPDATE_STORE, 1, h[1], h + 2, 1, KM_TIER_DEVICE},
-                          {KM_UPDATE_STORE, 3, KM_NO_PARENT, big, n_big, KM_TIER_DEVICE}};
-    cr_assert_eq(km_index_apply(index, batch, 2, NULL), KM_ERR_MEMORY_CAP);
-    free(big);
+    apply_then_exceed_cap(index, (km_update){KM_UPDATE_STORE, 1, h[1], h + 2, 1, KM_TIER_DEVICE},
+                          700000);
     cr_assert_eq(km_index_store(index, 0, KM_NO_PARENT, h, 3), KM_OK);
     cr_assert_eq(km_index_store(index, 1, h[2], h + 3, 1), KM_OK);
     km_worker_match m[4];
