@@ -135,7 +135,39 @@ typedef struct phase_result {
     double server_cpu_us, driver_cpu_us, idle_pct, steal_pct;
     thread_times server_threads; /* per thread name: us per answered route */
     double records_dropped_per_s; /* records the server's writer refused (queue full); < 0: off */
+    double elapsed_s;             /* the measured interval */
 } phase_result;
+
+/* Round trips, in microseconds, kept across the rounds of a phase (--rounds). */
+typedef struct rtt_samples {
+    double *v;
+    size_t n, cap;
+} rtt_samples;
+
+#define RTT_SAMPLES_MAX ((size_t)1 << 24)
+
+/* Appends n round trips to keep (NULL: nothing); past RTT_SAMPLES_MAX the rest are not kept.
+ * Returns KM_ERR_OUT_OF_MEMORY when the samples cannot grow. */
+static int rtt_keep(rtt_samples *keep, const double *rtt, size_t n)
+{
+    if (!keep)
+        return KM_OK;
+    if (n > RTT_SAMPLES_MAX - keep->n)
+        n = RTT_SAMPLES_MAX - keep->n;
+    if (keep->n + n > keep->cap) {
+        size_t cap = keep->cap ? keep->cap : 4096;
+        while (cap < keep->n + n)
+            cap *= 2;
+        double *v = realloc(keep->v, cap * sizeof *v);
+        if (!v)
+            return KM_ERR_OUT_OF_MEMORY;
+        keep->v = v;
+        keep->cap = cap;
+    }
+    memcpy(keep->v + keep->n, rtt, n * sizeof *rtt);
+    keep->n += n;
+    return KM_OK;
+}
 
 static bool g_records; /* the server writes records: count what its writer drops */
 
@@ -285,6 +317,62 @@ static void cpu_account(const cpu_marks *m0, const cpu_marks *m1, phase_result *
     out->steal_pct = dt ? 100.0 * (double)(m1->ticks.steal - m0->ticks.steal) / (double)dt : -1;
 }
 
+/* A phase's rounds added up (--rounds): counts and time, CPU as totals (us) rather than per
+ * route, the machine's idle and stolen shares as seconds, and every round's round trips. */
+typedef struct phase_rounds {
+    phase_result sum;
+    double server_us, driver_us, idle_s, steal_s, dropped;
+    bool server_unknown, dropped_unknown;
+    rtt_samples rtt;
+} phase_rounds;
+
+static void phase_rounds_add(phase_rounds *acc, const phase_result *r)
+{
+    double routes = r->routes ? (double)r->routes : 1;
+    phase_result *s = &acc->sum;
+    s->frames += r->frames;
+    s->routes += r->routes;
+    s->errors += r->errors;
+    s->elapsed_s += r->elapsed_s;
+    acc->server_unknown |= r->server_cpu_us < 0;
+    acc->server_us += r->server_cpu_us * routes;
+    acc->driver_us += r->driver_cpu_us * routes;
+    acc->idle_s += r->idle_pct > 0 ? r->idle_pct / 100.0 * r->elapsed_s : 0;
+    acc->steal_s += r->steal_pct > 0 ? r->steal_pct / 100.0 * r->elapsed_s : 0;
+    acc->dropped_unknown |= r->records_dropped_per_s < 0;
+    acc->dropped += r->records_dropped_per_s * r->elapsed_s;
+    for (unsigned k = 0; k < r->server_threads.n; k++) {
+        unsigned j = 0;
+        while (j < s->server_threads.n && strcmp(s->server_threads.name[j], r->server_threads.name[k]))
+            j++;
+        if (j == s->server_threads.n && j < MAX_THREAD_NAMES)
+            snprintf(s->server_threads.name[s->server_threads.n++], sizeof s->server_threads.name[0],
+                     "%s", r->server_threads.name[k]);
+        if (j < s->server_threads.n)
+            s->server_threads.ns[j] += r->server_threads.ns[k] * routes;
+    }
+}
+
+/* The rounds as one phase: per-route CPU, rates over the summed time, percentiles over every
+ * round's round trips. */
+static phase_result phase_rounds_result(phase_rounds *acc)
+{
+    phase_result out = acc->sum;
+    double routes = out.routes ? (double)out.routes : 1, t = out.elapsed_s > 0 ? out.elapsed_s : 1;
+    out.decisions_per_s = (double)out.routes / t;
+    out.server_cpu_us = acc->server_unknown ? -1 : acc->server_us / routes;
+    out.driver_cpu_us = acc->driver_us / routes;
+    out.idle_pct = acc->sum.elapsed_s > 0 ? 100.0 * acc->idle_s / t : -1;
+    out.steal_pct = acc->sum.elapsed_s > 0 ? 100.0 * acc->steal_s / t : -1;
+    out.records_dropped_per_s = acc->dropped_unknown ? -1 : acc->dropped / t;
+    for (unsigned k = 0; k < out.server_threads.n; k++)
+        out.server_threads.ns[k] /= routes;
+    qsort(acc->rtt.v, acc->rtt.n, sizeof *acc->rtt.v, cmp_double);
+    out.rtt_p50_us = percentile(acc->rtt.v, acc->rtt.n, 0.50);
+    out.rtt_p99_us = percentile(acc->rtt.v, acc->rtt.n, 0.99);
+    return out;
+}
+
 /* Send one frame of `per_frame` routes on connection k. */
 static bool g_brief;
 static bool g_ping; /* the IPC floor: a LIFECYCLE report the loop thread answers by itself */
@@ -343,7 +431,7 @@ static int send_frame(conn_state *cs, workload *w, uint32_t per_frame, uint64_t 
 /* Lifecycle reports would keep the active-work table small; this benchmark measures decisions,
  * so the server runs with a short active TTL instead (entries expire every second). */
 static int run_phase(const char *addr, uint32_t n_conns, uint32_t per_frame, uint32_t window,
-                     double rate, double seconds, workload *w, phase_result *out)
+                     double rate, double seconds, workload *w, phase_result *out, rtt_samples *keep)
 {
     memset(out, 0, sizeof *out);
     conn_state *cs = calloc(n_conns, sizeof *cs);
@@ -459,6 +547,9 @@ static int run_phase(const char *addr, uint32_t n_conns, uint32_t per_frame, uin
         free(sent);
     }
     out->decisions_per_s = (double)out->routes / elapsed;
+    out->elapsed_s = elapsed;
+    if (!rc)
+        rc = rtt_keep(keep, rtt, n_rtt);
     qsort(rtt, n_rtt, sizeof *rtt, cmp_double);
     out->rtt_p50_us = percentile(rtt, n_rtt, 0.50);
     out->rtt_p99_us = percentile(rtt, n_rtt, 0.99);
@@ -544,7 +635,7 @@ static pid_t start_echo_server(const char *path)
 /* The echo baseline: `rate` frames/s, round robin over n_conns connections to a fresh echo child
  * at `path`, for `seconds`. Fills out like run_phase (a frame counts as one answered request). */
 static int run_echo_phase(const char *path, uint32_t n_conns, double rate, double seconds,
-                          phase_result *out)
+                          phase_result *out, rtt_samples *keep)
 {
     memset(out, 0, sizeof *out);
     unlink(path);
@@ -613,6 +704,9 @@ static int run_echo_phase(const char *path, uint32_t n_conns, double rate, doubl
     cpu_account(&m0, &m1, out);
     out->records_dropped_per_s = -1;
     out->decisions_per_s = (double)received / elapsed;
+    out->elapsed_s = elapsed;
+    if (!rc)
+        rc = rtt_keep(keep, rtt, n_rtt);
     qsort(rtt, n_rtt, sizeof *rtt, cmp_double);
     out->rtt_p50_us = percentile(rtt, n_rtt, 0.50);
     out->rtt_p99_us = percentile(rtt, n_rtt, 0.99);
@@ -833,7 +927,8 @@ typedef struct flood_arg {
 static void *flood_thread(void *p)
 {
     flood_arg *a = p;
-    a->rc = run_phase(a->addr, FLOOD_CONNS, BATCH_ROUTES, FLOOD_WINDOW, 0, a->seconds, &a->w, &a->pr);
+    a->rc = run_phase(a->addr, FLOOD_CONNS, BATCH_ROUTES, FLOOD_WINDOW, 0, a->seconds, &a->w,
+                      &a->pr, NULL);
     return NULL;
 }
 
@@ -992,8 +1087,9 @@ int km_bench_ipc_main(int argc, char **argv)
     bool only[IPC_PHASES] = {false}; /* --only: these phases (0-based, the table's row order) */
     bool only_some = false;
     double seconds = 2.0;
+    uint32_t rounds = 1; /* --rounds: the selected phases run this many times in turn */
     enum { OPT_JSON = 256, OPT_QUICK, OPT_RECORDS, OPT_FLOOD, OPT_CONNECT, OPT_ONLY, OPT_SECONDS,
-           OPT_CLIENTS };
+           OPT_CLIENTS, OPT_ROUNDS };
     static const struct option options[] = {
         {"help", no_argument, NULL, 'h'},
         {"json", no_argument, NULL, OPT_JSON},
@@ -1004,11 +1100,13 @@ int km_bench_ipc_main(int argc, char **argv)
         {"only", required_argument, NULL, OPT_ONLY},
         {"seconds", required_argument, NULL, OPT_SECONDS},
         {"clients", required_argument, NULL, OPT_CLIENTS},
+        {"rounds", required_argument, NULL, OPT_ROUNDS},
         {NULL, 0, NULL, 0},
     };
     static const char usage_line[] = "usage: kvmatch bench ipc [--json] [--quick] [--seconds S] "
                                      "[--records] [--clients DIR] [--flood] [--connect ADDR] "
-                                     "[--only PHASE[,PHASE...]]   (--opt VALUE or --opt=VALUE)\n";
+                                     "[--only PHASE[,PHASE...]] [--rounds N]   "
+                                     "(--opt VALUE or --opt=VALUE)\n";
     km_cli_getopt_begin(argv, "bench ipc");
     int opt;
     while ((opt = getopt_long(argc, argv, "h", options, NULL)) != -1) {
@@ -1054,6 +1152,10 @@ int km_bench_ipc_main(int argc, char **argv)
             break;
         case OPT_CLIENTS:
             clients_dir = optarg;
+            break;
+        case OPT_ROUNDS:
+            if (!km_cli_u32("bench ipc", "rounds", optarg, 1, 1000, &rounds))
+                return KM_EXIT_USAGE;
             break;
         default:
             return km_cli_usage_error("bench ipc");
@@ -1114,7 +1216,7 @@ int km_bench_ipc_main(int argc, char **argv)
     workload_init(&w);
     /* Warm-up: the approximate-mode index learns the prefixes. */
     phase_result pr;
-    run_phase(addr, 4, BATCH_ROUTES, 2, 0, quick ? 0.3 : 1.0, &w, &pr);
+    run_phase(addr, 4, BATCH_ROUTES, 2, 0, quick ? 0.3 : 1.0, &w, &pr, NULL);
 
     json_t *results = json_array();
     double rate = getenv("KM_BENCH_IPC_RATE") ? atof(getenv("KM_BENCH_IPC_RATE")) : 20000;
@@ -1161,7 +1263,13 @@ int km_bench_ipc_main(int argc, char **argv)
         }
         n_phases = 0;
     }
-    for (size_t i = 0; i < n_phases && !status; i++) {
+    /* --rounds N: the selected phases run N times in turn, `seconds` each time, so that each sees
+     * the same spells of the machine's load; a row reports all its rounds together. */
+    phase_rounds acc[sizeof phases / sizeof phases[0]];
+    memset(acc, 0, sizeof acc);
+    for (size_t step = 0; step < n_phases * rounds && !status; step++) {
+        size_t i = step % n_phases;
+        bool last_round = step / n_phases == rounds - 1;
         w.fresh = !strcmp(phases[i].workload, "fresh");
         g_brief = !strcmp(phases[i].reply, "brief");
         g_ping = !strcmp(phases[i].reply, "ping");
@@ -1172,15 +1280,22 @@ int km_bench_ipc_main(int argc, char **argv)
         if (!strcmp(phases[i].reply, "echo")) {
             char echo_path[320];
             snprintf(echo_path, sizeof echo_path, "%s/echo.sock", dir);
-            rc = run_echo_phase(echo_path, phases[i].conns, phases[i].rate, seconds, &pr);
+            rc = run_echo_phase(echo_path, phases[i].conns, phases[i].rate, seconds, &pr,
+                                rounds > 1 ? &acc[i].rtt : NULL);
         } else {
             rc = run_phase(addr, phases[i].conns, phases[i].per_frame, phases[i].window,
-                           phases[i].rate, seconds, &w, &pr);
+                           phases[i].rate, seconds, &w, &pr, rounds > 1 ? &acc[i].rtt : NULL);
         }
         if (rc != KM_OK) {
             fprintf(stderr, "bench ipc: phase %zu failed: %s\n", i, km_error_name(rc));
             status = 1;
             break;
+        }
+        if (rounds > 1) {
+            phase_rounds_add(&acc[i], &pr);
+            if (!last_round)
+                continue;
+            pr = phase_rounds_result(&acc[i]);
         }
         c_results[i] = pr;
         c_ran[i] = true;
@@ -1242,6 +1357,7 @@ int km_bench_ipc_main(int argc, char **argv)
     json_object_set_new(wl, "repeat", json_string("a prefix (1..40 blocks) of one of 256 known prompts: the decision path with an index that already knows every block"));
     json_object_set_new(wl, "fresh", json_string("one of 256 prompts (8..40 blocks) + 2..24 blocks never seen: approximate mode stores every new block, the index grows"));
     json_object_set_new(wl, "seconds_per_phase", json_real(seconds));
+    json_object_set_new(wl, "rounds", json_integer(rounds));
     json_object_set_new(wl, "records", json_boolean(records));
     json_object_set_new(root, "workload", wl);
     int wst = 0;
@@ -1258,6 +1374,8 @@ int km_bench_ipc_main(int argc, char **argv)
     }
     json_decref(root);
     char cmd[400];
+    for (size_t i = 0; i < sizeof acc / sizeof acc[0]; i++)
+        free(acc[i].rtt.v);
     snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
     if (system(cmd) != 0)
         fprintf(stderr, "bench ipc: could not remove %s\n", dir);
