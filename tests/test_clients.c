@@ -107,3 +107,38 @@ Test(clients, bench_ipc_adds_a_row_per_client_language, .timeout = 180)
     cr_expect_eq(c_rows, 1, "--only 1: the C client's single-route phase");
     json_decref(root);
 }
+
+/* `kvmatch bench ipc --rounds N` takes the selected phases in turns and reports each once, over
+ * all its rounds: one row per phase (not one per round), every route of each decided. */
+Test(clients, bench_ipc_rounds_give_one_row_per_phase, .timeout = 120)
+{
+    const char *bin = getenv("KM_BIN") && *getenv("KM_BIN") ? getenv("KM_BIN") : "build/kvmatch";
+    char dir[] = "/tmp/kvmatch-test-bench-rounds-XXXXXX";
+    cr_assert(mkdtemp(dir), "mkdtemp");
+    char path[256], cmd[1024];
+    snprintf(cmd, sizeof cmd, "%s bench ipc --quick --only 1,14 --rounds 3 --json "
+             "> %s/out.json 2> %s/err.txt", bin, dir, dir);
+    int rc = system(cmd);
+    snprintf(path, sizeof path, "%s/out.json", dir);
+    json_error_t err;
+    json_t *root = json_load_file(path, 0, &err);
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+    cr_assert_eq(system(cmd), 0);
+    cr_assert_eq(rc, 0, "bench ipc --rounds 3 failed");
+    cr_assert(root, "no JSON: %s", err.text);
+    cr_assert_eq(json_integer_value(json_object_get(json_object_get(root, "workload"), "rounds")), 3);
+    json_t *results = json_object_get(root, "results");
+    cr_assert_eq(json_array_size(results), 2, "one row per phase, got %zu", json_array_size(results));
+    size_t i;
+    json_t *r;
+    json_array_foreach(results, i, r)
+    {
+        cr_expect_eq(json_integer_value(json_object_get(r, "errors")), 0);
+        cr_expect(json_number_value(json_object_get(r, "decisions_per_s")) > 0);
+        cr_expect(json_number_value(json_object_get(r, "rtt_p99_us")) >=
+                  json_number_value(json_object_get(r, "rtt_p50_us")));
+    }
+    const char *reply = json_string_value(json_object_get(json_array_get(results, 1), "reply"));
+    cr_assert(reply && !strcmp(reply, "echo"), "the echo row is the second");
+    json_decref(root);
+}

@@ -796,6 +796,9 @@ Test(deploy, commands_refuse_what_could_never_work, .timeout = 60)
     rc = run_cli(out, sizeof out, "bench ipc --only=15");
     cr_assert_eq(rc, 2, "%s", out);
     cr_assert(strstr(out, "--only wants an integer in 0..14"), "%s", out);
+    rc = run_cli(out, sizeof out, "bench ipc --rounds 0");
+    cr_assert_eq(rc, 2, "%s", out);
+    cr_assert(strstr(out, "--rounds wants an integer in 1..1000"), "%s", out);
     rc = run_cli(out, sizeof out, "bench nope");
     cr_assert_eq(rc, 2, "%s", out);
     cr_assert(strstr(out, "unknown benchmark nope"), "%s", out);
