@@ -7,6 +7,7 @@ in `make test`).
 usage: check-engines.py WHEEL_DIR [OUT_DIR]
        check-engines.py --vllm-offload WHEEL_DIR OUT_DIR   (with PYTHONHASHSEED set)
        check-engines.py --sglang-radix WHEEL_DIR OUT_DIR   (in a Python that has torch)
+       check-engines.py --sglang-hicache WHEEL_DIR OUT_DIR (in a Python that has torch)
 
 WHEEL_DIR holds the vLLM and SGLang wheels (`pip download --no-deps`; scripts/check-engines.sh
 fetches them). Two kinds of fixture:
@@ -96,6 +97,39 @@ and its KV-event recorder's events are published as engine runs (sglang_engine_r
 sglang_engine_salt.txt with cache-salted and LoRA requests);
 every other sglang module is a placeholder (the list is printed), the token-to-KV allocator a
 stand-in whose free_segment does nothing (create_simulated has no memory pools).
+With --sglang-hicache (the same kind of process): SGLang's host tier, UnifiedRadixCache with
+HiCache (sglang/srt/mem_cache: unified_radix_cache, unified_cache's tree core, FULL component,
+cache actions, registry, session-ref tracker and storage attachment, hicache_storage's transfer
+records, buffer_mode/storage_existence_cache, storage_prefetch, session/streaming_session,
+sglang/srt/environ and utils/rank_consensus_checker, with the RadixCache modules above): its
+tree, write policy (write_through, write_through_selective, write_back), device and host
+eviction, match_prefix's host part, init_load_back and KV-event recorder run as they are.
+Replaced with a stand-in:
+  HybridCacheController             _HiCacheController: the queues and calls the cache uses
+                                    (write, start_writing, load, start_loading, the write and
+                                    load ack queues, reset, write_policy), moving no bytes; a
+                                    write is acknowledged 1 to 3 steps after it was submitted
+                                    (seeded, never before an earlier write), a load at once
+  HiCacheAck and its device events  _HiCacheAck, _TransferEvent: query() true once the driver's
+                                    step reaches the transfer's, synchronize() completes it
+  the host pool group (pinned host  _HostSlots: host slot numbers in whole pages from a free
+  KV tensors)                       list, the anchor entry without a shared allocation domain
+  the token-to-KV allocator and its _DeviceSlots: device slot numbers from a free list (a slot
+  device KV pool                    freed twice fails the run)
+  hybrid_pool_assembler's           sets the cache's host pool group, its controller and the
+  attach_hybrid_pool_to_unified_    FULL component's host pool (the group's KV pool), as the
+  cache                             assembler's _apply_stack_result does; no sidecar pools
+  runtime_context                   get_memory: host memory mode "cache", no storage backend,
+                                    the run's write policy; get_observability: no metric labels;
+                                    get_disagg: not disaggregated
+  allocator.page_interleave         page_interleave_shard_size 1 (a stock allocator)
+The driver plays the scheduler: each step it calls check_hicache_events (submitting the queued
+backups and taking the acknowledged writes), matches the prompt without its last token, loads
+the host part back with init_load_back (the host match pinned, as the scheduler's admission
+does), runs the request on its locked prefix and newly allocated slots (evict_for_alloc when
+the device pool is short, and a step more while what is left is locked by unacknowledged
+writes), then inserts prompt and output with prev_prefix_len set, as SGLang caches a finished
+request. At the end every device and host slot must be free or held by the tree.
 msgspec, pyzmq, pydantic and cbor2 are the real packages.
 
 Fixture format, one line each:
@@ -104,6 +138,9 @@ Fixture format, one line each:
   offload <worker> <blocks per chunk>       the worker's engine offloads to host memory through
                                             vLLM's OffloadingConnector, in chunks of that many
                                             blocks (its hit rule: docs/EVENTS.md)
+  hicache <worker> <min host blocks>        the worker's engine is SGLang with HiCache: it loads
+                                            a host hit back only when it holds at least that
+                                            many blocks (load_back_threshold), else recomputes it
   live <worker> <seq> <hex payload>         a message as the live SUB socket received it
   replay <worker> <start_seq> <n>           the publisher's answer to a replay request from
   item <seq> <hex payload>                  start_seq: n items follow
@@ -613,7 +650,7 @@ class EngineFixture:
             if kind != "AllBlocksCleared":
                 medium = (e.get("medium") if isinstance(e, dict)
                           else e[6] if kind == "BlockStored" else e[2])
-            if medium == "CPU":
+            if medium in ("CPU", "CPU_PINNED"):
                 self.cpu_stored += len(hashes) if kind == "BlockStored" else 0
                 self.cpu_removed += len(hashes) if kind == "BlockRemoved" else 0
             placeholder = kind == "BlockStored" and medium not in (None, "GPU") and (
@@ -1181,8 +1218,8 @@ class _SglangImporter(_WheelImporter):
     """As _WheelImporter, from files extracted to `root`: the native hash's C++ source is compiled
     from its module's directory (torch.utils.cpp_extension)."""
 
-    def __init__(self, wheel, root):
-        super().__init__(wheel, SGLANG_REAL, {"sglang"})
+    def __init__(self, wheel, root, real=SGLANG_REAL):
+        super().__init__(wheel, real, {"sglang"})
         self.root = root
         self.zip.extractall(root, [n for n in self.names if n.startswith("sglang/srt/")])
 
@@ -1190,6 +1227,8 @@ class _SglangImporter(_WheelImporter):
         if m.__name__ not in self.real:
             return
         m.__file__ = os.path.join(self.root, m.__name__.replace(".", "/") + ".py")
+        if not os.path.exists(m.__file__):  # a package
+            m.__file__ = os.path.join(self.root, m.__name__.replace(".", "/"), "__init__.py")
         with open(m.__file__, encoding="utf-8") as f:
             exec(compile(f.read(), m.__file__, "exec"), m.__dict__)
 
@@ -1290,11 +1329,365 @@ def sglang_radix_scenario(wheel_dir, out_dir):
     shutil.rmtree(root, ignore_errors=True)
 
 
+# ---- SGLang's host tier, HiCache (a separate process: it needs torch) -------------------------
+
+SGLANG_HICACHE_REAL = SGLANG_REAL + [
+    "sglang.srt.mem_cache.unified_radix_cache", "sglang.srt.mem_cache.unified_cache",
+    "sglang.srt.mem_cache.unified_cache.cache_action",
+    "sglang.srt.mem_cache.unified_cache.components",
+    "sglang.srt.mem_cache.unified_cache.components.base",
+    "sglang.srt.mem_cache.unified_cache.components.full",
+    "sglang.srt.mem_cache.unified_cache.component_type",
+    "sglang.srt.mem_cache.unified_cache.unified_tree_core",
+    "sglang.srt.mem_cache.unified_cache.unified_tree_core_interface",
+    "sglang.srt.mem_cache.unified_cache.tree_core_registry",
+    "sglang.srt.mem_cache.unified_cache.session_ref_tracker",
+    "sglang.srt.mem_cache.unified_cache.storage_attachment",
+    "sglang.srt.mem_cache.buffer_mode.storage_existence_cache",
+    "sglang.srt.mem_cache.storage_prefetch", "sglang.srt.session.streaming_session",
+    "sglang.srt.mem_cache.hicache_storage",
+    "sglang.srt.environ", "sglang.srt.utils.rank_consensus_checker",
+]
+
+
+class _HiCacheClock:
+    """The driver's step counter: a transfer is done once the step it is due at is reached."""
+    step = 0
+
+
+class _TransferEvent:
+    """Stands in for a device event: query() is true once the driver's clock reaches `due`;
+    synchronize() (a blocking wait in SGLang) completes it there and then."""
+
+    def __init__(self, clock, due):
+        self.clock, self.due = clock, due
+
+    def query(self):
+        return self.clock.step >= self.due
+
+    def synchronize(self):
+        self.due = min(self.due, self.clock.step)
+
+    def record(self, *args):
+        pass
+
+
+class _DeviceSlots:
+    """The token-to-KV allocator: device slot numbers from a free list (no KV tensors)."""
+    device = "cpu"
+
+    def __init__(self, size):
+        import torch
+        self.torch, self.size, self.size_full = torch, size, size
+        self.free_slots = list(range(size))
+
+    def available_size(self):
+        return len(self.free_slots)
+
+    def alloc(self, n):
+        if n > len(self.free_slots):
+            return None
+        taken, self.free_slots = self.free_slots[:n], self.free_slots[n:]
+        return self.torch.tensor(taken, dtype=self.torch.int64)
+
+    def free(self, indices):
+        freed = [int(i) for i in indices]
+        assert not set(freed) & set(self.free_slots), "a device slot freed twice"
+        self.free_slots.extend(freed)
+
+    def free_segment(self, indices, start_pos=0):
+        self.free(indices)
+
+    def mamba_full_cache_donor(self):
+        return None  # no Mamba pool
+
+
+class _HostSlots:
+    """The host pool group (mem_pool_host) and its one pool, the KV pool: host slot numbers from a
+    free list, allocated in whole pages as SGLang's host pool allocates them (no host tensors,
+    nothing pinned; a slot freed twice fails the run)."""
+    size_per_token = 0
+
+    def __init__(self, size, page_size):
+        import torch
+        self.torch, self.size, self.page_size = torch, size, page_size
+        self.anchor_entry = types.SimpleNamespace(
+            host_pool=types.SimpleNamespace(shared_allocation_domain=None), host_evict_fn=None)
+        self.entry_map, self.entries = {}, []
+        self.clear()
+
+    def clear(self):
+        self.free_slots = list(range(self.size))
+
+    def available_size(self):
+        return len(self.free_slots)
+
+    def alloc(self, n, reclaim=None, start_owner=None):
+        assert n % self.page_size == 0
+        if n > len(self.free_slots):
+            return None
+        taken, self.free_slots = self.free_slots[:n], self.free_slots[n:]
+        return self.torch.tensor(taken, dtype=self.torch.int64)
+
+    def free(self, indices, pool=None):
+        freed = [int(i) for i in indices]
+        assert not set(freed) & set(self.free_slots), "a host slot freed twice"
+        self.free_slots.extend(freed)
+        return len(indices)
+
+    def get_pool(self, name):
+        return self  # the group's only pool, its KV pool
+
+    def resolve_host_transfers(self, extra_pools, primary_device_indices, primary_host_indices):
+        assert not extra_pools
+        return None
+
+    def destroy(self):
+        pass
+
+
+class _HiCacheAck(types.SimpleNamespace):
+    """managers/cache_controller.py's HiCacheAck, with the fields the cache reads."""
+
+
+class _HiCacheController:
+    """Stands in for HybridCacheController: the same queues and calls, moving no bytes. write()
+    allocates host slots and queues the operation; start_writing() merges the queue into one ack
+    whose event is done `store_delay()` steps later, never before an earlier ack's (SGLang's
+    device-to-host stream runs its copies in order); load() allocates device slots and queues;
+    start_loading() acks at once (the forward waits for the loaded layers before using them)."""
+    enable_storage = False
+    storage_backend = None
+    layer_done_counter = None
+    transfer_layer_id_max = 0
+
+    def __init__(self, write_policy, host, device, clock, store_delay):
+        self.write_policy, self.mem_pool_host, self.device = write_policy, host, device
+        self.clock, self.store_delay = clock, store_delay
+        self.reset()
+
+    def reset(self):
+        self.write_queue, self.load_queue = [], []
+        self.ack_write_queue, self.ack_load_queue = [], []
+        self.last_write_due = 0
+
+    def write(self, device_indices, priority=None, node_id=-1, extra_pools=None, flush=True,
+              start_owner=None):
+        assert not extra_pools
+        host_indices = self.mem_pool_host.alloc(len(device_indices))
+        if host_indices is None:
+            return None
+        self.write_queue.append((node_id, len(device_indices)))
+        if flush:
+            self.start_writing()
+        return host_indices
+
+    def start_writing(self):
+        if not self.write_queue:
+            return
+        self.last_write_due = max(self.last_write_due, self.clock.step + self.store_delay())
+        event = _TransferEvent(self.clock, self.last_write_due)
+        self.ack_write_queue.append(_HiCacheAck(
+            start_event=event, finish_event=event, node_ids=[n for n, _ in self.write_queue],
+            num_tokens=sum(t for _, t in self.write_queue), timing_enabled=False,
+            num_tokens_by_pool=None, num_bytes=0))
+        self.write_queue = []
+
+    def load(self, host_indices, priority=None, node_id=-1, extra_pools=None, *,
+             device_indices=None, anchor_indices=None):
+        assert not extra_pools and device_indices is None
+        device_indices = self.device.alloc(len(host_indices))
+        if device_indices is None:
+            return None
+        self.load_queue.append((node_id, len(host_indices)))
+        return device_indices
+
+    def start_loading(self):
+        if not self.load_queue:
+            return -1
+        event = _TransferEvent(self.clock, self.clock.step)
+        self.ack_load_queue.append(_HiCacheAck(
+            start_event=event, finish_event=event, node_ids=[n for n, _ in self.load_queue],
+            num_tokens=sum(t for _, t in self.load_queue), timing_enabled=False,
+            num_tokens_by_pool=None, num_bytes=0))
+        self.load_queue = []
+        return 0
+
+
+def sglang_hicache_scenario(wheel_dir, out_dir):
+    """SGLang's own host tier: UnifiedRadixCache with HiCache (its tree core, write policy, device
+    and host eviction, match_prefix's host part, load_back and KV-event recorder) on a device pool
+    small enough to evict and a host pool small enough to evict too; the byte-moving parts are
+    stand-ins (_HiCacheController, _HostSlots, _DeviceSlots). Each prompt's hit is match_prefix's
+    device part plus what init_load_back then loads from the host part, as the scheduler admits
+    a request; the recorded events are encoded with SGLang's own KVEventBatch."""
+    import tempfile
+    from array import array
+    wheels = glob.glob(os.path.join(wheel_dir, "sglang-*.whl"))
+    if not wheels:
+        sys.exit(f"check-engines: no SGLang wheel in {wheel_dir}")
+    root = tempfile.mkdtemp(prefix="check-engines-sglang-")
+    sys.meta_path.insert(0, _SglangImporter(wheels[0], root, SGLANG_HICACHE_REAL))
+    import importlib
+    import torch
+    settings = {}
+    stub("sglang.srt.runtime_context",
+         get_memory=lambda: types.SimpleNamespace(
+             hicache_host_memory_mode="cache", hicache_storage_backend=None,
+             hicache_write_policy=settings["policy"],
+             hicache_storage_prefetch_policy="best_effort"),
+         get_observability=lambda: types.SimpleNamespace(extra_metric_labels=None),
+         get_disagg=lambda: types.SimpleNamespace(disaggregation_mode="null"),
+         get_parallel=None, get_model=None, get_serving=None)
+
+    def attach(cache, params, server_args, **kwargs):
+        """hybrid_pool_assembler's attach_hybrid_pool_to_unified_cache for a FULL-only tree, as
+        its _apply_stack_result: the host pool group, the controller and the FULL component's
+        host pool (the group's KV pool); no sidecar pools."""
+        cache.host_pool_group = settings["host"]
+        cache.cache_controller = settings["controller"]
+        cache.full_kv_pool_host = cache.host_pool_group.get_pool("kv")
+        cache.components[ct.ComponentType.FULL]._full_kv_pool_host = cache.full_kv_pool_host
+
+    # A stock allocator: no page-interleaved shard groups.
+    stub("sglang.srt.mem_cache.allocator.page_interleave",
+         page_interleave_shard_size=lambda allocator: 1)
+    stub("sglang.srt.mem_cache.hybrid_cache")
+    stub("sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler",
+         attach_hybrid_pool_to_unified_cache=attach)
+    urc = importlib.import_module("sglang.srt.mem_cache.unified_radix_cache")
+    base = importlib.import_module("sglang.srt.mem_cache.base_prefix_cache")
+    cip = importlib.import_module("sglang.srt.mem_cache.cache_init_params")
+    ct = importlib.import_module("sglang.srt.mem_cache.unified_cache.component_type")
+    rc = importlib.import_module("sglang.srt.mem_cache.radix_cache")
+    kv = importlib.import_module("sglang.srt.disaggregation.kv_events")
+    B = 4
+    enc = msgspec.msgpack.Encoder()
+
+    def run(name, policy, seed, device_slots, host_slots, n_requests, max_delay):
+        rng = random.Random(seed)
+        clock = _HiCacheClock()
+        device = _DeviceSlots(device_slots)
+        host = _HostSlots(host_slots, B)
+        settings.update(policy=policy, host=host, controller=_HiCacheController(
+            policy, host, device, clock, lambda: rng.randrange(1, max_delay + 1)))
+        params = cip.CacheInitParams(disable=False, req_to_token_pool=None,
+                                     token_to_kv_pool_allocator=device, page_size=B,
+                                     enable_kv_cache_events=True,
+                                     tree_components=(ct.ComponentType.FULL,),
+                                     tree_core_backend="python")
+        cache = urc.UnifiedRadixCache(params)
+        cache.init_hicache(types.SimpleNamespace(file_storage_path=None), params)
+        fx = EngineFixture(out_dir, name, B, 0,
+                           f"{os.path.basename(wheels[0])}: UnifiedRadixCache with HiCache "
+                           f"({policy}), page size {B}, {device_slots} device and {host_slots} "
+                           f"host slots, writes acknowledged 1-{max_delay} steps late, "
+                           f"{n_requests} requests")
+        fx.line("worker 0 1")
+        # SGLang loads a host hit back only from load_back_threshold tokens on.
+        fx.line(f"hicache 0 {-(-cache.load_back_threshold // B)}")
+        seq = 0
+
+        def publish():
+            nonlocal seq
+            events = cache.take_events()
+            if events:
+                fx.live(0, (seq, enc.encode(kv.KVEventBatch(ts=float(seq), events=events))))
+                seq += 1
+
+        work = Workload(seed, B)
+        root_id = cache.root_node_handle()
+        loads = declined = waits = 0
+        publish()  # the AllBlocksCleared of the tree's reset
+        for i in range(n_requests):
+            # A scheduler step: submit the queued backups, take the acknowledged transfers.
+            clock.step += 1
+            cache.check_hicache_events()
+            publish()
+            tokens = work.next()
+            # The scheduler matches all but the prompt's last token, which it always computes.
+            m = cache.match_prefix(base.MatchPrefixParams(
+                key=rc.RadixKey(array("q", tokens[:-1]))))
+            req = types.SimpleNamespace(rid=str(i), last_node=m.last_device_node,
+                                        swa_host_hit_length=0, mamba_host_hit_length=0,
+                                        kv=types.SimpleNamespace(mamba_pool_idx=None))
+            loaded = 0
+            if m.host_hit_length > 0:
+                # As the scheduler's admission: the host match pinned while loading back.
+                host_lock = cache.inc_host_lock_ref(m.best_match_node).to_dec_params()
+                loaded, req.last_node = cache.init_load_back(base.InitLoadBackParams(
+                    best_match_node=m.best_match_node, host_hit_length=m.host_hit_length,
+                    req=req))
+                cache.dec_host_lock_ref(m.best_match_node, host_lock)
+                # These runs' pools always fit a load back: only the threshold declines one.
+                assert loaded > 0 or m.host_hit_length < cache.load_back_threshold
+                declined += loaded == 0
+                loads += loaded > 0
+                cache.ready_to_load_host_cache()
+            hit = m.device_prefix_len + loaded
+            fx.prompt(0, hit, B, tokens, host=loaded // B)
+            # The request runs on its prefix (locked) and new slots, then is cached: the tree
+            # frees the slots of what it already held past the prefix.
+            lock = cache.inc_lock_ref(req.last_node).to_dec_params()
+            waits_now = 0
+            prefix = cache.tree_core.collect_full_device_indices(req.last_node, root_id)
+            assert len(prefix) == hit, (len(prefix), hit)
+            output = [7000 + (i * 31 + k) % 97 for k in range(work.rng.randrange(1, 7))]
+            everything = list(tokens) + output
+            need = len(everything) - hit
+            while device.available_size() < need:
+                cache.evict_for_alloc(base.EvictParams(
+                    num_tokens=need - device.available_size()))
+                if device.available_size() >= need:
+                    break
+                # What is left is locked by writes not yet acknowledged: wait a step for them,
+                # as the scheduler waits to admit the request.
+                assert waits_now < max_delay, "the device pool is too small for a request"
+                waits_now += 1
+                clock.step += 1
+                cache.check_hicache_events()
+            waits += waits_now > 0
+            new = device.alloc(need)
+            value = torch.cat([prefix, new])
+            aligned = len(everything) // B * B
+            cache.insert(base.InsertParams(key=rc.RadixKey(array("q", everything[:aligned])),
+                                           value=value[:aligned], prev_prefix_len=hit))
+            device.free(value[aligned:])
+            cache.dec_lock_ref(req.last_node, lock)
+            publish()
+            work.done(everything)
+        # Every slot is free or held by the tree: the stand-ins lost none.
+        held = {"value": 0, "host_value": 0}
+        nodes = list(cache.tree_core.root_node.children.values())
+        while nodes:
+            node = nodes.pop()
+            nodes.extend(node.children.values())
+            for field in held:
+                part = getattr(node.component_data[ct.ComponentType.FULL], field)
+                held[field] += 0 if part is None else len(part)
+        assert held["value"] + device.available_size() == device_slots, "device slots lost"
+        assert held["host_value"] + host.available_size() == host_slots, "host slots lost"
+        print(f"check-engines: {name}: {fx.close()}; {loads} prompts loaded host blocks back, "
+              f"{declined} host hits below the load-back threshold, {waits} requests waited for "
+              "writes to free device slots")
+
+    run("sglang_engine_hicache", "write_through", 61, 128, 320, 200, 3)
+    run("sglang_engine_hicache_selective", "write_through_selective", 67, 128, 320, 100, 3)
+    run("sglang_engine_hicache_write_back", "write_back", 71, 128, 320, 200, 3)
+    print("check-engines: placeholders bound (never called): " + ", ".join(sorted(PLACEHOLDERS)))
+    import shutil
+    shutil.rmtree(root, ignore_errors=True)
+
 def main():
     if len(sys.argv) > 1 and sys.argv[1] == "--sglang-radix":
         if len(sys.argv) < 4:
             sys.exit(__doc__)
         sglang_radix_scenario(sys.argv[2], sys.argv[3])
+        return
+    if len(sys.argv) > 1 and sys.argv[1] == "--sglang-hicache":
+        if len(sys.argv) < 4:
+            sys.exit(__doc__)
+        sglang_hicache_scenario(sys.argv[2], sys.argv[3])
         return
     if len(sys.argv) > 1 and sys.argv[1] == "--vllm-offload":
         if len(sys.argv) < 4:

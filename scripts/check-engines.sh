@@ -14,7 +14,8 @@
 # (--no-deps) into a venv of their own, .engine-wheels/torch-venv; the CUDA 13 toolkit's libraries,
 # a C++ compiler, ninja, Python's headers and OpenSSL's (SGLang compiles its native block hash)
 # must be on the host. When torch cannot be imported or that scenario fails, it is reported as
-# skipped, with the reason, and its committed fixture stays as it is.
+# skipped, with the reason, and its committed fixture stays as it is. SGLang's host tier (HiCache)
+# runs in the same venv and is skipped the same way.
 #
 # VLLM_VERSION / SGLANG_VERSION / TORCH_VERSION pick other versions (default 0.33.0, 0.5.23 and
 # 2.14.1); KM_TESTS names the test binary (default build/kvmatch-tests).
@@ -73,6 +74,16 @@ if ! sglang_radix; then
          "loaded: see the lines above); tests/engine_fixtures/sglang_engine_*.txt unchanged"
     git checkout -q -- tests/engine_fixtures/sglang_engine_radix.txt \
         tests/engine_fixtures/sglang_engine_salt.txt 2>/dev/null || true
+fi
+# SGLang's host tier (HiCache), in the same venv: its cache classes with stand-ins for the parts
+# that move bytes (the controller, the host and device pools).
+if ! { "$CACHE/torch-venv/bin/python" -c 'import torch' 2>/dev/null &&
+        "$CACHE/torch-venv/bin/python" scripts/check-engines.py --sglang-hicache "$WHEELS" \
+            tests/engine_fixtures; }; then
+    echo "check-engines: SGLang's HiCache: skipped (torch or the native hash could not be" \
+         "loaded, or the run failed: see the lines above);" \
+         "tests/engine_fixtures/sglang_engine_hicache*.txt unchanged"
+    git checkout -q -- 'tests/engine_fixtures/sglang_engine_hicache*.txt' 2>/dev/null || true
 fi
 "$KM_TESTS" --filter 'engine_fixtures/*'
 if ! git diff --quiet -- tests/engine_fixtures; then

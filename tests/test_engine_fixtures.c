@@ -16,8 +16,10 @@
  *    recorder's events were encoded with SGLang's own KVEventBatch. vLLM's KVCacheManager with
  *    its OffloadingConnector's CPU tier: the engine's hit is its GPU hit, then the connector's
  *    CPU hit from there, and kvmatch's depth and tier split, read under the connector's chunk
- *    rule (predicted_hit), must give the hit and its host part. A prompt marked "bound" must
- *    only not exceed the engine's hit; how often it equals it is logged.
+ *    rule (predicted_hit), must give the hit and its host part; SGLang's UnifiedRadixCache with
+ *    its host tier (HiCache): the device hit, then the host blocks it loads back when they reach
+ *    its load-back threshold. A prompt marked "bound" must only not exceed the engine's hit; how
+ *    often it equals it is logged.
  *  - event encodings: the worker's index must end with exactly the expected chains, each in its
  *    tier (lookahead variants, LoRA under Dynamo's seed rule with a CPU offload, the cache salt in
  *    vLLM's extra keys and as SGLang's own field, SGLang's CPU_PINNED and EXTERNAL media).
@@ -63,6 +65,8 @@ typedef struct fixture_run {
     unsigned prompts_bound, bound_equal, bound_blocks_short;
     unsigned prompts_host; /* exact prompts whose engine hit came partly from the host tier */
     uint32_t host_chunk_blocks[MAX_WORKERS]; /* 0, or the blocks per chunk of its host tier */
+    /* 0, or the fewest host blocks SGLang's HiCache loads back (load_back_threshold) */
+    uint32_t host_load_min_blocks[MAX_WORKERS];
 } fixture_run;
 
 static size_t unhex(const char *hex, unsigned char *out, size_t cap)
@@ -146,7 +150,11 @@ static uint32_t matched_depth(fixture_run *r, uint32_t worker, const uint64_t *c
  * then loads whole chunks from host memory from there on (a chunk is keyed by its last block,
  * so a block held in host memory inside a chunk whose later blocks differ does not load): the
  * depth over the prompt's full blocks cut to a chunk boundary, when that passes the device hit
- * by a chunk's worth of blocks at least (the connector loads no less), then capped. */
+ * by a chunk's worth of blocks at least (the connector loads no less), then capped. With
+ * SGLang's HiCache, the engine hits its device prefix (the depth's device blocks, which lead it:
+ * SGLang evicts a node from the device only once its children have left it) and loads the
+ * host-only blocks after it when they are at least its load-back threshold
+ * (host_load_min_blocks), else none of them, all below the cap. */
 static uint32_t predicted_hit(fixture_run *r, uint32_t worker, const char *salt, const char *lora,
                               const uint32_t *tokens, size_t n, uint32_t *host_blocks)
 {
@@ -162,6 +170,10 @@ static uint32_t predicted_hit(fixture_run *r, uint32_t worker, const char *salt,
     if (!chunk) {
         uint32_t depth = matched_depth(r, worker, chains, n_blocks < cap ? n_blocks : cap, &tiers);
         *host_blocks = tiers.host_blocks;
+        if (tiers.host_blocks && tiers.host_blocks < r->host_load_min_blocks[worker]) {
+            *host_blocks = 0; /* too few to load back: recomputed */
+            return depth - tiers.host_blocks;
+        }
         return depth;
     }
     uint32_t depth = matched_depth(r, worker, chains, n_blocks, &tiers);
@@ -292,6 +304,11 @@ static void run_fixture(const char *path)
             cr_assert_eq(sscanf(line + 8, "%u %u", &w, &chunk), 2);
             cr_assert(w < MAX_WORKERS && workers[w] && chunk > 0, "%s:%u", path, r.line_no);
             r.host_chunk_blocks[w] = chunk;
+        } else if (!strncmp(line, "hicache ", 8)) {
+            unsigned w, min_blocks;
+            cr_assert_eq(sscanf(line + 8, "%u %u", &w, &min_blocks), 2);
+            cr_assert(w < MAX_WORKERS && workers[w] && min_blocks > 0, "%s:%u", path, r.line_no);
+            r.host_load_min_blocks[w] = min_blocks;
         } else if (!strncmp(line, "live ", 5)) {
             unsigned w;
             unsigned long long s;
