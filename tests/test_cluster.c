@@ -716,8 +716,9 @@ Test(cluster, a_peer_whose_workers_differ_has_its_pool_left_out_counted_once,
     cr_assert_eq(km_cluster_publish_load(a, 0, &l), KM_OK);
     cr_assert_eq(km_cluster_publish_load(a, 2, &l), KM_OK);
     cr_assert_eq(km_cluster_publish_load(a, 5, &l), KM_OK); /* in no pool: compared nowhere */
+    /* Each side learns of the other's pools from its heartbeats: wait for both. */
     WAIT_UNTIL(remote(b, 2).in_flight == 3 && remote(b, 5).in_flight == 3 &&
-                   stats(b).n_mismatched == 1, 2000);
+                   stats(b).n_mismatched == 1 && stats(a).n_mismatched == 1, 2000);
     cr_assert_eq(remote(b, 2).in_flight, 3, "the pool both agree on is applied");
     cr_assert_eq(remote(b, 5).in_flight, 3);
     cr_assert_eq(remote(b, 0).in_flight, 0, "a's load on main's workers is left out");
