@@ -953,7 +953,8 @@ static uint64_t listed_workers(const char *sock)
 }
 
 /* SIGHUP reads the config file again: a pool's policy and parameters change, its workers become
- * the listed ones, a new pool is added, a block size change is refused (the rest still applies),
+ * the listed ones, a new pool is added, a block size or offload chunk size change is refused (the
+ * rest still applies),
  * each change is logged; the log file is reopened after a rotation, one JSON object a line. */
 Test(deploy, sighup_reloads_pools_workers_and_policy_from_the_config_file, .timeout = 90)
 {
@@ -992,6 +993,16 @@ Test(deploy, sighup_reloads_pools_workers_and_policy_from_the_config_file, .time
     cr_assert(file_has(log, "block_size cannot change"));
     cr_assert_eq(listed_workers(sock), (1u << 0) | (1u << 2) | (1u << 5) | (1u << 6),
                  "pool main is refused whole; extra gains worker 6");
+
+    /* The blocks per offloaded chunk cannot change either: chunks held were placed with it. */
+    write_file(cfg, "{\"pools\": [{\"name\": \"main\", \"block_size\": 4, \"policy\": \"kv\", "
+                    "\"workers\": [{\"id\": 0}, {\"id\": 2}]}, {\"name\": \"extra\", "
+                    "\"block_size\": 16, \"offload_chunk_blocks\": 2, "
+                    "\"workers\": [{\"id\": 5}, {\"id\": 6}, {\"id\": 7}]}]}");
+    cr_assert_eq(kill(pid, SIGHUP), 0);
+    cr_assert(wait_for(log, "offload_chunk_blocks cannot change"), "the refusal is logged");
+    cr_assert_eq(listed_workers(sock), (1u << 0) | (1u << 2) | (1u << 5) | (1u << 6),
+                 "pool extra is refused whole: no worker 7");
 
     cr_assert_eq(kill(pid, SIGTERM), 0);
     int st = 0;

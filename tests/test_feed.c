@@ -1007,7 +1007,8 @@ Test(feed, a_block_leaves_a_group_with_its_last_copy, .timeout = 10)
     km_index_destroy(index);
 
     /* Group 5 (no copies counted): two stores, one removal, and the block has left it. A CPU
-     * store twice is one CPU copy: one CPU removal takes it. */
+     * store twice is two CPU announcements: the first CPU removal leaves it, the second takes
+     * it. */
     uint64_t eh5 = 5151, want5;
     uint32_t t5[BS];
     for (uint32_t i = 0; i < BS; i++)
@@ -1030,7 +1031,11 @@ Test(feed, a_block_leaves_a_group_with_its_last_copy, .timeout = 10)
     pack_group_batch(&sb, &cpu_rm, 1);
     live_payload(&f, 0, seq++, &sb);
     fx_flush(&f);
-    cr_assert_eq(held_depth(f.index, 0, &want5, 1), 0, "the CPU's one copy left");
+    cr_assert_eq(held_depth(f.index, 0, &want5, 1), 1, "one CPU announcement stays");
+    pack_group_batch(&sb, &cpu_rm, 1);
+    live_payload(&f, 0, seq++, &sb);
+    fx_flush(&f);
+    cr_assert_eq(held_depth(f.index, 0, &want5, 1), 0, "the CPU's last announcement left");
     /* Only the group-0 block of the first part is left in the map: group 5's copy went with its
      * first removal. */
     cr_assert_eq(fx_info(&f, 0).map_entries, 1);
@@ -1658,79 +1663,230 @@ Test(feed, placeholder_stores_of_a_multi_group_engine_are_skipped, .timeout = 10
     fx_free(&f);
 }
 
-/* Random GPU stores (with copies) and removals, and placeholder CPU stores and removals, of the
- * blocks of one sequence, against a brute-force model of what the worker holds: after every
- * message the index holds each block exactly while the model does, at the host tier exactly when
- * the model holds it on CPU alone, and the unplaced placeholders counted are the model's. */
+/* Random GPU stores (with copies) and removals and CPU chunk stores and removals over two
+ * sequences that share their first PH_SHARED blocks, against a brute-force model of what the
+ * worker holds: per block its GPU copies and the CPU chunks holding it. CPU chunks come either
+ * self-describing (a full store of a run of blocks on CPU, removed block by block: a block shared
+ * by two runs is announced and removed once per run) or as placeholders of offload_chunk_blocks
+ * 1, 2 or 3 (the key of an aligned chunk, removed by its key; the feed finds the chunk's earlier
+ * blocks through their parents and places those held, from the key back). After every message the
+ * index holds each block exactly while the model does, at the host tier exactly when the model
+ * holds it on CPU alone, and the unplaced placeholders counted are the model's. */
 #define PH_BLOCKS 12u
-Test(feed, placeholder_host_tier_matches_a_model_on_random_events, .timeout = 30)
+#define PH_SHARED 5u
+#define PH_NODES (2u * PH_BLOCKS - PH_SHARED)
+
+typedef struct ph_model {
+    uint32_t node[2][PH_BLOCKS]; /* sequence, position -> block */
+    uint32_t gpu[PH_NODES], cpu[PH_NODES];
+} ph_model;
+
+static bool ph_held(const ph_model *m, uint32_t node)
 {
+    return m->gpu[node] || m->cpu[node];
+}
+
+static void ph_run(uint32_t chunk, bool placeholders)
+{
+    km_feed_config cfg;
+    km_test_feed_config(&cfg, BS);
+    cfg.offload_chunk_blocks = chunk;
     fx f;
-    fx_init(&f);
+    fx_init_cfg(&f, &cfg, KM_TEST_ENCODING_POSITIONAL, KM_TEST_HASH_INT);
     fx_add(&f, 0, false);
-    uint32_t tokens[PH_BLOCKS * BS];
-    for (uint32_t i = 0; i < PH_BLOCKS * BS; i++)
-        tokens[i] = 7000 + i;
+    ph_model md = {0};
+    uint32_t tokens[2][PH_BLOCKS * BS];
+    uint64_t chains[PH_NODES], eh[PH_NODES], seq_eh[2][PH_BLOCKS];
     km_hash_config hc = {BS, NULL, NULL};
-    uint64_t chains[PH_BLOCKS], eh[PH_BLOCKS];
-    size_t nb;
-    km_hash_sequence(&hc, tokens, PH_BLOCKS * BS, 0, KM_NO_PARENT, NULL, chains, &nb);
-    for (uint32_t i = 0; i < PH_BLOCKS; i++)
-        eh[i] = 0x1000 + i;
-    uint32_t gpu_copies[PH_BLOCKS] = {0};
-    bool cpu[PH_BLOCKS] = {false};
-    uint64_t unplaced = 0, host_seen = 0;
-    for (uint32_t step = 0; step < 3000; step++) {
+    for (uint32_t s = 0; s < 2; s++) {
+        for (uint32_t i = 0; i < PH_BLOCKS * BS; i++)
+            tokens[s][i] = i < PH_SHARED * BS ? 7000 + i : 9000 + 1000 * s + i;
+        uint64_t c[PH_BLOCKS];
+        size_t nb;
+        km_hash_sequence(&hc, tokens[s], PH_BLOCKS * BS, 0, KM_NO_PARENT, NULL, c, &nb);
+        for (uint32_t i = 0; i < PH_BLOCKS; i++) {
+            uint32_t node = s == 0 || i < PH_SHARED ? i : PH_BLOCKS + i - PH_SHARED;
+            md.node[s][i] = node;
+            chains[node] = c[i];
+            eh[node] = 0x1000 + node;
+            seq_eh[s][i] = eh[node];
+        }
+    }
+    uint64_t unplaced = 0, host_seen = 0, shared_cpu_seen = 0;
+    for (uint32_t step = 0; step < 1500; step++) {
         uint32_t op = km_rng_below(&f.rng, 4);
+        uint32_t sq = km_rng_below(&f.rng, 2);
         uint32_t a = km_rng_below(&f.rng, PH_BLOCKS);
         uint32_t n = 1 + km_rng_below(&f.rng, PH_BLOCKS - a);
-        if (op == 0) {
-            /* GPU store of [a, a + n), parent a - 1: skipped while the parent is not held. */
-            bool parent_held = a == 0 || gpu_copies[a - 1] || cpu[a - 1];
-            km_test_batch_stored(&f.batch, eh + a, n, a > 0, a > 0 ? eh[a - 1] : 0,
-                                 tokens + a * BS, BS, NULL, NULL);
-            if (parent_held)
-                for (uint32_t i = a; i < a + n; i++)
-                    gpu_copies[i]++;
+        const uint32_t *nd = md.node[sq];
+        bool parent_held = a == 0 || ph_held(&md, nd[a - 1]);
+        if (op == 0 || (op == 2 && !placeholders)) {
+            /* A store of [a, a + n) on the GPU or, self-describing, on CPU; parent a - 1: skipped
+             * while the parent is not held. */
+            km_test_batch_stored(&f.batch, seq_eh[sq] + a, n, a > 0, a > 0 ? seq_eh[sq][a - 1] : 0,
+                                 tokens[sq] + a * BS, BS, NULL, op == 0 ? "GPU" : "CPU");
+            for (uint32_t i = a; parent_held && i < a + n; i++)
+                (op == 0 ? md.gpu : md.cpu)[nd[i]]++;
         } else if (op == 1) {
-            km_test_batch_removed(&f.batch, eh + a, n, "GPU");
+            km_test_batch_removed(&f.batch, seq_eh[sq] + a, n, "GPU");
             for (uint32_t i = a; i < a + n; i++)
-                if (gpu_copies[i])
-                    gpu_copies[i]--;
-        } else if (op == 2) {
-            km_test_batch_stored_extra_keys(&f.batch, eh + a, n, false, 0, NULL, 0, "CPU", NULL,
-                                            NULL);
-            for (uint32_t i = a; i < a + n; i++) {
-                if (gpu_copies[i] || cpu[i])
-                    cpu[i] = true;
-                else
-                    unplaced++;
-            }
+                if (md.gpu[nd[i]])
+                    md.gpu[nd[i]]--;
+        } else if (op == 3 && !placeholders) {
+            km_test_batch_removed(&f.batch, seq_eh[sq] + a, n, "CPU");
+            for (uint32_t i = a; i < a + n; i++)
+                if (md.cpu[nd[i]])
+                    md.cpu[nd[i]]--;
         } else {
-            km_test_batch_removed(&f.batch, eh + a, n, "CPU");
-            for (uint32_t i = a; i < a + n; i++)
-                cpu[i] = false;
+            /* Placeholders of up to three aligned chunks' keys, or the removal of one. */
+            uint32_t n_chunks = PH_BLOCKS / chunk, first = km_rng_below(&f.rng, n_chunks);
+            uint32_t n_keys = op == 2 ? 1 + km_rng_below(&f.rng, 3) : 1;
+            if (first + n_keys > n_chunks)
+                n_keys = n_chunks - first;
+            uint64_t keys[3];
+            for (uint32_t k = 0; k < n_keys; k++) {
+                uint32_t key = (first + k + 1) * chunk - 1;
+                keys[k] = seq_eh[sq][key];
+                uint32_t walked = 0;
+                for (; walked < chunk; walked++) {
+                    uint32_t node = nd[key - walked];
+                    if (!ph_held(&md, node))
+                        break;
+                    if (op == 2)
+                        md.cpu[node]++;
+                    else if (md.cpu[node])
+                        md.cpu[node]--;
+                }
+                if (op == 2)
+                    unplaced += walked < chunk;
+            }
+            if (op == 2)
+                km_test_batch_stored_extra_keys(&f.batch, keys, n_keys, false, 0, NULL, 0, "CPU",
+                                                NULL, NULL);
+            else
+                km_test_batch_removed(&f.batch, keys, n_keys, "CPU");
         }
         fx_live(&f, 0, fx_keep(&f));
         fx_flush(&f);
-        for (uint32_t i = 0; i < PH_BLOCKS; i++) {
+        for (uint32_t node = 0; node < PH_NODES; node++) {
             bool host;
-            bool held = fx_held_at(&f, 0, chains[i], &host);
-            KM_CHECK(held == (gpu_copies[i] || cpu[i]), "step %u block %u held %d, model %u/%d",
-                     step, i, held, gpu_copies[i], cpu[i]);
+            bool held = fx_held_at(&f, 0, chains[node], &host);
+            KM_CHECK(held == ph_held(&md, node),
+                     "chunk %u%s step %u block %u held %d, model gpu %u cpu %u", chunk,
+                     placeholders ? " placeholders" : "", step, node, held, md.gpu[node],
+                     md.cpu[node]);
             if (held)
-                KM_CHECK(host == (!gpu_copies[i] && cpu[i]), "step %u block %u host %d", step,
-                         i, host);
+                KM_CHECK(host == (!md.gpu[node] && md.cpu[node]),
+                         "chunk %u%s step %u block %u host %d, model gpu %u cpu %u", chunk,
+                         placeholders ? " placeholders" : "", step, node, host, md.gpu[node],
+                         md.cpu[node]);
             host_seen += held && host;
+            shared_cpu_seen += md.cpu[node] > 1;
         }
         km_feed_worker_info info = fx_info(&f, 0);
         KM_CHECK(info.counters.refused[KM_FEED_REFUSED_UNPLACED_PLACEHOLDER] == unplaced,
-                 "step %u unplaced %" PRIu64 ", model %" PRIu64, step,
+                 "chunk %u step %u unplaced %" PRIu64 ", model %" PRIu64, chunk, step,
                  info.counters.refused[KM_FEED_REFUSED_UNPLACED_PLACEHOLDER], unplaced);
         KM_CHECK(info.state == KM_FEED_STATE_LIVE, "step %u", step);
     }
     cr_assert_gt(host_seen, 0, "the random run reached the host tier");
-    cr_assert_gt(unplaced, 0, "the random run sent placeholders of unknown blocks");
+    cr_assert_gt(shared_cpu_seen, 0, "the random run held a block in two CPU chunks");
+    if (placeholders)
+        cr_assert_gt(unplaced, 0, "the random run sent placeholders it could not place in full");
+    fx_free(&f);
+}
+
+Test(feed, self_describing_cpu_chunks_match_a_model_on_random_events, .timeout = 30)
+{
+    /* offload_chunk_blocks applies to placeholders only: self-describing removals name blocks. */
+    ph_run(2, false);
+}
+
+Test(feed, placeholder_chunks_of_1_match_a_model_on_random_events, .timeout = 30)
+{
+    ph_run(1, true);
+}
+
+Test(feed, placeholder_chunks_of_2_match_a_model_on_random_events, .timeout = 30)
+{
+    ph_run(2, true);
+}
+
+Test(feed, placeholder_chunks_of_3_match_a_model_on_random_events, .timeout = 30)
+{
+    ph_run(3, true);
+}
+
+/* Placeholder chunks of two blocks, one of them announced twice, survive a save and restore: the
+ * blocks' parents (to find a chunk again by its key), their announcements and the worker's
+ * placeholder mode come back, so each removal after the restore takes exactly its chunk. */
+Test(feed, placeholder_chunks_survive_a_snapshot, .timeout = 20)
+{
+    km_feed_config cfg;
+    km_test_feed_config(&cfg, BS);
+    cfg.offload_chunk_blocks = 2;
+    fx f;
+    fx_init_cfg(&f, &cfg, KM_TEST_ENCODING_POSITIONAL, KM_TEST_HASH_INT);
+    fx_add(&f, 0, false);
+    uint32_t tokens[4 * BS];
+    for (uint32_t i = 0; i < 4 * BS; i++)
+        tokens[i] = 300 + i;
+    km_hash_config hc = {BS, NULL, NULL};
+    uint64_t want[4], eh[4] = {0x41, 0x42, 0x43, 0x44};
+    size_t nb;
+    km_hash_sequence(&hc, tokens, 4 * BS, 0, KM_NO_PARENT, NULL, want, &nb);
+    km_test_batch_stored(&f.batch, eh, 4, false, 0, tokens, BS, NULL, NULL);
+    fx_live(&f, 0, fx_keep(&f));
+    uint64_t keys[3] = {eh[1], eh[3], eh[3]};
+    fx_placeholder(&f, 0, keys, 3, "CPU");
+    km_test_batch_removed(&f.batch, eh, 4, "GPU");
+    fx_live(&f, 0, fx_keep(&f));
+    fx_flush(&f);
+    uint32_t host;
+    cr_assert_eq(fx_match_depth(&f, 0, want, 4, &host), 4, "every block of both chunks on CPU");
+    cr_assert_eq(host, 4);
+    cr_assert_eq(fx_info(&f, 0).counters.stored_by_medium[KM_KV_MEDIUM_CPU], 6);
+
+    char dir[64], path[96];
+    snprintf(dir, sizeof dir, "/tmp/kvmatch-chunks-XXXXXX");
+    cr_assert(mkdtemp(dir) != NULL);
+    snprintf(path, sizeof path, "%s/snap", dir);
+    cr_assert_eq(km_feed_save(f.feed, path, f.now++), KM_OK, "%s", km_feed_last_error(f.feed));
+    km_index *index = km_test_make_index(16);
+    km_feed *feed = NULL;
+    cr_assert_eq(km_feed_create(index, &f.cfg, &feed), KM_OK);
+    cr_assert_eq(km_feed_restore(feed, path, f.now++), KM_OK, "%s", km_feed_last_error(feed));
+    remove(path);
+    rmdir(dir);
+    km_feed_worker_config wc = {0, "w", false};
+    cr_assert_eq(km_feed_add_worker(feed, &wc, f.now++), KM_OK);
+    /* Three removals by key: the second chunk's first, then again, then the first chunk. */
+    uint32_t depth_after[3] = {4, 2, 0};
+    const uint64_t *removed[3] = {&eh[3], &eh[3], &eh[1]};
+    for (int r = 0; r < 3; r++) {
+        km_test_batch_removed(&f.batch, removed[r], 1, "CPU");
+        uint64_t seq = fx_keep(&f);
+        km_kv_batch b = fx_decode(&f, seq);
+        cr_assert_eq(km_feed_live(feed, 0, seq, &b, f.now++), KM_OK, "%s",
+                     km_feed_last_error(feed));
+        cr_assert_eq(km_feed_flush(feed, f.now++, NULL), KM_OK);
+        km_request rq = {want, 4};
+        km_match_results res;
+        km_match_results_init(&res);
+        cr_assert_eq(km_index_match_batch(index, &rq, 1, &res), KM_OK);
+        uint32_t depth = 0;
+        for (uint32_t j = 0; j < res.requests[0].count; j++)
+            if (res.matches[res.requests[0].first + j].worker == 0)
+                depth = res.matches[res.requests[0].first + j].depth;
+        km_match_results_free(&res);
+        cr_assert_eq(depth, depth_after[r], "after removal %d", r);
+    }
+    km_feed_worker_info info;
+    cr_assert_eq(km_feed_get_worker_info(feed, 0, &info), KM_OK);
+    cr_assert_eq(info.map_entries, 0, "every block left with its chunk's last removal");
+    cr_assert_eq(info.counters.unknown_removes, 0);
+    km_feed_destroy(feed);
+    km_index_destroy(index);
     fx_free(&f);
 }
 

@@ -286,19 +286,39 @@ Test(restart, feed_state_round_trip, .timeout = 20)
     bad[0] ^= 0xff; /* magic */
     cr_assert_eq(km_feed_import_state(fc, bad, size, 1), KM_ERR_CORRUPT);
     memcpy(bad, state, size);
-    bad[size - 5] = 0; /* last map entry's medium mask */
+    /* The last map entry ends with its copies (3 bytes), media (1), groups (4) and
+     * announcements per medium other than the GPU (4 x 2). */
+    bad[size - 13] = 0; /* last map entry's medium mask */
     cr_assert_eq(km_feed_import_state(fc, bad, size, 1), KM_ERR_CORRUPT);
     memcpy(bad, state, size);
-    bad[size - 1] = 0x80; /* last map entry's groups: the bit no block gets */
+    bad[size - 9] = 0x80; /* last map entry's groups: the bit no block gets */
     cr_assert_eq(km_feed_import_state(fc, bad, size, 1), KM_ERR_CORRUPT);
-    bad[size - 1] = 0;
-    bad[size - 6] = 1; /* last map entry: a copy in group 2, which does not hold the block */
+    bad[size - 9] = ((const unsigned char *)state)[size - 9];
+    bad[size - 14] = 1; /* last map entry: a copy in group 2, which does not hold the block */
     cr_assert_eq(km_feed_import_state(fc, bad, size, 1), KM_ERR_CORRUPT);
     cr_assert(strstr(km_feed_last_error(fc), "copies") != NULL, "%s", km_feed_last_error(fc));
-    bad[size - 6] = 0;
+    bad[size - 14] = 0;
+    /* Announcements in a medium the mask lacks, or none in one it has. */
+    uint8_t media = bad[size - 13];
+    for (uint32_t h = 0; h < 4; h++) {
+        unsigned char lo = bad[size - 8 + 2 * h], hi = bad[size - 7 + 2 * h];
+        bad[size - 8 + 2 * h] = (media >> (h + 1) & 1u) ? 0 : 1;
+        bad[size - 7 + 2 * h] = 0;
+        cr_assert_eq(km_feed_import_state(fc, bad, size, 1), KM_ERR_CORRUPT, "medium %u of %#x",
+                     h + 1, media);
+        cr_assert(strstr(km_feed_last_error(fc), "announcements") != NULL, "%s",
+                  km_feed_last_error(fc));
+        bad[size - 8 + 2 * h] = lo;
+        bad[size - 7 + 2 * h] = hi;
+    }
     bad[8] = 4; /* without the copies: a block cached twice would leave with its first copy */
     cr_assert_eq(km_feed_import_state(fc, bad, size, 1), KM_ERR_INCOMPATIBLE);
     cr_assert(strstr(km_feed_last_error(fc), "version 4") != NULL, "%s", km_feed_last_error(fc));
+    /* Without the parents and announcements: a block in two offloaded chunks would leave the
+     * host tier with the first chunk's removal. */
+    bad[8] = 5;
+    cr_assert_eq(km_feed_import_state(fc, bad, size, 1), KM_ERR_INCOMPATIBLE);
+    cr_assert(strstr(km_feed_last_error(fc), "version 5") != NULL, "%s", km_feed_last_error(fc));
     bad[8] = 2; /* without the KV-cache groups */
     cr_assert_eq(km_feed_import_state(fc, bad, size, 1), KM_ERR_INCOMPATIBLE);
     cr_assert_eq(km_feed_get_workers(fc, NULL, 0, &n), KM_OK);

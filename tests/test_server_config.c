@@ -128,6 +128,8 @@ Test(server_config, documented_example_loads_with_every_value, .timeout = 10)
     cr_assert(llama->workers[1].has_dp_rank && llama->workers[1].dp_rank == 0);
     cr_assert(llama->workers[2].has_dp_rank && llama->workers[2].dp_rank == 1);
     cr_assert_str_eq(llama->workers[2].event_endpoint, "tcp://10.0.0.6:5558");
+    cr_assert_eq(llama->offload_chunk_blocks, 1);
+    cr_assert_eq(small->offload_chunk_blocks, 0, "left out: the default");
     cr_assert_str_eq(small->name, "small");
     cr_assert_eq(small->policy.kind, KM_POLICY_CACHE_AWARE);
     cr_assert_eq(small->approx_ttl_ms, 120000);
@@ -220,6 +222,14 @@ Test(server_config, bad_files_are_refused_naming_the_field, .timeout = 10)
         {"{\"pools\": {}}", KM_ERR_PARSE, "pools"},
         {"{\"pools\": [{\"name\": \"p\", \"block_size\": 0}]}", KM_ERR_INVALID_ARGUMENT,
          "pools[0].block_size"},
+        {"{\"pools\": [{\"name\": \"p\", \"block_size\": 16, \"offload_chunk_blocks\": 0}]}",
+         KM_ERR_INVALID_ARGUMENT, "pools[0].offload_chunk_blocks: 0 is outside 1..4096"},
+        {"{\"pools\": [{\"name\": \"p\", \"block_size\": 16, \"offload_chunk_blocks\": 4097}]}",
+         KM_ERR_INVALID_ARGUMENT, "pools[0].offload_chunk_blocks: 4097 is outside 1..4096"},
+        {"{\"pools\": [{\"name\": \"p\", \"block_size\": 16, \"offload_chunk_blocks\": \"2\"}]}",
+         KM_ERR_PARSE, "pools[0].offload_chunk_blocks"},
+        {"{\"pools\": [{\"name\": \"p\", \"block_size\": 16, \"offload_chunk_block\": 2}]}",
+         KM_ERR_PARSE, "offload_chunk_block"},
         {"{\"pools\": [{\"name\": \"p\", \"block_size\": 16, \"policy\": \"fastest\"}]}",
          KM_ERR_PARSE, "pools[0].policy"},
         {"{\"pools\": [{\"name\": \"p\", \"block_size\": 16, \"policy\": \"kv\", "
@@ -293,7 +303,8 @@ Test(server_config, pool_engine_and_peer_policy_params, .timeout = 10)
                "\"queue_weight\": 2, \"kv_usage_weight\": 2, \"host_tier_weight\": 0.5}}, "
                "{\"name\": \"q\", \"block_size\": 16, \"policy\": \"preble\", "
                "\"params\": {\"exploit_ratio\": 2}}, "
-               "{\"name\": \"r\", \"block_size\": 16, \"hash_lookahead_tokens\": 2, \"policy\": \"ttft\", "
+               "{\"name\": \"r\", \"block_size\": 16, \"hash_lookahead_tokens\": 2, "
+               "\"offload_chunk_blocks\": 3, \"policy\": \"ttft\", "
                "\"params\": {\"load_bound\": 2, \"hot_prefix_sharers\": 3}}]}");
     km_server_config cfg;
     km_server_config_init(&cfg);
@@ -315,5 +326,7 @@ Test(server_config, pool_engine_and_peer_policy_params, .timeout = 10)
     cr_assert_eq(cfg.pools[2].policy.ttft.load_bound, 2);
     cr_assert_eq(cfg.pools[2].policy.ttft.hot_prefix_sharers, 3);
     cr_assert_eq(cfg.pools[2].hash_lookahead_tokens, 2, "a pool key of its own, not unknown");
+    cr_assert_eq(cfg.pools[2].offload_chunk_blocks, 3, "a pool key of its own, not unknown");
+    cr_assert_eq(cfg.pools[0].offload_chunk_blocks, 0, "left out: the default (one block)");
     km_server_config_json_free(owner);
 }

@@ -71,6 +71,9 @@ typedef enum km_feed_extra_keys_policy {
     KM_FEED_EXTRA_KEYS_IGNORE = 1,
 } km_feed_extra_keys_policy;
 
+/* The most blocks per offloaded chunk km_feed_config.offload_chunk_blocks accepts. */
+#define KM_FEED_MAX_OFFLOAD_CHUNK_BLOCKS 4096u
+
 typedef struct km_feed_config {
     uint32_t block_size; /* the pool's tokens per block; events with another size are rejected;
                           * default 16 */
@@ -79,6 +82,13 @@ typedef struct km_feed_config {
      * lookahead_token_ids per block (0: none), else it is refused as lookahead_mismatch.
      * At most KM_HASH_MAX_LOOKAHEAD; default 0. */
     uint32_t hash_lookahead_tokens;
+    /* Blocks per chunk of the engines' offloading connector (vLLM's OffloadingConnector: its
+     * offloaded block size over block_size), used when an engine announces its offloaded chunks
+     * by placeholders (km_kv_event.placeholder): a placeholder names the chunk's last block, and
+     * the chunk is that block and the offload_chunk_blocks - 1 blocks before it in its sequence
+     * (docs/EVENTS.md, "Placeholder stores"). At most KM_FEED_MAX_OFFLOAD_CHUNK_BLOCKS (more:
+     * KM_ERR_INVALID_ARGUMENT); 0 is taken as 1; default 1. */
+    uint32_t offload_chunk_blocks;
     km_feed_degraded_policy degraded_policy; /* default KM_FEED_DEGRADED_KEEP_FLAGGED */
     km_feed_extra_keys_policy extra_keys_policy; /* default KM_FEED_EXTRA_KEYS_SKIP */
     /* Ask a worker that has a replay endpoint for its whole buffered history (replay from seq 0)
@@ -415,16 +425,20 @@ int km_feed_get_workers(const km_feed *feed, uint32_t *workers, uint32_t capacit
 
 /* ---- snapshots (restart of kvmatch) ---------------------------------------------------------- */
 
-/* Feed-state format version written by km_feed_save / km_feed_export_state. 5: chain hashes
+/* Feed-state format version written by km_feed_save / km_feed_export_state. 6: chain hashes
  * under the LoRA / salt seed rules of docs/HASHING.md ("Seeds"), media masks of
  * KM_KV_MEDIUM_COUNT bits, the KV-cache groups holding each block on the GPU with the copies
- * beyond the first a group holds, and each worker's sliding-window groups with their window in
- * blocks. Any other version is refused (KM_ERR_INCOMPATIBLE): version 1 holds chain hashes under
- * other rules, version 2 lacks the groups, without which a hybrid model's blocks would count where
- * a group lacks them, version 3 the window groups, without which the index would score such a
- * worker without its window rule, version 4 the copies, without which a block cached twice would
- * leave the index with its first copy's removal. */
-#define KM_FEED_STATE_VERSION 5u
+ * beyond the first a group holds, each worker's sliding-window groups with their window in
+ * blocks, and each block's parent engine hash and announcements per medium other than the GPU,
+ * with whether the worker announces offloaded chunks by placeholders. Any other version is
+ * refused (KM_ERR_INCOMPATIBLE): version 1 holds chain hashes under other rules, version 2 lacks
+ * the groups, without which a hybrid model's blocks would count where a group lacks them, version
+ * 3 the window groups, without which the index would score such a worker without its window rule,
+ * version 4 the copies, without which a block cached twice would leave the index with its first
+ * copy's removal, version 5 the parents and announcements, without which a block in two offloaded
+ * chunks would leave the tier with the first chunk's removal and a placeholder chunk's earlier
+ * blocks could not be found. */
+#define KM_FEED_STATE_VERSION 6u
 
 /* Serialise what a restart needs, per worker: id, name, identity, replay flag, stream position
  * (next seq to apply, last live seq), DEGRADED flag, the engine's KV-cache groups and the

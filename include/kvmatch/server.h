@@ -62,6 +62,11 @@ typedef struct km_server_pool {
      * speculative decoding; docs/HASHING.md): routes' token ids are hashed with it and event
      * workers' stores must carry as many lookahead tokens; 0 = none (default), at most 1024. */
     uint32_t hash_lookahead_tokens;
+    /* Blocks per chunk of the engines' KV offloading connector (vLLM's OffloadingConnector: its
+     * offloaded block size over block_size), by which an engine's placeholder stores are placed
+     * (km_feed_config.offload_chunk_blocks); 0 = 1 (default), at most
+     * KM_FEED_MAX_OFFLOAD_CHUNK_BLOCKS. */
+    uint32_t offload_chunk_blocks;
     km_policy_config policy;
     uint64_t approx_ttl_ms;          /* approximate mode: a routed block is assumed held this
                                       * long; at most UINT64_MAX / 1,000,000; 0 = default

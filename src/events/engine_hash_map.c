@@ -1,5 +1,5 @@
 /* SPDX-License-Identifier: Apache-2.0 */
-/* The feed's engine-hash map: the shared core (src/base/open_map.h) over 24-byte entries. */
+/* The feed's engine-hash map: the shared core (src/base/open_map.h) over 40-byte entries. */
 #include "events/engine_hash_map.h"
 
 #include <stddef.h>
@@ -8,7 +8,7 @@
 #include "base/u64_map.h"
 
 _Static_assert(offsetof(km_emap_entry, key) == 0, "the core reads the key first");
-_Static_assert(sizeof(km_emap_entry) == 24, "24-byte entries (engine_hash_map.h)");
+_Static_assert(sizeof(km_emap_entry) == 40, "40-byte entries (engine_hash_map.h)");
 
 void km_emap_init(km_emap *m)
 {

@@ -1,12 +1,12 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* The event feed's per-worker engine-hash map: an engine's block hash -> the kvmatch chain hash
- * computed for it, the media (device, host, disk, ...) holding it, the KV-cache groups holding
- * it on the device and the device copies beyond the first of the lowest groups. The shared
- * open-addressing
- * core (src/base/open_map.h: linear probing, backward-shift deletion, incremental growth: a map of 16 K
- * slots or more moves its entries to the doubled array over the following reserves and erases, so
- * no message pays for rehashing a worker's million blocks) over 24-byte entries; not accounted
- * against the index's memory cap. Single-threaded (the feed's caller). */
+ * computed for it, its parent's engine hash, the media (device, host, disk, ...) holding it, the
+ * announcements holding it on each medium other than the device, the KV-cache groups holding it
+ * on the device and the device copies beyond the first of the lowest groups. The shared
+ * open-addressing core (src/base/open_map.h: linear probing, backward-shift deletion, incremental
+ * growth: a map of 16 K slots or more moves its entries to the doubled array over the following
+ * reserves and erases, so no message pays for rehashing a worker's million blocks) over 40-byte
+ * entries; not accounted against the index's memory cap. Single-threaded (the feed's caller). */
 #ifndef KM_EMAP_H
 #define KM_EMAP_H
 
@@ -15,15 +15,23 @@
 #include "base/open_map.h"
 #include "base/u64_map.h"
 
-/* KV-cache groups 0 .. KM_EMAP_COPY_GROUPS - 1 count a block's device copies (in the entry's
- * padding, so an entry stays 24 bytes). */
+/* KV-cache groups 0 .. KM_EMAP_COPY_GROUPS - 1 count a block's device copies. */
 #define KM_EMAP_COPY_GROUPS 3u
 /* The most extra copies an entry counts per group; copies beyond it are not counted. */
 #define KM_EMAP_MAX_EXTRA_COPIES 255u
+/* Media other than the device (km_kv_medium 1 .. KM_EMAP_HOLD_MEDIA) count the announcements
+ * holding a block, holds[medium - 1]. */
+#define KM_EMAP_HOLD_MEDIA 4u
+/* The most announcements an entry counts per medium; more are not counted. */
+#define KM_EMAP_MAX_HOLDS 65535u
 
 typedef struct km_emap_entry {
     uint64_t key;   /* km_u64map_key(engine hash); 0 = empty, 1 = erased (old array only) */
     uint64_t chain; /* kvmatch chain hash, or the feed's mark for an unhashable block */
+    /* km_u64map_key(engine hash of the block before it), as the store that added the entry named
+     * it (the previous block of the event, or the event's parent); 0 for a sequence's first
+     * block. */
+    uint64_t parent;
     uint8_t media;  /* bit per medium holding the block */
     /* Per group g < KM_EMAP_COPY_GROUPS: the device copies of the block in group g beyond the
      * first (an engine caches a block again when it recomputes it, and removes each copy on its
@@ -31,6 +39,9 @@ typedef struct km_emap_entry {
     uint8_t extra_copies[KM_EMAP_COPY_GROUPS];
     uint32_t gpu_groups; /* bit per KV-cache group holding the block on the GPU (group 0 for an
                           * event without group_idx); 0 exactly when media lacks the GPU bit */
+    /* Per medium m other than the device: the announcements (stores not yet removed) holding the
+     * block in m, holds[m - 1]; not 0 exactly when media has m's bit. */
+    uint16_t holds[KM_EMAP_HOLD_MEDIA];
 } km_emap_entry;
 
 /* The core over km_emap_entry: `entries` and `old` are arrays of them. */

@@ -109,6 +109,7 @@ void km_feed_config_init(km_feed_config *cfg)
     cfg->max_windows = 64;
     cfg->max_queued_hashes = UINT64_C(1) << 24;
     cfg->replay_dedup_window = 1024;
+    cfg->offload_chunk_blocks = 1;
 }
 
 int km_feed_create(km_index *index, const km_feed_config *cfg_in, km_feed **out)
@@ -127,6 +128,10 @@ int km_feed_create(km_index *index, const km_feed_config *cfg_in, km_feed **out)
         return KM_ERR_BLOCK_SIZE;
     if (cfg.hash_lookahead_tokens > KM_HASH_MAX_LOOKAHEAD)
         return KM_ERR_INVALID_ARGUMENT;
+    if (cfg.offload_chunk_blocks > KM_FEED_MAX_OFFLOAD_CHUNK_BLOCKS)
+        return KM_ERR_INVALID_ARGUMENT;
+    if (cfg.offload_chunk_blocks == 0)
+        cfg.offload_chunk_blocks = 1;
     if (cfg.max_buffered_messages == 0 || cfg.max_buffered_bytes == 0 || cfg.max_windows == 0 ||
         cfg.max_queued_hashes == 0 || cfg.replay_dedup_window == 0 ||
         (unsigned)cfg.degraded_policy > KM_FEED_DEGRADED_DROP ||

@@ -111,6 +111,10 @@ typedef struct worker {
     uint64_t buffer_bytes;
 
     km_emap map;
+    /* The engine announces its offloaded chunks by placeholders (it sent one): its removals from
+     * a medium other than the GPU name chunk keys, each removing the chunk's blocks
+     * (feed_updates.c, "Announcements"). Kept for the worker's life, and in snapshots. */
+    bool placeholder_chunks;
     /* The engine's KV-cache groups (bit per group_idx, seen in GPU stores; the last bit stands
      * for every group from 31 up, which no block ever gets). A block counts (is in the index)
      * while it is held in a medium other than the GPU, or on the GPU by every one of these groups

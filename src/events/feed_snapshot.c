@@ -25,17 +25,21 @@
  *     window_groups u32 (those of them that are sliding windows: a subset of gpu_groups, never
  *     the bit of groups from 31 up), then per window group, lowest first, blocks u32 (>= 1),
  *     map_entries x {key u64 (mapped as km_u64map_key maps it: never 0 or 1), chain u64,
+ *                    parent u64 (the parent's key mapped the same way, or 0: none),
  *                    extra_copies u8 x KM_EMAP_COPY_GROUPS (group g's GPU copies beyond the
  *                    first: 0 unless gpu_groups has g's bit), media u8 (1..31),
- *                    gpu_groups u32 (not 0 exactly when media has the GPU bit)}
+ *                    gpu_groups u32 (not 0 exactly when media has the GPU bit),
+ *                    holds u16 x KM_EMAP_HOLD_MEDIA (announcements per medium 1..4: not 0
+ *                    exactly when media has that medium's bit)}
  *   nothing after the last worker. */
 static const unsigned char FEED_MAGIC[8] = {'K', 'M', 'F', 'E', 'E', 'D', 'S', 'T'};
 #define FS_HAS_REPLAY 1u
 #define FS_HAS_EXPECTED 2u
 #define FS_HAS_LAST_LIVE 4u
 #define FS_DEGRADED 8u
-#define FS_KNOWN_FLAGS 15u
-#define FS_ENTRY_BYTES (21u + KM_EMAP_COPY_GROUPS)
+#define FS_PLACEHOLDER_CHUNKS 16u
+#define FS_KNOWN_FLAGS 31u
+#define FS_ENTRY_BYTES (29u + KM_EMAP_COPY_GROUPS + 2u * KM_EMAP_HOLD_MEDIA)
 #define FS_MEDIUM_BIT_GPU (1u << KM_KV_MEDIUM_GPU)
 /* The group bit standing for groups from 31 up, which no block gets (feed_updates.c). */
 #define FS_GROUP_BIT_UNTRACKED (1u << 31)
@@ -99,7 +103,9 @@ int km_feed_export_state(const km_feed *feed, void **out, size_t *size_out)
     for (uint32_t i = 0; i < feed->n_workers; i++) {
         const worker *w = feed->workers[i];
         uint32_t flags = (w->has_replay ? FS_HAS_REPLAY : 0) | (w->has_expected ? FS_HAS_EXPECTED : 0) |
-                         (w->has_last_live ? FS_HAS_LAST_LIVE : 0) | (w->degraded ? FS_DEGRADED : 0);
+                         (w->has_last_live ? FS_HAS_LAST_LIVE : 0) |
+                         (w->degraded ? FS_DEGRADED : 0) |
+                         (w->placeholder_chunks ? FS_PLACEHOLDER_CHUNKS : 0);
         size_t name_len = strlen(w->name), id_len = strlen(w->identity);
         fs_u32(&wr, w->id);
         fs_u32(&wr, flags);
@@ -118,9 +124,12 @@ int km_feed_export_state(const km_feed *feed, void **out, size_t *size_out)
         for (const km_emap_entry *e; (e = km_emap_next(&w->map, &cursor));) {
             fs_u64(&wr, e->key);
             fs_u64(&wr, e->chain);
+            fs_u64(&wr, e->parent);
             fs_put(&wr, e->extra_copies, KM_EMAP_COPY_GROUPS);
             fs_put(&wr, &e->media, 1);
             fs_u32(&wr, e->gpu_groups);
+            for (uint32_t h = 0; h < KM_EMAP_HOLD_MEDIA; h++)
+                fs_u16(&wr, e->holds[h]);
         }
     }
     *out = wr.p;
@@ -295,6 +304,7 @@ static int parse_state(km_feed *feed, const void *data, size_t size, staged_stat
         w->has_last_live = flags & FS_HAS_LAST_LIVE;
         w->last_live = last_live;
         w->degraded = flags & FS_DEGRADED;
+        w->placeholder_chunks = flags & FS_PLACEHOLDER_CHUNKS;
         w->gpu_groups = gpu_groups;
         w->window_groups = window_groups;
         if (entries && km_emap_size_for(&w->map, entries) != KM_OK) {
@@ -302,19 +312,30 @@ static int parse_state(km_feed *feed, const void *data, size_t size, staged_stat
             break;
         }
         for (uint64_t j = 0; j < entries && !rc; j++) {
-            uint64_t key = 0, chain = 0;
+            uint64_t key = 0, chain = 0, parent = 0;
             uint8_t media = 0, copies[KM_EMAP_COPY_GROUPS] = {0};
             uint32_t groups = 0;
+            uint16_t holds[KM_EMAP_HOLD_MEDIA] = {0};
             fs_get_u64(&r, &key);
             fs_get_u64(&r, &chain);
+            fs_get_u64(&r, &parent);
             fs_take(&r, copies, KM_EMAP_COPY_GROUPS);
             fs_take(&r, &media, 1);
             fs_get_u32(&r, &groups);
+            for (uint32_t h = 0; h < KM_EMAP_HOLD_MEDIA; h++)
+                fs_get_u16(&r, &holds[h]);
             /* Keys are stored mapped (km_u64map_key), so never 0 or 1; the map maps them again,
              * which leaves such keys as they are. */
-            if (key <= 1 || media == 0 || media >= (1u << MEDIUM_COUNT) ||
+            if (key <= 1 || parent == 1 || media == 0 || media >= (1u << MEDIUM_COUNT) ||
                 !(media & FS_MEDIUM_BIT_GPU) != !groups || (groups & FS_GROUP_BIT_UNTRACKED)) {
                 rc = KM_ERR_CORRUPT, why = "bad map entry";
+                break;
+            }
+            bool holds_ok = true;
+            for (uint32_t h = 0; h < KM_EMAP_HOLD_MEDIA; h++)
+                holds_ok &= !holds[h] == !(media >> (h + 1) & 1u);
+            if (!holds_ok) {
+                rc = KM_ERR_CORRUPT, why = "announcements in a medium not holding the block";
                 break;
             }
             bool copies_ok = true;
@@ -330,6 +351,8 @@ static int parse_state(km_feed *feed, const void *data, size_t size, staged_stat
             }
             km_emap_entry *m = km_emap_upsert(&w->map, key);
             m->chain = chain;
+            m->parent = parent;
+            memcpy(m->holds, holds, sizeof holds);
             m->media = media;
             memcpy(m->extra_copies, copies, KM_EMAP_COPY_GROUPS);
             m->gpu_groups = groups;

@@ -107,7 +107,7 @@ static uint32_t required_groups(const worker *w)
  * GPU copies beyond the first, so a removal takes the block out of the group only with its last
  * copy. Groups from KM_EMAP_COPY_GROUPS up, and copies beyond KM_EMAP_MAX_EXTRA_COPIES, are not
  * counted: their block leaves the group with the first removal, less than the engine holds, never
- * more. Other media hold one copy: a store there again only says the medium holds the block. */
+ * more. Other media count announcements instead ("Announcements" below). */
 
 /* A GPU store of the entry's block in the group of gbit: true when the group held it already, a
  * copy, now counted. */
@@ -129,6 +129,46 @@ static bool drop_copy(km_emap_entry *m, uint32_t gbit)
         return false;
     m->extra_copies[g]--;
     return true;
+}
+
+/* Announcements. An engine may hold a block in a medium other than the GPU inside several units
+ * of its own at once, announcing it once per unit stored and removing it once per unit evicted
+ * (vLLM's OffloadingConnector: CPU chunks keyed by their last block; prompts that share a chunk's
+ * first blocks but not its last store two chunks holding those blocks). The entry counts each such
+ * medium's announcements (holds) and the block leaves the medium with the last removal. A store
+ * beyond KM_EMAP_MAX_HOLDS is not counted: the block then leaves the medium before the engine
+ * lets it go, never after. A clear or an engine restart empties the map, counts included; a
+ * replayed message is applied once (feed.c delivers each seq once), so it never counts twice. */
+
+static unsigned medium_index(km_kv_medium m);
+
+/* A store of the entry's block in a medium other than the GPU. */
+static void gain_hold(km_emap_entry *m, km_kv_medium medium)
+{
+    unsigned i = medium_index(medium);
+    if (m->holds[i - 1] < KM_EMAP_MAX_HOLDS)
+        m->holds[i - 1]++;
+    m->media |= (uint8_t)(1u << i);
+}
+
+/* A removal from a medium other than the GPU: true when another announcement keeps the block
+ * there (one fewer counted; media unchanged); false when the block leaves the medium, which the
+ * caller then does with leave_medium. */
+static bool drop_hold(km_emap_entry *m, km_kv_medium medium)
+{
+    unsigned i = medium_index(medium);
+    if (m->holds[i - 1] > 1) {
+        m->holds[i - 1]--;
+        return true;
+    }
+    return false;
+}
+
+static void leave_medium(km_emap_entry *m, km_kv_medium medium)
+{
+    unsigned i = medium_index(medium);
+    m->holds[i - 1] = 0;
+    m->media &= (uint8_t) ~(1u << i);
 }
 
 /* The window groups (of `windows`) whose window key for the entry is in the index. */
@@ -482,6 +522,8 @@ static void apply_stored(km_feed *feed, worker *w, const km_kv_event *e)
         km_tier tier_before = best_tier(m->media);
         if (!held) {
             feed->new_keys[feed->new_key_count++] = e->block_hashes[i]; /* reserved */
+            m->parent = i ? km_u64map_key(e->block_hashes[i - 1])
+                          : starts_sequence ? 0 : km_u64map_key(e->parent_block_hash);
             if (run_open && !block_is_opaque(feed, e, lora_set, i)) {
                 bool root = starts_sequence && i == 0;
                 uint32_t la = e->n_lookahead_tokens;
@@ -497,8 +539,10 @@ static void apply_stored(km_feed *feed, worker *w, const km_kv_event *e)
         if (bit == MEDIUM_BIT_GPU) {
             gain_copy(m, gbit);
             m->gpu_groups |= gbit;
+            m->media |= bit;
+        } else {
+            gain_hold(m, e->medium);
         }
-        m->media |= bit;
         if (m->chain == CHAIN_UNHASHABLE) {
             run_open = false;
             unhashable++;
@@ -548,22 +592,31 @@ static void apply_stored(km_feed *feed, worker *w, const km_kv_event *e)
 }
 
 /* A placeholder store (km_kv_event.placeholder: vLLM's OffloadingConnector without
- * self-describing events) names blocks by engine hash alone: each one the worker's map holds (a
- * full store announced it, and some medium still holds it) is now held in the event's medium
- * too, exactly as a full store on that medium would add it (a bit in the entry's media: other
- * media than the GPU hold one copy), and moves to a faster tier when it becomes the best one.
- * Its chain hash, parent and position stay what the full store gave it. An engine hash the map
- * does not hold names no block kvmatch can place: skipped and counted (unplaced_placeholder),
- * never an error. So is every placeholder of an engine with more than one KV-cache group: its
- * per-group offloads say nothing about the other groups, and a medium other than the GPU counts
- * as the whole block. With one group every held hashable entry already counts, so a placeholder
- * changes at most a tier in the index. A chunk of several blocks is named by its last block's
- * hash only: that block alone gets the medium (the engine loads the whole chunk, so kvmatch holds
- * less than the engine, never more). */
+ * self-describing events) names each chunk it stored by its key, the engine hash of the chunk's
+ * last block. The chunk is that block and the offload_chunk_blocks - 1 blocks before it in its
+ * sequence (chunks start at multiples of offload_chunk_blocks from the sequence's first block),
+ * which the feed finds through the map entries' parents. Each block of the chunk the map holds (a
+ * full store announced it, and some medium still holds it) gets one announcement in the event's
+ * medium, exactly as a self-describing store of the chunk would give it, and moves to a faster
+ * tier when that becomes its best one; its chain hash, parent and position stay what the full
+ * store gave it. The walk goes from the key backwards and stops at the first block the map does
+ * not hold (or at a sequence's first block): the blocks before it are not placed, and the chunk
+ * is counted as unplaced_placeholder, never an error. Every block placed is one the engine holds
+ * in that medium, and a prefix through an unplaced block stops at it in the index, so the
+ * prediction stays at or below the engine's hit. So is every placeholder of an engine with more
+ * than one KV-cache group: its per-group offloads say nothing about the other groups, and a
+ * medium other than the GPU counts as the whole block. With one group every held hashable entry
+ * already counts, so a placeholder changes at most a tier in the index. */
 static void apply_placeholder(km_feed *feed, worker *w, const km_kv_event *e)
 {
     uint32_t n = e->n_block_hashes;
     uint32_t groups = w->gpu_groups;
+    w->placeholder_chunks = true;
+    if (e->medium == KM_KV_MEDIUM_GPU) { /* the decoder never delivers one: nothing to walk */
+        km_feed_count_refusal(w, KM_FEED_REFUSED_INVALID_EVENT, n,
+                              "placeholder BlockStored on the GPU");
+        return;
+    }
     if ((groups & (groups - 1)) != 0 || (groups && !(groups & group_bit(e)))) {
         km_feed_count_refusal(
             w, KM_FEED_REFUSED_UNPLACED_PLACEHOLDER, n,
@@ -571,33 +624,41 @@ static void apply_placeholder(km_feed *feed, worker *w, const km_kv_event *e)
         return;
     }
     count_unknown_medium(w, e);
-    uint8_t bit = medium_bit(e->medium);
-    uint32_t required = required_groups(w), placed = 0, n_fixes = 0;
+    uint32_t chunk = feed->config.offload_chunk_blocks;
+    uint32_t required = required_groups(w), placed = 0, unplaced = 0, n_fixes = 0;
+    bool key_unknown = false;
     for (uint32_t i = 0; i < n; i++) {
         km_emap_entry *m = km_emap_find(&w->map, e->block_hashes[i]);
-        if (!m)
-            continue;
-        placed++;
-        bool counted_before = entry_counts(m, required);
-        km_tier tier_before = best_tier(m->media);
-        m->media |= bit;
-        km_tier tier_now = best_tier(m->media);
-        if (counted_before && tier_now != tier_before) {
-            feed->tier_chains[n_fixes] = m->chain;
-            feed->tier_scratch[n_fixes++] = (uint8_t)tier_now;
+        key_unknown |= m == NULL;
+        uint32_t walked = 0;
+        for (; m && walked < chunk; walked++) {
+            bool counted_before = entry_counts(m, required);
+            km_tier tier_before = best_tier(m->media);
+            gain_hold(m, e->medium);
+            km_tier tier_now = best_tier(m->media);
+            if (counted_before && tier_now != tier_before) {
+                feed->tier_chains[n_fixes] = m->chain;
+                feed->tier_scratch[n_fixes++] = (uint8_t)tier_now;
+            }
+            m = walked + 1 < chunk && m->parent ? km_emap_find(&w->map, m->parent) : NULL;
         }
+        placed += walked;
+        unplaced += walked < chunk;
     }
     w->stores_applied++;
     w->c.stored_by_medium[medium_index(e->medium)] += placed;
     if (n_fixes)
         queue_tier_fixes(feed, w->id, feed->tier_chains, feed->tier_scratch, n_fixes,
                          (km_tier)KM_TIER_COUNT /* none: every listed block needs its update */);
-    if (placed < n) {
-        char example[112];
+    if (unplaced) {
+        char example[128];
         snprintf(example, sizeof example,
-                 "placeholder BlockStored (medium %s) of a block not held in any medium",
+                 key_unknown
+                     ? "placeholder BlockStored (medium %s) of a block not held in any medium"
+                     : "placeholder BlockStored (medium %s) of a chunk whose earlier blocks are "
+                       "not held",
                  km_kv_medium_name(e->medium));
-        km_feed_count_refusal(w, KM_FEED_REFUSED_UNPLACED_PLACEHOLDER, n - placed, example);
+        km_feed_count_refusal(w, KM_FEED_REFUSED_UNPLACED_PLACEHOLDER, unplaced, example);
     }
 }
 
@@ -611,50 +672,62 @@ static void apply_removed(km_feed *feed, worker *w, const km_kv_event *e)
     uint64_t count = 0;
     uint32_t n_moved = 0, required = required_groups(w), windows = window_mask(w);
     uint64_t window_count = 0;
+    /* An engine announcing its chunks by placeholders removes a chunk by its key: the walk of
+     * apply_placeholder finds its blocks again. */
+    uint32_t chunk = bit != MEDIUM_BIT_GPU && w->placeholder_chunks
+                         ? feed->config.offload_chunk_blocks
+                         : 1;
     for (uint32_t i = 0; i < n; i++) {
         km_emap_entry *m = km_emap_find(&w->map, e->block_hashes[i]);
         if (!m) {
             w->c.unknown_removes++;
             continue;
         }
-        if (bit == MEDIUM_BIT_GPU && drop_copy(m, group_bit(e)))
-            continue; /* another copy stays in the group: nothing the index sees changes */
-        uint8_t before = m->media;
-        bool counted_before = entry_counts(m, required);
-        uint32_t windows_before = entry_windows(m, windows);
-        if (bit == MEDIUM_BIT_GPU) {
-            /* The GPU copy goes when the last KV-cache group holding it let it go. */
-            m->gpu_groups &= ~group_bit(e);
-            if (!m->gpu_groups)
-                m->media &= (uint8_t)~bit;
-        } else {
-            m->media &= (uint8_t)~bit;
-        }
-        /* A window group that let the block go: its window key goes, in the same REMOVE. */
-        uint32_t lost = windows_before & ~entry_windows(m, windows);
-        if (lost) {
-            uint32_t k = window_keys(feed->hashes + offset + count, m->chain, lost);
-            count += k;
-            window_count += k;
-        }
-        if (m->media) {
+        uint64_t parent = 0;
+        for (uint32_t walked = 0; m;
+             m = ++walked < chunk && parent ? km_emap_find(&w->map, parent) : NULL) {
+            parent = m->parent;
+            if (bit == MEDIUM_BIT_GPU && drop_copy(m, group_bit(e)))
+                continue; /* another copy stays in the group: nothing the index sees changes */
+            if (bit != MEDIUM_BIT_GPU && drop_hold(m, e->medium))
+                continue; /* another announcement keeps it in the medium: nothing changes */
+            uint8_t before = m->media;
+            bool counted_before = entry_counts(m, required);
+            uint32_t windows_before = entry_windows(m, windows);
+            if (bit == MEDIUM_BIT_GPU) {
+                /* The GPU copy goes when the last KV-cache group holding it let it go. */
+                m->gpu_groups &= ~group_bit(e);
+                if (!m->gpu_groups)
+                    m->media &= (uint8_t)~bit;
+            } else {
+                leave_medium(m, e->medium);
+            }
+            /* A window group that let the block go: its window key goes, in the same REMOVE. */
+            uint32_t lost = windows_before & ~entry_windows(m, windows);
+            if (lost) {
+                uint32_t k = window_keys(feed->hashes + offset + count, m->chain, lost);
+                count += k;
+                window_count += k;
+            }
+            if (m->media) {
+                if (!counted_before)
+                    continue;
+                if (!entry_counts(m, required)) {
+                    /* A KV-cache group let it go: the engine's hit stops before it. */
+                    feed->hashes[offset + count++] = m->chain;
+                } else if (best_tier(m->media) != best_tier(before)) {
+                    /* Still held in another medium; its tier changes when the fastest copy went. */
+                    feed->tier_chains[n_moved] = m->chain;
+                    feed->tier_scratch[n_moved++] = (uint8_t)best_tier(m->media);
+                }
+                continue;
+            }
+            uint64_t chain = m->chain;
+            km_emap_erase(&w->map, m);
             if (!counted_before)
                 continue;
-            if (!entry_counts(m, required)) {
-                /* A KV-cache group let it go: the engine's hit stops before it. */
-                feed->hashes[offset + count++] = m->chain;
-            } else if (best_tier(m->media) != best_tier(before)) {
-                /* Still held in another medium; its tier changes when the fastest copy went. */
-                feed->tier_chains[n_moved] = m->chain;
-                feed->tier_scratch[n_moved++] = (uint8_t)best_tier(m->media);
-            }
-            continue;
+            feed->hashes[offset + count++] = chain;
         }
-        uint64_t chain = m->chain;
-        km_emap_erase(&w->map, m);
-        if (!counted_before)
-            continue;
-        feed->hashes[offset + count++] = chain;
     }
     if (count) {
         feed->hash_count += count;
@@ -674,7 +747,10 @@ void km_feed_queue_message(km_feed *feed, worker *w, const message_view *v, uint
     uint32_t groups = w->gpu_groups, window_groups = w->window_groups;
     for (uint32_t i = 0; i < v->n_events; i++) {
         const km_kv_event *e = &v->events[i];
-        n_hashes += e->n_block_hashes;
+        /* A placeholder and a removal off the GPU may name chunk keys: a chunk's blocks each. */
+        bool chunks = e->medium != KM_KV_MEDIUM_GPU &&
+                      (e->placeholder || e->kind == KM_KV_EVENT_BLOCK_REMOVED);
+        n_hashes += (size_t)e->n_block_hashes * (chunks ? feed->config.offload_chunk_blocks : 1);
         if (e->kind != KM_KV_EVENT_BLOCK_STORED)
             continue;
         n_stored += e->n_block_hashes;

@@ -74,6 +74,10 @@ int km_srv_pool_create(km_server *s, const km_server_pool *pc, pool **out, char 
         return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,
                       "pool %s: hash_lookahead_tokens %u is over %u", pc->name,
                       pc->hash_lookahead_tokens, KM_HASH_MAX_LOOKAHEAD);
+    if (pc->offload_chunk_blocks > KM_FEED_MAX_OFFLOAD_CHUNK_BLOCKS)
+        return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,
+                      "pool %s: offload_chunk_blocks %u is over %u", pc->name,
+                      pc->offload_chunk_blocks, KM_FEED_MAX_OFFLOAD_CHUNK_BLOCKS);
     if (pc->approx_ttl_ms > UINT64_MAX / 1000000)
         return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,
                       "pool %s: approx_ttl_ms %" PRIu64 " is over %" PRIu64 " (the TTL in ns must "
@@ -92,6 +96,7 @@ int km_srv_pool_create(km_server *s, const km_server_pool *pc, pool **out, char 
     pthread_mutex_init(&p->local_lock, NULL);
     p->block_size = pc->block_size;
     p->hash_lookahead_tokens = pc->hash_lookahead_tokens;
+    p->offload_chunk_blocks = pc->offload_chunk_blocks ? pc->offload_chunk_blocks : 1;
     p->policy = pc->policy;
     km_policy_state_init(&p->policy_state, s->cfg.seed ^ XXH3_64bits(pc->name, strlen(pc->name)));
     p->approx_ttl_ms = pc->approx_ttl_ms ? pc->approx_ttl_ms : 120000;
@@ -153,6 +158,7 @@ static int pool_subscriber(km_server *s, pool *p, char *why, size_t why_size)
     km_subscriber_config_init(&sc);
     sc.feed.block_size = p->block_size;
     sc.feed.hash_lookahead_tokens = p->hash_lookahead_tokens;
+    sc.feed.offload_chunk_blocks = p->offload_chunk_blocks;
     sc.feed.log = s->log;
     sc.feed.log_user = s->log_user;
     sc.log = s->log;
@@ -185,6 +191,7 @@ static int pool_local_feed(km_server *s, pool *p, char *why, size_t why_size)
     km_feed_config_init(&fc);
     fc.block_size = p->block_size;
     fc.hash_lookahead_tokens = p->hash_lookahead_tokens;
+    fc.offload_chunk_blocks = p->offload_chunk_blocks;
     fc.bootstrap_replay = false;
     fc.log = s->log;
     fc.log_user = s->log_user;

@@ -297,6 +297,7 @@ static void read_pool(reader *r, km_server_config_json *o, json_t *jp, uint32_t 
     }
     static const char *const pool_keys[] = {"name",          "model",
                                             "block_size",    "hash_lookahead_tokens",
+                                            "offload_chunk_blocks",
                                             "approx_ttl_ms", "approx_capacity_blocks",
                                             "policy",        "engine",
                                             "params",        "workers",
@@ -309,6 +310,8 @@ static void read_pool(reader *r, km_server_config_json *o, json_t *jp, uint32_t 
     get_u32(r, jp, "block_size", where, 1, 1u << 20, &p->block_size);
     get_u32(r, jp, "hash_lookahead_tokens", where, 0, KM_HASH_MAX_LOOKAHEAD,
             &p->hash_lookahead_tokens);
+    get_u32(r, jp, "offload_chunk_blocks", where, 1, KM_FEED_MAX_OFFLOAD_CHUNK_BLOCKS,
+            &p->offload_chunk_blocks);
     get_u64(r, jp, "approx_ttl_ms", where, 1, UINT64_MAX / 1000000, &p->approx_ttl_ms);
     get_u64(r, jp, "approx_capacity_blocks", where, 0, UINT64_MAX, &p->approx_capacity_blocks);
     const char *policy = NULL;

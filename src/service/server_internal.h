@@ -241,6 +241,7 @@ typedef struct pool {
     char *model;
     uint32_t block_size;
     uint32_t hash_lookahead_tokens;
+    uint32_t offload_chunk_blocks;
     km_policy_config policy;
     km_policy_state policy_state;
     km_index *index;
