@@ -286,9 +286,11 @@ static void run_fixture(const char *path)
         r.line_no++;
         if (!strncmp(line, "config ", 7)) {
             km_feed_config cfg;
-            cr_assert_eq(sscanf(line + 7, "%u %u", &r.block_size, &r.lookahead), 2);
+            unsigned chunk = 1;
+            cr_assert_geq(sscanf(line + 7, "%u %u %u", &r.block_size, &r.lookahead, &chunk), 2);
             km_test_feed_config(&cfg, r.block_size);
             cfg.hash_lookahead_tokens = r.lookahead;
+            cfg.offload_chunk_blocks = chunk; /* the engines' placeholder chunks */
             /* Replays are asked for gaps only: the engine run records no bootstrap answer. */
             cfg.bootstrap_replay = false;
             cr_assert_eq(km_feed_create(r.index, &cfg, &r.feed), KM_OK);
