@@ -19,6 +19,7 @@
 #include "kv_test_publisher.h"
 #include "kvmatch/feed.h"
 #include "kvmatch/hash.h"
+#include "events/feed_internal.h"
 #include "test_util.h"
 
 #define BS 4u /* block size of these tests */
@@ -1720,7 +1721,12 @@ static void ph_run(uint32_t chunk, bool placeholders)
         uint32_t n = 1 + km_rng_below(&f.rng, PH_BLOCKS - a);
         const uint32_t *nd = md.node[sq];
         bool parent_held = a == 0 || ph_held(&md, nd[a - 1]);
-        if (op == 0 || (op == 2 && !placeholders)) {
+        if (step % 211 == 210) {
+            /* Now and then the engine drops everything: every side entry goes with its block. */
+            km_test_batch_cleared(&f.batch);
+            memset(md.gpu, 0, sizeof md.gpu);
+            memset(md.cpu, 0, sizeof md.cpu);
+        } else if (op == 0 || (op == 2 && !placeholders)) {
             /* A store of [a, a + n) on the GPU or, self-describing, on CPU; parent a - 1: skipped
              * while the parent is not held. */
             km_test_batch_stored(&f.batch, seq_eh[sq] + a, n, a > 0, a > 0 ? seq_eh[sq][a - 1] : 0,
@@ -1783,6 +1789,32 @@ static void ph_run(uint32_t chunk, bool placeholders)
             host_seen += held && host;
             shared_cpu_seen += md.cpu[node] > 1;
         }
+        /* The side maps: announcements beyond one exactly as the model counts them, each held
+         * block's parent exactly when the feed walks chunks of several blocks, nothing else. */
+        char why[256];
+        KM_CHECK(km_feed_check_maps(f.feed, why, sizeof why) == KM_OK, "step %u: %s", step, why);
+        const km_emap *map = &km_feed_find_worker(f.feed, 0)->map;
+        uint64_t counted_beyond_one = 0;
+        for (uint32_t sq2 = 0; sq2 < 2; sq2++) {
+            for (uint32_t i = 0; i < PH_BLOCKS; i++) {
+                uint32_t node = md.node[sq2][i];
+                const km_emap_entry *m = km_emap_find(map, eh[node]);
+                KM_CHECK((m != NULL) == ph_held(&md, node), "step %u block %u in the map %d",
+                         step, node, m != NULL);
+                if (!m)
+                    continue;
+                KM_CHECK(km_emap_holds(map, m, KM_KV_MEDIUM_CPU) == md.cpu[node],
+                         "step %u block %u counts %u CPU announcements, model %u", step, node,
+                         km_emap_holds(map, m, KM_KV_MEDIUM_CPU), md.cpu[node]);
+                uint64_t parent = chunk > 1 && i ? km_u64map_key(seq_eh[sq2][i - 1]) : 0;
+                KM_CHECK(km_emap_parent(map, m) == parent, "step %u block %u parent %" PRIx64
+                         ", want %" PRIx64, step, node, km_emap_parent(map, m), parent);
+                if (sq2 == 0 || i >= PH_SHARED)
+                    counted_beyond_one += md.cpu[node] > 1;
+            }
+        }
+        KM_CHECK(map->holds.live == counted_beyond_one, "step %u: %" PRIu64 " side counts, model %"
+                 PRIu64, step, (uint64_t)map->holds.live, counted_beyond_one);
         km_feed_worker_info info = fx_info(&f, 0);
         KM_CHECK(info.counters.refused[KM_FEED_REFUSED_UNPLACED_PLACEHOLDER] == unplaced,
                  "chunk %u step %u unplaced %" PRIu64 ", model %" PRIu64, chunk, step,
@@ -1887,6 +1919,140 @@ Test(feed, placeholder_chunks_survive_a_snapshot, .timeout = 20)
     cr_assert_eq(info.counters.unknown_removes, 0);
     km_feed_destroy(feed);
     km_index_destroy(index);
+    fx_free(&f);
+}
+
+/* Import a copy of state with `len` bytes at `at` replaced by `bytes`: the error and its reason. */
+static int import_patched(km_feed *into, const unsigned char *state, size_t size, size_t at,
+                          const void *bytes, size_t len)
+{
+    unsigned char *bad = malloc(size);
+    cr_assert_not_null(bad);
+    memcpy(bad, state, size);
+    memcpy(bad + at, bytes, len);
+    int rc = km_feed_import_state(into, bad, size, 1);
+    free(bad);
+    return rc;
+}
+
+/* A feed state's map entries take 24 bytes each; the parents (of a pool whose chunks have several
+ * blocks) and the announcement counts beyond one come in sections of their own, validated: a
+ * record of a block the map lacks, in a medium the block is not held in, a count below 2, a parent
+ * key 0 and a second record of one block are refused, and a state with parents restores into a
+ * feed that keeps none. */
+Test(feed, snapshot_side_sections_are_validated, .timeout = 20)
+{
+    km_feed_config cfg;
+    km_test_feed_config(&cfg, BS);
+    cfg.offload_chunk_blocks = 2;
+    fx f;
+    fx_init_cfg(&f, &cfg, KM_TEST_ENCODING_POSITIONAL, KM_TEST_HASH_INT);
+    fx_add(&f, 0, false);
+    fx_flush(&f);
+    void *empty_state;
+    size_t empty_size;
+    cr_assert_eq(km_feed_export_state(f.feed, &empty_state, &empty_size), KM_OK);
+    free(empty_state);
+    uint32_t tokens[4 * BS];
+    for (uint32_t i = 0; i < 4 * BS; i++)
+        tokens[i] = 500 + i;
+    uint64_t eh[4] = {0x61, 0x62, 0x63, 0x64};
+    km_test_batch_stored(&f.batch, eh, 4, false, 0, tokens, BS, NULL, NULL);
+    fx_live(&f, 0, fx_keep(&f));
+    fx_flush(&f);
+    void *gpu_state;
+    size_t gpu_size;
+    cr_assert_eq(km_feed_export_state(f.feed, &gpu_state, &gpu_size), KM_OK);
+    free(gpu_state);
+    /* Four GPU blocks: 24 bytes each, and three parents (block 0 has none) of 16 with their
+     * count of 8. */
+    cr_assert_eq(gpu_size - empty_size, 4 * 24 + 8 + 3 * 16, "%zu bytes", gpu_size - empty_size);
+
+    uint64_t keys[3] = {eh[1], eh[3], eh[3]}; /* blocks 2 and 3 in two CPU chunks */
+    fx_placeholder(&f, 0, keys, 3, "CPU");
+    fx_live(&f, 0, fx_keep(&f));
+    fx_flush(&f);
+    char why[256];
+    cr_assert_eq(km_feed_check_maps(f.feed, why, sizeof why), KM_OK, "%s", why);
+    unsigned char *state;
+    size_t size;
+    cr_assert_eq(km_feed_export_state(f.feed, (void **)&state, &size), KM_OK);
+    cr_assert_eq(size, gpu_size + 2 * 11, "two counts of 2 (blocks 2 and 3 on CPU)");
+    /* The worker's end: n_parents, 3 x {key, parent}, n_holds, 2 x {key, medium, count}. */
+    size_t holds_at = size - 2 * 11, parents_at = holds_at - 8 - 3 * 16;
+    cr_assert_eq(state[holds_at - 8], 2);
+    cr_assert_eq(state[parents_at - 8], 3);
+
+    km_index *index = km_test_make_index(16);
+    km_feed *into = NULL;
+    cr_assert_eq(km_feed_create(index, &cfg, &into), KM_OK);
+    cr_assert_eq(km_feed_import_state(into, state, size, 1), KM_OK, "%s",
+                 km_feed_last_error(into));
+    cr_assert_eq(km_feed_check_maps(into, why, sizeof why), KM_OK, "%s", why);
+    const km_emap *map = &km_feed_find_worker(into, 0)->map;
+    cr_assert_eq(map->parents.live, 3);
+    cr_assert_eq(map->holds.live, 2);
+    cr_assert_eq(km_emap_holds(map, km_emap_find(map, eh[3]), KM_KV_MEDIUM_CPU), 2);
+    km_feed_destroy(into);
+    km_index_destroy(index);
+
+    static const struct {
+        size_t at;
+        uint64_t value;
+        size_t len;
+        const char *reason;
+    } cases[] = {
+        {0, 0x99, 8, "announcements of a block the map does not hold"},
+        {8, KM_KV_MEDIUM_DISK, 1, "announcements in a medium not holding the block"},
+        {8, 0, 1, "announcements in a medium not holding the block"},
+        {9, 1, 2, "an announcement count below 2"},
+        {0, 0, 0, "two announcement counts of one block and medium"}, /* record 1 = record 0 */
+        {100, 0x99, 8, "a parent of a block the map does not hold"},
+        {108, 0, 8, "a parent key of 0 or 1"},
+        {100, 0, 0, "two parents of one block"}, /* pair 1 = pair 0 */
+    };
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+        index = km_test_make_index(16);
+        cr_assert_eq(km_feed_create(index, &cfg, &into), KM_OK);
+        int rc;
+        if (cases[c].len) {
+            size_t at = cases[c].at >= 100 ? parents_at + cases[c].at - 100 : holds_at + cases[c].at;
+            unsigned char le[8];
+            for (int i = 0; i < 8; i++)
+                le[i] = (unsigned char)(cases[c].value >> (8 * i));
+            rc = import_patched(into, state, size, at, le, cases[c].len);
+        } else if (cases[c].at >= 100) {
+            rc = import_patched(into, state, size, parents_at + 16, state + parents_at, 16);
+        } else {
+            rc = import_patched(into, state, size, holds_at + 11, state + holds_at, 11);
+        }
+        cr_assert_eq(rc, KM_ERR_CORRUPT, "case %zu: %s", c, km_error_name(rc));
+        cr_assert(strstr(km_feed_last_error(into), cases[c].reason) != NULL, "case %zu: %s", c,
+                  km_feed_last_error(into));
+        uint32_t n = 1;
+        cr_assert_eq(km_feed_get_workers(into, NULL, 0, &n), KM_OK);
+        cr_assert_eq(n, 0, "case %zu: nothing installed", c);
+        km_feed_destroy(into);
+        km_index_destroy(index);
+    }
+
+    /* A pool of one-block chunks walks nothing: the parents are checked, then dropped. */
+    km_feed_config one = cfg;
+    one.offload_chunk_blocks = 1;
+    index = km_test_make_index(16);
+    cr_assert_eq(km_feed_create(index, &one, &into), KM_OK);
+    cr_assert_eq(km_feed_import_state(into, state, size, 1), KM_OK, "%s",
+                 km_feed_last_error(into));
+    cr_assert_eq(km_feed_check_maps(into, why, sizeof why), KM_OK, "%s", why);
+    cr_assert_eq(km_feed_find_worker(into, 0)->map.parents.live, 0);
+    void *again;
+    size_t again_size;
+    cr_assert_eq(km_feed_export_state(into, &again, &again_size), KM_OK);
+    cr_assert_eq(again_size, size - 8 - 3 * 16, "saved again without the parents section");
+    free(again);
+    km_feed_destroy(into);
+    km_index_destroy(index);
+    free(state);
     fx_free(&f);
 }
 
@@ -2778,6 +2944,7 @@ Test(feed, flush_is_one_batch_and_survives_the_memory_cap, .timeout = 20)
     cr_assert_eq(km_index_create(&ic, &index), KM_OK);
     km_feed_config cfg;
     km_test_feed_config(&cfg, BS);
+    cfg.offload_chunk_blocks = 2; /* the map keeps parents: forgotten with their blocks */
     km_feed *feed = NULL;
     cr_assert_eq(km_feed_create(index, &cfg, &feed), KM_OK);
     km_feed_worker_config w0 = {0, "small", false}, w1 = {1, "big", false};
@@ -2824,6 +2991,10 @@ Test(feed, flush_is_one_batch_and_survives_the_memory_cap, .timeout = 20)
     cr_assert_eq(info.counters.refused_events, 8);
     cr_assert_eq(info.counters.events, 0, "refused events counted as applied");
     cr_assert_eq(info.map_entries, 0, "the refused message's engine hashes stay mapped");
+    char why[256];
+    cr_assert_eq(km_feed_check_maps(feed, why, sizeof why), KM_OK, "%s", why);
+    cr_assert_eq(km_feed_find_worker(feed, 1)->map.parents.live, 0, "parents of forgotten blocks");
+    cr_assert_eq(km_feed_find_worker(feed, 0)->map.parents.live, 1, "block 1's parent is kept");
     km_feed_get_worker_info(feed, 0, &info);
     cr_assert_eq(info.state, KM_FEED_STATE_LIVE);
     cr_assert_eq(info.counters.events, 1);

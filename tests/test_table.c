@@ -740,7 +740,7 @@ static void emap_check(const km_emap *m, const uint64_t *keys, const uint64_t *c
                  "%llx/%u", when, k, (unsigned long long)e->chain, e->media,
                  (unsigned long long)chains[k], media[k]);
     }
-    KM_CHECK(m->live == live, "%s: map counts %llu, oracle %zu", when, (unsigned long long)m->live,
+    KM_CHECK(m->core.live == live, "%s: map counts %llu, oracle %zu", when, (unsigned long long)m->core.live,
              live);
     size_t seen = 0;
     uint64_t cursor = 0;
@@ -761,7 +761,7 @@ Test(emap, incremental_growth_matches_oracle, .timeout = 120)
     km_rng r;
     km_rng_init(&r, km_test_seed() ^ 0xE3A9);
     km_emap m;
-    km_emap_init(&m);
+    km_emap_init(&m, false);
     size_t n = 150000;
     uint64_t *keys = malloc(n * sizeof *keys), *chains = calloc(n, sizeof *chains);
     uint8_t *media = calloc(n, 1);
@@ -789,13 +789,13 @@ Test(emap, incremental_growth_matches_oracle, .timeout = 120)
             cr_assert_eq(e != NULL, media[k] != 0, "step %zu key %zu", step, k);
             if (!e)
                 continue;
-            old_erases += (uintptr_t)e - (uintptr_t)m.entries >= m.capacity * sizeof *e;
+            old_erases += (uintptr_t)e - (uintptr_t)m.core.entries >= m.core.capacity * sizeof *e;
             km_emap_erase(&m, e);
             media[k] = 0;
         }
-        growing += m.old != NULL;
-        growth_age = m.old ? growth_age + 1 : 0;
-        if ((growth_age == 1 || growth_age == 4 || (m.old && step % 700 == 0)) && checks < 40) {
+        growing += m.core.old != NULL;
+        growth_age = m.core.old ? growth_age + 1 : 0;
+        if ((growth_age == 1 || growth_age == 4 || (m.core.old && step % 700 == 0)) && checks < 40) {
             checks++;
             emap_check(&m, keys, chains, media, n, "while growing");
         }
@@ -805,7 +805,7 @@ Test(emap, incremental_growth_matches_oracle, .timeout = 120)
     cr_assert_gt(old_erases, 50, "only %zu erases hit the old array", old_erases);
     emap_check(&m, keys, chains, media, n, "at the end");
     km_emap_clear(&m);
-    cr_assert(m.live == 0 && m.old == NULL);
+    cr_assert(m.core.live == 0 && m.core.old == NULL);
     for (size_t k = 0; k < n; k++)
         media[k] = 0;
     emap_check(&m, keys, chains, media, n, "after clear");
@@ -819,9 +819,9 @@ Test(emap, incremental_growth_matches_oracle, .timeout = 120)
 Test(emap, size_for_takes_an_empty_map_only)
 {
     km_emap m;
-    km_emap_init(&m);
+    km_emap_init(&m, false);
     cr_assert_eq(km_emap_size_for(&m, 1000), KM_OK);
-    cr_assert_eq(m.capacity, 2048, "1,000 entries at <= 70%% fit 2,048 slots");
+    cr_assert_eq(m.core.capacity, 2048, "1,000 entries at <= 70%% fit 2,048 slots");
     cr_assert_eq(km_emap_reserve(&m, 0), KM_OK);
     km_emap_upsert(&m, 42)->media = 1;
     cr_assert_eq(km_emap_size_for(&m, 10), KM_ERR_INVALID_ARGUMENT);

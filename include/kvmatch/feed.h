@@ -429,8 +429,9 @@ int km_feed_get_workers(const km_feed *feed, uint32_t *workers, uint32_t capacit
  * under the LoRA / salt seed rules of docs/HASHING.md ("Seeds"), media masks of
  * KM_KV_MEDIUM_COUNT bits, the KV-cache groups holding each block on the GPU with the copies
  * beyond the first a group holds, each worker's sliding-window groups with their window in
- * blocks, and each block's parent engine hash and announcements per medium other than the GPU,
- * with whether the worker announces offloaded chunks by placeholders. Any other version is
+ * blocks, whether the worker announces offloaded chunks by placeholders, each block's parent
+ * engine hash where the pool keeps parents (offload_chunk_blocks above 1) and the announcements
+ * beyond one holding a block in a medium other than the GPU. Any other version is
  * refused (KM_ERR_INCOMPATIBLE): version 1 holds chain hashes under other rules, version 2 lacks
  * the groups, without which a hybrid model's blocks would count where a group lacks them, version
  * 3 the window groups, without which the index would score such a worker without its window rule,

@@ -159,7 +159,7 @@ worker *km_feed_worker_new(const km_feed *feed)
     worker *w = calloc(1, sizeof *w);
     if (!w)
         return NULL;
-    km_emap_init(&w->map);
+    km_emap_init(&w->map, feed->config.offload_chunk_blocks > 1);
     w->history = calloc(feed->config.max_windows, sizeof *w->history);
     if (!w->history) {
         km_feed_worker_free(w);
@@ -213,6 +213,25 @@ static uint32_t worker_slot(const km_feed *feed, uint32_t id, bool *found)
     }
     *found = lo < feed->n_workers && feed->workers[lo]->id == id;
     return lo;
+}
+
+int km_feed_check_maps(const km_feed *feed, char *why, size_t why_size)
+{
+    bool keep_parents = feed->config.offload_chunk_blocks > 1;
+    for (uint32_t i = 0; i < feed->n_workers; i++) {
+        const worker *w = feed->workers[i];
+        char detail[160];
+        int rc = w->map.keep_parents == keep_parents
+                     ? km_emap_check(&w->map, detail, sizeof detail)
+                     : (snprintf(detail, sizeof detail, "keeps parents %d, the feed walks %d",
+                                 w->map.keep_parents, keep_parents),
+                        KM_ERR_INTERNAL);
+        if (rc != KM_OK) {
+            snprintf(why, why_size, "worker %u: %s", w->id, detail);
+            return rc;
+        }
+    }
+    return KM_OK;
 }
 
 worker *km_feed_find_worker(const km_feed *feed, uint32_t id)
@@ -1114,7 +1133,7 @@ int km_feed_get_worker_info(const km_feed *feed, uint32_t id, km_feed_worker_inf
     out->last_engine_timestamp = w->last_engine_timestamp;
     out->buffered_messages = w->buffer_count;
     out->buffered_bytes = w->buffer_bytes;
-    out->map_entries = w->map.live;
+    out->map_entries = km_emap_live(&w->map);
     out->counters = w->c;
     out->windows_total = w->windows_total;
     out->windows_open = (uint32_t)w->recovery_open + (uint32_t)w->degraded_open;

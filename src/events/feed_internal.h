@@ -242,6 +242,10 @@ int km_feed_fail(km_feed *feed, int status, const char *fmt, ...)
 worker *km_feed_worker_new(const km_feed *feed);
 /* Free a worker and everything it holds; NULL is a no-op. */
 void km_feed_worker_free(worker *w);
+/* Every worker's engine-hash map is consistent with its side maps (km_emap_check), and keeps
+ * parents exactly when the feed walks offloaded chunks of several blocks. KM_OK, or
+ * KM_ERR_INTERNAL with the worker and the first violation in why. For tests. */
+int km_feed_check_maps(const km_feed *feed, char *why, size_t why_size);
 /* A fresh open window of cause, started at now. */
 void km_feed_window_init(km_feed_window *win, km_feed_window_cause cause, uint64_t now,
                          uint64_t from_seq);

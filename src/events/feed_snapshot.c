@@ -25,12 +25,15 @@
  *     window_groups u32 (those of them that are sliding windows: a subset of gpu_groups, never
  *     the bit of groups from 31 up), then per window group, lowest first, blocks u32 (>= 1),
  *     map_entries x {key u64 (mapped as km_u64map_key maps it: never 0 or 1), chain u64,
- *                    parent u64 (the parent's key mapped the same way, or 0: none),
  *                    extra_copies u8 x KM_EMAP_COPY_GROUPS (group g's GPU copies beyond the
  *                    first: 0 unless gpu_groups has g's bit), media u8 (1..31),
- *                    gpu_groups u32 (not 0 exactly when media has the GPU bit),
- *                    holds u16 x KM_EMAP_HOLD_MEDIA (announcements per medium 1..4: not 0
- *                    exactly when media has that medium's bit)}
+ *                    gpu_groups u32 (not 0 exactly when media has the GPU bit)},
+ *     only with FS_HAS_PARENTS: n_parents u64 (<= map_entries),
+ *       n_parents x {key u64 (an entry's, once), parent u64 (the parent's key mapped the same
+ *                    way: never 0 or 1)},
+ *     n_holds u64, n_holds x {key u64 (an entry's), medium u8 (1..KM_EMAP_HOLD_MEDIA, a medium
+ *                    the entry's media hold), count u16 (>= 2; once per key and medium)}: the
+ *                    announcements beyond the media bit's one
  *   nothing after the last worker. */
 static const unsigned char FEED_MAGIC[8] = {'K', 'M', 'F', 'E', 'E', 'D', 'S', 'T'};
 #define FS_HAS_REPLAY 1u
@@ -38,8 +41,11 @@ static const unsigned char FEED_MAGIC[8] = {'K', 'M', 'F', 'E', 'E', 'D', 'S', '
 #define FS_HAS_LAST_LIVE 4u
 #define FS_DEGRADED 8u
 #define FS_PLACEHOLDER_CHUNKS 16u
-#define FS_KNOWN_FLAGS 31u
-#define FS_ENTRY_BYTES (29u + KM_EMAP_COPY_GROUPS + 2u * KM_EMAP_HOLD_MEDIA)
+#define FS_HAS_PARENTS 32u
+#define FS_KNOWN_FLAGS 63u
+#define FS_ENTRY_BYTES (21u + KM_EMAP_COPY_GROUPS)
+#define FS_PARENT_BYTES 16u
+#define FS_HOLD_BYTES 11u
 #define FS_MEDIUM_BIT_GPU (1u << KM_KV_MEDIUM_GPU)
 /* The group bit standing for groups from 31 up, which no block gets (feed_updates.c). */
 #define FS_GROUP_BIT_UNTRACKED (1u << 31)
@@ -90,7 +96,9 @@ int km_feed_export_state(const km_feed *feed, void **out, size_t *size_out)
         const worker *w = feed->workers[i];
         size += 12 + strlen(w->name) + strlen(w->identity) + 28 + 4 +
                 4 * (size_t)__builtin_popcount(w->window_groups) +
-                (size_t)w->map.live * FS_ENTRY_BYTES;
+                (size_t)km_emap_live(&w->map) * FS_ENTRY_BYTES +
+                (w->map.parents.live ? 8 + (size_t)w->map.parents.live * FS_PARENT_BYTES : 0) + 8 +
+                (size_t)w->map.holds.live * KM_EMAP_HOLD_MEDIA * FS_HOLD_BYTES;
     }
     fs_writer wr = {malloc(size), 0};
     if (!wr.p)
@@ -105,7 +113,8 @@ int km_feed_export_state(const km_feed *feed, void **out, size_t *size_out)
         uint32_t flags = (w->has_replay ? FS_HAS_REPLAY : 0) | (w->has_expected ? FS_HAS_EXPECTED : 0) |
                          (w->has_last_live ? FS_HAS_LAST_LIVE : 0) |
                          (w->degraded ? FS_DEGRADED : 0) |
-                         (w->placeholder_chunks ? FS_PLACEHOLDER_CHUNKS : 0);
+                         (w->placeholder_chunks ? FS_PLACEHOLDER_CHUNKS : 0) |
+                         (w->map.parents.live ? FS_HAS_PARENTS : 0);
         size_t name_len = strlen(w->name), id_len = strlen(w->identity);
         fs_u32(&wr, w->id);
         fs_u32(&wr, flags);
@@ -115,7 +124,7 @@ int km_feed_export_state(const km_feed *feed, void **out, size_t *size_out)
         fs_put(&wr, w->identity, id_len);
         fs_u64(&wr, w->has_expected ? w->expected : 0);
         fs_u64(&wr, w->has_last_live ? w->last_live : 0);
-        fs_u64(&wr, w->map.live);
+        fs_u64(&wr, km_emap_live(&w->map));
         fs_u32(&wr, w->gpu_groups);
         fs_u32(&wr, w->window_groups);
         for (uint32_t g = w->window_groups; g; g &= g - 1)
@@ -124,13 +133,39 @@ int km_feed_export_state(const km_feed *feed, void **out, size_t *size_out)
         for (const km_emap_entry *e; (e = km_emap_next(&w->map, &cursor));) {
             fs_u64(&wr, e->key);
             fs_u64(&wr, e->chain);
-            fs_u64(&wr, e->parent);
             fs_put(&wr, e->extra_copies, KM_EMAP_COPY_GROUPS);
             fs_put(&wr, &e->media, 1);
             fs_u32(&wr, e->gpu_groups);
-            for (uint32_t h = 0; h < KM_EMAP_HOLD_MEDIA; h++)
-                fs_u16(&wr, e->holds[h]);
         }
+        if (w->map.parents.live) {
+            fs_u64(&wr, w->map.parents.live);
+            cursor = 0;
+            for (const km_u64map_entry *p; (p = km_u64map_next(&w->map.parents, &cursor));) {
+                fs_u64(&wr, p->key);
+                fs_u64(&wr, p->value);
+            }
+        }
+        /* The count of held announcement records goes first: patched once they are written. */
+        size_t count_at = wr.at;
+        uint64_t n_holds = 0;
+        fs_u64(&wr, 0);
+        cursor = 0;
+        for (const km_u64map_entry *h; (h = km_u64map_next(&w->map.holds, &cursor));) {
+            for (unsigned medium = 1; medium <= KM_EMAP_HOLD_MEDIA; medium++) {
+                uint16_t count = (uint16_t)(h->value >> (16 * (medium - 1)));
+                if (!count)
+                    continue;
+                unsigned char m8 = (unsigned char)medium;
+                fs_u64(&wr, h->key);
+                fs_put(&wr, &m8, 1);
+                fs_u16(&wr, count);
+                n_holds++;
+            }
+        }
+        size_t end = wr.at;
+        wr.at = count_at;
+        fs_u64(&wr, n_holds);
+        wr.at = end;
     }
     *out = wr.p;
     *size_out = wr.at;
@@ -186,6 +221,74 @@ static void free_workers(worker **ws, uint32_t n)
     for (uint32_t i = 0; i < n; i++)
         km_feed_worker_free(ws[i]);
     free(ws);
+}
+
+/* The parents section of a worker whose map entries are read. A feed that walks no chunks of
+ * several blocks validates the parents and drops them. KM_OK or an error with *why. */
+static int parse_parents(fs_reader *r, worker *w, uint64_t entries, const char **why)
+{
+    uint64_t n = 0;
+    if (!fs_get_u64(r, &n))
+        return *why = "truncated parents", KM_ERR_CORRUPT;
+    if (n > entries || n > (r->size - r->at) / FS_PARENT_BYTES)
+        return *why = "more parents than blocks or than the section holds", KM_ERR_CORRUPT;
+    km_u64map seen; /* the keys with a parent, for a map that keeps none */
+    km_u64map *parents = &w->map.parents;
+    if (!w->map.keep_parents) {
+        km_u64map_init(&seen, NULL);
+        parents = &seen;
+    }
+    int rc = km_u64map_reserve(parents, n) ? KM_ERR_OUT_OF_MEMORY : KM_OK;
+    if (rc)
+        *why = "parent map";
+    for (uint64_t j = 0; j < n && !rc; j++) {
+        uint64_t key = 0, parent = 0;
+        fs_get_u64(r, &key);
+        fs_get_u64(r, &parent);
+        if (parent <= 1)
+            rc = KM_ERR_CORRUPT, *why = "a parent key of 0 or 1";
+        else if (key <= 1 || !km_emap_find(&w->map, key))
+            rc = KM_ERR_CORRUPT, *why = "a parent of a block the map does not hold";
+        else if (km_u64map_find(parents, key))
+            rc = KM_ERR_CORRUPT, *why = "two parents of one block";
+        else
+            km_u64map_put(parents, key, parent, 0);
+    }
+    if (!w->map.keep_parents)
+        km_u64map_free(&seen);
+    return rc;
+}
+
+/* The announcement counts section of a worker whose map entries are read. KM_OK or an error with
+ * *why. */
+static int parse_holds(fs_reader *r, worker *w, uint64_t entries, const char **why)
+{
+    uint64_t n = 0;
+    if (!fs_get_u64(r, &n))
+        return *why = "truncated announcement counts", KM_ERR_CORRUPT;
+    if (n > entries * KM_EMAP_HOLD_MEDIA || n > (r->size - r->at) / FS_HOLD_BYTES)
+        return *why = "more announcement counts than blocks or than the section holds",
+               KM_ERR_CORRUPT;
+    for (uint64_t j = 0; j < n; j++) {
+        uint64_t key = 0;
+        uint8_t medium = 0;
+        uint16_t count = 0;
+        fs_get_u64(r, &key);
+        fs_take(r, &medium, 1);
+        fs_get_u16(r, &count);
+        const km_emap_entry *m = key > 1 ? km_emap_find(&w->map, key) : NULL;
+        if (!m)
+            return *why = "announcements of a block the map does not hold", KM_ERR_CORRUPT;
+        if (medium < 1 || medium > KM_EMAP_HOLD_MEDIA || !(m->media >> medium & 1u))
+            return *why = "announcements in a medium not holding the block", KM_ERR_CORRUPT;
+        if (count < 2)
+            return *why = "an announcement count below 2", KM_ERR_CORRUPT;
+        if (km_emap_holds(&w->map, m, medium) > 1)
+            return *why = "two announcement counts of one block and medium", KM_ERR_CORRUPT;
+        if (km_emap_restore_holds(&w->map, m, medium, count) != KM_OK)
+            return *why = "announcement map", KM_ERR_OUT_OF_MEMORY;
+    }
+    return KM_OK;
 }
 
 /* A feed state parsed and validated in full, not yet installed. */
@@ -312,30 +415,19 @@ static int parse_state(km_feed *feed, const void *data, size_t size, staged_stat
             break;
         }
         for (uint64_t j = 0; j < entries && !rc; j++) {
-            uint64_t key = 0, chain = 0, parent = 0;
+            uint64_t key = 0, chain = 0;
             uint8_t media = 0, copies[KM_EMAP_COPY_GROUPS] = {0};
             uint32_t groups = 0;
-            uint16_t holds[KM_EMAP_HOLD_MEDIA] = {0};
             fs_get_u64(&r, &key);
             fs_get_u64(&r, &chain);
-            fs_get_u64(&r, &parent);
             fs_take(&r, copies, KM_EMAP_COPY_GROUPS);
             fs_take(&r, &media, 1);
             fs_get_u32(&r, &groups);
-            for (uint32_t h = 0; h < KM_EMAP_HOLD_MEDIA; h++)
-                fs_get_u16(&r, &holds[h]);
             /* Keys are stored mapped (km_u64map_key), so never 0 or 1; the map maps them again,
              * which leaves such keys as they are. */
-            if (key <= 1 || parent == 1 || media == 0 || media >= (1u << MEDIUM_COUNT) ||
+            if (key <= 1 || media == 0 || media >= (1u << MEDIUM_COUNT) ||
                 !(media & FS_MEDIUM_BIT_GPU) != !groups || (groups & FS_GROUP_BIT_UNTRACKED)) {
                 rc = KM_ERR_CORRUPT, why = "bad map entry";
-                break;
-            }
-            bool holds_ok = true;
-            for (uint32_t h = 0; h < KM_EMAP_HOLD_MEDIA; h++)
-                holds_ok &= !holds[h] == !(media >> (h + 1) & 1u);
-            if (!holds_ok) {
-                rc = KM_ERR_CORRUPT, why = "announcements in a medium not holding the block";
                 break;
             }
             bool copies_ok = true;
@@ -351,12 +443,14 @@ static int parse_state(km_feed *feed, const void *data, size_t size, staged_stat
             }
             km_emap_entry *m = km_emap_upsert(&w->map, key);
             m->chain = chain;
-            m->parent = parent;
-            memcpy(m->holds, holds, sizeof holds);
             m->media = media;
             memcpy(m->extra_copies, copies, KM_EMAP_COPY_GROUPS);
             m->gpu_groups = groups;
         }
+        if (!rc && (flags & FS_HAS_PARENTS))
+            rc = parse_parents(&r, w, entries, &why);
+        if (!rc)
+            rc = parse_holds(&r, w, entries, &why);
         if (rc)
             break;
     }

@@ -134,41 +134,32 @@ static bool drop_copy(km_emap_entry *m, uint32_t gbit)
 /* Announcements. An engine may hold a block in a medium other than the GPU inside several units
  * of its own at once, announcing it once per unit stored and removing it once per unit evicted
  * (vLLM's OffloadingConnector: CPU chunks keyed by their last block; prompts that share a chunk's
- * first blocks but not its last store two chunks holding those blocks). The entry counts each such
- * medium's announcements (holds) and the block leaves the medium with the last removal. A store
- * beyond KM_EMAP_MAX_HOLDS is not counted: the block then leaves the medium before the engine
- * lets it go, never after. A clear or an engine restart empties the map, counts included; a
+ * first blocks but not its last store two chunks holding those blocks). The map counts each such
+ * medium's announcements (the media bit says one; the map's side counts say more) and the block
+ * leaves the medium with the last removal. A store beyond KM_EMAP_MAX_HOLDS, or one the side map
+ * has no memory for, is not counted: the block then leaves the medium before the engine lets it
+ * go, never after. A clear or an engine restart empties the map, counts included; a
  * replayed message is applied once (feed.c delivers each seq once), so it never counts twice. */
 
 static unsigned medium_index(km_kv_medium m);
 
 /* A store of the entry's block in a medium other than the GPU. */
-static void gain_hold(km_emap_entry *m, km_kv_medium medium)
+static void gain_hold(worker *w, km_emap_entry *m, km_kv_medium medium)
 {
-    unsigned i = medium_index(medium);
-    if (m->holds[i - 1] < KM_EMAP_MAX_HOLDS)
-        m->holds[i - 1]++;
-    m->media |= (uint8_t)(1u << i);
+    km_emap_gain_hold(&w->map, m, medium_index(medium));
 }
 
 /* A removal from a medium other than the GPU: true when another announcement keeps the block
  * there (one fewer counted; media unchanged); false when the block leaves the medium, which the
  * caller then does with leave_medium. */
-static bool drop_hold(km_emap_entry *m, km_kv_medium medium)
+static bool drop_hold(worker *w, const km_emap_entry *m, km_kv_medium medium)
 {
-    unsigned i = medium_index(medium);
-    if (m->holds[i - 1] > 1) {
-        m->holds[i - 1]--;
-        return true;
-    }
-    return false;
+    return km_emap_drop_hold(&w->map, m, medium_index(medium));
 }
 
-static void leave_medium(km_emap_entry *m, km_kv_medium medium)
+static void leave_medium(worker *w, km_emap_entry *m, km_kv_medium medium)
 {
-    unsigned i = medium_index(medium);
-    m->holds[i - 1] = 0;
-    m->media &= (uint8_t) ~(1u << i);
+    km_emap_leave(&w->map, m, medium_index(medium));
 }
 
 /* The window groups (of `windows`) whose window key for the entry is in the index. */
@@ -522,8 +513,11 @@ static void apply_stored(km_feed *feed, worker *w, const km_kv_event *e)
         km_tier tier_before = best_tier(m->media);
         if (!held) {
             feed->new_keys[feed->new_key_count++] = e->block_hashes[i]; /* reserved */
-            m->parent = i ? km_u64map_key(e->block_hashes[i - 1])
-                          : starts_sequence ? 0 : km_u64map_key(e->parent_block_hash);
+            /* Room reserved with the entry's (km_emap_reserve): a parent is never lost here. */
+            (void)km_emap_set_parent(&w->map, m,
+                                     i ? km_u64map_key(e->block_hashes[i - 1])
+                                       : starts_sequence ? 0
+                                                         : km_u64map_key(e->parent_block_hash));
             if (run_open && !block_is_opaque(feed, e, lora_set, i)) {
                 bool root = starts_sequence && i == 0;
                 uint32_t la = e->n_lookahead_tokens;
@@ -541,7 +535,7 @@ static void apply_stored(km_feed *feed, worker *w, const km_kv_event *e)
             m->gpu_groups |= gbit;
             m->media |= bit;
         } else {
-            gain_hold(m, e->medium);
+            gain_hold(w, m, e->medium);
         }
         if (m->chain == CHAIN_UNHASHABLE) {
             run_open = false;
@@ -634,13 +628,14 @@ static void apply_placeholder(km_feed *feed, worker *w, const km_kv_event *e)
         for (; m && walked < chunk; walked++) {
             bool counted_before = entry_counts(m, required);
             km_tier tier_before = best_tier(m->media);
-            gain_hold(m, e->medium);
+            gain_hold(w, m, e->medium);
             km_tier tier_now = best_tier(m->media);
             if (counted_before && tier_now != tier_before) {
                 feed->tier_chains[n_fixes] = m->chain;
                 feed->tier_scratch[n_fixes++] = (uint8_t)tier_now;
             }
-            m = walked + 1 < chunk && m->parent ? km_emap_find(&w->map, m->parent) : NULL;
+            uint64_t parent = walked + 1 < chunk ? km_emap_parent(&w->map, m) : 0;
+            m = parent ? km_emap_find(&w->map, parent) : NULL;
         }
         placed += walked;
         unplaced += walked < chunk;
@@ -686,10 +681,10 @@ static void apply_removed(km_feed *feed, worker *w, const km_kv_event *e)
         uint64_t parent = 0;
         for (uint32_t walked = 0; m;
              m = ++walked < chunk && parent ? km_emap_find(&w->map, parent) : NULL) {
-            parent = m->parent;
+            parent = km_emap_parent(&w->map, m);
             if (bit == MEDIUM_BIT_GPU && drop_copy(m, group_bit(e)))
                 continue; /* another copy stays in the group: nothing the index sees changes */
-            if (bit != MEDIUM_BIT_GPU && drop_hold(m, e->medium))
+            if (bit != MEDIUM_BIT_GPU && drop_hold(w, m, e->medium))
                 continue; /* another announcement keeps it in the medium: nothing changes */
             uint8_t before = m->media;
             bool counted_before = entry_counts(m, required);
@@ -700,7 +695,7 @@ static void apply_removed(km_feed *feed, worker *w, const km_kv_event *e)
                 if (!m->gpu_groups)
                     m->media &= (uint8_t)~bit;
             } else {
-                leave_medium(m, e->medium);
+                leave_medium(w, m, e->medium);
             }
             /* A window group that let the block go: its window key goes, in the same REMOVE. */
             uint32_t lost = windows_before & ~entry_windows(m, windows);
@@ -779,7 +774,7 @@ void km_feed_queue_message(km_feed *feed, worker *w, const message_view *v, uint
     bool new_group = groups != w->gpu_groups, several_groups = (groups & (groups - 1)) != 0;
     size_t extra_updates = (new_group ? 1 : 0) + (several_groups ? n_stored : 0) +
                            n_store_events * n_windows_after;
-    size_t extra_hashes = (new_group ? w->map.live * (1 + (size_t)n_windows_before) : 0) +
+    size_t extra_hashes = (new_group ? km_emap_live(&w->map) * (1 + (size_t)n_windows_before) : 0) +
                           n_hashes * n_windows_after;
     if (feed->hash_count + n_hashes > feed->config.max_queued_hashes) {
         w->c.dropped_messages++;

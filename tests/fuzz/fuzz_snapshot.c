@@ -24,6 +24,7 @@
 
 #include "kvmatch/feed.h"
 #include "kvmatch/index.h"
+#include "events/feed_internal.h"
 
 #define CHECK(cond)                                                                          \
     do {                                                                                     \
@@ -157,6 +158,9 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     km_feed_config fcfg;
     km_feed_config_init(&fcfg);
     fcfg.log = quiet;
+    /* An odd-sized input restores into a pool of two-block offloaded chunks (the maps keep
+     * parents), an even-sized one into a pool that keeps none (parents are checked, dropped). */
+    fcfg.offload_chunk_blocks = 1 + (uint32_t)(size & 1);
     km_feed *feed = NULL;
     CHECK(km_feed_create(index, &fcfg, &feed) == KM_OK);
     rc = km_feed_restore(feed, path, 1000);
@@ -170,6 +174,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         uint32_t followed = 1;
         CHECK(km_feed_get_workers(feed, NULL, 0, &followed) == KM_OK && followed == 0);
     } else {
+        char why[256];
+        CHECK(km_feed_check_maps(feed, why, sizeof why) == KM_OK);
         /* claim the restored workers, then flush what that queues */
         for (uint32_t w = 0; w < MAX_WORKERS; w++) {
             km_feed_worker_config wc = {w, "w", w & 1};

@@ -2,7 +2,7 @@
 /* Writes a seed corpus for fuzz_snapshot into the directory given as argv[1]: snapshots of small
  * indexes (max_workers 8, segment_blocks 4, as the harness configures) holding chains, a widely
  * shared block (a bitmap set), host and disk tier pairs, with feed states in the caller section
- * (none, workers without maps, workers with engine-hash maps). */
+ * (none, workers without maps, workers with engine-hash maps, parents and announcement counts). */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -39,31 +39,53 @@ static void put_u16(state_buf *b, uint16_t v) { put(b, &v, 2); }
 static void put_u32(state_buf *b, uint32_t v) { put(b, &v, 4); }
 static void put_u64(state_buf *b, uint64_t v) { put(b, &v, 8); }
 
-/* A feed state (src/events/feed_snapshot.c km_feed_export_state): workers 1 and 2, with
- * engine-hash maps. */
+/* A feed state (src/events/feed_snapshot.c km_feed_export_state, version
+ * KM_FEED_STATE_VERSION): workers 1 and 2 with engine-hash maps of a GPU, a CPU and a disk block;
+ * worker 1 announces offloaded chunks by placeholders, with the blocks' parents and its CPU block
+ * held by three announcements. */
 static void feed_state(state_buf *b)
 {
     b->size = 0;
     put(b, "KMFEEDST", 8);
-    put_u32(b, 1);  /* version */
+    put_u32(b, KM_FEED_STATE_VERSION);
     put_u32(b, 16); /* block size */
     put_u32(b, 2);  /* workers */
     put_u32(b, 0);
     for (uint32_t w = 1; w <= 2; w++) {
         put_u32(b, w);
-        put_u32(b, w == 1 ? 1u | 2u | 4u : 2u | 8u); /* replay, expected, last_live / degraded */
+        /* replay, expected, last_live, placeholder chunks, parents / expected, degraded */
+        put_u32(b, w == 1 ? 1u | 2u | 4u | 16u | 32u : 2u | 8u);
         put_u16(b, 3);
         put_u16(b, 5);
         put(b, w == 1 ? "one" : "two", 3);
         put(b, "tcp:x", 5);
         put_u64(b, 41);
         put_u64(b, 40);
-        put_u64(b, 3);
+        put_u64(b, 3); /* map entries */
+        put_u32(b, 1); /* the engine's KV-cache groups: group 0 */
+        put_u32(b, 0); /* no window groups */
         for (uint64_t k = 0; k < 3; k++) {
             put_u64(b, 0x100 + k);
             put_u64(b, 0x1000 + k);
-            unsigned char media = (unsigned char)(1u << k);
+            unsigned char copies[3] = {0, 0, 0};
+            put(b, copies, 3);
+            unsigned char media = (unsigned char)(1u << k); /* GPU, CPU, disk */
             put(b, &media, 1);
+            put_u32(b, k == 0 ? 1u : 0u);
+        }
+        if (w == 1) {
+            put_u64(b, 2); /* parents */
+            for (uint64_t k = 1; k < 3; k++) {
+                put_u64(b, 0x100 + k);
+                put_u64(b, 0x100 + k - 1);
+            }
+            put_u64(b, 1); /* announcement counts */
+            put_u64(b, 0x101);
+            unsigned char medium = 1;
+            put(b, &medium, 1);
+            put_u16(b, 3);
+        } else {
+            put_u64(b, 0);
         }
     }
 }
