@@ -99,8 +99,8 @@ int km_server_reload(km_server *s, const km_server_config *n)
                 first_error = first_error ? first_error : KM_ERR_INVALID_ARGUMENT;
                 continue;
             }
-            uint32_t chunk = pc->offload_chunk_blocks ? pc->offload_chunk_blocks : 1;
-            if (chunk != p->offload_chunk_blocks) {
+            uint32_t chunk_blocks = pc->offload_chunk_blocks ? pc->offload_chunk_blocks : 1;
+            if (chunk_blocks != p->offload_chunk_blocks) {
                 /* Placeholder chunks held now were placed with the old size: their removals must
                  * walk the same blocks. */
                 km_srv_log(s, KM_LOG_WARNING
