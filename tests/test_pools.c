@@ -362,6 +362,53 @@ Test(pools, add_sets_hash_lookahead_tokens, .timeout = 60)
     km_test_publisher_stop(pub);
 }
 
+/* One POOLS add / update of `name` with offload_chunk_blocks; the item's status. */
+static int pools_call_chunk(km_client *c, km_admin_action action, const char *name,
+                            uint32_t chunk)
+{
+    km_pool_info pi;
+    memset(&pi, 0, sizeof pi);
+    pi.name = name;
+    pi.block_size = action == KM_ADMIN_ADD ? BS : 0;
+    pi.offload_chunk_blocks = chunk;
+    km_message m = {.type = KM_MESSAGE_POOLS}, reply;
+    m.pools.action = action;
+    m.pools.pools = &pi;
+    m.pools.n_pools = 1;
+    cr_assert_eq(km_client_call(c, &m, 10000, &reply), KM_OK, "%s", km_client_last_error(c));
+    cr_assert_eq(reply.type, KM_MESSAGE_ACK);
+    return reply.ack.items[0].status;
+}
+
+/* POOLS add sets a pool's offload_chunk_blocks as the configuration file does: POOL_LIST shows it
+ * (above 1), update may repeat it but not change it (chunks are held with it), a value over the
+ * limit is refused. */
+Test(pools, add_sets_offload_chunk_blocks, .timeout = 60)
+{
+    pools_srv s;
+    pools_start(&s);
+    km_client *c = NULL;
+    char why[256];
+    cr_assert_eq(km_client_connect(s.addr, 5000, &c, why, sizeof why), KM_OK, "%s", why);
+    cr_assert_eq(pools_call_chunk(c, KM_ADMIN_ADD, "chunks", 2), KM_OK);
+    cr_assert_eq(pools_call_chunk(c, KM_ADMIN_ADD, "huge", KM_FEED_MAX_OFFLOAD_CHUNK_BLOCKS + 1),
+                 KM_ERR_PARSE);
+    cr_assert_eq(pools_call_chunk(c, KM_ADMIN_UPDATE, "chunks", 3), KM_ERR_INVALID_ARGUMENT);
+    cr_assert_eq(pools_call_chunk(c, KM_ADMIN_UPDATE, "chunks", 2), KM_OK);
+    cr_assert_eq(pools_call_chunk(c, KM_ADMIN_UPDATE, "main", 2), KM_ERR_INVALID_ARGUMENT,
+                 "a pool of one-block chunks cannot become one of two");
+    km_message m = {.type = KM_MESSAGE_POOLS}, reply;
+    m.pools.action = KM_ADMIN_LIST;
+    cr_assert_eq(km_client_call(c, &m, 5000, &reply), KM_OK);
+    cr_assert_eq(reply.pools.n_pools, 2);
+    cr_assert_str_eq(reply.pools.pools[0].name, "main");
+    cr_assert_eq(reply.pools.pools[0].offload_chunk_blocks, 0);
+    cr_assert_str_eq(reply.pools.pools[1].name, "chunks");
+    cr_assert_eq(reply.pools.pools[1].offload_chunk_blocks, 2);
+    km_client_close(c);
+    pools_stop(&s);
+}
+
 /* `kvmatch route --remove-pool NAME` (exit 0 with the ACK's status, 1 when the server refuses). */
 Test(pools, cli_remove_pool, .timeout = 60)
 {

@@ -14,6 +14,7 @@
 
 #include <msgpack.h>
 
+#include "kvmatch/feed.h"
 #include "kvmatch/hash.h"
 #include "kvmatch/protocol.h"
 #include "test_util.h"
@@ -244,6 +245,8 @@ static void rand_pool(km_rng *r, km_pool_info *p)
     p->model = maybe_str(r);
     p->block_size = km_rng_percent(r, 50) ? 1 + km_rng_below(r, 1000) : 0;
     p->hash_lookahead_tokens = km_rng_percent(r, 30) ? 1 + km_rng_below(r, KM_HASH_MAX_LOOKAHEAD) : 0;
+    p->offload_chunk_blocks =
+        km_rng_percent(r, 30) ? 1 + km_rng_below(r, KM_FEED_MAX_OFFLOAD_CHUNK_BLOCKS) : 0;
     p->policy = maybe_str(r);
     p->n_params = km_rng_below(r, 5);
     km_param *params = test_alloc(p->n_params * sizeof *params);
@@ -561,6 +564,7 @@ static void eq_message(const km_message *a, const km_message *b)
             EQ_STR(x->model, y->model, "model");
             EQ_NUM(x->block_size, y->block_size, "block_size");
             EQ_NUM(x->hash_lookahead_tokens, y->hash_lookahead_tokens, "hash_lookahead_tokens");
+            EQ_NUM(x->offload_chunk_blocks, y->offload_chunk_blocks, "offload_chunk_blocks");
             EQ_STR(x->policy, y->policy, "policy");
             EQ_NUM(x->n_params, y->n_params, "n_params");
             for (uint32_t k = 0; k < x->n_params; k++) {
@@ -1427,6 +1431,45 @@ Test(protocol, pool_hash_lookahead_tokens_is_bounded, .timeout = 10)
         } else {
             cr_assert_eq(m.pools.pools[0].status, KM_ERR_PARSE);
             cr_assert(strstr(m.pools.pools[0].message, "hash_lookahead_tokens"), "%s",
+                      m.pools.pools[0].message);
+        }
+    }
+    km_protocol_decoder_destroy(dec);
+}
+
+/* A pool's offload_chunk_blocks: absent is 0, 1 to KM_FEED_MAX_OFFLOAD_CHUNK_BLOCKS is read, 0
+ * or a larger one fails that pool's item naming the field and the others still decode. */
+Test(protocol, pool_offload_chunk_blocks_is_bounded, .timeout = 10)
+{
+    static const uint64_t values[] = {1, 2, KM_FEED_MAX_OFFLOAD_CHUNK_BLOCKS, 0,
+                                      KM_FEED_MAX_OFFLOAD_CHUNK_BLOCKS + 1, UINT64_C(1) << 32};
+    km_protocol_decoder *dec = new_decoder();
+    for (size_t v = 0; v < sizeof values / sizeof values[0]; v++) {
+        packer_buf p;
+        msgpack_packer *pk = pb_begin(&p);
+        msgpack_pack_map(pk, 4);
+        pk_str(pk, "type"), pk_str(pk, "POOLS");
+        pk_str(pk, "id"), msgpack_pack_uint64(pk, 1);
+        pk_str(pk, "action"), pk_str(pk, "add");
+        pk_str(pk, "pools"), msgpack_pack_array(pk, 2);
+        msgpack_pack_map(pk, 3);
+        pk_str(pk, "name"), pk_str(pk, "a");
+        pk_str(pk, "block_size"), msgpack_pack_uint32(pk, 16);
+        pk_str(pk, "offload_chunk_blocks"), msgpack_pack_uint64(pk, values[v]);
+        msgpack_pack_map(pk, 2);
+        pk_str(pk, "name"), pk_str(pk, "b");
+        pk_str(pk, "block_size"), msgpack_pack_uint32(pk, 16);
+        km_message m;
+        cr_assert_eq(decode_packed(dec, &p, &m), KM_OK, "%s", km_protocol_decoder_last_error(dec));
+        cr_assert_eq(m.pools.n_pools, 2);
+        cr_assert_eq(m.pools.pools[1].status, KM_OK);
+        cr_assert_eq(m.pools.pools[1].offload_chunk_blocks, 0);
+        if (values[v] >= 1 && values[v] <= KM_FEED_MAX_OFFLOAD_CHUNK_BLOCKS) {
+            cr_assert_eq(m.pools.pools[0].status, KM_OK, "%s", m.pools.pools[0].message);
+            cr_assert_eq(m.pools.pools[0].offload_chunk_blocks, values[v]);
+        } else {
+            cr_assert_eq(m.pools.pools[0].status, KM_ERR_PARSE, "value %" PRIu64, values[v]);
+            cr_assert(strstr(m.pools.pools[0].message, "offload_chunk_blocks"), "%s",
                       m.pools.pools[0].message);
         }
     }

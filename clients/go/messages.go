@@ -111,12 +111,14 @@ type Worker struct {
 
 // Pool is a pool map of POOLS add / update and POOL_LIST. BlockSize 0 is not sent (add then
 // fails that pool with ErrBlockSize; update leaves it unchanged). HashLookaheadTokens (the
-// engines' lookahead hashing, set in add only) 0 is not sent: none.
+// engines' lookahead hashing, set in add only) 0 is not sent: none. OffloadChunkBlocks (blocks per
+// chunk of the engines' KV offloading connector, set in add only) 0 is not sent: 1.
 type Pool struct {
 	Name                string             `msgpack:"name"`
 	Model               string             `msgpack:"model"`
 	BlockSize           uint32             `msgpack:"block_size"`
 	HashLookaheadTokens uint32             `msgpack:"hash_lookahead_tokens"`
+	OffloadChunkBlocks  uint32             `msgpack:"offload_chunk_blocks"`
 	Policy              string             `msgpack:"policy"`
 	Params              map[string]float64 `msgpack:"params"`
 }
@@ -412,6 +414,9 @@ func (p *Pool) EncodeMsgpack(e *msgpack.Encoder) error {
 	}
 	if p.HashLookaheadTokens != 0 {
 		f = append(f, "hash_lookahead_tokens", p.HashLookaheadTokens)
+	}
+	if p.OffloadChunkBlocks != 0 {
+		f = append(f, "offload_chunk_blocks", p.OffloadChunkBlocks)
 	}
 	if p.Params != nil {
 		f = append(f, "params", p.Params)

@@ -435,6 +435,11 @@ typedef struct km_pool_info {
     const char *policy;  /* NULL when absent */
     const km_param *params;
     uint32_t n_params;
+    /* Blocks per offloaded chunk of the engines' KV connector, by which placeholder stores are
+     * placed (km_feed_config.offload_chunk_blocks); 0 = absent: 1 at ADD. Set at ADD only:
+     * UPDATE refuses a value other than the pool's. 1 to KM_FEED_MAX_OFFLOAD_CHUNK_BLOCKS when
+     * present. */
+    uint32_t offload_chunk_blocks;
 } km_pool_info;
 
 typedef struct km_pools_message {

@@ -224,6 +224,7 @@ void km_srv_handle_pools(conn *c, const km_message *m)
             list[i].model = p->model;
             list[i].block_size = p->block_size;
             list[i].hash_lookahead_tokens = p->hash_lookahead_tokens;
+            list[i].offload_chunk_blocks = p->offload_chunk_blocks > 1 ? p->offload_chunk_blocks : 0;
             list[i].policy = km_policy_kind_name(p->policy.kind);
             km_param *pp = params[i];
             pp[0] = (km_param){"temperature", p->policy.kv.temperature};
@@ -298,6 +299,11 @@ void km_srv_handle_pools(conn *c, const km_message *m)
                            "pool %s: hash_lookahead_tokens cannot change (the index is hashed "
                            "with %u)",
                            pi->name, s->pools[at]->hash_lookahead_tokens);
+            } else if (pi->offload_chunk_blocks &&
+                       pi->offload_chunk_blocks != s->pools[at]->offload_chunk_blocks) {
+                rc = km_why(msgs[i], sizeof msgs[i], KM_ERR_INVALID_ARGUMENT,
+                           "pool %s: offload_chunk_blocks cannot change (chunks are held with %u)",
+                           pi->name, s->pools[at]->offload_chunk_blocks);
             } else if (pi->model && !km_utf8_name(pi->model)) {
                 /* As km_srv_pool_create checks it: the model is a string in /status and the
                  * records. */
@@ -334,6 +340,7 @@ void km_srv_handle_pools(conn *c, const km_message *m)
             pc.model = pi->model;
             pc.block_size = pi->block_size;
             pc.hash_lookahead_tokens = pi->hash_lookahead_tokens;
+            pc.offload_chunk_blocks = pi->offload_chunk_blocks;
             pool *np = NULL;
             rc = km_srv_pool_create(s, &pc, &np, msgs[i], sizeof msgs[i]);
             if (rc == KM_OK)

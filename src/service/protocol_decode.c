@@ -20,6 +20,7 @@
 
 #include <msgpack.h>
 
+#include "kvmatch/feed.h"
 #include "kvmatch/hash.h"
 #include "kvmatch/protocol.h"
 #include "base/msgpack_scan.h"
@@ -812,9 +813,10 @@ static int decode_worker(km_protocol_decoder *d, const msgpack_object *o, km_wor
 
 static int decode_pool(km_protocol_decoder *d, const msgpack_object *o, km_pool_info *p)
 {
-    enum { NAME, MODEL, BLOCK_SIZE, LOOKAHEAD, POLICY, PARAMS, N_FIELDS };
+    enum { NAME, MODEL, BLOCK_SIZE, LOOKAHEAD, POLICY, PARAMS, CHUNK, N_FIELDS };
     static const char *const names[N_FIELDS] = {"name",   "model",  "block_size",
-                                                "hash_lookahead_tokens", "policy", "params"};
+                                                "hash_lookahead_tokens", "policy", "params",
+                                                "offload_chunk_blocks"};
     const msgpack_object *v[N_FIELDS];
     int rc = bind_fields(d, o, NULL, names, N_FIELDS, v);
     if (rc)
@@ -824,13 +826,20 @@ static int decode_pool(km_protocol_decoder *d, const msgpack_object *o, km_pool_
         (rc = OPT(read_u32(d, v[BLOCK_SIZE], "block_size", &p->block_size), v[BLOCK_SIZE])) ||
         (rc = OPT(read_u32(d, v[LOOKAHEAD], "hash_lookahead_tokens", &p->hash_lookahead_tokens),
                   v[LOOKAHEAD])) ||
-        (rc = OPT(read_str(d, v[POLICY], "policy", &p->policy), v[POLICY])))
+        (rc = OPT(read_str(d, v[POLICY], "policy", &p->policy), v[POLICY])) ||
+        (rc = OPT(read_u32(d, v[CHUNK], "offload_chunk_blocks", &p->offload_chunk_blocks),
+                  v[CHUNK])))
         return rc;
     if (v[BLOCK_SIZE] && p->block_size == 0)
         return field_fail(d, KM_ERR_PARSE, "block_size", NO_ELEMENT, "must be at least 1");
     if (p->hash_lookahead_tokens > KM_HASH_MAX_LOOKAHEAD)
         return field_fail(d, KM_ERR_PARSE, "hash_lookahead_tokens", NO_ELEMENT, "%u is over %u",
                           p->hash_lookahead_tokens, KM_HASH_MAX_LOOKAHEAD);
+    if (v[CHUNK] && (p->offload_chunk_blocks == 0 ||
+                     p->offload_chunk_blocks > KM_FEED_MAX_OFFLOAD_CHUNK_BLOCKS))
+        return field_fail(d, KM_ERR_PARSE, "offload_chunk_blocks", NO_ELEMENT,
+                          "%u is outside 1 to %u", p->offload_chunk_blocks,
+                          KM_FEED_MAX_OFFLOAD_CHUNK_BLOCKS);
     if (v[PARAMS]) {
         const msgpack_object *m = v[PARAMS];
         if (m->type != MSGPACK_OBJECT_MAP)

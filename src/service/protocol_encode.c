@@ -487,6 +487,8 @@ static void encode_pool(writer *w, const km_pool_info *p, uint32_t i)
         put_u64(w, &m, "block_size", p->block_size);
     if (p->hash_lookahead_tokens)
         put_u64(w, &m, "hash_lookahead_tokens", p->hash_lookahead_tokens);
+    if (p->offload_chunk_blocks)
+        put_u64(w, &m, "offload_chunk_blocks", p->offload_chunk_blocks);
     put_str(w, &m, "policy", p->policy);
     if (p->n_params && check_array(w, where, "params", p->params, p->n_params)) {
         put_key(w, &m, "params");

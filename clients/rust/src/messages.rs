@@ -154,6 +154,9 @@ pub struct Pool {
     /// Tokens after each block its hash covers (the engines' lookahead hashing); set in add only,
     /// None there: none.
     pub hash_lookahead_tokens: Option<u32>,
+    /// Blocks per chunk of the engines' KV offloading connector (placeholder stores); set in add
+    /// only, None there: 1.
+    pub offload_chunk_blocks: Option<u32>,
     pub policy: Option<String>,
     pub params: Vec<(String, f64)>,
 }
@@ -398,7 +401,8 @@ impl Pool {
             .str("model", &self.model)
             .str("policy", &self.policy)
             .uint("block_size", self.block_size.map(u64::from))
-            .uint("hash_lookahead_tokens", self.hash_lookahead_tokens.map(u64::from));
+            .uint("hash_lookahead_tokens", self.hash_lookahead_tokens.map(u64::from))
+            .uint("offload_chunk_blocks", self.offload_chunk_blocks.map(u64::from));
         if !self.params.is_empty() {
             m = m.put(
                 "params",
@@ -424,6 +428,7 @@ impl Pool {
             model: f.string("model")?,
             block_size: f.u32("block_size")?,
             hash_lookahead_tokens: f.u32("hash_lookahead_tokens")?,
+            offload_chunk_blocks: f.u32("offload_chunk_blocks")?,
             policy: f.string("policy")?,
             params,
         })
