@@ -953,8 +953,8 @@ static uint64_t listed_workers(const char *sock)
 }
 
 /* SIGHUP reads the config file again: a pool's policy and parameters change, its workers become
- * the listed ones, a new pool is added, a block size or offload chunk size change is refused (the
- * rest still applies),
+ * the listed ones, a new pool is added, a block size, lookahead or offload chunk size change is
+ * refused (the rest still applies),
  * each change is logged; the log file is reopened after a rotation, one JSON object a line. */
 Test(deploy, sighup_reloads_pools_workers_and_policy_from_the_config_file, .timeout = 90)
 {
@@ -1003,6 +1003,16 @@ Test(deploy, sighup_reloads_pools_workers_and_policy_from_the_config_file, .time
     cr_assert(wait_for(log, "offload_chunk_blocks cannot change"), "the refusal is logged");
     cr_assert_eq(listed_workers(sock), (1u << 0) | (1u << 2) | (1u << 5) | (1u << 6),
                  "pool extra is refused whole: no worker 7");
+
+    /* Nor the lookahead tokens the pool's chains are hashed with. */
+    write_file(cfg, "{\"pools\": [{\"name\": \"main\", \"block_size\": 4, \"policy\": \"kv\", "
+                    "\"hash_lookahead_tokens\": 1, \"workers\": [{\"id\": 0}, {\"id\": 2}, "
+                    "{\"id\": 3}]}, {\"name\": \"extra\", \"block_size\": 16, "
+                    "\"workers\": [{\"id\": 5}, {\"id\": 6}]}]}");
+    cr_assert_eq(kill(pid, SIGHUP), 0);
+    cr_assert(wait_for(log, "hash_lookahead_tokens cannot change"), "the refusal is logged");
+    cr_assert_eq(listed_workers(sock), (1u << 0) | (1u << 2) | (1u << 5) | (1u << 6),
+                 "pool main is refused whole: no worker 3");
 
     cr_assert_eq(kill(pid, SIGTERM), 0);
     int st = 0;

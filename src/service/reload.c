@@ -99,6 +99,14 @@ int km_server_reload(km_server *s, const km_server_config *n)
                 first_error = first_error ? first_error : KM_ERR_INVALID_ARGUMENT;
                 continue;
             }
+            if (pc->hash_lookahead_tokens != p->hash_lookahead_tokens) {
+                /* The pool's chains are hashed with its lookahead tokens. */
+                km_srv_log(s, KM_LOG_WARNING
+                           "reload: pool %s refused: hash_lookahead_tokens cannot change (the "
+                           "index is hashed with %u)", pc->name, p->hash_lookahead_tokens);
+                first_error = first_error ? first_error : KM_ERR_INVALID_ARGUMENT;
+                continue;
+            }
             uint32_t chunk_blocks = pc->offload_chunk_blocks ? pc->offload_chunk_blocks : 1;
             if (chunk_blocks != p->offload_chunk_blocks) {
                 /* Placeholder chunks held now were placed with the old size: their removals must
