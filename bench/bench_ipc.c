@@ -45,6 +45,7 @@
 
 #include <jansson.h>
 
+#include "base/array.h"
 #include "bench_common.h"
 #include "cli/options.h"
 #include "kvmatch/kvmatch.h"
@@ -154,16 +155,8 @@ static int rtt_keep(rtt_samples *keep, const double *rtt, size_t n)
         return KM_OK;
     if (n > RTT_SAMPLES_MAX - keep->n)
         n = RTT_SAMPLES_MAX - keep->n;
-    if (keep->n + n > keep->cap) {
-        size_t cap = keep->cap ? keep->cap : 4096;
-        while (cap < keep->n + n)
-            cap *= 2;
-        double *v = realloc(keep->v, cap * sizeof *v);
-        if (!v)
-            return KM_ERR_OUT_OF_MEMORY;
-        keep->v = v;
-        keep->cap = cap;
-    }
+    if (KM_ARRAY_GROW(keep->v, keep->cap, keep->n + n, 4096) != KM_OK)
+        return KM_ERR_OUT_OF_MEMORY;
     memcpy(keep->v + keep->n, rtt, n * sizeof *rtt);
     keep->n += n;
     return KM_OK;
