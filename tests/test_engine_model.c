@@ -172,3 +172,52 @@ Test(engine_model, predicted_ttft_follows_the_queue_and_is_monotonic, .timeout =
         }
     }
 }
+
+/* A request arriving at a busy worker waits, on average, for half of the step it is running: one
+ * step of the queued prefill (at most the token budget) beside the decodes; nothing at an idle
+ * worker. */
+Test(engine_model, step_in_progress_is_half_the_running_step, .timeout = 30)
+{
+    km_engine_model m = preset(KM_ENGINE_MODEL_DEFAULT_PRESET);
+    cr_assert_float_eq(km_engine_model_step_in_progress_us(&m, NULL), 0.0, 0.0);
+    km_engine_load idle = {0, 0, 0, 0, 0, 0};
+    cr_assert_float_eq(km_engine_model_step_in_progress_us(&m, &idle), 0.0, 0.0);
+    /* Queued prefill past the budget: one full-budget step. */
+    km_engine_load queued = {3 * m.max_num_batched_tokens + 7, 2, 0, 0, 0, 0};
+    km_engine_step full = {m.max_num_batched_tokens, 0, 0, 0};
+    cr_assert_float_eq(km_engine_model_step_in_progress_us(&m, &queued),
+                       0.5 * km_engine_model_step_us(&m, &full), 1e-9);
+    /* Decodes alone: one decode step. */
+    km_engine_load decoding = {0, 0, 12, 40000, 0, 0};
+    km_engine_step decode = {0, 0, 12, 40000};
+    cr_assert_float_eq(km_engine_model_step_in_progress_us(&m, &decoding),
+                       0.5 * km_engine_model_step_us(&m, &decode), 1e-9);
+
+    km_rng r;
+    km_rng_init(&r, km_test_seed());
+    for (size_t p = 0; km_engine_model_preset_name(p); p++) {
+        km_engine_model e = preset(km_engine_model_preset_name(p));
+        for (int i = 0; i < 2000; i++) {
+            km_engine_load load = {km_rng_below(&r, 40000), km_rng_below(&r, 20),
+                                   km_rng_below(&r, 300), km_rng_below(&r, 400000),
+                                   km_rng_below(&r, 5000), km_rng_below(&r, 1000000)};
+            double t = km_engine_model_step_in_progress_us(&e, &load);
+            uint64_t chunk = load.prefill_tokens < e.max_num_batched_tokens
+                                 ? load.prefill_tokens
+                                 : e.max_num_batched_tokens;
+            km_engine_step running = {chunk, 0, load.decode_requests, load.decode_context_tokens};
+            double expect = load.prefill_tokens || load.decode_requests
+                                ? 0.5 * km_engine_model_step_us(&e, &running)
+                                : 0.0;
+            KM_CHECK(fabs(t - expect) <= 1e-9 * (expect + 1), "preset %zu: %.3f against %.3f", p,
+                     t, expect);
+            /* More queued tokens or more decodes never shorten it; pairs and memory do not enter. */
+            km_engine_load more = load;
+            more.prefill_tokens += 1 + km_rng_below(&r, 10000);
+            KM_CHECK(km_engine_model_step_in_progress_us(&e, &more) >= t, "queued tokens");
+            more = load;
+            more.decode_requests += 1 + km_rng_below(&r, 50);
+            KM_CHECK(km_engine_model_step_in_progress_us(&e, &more) >= t, "decodes");
+        }
+    }
+}

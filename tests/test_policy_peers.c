@@ -147,16 +147,17 @@ Test(policy_peers, ttft_known_answers)
     km_policy_candidate c[2] = {cand(1, 90, 2, 2, 2000, 0), cand(2, 0, 0, 0, 0, 0)};
     double costs[2];
     km_policy_decision d = decide(&cfg, &req, c, 2, costs);
-    /* w1: 2000 queued + 170 own tokens = 3 steps of the 1 ms floor or 10 us a token: 10 + 10 +
-     * 1.7 ms. w2: 1610 tokens, 10 + 6.1 ms, plus 1440 extra tokens (14.4 ms) once. */
-    cr_assert_float_eq(costs[0], 21.7, 1e-9);
+    /* w1: half of the 1000-token step it is running (5 ms), then 2000 queued + 170 own tokens = 3
+     * steps of the 1 ms floor or 10 us a token: 10 + 10 + 1.7 ms. w2 (idle: no step to wait for):
+     * 1610 tokens, 10 + 6.1 ms, plus 1440 extra tokens (14.4 ms) once. */
+    cr_assert_float_eq(costs[0], 5.0 + 21.7, 1e-9);
     cr_assert_float_eq(costs[1], 16.1 + 14.4, 1e-9);
     cr_assert_eq(d.chosen, 0);
     cr_assert_eq(d.reason, KM_POLICY_REASON_MIN_TTFT);
     /* A longer queue at the owner tips it. */
     c[0].pending_prefill_tokens = 20000;
     d = decide(&cfg, &req, c, 2, costs);
-    cr_assert_float_eq(costs[0], 201.7, 1e-9);
+    cr_assert_float_eq(costs[0], 5.0 + 201.7, 1e-9);
     cr_assert_eq(d.chosen, 1);
     /* Moving the work onto a worker with waiting requests charges it once per waiter. */
     c[1].prefilling = c[1].in_flight = 3;
@@ -194,15 +195,15 @@ Test(policy_peers, ttft_counts_the_prefix_a_queued_prefill_will_store)
     c[0].queued_depth = 100;
     double costs[2];
     km_policy_decision d = decide(&cfg, &req, c, 2, costs);
-    /* w1: 1600 queued + 10 own tokens, 10 + 6.1 ms. w2: 1610 tokens, 16.1 ms, plus the 1600 tokens
-     * w1 would not recompute (16 ms) once. */
-    cr_assert_float_eq(costs[0], 16.1, 1e-9);
+    /* w1: half of its running 1000-token step (5 ms), then 1600 queued + 10 own tokens, 10 + 6.1
+     * ms. w2: 1610 tokens, 16.1 ms, plus the 1600 tokens w1 would not recompute (16 ms) once. */
+    cr_assert_float_eq(costs[0], 5.0 + 16.1, 1e-9);
     cr_assert_float_eq(costs[1], 16.1 + 16.0, 1e-9);
     cr_assert_eq(d.chosen, 0);
     /* Without the queued depth w1 looks cold behind 1600 tokens: w2 wins. */
     c[0].queued_depth = 0;
     d = decide(&cfg, &req, c, 2, costs);
-    cr_assert_float_eq(costs[0], 32.1, 1e-9);
+    cr_assert_float_eq(costs[0], 5.0 + 32.1, 1e-9);
     cr_assert_float_eq(costs[1], 16.1, 1e-9);
     cr_assert_eq(d.chosen, 1);
     /* A queued depth below the index's depth changes nothing. */

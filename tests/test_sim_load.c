@@ -110,6 +110,90 @@ Test(sim_load, sweeps_are_deterministic_and_loads_are_checked, .timeout = 240)
     cr_assert_eq(km_sim_run(&cfg, a, NULL, why, sizeof why), KM_ERR_INVALID_ARGUMENT);
 }
 
+static int compare_doubles(const void *x, const void *y)
+{
+    double a = *(const double *)x, b = *(const double *)y;
+    return (a > b) - (a < b);
+}
+
+/* The median, over the requests ttft placed on a busy worker, of its predicted time to first token
+ * there (the chosen candidate's cost in the decision record) over the simulator's (the outcome's
+ * router_ttft_ms). */
+static double median_predicted_over_actual(const char *path, size_t requests)
+{
+    double *cost = calloc(requests + 1, sizeof *cost), *ratio = calloc(requests + 1, sizeof *ratio);
+    cr_assert(cost && ratio);
+    for (size_t i = 0; i <= requests; i++)
+        cost[i] = NAN;
+    FILE *f = fopen(path, "r");
+    cr_assert_not_null(f, "%s", path);
+    static char line[1 << 17];
+    size_t n = 0;
+    while (fgets(line, sizeof line, f)) {
+        json_t *rec = json_loads(line, 0, NULL);
+        cr_assert_not_null(rec, "a record line is JSON");
+        size_t id = (size_t)json_integer_value(json_object_get(rec, "decision_id"));
+        cr_assert(id >= 1 && id <= requests, "decision id %zu", id);
+        if (!strcmp(json_string_value(json_object_get(rec, "type")), "decision")) {
+            json_t *chosen = json_object_get(json_object_get(rec, "decision"), "chosen");
+            const char *worker = json_string_value(json_object_get(chosen, "worker"));
+            size_t k;
+            json_t *c;
+            json_array_foreach(json_object_get(rec, "candidates"), k, c)
+            {
+                if (strcmp(json_string_value(json_object_get(c, "worker")), worker) == 0 &&
+                    json_integer_value(json_object_get(c, "in_flight")) > 0)
+                    cost[id] = json_number_value(json_object_get(c, "cost"));
+            }
+        } else {
+            /* Records are written in order: a decision before its outcome. */
+            json_t *ttft = json_object_get(rec, "router_ttft_ms");
+            if (!isnan(cost[id]) && json_is_number(ttft) && json_number_value(ttft) > 0)
+                ratio[n++] = cost[id] / json_number_value(ttft);
+        }
+        json_decref(rec);
+    }
+    fclose(f);
+    cr_assert_gt(n, requests / 2, "most requests met a busy worker (%zu of %zu)", n, requests);
+    qsort(ratio, n, sizeof *ratio, compare_doubles);
+    double median = ratio[n / 2];
+    free(cost);
+    free(ratio);
+    return median;
+}
+
+/* The engine model's prediction, which ttft minimises, matches the simulated engines it models: on
+ * busy workers the median predicted time to first token is within 10% of the simulator's, on
+ * workloads where a request's own prefill is small (system prompts) and large (documents), at a
+ * fresh seed. */
+Test(sim_load, ttft_predictions_match_the_simulated_engines, .timeout = 240)
+{
+    static const km_sim_shape shapes[] = {KM_SIM_SHAPE_SYSTEM_PROMPT, KM_SIM_SHAPE_DOCQA};
+    for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
+        char dir[] = "/tmp/km-sim-calibration-XXXXXX";
+        cr_assert_not_null(mkdtemp(dir));
+        km_sim_config cfg;
+        sweep_config(&cfg);
+        km_sim_generator_config_shape(shapes[s], &cfg.generator);
+        cfg.generator.requests = 1000;
+        cfg.generator.seed = 1 + km_test_seed() % 1000;
+        cfg.policies[0] = "ttft";
+        cfg.loads[0] = 0.8;
+        cfg.n_loads = 1;
+        cfg.records_dir = dir;
+        km_sim_result r[1];
+        char why[512];
+        cr_assert_eq(km_sim_run(&cfg, r, NULL, why, sizeof why), KM_OK, "%s", why);
+        char path[256];
+        snprintf(path, sizeof path, "%s/records-ttft.jsonl", dir);
+        double median = median_predicted_over_actual(path, r[0].routed);
+        KM_CHECK(median > 0.9 && median < 1.1, "%s, seed %llu: predicted / simulated %.3f",
+                 km_sim_shape_name(shapes[s]), (unsigned long long)cfg.generator.seed, median);
+        unlink(path);
+        rmdir(dir);
+    }
+}
+
 /* ---- the command line ------------------------------------------------------------------------ */
 
 static const char *find_chromium(void)

@@ -120,6 +120,14 @@ double km_engine_model_predict_ttft_us(const km_engine_model *m, const km_engine
                                        uint32_t host_blocks, uint32_t disk_blocks,
                                        uint64_t request_blocks, uint64_t output_tokens);
 
+/* The time a request arriving at a worker in state *load waits for the step the worker is running
+ * to end, in microseconds, on average: half of one step of min(load->prefill_tokens,
+ * max_num_batched_tokens) prefill tokens beside its decodes (km_engine_model_step_us without the
+ * attention term), and 0 when the worker has neither (idle) or load is NULL. Arrivals fall at
+ * random points of a step, and the queue replay of km_engine_model_predict_ttft_us starts at a
+ * step boundary; a predicted time to first token on a busy worker is the sum of the two. */
+double km_engine_model_step_in_progress_us(const km_engine_model *m, const km_engine_load *load);
+
 #ifdef __cplusplus
 }
 #endif

@@ -347,7 +347,8 @@ const char *km_policy_last_error(const km_policy_state *state);
  * ttft: workers the bound leaves out (cfg->ttft: in_flight + 1 > the bound, prefix_sharers >=
  *   hot_prefix_sharers and a queued hit deeper than every within-bound worker's, while some worker
  *   has in_flight + 1 within it) are not weighed (cost NAN). With queued hit = min(max(depth, queued_depth), (T - 1) / B) (the blocks beyond depth
- *   are on the device): cost = km_engine_model_predict_ttft_us (the worker's queue as its
+ *   are on the device): cost = km_engine_model_step_in_progress_us (the rest of the step it is
+ *   running) + km_engine_model_predict_ttft_us (the worker's queue as its
  *   pending_prefill_tokens and pending_prefill_pairs; cached = queued hit * B with the hit's host
  *   and disk blocks, uncached = T - cached, the request's blocks ceil((T +
  *   expected_output_tokens) / B)) + max(1, prefilling) * the prefill work of (T - cached) tokens

@@ -152,6 +152,15 @@ uint64_t km_engine_model_chunk_pairs(uint64_t before, uint64_t chunk)
     return chunk * before + chunk * (chunk + 1) / 2;
 }
 
+double km_engine_model_step_in_progress_us(const km_engine_model *m, const km_engine_load *load)
+{
+    if (!load || (!load->decode_requests && !load->prefill_tokens))
+        return 0.0;
+    uint64_t chunk = load->prefill_tokens < m->max_num_batched_tokens ? load->prefill_tokens
+                                                                       : m->max_num_batched_tokens;
+    return 0.5 * step_linear_us(m, chunk, load->decode_requests, load->decode_context_tokens);
+}
+
 double km_engine_model_predict_ttft_us(const km_engine_model *m, const km_engine_load *load,
                                        uint64_t cached_tokens, uint64_t uncached_tokens,
                                        uint32_t host_blocks, uint32_t disk_blocks,

@@ -527,7 +527,8 @@ static km_engine_load engine_load_of(const km_policy_candidate *c, uint32_t bloc
     return load;
 }
 
-/* The predicted time to first token of req on c, in microseconds (engine_model.h). */
+/* The predicted time to first token of req on c, in microseconds: the rest of the step c is
+ * running, then its queue and the request's own prefill (engine_model.h). */
 static double predicted_ttft_us(const km_policy_config *cfg, const km_policy_request *req,
                                 const km_policy_candidate *c)
 {
@@ -547,7 +548,8 @@ static double predicted_ttft_us(const km_policy_config *cfg, const km_policy_req
     uint64_t cached = (uint64_t)hit * req->block_size;
     uint64_t request_blocks = ceil_div(tokens + req->expected_output_tokens, req->block_size);
     km_engine_load load = engine_load_of(c, req->block_size);
-    return km_engine_model_predict_ttft_us(&cfg->engine, &load, cached, tokens - cached, host, disk,
+    return km_engine_model_step_in_progress_us(&cfg->engine, &load) +
+           km_engine_model_predict_ttft_us(&cfg->engine, &load, cached, tokens - cached, host, disk,
                                            request_blocks, req->expected_output_tokens);
 }
 
