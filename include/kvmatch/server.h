@@ -131,7 +131,9 @@ typedef struct km_server_config {
                                  * batch of everything queued leaves them taking turns. */
     uint32_t inline_routes;     /* frames holding at most this many routes, arriving while the
                                  * scheduler is idle, are decided on the loop thread at once (no
-                                 * thread hand-off); 0 = always the scheduler thread; default 16 */
+                                 * thread hand-off), as many as max_batch_routes allows when no
+                                 * bigger frame is queued with them; 0 = always the scheduler
+                                 * thread; default 16 */
     uint32_t max_queued_routes; /* more waiting than this: ROUTE gets KM_ERR_OVERLOADED; 65,536 */
     /* Load shedding (docs/RELIABILITY.md): a route that waited in the queue longer than
      * max_queue_wait_ms is answered KM_ERR_OVERLOADED when the scheduler reaches it, without

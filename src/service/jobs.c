@@ -292,6 +292,8 @@ void km_srv_handle_route(conn *c, const km_message *m)
             s->queue_light_tail = j;
     }
     s->queued_routes += j->n_routes;
+    if (j->n_routes > s->inline_routes)
+        s->queued_big_frames++;
     pthread_mutex_unlock(&s->queue_lock);
     s->dispatch_pending = true; /* on_dispatch (scheduler.c) runs it or wakes the scheduler */
 }

@@ -208,6 +208,7 @@ static uint64_t drop_queued(km_server *s)
     s->queue_head = s->queue_tail = s->queue_light_tail = NULL;
     uint64_t routes = s->queued_routes;
     s->queued_routes = 0;
+    s->queued_big_frames = 0;
     pthread_mutex_unlock(&s->queue_lock);
     while (list) {
         job *j = list;

@@ -413,6 +413,8 @@ static job *take_jobs(km_server *s)
         if (!j->shed)
             routes += j->n_routes;
         taken += j->n_routes;
+        if (j->n_routes > s->inline_routes)
+            s->queued_big_frames--;
     }
     if (!s->queue_head)
         s->queue_tail = NULL;
@@ -573,11 +575,13 @@ static void on_expiry_tick(uv_timer_t *t)
     release_after_drain(s);
 }
 
-/* After the loop iteration's reads (a uv_check callback): frames queued in this iteration either
- * run here at once, when the scheduler role is free and they hold at most inline_routes routes,
- * or go to the scheduler thread with one wake-up. Inline, a lone route costs no thread hand-off
- * either way (two wake-ups fewer); bigger batches go to the scheduler, so decoding and encoding
- * on this thread overlap their scoring. */
+/* After the loop iteration's reads (a uv_check callback): the queued frames either run here at
+ * once, when the scheduler role is free and each holds at most inline_routes routes (up to
+ * max_batch_routes of them in one batch; the rest go to the scheduler thread), or, when some frame
+ * is bigger, go to the scheduler thread with one wake-up. Inline, a lone route costs no thread
+ * hand-off either way (two wake-ups fewer), and neither does a burst of small frames that queued
+ * while this thread was held up; big frames go to the scheduler, so decoding and encoding on this
+ * thread overlap their scoring. */
 static void on_dispatch(uv_check_t *h)
 {
     km_server *s = h->data;
@@ -585,7 +589,7 @@ static void on_dispatch(uv_check_t *h)
         return;
     s->dispatch_pending = false;
     pthread_mutex_lock(&s->queue_lock);
-    if (s->scheduler_busy || !s->queue_head || s->queued_routes > s->inline_routes) {
+    if (s->scheduler_busy || !s->queue_head || s->queued_big_frames) {
         pthread_cond_signal(&s->queue_cond);
         pthread_mutex_unlock(&s->queue_lock);
         return;

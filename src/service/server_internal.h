@@ -354,6 +354,7 @@ struct km_server {
     job *queue_light_tail; /* the last of the light connections' frames, which lead the queue
                             * (jobs.c, LIGHT_CONNECTION_ROUTES); NULL: none queued */
     uint64_t queued_routes;
+    uint32_t queued_big_frames; /* of the queued frames, those of more than inline_routes routes */
     bool scheduler_stop;
     /* The scheduler role: held (under queue_lock) by whoever runs housekeeping or a batch, the
      * scheduler thread or the loop thread running a small batch inline (on_dispatch). */
