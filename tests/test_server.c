@@ -991,6 +991,92 @@ static void many_clients(uint32_t inline_routes)
 Test(server, many_concurrent_pipelined_clients, .timeout = 60) { many_clients(16); }
 Test(server, many_concurrent_clients_scheduler_thread_only, .timeout = 60) { many_clients(0); }
 
+/* Writes one buffer of frames on fd: `big` (0 = none) routes in one ROUTE frame first, then
+ * `singles` frames of one route each; reads every reply. Returns the batches the server decided
+ * for them and, in *inline_out, how many of those ran on the loop thread. */
+static uint64_t burst(srv *s, int fd, km_protocol_decoder *dec, uint32_t big, uint32_t singles,
+                      uint64_t *inline_out)
+{
+    static uint8_t buf[1 << 20];
+    km_server_stats before, after;
+    km_server_get_stats(s->server, &before);
+    static uint32_t next_id;
+    static char ids[128][24];
+    km_route_request routes[128];
+    uint32_t n = big + singles;
+    cr_assert_leq(n, 128);
+    for (uint32_t i = 0; i < n; i++) {
+        snprintf(ids[i], sizeof ids[i], "burst-%u", next_id++); /* each its own request */
+        routes[i] = token_route(ids[i], i % 7, 3 * BS);
+    }
+    km_frame_buffer fb;
+    km_frame_buffer_init(&fb);
+    uint32_t frames = 0;
+    for (uint32_t i = 0, at = 0; i < (big ? 1 : 0) + singles; i++) {
+        km_message m;
+        memset(&m, 0, sizeof m);
+        m.type = KM_MESSAGE_ROUTE;
+        m.has_id = true;
+        m.id = 1000 + i;
+        m.route.routes = routes + at;
+        m.route.n_routes = big && i == 0 ? big : 1;
+        at += m.route.n_routes;
+        cr_assert_eq(km_protocol_encode(&m, 0, &fb, NULL, 0), KM_OK);
+        frames++;
+    }
+    cr_assert_eq(write(fd, fb.data, fb.size), (ssize_t)fb.size);
+    km_frame_buffer_free(&fb);
+    for (uint32_t i = 0; i < frames; i++) {
+        km_message m;
+        cr_assert_eq(raw_read_reply(fd, dec, &m, buf, sizeof buf), KM_OK);
+        cr_assert_eq(m.type, KM_MESSAGE_DECISION);
+    }
+    /* The counters are updated as the batch ends, which may be after its replies went out. */
+    for (int i = 0; i < 2000; i++) {
+        km_server_get_stats(s->server, &after);
+        if (after.decisions - before.decisions >= (uint64_t)big + singles)
+            break;
+        usleep(1000);
+    }
+    cr_assert_eq(after.decisions - before.decisions, (uint64_t)big + singles);
+    *inline_out = after.inline_batches - before.inline_batches;
+    return after.batches - before.batches;
+}
+
+/* inline_routes applies to each frame: a burst of single routes that reaches the server at once,
+ * more of them than inline_routes, is decided on the loop thread as long as the scheduler role is
+ * free (the scheduler thread's tick may hold it for an instant: one of five bursts is enough); a
+ * frame of more routes than inline_routes always goes to the scheduler thread, with whatever is
+ * queued beside it. */
+Test(server, a_burst_of_small_frames_runs_inline_and_a_big_frame_does_not, .timeout = 60)
+{
+    srv s = {0};
+    km_server_config cfg;
+    test_config(&cfg, &s, KM_POLICY_KV, 4);
+    cfg.records_path = NULL;
+    cfg.inline_routes = 16;
+    srv_start(&s, &cfg);
+    km_protocol_decoder *dec;
+    cr_assert_eq(km_protocol_decoder_create(NULL, &dec), KM_OK);
+    static uint8_t buf[1 << 16];
+    int fd = raw_connect(&s);
+    raw_hello(fd, dec, buf, sizeof buf, KM_PROTOCOL_VERSION);
+    bool all_inline = false;
+    for (int attempt = 0; attempt < 5 && !all_inline; attempt++) {
+        uint64_t inline_batches, batches = burst(&s, fd, dec, 0, 48, &inline_batches);
+        all_inline = batches >= 1 && inline_batches == batches;
+    }
+    cr_assert(all_inline, "48 single routes at once were decided on the loop thread");
+    for (int attempt = 0; attempt < 3; attempt++) {
+        uint64_t inline_batches, batches = burst(&s, fd, dec, 17, 8, &inline_batches);
+        cr_assert_gt(batches, inline_batches, "the 17-route frame went to the scheduler thread");
+    }
+    close(fd);
+    km_protocol_decoder_destroy(dec);
+    srv_stop(&s);
+    srv_cleanup(&s);
+}
+
 /* Replies leave each connection in the order its ROUTE frames came, one per frame with one
  * decision per route, whichever thread decided a frame and whichever wrote its reply: the loop
  * thread (inline batches, and replies handed back while others were queued) or the scheduler
