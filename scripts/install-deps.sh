@@ -53,8 +53,10 @@ if [ "$test_tools" = 1 ]; then
     need_library criterion libcriterion-dev
     have_command nats-server || have_package nats-server || missing+=(nats-server)
     need_command python3 python3
-    have_command python3 && python3 -c 'import msgpack' 2>/dev/null || have_package python3-msgpack || missing+=(python3-msgpack)
-    have_command python3 && python3 -c 'import jsonschema' 2>/dev/null || have_package python3-jsonschema || missing+=(python3-jsonschema)
+    # The tests run Debian's interpreter (/usr/bin/python3), which a python3 earlier on PATH (a
+    # pyenv or venv with its own modules) does not stand for.
+    [ -x /usr/bin/python3 ] && /usr/bin/python3 -c 'import msgpack' 2>/dev/null || have_package python3-msgpack || missing+=(python3-msgpack)
+    [ -x /usr/bin/python3 ] && /usr/bin/python3 -c 'import jsonschema' 2>/dev/null || have_package python3-jsonschema || missing+=(python3-jsonschema)
     have_command chromium || have_package chromium || missing+=(chromium)
 fi
 if [ "$client_tools" = 1 ]; then
