@@ -438,6 +438,8 @@ static void *scheduler_main(void *arg)
             tick = now_ns() >= next_tick;
             if (!s->scheduler_busy && (s->queue_head || s->events_pending || tick))
                 break;
+            if (s->trim_pending && !s->queue_head)
+                break; /* needs no role: inline batches go on meanwhile */
             struct timespec ts;
             clock_gettime(CLOCK_REALTIME, &ts);
             ts.tv_nsec += SCHEDULER_TICK_MS * 1000000L;
@@ -450,6 +452,13 @@ static void *scheduler_main(void *arg)
         if (s->scheduler_stop && !s->queue_head && !s->scheduler_busy) {
             pthread_mutex_unlock(&s->queue_lock);
             break;
+        }
+        if (s->trim_pending && !s->queue_head) {
+            s->trim_pending = false;
+            pthread_mutex_unlock(&s->queue_lock);
+            malloc_trim(0);
+            atomic_fetch_add(&s->st.drain_releases, 1); /* counted once the memory is back */
+            continue;
         }
         if (tick)
             next_tick = now_ns() + SCHEDULER_TICK_MS * UINT64_C(1000000);
@@ -539,8 +548,9 @@ static void on_expiry_more(uv_idle_t *h)
 
 /* Memory back after a drain: once active work has fallen to an eighth of a peak of at least
  * DRAIN_RELEASE_MIN entries, the caches that work filled (attempts, id buffers) are freed, the
- * active-work slab and maps too when nothing is in flight, and the heap's free memory is handed
- * back to the system (malloc_trim). Loop thread. */
+ * active-work slab and maps too when nothing is in flight (loop thread), and the heap's free
+ * memory is handed back to the system by the scheduler thread (malloc_trim walks the whole heap:
+ * milliseconds that would hold every route the loop thread serves meanwhile). */
 #define DRAIN_RELEASE_MIN 4096u
 
 static void release_after_drain(km_server *s)
@@ -562,8 +572,10 @@ static void release_after_drain(km_server *s)
     }
     pthread_mutex_unlock(&s->active_lock);
     if (drained) {
-        malloc_trim(0);
-        atomic_fetch_add(&s->st.drain_releases, 1);
+        pthread_mutex_lock(&s->queue_lock);
+        s->trim_pending = true;
+        pthread_cond_signal(&s->queue_cond);
+        pthread_mutex_unlock(&s->queue_lock);
     }
 }
 

@@ -360,6 +360,8 @@ struct km_server {
      * scheduler thread or the loop thread running a small batch inline (on_dispatch). */
     bool scheduler_busy;
     bool events_pending; /* a subscriber received messages since the last housekeeping */
+    bool trim_pending;   /* a drain released its memory: the scheduler thread hands the heap's
+                          * free pages back (malloc_trim), off the loop thread */
     batch_scratch scratch; /* the role's */
     uv_check_t dispatch;   /* after each loop iteration's reads: run or hand off new frames */
     bool dispatch_pending; /* loop thread: frames were queued in this iteration */
