@@ -1333,7 +1333,21 @@ static void random_sequences(uint64_t refresh, uint64_t ns_per_tick)
         now = km_rng_percent(&r, 3) && now > back ? now - back
                                                   : now + km_rng_below(&r, 120 * (uint32_t)ns_per_tick);
         uint32_t op = km_rng_below(&r, 100);
-        if (op < 75) {
+        if (step == 1498) {
+            /* Whatever the seed drew, one record longer than its worker's capacity: the deepest
+             * node's chain on worker 1, cut to one block. */
+            int deepest = 0;
+            for (int i = 1; i < AP_NODES; i++)
+                deepest = t.depth[i] > t.depth[deepest] ? i : deepest;
+            cr_assert_gt(t.depth[deepest], 1, "the tree has a chain of two blocks");
+            cr_assert_eq(km_approx_set_worker_capacity(a, 1, 1, &buf), KM_OK);
+            m.capacity[1] = 1;
+            ap_evict(&m, 1);
+            uint32_t n = ap_chain(&t, deepest, chain);
+            cr_assert_eq(km_approx_record(a, 1, chain, n, now, &buf), KM_OK, "%s",
+                         km_approx_last_error(a));
+            ap_record(&m, 1, chain, n, now);
+        } else if (op < 75) {
             uint32_t w = km_rng_below(&r, AP_WORKERS);
             int node = (int)km_rng_below(&r, AP_NODES);
             uint32_t n = ap_chain(&t, node, chain);
