@@ -42,11 +42,21 @@ KM_PKG_CFLAGS := $(shell $(PKG_CONFIG) --cflags $(KM_PKGS) 2>/dev/null)
 KM_PKG_LIBS := $(shell $(PKG_CONFIG) --libs $(KM_PKGS) 2>/dev/null || \
                  echo -lxxhash -ljansson -lmsgpackc -lzmq -luv -lmicrohttpd -lnats -lcurl)
 TEST_LIBS := $(shell $(PKG_CONFIG) --libs criterion 2>/dev/null || echo -lcriterion)
+# The kvmatch executable's allocator: jemalloc when pkg-config finds it (JEMALLOC=0 keeps glibc's
+# malloc; sanitizer builds always do). Freed memory goes back to the system from jemalloc's own
+# background thread, a little at a time, where glibc's malloc_trim walks the whole heap holding
+# the lock every allocation needs (docs/SERVICE.md, "Memory after an overload"). The library never
+# links an allocator: a program embedding it keeps its own.
+ifeq ($(origin JEMALLOC),undefined)
+  JEMALLOC := $(if $(SANITIZE),0,$(if $(shell $(PKG_CONFIG) --exists jemalloc 2>/dev/null && echo y),1,0))
+endif
+JEMALLOC_LIBS := $(if $(filter 1,$(JEMALLOC)),$(shell $(PKG_CONFIG) --libs jemalloc 2>/dev/null),)
 
 VERSION := $(shell sed -n 's/^\#define KVMATCH_VERSION "\(.*\)"/\1/p' include/kvmatch/version.h)
 SOVERSION := $(firstword $(subst ., ,$(VERSION)))
 
-KM_CPPFLAGS := -Iinclude -Isrc -D_GNU_SOURCE -DKM_HAVE_CUDA=$(CUDA) $(KM_PKG_CFLAGS)
+KM_CPPFLAGS := -Iinclude -Isrc -D_GNU_SOURCE -DKM_HAVE_CUDA=$(CUDA) -DKM_HAVE_JEMALLOC=$(JEMALLOC) \
+               $(KM_PKG_CFLAGS)
 # -fPIC: the same objects make libkvmatch.a and libkvmatch.so.
 KM_CFLAGS := -std=c11 -O2 -g -fPIC -Wall -Wextra -Wshadow -Wno-unused-function -pthread -MMD -MP \
              $(SANITIZE)
@@ -161,7 +171,7 @@ uninstall:
 
 $(BIN): $(CLI_OBJ) $(LIB)
 	@$(if $(Q),echo "  LD    $@")
-	$(Q)$(CC) $(KM_CFLAGS) $(CFLAGS) $(CLI_OBJ) $(LIB) $(LDFLAGS) $(KM_LDLIBS) -o $@
+	$(Q)$(CC) $(KM_CFLAGS) $(CFLAGS) $(CLI_OBJ) $(LIB) $(LDFLAGS) $(KM_LDLIBS) $(JEMALLOC_LIBS) -o $@
 
 $(TEST_BIN): $(TEST_OBJ) $(LIB)
 	@$(if $(Q),echo "  LD    $@")

@@ -49,6 +49,8 @@ need_library libuv libuv1-dev
 need_library libmicrohttpd libmicrohttpd-dev
 need_library libnats libnats-dev
 need_library libcurl libcurl4-openssl-dev
+# the kvmatch executable's allocator (the Makefile links it when pkg-config finds it)
+need_library jemalloc libjemalloc-dev
 if [ "$test_tools" = 1 ]; then
     need_library criterion libcriterion-dev
     have_command nats-server || have_package nats-server || missing+=(nats-server)

@@ -7,6 +7,34 @@
 #include "cli/options.h"
 #include "kvmatch/kvmatch.h"
 
+#if KM_HAVE_JEMALLOC
+#include <jemalloc/jemalloc.h>
+
+/* The executable's allocator settings, read by jemalloc at start-up (MALLOC_CONF in the
+ * environment is applied after them). Its background thread hands freed pages back to the system
+ * over the following seconds, so memory comes back after an overload without any thread walking
+ * the heap under a lock the serving threads need. */
+const char *malloc_conf = "background_thread:true";
+
+static void print_allocator(void)
+{
+    const char *version = NULL;
+    bool background = false;
+    size_t vsize = sizeof version, bsize = sizeof background;
+    if (mallctl("version", &version, &vsize, NULL, 0) != 0)
+        version = "?";
+    if (mallctl("opt.background_thread", &background, &bsize, NULL, 0) != 0)
+        background = false;
+    printf("allocator: jemalloc %s%s\n", version,
+           background ? ", background purging" : ", no background purging");
+}
+#else
+static void print_allocator(void)
+{
+    printf("allocator: the C library's malloc\n");
+}
+#endif
+
 static void usage(FILE *f)
 {
     fprintf(f,
@@ -51,6 +79,7 @@ int main(int argc, char **argv)
     }
     if (!strcmp(argv[1], "version") || !strcmp(argv[1], "--version")) {
         printf("kvmatch %s\n", KVMATCH_VERSION);
+        print_allocator();
         return 0;
     }
     if (!strcmp(argv[1], "hash"))
