@@ -1017,8 +1017,9 @@ int km_bench_events_main(int argc, char **argv)
     double import_s = km_bench_median(v_import, (size_t)restart_reps);
 
     double eps_in = (double)st.block_events / s_in, eps_zmq = (double)st.block_events / s_zmq;
-    char command[512] = "kvmatch bench";
-    for (int i = 0; i < argc; i++) {
+    /* argv[0] is "kvmatch bench events" (km_cli_getopt_begin); then the options as given. */
+    char command[512] = "kvmatch bench events";
+    for (int i = 1; i < argc; i++) {
         size_t len = strlen(command);
         snprintf(command + len, sizeof command - len, " %s", argv[i]);
     }
