@@ -20,6 +20,7 @@
 #include "kvmatch/feed.h"
 #include "kvmatch/hash.h"
 #include "events/feed_internal.h"
+#include "events/feed_flush_internal.h"
 #include "test_util.h"
 
 #define BS 4u /* block size of these tests */
@@ -2902,6 +2903,68 @@ Test(feed, workers_come_and_go, .timeout = 10)
     fx_free(&f);
 }
 
+/* A capped index, a feed over it with workers 0 and 1, and the test engine that makes their
+ * messages: an index that cannot grow past its first 64 slots. */
+typedef struct capped {
+    km_index *index;
+    km_feed *feed;
+    km_kv_decoder *dec;
+    km_test_engine eng;
+    km_rng rng;
+    km_test_batch b;
+} capped;
+
+static void capped_init(capped *c)
+{
+    km_index_config ic;
+    km_test_config(&ic, NULL);
+    ic.backend = KM_BACKEND_CPU;
+    ic.max_workers = 4;
+    ic.threads = 1;
+    ic.initial_blocks = 64;
+    ic.segment_blocks = 0;
+    km_index *probe = NULL;
+    cr_assert_eq(km_index_create(&ic, &probe), KM_OK);
+    km_index_stats st;
+    km_index_get_stats(probe, &st);
+    km_index_destroy(probe);
+    ic.memory_cap_bytes = st.memory_bytes;
+    cr_assert_eq(km_index_create(&ic, &c->index), KM_OK);
+    km_feed_config cfg;
+    km_test_feed_config(&cfg, BS);
+    cfg.offload_chunk_blocks = 2;
+    cr_assert_eq(km_feed_create(c->index, &cfg, &c->feed), KM_OK);
+    km_feed_worker_config w0 = {0, "small", false}, w1 = {1, "big", false};
+    cr_assert_eq(km_feed_add_worker(c->feed, &w0, 1), KM_OK);
+    cr_assert_eq(km_feed_add_worker(c->feed, &w1, 1), KM_OK);
+    cr_assert_eq(km_kv_decoder_create(NULL, &c->dec), KM_OK);
+    km_test_engine_init(&c->eng, BS, 5);
+    km_rng_init(&c->rng, 1);
+    km_test_batch_init(&c->b, KM_TEST_ENCODING_POSITIONAL, KM_TEST_HASH_INT, -1);
+}
+
+/* One message of `stores` stores of `blocks` blocks each, live to worker w at seq. */
+static void capped_live(capped *c, uint32_t w, uint64_t seq, int stores, uint32_t blocks)
+{
+    km_test_batch_reset(&c->b);
+    for (int i = 0; i < stores; i++)
+        km_test_engine_store(&c->eng, &c->rng, &c->b, -1, blocks);
+    size_t size;
+    const void *p = km_test_batch_payload(&c->b, &size);
+    km_kv_batch kb;
+    cr_assert_eq(km_kv_decode_payload(c->dec, p, size, &kb), KM_OK);
+    cr_assert_eq(km_feed_live(c->feed, w, seq, &kb, 10 + seq), KM_OK);
+}
+
+static void capped_free(capped *c)
+{
+    km_test_batch_free(&c->b);
+    km_test_engine_free(&c->eng);
+    km_kv_decoder_destroy(c->dec);
+    km_feed_destroy(c->feed);
+    km_index_destroy(c->index);
+}
+
 Test(feed, flush_is_one_batch_and_survives_the_memory_cap, .timeout = 20)
 {
     /* Queued updates reach the index only at flush, all together. */
@@ -2928,60 +2991,22 @@ Test(feed, flush_is_one_batch_and_survives_the_memory_cap, .timeout = 20)
 
     /* An index at its memory cap: the batch is refused, then applied message by message; the
      * message that does not fit is dropped and its worker DEGRADED; the others apply. */
-    km_index_config ic;
-    km_test_config(&ic, NULL);
-    ic.backend = KM_BACKEND_CPU;
-    ic.max_workers = 4;
-    ic.threads = 1;
-    ic.initial_blocks = 64;
-    ic.segment_blocks = 0;
-    km_index *probe = NULL;
-    cr_assert_eq(km_index_create(&ic, &probe), KM_OK);
-    km_index_get_stats(probe, &st);
-    km_index_destroy(probe);
-    ic.memory_cap_bytes = st.memory_bytes; /* no growth possible */
-    km_index *index = NULL;
-    cr_assert_eq(km_index_create(&ic, &index), KM_OK);
-    km_feed_config cfg;
-    km_test_feed_config(&cfg, BS);
-    cfg.offload_chunk_blocks = 2; /* the map keeps parents: forgotten with their blocks */
-    km_feed *feed = NULL;
-    cr_assert_eq(km_feed_create(index, &cfg, &feed), KM_OK);
-    km_feed_worker_config w0 = {0, "small", false}, w1 = {1, "big", false};
-    cr_assert_eq(km_feed_add_worker(feed, &w0, 1), KM_OK);
-    cr_assert_eq(km_feed_add_worker(feed, &w1, 1), KM_OK);
-    km_kv_decoder *dec = NULL;
-    cr_assert_eq(km_kv_decoder_create(NULL, &dec), KM_OK);
-    km_test_engine eng;
-    km_test_engine_init(&eng, BS, 5);
-    km_rng r;
-    km_rng_init(&r, 1);
-    km_test_batch b;
-    km_test_batch_init(&b, KM_TEST_ENCODING_POSITIONAL, KM_TEST_HASH_INT, -1);
-    km_test_engine_store(&eng, &r, &b, -1, 2);
-    size_t size;
-    const void *p = km_test_batch_payload(&b, &size);
-    km_kv_batch kb;
-    cr_assert_eq(km_kv_decode_payload(dec, p, size, &kb), KM_OK);
-    cr_assert_eq(km_feed_live(feed, 0, 0, &kb, 2), KM_OK);
-    km_test_batch_reset(&b);
-    for (int i = 0; i < 8; i++)
-        km_test_engine_store(&eng, &r, &b, -1, 64); /* 512 blocks: cannot fit in 64 slots */
-    p = km_test_batch_payload(&b, &size);
-    cr_assert_eq(km_kv_decode_payload(dec, p, size, &kb), KM_OK);
-    cr_assert_eq(km_feed_live(feed, 1, 0, &kb, 3), KM_OK);
-    int rc = km_feed_flush(feed, 4, &fs);
+    capped c;
+    capped_init(&c);
+    capped_live(&c, 0, 0, 1, 2);
+    capped_live(&c, 1, 0, 8, 64); /* 512 blocks: cannot fit in 64 slots */
+    int rc = km_feed_flush(c.feed, 4, &fs);
     cr_assert_eq(rc, KM_ERR_MEMORY_CAP, "flush: %s", km_error_name(rc));
     cr_assert_eq(fs.groups_failed, 1);
-    km_feed_pending(feed, &updates, &hashes);
+    km_feed_pending(c.feed, &updates, &hashes);
     cr_assert_eq(updates, 0);
     km_worker_stats ws;
-    km_index_worker_stats(index, 0, &ws);
+    km_index_worker_stats(c.index, 0, &ws);
     cr_assert_eq(ws.blocks, 2);
-    km_index_worker_stats(index, 1, &ws);
+    km_index_worker_stats(c.index, 1, &ws);
     cr_assert_eq(ws.blocks, 0);
     km_feed_worker_info info;
-    km_feed_get_worker_info(feed, 1, &info);
+    km_feed_get_worker_info(c.feed, 1, &info);
     cr_assert_eq(info.state, KM_FEED_STATE_DEGRADED);
     cr_assert_eq(info.counters.dropped_messages, 1);
     /* Refused: counted by cause, its events never counted as applied, and the engine hashes it
@@ -2992,34 +3017,154 @@ Test(feed, flush_is_one_batch_and_survives_the_memory_cap, .timeout = 20)
     cr_assert_eq(info.counters.events, 0, "refused events counted as applied");
     cr_assert_eq(info.map_entries, 0, "the refused message's engine hashes stay mapped");
     char why[256];
-    cr_assert_eq(km_feed_check_maps(feed, why, sizeof why), KM_OK, "%s", why);
-    cr_assert_eq(km_feed_find_worker(feed, 1)->map.parents.live, 0, "parents of forgotten blocks");
-    cr_assert_eq(km_feed_find_worker(feed, 0)->map.parents.live, 1, "block 1's parent is kept");
-    km_feed_get_worker_info(feed, 0, &info);
+    cr_assert_eq(km_feed_check_maps(c.feed, why, sizeof why), KM_OK, "%s", why);
+    cr_assert_eq(km_feed_find_worker(c.feed, 1)->map.parents.live, 0, "parents of forgotten blocks");
+    cr_assert_eq(km_feed_find_worker(c.feed, 0)->map.parents.live, 1, "block 1's parent is kept");
+    km_feed_get_worker_info(c.feed, 0, &info);
     cr_assert_eq(info.state, KM_FEED_STATE_LIVE);
     cr_assert_eq(info.counters.events, 1);
     cr_assert_eq(info.counters.refused_messages, 0);
     cr_assert_eq(info.map_entries, 2);
     /* The cap holding, message after message is refused: the map does not grow. */
     for (uint64_t seq = 1; seq <= 20; seq++) {
-        km_test_batch_reset(&b);
-        for (int i = 0; i < 8; i++)
-            km_test_engine_store(&eng, &r, &b, -1, 64);
-        p = km_test_batch_payload(&b, &size);
-        cr_assert_eq(km_kv_decode_payload(dec, p, size, &kb), KM_OK);
-        cr_assert_eq(km_feed_live(feed, 1, seq, &kb, 4 + seq), KM_OK);
-        cr_assert_eq(km_feed_flush(feed, 5 + seq, &fs), KM_ERR_MEMORY_CAP);
+        capped_live(&c, 1, seq, 8, 64);
+        cr_assert_eq(km_feed_flush(c.feed, 5 + seq, &fs), KM_ERR_MEMORY_CAP);
     }
-    km_feed_get_worker_info(feed, 1, &info);
+    km_feed_get_worker_info(c.feed, 1, &info);
     cr_assert_eq(info.counters.refused_messages, 21);
     cr_assert_eq(info.counters.memory_cap_refusals, 21);
     cr_assert_eq(info.counters.refused_events, 168);
     cr_assert_eq(info.map_entries, 0);
-    km_test_batch_free(&b);
-    km_test_engine_free(&eng);
-    km_kv_decoder_destroy(dec);
-    km_feed_destroy(feed);
-    km_index_destroy(index);
+    capped_free(&c);
+}
+
+/* The subscriber's flush in three steps (events/feed_flush_internal.h): taken under its lock,
+ * applied outside it while the I/O thread queues more, finished under it. On random streams
+ * the index, the counters and the maps end where a plain flush at the take leaves them, and so
+ * does each position reported after the finish; while the taken updates are applied, the indexed
+ * position stays that of the flush before and the state cannot be exported. */
+Test(feed, a_flush_applied_outside_the_lock_equals_a_flush_at_its_take, .timeout = 30)
+{
+    uint64_t seed = km_test_seed();
+    fx a, b;
+    fx_init(&a);
+    fx_init(&b);
+    km_rng_init(&a.rng, seed);
+    km_rng_init(&b.rng, seed);
+    km_rng pick;
+    km_rng_init(&pick, seed ^ 0x5eed);
+    fx_add(&a, 0, false);
+    fx_add(&b, 0, false);
+    uint64_t next = 0;
+    unsigned split_flushes = 0;
+    for (int round = 0; round < 300; round++) {
+        uint32_t k = 1 + km_rng_below(&pick, 4);
+        fx_make(&a, k, 3);
+        fx_make(&b, k, 3);
+        fx_live_range(&a, 0, next, next + k);
+        fx_live_range(&b, 0, next, next + k);
+        next += k;
+        if (km_rng_below(&pick, 2))
+            continue;
+        km_feed_worker_info before = fx_info(&b, 0);
+        cr_assert(km_feed_flush_take(b.feed), "updates were queued");
+        cr_assert(km_feed_flush_in_flight(b.feed));
+        fx_flush(&a); /* the plain flush at the take */
+        uint32_t m = km_rng_below(&pick, 4); /* queued while the index applies */
+        fx_make(&a, m, 3);
+        fx_make(&b, m, 3);
+        fx_live_range(&a, 0, next, next + m);
+        fx_live_range(&b, 0, next, next + m);
+        next += m;
+        km_feed_worker_info during = fx_info(&b, 0);
+        cr_assert_eq(during.has_indexed_seq, before.has_indexed_seq);
+        cr_assert_eq(during.indexed_seq, before.indexed_seq,
+                     "the indexed position moved before the taken updates were applied");
+        void *state = NULL;
+        size_t size = 0;
+        cr_assert_eq(km_feed_export_state(b.feed, &state, &size), KM_ERR_INVALID_ARGUMENT);
+        km_feed_flush_apply(b.feed);
+        km_feed_flush_stats fs;
+        int rc = km_feed_flush_finish(b.feed, b.now++, &fs);
+        cr_assert_eq(rc, KM_OK, "finish: %s", km_feed_last_error(b.feed));
+        cr_assert_not(km_feed_flush_in_flight(b.feed));
+        km_feed_worker_info after = fx_info(&b, 0), plain = fx_info(&a, 0);
+        cr_assert_eq(after.expected_seq, next);
+        cr_assert_eq(after.has_indexed_seq, plain.has_indexed_seq);
+        cr_assert_eq(after.indexed_seq, plain.indexed_seq, "indexed %" PRIu64 " against %" PRIu64
+                     " after a plain flush at the take (round %d)", after.indexed_seq,
+                     plain.indexed_seq, round);
+        split_flushes++;
+    }
+    cr_assert_gt(split_flushes, 50);
+    fx_check_truth(&a, 0);
+    fx_check_truth(&b, 0);
+    km_feed_worker_info ia = fx_info(&a, 0), ib = fx_info(&b, 0);
+    cr_assert_eq(ia.counters.events, ib.counters.events);
+    cr_assert_eq(ia.indexed_seq, ib.indexed_seq);
+    cr_assert_eq(ia.map_entries, ib.map_entries);
+    km_index_stats sa, sb;
+    km_index_get_stats(a.index, &sa);
+    km_index_get_stats(b.index, &sb);
+    cr_assert_eq(sa.pairs, sb.pairs);
+    char why[256];
+    cr_assert_eq(km_feed_check_maps(b.feed, why, sizeof why), KM_OK, "%s", why);
+    fx_free(&a);
+    fx_free(&b);
+}
+
+/* Taken, refused by the index at its memory cap, and put back in front of what was queued while
+ * it was applied: the whole queue is flushed as one plain flush of the same messages would. */
+Test(feed, a_refused_flush_taken_out_is_put_back_in_front, .timeout = 20)
+{
+    capped plain, split;
+    capped_init(&plain);
+    capped_init(&split);
+    /* The same three messages to both: worker 0's small one, worker 1's too big one, then (while
+     * the split feed's first two are being applied) worker 0's second. */
+    capped_live(&plain, 0, 0, 1, 2);
+    capped_live(&split, 0, 0, 1, 2);
+    capped_live(&plain, 1, 0, 8, 64);
+    capped_live(&split, 1, 0, 8, 64);
+    cr_assert(km_feed_flush_take(split.feed));
+    capped_live(&plain, 0, 1, 1, 1);
+    capped_live(&split, 0, 1, 1, 1);
+    km_feed_flush_apply(split.feed);
+    km_feed_flush_stats fp, fs;
+    int rp = km_feed_flush(plain.feed, 20, &fp);
+    int rs = km_feed_flush_finish(split.feed, 20, &fs);
+    cr_assert_eq(rp, KM_ERR_MEMORY_CAP);
+    cr_assert_eq(rs, rp);
+    cr_assert_eq(fs.groups_failed, fp.groups_failed);
+    cr_assert_eq(fs.groups, fp.groups);
+    cr_assert_eq(fs.updates, fp.updates);
+    uint64_t updates, hashes;
+    km_feed_pending(split.feed, &updates, &hashes);
+    cr_assert_eq(updates, 0);
+    for (uint32_t w = 0; w < 2; w++) {
+        km_feed_worker_info ip, is;
+        km_feed_get_worker_info(plain.feed, w, &ip);
+        km_feed_get_worker_info(split.feed, w, &is);
+        cr_assert_eq(is.state, ip.state, "worker %u", w);
+        cr_assert_eq(is.counters.events, ip.counters.events, "worker %u", w);
+        cr_assert_eq(is.counters.dropped_messages, ip.counters.dropped_messages, "worker %u", w);
+        cr_assert_eq(is.counters.refused_events, ip.counters.refused_events, "worker %u", w);
+        cr_assert_eq(is.map_entries, ip.map_entries, "worker %u", w);
+        cr_assert_eq(is.indexed_seq, ip.indexed_seq, "worker %u", w);
+        km_worker_stats wp, ws;
+        km_index_worker_stats(plain.index, w, &wp);
+        km_index_worker_stats(split.index, w, &ws);
+        cr_assert_eq(ws.blocks, wp.blocks, "worker %u", w);
+    }
+    km_feed_worker_info i1, i0;
+    km_feed_get_worker_info(split.feed, 1, &i1);
+    cr_assert_eq(i1.state, KM_FEED_STATE_DEGRADED);
+    km_feed_get_worker_info(split.feed, 0, &i0);
+    cr_assert_eq(i0.counters.events, 2, "both of worker 0's messages applied");
+    char why[256];
+    cr_assert_eq(km_feed_check_maps(split.feed, why, sizeof why), KM_OK, "%s", why);
+    capped_free(&plain);
+    capped_free(&split);
 }
 
 Test(feed, queue_limit_drops_and_degrades, .timeout = 10)

@@ -142,6 +142,21 @@ int km_feed_create(km_index *index, const km_feed_config *cfg_in, km_feed **out)
         return KM_ERR_OUT_OF_MEMORY;
     feed->index = index;
     feed->config = cfg;
+    /* The worker id range, found while nothing else uses the index: a worker is added on the
+     * subscriber's I/O thread while a flush may be applying (km_feed_flush_apply), so adding one
+     * checks this copy rather than reading the index. */
+    uint32_t lo = 0, hi = KM_MAX_WORKERS_LIMIT; /* id lo is in range, id hi is not */
+    km_worker_stats probe;
+    if (km_index_worker_stats(index, 0, &probe) != KM_OK)
+        hi = 0;
+    while (hi && hi - lo > 1) {
+        uint32_t mid = lo + (hi - lo) / 2;
+        if (km_index_worker_stats(index, mid, &probe) == KM_OK)
+            lo = mid;
+        else
+            hi = mid;
+    }
+    feed->index_max_workers = hi;
     *out = feed;
     return KM_OK;
 }
@@ -196,6 +211,12 @@ void km_feed_destroy(km_feed *feed)
     free(feed->tier_chains);
     free(feed->scratch);
     free(feed->rule_clears);
+    free(feed->taken.queue);
+    free(feed->taken.groups);
+    free(feed->taken.hashes);
+    free(feed->taken.new_keys);
+    free(feed->taken.scratch);
+    free(feed->taken.positions);
     free(feed);
 }
 
@@ -689,9 +710,7 @@ int km_feed_add_worker_identity(km_feed *feed, const km_feed_worker_config *cfg,
 {
     if (!feed || !cfg)
         return KM_ERR_NULL_POINTER;
-    km_worker_stats ws;
-    int rc = km_index_worker_stats(feed->index, cfg->worker, &ws);
-    if (rc)
+    if (cfg->worker >= feed->index_max_workers)
         return km_feed_fail(feed, KM_ERR_WORKER_RANGE,
                             "worker %u is outside the index", cfg->worker);
     bool found;
@@ -1125,7 +1144,7 @@ int km_feed_get_worker_info(const km_feed *feed, uint32_t id, km_feed_worker_inf
     out->has_expected_seq = w->has_expected;
     out->expected_seq = w->has_expected ? w->expected : 0;
     /* With updates queued, the position as of the last flush. */
-    bool queued = feed->group_count > 0;
+    bool queued = feed->group_count > 0 || feed->taken_in_flight;
     out->has_indexed_seq = queued ? w->has_flushed_expected : w->has_expected;
     out->indexed_seq = !out->has_indexed_seq ? 0 : queued ? w->flushed_expected : w->expected;
     out->has_last_receive = w->has_last_receive;

@@ -178,8 +178,37 @@ typedef struct queued_group {
     int refused; /* km_feed_flush: the index's status when it refused the group alone */
 } queued_group;
 
+/* A worker's position as of km_feed_flush_take: published as its indexed position once the
+ * taken updates are in the index. */
+typedef struct taken_position {
+    uint32_t worker;
+    uint64_t generation;
+    bool has_expected;
+    uint64_t expected;
+} taken_position;
+
+/* The queue as km_feed_flush_take moved it out, with the arrays it swapped in its place (so the
+ * two sets alternate and a flush allocates nothing once they have grown). */
+typedef struct taken_queue {
+    queued_update *queue;
+    size_t queue_count, queue_capacity;
+    queued_group *groups;
+    size_t group_count, group_capacity;
+    uint64_t *hashes;
+    size_t hash_count, hash_capacity;
+    uint64_t *new_keys;
+    size_t new_key_count, new_key_capacity;
+    km_update *scratch; /* the updates km_feed_flush_apply hands the index */
+    size_t scratch_capacity;
+    taken_position *positions;
+    size_t n_positions, positions_capacity;
+    int status;             /* km_index_apply's, once applied */
+    km_update_stats applied; /* what it reported */
+} taken_queue;
+
 struct km_feed {
     km_index *index;
+    uint32_t index_max_workers; /* the index's worker id range, read once at km_feed_create */
     km_feed_config config;
     char last_error[256];
 
@@ -210,6 +239,10 @@ struct km_feed {
     uint8_t *tier_scratch;
     uint64_t *tier_chains;
     size_t tier_scratch_capacity;
+    /* Between km_feed_flush_take and km_feed_flush_finish: updates being applied outside the
+     * caller's lock, no longer in the queue and not yet in the index. */
+    taken_queue taken;
+    bool taken_in_flight;
 };
 
 /* Grow the array whose address is array_ptr (a T **) to hold `need` elements (feed.c). */
@@ -231,6 +264,8 @@ int km_feed_queue_control(km_feed *feed, const worker *w, km_update_kind kind);
 /* Give the index every followed worker's window rule, and drop those of removed workers; after
  * the queued updates are applied (feed_updates.c). */
 void km_feed_sync_window_rules(km_feed *feed);
+/* km_feed_flush_take / _apply / _finish: src/events/feed_flush_internal.h. */
+
 /* Queue the updates of a well-formed message's events as one group (feed_updates.c). */
 void km_feed_queue_message(km_feed *feed, worker *w, const message_view *v, uint64_t now);
 

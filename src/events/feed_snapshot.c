@@ -89,7 +89,7 @@ int km_feed_export_state(const km_feed *feed, void **out, size_t *size_out)
         return KM_ERR_NULL_POINTER;
     *out = NULL;
     *size_out = 0;
-    if (feed->queue_count || feed->group_count)
+    if (feed->queue_count || feed->group_count || feed->taken_in_flight)
         return KM_ERR_INVALID_ARGUMENT;
     size_t size = 24;
     for (uint32_t i = 0; i < feed->n_workers; i++) {
@@ -517,6 +517,9 @@ int km_feed_save(km_feed *feed, const char *path, uint64_t now_ns)
 {
     if (!feed || !path)
         return KM_ERR_NULL_POINTER;
+    if (feed->taken_in_flight)
+        return km_feed_fail(feed, KM_ERR_INVALID_ARGUMENT,
+                            "a flush is being applied: save once it has finished");
     int rc = km_feed_flush(feed, now_ns, NULL);
     if (rc)
         return rc;

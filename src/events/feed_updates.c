@@ -21,6 +21,7 @@
 #include "kvmatch/hash.h"
 #include "events/engine_hash_map.h"
 #include "events/feed_internal.h"
+#include "events/feed_flush_internal.h"
 
 #define EMAP_PREFETCH_AHEAD 8u /* blocks: apply_stored loads map slots this far ahead */
 #define MESSAGE_PREFETCH_KEYS 32u /* map slots a message starts loading before its first event */
@@ -927,12 +928,170 @@ void km_feed_sync_window_rules(km_feed *feed)
 
 static int flush_queue(km_feed *feed, uint64_t now_ns, km_feed_flush_stats *stats);
 
+/* The queue as the index's updates, into out (room for queue_count); their hashes point into
+ * feed->hashes. */
+static void queue_to_updates(const km_feed *feed, km_update *out)
+{
+    for (size_t i = 0; i < feed->queue_count; i++) {
+        const queued_update *q = &feed->queue[i];
+        km_update *u = &out[i];
+        u->kind = q->kind;
+        u->worker = q->worker;
+        u->parent = q->parent;
+        u->hashes = q->count ? feed->hashes + q->offset : NULL;
+        u->n_hashes = q->count;
+        u->tier = (km_tier)q->tier;
+    }
+}
+
 int km_feed_flush(km_feed *feed, uint64_t now_ns, km_feed_flush_stats *stats)
 {
     int rc = flush_queue(feed, now_ns, stats);
     if (feed)
         km_feed_sync_window_rules(feed);
     return rc;
+}
+
+/* ---- a flush applied outside the caller's lock ------------------------------------------------ */
+
+#define SWAP(a, b)                                                                                 \
+    do {                                                                                           \
+        __typeof__(a) swap_tmp_ = (a);                                                             \
+        (a) = (b);                                                                                 \
+        (b) = swap_tmp_;                                                                           \
+    } while (0)
+
+/* Exchange the feed's queue arrays (with their counts) and the taken ones. */
+static void swap_queue(km_feed *feed)
+{
+    taken_queue *t = &feed->taken;
+    SWAP(feed->queue, t->queue);
+    SWAP(feed->queue_count, t->queue_count);
+    SWAP(feed->queue_capacity, t->queue_capacity);
+    SWAP(feed->groups, t->groups);
+    SWAP(feed->group_count, t->group_count);
+    SWAP(feed->group_capacity, t->group_capacity);
+    SWAP(feed->hashes, t->hashes);
+    SWAP(feed->hash_count, t->hash_count);
+    SWAP(feed->hash_capacity, t->hash_capacity);
+    SWAP(feed->new_keys, t->new_keys);
+    SWAP(feed->new_key_count, t->new_key_count);
+    SWAP(feed->new_key_capacity, t->new_key_capacity);
+}
+
+bool km_feed_flush_take(km_feed *feed)
+{
+    taken_queue *t = &feed->taken;
+    if (feed->group_count == 0 || feed->group_open || feed->taken_in_flight)
+        return false;
+    if (GROW(t->scratch, t->scratch_capacity, feed->queue_count) ||
+        GROW(t->positions, t->positions_capacity, feed->n_workers))
+        return false; /* km_feed_flush_finish flushes under the lock instead */
+    queue_to_updates(feed, t->scratch);
+    t->n_positions = feed->n_workers;
+    for (uint32_t i = 0; i < feed->n_workers; i++) {
+        const worker *w = feed->workers[i];
+        t->positions[i] = (taken_position){w->id, w->generation, w->has_expected, w->expected};
+    }
+    t->queue_count = t->group_count = t->hash_count = t->new_key_count = 0;
+    swap_queue(feed); /* the scratch keeps pointing into the hashes, which move with the queue */
+    t->status = KM_OK;
+    memset(&t->applied, 0, sizeof t->applied);
+    feed->taken_in_flight = true;
+    return true;
+}
+
+bool km_feed_flush_in_flight(const km_feed *feed)
+{
+    return feed->taken_in_flight;
+}
+
+void km_feed_flush_apply(km_feed *feed)
+{
+    taken_queue *t = &feed->taken;
+    t->status = km_index_apply(feed->index, t->scratch, t->queue_count, &t->applied);
+}
+
+/* Append the feed's queue to the taken one (offsets moved past it) and make that the feed's
+ * queue: what was queued during the apply comes after what was taken, as if never taken. */
+static int put_taken_back(km_feed *feed)
+{
+    taken_queue *t = &feed->taken;
+    if (GROW(t->queue, t->queue_capacity, t->queue_count + feed->queue_count) ||
+        GROW(t->groups, t->group_capacity, t->group_count + feed->group_count) ||
+        GROW(t->hashes, t->hash_capacity, t->hash_count + feed->hash_count) ||
+        GROW(t->new_keys, t->new_key_capacity, t->new_key_count + feed->new_key_count))
+        return KM_ERR_OUT_OF_MEMORY;
+    for (size_t i = 0; i < feed->queue_count; i++) {
+        queued_update q = feed->queue[i];
+        q.offset += t->hash_count;
+        t->queue[t->queue_count + i] = q;
+    }
+    for (size_t i = 0; i < feed->group_count; i++) {
+        queued_group g = feed->groups[i];
+        g.first += t->queue_count;
+        g.first_key += t->new_key_count;
+        t->groups[t->group_count + i] = g;
+    }
+    if (feed->hash_count)
+        memcpy(t->hashes + t->hash_count, feed->hashes, feed->hash_count * sizeof *t->hashes);
+    if (feed->new_key_count)
+        memcpy(t->new_keys + t->new_key_count, feed->new_keys,
+               feed->new_key_count * sizeof *t->new_keys);
+    t->queue_count += feed->queue_count;
+    t->group_count += feed->group_count;
+    t->hash_count += feed->hash_count;
+    t->new_key_count += feed->new_key_count;
+    swap_queue(feed);
+    t->queue_count = t->group_count = t->hash_count = t->new_key_count = 0;
+    return KM_OK;
+}
+
+int km_feed_flush_finish(km_feed *feed, uint64_t now_ns, km_feed_flush_stats *stats)
+{
+    if (!feed->taken_in_flight)
+        return km_feed_flush(feed, now_ns, stats);
+    taken_queue *t = &feed->taken;
+    feed->taken_in_flight = false;
+    if (t->status != KM_OK) {
+        if (put_taken_back(feed) == KM_OK)
+            return km_feed_flush(feed, now_ns, stats);
+        /* No memory to put it back in front: the taken batch alone takes the refusal path now,
+         * and what was queued since stays for the next flush. An index error that would keep
+         * the batch queued drops it instead, its workers DEGRADED (their index is incomplete). */
+        swap_queue(feed);
+        int rc = km_feed_flush(feed, now_ns, stats);
+        swap_queue(feed);
+        for (size_t g = 0; g < t->group_count; g++) {
+            worker *w = km_feed_find_worker(feed, t->groups[g].worker);
+            if (w && w->generation == t->groups[g].generation && !w->degraded)
+                km_feed_enter_degraded(feed, w, now_ns, "the index refused a message's updates");
+        }
+        t->queue_count = t->group_count = t->hash_count = t->new_key_count = 0;
+        return rc;
+    }
+    km_feed_flush_stats local;
+    if (!stats)
+        stats = &local;
+    memset(stats, 0, sizeof *stats);
+    feed->last_error[0] = '\0';
+    count_applied(feed, t->groups, t->group_count);
+    stats->updates = t->queue_count;
+    stats->groups = t->group_count;
+    stats->index = t->applied;
+    for (size_t i = 0; i < t->n_positions; i++) {
+        const taken_position *p = &t->positions[i];
+        worker *w = km_feed_find_worker(feed, p->worker);
+        if (w && w->generation == p->generation) {
+            w->has_flushed_expected = p->has_expected;
+            w->flushed_expected = p->expected;
+        }
+    }
+    t->queue_count = t->group_count = t->hash_count = t->new_key_count = 0;
+    if (feed->group_count == 0)
+        publish_positions(feed); /* nothing queued since: the positions are the current ones */
+    km_feed_sync_window_rules(feed);
+    return KM_OK;
 }
 
 /* Apply the queue as one index batch (message by message when the index refuses it). */
@@ -951,16 +1110,7 @@ static int flush_queue(km_feed *feed, uint64_t now_ns, km_feed_flush_stats *stat
     }
     if (GROW(feed->scratch, feed->scratch_capacity, feed->queue_count))
         return km_feed_fail(feed, KM_ERR_OUT_OF_MEMORY, "flush scratch");
-    for (size_t i = 0; i < feed->queue_count; i++) {
-        const queued_update *q = &feed->queue[i];
-        km_update *u = &feed->scratch[i];
-        u->kind = q->kind;
-        u->worker = q->worker;
-        u->parent = q->parent;
-        u->hashes = q->count ? feed->hashes + q->offset : NULL;
-        u->n_hashes = q->count;
-        u->tier = (km_tier)q->tier;
-    }
+    queue_to_updates(feed, feed->scratch);
     km_update_stats st;
     int rc = km_index_apply(feed->index, feed->scratch, feed->queue_count, &st);
     if (rc == KM_OK) {

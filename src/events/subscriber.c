@@ -15,6 +15,7 @@
  * one's. */
 #include "kvmatch/log.h"
 #include "kvmatch/subscriber.h"
+#include "events/feed_flush_internal.h"
 #include "base/log_level.h"
 #include "base/array.h"
 #include "base/error_detail.h"
@@ -73,6 +74,12 @@ struct km_subscriber {
     bool thread_started;
 
     pthread_mutex_t lock; /* feed, stats, last_error */
+    /* One flush at a time. A flush applies the index outside `lock` (km_feed_flush_apply), so
+     * the I/O thread decodes and queues the next messages meanwhile; whatever needs the index
+     * settled under `lock` (a save) waits on flush_done while km_feed_flush_in_flight. Order:
+     * flush_lock, then lock. */
+    pthread_mutex_t flush_lock;
+    pthread_cond_t flush_done;
     km_feed *feed;
     km_subscriber_stats stats;
     char last_error[256];
@@ -713,6 +720,8 @@ int km_subscriber_create(km_index *index, const km_subscriber_config *cfg_in, km
         return KM_ERR_OUT_OF_MEMORY;
     sub->config = cfg;
     pthread_mutex_init(&sub->lock, NULL);
+    pthread_mutex_init(&sub->flush_lock, NULL);
+    pthread_cond_init(&sub->flush_done, NULL);
     pthread_mutex_init(&sub->control_lock, NULL);
     int rc = km_feed_create(index, &cfg.feed, &sub->feed);
     if (!rc)
@@ -815,6 +824,8 @@ void km_subscriber_destroy(km_subscriber *sub)
     km_kv_decoder_destroy(sub->decoder);
     km_feed_destroy(sub->feed);
     pthread_mutex_destroy(&sub->lock);
+    pthread_mutex_destroy(&sub->flush_lock);
+    pthread_cond_destroy(&sub->flush_done);
     pthread_mutex_destroy(&sub->control_lock);
     free(sub);
 }
@@ -982,9 +993,20 @@ int km_subscriber_flush(km_subscriber *sub, km_feed_flush_stats *stats)
 {
     if (!sub)
         return KM_ERR_NULL_POINTER;
+    pthread_mutex_lock(&sub->flush_lock);
     pthread_mutex_lock(&sub->lock);
+    /* The queued updates go to the index outside the lock: the I/O thread keeps receiving,
+     * decoding and queuing meanwhile, on the other core. */
+    bool taken = km_feed_flush_take(sub->feed);
+    if (taken) {
+        pthread_mutex_unlock(&sub->lock);
+        km_feed_flush_apply(sub->feed);
+        pthread_mutex_lock(&sub->lock);
+    }
     uint64_t now = km_feed_clock_ns();
-    int rc = km_feed_flush(sub->feed, now, stats);
+    int rc = km_feed_flush_finish(sub->feed, now, stats);
+    if (taken)
+        pthread_cond_broadcast(&sub->flush_done);
     if (rc)
         snprintf(sub->last_error, sizeof sub->last_error, "%s", km_feed_last_error(sub->feed));
     reap_snapshot_child(sub, false);
@@ -996,6 +1018,7 @@ int km_subscriber_flush(km_subscriber *sub, km_feed_flush_stats *stats)
         save_locked(sub, sub->config.snapshot_path, now) != KM_OK)
         sub_log(sub, KM_LOG_WARNING "periodic snapshot failed: %s", sub->stats.last_snapshot_error);
     pthread_mutex_unlock(&sub->lock);
+    pthread_mutex_unlock(&sub->flush_lock);
     return rc;
 }
 
@@ -1020,6 +1043,8 @@ int km_subscriber_save(km_subscriber *sub, const char *path)
         reap_snapshot_child(sub, false); /* ended (or already reaped by another thread) */
     }
     sub->saves_waiting--;
+    while (km_feed_flush_in_flight(sub->feed)) /* the index must hold what the state says */
+        pthread_cond_wait(&sub->flush_done, &sub->lock);
     const char *p = path ? path : sub->config.snapshot_path;
     int rc = p ? save_locked(sub, p, km_feed_clock_ns()) : KM_ERR_NULL_POINTER;
     pthread_mutex_unlock(&sub->lock);
