@@ -1130,21 +1130,6 @@ Test(deploy, metrics_carry_worker_state_build_info_and_process, .timeout = 60)
 
 /* ---- the executable's allocator -------------------------------------------------------------- */
 
-/* Resident memory of process pid in MiB (-1 when it cannot be read). */
-static long pid_resident_mib(pid_t pid)
-{
-    char path[64], line[256];
-    snprintf(path, sizeof path, "/proc/%d/status", (int)pid);
-    FILE *f = fopen(path, "r");
-    long kb = -1;
-    while (f && fgets(line, sizeof line, f))
-        if (sscanf(line, "VmRSS: %ld kB", &kb) == 1)
-            break;
-    if (f)
-        fclose(f);
-    return kb < 0 ? -1 : kb / 1024;
-}
-
 /* Does process pid have a thread of this name? */
 static bool pid_has_thread(pid_t pid, const char *name)
 {
@@ -1184,16 +1169,16 @@ Test(deploy, the_executable_hands_freed_memory_back_after_an_overload, .timeout 
     /* Nothing is asserted while the child runs: a failed check would leave it running. */
     pid_t pid = spawn_serve_args(sock, args);
     bool background_thread = pid_has_thread(pid, "jemalloc_bg_thd");
-    long start = pid_resident_mib(pid);
+    long start = km_test_resident_mib(pid);
     /* 128 connections of batched routes for 3 s: the load `kvmatch bench ipc` uses. */
     int rc = run_cli(out, sizeof out, "bench ipc --connect unix:%s --only 6 --seconds 3", sock);
-    long peak = pid_resident_mib(pid);
+    long peak = km_test_resident_mib(pid);
     /* Active work expires 1 s after its decision; jemalloc's decay hands its pages back within
      * about ten seconds of their release. */
     long now = peak;
     for (int i = 0; rc == 0 && i < 160 && now - start > (peak - start) / 2; i++) {
         km_test_sleep_ms(250);
-        now = pid_resident_mib(pid);
+        now = km_test_resident_mib(pid);
     }
     char addr[160];
     snprintf(addr, sizeof addr, "unix:%s", sock);

@@ -174,6 +174,11 @@ Test(index, config_validation, .timeout = 30)
 Test(index, store_remove_holders_stats, .timeout = 30)
 {
     km_index *index = make_index(16, 4, 64, 0);
+    cr_assert_eq(km_index_max_workers(index), 16);
+    cr_assert_eq(km_index_max_workers(NULL), 0);
+    km_worker_stats ws;
+    cr_assert_eq(km_index_worker_stats(index, 15, &ws), KM_OK);
+    cr_assert_eq(km_index_worker_stats(index, 16, &ws), KM_ERR_WORKER_RANGE);
     uint64_t h[10];
     fill_chain(h, 1, 10);
     uint32_t buf[16];

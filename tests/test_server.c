@@ -2686,15 +2686,7 @@ Test(server, a_mixed_pool_labels_a_prediction_by_where_its_depths_come_from, .ti
 static long resident_mib(void)
 {
     malloc_trim(0);
-    FILE *f = fopen("/proc/self/status", "r");
-    char line[256];
-    long kb = -1;
-    while (f && fgets(line, sizeof line, f))
-        if (sscanf(line, "VmRSS: %ld kB", &kb) == 1)
-            break;
-    if (f)
-        fclose(f);
-    return kb / 1024;
+    return km_test_resident_mib(0);
 }
 
 /* Four connections each send one 4 MB frame of 4,000,000 msgpack values (within max_frame_bytes

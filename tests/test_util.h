@@ -206,5 +206,8 @@ double km_test_now(void);
  * go to out (NUL-terminated), the rest is read and dropped. Returns the exit status, or -1 when it
  * did not exit normally or could not start. */
 int km_test_run_capture(const char *command, char *out, size_t out_size);
+/* Resident memory (VmRSS) of process pid, or of this process when pid is 0, in MiB; -1 when it
+ * cannot be read. */
+long km_test_resident_mib(int pid);
 
 #endif

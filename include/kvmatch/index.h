@@ -290,6 +290,9 @@ typedef struct km_index_stats {
 } km_index_stats;
 
 int km_index_worker_stats(const km_index *index, uint32_t worker, km_worker_stats *out);
+/* Worker ids are 0 .. km_index_max_workers(index) - 1 (its config's max_workers; fixed at create,
+ * so any thread may read it while another applies updates); 0 for NULL. */
+uint32_t km_index_max_workers(const km_index *index);
 int km_index_get_stats(const km_index *index, km_index_stats *out);
 /* The workers holding one block, ascending; *n_out gets the full count even when capacity is short. */
 int km_index_holders(const km_index *index, uint64_t hash, uint32_t *workers, uint32_t capacity,

@@ -142,21 +142,6 @@ int km_feed_create(km_index *index, const km_feed_config *cfg_in, km_feed **out)
         return KM_ERR_OUT_OF_MEMORY;
     feed->index = index;
     feed->config = cfg;
-    /* The worker id range, found while nothing else uses the index: a worker is added on the
-     * subscriber's I/O thread while a flush may be applying (km_feed_flush_apply), so adding one
-     * checks this copy rather than reading the index. */
-    uint32_t lo = 0, hi = KM_MAX_WORKERS_LIMIT; /* id lo is in range, id hi is not */
-    km_worker_stats probe;
-    if (km_index_worker_stats(index, 0, &probe) != KM_OK)
-        hi = 0;
-    while (hi && hi - lo > 1) {
-        uint32_t mid = lo + (hi - lo) / 2;
-        if (km_index_worker_stats(index, mid, &probe) == KM_OK)
-            lo = mid;
-        else
-            hi = mid;
-    }
-    feed->index_max_workers = hi;
     *out = feed;
     return KM_OK;
 }
@@ -710,7 +695,9 @@ int km_feed_add_worker_identity(km_feed *feed, const km_feed_worker_config *cfg,
 {
     if (!feed || !cfg)
         return KM_ERR_NULL_POINTER;
-    if (cfg->worker >= feed->index_max_workers)
+    /* The id range only: a worker is added on the subscriber's I/O thread while a flush may be
+     * applying (km_feed_flush_apply), so nothing else of the index is read here. */
+    if (cfg->worker >= km_index_max_workers(feed->index))
         return km_feed_fail(feed, KM_ERR_WORKER_RANGE,
                             "worker %u is outside the index", cfg->worker);
     bool found;

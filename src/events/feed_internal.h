@@ -208,7 +208,6 @@ typedef struct taken_queue {
 
 struct km_feed {
     km_index *index;
-    uint32_t index_max_workers; /* the index's worker id range, read once at km_feed_create */
     km_feed_config config;
     char last_error[256];
 

@@ -1047,6 +1047,21 @@ static int put_taken_back(km_feed *feed)
     return KM_OK;
 }
 
+/* Each worker still followed under the same incarnation is indexed up to its position as of the
+ * take. */
+static void publish_taken_positions(km_feed *feed)
+{
+    const taken_queue *t = &feed->taken;
+    for (size_t i = 0; i < t->n_positions; i++) {
+        const taken_position *p = &t->positions[i];
+        worker *w = km_feed_find_worker(feed, p->worker);
+        if (w && w->generation == p->generation) {
+            w->has_flushed_expected = p->has_expected;
+            w->flushed_expected = p->expected;
+        }
+    }
+}
+
 int km_feed_flush_finish(km_feed *feed, uint64_t now_ns, km_feed_flush_stats *stats)
 {
     if (!feed->taken_in_flight)
@@ -1062,6 +1077,7 @@ int km_feed_flush_finish(km_feed *feed, uint64_t now_ns, km_feed_flush_stats *st
         swap_queue(feed);
         int rc = km_feed_flush(feed, now_ns, stats);
         swap_queue(feed);
+        publish_taken_positions(feed); /* the flush published the current ones */
         for (size_t g = 0; g < t->group_count; g++) {
             worker *w = km_feed_find_worker(feed, t->groups[g].worker);
             if (w && w->generation == t->groups[g].generation && !w->degraded)
@@ -1079,14 +1095,7 @@ int km_feed_flush_finish(km_feed *feed, uint64_t now_ns, km_feed_flush_stats *st
     stats->updates = t->queue_count;
     stats->groups = t->group_count;
     stats->index = t->applied;
-    for (size_t i = 0; i < t->n_positions; i++) {
-        const taken_position *p = &t->positions[i];
-        worker *w = km_feed_find_worker(feed, p->worker);
-        if (w && w->generation == p->generation) {
-            w->has_flushed_expected = p->has_expected;
-            w->flushed_expected = p->expected;
-        }
-    }
+    publish_taken_positions(feed);
     t->queue_count = t->group_count = t->hash_count = t->new_key_count = 0;
     if (feed->group_count == 0)
         publish_positions(feed); /* nothing queued since: the positions are the current ones */

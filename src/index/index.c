@@ -1560,6 +1560,11 @@ int km_index_match_batch(km_index *index, const km_request *requests, size_t n_r
 
 /* ---- inspection --------------------------------------------------------------------------- */
 
+uint32_t km_index_max_workers(const km_index *index)
+{
+    return index ? index->config.max_workers : 0;
+}
+
 int km_index_worker_stats(const km_index *index, uint32_t worker, km_worker_stats *out)
 {
     if (!index || !out)
