@@ -323,7 +323,9 @@ typedef struct batch {
     size_t n_saved; /* entries in index->undo_saved */
 } batch;
 
-/* Batches this large give their log back afterwards instead of keeping it for the next one. */
+/* A log up to this many entries is always kept for the next batch. A larger one is kept while
+ * logging batches fill at least a quarter of it (a stream of large batches does not grow, copy and
+ * fault in a fresh log each time) and given back after the first logging batch that uses less. */
 #define UNDO_KEEP_ENTRIES (UINT64_C(1) << 16)
 
 static int undo_push(batch *b, const undo_entry *e)
@@ -1318,6 +1320,8 @@ int km_index_apply(km_index *index, const km_update *updates, size_t n_updates,
         const km_update *u = &updates[i];
         if (i + UPDATES_AHEAD < n_updates)
             prefetch_update(index, &updates[i + UPDATES_AHEAD]);
+        if (i + 2 * UPDATES_AHEAD < n_updates && updates[i + 2 * UPDATES_AHEAD].n_hashes)
+            __builtin_prefetch(updates[i + 2 * UPDATES_AHEAD].hashes);
         switch (u->kind) {
         case KM_UPDATE_STORE:
             rc = apply_store(&b, u);
@@ -1344,7 +1348,7 @@ int km_index_apply(km_index *index, const km_update *updates, size_t n_updates,
     }
     for (size_t i = 0; i < b.n_saved; i++)
         index->undo_touched[index->undo_saved[i].worker] = 0;
-    if (index->undo_capacity > UNDO_KEEP_ENTRIES) {
+    if (b.logging && index->undo_capacity > UNDO_KEEP_ENTRIES && b.n_log < index->undo_capacity / 4) {
         free(index->undo_log);
         index->undo_log = NULL;
         index->undo_capacity = 0;
