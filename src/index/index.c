@@ -872,7 +872,9 @@ enum { STORE_AHEAD = 8, REMOVE_AHEAD = 16 };
 /* Engines send many small updates (one per request per step, of one to a few blocks), too short
  * for the prefetches inside apply_store and apply_remove to run ahead: a batch also starts the
  * slots and metadata of the first PREFETCH_PER_UPDATE blocks (and a store's parent) of the update
- * UPDATES_AHEAD places on, so the misses of consecutive small updates overlap. */
+ * UPDATES_AHEAD places on, so the misses of consecutive small updates overlap. A stored block is
+ * mostly new, and the search for a new key runs to the end of its probe run, which at the table's
+ * load often crosses into the next line: stores start that line too. */
 enum { UPDATES_AHEAD = 4, PREFETCH_PER_UPDATE = 4 };
 
 KM_PREFETCHER static inline void prefetch_update(const km_index *index, const km_update *u)
@@ -888,6 +890,7 @@ KM_PREFETCHER static inline void prefetch_update(const km_index *index, const km
     for (size_t k = 0; k < u->n_hashes && k < PREFETCH_PER_UPDATE; k++) {
         uint64_t home = km_slot_home(u->hashes[k], t->capacity);
         __builtin_prefetch(&t->slots[home], 1);
+        __builtin_prefetch(&t->slots[home] + 4, 1);
         __builtin_prefetch(&t->meta[home], 1);
     }
 }
@@ -923,6 +926,7 @@ static int apply_store(batch *b, const km_update *u)
         if (i + STORE_AHEAD < u->n_hashes) {
             uint64_t home = km_slot_home(u->hashes[i + STORE_AHEAD], blocks->capacity);
             __builtin_prefetch(&blocks->slots[home], 1);
+            __builtin_prefetch(&blocks->slots[home] + 4, 1);
             __builtin_prefetch(&blocks->meta[home], 1);
         }
         uint64_t key = u->hashes[i];
