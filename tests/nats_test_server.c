@@ -1,6 +1,7 @@
 /* Starting and stopping a real nats-server for the cluster tests (nats_test_server.h). */
 #include "nats_test_server.h"
 #include "kv_test_publisher.h"
+#include "test_util.h"
 
 #include <arpa/inet.h>
 #include <errno.h>
@@ -65,12 +66,14 @@ bool km_nats_test_server_restart(km_nats_test_server *s, char *why, size_t why_s
     }
     char port[16];
     snprintf(port, sizeof port, "%u", s->port);
+    int parent = getpid();
     pid_t pid = fork();
     if (pid < 0) {
         snprintf(why, why_size, "fork: %s", strerror(errno));
         return false;
     }
     if (pid == 0) {
+        km_test_die_with_parent(parent);
         int fd = open(s->log_path, O_WRONLY | O_CREAT | O_APPEND, 0600);
         if (fd >= 0) {
             dup2(fd, 1);

@@ -429,9 +429,11 @@ Test(cluster, a_crashed_instance_contribution_expires, .init = start_server, .fi
 {
     /* The crashing instance is a child process killed with SIGKILL: no goodbye, no flush. It is
      * forked before this process starts the NATS client's threads. */
+    int parent = getpid();
     pid_t child = fork();
     cr_assert(child >= 0);
     if (child == 0) {
+        km_test_die_with_parent(parent);
         km_cluster *a = instance("a", server.url, 500, 0);
         km_active_load l = {5, 1, 100, 9, 9, 4000};
         km_cluster_publish_load(a, 1, &l);

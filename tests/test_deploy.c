@@ -14,6 +14,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/prctl.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -615,9 +616,11 @@ static pid_t spawn_serve(const char *sock, const char *records, const char *extr
     snprintf(log, sizeof log, "%s/serve.log", g_dir);
     snprintf(cmd, sizeof cmd, "exec %s serve --socket %s --records %s --pool main:4:prefix "
              "--worker main:0 --worker main:1 %s 2>%s", kvmatch_bin(), sock, records, extra, log);
+    int parent = getpid();
     pid_t pid = fork();
     cr_assert(pid >= 0);
     if (pid == 0) {
+        km_test_die_with_parent(parent); /* survives the exec: sh execs kvmatch in its place */
         execl("/bin/sh", "sh", "-c", cmd, (char *)NULL);
         _exit(127);
     }
@@ -668,6 +671,47 @@ static bool file_has(const char *path, const char *words)
     buf[n] = '\0';
     fclose(f);
     return strstr(buf, words) != NULL;
+}
+
+/* A server a test started never outlives the test: here the test's process is a child that starts
+ * `kvmatch serve` through spawn_serve and then ends abruptly, as a failed assertion ends it
+ * (without its teardown). This process, made the subreaper, gets the orphaned server and sees it
+ * killed by SIGKILL within seconds. */
+Test(deploy, a_server_a_test_started_dies_with_the_test, .timeout = 60)
+{
+    make_dir();
+    char sock[128];
+    snprintf(sock, sizeof sock, "%s/s.sock", g_dir);
+    cr_assert_eq(prctl(PR_SET_CHILD_SUBREAPER, 1), 0, "%s", strerror(errno));
+    int fds[2];
+    cr_assert_eq(pipe(fds), 0);
+    pid_t test_process = fork();
+    cr_assert(test_process >= 0);
+    if (test_process == 0) {
+        close(fds[0]);
+        pid_t server = spawn_serve(sock, "none", "");
+        ssize_t w = write(fds[1], &server, sizeof server);
+        _exit(w == (ssize_t)sizeof server ? 0 : 1); /* the server is left running */
+    }
+    close(fds[1]);
+    pid_t server = 0;
+    ssize_t got = read(fds[0], &server, sizeof server);
+    close(fds[0]);
+    int st = 0;
+    cr_assert_eq(waitpid(test_process, &st, 0), test_process);
+    cr_assert(got == (ssize_t)sizeof server && server > 0, "the test process started no server");
+    pid_t reaped = 0;
+    for (int i = 0; i < 500 && reaped == 0; i++) {
+        reaped = waitpid(server, &st, WNOHANG);
+        if (reaped == 0)
+            km_test_sleep_ms(10);
+    }
+    if (reaped == 0)
+        kill(server, SIGKILL);
+    cr_assert_eq(reaped, server, "kvmatch serve (pid %d) outlived the test that started it",
+                 (int)server);
+    cr_assert(WIFSIGNALED(st) && WTERMSIG(st) == SIGKILL, "status %d", st);
+    remove_dir();
 }
 
 /* SIGHUP (logrotate's postrotate, systemctl reload, a closed terminal) never stops the service:
@@ -889,9 +933,11 @@ static pid_t spawn_serve_args(const char *sock, const char *args)
     char cmd[2048], err[128];
     snprintf(err, sizeof err, "%s/serve.err", g_dir);
     snprintf(cmd, sizeof cmd, "exec %s serve --socket=%s %s 2>%s", kvmatch_bin(), sock, args, err);
+    int parent = getpid();
     pid_t pid = fork();
     cr_assert(pid >= 0);
     if (pid == 0) {
+        km_test_die_with_parent(parent); /* survives the exec: sh execs kvmatch in its place */
         execl("/bin/sh", "sh", "-c", cmd, (char *)NULL);
         _exit(127);
     }

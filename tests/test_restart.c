@@ -1165,9 +1165,11 @@ static pid_t follow_start(const char *endpoint_arg, const char *snapshot, FILE *
 {
     int fds[2];
     cr_assert_eq(pipe(fds), 0);
+    int parent = getpid();
     pid_t pid = fork();
     cr_assert(pid >= 0);
     if (pid == 0) {
+        km_test_die_with_parent(parent);
         dup2(fds[1], 1);
         if (!getenv("KM_TEST_FEED_LOG")) {
             FILE *null = fopen("/dev/null", "w");

@@ -2060,9 +2060,11 @@ Test(server, cli_serve_exits_zero_on_sigterm, .timeout = 60)
     snprintf(s.sock, sizeof s.sock, "%s/s.sock", s.dir);
     snprintf(s.addr, sizeof s.addr, "unix:%s", s.sock);
     snprintf(s.records, sizeof s.records, "%s/records.jsonl", s.dir);
+    int parent = getpid();
     pid_t pid = fork();
     cr_assert(pid >= 0);
     if (pid == 0) {
+        km_test_die_with_parent(parent);
         int devnull = open("/dev/null", O_WRONLY);
         if (devnull >= 0 && !getenv("KM_TEST_SERVER_LOG"))
             dup2(devnull, 2);

@@ -20,6 +20,7 @@
 #include "analyze/analyze.h"
 #include "kvmatch/error.h"
 #include "sim/sim.h"
+#include "test_util.h"
 
 static void quiet(void *user, const char *line)
 {
@@ -420,9 +421,11 @@ Test(sim, through_a_running_kvmatch_serve, .timeout = 120)
     char sock[128], addr[160];
     snprintf(sock, sizeof sock, "%s/s.sock", dir);
     snprintf(addr, sizeof addr, "unix:%s", sock);
+    int parent = getpid();
     pid_t pid = fork();
     cr_assert(pid >= 0);
     if (pid == 0) {
+        km_test_die_with_parent(parent);
         int devnull = open("/dev/null", O_WRONLY);
         if (devnull >= 0)
             dup2(devnull, 2);

@@ -11,6 +11,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <signal.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -1087,4 +1089,10 @@ long km_test_resident_mib(int pid)
     if (f)
         fclose(f);
     return kb < 0 ? -1 : kb / 1024;
+}
+
+void km_test_die_with_parent(int parent)
+{
+    if (prctl(PR_SET_PDEATHSIG, SIGKILL) != 0 || getppid() != (pid_t)parent)
+        _exit(126);
 }

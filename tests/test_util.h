@@ -209,5 +209,10 @@ int km_test_run_capture(const char *command, char *out, size_t out_size);
 /* Resident memory (VmRSS) of process pid, or of this process when pid is 0, in MiB; -1 when it
  * cannot be read. */
 long km_test_resident_mib(int pid);
+/* In a child just forked, before it execs or serves: the kernel kills it (SIGKILL) when the thread
+ * that forked it ends, so a server a test started never outlives the test, however the test ends
+ * (a failed assertion ends the test's process without its teardown). parent: getpid() taken
+ * before the fork; a child whose parent is already gone exits at once. */
+void km_test_die_with_parent(int parent);
 
 #endif
