@@ -1290,7 +1290,17 @@ static bool direct_stored(km_kv_decoder *dec, direct_cursor *c, uint32_t n_field
     c->values += n_tokens;
     if (c->values > c->max_values)
         return false;
+    /* A value starting at least 9 bytes (the longest unsigned encoding) before the end is whole:
+     * those skip the bound checks. */
+    const char *whole_before = c->end - c->p > 9 ? c->end - 9 : c->p;
     for (uint32_t i = 0; i < n_tokens; i++) {
+        if (c->p < whole_before && mp_typeof(*c->p) == MP_UINT) {
+            uint64_t v = mp_decode_uint(&c->p);
+            if (v > UINT32_MAX)
+                return false;
+            tokens[i] = (uint32_t)v;
+            continue;
+        }
         if (c->p >= c->end)
             return false;
         if (mp_typeof(*c->p) == MP_UINT) {
