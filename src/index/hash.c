@@ -92,8 +92,12 @@ uint64_t km_hash_local_lookahead(const uint32_t *tokens, uint32_t block_size,
 
 static void store_le64(uint8_t *p, uint64_t v)
 {
+#if __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+    memcpy(p, &v, sizeof v);
+#else
     for (int i = 0; i < 8; i++)
         p[i] = (uint8_t)(v >> (8 * i));
+#endif
 }
 
 uint64_t km_hash_chain_step(uint64_t parent_chain, uint64_t local)
