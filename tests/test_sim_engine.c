@@ -955,10 +955,10 @@ static void feed_sync_and_check(feed_fx *f, km_sim_engine *e)
     KM_CHECK(info.counters.lost == 0 && info.counters.gaps == 0, "gaps");
 }
 
-Test(sim_engine, scheduler_events_feed_an_exact_index, .timeout = 60)
+static void scheduler_events_feed_an_exact_index_from(uint64_t seed)
 {
     km_rng r;
-    km_rng_init(&r, km_test_seed());
+    km_rng_init(&r, seed);
     for (int round = 0; round < 3; round++) {
         km_sim_engine_config cfg;
         km_sim_engine_config_init(&cfg);
@@ -1032,6 +1032,24 @@ Test(sim_engine, scheduler_events_feed_an_exact_index, .timeout = 60)
         cr_assert_gt(st.hit_blocks, 0, "the run should exercise hits");
         feed_fx_free(&f);
         km_sim_engine_destroy(e);
+    }
+}
+
+Test(sim_engine, scheduler_events_feed_an_exact_index, .timeout = 60)
+{
+    scheduler_events_feed_an_exact_index_from(km_test_seed());
+}
+
+/* Seeds whose runs store a block right after one the request kept private as a duplicate while
+ * the cached copy of that duplicate was evicted: the store names it as its parent, so the engine
+ * must have cached the request's own copy by then (cache_prompt_blocks). A failure's replay seed
+ * is the one logged last. */
+Test(sim_engine, a_store_never_names_an_evicted_parent, .timeout = 60)
+{
+    static const uint64_t seeds[] = {59, 203, 207, 264, UINT64_C(327534809306)};
+    for (size_t i = 0; i < sizeof seeds / sizeof seeds[0]; i++) {
+        cr_log_info("seed %llu", (unsigned long long)seeds[i]);
+        scheduler_events_feed_an_exact_index_from(seeds[i]);
     }
 }
 

@@ -612,6 +612,17 @@ static int admit_slot(km_sim_engine *e, uint32_t s, uint32_t reserve_tokens, km_
     return KM_OK;
 }
 
+/* Cache the request's block k under its chain hash (not cached by any block). */
+static void cache_block(km_sim_engine *e, const sim_request *r, uint32_t k)
+{
+    sim_block *blk = &e->blocks[r->blocks[k]];
+    blk->chain = r->chains[k];
+    blk->engine_hash = km_sim_engine_engine_hash(e, blk->chain);
+    blk->cached = true;
+    km_u64map_put(&e->cached, blk->chain, r->blocks[k], 0);
+    e->n_cached++;
+}
+
 /* The prompt's full blocks [r->cached_to, to) are computed: cache each whose chain hash no other
  * block caches yet and queue one BlockStored per run of newly cached blocks; a block whose content
  * is cached already stays private to the request (a duplicate). *stored_out (may be NULL) gets
@@ -623,21 +634,27 @@ static int cache_prompt_blocks(km_sim_engine *e, uint32_t s, uint32_t to, uint32
         to = r->n_full;
     uint32_t from = r->cached_to > r->held_blocks ? r->cached_to : r->held_blocks;
     uint32_t stored = 0;
-    if (from < to && km_u64map_reserve(&e->cached, to - from))
-        return fail(e, KM_ERR_OUT_OF_MEMORY, "no memory to cache %u blocks", to - from);
+    if (from < to && km_u64map_reserve(&e->cached, to - r->held_blocks))
+        return fail(e, KM_ERR_OUT_OF_MEMORY, "no memory to cache %u blocks", to - r->held_blocks);
     uint32_t run_start = NO_BLOCK;
     for (uint32_t k = from; k <= to; k++) {
         bool cache_it = k < to && !km_u64map_find(&e->cached, r->chains[k]);
+        if (cache_it && run_start == NO_BLOCK) {
+            /* The blocks before k that stayed private as duplicates and whose cached copies
+             * have been evicted since are cached now, from the request's own copies (the same
+             * content), and published in this run: a store never names a parent no cache holds. */
+            uint32_t j = k;
+            while (j > r->held_blocks && !km_u64map_find(&e->cached, r->chains[j - 1]))
+                j--;
+            for (uint32_t q = j; q < k; q++) {
+                cache_block(e, r, q);
+                stored++;
+            }
+            run_start = j;
+        }
         if (cache_it) {
-            sim_block *blk = &e->blocks[r->blocks[k]];
-            blk->chain = r->chains[k];
-            blk->engine_hash = km_sim_engine_engine_hash(e, blk->chain);
-            blk->cached = true;
-            km_u64map_put(&e->cached, blk->chain, r->blocks[k], 0);
-            e->n_cached++;
+            cache_block(e, r, k);
             stored++;
-            if (run_start == NO_BLOCK)
-                run_start = k;
         } else {
             if (k < to)
                 e->stats.duplicate_blocks++;
