@@ -6,7 +6,11 @@
  * scored and compared worker by worker. Every segment size (32, 4, 1, 0), 8 and 1024 workers, 1
  * and 2 threads. Then edge cases (empty requests, request size limit, results reuse) and the
  * Mooncake conversation trace. */
+#include <dirent.h>
 #include <inttypes.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -360,6 +364,79 @@ Test(match, many_lanes_every_batch_size, .timeout = 90)
         }
     }
     fixture_free(&f);
+}
+
+/* The CPUs a scoring helper (thread name km-index) of this process may run on, merged over all of
+ * them; false when none is found. */
+static bool helpers_affinity(cpu_set_t *out)
+{
+    CPU_ZERO(out);
+    bool found = false;
+    DIR *d = opendir("/proc/self/task");
+    if (!d)
+        return false;
+    struct dirent *de;
+    while ((de = readdir(d))) {
+        char path[300], comm[32] = {0};
+        snprintf(path, sizeof path, "/proc/self/task/%s/comm", de->d_name);
+        FILE *f = fopen(path, "r");
+        if (!f)
+            continue;
+        bool helper = fgets(comm, sizeof comm, f) && strncmp(comm, "km-index", 8) == 0;
+        fclose(f);
+        cpu_set_t set;
+        if (helper && sched_getaffinity((pid_t)atoi(de->d_name), sizeof set, &set) == 0) {
+            CPU_OR(out, out, &set);
+            found = true;
+        }
+    }
+    closedir(d);
+    return found;
+}
+
+/* A helper woken on its caller's CPU moves to the others the creating thread could use: whatever
+ * the batches, its CPUs stay within those (here one CPU, where it cannot move, then all that this
+ * process may use), and the answers stay exact. */
+static void helpers_stay_within(const cpu_set_t *allowed)
+{
+    cpu_set_t saved;
+    cr_assert_eq(pthread_getaffinity_np(pthread_self(), sizeof saved, &saved), 0);
+    cr_assert_eq(pthread_setaffinity_np(pthread_self(), sizeof *allowed, allowed), 0);
+    scoring_fixture f;
+    fixture_init(&f, 64, 4, 3, 0xAFF1);
+    char why[512];
+    for (int step = 0; step < 4; step++) {
+        fixture_step(&f);
+        for (int b = 0; b < 20; b++) {
+            km_request_set_generate(&f.rs, &f.r, &f.corpus, 200);
+            int rc = km_index_match_batch(f.index, f.rs.requests, f.rs.n, &f.res);
+            KM_CHECK(rc == KM_OK, "step %d: %s", step, km_error_name(rc));
+            KM_CHECK(km_check_results(&f.o, f.rs.requests, f.rs.n, &f.res, 4, why, sizeof why),
+                     "step %d: %s", step, why);
+        }
+    }
+    cpu_set_t used;
+    cr_assert(helpers_affinity(&used), "the index runs scoring helpers");
+    cpu_set_t outside;
+    CPU_OR(&outside, &used, allowed);
+    cr_assert(CPU_EQUAL(&outside, allowed), "a helper may run on a CPU its creator could not use");
+    fixture_free(&f);
+    cr_assert_eq(pthread_setaffinity_np(pthread_self(), sizeof saved, &saved), 0);
+}
+
+Test(match, helpers_run_only_where_their_creator_could, .timeout = 60)
+{
+    cpu_set_t all;
+    cr_assert_eq(pthread_getaffinity_np(pthread_self(), sizeof all, &all), 0);
+    int first = -1;
+    for (int c = 0; c < CPU_SETSIZE && first < 0; c++)
+        if (CPU_ISSET(c, &all))
+            first = c;
+    cpu_set_t one;
+    CPU_ZERO(&one);
+    CPU_SET(first, &one);
+    helpers_stay_within(&one);
+    helpers_stay_within(&all);
 }
 
 /* ---- the Mooncake trace -------------------------------------------------------------------- */

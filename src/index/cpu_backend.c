@@ -43,6 +43,9 @@ typedef struct km_thread_pool {
     void *arg;
     atomic_uint_fast64_t open_generation; /* the generation that may still be joined, else 0 */
     atomic_uint inside;  /* helpers running the current job */
+    atomic_int caller_cpu; /* the CPU the caller opened the current job on, or -1 */
+    cpu_set_t allowed;     /* the CPUs the creating thread could run on */
+    int have_allowed;
 } km_thread_pool;
 
 typedef struct pool_thread_arg {
@@ -80,6 +83,21 @@ static void pool_join(km_thread_pool *pool, uint64_t g, uint32_t index)
     atomic_fetch_sub(&pool->inside, 1);
 }
 
+/* A woken helper on the CPU its caller opened the job on (the kernel tends to place a woken thread
+ * beside its waker) moves to the others the creating thread could use, so the two do not share
+ * one core for the batch. */
+static void pool_step_aside(km_thread_pool *pool)
+{
+    int here = sched_getcpu();
+    if (!pool->have_allowed || here < 0 || here != atomic_load(&pool->caller_cpu) ||
+        here >= CPU_SETSIZE)
+        return;
+    cpu_set_t others = pool->allowed;
+    CPU_CLR(here, &others);
+    if (CPU_COUNT(&others) > 0)
+        pthread_setaffinity_np(pthread_self(), sizeof others, &others);
+}
+
 static void *pool_main(void *p)
 {
     pool_thread_arg self = *(pool_thread_arg *)p;
@@ -110,6 +128,7 @@ static void *pool_main(void *p)
         pthread_mutex_unlock(&pool->mutex);
         if (stop)
             break;
+        pool_step_aside(pool);
         atomic_fetch_add(&pool->inside, 1);
         if (atomic_load(&pool->open_generation) == seen) /* not a job that has since closed */
             job(arg, self.index);
@@ -141,6 +160,9 @@ static km_thread_pool *pool_create(uint32_t helpers)
         return NULL;
     pthread_mutex_init(&pool->mutex, NULL);
     pthread_cond_init(&pool->start, NULL);
+    atomic_init(&pool->caller_cpu, -1);
+    pool->have_allowed = pthread_getaffinity_np(pthread_self(), sizeof pool->allowed,
+                                                &pool->allowed) == 0;
     atomic_init(&pool->open_generation, 0);
     atomic_init(&pool->inside, 0);
     pool->threads = calloc(helpers ? helpers : 1, sizeof *pool->threads);
@@ -171,6 +193,7 @@ static km_thread_pool *pool_create(uint32_t helpers)
  * it is correct whichever lanes run it, the caller's alone included. */
 static void pool_run(km_thread_pool *pool, pool_job job, void *arg)
 {
+    atomic_store(&pool->caller_cpu, sched_getcpu());
     pthread_mutex_lock(&pool->mutex);
     pool->job = job;
     pool->arg = arg;
