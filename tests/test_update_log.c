@@ -29,15 +29,9 @@ static void apply_checked(km_index *index, km_oracle *o, const km_update *u, siz
 
 Test(update_log, large_batches_reuse_one_log_and_a_small_one_gives_it_back, .timeout = 60)
 {
-    km_index_config cfg;
-    km_test_config(&cfg, NULL);
-    cfg.backend = KM_BACKEND_CPU;
-    cfg.max_workers = 8;
-    cfg.segment_blocks = 4;
-    km_index *index = NULL;
-    cr_assert_eq(km_index_create(&cfg, &index), KM_OK);
+    km_index *index = km_test_growing_index(8, 4, 1);
     km_oracle o;
-    km_oracle_init(&o, cfg.max_workers);
+    km_oracle_init(&o, 8);
     km_rng r;
     km_rng_init(&r, km_test_seed());
 

@@ -74,11 +74,12 @@ static void pool_relax(uint32_t *spins)
 /* After a job a helper watches for the next one this many pause loops before it parks. */
 #define POOL_SPIN_BEFORE_PARKING 4096u
 
-/* Join the job of generation g if it is still open (the Dekker pair above); returns when done. */
+/* Run the job of generation g if it is still open (the Dekker pair above): while a helper is
+ * inside an open job, job and arg stay as they are. */
 static void pool_join(km_thread_pool *pool, uint64_t g, uint32_t index)
 {
     atomic_fetch_add(&pool->inside, 1);
-    if (atomic_load(&pool->open_generation) == g) /* while inside, job and arg stay as they are */
+    if (atomic_load(&pool->open_generation) == g)
         pool->job(pool->arg, index);
     atomic_fetch_sub(&pool->inside, 1);
 }
@@ -123,16 +124,11 @@ static void *pool_main(void *p)
             pthread_cond_wait(&pool->start, &pool->mutex);
         int stop = pool->stop;
         seen = pool->generation;
-        pool_job job = pool->job;
-        void *arg = pool->arg;
         pthread_mutex_unlock(&pool->mutex);
         if (stop)
             break;
         pool_step_aside(pool);
-        atomic_fetch_add(&pool->inside, 1);
-        if (atomic_load(&pool->open_generation) == seen) /* not a job that has since closed */
-            job(arg, self.index);
-        atomic_fetch_sub(&pool->inside, 1);
+        pool_join(pool, seen, self.index); /* backs out of a job that has since closed */
     }
     return NULL;
 }
