@@ -1205,6 +1205,12 @@ static bool direct_hashes(km_kv_decoder *dec, direct_cursor *c, km_kv_event *ev)
     if (!hashes)
         return false;
     for (uint32_t i = 0; i < n; i++) {
+        /* A uint 64, the form most engine hashes take, is read without the type dispatch. */
+        if (c->end - c->p >= 9 && (uint8_t)*c->p == 0xcf && direct_count(c)) {
+            c->p++;
+            hashes[i] = mp_load_u64(&c->p);
+            continue;
+        }
         bool negative;
         if (!direct_int(c, &hashes[i], &negative))
             return false;
@@ -1293,14 +1299,33 @@ static bool direct_stored(km_kv_decoder *dec, direct_cursor *c, uint32_t n_field
     /* A value starting at least 9 bytes (the longest unsigned encoding) before the end is whole:
      * those skip the bound checks. */
     const char *whole_before = c->end - c->p > 9 ? c->end - 9 : c->p;
-    for (uint32_t i = 0; i < n_tokens; i++) {
-        if (c->p < whole_before && mp_typeof(*c->p) == MP_UINT) {
-            uint64_t v = mp_decode_uint(&c->p);
+    uint32_t i = 0;
+    const char *p = c->p; /* in a register through the common loop */
+    while (i < n_tokens && p < whole_before) {
+        /* The forms token ids take (a positive fixint, a uint 16 or a uint 32) are told from
+         * their first byte without msgpuck's type dispatch; any other unsigned form goes through
+         * mp_decode_uint, anything else to the checked loop below. */
+        uint8_t first = (uint8_t)*p;
+        if (first <= 0x7f) {
+            tokens[i++] = first;
+            p++;
+        } else if (first == 0xcd) {
+            p++;
+            tokens[i++] = mp_load_u16(&p);
+        } else if (first == 0xce) {
+            p++;
+            tokens[i++] = mp_load_u32(&p);
+        } else if (mp_typeof(*p) == MP_UINT) {
+            uint64_t v = mp_decode_uint(&p);
             if (v > UINT32_MAX)
                 return false;
-            tokens[i] = (uint32_t)v;
-            continue;
+            tokens[i++] = (uint32_t)v;
+        } else {
+            break;
         }
+    }
+    c->p = p;
+    for (; i < n_tokens; i++) {
         if (c->p >= c->end)
             return false;
         if (mp_typeof(*c->p) == MP_UINT) {
