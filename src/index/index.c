@@ -1090,7 +1090,7 @@ static int apply_clear(batch *b, const km_update *u)
     km_table *seg = &index->segments;
     for (uint64_t s = 0; s < seg->capacity;) {
         uint64_t end = seg->slots[s].key;
-        if (end <= KM_KEY_TOMBSTONE || !km_table_set_contains(seg, s, w)) {
+        if (end <= KM_KEY_TOMBSTONE || !km_slot_contains(&seg->slots[s], seg->pool, seg->words_per_set, w)) {
             s++;
             continue;
         }
@@ -1103,7 +1103,8 @@ static int apply_clear(batch *b, const km_update *u)
     for (uint32_t t = 0; t + 1 < KM_TIER_COUNT; t++) {
         km_table *lt = &index->lower[t];
         for (uint64_t s = 0; lt->pairs && s < lt->capacity;) {
-            if (lt->slots[s].key <= KM_KEY_TOMBSTONE || !km_table_set_contains(lt, s, w)) {
+            if (lt->slots[s].key <= KM_KEY_TOMBSTONE ||
+                !km_slot_contains(&lt->slots[s], lt->pool, lt->words_per_set, w)) {
                 s++;
                 continue;
             }
@@ -1114,7 +1115,8 @@ static int apply_clear(batch *b, const km_update *u)
     }
     km_table *blk = &index->blocks;
     for (uint64_t s = 0; s < blk->capacity;) {
-        if (blk->slots[s].key <= KM_KEY_TOMBSTONE || !km_table_set_contains(blk, s, w)) {
+        if (blk->slots[s].key <= KM_KEY_TOMBSTONE ||
+            !km_slot_contains(&blk->slots[s], blk->pool, blk->words_per_set, w)) {
             s++;
             continue;
         }
