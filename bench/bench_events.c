@@ -219,7 +219,7 @@ static int build_stream(const km_trace *trace, uint64_t max_block_events, stream
 #define ENG_CLEAR_EVERY 20000u
 #define ENG_MESSAGES 200000u
 #define ENG_MESSAGES_QUICK 50000u
-#define ENG_REPS 3
+#define ENG_REPS 7
 
 typedef struct eng_chain {
     uint64_t *hashes; /* engine hashes of the request's blocks, in order */
