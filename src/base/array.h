@@ -21,7 +21,8 @@ int km_array_grow(void *array_ptr, size_t *capacity, size_t need, size_t elem_si
 static inline int km_array_reserve(void *array_ptr, size_t *capacity, size_t need,
                                    size_t elem_size, size_t min_capacity)
 {
-    return need <= *capacity ? KM_OK : km_array_grow(array_ptr, capacity, need, elem_size, min_capacity);
+    return need <= *capacity ? KM_OK
+                             : km_array_grow(array_ptr, capacity, need, elem_size, min_capacity);
 }
 
 /* km_array_grow on an array lvalue `array` (a T *) and its size_t `capacity`. */

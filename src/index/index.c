@@ -1070,6 +1070,14 @@ static int apply_remove(batch *b, const km_update *u)
     return KM_OK;
 }
 
+/* Slot s of a table whose growth is finished (so s indexes its slots array) holds a key that
+ * worker w holds. */
+static inline bool slot_held_by(const km_table *t, uint64_t s, uint32_t w)
+{
+    return t->slots[s].key > KM_KEY_TOMBSTONE &&
+           km_slot_contains(&t->slots[s], t->pool, t->words_per_set, w);
+}
+
 static int apply_clear(batch *b, const km_update *u)
 {
     km_index *index = b->index;
@@ -1090,7 +1098,7 @@ static int apply_clear(batch *b, const km_update *u)
     km_table *seg = &index->segments;
     for (uint64_t s = 0; s < seg->capacity;) {
         uint64_t end = seg->slots[s].key;
-        if (end <= KM_KEY_TOMBSTONE || !km_slot_contains(&seg->slots[s], seg->pool, seg->words_per_set, w)) {
+        if (!slot_held_by(seg, s, w)) {
             s++;
             continue;
         }
@@ -1103,8 +1111,7 @@ static int apply_clear(batch *b, const km_update *u)
     for (uint32_t t = 0; t + 1 < KM_TIER_COUNT; t++) {
         km_table *lt = &index->lower[t];
         for (uint64_t s = 0; lt->pairs && s < lt->capacity;) {
-            if (lt->slots[s].key <= KM_KEY_TOMBSTONE ||
-                !km_slot_contains(&lt->slots[s], lt->pool, lt->words_per_set, w)) {
+            if (!slot_held_by(lt, s, w)) {
                 s++;
                 continue;
             }
@@ -1115,8 +1122,7 @@ static int apply_clear(batch *b, const km_update *u)
     }
     km_table *blk = &index->blocks;
     for (uint64_t s = 0; s < blk->capacity;) {
-        if (blk->slots[s].key <= KM_KEY_TOMBSTONE ||
-            !km_slot_contains(&blk->slots[s], blk->pool, blk->words_per_set, w)) {
+        if (!slot_held_by(blk, s, w)) {
             s++;
             continue;
         }
