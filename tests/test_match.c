@@ -176,6 +176,59 @@ static void store_chain(km_index *index, km_oracle *o, uint32_t w, const uint64_
     km_oracle_apply(o, &u, 1, &expect);
 }
 
+/* Prefixes every worker holds: each of a few corpus chains is stored by every worker, each to a
+ * depth drawn from a handful (so many workers tie for the deepest, in one 64-worker word and across
+ * words), so block 0's holder set fills whole words of the bitmap: the case where every worker
+ * appears in an answer. Scored against the oracle; at least one answer must name every worker. */
+static void property_every_worker(uint32_t S, uint32_t W, uint32_t threads)
+{
+    km_rng r;
+    km_rng_init(&r, km_test_seed() ^ ((uint64_t)S << 40) ^ ((uint64_t)W << 20) ^ threads ^ 0xA11);
+    km_index *index = make_index(W, S, threads);
+    km_oracle o;
+    km_oracle_init(&o, W);
+    km_corpus corpus;
+    km_corpus_generate(&corpus, &r, 40, 4, 120);
+    km_request_set rs = {0};
+    km_match_results res;
+    km_match_results_init(&res);
+    char why[512];
+    for (int round = 0; round < 4; round++) {
+        const km_seq *q = &corpus.seqs[km_rng_below(&r, (uint32_t)corpus.n_seqs)];
+        if (q->n_blocks == 0)
+            continue;
+        uint32_t depths[4] = {1, q->n_blocks, 1 + km_rng_below(&r, q->n_blocks),
+                              1 + km_rng_below(&r, q->n_blocks)};
+        for (uint32_t w = 0; w < W; w++)
+            store_chain(index, &o, w, q->chain, depths[km_rng_below(&r, 4)]);
+        km_request_set_generate(&rs, &r, &corpus, 1500);
+        int rc = km_index_match_batch(index, rs.requests, rs.n, &res);
+        KM_CHECK(rc == KM_OK, "match: %s", km_error_name(rc));
+        KM_CHECK(km_check_results(&o, rs.requests, rs.n, &res, S, why, sizeof why),
+                 "S=%u W=%u threads %u round %d: %s", S, W, threads, round, why);
+    }
+    uint32_t widest = 0;
+    for (size_t i = 0; i < res.n_requests; i++)
+        widest = res.requests[i].count > widest ? res.requests[i].count : widest;
+    KM_CHECK(widest == W, "no answer named every worker (widest %u of %u)", widest, W);
+    km_match_results_free(&res);
+    km_request_set_free(&rs);
+    km_corpus_free(&corpus);
+    km_oracle_free(&o);
+    km_index_destroy(index);
+}
+
+#define PROPERTY_EVERY_WORKER(S, W, T)                                                            \
+    Test(match_property, every_worker_s##S##_w##W##_t##T, .timeout = 60)                          \
+    {                                                                                             \
+        property_every_worker(S, W, T);                                                           \
+    }
+PROPERTY_EVERY_WORKER(32, 64, 1)
+PROPERTY_EVERY_WORKER(32, 64, 2)
+PROPERTY_EVERY_WORKER(4, 130, 2) /* two whole words and a part */
+PROPERTY_EVERY_WORKER(32, 1024, 2)
+PROPERTY_EVERY_WORKER(0, 1024, 1)
+
 Test(match, empty_requests, .timeout = 30)
 {
     km_index *index = make_index(8, 4, 2);

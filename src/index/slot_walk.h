@@ -15,6 +15,9 @@
 #define KM_SHARED_H
 
 #include <stdint.h>
+#if !defined(__CUDACC__) && defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 #if defined(__CUDACC__)
 /* Not __forceinline__: it expands to __inline__, a duplicate of the `static inline` every use
@@ -211,8 +214,11 @@ KM_HD static inline uint64_t km_view_intersect(const km_table_view *v, uint64_t 
         }
         return any;
     }
-    for (uint32_t i = 0; i < W; i++)
-        out[i] = 0;
+    if (W == 1) /* up to 64 workers: one word, not a call to memset */
+        out[0] = 0;
+    else
+        for (uint32_t i = 0; i < W; i++)
+            out[i] = 0;
     if (slot == KM_SLOT_NONE)
         return 0;
     const km_slot *s = km_view_slot(v, slot);
@@ -236,6 +242,21 @@ KM_HD static inline uint32_t km_bit_index(uint64_t word)
 #endif
 }
 
+/* depth_of[w] = depth for the workers w in word x of a set (the set bits of `bits`). A full word,
+ * as when a shared prefix ends for every worker at once, is one fill. */
+KM_HD static inline void km_walk_settle(uint32_t *depth_of, uint32_t x, uint64_t bits,
+                                        uint32_t depth)
+{
+    if (bits == ~UINT64_C(0)) {
+        uint32_t *word = depth_of + (size_t)x * 64u;
+        for (uint32_t i = 0; i < 64; i++)
+            word[i] = depth;
+        return;
+    }
+    for (; bits; bits &= bits - 1)
+        depth_of[x * 64u + km_bit_index(bits)] = depth;
+}
+
 /* One step of a block walk: look up block i (chain hash `key`), keep in `open` (W words) the
  * workers that hold it and settle the others at depth i (depth_of[w] = i). `tmp` is W words.
  * Returns nonzero when `open` is still not empty. */
@@ -247,8 +268,7 @@ KM_HD static inline uint64_t km_walk_block_step(const km_table_view *blocks, uin
     uint64_t slot = km_view_find(blocks, key);
     uint64_t any = km_view_intersect(blocks, slot, open, tmp);
     for (uint32_t x = 0; x < W; x++) {
-        for (uint64_t settled = open[x] & ~tmp[x]; settled; settled &= settled - 1)
-            depth_of[x * 64u + km_bit_index(settled)] = i;
+        km_walk_settle(depth_of, x, open[x] & ~tmp[x], i);
         open[x] = tmp[x];
     }
     return any;
@@ -329,6 +349,53 @@ KM_HD static inline void km_walk_emit(km_walk_entry *entries, uint32_t *m, uint3
     }
 }
 
+/* km_walk_emit for the holders among workers base .. base + 63 (the set bits of `word`),
+ * ascending. */
+KM_HD static inline void km_walk_emit_word(uint64_t word, uint32_t base, const uint32_t *depth_of,
+                                           km_walk_entry *entries, uint32_t *m, uint32_t *owner,
+                                           uint32_t *owner_depth)
+{
+#if !defined(__CUDACC__) && defined(__SSE2__)
+    /* Every worker of the word holds block 0 (where a shared prefix reaches every worker): four
+     * entries a step. Each lane keeps its deepest and the first id with it; depths are compared
+     * as unsigned (biased by 2^31 for the signed compare). */
+    if (word == ~UINT64_C(0)) {
+        const uint32_t *depth = depth_of + base;
+        km_walk_entry *out = entries + *m;
+        const __m128i bias = _mm_set1_epi32(INT32_MIN), step = _mm_set1_epi32(4);
+        __m128i ids = _mm_setr_epi32((int)base, (int)base + 1, (int)base + 2, (int)base + 3);
+        __m128i best = bias, best_id = ids; /* best: the biased deepest, 0 at first */
+        for (uint32_t i = 0; i < 64; i += 4) {
+            __m128i d = _mm_loadu_si128((const __m128i *)(depth + i));
+            _mm_storeu_si128((__m128i *)(out + i), _mm_unpacklo_epi32(ids, d));
+            _mm_storeu_si128((__m128i *)(out + i + 2), _mm_unpackhi_epi32(ids, d));
+            __m128i biased = _mm_xor_si128(d, bias);
+            __m128i deeper = _mm_cmpgt_epi32(biased, best);
+            best = _mm_or_si128(_mm_and_si128(deeper, biased), _mm_andnot_si128(deeper, best));
+            best_id = _mm_or_si128(_mm_and_si128(deeper, ids), _mm_andnot_si128(deeper, best_id));
+            ids = _mm_add_epi32(ids, step);
+        }
+        uint32_t lane_best[4], lane_id[4];
+        _mm_storeu_si128((__m128i *)lane_best, _mm_xor_si128(best, bias));
+        _mm_storeu_si128((__m128i *)lane_id, best_id);
+        uint32_t word_best = 0, word_owner = 0;
+        for (uint32_t k = 0; k < 4; k++)
+            if (lane_best[k] > word_best || (lane_best[k] == word_best && lane_id[k] < word_owner)) {
+                word_best = lane_best[k];
+                word_owner = lane_id[k];
+            }
+        if (word_best > *owner_depth) { /* an equal one before this word has a lower id */
+            *owner_depth = word_best;
+            *owner = word_owner;
+        }
+        *m += 64;
+        return;
+    }
+#endif
+    for (; word; word &= word - 1)
+        km_walk_emit(entries, m, base + km_bit_index(word), depth_of, owner, owner_depth);
+}
+
 /* The last step of a walk of n blocks: the workers still open hold all n; then block 0's holders
  * (slot0), ascending, are written once each with their settled depth. Returns the entry count. */
 KM_HD static inline uint32_t km_walk_emit_all(const km_table_view *blocks, uint64_t slot0,
@@ -338,16 +405,13 @@ KM_HD static inline uint32_t km_walk_emit_all(const km_table_view *blocks, uint6
 {
     uint32_t W = blocks->words_per_set;
     for (uint32_t x = 0; x < W; x++)
-        for (uint64_t left = open[x]; left; left &= left - 1)
-            depth_of[x * 64u + km_bit_index(left)] = n;
+        km_walk_settle(depth_of, x, open[x], n);
     const km_slot *s0 = km_view_slot(blocks, slot0);
     uint32_t m = 0;
     if (km_slot_is_shared(s0)) {
         const uint64_t *bits = blocks->pool + (uint64_t)km_slot_pool_index(s0) * W;
         for (uint32_t x = 0; x < W; x++)
-            for (uint64_t word = bits[x]; word; word &= word - 1)
-                km_walk_emit(entries, &m, x * 64u + km_bit_index(word), depth_of, owner,
-                             owner_depth);
+            km_walk_emit_word(bits[x], x * 64u, depth_of, entries, &m, owner, owner_depth);
         return m;
     }
     for (uint32_t i = 0; i < KM_SLOT_INLINE; i++)
