@@ -97,9 +97,9 @@ static int arrays_alloc(const km_table *t, uint64_t capacity, int with_meta, tab
 
 /* Old-array slots are never listed: a growth sets layout_changed, and a replica is synced only
  * after the move ends. */
-static void mark_dirty_slot(km_table *t, uint64_t slot)
+static void record_dirty_slot(km_table *t, uint64_t slot)
 {
-    if (!t->track_dirty || t->layout_changed || slot >= t->capacity)
+    if (t->layout_changed || slot >= t->capacity)
         return;
     if (KM_ARRAY_GROW(t->dirty_slots, t->dirty_slots_capacity, t->n_dirty_slots + 1, 1024)) {
         t->layout_changed = 1; /* cannot track: the replica re-uploads everything instead */
@@ -108,15 +108,29 @@ static void mark_dirty_slot(km_table *t, uint64_t slot)
     t->dirty_slots[t->n_dirty_slots++] = slot;
 }
 
-static void mark_dirty_set(km_table *t, uint32_t set)
+static void record_dirty_set(km_table *t, uint32_t set)
 {
-    if (!t->track_dirty || t->layout_changed)
+    if (t->layout_changed)
         return;
     if (KM_ARRAY_GROW(t->dirty_sets, t->dirty_sets_capacity, t->n_dirty_sets + 1, 256)) {
         t->layout_changed = 1;
         return;
     }
     t->dirty_sets[t->n_dirty_sets++] = set;
+}
+
+/* A slot or bitmap written: listed for the device replica, when the table tracks them (the
+ * common host-only table does not, and pays one test). */
+static inline void mark_dirty_slot(km_table *t, uint64_t slot)
+{
+    if (t->track_dirty)
+        record_dirty_slot(t, slot);
+}
+
+static inline void mark_dirty_set(km_table *t, uint32_t set)
+{
+    if (t->track_dirty)
+        record_dirty_set(t, set);
 }
 
 void km_table_clear_dirty(km_table *t)
@@ -437,7 +451,8 @@ int km_table_reserve(km_table *t, uint64_t extra)
 
 int km_table_insert(km_table *t, uint64_t key, int allow_grow, uint64_t *slot_out)
 {
-    if (allow_grow) {
+    /* km_table_reserve when it has work: a move under way, or no room for one more key. */
+    if (allow_grow && (t->old_slots || over_load(t->live + t->tombstones + 1, t->capacity))) {
         int rc = km_table_reserve(t, 1);
         if (rc)
             return rc;
@@ -494,7 +509,8 @@ void km_table_erase(km_table *t, uint64_t slot)
         memset(km_table_aux(t, hole), 0, t->aux_bytes);
     t->live--;
     mark_dirty_slot(t, hole);
-    migrate(t, MIGRATE_PER_KEY);
+    if (t->old_slots)
+        migrate(t, MIGRATE_PER_KEY);
 }
 
 int km_table_purge_tombstones(km_table *t)
