@@ -18,7 +18,11 @@
  *  - engine_steps: a second stream shaped like a fleet of engines (build_engine_stream: one small
  *    message per engine step) through the same publisher and subscriber as zmq, reported in
  *    messages/s; zmq_floor: the same messages received and dropped undecoded, alternating with
- *    engine_steps, the transport's own ceiling in the same run.
+ *    engine_steps, the transport's own ceiling in the same run. Both are timed in the steady state
+ *    a router following a running fleet sees: the messages up to the one after which every engine
+ *    has evicted (its cache is full) are sent and applied first, untimed (stream.warm_msgs), while
+ *    the index's tables and the feed's maps grow from empty; the in-process run of this stream
+ *    likewise.
  *  - restart: an index with ~10 M (block, worker) pairs built through the feed (synthetic
  *    batches, not the trace: the trace's LRU steady state is far smaller), saved with
  *    km_feed_save; timed: create index + feed, km_feed_restore, claim every worker (ready: the
@@ -27,6 +31,7 @@
 #include <errno.h>
 #include <inttypes.h>
 #include <jansson.h>
+#include <stdbool.h>
 #include <msgpack.h>
 #include <pthread.h>
 #include <stdio.h>
@@ -78,6 +83,9 @@ typedef struct stream {
     uint64_t block_events, stored_blocks, removed_blocks, requests, clears;
     uint32_t n_workers;
     uint64_t seqs[STREAM_MAX_WORKERS];
+    /* Messages sent and applied before the timer starts (0: none), and their block events. */
+    size_t warm_msgs;
+    uint64_t warm_block_events;
 } stream;
 
 static void pack_str(msgpack_packer *pk, const char *s)
@@ -199,8 +207,8 @@ static int build_stream(const km_trace *trace, uint64_t max_block_events, stream
     free(removed);
     for (uint32_t w = 0; w < EV_WORKERS; w++)
         km_bench_lru_free(&lrus[w]);
+    st->size = buf.size; /* read before the release empties buf */
     st->data = msgpack_sbuffer_release(&buf);
-    st->size = buf.size;
     msgpack_sbuffer_destroy(&buf);
     return 0;
 }
@@ -291,6 +299,17 @@ static void eng_free(eng_state *e)
         free(e->running[i].hashes);
 }
 
+/* What the timers cover: the messages after the warm-up, and their block events. */
+static size_t timed_msgs(const stream *st)
+{
+    return st->n_msgs - st->warm_msgs;
+}
+
+static uint64_t timed_block_events(const stream *st)
+{
+    return st->block_events - st->warm_block_events;
+}
+
 static void stream_add_message(stream *st, size_t *msgs_cap, uint32_t w, size_t start, size_t end)
 {
     if (st->n_msgs == *msgs_cap) {
@@ -304,6 +323,8 @@ static void stream_add_message(stream *st, size_t *msgs_cap, uint32_t w, size_t 
     m->size = end - start;
 }
 
+/* The warm-up (every engine fills its cache and evicts once), then n_messages more: the timed
+ * part. */
 static int build_engine_stream(uint64_t n_messages, stream *st)
 {
     memset(st, 0, sizeof *st);
@@ -323,7 +344,10 @@ static int build_engine_stream(uint64_t n_messages, stream *st)
     msgpack_packer_init(&pk, &buf, msgpack_sbuffer_write);
     uint64_t removed[ENG_CAPACITY];
     uint64_t block_uid = 1;
-    for (uint64_t m = 0; m < n_messages; m++) {
+    /* The warm-up ends with the message after which every engine has evicted at least once. */
+    bool evicted[ENG_ENGINES] = {false};
+    uint32_t n_evicted = 0;
+    for (uint64_t m = 0; !st->warm_msgs || st->n_msgs < st->warm_msgs + n_messages; m++) {
         uint32_t w = (uint32_t)(m % ENG_ENGINES);
         eng_state *e = &engines[w];
         size_t start = buf.size;
@@ -415,12 +439,19 @@ static int build_engine_stream(uint64_t n_messages, stream *st)
         st->removed_blocks += n_removed;
         st->block_events += new_blocks + n_removed;
         stream_add_message(st, &msgs_cap, w, start, buf.size);
+        if (n_removed && !evicted[w]) {
+            evicted[w] = true;
+            if (++n_evicted == ENG_ENGINES) {
+                st->warm_msgs = st->n_msgs;
+                st->warm_block_events = st->block_events;
+            }
+        }
     }
     for (uint32_t w = 0; w < ENG_ENGINES; w++)
         eng_free(&engines[w]);
     free(engines);
+    st->size = buf.size; /* read before the release empties buf */
     st->data = msgpack_sbuffer_release(&buf);
-    st->size = buf.size;
     msgpack_sbuffer_destroy(&buf);
     return 0;
 }
@@ -481,6 +512,11 @@ static int run_inproc(const stream *st, double *seconds, double *cpu_seconds, ui
     double t0 = km_bench_now_s(), cpu0 = thread_cpu_s();
     unsigned char seq_be[8];
     for (size_t i = 0; i < st->n_msgs; i++) {
+        if (i == st->warm_msgs && i) { /* the warm-up applied: the timed part starts here */
+            km_feed_flush(feed, 3, NULL);
+            t0 = km_bench_now_s();
+            cpu0 = thread_cpu_s();
+        }
         const message *m = &st->msgs[i];
         for (int k = 0; k < 8; k++)
             seq_be[k] = (unsigned char)(m->seq >> (56 - 8 * k));
@@ -521,6 +557,7 @@ typedef struct zpub {
     void *socks[STREAM_MAX_WORKERS];
     char endpoints[STREAM_MAX_WORKERS][64];
     volatile int go;
+    volatile int resume; /* set once the first st->warm_msgs messages have arrived */
     uint64_t send_errors;
 } zpub;
 
@@ -531,6 +568,9 @@ static void *zpub_main(void *p)
         usleep(100);
     unsigned char seq_be[8];
     for (size_t i = 0; i < z->st->n_msgs; i++) {
+        if (i == z->st->warm_msgs && i)
+            while (!__atomic_load_n(&z->resume, __ATOMIC_ACQUIRE))
+                usleep(50);
         const message *m = &z->st->msgs[i];
         for (int k = 0; k < 8; k++)
             seq_be[k] = (unsigned char)(m->seq >> (56 - 8 * k));
@@ -585,10 +625,20 @@ static int run_zmq(const stream *st, double *seconds, uint64_t *lost, uint64_t *
     km_subscriber_flush(sub, NULL);
     pthread_t th;
     pthread_create(&th, NULL, zpub_main, &z);
-    double t0 = km_bench_now_s();
+    double deadline = km_bench_now_s() + 120;
     __atomic_store_n(&z.go, 1, __ATOMIC_RELEASE);
+    /* The warm-up: sent, received and applied before the timer starts. */
+    for (km_subscriber_stats ss; st->warm_msgs && km_bench_now_s() < deadline; usleep(1000)) {
+        km_subscriber_flush(sub, NULL);
+        km_subscriber_get_stats(sub, &ss);
+        if (ss.live_messages >= st->warm_msgs)
+            break;
+    }
+    km_subscriber_flush(sub, NULL);
+    double t0 = km_bench_now_s();
+    __atomic_store_n(&z.resume, 1, __ATOMIC_RELEASE);
     uint64_t total = st->n_msgs;
-    double deadline = t0 + 120;
+    deadline = t0 + 120;
     for (;;) {
         km_subscriber_flush(sub, NULL);
         km_subscriber_stats ss;
@@ -666,7 +716,13 @@ static int run_zmq_floor(const stream *st, double *seconds, uint64_t *lost)
     double deadline = t0 + 120;
     zmq_msg_t part;
     zmq_msg_init(&part);
+    int timing = !st->warm_msgs;
     while (received < st->n_msgs && km_bench_now_s() < deadline) {
+        if (!timing && received >= st->warm_msgs) { /* the warm-up has arrived */
+            timing = 1;
+            t0 = km_bench_now_s();
+            __atomic_store_n(&z.resume, 1, __ATOMIC_RELEASE);
+        }
         if (zmq_poll(items, (int)st->n_workers, 100) <= 0)
             continue;
         for (uint32_t w = 0; w < st->n_workers; w++) {
@@ -679,6 +735,7 @@ static int run_zmq_floor(const stream *st, double *seconds, uint64_t *lost)
     }
     *seconds = km_bench_now_s() - t0;
     zmq_msg_close(&part);
+    __atomic_store_n(&z.resume, 1, __ATOMIC_RELEASE); /* a warm-up that never arrived */
     pthread_join(th, NULL);
     *lost = st->n_msgs - received + z.send_errors;
     for (uint32_t w = 0; w < st->n_workers; w++) {
@@ -827,23 +884,24 @@ static int engine_steps_only(int reps, uint64_t n_messages, int inproc_only)
     stream es;
     if (build_engine_stream(n_messages, &es))
         return 1;
-    printf("engine steps: %zu messages from %u engines, %" PRIu64 " block events\n", es.n_msgs,
-           ENG_ENGINES, es.block_events);
+    printf("engine steps: %zu messages from %u engines, %" PRIu64 " block events; timed: the last "
+           "%zu (%" PRIu64 " block events), after every engine's cache has filled\n", es.n_msgs,
+           ENG_ENGINES, es.block_events, timed_msgs(&es), timed_block_events(&es));
     double s_in, cpu_in;
     uint64_t lost_in, pairs_in;
     if (run_inproc(&es, &s_in, &cpu_in, &lost_in, &pairs_in))
         return 1;
     printf("  inproc       %10.0f messages/s, %10.0f per CPU second (%" PRIu64 " lost or unmatched, %"
-           PRIu64 " pairs)\n", (double)es.n_msgs / s_in, (double)es.n_msgs / cpu_in, lost_in,
-           pairs_in);
+           PRIu64 " pairs)\n", (double)timed_msgs(&es) / s_in, (double)timed_msgs(&es) / cpu_in,
+           lost_in, pairs_in);
     for (int r = 0; r < reps && !inproc_only; r++) {
         double s_steps, s_floor;
         uint64_t lost, lost_floor, pairs, se = 0;
         if (run_zmq(&es, &s_steps, &lost, &pairs, &se) || run_zmq_floor(&es, &s_floor, &lost_floor))
             return 1;
         printf("  engine_steps %10.0f messages/s (%" PRIu64 " dropped)   zmq_floor %10.0f messages/s"
-               "   ratio %.2f\n", (double)es.n_msgs / s_steps, lost, (double)es.n_msgs / s_floor,
-               s_floor / s_steps);
+               "   ratio %.2f\n", (double)timed_msgs(&es) / s_steps, lost,
+               (double)timed_msgs(&es) / s_floor, s_floor / s_steps);
     }
     stream_free(&es);
     return 0;
@@ -857,7 +915,8 @@ static void usage(FILE *f)
                "  time to ready after a restart from a snapshot (docs/BENCHMARKS.md)\n"
                "  --quick   smaller stream and snapshot, fewer reps (< 30 s)\n"
                "  --engine-steps-only  only the engine_steps and zmq_floor rows, as text (for A/B pairs)\n"
-               "    --messages N       that many engine steps (default 200000, 50000 with --quick)\n"
+               "    --messages N       that many engine steps timed, after a warm-up that fills every\n"
+               "                       engine's cache (default 200000, 50000 with --quick)\n"
                "    --inproc           the engine steps in process only (decode, feed, flush every 64)\n");
 }
 
@@ -987,7 +1046,9 @@ int km_bench_events_main(int argc, char **argv)
     }
     double s_steps = km_bench_median(v_steps, ENG_REPS);
     double s_floor = km_bench_median(v_floor, ENG_REPS);
-    double mps_steps = (double)es.n_msgs / s_steps, mps_floor = (double)es.n_msgs / s_floor;
+    double mps_steps = (double)timed_msgs(&es) / s_steps, mps_floor = (double)timed_msgs(&es) / s_floor;
+    double eps_steps = (double)timed_block_events(&es) / s_steps;
+    double eps_floor = (double)timed_block_events(&es) / s_floor;
 
     char dir[] = "/tmp/kvmatch-bench-events-XXXXXX";
     if (!mkdtemp(dir)) {
@@ -1057,18 +1118,21 @@ int km_bench_events_main(int argc, char **argv)
                       (json_int_t)lost_zmq, "send_errors", (json_int_t)send_errors, "pairs_after",
                       (json_int_t)pairs_zmq,
                       "path", "engine_steps", "messages_per_s", km_bench_round_to(mps_steps, 1),
-                      "block_events_per_s", km_bench_round_to((double)es.block_events / s_steps, 1),
+                      "block_events_per_s", km_bench_round_to(eps_steps, 1),
                       "seconds", km_bench_round_to(s_steps, 0.0001), "dropped", (json_int_t)lost_steps,
                       "send_errors", (json_int_t)send_errors_steps, "pairs_after",
                       (json_int_t)pairs_steps,
                       "path", "zmq_floor", "messages_per_s", km_bench_round_to(mps_floor, 1),
-                      "block_events_per_s", km_bench_round_to((double)es.block_events / s_floor, 1),
+                      "block_events_per_s", km_bench_round_to(eps_floor, 1),
                       "seconds", km_bench_round_to(s_floor, 0.0001), "dropped", (json_int_t)lost_floor),
             "targets", json_pack("{s:f, s:f, s:f, s:f}", "block_events_per_s", 2e6, "ready_s", 2.0,
                                  "engine_messages_per_s", 1e5, "engine_floor_fraction", 0.5),
-            "engine_stream", json_pack("{s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I}", "engines",
-                                       (json_int_t)ENG_ENGINES, "capacity_blocks",
+            "engine_stream", json_pack("{s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I}",
+                                       "engines", (json_int_t)ENG_ENGINES, "capacity_blocks",
                                        (json_int_t)ENG_CAPACITY, "messages", (json_int_t)es.n_msgs,
+                                       "warmup_messages", (json_int_t)es.warm_msgs,
+                                       "timed_messages", (json_int_t)timed_msgs(&es),
+                                       "timed_block_events", (json_int_t)timed_block_events(&es),
                                        "block_events", (json_int_t)es.block_events, "stored_blocks",
                                        (json_int_t)es.stored_blocks, "removed_blocks",
                                        (json_int_t)es.removed_blocks, "clears",
@@ -1096,12 +1160,14 @@ int km_bench_events_main(int argc, char **argv)
         printf("  zmq     %12.0f block events/s  (%.3f s, %" PRIu64 " dropped)\n", eps_zmq, s_zmq,
                lost_zmq);
         printf("  engine steps: %zu messages from %u engines, %" PRIu64 " block events (%" PRIu64
-               " stored, %" PRIu64 " removed, %" PRIu64 " clears)\n",
-               es.n_msgs, ENG_ENGINES, es.block_events, es.stored_blocks, es.removed_blocks, es.clears);
+               " stored, %" PRIu64 " removed, %" PRIu64 " clears); timed: the last %zu after the "
+               "warm-up\n",
+               es.n_msgs, ENG_ENGINES, es.block_events, es.stored_blocks, es.removed_blocks, es.clears,
+               timed_msgs(&es));
         printf("  engine_steps %10.0f messages/s %12.0f block events/s  (%.3f s, %" PRIu64
-               " dropped)\n", mps_steps, (double)es.block_events / s_steps, s_steps, lost_steps);
+               " dropped)\n", mps_steps, eps_steps, s_steps, lost_steps);
         printf("  zmq_floor    %10.0f messages/s %12.0f block events/s  (%.3f s, %" PRIu64
-               " dropped)\n", mps_floor, (double)es.block_events / s_floor, s_floor, lost_floor);
+               " dropped)\n", mps_floor, eps_floor, s_floor, lost_floor);
         printf("  restart %" PRIu64 " pairs: ready in %.3f s (km_bench_median of %d; index load %.3f s, "
                "feed state %.3f s)\n", saved_pairs, ready, restart_reps, load_s, import_s);
     }

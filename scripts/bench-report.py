@@ -155,9 +155,14 @@ def render_events(d):
     e = d.get("engine_stream")
     if steps and e:
         out.append("")
+        timed = ""
+        if e.get("warmup_messages"):
+            timed = (f" Timed: the last {fmt(e.get('timed_messages'))} messages "
+                     f"({fmt(e.get('timed_block_events'))} block events), after the first "
+                     f"{fmt(e.get('warmup_messages'))} filled every engine's cache.")
         out.append(f"Engine steps: {fmt(e.get('messages'))} messages from {e.get('engines', '?')} engines, "
                    f"{fmt(e.get('block_events'))} block events ({fmt(e.get('stored_blocks'))} stored, "
-                   f"{fmt(e.get('removed_blocks'))} removed, {e.get('clears', 0)} clears).\n")
+                   f"{fmt(e.get('removed_blocks'))} removed, {e.get('clears', 0)} clears).{timed}\n")
         floor = next((r for r in steps if r["path"] == "zmq_floor"), None)
         out.append("| path | messages/s | block events/s | of zmq_floor | target messages/s | dropped |")
         out.append("|---|---:|---:|---:|---:|---:|")
