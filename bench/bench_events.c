@@ -675,13 +675,17 @@ static int run_zmq(const stream *st, double *seconds, uint64_t *lost, uint64_t *
 
 /* The transport alone: the same publisher and messages, one SUB per worker polled on this thread,
  * every part received (zmq_msg_recv) and dropped undecoded; timed from the first send until every
- * message arrived. */
+ * message arrived. The SUBs live in a ZMQ context of their own, as km_subscriber's do: one I/O
+ * thread sends and another receives, in both rows. */
 static int run_zmq_floor(const stream *st, double *seconds, uint64_t *lost)
 {
     zpub z;
     memset(&z, 0, sizeof z);
     z.st = st;
     z.ctx = zmq_ctx_new();
+    void *rctx = zmq_ctx_new();
+    if (!z.ctx || !rctx)
+        return -1;
     int zero = 0;
     void *subs[STREAM_MAX_WORKERS];
     zmq_pollitem_t items[STREAM_MAX_WORKERS];
@@ -693,7 +697,7 @@ static int run_zmq_floor(const stream *st, double *seconds, uint64_t *lost)
             return -1;
         size_t len = sizeof z.endpoints[w];
         zmq_getsockopt(z.socks[w], ZMQ_LAST_ENDPOINT, z.endpoints[w], &len);
-        subs[w] = zmq_socket(z.ctx, ZMQ_SUB);
+        subs[w] = zmq_socket(rctx, ZMQ_SUB);
         zmq_setsockopt(subs[w], ZMQ_RCVHWM, &zero, sizeof zero);
         zmq_setsockopt(subs[w], ZMQ_LINGER, &zero, sizeof zero);
         zmq_setsockopt(subs[w], ZMQ_SUBSCRIBE, "", 0);
@@ -742,6 +746,7 @@ static int run_zmq_floor(const stream *st, double *seconds, uint64_t *lost)
         zmq_close(subs[w]);
         zmq_close(z.socks[w]);
     }
+    zmq_ctx_term(rctx);
     zmq_ctx_term(z.ctx);
     return 0;
 }
