@@ -3,8 +3,9 @@
 """Render a benchmark's JSON as its markdown section of docs/BENCHMARKS.md, between the markers
 <!-- NAME:begin --> and <!-- NAME:end --> (stdlib only). NAME is the "benchmark" field of the JSON,
 else the file's name without .json (bench/results/events.json -> events): index, ipc, events,
-replay, replay-ceiling, sim, growth, routing and cluster have renderers; `make bench` renders all
-nine.
+replay, replay-ceiling, sim, growth, routing and cluster have renderers (a routing run on another
+engine preset goes between <!-- routing-PRESET:begin --> and its end marker); `make bench` renders
+them all.
 
 usage: scripts/bench-report.py [bench/results/index.json] [docs/BENCHMARKS.md]
 """
@@ -284,7 +285,11 @@ def render_cluster(d):
 def render_routing(d):
     judged = d.get("judged_policy", d.get("default_policy", "?"))
     sm = d["summary"]
-    out = [f"Command: `python3 scripts/bench-routing.py build/kvmatch > bench/results/routing.json` "
+    engine = d.get("engine")
+    command = (f"python3 scripts/bench-routing.py build/kvmatch --engine {engine} > "
+               f"bench/results/routing-{engine}.json" if engine else
+               "python3 scripts/bench-routing.py build/kvmatch > bench/results/routing.json")
+    out = [f"Command: `{command}` "
            f"({d['workers']} workers, {d['requests']} requests, loads {d['loads']}, seeds "
            f"{', '.join(str(x) for x in d['seeds'])}; the Mooncake trace "
            f"{'in three windows' if d.get('trace') else 'absent: not run'}). Virtual time: the figures "
@@ -324,10 +329,12 @@ def main():
     doc = sys.argv[2] if len(sys.argv) > 2 else "docs/BENCHMARKS.md"
     with open(src) as f:
         data = json.load(f)
-    name = data.get("benchmark") or os.path.basename(src).rsplit(".", 1)[0]
-    if name not in RENDERERS:
-        sys.exit(f"{src}: no renderer for '{name}' (have: {', '.join(RENDERERS)})")
-    section = RENDERERS[name](data)
+    kind = data.get("benchmark") or os.path.basename(src).rsplit(".", 1)[0]
+    if kind not in RENDERERS:
+        sys.exit(f"{src}: no renderer for '{kind}' (have: {', '.join(RENDERERS)})")
+    section = RENDERERS[kind](data)
+    # A routing run on another engine preset has a section of its own.
+    name = f"{kind}-{data['engine']}" if kind == "routing" and data.get("engine") else kind
     with open(doc) as f:
         text = f.read()
     new, n = re.subn(r"(<!-- " + name + r":begin -->\n)(?:.*?\n)?(<!-- " + name + r":end -->)",

@@ -5,9 +5,12 @@ workload shape and the Mooncake trace (when present), each at three seeds, every
 0.5, 0.8 and 0.95 of the cluster's capacity (docs/SIM.md, "Load"). The trace has one arrival
 order, so its three "seeds" are three consecutive windows of it.
 
-usage: bench-routing.py KVMATCH_BINARY [POLICY] > bench/results/routing.json
+usage: bench-routing.py KVMATCH_BINARY [POLICY] [--engine PRESET] > bench/results/routing.json
 
 POLICY: the policy judged against the others (default: the one the binary names as default).
+--engine PRESET: the engines of another preset (`kvmatch sim --engine`; default: the sim's own
+default preset); the output then names it in "engine", and scripts/bench-report.py renders it
+between the markers <!-- routing-PRESET:begin --> and <!-- routing-PRESET:end -->.
 
 The output holds every run's figures and, per (workload, load, seed) cell, the default policy's
 TTFT p50 and p99 against the best other policy's, and its p99 against round robin's at load 0.8,
@@ -50,9 +53,11 @@ def trace_window(path, seed, scratch):
     return out
 
 
-def run(binary, workload, seed, scratch):
+def run(binary, workload, seed, scratch, engine):
     args = [binary, "sim", "--workers", str(WORKERS), "--requests", str(REQUESTS), "--seed",
             str(seed), "--sweep", LOADS, "--json"]
+    if engine:
+        args += ["--engine", engine]
     if workload.endswith(".jsonl"):
         args += ["--trace", trace_window(workload, seed, scratch)]
     else:
@@ -98,10 +103,18 @@ def cells(name, seed, result, judged):
 
 
 def main():
-    if len(sys.argv) not in (2, 3):
+    args = sys.argv[1:]
+    engine = None
+    if "--engine" in args:
+        at = args.index("--engine")
+        if at + 1 >= len(args):
+            sys.exit(__doc__)
+        engine = args[at + 1]
+        del args[at:at + 2]
+    if len(args) not in (1, 2):
         sys.exit(__doc__)
-    binary = sys.argv[1]
-    judged = sys.argv[2] if len(sys.argv) == 3 else None
+    binary = args[0]
+    judged = args[1] if len(args) == 2 else None
     workloads = list(SHAPES)
     trace = trace_path()
     if trace:
@@ -112,7 +125,7 @@ def main():
         name = "mooncake" if workload.endswith(".jsonl") else workload
         for seed in SEEDS:
             print(f"bench-routing: {name}, seed {seed}", file=sys.stderr, flush=True)
-            result = run(binary, workload, seed, scratch)
+            result = run(binary, workload, seed, scratch, engine)
             runs.append({"workload": name, "seed": seed, "result": result})
             all_cells.extend(cells(name, seed, result, judged))
     for f in os.listdir(scratch):
@@ -126,7 +139,7 @@ def main():
         "round_robin_holds": sum(c.get("round_robin_target_holds", False) for c in all_cells),
         "round_robin_reachable": sum(c.get("round_robin_target_reachable", False) for c in all_cells),
     }
-    json.dump({"benchmark": "routing", "workers": WORKERS, "requests": REQUESTS, "loads": LOADS,
+    json.dump({"benchmark": "routing", "engine": engine, "workers": WORKERS, "requests": REQUESTS, "loads": LOADS,
                "seeds": SEEDS, "trace": bool(trace),
                "judged_policy": judged or runs[0]["result"]["default_policy"],
                "default_policy": runs[0]["result"]["default_policy"],
