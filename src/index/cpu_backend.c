@@ -13,6 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "base/array.h"
 #include "index/index_internal.h"
 
 /* ---- a persistent pool that does not wait for late helpers ------------------------------------
@@ -221,13 +222,16 @@ typedef struct cpu_state {
     km_thread_pool *pool; /* NULL when single-threaded */
     uint32_t n_lanes;
     cpu_lane *lanes;
+    uint64_t *slot0; /* per request of the batch: its block 0's slot, found by the count phase */
+    size_t slot0_capacity;
 } cpu_state;
 
 /* One batch, run by every lane that joins it, in two phases:
  *   1. count: each request's entry count is the holder count of its block 0, known from one
  *      lookup, so every request's output can be placed exactly and the walks write in place (no
  *      copy of the batch's results, which at 1024 workers are ~8 KB per request);
- *   2. walk: every request is walked straight into its place.
+ *   2. walk: every request is walked straight into its place, from the block 0 slot the count
+ *      found.
  * Both phases hand out requests in chunks. The lane that completes the last count chunk lays the
  * results out (prefix sums, one reserve) and opens phase 2; a lane with no count chunk left waits
  * for that, which is only ever a lane in the middle of a chunk. */
@@ -238,6 +242,7 @@ typedef struct match_job {
     const km_request *requests;
     size_t n_requests;
     km_match_results *results;
+    uint64_t *slot0; /* n_requests: written by phase 1, read by phase 2 */
     cpu_state *state;
     atomic_size_t next_count; /* phase 1: the next unclaimed request */
     atomic_size_t counted;    /* phase 1: requests whose count is written */
@@ -267,6 +272,7 @@ static void count_chunk(match_job *job, const km_table_view *blocks, size_t r, s
             km_view_prefetch(blocks, requests[r + 8].hashes[0]);
         const km_request *req = &requests[r];
         uint64_t slot = req->n_hashes ? km_view_find(blocks, req->hashes[0]) : KM_SLOT_NONE;
+        job->slot0[r] = slot;
         job->results->requests[r].count = slot == KM_SLOT_NONE ? 0 : km_slot_count(km_view_slot(blocks, slot));
     }
 }
@@ -299,7 +305,7 @@ static void lay_out_results(match_job *job)
 
 enum {
     WALK_IDLE = 0,  /* no request */
-    WALK_START,     /* its first hash-array lines are being fetched */
+    WALK_START,     /* its block 0 slot and first hash-array lines are being fetched */
     WALK_BLOCK0,    /* the lookup of block 0 is next */
     WALK_SEGMENT,   /* the lookup of segment key k is next */
     WALK_BLOCKS,    /* the lookup of block i of the range [i, last] is next */
@@ -322,6 +328,9 @@ static uint32_t walk_inflight_for(uint32_t max_workers)
     size_t fit = CPU_WALK_SCRATCH_CAP_BYTES / bytes;
     return fit < 1 ? 1 : fit > CPU_WALK_INFLIGHT ? CPU_WALK_INFLIGHT : (uint32_t)fit;
 }
+
+/* The walk's steps are inlined into each specialisation of walk_lane_requests. */
+#define WALK_INLINE __attribute__((always_inline))
 
 typedef struct walk_ctx {
     match_job *job;
@@ -359,7 +368,7 @@ KM_PREFETCHER static inline void walk_enter_block(walk_ctx *c, walk_flight *f, u
 
 /* The flight's next lookup after every open worker was found to hold [0, next): segment key k,
  * the blocks after the last whole segment, or none (0: the walk is over). */
-static int walk_continue(walk_ctx *c, walk_flight *f, uint64_t any)
+WALK_INLINE static inline int walk_continue(walk_ctx *c, walk_flight *f, uint64_t any)
 {
     uint32_t S = c->S, n = f->n;
     if (!any)
@@ -384,21 +393,17 @@ static int walk_continue(walk_ctx *c, walk_flight *f, uint64_t any)
 
 /* One turn of a flight: its one lookup, then the next one set up. Returns 0 when the walk is over
  * (its entries are then written by walk_finish). */
-static int walk_turn(walk_ctx *c, walk_flight *f)
+WALK_INLINE static inline int walk_turn(walk_ctx *c, walk_flight *f)
 {
     uint32_t S = c->S;
     switch (f->step) {
     case WALK_START:
         f->step = WALK_BLOCK0;
-        km_view_prefetch(c->blocks, f->hashes[0]);
+        KM_PREFETCH(km_view_slot(c->blocks, f->slot0));
         if (S > 0 && S <= f->n)
             km_view_prefetch(c->segments, f->hashes[S - 1]);
         return 1;
-    case WALK_BLOCK0:
-        f->slot0 = km_view_find(c->blocks, f->hashes[0]);
-        f->probes = 1;
-        if (f->slot0 == KM_SLOT_NONE)
-            return 0;
+    case WALK_BLOCK0: /* block 0's lookup was made by the count phase */
         km_walk_open_holders(c->blocks, f->slot0, f->open, f->tmp);
         f->next = 1;
         f->k = 0;
@@ -436,7 +441,7 @@ static int walk_turn(walk_ctx *c, walk_flight *f)
 }
 
 /* A flight whose walk is over: its entries written in place. */
-static int walk_finish(walk_ctx *c, walk_flight *f)
+WALK_INLINE static inline int walk_finish(walk_ctx *c, walk_flight *f)
 {
     km_match_results *results = c->job->results;
     km_request_result *res = &results->requests[f->r];
@@ -455,7 +460,7 @@ static int walk_finish(walk_ctx *c, walk_flight *f)
 }
 
 /* Put the lane's next request into an idle flight; 0 when none is left. */
-static int walk_load(walk_ctx *c, walk_flight *f)
+WALK_INLINE static inline int walk_load(walk_ctx *c, walk_flight *f)
 {
     size_t r = walk_claim(c);
     if (r == SIZE_MAX)
@@ -464,10 +469,10 @@ static int walk_load(walk_ctx *c, walk_flight *f)
     f->r = r;
     f->hashes = req->hashes;
     f->n = req->n_hashes;
-    f->probes = 0;
-    f->slot0 = KM_SLOT_NONE;
-    if (f->n == 0) {
-        f->step = WALK_IDLE; /* nothing to look up: finished at once */
+    f->probes = f->n > 0; /* block 0's lookup */
+    f->slot0 = c->job->slot0[r];
+    if (f->slot0 == KM_SLOT_NONE) {
+        f->step = WALK_IDLE; /* no blocks, or no holder of block 0: finished at once */
         return 1;
     }
     f->step = WALK_START;
@@ -477,9 +482,19 @@ static int walk_load(walk_ctx *c, walk_flight *f)
     return 1;
 }
 
-static int walk_interleaved(match_job *job, cpu_lane *lane, const km_table_view *blocks,
-                            const km_table_view *segments)
+/* The lane's walks. Inlined twice (walk_interleaved); with one_word (both tables' sets are one
+ * word: up to 64 workers) the views' words_per_set is the constant 1, so every per-word loop of
+ * the steps folds away. */
+WALK_INLINE static inline int walk_lane_requests(match_job *job, cpu_lane *lane,
+                                                 const km_table_view *blocks_in,
+                                                 const km_table_view *segments_in, int one_word)
 {
+    km_table_view blocks_view = *blocks_in, segments_view = *segments_in;
+    if (one_word) {
+        blocks_view.words_per_set = 1;
+        segments_view.words_per_set = 1;
+    }
+    const km_table_view *blocks = &blocks_view, *segments = &segments_view;
     walk_ctx c = {.job = job, .blocks = blocks, .segments = segments,
                   .S = job->index->config.segment_blocks, .W = blocks->words_per_set};
     uint32_t max_workers = job->index->config.max_workers;
@@ -524,6 +539,14 @@ static int walk_interleaved(match_job *job, cpu_lane *lane, const km_table_view 
         }
     }
     return KM_OK;
+}
+
+static int walk_interleaved(match_job *job, cpu_lane *lane, const km_table_view *blocks,
+                            const km_table_view *segments)
+{
+    if (blocks->words_per_set == 1 && segments->words_per_set == 1)
+        return walk_lane_requests(job, lane, blocks, segments, 1);
+    return walk_lane_requests(job, lane, blocks, segments, 0);
 }
 
 static void match_lane(void *p, uint32_t lane_index)
@@ -595,6 +618,7 @@ static void cpu_destroy(void *p)
         free(state->lanes[i].scratch);
     }
     free(state->lanes);
+    free(state->slot0);
     free(state);
 }
 
@@ -610,8 +634,10 @@ static int cpu_match(void *p, km_index *index, const km_request *requests, size_
         results->probes = 0;
         return KM_OK;
     }
+    if (KM_ARRAY_GROW(state->slot0, state->slot0_capacity, n, 1024))
+        return km_index_fail(index, KM_ERR_OUT_OF_MEMORY, "cpu scoring scratch for %zu requests", n);
     match_job job = {.index = index, .requests = requests, .n_requests = n, .results = results,
-                     .state = state};
+                     .slot0 = state->slot0, .state = state};
     atomic_init(&job.next_count, 0);
     atomic_init(&job.counted, 0);
     atomic_init(&job.phase, PHASE_COUNT);
