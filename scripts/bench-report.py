@@ -337,7 +337,8 @@ def main():
     name = f"{kind}-{data['engine']}" if kind == "routing" and data.get("engine") else kind
     with open(doc) as f:
         text = f.read()
-    new, n = re.subn(r"(<!-- " + name + r":begin -->\n)(?:.*?\n)?(<!-- " + name + r":end -->)",
+    marker = re.escape(name)
+    new, n = re.subn(r"(<!-- " + marker + r":begin -->\n)(?:.*?\n)?(<!-- " + marker + r":end -->)",
                      lambda mo: mo.group(1) + section + "\n" + mo.group(2), text, flags=re.S)
     if n != 1:
         sys.exit(f"{doc}: markers <!-- {name}:begin --> / <!-- {name}:end --> not found")

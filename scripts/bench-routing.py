@@ -21,6 +21,7 @@ with whether each target holds (docs/BENCHMARKS.md, "Routing"):
     floor_ttft_p99_ms: each request alone on an idle engine holding everything reusable).
 Progress goes to stderr. Exit 0 whatever the targets say (a benchmark reports, it does not gate).
 """
+import argparse
 import json
 import os
 import subprocess
@@ -103,18 +104,12 @@ def cells(name, seed, result, judged):
 
 
 def main():
-    args = sys.argv[1:]
-    engine = None
-    if "--engine" in args:
-        at = args.index("--engine")
-        if at + 1 >= len(args):
-            sys.exit(__doc__)
-        engine = args[at + 1]
-        del args[at:at + 2]
-    if len(args) not in (1, 2):
-        sys.exit(__doc__)
-    binary = args[0]
-    judged = args[1] if len(args) == 2 else None
+    parser = argparse.ArgumentParser(usage=__doc__.split("\n\n")[1].removeprefix("usage: "))
+    parser.add_argument("binary")
+    parser.add_argument("policy", nargs="?")
+    parser.add_argument("--engine")
+    args = parser.parse_args()
+    binary, judged, engine = args.binary, args.policy, args.engine
     workloads = list(SHAPES)
     trace = trace_path()
     if trace:
