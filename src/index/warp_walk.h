@@ -2,8 +2,9 @@
 /* The per-request prefix walk for one warp of 32 lanes: the result km_walk_request
  * (src/index/slot_walk.h) gives, bit for bit (entries, owner, owner depth, lookups counted), with
  * the lookups spread over the lanes. Every function here is what one lane runs; the lanes run it
- * together, and the only traffic between them is km_lane_ballot and km_lane_shfl. On the device
- * those are the warp intrinsics; on the host they go through km_lane.exchange, which a warp
+ * together, and the only traffic between them is km_lane_ballot, km_lane_shfl, and the warp's
+ * scratch read across lanes after km_lane_sync. On the device those are the warp intrinsics and
+ * __syncwarp; on the host they go through km_lane.exchange, which a warp
  * emulator provides (tests/warp_emulator.h steps 32 lanes through the very same code), so the
  * algorithm is checked against the CPU backend without a GPU.
  *
@@ -66,6 +67,19 @@ KM_HD static inline uint64_t km_lane_shfl(const km_lane *L, uint64_t value, uint
     uint64_t all[KM_WARP_LANES];
     L->exchange(L->warp, L->id, value, all);
     return all[src];
+#endif
+}
+
+/* A barrier for the warp's memory: every lane's writes to the warp's scratch before it are seen by
+ * every lane after it. */
+KM_HD static inline void km_lane_sync(const km_lane *L)
+{
+#if defined(__CUDA_ARCH__)
+    (void)L;
+    __syncwarp();
+#else
+    uint64_t all[KM_WARP_LANES];
+    L->exchange(L->warp, L->id, 0, all);
 #endif
 }
 
@@ -254,8 +268,8 @@ KM_HD static inline uint32_t km_lane_exclusive_sum(const km_lane *L, uint32_t v,
 
 /* The walk of one request by one warp: km_walk_request's contract (src/index/slot_walk.h), with
  * scratch per warp as described at the top of this file. Every lane returns the entry count and
- * gets *owner, *owner_depth and *probes; the entries are written by the lanes that own them (lane
- * 0 alone for narrow sets), so they are complete once every lane has returned. */
+ * gets *owner, *owner_depth and *probes; the entries are written across the lanes (lane 0 alone
+ * for narrow sets), so they are complete once every lane has returned. */
 KM_HD static inline uint32_t km_warp_walk_request(const km_lane *L, const km_table_view *blocks,
                                                   const km_table_view *segments,
                                                   uint32_t segment_blocks, const uint64_t *hashes,
@@ -367,25 +381,33 @@ KM_HD static inline uint32_t km_warp_walk_request(const km_lane *L, const km_tab
         for (uint64_t left = open[x]; left; left &= left - 1)
             depth_of[x * 64u + km_bit_index(left)] = n;
 
-    /* Block 0's holders, ascending: 32 words at a time, each lane its word's entries, placed after
-     * those of the lanes below it. */
+    /* Block 0's holders, ascending, one word at a time, every lane reading the same word: lane l
+     * writes the entries of bits l and 32 + l, each placed after the word's set bits below it, so
+     * a full word's 64 entries go out as two stores of consecutive entries across the warp. A
+     * lane reads depths other lanes settled (each settled only its own words): sync first. */
+    km_lane_sync(L);
     uint32_t m = 0;
     uint64_t best = 0;
-    for (uint32_t xbase = 0; xbase < W; xbase += KM_WARP_LANES) {
-        uint32_t x = xbase + L->id;
-        uint64_t word = x < W ? holders[x] : 0;
-        uint32_t total;
-        uint32_t at = m + km_lane_exclusive_sum(L, km_lane_popcount(word), &total);
-        for (; word; word &= word - 1) {
-            uint32_t w = x * 64u + km_bit_index(word);
-            entries[at].worker = w;
-            entries[at].depth = depth_of[w];
-            at++;
-            uint64_t key = km_owner_key(w, depth_of[w]);
-            if (key > best)
-                best = key;
+    const uint32_t below = (1u << L->id) - 1u; /* this lane's lower bits of a half word */
+    for (uint32_t x = 0; x < W; x++) {
+        uint64_t word = holders[x];
+        if (!word)
+            continue;
+        uint32_t halves[2] = {(uint32_t)word, (uint32_t)(word >> 32)};
+        uint32_t before = m;
+        for (uint32_t h = 0; h < 2; h++) {
+            if ((halves[h] >> L->id) & 1u) {
+                uint32_t w = x * 64u + h * 32u + L->id;
+                uint32_t at = before + km_lane_popcount(halves[h] & below);
+                entries[at].worker = w;
+                entries[at].depth = depth_of[w];
+                uint64_t key = km_owner_key(w, depth_of[w]);
+                if (key > best)
+                    best = key;
+            }
+            before += km_lane_popcount(halves[h]);
         }
-        m += total;
+        m = before;
     }
     best = km_lane_max(L, best);
     if (best) {
