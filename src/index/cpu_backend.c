@@ -306,7 +306,7 @@ static void lay_out_results(match_job *job)
 enum {
     WALK_IDLE = 0,  /* no request */
     WALK_START,     /* its block 0 slot and first hash-array lines are being fetched */
-    WALK_BLOCK0,    /* the lookup of block 0 is next */
+    WALK_BLOCK0,    /* block 0's holders (its slot found by the count phase) are opened next */
     WALK_SEGMENT,   /* the lookup of segment key k is next */
     WALK_BLOCKS,    /* the lookup of block i of the range [i, last] is next */
 };
