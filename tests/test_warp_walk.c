@@ -274,11 +274,24 @@ static void diverging_lane(const km_lane *lane, void *arg)
     km_lane_ballot(lane, 1);
 }
 
+/* Sum of v over lanes below this one, by shuffles; *total gets the sum over all 32. */
+static uint32_t exclusive_sum(const km_lane *L, uint32_t v, uint32_t *total)
+{
+    uint32_t inclusive = v;
+    for (uint32_t d = 1; d < KM_WARP_LANES; d <<= 1) {
+        uint32_t other = (uint32_t)km_lane_shfl(L, inclusive, L->id >= d ? L->id - d : L->id);
+        if (L->id >= d)
+            inclusive += other;
+    }
+    *total = (uint32_t)km_lane_shfl(L, inclusive, KM_WARP_LANES - 1);
+    return inclusive - v;
+}
+
 static void shuffling_lane(const km_lane *lane, void *arg)
 {
     uint32_t *out = arg;
     uint32_t total;
-    out[lane->id] = km_lane_exclusive_sum(lane, lane->id + 1, &total);
+    out[lane->id] = exclusive_sum(lane, lane->id + 1, &total);
     out[KM_WARP_LANES + lane->id] = total;
     out[2 * KM_WARP_LANES + lane->id] = (uint32_t)km_lane_max(lane, (lane->id * 37u) % 32u);
     out[3 * KM_WARP_LANES + lane->id] = km_lane_ballot(lane, lane->id % 3 == 0);

@@ -253,19 +253,6 @@ KM_HD static inline uint64_t km_lane_max(const km_lane *L, uint64_t v)
     return v;
 }
 
-/* Sum of v over lanes below this one; *total gets the sum over all 32. */
-KM_HD static inline uint32_t km_lane_exclusive_sum(const km_lane *L, uint32_t v, uint32_t *total)
-{
-    uint32_t inclusive = v;
-    for (uint32_t d = 1; d < KM_WARP_LANES; d <<= 1) {
-        uint32_t other = (uint32_t)km_lane_shfl(L, inclusive, L->id >= d ? L->id - d : L->id);
-        if (L->id >= d)
-            inclusive += other;
-    }
-    *total = (uint32_t)km_lane_shfl(L, inclusive, KM_WARP_LANES - 1);
-    return inclusive - v;
-}
-
 /* The walk of one request by one warp: km_walk_request's contract (src/index/slot_walk.h), with
  * scratch per warp as described at the top of this file. Every lane returns the entry count and
  * gets *owner, *owner_depth and *probes; the entries are written across the lanes (lane 0 alone
