@@ -902,11 +902,16 @@ static int engine_steps_only(int reps, uint64_t n_messages, int inproc_only)
     for (int r = 0; r < reps && !inproc_only; r++) {
         double s_steps, s_floor;
         uint64_t lost, lost_floor, pairs, se = 0;
-        if (run_zmq(&es, &s_steps, &lost, &pairs, &se) || run_zmq_floor(&es, &s_floor, &lost_floor))
+        double rt_steps = km_bench_cpu_round_trip_ns();
+        if (run_zmq(&es, &s_steps, &lost, &pairs, &se))
+            return 1;
+        double rt_floor = km_bench_cpu_round_trip_ns();
+        if (run_zmq_floor(&es, &s_floor, &lost_floor))
             return 1;
         printf("  engine_steps %10.0f messages/s (%" PRIu64 " dropped)   zmq_floor %10.0f messages/s"
-               "   ratio %.2f\n", (double)timed_msgs(&es) / s_steps, lost,
-               (double)timed_msgs(&es) / s_floor, s_floor / s_steps);
+               "   ratio %.2f   CPU round trip before each %.0f / %.0f ns\n",
+               (double)timed_msgs(&es) / s_steps, lost, (double)timed_msgs(&es) / s_floor,
+               s_floor / s_steps, rt_steps, rt_floor);
     }
     stream_free(&es);
     return 0;
@@ -1034,20 +1039,30 @@ int km_bench_events_main(int argc, char **argv)
         return 1;
     }
     double v_steps[ENG_REPS], v_floor[ENG_REPS];
+    json_t *engine_reps = json_array();
     uint64_t lost_steps = 0, lost_floor = 0, pairs_steps = 0, send_errors_steps = 0;
     for (int r = 0; r < ENG_REPS; r++) {
         uint64_t lost, se = 0;
+        double rt_steps = km_bench_cpu_round_trip_ns();
         if (run_zmq(&es, &v_steps[r], &lost, &pairs_steps, &se)) {
             fprintf(stderr, "kvmatch bench events: engine_steps run failed\n");
             return 1;
         }
         lost_steps += lost;
         send_errors_steps += se;
+        double rt_floor = km_bench_cpu_round_trip_ns();
         if (run_zmq_floor(&es, &v_floor[r], &lost)) {
             fprintf(stderr, "kvmatch bench events: zmq_floor run failed\n");
             return 1;
         }
         lost_floor += lost;
+        json_array_append_new(
+            engine_reps,
+            json_pack("{s:f, s:f, s:f, s:f}", "engine_steps_messages_per_s",
+                      km_bench_round_to((double)timed_msgs(&es) / v_steps[r], 1),
+                      "engine_steps_cpu_round_trip_ns_before", km_bench_round_to(rt_steps, 1),
+                      "zmq_floor_messages_per_s", km_bench_round_to((double)timed_msgs(&es) / v_floor[r], 1),
+                      "zmq_floor_cpu_round_trip_ns_before", km_bench_round_to(rt_floor, 1)));
     }
     double s_steps = km_bench_median(v_steps, ENG_REPS);
     double s_floor = km_bench_median(v_floor, ENG_REPS);
@@ -1110,8 +1125,8 @@ int km_bench_events_main(int argc, char **argv)
             "install), claim every worker (each asks for a replay from its saved seq + 1)",
             RS_CHAIN, RS_WORKERS, build_s, (double)file_bytes / 1e6));
         json_t *o = json_pack(
-            "{s:s, s:o, s:o, s:o, s:o, s:{s:I, s:f, s:f, s:f, s:I, s:I}, s:{s:s, s:I, s:I, s:I, s:I, s:I, s:I, "
-            "s:I, s:I, s:I, s:I, s:b}, s:o}",
+            "{s:s, s:o, s:o, s:o, s:o, s:o, s:{s:I, s:f, s:f, s:f, s:I, s:I}, s:{s:s, s:I, s:I, s:I, s:I, s:I, "
+            "s:I, s:I, s:I, s:I, s:I, s:b}, s:o}",
             "command", command, "machine", machine,
             "results",
             json_pack("[{s:s, s:f, s:f, s:I, s:I}, {s:s, s:f, s:f, s:I, s:I, s:I}, "
@@ -1142,6 +1157,7 @@ int km_bench_events_main(int argc, char **argv)
                                        (json_int_t)es.stored_blocks, "removed_blocks",
                                        (json_int_t)es.removed_blocks, "clears",
                                        (json_int_t)es.clears, "bytes", (json_int_t)es.size),
+            "engine_reps", engine_reps,
             "restart", "pairs", (json_int_t)saved_pairs, "ready_s", km_bench_round_to(ready, 0.001),
             "index_load_s", km_bench_round_to(load_s, 0.001), "feed_import_s", km_bench_round_to(import_s, 0.001),
             "file_bytes", (json_int_t)file_bytes, "reps", (json_int_t)restart_reps,
@@ -1158,6 +1174,7 @@ int km_bench_events_main(int argc, char **argv)
         json_decref(o);
     } else {
         json_decref(machine);
+        json_decref(engine_reps);
         printf("kvmatch bench events: %" PRIu64 " block events in %zu messages (%" PRIu64
                " stored, %" PRIu64 " removed), %d reps\n",
                st.block_events, st.n_msgs, st.stored_blocks, st.removed_blocks, reps);

@@ -28,7 +28,7 @@ def render(d):
     out = []
     out.append(f"Command: `{d.get('command', 'kvmatch bench index --json')}`; machine: {m.get('cpu', '?')}, "
                f"{m.get('cores', '?')} cores, {m.get('memory_gib', '?')} GiB; 1-minute load at start "
-               f"{m.get('loadavg_1min_at_start', '?')}. Medians of the repetitions.\n")
+               f"{m.get('loadavg_1min_at_start', '?')}{round_trip_clause(m)}. Medians of the repetitions.\n")
     out.append("| backend | workers | threads | requests/s | block probes/s | slot reads/s | batch p50 (us) | batch p99 (us) | bytes/pair | wrong answers |")
     out.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in d["results"]:
@@ -132,10 +132,18 @@ def render_ipc(d):
     return "\n".join(out)
 
 
+def round_trip_clause(m):
+    """The CPUs' round trip at start (bench_common.h), where the JSON has it."""
+    rt = m.get("cpu_round_trip_ns_at_start")
+    if rt is None or rt < 0:
+        return ""
+    return f", round trip between its first two CPUs {fmt(rt)} ns"
+
+
 def machine_line(d, command):
     m = d.get("machine", {})
     return (f"Command: `{command}`; machine: {m.get('cpu', '?')}, {m.get('cores', '?')} cores, "
-            f"1-minute load at start {m.get('loadavg_1min_at_start', '?')}.\n")
+            f"1-minute load at start {m.get('loadavg_1min_at_start', '?')}{round_trip_clause(m)}.\n")
 
 
 def render_events(d):
@@ -172,6 +180,15 @@ def render_events(d):
             target = fmt(t.get("engine_messages_per_s")) if r["path"] == "engine_steps" else ""
             out.append(f"| {r['path']} | {fmt(r['messages_per_s'])} | {fmt(r['block_events_per_s'])} | "
                        f"{share} | {target} | {r.get('dropped', '')} |")
+        reps = d.get("engine_reps")
+        if reps:
+            each = "; ".join(
+                f"{fmt(x['engine_steps_messages_per_s'])} ({fmt(x['engine_steps_cpu_round_trip_ns_before'])}) / "
+                f"{fmt(x['zmq_floor_messages_per_s'])} ({fmt(x['zmq_floor_cpu_round_trip_ns_before'])})"
+                for x in reps)
+            out.append("")
+            out.append(f"Each repetition, `engine_steps` / `zmq_floor` messages/s (in brackets the round trip "
+                       f"between the first two CPUs just before, ns): {each}.")
     r = d.get("restart")
     if r:
         out.append("")
