@@ -220,8 +220,9 @@ bench: all
 	$(Q)python3 scripts/bench-routing.py $(BIN) > bench/results/routing.json
 	$(Q)python3 scripts/bench-routing.py $(BIN) --engine llama3-70b-h100x4 \
 	    > bench/results/routing-llama3-70b-h100x4.json
+	$(Q)python3 scripts/bench-routing.py $(BIN) --workers 8 > bench/results/routing-8-workers.json
 	$(Q)for b in index events ipc replay replay-ceiling sim growth routing routing-llama3-70b-h100x4 \
-	    cluster; do \
+	    routing-8-workers cluster; do \
 		python3 scripts/bench-report.py bench/results/$$b.json docs/BENCHMARKS.md || exit 1; done
 	$(Q)cat bench/results/index.json bench/results/events.json bench/results/ipc.json bench/results/replay.json bench/results/sim.json bench/results/growth.json
 

@@ -4,8 +4,8 @@
 <!-- NAME:begin --> and <!-- NAME:end --> (stdlib only). NAME is the "benchmark" field of the JSON,
 else the file's name without .json (bench/results/events.json -> events): index, ipc, events,
 replay, replay-ceiling, sim, growth, routing and cluster have renderers (a routing run on another
-engine preset goes between <!-- routing-PRESET:begin --> and its end marker); `make bench` renders
-them all.
+engine preset or cluster size goes between the markers of the "section" its JSON names, e.g.
+<!-- routing-PRESET:begin -->); `make bench` renders them all.
 
 usage: scripts/bench-report.py [bench/results/index.json] [docs/BENCHMARKS.md]
 """
@@ -303,9 +303,10 @@ def render_routing(d):
     judged = d.get("judged_policy", d.get("default_policy", "?"))
     sm = d["summary"]
     engine = d.get("engine")
-    command = (f"python3 scripts/bench-routing.py build/kvmatch --engine {engine} > "
-               f"bench/results/routing-{engine}.json" if engine else
-               "python3 scripts/bench-routing.py build/kvmatch > bench/results/routing.json")
+    section = d.get("section") or (f"routing-{engine}" if engine else "routing")
+    options = (f" --engine {engine}" if engine else "") + (
+        f" --workers {d['workers']}" if section.endswith("-workers") else "")
+    command = f"python3 scripts/bench-routing.py build/kvmatch{options} > bench/results/{section}.json"
     out = [f"Command: `{command}` "
            f"({d['workers']} workers, {d['requests']} requests, loads {d['loads']}, seeds "
            f"{', '.join(str(x) for x in d['seeds'])}; the Mooncake trace "
@@ -350,8 +351,9 @@ def main():
     if kind not in RENDERERS:
         sys.exit(f"{src}: no renderer for '{kind}' (have: {', '.join(RENDERERS)})")
     section = RENDERERS[kind](data)
-    # A routing run on another engine preset has a section of its own.
-    name = f"{kind}-{data['engine']}" if kind == "routing" and data.get("engine") else kind
+    # A routing run on another engine preset or cluster size names a section of its own.
+    name = data.get("section") or (f"{kind}-{data['engine']}" if kind == "routing" and data.get("engine")
+                                   else kind)
     with open(doc) as f:
         text = f.read()
     marker = re.escape(name)
