@@ -299,11 +299,19 @@ def render_cluster(d):
     return "\n".join(out)
 
 
+def section_name(d, kind):
+    """The markers' NAME: the "section" the JSON names, else a routing run on another engine
+    preset has routing-PRESET, else the kind."""
+    if d.get("section"):
+        return d["section"]
+    return f"{kind}-{d['engine']}" if kind == "routing" and d.get("engine") else kind
+
+
 def render_routing(d):
     judged = d.get("judged_policy", d.get("default_policy", "?"))
     sm = d["summary"]
     engine = d.get("engine")
-    section = d.get("section") or (f"routing-{engine}" if engine else "routing")
+    section = section_name(d, "routing")
     options = (f" --engine {engine}" if engine else "") + (
         f" --workers {d['workers']}" if section.endswith("-workers") else "")
     command = f"python3 scripts/bench-routing.py build/kvmatch{options} > bench/results/{section}.json"
@@ -351,9 +359,7 @@ def main():
     if kind not in RENDERERS:
         sys.exit(f"{src}: no renderer for '{kind}' (have: {', '.join(RENDERERS)})")
     section = RENDERERS[kind](data)
-    # A routing run on another engine preset or cluster size names a section of its own.
-    name = data.get("section") or (f"{kind}-{data['engine']}" if kind == "routing" and data.get("engine")
-                                   else kind)
+    name = section_name(data, kind)
     with open(doc) as f:
         text = f.read()
     marker = re.escape(name)
