@@ -87,6 +87,7 @@ Test(policy, config_defaults_are_the_peers, .timeout = 30)
     cr_assert_eq(cfg.preble.exploit_ratio, 1.0);
     cr_assert_eq(cfg.ttft.load_bound, 1.25);
     cr_assert_eq(cfg.ttft.hot_prefix_sharers, 1);
+    cr_assert_eq(cfg.ttft.hot_prefix_share, 0.25);
     km_engine_model m;
     km_engine_model_init(&m);
     cr_assert(memcmp(&cfg.engine, &m, sizeof m) == 0);

@@ -259,8 +259,10 @@ Test(policy_peers, ttft_passes_over_a_hot_prefix_on_an_overloaded_holder)
     cr_assert_eq(d.chosen, 0, "3 sharers are below 4");
     c[0].prefix_sharers = 0;
     cfg.ttft.hot_prefix_sharers = 0;
+    cfg.ttft.hot_prefix_share = 0.0; /* no sharers are no share of the load either */
     d = decide(&cfg, &req, c, 3, costs);
     cr_assert_neq(d.chosen, 0);
+    cfg.ttft.hot_prefix_share = 0.25;
     /* A holder whose hit a worker within the bound matches is weighed: passing it over would copy
      * nothing. Every worker holds the first 10 blocks (a shared preamble), w1 is past the bound
      * with no queue, w2 and w3 have 20000 tokens queued: w1 has the lowest predicted time. */
@@ -281,6 +283,57 @@ Test(policy_peers, ttft_passes_over_a_hot_prefix_on_an_overloaded_holder)
     char why[160];
     cr_assert_eq(km_policy_config_validate(&cfg, why, sizeof why), KM_ERR_INVALID_ARGUMENT);
     cr_assert(strstr(why, "ttft.load_bound"), "%s", why);
+}
+
+/* A holder past the bound is passed over only while the prefix's own requests in flight on its
+ * holders are, per holder, at least hot_prefix_share x the mean in flight (this request
+ * included): otherwise its load is other prefixes' work, which a copy would not take away. */
+Test(policy_peers, ttft_copies_a_prefix_only_while_it_is_a_share_of_its_holders_load)
+{
+    km_policy_config cfg = config(KM_POLICY_TTFT);
+    km_policy_request req = request(100, 1610, 20);
+    /* 12 in flight: the bound is ceil(1.25 x 13 / 3) = 6, the mean 13 / 3; a quarter of it is
+     * 1.08 sharers per holder. */
+    km_policy_candidate c[3] = {cand(1, 100, 10, 0, 0, 0), cand(2, 0, 1, 0, 0, 0),
+                                cand(3, 0, 1, 0, 0, 0)};
+    c[0].prefix_sharers = 1;
+    double costs[3];
+    km_policy_decision d = decide(&cfg, &req, c, 3, costs);
+    cr_assert_eq(d.chosen, 0, "1 sharer of 10 in flight: the holder keeps the prefix");
+    cr_assert(!isnan(costs[0]));
+    c[0].prefix_sharers = 2;
+    d = decide(&cfg, &req, c, 3, costs);
+    cr_assert_neq(d.chosen, 0, "2 sharers are past a quarter of the mean");
+    cr_assert(isnan(costs[0]));
+    /* Two holders, 10 in flight each, w3 idle: 20 in flight, the bound ceil(1.25 x 21 / 3) = 9,
+     * a quarter of the mean 1.75 per holder, 3.5 for both. */
+    km_policy_candidate two[3] = {cand(1, 100, 10, 0, 0, 0), cand(2, 100, 10, 0, 0, 0),
+                                  cand(3, 0, 0, 0, 0, 0)};
+    two[0].prefix_sharers = 1;
+    two[1].prefix_sharers = 2;
+    d = decide(&cfg, &req, two, 3, costs);
+    cr_assert_neq(d.chosen, 2, "3 sharers over two holders are under 3.5");
+    two[1].prefix_sharers = 3;
+    d = decide(&cfg, &req, two, 3, costs);
+    cr_assert_eq(d.chosen, 2, "4 sharers over two holders: both passed over");
+    cr_assert(isnan(costs[0]) && isnan(costs[1]));
+    /* hot_prefix_share 0: no such limit; a share of 100 never copies. */
+    two[0].prefix_sharers = two[1].prefix_sharers = 1;
+    cfg.ttft.hot_prefix_share = 0.0;
+    d = decide(&cfg, &req, two, 3, costs);
+    cr_assert_eq(d.chosen, 2);
+    two[0].prefix_sharers = two[1].prefix_sharers = 10;
+    cfg.ttft.hot_prefix_share = 100.0;
+    d = decide(&cfg, &req, two, 3, costs);
+    cr_assert_neq(d.chosen, 2);
+    /* Negative and not finite shares are refused. */
+    char why[160];
+    double bad[3] = {-0.5, NAN, INFINITY};
+    for (int i = 0; i < 3; i++) {
+        cfg.ttft.hot_prefix_share = bad[i];
+        cr_assert_eq(km_policy_config_validate(&cfg, why, sizeof why), KM_ERR_INVALID_ARGUMENT);
+        cr_assert(strstr(why, "ttft.hot_prefix_share"), "%s", why);
+    }
 }
 
 static km_policy_candidate random_candidate(km_rng *r, uint32_t worker, uint32_t n_blocks)

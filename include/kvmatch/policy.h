@@ -162,6 +162,12 @@ typedef struct km_policy_config {
         /* Requests in flight on a worker sharing the request's prefix that make it hot there;
          * default 1 (any concurrent sharer). 0 bounds every worker whatever it holds. */
         uint32_t hot_prefix_sharers;
+        /* No holder is passed over while the prefix's requests in flight on its holders (the
+         * workers with the deepest queued hit), per holder, are fewer than hot_prefix_share x
+         * the candidates' mean in flight (this request included): the holders' load is then
+         * other prefixes' work, which copying this prefix would not take away. Finite, >= 0;
+         * 0 = no such limit; default 0.25. */
+        double hot_prefix_share;
     } ttft;
     /* The engines of the pool (ttft and preble estimate times with it; llmd divides KV usage by
      * its capacity_blocks). Default: km_engine_model_init. */
@@ -346,7 +352,8 @@ const char *km_policy_last_error(const km_policy_state *state);
  *
  * ttft: workers the bound leaves out (cfg->ttft: in_flight + 1 > the bound, prefix_sharers >=
  *   hot_prefix_sharers and a queued hit deeper than every within-bound worker's, while some worker
- *   has in_flight + 1 within it) are not weighed (cost NAN). With queued hit = min(max(depth, queued_depth), (T - 1) / B) (the blocks beyond depth
+ *   has in_flight + 1 within it and the prefix_sharers of the deepest queued hit's holders sum to
+ *   at least hot_prefix_share x holders x (sum of in_flight + 1) / n) are not weighed (cost NAN). With queued hit = min(max(depth, queued_depth), (T - 1) / B) (the blocks beyond depth
  *   are on the device): cost = km_engine_model_step_in_progress_us (the rest of the step it is
  *   running) + km_engine_model_predict_ttft_us (the worker's queue as its
  *   pending_prefill_tokens and pending_prefill_pairs; cached = queued hit * B with the hit's host

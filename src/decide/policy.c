@@ -122,6 +122,7 @@ void km_policy_config_init(km_policy_config *cfg)
     cfg->preble.exploit_ratio = 1.0;
     cfg->ttft.load_bound = 1.25;
     cfg->ttft.hot_prefix_sharers = 1;
+    cfg->ttft.hot_prefix_share = 0.25;
     km_engine_model_init(&cfg->engine);
 }
 
@@ -179,6 +180,11 @@ int km_policy_config_validate(const km_policy_config *cfg, char *why, size_t why
                     "policy config ttft.load_bound is %g; it must be 0 (off) or a finite value "
                     ">= 1",
                     bound);
+    double share = cfg->ttft.hot_prefix_share;
+    if (isnan(share) || isinf(share) || share < 0.0)
+        return fail(why, why_size, KM_ERR_INVALID_ARGUMENT,
+                    "policy config ttft.hot_prefix_share is %g; it must be a finite value >= 0",
+                    share);
     double h = cfg->llmd.host_tier_weight;
     if (isnan(h) || h < 0.0 || h > 1.0)
         return fail(why, why_size, KM_ERR_INVALID_ARGUMENT,
@@ -700,6 +706,24 @@ static double ttft_load_bound(const km_policy_config *cfg, const km_policy_candi
     return ceil(cfg->ttft.load_bound * (total + 1.0) / n);
 }
 
+/* Whether the request's prefix is busy enough on its holders (the candidates with the deepest
+ * queued hit, best_hit > 0) for a copy to relieve them: its requests in flight there, per holder,
+ * are at least hot_prefix_share x the candidates' mean in flight (this request included). Below
+ * it the holders' load is other prefixes' work, which a copy of this one would not take away. */
+static bool ttft_prefix_hot_enough(const km_policy_config *cfg, const km_policy_request *req,
+                                   const km_policy_candidate *cands, uint32_t n, uint32_t best_hit)
+{
+    double sharers = 0.0, holders = 0.0, total = 0.0;
+    for (uint32_t i = 0; i < n; i++) {
+        total += cands[i].in_flight;
+        if (queued_hit_blocks(req, &cands[i]) == best_hit) {
+            sharers += cands[i].prefix_sharers;
+            holders += 1.0;
+        }
+    }
+    return sharers >= cfg->ttft.hot_prefix_share * holders * (total + 1.0) / n;
+}
+
 static void decide_ttft(const km_policy_config *cfg, const km_policy_request *req,
                         const km_policy_candidate *cands, uint32_t n, km_policy_decision *out,
                         double *costs_out)
@@ -722,7 +746,8 @@ static void decide_ttft(const km_policy_config *cfg, const km_policy_request *re
      * on any worker within the bound, is not weighed while some worker is within it (the hot
      * prefix is copied to a less loaded worker rather than queued behind its holder's load). A
      * holder whose hit some worker within the bound matches is weighed as usual: passing it over
-     * would copy nothing. */
+     * would copy nothing; nor is any holder passed over while the prefix's own requests are too
+     * few of the holders' load for a copy to relieve them (ttft_prefix_hot_enough). */
     double bound = ttft_load_bound(cfg, cands, n);
     bool any_within = false;
     uint32_t within_hit = 0;
@@ -732,6 +757,8 @@ static void decide_ttft(const km_policy_config *cfg, const km_policy_request *re
             within_hit = hit > within_hit ? hit : within_hit;
             any_within = true;
         }
+    if (any_within && best_hit > within_hit && !ttft_prefix_hot_enough(cfg, req, cands, n, best_hit))
+        any_within = false;
     bool seen = false;
     for (uint32_t i = 0; i < n; i++) {
         const km_policy_candidate *c = &cands[i];
