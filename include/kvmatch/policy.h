@@ -353,7 +353,8 @@ const char *km_policy_last_error(const km_policy_state *state);
  * ttft: workers the bound leaves out (cfg->ttft: in_flight + 1 > the bound, prefix_sharers >=
  *   hot_prefix_sharers and a queued hit deeper than every within-bound worker's, while some worker
  *   has in_flight + 1 within it and the prefix_sharers of the deepest queued hit's holders sum to
- *   at least hot_prefix_share x holders x (sum of in_flight + 1) / n) are not weighed (cost NAN). With queued hit = min(max(depth, queued_depth), (T - 1) / B) (the blocks beyond depth
+ *   at least hot_prefix_share x holders x (sum of in_flight + 1) / n) are not weighed (cost NAN).
+ *   With queued hit = min(max(depth, queued_depth), (T - 1) / B) (the blocks beyond depth
  *   are on the device): cost = km_engine_model_step_in_progress_us (the rest of the step it is
  *   running) + km_engine_model_predict_ttft_us (the worker's queue as its
  *   pending_prefill_tokens and pending_prefill_pairs; cached = queued hit * B with the hit's host

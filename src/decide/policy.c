@@ -757,7 +757,8 @@ static void decide_ttft(const km_policy_config *cfg, const km_policy_request *re
             within_hit = hit > within_hit ? hit : within_hit;
             any_within = true;
         }
-    if (any_within && best_hit > within_hit && !ttft_prefix_hot_enough(cfg, req, cands, n, best_hit))
+    if (any_within && best_hit > within_hit &&
+        !ttft_prefix_hot_enough(cfg, req, cands, n, best_hit))
         any_within = false;
     bool seen = false;
     for (uint32_t i = 0; i < n; i++) {
