@@ -23,8 +23,14 @@
  *                           the worker's chain, a flush every 8 messages (as the service batches);
  *                           the index is sized at start, so what grows is the feed's own engine-hash
  *                           maps (src/events/engine_hash_map.c, incremental)
+ *   clear   scan            one KM_UPDATE_CLEAR_WORKER naming no block, on an index of CLEAR_WORKERS
+ *                           workers holding fresh chains: the index scans its tables whole
+ *   clear   named           the same naming every block the worker holds, as the event feed's and
+ *                           approximate mode's clears do: a lookup per block, no scan (the two rows
+ *                           take turns, worker by worker, on the same index)
  * Reported: total time, mean, 99.9th percentile and worst call (for the feed: a message, or a
- * message and the flush after it). */
+ * message and the flush after it); entries are the structure's at the end (the clears: pairs in the
+ * index before the first clear). */
 #include <inttypes.h>
 #include <jansson.h>
 #include <stdio.h>
@@ -316,6 +322,61 @@ static int run_feed(size_t calls, double *lat, growth_row *row)
     return rc;
 }
 
+#define CLEAR_WORKERS 256
+#define CLEAR_RUN 512 /* blocks per stored run of a worker's chain */
+
+/* The clear rows: CLEAR_WORKERS workers each holding a chain of `blocks` fresh blocks, then every
+ * worker cleared in turn, the even ones naming nothing and the odd ones naming their chain. */
+static int run_clears(uint64_t blocks, double *lat, growth_row *rows)
+{
+    km_index *index = NULL;
+    int rc = create_index(CLEAR_WORKERS, (uint64_t)CLEAR_WORKERS * blocks, &index);
+    if (rc)
+        return rc;
+    uint64_t *chain = malloc(blocks * sizeof *chain);
+    if (!chain) {
+        km_index_destroy(index);
+        return KM_ERR_OUT_OF_MEMORY;
+    }
+    uint64_t seed = UINT64_C(88172645463325252);
+    for (uint32_t w = 0; w < CLEAR_WORKERS && rc == KM_OK; w++) {
+        for (uint64_t k = 0; k < blocks; k++)
+            chain[k] = next_key(&seed);
+        for (uint64_t k = 0; k < blocks && rc == KM_OK; k += CLEAR_RUN) {
+            uint64_t n = blocks - k < CLEAR_RUN ? blocks - k : CLEAR_RUN;
+            rc = km_index_store(index, w, k ? chain[k - 1] : KM_NO_PARENT, chain + k, n);
+        }
+    }
+    km_index_stats stats;
+    if (rc == KM_OK)
+        rc = km_index_get_stats(index, &stats);
+    /* The same keys again, worker by worker, for the named clears. */
+    seed = UINT64_C(88172645463325252);
+    double *named = lat + CLEAR_WORKERS / 2;
+    for (uint32_t w = 0; w < CLEAR_WORKERS && rc == KM_OK; w++) {
+        for (uint64_t k = 0; k < blocks; k++)
+            chain[k] = next_key(&seed);
+        int by_name = w & 1;
+        km_update u = {KM_UPDATE_CLEAR_WORKER, w, KM_NO_PARENT, by_name ? chain : NULL,
+                       by_name ? blocks : 0, KM_TIER_DEVICE};
+        km_update_stats applied;
+        double t0 = now_us();
+        rc = km_index_apply(index, &u, 1, &applied);
+        (by_name ? named : lat)[w / 2] = now_us() - t0;
+        if (rc == KM_OK && (applied.cleared != blocks || applied.clear_scans != (uint64_t)!by_name))
+            rc = KM_ERR_INTERNAL;
+    }
+    if (rc == KM_OK) {
+        rows[0] = (growth_row){.structure = "clear", .mode = "scan", .entries = stats.pairs};
+        rows[1] = (growth_row){.structure = "clear", .mode = "named", .entries = stats.pairs};
+        summarise(&rows[0], lat, CLEAR_WORKERS / 2);
+        summarise(&rows[1], named, CLEAR_WORKERS / 2);
+    }
+    free(chain);
+    km_index_destroy(index);
+    return rc;
+}
+
 int km_bench_growth_main(int argc, char **argv)
 {
     int json = 0, quick = 0;
@@ -352,6 +413,7 @@ int km_bench_growth_main(int argc, char **argv)
      * 1 M per worker's engine-hash map. */
     size_t map_calls = quick ? 150000 : 600000, approx_calls = quick ? 100000 : 400000;
     size_t index_calls = quick ? 50000 : 200000, feed_calls = quick ? 50000 : 250000;
+    uint64_t clear_blocks = quick ? 4096 : 16384; /* per worker: 1 M or 4 M pairs in all */
     size_t most = map_calls;
     double *lat = malloc(most * sizeof *lat);
     if (!lat)
@@ -364,7 +426,7 @@ int km_bench_growth_main(int argc, char **argv)
     json_object_set_new(root, "keys_per_call", json_integer(KEYS_PER_CALL));
     json_object_set_new(root, "feed_blocks_per_message", json_integer(FEED_BLOCKS));
     json_t *results = json_array();
-    growth_row rows[8];
+    growth_row rows[10];
     int rc = KM_OK, n_rows = 0;
     if (rc == KM_OK && (rc = run_u64map(1, map_calls, lat, &rows[n_rows])) == KM_OK)
         n_rows++;
@@ -383,6 +445,8 @@ int km_bench_growth_main(int argc, char **argv)
         n_rows++;
     if (rc == KM_OK && (rc = run_feed(feed_calls, lat, &rows[n_rows])) == KM_OK)
         n_rows++;
+    if (rc == KM_OK && (rc = run_clears(clear_blocks, lat, &rows[n_rows])) == KM_OK)
+        n_rows += 2;
     free(lat);
     if (rc != KM_OK) {
         fprintf(stderr, "kvmatch bench growth: %s\n", km_strerror(rc));

@@ -850,10 +850,14 @@ static km_index *make_index(uint32_t max_workers, uint32_t segment_blocks)
     return index;
 }
 
+/* Apply the handle's updates; the index holds exactly the pairs the handle assumed, so its clears
+ * name every one of them and never scan the tables. */
 static void apply_updates(km_index *index, km_approx_updates *buf)
 {
-    cr_assert_eq(km_index_apply(index, buf->updates, buf->n_updates, NULL), KM_OK, "%s",
+    km_update_stats st;
+    cr_assert_eq(km_index_apply(index, buf->updates, buf->n_updates, &st), KM_OK, "%s",
                  km_index_last_error(index));
+    cr_assert_eq(st.clear_scans, 0, "a clear left pairs its names missed");
     km_approx_updates_clear(buf);
 }
 
@@ -1001,12 +1005,17 @@ Test(approx, capacity_evicts_least_recently_touched_deepest_first, .timeout = 10
     cr_assert_eq(st.truncated_records, 1);
     km_approx_updates_clear(&buf);
 
-    /* Clearing a worker: one CLEAR_WORKER, even when empty. */
+    /* Clearing a worker: one CLEAR_WORKER naming the pairs assumed, even when there are none. */
     cr_assert_eq(km_approx_clear_worker(a, 0, &buf), KM_OK);
     cr_assert_eq(km_approx_clear_worker(a, 0, &buf), KM_OK);
     cr_assert_eq(buf.n_updates, 2);
     cr_assert_eq(buf.updates[0].kind, KM_UPDATE_CLEAR_WORKER);
-    cr_assert_eq(buf.updates[0].n_hashes, 0);
+    cr_assert_eq(buf.updates[0].n_hashes, 10);
+    for (size_t i = 0; i < 10; i++)
+        for (size_t j = 0; j < i; j++)
+            cr_assert_neq(buf.updates[0].hashes[i], buf.updates[0].hashes[j]);
+    cr_assert_eq(buf.updates[1].kind, KM_UPDATE_CLEAR_WORKER);
+    cr_assert_eq(buf.updates[1].n_hashes, 0);
     cr_assert_eq(km_approx_worker_blocks(a, 0), 0);
     cr_assert_eq(km_approx_get_stats(a, &st), KM_OK);
     cr_assert_eq(st.cleared_pairs, 10);

@@ -40,6 +40,7 @@ typedef struct fx {
     size_t *sizes;
     size_t n, cap;
     size_t seq_base;
+    km_update_stats applied; /* summed over fx_flush */
 } fx;
 
 static void fx_init_cfg(fx *f, const km_feed_config *cfg, km_test_encoding enc,
@@ -66,6 +67,10 @@ static void fx_init(fx *f)
 
 static void fx_free(fx *f)
 {
+    /* Every clear the feed queued named all the blocks the index held for its worker (the
+     * engine-hash map's keys), so none had to scan the index's tables. */
+    cr_assert_eq(f->applied.clear_scans, 0, "%llu clears scanned the tables (%llu pairs cleared)",
+                 (unsigned long long)f->applied.clear_scans, (unsigned long long)f->applied.cleared);
     for (size_t i = 0; i < f->n; i++)
         free(f->payloads[i]);
     free(f->payloads);
@@ -176,8 +181,11 @@ static km_feed_worker_info fx_info(fx *f, uint32_t w)
 
 static void fx_flush(fx *f)
 {
-    int rc = km_feed_flush(f->feed, f->now++, NULL);
+    km_feed_flush_stats st;
+    int rc = km_feed_flush(f->feed, f->now++, &st);
     cr_assert_eq(rc, KM_OK, "flush: %s", km_feed_last_error(f->feed));
+    f->applied.cleared += st.index.cleared;
+    f->applied.clear_scans += st.index.clear_scans;
 }
 
 /* The index holds exactly what the simulated engine caches. */
@@ -3200,6 +3208,51 @@ Test(feed, queue_limit_drops_and_degrades, .timeout = 10)
     km_worker_stats ws;
     km_index_worker_stats(f.index, 0, &ws);
     cr_assert_eq(ws.blocks, 4);
+    fx_free(&f);
+}
+
+/* A clear names its worker's blocks only while they take at most half of the queue's bound, so a
+ * worker with a large cache cannot crowd out other messages: beyond that the index scans its
+ * tables instead, with the same result. */
+Test(feed, a_clear_too_large_to_name_its_blocks_still_clears_them, .timeout = 10)
+{
+    km_feed_config cfg;
+    km_test_feed_config(&cfg, BS);
+    cfg.max_queued_hashes = 16;
+    fx f;
+    fx_init_cfg(&f, &cfg, KM_TEST_ENCODING_POSITIONAL, KM_TEST_HASH_INT);
+    fx_add(&f, 0, false);
+    fx_add(&f, 1, false);
+    for (int k = 0; k < 3; k++) { /* 12 blocks on worker 0: more than 16 / 2 */
+        km_test_engine_store(&f.engine, &f.rng, &f.batch, -1, 4);
+        fx_live(&f, 0, fx_keep(&f));
+        fx_flush(&f);
+    }
+    km_test_engine_store(&f.engine, &f.rng, &f.batch, -1, 4); /* 4 on worker 1: named */
+    fx_live(&f, 1, fx_keep(&f));
+    fx_flush(&f);
+    km_worker_stats ws;
+    km_index_worker_stats(f.index, 0, &ws);
+    cr_assert_eq(ws.blocks, 12);
+    km_index_worker_stats(f.index, 1, &ws);
+    cr_assert_eq(ws.blocks, 4);
+
+    km_test_batch_cleared(&f.batch);
+    fx_live(&f, 1, fx_keep(&f));
+    fx_flush(&f);
+    cr_assert_eq(f.applied.cleared, 4);
+    cr_assert_eq(f.applied.clear_scans, 0, "worker 1's four blocks were named");
+    km_test_batch_cleared(&f.batch);
+    fx_live(&f, 0, fx_keep(&f));
+    fx_flush(&f);
+    cr_assert_eq(f.applied.cleared, 16);
+    cr_assert_eq(f.applied.clear_scans, 1, "worker 0's twelve were not: the index scanned");
+    f.applied.clear_scans = 0; /* as intended here (fx_free checks that no other clear scans) */
+    for (uint32_t w = 0; w < 2; w++) {
+        km_index_worker_stats(f.index, w, &ws);
+        cr_assert_eq(ws.blocks, 0, "worker %u", w);
+        cr_assert_eq(fx_info(&f, w).state, KM_FEED_STATE_LIVE, "worker %u", w);
+    }
     fx_free(&f);
 }
 

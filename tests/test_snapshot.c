@@ -361,6 +361,24 @@ Test(snapshot, save_is_atomic_and_reports_io_errors, .timeout = 60)
     fixture_free(&f);
 }
 
+/* Worker w's counters (km_worker_stats, its block count first) in a snapshot file read into buf:
+ * the worker section (kind 3) after the 64-byte header and the sections before it. */
+static uint8_t *worker_counters(uint8_t *buf, size_t size, uint32_t w)
+{
+    size_t off = 64;
+    for (;;) {
+        uint32_t kind;
+        uint64_t bytes;
+        memcpy(&kind, buf + off, 4);
+        memcpy(&bytes, buf + off + 8, 8);
+        if (kind == 3)
+            break;
+        off += 16 + bytes;
+        cr_assert(off < size);
+    }
+    return buf + off + 16 + (size_t)w * sizeof(km_worker_stats);
+}
+
 /* Found by fuzzing (tests/fuzz/fuzz_snapshot.c): a block table holding one key in two slots, both
  * reachable from its home slot and counted in the header, passed every check and loaded. Lookups
  * then found one copy and updates changed only it; with segment keys, rebuilding the anchors
@@ -403,19 +421,8 @@ Test(snapshot, duplicate_key_in_a_table_is_corrupt, .timeout = 30)
     memcpy(th + 8, &live, 8);
     memcpy(th + 24, &pairs, 8);
     /* Worker 1's block count must agree with the table's pairs: find the worker section. */
-    size_t off = 64;
-    for (;;) {
-        uint32_t kind;
-        uint64_t bytes;
-        memcpy(&kind, buf + off, 4);
-        memcpy(&bytes, buf + off + 8, 8);
-        if (kind == 3)
-            break;
-        off += 16 + bytes;
-        cr_assert(off < size);
-    }
     uint64_t blocks;
-    uint8_t *w1 = buf + off + 16 + sizeof(km_worker_stats);
+    uint8_t *w1 = worker_counters(buf, size, 1);
     memcpy(&blocks, w1, 8);
     blocks++;
     memcpy(w1, &blocks, 8);
@@ -424,6 +431,47 @@ Test(snapshot, duplicate_key_in_a_table_is_corrupt, .timeout = 30)
     snprintf(bad, sizeof bad, "%s/dup.snap", f.dir);
     write_file(bad, buf, size);
     expect_rejected(&f, a, S, bad, KM_ERR_CORRUPT, "a key in two slots");
+    unlink(bad);
+    free(buf);
+    km_index_destroy(a);
+    fixture_free(&f);
+}
+
+/* Per-worker block counts that add up to the table's pairs but not worker by worker are corrupt:
+ * a clear trusts a worker's count of 0 to mean it holds nothing, and would leave its blocks. */
+Test(snapshot, worker_block_counts_must_agree_worker_by_worker, .timeout = 30)
+{
+    const uint32_t W = 8, S = 0;
+    fixture f;
+    fixture_init(&f, W, 94);
+    km_index *a = make_index(W, S);
+    uint64_t chain[5] = {0x2001, 0x2002, 0x2003, 0x2004, 0x2005};
+    cr_assert_eq(km_index_store(a, 1, KM_NO_PARENT, chain, 5), KM_OK);
+    cr_assert_eq(km_index_store(a, 2, KM_NO_PARENT, chain, 2), KM_OK);
+    km_update_stats expect;
+    km_update ups[2] = {{KM_UPDATE_STORE, 1, KM_NO_PARENT, chain, 5, KM_TIER_DEVICE},
+                        {KM_UPDATE_STORE, 2, KM_NO_PARENT, chain, 2, KM_TIER_DEVICE}};
+    km_oracle_apply(&f.o, ups, 2, &expect);
+    cr_assert_eq(km_index_save(a, f.path, NULL, 0), KM_OK);
+    size_t size;
+    uint8_t *buf = read_file(f.path, &size);
+    /* Worker 1 holds 5 and worker 2 holds 2: say 2 and 5 (the same sum). */
+    uint8_t *w1 = worker_counters(buf, size, 1), *w2 = worker_counters(buf, size, 2);
+    uint64_t b1, b2;
+    memcpy(&b1, w1, 8);
+    memcpy(&b2, w2, 8);
+    cr_assert_eq(b1, 5);
+    cr_assert_eq(b2, 2);
+    memcpy(w1, &b2, 8);
+    memcpy(w2, &b1, 8);
+    reseal(buf, size);
+    char bad[160];
+    snprintf(bad, sizeof bad, "%s/counts.snap", f.dir);
+    write_file(bad, buf, size);
+    cr_assert_eq(km_index_load(a, bad, NULL, NULL), KM_ERR_CORRUPT);
+    cr_assert(strstr(km_index_last_error(a), "worker 1's block count (2)") != NULL, "%s",
+              km_index_last_error(a));
+    expect_rejected(&f, a, S, bad, KM_ERR_CORRUPT, "block counts swapped between two workers");
     unlink(bad);
     free(buf);
     km_index_destroy(a);

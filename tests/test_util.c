@@ -233,6 +233,22 @@ static int oracle_del(km_oracle *o, uint32_t worker, uint64_t hash)
     return 1;
 }
 
+/* The keys worker holds, up to capacity of them written at out; returns how many it holds. */
+static size_t oracle_worker_keys(const km_oracle *o, uint32_t worker, uint64_t *out,
+                                 size_t capacity)
+{
+    size_t n = 0;
+    for (uint64_t i = 0; i < o->capacity; i++) {
+        const km_oracle_entry *e = &o->entries[i];
+        if (e->key != 0 && e->n > 0 && entry_position(e, worker) >= 0) {
+            if (n < capacity)
+                out[n] = e->key;
+            n++;
+        }
+    }
+    return n;
+}
+
 static uint64_t oracle_clear(km_oracle *o, uint32_t worker)
 {
     uint64_t n = 0;
@@ -293,8 +309,13 @@ void km_oracle_apply(km_oracle *o, const km_update *updates, size_t n, km_update
             break;
         case KM_UPDATE_CLEAR_WORKER:
         case KM_UPDATE_REMOVE_WORKER: {
-            uint64_t c = oracle_clear(o, up->worker);
-            expect->cleared += c;
+            /* The named blocks first; the tables are scanned only for what they leave. */
+            uint64_t named = 0;
+            for (size_t i = 0; i < up->n_hashes; i++)
+                named += (uint64_t)oracle_del(o, up->worker, up->hashes[i]);
+            uint64_t rest = oracle_clear(o, up->worker);
+            expect->cleared += named + rest;
+            expect->clear_scans += rest > 0;
             ws->blocks = 0;
             if (up->kind == KM_UPDATE_CLEAR_WORKER)
                 ws->clears++;
@@ -484,11 +505,11 @@ int km_update_stats_equal(const km_update_stats *a, const km_update_stats *b, ch
         return 1;
     set_why(why, why_size,
             "update stats {stored %" PRIu64 " dup %" PRIu64 " removed %" PRIu64 " absent %" PRIu64
-            " cleared %" PRIu64 " orphan_runs %" PRIu64 "}, expected {%" PRIu64 " %" PRIu64
-            " %" PRIu64 " %" PRIu64 " %" PRIu64 " %" PRIu64 "}",
+            " cleared %" PRIu64 " orphan_runs %" PRIu64 " clear_scans %" PRIu64 "}, expected {%" PRIu64
+            " %" PRIu64 " %" PRIu64 " %" PRIu64 " %" PRIu64 " %" PRIu64 " %" PRIu64 "}",
             a->stored, a->duplicate_stores, a->removed, a->absent_removes, a->cleared,
-            a->orphan_runs, b->stored, b->duplicate_stores, b->removed, b->absent_removes,
-            b->cleared, b->orphan_runs);
+            a->orphan_runs, a->clear_scans, b->stored, b->duplicate_stores, b->removed,
+            b->absent_removes, b->cleared, b->orphan_runs, b->clear_scans);
     return 0;
 }
 
@@ -683,6 +704,16 @@ static uint32_t workload_worker(km_workload *w, km_rng *r)
     return km_rng_below(r, w->n_workers_used);
 }
 
+static void shuffle_hashes(km_rng *r, uint64_t *h, size_t m)
+{
+    for (size_t i = m; i > 1; i--) {
+        size_t j = km_rng_below(r, (uint32_t)i);
+        uint64_t t = h[i - 1];
+        h[i - 1] = h[j];
+        h[j] = t;
+    }
+}
+
 static void store_range(km_workload *w, uint32_t worker, const km_seq *s, uint32_t a, uint32_t b,
                         uint64_t parent)
 {
@@ -771,18 +802,34 @@ void km_workload_step(km_workload *w, km_rng *r, const km_oracle *o, size_t max_
             }
             if (km_rng_percent(r, 30))
                 h[m++] = km_rng_hash(r); /* never stored */
-            /* shuffle: removes come in any order */
-            for (size_t i = m; i > 1; i--) {
-                size_t j = km_rng_below(r, (uint32_t)i);
-                uint64_t t = h[i - 1];
-                h[i - 1] = h[j];
-                h[j] = t;
-            }
+            shuffle_hashes(r, h, m); /* removes come in any order */
             workload_push(w, KM_UPDATE_REMOVE, worker, 0, h, m);
-        } else if (kind < 98) {
-            workload_push(w, KM_UPDATE_CLEAR_WORKER, worker, 0, NULL, 0);
         } else {
-            workload_push(w, KM_UPDATE_REMOVE_WORKER, worker, 0, NULL, 0);
+            /* clear or remove the worker, mostly naming blocks it holds (as the oracle had it
+             * before the batch): all of them, a part, or all with hashes it does not hold */
+            km_update_kind clear = kind < 98 ? KM_UPDATE_CLEAR_WORKER : KM_UPDATE_REMOVE_WORKER;
+            uint32_t how = km_rng_below(r, 4);
+            uint64_t *h = NULL;
+            size_t m = 0;
+            if (how > 0) {
+                size_t nh = oracle_worker_keys(o, worker, NULL, 0);
+                h = workload_array(w, nh + 3);
+                m = oracle_worker_keys(o, worker, h, nh);
+                if (how == 2) {
+                    size_t kept = 0;
+                    for (size_t i = 0; i < m; i++)
+                        if (km_rng_percent(r, 50))
+                            h[kept++] = h[i];
+                    m = kept;
+                } else if (how == 3) {
+                    h[m++] = km_rng_hash(r); /* never stored */
+                    h[m++] = s->chain[km_rng_below(r, s->n_blocks)]; /* maybe another's */
+                    if (m > 2)
+                        h[m++] = h[0]; /* named twice */
+                }
+                shuffle_hashes(r, h, m);
+            }
+            workload_push(w, clear, worker, 0, h, m);
         }
     }
 }

@@ -77,8 +77,13 @@ const char *km_index_backend_name(const km_index *index);
 typedef enum km_update_kind {
     KM_UPDATE_STORE = 1,         /* worker now holds hashes[0..n): a run of consecutive blocks */
     KM_UPDATE_REMOVE = 2,        /* worker no longer holds these blocks (any order, any subset) */
-    KM_UPDATE_CLEAR_WORKER = 3,  /* worker holds nothing any more (AllBlocksCleared, engine restart) */
-    KM_UPDATE_REMOVE_WORKER = 4, /* clear, and reset the worker's counters */
+    /* Worker holds nothing any more (AllBlocksCleared, engine restart). hashes may name blocks it
+     * is believed to hold (any order, any subset; others are ignored): those are taken out one
+     * lookup each, and the tables are scanned whole (a cost of the table's size, not the
+     * worker's) only while the worker still holds some block after them. The event feed names
+     * every block it knows the worker to hold. */
+    KM_UPDATE_CLEAR_WORKER = 3,
+    KM_UPDATE_REMOVE_WORKER = 4, /* clear (hashes as for a clear), and reset the worker's counters */
     KM_UPDATE_SET_TIER = 5,      /* blocks the worker holds now have `tier` (any order, any subset;
                                   * pairs not held are counted in absent_tier_changes) */
 } km_update_kind;
@@ -119,6 +124,8 @@ typedef struct km_update_stats {
     uint64_t orphan_runs;      /* store runs whose parent was unknown (runs, not pairs) */
     uint64_t tier_changes;     /* pairs whose tier changed (STORE or SET_TIER) */
     uint64_t absent_tier_changes; /* SET_TIER of a pair not held: harmless, counted */
+    uint64_t clear_scans; /* clears (updates, not pairs) whose named blocks left the worker holding
+                           * some: the tables were scanned whole for the rest */
 } km_update_stats;
 
 /* Apply a batch of updates in order. All or nothing: on any error the index's content is unchanged

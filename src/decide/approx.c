@@ -549,15 +549,18 @@ int km_approx_clear_worker(km_approx *a, uint32_t worker, km_approx_updates *buf
     if (worker >= a->cfg.max_workers)
         return approx_fail(a, KM_ERR_WORKER_RANGE, "worker %" PRIu32 " out of range (max_workers %" PRIu32 ")",
                            worker, a->cfg.max_workers);
-    int rc = buf_reserve(buf, 1, 0);
+    worker_state *w = &a->workers[worker];
+    int rc = buf_reserve(buf, 1, w->count);
     if (rc)
         return approx_fail(a, rc, "cannot append to the update buffer");
-    worker_state *w = &a->workers[worker];
     a->stats.cleared_pairs += w->count;
-    while (w->head != NIL)
+    /* The clear names every pair assumed, so the index takes out exactly those. */
+    km_update *u = buf_begin_update(buf, KM_UPDATE_CLEAR_WORKER, worker);
+    while (w->head != NIL) {
+        buf_push_hash(buf, u, a->slab[w->head].hash);
         drop_pair(a, w->head, false);
+    }
     km_u64map_free(&w->map); /* release the memory of a worker that may never come back */
-    buf_begin_update(buf, KM_UPDATE_CLEAR_WORKER, worker);
     return KM_OK;
 }
 

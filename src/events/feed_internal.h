@@ -226,6 +226,7 @@ struct km_feed {
     size_t group_count, group_capacity;
     uint64_t *hashes;
     size_t hash_count, hash_capacity;
+    size_t hash_reserved; /* the room the last queue_reserve promised ends here */
     uint64_t *new_keys; /* engine hashes new to their worker's map, by queued group */
     size_t new_key_count, new_key_capacity;
     bool group_open;

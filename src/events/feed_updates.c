@@ -214,6 +214,8 @@ static int queue_reserve(km_feed *feed, size_t n_updates, size_t n_hashes)
         rc = GROW(feed->groups, feed->group_capacity, feed->group_count + 1);
     if (!rc)
         rc = GROW(feed->hashes, feed->hash_capacity, feed->hash_count + n_hashes);
+    if (!rc)
+        feed->hash_reserved = feed->hash_count + n_hashes;
     return rc;
 }
 
@@ -289,16 +291,50 @@ static void queue_tier_fixes(km_feed *feed, uint32_t worker_id, const uint64_t *
     }
 }
 
-/* A control update (clear / remove worker) as a group of its own. Such updates carry no hashes and
- * never allocate in the index; if even this queue push cannot get memory, the worker is left as it
- * is and the error returned. */
+/* Append to the hash queue the index keys the worker's map says the index holds for it (counted
+ * chain hashes and window keys): a clear naming them lets the index take out exactly those, one
+ * lookup each, instead of scanning its tables whole (KM_UPDATE_CLEAR_WORKER). Returns how many were
+ * appended: none when they would take more than half of the queue's bound (messages keep the rest)
+ * or memory is short; the clear is as exact either way, only slower. */
+static uint64_t queue_held_keys(km_feed *feed, const worker *w)
+{
+    uint32_t windows = window_mask(w), required = required_groups(w);
+    uint64_t most = km_emap_live(&w->map) * (1 + (uint64_t)__builtin_popcount(windows));
+    /* The room the message's later events were promised stays theirs. */
+    size_t reserved = feed->hash_reserved > feed->hash_count ? feed->hash_reserved : feed->hash_count;
+    if (most == 0 || feed->hash_count + most > feed->config.max_queued_hashes / 2 ||
+        GROW(feed->hashes, feed->hash_capacity, reserved + most))
+        return 0;
+    uint64_t offset = feed->hash_count, count = 0, cursor = 0;
+    for (const km_emap_entry *m; (m = km_emap_next(&w->map, &cursor));) {
+        if (entry_counts(m, required))
+            feed->hashes[offset + count++] = m->chain;
+        count += window_keys(feed->hashes + offset + count, m->chain, entry_windows(m, windows));
+    }
+    feed->hash_count += count;
+    feed->hash_reserved = reserved + count;
+    return count;
+}
+
+/* A clear or a worker's removal, naming the keys the worker's map holds (queue_held_keys). Room
+ * for the update was reserved; the map must not be emptied before this. */
+static void queue_clear(km_feed *feed, const worker *w, km_update_kind kind)
+{
+    uint64_t offset = feed->hash_count;
+    uint64_t count = queue_held_keys(feed, w);
+    queue_push(feed, kind, w->id, KM_NO_PARENT, offset, count);
+}
+
+/* A control update (clear / remove worker) as a group of its own, naming the keys the worker's map
+ * holds (call it before emptying the map). Such updates never allocate in the index; if even this
+ * queue push cannot get memory, the worker is left as it is and the error returned. */
 int km_feed_queue_control(km_feed *feed, const worker *w, km_update_kind kind)
 {
     int rc = queue_reserve(feed, 1, 0);
     if (rc)
         return rc;
     group_begin(feed, w);
-    queue_push(feed, kind, w->id, KM_NO_PARENT, feed->hash_count, 0);
+    queue_clear(feed, w, kind);
     group_end(feed);
     return KM_OK;
 }
@@ -841,7 +877,7 @@ void km_feed_queue_message(km_feed *feed, worker *w, const message_view *v, uint
         case KM_KV_EVENT_BLOCK_REMOVED: apply_removed(feed, w, e); break;
         case KM_KV_EVENT_ALL_BLOCKS_CLEARED:
             w->c.clears++;
-            queue_push(feed, KM_UPDATE_CLEAR_WORKER, w->id, KM_NO_PARENT, feed->hash_count, 0);
+            queue_clear(feed, w, KM_UPDATE_CLEAR_WORKER);
             km_emap_clear(&w->map);
             /* Everything stored from here on is observed: the index is complete again. */
             km_feed_exit_degraded(feed, w, now, KM_FEED_END_CLEARED);
@@ -868,11 +904,13 @@ static void accumulate(km_update_stats *sum, const km_update_stats *s)
     sum->orphan_runs += s->orphan_runs;
     sum->tier_changes += s->tier_changes;
     sum->absent_tier_changes += s->absent_tier_changes;
+    sum->clear_scans += s->clear_scans;
 }
 
 static void queue_reset(km_feed *feed)
 {
     feed->queue_count = feed->group_count = feed->hash_count = feed->new_key_count = 0;
+    feed->hash_reserved = 0;
 }
 
 /* The groups [0, n) were applied: their events count as applied. */
@@ -977,6 +1015,7 @@ static void swap_queue(km_feed *feed)
     SWAP(feed->new_keys, t->new_keys);
     SWAP(feed->new_key_count, t->new_key_count);
     SWAP(feed->new_key_capacity, t->new_key_capacity);
+    feed->hash_reserved = feed->hash_count; /* between messages: nothing is promised */
 }
 
 bool km_feed_flush_take(km_feed *feed)

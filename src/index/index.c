@@ -1034,6 +1034,28 @@ static void remove_prefetch(const km_index *index, const km_update *u, size_t i)
     }
 }
 
+/* Take worker w out of block `key` (slot `slot`, which w holds) in every table: its open segment
+ * and the segment keys through the block first (their chain walk still sees the block's
+ * metadata), then its tier and the block's set. */
+static int remove_pair(batch *b, uint32_t w, uint64_t key, uint64_t slot)
+{
+    km_index *index = b->index;
+    km_block_meta meta = *km_table_meta(&index->blocks, slot);
+    if (km_meta_offset(&meta) != KM_OFFSET_UNKNOWN)
+        open_drop_anchor(index, w, km_meta_anchor_tag(&meta));
+    int rc = invalidate_segments(b, w, key, &meta);
+    if (rc)
+        return rc;
+    rc = set_pair_tier(b, key, w, KM_TIER_DEVICE);
+    if (rc < 0)
+        return rc;
+    rc = table_remove_at(b, &index->blocks, slot, w);
+    if (rc < 0)
+        return rc;
+    index->workers[w].blocks--;
+    return KM_OK;
+}
+
 static int apply_remove(batch *b, const km_update *u)
 {
     km_index *index = b->index;
@@ -1050,21 +1072,10 @@ static int apply_remove(batch *b, const km_update *u)
             wc->absent_removes++;
             continue;
         }
-        km_block_meta meta = *km_table_meta(&index->blocks, slot);
-        if (km_meta_offset(&meta) != KM_OFFSET_UNKNOWN)
-            open_drop_anchor(index, u->worker, km_meta_anchor_tag(&meta));
-        /* Segments first: their chain walk still sees this block's metadata. */
-        rc = invalidate_segments(b, u->worker, key, &meta);
+        rc = remove_pair(b, u->worker, key, slot);
         if (rc)
             return rc;
-        rc = set_pair_tier(b, key, u->worker, KM_TIER_DEVICE);
-        if (rc < 0)
-            return rc;
-        rc = table_remove_at(b, &index->blocks, slot, u->worker);
-        if (rc < 0)
-            return rc;
         b->stats->removed++;
-        wc->blocks--;
         wc->removes++;
     }
     return KM_OK;
@@ -1078,18 +1089,15 @@ static inline bool slot_held_by(const km_table *t, uint64_t s, uint32_t w)
            km_slot_contains(&t->slots[s], t->pool, t->words_per_set, w);
 }
 
-static int apply_clear(batch *b, const km_update *u)
+/* Every pair of worker w found by scanning each table whole. */
+static int clear_by_scan(batch *b, uint32_t w)
 {
     km_index *index = b->index;
-    uint32_t w = u->worker;
-    int rc = touch_worker(b, w);
-    if (rc)
-        return rc;
-    /* The scans below walk one array per table: finish any growth first (a whole-table pass
-     * either way). */
+    int rc;
+    /* The scans walk one array per table: finish any growth first (a whole-table pass either
+     * way). */
     km_table_finish_growth(&index->segments);
     km_table_finish_growth(&index->blocks);
-    open_drop_worker(index, w);
     for (uint32_t t = 0; t + 1 < KM_TIER_COUNT; t++)
         km_table_finish_growth(&index->lower[t]);
     /* Segment keys first: unlinking needs each end block's anchor from the block metadata.
@@ -1131,7 +1139,39 @@ static int apply_clear(batch *b, const km_update *u)
             return rc;
         b->stats->cleared++;
     }
+    return KM_OK;
+}
+
+static int apply_clear(batch *b, const km_update *u)
+{
+    km_index *index = b->index;
+    uint32_t w = u->worker;
     km_worker_counters *wc = &index->workers[w];
+    int rc = touch_worker(b, w);
+    if (rc)
+        return rc;
+    open_drop_worker(index, w);
+    /* The blocks the caller names first, one lookup each: with a list of everything the worker
+     * holds (the event feed keeps one), nothing is left for the table scans below. */
+    for (size_t i = 0; i < u->n_hashes; i++) {
+        remove_prefetch(index, u, i);
+        uint64_t slot = km_table_find(&index->blocks, u->hashes[i]);
+        if (slot == KM_SLOT_NONE || !km_table_set_contains(&index->blocks, slot, w))
+            continue;
+        rc = remove_pair(b, w, u->hashes[i], slot);
+        if (rc)
+            return rc;
+        b->stats->cleared++;
+    }
+    /* A worker holding no block holds no lower-tier pair and no segment key either (both are
+     * only ever kept for blocks it holds): only the rest needs the scans, which cost the whole
+     * table whatever the worker holds. */
+    if (wc->blocks > 0) {
+        b->stats->clear_scans++;
+        rc = clear_by_scan(b, w);
+        if (rc)
+            return rc;
+    }
     if (u->kind == KM_UPDATE_REMOVE_WORKER) {
         memset(wc, 0, sizeof *wc);
     } else {
@@ -1210,8 +1250,6 @@ static int validate_updates(km_index *index, const km_update *updates, size_t n)
             return km_index_fail(index, KM_ERR_WORKER_RANGE,
                                  "update %zu: worker %u out of range (max_workers %u)", i, u->worker,
                                  index->config.max_workers);
-        if (u->kind != KM_UPDATE_STORE && u->kind != KM_UPDATE_REMOVE && u->kind != KM_UPDATE_SET_TIER)
-            continue;
         if (u->n_hashes > 0 && !u->hashes)
             return km_index_fail(index, KM_ERR_NULL_POINTER, "update %zu: hashes is NULL", i);
         for (size_t j = 0; j < u->n_hashes; j++)
