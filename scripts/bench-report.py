@@ -142,8 +142,10 @@ def round_trip_clause(m):
 
 def machine_line(d, command):
     m = d.get("machine", {})
+    load = m.get("loadavg_1min_at_start", "?")
+    load = f"{load:.2f}" if isinstance(load, (int, float)) else load
     return (f"Command: `{command}`; machine: {m.get('cpu', '?')}, {m.get('cores', '?')} cores, "
-            f"1-minute load at start {m.get('loadavg_1min_at_start', '?')}{round_trip_clause(m)}.\n")
+            f"1-minute load at start {load}{round_trip_clause(m)}.\n")
 
 
 def render_events(d):

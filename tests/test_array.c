@@ -1,12 +1,14 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* km_array_grow (src/base/array.h): doubling from the minimum, content kept, no change when there
- * is room, and a size that would overflow refused before anything is allocated. */
+ * is room, and a size that would overflow refused before anything is allocated. km_pages_grow
+ * (src/base/zeroed_pages.h): content kept and the new part zero across every size transition. */
 #include <stdint.h>
 #include <stdlib.h>
 
 #include <criterion/criterion.h>
 
 #include "base/array.h"
+#include "base/zeroed_pages.h"
 #include "kvmatch/error.h"
 
 Test(array, grows_by_doubling_and_keeps_the_content)
@@ -48,4 +50,40 @@ Test(array, a_size_past_size_max_is_refused_and_changes_nothing)
     cr_assert_eq(KM_ARRAY_GROW(a, capacity, SIZE_MAX, 4), KM_ERR_OUT_OF_MEMORY);
     cr_assert(a == before && capacity == 4 && a[3] == 42, "a refused growth changes nothing");
     free(a);
+}
+
+/* Doubling from a few bytes to several pieces: every step keeps what was written (a pattern over
+ * the whole array, so a lost or shifted page shows) and hands out the new part zeroed; mapped
+ * arrays stay on a piece boundary, so their pieces can still be given back. */
+Test(array, pages_grow_keeps_the_content_and_zeroes_the_rest, .timeout = 30)
+{
+    uint64_t bytes = 24;
+    uint8_t *p = km_pages_grow(NULL, 0, bytes);
+    cr_assert_not_null(p);
+    for (uint64_t i = 0; i < bytes; i++)
+        p[i] = (uint8_t)(i * 131 + 7);
+    while (bytes < 5 * KM_PAGES_PIECE) {
+        uint64_t next = bytes * 2 + 8;
+        uint8_t *q = km_pages_grow(p, bytes, next);
+        cr_assert_not_null(q, "%llu -> %llu bytes", (unsigned long long)bytes,
+                           (unsigned long long)next);
+        for (uint64_t i = 0; i < bytes; i++)
+            if (q[i] != (uint8_t)(i * 131 + 7))
+                cr_assert_fail("%llu -> %llu bytes: byte %llu changed", (unsigned long long)bytes,
+                         (unsigned long long)next, (unsigned long long)i);
+        for (uint64_t i = bytes; i < next; i++)
+            if (q[i] != 0)
+                cr_assert_fail("%llu -> %llu bytes: new byte %llu is not zero", (unsigned long long)bytes,
+                         (unsigned long long)next, (unsigned long long)i);
+        if (next >= KM_PAGES_PIECE)
+            cr_assert_eq((uintptr_t)q % KM_PAGES_PIECE, 0, "a mapped array starts on a piece");
+        for (uint64_t i = bytes; i < next; i++)
+            q[i] = (uint8_t)(i * 131 + 7);
+        p = q;
+        bytes = next;
+    }
+    cr_assert_eq(km_pages_grow(p, bytes, bytes), p, "no growth: the same array");
+    km_pages_release(p, bytes, 0, KM_PAGES_PIECE);
+    cr_assert_eq(p[KM_PAGES_PIECE], (uint8_t)(KM_PAGES_PIECE * 131 + 7), "the rest stays");
+    km_pages_release(p, bytes, KM_PAGES_PIECE, bytes);
 }

@@ -5,6 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <unistd.h>
 
 void *km_pages_alloc(uint64_t bytes)
 {
@@ -22,6 +23,36 @@ void *km_pages_alloc(uint64_t bytes)
     if (KM_PAGES_PIECE - lead)
         munmap(raw + lead + bytes, KM_PAGES_PIECE - lead);
     return raw + lead;
+}
+
+static uint64_t page_round(uint64_t bytes)
+{
+    uint64_t page = (uint64_t)sysconf(_SC_PAGESIZE);
+    return (bytes + page - 1) / page * page;
+}
+
+void *km_pages_grow(void *p, uint64_t bytes, uint64_t new_bytes)
+{
+    if (!p)
+        return km_pages_alloc(new_bytes);
+    if (new_bytes <= bytes)
+        return p;
+    uint8_t *q = km_pages_alloc(new_bytes);
+    if (!q)
+        return NULL;
+    if (bytes < KM_PAGES_PIECE) { /* calloc'd: under one piece to copy */
+        memcpy(q, p, bytes);
+        free(p);
+        return q;
+    }
+    /* Move the old pages onto the start of the new array (replacing its fresh pages there); the
+     * rest of it stays fresh, zero. */
+    uint64_t moved = page_round(bytes);
+    if (mremap(p, moved, moved, MREMAP_MAYMOVE | MREMAP_FIXED, q) == MAP_FAILED) {
+        km_pages_free(q, new_bytes);
+        return NULL;
+    }
+    return q;
 }
 
 void km_pages_release(void *p, uint64_t bytes, uint64_t from, uint64_t to)

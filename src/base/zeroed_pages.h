@@ -1,5 +1,6 @@
 /* SPDX-License-Identifier: Apache-2.0 */
-/* Zeroed arrays for the hash tables that grow incrementally (src/index/host_table.c, src/base/u64_map.c): large ones
+/* Zeroed arrays for the hash tables that grow incrementally (src/index/host_table.c, src/base/u64_map.c)
+ * and the large arrays that grow by doubling (approximate mode's slab): large ones
  * come straight from the kernel, so nothing is cleared up front and a growth can hand the moved
  * part of its previous array back a piece at a time (unmapping a few hundred MiB in one call takes
  * tens of milliseconds: the pause incremental growth is there to avoid). */
@@ -15,6 +16,12 @@
 /* `bytes` of zeroed memory, or NULL. Mapped arrays are not advised as huge pages (see
  * km_pages_advise_huge): their 4 KiB pages are cleared by the kernel as they are first written. */
 void *km_pages_alloc(uint64_t bytes);
+/* The array p of `bytes` (from km_pages_alloc or this; NULL: none yet) as an array of new_bytes
+ * (>= bytes) holding the same first `bytes`, the rest zeroed; p is then gone. NULL when out of
+ * memory, p left as it was. A mapped array's pages move to the new place without being copied, so
+ * the call costs the same however large the array is (a realloc under an allocator that copies
+ * large blocks, as jemalloc does, copies the whole array). */
+void *km_pages_grow(void *p, uint64_t bytes, uint64_t new_bytes);
 /* Give back bytes [from, to) of an array of `bytes` from km_pages_alloc: for a mapped array, `from`
  * and `to` are multiples of KM_PAGES_PIECE (or `to` = bytes); a calloc'd one is freed only when the
  * range is the whole array. The range is not read or written afterwards. */

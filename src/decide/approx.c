@@ -26,6 +26,7 @@
 #include "base/u64_map.h"
 #include "base/array.h"
 #include "base/error_detail.h"
+#include "base/zeroed_pages.h"
 
 #define NIL UINT32_MAX
 #define MAX_PAIRS (NIL - 1u)
@@ -145,7 +146,7 @@ void km_approx_destroy(km_approx *a)
     for (uint32_t w = 0; w < a->cfg.max_workers; w++)
         km_u64map_free(&a->workers[w].map);
     free(a->workers);
-    free(a->slab);
+    km_pages_free(a->slab, (uint64_t)a->slab_capacity * sizeof *a->slab);
     free(a->scratch);
     free(a);
 }
@@ -237,7 +238,10 @@ static int reserve_pairs(km_approx *a, size_t n)
         capacity *= 2;
     if (capacity > MAX_PAIRS)
         capacity = MAX_PAIRS;
-    pair *slab = realloc(a->slab, (size_t)capacity * sizeof *slab);
+    /* Pages, not copies: the grown slab keeps the old one's pages, so a growth costs the same at
+     * any size. */
+    pair *slab = km_pages_grow(a->slab, (uint64_t)a->slab_capacity * sizeof *slab,
+                               capacity * sizeof *slab);
     if (!slab)
         return KM_ERR_OUT_OF_MEMORY;
     a->slab = slab;
