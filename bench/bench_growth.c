@@ -12,6 +12,9 @@
  *   index   default size    km_index_store of a 24-block run, 16 workers in turn, from the default
  *                           initial_blocks (the slot tables grow incrementally: src/index/host_table.h)
  *   index   sized at start  the same, with initial_blocks covering every block stored
+ *   index   shared sets     1,024 workers, each 32-block run stored by 6 of them in turn (sets held
+ *                           by more than 4 workers live in the table's bitmap pool, segment keys in
+ *                           its anchor lists: both grow by doubling), sized at start
  *   replica stop-the-world  "default size" under a backend with a device replica's host side
  *                           (dirty-slot tracking, a sync after every batch) but no device: every
  *                           growth finished in the sync after the batch that started it (the old
@@ -206,6 +209,38 @@ static int run_index(uint64_t initial_blocks, size_t calls, double *lat, growth_
     rc = store_runs(index, calls, lat);
     rc = index_row(rc, index, "index", initial_blocks ? "sized at start" : "default size", lat,
                    calls, row);
+    km_index_destroy(index);
+    return rc;
+}
+
+#define SHARED_WORKERS 1024
+#define SHARED_RUN 32
+#define SHARED_HOLDERS 6
+
+/* Runs of SHARED_RUN fresh blocks, each stored by SHARED_HOLDERS workers of SHARED_WORKERS in turn
+ * (one call each), continuing one chain so that whole segments earn keys. */
+static int run_index_shared(size_t calls, double *lat, growth_row *row)
+{
+    km_index *index = NULL;
+    uint64_t blocks = (uint64_t)(calls / SHARED_HOLDERS) * SHARED_RUN;
+    int rc = create_index(SHARED_WORKERS, blocks, &index);
+    if (rc)
+        return rc;
+    uint64_t seed = UINT64_C(88172645463325252), parent = KM_NO_PARENT;
+    size_t c = 0;
+    while (c + SHARED_HOLDERS <= calls && rc == KM_OK) {
+        uint64_t hashes[SHARED_RUN];
+        for (int k = 0; k < SHARED_RUN; k++)
+            hashes[k] = next_key(&seed);
+        for (uint32_t h = 0; h < SHARED_HOLDERS && rc == KM_OK; h++, c++) {
+            uint32_t w = (uint32_t)((c / SHARED_HOLDERS * 7 + h * 131) % SHARED_WORKERS);
+            double t0 = now_us();
+            rc = km_index_store(index, w, parent, hashes, SHARED_RUN);
+            lat[c] = now_us() - t0;
+        }
+        parent = hashes[SHARED_RUN - 1];
+    }
+    rc = index_row(rc, index, "index", "shared sets", lat, c, row);
     km_index_destroy(index);
     return rc;
 }
@@ -414,6 +449,7 @@ int km_bench_growth_main(int argc, char **argv)
     size_t map_calls = quick ? 150000 : 600000, approx_calls = quick ? 100000 : 400000;
     size_t index_calls = quick ? 50000 : 200000, feed_calls = quick ? 50000 : 250000;
     uint64_t clear_blocks = quick ? 4096 : 16384; /* per worker: 1 M or 4 M pairs in all */
+    size_t shared_calls = quick ? 98304 : 393216;  /* 3 or 12.6 M pairs, 0.5 or 2 M blocks */
     size_t most = map_calls;
     double *lat = malloc(most * sizeof *lat);
     if (!lat)
@@ -425,8 +461,9 @@ int km_bench_growth_main(int argc, char **argv)
     json_object_set_new(root, "machine", km_bench_machine_json());
     json_object_set_new(root, "keys_per_call", json_integer(KEYS_PER_CALL));
     json_object_set_new(root, "feed_blocks_per_message", json_integer(FEED_BLOCKS));
+    json_object_set_new(root, "shared_run_blocks", json_integer(SHARED_RUN));
     json_t *results = json_array();
-    growth_row rows[10];
+    growth_row rows[11];
     int rc = KM_OK, n_rows = 0;
     if (rc == KM_OK && (rc = run_u64map(1, map_calls, lat, &rows[n_rows])) == KM_OK)
         n_rows++;
@@ -438,6 +475,8 @@ int km_bench_growth_main(int argc, char **argv)
         n_rows++;
     if (rc == KM_OK && (rc = run_index((uint64_t)index_calls * KEYS_PER_CALL, index_calls, lat,
                                        &rows[n_rows])) == KM_OK)
+        n_rows++;
+    if (rc == KM_OK && (rc = run_index_shared(shared_calls, lat, &rows[n_rows])) == KM_OK)
         n_rows++;
     if (rc == KM_OK && (rc = run_replica(1, index_calls, lat, &rows[n_rows])) == KM_OK)
         n_rows++;

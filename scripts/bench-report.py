@@ -268,7 +268,8 @@ def render_sim(d):
 def render_growth(d):
     out = [machine_line(d, d.get("command", "kvmatch bench growth --json"))]
     out.append(f"Each call adds {d.get('keys_per_call', '?')} new keys (the feed: a message of "
-               f"{d.get('feed_blocks_per_message', '?')} new blocks; `clear`: one worker's clear). "
+               f"{d.get('feed_blocks_per_message', '?')} new blocks; `index` `shared sets`: a run of "
+               f"{d.get('shared_run_blocks', '?')} blocks; `clear`: one worker's clear). "
                f"Entries: at the end (`clear`: the index's pairs before the first clear).\n")
     out.append("| structure | mode | entries | calls | total (s) | mean (us) | p99.9 (us) | worst call (ms) |")
     out.append("|---|---|---:|---:|---:|---:|---:|---:|")

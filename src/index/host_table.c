@@ -345,7 +345,7 @@ void km_table_free(km_table *t)
     km_memory_release(t->memory, pool_bytes(t, t->pool_capacity));
     table_arrays a = {t->slots, t->meta, t->aux};
     arrays_free(t, &a, t->capacity);
-    free(t->pool);
+    km_pages_free(t->pool, (uint64_t)t->pool_capacity * t->words_per_set * sizeof(uint64_t));
     free(t->pool_free);
     free(t->dirty_slots);
     free(t->dirty_sets);
@@ -536,21 +536,22 @@ static int pool_alloc(km_table *t, uint32_t *set_out)
         int rc = km_memory_reserve(t->memory, pool_bytes(t, t->pool_capacity), pool_bytes(t, capacity));
         if (rc)
             return rc;
-        uint64_t *pool = realloc(t->pool, capacity * t->words_per_set * sizeof(uint64_t));
+        /* The free stack first (a realloc, 4 bytes a set: one a failure of the pool's growth
+         * leaves larger than it needs, which is harmless); then the bitmaps, whose pages move
+         * rather than being copied and whose new part comes zeroed, so a growth of the pool costs
+         * the same at any size. */
+        uint32_t *free_stack = realloc(t->pool_free, capacity * sizeof(uint32_t));
+        if (free_stack)
+            t->pool_free = free_stack;
+        uint64_t set_bytes = (uint64_t)t->words_per_set * sizeof(uint64_t);
+        uint64_t *pool = free_stack ? km_pages_grow(t->pool, t->pool_capacity * set_bytes,
+                                                    capacity * set_bytes)
+                                    : NULL;
         if (!pool) {
             km_memory_reserve(t->memory, pool_bytes(t, capacity), pool_bytes(t, t->pool_capacity));
             return KM_ERR_OUT_OF_MEMORY;
         }
         t->pool = pool;
-        uint32_t *free_stack = realloc(t->pool_free, capacity * sizeof(uint32_t));
-        if (!free_stack) {
-            /* pool is already larger, which is harmless; keep accounting at the old size */
-            km_memory_reserve(t->memory, pool_bytes(t, capacity), pool_bytes(t, t->pool_capacity));
-            return KM_ERR_OUT_OF_MEMORY;
-        }
-        t->pool_free = free_stack;
-        memset(t->pool + (uint64_t)t->pool_capacity * t->words_per_set, 0,
-               (capacity - t->pool_capacity) * t->words_per_set * sizeof(uint64_t));
         t->pool_capacity = (uint32_t)capacity;
         t->layout_changed = 1;
     }

@@ -35,6 +35,7 @@
 #include "kvmatch/log.h"
 #include "kvmatch/hash.h"
 #include "base/error_detail.h"
+#include "base/zeroed_pages.h"
 
 #define ANCHOR_NONE UINT32_MAX
 
@@ -198,7 +199,8 @@ void km_index_destroy(km_index *index)
     for (uint32_t t = 0; t + 1 < KM_TIER_COUNT; t++)
         km_table_free(&index->lower[t]);
     km_u64map_free(&index->anchors);
-    free(index->anchor_nodes);
+    km_pages_free(index->anchor_nodes,
+                  (uint64_t)index->anchor_nodes_capacity * sizeof *index->anchor_nodes);
     free(index->workers);
     free(index->undo_log);
     free(index->undo_saved);
@@ -374,7 +376,8 @@ static int anchor_node_alloc(km_index *index, uint32_t *out)
         int rc = km_memory_reserve(&index->memory, index->anchor_nodes_capacity * node, cap * node);
         if (rc)
             return rc;
-        void *grown = realloc(index->anchor_nodes, cap * node);
+        void *grown = km_pages_grow(index->anchor_nodes, index->anchor_nodes_capacity * node,
+                                    cap * node); /* pages moved, not copied */
         if (!grown) {
             km_memory_reserve(&index->memory, cap * node, index->anchor_nodes_capacity * node);
             return KM_ERR_OUT_OF_MEMORY;

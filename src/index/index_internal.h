@@ -66,7 +66,7 @@ struct km_index {
      * tags collide share a list). Nodes in anchor_nodes. */
     km_u64map anchors;
     struct km_anchor_node { uint64_t end; uint32_t next; uint32_t reserved; } *anchor_nodes;
-    uint32_t anchor_nodes_capacity, anchor_nodes_high, anchor_free_head;
+    uint32_t anchor_nodes_capacity, anchor_nodes_high, anchor_free_head; /* from km_pages_grow */
 
     km_worker_counters *workers;
 

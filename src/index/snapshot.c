@@ -20,6 +20,7 @@
 #include <unistd.h>
 #include <xxhash.h>
 
+#include "base/zeroed_pages.h"
 #include "index/index_internal.h"
 
 #define SNAPSHOT_MAGIC "KVMSNAP1"
@@ -331,7 +332,7 @@ static int take_table(reader *r, uint32_t kind, km_table *t, int with_meta, uint
         rc = km_memory_reserve(memory, 0, pool_bytes);
         if (rc)
             return km_index_fail(r->index, rc, "snapshot: bitmap pool of %u sets", h.pool_high);
-        t->pool = malloc((size_t)h.pool_high * words * sizeof(uint64_t));
+        t->pool = km_pages_alloc((uint64_t)h.pool_high * words * sizeof(uint64_t));
         t->pool_free = malloc((size_t)h.pool_high * sizeof(uint32_t));
         t->pool_capacity = h.pool_high;
         if (!t->pool || !t->pool_free)
@@ -592,7 +593,8 @@ int km_index_load_checked(km_index *index, const char *path, km_snapshot_check_f
         for (uint32_t t = 0; t + 1 < KM_TIER_COUNT; t++)
             km_table_free(&staged.lower[t]);
         km_u64map_free(&staged.anchors);
-        free(staged.anchor_nodes);
+        km_pages_free(staged.anchor_nodes,
+                      (uint64_t)staged.anchor_nodes_capacity * sizeof *staged.anchor_nodes);
         free(staged.workers);
         free(user);
         return rc;
@@ -607,7 +609,8 @@ int km_index_load_checked(km_index *index, const char *path, km_snapshot_check_f
         index->lower[t].memory = &index->memory;
     }
     km_u64map_free(&index->anchors);
-    free(index->anchor_nodes);
+    km_pages_free(index->anchor_nodes,
+                  (uint64_t)index->anchor_nodes_capacity * sizeof *index->anchor_nodes);
     free(index->workers);
     index->blocks = staged.blocks;
     index->segments = staged.segments;
