@@ -26,8 +26,9 @@
  *                           the worker's chain, a flush every 8 messages (as the service batches);
  *                           the index is sized at start, so what grows is the feed's own engine-hash
  *                           maps (src/events/engine_hash_map.c, incremental)
- *   clear   scan            one KM_UPDATE_CLEAR_WORKER naming no block, on an index of CLEAR_WORKERS
- *                           workers holding fresh chains: the index scans its tables whole
+ *   clear   scan            one KM_UPDATE_CLEAR_WORKER naming no block, on an index of
+ *                           CLEAR_WORKERS workers holding fresh chains: the index scans its tables
+ *                           whole
  *   clear   named           the same naming every block the worker holds, as the event feed's and
  *                           approximate mode's clears do: a lookup per block, no scan (the two rows
  *                           take turns, worker by worker, on the same index)

@@ -69,12 +69,14 @@ Test(array, pages_grow_keeps_the_content_and_zeroes_the_rest, .timeout = 30)
                            (unsigned long long)next);
         for (uint64_t i = 0; i < bytes; i++)
             if (q[i] != (uint8_t)(i * 131 + 7))
-                cr_assert_fail("%llu -> %llu bytes: byte %llu changed", (unsigned long long)bytes,
-                         (unsigned long long)next, (unsigned long long)i);
+                cr_assert_fail("%llu -> %llu bytes: byte %llu changed",
+                               (unsigned long long)bytes, (unsigned long long)next,
+                               (unsigned long long)i);
         for (uint64_t i = bytes; i < next; i++)
             if (q[i] != 0)
-                cr_assert_fail("%llu -> %llu bytes: new byte %llu is not zero", (unsigned long long)bytes,
-                         (unsigned long long)next, (unsigned long long)i);
+                cr_assert_fail("%llu -> %llu bytes: new byte %llu is not zero",
+                               (unsigned long long)bytes, (unsigned long long)next,
+                               (unsigned long long)i);
         if (next >= KM_PAGES_PIECE)
             cr_assert_eq((uintptr_t)q % KM_PAGES_PIECE, 0, "a mapped array starts on a piece");
         for (uint64_t i = bytes; i < next; i++)

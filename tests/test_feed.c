@@ -70,7 +70,8 @@ static void fx_free(fx *f)
     /* Every clear the feed queued named all the blocks the index held for its worker (the
      * engine-hash map's keys), so none had to scan the index's tables. */
     cr_assert_eq(f->applied.clear_scans, 0, "%llu clears scanned the tables (%llu pairs cleared)",
-                 (unsigned long long)f->applied.clear_scans, (unsigned long long)f->applied.cleared);
+                 (unsigned long long)f->applied.clear_scans,
+                 (unsigned long long)f->applied.cleared);
     for (size_t i = 0; i < f->n; i++)
         free(f->payloads[i]);
     free(f->payloads);

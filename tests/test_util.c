@@ -505,8 +505,9 @@ int km_update_stats_equal(const km_update_stats *a, const km_update_stats *b, ch
         return 1;
     set_why(why, why_size,
             "update stats {stored %" PRIu64 " dup %" PRIu64 " removed %" PRIu64 " absent %" PRIu64
-            " cleared %" PRIu64 " orphan_runs %" PRIu64 " clear_scans %" PRIu64 "}, expected {%" PRIu64
-            " %" PRIu64 " %" PRIu64 " %" PRIu64 " %" PRIu64 " %" PRIu64 " %" PRIu64 "}",
+            " cleared %" PRIu64 " orphan_runs %" PRIu64 " clear_scans %" PRIu64
+            "}, expected {%" PRIu64 " %" PRIu64 " %" PRIu64 " %" PRIu64 " %" PRIu64 " %" PRIu64
+            " %" PRIu64 "}",
             a->stored, a->duplicate_stores, a->removed, a->absent_removes, a->cleared,
             a->orphan_runs, a->clear_scans, b->stored, b->duplicate_stores, b->removed,
             b->absent_removes, b->cleared, b->orphan_runs, b->clear_scans);

@@ -126,7 +126,8 @@ uint64_t km_approx_next_expiry(const km_approx *approx);
 
 /* Forget everything about `worker` (removed from its pool, or its engine restarted): appends one
  * KM_UPDATE_CLEAR_WORKER naming the pairs assumed, always (even when nothing was assumed, so the
- * index side is certainly empty too). Errors: KM_ERR_NULL_POINTER, KM_ERR_WORKER_RANGE, KM_ERR_OUT_OF_MEMORY. */
+ * index side is certainly empty too). Errors: KM_ERR_NULL_POINTER, KM_ERR_WORKER_RANGE,
+ * KM_ERR_OUT_OF_MEMORY. */
 int km_approx_clear_worker(km_approx *approx, uint32_t worker, km_approx_updates *buf);
 
 /* Set one worker's capacity in blocks (0 = unlimited); a worker over the new capacity has its

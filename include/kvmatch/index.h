@@ -83,7 +83,8 @@ typedef enum km_update_kind {
      * worker's) only while the worker still holds some block after them. The event feed names
      * every block it knows the worker to hold. */
     KM_UPDATE_CLEAR_WORKER = 3,
-    KM_UPDATE_REMOVE_WORKER = 4, /* clear (hashes as for a clear), and reset the worker's counters */
+    KM_UPDATE_REMOVE_WORKER = 4, /* clear (hashes as for a clear), and reset the worker's
+                                  * counters */
     KM_UPDATE_SET_TIER = 5,      /* blocks the worker holds now have `tier` (any order, any subset;
                                   * pairs not held are counted in absent_tier_changes) */
 } km_update_kind;

@@ -1,9 +1,10 @@
 /* SPDX-License-Identifier: Apache-2.0 */
-/* Zeroed arrays for the hash tables that grow incrementally (src/index/host_table.c, src/base/u64_map.c)
- * and the large arrays that grow by doubling (approximate mode's slab): large ones
- * come straight from the kernel, so nothing is cleared up front and a growth can hand the moved
- * part of its previous array back a piece at a time (unmapping a few hundred MiB in one call takes
- * tens of milliseconds: the pause incremental growth is there to avoid). */
+/* Zeroed arrays for the hash tables that grow incrementally (src/index/host_table.c,
+ * src/base/u64_map.c) and for the large arrays that grow by doubling (approximate mode's slab, a
+ * table's bitmap pool, the anchor lists' nodes): large ones come straight from the kernel, so
+ * nothing is cleared up front, a growth can hand the moved part of its previous array back a piece
+ * at a time (unmapping a few hundred MiB in one call takes tens of milliseconds: the pause
+ * incremental growth is there to avoid), and a doubling moves pages rather than copying them. */
 #ifndef KM_PAGES_H
 #define KM_PAGES_H
 

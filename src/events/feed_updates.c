@@ -301,7 +301,8 @@ static uint64_t queue_held_keys(km_feed *feed, const worker *w)
     uint32_t windows = window_mask(w), required = required_groups(w);
     uint64_t most = km_emap_live(&w->map) * (1 + (uint64_t)__builtin_popcount(windows));
     /* The room the message's later events were promised stays theirs. */
-    size_t reserved = feed->hash_reserved > feed->hash_count ? feed->hash_reserved : feed->hash_count;
+    size_t reserved =
+        feed->hash_reserved > feed->hash_count ? feed->hash_reserved : feed->hash_count;
     if (most == 0 || feed->hash_count + most > feed->config.max_queued_hashes / 2 ||
         GROW(feed->hashes, feed->hash_capacity, reserved + most))
         return 0;

@@ -419,8 +419,9 @@ static int check_worker_blocks(km_index *index, const km_index *staged)
     uint32_t max_workers = staged->config.max_workers;
     uint32_t *workers = malloc(max_workers * sizeof *workers);
     uint64_t *held = calloc(max_workers, sizeof *held);
-    int rc = workers && held ? KM_OK
-                             : km_index_fail(index, KM_ERR_OUT_OF_MEMORY, "snapshot: count check scratch");
+    int rc = workers && held
+                 ? KM_OK
+                 : km_index_fail(index, KM_ERR_OUT_OF_MEMORY, "snapshot: count check scratch");
     const km_table *bt = &staged->blocks;
     for (uint64_t s = 0; !rc && s < bt->capacity; s++) {
         if (bt->slots[s].key <= KM_KEY_TOMBSTONE)
