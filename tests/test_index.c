@@ -398,6 +398,37 @@ static void expect_rejected(fixture *f, const km_update *u, size_t n, int rc_exp
     fixture_verify(f, what);
 }
 
+/* A clear's names are checked like a remove's: a reserved value, or a NULL array with a count, is
+ * refused with its own error and the batch changes nothing (the worker keeps every block). */
+Test(index, a_clear_naming_bad_hashes_is_refused_and_changes_nothing, .timeout = 30)
+{
+    km_index *index = make_index(8, 4, 64, 0);
+    uint64_t h[12];
+    fill_chain(h, 5, 12);
+    cr_assert_eq(km_index_store(index, 2, KM_NO_PARENT, h, 12), KM_OK);
+    uint64_t named[3] = {h[0], KM_HASH_RESERVED_TOMBSTONE, h[1]};
+    km_update c = {KM_UPDATE_CLEAR_WORKER, 2, 0, named, 3, KM_TIER_DEVICE};
+    cr_assert_eq(km_index_apply(index, &c, 1, NULL), KM_ERR_INVALID_ARGUMENT);
+    cr_assert(strstr(km_index_last_error(index), "reserved value") != NULL, "%s",
+              km_index_last_error(index));
+    km_update r = {KM_UPDATE_REMOVE_WORKER, 2, 0, NULL, 4, KM_TIER_DEVICE};
+    cr_assert_eq(km_index_apply(index, &r, 1, NULL), KM_ERR_NULL_POINTER);
+    cr_assert(strstr(km_index_last_error(index), "hashes is NULL") != NULL, "%s",
+              km_index_last_error(index));
+    km_worker_stats ws = worker_of(index, 2);
+    cr_assert(ws.blocks == 12 && ws.clears == 0, "the worker keeps its blocks and counters");
+    km_request_result rr = match_one(index, h, 12, NULL);
+    cr_assert(rr.count == 1 && rr.owner == 2 && rr.owner_depth == 12);
+    /* The same clear with good names goes through, naming all it needs. */
+    km_update_stats st;
+    c.hashes = h;
+    c.n_hashes = 12;
+    cr_assert_eq(km_index_apply(index, &c, 1, &st), KM_OK);
+    cr_assert(st.cleared == 12 && st.clear_scans == 0);
+    cr_assert_eq(worker_of(index, 2).blocks, 0);
+    km_index_destroy(index);
+}
+
 Test(index, worker_out_of_range_changes_nothing, .timeout = 60)
 {
     fixture f;
