@@ -80,11 +80,15 @@ static bool exists(const char *fmt, const char *a)
     return lstat(path, &st) == 0;
 }
 
+/* The suite's tests run in parallel, and `make install` builds what the build directory lacks
+ * (the shared library when only the binaries were built): one install at a time, so that no test
+ * installs a library another is still linking. */
 static void make_install(const char *vars)
 {
     static char out[1 << 16];
-    int rc = sh(out, sizeof out, "make -s --no-print-directory install BUILD=%s CUDA=%d %s",
-                g_build, g_cuda, vars);
+    int rc = sh(out, sizeof out,
+                "flock %s/.install-lock make -s --no-print-directory install BUILD=%s CUDA=%d %s",
+                g_build, g_build, g_cuda, vars);
     cr_assert_eq(rc, 0, "make install %s failed:\n%s", vars, out);
 }
 
@@ -92,8 +96,8 @@ static void skip_unless_ready(void)
 {
     if (!find_build())
         cr_skip_test("make install is checked against build/ or build-cpu/, not %s", g_build);
-    if (!have("make") || !have("pkg-config") || !have("cc"))
-        cr_skip_test("make, pkg-config or cc is missing");
+    if (!have("make") || !have("pkg-config") || !have("cc") || !have("flock"))
+        cr_skip_test("make, pkg-config, cc or flock is missing");
 }
 
 Test(install, a_program_builds_against_the_installed_library_with_pkg_config, .timeout = 600)
