@@ -77,22 +77,32 @@ uint64_t km_warp_collectives(const km_warp_emulator *e)
     return e->collectives;
 }
 
+/* Lane i's context, to start at lane_entry on its own stack. A function of its own: getcontext
+ * returns twice as far as the compiler knows (here it never does: makecontext redirects the
+ * context), and no caller's variable then has to survive it. */
+static __attribute__((noinline)) int prepare_lane(km_warp_emulator *e, uint32_t i)
+{
+    uintptr_t self = (uintptr_t)e;
+    if (getcontext(&e->context[i]) != 0)
+        return -1;
+    e->context[i].uc_stack.ss_sp = e->stack[i];
+    e->context[i].uc_stack.ss_size = LANE_STACK_BYTES;
+    e->context[i].uc_link = &e->scheduler;
+    makecontext(&e->context[i], (void (*)(void))lane_entry, 2, (unsigned int)(self >> 32),
+                (unsigned int)(self & 0xFFFFFFFFu));
+    e->state[i] = LANE_RUNNING;
+    return 0;
+}
+
 int km_warp_run(km_warp_emulator *e, km_warp_lane_fn fn, void *arg, char *why, size_t why_size)
 {
     e->fn = fn;
     e->arg = arg;
-    uintptr_t self = (uintptr_t)e;
     for (uint32_t i = 0; i < KM_WARP_LANES; i++) {
-        if (getcontext(&e->context[i]) != 0) {
+        if (prepare_lane(e, i) != 0) {
             snprintf(why, why_size, "getcontext failed");
             return -1;
         }
-        e->context[i].uc_stack.ss_sp = e->stack[i];
-        e->context[i].uc_stack.ss_size = LANE_STACK_BYTES;
-        e->context[i].uc_link = &e->scheduler;
-        makecontext(&e->context[i], (void (*)(void))lane_entry, 2, (unsigned int)(self >> 32),
-                    (unsigned int)(self & 0xFFFFFFFFu));
-        e->state[i] = LANE_RUNNING;
     }
     for (;;) {
         uint32_t waiting = 0, done = 0;
