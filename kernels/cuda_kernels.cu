@@ -819,6 +819,7 @@ extern "C" int km_cuda_sync_table(km_cuda *c, km_cuda_table_id id, const km_cuda
         return km_cuda_fail_status(c, KM_ERR_INVALID_ARGUMENT, "CUDA backend: no table %d", (int)id);
     KM_CHECK(km_cuda_source_valid(c, src));
     KM_CUDA_CHECK(c, cudaSetDevice(c->device));
+    (void)cudaGetLastError(); /* another caller's unread error is not this call's (km_launch_*) */
     km_cuda_replica *r = &c->tables[id];
 
     int full = src->full || !r->valid || r->capacity != src->capacity ||
@@ -867,8 +868,22 @@ static int km_cuda_match_chunk(km_cuda *c, const km_cuda_match_args *args,
                                size_t first_request, size_t n_requests, km_match_results *results)
 {
     uint32_t W = args->max_workers;
-    /* Stage the hashes, packed, with offsets. The previous chunk ended with a stream
-     * synchronisation, so the pinned buffers are free. */
+    /* Room for the results the first copy back brings (twice the last chunk's entries, at least
+     * 4,096), taken before anything is queued: a failure here leaves the stream idle, so the
+     * pinned buffers stay free for the next call. */
+    size_t base = results->n_matches;
+    size_t most = (size_t)m * W;
+    size_t guess = c->last_chunk_matches * 2 > 4096 ? c->last_chunk_matches * 2 : 4096;
+    if (guess > most)
+        guess = most;
+    int rc = args->reserve(results, n_requests, base + guess);
+    if (rc != KM_OK)
+        return km_cuda_fail_status(c, rc, "CUDA backend: reserving results for %zu matches",
+                                   base + guess);
+
+    /* Stage the hashes, packed, with offsets. Every return after the first copy below is queued
+     * either synchronises the stream or ends the backend (km_cuda_destroy synchronises), so the
+     * pinned buffers are free here. */
     KM_CHECK(km_cuda_pinned_reserve(c, &c->offsets_host, ((size_t)m + 1) * sizeof(uint64_t)));
     KM_CHECK(km_cuda_device_reserve(c, &c->offsets_dev, ((size_t)m + 1) * sizeof(uint64_t)));
     if (n_hashes > 0) {
@@ -918,19 +933,10 @@ static int km_cuda_match_chunk(km_cuda *c, const km_cuda_match_args *args,
     KM_CUDA_CHECK(c, cub::DeviceScan::ExclusiveSum(c->temp_dev.ptr, temp_bytes, out.count, d_first,
                                                    (int)m, c->stream));
     /* Compact every request's entries (the caller reserved compact_dev for m * W), then copy back
-     * the per-request outputs and a guess of the entries (twice the last chunk's, at least 4,096
-     * per chunk): one round trip, a second only when the chunk has more entries than guessed. */
+     * the per-request outputs and the guessed number of entries: one round trip, a second only
+     * when the chunk has more entries than guessed. */
     KM_CUDA_CHECK(c, km_launch_gather(c->stream, (const km_walk_entry *)c->entries_dev.ptr, W,
                                       out.count, d_first, m, (km_walk_entry *)c->compact_dev.ptr));
-    size_t base = results->n_matches;
-    size_t most = (size_t)m * W;
-    size_t guess = c->last_chunk_matches * 2 > 4096 ? c->last_chunk_matches * 2 : 4096;
-    if (guess > most)
-        guess = most;
-    int rc = args->reserve(results, n_requests, base + guess);
-    if (rc != KM_OK)
-        return km_cuda_fail_status(c, rc, "CUDA backend: reserving results for %zu matches",
-                                   base + guess);
     uint32_t *h_meta = (uint32_t *)c->meta_host.ptr;
     KM_CUDA_CHECK(c, cudaMemcpyAsync(h_meta, d_meta, 4 * (size_t)m * sizeof(uint32_t),
                                      cudaMemcpyDeviceToHost, c->stream));
@@ -1014,6 +1020,7 @@ extern "C" int km_cuda_match(km_cuda *c, const km_cuda_match_args *args,
                                    "CUDA backend: bitmaps of %u words, %u workers need %u",
                                    (unsigned)blocks->words_per_set, (unsigned)W, (unsigned)words);
     KM_CUDA_CHECK(c, cudaSetDevice(c->device));
+    (void)cudaGetLastError(); /* another caller's unread error is not this call's (km_launch_*) */
 
     /* Chunk capacity from the scratch budget: W walk entries, W compacted entries and the walk's
      * scratch words per request. */
