@@ -25,6 +25,9 @@
 #   cuda     the verdict: the CUDA suite without the sanitizer (KM_T_CUDA, 90 s); FAIL on any
 #            failed or skipped test
 #   bench    kvmatch bench index --quick --backends cuda (KM_T_BENCH, 60 s); FAIL without a cuda row
+#   races    one CUDA test (KM_RACE_TEST, matches_cpu_random_s4) under compute-sanitizer's
+#            racecheck and synccheck (KM_T_RACECHECK, 30 s each): the walk's shared memory and its
+#            warp barriers
 #   memcheck each CUDA test alone under compute-sanitizer with its own limit (KM_T_MEMCHECK, 30 s),
 #            while the budget lasts; tests the budget leaves out are listed as not run
 # Outputs in OUTDIR (7 files, flat: the device tool returns at most 8):
@@ -34,7 +37,7 @@
 #                the binaries' NEEDED libraries
 #   build.log    make CUDA=1
 #   cuda.log     the test binary's --list and the CUDA suite's verbose run
-#   memcheck.log each CUDA test under compute-sanitizer
+#   memcheck.log the racecheck and synccheck run, then each CUDA test under memcheck
 #   bench.json   build/kvmatch bench index --json (stdout); bench.log its stderr
 set -uo pipefail
 shopt -s nullglob
@@ -53,6 +56,7 @@ t_build=${KM_T_BUILD:-120}
 t_cuda=${KM_T_CUDA:-90}
 t_bench=${KM_T_BENCH:-60}
 t_memcheck=${KM_T_MEMCHECK:-30}
+t_racecheck=${KM_T_RACECHECK:-30}
 export KM_REQUIRE_CUDA=1
 
 summary="$out/summary.txt"
@@ -236,15 +240,41 @@ else
     step bench FAIL 0 "no build/kvmatch"
 fi
 
+# ---- the walk's shared memory and warp barriers: racecheck and synccheck of one test -------------
+t0=$SECONDS
+: >"$out/memcheck.log"
+race_test=${KM_RACE_TEST:-matches_cpu_random_s4}
+if ! grep -qx "$race_test" <<<"$cuda_tests"; then
+    step races FAIL 0 "cuda/$race_test is not in the suite"
+elif ! command -v compute-sanitizer >/dev/null; then
+    step races skip 0 "compute-sanitizer not found"
+else
+    bad=""; not_run=""
+    for tool in racecheck synccheck; do
+        if [ $((budget - SECONDS)) -lt 10 ]; then
+            not_run="$not_run $tool"
+            continue
+        fi
+        echo "== cuda/$race_test under compute-sanitizer $tool" >>"$out/memcheck.log"
+        LD_LIBRARY_PATH="$run_ld_path" timeout "$(limit "$t_racecheck")" compute-sanitizer --tool "$tool" \
+            --target-processes all --error-exitcode 86 "$tests" --filter "cuda/$race_test" --jobs 1 \
+            --verbose >>"$out/memcheck.log" 2>&1
+        rc=$?
+        echo "== $tool exit $rc$([ "$rc" -eq 124 ] && echo ' (its time limit: not a verdict)')" >>"$out/memcheck.log"
+        if [ "$rc" -eq 124 ]; then not_run="$not_run $tool(timeout)"; elif [ "$rc" -ne 0 ]; then bad="$bad $tool(exit $rc)"; fi
+    done
+    note="cuda/$race_test${bad:+; failed:$bad}${not_run:+; not finished:$not_run}"
+    if [ -n "$bad" ]; then step races FAIL $((SECONDS - t0)) "$note"; else step races ok $((SECONDS - t0)) "$note"; fi
+fi
+
 # ---- each CUDA test under compute-sanitizer, while the budget lasts ------------------------------
 t0=$SECONDS
 if [ -z "$cuda_tests" ]; then
     step memcheck FAIL 0 "no cuda tests listed"
 elif ! command -v compute-sanitizer >/dev/null; then
-    echo "compute-sanitizer not found" >"$out/memcheck.log"
+    echo "compute-sanitizer not found" >>"$out/memcheck.log"
     step memcheck skip 0 "compute-sanitizer not found (the verdict above ran without it)"
 else
-    : >"$out/memcheck.log"
     ok=0; bad=""; not_run=""
     for t in $cuda_tests; do
         if [ $((budget - SECONDS)) -lt 10 ]; then
