@@ -4,11 +4,13 @@
  * checked against the brute-force oracle). Random workloads for every segment size at 8 and 1000
  * workers, and the Mooncake trace. Without a usable device these tests are reported as skipped
  * (as failed with KM_REQUIRE_CUDA=1, which scripts/gpu-check.sh sets).
- * Also: KM_BACKEND_AUTO picks CUDA exactly when a CUDA index can be created. */
+ * Also: KM_BACKEND_AUTO picks CUDA exactly when a CUDA index can be created, and a snapshot loaded
+ * into a second CUDA index of the same process scores as the CPU index it was saved from. */
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "test_util.h"
 
@@ -206,6 +208,68 @@ static void cuda_random(uint32_t S)
         km_corpus_free(&corpus);
         pair_free(&p);
     }
+}
+
+/* A snapshot loaded into a second CUDA index (km_index_load replaces its host tables, and the
+ * replica must be uploaded whole) scores as the CPU index it was saved from, while the first CUDA
+ * index of the process keeps scoring beside it; then both follow the same updates (patches). */
+Test(cuda, a_snapshot_loaded_into_a_second_cuda_index_scores_as_the_cpu, .timeout = 120)
+{
+    const uint32_t W = 64, S = 4;
+    pair p;
+    pair_init(&p, W, S);
+    log_capture second_log = {0};
+    km_index *second = cuda_or_skip(W, S, 256, &second_log);
+    km_rng r;
+    km_rng_init(&r, km_test_seed() ^ 0x5A7E);
+    km_corpus corpus;
+    km_corpus_generate(&corpus, &r, 150, 4, 300);
+    km_workload wl;
+    km_workload_init(&wl, &corpus, W);
+    km_request_set rs = {0};
+    km_update_stats expect, got;
+    char why[512], when[96];
+    for (int step = 0; step < 8; step++) {
+        km_workload_step(&wl, &r, &p.oracle, 6);
+        km_oracle_apply(&p.oracle, wl.updates, wl.n_updates, &expect);
+        pair_apply(&p, wl.updates, wl.n_updates, &expect);
+    }
+    char path[] = "/tmp/kvmatch-cuda-snapshot-XXXXXX";
+    int fd = mkstemp(path);
+    cr_assert_geq(fd, 0);
+    close(fd);
+    cr_assert_eq(km_index_save(p.cpu, path, NULL, 0), KM_OK, "%s", km_index_last_error(p.cpu));
+    int rc = km_index_load(second, path, NULL, NULL);
+    unlink(path);
+    cr_assert_eq(rc, KM_OK, "loading into the second CUDA index: %s", km_index_last_error(second));
+    km_match_results res;
+    km_match_results_init(&res);
+    for (int step = 0; step < 6; step++) {
+        if (step > 0) { /* the same updates on every index */
+            km_workload_step(&wl, &r, &p.oracle, 6);
+            km_oracle_apply(&p.oracle, wl.updates, wl.n_updates, &expect);
+            pair_apply(&p, wl.updates, wl.n_updates, &expect);
+            rc = km_index_apply(second, wl.updates, wl.n_updates, &got);
+            cr_assert_eq(rc, KM_OK, "second apply: %s", km_index_last_error(second));
+            cr_assert(km_update_stats_equal(&got, &expect, why, sizeof why), "second: %s", why);
+        }
+        km_request_set_generate(&rs, &r, &corpus, 1500);
+        snprintf(when, sizeof when, "step %d", step);
+        pair_compare(&p, rs.requests, rs.n, 1, when);
+        rc = km_index_match_batch(second, rs.requests, rs.n, &res);
+        cr_assert_eq(rc, KM_OK, "%s: second match: %s (log: %s)", when, km_error_name(rc),
+                     second_log.last);
+        cr_assert_str_eq(km_index_backend_name(second), "cuda", "%s: the second index fell back: %s",
+                         when, second_log.last);
+        cr_assert(km_results_identical(&res, &p.cpu_res, why, sizeof why),
+                  "%s: second cuda vs cpu: %s", when, why);
+    }
+    km_match_results_free(&res);
+    km_request_set_free(&rs);
+    km_workload_free(&wl);
+    km_corpus_free(&corpus);
+    km_index_destroy(second);
+    pair_free(&p);
 }
 
 Test(cuda, matches_cpu_random_s32, .timeout = 120) { cuda_random(32); }
