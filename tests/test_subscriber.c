@@ -14,6 +14,7 @@
 #include <string.h>
 #include <fcntl.h>
 #include <pthread.h>
+#include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -1055,4 +1056,72 @@ Test(subscriber, refused_replay_items_do_not_keep_a_request_alive, .timeout = 30
     zmq_msg_close(&second);
     sx_free(&s);
     fake_replay_stop(&f);
+}
+
+/* ---- commands interrupted by signals ------------------------------------------------------------ */
+
+typedef struct signaller {
+    pthread_t target;
+    volatile int stop;
+    unsigned long sent;
+} signaller;
+
+static void ignore_signal(int sig)
+{
+    (void)sig;
+}
+
+static void *send_signals(void *arg)
+{
+    signaller *g = arg;
+    while (!g->stop) {
+        pthread_kill(g->target, SIGUSR1);
+        g->sent++;
+        usleep(20);
+    }
+    return NULL;
+}
+
+/* A signal handled on the calling thread interrupts libzmq's wait for the I/O thread's answer
+ * (EINTR even with SA_RESTART, as libuv installs its handlers). Every command must still get its own
+ * answer: removing a worker that was never followed is refused each time, never answered by an
+ * earlier command's reply and never given up on while the I/O thread still works on it. */
+Test(subscriber, commands_interrupted_by_signals_get_their_own_answers, .timeout = 60)
+{
+    struct sigaction sa, old;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = ignore_signal;
+    sa.sa_flags = SA_RESTART;
+    sigemptyset(&sa.sa_mask);
+    cr_assert_eq(sigaction(SIGUSR1, &sa, &old), 0);
+    km_index_config ic;
+    km_test_config(&ic, NULL);
+    km_index *index = NULL;
+    cr_assert_eq(km_index_create(&ic, &index), KM_OK);
+    km_subscriber_config cfg;
+    km_subscriber_config_init(&cfg);
+    km_subscriber *sub = NULL;
+    cr_assert_eq(km_subscriber_create(index, &cfg, &sub), KM_OK);
+    signaller g = {pthread_self(), 0, 0};
+    pthread_t t;
+    cr_assert_eq(pthread_create(&t, NULL, send_signals, &g), 0);
+    int refused = 0, wrong = 0, first_wrong = KM_OK;
+    const int calls = 3000;
+    for (int i = 0; i < calls; i++) {
+        int rc = km_subscriber_remove_worker(sub, 4000 + (uint32_t)(i % 7));
+        if (rc == KM_ERR_INVALID_ARGUMENT) {
+            refused++;
+        } else if (wrong++ == 0) {
+            first_wrong = rc;
+        }
+    }
+    g.stop = 1;
+    pthread_join(t, NULL);
+    cr_assert_gt(g.sent, 100, "too few signals (%lu) to interrupt anything", g.sent);
+    cr_assert_eq(wrong, 0, "%d of %d removals of an unknown worker were not refused (first: %s: %s)",
+                 wrong, calls, km_error_name(first_wrong), km_subscriber_last_error(sub));
+    cr_assert_eq(refused, calls);
+    km_subscriber_destroy(sub);
+    km_index_destroy(index);
+    sigaction(SIGUSR1, &old, NULL);
 }

@@ -776,17 +776,26 @@ int km_subscriber_create(km_index *index, const km_subscriber_config *cfg_in, km
     return KM_OK;
 }
 
-/* Run one command on the I/O thread and wait for it. */
+/* Run one command on the I/O thread and wait for it. A signal handled on this thread interrupts
+ * libzmq's wait (EINTR, whatever SA_RESTART says): the send is tried again, and once it has gone
+ * the answer is always awaited, since the I/O thread reads and writes *c until it answers, and an
+ * answer left unread would be taken for the next command's. */
 static int run_command(km_subscriber *sub, command *c)
 {
     pthread_mutex_lock(&sub->control_lock);
-    int rc = KM_OK;
+    int rc = KM_OK, n;
     command *p = c;
-    if (zmq_send(sub->control_caller, &p, sizeof p, 0) != (int)sizeof p) {
+    do
+        n = zmq_send(sub->control_caller, &p, sizeof p, 0);
+    while (n < 0 && errno == EINTR);
+    if (n != (int)sizeof p) {
         rc = KM_ERR_IO;
     } else {
         char done;
-        if (zmq_recv(sub->control_caller, &done, 1, 0) != 1)
+        do
+            n = zmq_recv(sub->control_caller, &done, 1, 0);
+        while (n < 0 && errno == EINTR);
+        if (n != 1) /* ETERM only, and the context lives until km_subscriber_destroy */
             rc = KM_ERR_IO;
     }
     pthread_mutex_unlock(&sub->control_lock);
