@@ -1125,3 +1125,121 @@ Test(subscriber, commands_interrupted_by_signals_get_their_own_answers, .timeout
     km_index_destroy(index);
     sigaction(SIGUSR1, &old, NULL);
 }
+
+/* ---- a save against a flush in flight ------------------------------------------------------------ */
+
+/* An index log callback that holds the flushing thread inside km_index_apply at the first table
+ * growth after it is armed, until released: a flush in flight, for as long as a test needs. */
+static struct {
+    pthread_mutex_t m;
+    pthread_cond_t c;
+    int armed, held, released;
+} g_hold = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, 0, 0};
+
+static void hold_at_growth(void *user, const char *line)
+{
+    (void)user;
+    if (!strstr(line, "table grew"))
+        return;
+    pthread_mutex_lock(&g_hold.m);
+    if (g_hold.armed) {
+        g_hold.armed = 0;
+        g_hold.held = 1;
+        pthread_cond_broadcast(&g_hold.c);
+        while (!g_hold.released)
+            pthread_cond_wait(&g_hold.c, &g_hold.m);
+    }
+    pthread_mutex_unlock(&g_hold.m);
+}
+
+static void *flush_once(void *arg)
+{
+    sx *s = arg;
+    km_subscriber_flush(s->sub, NULL);
+    return NULL;
+}
+
+static void *save_once(void *arg)
+{
+    sx *s = arg;
+    intptr_t rc = km_subscriber_save(s->sub, NULL);
+    return (void *)rc;
+}
+
+/* A save that arrives while a flush applies waits for it, and no periodic background snapshot
+ * starts meanwhile: one forked at the end of that flush would finish after the save and put an
+ * older snapshot in its place. Periodic snapshots are due at every flush here (1 ms, in the
+ * background), so only the save's own wait can keep one from starting. */
+Test(subscriber, a_save_waiting_for_a_flush_starts_no_background_snapshot, .timeout = 30)
+{
+    char dir[] = "/tmp/kvmatch-save-wait-XXXXXX", path[128];
+    cr_assert_not_null(mkdtemp(dir));
+    snprintf(path, sizeof path, "%s/feed.kvm", dir);
+    sx s;
+    memset(&s, 0, sizeof s);
+    km_index_config ic;
+    km_test_config(&ic, NULL);
+    ic.max_workers = 16;
+    ic.initial_blocks = 256;
+    ic.log = hold_at_growth;
+    cr_assert_eq(km_index_create(&ic, &s.index), KM_OK);
+    km_subscriber_config_init(&s.cfg);
+    km_test_feed_config(&s.cfg.feed, BS);
+    s.cfg.log = s.cfg.feed.log;
+    s.cfg.snapshot_path = path;
+    s.cfg.snapshot_interval_ms = 1;
+    s.cfg.snapshot_background = true;
+    cr_assert_eq(km_subscriber_create(s.index, &s.cfg, &s.sub), KM_OK);
+    km_rng_init(&s.rng, km_test_seed());
+    lane *l = sx_lane(&s, NULL, KM_TEST_ENCODING_POSITIONAL, KM_TEST_HASH_INT, 0, 0);
+    l->clear_percent = 0;
+    sx_follow_ready(&s, l, false, 1);
+    /* Far more new blocks than the index was sized for: its block table grows in the next flush. */
+    uint64_t before = km_test_publisher_next_seq(l->pub);
+    for (int m = 0; m < 40; m++) {
+        km_test_engine_store(&l->engine, &s.rng, &l->batch, -1, 64);
+        km_test_publisher_publish_batch(l->pub, &l->batch);
+        km_test_batch_reset(&l->batch);
+    }
+    km_subscriber_stats st;
+    double end = km_test_now() + 20;
+    do {
+        km_test_sleep_ms(5);
+        km_subscriber_get_stats(s.sub, &st);
+    } while (st.live_messages < km_test_publisher_next_seq(l->pub) - before && km_test_now() < end);
+    cr_assert_eq(st.live_messages, km_test_publisher_next_seq(l->pub) - before,
+                 "the messages were not all received");
+
+    pthread_mutex_lock(&g_hold.m);
+    g_hold.armed = 1;
+    pthread_mutex_unlock(&g_hold.m);
+    pthread_t flusher, saver;
+    cr_assert_eq(pthread_create(&flusher, NULL, flush_once, &s), 0);
+    pthread_mutex_lock(&g_hold.m);
+    while (!g_hold.held)
+        pthread_cond_wait(&g_hold.c, &g_hold.m);
+    pthread_mutex_unlock(&g_hold.m);
+    /* The flush is inside km_index_apply; the save starts and waits for it. */
+    cr_assert_eq(pthread_create(&saver, NULL, save_once, &s), 0);
+    km_test_sleep_ms(200);
+    pthread_mutex_lock(&g_hold.m);
+    g_hold.released = 1;
+    pthread_cond_broadcast(&g_hold.c);
+    pthread_mutex_unlock(&g_hold.m);
+    void *save_rc;
+    pthread_join(flusher, NULL);
+    pthread_join(saver, &save_rc);
+    cr_assert_eq((intptr_t)save_rc, KM_OK, "save: %s", km_subscriber_last_error(s.sub));
+    /* A background snapshot started meanwhile would end (and be counted when the stats reap
+     * it) within these 3 s: the state is a few MB. */
+    end = km_test_now() + 3;
+    do {
+        km_test_sleep_ms(10);
+        km_subscriber_get_stats(s.sub, &st);
+    } while (st.snapshots < 2 && km_test_now() < end);
+    cr_assert_eq(st.snapshots, 1, "%" PRIu64 " snapshots: a background one started while the save "
+                 "waited for the flush", st.snapshots);
+    sx_free(&s);
+    unlink(path);
+    rmdir(dir);
+}

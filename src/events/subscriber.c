@@ -1039,21 +1039,26 @@ int km_subscriber_save(km_subscriber *sub, const char *path)
     /* One writer at a time, and this one is the newest: a background child still writing is waited
      * for first, but not under the lock, which event intake and flushes need meanwhile (the child
      * may write for seconds). The wait leaves the child to reap_snapshot_child (WNOWAIT), so its
-     * pid stays ours until it is reaped under the lock; flushes fork no new child while a save
-     * waits. */
+     * pid stays ours until it is reaped under the lock. A flush in flight is waited for too (the
+     * index must hold what the state says). Flushes fork no new child while a save waits, through
+     * both waits, each of which lets go of the lock: so both are checked again after either. */
     sub->saves_waiting++;
-    while (sub->snapshot_child) {
-        pid_t child = sub->snapshot_child;
-        pthread_mutex_unlock(&sub->lock);
-        siginfo_t info;
-        while (waitid(P_PID, (id_t)child, &info, WEXITED | WNOWAIT) != 0 && errno == EINTR) {
+    for (;;) {
+        if (sub->snapshot_child) {
+            pid_t child = sub->snapshot_child;
+            pthread_mutex_unlock(&sub->lock);
+            siginfo_t info;
+            while (waitid(P_PID, (id_t)child, &info, WEXITED | WNOWAIT) != 0 && errno == EINTR) {
+            }
+            pthread_mutex_lock(&sub->lock);
+            reap_snapshot_child(sub, false); /* ended (or already reaped by another thread) */
+        } else if (km_feed_flush_in_flight(sub->feed)) {
+            pthread_cond_wait(&sub->flush_done, &sub->lock);
+        } else {
+            break;
         }
-        pthread_mutex_lock(&sub->lock);
-        reap_snapshot_child(sub, false); /* ended (or already reaped by another thread) */
     }
     sub->saves_waiting--;
-    while (km_feed_flush_in_flight(sub->feed)) /* the index must hold what the state says */
-        pthread_cond_wait(&sub->flush_done, &sub->lock);
     const char *p = path ? path : sub->config.snapshot_path;
     int rc = p ? save_locked(sub, p, km_feed_clock_ns()) : KM_ERR_NULL_POINTER;
     pthread_mutex_unlock(&sub->lock);
