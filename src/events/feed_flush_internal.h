@@ -21,5 +21,7 @@ bool km_feed_flush_take(km_feed *feed);
 bool km_feed_flush_in_flight(const km_feed *feed);
 void km_feed_flush_apply(km_feed *feed);
 int km_feed_flush_finish(km_feed *feed, uint64_t now_ns, km_feed_flush_stats *stats);
+/* sum += s, field by field: one report for a caller that flushed twice. */
+void km_feed_flush_stats_add(km_feed_flush_stats *sum, const km_feed_flush_stats *s);
 
 #endif

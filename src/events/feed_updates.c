@@ -908,6 +908,14 @@ static void accumulate(km_update_stats *sum, const km_update_stats *s)
     sum->clear_scans += s->clear_scans;
 }
 
+void km_feed_flush_stats_add(km_feed_flush_stats *sum, const km_feed_flush_stats *s)
+{
+    sum->updates += s->updates;
+    sum->groups += s->groups;
+    sum->groups_failed += s->groups_failed;
+    accumulate(&sum->index, &s->index);
+}
+
 static void queue_reset(km_feed *feed)
 {
     feed->queue_count = feed->group_count = feed->hash_count = feed->new_key_count = 0;

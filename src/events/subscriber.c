@@ -950,9 +950,10 @@ static void reap_snapshot_child(km_subscriber *sub, bool wait)
     sub_log(sub, KM_LOG_WARNING "%s", sub->stats.last_snapshot_error);
 }
 
-/* Under the lock, right after a flush: fork a child that writes the snapshot from its
- * copy-on-write image (only this thread exists in the child, holding the lock, so it touches
- * nothing another thread could have left half-changed: the feed and index are ours). Returns
+/* Under the lock, right after a flush that left nothing queued: fork a child that writes the
+ * snapshot from its copy-on-write image (only this thread exists in the child, holding the lock,
+ * so it touches nothing another thread could have left half-changed: the feed and index are ours,
+ * and with nothing to apply it logs nothing). Returns
  * false when fork failed (the caller writes in place). */
 static bool save_in_background(km_subscriber *sub, const char *path, uint64_t now)
 {
@@ -1021,11 +1022,22 @@ int km_subscriber_flush(km_subscriber *sub, km_feed_flush_stats *stats)
     reap_snapshot_child(sub, false);
     if (!rc && !sub->snapshot_child && !sub->saves_waiting && sub->config.snapshot_path &&
         sub->config.snapshot_interval_ms &&
-        now - sub->last_snapshot_ns >= (uint64_t)sub->config.snapshot_interval_ms * 1000000u &&
-        !(sub->config.snapshot_background &&
-          save_in_background(sub, sub->config.snapshot_path, now)) &&
-        save_locked(sub, sub->config.snapshot_path, now) != KM_OK)
-        sub_log(sub, KM_LOG_WARNING "periodic snapshot failed: %s", sub->stats.last_snapshot_error);
+        now - sub->last_snapshot_ns >= (uint64_t)sub->config.snapshot_interval_ms * 1000000u) {
+        /* What was queued while the index applied goes in now, under the lock, so the snapshot
+         * has nothing left to apply: a forked child that applied it could log, through a callback
+         * whose lock another thread may have held at the fork, and never end. */
+        km_feed_flush_stats more;
+        rc = km_feed_flush(sub->feed, now, &more);
+        if (stats)
+            km_feed_flush_stats_add(stats, &more);
+        if (rc)
+            snprintf(sub->last_error, sizeof sub->last_error, "%s", km_feed_last_error(sub->feed));
+        else if (!(sub->config.snapshot_background &&
+                   save_in_background(sub, sub->config.snapshot_path, now)) &&
+                 save_locked(sub, sub->config.snapshot_path, now) != KM_OK)
+            sub_log(sub, KM_LOG_WARNING "periodic snapshot failed: %s",
+                    sub->stats.last_snapshot_error);
+    }
     pthread_mutex_unlock(&sub->lock);
     pthread_mutex_unlock(&sub->flush_lock);
     return rc;
