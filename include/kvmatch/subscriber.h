@@ -55,7 +55,9 @@ typedef struct km_subscriber_config {
     void *log_user;
     /* Restart of kvmatch (docs/EVENTS.md, "Restart of kvmatch"). Periodic snapshots: when
      * snapshot_path is set and snapshot_interval_ms > 0, km_subscriber_flush writes one (via
-     * km_feed_save, atomic) once the interval has passed since the last. They are taken there, on
+     * km_feed_save, atomic) once the interval has passed since the last, after applying too what
+     * was queued while the index applied (under the lock, so the snapshot has nothing left to
+     * apply and holds every message received before it). They are taken there, on
      * the scoring thread, because only there is the index both consistent with the feed and not
      * being read (the I/O thread never touches the index). A failed snapshot is logged and counted
      * (stats.snapshot_failures), never fatal. Default NULL / 0 (none). */
