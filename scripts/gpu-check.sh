@@ -256,15 +256,24 @@ else
             continue
         fi
         echo "== cuda/$race_test under compute-sanitizer $tool" >>"$out/memcheck.log"
-        LD_LIBRARY_PATH="$run_ld_path" timeout "$(limit "$t_racecheck")" compute-sanitizer --tool "$tool" \
-            --target-processes all --error-exitcode 86 "$tests" --filter "cuda/$race_test" --jobs 1 \
-            --verbose >>"$out/memcheck.log" 2>&1
+        LD_LIBRARY_PATH="$run_ld_path" timeout "$(limit "$t_racecheck")" \
+            compute-sanitizer --tool "$tool" --target-processes all --error-exitcode 86 \
+            "$tests" --filter "cuda/$race_test" --jobs 1 --verbose >>"$out/memcheck.log" 2>&1
         rc=$?
-        echo "== $tool exit $rc$([ "$rc" -eq 124 ] && echo ' (its time limit: not a verdict)')" >>"$out/memcheck.log"
-        if [ "$rc" -eq 124 ]; then not_run="$not_run $tool(timeout)"; elif [ "$rc" -ne 0 ]; then bad="$bad $tool(exit $rc)"; fi
+        echo "== $tool exit $rc$([ "$rc" -eq 124 ] && echo ' (its time limit: not a verdict)')" \
+            >>"$out/memcheck.log"
+        if [ "$rc" -eq 124 ]; then
+            not_run="$not_run $tool(timeout)"
+        elif [ "$rc" -ne 0 ]; then
+            bad="$bad $tool(exit $rc)"
+        fi
     done
     note="cuda/$race_test${bad:+; failed:$bad}${not_run:+; not finished:$not_run}"
-    if [ -n "$bad" ]; then step races FAIL $((SECONDS - t0)) "$note"; else step races ok $((SECONDS - t0)) "$note"; fi
+    if [ -n "$bad" ]; then
+        step races FAIL $((SECONDS - t0)) "$note"
+    else
+        step races ok $((SECONDS - t0)) "$note"
+    fi
 fi
 
 # ---- each CUDA test under compute-sanitizer, while the budget lasts ------------------------------

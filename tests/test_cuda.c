@@ -259,8 +259,8 @@ Test(cuda, a_snapshot_loaded_into_a_second_cuda_index_scores_as_the_cpu, .timeou
         rc = km_index_match_batch(second, rs.requests, rs.n, &res);
         cr_assert_eq(rc, KM_OK, "%s: second match: %s (log: %s)", when, km_error_name(rc),
                      second_log.last);
-        cr_assert_str_eq(km_index_backend_name(second), "cuda", "%s: the second index fell back: %s",
-                         when, second_log.last);
+        cr_assert_str_eq(km_index_backend_name(second), "cuda",
+                         "%s: the second index fell back: %s", when, second_log.last);
         cr_assert(km_results_identical(&res, &p.cpu_res, why, sizeof why),
                   "%s: second cuda vs cpu: %s", when, why);
     }

@@ -1058,7 +1058,7 @@ Test(subscriber, refused_replay_items_do_not_keep_a_request_alive, .timeout = 30
     fake_replay_stop(&f);
 }
 
-/* ---- commands interrupted by signals ------------------------------------------------------------ */
+/* ---- commands interrupted by signals ------------------------------------------------------- */
 
 typedef struct signaller {
     pthread_t target;
@@ -1083,8 +1083,8 @@ static void *send_signals(void *arg)
 }
 
 /* A signal handled on the calling thread interrupts libzmq's wait for the I/O thread's answer
- * (EINTR even with SA_RESTART, as libuv installs its handlers). Every command must still get its own
- * answer: removing a worker that was never followed is refused each time, never answered by an
+ * (EINTR even with SA_RESTART, as libuv installs its handlers). Every command must still get its
+ * own answer: removing a worker that was never followed is refused each time, never answered by an
  * earlier command's reply and never given up on while the I/O thread still works on it. */
 Test(subscriber, commands_interrupted_by_signals_get_their_own_answers, .timeout = 60)
 {
@@ -1118,15 +1118,16 @@ Test(subscriber, commands_interrupted_by_signals_get_their_own_answers, .timeout
     g.stop = 1;
     pthread_join(t, NULL);
     cr_assert_gt(g.sent, 100, "too few signals (%lu) to interrupt anything", g.sent);
-    cr_assert_eq(wrong, 0, "%d of %d removals of an unknown worker were not refused (first: %s: %s)",
-                 wrong, calls, km_error_name(first_wrong), km_subscriber_last_error(sub));
+    cr_assert_eq(wrong, 0,
+                 "%d of %d removals of an unknown worker were not refused (first: %s: %s)", wrong,
+                 calls, km_error_name(first_wrong), km_subscriber_last_error(sub));
     cr_assert_eq(refused, calls);
     km_subscriber_destroy(sub);
     km_index_destroy(index);
     sigaction(SIGUSR1, &old, NULL);
 }
 
-/* ---- a save against a flush in flight ------------------------------------------------------------ */
+/* ---- a save against a flush in flight ------------------------------------------------------ */
 
 /* An index log callback that holds the flushing thread inside km_index_apply at the first table
  * growth after it is armed, until released: a flush in flight, for as long as a test needs. */
