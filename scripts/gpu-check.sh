@@ -212,12 +212,16 @@ if [ -n "$cuda_tests" ]; then
     rc=$?
     echo "== exit $rc" >>"$out/cuda.log"
     synth=$(grep -a "Synthesis" "$out/cuda.log" | tail -1)
-    skips=$(grep -ac '^\[SKIP\]' "$out/cuda.log")
+    # --verbose reports every test the filter leaves out as "[SKIP] suite::name: Test is
+    # disabled"; only the cuda suite's skips count, and every listed cuda test must have passed.
+    skips=$(grep -ac '^\[SKIP\] cuda::' "$out/cuda.log")
+    passed=$(grep -ac '^\[PASS\] cuda::' "$out/cuda.log")
+    listed=$(wc -w <<<"$cuda_tests")
     first_fail=$(grep -a -m1 -E '^\[----\] .*:[0-9]+: |^\[FAIL\]' "$out/cuda.log" | cut -c1-240)
-    if [ "$rc" -eq 0 ] && [ "$skips" -eq 0 ] && [ -n "$synth" ]; then
+    if [ "$rc" -eq 0 ] && [ "$skips" -eq 0 ] && [ "$passed" -eq "$listed" ] && [ -n "$synth" ]; then
         step cuda ok $((SECONDS - t0)) "$synth"
     elif [ "$rc" -eq 0 ]; then
-        step cuda FAIL $((SECONDS - t0)) "$skips skipped (a GPU check passes no skip): $(grep -a -m1 '^\[SKIP\]\|^\[----\]' "$out/cuda.log" | cut -c1-200)"
+        step cuda FAIL $((SECONDS - t0)) "$passed of $listed passed, $skips skipped (a GPU check passes no skip): $(grep -a -m1 '^\[SKIP\] cuda::\|^\[----\]' "$out/cuda.log" | cut -c1-200)"
     else
         step cuda FAIL $((SECONDS - t0)) "exit $rc; $synth; $first_fail"
     fi
