@@ -315,6 +315,84 @@ Test(tiers, split_and_rollback, .timeout = 30)
     km_index_destroy(index);
 }
 
+/* Results reused across batches: every batch's split equals one counted pair by pair with
+ * km_index_pair_tier, while the lower tiers fill, empty again (then the split writes nothing and
+ * the entries an earlier batch counted into must read zero) and the batches grow and shrink. */
+Test(tiers, a_reused_results_splits_every_batch_afresh, .timeout = 30)
+{
+    km_rng r;
+    km_rng_init(&r, km_test_seed());
+    km_index_config cfg;
+    km_test_config(&cfg, NULL);
+    cfg.max_workers = 2 + km_rng_below(&r, 100); /* above 64: bitmap sets */
+    cfg.segment_blocks = 4;
+    km_index *index;
+    cr_assert_eq(km_index_create(&cfg, &index), KM_OK);
+    enum { CHAINS = 24, BLOCKS = 40 };
+    uint64_t h[CHAINS][BLOCKS];
+    for (uint32_t c = 0; c < CHAINS; c++) {
+        make_chain(h[c], BLOCKS, 1000 + c);
+        for (uint32_t w = 0; w < cfg.max_workers; w++)
+            if (km_rng_percent(&r, 50))
+                cr_assert_eq(km_index_store(index, w, KM_NO_PARENT, h[c],
+                                            1 + km_rng_below(&r, BLOCKS)), KM_OK);
+    }
+    km_request rq[CHAINS];
+    km_match_results res;
+    km_match_results_init(&res);
+    int lower_then_empty = 0, was_lower = 0;
+    for (int step = 0; step < 60; step++) {
+        /* Odd steps move random stretches to host or disk; one step in three moves everything
+         * back to the device, emptying the lower tiers. */
+        if (step % 3 == 2) {
+            for (uint32_t c = 0; c < CHAINS; c++)
+                for (uint32_t w = 0; w < cfg.max_workers; w++) {
+                    km_update u = {KM_UPDATE_SET_TIER, w, KM_NO_PARENT, h[c], BLOCKS,
+                                   KM_TIER_DEVICE};
+                    cr_assert_eq(km_index_apply(index, &u, 1, NULL), KM_OK);
+                }
+        } else if (step % 2 == 1) {
+            for (int k = 0; k < 40; k++) {
+                uint32_t a = km_rng_below(&r, BLOCKS);
+                km_update u = {KM_UPDATE_SET_TIER, km_rng_below(&r, cfg.max_workers),
+                               KM_NO_PARENT, h[km_rng_below(&r, CHAINS)] + a,
+                               1 + km_rng_below(&r, BLOCKS - a),
+                               km_rng_percent(&r, 50) ? KM_TIER_HOST : KM_TIER_DISK};
+                cr_assert_eq(km_index_apply(index, &u, 1, NULL), KM_OK);
+            }
+        }
+        km_index_stats is;
+        km_index_get_stats(index, &is);
+        int lower = is.host_pairs + is.disk_pairs > 0;
+        lower_then_empty |= was_lower && !lower;
+        size_t n = 1 + km_rng_below(&r, CHAINS);
+        for (size_t q = 0; q < n; q++)
+            rq[q] = (km_request){h[km_rng_below(&r, CHAINS)], 1 + km_rng_below(&r, BLOCKS)};
+        cr_assert_eq(km_index_match_batch(index, rq, n, &res), KM_OK);
+        for (size_t q = 0; q < n; q++) {
+            const km_request_result *rr = &res.requests[q];
+            for (uint32_t j = 0; j < rr->count; j++) {
+                const km_worker_match *m = &res.matches[rr->first + j];
+                uint32_t host = 0, disk = 0;
+                for (uint32_t i = 0; i < m->depth; i++) {
+                    km_tier t;
+                    cr_assert_eq(km_index_pair_tier(index, rq[q].hashes[i], m->worker, &t), KM_OK);
+                    host += t == KM_TIER_HOST;
+                    disk += t == KM_TIER_DISK;
+                }
+                const km_match_tiers *got = &res.tiers[rr->first + j];
+                cr_assert(got->host_blocks == host && got->disk_blocks == disk,
+                          "step %d request %zu worker %u: host %u disk %u, pair by pair %u %u",
+                          step, q, m->worker, got->host_blocks, got->disk_blocks, host, disk);
+            }
+        }
+        was_lower = lower;
+    }
+    cr_assert(lower_then_empty, "no batch followed one with lower-tier pairs on emptied tiers");
+    km_match_results_free(&res);
+    km_index_destroy(index);
+}
+
 Test(tiers, snapshot_keeps_tiers, .timeout = 30)
 {
     km_index_config cfg;

@@ -174,7 +174,9 @@ typedef struct km_request_result {
 } km_request_result;
 
 /* Results of one scoring batch. Initialise with km_match_results_init, reuse across batches
- * (buffers only grow), release with km_match_results_free. */
+ * (buffers only grow), release with km_match_results_free. The arrays are written only by the
+ * library: a caller reads them and never writes them, since a reused results keeps state across
+ * batches (tiers entries that are already zero are not written again). */
 typedef struct km_match_results {
     km_request_result *requests;
     size_t n_requests;
@@ -185,6 +187,7 @@ typedef struct km_match_results {
     size_t requests_capacity; /* private */
     size_t matches_capacity;  /* private */
     size_t tiers_capacity;    /* private */
+    size_t tiers_zeroed;      /* private: leading tiers entries known to be all zero */
 } km_match_results;
 
 void km_match_results_init(km_match_results *results);
