@@ -36,7 +36,9 @@ def render(d):
                    f"{fmt(r['block_probes_per_s'])} | {fmt(r.get('slot_reads_per_s'))} | "
                    f"{fmt(r['batch_p50_us'], 1)} | {fmt(r['batch_p99_us'], 1)} | {fmt(r['bytes_per_pair'], 1)} | "
                    f"{r.get('mismatches', '')} |")
-    out.append(f"| cuda | 64, 1024 | | not measured | not measured | not measured | not measured | not measured | not measured | |")
+    if not any(r["backend"] == "cuda" for r in d["results"]):
+        out.append("| cuda | 64, 1024 | | not measured | not measured | not measured | not measured | "
+                   "not measured | not measured | |")
     out.append("")
     out.append(f"Memory ceiling (`limit_slot_reads_per_s`, independent prefetched random 16-byte reads from a "
                f"table of the cpu index's size, same threads): {fmt(d.get('limit_slot_reads_per_s'))} reads/s.\n")
