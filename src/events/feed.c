@@ -202,6 +202,7 @@ void km_feed_destroy(km_feed *feed)
     free(feed->taken.new_keys);
     free(feed->taken.scratch);
     free(feed->taken.positions);
+    free(feed->taken.window_blocks);
     free(feed);
 }
 

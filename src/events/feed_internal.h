@@ -179,12 +179,18 @@ typedef struct queued_group {
 } queued_group;
 
 /* A worker's position as of km_feed_flush_take: published as its indexed position once the
- * taken updates are in the index. */
+ * taken updates are in the index. With it the worker's window rule as of the take, set in the
+ * index with the taken updates when it differs from the index's (sync_rule): the groups `windows`
+ * and, from window_blocks_at in the taken queue's window_blocks, each one's blocks in ascending
+ * group order. */
 typedef struct taken_position {
     uint32_t worker;
     uint64_t generation;
     bool has_expected;
     uint64_t expected;
+    bool sync_rule;
+    uint32_t windows;
+    size_t window_blocks_at;
 } taken_position;
 
 /* The queue as km_feed_flush_take moved it out, with the arrays it swapped in its place (so the
@@ -202,6 +208,9 @@ typedef struct taken_queue {
     size_t scratch_capacity;
     taken_position *positions;
     size_t n_positions, positions_capacity;
+    uint32_t *window_blocks; /* the rules of the positions that sync one */
+    size_t window_block_count, window_block_capacity;
+    size_t n_rule_clears; /* rule_clears queued before the take: done with the taken updates */
     int status;             /* km_index_apply's, once applied */
     km_update_stats applied; /* what it reported */
 } taken_queue;

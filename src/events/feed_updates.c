@@ -945,31 +945,68 @@ static void publish_positions(km_feed *feed)
     }
 }
 
-void km_feed_sync_window_rules(km_feed *feed)
+/* The first n rule clears: the rules of workers removed before their removal was applied. */
+static void clear_removed_rules(km_feed *feed, size_t n)
 {
-    for (size_t i = 0; i < feed->rule_clear_count; i++) {
+    for (size_t i = 0; i < n; i++) {
         worker *w = km_feed_find_worker(feed, feed->rule_clears[i]);
-        if (w) /* added again under the id: its own rule is set below */
+        if (w) /* added again under the id: its own rule is set at a sync */
             w->index_rule_failed = true;
         else
             km_index_set_worker_windows(feed->index, feed->rule_clears[i], NULL, 0);
     }
-    feed->rule_clear_count = 0;
+    memmove(feed->rule_clears, feed->rule_clears + n,
+            (feed->rule_clear_count - n) * sizeof *feed->rule_clears);
+    feed->rule_clear_count -= n;
+}
+
+/* Set w's rule in the index: the groups `windows`, blocks[k] the k-th one's window in blocks. */
+static void set_index_rule(km_feed *feed, worker *w, uint32_t windows, const uint32_t *blocks)
+{
+    km_window_group rule[KM_MAX_WINDOW_GROUPS];
+    uint32_t n = 0;
+    for (uint32_t g = windows; g; g &= g - 1)
+        rule[n] = (km_window_group){(uint32_t)__builtin_ctz(g), blocks[n]}, n++;
+    /* Fails only without memory for the first rule's table: retried at every flush. */
+    w->index_rule_failed = km_index_set_worker_windows(feed->index, w->id, rule, n) != KM_OK;
+    if (!w->index_rule_failed)
+        w->index_window_groups = windows;
+}
+
+/* A rule to set: w's window groups with their blocks, into blocks (popcount(windows) of them);
+ * whether it differs from the index's. */
+static bool rule_to_sync(const worker *w, uint32_t *windows, uint32_t *blocks)
+{
+    *windows = window_mask(w);
+    uint32_t n = 0;
+    for (uint32_t g = *windows; g; g &= g - 1)
+        blocks[n++] = w->window_blocks[__builtin_ctz(g)];
+    return *windows != w->index_window_groups || w->index_rule_failed;
+}
+
+void km_feed_sync_window_rules(km_feed *feed)
+{
+    clear_removed_rules(feed, feed->rule_clear_count);
     for (uint32_t i = 0; i < feed->n_workers; i++) {
         worker *w = feed->workers[i];
-        uint32_t windows = window_mask(w);
-        if (windows == w->index_window_groups && !w->index_rule_failed)
-            continue;
-        km_window_group rule[KM_MAX_WINDOW_GROUPS];
-        uint32_t n = 0;
-        for (uint32_t g = windows; g; g &= g - 1) {
-            uint32_t group = (uint32_t)__builtin_ctz(g);
-            rule[n++] = (km_window_group){group, w->window_blocks[group]};
-        }
-        /* Fails only without memory for the first rule's table: retried at every flush. */
-        w->index_rule_failed = km_index_set_worker_windows(feed->index, w->id, rule, n) != KM_OK;
-        if (!w->index_rule_failed)
-            w->index_window_groups = windows;
+        uint32_t windows, blocks[KM_MAX_WINDOW_GROUPS];
+        if (rule_to_sync(w, &windows, blocks))
+            set_index_rule(feed, w, windows, blocks);
+    }
+}
+
+/* The rules as of km_feed_flush_take, once the taken updates are in the index: what was queued
+ * since (a worker's first window group, a removal) is synced with its own updates, at a later
+ * flush, so scoring never sees a rule ahead of the blocks it governs. */
+static void sync_taken_window_rules(km_feed *feed)
+{
+    const taken_queue *t = &feed->taken;
+    clear_removed_rules(feed, t->n_rule_clears);
+    for (size_t i = 0; i < t->n_positions; i++) {
+        const taken_position *p = &t->positions[i];
+        worker *w = p->sync_rule ? km_feed_find_worker(feed, p->worker) : NULL;
+        if (w && w->generation == p->generation)
+            set_index_rule(feed, w, p->windows, t->window_blocks + p->window_blocks_at);
     }
 }
 
@@ -1035,12 +1072,25 @@ bool km_feed_flush_take(km_feed *feed)
     if (GROW(t->scratch, t->scratch_capacity, feed->queue_count) ||
         GROW(t->positions, t->positions_capacity, feed->n_workers))
         return false; /* km_feed_flush_finish flushes under the lock instead */
-    queue_to_updates(feed, t->scratch);
-    t->n_positions = feed->n_workers;
+    t->window_block_count = 0;
     for (uint32_t i = 0; i < feed->n_workers; i++) {
         const worker *w = feed->workers[i];
-        t->positions[i] = (taken_position){w->id, w->generation, w->has_expected, w->expected};
+        taken_position *p = &t->positions[i];
+        *p = (taken_position){w->id, w->generation, w->has_expected, w->expected, false, 0, 0};
+        uint32_t blocks[KM_MAX_WINDOW_GROUPS];
+        if (!rule_to_sync(w, &p->windows, blocks))
+            continue;
+        uint32_t n = (uint32_t)__builtin_popcount(p->windows);
+        if (GROW(t->window_blocks, t->window_block_capacity, t->window_block_count + n))
+            return false;
+        p->sync_rule = true;
+        p->window_blocks_at = t->window_block_count;
+        memcpy(t->window_blocks + t->window_block_count, blocks, n * sizeof *blocks);
+        t->window_block_count += n;
     }
+    queue_to_updates(feed, t->scratch);
+    t->n_positions = feed->n_workers;
+    t->n_rule_clears = feed->rule_clear_count;
     t->queue_count = t->group_count = t->hash_count = t->new_key_count = 0;
     swap_queue(feed); /* the scratch keeps pointing into the hashes, which move with the queue */
     t->status = KM_OK;
@@ -1123,9 +1173,10 @@ int km_feed_flush_finish(km_feed *feed, uint64_t now_ns, km_feed_flush_stats *st
          * and what was queued since stays for the next flush. An index error that would keep
          * the batch queued drops it instead, its workers DEGRADED (their index is incomplete). */
         swap_queue(feed);
-        int rc = km_feed_flush(feed, now_ns, stats);
+        int rc = flush_queue(feed, now_ns, stats);
         swap_queue(feed);
         publish_taken_positions(feed); /* the flush published the current ones */
+        sync_taken_window_rules(feed);
         for (size_t g = 0; g < t->group_count; g++) {
             worker *w = km_feed_find_worker(feed, t->groups[g].worker);
             if (w && w->generation == t->groups[g].generation && !w->degraded)
@@ -1147,7 +1198,7 @@ int km_feed_flush_finish(km_feed *feed, uint64_t now_ns, km_feed_flush_stats *st
     t->queue_count = t->group_count = t->hash_count = t->new_key_count = 0;
     if (feed->group_count == 0)
         publish_positions(feed); /* nothing queued since: the positions are the current ones */
-    km_feed_sync_window_rules(feed);
+    sync_taken_window_rules(feed);
     return KM_OK;
 }
 
