@@ -15,6 +15,7 @@
 #include <fcntl.h>
 #include <pthread.h>
 #include <signal.h>
+#include <stdatomic.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -651,6 +652,64 @@ Test(subscriber, workers_added_and_removed_at_run_time, .timeout = 20)
     cr_assert_eq(km_subscriber_add_worker(s.sub, &dup), KM_ERR_INVALID_ARGUMENT);
     km_subscriber_worker range = {99, NULL, km_test_publisher_endpoint(a->pub), NULL};
     cr_assert_eq(km_subscriber_add_worker(s.sub, &range), KM_ERR_WORKER_RANGE);
+    sx_free(&s);
+}
+
+/* km_subscriber_last_error from one thread while another thread's calls fail with two different
+ * messages: every read is one of the two whole messages, never a mix of them. */
+typedef struct last_error_reader {
+    km_subscriber *sub;
+    const char *a, *b;
+    atomic_bool stop;
+    unsigned long reads, torn;
+    char torn_seen[256];
+} last_error_reader;
+
+static void *read_last_errors(void *arg)
+{
+    last_error_reader *r = arg;
+    while (!atomic_load(&r->stop)) {
+        char copy[256];
+        snprintf(copy, sizeof copy, "%s", km_subscriber_last_error(r->sub));
+        r->reads++;
+        if (strcmp(copy, r->a) && strcmp(copy, r->b)) {
+            r->torn++;
+            memcpy(r->torn_seen, copy, sizeof copy);
+        }
+    }
+    return NULL;
+}
+
+Test(subscriber, the_last_error_is_read_whole_while_another_thread_fails, .timeout = 20)
+{
+    sx s;
+    sx_init(&s, NULL);
+    char a[256], b[256], long_endpoint[KM_SUBSCRIBER_ENDPOINT_MAX + 40];
+    memset(long_endpoint, 'x', sizeof long_endpoint - 1);
+    long_endpoint[sizeof long_endpoint - 1] = '\0';
+    km_subscriber_worker too_long = {3, NULL, long_endpoint, NULL};
+    km_subscriber_worker rank0 = {4, NULL, "tcp://127.0.0.1:5557", NULL};
+    cr_assert_eq(km_subscriber_add_engine(s.sub, &rank0, 0), KM_ERR_INVALID_ARGUMENT);
+    snprintf(a, sizeof a, "%s", km_subscriber_last_error(s.sub));
+    cr_assert_eq(km_subscriber_add_worker(s.sub, &too_long), KM_ERR_TOO_LARGE);
+    snprintf(b, sizeof b, "%s", km_subscriber_last_error(s.sub));
+    cr_assert(strlen(a) > 0 && strlen(b) > 0 && strcmp(a, b), "'%s' / '%s'", a, b);
+    last_error_reader r = {.sub = s.sub, .a = a, .b = b};
+    atomic_init(&r.stop, false);
+    pthread_t reader;
+    cr_assert_eq(pthread_create(&reader, NULL, read_last_errors, &r), 0);
+    double until = km_test_now() + 2.0;
+    for (unsigned long i = 0; i < 2000000 && km_test_now() < until; i++) {
+        if (i & 1)
+            km_subscriber_add_engine(s.sub, &rank0, 0);
+        else
+            km_subscriber_add_worker(s.sub, &too_long);
+    }
+    atomic_store(&r.stop, true);
+    pthread_join(reader, NULL);
+    cr_assert_gt(r.reads, 1000);
+    cr_assert_eq(r.torn, 0, "%lu of %lu reads were neither message, e.g. '%s'", r.torn, r.reads,
+                 r.torn_seen);
     sx_free(&s);
 }
 

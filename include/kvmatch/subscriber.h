@@ -93,7 +93,8 @@ int km_subscriber_create(km_index *index, const km_subscriber_config *cfg, km_su
 void km_subscriber_destroy(km_subscriber *sub);
 
 /* Detail of the last failed call on this handle, from any thread ("" when none). The returned
- * string stays valid until the next failing call. */
+ * string is the calling thread's own copy: it stays valid, unchanged, until that thread calls
+ * km_subscriber_last_error again. */
 const char *km_subscriber_last_error(const km_subscriber *sub);
 
 /* ---- workers ---------------------------------------------------------------------------------- */

@@ -133,7 +133,16 @@ static int set_error(km_subscriber *sub, int status, const char *fmt, ...)
 
 const char *km_subscriber_last_error(const km_subscriber *sub)
 {
-    return sub ? sub->last_error : "";
+    /* Another thread's failing call may be writing last_error: the reader gets a copy of its own,
+     * taken under the lock. */
+    static _Thread_local char copy[sizeof sub->last_error];
+    if (!sub)
+        return "";
+    km_subscriber *mut = (km_subscriber *)sub; /* the lock only */
+    pthread_mutex_lock(&mut->lock);
+    memcpy(copy, sub->last_error, sizeof copy);
+    pthread_mutex_unlock(&mut->lock);
+    return copy;
 }
 
 static uint64_t read_be64(const void *p)
