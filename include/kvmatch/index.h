@@ -37,7 +37,9 @@ typedef struct km_index km_index;
 #define KM_MAX_SEGMENT_BLOCKS 255u
 
 typedef enum km_backend_kind {
-    KM_BACKEND_AUTO = 0, /* CUDA when a device is usable, else CPU; one log line says which and why */
+    KM_BACKEND_AUTO = 0, /* the default: the CPU backend, which scores faster than the CUDA backend
+                          * on every host measured (docs/BENCHMARKS.md, "GPU"); one log line says
+                          * which and why. The CUDA backend is used only when named. */
     KM_BACKEND_CPU = 1,
     KM_BACKEND_CUDA = 2,
 } km_backend_kind;
