@@ -3191,10 +3191,12 @@ Test(feed, a_refused_flush_taken_out_is_put_back_in_front, .timeout = 20)
 
 /* Window rules follow the split flush's take as the updates do: a worker's first window group
  * and a worker's removal, queued while the taken updates are applied, change the index's rules
- * only with their own updates, at the next flush. Until then both workers score exactly as after
+ * only with their own updates, at the next flush. Until then every worker scores exactly as after
  * a plain flush at the take (otherwise worker 0's new rule, ahead of its window blocks, would cut
  * its match to nothing, and worker 1's rule, cleared ahead of its removal, would let its full
- * attention prefix count past what its window group holds). */
+ * attention prefix count past what its window group holds). Worker 2, removed and added again
+ * under its id before the take, loses its old rule with the taken updates (else the old rule
+ * would cut the new worker's blocks to nothing). */
 Test(feed, window_rules_queued_while_a_flush_applies_wait_for_their_updates, .timeout = 10)
 {
     km_rng r;
@@ -3217,19 +3219,27 @@ Test(feed, window_rules_queued_while_a_flush_applies_wait_for_their_updates, .ti
     for (int i = 0; i < 2; i++) {
         fx *f = both[i];
         fx_init(f);
-        fx_add(f, 0, false);
-        fx_add(f, 1, false);
-        /* Worker 1, hybrid from its first message: full attention holds all N blocks, the
-         * window group the first k. Worker 0: full attention alone, all N. */
-        group_event w1[2] = {{false, eh, N, false, 0, t, N * BS, 0, NULL, 0},
-                             {false, eh, k, false, 0, t, k * BS, 1, NULL, window}};
-        pack_group_batch(&sb, w1, 2);
-        live_payload(f, 1, 0, &sb);
+        for (uint32_t w = 0; w < 3; w++)
+            fx_add(f, w, false);
+        /* Workers 1 and 2, hybrid from their first message: full attention holds all N blocks,
+         * the window group the first k. Worker 0: full attention alone, all N. */
+        group_event hybrid[2] = {{false, eh, N, false, 0, t, N * BS, 0, NULL, 0},
+                                 {false, eh, k, false, 0, t, k * BS, 1, NULL, window}};
+        for (uint32_t w = 1; w < 3; w++) {
+            pack_group_batch(&sb, hybrid, 2);
+            live_payload(f, w, 0, &sb);
+        }
         fx_flush(f);
         cr_assert_eq(held_depth(f->index, 1, chains, N), k);
-        group_event w0 = {false, eh, N, false, 0, t, N * BS, 0, NULL, 0};
-        pack_group_batch(&sb, &w0, 1);
+        cr_assert_eq(held_depth(f->index, 2, chains, N), k);
+        group_event full = {false, eh, N, false, 0, t, N * BS, 0, NULL, 0};
+        pack_group_batch(&sb, &full, 1);
         live_payload(f, 0, 0, &sb);
+        /* Worker 2 removed and followed again: its new engine stores all N in full attention. */
+        cr_assert_eq(km_feed_remove_worker(f->feed, 2, f->now++), KM_OK);
+        fx_add(f, 2, false);
+        pack_group_batch(&sb, &full, 1);
+        live_payload(f, 2, 0, &sb);
     }
     cr_assert(km_feed_flush_take(split.feed));
     fx_flush(&plain); /* the plain flush at the take */
@@ -3246,20 +3256,20 @@ Test(feed, window_rules_queued_while_a_flush_applies_wait_for_their_updates, .ti
     km_feed_flush_stats fs;
     cr_assert_eq(km_feed_flush_finish(split.feed, split.now++, &fs), KM_OK, "finish: %s",
                  km_feed_last_error(split.feed));
-    uint32_t want[2] = {N, k};
-    for (uint32_t w = 0; w < 2; w++) {
+    uint32_t want[3] = {N, k, N};
+    for (uint32_t w = 0; w < 3; w++) {
         uint32_t p = held_depth(plain.index, w, chains, N), s = held_depth(split.index, w, chains, N);
         cr_assert_eq(p, want[w], "worker %u after the plain flush: %u, want %u", w, p, want[w]);
         cr_assert_eq(s, p, "worker %u: %u after the split flush, %u after the plain one (window "
                      "of %u tokens, k %u)", w, s, p, window, k);
     }
-    /* The next flush applies what was queued, rules included: worker 0 keeps all N (both groups
-     * hold every block), worker 1 is gone. */
+    /* The next flush applies what was queued, rules included: workers 0 and 2 keep all N
+     * (worker 0's groups both hold every block), worker 1 is gone. */
     fx_flush(&plain);
     fx_flush(&split);
-    for (uint32_t w = 0; w < 2; w++) {
+    for (uint32_t w = 0; w < 3; w++) {
         uint32_t p = held_depth(plain.index, w, chains, N), s = held_depth(split.index, w, chains, N);
-        cr_assert_eq(p, w == 0 ? N : 0, "worker %u after the second plain flush: %u", w, p);
+        cr_assert_eq(p, w == 1 ? 0 : N, "worker %u after the second plain flush: %u", w, p);
         cr_assert_eq(s, p, "worker %u after the second flush: %u split, %u plain", w, s, p);
     }
     fx_free(&plain);

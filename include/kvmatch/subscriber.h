@@ -51,7 +51,9 @@ typedef struct km_subscriber_config {
                                    * buffer) */
     uint32_t max_messages_per_wakeup; /* taken from one socket before the others get a turn;
                                        * default 256 */
-    km_log_fn log;                /* transport lines; NULL = stderr */
+    km_log_fn log;                /* transport lines; NULL = stderr. May be called with the
+                                   * handle's lock held: it must not call into this
+                                   * subscriber */
     void *log_user;
     /* Restart of kvmatch (docs/EVENTS.md, "Restart of kvmatch"). Periodic snapshots: when
      * snapshot_path is set and snapshot_interval_ms > 0, km_subscriber_flush writes one (via

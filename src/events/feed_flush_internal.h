@@ -13,7 +13,8 @@
  * (false: nothing queued) and the feed goes on queuing into fresh arrays; km_feed_flush_apply
  * hands them to the index with no feed state touched, so it alone may run without that lock,
  * while other feed calls (never another flush) go on under it; km_feed_flush_finish, under the
- * lock again, counts them applied and publishes the positions as of the take. If the index
+ * lock again, counts them applied and publishes the positions and sets the window rules as of
+ * the take (what was queued since follows with its own updates at the next flush). If the index
  * refused them, they are put back in front of what was queued since and the whole queue is
  * flushed as km_feed_flush does, as if this flush had come later. Until the finish, worker info
  * reports the positions of the flush before, and the state cannot be exported (feed_updates.c). */

@@ -955,6 +955,8 @@ static void clear_removed_rules(km_feed *feed, size_t n)
         else
             km_index_set_worker_windows(feed->index, feed->rule_clears[i], NULL, 0);
     }
+    if (n == 0)
+        return; /* rule_clears may be NULL */
     memmove(feed->rule_clears, feed->rule_clears + n,
             (feed->rule_clear_count - n) * sizeof *feed->rule_clears);
     feed->rule_clear_count -= n;
@@ -1072,6 +1074,14 @@ bool km_feed_flush_take(km_feed *feed)
     if (GROW(t->scratch, t->scratch_capacity, feed->queue_count) ||
         GROW(t->positions, t->positions_capacity, feed->n_workers))
         return false; /* km_feed_flush_finish flushes under the lock instead */
+    /* A worker removed and added again under the same id: the old one's rule, still in the index,
+     * is replaced by the new one's as of this take (clear_removed_rules does the same at a
+     * plain flush). */
+    for (size_t i = 0; i < feed->rule_clear_count; i++) {
+        worker *w = km_feed_find_worker(feed, feed->rule_clears[i]);
+        if (w)
+            w->index_rule_failed = true;
+    }
     t->window_block_count = 0;
     for (uint32_t i = 0; i < feed->n_workers; i++) {
         const worker *w = feed->workers[i];
