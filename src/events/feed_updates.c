@@ -1008,7 +1008,8 @@ static void sync_taken_window_rules(km_feed *feed)
         const taken_position *p = &t->positions[i];
         worker *w = p->sync_rule ? km_feed_find_worker(feed, p->worker) : NULL;
         if (w && w->generation == p->generation)
-            set_index_rule(feed, w, p->windows, t->window_blocks + p->window_blocks_at);
+            set_index_rule(feed, w, p->windows,
+                           p->windows ? t->window_blocks + p->window_blocks_at : NULL);
     }
 }
 
@@ -1095,7 +1096,8 @@ bool km_feed_flush_take(km_feed *feed)
             return false;
         p->sync_rule = true;
         p->window_blocks_at = t->window_block_count;
-        memcpy(t->window_blocks + t->window_block_count, blocks, n * sizeof *blocks);
+        if (n) /* a rule to clear has no blocks, and window_blocks may still be NULL */
+            memcpy(t->window_blocks + t->window_block_count, blocks, n * sizeof *blocks);
         t->window_block_count += n;
     }
     queue_to_updates(feed, t->scratch);
