@@ -730,6 +730,9 @@ int km_feed_add_worker_identity(km_feed *feed, const km_feed_worker_config *cfg,
         return km_feed_fail(feed, KM_ERR_OUT_OF_MEMORY, "worker state");
     w->id = cfg->worker;
     w->generation = ++feed->next_generation;
+    /* The index may still hold a removed worker's rule under this id (it is cleared with that
+     * worker's blocks): this worker's own rule replaces it at its first sync. */
+    w->index_rule_failed = true;
     snprintf(w->name, sizeof w->name, "%s", cfg->name ? cfg->name : "");
     snprintf(w->identity, sizeof w->identity, "%s", identity);
     w->has_replay = cfg->has_replay;

@@ -128,7 +128,8 @@ typedef struct worker {
     uint32_t window_groups;
     uint32_t window_blocks[31];
     /* The window groups of the rule the index scores this worker by (km_index_set_worker_windows,
-     * set at each flush from window_groups), and whether setting it last failed. */
+     * set at each flush from window_groups), and whether the index's rule is unknown (setting it
+     * last failed, or the worker is new or restored: another rule may stand under its id). */
     uint32_t index_window_groups;
     bool index_rule_failed;
     dedup_slot *dedup; /* replay_dedup_window slots, allocated with the first replay item */

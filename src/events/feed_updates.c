@@ -950,9 +950,7 @@ static void clear_removed_rules(km_feed *feed, size_t n)
 {
     for (size_t i = 0; i < n; i++) {
         worker *w = km_feed_find_worker(feed, feed->rule_clears[i]);
-        if (w) /* added again under the id: its own rule is set at a sync */
-            w->index_rule_failed = true;
-        else
+        if (!w) /* else added again under the id: its own rule replaces this one at a sync */
             km_index_set_worker_windows(feed->index, feed->rule_clears[i], NULL, 0);
     }
     if (n == 0)
@@ -1075,14 +1073,6 @@ bool km_feed_flush_take(km_feed *feed)
     if (GROW(t->scratch, t->scratch_capacity, feed->queue_count) ||
         GROW(t->positions, t->positions_capacity, feed->n_workers))
         return false; /* km_feed_flush_finish flushes under the lock instead */
-    /* A worker removed and added again under the same id: the old one's rule, still in the index,
-     * is replaced by the new one's as of this take (clear_removed_rules does the same at a
-     * plain flush). */
-    for (size_t i = 0; i < feed->rule_clear_count; i++) {
-        worker *w = km_feed_find_worker(feed, feed->rule_clears[i]);
-        if (w)
-            w->index_rule_failed = true;
-    }
     t->window_block_count = 0;
     for (uint32_t i = 0; i < feed->n_workers; i++) {
         const worker *w = feed->workers[i];
