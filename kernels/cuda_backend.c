@@ -5,9 +5,17 @@
  * in kernels/. Errors come back as km_status codes; KM_ERR_CUDA carries its detail into the index's
  * last-error message, and the index then moves to the CPU backend. Built only with KM_HAVE_CUDA. */
 #include <stdio.h>
+#include <stdlib.h>
 
+#include "index/thread_pool.h"
 #include "index/index_internal.h"
 #include "cuda_seam.h"
+
+/* The device side and the host threads that pack each batch's hashes and move its results. */
+typedef struct cuda_backend {
+    km_cuda *cuda;
+    km_thread_pool *pool; /* NULL when single-threaded */
+} cuda_backend;
 
 /* How the replica of one host table is brought up to date. `full` forces a whole upload (create);
  * the table's own layout_changed forces one after a resize, rehash or pool growth. */
@@ -42,54 +50,85 @@ static int km_cuda_sync_both(km_cuda *cuda, km_index *index, int full, const cha
     return km_cuda_sync_table(cuda, KM_CUDA_TABLE_SEGMENTS, &segments);
 }
 
-/* Open the device and upload both tables whole. On success `why` holds the device's description
- * ("NVIDIA H200 (device 0, sm_90, ...)") for the backend-choice log line. */
-static int km_cuda_backend_create(km_index *index, void **state, char *why, size_t why_size)
-{
-    km_cuda *cuda = NULL;
-    *state = NULL;
-    int rc = km_cuda_create(index->config.cuda_device, &cuda, why, why_size);
-    if (rc != KM_OK)
-        return rc;
-    const char *which = "";
-    rc = km_cuda_sync_both(cuda, index, 1, &which);
-    if (rc != KM_OK) {
-        snprintf(why, why_size, "%s: uploading the %s: %s", km_cuda_describe(cuda), which,
-                 km_cuda_last_error(cuda));
-        km_cuda_destroy(cuda);
-        return rc;
-    }
-    *state = cuda;
-    return KM_OK;
-}
-
 static void km_cuda_backend_destroy(void *state)
 {
-    km_cuda_destroy(state);
+    cuda_backend *backend = state;
+    if (!backend)
+        return;
+    km_cuda_destroy(backend->cuda);
+    km_thread_pool_destroy(backend->pool);
+    free(backend);
+}
+
+/* Open the device and upload both tables whole, and start the host threads (config.threads in
+ * all, the caller's included). On success `why` holds the device's description ("NVIDIA H200
+ * (device 0, sm_90, ...)") for the backend-choice log line. */
+static int km_cuda_backend_create(km_index *index, void **state, char *why, size_t why_size)
+{
+    *state = NULL;
+    cuda_backend *backend = calloc(1, sizeof *backend);
+    if (!backend) {
+        snprintf(why, why_size, "CUDA backend: out of host memory");
+        return KM_ERR_OUT_OF_MEMORY;
+    }
+    int rc = km_cuda_create(index->config.cuda_device, &backend->cuda, why, why_size);
+    if (rc != KM_OK) {
+        free(backend);
+        return rc;
+    }
+    const char *which = "";
+    rc = km_cuda_sync_both(backend->cuda, index, 1, &which);
+    if (rc != KM_OK) {
+        snprintf(why, why_size, "%s: uploading the %s: %s", km_cuda_describe(backend->cuda), which,
+                 km_cuda_last_error(backend->cuda));
+        km_cuda_backend_destroy(backend);
+        return rc;
+    }
+    uint32_t threads = index->config.threads ? index->config.threads : 1;
+    if (threads > 1) {
+        backend->pool = km_thread_pool_create(threads - 1, "km-cuda-host");
+        if (!backend->pool) {
+            snprintf(why, why_size, "CUDA backend: starting %u host threads", threads - 1);
+            km_cuda_backend_destroy(backend);
+            return KM_ERR_OUT_OF_MEMORY;
+        }
+    }
+    *state = backend;
+    return KM_OK;
 }
 
 static int km_cuda_backend_sync(void *state, km_index *index)
 {
+    cuda_backend *backend = state;
     const char *which = "";
-    int rc = km_cuda_sync_both(state, index, 0, &which);
+    int rc = km_cuda_sync_both(backend->cuda, index, 0, &which);
     if (rc != KM_OK)
         return km_index_fail(index, rc, "CUDA backend: updating the device %s: %s", which,
-                             km_cuda_last_error(state));
+                             km_cuda_last_error(backend->cuda));
     return KM_OK;
+}
+
+static void km_cuda_backend_for_each(void *pool, size_t n_parts, void (*part)(void *arg, size_t i),
+                                     void *arg)
+{
+    km_thread_pool_for_each(pool, n_parts, part, arg);
 }
 
 static int km_cuda_backend_match(void *state, km_index *index, const km_request *requests,
                                  size_t n, km_match_results *results)
 {
+    cuda_backend *backend = state;
     km_cuda_match_args args = {
         .max_workers = index->config.max_workers,
         .segment_blocks = index->config.segment_blocks,
         .reserve = km_match_results_reserve,
+        .for_each = km_cuda_backend_for_each,
+        .for_each_ctx = backend->pool,
     };
-    int rc = km_cuda_match(state, &args, requests, n, results);
+    int rc = km_cuda_match(backend->cuda, &args, requests, n, results);
     if (rc != KM_OK)
         return km_index_fail(index, rc, "CUDA backend: scoring %zu requests: %s", n,
-                             km_cuda_last_error(state));
+                             km_cuda_last_error(backend->cuda));
     return KM_OK;
 }
 

@@ -13,8 +13,8 @@
  * (not sticky: the index scores on the host meanwhile).
  *
  * Ordering: all device work runs on one stream. Pinned staging buffers are rewritten by the host
- * only after the copies that read them are known complete (an event per sync staging buffer, a
- * stream synchronisation at the end of each scoring chunk for the scoring staging). Device buffers
+ * only after the copies that read them are known complete (an event per sync staging buffer; for
+ * the scoring staging, each chunk waits for its last copy back before it returns). Device buffers
  * are only freed or regrown after the stream is drained (km_cuda_device_reserve). */
 #include <cuda_runtime.h>
 
@@ -59,6 +59,18 @@ static_assert(sizeof(km_slot) == 16 && alignof(km_slot) == 16, "slot layout");
 #define KM_CUDA_WALK_WARPS 4u
 #define KM_CUDA_WALK_SHARED_BYTES ((size_t)48 << 10)
 #define KM_CUDA_COPY_THREADS 256u
+/* Host copies of a scoring chunk. The hashes are packed into pinned staging in
+ * KM_CUDA_STAGE_PIECES pieces of about equal size, each piece's copy to the device queued as soon
+ * as it is packed, so the copy engine reads one piece while the host packs the next; within a piece
+ * the caller's threads take KM_CUDA_STAGE_PART_REQUESTS requests at a time. The results come back
+ * into pinned memory in up to KM_CUDA_RESULT_PIECES pieces of at least KM_CUDA_RESULT_PIECE_MIN
+ * bytes, and the host moves each piece into the caller's results (KM_CUDA_RESULT_PART_BYTES per
+ * part) while the next is on the bus. */
+#define KM_CUDA_STAGE_PIECES 4u
+#define KM_CUDA_STAGE_PART_REQUESTS 16u
+#define KM_CUDA_RESULT_PIECES 4u
+#define KM_CUDA_RESULT_PIECE_MIN ((size_t)512 << 10)
+#define KM_CUDA_RESULT_PART_BYTES ((size_t)64 << 10)
 #define KM_CUDA_MAX_GRID 65535u /* grid-stride loops cover anything beyond */
 
 /* ---- state ------------------------------------------------------------------------------------ */
@@ -82,6 +94,7 @@ struct km_cuda {
     int device;
     cudaStream_t stream;
     cudaEvent_t sync_staging_free[2]; /* recorded after the last copy out of sync_host[i] */
+    cudaEvent_t results_arrived[2];   /* recorded after a piece of results reached matches_host */
     int sync_staging_pending[2];      /* the event was recorded and not waited for since */
     int sync_staging_next;            /* the buffer the next round fills */
 
@@ -99,11 +112,9 @@ struct km_cuda {
 
     /* scoring: offsets (n+1 u64) and packed hashes, pinned and device; per-request results
      * (count, owner, owner_depth, probes: 4 arrays of m u32) pinned and device (+ first: m u32);
-     * walk scratch; compacted entries. */
+     * walk scratch; compacted entries, device and their pinned landing place. */
     km_cuda_buffer offsets_host, offsets_dev, hashes_host, hashes_dev, meta_host, meta_dev;
-    km_cuda_buffer entries_dev, scratch_dev, compact_dev;
-
-    size_t last_chunk_matches; /* entries of the last scoring chunk: the next one's guess */
+    km_cuda_buffer entries_dev, scratch_dev, compact_dev, matches_host;
 
     char description[192];
     char last_error[256];
@@ -426,9 +437,13 @@ extern "C" void km_cuda_destroy(km_cuda *c)
     km_cuda_buffer_free_pinned(&c->offsets_host);
     km_cuda_buffer_free_pinned(&c->hashes_host);
     km_cuda_buffer_free_pinned(&c->meta_host);
-    for (int i = 0; i < 2; i++)
+    km_cuda_buffer_free_pinned(&c->matches_host);
+    for (int i = 0; i < 2; i++) {
         if (c->sync_staging_free[i])
             (void)cudaEventDestroy(c->sync_staging_free[i]);
+        if (c->results_arrived[i])
+            (void)cudaEventDestroy(c->results_arrived[i]);
+    }
     if (c->stream)
         (void)cudaStreamDestroy(c->stream);
     (void)cudaGetLastError();
@@ -541,8 +556,11 @@ extern "C" int km_cuda_create(int device, km_cuda **out, char *why, size_t why_s
     }
     c->device = device;
     e = cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking);
-    for (int i = 0; i < 2 && e == cudaSuccess; i++)
+    for (int i = 0; i < 2 && e == cudaSuccess; i++) {
         e = cudaEventCreateWithFlags(&c->sync_staging_free[i], cudaEventDisableTiming);
+        if (e == cudaSuccess)
+            e = cudaEventCreateWithFlags(&c->results_arrived[i], cudaEventDisableTiming);
+    }
     if (e != cudaSuccess) {
         snprintf(why, why_size, "CUDA device %d: creating the stream: %s [%s]", device,
                  cudaGetErrorString(e), cudaGetErrorName(e));
@@ -845,6 +863,129 @@ extern "C" int km_cuda_sync_table(km_cuda *c, km_cuda_table_id id, const km_cuda
     return KM_OK;
 }
 
+/* ---- host copies on the caller's threads --------------------------------------------------- */
+
+static void km_cuda_host_for_each(const km_cuda_match_args *args, size_t n_parts,
+                                  void (*part)(void *arg, size_t i), void *arg)
+{
+    if (args->for_each) {
+        args->for_each(args->for_each_ctx, n_parts, part, arg);
+        return;
+    }
+    for (size_t i = 0; i < n_parts; i++)
+        part(arg, i);
+}
+
+/* Packing requests [first, end) of a chunk: request i's hashes go to hashes + offsets[i]. */
+typedef struct km_cuda_pack_job {
+    const km_request *requests;
+    const uint64_t *offsets;
+    uint64_t *hashes;
+    uint32_t first, end;
+} km_cuda_pack_job;
+
+static void km_cuda_pack_part(void *arg, size_t part)
+{
+    const km_cuda_pack_job *job = (const km_cuda_pack_job *)arg;
+    uint64_t from = job->first + (uint64_t)part * KM_CUDA_STAGE_PART_REQUESTS;
+    uint64_t to = from + KM_CUDA_STAGE_PART_REQUESTS < job->end ? from + KM_CUDA_STAGE_PART_REQUESTS
+                                                                : job->end;
+    for (uint64_t i = from; i < to; i++)
+        if (job->requests[i].n_hashes > 0)
+            memcpy(job->hashes + job->offsets[i], job->requests[i].hashes,
+                   (size_t)job->requests[i].n_hashes * sizeof(uint64_t));
+}
+
+/* A plain copy of `bytes`, KM_CUDA_RESULT_PART_BYTES per part. */
+typedef struct km_cuda_copy_job {
+    char *to;
+    const char *from;
+    size_t bytes;
+} km_cuda_copy_job;
+
+static void km_cuda_copy_part(void *arg, size_t part)
+{
+    const km_cuda_copy_job *job = (const km_cuda_copy_job *)arg;
+    size_t at = part * KM_CUDA_RESULT_PART_BYTES;
+    size_t len = job->bytes - at < KM_CUDA_RESULT_PART_BYTES ? job->bytes - at
+                                                             : KM_CUDA_RESULT_PART_BYTES;
+    memcpy(job->to + at, job->from + at, len);
+}
+
+/* Pack the chunk's hashes into pinned staging and queue their copies to the device, piece by
+ * piece (KM_CUDA_STAGE_PIECES). h_offsets[0..m] are already written; the pinned buffer is free
+ * (the previous chunk synchronised the stream). */
+static int km_cuda_stage_hashes(km_cuda *c, const km_cuda_match_args *args,
+                                const km_request *requests, uint32_t m, const uint64_t *h_offsets)
+{
+    uint64_t total = h_offsets[m];
+    uint64_t *h_hashes = (uint64_t *)c->hashes_host.ptr;
+    uint64_t *d_hashes = (uint64_t *)c->hashes_dev.ptr;
+    uint32_t first = 0;
+    for (uint32_t piece = 1; piece <= KM_CUDA_STAGE_PIECES && first < m; piece++) {
+        uint32_t end = first;
+        if (piece == KM_CUDA_STAGE_PIECES) {
+            end = m;
+        } else {
+            uint64_t until = total * piece / KM_CUDA_STAGE_PIECES;
+            while (end < m && h_offsets[end] < until)
+                end++;
+        }
+        if (end == first)
+            continue;
+        km_cuda_pack_job job = {requests, h_offsets, h_hashes, first, end};
+        size_t parts =
+            (end - first + KM_CUDA_STAGE_PART_REQUESTS - 1) / KM_CUDA_STAGE_PART_REQUESTS;
+        km_cuda_host_for_each(args, parts, km_cuda_pack_part, &job);
+        uint64_t at = h_offsets[first], count = h_offsets[end] - h_offsets[first];
+        if (count > 0)
+            KM_CUDA_CHECK(c, cudaMemcpyAsync(d_hashes + at, h_hashes + at, count * sizeof(uint64_t),
+                                             cudaMemcpyHostToDevice, c->stream));
+        first = end;
+    }
+    return KM_OK;
+}
+
+/* Bring `count` compacted entries back into `to` (the caller's results): device to pinned in
+ * pieces, each moved on by the host threads while the next is on the bus. Returns with the stream
+ * idle on success. */
+static int km_cuda_copy_back(km_cuda *c, const km_cuda_match_args *args, km_walk_entry *to,
+                             size_t count)
+{
+    size_t bytes = count * sizeof(km_walk_entry);
+    if (bytes == 0)
+        return KM_OK;
+    KM_CHECK(km_cuda_pinned_reserve(c, &c->matches_host, bytes));
+    size_t pieces = (bytes + KM_CUDA_RESULT_PIECE_MIN - 1) / KM_CUDA_RESULT_PIECE_MIN;
+    if (pieces > KM_CUDA_RESULT_PIECES)
+        pieces = KM_CUDA_RESULT_PIECES;
+    size_t piece_entries = (count + pieces - 1) / pieces;
+    pieces = (count + piece_entries - 1) / piece_entries; /* none empty */
+    size_t per_piece = piece_entries * sizeof(km_walk_entry);
+    char *landing = (char *)c->matches_host.ptr;
+    const char *from = (const char *)c->compact_dev.ptr;
+    /* Piece k is queued with event k % 2 behind it; two are on the bus while the host copies. */
+    size_t queued = 0;
+    for (size_t k = 0; k < pieces; k++) {
+        while (queued < pieces && queued < k + 2) {
+            size_t at = queued * per_piece;
+            size_t len = bytes - at < per_piece ? bytes - at : per_piece;
+            KM_CUDA_CHECK(c, cudaMemcpyAsync(landing + at, from + at, len, cudaMemcpyDeviceToHost,
+                                             c->stream));
+            KM_CUDA_CHECK(c, cudaEventRecord(c->results_arrived[queued % 2], c->stream));
+            queued++;
+        }
+        KM_CUDA_CHECK(c, cudaEventSynchronize(c->results_arrived[k % 2]));
+        size_t at = k * per_piece;
+        km_cuda_copy_job job = {(char *)to + at, landing + at,
+                                bytes - at < per_piece ? bytes - at : per_piece};
+        km_cuda_host_for_each(args, (job.bytes + KM_CUDA_RESULT_PART_BYTES - 1) /
+                                        KM_CUDA_RESULT_PART_BYTES,
+                              km_cuda_copy_part, &job);
+    }
+    return KM_OK;
+}
+
 /* ---- scoring ---------------------------------------------------------------------------------- */
 
 static km_table_view km_cuda_view_of(const km_cuda_replica *r)
@@ -868,19 +1009,6 @@ static int km_cuda_match_chunk(km_cuda *c, const km_cuda_match_args *args,
                                size_t first_request, size_t n_requests, km_match_results *results)
 {
     uint32_t W = args->max_workers;
-    /* Room for the results the first copy back brings (twice the last chunk's entries, at least
-     * 4,096), taken before anything is queued: a failure here leaves the stream idle, so the
-     * pinned buffers stay free for the next call. */
-    size_t base = results->n_matches;
-    size_t most = (size_t)m * W;
-    size_t guess = c->last_chunk_matches * 2 > 4096 ? c->last_chunk_matches * 2 : 4096;
-    if (guess > most)
-        guess = most;
-    int rc = args->reserve(results, n_requests, base + guess);
-    if (rc != KM_OK)
-        return km_cuda_fail_status(c, rc, "CUDA backend: reserving results for %zu matches",
-                                   base + guess);
-
     /* Stage the hashes, packed, with offsets. Every return after the first copy below is queued
      * either synchronises the stream or ends the backend (km_cuda_destroy synchronises), so the
      * pinned buffers are free here. */
@@ -891,21 +1019,16 @@ static int km_cuda_match_chunk(km_cuda *c, const km_cuda_match_args *args,
         KM_CHECK(km_cuda_device_reserve(c, &c->hashes_dev, n_hashes * sizeof(uint64_t)));
     }
     uint64_t *h_offsets = (uint64_t *)c->offsets_host.ptr;
-    uint64_t *h_hashes = (uint64_t *)c->hashes_host.ptr;
     uint64_t at = 0;
     for (uint32_t i = 0; i < m; i++) {
         h_offsets[i] = at;
-        if (requests[i].n_hashes > 0) {
-            memcpy(h_hashes + at, requests[i].hashes, (size_t)requests[i].n_hashes * sizeof(uint64_t));
-            at += requests[i].n_hashes;
-        }
+        at += requests[i].n_hashes;
     }
     h_offsets[m] = at;
     KM_CUDA_CHECK(c, cudaMemcpyAsync(c->offsets_dev.ptr, h_offsets, ((size_t)m + 1) * sizeof(uint64_t),
                                      cudaMemcpyHostToDevice, c->stream));
     if (n_hashes > 0)
-        KM_CUDA_CHECK(c, cudaMemcpyAsync(c->hashes_dev.ptr, h_hashes, n_hashes * sizeof(uint64_t),
-                                         cudaMemcpyHostToDevice, c->stream));
+        KM_CHECK(km_cuda_stage_hashes(c, args, requests, m, h_offsets));
 
     /* Walk: per-request outputs are 4 packed arrays of m u32 (one copy back), then, 256-byte
      * aligned, first[m] from the scan. Scratch rows and meta_dev are reserved by the caller for
@@ -932,21 +1055,17 @@ static int km_cuda_match_chunk(km_cuda *c, const km_cuda_match_args *args,
     KM_CHECK(km_cuda_temp_reserve(c, temp_bytes));
     KM_CUDA_CHECK(c, cub::DeviceScan::ExclusiveSum(c->temp_dev.ptr, temp_bytes, out.count, d_first,
                                                    (int)m, c->stream));
-    /* Compact every request's entries (the caller reserved compact_dev for m * W), then copy back
-     * the per-request outputs and the guessed number of entries: one round trip, a second only
-     * when the chunk has more entries than guessed. */
+    /* Compact every request's entries (the caller reserved compact_dev for m * W), and bring the
+     * per-request outputs back first: they say how many entries to copy. */
     KM_CUDA_CHECK(c, km_launch_gather(c->stream, (const km_walk_entry *)c->entries_dev.ptr, W,
                                       out.count, d_first, m, (km_walk_entry *)c->compact_dev.ptr));
     uint32_t *h_meta = (uint32_t *)c->meta_host.ptr;
     KM_CUDA_CHECK(c, cudaMemcpyAsync(h_meta, d_meta, 4 * (size_t)m * sizeof(uint32_t),
                                      cudaMemcpyDeviceToHost, c->stream));
-    /* Pageable destination: the copy has completed once the synchronisation returns. */
-    KM_CUDA_CHECK(c, cudaMemcpyAsync(results->matches + base, c->compact_dev.ptr,
-                                     guess * sizeof(km_walk_entry), cudaMemcpyDeviceToHost,
-                                     c->stream));
     KM_CUDA_CHECK(c, cudaStreamSynchronize(c->stream));
 
     /* The host sums the same counts the scan summed, so its offsets equal d_first. */
+    size_t base = results->n_matches;
     size_t chunk_matches = 0;
     uint64_t chunk_probes = 0;
     for (uint32_t i = 0; i < m; i++) {
@@ -964,19 +1083,12 @@ static int km_cuda_match_chunk(km_cuda *c, const km_cuda_match_args *args,
         chunk_probes += res->probes;
         chunk_matches += count;
     }
+    int rc = args->reserve(results, n_requests, base + chunk_matches);
+    if (rc != KM_OK)
+        return km_cuda_fail_status(c, rc, "CUDA backend: reserving results for %zu matches",
+                                   base + chunk_matches);
+    KM_CHECK(km_cuda_copy_back(c, args, (km_walk_entry *)results->matches + base, chunk_matches));
     results->probes += chunk_probes;
-    c->last_chunk_matches = chunk_matches;
-    if (chunk_matches > guess) {
-        rc = args->reserve(results, n_requests, base + chunk_matches);
-        if (rc != KM_OK)
-            return km_cuda_fail_status(c, rc, "CUDA backend: reserving results for %zu matches",
-                                       base + chunk_matches);
-        KM_CUDA_CHECK(c, cudaMemcpyAsync(results->matches + base + guess,
-                                         (const km_walk_entry *)c->compact_dev.ptr + guess,
-                                         (chunk_matches - guess) * sizeof(km_walk_entry),
-                                         cudaMemcpyDeviceToHost, c->stream));
-        KM_CUDA_CHECK(c, cudaStreamSynchronize(c->stream));
-    }
     results->n_matches = base + chunk_matches;
     return KM_OK;
 }

@@ -80,6 +80,13 @@ typedef struct km_cuda_match_args {
     uint32_t max_workers;
     uint32_t segment_blocks;
     int (*reserve)(km_match_results *results, size_t n_requests, size_t n_matches);
+    /* The host copies (packing the hashes into pinned staging, the results out of it) run as
+     * parts on the caller's threads: for_each(for_each_ctx, n_parts, part, arg) calls
+     * part(arg, i) once for every i in [0, n_parts) and returns when all have returned. NULL runs
+     * them in order on the calling thread. */
+    void (*for_each)(void *for_each_ctx, size_t n_parts, void (*part)(void *arg, size_t i),
+                     void *arg);
+    void *for_each_ctx;
 } km_cuda_match_args;
 
 /* Score n requests on the replicas into results: results->requests[0..n) (first, count, owner,

@@ -292,6 +292,46 @@ static km_request *chain_requests(km_rng *r, const uint64_t *chains, uint32_t n_
     return q;
 }
 
+/* A batch whose results span several copy-back pieces (kernels/cuda_kernels.cu,
+ * KM_CUDA_RESULT_PIECES of at least KM_CUDA_RESULT_PIECE_MIN bytes) and whose hashes are staged in
+ * several pieces by two host threads: 512 workers hold one chain to three different depths, so a
+ * request names up to 512 workers (about 4 KB of results), and 2,000 requests, every tenth of them
+ * empty, make several megabytes. The same batch again reuses the pinned buffers, then a batch of
+ * three requests takes the one-piece path. */
+Test(cuda, results_of_several_megabytes_come_back_whole, .timeout = 120)
+{
+    const uint32_t W = 512, S = 32, N = 300, NQ = 2000;
+    pair p;
+    pair_init(&p, W, S);
+    km_rng r;
+    km_rng_init(&r, km_test_seed() ^ 0xC0B7);
+    uint64_t *chain = malloc(N * sizeof *chain);
+    km_update *u = malloc(W * sizeof *u);
+    km_request *q = malloc(NQ * sizeof *q);
+    cr_assert(chain && u && q);
+    for (uint32_t i = 0; i < N; i++)
+        chain[i] = km_rng_hash(&r);
+    const uint32_t depths[] = {N, N / 2, 7};
+    for (uint32_t w = 0; w < W; w++)
+        u[w] = (km_update){KM_UPDATE_STORE, w, KM_NO_PARENT, chain, depths[w % 3], KM_TIER_DEVICE};
+    km_update_stats expect;
+    km_oracle_apply(&p.oracle, u, W, &expect);
+    pair_apply(&p, u, W, &expect);
+    for (uint32_t i = 0; i < NQ; i++)
+        q[i] = i % 10 == 3 ? (km_request){NULL, 0}
+                           : (km_request){chain, 1 + km_rng_below(&r, N)};
+    pair_compare(&p, q, NQ, 1, "2,000 requests");
+    size_t entries = p.cuda_res.n_matches;
+    KM_CHECK(entries * sizeof(km_worker_match) > ((size_t)4 << 20),
+             "the batch was meant to bring back over 4 MB: %zu entries", entries);
+    pair_compare(&p, q, NQ, 1, "the same 2,000 requests again");
+    pair_compare(&p, q + 1, 3, 1, "three requests");
+    free(q);
+    free(u);
+    free(chain);
+    pair_free(&p);
+}
+
 /* The widest bitmaps (KM_MAX_WORKERS_LIMIT workers: 1,024 words per set, 201 requests per scoring
  * chunk, so 700 requests take four) and bitmap patches longer than one staging round: 5,000 blocks
  * whose holders are spread over the words become 5,000 bitmaps (a pool growth: uploaded whole);

@@ -50,7 +50,9 @@ typedef struct km_index_config {
     uint64_t initial_blocks;    /* capacity hint for distinct blocks; default 1 << 16 */
     uint64_t memory_cap_bytes;  /* 0 = no cap; otherwise table memory never exceeds it (KM_ERR_MEMORY_CAP) */
     uint32_t max_request_blocks; /* longest request accepted by match_batch; default 1 << 20 */
-    uint32_t threads;           /* CPU scoring threads; 0 = online CPUs */
+    uint32_t threads;           /* host threads of a batch, the caller's included: the CPU
+                                 * backend's walks, the CUDA backend's staging and result copies;
+                                 * 0 = online CPUs */
     km_backend_kind backend;    /* default KM_BACKEND_AUTO */
     int cuda_device;            /* device ordinal for the CUDA backend; default 0. The CUDA
                                  * backend makes it the current device of every thread that calls

@@ -1,209 +1,19 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* The CPU backend: scores requests straight from the host tables with the per-element walk steps
- * of src/index/slot_walk.h (those km_walk_request is made of), across a persistent pool of threads.
- * A batch runs in two phases: each request's entry count (its block 0's holder count) first, so
- * every walk then writes its entries straight into their final place in the results. Lanes claim
- * requests in small chunks, so a slow or late lane never holds the batch up, and each lane walks
- * several requests interleaved, one lookup per request per turn with the next one prefetched, so
- * several DRAM misses are always in flight per thread. */
-#include <pthread.h>
-#include <sched.h>
+ * of src/index/slot_walk.h (those km_walk_request is made of), across a persistent pool of threads
+ * (src/index/thread_pool.h). A batch runs in two phases: each request's entry count (its block 0's
+ * holder count) first, so every walk then writes its entries straight into their final place in
+ * the results. Lanes claim requests in small chunks, so a slow or late lane never holds the batch
+ * up, and each lane walks several requests interleaved, one lookup per request per turn with the
+ * next one prefetched, so several DRAM misses are always in flight per thread. */
 #include <stdatomic.h>
 #include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "base/array.h"
+#include "index/thread_pool.h"
 #include "index/index_internal.h"
-
-/* ---- a persistent pool that does not wait for late helpers ------------------------------------
- *
- * A batch of ~1000 requests takes a few hundred microseconds; waking a parked helper can take tens
- * (more on a busy or virtualised machine). So the caller never waits for a helper to wake: it starts
- * on the job at once, the job's work is claimed in small chunks, and a helper that wakes after all
- * of it has been claimed backs out. The caller waits only for helpers actually inside the job.
- * Batches often come back to back, so a helper that has finished one watches `open_generation` for
- * a while (POOL_SPIN_BEFORE_PARKING pause loops, about a tenth of a millisecond) before it parks,
- * and joins the next job from there without a wake-up.
- *
- * Joining is a Dekker pair on sequentially consistent atomics: a helper increments `inside` and
- * then checks that `open_generation` is still the generation it woke for or saw; the caller clears
- * `open_generation` and then reads `inside`. At least one of them sees
- * the other's write, so either the helper backs out or the caller waits for it. */
-
-typedef void (*pool_job)(void *arg, uint32_t thread_index);
-
-typedef struct km_thread_pool {
-    pthread_t *threads;
-    uint32_t n_threads; /* helper threads; the caller is thread n_threads */
-    pthread_mutex_t mutex;
-    pthread_cond_t start;
-    uint64_t generation; /* under mutex */
-    int stop;            /* under mutex */
-    pool_job job;        /* written before generation advances, read after */
-    void *arg;
-    atomic_uint_fast64_t open_generation; /* the generation that may still be joined, else 0 */
-    atomic_uint inside;  /* helpers running the current job */
-    atomic_int caller_cpu; /* the CPU the caller opened the current job on, or -1 */
-    cpu_set_t allowed;     /* the CPUs the creating thread could run on */
-    int have_allowed;
-} km_thread_pool;
-
-typedef struct pool_thread_arg {
-    km_thread_pool *pool;
-    uint32_t index;
-} pool_thread_arg;
-
-static inline void cpu_pause(void)
-{
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_ia32_pause();
-#endif
-}
-
-/* Brief waits for another thread that is running (a helper finishing a chunk): spin, then yield
- * so a helper sharing this core can run. */
-static void pool_relax(uint32_t *spins)
-{
-    if (++*spins < 256) {
-        cpu_pause();
-    } else {
-        sched_yield();
-    }
-}
-
-/* After a job a helper watches for the next one this many pause loops before it parks. */
-#define POOL_SPIN_BEFORE_PARKING 4096u
-
-/* Run the job of generation g if it is still open (the Dekker pair above): while a helper is
- * inside an open job, job and arg stay as they are. */
-static void pool_join(km_thread_pool *pool, uint64_t g, uint32_t index)
-{
-    atomic_fetch_add(&pool->inside, 1);
-    if (atomic_load(&pool->open_generation) == g)
-        pool->job(pool->arg, index);
-    atomic_fetch_sub(&pool->inside, 1);
-}
-
-/* A woken helper on the CPU its caller opened the job on (the kernel tends to place a woken thread
- * beside its waker) moves to the others the creating thread could use, so the two do not share
- * one core for the batch. */
-static void pool_step_aside(km_thread_pool *pool)
-{
-    int here = sched_getcpu();
-    if (!pool->have_allowed || here < 0 || here != atomic_load(&pool->caller_cpu) ||
-        here >= CPU_SETSIZE)
-        return;
-    cpu_set_t others = pool->allowed;
-    CPU_CLR(here, &others);
-    if (CPU_COUNT(&others) > 0)
-        pthread_setaffinity_np(pthread_self(), sizeof others, &others);
-}
-
-static void *pool_main(void *p)
-{
-    pool_thread_arg self = *(pool_thread_arg *)p;
-    free(p);
-    km_thread_pool *pool = self.pool;
-    uint64_t seen = 0;
-    for (;;) {
-        uint64_t open = 0;
-        for (uint32_t spin = 0; spin < POOL_SPIN_BEFORE_PARKING && !open; spin++) {
-            uint64_t g = atomic_load_explicit(&pool->open_generation, memory_order_relaxed);
-            if (g != 0 && g != seen)
-                open = g;
-            else
-                cpu_pause();
-        }
-        if (open) {
-            seen = open;
-            pool_join(pool, open, self.index);
-            continue;
-        }
-        pthread_mutex_lock(&pool->mutex);
-        while (!pool->stop && pool->generation == seen)
-            pthread_cond_wait(&pool->start, &pool->mutex);
-        int stop = pool->stop;
-        seen = pool->generation;
-        pthread_mutex_unlock(&pool->mutex);
-        if (stop)
-            break;
-        pool_step_aside(pool);
-        pool_join(pool, seen, self.index); /* backs out of a job that has since closed */
-    }
-    return NULL;
-}
-
-static void pool_destroy(km_thread_pool *pool)
-{
-    if (!pool)
-        return;
-    pthread_mutex_lock(&pool->mutex);
-    pool->stop = 1;
-    pthread_cond_broadcast(&pool->start);
-    pthread_mutex_unlock(&pool->mutex);
-    for (uint32_t i = 0; i < pool->n_threads; i++)
-        pthread_join(pool->threads[i], NULL);
-    pthread_mutex_destroy(&pool->mutex);
-    pthread_cond_destroy(&pool->start);
-    free(pool->threads);
-    free(pool);
-}
-
-static km_thread_pool *pool_create(uint32_t helpers)
-{
-    km_thread_pool *pool = calloc(1, sizeof *pool);
-    if (!pool)
-        return NULL;
-    pthread_mutex_init(&pool->mutex, NULL);
-    pthread_cond_init(&pool->start, NULL);
-    atomic_init(&pool->caller_cpu, -1);
-    pool->have_allowed = pthread_getaffinity_np(pthread_self(), sizeof pool->allowed,
-                                                &pool->allowed) == 0;
-    atomic_init(&pool->open_generation, 0);
-    atomic_init(&pool->inside, 0);
-    pool->threads = calloc(helpers ? helpers : 1, sizeof *pool->threads);
-    if (!pool->threads) {
-        pool_destroy(pool);
-        return NULL;
-    }
-    for (uint32_t i = 0; i < helpers; i++) {
-        pool_thread_arg *arg = malloc(sizeof *arg);
-        if (arg) { /* filled before the thread starts: it reads them at once */
-            arg->pool = pool;
-            arg->index = i;
-        }
-        if (!arg || pthread_create(&pool->threads[i], NULL, pool_main, arg) != 0) {
-            free(arg);
-            pool_destroy(pool);
-            return NULL;
-        }
-        pthread_setname_np(pool->threads[i], "km-index"); /* for top -H, perf, bench ipc */
-        pool->n_threads++;
-    }
-    return pool;
-}
-
-/* Run job(arg, t) on the caller (t = n_threads) and on every helper that wakes while the job is
- * open (t = 0 .. n_threads-1); return when the caller's call has returned and no helper is inside.
- * Contract for the job: it claims its work dynamically and returns once none is left to claim, so
- * it is correct whichever lanes run it, the caller's alone included. */
-static void pool_run(km_thread_pool *pool, pool_job job, void *arg)
-{
-    atomic_store(&pool->caller_cpu, sched_getcpu());
-    pthread_mutex_lock(&pool->mutex);
-    pool->job = job;
-    pool->arg = arg;
-    pool->generation++;
-    atomic_store(&pool->open_generation, pool->generation);
-    pthread_cond_broadcast(&pool->start);
-    pthread_mutex_unlock(&pool->mutex);
-    job(arg, pool->n_threads);
-    atomic_store(&pool->open_generation, 0);
-    uint32_t spins = 0;
-    while (atomic_load(&pool->inside) != 0)
-        pool_relax(&spins);
-}
 
 /* ---- scoring --------------------------------------------------------------------------- */
 
@@ -569,7 +379,7 @@ static void match_lane(void *p, uint32_t lane_index)
     uint32_t spins = 0;
     int phase;
     while ((phase = atomic_load_explicit(&job->phase, memory_order_acquire)) == PHASE_COUNT)
-        pool_relax(&spins);
+        km_spin_relax(&spins);
     if (phase == PHASE_FAILED)
         return;
     int rc = walk_interleaved(job, lane, &blocks, &segments);
@@ -597,7 +407,7 @@ static int cpu_create(km_index *index, void **state_out, char *why, size_t why_s
             goto oom;
     }
     if (threads > 1) {
-        state->pool = pool_create(threads - 1);
+        state->pool = km_thread_pool_create(threads - 1, "km-index");
         if (!state->pool)
             goto oom;
     }
@@ -613,7 +423,7 @@ static void cpu_destroy(void *p)
     cpu_state *state = p;
     if (!state)
         return;
-    pool_destroy(state->pool);
+    km_thread_pool_destroy(state->pool);
     for (uint32_t i = 0; state->lanes && i < state->n_lanes; i++) {
         free(state->lanes[i].scratch);
     }
@@ -645,7 +455,7 @@ static int cpu_match(void *p, km_index *index, const km_request *requests, size_
     for (uint32_t l = 0; l < state->n_lanes; l++)
         state->lanes[l].status = KM_OK;
     if (state->pool && n >= (size_t)state->n_lanes * CPU_MIN_REQUESTS_PER_LANE)
-        pool_run(state->pool, match_lane, &job);
+        km_thread_pool_run(state->pool, match_lane, &job);
     else
         match_lane(&job, 0);
     if (atomic_load(&job.phase) == PHASE_FAILED)
