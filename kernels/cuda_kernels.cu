@@ -13,9 +13,9 @@
  * (not sticky: the index scores on the host meanwhile).
  *
  * Ordering: all device work runs on one stream. Pinned staging buffers are rewritten by the host
- * only after the copies that read them are known complete (an event per sync staging buffer; for
- * the scoring staging, each chunk waits for its last copy back before it returns). Device buffers
- * are only freed or regrown after the stream is drained (km_cuda_device_reserve). */
+ * only after the copies and kernels that read them are known complete (an event per sync staging
+ * buffer; for the scoring staging, each chunk waits for its last copy back before it returns).
+ * Device buffers are only freed or regrown after the stream is drained (km_cuda_device_reserve). */
 #include <cuda_runtime.h>
 
 #include <cub/device/device_scan.cuh>
@@ -59,14 +59,13 @@ static_assert(sizeof(km_slot) == 16 && alignof(km_slot) == 16, "slot layout");
 #define KM_CUDA_WALK_WARPS 4u
 #define KM_CUDA_WALK_SHARED_BYTES ((size_t)48 << 10)
 #define KM_CUDA_COPY_THREADS 256u
-/* Host copies of a scoring chunk. The hashes are packed into pinned staging in
- * KM_CUDA_STAGE_PIECES pieces of about equal size, each piece's copy to the device queued as soon
- * as it is packed, so the copy engine reads one piece while the host packs the next; within a piece
- * the caller's threads take KM_CUDA_STAGE_PART_REQUESTS requests at a time. The results come back
- * into pinned memory in up to KM_CUDA_RESULT_PIECES pieces of at least KM_CUDA_RESULT_PIECE_MIN
- * bytes, and the host moves each piece into the caller's results (KM_CUDA_RESULT_PART_BYTES per
- * part) while the next is on the bus. */
-#define KM_CUDA_STAGE_PIECES 4u
+/* Host copies of a scoring chunk. The caller's threads pack the hashes into mapped pinned memory,
+ * KM_CUDA_STAGE_PART_REQUESTS requests at a time, and the walk reads them from there over the bus:
+ * it reads only block 0, the segment keys, the tail and the blocks of the segments where workers
+ * drop out, a small part of a long request's hashes, so nothing copies the rest. The results come
+ * back into pinned memory in up to KM_CUDA_RESULT_PIECES pieces of at least
+ * KM_CUDA_RESULT_PIECE_MIN bytes, and the host moves each piece into the caller's results
+ * (KM_CUDA_RESULT_PART_BYTES per part) while the next is on the bus. */
 #define KM_CUDA_STAGE_PART_REQUESTS 16u
 #define KM_CUDA_RESULT_PIECES 4u
 #define KM_CUDA_RESULT_PIECE_MIN ((size_t)512 << 10)
@@ -88,6 +87,7 @@ typedef struct km_cuda_replica {
 typedef struct km_cuda_buffer {
     void *ptr;
     size_t bytes;
+    void *device_view; /* pinned and mapped: the device's address of ptr; else NULL */
 } km_cuda_buffer;
 
 struct km_cuda {
@@ -110,10 +110,11 @@ struct km_cuda {
     uint64_t *staged_bits;
     uint64_t staged_bits_capacity; /* bits */
 
-    /* scoring: offsets (n+1 u64) and packed hashes, pinned and device; per-request results
-     * (count, owner, owner_depth, probes: 4 arrays of m u32) pinned and device (+ first: m u32);
-     * walk scratch; compacted entries, device and their pinned landing place. */
-    km_cuda_buffer offsets_host, offsets_dev, hashes_host, hashes_dev, meta_host, meta_dev;
+    /* scoring: offsets (n+1 u64), pinned and device; packed hashes, pinned and mapped (the walk
+     * reads them over the bus); per-request results (count, owner, owner_depth, probes: 4 arrays
+     * of m u32) pinned and device (+ first: m u32); walk scratch; compacted entries, device and
+     * their pinned landing place. */
+    km_cuda_buffer offsets_host, offsets_dev, hashes_host, meta_host, meta_dev;
     km_cuda_buffer entries_dev, scratch_dev, compact_dev, matches_host;
 
     char description[192];
@@ -200,8 +201,9 @@ static int km_cuda_temp_reserve(km_cuda *c, size_t bytes)
     return km_cuda_device_reserve(c, &c->temp_dev, bytes < 256 ? 256 : bytes);
 }
 
-/* Same for pinned host memory (cudaHostAlloc). Drains the stream: copies may still read it. */
-static int km_cuda_pinned_reserve(km_cuda *c, km_cuda_buffer *b, size_t bytes)
+/* Same for pinned host memory (cudaHostAlloc). Drains the stream: copies or kernels may still
+ * read it. `mapped` also maps it into the device's address space (device_view). */
+static int km_cuda_host_reserve(km_cuda *c, km_cuda_buffer *b, size_t bytes, int mapped)
 {
     if (bytes <= b->bytes)
         return KM_OK;
@@ -211,19 +213,28 @@ static int km_cuda_pinned_reserve(km_cuda *c, km_cuda_buffer *b, size_t bytes)
         void *old = b->ptr;
         b->ptr = NULL;
         b->bytes = 0;
+        b->device_view = NULL;
         KM_CUDA_CHECK(c, cudaFreeHost(old));
     }
+    unsigned flags = mapped ? cudaHostAllocMapped : cudaHostAllocDefault;
     size_t want = bytes + bytes / 2;
     if (want < bytes)
         want = bytes;
-    if (cudaHostAlloc(&b->ptr, want, cudaHostAllocDefault) != cudaSuccess) {
+    if (cudaHostAlloc(&b->ptr, want, flags) != cudaSuccess) {
         (void)cudaGetLastError();
         b->ptr = NULL;
         want = bytes;
-        KM_CUDA_CHECK(c, cudaHostAlloc(&b->ptr, want, cudaHostAllocDefault));
+        KM_CUDA_CHECK(c, cudaHostAlloc(&b->ptr, want, flags));
     }
     b->bytes = want;
+    if (mapped)
+        KM_CUDA_CHECK(c, cudaHostGetDevicePointer(&b->device_view, b->ptr, 0));
     return KM_OK;
+}
+
+static int km_cuda_pinned_reserve(km_cuda *c, km_cuda_buffer *b, size_t bytes)
+{
+    return km_cuda_host_reserve(c, b, bytes, 0);
 }
 
 /* Sub-arrays carved from one buffer start on 256-byte boundaries (cudaMalloc's alignment), so CUB
@@ -402,6 +413,7 @@ static void km_cuda_buffer_free_pinned(km_cuda_buffer *b)
         (void)cudaFreeHost(b->ptr);
     b->ptr = NULL;
     b->bytes = 0;
+    b->device_view = NULL;
 }
 
 static void km_cuda_replica_free(km_cuda_replica *r)
@@ -426,7 +438,6 @@ extern "C" void km_cuda_destroy(km_cuda *c)
     km_cuda_buffer_free_device(&c->sync_dev);
     km_cuda_buffer_free_device(&c->temp_dev);
     km_cuda_buffer_free_device(&c->offsets_dev);
-    km_cuda_buffer_free_device(&c->hashes_dev);
     km_cuda_buffer_free_device(&c->meta_dev);
     km_cuda_buffer_free_device(&c->entries_dev);
     km_cuda_buffer_free_device(&c->scratch_dev);
@@ -876,18 +887,18 @@ static void km_cuda_host_for_each(const km_cuda_match_args *args, size_t n_parts
         part(arg, i);
 }
 
-/* Packing requests [first, end) of a chunk: request i's hashes go to hashes + offsets[i]. */
+/* Packing requests [0, end) of a chunk: request i's hashes go to hashes + offsets[i]. */
 typedef struct km_cuda_pack_job {
     const km_request *requests;
     const uint64_t *offsets;
     uint64_t *hashes;
-    uint32_t first, end;
+    uint32_t end;
 } km_cuda_pack_job;
 
 static void km_cuda_pack_part(void *arg, size_t part)
 {
     const km_cuda_pack_job *job = (const km_cuda_pack_job *)arg;
-    uint64_t from = job->first + (uint64_t)part * KM_CUDA_STAGE_PART_REQUESTS;
+    uint64_t from = (uint64_t)part * KM_CUDA_STAGE_PART_REQUESTS;
     uint64_t to = from + KM_CUDA_STAGE_PART_REQUESTS < job->end ? from + KM_CUDA_STAGE_PART_REQUESTS
                                                                 : job->end;
     for (uint64_t i = from; i < to; i++)
@@ -910,40 +921,6 @@ static void km_cuda_copy_part(void *arg, size_t part)
     size_t len = job->bytes - at < KM_CUDA_RESULT_PART_BYTES ? job->bytes - at
                                                              : KM_CUDA_RESULT_PART_BYTES;
     memcpy(job->to + at, job->from + at, len);
-}
-
-/* Pack the chunk's hashes into pinned staging and queue their copies to the device, piece by
- * piece (KM_CUDA_STAGE_PIECES). h_offsets[0..m] are already written; the pinned buffer is free
- * (the previous chunk synchronised the stream). */
-static int km_cuda_stage_hashes(km_cuda *c, const km_cuda_match_args *args,
-                                const km_request *requests, uint32_t m, const uint64_t *h_offsets)
-{
-    uint64_t total = h_offsets[m];
-    uint64_t *h_hashes = (uint64_t *)c->hashes_host.ptr;
-    uint64_t *d_hashes = (uint64_t *)c->hashes_dev.ptr;
-    uint32_t first = 0;
-    for (uint32_t piece = 1; piece <= KM_CUDA_STAGE_PIECES && first < m; piece++) {
-        uint32_t end = first;
-        if (piece == KM_CUDA_STAGE_PIECES) {
-            end = m;
-        } else {
-            uint64_t until = total * piece / KM_CUDA_STAGE_PIECES;
-            while (end < m && h_offsets[end] < until)
-                end++;
-        }
-        if (end == first)
-            continue;
-        km_cuda_pack_job job = {requests, h_offsets, h_hashes, first, end};
-        size_t parts =
-            (end - first + KM_CUDA_STAGE_PART_REQUESTS - 1) / KM_CUDA_STAGE_PART_REQUESTS;
-        km_cuda_host_for_each(args, parts, km_cuda_pack_part, &job);
-        uint64_t at = h_offsets[first], count = h_offsets[end] - h_offsets[first];
-        if (count > 0)
-            KM_CUDA_CHECK(c, cudaMemcpyAsync(d_hashes + at, h_hashes + at, count * sizeof(uint64_t),
-                                             cudaMemcpyHostToDevice, c->stream));
-        first = end;
-    }
-    return KM_OK;
 }
 
 /* Bring `count` compacted entries back into `to` (the caller's results): device to pinned in
@@ -1009,15 +986,14 @@ static int km_cuda_match_chunk(km_cuda *c, const km_cuda_match_args *args,
                                size_t first_request, size_t n_requests, km_match_results *results)
 {
     uint32_t W = args->max_workers;
-    /* Stage the hashes, packed, with offsets. Every return after the first copy below is queued
-     * either synchronises the stream or ends the backend (km_cuda_destroy synchronises), so the
-     * pinned buffers are free here. */
+    /* Stage the hashes, packed, with offsets. The walk reads the packed hashes where they lie
+     * (mapped pinned memory). Every return after the first copy below is queued either
+     * synchronises the stream or ends the backend (km_cuda_destroy synchronises), so no copy or
+     * kernel still reads the pinned buffers here. */
     KM_CHECK(km_cuda_pinned_reserve(c, &c->offsets_host, ((size_t)m + 1) * sizeof(uint64_t)));
     KM_CHECK(km_cuda_device_reserve(c, &c->offsets_dev, ((size_t)m + 1) * sizeof(uint64_t)));
-    if (n_hashes > 0) {
-        KM_CHECK(km_cuda_pinned_reserve(c, &c->hashes_host, n_hashes * sizeof(uint64_t)));
-        KM_CHECK(km_cuda_device_reserve(c, &c->hashes_dev, n_hashes * sizeof(uint64_t)));
-    }
+    if (n_hashes > 0)
+        KM_CHECK(km_cuda_host_reserve(c, &c->hashes_host, n_hashes * sizeof(uint64_t), 1));
     uint64_t *h_offsets = (uint64_t *)c->offsets_host.ptr;
     uint64_t at = 0;
     for (uint32_t i = 0; i < m; i++) {
@@ -1027,8 +1003,12 @@ static int km_cuda_match_chunk(km_cuda *c, const km_cuda_match_args *args,
     h_offsets[m] = at;
     KM_CUDA_CHECK(c, cudaMemcpyAsync(c->offsets_dev.ptr, h_offsets, ((size_t)m + 1) * sizeof(uint64_t),
                                      cudaMemcpyHostToDevice, c->stream));
-    if (n_hashes > 0)
-        KM_CHECK(km_cuda_stage_hashes(c, args, requests, m, h_offsets));
+    if (n_hashes > 0) {
+        km_cuda_pack_job job = {requests, h_offsets, (uint64_t *)c->hashes_host.ptr, m};
+        km_cuda_host_for_each(args, (m + KM_CUDA_STAGE_PART_REQUESTS - 1) /
+                                        KM_CUDA_STAGE_PART_REQUESTS,
+                              km_cuda_pack_part, &job);
+    }
 
     /* Walk: per-request outputs are 4 packed arrays of m u32 (one copy back), then, 256-byte
      * aligned, first[m] from the scan. Scratch rows and meta_dev are reserved by the caller for
@@ -1041,7 +1021,7 @@ static int km_cuda_match_chunk(km_cuda *c, const km_cuda_match_args *args,
     out.probes = d_meta + 3 * (size_t)m;
     uint32_t *d_first = (uint32_t *)((char *)c->meta_dev.ptr +
                                      km_cuda_align(4 * (size_t)m * sizeof(uint32_t)));
-    const uint64_t *d_hashes = n_hashes > 0 ? (const uint64_t *)c->hashes_dev.ptr
+    const uint64_t *d_hashes = n_hashes > 0 ? (const uint64_t *)c->hashes_host.device_view
                                             : (const uint64_t *)c->offsets_dev.ptr; /* never read */
     KM_CUDA_CHECK(c, km_launch_walk(c->stream, km_cuda_view_of(&c->tables[KM_CUDA_TABLE_BLOCKS]),
                                     km_cuda_view_of(&c->tables[KM_CUDA_TABLE_SEGMENTS]),
