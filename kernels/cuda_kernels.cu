@@ -63,9 +63,10 @@ static_assert(sizeof(km_slot) == 16 && alignof(km_slot) == 16, "slot layout");
  * KM_CUDA_STAGE_PART_REQUESTS requests at a time, and the walk reads them from there over the bus:
  * it reads only block 0, the segment keys, the tail and the blocks of the segments where workers
  * drop out, a small part of a long request's hashes, so nothing copies the rest. The results come
- * back into pinned memory in up to KM_CUDA_RESULT_PIECES pieces of at least
- * KM_CUDA_RESULT_PIECE_MIN bytes, and the host moves each piece into the caller's results
- * (KM_CUDA_RESULT_PART_BYTES per part) while the next is on the bus. */
+ * back into pinned memory in as many pieces of about KM_CUDA_RESULT_PIECE_MIN bytes as they fill,
+ * one at least and KM_CUDA_RESULT_PIECES at most, all queued at once; the host moves each piece
+ * that has arrived into the caller's results (KM_CUDA_RESULT_PART_BYTES per part) while the later
+ * ones are on the bus. */
 #define KM_CUDA_STAGE_PART_REQUESTS 16u
 #define KM_CUDA_RESULT_PIECES 4u
 #define KM_CUDA_RESULT_PIECE_MIN ((size_t)512 << 10)
@@ -94,7 +95,7 @@ struct km_cuda {
     int device;
     cudaStream_t stream;
     cudaEvent_t sync_staging_free[2]; /* recorded after the last copy out of sync_host[i] */
-    cudaEvent_t results_arrived[2];   /* recorded after a piece of results reached matches_host */
+    cudaEvent_t results_arrived[KM_CUDA_RESULT_PIECES]; /* piece k of the results is in matches_host */
     int sync_staging_pending[2];      /* the event was recorded and not waited for since */
     int sync_staging_next;            /* the buffer the next round fills */
 
@@ -201,6 +202,15 @@ static int km_cuda_temp_reserve(km_cuda *c, size_t bytes)
     return km_cuda_device_reserve(c, &c->temp_dev, bytes < 256 ? 256 : bytes);
 }
 
+static void km_cuda_buffer_free_pinned(km_cuda_buffer *b)
+{
+    if (b->ptr)
+        (void)cudaFreeHost(b->ptr);
+    b->ptr = NULL;
+    b->bytes = 0;
+    b->device_view = NULL;
+}
+
 /* Same for pinned host memory (cudaHostAlloc). Drains the stream: copies or kernels may still
  * read it. `mapped` also maps it into the device's address space (device_view). */
 static int km_cuda_host_reserve(km_cuda *c, km_cuda_buffer *b, size_t bytes, int mapped)
@@ -227,8 +237,14 @@ static int km_cuda_host_reserve(km_cuda *c, km_cuda_buffer *b, size_t bytes, int
         KM_CUDA_CHECK(c, cudaHostAlloc(&b->ptr, want, flags));
     }
     b->bytes = want;
-    if (mapped)
-        KM_CUDA_CHECK(c, cudaHostGetDevicePointer(&b->device_view, b->ptr, 0));
+    if (mapped) {
+        cudaError_t e = cudaHostGetDevicePointer(&b->device_view, b->ptr, 0);
+        if (e != cudaSuccess) { /* never keep a mapped buffer without its device address */
+            km_cuda_buffer_free_pinned(b);
+            return km_cuda_fail(c, e, "cudaHostGetDevicePointer(&b->device_view, b->ptr, 0)",
+                                __LINE__);
+        }
+    }
     return KM_OK;
 }
 
@@ -407,15 +423,6 @@ static void km_cuda_buffer_free_device(km_cuda_buffer *b)
     b->bytes = 0;
 }
 
-static void km_cuda_buffer_free_pinned(km_cuda_buffer *b)
-{
-    if (b->ptr)
-        (void)cudaFreeHost(b->ptr);
-    b->ptr = NULL;
-    b->bytes = 0;
-    b->device_view = NULL;
-}
-
 static void km_cuda_replica_free(km_cuda_replica *r)
 {
     if (r->slots)
@@ -449,12 +456,12 @@ extern "C" void km_cuda_destroy(km_cuda *c)
     km_cuda_buffer_free_pinned(&c->hashes_host);
     km_cuda_buffer_free_pinned(&c->meta_host);
     km_cuda_buffer_free_pinned(&c->matches_host);
-    for (int i = 0; i < 2; i++) {
+    for (int i = 0; i < 2; i++)
         if (c->sync_staging_free[i])
             (void)cudaEventDestroy(c->sync_staging_free[i]);
+    for (unsigned i = 0; i < KM_CUDA_RESULT_PIECES; i++)
         if (c->results_arrived[i])
             (void)cudaEventDestroy(c->results_arrived[i]);
-    }
     if (c->stream)
         (void)cudaStreamDestroy(c->stream);
     (void)cudaGetLastError();
@@ -567,11 +574,10 @@ extern "C" int km_cuda_create(int device, km_cuda **out, char *why, size_t why_s
     }
     c->device = device;
     e = cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking);
-    for (int i = 0; i < 2 && e == cudaSuccess; i++) {
+    for (int i = 0; i < 2 && e == cudaSuccess; i++)
         e = cudaEventCreateWithFlags(&c->sync_staging_free[i], cudaEventDisableTiming);
-        if (e == cudaSuccess)
-            e = cudaEventCreateWithFlags(&c->results_arrived[i], cudaEventDisableTiming);
-    }
+    for (unsigned i = 0; i < KM_CUDA_RESULT_PIECES && e == cudaSuccess; i++)
+        e = cudaEventCreateWithFlags(&c->results_arrived[i], cudaEventDisableTiming);
     if (e != cudaSuccess) {
         snprintf(why, why_size, "CUDA device %d: creating the stream: %s [%s]", device,
                  cudaGetErrorString(e), cudaGetErrorName(e));
@@ -933,7 +939,9 @@ static int km_cuda_copy_back(km_cuda *c, const km_cuda_match_args *args, km_walk
     if (bytes == 0)
         return KM_OK;
     KM_CHECK(km_cuda_pinned_reserve(c, &c->matches_host, bytes));
-    size_t pieces = (bytes + KM_CUDA_RESULT_PIECE_MIN - 1) / KM_CUDA_RESULT_PIECE_MIN;
+    size_t pieces = bytes / KM_CUDA_RESULT_PIECE_MIN;
+    if (pieces < 1)
+        pieces = 1;
     if (pieces > KM_CUDA_RESULT_PIECES)
         pieces = KM_CUDA_RESULT_PIECES;
     size_t piece_entries = (count + pieces - 1) / pieces;
@@ -941,18 +949,16 @@ static int km_cuda_copy_back(km_cuda *c, const km_cuda_match_args *args, km_walk
     size_t per_piece = piece_entries * sizeof(km_walk_entry);
     char *landing = (char *)c->matches_host.ptr;
     const char *from = (const char *)c->compact_dev.ptr;
-    /* Piece k is queued with event k % 2 behind it; two are on the bus while the host copies. */
-    size_t queued = 0;
+    /* Every piece has its own landing place and its own event, so all are queued at once. */
     for (size_t k = 0; k < pieces; k++) {
-        while (queued < pieces && queued < k + 2) {
-            size_t at = queued * per_piece;
-            size_t len = bytes - at < per_piece ? bytes - at : per_piece;
-            KM_CUDA_CHECK(c, cudaMemcpyAsync(landing + at, from + at, len, cudaMemcpyDeviceToHost,
-                                             c->stream));
-            KM_CUDA_CHECK(c, cudaEventRecord(c->results_arrived[queued % 2], c->stream));
-            queued++;
-        }
-        KM_CUDA_CHECK(c, cudaEventSynchronize(c->results_arrived[k % 2]));
+        size_t at = k * per_piece;
+        size_t len = bytes - at < per_piece ? bytes - at : per_piece;
+        KM_CUDA_CHECK(c, cudaMemcpyAsync(landing + at, from + at, len, cudaMemcpyDeviceToHost,
+                                         c->stream));
+        KM_CUDA_CHECK(c, cudaEventRecord(c->results_arrived[k], c->stream));
+    }
+    for (size_t k = 0; k < pieces; k++) {
+        KM_CUDA_CHECK(c, cudaEventSynchronize(c->results_arrived[k]));
         size_t at = k * per_piece;
         km_cuda_copy_job job = {(char *)to + at, landing + at,
                                 bytes - at < per_piece ? bytes - at : per_piece};
