@@ -7,8 +7,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 
-#include "index/thread_pool.h"
 #include "index/index_internal.h"
+#include "index/thread_pool.h"
 #include "cuda_seam.h"
 
 /* The device side and the host threads that pack each batch's hashes and move its results. */
