@@ -691,6 +691,66 @@ Test(cluster, predictions_reach_the_peers_in_order_and_bad_ones_are_refused,
     km_cluster_destroy(a);
 }
 
+/* A prediction from an instance whose full state has not arrived cannot be checked against its
+ * pools: refused (no_state), counted, never handed over, and the instance is stale. Once its
+ * state is in, its predictions pass; one that follows a gap still passes but marks it stale, as a
+ * change after a gap does. */
+Test(cluster, a_prediction_before_a_full_state_is_refused_and_one_after_a_gap_marks_stale,
+     .init = start_server, .fini = stop_server, .timeout = 60)
+{
+    static predictions_seen seen = {.lock = PTHREAD_MUTEX_INITIALIZER};
+    km_cluster_config cfg;
+    km_cluster_config_init(&cfg);
+    cfg.url = server.url;
+    cfg.instance = "b";
+    cfg.max_workers = WORKERS;
+    cfg.heartbeat_ms = 50;
+    cfg.expire_ms = 10000;
+    cfg.on_prediction = prediction_seen;
+    cfg.on_prediction_user = &seen;
+    km_cluster *b = NULL;
+    char why[256] = "";
+    cr_assert_eq(km_cluster_create(&cfg, &b, why, sizeof why), KM_OK, "%s", why);
+    natsConnection *nc = raw_connect();
+    const char *predict = "{\"v\":1,\"kind\":\"predict\",\"instance\":\"x\","
+                          "\"incarnation\":5,\"seq\":%d,\"pool\":\"main\",\"worker\":1,"
+                          "\"lesson\":false,\"hashes\":[\"0000000000000001\"]}";
+    char body[256];
+    snprintf(body, sizeof body, predict, 1);
+    raw_publish(nc, "predict.x", body);
+    km_cluster_stats st;
+    WAIT_UNTIL((st = stats(b)).refused[KM_CLUSTER_REFUSED_NO_STATE] == 1, 2000);
+    cr_assert_eq(st.refused[KM_CLUSTER_REFUSED_NO_STATE], 1);
+    cr_assert(strstr(st.last_refusal, "no_state"), "%s", st.last_refusal);
+    cr_assert_eq(st.predictions_received, 0);
+    cr_assert_eq(predictions_count(&seen), 0, "a prediction without its state was handed over");
+    km_cluster_view v;
+    km_cluster_get_view(b, mono_ns(), &v);
+    cr_assert_eq(v.n_stale, 1, "an instance heard from without a full state is stale");
+
+    raw_load(nc, "state", 5, 2, 2, 7);
+    WAIT_UNTIL(remote(b, 2).in_flight == 7, 2000);
+    km_cluster_get_view(b, mono_ns(), &v);
+    cr_assert_eq(v.n_stale, 0, "its full state makes it fresh");
+    snprintf(body, sizeof body, predict, 3);
+    raw_publish(nc, "predict.x", body);
+    WAIT_UNTIL(predictions_count(&seen) == 1, 2000);
+    cr_assert_eq(predictions_count(&seen), 1, "a prediction after its state is handed over");
+    km_cluster_get_view(b, mono_ns(), &v);
+    cr_assert_eq(v.n_stale, 0);
+    snprintf(body, sizeof body, predict, 6); /* seq 4 and 5 never arrive */
+    raw_publish(nc, "predict.x", body);
+    WAIT_UNTIL(stats(b).lost_messages == 2, 2000);
+    cr_assert_eq(stats(b).lost_messages, 2);
+    cr_assert_eq(predictions_count(&seen), 2);
+    km_cluster_get_view(b, mono_ns(), &v);
+    cr_assert_eq(v.n_stale, 1, "a gap before a prediction leaves the instance stale");
+    cr_assert_str_eq(v.stale[0], "x");
+    cr_assert_eq(stats(b).refused[KM_CLUSTER_REFUSED_NO_STATE], 1);
+    natsConnection_Destroy(nc);
+    km_cluster_destroy(b);
+}
+
 Test(cluster, a_peer_whose_workers_differ_has_its_pool_left_out_counted_once,
      .init = start_server, .fini = stop_server, .timeout = 60)
 {

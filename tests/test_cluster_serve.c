@@ -481,14 +481,19 @@ Test(cluster_serve, predictions_for_event_fed_or_unknown_workers_and_bad_ones_ch
     cr_assert(!d->has_owner, "a's prediction reached an event-fed worker");
     cr_assert_eq(predictions_int(&c, "applied"), 0);
 
-    /* A prediction for a pool or a worker this instance does not have: refused, counted, said. */
+    /* A prediction for a pool or a worker this instance does not have: refused, counted, said.
+     * The made-up instance sends its full state first: a prediction before it is refused by the
+     * cluster handle itself (no_state), before the service sees it. */
     natsConnection *nc = raw_connect();
+    raw_publish(nc, "kvmatch.cluster.state.x",
+                "{\"v\":1,\"kind\":\"state\",\"instance\":\"x\",\"incarnation\":1,\"seq\":1,"
+                "\"workers\":[[0,0,0,0,0,0,0]],\"peers\":[]}");
     raw_publish(nc, "kvmatch.cluster.predict.x",
-                "{\"v\":1,\"kind\":\"predict\",\"instance\":\"x\",\"incarnation\":1,\"seq\":1,"
+                "{\"v\":1,\"kind\":\"predict\",\"instance\":\"x\",\"incarnation\":1,\"seq\":2,"
                 "\"pool\":\"elsewhere\",\"worker\":1,\"lesson\":false,"
                 "\"hashes\":[\"0000000000000001\"]}");
     raw_publish(nc, "kvmatch.cluster.predict.x",
-                "{\"v\":1,\"kind\":\"predict\",\"instance\":\"x\",\"incarnation\":1,\"seq\":2,"
+                "{\"v\":1,\"kind\":\"predict\",\"instance\":\"x\",\"incarnation\":1,\"seq\":3,"
                 "\"pool\":\"main\",\"worker\":5,\"lesson\":false,"
                 "\"hashes\":[\"0000000000000001\"]}");
     raw_publish(nc, "kvmatch.cluster.predict.x", "{\"v\":1,\"kind\":\"predict\"");

@@ -175,8 +175,9 @@ int km_cluster_publish_prediction(km_cluster *cluster, const char *pool, uint32_
  * message lists their names and fingerprints; a peer whose state gives another fingerprint for a
  * pool of the same name disagrees on what that pool's worker ids mean: its load on the pool's
  * workers is left out of the remote sum and its predictions for the pool are refused
- * (worker_mismatch), until its fingerprint agrees again. Each disagreement is counted and logged
- * once when it begins. Errors: KM_ERR_NULL_POINTER, KM_ERR_INVALID_ARGUMENT (more than
+ * (worker_mismatch), until its fingerprint agrees again; a prediction from a peer whose first
+ * state has not arrived is refused too (no_state). Each disagreement is counted and logged once
+ * when it begins. Errors: KM_ERR_NULL_POINTER, KM_ERR_INVALID_ARGUMENT (more than
  * KM_CLUSTER_MAX_POOLS, a pool name not valid in a prediction, a worker id out of range or in two
  * pools). */
 int km_cluster_set_pools(km_cluster *cluster, const km_cluster_pool *pools, uint32_t n_pools);
@@ -214,24 +215,25 @@ typedef struct km_cluster_view {
 int km_cluster_get_view(km_cluster *cluster, uint64_t now_ns, km_cluster_view *out);
 
 /* Why a message on the subjects was refused; the values follow the list's order from 0. */
-#define KM_CLUSTER_REFUSAL_LIST(X)                            \
-    X(KM_CLUSTER_REFUSED_MALFORMED, "malformed")              \
-    X(KM_CLUSTER_REFUSED_VERSION, "version")                  \
-    X(KM_CLUSTER_REFUSED_SUBJECT, "subject")                  \
-    X(KM_CLUSTER_REFUSED_WORKER, "worker_range")              \
-    X(KM_CLUSTER_REFUSED_OWN_ID, "own_instance_id")           \
-    X(KM_CLUSTER_REFUSED_OLD_INCARNATION, "old_incarnation")  \
-    X(KM_CLUSTER_REFUSED_DUPLICATE, "duplicate")              \
-    X(KM_CLUSTER_REFUSED_TOO_MANY, "too_many_instances")      \
-    X(KM_CLUSTER_REFUSED_TOO_LARGE, "too_large")              \
-    X(KM_CLUSTER_REFUSED_WORKER_MISMATCH, "worker_mismatch")
+#define KM_CLUSTER_REFUSAL_LIST(X)                           \
+    X(KM_CLUSTER_REFUSED_MALFORMED, "malformed")             \
+    X(KM_CLUSTER_REFUSED_VERSION, "version")                 \
+    X(KM_CLUSTER_REFUSED_SUBJECT, "subject")                 \
+    X(KM_CLUSTER_REFUSED_WORKER, "worker_range")             \
+    X(KM_CLUSTER_REFUSED_OWN_ID, "own_instance_id")          \
+    X(KM_CLUSTER_REFUSED_OLD_INCARNATION, "old_incarnation") \
+    X(KM_CLUSTER_REFUSED_DUPLICATE, "duplicate")             \
+    X(KM_CLUSTER_REFUSED_TOO_MANY, "too_many_instances")     \
+    X(KM_CLUSTER_REFUSED_TOO_LARGE, "too_large")             \
+    X(KM_CLUSTER_REFUSED_WORKER_MISMATCH, "worker_mismatch") \
+    X(KM_CLUSTER_REFUSED_NO_STATE, "no_state")
 
 typedef enum km_cluster_refusal {
 #define KM_CLUSTER_REFUSAL_ENUM(value, name) value,
     KM_CLUSTER_REFUSAL_LIST(KM_CLUSTER_REFUSAL_ENUM)
 #undef KM_CLUSTER_REFUSAL_ENUM
 } km_cluster_refusal;
-#define KM_CLUSTER_REFUSAL_COUNT 10u
+#define KM_CLUSTER_REFUSAL_COUNT 11u
 
 /* The name in KM_CLUSTER_REFUSAL_LIST; "unknown" for any other value. */
 const char *km_cluster_refusal_name(km_cluster_refusal r);

@@ -21,6 +21,8 @@
 #include "cluster/cluster_internal.h"
 
 #define NS_PER_MS UINT64_C(1000000)
+/* How long destroy waits for the NATS client to report its subscription and connection closed. */
+#define KM_CLUSTER_CLOSE_WAIT_MS 10000
 
 /* One worker's in-flight work as one instance last said it (cluster_worker_work without the id). */
 typedef struct held_work {
@@ -61,6 +63,8 @@ struct km_cluster {
     natsSubscription *sub;
     bool connected, synced, closing;
     bool nats_closed; /* the client's closed callback ran: no callback of it comes after */
+    bool sub_watched;  /* on_subscription_complete is set on sub */
+    bool sub_complete; /* the subscription is closed and its message handler has returned */
     int callbacks_running;
 
     uint64_t seq;
@@ -107,6 +111,8 @@ static const char *const REFUSAL_NAMES[] = {
     KM_CLUSTER_REFUSAL_LIST(KM_CLUSTER_REFUSAL_NAME)
 #undef KM_CLUSTER_REFUSAL_NAME
 };
+_Static_assert(sizeof REFUSAL_NAMES / sizeof REFUSAL_NAMES[0] == KM_CLUSTER_REFUSAL_COUNT,
+               "KM_CLUSTER_REFUSAL_COUNT must count KM_CLUSTER_REFUSAL_LIST");
 
 const char *km_cluster_refusal_name(km_cluster_refusal r)
 {
@@ -763,7 +769,7 @@ static void apply(km_cluster *c, const cluster_message *m, uint64_t now)
                     ")%s", m->instance, lost, lost == 1 ? "" : "s", m->seq, p->last_seq,
                     m->kind == CLUSTER_STATE ? "; this full state replaces its contribution"
                                              : "; stale until its next full state");
-        if (m->kind == CLUSTER_CHANGE)
+        if (m->kind != CLUSTER_STATE) /* whatever was lost, the contribution may lack it */
             p->stale = true;
     }
     p->last_seq = m->seq;
@@ -785,14 +791,22 @@ static void apply(km_cluster *c, const cluster_message *m, uint64_t now)
                 expect_peer(c, m->peers[i]);
             pthread_cond_broadcast(&c->cond);
         }
-    } else if (m->kind == CLUSTER_CHANGE) {
-        apply_workers(c, p, m);
+    } else {
+        if (m->kind == CLUSTER_CHANGE)
+            apply_workers(c, p, m);
         if (!p->has_baseline)
             p->stale = true;
     }
     c->st.applied++;
     int slot = m->kind == CLUSTER_PREDICT ? local_pool_find(c, m->pool) : -1;
-    if (slot >= 0 && (p->mismatch >> slot & 1u)) {
+    if (m->kind == CLUSTER_PREDICT && !p->has_baseline) {
+        /* Its pools are not known yet, so whether its worker ids mean ours cannot be told.
+         * Counted, not logged: a peer's first messages may all be predictions. */
+        c->st.refused[KM_CLUSTER_REFUSED_NO_STATE]++;
+        snprintf(c->st.last_refusal, sizeof c->st.last_refusal,
+                 "no_state: instance %.40s: a prediction for pool %.40s before its full state",
+                 m->instance, m->pool);
+    } else if (slot >= 0 && (p->mismatch >> slot & 1u)) {
         /* Counted, not logged: the disagreement was logged when it began. */
         c->st.refused[KM_CLUSTER_REFUSED_WORKER_MISMATCH]++;
         snprintf(c->st.last_refusal, sizeof c->st.last_refusal,
@@ -888,6 +902,17 @@ static void on_disconnected(natsConnection *nc, void *closure)
                     "disconnected from %s: routing on this instance's view; remote "
                     "contributions are stale and expire in %u ms", c->url, c->cfg.expire_ms);
     }
+    pthread_mutex_unlock(&c->lock);
+}
+
+/* The subscription's last delivery has returned: from here on_message never runs again, not even
+ * one that libnats had begun before `closing` was set. */
+static void on_subscription_complete(void *closure)
+{
+    km_cluster *c = closure;
+    pthread_mutex_lock(&c->lock);
+    c->sub_complete = true;
+    pthread_cond_broadcast(&c->cond);
     pthread_mutex_unlock(&c->lock);
 }
 
@@ -1099,6 +1124,10 @@ int km_cluster_create(const km_cluster_config *cfg, km_cluster **out, char *why,
     snprintf(wildcard, sizeof wildcard, "%s.>", c->prefix);
     s = natsConnection_Subscribe(&c->sub, c->conn, wildcard, on_message, c);
     if (s == NATS_OK)
+        s = natsSubscription_SetOnCompleteCB(c->sub, on_subscription_complete, c);
+    if (s == NATS_OK)
+        c->sub_watched = true; /* before any close: destroy reads it after its own close */
+    if (s == NATS_OK)
         s = natsSubscription_SetPendingLimits(c->sub, 1 << 20, 256 << 20);
     if (s != NATS_OK) {
         km_why(why, why_size, KM_ERR_IO, "NATS subscribe to %s: %s", wildcard,
@@ -1139,19 +1168,30 @@ void km_cluster_destroy(km_cluster *c)
         natsSubscription_Unsubscribe(c->sub);
     if (c->conn)
         natsConnection_Close(c->conn);
-    /* A delivery that began before `closing` was set finishes before the memory goes, and so
-     * does the client's last connection callback (the closed one comes after all others). */
+    /* Nothing is freed while a callback may still run: a delivery libnats began before `closing`
+     * was set (it may not have reached on_message's lock yet) ends before the subscription's
+     * completion, and the closed callback is the client's last. A client that never reports
+     * them within KM_CLUSTER_CLOSE_WAIT_MS leaves the handle's memory behind rather than freed
+     * under a callback. */
     pthread_mutex_lock(&c->lock);
-    uint64_t deadline = mono_ns() + 2000 * NS_PER_MS;
-    while (c->callbacks_running > 0 || (c->conn && !c->nats_closed)) {
+    uint64_t deadline = mono_ns() + KM_CLUSTER_CLOSE_WAIT_MS * NS_PER_MS;
+    bool done;
+    while (!(done = c->callbacks_running == 0 && (!c->sub_watched || c->sub_complete) &&
+                    (!c->conn || c->nats_closed))) {
         uint64_t now = mono_ns();
-        if (now >= deadline && c->callbacks_running == 0)
+        if (now >= deadline)
             break;
         struct timespec ts;
         deadline_in(&ts, now, 5 * NS_PER_MS);
         pthread_cond_timedwait(&c->cond, &c->lock, &ts);
     }
     pthread_mutex_unlock(&c->lock);
+    if (!done) {
+        cluster_log(c, KM_LOG_ERROR "the NATS client did not report its subscription and "
+                    "connection closed within %d ms: the handle's memory is left allocated",
+                    (int)KM_CLUSTER_CLOSE_WAIT_MS);
+        return;
+    }
     natsSubscription_Destroy(c->sub);
     natsConnection_Destroy(c->conn);
     natsOptions_Destroy(c->opts);
