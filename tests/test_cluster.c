@@ -551,13 +551,15 @@ Test(cluster, bad_and_foreign_messages_are_refused_counted_and_harmless, .init =
                                 "\"seq\":1,\"workers\":[[4,99,0,0,0,0,0]]}");
     raw_load(nc, "change", 9, 1, 4, 99); /* a duplicate sequence number */
     raw_load(nc, "change", 8, 2, 4, 99); /* an older incarnation */
-    raw_publish(nc, "elsewhere", "{}");
+    /* A well-formed change of x's on a subject no kind has. */
+    raw_publish(nc, "elsewhere", "{\"v\":1,\"kind\":\"change\",\"instance\":\"x\","
+                                 "\"incarnation\":9,\"seq\":2,\"workers\":[[4,99,0,0,0,0,0]]}");
     km_cluster_stats st;
     /* Messages of one publisher arrive in order: the last one counted means all were seen. */
-    WAIT_UNTIL((st = stats(a)).refused[KM_CLUSTER_REFUSED_MALFORMED] == 2, 2000);
-    cr_assert_eq(st.refused[KM_CLUSTER_REFUSED_MALFORMED], 2, "garbage and the unknown subject");
+    WAIT_UNTIL((st = stats(a)).refused[KM_CLUSTER_REFUSED_SUBJECT] == 2, 2000);
+    cr_assert_eq(st.refused[KM_CLUSTER_REFUSED_MALFORMED], 1, "the garbage");
     cr_assert_eq(st.refused[KM_CLUSTER_REFUSED_VERSION], 1);
-    cr_assert_eq(st.refused[KM_CLUSTER_REFUSED_SUBJECT], 1);
+    cr_assert_eq(st.refused[KM_CLUSTER_REFUSED_SUBJECT], 2, "change.y and the unknown subject");
     cr_assert_eq(st.refused[KM_CLUSTER_REFUSED_WORKER], 1);
     cr_assert_eq(st.refused[KM_CLUSTER_REFUSED_OWN_ID], 1);
     cr_assert_eq(st.refused[KM_CLUSTER_REFUSED_DUPLICATE], 1);
@@ -688,6 +690,66 @@ Test(cluster, predictions_reach_the_peers_in_order_and_bad_ones_are_refused,
     cr_assert_eq(predictions_count(&seen), 3, "a refused prediction was handed over");
     natsConnection_Destroy(nc);
     km_cluster_destroy(b);
+    km_cluster_destroy(a);
+}
+
+/* Log lines that contain "refused a message", counted. */
+typedef struct refusal_lines {
+    pthread_mutex_t lock;
+    uint32_t n;
+} refusal_lines;
+
+static void count_refusal_lines(void *user, const char *line)
+{
+    refusal_lines *r = user;
+    if (strstr(line, "refused a message")) {
+        pthread_mutex_lock(&r->lock);
+        r->n++;
+        pthread_mutex_unlock(&r->lock);
+    }
+}
+
+static uint32_t refusal_lines_count(refusal_lines *r)
+{
+    pthread_mutex_lock(&r->lock);
+    uint32_t n = r->n;
+    pthread_mutex_unlock(&r->lock);
+    return n;
+}
+
+/* A process that keeps sending what is refused (here: under this instance's own id) has every
+ * message counted but costs one log line per reason and interval, not one per message. */
+Test(cluster, refusals_are_all_counted_and_logged_once_per_reason_and_interval,
+     .init = start_server, .fini = stop_server, .timeout = 60)
+{
+    static refusal_lines lines = {.lock = PTHREAD_MUTEX_INITIALIZER};
+    km_cluster_config cfg;
+    km_cluster_config_init(&cfg);
+    cfg.url = server.url;
+    cfg.instance = "a";
+    cfg.max_workers = WORKERS;
+    cfg.heartbeat_ms = 50;
+    cfg.log = count_refusal_lines;
+    cfg.log_user = &lines;
+    km_cluster *a = NULL;
+    char why[256] = "";
+    cr_assert_eq(km_cluster_create(&cfg, &a, why, sizeof why), KM_OK, "%s", why);
+    natsConnection *nc = raw_connect();
+    char body[256];
+    for (int i = 1; i <= 40; i++) {
+        snprintf(body, sizeof body, "{\"v\":1,\"kind\":\"change\",\"instance\":\"a\","
+                 "\"incarnation\":7,\"seq\":%d,\"workers\":[[1,1,0,0,0,0,0]]}", i);
+        raw_publish(nc, "change.a", body);
+    }
+    raw_publish(nc, "state.x", "garbage");
+    km_cluster_stats st;
+    WAIT_UNTIL((st = stats(a)).refused[KM_CLUSTER_REFUSED_MALFORMED] == 1, 2000);
+    cr_assert_eq(st.refused[KM_CLUSTER_REFUSED_OWN_ID], 40, "every refusal is counted");
+    cr_assert_eq(st.refused[KM_CLUSTER_REFUSED_MALFORMED], 1);
+    cr_assert_eq(refusal_lines_count(&lines), 2, "one line per reason: %u",
+                 refusal_lines_count(&lines));
+    cr_assert_eq(remote(a, 1).in_flight, 0, "a refused message changed the view");
+    natsConnection_Destroy(nc);
     km_cluster_destroy(a);
 }
 

@@ -21,6 +21,9 @@
 #include "cluster/cluster_internal.h"
 
 #define NS_PER_MS UINT64_C(1000000)
+/* A refusal is logged when its reason was not logged within this interval; the ones in between
+ * are counted and the next line says how many there were. */
+#define KM_CLUSTER_REFUSAL_LOG_NS (UINT64_C(10000) * NS_PER_MS)
 /* How long destroy waits for the NATS client to report its subscription and connection closed. */
 #define KM_CLUSTER_CLOSE_WAIT_MS 10000
 
@@ -64,6 +67,8 @@ struct km_cluster {
     bool connected, synced, closing;
     bool nats_closed; /* the client's closed callback ran: no callback of it comes after */
     bool sub_watched;  /* on_subscription_complete is set on sub */
+    uint64_t refusal_logged_ns[KM_CLUSTER_REFUSAL_COUNT]; /* last line per reason; 0 = never */
+    uint64_t refusals_unlogged[KM_CLUSTER_REFUSAL_COUNT]; /* refused since that line */
     bool sub_complete; /* the subscription is closed and its message handler has returned */
     int callbacks_running;
 
@@ -310,7 +315,7 @@ static int local_pool_find(const km_cluster *c, const char *name)
     return -1;
 }
 
-static void refused(km_cluster *c, km_cluster_refusal r, const char *why);
+static void refusal_count(km_cluster *c, km_cluster_refusal r, const char *why);
 
 /* Was pool `name` one p disagreed on, by the pool list `before` and p's mask over it? */
 static bool disagreed(const cluster_pool_fingerprint *before, uint32_t n_before, uint64_t mask,
@@ -343,7 +348,9 @@ static void compare_pools(km_cluster *c, contribution *p, const cluster_pool_fin
             snprintf(why, sizeof why, "instance %s: pool %s's workers differ (fingerprints): its "
                      "load on them and its predictions for it are left out", p->id,
                      c->local_pools[i].name);
-            refused(c, KM_CLUSTER_REFUSED_WORKER_MISMATCH, why);
+            /* Logged whenever one begins: a disagreement is a state, not a message stream. */
+            refusal_count(c, KM_CLUSTER_REFUSED_WORKER_MISMATCH, why);
+            cluster_log(c, KM_LOG_WARNING "refused a message (%s)", c->st.last_refusal);
         } else if (!now && was) {
             cluster_log(c, KM_LOG_INFO "instance %s agrees on pool %s's workers again: its load "
                         "on them is applied", p->id, c->local_pools[i].name);
@@ -656,12 +663,32 @@ int km_cluster_set_pools(km_cluster *c, const km_cluster_pool *pools, uint32_t n
 
 /* ---- applying (NATS delivery thread) -------------------------------------------------------- */
 
-static void refused(km_cluster *c, km_cluster_refusal r, const char *why)
+/* Count a refused message and keep why; log it unless its reason was logged in the last
+ * KM_CLUSTER_REFUSAL_LOG_NS (a peer that keeps sending what is refused costs one line per
+ * interval, not one per message, while the lock is held). */
+static void refusal_count(km_cluster *c, km_cluster_refusal r, const char *why)
 {
     c->st.refused[r]++;
     snprintf(c->st.last_refusal, sizeof c->st.last_refusal, "%s: %.130s", km_cluster_refusal_name(r),
              why);
-    cluster_log(c, KM_LOG_WARNING "refused a message (%s)", c->st.last_refusal);
+}
+
+static void refused(km_cluster *c, km_cluster_refusal r, const char *why)
+{
+    refusal_count(c, r, why);
+    uint64_t now = mono_ns();
+    if (c->refusal_logged_ns[r] && now - c->refusal_logged_ns[r] < KM_CLUSTER_REFUSAL_LOG_NS) {
+        c->refusals_unlogged[r]++;
+        return;
+    }
+    if (c->refusals_unlogged[r])
+        cluster_log(c, KM_LOG_WARNING "refused a message (%s); %" PRIu64 " more %s refusals "
+                    "since the last line", c->st.last_refusal, c->refusals_unlogged[r],
+                    km_cluster_refusal_name(r));
+    else
+        cluster_log(c, KM_LOG_WARNING "refused a message (%s)", c->st.last_refusal);
+    c->refusal_logged_ns[r] = now;
+    c->refusals_unlogged[r] = 0;
 }
 
 static bool expected_has(const km_cluster *c, const char *id)
