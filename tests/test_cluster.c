@@ -693,6 +693,34 @@ Test(cluster, predictions_reach_the_peers_in_order_and_bad_ones_are_refused,
     km_cluster_destroy(a);
 }
 
+/* A load value over KM_CLUSTER_LOAD_VALUE_MAX is refused (so the sum over the most instances
+ * cannot wrap and make a loaded worker look idle); the largest accepted one is applied whole. */
+Test(cluster, a_load_value_past_the_bound_is_refused_and_the_bound_itself_applied,
+     .init = start_server, .fini = stop_server, .timeout = 60)
+{
+    km_cluster *b = instance("b", server.url, 10000, 0);
+    natsConnection *nc = raw_connect();
+    raw_load(nc, "state", 5, 1, 2, 7);
+    WAIT_UNTIL(remote(b, 2).in_flight == 7, 2000);
+    char body[256];
+    snprintf(body, sizeof body, "{\"v\":1,\"kind\":\"change\",\"instance\":\"x\","
+             "\"incarnation\":5,\"seq\":2,\"workers\":[[2,7,0,%llu,0,0,0]]}",
+             (unsigned long long)KM_CLUSTER_LOAD_VALUE_MAX + 1);
+    raw_publish(nc, "change.x", body);
+    WAIT_UNTIL(stats(b).refused[KM_CLUSTER_REFUSED_MALFORMED] == 1, 2000);
+    cr_assert_eq(stats(b).refused[KM_CLUSTER_REFUSED_MALFORMED], 1);
+    cr_assert(strstr(stats(b).last_refusal, "over 2^48"), "%s", stats(b).last_refusal);
+    cr_assert_eq(remote(b, 2).pending_prefill_tokens, 0, "the refused value was applied");
+    snprintf(body, sizeof body, "{\"v\":1,\"kind\":\"change\",\"instance\":\"x\","
+             "\"incarnation\":5,\"seq\":2,\"workers\":[[2,7,0,%llu,0,0,0]]}",
+             (unsigned long long)KM_CLUSTER_LOAD_VALUE_MAX);
+    raw_publish(nc, "change.x", body);
+    WAIT_UNTIL(remote(b, 2).pending_prefill_tokens == KM_CLUSTER_LOAD_VALUE_MAX, 2000);
+    cr_assert_eq(remote(b, 2).pending_prefill_tokens, KM_CLUSTER_LOAD_VALUE_MAX);
+    natsConnection_Destroy(nc);
+    km_cluster_destroy(b);
+}
+
 /* Log lines that contain "refused a message", counted. */
 typedef struct refusal_lines {
     pthread_mutex_t lock;

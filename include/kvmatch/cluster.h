@@ -68,6 +68,9 @@ typedef struct km_cluster km_cluster;
  * leading blocks (a prefix match needs no more), so a message stays within
  * KM_CLUSTER_MESSAGE_MAX. */
 #define KM_CLUSTER_PREDICTION_MAX_HASHES 32768u
+/* Largest value of one load field a peer may send (2^48): a message with more is refused
+ * (malformed), so the sum over the most instances cannot wrap. */
+#define KM_CLUSTER_LOAD_VALUE_MAX (UINT64_C(1) << 48)
 /* Most shared-prefix keys and promised block hashes one worker's row of in-flight work carries
  * in a message (km_cluster_publish_work); a longer list is cut (counted in work_truncated), which
  * only makes the receivers' prefix_sharers and queued depth smaller, never wrong. */

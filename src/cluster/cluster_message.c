@@ -94,6 +94,12 @@ static int append_work(km_text *out, const cluster_message *m)
     return rc;
 }
 
+/* A load value as sent: at most KM_CLUSTER_LOAD_VALUE_MAX, the most a receiver accepts. */
+static uint64_t load_cap(uint64_t v)
+{
+    return v < KM_CLUSTER_LOAD_VALUE_MAX ? v : KM_CLUSTER_LOAD_VALUE_MAX;
+}
+
 int km_cluster_encode(km_text *out, const cluster_message *m)
 {
     km_text_clear(out);
@@ -119,9 +125,10 @@ int km_cluster_encode(km_text *out, const cluster_message *m)
             rc = km_text_printf(out,
                                 "%s[%" PRIu32 ",%" PRIu64 ",%" PRIu64 ",%" PRIu64 ",%" PRIu64
                                 ",%" PRIu64 ",%" PRIu64 "]",
-                                i ? "," : "", m->workers[i].worker, l->in_flight, l->prefilling,
-                                l->pending_prefill_tokens, l->active_decode_blocks,
-                                l->allocated_blocks, l->pending_prefill_pairs);
+                                i ? "," : "", m->workers[i].worker, load_cap(l->in_flight),
+                                load_cap(l->prefilling), load_cap(l->pending_prefill_tokens),
+                                load_cap(l->active_decode_blocks), load_cap(l->allocated_blocks),
+                                load_cap(l->pending_prefill_pairs));
         }
         if (rc == KM_OK)
             rc = km_text_append_cstr(out, "]");
@@ -220,6 +227,10 @@ static bool decode_workers(json_t *arr, uint32_t max_workers, cluster_message *m
                               "workers[%zu][%zu] is not a non-negative integer", i, k);
             v[k] = (uint64_t)json_integer_value(x);
         }
+        for (size_t k = 1; k < 7; k++)
+            if (v[k] > KM_CLUSTER_LOAD_VALUE_MAX)
+                return refuse(refusal, KM_CLUSTER_REFUSED_MALFORMED, why, why_size,
+                              "workers[%zu][%zu] is %" PRIu64 ", over 2^48", i, k, v[k]);
         if (v[0] >= max_workers)
             return refuse(refusal, KM_CLUSTER_REFUSED_WORKER, why, why_size,
                           "worker %" PRIu64 " is out of range (max_workers %u)", v[0],
