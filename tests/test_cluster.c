@@ -841,6 +841,57 @@ Test(cluster, a_prediction_before_a_full_state_is_refused_and_one_after_a_gap_ma
     km_cluster_destroy(b);
 }
 
+/* Pools given at create are this instance's from its first message: a peer that disagrees on
+ * one is left out of it and its predictions for it are refused without a km_cluster_set_pools
+ * call, as soon as the create's sync has taken the peer's state; bad pools fail the create. */
+Test(cluster, pools_given_at_create_are_compared_from_the_first_state,
+     .init = start_server, .fini = stop_server, .timeout = 60)
+{
+    static predictions_seen seen = {.lock = PTHREAD_MUTEX_INITIALIZER};
+    uint32_t main_workers[] = {0, 1};
+    km_cluster_pool on_a[] = {{"main", 0x9999, main_workers, 2}};
+    km_cluster_pool on_b[] = {{"main", 0x1111, main_workers, 2}};
+    km_cluster *a = instance("a", server.url, 10000, 0);
+    cr_assert_eq(km_cluster_set_pools(a, on_a, 1), KM_OK);
+    km_active_load l = {3, 0, 0, 0, 0, 0};
+    cr_assert_eq(km_cluster_publish_load(a, 0, &l), KM_OK);
+    km_cluster_config cfg;
+    km_cluster_config_init(&cfg);
+    cfg.url = server.url;
+    cfg.instance = "b";
+    cfg.max_workers = WORKERS;
+    cfg.heartbeat_ms = 50;
+    cfg.expire_ms = 10000;
+    cfg.on_prediction = prediction_seen;
+    cfg.on_prediction_user = &seen;
+    cfg.pools = on_b;
+    cfg.n_pools = 1;
+    km_cluster *b = NULL;
+    char why[256] = "";
+    cr_assert_eq(km_cluster_create(&cfg, &b, why, sizeof why), KM_OK, "%s", why);
+    km_cluster_stats st = stats(b);
+    cr_assert_eq(st.sync_peers, 1, "the create's sync took a's state");
+    cr_assert_eq(st.n_mismatched, 1, "a's pool was compared with b's at once");
+    cr_assert_eq(remote(b, 0).in_flight, 0, "a's load on the disagreed pool is left out");
+    uint64_t h[2] = {1, 2};
+    cr_assert_eq(km_cluster_publish_prediction(a, "main", 1, false, h, 2), KM_OK);
+    WAIT_UNTIL(stats(b).refused[KM_CLUSTER_REFUSED_WORKER_MISMATCH] == 2, 2000);
+    cr_assert_eq(stats(b).refused[KM_CLUSTER_REFUSED_WORKER_MISMATCH], 2,
+                 "the disagreement and the prediction");
+    cr_assert_eq(predictions_count(&seen), 0, "a prediction for the disagreed pool was handed over");
+    km_cluster_destroy(b);
+
+    uint32_t twice[] = {0, 0};
+    km_cluster_pool bad[] = {{"main", 0x1111, twice, 2}};
+    cfg.instance = "c";
+    cfg.pools = bad;
+    km_cluster *c = NULL;
+    cr_assert_eq(km_cluster_create(&cfg, &c, why, sizeof why), KM_ERR_INVALID_ARGUMENT);
+    cr_assert_null(c);
+    cr_assert(strstr(why, "pools given at create"), "%s", why);
+    km_cluster_destroy(a);
+}
+
 Test(cluster, a_peer_whose_workers_differ_has_its_pool_left_out_counted_once,
      .init = start_server, .fini = stop_server, .timeout = 60)
 {

@@ -135,6 +135,11 @@ typedef struct km_cluster_config {
     void *on_prediction_user;
     km_log_fn log; /* may be NULL */
     void *log_user;
+    /* This instance's pools from the start (as km_cluster_set_pools, which may still change
+     * them): set before the handle subscribes, so the peers' first states and predictions are
+     * compared with them. Read during create only. */
+    const km_cluster_pool *pools;
+    uint32_t n_pools;
 } km_cluster_config;
 
 void km_cluster_config_init(km_cluster_config *cfg);

@@ -1115,6 +1115,16 @@ int km_cluster_create(const km_cluster_config *cfg, km_cluster **out, char *why,
         km_cluster_destroy(c);
         return km_why(why, why_size, KM_ERR_OUT_OF_MEMORY, "cluster handle");
     }
+    c->cfg.pools = NULL; /* the caller's array is read here only */
+    c->cfg.n_pools = 0;
+    if (cfg->n_pools) { /* before the first message: every peer's is compared against them */
+        int rc = km_cluster_set_pools(c, cfg->pools, cfg->n_pools);
+        if (rc != KM_OK) {
+            km_cluster_destroy(c);
+            return km_why(why, why_size, rc, "cluster: the pools given at create: %s",
+                          km_strerror(rc));
+        }
+    }
     natsStatus s = natsOptions_Create(&c->opts);
     if (s == NATS_OK)
         s = natsOptions_SetURL(c->opts, c->url);

@@ -123,19 +123,27 @@ static uint64_t pool_fingerprint(km_server *s, const pool *p, km_text *buf)
     return XXH3_64bits(buf->data, buf->length);
 }
 
+/* This instance's pools as the cluster handle compares them (names and members point into the
+ * pools, valid while they are unchanged); the first KM_CLUSTER_MAX_POOLS. */
+static uint32_t cluster_pools_of(km_server *s, km_cluster_pool *pools, km_text *buf)
+{
+    uint32_t n = 0;
+    for (uint32_t i = 0; i < s->n_pools && n < KM_CLUSTER_MAX_POOLS; i++) {
+        const pool *p = s->pools[i];
+        pools[n++] = (km_cluster_pool){p->name, pool_fingerprint(s, p, buf), p->members,
+                                       p->n_members};
+    }
+    return n;
+}
+
 void km_srv_cluster_pools_changed(km_server *s)
 {
     if (!s->cluster)
         return;
     km_cluster_pool pools[KM_CLUSTER_MAX_POOLS];
-    uint32_t n = 0;
     km_text buf;
     km_text_init(&buf, 4096);
-    for (uint32_t i = 0; i < s->n_pools && n < KM_CLUSTER_MAX_POOLS; i++) {
-        const pool *p = s->pools[i];
-        pools[n++] = (km_cluster_pool){p->name, pool_fingerprint(s, p, &buf), p->members,
-                                       p->n_members};
-    }
+    uint32_t n = cluster_pools_of(s, pools, &buf);
     if (s->n_pools > KM_CLUSTER_MAX_POOLS)
         km_srv_log(s, KM_LOG_WARNING
                    "cluster: %u pools, the first %u are compared with the other instances'",
@@ -175,8 +183,16 @@ int km_srv_cluster_start(km_server *s, char *why, size_t why_size)
     cc.on_prediction_user = s;
     cc.log = s->log;
     cc.log_user = s->log_user;
+    /* The pools go in at create, so the peers' states and predictions that come during its
+     * sync are compared with them; pools_changed then logs what the create could not say. */
+    km_cluster_pool pools[KM_CLUSTER_MAX_POOLS];
+    km_text buf;
+    km_text_init(&buf, 4096);
+    cc.pools = pools;
+    cc.n_pools = cluster_pools_of(s, pools, &buf);
     char detail[256] = "";
     int rc = km_cluster_create(&cc, &s->cluster, detail, sizeof detail);
+    km_text_free(&buf);
     if (rc != KM_OK)
         return km_why(why, why_size, rc, "cluster: %s", detail);
     km_srv_cluster_pools_changed(s);
