@@ -198,6 +198,55 @@ Test(engine_metrics, scraped_from_a_fake_endpoint_failures_keep_the_last_values,
     serve(VLLM_TEXT, 200);
 }
 
+/* Engines that accept a connection and never answer cost the others nothing: every target is
+ * scraped on its own schedule, the hanging ones' scrapes in flight beside the healthy one's. With
+ * eight such engines at a 400 ms timeout, scraping one target after another would scrape the
+ * healthy engine at most once every 3.2 s; here it is scraped every interval. */
+Test(engine_metrics, engines_that_never_answer_do_not_hold_back_the_others, .timeout = 30)
+{
+    uint16_t port = km_test_free_port();
+    struct MHD_Daemon *d = MHD_start_daemon(MHD_USE_INTERNAL_POLLING_THREAD, port, NULL, NULL,
+                                            fake_handler, NULL, MHD_OPTION_END);
+    cr_assert_not_null(d, "fake endpoint on 127.0.0.1:%u", port);
+    int hang = socket(AF_INET, SOCK_STREAM, 0); /* listens, never accepts: connects, no answer */
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    socklen_t alen = sizeof a;
+    cr_assert(hang >= 0 && bind(hang, (struct sockaddr *)&a, sizeof a) == 0 &&
+              listen(hang, 64) == 0 && getsockname(hang, (struct sockaddr *)&a, &alen) == 0);
+    km_engine_metrics_config cfg;
+    km_engine_metrics_config_init(&cfg);
+    cfg.max_workers = 16;
+    cfg.interval_ms = 50;
+    cfg.timeout_ms = 400;
+    km_engine_metrics *m = NULL;
+    char why[160];
+    cr_assert_eq(km_engine_metrics_create(&cfg, &m, why, sizeof why), KM_OK, "%s", why);
+    char url[64];
+    for (uint32_t w = 1; w <= 8; w++) {
+        snprintf(url, sizeof url, "http://127.0.0.1:%u/metrics", ntohs(a.sin_port));
+        cr_assert_eq(km_engine_metrics_set_target(m, w, url), KM_OK);
+    }
+    snprintf(url, sizeof url, "http://127.0.0.1:%u/metrics", port);
+    cr_assert_eq(km_engine_metrics_set_target(m, 0, url), KM_OK);
+    WAIT_UNTIL(get(m, 0).has_values, 5000);
+    cr_assert(get(m, 0).has_values);
+    uint64_t before = get(m, 0).scrapes;
+    km_test_sleep_ms(2000);
+    uint64_t scraped = get(m, 0).scrapes - before;
+    cr_assert_geq(scraped, 5, "the healthy engine was scraped %llu times in 2 s beside eight "
+                  "that never answer", (unsigned long long)scraped);
+    for (uint32_t w = 1; w <= 8; w++) {
+        km_engine_reported l = get(m, w);
+        cr_assert(!l.has_values && l.failures >= 1, "worker %u: %llu failures", w,
+                  (unsigned long long)l.failures);
+        cr_assert(strstr(l.last_error, "imeout") || strstr(l.last_error, "imed out"), "%s",
+                  l.last_error);
+    }
+    km_engine_metrics_destroy(m);
+    close(hang);
+    MHD_stop_daemon(d);
+}
+
 /* ---- in kvmatch serve: /status shows what each worker's engine reports ----------------------- */
 
 static void *serve_thread(void *arg)

@@ -1,7 +1,9 @@
-/* The engine-metrics scraper (include/kvmatch/engine_metrics.h): one thread, one libcurl easy
- * handle per target, the body read within KM_ENGINE_METRICS_BODY_MAX, and the Prometheus text
- * exposition format read line by line for the six metric names it needs (comments skipped, label
- * values' quotes and escapes honoured, the value read with strtod). */
+/* The engine-metrics scraper (include/kvmatch/engine_metrics.h): one thread that keeps every due
+ * target's scrape in flight at once in a libcurl multi handle, each target on its own schedule
+ * (so a target that hangs costs the others nothing), one easy handle per target kept
+ * across scrapes (its connection is reused), the body read within KM_ENGINE_METRICS_BODY_MAX,
+ * and the Prometheus text exposition format read line by line for the six metric names it needs
+ * (comments skipped, label values' quotes and escapes honoured, the value read with strtod). */
 #include <errno.h>
 #include <math.h>
 #include <pthread.h>
@@ -24,6 +26,8 @@ typedef struct target {
     uint64_t due_ns;
 } target;
 
+typedef struct scrape_slot scrape_slot;
+
 struct km_engine_metrics {
     km_engine_metrics_config cfg;
     pthread_mutex_t lock;
@@ -32,6 +36,10 @@ struct km_engine_metrics {
     target *targets;
     pthread_t thread;
     bool started;
+    /* The scraper thread's own (created before it starts, freed after it ends): */
+    CURLM *multi;        /* curl_multi_wakeup (destroy, set_target) ends its wait */
+    CURL **easy;         /* max_workers: a target's handle, NULL until its first scrape */
+    scrape_slot *slots;  /* max_workers: a target's scrape in progress */
 };
 
 static uint64_t mono_ns(void)
@@ -178,98 +186,169 @@ static size_t on_body(char *ptr, size_t size, size_t nmemb, void *user)
     return n;
 }
 
-/* One scrape of `url` (no lock held); the result into *got and why. */
-static bool scrape(const km_engine_metrics *m, const char *url, km_engine_reported *got, char *why,
-                   size_t why_size)
+/* A target's scrape in progress. */
+struct scrape_slot {
+    char *url; /* copied under the lock when the scrape began */
+    body b;
+    char err[CURL_ERROR_SIZE];
+    CURLcode rc;
+    bool in_flight; /* in the multi handle */
+    bool done;      /* finished, rc set, not yet applied */
+};
+
+/* Start worker w's scrape of url (taken over); false (url freed) when libcurl refused it. */
+static bool scrape_start(km_engine_metrics *m, uint32_t w, char *url)
 {
-    CURL *curl = curl_easy_init();
-    if (!curl) {
-        snprintf(why, why_size, "libcurl: no handle");
+    scrape_slot *sl = &m->slots[w];
+    memset(sl, 0, sizeof *sl);
+    sl->url = url;
+    CURL **easy = &m->easy[w];
+    if (!*easy && !(*easy = curl_easy_init())) {
+        free(url);
+        sl->url = NULL;
         return false;
     }
-    body b = {0};
-    char err[CURL_ERROR_SIZE] = "";
-    curl_easy_setopt(curl, CURLOPT_URL, url);
+    CURL *curl = *easy;
+    curl_easy_setopt(curl, CURLOPT_URL, sl->url);
     curl_easy_setopt(curl, CURLOPT_WRITEFUNCTION, on_body);
-    curl_easy_setopt(curl, CURLOPT_WRITEDATA, &b);
+    curl_easy_setopt(curl, CURLOPT_WRITEDATA, &sl->b);
     curl_easy_setopt(curl, CURLOPT_TIMEOUT_MS, (long)m->cfg.timeout_ms);
     curl_easy_setopt(curl, CURLOPT_CONNECTTIMEOUT_MS, (long)m->cfg.timeout_ms);
     curl_easy_setopt(curl, CURLOPT_NOSIGNAL, 1L);
-    curl_easy_setopt(curl, CURLOPT_ERRORBUFFER, err);
+    curl_easy_setopt(curl, CURLOPT_ERRORBUFFER, sl->err);
     curl_easy_setopt(curl, CURLOPT_PROTOCOLS_STR, "http,https");
-    CURLcode rc = curl_easy_perform(curl);
+    curl_easy_setopt(curl, CURLOPT_PRIVATE, (char *)sl);
+    if (curl_multi_add_handle(m->multi, curl) != CURLM_OK) {
+        free(url);
+        sl->url = NULL;
+        return false;
+    }
+    sl->in_flight = true;
+    return true;
+}
+
+/* A finished scrape's result: *got and true, or why it failed. */
+static bool scrape_result(km_engine_metrics *m, uint32_t w, km_engine_reported *got, char *why,
+                          size_t why_size)
+{
+    scrape_slot *sl = &m->slots[w];
     long status = 0;
-    curl_easy_getinfo(curl, CURLINFO_RESPONSE_CODE, &status);
-    curl_easy_cleanup(curl);
-    bool ok = false;
-    if (b.too_large)
+    if (sl->rc == CURLE_OK)
+        curl_easy_getinfo(m->easy[w], CURLINFO_RESPONSE_CODE, &status);
+    if (sl->b.too_large)
         snprintf(why, why_size, "body over %u bytes", KM_ENGINE_METRICS_BODY_MAX);
-    else if (rc != CURLE_OK)
-        snprintf(why, why_size, "%s", err[0] ? err : curl_easy_strerror(rc));
+    else if (sl->rc != CURLE_OK)
+        snprintf(why, why_size, "%.150s", sl->err[0] ? sl->err : curl_easy_strerror(sl->rc));
     else if (status != 200)
         snprintf(why, why_size, "HTTP status %ld", status);
     else
-        ok = km_engine_metrics_parse(b.data ? b.data : "", b.len, got, why, why_size) == KM_OK;
-    free(b.data);
-    return ok;
+        return km_engine_metrics_parse(sl->b.data ? sl->b.data : "", sl->b.len, got, why,
+                                       why_size) == KM_OK;
+    return false;
 }
 
+/* Apply worker w's finished scrape to its target (under the lock) and free the slot. */
+static void scrape_apply(km_engine_metrics *m, uint32_t w)
+{
+    scrape_slot *sl = &m->slots[w];
+    target *t = &m->targets[w];
+    km_engine_reported got = {0};
+    char why[160] = "";
+    bool ok = scrape_result(m, w, &got, why, sizeof why);
+    /* the target may have changed meanwhile: apply only to the same URL */
+    if (t->url && !strcmp(t->url, sl->url)) {
+        t->load.scrapes++;
+        if (ok) {
+            t->load.has_values = true;
+            t->load.engine = got.engine;
+            t->load.running = got.running;
+            t->load.waiting = got.waiting;
+            t->load.kv_usage = got.kv_usage;
+            t->load.scraped_ns = mono_ns();
+        } else {
+            t->load.failures++;
+            snprintf(t->load.last_error, sizeof t->load.last_error, "%s", why);
+            if (m->cfg.log && (t->load.failures == 1 || t->load.failures % 100 == 0)) {
+                char line[320];
+                snprintf(line, sizeof line, "engine metrics: worker %u (%.100s): %s "
+                         "(%llu failures)", w, sl->url, why, (unsigned long long)t->load.failures);
+                m->cfg.log(m->cfg.log_user, line);
+            }
+        }
+        t->due_ns = mono_ns() + (uint64_t)m->cfg.interval_ms * NS_PER_MS;
+    }
+    free(sl->url);
+    free(sl->b.data);
+    memset(sl, 0, sizeof *sl);
+}
+
+/* Each target is scraped on its own schedule, every scrape in flight at once in the multi handle:
+ * a target that hangs holds up only its own next scrape, by at most timeout_ms. */
 static void *scraper_main(void *arg)
 {
     km_engine_metrics *m = arg;
+    uint32_t in_flight = 0;
     pthread_mutex_lock(&m->lock);
     while (!m->stop) {
+        /* Apply what finished, then start what is due. */
         uint64_t now = mono_ns(), next = now + (uint64_t)m->cfg.interval_ms * NS_PER_MS;
-        for (uint32_t w = 0; w < m->cfg.max_workers && !m->stop; w++) {
+        for (uint32_t w = 0; w < m->cfg.max_workers; w++) {
+            scrape_slot *sl = &m->slots[w];
+            if (sl->done) {
+                curl_multi_remove_handle(m->multi, m->easy[w]);
+                scrape_apply(m, w);
+                in_flight--;
+            }
             target *t = &m->targets[w];
-            if (!t->url)
+            if (!t->url || sl->in_flight)
                 continue;
             if (t->due_ns > now) {
                 next = t->due_ns < next ? t->due_ns : next;
                 continue;
             }
             char *url = strdup(t->url);
-            if (!url)
-                continue;
-            pthread_mutex_unlock(&m->lock);
-            km_engine_reported got = {0};
-            char why[160] = "";
-            bool ok = scrape(m, url, &got, why, sizeof why);
-            pthread_mutex_lock(&m->lock);
-            /* the target may have changed meanwhile: apply only to the same URL */
-            if (t->url && !strcmp(t->url, url)) {
-                t->load.scrapes++;
-                if (ok) {
-                    t->load.has_values = true;
-                    t->load.engine = got.engine;
-                    t->load.running = got.running;
-                    t->load.waiting = got.waiting;
-                    t->load.kv_usage = got.kv_usage;
-                    t->load.scraped_ns = mono_ns();
-                } else {
-                    t->load.failures++;
-                    snprintf(t->load.last_error, sizeof t->load.last_error, "%s", why);
-                    if (m->cfg.log && (t->load.failures == 1 || t->load.failures % 100 == 0)) {
-                        char line[320];
-                        snprintf(line, sizeof line, "engine metrics: worker %u (%.100s): %s "
-                                 "(%llu failures)", w, url, why,
-                                 (unsigned long long)t->load.failures);
-                        m->cfg.log(m->cfg.log_user, line);
-                    }
-                }
-                t->due_ns = mono_ns() + (uint64_t)m->cfg.interval_ms * NS_PER_MS;
+            if (url && scrape_start(m, w, url)) {
+                in_flight++;
+            } else { /* out of memory: try again at the next interval */
+                t->due_ns = now + (uint64_t)m->cfg.interval_ms * NS_PER_MS;
                 next = t->due_ns < next ? t->due_ns : next;
             }
-            free(url);
-            now = mono_ns();
         }
-        if (m->stop)
-            break;
-        struct timespec ts = {(time_t)(next / UINT64_C(1000000000)),
-                              (long)(next % UINT64_C(1000000000))};
-        pthread_cond_timedwait(&m->cond, &m->lock, &ts);
+        if (!in_flight) {
+            struct timespec ts = {(time_t)(next / UINT64_C(1000000000)),
+                                  (long)(next % UINT64_C(1000000000))};
+            pthread_cond_timedwait(&m->cond, &m->lock, &ts);
+            continue;
+        }
+        pthread_mutex_unlock(&m->lock);
+        int running = 0;
+        curl_multi_perform(m->multi, &running);
+        int left;
+        CURLMsg *msg;
+        while ((msg = curl_multi_info_read(m->multi, &left)))
+            if (msg->msg == CURLMSG_DONE) {
+                char *priv = NULL;
+                curl_easy_getinfo(msg->easy_handle, CURLINFO_PRIVATE, &priv);
+                scrape_slot *sl = (scrape_slot *)(void *)priv;
+                sl->rc = msg->data.result;
+                sl->done = true;
+                running = -1; /* apply at once */
+            }
+        if (running >= 0) {
+            uint64_t after = mono_ns();
+            uint64_t wait_ms = next > after ? (next - after) / NS_PER_MS + 1 : 0;
+            curl_multi_poll(m->multi, NULL, 0, wait_ms < 1000 ? (int)wait_ms : 1000, NULL);
+        }
+        pthread_mutex_lock(&m->lock);
     }
     pthread_mutex_unlock(&m->lock);
+    for (uint32_t w = 0; w < m->cfg.max_workers; w++) /* stopping: drop what is in flight */
+        if (m->slots[w].in_flight) {
+            curl_multi_remove_handle(m->multi, m->easy[w]);
+            free(m->slots[w].url);
+            free(m->slots[w].b.data);
+            memset(&m->slots[w], 0, sizeof m->slots[w]);
+        }
     return NULL;
 }
 
@@ -299,7 +378,14 @@ int km_engine_metrics_create(const km_engine_metrics_config *cfg, km_engine_metr
     static pthread_once_t curl_once = PTHREAD_ONCE_INIT;
     pthread_once(&curl_once, init_curl);
     km_engine_metrics *m = calloc(1, sizeof *m);
-    if (!m || !(m->targets = calloc(cfg->max_workers, sizeof *m->targets))) {
+    if (!m || !(m->targets = calloc(cfg->max_workers, sizeof *m->targets)) ||
+        !(m->easy = calloc(cfg->max_workers, sizeof *m->easy)) ||
+        !(m->slots = calloc(cfg->max_workers, sizeof *m->slots)) || !(m->multi = curl_multi_init())) {
+        if (m) {
+            free(m->targets);
+            free(m->easy);
+            free(m->slots);
+        }
         free(m);
         return km_why(why, why_size, KM_ERR_OUT_OF_MEMORY, "engine metrics");
     }
@@ -327,10 +413,17 @@ void km_engine_metrics_destroy(km_engine_metrics *m)
     m->stop = true;
     pthread_cond_broadcast(&m->cond);
     pthread_mutex_unlock(&m->lock);
+    curl_multi_wakeup(m->multi); /* a round's poll returns at once */
     if (m->started)
         pthread_join(m->thread, NULL);
-    for (uint32_t w = 0; w < m->cfg.max_workers; w++)
+    for (uint32_t w = 0; w < m->cfg.max_workers; w++) {
         free(m->targets[w].url);
+        if (m->easy[w])
+            curl_easy_cleanup(m->easy[w]);
+    }
+    curl_multi_cleanup(m->multi);
+    free(m->easy);
+    free(m->slots);
     free(m->targets);
     pthread_cond_destroy(&m->cond);
     pthread_mutex_destroy(&m->lock);
@@ -357,6 +450,7 @@ int km_engine_metrics_set_target(km_engine_metrics *m, uint32_t worker, const ch
     t->due_ns = 0;
     pthread_cond_broadcast(&m->cond);
     pthread_mutex_unlock(&m->lock);
+    curl_multi_wakeup(m->multi); /* a scraper waiting on scrapes in flight starts this one too */
     return KM_OK;
 }
 
