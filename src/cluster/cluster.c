@@ -1028,7 +1028,9 @@ static void sync_with_peers(km_cluster *c)
         c->peers[i].answered_sync = false;
     publish_state(c);
     publish_sync_request(c);
-    natsConnection_Flush(c->conn);
+    /* Within the sync's own time limit (the loop below counts the flush's time too): a server
+     * that stalls after the connect does not hold the create past sync_timeout_ms. */
+    natsConnection_FlushTimeout(c->conn, (int64_t)c->cfg.sync_timeout_ms);
     for (;;) {
         uint64_t now = mono_ns();
         uint64_t waited = now - t0;
