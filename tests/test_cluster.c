@@ -781,6 +781,54 @@ Test(cluster, refusals_are_all_counted_and_logged_once_per_reason_and_interval,
     km_cluster_destroy(a);
 }
 
+/* Log lines that contain "over 1048576 bytes without its work", counted. */
+static void count_too_large_lines(void *user, const char *line)
+{
+    refusal_lines *r = user;
+    if (strstr(line, "bytes without its work: not sent")) {
+        pthread_mutex_lock(&r->lock);
+        r->n++;
+        pthread_mutex_unlock(&r->lock);
+    }
+}
+
+/* A state too large for one message (more non-zero workers than fit in KM_CLUSTER_MESSAGE_MAX)
+ * is not sent, says so once, and gives its sequence number back: the peers count no message lost
+ * while each worker's change still reaches them. */
+Test(cluster, a_state_too_large_to_send_is_logged_once_and_costs_no_sequence_number,
+     .init = start_server, .fini = stop_server, .timeout = 60)
+{
+    static refusal_lines lines = {.lock = PTHREAD_MUTEX_INITIALIZER};
+    const uint32_t W = 60000;
+    km_cluster_config cfg;
+    km_cluster_config_init(&cfg);
+    cfg.url = server.url;
+    cfg.max_workers = W;
+    cfg.heartbeat_ms = 50;
+    cfg.expire_ms = 10000;
+    cfg.instance = "b";
+    km_cluster *b = NULL;
+    char why[256] = "";
+    cr_assert_eq(km_cluster_create(&cfg, &b, why, sizeof why), KM_OK, "%s", why);
+    cfg.instance = "a";
+    cfg.log = count_too_large_lines;
+    cfg.log_user = &lines;
+    km_cluster *a = NULL;
+    cr_assert_eq(km_cluster_create(&cfg, &a, why, sizeof why), KM_OK, "%s", why);
+    km_active_load l = {123456, 0, 98765, 4321, 4321, 0};
+    for (uint32_t w = 0; w < W; w++)
+        cr_assert_eq(km_cluster_publish_load(a, w, &l), KM_OK);
+    WAIT_UNTIL(remote(b, W - 1).in_flight == 123456, 10000);
+    cr_assert_eq(remote(b, W - 1).in_flight, 123456, "the last worker's change arrived");
+    km_test_sleep_ms(300); /* several heartbeats, each a state that does not fit */
+    cr_assert_eq(refusal_lines_count(&lines), 1, "the oversized state said so once: %u",
+                 refusal_lines_count(&lines));
+    cr_assert_geq(stats(a).publish_failures, 2);
+    cr_assert_eq(stats(b).lost_messages, 0, "a state not sent was counted lost");
+    km_cluster_destroy(a);
+    km_cluster_destroy(b);
+}
+
 /* A prediction from an instance whose full state has not arrived cannot be checked against its
  * pools: refused (no_state), counted, never handed over, and the instance is stale. Once its
  * state is in, its predictions pass; one that follows a gap still passes but marks it stale, as a

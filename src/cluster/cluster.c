@@ -85,6 +85,7 @@ struct km_cluster {
     km_u64map remote_prefixes, remote_queued;
     uint64_t remote_work_held;
     bool work_omitted_logged;
+    bool too_large_logged; /* a message over KM_CLUSTER_MESSAGE_MAX was logged */
     contribution peers[KM_CLUSTER_MAX_INSTANCES];
     cluster_pool_fingerprint local_pools[KM_CLUSTER_MAX_POOLS]; /* km_cluster_set_pools */
     uint32_t n_local_pools;
@@ -430,6 +431,17 @@ static void publish(km_cluster *c, const cluster_message *m)
     }
     if (rc != KM_OK) {
         c->st.publish_failures++;
+        /* Not sent: its sequence number is given back (the lock has been held since it was
+         * taken), so the peers count no message as lost. */
+        if (m->kind != CLUSTER_SYNC && c->seq == m->seq)
+            c->seq--;
+        if (rc == KM_ERR_TOO_LARGE && !c->too_large_logged)
+            cluster_log(c, KM_LOG_WARNING
+                        "a %s message of %u workers is over %u bytes without its work: not "
+                        "sent (counted in publish_failures; the peers keep what they had)",
+                        m->kind == CLUSTER_STATE ? "state" : "change", m->n_workers,
+                        KM_CLUSTER_MESSAGE_MAX);
+        c->too_large_logged |= rc == KM_ERR_TOO_LARGE;
         return;
     }
     natsStatus s = natsConnection_Publish(c->conn, c->subject.data, c->body.data,
