@@ -1817,6 +1817,34 @@ Test(protocol, encoder_refuses_what_a_peer_would_reject, .timeout = 10)
     km_frame_buffer_free(&b);
 }
 
+/* A message that quotes a client's text cut at a byte limit can end inside a UTF-8 character:
+ * only its longest well-formed prefix goes out, so the peer's UTF-8 decoding of the reply (the
+ * Python client's) never fails. */
+Test(protocol, a_message_cut_inside_a_character_goes_out_as_well_formed_utf8, .timeout = 10)
+{
+    /* "no pool serves model a" + U+4E2D + the first two bytes of U+6587 */
+    const char *cut = "no pool serves model a\xe4\xb8\xad\xe6\x96";
+    const char *whole = "no pool serves model a\xe4\xb8\xad";
+    km_frame_buffer b;
+    km_frame_buffer_init(&b);
+    km_protocol_decoder *dec;
+    cr_assert_eq(km_protocol_decoder_create(NULL, &dec), KM_OK);
+    km_message got;
+    cr_assert_eq(km_protocol_encode_error(7, KM_ERR_NOT_FOUND, cut, &b), KM_OK);
+    cr_assert_eq(km_protocol_decode(dec, b.data + 4, b.size - 4, &got), KM_OK);
+    cr_assert_str_eq(got.error.message, whole);
+    km_item_status items[2] = {{KM_OK, NULL}, {KM_ERR_NOT_FOUND, cut}};
+    km_message m = {.type = KM_MESSAGE_ACK, .has_id = true, .id = 8};
+    m.ack.items = items;
+    m.ack.n_items = 2;
+    encode_ok(&m, &b);
+    cr_assert_eq(km_protocol_decode(dec, b.data + 4, b.size - 4, &got), KM_OK);
+    cr_assert_eq(got.ack.n_items, 2);
+    cr_assert_str_eq(got.ack.items[1].message, whole);
+    km_frame_buffer_free(&b);
+    km_protocol_decoder_destroy(dec);
+}
+
 Test(protocol, names, .timeout = 5)
 {
     cr_assert_str_eq(km_message_type_name(KM_MESSAGE_STATUS_REPLY), "STATUS_REPLY");

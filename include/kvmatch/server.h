@@ -38,6 +38,9 @@ typedef struct km_server km_server;
 
 /* Longest pool or worker name. */
 #define KM_SERVER_NAME_MAX 64u
+/* Largest max_outbox_bytes (1 GiB): a connection's waiting replies are written in one libuv
+ * buffer, whose length is 32 bits. */
+#define KM_SERVER_MAX_OUTBOX_BYTES_LIMIT (UINT64_C(1) << 30)
 
 /* One worker: an engine replica (or one data-parallel rank of one). Ids are unique across the
  * service (0 .. max_workers - 1); with an event endpoint the worker's index is fed by its KV
@@ -144,7 +147,8 @@ typedef struct km_server_config {
     uint32_t max_connection_routes;
     uint32_t max_connections;   /* more are accepted and closed at once; default 1024 */
     uint64_t max_outbox_bytes;  /* replies waiting for a slow reader beyond this close it;
-                                 * default 64 MiB (reading pauses at a quarter of it) */
+                                 * default 64 MiB (reading pauses at a quarter of it); 4096 ..
+                                 * KM_SERVER_MAX_OUTBOX_BYTES_LIMIT */
     km_protocol_limits limits;  /* frame and message limits (docs/PROTOCOL.md) */
 
     uint64_t active_ttl_ms;     /* active work whose FINISHED never comes expires; default 600,000 */

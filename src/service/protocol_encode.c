@@ -11,6 +11,7 @@
 
 #include "kvmatch/protocol.h"
 #include "base/error_detail.h"
+#include "base/utf8.h"
 #include "service/protocol_internal.h"
 
 /* ---- frame buffer and encoder ---------------------------------------------------------------- */
@@ -183,6 +184,18 @@ static void put_str(writer *w, map_mark *m, const char *key, const char *s)
     pack_cstr(w, s);
 }
 
+/* A human-readable message: it may quote a client's text cut at a byte limit (a model name in
+ * "no pool serves model ..."), so only its longest well-formed UTF-8 prefix goes out: a msgpack
+ * str the peer cannot decode as UTF-8 would fail its whole reply. */
+static void put_message(writer *w, map_mark *m, const char *key, const char *s)
+{
+    size_t len = strlen(s), ok = 0, n;
+    while (ok < len && (n = km_utf8_sequence((const unsigned char *)s + ok, len - ok)) > 0)
+        ok += n;
+    put_key(w, m, key);
+    msgpack_pack_str_with_body(&w->packer, s, ok);
+}
+
 static void put_required_str(writer *w, map_mark *m, const char *where, const char *key,
                              const char *s, bool non_empty)
 {
@@ -249,7 +262,7 @@ static void put_item_status(writer *w, map_mark *m, const char *where, int statu
         return;
     }
     put_i64(w, m, "status", status);
-    put_str(w, m, "message", message ? message : km_strerror(status));
+    put_message(w, m, "message", message ? message : km_strerror(status));
 }
 
 /* "name[i]." into buf (the field-path prefix of an array item's error messages). Written by hand:
@@ -643,7 +656,7 @@ static void encode_body(writer *w, map_mark *m, const km_message *msg)
         }
         put_i64(w, m, "code", msg->error.code);
         put_str(w, m, "name", msg->error.name ? msg->error.name : km_error_name(msg->error.code));
-        put_str(w, m, "message", msg->error.message ? msg->error.message : "");
+        put_message(w, m, "message", msg->error.message ? msg->error.message : "");
         break;
     case KM_MESSAGE_UNKNOWN:
     default:

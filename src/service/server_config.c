@@ -521,7 +521,8 @@ int km_server_config_load_json(const char *path, km_server_config *target, km_se
     get_bool(&r, root, "allow_non_loopback", "", &cfg->allow_non_loopback);
     get_string(&r, root, "default_pool", "", &cfg->default_pool);
     get_u32(&r, root, "max_connections", "", 1, 1u << 20, &cfg->max_connections);
-    get_u64(&r, root, "max_outbox_bytes", "", 4096, UINT64_MAX, &cfg->max_outbox_bytes);
+    get_u64(&r, root, "max_outbox_bytes", "", 4096, KM_SERVER_MAX_OUTBOX_BYTES_LIMIT,
+            &cfg->max_outbox_bytes);
     get_u64(&r, root, "active_ttl_ms", "", 1, UINT64_MAX / 1000000, &cfg->active_ttl_ms);
     get_u32(&r, root, "max_active_entries", "", 1, (1u << 31) - 1, &cfg->max_active_entries);
     get_u64(&r, root, "max_active_bytes", "", 0, UINT64_MAX, &cfg->max_active_bytes);
