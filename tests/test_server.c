@@ -2048,6 +2048,91 @@ Test(server, slow_reader_is_closed_others_are_served, .timeout = 60)
     srv_cleanup(&s);
 }
 
+/* A frame that is begun and never completed (a header, a few bytes, then nothing) gets ERROR
+ * KM_ERR_TIMEOUT after frame_timeout_ms and the connection is closed; a connection whose reading
+ * paused for replies it never reads is closed after stalled_reader_timeout_ms although its replies
+ * stay under max_outbox_bytes. Other clients are served meanwhile. */
+Test(server, half_sent_frames_and_stalled_readers_are_closed_after_their_timeouts, .timeout = 60)
+{
+    srv s = {0};
+    km_server_config cfg;
+    test_config(&cfg, &s, KM_POLICY_KV, 16);
+    cfg.records_path = NULL;
+    cfg.frame_timeout_ms = 300;
+    cfg.stalled_reader_timeout_ms = 500; /* max_outbox_bytes as by default: 64 MiB */
+    srv_start(&s, &cfg);
+    km_protocol_decoder *dec;
+    cr_assert_eq(km_protocol_decoder_create(NULL, &dec), KM_OK);
+    static uint8_t buf[1 << 20];
+
+    int fd = raw_connect(&s);
+    raw_hello(fd, dec, buf, sizeof buf, KM_PROTOCOL_VERSION);
+    uint8_t part[4 + 10] = {0, 0, 0x03, 0xe8, 0x82}; /* declares 1,000 bytes, sends 10 */
+    cr_assert_eq(send(fd, part, sizeof part, MSG_NOSIGNAL), (ssize_t)sizeof part);
+    km_message reply;
+    cr_assert_eq(raw_read_reply(fd, dec, &reply, buf, sizeof buf), KM_ERR_TIMEOUT);
+    cr_assert_eq(reply.type, KM_MESSAGE_ERROR);
+    cr_assert(strstr(reply.error.message, "not complete"), "%s", reply.error.message);
+    char byte;
+    cr_assert_eq(recv(fd, &byte, 1, 0), 0, "the connection was not closed");
+    close(fd);
+
+    fd = raw_connect(&s);
+    raw_hello(fd, dec, buf, sizeof buf, KM_PROTOCOL_VERSION);
+    int small = 4096;
+    setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &small, sizeof small);
+    km_frame_buffer fb;
+    km_frame_buffer_init(&fb);
+    for (uint32_t i = 0; i < 3000; i++) { /* about 36 MB of replies: reading pauses at 16 MiB */
+        char rid[32];
+        snprintf(rid, sizeof rid, "stalled-%u", i);
+        km_route_request r[8];
+        for (int k = 0; k < 8; k++) {
+            r[k] = token_route(rid, 0, 2 * BS);
+            static const char *const attempts[8] = {"0", "1", "2", "3", "4", "5", "6", "7"};
+            r[k].attempt_id = attempts[k];
+        }
+        km_message m;
+        memset(&m, 0, sizeof m);
+        m.type = KM_MESSAGE_ROUTE;
+        m.has_id = true;
+        m.id = 10 + i;
+        m.route.routes = r;
+        m.route.n_routes = 8;
+        cr_assert_eq(km_protocol_encode(&m, 0, &fb, NULL, 0), KM_OK);
+    }
+    struct timeval tv = {2, 0};
+    setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+    size_t off = 0;
+    while (off < fb.size) {
+        ssize_t k = send(fd, fb.data + off, fb.size - off, MSG_NOSIGNAL);
+        if (k <= 0)
+            break;
+        off += (size_t)k;
+    }
+    km_client *good = connect_client(&s);
+    char rid[32] = "good";
+    km_route_request r = token_route(rid, 100, 4 * BS);
+    cr_assert_eq(route_one(good, &r, &reply)->status, KM_OK);
+    km_server_stats ss;
+    for (int i = 0; i < 500; i++) {
+        km_server_get_stats(s.server, &ss);
+        if (ss.slow_clients_closed)
+            break;
+        km_test_sleep_ms(10);
+    }
+    cr_assert_eq(ss.slow_clients_closed, 1, "the stalled reader was not closed");
+    char rid2[32] = "good-after";
+    km_route_request r2 = token_route(rid2, 100, 4 * BS);
+    cr_assert_eq(route_one(good, &r2, &reply)->status, KM_OK, "the good client is served after");
+    km_client_close(good);
+    close(fd);
+    km_frame_buffer_free(&fb);
+    km_protocol_decoder_destroy(dec);
+    srv_stop(&s);
+    srv_cleanup(&s);
+}
+
 /* The real binary: `kvmatch serve` answers, and SIGTERM drains, writes its records and exits 0. */
 Test(server, cli_serve_exits_zero_on_sigterm, .timeout = 60)
 {

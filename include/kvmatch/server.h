@@ -181,6 +181,10 @@ typedef struct km_server_config {
     double ready_share;         /* /readyz: ready when at least this share of event-fed workers is
                                  * LIVE; default 1.0 */
     uint32_t drain_timeout_ms;  /* shutdown waits this long for queued work; default 10,000 */
+    uint32_t frame_timeout_ms;  /* a frame begun and not complete this long: ERROR (KM_ERR_TIMEOUT)
+                                 * and the connection reads no more; default 30,000; >= 1 */
+    uint32_t stalled_reader_timeout_ms; /* reading paused this long for replies the client does
+                                         * not read: closed; default 60,000; >= 1 */
     uint64_t seed;              /* policies' random state (temperature > 0); default 0x6b766d */
     const char *default_pool;   /* routes naming neither pool nor model; NULL = the first (a
                                  * route naming a model no pool serves is refused) */

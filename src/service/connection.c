@@ -25,6 +25,7 @@ static void alloc_cb(uv_handle_t *h, size_t suggested, uv_buf_t *buf);
 static void conn_resume_reading(conn *c)
 {
     c->paused = false;
+    c->paused_since_ns = 0;
     int rc = uv_read_start(&c->h.stream, alloc_cb, on_read);
     if (rc < 0) {
         km_srv_log(c->server, KM_LOG_WARNING
@@ -185,6 +186,7 @@ static void conn_send_locked(conn *c, const uint8_t *data, size_t size, bool fir
     c->outbox.size += size;
     if (!c->paused && c->reading && c->outbox.size + c->writing.size > s->cfg.max_outbox_bytes / 4) {
         c->paused = true;
+        c->paused_since_ns = now_ns();
         uv_read_stop(&c->h.stream);
     }
     conn_flush(c);
@@ -328,12 +330,44 @@ static void on_read(uv_stream_t *stream, ssize_t nread, const uv_buf_t *buf)
          * neither a large frame's buffer nor its decoded tree. */
         km_protocol_decoder_release(c->decoder);
         km_frame_reader_release(c->reader);
+        c->frame_started_ns = 0;
         if (!keep) {
             uv_read_stop(stream);
             c->reading = false;
             c->eof = true;
             km_srv_conn_close_if_finished(c);
             return;
+        }
+    }
+    /* A frame begun here and not completed is timed from this read (km_srv_conns_sweep). */
+    if (!c->closing && km_frame_reader_pending(c->reader) > 0 && !c->frame_started_ns)
+        c->frame_started_ns = now_ns();
+}
+
+void km_srv_conns_sweep(km_server *s, uint64_t now)
+{
+    if (now - s->conns_swept_ns < UINT64_C(100000000))
+        return;
+    s->conns_swept_ns = now;
+    for (conn *c = s->conns, *next; c; c = next) {
+        next = c->next; /* a close unlinks c; the rest of the list stays */
+        if (c->closing)
+            continue;
+        if (c->reading && c->frame_started_ns &&
+            now - c->frame_started_ns > (uint64_t)s->cfg.frame_timeout_ms * 1000000u) {
+            atomic_fetch_add(&s->st.bad_frames, 1);
+            km_srv_send_error(c, 0, KM_ERR_TIMEOUT, "a frame begun over %u ms ago is not "
+                              "complete: this connection reads no more", s->cfg.frame_timeout_ms);
+            uv_read_stop(&c->h.stream);
+            c->reading = false;
+            c->eof = true;
+            c->frame_started_ns = 0;
+            km_srv_conn_close_if_finished(c);
+        } else if (c->paused && c->paused_since_ns &&
+                   now - c->paused_since_ns >
+                       (uint64_t)s->cfg.stalled_reader_timeout_ms * 1000000u) {
+            atomic_fetch_add(&s->st.slow_closed, 1);
+            km_srv_conn_close(c);
         }
     }
 }

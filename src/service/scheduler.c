@@ -582,6 +582,7 @@ static void release_after_drain(km_server *s)
 static void on_expiry_tick(uv_timer_t *t)
 {
     km_server *s = t->data;
+    km_srv_conns_sweep(s, now_ns());
     if (!uv_is_active((uv_handle_t *)&s->expiry_more) && loop_expire_slice(s))
         uv_idle_start(&s->expiry_more, on_expiry_more); /* the rest, a slice per loop pass */
     release_after_drain(s);

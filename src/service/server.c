@@ -236,12 +236,14 @@ int km_server_create(const km_server_config *cfg_in, km_server **out, char *why,
         return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT, "neither a socket path nor tcp");
     if (cfg.max_workers == 0 || cfg.max_workers > KM_MAX_WORKERS_LIMIT || cfg.max_batch_routes == 0 ||
         cfg.max_queued_routes == 0 || cfg.max_connections == 0 || cfg.max_outbox_bytes < 4096 ||
-        cfg.max_outbox_bytes > KM_SERVER_MAX_OUTBOX_BYTES_LIMIT ||
+        cfg.max_outbox_bytes > KM_SERVER_MAX_OUTBOX_BYTES_LIMIT || cfg.frame_timeout_ms == 0 ||
+        cfg.stalled_reader_timeout_ms == 0 ||
         cfg.active_ttl_ms == 0 || cfg.active_ttl_ms > UINT64_MAX / 1000000 || /* in ns */
         !(cfg.ready_share >= 0 && cfg.ready_share <= 1))
         return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,
                      "max_workers, max_batch_routes, max_queued_routes, max_connections, "
-                     "max_outbox_bytes (4096 .. 2^30), active_ttl_ms or ready_share out of range");
+                     "max_outbox_bytes (4096 .. 2^30), active_ttl_ms, ready_share, "
+                     "frame_timeout_ms or stalled_reader_timeout_ms out of range");
     /* The cooldown is added to a time in ns (km_srv_breaker_outcome): bounded as the JSON config
      * and the CLI bound it, so the product cannot wrap to a short cooldown. */
     if (cfg.breaker_failures &&

@@ -39,6 +39,8 @@ void km_server_config_init(km_server_config *cfg)
     cfg->breaker_cooldown_ms = 10000;
     cfg->ready_share = 1.0;
     cfg->drain_timeout_ms = 10000;
+    cfg->frame_timeout_ms = 30000;
+    cfg->stalled_reader_timeout_ms = 60000;
     cfg->seed = 0x6b766d;
     cfg->records_max_file_bytes = UINT64_C(256) << 20;
     cfg->records_keep_files = 8;
@@ -489,6 +491,7 @@ int km_server_config_load_json(const char *path, km_server_config *target, km_se
         "socket", "tcp", "http", "allow_non_loopback", "default_pool", "max_connections",
         "max_outbox_bytes", "active_ttl_ms", "max_active_entries", "max_active_bytes", "approx_dispatch_max_bytes",
         "breaker_failures", "breaker_cooldown_ms", "ready_share", "drain_timeout_ms", "seed",
+        "frame_timeout_ms", "stalled_reader_timeout_ms",
         "records", "snapshot", "index", "scheduler", "limits", "cluster", "engine_metrics",
         "pools", NULL};
     static const char *const records_keys[] = {"path",           "max_file_bytes", "keep_files",
@@ -531,6 +534,9 @@ int km_server_config_load_json(const char *path, km_server_config *target, km_se
     get_u64(&r, root, "breaker_cooldown_ms", "", 1, UINT64_MAX / 1000000, &cfg->breaker_cooldown_ms);
     get_number(&r, root, "ready_share", "", 0.0, 1.0, &cfg->ready_share);
     get_u32(&r, root, "drain_timeout_ms", "", 0, 3600000, &cfg->drain_timeout_ms);
+    get_u32(&r, root, "frame_timeout_ms", "", 1, 3600000, &cfg->frame_timeout_ms);
+    get_u32(&r, root, "stalled_reader_timeout_ms", "", 1, 3600000,
+            &cfg->stalled_reader_timeout_ms);
     get_u64(&r, root, "seed", "", 0, UINT64_MAX, &cfg->seed);
     json_t *rec = json_object_get(root, "records");
     if (rec && !r.rc) {

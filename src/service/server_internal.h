@@ -315,6 +315,8 @@ struct conn {
     uint64_t routes_in_flight; /* routes of its queued or deciding jobs (max_connection_routes) */
     uint32_t queued_behind;    /* its queued jobs behind the light ones: its next frames go
                                 * there too (jobs.c; queue_lock) */
+    uint64_t frame_started_ns; /* a frame's first bytes came and not yet its last; 0 = none */
+    uint64_t paused_since_ns;  /* reading paused for its waiting replies since; 0 = not paused */
 #ifdef KM_SRV_STAGE_TRACE
     uint64_t read_ns; /* the current read began (job_stages.read) */
 #endif
@@ -345,6 +347,7 @@ struct km_server {
     uint64_t drain_deadline_ns;
     atomic_bool stop_requested;
     conn *conns;
+    uint64_t conns_swept_ns; /* the last km_srv_conns_sweep (loop thread) */
 
     pthread_t scheduler;
     bool scheduler_started;
@@ -466,6 +469,11 @@ void km_srv_log(km_server *s, const char *fmt, ...) __attribute__((format(printf
 void km_srv_conn_maybe_free(conn *c);
 void km_srv_conn_close(conn *c);
 void km_srv_conn_close_if_finished(conn *c);
+/* A connection whose frame began more than cfg.frame_timeout_ms ago and is not complete gets an
+ * ERROR (KM_ERR_TIMEOUT) and reads no more; one whose reading stayed paused for its waiting
+ * replies (a reader that does not read) for cfg.stalled_reader_timeout_ms is closed. Loop thread;
+ * looks at most every 100 ms whatever the caller's rate. */
+void km_srv_conns_sweep(km_server *s, uint64_t now);
 void km_srv_conn_send(conn *c, const km_frame_buffer *frames);
 void km_srv_conn_send_reply(conn *c, job *j);
 void km_srv_job_hand_back(job *j, bool write_now);
