@@ -613,23 +613,36 @@ static uint32_t predictions_count(predictions_seen *seen)
     return n;
 }
 
+/* The config of an instance whose on_prediction records into *seen (50 ms heartbeat). */
+static km_cluster_config seeing_config(const char *id, predictions_seen *seen)
+{
+    km_cluster_config cfg;
+    km_cluster_config_init(&cfg);
+    cfg.url = server.url;
+    cfg.instance = id;
+    cfg.max_workers = WORKERS;
+    cfg.heartbeat_ms = 50;
+    cfg.expire_ms = 10000;
+    cfg.on_prediction = prediction_seen;
+    cfg.on_prediction_user = seen;
+    return cfg;
+}
+
+static km_cluster *instance_seeing(const char *id, predictions_seen *seen)
+{
+    km_cluster_config cfg = seeing_config(id, seen);
+    km_cluster *c = NULL;
+    char why[256] = "";
+    cr_assert_eq(km_cluster_create(&cfg, &c, why, sizeof why), KM_OK, "%s", why);
+    return c;
+}
+
 Test(cluster, predictions_reach_the_peers_in_order_and_bad_ones_are_refused,
      .init = start_server, .fini = stop_server, .timeout = 60)
 {
     static predictions_seen seen = {.lock = PTHREAD_MUTEX_INITIALIZER};
     km_cluster *a = instance("a", server.url, 10000, 0);
-    km_cluster_config cfg;
-    km_cluster_config_init(&cfg);
-    cfg.url = server.url;
-    cfg.instance = "b";
-    cfg.max_workers = WORKERS;
-    cfg.heartbeat_ms = 50;
-    cfg.expire_ms = 10000;
-    cfg.on_prediction = prediction_seen;
-    cfg.on_prediction_user = &seen;
-    km_cluster *b = NULL;
-    char why[256] = "";
-    cr_assert_eq(km_cluster_create(&cfg, &b, why, sizeof why), KM_OK, "%s", why);
+    km_cluster *b = instance_seeing("b", &seen);
 
     static uint64_t hashes[KM_CLUSTER_PREDICTION_MAX_HASHES + 10];
     for (uint32_t i = 0; i < KM_CLUSTER_PREDICTION_MAX_HASHES + 10; i++)
@@ -837,18 +850,7 @@ Test(cluster, a_prediction_before_a_full_state_is_refused_and_one_after_a_gap_ma
      .init = start_server, .fini = stop_server, .timeout = 60)
 {
     static predictions_seen seen = {.lock = PTHREAD_MUTEX_INITIALIZER};
-    km_cluster_config cfg;
-    km_cluster_config_init(&cfg);
-    cfg.url = server.url;
-    cfg.instance = "b";
-    cfg.max_workers = WORKERS;
-    cfg.heartbeat_ms = 50;
-    cfg.expire_ms = 10000;
-    cfg.on_prediction = prediction_seen;
-    cfg.on_prediction_user = &seen;
-    km_cluster *b = NULL;
-    char why[256] = "";
-    cr_assert_eq(km_cluster_create(&cfg, &b, why, sizeof why), KM_OK, "%s", why);
+    km_cluster *b = instance_seeing("b", &seen);
     natsConnection *nc = raw_connect();
     const char *predict = "{\"v\":1,\"kind\":\"predict\",\"instance\":\"x\","
                           "\"incarnation\":5,\"seq\":%d,\"pool\":\"main\",\"worker\":1,"
@@ -903,15 +905,7 @@ Test(cluster, pools_given_at_create_are_compared_from_the_first_state,
     cr_assert_eq(km_cluster_set_pools(a, on_a, 1), KM_OK);
     km_active_load l = {3, 0, 0, 0, 0, 0};
     cr_assert_eq(km_cluster_publish_load(a, 0, &l), KM_OK);
-    km_cluster_config cfg;
-    km_cluster_config_init(&cfg);
-    cfg.url = server.url;
-    cfg.instance = "b";
-    cfg.max_workers = WORKERS;
-    cfg.heartbeat_ms = 50;
-    cfg.expire_ms = 10000;
-    cfg.on_prediction = prediction_seen;
-    cfg.on_prediction_user = &seen;
+    km_cluster_config cfg = seeing_config("b", &seen);
     cfg.pools = on_b;
     cfg.n_pools = 1;
     km_cluster *b = NULL;
@@ -945,18 +939,7 @@ Test(cluster, a_peer_whose_workers_differ_has_its_pool_left_out_counted_once,
 {
     static predictions_seen seen = {.lock = PTHREAD_MUTEX_INITIALIZER};
     km_cluster *a = instance("a", server.url, 10000, 0);
-    km_cluster_config cfg;
-    km_cluster_config_init(&cfg);
-    cfg.url = server.url;
-    cfg.instance = "b";
-    cfg.max_workers = WORKERS;
-    cfg.heartbeat_ms = 50;
-    cfg.expire_ms = 10000;
-    cfg.on_prediction = prediction_seen;
-    cfg.on_prediction_user = &seen;
-    km_cluster *b = NULL;
-    char why[256] = "";
-    cr_assert_eq(km_cluster_create(&cfg, &b, why, sizeof why), KM_OK, "%s", why);
+    km_cluster *b = instance_seeing("b", &seen);
     /* Pool "main" is workers 0-1 on both, "side" is 2; a's "main" means other engines. */
     uint32_t main_workers[] = {0, 1}, side_workers[] = {2};
     km_cluster_pool on_b[] = {{"main", 0x1111, main_workers, 2}, {"side", 0x2222, side_workers, 1}};

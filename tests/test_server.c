@@ -1979,6 +1979,40 @@ Test(server, python_client_against_the_real_daemon, .timeout = 60)
                  "tests/test_python_client.py failed");
 }
 
+/* n ROUTE frames of 8 routes each (one request id per frame, attempts 0-7; about 12 KB of reply
+ * each) encoded into *fb and sent on fd without reading a reply: the send gives up after 2 s
+ * blocked, once the server has stopped reading. */
+static void send_unread_routes(int fd, km_frame_buffer *fb, const char *prefix, uint32_t n)
+{
+    for (uint32_t i = 0; i < n; i++) {
+        char rid[32];
+        snprintf(rid, sizeof rid, "%s-%u", prefix, i);
+        km_route_request r[8];
+        for (int k = 0; k < 8; k++) {
+            r[k] = token_route(rid, 0, 2 * BS);
+            static const char *const attempts[8] = {"0", "1", "2", "3", "4", "5", "6", "7"};
+            r[k].attempt_id = attempts[k];
+        }
+        km_message m;
+        memset(&m, 0, sizeof m);
+        m.type = KM_MESSAGE_ROUTE;
+        m.has_id = true;
+        m.id = 10 + i;
+        m.route.routes = r;
+        m.route.n_routes = 8;
+        cr_assert_eq(km_protocol_encode(&m, 0, fb, NULL, 0), KM_OK);
+    }
+    struct timeval tv = {2, 0};
+    setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+    size_t off = 0;
+    while (off < fb->size) {
+        ssize_t k = send(fd, fb->data + off, fb->size - off, MSG_NOSIGNAL);
+        if (k <= 0)
+            break;
+        off += (size_t)k;
+    }
+}
+
 /* A client that sends and never reads: reading pauses, then past max_outbox_bytes it is closed;
  * a well-behaved client is served all along. */
 Test(server, slow_reader_is_closed_others_are_served, .timeout = 60)
@@ -1997,34 +2031,7 @@ Test(server, slow_reader_is_closed_others_are_served, .timeout = 60)
     /* Small frames in, large replies out (16 candidate rows each), never read. */
     km_frame_buffer fb;
     km_frame_buffer_init(&fb);
-    for (uint32_t i = 0; i < 400; i++) {
-        char rid[32];
-        snprintf(rid, sizeof rid, "slow-%u", i);
-        km_route_request r[8];
-        for (int k = 0; k < 8; k++) {
-            r[k] = token_route(rid, 0, 2 * BS);
-            static const char *const attempts[8] = {"0", "1", "2", "3", "4", "5", "6", "7"};
-            r[k].attempt_id = attempts[k];
-        }
-        km_message m;
-        memset(&m, 0, sizeof m);
-        m.type = KM_MESSAGE_ROUTE;
-        m.has_id = true;
-        m.id = 10 + i;
-        m.route.routes = r;
-        m.route.n_routes = 8;
-        cr_assert_eq(km_protocol_encode(&m, 0, &fb, NULL, 0), KM_OK);
-    }
-    /* Write without blocking forever: the server stops reading once its outbox is large. */
-    struct timeval tv = {2, 0};
-    setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
-    size_t off = 0;
-    while (off < fb.size) {
-        ssize_t k = send(fd, fb.data + off, fb.size - off, MSG_NOSIGNAL);
-        if (k <= 0)
-            break;
-        off += (size_t)k;
-    }
+    send_unread_routes(fd, &fb, "slow", 400);
     /* Meanwhile another client is served normally. */
     km_client *good = connect_client(&s);
     km_message reply;
@@ -2086,33 +2093,7 @@ Test(server, half_sent_frames_and_stalled_readers_are_closed_after_their_timeout
     setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &small, sizeof small);
     km_frame_buffer fb;
     km_frame_buffer_init(&fb);
-    for (uint32_t i = 0; i < 3000; i++) { /* about 36 MB of replies: reading pauses at 16 MiB */
-        char rid[32];
-        snprintf(rid, sizeof rid, "stalled-%u", i);
-        km_route_request r[8];
-        for (int k = 0; k < 8; k++) {
-            r[k] = token_route(rid, 0, 2 * BS);
-            static const char *const attempts[8] = {"0", "1", "2", "3", "4", "5", "6", "7"};
-            r[k].attempt_id = attempts[k];
-        }
-        km_message m;
-        memset(&m, 0, sizeof m);
-        m.type = KM_MESSAGE_ROUTE;
-        m.has_id = true;
-        m.id = 10 + i;
-        m.route.routes = r;
-        m.route.n_routes = 8;
-        cr_assert_eq(km_protocol_encode(&m, 0, &fb, NULL, 0), KM_OK);
-    }
-    struct timeval tv = {2, 0};
-    setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
-    size_t off = 0;
-    while (off < fb.size) {
-        ssize_t k = send(fd, fb.data + off, fb.size - off, MSG_NOSIGNAL);
-        if (k <= 0)
-            break;
-        off += (size_t)k;
-    }
+    send_unread_routes(fd, &fb, "stalled", 3000); /* about 36 MB of replies: pauses at 16 MiB */
     km_client *good = connect_client(&s);
     char rid[32] = "good";
     km_route_request r = token_route(rid, 100, 4 * BS);
