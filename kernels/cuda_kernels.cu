@@ -95,7 +95,7 @@ struct km_cuda {
     int device;
     cudaStream_t stream;
     cudaEvent_t sync_staging_free[2]; /* recorded after the last copy out of sync_host[i] */
-    cudaEvent_t results_arrived[KM_CUDA_RESULT_PIECES]; /* piece k of the results is in matches_host */
+    cudaEvent_t results_arrived[KM_CUDA_RESULT_PIECES]; /* piece k is in matches_host */
     int sync_staging_pending[2];      /* the event was recorded and not waited for since */
     int sync_staging_next;            /* the buffer the next round fills */
 

@@ -920,7 +920,8 @@ Test(cluster, pools_given_at_create_are_compared_from_the_first_state,
     WAIT_UNTIL(stats(b).refused[KM_CLUSTER_REFUSED_WORKER_MISMATCH] == 2, 2000);
     cr_assert_eq(stats(b).refused[KM_CLUSTER_REFUSED_WORKER_MISMATCH], 2,
                  "the disagreement and the prediction");
-    cr_assert_eq(predictions_count(&seen), 0, "a prediction for the disagreed pool was handed over");
+    cr_assert_eq(predictions_count(&seen), 0,
+                 "a prediction for the disagreed pool was handed over");
     km_cluster_destroy(b);
 
     uint32_t twice[] = {0, 0};

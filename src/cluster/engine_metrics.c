@@ -380,7 +380,8 @@ int km_engine_metrics_create(const km_engine_metrics_config *cfg, km_engine_metr
     km_engine_metrics *m = calloc(1, sizeof *m);
     if (!m || !(m->targets = calloc(cfg->max_workers, sizeof *m->targets)) ||
         !(m->easy = calloc(cfg->max_workers, sizeof *m->easy)) ||
-        !(m->slots = calloc(cfg->max_workers, sizeof *m->slots)) || !(m->multi = curl_multi_init())) {
+        !(m->slots = calloc(cfg->max_workers, sizeof *m->slots)) ||
+        !(m->multi = curl_multi_init())) {
         if (m) {
             free(m->targets);
             free(m->easy);
