@@ -431,9 +431,11 @@ static void publish(km_cluster *c, const cluster_message *m)
     }
     if (rc != KM_OK) {
         c->st.publish_failures++;
-        /* Not sent: its sequence number is given back (the lock has been held since it was
-         * taken), so the peers count no message as lost. */
-        if (m->kind != CLUSTER_SYNC && c->seq == m->seq)
+        /* A state not sent gives its sequence number back (the lock has been held since it was
+         * taken): the peers count no message as lost, and the next state replaces it anyway. A
+         * change or prediction keeps it spent, so the peers see the gap and mark this instance
+         * stale until its next state. */
+        if (m->kind == CLUSTER_STATE && c->seq == m->seq)
             c->seq--;
         if (rc == KM_ERR_TOO_LARGE && !c->too_large_logged)
             cluster_log(c, KM_LOG_WARNING
@@ -1042,7 +1044,8 @@ static void sync_with_peers(km_cluster *c)
     publish_sync_request(c);
     /* Within the sync's own time limit (the loop below counts the flush's time too): a server
      * that stalls after the connect does not hold the create past sync_timeout_ms. */
-    natsConnection_FlushTimeout(c->conn, (int64_t)c->cfg.sync_timeout_ms);
+    natsConnection_FlushTimeout(c->conn, c->cfg.sync_timeout_ms ? (int64_t)c->cfg.sync_timeout_ms
+                                                                 : 1);
     for (;;) {
         uint64_t now = mono_ns();
         uint64_t waited = now - t0;

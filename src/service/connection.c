@@ -26,6 +26,8 @@ static void conn_resume_reading(conn *c)
 {
     c->paused = false;
     c->paused_since_ns = 0;
+    if (c->frame_started_ns) /* its rest could not come while reading was paused */
+        c->frame_started_ns = now_ns();
     int rc = uv_read_start(&c->h.stream, alloc_cb, on_read);
     if (rc < 0) {
         km_srv_log(c->server, KM_LOG_WARNING
@@ -98,6 +100,8 @@ static void on_write(uv_write_t *req, int status)
         return;
     }
     km_server *s = c->server;
+    if (c->paused)
+        c->paused_since_ns = now_ns(); /* the client took a reply: stalled counts from here */
     if (c->paused && c->outbox.size < s->cfg.max_outbox_bytes / 8 && !c->eof)
         conn_resume_reading(c);
     conn_flush(c);
@@ -353,7 +357,7 @@ void km_srv_conns_sweep(km_server *s, uint64_t now)
         next = c->next; /* a close unlinks c; the rest of the list stays */
         if (c->closing)
             continue;
-        if (c->reading && c->frame_started_ns &&
+        if (c->reading && !c->paused && c->frame_started_ns &&
             now - c->frame_started_ns > (uint64_t)s->cfg.frame_timeout_ms * 1000000u) {
             atomic_fetch_add(&s->st.bad_frames, 1);
             km_srv_send_error(c, 0, KM_ERR_TIMEOUT, "a frame begun over %u ms ago is not "

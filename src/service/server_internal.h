@@ -469,10 +469,11 @@ void km_srv_log(km_server *s, const char *fmt, ...) __attribute__((format(printf
 void km_srv_conn_maybe_free(conn *c);
 void km_srv_conn_close(conn *c);
 void km_srv_conn_close_if_finished(conn *c);
-/* A connection whose frame began more than cfg.frame_timeout_ms ago and is not complete gets an
- * ERROR (KM_ERR_TIMEOUT) and reads no more; one whose reading stayed paused for its waiting
- * replies (a reader that does not read) for cfg.stalled_reader_timeout_ms is closed. Loop thread;
- * looks at most every 100 ms whatever the caller's rate. */
+/* A connection whose frame began more than cfg.frame_timeout_ms of reading ago and is not complete
+ * gets an ERROR (KM_ERR_TIMEOUT) and reads no more (time paused for its replies does not count);
+ * one whose reading stayed paused for its waiting replies with none of them taken (a reader that
+ * does not read) for cfg.stalled_reader_timeout_ms is closed. Loop thread; looks at most every
+ * 100 ms whatever the caller's rate. */
 void km_srv_conns_sweep(km_server *s, uint64_t now);
 void km_srv_conn_send(conn *c, const km_frame_buffer *frames);
 void km_srv_conn_send_reply(conn *c, job *j);
