@@ -136,20 +136,27 @@ static km_engine_reported get(km_engine_metrics *m, uint32_t w)
             km_test_sleep_ms(5);                                       \
     } while (0)
 
+/* A scraper of max_workers targets, every interval_ms, each scrape at most timeout_ms. */
+static km_engine_metrics *scraper(uint32_t max_workers, uint32_t interval_ms, uint32_t timeout_ms)
+{
+    km_engine_metrics_config cfg;
+    km_engine_metrics_config_init(&cfg);
+    cfg.max_workers = max_workers;
+    cfg.interval_ms = interval_ms;
+    cfg.timeout_ms = timeout_ms;
+    km_engine_metrics *m = NULL;
+    char why[160];
+    cr_assert_eq(km_engine_metrics_create(&cfg, &m, why, sizeof why), KM_OK, "%s", why);
+    return m;
+}
+
 Test(engine_metrics, scraped_from_a_fake_endpoint_failures_keep_the_last_values, .timeout = 30)
 {
     uint16_t port = km_test_free_port();
     struct MHD_Daemon *d = MHD_start_daemon(MHD_USE_INTERNAL_POLLING_THREAD, port, NULL, NULL,
                                             fake_handler, NULL, MHD_OPTION_END);
     cr_assert_not_null(d, "fake endpoint on 127.0.0.1:%u", port);
-    km_engine_metrics_config cfg;
-    km_engine_metrics_config_init(&cfg);
-    cfg.max_workers = 4;
-    cfg.interval_ms = 20;
-    cfg.timeout_ms = 500;
-    km_engine_metrics *m = NULL;
-    char why[160];
-    cr_assert_eq(km_engine_metrics_create(&cfg, &m, why, sizeof why), KM_OK, "%s", why);
+    km_engine_metrics *m = scraper(4, 20, 500);
     char url[64];
     snprintf(url, sizeof url, "http://127.0.0.1:%u/metrics", port);
     cr_assert_eq(km_engine_metrics_set_target(m, 2, url), KM_OK);
@@ -213,14 +220,7 @@ Test(engine_metrics, engines_that_never_answer_do_not_hold_back_the_others, .tim
     socklen_t alen = sizeof a;
     cr_assert(hang >= 0 && bind(hang, (struct sockaddr *)&a, sizeof a) == 0 &&
               listen(hang, 64) == 0 && getsockname(hang, (struct sockaddr *)&a, &alen) == 0);
-    km_engine_metrics_config cfg;
-    km_engine_metrics_config_init(&cfg);
-    cfg.max_workers = 16;
-    cfg.interval_ms = 50;
-    cfg.timeout_ms = 400;
-    km_engine_metrics *m = NULL;
-    char why[160];
-    cr_assert_eq(km_engine_metrics_create(&cfg, &m, why, sizeof why), KM_OK, "%s", why);
+    km_engine_metrics *m = scraper(16, 50, 400);
     char url[64];
     for (uint32_t w = 1; w <= 8; w++) {
         snprintf(url, sizeof url, "http://127.0.0.1:%u/metrics", ntohs(a.sin_port));
