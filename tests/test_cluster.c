@@ -1035,3 +1035,86 @@ Test(cluster, heartbeats_keep_their_interval_however_many_messages_arrive, .init
     km_cluster_destroy(a);
     km_cluster_destroy(b);
 }
+
+/* Messages waiting on a synchronous subscription (none taken off it in these tests). */
+static int pending(natsSubscription *sub)
+{
+    int msgs = 0, bytes = 0;
+    cr_assert_eq(natsSubscription_GetPending(sub, &msgs, &bytes), NATS_OK);
+    return msgs;
+}
+
+/* Many sync requests at once (every instance reconnecting after a NATS restart) cost a peer far
+ * fewer states than requests, while each requester still gets a state published after its
+ * request: requester i is a subscription to the peer's states made just before its request (a
+ * requester counts a peer as answered by any state of it that arrives after the request is
+ * made), so a request left unanswered leaves its subscription empty. A handle starting with the
+ * default configuration still takes the peer's state within its quiet wait. */
+Test(cluster, a_burst_of_sync_requests_costs_a_peer_few_states_and_each_request_is_answered,
+     .init = start_server, .fini = stop_server, .timeout = 60)
+{
+    enum { REQUESTS = 100 };
+    km_cluster_config cfg;
+    km_cluster_config_init(&cfg);
+    cfg.url = server.url;
+    cfg.instance = "p";
+    cfg.max_workers = WORKERS;
+    cfg.sync_answer_ms = cfg.sync_quiet_ms / 2 + 1;
+    km_cluster *p = NULL;
+    char why[256] = "";
+    cr_assert_eq(km_cluster_create(&cfg, &p, why, sizeof why), KM_ERR_INVALID_ARGUMENT);
+    cr_assert(strstr(why, "sync_answer_ms"), "%s", why);
+    km_cluster_config_init(&cfg);
+    cfg.url = server.url;
+    cfg.instance = "p";
+    cfg.max_workers = WORKERS;
+    cfg.heartbeat_ms = 60000; /* no heartbeat within the test: every state is an answer */
+    cfg.expire_ms = 120000;
+    cr_assert_eq(km_cluster_create(&cfg, &p, why, sizeof why), KM_OK, "%s", why);
+    km_active_load l = {2, 0, 0, 0, 0, 0};
+    cr_assert_eq(km_cluster_publish_load(p, 3, &l), KM_OK);
+
+    natsConnection *nc = raw_connect();
+    natsSubscription *all = NULL, *requester[REQUESTS];
+    cr_assert_eq(natsConnection_SubscribeSync(&all, nc, "kvmatch.cluster.state.p"), NATS_OK);
+    cr_assert_eq(natsConnection_FlushTimeout(nc, 2000), NATS_OK);
+    /* One connection, in order: the server holds each subscription before it routes the request
+     * that follows it. Flushed once: the requests reach the peer together. */
+    for (int i = 0; i < REQUESTS; i++) {
+        char body[160];
+        snprintf(body, sizeof body, "{\"v\":1,\"kind\":\"sync\",\"instance\":\"r%d\","
+                 "\"incarnation\":%d}", i, i + 1);
+        cr_assert_eq(natsConnection_SubscribeSync(&requester[i], nc, "kvmatch.cluster.state.p"),
+                     NATS_OK);
+        cr_assert_eq(natsConnection_PublishString(nc, "kvmatch.cluster.sync", body), NATS_OK);
+    }
+    cr_assert_eq(natsConnection_FlushTimeout(nc, 2000), NATS_OK);
+    for (int i = 0; i < REQUESTS; i++) {
+        natsMsg *msg = NULL;
+        cr_assert_eq(natsSubscription_NextMsg(&msg, requester[i], 5000), NATS_OK,
+                     "requester %d got no state of the peer's after its request", i);
+        natsMsg_Destroy(msg);
+    }
+    km_cluster_stats st;
+    WAIT_UNTIL((st = stats(p)).sync_requests == REQUESTS &&
+                   (uint64_t)pending(all) == st.sync_answers, 5000);
+    int states = pending(all);
+    cr_assert_eq(st.sync_requests, REQUESTS);
+    cr_assert_eq((uint64_t)states, st.sync_answers, "every state published was an answer");
+    cr_assert(states >= 1 && states <= REQUESTS / 8,
+              "%d sync requests at once cost the peer %d states", REQUESTS, states);
+
+    /* A handle of the default configuration: the peer's answer reaches it within its quiet
+     * wait, whether it shares an answer still due or has one of its own. */
+    km_cluster *r = instance("r", server.url, 10000, 0);
+    st = stats(r);
+    cr_assert_eq(st.sync_peers, 1, "the new handle took the peer's state");
+    cr_assert_eq(remote(r, 3).in_flight, 2);
+    cr_assert_eq(stats(p).sync_requests, REQUESTS + 1);
+    for (int i = 0; i < REQUESTS; i++)
+        natsSubscription_Destroy(requester[i]);
+    natsSubscription_Destroy(all);
+    natsConnection_Destroy(nc);
+    km_cluster_destroy(r);
+    km_cluster_destroy(p);
+}

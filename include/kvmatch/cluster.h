@@ -23,6 +23,10 @@
  *  - km_cluster_create asks the peers for their state and waits (at most sync_timeout_ms) until
  *    every peer it learns of has answered, so a new or restarted instance has the cluster's active
  *    work before it reports ready; how long that took is in the stats;
+ *  - a peer answers a sync request within sync_answer_ms with a state, which answers every
+ *    request received before it, so many instances asking at once (all reconnecting after a NATS
+ *    restart) cost each peer at most one answer every sync_answer_ms, not one per request
+ *    (counted: sync_requests, sync_answers);
  *  - NATS down at start or later never fails a call: publishing is skipped (the next full state
  *    carries it), the remote contributions expire, the view says "this_instance", and the handle
  *    reconnects, asks for the peers' state again and says "cluster" again;
@@ -33,8 +37,8 @@
  * output growth beyond the decode blocks charged at the decision is not modelled (as in km_active).
  *
  * Threads: every function may be called from any thread (one mutex inside); the NATS client's
- * own threads deliver messages and a heartbeat thread publishes the full state and drops expired
- * contributions.
+ * own threads deliver messages and a heartbeat thread publishes the full state, answers the peers'
+ * sync requests and drops expired contributions.
  *
  * Lifecycle: km_cluster_config_init -> adjust -> km_cluster_create (connects or starts retrying,
  * syncs, starts the heartbeat) -> km_cluster_publish_load / km_cluster_publish_work /
@@ -118,6 +122,11 @@ typedef struct km_cluster_config {
                                  * > heartbeat_ms; default 1000 */
     uint32_t sync_timeout_ms;   /* longest wait for the peers' state at create; default 2000 */
     uint32_t sync_quiet_ms;     /* with no peer known, how long an answer is awaited; default 100 */
+    uint32_t sync_answer_ms;    /* a peer's sync request is answered at once, or this long after
+                                 * the previous state when one went out more recently (requests
+                                 * arriving meanwhile share the answer); <= sync_quiet_ms / 2, so
+                                 * the answer reaches a requester of the same configuration
+                                 * within its quiet wait; default 20 */
     uint32_t reconnect_wait_ms; /* between connection attempts; default 200 */
     /* Fault injection for simulations and benchmarks: one change message in drop_one_in is not
      * sent although its sequence number is used (a lossy link); 0 = none. */
@@ -263,6 +272,9 @@ typedef struct km_cluster_stats {
     uint64_t publish_failures;   /* publishes the NATS client refused, and drops injected */
     uint64_t skipped_disconnected; /* changes not published while disconnected */
     uint64_t reconnects;
+    uint64_t sync_requests;      /* the peers' sync requests received */
+    uint64_t sync_answers;       /* states published that answered them (each answers every
+                                  * request received before it) */
     uint64_t remote_work;        /* remote prefix keys and promised hashes held now */
     uint64_t work_truncated;     /* prefix keys and promised hashes cut at the bounds (sent and
                                   * received) */

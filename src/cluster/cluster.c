@@ -1,8 +1,9 @@
 /* The km_cluster handle (include/kvmatch/cluster.h): one NATS connection (libnats), one wildcard
  * subscription to the cluster's subjects (so every message of a peer arrives in the order it was
  * sent), this instance's published loads, the remote contributions and their per-worker sum, and
- * the heartbeat thread. One mutex guards everything; a publish happens under it, so sequence
- * numbers go out in order. */
+ * the heartbeat thread, which publishes the heartbeat states and the states answering the peers'
+ * sync requests. One mutex guards everything; a publish happens under it, so sequence numbers go
+ * out in order. */
 #include <errno.h>
 #include <inttypes.h>
 #include <math.h>
@@ -60,7 +61,7 @@ struct km_cluster {
     uint64_t incarnation;
 
     pthread_mutex_t lock;
-    pthread_cond_t cond; /* sync answers, heartbeat stop */
+    pthread_cond_t cond; /* sync answers (both ways), heartbeat stop */
     natsOptions *opts;
     natsConnection *conn;
     natsSubscription *sub;
@@ -93,6 +94,10 @@ struct km_cluster {
 
     /* sync bookkeeping (under lock) */
     bool sync_running;
+    /* A peer's sync request arrived after the last state: the heartbeat thread publishes one at
+     * last_state_ns + sync_answer_ms (at once when that has passed), and every state settles it. */
+    bool sync_answer_due;
+    uint64_t last_state_ns; /* the last state's attempt; 0 = none */
     char expected[KM_CLUSTER_MAX_INSTANCES][KM_CLUSTER_INSTANCE_MAX + 1];
     uint32_t n_expected;
 
@@ -136,6 +141,7 @@ void km_cluster_config_init(km_cluster_config *cfg)
     cfg->expire_ms = 1000;
     cfg->sync_timeout_ms = 2000;
     cfg->sync_quiet_ms = 100;
+    cfg->sync_answer_ms = 20;
     cfg->reconnect_wait_ms = 200;
 }
 
@@ -456,9 +462,15 @@ static void publish(km_cluster *c, const cluster_message *m)
         c->st.publish_failures++;
 }
 
-/* The full state: every worker with a non-zero load, and the peers this instance hears. */
+/* The full state: every worker with a non-zero load, and the peers this instance hears. Every
+ * call settles the sync requests received before it: a state that goes out answers them; one not
+ * sent is not retried for them (while disconnected, the state sent on reconnecting answers them;
+ * one over KM_CLUSTER_MESSAGE_MAX would not fit later either). */
 static void publish_state(km_cluster *c)
 {
+    bool answers = c->sync_answer_due;
+    c->sync_answer_due = false;
+    c->last_state_ns = mono_ns();
     if (!c->connected)
         return;
     cluster_worker_load rows[256];
@@ -493,7 +505,9 @@ static void publish_state(km_cluster *c)
                          .peers = peers, .n_peers = np,
                          .pools = c->local_pools, .n_pools = c->n_local_pools};
     memcpy(m.instance, c->instance, strlen(c->instance) + 1);
+    uint64_t sent = c->st.sent;
     publish(c, &m);
+    c->st.sync_answers += answers && c->st.sent != sent;
     if (w != rows)
         free(w);
     if (work != work_rows)
@@ -752,7 +766,10 @@ static void apply(km_cluster *c, const cluster_message *m, uint64_t now)
         return;
     }
     if (m->kind == CLUSTER_SYNC) {
-        publish_state(c); /* the newcomer's answer; every peer applies it like a heartbeat */
+        /* The heartbeat thread (woken by on_message) publishes the answer: one state for every
+         * request that arrives until it goes out; every peer applies it like a heartbeat. */
+        c->st.sync_requests++;
+        c->sync_answer_due = true;
         return;
     }
     contribution *p = contribution_find(c, m->instance);
@@ -969,25 +986,38 @@ static void on_closed(natsConnection *nc, void *closure)
 
 /* ---- heartbeat ------------------------------------------------------------------------------ */
 
+/* The heartbeat, and the answers to the peers' sync requests. A state answers every request
+ * received before it, and a request makes one go out no sooner than sync_answer_ms after the
+ * previous state (at once when that has passed): a burst of requests, such as every instance
+ * reconnecting after a NATS restart, costs each peer one state per sync_answer_ms, not one per
+ * request, and no request waits longer than sync_answer_ms. */
 static void *heartbeat_main(void *arg)
 {
     km_cluster *c = arg;
+    const uint64_t spacing = (uint64_t)c->cfg.sync_answer_ms * NS_PER_MS;
     pthread_mutex_lock(&c->lock);
     uint64_t due = mono_ns() + (uint64_t)c->cfg.heartbeat_ms * NS_PER_MS;
     while (!c->closing) {
-        /* c->cond is also broadcast by every delivery: only the deadline makes a heartbeat. */
+        /* c->cond is also broadcast by every delivery (a sync request among them): only the
+         * deadlines make a state. */
+        uint64_t wake = due;
+        if (c->sync_answer_due && c->last_state_ns + spacing < wake)
+            wake = c->last_state_ns + spacing;
         struct timespec ts;
-        deadline_in(&ts, due, 0);
+        deadline_in(&ts, wake, 0);
         pthread_cond_timedwait(&c->cond, &c->lock, &ts);
         if (c->closing)
             break;
         uint64_t now = mono_ns();
-        if (now < due)
-            continue;
-        due = now + (uint64_t)c->cfg.heartbeat_ms * NS_PER_MS;
-        expire_silent(c, now);
-        /* A sync is done when the state answers stop coming; the heartbeat does not interfere. */
-        if (!c->sync_running)
+        if (now >= due) {
+            due = now + (uint64_t)c->cfg.heartbeat_ms * NS_PER_MS;
+            expire_silent(c, now);
+            /* A sync is done when the state answers stop coming; the heartbeat does not
+             * interfere (a sync answer still goes out below). */
+            if (!c->sync_running)
+                publish_state(c);
+        }
+        if (c->sync_answer_due && now >= c->last_state_ns + spacing)
             publish_state(c);
     }
     pthread_mutex_unlock(&c->lock);
@@ -1094,10 +1124,11 @@ int km_cluster_create(const km_cluster_config *cfg, km_cluster **out, char *why,
                       "cluster url \"%.80s\" is not nats://HOST:PORT", cfg->url);
     if (cfg->max_workers < 1 || cfg->max_workers > 65534 || cfg->heartbeat_ms < 10 ||
         cfg->expire_ms <= cfg->heartbeat_ms || cfg->sync_timeout_ms > 600000 ||
-        cfg->reconnect_wait_ms < 1)
+        cfg->sync_answer_ms > cfg->sync_quiet_ms / 2 || cfg->reconnect_wait_ms < 1)
         return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,
                       "cluster: max_workers 1..65534, heartbeat_ms >= 10, expire_ms > "
-                      "heartbeat_ms, sync_timeout_ms <= 600000, reconnect_wait_ms >= 1");
+                      "heartbeat_ms, sync_timeout_ms <= 600000, sync_answer_ms <= "
+                      "sync_quiet_ms / 2, reconnect_wait_ms >= 1");
     km_cluster *c = calloc(1, sizeof *c);
     if (!c)
         return km_why(why, why_size, KM_ERR_OUT_OF_MEMORY, "cluster handle");
@@ -1189,6 +1220,12 @@ int km_cluster_create(const km_cluster_config *cfg, km_cluster **out, char *why,
         km_cluster_destroy(c);
         return KM_ERR_IO;
     }
+    /* Before the sync: instances starting together answer each other's sync requests. */
+    if (pthread_create(&c->heartbeat, NULL, heartbeat_main, c) != 0) {
+        km_cluster_destroy(c);
+        return km_why(why, why_size, KM_ERR_IO, "cluster heartbeat thread: %s", strerror(errno));
+    }
+    c->heartbeat_started = true;
     pthread_mutex_lock(&c->lock);
     if (natsConnection_Status(c->conn) == NATS_CONN_STATUS_CONNECTED) {
         c->connected = true;
@@ -1199,11 +1236,6 @@ int km_cluster_create(const km_cluster_config *cfg, km_cluster **out, char *why,
                     "%u ms", c->url, c->cfg.reconnect_wait_ms);
     }
     pthread_mutex_unlock(&c->lock);
-    if (pthread_create(&c->heartbeat, NULL, heartbeat_main, c) != 0) {
-        km_cluster_destroy(c);
-        return km_why(why, why_size, KM_ERR_IO, "cluster heartbeat thread: %s", strerror(errno));
-    }
-    c->heartbeat_started = true;
     *out = c;
     return KM_OK;
 }
