@@ -243,6 +243,11 @@ Test(cluster_serve, decisions_weigh_the_other_instances_work_and_say_so, .init =
     node_start(&a, "a");
     node_start(&b, "b");
     cr_assert_eq(cluster_int(&b, "sync_peers"), 1, "b took a's state at start");
+    /* b's sync may end on a heartbeat of a's before a's answer (sync_answer_ms) goes out. */
+    for (int t = 0; t < 200 && cluster_int(&a, "sync_answers") != 1; t++)
+        km_test_sleep_ms(10);
+    cr_assert_eq(cluster_int(&a, "sync_requests"), 1, "a received b's sync request");
+    cr_assert_eq(cluster_int(&a, "sync_answers"), 1, "one state of a's answered it");
     /* The handle an observer reads is the one the status reports on. */
     cr_assert_null(km_server_cluster(NULL));
     km_cluster_stats cst;
@@ -298,6 +303,10 @@ Test(cluster_serve, decisions_weigh_the_other_instances_work_and_say_so, .init =
     cr_assert_eq(http_get(km_server_http_port(b.server), "/metrics", body, sizeof body), 200);
     cr_assert(strstr(body, "\nkvmatch_cluster_instances 1"), "%s", body);
     cr_assert(strstr(body, "kvmatch_cluster_refused_messages_total{reason=\"malformed\"} 0"));
+    cr_assert(strstr(body, "\nkvmatch_cluster_sync_requests_total 0"), "%s", body);
+    cr_assert_eq(http_get(km_server_http_port(a.server), "/metrics", body, sizeof body), 200);
+    cr_assert(strstr(body, "\nkvmatch_cluster_sync_requests_total 1"), "%s", body);
+    cr_assert(strstr(body, "\nkvmatch_cluster_sync_answers_total 1"), "%s", body);
 
     /* a's requests finish (and b's probe): b's view of them goes back to 0. */
     km_lifecycle_event probe_end = {.kind = KM_LIFECYCLE_FINISHED, .request_id = id,

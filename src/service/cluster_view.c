@@ -337,6 +337,8 @@ json_t *km_srv_cluster_status(km_server *s)
     json_object_set_new(o, "skipped_disconnected",
                         json_integer((json_int_t)st.skipped_disconnected));
     json_object_set_new(o, "reconnects", json_integer((json_int_t)st.reconnects));
+    json_object_set_new(o, "sync_requests", json_integer((json_int_t)st.sync_requests));
+    json_object_set_new(o, "sync_answers", json_integer((json_int_t)st.sync_answers));
     json_t *work = json_object();
     json_object_set_new(work, "remote_held", json_integer((json_int_t)st.remote_work));
     json_object_set_new(work, "truncated", json_integer((json_int_t)st.work_truncated));
@@ -409,6 +411,11 @@ void km_srv_cluster_metrics(km_server *s, km_text *out)
          KM_METRIC_COUNTER},
         {"kvmatch_cluster_publish_failures_total", "Publishes that did not go out.",
          KM_METRIC_COUNTER},
+        {"kvmatch_cluster_sync_requests_total", "Sync requests of other instances received.",
+         KM_METRIC_COUNTER},
+        {"kvmatch_cluster_sync_answers_total",
+         "States published in answer to sync requests (one answers every request before it).",
+         KM_METRIC_COUNTER},
     };
     double values[] = {st.connected,
                        v.instances,
@@ -420,7 +427,9 @@ void km_srv_cluster_metrics(km_server *s, km_text *out)
                        (double)st.applied,
                        (double)st.lost_messages,
                        (double)st.expired_instances,
-                       (double)st.publish_failures};
+                       (double)st.publish_failures,
+                       (double)st.sync_requests,
+                       (double)st.sync_answers};
     for (size_t i = 0; i < sizeof fam / sizeof fam[0]; i++) {
         km_prom_write_family(out, fam[i].name, fam[i].help, fam[i].type);
         km_prom_write_sample(out, fam[i].name, NULL, 0, values[i]);
