@@ -1221,9 +1221,11 @@ int km_cluster_create(const km_cluster_config *cfg, km_cluster **out, char *why,
         return KM_ERR_IO;
     }
     /* Before the sync: instances starting together answer each other's sync requests. */
-    if (pthread_create(&c->heartbeat, NULL, heartbeat_main, c) != 0) {
+    int thread_rc = pthread_create(&c->heartbeat, NULL, heartbeat_main, c);
+    if (thread_rc != 0) {
         km_cluster_destroy(c);
-        return km_why(why, why_size, KM_ERR_IO, "cluster heartbeat thread: %s", strerror(errno));
+        return km_why(why, why_size, KM_ERR_IO, "cluster heartbeat thread: %s",
+                      strerror(thread_rc));
     }
     c->heartbeat_started = true;
     pthread_mutex_lock(&c->lock);

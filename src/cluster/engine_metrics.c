@@ -397,9 +397,11 @@ int km_engine_metrics_create(const km_engine_metrics_config *cfg, km_engine_metr
     pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
     pthread_cond_init(&m->cond, &ca);
     pthread_condattr_destroy(&ca);
-    if (pthread_create(&m->thread, NULL, scraper_main, m) != 0) {
+    int thread_rc = pthread_create(&m->thread, NULL, scraper_main, m);
+    if (thread_rc != 0) {
         km_engine_metrics_destroy(m);
-        return km_why(why, why_size, KM_ERR_IO, "engine metrics thread: %s", strerror(errno));
+        return km_why(why, why_size, KM_ERR_IO, "engine metrics thread: %s",
+                      strerror(thread_rc));
     }
     m->started = true;
     *out = m;
