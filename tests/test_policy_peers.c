@@ -183,6 +183,23 @@ Test(policy_peers, ttft_known_answers)
     cr_assert_eq(d.chosen, 0);
 }
 
+/* Equal predicted times go to the deeper queued hit (it leaves the others' caches for other
+ * prefixes), whichever order the candidates come in. A hashes-only request of 4 blocks caps every
+ * hit at 3 blocks (its last token is always computed), so depths 4 and 3 cost the same. */
+Test(policy_peers, ttft_ties_go_to_the_deeper_hit)
+{
+    km_policy_config cfg = config(KM_POLICY_TTFT);
+    km_policy_request req = request(4, 0, 20);
+    for (int order = 0; order < 2; order++) {
+        km_policy_candidate deep = cand(1, 4, 1, 0, 0, 0), shallow = cand(2, 3, 1, 0, 0, 0);
+        km_policy_candidate c[2] = {order ? shallow : deep, order ? deep : shallow};
+        double costs[2];
+        km_policy_decision d = decide(&cfg, &req, c, 2, costs);
+        cr_assert_float_eq(costs[0], costs[1], 1e-12, "the capped hits cost the same");
+        cr_assert_eq(c[d.chosen].worker, 1, "order %d: the deeper hit", order);
+    }
+}
+
 /* A prompt being prefilled on a worker is as good as cached there for a request queued behind it:
  * ttft weighs the queued depth (the index's depth extended by the blocks queued prefills will
  * store); without it the same worker looks cold and busy. */

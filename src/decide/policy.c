@@ -782,7 +782,7 @@ static void decide_ttft(const km_policy_config *cfg, const km_policy_request *re
             /* Equal costs: the deeper queued hit (it leaves the others' caches for other
              * prefixes), then the least load. */
             int by_depth = CMP3(queued_depth_of(&cands[best]), queued_depth_of(c));
-            better = by_depth > 0 || (by_depth == 0 && compare_load(c, &cands[best]) < 0);
+            better = by_depth < 0 || (by_depth == 0 && compare_load(c, &cands[best]) < 0);
         }
         if (better) {
             best = i;
