@@ -461,6 +461,15 @@ static const km_route_decision *route_one(km_client *c, const char *id, const ui
     return d;
 }
 
+static double row_cost(const km_route_decision *d, uint32_t worker)
+{
+    for (uint32_t i = 0; i < d->n_candidates; i++)
+        if (d->candidates[i].worker == worker)
+            return d->candidates[i].cost;
+    cr_assert_fail("worker %u not among the candidates", worker);
+    return 0;
+}
+
 static uint32_t row_in_flight(const km_route_decision *d, uint32_t worker)
 {
     for (uint32_t i = 0; i < d->n_candidates; i++)
@@ -551,6 +560,10 @@ Test(engine_metrics, decisions_weigh_fresh_engine_load_and_state_the_scope, .tim
     km_message reply;
     const km_route_decision *r = route_one(c, "k1", full_or_idle, "llmd", &reply);
     cr_assert_eq(r->chosen_worker, 2, "the full cache loses");
+    /* Scores: prefix 0 (no holder), queue 1 (equal), 1 - KV usage. The pool hashes 4-token blocks,
+     * the engine model counts 16-token ones: the usage is the engine's own either way. */
+    cr_assert_float_eq(row_cost(r, 1), 1.0 + (1.0 - 0.95), 1e-3);
+    cr_assert_float_eq(row_cost(r, 2), 1.0 + (1.0 - 0.05), 1e-3);
     cr_assert_str_eq(r->load_scope, "this_instance+engine_reported");
     /* least_load: on kvmatch's own view worker 0 (nothing routed there) beats worker 2 (k1);
      * worker 0's engine reports 2 running and 40 waiting. Worker 2's engine reports 0 while k1 is

@@ -200,6 +200,37 @@ Test(policy_peers, ttft_ties_go_to_the_deeper_hit)
     }
 }
 
+/* The engine model counts its capacity and per-block load times in blocks of its own size; a pool
+ * may hash in larger or smaller blocks. The same worker states and request, written in the
+ * engine's 16-token blocks and in a pool's 64-token blocks, get the same costs from every policy
+ * that weighs KV memory or lower tiers. */
+Test(policy_peers, costs_do_not_depend_on_the_pools_block_size)
+{
+    const km_policy_kind kinds[] = {KM_POLICY_TTFT, KM_POLICY_LLMD, KM_POLICY_PREBLE};
+    for (size_t k = 0; k < sizeof kinds / sizeof kinds[0]; k++) {
+        km_policy_config cfg = config(kinds[k]);
+        cfg.engine.host_load_us_per_block = 50; /* per 16-token block */
+        double costs[2][3];
+        for (uint32_t scale = 1; scale <= 4; scale += 3) { /* blocks of 16, then of 64 tokens */
+            km_policy_request req = {40 / scale, 16 * scale, 640, 20};
+            /* w1: 960 of the engine's 1000 blocks allocated (a memory wait for the request's 42),
+             * 32 blocks of the prompt, 8 of them in host memory; w2: half as full, cold; w3:
+             * nearly empty, 16 blocks of the prompt. */
+            km_policy_candidate c[3] = {cand(1, 32 / scale, 6, 2, 800, 960 / scale),
+                                        cand(2, 0, 3, 1, 400, 480 / scale),
+                                        cand(3, 16 / scale, 1, 0, 0, 32 / scale)};
+            c[0].device_blocks = 24 / scale;
+            c[0].host_blocks = 8 / scale;
+            km_policy_decision d = decide(&cfg, &req, c, 3, costs[scale == 4]);
+            (void)d;
+        }
+        for (int i = 0; i < 3; i++)
+            cr_assert_float_eq(costs[0][i], costs[1][i], 1e-9,
+                               "%s, worker %d: %.6f in 16-token blocks, %.6f in 64-token blocks",
+                               km_policy_kind_name(kinds[k]), i + 1, costs[0][i], costs[1][i]);
+    }
+}
+
 /* A prompt being prefilled on a worker is as good as cached there for a request queued behind it:
  * ttft weighs the queued depth (the index's depth extended by the blocks queued prefills will
  * store); without it the same worker looks cold and busy. */

@@ -34,7 +34,10 @@ extern "C" {
 
 typedef struct km_engine_model {
     /* ---- memory and scheduler limits (vLLM's names) ---- */
-    uint32_t block_size;             /* tokens per KV block, >= 1 */
+    uint32_t block_size;             /* tokens per KV block, >= 1: the unit of capacity_blocks,
+                                      * of every block count in km_engine_load and of the
+                                      * per-block load times below (the policies convert a
+                                      * request's blocks of another size to it) */
     uint32_t capacity_blocks;        /* KV blocks of one engine (all GPUs of a replica), >= 1 */
     uint32_t max_num_batched_tokens; /* tokens one step may schedule (the chunked-prefill budget;
                                       * each decode takes one), >= 1 */

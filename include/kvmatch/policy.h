@@ -204,7 +204,9 @@ typedef struct km_policy_candidate {
 /* The request being placed. */
 typedef struct km_policy_request {
     uint32_t n_blocks;   /* full blocks scored (the length of its chain-hash list) */
-    uint32_t block_size; /* tokens per block, >= 1 */
+    /* Tokens per block, >= 1: the unit of every block count of the request and its candidates
+     * (the engine model's capacity is converted from its own block size, engine_model.h). */
+    uint32_t block_size;
     /* Prompt length in tokens, 0 = unknown (then n_blocks * block_size is assumed); when known it
      * must be >= n_blocks * block_size (a partial last block is not scored but must be prefilled). */
     uint64_t prompt_tokens;

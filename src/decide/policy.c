@@ -517,9 +517,22 @@ static uint32_t queued_hit_blocks(const km_policy_request *req, const km_policy_
     return hit_of_depth(req, queued_depth_of(c));
 }
 
+/* A count of the request's blocks (block_size tokens each) in the engine model's blocks: the
+ * engine's capacity and per-block load times are in blocks of its own block_size, which a pool
+ * may not share. Rounded up; unchanged when the sizes agree. */
+static uint64_t in_engine_blocks(const km_engine_model *m, uint64_t blocks, uint32_t block_size)
+{
+    if (block_size == m->block_size || blocks == 0)
+        return blocks;
+    double tokens = (double)blocks * (double)block_size;
+    double converted = ceil(tokens / (double)m->block_size);
+    return converted >= 1e18 ? UINT64_C(1000000000000000000) : (uint64_t)converted;
+}
+
 /* The candidate's load in the engine model's terms. Decode context is not tracked per request:
  * the decodes' share of the worker's KV footprint stands in for it. */
-static km_engine_load engine_load_of(const km_policy_candidate *c, uint32_t block_size)
+static km_engine_load engine_load_of(const km_engine_model *m, const km_policy_candidate *c,
+                                     uint32_t block_size)
 {
     km_engine_load load;
     uint32_t prefilling = c->prefilling < c->in_flight ? c->prefilling : c->in_flight;
@@ -528,7 +541,7 @@ static km_engine_load engine_load_of(const km_policy_candidate *c, uint32_t bloc
     load.decode_requests = c->in_flight - prefilling;
     load.decode_context_tokens =
         c->in_flight ? c->active_decode_blocks * block_size * load.decode_requests / c->in_flight : 0;
-    load.used_blocks = c->allocated_blocks;
+    load.used_blocks = in_engine_blocks(m, c->allocated_blocks, block_size);
     load.prefill_pairs = c->pending_prefill_pairs;
     return load;
 }
@@ -552,10 +565,15 @@ static double predicted_ttft_us(const km_policy_config *cfg, const km_policy_req
     }
     uint64_t tokens = request_tokens(req);
     uint64_t cached = (uint64_t)hit * req->block_size;
-    uint64_t request_blocks = ceil_div(tokens + req->expected_output_tokens, req->block_size);
-    km_engine_load load = engine_load_of(c, req->block_size);
-    return km_engine_model_step_in_progress_us(&cfg->engine, &load) +
-           km_engine_model_predict_ttft_us(&cfg->engine, &load, cached, tokens - cached, host, disk,
+    const km_engine_model *m = &cfg->engine;
+    uint64_t request_blocks = ceil_div(tokens + req->expected_output_tokens, m->block_size);
+    km_engine_load load = engine_load_of(m, c, req->block_size);
+    uint64_t host_blocks = in_engine_blocks(m, host, req->block_size);
+    uint64_t disk_blocks = in_engine_blocks(m, disk, req->block_size);
+    host = host_blocks > UINT32_MAX ? UINT32_MAX : (uint32_t)host_blocks;
+    disk = disk_blocks > UINT32_MAX ? UINT32_MAX : (uint32_t)disk_blocks;
+    return km_engine_model_step_in_progress_us(m, &load) +
+           km_engine_model_predict_ttft_us(m, &load, cached, tokens - cached, host, disk,
                                            request_blocks, req->expected_output_tokens);
 }
 
@@ -566,9 +584,11 @@ static double llmd_prefix_credit(const km_policy_config *cfg, const km_policy_ca
     return (double)c->device_blocks + cfg->llmd.host_tier_weight * (double)(c->host_blocks + c->disk_blocks);
 }
 
-static double llmd_kv_usage(const km_policy_config *cfg, const km_policy_candidate *c)
+static double llmd_kv_usage(const km_policy_config *cfg, const km_policy_request *req,
+                            const km_policy_candidate *c)
 {
-    double usage = (double)c->allocated_blocks / (double)cfg->engine.capacity_blocks;
+    uint64_t used = in_engine_blocks(&cfg->engine, c->allocated_blocks, req->block_size);
+    double usage = (double)used / (double)cfg->engine.capacity_blocks;
     return usage < 1.0 ? usage : 1.0;
 }
 
@@ -582,8 +602,9 @@ static double min_max(double value, double min, double max, int flip)
     return flip ? 1.0 - x : x;
 }
 
-static void decide_llmd(const km_policy_config *cfg, const km_policy_candidate *cands, uint32_t n,
-                        km_policy_decision *out, double *costs_out)
+static void decide_llmd(const km_policy_config *cfg, const km_policy_request *req,
+                        const km_policy_candidate *cands, uint32_t n, km_policy_decision *out,
+                        double *costs_out)
 {
     /* The prefix scorer normalises over the workers that hold the request's first block only
      * (min-max; 1 when they all match alike, a lone holder included); the others score 0. So of
@@ -612,7 +633,7 @@ static void decide_llmd(const km_policy_config *cfg, const km_policy_candidate *
         double prefix = c->depth ? min_max(llmd_prefix_credit(cfg, c), pmin, pmax, 0) : 0.0;
         double score = cfg->llmd.prefix_weight * prefix +
                        cfg->llmd.queue_weight * min_max((double)c->prefilling, qmin, qmax, 1) +
-                       cfg->llmd.kv_usage_weight * (1.0 - llmd_kv_usage(cfg, c));
+                       cfg->llmd.kv_usage_weight * (1.0 - llmd_kv_usage(cfg, req, c));
         if (costs_out)
             costs_out[i] = score;
         if (i == 0 || score > best_score ||
@@ -637,7 +658,7 @@ static double preble_load_us(const km_policy_config *cfg, const km_policy_reques
                              const km_policy_candidate *c)
 {
     const km_engine_model *m = &cfg->engine;
-    km_engine_load load = engine_load_of(c, req->block_size);
+    km_engine_load load = engine_load_of(m, c, req->block_size);
     km_engine_load queue_only = load;
     queue_only.used_blocks = 0;
     queue_only.prefill_pairs = 0; /* the queue's prefill time from its token count, as before */
@@ -902,7 +923,7 @@ int km_policy_decide(const km_policy_config *cfg, km_policy_state *state,
         d.reason = KM_POLICY_REASON_ROUND_ROBIN;
         break;
     case KM_POLICY_LLMD:
-        decide_llmd(cfg, cands, n, &d, costs_out);
+        decide_llmd(cfg, req, cands, n, &d, costs_out);
         break;
     case KM_POLICY_PREBLE:
         decide_preble(cfg, req, cands, n, &d, costs_out);

@@ -101,9 +101,9 @@ typedef struct route_choice {
 /* The engine sees every request it serves, routed here or not; kvmatch sees its own the moment it
  * routes them. So a fresh scrape (km_srv_engine_reported_fresh) raises a candidate's load and
  * never lowers it: in_flight to at least running + waiting, prefilling to at least waiting (the
- * queue llmd weighs), allocated_blocks to at least kv_usage x the pool's capacity_blocks (llmd's
- * KV usage). A value the engine did not report raises nothing. True when the scrape was used;
- * *age_ms is then its age. */
+ * queue llmd weighs), allocated_blocks to at least kv_usage x the engine's capacity in the pool's
+ * blocks (llmd's KV usage). A value the engine did not report raises nothing. True when the
+ * scrape was used; *age_ms is then its age. */
 static bool engine_raise_load(km_server *s, const pool *p, uint64_t now, km_policy_candidate *pc,
                               double *age_ms)
 {
@@ -118,7 +118,10 @@ static bool engine_raise_load(km_server *s, const pool *p, uint64_t now, km_poli
     if (waiting > (double)pc->prefilling)
         pc->prefilling = waiting >= (double)UINT32_MAX ? UINT32_MAX : (uint32_t)waiting;
     if (!isnan(e.kv_usage) && e.kv_usage > 0.0) {
-        double used = ceil(e.kv_usage * (double)p->policy.engine.capacity_blocks);
+        /* The engine's capacity counts its own blocks; the candidate's, the pool's. */
+        const km_engine_model *m = &p->policy.engine;
+        double used = ceil(e.kv_usage * (double)m->capacity_blocks * (double)m->block_size /
+                           (double)p->block_size);
         if (used > (double)pc->allocated_blocks)
             pc->allocated_blocks = used >= 1e18 ? UINT64_C(1000000000000000000) : (uint64_t)used;
     }
