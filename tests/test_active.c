@@ -149,6 +149,40 @@ Test(active, lifecycle_exact_load_numbers, .timeout = 10)
     km_active_destroy(a);
 }
 
+/* Requests sharing a cached prefix on one worker count its blocks once, for as long as any of
+ * them is in flight: not twice while two hold it, and not zero times once the first has ended. */
+Test(active, a_shared_prefix_counts_once_while_any_holder_is_live, .timeout = 10)
+{
+    km_active *a = make_active(4, 1000000, 100, 16);
+    km_active_key ka = km_active_key_of("a", "0"), kb = km_active_key_of("b", "0"),
+                  kc = km_active_key_of("c", "0");
+    const uint64_t prefix = 77;
+    /* Each: 1,600 prompt tokens (the first 1,600 a shared 100-block prefix) + 800 output = 150
+     * blocks of 16 tokens. */
+    cr_assert_eq(km_active_begin(a, 1, &ka, 1600, 0, 800, 16, 1000), KM_OK);
+    cr_assert_eq(km_active_share_prefix(a, &ka, prefix, 1600), KM_OK);
+    cr_assert_eq(load_of(a, 1).allocated_blocks, 150);
+    cr_assert_eq(km_active_begin(a, 1, &kb, 1600, 1600, 800, 16, 1100), KM_OK);
+    cr_assert_eq(km_active_share_prefix(a, &kb, prefix, 1600), KM_OK);
+    cr_assert_eq(load_of(a, 1).allocated_blocks, 200, "the prefix once, each one's own 50");
+    cr_assert_eq(km_active_prefix_sharers(a, 1, prefix), 2);
+    km_active_summary s;
+    cr_assert_eq(km_active_finish(a, &ka, KM_ACTIVE_END_COMPLETE, 1200, &s), KM_OK);
+    cr_assert_eq(load_of(a, 1).allocated_blocks, 150, "b still holds the prefix");
+    cr_assert_eq(km_active_prefix_sharers(a, 1, prefix), 1);
+    cr_assert_eq(km_active_begin(a, 1, &kc, 1600, 1600, 800, 16, 1300), KM_OK);
+    cr_assert_eq(km_active_share_prefix(a, &kc, prefix, 1600), KM_OK);
+    cr_assert_eq(load_of(a, 1).allocated_blocks, 200);
+    /* A move takes c's own blocks and, with nothing known shared there, the prefix's too. */
+    cr_assert_eq(km_active_move(a, &kc, 2, 1400), KM_OK);
+    cr_assert_eq(load_of(a, 1).allocated_blocks, 150);
+    cr_assert_eq(load_of(a, 2).allocated_blocks, 150);
+    cr_assert_eq(km_active_finish(a, &kb, KM_ACTIVE_END_COMPLETE, 1500, &s), KM_OK);
+    cr_assert_eq(load_of(a, 1).allocated_blocks, 0, "the last holder takes the prefix with it");
+    cr_assert_eq(km_active_prefix_sharers(a, 1, prefix), 0);
+    km_active_destroy(a);
+}
+
 Test(active, engine_cached_tokens_correct_pending_prefill, .timeout = 10)
 {
     km_active *a = make_active(2, 1000000, 100, 16);
@@ -457,7 +491,9 @@ typedef struct model_entry {
     uint32_t prompt, predicted, output, block_size;
     uint64_t prefill_pending, prefill_charged, decode;
     uint64_t pairs_pending; /* attention pairs of the pending prefill, counted one token at a time */
-    uint64_t prefix_key, prefix_blocks, allocated; /* the shared-prefix charge */
+    /* The shared-prefix charge: its own (allocated), and the prefix's, charged to the worker once
+     * by the first holder for as long as any holder is live (charged, the same in every holder) */
+    uint64_t prefix_key, prefix_blocks, allocated, charged;
     int64_t engine_cached;
     uint64_t begin, dispatched_at, first_token_at, last_touch;
 } model_entry;
@@ -562,6 +598,13 @@ static void model_compare_loads(const model *m, const km_active *a, int step)
                 decode += m->e[i].decode;
                 prefilling += !m->e[i].first_token;
                 allocated += m->e[i].allocated;
+                int first = m->e[i].prefix_key != 0;
+                for (int j = 0; j < i && first; j++)
+                    if (m->e[j].live && m->e[j].worker == w &&
+                        m->e[j].prefix_key == m->e[i].prefix_key)
+                        first = 0;
+                if (first)
+                    allocated += m->e[i].charged;
             }
         total_live += inflight;
         km_active_load l = load_of(a, w);
@@ -650,13 +693,14 @@ Test(active, random_lifecycles_match_a_model, .timeout = 30)
                     if (key && tokens) {
                         e->prefix_key = key;
                         e->prefix_blocks = tokens / bs;
+                        e->charged = e->prefix_blocks < e->decode ? e->prefix_blocks : e->decode;
                         for (int j = 0; j < PM_KEYS; j++)
                             if (j != i && m.e[j].live && m.e[j].worker == w &&
                                 m.e[j].prefix_key == key) {
-                                e->allocated = e->decode > e->prefix_blocks ? e->decode - e->prefix_blocks
-                                                                            : 0;
+                                e->charged = m.e[j].charged; /* the first holder's */
                                 break;
                             }
+                        e->allocated = e->decode > e->charged ? e->decode - e->charged : 0;
                     }
                     KM_CHECK(km_active_share_prefix(a, &k, key, tokens) ==
                                  (e->prefix_key ? KM_ERR_PROTOCOL : KM_OK),
@@ -713,7 +757,7 @@ Test(active, random_lifecycles_match_a_model, .timeout = 30)
                 KM_CHECK(rc == KM_OK, "step %d move: %d %s", step, rc, km_active_last_error(a));
                 expect_moves += e->worker != w;
                 if (e->worker != w) { /* on another worker, nothing is known shared */
-                    e->prefix_key = e->prefix_blocks = 0;
+                    e->prefix_key = e->prefix_blocks = e->charged = 0;
                     e->allocated = e->decode;
                 }
                 e->worker = w;

@@ -207,10 +207,10 @@ int km_active_begin_with_user_bytes(km_active *active, uint32_t worker, const km
 
 /* The entry holds the cached prefix named prefix_key (any 64-bit name of it, e.g. the chain hash
  * of its last block; 0 = none) of prefix_tokens tokens on its worker. While another live entry of
- * the same worker holds the same prefix, this one's allocated_blocks charge leaves out the
- * prefix's full blocks: concurrent requests on one prefix share its KV. The first holder keeps
- * paying for it until it ends. At most once per entry (KM_ERR_PROTOCOL); a move to another worker
- * forgets it. Errors: KM_ERR_NULL_POINTER, KM_ERR_NOT_FOUND, KM_ERR_PROTOCOL, KM_ERR_OUT_OF_MEMORY
+ * the same worker holds the same prefix, they share its KV: the prefix's full blocks are charged
+ * to the worker's allocated_blocks once, from its first holder's declaration until its last
+ * holder ends or moves, and each holder's own charge leaves them out. At most once per entry
+ * (KM_ERR_PROTOCOL); a move to another worker forgets it. Errors: KM_ERR_NULL_POINTER, KM_ERR_NOT_FOUND, KM_ERR_PROTOCOL, KM_ERR_OUT_OF_MEMORY
  * (nothing changes). */
 int km_active_share_prefix(km_active *active, const km_active_key *key, uint64_t prefix_key,
                            uint32_t prefix_tokens);
@@ -323,8 +323,8 @@ typedef struct km_active_load {
     uint64_t pending_prefill_tokens;
     uint64_t active_decode_blocks;
     /* The KV blocks those requests take, counting a prefix that several of them share once:
-     * each request's footprint, less the blocks of its declared prefix when another live
-     * request on the worker declared the same one (km_active_share_prefix). */
+     * each request's footprint less the blocks of its declared prefix, plus each declared prefix
+     * once while any live request on the worker holds it (km_active_share_prefix). */
     uint64_t allocated_blocks;
     /* The attention pairs of the pending prefills: each entry's km_engine_model_chunk_pairs(its
      * cached tokens, its pending prefill tokens), charged and released with its pending prefill. */

@@ -83,7 +83,8 @@ struct km_active {
     ended_slot *ended;  /* ring of cfg.remember_ended slots */
     uint32_t ended_next;
     km_u64map ended_by_hash; /* km_u64map_key(hash) -> ring slot of the latest end with that hash */
-    km_u64map prefixes;      /* km_u64map_key(prefix_slot(worker, key)) -> live entries holding it */
+    km_u64map prefixes;      /* km_u64map_key(prefix_slot(worker, key)) -> live entries holding it
+                              * and the blocks charged for it (prefix_take) */
     km_u64map queued;        /* prefix_slot(worker, block hash) -> live entries promising it */
     char *unremembered_ids;  /* ids of the last ended entry when the ring is off (summary storage) */
     size_t unremembered_size;
@@ -447,35 +448,54 @@ static uint64_t prefix_slot(uint32_t worker, uint64_t key)
     return km_u64map_key(key ^ ((uint64_t)(worker + 1) * UINT64_C(0x9E3779B97F4A7C15)));
 }
 
-/* Entry i stops holding its prefix: the holders' count drops (and the slot goes at 0). */
+/* A prefix's map value: its live holders on the worker (high half) and the blocks charged for it
+ * to the worker's allocated_blocks (low half), once for all of them. */
+#define PREFIX_HOLDERS_ONE (UINT64_C(1) << 32)
+#define PREFIX_CHARGED(v) ((v) & UINT64_C(0xFFFFFFFF))
+
+/* Entry e stops holding its prefix: the holders' count drops; the last one takes the prefix's
+ * charge off its worker's allocated_blocks and the slot goes. */
 static void prefix_release(km_active *a, entry *e)
 {
     if (!e->prefix_key)
         return;
     uint64_t slot = prefix_slot(e->worker, e->prefix_key);
-    uint64_t *n = km_u64map_find(&a->prefixes, slot);
-    if (n && *n > 1)
-        (*n)--;
-    else if (n)
-        km_u64map_erase(&a->prefixes, slot);
+    uint64_t *v = km_u64map_find(&a->prefixes, slot);
+    if (!v)
+        return;
+    if (*v >= 2 * PREFIX_HOLDERS_ONE) {
+        *v -= PREFIX_HOLDERS_ONE;
+        return;
+    }
+    km_active_load *load = &a->workers[e->worker].load;
+    load->allocated_blocks = saturating_sub(a, load->allocated_blocks, PREFIX_CHARGED(*v));
+    km_u64map_erase(&a->prefixes, slot);
 }
 
-/* Entry e (on e->worker, its load not yet charged with new_blocks) holds its prefix again: when
- * another live entry of that worker holds it, e shares its blocks and allocates only the rest.
- * Returns KM_OK or KM_ERR_OUT_OF_MEMORY (nothing changed). */
+/* Entry e (on e->worker, its load not yet charged with new_blocks) holds its prefix: the prefix's
+ * blocks are charged to the worker once, by its first live holder, for as long as any holder is
+ * live, and each holder's own charge (new_blocks) leaves them out. Returns KM_OK or
+ * KM_ERR_OUT_OF_MEMORY (nothing changed). */
 static int prefix_take(km_active *a, entry *e)
 {
     e->new_blocks = e->decode_blocks;
     if (!e->prefix_key)
         return KM_OK;
     uint64_t slot = prefix_slot(e->worker, e->prefix_key);
-    uint64_t *n = km_u64map_find(&a->prefixes, slot);
-    if (n) {
-        (*n)++;
-        e->new_blocks = e->decode_blocks > e->prefix_blocks ? e->decode_blocks - e->prefix_blocks : 0;
-        return KM_OK;
+    uint64_t *v = km_u64map_find(&a->prefixes, slot);
+    uint64_t charged;
+    if (v) {
+        *v += PREFIX_HOLDERS_ONE;
+        charged = PREFIX_CHARGED(*v);
+    } else {
+        charged = e->prefix_blocks < e->decode_blocks ? e->prefix_blocks : e->decode_blocks;
+        charged = charged < UINT32_MAX ? charged : UINT32_MAX;
+        if (km_u64map_put(&a->prefixes, slot, PREFIX_HOLDERS_ONE | charged, 1))
+            return KM_ERR_OUT_OF_MEMORY;
+        a->workers[e->worker].load.allocated_blocks += charged;
     }
-    return km_u64map_put(&a->prefixes, slot, 1, 1) ? KM_ERR_OUT_OF_MEMORY : KM_OK;
+    e->new_blocks = e->decode_blocks > charged ? e->decode_blocks - charged : 0;
+    return KM_OK;
 }
 
 /* ---- queued prefixes ------------------------------------------------------------------------ */
@@ -873,7 +893,7 @@ uint32_t km_active_prefix_sharers(const km_active *a, uint32_t worker, uint64_t 
     if (!a || worker >= a->cfg.max_workers || !prefix_key)
         return 0;
     const uint64_t *n = km_u64map_find(&a->prefixes, prefix_slot(worker, prefix_key));
-    return n ? (uint32_t)*n : 0;
+    return n ? (uint32_t)(*n / PREFIX_HOLDERS_ONE) : 0;
 }
 
 uint32_t km_active_queued_depth(const km_active *a, uint32_t worker, const uint64_t *hashes,
