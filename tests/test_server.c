@@ -2662,6 +2662,18 @@ Test(server, pools_added_at_run_time_take_an_approximate_mode_ttl, .timeout = 30
             seen += listed->params[k].value == 1000;
     }
     cr_assert_eq(seen, 2, "POOL_LIST does not show the pool's approximate-mode settings");
+    /* A pool that names no capacity assumes at most its engine's: the default preset's 27,000
+     * blocks of 16 tokens, in the pool's blocks of BS tokens. */
+    const km_pool_info *configured = NULL;
+    for (uint32_t i = 0; i < reply.pools.n_pools; i++)
+        if (strcmp(reply.pools.pools[i].name, "p2") != 0)
+            configured = &reply.pools.pools[i];
+    cr_assert_not_null(configured);
+    double default_capacity = -1;
+    for (uint32_t k = 0; k < configured->n_params; k++)
+        if (!strcmp(configured->params[k].name, "approx_capacity_blocks"))
+            default_capacity = configured->params[k].value;
+    cr_assert_float_eq(default_capacity, 27000.0 * 16 / BS, 1e-9);
     /* Two approximate-mode workers in p2; a prefix routed there is predicted on its worker, until
      * the TTL passes. */
     km_worker_info wi[2] = {{.pool = "p2", .worker = 30}, {.pool = "p2", .worker = 31}};

@@ -74,7 +74,9 @@ typedef struct km_server_pool {
     uint64_t approx_ttl_ms;          /* approximate mode: a routed block is assumed held this
                                       * long; at most UINT64_MAX / 1,000,000; 0 = default
                                       * 120,000 (Dynamo's) */
-    uint64_t approx_capacity_blocks; /* approximate mode: blocks assumed per worker; 0 = no bound */
+    uint64_t approx_capacity_blocks; /* approximate mode: blocks assumed per worker, least
+                                      * recently routed dropped first; 0 = the engine model's
+                                      * capacity (policy.engine) in this pool's blocks */
     bool approx_every_touch;         /* approximate mode: every decision's touch reorders the
                                       * eviction order (km_approx_config.refresh_ns 0), instead of
                                       * touches within 1/256 of the TTL being one. For the

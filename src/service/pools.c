@@ -57,6 +57,16 @@ void km_srv_pool_destroy(pool *p)
     free(p);
 }
 
+/* The pool's engine model's KV capacity in the pool's blocks (the model counts its own): what an
+ * approximate-mode worker is assumed to hold at most unless the pool says otherwise. */
+static uint64_t engine_capacity_in_blocks(const km_server_pool *pc)
+{
+    const km_engine_model *m = &pc->policy.engine;
+    uint64_t tokens = (uint64_t)m->capacity_blocks * m->block_size;
+    uint64_t blocks = pc->block_size ? tokens / pc->block_size : tokens;
+    return blocks ? blocks : 1;
+}
+
 /* A pool from its config, with its index and approximate-mode state; its subscriber and in-process
  * feed come with its first worker that needs them. KM_OK, or an error with why filled. */
 int km_srv_pool_create(km_server *s, const km_server_pool *pc, pool **out, char *why,
@@ -100,7 +110,8 @@ int km_srv_pool_create(km_server *s, const km_server_pool *pc, pool **out, char 
     p->policy = pc->policy;
     km_policy_state_init(&p->policy_state, s->cfg.seed ^ XXH3_64bits(pc->name, strlen(pc->name)));
     p->approx_ttl_ms = pc->approx_ttl_ms ? pc->approx_ttl_ms : 120000;
-    p->approx_capacity_blocks = pc->approx_capacity_blocks;
+    p->approx_capacity_blocks = pc->approx_capacity_blocks ? pc->approx_capacity_blocks
+                                                           : engine_capacity_in_blocks(pc);
     km_approx_updates_init(&p->approx_updates);
     km_match_results_init(&p->results);
     int rc = KM_OK;
