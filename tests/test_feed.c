@@ -1097,6 +1097,49 @@ static void hy_check(km_index *index, uint32_t held[2][HY_NODES], uint64_t chain
         }
 }
 
+/* Messages held while a replay is in flight are applied from copies: a hybrid model's copies keep
+ * their groups' kinds, so when the bootstrap replay fails and the held messages are applied, a
+ * sliding-window group is a window group, exactly as for a worker whose messages applied at once
+ * (a window group that let the prefix's first blocks go leaves the whole prefix counting). */
+Test(feed, held_hybrid_messages_keep_their_group_kinds, .timeout = 10)
+{
+    fx f;
+    fx_init(&f);
+    fx_add(&f, 0, true); /* asks for a bootstrap replay: its live messages are held */
+    fx_add(&f, 1, false);
+    km_feed_action a = fx_action(&f, KM_FEED_ACTION_REPLAY_REQUEST);
+    uint32_t t[8 * BS];
+    for (uint32_t i = 0; i < 8 * BS; i++)
+        t[i] = 300 + i;
+    uint64_t eh[8], want[8];
+    for (uint32_t b = 0; b < 8; b++)
+        eh[b] = 7000 + b;
+    km_hash_config route = {BS, NULL, NULL};
+    size_t nb;
+    cr_assert_eq(km_hash_sequence(&route, t, 8 * BS, 0, KM_NO_PARENT, NULL, want, &nb), KM_OK);
+    /* Full attention (group 0) and a window of two blocks (group 1) store all 8 blocks; then the
+     * window's group lets blocks 0..5 go. */
+    group_event stores[2] = {{false, eh, 8, false, 0, t, 8 * BS, 0, NULL, 0},
+                             {false, eh, 8, false, 0, t, 8 * BS, 1, NULL, 2 * BS}};
+    group_event slide = {true, eh, 6, false, 0, NULL, 0, 1, NULL, 0};
+    msgpack_sbuffer sb;
+    for (uint32_t w = 0; w < 2; w++) {
+        pack_group_batch(&sb, stores, 2);
+        live_payload(&f, w, 0, &sb);
+        pack_group_batch(&sb, &slide, 1);
+        live_payload(&f, w, 1, &sb);
+    }
+    fx_flush(&f);
+    cr_assert_eq(held_depth(f.index, 1, want, 8), 8, "applied at once: the window rule");
+    cr_assert_eq(held_depth(f.index, 0, want, 8), 0, "held while the replay is in flight");
+    cr_assert_eq(km_feed_replay_failed(f.feed, 0, a.request_id, KM_FEED_REPLAY_TIMEOUT, f.now++),
+                 KM_OK);
+    fx_flush(&f);
+    cr_assert_eq(held_depth(f.index, 0, want, 8), 8,
+                 "applied from the held copies, the window group must still be one");
+    fx_free(&f);
+}
+
 Test(feed, hybrid_sliding_window_depth_is_vllms_hit_on_random_group_events, .timeout = 60)
 {
     km_rng r;

@@ -17,7 +17,26 @@ static size_t align8(size_t n)
     return (n + 7) & ~(size_t)7;
 }
 
-/* One allocation holding the message and deep copies of the fields the feed uses. */
+/* The bytes a held copy of string s takes (none for NULL). */
+static size_t held_string_bytes(const char *s)
+{
+    return s ? align8(strlen(s) + 1) : 0;
+}
+
+/* Copy string s to p + *at (NULL stays NULL), advancing *at past it. */
+static const char *held_string(unsigned char *p, size_t *at, const char *s)
+{
+    if (!s)
+        return NULL;
+    size_t len = strlen(s) + 1;
+    char *copy = (char *)(p + *at);
+    memcpy(copy, s, len);
+    *at += align8(len);
+    return copy;
+}
+
+/* One allocation holding the message and deep copies of every field the feed reads from an event
+ * (applying a held copy must give what applying the message would have). */
 held_message *km_feed_held_copy(uint64_t seq, const km_kv_batch *batch)
 {
     uint32_t n = batch ? batch->n_events : 0;
@@ -29,10 +48,8 @@ held_message *km_feed_held_copy(uint64_t seq, const km_kv_batch *batch)
             bytes += align8(e->n_block_hashes);
         if (e->extra_keys_opaque)
             bytes += align8(e->n_block_hashes);
-        if (e->lora_name)
-            bytes += align8(strlen(e->lora_name) + 1);
-        if (e->cache_salt)
-            bytes += align8(strlen(e->cache_salt) + 1);
+        bytes += held_string_bytes(e->lora_name) + held_string_bytes(e->cache_salt) +
+                 held_string_bytes(e->medium_name) + held_string_bytes(e->kv_cache_spec_kind);
         bytes += align8((size_t)e->n_block_hashes * e->n_lookahead_tokens * 4);
     }
     unsigned char *p = malloc(bytes);
@@ -46,8 +63,8 @@ held_message *km_feed_held_copy(uint64_t seq, const km_kv_batch *batch)
         const km_kv_event *src = &batch->events[i];
         km_kv_event *dst = &events[i];
         *dst = *src;
-        dst->medium_name = NULL;
-        dst->kv_cache_spec_kind = NULL;
+        dst->medium_name = held_string(p, &at, src->medium_name);
+        dst->kv_cache_spec_kind = held_string(p, &at, src->kv_cache_spec_kind);
         if (src->n_block_hashes) {
             memcpy(p + at, src->block_hashes, (size_t)src->n_block_hashes * 8);
             dst->block_hashes = (const uint64_t *)(p + at);
@@ -74,18 +91,8 @@ held_message *km_feed_held_copy(uint64_t seq, const km_kv_batch *batch)
             dst->extra_keys_opaque = p + at;
             at += align8(src->n_block_hashes);
         }
-        if (src->lora_name) {
-            size_t len = strlen(src->lora_name) + 1;
-            memcpy(p + at, src->lora_name, len);
-            dst->lora_name = (const char *)(p + at);
-            at += align8(len);
-        }
-        if (src->cache_salt) {
-            size_t len = strlen(src->cache_salt) + 1;
-            memcpy(p + at, src->cache_salt, len);
-            dst->cache_salt = (const char *)(p + at);
-            at += align8(len);
-        }
+        dst->lora_name = held_string(p, &at, src->lora_name);
+        dst->cache_salt = held_string(p, &at, src->cache_salt);
         size_t lookahead_bytes = (size_t)src->n_block_hashes * src->n_lookahead_tokens * 4;
         if (lookahead_bytes) {
             memcpy(p + at, src->lookahead_token_ids, lookahead_bytes);
