@@ -16,6 +16,7 @@
 
 #include <msgpack.h>
 
+#include "events/feed_internal.h"
 #include "kv_test_publisher.h"
 #include "kvmatch/feed.h"
 #include "kvmatch/hash.h"
@@ -1500,6 +1501,54 @@ Test(feed, extra_keys_policy, .timeout = 10)
         }
         fx_free(&f);
     }
+}
+
+/* A stream whose messages never reach the index (every block unhashable: an image in each
+ * request's first block, skipped) keeps no record of the map entries they add for undoing an
+ * index refusal: nothing the index could refuse was queued. */
+Test(feed, messages_that_queue_nothing_leave_no_undo_record, .timeout = 10)
+{
+    km_feed_config cfg;
+    km_test_feed_config(&cfg, BS);
+    cfg.extra_keys_policy = KM_FEED_EXTRA_KEYS_SKIP;
+    fx f;
+    fx_init_cfg(&f, &cfg, KM_TEST_ENCODING_POSITIONAL, KM_TEST_HASH_INT);
+    fx_add(&f, 0, false);
+    uint32_t tokens[2 * BS];
+    for (uint32_t i = 0; i < 2 * BS; i++)
+        tokens[i] = 40 + i;
+    uint8_t present[2] = {1, 0};
+    for (uint64_t seq = 0; seq < 400; seq += 2) {
+        uint64_t eh[2] = {100000 + seq, 200000 + seq};
+        km_kv_event ev;
+        memset(&ev, 0, sizeof ev);
+        ev.kind = KM_KV_EVENT_BLOCK_STORED;
+        ev.block_hashes = eh;
+        ev.n_block_hashes = 2;
+        ev.token_ids = tokens;
+        ev.n_token_ids = 2 * BS;
+        ev.block_size = BS;
+        ev.extra_keys_present = present;
+        km_kv_batch kb;
+        memset(&kb, 0, sizeof kb);
+        kb.events = &ev;
+        kb.n_events = 1;
+        cr_assert_eq(km_feed_live(f.feed, 0, seq, &kb, f.now++), KM_OK);
+        km_kv_event rm;
+        memset(&rm, 0, sizeof rm);
+        rm.kind = KM_KV_EVENT_BLOCK_REMOVED;
+        rm.block_hashes = eh;
+        rm.n_block_hashes = 2;
+        kb.events = &rm;
+        cr_assert_eq(km_feed_live(f.feed, 0, seq + 1, &kb, f.now++), KM_OK);
+        fx_flush(&f);
+        cr_assert_eq(f.feed->new_key_count, 0, "after message %" PRIu64 ": %zu keys recorded",
+                     seq + 1, f.feed->new_key_count);
+    }
+    km_feed_worker_info info = fx_info(&f, 0);
+    cr_assert_eq(info.counters.unhashable_blocks, 400);
+    cr_assert_eq(info.map_entries, 0);
+    fx_free(&f);
 }
 
 /* ---- the same block stored again --------------------------------------------------------------- */

@@ -232,7 +232,9 @@ static void group_begin(km_feed *feed, const worker *w)
     feed->group_open = true;
 }
 
-/* Close the open group; false when it queued no update (nothing for the index to refuse). */
+/* Close the open group; false when it queued no update (nothing for the index to refuse, so the
+ * map entries it added need no record for undoing one: they are forgotten, and a stream whose
+ * messages never reach the index, all unhashable, keeps no record at all). */
 static bool group_end(km_feed *feed)
 {
     queued_group *g = &feed->groups[feed->group_count];
@@ -241,6 +243,8 @@ static bool group_end(km_feed *feed)
     feed->group_open = false;
     if (g->count)
         feed->group_count++;
+    else
+        feed->new_key_count = g->first_key;
     return g->count != 0;
 }
 
