@@ -80,18 +80,17 @@ uint32_t km_srv_scratch_next_stamp(km_server *s, batch_scratch *b)
  * evicted, and a later decision touching such a pair only refreshes it, which stores nothing. So
  * every worker the refused updates name is cleared on both sides (approx.h) and learns again from
  * its next decisions. Returns km_index_apply's status. Scheduler role and admin_lock held. */
-static int approx_apply(km_server *s, pool *p, batch_scratch *b, const km_update *updates, size_t n)
+/* Clear, on both sides, every worker of pool p that updates[0..n) name (updates naming workers of
+ * other pools are passed over). Scheduler role and admin_lock held. */
+static void approx_forget(km_server *s, pool *p, uint32_t pool_index, batch_scratch *b,
+                          const km_update *updates, size_t n)
 {
-    int rc = km_index_apply(p->index, updates, n, NULL);
-    if (rc == KM_OK)
-        return KM_OK;
-    km_srv_log(s, KM_LOG_WARNING
-               "pool %s: approximate-mode updates refused: %s; the blocks assumed on their "
-               "workers are forgotten", p->name, km_index_last_error(p->index));
     uint32_t stamp = km_srv_scratch_next_stamp(s, b);
     km_approx_updates_clear(&p->approx_updates);
     for (size_t i = 0; i < n; i++) {
         uint32_t w = updates[i].worker;
+        if (w >= s->cfg.max_workers || !s->workers[w].used || s->workers[w].pool != pool_index)
+            continue;
         if (b->seen[w] != stamp) {
             b->seen[w] = stamp;
             km_approx_clear_worker(p->approx, w, &p->approx_updates);
@@ -101,6 +100,18 @@ static int approx_apply(km_server *s, pool *p, batch_scratch *b, const km_update
         km_srv_log(s, KM_LOG_WARNING "pool %s: clearing approximate-mode workers: %s", p->name,
                    km_index_last_error(p->index));
     km_approx_updates_clear(&p->approx_updates);
+}
+
+static int approx_apply(km_server *s, pool *p, uint32_t pool_index, batch_scratch *b,
+                        const km_update *updates, size_t n)
+{
+    int rc = km_index_apply(p->index, updates, n, NULL);
+    if (rc == KM_OK)
+        return KM_OK;
+    km_srv_log(s, KM_LOG_WARNING
+               "pool %s: approximate-mode updates refused: %s; the blocks assumed on their "
+               "workers are forgotten", p->name, km_index_last_error(p->index));
+    approx_forget(s, p, pool_index, b, updates, n);
     return rc;
 }
 
@@ -194,9 +205,17 @@ static void run_batch(km_server *s, job *jobs, batch_scratch *b)
         }
     }
     free(cursor);
-    /* Approximate-mode learning: what this batch's decisions taught, one index batch per pool. */
+    /* Approximate-mode learning: what this batch's decisions taught, one index batch per pool.
+     * Without room to split them by pool, what they taught is forgotten on both sides, as when the
+     * index refuses them, so km_approx and the index never disagree. */
     if (b->updates.n_updates &&
-        KM_ARRAY_GROW(b->pool_updates, b->cap_pool_updates, b->updates.n_updates, 16) == KM_OK) {
+        KM_ARRAY_GROW(b->pool_updates, b->cap_pool_updates, b->updates.n_updates, 16) != KM_OK) {
+        km_srv_log(s, KM_LOG_WARNING "out of memory sorting %zu approximate-mode updates by "
+                   "pool; the blocks assumed on their workers are forgotten",
+                   b->updates.n_updates);
+        for (uint32_t i = 0; i < s->n_pools; i++)
+            approx_forget(s, s->pools[i], i, b, b->updates.updates, b->updates.n_updates);
+    } else if (b->updates.n_updates) {
         for (uint32_t i = 0; i < s->n_pools; i++) {
             size_t n = 0;
             for (size_t u = 0; u < b->updates.n_updates; u++) {
@@ -207,7 +226,7 @@ static void run_batch(km_server *s, job *jobs, batch_scratch *b)
             }
             if (!n)
                 continue;
-            approx_apply(s, s->pools[i], b, b->pool_updates, n);
+            approx_apply(s, s->pools[i], i, b, b->pool_updates, n);
         }
     }
     pthread_mutex_unlock(&s->admin_lock);
@@ -267,7 +286,8 @@ static void apply_lessons(km_server *s, batch_scratch *b, uint64_t now)
             km_approx_updates_clear(&b->updates);
             int rc = km_approx_record(p->approx, l->worker, l->hashes, l->n_hashes, now, &b->updates);
             if (rc == KM_OK && b->updates.n_updates)
-                rc = approx_apply(s, p, b, b->updates.updates, b->updates.n_updates);
+                rc = approx_apply(s, p, w->pool, b, b->updates.updates,
+                                  b->updates.n_updates);
             km_approx_updates_clear(&b->updates);
             if (rc == KM_OK)
                 km_srv_cluster_publish_prediction(s, p, l->worker, true, l->hashes, l->n_hashes);
@@ -306,7 +326,8 @@ static void apply_remote_predictions(km_server *s, batch_scratch *b, uint64_t no
             int rc = km_approx_record(p->approx, r->worker, r->hashes, r->n_hashes, now,
                                       &b->updates);
             if (rc == KM_OK && b->updates.n_updates)
-                rc = approx_apply(s, p, b, b->updates.updates, b->updates.n_updates);
+                rc = approx_apply(s, p, w->pool, b, b->updates.updates,
+                                  b->updates.n_updates);
             km_approx_updates_clear(&b->updates);
             km_srv_cluster_prediction_outcome(s, r, SRV_PREDICTION_APPLIED);
         }
@@ -364,7 +385,7 @@ static void housekeeping(km_server *s, batch_scratch *b, uint32_t expire_limit)
         if (km_approx_next_expiry(p->approx) <= now) {
             km_approx_updates_clear(&b->updates);
             if (km_approx_expire(p->approx, now, &b->updates, NULL) == KM_OK && b->updates.n_updates)
-                approx_apply(s, p, b, b->updates.updates, b->updates.n_updates);
+                approx_apply(s, p, i, b, b->updates.updates, b->updates.n_updates);
             km_approx_updates_clear(&b->updates);
         }
     }
