@@ -3066,6 +3066,41 @@ static void capped_free(capped *c)
     km_index_destroy(c->index);
 }
 
+/* An engine's AllBlocksCleared in a message the index refuses (its stores do not fit under the
+ * memory cap) still clears the worker in the index: the map has dropped every block before the
+ * clear, so no later removal could take them out. The stores after it are lost: DEGRADED. */
+Test(feed, a_clear_in_a_refused_message_still_clears_the_worker, .timeout = 20)
+{
+    capped c;
+    capped_init(&c);
+    capped_live(&c, 1, 0, 1, 2);
+    km_feed_flush_stats fs;
+    cr_assert_eq(km_feed_flush(c.feed, 3, &fs), KM_OK);
+    km_worker_stats ws;
+    km_index_worker_stats(c.index, 1, &ws);
+    cr_assert_eq(ws.blocks, 2);
+    km_test_batch_reset(&c.b);
+    km_test_batch_cleared(&c.b);
+    for (int i = 0; i < 8; i++)
+        km_test_engine_store(&c.eng, &c.rng, &c.b, -1, 64); /* 512 blocks: past the cap */
+    size_t size;
+    const void *p = km_test_batch_payload(&c.b, &size);
+    km_kv_batch kb;
+    cr_assert_eq(km_kv_decode_payload(c.dec, p, size, &kb), KM_OK);
+    cr_assert_eq(km_feed_live(c.feed, 1, 1, &kb, 11), KM_OK);
+    cr_assert_eq(km_feed_flush(c.feed, 12, &fs), KM_ERR_MEMORY_CAP);
+    cr_assert_eq(fs.groups_failed, 1);
+    km_index_worker_stats(c.index, 1, &ws);
+    cr_assert_eq(ws.blocks, 0, "the blocks from before the engine's clear are still indexed");
+    km_feed_worker_info info;
+    km_feed_get_worker_info(c.feed, 1, &info);
+    cr_assert_eq(info.state, KM_FEED_STATE_DEGRADED);
+    cr_assert_eq(info.map_entries, 0);
+    char why[256];
+    cr_assert_eq(km_feed_check_maps(c.feed, why, sizeof why), KM_OK, "%s", why);
+    capped_free(&c);
+}
+
 Test(feed, flush_is_one_batch_and_survives_the_memory_cap, .timeout = 20)
 {
     /* Queued updates reach the index only at flush, all together. */

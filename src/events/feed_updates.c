@@ -1256,6 +1256,18 @@ static int flush_queue(km_feed *feed, uint64_t now_ns, km_feed_flush_stats *stat
         } else {
             grp->refused = rc;
             feed->groups[n_failed++] = *grp; /* compact the failures in place (n_failed <= g) */
+            /* The engine's clear in a refused message still happened, and the map has already
+             * dropped every entry before it: the worker's pairs must go from the index too, or no
+             * later removal could name them. A clear alone never allocates. */
+            for (size_t u = grp->first + grp->count; u-- > grp->first;) {
+                const km_update *q = &feed->scratch[u];
+                if (q->kind != KM_UPDATE_CLEAR_WORKER)
+                    continue;
+                km_update clear = {KM_UPDATE_CLEAR_WORKER, q->worker, 0, NULL, 0, KM_TIER_DEVICE};
+                if (km_index_apply(feed->index, &clear, 1, &st) == KM_OK)
+                    accumulate(&stats->index, &st);
+                break;
+            }
         }
     }
     stats->groups_failed = n_failed;
