@@ -1302,7 +1302,7 @@ Test(feed, hybrid_mamba_states_are_placed_by_engine_hash, .timeout = 10)
 
 /* A feed state whose window groups are not among the engine's groups, or need 0 blocks, or are
  * cut short, is refused as corrupt, with the reason, and installs nothing. */
-Test(feed, bad_window_groups_in_a_feed_state_are_refused, .timeout = 10)
+Test(feed, bad_window_groups_and_chains_in_a_feed_state_are_refused, .timeout = 10)
 {
     fx f;
     fx_init(&f);
@@ -1330,8 +1330,10 @@ Test(feed, bad_window_groups_in_a_feed_state_are_refused, .timeout = 10)
     cr_assert_eq(state[windows_at + 4], 2, "the window group's blocks");
     /* Each case's damage, below, and the reason the refusal must give. */
     static const char *const why[] = {"window groups outside", "a window group of 0 blocks",
-                                      "truncated"};
-    for (size_t c = 0; c < 3; c++) {
+                                      "truncated", "reserved value 1"};
+    /* The first map entry follows the block count: u64 key, then u64 chain hash. */
+    size_t chain_at = windows_at + 8 + 8;
+    for (size_t c = 0; c < 4; c++) {
         unsigned char *bad = malloc(size);
         memcpy(bad, state, size);
         size_t bad_size = size;
@@ -1339,8 +1341,13 @@ Test(feed, bad_window_groups_in_a_feed_state_are_refused, .timeout = 10)
             bad[windows_at] |= 1u << 5; /* group 5: not one of the engine's */
         else if (c == 1)
             bad[windows_at + 4] = 0;
-        else
+        else if (c == 2)
             bad_size = windows_at + 6; /* inside the block count */
+        else { /* a chain hash of 1, the index's reserved value, would reach the index in the
+                * updates that claiming the restored worker queues */
+            memset(bad + chain_at, 0, 8);
+            bad[chain_at] = 1;
+        }
         km_index *index = km_test_make_index(16);
         km_feed *feed = NULL;
         cr_assert_eq(km_feed_create(index, &f.cfg, &feed), KM_OK);

@@ -24,7 +24,7 @@
  *     expected u64, last_live u64, map_entries u64, gpu_groups u32 (the engine's KV-cache groups),
  *     window_groups u32 (those of them that are sliding windows: a subset of gpu_groups, never
  *     the bit of groups from 31 up), then per window group, lowest first, blocks u32 (>= 1),
- *     map_entries x {key u64 (mapped as km_u64map_key maps it: never 0 or 1), chain u64,
+ *     map_entries x {key u64 (mapped as km_u64map_key maps it: never 0 or 1), chain u64 (not 1),
  *                    extra_copies u8 x KM_EMAP_COPY_GROUPS (group g's GPU copies beyond the
  *                    first: 0 unless gpu_groups has g's bit), media u8 (1..31),
  *                    gpu_groups u32 (not 0 exactly when media has the GPU bit)},
@@ -428,6 +428,12 @@ static int parse_state(km_feed *feed, const void *data, size_t size, staged_stat
             if (key <= 1 || media == 0 || media >= (1u << MEDIUM_COUNT) ||
                 !(media & FS_MEDIUM_BIT_GPU) != !groups || (groups & FS_GROUP_BIT_UNTRACKED)) {
                 rc = KM_ERR_CORRUPT, why = "bad map entry";
+                break;
+            }
+            /* A chain hash is 0 (the block could not be hashed) or a remapped hash, never the
+             * index's reserved 1 (docs/HASHING.md): it would reach the index in an update. */
+            if (chain == 1) {
+                rc = KM_ERR_CORRUPT, why = "a map entry's chain hash is the reserved value 1";
                 break;
             }
             bool copies_ok = true;
