@@ -455,6 +455,77 @@ Test(restart, feed_save_and_restore_file, .timeout = 20)
     rmdir(dir);
 }
 
+/* A snapshot taken while a gap replay was in flight holds a last live seq past the next one to
+ * apply. Restored and claimed after the engine's buffer moved on, the resume replay starts past
+ * that old live seq: its first item is taken and what the engine no longer has is declared lost,
+ * not refused as a skip past the live stream (which the restored seq no longer describes). */
+Test(restart, a_resume_past_a_restored_live_seq_declares_the_evicted_history_lost, .timeout = 20)
+{
+    km_rng r;
+    km_rng_init(&r, km_test_seed());
+    char dir[64], path[128];
+    snprintf(dir, sizeof dir, "/tmp/kvmatch-restart-XXXXXX");
+    cr_assert(mkdtemp(dir) != NULL);
+    snprintf(path, sizeof path, "%s/feed.snap", dir);
+    km_index *a = km_test_make_index(16);
+    km_feed *fa = make_feed(a);
+    km_kv_decoder *dec;
+    cr_assert_eq(km_kv_decoder_create(NULL, &dec), KM_OK);
+    km_test_engine e;
+    km_test_engine_init(&e, BS, 7);
+    km_feed_worker_config w = {2, "two", true};
+    cr_assert_eq(km_feed_add_worker(fa, &w, 1), KM_OK);
+    km_feed_action act;
+    while (km_feed_next_action(fa, &act))
+        cr_assert_eq(km_feed_replay_end(fa, 2, act.request_id, 1), KM_OK);
+    uint64_t seq = 0;
+    feed_engine(fa, dec, &e, &r, 2, &seq, 10); /* 0..9 */
+    seq = 15;
+    feed_engine(fa, dec, &e, &r, 2, &seq, 1); /* 15: a gap, a replay from 10 is asked for */
+    cr_assert_eq(km_feed_next_action(fa, &act), 1);
+    cr_assert_eq(act.kind, KM_FEED_ACTION_REPLAY_REQUEST);
+    cr_assert_eq(km_feed_save(fa, path, 5), KM_OK, "%s", km_feed_last_error(fa));
+
+    km_index *b = km_test_make_index(16);
+    km_feed *fb = make_feed(b);
+    cr_assert_eq(km_feed_restore(fb, path, 100), KM_OK, "%s", km_feed_last_error(fb));
+    cr_assert_eq(km_feed_add_worker(fb, &w, 101), KM_OK);
+    cr_assert_eq(km_feed_next_action(fb, &act), 1);
+    cr_assert_eq(act.kind, KM_FEED_ACTION_REPLAY_REQUEST);
+    cr_assert_eq(act.start_seq, 10);
+    /* The engine's buffer now starts at 20,001. */
+    km_test_batch bt;
+    km_test_batch_init(&bt, KM_TEST_ENCODING_POSITIONAL, KM_TEST_HASH_INT, 0);
+    km_test_engine_step(&e, &r, &bt, 3, 0);
+    size_t ps;
+    const void *payload = km_test_batch_payload(&bt, &ps);
+    km_kv_batch batch;
+    cr_assert_eq(km_kv_decode_payload(dec, payload, ps, &batch), KM_OK);
+    cr_assert_eq(km_feed_replay_item(fb, 2, act.request_id, 20001, &batch, 102), KM_OK);
+    cr_assert_eq(km_feed_replay_end(fb, 2, act.request_id, 103), KM_OK);
+    km_test_batch_free(&bt);
+    km_feed_worker_info info;
+    cr_assert_eq(km_feed_get_worker_info(fb, 2, &info), KM_OK);
+    cr_assert_eq(info.counters.lost, 20001 - 10, "lost %" PRIu64, info.counters.lost);
+    cr_assert_eq(info.expected_seq, 20002);
+    cr_assert_eq(info.state, KM_FEED_STATE_DEGRADED);
+    km_feed_window win[4];
+    uint32_t n = 0;
+    cr_assert_eq(km_feed_get_worker_windows(fb, 2, win, 4, &n), KM_OK);
+    cr_assert(n >= 1);
+    cr_assert_eq(win[0].cause, KM_FEED_WINDOW_RESUME);
+    cr_assert_eq(win[0].end, KM_FEED_END_LOST);
+
+    km_feed_destroy(fa);
+    km_feed_destroy(fb);
+    km_index_destroy(a);
+    km_index_destroy(b);
+    km_kv_decoder_destroy(dec);
+    km_test_engine_free(&e);
+    unlink(path);
+    rmdir(dir);
+}
+
 /* ---- restart of kvmatch against a live publisher -------------------------------------------------- */
 
 Test(restart, resume_within_the_replay_buffer, .timeout = 30)

@@ -924,6 +924,7 @@ int km_feed_live(km_feed *feed, uint32_t id, uint64_t seq, const km_kv_batch *ba
         if (late_lost || !batch || dedup_matches(feed, w, seq, km_feed_message_digest(&v))) {
             w->has_last_live = true;
             w->last_live = seq;
+            w->last_live_restored = false;
             if (late_lost)
                 w->c.late_lost++;
             else
@@ -934,6 +935,7 @@ int km_feed_live(km_feed *feed, uint32_t id, uint64_t seq, const km_kv_batch *ba
     }
     w->has_last_live = true;
     w->last_live = seq;
+    w->last_live_restored = false;
     if (restart)
         restart_worker(feed, w, seq, now_ns);
     deliver_live(feed, w, seq, batch, now_ns);
@@ -975,9 +977,10 @@ static worker *replay_worker(km_feed *feed, uint32_t id, uint64_t request_id, in
  * the first one later than asked when older history was evicted. What no such answer holds:
  *  - seq 2^64-1 (the end marker's) or a seq below the start;
  *  - a skip past the newest seq the live stream has shown (when it has shown one at or after the
- *    start): the publisher had sent at most that far when it answered, unless the live socket
- *    lags by more than the whole replay buffer; declaring the seqs in between lost would then
- *    drop their live copies, still on their way, as late copies of lost seqs;
+ *    start, and not only before a restore: a restored one may be older than the engine's whole
+ *    buffer now): the publisher had sent at most that far when it answered, unless the live
+ *    socket lags by more than the whole replay buffer; declaring the seqs in between lost would
+ *    then drop their live copies, still on their way, as late copies of lost seqs;
  *  - the same for the first item of a bootstrap or resync (no position yet), measured from the
  *    live messages held while this request runs (a last_live from before it, restored from a
  *    snapshot, may be older than the engine's whole buffer): taken, it would set the position
@@ -993,7 +996,8 @@ static const char *replay_item_refusal(const worker *w, uint64_t seq, bool decod
     if (!decoded && (!w->has_expected || seq > w->expected))
         return "a rejected payload's seq that is not the next to apply";
     /* Without a position, every live message is held while the replay runs, the newest last. */
-    bool live_reference = w->has_expected ? seq > w->expected && w->last_live >= w->replay_from
+    bool live_reference = w->has_expected ? seq > w->expected && !w->last_live_restored &&
+                                                w->last_live >= w->replay_from
                                           : w->buffer_count > 0;
     if (live_reference && w->has_last_live && seq > w->last_live && seq - w->last_live > 1)
         return "skips past the newest live seq";

@@ -98,6 +98,9 @@ typedef struct worker {
     uint64_t flushed_expected;
     bool has_last_live;
     uint64_t last_live;
+    /* last_live came from a snapshot, not from this process's live stream: it still tells an
+     * engine restart, but not how far the engine's replay buffer reaches now. */
+    bool last_live_restored;
     bool degraded;
 
     replay_kind replay;

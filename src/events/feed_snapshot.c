@@ -406,6 +406,7 @@ static int parse_state(km_feed *feed, const void *data, size_t size, staged_stat
         w->expected = expected;
         w->has_last_live = flags & FS_HAS_LAST_LIVE;
         w->last_live = last_live;
+        w->last_live_restored = w->has_last_live;
         w->degraded = flags & FS_DEGRADED;
         w->placeholder_chunks = flags & FS_PLACEHOLDER_CHUNKS;
         w->gpu_groups = gpu_groups;
