@@ -1437,7 +1437,32 @@ Test(feed, partial_blocks_of_hybrid_groups_are_skipped, .timeout = 10)
     fx_free(&f);
 }
 
-/* Build a BlockStored with extra_keys flags directly (the helper's payloads carry none). */
+/* A BlockStored of n blocks (n * BS tokens) with extra_keys flags, built directly (the helper's
+ * payloads carry none), and the one-event batch holding it. */
+static km_kv_event stored_with_extra_keys(const uint64_t *eh, uint32_t n, const uint32_t *tokens,
+                                          const uint8_t *present)
+{
+    km_kv_event ev;
+    memset(&ev, 0, sizeof ev);
+    ev.kind = KM_KV_EVENT_BLOCK_STORED;
+    ev.block_hashes = eh;
+    ev.n_block_hashes = n;
+    ev.token_ids = tokens;
+    ev.n_token_ids = n * BS;
+    ev.block_size = BS;
+    ev.extra_keys_present = present;
+    return ev;
+}
+
+static km_kv_batch batch_of(const km_kv_event *ev)
+{
+    km_kv_batch kb;
+    memset(&kb, 0, sizeof kb);
+    kb.events = ev;
+    kb.n_events = 1;
+    return kb;
+}
+
 Test(feed, extra_keys_policy, .timeout = 10)
 {
     uint32_t tokens[3 * BS];
@@ -1445,19 +1470,8 @@ Test(feed, extra_keys_policy, .timeout = 10)
         tokens[i] = 9 + i;
     uint64_t eh[3] = {70, 71, 72};
     uint8_t present[3] = {0, 1, 0}; /* block 1 carries an (unread) multimodal id or salt */
-    km_kv_event ev;
-    memset(&ev, 0, sizeof ev);
-    ev.kind = KM_KV_EVENT_BLOCK_STORED;
-    ev.block_hashes = eh;
-    ev.n_block_hashes = 3;
-    ev.token_ids = tokens;
-    ev.n_token_ids = 3 * BS;
-    ev.block_size = BS;
-    ev.extra_keys_present = present;
-    km_kv_batch kb;
-    memset(&kb, 0, sizeof kb);
-    kb.events = &ev;
-    kb.n_events = 1;
+    km_kv_event ev = stored_with_extra_keys(eh, 3, tokens, present);
+    km_kv_batch kb = batch_of(&ev);
     uint64_t chain[3];
     size_t nb;
     km_hash_config hc = {BS, NULL, NULL};
@@ -1527,19 +1541,8 @@ Test(feed, messages_that_queue_nothing_leave_no_undo_record, .timeout = 10)
     uint8_t present[2] = {1, 0};
     for (uint64_t seq = 0; seq < 400; seq += 2) {
         uint64_t eh[2] = {100000 + seq, 200000 + seq};
-        km_kv_event ev;
-        memset(&ev, 0, sizeof ev);
-        ev.kind = KM_KV_EVENT_BLOCK_STORED;
-        ev.block_hashes = eh;
-        ev.n_block_hashes = 2;
-        ev.token_ids = tokens;
-        ev.n_token_ids = 2 * BS;
-        ev.block_size = BS;
-        ev.extra_keys_present = present;
-        km_kv_batch kb;
-        memset(&kb, 0, sizeof kb);
-        kb.events = &ev;
-        kb.n_events = 1;
+        km_kv_event ev = stored_with_extra_keys(eh, 2, tokens, present);
+        km_kv_batch kb = batch_of(&ev);
         cr_assert_eq(km_feed_live(f.feed, 0, seq, &kb, f.now++), KM_OK);
         km_kv_event rm;
         memset(&rm, 0, sizeof rm);

@@ -390,39 +390,66 @@ Test(restart, feed_state_round_trip, .timeout = 20)
     km_test_engine_free(&e2);
 }
 
+/* A feed following worker 2 (with a replay endpoint, its bootstrap answered "nothing yet"), a
+ * simulated engine and a snapshot path: what the save-and-restore tests start from. */
+typedef struct saved_worker {
+    km_rng r;
+    char dir[64], path[128];
+    km_index *a;
+    km_feed *fa;
+    km_kv_decoder *dec;
+    km_test_engine e;
+    km_feed_worker_config w;
+} saved_worker;
+
+static void saved_worker_init(saved_worker *t)
+{
+    km_rng_init(&t->r, km_test_seed());
+    snprintf(t->dir, sizeof t->dir, "/tmp/kvmatch-restart-XXXXXX");
+    cr_assert(mkdtemp(t->dir) != NULL);
+    snprintf(t->path, sizeof t->path, "%s/feed.snap", t->dir);
+    t->a = km_test_make_index(16);
+    t->fa = make_feed(t->a);
+    cr_assert_eq(km_kv_decoder_create(NULL, &t->dec), KM_OK);
+    km_test_engine_init(&t->e, BS, 7);
+    t->w = (km_feed_worker_config){2, "two", true};
+    cr_assert_eq(km_feed_add_worker(t->fa, &t->w, 1), KM_OK);
+    km_feed_action act;
+    while (km_feed_next_action(t->fa, &act))
+        cr_assert_eq(km_feed_replay_end(t->fa, 2, act.request_id, 1), KM_OK);
+}
+
+static void saved_worker_free(saved_worker *t)
+{
+    km_feed_destroy(t->fa);
+    km_index_destroy(t->a);
+    km_kv_decoder_destroy(t->dec);
+    km_test_engine_free(&t->e);
+    unlink(t->path);
+    rmdir(t->dir);
+}
+
 Test(restart, feed_save_and_restore_file, .timeout = 20)
 {
-    km_rng r;
-    km_rng_init(&r, km_test_seed());
-    char dir[64], path[128];
-    snprintf(dir, sizeof dir, "/tmp/kvmatch-restart-XXXXXX");
-    cr_assert(mkdtemp(dir) != NULL);
-    snprintf(path, sizeof path, "%s/feed.snap", dir);
-    km_index *a = km_test_make_index(16);
-    km_feed *fa = make_feed(a);
-    km_kv_decoder *dec;
-    cr_assert_eq(km_kv_decoder_create(NULL, &dec), KM_OK);
-    km_test_engine e;
-    km_test_engine_init(&e, BS, 7);
-    km_feed_worker_config w = {2, "two", true};
-    cr_assert_eq(km_feed_add_worker(fa, &w, 1), KM_OK);
+    saved_worker t;
+    saved_worker_init(&t);
+    km_feed *fa = t.fa;
+    km_kv_decoder *dec = t.dec;
     km_feed_action act;
-    while (km_feed_next_action(fa, &act)) /* bootstrap replay: answer "nothing yet" */
-        cr_assert_eq(km_feed_replay_end(fa, 2, act.request_id, 1), KM_OK);
     uint64_t seq = 0;
-    feed_engine(fa, dec, &e, &r, 2, &seq, 50);
-    cr_assert_eq(km_feed_save(fa, path, 5), KM_OK, "%s", km_feed_last_error(fa));
+    feed_engine(fa, dec, &t.e, &t.r, 2, &seq, 50);
+    cr_assert_eq(km_feed_save(fa, t.path, 5), KM_OK, "%s", km_feed_last_error(fa));
 
     km_index *b = km_test_make_index(16);
     km_feed *fb = make_feed(b);
-    cr_assert_eq(km_feed_restore(fb, path, 100), KM_OK, "%s", km_feed_last_error(fb));
+    cr_assert_eq(km_feed_restore(fb, t.path, 100), KM_OK, "%s", km_feed_last_error(fb));
     size_t nc;
-    uint64_t *chains = km_test_engine_chains(&e, false, &nc);
+    uint64_t *chains = km_test_engine_chains(&t.e, false, &nc);
     char why[256];
     KM_CHECK(km_test_index_holds_exactly(b, 2, chains, nc, why, sizeof why), "%s", why);
     free(chains);
     /* Claim: a replay from the saved seq + 1 is asked for at once. */
-    cr_assert_eq(km_feed_add_worker(fb, &w, 101), KM_OK);
+    cr_assert_eq(km_feed_add_worker(fb, &t.w, 101), KM_OK);
     cr_assert_eq(km_feed_next_action(fb, &act), 1);
     cr_assert_eq(act.kind, KM_FEED_ACTION_REPLAY_REQUEST);
     cr_assert_eq(act.start_seq, 50);
@@ -432,7 +459,7 @@ Test(restart, feed_save_and_restore_file, .timeout = 20)
     /* The replay starts at 53: 50..52 are lost. */
     km_test_batch bt;
     km_test_batch_init(&bt, KM_TEST_ENCODING_POSITIONAL, KM_TEST_HASH_INT, 0);
-    km_test_engine_step(&e, &r, &bt, 3, 0);
+    km_test_engine_step(&t.e, &t.r, &bt, 3, 0);
     size_t ps;
     const void *payload = km_test_batch_payload(&bt, &ps);
     km_kv_batch batch;
@@ -445,14 +472,9 @@ Test(restart, feed_save_and_restore_file, .timeout = 20)
     cr_assert_eq(info.counters.lost, 3);
     cr_assert_eq(info.expected_seq, 54);
 
-    km_feed_destroy(fa);
     km_feed_destroy(fb);
-    km_index_destroy(a);
     km_index_destroy(b);
-    km_kv_decoder_destroy(dec);
-    km_test_engine_free(&e);
-    unlink(path);
-    rmdir(dir);
+    saved_worker_free(&t);
 }
 
 /* A snapshot taken while a gap replay was in flight holds a last live seq past the next one to
@@ -461,42 +483,30 @@ Test(restart, feed_save_and_restore_file, .timeout = 20)
  * not refused as a skip past the live stream (which the restored seq no longer describes). */
 Test(restart, a_resume_past_a_restored_live_seq_declares_the_evicted_history_lost, .timeout = 20)
 {
-    km_rng r;
-    km_rng_init(&r, km_test_seed());
-    char dir[64], path[128];
-    snprintf(dir, sizeof dir, "/tmp/kvmatch-restart-XXXXXX");
-    cr_assert(mkdtemp(dir) != NULL);
-    snprintf(path, sizeof path, "%s/feed.snap", dir);
-    km_index *a = km_test_make_index(16);
-    km_feed *fa = make_feed(a);
-    km_kv_decoder *dec;
-    cr_assert_eq(km_kv_decoder_create(NULL, &dec), KM_OK);
-    km_test_engine e;
-    km_test_engine_init(&e, BS, 7);
-    km_feed_worker_config w = {2, "two", true};
-    cr_assert_eq(km_feed_add_worker(fa, &w, 1), KM_OK);
+    saved_worker t;
+    saved_worker_init(&t);
+    km_feed *fa = t.fa;
+    km_kv_decoder *dec = t.dec;
     km_feed_action act;
-    while (km_feed_next_action(fa, &act))
-        cr_assert_eq(km_feed_replay_end(fa, 2, act.request_id, 1), KM_OK);
     uint64_t seq = 0;
-    feed_engine(fa, dec, &e, &r, 2, &seq, 10); /* 0..9 */
+    feed_engine(fa, dec, &t.e, &t.r, 2, &seq, 10); /* 0..9 */
     seq = 15;
-    feed_engine(fa, dec, &e, &r, 2, &seq, 1); /* 15: a gap, a replay from 10 is asked for */
+    feed_engine(fa, dec, &t.e, &t.r, 2, &seq, 1); /* 15: a gap, a replay from 10 is asked for */
     cr_assert_eq(km_feed_next_action(fa, &act), 1);
     cr_assert_eq(act.kind, KM_FEED_ACTION_REPLAY_REQUEST);
-    cr_assert_eq(km_feed_save(fa, path, 5), KM_OK, "%s", km_feed_last_error(fa));
+    cr_assert_eq(km_feed_save(fa, t.path, 5), KM_OK, "%s", km_feed_last_error(fa));
 
     km_index *b = km_test_make_index(16);
     km_feed *fb = make_feed(b);
-    cr_assert_eq(km_feed_restore(fb, path, 100), KM_OK, "%s", km_feed_last_error(fb));
-    cr_assert_eq(km_feed_add_worker(fb, &w, 101), KM_OK);
+    cr_assert_eq(km_feed_restore(fb, t.path, 100), KM_OK, "%s", km_feed_last_error(fb));
+    cr_assert_eq(km_feed_add_worker(fb, &t.w, 101), KM_OK);
     cr_assert_eq(km_feed_next_action(fb, &act), 1);
     cr_assert_eq(act.kind, KM_FEED_ACTION_REPLAY_REQUEST);
     cr_assert_eq(act.start_seq, 10);
     /* The engine's buffer now starts at 20,001. */
     km_test_batch bt;
     km_test_batch_init(&bt, KM_TEST_ENCODING_POSITIONAL, KM_TEST_HASH_INT, 0);
-    km_test_engine_step(&e, &r, &bt, 3, 0);
+    km_test_engine_step(&t.e, &t.r, &bt, 3, 0);
     size_t ps;
     const void *payload = km_test_batch_payload(&bt, &ps);
     km_kv_batch batch;
@@ -516,14 +526,9 @@ Test(restart, a_resume_past_a_restored_live_seq_declares_the_evicted_history_los
     cr_assert_eq(win[0].cause, KM_FEED_WINDOW_RESUME);
     cr_assert_eq(win[0].end, KM_FEED_END_LOST);
 
-    km_feed_destroy(fa);
     km_feed_destroy(fb);
-    km_index_destroy(a);
     km_index_destroy(b);
-    km_kv_decoder_destroy(dec);
-    km_test_engine_free(&e);
-    unlink(path);
-    rmdir(dir);
+    saved_worker_free(&t);
 }
 
 /* ---- restart of kvmatch against a live publisher -------------------------------------------------- */
