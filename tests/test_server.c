@@ -7,16 +7,19 @@
  * expiry, run-time workers and pools, every bad-input case (each must leave other clients served
  * and the index unchanged), many concurrent pipelined clients, HTTP readiness, and a drain on stop
  * that answers everything queued. Loopback only; every test bounds its time. */
+#include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
 #include <math.h>
 #include <pthread.h>
+#include <sched.h>
 #include <signal.h>
 #include <malloc.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/ioctl.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -24,7 +27,9 @@
 #include <unistd.h>
 
 #include <arpa/inet.h>
+#include <linux/sockios.h>
 #include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <sys/time.h>
 #include <jansson.h>
 
@@ -1237,10 +1242,195 @@ Test(server, replies_keep_each_connections_order_from_the_scheduler_thread, .tim
     replies_in_order(0);
 }
 
-/* A client that sends many single routes, with lifecycle reports between them, before reading any
- * reply: the scheduler thread writes replies into the socket until it is full (the last perhaps in
- * part: TCP takes part of a write), the loop thread queues the rest and its own ACKs behind them.
- * Read at last, the stream holds every reply whole, the DECISIONs in the order of their frames. */
+/* A connection that sends single routes, with lifecycle reports between them, and reads no reply
+ * until the server has paused reading from it (max_outbox_bytes 64 KiB: reading pauses once more
+ * than 16 KiB of replies wait in its outbox, the connection is closed past 64 KiB). Each route is
+ * decided before the next is sent, so replies pile up one at a time: the scheduler thread writes
+ * them into the socket until it is full (the last perhaps in part: the loop thread then queues its
+ * rest first), the loop thread queues the rest and its ACKs behind them, and reading pauses with
+ * one route at most in flight, far below the limit. The server must then leave the frames sent
+ * since unread, keep the connection, and read them once the client reads: the stream holds every
+ * reply exactly once, each a whole frame that decodes, the DECISIONs in the order of their routes
+ * and the ACKs in the order of their reports. The connection is a raw socket so that over TCP its
+ * receive buffer is small from the handshake on: the replies then fill the server's socket, not
+ * this one's. (A client socket whose buffer grows, or shrinks after the handshake, can be offered
+ * more replies than its memory holds; it drops some, then discards the acknowledgements of its
+ * own sends, and sends nothing more.) */
+enum { LATE_MAX_ROUTES = 40000, LATE_REPORT_EVERY = 8, LATE_AFTER_PAUSE = 24 };
+enum { LATE_MAX_FRAMES = LATE_MAX_ROUTES + LATE_AFTER_PAUSE + 1 };
+
+typedef struct late_run {
+    srv *s;
+    bool tcp;
+    int fd;                   /* the connection that reads late */
+    km_client *probe;         /* a second one that reads every reply at once */
+    km_protocol_decoder *dec; /* decodes the late connection's replies */
+    km_frame_buffer out;
+    km_server_stats base;     /* the server's counters once both connections said HELLO */
+    uint64_t probe_routes;    /* routes (one a frame) sent on the probe connection since base */
+    uint32_t frames, routes, reports; /* sent on the late connection since base */
+    uint64_t route_ids[LATE_MAX_FRAMES];
+    uint64_t report_ids[LATE_MAX_FRAMES / LATE_REPORT_EVERY + 1];
+} late_run;
+
+static void late_connect(late_run *lr, uint8_t *buf, size_t cap)
+{
+    if (!lr->tcp) {
+        lr->fd = raw_connect(lr->s);
+    } else {
+        lr->fd = socket(AF_INET, SOCK_STREAM, 0);
+        cr_assert(lr->fd >= 0);
+        int rcvbuf = 16 * 1024, one = 1;
+        cr_assert_eq(setsockopt(lr->fd, SOL_SOCKET, SO_RCVBUF, &rcvbuf, sizeof rcvbuf), 0);
+        struct sockaddr_in sa = {.sin_family = AF_INET,
+                                 .sin_port = htons(km_server_tcp_port(lr->s->server)),
+                                 .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+        cr_assert_eq(connect(lr->fd, (struct sockaddr *)&sa, sizeof sa), 0, "%s", strerror(errno));
+        setsockopt(lr->fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    }
+    struct timeval tv = {10, 0};
+    setsockopt(lr->fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    setsockopt(lr->fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+    raw_hello(lr->fd, lr->dec, buf, cap, KM_PROTOCOL_VERSION);
+}
+
+static uint64_t late_write(late_run *lr, const km_message *m)
+{
+    uint64_t id = 100 + lr->frames;
+    km_message copy = *m;
+    copy.has_id = true;
+    copy.id = id;
+    lr->out.size = 0;
+    cr_assert_eq(km_protocol_encode(&copy, 0, &lr->out, NULL, 0), KM_OK);
+    for (size_t off = 0; off < lr->out.size;) {
+        ssize_t k = send(lr->fd, lr->out.data + off, lr->out.size - off, MSG_NOSIGNAL);
+        if (k <= 0) {
+            km_server_stats ss;
+            km_server_get_stats(lr->s->server, &ss);
+            cr_assert_fail("frame %u: send: %s (slow readers closed: %" PRIu64 ")", lr->frames,
+                           k < 0 ? strerror(errno) : "0", ss.slow_clients_closed);
+        }
+        off += (size_t)k;
+    }
+    lr->frames++;
+    return id;
+}
+
+static void late_send_route(late_run *lr)
+{
+    char rid[32];
+    snprintf(rid, sizeof rid, "late-%u", lr->routes);
+    km_route_request r = token_route(rid, lr->routes % 7, 4 * BS);
+    km_message m;
+    memset(&m, 0, sizeof m);
+    m.type = KM_MESSAGE_ROUTE;
+    m.route.routes = &r;
+    m.route.n_routes = 1;
+    lr->route_ids[lr->routes++] = late_write(lr, &m);
+}
+
+/* One route, and a lifecycle report for an unknown request after every LATE_REPORT_EVERY-th. */
+static void late_send(late_run *lr)
+{
+    late_send_route(lr);
+    if ((lr->routes - 1) % LATE_REPORT_EVERY == 0) {
+        km_lifecycle_event ev;
+        memset(&ev, 0, sizeof ev);
+        ev.kind = KM_LIFECYCLE_DISPATCHED;
+        ev.request_id = "nobody";
+        km_message m;
+        memset(&m, 0, sizeof m);
+        m.type = KM_MESSAGE_LIFECYCLE;
+        m.lifecycle.events = &ev;
+        m.lifecycle.n_events = 1;
+        lr->report_ids[lr->reports++] = late_write(lr, &m);
+    }
+}
+
+/* The late connection's frames the server has read and routes it has decided, since base. */
+static void late_progress(const late_run *lr, uint64_t *frames, uint64_t *decisions)
+{
+    km_server_stats ss;
+    km_server_get_stats(lr->s->server, &ss);
+    *frames = ss.frames - lr->base.frames - lr->probe_routes;
+    *decisions = ss.decisions - lr->base.decisions - lr->probe_routes;
+}
+
+/* Whether the server leaves frames of the late connection unread because its reading is paused.
+ * Everything sent on it is first in the server's socket (over TCP: sent, nothing left in this
+ * side's queue; loopback delivers what it sends). Then the probe connection makes two round
+ * trips: the loop thread iteration that read the first probe request found those frames readable
+ * too and read them all, unless reading from the late connection was paused; that iteration ended
+ * before the one that read the second request, so once the second reply is back, a frame still
+ * unread is one that paused reading keeps out. */
+static bool late_reading_paused(late_run *lr, double deadline)
+{
+    for (int unsent = 1; lr->tcp && unsent;) {
+        cr_assert_eq(ioctl(lr->fd, SIOCOUTQNSD, &unsent), 0, "SIOCOUTQNSD: %s", strerror(errno));
+        cr_assert_lt(km_test_now(), deadline, "%d bytes are still to be sent", unsent);
+        if (unsent)
+            km_test_sleep_ms(1);
+    }
+    for (int k = 0; k < 2; k++) {
+        char rid[32];
+        snprintf(rid, sizeof rid, "probe-%" PRIu64, lr->probe_routes);
+        km_route_request r = token_route(rid, 100, 4 * BS);
+        km_message reply;
+        cr_assert_eq(route_one(lr->probe, &r, &reply)->status, KM_OK);
+        lr->probe_routes++;
+    }
+    uint64_t frames, decisions;
+    late_progress(lr, &frames, &decisions);
+    return frames < lr->frames;
+}
+
+/* Wait until the late connection's routes are all decided (bounded by deadline). */
+static void late_wait_decided(const late_run *lr, double deadline)
+{
+    for (;;) {
+        uint64_t frames, decisions;
+        late_progress(lr, &frames, &decisions);
+        if (decisions == lr->routes)
+            return;
+        cr_assert_lt(km_test_now(), deadline, "%" PRIu64 " of %u routes decided", decisions,
+                     lr->routes);
+        sched_yield();
+    }
+}
+
+/* The next reply on the late connection, a whole frame decoded as a whole. */
+static void late_read(late_run *lr, km_message *m, uint8_t *buf, size_t cap, uint32_t n)
+{
+    uint32_t be;
+    ssize_t k = recv(lr->fd, &be, 4, MSG_WAITALL);
+    cr_assert_eq(k, 4, "reply %u: %s", n,
+                 k == 0 ? "the stream ended"
+                 : k < 0 && errno == EAGAIN ? "none came within 10 s" : strerror(errno));
+    uint32_t size = ntohl(be);
+    cr_assert_leq(size, cap, "reply %u declares %u bytes", n, size);
+    k = recv(lr->fd, buf, size, MSG_WAITALL);
+    cr_assert_eq(k, (ssize_t)size, "reply %u: %zd of %u bytes", n, k, size);
+    int rc = km_protocol_decode(lr->dec, buf, size, m);
+    cr_assert_eq(rc, KM_OK, "reply %u: %s: %s", n, km_error_name(rc),
+                 km_protocol_decoder_last_error(lr->dec));
+}
+
+/* A DECISION to route `i` of the late connection, whole. */
+static void late_check_decision(const late_run *lr, const km_message *m, uint32_t i)
+{
+    cr_assert_eq(m->type, KM_MESSAGE_DECISION, "reply to route %u is a %s", i,
+                 km_message_type_name(m->type));
+    cr_assert_eq(m->id, lr->route_ids[i], "DECISION %u is to id %" PRIu64 ", not %" PRIu64, i,
+                 m->id, lr->route_ids[i]);
+    cr_assert_eq(m->decision.n_decisions, 1);
+    const km_route_decision *d = &m->decision.decisions[0];
+    char want[32];
+    snprintf(want, sizeof want, "late-%u", i);
+    cr_assert_eq(d->status, KM_OK, "DECISION %u: %s", i, km_error_name(d->status));
+    cr_assert_str_eq(d->request_id, want);
+    cr_assert_eq(d->n_candidates, 16, "DECISION %u has %u candidates", i, d->n_candidates);
+}
+
 static void late_reader(bool tcp)
 {
     srv s = {0};
@@ -1248,64 +1438,88 @@ static void late_reader(bool tcp)
     test_config(&cfg, &s, KM_POLICY_KV, 16);
     cfg.records_path = NULL;
     cfg.inline_routes = 0; /* every route through the scheduler thread */
+    cfg.max_outbox_bytes = 64 * 1024;
     char listen_tcp[] = "127.0.0.1:0";
     if (tcp)
         cfg.tcp = listen_tcp;
     srv_start(&s, &cfg);
-    if (tcp)
-        snprintf(s.addr, sizeof s.addr, "tcp:127.0.0.1:%u", km_server_tcp_port(s.server));
-    km_client *c = connect_client(&s);
-    enum { ROUTES = 600, REPORT_EVERY = 8 };
-    static uint64_t route_ids[ROUTES];
-    uint32_t reports = 0;
-    for (uint32_t i = 0; i < ROUTES; i++) {
-        char rid[32];
-        snprintf(rid, sizeof rid, "late-%u", i);
-        km_route_request r = token_route(rid, i % 7, 4 * BS);
-        cr_assert_eq(km_client_send_route(c, &r, 1, 5000, &route_ids[i]), KM_OK);
-        if (i % REPORT_EVERY == 0) {
-            km_lifecycle_event ev;
-            memset(&ev, 0, sizeof ev);
-            ev.kind = KM_LIFECYCLE_DISPATCHED;
-            ev.request_id = "nobody";
-            uint64_t id;
-            cr_assert_eq(km_client_send_lifecycle(c, &ev, 1, 5000, &id), KM_OK);
-            reports++;
-        }
-        if (i == 0) {
-            /* The first route alone in its batch, with nothing queued behind it: the scheduler
-             * thread writes its reply whatever the machine's load. */
-            struct timespec alone = {0, 100 * 1000000L};
-            nanosleep(&alone, NULL);
-        }
+    static late_run lr;
+    memset(&lr, 0, sizeof lr);
+    lr.s = &s;
+    lr.tcp = tcp;
+    static uint8_t buf[1 << 20];
+    cr_assert_eq(km_protocol_decoder_create(NULL, &lr.dec), KM_OK);
+    km_frame_buffer_init(&lr.out);
+    late_connect(&lr, buf, sizeof buf);
+    lr.probe = connect_client(&s);
+    km_server_get_stats(s.server, &lr.base);
+    double deadline = km_test_now() + 40;
+
+    /* The first route alone, nothing of the connection ahead of it: the scheduler thread writes
+     * its reply itself. One reply cannot pause reading. */
+    late_send(&lr);
+    late_wait_decided(&lr, deadline);
+    km_server_stats ss;
+    for (double until = km_test_now() + 5;; sched_yield()) { /* counted just after the write */
+        km_server_get_stats(s.server, &ss);
+        if (ss.scheduler_replies > lr.base.scheduler_replies)
+            break;
+        cr_assert_lt(km_test_now(), until, "the scheduler thread did not write the first reply");
     }
-    struct timespec ts = {0, 300 * 1000000L}; /* the server answers into a socket nobody reads */
-    nanosleep(&ts, NULL);
+    for (;;) {
+        cr_assert_lt(lr.routes, LATE_MAX_ROUTES, "%u routes answered into a socket nobody reads: "
+                     "reading from it never paused", lr.routes);
+        late_send(&lr);
+        /* Read and decided at once, as nearly always: the next. Else ask the probe. */
+        uint64_t frames = 0, decisions = 0;
+        for (int k = 0; k < 20 && (frames < lr.frames || decisions < lr.routes); k++) {
+            late_progress(&lr, &frames, &decisions);
+            if (frames < lr.frames || decisions < lr.routes)
+                sched_yield();
+        }
+        if (frames < lr.frames && late_reading_paused(&lr, deadline))
+            break;
+        late_wait_decided(&lr, deadline); /* read: its reply first, then the next route */
+    }
+    km_server_get_stats(s.server, &ss);
+    cr_assert_eq(ss.slow_clients_closed, 0, "the late reader was closed, not paused");
+    /* More frames while reading is paused: the server reads them, and the one it left unread,
+     * only once reading resumes. */
+    for (int k = 0; k < LATE_AFTER_PAUSE; k++)
+        late_send(&lr);
+
     uint32_t decisions = 0, acks = 0;
-    while (decisions + acks < ROUTES + reports) {
+    while (decisions < lr.routes || acks < lr.reports) {
         km_message m;
-        int rc = km_client_receive(c, 10000, &m);
-        cr_assert_eq(rc, KM_OK, "reply %u: %s: %s", decisions + acks, km_error_name(rc),
-                     km_client_last_error(c));
+        late_read(&lr, &m, buf, sizeof buf, decisions + acks);
         if (m.type == KM_MESSAGE_ACK) {
+            cr_assert_lt(acks, lr.reports, "ACK %u: only %u reports were sent", acks, lr.reports);
+            cr_assert_eq(m.id, lr.report_ids[acks], "ACK %u is to id %" PRIu64 ", not %" PRIu64,
+                         acks, m.id, lr.report_ids[acks]);
+            cr_assert_eq(m.ack.n_items, 1);
+            cr_assert_eq(m.ack.items[0].status, KM_ERR_NOT_FOUND, "ACK %u: %s", acks,
+                         km_error_name(m.ack.items[0].status));
             acks++;
             continue;
         }
-        cr_assert_eq(m.type, KM_MESSAGE_DECISION);
-        cr_assert_eq(m.id, route_ids[decisions], "DECISION %u out of order", decisions);
-        char want[32];
-        snprintf(want, sizeof want, "late-%u", decisions);
-        cr_assert_eq(m.decision.decisions[0].status, KM_OK);
-        cr_assert_str_eq(m.decision.decisions[0].request_id, want);
-        decisions++;
+        cr_assert_lt(decisions, lr.routes, "a DECISION beyond the %u routes sent", lr.routes);
+        late_check_decision(&lr, &m, decisions++);
     }
-    cr_assert_eq(acks, reports);
-    km_server_stats ss;
+    /* Nothing more comes before the reply to one more route: no reply twice, no stray bytes. */
+    late_send_route(&lr);
+    km_message m;
+    late_read(&lr, &m, buf, sizeof buf, decisions + acks);
+    late_check_decision(&lr, &m, lr.routes - 1);
+    uint64_t frames, decided;
+    late_progress(&lr, &frames, &decided);
+    cr_assert_eq(frames, lr.frames, "every frame was read once reading resumed");
+    cr_assert_eq(decided, lr.routes);
     km_server_get_stats(s.server, &ss);
-    cr_assert_gt(ss.scheduler_replies, 0);
-    if (!tcp) /* a Unix socket holds a few hundred KB; loopback TCP's buffers may take them all */
-        cr_assert_lt(ss.scheduler_replies, ROUTES, "the full socket left replies to the loop thread");
-    km_client_close(c);
+    cr_assert_eq(ss.slow_clients_closed, 0);
+    close(lr.fd);
+    km_client_close(lr.probe);
+    km_frame_buffer_free(&lr.out);
+    km_protocol_decoder_destroy(lr.dec);
     srv_stop(&s);
     srv_cleanup(&s);
 }
