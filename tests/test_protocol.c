@@ -1606,17 +1606,48 @@ Test(protocol, limits_and_hostile_lengths, .timeout = 20)
     cr_assert_eq(decode_packed(dec, &p, &m), KM_ERR_TOO_LARGE);
     cr_assert(strstr(km_protocol_decoder_last_error(dec), "max_objects"));
 
-    /* Hostile declared lengths: an array32 / map32 / str32 claiming 4 G entries in a few bytes is
-     * refused by the pre-scan (no allocation from the declaration). */
-    const uint8_t hostile[][16] = {
-        {0x83, 0xa4, 't', 'y', 'p', 'e', 0xa6, 'S', 'T', 'A', 'T', 'U', 'S', 0xdd, 0xff, 0xff},
-        {0xdf, 0xff, 0xff, 0xff, 0xff, 0xa2, 'i', 'd', 1},
-        {0x81, 0xa4, 't', 'y', 'p', 'e', 0xdb, 0xff, 0xff, 0xff, 0xff},
+    /* Hostile declared lengths: a container or string whose 32-bit length claims 4 G entries (or
+     * bytes) in a payload of a few bytes, nested or at the top, and a length cut short. The
+     * pre-scan refuses each before msgpack-c reads it (an array's or map's elements would be
+     * allocated from the declaration), so the error is the pre-scan's sentence for that very
+     * header. Nothing was read: no type, no id, although the first case holds both before its
+     * array. The decoder is not left failed: the next message decodes. */
+    static const struct {
+        uint8_t bytes[32];
+        size_t size;
+        const char *error;
+    } hostile[] = {
+        /* {type: STATUS, id: 7, junk: array32 of 4 G entries, none there} */
+        {{0x83, 0xa4, 't', 'y', 'p', 'e', 0xa6, 'S', 'T', 'A', 'T', 'U', 'S', 0xa2, 'i', 'd', 7,
+          0xa4, 'j', 'u', 'n', 'k', 0xdd, 0xff, 0xff, 0xff, 0xff},
+         27, "KM_ERR_PARSE: payload truncated or corrupt: array at offset 22 declares 4294967295 "
+             "entries but only 0 bytes follow"},
+        /* map32 of 4 G entries, then one entry's worth of bytes */
+        {{0xdf, 0xff, 0xff, 0xff, 0xff, 0xa2, 'i', 'd', 1},
+         9, "KM_ERR_PARSE: payload truncated or corrupt: map at offset 0 declares 4294967295 "
+            "entries but only 4 bytes follow"},
+        /* {type: str32 of 4 G bytes, none there} */
+        {{0x81, 0xa4, 't', 'y', 'p', 'e', 0xdb, 0xff, 0xff, 0xff, 0xff},
+         11, "KM_ERR_PARSE: payload truncated: value at offset 6 needs 4294967295 more bytes, 0 "
+             "left"},
+        /* {type: STATUS, then an array32 header as a key, cut after two of its length bytes} */
+        {{0x83, 0xa4, 't', 'y', 'p', 'e', 0xa6, 'S', 'T', 'A', 'T', 'U', 'S', 0xdd, 0xff, 0xff},
+         16, "KM_ERR_PARSE: payload truncated: value header at offset 13 needs 5 bytes, 3 left"},
     };
-    const size_t hostile_size[] = {16, 9, 11};
-    for (int i = 0; i < 3; i++) {
-        cr_assert_eq(km_protocol_decode(dec, hostile[i], hostile_size[i], &m), KM_ERR_PARSE, "case %d", i);
-        cr_assert(!m.has_id);
+    static const uint8_t status_7[] = {0x82, 0xa4, 't', 'y', 'p', 'e', 0xa6, 'S', 'T', 'A', 'T',
+                                       'U', 'S', 0xa2, 'i', 'd', 7};
+    for (size_t i = 0; i < sizeof hostile / sizeof hostile[0]; i++) {
+        int rc = km_protocol_decode(dec, hostile[i].bytes, hostile[i].size, &m);
+        cr_assert_eq(rc, KM_ERR_PARSE, "case %zu: %s", i, km_error_name(rc));
+        cr_assert_str_eq(km_protocol_decoder_last_error(dec), hostile[i].error, "case %zu: %s", i,
+                         km_protocol_decoder_last_error(dec));
+        cr_assert_eq(m.type, KM_MESSAGE_UNKNOWN, "case %zu", i);
+        cr_assert(!m.has_id && m.id == 0, "case %zu", i);
+        rc = km_protocol_decode(dec, status_7, sizeof status_7, &m);
+        cr_assert_eq(rc, KM_OK, "after case %zu: %s", i, km_protocol_decoder_last_error(dec));
+        cr_assert_eq(m.type, KM_MESSAGE_STATUS);
+        cr_assert(m.has_id && m.id == 7);
+        cr_assert_str_empty(km_protocol_decoder_last_error(dec));
     }
 
     /* Nesting deeper than 32. */
