@@ -7,9 +7,11 @@
  *    a success leaves the message "" and, when every item decoded, re-encodes, and that frame
  *    decodes again and re-encodes to the same bytes (decode and encode agree on every field);
  *  - the input as a byte stream cut into chunks (sizes taken from the input): the frame reader
- *    takes at most what it is given, makes progress while healthy, holds no more than the maximum
- *    frame, and once failed stays failed with the same status and a non-empty message; every
- *    payload it hands out is decoded as above;
+ *    takes at most what it is given, makes progress while healthy, takes a chunk whole unless a
+ *    frame ends in it and then stops at that frame's end, holds (km_frame_reader_pending) exactly
+ *    the bytes of the frame it is assembling, 0 between frames, a frame whose length prefix is
+ *    within 1..max_frame_bytes, and once failed stays failed with the same status and a non-empty
+ *    message; every payload it hands out is decoded as above;
  *  - the same with tight limits, so the limit paths run on small inputs. */
 #include <stdbool.h>
 #include <stdint.h>
@@ -156,6 +158,12 @@ static void decode_and_check(km_protocol_decoder *dec, const uint8_t *p, size_t 
     km_protocol_decoder_release(dec_check);
 }
 
+/* The length prefix at p: a frame's declared payload bytes. */
+static uint32_t declared_length(const uint8_t *p)
+{
+    return (uint32_t)p[0] << 24 | (uint32_t)p[1] << 16 | (uint32_t)p[2] << 8 | p[3];
+}
+
 static void run_reader(const uint8_t *data, size_t size, uint32_t max_frame, km_protocol_decoder *dec)
 {
     km_frame_reader *r = NULL;
@@ -167,6 +175,7 @@ static void run_reader(const uint8_t *data, size_t size, uint32_t max_frame, km_
     bool whole = (h & 3) == 0;
     const uint8_t *p = data;
     size_t left = size;
+    size_t frame_start = 0; /* where the frame being assembled begins in the stream */
     int sticky = KM_OK;
     while (left) {
         size_t chunk = whole ? left : 1 + (h >> 8) % 64;
@@ -192,7 +201,22 @@ static void run_reader(const uint8_t *data, size_t size, uint32_t max_frame, km_
         CHECK(!km_frame_reader_failed(r));
         CHECK(consumed <= chunk);
         CHECK(consumed > 0);
-        CHECK(km_frame_reader_pending(r) <= (size_t)max_frame + KM_FRAME_HEADER_BYTES);
+        /* The reader holds exactly the bytes of the frame it is assembling: from its first byte
+         * (frame_start) to what it has taken, 0 once the frame is handed out. */
+        size_t taken = (size_t)(p - data) + consumed - frame_start;
+        if (payload) {
+            CHECK(km_frame_reader_pending(r) == 0);
+            CHECK(taken == KM_FRAME_HEADER_BYTES + payload_size);
+            frame_start += taken;
+        } else {
+            CHECK(consumed == chunk); /* no frame ends in it: all of it taken */
+            CHECK(km_frame_reader_pending(r) == taken);
+            if (taken >= KM_FRAME_HEADER_BYTES) {
+                uint32_t declared = declared_length(data + frame_start);
+                CHECK(declared >= 1 && declared <= max_frame);
+                CHECK(taken < KM_FRAME_HEADER_BYTES + (size_t)declared);
+            }
+        }
         p += consumed;
         left -= consumed;
         if (payload) {
