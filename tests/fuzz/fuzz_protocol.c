@@ -10,8 +10,10 @@
  *    takes at most what it is given, makes progress while healthy, takes a chunk whole unless a
  *    frame ends in it and then stops at that frame's end, holds (km_frame_reader_pending) exactly
  *    the bytes of the frame it is assembling, 0 between frames, a frame whose length prefix is
- *    within 1..max_frame_bytes, and once failed stays failed with the same status and a non-empty
- *    message; every payload it hands out is decoded as above;
+ *    within 1..max_frame_bytes; every payload it hands out is that frame's bytes and is decoded
+ *    as above; it fails only on a length prefix of 0 (KM_ERR_PROTOCOL) or over max_frame_bytes
+ *    (KM_ERR_TOO_LARGE), or without memory, and once failed stays failed with the same status and
+ *    a non-empty message;
  *  - the same with tight limits, so the limit paths run on small inputs. */
 #include <stdbool.h>
 #include <stdint.h>
@@ -189,6 +191,13 @@ static void run_reader(const uint8_t *data, size_t size, uint32_t max_frame, km_
         if (rc != KM_OK) {
             CHECK(rc < 0);
             CHECK(km_frame_reader_failed(r));
+            /* Refused for its length prefix, complete in this chunk, or out of memory. */
+            if (rc != KM_ERR_OUT_OF_MEMORY) {
+                CHECK((size_t)(p - data) + chunk >= frame_start + KM_FRAME_HEADER_BYTES);
+                uint32_t declared = declared_length(data + frame_start);
+                CHECK(rc == (declared == 0 ? KM_ERR_PROTOCOL : KM_ERR_TOO_LARGE));
+                CHECK(declared == 0 || declared > max_frame);
+            }
             CHECK(km_frame_reader_last_error(r)[0] != '\0');
             if (sticky != KM_OK)
                 CHECK(rc == sticky);
@@ -207,6 +216,9 @@ static void run_reader(const uint8_t *data, size_t size, uint32_t max_frame, km_
         if (payload) {
             CHECK(km_frame_reader_pending(r) == 0);
             CHECK(taken == KM_FRAME_HEADER_BYTES + payload_size);
+            /* the payload is the frame's own bytes */
+            CHECK(declared_length(data + frame_start) == payload_size);
+            CHECK(memcmp(payload, data + frame_start + KM_FRAME_HEADER_BYTES, payload_size) == 0);
             frame_start += taken;
         } else {
             CHECK(consumed == chunk); /* no frame ends in it: all of it taken */
