@@ -2284,6 +2284,8 @@ Test(server, half_sent_frames_and_stalled_readers_are_closed_after_their_timeout
     cfg.records_path = NULL;
     cfg.frame_timeout_ms = 300;
     cfg.stalled_reader_timeout_ms = 500; /* max_outbox_bytes as by default: 64 MiB */
+    char http[] = "127.0.0.1:0";
+    cfg.http = http;
     srv_start(&s, &cfg);
     km_protocol_decoder *dec;
     cr_assert_eq(km_protocol_decoder_create(NULL, &dec), KM_OK);
@@ -2321,6 +2323,12 @@ Test(server, half_sent_frames_and_stalled_readers_are_closed_after_their_timeout
         km_test_sleep_ms(10);
     }
     cr_assert_eq(ss.slow_clients_closed, 1, "the stalled reader was not closed");
+    cr_assert_geq(ss.reading_pauses, 1);
+    /* An operator sees both on /metrics. */
+    static char body[1 << 16];
+    cr_assert_eq(http_get(km_server_http_port(s.server), "/metrics", body, sizeof body), 200);
+    cr_assert_eq(metric_value(body, "kvmatch_slow_clients_closed_total"), 1);
+    cr_assert_eq(metric_value(body, "kvmatch_reading_pauses_total"), (double)ss.reading_pauses);
     char rid2[32] = "good-after";
     km_route_request r2 = token_route(rid2, 100, 4 * BS);
     cr_assert_eq(route_one(good, &r2, &reply)->status, KM_OK, "the good client is served after");

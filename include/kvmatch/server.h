@@ -276,7 +276,10 @@ typedef struct km_server_stats {
     uint64_t connections_accepted;
     uint64_t connections_open;
     uint64_t connections_refused;   /* over max_connections */
-    uint64_t slow_clients_closed;   /* outbox over max_outbox_bytes */
+    uint64_t slow_clients_closed;   /* outbox over max_outbox_bytes, or reading paused with none
+                                     * of the replies taken for stalled_reader_timeout_ms */
+    uint64_t reading_pauses;        /* times a connection's reading paused for its waiting
+                                     * replies (over max_outbox_bytes / 4) */
     uint64_t frames;                /* frames received */
     uint64_t bad_frames;            /* frames that failed to decode as a whole */
     uint64_t routes;                /* route requests received */

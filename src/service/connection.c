@@ -166,6 +166,7 @@ static void conn_send_locked(conn *c, const uint8_t *data, size_t size, bool fir
     size_t waiting = c->outbox.size + c->writing.size;
     if (waiting > 0 && waiting + size > s->cfg.max_outbox_bytes) {
         atomic_fetch_add(&s->st.slow_closed, 1);
+        km_counter_add(s->m_slow_closed, 1);
         km_srv_log(s, KM_LOG_WARNING
                    "closing a connection that does not read its replies (%zu bytes waiting)",
                    c->outbox.size + c->writing.size);
@@ -191,6 +192,8 @@ static void conn_send_locked(conn *c, const uint8_t *data, size_t size, bool fir
     if (!c->paused && c->reading && c->outbox.size + c->writing.size > s->cfg.max_outbox_bytes / 4) {
         c->paused = true;
         c->paused_since_ns = now_ns();
+        atomic_fetch_add(&s->st.reading_paused, 1);
+        km_counter_add(s->m_reading_paused, 1);
         uv_read_stop(&c->h.stream);
     }
     conn_flush(c);
@@ -371,6 +374,11 @@ void km_srv_conns_sweep(km_server *s, uint64_t now)
                    now - c->paused_since_ns >
                        (uint64_t)s->cfg.stalled_reader_timeout_ms * 1000000u) {
             atomic_fetch_add(&s->st.slow_closed, 1);
+            km_counter_add(s->m_slow_closed, 1);
+            km_srv_log(s, KM_LOG_WARNING
+                       "closing a connection that took none of its replies for %u ms (%zu bytes "
+                       "waiting)", s->cfg.stalled_reader_timeout_ms,
+                       c->outbox.size + c->writing.size);
             km_srv_conn_close(c);
         }
     }

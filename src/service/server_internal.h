@@ -415,7 +415,8 @@ struct km_server {
 
     km_metrics *metrics;
     km_counter *m_decisions, *m_route_errors, *m_frames, *m_bad_frames, *m_lifecycle,
-        *m_outcomes, *m_expired, *m_evicted, *m_overloaded, *m_shed_wait, *m_shed_connection;
+        *m_outcomes, *m_expired, *m_evicted, *m_overloaded, *m_shed_wait, *m_shed_connection,
+        *m_slow_closed, *m_reading_paused;
     km_histogram *m_batch_routes, *m_batch_seconds, *m_queue_seconds;
     km_http *http;
     uint16_t http_port;
@@ -423,7 +424,8 @@ struct km_server {
     uint64_t start_ns;
     double start_wall_s; /* CLOCK_REALTIME at create (process_start_time_seconds) */
     struct {
-        atomic_uint_fast64_t accepted, open, refused, slow_closed, frames, bad_frames, routes,
+        atomic_uint_fast64_t accepted, open, refused, slow_closed, reading_paused, frames,
+            bad_frames, routes,
             decisions, route_errors, overloaded, shed_wait, shed_connection, batches, inline_batches, lifecycle,
             lifecycle_errors, outcomes, expired, evicted, dropped_at_shutdown,
             dispatch_learned, dispatch_unlearned, breaker_opened, no_healthy, drain_releases,

@@ -616,6 +616,15 @@ int km_srv_metrics_setup(km_server *s)
         rc = km_metrics_add_counter(s->metrics, "kvmatch_bad_frames_total",
                                     "Frames that failed to decode.", NULL, 0, &s->m_bad_frames);
     if (!rc)
+        rc = km_metrics_add_counter(s->metrics, "kvmatch_reading_pauses_total",
+                                    "Times a connection's reading paused while its replies waited "
+                                    "(over max_outbox_bytes / 4).", NULL, 0, &s->m_reading_paused);
+    if (!rc)
+        rc = km_metrics_add_counter(s->metrics, "kvmatch_slow_clients_closed_total",
+                                    "Connections closed for not reading their replies (outbox over "
+                                    "max_outbox_bytes, or none taken for stalled_reader_timeout_ms).",
+                                    NULL, 0, &s->m_slow_closed);
+    if (!rc)
         rc = km_metrics_add_counter(s->metrics, "kvmatch_lifecycle_events_total",
                                     "DISPATCHED / FIRST_TOKEN / FINISHED reports.", NULL, 0,
                                     &s->m_lifecycle);
@@ -668,6 +677,7 @@ void km_server_get_stats(km_server *s, km_server_stats *o)
     o->connections_open = atomic_load(&s->st.open);
     o->connections_refused = atomic_load(&s->st.refused);
     o->slow_clients_closed = atomic_load(&s->st.slow_closed);
+    o->reading_pauses = atomic_load(&s->st.reading_paused);
     o->frames = atomic_load(&s->st.frames);
     o->bad_frames = atomic_load(&s->st.bad_frames);
     o->routes = atomic_load(&s->st.routes);
