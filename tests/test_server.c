@@ -3249,6 +3249,59 @@ static int report(km_client *c, km_lifecycle_kind kind, const char *request_id, 
     return reply.ack.items[0].status;
 }
 
+/* PROTOCOL.md: a report naming both a decision and a request applies only when they name one
+ * attempt. Decision ids are this process's own, so a report from before a restart may carry one
+ * that now names another request: it must change nothing (no load ended, no outcome written), and
+ * the attempts it names are left for their own reports. */
+Test(server, a_report_whose_decision_and_request_disagree_changes_nothing, .timeout = 30)
+{
+    srv s = {0};
+    km_server_config cfg;
+    test_config(&cfg, &s, KM_POLICY_KV, 1);
+    srv_start(&s, &cfg);
+    km_client *c = connect_client(&s);
+    km_message reply;
+    km_route_request mine = token_route("mine", 0, 4 * BS);
+    uint64_t id_mine = route_one(c, &mine, &reply)->decision_id;
+    km_route_request other = token_route("other", 100, 4 * BS);
+    uint64_t id_other = route_one(c, &other, &reply)->decision_id;
+    km_lifecycle_event ev[2];
+    memset(ev, 0, sizeof ev);
+    for (int i = 0; i < 2; i++) {
+        ev[i].kind = KM_LIFECYCLE_FINISHED;
+        ev[i].has_decision_id = true;
+        ev[i].outcome = KM_OUTCOME_ERROR;
+        ev[i].error = "an old stream";
+    }
+    ev[0].decision_id = id_mine; /* another request's decision */
+    ev[0].request_id = "other";
+    ev[1].decision_id = id_other + 1000; /* unknown here, while "mine" is live */
+    ev[1].request_id = "mine";
+    cr_assert_eq(km_client_lifecycle(c, ev, 2, 5000, &reply), KM_OK);
+    for (int i = 0; i < 2; i++) {
+        cr_assert_eq(reply.ack.items[i].status, KM_ERR_NOT_FOUND, "report %d: %s", i,
+                     km_error_name(reply.ack.items[i].status));
+        cr_assert(strstr(reply.ack.items[i].message, "nothing changed"), "%s",
+                  reply.ack.items[i].message);
+    }
+    cr_assert_eq(report(c, KM_LIFECYCLE_FINISHED, "mine", false, 0), KM_OK);
+    cr_assert_eq(report(c, KM_LIFECYCLE_FINISHED, "other", false, 0), KM_OK);
+    km_client_close(c);
+    srv_stop(&s);
+    json_t *all = read_records(&s);
+    const int64_t ids[2] = {(int64_t)id_mine, (int64_t)id_other};
+    const char *const names[2] = {"mine", "other"};
+    for (int i = 0; i < 2; i++) {
+        json_t *o = find_record(all, "outcome", ids[i]);
+        cr_assert_not_null(o, "no outcome for %s", names[i]);
+        cr_assert_str_eq(json_string_value(json_object_get(o, "request_id")), names[i]);
+        cr_assert_str_eq(json_string_value(json_object_get(o, "outcome")), "complete",
+                         "%s's outcome is the stale report's", names[i]);
+    }
+    json_decref(all);
+    srv_cleanup(&s);
+}
+
 /* PROTOCOL.md: a lifecycle event's `worker` is the worker the router actually used, which may differ
  * from the decision's. The attempt's load moves there (the next decisions see it on that worker),
  * and the outcome record names it as dispatched_worker while `worker` stays the decision's

@@ -328,6 +328,24 @@ static int lifecycle_one(km_server *s, const km_lifecycle_event *ev, char *msg, 
     if (ev->has_decision_id) {
         uint64_t *v = km_u64map_find(&s->attempts_by_decision, km_u64map_key(ev->decision_id));
         a = v ? (attempt *)(uintptr_t)*v : NULL;
+        /* Given both, they must name one attempt: a decision id alone is this process's (a report
+         * from before a restart may reuse one), the request id is the router's. */
+        if (ev->request_id) {
+            const char *given = ev->attempt_id ? ev->attempt_id : "";
+            if (a && (strcmp(a->request_id, ev->request_id) != 0 ||
+                      (ev->attempt_id && strcmp(a->attempt_id ? a->attempt_id : "", given) != 0)))
+                return km_why(msg, msg_size, KM_ERR_NOT_FOUND,
+                              "decision %" PRIu64 " is not request %s%s%s's; nothing changed",
+                              ev->decision_id, ev->request_id, ev->attempt_id ? " attempt " : "",
+                              given);
+            attempt *named = a ? NULL : attempt_by_key(s, ev->request_id, ev->attempt_id);
+            if (named)
+                return km_why(msg, msg_size, KM_ERR_NOT_FOUND,
+                              "request %s%s%s follows decision %" PRIu64 ", not %" PRIu64
+                              "; nothing changed", ev->request_id,
+                              ev->attempt_id ? " attempt " : "", given, named->decision_id,
+                              ev->decision_id);
+        }
     } else if (ev->request_id) {
         a = attempt_by_key(s, ev->request_id, ev->attempt_id);
     }
