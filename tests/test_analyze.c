@@ -978,6 +978,42 @@ Test(analyze, override_is_compared_with_the_dispatched_workers_depth, .timeout =
     }
 }
 
+/* An instance writes each outcome with its decision's id, so a decision and an outcome of one
+ * instance left unjoined by decision id are never a pair, even for the same request: a retry's
+ * decision (no outcome yet) and the outcome of the attempt before it, whose decision is in a file
+ * not given, stay one decision without outcome and one outcome without decision. From another
+ * instance, the same request pairs them. */
+Test(analyze, leftovers_of_one_instance_are_not_joined_by_request, .timeout = 20)
+{
+    decision_spec d = {.instance = "i", .id = 101, .request = "r1", .attempt = "", .host = "h",
+                       .pool = "p", .time_ns = 10, .source = "events", .prompt = 128,
+                       .owner = "A", .owner_state = "LIVE", .owner_blocks = 4, .chosen = "A",
+                       .chosen_state = "LIVE", .chosen_blocks = 4, .policy = "kv",
+                       .cands = {{"A", "LIVE", 4, 1}, {"B", "LIVE", 2, 0}}, .n_cands = 2};
+    for (int other_instance = 0; other_instance < 2; other_instance++) {
+        char dir[64], path[128];
+        make_temp_dir(dir);
+        FILE *f = open_in(dir, "r.jsonl", path, sizeof path);
+        outcome_spec o = outcome_for(&d, "complete", 200, 16, 5);
+        o.id = 100; /* the attempt before the retry */
+        if (other_instance)
+            o.instance = "j";
+        write_record(f, make_outcome(&o));
+        write_record(f, make_decision(&d));
+        fclose(f);
+        const char *paths[] = {path};
+        km_analysis *a = analyze_files(NULL, paths, 1);
+        const km_analysis_summary *s = km_analysis_summary_get(a);
+        cr_log_info("other instance %d", other_instance);
+        EQ(s->join.by_decision_id, 0);
+        EQ(s->join.by_request, other_instance);
+        EQ(s->join.decisions_without_outcome, !other_instance);
+        EQ(s->join.outcomes_without_decision, !other_instance);
+        km_analysis_destroy(a);
+        remove_dir(dir);
+    }
+}
+
 /* An override to a worker the decision has no candidate row for, or of an outcome without its
  * decision, predicts nothing for the worker that served it: counted, never compared. The owner
  * section does not credit the chosen worker with reuse that happened on another worker, and counts

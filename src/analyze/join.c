@@ -874,18 +874,48 @@ int km_analysis_add_file(km_analysis *a, const char *path)
  * thread-local, so handles finished on different threads stay independent. */
 static _Thread_local const km_analysis *sort_context;
 
-static int compare_by_request(const void *x, const void *y)
+/* Order of two points' (request_id, attempt_id) keys. */
+static int request_order(const point *p, const point *q)
 {
-    const point *p = &sort_context->points[*(const uint32_t *)x];
-    const point *q = &sort_context->points[*(const uint32_t *)y];
     for (int i = 0; i < 2; i++)
         if (p->request_key[i] != q->request_key[i])
             return p->request_key[i] < q->request_key[i] ? -1 : 1;
-    uint32_t a = *(const uint32_t *)x, b = *(const uint32_t *)y;
-    return a < b ? -1 : a > b;
+    return 0;
 }
 
-/* Pair what is left unjoined by (request_id, attempt_id), in reading order. */
+/* By key, then in reading order (point index). */
+static int compare_by_request(const void *x, const void *y)
+{
+    uint32_t a = *(const uint32_t *)x, b = *(const uint32_t *)y;
+    int c = request_order(&sort_context->points[a], &sort_context->points[b]);
+    return c ? c : (a < b ? -1 : a > b);
+}
+
+/* Decision d takes outcome o (joined by request); o is merged away. */
+static void merge_by_request(km_analysis *a, uint32_t d_index, point *o)
+{
+    point *d = &a->points[d_index];
+    d->flags |= POINT_OUTCOME | POINT_JOINED_BY_REQUEST |
+                (o->flags & (POINT_HTTP_200 | POINT_OVERRIDDEN));
+    d->outcome_kind = o->outcome_kind;
+    d->actual = o->actual;
+    d->outcome_prompt = o->outcome_prompt;
+    d->ttft_ns = o->ttft_ns;
+    d->router_ttft_ms = o->router_ttft_ms;
+    d->copy_predicted = o->copy_predicted;
+    d->copy_worker = o->copy_worker;
+    d->dispatched = o->dispatched;
+    d->outcome_file = o->outcome_file;
+    d->outcome_line = o->outcome_line;
+    settle_pending(a, d_index);
+    o->flags = POINT_MERGED_AWAY;
+    a->summary.join.by_request++;
+}
+
+/* Pair what is left unjoined by (request_id, attempt_id), in reading order: each decision takes
+ * the first outcome of its key from another instance. An outcome of the decision's own instance
+ * is never its (an instance writes an outcome with its decision's id, so that pair would have
+ * joined by decision id): such leftovers stay unjoined, whatever their request. */
 int km_analysis_join_by_request(km_analysis *a)
 {
     uint32_t *decisions = malloc((a->n_points + 1) * sizeof *decisions);
@@ -908,35 +938,29 @@ int km_analysis_join_by_request(km_analysis *a)
     sort_items(outcomes, no, sizeof *outcomes, compare_by_request);
     size_t i = 0, j = 0;
     while (i < nd && j < no) {
-        point *d = &a->points[decisions[i]];
-        point *o = &a->points[outcomes[j]];
-        int c = d->request_key[0] != o->request_key[0]
-                    ? (d->request_key[0] < o->request_key[0] ? -1 : 1)
-                    : d->request_key[1] != o->request_key[1]
-                          ? (d->request_key[1] < o->request_key[1] ? -1 : 1)
-                          : 0;
+        int c = request_order(&a->points[decisions[i]], &a->points[outcomes[j]]);
         if (c < 0) {
             i++;
         } else if (c > 0) {
             j++;
-        } else {
-            d->flags |= POINT_OUTCOME | POINT_JOINED_BY_REQUEST |
-                        (o->flags & (POINT_HTTP_200 | POINT_OVERRIDDEN));
-            d->outcome_kind = o->outcome_kind;
-            d->actual = o->actual;
-            d->outcome_prompt = o->outcome_prompt;
-            d->ttft_ns = o->ttft_ns;
-            d->router_ttft_ms = o->router_ttft_ms;
-            d->copy_predicted = o->copy_predicted;
-            d->copy_worker = o->copy_worker;
-            d->dispatched = o->dispatched;
-            d->outcome_file = o->outcome_file;
-            d->outcome_line = o->outcome_line;
-            settle_pending(a, decisions[i]);
-            o->flags = POINT_MERGED_AWAY;
-            a->summary.join.by_request++;
-            i++;
-            j++;
+        } else { /* the key's decisions [i, i_end) and outcomes [j, j_end), in reading order */
+            size_t i_end = i + 1, j_end = j + 1;
+            while (i_end < nd &&
+                   request_order(&a->points[decisions[i_end]], &a->points[decisions[i]]) == 0)
+                i_end++;
+            while (j_end < no &&
+                   request_order(&a->points[outcomes[j_end]], &a->points[outcomes[j]]) == 0)
+                j_end++;
+            for (; i < i_end; i++)
+                for (size_t k = j; k < j_end; k++) {
+                    point *o = &a->points[outcomes[k]];
+                    if (o->flags != POINT_MERGED_AWAY &&
+                        o->instance != a->points[decisions[i]].instance) {
+                        merge_by_request(a, decisions[i], o);
+                        break;
+                    }
+                }
+            j = j_end;
         }
     }
     free(decisions);
