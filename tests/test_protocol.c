@@ -74,6 +74,12 @@ static uint64_t rand_u64(km_rng *r)
     }
 }
 
+/* A token or block count: what the protocol carries, 0..2^63-1, the edge included. */
+static uint64_t rand_count(km_rng *r)
+{
+    return km_rng_percent(r, 10) ? (uint64_t)INT64_MAX : rand_u64(r) >> 1;
+}
+
 static uint32_t rand_u32(km_rng *r)
 {
     return km_rng_percent(r, 20) ? UINT32_MAX : (uint32_t)rand_u64(r);
@@ -128,9 +134,9 @@ static void rand_route(km_rng *r, km_route_request *q)
     }
     q->policy = maybe_str(r);
     q->has_prompt_tokens = km_rng_percent(r, 50);
-    q->prompt_tokens = q->has_prompt_tokens ? rand_u64(r) : 0;
+    q->prompt_tokens = q->has_prompt_tokens ? rand_count(r) : 0;
     q->has_expected_output_tokens = km_rng_percent(r, 50);
-    q->expected_output_tokens = q->has_expected_output_tokens ? rand_u64(r) : 0;
+    q->expected_output_tokens = q->has_expected_output_tokens ? rand_count(r) : 0;
 }
 
 static void rand_decision(km_rng *r, km_route_decision *d)
@@ -202,11 +208,11 @@ static void rand_event(km_rng *r, km_lifecycle_event *e)
     /* As sent: the derived outcome, or one the rule allows to override it (never "complete"). */
     e->outcome = km_rng_percent(r, 50) ? derived : (km_outcome)(2 + km_rng_below(r, 3));
     e->has_cached_tokens = km_rng_percent(r, 50);
-    e->cached_tokens = e->has_cached_tokens ? rand_u64(r) : 0;
+    e->cached_tokens = e->has_cached_tokens ? rand_count(r) : 0;
     e->has_prompt_tokens = km_rng_percent(r, 50);
-    e->prompt_tokens = e->has_prompt_tokens ? rand_u64(r) : 0;
+    e->prompt_tokens = e->has_prompt_tokens ? rand_count(r) : 0;
     e->has_output_tokens = km_rng_percent(r, 50);
-    e->output_tokens = e->has_output_tokens ? rand_u64(r) : 0;
+    e->output_tokens = e->has_output_tokens ? rand_count(r) : 0;
     e->retries = rand_u32(r);
 }
 
@@ -231,7 +237,7 @@ static void rand_worker(km_rng *r, km_worker_info *w, bool runtime)
     w->eligible = w->has_eligible && km_rng_percent(r, 50);
     w->state = maybe_str(r);
     w->has_blocks = km_rng_percent(r, 50);
-    w->blocks = w->has_blocks ? rand_u64(r) : 0;
+    w->blocks = w->has_blocks ? rand_count(r) : 0;
     w->has_last_event_age_s = km_rng_percent(r, 50);
     w->last_event_age_s = w->has_last_event_age_s ? rand_double(r) : 0;
     w->has_load = km_rng_percent(r, 50);
@@ -948,6 +954,92 @@ Test(protocol, elapsed_ms_must_be_a_duration, .timeout = 10)
         msgpack_sbuffer_destroy(&sb);
         msgpack_zone_destroy(&zone);
     }
+    km_frame_buffer_free(&b);
+    km_protocol_decoder_destroy(dec);
+}
+
+/* Token counts a router reports are 0..2^63-1 (the records hold signed 64-bit integers): a larger
+ * one, such as an all-ones "unknown", fails its item with the field named, and 2^63-1 decodes. */
+static void pack_str(msgpack_packer *pk, const char *s)
+{
+    msgpack_pack_str(pk, strlen(s));
+    msgpack_pack_str_body(pk, s, strlen(s));
+}
+
+Test(protocol, token_counts_past_two_to_the_63_fail_their_item, .timeout = 10)
+{
+    km_protocol_decoder *dec;
+    cr_assert_eq(km_protocol_decoder_create(NULL, &dec), KM_OK);
+    static const char *const lifecycle_fields[] = {"cached_tokens", "prompt_tokens",
+                                                   "output_tokens"};
+    static const char *const route_fields[] = {"prompt_tokens", "expected_output_tokens"};
+    for (int route = 0; route < 2; route++) {
+        int n_fields = route ? 2 : 3;
+        for (int f = 0; f < n_fields; f++) {
+            const char *field = route ? route_fields[f] : lifecycle_fields[f];
+            const uint64_t values[3] = {UINT64_MAX, (uint64_t)INT64_MAX + 1, (uint64_t)INT64_MAX};
+            for (int k = 0; k < 3; k++) {
+                msgpack_sbuffer sb;
+                msgpack_packer pk;
+                msgpack_sbuffer_init(&sb);
+                msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
+                if (route) {
+                    msgpack_pack_map(&pk, 3);
+                    pack_str(&pk, "type");
+                    pack_str(&pk, "ROUTE");
+                    pack_str(&pk, "id");
+                    msgpack_pack_uint64(&pk, 4);
+                    pack_str(&pk, "routes");
+                    msgpack_pack_array(&pk, 1);
+                    msgpack_pack_map(&pk, 3);
+                    pack_str(&pk, "request_id");
+                    pack_str(&pk, "r");
+                    pack_str(&pk, "tokens");
+                    msgpack_pack_array(&pk, 2);
+                    msgpack_pack_uint32(&pk, 1);
+                    msgpack_pack_uint32(&pk, 2);
+                } else {
+                    msgpack_pack_map(&pk, 6);
+                    pack_str(&pk, "type");
+                    pack_str(&pk, "FINISHED");
+                    pack_str(&pk, "id");
+                    msgpack_pack_uint64(&pk, 3);
+                    pack_str(&pk, "decision_id");
+                    msgpack_pack_uint64(&pk, 5);
+                    pack_str(&pk, "outcome");
+                    pack_str(&pk, "error");
+                    pack_str(&pk, "error");
+                    pack_str(&pk, "x");
+                }
+                pack_str(&pk, field);
+                msgpack_pack_uint64(&pk, values[k]);
+                km_message got;
+                cr_assert_eq(km_protocol_decode(dec, sb.data, sb.size, &got), KM_OK, "%s",
+                             km_protocol_decoder_last_error(dec));
+                int status = route ? got.route.routes[0].status : got.lifecycle.events[0].status;
+                const char *message =
+                    route ? got.route.routes[0].message : got.lifecycle.events[0].message;
+                if (k < 2) {
+                    cr_assert_eq(status, KM_ERR_PARSE, "%s = %" PRIu64, field, values[k]);
+                    cr_assert(message && strstr(message, field), "%s", message ? message : "");
+                } else {
+                    cr_assert_eq(status, KM_OK, "%s = 2^63-1: %s", field, message ? message : "");
+                }
+                msgpack_sbuffer_destroy(&sb);
+            }
+        }
+    }
+    /* The encoder refuses what the decoder would. */
+    km_route_request q = {.request_id = "r", .input = KM_ROUTE_INPUT_TOKENS,
+                          .has_prompt_tokens = true, .prompt_tokens = UINT64_MAX};
+    km_message m = {.type = KM_MESSAGE_ROUTE, .id = 1};
+    m.route.routes = &q;
+    m.route.n_routes = 1;
+    km_frame_buffer b;
+    km_frame_buffer_init(&b);
+    char why[256];
+    cr_assert_eq(km_protocol_encode(&m, 0, &b, why, sizeof why), KM_ERR_INVALID_ARGUMENT);
+    cr_assert(strstr(why, "routes[0].prompt_tokens"), "%s", why);
     km_frame_buffer_free(&b);
     km_protocol_decoder_destroy(dec);
 }

@@ -257,6 +257,14 @@ static int read_u64(km_protocol_decoder *d, const msgpack_object *o, const char 
     return read_u64_element(d, o, field, NO_ELEMENT, UINT64_MAX, out);
 }
 
+/* A count of tokens or blocks: 0..2^63-1, as the records' signed 64-bit integers hold it (a
+ * larger one, such as a router's all-ones "unknown", is refused rather than lost from a record). */
+static int read_count(km_protocol_decoder *d, const msgpack_object *o, const char *field,
+                      uint64_t *out)
+{
+    return read_u64_element(d, o, field, NO_ELEMENT, (uint64_t)INT64_MAX, out);
+}
+
 static int read_u32(km_protocol_decoder *d, const msgpack_object *o, const char *field,
                     uint32_t *out)
 {
@@ -498,13 +506,13 @@ static int decode_route(km_protocol_decoder *d, const msgpack_object *o, km_rout
         (rc = OPT(read_str(d, v[POLICY], "policy", &r->policy), v[POLICY])))
         return rc;
     if (v[PROMPT_TOKENS]) {
-        if ((rc = read_u64(d, v[PROMPT_TOKENS], "prompt_tokens", &r->prompt_tokens)))
+        if ((rc = read_count(d, v[PROMPT_TOKENS], "prompt_tokens", &r->prompt_tokens)))
             return rc;
         r->has_prompt_tokens = true;
     }
     if (v[EXPECTED_OUTPUT_TOKENS]) {
-        if ((rc = read_u64(d, v[EXPECTED_OUTPUT_TOKENS], "expected_output_tokens",
-                           &r->expected_output_tokens)))
+        if ((rc = read_count(d, v[EXPECTED_OUTPUT_TOKENS], "expected_output_tokens",
+                             &r->expected_output_tokens)))
             return rc;
         r->has_expected_output_tokens = true;
     }
@@ -669,12 +677,12 @@ enum { LC_EVENT, LC_DECISION_ID, LC_REQUEST_ID, LC_ATTEMPT_ID, LC_WORKER, LC_ELA
        LC_OUTCOME, LC_FINISH_REASON, LC_DONE_SEEN, LC_HTTP_STATUS, LC_ERROR, LC_CACHED_TOKENS,
        LC_PROMPT_TOKENS, LC_OUTPUT_TOKENS, LC_RETRIES, LC_N_FIELDS };
 
-static int read_optional_u64(km_protocol_decoder *d, const msgpack_object *o, const char *field,
-                             bool *has, uint64_t *out)
+static int read_optional_count(km_protocol_decoder *d, const msgpack_object *o, const char *field,
+                               bool *has, uint64_t *out)
 {
     if (!o)
         return KM_OK;
-    int rc = read_u64(d, o, field, out);
+    int rc = read_count(d, o, field, out);
     if (!rc)
         *has = true;
     return rc;
@@ -733,12 +741,12 @@ static int decode_lifecycle_event(km_protocol_decoder *d, const msgpack_object *
                   v[LC_FINISH_REASON])) ||
         (rc = OPT(read_bool(d, v[LC_DONE_SEEN], "done_seen", &e->done_seen), v[LC_DONE_SEEN])) ||
         (rc = OPT(read_str(d, v[LC_ERROR], "error", &e->error), v[LC_ERROR])) ||
-        (rc = read_optional_u64(d, v[LC_CACHED_TOKENS], "cached_tokens", &e->has_cached_tokens,
-                                &e->cached_tokens)) ||
-        (rc = read_optional_u64(d, v[LC_PROMPT_TOKENS], "prompt_tokens", &e->has_prompt_tokens,
-                                &e->prompt_tokens)) ||
-        (rc = read_optional_u64(d, v[LC_OUTPUT_TOKENS], "output_tokens", &e->has_output_tokens,
-                                &e->output_tokens)) ||
+        (rc = read_optional_count(d, v[LC_CACHED_TOKENS], "cached_tokens",
+                                  &e->has_cached_tokens, &e->cached_tokens)) ||
+        (rc = read_optional_count(d, v[LC_PROMPT_TOKENS], "prompt_tokens",
+                                  &e->has_prompt_tokens, &e->prompt_tokens)) ||
+        (rc = read_optional_count(d, v[LC_OUTPUT_TOKENS], "output_tokens",
+                                  &e->has_output_tokens, &e->output_tokens)) ||
         (rc = OPT(read_u32(d, v[LC_RETRIES], "retries", &e->retries), v[LC_RETRIES])))
         return rc;
     if (v[LC_HTTP_STATUS]) {
@@ -791,7 +799,7 @@ static int decode_worker(km_protocol_decoder *d, const msgpack_object *o, km_wor
                   v[REPLAY_ENDPOINT])) ||
         (rc = OPT(read_str(d, v[STATE], "state", &w->state), v[STATE])) ||
         (rc = OPT(read_str(d, v[BREAKER], "breaker", &w->breaker), v[BREAKER])) ||
-        (rc = read_optional_u64(d, v[BLOCKS], "blocks", &w->has_blocks, &w->blocks)))
+        (rc = read_optional_count(d, v[BLOCKS], "blocks", &w->has_blocks, &w->blocks)))
         return rc;
     if ((rc = OPT_HAS(read_bool(d, v[HEALTHY], "healthy", &w->healthy), v[HEALTHY],
                       &w->has_healthy)) ||

@@ -2,6 +2,7 @@
 /* The router protocol's encoder (include/kvmatch/protocol.h, "encoder"): every message from its C
  * struct to one length-prefixed msgpack frame appended to a km_frame_buffer, checking what a
  * decoder would refuse in the peer. */
+#include <inttypes.h>
 #include <math.h>
 #include <stdarg.h>
 #include <stdlib.h>
@@ -141,6 +142,14 @@ static void put_u64(writer *w, map_mark *m, const char *key, uint64_t v)
 {
     put_key(w, m, key);
     msgpack_pack_uint64(&w->packer, v);
+}
+
+/* A count of tokens: 0..2^63-1, what a peer's decoder takes (protocol_decode.c, read_count). */
+static void put_count(writer *w, map_mark *m, const char *where, const char *key, uint64_t v)
+{
+    if (v > (uint64_t)INT64_MAX)
+        writer_fail(w, KM_ERR_INVALID_ARGUMENT, "%s%s %" PRIu64 " is over 2^63-1", where, key, v);
+    put_u64(w, m, key, v);
 }
 
 static void put_i64(writer *w, map_mark *m, const char *key, int64_t v)
@@ -314,9 +323,9 @@ static void encode_route(writer *w, const km_route_request *r, uint32_t i)
         put_u32_array(w, &m, where, "candidates", r->candidates, r->n_candidates);
     put_str(w, &m, "policy", r->policy);
     if (r->has_prompt_tokens)
-        put_u64(w, &m, "prompt_tokens", r->prompt_tokens);
+        put_count(w, &m, where, "prompt_tokens", r->prompt_tokens);
     if (r->has_expected_output_tokens)
-        put_u64(w, &m, "expected_output_tokens", r->expected_output_tokens);
+        put_count(w, &m, where, "expected_output_tokens", r->expected_output_tokens);
     if (r->brief)
         put_bool(w, &m, "brief", true);
     map_end(w, &m);
@@ -433,11 +442,11 @@ static void encode_lifecycle_event(writer *w, const km_lifecycle_event *e, uint3
             put_u64(w, &m, "http_status", e->http_status);
         put_str(w, &m, "error", e->error);
         if (e->has_cached_tokens)
-            put_u64(w, &m, "cached_tokens", e->cached_tokens);
+            put_count(w, &m, where, "cached_tokens", e->cached_tokens);
         if (e->has_prompt_tokens)
-            put_u64(w, &m, "prompt_tokens", e->prompt_tokens);
+            put_count(w, &m, where, "prompt_tokens", e->prompt_tokens);
         if (e->has_output_tokens)
-            put_u64(w, &m, "output_tokens", e->output_tokens);
+            put_count(w, &m, where, "output_tokens", e->output_tokens);
         put_u64(w, &m, "retries", e->retries);
     }
     map_end(w, &m);
