@@ -613,6 +613,38 @@ Test(analyze, decisions_are_counted_by_their_load_view, .timeout = 10)
     remove_dir(dir);
 }
 
+/* A problem's text quotes what a line holds, cut to a length, and names the file: either may not
+ * be UTF-8 (a cut character, a Latin-1 file name), and the JSON report, which can only carry UTF-8,
+ * still lists every problem, with U+FFFD where a character could not be shown. */
+Test(analyze, invalid_lines_are_listed_in_json_whatever_their_bytes, .timeout = 10)
+{
+    char dir[64], path[160];
+    make_temp_dir(dir);
+    FILE *f = open_in(dir, "caf\xe9.jsonl", path, sizeof path); /* Latin-1 in the file name */
+    fputs("{\"type\":\"a", f); /* an unknown type of 81 bytes, cut at 64 inside a character */
+    for (int i = 0; i < 40; i++)
+        fputs("\xc3\xa9", f);
+    fputs("\",\"schema_version\":1}\n{\"type\":\"x\",\"schema_version\":1}\n", f);
+    fclose(f);
+    const char *paths[] = {path};
+    km_analysis *a = analyze_files(NULL, paths, 1);
+    const km_analysis_summary *s = km_analysis_summary_get(a);
+    EQ(s->input.invalid, 2);
+    json_t *root = json_report(a);
+    json_t *listed = json_object_get(root, "invalid_lines");
+    cr_assert(json_is_array(listed), "no invalid_lines array");
+    cr_assert_eq(json_array_size(listed), 2, "a problem with bytes that are not UTF-8 was dropped");
+    for (size_t i = 0; i < 2; i++) {
+        json_t *item = json_array_get(listed, i);
+        cr_assert_eq(json_integer_value(json_object_get(item, "line")), (json_int_t)(i + 1));
+        cr_assert(strstr(json_string_value(json_object_get(item, "file")), "caf\xef\xbf\xbd"),
+                  "%s", json_string_value(json_object_get(item, "file")));
+    }
+    json_decref(root);
+    km_analysis_destroy(a);
+    remove_dir(dir);
+}
+
 Test(analyze, invalid_lines_are_counted_with_file_and_line, .timeout = 10)
 {
     char dir[64], path[128];

@@ -4,6 +4,7 @@
  * joining the records is join.c, the metrics metrics.c, the reports render_text.c, render_json.c
  * and render_html.c. */
 #include "analyze/analyze_internal.h"
+#include "base/utf8.h"
 
 #include <stdarg.h>
 #include <stdio.h>
@@ -182,9 +183,12 @@ int km_analysis_add_problem(km_analysis *a, problem_list *list, uint32_t file, u
     va_start(ap, format);
     vsnprintf(buffer, sizeof buffer, format, ap);
     va_end(ap);
-    char *what = strdup(buffer);
+    /* The text may hold a cut character (a field quoted from a record, a file name): the JSON
+     * report can only carry UTF-8. */
+    char *what = malloc(km_utf8_clean_copy(NULL, buffer));
     if (!what)
         return km_analysis_fail_memory(a, "listing a problem");
+    km_utf8_clean_copy(what, buffer);
     list->items[list->n++] = (km_analysis_problem){.file = str(a, file), .line = line, .what = what};
     return KM_OK;
 }

@@ -15,6 +15,7 @@
  * observation (a file is written in decision order); metrics.c sorts them by time and sweeps them
  * into recovery windows, so files may be given in any order. */
 #include "analyze/analyze_internal.h"
+#include "base/utf8.h"
 
 #include <errno.h>
 #include <inttypes.h>
@@ -812,7 +813,12 @@ int km_analysis_add_file(km_analysis *a, const char *path)
         km_analysis_set_error(a, "add_file after finish: the analysis is complete");
         return KM_ERR_INVALID_ARGUMENT;
     }
-    uint32_t file = km_analysis_intern_cstr(&a->strings, path);
+    /* The name reports show (UTF-8, as JSON needs; the path itself opens the file). */
+    char *shown = malloc(km_utf8_clean_copy(NULL, path));
+    uint32_t file = shown ? (km_utf8_clean_copy(shown, path),
+                             km_analysis_intern_cstr(&a->strings, shown))
+                          : NONE;
+    free(shown);
     if (file == NONE)
         return km_analysis_fail_memory(a, "naming a file");
     FILE *f = fopen(path, "rb");

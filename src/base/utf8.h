@@ -1,5 +1,6 @@
 /* SPDX-License-Identifier: Apache-2.0 */
-/* Internal: UTF-8 checks shared by the records writer and the service's name validation. */
+/* Internal: UTF-8 checks and cleaning shared by the records writer, the service's name validation
+ * and the analyzer. */
 #ifndef KM_UTF8_H
 #define KM_UTF8_H
 
@@ -53,6 +54,67 @@ static inline bool km_utf8_name(const char *s)
         i += k;
     }
     return true;
+}
+
+/* The bytes of the maximal subpart of an ill-formed UTF-8 sequence at s (Unicode 3.9, "U+FFFD
+ * substitution of maximal subparts"): a lead byte and the continuation bytes that could still have
+ * completed it; one byte when the first byte cannot start a sequence. Only called where
+ * km_utf8_sequence found no well-formed sequence. */
+static inline size_t km_utf8_bad_prefix(const unsigned char *s, size_t left)
+{
+    unsigned char c = s[0], lo = 0x80, hi = 0xBF;
+    size_t n;
+    if (c >= 0xC2 && c <= 0xDF)
+        n = 2;
+    else if (c >= 0xE0 && c <= 0xEF)
+        n = 3, lo = c == 0xE0 ? 0xA0 : 0x80, hi = c == 0xED ? 0x9F : 0xBF;
+    else if (c >= 0xF0 && c <= 0xF4)
+        n = 4, lo = c == 0xF0 ? 0x90 : 0x80, hi = c == 0xF4 ? 0x8F : 0xBF;
+    else
+        return 1;
+    size_t i = 1;
+    if (i < left && s[i] >= lo && s[i] <= hi)
+        for (i++; i < n && i < left && (s[i] & 0xC0) == 0x80; i++)
+            ;
+    return i;
+}
+
+/* Copy s to out (when not NULL) with every ill-formed UTF-8 sequence replaced by U+FFFD, and NUL;
+ * returns the bytes that takes, NUL included (at most 3 per input byte, and 1). For text that
+ * must be UTF-8 where it goes (JSON) but nothing forced to be: what a router sends as msgpack
+ * str, a line cut in the middle of a character. */
+static inline size_t km_utf8_clean_copy(char *out, const char *s)
+{
+    const unsigned char *p = (const unsigned char *)s;
+    size_t n = strlen(s), o = 0;
+    for (size_t i = 0; i < n;) {
+        /* ASCII runs (ids and names, nearly always the whole string) in one copy. */
+        size_t run = 0;
+        while (i + run < n && p[i + run] < 0x80)
+            run++;
+        if (run) {
+            if (out)
+                memcpy(out + o, p + i, run);
+            i += run;
+            o += run;
+            continue;
+        }
+        size_t k = km_utf8_sequence(p + i, n - i);
+        if (k) {
+            if (out)
+                memcpy(out + o, p + i, k);
+            i += k;
+            o += k;
+        } else {
+            if (out)
+                memcpy(out + o, "\xef\xbf\xbd", 3);
+            i += km_utf8_bad_prefix(p + i, n - i);
+            o += 3;
+        }
+    }
+    if (out)
+        out[o] = '\0';
+    return o + 1;
 }
 
 #endif
