@@ -3228,6 +3228,38 @@ Test(server, a_drain_timeout_drops_queued_routes_and_frees_their_connection, .ti
     srv_cleanup(&s);
 }
 
+/* A decision record lists every candidate: in a pool of 5,000 workers, without a candidate list
+ * in the route, its line is several megabytes and must still be written, not refused as too long
+ * (the longest line accepted follows max_workers). */
+Test(server, a_decision_over_thousands_of_candidates_is_recorded, .timeout = 60)
+{
+    enum { N = 5000 };
+    static km_server_worker many[N];
+    srv s = {0};
+    km_server_config cfg;
+    test_config(&cfg, &s, KM_POLICY_KV, 0);
+    cfg.max_workers = 8192;
+    for (uint32_t i = 0; i < N; i++)
+        many[i] = (km_server_worker){.id = i};
+    g_pool.workers = many;
+    g_pool.n_workers = N;
+    srv_start(&s, &cfg);
+    km_client *c = connect_client(&s);
+    km_message reply;
+    km_route_request r = token_route("wide", 0, 4 * BS);
+    const km_route_decision *d = route_one(c, &r, &reply);
+    cr_assert_eq(d->n_candidates, N);
+    uint64_t id = d->decision_id;
+    km_client_close(c);
+    srv_stop(&s);
+    json_t *all = read_records(&s);
+    json_t *rec = find_record(all, "decision", (int64_t)id);
+    cr_assert_not_null(rec, "the decision record was not written");
+    cr_assert_eq(json_array_size(json_object_get(rec, "candidates")), N);
+    json_decref(all);
+    srv_cleanup(&s);
+}
+
 /* Report one lifecycle event for request_id (attempt none); returns the item's status. */
 static int report(km_client *c, km_lifecycle_kind kind, const char *request_id, bool has_worker,
                   uint32_t worker)

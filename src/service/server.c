@@ -335,6 +335,11 @@ int km_server_create(const km_server_config *cfg_in, km_server **out, char *why,
         wc.keep_files = cfg.records_keep_files;
         wc.max_kept_bytes = cfg.records_max_kept_bytes;
         wc.max_age_s = cfg.records_max_age_s;
+        /* A decision record lists every candidate, up to max_workers rows of under 1 KiB each (a
+         * row of the largest numbers and an escaped 63-byte name is about 560 bytes). */
+        uint64_t line_bytes = (UINT64_C(64) << 10) + (uint64_t)cfg.max_workers * 1024u;
+        if (line_bytes > wc.max_line_bytes)
+            wc.max_line_bytes = line_bytes;
         wc.log = s->log;
         wc.log_user = s->log_user;
         if ((rc = km_record_writer_create(&wc, &s->records)) != KM_OK)
