@@ -143,6 +143,32 @@ static void close_file(km_record_writer *w)
     w->fd = -1;
 }
 
+static void sync_file(km_record_writer *w, bool *sync_failed)
+{
+    if (w->fd < 0)
+        return;
+    if (fdatasync(w->fd) != 0 && errno != EINVAL && errno != EROFS) {
+        /* EINVAL: a FIFO or special file, which has nothing to sync */
+        io_failure(w, "fdatasync", w->config.path, errno);
+        *sync_failed = true;
+    }
+}
+
+/* Sync the open file before it is closed (a rotation, a reopen, a path moved away): a later flush
+ * syncs only the file open then, so the lines written here must reach the disk now. A failure is
+ * counted and fails the next flush (KM_ERR_IO). */
+static void sync_and_close(km_record_writer *w)
+{
+    bool sync_failed = false;
+    sync_file(w, &sync_failed);
+    if (sync_failed) {
+        pthread_mutex_lock(&w->lock);
+        w->sync_failures++;
+        pthread_mutex_unlock(&w->lock);
+    }
+    close_file(w);
+}
+
 /* Open (create) the file for appending; make sure it ends with a newline. */
 static bool open_file(km_record_writer *w)
 {
@@ -217,7 +243,7 @@ static void check_file(km_record_writer *w)
     struct stat by_name, open_file_st;
     if (stat(w->config.path, &by_name) != 0 || fstat(w->fd, &open_file_st) != 0 ||
         by_name.st_dev != open_file_st.st_dev || by_name.st_ino != open_file_st.st_ino) {
-        close_file(w);
+        sync_and_close(w);
         return;
     }
     if (w->regular_file)
@@ -347,7 +373,7 @@ static void apply_retention(km_record_writer *w, deletion *d)
  * writer then keeps appending. */
 static void rotate(km_record_writer *w)
 {
-    close_file(w);
+    sync_and_close(w);
     uint32_t keep = w->config.keep_files;
     const char *path = w->config.path;
     bool ok = true;
@@ -418,17 +444,6 @@ static void buffer_line(km_record_writer *w, const char *data, size_t len)
     if (w->buf_deadline_ns == 0)
         w->buf_deadline_ns =
             km_record_clock_ns(CLOCK_MONOTONIC) + (int64_t)w->config.flush_interval_ms * 1000000;
-}
-
-static void sync_file(km_record_writer *w, bool *sync_failed)
-{
-    if (w->fd < 0)
-        return;
-    if (fdatasync(w->fd) != 0 && errno != EINVAL && errno != EROFS) {
-        /* EINVAL: a FIFO or special file, which has nothing to sync */
-        io_failure(w, "fdatasync", w->config.path, errno);
-        *sync_failed = true;
-    }
 }
 
 /* A record queued by km_record_writer_submit_decision / _outcome: format it here, off the
@@ -513,10 +528,8 @@ static void *writer_thread(void *arg)
         pthread_mutex_unlock(&w->lock);
         if (reopen) {
             /* what was taken goes to the old file; the next line opens the path again */
-            bool sync_failed = false;
             buffer_write(w);
-            sync_file(w, &sync_failed);
-            close_file(w);
+            sync_and_close(w);
         }
 
         bool due = w->buf_len > 0 && km_record_clock_ns(CLOCK_MONOTONIC) >= w->buf_deadline_ns;

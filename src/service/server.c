@@ -528,7 +528,10 @@ int km_server_run(km_server *s, bool install_signals)
                        "records: %" PRIu64 " of %" PRIu64 " records were lost to I/O errors "
                        "(last: %s)", rc.failed, rc.submitted, last);
         }
-        if (status == KM_OK && (rc.failed > 0 || flushed == KM_ERR_TIMEOUT))
+        if (flushed == KM_ERR_IO && rc.failed == 0)
+            km_srv_log(s, KM_LOG_ERROR "records: syncing %s to disk failed; the last records may "
+                       "not survive a crash", s->records_path);
+        if (status == KM_OK && (rc.failed > 0 || flushed == KM_ERR_TIMEOUT || flushed == KM_ERR_IO))
             status = KM_ERR_IO;
     }
     km_http_stop(s->http);
