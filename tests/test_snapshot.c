@@ -275,6 +275,104 @@ static void reseal(uint8_t *buf, size_t size)
     memcpy(buf + 56, &header_hash, 8);
 }
 
+/* A bitmap on the free list is all zero: the next holder set to take it ORs its holders in. A
+ * file whose free bitmap has bits set, its checksums resealed, is corrupt: loaded, its bits would
+ * become holders of the next block to take the bitmap, and removing two of them would unpack more
+ * than an inline set holds. */
+Test(snapshot, a_free_bitmap_with_bits_set_is_corrupt, .timeout = 30)
+{
+    const uint32_t W = 8, S = 4;
+    fixture f;
+    fixture_init(&f, W, 5);
+    km_index *a = make_index(W, S);
+    uint64_t block = 0x123456789abcdefULL;
+    for (uint32_t w = 0; w < 5; w++) /* a fifth holder: the set becomes a bitmap */
+        cr_assert_eq(km_index_store(a, w, KM_NO_PARENT, &block, 1), KM_OK);
+    for (uint32_t w = 0; w < 2; w++) /* three left: inline again, the bitmap on the free list */
+        cr_assert_eq(km_index_remove(a, w, &block, 1), KM_OK);
+    cr_assert_eq(km_index_save(a, f.path, NULL, 0), KM_OK);
+    size_t size;
+    uint8_t *bytes = read_file(f.path, &size);
+    /* The block table's section: its 16-byte head, then the table header (capacity at 0,
+     * pool_high at 44), the slots (16 bytes each), the metadata (7 bytes each), the bitmaps. */
+    uint64_t capacity;
+    uint32_t pool_high;
+    memcpy(&capacity, bytes + 64 + 16, 8);
+    memcpy(&pool_high, bytes + 64 + 16 + 44, 4);
+    cr_assert_eq(pool_high, 1, "one bitmap, on the free list");
+    size_t bitmap = 64 + 16 + 56 + (size_t)capacity * (16 + 7);
+    cr_assert(bitmap + 8 <= size);
+    uint64_t word;
+    memcpy(&word, bytes + bitmap, 8);
+    cr_assert_eq(word, 0, "the free bitmap is where the layout says, and empty");
+    bytes[bitmap] = 0xE0; /* workers 5, 6, 7 */
+    reseal(bytes, size);
+    char bad[160];
+    snprintf(bad, sizeof bad, "%s/bad.snap", f.dir);
+    write_file(bad, bytes, size);
+    km_index *b = make_index(W, S);
+    cr_assert_eq(km_index_load(b, bad, NULL, NULL), KM_ERR_CORRUPT, "%s", km_index_last_error(b));
+    cr_assert_eq(km_index_load(b, f.path, NULL, NULL), KM_OK, "%s", km_index_last_error(b));
+    uint32_t holders[8], n;
+    cr_assert_eq(km_index_holders(b, block, holders, 8, &n), KM_OK);
+    cr_assert_eq(n, 3);
+    free(bytes);
+    km_index_destroy(b);
+    km_index_destroy(a);
+    fixture_free(&f);
+}
+
+/* Every worker of a segment key holds the key's last block. A file whose segment key names a
+ * worker holding none of its blocks, its counts and checksums resealed, is corrupt: loaded, the
+ * worker would be credited with the whole segment, and no clear would scan the key away. */
+Test(snapshot, a_segment_key_of_a_worker_without_its_block_is_corrupt, .timeout = 30)
+{
+    const uint32_t W = 8, S = 4;
+    fixture f;
+    fixture_init(&f, W, 6);
+    km_index *a = make_index(W, S);
+    uint64_t chain[8];
+    for (int i = 0; i < 8; i++)
+        chain[i] = 0x1000 + UINT64_C(0x77777777) * (uint64_t)(i + 1);
+    cr_assert_eq(km_index_store(a, 1, KM_NO_PARENT, chain, 8), KM_OK); /* segment keys 3 and 7 */
+    cr_assert_eq(km_index_save(a, f.path, NULL, 0), KM_OK);
+    size_t size;
+    uint8_t *bytes = read_file(f.path, &size);
+    /* The segment table's section follows the block table's: its table header (capacity at 0,
+     * pairs at 24), then its 16-byte slots (key, then four 16-bit ids). */
+    uint64_t blocks_bytes, capacity, pairs;
+    memcpy(&blocks_bytes, bytes + 64 + 8, 8);
+    size_t header = 64 + 16 + (size_t)blocks_bytes + 16, slots = header + 56;
+    memcpy(&capacity, bytes + header, 8);
+    int edited = 0;
+    for (uint64_t i = 0; i < capacity && slots + (i + 1) * 16 <= size; i++) {
+        uint64_t key;
+        memcpy(&key, bytes + slots + i * 16, 8);
+        if (key == chain[7]) {
+            uint16_t two = 2; /* worker 1's set {1} becomes {1, 2} */
+            memcpy(bytes + slots + i * 16 + 8 + 2, &two, 2);
+            edited = 1;
+        }
+    }
+    cr_assert(edited, "segment key 7 not found where the layout says");
+    memcpy(&pairs, bytes + header + 24, 8);
+    pairs++;
+    memcpy(bytes + header + 24, &pairs, 8);
+    reseal(bytes, size);
+    char bad[160];
+    snprintf(bad, sizeof bad, "%s/bad.snap", f.dir);
+    write_file(bad, bytes, size);
+    km_index *b = make_index(W, S);
+    cr_assert_eq(km_index_load(b, bad, NULL, NULL), KM_ERR_CORRUPT, "%s", km_index_last_error(b));
+    cr_assert(strstr(km_index_last_error(b), "without its last block"), "%s",
+              km_index_last_error(b));
+    cr_assert_eq(km_index_load(b, f.path, NULL, NULL), KM_OK, "%s", km_index_last_error(b));
+    free(bytes);
+    km_index_destroy(b);
+    km_index_destroy(a);
+    fixture_free(&f);
+}
+
 /* Free slots are all zero since incremental growth; files written before it have their ids at
  * 0xFFFF. Both load (nothing reads a free slot's ids); a free slot with ids of neither form is
  * corrupt even when the checksums agree. */

@@ -639,8 +639,9 @@ void km_table_set_demote(km_table *t, uint64_t slot)
     uint16_t ids[KM_SLOT_INLINE] = {KM_SLOT_ID_EMPTY, KM_SLOT_ID_EMPTY, KM_SLOT_ID_EMPTY,
                                     KM_SLOT_ID_EMPTY};
     uint32_t n = 0;
+    /* Called at KM_SLOT_INLINE holders or fewer; the bound holds should the bitmap say more. */
     for (uint32_t w = 0; w < t->words_per_set; w++)
-        for (uint64_t word = bits[w]; word; word &= word - 1)
+        for (uint64_t word = bits[w]; word && n < KM_SLOT_INLINE; word &= word - 1)
             ids[n++] = (uint16_t)(w * 64u + (uint32_t)__builtin_ctzll(word));
     memcpy(s->ids, ids, sizeof ids);
     pool_release(t, set);

@@ -393,6 +393,10 @@ static int take_table(reader *r, uint32_t kind, km_table *t, int with_meta, uint
         ok &= set < h.pool_high && !pool_seen[set];
         if (ok)
             pool_seen[set] = 2;
+        /* A free bitmap is all zero: the next set to take it ORs its holders in. */
+        const uint64_t *bits = ok ? t->pool + (uint64_t)set * t->words_per_set : NULL;
+        for (uint32_t w = 0; ok && w < t->words_per_set; w++)
+            ok &= bits[w] == 0;
     }
     for (uint32_t k = 0; ok && k < h.pool_high; k++)
         ok &= pool_seen[k] != 0; /* every bitmap is in use or free, never lost */
@@ -467,6 +471,34 @@ static int check_lower_tiers(km_index *index, const km_index *staged)
                                        (unsigned long long)key, workers[i]);
             }
         }
+    }
+    free(workers);
+    return rc;
+}
+
+/* Every worker of a segment key holds the key's last block (the block whose chain hash the key
+ * is): a segment pair without it would credit the worker with the whole segment, and no clear
+ * of a worker holding no block would ever scan it away. One lookup per segment key. */
+static int check_segment_holders(km_index *index, const km_index *staged)
+{
+    const km_table *seg = &staged->segments;
+    if (seg->capacity == 0)
+        return KM_OK;
+    uint32_t *workers = malloc(staged->config.max_workers * sizeof *workers);
+    if (!workers)
+        return km_index_fail(index, KM_ERR_OUT_OF_MEMORY, "snapshot: segment check scratch");
+    int rc = KM_OK;
+    for (uint64_t s = 0; s < seg->capacity && !rc; s++) {
+        uint64_t key = seg->slots[s].key;
+        if (key <= KM_KEY_TOMBSTONE)
+            continue;
+        uint64_t bs = km_table_find(&staged->blocks, key);
+        uint32_t n = km_table_set_list(seg, s, workers, staged->config.max_workers);
+        for (uint32_t i = 0; i < n && !rc; i++)
+            if (bs == KM_SLOT_NONE || !km_table_set_contains(&staged->blocks, bs, workers[i]))
+                rc = km_index_fail(index, KM_ERR_CORRUPT, "snapshot: worker %u holds segment key "
+                                   "%016llx without its last block", workers[i],
+                                   (unsigned long long)key);
     }
     free(workers);
     return rc;
@@ -583,6 +615,8 @@ int km_index_load_checked(km_index *index, const char *path, km_snapshot_check_f
         rc = check_worker_blocks(index, &staged);
     if (!rc)
         rc = check_lower_tiers(index, &staged);
+    if (!rc)
+        rc = check_segment_holders(index, &staged);
     if (!rc && check) {
         rc = check(check_user, user, (size_t)user_size);
         if (rc)
