@@ -2,7 +2,9 @@
 /* km_array_grow (src/base/array.h): doubling from the minimum, content kept, no change when there
  * is room, and a size that would overflow refused before anything is allocated. km_pages_grow
  * (src/base/zeroed_pages.h): content kept and the new part zero across every size transition. */
+#include <inttypes.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 
 #include <criterion/criterion.h>
@@ -88,4 +90,44 @@ Test(array, pages_grow_keeps_the_content_and_zeroes_the_rest, .timeout = 30)
     km_pages_release(p, bytes, 0, KM_PAGES_PIECE);
     cr_assert_eq(p[KM_PAGES_PIECE], (uint8_t)(KM_PAGES_PIECE * 131 + 7), "the rest stays");
     km_pages_release(p, bytes, KM_PAGES_PIECE, bytes);
+}
+
+/* An array of a size that is not a whole number of pages keeps no more than its own pages: the
+ * over-mapped piece that aligns it is trimmed from the page after its last one, so that page is
+ * not mapped (nothing else is mapped between the allocation and the look). */
+static uint64_t mapped_bytes_in(uintptr_t from, uintptr_t to)
+{
+    FILE *f = fopen("/proc/self/maps", "r");
+    cr_assert_not_null(f);
+    char line[512];
+    uint64_t total = 0;
+    while (fgets(line, sizeof line, f)) {
+        unsigned long lo, hi;
+        if (sscanf(line, "%lx-%lx", &lo, &hi) != 2)
+            continue;
+        uintptr_t a = lo > from ? lo : from, b = hi < to ? hi : to;
+        if (a < b)
+            total += b - a;
+    }
+    fclose(f);
+    return total;
+}
+
+Test(array, pages_of_an_odd_size_keep_no_tail_mapped, .timeout = 10)
+{
+    const uint64_t page = 4096;
+    const uint64_t sizes[3] = {KM_PAGES_PIECE + 100, 3 * KM_PAGES_PIECE + 4095,
+                               5 * KM_PAGES_PIECE + 7 * 333};
+    for (int k = 0; k < 3; k++) {
+        uint8_t *p = km_pages_alloc(sizes[k]);
+        cr_assert_not_null(p);
+        uintptr_t end = (uintptr_t)p + (sizes[k] + page - 1) / page * page;
+        cr_assert_eq(mapped_bytes_in((uintptr_t)p, end), end - (uintptr_t)p, "the array itself");
+        cr_assert_eq(mapped_bytes_in(end, end + page), 0,
+                     "size %" PRIu64 ": the page after the array is still mapped", sizes[k]);
+        p[sizes[k] - 1] = 1;
+        km_pages_free(p, sizes[k]);
+        cr_assert_eq(mapped_bytes_in((uintptr_t)p, end), 0, "size %" PRIu64 ": not freed",
+                     sizes[k]);
+    }
 }

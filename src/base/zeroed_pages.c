@@ -7,13 +7,21 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+static uint64_t page_round(uint64_t bytes)
+{
+    uint64_t page = (uint64_t)sysconf(_SC_PAGESIZE);
+    return (bytes + page - 1) / page * page;
+}
+
 void *km_pages_alloc(uint64_t bytes)
 {
     if (bytes < KM_PAGES_PIECE)
         return calloc(1, bytes ? bytes : 1);
     /* Over-map by one piece and trim, so the array starts on a piece boundary (pieces are given
-     * back on those). Fresh anonymous pages read as zero. */
-    uint8_t *raw = mmap(NULL, bytes + KM_PAGES_PIECE, PROT_READ | PROT_WRITE,
+     * back on those). Fresh anonymous pages read as zero. The mapping ends a whole piece past the
+     * array's last page; the tail trimmed starts there, on a page boundary. */
+    uint64_t mapped = page_round(bytes);
+    uint8_t *raw = mmap(NULL, mapped + KM_PAGES_PIECE, PROT_READ | PROT_WRITE,
                         MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (raw == MAP_FAILED)
         return NULL;
@@ -21,14 +29,8 @@ void *km_pages_alloc(uint64_t bytes)
     if (lead)
         munmap(raw, lead);
     if (KM_PAGES_PIECE - lead)
-        munmap(raw + lead + bytes, KM_PAGES_PIECE - lead);
+        munmap(raw + lead + mapped, KM_PAGES_PIECE - lead);
     return raw + lead;
-}
-
-static uint64_t page_round(uint64_t bytes)
-{
-    uint64_t page = (uint64_t)sysconf(_SC_PAGESIZE);
-    return (bytes + page - 1) / page * page;
 }
 
 void *km_pages_grow(void *p, uint64_t bytes, uint64_t new_bytes)
