@@ -48,7 +48,10 @@ typedef struct km_index_config {
     uint32_t max_workers;       /* worker ids are 0 .. max_workers-1; 1 .. KM_MAX_WORKERS_LIMIT; default 1024 */
     uint32_t segment_blocks;    /* S: blocks per segment key; 0 disables segment keys; default 32 */
     uint64_t initial_blocks;    /* capacity hint for distinct blocks; default 1 << 16 */
-    uint64_t memory_cap_bytes;  /* 0 = no cap; otherwise table memory never exceeds it (KM_ERR_MEMORY_CAP) */
+    uint64_t memory_cap_bytes;  /* 0 = no cap; otherwise table memory never exceeds it
+                                 * (KM_ERR_MEMORY_CAP), except while a snapshot loads into an
+                                 * index that holds something: the staged copy (itself within
+                                 * the cap) and the live tables coexist until the swap */
     uint32_t max_request_blocks; /* longest request accepted by match_batch; default 1 << 20 */
     uint32_t threads;           /* host threads of a batch, the caller's included: the CPU
                                  * backend's walks, the CUDA backend's staging and result copies;
@@ -110,7 +113,8 @@ typedef struct km_update {
     /* STORE only: chain hash of the block just before hashes[0], or KM_NO_PARENT when hashes[0] is
      * the first block of its sequence. A parent the index does not know, or knows without a
      * position (itself from an orphan run), makes an "orphan" run: its blocks are stored and found
-     * by scoring, but they never earn segment keys (counted in orphan_runs). */
+     * by scoring, and earn segment keys only where another worker's stores already placed them
+     * (counted in orphan_runs). */
     uint64_t parent;
     const uint64_t *hashes;
     size_t n_hashes;
