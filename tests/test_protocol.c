@@ -1040,6 +1040,14 @@ Test(protocol, token_counts_past_two_to_the_63_fail_their_item, .timeout = 10)
     char why[256];
     cr_assert_eq(km_protocol_encode(&m, 0, &b, why, sizeof why), KM_ERR_INVALID_ARGUMENT);
     cr_assert(strstr(why, "routes[0].prompt_tokens"), "%s", why);
+    km_worker_info wi = {.pool = "p", .worker = 1, .state = "LIVE", .has_blocks = true,
+                         .blocks = (uint64_t)INT64_MAX + 1};
+    km_message list = {.type = KM_MESSAGE_WORKER_LIST, .id = 2};
+    list.workers.action = KM_ADMIN_LIST;
+    list.workers.workers = &wi;
+    list.workers.n_workers = 1;
+    cr_assert_eq(km_protocol_encode(&list, 0, &b, why, sizeof why), KM_ERR_INVALID_ARGUMENT);
+    cr_assert(strstr(why, "workers[0].blocks"), "%s", why);
     km_frame_buffer_free(&b);
     km_protocol_decoder_destroy(dec);
 }

@@ -41,7 +41,7 @@
  * sync requests and drops expired contributions.
  *
  * Lifecycle: km_cluster_config_init -> adjust -> km_cluster_create (connects or starts retrying,
- * syncs, starts the heartbeat) -> km_cluster_publish_load / km_cluster_publish_work /
+ * starts the heartbeat, syncs) -> km_cluster_publish_load / km_cluster_publish_work /
  * km_cluster_publish_prediction /
  * km_cluster_add_remote_load / km_cluster_get_view / km_cluster_get_stats -> km_cluster_destroy.
  * Every int-returning function returns KM_OK or a negative km_status. */
@@ -153,8 +153,9 @@ typedef struct km_cluster_config {
 
 void km_cluster_config_init(km_cluster_config *cfg);
 
-/* Connect (or start retrying when NATS is unreachable: that is not an error), subscribe, ask the
- * peers for their state and wait for it within sync_timeout_ms, start the heartbeat. On failure
+/* Connect (or start retrying when NATS is unreachable: that is not an error), subscribe, start the
+ * heartbeat thread (it answers peers' sync requests from then on; heartbeat states wait for the
+ * sync to end), ask the peers for their state and wait for it within sync_timeout_ms. On failure
  * *out is NULL and why (may be NULL) says what failed. Errors: KM_ERR_NULL_POINTER,
  * KM_ERR_INVALID_ARGUMENT (a field out of range, a bad id, prefix or URL), KM_ERR_OUT_OF_MEMORY,
  * KM_ERR_IO (the NATS client could not be set up). */

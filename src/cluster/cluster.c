@@ -462,17 +462,17 @@ static void publish(km_cluster *c, const cluster_message *m)
         c->st.publish_failures++;
 }
 
-/* The full state: every worker with a non-zero load, and the peers this instance hears. Every
- * call settles the sync requests received before it: a state that goes out answers them; one not
- * sent is not retried for them (while disconnected, the state sent on reconnecting answers them;
- * one over KM_CLUSTER_MESSAGE_MAX would not fit later either). */
+/* The full state: every worker with a non-zero load, and the peers this instance hears. A call
+ * made while connected settles the sync requests received before it: a state that goes out
+ * answers them, and one that cannot is not retried for them (one over KM_CLUSTER_MESSAGE_MAX would
+ * not fit later either); while disconnected they stay due, for the state sent on connecting. */
 static void publish_state(km_cluster *c)
 {
-    bool answers = c->sync_answer_due;
-    c->sync_answer_due = false;
     c->last_state_ns = mono_ns();
     if (!c->connected)
-        return;
+        return; /* sync requests stay due: the state sent on (re)connecting answers them */
+    bool answers = c->sync_answer_due;
+    c->sync_answer_due = false;
     cluster_worker_load rows[256];
     cluster_worker_work work_rows[256];
     cluster_worker_load *w = rows;
@@ -1001,7 +1001,7 @@ static void *heartbeat_main(void *arg)
         /* c->cond is also broadcast by every delivery (a sync request among them): only the
          * deadlines make a state. */
         uint64_t wake = due;
-        if (c->sync_answer_due && c->last_state_ns + spacing < wake)
+        if (c->sync_answer_due && c->connected && c->last_state_ns + spacing < wake)
             wake = c->last_state_ns + spacing;
         struct timespec ts;
         deadline_in(&ts, wake, 0);
@@ -1017,7 +1017,7 @@ static void *heartbeat_main(void *arg)
             if (!c->sync_running)
                 publish_state(c);
         }
-        if (c->sync_answer_due && now >= c->last_state_ns + spacing)
+        if (c->sync_answer_due && c->connected && now >= c->last_state_ns + spacing)
             publish_state(c);
     }
     pthread_mutex_unlock(&c->lock);

@@ -470,7 +470,7 @@ static void encode_worker(writer *w, const km_worker_info *wi, uint32_t i, bool 
     if (runtime) {
         put_str(w, &m, "state", wi->state);
         if (wi->has_blocks)
-            put_u64(w, &m, "blocks", wi->blocks);
+            put_count(w, &m, where, "blocks", wi->blocks);
         if (wi->has_last_event_age_s)
             put_double(w, &m, "last_event_age_s", wi->last_event_age_s);
         if (wi->has_expected_seq)

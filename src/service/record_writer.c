@@ -92,6 +92,9 @@ void km_record_writer_config_init(km_record_writer_config *cfg)
     cfg->flush_interval_ms = 200;
 }
 
+/* Lines are written once this many are waiting (or flush_interval_ms passed). */
+#define WRITE_BATCH_BYTES ((size_t)1 << 20)
+
 static void writer_log(km_record_writer *w, const char *line)
 {
     if (w->config.log)
@@ -277,7 +280,7 @@ static void buffer_write(km_record_writer *w)
             if (w->regular_file && done > kept &&
                 ftruncate(w->fd, (off_t)(w->file_bytes + kept)) != 0)
                 io_failure(w, "ftruncate (cutting a partial line)", w->config.path, errno);
-            close_file(w);
+            sync_and_close(w);
         }
         w->file_bytes += kept;
     }
@@ -435,7 +438,10 @@ static void buffer_line(km_record_writer *w, const char *data, size_t len)
                 rotate(w);
         }
     }
-    if (w->buf_len + need > w->buf_cap)
+    /* Written once a line would take the buffer past 1 MiB: the buffer is larger only so that one
+     * line of up to max_line_bytes fits (what is kept unwritten stays about 1 MiB). */
+    if (w->buf_len > 0 && w->buf_len + need > (w->buf_cap < WRITE_BATCH_BYTES ? w->buf_cap
+                                                                               : WRITE_BATCH_BYTES))
         buffer_write(w);
     memcpy(w->buf + w->buf_len, data, len);
     w->buf[w->buf_len + len] = '\n';
@@ -595,8 +601,8 @@ int km_record_writer_create(const km_record_writer_config *cfg, km_record_writer
     w->rotate_to = malloc(w->rotate_name_size);
     w->ring = calloc(cfg->queue_capacity, sizeof *w->ring);
     /* one buffer of at least 1 MiB that also holds the longest line and its newline */
-    w->buf_cap = (size_t)(cfg->max_line_bytes + 1 > (UINT64_C(1) << 20) ? cfg->max_line_bytes + 1
-                                                                         : (UINT64_C(1) << 20));
+    w->buf_cap = (size_t)(cfg->max_line_bytes + 1 > WRITE_BATCH_BYTES ? cfg->max_line_bytes + 1
+                                                                       : WRITE_BATCH_BYTES);
     w->buf = malloc(w->buf_cap);
     if (!w->path_copy || !w->rotate_from || !w->rotate_to || !w->ring || !w->buf) {
         writer_free_memory(w);
