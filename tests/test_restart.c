@@ -419,6 +419,21 @@ static void saved_worker_init(saved_worker *t)
         cr_assert_eq(km_feed_replay_end(t->fa, 2, act.request_id, 1), KM_OK);
 }
 
+/* Answer fb's replay request for worker 2 with one engine step at seq, then its end. */
+static void answer_with_one_step(saved_worker *t, km_feed *fb, uint64_t request_id, uint64_t seq)
+{
+    km_test_batch bt;
+    km_test_batch_init(&bt, KM_TEST_ENCODING_POSITIONAL, KM_TEST_HASH_INT, 0);
+    km_test_engine_step(&t->e, &t->r, &bt, 3, 0);
+    size_t ps;
+    const void *payload = km_test_batch_payload(&bt, &ps);
+    km_kv_batch batch;
+    cr_assert_eq(km_kv_decode_payload(t->dec, payload, ps, &batch), KM_OK);
+    cr_assert_eq(km_feed_replay_item(fb, 2, request_id, seq, &batch, 102), KM_OK);
+    cr_assert_eq(km_feed_replay_end(fb, 2, request_id, 103), KM_OK);
+    km_test_batch_free(&bt);
+}
+
 static void saved_worker_free(saved_worker *t)
 {
     km_feed_destroy(t->fa);
@@ -457,16 +472,7 @@ Test(restart, feed_save_and_restore_file, .timeout = 20)
     cr_assert_eq(km_feed_get_worker_info(fb, 2, &info), KM_OK);
     cr_assert_eq(info.state, KM_FEED_STATE_GAP);
     /* The replay starts at 53: 50..52 are lost. */
-    km_test_batch bt;
-    km_test_batch_init(&bt, KM_TEST_ENCODING_POSITIONAL, KM_TEST_HASH_INT, 0);
-    km_test_engine_step(&t.e, &t.r, &bt, 3, 0);
-    size_t ps;
-    const void *payload = km_test_batch_payload(&bt, &ps);
-    km_kv_batch batch;
-    cr_assert_eq(km_kv_decode_payload(dec, payload, ps, &batch), KM_OK);
-    cr_assert_eq(km_feed_replay_item(fb, 2, act.request_id, 53, &batch, 102), KM_OK);
-    cr_assert_eq(km_feed_replay_end(fb, 2, act.request_id, 103), KM_OK);
-    km_test_batch_free(&bt);
+    answer_with_one_step(&t, fb, act.request_id, 53);
     cr_assert_eq(km_feed_get_worker_info(fb, 2, &info), KM_OK);
     cr_assert_eq(info.state, KM_FEED_STATE_DEGRADED);
     cr_assert_eq(info.counters.lost, 3);
@@ -504,16 +510,7 @@ Test(restart, a_resume_past_a_restored_live_seq_declares_the_evicted_history_los
     cr_assert_eq(act.kind, KM_FEED_ACTION_REPLAY_REQUEST);
     cr_assert_eq(act.start_seq, 10);
     /* The engine's buffer now starts at 20,001. */
-    km_test_batch bt;
-    km_test_batch_init(&bt, KM_TEST_ENCODING_POSITIONAL, KM_TEST_HASH_INT, 0);
-    km_test_engine_step(&t.e, &t.r, &bt, 3, 0);
-    size_t ps;
-    const void *payload = km_test_batch_payload(&bt, &ps);
-    km_kv_batch batch;
-    cr_assert_eq(km_kv_decode_payload(dec, payload, ps, &batch), KM_OK);
-    cr_assert_eq(km_feed_replay_item(fb, 2, act.request_id, 20001, &batch, 102), KM_OK);
-    cr_assert_eq(km_feed_replay_end(fb, 2, act.request_id, 103), KM_OK);
-    km_test_batch_free(&bt);
+    answer_with_one_step(&t, fb, act.request_id, 20001);
     km_feed_worker_info info;
     cr_assert_eq(km_feed_get_worker_info(fb, 2, &info), KM_OK);
     cr_assert_eq(info.counters.lost, 20001 - 10, "lost %" PRIu64, info.counters.lost);

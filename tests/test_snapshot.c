@@ -275,6 +275,24 @@ static void reseal(uint8_t *buf, size_t size)
     memcpy(buf + 56, &header_hash, 8);
 }
 
+/* An edited snapshot, resealed and written beside the good one, loads into a fresh index as
+ * corrupt (the error containing `says` when given); the good file then loads into that index,
+ * which is returned. */
+static km_index *edited_refused_good_loads(const fixture *f, uint8_t *bytes, size_t size,
+                                           uint32_t W, uint32_t S, const char *says)
+{
+    reseal(bytes, size);
+    char bad[160];
+    snprintf(bad, sizeof bad, "%s/bad.snap", f->dir);
+    write_file(bad, bytes, size);
+    km_index *b = make_index(W, S);
+    cr_assert_eq(km_index_load(b, bad, NULL, NULL), KM_ERR_CORRUPT, "%s", km_index_last_error(b));
+    if (says)
+        cr_assert(strstr(km_index_last_error(b), says), "%s", km_index_last_error(b));
+    cr_assert_eq(km_index_load(b, f->path, NULL, NULL), KM_OK, "%s", km_index_last_error(b));
+    return b;
+}
+
 /* A bitmap on the free list is all zero: the next holder set to take it ORs its holders in. A
  * file whose free bitmap has bits set, its checksums resealed, is corrupt: loaded, its bits would
  * become holders of the next block to take the bitmap, and removing two of them would unpack more
@@ -306,13 +324,7 @@ Test(snapshot, a_free_bitmap_with_bits_set_is_corrupt, .timeout = 30)
     memcpy(&word, bytes + bitmap, 8);
     cr_assert_eq(word, 0, "the free bitmap is where the layout says, and empty");
     bytes[bitmap] = 0xE0; /* workers 5, 6, 7 */
-    reseal(bytes, size);
-    char bad[160];
-    snprintf(bad, sizeof bad, "%s/bad.snap", f.dir);
-    write_file(bad, bytes, size);
-    km_index *b = make_index(W, S);
-    cr_assert_eq(km_index_load(b, bad, NULL, NULL), KM_ERR_CORRUPT, "%s", km_index_last_error(b));
-    cr_assert_eq(km_index_load(b, f.path, NULL, NULL), KM_OK, "%s", km_index_last_error(b));
+    km_index *b = edited_refused_good_loads(&f, bytes, size, W, S, NULL);
     uint32_t holders[8], n;
     cr_assert_eq(km_index_holders(b, block, holders, 8, &n), KM_OK);
     cr_assert_eq(n, 3);
@@ -358,15 +370,7 @@ Test(snapshot, a_segment_key_of_a_worker_without_its_block_is_corrupt, .timeout 
     memcpy(&pairs, bytes + header + 24, 8);
     pairs++;
     memcpy(bytes + header + 24, &pairs, 8);
-    reseal(bytes, size);
-    char bad[160];
-    snprintf(bad, sizeof bad, "%s/bad.snap", f.dir);
-    write_file(bad, bytes, size);
-    km_index *b = make_index(W, S);
-    cr_assert_eq(km_index_load(b, bad, NULL, NULL), KM_ERR_CORRUPT, "%s", km_index_last_error(b));
-    cr_assert(strstr(km_index_last_error(b), "without its last block"), "%s",
-              km_index_last_error(b));
-    cr_assert_eq(km_index_load(b, f.path, NULL, NULL), KM_OK, "%s", km_index_last_error(b));
+    km_index *b = edited_refused_good_loads(&f, bytes, size, W, S, "without its last block");
     free(bytes);
     km_index_destroy(b);
     km_index_destroy(a);

@@ -185,10 +185,9 @@ int km_analysis_add_problem(km_analysis *a, problem_list *list, uint32_t file, u
     va_end(ap);
     /* The text may hold a cut character (a field quoted from a record, a file name): the JSON
      * report can only carry UTF-8. */
-    char *what = malloc(km_utf8_clean_copy(NULL, buffer));
+    char *what = km_utf8_clean_dup(buffer);
     if (!what)
         return km_analysis_fail_memory(a, "listing a problem");
-    km_utf8_clean_copy(what, buffer);
     list->items[list->n++] = (km_analysis_problem){.file = str(a, file), .line = line, .what = what};
     return KM_OK;
 }

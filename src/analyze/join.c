@@ -814,10 +814,8 @@ int km_analysis_add_file(km_analysis *a, const char *path)
         return KM_ERR_INVALID_ARGUMENT;
     }
     /* The name reports show (UTF-8, as JSON needs; the path itself opens the file). */
-    char *shown = malloc(km_utf8_clean_copy(NULL, path));
-    uint32_t file = shown ? (km_utf8_clean_copy(shown, path),
-                             km_analysis_intern_cstr(&a->strings, shown))
-                          : NONE;
+    char *shown = km_utf8_clean_dup(path);
+    uint32_t file = shown ? km_analysis_intern_cstr(&a->strings, shown) : NONE;
     free(shown);
     if (file == NONE)
         return km_analysis_fail_memory(a, "naming a file");

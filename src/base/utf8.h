@@ -7,6 +7,7 @@
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 /* The length of the UTF-8 sequence starting at s (at most `left` bytes), or 0 when it is not
@@ -115,6 +116,15 @@ static inline size_t km_utf8_clean_copy(char *out, const char *s)
     if (out)
         out[o] = '\0';
     return o + 1;
+}
+
+/* km_utf8_clean_copy into a fresh allocation (the caller frees it); NULL without memory. */
+static inline char *km_utf8_clean_dup(const char *s)
+{
+    char *out = malloc(km_utf8_clean_copy(NULL, s));
+    if (out)
+        km_utf8_clean_copy(out, s);
+    return out;
 }
 
 #endif
