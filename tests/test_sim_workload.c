@@ -137,6 +137,49 @@ Test(sim_workload, each_shape_shares_what_it_promises, .timeout = 60)
     }
 }
 
+/* A request's own text (its question, its message) shares no id with another request's: an id
+ * stands for fixed tokens, so text in an id that others' prompts also cover would be their text
+ * too. In the single-turn shapes every id two requests share is a prefix's, so the tokens past the
+ * shared ids are at least the request's own new_tokens_min, whatever the prefixes' drawn lengths
+ * (several seeds, so many lengths). */
+Test(sim_workload, own_text_starts_an_id_of_its_own, .timeout = 60)
+{
+    const km_sim_shape single_turn[] = {KM_SIM_SHAPE_SYSTEM_PROMPT, KM_SIM_SHAPE_DOCQA};
+    for (size_t k = 0; k < sizeof single_turn / sizeof single_turn[0]; k++)
+        for (uint64_t seed = 1; seed <= 8; seed++) {
+            km_sim_generator_config cfg;
+            cr_assert_eq(km_sim_generator_config_shape(single_turn[k], &cfg), KM_OK);
+            cfg.seed = seed;
+            cfg.requests = 400;
+            km_trace t;
+            cr_assert_eq(km_sim_generate_trace(&cfg, &t, NULL, 0), KM_OK);
+            km_memory memory = {0};
+            km_u64map uses;
+            km_u64map_init(&uses, &memory);
+            for (size_t i = 0; i < t.n_requests; i++)
+                for (uint32_t j = 0; j < t.requests[i].n_ids; j++) {
+                    uint64_t key = km_u64map_key(t.requests[i].ids[j]);
+                    uint64_t *n = km_u64map_find(&uses, key);
+                    cr_assert_eq(km_u64map_put(&uses, key, n ? *n + 1 : 1, 1), KM_OK);
+                }
+            for (size_t i = 0; i < t.n_requests; i++) {
+                const km_trace_request *q = &t.requests[i];
+                uint32_t shared = 0;
+                while (shared < q->n_ids &&
+                       *km_u64map_find(&uses, km_u64map_key(q->ids[shared])) > 1)
+                    shared++;
+                uint64_t covered = (uint64_t)shared * KM_SIM_TOKENS_PER_ID;
+                cr_assert_geq((int64_t)q->input_length - (int64_t)covered,
+                              (int64_t)cfg.new_tokens_min,
+                              "%s seed %llu request %zu: %u tokens, %u ids shared with others",
+                              km_sim_shape_name(single_turn[k]), (unsigned long long)seed, i,
+                              q->input_length, shared);
+            }
+            km_u64map_free(&uses);
+            km_trace_free(&t);
+        }
+}
+
 Test(sim_workload, chain_hashes_share_what_ids_share, .timeout = 60)
 {
     for (unsigned k = 0; k < KM_SIM_SHAPE_COUNT; k++) {

@@ -249,8 +249,12 @@ static int check_config(const km_sim_generator_config *c, char *why, size_t why_
     else if (c->output_tokens_mean == 0)
         bad = "output_tokens_mean must be >= 1";
     else if ((uint64_t)c->max_input_tokens <=
-             (uint64_t)c->common_tokens + c->prefix_tokens_max + c->new_tokens_max)
-        bad = "max_input_tokens must exceed common_tokens + prefix_tokens_max + new_tokens_max";
+             (uint64_t)c->common_tokens +
+                 (c->prefix_tokens_max > KM_SIM_TOKENS_PER_ID ? c->prefix_tokens_max
+                                                              : KM_SIM_TOKENS_PER_ID) +
+                 c->new_tokens_max)
+        bad = "max_input_tokens must exceed common_tokens + max(prefix_tokens_max, 512) + "
+              "new_tokens_max";
     return bad ? km_why(why, why_size, KM_ERR_INVALID_ARGUMENT, "generator: %s", bad) : KM_OK;
 }
 
@@ -281,7 +285,14 @@ int km_sim_generate_trace(const km_sim_generator_config *cfg, km_trace *out, cha
         header[i] = next_id++;
     double total_weight = 0;
     for (uint32_t k = 0; !rc && k < cfg->prefixes; k++) {
-        pre_len[k] = between(&r, cfg->prefix_tokens_min, cfg->prefix_tokens_max);
+        /* Whole ids: the text after a prefix starts an id of its own, so requests that share the
+         * prefix share nothing of what follows it (an id stands for fixed tokens). */
+        uint32_t drawn = between(&r, cfg->prefix_tokens_min, cfg->prefix_tokens_max);
+        pre_len[k] = (drawn + per / 2) / per * per;
+        if (pre_len[k] > cfg->prefix_tokens_max && pre_len[k] > per)
+            pre_len[k] -= per; /* the range's end, not past it */
+        if (pre_len[k] == 0)
+            pre_len[k] = per;
         pre_first[k] = next_id;
         next_id += (pre_len[k] + per - 1) / per;
         pre_weight[k] = 1.0 / pow((double)(k + 1), cfg->prefix_zipf);

@@ -56,7 +56,9 @@ typedef struct km_sim_generator_config {
                                  * instruction header); a multiple of 512, may be 0 */
     uint32_t prefixes;          /* shared prefixes to draw from: system prompts, tool prompts or
                                  * documents; >= 1 */
-    uint32_t prefix_tokens_min; /* each prefix's length, drawn once, in this range; >= 1 */
+    uint32_t prefix_tokens_min; /* each prefix's length, drawn once in this range and rounded
+                                 * to whole 512-token ids (at least one, not past the range's
+                                 * end where one fits); >= 1 */
     uint32_t prefix_tokens_max;
     double prefix_zipf;         /* popularity: prefix k is drawn with weight 1 / (k + 1)^this */
     double session_share;       /* share of arrivals that start a multi-turn session; 0..1 */
@@ -67,7 +69,7 @@ typedef struct km_sim_generator_config {
     uint32_t new_tokens_max;    /* 1 <= min <= max */
     uint32_t output_tokens_mean; /* answers: exponential around this mean, 1 .. 8x; >= 1 */
     uint32_t max_input_tokens;  /* a session ends before its prompt would pass this (the model's
-                                 * context); > common + prefix_tokens_max + new_tokens_max */
+                                 * context); > common + max(prefix_tokens_max, 512) + new_tokens_max */
 } km_sim_generator_config;
 
 /* The chat shape's defaults (km_sim_generator_config_shape(KM_SIM_SHAPE_CHAT, cfg)). */
