@@ -322,6 +322,71 @@ Test(sim, faults_move_the_numbers, .timeout = 180)
     cr_assert_eq(bypass.exact_predictions, bypass.routed, "the index still hears every event");
 }
 
+/* What a route tells kvmatch of its answer's length is what a router can know: nothing before any
+ * request finished, then the mean output of those that finished before it (rounded), never the
+ * answer's own length. A request failed by an engine restart reports no output count (the error
+ * outcome), where a completed one reports what it generated. Records are read in the order they
+ * were written: every report is with the server before the next decision. */
+Test(sim, routes_expect_the_mean_output_seen_so_far, .timeout = 120)
+{
+    char dir[] = "/tmp/km-sim-expect-XXXXXX";
+    cr_assert_not_null(mkdtemp(dir));
+    km_sim_config cfg;
+    small_config(&cfg, 33);
+    cfg.generator.requests = 300;
+    cfg.policies[0] = "ttft";
+    cfg.n_policies = 1;
+    cfg.records_dir = dir;
+    cfg.restart_worker = 0;
+    cfg.restart_at_s = 15;
+    km_sim_result r[KM_SIM_MAX_POLICIES];
+    char why[512];
+    cr_assert_eq(km_sim_run(&cfg, r, NULL, why, sizeof why), KM_OK, "%s", why);
+    cr_assert_gt(r[0].lost_to_restart, 0);
+    char path[256];
+    snprintf(path, sizeof path, "%s/records-ttft.jsonl", dir);
+    FILE *f = fopen(path, "r");
+    cr_assert_not_null(f, "%s", path);
+    uint64_t sum = 0, finished = 0, decisions = 0, unknown = 0, errors = 0;
+    char line[65536];
+    while (fgets(line, sizeof line, f)) {
+        json_t *rec = json_loads(line, 0, NULL);
+        cr_assert_not_null(rec, "a record line is JSON");
+        const char *type = json_string_value(json_object_get(rec, "type"));
+        if (!strcmp(type, "decision")) {
+            decisions++;
+            json_t *e = json_object_get(json_object_get(rec, "prediction"),
+                                        "expected_output_tokens");
+            if (finished == 0) {
+                cr_assert(json_is_null(e), "decision %llu: no answer seen, no expectation",
+                          (unsigned long long)decisions);
+                unknown++;
+            } else {
+                cr_assert(json_is_integer(e));
+                cr_assert_eq((uint64_t)json_integer_value(e), (sum + finished / 2) / finished,
+                             "decision %llu: the mean of %llu finished outputs",
+                             (unsigned long long)decisions, (unsigned long long)finished);
+            }
+        } else if (!strcmp(type, "outcome")) {
+            json_t *out = json_object_get(rec, "output_tokens");
+            if (!strcmp(json_string_value(json_object_get(rec, "outcome")), "complete")) {
+                cr_assert(json_is_integer(out));
+                sum += (uint64_t)json_integer_value(out);
+                finished++;
+            } else {
+                cr_assert(json_is_null(out), "a failed request generated no counted output");
+                errors++;
+            }
+        }
+        json_decref(rec);
+    }
+    fclose(f);
+    cr_assert_eq(decisions, r[0].routed);
+    cr_assert_gt(unknown, 0);
+    cr_assert_lt(unknown, decisions, "later decisions have an expectation");
+    cr_assert_eq(errors, r[0].lost_to_restart);
+}
+
 /* --cut over ZMQ: one worker's messages are lost for 5 s. With a replay buffer longer than the cut
  * the subscriber sees the gap and replay brings everything back (no DEGRADED window, nothing lost);
  * with a shorter one history is gone: the worker goes DEGRADED and stays so, and the removes it
@@ -330,7 +395,7 @@ Test(sim, faults_move_the_numbers, .timeout = 180)
 Test(sim, cut_recovers_or_degrades_by_replay_buffer, .timeout = 180)
 {
     km_sim_config cfg;
-    small_config(&cfg, 41);
+    small_config(&cfg, 42);
     cfg.generator.requests = 400;
     cfg.generator.rate_per_s = 20;
     cfg.engine.model.capacity_blocks = 1024; /* evictions during the cut */

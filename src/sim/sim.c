@@ -163,6 +163,9 @@ typedef struct run {
     uint64_t *per_worker;
     uint32_t rr;        /* round-robin fallback when a route fails */
     uint32_t bypass_rr; /* the second ingress path's own round robin */
+    /* Output tokens of the requests the router has seen finish: a router knows an answer's
+     * length only once it ends, so its expectation for the next request is their mean. */
+    uint64_t finished_output_tokens, finished_outputs;
     uint64_t rng;       /* faults' random draws */
     uint64_t *live_next; /* per worker: seq after the last message sent live (the barrier's goal) */
     uint64_t t0_us;      /* first arrival: fault times count from it */
@@ -418,6 +421,8 @@ static int drain_engine(run *r, uint32_t w, uint64_t now_us, char *why, size_t w
         case KM_SIM_FINISHED:
             s->finished = true;
             r->res->output_tokens += c.output_tokens;
+            r->finished_output_tokens += c.output_tokens;
+            r->finished_outputs++;
             r->finish_s[r->n_finish++] = (double)c.time_us / 1e6;
             if (c.time_us / 1e6 > r->res->makespan_s)
                 r->res->makespan_s = (double)c.time_us / 1e6;
@@ -433,6 +438,7 @@ static int drain_engine(run *r, uint32_t w, uint64_t now_us, char *why, size_t w
                 e->error = "the engine cannot hold this request";
                 e->finish_reason = NULL;
                 e->done_seen = false;
+                e->has_output_tokens = false; /* none was generated */
             }
             break;
         }
@@ -789,8 +795,10 @@ static int route_one(run *r, size_t index, uint64_t now_us, char *why, size_t wh
     route.input = KM_ROUTE_INPUT_TOKENS;
     route.tokens = r->tokens;
     route.n_tokens = n_tokens;
-    route.has_expected_output_tokens = true;
-    route.expected_output_tokens = q->output_length;
+    route.has_expected_output_tokens = r->finished_outputs > 0;
+    if (route.has_expected_output_tokens)
+        route.expected_output_tokens =
+            (r->finished_output_tokens + r->finished_outputs / 2) / r->finished_outputs;
     /* The override fault, drawn before the decision: such a route asks for the candidates' depths
      * (the prediction for the worker it will really go to). */
     bool override = r->cfg->override > 0 && r->cfg->workers > 1 &&
@@ -1295,6 +1303,7 @@ static int run_policy(const km_sim_config *cfg, const km_trace *trace, const cha
                     e->error = "the engine restarted";
                     e->finish_reason = NULL;
                     e->done_seen = false;
+                    e->has_output_tokens = false; /* how many arrived is not counted */
                     e->has_cached_tokens = s->admitted;
                 }
             }
