@@ -162,6 +162,45 @@ Test(server_config, fields_left_out_keep_their_defaults, .timeout = 10)
     km_server_config_json_free(owner);
 }
 
+/* `none` means off in the config file as it does for the flags that take it (--socket,
+ * --records, --cluster): no Unix socket, no records, no cluster; never a file named "none". */
+Test(server_config, none_turns_a_setting_off_as_its_flag_does, .timeout = 10)
+{
+    static const char *const files[] = {
+        "{\"socket\": \"none\", \"tcp\": \"127.0.0.1:0\", \"records\": \"none\", "
+        "\"cluster\": {\"url\": \"none\"}}",
+        "{\"socket\": \"none\", \"records\": {\"path\": \"none\", \"keep_files\": 2}, "
+        "\"cluster\": {\"url\": \"none\", \"instance\": \"a\"}}",
+    };
+    for (size_t i = 0; i < sizeof files / sizeof files[0]; i++) {
+        char path[64], why[256] = "";
+        write_temp(path, sizeof path, files[i]);
+        km_server_config cfg;
+        km_server_config_init(&cfg);
+        cfg.cluster_url = "nats://127.0.0.1:1"; /* as a flag read earlier could have set it */
+        km_server_config_json *owner = NULL;
+        int rc = km_server_config_load_json(path, &cfg, &owner, why, sizeof why);
+        unlink(path);
+        cr_assert_eq(rc, KM_OK, "file %zu: %s", i, why);
+        cr_assert_null(cfg.socket_path, "file %zu: socket \"%s\"", i, cfg.socket_path);
+        cr_assert_null(cfg.records_path, "file %zu: records \"%s\"", i, cfg.records_path);
+        cr_assert_null(cfg.cluster_url, "file %zu: cluster.url \"%s\"", i, cfg.cluster_url);
+        km_server_config_json_free(owner);
+    }
+    /* Any other text is a path as before. */
+    char path[64], why[256] = "";
+    write_temp(path, sizeof path, "{\"socket\": \"nonesuch.sock\", \"records\": \"None\"}");
+    km_server_config cfg;
+    km_server_config_init(&cfg);
+    km_server_config_json *owner = NULL;
+    int rc = km_server_config_load_json(path, &cfg, &owner, why, sizeof why);
+    unlink(path);
+    cr_assert_eq(rc, KM_OK, "%s", why);
+    cr_assert_str_eq(cfg.socket_path, "nonesuch.sock");
+    cr_assert_str_eq(cfg.records_path, "None");
+    km_server_config_json_free(owner);
+}
+
 /* Records rotation: defaults as the writer's; 0 means what it means to the writer (never rotate),
  * never "the default". */
 Test(server_config, records_rotation_zero_means_never, .timeout = 10)

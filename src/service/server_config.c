@@ -203,6 +203,16 @@ static void get_string(reader *r, json_t *obj, const char *key, const char *wher
     *out = json_string_value(v);
 }
 
+/* A setting whose flag takes `none` for "off" (--socket, --records, --cluster): the config key
+ * takes it too, as null does, so flag and key keep one meaning. */
+static void get_string_or_none(reader *r, json_t *obj, const char *key, const char *where,
+                               const char **out)
+{
+    get_string(r, obj, key, where, out);
+    if (!r->rc && *out && json_object_get(obj, key) && !strcmp(*out, "none"))
+        *out = NULL;
+}
+
 static void get_number(reader *r, json_t *obj, const char *key, const char *where, double lo,
                        double hi, double *out)
 {
@@ -518,7 +528,7 @@ int km_server_config_load_json(const char *path, km_server_config *target, km_se
     check_keys(&r, json_object_get(root, "index"), "index", index_keys);
     check_keys(&r, json_object_get(root, "scheduler"), "scheduler", scheduler_keys);
     check_keys(&r, json_object_get(root, "limits"), "limits", limits_keys);
-    get_string(&r, root, "socket", "", &cfg->socket_path);
+    get_string_or_none(&r, root, "socket", "", &cfg->socket_path);
     get_string(&r, root, "tcp", "", &cfg->tcp);
     get_string(&r, root, "http", "", &cfg->http);
     get_bool(&r, root, "allow_non_loopback", "", &cfg->allow_non_loopback);
@@ -541,9 +551,9 @@ int km_server_config_load_json(const char *path, km_server_config *target, km_se
     json_t *rec = json_object_get(root, "records");
     if (rec && !r.rc) {
         if (json_is_string(rec) || json_is_null(rec))
-            get_string(&r, root, "records", "", &cfg->records_path);
+            get_string_or_none(&r, root, "records", "", &cfg->records_path);
         else if (json_is_object(rec)) {
-            get_string(&r, rec, "path", "records.", &cfg->records_path);
+            get_string_or_none(&r, rec, "path", "records.", &cfg->records_path);
             get_u64(&r, rec, "max_file_bytes", "records.", 0, UINT64_MAX,
                     &cfg->records_max_file_bytes);
             get_u32(&r, rec, "keep_files", "records.", 0, 1u << 20, &cfg->records_keep_files);
@@ -564,7 +574,7 @@ int km_server_config_load_json(const char *path, km_server_config *target, km_se
     if (clu && !r.rc) {
         if (!json_is_object(clu))
             r.rc = km_why(why, why_size, KM_ERR_PARSE, "cluster: expected an object");
-        get_string(&r, clu, "url", "cluster.", &cfg->cluster_url);
+        get_string_or_none(&r, clu, "url", "cluster.", &cfg->cluster_url);
         get_string(&r, clu, "instance", "cluster.", &cfg->cluster_instance);
         get_string(&r, clu, "subject", "cluster.", &cfg->cluster_subject);
         get_u32(&r, clu, "heartbeat_ms", "cluster.", 10, 600000, &cfg->cluster_heartbeat_ms);
