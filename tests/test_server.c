@@ -3385,6 +3385,43 @@ Test(server, a_router_override_moves_the_attempts_load_to_the_worker_it_used, .t
     srv_cleanup(&s);
 }
 
+/* A report refused for its order (DISPATCHED after FIRST_TOKEN, FIRST_TOKEN twice) changes
+ * nothing, the worker it names included: the attempt's load stays where it was, and its outcome
+ * record names no dispatched_worker. */
+Test(server, a_refused_report_does_not_move_the_attempt, .timeout = 30)
+{
+    srv s = {0};
+    km_server_config cfg;
+    test_config(&cfg, &s, KM_POLICY_LEAST_LOAD, 3);
+    srv_start(&s, &cfg);
+    km_client *c = connect_client(&s);
+    km_message reply;
+    km_route_request r = token_route("refused", 0, 4 * BS);
+    const km_route_decision *d = route_one(c, &r, &reply);
+    cr_assert_eq(d->status, KM_OK);
+    uint32_t chosen = d->chosen_worker, other = (chosen + 1) % 3;
+    uint64_t id = d->decision_id;
+    cr_assert_eq(report(c, KM_LIFECYCLE_FIRST_TOKEN, "refused", false, 0), KM_OK);
+    cr_assert_eq(report(c, KM_LIFECYCLE_DISPATCHED, "refused", true, other), KM_ERR_PROTOCOL);
+    cr_assert_eq(report(c, KM_LIFECYCLE_FIRST_TOKEN, "refused", true, other), KM_ERR_PROTOCOL);
+    km_route_request probe = token_route("refused-probe", 1000, BS);
+    probe.brief = false;
+    d = route_one(c, &probe, &reply);
+    cr_assert_eq(candidate(d, chosen)->load.in_flight, 1, "the attempt left its worker");
+    cr_assert_eq(candidate(d, other)->load.in_flight, 0, "a refused report moved the attempt");
+    cr_assert_eq(report(c, KM_LIFECYCLE_FINISHED, "refused", false, 0), KM_OK);
+    km_client_close(c);
+    srv_stop(&s);
+    json_t *all = read_records(&s);
+    json_t *o = find_record(all, "outcome", (int64_t)id);
+    cr_assert_not_null(o);
+    json_t *dw = json_object_get(o, "dispatched_worker");
+    cr_assert(!dw || json_is_null(dw), "the outcome names dispatched_worker %s",
+              json_string_value(dw) ? json_string_value(dw) : "(not a string)");
+    json_decref(all);
+    srv_cleanup(&s);
+}
+
 /* Approximate mode assumes the worker a request went to holds its blocks. When the router reports
  * it used another approximate-mode worker than the one chosen, that worker is taught the request's
  * blocks before the next decision (the chosen worker keeps its assumption until the TTL). Until

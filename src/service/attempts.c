@@ -376,10 +376,16 @@ static int lifecycle_one(km_server *s, const km_lifecycle_event *ev, char *msg, 
     km_active_key key = km_active_key_of(a->request_id, a->attempt_id);
     uint64_t now = now_ns();
     int rc = KM_OK;
+    if (ev->kind != KM_LIFECYCLE_DISPATCHED && ev->kind != KM_LIFECYCLE_FIRST_TOKEN &&
+        ev->kind != KM_LIFECYCLE_FINISHED)
+        return km_why(msg, msg_size, KM_ERR_PROTOCOL, "unknown lifecycle kind");
+    /* DISPATCHED or FIRST_TOKEN after FIRST_TOKEN is refused (km_active, KM_ERR_PROTOCOL, counted
+     * there): a refused report changes nothing, so the worker it names is not taken either. */
+    bool refused = ev->kind != KM_LIFECYCLE_FINISHED && a->first_token.monotonic_ns != 0;
     /* The router sent the attempt to another worker than the decision's (PROTOCOL.md, `worker`):
      * its load moves there, and its outcome record says so. A worker outside the decision's pool
      * fails the event and changes nothing. */
-    if (ev->has_worker && ev->worker != a->worker) {
+    if (ev->has_worker && ev->worker != a->worker && !refused) {
         int pi = km_srv_pool_find(s, a->pool);
         if (ev->worker >= s->cfg.max_workers || pi < 0 ||
             !km_srv_pool_is_member(s->pools[pi], ev->worker))
@@ -416,6 +422,7 @@ static int lifecycle_one(km_server *s, const km_lifecycle_event *ev, char *msg, 
         /* Streaming has begun: the router knows where the attempt went and has said so, if it
          * overrode the choice (lesson_queue). Its hashes make room for newer decisions'. */
         if (rc == KM_OK) {
+            a->first_token = km_record_time_now();
             attempt_drop_hashes(&s->attempt_cache, a);
             km_srv_cluster_publish(s, a->worker);
         }

@@ -161,7 +161,9 @@ typedef struct attempt {
     km_record_source source;
     uint32_t block_size, chosen_depth, owner_depth;
     km_record_time decided;
-    km_record_time dispatched, first_token; /* monotonic 0 = absent */
+    km_record_time dispatched, first_token; /* the first accepted report of each; monotonic 0 =
+                                             * absent (a FIRST_TOKEN seen refuses later DISPATCHED
+                                             * and FIRST_TOKEN reports whole) */
     double router_dispatched_ms, router_ttft_ms; /* the router's elapsed_ms; NAN = not reported */
     bool cached_size;  /* allocated with ATTEMPT_CACHED_STRINGS bytes of strings: reusable */
     /* The request's block hashes, kept (approx_dispatch_max_bytes) when its pool has
