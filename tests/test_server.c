@@ -2007,6 +2007,153 @@ Test(server, workers_and_pools_change_at_run_time, .timeout = 30)
     srv_cleanup(&s);
 }
 
+/* POOLS add of pool `name` with approximate-mode workers first..first + n - 1 (one call each). */
+static void add_pool_with_workers(km_client *c, const char *name, uint32_t first, uint32_t n)
+{
+    km_message m, reply;
+    memset(&m, 0, sizeof m);
+    m.type = KM_MESSAGE_POOLS;
+    m.pools.action = KM_ADMIN_ADD;
+    km_pool_info pi;
+    memset(&pi, 0, sizeof pi);
+    pi.name = name;
+    pi.block_size = BS;
+    pi.policy = "least_load";
+    m.pools.pools = &pi;
+    m.pools.n_pools = 1;
+    cr_assert_eq(km_client_call(c, &m, 5000, &reply), KM_OK);
+    cr_assert_eq(reply.ack.items[0].status, KM_OK, "%s", reply.ack.items[0].message);
+    km_worker_info wi[8];
+    cr_assert_leq(n, 8);
+    memset(wi, 0, sizeof wi);
+    for (uint32_t i = 0; i < n; i++) {
+        wi[i].pool = name;
+        wi[i].worker = first + i;
+    }
+    memset(&m, 0, sizeof m);
+    m.type = KM_MESSAGE_WORKERS;
+    m.workers.action = KM_ADMIN_ADD;
+    m.workers.workers = wi;
+    m.workers.n_workers = n;
+    cr_assert_eq(km_client_call(c, &m, 5000, &reply), KM_OK);
+    for (uint32_t i = 0; i < n; i++)
+        cr_assert_eq(reply.ack.items[i].status, KM_OK, "%s", reply.ack.items[i].message);
+}
+
+typedef struct churn_router {
+    srv *s;
+    atomic_bool stop;
+    uint64_t decided, failed, wrong_pool, unanswered;
+    char wrong[96];
+} churn_router;
+
+/* Pipelines ROUTE frames of more routes than the scheduler thread answers itself (so the loop
+ * thread encodes their replies later) to pool "churn" until told to stop, keeping a few frames in
+ * flight; counts the decisions and those naming another pool. */
+static void *churn_router_main(void *arg)
+{
+    churn_router *cr = arg;
+    km_client *c = NULL;
+    if (km_client_connect(cr->s->addr, 5000, &c, NULL, 0) != KM_OK) {
+        cr->unanswered++;
+        return NULL;
+    }
+    enum { PER_FRAME = 24, WINDOW = 6 };
+    static char ids[WINDOW][PER_FRAME][32];
+    static uint32_t tokens[4 * BS];
+    for (uint32_t i = 0; i < 4 * BS; i++)
+        tokens[i] = 5000 + i;
+    km_route_request routes[PER_FRAME];
+    uint64_t msg[WINDOW];
+    uint64_t n = 0;
+    for (uint64_t sent = 0, got = 0;; got++) {
+        while (sent < got + WINDOW && !atomic_load(&cr->stop)) {
+            for (int k = 0; k < PER_FRAME; k++) {
+                snprintf(ids[sent % WINDOW][k], sizeof ids[0][0], "churn-%" PRIu64, n++);
+                memset(&routes[k], 0, sizeof routes[k]);
+                routes[k].request_id = ids[sent % WINDOW][k];
+                routes[k].pool = "churn";
+                routes[k].input = KM_ROUTE_INPUT_TOKENS;
+                routes[k].tokens = tokens;
+                routes[k].n_tokens = 4 * BS;
+                routes[k].brief = true;
+            }
+            if (km_client_send_route(c, routes, PER_FRAME, 5000, &msg[sent % WINDOW]) != KM_OK)
+                break;
+            sent++;
+        }
+        if (got == sent)
+            break;
+        km_message m;
+        if (km_client_wait(c, msg[got % WINDOW], 10000, &m) != KM_OK ||
+            m.type != KM_MESSAGE_DECISION) {
+            cr->unanswered++;
+            break;
+        }
+        for (uint32_t k = 0; k < m.decision.n_decisions; k++) {
+            const km_route_decision *d = &m.decision.decisions[k];
+            if (d->status != KM_OK) {
+                cr->failed++;
+                continue;
+            }
+            cr->decided++;
+            if (!d->pool || strcmp(d->pool, "churn") != 0) {
+                if (!cr->wrong_pool++)
+                    snprintf(cr->wrong, sizeof cr->wrong, "%s", d->pool ? d->pool : "(none)");
+            }
+        }
+    }
+    km_client_close(c);
+    return NULL;
+}
+
+/* A decision's reply is encoded after the batch releases admin_lock, by the loop thread (a frame
+ * of more than 16 routes) or the scheduler thread: a POOLS remove of its pool may come first, so
+ * the reply must not point into the pool. A router pipelines frames to pool "churn" while another
+ * connection removes and adds it again: every decision names "churn" (under AddressSanitizer a
+ * read of the freed pool is reported wherever it lands). Timing decides whether a remove falls
+ * between a batch and its reply's encoding, so the churn repeats for a second or so. */
+Test(server, a_decision_names_its_pool_though_the_pool_is_removed_before_its_reply, .timeout = 60)
+{
+    srv s = {0};
+    km_server_config cfg;
+    test_config(&cfg, &s, KM_POLICY_LEAST_LOAD, 1);
+    cfg.records_path = NULL;
+    srv_start(&s, &cfg);
+    km_client *admin = connect_client(&s);
+    add_pool_with_workers(admin, "churn", 10, 2);
+    churn_router cr = {.s = &s};
+    pthread_t th;
+    cr_assert_eq(pthread_create(&th, NULL, churn_router_main, &cr), 0);
+    double until = km_test_now() + 1.5;
+    int rounds = 0;
+    for (; rounds < 2000 && km_test_now() < until; rounds++) {
+        km_message m, reply;
+        memset(&m, 0, sizeof m);
+        m.type = KM_MESSAGE_POOLS;
+        m.pools.action = KM_ADMIN_REMOVE;
+        km_pool_info pi;
+        memset(&pi, 0, sizeof pi);
+        pi.name = "churn";
+        m.pools.pools = &pi;
+        m.pools.n_pools = 1;
+        cr_assert_eq(km_client_call(admin, &m, 5000, &reply), KM_OK);
+        cr_assert_eq(reply.ack.items[0].status, KM_OK, "%s", reply.ack.items[0].message);
+        add_pool_with_workers(admin, "churn", 10, 2);
+    }
+    atomic_store(&cr.stop, true);
+    pthread_join(th, NULL);
+    cr_log_info("%d removals; %" PRIu64 " routes decided, %" PRIu64 " refused", rounds,
+                cr.decided, cr.failed);
+    cr_assert_eq(cr.unanswered, 0, "a frame went unanswered");
+    cr_assert_gt(cr.decided, 0, "nothing was decided while the pool came and went");
+    cr_assert_eq(cr.wrong_pool, 0, "%" PRIu64 " decisions name another pool (the first: \"%s\")",
+                 cr.wrong_pool, cr.wrong);
+    km_client_close(admin);
+    srv_stop(&s);
+    srv_cleanup(&s);
+}
+
 /* Load shedding: a flood pipelined on one connection past its max_connection_routes gets its
  * frames refused at once (ERROR KM_ERR_OVERLOADED, counted per route), and routes queued past
  * max_queue_wait_ms are answered KM_ERR_OVERLOADED without being scored (counted); every route

@@ -371,12 +371,23 @@ static void read_states(km_server *s, batch_scratch *b, bool rows, route_choice 
     c->owner_state = c->has_owner ? worker_state_in_batch(s, c->owner) : NULL;
 }
 
-/* The reply's decision *d, with the candidates' rows in the job's memory unless the route asked
- * for a brief reply. False when the route failed (no memory for the rows): its active work ends. */
+/* The reply's decision *d, with the pool's name and the candidates' rows (unless the route asked
+ * for a brief reply) in the job's memory: the reply is encoded after admin_lock is released, when
+ * a POOLS remove may have freed the pool. False when the route failed (no memory for them): its
+ * active work ends. */
 static bool fill_reply(km_server *s, job *j, route_job *r, const pool *p, const batch_scratch *b,
                        const route_choice *c, km_route_decision *d)
 {
     km_candidate_score *rows = NULL;
+    size_t name_size = strlen(p->name) + 1;
+    char *pool_name = km_srv_job_alloc(j, name_size);
+    if (!pool_name) {
+        km_active_finish(s->active, &c->key, KM_ACTIVE_END_ERROR, c->now, NULL);
+        km_srv_cluster_publish(s, c->chosen);
+        km_srv_route_fail(r, KM_ERR_OUT_OF_MEMORY, "reply pool name");
+        return false;
+    }
+    memcpy(pool_name, p->name, name_size);
     if (!r->brief) {
         rows = km_srv_job_alloc(j, c->n * sizeof *rows);
         if (!rows) {
@@ -407,7 +418,7 @@ static bool fill_reply(km_server *s, job *j, route_job *r, const pool *p, const 
     d->request_id = r->request_id;
     d->attempt_id = r->attempt_id;
     d->decision_id = c->decision_id;
-    d->pool = p->name;
+    d->pool = pool_name;
     d->chosen_worker = c->chosen;
     d->chosen_depth = c->chosen_depth;
     d->chosen_state = c->chosen_state;
