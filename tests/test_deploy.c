@@ -1085,6 +1085,135 @@ Test(deploy, sighup_reloads_pools_workers_and_policy_from_the_config_file, .time
     remove_dir();
 }
 
+/* How many times `words` occurs in the file. */
+static int file_count(const char *path, const char *words)
+{
+    FILE *f = fopen(path, "r");
+    if (!f)
+        return 0;
+    static char buf[1 << 20];
+    size_t n = fread(buf, 1, sizeof buf - 1, f);
+    buf[n] = '\0';
+    fclose(f);
+    int count = 0;
+    for (const char *at = buf; (at = strstr(at, words)); at += strlen(words))
+        count++;
+    return count;
+}
+
+/* SIGHUP, then wait (up to 5 s) for the reload's summary line, the n-th of the run. */
+static void reload_and_wait(pid_t pid, const char *log, int n)
+{
+    cr_assert_eq(kill(pid, SIGHUP), 0);
+    for (int i = 0; i < 100 && file_count(log, " applied") < n; i++)
+        km_test_sleep_ms(50);
+    cr_assert_eq(file_count(log, " applied"), n, "reload %d's summary is not logged", n);
+}
+
+typedef struct listed_worker {
+    bool found;
+    char pool[64], name[64];
+    bool has_dp_rank;
+    uint32_t dp_rank;
+} listed_worker;
+
+/* Worker id as WORKER_LIST shows it. */
+static listed_worker list_worker(const char *sock, uint32_t id)
+{
+    char addr[160], why[256];
+    snprintf(addr, sizeof addr, "unix:%s", sock);
+    km_client *c = NULL;
+    cr_assert_eq(km_client_connect(addr, 3000, &c, why, sizeof why), KM_OK, "%s", why);
+    km_message m, reply;
+    memset(&m, 0, sizeof m);
+    m.type = KM_MESSAGE_WORKERS;
+    m.workers.action = KM_ADMIN_LIST;
+    cr_assert_eq(km_client_call(c, &m, 5000, &reply), KM_OK);
+    cr_assert_eq(reply.type, KM_MESSAGE_WORKER_LIST);
+    listed_worker out = {0};
+    for (uint32_t i = 0; i < reply.workers.n_workers; i++) {
+        const km_worker_info *w = &reply.workers.workers[i];
+        if (w->worker != id)
+            continue;
+        out.found = true;
+        snprintf(out.pool, sizeof out.pool, "%s", w->pool ? w->pool : "");
+        snprintf(out.name, sizeof out.name, "%s", w->name ? w->name : "");
+        out.has_dp_rank = w->has_dp_rank;
+        out.dp_rank = w->dp_rank;
+    }
+    km_client_close(c);
+    return out;
+}
+
+/* A reload makes each pool's workers the listed ones whatever order the file lists the pools in:
+ * a worker moved to a pool listed before its old one leaves the old pool and joins the new one
+ * (every removal comes before any addition). A changed name re-adds the worker; a changed
+ * metrics URL or dp_rank is applied in place; each is logged. */
+Test(deploy, sighup_moves_a_worker_between_pools_and_applies_every_worker_change, .timeout = 90)
+{
+    make_dir();
+    char sock[128], cfg[128], log[128];
+    snprintf(sock, sizeof sock, "%s/s.sock", g_dir);
+    snprintf(cfg, sizeof cfg, "%s/serve.json", g_dir);
+    snprintf(log, sizeof log, "%s/serve.log", g_dir);
+    write_file(cfg, "{\"pools\": [{\"name\": \"A\", \"block_size\": 16, \"workers\": [{\"id\": 5}]},"
+                    " {\"name\": \"B\", \"block_size\": 16, \"workers\": [{\"id\": 6, \"name\": "
+                    "\"e\", \"dp_size\": 2}]}]}");
+    char args[512];
+    snprintf(args, sizeof args, "--records=none --config=%s --log-file=%s", cfg, log);
+    pid_t pid = spawn_serve_args(sock, args);
+    listed_worker w = list_worker(sock, 5);
+    cr_assert(w.found && !strcmp(w.pool, "A"), "worker 5 starts in pool A");
+
+    /* B, listed first, takes worker 5 from A. */
+    write_file(cfg, "{\"pools\": [{\"name\": \"B\", \"block_size\": 16, \"workers\": [{\"id\": 5},"
+                    " {\"id\": 6, \"name\": \"e\", \"dp_size\": 2}]}, {\"name\": \"A\", "
+                    "\"block_size\": 16, \"workers\": []}]}");
+    reload_and_wait(pid, log, 1);
+    w = list_worker(sock, 5);
+    cr_assert(w.found, "worker 5 is in neither pool");
+    cr_assert_str_eq(w.pool, "B");
+    cr_assert(file_has(log, "reload: 2 changes applied\n"), "a removal and an addition");
+
+    /* A new name re-adds worker 5 (with a metrics URL); ranks listed without dp_size lose their
+     * dp_rank in place, keeping their names. */
+    write_file(cfg, "{\"pools\": [{\"name\": \"B\", \"block_size\": 16, \"workers\": [{\"id\": 5, "
+                    "\"name\": \"five\", \"metrics\": \"http://127.0.0.1:9/metrics\"}, {\"id\": 6,"
+                    " \"name\": \"e/dp0\"}, {\"id\": 7, \"name\": \"e/dp1\"}]}, {\"name\": \"A\", "
+                    "\"block_size\": 16, \"workers\": []}]}");
+    cr_assert(list_worker(sock, 7).has_dp_rank && list_worker(sock, 7).dp_rank == 1);
+    reload_and_wait(pid, log, 2);
+    w = list_worker(sock, 5);
+    cr_assert(w.found && !strcmp(w.pool, "B") && !strcmp(w.name, "five"), "worker 5: %s in %s",
+              w.name, w.pool);
+    cr_assert(file_has(log, "pool B: worker 5 removed (its name changed)"));
+    for (uint32_t id = 6; id <= 7; id++) {
+        w = list_worker(sock, id);
+        cr_assert(w.found && !w.has_dp_rank, "worker %u keeps a dp_rank", id);
+    }
+    cr_assert(file_has(log, "pool B: worker 7: dp_rank 1 -> (none)"));
+    cr_assert(!file_has(log, "worker 7 removed"), "a dp_rank change re-added the worker");
+
+    /* Only the metrics URL: changed in place. */
+    write_file(cfg, "{\"pools\": [{\"name\": \"B\", \"block_size\": 16, \"workers\": [{\"id\": 5, "
+                    "\"name\": \"five\", \"metrics\": \"http://127.0.0.1:9/other\"}, {\"id\": 6,"
+                    " \"name\": \"e/dp0\"}, {\"id\": 7, \"name\": \"e/dp1\"}]}, {\"name\": \"A\", "
+                    "\"block_size\": 16, \"workers\": []}]}");
+    int removals = file_count(log, "worker 5 removed");
+    reload_and_wait(pid, log, 3);
+    cr_assert(file_has(log, "pool B: worker 5: metrics http://127.0.0.1:9/metrics -> "
+                            "http://127.0.0.1:9/other"));
+    cr_assert_eq(file_count(log, "worker 5 removed"), removals,
+                 "a metrics change re-added the worker");
+    cr_assert(file_has(log, "reload: 1 change applied\n"));
+
+    cr_assert_eq(kill(pid, SIGTERM), 0);
+    int st = 0;
+    cr_assert_eq(waitpid(pid, &st, 0), pid);
+    cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "exit status %d", st);
+    remove_dir();
+}
+
 /* serve's flags: --opt=value, the config key's name for each setting (the older flag still works
  * with a warning), a range error that names the range, a policy parameter of another policy. */
 Test(deploy, serve_flags_name_their_settings_and_ranges, .timeout = 60)

@@ -358,6 +358,7 @@ int km_srv_worker_add(km_server *s, uint32_t pool_index, const km_server_worker 
         snprintf(slot->name, sizeof slot->name, "w%u", w->id);
     slot->event_endpoint = w->event_endpoint ? strdup(w->event_endpoint) : NULL;
     slot->replay_endpoint = w->replay_endpoint ? strdup(w->replay_endpoint) : NULL;
+    slot->metrics_url = w->metrics_url ? strdup(w->metrics_url) : NULL;
     slot->has_dp_rank = w->has_dp_rank;
     slot->dp_rank = w->dp_rank;
     km_srv_engine_metrics_target(s, w->id, w->metrics_url);
@@ -390,6 +391,7 @@ int km_srv_worker_remove(km_server *s, uint32_t id, char *why, size_t why_size)
     km_srv_engine_metrics_target(s, id, NULL);
     free(slot->event_endpoint);
     free(slot->replay_endpoint);
+    free(slot->metrics_url);
     pthread_mutex_lock(&s->active_lock);
     km_srv_health_forget(s, slot);
     memset(slot, 0, sizeof *slot);

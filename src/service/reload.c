@@ -15,21 +15,44 @@ static bool same_string(const char *a, const char *b)
     return (!a && !b) || (a && b && !strcmp(a, b));
 }
 
-/* Is worker w of the file the same as the live one (same pool, same endpoints)? */
-static bool worker_unchanged(const km_server *s, uint32_t pool_index, const km_server_worker *w)
+/* What of the live worker differs from worker w of the file for pool pool_index. */
+typedef enum worker_change {
+    WORKER_SAME = 0,
+    WORKER_ENDPOINTS = 1 << 0, /* another pool or other event endpoints: removed and added again */
+    WORKER_NAME = 1 << 1,      /* its name (subscriber, records, /metrics labels): the same */
+    WORKER_METRICS = 1 << 2,   /* its engine's metrics URL: changed in place */
+    WORKER_DP_RANK = 1 << 3,   /* its data-parallel rank: changed in place */
+} worker_change;
+
+static unsigned worker_changes(const km_server *s, uint32_t pool_index, const km_server_worker *w)
 {
     const worker_slot *slot = &s->workers[w->id];
-    return slot->used && slot->pool == pool_index &&
-           same_string(slot->event_endpoint, w->event_endpoint) &&
-           same_string(slot->replay_endpoint, w->replay_endpoint);
+    unsigned c = WORKER_SAME;
+    if (!slot->used || slot->pool != pool_index ||
+        !same_string(slot->event_endpoint, w->event_endpoint) ||
+        !same_string(slot->replay_endpoint, w->replay_endpoint))
+        return WORKER_ENDPOINTS;
+    char name[KM_SERVER_NAME_MAX];
+    if (w->name)
+        snprintf(name, sizeof name, "%s", w->name);
+    else
+        snprintf(name, sizeof name, "w%u", w->id);
+    if (strcmp(slot->name, name) != 0 || (w->name && strlen(w->name) >= sizeof name))
+        c |= WORKER_NAME;
+    if (!same_string(slot->metrics_url, w->metrics_url))
+        c |= WORKER_METRICS;
+    if (slot->has_dp_rank != w->has_dp_rank || (w->has_dp_rank && slot->dp_rank != w->dp_rank))
+        c |= WORKER_DP_RANK;
+    return c;
 }
 
-static bool listed(const km_server_pool *pc, uint32_t id)
+/* The file's entry for worker id in pool pc; NULL when not listed. */
+static const km_server_worker *listed_worker(const km_server_pool *pc, uint32_t id)
 {
     for (uint32_t k = 0; k < pc->n_workers; k++)
         if (pc->workers[k].id == id)
-            return true;
-    return false;
+            return &pc->workers[k];
+    return NULL;
 }
 
 /* The settings only a restart applies: each that differs is logged, none is changed. */
@@ -67,12 +90,19 @@ int km_server_reload(km_server *s, const km_server_config *n)
         return KM_ERR_NULL_POINTER;
     int first_error = KM_OK;
     char why[256];
+    /* Each listed pool's index in s->pools, -1 where the pool was refused. */
+    int *pool_at = n->n_pools ? calloc(n->n_pools, sizeof *pool_at) : NULL;
+    if (n->n_pools && !pool_at) {
+        km_srv_log(s, KM_LOG_ERROR "reload refused, nothing changed: out of memory");
+        return KM_ERR_OUT_OF_MEMORY;
+    }
     note_restart_only(s, n);
     pthread_mutex_lock(&s->admin_lock);
     uint32_t changes = 0;
     for (uint32_t i = 0; i < n->n_pools; i++) {
         const km_server_pool *pc = &n->pools[i];
         int at = km_srv_pool_find(s, pc->name ? pc->name : "");
+        pool_at[i] = -1;
         char detail[192];
         if (at < 0) {
             pool *np = NULL;
@@ -141,43 +171,88 @@ int km_server_reload(km_server *s, const km_server_config *n)
                 }
             }
         }
-        /* Workers: the file is the pool's list. One no longer listed is removed, one whose
-         * endpoints changed is removed and added again, a new one is added. */
+        pool_at[i] = at;
+    }
+    /* Workers: the file is each pool's list. Every pool's removals come before any addition, so a
+     * worker that moves to another pool has left its old one when the new one adds it, whichever
+     * the file lists first. One no longer listed is removed; one whose endpoints or name changed
+     * is removed and added again (its feed, index entries and labels carry them); a new one is
+     * added; a changed metrics URL or dp_rank is applied in place. */
+    for (uint32_t i = 0; i < n->n_pools; i++) {
+        const km_server_pool *pc = &n->pools[i];
+        if (pool_at[i] < 0)
+            continue;
+        uint32_t at = (uint32_t)pool_at[i];
         for (uint32_t id = 0; id < s->cfg.max_workers; id++) {
             worker_slot *slot = &s->workers[id];
-            if (!slot->used || slot->pool != (uint32_t)at)
+            if (!slot->used || slot->pool != at)
                 continue;
-            bool keep = false;
-            for (uint32_t k = 0; k < pc->n_workers && !keep; k++)
-                keep = pc->workers[k].id == id && worker_unchanged(s, (uint32_t)at, &pc->workers[k]);
-            if (!keep && km_srv_worker_remove(s, id, why, sizeof why) == KM_OK) {
+            const km_server_worker *w = listed_worker(pc, id);
+            unsigned c = w ? worker_changes(s, at, w) : WORKER_SAME;
+            if (w && !(c & (WORKER_ENDPOINTS | WORKER_NAME)))
+                continue;
+            if (km_srv_worker_remove(s, id, why, sizeof why) == KM_OK) {
                 km_srv_log(s, KM_LOG_INFO "reload: pool %s: worker %u removed%s", pc->name, id,
-                           listed(pc, id) ? " (its endpoints changed)" : "");
+                           !w ? "" : c & WORKER_ENDPOINTS ? " (its endpoints changed)"
+                                                          : " (its name changed)");
                 changes++;
             }
         }
+    }
+    for (uint32_t i = 0; i < n->n_pools; i++) {
+        const km_server_pool *pc = &n->pools[i];
+        if (pool_at[i] < 0)
+            continue;
+        uint32_t at = (uint32_t)pool_at[i];
         for (uint32_t k = 0; k < pc->n_workers; k++) {
             const km_server_worker *w = &pc->workers[k];
-            if (w->id < s->cfg.max_workers && s->workers[w->id].used)
-                continue; /* kept above, or a worker of another pool: refused below if so */
-            int rc = km_srv_worker_add(s, (uint32_t)at, w, why, sizeof why);
-            if (rc != KM_OK) {
-                km_srv_log(s, KM_LOG_WARNING
-                           "reload: pool %s: worker %u refused: %s", pc->name, w->id, why);
-                first_error = first_error ? first_error : rc;
-            } else {
-                km_srv_log(s, KM_LOG_INFO "reload: pool %s: worker %u added", pc->name, w->id);
-                changes++;
-            }
-        }
-        for (uint32_t k = 0; k < pc->n_workers; k++) {
-            const km_server_worker *w = &pc->workers[k];
-            if (w->id < s->cfg.max_workers && s->workers[w->id].used &&
-                s->workers[w->id].pool != (uint32_t)at) {
+            worker_slot *slot = w->id < s->cfg.max_workers ? &s->workers[w->id] : NULL;
+            if (slot && slot->used && slot->pool != at) {
                 km_srv_log(s, KM_LOG_WARNING
                            "reload: pool %s: worker %u refused: it belongs to pool %s", pc->name,
-                           w->id, s->pools[s->workers[w->id].pool]->name);
+                           w->id, s->pools[slot->pool]->name);
                 first_error = first_error ? first_error : KM_ERR_INVALID_ARGUMENT;
+            } else if (slot && slot->used) {
+                unsigned c = worker_changes(s, at, w);
+                if (c & WORKER_METRICS) {
+                    char *url = w->metrics_url ? strdup(w->metrics_url) : NULL;
+                    if (w->metrics_url && !url) {
+                        km_srv_log(s, KM_LOG_ERROR "reload: pool %s: worker %u: metrics URL "
+                                   "not changed: out of memory", pc->name, w->id);
+                        first_error = first_error ? first_error : KM_ERR_OUT_OF_MEMORY;
+                    } else {
+                        km_srv_log(s, KM_LOG_INFO "reload: pool %s: worker %u: metrics %s -> %s",
+                                   pc->name, w->id,
+                                   slot->metrics_url ? slot->metrics_url : "(none)",
+                                   url ? url : "(none)");
+                        km_srv_engine_metrics_target(s, w->id, url);
+                        free(slot->metrics_url);
+                        slot->metrics_url = url;
+                        changes++;
+                    }
+                }
+                if (c & WORKER_DP_RANK) {
+                    char from[16] = "(none)", to[16] = "(none)";
+                    if (slot->has_dp_rank)
+                        snprintf(from, sizeof from, "%u", slot->dp_rank);
+                    if (w->has_dp_rank)
+                        snprintf(to, sizeof to, "%u", w->dp_rank);
+                    km_srv_log(s, KM_LOG_INFO "reload: pool %s: worker %u: dp_rank %s -> %s",
+                               pc->name, w->id, from, to);
+                    slot->has_dp_rank = w->has_dp_rank;
+                    slot->dp_rank = w->dp_rank;
+                    changes++;
+                }
+            } else {
+                int rc = km_srv_worker_add(s, at, w, why, sizeof why);
+                if (rc != KM_OK) {
+                    km_srv_log(s, KM_LOG_WARNING
+                               "reload: pool %s: worker %u refused: %s", pc->name, w->id, why);
+                    first_error = first_error ? first_error : rc;
+                } else {
+                    km_srv_log(s, KM_LOG_INFO "reload: pool %s: worker %u added", pc->name, w->id);
+                    changes++;
+                }
             }
         }
     }
@@ -191,6 +266,7 @@ int km_server_reload(km_server *s, const km_server_config *n)
                        "changes pools, never removes one)", s->pools[i]->name);
     }
     pthread_mutex_unlock(&s->admin_lock);
+    free(pool_at);
     km_srv_log(s, KM_LOG_INFO "reload: %u change%s applied%s", changes, changes == 1 ? "" : "s",
                first_error ? "; some refused (above)" : "");
     if (changes)

@@ -178,6 +178,7 @@ void km_server_destroy(km_server *s)
         for (uint32_t i = 0; i < s->cfg.max_workers; i++) {
             free(s->workers[i].event_endpoint);
             free(s->workers[i].replay_endpoint);
+            free(s->workers[i].metrics_url);
         }
     free(s->workers);
     uint64_t cursor = 0;

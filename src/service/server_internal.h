@@ -224,6 +224,8 @@ typedef struct worker_slot {
     uint64_t incarnation; /* distinct for every km_srv_worker_add */
     char name[KM_SERVER_NAME_MAX];
     char *event_endpoint, *replay_endpoint;
+    char *metrics_url; /* its engine's metrics endpoint as added (a reload compares it); NULL:
+                        * none */
     /* per batch: state name cached */
     uint64_t state_batch;
     const char *state;
