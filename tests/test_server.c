@@ -2681,6 +2681,167 @@ Test(server, memory_cap_refusals_are_visible_and_logged_sparingly, .timeout = 60
     srv_cleanup(&s);
 }
 
+/* A gate in the log: the first "applying in-process events" failure line (written by the
+ * scheduler role, holding it and admin_lock) waits until the test opens the gate, so frames
+ * queued meanwhile stay queued. Bounded: it opens by itself after 20 s. */
+static pthread_mutex_t g_gate_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t g_gate_cond = PTHREAD_COND_INITIALIZER;
+static bool g_gate_held, g_gate_open;
+
+static void gate_log(void *user, const char *line)
+{
+    quiet_log(user, line);
+    if (!strstr(line, "applying in-process events"))
+        return;
+    pthread_mutex_lock(&g_gate_lock);
+    if (!g_gate_held) {
+        g_gate_held = true;
+        pthread_cond_broadcast(&g_gate_cond);
+        struct timespec until;
+        clock_gettime(CLOCK_REALTIME, &until);
+        until.tv_sec += 20;
+        while (!g_gate_open &&
+               pthread_cond_timedwait(&g_gate_cond, &g_gate_lock, &until) != ETIMEDOUT) {
+        }
+    }
+    pthread_mutex_unlock(&g_gate_lock);
+}
+
+static bool gate_wait_held(void)
+{
+    struct timespec until;
+    clock_gettime(CLOCK_REALTIME, &until);
+    until.tv_sec += 10;
+    pthread_mutex_lock(&g_gate_lock);
+    while (!g_gate_held && pthread_cond_timedwait(&g_gate_cond, &g_gate_lock, &until) != ETIMEDOUT) {
+    }
+    bool held = g_gate_held;
+    pthread_mutex_unlock(&g_gate_lock);
+    return held;
+}
+
+static void gate_open(void)
+{
+    pthread_mutex_lock(&g_gate_lock);
+    g_gate_open = true;
+    pthread_cond_broadcast(&g_gate_cond);
+    pthread_mutex_unlock(&g_gate_lock);
+}
+
+/* Poll the server's counters (up to 5 s) until done(stats) holds; returns whether it did. */
+static bool stats_wait(srv *s, bool (*done)(const km_server_stats *, uint64_t), uint64_t want)
+{
+    km_server_stats st;
+    for (int i = 0; i < 500; i++) {
+        km_server_get_stats(s->server, &st);
+        if (done(&st, want))
+            return true;
+        km_test_sleep_ms(10);
+    }
+    return false;
+}
+
+static bool routes_received(const km_server_stats *st, uint64_t n) { return st->routes >= n; }
+static bool no_connection_open(const km_server_stats *st, uint64_t n)
+{
+    (void)n;
+    return st->connections_open == 0;
+}
+static bool closed_routes_dropped(const km_server_stats *st, uint64_t n)
+{
+    return st->routes_dropped_closed >= n;
+}
+
+/* A connection that goes away with routes still queued has them dropped, not decided: deciding
+ * them would charge their workers with load nobody reports the end of (until the TTL), for
+ * replies nobody reads. The scheduler role is held (a log line that waits) while a raw client
+ * sends HELLO and its routes and closes without reading its WELCOME (the server then reads a
+ * reset); once the role is free again, a probe route is decided alone, and the worker carries
+ * the probe's load only. */
+Test(server, routes_queued_by_a_closed_connection_are_dropped, .timeout = 60)
+{
+    srv s = {0};
+    km_server_config cfg;
+    test_config(&cfg, &s, KM_POLICY_PREFIX, 0);
+    cfg.records_path = NULL;
+    cfg.log = gate_log;
+    cfg.inline_routes = 0; /* every batch and housekeeping on the scheduler thread */
+    g_gate_held = g_gate_open = false;
+    km_server_worker ws[1] = {{0, "capped", KM_SERVER_LOCAL_EVENTS, NULL, false, 0, NULL}};
+    g_pool.workers = ws;
+    g_pool.n_workers = 1;
+    cap_index_at_creation(&cfg);
+    srv_start(&s, &cfg);
+    /* More blocks than the capped index holds: the scheduler's flush fails and logs. */
+    enum { BLOCKS = 1024, ROUTES = 40 };
+    static uint64_t eh[BLOCKS];
+    for (uint32_t i = 0; i < BLOCKS; i++) {
+        eh[i] = 7000000u + i;
+        for (uint32_t t = 0; t < BS; t++)
+            g_tokens[i * BS + t] = 300000u + i * BS + t;
+    }
+    km_test_batch b;
+    km_test_batch_init(&b, KM_TEST_ENCODING_POSITIONAL, KM_TEST_HASH_INT, 0);
+    km_test_batch_stored(&b, eh, BLOCKS, false, 0, g_tokens, BS, NULL, NULL);
+    size_t size;
+    const void *payload = km_test_batch_payload(&b, &size);
+    cr_assert_eq(km_server_deliver_events(s.server, 0, 0, payload, size), KM_OK);
+    cr_assert(gate_wait_held(), "the scheduler's flush did not fail");
+
+    int fd = raw_connect(&s);
+    km_frame_buffer fb;
+    km_frame_buffer_init(&fb);
+    km_message m;
+    memset(&m, 0, sizeof m);
+    m.type = KM_MESSAGE_HELLO;
+    m.has_id = true;
+    m.id = 1;
+    m.hello.protocol_version = KM_PROTOCOL_VERSION;
+    cr_assert_eq(km_protocol_encode(&m, 0, &fb, NULL, 0), KM_OK);
+    static char ids[ROUTES][24];
+    for (int i = 0; i < ROUTES; i++) {
+        snprintf(ids[i], sizeof ids[i], "gone-%d", i);
+        km_route_request r = token_route(ids[i], 0, 8 * BS);
+        memset(&m, 0, sizeof m);
+        m.type = KM_MESSAGE_ROUTE;
+        m.has_id = true;
+        m.id = 2 + (uint64_t)i;
+        m.route.routes = &r;
+        m.route.n_routes = 1;
+        cr_assert_eq(km_protocol_encode(&m, 0, &fb, NULL, 0), KM_OK);
+    }
+    cr_assert_eq(write(fd, fb.data, fb.size), (ssize_t)fb.size);
+    km_frame_buffer_free(&fb);
+    cr_assert(stats_wait(&s, routes_received, ROUTES), "the routes were not all queued");
+    close(fd); /* its WELCOME unread: the server reads a reset */
+    cr_assert(stats_wait(&s, no_connection_open, 0), "the server did not close the connection");
+    bool dropped = stats_wait(&s, closed_routes_dropped, ROUTES);
+    gate_open();
+
+    km_client *c = connect_client(&s);
+    km_message reply;
+    km_route_request probe = token_route("probe", 0, 8 * BS);
+    cr_assert_eq(route_one(c, &probe, &reply)->status, KM_OK);
+    km_server_stats st;
+    km_server_get_stats(s.server, &st);
+    cr_assert_eq(st.decisions, 1, "%" PRIu64 " routes of a closed connection were decided",
+                 st.decisions - 1);
+    cr_assert(dropped && st.routes_dropped_closed == ROUTES, "%" PRIu64 " routes counted dropped",
+              st.routes_dropped_closed);
+    memset(&m, 0, sizeof m);
+    m.type = KM_MESSAGE_WORKERS;
+    m.workers.action = KM_ADMIN_LIST;
+    cr_assert_eq(km_client_call(c, &m, 5000, &reply), KM_OK);
+    cr_assert_eq(reply.type, KM_MESSAGE_WORKER_LIST);
+    cr_assert_eq(reply.workers.n_workers, 1);
+    cr_assert(reply.workers.workers[0].has_load);
+    cr_assert_eq(reply.workers.workers[0].load.in_flight, 1, "phantom load on the worker");
+    km_test_batch_free(&b);
+    km_client_close(c);
+    srv_stop(&s);
+    srv_cleanup(&s);
+}
+
 /* The startup line, kept for the test that reads it. */
 static pthread_mutex_t g_serving_lock = PTHREAD_MUTEX_INITIALIZER;
 static char g_serving[512];

@@ -50,15 +50,62 @@ void km_srv_conn_maybe_free(conn *c)
     free(c);
 }
 
+/* A closed connection's frames still queued are dropped: deciding them would begin active work
+ * (its load charged until the TTL), write decision records and tell the cluster, for replies
+ * nobody can read. Frames the scheduler role already took are decided and freed when delivered.
+ * Loop thread, holding no lock (queue_lock is taken here). */
+static void drop_queued_jobs(conn *c)
+{
+    km_server *s = c->server;
+    job *dropped = NULL;
+    pthread_mutex_lock(&s->queue_lock);
+    job *prev = NULL;
+    for (job **link = &s->queue_head; *link;) {
+        job *j = *link;
+        if (j->conn != c) {
+            prev = j;
+            link = &j->next;
+            continue;
+        }
+        *link = j->next;
+        if (j == s->queue_tail)
+            s->queue_tail = prev;
+        if (j == s->queue_light_tail) /* the light frames lead the queue: prev is one, or none */
+            s->queue_light_tail = prev;
+        if (j->behind)
+            c->queued_behind--;
+        if (j->n_routes > s->inline_routes)
+            s->queued_big_frames--;
+        s->queued_routes -= j->n_routes;
+        j->next = dropped;
+        dropped = j;
+    }
+    pthread_mutex_unlock(&s->queue_lock);
+    uint64_t routes = 0;
+    while (dropped) {
+        job *j = dropped;
+        dropped = j->next;
+        c->jobs_in_flight--;
+        c->routes_in_flight -= j->n_routes;
+        routes += j->n_routes;
+        km_srv_job_free(j);
+    }
+    if (routes)
+        atomic_fetch_add(&s->st.dropped_closed, routes);
+}
+
 static void on_conn_closed(uv_handle_t *h)
 {
     conn *c = h->data;
     c->handle_closed = true;
+    if (c->jobs_in_flight)
+        drop_queued_jobs(c);
     km_srv_conn_maybe_free(c);
 }
 
-/* Start closing a connection (idempotent): it leaves the server's list at once; its memory goes
- * when the handle has closed and its last job was delivered (km_srv_conn_maybe_free). */
+/* Start closing a connection (idempotent): it leaves the server's list at once; when the handle
+ * has closed, its frames still queued are dropped unanswered (drop_queued_jobs), and its memory
+ * goes once its last job being decided was delivered (km_srv_conn_maybe_free). */
 void km_srv_conn_close(conn *c)
 {
     if (c->closing)

@@ -431,7 +431,7 @@ struct km_server {
         atomic_uint_fast64_t accepted, open, refused, slow_closed, reading_paused, frames,
             bad_frames, routes,
             decisions, route_errors, overloaded, shed_wait, shed_connection, batches, inline_batches, lifecycle,
-            lifecycle_errors, outcomes, expired, evicted, dropped_at_shutdown,
+            lifecycle_errors, outcomes, expired, evicted, dropped_at_shutdown, dropped_closed,
             dispatch_learned, dispatch_unlearned, breaker_opened, no_healthy, drain_releases,
             scheduler_replies;
         /* connections refused at accept, by reason (their sum is `refused`) */

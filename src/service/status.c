@@ -695,6 +695,7 @@ void km_server_get_stats(km_server *s, km_server_stats *o)
     o->evicted = atomic_load(&s->st.evicted);
     o->active_refused_bytes = active_work_stats(s).refused_bytes;
     o->routes_dropped_at_shutdown = atomic_load(&s->st.dropped_at_shutdown);
+    o->routes_dropped_closed = atomic_load(&s->st.dropped_closed);
     o->approx_dispatch_learned = atomic_load(&s->st.dispatch_learned);
     o->approx_dispatch_unlearned = atomic_load(&s->st.dispatch_unlearned);
     o->breaker_opened = atomic_load(&s->st.breaker_opened);
