@@ -1156,9 +1156,9 @@ Test(deploy, sighup_moves_a_worker_between_pools_and_applies_every_worker_change
     snprintf(sock, sizeof sock, "%s/s.sock", g_dir);
     snprintf(cfg, sizeof cfg, "%s/serve.json", g_dir);
     snprintf(log, sizeof log, "%s/serve.log", g_dir);
-    write_file(cfg, "{\"pools\": [{\"name\": \"A\", \"block_size\": 16, \"workers\": [{\"id\": 5}]},"
-                    " {\"name\": \"B\", \"block_size\": 16, \"workers\": [{\"id\": 6, \"name\": "
-                    "\"e\", \"dp_size\": 2}]}]}");
+    write_file(cfg, "{\"pools\": [{\"name\": \"A\", \"block_size\": 16, \"workers\": "
+                    "[{\"id\": 5}]}, {\"name\": \"B\", \"block_size\": 16, \"workers\": "
+                    "[{\"id\": 6, \"name\": \"e\", \"dp_size\": 2}]}]}");
     char args[512];
     snprintf(args, sizeof args, "--records=none --config=%s --log-file=%s", cfg, log);
     pid_t pid = spawn_serve_args(sock, args);

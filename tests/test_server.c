@@ -2713,7 +2713,8 @@ static bool gate_wait_held(void)
     clock_gettime(CLOCK_REALTIME, &until);
     until.tv_sec += 10;
     pthread_mutex_lock(&g_gate_lock);
-    while (!g_gate_held && pthread_cond_timedwait(&g_gate_cond, &g_gate_lock, &until) != ETIMEDOUT) {
+    while (!g_gate_held &&
+           pthread_cond_timedwait(&g_gate_cond, &g_gate_lock, &until) != ETIMEDOUT) {
     }
     bool held = g_gate_held;
     pthread_mutex_unlock(&g_gate_lock);
