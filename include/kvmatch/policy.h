@@ -248,18 +248,21 @@ void km_policy_config_init(km_policy_config *cfg);
  * why_size). */
 int km_policy_config_validate(const km_policy_config *cfg, char *why, size_t why_size);
 
-/* "kv", "cache_aware", "prefix", "least_load", "round_robin"; "unknown" for other values. */
+/* "kv", "cache_aware", "prefix", "least_load", "round_robin", "llmd", "preble", "ttft";
+ * "unknown" for other values. */
 const char *km_policy_kind_name(km_policy_kind kind);
 /* Inverse of km_policy_kind_name (exact, case-sensitive). KM_ERR_NULL_POINTER, or
  * KM_ERR_INVALID_ARGUMENT for any other string; *out untouched on error. */
 int km_policy_kind_parse(const char *name, km_policy_kind *out);
 /* "min_cost", "sampled", "cache_hit", "imbalance", "below_threshold", "deepest_match",
- * "no_match", "least_load", "round_robin"; "unknown" for other values. */
+ * "no_match", "least_load", "round_robin", "max_score", "exploit", "explore", "min_ttft";
+ * "unknown" for other values. */
 const char *km_policy_reason_name(km_policy_reason reason);
 
 /* The load signal a policy weighs, for the decision record's "load kind":
  *   kv -> "active_decode_blocks" (plus pending prefill, inside the cost),
- *   cache_aware, prefix, least_load -> "in_flight_requests", round_robin -> "none".
+ *   cache_aware, prefix, least_load -> "in_flight_requests", llmd -> "queued_requests",
+ *   preble, ttft -> "pending_prefill_tokens", round_robin -> "none".
  * Its scope is whatever load the candidates carry (the service states it). */
 const char *km_policy_load_kind(km_policy_kind kind);
 /* The value of that signal for one candidate: NAN for round_robin, which weighs none (a record
