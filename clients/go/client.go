@@ -86,8 +86,10 @@ type Call struct {
 // Dial connects to "unix:/path" or "tcp:host:port" ("tcp:[::1]:7070" for IPv6) and does the
 // HELLO / WELCOME handshake within ctx. It fails with ErrInvalidArgument for an address of
 // another form, ErrIncompatible when the server does not speak ProtocolVersion, the server's code
-// when it refuses the handshake, ErrProtocol / ErrParse for a reply that is not a WELCOME to the
-// HELLO, or the dial's own error.
+// when it refuses the handshake or the connection (ErrOverloaded at its max_connections,
+// ErrShuttingDown while it drains; read even when the server closed before the HELLO was
+// written), ErrProtocol / ErrParse for a reply that is not a WELCOME to the HELLO, or the dial's
+// own error.
 func Dial(ctx context.Context, address string) (*Client, error) {
 	cn, err := dial(ctx, address)
 	if err != nil {
@@ -140,8 +142,17 @@ func (cn *conn) handshake(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	if err := writeFrame(cn.nc, payload); err != nil {
-		return fmt.Errorf("kvmatch: handshake: %w", err)
+	// A server that refuses the connection (max_connections, shutting down) writes an ERROR
+	// saying why and closes, maybe before the HELLO is written: the ERROR is still read.
+	if werr := writeFrame(cn.nc, payload); werr != nil {
+		reply, err := cn.readReply()
+		if err != nil || reply.Type != "ERROR" {
+			if isTimeout(werr) {
+				return newError(ErrTimeout, "the HELLO was not sent before the deadline")
+			}
+			return newError(ErrClosed, "the HELLO could not be sent: %v", werr)
+		}
+		return handshakeRefused(reply)
 	}
 	reply, err := cn.readReply()
 	if err != nil {
@@ -149,11 +160,7 @@ func (cn *conn) handshake(ctx context.Context) error {
 	}
 	switch {
 	case reply.Type == "ERROR":
-		code := reply.Code
-		if code == OK {
-			code = ErrProtocol
-		}
-		return newError(code, "the server refused the handshake: %s", serverWords(code, reply.Message))
+		return handshakeRefused(reply)
 	case reply.Type != "WELCOME":
 		return newError(ErrProtocol, "expected WELCOME, got %q", reply.Type)
 	case reply.ID != 1:
@@ -168,6 +175,21 @@ func (cn *conn) handshake(ctx context.Context) error {
 	}
 	cn.nextID = 2
 	return nil
+}
+
+// handshakeRefused is an ERROR answering the HELLO, or sent with id 0 by a server that does not
+// take the connection, as its *Error.
+func handshakeRefused(reply *Reply) error {
+	code := reply.Code
+	if code == OK {
+		code = ErrProtocol
+	}
+	return newError(code, "the server refused the handshake: %s", serverWords(code, reply.Message))
+}
+
+func isTimeout(err error) bool {
+	var ne net.Error
+	return errors.As(err, &ne) && ne.Timeout()
 }
 
 // Welcome is the server's WELCOME on the current connection: its version and limits.

@@ -887,6 +887,52 @@ func TestCloseWhileRouting(t *testing.T) {
 	}
 }
 
+// freeTCPAddress is a loopback address nothing listens on (the port was free a moment ago).
+func freeTCPAddress(t *testing.T) string {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	return l.Addr().String()
+}
+
+// holdOnlyConnection dials until the server, at max_connections 1, takes the connection (the
+// start-up check's own connection may not be closed on its side yet).
+func holdOnlyConnection(t *testing.T, ctx context.Context, address string) *Client {
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		c, err := Dial(ctx, address)
+		if err == nil {
+			t.Cleanup(func() { c.Close() })
+			return c
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("dial %s: %v", address, err)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// A connection the server does not take fails Dial with the server's code, over a Unix socket
+// (where the server's close often comes before the HELLO is written) and over TCP.
+func TestRefusedConnectionGivesTheServersCode(t *testing.T) {
+	tcp := freeTCPAddress(t)
+	s := startServerWith(t, map[string]interface{}{"max_connections": 1, "tcp": tcp})
+	ctx := testContext(t)
+	holdOnlyConnection(t, ctx, s.address)
+	for _, address := range []string{s.address, "tcp:" + tcp} {
+		for i := 0; i < 20; i++ {
+			c, err := Dial(ctx, address)
+			if err == nil {
+				c.Close()
+				t.Fatalf("%s: a second connection was taken at max_connections 1", address)
+			}
+			expectCode(t, err, ErrOverloaded, address+": a connection over max_connections")
+		}
+	}
+}
+
 func natsServerBinary() string {
 	if p, err := exec.LookPath("nats-server"); err == nil {
 		return p
