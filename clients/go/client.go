@@ -5,8 +5,10 @@
 //
 // A Client is one connection, safe for concurrent use: many goroutines may call it at once and
 // their requests are pipelined on the connection, each reply matched to its request by id. Every
-// call takes a context.Context; its deadline bounds the call, and a cancelled call gives its
-// request up (the reply, when it comes, is dropped).
+// call takes a context.Context; its deadline or cancellation ends the call, waiting for the
+// connection's writer and writing included, and the call gives its request up (the reply, when it
+// comes, is dropped). A request none of which was written when ctx ended is not sent and the
+// connection stays usable; one cut off mid-frame closes the connection (ErrTimeout).
 //
 // Errors are values. A reply of type ERROR, a decision or ACK item that failed, and the client's
 // own refusals are *Error, whose Code (a km_status code, itself an error) errors.Is can test:
@@ -56,7 +58,8 @@ type conn struct {
 	nc       net.Conn
 	welcome  Welcome
 	maxFrame uint32
-	writeMu  sync.Mutex
+	// One slot, held by the goroutine writing a frame; a waiter selects it against its ctx.
+	writeSlot chan struct{}
 
 	mu     sync.Mutex // guards the fields below
 	nextID uint64
@@ -108,7 +111,8 @@ func dial(ctx context.Context, address string) (*conn, error) {
 	if err != nil {
 		return nil, fmt.Errorf("kvmatch: connect to %s: %w", address, err)
 	}
-	cn := &conn{nc: nc, maxFrame: defaultMaxFrameBytes, nextID: 1, calls: map[uint64]*Call{}}
+	cn := &conn{nc: nc, maxFrame: defaultMaxFrameBytes, writeSlot: make(chan struct{}, 1), nextID: 1,
+		calls: map[uint64]*Call{}}
 	if err := cn.handshake(ctx); err != nil {
 		nc.Close()
 		return nil, err
@@ -134,17 +138,21 @@ func parseAddress(address string) (network, target string, err error) {
 	return "", "", newError(ErrInvalidArgument, "address must start with unix: or tcp:, got %q", address)
 }
 
+// handshake sends HELLO and reads the WELCOME within ctx: its deadline, and its cancellation,
+// which ends a blocked write or read at once.
 func (cn *conn) handshake(ctx context.Context) error {
 	deadline, _ := ctx.Deadline()
 	cn.nc.SetDeadline(deadline)
 	defer cn.nc.SetDeadline(time.Time{})
+	stop := onDone(ctx, func() { cn.nc.SetDeadline(time.Now()) })
+	defer stop()
 	payload, err := encodeMessage("HELLO", 1, "protocol", ProtocolVersion, "client", ClientName)
 	if err != nil {
 		return err
 	}
 	// A server that refuses the connection (max_connections, shutting down) writes an ERROR
 	// saying why and closes, maybe before the HELLO is written: the ERROR is still read.
-	if werr := writeFrame(cn.nc, payload); werr != nil {
+	if _, werr := writeFrame(cn.nc, payload); werr != nil {
 		reply, err := cn.readReply()
 		if err != nil || reply.Type != "ERROR" {
 			if isTimeout(werr) {
@@ -185,6 +193,28 @@ func handshakeRefused(reply *Reply) error {
 		code = ErrProtocol
 	}
 	return newError(code, "the server refused the handshake: %s", serverWords(code, reply.Message))
+}
+
+// onDone runs f once if ctx ends before stop is called; stop returns once f has run or never
+// will, so f cannot act on what the caller does after stop.
+func onDone(ctx context.Context, f func()) (stop func()) {
+	done := ctx.Done()
+	if done == nil {
+		return func() {}
+	}
+	quit, finished := make(chan struct{}), make(chan struct{})
+	go func() {
+		defer close(finished)
+		select {
+		case <-done:
+			f()
+		case <-quit:
+		}
+	}()
+	return func() {
+		close(quit)
+		<-finished
+	}
 }
 
 func isTimeout(err error) bool {
@@ -496,12 +526,12 @@ func encodeMessage(kind string, id uint64, kv ...interface{}) ([]byte, error) {
 	return buf.Bytes(), nil
 }
 
-func writeFrame(w io.Writer, payload []byte) error {
+// writeFrame writes the frame in one Write; the count is the bytes of it that went out.
+func writeFrame(w io.Writer, payload []byte) (int, error) {
 	frame := make([]byte, 4+len(payload))
 	binary.BigEndian.PutUint32(frame, uint32(len(payload)))
 	copy(frame[4:], payload)
-	_, err := w.Write(frame)
-	return err
+	return w.Write(frame)
 }
 
 func (cn *conn) send(ctx context.Context, exp expected, kv ...interface{}) (*Call, error) {
@@ -532,22 +562,45 @@ func (cn *conn) send(ctx context.Context, exp expected, kv ...interface{}) (*Cal
 	}
 	cn.calls[id] = call // before the write: the reply may come at once
 	cn.mu.Unlock()
-	cn.writeMu.Lock()
+	select {
+	case cn.writeSlot <- struct{}{}:
+	case <-ctx.Done():
+		return nil, cn.unsent(call, ctx)
+	}
 	deadline, _ := ctx.Deadline()
 	cn.nc.SetWriteDeadline(deadline)
-	err = writeFrame(cn.nc, payload)
-	cn.writeMu.Unlock()
-	if err != nil {
-		// Part of the frame may be out: the stream cannot be continued.
-		var ne net.Error
-		if errors.As(err, &ne) && ne.Timeout() {
-			cn.fail(newError(ErrTimeout, "send timed out; connection closed mid-frame"))
-		} else {
-			cn.fail(newError(ErrClosed, "send failed: %v", err))
-		}
-		return nil, cn.finalErr()
+	stop := onDone(ctx, func() { cn.nc.SetWriteDeadline(time.Now()) })
+	n, err := writeFrame(cn.nc, payload)
+	stop()
+	<-cn.writeSlot
+	switch {
+	case err == nil:
+		return call, nil
+	case n == 0 && isTimeout(err):
+		// Nothing of the frame went out: the stream is intact and the connection stays usable.
+		return nil, cn.unsent(call, ctx)
+	case isTimeout(err):
+		// Part of the frame is out: the stream cannot be continued.
+		cn.fail(newError(ErrTimeout, "send timed out; connection closed mid-frame"))
+	default:
+		cn.fail(newError(ErrClosed, "send failed: %v", err))
 	}
-	return call, nil
+	return nil, cn.finalErr()
+}
+
+// unsent drops a call whose request was not written because ctx ended first: the error wraps
+// ctx's (context.DeadlineExceeded when the write deadline passed before ctx noticed).
+func (cn *conn) unsent(call *Call, ctx context.Context) error {
+	cn.mu.Lock()
+	if cn.calls[call.ID] == call {
+		delete(cn.calls, call.ID)
+	}
+	cn.mu.Unlock()
+	cause := ctx.Err()
+	if cause == nil {
+		cause = context.DeadlineExceeded
+	}
+	return fmt.Errorf("kvmatch: request %d was not sent: %w", call.ID, cause)
 }
 
 func (cn *conn) finalErr() error {

@@ -25,6 +25,7 @@ import (
 	"path/filepath"
 	"regexp"
 	"strconv"
+	"strings"
 	"sync"
 	"syscall"
 	"testing"
@@ -564,7 +565,7 @@ func TestShuttingDownWhileRoutesAreInFlight(t *testing.T) {
 	send := func(kind string, id uint64, kv ...interface{}) {
 		payload, err := encodeMessage(kind, id, kv...)
 		if err == nil {
-			err = writeFrame(stalled, payload)
+			_, err = writeFrame(stalled, payload)
 		}
 		if err != nil {
 			t.Fatalf("stalled connection, %s: %v", kind, err)
@@ -930,6 +931,119 @@ func TestRefusedConnectionGivesTheServersCode(t *testing.T) {
 			}
 			expectCode(t, err, ErrOverloaded, address+": a connection over max_connections")
 		}
+	}
+}
+
+// A route blocked in its write (the server reads nothing) ends when its context is cancelled,
+// and another caller waiting to write gives up at its own deadline meanwhile.
+func TestCancelEndsABlockedWrite(t *testing.T) {
+	s := startServer(t)
+	ctx := testContext(t)
+	c := dialT(t, ctx, s.address)
+	s.pause()
+	t.Cleanup(func() { s.cmd.Process.Signal(syscall.SIGCONT) })
+	// 8 MiB, far over what the socket buffers, in a field that encodes at once.
+	huge := RouteRequest{RequestID: "huge", Endpoint: strings.Repeat("x", 8<<20), Tokens: prompt(32, 0)}
+	cancellable, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	blocked := make(chan error, 1)
+	go func() {
+		_, err := c.Route(cancellable, huge)
+		blocked <- err
+	}()
+	time.Sleep(300 * time.Millisecond) // the frame fills the socket's buffer
+	select {
+	case err := <-blocked:
+		t.Fatalf("the huge route was not blocked: %v", err)
+	default:
+	}
+	start := time.Now()
+	short, cancelShort := context.WithTimeout(context.Background(), 500*time.Millisecond)
+	defer cancelShort()
+	waiting := make(chan error, 1)
+	go func() {
+		_, err := c.Route(short, RouteRequest{RequestID: "waiting", Tokens: prompt(16, 0)})
+		waiting <- err
+	}()
+	select {
+	case err := <-waiting:
+		if !errors.Is(err, context.DeadlineExceeded) || time.Since(start) > 1500*time.Millisecond {
+			t.Fatalf("the waiting caller: %v after %v, expected its deadline at 500ms", err, time.Since(start))
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("the waiting caller is still waiting for the write 5s after its 500ms deadline")
+	}
+	start = time.Now()
+	cancel()
+	select {
+	case err := <-blocked:
+		if !errors.Is(err, context.Canceled) && !errors.Is(err, ErrTimeout) {
+			t.Fatalf("the cancelled route: %v", err)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("the cancelled route is still blocked in its write")
+	}
+	if time.Since(start) > time.Second {
+		t.Fatalf("the cancelled route returned %v after the cancel", time.Since(start))
+	}
+}
+
+// A handshake the server never answers ends when Dial's context is cancelled.
+func TestCancelEndsAHandshake(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "mute.sock")
+	l, err := net.Listen("unix", path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	go func() {
+		if nc, err := l.Accept(); err == nil {
+			defer nc.Close()
+			io.Copy(io.Discard, nc) // reads the HELLO, answers nothing
+		}
+	}()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	dialed := make(chan error, 1)
+	go func() {
+		_, err := Dial(ctx, "unix:"+path)
+		dialed <- err
+	}()
+	time.Sleep(200 * time.Millisecond)
+	cancel()
+	select {
+	case err := <-dialed:
+		if err == nil {
+			t.Fatal("a handshake nobody answered succeeded")
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("Dial is still waiting for the WELCOME 5s after its context was cancelled")
+	}
+}
+
+// A deadline that has passed before the request is written sends nothing: the call fails with
+// the deadline and the connection stays usable.
+func TestExpiredDeadlineBeforeTheWriteKeepsTheConnection(t *testing.T) {
+	s := startServer(t)
+	ctx := testContext(t)
+	c := dialT(t, ctx, s.address)
+	routes := make([]RouteRequest, 16)
+	for i := range routes {
+		routes[i] = RouteRequest{RequestID: fmt.Sprintf("late-%d", i), Tokens: prompt(4096, i)}
+	}
+	for i := 0; i < 50; i++ {
+		short, cancel := context.WithTimeout(ctx, time.Microsecond)
+		_, err := c.Route(short, routes...)
+		cancel()
+		if err != nil && !errors.Is(err, context.DeadlineExceeded) {
+			t.Fatalf("try %d: %v", i, err)
+		}
+		if err := c.Err(); err != nil {
+			t.Fatalf("try %d closed the connection: %v", i, err)
+		}
+	}
+	if ds, err := c.Route(ctx, RouteRequest{RequestID: "after", Tokens: prompt(32, 0)}); err != nil || ds[0].Err() != nil {
+		t.Fatalf("the connection is usable: %v", err)
 	}
 }
 
