@@ -49,6 +49,7 @@ const (
 // Client is a connection to kvmatch serve. Create it with Dial.
 type Client struct {
 	address string
+	redial  chan struct{} // one slot: held by the Reconnect that is dialing
 	mu      sync.Mutex
 	cur     *conn
 }
@@ -98,7 +99,7 @@ func Dial(ctx context.Context, address string) (*Client, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &Client{address: address, cur: cn}, nil
+	return &Client{address: address, redial: make(chan struct{}, 1), cur: cn}, nil
 }
 
 func dial(ctx context.Context, address string) (*conn, error) {
@@ -242,8 +243,20 @@ func (c *Client) Close() error {
 
 // Reconnect closes the current connection (calls in flight on it fail with ErrClosed; they are
 // not resent: a router decides again) and dials the same address with a new handshake. On
-// failure the client stays closed and Reconnect may be called again.
+// failure the client stays closed and Reconnect may be called again. Reconnects are made one at
+// a time: a call that finds the connection it was called on already replaced by an open one
+// keeps that one, so goroutines that reconnect after the same failure share one new connection.
 func (c *Client) Reconnect(ctx context.Context) error {
+	called := c.conn()
+	select {
+	case c.redial <- struct{}{}:
+	case <-ctx.Done():
+		return fmt.Errorf("kvmatch: reconnect: %w", ctx.Err())
+	}
+	defer func() { <-c.redial }()
+	if cur := c.conn(); cur != called && cur.finalErr() == nil {
+		return nil
+	}
 	c.Close()
 	cn, err := dial(ctx, c.address)
 	if err != nil {

@@ -1047,6 +1047,46 @@ func TestExpiredDeadlineBeforeTheWriteKeepsTheConnection(t *testing.T) {
 	}
 }
 
+// Goroutines reconnecting at once leave one connection open, the client's, which works.
+func TestConcurrentReconnectsShareOneConnection(t *testing.T) {
+	s := startServer(t)
+	ctx := testContext(t)
+	c := dialT(t, ctx, s.address)
+	var wg sync.WaitGroup
+	errs := make(chan error, 8)
+	for g := 0; g < 8; g++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if err := c.Reconnect(ctx); err != nil {
+				errs <- err
+			}
+		}()
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Fatalf("reconnect: %v", err)
+	}
+	if err := c.Err(); err != nil {
+		t.Fatalf("the client's connection is closed: %v", err)
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		st, err := c.Status(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if st.Connections == 1 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%d connections open after the reconnects, expected 1", st.Connections)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
 func natsServerBinary() string {
 	if p, err := exec.LookPath("nats-server"); err == nil {
 		return p
