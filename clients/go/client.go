@@ -28,6 +28,7 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"reflect"
 	"strings"
 	"sync"
 	"time"
@@ -313,7 +314,8 @@ func (c *Client) SendLifecycle(ctx context.Context, events []LifecycleEvent) (*C
 
 // SendMessage sends any request written as a map of wire fields with its "type" (the id is
 // assigned here; HELLO is Dial's). For requests this package has no method for, and for testing
-// a server.
+// a server. The reply must hold one decision or item per element of the request's list
+// ("routes", "events", "workers", "pools"), a slice or array of any element type.
 func (c *Client) SendMessage(ctx context.Context, message map[string]interface{}) (*Call, error) {
 	kind, _ := message["type"].(string)
 	if kind == "HELLO" {
@@ -321,8 +323,8 @@ func (c *Client) SendMessage(ctx context.Context, message map[string]interface{}
 	}
 	exp := expected{request: kind}
 	count := func(key string) int {
-		if v, ok := message[key].([]interface{}); ok {
-			return len(v)
+		if v := reflect.ValueOf(message[key]); v.Kind() == reflect.Slice || v.Kind() == reflect.Array {
+			return v.Len()
 		}
 		return 0
 	}

@@ -1087,6 +1087,31 @@ func TestConcurrentReconnectsShareOneConnection(t *testing.T) {
 	}
 }
 
+// SendMessage counts the routes of a typed slice too: a ROUTE of []map or []RouteRequest with
+// one route expects one decision.
+func TestSendMessageCountsTypedSlices(t *testing.T) {
+	s := startServer(t)
+	ctx := testContext(t)
+	c := dialT(t, ctx, s.address)
+	for _, routes := range []interface{}{
+		[]map[string]interface{}{{"request_id": "typed-map", "tokens": prompt(32, 1)}},
+		[]RouteRequest{{RequestID: "typed-struct", Tokens: prompt(32, 2)}},
+		[1]interface{}{map[string]interface{}{"request_id": "array", "tokens": prompt(32, 3)}},
+	} {
+		call, err := c.SendMessage(ctx, map[string]interface{}{"type": "ROUTE", "routes": routes})
+		if err != nil {
+			t.Fatalf("%T: send: %v", routes, err)
+		}
+		reply, err := call.Wait(ctx)
+		if err != nil || reply.Err() != nil || len(reply.Decisions) != 1 || reply.Decisions[0].Err() != nil {
+			t.Fatalf("%T: %v %+v", routes, err, reply)
+		}
+	}
+	if err := c.Err(); err != nil {
+		t.Fatalf("the connection was closed: %v", err)
+	}
+}
+
 func natsServerBinary() string {
 	if p, err := exec.LookPath("nats-server"); err == nil {
 		return p
