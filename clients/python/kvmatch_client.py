@@ -203,7 +203,9 @@ class Client:
         """Connect and do the HELLO / WELCOME handshake within `timeout` seconds (None: no
         limit). Raises KvmatchError (KM_ERR_INCOMPATIBLE when the server refuses our version,
         KM_ERR_PARSE / KM_ERR_PROTOCOL for a reply that is unreadable, neither WELCOME nor ERROR,
-        or a WELCOME to another id than the HELLO's), ConnectionClosed, TimeoutError or OSError."""
+        or a WELCOME to another id than the HELLO's; the server's code, e.g. KM_ERR_OVERLOADED at
+        its max_connections or KM_ERR_SHUTTING_DOWN while it drains, when it does not take the
+        connection), ConnectionClosed, TimeoutError or OSError."""
         family, target = _parse_address(address)
         sock = socket.socket(family, socket.SOCK_STREAM)
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -213,16 +215,33 @@ class Client:
             if family != socket.AF_UNIX:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             client = cls(sock)
-            hello_id = client._send_raw({"type": "HELLO", "protocol": PROTOCOL_VERSION,
-                                         "client": client_name}, deadline)
-            reply = client._read_message(deadline)
+            hello_id, frame = client._frame({"type": "HELLO", "protocol": PROTOCOL_VERSION,
+                                             "client": client_name})
+            client._next_id += 1
+            # A server that refuses the connection (max_connections, shutting down) writes an
+            # ERROR saying why and closes, maybe before the HELLO is written: the ERROR is still
+            # read, and only without one is the failed write the error.
+            unsent = None
+            try:
+                client._set_timeout(deadline)
+                sock.sendall(frame)
+            except (BrokenPipeError, ConnectionResetError) as exc:
+                unsent = exc
+            try:
+                reply = client._read_message(deadline)
+            except ConnectionClosed:
+                if unsent is None:
+                    raise
+                reply = None
+            if unsent is not None and (reply is None or reply.get("type") != "ERROR"):
+                raise ConnectionClosed("the server closed the connection before the HELLO was "
+                                       "sent (%s)" % unsent)
         except socket.timeout:
             sock.close()
             raise TimeoutError("connect / handshake with %s timed out" % address)
         except BaseException:
             sock.close()
             raise
-        client._outstanding.pop(hello_id, None)
         if reply.get("type") == "ERROR":
             client.close()
             raise KvmatchError(reply.get("code", KM_ERR_PROTOCOL), reply.get("name", "?"),
@@ -409,7 +428,8 @@ class Client:
         self.close()
         raise exc
 
-    def _send_raw(self, message, deadline):
+    def _frame(self, message):
+        """(the id the message is sent with, its frame): the next id, not yet taken."""
         rid = self._next_id
         message = dict(message, id=rid)
         payload = msgpack.packb(message, use_bin_type=True)
@@ -417,11 +437,14 @@ class Client:
             raise KvmatchError(KM_ERR_TOO_LARGE, "KM_ERR_TOO_LARGE",
                                "%s message encodes to %d bytes, max_frame_bytes is %d"
                                % (message.get("type"), len(payload), self._max_frame_bytes))
+        return rid, struct.pack(">I", len(payload)) + payload
+
+    def _send_raw(self, message, deadline):
+        rid, data = self._frame(message)
         if deadline is not None and deadline <= time.monotonic():
             # Nothing sent yet: the stream is intact, so the connection stays usable.
             raise TimeoutError("send timed out before any byte was sent")
         self._next_id += 1
-        data = struct.pack(">I", len(payload)) + payload
         try:
             self._set_timeout(deadline)
             self._sock.sendall(data)

@@ -5,10 +5,11 @@ directory: routes (blocking, pipelined, batched), the lifecycle reports and the 
 WORKERS / POOLS (POOLS remove included) / STATUS, each error the server answers (by code and
 name), servers of their own configured to refuse (KM_ERR_OVERLOADED from the per-connection
 budget, KM_ERR_TOO_LARGE for a frame over the server's limit, KM_ERR_SHUTTING_DOWN after a
-SIGTERM while routes are in flight), a server that goes away mid-request, and reconnecting to it
-once it is back. The error-name table is checked against
-include/kvmatch/error.h. The binary is $KM_BIN, else build/kvmatch or build-cpu/kvmatch. Run:
-python tests/test_server.py (exit 0 on success); the whole run is bounded by an alarm.
+SIGTERM while routes are in flight, KM_ERR_OVERLOADED for a connection over max_connections), a
+server that goes away mid-request, and reconnecting to it once it is back. The error-name
+table is checked against include/kvmatch/error.h. The binary is $KM_BIN, else build/kvmatch or
+build-cpu/kvmatch. Run: python tests/test_server.py (exit 0 on success); the whole run is bounded
+by an alarm.
 Replies a real server never sends (wrong count, wrong type, unknown id) are tested against a fake
 server in tests/test_python_client.py."""
 
@@ -337,6 +338,37 @@ def own_server(directory, name, config):
     return server
 
 
+def free_tcp_port():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_refused_connection_gives_the_servers_code(server):
+    """A real server at max_connections 1 with one connection held: connect fails with its
+    KM_ERR_OVERLOADED over the Unix socket (where the server's close often comes before the HELLO
+    is written) and over TCP."""
+    port = free_tcp_port()
+    own = own_server(server.dir, "refuse", {"max_connections": 1, "tcp": "127.0.0.1:%d" % port})
+    held = None
+    try:
+        deadline = time.monotonic() + 10
+        while held is None:  # the start-up check's connection may still count on its side
+            try:
+                held = kc.Client.connect(own.address)
+            except kc.KvmatchError:
+                expect(time.monotonic() < deadline, "the one connection was never taken")
+                time.sleep(0.02)
+        for address in (own.address, "tcp:127.0.0.1:%d" % port):
+            for _ in range(20):
+                expect_error(lambda: kc.Client.connect(address).close(), kc.KM_ERR_OVERLOADED,
+                             "%s: a connection over max_connections" % address)
+    finally:
+        if held:
+            held.close()
+        own.stop()
+
+
 def test_overloaded_by_the_connection_budget(server):
     """A real server with a budget of 4 routes per connection: a ROUTE frame of 5 is refused at
     once with KM_ERR_OVERLOADED by name, the connection stays usable, and a pipelined burst gets
@@ -522,6 +554,7 @@ def main():
              test_admin, test_remove_pools, test_pipelined, test_example,
              test_overloaded_by_the_connection_budget, test_oversize_frame_is_refused,
              test_shutting_down_while_routes_are_in_flight, test_server_goes_away_then_reconnect,
+             test_refused_connection_gives_the_servers_code,
              test_decision_load_view_of_a_cluster]
     failed = skipped = 0
     try:
