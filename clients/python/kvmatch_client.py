@@ -206,6 +206,11 @@ class Client:
         or a WELCOME to another id than the HELLO's; the server's code, e.g. KM_ERR_OVERLOADED at
         its max_connections or KM_ERR_SHUTTING_DOWN while it drains, when it does not take the
         connection), ConnectionClosed, TimeoutError or OSError."""
+        return cls._connect(address, timeout, client_name, 1)
+
+    @classmethod
+    def _connect(cls, address, timeout, client_name, first_id):
+        """connect(), the HELLO taking id first_id and later requests the ids after it."""
         family, target = _parse_address(address)
         sock = socket.socket(family, socket.SOCK_STREAM)
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -215,6 +220,7 @@ class Client:
             if family != socket.AF_UNIX:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             client = cls(sock)
+            client._next_id = first_id
             hello_id, frame = client._frame({"type": "HELLO", "protocol": PROTOCOL_VERSION,
                                              "client": client_name})
             client._next_id += 1
@@ -268,10 +274,11 @@ class Client:
     def reconnect(self, timeout: Optional[float] = 5.0) -> None:
         """Close this connection (if open) and dial the same address again with a new handshake.
         Requests in flight on the old connection get no reply (they are not resent: a router
-        decides again); kept replies are dropped. Raises as connect() does, leaving the client
-        closed."""
+        decides again); kept replies are dropped. Request ids go on from the old connection's, so
+        an id sent before never names a request sent after (wait on it raises). Raises as
+        connect() does, leaving the client closed."""
         self.close()
-        fresh = type(self).connect(self.address, timeout, self._client_name)
+        fresh = type(self)._connect(self.address, timeout, self._client_name, self._next_id)
         self.__dict__.update(fresh.__dict__)
 
     def close(self) -> None:

@@ -6,10 +6,10 @@ WORKERS / POOLS (POOLS remove included) / STATUS, each error the server answers 
 name), servers of their own configured to refuse (KM_ERR_OVERLOADED from the per-connection
 budget, KM_ERR_TOO_LARGE for a frame over the server's limit, KM_ERR_SHUTTING_DOWN after a
 SIGTERM while routes are in flight, KM_ERR_OVERLOADED for a connection over max_connections), a
-server that goes away mid-request, and reconnecting to it once it is back. The error-name
-table is checked against include/kvmatch/error.h. The binary is $KM_BIN, else build/kvmatch or
-build-cpu/kvmatch. Run: python tests/test_server.py (exit 0 on success); the whole run is bounded
-by an alarm.
+server that goes away mid-request, and reconnecting to it once it is back (request ids go on).
+The error-name table is checked against include/kvmatch/error.h. The binary is $KM_BIN, else
+build/kvmatch or build-cpu/kvmatch. Run: python tests/test_server.py (exit 0 on success); the
+whole run is bounded by an alarm.
 Replies a real server never sends (wrong count, wrong type, unknown id) are tested against a fake
 server in tests/test_python_client.py."""
 
@@ -369,6 +369,23 @@ def test_refused_connection_gives_the_servers_code(server):
         own.stop()
 
 
+def test_ids_go_on_after_reconnect(server):
+    """A request id sent before a reconnect never names one sent after: waiting on it raises."""
+    c = kc.Client.connect(server.address)
+    first = c.send_route([{"request_id": "before", "tokens": prompt(32)}])
+    c.close()
+    c.reconnect()
+    second = c.send_route([{"request_id": "after", "tokens": prompt(32)}])
+    expect(second != first, "the id %d was used again after the reconnect" % first)
+    try:
+        reply = c.wait(first)
+        raise AssertionError("wait on an id from before the reconnect returned %r" % reply)
+    except kc.KvmatchError as e:
+        expect(e.code in (kc.KM_ERR_NOT_FOUND, kc.KM_ERR_CLOSED), "raised %s" % e)
+    expect(c.wait(second)["decisions"][0]["request_id"] == "after", "the new request's reply")
+    c.close()
+
+
 def test_overloaded_by_the_connection_budget(server):
     """A real server with a budget of 4 routes per connection: a ROUTE frame of 5 is refused at
     once with KM_ERR_OVERLOADED by name, the connection stays usable, and a pipelined burst gets
@@ -554,7 +571,7 @@ def main():
              test_admin, test_remove_pools, test_pipelined, test_example,
              test_overloaded_by_the_connection_budget, test_oversize_frame_is_refused,
              test_shutting_down_while_routes_are_in_flight, test_server_goes_away_then_reconnect,
-             test_refused_connection_gives_the_servers_code,
+             test_refused_connection_gives_the_servers_code, test_ids_go_on_after_reconnect,
              test_decision_load_view_of_a_cluster]
     failed = skipped = 0
     try:
