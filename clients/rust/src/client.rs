@@ -199,7 +199,9 @@ impl Client {
     /// WELCOME handshake, within `timeout` (None: no limit), which stays the client's timeout.
     /// Fails with INVALID_ARGUMENT for an address of another form, IO when the connection fails,
     /// INCOMPATIBLE when the server does not speak PROTOCOL_VERSION, the server's code when it
-    /// refuses the handshake, PROTOCOL / PARSE for a reply that is not a WELCOME to the HELLO.
+    /// refuses the handshake or the connection (OVERLOADED at its max_connections, SHUTTING_DOWN
+    /// while it drains; read even when the server closed before the HELLO was written), PROTOCOL /
+    /// PARSE for a reply that is not a WELCOME to the HELLO.
     pub fn connect(address: &str, timeout: Option<Duration>) -> Result<Client> {
         let deadline = timeout.map(|t| Instant::now() + t);
         let stream = open(address, timeout)?;
@@ -226,19 +228,44 @@ impl Client {
             ("protocol".into(), Value::UInt(PROTOCOL_VERSION as u64)),
             ("client".into(), Value::Str(CLIENT_NAME.into())),
         ]);
-        let id = self.send_value(hello, deadline)?;
-        self.outstanding.remove(&id);
-        let reply = match self.read_reply(deadline) {
-            Ok(r) => r,
-            Err(e) => {
+        let (id, frame, _) = self.frame(hello)?;
+        self.next_id += 1;
+        // A server that refuses the connection (max_connections, shutting down) writes an ERROR
+        // saying why and closes, maybe before the HELLO is written: the ERROR is still read, and
+        // only without one is the failed write the error.
+        let written = match self.stream.as_mut() {
+            Some(stream) => {
+                stream.set_timeouts(remaining(deadline)).and_then(|_| stream.write_all(&frame))
+            }
+            None => return Err(self.closed_error()),
+        };
+        let unsent = match written {
+            Ok(()) => None,
+            Err(e) if timed_out(&e) => {
+                let e = Error::new(Code::TIMEOUT, "the HELLO was not sent before the timeout");
+                return Err(self.fail(e));
+            }
+            Err(e) => Some(e),
+        };
+        let reply = match (self.read_message(deadline), unsent) {
+            (Ok(r), None) => r,
+            (Ok(r), Some(_)) if r.kind == "ERROR" => r,
+            (Err(e), None) => {
                 self.close();
                 return Err(e);
+            }
+            (_, Some(w)) => {
+                let m = format!("the server closed the connection before the HELLO was sent ({w})");
+                self.close();
+                return Err(Error::new(Code::CLOSED, m));
             }
         };
         let refuse = |client: &mut Client, e: Error| {
             client.close();
             Err(e)
         };
+        // An ERROR answering the HELLO, or sent with id 0 by a server that does not take the
+        // connection: the server's code.
         if let Some(e) = reply.error() {
             let code = e.code;
             return refuse(self, Error::new(code, format!("the server refused the handshake: {}", e.message)));
@@ -508,7 +535,8 @@ impl Client {
 
     // ---- frames ---------------------------------------------------------------------------------
 
-    fn send_value(&mut self, message: Value, deadline: Option<Instant>) -> Result<u64> {
+    /// The message with the next id (not yet taken) as a frame: (the id, the frame, the message).
+    fn frame(&self, message: Value) -> Result<(u64, Vec<u8>, Value)> {
         let id = self.next_id;
         let mut entries = match message {
             Value::Map(e) => e,
@@ -530,6 +558,11 @@ impl Client {
             return Err(Error::new(Code::TOO_LARGE, m));
         }
         frame[..4].copy_from_slice(&(length as u32).to_be_bytes());
+        Ok((id, frame, message))
+    }
+
+    fn send_value(&mut self, message: Value, deadline: Option<Instant>) -> Result<u64> {
+        let (id, frame, message) = self.frame(message)?;
         let left = match remaining(deadline) {
             Some(Duration::ZERO) => {
                 // Nothing sent yet: the stream is intact.
@@ -598,6 +631,21 @@ impl Client {
     /// One whole frame, decoded, with a connection-level ERROR turned into CLOSED. A timeout
     /// keeps the partial bytes for the next call.
     fn read_reply(&mut self, deadline: Option<Instant>) -> Result<Reply> {
+        let reply = self.read_message(deadline)?;
+        if reply.kind == "ERROR" && reply.id == 0 {
+            // The server is closing the connection: CLOSED whatever its code, which is named.
+            let e = reply.error().unwrap_or_else(|| Error::new(Code::PROTOCOL, ""));
+            let m = format!(
+                "the server closes the connection: {} ({}): {}",
+                e.code, e.code.0, e.message
+            );
+            return Err(self.fail(Error::new(Code::CLOSED, m)));
+        }
+        Ok(reply)
+    }
+
+    /// One whole frame, decoded. A timeout keeps the partial bytes for the next call.
+    fn read_message(&mut self, deadline: Option<Instant>) -> Result<Reply> {
         let payload = self.read_frame(deadline)?;
         let body = match Value::decode(&payload) {
             Ok(v) => v,
@@ -614,14 +662,7 @@ impl Client {
                 None => return Err(self.fail(Error::new(Code::PARSE, "a reply's id is a uint"))),
             },
         };
-        let reply = Reply { kind, id, body };
-        if reply.kind == "ERROR" && reply.id == 0 {
-            // The server is closing the connection: CLOSED whatever its code, which is named.
-            let e = reply.error().unwrap_or_else(|| Error::new(Code::PROTOCOL, ""));
-            let m = format!("the server closes the connection: {} ({}): {}", e.code, e.code.0, e.message);
-            return Err(self.fail(Error::new(Code::CLOSED, m)));
-        }
-        Ok(reply)
+        Ok(Reply { kind, id, body })
     }
 
     fn read_frame(&mut self, deadline: Option<Instant>) -> Result<Vec<u8>> {

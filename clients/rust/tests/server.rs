@@ -2,11 +2,12 @@
 //! The client against a real `kvmatch serve` ($KM_BIN, else build/kvmatch or build-cpu/kvmatch)
 //! started on a Unix socket in a temporary directory: routes (blocking, pipelined, batched), the
 //! lifecycle reports, WORKERS / POOLS / STATUS, each error the server answers, servers of their own
-//! configured to refuse (OVERLOADED from the per-connection budget, TOO_LARGE for a request over
-//! the server's frame limit, SHUTTING_DOWN after a SIGTERM while routes are in flight), a server
-//! that goes away mid-request and reconnecting once it is back. Replies a real server never sends (wrong
-//! count, wrong type, unknown id, connection-level ERROR, unreadable or oversize frames) come
-//! from a fake server written here. Every wait is bounded by the client's timeout.
+//! configured to refuse (OVERLOADED from the per-connection budget and for a connection over
+//! max_connections, TOO_LARGE for a request over the server's frame limit, SHUTTING_DOWN after a
+//! SIGTERM while routes are in flight), a server that goes away mid-request and reconnecting once
+//! it is back. Replies a real server never sends (wrong count, wrong type, unknown id,
+//! connection-level ERROR, unreadable or oversize frames) come from a fake server written here.
+//! Every wait is bounded by the client's timeout.
 
 use std::fs;
 use std::io::{Read, Write};
@@ -529,6 +530,32 @@ fn server_goes_away_then_reconnect() {
     c.reconnect().expect("reconnect");
     assert!(!c.is_closed() && c.outstanding() == 0);
     c.route(&[tokens("back", vec![1])]).expect("served again").remove(0).result().expect("decided");
+}
+
+/// A connection the server does not take (max_connections 1, one held) fails connect with the
+/// server's OVERLOADED, over the Unix socket (where the server's close often comes before the
+/// HELLO is written) and over TCP.
+#[test]
+fn refused_connection_gives_the_servers_code() {
+    let probe = TcpListener::bind("127.0.0.1:0").expect("a free port");
+    let port = probe.local_addr().expect("its address").port();
+    drop(probe);
+    let config = format!(r#""max_connections": 1, "tcp": "127.0.0.1:{}""#, port);
+    let s = Server::start_with("refuse", Some(&config));
+    let deadline = Instant::now() + Duration::from_secs(10);
+    // The start-up check's connection may still count on the server's side.
+    let _held = loop {
+        match Client::connect(&s.address, TIMEOUT) {
+            Ok(c) => break c,
+            Err(e) => assert!(Instant::now() < deadline, "the one connection is not taken: {}", e),
+        }
+        thread::sleep(Duration::from_millis(20));
+    };
+    for address in [s.address.clone(), format!("tcp:127.0.0.1:{}", port)] {
+        for _ in 0..20 {
+            expect_code(Client::connect(&address, TIMEOUT).map(|_| ()), Code::OVERLOADED, &address);
+        }
+    }
 }
 
 // ---- a fake server, for replies a real one never sends ------------------------------------------
