@@ -203,13 +203,18 @@ impl Client {
     /// while it drains; read even when the server closed before the HELLO was written), PROTOCOL /
     /// PARSE for a reply that is not a WELCOME to the HELLO.
     pub fn connect(address: &str, timeout: Option<Duration>) -> Result<Client> {
+        Client::dial(address, timeout, 1)
+    }
+
+    /// connect, the HELLO taking id first_id and later requests the ids after it.
+    fn dial(address: &str, timeout: Option<Duration>, first_id: u64) -> Result<Client> {
         let deadline = timeout.map(|t| Instant::now() + t);
         let stream = open(address, timeout)?;
         let mut client = Client {
             address: address.to_string(),
             stream: Some(stream),
             buffer: Vec::new(),
-            next_id: 1,
+            next_id: first_id,
             outstanding: HashMap::new(),
             abandoned: HashMap::new(),
             kept: VecDeque::new(),
@@ -338,10 +343,11 @@ impl Client {
 
     /// Close this connection (if open) and dial the same address again with a new handshake.
     /// Requests in flight on the old connection get no reply (they are not resent: a router
-    /// decides again). On failure the client stays closed.
+    /// decides again). Request ids go on from the old connection's, so an id sent before never
+    /// names a request sent after (wait on it fails). On failure the client stays closed.
     pub fn reconnect(&mut self) -> Result<()> {
         self.close();
-        let fresh = Client::connect(&self.address, self.timeout)?;
+        let fresh = Client::dial(&self.address, self.timeout, self.next_id)?;
         *self = fresh;
         Ok(())
     }

@@ -5,9 +5,9 @@
 //! configured to refuse (OVERLOADED from the per-connection budget and for a connection over
 //! max_connections, TOO_LARGE for a request over the server's frame limit, SHUTTING_DOWN after a
 //! SIGTERM while routes are in flight), a server that goes away mid-request and reconnecting once
-//! it is back. Replies a real server never sends (wrong count, wrong type, unknown id,
-//! connection-level ERROR, unreadable or oversize frames) come from a fake server written here.
-//! Every wait is bounded by the client's timeout.
+//! it is back (request ids go on). Replies a real server never sends (wrong count, wrong type,
+//! unknown id, connection-level ERROR, unreadable or oversize frames) come from a fake server
+//! written here. Every wait is bounded by the client's timeout.
 
 use std::fs;
 use std::io::{Read, Write};
@@ -556,6 +556,24 @@ fn refused_connection_gives_the_servers_code() {
             expect_code(Client::connect(&address, TIMEOUT).map(|_| ()), Code::OVERLOADED, &address);
         }
     }
+}
+
+/// A request id sent before a reconnect never names one sent after: waiting on it fails.
+#[test]
+fn ids_go_on_after_reconnect() {
+    let s = Server::start("ids");
+    let mut c = Client::connect(&s.address, TIMEOUT).expect("connect");
+    let first = c.send_route(&[tokens("before", prompt(32, 0))]).expect("send");
+    c.close();
+    c.reconnect().expect("reconnect");
+    let second = c.send_route(&[tokens("after", prompt(32, 0))]).expect("send");
+    assert_ne!(first, second, "an id was used again after the reconnect");
+    match c.wait(first) {
+        Err(e) => assert!(e.code == Code::NOT_FOUND || e.code == Code::CLOSED, "{}", e),
+        Ok(r) => panic!("wait on an id from before the reconnect returned {:?}", r.body),
+    }
+    let reply = c.wait(second).expect("the new request's reply");
+    assert_eq!(reply.decisions().expect("decisions")[0].request_id, "after");
 }
 
 // ---- a fake server, for replies a real one never sends ------------------------------------------
