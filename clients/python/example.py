@@ -4,8 +4,8 @@
 
     python example.py [ADDRESS [POOL]]
         ADDRESS  unix:/path/to/socket (default unix:/tmp/kvmatch.sock) or tcp:127.0.0.1:PORT
-        POOL     the pool to route in (default "default", the pool `kvmatch serve` makes when it is
-                 given none)
+        POOL     the pool to route in (default "default"), with at least one worker, e.g.
+                 `kvmatch serve --pool default:16 --worker default:0 --worker default:1`
 
 Runs under any Python where the package is installed (`pip install ./clients/python`), or from this
 folder with msgpack importable. A router would call route() before forwarding a request, then

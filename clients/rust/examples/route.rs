@@ -4,8 +4,9 @@
 //!     cargo run --example route -- [ADDRESS [POOL]]
 //!
 //! ADDRESS is unix:/path (default unix:/tmp/kvmatch.sock) or tcp:IP:PORT; POOL defaults to
-//! "default", the pool `kvmatch serve` makes when it is given none. Exits 0 when every step was
-//! answered as expected.
+//! "default" and needs a worker, e.g. from
+//! `kvmatch serve --pool default:16 --worker default:0 --worker default:1` (a pool with no
+//! workers decides nothing). Exits 0 when every step was answered as expected.
 
 use std::process::ExitCode;
 use std::time::Duration;
