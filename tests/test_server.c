@@ -1922,7 +1922,8 @@ Test(server, workers_and_pools_change_at_run_time, .timeout = 30)
     srv_start(&s, &cfg);
     km_client *c = connect_client(&s);
     km_message reply, m;
-    /* A new pool with its own policy and block size, then workers in it. */
+    /* A new pool with its own policy and block size, then workers in it. A parameter of another
+     * policy than the pool's would change nothing: that pool is refused, as in the file. */
     memset(&m, 0, sizeof m);
     m.type = KM_MESSAGE_POOLS;
     m.pools.action = KM_ADMIN_ADD;
@@ -1937,6 +1938,11 @@ Test(server, workers_and_pools_change_at_run_time, .timeout = 30)
     pi.n_params = 1;
     m.pools.pools = &pi;
     m.pools.n_pools = 1;
+    cr_assert_eq(km_client_call(c, &m, 5000, &reply), KM_OK);
+    cr_assert_eq(reply.ack.items[0].status, KM_ERR_INVALID_ARGUMENT);
+    cr_assert_not_null(strstr(reply.ack.items[0].message, "parameter of policy kv"), "%s",
+                       reply.ack.items[0].message);
+    pi.policy = "kv";
     cr_assert_eq(km_client_call(c, &m, 5000, &reply), KM_OK);
     cr_assert_eq(reply.ack.items[0].status, KM_OK, "%s", reply.ack.items[0].message);
     memset(&m, 0, sizeof m);

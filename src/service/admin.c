@@ -184,8 +184,17 @@ static int pool_param(km_admin_action action, km_server_pool *pc, const km_param
                       size_t why_size)
 {
     bool ttl = !strcmp(param->name, "approx_ttl_s");
-    if (!ttl && strcmp(param->name, "approx_capacity_blocks") != 0)
+    if (!ttl && strcmp(param->name, "approx_capacity_blocks") != 0) {
+        /* As the configuration file and --param: another policy's parameter would change
+         * nothing, so it is refused rather than kept unread. */
+        const char *owner = km_server_policy_param_owner(param->name);
+        const char *kind = km_policy_kind_name(pc->policy.kind);
+        if (owner && strcmp(owner, kind) != 0)
+            return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,
+                          "%s is a parameter of policy %s; this pool's policy is %s",
+                          param->name, owner, kind);
         return km_server_policy_param(&pc->policy, param->name, param->value, why, why_size);
+    }
     if (action != KM_ADMIN_ADD)
         return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,
                       "%s is set when a pool is added; it cannot change", param->name);
