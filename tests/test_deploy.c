@@ -1207,6 +1207,16 @@ Test(deploy, sighup_moves_a_worker_between_pools_and_applies_every_worker_change
                  "a metrics change re-added the worker");
     cr_assert(file_has(log, "reload: 1 change applied\n"));
 
+    /* Worker 5 moving to a pool the reload refuses (its block size cannot change) stays in B. */
+    write_file(cfg, "{\"pools\": [{\"name\": \"A\", \"block_size\": 32, \"workers\": [{\"id\": 5, "
+                    "\"name\": \"five\", \"metrics\": \"http://127.0.0.1:9/other\"}]}, {\"name\": "
+                    "\"B\", \"block_size\": 16, \"workers\": [{\"id\": 6, \"name\": \"e/dp0\"}, "
+                    "{\"id\": 7, \"name\": \"e/dp1\"}]}]}");
+    reload_and_wait(pid, log, 4);
+    w = list_worker(sock, 5);
+    cr_assert(w.found && !strcmp(w.pool, "B"), "worker 5 left B for a refused pool");
+    cr_assert(file_has(log, "pool B: worker 5 kept: pool A, which lists it, was refused"));
+
     cr_assert_eq(kill(pid, SIGTERM), 0);
     int st = 0;
     cr_assert_eq(waitpid(pid, &st, 0), pid);

@@ -84,6 +84,16 @@ static void note_restart_only(km_server *s, const km_server_config *n)
 #undef KM_RELOAD_NUMBER
 }
 
+/* A pool of the file that was refused (pool_at -1) and lists worker id, or NULL. */
+static const km_server_pool *refused_pool_listing(const km_server_config *n, const int *pool_at,
+                                                  uint32_t id)
+{
+    for (uint32_t i = 0; i < n->n_pools; i++)
+        if (pool_at[i] < 0 && listed_worker(&n->pools[i], id))
+            return &n->pools[i];
+    return NULL;
+}
+
 int km_server_reload(km_server *s, const km_server_config *n)
 {
     if (!s || !n)
@@ -191,6 +201,15 @@ int km_server_reload(km_server *s, const km_server_config *n)
             unsigned c = w ? worker_changes(s, at, w) : WORKER_SAME;
             if (w && !(c & (WORKER_ENDPOINTS | WORKER_NAME)))
                 continue;
+            const km_server_pool *to = w ? NULL : refused_pool_listing(n, pool_at, id);
+            if (to) {
+                /* It moves to a pool this reload refused: it stays where it is, with its index,
+                 * rather than end in no pool. */
+                km_srv_log(s, KM_LOG_WARNING
+                           "reload: pool %s: worker %u kept: pool %s, which lists it, was refused",
+                           pc->name, id, to->name ? to->name : "");
+                continue;
+            }
             if (km_srv_worker_remove(s, id, why, sizeof why) == KM_OK) {
                 km_srv_log(s, KM_LOG_INFO "reload: pool %s: worker %u removed%s", pc->name, id,
                            !w ? "" : c & WORKER_ENDPOINTS ? " (its endpoints changed)"
