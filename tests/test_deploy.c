@@ -1224,6 +1224,89 @@ Test(deploy, sighup_moves_a_worker_between_pools_and_applies_every_worker_change
     remove_dir();
 }
 
+/* How many workers the service lists, and whether worker `id` is one of them. */
+static uint32_t count_workers(const char *sock, uint32_t id, bool *has_id)
+{
+    char addr[160], why[256];
+    snprintf(addr, sizeof addr, "unix:%s", sock);
+    km_client *c = NULL;
+    cr_assert_eq(km_client_connect(addr, 3000, &c, why, sizeof why), KM_OK, "%s", why);
+    km_message m, reply;
+    memset(&m, 0, sizeof m);
+    m.type = KM_MESSAGE_WORKERS;
+    m.workers.action = KM_ADMIN_LIST;
+    cr_assert_eq(km_client_call(c, &m, 5000, &reply), KM_OK);
+    cr_assert_eq(reply.type, KM_MESSAGE_WORKER_LIST);
+    uint32_t n = reply.workers.n_workers;
+    *has_id = false;
+    for (uint32_t i = 0; i < n; i++)
+        *has_id |= reply.workers.workers[i].worker == id;
+    km_client_close(c);
+    return n;
+}
+
+static void stop_serve(pid_t pid)
+{
+    cr_assert_eq(kill(pid, SIGTERM), 0);
+    int st = 0;
+    cr_assert_eq(waitpid(pid, &st, 0), pid);
+    cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "exit status %d", st);
+}
+
+/* Every pool and worker the config file lists is served, however many, beside the flags': a pool
+ * of 100 workers plus a --worker for it serves 101, at start and after a reload (which applies the
+ * flags again); of 70 pools the 70th routes to its worker. */
+Test(deploy, serve_keeps_every_configured_pool_and_worker_beside_the_flags, .timeout = 90)
+{
+    make_dir();
+    char sock[128], cfg[128], log[128], args[512];
+    snprintf(sock, sizeof sock, "%s/s.sock", g_dir);
+    snprintf(cfg, sizeof cfg, "%s/serve.json", g_dir);
+    snprintf(log, sizeof log, "%s/serve.log", g_dir);
+    static char json[16384];
+    int len = snprintf(json, sizeof json, "{\"pools\": [{\"name\": \"main\", \"block_size\": 4, "
+                                          "\"workers\": [");
+    for (int i = 0; i < 100; i++)
+        len += snprintf(json + len, sizeof json - len, "%s{\"id\": %d}", i ? ", " : "", i);
+    snprintf(json + len, sizeof json - len, "]}]}");
+    write_file(cfg, json);
+    snprintf(args, sizeof args, "--records=none --config=%s --log-file=%s --worker main:500", cfg,
+             log);
+    pid_t pid = spawn_serve_args(sock, args);
+    bool has_flag_worker;
+    cr_assert_eq(count_workers(sock, 500, &has_flag_worker), 101);
+    cr_assert(has_flag_worker, "the flag's worker 500 is served");
+    reload_and_wait(pid, log, 1);
+    cr_assert_eq(count_workers(sock, 500, &has_flag_worker), 101, "after a reload");
+    cr_assert(has_flag_worker, "the flag's worker 500 is still served after a reload");
+    stop_serve(pid);
+
+    len = snprintf(json, sizeof json, "{\"pools\": [");
+    for (int i = 0; i < 70; i++)
+        len += snprintf(json + len, sizeof json - len, "%s{\"name\": \"p%d\", \"block_size\": 4, "
+                        "\"workers\": [{\"id\": %d}]}", i ? ", " : "", i, i);
+    snprintf(json + len, sizeof json - len, "]}");
+    write_file(cfg, json);
+    snprintf(args, sizeof args, "--records=none --config=%s --log-file=%s", cfg, log);
+    pid = spawn_serve_args(sock, args);
+    cr_assert_eq(count_workers(sock, 69, &has_flag_worker), 70);
+    char addr[160], why[256];
+    snprintf(addr, sizeof addr, "unix:%s", sock);
+    km_client *c = NULL;
+    cr_assert_eq(km_client_connect(addr, 3000, &c, why, sizeof why), KM_OK, "%s", why);
+    uint32_t tokens[8] = {1, 2, 3, 4, 5, 6, 7, 8};
+    km_route_request r = route_of("last-pool", tokens, 8);
+    r.pool = "p69";
+    km_message reply;
+    cr_assert_eq(km_client_route(c, &r, 1, 5000, &reply), KM_OK);
+    cr_assert_eq(reply.decision.decisions[0].status, KM_OK, "%s",
+                 reply.decision.decisions[0].message ? reply.decision.decisions[0].message : "");
+    cr_assert_eq(reply.decision.decisions[0].chosen_worker, 69);
+    km_client_close(c);
+    stop_serve(pid);
+    remove_dir();
+}
+
 /* serve's flags: --opt=value, the config key's name for each setting (the older flag still works
  * with a warning), a range error that names the range, a policy parameter of another policy. */
 Test(deploy, serve_flags_name_their_settings_and_ranges, .timeout = 60)

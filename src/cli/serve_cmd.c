@@ -14,8 +14,6 @@
 #include "kvmatch/kvmatch.h"
 #include "service/server_config.h"
 
-#define MAX_FLAG_POOLS 64
-#define MAX_FLAG_WORKERS 4096
 
 static void serve_usage(FILE *f)
 {
@@ -172,18 +170,101 @@ static void on_hangup(km_server *server, void *user)
     km_server_config_json_free(owner);
 }
 
+/* The pools apply_flags hands out: the config file's, then those the flags add, each with its
+ * workers copied once a --worker flag adds to it. Sized from the file and grown as the flags need,
+ * so nothing the file or the flags list is ever left out. */
+typedef struct flag_pools {
+    km_server_pool *pools;
+    uint32_t n, cap;
+    km_server_worker **workers; /* per pool; NULL while the pool keeps the file's array */
+    uint32_t *n_workers, *cap_workers;
+} flag_pools;
+
+static void flag_pools_free(flag_pools *fp)
+{
+    for (uint32_t i = 0; i < fp->cap; i++)
+        free(fp->workers[i]);
+    free(fp->workers);
+    free(fp->n_workers);
+    free(fp->cap_workers);
+    free(fp->pools);
+    memset(fp, 0, sizeof *fp);
+}
+
+/* Room for one more pool; false when out of memory. */
+static bool flag_pools_reserve(flag_pools *fp)
+{
+    if (fp->n < fp->cap)
+        return true;
+    uint32_t cap = fp->cap ? fp->cap * 2 : 16;
+    km_server_pool *pools = realloc(fp->pools, cap * sizeof *pools);
+    if (pools)
+        fp->pools = pools;
+    km_server_worker **workers = realloc(fp->workers, cap * sizeof *workers);
+    if (workers)
+        fp->workers = workers;
+    uint32_t *n_workers = realloc(fp->n_workers, cap * sizeof *n_workers);
+    if (n_workers)
+        fp->n_workers = n_workers;
+    uint32_t *cap_workers = realloc(fp->cap_workers, cap * sizeof *cap_workers);
+    if (cap_workers)
+        fp->cap_workers = cap_workers;
+    if (!pools || !workers || !n_workers || !cap_workers)
+        return false;
+    for (uint32_t i = fp->cap; i < cap; i++) {
+        fp->workers[i] = NULL;
+        fp->n_workers[i] = fp->cap_workers[i] = 0;
+    }
+    fp->cap = cap;
+    return true;
+}
+
+/* Append w to pool pi's workers, after the ones it had (from the file); false when out of
+ * memory. */
+static bool flag_pools_add_worker(flag_pools *fp, uint32_t pi, km_server_worker w)
+{
+    km_server_pool *p = &fp->pools[pi];
+    if (!fp->workers[pi]) {
+        /* the first flag for this pool: copy the file's workers into an array of our own */
+        uint32_t cap = p->n_workers + 16;
+        if (!(fp->workers[pi] = malloc(cap * sizeof *fp->workers[pi])))
+            return false;
+        if (p->n_workers)
+            memcpy(fp->workers[pi], p->workers, p->n_workers * sizeof *p->workers);
+        fp->n_workers[pi] = p->n_workers;
+        fp->cap_workers[pi] = cap;
+    }
+    if (fp->n_workers[pi] == fp->cap_workers[pi]) {
+        uint32_t cap = fp->cap_workers[pi] * 2;
+        km_server_worker *grown = realloc(fp->workers[pi], cap * sizeof *grown);
+        if (!grown)
+            return false;
+        fp->workers[pi] = grown;
+        fp->cap_workers[pi] = cap;
+    }
+    fp->workers[pi][fp->n_workers[pi]++] = w;
+    p->workers = fp->workers[pi];
+    p->n_workers = fp->n_workers[pi];
+    return true;
+}
+
+static flag_pools g_flag_pools; /* what the last apply_flags handed out */
+
 /* Apply the flags (the second pass) over *cfg, which holds the defaults and the config file's
- * settings; pools from the file are copied so flags can add to them and their workers. The pools
- * live in static storage, valid until the next call. KM_EXIT_OK or KM_EXIT_USAGE (said on
- * stderr). */
+ * settings; pools from the file are copied so flags can add to them and their workers, however
+ * many there are. The pools are valid until the next call. KM_EXIT_OK, KM_EXIT_FAILURE (out of
+ * memory) or KM_EXIT_USAGE (said on stderr). */
 static int apply_flags(int argc, char **argv, km_server_config *cfg)
 {
-    static km_server_pool pools[MAX_FLAG_POOLS];
-    static km_server_worker workers[MAX_FLAG_POOLS][MAX_FLAG_WORKERS / MAX_FLAG_POOLS];
-    uint32_t n_pools = 0;
-    uint32_t n_workers[MAX_FLAG_POOLS] = {0};
-    for (uint32_t i = 0; i < cfg->n_pools && n_pools < MAX_FLAG_POOLS; i++)
-        pools[n_pools++] = cfg->pools[i];
+    flag_pools *fp = &g_flag_pools;
+    flag_pools_free(fp);
+    for (uint32_t i = 0; i < cfg->n_pools; i++) {
+        if (!flag_pools_reserve(fp)) {
+            fprintf(stderr, "kvmatch serve: out of memory copying %u pools\n", cfg->n_pools);
+            return KM_EXIT_FAILURE;
+        }
+        fp->pools[fp->n++] = cfg->pools[i];
+    }
     int status = 0, opt;
     km_cli_getopt_begin(argv, "serve");
     opterr = !g_quiet;
@@ -320,13 +401,18 @@ static int apply_flags(int argc, char **argv, km_server_config *cfg)
             char *save = NULL;
             char *name = strtok_r(buf, ":", &save), *bs = strtok_r(NULL, ":", &save),
                  *pol = strtok_r(NULL, ":", &save), *model = strtok_r(NULL, "", &save);
-            if (!name || !bs || n_pools >= MAX_FLAG_POOLS) {
-                fprintf(stderr, "kvmatch serve: --pool wants NAME:BLOCK_SIZE[:POLICY[:MODEL]] (at "
-                                "most %u pools), got \"%s\"\n", MAX_FLAG_POOLS, v);
+            if (!name || !bs) {
+                fprintf(stderr, "kvmatch serve: --pool wants NAME:BLOCK_SIZE[:POLICY[:MODEL]], "
+                                "got \"%s\"\n", v);
                 status = KM_EXIT_USAGE;
                 break;
             }
-            km_server_pool *p = &pools[n_pools];
+            if (!flag_pools_reserve(fp)) {
+                fprintf(stderr, "kvmatch serve: --pool %s: out of memory\n", v);
+                status = KM_EXIT_FAILURE;
+                break;
+            }
+            km_server_pool *p = &fp->pools[fp->n];
             memset(p, 0, sizeof *p);
             km_policy_config_init(&p->policy);
             uint64_t block_size;
@@ -345,13 +431,13 @@ static int apply_flags(int argc, char **argv, km_server_config *cfg)
             }
             p->name = strdup(name);
             p->model = model ? strdup(model) : NULL;
-            n_pools++;
+            fp->n++;
             break;
         }
         case OPT_PARAM:
         case OPT_WORKER: {
             const char *colon = strchr(v, ':');
-            int pi = colon ? find_pool(pools, n_pools, v, (size_t)(colon - v)) : -1;
+            int pi = colon ? find_pool(fp->pools, fp->n, v, (size_t)(colon - v)) : -1;
             const char *flag = opt == OPT_PARAM ? "--param" : "--worker";
             if (pi < 0) {
                 fprintf(stderr, "kvmatch serve: %s %s: no such pool (define it first)\n", flag, v);
@@ -369,7 +455,7 @@ static int apply_flags(int argc, char **argv, km_server_config *cfg)
                 snprintf(pname, sizeof pname, "%.*s", (int)(eq - colon - 1), colon + 1);
                 char *end;
                 double d = strtod(eq + 1, &end);
-                km_server_pool *p = &pools[pi];
+                km_server_pool *p = &fp->pools[pi];
                 const char *owner = km_server_policy_param_owner(pname);
                 if (owner && strcmp(owner, km_policy_kind_name(p->policy.kind)) != 0) {
                     fprintf(stderr, "kvmatch serve: --param %s: a parameter of policy %s; pool %s "
@@ -401,12 +487,6 @@ static int apply_flags(int argc, char **argv, km_server_config *cfg)
                 status = KM_EXIT_USAGE;
                 break;
             }
-            if (n_workers[pi] >= MAX_FLAG_WORKERS / MAX_FLAG_POOLS) {
-                fprintf(stderr, "kvmatch serve: at most %u --worker flags per pool (use --config)\n",
-                        MAX_FLAG_WORKERS / MAX_FLAG_POOLS);
-                status = KM_EXIT_USAGE;
-                break;
-            }
             km_server_worker w = {(uint32_t)id, NULL, NULL, NULL, false, 0, NULL};
             if (*end == '=') {
                 char *pub = strdup(end + 1);
@@ -418,16 +498,10 @@ static int apply_flags(int argc, char **argv, km_server_config *cfg)
                 w.event_endpoint = pub;
             }
             /* Keep the pool's configured workers, then the flag's. */
-            km_server_pool *p = &pools[pi];
-            if (n_workers[pi] == 0 && p->n_workers) {
-                uint32_t k = 0;
-                for (; k < p->n_workers && k < MAX_FLAG_WORKERS / MAX_FLAG_POOLS - 1; k++)
-                    workers[pi][k] = p->workers[k];
-                n_workers[pi] = k;
+            if (!flag_pools_add_worker(fp, (uint32_t)pi, w)) {
+                fprintf(stderr, "kvmatch serve: --worker %s: out of memory\n", v);
+                status = KM_EXIT_FAILURE;
             }
-            workers[pi][n_workers[pi]++] = w;
-            p->workers = workers[pi];
-            p->n_workers = n_workers[pi];
             break;
         }
         default:
@@ -441,15 +515,19 @@ static int apply_flags(int argc, char **argv, km_server_config *cfg)
     }
     if (status)
         return status;
-    if (n_pools == 0) {
-        km_server_pool *p = &pools[n_pools++];
+    if (fp->n == 0) {
+        if (!flag_pools_reserve(fp)) {
+            fprintf(stderr, "kvmatch serve: out of memory\n");
+            return KM_EXIT_FAILURE;
+        }
+        km_server_pool *p = &fp->pools[fp->n++];
         memset(p, 0, sizeof *p);
         p->name = "default";
         p->block_size = 16;
         km_policy_config_init(&p->policy);
     }
-    cfg->pools = pools;
-    cfg->n_pools = n_pools;
+    cfg->pools = fp->pools;
+    cfg->n_pools = fp->n;
     return KM_EXIT_OK;
 }
 
@@ -527,6 +605,7 @@ int km_cmd_serve(int argc, char **argv)
     }
     rc = km_server_run(server, true);
     km_server_destroy(server);
+    flag_pools_free(&g_flag_pools);
     km_logger_destroy(state.logger);
     km_server_config_json_free(owner);
     return rc == KM_OK ? KM_EXIT_OK : KM_EXIT_FAILURE;
