@@ -2,6 +2,7 @@
 /* Option parsing shared by the subcommands (cli/options.h). */
 #include "cli/options.h"
 
+#include <ctype.h>
 #include <errno.h>
 #include <inttypes.h>
 #include <math.h>
@@ -61,6 +62,41 @@ bool km_cli_double(const char *cmd, const char *option, const char *text, double
                 max, text);
         return false;
     }
+    *out = v;
+    return true;
+}
+
+bool km_cli_parse_double(const char *text, size_t len, double *out)
+{
+    char buf[64];
+    if (len == 0 || len >= sizeof buf)
+        return false;
+    memcpy(buf, text, len);
+    buf[len] = '\0';
+    if (isspace((unsigned char)buf[0]))
+        return false; /* strtod would skip it */
+    char *end;
+    errno = 0;
+    double v = strtod(buf, &end);
+    if (end == buf || *end || errno || !isfinite(v))
+        return false;
+    *out = v;
+    return true;
+}
+
+bool km_cli_parse_u64(const char *text, size_t len, uint64_t max, uint64_t *out)
+{
+    char buf[32];
+    if (len == 0 || len >= sizeof buf)
+        return false;
+    memcpy(buf, text, len);
+    buf[len] = '\0';
+    if (strspn(buf, "0123456789") != len)
+        return false;
+    errno = 0;
+    unsigned long long v = strtoull(buf, NULL, 10);
+    if (errno || v > max)
+        return false;
     *out = v;
     return true;
 }

@@ -14,6 +14,7 @@
 
 #include <getopt.h>
 #include <stdbool.h>
+#include <stddef.h>
 #include <stdint.h>
 
 enum {
@@ -39,5 +40,12 @@ bool km_cli_u32(const char *cmd, const char *option, const char *text, uint32_t 
 /* A finite number in min..max, likewise. */
 bool km_cli_double(const char *cmd, const char *option, const char *text, double min, double max,
                    double *out);
+
+/* Is text[0 .. len) exactly a finite number (strtod's syntax, nothing before or after it)? Its
+ * value in *out. For the parts of a compound value (W:T:D), whose caller names the whole value in
+ * its message. */
+bool km_cli_parse_double(const char *text, size_t len, double *out);
+/* Is text[0 .. len) exactly an unsigned decimal integer of at most max? Its value in *out. */
+bool km_cli_parse_u64(const char *text, size_t len, uint64_t max, uint64_t *out);
 
 #endif

@@ -537,46 +537,60 @@ int km_cmd_sim(int argc, char **argv)
             break;
         case OPT_DROP_EVENTS: {
             /* P[@T] */
-            char *at = strchr(v, '@');
-            cfg.drop_events = atof(v);
-            cfg.drop_from_s = at ? atof(at + 1) : 0;
-            if (!(cfg.drop_events > 0 && cfg.drop_events <= 1) || cfg.drop_from_s < 0) {
-                fprintf(stderr, "kvmatch sim: --drop-events wants P[@T], 0 < P <= 1\n");
+            const char *at = strchr(v, '@');
+            double p, t = 0;
+            if (!km_cli_parse_double(v, at ? (size_t)(at - v) : strlen(v), &p) ||
+                !(p > 0 && p <= 1) ||
+                (at && (!km_cli_parse_double(at + 1, strlen(at + 1), &t) || t < 0))) {
+                fprintf(stderr, "kvmatch sim: --drop-events wants P[@T] (0 < P <= 1, T >= 0 "
+                                "virtual seconds), got \"%s\"\n", v);
                 return KM_EXIT_USAGE;
             }
+            cfg.drop_events = p;
+            cfg.drop_from_s = t;
             break;
         }
         case OPT_CUT: {
             /* W:T:D */
-            int wk;
+            const char *c1 = strchr(v, ':'), *c2 = c1 ? strchr(c1 + 1, ':') : NULL;
+            uint64_t wk;
             double t, d;
-            if (sscanf(v, "%d:%lf:%lf", &wk, &t, &d) != 3 || wk < 0 || t < 0 || d <= 0) {
-                fprintf(stderr, "kvmatch sim: --cut wants WORKER:AT_S:FOR_S\n");
+            if (!c2 || !km_cli_parse_u64(v, (size_t)(c1 - v), 4095, &wk) ||
+                !km_cli_parse_double(c1 + 1, (size_t)(c2 - c1 - 1), &t) || t < 0 ||
+                !km_cli_parse_double(c2 + 1, strlen(c2 + 1), &d) || !(d > 0)) {
+                fprintf(stderr, "kvmatch sim: --cut wants WORKER:AT_S:FOR_S (AT_S >= 0, FOR_S > 0 "
+                                "virtual seconds), got \"%s\"\n", v);
                 return KM_EXIT_USAGE;
             }
-            cfg.cut_worker = wk;
+            cfg.cut_worker = (int)wk;
             cfg.cut_at_s = t;
             cfg.cut_for_s = d;
             break;
         }
         case OPT_RESTART_ENGINE: {
-            int wk;
+            /* W@T */
+            const char *at = strchr(v, '@');
+            uint64_t wk;
             double t;
-            if (sscanf(v, "%d@%lf", &wk, &t) != 2 || wk < 0 || t < 0) {
-                fprintf(stderr, "kvmatch sim: --restart-engine wants WORKER@AT_S\n");
+            if (!at || !km_cli_parse_u64(v, (size_t)(at - v), 4095, &wk) ||
+                !km_cli_parse_double(at + 1, strlen(at + 1), &t) || t < 0) {
+                fprintf(stderr, "kvmatch sim: --restart-engine wants WORKER@AT_S (AT_S >= 0 "
+                                "virtual seconds), got \"%s\"\n", v);
                 return KM_EXIT_USAGE;
             }
-            cfg.restart_worker = wk;
+            cfg.restart_worker = (int)wk;
             cfg.restart_at_s = t;
             break;
         }
         case OPT_RESTART_KVMATCH: {
             /* T[:snapshot|:nosnapshot] */
-            char mode[32] = "snapshot";
+            const char *colon = strchr(v, ':');
+            const char *mode = colon ? colon + 1 : "snapshot";
             double t;
-            if (sscanf(v, "%lf:%31s", &t, mode) < 1 || t < 0 ||
+            if (!km_cli_parse_double(v, colon ? (size_t)(colon - v) : strlen(v), &t) || t < 0 ||
                 (strcmp(mode, "snapshot") && strcmp(mode, "nosnapshot"))) {
-                fprintf(stderr, "kvmatch sim: --restart-kvmatch wants AT_S[:snapshot|:nosnapshot]\n");
+                fprintf(stderr, "kvmatch sim: --restart-kvmatch wants AT_S[:snapshot|:nosnapshot] "
+                                "(AT_S >= 0 virtual seconds), got \"%s\"\n", v);
                 return KM_EXIT_USAGE;
             }
             cfg.restart_kvmatch_at_s = t;
@@ -585,8 +599,8 @@ int km_cmd_sim(int argc, char **argv)
         }
         case OPT_SECOND_INGRESS:
         case OPT_OVERRIDE: {
-            double share = atof(v);
-            if (!(share > 0 && share < 1)) {
+            double share;
+            if (!km_cli_parse_double(v, strlen(v), &share) || !(share > 0 && share < 1)) {
                 fprintf(stderr, "kvmatch sim: --%s wants a share in (0, 1), got \"%s\"\n",
                         opt == OPT_OVERRIDE ? "override" : "second-ingress", v);
                 return KM_EXIT_USAGE;
@@ -635,12 +649,24 @@ int km_cmd_sim(int argc, char **argv)
             cfg.n_policies = 0;
             char *save = NULL;
             for (char *t = strtok_r(policy_buf, ",", &save); t; t = strtok_r(NULL, ",", &save)) {
+                km_policy_kind kind;
+                if (km_policy_kind_parse(t, &kind) != KM_OK) {
+                    fprintf(stderr, "kvmatch sim: --policy %s: unknown policy \"%s\" (all, ttft, "
+                                    "kv, cache_aware, prefix, least_load, round_robin, llmd, "
+                                    "preble)\n", v, t);
+                    return KM_EXIT_USAGE;
+                }
                 if (cfg.n_policies == KM_SIM_MAX_POLICIES) {
-                    fprintf(stderr, "kvmatch sim: --policy names at most %u policies\n",
-                            KM_SIM_MAX_POLICIES);
+                    fprintf(stderr, "kvmatch sim: --policy names at most %u policies, got \"%s\"\n",
+                            KM_SIM_MAX_POLICIES, v);
                     return KM_EXIT_USAGE;
                 }
                 cfg.policies[cfg.n_policies++] = t;
+            }
+            if (cfg.n_policies == 0) {
+                fprintf(stderr, "kvmatch sim: --policy wants all or comma-separated policy names, "
+                                "got \"%s\"\n", v);
+                return KM_EXIT_USAGE;
             }
             break;
         default:
@@ -705,6 +731,16 @@ int km_cmd_sim(int argc, char **argv)
         if (!km_sim_shared_available(why, sizeof why)) {
             fprintf(stderr, "kvmatch sim: --instances %u: %s\n", instances, why);
             return 1;
+        }
+    }
+    /* Settings that exclude each other, checked before any run: a usage error, not a failure. */
+    for (int m = KM_SIM_MODE_SINGLE; m <= (instances > 1 ? KM_SIM_MODE_SHARED : KM_SIM_MODE_SINGLE);
+         m++) {
+        cfg.mode = (km_sim_mode)m;
+        cfg.instances = m == KM_SIM_MODE_SINGLE ? 1 : instances;
+        if (km_sim_config_check(&cfg, why, sizeof why) != KM_OK) {
+            fprintf(stderr, "kvmatch sim: %s\n", why);
+            return KM_EXIT_USAGE;
         }
     }
     static km_sim_result mode_results[KM_SIM_MODE_SHARED + 1][KM_SIM_MAX_POLICIES * KM_SIM_MAX_LOADS];

@@ -1491,11 +1491,10 @@ static int measure_capacity(const km_sim_config *cfg, const km_trace *trace, siz
     return KM_OK;
 }
 
-int km_sim_run(const km_sim_config *cfg, km_sim_result *results, km_sim_summary *summary,
-               char *why, size_t why_size)
+int km_sim_config_check(const km_sim_config *cfg, char *why, size_t why_size)
 {
-    if (!cfg || !results)
-        return km_why(why, why_size, KM_ERR_NULL_POINTER, "config or results is NULL");
+    if (!cfg)
+        return km_why(why, why_size, KM_ERR_NULL_POINTER, "config is NULL");
     if (cfg->workers == 0 || cfg->workers > 4096 || cfg->n_policies == 0 ||
         cfg->n_policies > KM_SIM_MAX_POLICIES || !(cfg->time_scale > 0) ||
         cfg->n_loads > KM_SIM_MAX_LOADS)
@@ -1547,14 +1546,25 @@ int km_sim_run(const km_sim_config *cfg, km_sim_result *results, km_sim_summary 
         return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,
                       "the faults of several instances (kill-instance, nats-restart, lossy) need "
                       "at least 2 instances");
-    if (cfg->mode == KM_SIM_MODE_SHARED && !km_sim_shared_available(why, why_size))
-        return KM_ERR_NOT_FOUND;
     for (uint32_t i = 0; i < cfg->n_policies; i++) {
         km_policy_kind k;
         if (!cfg->policies[i] || km_policy_kind_parse(cfg->policies[i], &k) != KM_OK)
             return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT, "unknown policy \"%s\"",
                           cfg->policies[i] ? cfg->policies[i] : "(null)");
     }
+    return KM_OK;
+}
+
+int km_sim_run(const km_sim_config *cfg, km_sim_result *results, km_sim_summary *summary,
+               char *why, size_t why_size)
+{
+    if (!cfg || !results)
+        return km_why(why, why_size, KM_ERR_NULL_POINTER, "config or results is NULL");
+    int rc = km_sim_config_check(cfg, why, why_size);
+    if (rc != KM_OK)
+        return rc;
+    if (cfg->mode == KM_SIM_MODE_SHARED && !km_sim_shared_available(why, why_size))
+        return KM_ERR_NOT_FOUND;
     if (cfg->records_dir) {
         struct stat st;
         if (stat(cfg->records_dir, &st) != 0 && mkdir(cfg->records_dir, 0755) != 0)
@@ -1562,7 +1572,6 @@ int km_sim_run(const km_sim_config *cfg, km_sim_result *results, km_sim_summary 
                           cfg->records_dir);
     }
     km_trace trace;
-    int rc;
     if (cfg->trace_path)
         rc = km_trace_load_mooncake(cfg->trace_path, &trace, why, why_size);
     else

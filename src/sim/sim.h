@@ -234,13 +234,18 @@ typedef struct km_sim_summary {
     double time_scale[KM_SIM_MAX_LOADS];
 } km_sim_summary;
 
+/* Is cfg a run km_sim_run would start: every setting in range, no two that exclude each other,
+ * every policy known? KM_OK, or KM_ERR_INVALID_ARGUMENT with why naming the setting. Reads no
+ * file and starts nothing, so a command line can tell a usage error from a failed run. */
+int km_sim_config_check(const km_sim_config *cfg, char *why, size_t why_size);
+
+/* Can the shared mode run here (nats-server installed)? False with the reason in why. */
+bool km_sim_shared_available(char *why, size_t why_size);
+
 /* Run every policy of cfg (at every load of cfg->loads, when given); results holds
  * max(cfg->n_loads, 1) * cfg->n_policies entries, load-major: results[load * n_policies + policy].
  * summary may be NULL. Errors: KM_ERR_INVALID_ARGUMENT (why says which setting), KM_ERR_IO
  * (trace, sockets), errors of the parts (server, engines, client), each with why. */
-/* Can the shared mode run here (nats-server installed)? False with the reason in why. */
-bool km_sim_shared_available(char *why, size_t why_size);
-
 int km_sim_run(const km_sim_config *cfg, km_sim_result *results, km_sim_summary *summary,
                char *why, size_t why_size);
 

@@ -1,0 +1,63 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* `kvmatch sim`'s command line: a fault option's value with anything after its numbers, an unknown
+ * policy name and settings that exclude each other exit 2 (usage) with the value given on stderr,
+ * before any run. The binary is $KM_BIN, else build/kvmatch; every run is bounded by a timeout. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "test_util.h"
+
+static const char *kvmatch_bin(void)
+{
+    const char *bin = getenv("KM_BIN") && *getenv("KM_BIN") ? getenv("KM_BIN") : "build/kvmatch";
+    cr_assert(access(bin, X_OK) == 0, "%s is not executable (build it with make; or set KM_BIN)",
+              bin);
+    return bin;
+}
+
+/* `kvmatch sim --requests 3 --workers 2 ARGS`, stdout and stderr in out; the exit status. */
+static int run_sim(const char *args, char *out, size_t out_size)
+{
+    char cmd[1024];
+    snprintf(cmd, sizeof cmd, "timeout -s KILL 60 %s sim --requests 3 --workers 2 %s </dev/null",
+             kvmatch_bin(), args);
+    return km_test_run_capture(cmd, out, out_size);
+}
+
+Test(cli_sim, bad_values_exit_2_naming_the_value, .timeout = 120)
+{
+    static const struct {
+        const char *args, *named;
+    } bad[] = {
+        {"--cut 0:1:2xyz", "\"0:1:2xyz\""},
+        {"--cut 0:1", "\"0:1\""},
+        {"--cut -1:1:2", "\"-1:1:2\""},
+        {"--restart-engine 0@1junk", "\"0@1junk\""},
+        {"--restart-engine 0", "\"0\""},
+        {"--drop-events 0.5junk", "\"0.5junk\""},
+        {"--drop-events 0.5@junk", "\"0.5@junk\""},
+        {"--drop-events 0", "\"0\""},
+        {"--override 0.5junk", "\"0.5junk\""},
+        {"--second-ingress 0.3%", "\"0.3%\""},
+        {"--restart-kvmatch 5junk", "\"5junk\""},
+        {"--restart-kvmatch 5:later", "\"5:later\""},
+        {"--policy bogus", "\"bogus\""},
+        {"--policy kv,bogus", "\"bogus\""},
+        {"--policy ,", "\",\""},
+        {"--connect unix:/tmp/kvmatch-test-no-such.sock", "--zmq"},
+    };
+    static char out[16384];
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        int rc = run_sim(bad[i].args, out, sizeof out);
+        cr_expect_eq(rc, 2, "sim %s: exit %d: %s", bad[i].args, rc, out);
+        cr_expect(strstr(out, bad[i].named), "sim %s: the message does not name %s: %s",
+                  bad[i].args, bad[i].named, out);
+    }
+    /* the same options with good values run */
+    int rc = run_sim("--policy round_robin --cut 0:1:2 --restart-engine 1@0.5 --drop-events "
+                     "0.5@1 --override 0.5 --second-ingress 0.25 --restart-kvmatch 1:nosnapshot",
+                     out, sizeof out);
+    cr_assert_eq(rc, 0, "%s", out);
+}
