@@ -1,7 +1,7 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* `kvmatch route`: a bad option value or input word exits 2 with a message naming it, before any
- * connection (so the answer does not depend on a server being up), and the numbers it sends are
- * the decimal ones it was given. The binary is $KM_BIN, else build/kvmatch; a small fake server in
+ * connection (so the answer does not depend on a server being up), the numbers it sends are the
+ * decimal ones it was given, and output it cannot write exits 1. The binary is $KM_BIN, else build/kvmatch; a small fake server in
  * a thread of the test answers its ROUTE with a DECISION computed from the request. Every run is
  * bounded by a timeout. */
 #include <errno.h>
@@ -328,4 +328,19 @@ Test(cli_route, output_uses_the_protocol_field_names, .timeout = 60)
                  "%s", r.out);
     json_decref(o);
     free(doc);
+}
+
+/* A decision that cannot be written is a failure, as in analyze and hash. */
+Test(cli_route, a_write_error_exits_1, .timeout = 60)
+{
+    const char *bin = getenv("KM_BIN") && *getenv("KM_BIN") ? getenv("KM_BIN") : "build/kvmatch";
+    fake_server s;
+    fake_start(&s);
+    char cmd[512], out[4096];
+    snprintf(cmd, sizeof cmd, "{ echo 1 2 3 | timeout -s KILL %d %s route --connect %s 2>&1 "
+             ">/dev/full; }", ROUTE_TIMEOUT_S, bin, s.address);
+    int rc = km_test_run_capture(cmd, out, sizeof out);
+    fake_stop(&s);
+    cr_assert_eq(rc, 1, "exit %d: %s", rc, out);
+    cr_assert(strstr(out, "kvmatch route: write error"), "%s", out);
 }

@@ -1,7 +1,8 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* `kvmatch sim`'s command line: a fault option's value with anything after its numbers, an unknown
  * policy name and settings that exclude each other exit 2 (usage) with the value given on stderr,
- * before any run. The binary is $KM_BIN, else build/kvmatch; every run is bounded by a timeout. */
+ * before any run; output that cannot be written exits 1. The binary is $KM_BIN, else
+ * build/kvmatch; every run is bounded by a timeout. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -60,4 +61,19 @@ Test(cli_sim, bad_values_exit_2_naming_the_value, .timeout = 120)
                      "0.5@1 --override 0.5 --second-ingress 0.25 --restart-kvmatch 1:nosnapshot",
                      out, sizeof out);
     cr_assert_eq(rc, 0, "%s", out);
+}
+
+/* Output that cannot be written is a failure, as in analyze and hash. */
+Test(cli_sim, a_write_error_exits_1, .timeout = 120)
+{
+    static char out[16384];
+    char cmd[512];
+    const char *forms[] = {"", "--json"};
+    for (size_t i = 0; i < 2; i++) {
+        snprintf(cmd, sizeof cmd, "{ timeout -s KILL 60 %s sim --requests 3 --workers 2 --policy "
+                 "round_robin %s </dev/null 2>&1 >/dev/full; }", kvmatch_bin(), forms[i]);
+        int rc = km_test_run_capture(cmd, out, sizeof out);
+        cr_assert_eq(rc, 1, "sim %s > /dev/full: exit %d: %s", forms[i], rc, out);
+        cr_assert(strstr(out, "write error"), "%s", out);
+    }
 }

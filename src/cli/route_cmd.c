@@ -519,5 +519,9 @@ int km_cmd_route(int argc, char **argv)
         exit_code = 1;
     }
     km_client_close(c);
+    if (fflush(stdout) != 0 || ferror(stdout)) {
+        fprintf(stderr, "kvmatch route: write error\n");
+        exit_code = 1;
+    }
     return exit_code;
 }

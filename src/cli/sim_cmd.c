@@ -331,7 +331,7 @@ static void print_table(const km_sim_config *cfg, const km_sim_result *results)
         }
 }
 
-static int print_json(const km_sim_config *cfg, const km_sim_report *report,
+static void print_json(const km_sim_config *cfg, const km_sim_report *report,
                       km_sim_result *const *modes_results)
 {
     const km_sim_summary *sum = report->summary;
@@ -388,7 +388,6 @@ static int print_json(const km_sim_config *cfg, const km_sim_report *report,
     puts(text);
     free(text);
     json_decref(root);
-    return 0;
 }
 
 int km_cmd_sim(int argc, char **argv)
@@ -776,8 +775,8 @@ int km_cmd_sim(int argc, char **argv)
         }
     }
     if (json)
-        return print_json(&cfg, &report, instances > 1 ? per_mode : NULL);
-    for (int m = KM_SIM_MODE_SINGLE; m <= last_mode; m++) {
+        print_json(&cfg, &report, instances > 1 ? per_mode : NULL);
+    for (int m = KM_SIM_MODE_SINGLE; !json && m <= last_mode; m++) {
         if (instances > 1)
             printf("%smode %s (%u instance%s)\n", m == KM_SIM_MODE_SINGLE ? "" : "\n",
                    km_sim_mode_name((km_sim_mode)m), m == KM_SIM_MODE_SINGLE ? 1 : instances,
@@ -788,7 +787,11 @@ int km_cmd_sim(int argc, char **argv)
         else
             print_table(&cfg, mode_results[m]);
     }
-    if (html)
+    if (html && !json)
         printf("\nreport: %s\n", html);
-    return 0;
+    if (fflush(stdout) != 0 || ferror(stdout)) {
+        fprintf(stderr, "kvmatch sim: write error\n");
+        return KM_EXIT_FAILURE;
+    }
+    return KM_EXIT_OK;
 }
