@@ -5,6 +5,7 @@
  * it alone, to watch the streams without serving routes. */
 #define _POSIX_C_SOURCE 200809L
 #include <errno.h>
+#include <inttypes.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -36,17 +37,6 @@ static void follow_usage(FILE *f)
             "  saved every N s (default 60; 0 = only on exit) and on SIGTERM / SIGINT; its\n"
             "  directory must exist and be writable. Status every N s (default 5).\n"
             "  Exit status: 0 ok, 1 failure (start, snapshot), 2 usage.\n");
-}
-
-static int parse_u32(const char *s, uint32_t *out)
-{
-    char *end;
-    errno = 0;
-    unsigned long v = strtoul(s, &end, 10);
-    if (errno || *end || end == s || v > UINT32_MAX)
-        return -1;
-    *out = (uint32_t)v;
-    return 0;
 }
 
 static void print_status(km_subscriber *sub, const km_index *index)
@@ -125,6 +115,9 @@ int km_cmd_follow(int argc, char **argv)
     km_subscriber_worker workers[FOLLOW_MAX_WORKERS];
     uint32_t n_workers = 0, interval_s = 60, status_s = 5, block_size = 16;
     const char *snapshot = NULL;
+    km_index_config index_defaults; /* the index below is made with these */
+    km_index_config_init(&index_defaults);
+    uint32_t max_workers = index_defaults.max_workers;
     km_cli_getopt_begin(argv, "follow");
     int opt;
     while ((opt = getopt_long(argc, argv, "h", options, NULL)) != -1) {
@@ -142,15 +135,24 @@ int km_cmd_follow(int argc, char **argv)
             char *sp = specs[n_workers];
             snprintf(sp, sizeof specs[0], "%s", v);
             char *eq = strchr(sp, '=');
-            uint32_t id;
-            if (!eq || (*eq = '\0', parse_u32(sp, &id))) {
-                fprintf(stderr, "kvmatch follow: --endpoint wants ID=PUB[,REPLAY], got \"%s\"\n", v);
+            char *pub = eq ? eq + 1 : NULL, *comma = pub ? strchr(pub, ',') : NULL;
+            uint64_t id;
+            if (!eq || !km_cli_parse_u64(sp, (size_t)(eq - sp), max_workers - 1, &id) ||
+                *pub == '\0' || *pub == ',' || (comma && comma[1] == '\0')) {
+                fprintf(stderr, "kvmatch follow: --endpoint wants ID=PUB[,REPLAY] with ID in "
+                                "0..%u and PUB a ZMQ address, got \"%s\"\n", max_workers - 1, v);
                 return KM_EXIT_USAGE;
             }
-            char *pub = eq + 1, *comma = strchr(pub, ',');
+            for (uint32_t k = 0; k < n_workers; k++)
+                if (workers[k].worker == id) {
+                    fprintf(stderr, "kvmatch follow: --endpoint %s: worker %" PRIu64 " is given "
+                                    "twice\n", v, id);
+                    return KM_EXIT_USAGE;
+                }
             if (comma)
                 *comma = '\0';
-            workers[n_workers] = (km_subscriber_worker){id, NULL, pub, comma ? comma + 1 : NULL};
+            workers[n_workers] =
+                (km_subscriber_worker){(uint32_t)id, NULL, pub, comma ? comma + 1 : NULL};
             n_workers++;
             break;
         }
@@ -184,7 +186,7 @@ int km_cmd_follow(int argc, char **argv)
     if (snapshot && !snapshot_dir_writable(snapshot))
         return KM_EXIT_FAILURE;
     km_index *index = NULL;
-    int rc = km_index_create(NULL, &index);
+    int rc = km_index_create(&index_defaults, &index);
     if (rc) {
         fprintf(stderr, "kvmatch follow: index: %s\n", km_strerror(rc));
         return 1;
@@ -216,7 +218,11 @@ int km_cmd_follow(int argc, char **argv)
                     km_subscriber_last_error(sub));
             km_subscriber_destroy(sub);
             km_index_destroy(index);
-            return 1;
+            /* an address ZMQ cannot connect to, an id outside the index: the --endpoint's fault */
+            return rc == KM_ERR_INVALID_ARGUMENT || rc == KM_ERR_WORKER_RANGE ||
+                           rc == KM_ERR_TOO_LARGE
+                       ? KM_EXIT_USAGE
+                       : KM_EXIT_FAILURE;
         }
     }
     struct sigaction sa;

@@ -78,6 +78,10 @@ int main(int argc, char **argv)
         return argc < 2 ? 2 : 0;
     }
     if (!strcmp(argv[1], "version") || !strcmp(argv[1], "--version")) {
+        if (argc > 2) {
+            fprintf(stderr, "kvmatch %s: unexpected argument \"%s\"\n", argv[1], argv[2]);
+            return KM_EXIT_USAGE;
+        }
         printf("kvmatch %s\n", KVMATCH_VERSION);
         print_allocator();
         return 0;
