@@ -1307,6 +1307,21 @@ Test(deploy, serve_keeps_every_configured_pool_and_worker_beside_the_flags, .tim
     remove_dir();
 }
 
+/* Without --config and --pool the pool "default" is made before the flags are applied, so
+ * --worker and --param can name it, as --help says. */
+Test(deploy, serve_flags_can_name_the_default_pool, .timeout = 60)
+{
+    make_dir();
+    char sock[128];
+    snprintf(sock, sizeof sock, "%s/s.sock", g_dir);
+    pid_t pid = spawn_serve_args(sock, "--records=none --worker default:0 --worker default:3 "
+                                       "--param default:load_bound=2");
+    cr_assert_eq(listed_workers(sock), (1u << 0) | (1u << 3));
+    cr_assert_str_eq(list_worker(sock, 3).pool, "default");
+    stop_serve(pid);
+    remove_dir();
+}
+
 /* serve's flags: --opt=value, the config key's name for each setting (the older flag still works
  * with a warning), a range error that names the range, a policy parameter of another policy. */
 Test(deploy, serve_flags_name_their_settings_and_ranges, .timeout = 60)

@@ -266,6 +266,24 @@ static int apply_flags(int argc, char **argv, km_server_config *cfg)
         fp->pools[fp->n++] = cfg->pools[i];
     }
     int status = 0, opt;
+    /* Without pools from the file or a --pool flag the service has the pool "default", made
+     * before the flags are applied so --worker and --param can name it. */
+    bool pool_flag = false;
+    km_cli_getopt_begin(argv, "serve");
+    opterr = 0;
+    while ((opt = getopt_long(argc, argv, "h", serve_options, NULL)) != -1)
+        pool_flag |= opt == OPT_POOL;
+    if (fp->n == 0 && !pool_flag) {
+        if (!flag_pools_reserve(fp)) {
+            fprintf(stderr, "kvmatch serve: out of memory\n");
+            return KM_EXIT_FAILURE;
+        }
+        km_server_pool *p = &fp->pools[fp->n++];
+        memset(p, 0, sizeof *p);
+        p->name = "default";
+        p->block_size = 16;
+        km_policy_config_init(&p->policy);
+    }
     km_cli_getopt_begin(argv, "serve");
     opterr = !g_quiet;
     while (!status && (opt = getopt_long(argc, argv, "h", serve_options, NULL)) != -1) {
@@ -515,17 +533,6 @@ static int apply_flags(int argc, char **argv, km_server_config *cfg)
     }
     if (status)
         return status;
-    if (fp->n == 0) {
-        if (!flag_pools_reserve(fp)) {
-            fprintf(stderr, "kvmatch serve: out of memory\n");
-            return KM_EXIT_FAILURE;
-        }
-        km_server_pool *p = &fp->pools[fp->n++];
-        memset(p, 0, sizeof *p);
-        p->name = "default";
-        p->block_size = 16;
-        km_policy_config_init(&p->policy);
-    }
     cfg->pools = fp->pools;
     cfg->n_pools = fp->n;
     return KM_EXIT_OK;
