@@ -50,6 +50,7 @@ static void sim_usage(FILE *f)
             "                      decisions (approximate mode), bounded by each engine's capacity\n"
             "  --approx-dispatch-mb N  the server's --approx-dispatch-mb (0: overrides teach nothing)\n"
             "  --json              one JSON object instead of the table\n"
+            "  --verbose           progress on stderr, with --json too\n"
             "  --instances N       N > 1: every policy in three modes, one kvmatch instance\n"
             "                      (single), N without a cluster (isolated) and N sharing their\n"
             "                      active work over a nats-server started here (shared); ingress\n"
