@@ -13,8 +13,9 @@
 #                   under ASan + UBSan (needs clang; seconds; .ci/run runs it)
 #   make install    the binary, libkvmatch.a, libkvmatch.so.$(VERSION) (its soname
 #                   libkvmatch.so.$(SOVERSION); it exports the public API alone), the headers,
-#                   kvmatch.pc, the man pages, an example config and systemd unit, under
-#                   $(DESTDIR)$(PREFIX) (default /usr/local); make uninstall removes them
+#                   kvmatch.pc, the man pages, an example config and systemd unit, the service
+#                   user's sysusers.d file, under $(DESTDIR)$(PREFIX) (default /usr/local), then
+#                   (without DESTDIR) runs ldconfig; make uninstall removes them
 # V=1 shows the commands. Library flags come from pkg-config (PKG_CONFIG); the dependency script
 # installs Debian packages only for what pkg-config does not find.
 
@@ -76,7 +77,16 @@ INCLUDEDIR ?= $(PREFIX)/include
 MANDIR ?= $(PREFIX)/share/man
 DOCDIR ?= $(PREFIX)/share/doc/kvmatch
 SYSCONFDIR ?= $(if $(filter /usr,$(PREFIX)),/etc,$(PREFIX)/etc)
+# The service user's sysusers.d file: $(PREFIX)/lib/sysusers.d, which is /usr/lib/sysusers.d (where
+# Debian's packages put theirs) for PREFIX=/usr. Debian 12's systemd (252) reads no
+# /usr/local/lib/sysusers.d: with another PREFIX, copy the file to /etc/sysusers.d (README).
+SYSUSERSDIR ?= $(PREFIX)/lib/sysusers.d
 INSTALL ?= install
+# Without DESTDIR, `make install` installs for this machine and refreshes the dynamic loader's
+# cache, without which a program linked against $(LIBDIR) (pkg-config --libs kvmatch) does not
+# start until ldconfig runs. A DESTDIR stages a package, whose installation runs it.
+LDCONFIG ?= $(firstword $(shell command -v ldconfig 2>/dev/null) \
+                        $(wildcard /sbin/ldconfig /usr/sbin/ldconfig))
 
 # src/<subsystem>/*.c is the library (src/cli is the command line); kernels/ is the CUDA backend,
 # built only with CUDA=1.
@@ -158,15 +168,23 @@ install: $(BIN) $(LIB) $(SHLIB) $(PC)
 	$(INSTALL) -m 0644 man/*.1 $(DESTDIR)$(MANDIR)/man1/
 	$(INSTALL) -m 0644 LICENSE README.md $(DESTDIR)$(DOCDIR)/
 	$(INSTALL) -m 0644 dist/serve.json $(DESTDIR)$(DOCDIR)/examples/serve.json
-	sed -e 's|@BINDIR@|$(BINDIR)|g; s|@SYSCONFDIR@|$(SYSCONFDIR)|g' dist/kvmatch.service.in \
+	sed -e 's|@BINDIR@|$(BINDIR)|g; s|@SYSCONFDIR@|$(SYSCONFDIR)|g' \
+	    -e 's|@SYSUSERSDIR@|$(SYSUSERSDIR)|g' dist/kvmatch.service.in \
 	    > $(DESTDIR)$(DOCDIR)/examples/kvmatch.service
 	chmod 0644 $(DESTDIR)$(DOCDIR)/examples/kvmatch.service
+	$(INSTALL) -d $(DESTDIR)$(SYSUSERSDIR)
+	$(INSTALL) -m 0644 dist/kvmatch.sysusers $(DESTDIR)$(SYSUSERSDIR)/kvmatch.conf
+	$(if $(DESTDIR),,$(if $(LDCONFIG),$(LDCONFIG) || echo "make install: $(LDCONFIG) failed; \
+	    run it as root (sudo $(LDCONFIG)) before starting a program linked against $(LIBDIR)", \
+	    @echo "make install: no ldconfig found; run it as root before starting a program linked \
+	    against $(LIBDIR)"))
 
 uninstall:
 	rm -f $(DESTDIR)$(BINDIR)/kvmatch $(DESTDIR)$(LIBDIR)/libkvmatch.a \
 	    $(DESTDIR)$(LIBDIR)/libkvmatch.so $(DESTDIR)$(LIBDIR)/libkvmatch.so.$(SOVERSION) \
 	    $(DESTDIR)$(LIBDIR)/libkvmatch.so.$(VERSION) $(DESTDIR)$(LIBDIR)/pkgconfig/kvmatch.pc
 	rm -rf $(DESTDIR)$(INCLUDEDIR)/kvmatch $(DESTDIR)$(DOCDIR)
+	rm -f $(DESTDIR)$(SYSUSERSDIR)/kvmatch.conf
 	rm -f $(addprefix $(DESTDIR)$(MANDIR)/man1/,$(notdir $(wildcard man/*.1)))
 
 $(BIN): $(CLI_OBJ) $(LIB)

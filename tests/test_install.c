@@ -2,8 +2,9 @@
 /* `make install` as a packager or an operator uses it: into a temporary prefix (and a DESTDIR), a
  * program built against the installed library with pkg-config alone, the shared library's soname
  * and its exported symbols (the public API, nothing of the implementation), the man pages, the
- * example config (it loads) and the example systemd unit (systemd-analyze verify, where it
- * exists). The install uses the build directory of the kvmatch binary under test ($KM_BIN). */
+ * example config (it loads), the example systemd unit (systemd-analyze verify, where it exists;
+ * its static user and group, from the installed sysusers.d file) and the loader cache's refresh.
+ * The install uses the build directory of the kvmatch binary under test ($KM_BIN). */
 #include <libgen.h>
 #include <stdarg.h>
 #include <limits.h>
@@ -82,13 +83,14 @@ static bool exists(const char *fmt, const char *a)
 
 /* The suite's tests run in parallel, and `make install` builds what the build directory lacks
  * (the shared library when only the binaries were built): one install at a time, so that no test
- * installs a library another is still linking. */
+ * installs a library another is still linking. The loader's cache of the machine is left alone
+ * (LDCONFIG=:); ldconfig_runs_only_when_installing_for_this_machine checks that step. */
 static void make_install(const char *vars)
 {
     static char out[1 << 16];
     int rc = sh(out, sizeof out,
-                "flock %s/.install-lock make -s --no-print-directory install BUILD=%s CUDA=%d %s",
-                g_build, g_build, g_cuda, vars);
+                "flock %s/.install-lock make -s --no-print-directory install BUILD=%s CUDA=%d "
+                "LDCONFIG=: %s", g_build, g_build, g_cuda, vars);
     cr_assert_eq(rc, 0, "make install %s failed:\n%s", vars, out);
 }
 
@@ -113,7 +115,8 @@ Test(install, a_program_builds_against_the_installed_library_with_pkg_config, .t
                            "include/kvmatch/server.h", "share/man/man1/kvmatch.1",
                            "share/man/man1/kvmatch-serve.1", "share/man/man1/kvmatch-route.1",
                            "share/doc/kvmatch/LICENSE", "share/doc/kvmatch/examples/serve.json",
-                           "share/doc/kvmatch/examples/kvmatch.service"};
+                           "share/doc/kvmatch/examples/kvmatch.service",
+                           "lib/sysusers.d/kvmatch.conf"};
     for (size_t i = 0; i < sizeof files / sizeof files[0]; i++)
         cr_assert(exists("%s/prefix/%s", files[i]), "%s is installed", files[i]);
 
@@ -173,6 +176,8 @@ Test(install, destdir_stages_under_the_final_prefix_and_uninstall_removes_it, .t
     cr_assert_eq(sh(out, sizeof out, "grep -q 'ExecStart=/usr/bin/kvmatch serve --config "
                     "/etc/kvmatch/serve.json' %s/stage/usr/share/doc/kvmatch/examples/kvmatch.service",
                     g_tmp), 0, "the unit names the installed binary and /etc");
+    cr_assert(exists("%s/stage/usr/%s", "lib/sysusers.d/kvmatch.conf"),
+              "the service user's sysusers.d file is where Debian's packages put theirs");
     char cmd[512];
     snprintf(cmd, sizeof cmd, "make -s --no-print-directory uninstall DESTDIR=%s/stage PREFIX=/usr",
              g_tmp);
@@ -196,6 +201,64 @@ Test(install, the_example_unit_passes_systemd_analyze_verify, .timeout = 600)
     int rc = sh(out, sizeof out, "MANPATH=%s/prefix/share/man: systemd-analyze verify "
                 "%s/prefix/share/doc/kvmatch/examples/kvmatch.service", g_tmp, g_tmp);
     cr_assert_eq(rc, 0, "systemd-analyze verify:\n%s", out);
+    cleanup_tmp();
+}
+
+/* Installed for this machine (no DESTDIR), the loader's cache is refreshed, so a program linked
+ * against the installed library starts; a failing ldconfig (not root) says what to run. A DESTDIR
+ * staging leaves it to the package. */
+Test(install, ldconfig_runs_only_when_installing_for_this_machine, .timeout = 120)
+{
+    skip_unless_ready();
+    static char out[1 << 16];
+    const char *make = "make -n --no-print-directory install BUILD=%s CUDA=%d PREFIX=/usr/local "
+                       "LDCONFIG=/sbin/ldconfig %s";
+    char cmd[PATH_MAX + 512];
+    snprintf(cmd, sizeof cmd, make, g_build, g_cuda, "");
+    cr_assert_eq(km_test_run_capture(cmd, out, sizeof out), 0, "%s", out);
+    cr_assert(strstr(out, "/sbin/ldconfig ||"), "make install runs ldconfig:\n%s", out);
+    snprintf(cmd, sizeof cmd, make, g_build, g_cuda, "DESTDIR=/tmp/kvmatch-stage");
+    cr_assert_eq(km_test_run_capture(cmd, out, sizeof out), 0, "%s", out);
+    cr_assert_null(strstr(out, "ldconfig"), "a DESTDIR install runs no ldconfig:\n%s", out);
+
+    /* an ldconfig that fails, as it does for a user who is not root */
+    setup_tmp();
+    char vars[256];
+    snprintf(vars, sizeof vars, "PREFIX=%s/prefix LDCONFIG=false", g_tmp);
+    int rc = sh(out, sizeof out, "flock %s/.install-lock make -s --no-print-directory install "
+                "BUILD=%s CUDA=%d %s", g_build, g_build, g_cuda, vars);
+    cr_assert_eq(rc, 0, "%s", out);
+    cr_assert(strstr(out, "run it as root (sudo false)"), "the failure says what to do:\n%s", out);
+    cleanup_tmp();
+}
+
+/* The example unit runs as the static user and group kvmatch, which the installed sysusers.d
+ * file declares, not as a DynamicUser, whose group no router could join: its socket directory
+ * (0750) and socket (0660) shut out everyone but group kvmatch. */
+Test(install, the_example_unit_lets_group_kvmatch_reach_the_socket, .timeout = 600)
+{
+    skip_unless_ready();
+    setup_tmp();
+    char vars[256];
+    snprintf(vars, sizeof vars, "PREFIX=%s/prefix", g_tmp);
+    make_install(vars);
+    static char out[1 << 16];
+    cr_assert_eq(sh(out, sizeof out, "grep -v '^#' %s/prefix/share/doc/kvmatch/examples/"
+                    "kvmatch.service", g_tmp), 0, "%s", out);
+    cr_assert_null(strstr(out, "DynamicUser"), "no DynamicUser:\n%s", out);
+    cr_assert(strstr(out, "\nUser=kvmatch\n") && strstr(out, "\nGroup=kvmatch\n"), "%s", out);
+    cr_assert(strstr(out, "\nRuntimeDirectory=kvmatch\n"), "%s", out);
+    cr_assert(strstr(out, "\nRuntimeDirectoryMode=0750\n"), "others are shut out:\n%s", out);
+    cr_assert(strstr(out, "\nUMask=0027\n"), "%s", out);
+    cr_assert(strstr(out, "\nNoNewPrivileges=yes\n") && strstr(out, "\nProtectSystem=strict\n"),
+              "the hardening stays:\n%s", out);
+    cr_assert_eq(sh(out, sizeof out, "grep -v '^#' %s/prefix/lib/sysusers.d/kvmatch.conf", g_tmp),
+                 0, "%s", out);
+    cr_assert(strstr(out, "u     kvmatch "), "the sysusers.d file makes user kvmatch:\n%s", out);
+    cr_assert_eq(sh(out, sizeof out, "grep -o '\"socket\": *\"[^\"]*\"' "
+                    "dist/serve.json"), 0, "%s", out);
+    cr_assert(strstr(out, "/run/kvmatch/"), "the example config's socket is in the unit's "
+              "RuntimeDirectory:\n%s", out);
     cleanup_tmp();
 }
 
