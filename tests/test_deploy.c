@@ -1217,6 +1217,26 @@ Test(deploy, sighup_moves_a_worker_between_pools_and_applies_every_worker_change
     cr_assert(w.found && !strcmp(w.pool, "B"), "worker 5 left B for a refused pool");
     cr_assert(file_has(log, "pool B: worker 5 kept: pool A, which lists it, was refused"));
 
+    /* A new name the service would refuse, or a metrics URL that is not http: worker 5 keeps its
+     * own, and the reload says it refused them. */
+    write_file(cfg, "{\"pools\": [{\"name\": \"B\", \"block_size\": 16, \"workers\": [{\"id\": 5, "
+                    "\"name\": \"bad\\u0001name\", \"metrics\": \"http://127.0.0.1:9/other\"}, "
+                    "{\"id\": 6, \"name\": \"e/dp0\"}, {\"id\": 7, \"name\": \"e/dp1\"}]}, "
+                    "{\"name\": \"A\", \"block_size\": 16, \"workers\": []}]}");
+    reload_and_wait(pid, log, 5);
+    w = list_worker(sock, 5);
+    cr_assert(w.found && !strcmp(w.pool, "B") && !strcmp(w.name, "five"), "worker 5: %s in %s",
+              w.name, w.pool);
+    cr_assert(file_has(log, "pool B: worker 5 kept as it is: worker 5: name must be"));
+    write_file(cfg, "{\"pools\": [{\"name\": \"B\", \"block_size\": 16, \"workers\": [{\"id\": 5, "
+                    "\"name\": \"five\", \"metrics\": \"ftp://127.0.0.1:9/metrics\"}, "
+                    "{\"id\": 6, \"name\": \"e/dp0\"}, {\"id\": 7, \"name\": \"e/dp1\"}]}, "
+                    "{\"name\": \"A\", \"block_size\": 16, \"workers\": []}]}");
+    reload_and_wait(pid, log, 6);
+    cr_assert(file_has(log, "pool B: worker 5: metrics not changed: worker 5: metrics "
+                            "\"ftp://127.0.0.1:9/metrics\" is not an http:// or https:// URL"));
+    cr_assert(!file_has(log, "-> ftp://"), "the refused URL was applied");
+
     cr_assert_eq(kill(pid, SIGTERM), 0);
     int st = 0;
     cr_assert_eq(waitpid(pid, &st, 0), pid);

@@ -291,18 +291,8 @@ bool km_srv_pool_is_member(const pool *p, uint32_t id)
     return lo < p->n_members && p->members[lo] == id;
 }
 
-/* Add a worker (admin_lock held). */
-int km_srv_worker_add(km_server *s, uint32_t pool_index, const km_server_worker *w, char *why,
-                      size_t why_size)
+int km_srv_worker_check(const km_server_worker *w, char *why, size_t why_size)
 {
-    pool *p = s->pools[pool_index];
-    if (w->id >= s->cfg.max_workers)
-        return km_why(why, why_size, KM_ERR_WORKER_RANGE, "worker %u: ids are 0..%u (max_workers)",
-                     w->id, s->cfg.max_workers - 1);
-    worker_slot *slot = &s->workers[w->id];
-    if (slot->used)
-        return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT, "worker %u already exists (pool %s)",
-                     w->id, s->pools[slot->pool]->name);
     if (w->name && (strlen(w->name) == 0 || strlen(w->name) >= KM_SERVER_NAME_MAX ||
                     !km_utf8_name(w->name)))
         return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,
@@ -317,6 +307,24 @@ int km_srv_worker_add(km_server *s, uint32_t pool_index, const km_server_worker 
         return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,
                      "worker %u: metrics \"%s\" is not an http:// or https:// URL", w->id,
                      w->metrics_url);
+    return KM_OK;
+}
+
+/* Add a worker (admin_lock held). */
+int km_srv_worker_add(km_server *s, uint32_t pool_index, const km_server_worker *w, char *why,
+                      size_t why_size)
+{
+    pool *p = s->pools[pool_index];
+    if (w->id >= s->cfg.max_workers)
+        return km_why(why, why_size, KM_ERR_WORKER_RANGE, "worker %u: ids are 0..%u (max_workers)",
+                     w->id, s->cfg.max_workers - 1);
+    worker_slot *slot = &s->workers[w->id];
+    if (slot->used)
+        return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT, "worker %u already exists (pool %s)",
+                     w->id, s->pools[slot->pool]->name);
+    int checked = km_srv_worker_check(w, why, why_size);
+    if (checked != KM_OK)
+        return checked;
     int rc;
     bool local = w->event_endpoint && !strcmp(w->event_endpoint, KM_SERVER_LOCAL_EVENTS);
     if (local) {

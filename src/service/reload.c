@@ -84,6 +84,18 @@ static void note_restart_only(km_server *s, const km_server_config *n)
 #undef KM_RELOAD_NUMBER
 }
 
+/* Worker id's entry in a pool of the file this reload accepted (pool_at >= 0), or NULL. */
+static const km_server_worker *accepted_listing(const km_server_config *n, const int *pool_at,
+                                                uint32_t id)
+{
+    for (uint32_t i = 0; i < n->n_pools; i++) {
+        const km_server_worker *w = pool_at[i] >= 0 ? listed_worker(&n->pools[i], id) : NULL;
+        if (w)
+            return w;
+    }
+    return NULL;
+}
+
 /* A pool of the file that was refused (pool_at -1) and lists worker id, or NULL. */
 static const km_server_pool *refused_pool_listing(const km_server_config *n, const int *pool_at,
                                                   uint32_t id)
@@ -210,6 +222,15 @@ int km_server_reload(km_server *s, const km_server_config *n)
                            pc->name, id, to->name ? to->name : "");
                 continue;
             }
+            /* Removed to be added again (here or in another pool): an entry the addition would
+             * refuse keeps the worker as it is instead. */
+            const km_server_worker *again = w ? w : accepted_listing(n, pool_at, id);
+            if (again && km_srv_worker_check(again, why, sizeof why) != KM_OK) {
+                km_srv_log(s, KM_LOG_WARNING "reload: pool %s: worker %u kept as it is: %s",
+                           pc->name, id, why);
+                first_error = first_error ? first_error : KM_ERR_INVALID_ARGUMENT;
+                continue;
+            }
             if (km_srv_worker_remove(s, id, why, sizeof why) == KM_OK) {
                 km_srv_log(s, KM_LOG_INFO "reload: pool %s: worker %u removed%s", pc->name, id,
                            !w ? "" : c & WORKER_ENDPOINTS ? " (its endpoints changed)"
@@ -233,7 +254,12 @@ int km_server_reload(km_server *s, const km_server_config *n)
                 first_error = first_error ? first_error : KM_ERR_INVALID_ARGUMENT;
             } else if (slot && slot->used) {
                 unsigned c = worker_changes(s, at, w);
-                if (c & WORKER_METRICS) {
+                if ((c & WORKER_METRICS) && km_srv_worker_check(w, why, sizeof why) != KM_OK) {
+                    km_srv_log(s, KM_LOG_WARNING
+                               "reload: pool %s: worker %u: metrics not changed: %s", pc->name,
+                               w->id, why);
+                    first_error = first_error ? first_error : KM_ERR_INVALID_ARGUMENT;
+                } else if (c & WORKER_METRICS) {
                     char *url = w->metrics_url ? strdup(w->metrics_url) : NULL;
                     if (w->metrics_url && !url) {
                         km_srv_log(s, KM_LOG_ERROR "reload: pool %s: worker %u: metrics URL "

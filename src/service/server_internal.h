@@ -530,6 +530,10 @@ int km_srv_feed_info(km_server *s, uint32_t id, km_feed_worker_info *out);
 int km_srv_feed_windows(km_server *s, uint32_t id, km_feed_window *out, uint32_t cap, uint32_t *n);
 bool km_srv_pool_is_member(const pool *p, uint32_t id);
 int km_srv_pool_remove(km_server *s, uint32_t pool_index, char *why, size_t why_size);
+/* What km_srv_worker_add refuses of w itself, whatever the service holds: its name, its replay
+ * endpoint without an event endpoint, a metrics URL that is not http:// or https://. KM_OK or
+ * KM_ERR_INVALID_ARGUMENT with why. */
+int km_srv_worker_check(const km_server_worker *w, char *why, size_t why_size);
 int km_srv_worker_add(km_server *s, uint32_t pool_index, const km_server_worker *w, char *why,
                       size_t why_size);
 int km_srv_worker_remove(km_server *s, uint32_t id, char *why, size_t why_size);
