@@ -2773,6 +2773,8 @@ Test(server, routes_queued_by_a_closed_connection_are_dropped, .timeout = 60)
     cfg.records_path = NULL;
     cfg.log = gate_log;
     cfg.inline_routes = 0; /* every batch and housekeeping on the scheduler thread */
+    char http[] = "127.0.0.1:0";
+    cfg.http = http;
     g_gate_held = g_gate_open = false;
     km_server_worker ws[1] = {{0, "capped", KM_SERVER_LOCAL_EVENTS, NULL, false, 0, NULL}};
     g_pool.workers = ws;
@@ -2835,6 +2837,9 @@ Test(server, routes_queued_by_a_closed_connection_are_dropped, .timeout = 60)
                  st.decisions - 1);
     cr_assert(dropped && st.routes_dropped_closed == ROUTES, "%" PRIu64 " routes counted dropped",
               st.routes_dropped_closed);
+    static char body[1 << 16];
+    cr_assert_eq(http_get(km_server_http_port(s.server), "/metrics", body, sizeof body), 200);
+    cr_assert_eq(metric_value(body, "kvmatch_routes_dropped_closed_total"), ROUTES);
     memset(&m, 0, sizeof m);
     m.type = KM_MESSAGE_WORKERS;
     m.workers.action = KM_ADMIN_LIST;

@@ -90,8 +90,10 @@ static void drop_queued_jobs(conn *c)
         routes += j->n_routes;
         km_srv_job_free(j);
     }
-    if (routes)
+    if (routes) {
         atomic_fetch_add(&s->st.dropped_closed, routes);
+        km_counter_add(s->m_dropped_closed, routes);
+    }
 }
 
 static void on_conn_closed(uv_handle_t *h)

@@ -420,7 +420,7 @@ struct km_server {
     km_metrics *metrics;
     km_counter *m_decisions, *m_route_errors, *m_frames, *m_bad_frames, *m_lifecycle,
         *m_outcomes, *m_expired, *m_evicted, *m_overloaded, *m_shed_wait, *m_shed_connection,
-        *m_slow_closed, *m_reading_paused;
+        *m_slow_closed, *m_reading_paused, *m_dropped_closed;
     km_histogram *m_batch_routes, *m_batch_seconds, *m_queue_seconds;
     km_http *http;
     uint16_t http_port;

@@ -625,6 +625,10 @@ int km_srv_metrics_setup(km_server *s)
                                     "max_outbox_bytes, or none taken for stalled_reader_timeout_ms).",
                                     NULL, 0, &s->m_slow_closed);
     if (!rc)
+        rc = km_metrics_add_counter(s->metrics, "kvmatch_routes_dropped_closed_total",
+                                    "Routes still queued when their connection closed: dropped "
+                                    "undecided.", NULL, 0, &s->m_dropped_closed);
+    if (!rc)
         rc = km_metrics_add_counter(s->metrics, "kvmatch_lifecycle_events_total",
                                     "DISPATCHED / FIRST_TOKEN / FINISHED reports.", NULL, 0,
                                     &s->m_lifecycle);
