@@ -3170,6 +3170,52 @@ Test(server, names_that_are_not_utf8_text_are_refused, .timeout = 30)
     srv_cleanup(&s);
 }
 
+/* POOL_LIST's params are the pool's own policy's parameters (and its approximate mode's TTL and
+ * capacity): what POOLS update takes back, since another policy's parameter is refused there. */
+Test(server, pool_list_shows_each_pool_its_own_policys_parameters, .timeout = 30)
+{
+    srv s = {0};
+    km_server_config cfg;
+    test_config(&cfg, &s, KM_POLICY_TTFT, 1);
+    cfg.records_path = NULL;
+    srv_start(&s, &cfg);
+    km_client *c = connect_client(&s);
+    km_message m = {.type = KM_MESSAGE_POOLS}, reply;
+    m.pools.action = KM_ADMIN_LIST;
+    cr_assert_eq(km_client_call(c, &m, 5000, &reply), KM_OK);
+    cr_assert_eq(reply.type, KM_MESSAGE_POOL_LIST);
+    cr_assert_eq(reply.pools.n_pools, 1);
+    const km_pool_info *listed = &reply.pools.pools[0];
+    const char *want[] = {"load_bound", "hot_prefix_sharers", "hot_prefix_share", "approx_ttl_s",
+                          "approx_capacity_blocks"};
+    cr_assert_eq(listed->n_params, 5);
+    km_param back[3];
+    uint32_t n_back = 0;
+    for (uint32_t k = 0; k < listed->n_params; k++) {
+        cr_assert_str_eq(listed->params[k].name, want[k]);
+        if (k < 3) /* the reply's memory is the client's until its next call: copied */
+            back[n_back++] = (km_param){want[k], listed->params[k].value};
+    }
+    cr_assert_float_eq(listed->params[0].value, 1.25, 1e-12);
+    /* What the list shows of the pool's policy, sent back as an update, is taken. */
+    km_pool_info pi;
+    memset(&pi, 0, sizeof pi);
+    cr_assert_str_eq(listed->name, "main");
+    pi.name = "main";
+    pi.params = back;
+    pi.n_params = n_back;
+    km_message u = {.type = KM_MESSAGE_POOLS};
+    u.pools.action = KM_ADMIN_UPDATE;
+    u.pools.pools = &pi;
+    u.pools.n_pools = 1;
+    km_message ack;
+    cr_assert_eq(km_client_call(c, &u, 5000, &ack), KM_OK);
+    cr_assert_eq(ack.ack.items[0].status, KM_OK, "%s", ack.ack.items[0].message);
+    km_client_close(c);
+    srv_stop(&s);
+    srv_cleanup(&s);
+}
+
 /* PROTOCOL.md: POOLS add takes approx_ttl_s and approx_capacity_blocks, and the pool's approximate
  * mode forgets a routed prefix that long after its last decision. Until 2026-11-30 both were
  * refused as unknown policy parameters, so a pool added at run time always had the 120 s default. */

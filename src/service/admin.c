@@ -178,6 +178,48 @@ void km_srv_handle_workers(conn *c, const km_message *m)
     free(msgs);
 }
 
+/* POOL_LIST's params of pool p: its own policy's parameters (those POOLS update takes back) and
+ * its approximate mode's TTL and capacity. Returns the count, at most LISTED_PARAMS_MAX. */
+#define LISTED_PARAMS_MAX 7
+static uint32_t listed_params(const pool *p, km_param *pp)
+{
+    const km_policy_config *c = &p->policy;
+    uint32_t n = 0;
+    switch (c->kind) {
+    case KM_POLICY_KV:
+        pp[n++] = (km_param){"temperature", c->kv.temperature};
+        pp[n++] = (km_param){"prefill_load_scale", c->kv.prefill_load_scale};
+        pp[n++] = (km_param){"device_weight", c->kv.device_weight};
+        pp[n++] = (km_param){"host_weight", c->kv.host_weight};
+        pp[n++] = (km_param){"disk_weight", c->kv.disk_weight};
+        break;
+    case KM_POLICY_CACHE_AWARE:
+        pp[n++] = (km_param){"cache_threshold", c->cache_aware.cache_threshold};
+        pp[n++] = (km_param){"balance_abs_threshold", c->cache_aware.balance_abs_threshold};
+        pp[n++] = (km_param){"balance_rel_threshold", c->cache_aware.balance_rel_threshold};
+        break;
+    case KM_POLICY_LLMD:
+        pp[n++] = (km_param){"prefix_weight", c->llmd.prefix_weight};
+        pp[n++] = (km_param){"queue_weight", c->llmd.queue_weight};
+        pp[n++] = (km_param){"kv_usage_weight", c->llmd.kv_usage_weight};
+        pp[n++] = (km_param){"host_tier_weight", c->llmd.host_tier_weight};
+        break;
+    case KM_POLICY_PREBLE:
+        pp[n++] = (km_param){"exploit_ratio", c->preble.exploit_ratio};
+        break;
+    case KM_POLICY_TTFT:
+        pp[n++] = (km_param){"load_bound", c->ttft.load_bound};
+        pp[n++] = (km_param){"hot_prefix_sharers", c->ttft.hot_prefix_sharers};
+        pp[n++] = (km_param){"hot_prefix_share", c->ttft.hot_prefix_share};
+        break;
+    default: /* prefix, least_load, round_robin: none */
+        break;
+    }
+    pp[n++] = (km_param){"approx_ttl_s", (double)p->approx_ttl_ms / 1000.0};
+    pp[n++] = (km_param){"approx_capacity_blocks", (double)p->approx_capacity_blocks};
+    return n;
+}
+
 /* One of a POOLS add / update's params: a policy parameter, or (add only: a pool's approximate
  * mode keeps its TTL and capacity for its life) approx_ttl_s or approx_capacity_blocks. */
 static int pool_param(km_admin_action action, km_server_pool *pc, const km_param *param, char *why,
@@ -226,7 +268,7 @@ void km_srv_handle_pools(conn *c, const km_message *m)
     pthread_mutex_lock(&s->admin_lock);
     if (pm->action == KM_ADMIN_LIST) {
         km_pool_info *list = calloc(s->n_pools ? s->n_pools : 1, sizeof *list);
-        km_param(*params)[10] = calloc(s->n_pools ? s->n_pools : 1, sizeof *params);
+        km_param(*params)[LISTED_PARAMS_MAX] = calloc(s->n_pools ? s->n_pools : 1, sizeof *params);
         for (uint32_t i = 0; list && params && i < s->n_pools; i++) {
             pool *p = s->pools[i];
             list[i].name = p->name;
@@ -235,19 +277,8 @@ void km_srv_handle_pools(conn *c, const km_message *m)
             list[i].hash_lookahead_tokens = p->hash_lookahead_tokens;
             list[i].offload_chunk_blocks = p->offload_chunk_blocks > 1 ? p->offload_chunk_blocks : 0;
             list[i].policy = km_policy_kind_name(p->policy.kind);
-            km_param *pp = params[i];
-            pp[0] = (km_param){"temperature", p->policy.kv.temperature};
-            pp[1] = (km_param){"prefill_load_scale", p->policy.kv.prefill_load_scale};
-            pp[2] = (km_param){"device_weight", p->policy.kv.device_weight};
-            pp[3] = (km_param){"host_weight", p->policy.kv.host_weight};
-            pp[4] = (km_param){"disk_weight", p->policy.kv.disk_weight};
-            pp[5] = (km_param){"cache_threshold", p->policy.cache_aware.cache_threshold};
-            pp[6] = (km_param){"balance_abs_threshold", p->policy.cache_aware.balance_abs_threshold};
-            pp[7] = (km_param){"balance_rel_threshold", p->policy.cache_aware.balance_rel_threshold};
-            pp[8] = (km_param){"approx_ttl_s", (double)p->approx_ttl_ms / 1000.0};
-            pp[9] = (km_param){"approx_capacity_blocks", (double)p->approx_capacity_blocks};
-            list[i].params = pp;
-            list[i].n_params = 10;
+            list[i].params = params[i];
+            list[i].n_params = listed_params(p, params[i]);
         }
         reply.type = KM_MESSAGE_POOL_LIST;
         reply.pools.action = KM_ADMIN_LIST;
