@@ -1,9 +1,9 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* `kvmatch route`: a bad option value or input word exits 2 with a message naming it, before any
  * connection (so the answer does not depend on a server being up), the numbers it sends are the
- * decimal ones it was given, and output it cannot write exits 1. The binary is $KM_BIN, else build/kvmatch; a small fake server in
- * a thread of the test answers its ROUTE with a DECISION computed from the request. Every run is
- * bounded by a timeout. */
+ * decimal ones it was given, and output it cannot write exits 1. The binary is $KM_BIN, else
+ * build/kvmatch; a small fake server in a thread of the test answers its ROUTE with a DECISION
+ * computed from the request. Every run is bounded by a timeout. */
 #include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>

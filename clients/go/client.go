@@ -246,7 +246,8 @@ func (c *Client) Close() error {
 // not resent: a router decides again) and dials the same address with a new handshake. On
 // failure the client stays closed and Reconnect may be called again. Reconnects are made one at
 // a time: a call that finds the connection it was called on already replaced by an open one
-// keeps that one, so goroutines that reconnect after the same failure share one new connection.
+// keeps that one, so goroutines that enter Reconnect while another is reconnecting after the
+// same failure share its new connection (one that enters after that reconnects again).
 func (c *Client) Reconnect(ctx context.Context) error {
 	called := c.conn()
 	select {

@@ -69,7 +69,8 @@ typedef struct km_sim_generator_config {
     uint32_t new_tokens_max;    /* 1 <= min <= max */
     uint32_t output_tokens_mean; /* answers: exponential around this mean, 1 .. 8x; >= 1 */
     uint32_t max_input_tokens;  /* a session ends before its prompt would pass this (the model's
-                                 * context); > common + max(prefix_tokens_max, 512) + new_tokens_max */
+                                 * context); > common + max(prefix_tokens_max, 512)
+                                 * + new_tokens_max */
 } km_sim_generator_config;
 
 /* The chat shape's defaults (km_sim_generator_config_shape(KM_SIM_SHAPE_CHAT, cfg)). */
