@@ -2,8 +2,9 @@
 /* The CUDA backend's vtable: a thin C11 layer over the C-linkage seam (kernels/cuda_seam.h). It
  * describes the index's host tables to the device side (whole at create or after a reallocation,
  * else their dirty-slot lists) and forwards scoring batches; all CUDA work and every CUDA type stay
- * in kernels/. Errors come back as km_status codes; KM_ERR_CUDA carries its detail into the index's
- * last-error message, and the index then moves to the CPU backend. Built only with KM_HAVE_CUDA. */
+ * in kernels/. Errors come back as km_status codes with their detail in the index's last-error
+ * message; on any but KM_ERR_OUT_OF_MEMORY the index moves to the CPU backend. Built only with
+ * KM_HAVE_CUDA. */
 #include <stdio.h>
 #include <stdlib.h>
 

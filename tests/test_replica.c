@@ -32,8 +32,9 @@ typedef struct mirror {
     km_walk_entry *entries;
     uint64_t syncs, full_uploads, patched_slots, patched_sets, matches;
     uint64_t synced_mid_growth; /* syncs that found a table with an old array: a contract breach */
-    uint32_t fail_syncs; /* the next this many syncs fail (out of memory) after patching half */
-    uint32_t fail_matches; /* the next this many matches fail (out of memory) half way */
+    uint32_t fail_syncs; /* the next this many syncs fail (fail_status) after patching half */
+    uint32_t fail_matches; /* the next this many matches fail (fail_status) half way */
+    int fail_status; /* what those failures return; 0: KM_ERR_OUT_OF_MEMORY */
     uint64_t patch_out_of_range; /* a dirty slot or bitmap outside the replica's arrays */
     int fail_cuda; /* every sync and match fails with KM_ERR_CUDA, as after a sticky device error */
 } mirror;
@@ -103,7 +104,8 @@ static int mirror_sync(void *state, km_index *index)
     if (mr->fail_syncs) { /* a staging allocation failing part way: the blocks are patched */
         mr->fail_syncs--;
         int rc = mirror_sync_table(mr, &mr->blocks, &index->blocks, 0);
-        return rc ? rc : KM_ERR_OUT_OF_MEMORY;
+        int status = mr->fail_status ? mr->fail_status : KM_ERR_OUT_OF_MEMORY;
+        return rc ? rc : km_index_fail(index, status, "mirror: sync: failing on purpose");
     }
     int rc = mirror_sync_table(mr, &mr->blocks, &index->blocks, 0);
     return rc ? rc : mirror_sync_table(mr, &mr->segments, &index->segments, 0);
@@ -160,7 +162,8 @@ static int mirror_match(void *state, km_index *index, const km_request *requests
         mr->fail_matches--;
         results->n_requests = n;
         results->n_matches = 0;
-        return KM_ERR_OUT_OF_MEMORY;
+        return km_index_fail(index, mr->fail_status ? mr->fail_status : KM_ERR_OUT_OF_MEMORY,
+                             "mirror: match: failing on purpose");
     }
     km_table_view blocks = mirror_view(&mr->blocks), segments = mirror_view(&mr->segments);
     size_t total = 0;
@@ -528,7 +531,7 @@ Test(replica, a_failed_backend_switch_keeps_the_pending_sync)
     km_index_destroy(index);
 }
 
-/* A sync that fails other than with a CUDA error (a staging allocation) leaves the replica behind
+/* A sync that runs out of memory (a staging allocation) leaves the replica behind
  * the host tables, which took the batch. The batch is not reported as failed, the replica is not
  * trusted: batches are scored on the host until a sync succeeds, and that sync, which still has
  * every dirty entry since the last good one, makes the replica equal again. Until 2026-11-30 the
@@ -584,9 +587,9 @@ Test(replica, a_failed_sync_is_scored_around_until_one_succeeds, .timeout = 60)
     km_index_destroy(index);
 }
 
-/* A replica's scoring that fails other than with a CUDA error (a staging allocation) does not
- * fail the batch: the host tables are current, so the batch is scored there, exactly, and the
- * replica scores the next one. Until 2026-11-30 the batch failed (every route in it answered
+/* A replica's scoring that runs out of memory (a staging allocation) does not fail the batch: the
+ * host tables are current, so the batch is scored there, exactly, and the replica scores the next
+ * one. Until 2026-11-30 the batch failed (every route in it answered
  * with an error). */
 Test(replica, a_failed_replica_match_is_scored_on_the_host, .timeout = 60)
 {
@@ -631,6 +634,72 @@ Test(replica, a_failed_replica_match_is_scored_on_the_host, .timeout = 60)
     km_index_destroy(index);
 }
 
+/* A replica failing with anything but KM_ERR_OUT_OF_MEMORY (here KM_ERR_INTERNAL, as a broken
+ * invariant on the device is reported) is not trusted again: the index moves to the CPU backend
+ * for good, the batch whose match failed is scored there, a batch whose sync failed is in the
+ * host tables, and every later batch scores exactly. `in_sync` picks which call fails. */
+static void a_replica_failing_otherwise_moves_to_the_cpu(int in_sync)
+{
+    const uint32_t S = 4, W = 64;
+    km_rng r;
+    km_rng_init(&r, km_test_seed() ^ 0x1E7A ^ (uint64_t)in_sync);
+    km_index *index = make_mirrored_index(W, S, 1);
+    km_oracle o;
+    km_oracle_init(&o, W);
+    km_corpus corpus;
+    km_corpus_generate(&corpus, &r, 150, 4, 200);
+    km_workload wl;
+    km_workload_init(&wl, &corpus, W);
+    km_request_set rs = {0};
+    km_match_results res;
+    km_match_results_init(&res);
+    char why[512];
+    for (int step = 0; step < 8; step++) {
+        int failing = step == 3;
+        if (failing) {
+            mirror *mr = mirror_of(index);
+            mr->fail_status = KM_ERR_INTERNAL;
+            if (in_sync)
+                mr->fail_syncs = 1;
+            else
+                mr->fail_matches = 1;
+        }
+        km_workload_step(&wl, &r, &o, 6);
+        km_update_stats got, expect;
+        int rc = km_index_apply(index, wl.updates, wl.n_updates, &got);
+        KM_CHECK(rc == KM_OK, "step %d: apply: %s (%s)", step, km_error_name(rc),
+                 km_index_last_error(index));
+        km_oracle_apply(&o, wl.updates, wl.n_updates, &expect);
+        uint64_t host = index->host_scored_batches;
+        km_request_set_generate(&rs, &r, &corpus, 400);
+        rc = km_index_match_batch(index, rs.requests, rs.n, &res);
+        KM_CHECK(rc == KM_OK, "step %d: match: %s (%s)", step, km_error_name(rc),
+                 km_index_last_error(index));
+        KM_CHECK(km_check_results(&o, rs.requests, rs.n, &res, S, why, sizeof why), "step %d: %s",
+                 step, why);
+        KM_CHECK(strcmp(km_index_backend_name(index), step < 3 ? "mirror" : "cpu") == 0,
+                 "step %d: backend %s", step, km_index_backend_name(index));
+        KM_CHECK(index->host_scored_batches == host, "step %d: a batch was host-scored, the "
+                 "replica kept", step);
+    }
+    km_match_results_free(&res);
+    km_request_set_free(&rs);
+    km_workload_free(&wl);
+    km_corpus_free(&corpus);
+    km_oracle_free(&o);
+    km_index_destroy(index);
+}
+
+Test(replica, a_replica_match_failing_otherwise_moves_to_the_cpu, .timeout = 60)
+{
+    a_replica_failing_otherwise_moves_to_the_cpu(0);
+}
+
+Test(replica, a_replica_sync_failing_otherwise_moves_to_the_cpu, .timeout = 60)
+{
+    a_replica_failing_otherwise_moves_to_the_cpu(1);
+}
+
 /* ---- a CUDA failure when no CPU backend can be made ------------------------------------------ */
 
 /* The CPU backend with a create that fails (out of host memory) while cpu_create_fails is set. */
@@ -673,7 +742,8 @@ static void keep_log_line(void *user, const char *line)
 
 /* A sticky CUDA error while no CPU backend can be created (host memory exhausted): the index
  * keeps its failed backend (never none), the batch's updates stay in the host tables, the match
- * fails with KM_ERR_OUT_OF_MEMORY naming both failures, and the log says so. Once memory is
+ * does not score on the replica the sync failed to update but fails with KM_ERR_OUT_OF_MEMORY
+ * naming both failures, and the log says so. Once memory is
  * back, the next call falls back to the CPU and scores exactly. Until 2026-12-02 the fallback
  * destroyed the failed backend first and left the index without one, dereferenced at once. */
 Test(replica, a_cuda_failure_without_memory_for_the_cpu_keeps_a_backend, .timeout = 60)
@@ -727,8 +797,10 @@ Test(replica, a_cuda_failure_without_memory_for_the_cpu_keeps_a_backend, .timeou
               "the log does not say what failed: %s", log.last);
 
     km_request_set_generate(&rs, &r, &corpus, 300);
+    uint64_t matches = mr->matches;
     rc = km_index_match_batch(index, rs.requests, rs.n, &res);
     cr_assert_eq(rc, KM_ERR_OUT_OF_MEMORY, "match: %s", km_error_name(rc));
+    cr_assert_eq(mr->matches, matches, "the replica whose sync failed scored a batch");
     cr_assert_eq(res.n_requests, 0, "a failed match left results");
     cr_assert_eq(mirror_of(index), mr);
     cr_assert(strstr(km_index_last_error(index), "sticky device error") &&
@@ -741,7 +813,7 @@ Test(replica, a_cuda_failure_without_memory_for_the_cpu_keeps_a_backend, .timeou
     cr_assert_eq(rc, KM_OK, "match after memory came back: %s (%s)", km_error_name(rc),
                  km_index_last_error(index));
     cr_assert_str_eq(km_index_backend_name(index), "cpu");
-    cr_assert(strstr(log.last, "fallback: match failed with KM_ERR_CUDA"), "log: %s", log.last);
+    cr_assert(strstr(log.last, "fallback: sync failed with KM_ERR_CUDA"), "log: %s", log.last);
     cr_assert(km_check_results(&o, rs.requests, rs.n, &res, S, why, sizeof why), "%s", why);
     km_match_results_free(&res);
     km_request_set_free(&rs);

@@ -301,9 +301,9 @@ typedef struct km_index_stats {
     double table_growth_ms_total;
     uint64_t host_scored_batches; /* with the CUDA backend: batches scored on the host because a
                                    * table was growing (the device replica catches up when the
-                                   * move ends), a sync failed (until one succeeds) or the
-                                   * replica's scoring failed (that batch); always 0 on the CPU
-                                   * backend */
+                                   * move ends) or device memory ran out, in a sync (until one
+                                   * succeeds) or in the replica's scoring (that batch); always 0
+                                   * on the CPU backend */
     uint64_t memory_bytes;      /* host table memory counted against the cap */
     uint64_t memory_cap_bytes;
 } km_index_stats;

@@ -236,6 +236,7 @@ static int fall_back_to_cpu(km_index *index, int status, const char *what)
     index->backend_state = state;
     index->backend = &km_backend_cpu;
     index->replica_stale = 0;
+    index->backend_failed = 0;
     set_dirty_tracking(index);
     km_index_log(index, KM_LOG_WARNING
                  "backend: cpu (fallback: %s failed with %s: %s)", what, km_error_name(status),
@@ -1314,26 +1315,32 @@ static void sync_backend(km_index *index)
     }
     index->replica_stale = 0;
     int rc = index->backend->sync(index->backend_state, index);
-    if (rc == KM_ERR_CUDA) {
-        fall_back_to_cpu(index, rc, "sync");
-        return;
-    }
-    if (rc) {
-        /* Another failure (out of memory for staging): the replica is behind, the host tables are
-         * right. Batches are scored on the host until a later sync succeeds; the dirty lists stay
-         * for it. Without a host scorer the backend gives way to the CPU, as on a CUDA error. The
-         * batch itself has succeeded: its updates are in the host tables. */
-        char why[256] = "";
-        if (!have_host_scorer(index, why, sizeof why)) {
-            fall_back_to_cpu(index, rc, "sync");
-            return;
-        }
+    char why[256] = "";
+    if (rc == KM_ERR_OUT_OF_MEMORY && have_host_scorer(index, why, sizeof why)) {
+        /* Device or staging memory ran out: the replica is behind, the host tables are right.
+         * Batches are scored on the host until a later sync succeeds; the dirty lists stay for it
+         * (they give way to a whole upload once as long as the table: host_table.c). The batch
+         * itself has succeeded: its updates are in the host tables. */
         index->replica_stale = 1;
         km_index_log(index, KM_LOG_WARNING
                      "backend %s: sync failed with %s: scoring on the host until one succeeds",
                      index->backend->name, km_error_name(rc));
         return;
     }
+    if (rc) {
+        /* Any other failure (a CUDA error, a broken invariant), or out of memory with no host
+         * scorer: the replica cannot be trusted, and the CPU backend takes over for good. When
+         * even that cannot be made, backend_failed keeps the replica from scoring until it can. */
+        char detail[sizeof index->last_error];
+        snprintf(detail, sizeof detail, "%s", index->last_error);
+        if (fall_back_to_cpu(index, rc, "sync") != KM_OK) {
+            index->backend_failed = rc;
+            snprintf(index->backend_failed_detail, sizeof index->backend_failed_detail, "%s",
+                     detail);
+        }
+        return;
+    }
+    index->backend_failed = 0;
     km_table_clear_dirty(&index->blocks);
     km_table_clear_dirty(&index->segments);
     return;
@@ -1572,34 +1579,42 @@ int km_index_match_batch(km_index *index, const km_request *requests, size_t n_r
         return km_index_fail(index, KM_ERR_OUT_OF_MEMORY, "results for %zu requests", n_requests);
     if (n_requests == 0)
         return KM_OK;
-    int rc;
-    if (index->replica_stale) { /* a table is growing, or a sync failed: the host tables are the
-                                 * current ones */
+    int rc, device_rc = KM_OK;
+    if (index->replica_stale) { /* a table is growing, or a sync ran out of memory: the host tables
+                                 * are the current ones */
         index->host_scored_batches++;
         rc = km_backend_cpu.match(index->host_scorer, index, requests, n_requests, results);
+    } else if (index->backend_failed) { /* a sync failed and no CPU backend could be made then */
+        rc = device_rc = km_index_fail(index, index->backend_failed, "%s",
+                                       index->backend_failed_detail);
     } else {
         rc = index->backend->match(index->backend_state, index, requests, n_requests, results);
+        if (index->backend != &km_backend_cpu)
+            device_rc = rc;
     }
-    if (rc == KM_ERR_CUDA) {
+    char why[256] = "";
+    if (device_rc == KM_ERR_OUT_OF_MEMORY && !index->backend_failed &&
+        have_host_scorer(index, why, sizeof why)) {
+        /* The replica's scoring ran out of device or staging memory: the host tables are current,
+         * so this batch is scored there; the replica stays for the next. */
+        km_index_log(index, KM_LOG_WARNING
+                     "backend %s: scoring failed with %s: this batch scored on the host",
+                     index->backend->name, km_error_name(rc));
+        index->last_error[0] = '\0';
         results->n_matches = 0;
         results->probes = 0;
-        rc = fall_back_to_cpu(index, rc, "match");
+        index->host_scored_batches++;
+        rc = km_backend_cpu.match(index->host_scorer, index, requests, n_requests, results);
+    } else if (device_rc) {
+        /* Any other failure of the replica (a CUDA error, a broken invariant such as an entry
+         * count past max_workers), or of a sync before it: the CPU backend takes over for good
+         * and scores the batch. */
+        const char *what = index->backend_failed ? "sync" : "match";
+        results->n_matches = 0;
+        results->probes = 0;
+        rc = fall_back_to_cpu(index, device_rc, what);
         if (rc == KM_OK)
             rc = index->backend->match(index->backend_state, index, requests, n_requests, results);
-    } else if (rc && !index->replica_stale && index->backend != &km_backend_cpu) {
-        /* A replica's scoring failed otherwise (out of memory for a batch's staging): the host
-         * tables are current, so this batch is scored there; the replica stays for the next. */
-        char why[256] = "";
-        if (have_host_scorer(index, why, sizeof why)) {
-            km_index_log(index, KM_LOG_WARNING
-                         "backend %s: scoring failed with %s: this batch scored on the host",
-                         index->backend->name, km_error_name(rc));
-            index->last_error[0] = '\0';
-            results->n_matches = 0;
-            results->probes = 0;
-            index->host_scored_batches++;
-            rc = km_backend_cpu.match(index->host_scorer, index, requests, n_requests, results);
-        }
     }
     if (rc) {
         results->n_requests = 0; /* a failed backend may have filled some: none is valid */

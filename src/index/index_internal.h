@@ -23,10 +23,14 @@ typedef struct km_backend_ops {
     void (*destroy)(void *state);
     /* Make the backend's view equal to the host tables after an update batch: upload dirty slots
      * and bitmaps, or everything when a table's layout changed. Clears nothing; the index clears
-     * the dirty lists after a successful sync. */
+     * the dirty lists after a successful sync. KM_ERR_OUT_OF_MEMORY (device or staging memory)
+     * is temporary: the host scores until a later sync succeeds; any other status moves the index
+     * to the CPU backend for good. */
     int (*sync)(void *state, km_index *index);
     /* Score n requests into results (already sized: results->requests has n entries). Must give
-     * exactly what km_walk_request gives for each request, entries ascending by worker. */
+     * exactly what km_walk_request gives for each request, entries ascending by worker. On
+     * KM_ERR_OUT_OF_MEMORY the host scores this batch; any other status moves the index to the
+     * CPU backend for good, which scores it. */
     int (*match)(void *state, km_index *index, const km_request *requests, size_t n,
                  km_match_results *results);
     /* Does this backend need dirty-slot tracking on the host tables? */
@@ -91,11 +95,16 @@ struct km_index {
     /* A device replica mirrors one array per table, so while the block or segment table grows it
      * is not synced (replica_stale) and batches are scored on the host by a CPU backend,
      * host_scorer, created the first time it is needed; host_scored_batches counts them
-     * (km_index_stats). A sync that failed (other than a CUDA error, which falls back to the CPU
-     * for good) marks the replica stale too, until a later sync succeeds. */
+     * (km_index_stats). A sync that ran out of memory marks the replica stale too, until a later
+     * sync succeeds; any other failure falls back to the CPU for good. */
     int replica_stale;
     void *host_scorer;
     uint64_t host_scored_batches;
+    /* A sync's failure (its status and message) while no CPU backend could be made to take over:
+     * the replica is not trusted, and the next match retries the fallback instead of scoring on
+     * it. 0 once a sync succeeds or the fallback is made. */
+    int backend_failed;
+    char backend_failed_detail[256];
     /* While a replica waits, each update batch moves up to replica_growth_step old-array slots of
      * a growing table (on top of the 16 per key its inserts and erases move), and stops early
      * after replica_growth_budget_ms (0: no limit), but never before 512 slots: a move ends even
