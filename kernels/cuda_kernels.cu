@@ -385,7 +385,10 @@ static cudaError_t km_launch_walk(cudaStream_t stream, km_table_view blocks,
 }
 
 /* Compaction: one warp per request copies its count entries from its scratch row to
- * compact[first[r] ..) (first = exclusive prefix sum of the counts). */
+ * compact[first[r] ..) (first = exclusive prefix sum of the counts). Rows and compact both hold
+ * n * max_workers entries; a count past max_workers (a broken walk, which the host reports as
+ * KM_ERR_INTERNAL from the counts it reads back) is cut to what the row holds and to what is left
+ * of compact, so no count makes this read or write outside them. */
 static __global__ void km_gather_kernel(const km_walk_entry *entries, uint32_t max_workers,
                                         const uint32_t *count, const uint32_t *first, uint32_t n,
                                         km_walk_entry *compact)
@@ -395,10 +398,16 @@ static __global__ void km_gather_kernel(const km_walk_entry *entries, uint32_t m
     uint32_t lane = (uint32_t)(thread % 32u);
     if (r >= n)
         return;
+    uint64_t room = (uint64_t)n * max_workers;
+    uint64_t at = first[r];
+    if (at >= room)
+        return;
+    uint64_t m = count[r] < max_workers ? count[r] : max_workers;
+    if (m > room - at)
+        m = room - at;
     const km_walk_entry *src = entries + r * max_workers;
-    km_walk_entry *dst = compact + first[r];
-    uint32_t m = count[r];
-    for (uint32_t j = lane; j < m; j += 32u)
+    km_walk_entry *dst = compact + at;
+    for (uint64_t j = lane; j < m; j += 32u)
         dst[j] = src[j];
 }
 
@@ -1050,7 +1059,9 @@ static int km_cuda_match_chunk(km_cuda *c, const km_cuda_match_args *args,
                                      cudaMemcpyDeviceToHost, c->stream));
     KM_CUDA_CHECK(c, cudaStreamSynchronize(c->stream));
 
-    /* The host sums the same counts the scan summed, so its offsets equal d_first. */
+    /* The host sums the same counts the scan summed, so its offsets equal d_first. A count past
+     * max_workers breaks the walk's contract: the gather kernel kept inside its buffers, and the
+     * index moves to the CPU backend on this status. */
     size_t base = results->n_matches;
     size_t chunk_matches = 0;
     uint64_t chunk_probes = 0;
