@@ -534,7 +534,8 @@ Test(replica, a_failed_backend_switch_keeps_the_pending_sync)
 /* A sync that runs out of memory (a staging allocation) leaves the replica behind
  * the host tables, which took the batch. The batch is not reported as failed, the replica is not
  * trusted: batches are scored on the host until a sync succeeds, and that sync, which still has
- * every dirty entry since the last good one, makes the replica equal again. Until 2026-11-30 the
+ * every dirty entry since the last good one (or uploads a table whole whose list reached its
+ * size), makes the replica equal again. Until 2026-11-30 the
  * batch returned the sync's error although its updates were in, and the next batches were scored
  * on the stale replica. */
 Test(replica, a_failed_sync_is_scored_around_until_one_succeeds, .timeout = 60)
@@ -698,6 +699,97 @@ Test(replica, a_replica_match_failing_otherwise_moves_to_the_cpu, .timeout = 60)
 Test(replica, a_replica_sync_failing_otherwise_moves_to_the_cpu, .timeout = 60)
 {
     a_replica_failing_otherwise_moves_to_the_cpu(1);
+}
+
+/* Dirty lists stay within their table while the replica is not synced: here the block table
+ * moves to larger arrays in steps of 512 slots a batch, and meanwhile every batch adds workers to
+ * and removes them from blocks and segment keys already stored (no key inserted or erased, so
+ * nothing moves but the step; worker 0 keeps every chain). The block table's writes are not
+ * listed (the growth set layout_changed); the segment table's would be listed, repeats and all,
+ * until the move ends. A list that reaches its table's size is dropped for a whole upload; after
+ * the move the replica equals the host tables and scores exactly. */
+Test(replica, dirty_lists_stay_within_their_table_while_a_sync_waits, .timeout = 60)
+{
+    const uint32_t S = 4, W = 64, LEN = 64, CHURN = 60;
+    km_rng r;
+    km_rng_init(&r, km_test_seed() ^ 0xD1B7);
+    km_index *index = make_mirrored_index(W, S, 1);
+    index->replica_growth_step = 512;
+    km_oracle o;
+    km_oracle_init(&o, W);
+    size_t max_chains = 1024;
+    uint64_t *chains = malloc(max_chains * LEN * sizeof *chains);
+    km_update *u = malloc(2 * CHURN * sizeof *u);
+    cr_assert(chains && u);
+    km_update_stats expect;
+    size_t n_chains = 0;
+    while (!index->blocks.old_slots || index->blocks.old_capacity < KM_TABLE_INCREMENTAL_SLOTS) {
+        cr_assert_lt(n_chains, max_chains, "the block table never grew incrementally");
+        uint64_t *c = chains + n_chains * LEN;
+        for (uint32_t i = 0; i < LEN; i++)
+            c[i] = km_rng_hash(&r);
+        km_update st = {KM_UPDATE_STORE, 0, KM_NO_PARENT, c, LEN, KM_TIER_DEVICE};
+        cr_assert_eq(km_index_apply(index, &st, 1, NULL), KM_OK, "%s", km_index_last_error(index));
+        km_oracle_apply(&o, &st, 1, &expect);
+        n_chains++;
+    }
+    cr_assert(index->replica_stale);
+    int batches = 0, dropped = 0;
+    uint64_t uploads_before = mirror_of(index)->full_uploads;
+    char why[512];
+    while (index->replica_stale) {
+        cr_assert_lt(batches, 10000, "the move never ended");
+        /* Worker w joins CHURN chains, worker w' leaves CHURN others (it may hold none of them);
+         * workers 0 to 3 only, so every set stays inline and no bitmap pool grows (a pool growth
+         * sets layout_changed too). */
+        uint32_t w = 1 + km_rng_below(&r, 3), w2 = 1 + km_rng_below(&r, 3);
+        for (uint32_t k = 0; k < CHURN; k++) {
+            const uint64_t *c = chains + km_rng_below(&r, (uint32_t)n_chains) * LEN;
+            u[k] = (km_update){KM_UPDATE_STORE, w, KM_NO_PARENT, c, LEN, KM_TIER_DEVICE};
+            c = chains + km_rng_below(&r, (uint32_t)n_chains) * LEN;
+            u[CHURN + k] = (km_update){KM_UPDATE_REMOVE, w2, KM_NO_PARENT, c, LEN, KM_TIER_DEVICE};
+        }
+        uint64_t capacity = index->segments.capacity;
+        cr_assert_eq(km_index_apply(index, u, 2 * CHURN, NULL), KM_OK, "%s",
+                     km_index_last_error(index));
+        km_oracle_apply(&o, u, 2 * CHURN, &expect);
+        cr_assert_eq(index->segments.capacity, capacity, "the segment table grew");
+        const km_table *tables[2] = {&index->blocks, &index->segments};
+        for (int t = 0; t < 2; t++) {
+            KM_CHECK(tables[t]->n_dirty_slots <= tables[t]->capacity &&
+                         tables[t]->n_dirty_sets <= tables[t]->pool_capacity,
+                     "batch %d: %s table lists %zu dirty slots of %" PRIu64 ", %zu dirty bitmaps "
+                     "of %u", batches, t ? "segment" : "block", tables[t]->n_dirty_slots,
+                     tables[t]->capacity, tables[t]->n_dirty_sets, tables[t]->pool_capacity);
+        }
+        dropped |= index->replica_stale && index->segments.layout_changed;
+            batches++;
+    }
+    cr_assert(dropped, "the segment table's list never reached its size in %d batches "
+              "(KM_TEST_SEED=%" PRIu64 ")", batches, km_test_seed());
+    mirror *mr = mirror_of(index);
+    cr_assert_geq(mr->full_uploads, uploads_before + 2, "both tables were meant to be uploaded "
+                  "whole after the move");
+    cr_assert(mirror_equals(&mr->blocks, &index->blocks, "block", why, sizeof why) &&
+                  mirror_equals(&mr->segments, &index->segments, "segment", why, sizeof why),
+              "after the move: %s", why);
+    km_request *q = malloc(500 * sizeof *q);
+    cr_assert_not_null(q);
+    for (int i = 0; i < 500; i++)
+        q[i] = (km_request){chains + km_rng_below(&r, (uint32_t)n_chains) * LEN,
+                            1 + km_rng_below(&r, LEN)};
+    km_match_results res;
+    km_match_results_init(&res);
+    uint64_t matches = mr->matches;
+    cr_assert_eq(km_index_match_batch(index, q, 500, &res), KM_OK);
+    cr_assert_eq(mr->matches, matches + 1, "the replica did not score");
+    cr_assert(km_check_results(&o, q, 500, &res, S, why, sizeof why), "%s", why);
+    km_match_results_free(&res);
+    free(q);
+    free(u);
+    free(chains);
+    km_oracle_free(&o);
+    km_index_destroy(index);
 }
 
 /* ---- a CUDA failure when no CPU backend can be made ------------------------------------------ */

@@ -96,13 +96,28 @@ static int arrays_alloc(const km_table *t, uint64_t capacity, int with_meta, tab
 }
 
 /* Old-array slots are never listed: a growth sets layout_changed, and a replica is synced only
- * after the move ends. */
+ * after the move ends. A list that reaches the table's size (repeats count) is dropped for
+ * layout_changed: a replica uploads the table whole for less than such a patch costs, and a replica
+ * that is not synced for a while (another table moving, device memory exhausted) never makes the
+ * list outgrow the table. */
+static void stop_dirty_tracking(km_table *t)
+{
+    t->layout_changed = 1;
+    free(t->dirty_slots);
+    free(t->dirty_sets);
+    t->dirty_slots = NULL;
+    t->dirty_sets = NULL;
+    t->n_dirty_slots = t->dirty_slots_capacity = 0;
+    t->n_dirty_sets = t->dirty_sets_capacity = 0;
+}
+
 static void record_dirty_slot(km_table *t, uint64_t slot)
 {
     if (t->layout_changed || slot >= t->capacity)
         return;
-    if (KM_ARRAY_GROW(t->dirty_slots, t->dirty_slots_capacity, t->n_dirty_slots + 1, 1024)) {
-        t->layout_changed = 1; /* cannot track: the replica re-uploads everything instead */
+    if (t->n_dirty_slots >= t->capacity ||
+        KM_ARRAY_GROW(t->dirty_slots, t->dirty_slots_capacity, t->n_dirty_slots + 1, 1024)) {
+        stop_dirty_tracking(t); /* the replica re-uploads everything instead */
         return;
     }
     t->dirty_slots[t->n_dirty_slots++] = slot;
@@ -112,8 +127,9 @@ static void record_dirty_set(km_table *t, uint32_t set)
 {
     if (t->layout_changed)
         return;
-    if (KM_ARRAY_GROW(t->dirty_sets, t->dirty_sets_capacity, t->n_dirty_sets + 1, 256)) {
-        t->layout_changed = 1;
+    if (t->n_dirty_sets >= t->pool_capacity ||
+        KM_ARRAY_GROW(t->dirty_sets, t->dirty_sets_capacity, t->n_dirty_sets + 1, 256)) {
+        stop_dirty_tracking(t);
         return;
     }
     t->dirty_sets[t->n_dirty_sets++] = set;
