@@ -1,9 +1,13 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* The CUDA backend against the CPU backend: the same updates go to one index
  * of each kind, and every scoring batch must come back identical bit for bit (the CPU side is also
- * checked against the brute-force oracle). Random workloads for every segment size at 8 and 1000
- * workers, and the Mooncake trace. Without a usable device these tests are reported as skipped
- * (as failed with KM_REQUIRE_CUDA=1, which scripts/gpu-check.sh sets).
+ * checked against the brute-force oracle) and scored by the device: a batch the CUDA index scored
+ * on the host (km_index_stats.host_scored_batches) fails the comparison, and a table's move to
+ * larger arrays is driven to its end before it. Random workloads for every segment size at 8 and
+ * 1000 workers, the Mooncake trace, a batch over one scoring chunk's hashes, a compare after a
+ * move, and two small batches for the sanitizers (walk scratch in shared and in global memory).
+ * Without a usable device these tests are reported as skipped (as failed with KM_REQUIRE_CUDA=1,
+ * which scripts/gpu-check.sh sets).
  * Also: KM_BACKEND_AUTO gives the CPU backend even where a CUDA index can be created, and a
  * snapshot loaded into a second CUDA index of the same process scores as the CPU index it was
  * saved from. */
@@ -13,6 +17,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "index/index_internal.h"
 #include "test_util.h"
 
 typedef struct log_capture {
@@ -149,17 +154,41 @@ static void pair_apply(void *ctx, const km_update *u, size_t n, const km_update_
     p->batches++;
 }
 
+/* While a table of the CUDA index moves to larger arrays its replica is not synced and batches
+ * are scored on the host; empty update batches each move a step more (km_index_apply's sync), so
+ * this ends the move and leaves a synced replica (the first sync after a move uploads it whole). */
+static void pair_finish_moves(pair *p, const char *when)
+{
+    km_index *x = p->cuda;
+    for (int i = 0; i < 100000 && x->replica_stale; i++) {
+        if (!x->blocks.old_slots && !x->segments.old_slots)
+            break; /* stale for another reason: no empty batch ends that */
+        int rc = km_index_apply(x, NULL, 0, NULL);
+        KM_CHECK(rc == KM_OK, "%s: an empty batch: %s", when, km_error_name(rc));
+    }
+    KM_CHECK(!x->replica_stale, "%s: the replica is still not synced (a table moving: %d; log: %s)",
+             when, x->blocks.old_slots || x->segments.old_slots, p->cuda_log.last);
+}
+
 /* Score the same requests on both; CUDA vs CPU bit for bit, and (when with_oracle) CPU vs the
- * oracle. The trace cases skip the oracle: tests/test_match.c checks the CPU side there, and the
- * GPU check runs each test of this suite under compute-sanitizer within its own time limit. */
+ * oracle. The CUDA index must score the batch on the device: a move in progress is ended first,
+ * and a batch it scored on the host (a failed scoring or sync that the index scored around) fails
+ * here. The trace cases skip the oracle: tests/test_match.c checks the CPU side there. */
 static void pair_compare(pair *p, const km_request *q, size_t n, int with_oracle, const char *when)
 {
     char why[512];
+    pair_finish_moves(p, when);
+    km_index_stats before, after;
+    KM_CHECK(km_index_get_stats(p->cuda, &before) == KM_OK, "%s: stats", when);
     int rc = km_index_match_batch(p->cpu, q, n, &p->cpu_res);
     KM_CHECK(rc == KM_OK, "%s: cpu match: %s", when, km_error_name(rc));
     rc = km_index_match_batch(p->cuda, q, n, &p->cuda_res);
     KM_CHECK(rc == KM_OK, "%s: cuda match: %s (%s; log: %s)", when, km_error_name(rc),
              km_index_last_error(p->cuda), p->cuda_log.last);
+    KM_CHECK(km_index_get_stats(p->cuda, &after) == KM_OK, "%s: stats", when);
+    KM_CHECK(after.host_scored_batches == before.host_scored_batches,
+             "%s: the CUDA index scored the batch on the host, not the device (log: %s)", when,
+             p->cuda_log.last);
     /* The fallback's cause is in the index's log line, not in last_error: print it. */
     KM_CHECK(strcmp(km_index_backend_name(p->cuda), "cuda") == 0,
              "%s: the CUDA index fell back to %s: %s", when, km_index_backend_name(p->cuda),
@@ -431,6 +460,127 @@ Test(cuda, slot_patches_longer_than_one_round, .timeout = 240)
                  "whole, not patched");
     free(q);
     free(u);
+    free(chains);
+    pair_free(&p);
+}
+
+/* Small batches for compute-sanitizer (scripts/gpu-check.sh runs `cuda/small_batch_*` under
+ * racecheck, synccheck and memcheck, where the larger tests would take minutes): a few random
+ * update batches and 64 requests at W workers. At 1,000 workers a warp's walk scratch is in shared
+ * memory; past 2,808 (KM_CUDA_WALK_SHARED_BYTES over KM_CUDA_WALK_WARPS warps) it is in global
+ * scratch, so 3,000 takes the other path. */
+static void cuda_small_batch(uint32_t W)
+{
+    const uint32_t S = 4;
+    pair p;
+    pair_init(&p, W, S);
+    km_rng r;
+    km_rng_init(&r, km_test_seed() ^ 0x5A17 ^ W);
+    km_corpus corpus;
+    km_corpus_generate(&corpus, &r, 40, 4, 100);
+    km_workload wl;
+    km_workload_init(&wl, &corpus, W);
+    km_request_set rs = {0};
+    char when[96];
+    for (int step = 0; step < 3; step++) {
+        km_workload_step(&wl, &r, &p.oracle, 6);
+        km_update_stats expect;
+        km_oracle_apply(&p.oracle, wl.updates, wl.n_updates, &expect);
+        pair_apply(&p, wl.updates, wl.n_updates, &expect);
+        km_request_set_generate(&rs, &r, &corpus, 64);
+        snprintf(when, sizeof when, "W=%u step %d", W, step);
+        pair_compare(&p, rs.requests, rs.n, 1, when);
+    }
+    km_request_set_free(&rs);
+    km_workload_free(&wl);
+    km_corpus_free(&corpus);
+    pair_free(&p);
+}
+
+Test(cuda, small_batch_1000_workers_scratch_in_shared_memory, .timeout = 60)
+{
+    cuda_small_batch(1000);
+}
+
+Test(cuda, small_batch_3000_workers_scratch_in_global_memory, .timeout = 60)
+{
+    cuda_small_batch(3000);
+}
+
+/* One batch of more hashes than a scoring chunk stages (KM_CUDA_HASH_BUDGET in
+ * kernels/cuda_kernels.cu, 4 M), so it is cut into chunks by hashes, not by requests: 4,300
+ * requests of 1,000 blocks over 64 chains that 8 workers hold prefixes of. The second chunk's
+ * entries follow the first's. */
+Test(cuda, a_batch_over_one_chunks_hashes_scores_on_the_device, .timeout = 120)
+{
+    const uint32_t W = 8, S = 32, CHAINS = 64, LEN = 1000, NQ = 4300;
+    const uint64_t hash_budget = (uint64_t)1 << 22;
+    pair p;
+    pair_init_sized(&p, W, S, 200000);
+    km_rng r;
+    km_rng_init(&r, km_test_seed() ^ 0x4B0D);
+    uint64_t *chains = malloc((size_t)CHAINS * LEN * sizeof *chains);
+    km_update *u = malloc(CHAINS * sizeof *u);
+    km_request *q = malloc(NQ * sizeof *q);
+    cr_assert(chains && u && q);
+    for (size_t i = 0; i < (size_t)CHAINS * LEN; i++)
+        chains[i] = km_rng_hash(&r);
+    for (uint32_t c = 0; c < CHAINS; c++)
+        u[c] = (km_update){KM_UPDATE_STORE, c % W, KM_NO_PARENT, chains + (size_t)c * LEN,
+                           1 + km_rng_below(&r, LEN), KM_TIER_DEVICE};
+    km_update_stats expect;
+    km_oracle_apply(&p.oracle, u, CHAINS, &expect);
+    pair_apply(&p, u, CHAINS, &expect);
+    uint64_t hashes = 0;
+    for (uint32_t i = 0; i < NQ; i++) {
+        q[i] = (km_request){chains + (size_t)km_rng_below(&r, CHAINS) * LEN, LEN};
+        hashes += LEN;
+    }
+    cr_assert_gt(hashes, hash_budget, "the batch was meant to exceed one chunk's hashes");
+    pair_compare_scrambled(&p, q, NQ, 0, "4.3 M hashes in one batch");
+    pair_compare_scrambled(&p, q, 16, 1, "16 of those requests");
+    free(q);
+    free(u);
+    free(chains);
+    pair_free(&p);
+}
+
+/* A compare after a table's move to larger arrays has ended: chains stored one batch at a time
+ * from 256 slots until the block table grows incrementally (16 K slots or more: the keys move
+ * over later batches while the host scores); the move is then driven to its end, the replica
+ * uploaded whole, and the batch must be scored by the device, as must the next after a patch. */
+Test(cuda, a_table_moved_to_larger_arrays_scores_on_the_device, .timeout = 120)
+{
+    const uint32_t W = 64, S = 4, LEN = 64, MAX_CHAINS = 4096;
+    pair p;
+    pair_init(&p, W, S);
+    km_rng r;
+    km_rng_init(&r, km_test_seed() ^ 0x3E0F);
+    uint64_t *chains = malloc((size_t)MAX_CHAINS * LEN * sizeof *chains);
+    cr_assert_not_null(chains);
+    km_update_stats expect;
+    uint32_t n = 0;
+    while (!p.cuda->blocks.old_slots || p.cuda->blocks.old_capacity < KM_TABLE_INCREMENTAL_SLOTS) {
+        cr_assert_lt(n, MAX_CHAINS, "the block table never grew incrementally");
+        uint64_t *c = chains + (size_t)n * LEN;
+        for (uint32_t i = 0; i < LEN; i++)
+            c[i] = km_rng_hash(&r);
+        km_update u = {KM_UPDATE_STORE, km_rng_below(&r, W), KM_NO_PARENT, c, LEN, KM_TIER_DEVICE};
+        km_oracle_apply(&p.oracle, &u, 1, &expect);
+        pair_apply(&p, &u, 1, &expect);
+        n++;
+    }
+    cr_assert(p.cuda->replica_stale, "a move is under way, so the replica waits");
+    uint64_t capacity = p.cuda->blocks.capacity;
+    km_request *q = chain_requests(&r, chains, n, LEN, 2000);
+    pair_compare(&p, q, 2000, 1, "after the move");
+    cr_assert_null(p.cuda->blocks.old_slots, "the move did not end");
+    cr_assert_eq(p.cuda->blocks.capacity, capacity);
+    km_update u = {KM_UPDATE_STORE, 0, KM_NO_PARENT, chains, LEN, KM_TIER_DEVICE};
+    km_oracle_apply(&p.oracle, &u, 1, &expect);
+    pair_apply(&p, &u, 1, &expect);
+    pair_compare(&p, q, 2000, 1, "a patch after the move");
+    free(q);
     free(chains);
     pair_free(&p);
 }
