@@ -178,17 +178,39 @@ typedef struct flag_pools {
     uint32_t n, cap;
     km_server_worker **workers; /* per pool; NULL while the pool keeps the file's array */
     uint32_t *n_workers, *cap_workers;
+    char **owned; /* the strings the flags' pools and workers point at */
+    uint32_t n_owned, cap_owned;
 } flag_pools;
 
 static void flag_pools_free(flag_pools *fp)
 {
     for (uint32_t i = 0; i < fp->cap; i++)
         free(fp->workers[i]);
+    for (uint32_t i = 0; i < fp->n_owned; i++)
+        free(fp->owned[i]);
+    free(fp->owned);
     free(fp->workers);
     free(fp->n_workers);
     free(fp->cap_workers);
     free(fp->pools);
     memset(fp, 0, sizeof *fp);
+}
+
+/* A copy of text that lives as long as the pools handed out; NULL when out of memory. */
+static char *flag_pools_strdup(flag_pools *fp, const char *text)
+{
+    if (fp->n_owned == fp->cap_owned) {
+        uint32_t cap = fp->cap_owned ? fp->cap_owned * 2 : 16;
+        char **owned = realloc(fp->owned, cap * sizeof *owned);
+        if (!owned)
+            return NULL;
+        fp->owned = owned;
+        fp->cap_owned = cap;
+    }
+    char *copy = strdup(text);
+    if (copy)
+        fp->owned[fp->n_owned++] = copy;
+    return copy;
 }
 
 /* Room for one more pool; false when out of memory. */
@@ -447,8 +469,13 @@ static int apply_flags(int argc, char **argv, km_server_config *cfg)
                 status = KM_EXIT_USAGE;
                 break;
             }
-            p->name = strdup(name);
-            p->model = model ? strdup(model) : NULL;
+            p->name = flag_pools_strdup(fp, name);
+            p->model = model ? flag_pools_strdup(fp, model) : NULL;
+            if (!p->name || (model && !p->model)) {
+                fprintf(stderr, "kvmatch serve: --pool %s: out of memory\n", v);
+                status = KM_EXIT_FAILURE;
+                break;
+            }
             fp->n++;
             break;
         }
@@ -507,7 +534,7 @@ static int apply_flags(int argc, char **argv, km_server_config *cfg)
             }
             km_server_worker w = {(uint32_t)id, NULL, NULL, NULL, false, 0, NULL};
             if (*end == '=') {
-                char *pub = strdup(end + 1);
+                char *pub = flag_pools_strdup(fp, end + 1);
                 char *comma = pub ? strchr(pub, ',') : NULL;
                 if (comma) {
                     *comma = '\0';
