@@ -33,6 +33,43 @@ static void sweep_config(km_sim_config *cfg)
     cfg->log = quiet;
 }
 
+/* Arrivals are open loop (docs/SIM.md, "Load"): a load scales every arrival, a session's turns
+ * too, so behind a busy cluster some turns arrive while the previous one is still answering. The
+ * result counts them: every follow-up turn of the workload is counted once, none arrives early at
+ * a tenth of the load, and some do at twice the capacity, more behind round robin than behind a
+ * policy that balances. */
+Test(sim_load, turns_that_arrive_before_the_previous_answer_are_counted, .timeout = 240)
+{
+    km_sim_config cfg;
+    sweep_config(&cfg);
+    km_sim_generator_config_shape(KM_SIM_SHAPE_CHAT, &cfg.generator);
+    cfg.generator.requests = 400;
+    cfg.policies[1] = "ttft";
+    cfg.n_policies = 2;
+    cfg.loads[0] = 0.1;
+    cfg.loads[1] = 2.0;
+    cfg.n_loads = 2;
+    km_trace t;
+    cr_assert_eq(km_sim_generate_trace(&cfg.generator, &t, NULL, 0), KM_OK);
+    uint64_t follow_ups = 0;
+    for (size_t i = 0; i < t.n_requests; i++)
+        follow_ups += t.requests[i].previous_turn != 0;
+    km_trace_free(&t);
+    cr_assert_gt(follow_ups, 100);
+    km_sim_result r[4];
+    char why[512];
+    cr_assert_eq(km_sim_run(&cfg, r, NULL, why, sizeof why), KM_OK, "%s", why);
+    for (int k = 0; k < 4; k++) {
+        cr_assert_eq(r[k].follow_up_turns, follow_ups, "run %d", k);
+        cr_assert_leq(r[k].turns_before_answer, r[k].follow_up_turns);
+    }
+    cr_assert_eq(r[0].turns_before_answer, 0, "round robin at load 0.1");
+    cr_assert_eq(r[1].turns_before_answer, 0, "ttft at load 0.1");
+    cr_assert_gt(r[2].turns_before_answer, 0, "round robin at load 2");
+    cr_assert_gt(r[2].turns_before_answer, r[3].turns_before_answer,
+                 "round robin at load 2 answers slower than ttft");
+}
+
 /* The stated tolerances (docs/SIM.md, "Load"): at half the capacity round robin serves what it is
  * offered (within 10%); at 1.0 its throughput is between 75% and 110% of the capacity (a finite
  * run ends before every queue reaches its steady length); at twice the capacity it serves within

@@ -137,6 +137,43 @@ Test(sim_workload, each_shape_shares_what_it_promises, .timeout = 60)
     }
 }
 
+/* A follow-up turn names the previous turn of its session: an earlier request whose prompt its own
+ * extends (the same ids, then more, and more tokens), at most once; single-turn shapes name none. */
+Test(sim_workload, a_follow_up_names_its_previous_turn, .timeout = 60)
+{
+    for (unsigned k = 0; k < KM_SIM_SHAPE_COUNT; k++) {
+        km_sim_generator_config cfg;
+        cr_assert_eq(km_sim_generator_config_shape((km_sim_shape)k, &cfg), KM_OK);
+        cfg.requests = 500;
+        km_trace t;
+        cr_assert_eq(km_sim_generate_trace(&cfg, &t, NULL, 0), KM_OK);
+        bool *named = calloc(t.n_requests, sizeof *named);
+        size_t follow_ups = 0;
+        for (size_t i = 0; i < t.n_requests; i++) {
+            const km_trace_request *q = &t.requests[i];
+            if (!q->previous_turn)
+                continue;
+            follow_ups++;
+            size_t p = q->previous_turn - 1;
+            const km_trace_request *prev = &t.requests[p];
+            cr_assert_lt(p, i, "%s request %zu", km_sim_shape_name((km_sim_shape)k), i);
+            cr_assert_not(named[p], "turn %zu is the previous of two", p);
+            named[p] = true;
+            cr_assert_leq(prev->timestamp_ms, q->timestamp_ms);
+            cr_assert_gt(q->input_length, prev->input_length);
+            cr_assert_geq(q->n_ids, prev->n_ids);
+            cr_assert_eq(memcmp(q->ids, prev->ids, prev->n_ids * sizeof *q->ids), 0,
+                         "request %zu does not extend its previous turn's prompt", i);
+        }
+        if (cfg.session_share > 0)
+            cr_assert_gt(follow_ups, t.n_requests / 4, "%s", km_sim_shape_name((km_sim_shape)k));
+        else
+            cr_assert_eq(follow_ups, 0, "%s", km_sim_shape_name((km_sim_shape)k));
+        free(named);
+        km_trace_free(&t);
+    }
+}
+
 /* A request's own text (its question, its message) shares no id with another request's: an id
  * stands for fixed tokens, so text in an id that others' prompts also cover would be their text
  * too. In the single-turn shapes every id two requests share is a prefix's, so the tokens past the

@@ -135,6 +135,8 @@ static const row rows[] = {
     {"overridden by the router", U(overridden)},
     {"messages dropped (fault)", U(dropped_messages)},
     {"lost to engine restart", U(lost_to_restart)},
+    {"follow-up turns", U(follow_up_turns)},
+    {"  before the previous answer", U(turns_before_answer)},
     {"kvmatch restarts", U(kvmatch_restarts)},
     {"recovery windows seen", U(windows_total)},
     {"  decisions inside them", U(decisions_in_windows)},
@@ -226,6 +228,9 @@ static json_t *result_json(const km_sim_result *r)
     json_object_set_new(o, "overridden", json_integer((json_int_t)r->overridden));
     json_object_set_new(o, "dropped_messages", json_integer((json_int_t)r->dropped_messages));
     json_object_set_new(o, "lost_to_restart", json_integer((json_int_t)r->lost_to_restart));
+    json_object_set_new(o, "follow_up_turns", json_integer((json_int_t)r->follow_up_turns));
+    json_object_set_new(o, "turns_before_answer",
+                        json_integer((json_int_t)r->turns_before_answer));
     json_object_set_new(o, "kvmatch_restarts", json_integer((json_int_t)r->kvmatch_restarts));
     json_object_set_new(o, "owner_forgone_tokens", json_integer((json_int_t)r->owner_forgone_tokens));
     json_object_set_new(o, "ttft_mean_ms", json_real(r->ttft_mean_ms));

@@ -1273,6 +1273,11 @@ static int run_policy(const km_sim_config *cfg, const km_trace *trace, const cha
                 wait_propagated(&r);
             if (!rc) {
                 r.reqs[next].arrival_us = t_arrival;
+                uint32_t previous = trace->requests[next].previous_turn;
+                if (previous) {
+                    res->follow_up_turns++;
+                    res->turns_before_answer += !r.reqs[previous - 1].finished;
+                }
                 rc = route_one(&r, next, t_arrival, why, why_size);
                 next++;
             }

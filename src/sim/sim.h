@@ -202,6 +202,9 @@ typedef struct km_sim_result {
                                        * their prediction is that worker's depth in the decision */
     uint64_t dropped_messages;        /* engine messages dropped on the wire (faults) */
     uint64_t lost_to_restart;         /* requests running on an engine when it restarted */
+    uint64_t follow_up_turns;         /* a generated session's turns after its first */
+    uint64_t turns_before_answer;     /* of those, the ones that arrived while the previous turn
+                                       * had not finished (arrivals are open loop: SIM.md) */
     uint64_t kvmatch_restarts;        /* restarts of kvmatch itself (fault) */
     uint64_t owner_not_chosen;        /* the deepest match was on another worker */
     uint64_t owner_forgone_tokens;    /* their (owner depth - chosen depth) x block size */

@@ -15,6 +15,10 @@ typedef struct km_trace_request {
     uint32_t output_length; /* tokens */
     uint32_t n_ids;
     const uint32_t *ids;    /* points into the trace's id pool */
+    /* A generated session's turns: 1 + the index in the trace of this turn's previous one (which
+     * arrives before it), 0 for a first turn, a single request and every loaded trace's request
+     * (the Mooncake format names no sessions). */
+    uint32_t previous_turn;
 } km_trace_request;
 
 typedef struct km_trace {

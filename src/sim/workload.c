@@ -149,6 +149,7 @@ typedef struct staged {
     uint32_t input_tokens;
     size_t offset;
     uint32_t n_ids;
+    uint64_t previous; /* the order of the session's previous turn; UINT64_MAX: none */
 } staged;
 
 typedef struct stage {
@@ -159,7 +160,7 @@ typedef struct stage {
 } stage;
 
 static int stage_add(stage *st, double arrival_s, uint32_t output_tokens, const uint32_t *ids,
-                     uint32_t n_ids, uint32_t input_tokens)
+                     uint32_t n_ids, uint32_t input_tokens, uint64_t previous)
 {
     if (st->n == st->cap) {
         size_t cap = st->cap ? st->cap * 2 : 256;
@@ -180,7 +181,8 @@ static int stage_add(stage *st, double arrival_s, uint32_t output_tokens, const 
         st->cap_pool = cap;
     }
     memcpy(st->pool + st->n_pool, ids, n_ids * sizeof *ids);
-    st->reqs[st->n] = (staged){arrival_s, st->n, output_tokens, input_tokens, st->n_pool, n_ids};
+    st->reqs[st->n] = (staged){arrival_s, st->n, output_tokens, input_tokens, st->n_pool, n_ids,
+                               previous};
     st->n++;
     st->n_pool += n_ids;
     return KM_OK;
@@ -325,7 +327,9 @@ int km_sim_generate_trace(const km_sim_generator_config *cfg, km_trace *out, cha
                 break; /* the session no longer fits the context: it ends */
             prompt_append(&p, add, NULL, &next_id);
             uint32_t output = draw_output(&r, cfg->output_tokens_mean);
-            rc = stage_add(&st, arrival, output, p.ids, p.n_ids, p.tokens);
+            /* a session's turns are staged one after another: the previous is the last staged */
+            rc = stage_add(&st, arrival, output, p.ids, p.n_ids, p.tokens,
+                           t ? st.n - 1 : UINT64_MAX);
             /* The next turn re-sends this answer too, after it was generated (an assumed 20 ms
              * per output token) and a think time (a user reading, a tool running). */
             if ((uint64_t)p.tokens + output > cfg->max_input_tokens)
@@ -348,9 +352,13 @@ int km_sim_generate_trace(const km_sim_generator_config *cfg, km_trace *out, cha
             pool += st.reqs[i].n_ids;
         out->requests = calloc(keep ? keep : 1, sizeof *out->requests);
         out->id_pool = malloc((pool ? pool : 1) * sizeof *out->id_pool);
-        if (!out->requests || !out->id_pool) {
+        /* index_of[order]: 1 + a staged request's index in the trace, 0 when not kept */
+        uint32_t *index_of = calloc(st.n ? st.n : 1, sizeof *index_of);
+        if (!out->requests || !out->id_pool || !index_of) {
             rc = KM_ERR_OUT_OF_MEMORY;
         } else {
+            for (size_t i = 0; i < keep; i++)
+                index_of[st.reqs[i].order] = (uint32_t)i + 1;
             size_t at = 0;
             for (size_t i = 0; i < keep; i++) {
                 const staged *s = &st.reqs[i];
@@ -361,11 +369,14 @@ int km_sim_generate_trace(const km_sim_generator_config *cfg, km_trace *out, cha
                 q->output_length = s->output_tokens;
                 q->n_ids = s->n_ids;
                 q->ids = out->id_pool + at;
+                /* the previous turn arrived first, so it is kept */
+                q->previous_turn = s->previous == UINT64_MAX ? 0 : index_of[s->previous];
                 at += s->n_ids;
             }
             out->n_requests = keep;
             out->n_ids = pool;
         }
+        free(index_of);
     }
     free(st.reqs);
     free(st.pool);
