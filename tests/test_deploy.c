@@ -977,19 +977,28 @@ static bool wait_for(const char *path, const char *words)
     return false;
 }
 
-/* The workers the service lists, as a bitmap of ids below 64. */
-static uint64_t listed_workers(const char *sock)
+/* WORKER_LIST of the service at sock into *reply; the returned client holds the reply's memory
+ * until it is closed. */
+static km_client *list_workers(const char *sock, km_message *reply)
 {
     char addr[160], why[256];
     snprintf(addr, sizeof addr, "unix:%s", sock);
     km_client *c = NULL;
     cr_assert_eq(km_client_connect(addr, 3000, &c, why, sizeof why), KM_OK, "%s", why);
-    km_message m, reply;
+    km_message m;
     memset(&m, 0, sizeof m);
     m.type = KM_MESSAGE_WORKERS;
     m.workers.action = KM_ADMIN_LIST;
-    cr_assert_eq(km_client_call(c, &m, 5000, &reply), KM_OK);
-    cr_assert_eq(reply.type, KM_MESSAGE_WORKER_LIST);
+    cr_assert_eq(km_client_call(c, &m, 5000, reply), KM_OK);
+    cr_assert_eq(reply->type, KM_MESSAGE_WORKER_LIST);
+    return c;
+}
+
+/* The workers the service lists, as a bitmap of ids below 64. */
+static uint64_t listed_workers(const char *sock)
+{
+    km_message reply;
+    km_client *c = list_workers(sock, &reply);
     uint64_t ids = 0;
     for (uint32_t i = 0; i < reply.workers.n_workers; i++)
         if (reply.workers.workers[i].worker < 64)
@@ -1120,16 +1129,8 @@ typedef struct listed_worker {
 /* Worker id as WORKER_LIST shows it. */
 static listed_worker list_worker(const char *sock, uint32_t id)
 {
-    char addr[160], why[256];
-    snprintf(addr, sizeof addr, "unix:%s", sock);
-    km_client *c = NULL;
-    cr_assert_eq(km_client_connect(addr, 3000, &c, why, sizeof why), KM_OK, "%s", why);
-    km_message m, reply;
-    memset(&m, 0, sizeof m);
-    m.type = KM_MESSAGE_WORKERS;
-    m.workers.action = KM_ADMIN_LIST;
-    cr_assert_eq(km_client_call(c, &m, 5000, &reply), KM_OK);
-    cr_assert_eq(reply.type, KM_MESSAGE_WORKER_LIST);
+    km_message reply;
+    km_client *c = list_workers(sock, &reply);
     listed_worker out = {0};
     for (uint32_t i = 0; i < reply.workers.n_workers; i++) {
         const km_worker_info *w = &reply.workers.workers[i];

@@ -84,25 +84,21 @@ static void note_restart_only(km_server *s, const km_server_config *n)
 #undef KM_RELOAD_NUMBER
 }
 
-/* Worker id's entry in a pool of the file this reload accepted (pool_at >= 0), or NULL. */
-static const km_server_worker *accepted_listing(const km_server_config *n, const int *pool_at,
-                                                uint32_t id)
+/* The first pool of the file that lists worker id among those this reload accepted (accepted:
+ * pool_at >= 0) or refused (pool_at -1); NULL if none. *entry gets its entry for the worker. */
+static const km_server_pool *pool_listing(const km_server_config *n, const int *pool_at,
+                                          uint32_t id, bool accepted,
+                                          const km_server_worker **entry)
 {
     for (uint32_t i = 0; i < n->n_pools; i++) {
-        const km_server_worker *w = pool_at[i] >= 0 ? listed_worker(&n->pools[i], id) : NULL;
-        if (w)
-            return w;
-    }
-    return NULL;
-}
-
-/* A pool of the file that was refused (pool_at -1) and lists worker id, or NULL. */
-static const km_server_pool *refused_pool_listing(const km_server_config *n, const int *pool_at,
-                                                  uint32_t id)
-{
-    for (uint32_t i = 0; i < n->n_pools; i++)
-        if (pool_at[i] < 0 && listed_worker(&n->pools[i], id))
+        const km_server_worker *w = (pool_at[i] >= 0) == accepted
+                                        ? listed_worker(&n->pools[i], id) : NULL;
+        if (w) {
+            *entry = w;
             return &n->pools[i];
+        }
+    }
+    *entry = NULL;
     return NULL;
 }
 
@@ -213,7 +209,9 @@ int km_server_reload(km_server *s, const km_server_config *n)
             unsigned c = w ? worker_changes(s, at, w) : WORKER_SAME;
             if (w && !(c & (WORKER_ENDPOINTS | WORKER_NAME)))
                 continue;
-            const km_server_pool *to = w ? NULL : refused_pool_listing(n, pool_at, id);
+            const km_server_worker *elsewhere = NULL;
+            const km_server_pool *to =
+                w ? NULL : pool_listing(n, pool_at, id, false, &elsewhere);
             if (to) {
                 /* It moves to a pool this reload refused: it stays where it is, with its index,
                  * rather than end in no pool. */
@@ -224,7 +222,9 @@ int km_server_reload(km_server *s, const km_server_config *n)
             }
             /* Removed to be added again (here or in another pool): an entry the addition would
              * refuse keeps the worker as it is instead. */
-            const km_server_worker *again = w ? w : accepted_listing(n, pool_at, id);
+            const km_server_worker *again = w;
+            if (!again)
+                pool_listing(n, pool_at, id, true, &again);
             if (again && km_srv_worker_check(again, why, sizeof why) != KM_OK) {
                 km_srv_log(s, KM_LOG_WARNING "reload: pool %s: worker %u kept as it is: %s",
                            pc->name, id, why);
