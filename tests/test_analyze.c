@@ -931,14 +931,16 @@ Test(analyze, override_is_compared_with_the_dispatched_workers_depth, .timeout =
                        .owner = "A", .owner_state = "LIVE", .owner_blocks = 4, .chosen = "A",
                        .chosen_state = "LIVE", .chosen_blocks = 4, .policy = "kv",
                        .cands = {{"A", "LIVE", 4, 1}, {"B", "LIVE", 2, 0}}, .n_cands = 2};
-    for (int layout = 0; layout < 3; layout++) {
+    for (int layout = 0; layout < 4; layout++) {
         char dir[64], path[128];
         make_temp_dir(dir);
         FILE *f = open_in(dir, "r.jsonl", path, sizeof path);
         outcome_spec o = outcome_for(&d, "complete", 200, 32, 5);
         o.dispatched = "B";
-        if (layout == 2)
+        if (layout >= 2)
             o.instance = "other", o.id = 77;
+        if (layout == 3) /* an instance on another host: the same workers, named from there */
+            o.host = "h2";
         if (layout == 1)
             write_record(f, make_outcome(&o));
         write_record(f, make_decision(&d));
@@ -950,7 +952,7 @@ Test(analyze, override_is_compared_with_the_dispatched_workers_depth, .timeout =
         const km_analysis_summary *s = km_analysis_summary_get(a);
         cr_log_info("layout %d", layout);
         EQ(s->join.by_decision_id, layout < 2);
-        EQ(s->join.by_request, layout == 2);
+        EQ(s->join.by_request, layout >= 2);
         EQ(s->join.copy_mismatches, 0);
         EQ(s->reuse.outcomes, 1);
         EQ(s->reuse.known, 1);
@@ -979,6 +981,8 @@ Test(analyze, override_is_compared_with_the_dispatched_workers_depth, .timeout =
         cr_expect_str_eq(s->workers[1].worker, "B");
         EQ(s->workers[1].chosen, 0);
         EQ(s->workers[1].dispatched_by_override, 1);
+        for (size_t w = 0; w < s->n_workers; w++)
+            cr_expect_str_eq(s->workers[w].host, "h"); /* the decision's host names them */
 
         json_t *root = json_report(a);
         cr_expect_eq(json_count(root, "reuse", "overridden"), 1);
@@ -1758,7 +1762,8 @@ Test(analyze, random_records_match_brute_force, .timeout = 120)
                 m.join.outcomes_without_decision++;
             }
             if (model_overridden(o))
-                model_worker_of(workers, o->host, o->pool, o->dispatched)->dispatched_by_override++;
+                model_worker_of(workers, decision ? decision->host : o->host, o->pool,
+                                o->dispatched)->dispatched_by_override++;
             m.reuse.outcomes++;
             if (o->cached < 0) {
                 m.reuse.unknown++;

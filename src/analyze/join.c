@@ -895,9 +895,26 @@ static int compare_by_request(const void *x, const void *y)
     return c ? c : (a < b ? -1 : a > b);
 }
 
-/* Decision d takes outcome o (joined by request); o is merged away. */
-static void merge_by_request(km_analysis *a, uint32_t d_index, point *o)
+/* The worker `id` names, as seen from `host`: an outcome joined by request may come from an
+ * instance on another host, and a worker id carries its record's host, so the outcome's copy and
+ * dispatched worker are taken as the decision's host names them (same pool, same name). */
+static uint32_t on_host(km_analysis *a, uint32_t id, uint32_t host)
 {
+    if (id == NONE || a->workers[id].host == host)
+        return id;
+    uint32_t pool = a->workers[id].pool; /* worker_id may move a->workers */
+    return worker_id(a, NONE, host, pool, str(a, a->workers[id].name));
+}
+
+/* Decision d takes outcome o (joined by request); o is merged away. */
+static int merge_by_request(km_analysis *a, uint32_t d_index, point *o)
+{
+    uint32_t host = a->points[d_index].host;
+    uint32_t copy_worker = on_host(a, o->copy_worker, host);
+    uint32_t dispatched = on_host(a, o->dispatched, host);
+    if ((o->copy_worker != NONE && copy_worker == NONE) ||
+        (o->dispatched != NONE && dispatched == NONE))
+        return km_analysis_fail_memory(a, "interning names");
     point *d = &a->points[d_index];
     d->flags |= POINT_OUTCOME | POINT_JOINED_BY_REQUEST |
                 (o->flags & (POINT_HTTP_200 | POINT_OVERRIDDEN));
@@ -907,13 +924,14 @@ static void merge_by_request(km_analysis *a, uint32_t d_index, point *o)
     d->ttft_ns = o->ttft_ns;
     d->router_ttft_ms = o->router_ttft_ms;
     d->copy_predicted = o->copy_predicted;
-    d->copy_worker = o->copy_worker;
-    d->dispatched = o->dispatched;
+    d->copy_worker = copy_worker;
+    d->dispatched = dispatched;
     d->outcome_file = o->outcome_file;
     d->outcome_line = o->outcome_line;
     settle_pending(a, d_index);
     o->flags = POINT_MERGED_AWAY;
     a->summary.join.by_request++;
+    return 0;
 }
 
 /* Pair what is left unjoined by (request_id, attempt_id), in reading order: each decision takes
@@ -960,7 +978,12 @@ int km_analysis_join_by_request(km_analysis *a)
                     point *o = &a->points[outcomes[k]];
                     if (o->flags != POINT_MERGED_AWAY &&
                         o->instance != a->points[decisions[i]].instance) {
-                        merge_by_request(a, decisions[i], o);
+                        int rc = merge_by_request(a, decisions[i], o);
+                        if (rc) {
+                            free(decisions);
+                            free(outcomes);
+                            return rc;
+                        }
                         break;
                     }
                 }
