@@ -126,8 +126,8 @@ typedef struct km_server_config {
     uint32_t index_threads;   /* CPU scoring threads per index; 0 = online CPUs */
     uint64_t index_memory_cap_bytes; /* per pool; 0 = none */
     uint64_t index_initial_blocks;   /* per pool: distinct blocks the index is sized for at start
-                                      * (it grows beyond by rehashing, which pauses routing for
-                                      * as long as a rehash takes); 0 = the index's default (65,536) */
+                                      * (beyond it the tables grow incrementally, keys moving a
+                                      * few slots per insert); 0 = the index's default (65,536) */
 
     uint32_t max_batch_routes;  /* routes scored in one batch at most (a bigger frame goes alone);
                                  * default 512. Smaller than what a busy server has queued on

@@ -1,8 +1,9 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* `kvmatch serve`: the routing service (docs/SERVICE.md). A JSON config file (--config) and flags;
- * flags override the file. Every setting has one name: the flag is the config key's last part
- * with '-' for '_' (active_ttl_ms: --active-ttl-ms; scheduler.max_batch_routes:
- * --max-batch-routes); the older flags still work and say which name replaced them. */
+ * flags override the file. A flag is the config key's last part with '-' for '_' (active_ttl_ms:
+ * --active-ttl-ms; scheduler.max_batch_routes: --max-batch-routes) except --records,
+ * --snapshot-dir, --snapshot-interval-ms and --cluster; some keys are file-only; the older flags
+ * still work and say which name replaced them. */
 #define _POSIX_C_SOURCE 200809L
 #include <errno.h>
 #include <stdio.h>
