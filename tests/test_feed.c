@@ -3054,6 +3054,54 @@ static void capped_init(capped *c)
     km_test_batch_init(&c->b, KM_TEST_ENCODING_POSITIONAL, KM_TEST_HASH_INT, -1);
 }
 
+/* The message built in c->b, live to worker w at seq. */
+static void capped_send(capped *c, uint32_t w, uint64_t seq)
+{
+    size_t size;
+    const void *p = km_test_batch_payload(&c->b, &size);
+    km_kv_batch kb;
+    cr_assert_eq(km_kv_decode_payload(c->dec, p, size, &kb), KM_OK);
+    cr_assert_eq(km_feed_live(c->feed, w, seq, &kb, 10 + seq), KM_OK);
+    km_test_batch_reset(&c->b);
+}
+
+/* The engine e evicts its blocks [first, first + n) (in `medium`, NULL: the GPU), into b. */
+static void engine_evict(km_test_engine *e, km_test_batch *b, size_t first, uint32_t n,
+                         const char *medium)
+{
+    uint64_t hashes[64];
+    cr_assert(n <= 64);
+    for (uint32_t i = 0; i < n; i++) {
+        hashes[i] = e->blocks[first + i].engine_hash;
+        e->blocks[first + i].cached = false;
+    }
+    km_test_batch_removed(b, hashes, n, medium);
+}
+
+/* Every pair the index holds for worker w is a block the engine e holds; with `exact`, the index
+ * holds all of them too. Returns how many the index holds. */
+static uint64_t check_against_engine(const km_index *index, uint32_t w, const km_test_engine *e,
+                                     bool exact, const char *when)
+{
+    size_t n;
+    uint64_t *chains = km_test_engine_chains(e, false, &n);
+    km_worker_stats ws;
+    km_index_worker_stats(index, w, &ws);
+    uint64_t held = 0;
+    for (size_t i = 0; i < n; i++) {
+        km_tier tier;
+        held += km_index_pair_tier(index, chains[i], w, &tier) == KM_OK;
+    }
+    free(chains);
+    KM_CHECK(held == ws.blocks,
+             "%s: worker %u: %llu of its %llu indexed blocks are not held by the engine", when, w,
+             (unsigned long long)(ws.blocks - held), (unsigned long long)ws.blocks);
+    if (exact)
+        KM_CHECK(held == n, "%s: worker %u: the index lacks %llu of the engine's %zu blocks", when,
+                 w, (unsigned long long)(n - held), n);
+    return ws.blocks;
+}
+
 /* One message of `stores` stores of `blocks` blocks each, live to worker w at seq. */
 static void capped_live(capped *c, uint32_t w, uint64_t seq, int stores, uint32_t blocks)
 {
@@ -3106,6 +3154,53 @@ Test(feed, a_clear_in_a_refused_message_still_clears_the_worker, .timeout = 20)
     km_feed_get_worker_info(c.feed, 1, &info);
     cr_assert_eq(info.state, KM_FEED_STATE_DEGRADED);
     cr_assert_eq(info.map_entries, 0);
+    char why[256];
+    cr_assert_eq(km_feed_check_maps(c.feed, why, sizeof why), KM_OK, "%s", why);
+    capped_free(&c);
+}
+
+/* An engine step that evicts old blocks and stores more than the capped index can take: the
+ * message is refused, but its evictions still leave the index (the map has forgotten those blocks,
+ * so no later removal could name them), and the room they held takes the engine's next stores. */
+Test(feed, removals_in_a_refused_message_leave_the_index, .timeout = 20)
+{
+    capped c;
+    capped_init(&c);
+    size_t old = km_test_engine_store(&c.eng, &c.rng, &c.b, -1, 30);
+    capped_send(&c, 1, 0);
+    km_feed_flush_stats fs;
+    cr_assert_eq(km_feed_flush(c.feed, 1, &fs), KM_OK);
+    cr_assert_eq(check_against_engine(c.index, 1, &c.eng, true, "30 stored"), 30);
+
+    engine_evict(&c.eng, &c.b, old, 30, NULL);
+    for (int i = 0; i < 4; i++)
+        km_test_engine_store(&c.eng, &c.rng, &c.b, -1, 50); /* 200 blocks: past the cap */
+    capped_send(&c, 1, 1);
+    cr_assert_eq(km_feed_flush(c.feed, 2, &fs), KM_ERR_MEMORY_CAP);
+    cr_assert_eq(fs.groups_failed, 1);
+    cr_assert_eq(fs.index.removed, 30, "the refused message's removals: %llu pairs removed",
+                 (unsigned long long)fs.index.removed);
+    cr_assert_eq(fs.updates, 1, "its REMOVE counts as an applied update");
+    cr_assert_eq(check_against_engine(c.index, 1, &c.eng, false, "evicted and refused"), 0);
+    km_feed_worker_info info;
+    km_feed_get_worker_info(c.feed, 1, &info);
+    cr_assert_eq(info.state, KM_FEED_STATE_DEGRADED, "its stores are missing from the index");
+    cr_assert_eq(info.map_entries, 0);
+    cr_assert_eq(info.counters.refused_messages, 1);
+    cr_assert_eq(info.counters.refused_events, 5);
+    cr_assert_eq(info.counters.events, 1, "only the first message's event was applied");
+
+    /* 40 blocks fit in the capped index beside nothing, not beside the 30 evicted ones. */
+    size_t next = km_test_engine_store(&c.eng, &c.rng, &c.b, -1, 40);
+    capped_send(&c, 1, 2);
+    cr_assert_eq(km_feed_flush(c.feed, 3, &fs), KM_OK, "the evicted blocks still take room");
+    cr_assert_eq(check_against_engine(c.index, 1, &c.eng, false, "40 more"), 40);
+    engine_evict(&c.eng, &c.b, next, 40, NULL);
+    capped_send(&c, 1, 3);
+    cr_assert_eq(km_feed_flush(c.feed, 4, &fs), KM_OK);
+    cr_assert_eq(check_against_engine(c.index, 1, &c.eng, false, "all evicted"), 0);
+    km_feed_get_worker_info(c.feed, 1, &info);
+    cr_assert_eq(info.counters.unknown_removes, 0);
     char why[256];
     cr_assert_eq(km_feed_check_maps(c.feed, why, sizeof why), KM_OK, "%s", why);
     capped_free(&c);

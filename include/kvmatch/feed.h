@@ -220,9 +220,9 @@ typedef struct km_feed_flush_stats {
 /* Apply every queued update to the index in one km_index_apply batch (call it between scoring
  * batches). When the index refuses the batch (KM_ERR_MEMORY_CAP, KM_ERR_OUT_OF_MEMORY), it is
  * applied message by message instead: each message's updates still apply all or nothing, a refused
- * message is dropped and its worker becomes DEGRADED, and the first error is returned after the
- * queue has been consumed. Any other index error is returned with the queue kept. stats may be
- * NULL. */
+ * message is dropped (its removals and clears still applied, as they never allocate) and its
+ * worker becomes DEGRADED, and the first error is returned after the queue has been consumed.
+ * Any other index error is returned with the queue kept. stats may be NULL. */
 int km_feed_flush(km_feed *feed, uint64_t now_ns, km_feed_flush_stats *stats);
 /* Hashes and updates waiting for the next flush. */
 void km_feed_pending(const km_feed *feed, uint64_t *updates, uint64_t *hashes);

@@ -1208,6 +1208,29 @@ int km_feed_flush_finish(km_feed *feed, uint64_t now_ns, km_feed_flush_stats *st
     return KM_OK;
 }
 
+/* ---- a message the index refused ------------------------------------------------------------ */
+
+/* A refused message is dropped, but the worker's map took its events in at queue time: the blocks
+ * it removed, and with a clear every block before it, are gone from the map, so no later removal
+ * could name them. Its REMOVE and CLEAR_WORKER updates, in their order, go to the index anyway:
+ * they never allocate, so the index takes them even at its memory cap, and the index then holds
+ * for the worker no block the engine let go. Its stores and tier changes are lost (the worker is
+ * DEGRADED for them). The group's scratch updates are reordered (rebuilt at every flush). */
+static void apply_refused_removals(km_feed *feed, const queued_group *grp,
+                                   km_feed_flush_stats *stats)
+{
+    km_update *u = feed->scratch + grp->first;
+    size_t n = 0;
+    for (size_t i = 0; i < grp->count; i++)
+        if (u[i].kind == KM_UPDATE_REMOVE || u[i].kind == KM_UPDATE_CLEAR_WORKER)
+            u[n++] = u[i];
+    km_update_stats st;
+    if (n && km_index_apply(feed->index, u, n, &st) == KM_OK) {
+        stats->updates += n;
+        accumulate(&stats->index, &st);
+    }
+}
+
 /* Apply the queue as one index batch (message by message when the index refuses it). */
 static int flush_queue(km_feed *feed, uint64_t now_ns, km_feed_flush_stats *stats)
 {
@@ -1240,7 +1263,8 @@ static int flush_queue(km_feed *feed, uint64_t now_ns, km_feed_flush_stats *stat
         return km_feed_fail(feed, rc,
                             "index refused the batch: %s", km_index_last_error(feed->index));
 
-    /* Message by message: each still all or nothing; a refused one is dropped. */
+    /* Message by message: each still all or nothing; a refused one is dropped, its removals and
+     * clears still applied (apply_refused_removals). */
     int first_error = rc;
     char detail[192];
     snprintf(detail, sizeof detail, "%s", km_index_last_error(feed->index));
@@ -1255,19 +1279,8 @@ static int flush_queue(km_feed *feed, uint64_t now_ns, km_feed_flush_stats *stat
             count_applied(feed, grp, 1);
         } else {
             grp->refused = rc;
+            apply_refused_removals(feed, grp, stats);
             feed->groups[n_failed++] = *grp; /* compact the failures in place (n_failed <= g) */
-            /* The engine's clear in a refused message still happened, and the map has already
-             * dropped every entry before it: the worker's pairs must go from the index too, or no
-             * later removal could name them. A clear alone never allocates. */
-            for (size_t u = grp->first + grp->count; u-- > grp->first;) {
-                const km_update *q = &feed->scratch[u];
-                if (q->kind != KM_UPDATE_CLEAR_WORKER)
-                    continue;
-                km_update clear = {KM_UPDATE_CLEAR_WORKER, q->worker, 0, NULL, 0, KM_TIER_DEVICE};
-                if (km_index_apply(feed->index, &clear, 1, &st) == KM_OK)
-                    accumulate(&stats->index, &st);
-                break;
-            }
         }
     }
     stats->groups_failed = n_failed;
