@@ -3078,6 +3078,24 @@ static void engine_evict(km_test_engine *e, km_test_batch *b, size_t first, uint
     km_test_batch_removed(b, hashes, n, medium);
 }
 
+/* The engine e stores its blocks [first, first + n) again, a run made by one km_test_engine_store
+ * (in `medium`, NULL: the GPU), into b. */
+static void engine_store_again(km_test_engine *e, km_test_batch *b, size_t first, uint32_t n,
+                               const char *medium)
+{
+    uint64_t hashes[64];
+    uint32_t tokens[64 * BS];
+    cr_assert(n <= 64);
+    for (uint32_t i = 0; i < n; i++) {
+        hashes[i] = e->blocks[first + i].engine_hash;
+        memcpy(tokens + (size_t)i * BS, e->blocks[first + i].tokens, BS * sizeof *tokens);
+        e->blocks[first + i].cached = true;
+    }
+    int64_t parent = e->blocks[first].parent;
+    km_test_batch_stored(b, hashes, n, parent >= 0, parent >= 0 ? e->blocks[parent].engine_hash : 0,
+                         tokens, BS, NULL, medium);
+}
+
 /* Every pair the index holds for worker w is a block the engine e holds; with `exact`, the index
  * holds all of them too. Returns how many the index holds. */
 static uint64_t check_against_engine(const km_index *index, uint32_t w, const km_test_engine *e,
@@ -3201,6 +3219,97 @@ Test(feed, removals_in_a_refused_message_leave_the_index, .timeout = 20)
     cr_assert_eq(check_against_engine(c.index, 1, &c.eng, false, "all evicted"), 0);
     km_feed_get_worker_info(c.feed, 1, &info);
     cr_assert_eq(info.counters.unknown_removes, 0);
+    char why[256];
+    cr_assert_eq(km_feed_check_maps(c.feed, why, sizeof why), KM_OK, "%s", why);
+    capped_free(&c);
+}
+
+/* Two messages of one worker in one flush: the first, refused, stored blocks X and more than the
+ * capped index can take; the second, applied, is the engine's AllBlocksCleared and X stored again.
+ * The map keeps X (the index holds it, and only the map can name it to the engine's removal), and
+ * the clear leaves the refusal nothing missing: the worker is not DEGRADED. */
+Test(feed, a_refused_message_does_not_forget_keys_a_later_message_stored, .timeout = 20)
+{
+    capped c;
+    capped_init(&c);
+    size_t x = km_test_engine_store(&c.eng, &c.rng, &c.b, -1, 3);
+    for (int i = 0; i < 4; i++)
+        km_test_engine_store(&c.eng, &c.rng, &c.b, -1, 50);
+    capped_send(&c, 1, 0);
+    km_test_batch_cleared(&c.b);
+    for (size_t i = 0; i < c.eng.n_blocks; i++)
+        c.eng.blocks[i].cached = false;
+    engine_store_again(&c.eng, &c.b, x, 3, NULL);
+    capped_send(&c, 1, 1);
+    km_feed_flush_stats fs;
+    cr_assert_eq(km_feed_flush(c.feed, 2, &fs), KM_ERR_MEMORY_CAP);
+    cr_assert_eq(fs.groups_failed, 1);
+    cr_assert_eq(check_against_engine(c.index, 1, &c.eng, true, "cleared and X again"), 3);
+    km_feed_worker_info info;
+    km_feed_get_worker_info(c.feed, 1, &info);
+    cr_assert_eq(info.map_entries, 3, "the map forgot the blocks the later message stored");
+    cr_assert_eq(info.state, KM_FEED_STATE_LIVE, "state %s after the engine's clear",
+                 km_feed_state_name(info.state));
+    cr_assert_eq(info.counters.refused_messages, 1);
+    cr_assert_eq(info.counters.dropped_messages, 1);
+
+    engine_evict(&c.eng, &c.b, x, 3, NULL);
+    capped_send(&c, 1, 2);
+    cr_assert_eq(km_feed_flush(c.feed, 3, &fs), KM_OK);
+    cr_assert_eq(check_against_engine(c.index, 1, &c.eng, true, "X evicted"), 0);
+    km_feed_get_worker_info(c.feed, 1, &info);
+    cr_assert_eq(info.counters.unknown_removes, 0);
+    cr_assert_eq(info.map_entries, 0);
+
+    /* Without a clear after it, a refused message leaves its worker DEGRADED. */
+    for (int i = 0; i < 4; i++)
+        km_test_engine_store(&c.eng, &c.rng, &c.b, -1, 50);
+    capped_send(&c, 1, 3);
+    km_test_engine_store(&c.eng, &c.rng, &c.b, -1, 2);
+    capped_send(&c, 1, 4);
+    cr_assert_eq(km_feed_flush(c.feed, 4, &fs), KM_ERR_MEMORY_CAP);
+    cr_assert_eq(fs.groups_failed, 1);
+    km_feed_get_worker_info(c.feed, 1, &info);
+    cr_assert_eq(info.state, KM_FEED_STATE_DEGRADED);
+    cr_assert_eq(info.counters.refused_messages, 2);
+    cr_assert_eq(info.map_entries, 2);
+    cr_assert_eq(check_against_engine(c.index, 1, &c.eng, false, "refused again"), 2);
+    char why[256];
+    cr_assert_eq(km_feed_check_maps(c.feed, why, sizeof why), KM_OK, "%s", why);
+    capped_free(&c);
+}
+
+/* A refused message stored blocks X; a later message of the worker, applied in the same flush,
+ * stored X again in another medium while the map still held it (so X is not new to that message).
+ * The map keeps X, whose chain the index now holds, and the engine's removals of X from both media
+ * take it out of the index. */
+Test(feed, a_refused_message_does_not_forget_blocks_a_later_message_stored_again, .timeout = 20)
+{
+    capped c;
+    capped_init(&c);
+    size_t x = km_test_engine_store(&c.eng, &c.rng, &c.b, -1, 3);
+    for (int i = 0; i < 4; i++)
+        km_test_engine_store(&c.eng, &c.rng, &c.b, -1, 50);
+    capped_send(&c, 1, 0);
+    engine_store_again(&c.eng, &c.b, x, 3, "CPU");
+    capped_send(&c, 1, 1);
+    km_feed_flush_stats fs;
+    cr_assert_eq(km_feed_flush(c.feed, 2, &fs), KM_ERR_MEMORY_CAP);
+    cr_assert_eq(fs.groups_failed, 1);
+    cr_assert_eq(check_against_engine(c.index, 1, &c.eng, false, "X again on the CPU"), 3);
+    km_feed_worker_info info;
+    km_feed_get_worker_info(c.feed, 1, &info);
+    cr_assert_eq(info.map_entries, 3, "the map forgot the blocks the later message stored");
+    cr_assert_eq(info.state, KM_FEED_STATE_DEGRADED);
+
+    engine_evict(&c.eng, &c.b, x, 3, NULL);
+    engine_evict(&c.eng, &c.b, x, 3, "CPU");
+    capped_send(&c, 1, 2);
+    cr_assert_eq(km_feed_flush(c.feed, 3, &fs), KM_OK);
+    cr_assert_eq(check_against_engine(c.index, 1, &c.eng, false, "X evicted"), 0);
+    km_feed_get_worker_info(c.feed, 1, &info);
+    cr_assert_eq(info.counters.unknown_removes, 0);
+    cr_assert_eq(info.map_entries, 0);
     char why[256];
     cr_assert_eq(km_feed_check_maps(c.feed, why, sizeof why), KM_OK, "%s", why);
     capped_free(&c);

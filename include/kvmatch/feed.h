@@ -221,8 +221,9 @@ typedef struct km_feed_flush_stats {
  * batches). When the index refuses the batch (KM_ERR_MEMORY_CAP, KM_ERR_OUT_OF_MEMORY), it is
  * applied message by message instead: each message's updates still apply all or nothing, a refused
  * message is dropped (its removals and clears still applied, as they never allocate) and its
- * worker becomes DEGRADED, and the first error is returned after the queue has been consumed.
- * Any other index error is returned with the queue kept. stats may be NULL. */
+ * worker becomes DEGRADED unless a later message of the worker applied in this flush cleared it,
+ * and the first error is returned after the queue has been consumed. Any other index error is
+ * returned with the queue kept. stats may be NULL. */
 int km_feed_flush(km_feed *feed, uint64_t now_ns, km_feed_flush_stats *stats);
 /* Hashes and updates waiting for the next flush. */
 void km_feed_pending(const km_feed *feed, uint64_t *updates, uint64_t *hashes);
@@ -377,7 +378,9 @@ typedef struct km_feed_worker_counters {
      * a message seen live and again in a replay counts twice. */
     uint64_t refused[KM_FEED_REFUSAL_COUNT];
     uint64_t refused_messages;   /* of which the index refused (km_feed_flush): the worker turns
-                                  * DEGRADED and the map forgets the engine hashes they added */
+                                  * DEGRADED (unless a later message applied cleared it) and the
+                                  * map forgets the engine hashes they added that no later applied
+                                  * message stored again */
     uint64_t refused_events;     /* events of the refused messages (never counted in events) */
     uint64_t memory_cap_refusals; /* refused messages whose batch hit the index's memory cap
                                   * (KM_ERR_MEMORY_CAP; the rest: out of memory) */

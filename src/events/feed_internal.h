@@ -178,8 +178,11 @@ typedef struct queued_group {
     uint64_t first, count; /* into feed->queue */
     uint64_t events;       /* the message's events: counted applied when the index takes it */
     uint64_t first_key, n_keys; /* into feed->new_keys: the engine hashes it added to the map,
-                                 * forgotten again when the index refuses it */
+                                 * forgotten again when the index refuses it (unless a later
+                                 * group the index took stored them again) */
     int refused; /* km_feed_flush: the index's status when it refused the group alone */
+    bool cleared_after; /* km_feed_flush, of a refused group: a later group of its worker that the
+                         * index took cleared the worker, so the refusal leaves nothing missing */
 } queued_group;
 
 /* A worker's position as of km_feed_flush_take: published as its indexed position once the

@@ -1231,6 +1231,167 @@ static void apply_refused_removals(km_feed *feed, const queued_group *grp,
     }
 }
 
+/* What a group the index took did, as settle_refused_groups asks about it: an engine hash new to
+ * its worker's map, an index key it stored (chain hash or window key), a clear (value 0). */
+enum { FACT_NEW_KEY, FACT_STORED, FACT_CLEARED };
+
+typedef struct group_fact {
+    uint32_t worker;
+    uint32_t kind;
+    uint64_t value;
+    size_t group; /* its index in the queue */
+} group_fact;
+
+static int fact_order(const void *pa, const void *pb)
+{
+    const group_fact *a = pa, *b = pb;
+    if (a->worker != b->worker)
+        return a->worker < b->worker ? -1 : 1;
+    if (a->kind != b->kind)
+        return a->kind < b->kind ? -1 : 1;
+    if (a->value != b->value)
+        return a->value < b->value ? -1 : 1;
+    return a->group < b->group ? -1 : a->group > b->group;
+}
+
+static int fact_order_by_worker(const void *pa, const void *pb)
+{
+    const group_fact *a = pa, *b = pb;
+    return a->worker < b->worker ? -1 : a->worker > b->worker;
+}
+
+/* Did a group after `group` do this (facts sorted by fact_order)? */
+static bool fact_after(const group_fact *facts, size_t n, uint32_t id, uint32_t kind,
+                       uint64_t value, size_t group)
+{
+    group_fact key = {id, kind, value, SIZE_MAX};
+    size_t lo = 0, hi = n; /* the first fact above the key: the last of its kind is before it */
+    while (lo < hi) {
+        size_t mid = lo + (hi - lo) / 2;
+        if (fact_order(&facts[mid], &key) <= 0)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    const group_fact *f = lo ? &facts[lo - 1] : NULL;
+    return f && f->worker == id && f->kind == kind && f->value == value && f->group > group;
+}
+
+/* The facts of the groups the index took that come after a refused group of the same worker
+ * (first_refused: the first refused group of each such worker, sorted), into out when not NULL;
+ * returns how many. Those groups are all of the worker's current incarnation: a refused group of
+ * an older one is not settled. */
+static size_t collect_facts(const km_feed *feed, const group_fact *first_refused, size_t n_workers,
+                            group_fact *out)
+{
+    size_t n = 0;
+    for (size_t g = 0; g < feed->group_count; g++) {
+        const queued_group *grp = &feed->groups[g];
+        if (grp->refused != KM_OK)
+            continue;
+        group_fact key = {grp->worker, 0, 0, 0};
+        const group_fact *f =
+            bsearch(&key, first_refused, n_workers, sizeof key, fact_order_by_worker);
+        if (!f || f->group > g)
+            continue;
+        for (uint64_t k = 0; k < grp->n_keys; k++, n++)
+            if (out)
+                out[n] = (group_fact){grp->worker, FACT_NEW_KEY,
+                                      feed->new_keys[grp->first_key + k], g};
+        for (uint64_t u = grp->first; u < grp->first + grp->count; u++) {
+            const queued_update *q = &feed->queue[u];
+            if (q->kind == KM_UPDATE_CLEAR_WORKER) {
+                if (out)
+                    out[n] = (group_fact){grp->worker, FACT_CLEARED, 0, g};
+                n++;
+            } else if (q->kind == KM_UPDATE_STORE) {
+                for (uint64_t h = 0; h < q->count; h++, n++)
+                    if (out)
+                        out[n] = (group_fact){grp->worker, FACT_STORED,
+                                              feed->hashes[q->offset + h], g};
+            }
+        }
+    }
+    return n;
+}
+
+/* Did a group after `group` store the entry's block in the index (its chain or a window key)? */
+static bool stored_after(const group_fact *facts, size_t n, const worker *w,
+                         const km_emap_entry *m, size_t group)
+{
+    if (m->chain == CHAIN_UNHASHABLE)
+        return false;
+    if (fact_after(facts, n, w->id, FACT_STORED, m->chain, group))
+        return true;
+    for (uint32_t g = window_mask(w); g; g &= g - 1)
+        if (fact_after(facts, n, w->id, FACT_STORED,
+                       km_hash_window_key(m->chain, (uint32_t)__builtin_ctz(g)), group))
+            return true;
+    return false;
+}
+
+/* After the message-by-message flush (groups[g].refused set; the queue, its hashes and new keys
+ * intact), for each of the n_failed refused groups of a worker's current incarnation:
+ *  - the engine hashes it added to the map are forgotten (blocks the index never took must not
+ *    hold memory outside its cap while the cap holds), except those a later group of the worker
+ *    that the index took stored again: added them to the map anew, or stored their block's chain
+ *    or window key; those the index holds, and only the map can name them to a later removal;
+ *  - cleared_after says whether a later group of the worker that the index took cleared it (an
+ *    AllBlocksCleared, a restart's or a resync's clear): then what the refused message stored is
+ *    gone from the engine too, and its refusal leaves the worker's index complete. (A DROP-policy
+ *    clear counts too: it is queued only while its worker is DEGRADED for a later loss, which
+ *    that clear does not end.)
+ * Without memory for this, nothing is forgotten and no refused group counts as cleared after:
+ * the map may keep entries the index lacks (less than the engine holds, never more). */
+static void settle_refused_groups(km_feed *feed, size_t n_failed)
+{
+    if (n_failed == 0)
+        return;
+    group_fact small[16];
+    group_fact *first = n_failed <= 16 ? small : malloc(n_failed * sizeof *first);
+    if (!first)
+        return;
+    size_t n_workers = 0;
+    for (size_t g = 0; g < feed->group_count; g++)
+        if (feed->groups[g].refused != KM_OK)
+            first[n_workers++] = (group_fact){feed->groups[g].worker, 0, 0, g};
+    qsort(first, n_workers, sizeof *first, fact_order); /* by worker, then group */
+    size_t unique = 0;
+    for (size_t i = 0; i < n_workers; i++)
+        if (!unique || first[unique - 1].worker != first[i].worker)
+            first[unique++] = first[i];
+    n_workers = unique;
+    size_t n_facts = collect_facts(feed, first, n_workers, NULL);
+    group_fact *facts = n_facts ? malloc(n_facts * sizeof *facts) : NULL;
+    if (n_facts && !facts) {
+        if (first != small)
+            free(first);
+        return;
+    }
+    collect_facts(feed, first, n_workers, facts);
+    if (first != small)
+        free(first);
+    if (n_facts)
+        qsort(facts, n_facts, sizeof *facts, fact_order);
+    for (size_t g = 0; g < feed->group_count; g++) {
+        queued_group *grp = &feed->groups[g];
+        if (grp->refused == KM_OK)
+            continue;
+        worker *w = km_feed_find_worker(feed, grp->worker);
+        if (!w || w->generation != grp->generation)
+            continue;
+        grp->cleared_after = fact_after(facts, n_facts, w->id, FACT_CLEARED, 0, g);
+        for (uint64_t k = 0; k < grp->n_keys; k++) {
+            uint64_t key = feed->new_keys[grp->first_key + k];
+            km_emap_entry *m = km_emap_find(&w->map, key);
+            if (m && !fact_after(facts, n_facts, w->id, FACT_NEW_KEY, key, g) &&
+                !stored_after(facts, n_facts, w, m, g))
+                km_emap_erase(&w->map, m);
+        }
+    }
+    free(facts);
+}
+
 /* Apply the queue as one index batch (message by message when the index refuses it). */
 static int flush_queue(km_feed *feed, uint64_t now_ns, km_feed_flush_stats *stats)
 {
@@ -1272,18 +1433,23 @@ static int flush_queue(km_feed *feed, uint64_t now_ns, km_feed_flush_stats *stat
     for (size_t g = 0; g < feed->group_count; g++) {
         queued_group *grp = &feed->groups[g];
         rc = km_index_apply(feed->index, feed->scratch + grp->first, grp->count, &st);
+        grp->refused = rc;
+        grp->cleared_after = false;
         if (rc == KM_OK) {
             stats->updates += grp->count;
             stats->groups++;
             accumulate(&stats->index, &st);
             count_applied(feed, grp, 1);
         } else {
-            grp->refused = rc;
+            n_failed++;
             apply_refused_removals(feed, grp, stats);
-            feed->groups[n_failed++] = *grp; /* compact the failures in place (n_failed <= g) */
         }
     }
     stats->groups_failed = n_failed;
+    settle_refused_groups(feed, n_failed);
+    for (size_t g = 0, k = 0; g < feed->group_count; g++)
+        if (feed->groups[g].refused != KM_OK)
+            feed->groups[k++] = feed->groups[g]; /* compact the failures in place (k <= g) */
     /* Mark the failures after the queue is reset: a DROP-policy clear queues into it. */
     queued_group failed_small[16];
     queued_group *failed = n_failed <= 16 ? failed_small : malloc(n_failed * sizeof *failed);
@@ -1299,15 +1465,10 @@ static int flush_queue(km_feed *feed, uint64_t now_ns, km_feed_flush_stats *stat
         w->c.refused_events += failed[i].events;
         if (failed[i].refused == KM_ERR_MEMORY_CAP)
             w->c.memory_cap_refusals++;
-        /* The map forgets the engine hashes the refused message added (only the queue, never
-         * new_keys, was reset above): blocks the index never took must not hold memory outside
-         * its cap while the cap holds. */
-        for (uint64_t k = 0; k < failed[i].n_keys; k++) {
-            km_emap_entry *m = km_emap_find(&w->map, feed->new_keys[failed[i].first_key + k]);
-            if (m)
-                km_emap_erase(&w->map, m);
-        }
-        km_feed_enter_degraded(feed, w, now_ns, "the index refused a message's updates");
+        /* What the message stored is missing from the index until the engine clears the worker:
+         * a later message the index took may have done so already. */
+        if (!failed[i].cleared_after)
+            km_feed_enter_degraded(feed, w, now_ns, "the index refused a message's updates");
     }
     if (failed != failed_small)
         free(failed);
