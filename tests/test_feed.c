@@ -6,7 +6,8 @@
  * (its chain kept), and the stream checks: gaps filled by replay, replays that start late
  * (history lost, DEGRADED, both policies), restarts, restarts and late duplicates during replays,
  * buffer overflow, replay failure, live messages whose seq cannot be trusted, bootstrap and
- * resync, flush atomicity under the index's memory cap, windows, and a randomized run against
+ * resync, flush atomicity under the index's memory cap (and what a refused message still changes,
+ * checked on random steps against the engines' truth), windows, and a randomized run against
  * the simulated engine's truth. Randomized tests print their seed (KM_TEST_SEED). */
 #include <inttypes.h>
 #include <stdio.h>
@@ -3025,7 +3026,7 @@ typedef struct capped {
     km_test_batch b;
 } capped;
 
-static void capped_init(capped *c)
+static void capped_init_with(capped *c, km_feed_degraded_policy policy)
 {
     km_index_config ic;
     km_test_config(&ic, NULL);
@@ -3044,6 +3045,7 @@ static void capped_init(capped *c)
     km_feed_config cfg;
     km_test_feed_config(&cfg, BS);
     cfg.offload_chunk_blocks = 2;
+    cfg.degraded_policy = policy;
     cr_assert_eq(km_feed_create(c->index, &cfg, &c->feed), KM_OK);
     km_feed_worker_config w0 = {0, "small", false}, w1 = {1, "big", false};
     cr_assert_eq(km_feed_add_worker(c->feed, &w0, 1), KM_OK);
@@ -3052,6 +3054,11 @@ static void capped_init(capped *c)
     km_test_engine_init(&c->eng, BS, 5);
     km_rng_init(&c->rng, 1);
     km_test_batch_init(&c->b, KM_TEST_ENCODING_POSITIONAL, KM_TEST_HASH_INT, -1);
+}
+
+static void capped_init(capped *c)
+{
+    capped_init_with(c, KM_FEED_DEGRADED_KEEP_FLAGGED);
 }
 
 /* The message built in c->b, live to worker w at seq. */
@@ -3313,6 +3320,101 @@ Test(feed, a_refused_message_does_not_forget_blocks_a_later_message_stored_again
     char why[256];
     cr_assert_eq(km_feed_check_maps(c.feed, why, sizeof why), KM_OK, "%s", why);
     capped_free(&c);
+}
+
+/* Worker w of the capped fixture against its engine e after a flush: every block the index holds
+ * for it and every engine hash its map holds are the engine's; not DEGRADED, the index and the map
+ * hold all of the engine's blocks. Returns whether the worker is DEGRADED. */
+static bool capped_check(capped *c, uint32_t w, const km_test_engine *e, const char *when)
+{
+    km_feed_worker_info info;
+    cr_assert_eq(km_feed_get_worker_info(c->feed, w, &info), KM_OK);
+    bool degraded = info.state == KM_FEED_STATE_DEGRADED;
+    check_against_engine(c->index, w, e, !degraded, when);
+    const worker *wk = km_feed_find_worker(c->feed, w);
+    uint64_t mapped = 0, cached = 0;
+    for (size_t i = 0; i < e->n_blocks; i++) {
+        cached += e->blocks[i].cached;
+        mapped += e->blocks[i].cached && km_emap_find(&wk->map, e->blocks[i].engine_hash);
+    }
+    KM_CHECK(mapped == info.map_entries, "%s: worker %u maps %llu engine hashes its engine let go",
+             when, w, (unsigned long long)(info.map_entries - mapped));
+    if (!degraded)
+        KM_CHECK(mapped == cached, "%s: worker %u: the map lacks %llu of the engine's blocks", when,
+                 w, (unsigned long long)(cached - mapped));
+    char why[256];
+    KM_CHECK(km_feed_check_maps(c->feed, why, sizeof why) == KM_OK, "%s: %s", when, why);
+    return degraded;
+}
+
+/* Two workers' random engine steps against the capped index, some too big for it (refused),
+ * flushed every few messages, under both DEGRADED policies: after every flush each worker is
+ * checked against its engine (capped_check), so no refused message leaves a block its engine let
+ * go in the index or the map, and a worker the engine cleared after a refusal is complete. */
+Test(feed, refused_messages_leave_nothing_the_engine_let_go, .timeout = 60)
+{
+    uint64_t seed = km_test_seed();
+    km_feed_degraded_policy policies[2] = {KM_FEED_DEGRADED_KEEP_FLAGGED, KM_FEED_DEGRADED_DROP};
+    for (int p = 0; p < 2; p++) {
+        capped c;
+        capped_init_with(&c, policies[p]);
+        km_rng_init(&c.rng, seed + (uint64_t)p);
+        km_test_engine other;
+        km_test_engine_init(&other, BS, 7);
+        km_test_engine *eng[2] = {&other, &c.eng};
+        uint64_t seq[2] = {0, 0}, refused = 0, applied = 0, complete_after_refusal = 0;
+        char when[96];
+        for (int round = 0; round < 1000; round++) {
+            uint32_t w = km_rng_below(&c.rng, 2);
+            km_test_engine *e = eng[w];
+            km_test_engine_step(e, &c.rng, &c.b, 4, 5);
+            bool big = km_rng_percent(&c.rng, 15);
+            size_t run = 0;
+            uint32_t run_blocks = 0;
+            if (big) {
+                uint32_t stores = 1 + km_rng_below(&c.rng, 3);
+                for (uint32_t i = 0; i < stores; i++) {
+                    uint32_t n = 20 + km_rng_below(&c.rng, 40);
+                    size_t first = km_test_engine_store(e, &c.rng, &c.b, -1, n);
+                    if (i == 0)
+                        run = first, run_blocks = n;
+                }
+                km_test_engine_step(e, &c.rng, &c.b, 3, 10);
+            }
+            capped_send(&c, w, seq[w]++);
+            if (big && km_rng_percent(&c.rng, 50)) {
+                /* Before the next flush, the engine clears and stores some of those blocks again
+                 * (their engine hashes are new to the map again, as after any clear). */
+                km_test_batch_cleared(&c.b);
+                for (size_t i = 0; i < e->n_blocks; i++)
+                    e->blocks[i].cached = false;
+                uint32_t again = 1 + km_rng_below(&c.rng, run_blocks < 5 ? run_blocks : 5);
+                engine_store_again(e, &c.b, run, again, NULL);
+                km_test_engine_step(e, &c.rng, &c.b, 2, 0);
+                capped_send(&c, w, seq[w]++);
+            }
+            if (round < 999 && km_rng_below(&c.rng, 3))
+                continue;
+            km_feed_flush_stats fs;
+            int rc = km_feed_flush(c.feed, 100 + (uint64_t)round, &fs);
+            KM_CHECK(rc == KM_OK || rc == KM_ERR_MEMORY_CAP, "flush: %s", km_error_name(rc));
+            refused += fs.groups_failed;
+            applied += fs.groups;
+            for (uint32_t v = 0; v < 2; v++) {
+                snprintf(when, sizeof when, "policy %d, round %d", p, round);
+                km_feed_worker_info info;
+                km_feed_get_worker_info(c.feed, v, &info);
+                if (!capped_check(&c, v, eng[v], when) && info.counters.refused_messages)
+                    complete_after_refusal++;
+            }
+        }
+        KM_CHECK(refused >= 10 && applied >= 100, "policy %d: %llu refused, %llu applied", p,
+                 (unsigned long long)refused, (unsigned long long)applied);
+        KM_CHECK(complete_after_refusal > 0, "policy %d: no worker was complete after a refusal",
+                 p);
+        km_test_engine_free(&other);
+        capped_free(&c);
+    }
 }
 
 Test(feed, flush_is_one_batch_and_survives_the_memory_cap, .timeout = 20)
