@@ -3080,3 +3080,121 @@ Test(kv_events, direct_path_decodes_exactly_as_the_tree_path, .timeout = 120)
     km_kv_decoder_destroy(direct);
     km_kv_decoder_destroy(tree);
 }
+
+/* A token id as an engine step packs it, mostly a uint 16, with the other forms (and now and then
+ * one the decoder must refuse) in runs of their own. */
+static void pack_run_token(msgpack_packer *pk, km_rng *r, uint32_t form)
+{
+    switch (form) {
+    case 0: msgpack_pack_uint32(pk, 256 + km_rng_below(r, 65280)); break; /* uint 16 */
+    case 1: msgpack_pack_uint32(pk, km_rng_below(r, 128)); break; /* positive fixint */
+    case 2: msgpack_pack_uint32(pk, 128 + km_rng_below(r, 128)); break; /* uint 8 */
+    case 3: msgpack_pack_uint32(pk, 65536 + km_rng_below(r, 200000)); break; /* uint 32 */
+    case 4: msgpack_pack_fix_uint64(pk, km_rng_below(r, 70000)); break;
+    case 5: msgpack_pack_fix_int16(pk, (int16_t)km_rng_below(r, 30000)); break;
+    case 6: msgpack_pack_int64(pk, -1 - (int64_t)km_rng_below(r, 5)); break; /* refused */
+    default: msgpack_pack_uint64(pk, UINT64_C(1) << 32 | km_rng_below(r, 9)); break; /* too big */
+    }
+}
+
+/* An engine hash: mostly a uint 64, sometimes a smaller or a signed form. */
+static void pack_run_hash(msgpack_packer *pk, km_rng *r, uint32_t form)
+{
+    if (form < 6)
+        msgpack_pack_uint64(pk, km_rng_next(r) | UINT64_C(1) << 63);
+    else if (form == 6)
+        msgpack_pack_uint64(pk, km_rng_below(r, 100000));
+    else
+        msgpack_pack_int64(pk, -(int64_t)km_rng_below(r, 1000) - 1);
+}
+
+/* Engine-step payloads with long hash and token arrays, their encodings mixed in runs, whole or
+ * cut anywhere, under a payload object limit the runs reach now and then: the direct path's run
+ * loops must agree with the tree path on every one. */
+Test(kv_events, direct_path_runs_decode_exactly_as_the_tree_path, .timeout = 120)
+{
+    km_rng r;
+    km_rng_init(&r, km_test_seed() ^ 0x7a11u);
+    km_kv_decoder_config cfg;
+    km_kv_decoder_config_init(&cfg);
+    km_kv_decoder_config small = cfg;
+    small.max_payload_objects = 600;
+    km_kv_decoder *direct[2] = {new_decoder(&cfg), new_decoder(&small)};
+    km_kv_decoder *tree[2] = {new_decoder(&cfg), new_decoder(&small)};
+    for (int k = 0; k < 2; k++)
+        km_kv_decoder_set_direct_path(tree[k], false);
+    uint32_t accepted = 0, refused = 0;
+    for (int iter = 0; iter < 6000; iter++) {
+        pk_buf b;
+        msgpack_packer *pk = pk_begin(&b);
+        uint32_t n_events = 1 + km_rng_below(&r, 4);
+        /* Mostly clean payloads; in the others each run may take a rarer form. */
+        uint32_t rare = km_rng_below(&r, 3) == 0 ? 8 : km_rng_below(&r, 2) ? 6 : 1;
+        msgpack_pack_array(pk, 3);
+        msgpack_pack_double(pk, 1.7e9);
+        msgpack_pack_array(pk, n_events);
+        for (uint32_t e = 0; e < n_events; e++) {
+            bool stored = km_rng_below(&r, 3) != 0;
+            uint32_t n_blocks = km_rng_below(&r, 24);
+            uint32_t block_size = 1 + km_rng_below(&r, 16);
+            msgpack_pack_array(pk, stored ? 6 : 2);
+            pack_cstr(pk, stored ? "BlockStored" : "BlockRemoved");
+            msgpack_pack_array(pk, n_blocks);
+            for (uint32_t i = 0; i < n_blocks; i++)
+                pack_run_hash(pk, &r, km_rng_below(&r, rare == 1 ? 6 : rare));
+            if (!stored)
+                continue;
+            if (km_rng_below(&r, 4) == 0)
+                msgpack_pack_nil(pk);
+            else
+                pack_run_hash(pk, &r, km_rng_below(&r, rare == 1 ? 6 : rare));
+            uint32_t n_tokens = n_blocks * block_size;
+            msgpack_pack_array(pk, n_tokens);
+            for (uint32_t i = 0; i < n_tokens;) {
+                uint32_t form = km_rng_below(&r, 4) ? 0 : km_rng_below(&r, rare);
+                uint32_t run = 1 + km_rng_below(&r, form ? 6 : 40);
+                for (; run && i < n_tokens; run--, i++)
+                    pack_run_token(pk, &r, form);
+            }
+            msgpack_pack_uint32(pk, block_size);
+            msgpack_pack_nil(pk);
+        }
+        msgpack_pack_int64(pk, 0);
+        size_t size = b.sb.size;
+        if (km_rng_below(&r, 4) == 0 && size > 1)
+            size = size - 1 - km_rng_below(&r, (uint32_t)(size < 40 ? size - 1 : 40)); /* cut */
+        for (int k = 0; k < 2; k++) {
+            km_kv_batch x, y;
+            int rx = decode_bytes(direct[k], b.sb.data, size, &x);
+            int ry = decode_bytes(tree[k], b.sb.data, size, &y);
+            KM_CHECK(rx == ry, "iteration %d: direct %s, tree %s (%s)", iter, km_error_name(rx),
+                     km_error_name(ry), km_kv_decoder_last_error(tree[k]));
+            if (rx == KM_OK) {
+                expect_same_batch(&x, &y);
+                accepted++;
+            } else {
+                KM_CHECK(strcmp(km_kv_decoder_last_error(direct[k]),
+                                km_kv_decoder_last_error(tree[k])) == 0,
+                         "iteration %d: messages differ", iter);
+                refused++;
+            }
+        }
+        pk_end(&b);
+    }
+    for (int k = 0; k < 2; k++) {
+        km_kv_decoder_stats sx, sy;
+        km_kv_decoder_get_stats(direct[k], &sx);
+        km_kv_decoder_get_stats(tree[k], &sy);
+        KM_CHECK(memcmp(&sx, &sy, offsetof(km_kv_decoder_stats, retained_bytes)) == 0,
+                 "decoder counters differ");
+    }
+    KM_CHECK(accepted > 3000 && refused > 1000, "%u payloads decoded, %u refused: the generator "
+             "drifted", accepted, refused);
+    KM_CHECK(km_kv_decoder_direct_decoded(direct[0]) > accepted / 4,
+             "the direct path decoded %llu of %u payloads",
+             (unsigned long long)km_kv_decoder_direct_decoded(direct[0]), accepted);
+    for (int k = 0; k < 2; k++) {
+        km_kv_decoder_destroy(direct[k]);
+        km_kv_decoder_destroy(tree[k]);
+    }
+}

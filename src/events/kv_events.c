@@ -117,9 +117,27 @@ static void arena_rewind(arena *a, arena_mark m)
         m.block->used = m.used;
 }
 
+/* A fresh block for an allocation of `bytes` (already rounded) that the newest block cannot take;
+ * NULL when out of memory. */
+static void *arena_alloc_new_block(arena *a, size_t bytes)
+{
+    size_t capacity = a->capacity_total > ARENA_MIN_BLOCK ? a->capacity_total : ARENA_MIN_BLOCK;
+    if (capacity < bytes)
+        capacity = bytes;
+    arena_block *block = arena_block_new(capacity);
+    if (!block)
+        return NULL;
+    block->next = a->blocks;
+    a->blocks = block;
+    a->capacity_total += capacity;
+    block->used = bytes;
+    return arena_block_data(block);
+}
+
 /* `count` elements of `size` bytes, aligned to ARENA_ALIGN; NULL on overflow or out of memory.
- * A zero-byte request returns a valid, non-dereferenceable-but-non-NULL pointer. */
-static void *arena_alloc_array(arena *a, size_t count, size_t size)
+ * A zero-byte request returns a valid, non-dereferenceable-but-non-NULL pointer. Inline, so that
+ * each caller's constant size folds the overflow check. */
+static inline void *arena_alloc_array(arena *a, size_t count, size_t size)
 {
     static _Alignas(16) unsigned char empty_allocation[ARENA_ALIGN];
     if (count == 0 || size == 0)
@@ -128,17 +146,8 @@ static void *arena_alloc_array(arena *a, size_t count, size_t size)
         return NULL;
     size_t bytes = (count * size + ARENA_ALIGN - 1) & ~(size_t)(ARENA_ALIGN - 1);
     arena_block *block = a->blocks;
-    if (!block || block->capacity - block->used < bytes) {
-        size_t capacity = a->capacity_total > ARENA_MIN_BLOCK ? a->capacity_total : ARENA_MIN_BLOCK;
-        if (capacity < bytes)
-            capacity = bytes;
-        block = arena_block_new(capacity);
-        if (!block)
-            return NULL;
-        block->next = a->blocks;
-        a->blocks = block;
-        a->capacity_total += capacity;
-    }
+    if (!block || block->capacity - block->used < bytes)
+        return arena_alloc_new_block(a, bytes);
     void *p = arena_block_data(block) + block->used;
     block->used += bytes;
     return p;
@@ -1147,21 +1156,40 @@ static bool direct_peek(const direct_cursor *c, enum mp_type *type)
     return true;
 }
 
+/* The readers below count a value before they know it is of their type: a reader that returns
+ * false makes the direct path decline the payload, so the count is then never read. */
+
 static bool direct_array(direct_cursor *c, uint32_t *n)
 {
-    enum mp_type t;
-    if (!direct_peek(c, &t) || t != MP_ARRAY || mp_check_array(c->p, c->end) > 0 || !direct_count(c))
+    if (c->p >= c->end || !direct_count(c))
         return false;
-    *n = mp_decode_array(&c->p);
+    uint8_t first = (uint8_t)*c->p;
+    /* A fixarray or an array 16 (batches, events, hash and token arrays) is told from its first
+     * byte without msgpuck's type dispatch. */
+    if ((first & 0xf0) == 0x90) {
+        c->p++;
+        *n = first & 0x0f;
+    } else if (first == 0xdc && c->end - c->p >= 3) {
+        c->p++;
+        *n = mp_load_u16(&c->p);
+    } else if (mp_typeof(*c->p) == MP_ARRAY && mp_check_array(c->p, c->end) <= 0) {
+        *n = mp_decode_array(&c->p);
+    } else {
+        return false;
+    }
     return *n <= (uint64_t)(c->end - c->p); /* every element takes a byte at least */
+}
+
+static bool direct_is_nil(const direct_cursor *c)
+{
+    return c->p < c->end && (uint8_t)*c->p == 0xc0;
 }
 
 static bool direct_nil(direct_cursor *c)
 {
-    enum mp_type t;
-    if (!direct_peek(c, &t) || t != MP_NIL || !direct_count(c))
+    if (!direct_is_nil(c) || !direct_count(c))
         return false;
-    mp_decode_nil(&c->p);
+    c->p++;
     return true;
 }
 
@@ -1172,6 +1200,21 @@ static bool direct_int(direct_cursor *c, uint64_t *value, bool *negative)
     enum mp_type t;
     if (!direct_peek(c, &t) || !direct_count(c))
         return false;
+    uint8_t first = (uint8_t)*c->p;
+    /* The forms small fields (a positive fixint) and engine hashes (a uint 64) take most, told
+     * from the first byte. */
+    if (first <= 0x7f) {
+        c->p++;
+        *value = first;
+        *negative = false;
+        return true;
+    }
+    if (first == 0xcf && c->end - c->p >= 9) {
+        c->p++;
+        *value = mp_load_u64(&c->p);
+        *negative = false;
+        return true;
+    }
     if (t == MP_UINT) {
         if (mp_check_uint(c->p, c->end) > 0)
             return false;
@@ -1190,12 +1233,6 @@ static bool direct_int(direct_cursor *c, uint64_t *value, bool *negative)
     return false;
 }
 
-static bool direct_is_nil(const direct_cursor *c)
-{
-    enum mp_type t;
-    return direct_peek(c, &t) && t == MP_NIL;
-}
-
 static bool direct_hashes(km_kv_decoder *dec, direct_cursor *c, km_kv_event *ev)
 {
     uint32_t n;
@@ -1204,14 +1241,24 @@ static bool direct_hashes(km_kv_decoder *dec, direct_cursor *c, km_kv_event *ev)
     uint64_t *hashes = arena_alloc_array(&dec->results, n, sizeof *hashes);
     if (!hashes)
         return false;
-    for (uint32_t i = 0; i < n; i++) {
-        /* A uint 64, the form most engine hashes take, is read without the type dispatch. */
-        if (c->end - c->p >= 9 && (uint8_t)*c->p == 0xcf && direct_count(c)) {
-            c->p++;
-            hashes[i] = mp_load_u64(&c->p);
-            continue;
-        }
+    /* Counted at once, as the token ids are (direct_stored). */
+    c->values += n;
+    if (c->values > c->max_values)
+        return false;
+    /* A run of uint 64s, the form most engine hashes take, is read without the type dispatch,
+     * bounded once: the first `whole` of them fit before the end. */
+    uint64_t whole = (uint64_t)(c->end - c->p) / 9;
+    uint32_t run_end = n < whole ? n : (uint32_t)whole;
+    uint32_t i = 0;
+    const char *p = c->p; /* in a register through the run */
+    while (i < run_end && (uint8_t)*p == 0xcf) {
+        p++;
+        hashes[i++] = mp_load_u64(&p);
+    }
+    c->p = p;
+    for (; i < n; i++) {
         bool negative;
+        c->values--; /* direct_int counts it again */
         if (!direct_int(c, &hashes[i], &negative))
             return false;
     }
@@ -1296,26 +1343,37 @@ static bool direct_stored(km_kv_decoder *dec, direct_cursor *c, uint32_t n_field
     c->values += n_tokens;
     if (c->values > c->max_values)
         return false;
-    /* A value starting at least 9 bytes (the longest unsigned encoding) before the end is whole:
-     * those skip the bound checks. */
-    const char *whole_before = c->end - c->p > 9 ? c->end - 9 : c->p;
     uint32_t i = 0;
-    const char *p = c->p; /* in a register through the common loop */
-    while (i < n_tokens && p < whole_before) {
-        /* The forms token ids take (a positive fixint, a uint 16 or a uint 32) are told from
-         * their first byte without msgpuck's type dispatch; any other unsigned form goes through
-         * mp_decode_uint, anything else to the checked loop below. */
+    const char *p = c->p, *end = c->end; /* in registers through the common loop */
+    while (i < n_tokens && p < end) {
+        /* The forms token ids take are told from their first byte without msgpuck's type
+         * dispatch, each read only when whole; anything else goes to the checked loop below. */
         uint8_t first = (uint8_t)*p;
-        if (first <= 0x7f) {
+        if (first == 0xcd && end - p >= 3) {
+            /* A run of uint 16s, the form most token ids take, bounded once: the first `whole`
+             * of them fit before the end (this one at least), four at a time while it lasts. */
+            size_t whole = (size_t)(end - p) / 3;
+            uint32_t run_end = n_tokens - i < whole ? n_tokens : i + (uint32_t)whole;
+            while (run_end - i >= 4 && (uint8_t)p[3] == 0xcd && (uint8_t)p[6] == 0xcd &&
+                   (uint8_t)p[9] == 0xcd && (uint8_t)*p == 0xcd) {
+                tokens[i] = (uint32_t)(uint8_t)p[1] << 8 | (uint8_t)p[2];
+                tokens[i + 1] = (uint32_t)(uint8_t)p[4] << 8 | (uint8_t)p[5];
+                tokens[i + 2] = (uint32_t)(uint8_t)p[7] << 8 | (uint8_t)p[8];
+                tokens[i + 3] = (uint32_t)(uint8_t)p[10] << 8 | (uint8_t)p[11];
+                i += 4;
+                p += 12;
+            }
+            while (i < run_end && (uint8_t)*p == 0xcd) {
+                p++;
+                tokens[i++] = mp_load_u16(&p);
+            }
+        } else if (first <= 0x7f) {
             tokens[i++] = first;
             p++;
-        } else if (first == 0xcd) {
-            p++;
-            tokens[i++] = mp_load_u16(&p);
-        } else if (first == 0xce) {
+        } else if (first == 0xce && end - p >= 5) {
             p++;
             tokens[i++] = mp_load_u32(&p);
-        } else if (mp_typeof(*p) == MP_UINT) {
+        } else if (mp_typeof(*p) == MP_UINT && mp_check_uint(p, end) <= 0) {
             uint64_t v = mp_decode_uint(&p);
             if (v > UINT32_MAX)
                 return false;
@@ -1390,6 +1448,18 @@ static bool direct_removed(km_kv_decoder *dec, direct_cursor *c, uint32_t n_fiel
     return true;
 }
 
+/* Are the len bytes at tag those of name (8 to 16 bytes long, as every event tag is)? Two
+ * overlapping words each, so that no call to memcmp is made. */
+static inline bool tag_is(const char *tag, const char *name, size_t len)
+{
+    uint64_t t0, t1, n0, n1;
+    memcpy(&t0, tag, 8);
+    memcpy(&t1, tag + len - 8, 8);
+    memcpy(&n0, name, 8);
+    memcpy(&n1, name + len - 8, 8);
+    return ((t0 ^ n0) | (t1 ^ n1)) == 0;
+}
+
 static bool direct_event(km_kv_decoder *dec, direct_cursor *c, km_kv_event *ev)
 {
     uint32_t n;
@@ -1403,7 +1473,7 @@ static bool direct_event(km_kv_decoder *dec, direct_cursor *c, km_kv_event *ev)
     const char *tag = c->p;
     c->p += len;
     memset(ev, 0, sizeof *ev);
-#define TAG_IS(name) (len == sizeof(name) - 1 && memcmp(tag, name, len) == 0)
+#define TAG_IS(name) (len == sizeof(name) - 1 && tag_is(tag, name, sizeof(name) - 1))
     if (TAG_IS("BlockStored"))
         return direct_stored(dec, c, n - 1, ev);
     if (TAG_IS("BlockRemoved"))
