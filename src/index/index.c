@@ -28,6 +28,9 @@
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 #include "index/index_internal.h"
 #include "base/log_level.h"
@@ -685,84 +688,108 @@ static int holds_segment(const km_index *index, uint32_t worker, uint64_t end, u
  * the worker's blocks drops the worker's entries of that block's anchor tag (colliding tags drop
  * more: sound); clearing or removing the worker drops all of its entries; a rolled-back batch and
  * a loaded snapshot drop every entry. An entry missing or overwritten only costs the walk. */
-enum { OPEN_SEGMENTS_PER_WORKER = 16 };
+enum { OPEN_SEGMENTS_PER_WORKER = KM_OPEN_SEGMENTS, OPEN_NONE = -1 };
+_Static_assert(OPEN_SEGMENTS_PER_WORKER % 4 == 0 && OPEN_SEGMENTS_PER_WORKER <= 16,
+               "a worker's entries fit the bits of `used`, their tags whole 16-byte words");
 
-static struct km_open_segment *open_entries(km_index *index, uint32_t worker)
+/* The worker's entries, or NULL before the first was allocated. */
+static struct km_open_segments *open_of(km_index *index, uint32_t worker)
 {
-    return index->open_segments ? index->open_segments + (size_t)worker * OPEN_SEGMENTS_PER_WORKER
-                                : NULL;
+    return index->open_segments ? &index->open_segments[worker] : NULL;
 }
 
-static uint8_t *open_fps(km_index *index, const struct km_open_segment *o)
+static uint8_t *open_fps(km_index *index, uint32_t worker, int k)
 {
-    return index->open_fingerprints + (size_t)(o - index->open_segments) * segment_size(index);
+    return index->open_fingerprints +
+           ((size_t)worker * OPEN_SEGMENTS_PER_WORKER + (size_t)k) * segment_size(index);
 }
 
-/* The worker's open segment whose last block is `last` at `offset` of `anchor_tag`, or NULL. */
-static struct km_open_segment *open_find(km_index *index, uint32_t worker, uint64_t last,
-                                         uint32_t anchor_tag, uint32_t offset)
+/* Bit k set for each of the entries (in use or not) whose anchor tag is `tag`. */
+static uint32_t open_tag_matches(const struct km_open_segments *os, uint32_t tag)
 {
-    struct km_open_segment *o = open_entries(index, worker);
-    for (uint32_t k = 0; o && k < OPEN_SEGMENTS_PER_WORKER; k++)
-        if (o[k].used && o[k].last == last && o[k].anchor_tag == anchor_tag && o[k].offset == offset)
-            return &o[k];
-    return NULL;
+    uint32_t matches = 0;
+#if defined(__SSE2__)
+    const __m128i want = _mm_set1_epi32((int)tag);
+    for (uint32_t k = 0; k < OPEN_SEGMENTS_PER_WORKER; k += 4) {
+        __m128i tags = _mm_loadu_si128((const __m128i *)(const void *)&os->anchor_tag[k]);
+        __m128i equal = _mm_cmpeq_epi32(tags, want);
+        matches |= (uint32_t)_mm_movemask_ps(_mm_castsi128_ps(equal)) << k;
+    }
+#else
+    for (uint32_t k = 0; k < OPEN_SEGMENTS_PER_WORKER; k++)
+        matches |= (uint32_t)(os->anchor_tag[k] == tag) << k;
+#endif
+    return matches;
 }
 
-/* An entry for a segment the worker starts with `first` (reusing `reuse` when not NULL), or NULL
- * when the entries could not be allocated. */
-static struct km_open_segment *open_start(km_index *index, uint32_t worker,
-                                          struct km_open_segment *reuse, uint64_t first,
-                                          uint32_t anchor_tag)
+/* The worker's open segment whose last block is `last` at `offset` of `anchor_tag`, or
+ * OPEN_NONE. */
+static int open_find(km_index *index, uint32_t worker, uint64_t last, uint32_t anchor_tag,
+                     uint32_t offset)
+{
+    const struct km_open_segments *os = open_of(index, worker);
+    if (!os)
+        return OPEN_NONE;
+    for (uint32_t m = open_tag_matches(os, anchor_tag) & os->used; m; m &= m - 1) {
+        int k = __builtin_ctz(m);
+        if (os->last[k] == last && os->offset[k] == offset)
+            return k;
+    }
+    return OPEN_NONE;
+}
+
+/* An entry for a segment the worker starts with `first` (reusing entry `reuse` when not
+ * OPEN_NONE), or OPEN_NONE when the entries could not be allocated. */
+static int open_start(km_index *index, uint32_t worker, int reuse, uint64_t first,
+                      uint32_t anchor_tag)
 {
     if (!index->open_segments) {
         size_t n = (size_t)index->config.max_workers * OPEN_SEGMENTS_PER_WORKER;
-        index->open_segments = calloc(n, sizeof *index->open_segments);
+        index->open_segments = calloc(index->config.max_workers, sizeof *index->open_segments);
         index->open_fingerprints = malloc(n * segment_size(index));
         if (!index->open_segments || !index->open_fingerprints) {
             free(index->open_segments);
             free(index->open_fingerprints);
             index->open_segments = NULL;
             index->open_fingerprints = NULL;
-            return NULL;
+            return OPEN_NONE;
         }
     }
-    struct km_open_segment *o = reuse;
-    if (!o) {
-        struct km_open_segment *all = open_entries(index, worker);
-        o = &all[first % OPEN_SEGMENTS_PER_WORKER]; /* replaced when all are in use */
-        for (uint32_t k = 0; k < OPEN_SEGMENTS_PER_WORKER; k++)
-            if (!all[k].used) {
-                o = &all[k];
-                break;
-            }
+    struct km_open_segments *os = &index->open_segments[worker];
+    int k = reuse;
+    if (k == OPEN_NONE) {
+        uint32_t unused = ~(uint32_t)os->used & ((1u << OPEN_SEGMENTS_PER_WORKER) - 1u);
+        /* The first entry not in use; when all are, one is replaced. */
+        k = unused ? __builtin_ctz(unused) : (int)(first % OPEN_SEGMENTS_PER_WORKER);
     }
-    *o = (struct km_open_segment){.last = first, .anchor_tag = anchor_tag, .offset = 0, .used = 1};
-    open_fps(index, o)[0] = chain_fingerprint(first);
-    return o;
+    os->last[k] = first;
+    os->anchor_tag[k] = anchor_tag;
+    os->offset[k] = 0;
+    os->used |= (uint16_t)(1u << k);
+    open_fps(index, worker, k)[0] = chain_fingerprint(first);
+    return k;
 }
 
 /* The worker no longer holds a block of anchor_tag's segments. */
 static void open_drop_anchor(km_index *index, uint32_t worker, uint32_t anchor_tag)
 {
-    struct km_open_segment *o = open_entries(index, worker);
-    for (uint32_t k = 0; o && k < OPEN_SEGMENTS_PER_WORKER; k++)
-        if (o[k].anchor_tag == anchor_tag)
-            o[k].used = 0;
+    struct km_open_segments *os = open_of(index, worker);
+    if (os)
+        os->used &= (uint16_t)~open_tag_matches(os, anchor_tag);
 }
 
 static void open_drop_worker(km_index *index, uint32_t worker)
 {
-    struct km_open_segment *o = open_entries(index, worker);
-    if (o)
-        memset(o, 0, OPEN_SEGMENTS_PER_WORKER * sizeof *o);
+    struct km_open_segments *os = open_of(index, worker);
+    if (os)
+        os->used = 0;
 }
 
 void km_index_forget_open_segments(km_index *index)
 {
     if (index->open_segments)
-        memset(index->open_segments, 0, (size_t)index->config.max_workers *
-                                            OPEN_SEGMENTS_PER_WORKER * sizeof *index->open_segments);
+        memset(index->open_segments, 0,
+               (size_t)index->config.max_workers * sizeof *index->open_segments);
 }
 
 /* After worker lost `block` (metadata m): drop worker from every segment key whose chain includes
@@ -905,7 +932,7 @@ static int apply_store(batch *b, const km_update *u)
     /* Offset and segment anchor of the block before the run (unknown for an orphan run). */
     uint32_t prev_offset = KM_OFFSET_UNKNOWN;
     uint32_t prev_anchor = 0;
-    struct km_open_segment *open = NULL; /* the worker's open segment this run extends */
+    int open = OPEN_NONE; /* the worker's open segment this run extends */
     if (u->parent != KM_NO_PARENT) {
         uint64_t ps = km_table_find(&index->blocks, u->parent);
         if (ps != KM_SLOT_NONE) {
@@ -977,15 +1004,16 @@ static int apply_store(batch *b, const km_update *u)
             run_consecutive++;
         else
             run_consecutive = m_offset != KM_OFFSET_UNKNOWN;
+        struct km_open_segments *os = open_of(index, u->worker); /* not NULL while open is set */
         if (S && m_offset == 0) {
             open = open_start(index, u->worker, open, key, km_meta_anchor_tag(m));
-        } else if (open && m_offset == open->offset + 1u &&
-                   km_meta_anchor_tag(m) == open->anchor_tag) {
-            open->last = key;
-            open->offset = (uint8_t)m_offset;
-            open_fps(index, open)[m_offset] = chain_fingerprint(key);
+        } else if (open != OPEN_NONE && m_offset == os->offset[open] + 1u &&
+                   km_meta_anchor_tag(m) == os->anchor_tag[open]) {
+            os->last[open] = key;
+            os->offset[open] = (uint8_t)m_offset;
+            open_fps(index, u->worker, open)[m_offset] = chain_fingerprint(key);
         } else {
-            open = NULL; /* the entry stays: the worker still holds what it names */
+            open = OPEN_NONE; /* the entry stays: the worker still holds what it names */
         }
         prev_offset = m_offset;
         prev_anchor = km_meta_anchor_tag(m);
@@ -995,15 +1023,15 @@ static int apply_store(batch *b, const km_update *u)
             if (held) { /* this run's last S hashes are the segment's chain */
                 for (uint32_t k = 0; k < S; k++)
                     fps[k] = chain_fingerprint(u->hashes[i + 1 - S + k]);
-            } else if (open) { /* held from its first block on, by earlier stores */
-                memcpy(fps, open_fps(index, open), S);
+            } else if (open != OPEN_NONE) { /* held from its first block on, by earlier stores */
+                memcpy(fps, open_fps(index, u->worker, open), S);
                 held = 1;
             } else {
                 held = holds_segment(index, u->worker, key, fps);
             }
-            if (open) {
-                open->used = 0;
-                open = NULL;
+            if (open != OPEN_NONE) {
+                open_of(index, u->worker)->used &= (uint16_t)~(1u << open);
+                open = OPEN_NONE;
             }
             rc = held ? segment_add(b, prev_anchor, key, u->worker, fps) : KM_OK;
             if (rc)

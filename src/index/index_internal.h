@@ -50,6 +50,9 @@ extern const km_backend_ops km_backend_cpu;
 extern const km_backend_ops km_backend_cuda;
 #endif
 
+/* Open segments a worker keeps (src/index/index.c, "open segments"). */
+#define KM_OPEN_SEGMENTS 16
+
 /* Per-worker counters (the public km_worker_stats). */
 typedef km_worker_stats km_worker_counters;
 
@@ -83,11 +86,17 @@ struct km_index {
     size_t undo_saved_capacity;
     uint8_t *undo_touched;
 
-    /* Open segments (src/index/index.c, "open segments"): per worker OPEN_SEGMENTS_PER_WORKER
-     * entries, and segment_blocks fingerprint bytes per entry; allocated by the first store that
-     * starts one (NULL before, and when that allocation failed: every completion then walks).
-     * Scratch of the update path like the undo log, outside the memory cap. */
-    struct km_open_segment { uint64_t last; uint32_t anchor_tag; uint8_t offset; uint8_t used; } *open_segments;
+    /* Open segments (src/index/index.c, "open segments"): per worker KM_OPEN_SEGMENTS entries,
+     * their fields in arrays so that one worker's anchor tags are compared at once, and
+     * segment_blocks fingerprint bytes per entry; allocated by the first store that starts one
+     * (NULL before, and when that allocation failed: every completion then walks). Scratch of
+     * the update path like the undo log, outside the memory cap. */
+    struct km_open_segments {
+        uint32_t anchor_tag[KM_OPEN_SEGMENTS];
+        uint64_t last[KM_OPEN_SEGMENTS];
+        uint8_t offset[KM_OPEN_SEGMENTS];
+        uint16_t used; /* bit k: entry k is in use; the others name nothing */
+    } *open_segments;
     uint8_t *open_fingerprints;
 
     const km_backend_ops *backend;
