@@ -844,3 +844,70 @@ Test(emap, size_for_takes_an_empty_map_only)
     cr_assert_not_null(km_emap_find(&m, 42), "a refused size_for keeps the entries");
     km_emap_free(&m);
 }
+
+/* km_table_find_vacant finds what km_table_find finds, and the slot it names for an absent key is
+ * the one km_table_insert gives it: twin tables, one inserting at the named slot whenever there is
+ * one, the other always through km_table_insert, stay slot for slot the same through churn,
+ * crowded and wrapping runs, and incremental growths (when no slot is named). */
+Test(table, find_vacant_names_the_slot_an_insert_takes, .timeout = 120)
+{
+    km_rng r;
+    km_rng_init(&r, km_test_seed() ^ 0xFACA7u);
+    km_memory memory = {0, 0};
+    km_table a, b;
+    cr_assert_eq(km_table_init(&a, 14000, 64, 1, 0, &memory), KM_OK);
+    cr_assert_eq(km_table_init(&b, 14000, 64, 1, 0, &memory), KM_OK);
+    size_t n = 60000;
+    uint64_t *keys = malloc(n * sizeof *keys);
+    cr_assert(keys);
+    for (size_t k = 0; k < n; k++)
+        keys[k] = k < 300 ? key_with_table_home(&r, a.capacity - 1 - k % 3, a.capacity)
+                          : km_rng_hash(&r);
+    size_t named = 0, unnamed = 0, growths = 0;
+    uint64_t capacity = a.capacity;
+    for (size_t step = 0; step < 200000; step++) {
+        size_t k = km_rng_below(&r, (uint32_t)(step < 150000 ? n : n / 3));
+        uint64_t vacant;
+        uint64_t slot = km_table_find_vacant(&a, keys[k], &vacant);
+        cr_assert_eq(slot, km_table_find(&a, keys[k]), "step %zu: find_vacant differs", step);
+        cr_assert_eq(slot, km_table_find(&b, keys[k]), "step %zu: the twins differ", step);
+        if (slot != KM_SLOT_NONE) {
+            cr_assert_eq(vacant, KM_SLOT_NONE);
+            if (km_rng_percent(&r, 40)) {
+                km_table_erase(&a, slot);
+                km_table_erase(&b, slot);
+            }
+            continue;
+        }
+        uint64_t slot_b;
+        cr_assert_eq(km_table_insert(&b, keys[k], 1, &slot_b), KM_OK);
+        if (vacant != KM_SLOT_NONE) {
+            km_table_insert_vacant(&a, keys[k], vacant);
+            cr_assert_eq(vacant, slot_b, "step %zu: the named slot is not the insert's", step);
+            named++;
+        } else {
+            uint64_t slot_a;
+            cr_assert_eq(km_table_insert(&a, keys[k], 1, &slot_a), KM_OK);
+            cr_assert_eq(slot_a, slot_b);
+            unnamed++;
+        }
+        if (a.capacity != capacity) {
+            growths++;
+            capacity = a.capacity;
+        }
+        if (step % 20000 == 0 || step == 199999) {
+            cr_assert(a.capacity == b.capacity && a.live == b.live &&
+                      (a.old_slots == NULL) == (b.old_slots == NULL) &&
+                      a.migrated == b.migrated);
+            KM_CHECK(memcmp(a.slots, b.slots, a.capacity * sizeof *a.slots) == 0 &&
+                         memcmp(a.meta, b.meta, a.capacity * sizeof *a.meta) == 0,
+                     "step %zu: the twins' slots differ", step);
+        }
+    }
+    cr_assert_geq(growths, 2, "the table grew %zu times", growths);
+    cr_assert(named > 10000 && unnamed > 1000, "%zu inserts at a named slot, %zu not", named,
+              unnamed);
+    km_table_free(&a);
+    km_table_free(&b);
+    free(keys);
+}

@@ -21,17 +21,12 @@
 #define TABLE_GROWTH_DEN 2
 #define TABLE_MIN_CAPACITY 64u
 
-/* Slots from `from` forward to `to` along a probe run (wrapping). */
-static uint64_t probe_distance(uint64_t from, uint64_t to, uint64_t capacity)
+/* Backward shift: the key at j, whose home is `home`, may move back into the hole only if its
+ * home does not lie in (hole, j] along the probe run (wrapping), or it would become unreachable.
+ * Is it there? */
+static int probe_home_between(uint64_t home, uint64_t hole, uint64_t j)
 {
-    return to >= from ? to - from : to + capacity - from;
-}
-
-/* Backward shift: may the key at j, whose home is `home`, move back into the hole? Only if its
- * home does not lie in (hole, j], or it would become unreachable. */
-static int probe_may_fill(uint64_t home, uint64_t hole, uint64_t j, uint64_t capacity)
-{
-    return probe_distance(home, j, capacity) >= probe_distance(hole, j, capacity);
+    return hole < j ? home > hole && home <= j : home > hole || home <= j;
 }
 
 static uint64_t table_slot_bytes(const km_table *t, uint64_t capacity, int with_meta)
@@ -465,6 +460,45 @@ int km_table_reserve(km_table *t, uint64_t extra)
     return capacity == t->capacity ? table_rehash(t, capacity) : table_grow(t, capacity);
 }
 
+uint64_t km_table_find_vacant(const km_table *t, uint64_t key, uint64_t *vacant)
+{
+    const km_slot *slots = t->slots;
+    uint64_t capacity = t->capacity;
+    uint64_t i = km_slot_home(key, capacity);
+    for (;; i = km_slot_next(i, capacity)) {
+        uint64_t k = slots[i].key;
+        if (k == KM_KEY_EMPTY)
+            break;
+        if (k == key) {
+            *vacant = KM_SLOT_NONE;
+            return i;
+        }
+    }
+    /* Absent from the new array, whose first empty slot along the run is where an insert that
+     * needs no reserve (no move under way, room for one more key) puts the key when there are no
+     * tombstones (the insert would take the first of them). */
+    if (t->old_slots) {
+        *vacant = KM_SLOT_NONE;
+        km_table_view v = km_table_get_view(t);
+        return km_view_find_old(&v, key);
+    }
+    *vacant = t->tombstones || over_load(t->live + 1, capacity) ? KM_SLOT_NONE : i;
+    return KM_SLOT_NONE;
+}
+
+void km_table_insert_vacant(km_table *t, uint64_t key, uint64_t slot)
+{
+    t->slots[slot].key = key;
+    for (uint32_t j = 0; j < KM_SLOT_INLINE; j++)
+        t->slots[slot].ids[j] = KM_SLOT_ID_EMPTY;
+    if (t->meta)
+        memset(&t->meta[slot], 0, sizeof t->meta[slot]);
+    if (t->aux)
+        memset(km_table_aux(t, slot), 0, t->aux_bytes);
+    t->live++;
+    mark_dirty_slot(t, slot);
+}
+
 int km_table_insert(km_table *t, uint64_t key, int allow_grow, uint64_t *slot_out)
 {
     /* km_table_reserve when it has work: a move under way, or no room for one more key. */
@@ -505,22 +539,25 @@ void km_table_erase(km_table *t, uint64_t slot)
      * in (hole, j] may move back into the hole (it stays reachable from its home), and its old
      * slot becomes the hole. The run ends at the first empty slot. Every slot written is marked
      * dirty, so a device replica patched from the list ends up identical. */
+    km_slot *slots = t->slots; /* the writes below never change the table's fields */
+    km_block_meta *meta = t->meta;
+    uint64_t capacity = t->capacity;
     uint64_t hole = slot;
-    for (uint64_t j = km_slot_next(slot, t->capacity); t->slots[j].key != KM_KEY_EMPTY;
-         j = km_slot_next(j, t->capacity)) {
-        if (!probe_may_fill(km_slot_home(t->slots[j].key, t->capacity), hole, j, t->capacity))
+    for (uint64_t j = km_slot_next(slot, capacity); slots[j].key != KM_KEY_EMPTY;
+         j = km_slot_next(j, capacity)) {
+        if (probe_home_between(km_slot_home(slots[j].key, capacity), hole, j))
             continue; /* home lies after the hole: moving the key back would hide it */
-        t->slots[hole] = t->slots[j];
-        if (t->meta)
-            t->meta[hole] = t->meta[j];
+        slots[hole] = slots[j];
+        if (meta)
+            meta[hole] = meta[j];
         if (t->aux)
             memcpy(km_table_aux(t, hole), km_table_aux(t, j), t->aux_bytes);
         mark_dirty_slot(t, hole);
         hole = j;
     }
-    memset(&t->slots[hole], 0, sizeof t->slots[hole]); /* empty: all zero */
-    if (t->meta)
-        memset(&t->meta[hole], 0, sizeof t->meta[hole]);
+    memset(&slots[hole], 0, sizeof slots[hole]); /* empty: all zero */
+    if (meta)
+        memset(&meta[hole], 0, sizeof meta[hole]);
     if (t->aux)
         memset(km_table_aux(t, hole), 0, t->aux_bytes);
     t->live--;

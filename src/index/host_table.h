@@ -194,6 +194,14 @@ int km_table_insert_grows(const km_table *t);
  * array (so the move ends long before the new array fills). Slot indices held by the caller are
  * stale afterwards. KM_ERR_MEMORY_CAP / OUT_OF_MEMORY. */
 int km_table_reserve(km_table *t, uint64_t extra);
+/* km_table_find, and for an absent key the slot a km_table_insert(t, key, 1, ...) would fill
+ * without reserving first: *vacant is that slot when no move is under way, one more key stays
+ * within the load limit and the table holds no tombstones, else KM_SLOT_NONE (also when the key
+ * is present). */
+uint64_t km_table_find_vacant(const km_table *t, uint64_t key, uint64_t *vacant);
+/* Insert an absent key with an empty set at the slot km_table_find_vacant gave for it, the table
+ * unchanged since: what km_table_insert(t, key, 1, ...) would do. Never allocates. */
+void km_table_insert_vacant(km_table *t, uint64_t key, uint64_t slot);
 /* Insert a key with an empty set into the new array; the caller checked it is absent. allow_grow
  * = 1 reserves first (see km_table_reserve); allow_grow = 0 is for undo (never allocates, never
  * moves a key; relies on the load factor leaving empty slots). Returns KM_OK and *slot. */

@@ -514,20 +514,25 @@ static void note_growth(km_index *index, const km_table *t, uint64_t from, doubl
 static int table_add(batch *b, km_table *t, uint64_t key, uint32_t worker, uint64_t *slot_out,
                      int *inserted)
 {
-    uint64_t slot = km_table_find(t, key);
+    uint64_t vacant;
+    uint64_t slot = km_table_find_vacant(t, key, &vacant);
     *inserted = 0;
-    /* Log first: if logging fails nothing has changed yet. */
-    undo_entry e = undo_for(b->index, t, 1, worker, key);
     if (slot != KM_SLOT_NONE && km_table_set_contains(t, slot, worker)) {
         *slot_out = slot;
         return 0;
     }
+    /* Log first: if logging fails nothing has changed yet. */
+    undo_entry e = undo_for(b->index, t, 1, worker, key);
     e.reshaped = slot != KM_SLOT_NONE && !km_slot_is_shared(km_table_slot(t, slot)) &&
                  km_table_set_count(t, slot) == KM_SLOT_INLINE;
     int rc = undo_push(b, &e);
     if (rc)
         return rc;
-    if (slot == KM_SLOT_NONE) {
+    if (slot == KM_SLOT_NONE && vacant != KM_SLOT_NONE) { /* the insert needs no reserve */
+        km_table_insert_vacant(t, key, vacant);
+        slot = vacant;
+        *inserted = 1;
+    } else if (slot == KM_SLOT_NONE) {
         uint64_t capacity = t->capacity;
         double start = km_table_insert_grows(t) ? monotonic_ms() : 0;
         rc = km_table_insert(t, key, 1, &slot);
