@@ -142,32 +142,14 @@ int km_oamap_size_for(km_oamap *m, uint64_t entries)
  * indefinitely: each erase moves a small share too. */
 #define ERASE_MIGRATE_SLOTS 64
 
+void km_oamap_erase_moves(km_oamap *m)
+{
+    migrate(m, ERASE_MIGRATE_SLOTS);
+}
+
 void km_oamap_erase(km_oamap *m, uint8_t *entry)
 {
-    uint64_t size = m->entry_size;
-    if ((uintptr_t)entry - (uintptr_t)m->entries >= array_bytes(m, m->capacity)) {
-        /* Still in the old array: a tombstone keeps its probe runs whole. */
-        memset(entry, 0, size);
-        uint64_t erased = KM_OAMAP_ERASED;
-        memcpy(entry, &erased, sizeof erased);
-    } else {
-        /* Backward shift, as in km_table_erase: no tombstones in the new array. */
-        uint64_t mask = m->capacity - 1;
-        uint64_t hole = (uint64_t)(entry - m->entries) / size;
-        for (uint64_t j = (hole + 1) & mask;; j = (j + 1) & mask) {
-            uint64_t key = km_oamap_entry_key(m->entries + j * size);
-            if (key == KM_OAMAP_EMPTY)
-                break;
-            if (!km_probe_may_fill(km_oamap_home(key, m->capacity), hole, j, mask))
-                continue;
-            memcpy(m->entries + hole * size, m->entries + j * size, size);
-            hole = j;
-        }
-        memset(m->entries + hole * size, 0, size);
-        m->in_new--;
-    }
-    m->live--;
-    migrate(m, ERASE_MIGRATE_SLOTS);
+    km_oamap_erase_sized(m, entry, m->entry_size);
 }
 
 void km_oamap_clear(km_oamap *m)

@@ -84,6 +84,27 @@ static inline uint8_t *km_oamap_find_new(const km_oamap *m, uint64_t key, size_t
     }
 }
 
+/* km_oamap_find_new, and for an absent key *vacant = the empty slot that ends its probe run,
+ * where km_oamap_place puts it (the new array holds no erased keys); NULL when the map has no
+ * array yet. */
+static inline uint8_t *km_oamap_find_new_vacant(const km_oamap *m, uint64_t key, size_t entry_size,
+                                                uint8_t **vacant)
+{
+    *vacant = NULL;
+    if (m->capacity == 0)
+        return NULL;
+    for (uint64_t i = km_oamap_home(key, m->capacity);; i = (i + 1) & (m->capacity - 1)) {
+        uint8_t *e = m->entries + i * entry_size;
+        uint64_t k = km_oamap_entry_key(e);
+        if (k == key)
+            return e;
+        if (k == KM_OAMAP_EMPTY) {
+            *vacant = e;
+            return NULL;
+        }
+    }
+}
+
 /* The entry of key in the old array if it has not moved yet, or NULL (see the file comment). */
 static inline uint8_t *km_oamap_find_old(const km_oamap *m, uint64_t key, size_t entry_size)
 {
@@ -123,6 +144,38 @@ int km_oamap_reserve(km_oamap *m, uint64_t extra);
 /* Erase an entry a find returned: later entries may move (backward shift), and a growing map moves
  * a few more; pointers into the map are stale afterwards. */
 void km_oamap_erase(km_oamap *m, uint8_t *entry);
+/* The share of a growing map's move that each erase makes (km_oamap_erase_sized). */
+void km_oamap_erase_moves(km_oamap *m);
+/* km_oamap_erase for a map whose entries are entry_size bytes: inline, so that a map's constant
+ * entry size turns the moves into plain loads and stores. */
+static inline void km_oamap_erase_sized(km_oamap *m, uint8_t *entry, size_t entry_size)
+{
+    if ((uintptr_t)entry - (uintptr_t)m->entries >= m->capacity * entry_size) {
+        /* Still in the old array: a tombstone keeps its probe runs whole. */
+        memset(entry, 0, entry_size);
+        uint64_t erased = KM_OAMAP_ERASED;
+        memcpy(entry, &erased, sizeof erased);
+    } else {
+        /* Backward shift, as in km_table_erase: no tombstones in the new array. */
+        uint8_t *entries = m->entries; /* the moves below never change the map's fields */
+        uint64_t capacity = m->capacity, mask = capacity - 1;
+        uint64_t hole = (uint64_t)(entry - entries) / entry_size;
+        for (uint64_t j = (hole + 1) & mask;; j = (j + 1) & mask) {
+            uint64_t key = km_oamap_entry_key(entries + j * entry_size);
+            if (key == KM_OAMAP_EMPTY)
+                break;
+            if (!km_probe_may_fill(km_oamap_home(key, capacity), hole, j, mask))
+                continue;
+            memcpy(entries + hole * entry_size, entries + j * entry_size, entry_size);
+            hole = j;
+        }
+        memset(entries + hole * entry_size, 0, entry_size);
+        m->in_new--;
+    }
+    m->live--;
+    if (m->old)
+        km_oamap_erase_moves(m);
+}
 /* Move every remaining old entry now. */
 void km_oamap_finish_growth(km_oamap *m);
 /* Size an empty map for `entries` at the densest load a reserve accepts (70%: restoring saved

@@ -26,28 +26,12 @@ void km_emap_free(km_emap *m)
     km_u64map_free(&m->holds);
 }
 
-km_emap_entry *km_emap_find(const km_emap *m, uint64_t engine_hash)
-{
-    return (km_emap_entry *)(void *)km_oamap_find(&m->core, km_u64map_key(engine_hash),
-                                                  sizeof(km_emap_entry));
-}
-
 int km_emap_reserve(km_emap *m, uint64_t extra)
 {
     int rc = km_oamap_reserve(&m->core, extra);
     if (rc == KM_OK && m->keep_parents)
         rc = km_u64map_reserve(&m->parents, extra);
     return rc;
-}
-
-km_emap_entry *km_emap_upsert(km_emap *m, uint64_t engine_hash)
-{
-    km_emap_entry *e = km_emap_find(m, engine_hash);
-    if (e)
-        return e;
-    km_emap_entry fresh = {.key = km_u64map_key(engine_hash)};
-    m->core.live++;
-    return (km_emap_entry *)(void *)km_oamap_place(&m->core, &fresh);
 }
 
 /* The announcement map exists only while it holds an entry. */
@@ -62,7 +46,7 @@ static void holds_release_if_empty(km_emap *m)
 void km_emap_erase(km_emap *m, km_emap_entry *e)
 {
     uint64_t key = e->key;
-    km_oamap_erase(&m->core, (uint8_t *)e);
+    km_oamap_erase_sized(&m->core, (uint8_t *)e, sizeof *e);
     if (m->parents.live)
         km_u64map_erase(&m->parents, key);
     if (m->holds.live && km_u64map_erase(&m->holds, key))

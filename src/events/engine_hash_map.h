@@ -86,7 +86,11 @@ static inline uint64_t km_emap_live(const km_emap *m)
     return m->core.live;
 }
 /* The entry of an engine hash, or NULL. Valid until the next reserve, erase or clear. */
-km_emap_entry *km_emap_find(const km_emap *m, uint64_t engine_hash);
+static inline km_emap_entry *km_emap_find(const km_emap *m, uint64_t engine_hash)
+{
+    return (km_emap_entry *)(void *)km_oamap_find(&m->core, km_u64map_key(engine_hash),
+                                                  sizeof(km_emap_entry));
+}
 /* Room for `extra` more entries through km_emap_upsert, and for their parents when the map keeps
  * them (load <= 70% once every old entry has moved); moves max(16 * extra, 1024) old slots of a
  * growing map. Entry pointers are stale afterwards. KM_OK or KM_ERR_OUT_OF_MEMORY (the map holds
@@ -95,7 +99,22 @@ int km_emap_reserve(km_emap *m, uint64_t extra);
 /* The entry of an engine hash, inserted (chain 0, media 0, no copies, gpu_groups 0, no parent)
  * when absent: room must have been reserved. Never moves another entry, so pointers from find and
  * upsert stay valid. */
-km_emap_entry *km_emap_upsert(km_emap *m, uint64_t engine_hash);
+static inline km_emap_entry *km_emap_upsert(km_emap *m, uint64_t engine_hash)
+{
+    uint64_t key = km_u64map_key(engine_hash);
+    uint8_t *vacant;
+    uint8_t *e = km_oamap_find_new_vacant(&m->core, key, sizeof(km_emap_entry), &vacant);
+    if (!e)
+        e = km_oamap_find_old(&m->core, key, sizeof(km_emap_entry));
+    if (e)
+        return (km_emap_entry *)(void *)e;
+    /* Where km_oamap_place would put it: the new array's empty slot ending the key's run. */
+    km_emap_entry fresh = {.key = key};
+    memcpy(vacant, &fresh, sizeof fresh);
+    m->core.in_new++;
+    m->core.live++;
+    return (km_emap_entry *)(void *)vacant;
+}
 /* Erase an entry find or upsert returned, with its parent and announcements. Later entries may
  * move (backward shift), and a growing map moves a few more: entry pointers are stale afterwards. */
 void km_emap_erase(km_emap *m, km_emap_entry *e);
