@@ -3,7 +3,9 @@
 #include "kvmatch/hash.h"
 
 #include <string.h>
-#define XXH_STATIC_LINKING_ONLY /* XXH3_state_t on the stack */
+/* The implementation inline: XXH3 of a chain step's 16 bytes compiles to its short path, with
+ * no call through the shared library. The same function, so the same hashes (HASHING.md). */
+#define XXH_INLINE_ALL
 #include <xxhash.h>
 
 #include "kvmatch/error.h"
@@ -42,6 +44,7 @@ uint64_t km_hash_local(const uint32_t *tokens, uint32_t block_size, uint64_t see
 #else
     uint8_t buf[4096];
     XXH3_state_t st;
+    XXH3_INITSTATE(&st); /* the reset reads the seed and secret a reused state would hold */
     XXH3_64bits_reset_withSeed(&st, seed);
     for (uint32_t i = 0; i < block_size;) {
         size_t n = 0;
@@ -84,6 +87,7 @@ uint64_t km_hash_local_lookahead(const uint32_t *tokens, uint32_t block_size,
         return km_hash_local(tokens, block_size, seed);
     /* XXH3's streaming digest equals the one-shot hash of the concatenated input. */
     XXH3_state_t st;
+    XXH3_INITSTATE(&st); /* the reset reads the seed and secret a reused state would hold */
     XXH3_64bits_reset_withSeed(&st, seed);
     update_tokens(&st, tokens, block_size);
     update_tokens(&st, lookahead, n_lookahead);
