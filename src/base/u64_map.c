@@ -17,12 +17,6 @@ void km_u64map_free(km_u64map *m)
     km_oamap_free(m);
 }
 
-uint64_t *km_u64map_find(const km_u64map *m, uint64_t key)
-{
-    km_u64map_entry *e = (km_u64map_entry *)(void *)km_oamap_find(m, key, sizeof *e);
-    return e ? &e->value : NULL;
-}
-
 void km_u64map_finish_growth(km_u64map *m)
 {
     km_oamap_finish_growth(m);

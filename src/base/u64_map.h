@@ -55,7 +55,11 @@ __attribute__((always_inline)) static inline void km_u64map_prefetch(const km_u6
 
 /* Pointer to the value of key, or NULL. Valid until the next reserve, growing put or erase (erase
  * shifts entries; growth moves them to the new array). */
-uint64_t *km_u64map_find(const km_u64map *m, uint64_t key);
+static inline uint64_t *km_u64map_find(const km_u64map *m, uint64_t key)
+{
+    km_u64map_entry *e = (km_u64map_entry *)(void *)km_oamap_find(m, key, sizeof *e);
+    return e ? &e->value : NULL;
+}
 /* Insert or overwrite. allow_grow = 0 never allocates and never moves an entry (room must have
  * been reserved). KM_ERR_MEMORY_CAP / OUT_OF_MEMORY. */
 int km_u64map_put(km_u64map *m, uint64_t key, uint64_t value, int allow_grow);

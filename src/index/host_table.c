@@ -26,7 +26,9 @@
  * Is it there? */
 static int probe_home_between(uint64_t home, uint64_t hole, uint64_t j)
 {
-    return hole < j ? home > hole && home <= j : home > hole || home <= j;
+    /* Unwrapped (hole < j), home lies there exactly when home - (hole + 1) < j - hole, as
+     * unsigned numbers: one comparison for the common case. */
+    return hole < j ? home - hole - 1 < j - hole : home > hole || home <= j;
 }
 
 static uint64_t table_slot_bytes(const km_table *t, uint64_t capacity, int with_meta)
@@ -616,16 +618,6 @@ static void pool_release(km_table *t, uint32_t set)
 {
     memset(pool_bits(t, set), 0, t->words_per_set * sizeof(uint64_t));
     t->pool_free[t->pool_free_count++] = set;
-}
-
-int km_table_set_contains(const km_table *t, uint64_t slot, uint32_t worker)
-{
-    return km_slot_contains(km_table_slot(t, slot), t->pool, t->words_per_set, worker);
-}
-
-uint32_t km_table_set_count(const km_table *t, uint64_t slot)
-{
-    return km_slot_count(km_table_slot(t, slot));
 }
 
 int km_table_set_add(km_table *t, uint64_t slot, uint32_t worker)

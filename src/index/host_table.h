@@ -219,8 +219,14 @@ int km_table_purge_tombstones(km_table *t);
  * 0 absent. Neither erases the key; callers erase when the count reaches 0. */
 int km_table_set_add(km_table *t, uint64_t slot, uint32_t worker);
 int km_table_set_remove(km_table *t, uint64_t slot, uint32_t worker);
-int km_table_set_contains(const km_table *t, uint64_t slot, uint32_t worker);
-uint32_t km_table_set_count(const km_table *t, uint64_t slot);
+static inline int km_table_set_contains(const km_table *t, uint64_t slot, uint32_t worker)
+{
+    return km_slot_contains(km_table_slot(t, slot), t->pool, t->words_per_set, worker);
+}
+static inline uint32_t km_table_set_count(const km_table *t, uint64_t slot)
+{
+    return km_slot_count(km_table_slot(t, slot));
+}
 /* Move a set between its forms without changing it: promote an inline set of KM_SLOT_INLINE
  * holders to a bitmap (<0 when no bitmap can be had), demote a bitmap of at most KM_SLOT_INLINE
  * holders to inline ids. set_add and set_remove do this at the thresholds; a batch's undo does it

@@ -328,7 +328,8 @@ typedef struct batch {
  * fault in a fresh log each time) and given back after the first logging batch that uses less. */
 #define UNDO_KEEP_ENTRIES (UINT64_C(1) << 16)
 
-static int undo_push(batch *b, const undo_entry *e)
+/* Inline: the caller's entry is then written straight into the log. */
+static inline int undo_push(batch *b, const undo_entry *e)
 {
     if (!b->logging)
         return KM_OK;
@@ -853,11 +854,18 @@ static km_tier pair_tier(const km_index *index, uint64_t key, uint32_t worker)
 
 /* Make the tier of a pair the worker holds (or is about to stop holding: KM_TIER_DEVICE clears
  * it from the lower tables) equal to `tier`. Returns 1 when it changed, 0 when not, <0 on error. */
-static int set_pair_tier(batch *b, uint64_t key, uint32_t worker, km_tier tier)
+static int set_pair_tier_slow(batch *b, uint64_t key, uint32_t worker, km_tier tier);
+
+static inline int set_pair_tier(batch *b, uint64_t key, uint32_t worker, km_tier tier)
+{
+    if (tier == KM_TIER_DEVICE && lower_tiers_empty(b->index))
+        return 0; /* the common case: every pair is device-resident */
+    return set_pair_tier_slow(b, key, worker, tier);
+}
+
+static int set_pair_tier_slow(batch *b, uint64_t key, uint32_t worker, km_tier tier)
 {
     km_index *index = b->index;
-    if (tier == KM_TIER_DEVICE && lower_tiers_empty(index))
-        return 0; /* the common case: every pair is device-resident */
     km_tier current = pair_tier(index, key, worker);
     if (current == tier)
         return 0;
