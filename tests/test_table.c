@@ -846,9 +846,10 @@ Test(emap, size_for_takes_an_empty_map_only)
 }
 
 /* km_table_find_vacant finds what km_table_find finds, and the slot it names for an absent key is
- * the one km_table_insert gives it: twin tables, one inserting at the named slot whenever there is
- * one, the other always through km_table_insert, stay slot for slot the same through churn,
- * crowded and wrapping runs, and incremental growths (when no slot is named). */
+ * the one km_table_insert gives it: twin tables, one inserting a key and its holder at the named
+ * slot whenever there is one (km_table_insert_vacant), the other always through km_table_insert
+ * and km_table_set_add, stay slot for slot the same, dirty lists included, through churn, crowded
+ * and wrapping runs, and incremental growths (when no slot is named). */
 Test(table, find_vacant_names_the_slot_an_insert_takes, .timeout = 120)
 {
     km_rng r;
@@ -857,6 +858,7 @@ Test(table, find_vacant_names_the_slot_an_insert_takes, .timeout = 120)
     km_table a, b;
     cr_assert_eq(km_table_init(&a, 14000, 64, 1, 0, &memory), KM_OK);
     cr_assert_eq(km_table_init(&b, 14000, 64, 1, 0, &memory), KM_OK);
+    a.track_dirty = b.track_dirty = 1;
     size_t n = 60000;
     uint64_t *keys = malloc(n * sizeof *keys);
     cr_assert(keys);
@@ -874,6 +876,8 @@ Test(table, find_vacant_names_the_slot_an_insert_takes, .timeout = 120)
         if (slot != KM_SLOT_NONE) {
             cr_assert_eq(vacant, KM_SLOT_NONE);
             if (km_rng_percent(&r, 40)) {
+                cr_assert_eq(km_table_set_remove(&a, slot, (uint32_t)(k % 64)), 1);
+                cr_assert_eq(km_table_set_remove(&b, slot, (uint32_t)(k % 64)), 1);
                 km_table_erase(&a, slot);
                 km_table_erase(&b, slot);
             }
@@ -882,13 +886,16 @@ Test(table, find_vacant_names_the_slot_an_insert_takes, .timeout = 120)
         uint64_t slot_b;
         cr_assert_eq(km_table_insert(&b, keys[k], 1, &slot_b), KM_OK);
         if (vacant != KM_SLOT_NONE) {
-            km_table_insert_vacant(&a, keys[k], vacant);
+            km_table_insert_vacant(&a, keys[k], vacant, (uint32_t)(k % 64));
             cr_assert_eq(vacant, slot_b, "step %zu: the named slot is not the insert's", step);
+            cr_assert_eq(km_table_set_add(&b, slot_b, (uint32_t)(k % 64)), 1);
             named++;
         } else {
             uint64_t slot_a;
             cr_assert_eq(km_table_insert(&a, keys[k], 1, &slot_a), KM_OK);
             cr_assert_eq(slot_a, slot_b);
+            cr_assert_eq(km_table_set_add(&a, slot_a, (uint32_t)(k % 64)), 1);
+            cr_assert_eq(km_table_set_add(&b, slot_b, (uint32_t)(k % 64)), 1);
             unnamed++;
         }
         if (a.capacity != capacity) {
@@ -896,12 +903,19 @@ Test(table, find_vacant_names_the_slot_an_insert_takes, .timeout = 120)
             capacity = a.capacity;
         }
         if (step % 20000 == 0 || step == 199999) {
-            cr_assert(a.capacity == b.capacity && a.live == b.live &&
+            cr_assert(a.capacity == b.capacity && a.live == b.live && a.pairs == b.pairs &&
                       (a.old_slots == NULL) == (b.old_slots == NULL) &&
                       a.migrated == b.migrated);
             KM_CHECK(memcmp(a.slots, b.slots, a.capacity * sizeof *a.slots) == 0 &&
                          memcmp(a.meta, b.meta, a.capacity * sizeof *a.meta) == 0,
                      "step %zu: the twins' slots differ", step);
+            KM_CHECK(a.layout_changed == b.layout_changed && a.n_dirty_slots == b.n_dirty_slots &&
+                         (a.n_dirty_slots == 0 ||
+                          memcmp(a.dirty_slots, b.dirty_slots,
+                                 a.n_dirty_slots * sizeof *a.dirty_slots) == 0),
+                     "step %zu: the twins' dirty lists differ", step);
+            km_table_clear_dirty(&a);
+            km_table_clear_dirty(&b);
         }
     }
     cr_assert_geq(growths, 2, "the table grew %zu times", growths);

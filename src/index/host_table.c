@@ -488,16 +488,22 @@ uint64_t km_table_find_vacant(const km_table *t, uint64_t key, uint64_t *vacant)
     return KM_SLOT_NONE;
 }
 
-void km_table_insert_vacant(km_table *t, uint64_t key, uint64_t slot)
+void km_table_insert_vacant(km_table *t, uint64_t key, uint64_t slot, uint32_t worker)
 {
-    t->slots[slot].key = key;
-    for (uint32_t j = 0; j < KM_SLOT_INLINE; j++)
-        t->slots[slot].ids[j] = KM_SLOT_ID_EMPTY;
+    km_slot *s = &t->slots[slot];
+    s->key = key;
+    s->ids[0] = (uint16_t)worker;
+    for (uint32_t j = 1; j < KM_SLOT_INLINE; j++)
+        s->ids[j] = KM_SLOT_ID_EMPTY;
     if (t->meta)
         memset(&t->meta[slot], 0, sizeof t->meta[slot]);
     if (t->aux)
         memset(km_table_aux(t, slot), 0, t->aux_bytes);
     t->live++;
+    t->pairs++;
+    /* Listed as the insert and the add list it: a list's length (repeats counted) decides when
+     * it gives way to a whole upload. */
+    mark_dirty_slot(t, slot);
     mark_dirty_slot(t, slot);
 }
 

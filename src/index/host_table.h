@@ -199,9 +199,10 @@ int km_table_reserve(km_table *t, uint64_t extra);
  * within the load limit and the table holds no tombstones, else KM_SLOT_NONE (also when the key
  * is present). */
 uint64_t km_table_find_vacant(const km_table *t, uint64_t key, uint64_t *vacant);
-/* Insert an absent key with an empty set at the slot km_table_find_vacant gave for it, the table
- * unchanged since: what km_table_insert(t, key, 1, ...) would do. Never allocates. */
-void km_table_insert_vacant(km_table *t, uint64_t key, uint64_t slot);
+/* Insert an absent key held by worker alone at the slot km_table_find_vacant gave for it, the
+ * table unchanged since: what km_table_insert(t, key, 1, ...) and km_table_set_add of the worker
+ * would do. Never allocates. */
+void km_table_insert_vacant(km_table *t, uint64_t key, uint64_t slot, uint32_t worker);
 /* Insert a key with an empty set into the new array; the caller checked it is absent. allow_grow
  * = 1 reserves first (see km_table_reserve); allow_grow = 0 is for undo (never allocates, never
  * moves a key; relies on the load factor leaving empty slots). Returns KM_OK and *slot. */

@@ -328,6 +328,16 @@ typedef struct batch {
  * fault in a fresh log each time) and given back after the first logging batch that uses less. */
 #define UNDO_KEEP_ENTRIES (UINT64_C(1) << 16)
 
+/* Room for one more entry in the log of a logging batch: the entry to write next, counted by
+ * the caller (b->n_log++) once written; NULL when out of memory. */
+static inline undo_entry *undo_next(batch *b)
+{
+    km_index *index = b->index;
+    if (KM_ARRAY_GROW(index->undo_log, index->undo_capacity, b->n_log + 1, 1024))
+        return NULL;
+    return &index->undo_log[b->n_log];
+}
+
 /* Inline: the caller's entry is then written straight into the log. */
 static inline int undo_push(batch *b, const undo_entry *e)
 {
@@ -456,20 +466,20 @@ static km_table *undo_table(km_index *index, const undo_entry *e)
                                                                     : &index->blocks;
 }
 
-/* The undo entry that reverses adding (added = 1) or removing worker from key's set in t. */
-static undo_entry undo_for(const km_index *index, const km_table *t, int added, uint32_t worker,
-                           uint64_t key)
+/* Write at e the undo entry that reverses adding (added = 1) or removing worker from key's set in
+ * t (written in place: the log's entries are what a batch writes most). */
+static inline void undo_set_for(undo_entry *e, const km_index *index, const km_table *t, int added,
+                                uint32_t worker, uint64_t key)
 {
-    undo_entry e = {.worker = worker, .key = key};
-    if (t == &index->segments) {
-        e.kind = added ? UNDO_SEG_ADDED : UNDO_SEG_REMOVED;
-    } else if (t == &index->blocks) {
-        e.kind = added ? UNDO_BLOCK_ADDED : UNDO_BLOCK_REMOVED;
+    *e = (undo_entry){.worker = worker, .key = key};
+    if (t == &index->blocks) {
+        e->kind = added ? UNDO_BLOCK_ADDED : UNDO_BLOCK_REMOVED;
+    } else if (t == &index->segments) {
+        e->kind = added ? UNDO_SEG_ADDED : UNDO_SEG_REMOVED;
     } else {
-        e.kind = added ? UNDO_TIER_ADDED : UNDO_TIER_REMOVED;
-        e.aux = (uint64_t)(t - index->lower);
+        e->kind = added ? UNDO_TIER_ADDED : UNDO_TIER_REMOVED;
+        e->aux = (uint64_t)(t - index->lower);
     }
-    return e;
 }
 
 static double monotonic_ms(void)
@@ -523,17 +533,23 @@ static int table_add(batch *b, km_table *t, uint64_t key, uint32_t worker, uint6
         return 0;
     }
     /* Log first: if logging fails nothing has changed yet. */
-    undo_entry e = undo_for(b->index, t, 1, worker, key);
-    e.reshaped = slot != KM_SLOT_NONE && !km_slot_is_shared(km_table_slot(t, slot)) &&
-                 km_table_set_count(t, slot) == KM_SLOT_INLINE;
-    int rc = undo_push(b, &e);
-    if (rc)
-        return rc;
+    if (b->logging) {
+        undo_entry *e = undo_next(b);
+        if (!e)
+            return KM_ERR_OUT_OF_MEMORY;
+        undo_set_for(e, b->index, t, 1, worker, key);
+        e->reshaped = slot != KM_SLOT_NONE && !km_slot_is_shared(km_table_slot(t, slot)) &&
+                      km_table_set_count(t, slot) == KM_SLOT_INLINE;
+        b->n_log++;
+    }
+    int rc;
     if (slot == KM_SLOT_NONE && vacant != KM_SLOT_NONE) { /* the insert needs no reserve */
-        km_table_insert_vacant(t, key, vacant);
-        slot = vacant;
+        km_table_insert_vacant(t, key, vacant, worker);
         *inserted = 1;
-    } else if (slot == KM_SLOT_NONE) {
+        *slot_out = vacant;
+        return 1;
+    }
+    if (slot == KM_SLOT_NONE) {
         uint64_t capacity = t->capacity;
         double start = km_table_insert_grows(t) ? monotonic_ms() : 0;
         rc = km_table_insert(t, key, 1, &slot);
@@ -561,13 +577,16 @@ static int table_add(batch *b, km_table *t, uint64_t key, uint32_t worker, uint6
 static int table_remove_at(batch *b, km_table *t, uint64_t slot, uint32_t worker)
 {
     const km_slot *s = km_table_slot(t, slot);
-    undo_entry e = undo_for(b->index, t, 0, worker, s->key);
-    e.reshaped = km_slot_is_shared(s) && km_slot_count(s) == KM_SLOT_DEMOTE_AT + 1;
-    if (t->meta)
-        e.u.meta = *km_table_meta(t, slot);
-    int rc = undo_push(b, &e);
-    if (rc)
-        return rc;
+    if (b->logging) {
+        undo_entry *e = undo_next(b);
+        if (!e)
+            return KM_ERR_OUT_OF_MEMORY;
+        undo_set_for(e, b->index, t, 0, worker, s->key);
+        e->reshaped = km_slot_is_shared(s) && km_slot_count(s) == KM_SLOT_DEMOTE_AT + 1;
+        if (t->meta)
+            e->u.meta = *km_table_meta(t, slot);
+        b->n_log++;
+    }
     km_table_set_remove(t, slot, worker);
     if (km_table_set_count(t, slot) == 0) {
         km_table_erase(t, slot);
