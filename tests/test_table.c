@@ -848,8 +848,9 @@ Test(emap, size_for_takes_an_empty_map_only)
 /* km_table_find_vacant finds what km_table_find finds, and the slot it names for an absent key is
  * the one km_table_insert gives it: twin tables, one inserting a key and its holder at the named
  * slot whenever there is one (km_table_insert_vacant), the other always through km_table_insert
- * and km_table_set_add, stay slot for slot the same, dirty lists included, through churn, crowded
- * and wrapping runs, and incremental growths (when no slot is named). */
+ * and km_table_set_add, and removing holders through km_table_set_remove_erase against
+ * km_table_set_remove and km_table_erase, stay slot for slot the same, dirty lists included,
+ * through churn, crowded and wrapping runs, and incremental growths (when no slot is named). */
 Test(table, find_vacant_names_the_slot_an_insert_takes, .timeout = 120)
 {
     km_rng r;
@@ -875,11 +876,17 @@ Test(table, find_vacant_names_the_slot_an_insert_takes, .timeout = 120)
         cr_assert_eq(slot, km_table_find(&b, keys[k]), "step %zu: the twins differ", step);
         if (slot != KM_SLOT_NONE) {
             cr_assert_eq(vacant, KM_SLOT_NONE);
-            if (km_rng_percent(&r, 40)) {
-                cr_assert_eq(km_table_set_remove(&a, slot, (uint32_t)(k % 64)), 1);
-                cr_assert_eq(km_table_set_remove(&b, slot, (uint32_t)(k % 64)), 1);
-                km_table_erase(&a, slot);
-                km_table_erase(&b, slot);
+            /* A second holder now and then; a remove takes one of them, the key with the last. */
+            uint32_t w = (uint32_t)(k % 64), other = (w + 1) % 64;
+            if (km_rng_percent(&r, 20)) {
+                cr_assert_eq(km_table_set_add(&a, slot, other), km_table_set_add(&b, slot, other));
+            } else if (km_rng_percent(&r, 50)) {
+                uint32_t gone = km_table_set_contains(&a, slot, w) ? w : other;
+                int erased = km_table_set_remove_erase(&a, slot, gone);
+                cr_assert_eq(km_table_set_remove(&b, slot, gone), 1);
+                cr_assert_eq(erased, km_table_set_count(&b, slot) == 0);
+                if (erased)
+                    km_table_erase(&b, slot);
             }
             continue;
         }

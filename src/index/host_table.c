@@ -732,6 +732,25 @@ int km_table_set_remove(km_table *t, uint64_t slot, uint32_t worker)
     return 0;
 }
 
+int km_table_set_remove_erase(km_table *t, uint64_t slot, uint32_t worker)
+{
+    const km_slot *s = km_table_slot(t, slot);
+    if (!km_slot_is_shared(s) && s->ids[0] == worker && s->ids[1] == KM_SLOT_ID_EMPTY) {
+        /* The only holder: the set's change is the key's erase (its slot listed first, as the
+         * remove lists it). */
+        t->pairs--;
+        mark_dirty_slot(t, slot);
+        km_table_erase(t, slot);
+        return 1;
+    }
+    km_table_set_remove(t, slot, worker);
+    if (km_table_set_count(t, slot) == 0) {
+        km_table_erase(t, slot);
+        return 1;
+    }
+    return 0;
+}
+
 uint32_t km_table_set_list(const km_table *t, uint64_t slot, uint32_t *out, uint32_t capacity)
 {
     const km_slot *s = km_table_slot(t, slot);

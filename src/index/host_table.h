@@ -228,6 +228,10 @@ static inline uint32_t km_table_set_count(const km_table *t, uint64_t slot)
 {
     return km_slot_count(km_table_slot(t, slot));
 }
+/* Remove a holder of the set at slot and erase the key when none is left: what
+ * km_table_set_remove and then, at a count of 0, km_table_erase do. Returns 1 when the key was
+ * erased (slot indices held by the caller are stale then), 0 when not. */
+int km_table_set_remove_erase(km_table *t, uint64_t slot, uint32_t worker);
 /* Move a set between its forms without changing it: promote an inline set of KM_SLOT_INLINE
  * holders to a bitmap (<0 when no bitmap can be had), demote a bitmap of at most KM_SLOT_INLINE
  * holders to inline ids. set_add and set_remove do this at the thresholds; a batch's undo does it

@@ -587,12 +587,7 @@ static int table_remove_at(batch *b, km_table *t, uint64_t slot, uint32_t worker
             e->u.meta = *km_table_meta(t, slot);
         b->n_log++;
     }
-    km_table_set_remove(t, slot, worker);
-    if (km_table_set_count(t, slot) == 0) {
-        km_table_erase(t, slot);
-        return 1;
-    }
-    return 0;
+    return km_table_set_remove_erase(t, slot, worker);
 }
 
 /* ---- segment keys -------------------------------------------------------------------------- */
@@ -735,11 +730,13 @@ static uint32_t open_tag_matches(const struct km_open_segments *os, uint32_t tag
     uint32_t matches = 0;
 #if defined(__SSE2__)
     const __m128i want = _mm_set1_epi32((int)tag);
-    for (uint32_t k = 0; k < OPEN_SEGMENTS_PER_WORKER; k += 4) {
-        __m128i tags = _mm_loadu_si128((const __m128i *)(const void *)&os->anchor_tag[k]);
-        __m128i equal = _mm_cmpeq_epi32(tags, want);
-        matches |= (uint32_t)_mm_movemask_ps(_mm_castsi128_ps(equal)) << k;
-    }
+#define TAGS_AT(k)                                                                                 \
+    ((uint32_t)_mm_movemask_ps(_mm_castsi128_ps(_mm_cmpeq_epi32(                                 \
+         _mm_loadu_si128((const __m128i *)(const void *)&os->anchor_tag[k]), want)))             \
+     << (k))
+    _Static_assert(OPEN_SEGMENTS_PER_WORKER == 16, "four words of four tags");
+    matches = TAGS_AT(0) | TAGS_AT(4) | TAGS_AT(8) | TAGS_AT(12);
+#undef TAGS_AT
 #else
     for (uint32_t k = 0; k < OPEN_SEGMENTS_PER_WORKER; k++)
         matches |= (uint32_t)(os->anchor_tag[k] == tag) << k;
