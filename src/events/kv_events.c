@@ -1159,7 +1159,9 @@ static bool direct_peek(const direct_cursor *c, enum mp_type *type)
 /* The readers below count a value before they know it is of their type: a reader that returns
  * false makes the direct path decline the payload, so the count is then never read. */
 
-static bool direct_array(direct_cursor *c, uint32_t *n)
+/* direct_array and direct_int are forced inline: read at every event several times, they then
+ * keep the cursor in registers. */
+__attribute__((always_inline)) static inline bool direct_array(direct_cursor *c, uint32_t *n)
 {
     if (c->p >= c->end || !direct_count(c))
         return false;
@@ -1195,7 +1197,8 @@ static bool direct_nil(direct_cursor *c)
 
 /* An integer as msgpack-c reads it: *negative set for a value below 0 (then *value holds its
  * two's complement bits). */
-static bool direct_int(direct_cursor *c, uint64_t *value, bool *negative)
+__attribute__((always_inline)) static inline bool direct_int(direct_cursor *c, uint64_t *value,
+                                                         bool *negative)
 {
     enum mp_type t;
     if (!direct_peek(c, &t) || !direct_count(c))
