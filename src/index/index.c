@@ -351,11 +351,18 @@ static inline int undo_push(batch *b, const undo_entry *e)
 }
 
 /* Log a worker's counters the first time the batch touches it. Call before changing them. */
-static int touch_worker(batch *b, uint32_t worker)
+static int touch_worker_first(batch *b, uint32_t worker);
+
+static inline int touch_worker(batch *b, uint32_t worker)
+{
+    if (!b->logging || b->index->undo_touched[worker])
+        return KM_OK;
+    return touch_worker_first(b, worker);
+}
+
+static int touch_worker_first(batch *b, uint32_t worker)
 {
     km_index *index = b->index;
-    if (!b->logging || index->undo_touched[worker])
-        return KM_OK;
     if (KM_ARRAY_GROW(index->undo_saved, index->undo_saved_capacity, b->n_saved + 1, 16))
         return KM_ERR_OUT_OF_MEMORY;
     undo_entry e = {.kind = UNDO_WORKER_COUNTERS, .worker = worker, .aux = b->n_saved};
