@@ -608,7 +608,9 @@ static uint32_t segment_size(const km_index *index)
  * segment keys). */
 static uint32_t next_offset(uint32_t offset, uint32_t S)
 {
-    return S ? (offset + 1) % S : 0;
+    uint32_t next = offset + 1;
+    /* (offset + 1) mod S, dividing only for an offset past the segment (a division is slow). */
+    return !S ? 0 : next < S ? next : next == S ? 0 : next % S;
 }
 
 /* ---- segment fingerprints ---------------------------------------------------------------------
@@ -1040,11 +1042,12 @@ static int apply_store(batch *b, const km_update *u)
             run_consecutive++;
         else
             run_consecutive = m_offset != KM_OFFSET_UNKNOWN;
-        struct km_open_segments *os = open_of(index, u->worker); /* not NULL while open is set */
         if (S && m_offset == 0) {
             open = open_start(index, u->worker, open, key, km_meta_anchor_tag(m));
-        } else if (open != OPEN_NONE && m_offset == os->offset[open] + 1u &&
-                   km_meta_anchor_tag(m) == os->anchor_tag[open]) {
+        } else if (open != OPEN_NONE &&
+                   m_offset == open_of(index, u->worker)->offset[open] + 1u &&
+                   km_meta_anchor_tag(m) == open_of(index, u->worker)->anchor_tag[open]) {
+            struct km_open_segments *os = open_of(index, u->worker); /* set while open is */
             os->last[open] = key;
             os->offset[open] = (uint8_t)m_offset;
             open_fps(index, u->worker, open)[m_offset] = chain_fingerprint(key);
