@@ -3824,22 +3824,83 @@ Test(feed, config_validation, .timeout = 5)
 
 /* ---- randomized: drops, delayed live delivery, replays at random moments ----------------------- */
 
+static int wire_cmp_u64(const void *a, const void *b)
+{
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return x < y ? -1 : x > y;
+}
+
+static size_t wire_sorted_unique(uint64_t *v, size_t n)
+{
+    qsort(v, n, sizeof *v, wire_cmp_u64);
+    size_t m = 0;
+    for (size_t i = 0; i < n; i++)
+        if (m == 0 || v[m - 1] != v[i])
+            v[m++] = v[i];
+    return m;
+}
+
+/* Every pair the index holds for worker w is a chain the simulated engine ever made (no pair
+ * outside it), and, when cached_only, one the engine caches now: the index holds a subset of the
+ * gap-free truth. */
+static void wire_check_subset_of_truth(fx *f, uint32_t w, bool cached_only, int round)
+{
+    fx_flush(f);
+    size_t n_all, n_cached;
+    uint64_t *all = km_test_engine_chains(&f->engine, true, &n_all);
+    uint64_t *cached = km_test_engine_chains(&f->engine, false, &n_cached);
+    n_all = wire_sorted_unique(all, n_all);
+    n_cached = wire_sorted_unique(cached, n_cached);
+    km_worker_stats ws;
+    cr_assert_eq(km_index_worker_stats(f->index, w, &ws), KM_OK);
+    uint64_t held = 0;
+    for (size_t i = 0; i < n_all; i++) {
+        uint32_t workers[64], n = 0;
+        cr_assert_eq(km_index_holders(f->index, all[i], workers, 64, &n), KM_OK);
+        bool is_held = false;
+        for (uint32_t j = 0; j < n && j < 64; j++)
+            is_held |= workers[j] == w;
+        if (!is_held)
+            continue;
+        held++;
+        if (cached_only)
+            KM_CHECK(bsearch(&all[i], cached, n_cached, sizeof *cached, wire_cmp_u64),
+                     "round %d: worker %u holds chain %016" PRIx64 ", which the engine no longer "
+                     "caches", round, w, all[i]);
+    }
+    KM_CHECK(held == ws.blocks, "round %d: worker %u holds %" PRIu64 " blocks, %" PRIu64
+             " of them chains the engine made", round, w, ws.blocks, held);
+    free(all);
+    free(cached);
+}
+
 /* A simulated wire: live messages wait in a FIFO (some are dropped), replay requests are answered
  * from a bounded history at a random later moment, item by item, interleaved with live traffic.
- * Whatever happens, when nothing was lost the index must equal the engine's truth; when history
- * was lost the worker must say DEGRADED with a lost count. */
-Test(feed, random_wire_equals_gap_free_run, .timeout = 30)
+ * Three kinds of rounds: history and live buffer large enough that nothing can be lost (the worker
+ * must end LIVE with lost 0 and the index equal to the engine's truth), a live buffer that
+ * overflows while a replay runs, and a history too short for the replays (both lose messages).
+ * Whatever happens, a LIVE worker's index is the truth; a DEGRADED one has a lost count, and its
+ * index holds only chains the engine made; under KM_FEED_DEGRADED_DROP only pairs the engine
+ * caches now (KEEP_FLAGGED keeps pairs a lost BlockRemoved would have removed). The wire is FIFO,
+ * so a seq is declared lost only below a live seq already received: no live copy of a lost seq
+ * can follow, and late_lost stays 0. Over all rounds the generator must have reached LIVE rounds
+ * with gaps filled by replays, and DEGRADED rounds under both policies. */
+Test(feed, random_wire_equals_gap_free_run, .timeout = 60)
 {
-    for (int round = 0; round < 12; round++) {
+    int live_with_replays = 0, degraded[2] = {0, 0};
+    for (int round = 0; round < 24; round++) {
+        int k = round % 12, variant = k / 4; /* 0: nothing lost, 1: overflow, 2: short history */
+        bool drop = round >= 12;
         km_feed_config cfg;
         km_test_feed_config(&cfg, BS);
-        cfg.max_buffered_messages = 64;
+        cfg.max_buffered_messages = variant == 0 ? 4096 : 64;
+        cfg.degraded_policy = drop ? KM_FEED_DEGRADED_DROP : KM_FEED_DEGRADED_KEEP_FLAGGED;
         fx f;
-        fx_init_cfg(&f, &cfg, round & 1 ? KM_TEST_ENCODING_MAP : KM_TEST_ENCODING_POSITIONAL,
-                    round & 2 ? KM_TEST_HASH_BYTES16 : KM_TEST_HASH_INT);
+        fx_init_cfg(&f, &cfg, k & 1 ? KM_TEST_ENCODING_MAP : KM_TEST_ENCODING_POSITIONAL,
+                    k & 2 ? KM_TEST_HASH_BYTES16 : KM_TEST_HASH_INT);
         km_rng_init(&f.rng, km_test_seed() + (uint64_t)round);
         km_rng *r = &f.rng;
-        uint32_t history = round < 6 ? 1000 : 12; /* small history: losses happen */
+        uint32_t history = variant < 2 ? 1000 : 12; /* small history: losses happen */
         fx_add(&f, 0, true);
         uint64_t wire[256];
         size_t wire_head = 0, wire_n = 0;
@@ -3864,7 +3925,7 @@ Test(feed, random_wire_equals_gap_free_run, .timeout = 30)
             }
             uint32_t roll = km_rng_below(r, 100);
             if (step < 600 && roll < 45) {
-                fx_make(&f, 1, round % 3 ? 1 : 0);
+                fx_make(&f, 1, k % 3 ? 1 : 0);
                 if (!km_rng_percent(r, 8) && wire_n < 256)
                     wire[(wire_head + wire_n++) % 256] = published;
                 published++;
@@ -3914,18 +3975,31 @@ Test(feed, random_wire_equals_gap_free_run, .timeout = 30)
         KM_CHECK(!info.replay_in_flight, "round %d: replay still in flight", round);
         KM_CHECK(info.counters.restarts == 0, "round %d: a duplicate was taken for a restart",
                  round);
+        KM_CHECK(info.counters.late_lost == 0,
+                 "round %d: %" PRIu64 " live copies of seqs declared lost arrived later", round,
+                 info.counters.late_lost);
+        if (variant == 0)
+            KM_CHECK(info.counters.lost == 0 && info.counters.buffer_overflows == 0,
+                     "round %d: lost %" PRIu64 ", overflows %" PRIu64 " with history and buffer "
+                     "for everything", round, info.counters.lost, info.counters.buffer_overflows);
         /* LIVE (nothing lost, or an AllBlocksCleared after the loss made the index complete
          * again): the index is the truth. Otherwise history was lost and the worker says so. */
         if (info.state == KM_FEED_STATE_LIVE) {
             fx_check_truth(&f, 0);
+            live_with_replays += info.counters.gaps > 0 && info.counters.replayed > 0;
         } else {
             KM_CHECK(info.state == KM_FEED_STATE_DEGRADED && info.counters.lost > 0,
                      "round %d: lost %" PRIu64 ", state %s", round, info.counters.lost,
                      km_feed_state_name(info.state));
+            wire_check_subset_of_truth(&f, 0, drop, round);
+            degraded[drop]++;
         }
         if (info.counters.lost == 0)
             KM_CHECK(info.state == KM_FEED_STATE_LIVE, "round %d: state %s", round,
                      km_feed_state_name(info.state));
         fx_free(&f);
     }
+    KM_CHECK(live_with_replays > 0, "no round ended LIVE after gaps filled by replays");
+    KM_CHECK(degraded[0] > 0 && degraded[1] > 0,
+             "DEGRADED rounds: %d under KEEP_FLAGGED, %d under DROP", degraded[0], degraded[1]);
 }
