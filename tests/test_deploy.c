@@ -9,6 +9,7 @@
  * loopback; every test bounds its time. */
 #include <errno.h>
 #include <fcntl.h>
+#include <poll.h>
 #include <signal.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -521,7 +522,9 @@ static int tcp_connect(uint16_t port)
 }
 
 /* 64 idle HTTP connections (a scraper's keep-alive pool, a port scan) do not lock the probes out:
- * /healthz answers at once. */
+ * /healthz is answered while all of them are still open. A server that let the probe wait for a
+ * free connection slot would answer it only once its idle timeout (3 s) had closed them, which
+ * shows as an idle connection read to its end; no wall-clock bound is asserted. */
 Test(deploy, idle_http_connections_do_not_block_the_probes, .timeout = 60)
 {
     make_dir();
@@ -540,11 +543,15 @@ Test(deploy, idle_http_connections_do_not_block_the_probes, .timeout = 60)
         fds[i] = tcp_connect(port);
     km_test_sleep_ms(200); /* let the HTTP thread accept them */
     static char body[1 << 16];
-    double t0 = km_test_now();
     int status = http_get(port, "/healthz", body, sizeof body);
-    double took = km_test_now() - t0;
     cr_assert_eq(status, 200, "/healthz with 64 idle connections open: %d", status);
-    cr_assert_lt(took, 2.0, "answered in %.2f s", took);
+    int closed = 0;
+    for (int i = 0; i < 64; i++) {
+        struct pollfd p = {fds[i], POLLIN, 0};
+        closed += poll(&p, 1, 0) == 1; /* EOF or reset: the server closed it */
+    }
+    cr_assert_eq(closed, 0, "%d of the 64 idle connections were closed when /healthz was "
+                 "answered: the probe waited for their idle timeout", closed);
     for (int i = 0; i < 64; i++)
         close(fds[i]);
     cr_assert_eq(stop(&d), KM_OK);
@@ -1474,7 +1481,9 @@ Test(deploy, the_executable_hands_freed_memory_back_after_an_overload, .timeout 
     pid_t pid = spawn_serve_args(sock, args);
     bool background_thread = pid_has_thread(pid, "jemalloc_bg_thd");
     long start = km_test_resident_mib(pid);
-    /* 128 connections of batched routes for 3 s: the load `kvmatch bench ipc` uses. */
+    /* 128 connections of batched routes for 3 s: the load `kvmatch bench ipc` uses. bench ipc
+     * runs for a time, not a count of routes, so how much it fills depends on the machine: one too
+     * slow to fill 48 MiB fails the precondition below instead of passing without a check. */
     int rc = run_cli(out, sizeof out, "bench ipc --connect unix:%s --only 6 --seconds 3", sock);
     long peak = km_test_resident_mib(pid);
     /* Active work expires 1 s after its decision; jemalloc's decay hands its pages back within
