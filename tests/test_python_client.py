@@ -270,7 +270,9 @@ def test_timeout_then_usable():
                 raise AssertionError("no timeout")
             except TimeoutError:
                 pass
-            assert 0.15 <= time.monotonic() - t0 < 2.0
+            # It waited for its timeout; the upper bound (50 times it) only catches a route that
+            # ignores its timeout and waits for a reply the silent server never sends.
+            assert 0.15 <= time.monotonic() - t0 < 10.0
             ack = c.lifecycle([{"event": "DISPATCHED", "decision_id": 1}])
             assert ack["items"][0]["status"] == 0
     finally:
