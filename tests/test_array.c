@@ -13,7 +13,7 @@
 #include "base/zeroed_pages.h"
 #include "kvmatch/error.h"
 
-Test(array, grows_by_doubling_and_keeps_the_content)
+Test(array, grows_by_doubling_and_keeps_the_content, .timeout = 30)
 {
     uint32_t *a = NULL;
     size_t capacity = 0;
@@ -41,7 +41,7 @@ Test(array, grows_by_doubling_and_keeps_the_content)
     free(c);
 }
 
-Test(array, a_size_past_size_max_is_refused_and_changes_nothing)
+Test(array, a_size_past_size_max_is_refused_and_changes_nothing, .timeout = 30)
 {
     uint64_t *a = NULL;
     size_t capacity = 0;

@@ -91,7 +91,7 @@ static km_cluster_stats stats(km_cluster *c)
 
 /* ---- the codec, without NATS ---------------------------------------------------------------- */
 
-Test(cluster, messages_round_trip_and_bad_ones_are_refused_by_reason)
+Test(cluster, messages_round_trip_and_bad_ones_are_refused_by_reason, .timeout = 30)
 {
     km_text t;
     km_text_init(&t, 0);
@@ -168,7 +168,7 @@ Test(cluster, messages_round_trip_and_bad_ones_are_refused_by_reason)
     km_text_free(&t);
 }
 
-Test(cluster, predictions_round_trip_every_hash_and_bad_ones_are_refused_by_reason)
+Test(cluster, predictions_round_trip_every_hash_and_bad_ones_are_refused_by_reason, .timeout = 30)
 {
     km_text t;
     km_text_init(&t, 0);

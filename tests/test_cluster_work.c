@@ -71,7 +71,7 @@ static uint64_t mono_ns(void)
 
 /* ---- the codec ------------------------------------------------------------------------------ */
 
-Test(cluster_work, work_rows_round_trip_every_hash_and_bad_ones_are_refused)
+Test(cluster_work, work_rows_round_trip_every_hash_and_bad_ones_are_refused, .timeout = 30)
 {
     km_rng rng;
     km_rng_init(&rng, km_test_seed());

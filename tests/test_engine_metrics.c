@@ -59,7 +59,7 @@ static const char SGLANG_TEXT[] =
     "# TYPE sglang:cache_hit_rate gauge\n"
     "sglang:cache_hit_rate{model_name=\"meta-llama/Llama-3.1-8B-Instruct\"} 0.0075\n";
 
-Test(engine_metrics, vllm_text_sums_ranks_and_takes_the_fullest_cache)
+Test(engine_metrics, vllm_text_sums_ranks_and_takes_the_fullest_cache, .timeout = 30)
 {
     km_engine_reported l;
     memset(&l, 0, sizeof l);
@@ -72,7 +72,7 @@ Test(engine_metrics, vllm_text_sums_ranks_and_takes_the_fullest_cache)
     cr_assert_float_eq(l.kv_usage, 0.61, 1e-12);
 }
 
-Test(engine_metrics, sglang_text_and_text_without_the_metrics)
+Test(engine_metrics, sglang_text_and_text_without_the_metrics, .timeout = 30)
 {
     km_engine_reported l;
     memset(&l, 0, sizeof l);

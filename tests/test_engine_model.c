@@ -34,7 +34,7 @@ static double step_ms(const km_engine_model *m, uint64_t prefill, uint32_t decod
  * 7.05 ms with one request, about 7.5 ms with about 10, 12.5-13 ms with about 256 of about 250
  * tokens of context each); prefills are Vidur's measured per-layer H100 operator times summed over
  * the model's layers, with its measured attention. */
-Test(engine_model, llama3_8b_h100_reproduces_its_figures)
+Test(engine_model, llama3_8b_h100_reproduces_its_figures, .timeout = 30)
 {
     km_engine_model m = preset("llama3-8b-h100");
     WITHIN(step_ms(&m, 0, 1, 500), 7.05, 0.02);
@@ -51,7 +51,7 @@ Test(engine_model, llama3_8b_h100_reproduces_its_figures)
     cr_assert_eq(m.max_num_seqs, 1024);
 }
 
-Test(engine_model, llama3_70b_h100x4_reproduces_its_figures)
+Test(engine_model, llama3_70b_h100x4_reproduces_its_figures, .timeout = 30)
 {
     km_engine_model m = preset("llama3-70b-h100x4");
     WITHIN(step_ms(&m, 0, 1, 500), 17.0, 0.02);
@@ -64,7 +64,7 @@ Test(engine_model, llama3_70b_h100x4_reproduces_its_figures)
     cr_assert(tokens >= 450000 && tokens <= 495000, "%llu tokens", (unsigned long long)tokens);
 }
 
-Test(engine_model, presets_names_and_validation)
+Test(engine_model, presets_names_and_validation, .timeout = 30)
 {
     size_t n = 0;
     for (const char *name; (name = km_engine_model_preset_name(n)); n++) {

@@ -98,7 +98,7 @@ static char *render(km_metrics *m)
 
 /* ---- metrics: rendering ------------------------------------------------------------------------ */
 
-Test(metrics, counter_and_gauge_render_exactly)
+Test(metrics, counter_and_gauge_render_exactly, .timeout = 30)
 {
     km_metrics *m;
     cr_assert_eq(km_metrics_create(&m), KM_OK);
@@ -132,7 +132,7 @@ Test(metrics, counter_and_gauge_render_exactly)
     km_metrics_destroy(m);
 }
 
-Test(metrics, same_series_registered_twice_is_one_handle)
+Test(metrics, same_series_registered_twice_is_one_handle, .timeout = 30)
 {
     km_metrics *m;
     cr_assert_eq(km_metrics_create(&m), KM_OK);
@@ -163,7 +163,7 @@ Test(metrics, same_series_registered_twice_is_one_handle)
     km_metrics_destroy(m);
 }
 
-Test(metrics, label_values_and_help_are_escaped)
+Test(metrics, label_values_and_help_are_escaped, .timeout = 30)
 {
     km_metrics *m;
     cr_assert_eq(km_metrics_create(&m), KM_OK);
@@ -203,7 +203,7 @@ Test(metrics, label_values_and_help_are_escaped)
     km_metrics_destroy(m);
 }
 
-Test(metrics, numbers_print_exactly)
+Test(metrics, numbers_print_exactly, .timeout = 30)
 {
     km_text t;
     km_text_init(&t, 0);
@@ -261,7 +261,7 @@ static size_t parse_buckets(const lines *l, const char *series_prefix, double *l
     return n;
 }
 
-Test(metrics, histogram_lines_against_brute_force)
+Test(metrics, histogram_lines_against_brute_force, .timeout = 30)
 {
     km_rng rng;
     km_rng_init(&rng, km_test_seed());
@@ -411,7 +411,7 @@ static int compare_doubles(const void *a, const void *b)
     return (x > y) - (x < y);
 }
 
-Test(metrics, quantile_lands_in_the_true_quantile_bucket)
+Test(metrics, quantile_lands_in_the_true_quantile_bucket, .timeout = 30)
 {
     km_rng rng;
     km_rng_init(&rng, km_test_seed());
@@ -464,7 +464,7 @@ Test(metrics, quantile_lands_in_the_true_quantile_bucket)
     cr_assert(isnan(km_histogram_quantile(NULL, 0.5)));
 }
 
-Test(metrics, quantile_interpolates_inside_a_bucket)
+Test(metrics, quantile_interpolates_inside_a_bucket, .timeout = 30)
 {
     km_metrics *m;
     cr_assert_eq(km_metrics_create(&m), KM_OK);
@@ -481,7 +481,7 @@ Test(metrics, quantile_interpolates_inside_a_bucket)
     km_metrics_destroy(m);
 }
 
-Test(metrics, registration_errors_have_codes_and_messages)
+Test(metrics, registration_errors_have_codes_and_messages, .timeout = 30)
 {
     km_metrics *m;
     cr_assert_eq(km_metrics_create(&m), KM_OK);
@@ -591,7 +591,7 @@ Test(metrics, registration_errors_have_codes_and_messages)
     km_metrics_destroy(NULL);
 }
 
-Test(metrics, text_limits_and_buffer_rendering)
+Test(metrics, text_limits_and_buffer_rendering, .timeout = 30)
 {
     km_text t;
     km_text_init(&t, 10);

@@ -692,7 +692,7 @@ static void expect_reference_decodes(km_kv_decoder *d)
 
 /* ---- lifecycle --------------------------------------------------------------------------------- */
 
-Test(kv_events, create_destroy_and_config_validation)
+Test(kv_events, create_destroy_and_config_validation, .timeout = 30)
 {
     km_kv_decoder_config cfg;
     km_kv_decoder_config_init(&cfg);
@@ -728,7 +728,7 @@ Test(kv_events, create_destroy_and_config_validation)
 
 /* Every value of both X-macro lists has its name; any other value, negative ones and the event
  * kinds' unused 0 included, is "unknown". */
-Test(kv_events, names_of_every_listed_value_and_of_none_other)
+Test(kv_events, names_of_every_listed_value_and_of_none_other, .timeout = 30)
 {
 #define EXPECT_NAME(function, type, enumerator, value, name)                                   \
     cr_assert_eq((int)enumerator, value);                                                      \
@@ -748,7 +748,7 @@ Test(kv_events, names_of_every_listed_value_and_of_none_other)
     cr_assert_str_eq(km_kv_event_kind_name((km_kv_event_kind)0), "unknown");
 }
 
-Test(kv_events, null_arguments_are_errors_not_crashes)
+Test(kv_events, null_arguments_are_errors_not_crashes, .timeout = 30)
 {
     km_kv_decoder *d = new_decoder(NULL);
     km_kv_batch batch;
@@ -770,7 +770,7 @@ Test(kv_events, null_arguments_are_errors_not_crashes)
 
 /* ---- shapes that must be accepted -------------------------------------------------------------- */
 
-Test(kv_events, reference_batch_every_kind_and_form)
+Test(kv_events, reference_batch_every_kind_and_form, .timeout = 30)
 {
     km_kv_decoder *d = new_decoder(NULL);
     expect_reference_decodes(d);
@@ -783,7 +783,7 @@ Test(kv_events, reference_batch_every_kind_and_form)
     km_kv_decoder_destroy(d);
 }
 
-Test(kv_events, positional_and_map_forms_decode_identically)
+Test(kv_events, positional_and_map_forms_decode_identically, .timeout = 30)
 {
     km_kv_decoder *d = new_decoder(NULL);
     for (int as_map = 0; as_map <= 1; as_map++) {
@@ -825,7 +825,7 @@ Test(kv_events, positional_and_map_forms_decode_identically)
     km_kv_decoder_destroy(d);
 }
 
-Test(kv_events, trailing_defaults_may_be_omitted)
+Test(kv_events, trailing_defaults_may_be_omitted, .timeout = 30)
 {
     km_kv_decoder *d = new_decoder(NULL);
     for (int as_map = 0; as_map <= 1; as_map++) {
@@ -887,7 +887,7 @@ Test(kv_events, trailing_defaults_may_be_omitted)
     km_kv_decoder_destroy(d);
 }
 
-Test(kv_events, batch_rank_and_timestamp_variants)
+Test(kv_events, batch_rank_and_timestamp_variants, .timeout = 30)
 {
     km_kv_decoder *d = new_decoder(NULL);
     const rank_mode modes[] = {RANK_ABSENT, RANK_NIL, RANK_VALUE, RANK_VALUE_THEN_EXTRA};
@@ -950,7 +950,7 @@ Test(kv_events, batch_rank_and_timestamp_variants)
     km_kv_decoder_destroy(d);
 }
 
-Test(kv_events, hash_encodings)
+Test(kv_events, hash_encodings, .timeout = 30)
 {
     unsigned char bytes[64];
     for (int i = 0; i < 64; i++)
@@ -1025,7 +1025,7 @@ Test(kv_events, hash_encodings)
     km_kv_decoder_destroy(d);
 }
 
-Test(kv_events, medium_variants)
+Test(kv_events, medium_variants, .timeout = 30)
 {
     static const struct {
         const char *wire; /* NULL = nil */
@@ -1070,7 +1070,7 @@ Test(kv_events, medium_variants)
     km_kv_decoder_destroy(d);
 }
 
-Test(kv_events, lora_extra_keys_and_hybrid_fields)
+Test(kv_events, lora_extra_keys_and_hybrid_fields, .timeout = 30)
 {
     km_kv_decoder *d = new_decoder(NULL);
     uint64_t hashes[5] = {1, 2, 3, 4, 5};
@@ -1128,7 +1128,7 @@ Test(kv_events, lora_extra_keys_and_hybrid_fields)
     km_kv_decoder_destroy(d);
 }
 
-Test(kv_events, unknown_event_types_are_counted_and_skipped)
+Test(kv_events, unknown_event_types_are_counted_and_skipped, .timeout = 30)
 {
     km_kv_decoder *d = new_decoder(NULL);
     pk_buf b;
@@ -1167,7 +1167,7 @@ Test(kv_events, unknown_event_types_are_counted_and_skipped)
 
 /* ---- per-event rejection ----------------------------------------------------------------------- */
 
-Test(kv_events, inconsistent_events_are_rejected_alone)
+Test(kv_events, inconsistent_events_are_rejected_alone, .timeout = 30)
 {
     km_kv_decoder *d = new_decoder(NULL);
     pk_buf b;
@@ -1253,7 +1253,7 @@ Test(kv_events, inconsistent_events_are_rejected_alone)
  * group_idx, locality, ownership): a placeholder store, delivered off the GPU only. With tokens, a
  * parent or on the GPU medium, block_size 0 stays rejected; a non-zero block size is a normal
  * store, checked as always. Positional (the direct path) and map events alike. */
-Test(kv_events, placeholder_stores_are_delivered_off_the_gpu_only)
+Test(kv_events, placeholder_stores_are_delivered_off_the_gpu_only, .timeout = 30)
 {
     static const uint64_t key_hash[1] = {0xc0ffee0000000001ull};
     for (int as_map = 0; as_map < 2; as_map++) {
@@ -1379,7 +1379,7 @@ static bool bad_is_valid_for_stored_field(int f, bad_value v)
     return false;
 }
 
-Test(kv_events, wrong_type_in_every_stored_field_rejects_the_batch)
+Test(kv_events, wrong_type_in_every_stored_field_rejects_the_batch, .timeout = 30)
 {
     km_kv_decoder *d = new_decoder(NULL);
     unsigned checked = 0;
@@ -1415,7 +1415,7 @@ Test(kv_events, wrong_type_in_every_stored_field_rejects_the_batch)
     km_kv_decoder_destroy(d);
 }
 
-Test(kv_events, wrong_type_in_every_removed_field_rejects_the_batch)
+Test(kv_events, wrong_type_in_every_removed_field_rejects_the_batch, .timeout = 30)
 {
     km_kv_decoder *d = new_decoder(NULL);
     for (int as_map = 0; as_map <= 1; as_map++) {
@@ -1447,7 +1447,7 @@ Test(kv_events, wrong_type_in_every_removed_field_rejects_the_batch)
     km_kv_decoder_destroy(d);
 }
 
-Test(kv_events, missing_required_fields)
+Test(kv_events, missing_required_fields, .timeout = 30)
 {
     km_kv_decoder *d = new_decoder(NULL);
     /* Positional with fewer than 4 fields after the type. */
@@ -1559,7 +1559,7 @@ static void ev_map_duplicate_field(msgpack_packer *pk)
     msgpack_pack_array(pk, 0);
 }
 
-Test(kv_events, malformed_events_and_batches)
+Test(kv_events, malformed_events_and_batches, .timeout = 30)
 {
     static const struct {
         event_packer pack;
@@ -1681,7 +1681,7 @@ Test(kv_events, every_prefix_of_valid_payloads_fails_cleanly, .timeout = 60)
     km_kv_decoder_destroy(d);
 }
 
-Test(kv_events, declared_lengths_larger_than_the_payload)
+Test(kv_events, declared_lengths_larger_than_the_payload, .timeout = 30)
 {
     /* Each would make msgpack-c allocate gigabytes if it were handed the bytes unchecked. */
     static const struct {
@@ -1720,7 +1720,7 @@ Test(kv_events, declared_lengths_larger_than_the_payload)
 
 /* ---- limits ------------------------------------------------------------------------------------- */
 
-Test(kv_events, configured_limits)
+Test(kv_events, configured_limits, .timeout = 30)
 {
     km_kv_decoder_config cfg;
     km_kv_decoder_config_init(&cfg);
@@ -1831,7 +1831,7 @@ static void pack_nested(pk_buf *b, unsigned depth)
         msgpack_pack_array(pk, i + 1 < depth ? 1 : 0);
 }
 
-Test(kv_events, nesting_depth_matches_msgpack_c)
+Test(kv_events, nesting_depth_matches_msgpack_c, .timeout = 30)
 {
     km_kv_decoder *d = new_decoder(NULL);
     for (unsigned total = 30; total <= 40; total++) {
@@ -1877,7 +1877,7 @@ static void be64(uint64_t v, unsigned char out[8])
     }
 }
 
-Test(kv_events, live_and_replay_framing)
+Test(kv_events, live_and_replay_framing, .timeout = 30)
 {
     km_kv_decoder *d = new_decoder(NULL);
     pk_buf b;
@@ -2068,7 +2068,7 @@ Test(kv_events, live_and_replay_framing)
 
 /* ---- memory ------------------------------------------------------------------------------------- */
 
-Test(kv_events, steady_state_reuses_memory_and_results_survive_frame_release)
+Test(kv_events, steady_state_reuses_memory_and_results_survive_frame_release, .timeout = 30)
 {
     km_kv_decoder *d = new_decoder(NULL);
     /* A realistic step: 200 BlockStored of 4 blocks x 16 tokens and 50 BlockRemoved. */
@@ -2745,7 +2745,7 @@ static void pack_map_stored_group(pk_buf *b, uint32_t n_hashes, uint32_t n_token
  * the whole range, the hashes of the blocks kept) is delivered as sparse_blocks; the same token
  * counts without group_idx, or not a whole number of blocks, or fewer than the hashes need, are
  * still rejected as token_count. */
-Test(kv_events, group_store_of_some_blocks_of_a_range)
+Test(kv_events, group_store_of_some_blocks_of_a_range, .timeout = 30)
 {
     km_kv_decoder *d = new_decoder(NULL);
     km_kv_batch batch;
@@ -2777,7 +2777,7 @@ Test(kv_events, group_store_of_some_blocks_of_a_range)
     km_kv_decoder_destroy(d);
 }
 
-Test(kv_events, lookahead_tokens_and_top_level_cache_salt)
+Test(kv_events, lookahead_tokens_and_top_level_cache_salt, .timeout = 30)
 {
     km_kv_decoder *d = new_decoder(NULL);
     km_kv_batch batch;

@@ -100,7 +100,7 @@ static const violation_case violation_cases[] = {
      "containers nested deeper than 1 at offset 1"},
 };
 
-Test(msgpack_scan, each_violation_its_status_fields_and_sentence)
+Test(msgpack_scan, each_violation_its_status_fields_and_sentence, .timeout = 30)
 {
     for (size_t i = 0; i < sizeof violation_cases / sizeof violation_cases[0]; i++) {
         const violation_case *c = &violation_cases[i];
@@ -123,7 +123,7 @@ Test(msgpack_scan, each_violation_its_status_fields_and_sentence)
     }
 }
 
-Test(msgpack_scan, limits_at_their_edge_pass)
+Test(msgpack_scan, limits_at_their_edge_pass, .timeout = 30)
 {
     km_msgpack_scan_result s;
     km_msgpack_limits limits = wide;
@@ -155,7 +155,7 @@ Test(msgpack_scan, limits_at_their_edge_pass)
 }
 
 /* Only data[0..size) is read: a valid continuation behind the end changes nothing. */
-Test(msgpack_scan, never_reads_past_the_size)
+Test(msgpack_scan, never_reads_past_the_size, .timeout = 30)
 {
     static const uint8_t value[] = {0x93, 0x01, 0xa2, 'h', 'i', 0xcd, 0x01, 0x02};
     km_msgpack_scan_result s;
@@ -617,7 +617,7 @@ Test(msgpack_scan, every_prefix_of_a_valid_value_is_refused, .timeout = 60)
 
 /* ---- the other helpers ------------------------------------------------------------------------ */
 
-Test(msgpack_scan, type_names_and_big_endian_reads)
+Test(msgpack_scan, type_names_and_big_endian_reads, .timeout = 30)
 {
     static const struct {
         msgpack_object_type type;

@@ -66,7 +66,7 @@ static km_policy_decision decide(const km_policy_config *cfg, const km_policy_re
 /* llm-d: score = 2 x prefix + 1 x queue + 1 x (1 - KV usage). Prefix: min-max over the workers
  * that hold the first block (others 0, a lone holder or equal holders 1); queue: (max - q) /
  * (max - min), all equal 1; usage: allocated blocks over the capacity. */
-Test(policy_peers, llmd_known_answers)
+Test(policy_peers, llmd_known_answers, .timeout = 30)
 {
     km_policy_config cfg = config(KM_POLICY_LLMD);
     km_policy_request req = request(10, 160, 10);
@@ -105,7 +105,7 @@ Test(policy_peers, llmd_known_answers)
 /* Preble E2: cached tokens (the deepest match anywhere, vLLM's hit rule) over the rest -> exploit
  * among the workers holding that match; else explore over all. Either picks the lowest load cost
  * L = queued prefill time + running decodes x expected output x the worker's time per token. */
-Test(policy_peers, preble_exploits_and_explores)
+Test(policy_peers, preble_exploits_and_explores, .timeout = 30)
 {
     km_policy_config cfg = config(KM_POLICY_PREBLE);
     km_policy_request req = request(10, 170, 10);
@@ -139,7 +139,7 @@ Test(policy_peers, preble_exploits_and_explores)
 
 /* ttft: predicted TTFT (engine_model.h) plus the extra prefill work over the best-cached worker,
  * times the requests waiting at the worker (at least one). */
-Test(policy_peers, ttft_known_answers)
+Test(policy_peers, ttft_known_answers, .timeout = 30)
 {
     km_policy_config cfg = config(KM_POLICY_TTFT);
     km_policy_request req = request(100, 1610, 20);
@@ -186,7 +186,7 @@ Test(policy_peers, ttft_known_answers)
 /* Equal predicted times go to the deeper queued hit (it leaves the others' caches for other
  * prefixes), whichever order the candidates come in. A hashes-only request of 4 blocks caps every
  * hit at 3 blocks (its last token is always computed), so depths 4 and 3 cost the same. */
-Test(policy_peers, ttft_ties_go_to_the_deeper_hit)
+Test(policy_peers, ttft_ties_go_to_the_deeper_hit, .timeout = 30)
 {
     km_policy_config cfg = config(KM_POLICY_TTFT);
     km_policy_request req = request(4, 0, 20);
@@ -204,7 +204,7 @@ Test(policy_peers, ttft_ties_go_to_the_deeper_hit)
  * may hash in larger or smaller blocks. The same worker states and request, written in the
  * engine's 16-token blocks and in a pool's 64-token blocks, get the same costs from every policy
  * that weighs KV memory or lower tiers. */
-Test(policy_peers, costs_do_not_depend_on_the_pools_block_size)
+Test(policy_peers, costs_do_not_depend_on_the_pools_block_size, .timeout = 30)
 {
     const km_policy_kind kinds[] = {KM_POLICY_TTFT, KM_POLICY_LLMD, KM_POLICY_PREBLE};
     for (size_t k = 0; k < sizeof kinds / sizeof kinds[0]; k++) {
@@ -234,7 +234,7 @@ Test(policy_peers, costs_do_not_depend_on_the_pools_block_size)
 /* A prompt being prefilled on a worker is as good as cached there for a request queued behind it:
  * ttft weighs the queued depth (the index's depth extended by the blocks queued prefills will
  * store); without it the same worker looks cold and busy. */
-Test(policy_peers, ttft_counts_the_prefix_a_queued_prefill_will_store)
+Test(policy_peers, ttft_counts_the_prefix_a_queued_prefill_will_store, .timeout = 30)
 {
     km_policy_config cfg = config(KM_POLICY_TTFT);
     km_policy_request req = request(100, 1610, 20);
@@ -275,7 +275,7 @@ Test(policy_peers, ttft_counts_the_prefix_a_queued_prefill_will_store)
 /* Bounded load: a holder loaded past ceil(1.25 x (in flight + 1) / n) is passed over while the
  * request's prefix is in use there by other requests, so a hot prefix is copied to a less loaded
  * worker; a prefix no one else is using there keeps its holder, however loaded. */
-Test(policy_peers, ttft_passes_over_a_hot_prefix_on_an_overloaded_holder)
+Test(policy_peers, ttft_passes_over_a_hot_prefix_on_an_overloaded_holder, .timeout = 30)
 {
     km_policy_config cfg = config(KM_POLICY_TTFT);
     km_policy_request req = request(100, 1610, 20);
@@ -336,7 +336,7 @@ Test(policy_peers, ttft_passes_over_a_hot_prefix_on_an_overloaded_holder)
 /* A holder past the bound is passed over only while the prefix's own requests in flight on its
  * holders are, per holder, at least hot_prefix_share x the mean in flight (this request
  * included): otherwise its load is other prefixes' work, which a copy would not take away. */
-Test(policy_peers, ttft_copies_a_prefix_only_while_it_is_a_share_of_its_holders_load)
+Test(policy_peers, ttft_copies_a_prefix_only_while_it_is_a_share_of_its_holders_load, .timeout = 30)
 {
     km_policy_config cfg = config(KM_POLICY_TTFT);
     km_policy_request req = request(100, 1610, 20);

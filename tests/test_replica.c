@@ -462,7 +462,7 @@ static const km_backend_ops unusable_backend = {
  * given yet: here the block table's move (it ends in km_index_use_backend, and only the growth's
  * layout_changed says to upload it whole) and the segment table's writes made while the replica
  * waited for the move. The next sync must make the replica equal to the host tables again. */
-Test(replica, a_failed_backend_switch_keeps_the_pending_sync)
+Test(replica, a_failed_backend_switch_keeps_the_pending_sync, .timeout = 30)
 {
     const uint32_t S = 4, W = 64;
     km_rng r;

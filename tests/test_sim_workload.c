@@ -49,7 +49,7 @@ Test(sim_workload, deterministic_per_seed, .timeout = 30)
     }
 }
 
-Test(sim_workload, shape_names_round_trip)
+Test(sim_workload, shape_names_round_trip, .timeout = 30)
 {
     for (unsigned k = 0; k < KM_SIM_SHAPE_COUNT; k++) {
         km_sim_shape s;

@@ -227,7 +227,7 @@ Test(table, dirty_list_patches_a_replica_exactly, .timeout = 60)
 }
 
 /* A table loaded with tombstones (an old snapshot) is purged before anything erases in it. */
-Test(table, purge_removes_tombstones_and_keeps_keys)
+Test(table, purge_removes_tombstones_and_keeps_keys, .timeout = 30)
 {
     km_memory memory = {0, 0};
     km_table t;
@@ -832,7 +832,7 @@ Test(emap, incremental_growth_matches_oracle, .timeout = 120)
 }
 
 /* Restoring saved state sizes the map at the densest load a reserve accepts, only when empty. */
-Test(emap, size_for_takes_an_empty_map_only)
+Test(emap, size_for_takes_an_empty_map_only, .timeout = 30)
 {
     km_emap m;
     km_emap_init(&m, false);

@@ -297,7 +297,7 @@ static void shuffling_lane(const km_lane *lane, void *arg)
     out[3 * KM_WARP_LANES + lane->id] = km_lane_ballot(lane, lane->id % 3 == 0);
 }
 
-Test(warp_walk, the_emulator_steps_lanes_together_and_reports_divergence)
+Test(warp_walk, the_emulator_steps_lanes_together_and_reports_divergence, .timeout = 30)
 {
     km_warp_emulator *e = km_warp_emulator_create();
     cr_assert_not_null(e);
