@@ -2854,6 +2854,174 @@ Test(server, routes_queued_by_a_closed_connection_are_dropped, .timeout = 60)
     srv_cleanup(&s);
 }
 
+/* The workers' in_flight summed, as WORKER_LIST reports it. */
+static uint64_t workers_in_flight(km_client *c)
+{
+    km_message m, reply;
+    memset(&m, 0, sizeof m);
+    m.type = KM_MESSAGE_WORKERS;
+    m.workers.action = KM_ADMIN_LIST;
+    cr_assert_eq(km_client_call(c, &m, 5000, &reply), KM_OK);
+    cr_assert_eq(reply.type, KM_MESSAGE_WORKER_LIST);
+    uint64_t sum = 0;
+    for (uint32_t i = 0; i < reply.workers.n_workers; i++)
+        sum += reply.workers.workers[i].has_load ? reply.workers.workers[i].load.in_flight : 0;
+    return sum;
+}
+
+/* Poll WORKER_LIST (up to 5 s) until the workers' in_flight sums to `want`; returns the sum. */
+static uint64_t workers_in_flight_wait(km_client *c, uint64_t want)
+{
+    uint64_t sum = workers_in_flight(c);
+    for (int i = 0; i < 500 && sum != want; i++) {
+        km_test_sleep_ms(10);
+        sum = workers_in_flight(c);
+    }
+    return sum;
+}
+
+/* A reader closed for not reading its replies never learns the decisions still waiting in its
+ * outbox (or decided after it closed): their active work ends then, each with a `cancelled`
+ * outcome record linked to its decision, and counted. The decisions whose replies went into the
+ * socket whole stay charged: the router holds those, read or not. */
+Test(server, decisions_a_closed_connection_never_received_stop_charging_their_workers,
+     .timeout = 60)
+{
+    srv s = {0};
+    km_server_config cfg;
+    test_config(&cfg, &s, KM_POLICY_KV, 16);
+    cfg.max_outbox_bytes = 64 * 1024;
+    char http[] = "127.0.0.1:0";
+    cfg.http = http;
+    srv_start(&s, &cfg);
+    km_protocol_decoder *dec;
+    cr_assert_eq(km_protocol_decoder_create(NULL, &dec), KM_OK);
+    static uint8_t buf[1 << 20];
+    int fd = raw_connect(&s);
+    raw_hello(fd, dec, buf, sizeof buf, KM_PROTOCOL_VERSION);
+    km_frame_buffer fb;
+    km_frame_buffer_init(&fb);
+    send_unread_routes(fd, &fb, "unread", 400);
+    km_server_stats st;
+    for (int i = 0; i < 500; i++) {
+        km_server_get_stats(s.server, &st);
+        if (st.slow_clients_closed)
+            break;
+        km_test_sleep_ms(10);
+    }
+    cr_assert_eq(st.slow_clients_closed, 1, "the slow reader was not closed");
+    /* Every reply the server wrote whole before it closed: the decisions the client holds. */
+    size_t cap = 64u << 20, got = 0;
+    uint8_t *in = malloc(cap);
+    cr_assert_not_null(in);
+    for (ssize_t k; got < cap && (k = recv(fd, in + got, cap - got, 0)) > 0;)
+        got += (size_t)k;
+    static uint64_t delivered_ids[400 * 8];
+    uint64_t delivered = 0;
+    for (size_t off = 0; got - off >= 4;) {
+        uint32_t n = ((uint32_t)in[off] << 24) | ((uint32_t)in[off + 1] << 16) |
+                     ((uint32_t)in[off + 2] << 8) | in[off + 3];
+        if (got - off - 4 < n)
+            break; /* cut by the close: not delivered */
+        km_message m;
+        cr_assert_eq(km_protocol_decode(dec, in + off + 4, n, &m), KM_OK);
+        off += 4 + (size_t)n;
+        for (uint32_t i = 0; m.type == KM_MESSAGE_DECISION && i < m.decision.n_decisions; i++)
+            if (m.decision.decisions[i].status == KM_OK)
+                delivered_ids[delivered++] = m.decision.decisions[i].decision_id;
+    }
+    free(in);
+    close(fd);
+    km_client *c = connect_client(&s);
+    uint64_t charged = workers_in_flight_wait(c, delivered);
+    cr_assert_eq(charged, delivered, "%" PRIu64 " in flight for the %" PRIu64 " decisions the "
+                 "client received", charged, delivered);
+    km_server_get_stats(s.server, &st);
+    cr_assert_gt(st.decisions_undelivered, 0);
+    cr_assert_eq(st.decisions, delivered + st.decisions_undelivered, "%" PRIu64 " decisions, %"
+                 PRIu64 " delivered, %" PRIu64 " counted undelivered", st.decisions, delivered,
+                 st.decisions_undelivered);
+    static char body[1 << 16];
+    cr_assert_eq(http_get(km_server_http_port(s.server), "/metrics", body, sizeof body), 200);
+    cr_assert_eq(metric_value(body, "kvmatch_decisions_undelivered_total"),
+                 (double)st.decisions_undelivered);
+    km_client_close(c);
+    km_frame_buffer_free(&fb);
+    km_protocol_decoder_destroy(dec);
+    srv_stop(&s);
+    /* Each undelivered decision has its `cancelled` outcome; a delivered one has none yet. */
+    json_t *all = read_records(&s);
+    size_t i;
+    json_t *o;
+    uint64_t cancelled = 0;
+    json_array_foreach(all, i, o)
+    {
+        if (strcmp(json_string_value(json_object_get(o, "type")), "outcome") != 0)
+            continue;
+        int64_t id = json_integer_value(json_object_get(o, "decision_id"));
+        for (uint64_t k = 0; k < delivered; k++)
+            cr_assert_neq((uint64_t)id, delivered_ids[k], "delivered decision %" PRId64 " ended",
+                          id);
+        cr_assert_str_eq(json_string_value(json_object_get(o, "outcome")), "cancelled");
+        cr_assert(json_is_null(json_object_get(o, "finished_time")));
+        cr_assert_not_null(strstr(json_string_value(json_object_get(o, "error")), "never"));
+        cr_assert_not_null(find_record(all, "decision", id), "outcome without its decision");
+        cancelled++;
+    }
+    cr_assert_eq(cancelled, st.decisions_undelivered);
+    json_decref(all);
+    bool checked;
+    check_schema(&s, &checked);
+    srv_cleanup(&s);
+}
+
+/* A reply that does not encode within max_frame_bytes goes out as an ERROR: the router learns none
+ * of its decisions, so none of them stays charged. */
+Test(server, decisions_of_a_reply_too_large_to_send_stop_charging_their_workers, .timeout = 30)
+{
+    srv s = {0};
+    km_server_config cfg;
+    test_config(&cfg, &s, KM_POLICY_KV, 16);
+    cfg.limits.max_frame_bytes = 4096; /* 8 routes with 16 candidate rows each do not fit */
+    srv_start(&s, &cfg);
+    km_client *c = connect_client(&s);
+    km_route_request r[8];
+    static char ids[8][16];
+    for (int k = 0; k < 8; k++) {
+        snprintf(ids[k], sizeof ids[k], "big-%d", k);
+        r[k] = token_route(ids[k], 0, 2 * BS);
+    }
+    km_message reply;
+    int rc = km_client_route(c, r, 8, 5000, &reply);
+    cr_assert(rc != KM_OK || reply.type == KM_MESSAGE_ERROR, "the reply fit after all");
+    /* The reply may reach the client before the loop thread delivers its job. */
+    cr_assert_eq(workers_in_flight_wait(c, 0), 0, "decisions the router never received hold load");
+    km_server_stats st;
+    km_server_get_stats(s.server, &st);
+    cr_assert_eq(st.decisions, 8);
+    cr_assert_eq(st.decisions_undelivered, 8);
+    km_client_close(c);
+    srv_stop(&s);
+    json_t *all = read_records(&s);
+    size_t i;
+    json_t *o;
+    uint32_t cancelled = 0;
+    json_array_foreach(all, i, o)
+    {
+        if (strcmp(json_string_value(json_object_get(o, "type")), "outcome") != 0)
+            continue;
+        cr_assert_str_eq(json_string_value(json_object_get(o, "outcome")), "cancelled");
+        cr_assert_not_null(
+            find_record(all, "decision", json_integer_value(json_object_get(o, "decision_id"))));
+        cancelled++;
+    }
+    cr_assert_eq(cancelled, 8);
+    json_decref(all);
+    bool checked;
+    check_schema(&s, &checked);
+    srv_cleanup(&s);
+}
+
 /* The startup line, kept for the test that reads it. */
 static pthread_mutex_t g_serving_lock = PTHREAD_MUTEX_INITIALIZER;
 static char g_serving[512];

@@ -77,7 +77,8 @@ typedef enum km_record_flag {
  *   complete    the final finish_reason and the [DONE] sentinel were both seen (only then)
  *   incomplete  the stream ended without them, whatever the HTTP status
  *   error       the upstream or the router reported an error
- *   cancelled   the client or the router cancelled it
+ *   cancelled   the client or the router cancelled it, or the router never received the
+ *               decision (its connection closed before the reply was written; `error` says so)
  *   expired     FINISHED never came; the active-work entry hit its TTL */
 #define KM_RECORD_OUTCOME_LIST(X)                    \
     X(KM_RECORD_OUTCOME_COMPLETE, 1, "complete")     \

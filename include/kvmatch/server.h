@@ -303,6 +303,9 @@ typedef struct km_server_stats {
     uint64_t records_dropped;       /* records the writer could not take (queue full) */
     uint64_t routes_dropped_at_shutdown; /* still queued when the drain timed out: unanswered */
     uint64_t routes_dropped_closed; /* still queued when their connection closed: not decided */
+    uint64_t decisions_undelivered; /* decided, their reply not written whole before their
+                                     * connection closed (or not encodable): active work ended
+                                     * with a `cancelled` outcome */
     uint64_t approx_dispatch_learned;   /* overrides to an approximate-mode worker that taught it */
     uint64_t approx_dispatch_unlearned; /* ... that could not: the decision kept no hashes
                                          * (approx_dispatch_max_bytes, out of memory). A request

@@ -188,8 +188,9 @@ static void write_outcome(km_server *s, const attempt *a, km_record_outcome outc
         r.dispatched = a->dispatched;
     if (sum && sum->first_token)
         r.first_token = mono_to_record(sum->first_token_ns);
-    if (ev) /* only a FINISHED report ends an attempt with an event: expiry, eviction and a
-             * removed worker received none, and their finished_* stay null */
+    if (ev) /* only a FINISHED report ends an attempt with an event: expiry, eviction, a
+             * removed worker and an undelivered decision received none, and their finished_*
+             * stay null */
         r.finished = r.common.time;
     r.router_dispatched_ms = a->router_dispatched_ms;
     r.router_ttft_ms = a->router_ttft_ms;
@@ -268,6 +269,34 @@ void km_srv_record_removed(void *user, const km_active_summary *sum)
 {
     end_attempt(user, sum, KM_RECORD_OUTCOME_ERROR, "worker removed from its pool before FINISHED");
     km_srv_cluster_publish(user, sum->worker);
+}
+
+/* A decision the router never received: its reply was not written whole into the socket before
+ * its connection closed, or it did not encode (an ERROR went in its place). Nobody will report its
+ * lifecycle, so its active work ends now, with a `cancelled` outcome record saying why, and its
+ * worker's load is published. Left alone: a decision already ended, one a lifecycle report reached
+ * (DISPATCHED or FIRST_TOKEN by request id: the router holds the attempt), and one whose attempt
+ * could not be kept (its entry ends at its TTL). Its worker's breaker learns nothing: the worker
+ * never saw it. Loop thread, holding no lock (active_lock is taken here). */
+void km_srv_end_undelivered(km_server *s, uint64_t decision_id)
+{
+    pthread_mutex_lock(&s->active_lock);
+    uint64_t *v = km_u64map_find(&s->attempts_by_decision, km_u64map_key(decision_id));
+    attempt *a = v ? (attempt *)(uintptr_t)*v : NULL;
+    if (a && !a->dispatched.monotonic_ns && !a->first_token.monotonic_ns) {
+        km_active_key key = km_active_key_of(a->request_id, a->attempt_id);
+        km_active_summary sum;
+        if (km_active_finish(s->active, &key, KM_ACTIVE_END_CANCELLED, now_ns(), &sum) == KM_OK) {
+            atomic_fetch_add(&s->st.undelivered, 1);
+            km_counter_add(s->m_undelivered, 1);
+            write_outcome(s, a, KM_RECORD_OUTCOME_CANCELLED, NULL, &sum,
+                          "the decision was never delivered: its connection closed before the "
+                          "reply was written whole, or the reply could not be encoded");
+            km_srv_cluster_publish(s, sum.worker);
+            attempt_forget(s, a);
+        }
+    }
+    pthread_mutex_unlock(&s->active_lock);
 }
 
 static km_active_end active_end_of(km_outcome o)

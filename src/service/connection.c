@@ -1,7 +1,8 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* A router connection's lifetime on the loop thread: accepted, read into frames (each handed to
  * km_srv_handle_frame), its replies queued and written (uv_try_write first, uv_write for the rest),
- * reading paused while replies pile up, closed and freed once no job holds it. The one write made
+ * reading paused while replies pile up, closed (the decisions whose reply it had not written whole
+ * ended: the router never learned them) and freed once no job holds it. The one write made
  * off the loop thread: a decided route's reply, by the scheduler thread, when no earlier reply of
  * the connection is still to be written (km_srv_job_hand_back, under write_lock). */
 #include <errno.h>
@@ -46,13 +47,83 @@ void km_srv_conn_maybe_free(conn *c)
     km_protocol_decoder_destroy(c->decoder);
     km_frame_buffer_free(&c->outbox);
     km_frame_buffer_free(&c->writing);
+    free(c->pending);
     pthread_mutex_destroy(&c->write_lock);
     free(c);
 }
 
-/* A closed connection's frames still queued are dropped: deciding them would begin active work
- * (its load charged until the TTL), write decision records and tell the cluster, for replies
- * nobody can read. Frames the scheduler role already took are decided and freed when delivered.
+/* ---- decisions whose reply is queued ------------------------------------------------------- */
+
+/* Of queued_total, the bytes the socket has taken: all but the outbox and what the uv_write in
+ * flight has not written yet (the stream's write_queue_size: one write at a time). write_lock
+ * held. */
+static uint64_t queued_written(const conn *c)
+{
+    size_t left = c->outbox.size + (c->write_in_flight ? c->h.stream.write_queue_size : 0);
+    return c->queued_total - left;
+}
+
+/* Forget the decisions whose reply the socket has taken whole: the router's now. */
+static void pending_trim(conn *c)
+{
+    uint64_t written = queued_written(c);
+    while (c->pending_head < c->n_pending && c->pending[c->pending_head].end <= written)
+        c->pending_head++;
+    if (c->pending_head == c->n_pending)
+        c->pending_head = c->n_pending = 0;
+}
+
+/* Keep the decisions of job j, whose reply ends at `end` of queued_total, in order of `end`.
+ * Without memory they are not kept: should the connection close before their reply is written,
+ * their active work ends at its TTL, as if delivered. write_lock held. */
+static void pending_add(conn *c, const job *j, uint64_t end)
+{
+    size_t k = 0;
+    for (uint32_t i = 0; j->decisions && i < j->n_routes; i++)
+        k += j->routes[i].status == KM_OK && j->decisions[i].decision_id;
+    if (k == 0 || j->decisions_lost)
+        return;
+    if (c->n_pending + k > c->pending_cap && c->pending_head > 0) {
+        memmove(c->pending, c->pending + c->pending_head,
+                (c->n_pending - c->pending_head) * sizeof *c->pending);
+        c->n_pending -= c->pending_head;
+        c->pending_head = 0;
+    }
+    if (c->n_pending + k > c->pending_cap) {
+        size_t cap = c->pending_cap ? 2 * c->pending_cap : 64;
+        while (cap < c->n_pending + k)
+            cap *= 2;
+        pending_decision *g = realloc(c->pending, cap * sizeof *g);
+        if (!g)
+            return;
+        c->pending = g;
+        c->pending_cap = cap;
+    }
+    size_t at = c->n_pending; /* after every entry ending sooner: the tail, but for a cut reply */
+    while (at > c->pending_head && c->pending[at - 1].end > end)
+        at--;
+    memmove(c->pending + at + k, c->pending + at, (c->n_pending - at) * sizeof *c->pending);
+    for (uint32_t i = 0; i < j->n_routes; i++)
+        if (j->routes[i].status == KM_OK && j->decisions[i].decision_id)
+            c->pending[at++] = (pending_decision){end, j->decisions[i].decision_id};
+    c->n_pending += k;
+}
+
+/* A closed connection's decisions whose reply the socket had not taken whole: the router never
+ * learned them (km_srv_end_undelivered). Loop thread, the handle closed, holding no lock. */
+static void end_unwritten(conn *c)
+{
+    for (size_t i = c->pending_head; i < c->n_pending; i++)
+        if (c->pending[i].end > c->written_at_close)
+            km_srv_end_undelivered(c->server, c->pending[i].decision_id);
+    free(c->pending);
+    c->pending = NULL;
+    c->pending_head = c->n_pending = c->pending_cap = 0;
+}
+
+/* A closed connection's frames still queued are dropped: deciding them would begin active work,
+ * write decision records and tell the cluster, for replies nobody can read. Frames the scheduler
+ * role already took are decided, and their decisions ended when delivered (km_srv_deliver_jobs).
  * Loop thread, holding no lock (queue_lock is taken here). */
 static void drop_queued_jobs(conn *c)
 {
@@ -102,19 +173,23 @@ static void on_conn_closed(uv_handle_t *h)
     c->handle_closed = true;
     if (c->jobs_in_flight)
         drop_queued_jobs(c);
+    end_unwritten(c);
     km_srv_conn_maybe_free(c);
 }
 
-/* Start closing a connection (idempotent): it leaves the server's list at once; when the handle
- * has closed, its frames still queued are dropped unanswered (drop_queued_jobs), and its memory
- * goes once its last job being decided was delivered (km_srv_conn_maybe_free). */
-void km_srv_conn_close(conn *c)
+/* Start closing a connection (idempotent), `written` of its queued_total taken by the socket: it
+ * leaves the server's list at once; when the handle has closed, its frames still queued are
+ * dropped unanswered (drop_queued_jobs), the decisions whose reply was not written whole end
+ * (end_unwritten), and its memory goes once its last job being decided was delivered
+ * (km_srv_conn_maybe_free). */
+static void conn_close_written(conn *c, uint64_t written)
 {
     if (c->closing)
         return;
     km_server *s = c->server;
     pthread_mutex_lock(&c->write_lock);
     c->closing = true;
+    c->written_at_close = written;
     uv_close(&c->h.handle, on_conn_closed); /* closes the socket: no write may follow */
     pthread_mutex_unlock(&c->write_lock);
     if (c->prev)
@@ -124,6 +199,22 @@ void km_srv_conn_close(conn *c)
     if (c->next)
         c->next->prev = c->prev;
     atomic_fetch_sub(&s->st.open, 1);
+}
+
+/* conn_close_written with what the socket has taken so far. */
+void km_srv_conn_close(conn *c)
+{
+    pthread_mutex_lock(&c->write_lock);
+    uint64_t written = queued_written(c);
+    pthread_mutex_unlock(&c->write_lock);
+    conn_close_written(c, written);
+}
+
+/* Close after a write that failed: none of what it was given counts as taken (a peer gone has
+ * none of it either). write_lock held. */
+static void conn_close_write_failed(conn *c)
+{
+    conn_close_written(c, c->queued_total - c->outbox.size - c->write_left);
 }
 
 /* A connection whose peer is done (EOF) closes once every reply it is owed is written. */
@@ -140,10 +231,12 @@ static void on_write(uv_write_t *req, int status)
     c->write_in_flight = false;
     c->writing.size = 0;
     if (status < 0) {
-        km_srv_conn_close(c);
+        conn_close_write_failed(c);
         pthread_mutex_unlock(&c->write_lock);
         return;
     }
+    c->write_left = 0;
+    pending_trim(c);
     if (c->closing) {
         pthread_mutex_unlock(&c->write_lock);
         return;
@@ -184,6 +277,7 @@ static void conn_flush(conn *c)
     size_t written = n > 0 ? (size_t)n : 0;
     if (written == c->outbox.size) {
         c->outbox.size = 0;
+        pending_trim(c);
         if (c->paused && !c->eof)
             conn_resume_reading(c);
         return;
@@ -196,22 +290,31 @@ static void conn_flush(conn *c)
                                (unsigned)(c->writing.size - written));
     c->write_req.data = c;
     c->write_in_flight = true;
+    c->write_left = buf.len;
     int rc = uv_write(&c->write_req, &c->h.stream, &buf, 1, on_write);
     if (rc < 0) {
         c->write_in_flight = false;
-        km_srv_conn_close(c);
+        conn_close_write_failed(c);
+        return;
     }
+    pending_trim(c);
 }
 
 /* Queue bytes for the peer and write what the socket takes (write_lock held); a reader that lets
  * too much pile up is closed. Only replies already waiting make a reader slow: a reply that finds
  * nothing unwritten is taken whatever its size (up to max_frame_bytes), so a small
- * max_outbox_bytes never cuts off a client that reads promptly. */
-static void conn_send_locked(conn *c, const uint8_t *data, size_t size, bool first)
+ * max_outbox_bytes never cuts off a client that reads promptly. `first`: the rest of a reply the
+ * scheduler thread began in the socket, which goes before everything queued since (nothing of
+ * which can have been written: reply_cut holds it back). j: the job whose reply these bytes end
+ * (NULL for other frames); its decisions are kept until the reply is written (pending_add).
+ * False when the bytes were not queued: the connection is closing, or closed here. */
+static bool conn_send_locked(conn *c, const uint8_t *data, size_t size, bool first, const job *j)
 {
     km_server *s = c->server;
-    if (c->closing || size == 0)
-        return;
+    if (c->closing)
+        return false;
+    if (size == 0)
+        return true;
     size_t waiting = c->outbox.size + c->writing.size;
     if (waiting > 0 && waiting + size > s->cfg.max_outbox_bytes) {
         atomic_fetch_add(&s->st.slow_closed, 1);
@@ -220,7 +323,7 @@ static void conn_send_locked(conn *c, const uint8_t *data, size_t size, bool fir
                    "closing a connection that does not read its replies (%zu bytes waiting)",
                    c->outbox.size + c->writing.size);
         km_srv_conn_close(c);
-        return;
+        return false;
     }
     if (c->outbox.capacity < c->outbox.size + size) {
         size_t cap = c->outbox.capacity ? c->outbox.capacity : 4096;
@@ -229,15 +332,25 @@ static void conn_send_locked(conn *c, const uint8_t *data, size_t size, bool fir
         uint8_t *g = realloc(c->outbox.data, cap);
         if (!g) {
             km_srv_conn_close(c);
-            return;
+            return false;
         }
         c->outbox.data = g;
         c->outbox.capacity = cap;
     }
-    if (first) /* the rest of a reply begun in the socket: before anything queued since */
+    /* Where the outbox begins in queued_total; what it holds moves back by `size` when these
+     * bytes go before it, and so do the ends of its replies. */
+    uint64_t outbox_start = c->queued_total - c->outbox.size;
+    if (first) {
         memmove(c->outbox.data + size, c->outbox.data, c->outbox.size);
+        for (size_t i = c->pending_head; i < c->n_pending; i++)
+            if (c->pending[i].end > outbox_start)
+                c->pending[i].end += size;
+    }
     memcpy(c->outbox.data + (first ? 0 : c->outbox.size), data, size);
     c->outbox.size += size;
+    c->queued_total += size;
+    if (j)
+        pending_add(c, j, first ? outbox_start + size : c->queued_total);
     if (!c->paused && c->reading && c->outbox.size + c->writing.size > s->cfg.max_outbox_bytes / 4) {
         c->paused = true;
         c->paused_since_ns = now_ns();
@@ -246,32 +359,37 @@ static void conn_send_locked(conn *c, const uint8_t *data, size_t size, bool fir
         uv_read_stop(&c->h.stream);
     }
     conn_flush(c);
+    return true;
 }
 
 /* Queue frames for the peer (loop thread): conn_send_locked. */
 void km_srv_conn_send(conn *c, const km_frame_buffer *frames)
 {
     pthread_mutex_lock(&c->write_lock);
-    conn_send_locked(c, frames->data, frames->size, false);
+    conn_send_locked(c, frames->data, frames->size, false, NULL);
     pthread_mutex_unlock(&c->write_lock);
 }
 
 /* A finished job's reply (loop thread, km_srv_deliver_jobs, in the order the jobs were handed
  * back): what the scheduler thread did not write itself is queued, and the job no longer holds
- * back the connection's next replies. */
-void km_srv_conn_send_reply(conn *c, job *j)
+ * back the connection's next replies. False when its rest could not be queued (the connection
+ * closed): the router never gets the reply. */
+bool km_srv_conn_send_reply(conn *c, job *j)
 {
     pthread_mutex_lock(&c->write_lock);
     bool cut = j->reply_written > 0 && j->reply_written < j->reply.size;
     if (cut)
         c->reply_cut = false; /* its rest goes first (conn_send_locked) */
+    bool queued = true;
     if (j->reply_written < j->reply.size)
-        conn_send_locked(c, j->reply.data + j->reply_written, j->reply.size - j->reply_written, cut);
+        queued = conn_send_locked(c, j->reply.data + j->reply_written,
+                                  j->reply.size - j->reply_written, cut, j);
     if (j->owed) {
         j->owed = false;
         c->replies_owed--;
     }
     pthread_mutex_unlock(&c->write_lock);
+    return queued;
 }
 
 /* A decided job going back to the loop thread (scheduler role, before it joins the done list).

@@ -63,6 +63,15 @@ void km_srv_job_free(job *j)
     free(j);
 }
 
+/* Every decision of a job whose reply the router never received ends its active work
+ * (km_srv_end_undelivered). Loop thread, holding no lock. */
+void km_srv_end_job_undelivered(km_server *s, const job *j)
+{
+    for (uint32_t i = 0; j->decisions && i < j->n_routes; i++)
+        if (j->routes[i].status == KM_OK && j->decisions[i].decision_id)
+            km_srv_end_undelivered(s, j->decisions[i].decision_id);
+}
+
 /* Mark a route failed: its reply is this status and formatted message (cut at 255 bytes). */
 void km_srv_route_fail(route_job *r, int status, const char *fmt, ...)
 {
@@ -111,8 +120,10 @@ void km_srv_job_encode_reply(km_server *s, job *j)
     msg.decision.n_decisions = j->n_routes;
     char why[256];
     int rc = km_protocol_encode(&msg, s->cfg.limits.max_frame_bytes, &j->reply, why, sizeof why);
-    if (rc != KM_OK)
+    if (rc != KM_OK) {
         km_protocol_encode_error(j->msg_id, rc, why, &j->reply);
+        j->decisions_lost = true;
+    }
 }
 
 /* A ROUTE frame (loop thread): each route copied into one job, the job queued for the scheduler

@@ -112,16 +112,21 @@ void km_srv_deliver_jobs(km_server *s, job *list)
         KM_SRV_STAGE(j, picked);
         c->jobs_in_flight--;
         c->routes_in_flight -= j->n_routes;
+        /* Its decisions never reach the router when its connection closed before the reply went
+         * into the socket whole, or when the reply is an ERROR in their place. */
+        bool lost = j->reply.size == 0 || j->reply_written < j->reply.size;
         if (!c->closing) {
             if (!j->encoded)
                 km_srv_job_encode_reply(s, j);
-            km_srv_conn_send_reply(c, j);
+            lost = !km_srv_conn_send_reply(c, j);
 #ifdef KM_SRV_STAGE_TRACE
             if (!j->stages.written && !c->outbox.size && !c->write_in_flight)
                 KM_SRV_STAGE(j, written);
             stage_log(j);
 #endif
         }
+        if (lost || j->decisions_lost)
+            km_srv_end_job_undelivered(s, j);
         km_srv_job_free(j);
         if (c->closing)
             km_srv_conn_maybe_free(c);

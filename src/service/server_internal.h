@@ -129,6 +129,13 @@ typedef struct job_stages {
 #define KM_SRV_STAGE(j, stage) ((void)0)
 #endif
 
+/* A decided route whose reply is queued on its connection: its decision, and where its reply ends
+ * in the connection's queued bytes (conn.queued_total, counted in the order they are written). */
+typedef struct pending_decision {
+    uint64_t end;
+    uint64_t decision_id;
+} pending_decision;
+
 typedef struct job {
     struct job *next;
     conn *conn;
@@ -142,6 +149,8 @@ typedef struct job {
     bool owed;    /* counted in its connection's replies_owed (km_srv_job_hand_back) */
     size_t reply_written; /* bytes of reply the scheduler thread wrote into the socket itself */
     bool shed;    /* queued past max_queue_wait_ms: answered with one ERROR KM_ERR_OVERLOADED */
+    bool decisions_lost; /* its reply is an ERROR in place of its decisions (they did not encode):
+                          * the router learns none of them (km_srv_end_job_undelivered) */
     bool behind;  /* queued behind the light connections' frames (jobs.c; queue_lock) */
     uint64_t shed_wait_ns; /* how long it had waited then */
     chunk *chunks;
@@ -319,6 +328,15 @@ struct conn {
     uint64_t routes_in_flight; /* routes of its queued or deciding jobs (max_connection_routes) */
     uint32_t queued_behind;    /* its queued jobs behind the light ones: its next frames go
                                 * there too (jobs.c; queue_lock) */
+    /* Decided routes whose reply is queued here, by where it ends (pending[pending_head ..
+     * n_pending), ascending `end`): a reply the socket has taken whole is the router's, and its
+     * entries go; when the connection closes, those past written_at_close never reached the
+     * router and end their active work (km_srv_end_undelivered). Loop thread, write_lock held. */
+    uint64_t queued_total;     /* bytes ever put in outbox, counted in the order they leave */
+    size_t write_left;         /* bytes given to the uv_write in flight */
+    uint64_t written_at_close; /* of queued_total, what the socket had taken when it closed */
+    pending_decision *pending;
+    size_t pending_head, n_pending, pending_cap;
     uint64_t frame_started_ns; /* a frame's first bytes came and not yet its last; 0 = none */
     uint64_t paused_since_ns;  /* reading paused for its waiting replies since; 0 = not paused */
 #ifdef KM_SRV_STAGE_TRACE
@@ -420,7 +438,7 @@ struct km_server {
     km_metrics *metrics;
     km_counter *m_decisions, *m_route_errors, *m_frames, *m_bad_frames, *m_lifecycle,
         *m_outcomes, *m_expired, *m_evicted, *m_overloaded, *m_shed_wait, *m_shed_connection,
-        *m_slow_closed, *m_reading_paused, *m_dropped_closed;
+        *m_slow_closed, *m_reading_paused, *m_dropped_closed, *m_undelivered;
     km_histogram *m_batch_routes, *m_batch_seconds, *m_queue_seconds;
     km_http *http;
     uint16_t http_port;
@@ -432,6 +450,7 @@ struct km_server {
             bad_frames, routes,
             decisions, route_errors, overloaded, shed_wait, shed_connection, batches, inline_batches, lifecycle,
             lifecycle_errors, outcomes, expired, evicted, dropped_at_shutdown, dropped_closed,
+            undelivered,
             dispatch_learned, dispatch_unlearned, breaker_opened, no_healthy, drain_releases,
             scheduler_replies;
         /* connections refused at accept, by reason (their sum is `refused`) */
@@ -482,7 +501,7 @@ void km_srv_conn_close_if_finished(conn *c);
  * 100 ms whatever the caller's rate. */
 void km_srv_conns_sweep(km_server *s, uint64_t now);
 void km_srv_conn_send(conn *c, const km_frame_buffer *frames);
-void km_srv_conn_send_reply(conn *c, job *j);
+bool km_srv_conn_send_reply(conn *c, job *j);
 void km_srv_job_hand_back(job *j, bool write_now);
 void km_srv_send_error(conn *c, uint64_t id, int code, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));
@@ -564,6 +583,8 @@ void km_srv_record_expired(void *user, const km_active_summary *sum);
 void km_srv_record_evicted(void *user, const km_active_summary *sum);
 void km_srv_record_removed(void *user, const km_active_summary *sum);
 void km_srv_handle_lifecycle(conn *c, const km_message *m);
+void km_srv_end_undelivered(km_server *s, uint64_t decision_id);
+void km_srv_end_job_undelivered(km_server *s, const job *j);
 
 /* admin.c */
 void km_srv_handle_workers(conn *c, const km_message *m);

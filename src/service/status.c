@@ -629,6 +629,11 @@ int km_srv_metrics_setup(km_server *s)
                                     "Routes still queued when their connection closed: dropped "
                                     "undecided.", NULL, 0, &s->m_dropped_closed);
     if (!rc)
+        rc = km_metrics_add_counter(s->metrics, "kvmatch_decisions_undelivered_total",
+                                    "Decisions whose reply was not written whole before their "
+                                    "connection closed (or could not be encoded): their active "
+                                    "work ended, outcome cancelled.", NULL, 0, &s->m_undelivered);
+    if (!rc)
         rc = km_metrics_add_counter(s->metrics, "kvmatch_lifecycle_events_total",
                                     "DISPATCHED / FIRST_TOKEN / FINISHED reports.", NULL, 0,
                                     &s->m_lifecycle);
@@ -700,6 +705,7 @@ void km_server_get_stats(km_server *s, km_server_stats *o)
     o->active_refused_bytes = active_work_stats(s).refused_bytes;
     o->routes_dropped_at_shutdown = atomic_load(&s->st.dropped_at_shutdown);
     o->routes_dropped_closed = atomic_load(&s->st.dropped_closed);
+    o->decisions_undelivered = atomic_load(&s->st.undelivered);
     o->approx_dispatch_learned = atomic_load(&s->st.dispatch_learned);
     o->approx_dispatch_unlearned = atomic_load(&s->st.dispatch_unlearned);
     o->breaker_opened = atomic_load(&s->st.breaker_opened);
