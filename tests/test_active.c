@@ -19,6 +19,7 @@
 
 #include "kvmatch/active.h"
 #include "kvmatch/approx.h"
+#include "kvmatch/engine_model.h"
 #include "test_util.h"
 
 /* ================================ active ================================================= */
@@ -435,6 +436,43 @@ Test(active, attempts_and_split_ids_are_separate_entries, .timeout = 10)
     cr_assert_eq(km_active_finish(a, &raw, KM_ACTIVE_END_COMPLETE, 2, &s), KM_OK);
     cr_assert_str_eq(s.request_id, "req");
     cr_assert_str_eq(s.attempt_id, "1");
+    km_active_destroy(a);
+}
+
+/* Prompts of 2^32 - 1 tokens hold about 2^63 attention pairs each: the worker's sum is exact
+ * while it fits, reads UINT64_MAX (never a wrapped, smaller count) past it, and comes back exactly
+ * as the entries release theirs, in any way, without a saturation. */
+Test(active, pending_pairs_of_huge_prompts_never_wrap, .timeout = 10)
+{
+    km_active *a = make_active(4, 1000000, 100, 16);
+    const uint32_t huge = UINT32_MAX;
+    const uint64_t one = km_engine_model_chunk_pairs(0, huge);
+    cr_assert_eq(one, (UINT64_C(1) << 63) - (UINT64_C(1) << 31));
+    km_active_key k[4];
+    char names[4][8];
+    const uint64_t expect[4] = {one, 2 * one, UINT64_MAX, UINT64_MAX};
+    for (int i = 0; i < 4; i++) {
+        snprintf(names[i], sizeof names[i], "h%d", i);
+        k[i] = km_active_key_of(names[i], NULL);
+        cr_assert_eq(km_active_begin(a, 1, &k[i], huge, 0, 0, 16, 1 + (uint64_t)i), KM_OK);
+        cr_assert_eq(load_of(a, 1).pending_prefill_pairs, expect[i], "after %d begins", i + 1);
+    }
+    cr_assert_eq(stats_of(a).total.pending_prefill_pairs, UINT64_MAX);
+    /* Back down exactly: a move, a first token, a correction, finishes. */
+    cr_assert_eq(km_active_move(a, &k[3], 2, 10), KM_OK);
+    cr_assert_eq(load_of(a, 1).pending_prefill_pairs, UINT64_MAX, "3 x 2^63 still past 2^64");
+    cr_assert_eq(load_of(a, 2).pending_prefill_pairs, one);
+    cr_assert_eq(km_active_first_token(a, &k[0], KM_ACTIVE_CACHED_UNKNOWN, 11), KM_OK);
+    cr_assert_eq(load_of(a, 1).pending_prefill_pairs, 2 * one);
+    cr_assert_eq(km_active_report_cached(a, &k[2], (int64_t)huge - 1000, 12), KM_OK);
+    cr_assert_eq(load_of(a, 1).pending_prefill_pairs,
+                 one + km_engine_model_chunk_pairs((uint64_t)huge - 1000, 1000));
+    cr_assert_eq(km_active_finish(a, &k[1], KM_ACTIVE_END_COMPLETE, 13, NULL), KM_OK);
+    cr_assert_eq(km_active_finish(a, &k[2], KM_ACTIVE_END_COMPLETE, 14, NULL), KM_OK);
+    cr_assert_eq(km_active_finish(a, &k[3], KM_ACTIVE_END_COMPLETE, 15, NULL), KM_OK);
+    cr_assert_eq(load_of(a, 1).pending_prefill_pairs, 0);
+    cr_assert_eq(load_of(a, 2).pending_prefill_pairs, 0);
+    cr_assert_eq(stats_of(a).saturations, 0);
     km_active_destroy(a);
 }
 

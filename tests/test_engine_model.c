@@ -3,6 +3,7 @@
  * it was calibrated on (docs/SIM_ENGINE.md, "Presets"), the step formula's known answers, and the
  * predicted time to first token against a step-by-step replay of the same queue, plus its
  * monotonicity on fresh random states. */
+#include <inttypes.h>
 #include <math.h>
 #include <string.h>
 
@@ -171,6 +172,47 @@ Test(engine_model, predicted_ttft_follows_the_queue_and_is_monotonic, .timeout =
             KM_CHECK(a > t && b >= a, "memory: %.1f, %.1f over %.1f", a, b, t);
         }
     }
+}
+
+/* Attention pairs are exact while they fit in 64 bits and UINT64_MAX past them, never a wrapped
+ * count: a prompt of 2^32 tokens has 2^63 + 2^31 pairs, and twice that saturates. More tokens, or
+ * more before them, never give fewer pairs. */
+Test(engine_model, chunk_pairs_saturate_instead_of_wrapping, .timeout = 10)
+{
+    cr_assert_eq(km_engine_model_chunk_pairs(0, 0), 0);
+    cr_assert_eq(km_engine_model_chunk_pairs(10, 0), 0);
+    cr_assert_eq(km_engine_model_chunk_pairs(0, 1), 1);
+    cr_assert_eq(km_engine_model_chunk_pairs(3, 4), 4 * 3 + 10);
+    const uint64_t two32 = UINT64_C(1) << 32;
+    cr_assert_eq(km_engine_model_chunk_pairs(0, two32), (UINT64_C(1) << 63) + (UINT64_C(1) << 31));
+    cr_assert_eq(km_engine_model_chunk_pairs(0, two32 - 1),
+                 (UINT64_C(1) << 63) - (UINT64_C(1) << 31));
+    cr_assert_eq(km_engine_model_chunk_pairs(64, two32 - 64),
+                 (two32 - 64) * 64 + (two32 - 64) / 2 * (two32 - 63));
+    cr_assert_eq(km_engine_model_chunk_pairs(two32, two32), UINT64_MAX);
+    cr_assert_eq(km_engine_model_chunk_pairs(0, UINT64_C(1) << 33), UINT64_MAX);
+    cr_assert_eq(km_engine_model_chunk_pairs(0, UINT64_MAX), UINT64_MAX);
+    cr_assert_eq(km_engine_model_chunk_pairs(0, UINT64_MAX - 1), UINT64_MAX);
+    cr_assert_eq(km_engine_model_chunk_pairs(UINT64_MAX, 1), UINT64_MAX);
+    cr_assert_eq(km_engine_model_chunk_pairs(UINT64_MAX, 0), 0);
+    /* Around the largest chunk whose own pairs fit: 6,074,000,999 tokens. */
+    uint64_t prev = 0;
+    for (uint64_t chunk = UINT64_C(6074000990); chunk < UINT64_C(6074001010); chunk++) {
+        uint64_t p = km_engine_model_chunk_pairs(0, chunk);
+        cr_assert_geq(p, prev, "chunk %" PRIu64, chunk);
+        cr_assert_geq(km_engine_model_chunk_pairs(1000, chunk), p, "chunk %" PRIu64, chunk);
+        prev = p;
+    }
+    /* A worker whose queue's pairs saturated predicts no less than one just under it. */
+    km_engine_model m = preset(KM_ENGINE_MODEL_DEFAULT_PRESET);
+    km_engine_load under = {two32, 1, 0, 0, 0, UINT64_MAX - 1}, over = under;
+    over.prefill_pairs = UINT64_MAX;
+    cr_assert_geq(km_engine_model_predict_ttft_us(&m, &over, 0, two32, 0, 0, 1, 1),
+                  km_engine_model_predict_ttft_us(&m, &under, 0, two32, 0, 0, 1, 1));
+    km_engine_load huge = {UINT64_MAX, 1, 0, 0, 0, 0};
+    cr_assert_geq(km_engine_model_predict_ttft_us(&m, &huge, 0, two32, 0, 0, 1, 1),
+                  km_engine_model_predict_ttft_us(&m, &huge, 0, 1, 0, 0, 1, 1),
+                  "queued and own tokens that sum past 2^64");
 }
 
 /* A request arriving at a busy worker waits, on average, for half of the step it is running: one

@@ -4,6 +4,7 @@
  * (Preble's E2) and ttft (the lowest predicted time to first token plus the prefill work a choice
  * adds). Known answers worked out by hand from each source's rules, and invariants on fresh random
  * candidates: an idle worker holding the whole prompt wins; a saturated one loses. */
+#include <inttypes.h>
 #include <math.h>
 #include <string.h>
 
@@ -181,6 +182,35 @@ Test(policy_peers, ttft_known_answers, .timeout = 30)
     d = decide(&cfg, &req, m, 2, costs);
     cr_assert_gt(costs[1], costs[0]);
     cr_assert_eq(d.chosen, 0);
+}
+
+/* However long the prompt, a worker holding its first 64 tokens never costs more than one that
+ * is alike but cold, with the default engine model (whose attention term grows with the square
+ * of the prompt): attention pairs past 2^64 saturate, never wrap into a small count. */
+Test(policy_peers, a_huge_prompt_never_makes_a_cold_worker_cheaper_than_a_warm_one, .timeout = 30)
+{
+    km_policy_config cfg;
+    km_policy_config_init(&cfg);
+    cfg.kind = KM_POLICY_TTFT;
+    const uint64_t prompts[] = {100000,
+                                UINT64_C(1) << 31,
+                                (UINT64_C(1) << 32) - 1,
+                                UINT64_C(1) << 32,
+                                UINT64_C(5000000000),
+                                UINT64_C(1) << 33,
+                                UINT64_C(1) << 40,
+                                UINT64_MAX / 2,
+                                UINT64_MAX};
+    for (size_t i = 0; i < sizeof prompts / sizeof prompts[0]; i++) {
+        km_policy_candidate c[2] = {cand(0, 0, 0, 0, 0, 0), cand(1, 4, 0, 0, 0, 0)};
+        km_policy_request req = {8, 16, prompts[i], 0};
+        double costs[2];
+        km_policy_decision d = decide(&cfg, &req, c, 2, costs);
+        cr_assert_leq(costs[1], costs[0], "prompt %" PRIu64 ": warm %g, cold %g", prompts[i],
+                      costs[1], costs[0]);
+        cr_assert_eq(c[d.chosen].worker, 1, "prompt %" PRIu64 ": the cold worker chosen",
+                     prompts[i]);
+    }
 }
 
 /* Equal predicted times go to the deeper queued hit (it leaves the others' caches for other

@@ -327,7 +327,8 @@ typedef struct km_active_load {
      * once while any live request on the worker holds it (km_active_share_prefix). */
     uint64_t allocated_blocks;
     /* The attention pairs of the pending prefills: each entry's km_engine_model_chunk_pairs(its
-     * cached tokens, its pending prefill tokens), charged and released with its pending prefill. */
+     * cached tokens, its pending prefill tokens), charged and released with its pending prefill.
+     * Summed exactly; UINT64_MAX while the sum does not fit in 64 bits. */
     uint64_t pending_prefill_pairs;
 } km_active_load;
 

@@ -95,7 +95,8 @@ int km_engine_model_validate(const km_engine_model *m, char *why, size_t why_siz
 double km_engine_model_step_us(const km_engine_model *m, const km_engine_step *step);
 
 /* Attention pairs of a prefill chunk of `chunk` tokens after `before` tokens of the same prompt:
- * chunk * before + chunk * (chunk + 1) / 2. */
+ * chunk * before + chunk * (chunk + 1) / 2, or UINT64_MAX when that does not fit in 64 bits (so
+ * it never decreases as either argument grows). */
 uint64_t km_engine_model_chunk_pairs(uint64_t before, uint64_t chunk);
 
 /* The time a request would wait for its first token on a worker in state *load, in microseconds,

@@ -162,14 +162,18 @@ static void cluster_log(km_cluster *c, const char *fmt, ...)
 
 /* ---- the remote sum ------------------------------------------------------------------------- */
 
+/* Every field of `to` plus v's, UINT64_MAX past it (a local load may read UINT64_MAX already:
+ * km_active_load's pending_prefill_pairs). */
 static void load_add(km_active_load *to, const km_active_load *v)
 {
-    to->in_flight += v->in_flight;
-    to->prefilling += v->prefilling;
-    to->pending_prefill_tokens += v->pending_prefill_tokens;
-    to->active_decode_blocks += v->active_decode_blocks;
-    to->allocated_blocks += v->allocated_blocks;
-    to->pending_prefill_pairs += v->pending_prefill_pairs;
+#define ADD(f) to->f = to->f > UINT64_MAX - v->f ? UINT64_MAX : to->f + v->f
+    ADD(in_flight);
+    ADD(prefilling);
+    ADD(pending_prefill_tokens);
+    ADD(active_decode_blocks);
+    ADD(allocated_blocks);
+    ADD(pending_prefill_pairs);
+#undef ADD
 }
 
 /* Every field of `to` minus v's, never below 0 (the sum holds each contribution's values, so a

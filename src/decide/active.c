@@ -68,7 +68,8 @@ typedef struct ended_slot {
 } ended_slot;
 
 typedef struct worker_state {
-    km_active_load load;
+    km_active_load load; /* pending_prefill_pairs: the low 64 bits of their sum (pairs_add) */
+    uint64_t pairs_high; /* the bits of that sum past 64 */
     uint32_t head; /* first entry of the worker's list */
 } worker_state;
 
@@ -359,6 +360,37 @@ static uint64_t saturating_sub(km_active *a, uint64_t value, uint64_t amount)
     return value - amount;
 }
 
+/* A worker's pending prefill pairs are summed exactly, in 128 bits (load.pending_prefill_pairs
+ * and pairs_high): an entry of a huge prompt holds up to about 2^63 pairs, so a few of them sum
+ * past 2^64, and each must take off exactly what it added. The load reads UINT64_MAX while the
+ * sum is past it (load_of). */
+static void pairs_add(worker_state *w, uint64_t v)
+{
+    w->load.pending_prefill_pairs += v;
+    w->pairs_high += w->load.pending_prefill_pairs < v;
+}
+
+static void pairs_sub(km_active *a, worker_state *w, uint64_t v)
+{
+    if (w->load.pending_prefill_pairs < v) {
+        if (!w->pairs_high) {
+            a->stats.saturations++;
+            w->load.pending_prefill_pairs = 0;
+            return;
+        }
+        w->pairs_high--;
+    }
+    w->load.pending_prefill_pairs -= v;
+}
+
+static km_active_load load_of(const worker_state *w)
+{
+    km_active_load l = w->load;
+    if (w->pairs_high)
+        l.pending_prefill_pairs = UINT64_MAX;
+    return l;
+}
+
 /* ---- lists -------------------------------------------------------------------------------- */
 
 static void touch_unlink(km_active *a, uint32_t i)
@@ -531,7 +563,7 @@ static void end_entry(km_active *a, uint32_t i, km_active_end end, uint64_t now,
     if (!e->first_token)
         load->prefilling = saturating_sub(a, load->prefilling, 1);
     load->pending_prefill_tokens = saturating_sub(a, load->pending_prefill_tokens, e->prefill_pending);
-    load->pending_prefill_pairs = saturating_sub(a, load->pending_prefill_pairs, e->pairs_pending);
+    pairs_sub(a, &a->workers[e->worker], e->pairs_pending);
     load->active_decode_blocks = saturating_sub(a, load->active_decode_blocks, e->decode_blocks);
     load->allocated_blocks = saturating_sub(a, load->allocated_blocks, e->new_blocks);
     prefix_release(a, e);
@@ -778,7 +810,7 @@ int km_active_begin_with_user_bytes(km_active *a, uint32_t worker, const km_acti
     load->in_flight += 1;
     load->prefilling += 1;
     load->pending_prefill_tokens += e->prefill_pending;
-    load->pending_prefill_pairs += e->pairs_pending;
+    pairs_add(&a->workers[worker], e->pairs_pending);
     load->active_decode_blocks += e->decode_blocks;
     load->allocated_blocks += e->new_blocks;
     a->live++;
@@ -955,7 +987,7 @@ int km_active_move(km_active *a, const km_active_key *key, uint32_t worker, uint
     if (!e->first_token)
         from->prefilling = saturating_sub(a, from->prefilling, 1);
     from->pending_prefill_tokens = saturating_sub(a, from->pending_prefill_tokens, e->prefill_pending);
-    from->pending_prefill_pairs = saturating_sub(a, from->pending_prefill_pairs, e->pairs_pending);
+    pairs_sub(a, &a->workers[e->worker], e->pairs_pending);
     from->active_decode_blocks = saturating_sub(a, from->active_decode_blocks, e->decode_blocks);
     from->allocated_blocks = saturating_sub(a, from->allocated_blocks, e->new_blocks);
     /* The declared prefix was the decision's worker's: on another one nothing is known shared. */
@@ -969,7 +1001,7 @@ int km_active_move(km_active *a, const km_active_key *key, uint32_t worker, uint
     to->in_flight++;
     to->prefilling += !e->first_token;
     to->pending_prefill_tokens += e->prefill_pending;
-    to->pending_prefill_pairs += e->pairs_pending;
+    pairs_add(&a->workers[worker], e->pairs_pending);
     to->active_decode_blocks += e->decode_blocks;
     to->allocated_blocks += e->new_blocks;
     a->stats.moved++;
@@ -997,7 +1029,7 @@ int km_active_first_token(km_active *a, const km_active_key *key, int64_t engine
     uint64_t now = advance_clock(a, now_ns);
     km_active_load *load = &a->workers[e->worker].load;
     load->pending_prefill_tokens = saturating_sub(a, load->pending_prefill_tokens, e->prefill_pending);
-    load->pending_prefill_pairs = saturating_sub(a, load->pending_prefill_pairs, e->pairs_pending);
+    pairs_sub(a, &a->workers[e->worker], e->pairs_pending);
     load->prefilling = saturating_sub(a, load->prefilling, 1);
     e->prefill_pending = e->pairs_pending = 0;
     queued_release(a, e); /* the prefill ran: the worker's cache (and the index) has the blocks */
@@ -1035,8 +1067,8 @@ int km_active_report_cached(km_active *a, const km_active_key *key, int64_t engi
             uint64_t pairs = km_engine_model_chunk_pairs(cached, corrected);
             load->pending_prefill_tokens =
                 saturating_sub(a, load->pending_prefill_tokens, e->prefill_pending) + corrected;
-            load->pending_prefill_pairs =
-                saturating_sub(a, load->pending_prefill_pairs, e->pairs_pending) + pairs;
+            pairs_sub(a, &a->workers[e->worker], e->pairs_pending);
+            pairs_add(&a->workers[e->worker], pairs);
             e->prefill_pending = e->prefill_charged = corrected;
             e->pairs_pending = pairs;
             a->stats.corrections++;
@@ -1134,9 +1166,11 @@ int km_active_remove_worker(km_active *a, uint32_t worker, uint64_t now_ns,
     }
     km_active_load *load = &a->workers[worker].load;
     if (load->in_flight || load->prefilling || load->pending_prefill_tokens ||
-        load->pending_prefill_pairs || load->active_decode_blocks || load->allocated_blocks) {
+        load->pending_prefill_pairs || a->workers[worker].pairs_high ||
+        load->active_decode_blocks || load->allocated_blocks) {
         a->stats.saturations++; /* a broken sum invariant; reset rather than keep phantom load */
         memset(load, 0, sizeof *load);
+        a->workers[worker].pairs_high = 0;
     }
     if (n_removed)
         *n_removed = n;
@@ -1151,7 +1185,7 @@ int km_active_worker_load(const km_active *a, uint32_t worker, km_active_load *o
         return KM_ERR_NULL_POINTER;
     if (worker >= a->cfg.max_workers)
         return KM_ERR_WORKER_RANGE;
-    *out = a->workers[worker].load;
+    *out = load_of(&a->workers[worker]);
     return KM_OK;
 }
 
@@ -1162,12 +1196,16 @@ int km_active_get_stats(const km_active *a, km_active_stats *out)
     *out = a->stats;
     memset(&out->total, 0, sizeof out->total);
     for (uint32_t w = 0; w < a->cfg.max_workers; w++) {
-        out->total.in_flight += a->workers[w].load.in_flight;
-        out->total.prefilling += a->workers[w].load.prefilling;
-        out->total.pending_prefill_tokens += a->workers[w].load.pending_prefill_tokens;
-        out->total.pending_prefill_pairs += a->workers[w].load.pending_prefill_pairs;
-        out->total.active_decode_blocks += a->workers[w].load.active_decode_blocks;
-        out->total.allocated_blocks += a->workers[w].load.allocated_blocks;
+        km_active_load l = load_of(&a->workers[w]);
+        out->total.in_flight += l.in_flight;
+        out->total.prefilling += l.prefilling;
+        out->total.pending_prefill_tokens += l.pending_prefill_tokens;
+        out->total.pending_prefill_pairs =
+            out->total.pending_prefill_pairs > UINT64_MAX - l.pending_prefill_pairs
+                ? UINT64_MAX
+                : out->total.pending_prefill_pairs + l.pending_prefill_pairs;
+        out->total.active_decode_blocks += l.active_decode_blocks;
+        out->total.allocated_blocks += l.allocated_blocks;
     }
     out->entries = a->live;
     return KM_OK;

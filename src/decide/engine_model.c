@@ -147,9 +147,23 @@ double km_engine_model_step_us(const km_engine_model *m, const km_engine_step *s
            m->prefill_us_per_pair * (double)s->prefill_pairs;
 }
 
+static uint64_t add_saturating(uint64_t a, uint64_t b)
+{
+    return a > UINT64_MAX - b ? UINT64_MAX : a + b;
+}
+
+static uint64_t mul_saturating(uint64_t a, uint64_t b)
+{
+    return b && a > UINT64_MAX / b ? UINT64_MAX : a * b;
+}
+
 uint64_t km_engine_model_chunk_pairs(uint64_t before, uint64_t chunk)
 {
-    return chunk * before + chunk * (chunk + 1) / 2;
+    /* chunk * (chunk + 1) / 2 with its even factor halved first: no product is larger than the
+     * result, and chunk + 1 is formed only when chunk is even (so below UINT64_MAX). */
+    uint64_t own = chunk % 2 == 0 ? mul_saturating(chunk / 2, chunk + 1)
+                                  : mul_saturating(chunk, chunk / 2 + 1);
+    return add_saturating(mul_saturating(chunk, before), own);
 }
 
 double km_engine_model_step_in_progress_us(const km_engine_model *m, const km_engine_load *load)
@@ -171,7 +185,7 @@ double km_engine_model_predict_ttft_us(const km_engine_model *m, const km_engine
         load = &idle;
     uint32_t decodes = load->decode_requests;
     uint64_t per_step = m->max_num_batched_tokens > decodes ? m->max_num_batched_tokens - decodes : 1;
-    uint64_t tokens = load->prefill_tokens + uncached_tokens;
+    uint64_t tokens = add_saturating(load->prefill_tokens, uncached_tokens);
     uint64_t full = tokens / per_step, rest = tokens % per_step;
     double full_step = step_linear_us(m, per_step, decodes, load->decode_context_tokens);
     double ttft = (double)full * full_step;

@@ -566,7 +566,10 @@ static double predicted_ttft_us(const km_policy_config *cfg, const km_policy_req
     uint64_t tokens = request_tokens(req);
     uint64_t cached = (uint64_t)hit * req->block_size;
     const km_engine_model *m = &cfg->engine;
-    uint64_t request_blocks = ceil_div(tokens + req->expected_output_tokens, m->block_size);
+    uint64_t footprint = tokens > UINT64_MAX - req->expected_output_tokens
+                             ? UINT64_MAX
+                             : tokens + req->expected_output_tokens;
+    uint64_t request_blocks = ceil_div(footprint, m->block_size);
     km_engine_load load = engine_load_of(m, c, req->block_size);
     uint64_t host_blocks = in_engine_blocks(m, host, req->block_size);
     uint64_t disk_blocks = in_engine_blocks(m, disk, req->block_size);
