@@ -80,6 +80,13 @@ static uint64_t rand_count(km_rng *r)
     return km_rng_percent(r, 10) ? (uint64_t)INT64_MAX : rand_u64(r) >> 1;
 }
 
+/* A route's token count: 0..KM_PROTOCOL_MAX_ROUTE_TOKENS, its largest one often. */
+static uint64_t rand_route_tokens(km_rng *r)
+{
+    return km_rng_percent(r, 10) ? KM_PROTOCOL_MAX_ROUTE_TOKENS
+                                 : rand_u64(r) % ((uint64_t)KM_PROTOCOL_MAX_ROUTE_TOKENS + 1);
+}
+
 static uint32_t rand_u32(km_rng *r)
 {
     return km_rng_percent(r, 20) ? UINT32_MAX : (uint32_t)rand_u64(r);
@@ -134,9 +141,9 @@ static void rand_route(km_rng *r, km_route_request *q)
     }
     q->policy = maybe_str(r);
     q->has_prompt_tokens = km_rng_percent(r, 50);
-    q->prompt_tokens = q->has_prompt_tokens ? rand_count(r) : 0;
+    q->prompt_tokens = q->has_prompt_tokens ? rand_route_tokens(r) : 0;
     q->has_expected_output_tokens = km_rng_percent(r, 50);
-    q->expected_output_tokens = q->has_expected_output_tokens ? rand_count(r) : 0;
+    q->expected_output_tokens = q->has_expected_output_tokens ? rand_route_tokens(r) : 0;
 }
 
 static void rand_decision(km_rng *r, km_route_decision *d)
@@ -959,79 +966,115 @@ Test(protocol, elapsed_ms_must_be_a_duration, .timeout = 10)
 }
 
 /* Token counts a router reports are 0..2^63-1 (the records hold signed 64-bit integers): a larger
- * one, such as an all-ones "unknown", fails its item with the field named, and 2^63-1 decodes. */
+ * one, such as an all-ones "unknown", fails its item with the field named, and 2^63-1 decodes. A
+ * route's own prompt_tokens and expected_output_tokens weigh in its decision and active work,
+ * which count a request's tokens in 32 bits: past KM_PROTOCOL_MAX_ROUTE_TOKENS they fail the
+ * route with the field named, and the maximum decodes. */
 static void pack_str(msgpack_packer *pk, const char *s)
 {
     msgpack_pack_str(pk, strlen(s));
     msgpack_pack_str_body(pk, s, strlen(s));
 }
 
-Test(protocol, token_counts_past_two_to_the_63_fail_their_item, .timeout = 10)
+static void token_count_limits(bool route)
 {
     km_protocol_decoder *dec;
     cr_assert_eq(km_protocol_decoder_create(NULL, &dec), KM_OK);
     static const char *const lifecycle_fields[] = {"cached_tokens", "prompt_tokens",
                                                    "output_tokens"};
     static const char *const route_fields[] = {"prompt_tokens", "expected_output_tokens"};
-    for (int route = 0; route < 2; route++) {
-        int n_fields = route ? 2 : 3;
-        for (int f = 0; f < n_fields; f++) {
-            const char *field = route ? route_fields[f] : lifecycle_fields[f];
-            const uint64_t values[3] = {UINT64_MAX, (uint64_t)INT64_MAX + 1, (uint64_t)INT64_MAX};
-            for (int k = 0; k < 3; k++) {
-                msgpack_sbuffer sb;
-                msgpack_packer pk;
-                msgpack_sbuffer_init(&sb);
-                msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
-                if (route) {
-                    msgpack_pack_map(&pk, 3);
-                    pack_str(&pk, "type");
-                    pack_str(&pk, "ROUTE");
-                    pack_str(&pk, "id");
-                    msgpack_pack_uint64(&pk, 4);
-                    pack_str(&pk, "routes");
-                    msgpack_pack_array(&pk, 1);
-                    msgpack_pack_map(&pk, 3);
-                    pack_str(&pk, "request_id");
-                    pack_str(&pk, "r");
-                    pack_str(&pk, "tokens");
-                    msgpack_pack_array(&pk, 2);
-                    msgpack_pack_uint32(&pk, 1);
-                    msgpack_pack_uint32(&pk, 2);
-                } else {
-                    msgpack_pack_map(&pk, 6);
-                    pack_str(&pk, "type");
-                    pack_str(&pk, "FINISHED");
-                    pack_str(&pk, "id");
-                    msgpack_pack_uint64(&pk, 3);
-                    pack_str(&pk, "decision_id");
-                    msgpack_pack_uint64(&pk, 5);
-                    pack_str(&pk, "outcome");
-                    pack_str(&pk, "error");
-                    pack_str(&pk, "error");
-                    pack_str(&pk, "x");
-                }
-                pack_str(&pk, field);
-                msgpack_pack_uint64(&pk, values[k]);
-                km_message got;
-                cr_assert_eq(km_protocol_decode(dec, sb.data, sb.size, &got), KM_OK, "%s",
-                             km_protocol_decoder_last_error(dec));
-                int status = route ? got.route.routes[0].status : got.lifecycle.events[0].status;
-                const char *message =
-                    route ? got.route.routes[0].message : got.lifecycle.events[0].message;
-                if (k < 2) {
-                    cr_assert_eq(status, KM_ERR_PARSE, "%s = %" PRIu64, field, values[k]);
-                    cr_assert(message && strstr(message, field), "%s", message ? message : "");
-                } else {
-                    cr_assert_eq(status, KM_OK, "%s = 2^63-1: %s", field, message ? message : "");
-                }
-                msgpack_sbuffer_destroy(&sb);
+    const uint64_t lifecycle_values[3] = {UINT64_MAX, (uint64_t)INT64_MAX + 1,
+                                          (uint64_t)INT64_MAX};
+    const uint64_t route_values[3] = {(uint64_t)INT64_MAX,
+                                      (uint64_t)KM_PROTOCOL_MAX_ROUTE_TOKENS + 1,
+                                      KM_PROTOCOL_MAX_ROUTE_TOKENS};
+    int n_fields = route ? 2 : 3;
+    for (int f = 0; f < n_fields; f++) {
+        const char *field = route ? route_fields[f] : lifecycle_fields[f];
+        for (int k = 0; k < 3; k++) {
+            uint64_t value = route ? route_values[k] : lifecycle_values[k];
+            msgpack_sbuffer sb;
+            msgpack_packer pk;
+            msgpack_sbuffer_init(&sb);
+            msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
+            if (route) {
+                msgpack_pack_map(&pk, 3);
+                pack_str(&pk, "type");
+                pack_str(&pk, "ROUTE");
+                pack_str(&pk, "id");
+                msgpack_pack_uint64(&pk, 4);
+                pack_str(&pk, "routes");
+                msgpack_pack_array(&pk, 1);
+                msgpack_pack_map(&pk, 3);
+                pack_str(&pk, "request_id");
+                pack_str(&pk, "r");
+                pack_str(&pk, "tokens");
+                msgpack_pack_array(&pk, 2);
+                msgpack_pack_uint32(&pk, 1);
+                msgpack_pack_uint32(&pk, 2);
+            } else {
+                msgpack_pack_map(&pk, 6);
+                pack_str(&pk, "type");
+                pack_str(&pk, "FINISHED");
+                pack_str(&pk, "id");
+                msgpack_pack_uint64(&pk, 3);
+                pack_str(&pk, "decision_id");
+                msgpack_pack_uint64(&pk, 5);
+                pack_str(&pk, "outcome");
+                pack_str(&pk, "error");
+                pack_str(&pk, "error");
+                pack_str(&pk, "x");
             }
+            pack_str(&pk, field);
+            msgpack_pack_uint64(&pk, value);
+            km_message got;
+            cr_assert_eq(km_protocol_decode(dec, sb.data, sb.size, &got), KM_OK, "%s",
+                         km_protocol_decoder_last_error(dec));
+            int status = route ? got.route.routes[0].status : got.lifecycle.events[0].status;
+            const char *message =
+                route ? got.route.routes[0].message : got.lifecycle.events[0].message;
+            if (k < 2) {
+                cr_assert_eq(status, KM_ERR_PARSE, "%s = %" PRIu64, field, value);
+                cr_assert(message && strstr(message, field), "%s", message ? message : "");
+            } else {
+                cr_assert_eq(status, KM_OK, "%s = %" PRIu64 ": %s", field, value,
+                             message ? message : "");
+                cr_assert_eq(route ? (f ? got.route.routes[0].expected_output_tokens
+                                        : got.route.routes[0].prompt_tokens)
+                                   : value,
+                             value);
+            }
+            msgpack_sbuffer_destroy(&sb);
         }
     }
+    km_protocol_decoder_destroy(dec);
+}
+
+Test(protocol, token_counts_past_two_to_the_63_fail_their_item, .timeout = 10)
+{
+    token_count_limits(false);
     /* The encoder refuses what the decoder would. */
+    km_worker_info wi = {.pool = "p", .worker = 1, .state = "LIVE", .has_blocks = true,
+                         .blocks = (uint64_t)INT64_MAX + 1};
+    km_message list = {.type = KM_MESSAGE_WORKER_LIST, .id = 2};
+    list.workers.action = KM_ADMIN_LIST;
+    list.workers.workers = &wi;
+    list.workers.n_workers = 1;
+    km_frame_buffer b;
+    km_frame_buffer_init(&b);
+    char why[256];
+    cr_assert_eq(km_protocol_encode(&list, 0, &b, why, sizeof why), KM_ERR_INVALID_ARGUMENT);
+    cr_assert(strstr(why, "workers[0].blocks"), "%s", why);
+    km_frame_buffer_free(&b);
+}
+
+Test(protocol, route_token_counts_past_the_route_maximum_fail_their_route, .timeout = 10)
+{
+    token_count_limits(true);
+    /* The encoder refuses what the decoder would, and takes the maximum. */
     km_route_request q = {.request_id = "r", .input = KM_ROUTE_INPUT_TOKENS,
-                          .has_prompt_tokens = true, .prompt_tokens = UINT64_MAX};
+                          .has_prompt_tokens = true,
+                          .prompt_tokens = (uint64_t)KM_PROTOCOL_MAX_ROUTE_TOKENS + 1};
     km_message m = {.type = KM_MESSAGE_ROUTE, .id = 1};
     m.route.routes = &q;
     m.route.n_routes = 1;
@@ -1040,16 +1083,14 @@ Test(protocol, token_counts_past_two_to_the_63_fail_their_item, .timeout = 10)
     char why[256];
     cr_assert_eq(km_protocol_encode(&m, 0, &b, why, sizeof why), KM_ERR_INVALID_ARGUMENT);
     cr_assert(strstr(why, "routes[0].prompt_tokens"), "%s", why);
-    km_worker_info wi = {.pool = "p", .worker = 1, .state = "LIVE", .has_blocks = true,
-                         .blocks = (uint64_t)INT64_MAX + 1};
-    km_message list = {.type = KM_MESSAGE_WORKER_LIST, .id = 2};
-    list.workers.action = KM_ADMIN_LIST;
-    list.workers.workers = &wi;
-    list.workers.n_workers = 1;
-    cr_assert_eq(km_protocol_encode(&list, 0, &b, why, sizeof why), KM_ERR_INVALID_ARGUMENT);
-    cr_assert(strstr(why, "workers[0].blocks"), "%s", why);
+    q.prompt_tokens = KM_PROTOCOL_MAX_ROUTE_TOKENS;
+    q.has_expected_output_tokens = true;
+    q.expected_output_tokens = (uint64_t)KM_PROTOCOL_MAX_ROUTE_TOKENS + 1;
+    cr_assert_eq(km_protocol_encode(&m, 0, &b, why, sizeof why), KM_ERR_INVALID_ARGUMENT);
+    cr_assert(strstr(why, "routes[0].expected_output_tokens"), "%s", why);
+    q.expected_output_tokens = KM_PROTOCOL_MAX_ROUTE_TOKENS;
+    cr_assert_eq(km_protocol_encode(&m, 0, &b, why, sizeof why), KM_OK, "%s", why);
     km_frame_buffer_free(&b);
-    km_protocol_decoder_destroy(dec);
 }
 
 /* ---- frame reader ------------------------------------------------------------------------------- */

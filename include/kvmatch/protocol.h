@@ -37,6 +37,10 @@ extern "C" {
 /* Deepest container nesting a payload may have (msgpack-c's unpacker stack). Valid messages nest
  * at most 5 deep (message, decisions, decision, candidates, candidate row). */
 #define KM_PROTOCOL_MAX_NESTING_DEPTH 32u
+/* The most tokens a route may state as its prompt_tokens or its expected_output_tokens (u32's
+ * range, as active work counts a request's tokens): a larger value fails the route with
+ * KM_ERR_PARSE naming the field, and the encoder refuses it (KM_ERR_INVALID_ARGUMENT). */
+#define KM_PROTOCOL_MAX_ROUTE_TOKENS UINT32_MAX
 /* Default Unix socket path of `kvmatch serve`. */
 #define KM_PROTOCOL_DEFAULT_SOCKET "/tmp/kvmatch.sock"
 
@@ -179,9 +183,9 @@ typedef struct km_route_request {
     uint32_t n_candidates;
     const char *policy;        /* optional override: "kv", "cache_aware", "prefix", ... */
     bool has_prompt_tokens;    /* absent: n_tokens for token input, unknown for hashes */
-    uint64_t prompt_tokens;
+    uint64_t prompt_tokens;    /* at most KM_PROTOCOL_MAX_ROUTE_TOKENS */
     bool has_expected_output_tokens;
-    uint64_t expected_output_tokens;
+    uint64_t expected_output_tokens; /* at most KM_PROTOCOL_MAX_ROUTE_TOKENS */
     /* true: the DECISION leaves out the candidate rows (the decision record keeps them); for
      * routers that only need the choice, at a fraction of the reply's size. */
     bool brief;

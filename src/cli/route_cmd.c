@@ -314,7 +314,8 @@ int km_cmd_route(int argc, char **argv)
         case OPT_REMOVE_POOL: remove_pool = v; break;
         case OPT_EXPECTED_OUTPUT:
             r.has_expected_output_tokens = true;
-            if (!km_cli_u64("route", "expected-output", v, 0, UINT64_MAX, &r.expected_output_tokens))
+            if (!km_cli_u64("route", "expected-output", v, 0, KM_PROTOCOL_MAX_ROUTE_TOKENS,
+                            &r.expected_output_tokens))
                 return KM_EXIT_USAGE;
             break;
         case OPT_FINISH:

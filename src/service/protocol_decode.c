@@ -505,14 +505,18 @@ static int decode_route(km_protocol_decoder *d, const msgpack_object *o, km_rout
                   v[CANDIDATES])) ||
         (rc = OPT(read_str(d, v[POLICY], "policy", &r->policy), v[POLICY])))
         return rc;
+    /* A route's token counts weigh in its decision: past KM_PROTOCOL_MAX_ROUTE_TOKENS they are
+     * refused, not clamped into a decision the router did not ask for. */
     if (v[PROMPT_TOKENS]) {
-        if ((rc = read_count(d, v[PROMPT_TOKENS], "prompt_tokens", &r->prompt_tokens)))
+        if ((rc = read_u64_element(d, v[PROMPT_TOKENS], "prompt_tokens", NO_ELEMENT,
+                                   KM_PROTOCOL_MAX_ROUTE_TOKENS, &r->prompt_tokens)))
             return rc;
         r->has_prompt_tokens = true;
     }
     if (v[EXPECTED_OUTPUT_TOKENS]) {
-        if ((rc = read_count(d, v[EXPECTED_OUTPUT_TOKENS], "expected_output_tokens",
-                             &r->expected_output_tokens)))
+        if ((rc = read_u64_element(d, v[EXPECTED_OUTPUT_TOKENS], "expected_output_tokens",
+                                   NO_ELEMENT, KM_PROTOCOL_MAX_ROUTE_TOKENS,
+                                   &r->expected_output_tokens)))
             return rc;
         r->has_expected_output_tokens = true;
     }

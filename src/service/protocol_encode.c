@@ -152,6 +152,16 @@ static void put_count(writer *w, map_mark *m, const char *where, const char *key
     put_u64(w, m, key, v);
 }
 
+/* A route's token count: 0..KM_PROTOCOL_MAX_ROUTE_TOKENS (protocol_decode.c, decode_route). */
+static void put_route_tokens(writer *w, map_mark *m, const char *where, const char *key,
+                             uint64_t v)
+{
+    if (v > KM_PROTOCOL_MAX_ROUTE_TOKENS)
+        writer_fail(w, KM_ERR_INVALID_ARGUMENT, "%s%s %" PRIu64 " is over %" PRIu64, where, key, v,
+                    (uint64_t)KM_PROTOCOL_MAX_ROUTE_TOKENS);
+    put_u64(w, m, key, v);
+}
+
 static void put_i64(writer *w, map_mark *m, const char *key, int64_t v)
 {
     put_key(w, m, key);
@@ -323,9 +333,9 @@ static void encode_route(writer *w, const km_route_request *r, uint32_t i)
         put_u32_array(w, &m, where, "candidates", r->candidates, r->n_candidates);
     put_str(w, &m, "policy", r->policy);
     if (r->has_prompt_tokens)
-        put_count(w, &m, where, "prompt_tokens", r->prompt_tokens);
+        put_route_tokens(w, &m, where, "prompt_tokens", r->prompt_tokens);
     if (r->has_expected_output_tokens)
-        put_count(w, &m, where, "expected_output_tokens", r->expected_output_tokens);
+        put_route_tokens(w, &m, where, "expected_output_tokens", r->expected_output_tokens);
     if (r->brief)
         put_bool(w, &m, "brief", true);
     map_end(w, &m);
