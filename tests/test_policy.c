@@ -169,6 +169,49 @@ Test(policy, config_validate_rejects_each_bad_field, .timeout = 30)
     cr_assert(strstr(why, "NULL"));
 }
 
+/* A kv parameter past KM_POLICY_KV_PARAM_MAX is refused by name: a scale of 1e308 made the costs
+ * of uncached workers infinite, and sampling then chose the worst of them every time. At the
+ * maximum every cost stays finite and the sampled choice favours the cheapest worker. */
+Test(policy, kv_parameters_past_their_maximum_are_refused, .timeout = 30)
+{
+    km_policy_config cfg = config(KM_POLICY_KV);
+    cfg.kv.prefill_load_scale = 1e308;
+    cfg.kv.temperature = 0.5;
+    char why[160] = "";
+    cr_assert_eq(km_policy_config_validate(&cfg, why, sizeof why), KM_ERR_INVALID_ARGUMENT);
+    cr_assert(strstr(why, "kv.prefill_load_scale"), "%s", why);
+    km_policy_candidate c[3] = {cand(0, 8, 0, 0, 0, 0, 0), cand(1, 0, 0, 0, 0, 0, 0),
+                                cand(2, 0, 0, 0, 0, 0, 100000)};
+    km_policy_request req = request(8, 16);
+    km_policy_state st;
+    km_policy_state_init(&st, 7);
+    km_policy_decision d;
+    cr_assert_eq(km_policy_decide(&cfg, &st, &req, c, 3, &d, NULL), KM_ERR_INVALID_ARGUMENT);
+    double *fields[] = {&cfg.kv.prefill_load_scale, &cfg.kv.device_weight, &cfg.kv.host_weight,
+                        &cfg.kv.disk_weight, &cfg.kv.temperature};
+    const char *names[] = {"kv.prefill_load_scale", "kv.device_weight", "kv.host_weight",
+                           "kv.disk_weight", "kv.temperature"};
+    for (int f = 0; f < 5; f++) {
+        cfg = config(KM_POLICY_KV);
+        *fields[f] = nextafter(KM_POLICY_KV_PARAM_MAX, INFINITY);
+        cr_assert_eq(km_policy_config_validate(&cfg, why, sizeof why), KM_ERR_INVALID_ARGUMENT,
+                     "%s", names[f]);
+        cr_assert(strstr(why, names[f]), "%s", why);
+        *fields[f] = KM_POLICY_KV_PARAM_MAX;
+        cr_assert_eq(km_policy_config_validate(&cfg, why, sizeof why), KM_OK, "%s", why);
+    }
+    cfg = config(KM_POLICY_KV);
+    cfg.kv.prefill_load_scale = KM_POLICY_KV_PARAM_MAX;
+    cfg.kv.temperature = 0.5;
+    int hist[3] = {0};
+    double costs[3];
+    for (int k = 0; k < 1000; k++)
+        hist[decide(&cfg, &st, &req, c, 3, costs).chosen]++;
+    for (int i = 0; i < 3; i++)
+        cr_assert(isfinite(costs[i]), "cost %d is %g", i, costs[i]);
+    cr_assert_gt(hist[0], hist[1] + hist[2], "drawn %d / %d / %d", hist[0], hist[1], hist[2]);
+}
+
 Test(policy, kind_and_reason_names, .timeout = 30)
 {
     const char *kinds[] = {"kv",          "cache_aware", "prefix", "least_load",

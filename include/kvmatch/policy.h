@@ -113,19 +113,24 @@ typedef enum km_policy_reason {
     KM_POLICY_REASON_COUNT
 } km_policy_reason;
 
+/* The largest value of each kv parameter (scale, tier weights, temperature): far past any tuning,
+ * and small enough that every kv cost stays finite (a cost counts at most about 2^64 tokens). */
+#define KM_POLICY_KV_PARAM_MAX 1e6
+
 /* Policy parameters. km_policy_config_init sets the peers' defaults; fields of the policies a pool
  * does not use are ignored (but still validated, so a config file with a bad value fails early). */
 typedef struct km_policy_config {
     km_policy_kind kind; /* default KM_POLICY_TTFT (docs/BENCHMARKS.md, "Routing") */
     struct {
         /* Multiplies the uncovered prefill blocks (Dynamo's prefill_load_scale, formerly
-         * overlap_score_weight); finite, >= 0; default 1.0. 0 = decode load only. */
+         * overlap_score_weight); 0 .. KM_POLICY_KV_PARAM_MAX; default 1.0. 0 = decode load
+         * only. */
         double prefill_load_scale;
         /* Overlap credit per matched block by its best tier (Dynamo: device 1.0, host 0.75,
-         * disk 0.25); finite, >= 0. */
+         * disk 0.25); 0 .. KM_POLICY_KV_PARAM_MAX. */
         double device_weight, host_weight, disk_weight;
         /* 0 = deterministic argmin; > 0 = softmax sampling (Dynamo's router_temperature);
-         * finite, >= 0; default 0. */
+         * 0 .. KM_POLICY_KV_PARAM_MAX; default 0. */
         double temperature;
     } kv;
     struct {
@@ -243,9 +248,9 @@ typedef struct km_policy_decision {
 void km_policy_config_init(km_policy_config *cfg);
 
 /* KM_OK, or KM_ERR_NULL_POINTER (cfg NULL) / KM_ERR_INVALID_ARGUMENT (unknown kind; a NaN,
- * infinite or negative weight, scale, temperature or rel threshold; cache_threshold outside
- * [0, 1]) with a sentence naming the field and value in why (why may be NULL; truncated to
- * why_size). */
+ * infinite or negative weight, scale, temperature or rel threshold; a kv parameter over
+ * KM_POLICY_KV_PARAM_MAX; cache_threshold outside [0, 1]) with a sentence naming the field and
+ * value in why (why may be NULL; truncated to why_size). */
 int km_policy_config_validate(const km_policy_config *cfg, char *why, size_t why_size);
 
 /* "kv", "cache_aware", "prefix", "least_load", "round_robin", "llmd", "preble", "ttft";
@@ -314,7 +319,9 @@ const char *km_policy_last_error(const km_policy_state *state);
  *   reason min_cost. temperature T > 0: Dynamo's softmax over normalised costs,
  *     p_i = exp(-x_i / T) / sum_j exp(-x_j / T),  x_i = (cost_i - min) / (max - min),
  *   uniform when all costs are equal; one draw u in [0, 1) from the state's random source picks
- *   the first i whose cumulative probability exceeds u. reason sampled.
+ *   the first i whose cumulative probability exceeds u. reason sampled. (A valid config keeps
+ *   every cost finite; were one infinite, it would get probability 0, min and max coming from
+ *   the finite ones, and with none finite the choice would be temperature 0's.)
  *
  * cache_aware (vllm-router cache_aware, its decision order). min, max = the smallest and largest
  *   in_flight among the candidates.

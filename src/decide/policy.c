@@ -144,6 +144,16 @@ static int check_non_negative(const char *field, double value, char *why, size_t
     return KM_OK;
 }
 
+/* A kv parameter: 0 .. KM_POLICY_KV_PARAM_MAX, or a sentence naming the field. */
+static int check_kv_param(const char *field, double value, char *why, size_t why_size)
+{
+    if (isnan(value) || value < 0.0 || value > KM_POLICY_KV_PARAM_MAX)
+        return fail(why, why_size, KM_ERR_INVALID_ARGUMENT,
+                    "policy config %s is %g; it must lie in [0, %g]", field, value,
+                    KM_POLICY_KV_PARAM_MAX);
+    return KM_OK;
+}
+
 int km_policy_config_validate(const km_policy_config *cfg, char *why, size_t why_size)
 {
     if (why && why_size)
@@ -156,12 +166,12 @@ int km_policy_config_validate(const km_policy_config *cfg, char *why, size_t why
                     "llmd, preble, ttft)",
                     (int)cfg->kind);
     int rc;
-    if ((rc = check_non_negative("kv.prefill_load_scale", cfg->kv.prefill_load_scale, why,
-                                 why_size)) ||
-        (rc = check_non_negative("kv.device_weight", cfg->kv.device_weight, why, why_size)) ||
-        (rc = check_non_negative("kv.host_weight", cfg->kv.host_weight, why, why_size)) ||
-        (rc = check_non_negative("kv.disk_weight", cfg->kv.disk_weight, why, why_size)) ||
-        (rc = check_non_negative("kv.temperature", cfg->kv.temperature, why, why_size)) ||
+    if ((rc = check_kv_param("kv.prefill_load_scale", cfg->kv.prefill_load_scale, why,
+                             why_size)) ||
+        (rc = check_kv_param("kv.device_weight", cfg->kv.device_weight, why, why_size)) ||
+        (rc = check_kv_param("kv.host_weight", cfg->kv.host_weight, why, why_size)) ||
+        (rc = check_kv_param("kv.disk_weight", cfg->kv.disk_weight, why, why_size)) ||
+        (rc = check_kv_param("kv.temperature", cfg->kv.temperature, why, why_size)) ||
         (rc = check_non_negative("cache_aware.balance_rel_threshold",
                                  cfg->cache_aware.balance_rel_threshold, why, why_size)) ||
         (rc = check_non_negative("llmd.prefix_weight", cfg->llmd.prefix_weight, why, why_size)) ||
@@ -353,10 +363,13 @@ static int compare_kv(double cost_a, const km_policy_candidate *a, double cost_b
 
 /* ---- softmax ------------------------------------------------------------------------------ */
 
-/* Dynamo's weights: exp(-(cost - min) / ((max - min) * T)), all 1 when max == min. The largest
+/* Dynamo's weights: exp(-(cost - min) / ((max - min) * T)), all 1 when max == min, over finite
+ * costs and a finite min and max; an infinite (or NaN) cost weighs 0, never drawn. The largest
  * weight is exactly 1 (at the minimum cost), so the sum is in [1, n] and never overflows. */
 static double softmax_weight(double cost, double min, double max, double temperature)
 {
+    if (!isfinite(cost))
+        return 0.0;
     if (max == min)
         return 1.0;
     return exp(-((cost - min) / (max - min)) / temperature);
@@ -393,27 +406,23 @@ static void decide_kv(const km_policy_config *cfg, km_policy_state *state,
                       km_policy_decision *out, double *costs_out)
 {
     kv_request_terms t = kv_terms(req);
-    double min = 0.0, max = 0.0;
+    double min = INFINITY, max = -INFINITY; /* over the finite costs (softmax_weight) */
     uint32_t best = 0;
     double best_cost = 0.0;
     for (uint32_t i = 0; i < n; i++) {
         double cost = kv_cost(cfg, req, &t, &cands[i]);
         if (costs_out)
             costs_out[i] = cost;
-        if (i == 0) {
-            min = max = best_cost = cost;
-            continue;
-        }
-        if (cost < min)
+        if (isfinite(cost) && cost < min)
             min = cost;
-        if (cost > max)
+        if (isfinite(cost) && cost > max)
             max = cost;
-        if (compare_kv(cost, &cands[i], best_cost, &cands[best]) < 0) {
+        if (i == 0 || compare_kv(cost, &cands[i], best_cost, &cands[best]) < 0) {
             best = i;
             best_cost = cost;
         }
     }
-    if (cfg->kv.temperature == 0.0) {
+    if (cfg->kv.temperature == 0.0 || !isfinite(min)) { /* temperature 0, or nothing to weigh */
         out->chosen = best;
         out->chosen_cost = best_cost;
         out->reason = KM_POLICY_REASON_MIN_COST;
@@ -435,7 +444,7 @@ static void decide_kv(const km_policy_config *cfg, km_policy_state *state,
         double cost = costs_out ? costs_out[i] : kv_cost(cfg, req, &t, &cands[i]);
         double w = softmax_weight(cost, min, max, temperature);
         if (w <= 0.0)
-            continue; /* underflowed: probability 0, never drawn */
+            continue; /* underflowed or infinite: probability 0, never drawn */
         last_positive = i;
         cumulative += w;
         if (target < cumulative) {
