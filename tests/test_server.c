@@ -3022,6 +3022,58 @@ Test(server, decisions_of_a_reply_too_large_to_send_stop_charging_their_workers,
     srv_cleanup(&s);
 }
 
+/* A worker's load as WORKER_LIST reports it. */
+static km_worker_load worker_load(km_client *c, uint32_t worker)
+{
+    km_message m, reply;
+    memset(&m, 0, sizeof m);
+    m.type = KM_MESSAGE_WORKERS;
+    m.workers.action = KM_ADMIN_LIST;
+    cr_assert_eq(km_client_call(c, &m, 5000, &reply), KM_OK);
+    cr_assert_eq(reply.type, KM_MESSAGE_WORKER_LIST);
+    for (uint32_t i = 0; i < reply.workers.n_workers; i++)
+        if (reply.workers.workers[i].worker == worker && reply.workers.workers[i].has_load)
+            return reply.workers.workers[i].load;
+    cr_assert_fail("worker %u has no load in WORKER_LIST", worker);
+    km_worker_load none = {0};
+    return none;
+}
+
+/* vLLM recomputes a prompt's last token, so a worker holding every block of a block-aligned
+ * prompt still prefills its last block: the route is charged that block of pending prefill, as
+ * the policies weigh its hit, not nothing. */
+Test(server, a_full_block_aligned_hit_is_charged_its_last_block_of_prefill, .timeout = 30)
+{
+    srv s = {0};
+    km_server_config cfg;
+    test_config(&cfg, &s, KM_POLICY_PREFIX, 1);
+    cfg.records_path = NULL;
+    srv_start(&s, &cfg);
+    km_client *c = connect_client(&s);
+    km_message reply;
+    km_route_request first = prefix_route("aligned-1", 8 * BS);
+    const km_route_decision *d = route_one(c, &first, &reply);
+    cr_assert_eq(d->status, KM_OK);
+    cr_assert_eq(d->chosen_depth, 0);
+    cr_assert_eq(worker_load(c, 0).pending_prefill_tokens, 8 * BS, "a cold prompt prefills whole");
+    /* Approximate mode: the worker now holds the prompt's 8 blocks. */
+    km_route_request again = prefix_route("aligned-2", 8 * BS);
+    d = route_one(c, &again, &reply);
+    cr_assert_eq(d->status, KM_OK);
+    cr_assert_eq(d->chosen_depth, 8);
+    cr_assert_eq(worker_load(c, 0).pending_prefill_tokens, 8 * BS + BS,
+                 "the full hit was charged %" PRIu64 " tokens, not its last block",
+                 worker_load(c, 0).pending_prefill_tokens - 8 * BS);
+    /* A prompt one token past the blocks holds them all as its hit: its extra token alone. */
+    km_route_request longer = prefix_route("aligned-3", 8 * BS + 1);
+    d = route_one(c, &longer, &reply);
+    cr_assert_eq(d->chosen_depth, 8);
+    cr_assert_eq(worker_load(c, 0).pending_prefill_tokens, 8 * BS + BS + 1);
+    km_client_close(c);
+    srv_stop(&s);
+    srv_cleanup(&s);
+}
+
 /* The startup line, kept for the test that reads it. */
 static pthread_mutex_t g_serving_lock = PTHREAD_MUTEX_INITIALIZER;
 static char g_serving[512];
@@ -4790,7 +4842,8 @@ Test(server, health_checks_stay_on_while_any_worker_is_restricted, .timeout = 30
 
 /* A request routed while another with the same prompt is still being prefilled on a worker finds
  * that prompt cached there once it runs: the ttft pool sends it to the same worker and charges
- * it only the prefill the queued one does not cover. The promise ends with the first request's
+ * it only the prefill the queued one does not cover, its last block (an engine recomputes the
+ * prompt's last token, so a hit never covers it). The promise ends with the first request's
  * FIRST_TOKEN (the engine's own events report the blocks from then on); the decision records say
  * what was queued. Workers take events (none are sent), so the index alone never learns the
  * prompt. */
@@ -4829,8 +4882,8 @@ Test(server, a_prompt_being_prefilled_draws_the_same_prompt_to_its_worker, .time
     r = prefix_route("probe", 64 * BS);
     r.brief = false;
     d = route_one(c, &r, &reply);
-    cr_assert_eq(candidate(d, computing)->load.pending_prefill_tokens, 64 * BS,
-                 "the second request was charged prefill the first one covers");
+    cr_assert_eq(candidate(d, computing)->load.pending_prefill_tokens, 64 * BS + BS,
+                 "the second request was not charged its last block alone");
     cr_assert_eq(report(c, KM_LIFECYCLE_FINISHED, "probe", false, 0), KM_OK);
 
     /* The first prefill ran: nothing is queued, and the index (no events) holds nothing, so a

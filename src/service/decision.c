@@ -318,10 +318,13 @@ static bool choose(km_server *s, route_job *r, pool *p, batch_scratch *b, route_
 static bool begin_active_work(km_server *s, route_job *r, const pool *p, route_choice *c)
 {
     uint32_t prompt = r->prompt_tokens > UINT32_MAX ? UINT32_MAX : (uint32_t)r->prompt_tokens;
-    /* The prefill it adds: what neither the worker's cache nor the prefills queued there cover. */
+    /* The prefill it adds: what neither the worker's cache nor the prefills queued there cover,
+     * of which the engine counts a hit short of the prompt's last token (engine_hit), as the
+     * policies weigh it: a block-aligned full match still prefills its last block. */
     uint32_t covered = c->chosen_queued_depth > c->chosen_depth ? c->chosen_queued_depth
                                                                 : c->chosen_depth;
-    uint64_t predicted = (uint64_t)covered * p->block_size;
+    uint32_t hit = engine_hit(r, p, covered);
+    uint64_t predicted = (uint64_t)hit * p->block_size;
     uint32_t expected = r->expected_output_tokens > UINT32_MAX ? UINT32_MAX
                                                                : (uint32_t)r->expected_output_tokens;
     c->key = km_active_key_of(r->request_id, r->attempt_id);
@@ -351,7 +354,6 @@ static bool begin_active_work(km_server *s, route_job *r, const pool *p, route_c
     }
     /* The cached prefix it will use there, so concurrent requests on one prefix count its KV
      * once (best effort: without memory for it, the request counts whole). */
-    uint32_t hit = engine_hit(r, p, covered);
     if (hit && hit <= r->n_hashes)
         km_active_share_prefix(s->active, &c->key, r->hashes[hit - 1], hit * p->block_size);
     /* The blocks its prefill will store there, promised until its first token (best effort as
