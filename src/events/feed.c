@@ -210,6 +210,12 @@ void km_feed_destroy(km_feed *feed)
 
 static uint32_t worker_slot(const km_feed *feed, uint32_t id, bool *found)
 {
+    /* Ids are unique and ascending, so a worker whose id equals its position is the one; workers
+     * numbered 0, 1, ... (the usual fleet) are found without the search. */
+    if (id < feed->n_workers && feed->workers[id]->id == id) {
+        *found = true;
+        return id;
+    }
     uint32_t lo = 0, hi = feed->n_workers;
     while (lo < hi) {
         uint32_t mid = lo + (hi - lo) / 2;
