@@ -551,8 +551,30 @@ void km_table_erase(km_table *t, uint64_t slot)
     km_block_meta *meta = t->meta;
     uint64_t capacity = t->capacity;
     uint64_t hole = slot;
-    for (uint64_t j = km_slot_next(slot, capacity); slots[j].key != KM_KEY_EMPTY;
-         j = km_slot_next(j, capacity)) {
+    uint64_t j = slot + 1;
+    if (!t->aux && !t->track_dirty) {
+        /* The common host table: until the walk wraps past the last slot, hole < j, so the test
+         * of probe_home_between is one comparison: the home lies in (hole, j] exactly when
+         * home - (hole + 1) <= d, d = j - (hole + 1) counted along the walk. */
+        const km_slot *sp = slots + j, *end = slots + capacity;
+        uint64_t base = j, d = 0;
+        for (; sp < end; sp++, d++) {
+            uint64_t key = sp->key;
+            if (key == KM_KEY_EMPTY)
+                goto done;
+            if (km_slot_home(key, capacity) - base <= d)
+                continue; /* home lies after the hole: moving the key back would hide it */
+            j = (uint64_t)(sp - slots);
+            slots[hole] = *sp;
+            if (meta)
+                meta[hole] = meta[j];
+            hole = j;
+            base = j + 1;
+            d = UINT64_MAX; /* 0 at the next slot, the first after the new hole */
+        }
+        j = capacity;
+    }
+    for (j = j < capacity ? j : 0; slots[j].key != KM_KEY_EMPTY; j = km_slot_next(j, capacity)) {
         if (probe_home_between(km_slot_home(slots[j].key, capacity), hole, j))
             continue; /* home lies after the hole: moving the key back would hide it */
         slots[hole] = slots[j];
@@ -563,6 +585,7 @@ void km_table_erase(km_table *t, uint64_t slot)
         mark_dirty_slot(t, hole);
         hole = j;
     }
+done:
     memset(&slots[hole], 0, sizeof slots[hole]); /* empty: all zero */
     if (meta)
         memset(&meta[hole], 0, sizeof meta[hole]);
