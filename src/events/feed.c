@@ -855,12 +855,25 @@ static void count_message_refusals(worker *w, const km_kv_batch *batch)
     }
 }
 
+static void log_fresh_refusals(const km_feed *feed, worker *w, uint64_t now);
+
 /* One log line naming the worker and, per reason, the refusals since the previous line; at most
- * one per REFUSAL_LOG_INTERVAL_NS per worker (the counters keep counting meanwhile). */
-static void log_refusals(const km_feed *feed, worker *w, uint64_t now)
+ * one per REFUSAL_LOG_INTERVAL_NS per worker (the counters keep counting meanwhile). Without
+ * fresh refusals, only the counters are compared. */
+static inline void log_refusals(const km_feed *feed, worker *w, uint64_t now)
 {
     if (w->has_refusal_log && now - w->refusal_log_ns < REFUSAL_LOG_INTERVAL_NS)
         return;
+    uint64_t fresh = 0;
+    for (unsigned r = 0; r < KM_FEED_REFUSAL_COUNT; r++)
+        fresh |= w->c.refused[r] ^ w->refusals_logged[r];
+    if (fresh)
+        log_fresh_refusals(feed, w, now);
+}
+
+/* log_refusals, when some counter moved since the previous line. */
+static void log_fresh_refusals(const km_feed *feed, worker *w, uint64_t now)
+{
     char list[384];
     size_t used = 0;
     list[0] = '\0';
