@@ -466,16 +466,19 @@ uint64_t km_table_find_vacant(const km_table *t, uint64_t key, uint64_t *vacant)
 {
     const km_slot *slots = t->slots;
     uint64_t capacity = t->capacity;
-    uint64_t i = km_slot_home(key, capacity);
-    for (;; i = km_slot_next(i, capacity)) {
-        uint64_t k = slots[i].key;
+    const km_slot *s = slots + km_slot_home(key, capacity), *end = slots + capacity;
+    for (;;) { /* by pointer: the walk's one test per slot besides the keys is the wrap */
+        uint64_t k = s->key;
         if (k == KM_KEY_EMPTY)
             break;
         if (k == key) {
             *vacant = KM_SLOT_NONE;
-            return i;
+            return (uint64_t)(s - slots);
         }
+        if (++s == end)
+            s = slots;
     }
+    uint64_t i = (uint64_t)(s - slots);
     /* Absent from the new array, whose first empty slot along the run is where an insert that
      * needs no reserve (no move under way, room for one more key) puts the key when there are no
      * tombstones (the insert would take the first of them). */
