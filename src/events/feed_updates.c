@@ -529,7 +529,8 @@ static void apply_stored(km_feed *feed, worker *w, const km_kv_event *e)
     /* The salt names block 0 only, so it matters only for a run that starts a sequence. */
     km_hash_config hc = {feed->config.block_size, lora_set ? lora : NULL,
                          starts_sequence ? e->cache_salt : NULL};
-    uint64_t seed_rest = km_hash_block_seed(&hc, 1);
+    /* Past block 0 only the LoRA name counts: without one, the seed is KM_HASH_SEED. */
+    uint64_t seed_rest = lora_set ? km_hash_block_seed(&hc, 1) : KM_HASH_SEED;
     uint64_t seed_first = starts_sequence ? km_hash_block_seed(&hc, 0) : seed_rest; /* root only */
 
     /* Blocks [0, hashable) have chains and form the STORE run; the first block without one (an
