@@ -1302,10 +1302,9 @@ static bool direct_medium(km_kv_decoder *dec, direct_cursor *c, km_kv_event *ev)
     return true;
 }
 
-static bool direct_optional_u32(direct_cursor *c, bool *has, uint32_t *out)
+/* An optional field's value when it is not nil (direct_optional_u32, direct_optional_i64). */
+static bool direct_u32_value(direct_cursor *c, bool *has, uint32_t *out)
 {
-    if (direct_is_nil(c))
-        return direct_nil(c);
     uint64_t v;
     bool negative;
     if (!direct_int(c, &v, &negative) || negative || v > UINT32_MAX)
@@ -1315,10 +1314,8 @@ static bool direct_optional_u32(direct_cursor *c, bool *has, uint32_t *out)
     return true;
 }
 
-static bool direct_optional_i64(direct_cursor *c, bool *has, int64_t *out)
+static bool direct_i64_value(direct_cursor *c, bool *has, int64_t *out)
 {
-    if (direct_is_nil(c))
-        return direct_nil(c);
     uint64_t v;
     bool negative;
     if (!direct_int(c, &v, &negative) || (!negative && v > INT64_MAX))
@@ -1326,6 +1323,19 @@ static bool direct_optional_i64(direct_cursor *c, bool *has, int64_t *out)
     *has = true;
     *out = (int64_t)v;
     return true;
+}
+
+/* Optional fields, mostly nil: that case inline. */
+__attribute__((always_inline)) static inline bool direct_optional_u32(direct_cursor *c, bool *has,
+                                                                      uint32_t *out)
+{
+    return direct_is_nil(c) ? direct_nil(c) : direct_u32_value(c, has, out);
+}
+
+__attribute__((always_inline)) static inline bool direct_optional_i64(direct_cursor *c, bool *has,
+                                                                      int64_t *out)
+{
+    return direct_is_nil(c) ? direct_nil(c) : direct_i64_value(c, has, out);
 }
 
 #ifdef KM_TOKENS_SSSE3
