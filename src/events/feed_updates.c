@@ -564,11 +564,14 @@ static void apply_stored(km_feed *feed, worker *w, const km_kv_event *e)
                                                          : km_u64map_key(e->parent_block_hash));
             if (run_open && !block_is_opaque(feed, e, lora_set, i)) {
                 bool root = starts_sequence && i == 0;
-                uint32_t la = e->n_lookahead_tokens;
-                uint64_t local = km_hash_local_lookahead(
-                    e->token_ids + (size_t)i * feed->config.block_size, feed->config.block_size,
-                    la ? e->lookahead_token_ids + (size_t)i * la : NULL, la,
-                    root ? seed_first : seed_rest);
+                uint32_t la = e->n_lookahead_tokens, bs = feed->config.block_size;
+                const uint32_t *tokens = e->token_ids + (size_t)i * bs;
+                uint64_t seed = root ? seed_first : seed_rest;
+                /* km_hash_local is km_hash_local_lookahead without lookahead tokens. */
+                uint64_t local = la ? km_hash_local_lookahead(tokens, bs,
+                                                              e->lookahead_token_ids + (size_t)i * la,
+                                                              la, seed)
+                                    : km_hash_local(tokens, bs, seed);
                 m->chain = root ? km_hash_chain_root(local) : km_hash_chain_step(previous, local);
             } else {
                 m->chain = CHAIN_UNHASHABLE;
