@@ -529,8 +529,9 @@ static void note_growth(km_index *index, const km_table *t, uint64_t from, doubl
 }
 
 /* Add worker to key's set in table t (inserting the key if absent). Returns 1 added, 0 present. */
-static int table_add(batch *b, km_table *t, uint64_t key, uint32_t worker, uint64_t *slot_out,
-                     int *inserted)
+__attribute__((always_inline)) static inline int table_add(batch *b, km_table *t, uint64_t key,
+                                                          uint32_t worker, uint64_t *slot_out,
+                                                          int *inserted)
 {
     uint64_t vacant;
     uint64_t slot = km_table_find_vacant(t, key, &vacant);
@@ -1003,7 +1004,7 @@ static int apply_store(batch *b, const km_update *u)
         if (offset != KM_OFFSET_UNKNOWN)
             anchor = S && offset == 0 ? km_anchor_tag(key) : prev_anchor;
 
-        uint64_t slot;
+        uint64_t slot = KM_SLOT_NONE; /* set by table_add unless it fails */
         int inserted;
         int added = table_add(b, &index->blocks, key, u->worker, &slot, &inserted);
         if (added < 0)
