@@ -582,7 +582,8 @@ __attribute__((always_inline)) static inline int table_add(batch *b, km_table *t
 
 /* Remove worker from the set at slot of table t; erases the key when the set empties. Returns 1
  * when the key was erased. */
-static int table_remove_at(batch *b, km_table *t, uint64_t slot, uint32_t worker)
+__attribute__((always_inline)) static inline int table_remove_at(batch *b, km_table *t,
+                                                                uint64_t slot, uint32_t worker)
 {
     const km_slot *s = km_table_slot(t, slot);
     if (b->logging) {
