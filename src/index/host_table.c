@@ -536,7 +536,8 @@ int km_table_insert(km_table *t, uint64_t key, int allow_grow, uint64_t *slot_ou
     return KM_OK;
 }
 
-void km_table_erase(km_table *t, uint64_t slot)
+/* km_table_erase, inline in km_table_set_remove_erase. */
+__attribute__((always_inline)) static inline void table_erase(km_table *t, uint64_t slot)
 {
     if (slot >= t->capacity) { /* still in the old array: a tombstone keeps its probe runs whole */
         uint64_t j = slot - t->capacity;
@@ -598,6 +599,11 @@ done:
     mark_dirty_slot(t, hole);
     if (t->old_slots)
         migrate(t, MIGRATE_PER_KEY);
+}
+
+void km_table_erase(km_table *t, uint64_t slot)
+{
+    table_erase(t, slot);
 }
 
 int km_table_purge_tombstones(km_table *t)
@@ -766,7 +772,7 @@ int km_table_set_remove_erase(km_table *t, uint64_t slot, uint32_t worker)
          * remove lists it). */
         t->pairs--;
         mark_dirty_slot(t, slot);
-        km_table_erase(t, slot);
+        table_erase(t, slot);
         return 1;
     }
     km_table_set_remove(t, slot, worker);
