@@ -76,18 +76,14 @@ const km_emap_entry *km_emap_next(const km_emap *m, uint64_t *cursor)
 
 /* ---- parents --------------------------------------------------------------------------------- */
 
-uint64_t km_emap_parent(const km_emap *m, const km_emap_entry *e)
+uint64_t km_emap_parent_held(const km_emap *m, const km_emap_entry *e)
 {
-    if (!m->parents.live)
-        return 0;
     const uint64_t *p = km_u64map_find(&m->parents, e->key);
     return p ? *p : 0;
 }
 
-int km_emap_set_parent(km_emap *m, const km_emap_entry *e, uint64_t parent_key)
+int km_emap_set_kept_parent(km_emap *m, const km_emap_entry *e, uint64_t parent_key)
 {
-    if (!m->keep_parents)
-        return KM_OK;
     if (!parent_key) {
         if (m->parents.live)
             km_u64map_erase(&m->parents, e->key);

@@ -22,6 +22,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "kvmatch/error.h"
 #include "base/open_map.h"
 #include "base/u64_map.h"
 
@@ -130,13 +131,25 @@ const km_emap_entry *km_emap_next(const km_emap *m, uint64_t *cursor);
 
 /* ---- parents --------------------------------------------------------------------------------- */
 
+/* The out-of-line parts of km_emap_parent and km_emap_set_parent, for a map that holds (keeps)
+ * parents; the common map keeps none, and their tests of that are inline. */
+uint64_t km_emap_parent_held(const km_emap *m, const km_emap_entry *e);
+int km_emap_set_kept_parent(km_emap *m, const km_emap_entry *e, uint64_t parent_key);
+
 /* km_u64map_key of the engine hash of the block before e's, as set; 0 when none was set or the
  * map keeps no parents. */
-uint64_t km_emap_parent(const km_emap *m, const km_emap_entry *e);
+static inline uint64_t km_emap_parent(const km_emap *m, const km_emap_entry *e)
+{
+    return m->parents.live ? km_emap_parent_held(m, e) : 0;
+}
+
 /* Set e's parent (a km_u64map_key; 0: none). No effect when the map keeps no parents. Room comes
  * from km_emap_reserve; KM_ERR_OUT_OF_MEMORY only beyond it (e keeps no parent then). Never moves
  * an entry of the map. */
-int km_emap_set_parent(km_emap *m, const km_emap_entry *e, uint64_t parent_key);
+static inline int km_emap_set_parent(km_emap *m, const km_emap_entry *e, uint64_t parent_key)
+{
+    return m->keep_parents ? km_emap_set_kept_parent(m, e, parent_key) : KM_OK;
+}
 
 /* ---- announcements per medium other than the device ------------------------------------------ */
 
