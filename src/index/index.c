@@ -1086,7 +1086,8 @@ static int apply_store(batch *b, const km_update *u)
  * anchor map entry the metadata names): start the first two REMOVE_AHEAD blocks ahead and the
  * third half as far ahead, so several blocks' chains overlap. */
 
-static void remove_prefetch(const km_index *index, const km_update *u, size_t i)
+__attribute__((always_inline)) static inline void remove_prefetch(const km_index *index,
+                                                                const km_update *u, size_t i)
 {
     const km_table *t = &index->blocks;
     if (i + REMOVE_AHEAD < u->n_hashes) {
