@@ -365,12 +365,6 @@ void km_table_free(km_table *t)
     memset(t, 0, sizeof *t);
 }
 
-uint64_t km_table_find(const km_table *t, uint64_t key)
-{
-    km_table_view v = km_table_get_view(t);
-    return km_view_find(&v, key);
-}
-
 /* Keys matching a parent tag and placement in one array: those whose home lies in [lo, hi] sit in
  * the probe runs that start there, so the scan goes from `first` (lo, or where the old array's
  * unmoved part begins) over every slot up to hi and on to the next empty slot; a run that wraps

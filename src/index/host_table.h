@@ -172,7 +172,11 @@ static inline km_table_view km_table_get_view(const km_table *t)
 }
 
 /* Slot index of key (in either array), or KM_SLOT_NONE. */
-uint64_t km_table_find(const km_table *t, uint64_t key);
+static inline uint64_t km_table_find(const km_table *t, uint64_t key)
+{
+    km_table_view v = km_table_get_view(t);
+    return km_view_find(&v, key);
+}
 /* The slot (in either array) of the parent of a block whose metadata is m, in a table with
  * metadata: the one key whose km_parent_tag is m's parent tag and whose metadata places it in m's
  * segment (same anchor tag) at the offset before m's. KM_SLOT_NONE when m's offset is 0 or
