@@ -15,8 +15,8 @@
  * Linear probing with backward-shift deletion keeps probe runs short there: a successful lookup
  * at load a reads (1 + 1 / (1 - a)) / 2 slots on average, 3 at 80% (16-byte slots, four to a
  * cache line). */
-#define TABLE_MAX_LOAD_NUM 4
-#define TABLE_MAX_LOAD_DEN 5
+#define TABLE_MAX_LOAD_NUM KM_TABLE_MAX_LOAD_NUM
+#define TABLE_MAX_LOAD_DEN KM_TABLE_MAX_LOAD_DEN
 #define TABLE_GROWTH_NUM 3
 #define TABLE_GROWTH_DEN 2
 #define TABLE_MIN_CAPACITY 64u
@@ -108,7 +108,7 @@ static void stop_dirty_tracking(km_table *t)
     t->n_dirty_sets = t->dirty_sets_capacity = 0;
 }
 
-static void record_dirty_slot(km_table *t, uint64_t slot)
+void km_table_record_dirty_slot(km_table *t, uint64_t slot)
 {
     if (t->layout_changed || slot >= t->capacity)
         return;
@@ -137,7 +137,7 @@ static void record_dirty_set(km_table *t, uint32_t set)
 static inline void mark_dirty_slot(km_table *t, uint64_t slot)
 {
     if (t->track_dirty)
-        record_dirty_slot(t, slot);
+        km_table_record_dirty_slot(t, slot);
 }
 
 static inline void mark_dirty_set(km_table *t, uint32_t set)
@@ -303,7 +303,7 @@ static int table_grow(km_table *t, uint64_t new_capacity)
 
 static int over_load(uint64_t used, uint64_t capacity)
 {
-    return used * TABLE_MAX_LOAD_DEN > capacity * TABLE_MAX_LOAD_NUM;
+    return km_table_over_load(used, capacity);
 }
 
 /* Smallest capacity that holds `keys` under the maximum load. */
@@ -454,54 +454,6 @@ int km_table_reserve(km_table *t, uint64_t extra)
     if (capacity < t->capacity)
         capacity = t->capacity;
     return capacity == t->capacity ? table_rehash(t, capacity) : table_grow(t, capacity);
-}
-
-uint64_t km_table_find_vacant(const km_table *t, uint64_t key, uint64_t *vacant)
-{
-    const km_slot *slots = t->slots;
-    uint64_t capacity = t->capacity;
-    const km_slot *s = slots + km_slot_home(key, capacity), *end = slots + capacity;
-    for (;;) { /* by pointer: the walk's one test per slot besides the keys is the wrap */
-        uint64_t k = s->key;
-        if (k == KM_KEY_EMPTY)
-            break;
-        if (k == key) {
-            *vacant = KM_SLOT_NONE;
-            return (uint64_t)(s - slots);
-        }
-        if (++s == end)
-            s = slots;
-    }
-    uint64_t i = (uint64_t)(s - slots);
-    /* Absent from the new array, whose first empty slot along the run is where an insert that
-     * needs no reserve (no move under way, room for one more key) puts the key when there are no
-     * tombstones (the insert would take the first of them). */
-    if (t->old_slots) {
-        *vacant = KM_SLOT_NONE;
-        km_table_view v = km_table_get_view(t);
-        return km_view_find_old(&v, key);
-    }
-    *vacant = t->tombstones || over_load(t->live + 1, capacity) ? KM_SLOT_NONE : i;
-    return KM_SLOT_NONE;
-}
-
-void km_table_insert_vacant(km_table *t, uint64_t key, uint64_t slot, uint32_t worker)
-{
-    km_slot *s = &t->slots[slot];
-    s->key = key;
-    s->ids[0] = (uint16_t)worker;
-    for (uint32_t j = 1; j < KM_SLOT_INLINE; j++)
-        s->ids[j] = KM_SLOT_ID_EMPTY;
-    if (t->meta)
-        memset(&t->meta[slot], 0, sizeof t->meta[slot]);
-    if (t->aux)
-        memset(km_table_aux(t, slot), 0, t->aux_bytes);
-    t->live++;
-    t->pairs++;
-    /* Listed as the insert and the add list it: a list's length (repeats counted) decides when
-     * it gives way to a whole upload. */
-    mark_dirty_slot(t, slot);
-    mark_dirty_slot(t, slot);
 }
 
 int km_table_insert(km_table *t, uint64_t key, int allow_grow, uint64_t *slot_out)

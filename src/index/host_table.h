@@ -25,6 +25,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "base/memory_budget.h"
 #include "index/slot_walk.h"
@@ -198,15 +199,76 @@ int km_table_insert_grows(const km_table *t);
  * array (so the move ends long before the new array fills). Slot indices held by the caller are
  * stale afterwards. KM_ERR_MEMORY_CAP / OUT_OF_MEMORY. */
 int km_table_reserve(km_table *t, uint64_t extra);
+/* The load limit: a table holding `used` keys (and tombstones) in `capacity` slots is over it
+ * (src/index/host_table.c says why 80%). */
+#define KM_TABLE_MAX_LOAD_NUM 4
+#define KM_TABLE_MAX_LOAD_DEN 5
+static inline int km_table_over_load(uint64_t used, uint64_t capacity)
+{
+    return used * KM_TABLE_MAX_LOAD_DEN > capacity * KM_TABLE_MAX_LOAD_NUM;
+}
+
+/* Append slot to a tracking table's dirty list (t->track_dirty). */
+void km_table_record_dirty_slot(km_table *t, uint64_t slot);
+
 /* km_table_find, and for an absent key the slot a km_table_insert(t, key, 1, ...) would fill
  * without reserving first: *vacant is that slot when no move is under way, one more key stays
  * within the load limit and the table holds no tombstones, else KM_SLOT_NONE (also when the key
  * is present). */
-uint64_t km_table_find_vacant(const km_table *t, uint64_t key, uint64_t *vacant);
+static inline uint64_t km_table_find_vacant(const km_table *t, uint64_t key, uint64_t *vacant)
+{
+    const km_slot *slots = t->slots;
+    uint64_t capacity = t->capacity;
+    const km_slot *s = slots + km_slot_home(key, capacity), *end = slots + capacity;
+    for (;;) { /* by pointer: the walk's one test per slot besides the keys is the wrap */
+        uint64_t k = s->key;
+        if (k == KM_KEY_EMPTY)
+            break;
+        if (k == key) {
+            *vacant = KM_SLOT_NONE;
+            return (uint64_t)(s - slots);
+        }
+        if (++s == end)
+            s = slots;
+    }
+    uint64_t i = (uint64_t)(s - slots);
+    /* Absent from the new array, whose first empty slot along the run is where an insert that
+     * needs no reserve (no move under way, room for one more key) puts the key when there are no
+     * tombstones (the insert would take the first of them). */
+    if (t->old_slots) {
+        *vacant = KM_SLOT_NONE;
+        km_table_view v = km_table_get_view(t);
+        return km_view_find_old(&v, key);
+    }
+    *vacant = t->tombstones || km_table_over_load(t->live + 1, capacity) ? KM_SLOT_NONE : i;
+    return KM_SLOT_NONE;
+}
+
 /* Insert an absent key held by worker alone at the slot km_table_find_vacant gave for it, the
  * table unchanged since: what km_table_insert(t, key, 1, ...) and km_table_set_add of the worker
  * would do. Never allocates. */
-void km_table_insert_vacant(km_table *t, uint64_t key, uint64_t slot, uint32_t worker);
+static inline void km_table_insert_vacant(km_table *t, uint64_t key, uint64_t slot,
+                                          uint32_t worker)
+{
+    km_slot *s = &t->slots[slot];
+    s->key = key;
+    s->ids[0] = (uint16_t)worker;
+    for (uint32_t j = 1; j < KM_SLOT_INLINE; j++)
+        s->ids[j] = KM_SLOT_ID_EMPTY;
+    if (t->meta)
+        memset(&t->meta[slot], 0, sizeof t->meta[slot]);
+    if (t->aux)
+        memset(km_table_aux(t, slot), 0, t->aux_bytes);
+    t->live++;
+    t->pairs++;
+    /* Listed as the insert and the add list it: a list's length (repeats counted) decides when
+     * it gives way to a whole upload. */
+    if (t->track_dirty) {
+        km_table_record_dirty_slot(t, slot);
+        km_table_record_dirty_slot(t, slot);
+    }
+}
+
 /* Insert a key with an empty set into the new array; the caller checked it is absent. allow_grow
  * = 1 reserves first (see km_table_reserve); allow_grow = 0 is for undo (never allocates, never
  * moves a key; relies on the load factor leaving empty slots). Returns KM_OK and *slot. */
