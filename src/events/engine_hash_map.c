@@ -43,10 +43,8 @@ static void holds_release_if_empty(km_emap *m)
     }
 }
 
-void km_emap_erase(km_emap *m, km_emap_entry *e)
+void km_emap_erase_extras(km_emap *m, uint64_t key)
 {
-    uint64_t key = e->key;
-    km_oamap_erase_sized(&m->core, (uint8_t *)e, sizeof *e);
     if (m->parents.live)
         km_u64map_erase(&m->parents, key);
     if (m->holds.live && km_u64map_erase(&m->holds, key))

@@ -116,9 +116,18 @@ static inline km_emap_entry *km_emap_upsert(km_emap *m, uint64_t engine_hash)
     m->core.live++;
     return (km_emap_entry *)(void *)vacant;
 }
+/* km_emap_erase's part for a map holding parents or announcements: key's are dropped. */
+void km_emap_erase_extras(km_emap *m, uint64_t key);
 /* Erase an entry find or upsert returned, with its parent and announcements. Later entries may
- * move (backward shift), and a growing map moves a few more: entry pointers are stale afterwards. */
-void km_emap_erase(km_emap *m, km_emap_entry *e);
+ * move (backward shift), and a growing map moves a few more: entry pointers are stale afterwards.
+ * Inline: an erase per removed block. */
+__attribute__((always_inline)) static inline void km_emap_erase(km_emap *m, km_emap_entry *e)
+{
+    uint64_t key = e->key;
+    km_oamap_erase_sized(&m->core, (uint8_t *)e, sizeof *e);
+    if (m->parents.live || m->holds.live)
+        km_emap_erase_extras(m, key);
+}
 /* Drop every entry (keeps the current array; a growth in progress ends). */
 void km_emap_clear(km_emap *m);
 /* Size an empty map for `entries` at the densest load a reserve accepts (restoring saved state):
