@@ -224,6 +224,17 @@ void km_kv_decoder_set_direct_path(km_kv_decoder *dec, bool on)
         dec->direct_path = on;
 }
 
+void km_kv_decoder_set_wide_token_reads(km_kv_decoder *dec, bool on)
+{
+    if (!dec)
+        return;
+#ifdef KM_TOKENS_SSSE3
+    dec->ssse3 = on && __builtin_cpu_supports("ssse3");
+#else
+    (void)on;
+#endif
+}
+
 uint64_t km_kv_decoder_direct_decoded(const km_kv_decoder *dec)
 {
     return dec ? dec->direct_decoded : 0;
