@@ -69,21 +69,6 @@ static inline uint64_t km_oamap_home(uint64_t key, uint64_t capacity)
     return (key * UINT64_C(0x9E3779B97F4A7C15)) & (capacity - 1);
 }
 
-/* The entry of key in the new array, or NULL. */
-static inline uint8_t *km_oamap_find_new(const km_oamap *m, uint64_t key, size_t entry_size)
-{
-    if (m->capacity == 0)
-        return NULL;
-    for (uint64_t i = km_oamap_home(key, m->capacity);; i = (i + 1) & (m->capacity - 1)) {
-        uint8_t *e = m->entries + i * entry_size;
-        uint64_t k = km_oamap_entry_key(e);
-        if (k == key)
-            return e;
-        if (k == KM_OAMAP_EMPTY)
-            return NULL;
-    }
-}
-
 /* km_oamap_find_new, and for an absent key *vacant = the empty slot that ends its probe run,
  * where km_oamap_place puts it (the new array holds no erased keys); NULL when the map has no
  * array yet. */
@@ -103,6 +88,13 @@ static inline uint8_t *km_oamap_find_new_vacant(const km_oamap *m, uint64_t key,
             return NULL;
         }
     }
+}
+
+/* The entry of key in the new array, or NULL. */
+static inline uint8_t *km_oamap_find_new(const km_oamap *m, uint64_t key, size_t entry_size)
+{
+    uint8_t *vacant;
+    return km_oamap_find_new_vacant(m, key, entry_size, &vacant);
 }
 
 /* The entry of key in the old array if it has not moved yet, or NULL (see the file comment). */
