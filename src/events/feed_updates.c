@@ -568,9 +568,8 @@ static void apply_stored(km_feed *feed, worker *w, const km_kv_event *e)
                 const uint32_t *tokens = e->token_ids + (size_t)i * bs;
                 uint64_t seed = root ? seed_first : seed_rest;
                 /* km_hash_local is km_hash_local_lookahead without lookahead tokens. */
-                uint64_t local = la ? km_hash_local_lookahead(tokens, bs,
-                                                              e->lookahead_token_ids + (size_t)i * la,
-                                                              la, seed)
+                const uint32_t *ahead = la ? e->lookahead_token_ids + (size_t)i * la : NULL;
+                uint64_t local = la ? km_hash_local_lookahead(tokens, bs, ahead, la, seed)
                                     : km_hash_local(tokens, bs, seed);
                 m->chain = root ? km_hash_chain_root(local) : km_hash_chain_step(previous, local);
             } else {
