@@ -469,14 +469,7 @@ int km_table_insert(km_table *t, uint64_t key, int allow_grow, uint64_t *slot_ou
         i = km_slot_next(i, t->capacity);
     if (t->slots[i].key == KM_KEY_TOMBSTONE)
         t->tombstones--;
-    t->slots[i].key = key;
-    for (uint32_t j = 0; j < KM_SLOT_INLINE; j++)
-        t->slots[i].ids[j] = KM_SLOT_ID_EMPTY;
-    if (t->meta)
-        memset(&t->meta[i], 0, sizeof t->meta[i]);
-    if (t->aux)
-        memset(km_table_aux(t, i), 0, t->aux_bytes);
-    t->live++;
+    km_table_fill_slot(t, i, key);
     mark_dirty_slot(t, i);
     *slot_out = i;
     return KM_OK;

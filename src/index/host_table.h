@@ -244,22 +244,29 @@ static inline uint64_t km_table_find_vacant(const km_table *t, uint64_t key, uin
     return KM_SLOT_NONE;
 }
 
-/* Insert an absent key held by worker alone at the slot km_table_find_vacant gave for it, the
- * table unchanged since: what km_table_insert(t, key, 1, ...) and km_table_set_add of the worker
- * would do. Never allocates. */
-static inline void km_table_insert_vacant(km_table *t, uint64_t key, uint64_t slot,
-                                          uint32_t worker)
+/* Key a free slot of the new array with an empty set, zeroed metadata and aux bytes: an insert's
+ * write, without the dirty mark (the caller's). */
+static inline void km_table_fill_slot(km_table *t, uint64_t slot, uint64_t key)
 {
     km_slot *s = &t->slots[slot];
     s->key = key;
-    s->ids[0] = (uint16_t)worker;
-    for (uint32_t j = 1; j < KM_SLOT_INLINE; j++)
+    for (uint32_t j = 0; j < KM_SLOT_INLINE; j++)
         s->ids[j] = KM_SLOT_ID_EMPTY;
     if (t->meta)
         memset(&t->meta[slot], 0, sizeof t->meta[slot]);
     if (t->aux)
         memset(km_table_aux(t, slot), 0, t->aux_bytes);
     t->live++;
+}
+
+/* Insert an absent key held by worker alone at the slot km_table_find_vacant gave for it, the
+ * table unchanged since: what km_table_insert(t, key, 1, ...) and km_table_set_add of the worker
+ * would do. Never allocates. */
+static inline void km_table_insert_vacant(km_table *t, uint64_t key, uint64_t slot,
+                                          uint32_t worker)
+{
+    km_table_fill_slot(t, slot, key);
+    t->slots[slot].ids[0] = (uint16_t)worker;
     t->pairs++;
     /* Listed as the insert and the add list it: a list's length (repeats counted) decides when
      * it gives way to a whole upload. */
