@@ -771,6 +771,15 @@ static int open_find(km_index *index, uint32_t worker, uint64_t last, uint32_t a
     return OPEN_NONE;
 }
 
+/* Entry k was started or extended (recent: see struct km_open_segments). Clearing recent once
+ * it holds every entry in use keeps it from holding all OPEN_SEGMENTS_PER_WORKER of them. */
+static void open_touch(struct km_open_segments *os, int k)
+{
+    os->recent |= (uint16_t)(1u << k);
+    if ((os->recent & os->used) == os->used)
+        os->recent = 0;
+}
+
 /* An entry for a segment the worker starts with `first` (reusing entry `reuse` when not
  * OPEN_NONE), or OPEN_NONE when the entries could not be allocated. */
 static int open_start(km_index *index, uint32_t worker, int reuse, uint64_t first,
@@ -791,14 +800,19 @@ static int open_start(km_index *index, uint32_t worker, int reuse, uint64_t firs
     struct km_open_segments *os = &index->open_segments[worker];
     int k = reuse;
     if (k == OPEN_NONE) {
-        uint32_t unused = ~(uint32_t)os->used & ((1u << OPEN_SEGMENTS_PER_WORKER) - 1u);
-        /* The first entry not in use; when all are, one is replaced. */
-        k = unused ? __builtin_ctz(unused) : (int)(first % OPEN_SEGMENTS_PER_WORKER);
+        uint32_t all = (1u << OPEN_SEGMENTS_PER_WORKER) - 1u;
+        uint32_t unused = ~(uint32_t)os->used & all;
+        /* The first entry not in use; when all are, the first not extended lately (a sequence
+         * that stopped growing leaves its entry behind, while those still growing extend theirs
+         * at nearly every step). While every entry is in use, recent lacks one of them. */
+        uint32_t pick = unused ? unused : ~(uint32_t)os->recent & all;
+        k = pick ? __builtin_ctz(pick) : 0;
     }
     os->last[k] = first;
     os->anchor_tag[k] = anchor_tag;
     os->offset[k] = 0;
     os->used |= (uint16_t)(1u << k);
+    open_touch(os, k);
     open_fps(index, worker, k)[0] = chain_fingerprint(first);
     return k;
 }
@@ -1052,6 +1066,7 @@ static int apply_store(batch *b, const km_update *u)
             struct km_open_segments *os = open_of(index, u->worker); /* set while open is */
             os->last[open] = key;
             os->offset[open] = (uint8_t)m_offset;
+            open_touch(os, open);
             open_fps(index, u->worker, open)[m_offset] = chain_fingerprint(key);
         } else {
             open = OPEN_NONE; /* the entry stays: the worker still holds what it names */

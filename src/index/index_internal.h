@@ -96,6 +96,10 @@ struct km_index {
         uint64_t last[KM_OPEN_SEGMENTS];
         uint8_t offset[KM_OPEN_SEGMENTS];
         uint16_t used; /* bit k: entry k is in use; the others name nothing */
+        /* bit k: entry k was started or extended since every entry in use last was (set when
+         * the last one's bit was, then cleared): an entry without it is the one a new segment
+         * replaces when all are in use. */
+        uint16_t recent;
     } *open_segments;
     uint8_t *open_fingerprints;
 
