@@ -1158,16 +1158,12 @@ static int decode_batch(km_kv_decoder *dec, const msgpack_object *root, km_kv_ba
 
 #define DIRECT_DECLINED 1 /* not an error: the tree path decodes the payload */
 
+/* Every msgpack value takes a byte at least, so a payload of at most max_payload_objects bytes
+ * holds no more values than the limit allows: the direct path takes only such payloads
+ * (decode_direct) and counts nothing; a larger one goes to the tree path, which counts. */
 typedef struct direct_cursor {
     const char *p, *end;
-    uint64_t values;     /* values read so far, against max_payload_objects */
-    uint64_t max_values;
 } direct_cursor;
-
-static bool direct_count(direct_cursor *c)
-{
-    return ++c->values <= c->max_values;
-}
 
 /* The next value's type; false at the end of the payload. */
 static bool direct_peek(const direct_cursor *c, enum mp_type *type)
@@ -1178,14 +1174,11 @@ static bool direct_peek(const direct_cursor *c, enum mp_type *type)
     return true;
 }
 
-/* The readers below count a value before they know it is of their type: a reader that returns
- * false makes the direct path decline the payload, so the count is then never read. */
-
 /* direct_array and direct_int are forced inline: read at every event several times, they then
  * keep the cursor in registers. */
 __attribute__((always_inline)) static inline bool direct_array(direct_cursor *c, uint32_t *n)
 {
-    if (c->p >= c->end || !direct_count(c))
+    if (c->p >= c->end)
         return false;
     uint8_t first = (uint8_t)*c->p;
     /* A fixarray or an array 16 (batches, events, hash and token arrays) is told from its first
@@ -1211,7 +1204,7 @@ static bool direct_is_nil(const direct_cursor *c)
 
 static bool direct_nil(direct_cursor *c)
 {
-    if (!direct_is_nil(c) || !direct_count(c))
+    if (!direct_is_nil(c))
         return false;
     c->p++;
     return true;
@@ -1223,7 +1216,7 @@ __attribute__((always_inline)) static inline bool direct_int(direct_cursor *c, u
                                                          bool *negative)
 {
     enum mp_type t;
-    if (!direct_peek(c, &t) || !direct_count(c))
+    if (!direct_peek(c, &t))
         return false;
     uint8_t first = (uint8_t)*c->p;
     /* The forms small fields (a positive fixint) and engine hashes (a uint 64) take most, told
@@ -1266,10 +1259,6 @@ static bool direct_hashes(km_kv_decoder *dec, direct_cursor *c, km_kv_event *ev)
     uint64_t *hashes = arena_alloc_array(&dec->results, n, sizeof *hashes);
     if (!hashes)
         return false;
-    /* Counted at once, as the token ids are (direct_stored). */
-    c->values += n;
-    if (c->values > c->max_values)
-        return false;
     /* A run of uint 64s, the form most engine hashes take, is read without the type dispatch,
      * bounded once: the first `whole` of them fit before the end. */
     uint64_t whole = (uint64_t)(c->end - c->p) / 9;
@@ -1283,7 +1272,6 @@ static bool direct_hashes(km_kv_decoder *dec, direct_cursor *c, km_kv_event *ev)
     c->p = p;
     for (; i < n; i++) {
         bool negative;
-        c->values--; /* direct_int counts it again */
         if (!direct_int(c, &hashes[i], &negative))
             return false;
     }
@@ -1299,7 +1287,7 @@ static bool direct_medium(km_kv_decoder *dec, direct_cursor *c, km_kv_event *ev)
     if (direct_is_nil(c))
         return direct_nil(c);
     enum mp_type t;
-    if (!direct_peek(c, &t) || t != MP_STR || mp_check_strl(c->p, c->end) > 0 || !direct_count(c))
+    if (!direct_peek(c, &t) || t != MP_STR || mp_check_strl(c->p, c->end) > 0)
         return false;
     uint32_t n = mp_decode_strl(&c->p);
     if (n > (uint64_t)(c->end - c->p) || n > dec->config.max_string_bytes ||
@@ -1440,10 +1428,7 @@ static bool direct_stored(km_kv_decoder *dec, direct_cursor *c, uint32_t n_field
     uint32_t *tokens = arena_alloc_array(&dec->results, n_tokens, sizeof *tokens);
     if (!tokens)
         return false;
-    /* The bulk of a message: unsigned values, counted at once, each read with one type check. */
-    c->values += n_tokens;
-    if (c->values > c->max_values)
-        return false;
+    /* The bulk of a message: unsigned values, each read with one type check. */
     uint32_t i = 0;
     const char *p = c->p, *end = c->end; /* in registers through the common loop */
     while (i < n_tokens && p < end) {
@@ -1486,7 +1471,6 @@ static bool direct_stored(km_kv_decoder *dec, direct_cursor *c, uint32_t n_field
         }
         uint64_t v;
         bool negative;
-        c->values--; /* direct_int counts it again */
         if (!direct_int(c, &v, &negative) || negative || v > UINT32_MAX)
             return false;
         tokens[i] = (uint32_t)v;
@@ -1554,7 +1538,7 @@ static bool direct_event(km_kv_decoder *dec, direct_cursor *c, km_kv_event *ev)
     uint32_t n;
     enum mp_type t;
     if (!direct_array(c, &n) || n < 1 || !direct_peek(c, &t) || t != MP_STR ||
-        mp_check_strl(c->p, c->end) > 0 || !direct_count(c))
+        mp_check_strl(c->p, c->end) > 0)
         return false;
     uint32_t len = mp_decode_strl(&c->p);
     if (len > (uint64_t)(c->end - c->p))
@@ -1579,16 +1563,18 @@ static bool direct_event(km_kv_decoder *dec, direct_cursor *c, km_kv_event *ev)
  * KM_ERR_OUT_OF_MEMORY never: an allocation failure declines too, and the tree path reports it. */
 static int decode_direct(km_kv_decoder *dec, const void *payload, size_t size, km_kv_batch *out)
 {
-    direct_cursor c = {payload, (const char *)payload + size, 0, dec->config.max_payload_objects};
+    if (size > dec->config.max_payload_objects)
+        return DIRECT_DECLINED; /* it might hold too many values (direct_cursor) */
+    direct_cursor c = {payload, (const char *)payload + size};
     uint32_t n_items, n_events;
     if (!direct_array(&c, &n_items) || n_items < 2 || n_items > 3)
         return DIRECT_DECLINED;
     enum mp_type t;
     if (!direct_peek(&c, &t))
         return DIRECT_DECLINED;
-    if (t == MP_DOUBLE && mp_check_double(c.p, c.end) <= 0 && direct_count(&c)) {
+    if (t == MP_DOUBLE && mp_check_double(c.p, c.end) <= 0) {
         out->timestamp = mp_decode_double(&c.p);
-    } else if (t == MP_FLOAT && mp_check_float(c.p, c.end) <= 0 && direct_count(&c)) {
+    } else if (t == MP_FLOAT && mp_check_float(c.p, c.end) <= 0) {
         out->timestamp = mp_decode_float(&c.p);
     } else {
         uint64_t v;
