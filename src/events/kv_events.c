@@ -1533,6 +1533,7 @@ static inline bool tag_is(const char *tag, const char *name, size_t len)
     return ((t0 ^ n0) | (t1 ^ n1)) == 0;
 }
 
+/* Read one event into ev, which arrives zeroed (decode_direct zeroes a batch's events at once). */
 static bool direct_event(km_kv_decoder *dec, direct_cursor *c, km_kv_event *ev)
 {
     uint32_t n;
@@ -1545,7 +1546,6 @@ static bool direct_event(km_kv_decoder *dec, direct_cursor *c, km_kv_event *ev)
         return false;
     const char *tag = c->p;
     c->p += len;
-    memset(ev, 0, sizeof *ev);
 #define TAG_IS(name) (len == sizeof(name) - 1 && tag_is(tag, name, sizeof(name) - 1))
     if (TAG_IS("BlockStored"))
         return direct_stored(dec, c, n - 1, ev);
@@ -1590,6 +1590,8 @@ static int decode_direct(km_kv_decoder *dec, const void *payload, size_t size, k
         arena_alloc_array(&dec->results, n_events, sizeof(km_kv_rejected_event));
     if (!events || !rejected)
         return DIRECT_DECLINED;
+    if (n_events) /* the fields an event's reader leaves unset read as absent */
+        memset(events, 0, n_events * sizeof *events);
     for (uint32_t i = 0; i < n_events; i++) {
         if (!direct_event(dec, &c, &events[i]))
             return DIRECT_DECLINED;
