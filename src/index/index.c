@@ -948,16 +948,15 @@ static int apply_set_tier(batch *b, const km_update *u)
  * dependent chain, so removes gain from starting earlier). */
 enum { STORE_AHEAD = 8, REMOVE_AHEAD = 16 };
 
-/* Engines send many small updates (one per request per step, of one to a few blocks), too short
- * for the prefetches inside apply_store and apply_remove to run ahead: a batch also starts the
- * slots and metadata of the first PREFETCH_PER_UPDATE blocks (and a store's parent) of the update
- * UPDATES_AHEAD places on, so the misses of consecutive small updates overlap. A stored block is
- * mostly new, and the search for a new key runs to the end of its probe run, which at the table's
- * load often crosses into the next line: stores start that line too. A remove's erase walks its
- * block's probe run to the end the same way (backward shift), and a remove (an engine's evictions
- * of a step) names more blocks than a store: removes start the first REMOVE_AHEAD blocks, the next
- * line included, so that apply_remove's own prefetches, REMOVE_AHEAD on, take over from there. */
-enum { UPDATES_AHEAD = 4, PREFETCH_PER_UPDATE = 4 };
+/* Engines send many small updates (one per request per step, of one to a few blocks; a remove
+ * names an engine's evictions of a step), too short for the prefetches inside apply_store and
+ * apply_remove to run ahead: a batch also starts the slots and metadata of the update
+ * UPDATES_AHEAD places on, its blocks up to where those prefetches take over (STORE_AHEAD or
+ * REMOVE_AHEAD) and a store's parent, so the misses of consecutive small updates overlap. A
+ * stored block is mostly new, and the search for a new key runs to the end of its probe run,
+ * which at the table's load often crosses into the next line; a remove's erase walks its block's
+ * run to the end the same way (backward shift): both start that line too. */
+enum { UPDATES_AHEAD = 4 };
 
 KM_PREFETCHER static inline void prefetch_update(const km_index *index, const km_update *u)
 {
@@ -969,16 +968,8 @@ KM_PREFETCHER static inline void prefetch_update(const km_index *index, const km
         __builtin_prefetch(&t->slots[home]);
         __builtin_prefetch(&t->meta[home]);
     }
-    if (u->kind == KM_UPDATE_REMOVE) {
-        for (size_t k = 0; k < u->n_hashes && k < REMOVE_AHEAD; k++) {
-            uint64_t home = km_slot_home(u->hashes[k], t->capacity);
-            __builtin_prefetch(&t->slots[home], 1);
-            __builtin_prefetch(&t->slots[home] + 4, 1);
-            __builtin_prefetch(&t->meta[home], 1);
-        }
-        return;
-    }
-    for (size_t k = 0; k < u->n_hashes && k < PREFETCH_PER_UPDATE; k++) {
+    size_t ahead = u->kind == KM_UPDATE_STORE ? STORE_AHEAD : REMOVE_AHEAD;
+    for (size_t k = 0; k < u->n_hashes && k < ahead; k++) {
         uint64_t home = km_slot_home(u->hashes[k], t->capacity);
         __builtin_prefetch(&t->slots[home], 1);
         __builtin_prefetch(&t->slots[home] + 4, 1);
