@@ -1207,6 +1207,44 @@ Test(index, segments_finished_by_short_runs_after_a_loss_earn_no_key, .timeout =
     km_index_destroy(index);
 }
 
+/* More sequences in flight than a worker has open segments, most of them abandoned after a block
+ * or two, while others grow a block at a time: the entries are replaced over and over, and every
+ * segment a growing sequence completes is held (with or without its entry), none other. */
+Test(index, open_segments_replaced_under_many_sequences_stay_exact, .timeout = 30)
+{
+    const uint32_t S = 4, GROWING = 6, BLOCKS = 3 * S, ABANDONED = GROWING * BLOCKS / 2;
+    km_index *index = make_index(4, S, 4096, 0);
+    uint64_t grow[6][12], left[36][2];
+    for (uint32_t g = 0; g < GROWING; g++)
+        fill_chain(grow[g], 500 + g, BLOCKS);
+    for (uint32_t a = 0; a < ABANDONED; a++)
+        fill_chain(left[a], 900 + a, 2);
+    uint32_t next_abandoned = 0;
+    for (uint32_t b = 0; b < BLOCKS; b++) {
+        for (uint32_t g = 0; g < GROWING; g++) {
+            uint64_t parent = b ? grow[g][b - 1] : KM_NO_PARENT;
+            cr_assert_eq(km_index_store(index, 1, parent, &grow[g][b], 1), KM_OK);
+            if (next_abandoned < ABANDONED && (b + g) % 2 == 0) {
+                uint64_t *l = left[next_abandoned++];
+                cr_assert_eq(km_index_store(index, 1, KM_NO_PARENT, l, 1), KM_OK);
+                cr_assert_eq(km_index_store(index, 1, l[0], l + 1, 1), KM_OK);
+            }
+        }
+    }
+    cr_assert_eq(next_abandoned, ABANDONED);
+    km_index_stats st = stats_of(index);
+    cr_assert(st.segment_pairs == GROWING * (BLOCKS / S) && st.segment_keys == st.segment_pairs,
+              "%" PRIu64 " segment keys, %" PRIu64 " pairs, expected %u", st.segment_keys,
+              st.segment_pairs, GROWING * (BLOCKS / S));
+    /* Each growing sequence matches whole on the worker. */
+    for (uint32_t g = 0; g < GROWING; g++) {
+        km_request_result rr = match_one(index, grow[g], BLOCKS, NULL);
+        cr_assert(rr.owner == 1 && rr.owner_depth == BLOCKS, "sequence %u: owner %u depth %u", g,
+                  rr.owner, rr.owner_depth);
+    }
+    km_index_destroy(index);
+}
+
 /* A batch that extends a worker's open segment and then fails on the memory cap is undone: the
  * extension must be forgotten with it. Here worker 1's block 2 is rolled back, comes back through
  * worker 0 alone, and worker 1 then stores block 3 on it: worker 1 holds blocks 0, 1 and 3, not
