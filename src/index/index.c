@@ -955,7 +955,9 @@ enum { STORE_AHEAD = 8, REMOVE_AHEAD = 16 };
  * REMOVE_AHEAD) and a store's parent, so the misses of consecutive small updates overlap. A
  * stored block is mostly new, and the search for a new key runs to the end of its probe run,
  * which at the table's load often crosses into the next line; a remove's erase walks its block's
- * run to the end the same way (backward shift): both start that line too. */
+ * run to the end the same way (backward shift), moving the metadata of the keys it shifts: both
+ * start that line too, and the metadata four slots on (in the next line when the home slot's
+ * metadata ends its line). */
 enum { UPDATES_AHEAD = 4 };
 
 KM_PREFETCHER static inline void prefetch_update(const km_index *index, const km_update *u)
@@ -974,6 +976,7 @@ KM_PREFETCHER static inline void prefetch_update(const km_index *index, const km
         __builtin_prefetch(&t->slots[home], 1);
         __builtin_prefetch(&t->slots[home] + 4, 1);
         __builtin_prefetch(&t->meta[home], 1);
+        __builtin_prefetch(&t->meta[home] + 4, 1);
     }
 }
 
