@@ -1281,6 +1281,89 @@ static void stop_serve(pid_t pid)
     cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "exit status %d", st);
 }
 
+/* Worker id's blocks and event endpoint as WORKER_LIST shows them; false when not listed. */
+static bool worker_blocks(const char *sock, uint32_t id, uint64_t *blocks, char *events,
+                          size_t events_size)
+{
+    km_message reply;
+    km_client *c = list_workers(sock, &reply);
+    bool found = false;
+    for (uint32_t i = 0; i < reply.workers.n_workers; i++) {
+        const km_worker_info *w = &reply.workers.workers[i];
+        if (w->worker != id)
+            continue;
+        found = true;
+        *blocks = w->has_blocks ? w->blocks : 0;
+        snprintf(events, events_size, "%s", w->event_endpoint ? w->event_endpoint : "");
+    }
+    km_client_close(c);
+    return found;
+}
+
+/* A worker whose new entry names an event endpoint the service cannot follow (an unknown
+ * transport, one over 255 bytes) keeps its old entry: it is still listed with its endpoint and
+ * its blocks, its active work is not ended ("worker removed" outcome records), and the reload
+ * logs that it kept it. */
+Test(deploy, sighup_keeps_a_worker_whose_new_event_endpoint_would_be_refused, .timeout = 90)
+{
+    make_dir();
+    char sock[128], cfg[128], log[128], records[128], args[512];
+    snprintf(sock, sizeof sock, "%s/s.sock", g_dir);
+    snprintf(cfg, sizeof cfg, "%s/serve.json", g_dir);
+    snprintf(log, sizeof log, "%s/serve.log", g_dir);
+    snprintf(records, sizeof records, "%s/records.jsonl", g_dir);
+    write_file(cfg, "{\"pools\": [{\"name\": \"main\", \"block_size\": 4, \"policy\": \"ttft\", "
+                    "\"workers\": [{\"id\": 0, \"name\": \"a\"}, {\"id\": 1, \"name\": \"b\"}]}]}");
+    snprintf(args, sizeof args, "--records=%s --config=%s --log-file=%s", records, cfg, log);
+    pid_t pid = spawn_serve_args(sock, args);
+    char addr[160], why[256];
+    snprintf(addr, sizeof addr, "unix:%s", sock);
+    km_client *c = NULL;
+    cr_assert_eq(km_client_connect(addr, 3000, &c, why, sizeof why), KM_OK, "%s", why);
+    uint32_t tokens[32], only0 = 0;
+    for (uint32_t i = 0; i < 32; i++)
+        tokens[i] = 900 + i;
+    for (int i = 0; i < 3; i++) {
+        char id[16];
+        snprintf(id, sizeof id, "r%d", i);
+        km_route_request r = route_of(id, tokens, 32);
+        r.candidates = &only0;
+        r.n_candidates = 1;
+        km_message reply;
+        cr_assert_eq(km_client_route(c, &r, 1, 5000, &reply), KM_OK);
+        cr_assert_eq(reply.decision.decisions[0].status, KM_OK);
+        cr_assert_eq(reply.decision.decisions[0].chosen_worker, 0);
+    }
+    km_client_close(c);
+    uint64_t blocks = 0, after = 0;
+    char events[300];
+    cr_assert(worker_blocks(sock, 0, &blocks, events, sizeof events));
+    cr_assert_gt(blocks, 0, "the decisions taught worker 0 its blocks");
+    cr_assert_str_eq(events, "");
+
+    static char long_endpoint[400];
+    memset(long_endpoint, 'x', 300);
+    memcpy(long_endpoint, "tcp://", 6);
+    const char *bad[] = {"bogus://nowhere", long_endpoint};
+    for (int i = 0; i < 2; i++) {
+        static char json[1024];
+        snprintf(json, sizeof json, "{\"pools\": [{\"name\": \"main\", \"block_size\": 4, "
+                 "\"policy\": \"ttft\", \"workers\": [{\"id\": 0, \"name\": \"a\", \"events\": "
+                 "\"%s\"}, {\"id\": 1, \"name\": \"b\"}]}]}", bad[i]);
+        write_file(cfg, json);
+        reload_and_wait(pid, log, i + 1);
+        cr_assert(worker_blocks(sock, 0, &after, events, sizeof events), "worker 0 is gone");
+        cr_assert_eq(after, blocks, "worker 0 lost its blocks");
+        cr_assert_str_eq(events, "", "worker 0 took the refused endpoint");
+        cr_assert_eq(file_count(log, "pool main: worker 0 kept as it is"), i + 1);
+    }
+    cr_assert(!file_has(log, "worker 0 removed"));
+    stop_serve(pid);
+    cr_assert(file_has(records, "\"decision\""), "the decisions are recorded");
+    cr_assert(!file_has(records, "worker removed"), "worker 0's active work was ended");
+    remove_dir();
+}
+
 /* Every pool and worker the config file lists is served, however many, beside the flags': a pool
  * of 100 workers plus a --worker for it serves 101, at start and after a reload (which applies the
  * flags again); of 70 pools the 70th routes to its worker. */

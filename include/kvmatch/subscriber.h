@@ -115,6 +115,11 @@ typedef struct km_subscriber_worker {
  * KM_ERR_WORKER_RANGE, KM_ERR_TOO_LARGE (endpoint over KM_SUBSCRIBER_ENDPOINT_MAX),
  * KM_ERR_OUT_OF_MEMORY, KM_ERR_IO. */
 int km_subscriber_add_worker(km_subscriber *sub, const km_subscriber_worker *worker);
+/* Whether km_subscriber_add_worker would accept worker's endpoints: their lengths, and a socket
+ * connected to each and closed at once. Follows nothing and ignores whether the id is followed.
+ * Errors: KM_ERR_NULL_POINTER, KM_ERR_TOO_LARGE, KM_ERR_INVALID_ARGUMENT (bad endpoint), KM_ERR_IO;
+ * km_subscriber_last_error says why. */
+int km_subscriber_check_worker(km_subscriber *sub, const km_subscriber_worker *worker);
 /* An engine with data_parallel_size ranks: rank r is worker rank0->worker + r, on the endpoints of
  * km_endpoint_for_rank (port + r), named "<name>/dp<r>". All or nothing. */
 int km_subscriber_add_engine(km_subscriber *sub, const km_subscriber_worker *rank0,

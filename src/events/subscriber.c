@@ -54,11 +54,12 @@ typedef enum command_kind {
     COMMAND_REMOVE,
     COMMAND_RESYNC,
     COMMAND_STOP,
+    COMMAND_CHECK,
 } command_kind;
 
 typedef struct command {
     command_kind kind;
-    const km_subscriber_worker *worker; /* ADD */
+    const km_subscriber_worker *worker; /* ADD, CHECK */
     uint32_t id;                        /* REMOVE, RESYNC */
     int status;                         /* the answer */
     char error[256];
@@ -539,6 +540,20 @@ static void command_add(km_subscriber *sub, command *c, uint64_t now)
     sub->items_dirty = true;
 }
 
+/* The sockets command_add would open for cfg, opened and closed at once: what they refuse. */
+static void command_check(km_subscriber *sub, command *c)
+{
+    const km_subscriber_worker *cfg = c->worker;
+    void *s = open_socket(sub, ZMQ_SUB, cfg->endpoint, c->error, sizeof c->error);
+    void *d = s && cfg->replay_endpoint
+                  ? open_socket(sub, ZMQ_DEALER, cfg->replay_endpoint, c->error, sizeof c->error)
+                  : NULL;
+    if (!s || (cfg->replay_endpoint && !d))
+        c->status = KM_ERR_INVALID_ARGUMENT; /* c->error says which socket and why */
+    close_socket(&s);
+    close_socket(&d);
+}
+
 static void command_remove(km_subscriber *sub, command *c, uint64_t now)
 {
     size_t i;
@@ -595,6 +610,7 @@ static void handle_control(km_subscriber *sub, uint64_t now)
         case COMMAND_REMOVE: command_remove(sub, c, now); break;
         case COMMAND_RESYNC: command_resync(sub, c, now); break;
         case COMMAND_STOP: sub->stopping = true; break;
+        case COMMAND_CHECK: command_check(sub, c); break;
         }
         char done = 1;
         zmq_send(sub->control_io, &done, 1, 0);
@@ -866,6 +882,19 @@ int km_subscriber_add_worker(km_subscriber *sub, const km_subscriber_worker *wor
     if (rc)
         return rc;
     command c = {.kind = COMMAND_ADD, .worker = worker};
+    return run_command(sub, &c);
+}
+
+int km_subscriber_check_worker(km_subscriber *sub, const km_subscriber_worker *worker)
+{
+    if (!sub || !worker || !worker->endpoint)
+        return KM_ERR_NULL_POINTER;
+    int rc = check_endpoint(sub, worker->endpoint, "endpoint");
+    if (!rc && worker->replay_endpoint)
+        rc = check_endpoint(sub, worker->replay_endpoint, "replay endpoint");
+    if (rc)
+        return rc;
+    command c = {.kind = COMMAND_CHECK, .worker = worker};
     return run_command(sub, &c);
 }
 

@@ -310,6 +310,23 @@ int km_srv_worker_check(const km_server_worker *w, char *why, size_t why_size)
     return KM_OK;
 }
 
+int km_srv_worker_check_add(km_server *s, uint32_t pool_index, const km_server_worker *w,
+                            char *why, size_t why_size)
+{
+    int rc = km_srv_worker_check(w, why, why_size);
+    if (rc != KM_OK || !w->event_endpoint)
+        return rc;
+    pool *p = s->pools[pool_index];
+    if (!strcmp(w->event_endpoint, KM_SERVER_LOCAL_EVENTS))
+        return pool_local_feed(s, p, why, why_size);
+    if ((rc = pool_subscriber(s, p, why, why_size)) != KM_OK)
+        return rc;
+    km_subscriber_worker sw = {w->id, w->name, w->event_endpoint, w->replay_endpoint};
+    if ((rc = km_subscriber_check_worker(p->sub, &sw)) != KM_OK)
+        return km_why(why, why_size, rc, "worker %u: %s", w->id, km_subscriber_last_error(p->sub));
+    return KM_OK;
+}
+
 /* Add a worker (admin_lock held). */
 int km_srv_worker_add(km_server *s, uint32_t pool_index, const km_server_worker *w, char *why,
                       size_t why_size)

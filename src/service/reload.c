@@ -223,9 +223,13 @@ int km_server_reload(km_server *s, const km_server_config *n)
             /* Removed to be added again (here or in another pool): an entry the addition would
              * refuse keeps the worker as it is instead. */
             const km_server_worker *again = w;
-            if (!again)
-                pool_listing(n, pool_at, id, true, &again);
-            if (again && km_srv_worker_check(again, why, sizeof why) != KM_OK) {
+            uint32_t again_at = at;
+            if (!again) {
+                const km_server_pool *into = pool_listing(n, pool_at, id, true, &again);
+                if (into)
+                    again_at = (uint32_t)pool_at[into - n->pools];
+            }
+            if (again && km_srv_worker_check_add(s, again_at, again, why, sizeof why) != KM_OK) {
                 km_srv_log(s, KM_LOG_WARNING "reload: pool %s: worker %u kept as it is: %s",
                            pc->name, id, why);
                 first_error = first_error ? first_error : KM_ERR_INVALID_ARGUMENT;

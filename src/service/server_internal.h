@@ -553,6 +553,12 @@ int km_srv_pool_remove(km_server *s, uint32_t pool_index, char *why, size_t why_
  * endpoint without an event endpoint, a metrics URL that is not http:// or https://. KM_OK or
  * KM_ERR_INVALID_ARGUMENT with why. */
 int km_srv_worker_check(const km_server_worker *w, char *why, size_t why_size);
+/* What km_srv_worker_add would refuse of w in pool pool_index, whatever worker w->id is now:
+ * km_srv_worker_check's refusals, then its event source: the pool's feed or subscriber made as
+ * the add makes it, and its endpoints as km_subscriber_check_worker finds them (admin_lock held).
+ * KM_OK, or the add's error with why. */
+int km_srv_worker_check_add(km_server *s, uint32_t pool_index, const km_server_worker *w,
+                            char *why, size_t why_size);
 int km_srv_worker_add(km_server *s, uint32_t pool_index, const km_server_worker *w, char *why,
                       size_t why_size);
 int km_srv_worker_remove(km_server *s, uint32_t id, char *why, size_t why_size);
