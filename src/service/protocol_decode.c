@@ -24,6 +24,7 @@
 #include "kvmatch/hash.h"
 #include "kvmatch/protocol.h"
 #include "base/msgpack_scan.h"
+#include "base/utf8.h"
 #include "service/protocol_internal.h"
 
 #define ZONE_CHUNK_BYTES     ((size_t)64 << 10)
@@ -327,7 +328,27 @@ static int copy_string(km_protocol_decoder *d, const char *s, size_t n, const ch
     return KM_OK;
 }
 
-/* A str within max_string_bytes and without NUL, copied NUL-terminated. */
+/* The offset of the first byte of s[0..n) that does not begin a well-formed UTF-8 sequence; n
+ * when there is none. */
+static uint32_t utf8_bad_offset(const char *s, uint32_t n)
+{
+    const unsigned char *p = (const unsigned char *)s;
+    uint32_t i = 0;
+    while (i < n) {
+        if (p[i] < 0x80) {
+            i++;
+            continue;
+        }
+        size_t k = km_utf8_sequence(p + i, n - i);
+        if (!k)
+            return i;
+        i += (uint32_t)k;
+    }
+    return n;
+}
+
+/* A str within max_string_bytes, well-formed UTF-8 (docs/PROTOCOL.md) and without NUL, copied
+ * NUL-terminated. */
 static int read_str(km_protocol_decoder *d, const msgpack_object *o, const char *field,
                     const char **out)
 {
@@ -341,6 +362,10 @@ static int read_str(km_protocol_decoder *d, const msgpack_object *o, const char 
                           d->limits.max_string_bytes);
     if (n && memchr(o->via.str.ptr, 0, n))
         return field_fail(d, KM_ERR_PARSE, field, NO_ELEMENT, "string contains a NUL byte");
+    uint32_t bad = utf8_bad_offset(o->via.str.ptr, n);
+    if (bad < n)
+        return field_fail(d, KM_ERR_PARSE, field, NO_ELEMENT,
+                          "string is not UTF-8 (byte %u of %u)", bad, n);
     return copy_string(d, o->via.str.ptr, n, out);
 }
 
