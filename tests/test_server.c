@@ -4141,6 +4141,49 @@ Test(server, a_reply_larger_than_the_outbox_reaches_a_client_that_reads, .timeou
     srv_cleanup(&s);
 }
 
+/* A connection's send buffers grow to its largest reply while it is written, and an empty one
+ * over 64 KiB is freed: once a reply over 1 MiB is written whole, the connection keeps at most
+ * 64 KiB of each of its two (km_server_stats.send_buffer_bytes). */
+Test(server, an_idle_connection_keeps_no_large_send_buffer, .timeout = 60)
+{
+    srv s = {0};
+    km_server_config cfg;
+    test_config(&cfg, &s, KM_POLICY_KV, 16);
+    cfg.records_path = NULL;
+    srv_start(&s, &cfg);
+    km_client *c = connect_client(&s);
+    enum { N = 4096 };
+    static char rids[N][16];
+    static km_route_request r[N];
+    for (int k = 0; k < N; k++) {
+        snprintf(rids[k], sizeof rids[k], "big-%d", k);
+        r[k] = token_route(rids[k], 0, 2 * BS);
+    }
+    km_message reply;
+    int rc = km_client_route(c, r, N, 10000, &reply);
+    cr_assert_eq(rc, KM_OK, "%s: %s", km_error_name(rc), km_client_last_error(c));
+    cr_assert_eq(reply.decision.n_decisions, N);
+    km_frame_buffer fb;
+    km_frame_buffer_init(&fb);
+    cr_assert_eq(km_protocol_encode(&reply, 0, &fb, NULL, 0), KM_OK);
+    cr_assert_gt(fb.size, (size_t)1 << 20, "the reply is %zu bytes", fb.size);
+    km_frame_buffer_free(&fb);
+    /* The reply came whole; the server frees its buffers in its write callback, which may run a
+     * moment after the client read the last byte. */
+    km_server_stats st;
+    for (int i = 0; i < 500; i++) {
+        km_server_get_stats(s.server, &st);
+        if (st.send_buffer_bytes <= 2 * ((uint64_t)64 << 10))
+            break;
+        km_test_sleep_ms(10);
+    }
+    cr_assert_leq(st.send_buffer_bytes, 2 * ((uint64_t)64 << 10), "%" PRIu64 " bytes kept",
+                  st.send_buffer_bytes);
+    km_client_close(c);
+    srv_stop(&s);
+    srv_cleanup(&s);
+}
+
 /* Route request `id` (tokens [first, first + 4 * BS) of the shared buffer) with only `worker` as a
  * candidate; returns the depth the index showed on it before this decision. */
 static uint32_t pinned_depth(km_client *c, const char *id, uint32_t first, uint32_t worker)

@@ -315,6 +315,9 @@ typedef struct km_server_stats {
     uint64_t scheduler_replies;         /* ROUTE replies the scheduler thread wrote into their
                                          * sockets itself (no earlier reply of the connection
                                          * was waiting), without the loop thread */
+    uint64_t send_buffer_bytes; /* allocated to the open connections' send buffers now: each
+                                 * connection keeps at most 64 KiB of each of its two once its
+                                 * replies are written, whatever its largest reply */
 } km_server_stats;
 
 void km_server_get_stats(km_server *server, km_server_stats *out);

@@ -38,6 +38,25 @@ static void conn_resume_reading(conn *c)
     }
 }
 
+/* A send buffer (outbox or writing) kept between replies: an empty one larger than this is freed,
+ * so an idle connection holds at most this much of each whatever its largest reply was. */
+#define SEND_KEEP_BYTES ((size_t)64 << 10)
+
+/* Free send buffer b, counted in st.send_buffer_bytes (write_lock held, or the connection's last
+ * reference). */
+static void send_buffer_free(km_server *s, km_frame_buffer *b)
+{
+    atomic_fetch_sub(&s->st.send_buffer_bytes, b->capacity);
+    km_frame_buffer_free(b);
+}
+
+/* Free b once it is empty and larger than SEND_KEEP_BYTES (write_lock held). */
+static void send_buffer_trim(km_server *s, km_frame_buffer *b)
+{
+    if (b->size == 0 && b->capacity > SEND_KEEP_BYTES)
+        send_buffer_free(s, b);
+}
+
 /* Free a connection once its handle is closed and no job refers to it (loop thread). */
 void km_srv_conn_maybe_free(conn *c)
 {
@@ -45,8 +64,8 @@ void km_srv_conn_maybe_free(conn *c)
         return;
     km_frame_reader_destroy(c->reader);
     km_protocol_decoder_destroy(c->decoder);
-    km_frame_buffer_free(&c->outbox);
-    km_frame_buffer_free(&c->writing);
+    send_buffer_free(c->server, &c->outbox);
+    send_buffer_free(c->server, &c->writing);
     free(c->pending);
     pthread_mutex_destroy(&c->write_lock);
     free(c);
@@ -230,6 +249,7 @@ static void on_write(uv_write_t *req, int status)
     pthread_mutex_lock(&c->write_lock);
     c->write_in_flight = false;
     c->writing.size = 0;
+    send_buffer_trim(c->server, &c->writing);
     if (status < 0) {
         conn_close_write_failed(c);
         pthread_mutex_unlock(&c->write_lock);
@@ -277,6 +297,7 @@ static void conn_flush(conn *c)
     size_t written = n > 0 ? (size_t)n : 0;
     if (written == c->outbox.size) {
         c->outbox.size = 0;
+        send_buffer_trim(c->server, &c->outbox);
         pending_trim(c);
         if (c->paused && !c->eof)
             conn_resume_reading(c);
@@ -286,6 +307,7 @@ static void conn_flush(conn *c)
     c->writing = c->outbox;
     c->outbox = t;
     c->outbox.size = 0;
+    send_buffer_trim(c->server, &c->outbox);
     uv_buf_t buf = uv_buf_init((char *)c->writing.data + written,
                                (unsigned)(c->writing.size - written));
     c->write_req.data = c;
@@ -334,6 +356,7 @@ static bool conn_send_locked(conn *c, const uint8_t *data, size_t size, bool fir
             km_srv_conn_close(c);
             return false;
         }
+        atomic_fetch_add(&s->st.send_buffer_bytes, cap - c->outbox.capacity);
         c->outbox.data = g;
         c->outbox.capacity = cap;
     }

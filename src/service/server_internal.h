@@ -453,6 +453,8 @@ struct km_server {
             undelivered,
             dispatch_learned, dispatch_unlearned, breaker_opened, no_healthy, drain_releases,
             scheduler_replies;
+        /* bytes allocated to the connections' send buffers (outbox and writing) now */
+        atomic_uint_fast64_t send_buffer_bytes;
         /* connections refused at accept, by reason (their sum is `refused`) */
         atomic_uint_fast64_t refused_limit, refused_draining, refused_memory;
     } st;

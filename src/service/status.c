@@ -711,6 +711,7 @@ void km_server_get_stats(km_server *s, km_server_stats *o)
     o->breaker_opened = atomic_load(&s->st.breaker_opened);
     o->no_healthy_worker = atomic_load(&s->st.no_healthy);
     o->scheduler_replies = atomic_load(&s->st.scheduler_replies);
+    o->send_buffer_bytes = atomic_load(&s->st.send_buffer_bytes);
     if (s->records) {
         km_record_writer_counters rc;
         km_record_writer_stats(s->records, &rc);
