@@ -1364,6 +1364,87 @@ Test(deploy, sighup_keeps_a_worker_whose_new_event_endpoint_would_be_refused, .t
     remove_dir();
 }
 
+/* A connection to the Unix socket sock that has sent HELLO and read its WELCOME. */
+static int unix_hello(const char *sock)
+{
+    int fd = socket(AF_UNIX, SOCK_STREAM, 0);
+    cr_assert(fd >= 0);
+    struct sockaddr_un sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sun_family = AF_UNIX;
+    cr_assert_lt(strlen(sock), sizeof sa.sun_path);
+    memcpy(sa.sun_path, sock, strlen(sock) + 1);
+    cr_assert_eq(connect(fd, (struct sockaddr *)&sa, sizeof sa), 0);
+    struct timeval tv = {5, 0};
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    km_message h;
+    memset(&h, 0, sizeof h);
+    h.type = KM_MESSAGE_HELLO;
+    h.has_id = true;
+    h.id = 1;
+    h.hello.protocol_version = KM_PROTOCOL_VERSION;
+    km_frame_buffer fb;
+    km_frame_buffer_init(&fb);
+    cr_assert_eq(km_protocol_encode(&h, 0, &fb, NULL, 0), KM_OK);
+    cr_assert_eq(write(fd, fb.data, fb.size), (ssize_t)fb.size);
+    km_frame_buffer_free(&fb);
+    uint8_t head[4], body[4096];
+    cr_assert_eq(recv(fd, head, 4, MSG_WAITALL), 4);
+    uint32_t n;
+    memcpy(&n, head, 4);
+    n = ntohl(n);
+    cr_assert_leq(n, sizeof body);
+    cr_assert_eq(recv(fd, body, n, MSG_WAITALL), (ssize_t)n, "no WELCOME");
+    return fd;
+}
+
+/* A SIGHUP while the service drains is ignored: a client holding half a frame keeps the drain
+ * waiting, and the SIGHUP that comes then neither reopens nor reloads (the new pool in the file
+ * is not added); the service says it ignored it and exits 0 once the client goes. */
+Test(deploy, sighup_while_draining_is_ignored, .timeout = 90)
+{
+    make_dir();
+    char sock[128], cfg[128], log[128], args[512];
+    snprintf(sock, sizeof sock, "%s/s.sock", g_dir);
+    snprintf(cfg, sizeof cfg, "%s/serve.json", g_dir);
+    snprintf(log, sizeof log, "%s/serve.log", g_dir);
+    write_file(cfg, "{\"drain_timeout_ms\": 60000, \"pools\": [{\"name\": \"p\", "
+                    "\"block_size\": 4, \"workers\": [{\"id\": 0}]}]}");
+    snprintf(args, sizeof args, "--records=none --config=%s --log-file=%s", cfg, log);
+    pid_t pid = spawn_serve_args(sock, args);
+    char addr[160], why[256];
+    snprintf(addr, sizeof addr, "unix:%s", sock);
+    km_client *c = NULL;
+    cr_assert_eq(km_client_connect(addr, 3000, &c, why, sizeof why), KM_OK, "%s", why);
+    int fd = unix_hello(sock);
+    cr_assert_eq(write(fd, "\0\0", 2), 2); /* half a frame header: the drain waits for it */
+    cr_assert_eq(kill(pid, SIGTERM), 0);
+    cr_assert(wait_for(log, "stopping: no new connections"), "the drain began");
+    write_file(cfg, "{\"drain_timeout_ms\": 60000, \"pools\": [{\"name\": \"p\", "
+                    "\"block_size\": 4, \"workers\": [{\"id\": 0}]}, {\"name\": \"q\", "
+                    "\"block_size\": 4, \"workers\": [{\"id\": 1}]}]}");
+    cr_assert_eq(kill(pid, SIGHUP), 0);
+    cr_assert(wait_for(log, "SIGHUP received"), "the SIGHUP is not told");
+    /* The connection made before the stop is still answered, by the loop thread that handled the
+     * SIGHUP already: one pool. */
+    km_message m, reply;
+    memset(&m, 0, sizeof m);
+    m.type = KM_MESSAGE_POOLS;
+    m.pools.action = KM_ADMIN_LIST;
+    cr_assert_eq(km_client_call(c, &m, 5000, &reply), KM_OK, "%s", km_client_last_error(c));
+    cr_assert_eq(reply.type, KM_MESSAGE_POOL_LIST);
+    cr_assert_eq(reply.pools.n_pools, 1, "the reload ran during the drain");
+    km_client_close(c);
+    cr_assert(file_has(log, "SIGHUP received while draining: ignored"));
+    cr_assert(!file_has(log, "reopened"), "the log was reopened during the drain");
+    cr_assert(!file_has(log, "reload"), "the config was read again during the drain");
+    close(fd);
+    int st = 0;
+    cr_assert_eq(waitpid(pid, &st, 0), pid);
+    cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "exit status %d", st);
+    remove_dir();
+}
+
 /* Every pool and worker the config file lists is served, however many, beside the flags': a pool
  * of 100 workers plus a --worker for it serves 101, at start and after a reload (which applies the
  * flags again); of 70 pools the 70th routes to its worker. */

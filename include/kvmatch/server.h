@@ -198,7 +198,8 @@ typedef struct km_server_config {
     void *log_user;
     /* SIGHUP (with install_signals), after the server reopened its records file: the embedding
      * program's part (reopen its log file, reload its configuration: km_server_reload). Runs on
-     * the loop thread; NULL = none. SIGHUP never stops the server. */
+     * the loop thread; NULL = none. SIGHUP never stops the server; one that comes while the
+     * server drains is ignored (neither reopens nor runs this). */
     void (*on_hangup)(km_server *server, void *user);
     void *hangup_user;
 } km_server_config;
@@ -229,7 +230,8 @@ int km_server_create(const km_server_config *cfg, km_server **out, char *why, si
  * KM_OK, or the first shutdown error: a snapshot that could not be written, KM_ERR_IO when records
  * were lost (an I/O error during the run, or lines still unwritten after the final flush's 10 s;
  * each logged with the count). install_signals also takes SIGHUP: the records file is reopened
- * (after a rotation from outside) and on_hangup runs; the server keeps serving. It also
+ * (after a rotation from outside) and on_hangup runs; the server keeps serving (while it drains, a
+ * SIGHUP is ignored). It also
  * ignores SIGPIPE process-wide; without it, SIGPIPE is blocked in the calling thread while it
  * serves (a peer closing mid-reply is an EPIPE, not the end of the process), and the caller's
  * signal mask is restored on return. */

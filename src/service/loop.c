@@ -263,11 +263,14 @@ void km_srv_begin_drain(km_server *s)
     uv_timer_start(&s->drain_timer, on_drain_tick, 0, 5);
 }
 
-/* SIGTERM or SIGINT (km_server_run installs them): drain and stop. */
 void km_srv_on_hangup(uv_signal_t *h, int signum)
 {
     (void)signum;
     km_server *s = h->data;
+    if (s->draining) {
+        km_srv_log(s, KM_LOG_INFO "SIGHUP received while draining: ignored");
+        return;
+    }
     if (s->records) {
         km_record_writer_reopen(s->records);
         km_srv_log(s, KM_LOG_INFO "SIGHUP received: records file %s reopened", s->records_path);
@@ -278,6 +281,7 @@ void km_srv_on_hangup(uv_signal_t *h, int signum)
         s->cfg.on_hangup(s, s->cfg.hangup_user);
 }
 
+/* SIGTERM or SIGINT (km_server_run installs them): drain and stop. */
 void km_srv_on_signal(uv_signal_t *h, int signum)
 {
     km_server *s = h->data;

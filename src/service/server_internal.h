@@ -517,7 +517,8 @@ void km_srv_deliver_done(km_server *s);
 void km_srv_on_wake(uv_async_t *h);
 void km_srv_begin_drain(km_server *s);
 void km_srv_on_signal(uv_signal_t *h, int signum);
-/* SIGHUP: reopen the records file, run the config's on_hangup; never stops the server. */
+/* SIGHUP: reopen the records file, run the config's on_hangup; never stops the server. While the
+ * server drains it does neither (a line says it was ignored). */
 void km_srv_on_hangup(uv_signal_t *h, int signum);
 
 /* jobs.c */
