@@ -1445,6 +1445,73 @@ Test(deploy, sighup_while_draining_is_ignored, .timeout = 90)
     remove_dir();
 }
 
+/* A reload logs every setting only a restart applies that the file changed, each by its name in
+ * the file, and changes none of them; a pool's approximate-mode TTL and capacity are fixed for its
+ * life and logged the same way. The same file again logs none. */
+Test(deploy, sighup_logs_every_restart_only_setting_the_file_changed, .timeout = 90)
+{
+    make_dir();
+    char sock[128], cfg[128], log[128], args[512];
+    snprintf(sock, sizeof sock, "%s/s.sock", g_dir);
+    snprintf(cfg, sizeof cfg, "%s/serve.json", g_dir);
+    snprintf(log, sizeof log, "%s/serve.log", g_dir);
+    const char *start = "{\"pools\": [{\"name\": \"p\", \"block_size\": 4, \"workers\": "
+                        "[{\"id\": 0}]}]}";
+    write_file(cfg, start);
+    snprintf(args, sizeof args, "--records=none --config=%s --log-file=%s", cfg, log);
+    pid_t pid = spawn_serve_args(sock, args);
+    reload_and_wait(pid, log, 1);
+    cr_assert(!file_has(log, "changed in the file"), "the same file changed a setting");
+
+    write_file(cfg,
+               "{\"tcp\": \"127.0.0.1:9\", \"http\": \"127.0.0.1:9\", \"allow_non_loopback\": true,"
+               " \"default_pool\": \"p\", \"max_connections\": 7, \"max_outbox_bytes\": 8192,"
+               " \"active_ttl_ms\": 7, \"max_active_entries\": 7, \"max_active_bytes\": 7,"
+               " \"approx_dispatch_max_bytes\": 7, \"breaker_failures\": 7,"
+               " \"breaker_cooldown_ms\": 7, \"ready_share\": 0.5, \"drain_timeout_ms\": 7,"
+               " \"seed\": 7, \"frame_timeout_ms\": 7, \"stalled_reader_timeout_ms\": 7,"
+               " \"records\": {\"max_file_bytes\": 7, \"keep_files\": 7, \"max_kept_bytes\": 7,"
+               " \"max_age_s\": 7}, \"snapshot\": {\"dir\": \"/nonexistent\", \"interval_ms\": 7},"
+               " \"cluster\": {\"instance\": \"i7\", \"subject\": \"s7\", \"heartbeat_ms\": 70,"
+               " \"expire_ms\": 700, \"sync_timeout_ms\": 7}, \"engine_metrics\": {\"interval_ms\":"
+               " 70, \"timeout_ms\": 7, \"max_age_ms\": 7}, \"index\": {\"max_workers\": 7,"
+               " \"threads\": 7, \"memory_cap_bytes\": 7, \"initial_blocks\": 7, \"backend\":"
+               " \"cpu\"}, \"scheduler\": {\"max_batch_routes\": 7, \"max_queued_routes\": 7,"
+               " \"max_queue_wait_ms\": 7, \"max_connection_routes\": 7, \"inline_routes\": 7},"
+               " \"limits\": {\"max_frame_bytes\": 70000, \"max_objects\": 70, \"max_batch_items\":"
+               " 7, \"max_tokens_per_route\": 7, \"max_hashes_per_route\": 7, \"max_candidates\":"
+               " 7, \"max_string_bytes\": 70}, \"pools\": [{\"name\": \"p\", \"block_size\": 4,"
+               " \"approx_ttl_ms\": 7, \"approx_capacity_blocks\": 7, \"workers\":"
+               " [{\"id\": 0}]}]}");
+    reload_and_wait(pid, log, 2);
+    static const char *const names[] = {
+        "tcp", "http", "allow_non_loopback", "default_pool", "max_connections",
+        "max_outbox_bytes", "active_ttl_ms", "max_active_entries", "max_active_bytes",
+        "approx_dispatch_max_bytes", "breaker_failures", "breaker_cooldown_ms", "ready_share",
+        "drain_timeout_ms", "seed", "frame_timeout_ms", "stalled_reader_timeout_ms",
+        "records.max_file_bytes", "records.keep_files", "records.max_kept_bytes",
+        "records.max_age_s", "snapshot.dir", "snapshot.interval_ms", "cluster.instance",
+        "cluster.subject", "cluster.heartbeat_ms", "cluster.expire_ms",
+        "cluster.sync_timeout_ms", "engine_metrics.interval_ms", "engine_metrics.timeout_ms",
+        "engine_metrics.max_age_ms", "index.max_workers", "index.threads",
+        "index.memory_cap_bytes", "index.initial_blocks", "index.backend",
+        "scheduler.max_batch_routes", "scheduler.max_queued_routes",
+        "scheduler.max_queue_wait_ms", "scheduler.max_connection_routes",
+        "scheduler.inline_routes", "limits.max_frame_bytes", "limits.max_objects",
+        "limits.max_batch_items", "limits.max_tokens_per_route", "limits.max_hashes_per_route",
+        "limits.max_candidates", "limits.max_string_bytes", "pool p: approx_ttl_ms",
+        "pool p: approx_capacity_blocks"};
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
+        char line[128];
+        snprintf(line, sizeof line, "reload: %s changed in the file", names[i]);
+        cr_assert(file_has(log, line), "no warning for %s", names[i]);
+    }
+    cr_assert_eq(file_count(log, "changed in the file"), (int)(sizeof names / sizeof names[0]));
+    cr_assert(file_has(log, "reload: 0 changes applied"), "a restart-only setting was applied");
+    stop_serve(pid);
+    remove_dir();
+}
+
 /* Every pool and worker the config file lists is served, however many, beside the flags': a pool
  * of 100 workers plus a --worker for it serves 101, at start and after a reload (which applies the
  * flags again); of 70 pools the 70th routes to its worker. */

@@ -67,6 +67,14 @@ static uint64_t engine_capacity_in_blocks(const km_server_pool *pc)
     return blocks ? blocks : 1;
 }
 
+void km_srv_pool_approx_params(const km_server_pool *pc, uint64_t *ttl_ms,
+                               uint64_t *capacity_blocks)
+{
+    *ttl_ms = pc->approx_ttl_ms ? pc->approx_ttl_ms : 120000;
+    *capacity_blocks = pc->approx_capacity_blocks ? pc->approx_capacity_blocks
+                                                  : engine_capacity_in_blocks(pc);
+}
+
 /* A pool from its config, with its index and approximate-mode state; its subscriber and in-process
  * feed come with its first worker that needs them. KM_OK, or an error with why filled. */
 int km_srv_pool_create(km_server *s, const km_server_pool *pc, pool **out, char *why,
@@ -109,9 +117,7 @@ int km_srv_pool_create(km_server *s, const km_server_pool *pc, pool **out, char 
     p->offload_chunk_blocks = pc->offload_chunk_blocks ? pc->offload_chunk_blocks : 1;
     p->policy = pc->policy;
     km_policy_state_init(&p->policy_state, s->cfg.seed ^ XXH3_64bits(pc->name, strlen(pc->name)));
-    p->approx_ttl_ms = pc->approx_ttl_ms ? pc->approx_ttl_ms : 120000;
-    p->approx_capacity_blocks = pc->approx_capacity_blocks ? pc->approx_capacity_blocks
-                                                           : engine_capacity_in_blocks(pc);
+    km_srv_pool_approx_params(pc, &p->approx_ttl_ms, &p->approx_capacity_blocks);
     km_approx_updates_init(&p->approx_updates);
     km_match_results_init(&p->results);
     int rc = KM_OK;

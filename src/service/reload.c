@@ -3,6 +3,7 @@
  * (pools, their policies and parameters, their workers) on the loop thread under admin_lock, and
  * log every change and every setting that only a restart applies. */
 #include <inttypes.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -55,33 +56,112 @@ static const km_server_worker *listed_worker(const km_server_pool *pc, uint32_t 
     return NULL;
 }
 
+/* A setting of km_server_config only a restart applies, by its name in the configuration file. */
+typedef struct restart_only {
+    const char *name;
+    size_t offset, size;
+    bool string; /* a const char * (NULL = absent), compared by content */
+} restart_only;
+
+#define KM_RELOAD_FIELD(member, name)                                                           \
+    {name, offsetof(km_server_config, member), sizeof(((km_server_config *)0)->member), false}
+#define KM_RELOAD_STRING(member, name)                                                          \
+    {name, offsetof(km_server_config, member), sizeof(const char *), true}
+
+/* Every field of km_server_config but the pools (applied), the log and the hangup callback (the
+ * program's own). */
+static const restart_only RESTART_ONLY[] = {
+    KM_RELOAD_STRING(socket_path, "socket"),
+    KM_RELOAD_STRING(tcp, "tcp"),
+    KM_RELOAD_STRING(http, "http"),
+    KM_RELOAD_FIELD(allow_non_loopback, "allow_non_loopback"),
+    KM_RELOAD_STRING(records_path, "records"),
+    KM_RELOAD_FIELD(records_max_file_bytes, "records.max_file_bytes"),
+    KM_RELOAD_FIELD(records_keep_files, "records.keep_files"),
+    KM_RELOAD_FIELD(records_max_kept_bytes, "records.max_kept_bytes"),
+    KM_RELOAD_FIELD(records_max_age_s, "records.max_age_s"),
+    KM_RELOAD_STRING(snapshot_dir, "snapshot.dir"),
+    KM_RELOAD_FIELD(snapshot_interval_ms, "snapshot.interval_ms"),
+    KM_RELOAD_STRING(cluster_url, "cluster.url"),
+    KM_RELOAD_STRING(cluster_instance, "cluster.instance"),
+    KM_RELOAD_STRING(cluster_subject, "cluster.subject"),
+    KM_RELOAD_FIELD(cluster_heartbeat_ms, "cluster.heartbeat_ms"),
+    KM_RELOAD_FIELD(cluster_expire_ms, "cluster.expire_ms"),
+    KM_RELOAD_FIELD(cluster_sync_timeout_ms, "cluster.sync_timeout_ms"),
+    KM_RELOAD_FIELD(engine_metrics_interval_ms, "engine_metrics.interval_ms"),
+    KM_RELOAD_FIELD(engine_metrics_timeout_ms, "engine_metrics.timeout_ms"),
+    KM_RELOAD_FIELD(engine_metrics_max_age_ms, "engine_metrics.max_age_ms"),
+    KM_RELOAD_FIELD(max_workers, "index.max_workers"),
+    KM_RELOAD_FIELD(backend, "index.backend"),
+    KM_RELOAD_FIELD(index_threads, "index.threads"),
+    KM_RELOAD_FIELD(index_memory_cap_bytes, "index.memory_cap_bytes"),
+    KM_RELOAD_FIELD(index_initial_blocks, "index.initial_blocks"),
+    KM_RELOAD_FIELD(max_batch_routes, "scheduler.max_batch_routes"),
+    KM_RELOAD_FIELD(inline_routes, "scheduler.inline_routes"),
+    KM_RELOAD_FIELD(max_queued_routes, "scheduler.max_queued_routes"),
+    KM_RELOAD_FIELD(max_queue_wait_ms, "scheduler.max_queue_wait_ms"),
+    KM_RELOAD_FIELD(max_connection_routes, "scheduler.max_connection_routes"),
+    KM_RELOAD_FIELD(max_connections, "max_connections"),
+    KM_RELOAD_FIELD(max_outbox_bytes, "max_outbox_bytes"),
+    KM_RELOAD_FIELD(limits.max_frame_bytes, "limits.max_frame_bytes"),
+    KM_RELOAD_FIELD(limits.max_objects, "limits.max_objects"),
+    KM_RELOAD_FIELD(limits.max_batch_items, "limits.max_batch_items"),
+    KM_RELOAD_FIELD(limits.max_tokens_per_route, "limits.max_tokens_per_route"),
+    KM_RELOAD_FIELD(limits.max_hashes_per_route, "limits.max_hashes_per_route"),
+    KM_RELOAD_FIELD(limits.max_candidates, "limits.max_candidates"),
+    KM_RELOAD_FIELD(limits.max_params, "limits.max_params"),
+    KM_RELOAD_FIELD(limits.max_string_bytes, "limits.max_string_bytes"),
+    KM_RELOAD_FIELD(active_ttl_ms, "active_ttl_ms"),
+    KM_RELOAD_FIELD(max_active_entries, "max_active_entries"),
+    KM_RELOAD_FIELD(max_active_bytes, "max_active_bytes"),
+    KM_RELOAD_FIELD(approx_dispatch_max_bytes, "approx_dispatch_max_bytes"),
+    KM_RELOAD_FIELD(breaker_failures, "breaker_failures"),
+    KM_RELOAD_FIELD(breaker_cooldown_ms, "breaker_cooldown_ms"),
+    KM_RELOAD_FIELD(ready_share, "ready_share"),
+    KM_RELOAD_FIELD(drain_timeout_ms, "drain_timeout_ms"),
+    KM_RELOAD_FIELD(frame_timeout_ms, "frame_timeout_ms"),
+    KM_RELOAD_FIELD(stalled_reader_timeout_ms, "stalled_reader_timeout_ms"),
+    KM_RELOAD_FIELD(seed, "seed"),
+    KM_RELOAD_STRING(default_pool, "default_pool"),
+};
+#undef KM_RELOAD_FIELD
+#undef KM_RELOAD_STRING
+
 /* The settings only a restart applies: each that differs is logged, none is changed. */
 static void note_restart_only(km_server *s, const km_server_config *n)
 {
-    const km_server_config *c = &s->cfg;
-#define KM_RELOAD_STRING(field, name, live)                                                     \
-    if (!same_string(live, n->field))                                                          \
-        km_srv_log(s, KM_LOG_WARNING "reload: %s changed in the file; it takes effect at restart", \
-                   name);
-#define KM_RELOAD_NUMBER(field, name)                                                           \
-    if (c->field != n->field)                                                                  \
-        km_srv_log(s, KM_LOG_WARNING "reload: %s changed in the file; it takes effect at restart", \
-                   name);
-    KM_RELOAD_STRING(socket_path, "socket", s->socket_path)
-    KM_RELOAD_STRING(tcp, "tcp", s->tcp)
-    KM_RELOAD_STRING(http, "http", s->http_addr)
-    KM_RELOAD_STRING(records_path, "records", s->records_path)
-    KM_RELOAD_STRING(snapshot_dir, "snapshot.dir", s->snapshot_dir)
-    KM_RELOAD_NUMBER(max_workers, "index.max_workers")
-    KM_RELOAD_NUMBER(backend, "index.backend")
-    KM_RELOAD_NUMBER(max_batch_routes, "scheduler.max_batch_routes")
-    KM_RELOAD_NUMBER(max_queued_routes, "scheduler.max_queued_routes")
-    KM_RELOAD_NUMBER(max_connections, "max_connections")
-    KM_RELOAD_NUMBER(active_ttl_ms, "active_ttl_ms")
-    KM_RELOAD_NUMBER(breaker_failures, "breaker_failures")
-    KM_RELOAD_NUMBER(breaker_cooldown_ms, "breaker_cooldown_ms")
-#undef KM_RELOAD_STRING
-#undef KM_RELOAD_NUMBER
+    const char *live = (const char *)&s->cfg, *file = (const char *)n;
+    for (size_t i = 0; i < sizeof RESTART_ONLY / sizeof RESTART_ONLY[0]; i++) {
+        const restart_only *f = &RESTART_ONLY[i];
+        bool same;
+        if (f->string) {
+            const char *a, *b;
+            memcpy(&a, live + f->offset, sizeof a);
+            memcpy(&b, file + f->offset, sizeof b);
+            same = same_string(a, b);
+        } else {
+            same = memcmp(live + f->offset, file + f->offset, f->size) == 0;
+        }
+        if (!same)
+            km_srv_log(s, KM_LOG_WARNING
+                       "reload: %s changed in the file; it takes effect at restart", f->name);
+    }
+}
+
+/* A listed pool's settings fixed for its life (its approximate mode's TTL and capacity, defaults
+ * applied): each that differs is logged, none is changed. */
+static void note_pool_restart_only(km_server *s, const pool *p, const km_server_pool *pc)
+{
+    uint64_t ttl_ms, capacity;
+    km_srv_pool_approx_params(pc, &ttl_ms, &capacity);
+    if (ttl_ms != p->approx_ttl_ms)
+        km_srv_log(s, KM_LOG_WARNING "reload: pool %s: approx_ttl_ms changed in the file (%" PRIu64
+                   " -> %" PRIu64 "); it takes effect at restart", p->name, p->approx_ttl_ms,
+                   ttl_ms);
+    if (capacity != p->approx_capacity_blocks)
+        km_srv_log(s, KM_LOG_WARNING "reload: pool %s: approx_capacity_blocks changed in the file "
+                   "(%" PRIu64 " -> %" PRIu64 "); it takes effect at restart", p->name,
+                   p->approx_capacity_blocks, capacity);
 }
 
 /* The first pool of the file that lists worker id among those this reload accepted (accepted:
@@ -170,6 +250,7 @@ int km_server_reload(km_server *s, const km_server_config *n)
                 first_error = first_error ? first_error : KM_ERR_INVALID_ARGUMENT;
                 continue;
             }
+            note_pool_restart_only(s, p, pc);
             if (memcmp(&p->policy, &pc->policy, sizeof p->policy) != 0) {
                 km_srv_log(s, KM_LOG_INFO
                            "reload: pool %s: policy %s -> %s, parameters as in the file",

@@ -215,6 +215,9 @@ void km_server_destroy(km_server *s)
     free(s->records_path);
     free(s->snapshot_dir);
     free(s->default_pool);
+    free(s->cluster_url);
+    free(s->cluster_instance);
+    free(s->cluster_subject);
     free(s);
 }
 
@@ -282,8 +285,23 @@ int km_server_create(const km_server_config *cfg_in, km_server **out, char *why,
     int rc = KM_OK;
     if (dup_opt(cfg.socket_path, &s->socket_path) || dup_opt(cfg.tcp, &s->tcp) ||
         dup_opt(cfg.http, &s->http_addr) || dup_opt(cfg.records_path, &s->records_path) ||
-        dup_opt(cfg.snapshot_dir, &s->snapshot_dir) || dup_opt(cfg.default_pool, &s->default_pool))
+        dup_opt(cfg.snapshot_dir, &s->snapshot_dir) ||
+        dup_opt(cfg.default_pool, &s->default_pool) ||
+        dup_opt(cfg.cluster_url, &s->cluster_url) ||
+        dup_opt(cfg.cluster_instance, &s->cluster_instance) ||
+        dup_opt(cfg.cluster_subject, &s->cluster_subject))
         rc = km_why(why, why_size, KM_ERR_OUT_OF_MEMORY, "config strings");
+    /* s->cfg's strings are the server's copies: the caller's may go after create, and a reload
+     * compares them with a new configuration's. */
+    s->cfg.socket_path = s->socket_path;
+    s->cfg.tcp = s->tcp;
+    s->cfg.http = s->http_addr;
+    s->cfg.records_path = s->records_path;
+    s->cfg.snapshot_dir = s->snapshot_dir;
+    s->cfg.default_pool = s->default_pool;
+    s->cfg.cluster_url = s->cluster_url;
+    s->cfg.cluster_instance = s->cluster_instance;
+    s->cfg.cluster_subject = s->cluster_subject;
     s->cfg.pools = NULL;
     s->cfg.n_pools = 0;
     if (!rc && !(s->pools = calloc(MAX_POOLS, sizeof *s->pools)))

@@ -348,6 +348,7 @@ struct conn {
 struct km_server {
     km_server_config cfg;
     char *socket_path, *tcp, *http_addr, *records_path, *snapshot_dir, *default_pool;
+    char *cluster_url, *cluster_instance, *cluster_subject;
     km_log_fn log;
     void *log_user;
 
@@ -544,6 +545,10 @@ void km_srv_decide_route(km_server *s, job *j, route_job *r, pool *p, const km_r
 
 /* pools.c */
 int km_srv_pool_find(const km_server *s, const char *name);
+/* The approximate-mode TTL and per-worker capacity a pool made from pc has, defaults applied
+ * (fixed for the pool's life). */
+void km_srv_pool_approx_params(const km_server_pool *pc, uint64_t *ttl_ms,
+                               uint64_t *capacity_blocks);
 int km_srv_pool_for_model(const km_server *s, const char *model);
 void km_srv_pool_destroy(pool *p);
 int km_srv_pool_create(km_server *s, const km_server_pool *pc, pool **out, char *why,
