@@ -2437,6 +2437,58 @@ Test(server, slow_reader_is_closed_others_are_served, .timeout = 60)
     srv_cleanup(&s);
 }
 
+/* Every frame that fails as a whole is counted alike in km_server_stats.bad_frames and
+ * kvmatch_bad_frames_total: one over max_frame_bytes (framing), one not complete within
+ * frame_timeout_ms, one that does not decode. */
+Test(server, bad_frames_metric_counts_framing_errors_and_timeouts, .timeout = 60)
+{
+    srv s = {0};
+    km_server_config cfg;
+    test_config(&cfg, &s, KM_POLICY_PREFIX, 2);
+    cfg.records_path = NULL;
+    cfg.frame_timeout_ms = 300;
+    char http[] = "127.0.0.1:0";
+    cfg.http = http;
+    srv_start(&s, &cfg);
+    km_protocol_decoder *dec;
+    cr_assert_eq(km_protocol_decoder_create(NULL, &dec), KM_OK);
+    static uint8_t buf[1 << 16];
+    km_message reply;
+
+    int fd = raw_connect(&s);
+    raw_hello(fd, dec, buf, sizeof buf, KM_PROTOCOL_VERSION);
+    uint32_t huge = htonl(1u << 30);
+    cr_assert_eq(write(fd, &huge, 4), 4);
+    cr_assert_eq(raw_read_reply(fd, dec, &reply, buf, sizeof buf), KM_ERR_TOO_LARGE);
+    cr_assert(raw_closed(fd));
+    close(fd);
+
+    fd = raw_connect(&s);
+    raw_hello(fd, dec, buf, sizeof buf, KM_PROTOCOL_VERSION);
+    uint8_t part[4 + 10] = {0, 0, 0x03, 0xe8, 0x82}; /* declares 1,000 bytes, sends 10 */
+    cr_assert_eq(send(fd, part, sizeof part, MSG_NOSIGNAL), (ssize_t)sizeof part);
+    cr_assert_eq(raw_read_reply(fd, dec, &reply, buf, sizeof buf), KM_ERR_TIMEOUT);
+    cr_assert(raw_closed(fd));
+    close(fd);
+
+    fd = raw_connect(&s);
+    raw_hello(fd, dec, buf, sizeof buf, KM_PROTOCOL_VERSION);
+    raw_send_frame(fd, "\xc1\xc1\xc1garbage", 10);
+    cr_assert_eq(raw_read_reply(fd, dec, &reply, buf, sizeof buf), KM_ERR_PARSE);
+    cr_assert(raw_closed(fd));
+    close(fd);
+
+    km_server_stats st;
+    km_server_get_stats(s.server, &st);
+    cr_assert_eq(st.bad_frames, 3);
+    static char body[1 << 16];
+    cr_assert_eq(http_get(km_server_http_port(s.server), "/metrics", body, sizeof body), 200);
+    cr_assert_eq(metric_value(body, "kvmatch_bad_frames_total"), (double)st.bad_frames);
+    km_protocol_decoder_destroy(dec);
+    srv_stop(&s);
+    srv_cleanup(&s);
+}
+
 /* A frame that is begun and never completed (a header, a few bytes, then nothing) gets ERROR
  * KM_ERR_TIMEOUT after frame_timeout_ms and the connection is closed; a connection whose reading
  * paused for replies it never reads is closed after stalled_reader_timeout_ms although its replies

@@ -286,7 +286,9 @@ typedef struct km_server_stats {
     uint64_t reading_pauses;        /* times a connection's reading paused for its waiting
                                      * replies (over max_outbox_bytes / 4) */
     uint64_t frames;                /* frames received */
-    uint64_t bad_frames;            /* frames that failed to decode as a whole */
+    uint64_t bad_frames;            /* frames that failed as a whole: a framing error, not
+                                     * complete within frame_timeout_ms, or not decoded (as
+                                     * kvmatch_bad_frames_total) */
     uint64_t routes;                /* route requests received */
     uint64_t decisions;             /* routes decided */
     uint64_t route_errors;          /* routes answered with an error */

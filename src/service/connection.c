@@ -510,7 +510,7 @@ static void on_read(uv_stream_t *stream, ssize_t nread, const uv_buf_t *buf)
         size_t psize = 0;
         int rc = km_frame_reader_next(c->reader, data, left, &consumed, &payload, &psize);
         if (rc != KM_OK) {
-            atomic_fetch_add(&c->server->st.bad_frames, 1);
+            km_srv_count_bad_frame(c->server);
             km_srv_send_error(c, 0, rc, "%s", km_frame_reader_last_error(c->reader));
             uv_read_stop(stream);
             c->reading = false;
@@ -552,7 +552,7 @@ void km_srv_conns_sweep(km_server *s, uint64_t now)
             continue;
         if (c->reading && !c->paused && c->frame_started_ns &&
             now - c->frame_started_ns > (uint64_t)s->cfg.frame_timeout_ms * 1000000u) {
-            atomic_fetch_add(&s->st.bad_frames, 1);
+            km_srv_count_bad_frame(s);
             km_srv_send_error(c, 0, KM_ERR_TIMEOUT, "a frame begun over %u ms ago is not "
                               "complete: this connection reads no more", s->cfg.frame_timeout_ms);
             uv_read_stop(&c->h.stream);

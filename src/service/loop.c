@@ -14,6 +14,12 @@
 #include "kvmatch/version.h"
 #include "service/server_internal.h"
 
+void km_srv_count_bad_frame(km_server *s)
+{
+    atomic_fetch_add(&s->st.bad_frames, 1);
+    km_counter_add(s->m_bad_frames, 1);
+}
+
 /* One frame. Returns false when the connection must close (after what was queued is written). */
 bool km_srv_handle_frame(conn *c, const uint8_t *payload, size_t size)
 {
@@ -23,8 +29,7 @@ bool km_srv_handle_frame(conn *c, const uint8_t *payload, size_t size)
     km_message m;
     int rc = km_protocol_decode(c->decoder, payload, size, &m);
     if (rc != KM_OK) {
-        atomic_fetch_add(&s->st.bad_frames, 1);
-        km_counter_add(s->m_bad_frames, 1);
+        km_srv_count_bad_frame(s);
         if (!c->hello_done) { /* before HELLO, a frame that is not a readable HELLO ends it */
             if (m.type == KM_MESSAGE_HELLO)
                 km_srv_send_error(c, m.has_id ? m.id : 0, rc, "HELLO: %s",

@@ -512,6 +512,9 @@ void km_srv_send_message(conn *c, const km_message *m);
 void km_srv_on_connection(uv_stream_t *listener, int status);
 
 /* loop.c */
+/* A frame that failed as a whole (framing, timeout, decoding): st.bad_frames and
+ * kvmatch_bad_frames_total, counted together. */
+void km_srv_count_bad_frame(km_server *s);
 bool km_srv_handle_frame(conn *c, const uint8_t *payload, size_t size);
 void km_srv_deliver_jobs(km_server *s, job *list);
 void km_srv_deliver_done(km_server *s);

@@ -614,7 +614,9 @@ int km_srv_metrics_setup(km_server *s)
                                     &s->m_frames);
     if (!rc)
         rc = km_metrics_add_counter(s->metrics, "kvmatch_bad_frames_total",
-                                    "Frames that failed to decode.", NULL, 0, &s->m_bad_frames);
+                                    "Frames that failed as a whole: framing errors, frames not "
+                                    "complete within frame_timeout_ms, frames that did not "
+                                    "decode.", NULL, 0, &s->m_bad_frames);
     if (!rc)
         rc = km_metrics_add_counter(s->metrics, "kvmatch_reading_pauses_total",
                                     "Times a connection's reading paused while its replies waited "
