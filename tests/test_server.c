@@ -382,6 +382,75 @@ Test(server, route_lifecycle_and_records, .timeout = 30)
                      "python3-jsonschema is missing");
 }
 
+/* max_frame_bytes is at least KM_SERVER_MIN_FRAME_BYTES, in which every reply of a bounded size
+ * fits: a WELCOME with every limit at its largest, an ERROR with the longest message the server
+ * writes (511 bytes) and the longest error name. Less is refused at create and in the file; at the
+ * minimum a client is handshaken and served. */
+Test(server, max_frame_bytes_holds_every_bounded_reply, .timeout = 30)
+{
+    km_message w;
+    memset(&w, 0, sizeof w);
+    w.type = KM_MESSAGE_WELCOME;
+    w.has_id = true;
+    w.id = UINT64_MAX;
+    w.welcome.protocol_version = KM_PROTOCOL_VERSION;
+    w.welcome.kvmatch_version = KVMATCH_VERSION;
+    w.welcome.server_name = "kvmatch serve";
+    w.welcome.limits = (km_protocol_limits){UINT32_MAX, UINT32_MAX, UINT32_MAX, UINT32_MAX,
+                                            UINT32_MAX, UINT32_MAX, UINT32_MAX, UINT32_MAX};
+    km_frame_buffer fb;
+    km_frame_buffer_init(&fb);
+    cr_assert_eq(km_protocol_encode(&w, KM_SERVER_MIN_FRAME_BYTES, &fb, NULL, 0), KM_OK);
+    cr_assert_leq(fb.size - 4, KM_SERVER_MIN_FRAME_BYTES);
+    char message[512];
+    memset(message, 'x', 511);
+    message[511] = '\0';
+#define ERROR_CODE(name, value, text) value,
+    static const int codes[] = {KM_ERROR_MAP(ERROR_CODE)};
+#undef ERROR_CODE
+    for (size_t i = 1; i < sizeof codes / sizeof codes[0]; i++) {
+        int code = codes[i];
+        km_frame_buffer_free(&fb);
+        cr_assert_eq(km_protocol_encode_error(UINT64_MAX, code, message, &fb), KM_OK);
+        cr_assert_leq(fb.size - 4, KM_SERVER_MIN_FRAME_BYTES, "%s: %zu bytes",
+                      km_error_name(code), fb.size - 4);
+    }
+    km_frame_buffer_free(&fb);
+
+    srv s = {0};
+    km_server_config cfg;
+    test_config(&cfg, &s, KM_POLICY_PREFIX, 2);
+    cfg.records_path = NULL;
+    cfg.limits.max_frame_bytes = KM_SERVER_MIN_FRAME_BYTES - 1;
+    char why[256];
+    km_server *server = NULL;
+    cr_assert_eq(km_server_create(&cfg, &server, why, sizeof why), KM_ERR_INVALID_ARGUMENT);
+    cr_assert_not_null(strstr(why, "max_frame_bytes"), "%s", why);
+    char path[160];
+    snprintf(path, sizeof path, "%s/small.json", s.dir);
+    FILE *f = fopen(path, "w");
+    cr_assert_not_null(f);
+    fprintf(f, "{\"limits\": {\"max_frame_bytes\": %u}}", KM_SERVER_MIN_FRAME_BYTES - 1);
+    fclose(f);
+    km_server_config loaded;
+    km_server_config_init(&loaded);
+    km_server_config_json *owner = NULL;
+    cr_assert_neq(km_server_config_load_json(path, &loaded, &owner, why, sizeof why), KM_OK);
+    cr_assert_not_null(strstr(why, "max_frame_bytes"), "%s", why);
+
+    cfg.limits.max_frame_bytes = KM_SERVER_MIN_FRAME_BYTES;
+    srv_start(&s, &cfg);
+    km_client *c = connect_client(&s);
+    km_message m, reply;
+    memset(&m, 0, sizeof m);
+    m.type = KM_MESSAGE_STATUS;
+    cr_assert_eq(km_client_call(c, &m, 5000, &reply), KM_OK, "%s", km_client_last_error(c));
+    cr_assert_eq(reply.type, KM_MESSAGE_STATUS_REPLY);
+    km_client_close(c);
+    srv_stop(&s);
+    srv_cleanup(&s);
+}
+
 /* Strings are UTF-8 (docs/PROTOCOL.md): a route whose request id is not fails alone with
  * KM_ERR_PARSE while its sibling is decided, and a WORKERS add whose endpoint is not is refused,
  * so no reply (DECISION, STATUS_REPLY, WORKER_LIST) carries a string a strict client cannot

@@ -41,6 +41,10 @@ typedef struct km_server km_server;
 /* Largest max_outbox_bytes (1 GiB): a connection's waiting replies are written in one libuv
  * buffer, whose length is 32 bits. */
 #define KM_SERVER_MAX_OUTBOX_BYTES_LIMIT (UINT64_C(1) << 30)
+/* Smallest limits.max_frame_bytes a server takes: every reply of a bounded size fits in it (a
+ * WELCOME whatever its limits, an ERROR with the longest message the server writes, 511 bytes),
+ * so a client that reads frames up to max_frame_bytes reads them. */
+#define KM_SERVER_MIN_FRAME_BYTES 1024u
 
 /* One worker: an engine replica (or one data-parallel rank of one). Ids are unique across the
  * service (0 .. max_workers - 1); with an event endpoint the worker's index is fed by its KV

@@ -469,18 +469,24 @@ void km_srv_send_error(conn *c, uint64_t id, int code, const char *fmt, ...)
 }
 
 /* Encode and queue one reply; one that does not encode within max_frame_bytes is answered with
- * an ERROR naming why. */
-void km_srv_send_message(conn *c, const km_message *m)
+ * an ERROR naming why. KM_OK when the reply itself was queued: KM_ERR_CLOSED when the connection
+ * is closing, else the encoder's error. */
+int km_srv_send_message(conn *c, const km_message *m)
 {
     km_frame_buffer fb;
     km_frame_buffer_init(&fb);
     char why[256];
     int rc = km_protocol_encode(m, c->server->cfg.limits.max_frame_bytes, &fb, why, sizeof why);
-    if (rc == KM_OK)
-        km_srv_conn_send(c, &fb);
-    else
+    if (rc == KM_OK) {
+        pthread_mutex_lock(&c->write_lock);
+        if (!conn_send_locked(c, fb.data, fb.size, false, NULL))
+            rc = KM_ERR_CLOSED;
+        pthread_mutex_unlock(&c->write_lock);
+    } else {
         km_srv_send_error(c, m->id, rc, "encoding the reply failed: %s", why);
+    }
     km_frame_buffer_free(&fb);
+    return rc;
 }
 
 static void on_read(uv_stream_t *stream, ssize_t nread, const uv_buf_t *buf)

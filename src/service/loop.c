@@ -57,7 +57,6 @@ bool km_srv_handle_frame(conn *c, const uint8_t *payload, size_t size)
                               m.hello.protocol_version, KM_PROTOCOL_VERSION);
             return false;
         }
-        c->hello_done = true;
         km_message w;
         memset(&w, 0, sizeof w);
         w.type = KM_MESSAGE_WELCOME;
@@ -67,7 +66,10 @@ bool km_srv_handle_frame(conn *c, const uint8_t *payload, size_t size)
         w.welcome.kvmatch_version = KVMATCH_VERSION;
         w.welcome.server_name = "kvmatch serve";
         w.welcome.limits = s->cfg.limits;
-        km_srv_send_message(c, &w);
+        /* Handshaken only once its WELCOME is queued; else the ERROR that says why ends it. */
+        if (km_srv_send_message(c, &w) != KM_OK)
+            return false;
+        c->hello_done = true;
         return true;
     }
     case KM_MESSAGE_ROUTE: km_srv_handle_route(c, &m); return true;

@@ -255,6 +255,10 @@ int km_server_create(const km_server_config *cfg_in, km_server **out, char *why,
         return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,
                      "breaker_cooldown_ms %" PRIu64 " is out of 1..%" PRIu64 " (in ns it must fit "
                      "64 bits)", cfg.breaker_cooldown_ms, UINT64_MAX / 1000000);
+    if (cfg.limits.max_frame_bytes < KM_SERVER_MIN_FRAME_BYTES)
+        return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,
+                     "limits.max_frame_bytes %u is under %u (a WELCOME or an ERROR would not fit)",
+                     cfg.limits.max_frame_bytes, KM_SERVER_MIN_FRAME_BYTES);
     if (cfg.n_pools > MAX_POOLS)
         return km_why(why, why_size, KM_ERR_TOO_LARGE, "%u pools; at most %u", cfg.n_pools, MAX_POOLS);
     if (cfg.socket_path) {

@@ -630,7 +630,8 @@ int km_server_config_load_json(const char *path, km_server_config *target, km_se
         if (!json_is_object(lim))
             r.rc = km_why(why, why_size, KM_ERR_PARSE, "limits: expected an object");
         km_protocol_limits *l = &cfg->limits;
-        get_u32(&r, lim, "max_frame_bytes", "limits.", 64, UINT32_MAX, &l->max_frame_bytes);
+        get_u32(&r, lim, "max_frame_bytes", "limits.", KM_SERVER_MIN_FRAME_BYTES, UINT32_MAX,
+                &l->max_frame_bytes);
         get_u32(&r, lim, "max_objects", "limits.", 16, UINT32_MAX, &l->max_objects);
         get_u32(&r, lim, "max_batch_items", "limits.", 1, UINT32_MAX, &l->max_batch_items);
         get_u32(&r, lim, "max_tokens_per_route", "limits.", 1, UINT32_MAX, &l->max_tokens_per_route);

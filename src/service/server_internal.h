@@ -508,7 +508,7 @@ bool km_srv_conn_send_reply(conn *c, job *j);
 void km_srv_job_hand_back(job *j, bool write_now);
 void km_srv_send_error(conn *c, uint64_t id, int code, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));
-void km_srv_send_message(conn *c, const km_message *m);
+int km_srv_send_message(conn *c, const km_message *m);
 void km_srv_on_connection(uv_stream_t *listener, int status);
 
 /* loop.c */
