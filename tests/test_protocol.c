@@ -2059,3 +2059,91 @@ Test(protocol, names_of_every_listed_value_and_of_none_other, .timeout = 5)
         cr_assert_str_eq(km_admin_action_name((km_admin_action)outside[i]), "none");
     }
 }
+
+/* Any string key twice in one map is KM_ERR_PARSE, known or not, whether the map has a few unknown
+ * keys or many (a hash table past 16); distinct unknown keys are ignored. In a route item the
+ * duplicate fails that item alone. A message without an id still says its type. */
+Test(protocol, every_duplicate_key_is_refused_and_a_failed_hello_is_a_hello, .timeout = 10)
+{
+    km_protocol_decoder *dec;
+    cr_assert_eq(km_protocol_decoder_create(NULL, &dec), KM_OK);
+    km_message m;
+    for (uint32_t extra = 1; extra <= 40; extra += 39) {
+        for (int dup = 0; dup < 2; dup++) {
+            msgpack_sbuffer sb;
+            msgpack_packer pk;
+            msgpack_sbuffer_init(&sb);
+            msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
+            msgpack_pack_map(&pk, 2 + extra + (uint32_t)dup);
+            pk_str(&pk, "type");
+            pk_str(&pk, "STATUS");
+            for (uint32_t i = 0; i < extra; i++) {
+                char key[16];
+                snprintf(key, sizeof key, "x%u", i);
+                pk_str(&pk, key);
+                msgpack_pack_uint64(&pk, i);
+            }
+            if (dup) {
+                pk_str(&pk, "x0");
+                msgpack_pack_uint64(&pk, 2);
+            }
+            pk_str(&pk, "id");
+            msgpack_pack_uint64(&pk, 9);
+            int rc = km_protocol_decode(dec, sb.data, sb.size, &m);
+            if (dup) {
+                cr_assert_eq(rc, KM_ERR_PARSE, "%u unknown keys, one twice", extra);
+                cr_assert_not_null(strstr(km_protocol_decoder_last_error(dec),
+                                          "key \"x0\" appears twice"), "%s",
+                                   km_protocol_decoder_last_error(dec));
+            } else {
+                cr_assert_eq(rc, KM_OK, "%u distinct unknown keys: %s", extra,
+                             km_protocol_decoder_last_error(dec));
+            }
+            msgpack_sbuffer_destroy(&sb);
+        }
+    }
+    /* a route item with an unknown key twice fails alone */
+    msgpack_sbuffer sb;
+    msgpack_packer pk;
+    msgpack_sbuffer_init(&sb);
+    msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
+    msgpack_pack_map(&pk, 3);
+    pk_str(&pk, "type");
+    pk_str(&pk, "ROUTE");
+    pk_str(&pk, "id");
+    msgpack_pack_uint64(&pk, 4);
+    pk_str(&pk, "routes");
+    msgpack_pack_array(&pk, 2);
+    for (int i = 0; i < 2; i++) {
+        msgpack_pack_map(&pk, i ? 4 : 2);
+        pk_str(&pk, "request_id");
+        pk_str(&pk, i ? "bad" : "good");
+        pk_str(&pk, "hashes");
+        msgpack_pack_array(&pk, 1);
+        msgpack_pack_uint64(&pk, 1);
+        if (i) {
+            pk_str(&pk, "note");
+            msgpack_pack_uint64(&pk, 1);
+            pk_str(&pk, "note");
+            msgpack_pack_uint64(&pk, 2);
+        }
+    }
+    cr_assert_eq(km_protocol_decode(dec, sb.data, sb.size, &m), KM_OK, "%s",
+                 km_protocol_decoder_last_error(dec));
+    cr_assert_eq(m.route.routes[0].status, KM_OK);
+    cr_assert_eq(m.route.routes[1].status, KM_ERR_PARSE);
+    msgpack_sbuffer_destroy(&sb);
+    /* {"type": "HELLO", "protocol": 1}: no id, but a HELLO */
+    msgpack_sbuffer_init(&sb);
+    msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
+    msgpack_pack_map(&pk, 2);
+    pk_str(&pk, "type");
+    pk_str(&pk, "HELLO");
+    pk_str(&pk, "protocol");
+    msgpack_pack_uint64(&pk, 1);
+    cr_assert_eq(km_protocol_decode(dec, sb.data, sb.size, &m), KM_ERR_PARSE);
+    cr_assert_eq(m.type, KM_MESSAGE_HELLO);
+    cr_assert(!m.has_id);
+    msgpack_sbuffer_destroy(&sb);
+    km_protocol_decoder_destroy(dec);
+}

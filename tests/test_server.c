@@ -794,6 +794,53 @@ static int raw_hello(int fd, km_protocol_decoder *dec, uint8_t *buf, size_t cap,
     return rc;
 }
 
+/* As PROTOCOL.md says: a key twice in one map is an error though no field has its name (an ERROR
+ * with the message's id; the connection stays open), and a HELLO that does not decode (here: no
+ * id) gets the decoder's error, KM_ERR_PARSE, not "the first message must be HELLO". */
+Test(server, a_duplicate_unknown_key_and_a_hello_without_id_get_the_decoders_error,
+     .timeout = 30)
+{
+    srv s = {0};
+    km_server_config cfg;
+    test_config(&cfg, &s, KM_POLICY_PREFIX, 1);
+    cfg.records_path = NULL;
+    srv_start(&s, &cfg);
+    km_protocol_decoder *dec;
+    cr_assert_eq(km_protocol_decoder_create(NULL, &dec), KM_OK);
+    static uint8_t buf[1 << 16];
+    km_message m;
+
+    int fd = raw_connect(&s);
+    raw_hello(fd, dec, buf, sizeof buf, KM_PROTOCOL_VERSION);
+    /* {"type": "STATUS", "id": 9, "x": 1, "x": 2} */
+    const uint8_t twice[] = {0x84, 0xa4, 't', 'y', 'p', 'e', 0xa6, 'S', 'T', 'A', 'T', 'U', 'S',
+                             0xa2, 'i', 'd', 0x09, 0xa1, 'x', 0x01, 0xa1, 'x', 0x02};
+    raw_send_frame(fd, twice, sizeof twice);
+    cr_assert_eq(raw_read_reply(fd, dec, &m, buf, sizeof buf), KM_ERR_PARSE);
+    cr_assert_eq(m.id, 9);
+    cr_assert_not_null(strstr(m.error.message, "appears twice"), "%s", m.error.message);
+    const uint8_t status[] = {0x82, 0xa4, 't', 'y', 'p', 'e', 0xa6, 'S', 'T', 'A', 'T', 'U', 'S',
+                              0xa2, 'i', 'd', 0x0a};
+    raw_send_frame(fd, status, sizeof status);
+    cr_assert_eq(raw_read_reply(fd, dec, &m, buf, sizeof buf), KM_OK);
+    cr_assert_eq(m.type, KM_MESSAGE_STATUS_REPLY, "the connection was not kept");
+    close(fd);
+
+    fd = raw_connect(&s);
+    /* {"type": "HELLO", "protocol": 1} */
+    const uint8_t hello[] = {0x82, 0xa4, 't', 'y', 'p', 'e', 0xa5, 'H', 'E', 'L', 'L', 'O',
+                             0xa8, 'p', 'r', 'o', 't', 'o', 'c', 'o', 'l', 0x01};
+    raw_send_frame(fd, hello, sizeof hello);
+    cr_assert_eq(raw_read_reply(fd, dec, &m, buf, sizeof buf), KM_ERR_PARSE);
+    cr_assert_eq(m.id, 0);
+    cr_assert_not_null(strstr(m.error.message, "HELLO: "), "%s", m.error.message);
+    cr_assert(raw_closed(fd));
+    close(fd);
+    km_protocol_decoder_destroy(dec);
+    srv_stop(&s);
+    srv_cleanup(&s);
+}
+
 Test(server, bad_input_is_answered_and_changes_nothing, .timeout = 60)
 {
     srv s = {0};

@@ -515,8 +515,8 @@ void km_protocol_decoder_destroy(km_protocol_decoder *decoder); /* NULL is a no-
  * or over a limit fails only that item: the call succeeds and the item's status / message say
  * what (KM_ERR_PARSE, KM_ERR_TOO_LARGE, or KM_ERR_INVALID_ARGUMENT for a value the rules forbid,
  * such as outcome "complete" without finish_reason and done_seen). Unknown fields are ignored; a
- * field present twice in one map is KM_ERR_PARSE. Every message names the field:
- * "KM_ERR_PARSE: routes[3].tokens[7]: expected an int in 0..4294967295, got str".
+ * string key present twice in one map, a field's name or not, is KM_ERR_PARSE. Every message
+ * names the field: "KM_ERR_PARSE: routes[3].tokens[7]: expected an int in 0..4294967295, got str".
  * Also KM_ERR_NULL_POINTER and KM_ERR_OUT_OF_MEMORY. */
 int km_protocol_decode(km_protocol_decoder *decoder, const void *payload, size_t payload_size,
                        km_message *out);

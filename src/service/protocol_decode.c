@@ -195,9 +195,60 @@ DEFINE_NAMED(admin_action_named, km_admin_action, KM_ADMIN_ACTION_LIST)
 #undef DEFINE_NAMED
 #undef NAMED_ENTRY
 
+/* Unknown string keys compared pairwise up to this many; more go through a hash table. */
+#define FEW_UNKNOWN_KEYS 16
+
+static bool same_key(const msgpack_object *a, const msgpack_object *b)
+{
+    return a->via.str.size == b->via.str.size &&
+           memcmp(a->via.str.ptr, b->via.str.ptr, a->via.str.size) == 0;
+}
+
+/* The string keys of map at the n indexes keys[] (no name of the schema's): KM_ERR_PARSE naming
+ * the first that appears twice, else KM_OK. Pairwise for a few; a hostile map may hold up to
+ * max_objects of them, so more go through an open-addressing table in the decoder's zone. */
+static int unknown_twice(km_protocol_decoder *d, const msgpack_object *map, const uint32_t *keys,
+                         uint32_t n)
+{
+    const msgpack_object_kv *kv = map->via.map.ptr;
+    const msgpack_object *twice = NULL;
+    if (n <= FEW_UNKNOWN_KEYS) {
+        for (uint32_t a = 1; a < n && !twice; a++)
+            for (uint32_t b = 0; b < a && !twice; b++)
+                if (same_key(&kv[keys[a]].key, &kv[keys[b]].key))
+                    twice = &kv[keys[a]].key;
+    } else {
+        size_t cap = 2 * (size_t)FEW_UNKNOWN_KEYS;
+        while (cap < 2 * (size_t)n)
+            cap *= 2;
+        uint32_t *slot = zone_array(d, cap, sizeof *slot); /* keys[] index + 1; 0 = empty */
+        if (!slot)
+            return out_of_memory(d);
+        memset(slot, 0, cap * sizeof *slot);
+        for (uint32_t a = 0; a < n && !twice; a++) {
+            const msgpack_object *key = &kv[keys[a]].key;
+            uint64_t h = UINT64_C(14695981039346656037); /* FNV-1a */
+            for (uint32_t i = 0; i < key->via.str.size; i++)
+                h = (h ^ (unsigned char)key->via.str.ptr[i]) * UINT64_C(1099511628211);
+            size_t at = (size_t)(h ^ (h >> 32)) & (cap - 1);
+            while (slot[at] && !twice) {
+                if (same_key(key, &kv[keys[slot[at] - 1]].key))
+                    twice = key;
+                at = (at + 1) & (cap - 1);
+            }
+            slot[at] = a + 1;
+        }
+    }
+    if (!twice)
+        return KM_OK;
+    int shown = twice->via.str.size > 64 ? 64 : (int)twice->via.str.size;
+    return field_fail(d, KM_ERR_PARSE, NULL, NO_ELEMENT,
+                      "key \"%.*s\" appears twice in one map", shown, twice->via.str.ptr);
+}
+
 /* A map's known fields: values[i] is the value of names[i], NULL when absent or nil (nil and
- * absent mean the same for every optional field). Non-string keys and unknown names are ignored;
- * a known name twice is KM_ERR_PARSE. */
+ * absent mean the same for every optional field). Entries whose key is not a string are ignored,
+ * and so are string keys no name matches; any string key twice, known or not, is KM_ERR_PARSE. */
 #define MAX_FIELDS 32
 
 static int bind_fields(km_protocol_decoder *d, const msgpack_object *map, const char *what,
@@ -209,14 +260,16 @@ static int bind_fields(km_protocol_decoder *d, const msgpack_object *map, const 
     if (map->type != MSGPACK_OBJECT_MAP)
         return field_fail(d, KM_ERR_PARSE, what, NO_ELEMENT, "expected a map, got %s",
                           km_msgpack_type_name(map));
+    uint32_t few[FEW_UNKNOWN_KEYS], *unknown = few, n_unknown = 0;
     unsigned start = 0; /* keys usually come in schema order: try the next name first */
     for (uint32_t k = 0; k < map->via.map.size; k++) {
         const msgpack_object *key = &map->via.map.ptr[k].key;
-        if (key->type != MSGPACK_OBJECT_STR || key->via.str.size == 0)
+        if (key->type != MSGPACK_OBJECT_STR)
             continue;
         const char *kp = key->via.str.ptr;
         uint32_t kn = key->via.str.size;
-        for (unsigned t = 0; t < n_names; t++) {
+        unsigned t = kn ? 0 : n_names;
+        for (; t < n_names; t++) {
             unsigned i = start + t < n_names ? start + t : start + t - n_names;
             /* Length first: a key with an embedded NUL ("status\0x") must not pass a strncmp
              * and send the names[i][kn] check past the end of the shorter name. */
@@ -232,8 +285,17 @@ static int bind_fields(km_protocol_decoder *d, const msgpack_object *map, const 
             values[i] = v->type == MSGPACK_OBJECT_NIL ? NULL : v;
             break;
         }
+        if (t < n_names)
+            continue;
+        if (n_unknown == FEW_UNKNOWN_KEYS && unknown == few) {
+            unknown = zone_array(d, map->via.map.size, sizeof *unknown);
+            if (!unknown)
+                return out_of_memory(d);
+            memcpy(unknown, few, sizeof few);
+        }
+        unknown[n_unknown++] = k;
     }
-    return KM_OK;
+    return n_unknown > 1 ? unknown_twice(d, map, unknown, n_unknown) : KM_OK;
 }
 
 static int missing(km_protocol_decoder *d, const char *field)
@@ -1221,13 +1283,26 @@ static int decode_message(km_protocol_decoder *d, const uint8_t *p, size_t size,
                           km_msgpack_type_name(&root));
     static const char *const head_names[] = {"type", "id"};
     const msgpack_object *head[2];
-    if ((rc = bind_fields(d, &root, NULL, head_names, 2, head)))
-        return rc;
-    if (head[1]) {
-        if ((rc = read_u64(d, head[1], "id", &m->id)))
-            return rc;
+    int bound = bind_fields(d, &root, NULL, head_names, 2, head);
+    /* The type and the id are kept as far as they read, also when the map failed (a key twice)
+     * or has no id: the server's ERROR then carries the id, and a HELLO that failed is one. */
+    km_lifecycle_kind single = KM_LIFECYCLE_NONE; /* type DISPATCHED / FIRST_TOKEN / FINISHED */
+    km_message_type type = KM_MESSAGE_UNKNOWN;
+    if (head[0] && head[0]->type == MSGPACK_OBJECT_STR) {
+        single = lifecycle_kind_named(head[0]->via.str.ptr, head[0]->via.str.size);
+        type = single != KM_LIFECYCLE_NONE
+                   ? KM_MESSAGE_LIFECYCLE
+                   : message_type_named(head[0]->via.str.ptr, head[0]->via.str.size);
+        m->type = type;
+    }
+    if (head[1] && head[1]->type == MSGPACK_OBJECT_POSITIVE_INTEGER) {
+        m->id = head[1]->via.u64;
         m->has_id = true;
     }
+    if (bound)
+        return bound;
+    if (head[1] && !m->has_id)
+        return read_u64(d, head[1], "id", &m->id);
     if (!head[0])
         return missing(d, "type");
     if (head[0]->type != MSGPACK_OBJECT_STR)
@@ -1235,10 +1310,7 @@ static int decode_message(km_protocol_decoder *d, const uint8_t *p, size_t size,
                           km_msgpack_type_name(head[0]));
     if (!m->has_id)
         return missing(d, "id");
-    /* The single-event lifecycle forms: type DISPATCHED / FIRST_TOKEN / FINISHED. */
-    km_lifecycle_kind single = lifecycle_kind_named(head[0]->via.str.ptr, head[0]->via.str.size);
     if (single != KM_LIFECYCLE_NONE) {
-        m->type = KM_MESSAGE_LIFECYCLE;
         km_lifecycle_event *e = zone_array(d, 1, sizeof *e);
         if (!e)
             return out_of_memory(d);
@@ -1258,11 +1330,8 @@ static int decode_message(km_protocol_decoder *d, const uint8_t *p, size_t size,
         m->lifecycle.n_events = 1;
         return KM_OK;
     }
-    km_message_type type = message_type_named(head[0]->via.str.ptr, head[0]->via.str.size);
-    if (type != KM_MESSAGE_UNKNOWN) {
-        m->type = type;
+    if (type != KM_MESSAGE_UNKNOWN)
         return decode_body(d, &root, m);
-    }
     int shown = head[0]->via.str.size > 64 ? 64 : (int)head[0]->via.str.size;
     return field_fail(d, KM_ERR_PROTOCOL, "type", NO_ELEMENT, "unknown message type \"%.*s\"",
                       shown, head[0]->via.str.ptr);
