@@ -195,7 +195,7 @@ DEFINE_NAMED(admin_action_named, km_admin_action, KM_ADMIN_ACTION_LIST)
 #undef DEFINE_NAMED
 #undef NAMED_ENTRY
 
-/* Unknown string keys compared pairwise up to this many; more go through a hash table. */
+/* Unknown string keys compared pairwise up to this many; more are sorted first. */
 #define FEW_UNKNOWN_KEYS 16
 
 static bool same_key(const msgpack_object *a, const msgpack_object *b)
@@ -204,9 +204,20 @@ static bool same_key(const msgpack_object *a, const msgpack_object *b)
            memcmp(a->via.str.ptr, b->via.str.ptr, a->via.str.size) == 0;
 }
 
+/* Two string keys: by length, then by bytes (a qsort order over msgpack_object pointers). */
+static int key_order(const void *pa, const void *pb)
+{
+    const msgpack_object *a = *(const msgpack_object *const *)pa;
+    const msgpack_object *b = *(const msgpack_object *const *)pb;
+    if (a->via.str.size != b->via.str.size)
+        return a->via.str.size < b->via.str.size ? -1 : 1;
+    return memcmp(a->via.str.ptr, b->via.str.ptr, a->via.str.size);
+}
+
 /* The string keys of map at the n indexes keys[] (no name of the schema's): KM_ERR_PARSE naming
- * the first that appears twice, else KM_OK. Pairwise for a few; a hostile map may hold up to
- * max_objects of them, so more go through an open-addressing table in the decoder's zone. */
+ * one that appears twice, else KM_OK. Pairwise for a few; a hostile map may hold up to
+ * max_objects of them, so more are sorted (pointers in the decoder's zone) and compared with
+ * their neighbours. */
 static int unknown_twice(km_protocol_decoder *d, const msgpack_object *map, const uint32_t *keys,
                          uint32_t n)
 {
@@ -218,26 +229,15 @@ static int unknown_twice(km_protocol_decoder *d, const msgpack_object *map, cons
                 if (same_key(&kv[keys[a]].key, &kv[keys[b]].key))
                     twice = &kv[keys[a]].key;
     } else {
-        size_t cap = 2 * (size_t)FEW_UNKNOWN_KEYS;
-        while (cap < 2 * (size_t)n)
-            cap *= 2;
-        uint32_t *slot = zone_array(d, cap, sizeof *slot); /* keys[] index + 1; 0 = empty */
-        if (!slot)
+        const msgpack_object **sorted = zone_array(d, n, sizeof *sorted);
+        if (!sorted)
             return out_of_memory(d);
-        memset(slot, 0, cap * sizeof *slot);
-        for (uint32_t a = 0; a < n && !twice; a++) {
-            const msgpack_object *key = &kv[keys[a]].key;
-            uint64_t h = UINT64_C(14695981039346656037); /* FNV-1a */
-            for (uint32_t i = 0; i < key->via.str.size; i++)
-                h = (h ^ (unsigned char)key->via.str.ptr[i]) * UINT64_C(1099511628211);
-            size_t at = (size_t)(h ^ (h >> 32)) & (cap - 1);
-            while (slot[at] && !twice) {
-                if (same_key(key, &kv[keys[slot[at] - 1]].key))
-                    twice = key;
-                at = (at + 1) & (cap - 1);
-            }
-            slot[at] = a + 1;
-        }
+        for (uint32_t a = 0; a < n; a++)
+            sorted[a] = &kv[keys[a]].key;
+        qsort(sorted, n, sizeof *sorted, key_order);
+        for (uint32_t a = 1; a < n && !twice; a++)
+            if (same_key(sorted[a - 1], sorted[a]))
+                twice = sorted[a];
     }
     if (!twice)
         return KM_OK;
