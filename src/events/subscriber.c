@@ -872,7 +872,9 @@ static int check_endpoint(km_subscriber *sub, const char *e, const char *what)
     return KM_OK;
 }
 
-int km_subscriber_add_worker(km_subscriber *sub, const km_subscriber_worker *worker)
+/* A command naming a worker's configuration (ADD or CHECK), its endpoints checked first. */
+static int worker_command(km_subscriber *sub, const km_subscriber_worker *worker,
+                          command_kind kind)
 {
     if (!sub || !worker || !worker->endpoint)
         return KM_ERR_NULL_POINTER;
@@ -881,21 +883,18 @@ int km_subscriber_add_worker(km_subscriber *sub, const km_subscriber_worker *wor
         rc = check_endpoint(sub, worker->replay_endpoint, "replay endpoint");
     if (rc)
         return rc;
-    command c = {.kind = COMMAND_ADD, .worker = worker};
+    command c = {.kind = kind, .worker = worker};
     return run_command(sub, &c);
+}
+
+int km_subscriber_add_worker(km_subscriber *sub, const km_subscriber_worker *worker)
+{
+    return worker_command(sub, worker, COMMAND_ADD);
 }
 
 int km_subscriber_check_worker(km_subscriber *sub, const km_subscriber_worker *worker)
 {
-    if (!sub || !worker || !worker->endpoint)
-        return KM_ERR_NULL_POINTER;
-    int rc = check_endpoint(sub, worker->endpoint, "endpoint");
-    if (!rc && worker->replay_endpoint)
-        rc = check_endpoint(sub, worker->replay_endpoint, "replay endpoint");
-    if (rc)
-        return rc;
-    command c = {.kind = COMMAND_CHECK, .worker = worker};
-    return run_command(sub, &c);
+    return worker_command(sub, worker, COMMAND_CHECK);
 }
 
 int km_subscriber_add_engine(km_subscriber *sub, const km_subscriber_worker *rank0,
