@@ -2063,6 +2063,47 @@ Test(protocol, names_of_every_listed_value_and_of_none_other, .timeout = 5)
 /* Any string key twice in one map is KM_ERR_PARSE, known or not, whether the map has a few unknown
  * keys or many (a hash table past 16); distinct unknown keys are ignored. In a route item the
  * duplicate fails that item alone. A message without an id still says its type. */
+/* An empty string key is a key like any other: twice is an error, once among others is not, on
+ * both the pairwise path (few unknown keys) and the sorted one (many). */
+Test(protocol, an_empty_key_twice_is_refused_with_few_or_many_keys, .timeout = 10)
+{
+    km_protocol_decoder *dec;
+    cr_assert_eq(km_protocol_decoder_create(NULL, &dec), KM_OK);
+    km_message m;
+    for (uint32_t extra = 0; extra <= 40; extra += 40) {
+        for (int empties = 1; empties <= 2; empties++) {
+            msgpack_sbuffer sb;
+            msgpack_packer pk;
+            msgpack_sbuffer_init(&sb);
+            msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
+            msgpack_pack_map(&pk, 2 + extra + (uint32_t)empties);
+            pk_str(&pk, "type");
+            pk_str(&pk, "STATUS");
+            for (int e = 0; e < empties; e++) {
+                msgpack_pack_str(&pk, 0);
+                msgpack_pack_uint64(&pk, (uint64_t)e);
+            }
+            for (uint32_t i = 0; i < extra; i++) {
+                char key[16];
+                snprintf(key, sizeof key, "y%u", i);
+                pk_str(&pk, key);
+                msgpack_pack_uint64(&pk, i);
+            }
+            pk_str(&pk, "id");
+            msgpack_pack_uint64(&pk, 3);
+            int rc = km_protocol_decode(dec, sb.data, sb.size, &m);
+            if (empties == 2)
+                cr_assert_eq(rc, KM_ERR_PARSE, "two empty keys among %u others: %s", extra,
+                             km_protocol_decoder_last_error(dec));
+            else
+                cr_assert_eq(rc, KM_OK, "one empty key among %u others: %s", extra,
+                             km_protocol_decoder_last_error(dec));
+            msgpack_sbuffer_destroy(&sb);
+        }
+    }
+    km_protocol_decoder_destroy(dec);
+}
+
 Test(protocol, every_duplicate_key_is_refused_and_a_failed_hello_is_a_hello, .timeout = 10)
 {
     km_protocol_decoder *dec;

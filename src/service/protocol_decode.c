@@ -200,8 +200,9 @@ DEFINE_NAMED(admin_action_named, km_admin_action, KM_ADMIN_ACTION_LIST)
 
 static bool same_key(const msgpack_object *a, const msgpack_object *b)
 {
+    /* An empty key's ptr may be NULL, which memcmp must not be given even for 0 bytes. */
     return a->via.str.size == b->via.str.size &&
-           memcmp(a->via.str.ptr, b->via.str.ptr, a->via.str.size) == 0;
+           (a->via.str.size == 0 || memcmp(a->via.str.ptr, b->via.str.ptr, a->via.str.size) == 0);
 }
 
 /* Two string keys: by length, then by bytes (a qsort order over msgpack_object pointers). */
@@ -211,7 +212,7 @@ static int key_order(const void *pa, const void *pb)
     const msgpack_object *b = *(const msgpack_object *const *)pb;
     if (a->via.str.size != b->via.str.size)
         return a->via.str.size < b->via.str.size ? -1 : 1;
-    return memcmp(a->via.str.ptr, b->via.str.ptr, a->via.str.size);
+    return a->via.str.size ? memcmp(a->via.str.ptr, b->via.str.ptr, a->via.str.size) : 0;
 }
 
 /* The string keys of map at the n indexes keys[] (no name of the schema's): KM_ERR_PARSE naming
