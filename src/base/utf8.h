@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: Apache-2.0 */
-/* Internal: UTF-8 checks and cleaning shared by the records writer, the service's name validation
- * and the analyzer. */
+/* Internal: UTF-8 checks and cleaning shared by the records writer, the service's name validation,
+ * the protocol decoder and the analyzer. */
 #ifndef KM_UTF8_H
 #define KM_UTF8_H
 
@@ -37,6 +37,20 @@ static inline size_t km_utf8_sequence(const unsigned char *s, size_t left)
     if ((n == 3 && cp < 0x800) || (n == 4 && cp < 0x10000) || cp > 0x10FFFF ||
         (cp >= 0xD800 && cp <= 0xDFFF))
         return 0;
+    return n;
+}
+
+/* The offset of the first byte of s[0..n) that does not begin a well-formed UTF-8 sequence; n
+ * when there is none. */
+static inline size_t km_utf8_bad_offset(const unsigned char *s, size_t n)
+{
+    size_t i = 0;
+    while (i < n) {
+        size_t k = s[i] < 0x80 ? 1 : km_utf8_sequence(s + i, n - i);
+        if (!k)
+            return i;
+        i += k;
+    }
     return n;
 }
 

@@ -391,25 +391,6 @@ static int copy_string(km_protocol_decoder *d, const char *s, size_t n, const ch
     return KM_OK;
 }
 
-/* The offset of the first byte of s[0..n) that does not begin a well-formed UTF-8 sequence; n
- * when there is none. */
-static uint32_t utf8_bad_offset(const char *s, uint32_t n)
-{
-    const unsigned char *p = (const unsigned char *)s;
-    uint32_t i = 0;
-    while (i < n) {
-        if (p[i] < 0x80) {
-            i++;
-            continue;
-        }
-        size_t k = km_utf8_sequence(p + i, n - i);
-        if (!k)
-            return i;
-        i += (uint32_t)k;
-    }
-    return n;
-}
-
 /* A str within max_string_bytes, well-formed UTF-8 (docs/PROTOCOL.md) and without NUL, copied
  * NUL-terminated. */
 static int read_str(km_protocol_decoder *d, const msgpack_object *o, const char *field,
@@ -425,10 +406,10 @@ static int read_str(km_protocol_decoder *d, const msgpack_object *o, const char 
                           d->limits.max_string_bytes);
     if (n && memchr(o->via.str.ptr, 0, n))
         return field_fail(d, KM_ERR_PARSE, field, NO_ELEMENT, "string contains a NUL byte");
-    uint32_t bad = utf8_bad_offset(o->via.str.ptr, n);
+    size_t bad = km_utf8_bad_offset((const unsigned char *)o->via.str.ptr, n);
     if (bad < n)
         return field_fail(d, KM_ERR_PARSE, field, NO_ELEMENT,
-                          "string is not UTF-8 (byte %u of %u)", bad, n);
+                          "string is not UTF-8 (byte %zu of %u)", bad, n);
     return copy_string(d, o->via.str.ptr, n, out);
 }
 
