@@ -351,6 +351,8 @@ Test(active, bad_arguments_are_refused_without_change, .timeout = 10)
     km_active *a = make_active(4, 1000000, 2, 16);
     km_active_key good = km_active_key_of("r", "a");
     cr_assert_eq(km_active_begin(NULL, 0, &good, 1, 0, 1, 16, 0), KM_ERR_NULL_POINTER);
+    cr_assert_eq(km_active_last_arrival(NULL, 0), 0);
+    cr_assert_eq(km_active_last_arrival(a, 4), 0, "past max_workers");
     assert_error(a, km_active_begin(a, 0, NULL, 1, 0, 1, 16, 0), KM_ERR_NULL_POINTER);
     km_active_key empty = km_active_key_of("", "a");
     assert_error(a, km_active_begin(a, 0, &empty, 1, 0, 1, 16, 0), KM_ERR_INVALID_ARGUMENT);
@@ -545,6 +547,9 @@ typedef struct model {
     int expired_seen[PM_KEYS];
     uint64_t last_expired_touch;
     int order_ok;
+    /* Arrivals counted (begins, moves to another worker) and each worker's latest (0: none since
+     * the start or its removal). */
+    uint64_t arrivals, last_arrival[PM_WORKERS];
 } model;
 
 static int model_key_index(const model *m, const km_active_summary *s)
@@ -658,6 +663,9 @@ static void model_compare_loads(const model *m, const km_active *a, int step)
         KM_CHECK(l.prefilling == prefilling && l.allocated_blocks == allocated,
                  "step %d worker %u: prefilling %" PRIu64 " allocated %" PRIu64 " != model %" PRIu64
                  " %" PRIu64, step, w, l.prefilling, l.allocated_blocks, prefilling, allocated);
+        KM_CHECK(km_active_last_arrival(a, w) == m->last_arrival[w],
+                 "step %d worker %u: last arrival %" PRIu64 " != model %" PRIu64, step, w,
+                 km_active_last_arrival(a, w), m->last_arrival[w]);
     }
     KM_CHECK(st.entries == total_live, "step %d entries %" PRIu64 " != %" PRIu64, step, st.entries,
              total_live);
@@ -709,6 +717,7 @@ Test(active, random_lifecycles_match_a_model, .timeout = 30)
             } else {
                 KM_CHECK(rc == KM_OK, "step %d begin: %d %s", step, rc, km_active_last_error(a));
                 memset(e, 0, sizeof *e);
+                m.last_arrival[w] = ++m.arrivals;
                 e->live = 1;
                 e->ended = -1;
                 e->worker = w;
@@ -795,6 +804,7 @@ Test(active, random_lifecycles_match_a_model, .timeout = 30)
                 KM_CHECK(rc == KM_OK, "step %d move: %d %s", step, rc, km_active_last_error(a));
                 expect_moves += e->worker != w;
                 if (e->worker != w) { /* on another worker, nothing is known shared */
+                    m.last_arrival[w] = ++m.arrivals;
                     e->prefix_key = e->prefix_blocks = e->charged = 0;
                     e->allocated = e->decode;
                 }
@@ -878,6 +888,7 @@ Test(active, random_lifecycles_match_a_model, .timeout = 30)
                 }
             }
             KM_CHECK(n == expected, "step %d removed %zu, expected %zu", step, n, expected);
+            m.last_arrival[w] = 0;
         }
         if (rc == KM_OK)
             seen_clock = now;

@@ -88,6 +88,7 @@ Test(policy, config_defaults_are_the_peers, .timeout = 30)
     cr_assert_eq(cfg.ttft.load_bound, 1.25);
     cr_assert_eq(cfg.ttft.hot_prefix_sharers, 1);
     cr_assert_eq(cfg.ttft.hot_prefix_share, 0.25);
+    cr_assert_eq(cfg.ttft.spread_ms, 1.0);
     km_engine_model m;
     km_engine_model_init(&m);
     cr_assert(memcmp(&cfg.engine, &m, sizeof m) == 0);
@@ -234,7 +235,7 @@ Test(policy, kind_and_reason_names, .timeout = 30)
 
     const char *reasons[] = {"min_cost",    "sampled",   "cache_hit", "imbalance", "below_threshold",
                              "deepest_match", "no_match", "least_load", "round_robin", "max_score",
-                             "exploit",     "explore",   "min_ttft"};
+                             "exploit",     "explore",   "min_ttft",  "spread"};
     cr_assert_eq(KM_POLICY_REASON_COUNT, sizeof reasons / sizeof reasons[0]);
     for (unsigned r = 0; r < KM_POLICY_REASON_COUNT; r++)
         cr_assert_str_eq(km_policy_reason_name((km_policy_reason)r), reasons[r]);

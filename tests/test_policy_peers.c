@@ -230,6 +230,57 @@ Test(policy_peers, ttft_ties_go_to_the_deeper_hit, .timeout = 30)
     }
 }
 
+/* Workers within spread_ms of the lowest cost take arrivals in turn: the one whose last arrival
+ * is the oldest wins, so equal idle workers are not chosen by their order. */
+Test(policy_peers, ttft_spreads_near_equal_workers_by_their_last_arrival, .timeout = 30)
+{
+    km_policy_config cfg = config(KM_POLICY_TTFT);
+    km_policy_request req = request(10, 160, 20);
+    km_policy_candidate c[3] = {cand(1, 0, 0, 0, 0, 0), cand(2, 0, 0, 0, 0, 0),
+                                cand(3, 0, 0, 0, 0, 0)};
+    c[0].last_arrival = 7;
+    c[1].last_arrival = 5;
+    c[2].last_arrival = 9;
+    double costs[3];
+    km_policy_decision d = decide(&cfg, &req, c, 3, costs);
+    cr_assert_float_eq(costs[0], costs[1], 1e-12);
+    cr_assert_eq(d.chosen, 1, "equal costs: the oldest arrival");
+    cr_assert_eq(d.reason, KM_POLICY_REASON_SPREAD, "the load order alone would choose w1");
+    cr_assert_float_eq(d.chosen_cost, costs[1], 1e-12);
+    /* Never routed to counts as oldest; equal arrivals fall back to the load order. */
+    c[2].last_arrival = 0;
+    cr_assert_eq(decide(&cfg, &req, c, 3, costs).chosen, 2);
+    c[0].last_arrival = c[1].last_arrival = c[2].last_arrival = 4;
+    c[0].in_flight = c[0].prefilling = 1;
+    c[0].pending_prefill_tokens = 1;
+    d = decide(&cfg, &req, c, 3, costs);
+    cr_assert_eq(d.chosen, 1, "ties: the load order");
+    cr_assert_eq(d.reason, KM_POLICY_REASON_MIN_TTFT);
+    /* w1 runs one decode: 0.51 ms dearer than w3 (the rest of its 1 ms step, and its decode
+     * token beside the request's 160 in the next). It last had a request longest ago: within
+     * 1 ms it wins; at 0.4 ms or with spreading off, the cheapest does. */
+    km_policy_candidate e[2] = {cand(1, 0, 0, 0, 0, 0), cand(3, 0, 0, 0, 0, 0)};
+    e[0].in_flight = 1; /* one decode running: the rest of its step */
+    e[0].last_arrival = 2;
+    e[1].last_arrival = 8;
+    d = decide(&cfg, &req, e, 2, costs);
+    cr_assert_float_eq(costs[0] - costs[1], 0.51, 1e-9);
+    cr_assert_eq(d.chosen, 0);
+    cr_assert_float_eq(d.chosen_cost, costs[0], 1e-12);
+    cfg.ttft.spread_ms = 0.4;
+    cr_assert_eq(decide(&cfg, &req, e, 2, costs).chosen, 1);
+    cfg.ttft.spread_ms = 0.0;
+    cr_assert_eq(decide(&cfg, &req, e, 2, costs).chosen, 1);
+    /* spread_ms must be finite and >= 0. */
+    const double bad[] = {-0.1, NAN, INFINITY};
+    char why[256];
+    for (int i = 0; i < 3; i++) {
+        cfg.ttft.spread_ms = bad[i];
+        cr_assert_eq(km_policy_config_validate(&cfg, why, sizeof why), KM_ERR_INVALID_ARGUMENT);
+        cr_assert(strstr(why, "ttft.spread_ms"), "%s", why);
+    }
+}
+
 /* The engine model counts its capacity and per-block load times in blocks of its own size; a pool
  * may hash in larger or smaller blocks. The same worker states and request, written in the
  * engine's 16-token blocks and in a pool's 64-token blocks, get the same costs from every policy
@@ -477,5 +528,58 @@ Test(policy_peers, a_saturated_worker_loses, .timeout = 60)
         c[full] = cand(10 + full, depth, 400, 300, 10000000, 2000);
         km_policy_decision d = decide(&cfg, &req, c, n, NULL);
         KM_CHECK(d.chosen != full, "%s chose the saturated worker", km_policy_kind_name(cfg.kind));
+    }
+}
+
+/* On fresh random candidates and windows: the choice costs at most the lowest cost + spread_ms,
+ * no weighed candidate within that window last had a request longer ago, a window of 0 chooses
+ * what the costs alone choose, and the choice does not depend on whether costs are asked for. */
+Test(policy_peers, ttft_spread_stays_within_its_window, .timeout = 60)
+{
+    km_rng r;
+    km_rng_init(&r, km_test_seed());
+    for (int i = 0; i < 3000; i++) {
+        km_policy_config cfg = config(KM_POLICY_TTFT);
+        uint32_t n_blocks = 1 + km_rng_below(&r, 200), n = 1 + km_rng_below(&r, 12);
+        km_policy_request req = request(n_blocks, (uint64_t)n_blocks * 16, km_rng_below(&r, 500));
+        km_policy_candidate c[12];
+        for (uint32_t k = 0; k < n; k++) {
+            c[k] = random_candidate(&r, 10 + k, n_blocks);
+            c[k].last_arrival = km_rng_below(&r, 6); /* repeats, so arrival ties happen */
+            if (km_rng_percent(&r, 30)) /* some idle workers, for equal costs */
+                c[k] = (km_policy_candidate){.worker = 10 + k, .last_arrival = c[k].last_arrival};
+        }
+        double costs[12];
+        cfg.ttft.spread_ms = 0.0;
+        km_policy_decision plain = decide(&cfg, &req, c, n, costs);
+        cfg.ttft.spread_ms = km_rng_percent(&r, 20) ? 0.0 : km_rng_below(&r, 3000) / 100.0;
+        km_policy_decision d = decide(&cfg, &req, c, n, costs);
+        km_policy_decision no_costs = decide(&cfg, &req, c, n, NULL);
+        KM_CHECK(d.chosen == no_costs.chosen, "with costs %u, without %u", d.chosen,
+                 no_costs.chosen);
+        double lowest = INFINITY;
+        for (uint32_t k = 0; k < n; k++)
+            if (!isnan(costs[k]) && costs[k] < lowest)
+                lowest = costs[k];
+        KM_CHECK(!isnan(costs[d.chosen]) && costs[d.chosen] <= lowest + cfg.ttft.spread_ms,
+                 "chosen cost %g, lowest %g, spread %g", costs[d.chosen], lowest,
+                 cfg.ttft.spread_ms);
+        KM_CHECK(d.chosen_cost == costs[d.chosen], "chosen_cost %g, its cost %g", d.chosen_cost,
+                 costs[d.chosen]);
+        KM_CHECK((d.reason == KM_POLICY_REASON_SPREAD) == (d.chosen != plain.chosen),
+                 "reason %s, chosen %u, the costs alone %u", km_policy_reason_name(d.reason),
+                 d.chosen, plain.chosen);
+        if (cfg.ttft.spread_ms == 0.0) {
+            KM_CHECK(d.chosen == plain.chosen, "spread 0 chose %u, the costs alone %u", d.chosen,
+                     plain.chosen);
+            continue;
+        }
+        for (uint32_t k = 0; k < n; k++)
+            KM_CHECK(isnan(costs[k]) || costs[k] > lowest + cfg.ttft.spread_ms ||
+                         c[k].last_arrival >= c[d.chosen].last_arrival,
+                     "candidate %u (cost %g, last arrival %" PRIu64 ") is within the window and "
+                     "older than the chosen %u (cost %g, last arrival %" PRIu64 ")",
+                     k, costs[k], c[k].last_arrival, d.chosen, costs[d.chosen],
+                     c[d.chosen].last_arrival);
     }
 }

@@ -3595,17 +3595,18 @@ Test(server, pool_list_shows_each_pool_its_own_policys_parameters, .timeout = 30
     cr_assert_eq(reply.type, KM_MESSAGE_POOL_LIST);
     cr_assert_eq(reply.pools.n_pools, 1);
     const km_pool_info *listed = &reply.pools.pools[0];
-    const char *want[] = {"load_bound", "hot_prefix_sharers", "hot_prefix_share", "approx_ttl_s",
-                          "approx_capacity_blocks"};
-    cr_assert_eq(listed->n_params, 5);
-    km_param back[3];
+    const char *want[] = {"load_bound", "hot_prefix_sharers", "hot_prefix_share", "spread_ms",
+                          "approx_ttl_s", "approx_capacity_blocks"};
+    cr_assert_eq(listed->n_params, 6);
+    km_param back[4];
     uint32_t n_back = 0;
     for (uint32_t k = 0; k < listed->n_params; k++) {
         cr_assert_str_eq(listed->params[k].name, want[k]);
-        if (k < 3) /* the reply's memory is the client's until its next call: copied */
+        if (k < 4) /* the reply's memory is the client's until its next call: copied */
             back[n_back++] = (km_param){want[k], listed->params[k].value};
     }
     cr_assert_float_eq(listed->params[0].value, 1.25, 1e-12);
+    cr_assert_float_eq(listed->params[3].value, 1.0, 1e-12);
     /* What the list shows of the pool's policy, sent back as an update, is taken. */
     km_pool_info pi;
     memset(&pi, 0, sizeof pi);

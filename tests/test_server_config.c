@@ -298,6 +298,8 @@ Test(server_config, bad_files_are_refused_naming_the_field, .timeout = 10)
          KM_ERR_INVALID_ARGUMENT, "hot_prefix_sharers"},
         {"{\"pools\": [{\"name\": \"p\", \"block_size\": 16, \"params\": {\"hot_prefix_share\": -1}}]}",
          KM_ERR_INVALID_ARGUMENT, "ttft.hot_prefix_share"},
+        {"{\"pools\": [{\"name\": \"p\", \"block_size\": 16, \"params\": {\"spread_ms\": -0.5}}]}",
+         KM_ERR_INVALID_ARGUMENT, "ttft.spread_ms"},
         {"{\"pools\": [{\"name\": \"p\", \"block_size\": 16, \"workers\": [{\"name\": \"x\"}]}]}",
          KM_ERR_PARSE, "pools[0].workers[0].id"},
         {"{\"pools\": [{\"name\": \"p\", \"block_size\": 16, \"workers\": [{\"id\": 1, "
@@ -348,7 +350,7 @@ Test(server_config, pool_engine_and_peer_policy_params, .timeout = 10)
                "{\"name\": \"r\", \"block_size\": 16, \"hash_lookahead_tokens\": 2, "
                "\"offload_chunk_blocks\": 3, \"policy\": \"ttft\", "
                "\"params\": {\"load_bound\": 2, \"hot_prefix_sharers\": 3, "
-               "\"hot_prefix_share\": 0.5}}]}");
+               "\"hot_prefix_share\": 0.5, \"spread_ms\": 2.5}}]}");
     km_server_config cfg;
     km_server_config_init(&cfg);
     km_server_config_json *owner = NULL;
@@ -369,6 +371,7 @@ Test(server_config, pool_engine_and_peer_policy_params, .timeout = 10)
     cr_assert_eq(cfg.pools[2].policy.ttft.load_bound, 2);
     cr_assert_eq(cfg.pools[2].policy.ttft.hot_prefix_sharers, 3);
     cr_assert_eq(cfg.pools[2].policy.ttft.hot_prefix_share, 0.5);
+    cr_assert_eq(cfg.pools[2].policy.ttft.spread_ms, 2.5);
     cr_assert_eq(cfg.pools[2].hash_lookahead_tokens, 2, "a pool key of its own, not unknown");
     cr_assert_eq(cfg.pools[2].offload_chunk_blocks, 3, "a pool key of its own, not unknown");
     cr_assert_eq(cfg.pools[0].offload_chunk_blocks, 0, "left out: the default (one block)");

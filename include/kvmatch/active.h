@@ -335,6 +335,12 @@ typedef struct km_active_load {
 /* One worker's load. Errors: KM_ERR_NULL_POINTER, KM_ERR_WORKER_RANGE. */
 int km_active_worker_load(const km_active *active, uint32_t worker, km_active_load *out);
 
+/* When `worker` last received a request: the number of arrivals (begins, and moves to another
+ * worker) this table had counted once that one was counted, so a larger value is a later arrival.
+ * 0 when none has come since the table was created or the worker removed, and for invalid
+ * arguments. O(1). */
+uint64_t km_active_last_arrival(const km_active *active, uint32_t worker);
+
 typedef struct km_active_stats {
     km_active_load total;  /* sum over all workers */
     uint64_t entries;      /* live entries (== total.in_flight) */

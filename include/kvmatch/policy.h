@@ -39,7 +39,8 @@
  *                store, and the worker's queued prefill, decodes and KV), plus the prefill work a
  *                choice adds over the best-cached worker times the requests waiting where it adds
  *                it; a worker loaded past a bound is passed over while the request's prefix is
- *                hot there, so a hot prefix is copied rather than queued behind.
+ *                hot there, so a hot prefix is copied rather than queued behind; workers within
+ *                ttft.spread_ms of the lowest take arrivals in turn.
  * The exact rule of each is documented at km_policy_decide.
  *
  * Thread-safety: every function is reentrant. A km_policy_state is not: the caller serialises the
@@ -90,7 +91,9 @@ typedef enum km_policy_kind {
  *   max_score        llmd: the highest weighted score
  *   exploit          preble: the cached part outweighs the rest -> the deepest match
  *   explore          preble: otherwise -> the lowest estimated load + prefill cost
- *   min_ttft         ttft: the lowest predicted time to first token */
+ *   min_ttft         ttft: the lowest predicted time to first token
+ *   spread           ttft: not the lowest, but within spread_ms of it and the oldest last
+ *                    arrival of those */
 #define KM_POLICY_REASON_LIST(X)                                                                   \
     X(KM_POLICY_REASON_MIN_COST, "min_cost")                                                       \
     X(KM_POLICY_REASON_SAMPLED, "sampled")                                                         \
@@ -104,7 +107,8 @@ typedef enum km_policy_kind {
     X(KM_POLICY_REASON_MAX_SCORE, "max_score")                                                     \
     X(KM_POLICY_REASON_EXPLOIT, "exploit")                                                         \
     X(KM_POLICY_REASON_EXPLORE, "explore")                                                         \
-    X(KM_POLICY_REASON_MIN_TTFT, "min_ttft")
+    X(KM_POLICY_REASON_MIN_TTFT, "min_ttft")                                                       \
+    X(KM_POLICY_REASON_SPREAD, "spread")
 
 typedef enum km_policy_reason {
 #define KM_POLICY_REASON_ENUM(value, name) value,
@@ -173,6 +177,12 @@ typedef struct km_policy_config {
          * other prefixes' work, which copying this prefix would not take away. Finite, >= 0;
          * 0 = no such limit; default 0.25. */
         double hot_prefix_share;
+        /* Workers whose cost is within spread_ms of the lowest count as equal, and of those the
+         * one whose last arrival is the oldest (km_policy_candidate.last_arrival) is chosen:
+         * near-equal workers take arrivals in turn and their prefills land in different steps,
+         * rather than the load order sending a burst to one of them. Finite, >= 0, in ms;
+         * 0 = off (the lowest cost wins); default 1. */
+        double spread_ms;
     } ttft;
     /* The engines of the pool (ttft and preble estimate times with it; llmd divides KV usage by
      * its capacity_blocks). Default: km_engine_model_init. */
@@ -204,6 +214,9 @@ typedef struct km_policy_candidate {
     /* Requests in flight on it that use the same cached prefix as this request (the prefix of its
      * hit there; km_active_prefix_sharers): how hot that prefix is on it. Only ttft reads it. */
     uint32_t prefix_sharers;
+    /* When it last received a request, as a number that grows with every arrival in the pool
+     * (km_active_last_arrival); 0 = none seen. Only ttft reads it (ttft.spread_ms). */
+    uint64_t last_arrival;
 } km_policy_candidate;
 
 /* The request being placed. */
@@ -260,7 +273,7 @@ const char *km_policy_kind_name(km_policy_kind kind);
  * KM_ERR_INVALID_ARGUMENT for any other string; *out untouched on error. */
 int km_policy_kind_parse(const char *name, km_policy_kind *out);
 /* "min_cost", "sampled", "cache_hit", "imbalance", "below_threshold", "deepest_match",
- * "no_match", "least_load", "round_robin", "max_score", "exploit", "explore", "min_ttft";
+ * "no_match", "least_load", "round_robin", "max_score", "exploit", "explore", "min_ttft", "spread";
  * "unknown" for other values. */
 const char *km_policy_reason_name(km_policy_reason reason);
 
@@ -373,8 +386,10 @@ const char *km_policy_last_error(const km_policy_state *state);
  *   and disk blocks, uncached = T - cached, the request's blocks ceil((T +
  *   expected_output_tokens) / B)) + max(1, prefilling) * the prefill work of (T - cached) tokens
  *   beyond the best-cached candidate's (token_us per token plus the attention pairs), in ms; the
- *   lowest wins (ties: the deeper queued hit, then the load order); reason min_ttft; costs_out:
- *   the costs.
+ *   lowest wins (ties: the deeper queued hit, then the load order). With spread_ms > 0, of the
+ *   weighed candidates whose cost is at most the lowest + spread_ms, the smallest last_arrival
+ *   wins instead (ties: the order above). Reason min_ttft, or spread when that is not the
+ *   lowest-cost candidate; costs_out: the costs.
  *
  * Only round_robin (cursor) and kv with temperature > 0 (one random draw) change *state; a failed
  * call changes nothing but state->last_error.

@@ -71,6 +71,7 @@ typedef struct worker_state {
     km_active_load load; /* pending_prefill_pairs: the low 64 bits of their sum (pairs_add) */
     uint64_t pairs_high; /* the bits of that sum past 64 */
     uint32_t head; /* first entry of the worker's list */
+    uint64_t last_arrival; /* km_active_last_arrival */
 } worker_state;
 
 struct km_active {
@@ -92,6 +93,7 @@ struct km_active {
     void *ids_cache;         /* released id buffers of IDS_CACHED_BYTES, linked through their start */
     uint32_t ids_cached;
     uint64_t clock;          /* latest now_ns seen */
+    uint64_t arrivals;       /* begins, and moves to another worker, since creation */
     km_active_stats stats;
     char last_error[256];
 };
@@ -813,6 +815,7 @@ int km_active_begin_with_user_bytes(km_active *a, uint32_t worker, const km_acti
     pairs_add(&a->workers[worker], e->pairs_pending);
     load->active_decode_blocks += e->decode_blocks;
     load->allocated_blocks += e->new_blocks;
+    a->workers[worker].last_arrival = ++a->arrivals;
     a->live++;
     a->stats.begun++;
     a->stats.bytes += km_active_entry_bytes(key->request_id_len, key->attempt_id_len) + user_bytes;
@@ -1004,6 +1007,7 @@ int km_active_move(km_active *a, const km_active_key *key, uint32_t worker, uint
     pairs_add(&a->workers[worker], e->pairs_pending);
     to->active_decode_blocks += e->decode_blocks;
     to->allocated_blocks += e->new_blocks;
+    a->workers[worker].last_arrival = ++a->arrivals;
     a->stats.moved++;
     return KM_OK;
 }
@@ -1172,6 +1176,7 @@ int km_active_remove_worker(km_active *a, uint32_t worker, uint64_t now_ns,
         memset(load, 0, sizeof *load);
         a->workers[worker].pairs_high = 0;
     }
+    a->workers[worker].last_arrival = 0;
     if (n_removed)
         *n_removed = n;
     return KM_OK;
@@ -1187,6 +1192,11 @@ int km_active_worker_load(const km_active *a, uint32_t worker, km_active_load *o
         return KM_ERR_WORKER_RANGE;
     *out = load_of(&a->workers[worker]);
     return KM_OK;
+}
+
+uint64_t km_active_last_arrival(const km_active *a, uint32_t worker)
+{
+    return a && worker < a->cfg.max_workers ? a->workers[worker].last_arrival : 0;
 }
 
 int km_active_get_stats(const km_active *a, km_active_stats *out)

@@ -123,6 +123,7 @@ void km_policy_config_init(km_policy_config *cfg)
     cfg->ttft.load_bound = 1.25;
     cfg->ttft.hot_prefix_sharers = 1;
     cfg->ttft.hot_prefix_share = 0.25;
+    cfg->ttft.spread_ms = 1.0;
     km_engine_model_init(&cfg->engine);
 }
 
@@ -195,6 +196,10 @@ int km_policy_config_validate(const km_policy_config *cfg, char *why, size_t why
         return fail(why, why_size, KM_ERR_INVALID_ARGUMENT,
                     "policy config ttft.hot_prefix_share is %g; it must be a finite value >= 0",
                     share);
+    double spread = cfg->ttft.spread_ms;
+    if (isnan(spread) || isinf(spread) || spread < 0.0)
+        return fail(why, why_size, KM_ERR_INVALID_ARGUMENT,
+                    "policy config ttft.spread_ms is %g; it must be a finite value >= 0", spread);
     double h = cfg->llmd.host_tier_weight;
     if (isnan(h) || h < 0.0 || h > 1.0)
         return fail(why, why_size, KM_ERR_INVALID_ARGUMENT,
@@ -757,74 +762,107 @@ static bool ttft_prefix_hot_enough(const km_policy_config *cfg, const km_policy_
     return sharers >= cfg->ttft.hot_prefix_share * holders * (total + 1.0) / n;
 }
 
-static void decide_ttft(const km_policy_config *cfg, const km_policy_request *req,
-                        const km_policy_candidate *cands, uint32_t n, km_policy_decision *out,
-                        double *costs_out)
+/* What decide_ttft weighs, once per request. */
+typedef struct ttft_terms {
+    uint64_t tokens;   /* request_tokens */
+    double best_work;  /* prefill_work_us of the best-cached candidate's uncached part */
+    double bound;      /* ttft_load_bound */
+    bool any_within;   /* the bound passes holders over (some worker is within it, and so on) */
+    uint32_t within_hit; /* the deepest queued hit among the workers within the bound */
+} ttft_terms;
+
+static ttft_terms ttft_terms_of(const km_policy_config *cfg, const km_policy_request *req,
+                                const km_policy_candidate *cands, uint32_t n)
 {
-    /* The cost of a worker: the time to first token predicted there, plus the prefill work the
-     * choice adds over the best-cached candidate (the tokens that one would not recompute) times
-     * the requests it will delay: those that arrive at that worker while it is still busy, about
-     * as many as wait there now (at least one). */
-    uint64_t tokens = request_tokens(req);
+    ttft_terms t = {.tokens = request_tokens(req)};
     uint32_t best_hit = 0;
     for (uint32_t i = 0; i < n; i++) {
         uint32_t hit = queued_hit_blocks(req, &cands[i]);
         best_hit = hit > best_hit ? hit : best_hit;
     }
     uint64_t best_cached = (uint64_t)best_hit * req->block_size;
-    double best_work = prefill_work_us(&cfg->engine, best_cached, tokens - best_cached);
-    uint32_t best = 0;
-    double best_ms = 0.0;
+    t.best_work = prefill_work_us(&cfg->engine, best_cached, t.tokens - best_cached);
     /* Bounded load: a worker past the bound, where the request's prefix is hot and deeper than
      * on any worker within the bound, is not weighed while some worker is within it (the hot
      * prefix is copied to a less loaded worker rather than queued behind its holder's load). A
      * holder whose hit some worker within the bound matches is weighed as usual: passing it over
      * would copy nothing; nor is any holder passed over while the prefix's own requests are too
      * few of the holders' load for a copy to relieve them (ttft_prefix_hot_enough). */
-    double bound = ttft_load_bound(cfg, cands, n);
-    bool any_within = false;
-    uint32_t within_hit = 0;
+    t.bound = ttft_load_bound(cfg, cands, n);
     for (uint32_t i = 0; i < n; i++)
-        if ((double)cands[i].in_flight + 1.0 <= bound) {
+        if ((double)cands[i].in_flight + 1.0 <= t.bound) {
             uint32_t hit = queued_hit_blocks(req, &cands[i]);
-            within_hit = hit > within_hit ? hit : within_hit;
-            any_within = true;
+            t.within_hit = hit > t.within_hit ? hit : t.within_hit;
+            t.any_within = true;
         }
-    if (any_within && best_hit > within_hit &&
+    if (t.any_within && best_hit > t.within_hit &&
         !ttft_prefix_hot_enough(cfg, req, cands, n, best_hit))
-        any_within = false;
-    bool seen = false;
+        t.any_within = false;
+    return t;
+}
+
+/* A candidate's cost in ms, NAN when the bound leaves it out. The time to first token predicted
+ * there, plus the prefill work the choice adds over the best-cached candidate (the tokens that
+ * one would not recompute) times the requests it will delay: those that arrive at that worker
+ * while it is still busy, about as many as wait there now (at least one). */
+static double ttft_cost_ms(const km_policy_config *cfg, const km_policy_request *req,
+                           const ttft_terms *t, const km_policy_candidate *c)
+{
+    if (t->any_within && (double)c->in_flight + 1.0 > t->bound &&
+        c->prefix_sharers >= cfg->ttft.hot_prefix_sharers &&
+        queued_hit_blocks(req, c) > t->within_hit)
+        return NAN;
+    uint64_t cached = (uint64_t)queued_hit_blocks(req, c) * req->block_size;
+    double extra = prefill_work_us(&cfg->engine, cached, t->tokens - cached) - t->best_work;
+    double delayed = c->prefilling > 1 ? (double)c->prefilling : 1.0;
+    return (predicted_ttft_us(cfg, req, c) + delayed * (extra > 0 ? extra : 0)) / 1000.0;
+}
+
+/* Whether candidate a (cost cost_a) goes before b (cost_b): the lower cost, then the deeper
+ * queued hit (it leaves the others' caches for other prefixes), then the least load. */
+static bool ttft_before(double cost_a, const km_policy_candidate *a, double cost_b,
+                        const km_policy_candidate *b)
+{
+    if (cost_a != cost_b)
+        return cost_a < cost_b;
+    int by_depth = CMP3(queued_depth_of(b), queued_depth_of(a));
+    return by_depth < 0 || (by_depth == 0 && compare_load(a, b) < 0);
+}
+
+static void decide_ttft(const km_policy_config *cfg, const km_policy_request *req,
+                        const km_policy_candidate *cands, uint32_t n, km_policy_decision *out,
+                        double *costs_out)
+{
+    ttft_terms t = ttft_terms_of(cfg, req, cands, n);
+    uint32_t best = 0;
+    double best_ms = NAN;
     for (uint32_t i = 0; i < n; i++) {
-        const km_policy_candidate *c = &cands[i];
-        if (any_within && (double)c->in_flight + 1.0 > bound &&
-            c->prefix_sharers >= cfg->ttft.hot_prefix_sharers &&
-            queued_hit_blocks(req, c) > within_hit) {
-            if (costs_out)
-                costs_out[i] = NAN; /* not weighed */
-            continue;
-        }
-        uint64_t cached = (uint64_t)queued_hit_blocks(req, c) * req->block_size;
-        double extra = prefill_work_us(&cfg->engine, cached, tokens - cached) - best_work;
-        double delayed = c->prefilling > 1 ? (double)c->prefilling : 1.0;
-        double ms = (predicted_ttft_us(cfg, req, c) + delayed * (extra > 0 ? extra : 0)) / 1000.0;
+        double ms = ttft_cost_ms(cfg, req, &t, &cands[i]);
         if (costs_out)
             costs_out[i] = ms;
-        int better = !seen || ms < best_ms;
-        seen = true;
-        if (!better && ms == best_ms) {
-            /* Equal costs: the deeper queued hit (it leaves the others' caches for other
-             * prefixes), then the least load. */
-            int by_depth = CMP3(queued_depth_of(&cands[best]), queued_depth_of(c));
-            better = by_depth < 0 || (by_depth == 0 && compare_load(c, &cands[best]) < 0);
-        }
-        if (better) {
+        if (!isnan(ms) && (isnan(best_ms) || ttft_before(ms, &cands[i], best_ms, &cands[best]))) {
             best = i;
             best_ms = ms;
         }
     }
-    out->chosen = best;
-    out->chosen_cost = best_ms;
-    out->reason = KM_POLICY_REASON_MIN_TTFT;
+    /* Within spread_ms of the lowest cost, the oldest last arrival (then the order above). The
+     * costs are read back from costs_out, or computed again without it. */
+    double spread = cfg->ttft.spread_ms;
+    uint32_t pick = best;
+    double pick_ms = best_ms;
+    for (uint32_t i = 0; spread > 0.0 && i < n; i++) {
+        double ms = costs_out ? costs_out[i] : ttft_cost_ms(cfg, req, &t, &cands[i]);
+        if (isnan(ms) || ms > best_ms + spread)
+            continue;
+        uint64_t at = cands[i].last_arrival, pick_at = cands[pick].last_arrival;
+        if (at < pick_at || (at == pick_at && ttft_before(ms, &cands[i], pick_ms, &cands[pick]))) {
+            pick = i;
+            pick_ms = ms;
+        }
+    }
+    out->chosen = pick;
+    out->chosen_cost = pick_ms;
+    out->reason = pick == best ? KM_POLICY_REASON_MIN_TTFT : KM_POLICY_REASON_SPREAD;
 }
 
 /* ---- validation and dispatch -------------------------------------------------------------- */

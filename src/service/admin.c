@@ -211,6 +211,7 @@ static uint32_t listed_params(const pool *p, km_param *pp)
         pp[n++] = (km_param){"load_bound", c->ttft.load_bound};
         pp[n++] = (km_param){"hot_prefix_sharers", c->ttft.hot_prefix_sharers};
         pp[n++] = (km_param){"hot_prefix_share", c->ttft.hot_prefix_share};
+        pp[n++] = (km_param){"spread_ms", c->ttft.spread_ms};
         break;
     default: /* prefix, least_load, round_robin: none */
         break;

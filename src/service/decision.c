@@ -214,6 +214,7 @@ static bool gather_candidates(km_server *s, route_job *r, const pool *p,
             pc->active_decode_blocks = load.active_decode_blocks;
             pc->allocated_blocks = load.allocated_blocks;
         }
+        pc->last_arrival = km_active_last_arrival(s->active, ids[i]);
         double engine_age_ms;
         if (engine_raise_load(s, p, c->now, pc, &engine_age_ms)) {
             engine_used = true;

@@ -91,13 +91,15 @@ int km_server_policy_param(km_policy_config *p, const char *name, double value, 
         p->ttft.hot_prefix_sharers = (uint32_t)value;
     } else if (!strcmp(name, "hot_prefix_share"))
         p->ttft.hot_prefix_share = value;
+    else if (!strcmp(name, "spread_ms"))
+        p->ttft.spread_ms = value;
     else
         return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,
                     "unknown policy parameter \"%s\" (temperature, prefill_load_scale, "
                     "device_weight, host_weight, disk_weight, cache_threshold, "
                     "balance_abs_threshold, balance_rel_threshold, prefix_weight, queue_weight, "
                     "kv_usage_weight, host_tier_weight, exploit_ratio, load_bound, "
-                    "hot_prefix_sharers, hot_prefix_share)",
+                    "hot_prefix_sharers, hot_prefix_share, spread_ms)",
                     name);
     return KM_OK;
 }
@@ -115,7 +117,7 @@ const char *km_server_policy_param_owner(const char *name)
         {"queue_weight", "llmd"},        {"kv_usage_weight", "llmd"},
         {"host_tier_weight", "llmd"},    {"exploit_ratio", "preble"},
         {"load_bound", "ttft"},          {"hot_prefix_sharers", "ttft"},
-        {"hot_prefix_share", "ttft"},
+        {"hot_prefix_share", "ttft"},    {"spread_ms", "ttft"},
     };
     for (size_t i = 0; name && i < sizeof owners / sizeof owners[0]; i++)
         if (!strcmp(owners[i].name, name))
