@@ -557,6 +557,39 @@ static void count_records(const char *path, const char *source, uint64_t *decisi
  * pressure. Overrides reported by the router teach the worker they went to (src/service/attempts.c,
  * lesson_queue): with that, more predictions are exact and fewer under the truth than when the
  * server keeps no hashes for them (approx_dispatch_max_bytes 0), on the identical workload. */
+/* Message drops draw from a stream of their own: the number of engine messages depends on the
+ * policy, so drops sharing the per-request draws (second ingress, override) would hand each policy
+ * another set of bypassed and overridden requests. With drops every policy still gets the very
+ * requests it gets without them. */
+Test(sim, drops_leave_every_policy_the_same_workload, .timeout = 120)
+{
+    km_sim_config cfg;
+    small_config(&cfg, 43);
+    cfg.generator.requests = 300;
+    cfg.policies[0] = "kv";
+    cfg.policies[1] = "round_robin";
+    cfg.policies[2] = "least_load";
+    cfg.n_policies = 3;
+    cfg.second_ingress = 0.3;
+    cfg.override = 0.2;
+    km_sim_result clean[KM_SIM_MAX_POLICIES], dropped[KM_SIM_MAX_POLICIES];
+    char why[512];
+    cr_assert_eq(km_sim_run(&cfg, clean, NULL, why, sizeof why), KM_OK, "%s", why);
+    cfg.drop_events = 0.1;
+    cr_assert_eq(km_sim_run(&cfg, dropped, NULL, why, sizeof why), KM_OK, "%s", why);
+    for (uint32_t i = 0; i < cfg.n_policies; i++) {
+        cr_assert_gt(dropped[i].dropped_messages, 0, "%s", dropped[i].policy);
+        cr_assert_eq(clean[i].bypassed, clean[0].bypassed, "%s", clean[i].policy);
+        cr_assert_eq(clean[i].overridden, clean[0].overridden, "%s", clean[i].policy);
+        cr_assert_eq(dropped[i].bypassed, clean[i].bypassed, "%s: bypassed %llu with drops, %llu "
+                     "without", dropped[i].policy, (unsigned long long)dropped[i].bypassed,
+                     (unsigned long long)clean[i].bypassed);
+        cr_assert_eq(dropped[i].overridden, clean[i].overridden, "%s: overridden %llu with drops, "
+                     "%llu without", dropped[i].policy, (unsigned long long)dropped[i].overridden,
+                     (unsigned long long)clean[i].overridden);
+    }
+}
+
 Test(sim, approximate_mode_and_router_overrides, .timeout = 120)
 {
     char dir[] = "/tmp/km-sim-approx-XXXXXX";

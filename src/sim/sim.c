@@ -166,7 +166,10 @@ typedef struct run {
     /* Output tokens of the requests the router has seen finish: a router knows an answer's
      * length only once it ends, so its expectation for the next request is their mean. */
     uint64_t finished_output_tokens, finished_outputs;
-    uint64_t rng;       /* faults' random draws */
+    /* Faults' random draws, in two streams: rng per request (second ingress, override), so every
+     * policy gets the same draws for the same request; drop_rng per engine message, whose number
+     * depends on the policy. */
+    uint64_t rng, drop_rng;
     uint64_t *live_next; /* per worker: seq after the last message sent live (the barrier's goal) */
     uint64_t t0_us;      /* first arrival: fault times count from it */
     bool restarted, kvmatch_restarted;
@@ -336,19 +339,30 @@ static int flush_reports(run *r, char *why, size_t why_size)
     return KM_OK;
 }
 
-/* Drain an engine's completions and messages at virtual time `now`. */
-static uint64_t fault_rand(run *r)
+/* The next draw of a splitmix64 stream. */
+static uint64_t stream_rand(uint64_t *state)
 {
-    uint64_t z = (r->rng += UINT64_C(0x9e3779b97f4a7c15));
+    uint64_t z = (*state += UINT64_C(0x9e3779b97f4a7c15));
     z = (z ^ (z >> 30)) * UINT64_C(0xbf58476d1ce4e5b9);
     z = (z ^ (z >> 27)) * UINT64_C(0x94d049bb133111eb);
     return z ^ (z >> 31);
 }
 
-/* One draw: true with probability p (53 random bits against p). */
+/* The per-request stream's next draw. */
+static uint64_t fault_rand(run *r)
+{
+    return stream_rand(&r->rng);
+}
+
+/* One draw of a stream: true with probability p (53 random bits against p). */
+static bool stream_chance(uint64_t *state, double p)
+{
+    return (double)(stream_rand(state) >> 11) * (1.0 / 9007199254740992.0) < p;
+}
+
 static bool fault_chance(run *r, double p)
 {
-    return (double)(fault_rand(r) >> 11) * (1.0 / 9007199254740992.0) < p;
+    return stream_chance(&r->rng, p);
 }
 
 /* Is worker w's message at virtual time now lost on the wire? */
@@ -359,10 +373,11 @@ static bool message_dropped(run *r, uint32_t w, uint64_t now_us)
     if (cfg->cut_worker == (int)w && t >= cfg->cut_at_s && t < cfg->cut_at_s + cfg->cut_for_s)
         return true;
     if (cfg->drop_events > 0 && t >= cfg->drop_from_s)
-        return fault_chance(r, cfg->drop_events);
+        return stream_chance(&r->drop_rng, cfg->drop_events);
     return false;
 }
 
+/* Drain an engine's completions and messages at virtual time `now`. */
 static int drain_engine(run *r, uint32_t w, uint64_t now_us, char *why, size_t why_size)
 {
     km_sim_completion c;
@@ -1120,6 +1135,7 @@ static int run_policy(const km_sim_config *cfg, const km_trace *trace, const cha
     for (uint32_t w = 0; r.open_window && w < W; w++)
         r.open_window[w] = -1;
     r.rng = cfg->generator.seed ^ UINT64_C(0x66617573);
+    r.drop_rng = cfg->generator.seed ^ UINT64_C(0x64726f70);
     r.per_worker = calloc(W, sizeof *r.per_worker);
     r.reqs = calloc(N ? N : 1, sizeof *r.reqs);
     r.ttft_ms = calloc(N ? N : 1, sizeof *r.ttft_ms);
