@@ -285,3 +285,26 @@ Test(trace, sim_expands_no_more_than_the_server_takes, .timeout = 60)
     cr_assert_eq(rc, KM_OK, "%s", why);
     cr_assert_lt(grown_mb, 128, "the run grew the resident set by %ld MiB", grown_mb);
 }
+
+/* Each hash id stands for one 512-token block of the prompt, so the ids cover at most 512 tokens
+ * each: a longer input_length names tokens the trace does not have. Such a line is refused,
+ * naming the line and the field (the engines would have run fewer tokens than the statistics,
+ * the TTFT floor and the records counted); ids past input_length are fine. */
+Test(trace, input_length_past_the_ids_is_refused, .timeout = 20)
+{
+    char err[256] = "";
+    cr_assert_eq(load_string(LINE("0", "5", "[1]") LINE("1", "1025", "[1, 2]"), NULL, err,
+                             sizeof err),
+                 KM_ERR_PARSE, "%s", err);
+    cr_assert(strstr(err, ":2: field \"input_length\": 1025 tokens, more than the 2 hash_ids "
+                          "cover (512 tokens each)"), "%s", err);
+    char why[512] = "";
+    cr_assert_eq(sim_string(LINE("0", "20000", "[7]"), why, sizeof why), KM_ERR_PARSE, "%s", why);
+    cr_assert(strstr(why, ":1: field \"input_length\""), "%s", why);
+    km_trace t;
+    cr_assert_eq(load_string(LINE("0", "1024", "[1, 2]") LINE("1", "100", "[1, 2, 3]"), &t, err,
+                             sizeof err),
+                 KM_OK, "%s", err);
+    cr_assert_eq(t.n_requests, 2);
+    km_trace_free(&t);
+}

@@ -230,6 +230,15 @@ int km_trace_load_mooncake(const char *path, km_trace *out, char *err, size_t er
             goto done;
         }
         size_t n_ids = json_array_size(ids);
+        if (in_len > (uint64_t)n_ids * KM_TRACE_TOKENS_PER_ID) {
+            trace_error(err, err_size, "%s:%llu: field \"input_length\": %llu tokens, more than "
+                        "the %zu hash_ids cover (%u tokens each)", path,
+                        (unsigned long long)line_no, (unsigned long long)in_len, n_ids,
+                        KM_TRACE_TOKENS_PER_ID);
+            json_decref(obj);
+            status = KM_ERR_PARSE;
+            goto done;
+        }
         if (KM_ARRAY_GROW(t.requests, req_cap, t.n_requests + 1, 256) != KM_OK ||
             KM_ARRAY_GROW(offsets, offsets_cap, t.n_requests + 1, 256) != KM_OK ||
             KM_ARRAY_GROW(t.id_pool, pool_cap, t.n_ids + n_ids, 256) != KM_OK) {

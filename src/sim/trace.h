@@ -36,9 +36,14 @@ const char *km_trace_default_path(void);
  * microseconds fit a uint64_t clock with room to spare. */
 #define KM_TRACE_MAX_TIMESTAMP_MS (UINT64_C(1) << 53)
 
+/* Tokens one id of the Mooncake format stands for: a line's hash_ids cover at most this many
+ * tokens each. */
+#define KM_TRACE_TOKENS_PER_ID 512u
+
 /* Parse a Mooncake JSONL file (jansson). Bad lines fail the load with a message naming the line:
- * among them a timestamp earlier than the line before's (arrivals are replayed in file order) and
- * an empty hash_ids; a file without any request fails too.
+ * among them a timestamp earlier than the line before's (arrivals are replayed in file order), an
+ * empty hash_ids, and an input_length past what the ids cover (KM_TRACE_TOKENS_PER_ID each); a
+ * file without any request fails too.
  * Returns KM_OK, KM_ERR_IO (missing / unreadable: err says which), KM_ERR_PARSE, KM_ERR_OUT_OF_MEMORY. */
 int km_trace_load_mooncake(const char *path, km_trace *out, char *err, size_t err_size);
 void km_trace_free(km_trace *trace); /* zeroed or loaded trace; leaves it zeroed */

@@ -27,7 +27,7 @@
 #include "kvmatch/engine_model.h"
 #include "sim/trace.h"
 
-#define KM_SIM_TOKENS_PER_ID 512u
+#define KM_SIM_TOKENS_PER_ID KM_TRACE_TOKENS_PER_ID
 
 #define KM_SIM_SHAPE_LIST(X)                                                                       \
     X(KM_SIM_SHAPE_CHAT, "chat")                                                                   \
