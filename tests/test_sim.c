@@ -590,6 +590,29 @@ Test(sim, drops_leave_every_policy_the_same_workload, .timeout = 120)
     }
 }
 
+/* `rejected` counts every request an engine turned away, whoever sent it there: engines too
+ * small for any prompt reject all of them, the second ingress path's too. */
+Test(sim, rejected_counts_bypassed_requests_too, .timeout = 60)
+{
+    km_sim_config cfg;
+    small_config(&cfg, 44);
+    cfg.generator.requests = 40;
+    cfg.workers = 2;
+    cfg.engine.model.capacity_blocks = 10; /* 160 tokens: below every prompt of the shape */
+    cfg.second_ingress = 0.5;
+    cfg.policies[0] = "kv";
+    cfg.n_policies = 1;
+    km_sim_result r;
+    char why[512];
+    cr_assert_eq(km_sim_run(&cfg, &r, NULL, why, sizeof why), KM_OK, "%s", why);
+    cr_assert_gt(r.bypassed, 0);
+    cr_assert_gt(r.routed, 0);
+    cr_assert_eq(r.output_tokens, 0, "no engine ran anything");
+    cr_assert_eq(r.rejected, r.requests, "rejected %llu of %llu (routed %llu, bypassed %llu)",
+                 (unsigned long long)r.rejected, (unsigned long long)r.requests,
+                 (unsigned long long)r.routed, (unsigned long long)r.bypassed);
+}
+
 Test(sim, approximate_mode_and_router_overrides, .timeout = 120)
 {
     char dir[] = "/tmp/km-sim-approx-XXXXXX";

@@ -402,6 +402,7 @@ static int drain_engine(run *r, uint32_t w, uint64_t now_us, char *why, size_t w
             }
             if (c.kind == KM_SIM_FINISHED || c.kind == KM_SIM_REJECTED)
                 s->finished = true;
+            r->res->rejected += c.kind == KM_SIM_REJECTED;
             if (c.kind == KM_SIM_FINISHED && c.time_us / 1e6 > r->res->makespan_s)
                 r->res->makespan_s = (double)c.time_us / 1e6;
             continue;

@@ -174,7 +174,8 @@ typedef struct km_sim_result {
     uint64_t requests;                /* requests in the workload */
     uint64_t routed;                  /* decided by kvmatch */
     uint64_t route_errors;            /* answered with an error (then sent round-robin) */
-    uint64_t rejected;                /* requests no engine can ever hold */
+    uint64_t rejected;                /* requests an engine rejected (it can never hold them),
+                                       * routed by kvmatch or not */
     uint64_t prompt_tokens;
     uint64_t output_tokens;
     uint64_t actual_reused_tokens;    /* what the engines reused when they ran each request */
