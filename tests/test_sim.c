@@ -613,6 +613,31 @@ Test(sim, rejected_counts_bypassed_requests_too, .timeout = 60)
                  (unsigned long long)r.routed, (unsigned long long)r.bypassed);
 }
 
+/* A restart time past the run never fires, however large: 1e30 s is no integer microsecond
+ * count, and converting it to one fired the restart at once. */
+Test(sim, restarts_past_the_run_never_fire, .timeout = 60)
+{
+    km_sim_config cfg;
+    small_config(&cfg, 45);
+    cfg.generator.requests = 60;
+    cfg.workers = 2;
+    cfg.policies[0] = "kv";
+    cfg.n_policies = 1;
+    const double times[] = {1e13, 1e30, 1.7e308};
+    for (size_t i = 0; i < sizeof times / sizeof times[0]; i++) {
+        cfg.restart_worker = 0;
+        cfg.restart_at_s = times[i];
+        cfg.restart_kvmatch_at_s = times[i];
+        cfg.restart_kvmatch_snapshot = false;
+        km_sim_result r;
+        char why[512];
+        cr_assert_eq(km_sim_run(&cfg, &r, NULL, why, sizeof why), KM_OK, "%s", why);
+        cr_assert_eq(r.lost_to_restart, 0, "restart at %g s", times[i]);
+        cr_assert_eq(r.kvmatch_restarts, 0, "restart at %g s", times[i]);
+        cr_assert_eq(r.exact_predictions, r.routed, "restart at %g s", times[i]);
+    }
+}
+
 Test(sim, approximate_mode_and_router_overrides, .timeout = 120)
 {
     char dir[] = "/tmp/km-sim-approx-XXXXXX";

@@ -1300,11 +1300,14 @@ static int run_policy(const km_sim_config *cfg, const km_trace *trace, const cha
             }
         }
         uint64_t t_now = t_engine <= t_arrival ? t_engine : t_arrival;
+        /* Fault times are compared in double: any finite time is valid, and one past the run
+         * never fires (no integer conversion to overflow). */
+        double t_now_s = (double)(t_now - r.t0_us) / 1e6;
         for (uint32_t w = 0; w < W && !rc; w++)
             rc = drain_engine(&r, w, t_now, why, why_size);
         /* The engine restart, once its time has come. */
         if (!rc && !r.restarted && cfg->restart_worker >= 0 && (uint32_t)cfg->restart_worker < W &&
-            t_now >= r.t0_us + (uint64_t)(cfg->restart_at_s * 1e6)) {
+            t_now_s >= cfg->restart_at_s) {
             uint32_t rw = (uint32_t)cfg->restart_worker;
             r.restarted = true;
             rc = km_sim_engine_restart(r.engines[rw], cfg->generator.seed * 7919u + 77u, t_now);
@@ -1335,7 +1338,7 @@ static int run_policy(const km_sim_config *cfg, const km_trace *trace, const cha
         if (!rc)
             rc = cluster_faults(&r, t_now, why, why_size);
         if (!rc && !r.kvmatch_restarted && cfg->restart_kvmatch_at_s >= 0 && !cfg->connect &&
-            t_now >= r.t0_us + (uint64_t)(cfg->restart_kvmatch_at_s * 1e6)) {
+            t_now_s >= cfg->restart_kvmatch_at_s) {
             r.kvmatch_restarted = true;
             rc = restart_kvmatch(&r, why, why_size);
         }
