@@ -274,6 +274,18 @@ Test(sim_instances, bad_settings, .timeout = 20)
     cfg.cluster_loss = 1.5;
     cr_assert_eq(km_sim_run(&cfg, r, NULL, why, sizeof why), KM_ERR_INVALID_ARGUMENT);
     cr_assert(strstr(why, "lossy"), "%s", why);
+    /* Above 2/3, round(1/P) is 1: every change would go unsent and no loss would show. */
+    const double past[] = {0.7, 1.0, 1e-10};
+    for (size_t i = 0; i < sizeof past / sizeof past[0]; i++) {
+        moderate_config(&cfg, KM_SIM_MODE_SHARED, 2);
+        cfg.cluster_loss = past[i];
+        cr_assert_eq(km_sim_run(&cfg, r, NULL, why, sizeof why), KM_ERR_INVALID_ARGUMENT,
+                     "loss %g", past[i]);
+        cr_assert(strstr(why, "lossy") && strstr(why, "2/3"), "%s", why);
+    }
+    moderate_config(&cfg, KM_SIM_MODE_SHARED, 2);
+    cfg.cluster_loss = 2.0 / 3.0;
+    cr_assert_eq(km_sim_config_check(&cfg, why, sizeof why), KM_OK, "%s", why);
     moderate_config(&cfg, KM_SIM_MODE_SHARED, 2);
     cfg.nats_stop_at_s = 1;
     cfg.nats_stop_for_s = 0;
@@ -295,7 +307,9 @@ Test(sim_instances, bad_fault_options_are_refused_by_the_cli, .timeout = 60)
     static const struct {
         const char *args, *words;
     } bad[] = {
-        {"--instances 2 --fault lossy=2", "lossy=P (P in (0, 1])"},
+        {"--instances 2 --fault lossy=2", "lossy=P (P in (0, 2/3]"},
+        {"--instances 2 --fault lossy=0.7", "lossy=P (P in (0, 2/3]"},
+        {"--instances 2 --fault lossy=1", "lossy=P (P in (0, 2/3]"},
         {"--instances 2 --fault lossy=0", "lossy=P"},
         {"--instances 2 --fault nats-restart@3+0", "nats-restart@T[+D]"},
         {"--instances 2 --fault kill-instance@-1", "kill-instance@T"},

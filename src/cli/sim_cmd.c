@@ -68,7 +68,8 @@ static void sim_usage(FILE *f)
             "faults of several instances (--instances N > 1; the shared mode only; repeatable):\n"
             "  --fault kill-instance@T    the last instance stops for good at T\n"
             "  --fault nats-restart@T[+D] nats-server killed at T, started again D later (default 2)\n"
-            "  --fault lossy=P            each instance sends no change message in every round(1/P)\n");
+            "  --fault lossy=P            each instance sends no change message in every\n"
+            "                             round(1/P) (0 < P <= 2/3)\n");
 }
 
 /* Comma-separated loads into cfg->loads; 0 on success. */
@@ -634,11 +635,12 @@ int km_cmd_sim(int argc, char **argv)
                        t >= 0 && d > 0) {
                 cfg.nats_stop_at_s = t;
                 cfg.nats_stop_for_s = d;
-            } else if (sscanf(v, "lossy=%lf%c", &p, &end) == 1 && p > 0 && p <= 1) {
+            } else if (sscanf(v, "lossy=%lf%c", &p, &end) == 1 && km_sim_cluster_loss_valid(p)) {
                 cfg.cluster_loss = p;
             } else {
                 fprintf(stderr, "kvmatch sim: --fault \"%s\": kill-instance@T, nats-restart@T[+D] "
-                                "(T >= 0, D > 0 virtual seconds) or lossy=P (P in (0, 1])\n", v);
+                                "(T >= 0, D > 0 virtual seconds) or lossy=P (P in (0, 2/3]; one "
+                                "change in every round(1/P) < 2^32 unsent)\n", v);
                 return KM_EXIT_USAGE;
             }
             break;

@@ -35,6 +35,14 @@ const char *km_sim_mode_name(km_sim_mode mode)
     return "unknown";
 }
 
+bool km_sim_cluster_loss_valid(double p)
+{
+    if (!(p > 0 && p <= 1))
+        return false;
+    double period = round(1.0 / p);
+    return period >= 2 && period <= (double)UINT32_MAX;
+}
+
 bool km_sim_shared_available(char *why, size_t why_size)
 {
     if (km_sim_broker_binary())
@@ -1245,7 +1253,8 @@ static int run_policy(const km_sim_config *cfg, const km_trace *trace, const cha
     }
     /* The lossy link: every instance's cluster handle sends no change in every round(1/P). */
     for (uint32_t i = 0; !rc && r.cluster_url && cfg->cluster_loss > 0 && i < r.n_inst; i++)
-        km_cluster_set_drop_one_in(inst_cluster(&r, i), (uint32_t)llround(1.0 / cfg->cluster_loss));
+        km_cluster_set_drop_one_in(inst_cluster(&r, i),
+                                   (uint32_t)round(1.0 / cfg->cluster_loss));
     r.subscriptions = 1;
     for (uint32_t w = 0; !rc && cfg->zmq && w < W; w++)
         if (!km_publisher_wait_subscribers(r.pubs[w], 1, 10000))
@@ -1562,10 +1571,14 @@ int km_sim_config_check(const km_sim_config *cfg, char *why, size_t why_size)
                       "several instances run in this process with in-process events: the %s mode "
                       "excludes --connect, --zmq and --restart-kvmatch",
                       km_sim_mode_name(cfg->mode));
-    if (!(cfg->cluster_loss >= 0 && cfg->cluster_loss <= 1) ||
-        (cfg->nats_stop_at_s >= 0 && !(cfg->nats_stop_for_s > 0)))
+    if (cfg->cluster_loss != 0 && !km_sim_cluster_loss_valid(cfg->cluster_loss))
         return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,
-                      "a lossy link's loss is in (0, 1]; a NATS outage lasts more than 0 s");
+                      "a lossy link's loss %g is out of range: it is in (0, 2/3] (one change in "
+                      "every round(1/P) unsent; above 2/3 that is every change) and at least "
+                      "1/(2^32 - 1)", cfg->cluster_loss);
+    if (cfg->nats_stop_at_s >= 0 && !(cfg->nats_stop_for_s > 0))
+        return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,
+                      "a NATS outage lasts more than 0 s");
     if (cfg->mode == KM_SIM_MODE_SHARED && cfg->instances < 2 &&
         (cfg->kill_instance_at_s >= 0 || cfg->nats_stop_at_s >= 0 || cfg->cluster_loss > 0))
         return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,

@@ -104,7 +104,7 @@ typedef struct km_sim_config {
     double nats_stop_for_s;              /* ... and started again on its port this much later */
     double cluster_loss;                 /* a lossy link: each instance sends no change message
                                           * in every round(1/P) (the sequence number is spent);
-                                          * 0 = none, else (0, 1] */
+                                          * 0 = none, else km_sim_cluster_loss_valid */
     km_sim_mode mode;                    /* default single */
     uint32_t instances;                  /* isolated and shared: 2..KM_SIM_MAX_INSTANCES (1 is
                                           * accepted and means one instance); single: 1. Several
@@ -242,6 +242,11 @@ typedef struct km_sim_summary {
  * every policy known? KM_OK, or KM_ERR_INVALID_ARGUMENT with why naming the setting. Reads no
  * file and starts nothing, so a command line can tell a usage error from a failed run. */
 int km_sim_config_check(const km_sim_config *cfg, char *why, size_t why_size);
+
+/* Is P a lossy link's loss the run can inject: one change in every round(1/P) unsent, with
+ * round(1/P) in 2..2^32 - 1? P above 2/3 is not: round(1/P) = 1 would send no change at all, so
+ * no loss would ever show as a gap. */
+bool km_sim_cluster_loss_valid(double p);
 
 /* Can the shared mode run here (nats-server installed)? False with the reason in why. */
 bool km_sim_shared_available(char *why, size_t why_size);
