@@ -15,6 +15,11 @@ import re
 import sys
 
 
+def ms(x):
+    """A TTFT figure in ms; `kvmatch sim --json` writes null when no request got a first token."""
+    return "-" if x is None else f"{x:,.1f}"
+
+
 def fmt(x, digits=0):
     if x is None:
         return "not measured"
@@ -262,7 +267,7 @@ def render_sim(d):
     for p in d["policies"]:
         out.append(f"| {p['policy']} | {p['requests']} | {fmt(p['actual_reused_tokens'])} | "
                    f"{fmt(p['predicted_reused_tokens'])} | {p['exact_predictions']} | {p['owner_not_chosen']} | "
-                   f"{p['ttft_p50_ms']:,.1f} | {p['ttft_p99_ms']:,.1f} | {p['load_imbalance']:.2f} | "
+                   f"{ms(p['ttft_p50_ms'])} | {ms(p['ttft_p99_ms'])} | {p['load_imbalance']:.2f} | "
                    f"{fmt(p['decisions_per_s'])} | {fmt(p['decision_p99_us'])} |")
     return "\n".join(out)
 
@@ -335,8 +340,8 @@ def render_routing(d):
                f"best other p99 | round robin p99 / `{judged}`'s | round robin p99 / floor |")
     out.append("|---|---:|---:|---:|---|---:|---|---:|---:|")
     for c in d["cells"]:
-        p50 = f"{c['default_p50_ms']:,.1f}" + ("" if c["p50_holds"] else " (worse)")
-        p99 = f"{c['default_p99_ms']:,.1f}" + ("" if c["p99_holds"] else " (worse)")
+        p50 = ms(c['default_p50_ms']) + ("" if c["p50_holds"] else " (worse)")
+        p99 = ms(c['default_p99_ms']) + ("" if c["p99_holds"] else " (worse)")
         rr = c["p99_over_round_robin"]
         rr_text = f"{rr:.2f}" if rr is not None else "?"
         if "round_robin_target_holds" in c and not c["round_robin_target_holds"]:
@@ -346,8 +351,9 @@ def render_routing(d):
         if "round_robin_target_reachable" in c and not c["round_robin_target_reachable"]:
             reach_text += " (3x out of reach)"
         out.append(f"| {c['workload']} | {c['load']:.2f} | {c['seed']} | {p50} | "
-                   f"{c['best_other_p50']} {c['best_other_p50_ms']:,.1f} | {p99} | "
-                   f"{c['best_other_p99']} {c['best_other_p99_ms']:,.1f} | {rr_text} | {reach_text} |")
+                   f"{c['best_other_p50']} {ms(c['best_other_p50_ms'])} | {p99} | "
+                   f"{c['best_other_p99']} {ms(c['best_other_p99_ms'])} | {rr_text} | "
+                   f"{reach_text} |")
     return "\n".join(out)
 
 

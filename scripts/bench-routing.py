@@ -84,6 +84,12 @@ def run(binary, workload, seed, scratch, engine, workers):
     return result
 
 
+def ttft(p, key):
+    """A policy's TTFT figure for comparisons: null (no request got a first token) is worst."""
+    v = p[key]
+    return float("inf") if v is None else v
+
+
 def cells(name, seed, result, judged):
     default = judged or result["default_policy"]
     by_policy = {p["policy"]: p["loads"] for p in result["policies"]}
@@ -92,8 +98,8 @@ def cells(name, seed, result, judged):
         row = {p: by_policy[p][i] for p in by_policy}
         mine = row[default]
         others = {p: r for p, r in row.items() if p != default}
-        best_p50 = min(others.items(), key=lambda kv: kv[1]["ttft_p50_ms"])
-        best_p99 = min(others.items(), key=lambda kv: kv[1]["ttft_p99_ms"])
+        best_p50 = min(others.items(), key=lambda kv: ttft(kv[1], "ttft_p50_ms"))
+        best_p99 = min(others.items(), key=lambda kv: ttft(kv[1], "ttft_p99_ms"))
         cell = {
             "workload": name, "seed": seed, "load": load,
             "default_p50_ms": mine["ttft_p50_ms"], "default_p99_ms": mine["ttft_p99_ms"],
@@ -104,12 +110,17 @@ def cells(name, seed, result, judged):
         }
         # No policy's p99 goes below the floor (each request alone on an idle engine holding
         # everything reusable), so round robin's p99 over the floor is the most any could reach.
-        cell["round_robin_over_floor"] = (row["round_robin"]["ttft_p99_ms"] / cell["floor_p99_ms"]
-                                          if cell["floor_p99_ms"] > 0 else None)
-        cell["p50_holds"] = mine["ttft_p50_ms"] <= TOLERANCE * best_p50[1]["ttft_p50_ms"]
-        cell["p99_holds"] = mine["ttft_p99_ms"] <= TOLERANCE * best_p99[1]["ttft_p99_ms"]
-        cell["p99_over_round_robin"] = (row["round_robin"]["ttft_p99_ms"] / mine["ttft_p99_ms"]
-                                        if mine["ttft_p99_ms"] > 0 else None)
+        rr_p99 = row["round_robin"]["ttft_p99_ms"]
+        cell["round_robin_over_floor"] = (rr_p99 / cell["floor_p99_ms"]
+                                          if rr_p99 is not None and cell["floor_p99_ms"] > 0
+                                          else None)
+        cell["p50_holds"] = (mine["ttft_p50_ms"] is not None and
+                             mine["ttft_p50_ms"] <= TOLERANCE * ttft(best_p50[1], "ttft_p50_ms"))
+        cell["p99_holds"] = (mine["ttft_p99_ms"] is not None and
+                             mine["ttft_p99_ms"] <= TOLERANCE * ttft(best_p99[1], "ttft_p99_ms"))
+        cell["p99_over_round_robin"] = (rr_p99 / mine["ttft_p99_ms"]
+                                        if rr_p99 is not None and mine["ttft_p99_ms"]
+                                        else None)
         if abs(load - 0.8) < 1e-9:
             cell["round_robin_target_holds"] = (cell["p99_over_round_robin"] or 0) >= P99_OVER_ROUND_ROBIN
             cell["round_robin_target_reachable"] = (cell["round_robin_over_floor"] or 0) >= P99_OVER_ROUND_ROBIN

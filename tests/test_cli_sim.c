@@ -8,6 +8,8 @@
 #include <string.h>
 #include <unistd.h>
 
+#include <jansson.h>
+
 #include "test_util.h"
 
 static const char *kvmatch_bin(void)
@@ -75,5 +77,41 @@ Test(cli_sim, a_write_error_exits_1, .timeout = 120)
         int rc = km_test_run_capture(cmd, out, sizeof out);
         cr_assert_eq(rc, 1, "sim %s > /dev/full: exit %d: %s", forms[i], rc, out);
         cr_assert(strstr(out, "write error"), "%s", out);
+    }
+}
+
+/* A run where no request finishes (engines too small for any prompt: all rejected) has no
+ * makespan and no TTFT sample: makespan 0, not the first arrival's time negated, and the TTFT
+ * figures "-" in the table and null in the JSON, not 0.0 ms. */
+Test(cli_sim, a_run_where_nothing_finishes_has_no_ttft, .timeout = 120)
+{
+    static char out[65536];
+    char cmd[512];
+    snprintf(cmd, sizeof cmd, "timeout -s KILL 60 %s sim --requests 3 --workers 2 --policy kv "
+             "--capacity 10 --json </dev/null 2>/dev/null", kvmatch_bin());
+    cr_assert_eq(km_test_run_capture(cmd, out, sizeof out), 0, "%s", out);
+    json_error_t err;
+    json_t *root = json_loads(out, 0, &err);
+    cr_assert_not_null(root, "%s: %s", err.text, out);
+    json_t *p = json_array_get(json_object_get(root, "policies"), 0);
+    cr_assert_not_null(p, "%s", out);
+    cr_assert_eq(json_integer_value(json_object_get(p, "rejected")), 3, "%s", out);
+    cr_assert_float_eq(json_number_value(json_object_get(p, "makespan_s")), 0.0, 1e-12, "%s", out);
+    static const char *const none[] = {"ttft_p50_ms", "ttft_p99_ms", "ttft_mean_ms"};
+    for (size_t i = 0; i < sizeof none / sizeof none[0]; i++)
+        cr_assert(json_is_null(json_object_get(p, none[i])), "%s: %s", none[i], out);
+    json_decref(root);
+
+    snprintf(cmd, sizeof cmd, "timeout -s KILL 60 %s sim --requests 3 --workers 2 --policy kv "
+             "--capacity 10 </dev/null 2>/dev/null", kvmatch_bin());
+    cr_assert_eq(km_test_run_capture(cmd, out, sizeof out), 0, "%s", out);
+    static const char *const rows[] = {"ttft_p50_ms ", "ttft_p99_ms ", "makespan_s (virtual) "};
+    static const char *const want[] = {"-", "-", "0.0"};
+    for (size_t i = 0; i < sizeof rows / sizeof rows[0]; i++) {
+        const char *line = strstr(out, rows[i]);
+        cr_assert_not_null(line, "no row %s: %s", rows[i], out);
+        char value[32] = "";
+        cr_assert_eq(sscanf(line + strlen(rows[i]), "%31s", value), 1, "%s", line);
+        cr_assert_str_eq(value, want[i], "row %s: %s", rows[i], out);
     }
 }

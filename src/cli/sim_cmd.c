@@ -3,6 +3,7 @@
  * policy, and print them side by side (docs/SIM.md). */
 #define _POSIX_C_SOURCE 200809L
 #include <errno.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -160,6 +161,12 @@ static const row rows[] = {
     {"rejected by engines", U(rejected)},
 };
 
+/* A figure that may have no sample (NAN): null in the JSON. */
+static json_t *json_figure(double v)
+{
+    return isnan(v) ? json_null() : json_real(v);
+}
+
 static json_t *result_json(const km_sim_result *r)
 {
     json_t *o = json_object();
@@ -234,9 +241,9 @@ static json_t *result_json(const km_sim_result *r)
                         json_integer((json_int_t)r->turns_before_answer));
     json_object_set_new(o, "kvmatch_restarts", json_integer((json_int_t)r->kvmatch_restarts));
     json_object_set_new(o, "owner_forgone_tokens", json_integer((json_int_t)r->owner_forgone_tokens));
-    json_object_set_new(o, "ttft_mean_ms", json_real(r->ttft_mean_ms));
-    json_object_set_new(o, "ttft_p50_ms", json_real(r->ttft_p50_ms));
-    json_object_set_new(o, "ttft_p99_ms", json_real(r->ttft_p99_ms));
+    json_object_set_new(o, "ttft_mean_ms", json_figure(r->ttft_mean_ms));
+    json_object_set_new(o, "ttft_p50_ms", json_figure(r->ttft_p50_ms));
+    json_object_set_new(o, "ttft_p99_ms", json_figure(r->ttft_p99_ms));
     json_object_set_new(o, "output_tokens_per_s", json_real(r->output_tokens_per_s));
     json_object_set_new(o, "makespan_s", json_real(r->makespan_s));
     json_object_set_new(o, "load_imbalance", json_real(r->load_imbalance));
@@ -321,6 +328,8 @@ static void print_table(const km_sim_config *cfg, const km_sim_result *results)
             const char *base = (const char *)&results[i];
             if (rows[k].kind == 0)
                 printf(" %14llu", (unsigned long long)*(const uint64_t *)(base + rows[k].offset));
+            else if (isnan(*(const double *)(base + rows[k].offset)))
+                printf(" %14s", "-"); /* no sample */
             else
                 printf(" %14.*f", rows[k].digits, *(const double *)(base + rows[k].offset));
         }

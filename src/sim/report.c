@@ -28,10 +28,30 @@ static int default_column(const km_sim_report *r)
     return -1;
 }
 
-/* other / default, or 0 when the default's figure is 0. */
+/* other / default, or 0 when the default's figure is 0; NAN when either has no sample. */
 static double ratio(double other, double dflt)
 {
+    if (isnan(other) || isnan(dflt))
+        return NAN;
     return dflt > 0 ? other / dflt : 0;
+}
+
+/* A TTFT figure (ms) or a ratio in width columns: "-" when it has no sample (NAN). */
+static void print_figure(FILE *out, int width, int digits, double v)
+{
+    if (isnan(v))
+        fprintf(out, " %*s", width, "-");
+    else
+        fprintf(out, " %*.*f", width, digits, v);
+}
+
+/* The same into buf. */
+static void format_figure(char *buf, size_t size, int digits, double v)
+{
+    if (isnan(v))
+        snprintf(buf, size, "-");
+    else
+        snprintf(buf, size, "%.*f", digits, v);
 }
 
 void km_sim_report_text(const km_sim_report *r, FILE *out)
@@ -53,9 +73,9 @@ void km_sim_report_text(const km_sim_report *r, FILE *out)
             for (uint32_t p = 0; p < cfg->n_policies; p++) {
                 const km_sim_result *x = at(r, l, p);
                 if (k == 0)
-                    fprintf(out, " %12.1f", x->ttft_p50_ms);
+                    print_figure(out, 12, 1, x->ttft_p50_ms);
                 else if (k == 1)
-                    fprintf(out, " %12.1f", x->ttft_p99_ms);
+                    print_figure(out, 12, 1, x->ttft_p99_ms);
                 else
                     fprintf(out, " %11.1f%%", 100.0 * x->reused_share);
             }
@@ -79,9 +99,10 @@ void km_sim_report_text(const km_sim_report *r, FILE *out)
         fprintf(out, "%-14s", cfg->policies[p]);
         for (uint32_t l = 0; l < n_loads(r); l++) {
             const km_sim_result *x = at(r, l, p), *y = at(r, l, (uint32_t)d);
-            char cell[32];
-            snprintf(cell, sizeof cell, "%.2f / %.2f", ratio(x->ttft_p50_ms, y->ttft_p50_ms),
-                     ratio(x->ttft_p99_ms, y->ttft_p99_ms));
+            char cell[48], p50[16], p99[16];
+            format_figure(p50, sizeof p50, 2, ratio(x->ttft_p50_ms, y->ttft_p50_ms));
+            format_figure(p99, sizeof p99, 2, ratio(x->ttft_p99_ms, y->ttft_p99_ms));
+            snprintf(cell, sizeof cell, "%s / %s", p50, p99);
             fprintf(out, " %15s", cell);
         }
         fprintf(out, "\n");
@@ -320,11 +341,14 @@ int km_sim_report_html(const km_sim_report *r, const char *path, char *why, size
             const km_sim_result *x = at(r, l, p);
             km_text_printf(&t, "<tr><td>%.2f</td><td>", cfg->loads[l]);
             html_escape(&t, cfg->policies[p]);
+            char p50[32], p99[32], mean[32];
+            format_figure(p50, sizeof p50, 1, x->ttft_p50_ms);
+            format_figure(p99, sizeof p99, 1, x->ttft_p99_ms);
+            format_figure(mean, sizeof mean, 1, x->ttft_mean_ms);
             km_text_printf(&t,
-                           "</td><td>%.1f</td><td>%.1f</td><td>%.1f</td><td>%.1f%%</td>"
+                           "</td><td>%s</td><td>%s</td><td>%s</td><td>%.1f%%</td>"
                            "<td>%.2f</td></tr>\n",
-                           x->ttft_p50_ms, x->ttft_p99_ms, x->ttft_mean_ms,
-                           100.0 * x->reused_share, x->throughput_rps);
+                           p50, p99, mean, 100.0 * x->reused_share, x->throughput_rps);
         }
     km_text_printf(&t, "</table>\n</body></html>\n");
     int rc = t.status;

@@ -209,10 +209,11 @@ static int cmp_double(const void *a, const void *b)
     return x < y ? -1 : x > y;
 }
 
+/* The q-quantile of v's n values (index round(q * (n - 1)) after sorting); NAN with none. */
 static double pct(double *v, size_t n, double q)
 {
     if (!n)
-        return 0;
+        return NAN;
     qsort(v, n, sizeof *v, cmp_double);
     size_t i = (size_t)(q * (double)(n - 1) + 0.5);
     return v[i < n ? i : n - 1];
@@ -1363,13 +1364,14 @@ static int run_policy(const km_sim_config *cfg, const km_trace *trace, const cha
             rc = restart;
     }
     if (!rc) {
-        res->makespan_s -= (double)first_arrival / 1e6;
+        /* Nothing finished: no makespan (not the first arrival's time negated). */
+        res->makespan_s = r.n_finish ? res->makespan_s - (double)first_arrival / 1e6 : 0;
         if (res->makespan_s > 0)
             res->output_tokens_per_s = (double)res->output_tokens / res->makespan_s;
         double ttft_sum = 0;
         for (size_t i = 0; i < r.n_ttft; i++)
             ttft_sum += r.ttft_ms[i];
-        res->ttft_mean_ms = r.n_ttft ? ttft_sum / (double)r.n_ttft : 0;
+        res->ttft_mean_ms = r.n_ttft ? ttft_sum / (double)r.n_ttft : NAN;
         res->ttft_p50_ms = pct(r.ttft_ms, r.n_ttft, 0.50);
         res->ttft_p99_ms = pct(r.ttft_ms, r.n_ttft, 0.99);
         res->reused_share = res->prompt_tokens ? (double)res->actual_reused_tokens /
@@ -1384,8 +1386,8 @@ static int run_policy(const km_sim_config *cfg, const km_trace *trace, const cha
         res->saturated_throughput_rps = saturated_throughput(r.finish_s, r.n_finish, saturated_until);
         res->offered_rps = km_sim_arrival_rate(trace);
         res->decisions_per_s = r.decision_wall > 0 ? (double)r.n_decision / r.decision_wall : 0;
-        res->decision_p50_us = pct(r.decision_us, r.n_decision, 0.50);
-        res->decision_p99_us = pct(r.decision_us, r.n_decision, 0.99);
+        res->decision_p50_us = r.n_decision ? pct(r.decision_us, r.n_decision, 0.50) : 0;
+        res->decision_p99_us = r.n_decision ? pct(r.decision_us, r.n_decision, 0.99) : 0;
         uint64_t max = 0;
         for (uint32_t w = 0; w < W; w++)
             if (r.per_worker[w] > max)

@@ -170,7 +170,7 @@ typedef struct km_sim_result {
      * tenth of the requests finished before it): the cluster's throughput while saturated. */
     double saturated_throughput_rps;
     double reused_share;              /* actual_reused_tokens / prompt_tokens */
-    double ttft_mean_ms;
+    double ttft_mean_ms;              /* NAN when no request got a first token */
     uint64_t requests;                /* requests in the workload */
     uint64_t routed;                  /* decided by kvmatch */
     uint64_t route_errors;            /* answered with an error (then sent round-robin) */
@@ -209,8 +209,10 @@ typedef struct km_sim_result {
     uint64_t kvmatch_restarts;        /* restarts of kvmatch itself (fault) */
     uint64_t owner_not_chosen;        /* the deepest match was on another worker */
     uint64_t owner_forgone_tokens;    /* their (owner depth - chosen depth) x block size */
-    double ttft_p50_ms, ttft_p99_ms;  /* virtual time, arrival to first token */
-    double makespan_s;                /* first arrival to last finish, virtual */
+    double ttft_p50_ms, ttft_p99_ms;  /* virtual time, arrival to first token; NAN when no
+                                       * request got a first token (no sample) */
+    double makespan_s;                /* first arrival to last finish, virtual; 0 when nothing
+                                       * finished */
     double output_tokens_per_s;       /* over the makespan */
     double load_imbalance;            /* max / mean requests per worker */
     double decisions_per_s;           /* routing calls per second of wall time spent in them */
