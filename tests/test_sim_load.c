@@ -9,11 +9,13 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <criterion/criterion.h>
 #include <jansson.h>
 
 #include "kvmatch/error.h"
+#include "sim/report.h"
 #include "sim/sim.h"
 #include "test_util.h"
 
@@ -343,4 +345,95 @@ Test(sim_load, html_report_renders_in_headless_chromium, .timeout = 300)
     cr_expect(WIFEXITED(status) && WEXITSTATUS(status) == 0,
               "the browser's DOM lacks the report's charts");
     remove_tree(dir);
+}
+
+/* The sweep report of loads {a, b} (two policies, made-up figures) as text, and its HTML page's
+ * text in html (NULL: not written). */
+static void report_of(double a, double b, char *text, size_t text_size, char *html,
+                      size_t html_size)
+{
+    static km_sim_config cfg;
+    km_sim_config_init(&cfg);
+    cfg.policies[0] = "ttft";
+    cfg.policies[1] = "round_robin";
+    cfg.n_policies = 2;
+    cfg.loads[0] = a;
+    cfg.loads[1] = b;
+    cfg.n_loads = 2;
+    static km_sim_result results[4];
+    memset(results, 0, sizeof results);
+    for (int i = 0; i < 4; i++) {
+        snprintf(results[i].policy, sizeof results[i].policy, "%s", cfg.policies[i % 2]);
+        results[i].load = cfg.loads[i / 2];
+        results[i].ttft_p50_ms = 10 + i;
+        results[i].ttft_p99_ms = 100 + i;
+        results[i].ttft_mean_ms = 20 + i;
+    }
+    km_sim_summary sum;
+    memset(&sum, 0, sizeof sum);
+    km_sim_report rep = {&cfg, results, &sum, "chat", "custom", "ttft"};
+    FILE *f = fmemopen(text, text_size, "w");
+    cr_assert_not_null(f);
+    km_sim_report_text(&rep, f);
+    cr_assert_eq(fclose(f), 0);
+    if (!html)
+        return;
+    char path[] = "/tmp/km-sim-report-XXXXXX";
+    int fd = mkstemp(path);
+    cr_assert_geq(fd, 0);
+    close(fd);
+    char why[256];
+    cr_assert_eq(km_sim_report_html(&rep, path, why, sizeof why), KM_OK, "%s", why);
+    f = fopen(path, "r");
+    cr_assert_not_null(f);
+    size_t n = fread(html, 1, html_size - 1, f);
+    html[n] = '\0';
+    fclose(f);
+    unlink(path);
+}
+
+/* Loads are increasing, each once: the charts draw their lines left to right. Distinct loads keep
+ * distinct labels in the tables and distinct ticks on the charts' load axis (0.001 and 0.003 were
+ * both "0.00"); loads of whole hundredths keep their two decimals. */
+Test(sim_load, loads_are_increasing_and_keep_distinct_labels, .timeout = 30)
+{
+    km_sim_config cfg;
+    sweep_config(&cfg);
+    const double bad[][2] = {{0.9, 0.6}, {0.5, 0.5}};
+    for (size_t i = 0; i < 2; i++) {
+        cfg.loads[0] = bad[i][0];
+        cfg.loads[1] = bad[i][1];
+        cfg.n_loads = 2;
+        char why[256];
+        cr_assert_eq(km_sim_config_check(&cfg, why, sizeof why), KM_ERR_INVALID_ARGUMENT,
+                     "loads %g, %g", bad[i][0], bad[i][1]);
+        cr_assert(strstr(why, "increasing"), "%s", why);
+    }
+    static char text[16384], html[1 << 18];
+    report_of(0.001, 0.003, text, sizeof text, html, sizeof html);
+    cr_assert(strstr(text, "load 0.001 ttft_p50_ms") && strstr(text, "load 0.003 ttft_p50_ms"),
+              "%s", text);
+    cr_assert(strstr(html, "<td>0.001</td>") && strstr(html, "<td>0.003</td>"), "%s", html);
+    /* The load axis: ticks every 0.0005, each labelled apart. */
+    static const char *const ticks[] = {">0.001<", ">0.0015<", ">0.002<", ">0.0025<", ">0.003<"};
+    for (size_t i = 0; i < sizeof ticks / sizeof ticks[0]; i++)
+        cr_assert(strstr(html, ticks[i]), "no tick %s", ticks[i]);
+    report_of(0.5, 0.8, text, sizeof text, NULL, 0);
+    cr_assert(strstr(text, "load 0.50 ttft_p50_ms") && strstr(text, "load 0.80 ttft_p50_ms"),
+              "%s", text);
+    /* The command line sorts the sweep's loads and keeps each once. */
+    const char *bin = getenv("KM_BIN") ? getenv("KM_BIN") : "build/kvmatch";
+    char cmd[512];
+    snprintf(cmd, sizeof cmd, "timeout -s KILL 100 %s sim --requests 40 --workers 2 --policy "
+             "round_robin --sweep 0.9,0.5,0.9 --json </dev/null 2>/dev/null", bin);
+    static char out[1 << 16];
+    cr_assert_eq(km_test_run_capture(cmd, out, sizeof out), 0, "%s", out);
+    json_error_t err;
+    json_t *root = json_loads(out, 0, &err);
+    cr_assert_not_null(root, "%s: %s", err.text, out);
+    json_t *loads = json_object_get(root, "loads");
+    cr_assert_eq(json_array_size(loads), 2, "%s", out);
+    cr_assert_float_eq(json_number_value(json_array_get(loads, 0)), 0.5, 1e-12);
+    cr_assert_float_eq(json_number_value(json_array_get(loads, 1)), 0.9, 1e-12);
+    json_decref(root);
 }

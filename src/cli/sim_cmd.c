@@ -73,7 +73,14 @@ static void sim_usage(FILE *f)
             "                             round(1/P) (0 < P <= 2/3)\n");
 }
 
-/* Comma-separated loads into cfg->loads; 0 on success. */
+static int compare_loads(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+/* Comma-separated loads into cfg->loads, in increasing order, each once (as km_sim_config_check
+ * wants them); 0 on success. */
 static int parse_loads(const char *v, km_sim_config *cfg)
 {
     char buf[512];
@@ -87,6 +94,12 @@ static int parse_loads(const char *v, km_sim_config *cfg)
             return -1;
         cfg->loads[cfg->n_loads++] = x;
     }
+    qsort(cfg->loads, cfg->n_loads, sizeof cfg->loads[0], compare_loads);
+    uint32_t kept = 0;
+    for (uint32_t i = 0; i < cfg->n_loads; i++)
+        if (kept == 0 || cfg->loads[i] != cfg->loads[kept - 1])
+            cfg->loads[kept++] = cfg->loads[i];
+    cfg->n_loads = kept;
     return cfg->n_loads ? 0 : -1;
 }
 
@@ -532,7 +545,7 @@ int km_cmd_sim(int argc, char **argv)
             break;
         case OPT_LOAD:
         case OPT_SWEEP:
-            if (parse_loads(v, &cfg) || (opt == OPT_LOAD && cfg.n_loads != 1)) {
+            if (parse_loads(v, &cfg) || (opt == OPT_LOAD && (cfg.n_loads != 1 || strchr(v, ',')))) {
                 if (opt == OPT_LOAD)
                     fprintf(stderr, "kvmatch sim: --load wants one load in (0, 100], got \"%s\"\n", v);
                 else

@@ -3,6 +3,7 @@
 #include "sim/report.h"
 
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "kvmatch/error.h"
@@ -54,6 +55,18 @@ static void format_figure(char *buf, size_t size, int digits, double v)
         snprintf(buf, size, "%.*f", digits, v);
 }
 
+void km_sim_load_label(double load, char *buf, size_t size)
+{
+    snprintf(buf, size, "%.2f", load);
+    if (strtod(buf, NULL) == load)
+        return;
+    for (int digits = 1; digits <= 17; digits++) {
+        snprintf(buf, size, "%.*g", digits, load);
+        if (strtod(buf, NULL) == load)
+            return;
+    }
+}
+
 void km_sim_report_text(const km_sim_report *r, FILE *out)
 {
     const km_sim_config *cfg = r->cfg;
@@ -67,8 +80,9 @@ void km_sim_report_text(const km_sim_report *r, FILE *out)
     static const char *const metrics[] = {"ttft_p50_ms", "ttft_p99_ms", "reused_share"};
     for (uint32_t l = 0; l < n_loads(r); l++)
         for (int k = 0; k < 3; k++) {
-            char label[48];
-            snprintf(label, sizeof label, "load %.2f %s", cfg->loads[l], metrics[k]);
+            char label[64], load[32];
+            km_sim_load_label(cfg->loads[l], load, sizeof load);
+            snprintf(label, sizeof label, "load %s %s", load, metrics[k]);
             fprintf(out, "%-24s", label);
             for (uint32_t p = 0; p < cfg->n_policies; p++) {
                 const km_sim_result *x = at(r, l, p);
@@ -88,8 +102,9 @@ void km_sim_report_text(const km_sim_report *r, FILE *out)
                  "(above 1: the default is faster)\n%-14s",
             r->default_policy, "");
     for (uint32_t l = 0; l < n_loads(r); l++) {
-        char label[32];
-        snprintf(label, sizeof label, "load %.2f", cfg->loads[l]);
+        char label[48], load[32];
+        km_sim_load_label(cfg->loads[l], load, sizeof load);
+        snprintf(label, sizeof label, "load %s", load);
         fprintf(out, " %15s", label);
     }
     fprintf(out, "\n");
@@ -227,9 +242,12 @@ static void chart(const km_sim_report *r, km_text *t, int which)
     km_text_printf(t, "<line x1=\"%d\" y1=\"%d\" x2=\"%d\" y2=\"%d\"/>\n</g>\n", LEFT, TOP, LEFT,
                    CHART_H - BOTTOM);
     char label[32];
-    for (double v = x.lo; v <= x.hi + xstep / 2; v += xstep) {
+    /* Each tick counted from the axis's start (no error accumulates), labelled with %g's six
+     * significant digits: distinct ticks read apart however small the step. */
+    for (int i = 0; x.lo + i * xstep <= x.hi + xstep / 2; i++) {
+        double v = x.lo + i * xstep;
         double px = x_px(&x, v);
-        tick_label(label, sizeof label, round(v * 1000) / 1000);
+        tick_label(label, sizeof label, v);
         km_text_printf(t,
                        "<line x1=\"%.1f\" y1=\"%d\" x2=\"%.1f\" y2=\"%d\" stroke=\"#444\"/>"
                        "<text x=\"%.1f\" y=\"%d\" text-anchor=\"middle\">%s</text>\n",
@@ -339,7 +357,9 @@ int km_sim_report_html(const km_sim_report *r, const char *path, char *why, size
     for (uint32_t l = 0; l < n_loads(r); l++)
         for (uint32_t p = 0; p < cfg->n_policies; p++) {
             const km_sim_result *x = at(r, l, p);
-            km_text_printf(&t, "<tr><td>%.2f</td><td>", cfg->loads[l]);
+            char load[32];
+            km_sim_load_label(cfg->loads[l], load, sizeof load);
+            km_text_printf(&t, "<tr><td>%s</td><td>", load);
             html_escape(&t, cfg->policies[p]);
             char p50[32], p99[32], mean[32];
             format_figure(p50, sizeof p50, 1, x->ttft_p50_ms);

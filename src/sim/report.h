@@ -19,6 +19,10 @@ typedef struct km_sim_report {
     const char *default_policy; /* the policy a pool runs when none is named */
 } km_sim_report;
 
+/* A load as the reports label it: two decimals when that is the load exactly ("0.80"), else the
+ * shortest form that reads back as the load ("0.001"), so distinct loads keep distinct labels. */
+void km_sim_load_label(double load, char *buf, size_t size);
+
 /* The sweep table: per load, TTFT p50 / p99 (ms) and the share of prompt tokens reused, one
  * column per policy; then, when default_policy ran, its TTFT p50 / p99 against each other
  * policy's at every load (the other's over the default's: above 1 the default is faster). */

@@ -1542,6 +1542,11 @@ int km_sim_config_check(const km_sim_config *cfg, char *why, size_t why_size)
             return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,
                           "load %g is out of range: a load is a fraction of the capacity, in (0, 100]",
                           cfg->loads[i]);
+    for (uint32_t i = 1; i < cfg->n_loads; i++)
+        if (!(cfg->loads[i] > cfg->loads[i - 1]))
+            return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,
+                          "loads must be increasing, each once: %g follows %g", cfg->loads[i],
+                          cfg->loads[i - 1]);
     if (cfg->n_loads && cfg->time_scale != 1.0)
         return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,
                       "a load sets the arrival times: it excludes a time scale");
@@ -1678,7 +1683,7 @@ int km_sim_run(const km_sim_config *cfg, km_sim_result *results, km_sim_summary 
                             why_size);
             res->load = load;
             if (!rc && cfg->n_loads)
-                sim_log(cfg, "load %.2f, %s: done in %.1f s", load, cfg->policies[i], res->wall_s);
+                sim_log(cfg, "load %g, %s: done in %.1f s", load, cfg->policies[i], res->wall_s);
             else if (!rc)
                 sim_log(cfg, "%s: done in %.1f s", cfg->policies[i], res->wall_s);
         }

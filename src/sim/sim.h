@@ -51,7 +51,8 @@ typedef struct km_sim_config {
     double time_scale;                   /* arrival times x this; default 1 */
     /* Offered load as a fraction of the cluster's capacity (docs/SIM.md, "Load"): with n_loads
      * > 0, arrivals are rescaled so requests arrive at loads[i] times the capacity, and every
-     * policy runs at every load (results in load-major order). Excludes time_scale != 1. */
+     * policy runs at every load (results in load-major order). The loads are increasing, each
+     * once. Excludes time_scale != 1. */
     double loads[KM_SIM_MAX_LOADS];
     uint32_t n_loads;
     uint32_t workers;                    /* default 8 */
