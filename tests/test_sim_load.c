@@ -437,3 +437,55 @@ Test(sim_load, loads_are_increasing_and_keep_distinct_labels, .timeout = 30)
     cr_assert_float_eq(json_number_value(json_array_get(loads, 1)), 0.9, 1e-12);
     json_decref(root);
 }
+
+/* Records of the lines in path of the given type ("decision", "outcome"). */
+static size_t count_records(const char *path, const char *type)
+{
+    FILE *f = fopen(path, "r");
+    cr_assert_not_null(f, "%s", path);
+    static char line[1 << 16];
+    size_t n = 0;
+    while (fgets(line, sizeof line, f)) {
+        json_t *rec = json_loads(line, 0, NULL);
+        cr_assert_not_null(rec, "%s: a record line is JSON", path);
+        n += !strcmp(json_string_value(json_object_get(rec, "type")), type);
+        json_decref(rec);
+    }
+    fclose(f);
+    return n;
+}
+
+/* --records with a sweep: each load's records go to a file of their own
+ * (records-POLICY-loadX.jsonl), not all loads into one file where the request ids repeat; one load
+ * keeps records-POLICY.jsonl. */
+Test(sim_load, each_load_of_a_sweep_keeps_its_own_records, .timeout = 120)
+{
+    char dir[] = "/tmp/km-sim-sweep-records-XXXXXX";
+    cr_assert_not_null(mkdtemp(dir));
+    km_sim_config cfg;
+    sweep_config(&cfg);
+    cfg.generator.requests = 60;
+    cfg.workers = 2;
+    cfg.policies[0] = "kv";
+    cfg.loads[0] = 0.5;
+    cfg.loads[1] = 0.9;
+    cfg.n_loads = 2;
+    cfg.records_dir = dir;
+    km_sim_result r[2];
+    char why[512], path[256];
+    cr_assert_eq(km_sim_run(&cfg, r, NULL, why, sizeof why), KM_OK, "%s", why);
+    static const char *const names[] = {"load0.50", "load0.90"};
+    for (int l = 0; l < 2; l++) {
+        snprintf(path, sizeof path, "%s/records-kv-%s.jsonl", dir, names[l]);
+        cr_assert_eq(count_records(path, "outcome"), r[l].routed, "%s", path);
+        cr_assert_eq(count_records(path, "decision"), r[l].routed, "%s", path);
+        cr_assert_eq(unlink(path), 0);
+    }
+    snprintf(path, sizeof path, "%s/records-kv.jsonl", dir);
+    cr_assert_neq(access(path, F_OK), 0, "%s: a sweep writes no single-load file", path);
+    cfg.n_loads = 1;
+    cr_assert_eq(km_sim_run(&cfg, r, NULL, why, sizeof why), KM_OK, "%s", why);
+    cr_assert_eq(count_records(path, "outcome"), r[0].routed, "%s", path);
+    cr_assert_eq(unlink(path), 0);
+    cr_assert_eq(rmdir(dir), 0, "%s holds nothing else", dir);
+}

@@ -18,6 +18,7 @@
 #include "kvmatch/publisher.h"
 #include "kvmatch/server.h"
 #include "sim/broker.h"
+#include "sim/report.h"
 #include "sim/trace.h"
 #include "base/array.h"
 #include "base/error_detail.h"
@@ -1113,9 +1114,11 @@ static double saturated_throughput(const double *finish_s, size_t n, double unti
     return (double)(hi - lo) / (finish_s[hi] - finish_s[lo]);
 }
 
+/* One policy's run on trace, at `load` (0: the trace's own times; it names the records file of
+ * a sweep's load). */
 static int run_policy(const km_sim_config *cfg, const km_trace *trace, const char *policy,
-                      bool direct, km_sim_broker *broker, unsigned run_no, km_sim_result *res,
-                      char *why, size_t why_size)
+                      double load, bool direct, km_sim_broker *broker, unsigned run_no,
+                      km_sim_result *res, char *why, size_t why_size)
 {
     run r;
     memset(&r, 0, sizeof r);
@@ -1180,15 +1183,22 @@ static int run_policy(const km_sim_config *cfg, const km_trace *trace, const cha
         }
     }
     if (!rc) {
+        /* A sweep keeps each load's records apart: records-POLICY[-MODE-I]-loadX.jsonl. */
+        char load_part[48] = "";
+        if (cfg->n_loads > 1) {
+            char label[32];
+            km_sim_load_label(load, label, sizeof label);
+            snprintf(load_part, sizeof load_part, "-load%s", label);
+        }
         for (uint32_t i = 0; i < r.n_inst; i++) {
             sim_instance *in = &r.inst[i];
             snprintf(in->sock, sizeof in->sock, "%s/s%u.sock", r.dir, i);
             if (cfg->records_dir && r.n_inst == 1 && cfg->mode == KM_SIM_MODE_SINGLE)
-                snprintf(in->records, sizeof in->records, "%s/records-%s.jsonl", cfg->records_dir,
-                         policy);
+                snprintf(in->records, sizeof in->records, "%s/records-%s%s.jsonl",
+                         cfg->records_dir, policy, load_part);
             else if (cfg->records_dir)
-                snprintf(in->records, sizeof in->records, "%s/records-%s-%s-%u.jsonl",
-                         cfg->records_dir, policy, km_sim_mode_name(cfg->mode), i);
+                snprintf(in->records, sizeof in->records, "%s/records-%s-%s-%u%s.jsonl",
+                         cfg->records_dir, policy, km_sim_mode_name(cfg->mode), i, load_part);
             else
                 snprintf(in->records, sizeof in->records, "%s/records%u.jsonl", r.dir, i);
             snprintf(in->addr, sizeof in->addr, "%s", cfg->connect ? cfg->connect : "");
@@ -1458,7 +1468,7 @@ static int probe_rr(const km_sim_config *cfg, const km_trace *trace, km_sim_resu
         return km_why(why, why_size, rc, "out of memory");
     c.mode = KM_SIM_MODE_SINGLE;
     c.instances = 1;
-    rc = run_policy(&c, &replay, "round_robin", true, NULL, 0, res, why, why_size);
+    rc = run_policy(&c, &replay, "round_robin", 0, true, NULL, 0, res, why, why_size);
     free(replay.requests);
     return rc;
 }
@@ -1679,8 +1689,8 @@ int km_sim_run(const km_sim_config *cfg, km_sim_result *results, km_sim_summary 
         }
         for (uint32_t i = 0; i < cfg->n_policies && !rc; i++) {
             km_sim_result *res = &results[l * cfg->n_policies + i];
-            rc = run_policy(cfg, &scaled, cfg->policies[i], false, &broker, run_no++, res, why,
-                            why_size);
+            rc = run_policy(cfg, &scaled, cfg->policies[i], load, false, &broker, run_no++, res,
+                            why, why_size);
             res->load = load;
             if (!rc && cfg->n_loads)
                 sim_log(cfg, "load %g, %s: done in %.1f s", load, cfg->policies[i], res->wall_s);

@@ -64,7 +64,10 @@ typedef struct km_sim_config {
                                           * NULL = a server in this process */
     bool zmq;                            /* engines publish over ZMQ on loopback TCP (the real
                                           * subscriber, seq numbers and replay) */
-    const char *records_dir;             /* keep records-<policy>.jsonl here; NULL = not kept */
+    const char *records_dir;             /* keep records-<policy>.jsonl here (a sweep of
+                                          * several loads: records-<policy>-load<X>.jsonl per
+                                          * load, X as km_sim_load_label writes it); NULL = not
+                                          * kept */
     bool step_delivery;                  /* engines publish once per step, as vLLM does (a cache
                                           * changed at a step's start is told at its end: the
                                           * index lags within a step); default false: events are
