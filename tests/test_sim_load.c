@@ -489,3 +489,34 @@ Test(sim_load, each_load_of_a_sweep_keeps_its_own_records, .timeout = 120)
     cr_assert_eq(unlink(path), 0);
     cr_assert_eq(rmdir(dir), 0, "%s holds nothing else", dir);
 }
+
+/* A load rescales the arrivals by their rate, measured between the 10th and the 90th percentile
+ * of arrival times: it needs at least 10 requests, and says so (it said the arrivals all came at
+ * once); a trace whose arrivals do all come at once keeps that message. */
+Test(sim_load, a_load_needs_ten_requests_and_spread_arrivals, .timeout = 60)
+{
+    km_sim_config cfg;
+    sweep_config(&cfg);
+    cfg.generator.requests = 9;
+    cfg.workers = 2;
+    cfg.loads[0] = 0.8;
+    cfg.n_loads = 1;
+    km_sim_result r[1];
+    char why[512];
+    cr_assert_eq(km_sim_run(&cfg, r, NULL, why, sizeof why), KM_ERR_INVALID_ARGUMENT, "%s", why);
+    cr_assert(strstr(why, "at least 10 requests") && strstr(why, "9"), "%s", why);
+    char path[] = "/tmp/km-sim-at-once-XXXXXX";
+    int fd = mkstemp(path);
+    cr_assert_geq(fd, 0);
+    FILE *f = fdopen(fd, "w");
+    cr_assert_not_null(f);
+    for (int i = 0; i < 12; i++)
+        fprintf(f, "{\"timestamp\": 5, \"input_length\": 100, \"output_length\": 4, "
+                   "\"hash_ids\": [%d]}\n", i);
+    cr_assert_eq(fclose(f), 0);
+    cfg.trace_path = path;
+    int rc = km_sim_run(&cfg, r, NULL, why, sizeof why);
+    unlink(path);
+    cr_assert_eq(rc, KM_ERR_INVALID_ARGUMENT, "%s", why);
+    cr_assert(strstr(why, "all come at once"), "%s", why);
+}

@@ -1647,6 +1647,15 @@ int km_sim_run(const km_sim_config *cfg, km_sim_result *results, km_sim_summary 
     sim_log(cfg, "%zu requests, %u workers, %u policies%s", n, cfg->workers, cfg->n_policies,
             cfg->zmq ? ", events over ZMQ" : "");
     if (cfg->n_loads) {
+        /* The arrival rate is measured between the 10th and the 90th percentile of arrival
+         * times (km_sim_arrival_rate): 0 below 10 requests, or when those all come at once. */
+        if (n < 10) {
+            km_trace_free(&trace);
+            return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,
+                          "a load needs at least 10 requests (their arrival rate is measured "
+                          "between the 10th and the 90th percentile of arrival times); the run "
+                          "has %zu", n);
+        }
         if (!(sum->workload.arrival_rate_per_s > 0)) {
             km_trace_free(&trace);
             return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,
