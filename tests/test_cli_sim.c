@@ -50,6 +50,8 @@ Test(cli_sim, bad_values_exit_2_naming_the_value, .timeout = 120)
         {"--policy kv,bogus", "\"bogus\""},
         {"--policy ,", "\",\""},
         {"--connect unix:/tmp/kvmatch-test-no-such.sock", "--zmq"},
+        /* a fault that would inject nothing: no other worker to override to */
+        {"--override 0.5 --workers 1", "--override needs at least 2 workers"},
     };
     static char out[16384];
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {

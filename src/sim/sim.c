@@ -827,8 +827,7 @@ static int route_one(run *r, size_t index, uint64_t now_us, char *why, size_t wh
             (r->finished_output_tokens + r->finished_outputs / 2) / r->finished_outputs;
     /* The override fault, drawn before the decision: such a route asks for the candidates' depths
      * (the prediction for the worker it will really go to). */
-    bool override = r->cfg->override > 0 && r->cfg->workers > 1 &&
-                    fault_chance(r, r->cfg->override);
+    bool override = r->cfg->override > 0 && fault_chance(r, r->cfg->override);
     /* Several instances: the candidates' in-flight counts show whether others' load was seen. */
     route.brief = !override && r->n_inst == 1;
     uint32_t in = r->ingress_rr++ % r->n_inst;
@@ -1574,6 +1573,10 @@ int km_sim_config_check(const km_sim_config *cfg, char *why, size_t why_size)
                       "--drop-events, --cut and a snapshot restart");
     if (!(cfg->override >= 0 && cfg->override < 1))
         return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT, "override must be in [0, 1)");
+    if (cfg->override > 0 && cfg->workers < 2)
+        return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,
+                      "--override needs at least 2 workers: it sends a request to another worker "
+                      "than the decision's, and --workers %u has none", cfg->workers);
     if (cfg->connect && !cfg->zmq)
         return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,
                       "--connect needs --zmq: a server in another process hears the engines over ZMQ");

@@ -92,7 +92,7 @@ typedef struct km_sim_config {
                                           * are not */
     double override;                     /* this share of routed requests the router sends to
                                           * another worker than the decision's (uniformly drawn)
-                                          * and says so (lifecycle `worker`) */
+                                          * and says so (lifecycle `worker`); needs workers >= 2 */
     /* Workers in approximate mode: no event stream (the engines' messages reach nobody); the index
      * learns from the decisions (and reported overrides) alone, each worker's assumed blocks
      * bounded by the engine's capacity. In process only (no zmq, no connect). */
