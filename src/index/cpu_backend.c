@@ -383,6 +383,7 @@ static void match_lane(void *p, uint32_t lane_index)
     if (phase == PHASE_FAILED)
         return;
     int rc = walk_interleaved(job, lane, &blocks, &segments);
+    km_walk_entries_fence(); /* before the pool or the caller learns that this lane is done */
     if (rc)
         lane->status = rc;
 }

@@ -356,6 +356,16 @@ KM_HD static inline void km_walk_emit(km_walk_entry *entries, uint32_t *m, uint3
     }
 }
 
+/* Entries written by km_walk_emit_word may be non-temporal stores (on the host with SSE2), which
+ * are not ordered with the writer's later stores: a writer calls this before it signals another
+ * thread that may read them, and before it returns them to its own caller. A no-op elsewhere. */
+KM_HD static inline void km_walk_entries_fence(void)
+{
+#if !defined(__CUDACC__) && defined(__SSE2__)
+    _mm_sfence();
+#endif
+}
+
 /* km_walk_emit for the holders among workers base .. base + 63 (the set bits of `word`),
  * ascending. */
 KM_HD static inline void km_walk_emit_word(uint64_t word, uint32_t base, const uint32_t *depth_of,
@@ -365,17 +375,26 @@ KM_HD static inline void km_walk_emit_word(uint64_t word, uint32_t base, const u
 #if !defined(__CUDACC__) && defined(__SSE2__)
     /* Every worker of the word holds block 0 (where a shared prefix reaches every worker): four
      * entries a step. Each lane keeps its deepest and the first id with it; depths are compared
-     * as unsigned (biased by 2^31 for the signed compare). */
+     * as unsigned (biased by 2^31 for the signed compare). Where the entries start 16-byte aligned
+     * they are written with non-temporal stores (see km_walk_entries_fence): an answer at 1,024
+     * workers is about 8 KB, a batch's answers megabytes that no cache keeps until they are read,
+     * and a streaming store does not first read the line it fills. */
     if (word == ~UINT64_C(0)) {
         const uint32_t *depth = depth_of + base;
         km_walk_entry *out = entries + *m;
+        int streaming = ((uintptr_t)out & 15u) == 0;
         const __m128i bias = _mm_set1_epi32(INT32_MIN), step = _mm_set1_epi32(4);
         __m128i ids = _mm_setr_epi32((int)base, (int)base + 1, (int)base + 2, (int)base + 3);
         __m128i best = bias, best_id = ids; /* best: the biased deepest, 0 at first */
         for (uint32_t i = 0; i < 64; i += 4) {
             __m128i d = _mm_loadu_si128((const __m128i *)(depth + i));
-            _mm_storeu_si128((__m128i *)(out + i), _mm_unpacklo_epi32(ids, d));
-            _mm_storeu_si128((__m128i *)(out + i + 2), _mm_unpackhi_epi32(ids, d));
+            if (streaming) {
+                _mm_stream_si128((__m128i *)(out + i), _mm_unpacklo_epi32(ids, d));
+                _mm_stream_si128((__m128i *)(out + i + 2), _mm_unpackhi_epi32(ids, d));
+            } else {
+                _mm_storeu_si128((__m128i *)(out + i), _mm_unpacklo_epi32(ids, d));
+                _mm_storeu_si128((__m128i *)(out + i + 2), _mm_unpackhi_epi32(ids, d));
+            }
             __m128i biased = _mm_xor_si128(d, bias);
             __m128i deeper = _mm_cmpgt_epi32(biased, best);
             best = _mm_or_si128(_mm_and_si128(deeper, biased), _mm_andnot_si128(deeper, best));
@@ -404,7 +423,8 @@ KM_HD static inline void km_walk_emit_word(uint64_t word, uint32_t base, const u
 }
 
 /* The last step of a walk of n blocks: the workers still open hold all n; then block 0's holders
- * (slot0), ascending, are written once each with their settled depth. Returns the entry count. */
+ * (slot0), ascending, are written once each with their settled depth (fenced by the caller:
+ * km_walk_entries_fence). Returns the entry count. */
 KM_HD static inline uint32_t km_walk_emit_all(const km_table_view *blocks, uint64_t slot0,
                                               uint32_t n, const uint64_t *open,
                                               uint32_t *depth_of, km_walk_entry *entries,
@@ -495,7 +515,9 @@ KM_HD static inline uint32_t km_walk_request(const km_table_view *blocks,
     }
     if (any && next < n)
         *probes += km_walk_blocks(blocks, hashes, next, n - 1, open, tmp, depth_of);
-    return km_walk_emit_all(blocks, slot0, n, open, depth_of, entries, owner, owner_depth);
+    uint32_t m = km_walk_emit_all(blocks, slot0, n, open, depth_of, entries, owner, owner_depth);
+    km_walk_entries_fence();
+    return m;
 }
 
 #endif
