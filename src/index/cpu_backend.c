@@ -127,6 +127,7 @@ typedef struct walk_flight {
     size_t r;           /* the request */
     const uint64_t *hashes;
     uint32_t n, k, i, last, next, probes;
+    uint32_t owner, owner_depth; /* the deepest worker settled so far (km_walk_block_step) */
     uint64_t slot0;
     uint64_t *open, *kept, *tmp;
     uint32_t *depth_of;
@@ -235,7 +236,7 @@ WALK_INLINE static inline int walk_turn(walk_ctx *c, walk_flight *f)
     case WALK_BLOCKS: {
         f->probes++;
         uint64_t any = km_walk_block_step(c->blocks, f->hashes[f->i], f->i, f->open, f->tmp,
-                                          f->depth_of);
+                                          f->depth_of, &f->owner, &f->owner_depth);
         if (any && f->i < f->last) {
             walk_enter_block(c, f, f->i + 1);
             return 1;
@@ -255,7 +256,7 @@ WALK_INLINE static inline int walk_finish(walk_ctx *c, walk_flight *f)
 {
     km_match_results *results = c->job->results;
     km_request_result *res = &results->requests[f->r];
-    uint32_t owner = 0xFFFFFFFFu, owner_depth = 0, m = 0;
+    uint32_t owner = f->owner, owner_depth = f->owner_depth, m = 0;
     if (f->n > 0 && f->slot0 != KM_SLOT_NONE)
         m = km_walk_emit_all(c->blocks, f->slot0, f->n, f->open, f->depth_of,
                              (km_walk_entry *)(results->matches + res->first), &owner,
@@ -280,6 +281,8 @@ WALK_INLINE static inline int walk_load(walk_ctx *c, walk_flight *f)
     f->hashes = req->hashes;
     f->n = req->n_hashes;
     f->probes = f->n > 0; /* block 0's lookup */
+    f->owner = 0xFFFFFFFFu;
+    f->owner_depth = 0;
     f->slot0 = c->job->slot0[r];
     if (f->slot0 == KM_SLOT_NONE) {
         f->step = WALK_IDLE; /* no blocks, or no holder of block 0: finished at once */

@@ -266,27 +266,40 @@ KM_HD static inline void km_walk_settle(uint32_t *depth_of, uint32_t x, uint64_t
 
 /* One step of a block walk: look up block i (chain hash `key`), keep in `open` (W words) the
  * workers that hold it and settle the others at depth i (depth_of[w] = i). `tmp` is W words.
- * Returns nonzero when `open` is still not empty. */
+ * When some worker is settled, *owner / *owner_depth become the lowest of them and i: a walk
+ * settles at increasing depths, so after its last step they name its deepest settled worker,
+ * lowest id first. Returns nonzero when `open` is still not empty. */
 KM_HD static inline uint64_t km_walk_block_step(const km_table_view *blocks, uint64_t key,
                                                 uint32_t i, uint64_t *open, uint64_t *tmp,
-                                                uint32_t *depth_of)
+                                                uint32_t *depth_of, uint32_t *owner,
+                                                uint32_t *owner_depth)
 {
     uint32_t W = blocks->words_per_set;
     uint64_t slot = km_view_find(blocks, key);
     uint64_t any = km_view_intersect(blocks, slot, open, tmp);
+    uint32_t lowest = 0xFFFFFFFFu;
     for (uint32_t x = 0; x < W; x++) {
-        km_walk_settle(depth_of, x, open[x] & ~tmp[x], i);
+        uint64_t leaving = open[x] & ~tmp[x];
+        if (leaving && lowest == 0xFFFFFFFFu)
+            lowest = x * 64u + km_bit_index(leaving);
+        km_walk_settle(depth_of, x, leaving, i);
         open[x] = tmp[x];
+    }
+    if (lowest != 0xFFFFFFFFu) {
+        *owner = lowest;
+        *owner_depth = i;
     }
     return any;
 }
 
 /* Walk blocks first..last (inclusive) for the workers in `open` (a bitmap of W words), settling each
- * at the first block it lacks (depth_of[w] = that position) and clearing it from `open`. Stops
- * early when `open` empties. `tmp` is W words. Returns the lookups made. */
+ * at the first block it lacks (depth_of[w] = that position) and clearing it from `open`, with
+ * *owner / *owner_depth as km_walk_block_step keeps them. Stops early when `open` empties. `tmp`
+ * is W words. Returns the lookups made. */
 KM_HD static inline uint32_t km_walk_blocks(const km_table_view *blocks, const uint64_t *hashes,
                                             uint32_t first, uint32_t last, uint64_t *open,
-                                            uint64_t *tmp, uint32_t *depth_of)
+                                            uint64_t *tmp, uint32_t *depth_of, uint32_t *owner,
+                                            uint32_t *owner_depth)
 {
     uint32_t probes = 0;
     for (uint32_t i = first; i < first + KM_PREFETCH_AHEAD && i <= last; i++)
@@ -295,7 +308,7 @@ KM_HD static inline uint32_t km_walk_blocks(const km_table_view *blocks, const u
         if (i + KM_PREFETCH_AHEAD <= last)
             km_view_prefetch(blocks, hashes[i + KM_PREFETCH_AHEAD]);
         probes++;
-        if (!km_walk_block_step(blocks, hashes[i], i, open, tmp, depth_of))
+        if (!km_walk_block_step(blocks, hashes[i], i, open, tmp, depth_of, owner, owner_depth))
             break;
     }
     return probes;
@@ -340,20 +353,13 @@ KM_HD static inline uint64_t km_walk_segment_rejoin(uint32_t W, uint64_t *open,
     return any;
 }
 
-/* Append worker w with its settled depth to a request's entries; keep the deepest (ties: the
- * first, so the lowest id, as entries ascend). */
+/* Append worker w with its settled depth to a request's entries. */
 KM_HD static inline void km_walk_emit(km_walk_entry *entries, uint32_t *m, uint32_t w,
-                                      const uint32_t *depth_of, uint32_t *owner,
-                                      uint32_t *owner_depth)
+                                      const uint32_t *depth_of)
 {
-    uint32_t d = depth_of[w];
     entries[*m].worker = w;
-    entries[*m].depth = d;
+    entries[*m].depth = depth_of[w];
     (*m)++;
-    if (d > *owner_depth) {
-        *owner_depth = d;
-        *owner = w;
-    }
 }
 
 /* Entries written by km_walk_emit_word may be non-temporal stores (on the host with SSE2), which
@@ -369,23 +375,20 @@ KM_HD static inline void km_walk_entries_fence(void)
 /* km_walk_emit for the holders among workers base .. base + 63 (the set bits of `word`),
  * ascending. */
 KM_HD static inline void km_walk_emit_word(uint64_t word, uint32_t base, const uint32_t *depth_of,
-                                           km_walk_entry *entries, uint32_t *m, uint32_t *owner,
-                                           uint32_t *owner_depth)
+                                           km_walk_entry *entries, uint32_t *m)
 {
 #if !defined(__CUDACC__) && defined(__SSE2__)
     /* Every worker of the word holds block 0 (where a shared prefix reaches every worker): four
-     * entries a step. Each lane keeps its deepest and the first id with it; depths are compared
-     * as unsigned (biased by 2^31 for the signed compare). Where the entries start 16-byte aligned
-     * they are written with non-temporal stores (see km_walk_entries_fence): an answer at 1,024
-     * workers is about 8 KB, a batch's answers megabytes that no cache keeps until they are read,
-     * and a streaming store does not first read the line it fills. */
+     * entries a step. Where the entries start 16-byte aligned they are written with non-temporal
+     * stores (see km_walk_entries_fence): an answer at 1,024 workers is about 8 KB, a batch's
+     * answers megabytes that no cache keeps until they are read, and a streaming store does not
+     * first read the line it fills. */
     if (word == ~UINT64_C(0)) {
         const uint32_t *depth = depth_of + base;
         km_walk_entry *out = entries + *m;
         int streaming = ((uintptr_t)out & 15u) == 0;
-        const __m128i bias = _mm_set1_epi32(INT32_MIN), step = _mm_set1_epi32(4);
+        const __m128i step = _mm_set1_epi32(4);
         __m128i ids = _mm_setr_epi32((int)base, (int)base + 1, (int)base + 2, (int)base + 3);
-        __m128i best = bias, best_id = ids; /* best: the biased deepest, 0 at first */
         for (uint32_t i = 0; i < 64; i += 4) {
             __m128i d = _mm_loadu_si128((const __m128i *)(depth + i));
             if (streaming) {
@@ -395,55 +398,48 @@ KM_HD static inline void km_walk_emit_word(uint64_t word, uint32_t base, const u
                 _mm_storeu_si128((__m128i *)(out + i), _mm_unpacklo_epi32(ids, d));
                 _mm_storeu_si128((__m128i *)(out + i + 2), _mm_unpackhi_epi32(ids, d));
             }
-            __m128i biased = _mm_xor_si128(d, bias);
-            __m128i deeper = _mm_cmpgt_epi32(biased, best);
-            best = _mm_or_si128(_mm_and_si128(deeper, biased), _mm_andnot_si128(deeper, best));
-            best_id = _mm_or_si128(_mm_and_si128(deeper, ids), _mm_andnot_si128(deeper, best_id));
             ids = _mm_add_epi32(ids, step);
-        }
-        uint32_t lane_best[4], lane_id[4];
-        _mm_storeu_si128((__m128i *)lane_best, _mm_xor_si128(best, bias));
-        _mm_storeu_si128((__m128i *)lane_id, best_id);
-        uint32_t word_best = 0, word_owner = 0;
-        for (uint32_t k = 0; k < 4; k++)
-            if (lane_best[k] > word_best || (lane_best[k] == word_best && lane_id[k] < word_owner)) {
-                word_best = lane_best[k];
-                word_owner = lane_id[k];
-            }
-        if (word_best > *owner_depth) { /* an equal one before this word has a lower id */
-            *owner_depth = word_best;
-            *owner = word_owner;
         }
         *m += 64;
         return;
     }
 #endif
     for (; word; word &= word - 1)
-        km_walk_emit(entries, m, base + km_bit_index(word), depth_of, owner, owner_depth);
+        km_walk_emit(entries, m, base + km_bit_index(word), depth_of);
 }
 
 /* The last step of a walk of n blocks: the workers still open hold all n; then block 0's holders
  * (slot0), ascending, are written once each with their settled depth (fenced by the caller:
- * km_walk_entries_fence). Returns the entry count. */
+ * km_walk_entries_fence). *owner / *owner_depth come in as the walk's block steps left them (the
+ * deepest settled worker, lowest id first) and go out naming the deepest of all: the lowest
+ * worker still open, at depth n, when there is one. Returns the entry count. */
 KM_HD static inline uint32_t km_walk_emit_all(const km_table_view *blocks, uint64_t slot0,
                                               uint32_t n, const uint64_t *open,
                                               uint32_t *depth_of, km_walk_entry *entries,
                                               uint32_t *owner, uint32_t *owner_depth)
 {
     uint32_t W = blocks->words_per_set;
-    for (uint32_t x = 0; x < W; x++)
+    uint32_t lowest_open = 0xFFFFFFFFu;
+    for (uint32_t x = 0; x < W; x++) {
+        if (open[x] && lowest_open == 0xFFFFFFFFu)
+            lowest_open = x * 64u + km_bit_index(open[x]);
         km_walk_settle(depth_of, x, open[x], n);
+    }
+    if (lowest_open != 0xFFFFFFFFu) {
+        *owner = lowest_open;
+        *owner_depth = n;
+    }
     const km_slot *s0 = km_view_slot(blocks, slot0);
     uint32_t m = 0;
     if (km_slot_is_shared(s0)) {
         const uint64_t *bits = blocks->pool + (uint64_t)km_slot_pool_index(s0) * W;
         for (uint32_t x = 0; x < W; x++)
-            km_walk_emit_word(bits[x], x * 64u, depth_of, entries, &m, owner, owner_depth);
+            km_walk_emit_word(bits[x], x * 64u, depth_of, entries, &m);
         return m;
     }
     for (uint32_t i = 0; i < KM_SLOT_INLINE; i++)
         if (s0->ids[i] != KM_SLOT_ID_EMPTY)
-            km_walk_emit(entries, &m, s0->ids[i], depth_of, owner, owner_depth);
+            km_walk_emit(entries, &m, s0->ids[i], depth_of);
     return m;
 }
 
@@ -508,13 +504,15 @@ KM_HD static inline uint32_t km_walk_request(const km_table_view *blocks,
                 km_prefetch_segment_input(hashes, S, k + 2u * KM_PREFETCH_AHEAD, n);
             (*probes)++;
             if (km_walk_segment_split(segments, hashes[last], open, kept))
-                *probes += km_walk_blocks(blocks, hashes, next, last, open, tmp, depth_of);
+                *probes += km_walk_blocks(blocks, hashes, next, last, open, tmp, depth_of, owner,
+                                          owner_depth);
             any = km_walk_segment_rejoin(W, open, kept);
             next = last + 1;
         }
     }
     if (any && next < n)
-        *probes += km_walk_blocks(blocks, hashes, next, n - 1, open, tmp, depth_of);
+        *probes += km_walk_blocks(blocks, hashes, next, n - 1, open, tmp, depth_of, owner,
+                                  owner_depth);
     uint32_t m = km_walk_emit_all(blocks, slot0, n, open, depth_of, entries, owner, owner_depth);
     km_walk_entries_fence();
     return m;
