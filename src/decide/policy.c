@@ -767,7 +767,8 @@ typedef struct ttft_terms {
     uint64_t tokens;   /* request_tokens */
     double best_work;  /* prefill_work_us of the best-cached candidate's uncached part */
     double bound;      /* ttft_load_bound */
-    bool any_within;   /* the bound passes holders over (some worker is within it, and so on) */
+    bool any_within;   /* holders past the bound are passed over (some worker is within it and
+                        * the prefix is hot enough on its holders) */
     uint32_t within_hit; /* the deepest queued hit among the workers within the bound */
 } ttft_terms;
 
