@@ -11,6 +11,7 @@
  * report is checked for escaping and self-containment, its SVG parts parsed as XML by
  * tests/check_html.py, and rendered in headless Chromium when one is installed. Randomized tests
  * print their seed (KM_TEST_SEED). */
+#include <dlfcn.h>
 #include <errno.h>
 #include <inttypes.h>
 #include <limits.h>
@@ -1410,6 +1411,87 @@ Test(analyze, ineligible_owner_is_split_from_the_policys_choice, .timeout = 20)
     cr_expect(strstr(h, "<tr><td>decisions with an ineligible candidate</td><td>3</td></tr>"),
               "%s", h);
     km_text_free(&page);
+    km_analysis_destroy(a);
+    remove_dir(dir);
+}
+
+/* json_object_get, counted: the analysis looks every field up through it, so the calls it makes
+ * while reading a record measure its work on that record without a clock. Counted on the thread
+ * that set counting_lookups; every other call goes straight to jansson's. */
+static _Thread_local int counting_lookups;
+static _Thread_local uint64_t lookups;
+static json_t *(*jansson_object_get)(const json_t *, const char *);
+
+/* Resolved before main, so that no two threads race to resolve it. */
+__attribute__((constructor)) static void find_jansson_object_get(void)
+{
+    *(void **)&jansson_object_get = dlsym(RTLD_NEXT, "json_object_get");
+}
+
+json_t *json_object_get(const json_t *object, const char *key)
+{
+    if (!jansson_object_get)
+        abort(); /* a broken test build: jansson is not linked dynamically */
+    lookups += (uint64_t)counting_lookups;
+    return jansson_object_get(object, key);
+}
+
+Test(analyze, ineligible_candidates_are_counted_in_one_pass, .timeout = 30)
+{
+    enum { N = 3000 };
+    char dir[64], path[128];
+    make_temp_dir(dir);
+    /* one decision: w0 (chosen, eligible), then N-1 distinct ineligible workers, then w0 again
+     * ineligible (judged by its first row: eligible) and w1 again (counted once) */
+    json_t *cands = json_array();
+    for (int i = 0; i <= N; i++) {
+        char name[16];
+        snprintf(name, sizeof name, "w%d", i < N ? i : 0);
+        json_array_append_new(
+            cands, json_pack("{ss ss sI sI si sb}", "worker", name, "state", "LIVE",
+                             "depth_blocks", (json_int_t)0, "depth_tokens", (json_int_t)0,
+                             "in_flight", 0, "eligible", i == 0));
+    }
+    json_array_append_new(cands, json_pack("{ss ss sI sI si sb}", "worker", "w1", "state", "LIVE",
+                                           "depth_blocks", (json_int_t)0, "depth_tokens",
+                                           (json_int_t)0, "in_flight", 0, "eligible", 0));
+    size_t rows = json_array_size(cands);
+    decision_spec d = {.instance = "i", .id = 1, .request = "r1", .attempt = "0", .host = "h",
+                       .pool = "p", .time_ns = 10, .source = "events", .prompt = 100,
+                       .owner = "w2", .owner_state = "LIVE", .owner_blocks = 0, .chosen = "w0",
+                       .chosen_state = "LIVE", .chosen_blocks = 0, .policy = "kv"};
+    json_t *record = make_decision(&d);
+    json_object_set_new(record, "candidates", cands);
+    FILE *f = open_in(dir, "r.jsonl", path, sizeof path);
+    write_record(f, record);
+    fclose(f);
+
+    km_analysis *a = NULL;
+    cr_assert_eq(km_analysis_create(NULL, &a), KM_OK);
+    lookups = 0;
+    counting_lookups = 1;
+    int rc = km_analysis_add_file(a, path);
+    counting_lookups = 0;
+    cr_assert_eq(rc, KM_OK, "%s", km_analysis_last_error(a));
+    /* a fixed number of lookups per row; a pass over the earlier rows for each ineligible one
+     * would take about rows^2 / 2 (4.5 million) */
+    cr_expect_lt(lookups, 20 * (uint64_t)rows, "%" PRIu64 " field lookups for %zu rows", lookups,
+                 rows);
+    cr_assert_eq(km_analysis_finish(a), KM_OK, "%s", km_analysis_last_error(a));
+    const km_analysis_summary *s = km_analysis_summary_get(a);
+    EQ(s->input.decisions, 1);
+    EQ(s->health.decisions_with_ineligible, 1);
+    EQ(s->health.ineligible_candidates, N - 1);
+    uint64_t total = 0, owned = 0;
+    for (size_t w = 0; w < s->n_workers; w++) {
+        cr_expect(s->workers[w].ineligible == (strcmp(s->workers[w].worker, "w0") ? 1u : 0u),
+                  "%s: ineligible in %" PRIu64, s->workers[w].worker, s->workers[w].ineligible);
+        total += s->workers[w].ineligible;
+        owned += s->workers[w].owned_ineligible;
+    }
+    EQ(s->n_workers, N);
+    EQ(total, N - 1);
+    EQ(owned, 1); /* w2 */
     km_analysis_destroy(a);
     remove_dir(dir);
 }

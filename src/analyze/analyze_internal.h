@@ -93,6 +93,9 @@ typedef struct worker_info {
     int last_recorded;
     uint64_t ineligible;       /* plain worker: decisions it was an ineligible candidate in */
     uint64_t owned_ineligible; /* of those, decisions it was the prediction owner in */
+    uint64_t named_in;         /* plain worker: the decision (its input.decisions count) whose
+                                * candidates last named it, so that a worker named twice is
+                                * judged by its first row; 0 = none */
 } worker_info;
 
 /* A decision's candidates' depths, kept from its record until its outcome joins it. */

@@ -357,31 +357,31 @@ static int is_live(const char *state)
 /* Count a valid decision's ineligible candidates (its rows validated: eligible absent or a
  * boolean) per worker, a worker named twice by its first row, and the decision in
  * decisions_with_ineligible. owner is the prediction owner's name, NULL when none. Counted as the
- * record is read: these need nothing kept in the decision's point. */
+ * record is read: these need nothing kept in the decision's point. Linear in the rows: a worker's
+ * earlier row is found by stamping the worker with the decision (named_in), never by a scan. */
 static int count_ineligible(km_analysis *a, json_t *candidates, uint32_t host, uint32_t pool,
                             const char *owner)
 {
+    uint64_t stamp = a->summary.input.decisions; /* this decision's; never 0 */
     size_t n = json_array_size(candidates);
     int counted = 0;
     for (size_t i = 0; i < n; i++) {
         json_t *cand = json_array_get(candidates, i);
-        if (!json_is_false(json_object_get(cand, "eligible")))
-            continue;
         const char *name = json_string_value(json_object_get(cand, "worker"));
-        int repeated = 0;
-        for (size_t j = 0; j < i && !repeated; j++)
-            repeated = !strcmp(name, json_string_value(
-                                         json_object_get(json_array_get(candidates, j), "worker")));
-        if (repeated)
-            continue;
         uint32_t id = worker_id(a, NONE, host, pool, name);
         if (id == NONE)
             return km_analysis_fail_memory(a, "interning names");
-        a->workers[id].ineligible++;
+        worker_info *w = &a->workers[id];
+        if (w->named_in == stamp)
+            continue; /* named by an earlier row */
+        w->named_in = stamp;
+        if (!json_is_false(json_object_get(cand, "eligible")))
+            continue;
+        w->ineligible++;
         a->summary.health.ineligible_candidates++;
         counted = 1;
         if (owner && !strcmp(name, owner))
-            a->workers[id].owned_ineligible++;
+            w->owned_ineligible++;
     }
     a->summary.health.decisions_with_ineligible += (uint64_t)counted;
     return KM_OK;
