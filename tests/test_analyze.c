@@ -2333,3 +2333,34 @@ Test(analyze, cli_exit_codes_and_outputs, .timeout = 60)
     cr_expect_eq(run_status(cmd), 1, "an unwritable HTML path");
     remove_dir(dir);
 }
+
+Test(analyze, cli_report_that_cannot_be_written_exits_1, .timeout = 30)
+{
+    if (access("/dev/full", W_OK) != 0)
+        cr_skip_test("no writable /dev/full: a failing stdout cannot be made");
+    const char *bin = kvmatch_binary();
+    char dir[64], path[128], cmd[PATH_MAX + 512], out[1024];
+    make_temp_dir(dir);
+    snprintf(path, sizeof path, "%s/records.jsonl", dir);
+    FILE *f = fopen(path, "w");
+    cr_assert(f);
+    decision_spec d = {.instance = "i", .id = 1, .request = "r1", .attempt = "0", .host = "h",
+                       .pool = "p", .time_ns = 10, .source = "events", .prompt = 100, .owner = "A",
+                       .owner_state = "LIVE", .owner_blocks = 2, .chosen = "A",
+                       .chosen_state = "LIVE", .chosen_blocks = 2, .policy = "kv",
+                       .cands = {{"A", "LIVE", 2, 0}}, .n_cands = 1};
+    write_record(f, make_decision(&d));
+    write_outcome_of(f, &d, "complete", 200, 32, 5);
+    fclose(f);
+    /* one decision: its text report fits in stdio's buffer, so only the flush at the end can
+     * fail; the JSON report does not */
+    const char *modes[] = {"", "--json"};
+    for (size_t i = 0; i < 2; i++) {
+        snprintf(cmd, sizeof cmd, "(%s analyze %s %s 2>&1 >/dev/full)", bin, modes[i], path);
+        int status = km_test_run_capture(cmd, out, sizeof out);
+        cr_expect_eq(status, 1, "analyze %s > /dev/full exited %d: %s", modes[i], status, out);
+        cr_expect(strstr(out, "kvmatch analyze: writing the report: "), "analyze %s: %s",
+                  modes[i], out);
+    }
+    remove_dir(dir);
+}

@@ -91,7 +91,9 @@ int km_cmd_analyze(int argc, char **argv)
     km_text report;
     km_text_init(&report, 0);
     rc = json ? km_analysis_render_json(analysis, &report) : km_analysis_render_text(analysis, &report);
-    if (rc == KM_OK && fwrite(report.data, 1, report.length, stdout) != report.length)
+    /* a report smaller than stdout's buffer fails only when flushed */
+    if (rc == KM_OK && (fwrite(report.data, 1, report.length, stdout) != report.length ||
+                        fflush(stdout) != 0 || ferror(stdout)))
         rc = KM_ERR_IO;
     km_text_free(&report);
     if (rc != KM_OK) {
