@@ -7,7 +7,8 @@
  * in any order, router overrides (dispatched_worker) compared with the dispatched worker's depth or
  * counted as unpredicted, worker health (the owner != chosen split by the owner's eligibility,
  * ineligible candidates per worker, records without the field), and a random property test against
- * a brute-force model of every metric (overrides and worker health included). The HTML
+ * a brute-force model of every metric (overrides and worker health included). Control
+ * characters in record strings reach neither report raw. The HTML
  * report is checked for escaping and self-containment, its SVG parts parsed as XML by
  * tests/check_html.py, and rendered in headless Chromium when one is installed. Randomized tests
  * print their seed (KM_TEST_SEED). */
@@ -2362,5 +2363,79 @@ Test(analyze, cli_report_that_cannot_be_written_exits_1, .timeout = 30)
         cr_expect(strstr(out, "kvmatch analyze: writing the report: "), "analyze %s: %s",
                   modes[i], out);
     }
+    remove_dir(dir);
+}
+
+/* Bytes a report must never carry as is: control characters other than its own line feeds, and
+ * U+FFFE / U+FFFF. Returns the offset of the first, or -1. */
+static long first_unshowable(const char *s)
+{
+    for (const char *p = s; *p; p++) {
+        unsigned char c = (unsigned char)*p;
+        if ((c < 0x20 && c != '\n') || c == 0x7F ||
+            (c == 0xEF && (unsigned char)p[1] == 0xBF && ((unsigned char)p[2] & 0xFE) == 0xBE))
+            return (long)(p - s);
+    }
+    return -1;
+}
+
+#define CONTROL_NAME "bad\x01\x1b[2Jname\t\x7f\xef\xbf\xbf"
+#define CONTROL_SHOWN "bad\\x01\\x1b[2Jname\\x09\\x7f\\uFFFF"
+
+Test(analyze, control_characters_in_record_strings_are_shown_escaped, .timeout = 30)
+{
+    char dir[64], path[128], html_path[160];
+    make_temp_dir(dir);
+    snprintf(path, sizeof path, "%s/records.jsonl", dir);
+    write_known_set(path, CONTROL_NAME);
+    /* every other string of a decision: host, pool, instance, policy, states (a recovery window
+     * that never closes, an unjoined decision) */
+    decision_spec d = {.instance = "i\x07", .id = 1, .request = "r1", .attempt = "0",
+                       .host = "h\x1b]0;x\x07", .pool = "p\x0b", .time_ns = 10, .source = "events",
+                       .prompt = 100, .owner = "A\r", .owner_state = "GAP\x01", .owner_blocks = 2,
+                       .chosen = "A\r", .chosen_state = "GAP\x01", .chosen_blocks = 2,
+                       .policy = "kv\x1b[31m", .cands = {{"A\r", "GAP\x01", 2, 0}}, .n_cands = 1};
+    FILE *f = fopen(path, "a");
+    cr_assert(f);
+    write_record(f, make_decision(&d));
+    fclose(f);
+    const char *paths[] = {path};
+    km_analysis *a = analyze_files(NULL, paths, 1);
+
+    km_text text;
+    km_text_init(&text, 0);
+    cr_assert_eq(km_analysis_render_text(a, &text), KM_OK);
+    const char *t = km_text_cstr(&text);
+    long bad = first_unshowable(t);
+    cr_expect_eq(bad, -1, "the text report carries byte 0x%02x at %ld: %s",
+                 bad < 0 ? 0 : (unsigned char)t[bad], bad, t);
+    cr_expect(strstr(t, "p/" CONTROL_SHOWN ": chosen "), "%s", t);
+    cr_expect(strstr(t, "h\\x1b]0;x\\x07 p\\x0b/A\\x0d (instance i\\x07): GAP\\x01 from "),
+              "%s", t);
+    cr_expect(strstr(t, "  kv\\x1b[31m       decisions 1,"), "%s", t);
+    cr_expect(strstr(t, "decision 1 of instance i\\x07 has no outcome"), "%s", t);
+    km_text_free(&text);
+
+    km_text page;
+    km_text_init(&page, 0);
+    cr_assert_eq(km_analysis_render_html(a, &page), KM_OK);
+    const char *h = km_text_cstr(&page);
+    bad = first_unshowable(h);
+    cr_expect_eq(bad, -1, "the HTML report carries byte 0x%02x at %ld",
+                 bad < 0 ? 0 : (unsigned char)h[bad], bad);
+    cr_expect(strstr(h, "<title>" CONTROL_SHOWN ": GAP</title>"), "the window's title");
+    km_text_free(&page);
+
+    snprintf(html_path, sizeof html_path, "%s/report.html", dir);
+    cr_assert_eq(km_analysis_write_html(a, html_path), KM_OK, "%s", km_analysis_last_error(a));
+    km_analysis_destroy(a);
+    if (system("command -v python3 >/dev/null 2>&1") != 0) {
+        remove_dir(dir);
+        cr_skip_test("python3 not available: SVG well-formedness not checked");
+    }
+    char cmd[512], out[4096];
+    snprintf(cmd, sizeof cmd, "python3 tests/check_html.py %s --expect-svg 3", html_path);
+    int status = km_test_run_capture(cmd, out, sizeof out);
+    cr_expect_eq(status, 0, "check_html.py failed:\n%s", out);
     remove_dir(dir);
 }

@@ -76,6 +76,41 @@ uint32_t km_analysis_intern_cstr(intern_table *t, const char *s)
     return km_analysis_intern(t, s ? s : "", s ? strlen(s) : 0);
 }
 
+/* ---- strings as the reports show them -------------------------------------------------------- */
+
+size_t km_analysis_substitute(const char *s, char substitute[8])
+{
+    const unsigned char *p = (const unsigned char *)s;
+    if (p[0] < 0x20 || p[0] == 0x7F) {
+        snprintf(substitute, 8, "\\x%02x", p[0]);
+        return 1;
+    }
+    /* U+FFFE, U+FFFF: EF BF BE, EF BF BF */
+    if (p[0] == 0xEF && p[1] == 0xBF && (p[2] == 0xBE || p[2] == 0xBF)) {
+        snprintf(substitute, 8, "\\uFFF%c", p[2] == 0xBE ? 'E' : 'F');
+        return 3;
+    }
+    return 0;
+}
+
+void km_analysis_append_shown(km_text *out, const char *s)
+{
+    const char *run = s;
+    char substitute[8];
+    while (*s) {
+        size_t n = km_analysis_substitute(s, substitute);
+        if (!n) {
+            s++;
+            continue;
+        }
+        km_text_append(out, run, (size_t)(s - run));
+        km_text_append_cstr(out, substitute);
+        s += n;
+        run = s;
+    }
+    km_text_append(out, run, (size_t)(s - run));
+}
+
 /* ---- errors ---------------------------------------------------------------------------------- */
 
 void km_analysis_set_error(km_analysis *a, const char *format, ...)

@@ -184,6 +184,16 @@ static inline void sort_items(void *base, size_t n, size_t size,
 uint32_t km_analysis_intern(intern_table *t, const void *bytes, size_t len);
 uint32_t km_analysis_intern_cstr(intern_table *t, const char *s);
 
+/* Strings from the records as the reports show them (analyze.c). A character no report may carry
+ * as is (a terminal would act on it; XML cannot hold it) has a visible substitute: a control
+ * character (U+0000..U+001F, U+007F) is written \xNN (two lowercase hex digits), the noncharacters
+ * U+FFFE and U+FFFF are written \uFFFE and \uFFFF. km_analysis_substitute writes the substitute of
+ * the character at s (NUL-terminated) and returns the bytes of s it stands for; 0 when that
+ * character is shown as is. */
+size_t km_analysis_substitute(const char *s, char substitute[8]);
+/* Append s to out with every character km_analysis_substitute replaces by its substitute. */
+void km_analysis_append_shown(km_text *out, const char *s);
+
 /* The analysis's last error (analyze.c). */
 void km_analysis_set_error(km_analysis *a, const char *format, ...)
     __attribute__((format(printf, 2, 3)));

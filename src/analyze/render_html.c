@@ -31,28 +31,47 @@ static const char *const palette[ANALYSIS_CHART_MAX_WORKERS] = {
     "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd",
     "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"};
 
-/* Text with &, <, >, " and ' escaped: safe in element content and in quoted attributes, in HTML
- * and in the SVG's XML alike. */
-static void html_escape(km_text *out, const char *s)
+/* Text with &, <, >, " and ' escaped and the characters XML cannot carry (and every other control
+ * character) shown by their substitutes (km_analysis_substitute): safe in element content and in
+ * quoted attributes, in HTML and in the SVG's XML alike. keep_lines keeps line feeds (the text
+ * report's own lines, whose strings from the records are already shown that way). */
+static void escape(km_text *out, const char *s, int keep_lines)
 {
     const char *run = s;
-    for (; *s; s++) {
+    char substitute[8];
+    while (*s) {
         const char *entity = NULL;
+        size_t n = 1;
         switch (*s) {
         case '&': entity = "&amp;"; break;
         case '<': entity = "&lt;"; break;
         case '>': entity = "&gt;"; break;
         case '"': entity = "&quot;"; break;
         case '\'': entity = "&#39;"; break;
-        default: break;
+        case '\n':
+            if (keep_lines)
+                break;
+            /* fall through */
+        default:
+            n = km_analysis_substitute(s, substitute);
+            entity = n ? substitute : NULL;
+            break;
         }
         if (entity) {
             km_text_append(out, run, (size_t)(s - run));
             km_text_append_cstr(out, entity);
-            run = s + 1;
+            s += n;
+            run = s;
+        } else {
+            s++;
         }
     }
     km_text_append(out, run, (size_t)(s - run));
+}
+
+static void html_escape(km_text *out, const char *s)
+{
+    escape(out, s, 0);
 }
 
 static double plot_x(double value, double max)
@@ -436,7 +455,7 @@ int km_analysis_render_html(const km_analysis *a, km_text *out)
     km_text_init(&report, 0);
     rc = km_analysis_render_text(a, &report);
     if (rc == KM_OK)
-        html_escape(out, km_text_cstr(&report));
+        escape(out, km_text_cstr(&report), 1);
     km_text_free(&report);
     if (rc != KM_OK)
         return rc;

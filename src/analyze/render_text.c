@@ -10,14 +10,38 @@ static double percent(uint64_t part, uint64_t whole)
     return whole ? 100.0 * (double)part / (double)whole : 0.0;
 }
 
+/* A string from the records (or a file name) as the report shows it: every control character
+ * and U+FFFE / U+FFFF by its substitute (km_analysis_substitute), never raw into a terminal. */
+static void text_name(km_text *out, const char *s)
+{
+    km_analysis_append_shown(out, s);
+}
+
+/* "HOST POOL/WORKER", or "POOL/WORKER" without a host. */
+static void text_worker(km_text *out, const char *host, const char *pool, const char *worker)
+{
+    text_name(out, host);
+    if (*host)
+        km_text_append_cstr(out, " ");
+    text_name(out, pool);
+    km_text_append_cstr(out, "/");
+    text_name(out, worker);
+}
+
+/* label (a policy's name, from the records) padded to 16 bytes, then q. */
 static void text_quality(km_text *out, const char *label, const km_analysis_quality *q)
 {
+    km_text_append_cstr(out, "  ");
+    size_t before = out->length;
+    text_name(out, label);
+    for (size_t shown = out->length - before; shown < 16; shown++)
+        km_text_append_cstr(out, " ");
     km_text_printf(out,
-                   "  %-16s decisions %" PRIu64 ", owner not chosen %" PRIu64 " (%.1f%%), stale %" PRIu64
+                   " decisions %" PRIu64 ", owner not chosen %" PRIu64 " (%.1f%%), stale %" PRIu64
                    ", known reuse %" PRIu64 " (router overrides %" PRIu64 "; %" PRIu64
                    " more without a prediction, not compared): predicted %" PRIu64
                    " / actual %" PRIu64 " tokens, exact %" PRIu64 " (%.1f%%), hit rate %.1f%%\n",
-                   label, q->decisions, q->owner_not_chosen, percent(q->owner_not_chosen, q->decisions),
+                   q->decisions, q->owner_not_chosen, percent(q->owner_not_chosen, q->decisions),
                    q->stale, q->known, q->overridden, q->overridden_unpredicted,
                    q->predicted_tokens, q->actual_tokens, q->exact, percent(q->exact, q->known),
                    100.0 * q->hit_rate);
@@ -43,8 +67,13 @@ static void text_problems(km_text *out, const char *title, uint64_t total,
         return;
     km_text_printf(out, "\n%s: %" PRIu64 "%s\n", title, total,
                    (uint64_t)n < total ? " (first ones listed)" : "");
-    for (size_t i = 0; i < n; i++)
-        km_text_printf(out, "  %s:%" PRIu64 ": %s\n", items[i].file, items[i].line, items[i].what);
+    for (size_t i = 0; i < n; i++) {
+        km_text_append_cstr(out, "  ");
+        text_name(out, items[i].file);
+        km_text_printf(out, ":%" PRIu64 ": ", items[i].line);
+        text_name(out, items[i].what);
+        km_text_append_cstr(out, "\n");
+    }
 }
 
 int km_analysis_render_text(const km_analysis *a, km_text *out)
@@ -171,10 +200,16 @@ int km_analysis_render_text(const km_analysis *a, km_text *out)
     km_text_printf(out, "\nrecovery windows (a worker's index state not LIVE): %zu\n", s->n_windows);
     for (size_t i = 0; i < s->n_windows; i++) {
         const km_analysis_window *w = &s->windows[i];
+        km_text_append_cstr(out, "  ");
+        text_worker(out, w->host, w->pool, w->worker);
+        km_text_append_cstr(out, " (instance ");
+        text_name(out, w->instance);
+        km_text_append_cstr(out, "): ");
+        text_name(out, w->state);
         km_text_printf(out,
-                       "  %s%s%s/%s (instance %s): %s from +%.3f s to +%.3f s (%.3f s%s), %" PRIu64
-                       " decisions of that instance and pool, hit rate %.1f%%, owner not chosen %" PRIu64 "\n",
-                       w->host, *w->host ? " " : "", w->pool, w->worker, w->instance, w->state,
+                       " from +%.3f s to +%.3f s (%.3f s%s), %" PRIu64
+                       " decisions of that instance and pool, hit rate %.1f%%, owner not chosen %"
+                       PRIu64 "\n",
                        (double)(w->start_ns - a->min_time_ns) / 1e9,
                        (double)(w->end_ns - a->min_time_ns) / 1e9,
                        (double)(w->end_ns - w->start_ns) / 1e9, w->open ? ", never closed" : "",
@@ -192,9 +227,10 @@ int km_analysis_render_text(const km_analysis *a, km_text *out)
                         "candidate in, and of them those it owned the prediction in)\n");
     for (size_t i = 0; i < s->n_workers; i++) {
         const km_analysis_worker *w = &s->workers[i];
-        km_text_printf(out, "  %s%s%s/%s: chosen %" PRIu64 " (%.1f%%), in_flight mean %.2f max %"
-                       PRIu64,
-                       w->host, *w->host ? " " : "", w->pool, w->worker, w->chosen,
+        km_text_append_cstr(out, "  ");
+        text_worker(out, w->host, w->pool, w->worker);
+        km_text_printf(out, ": chosen %" PRIu64 " (%.1f%%), in_flight mean %.2f max %" PRIu64,
+                       w->chosen,
                        percent(w->chosen, s->owner.decisions), w->mean_in_flight, w->max_in_flight);
         if (w->dispatched_by_override)
             km_text_printf(out, ", sent here by router override %" PRIu64,
