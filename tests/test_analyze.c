@@ -2439,3 +2439,41 @@ Test(analyze, control_characters_in_record_strings_are_shown_escaped, .timeout =
     cr_expect_eq(status, 0, "check_html.py failed:\n%s", out);
     remove_dir(dir);
 }
+
+Test(analyze, chosen_deeper_than_its_owner_is_invalid, .timeout = 20)
+{
+    char dir[64], path[128];
+    make_temp_dir(dir);
+    FILE *f = open_in(dir, "r.jsonl", path, sizeof path);
+    /* the owner holds the deepest match: B at 100 tokens cannot own one that A holds to 300 */
+    decision_spec d = {.instance = "i", .id = 1, .request = "r1", .attempt = "0", .host = "h",
+                       .pool = "p", .time_ns = 10, .source = "events", .prompt = 400,
+                       .owner = "B", .owner_state = "LIVE", .owner_blocks = 100 / BLOCK + 1,
+                       .chosen = "A", .chosen_state = "LIVE", .chosen_blocks = 300 / BLOCK,
+                       .policy = "kv", .cands = {{"A", "LIVE", 300 / BLOCK, 0},
+                                                 {"B", "LIVE", 100 / BLOCK + 1, 0}},
+                       .n_cands = 2};
+    write_record(f, make_decision(&d));                /* 1: invalid */
+    write_outcome_of(f, &d, "complete", 200, 288, 5);  /* 2: an outcome without decision */
+    decision_spec same = d; /* the owner chosen, at the owner's depth: valid */
+    same.id = 2, same.request = "r2", same.chosen = "B", same.chosen_blocks = same.owner_blocks;
+    write_record(f, make_decision(&same));             /* 3 */
+    fclose(f);
+    const char *paths[] = {path};
+    km_analysis *a = analyze_files(NULL, paths, 1);
+    const km_analysis_summary *s = km_analysis_summary_get(a);
+    EQ(s->input.invalid, 1);
+    EQ(s->input.decisions, 1);
+    cr_assert_eq(s->n_invalid_lines, 1);
+    EQ(s->invalid_lines[0].line, 1);
+    cr_expect_str_eq(s->invalid_lines[0].what,
+                     "decision record: field decision.chosen.depth_tokens: exceeds "
+                     "prediction.owner.depth_tokens (the owner holds the deepest match)");
+    EQ(s->owner.decisions, 1);
+    EQ(s->owner.owner_not_chosen, 0);
+    EQ(s->owner.cost_tokens, 0);
+    EQ(s->owner.owner_eligible.cost_tokens, 0);
+    EQ(s->join.outcomes_without_decision, 1);
+    km_analysis_destroy(a);
+    remove_dir(dir);
+}

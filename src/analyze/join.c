@@ -410,6 +410,12 @@ static int take_decision(km_analysis *a, json_t *root, uint32_t file, uint64_t l
     int events = !strcmp(source, "events");
     if (!events && strcmp(source, "approx"))
         return invalid_field(e, "prediction.", "source", "expected \"events\" or \"approx\"");
+    /* the owner holds the deepest match: a chosen worker deeper than it would make the reuse
+     * given up negative */
+    if (owner.worker && chosen.depth_tokens > owner.depth_tokens)
+        return invalid_field(e, "decision.chosen.", "depth_tokens",
+                             "exceeds prediction.owner.depth_tokens (the owner holds the deepest "
+                             "match)");
     json_t *candidates = json_object_get(root, "candidates");
     if (!candidates || !json_is_array(candidates))
         return invalid_field(e, "", "candidates", candidates ? "expected an array" : "missing");
