@@ -2477,3 +2477,57 @@ Test(analyze, chosen_deeper_than_its_owner_is_invalid, .timeout = 20)
     km_analysis_destroy(a);
     remove_dir(dir);
 }
+
+Test(analyze, token_sums_saturate_at_the_largest_json_integer, .timeout = 20)
+{
+    char dir[64], path[128];
+    make_temp_dir(dir);
+    FILE *f = open_in(dir, "r.jsonl", path, sizeof path);
+    /* four decisions with owner B at 3/4 of INT64_MAX tokens, A chosen at 3/8, each served by A
+     * with the predicted depth cached: every token sum passes 2^63 */
+    const int64_t big = INT64_MAX / BLOCK / 4 * 3, small = INT64_MAX / BLOCK / 8 * 3;
+    for (int i = 0; i < 4; i++) {
+        char request[8];
+        snprintf(request, sizeof request, "r%d", i);
+        decision_spec d = {.instance = "i", .id = i + 1, .request = request, .attempt = "0",
+                           .host = "h", .pool = "p", .time_ns = 10 + i, .source = "events",
+                           .prompt = INT64_MAX, .owner = "B", .owner_state = "LIVE",
+                           .owner_blocks = big, .chosen = "A", .chosen_state = "LIVE",
+                           .chosen_blocks = small, .policy = "kv",
+                           .cands = {{"A", "LIVE", small, 0}, {"B", "LIVE", big, 0}},
+                           .n_cands = 2};
+        write_record(f, make_decision(&d));
+        write_outcome_of(f, &d, "complete", 200, small * BLOCK, 5);
+    }
+    fclose(f);
+    const char *paths[] = {path};
+    km_analysis *a = analyze_files(NULL, paths, 1);
+    const km_analysis_summary *s = km_analysis_summary_get(a);
+    const uint64_t max = INT64_MAX;
+    EQ(s->input.invalid, 0);
+    EQ(s->reuse.known, 4);
+    EQ(s->reuse.predicted_tokens, max);
+    EQ(s->reuse.actual_tokens, max);
+    EQ(s->owner.owner_not_chosen, 4);
+    EQ(s->owner.owner_tokens, max);
+    EQ(s->owner.chosen_tokens, max);
+    /* what was given up, summed decision by decision: 4 x 3/8 of INT64_MAX, saturated */
+    EQ(s->owner.cost_tokens, max);
+    EQ(s->owner.owner_eligible.cost_tokens, max);
+    EQ(s->owner.joined_owner_tokens, max);
+    EQ(s->outside_windows.prompt_tokens, max);
+    EQ(s->outside_windows.actual_with_prompt, max);
+    json_t *root = json_report(a);
+    cr_expect_eq(json_count(root, "reuse", "predicted_tokens"), INT64_MAX);
+    cr_expect_eq(json_count(root, "owner", "cost_tokens"), INT64_MAX);
+    cr_expect_eq(json_count(root, "owner", "joined_owner_tokens"), INT64_MAX);
+    json_decref(root);
+    km_text text;
+    km_text_init(&text, 0);
+    cr_assert_eq(km_analysis_render_text(a, &text), KM_OK);
+    cr_expect(strstr(km_text_cstr(&text), "predicted 9223372036854775807 tokens"), "%s",
+              km_text_cstr(&text));
+    km_text_free(&text);
+    km_analysis_destroy(a);
+    remove_dir(dir);
+}

@@ -71,6 +71,12 @@ uint32_t km_analysis_diff_bucket(int64_t difference);
 /* Label of a bucket, e.g. "[16, 63]"; "?" out of range. */
 const char *km_analysis_diff_bucket_label(uint32_t bucket);
 
+/* Every sum of tokens below (the *_tokens fields and actual_with_prompt) saturates at
+ * KM_ANALYSIS_TOKENS_MAX, the largest integer the JSON report can write: a sum that would pass
+ * it is reported as KM_ANALYSIS_TOKENS_MAX, never wrapped around. Means and rates are computed
+ * from the sums as reported. */
+#define KM_ANALYSIS_TOKENS_MAX ((uint64_t)INT64_MAX)
+
 /* Reading. */
 typedef struct km_analysis_input {
     uint64_t files;          /* files read (opened) */
@@ -140,7 +146,9 @@ typedef struct km_analysis_owner_part {
     uint64_t decisions;
     uint64_t owner_tokens;             /* sum of the owners' depth_tokens */
     uint64_t chosen_tokens;            /* sum of the chosen workers' depth_tokens */
-    uint64_t cost_tokens;              /* owner_tokens - chosen_tokens: reuse given up (predicted) */
+    uint64_t cost_tokens;              /* sum of owner - chosen depth_tokens: reuse given up
+                                        * (predicted); owner_tokens - chosen_tokens unless a sum
+                                        * saturated */
     uint64_t joined_known;             /* joined, known cached_tokens, not overridden */
     uint64_t joined_actual_tokens;     /* their cached tokens */
     uint64_t joined_owner_tokens;      /* their owners' predicted depth_tokens */
@@ -156,7 +164,9 @@ typedef struct km_analysis_owner {
     double owner_not_chosen_rate;      /* owner_not_chosen / (decisions - no_owner); 0 when none */
     uint64_t owner_tokens;             /* over owner_not_chosen: sum of the owner's depth_tokens */
     uint64_t chosen_tokens;            /* over owner_not_chosen: sum of the chosen's depth_tokens */
-    uint64_t cost_tokens;              /* owner_tokens - chosen_tokens: reuse given up (predicted) */
+    uint64_t cost_tokens;              /* sum of owner - chosen depth_tokens: reuse given up
+                                        * (predicted); owner_tokens - chosen_tokens unless a sum
+                                        * saturated */
     uint64_t joined_known;             /* of owner_not_chosen: joined with a known cached_tokens and
                                         * not overridden (the chosen worker served it) */
     uint64_t joined_actual_tokens;     /* their cached tokens (what the chosen really reused) */

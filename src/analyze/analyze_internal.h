@@ -172,6 +172,12 @@ static inline int compared_prediction(const point *p, int64_t *predicted)
     return 0;
 }
 
+/* *sum += tokens (a count of tokens, at most INT64_MAX), saturating at KM_ANALYSIS_TOKENS_MAX. */
+static inline void add_tokens(uint64_t *sum, uint64_t tokens)
+{
+    *sum = tokens > KM_ANALYSIS_TOKENS_MAX - *sum ? KM_ANALYSIS_TOKENS_MAX : *sum + tokens;
+}
+
 /* qsort that accepts an empty (possibly NULL) array. */
 static inline void sort_items(void *base, size_t n, size_t size,
                               int (*compare)(const void *, const void *))

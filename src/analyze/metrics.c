@@ -130,14 +130,14 @@ static void quality_add(km_analysis_quality *q, const point *p)
     q->known++;
     if (p->flags & POINT_OVERRIDDEN)
         q->overridden++;
-    q->predicted_tokens += (uint64_t)predicted;
-    q->actual_tokens += (uint64_t)p->actual;
+    add_tokens(&q->predicted_tokens, (uint64_t)predicted);
+    add_tokens(&q->actual_tokens, (uint64_t)p->actual);
     if (p->actual == predicted)
         q->exact++;
     int64_t prompt = p->outcome_prompt >= 0 ? p->outcome_prompt : p->decision_prompt;
     if (prompt >= 0) {
-        q->prompt_tokens += (uint64_t)prompt;
-        q->actual_with_prompt += (uint64_t)p->actual;
+        add_tokens(&q->prompt_tokens, (uint64_t)prompt);
+        add_tokens(&q->actual_with_prompt, (uint64_t)p->actual);
     }
 }
 
@@ -352,17 +352,17 @@ int km_analysis_finish(km_analysis *a)
                     r->overridden++;
                 if (!(f & POINT_DECISION))
                     r->from_outcome_copy++;
-                r->predicted_tokens += (uint64_t)predicted;
-                r->actual_tokens += (uint64_t)p->actual;
+                add_tokens(&r->predicted_tokens, (uint64_t)predicted);
+                add_tokens(&r->actual_tokens, (uint64_t)p->actual);
                 int64_t d = p->actual - predicted;
                 if (d == 0)
                     r->exact++;
                 else if (d < 0) {
                     r->over_predicted++;
-                    r->over_predicted_tokens += (uint64_t)-d;
+                    add_tokens(&r->over_predicted_tokens, (uint64_t)-d);
                 } else {
                     r->under_predicted++;
-                    r->under_predicted_tokens += (uint64_t)d;
+                    add_tokens(&r->under_predicted_tokens, (uint64_t)d);
                 }
                 r->difference_buckets[km_analysis_diff_bucket(d)]++;
                 if ((double)predicted > max_tokens)
@@ -403,13 +403,17 @@ int km_analysis_finish(km_analysis *a)
                 ow->no_owner++;
             else if (f & POINT_OWNER_NOT_CHOSEN) {
                 ow->owner_not_chosen++;
-                ow->owner_tokens += (uint64_t)p->owner_tokens;
-                ow->chosen_tokens += (uint64_t)p->predicted;
+                /* the owner is at least as deep as the chosen worker (join.c refuses others) */
+                uint64_t cost = (uint64_t)(p->owner_tokens - p->predicted);
+                add_tokens(&ow->cost_tokens, cost);
+                add_tokens(&ow->owner_tokens, (uint64_t)p->owner_tokens);
+                add_tokens(&ow->chosen_tokens, (uint64_t)p->predicted);
                 km_analysis_owner_part *part =
                     f & POINT_OWNER_INELIGIBLE ? &ow->owner_ineligible : &ow->owner_eligible;
                 part->decisions++;
-                part->owner_tokens += (uint64_t)p->owner_tokens;
-                part->chosen_tokens += (uint64_t)p->predicted;
+                add_tokens(&part->cost_tokens, cost);
+                add_tokens(&part->owner_tokens, (uint64_t)p->owner_tokens);
+                add_tokens(&part->chosen_tokens, (uint64_t)p->predicted);
                 /* what the chosen worker really reused: an overridden attempt's cached tokens
                  * came from another worker's engine */
                 if ((f & POINT_OUTCOME) && p->actual >= 0 && (f & POINT_OVERRIDDEN)) {
@@ -417,11 +421,11 @@ int km_analysis_finish(km_analysis *a)
                     part->joined_overridden++;
                 } else if ((f & POINT_OUTCOME) && p->actual >= 0) {
                     ow->joined_known++;
-                    ow->joined_actual_tokens += (uint64_t)p->actual;
-                    ow->joined_owner_tokens += (uint64_t)p->owner_tokens;
+                    add_tokens(&ow->joined_actual_tokens, (uint64_t)p->actual);
+                    add_tokens(&ow->joined_owner_tokens, (uint64_t)p->owner_tokens);
                     part->joined_known++;
-                    part->joined_actual_tokens += (uint64_t)p->actual;
-                    part->joined_owner_tokens += (uint64_t)p->owner_tokens;
+                    add_tokens(&part->joined_actual_tokens, (uint64_t)p->actual);
+                    add_tokens(&part->joined_owner_tokens, (uint64_t)p->owner_tokens);
                 }
             } else
                 ow->owner_is_chosen++;
@@ -480,11 +484,6 @@ int km_analysis_finish(km_analysis *a)
         r->mean_actual_tokens = (double)r->actual_tokens / (double)r->known;
     }
     km_analysis_owner *ow = &s->owner;
-    ow->cost_tokens = ow->owner_tokens - ow->chosen_tokens;
-    ow->owner_ineligible.cost_tokens =
-        ow->owner_ineligible.owner_tokens - ow->owner_ineligible.chosen_tokens;
-    ow->owner_eligible.cost_tokens =
-        ow->owner_eligible.owner_tokens - ow->owner_eligible.chosen_tokens;
     if (ow->decisions > ow->no_owner)
         ow->owner_not_chosen_rate = (double)ow->owner_not_chosen / (double)(ow->decisions - ow->no_owner);
     sort_items(ttfts, n_ttft, sizeof *ttfts, compare_i64);

@@ -219,9 +219,9 @@ static int chart_hit_rate(const km_analysis *a, km_text *out)
             !compared_prediction(p, &predicted_tokens))
             continue;
         uint32_t b = time_bucket(&t, p->time_ns);
-        prompt[b] += (uint64_t)prompt_tokens;
-        actual[b] += (uint64_t)p->actual;
-        predicted[b] += (uint64_t)predicted_tokens;
+        add_tokens(&prompt[b], (uint64_t)prompt_tokens);
+        add_tokens(&actual[b], (uint64_t)p->actual);
+        add_tokens(&predicted[b], (uint64_t)predicted_tokens);
         any = 1;
     }
     for (uint32_t b = 0; b < t.buckets; b++)
