@@ -41,10 +41,12 @@ class FakeServer:
     late_route, miscount (one decision fewer than routes, one ACK item more than events),
     connection_error (ROUTE answered with ERROR id 0 KM_ERR_TIMEOUT, then closed), wrong_type
     (ROUTE answered with STATUS_REPLY, WORKERS with ACK whatever its action), duplicate (ROUTE
-    answered twice), welcome_wrong_id (WELCOME to another id than the HELLO's)."""
+    answered twice), welcome_wrong_id (WELCOME to another id than the HELLO's), bad_id (every
+    reply after the WELCOME carries bad_id(its request's id) as its id), bad_welcome_id (the
+    WELCOME does)."""
 
-    def __init__(self, mode="normal", tcp=False, group=8):
-        self.mode, self.group = mode, group
+    def __init__(self, mode="normal", tcp=False, group=8, bad_id=None):
+        self.mode, self.group, self.bad_id = mode, group, bad_id
         if tcp:
             self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             self.sock.bind(("127.0.0.1", 0))
@@ -91,6 +93,8 @@ class FakeServer:
                         "name": "KM_ERR_INCOMPATIBLE", "message": "protocol 1 only"}, False
             if self.mode == "welcome_wrong_id":
                 rid += 1
+            if self.mode == "bad_welcome_id":
+                rid = self.bad_id(rid)
             return {"type": "WELCOME", "id": rid, "protocol": 1, "kvmatch_version": "0.1.0-fake",
                     "server": "fake-py", "limits": {"max_frame_bytes": 1 << 20}}, True
         if t == "ROUTE":
@@ -158,6 +162,8 @@ class FakeServer:
                 m = msgpack.unpackb(buf[4:4 + n], raw=False)
                 buf = buf[4 + n:]
                 reply, keep_open = self._reply(m)
+                if reply is not None and self.mode == "bad_id" and m.get("type") != "HELLO":
+                    reply["id"] = self.bad_id(m.get("id"))
                 if reply is not None and self.mode == "duplicate" and m.get("type") == "ROUTE":
                     conn.sendall(self._frame(reply))
                 if reply is not None:
@@ -391,6 +397,42 @@ def test_reply_to_an_id_not_outstanding():
         s.stop()
 
 
+def test_reply_id_that_is_not_a_request_id():
+    # An id is a uint64 (docs/PROTOCOL.md): a reply whose id is a list, a map, a bool, a negative
+    # or a float is a protocol error that closes the connection, blocking or pipelined; a float
+    # equal to the id sent, or an unhashable one, must not pass for it nor escape as TypeError.
+    bad_ids = [("a list", lambda rid: [rid]), ("a map", lambda rid: {"id": rid}),
+               ("a bool", lambda rid: True), ("a negative", lambda rid: -rid),
+               ("a float", lambda rid: float(rid))]
+    for what, bad_id in bad_ids:
+        s = FakeServer(mode="bad_id", bad_id=bad_id)
+        try:
+            for use in ("route", "receive", "wait"):
+                with kc.Client.connect(s.address, timeout=5) as c:
+                    if use == "route":
+                        call = lambda: c.route([route(1)])
+                    elif use == "receive":
+                        c.send_route([route(1)])
+                        call = lambda: c.receive(timeout=5)
+                    else:
+                        rid = c.send_route([route(1)])
+                        call = lambda: c.wait(rid, timeout=5)
+                    try:
+                        expect_protocol_error(call, "is not a non-negative integer")
+                    except Exception as e:
+                        raise AssertionError("%s id, %s: %r" % (what, use, e))
+                    assert c.closed and c.outstanding == 0, (what, use, c.closed, c.outstanding)
+        finally:
+            s.stop()
+        s = FakeServer(mode="bad_welcome_id", bad_id=bad_id)
+        try:
+            expect_protocol_error(lambda: kc.Client.connect(s.address, timeout=5), "not the HELLO")
+        except Exception as e:
+            raise AssertionError("%s id, WELCOME: %r" % (what, e))
+        finally:
+            s.stop()
+
+
 def test_outstanding_after_a_final_error():
     # After a final error no reply is read: outstanding forgets the requests whose reply had not
     # arrived and keeps counting a kept one until it is returned, so a caller draining replies
@@ -508,7 +550,8 @@ def main():
              test_late_reply_after_a_timeout_is_dropped,
              test_send_with_no_time_left_keeps_the_connection,
              test_reply_count_differs_from_the_request, test_reply_of_another_type_than_its_requests,
-             test_reply_to_an_id_not_outstanding, test_outstanding_after_a_final_error,
+             test_reply_to_an_id_not_outstanding, test_reply_id_that_is_not_a_request_id,
+             test_outstanding_after_a_final_error,
              test_connection_level_error_closes_whatever_its_code, test_server_error_named_once,
              test_connect_errors,
              test_frame_limit_client_side]

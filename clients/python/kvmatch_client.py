@@ -31,9 +31,10 @@ Errors: an ERROR reply to a blocking call raises ``KvmatchError`` carrying ``cod
 request up: its reply, if it comes, is dropped; a ``wait`` that timed out may be retried). A
 closed or broken connection raises ``ConnectionClosed`` (a ``KvmatchError`` with code -20; also
 for a connection-level ERROR, id 0, whatever its code, which the message names) and the client
-stays closed. So does a reply that cannot be read, does not fit its request or answers an id
-that is not outstanding (never sent, or answered already): it raises a ``KvmatchError`` with code
--7 ``KM_ERR_TOO_LARGE``, -8 ``KM_ERR_PARSE`` or -16 ``KM_ERR_PROTOCOL`` and closes the connection.
+stays closed. So does a reply that cannot be read, does not fit its request, has an id that is
+not a non-negative integer or answers an id that is not outstanding (never sent, or answered
+already): it raises a ``KvmatchError`` with code -7 ``KM_ERR_TOO_LARGE``, -8 ``KM_ERR_PARSE`` or
+-16 ``KM_ERR_PROTOCOL`` and closes the connection.
 A Client is not thread-safe: use one per thread. After any failure that closed it,
 ``reconnect()`` dials the same address again (the requests that were in flight are not resent).
 """
@@ -141,6 +142,12 @@ def _server_words(error):
     what its decoder refused that way), since the error raised names the code already."""
     message, prefix = error.get("message", ""), "%s: " % error.get("name", "?")
     return message[len(prefix):] if message.startswith(prefix) else message
+
+
+def _is_request_id(rid):
+    """Whether rid is an id a request can carry: a non-negative integer, never a bool or a float
+    that would compare equal to one."""
+    return type(rid) is int and rid >= 0
 
 
 def _plural(n, noun):
@@ -256,10 +263,10 @@ class Client:
             client.close()
             raise KvmatchError(KM_ERR_PROTOCOL, "KM_ERR_PROTOCOL",
                                "expected WELCOME, got %r" % reply.get("type"))
-        if reply.get("id") != hello_id:
+        if not _is_request_id(reply.get("id")) or reply.get("id") != hello_id:
             client.close()
             raise KvmatchError(KM_ERR_PROTOCOL, "KM_ERR_PROTOCOL",
-                               "the WELCOME answers request %r, not the HELLO (%r)"
+                               "the WELCOME answers request %.80r, not the HELLO (%r)"
                                % (reply.get("id"), hello_id))
         if reply.get("protocol") != PROTOCOL_VERSION:
             client.close()
@@ -548,6 +555,14 @@ class Client:
 
     def _read_reply(self, deadline):
         reply = self._read_message(deadline)
+        # An id is a uint64 (docs/PROTOCOL.md); nil or absent only on a connection-level ERROR.
+        # Anything else (a list or map, which cannot be looked up; a bool or float, which would
+        # pass for the integer it equals; a negative) is a protocol error.
+        rid = reply.get("id")
+        if rid is not None and not _is_request_id(rid):
+            self._fail(KvmatchError(KM_ERR_PROTOCOL, "KM_ERR_PROTOCOL",
+                                    "a %s reply's id %.80r is not a non-negative integer"
+                                    % (reply.get("type"), rid)))
         # A connection-level ERROR (id 0 or none): the server is closing the connection, so
         # ConnectionClosed whatever code it carries (one such as KM_ERR_TIMEOUT would say the
         # connection is still usable); the server's code goes in the message.
