@@ -722,16 +722,20 @@ func TestServerGoesAwayThenReconnect(t *testing.T) {
 type fakeMode int
 
 const (
-	fakeMiscount        fakeMode = iota // one decision fewer than routes
-	fakeWrongType                       // a ROUTE answered with STATUS_REPLY
-	fakeUnknownID                       // a reply to an id never sent
-	fakeConnectionError                 // ERROR id 0
-	fakeGarbage                         // a payload that is not msgpack
-	fakeDeep                            // nested deeper than the client reads
-	fakeOversize                        // a frame over max_frame_bytes
-	fakeWelcomeWrongID                  // WELCOME to another id than the HELLO's
-	fakeRefuseHello                     // ERROR KM_ERR_INCOMPATIBLE to the HELLO
-	fakeSilentOnce                      // the first ROUTE gets no reply, the next ones one each
+	fakeMiscount           fakeMode = iota // one decision fewer than routes
+	fakeWrongType                          // a ROUTE answered with STATUS_REPLY
+	fakeUnknownID                          // a reply to an id never sent
+	fakeConnectionError                    // ERROR id 0
+	fakeGarbage                            // a payload that is not msgpack
+	fakeDeep                               // nested deeper than the client reads
+	fakeOversize                           // a frame over max_frame_bytes
+	fakeWelcomeWrongID                     // WELCOME to another id than the HELLO's
+	fakeRefuseHello                        // ERROR KM_ERR_INCOMPATIBLE to the HELLO
+	fakeSilentOnce                         // the first ROUTE gets no reply, the next ones one each
+	fakeWideWorker                         // a chosen_worker of 2^32 + 2, which is no u32
+	fakeNegativeDecisionID                 // a decision_id of -5
+	fakeWideRowWorker                      // a candidate row whose worker is 2^32 + 2
+	fakeWideProtocol                       // a WELCOME whose protocol is 2^32 + 1
 )
 
 func fakeServer(t *testing.T, mode fakeMode) string {
@@ -769,6 +773,9 @@ func fakeServer(t *testing.T, mode fakeMode) string {
 			switch {
 			case m["type"] == "HELLO" && mode == fakeRefuseHello:
 				send(map[string]interface{}{"type": "ERROR", "id": id, "code": -14, "name": "KM_ERR_INCOMPATIBLE", "message": "protocol 1 is not spoken here"})
+			case m["type"] == "HELLO" && mode == fakeWideProtocol:
+				send(map[string]interface{}{"type": "WELCOME", "id": id, "protocol": uint64(1<<32 + 1),
+					"kvmatch_version": "fake"})
 			case m["type"] == "HELLO" && mode == fakeWelcomeWrongID:
 				send(map[string]interface{}{"type": "WELCOME", "id": 7, "protocol": 1, "kvmatch_version": "fake"})
 			case m["type"] == "HELLO":
@@ -780,8 +787,18 @@ func fakeServer(t *testing.T, mode fakeMode) string {
 				routes, _ := m["routes"].([]interface{})
 				decisions := []interface{}{}
 				for range routes {
-					decisions = append(decisions, map[string]interface{}{"status": 0, "decision_id": 1, "chosen_worker": 2, "source": "events",
-						"candidates": []interface{}{[]interface{}{2, 1, 1, 0, 0, 0, 0, 0, nil, "LIVE", true, "appended"}}})
+					row := []interface{}{2, 1, 1, 0, 0, 0, 0, 0, nil, "LIVE", true, "appended"}
+					decision := map[string]interface{}{"status": 0, "decision_id": 1,
+						"chosen_worker": 2, "source": "events", "candidates": []interface{}{row}}
+					switch mode {
+					case fakeWideWorker:
+						decision["chosen_worker"] = uint64(1<<32 + 2)
+					case fakeNegativeDecisionID:
+						decision["decision_id"] = -5
+					case fakeWideRowWorker:
+						row[0] = uint64(1<<32 + 2)
+					}
+					decisions = append(decisions, decision)
 				}
 				switch mode {
 				case fakeMiscount:
@@ -819,7 +836,10 @@ func TestRefusedReplies(t *testing.T) {
 	}{{fakeMiscount, ErrProtocol, "one decision fewer"}, {fakeWrongType, ErrProtocol, "wrong type"},
 		{fakeUnknownID, ErrProtocol, "unknown id"}, {fakeConnectionError, ErrClosed, "connection-level ERROR"},
 		{fakeGarbage, ErrParse, "not msgpack"}, {fakeDeep, ErrParse, "nested too deep"},
-		{fakeOversize, ErrTooLarge, "frame over max_frame_bytes"}} {
+		{fakeOversize, ErrTooLarge, "frame over max_frame_bytes"},
+		{fakeWideWorker, ErrParse, "a chosen_worker over 32 bits"},
+		{fakeNegativeDecisionID, ErrParse, "a negative decision_id"},
+		{fakeWideRowWorker, ErrParse, "a candidate row's worker over 32 bits"}} {
 		c := dialT(t, ctx, fakeServer(t, tc.mode))
 		_, err := c.Route(ctx, RouteRequest{RequestID: "a"}, RouteRequest{RequestID: "b"})
 		expectCode(t, err, tc.code, tc.name)
@@ -833,6 +853,8 @@ func TestRefusedReplies(t *testing.T) {
 	expectCode(t, err, ErrProtocol, "a WELCOME to another id")
 	_, err = Dial(ctx, fakeServer(t, fakeRefuseHello))
 	expectCode(t, err, ErrIncompatible, "a refused handshake")
+	_, err = Dial(ctx, fakeServer(t, fakeWideProtocol))
+	expectCode(t, err, ErrParse, "a WELCOME whose protocol is no u32")
 }
 
 func TestDeadlineGivesTheRequestUp(t *testing.T) {

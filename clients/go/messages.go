@@ -3,7 +3,11 @@
 package kvmatch
 
 import (
+	"fmt"
+	"math"
+
 	"github.com/vmihailenco/msgpack/v5"
+	"github.com/vmihailenco/msgpack/v5/msgpcode"
 )
 
 // The messages of docs/PROTOCOL.md. Go names are the wire names in CamelCase (chosen_worker is
@@ -239,13 +243,13 @@ func (r *Reply) DecodeMsgpack(d *msgpack.Decoder) error {
 		case "id":
 			err = d.Decode(&r.ID)
 		case "code":
-			err = d.Decode(&r.Code)
+			err = decodeCode(d, &r.Code)
 		case "name":
 			err = d.Decode(&r.Name)
 		case "message":
 			err = d.Decode(&r.Message)
 		case "protocol":
-			err = d.Decode(&r.Protocol)
+			err = decodeU32(d, &r.Protocol)
 		case "server":
 			err = d.Decode(&r.Server)
 		case "limits":
@@ -438,11 +442,11 @@ func (c *Candidate) DecodeMsgpack(d *msgpack.Decoder) error {
 	for i := 0; i < n; i++ {
 		switch {
 		case i < 6:
-			err = d.Decode(u32[i])
+			err = decodeU32(d, u32[i])
 		case i == 6:
-			err = d.Decode(&c.PendingPrefillTokens)
+			err = decodeU64(d, &c.PendingPrefillTokens)
 		case i == 7:
-			err = d.Decode(&c.ActiveDecodeBlocks)
+			err = decodeU64(d, &c.ActiveDecodeBlocks)
 		case i == 8:
 			err = d.Decode(&c.Cost)
 		case i == 9:
@@ -459,5 +463,122 @@ func (c *Candidate) DecodeMsgpack(d *msgpack.Decoder) error {
 			return err
 		}
 	}
+	return nil
+}
+
+// DecodeMsgpack reads a decision map. Unknown keys are skipped; a key that appears twice is
+// refused, and so is an integer field whose value is outside its type (a chosen_worker of 2^32 + 2
+// is no worker, not worker 2).
+func (dc *Decision) DecodeMsgpack(d *msgpack.Decoder) error {
+	n, err := d.DecodeMapLen()
+	if err != nil {
+		return err
+	}
+	*dc = Decision{}
+	strs := map[string]*string{"message": &dc.Message, "request_id": &dc.RequestID,
+		"attempt_id": &dc.AttemptID, "pool": &dc.Pool, "chosen_state": &dc.ChosenState,
+		"owner_state": &dc.OwnerState, "source": &dc.Source, "policy": &dc.Policy,
+		"reason": &dc.Reason, "load_kind": &dc.LoadKind, "load_scope": &dc.LoadScope,
+		"load_stale_instances": &dc.LoadStaleInstances}
+	u32s := map[string]*uint32{"chosen_worker": &dc.ChosenWorker, "chosen_depth": &dc.ChosenDepth,
+		"owner_depth": &dc.OwnerDepth, "n_blocks": &dc.NBlocks, "block_size": &dc.BlockSize,
+		"load_instances": &dc.LoadInstances}
+	seen := make(map[string]bool, n)
+	for i := 0; i < n; i++ {
+		key, err := d.DecodeString()
+		if err != nil {
+			return err
+		}
+		if seen[key] {
+			return newError(ErrParse, "decision key %q appears twice", key)
+		}
+		seen[key] = true
+		switch key {
+		case "status":
+			err = decodeCode(d, &dc.Status)
+		case "decision_id":
+			err = decodeU64(d, &dc.DecisionID)
+		case "owner_worker":
+			err = decodeOptionalU32(d, &dc.OwnerWorker)
+		case "load_value":
+			err = d.Decode(&dc.LoadValue)
+		case "load_oldest_age_ms":
+			err = d.Decode(&dc.LoadOldestAgeMs)
+		case "candidates":
+			err = d.Decode(&dc.Candidates)
+		default:
+			if p, ok := strs[key]; ok {
+				err = d.Decode(p)
+			} else if p, ok := u32s[key]; ok {
+				err = decodeU32(d, p)
+			} else {
+				err = d.Skip()
+			}
+		}
+		if err != nil {
+			return fmt.Errorf("%s: %w", key, err)
+		}
+	}
+	return nil
+}
+
+// decodeInt reads an int in lo..hi (nil: 0, as for an absent field). msgpack's own decoding
+// into a sized integer wraps a negative or wider value into range, where it would pass for
+// another one.
+func decodeInt(d *msgpack.Decoder, lo int64, hi uint64) (int64, uint64, error) {
+	v, err := d.DecodeInterfaceLoose()
+	if err != nil {
+		return 0, 0, err
+	}
+	switch n := v.(type) {
+	case nil:
+		return 0, 0, nil
+	case int64:
+		if n >= lo && (n < 0 || uint64(n) <= hi) {
+			return n, uint64(n), nil
+		}
+	case uint64:
+		if n <= hi {
+			return int64(n), n, nil
+		}
+	default:
+		return 0, 0, fmt.Errorf("expected an int, got %T", v)
+	}
+	return 0, 0, fmt.Errorf("%v is outside %d..%d", v, lo, hi)
+}
+
+func decodeU32(d *msgpack.Decoder, p *uint32) error {
+	_, u, err := decodeInt(d, 0, math.MaxUint32)
+	*p = uint32(u)
+	return err
+}
+
+func decodeU64(d *msgpack.Decoder, p *uint64) error {
+	_, u, err := decodeInt(d, 0, math.MaxUint64)
+	*p = u
+	return err
+}
+
+func decodeCode(d *msgpack.Decoder, p *Code) error {
+	i, _, err := decodeInt(d, math.MinInt64, math.MaxInt64)
+	*p = Code(i)
+	return err
+}
+
+// decodeOptionalU32 leaves *p nil for nil, else points it at the u32 read.
+func decodeOptionalU32(d *msgpack.Decoder, p **uint32) error {
+	c, err := d.PeekCode()
+	if err != nil {
+		return err
+	}
+	if c == msgpcode.Nil {
+		*p = nil
+		return d.Skip()
+	}
+	v := new(uint32)
+	if err := decodeU32(d, v); err != nil {
+		return err
+	}
+	*p = v
 	return nil
 }
