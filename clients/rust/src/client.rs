@@ -239,9 +239,7 @@ impl Client {
         // saying why and closes, maybe before the HELLO is written: the ERROR is still read, and
         // only without one is the failed write the error.
         let written = match self.stream.as_mut() {
-            Some(stream) => {
-                stream.set_timeouts(remaining(deadline)).and_then(|_| stream.write_all(&frame))
-            }
+            Some(stream) => write_before(stream, &frame, deadline),
             None => return Err(self.closed_error()),
         };
         let unsent = match written {
@@ -569,19 +567,16 @@ impl Client {
 
     fn send_value(&mut self, message: Value, deadline: Option<Instant>) -> Result<u64> {
         let (id, frame, message) = self.frame(message)?;
-        let left = match remaining(deadline) {
-            Some(Duration::ZERO) => {
-                // Nothing sent yet: the stream is intact.
-                return Err(Error::new(Code::TIMEOUT, "send timed out before any byte was sent"));
-            }
-            left => left,
-        };
+        if remaining(deadline) == Some(Duration::ZERO) {
+            // Nothing sent yet: the stream is intact.
+            return Err(Error::new(Code::TIMEOUT, "send timed out before any byte was sent"));
+        }
         self.next_id += 1;
         let stream = match self.stream.as_mut() {
             Some(s) => s,
             None => return Err(self.closed_error()),
         };
-        let written = stream.set_timeouts(left).and_then(|_| stream.write_all(&frame));
+        let written = write_before(stream, &frame, deadline);
         if let Err(e) = written {
             // Part of the frame may be out: the stream cannot be continued.
             let err = if timed_out(&e) {
@@ -727,6 +722,36 @@ impl Drop for Client {
     fn drop(&mut self) {
         self.close();
     }
+}
+
+/// Bytes given to one write: a Unix socket's send timeout bounds each wait for buffer space, not
+/// the write, so one write of many such waits could outlast the time left; a write this size
+/// waits at most once (a Unix socket's default send buffer holds twice as much).
+const WRITE_CHUNK: usize = 64 << 10;
+
+/// Write all of `bytes` before `deadline` (None: no limit), each write given only what is left of
+/// the time, so a server that drains the frame slowly cannot stretch the send past the deadline.
+fn write_before(
+    stream: &mut Stream,
+    mut bytes: &[u8],
+    deadline: Option<Instant>,
+) -> io::Result<()> {
+    while !bytes.is_empty() {
+        let left = remaining(deadline);
+        if left == Some(Duration::ZERO) {
+            return Err(io::Error::new(io::ErrorKind::TimedOut, "the deadline passed"));
+        }
+        stream.set_timeouts(left)?;
+        match stream.write(&bytes[..bytes.len().min(WRITE_CHUNK)]) {
+            Ok(0) => {
+                return Err(io::Error::new(io::ErrorKind::WriteZero, "the socket took nothing"))
+            }
+            Ok(n) => bytes = &bytes[n..],
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
 }
 
 /// Time left before `deadline`: None for no deadline, ZERO once it passed.

@@ -770,3 +770,57 @@ fn decision_load_view_of_a_cluster() {
     assert!((0.0..1000.0).contains(&age), "load_oldest_age_ms within the 1000 ms expiry: {}", age);
     assert_eq!(d.load_stale_instances.as_deref(), Some(""), "no stale instance: {:?}", d);
 }
+
+/// A server that reads a request a little at a time: the client's timeout bounds the whole send,
+/// not each write, so a large ROUTE to a server that drains it slowly ends with TIMEOUT in about
+/// the timeout (the frame is cut off, so the connection is closed).
+#[test]
+fn timeout_bounds_a_send_to_a_slow_reader() {
+    let dir = TempDir::new("slow-reader");
+    let path = dir.0.join("slow.sock");
+    let listener = UnixListener::bind(&path).expect("bind");
+    let server = thread::spawn(move || {
+        let (mut conn, _) = match listener.accept() {
+            Ok(c) => c,
+            Err(_) => return,
+        };
+        let mut header = [0u8; 4];
+        let mut hello = Vec::new();
+        if conn.read_exact(&mut header).is_err() {
+            return;
+        }
+        hello.resize(u32::from_be_bytes(header) as usize, 0);
+        if conn.read_exact(&mut hello).is_err() {
+            return;
+        }
+        let welcome = str_map(&[
+            ("type", Value::Str("WELCOME".into())),
+            ("id", Value::UInt(1)),
+            ("protocol", Value::UInt(1)),
+            ("kvmatch_version", Value::Str("fake".into())),
+        ]);
+        if conn.write_all(&frame(&welcome)).is_err() {
+            return;
+        }
+        // 4 KiB every 10 ms, for at most 15 s, until the client closes.
+        let started = Instant::now();
+        let mut chunk = vec![0u8; 4 << 10];
+        while started.elapsed() < Duration::from_secs(15) {
+            match conn.read(&mut chunk) {
+                Ok(0) | Err(_) => return,
+                Ok(_) => thread::sleep(Duration::from_millis(10)),
+            }
+        }
+    });
+    let mut c = Client::connect(&format!("unix:{}", path.display()), TIMEOUT).expect("connect");
+    c.set_timeout(Some(Duration::from_secs(1)));
+    // About 2 MB on the wire: some 5 s at the server's pace.
+    let big: Vec<u32> = (0..400_000u32).map(|i| 1_000_000 + i).collect();
+    let started = Instant::now();
+    expect_code(c.route(&[tokens("big", big)]), Code::TIMEOUT, "a send to a slow reader");
+    let took = started.elapsed();
+    assert!(took < Duration::from_secs(3), "a 1 s timeout took {:?}", took);
+    assert!(c.is_closed(), "a frame cut off closes the connection");
+    drop(c);
+    server.join().expect("the fake server");
+}
