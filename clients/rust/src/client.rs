@@ -179,7 +179,10 @@ fn timed_out(e: &io::Error) -> bool {
 /// type, holds another count of decisions or items than its request had routes, events, workers
 /// or pools, or answers an id that is not waiting (`Code::PARSE`, `PROTOCOL`, `TOO_LARGE`), a
 /// connection-level ERROR (id 0) and a server that goes away (`Code::CLOSED`) close the
-/// connection: later calls fail with `Code::CLOSED` until `reconnect`.
+/// connection: later calls fail with `Code::CLOSED` until `reconnect`. For a blocking call a
+/// reply that cannot be read includes one whose decisions, items, workers, pools or status fields
+/// are not of their types; a pipelined caller gets that `Code::PARSE` from the `Reply` accessor,
+/// and the connection stays open.
 pub struct Client {
     address: String,
     stream: Option<Stream>,
@@ -457,17 +460,27 @@ impl Client {
         }
     }
 
+    /// A blocking call's typed view of its reply: one that cannot be read (a field of the wrong
+    /// type) closes the connection, as a frame that cannot be read does.
+    fn readable<T>(&mut self, view: Result<T>) -> Result<T> {
+        view.map_err(|e| self.fail(e))
+    }
+
     /// One decision per route, in the routes' order; a route that failed has a non-OK `status`
     /// (`Decision::result`). The `Err` is the whole request's.
     pub fn route(&mut self, routes: &[RouteRequest]) -> Result<Vec<Decision>> {
         let list = routes.iter().map(RouteRequest::to_value).collect();
-        self.call(message("ROUTE", vec![("routes", Value::Array(list))]))?.decisions()
+        let reply = self.call(message("ROUTE", vec![("routes", Value::Array(list))]))?;
+        let view = reply.decisions();
+        self.readable(view)
     }
 
     /// One ACK item per event (`AckItem::result` for each).
     pub fn lifecycle(&mut self, events: &[LifecycleEvent]) -> Result<Vec<AckItem>> {
         let list = events.iter().map(LifecycleEvent::to_value).collect();
-        self.call(message("LIFECYCLE", vec![("events", Value::Array(list))]))?.items()
+        let reply = self.call(message("LIFECYCLE", vec![("events", Value::Array(list))]))?;
+        let view = reply.items();
+        self.readable(view)
     }
 
     /// One event; the `Err` is the request's or the event's own.
@@ -481,7 +494,8 @@ impl Client {
 
     fn admin(&mut self, kind: &str, action: &str, key: &str, list: Vec<Value>) -> Result<Vec<AckItem>> {
         let m = message(kind, vec![("action", Value::Str(action.into())), (key, Value::Array(list))]);
-        self.call(m)?.items()
+        let view = self.call(m)?.items();
+        self.readable(view)
     }
 
     /// WORKERS add: `pool`, `worker` and optionally `name`, `event_endpoint`, `replay_endpoint`,
@@ -506,7 +520,8 @@ impl Client {
         if let Some(p) = pool {
             fields.push(("pool", Value::Str(p.into())));
         }
-        self.call(message("WORKERS", fields))?.workers()
+        let view = self.call(message("WORKERS", fields))?.workers();
+        self.readable(view)
     }
 
     /// POOLS add (`name`, `block_size` required). One ACK item per pool.
@@ -529,12 +544,15 @@ impl Client {
 
     /// POOLS list, with every policy parameter.
     pub fn list_pools(&mut self) -> Result<Vec<Pool>> {
-        self.call(message("POOLS", vec![("action", Value::Str("list".into()))]))?.pools()
+        let reply = self.call(message("POOLS", vec![("action", Value::Str("list".into()))]))?;
+        let view = reply.pools();
+        self.readable(view)
     }
 
     /// STATUS.
     pub fn status(&mut self) -> Result<StatusReply> {
-        self.call(message("STATUS", vec![]))?.status()
+        let view = self.call(message("STATUS", vec![]))?.status();
+        self.readable(view)
     }
 
     // ---- frames ---------------------------------------------------------------------------------

@@ -590,6 +590,7 @@ enum Fake {
     WelcomeWrongId,
     RefuseHello,
     SilentOnce,
+    MistypedField,
 }
 
 fn frame(v: &Value) -> Vec<u8> {
@@ -636,6 +637,18 @@ fn fake_server(dir: &TempDir, mode: Fake) -> String {
                 Value::UInt(0), Value::UInt(0), Value::Nil, Value::Str("LIVE".into()), Value::Bool(true), Value::Str("appended".into()),
             ]);
             let decision = str_map(&[("status", Value::UInt(0)), ("decision_id", Value::UInt(1)), ("chosen_worker", Value::UInt(2)), ("source", Value::Str("events".into())), ("candidates", Value::Array(vec![row]))]);
+            let decision = match mode {
+                // A decision whose chosen_worker is a str: the frame reads, the decision does not.
+                Fake::MistypedField => match decision {
+                    Value::Map(mut entries) => {
+                        entries.retain(|(k, _)| k != "chosen_worker");
+                        entries.push(("chosen_worker".into(), Value::Str("two".into())));
+                        Value::Map(entries)
+                    }
+                    other => other,
+                },
+                _ => decision,
+            };
             let decisions = |k: usize| Value::Array(vec![decision.clone(); k]);
             let t = |s: &str| ("type", Value::Str(s.into()));
             let out = if kind == "HELLO" {
@@ -682,6 +695,7 @@ fn refused_replies() {
         (Fake::Garbage, Code::PARSE, "not msgpack"),
         (Fake::Deep, Code::PARSE, "nested too deep"),
         (Fake::Oversize, Code::TOO_LARGE, "frame over max_frame_bytes"),
+        (Fake::MistypedField, Code::PARSE, "a decision's chosen_worker is a str"),
     ] {
         let mut c = Client::connect(&fake_server(&dir, mode), TIMEOUT).expect("connect");
         expect_code(c.route(&[tokens("a", vec![]), tokens("b", vec![])]), code, what);
