@@ -736,6 +736,9 @@ const (
 	fakeNegativeDecisionID                 // a decision_id of -5
 	fakeWideRowWorker                      // a candidate row whose worker is 2^32 + 2
 	fakeWideProtocol                       // a WELCOME whose protocol is 2^32 + 1
+	fakeNoChosenWorker                     // a decided decision without chosen_worker
+	fakeNilDecisionID                      // a decided decision whose decision_id is nil
+	fakeNoSource                           // a decided decision without source
 )
 
 func fakeServer(t *testing.T, mode fakeMode) string {
@@ -797,6 +800,12 @@ func fakeServer(t *testing.T, mode fakeMode) string {
 						decision["decision_id"] = -5
 					case fakeWideRowWorker:
 						row[0] = uint64(1<<32 + 2)
+					case fakeNoChosenWorker:
+						delete(decision, "chosen_worker")
+					case fakeNilDecisionID:
+						decision["decision_id"] = nil
+					case fakeNoSource:
+						delete(decision, "source")
 					}
 					decisions = append(decisions, decision)
 				}
@@ -839,7 +848,10 @@ func TestRefusedReplies(t *testing.T) {
 		{fakeOversize, ErrTooLarge, "frame over max_frame_bytes"},
 		{fakeWideWorker, ErrParse, "a chosen_worker over 32 bits"},
 		{fakeNegativeDecisionID, ErrParse, "a negative decision_id"},
-		{fakeWideRowWorker, ErrParse, "a candidate row's worker over 32 bits"}} {
+		{fakeWideRowWorker, ErrParse, "a candidate row's worker over 32 bits"},
+		{fakeNoChosenWorker, ErrParse, "a decided decision without chosen_worker"},
+		{fakeNilDecisionID, ErrParse, "a decided decision whose decision_id is nil"},
+		{fakeNoSource, ErrParse, "a decided decision without source"}} {
 		c := dialT(t, ctx, fakeServer(t, tc.mode))
 		_, err := c.Route(ctx, RouteRequest{RequestID: "a"}, RouteRequest{RequestID: "b"})
 		expectCode(t, err, tc.code, tc.name)

@@ -468,7 +468,8 @@ func (c *Candidate) DecodeMsgpack(d *msgpack.Decoder) error {
 
 // DecodeMsgpack reads a decision map. Unknown keys are skipped; a key that appears twice is
 // refused, and so is an integer field whose value is outside its type (a chosen_worker of 2^32 + 2
-// is no worker, not worker 2).
+// is no worker, not worker 2) and a decided one (Status OK) without decision_id, chosen_worker
+// or source (nil is absent), which would read as decision 0 on worker 0.
 func (dc *Decision) DecodeMsgpack(d *msgpack.Decoder) error {
 	n, err := d.DecodeMapLen()
 	if err != nil {
@@ -483,7 +484,7 @@ func (dc *Decision) DecodeMsgpack(d *msgpack.Decoder) error {
 	u32s := map[string]*uint32{"chosen_worker": &dc.ChosenWorker, "chosen_depth": &dc.ChosenDepth,
 		"owner_depth": &dc.OwnerDepth, "n_blocks": &dc.NBlocks, "block_size": &dc.BlockSize,
 		"load_instances": &dc.LoadInstances}
-	seen := make(map[string]bool, n)
+	seen, present := make(map[string]bool, n), make(map[string]bool, n)
 	for i := 0; i < n; i++ {
 		key, err := d.DecodeString()
 		if err != nil {
@@ -493,6 +494,15 @@ func (dc *Decision) DecodeMsgpack(d *msgpack.Decoder) error {
 			return newError(ErrParse, "decision key %q appears twice", key)
 		}
 		seen[key] = true
+		if c, err := d.PeekCode(); err != nil {
+			return err
+		} else if c == msgpcode.Nil {
+			if err := d.Skip(); err != nil {
+				return err
+			}
+			continue
+		}
+		present[key] = true
 		switch key {
 		case "status":
 			err = decodeCode(d, &dc.Status)
@@ -517,6 +527,13 @@ func (dc *Decision) DecodeMsgpack(d *msgpack.Decoder) error {
 		}
 		if err != nil {
 			return fmt.Errorf("%s: %w", key, err)
+		}
+	}
+	if dc.Status == OK {
+		for _, key := range []string{"decision_id", "chosen_worker", "source"} {
+			if !present[key] {
+				return newError(ErrParse, "a decided decision has no %s", key)
+			}
 		}
 	}
 	return nil
