@@ -179,6 +179,8 @@ pub struct Candidate {
 }
 
 /// The answer to one route. `status` OK: decided; else `message` says why and only the ids are set.
+/// A decided one without `decision_id`, `chosen_worker` or `source` (docs/PROTOCOL.md: required
+/// when the status is 0) is not read: `Code::PARSE`.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Decision {
     pub status: Code,
@@ -523,7 +525,13 @@ impl Decision {
             owner_state: f.string("owner_state")?,
             n_blocks: f.u32("n_blocks")?.unwrap_or(0),
             block_size: f.u32("block_size")?.unwrap_or(0),
-            source: f.string("source")?.unwrap_or_default(),
+            source: match (f.string("source")?, decided) {
+                (Some(s), _) => s,
+                (None, false) => String::new(),
+                (None, true) => {
+                    return Err(Error::new(Code::PARSE, format!("{}.source: missing", what)))
+                }
+            },
             policy: f.string("policy")?,
             reason: f.string("reason")?,
             load_kind: f.string("load_kind")?,

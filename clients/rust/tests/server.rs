@@ -591,6 +591,7 @@ enum Fake {
     RefuseHello,
     SilentOnce,
     MistypedField,
+    NoSource,
 }
 
 fn frame(v: &Value) -> Vec<u8> {
@@ -647,6 +648,14 @@ fn fake_server(dir: &TempDir, mode: Fake) -> String {
                     }
                     other => other,
                 },
+                // A decided decision without its required source.
+                Fake::NoSource => match decision {
+                    Value::Map(mut entries) => {
+                        entries.retain(|(k, _)| k != "source");
+                        Value::Map(entries)
+                    }
+                    other => other,
+                },
                 _ => decision,
             };
             let decisions = |k: usize| Value::Array(vec![decision.clone(); k]);
@@ -696,6 +705,7 @@ fn refused_replies() {
         (Fake::Deep, Code::PARSE, "nested too deep"),
         (Fake::Oversize, Code::TOO_LARGE, "frame over max_frame_bytes"),
         (Fake::MistypedField, Code::PARSE, "a decision's chosen_worker is a str"),
+        (Fake::NoSource, Code::PARSE, "a decided decision without source"),
     ] {
         let mut c = Client::connect(&fake_server(&dir, mode), TIMEOUT).expect("connect");
         expect_code(c.route(&[tokens("a", vec![]), tokens("b", vec![])]), code, what);
