@@ -199,7 +199,8 @@ pub struct Client {
 
 impl Client {
     /// Connect to "unix:/path" or "tcp:IP:PORT" ("tcp:[::1]:7070" for IPv6) and do the HELLO /
-    /// WELCOME handshake, within `timeout` (None: no limit), which stays the client's timeout.
+    /// WELCOME handshake, within `timeout` (None: no limit), which stays the client's timeout
+    /// (on Linux it bounds the wait for a Unix socket's server to accept, too).
     /// Fails with INVALID_ARGUMENT for an address of another form, IO when the connection fails,
     /// INCOMPATIBLE when the server does not speak PROTOCOL_VERSION, the server's code when it
     /// refuses the handshake or the connection (OVERLOADED at its max_connections, SHUTTING_DOWN
@@ -783,13 +784,83 @@ fn message(kind: &str, fields: Vec<(&str, Value)>) -> Value {
     Value::Map(entries)
 }
 
+/// Connect to a Unix socket within `timeout` (None or zero: no limit). A blocking connect to a
+/// listener whose queue is full waits until the server accepts, however long that is; a
+/// non-blocking one fails at once (EAGAIN) and is tried again until the time is up.
+#[cfg(target_os = "linux")]
+fn connect_unix(path: &str, timeout: Option<Duration>) -> io::Result<UnixStream> {
+    use std::os::raw::{c_int, c_void};
+    use std::os::unix::io::FromRawFd;
+    const AF_UNIX: c_int = 1;
+    const SOCK_STREAM: c_int = 1;
+    const SOCK_NONBLOCK: c_int = 0o4000;
+    const SOCK_CLOEXEC: c_int = 0o2000000;
+    const SUN_PATH: usize = 108;
+    #[repr(C)]
+    struct SockaddrUn {
+        family: u16,
+        path: [u8; SUN_PATH],
+    }
+    extern "C" {
+        fn socket(domain: c_int, kind: c_int, protocol: c_int) -> c_int;
+        fn connect(fd: c_int, address: *const c_void, length: u32) -> c_int;
+    }
+    let limit = match timeout {
+        Some(t) if t > Duration::ZERO => t,
+        _ => return UnixStream::connect(path),
+    };
+    let bytes = path.as_bytes();
+    if bytes.len() >= SUN_PATH || bytes.contains(&0) {
+        let m = "a unix socket path is at most 107 bytes, without NUL";
+        return Err(io::Error::new(io::ErrorKind::InvalidInput, m));
+    }
+    let mut address = SockaddrUn { family: AF_UNIX as u16, path: [0; SUN_PATH] };
+    address.path[..bytes.len()].copy_from_slice(bytes);
+    let length = (2 + bytes.len() + 1) as u32;
+    // SAFETY: socket takes no pointers; the descriptor it returns is owned by `stream` at once.
+    let fd = unsafe { socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: fd is a fresh socket nothing else owns; dropping the stream closes it.
+    let stream = unsafe { UnixStream::from_raw_fd(fd) };
+    let deadline = Instant::now() + limit;
+    let mut pause = Duration::from_millis(1);
+    loop {
+        // SAFETY: `address` is a sockaddr_un that lives across the call; `length` is within it.
+        let rc = unsafe { connect(fd, &address as *const SockaddrUn as *const c_void, length) };
+        if rc == 0 {
+            stream.set_nonblocking(false)?;
+            return Ok(stream);
+        }
+        let e = io::Error::last_os_error();
+        match e.kind() {
+            io::ErrorKind::Interrupted => continue,
+            io::ErrorKind::WouldBlock => {}
+            _ => return Err(e),
+        }
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            let m = "the server did not accept the connection before the timeout";
+            return Err(io::Error::new(io::ErrorKind::TimedOut, m));
+        }
+        std::thread::sleep(pause.min(left));
+        pause = (pause * 2).min(Duration::from_millis(50));
+    }
+}
+
+#[cfg(not(target_os = "linux"))]
+fn connect_unix(path: &str, _timeout: Option<Duration>) -> io::Result<UnixStream> {
+    UnixStream::connect(path)
+}
+
 fn open(address: &str, timeout: Option<Duration>) -> Result<Stream> {
     let invalid = |m: String| Error::new(Code::INVALID_ARGUMENT, m);
     if let Some(path) = address.strip_prefix("unix:") {
         if path.is_empty() {
             return Err(invalid("empty unix socket path".into()));
         }
-        return UnixStream::connect(path)
+        return connect_unix(path, timeout)
             .map(Stream::Unix)
             .map_err(|e| Error::new(Code::IO, format!("connect to {}: {}", address, e)));
     }

@@ -848,3 +848,39 @@ fn timeout_bounds_a_send_to_a_slow_reader() {
     drop(c);
     server.join().expect("the fake server");
 }
+
+/// A server whose listen queue is full (it stopped accepting): connect gives up within its
+/// timeout instead of blocking until the server accepts.
+#[test]
+fn connect_timeout_bounds_a_full_listen_queue() {
+    let dir = TempDir::new("full-queue");
+    let path = dir.0.join("full.sock");
+    let listener = UnixListener::bind(&path).expect("bind");
+    // Fill the queue: connects succeed until it is full; the next would block.
+    let (tx, rx) = std::sync::mpsc::channel();
+    let filler_path = path.clone();
+    thread::spawn(move || {
+        let mut held = Vec::new();
+        loop {
+            match std::os::unix::net::UnixStream::connect(&filler_path) {
+                Ok(s) => held.push(s),
+                Err(_) => return,
+            }
+            let _ = tx.send(held.len());
+        }
+    });
+    // The filler blocks once the queue is full: no count for 500 ms.
+    while rx.recv_timeout(Duration::from_millis(500)).is_ok() {}
+    let address = format!("unix:{}", path.display());
+    let (done_tx, done_rx) = std::sync::mpsc::channel();
+    thread::spawn(move || {
+        let started = Instant::now();
+        let r = Client::connect(&address, Some(Duration::from_millis(500))).map(|_| ());
+        let _ = done_tx.send((r, started.elapsed()));
+    });
+    let outcome = done_rx.recv_timeout(Duration::from_secs(5));
+    drop(listener); // wakes whatever still waits on the queue
+    let (r, took) = outcome.expect("connect returned within 5 s of a 500 ms timeout");
+    assert!(took < Duration::from_secs(3), "took {:?}", took);
+    assert!(r.is_err(), "a server that does not accept is not connected");
+}
