@@ -12,9 +12,9 @@
 //
 // Errors are values. A reply of type ERROR, a decision or ACK item that failed, and the client's
 // own refusals are *Error, whose Code (a km_status code, itself an error) errors.Is can test:
-// errors.Is(err, kvmatch.ErrNotFound). A reply that cannot be read (a decision's integer or
-// WELCOME's protocol outside its type's range included, and a decided decision without
-// decision_id, chosen_worker or source), is not of its request's type
+// errors.Is(err, kvmatch.ErrNotFound). A reply that cannot be read (any integer of it outside
+// its field's type's range included, and a decided decision without decision_id, chosen_worker
+// or source), is not of its request's type
 // (docs/PROTOCOL.md, "Reading replies"), holds another count of decisions or items than its
 // request had routes, events, workers or pools, or answers an id that is not waiting closes the
 // connection (ErrParse, ErrProtocol, ErrTooLarge); so does a connection-level ERROR (id 0) and a

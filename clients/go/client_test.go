@@ -19,6 +19,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math"
 	"net"
 	"os"
 	"os/exec"
@@ -867,6 +868,199 @@ func TestRefusedReplies(t *testing.T) {
 	expectCode(t, err, ErrIncompatible, "a refused handshake")
 	_, err = Dial(ctx, fakeServer(t, fakeWideProtocol))
 	expectCode(t, err, ErrParse, "a WELCOME whose protocol is no u32")
+}
+
+// fakeAnswering is a fake server that answers each request with answer's reply to it, the
+// request's id added. A HELLO that answer leaves nil gets a WELCOME; another request closes the
+// connection.
+func fakeAnswering(t *testing.T, answer func(request fakeMap) fakeMap) string {
+	path := filepath.Join(t.TempDir(), "fake.sock")
+	l, err := net.Listen("unix", path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { l.Close() })
+	go func() {
+		nc, err := l.Accept()
+		if err != nil {
+			return
+		}
+		defer nc.Close()
+		for {
+			var header [4]byte
+			if _, err := io.ReadFull(nc, header[:]); err != nil {
+				return
+			}
+			payload := make([]byte, binary.BigEndian.Uint32(header[:]))
+			if _, err := io.ReadFull(nc, payload); err != nil {
+				return
+			}
+			var m fakeMap
+			if msgpack.Unmarshal(payload, &m) != nil {
+				return
+			}
+			reply := answer(m)
+			if reply == nil && m["type"] == "HELLO" {
+				reply = fakeMap{"type": "WELCOME", "protocol": 1, "kvmatch_version": "fake"}
+			}
+			if reply == nil {
+				return
+			}
+			reply["id"] = m["id"]
+			b, _ := msgpack.Marshal(reply)
+			writeFrame(nc, b)
+		}
+	}()
+	return "unix:" + path
+}
+
+type fakeMap = map[string]interface{}
+
+// fakeWorker is a WORKER_LIST's worker map with key (load.KEY: in its load map) set to v.
+func fakeWorker(key string, v interface{}) fakeMap {
+	w := fakeMap{"pool": "p", "worker": 1, "state": "LIVE", "blocks": 3, "dp_rank": 0,
+		"expected_seq": 9, "failures": 0,
+		"load": fakeMap{"in_flight": 1, "pending_prefill_tokens": 2, "active_decode_blocks": 3}}
+	if strings.HasPrefix(key, "load.") {
+		w["load"].(fakeMap)[strings.TrimPrefix(key, "load.")] = v
+	} else {
+		w[key] = v
+	}
+	return w
+}
+
+// fakePool is a POOL_LIST's pool map with key set to v.
+func fakePool(key string, v interface{}) fakeMap {
+	p := fakeMap{"name": "p", "model": "m", "block_size": 16, "hash_lookahead_tokens": 0,
+		"offload_chunk_blocks": 1, "policy": "kv_aware"}
+	p[key] = v
+	return p
+}
+
+// fakeStatusReply is a STATUS_REPLY with key set to v.
+func fakeStatusReply(key string, v interface{}) fakeMap {
+	r := fakeMap{"type": "STATUS_REPLY", "kvmatch_version": "fake", "uptime_s": 1.5,
+		"ready": true, "connections": 1, "decisions": 2, "records_dropped": 0, "backend": "cpu",
+		"workers": []interface{}{fakeWorker("blocks", 3)}}
+	r[key] = v
+	return r
+}
+
+func fakeAck(status interface{}) fakeMap {
+	return fakeMap{"type": "ACK", "items": []interface{}{fakeMap{"status": status}}}
+}
+
+// Every integer of a reply is read within its type's range: one outside it (negative, or wider
+// than the field) is ErrParse and closes the connection, never a wrapped value that passes for
+// another one.
+func TestReplyIntegersOutsideTheirType(t *testing.T) {
+	ctx := testContext(t)
+	wide32, wide64 := uint64(1<<32+4096), uint64(1<<63+5)
+	lifecycle := func(c *Client) error {
+		_, err := c.Lifecycle(ctx, LifecycleEvent{Event: EventDispatched, DecisionID: 1})
+		return err
+	}
+	addWorkers := func(c *Client) error {
+		_, err := c.AddWorkers(ctx, Worker{Pool: "p", Worker: 1})
+		return err
+	}
+	listWorkers := func(c *Client) error { _, err := c.ListWorkers(ctx, ""); return err }
+	listPools := func(c *Client) error { _, err := c.ListPools(ctx); return err }
+	status := func(c *Client) error { _, err := c.Status(ctx); return err }
+	type refused struct {
+		name  string
+		call  func(*Client) error
+		reply fakeMap
+	}
+	cases := []refused{{"an ACK item's status over 2^63 - 1", lifecycle, fakeAck(wide64)},
+		{"a WORKERS add's ACK item status over 2^63 - 1", addWorkers, fakeAck(wide64)}}
+	for _, f := range []struct {
+		key string
+		v   interface{}
+	}{{"worker", wide32}, {"dp_rank", wide32}, {"blocks", -1}, {"expected_seq", -1},
+		{"failures", wide32}, {"load.in_flight", wide32}, {"load.pending_prefill_tokens", -1},
+		{"load.active_decode_blocks", -1}} {
+		cases = append(cases, refused{fmt.Sprintf("WORKER_LIST: a worker's %s of %v", f.key, f.v),
+			listWorkers, fakeMap{"type": "WORKER_LIST",
+				"workers": []interface{}{fakeWorker(f.key, f.v)}}})
+	}
+	for _, f := range []struct {
+		key string
+		v   interface{}
+	}{{"block_size", wide32}, {"hash_lookahead_tokens", -1}, {"offload_chunk_blocks", wide32}} {
+		cases = append(cases, refused{fmt.Sprintf("POOL_LIST: a pool's %s of %v", f.key, f.v),
+			listPools, fakeMap{"type": "POOL_LIST", "pools": []interface{}{fakePool(f.key, f.v)}}})
+	}
+	for _, f := range []struct {
+		key string
+		v   interface{}
+	}{{"connections", wide32}, {"decisions", -1}, {"records_dropped", -1},
+		{"workers", []interface{}{fakeWorker("blocks", -1)}}} {
+		cases = append(cases, refused{fmt.Sprintf("STATUS_REPLY: %s of %v", f.key, f.v), status,
+			fakeStatusReply(f.key, f.v)})
+	}
+	for _, tc := range cases {
+		reply := tc.reply
+		c := dialT(t, ctx, fakeAnswering(t, func(m fakeMap) fakeMap {
+			if m["type"] == "HELLO" {
+				return nil
+			}
+			return reply
+		}))
+		expectCode(t, tc.call(c), ErrParse, tc.name)
+		if c.Err() == nil {
+			t.Fatalf("%s: the connection stays open", tc.name)
+		}
+		expectCode(t, status(c), ErrClosed, tc.name+": a call after")
+	}
+	// A WELCOME's limits: a max_frame_bytes of 2^32 + 4096 is no limit of 4096.
+	for _, key := range []string{"max_frame_bytes", "max_batch_items", "max_string_bytes"} {
+		_, err := Dial(ctx, fakeAnswering(t, func(fakeMap) fakeMap {
+			return fakeMap{"type": "WELCOME", "protocol": 1, "kvmatch_version": "fake",
+				"limits": fakeMap{"max_frame_bytes": 1 << 20, key: wide32}}
+		}))
+		expectCode(t, err, ErrParse, "a WELCOME whose limits."+key+" is no u32")
+	}
+	// The same replies, their integers at the ends of their types' ranges, read as sent.
+	c := dialT(t, ctx, fakeAnswering(t, func(m fakeMap) fakeMap {
+		switch m["type"] {
+		case "HELLO":
+			return fakeMap{"type": "WELCOME", "protocol": 1, "kvmatch_version": "fake",
+				"limits": fakeMap{"max_frame_bytes": uint32(math.MaxUint32), "max_batch_items": 7}}
+		case "LIFECYCLE":
+			return fakeAck(int64(math.MinInt64))
+		case "POOLS":
+			return fakeMap{"type": "POOL_LIST",
+				"pools": []interface{}{fakePool("block_size", uint32(math.MaxUint32))}}
+		case "WORKERS":
+			return fakeMap{"type": "WORKER_LIST",
+				"workers": []interface{}{fakeWorker("blocks", uint64(math.MaxUint64))}}
+		}
+		return fakeStatusReply("connections", uint32(math.MaxUint32))
+	}))
+	if l := c.Welcome().Limits; l.MaxFrameBytes != math.MaxUint32 || l.MaxBatchItems != 7 {
+		t.Fatalf("limits read as %+v", l)
+	}
+	items, err := c.Lifecycle(ctx, LifecycleEvent{Event: EventDispatched, DecisionID: 1})
+	if err != nil || items[0].Status != math.MinInt64 {
+		t.Fatalf("an ACK item's status of -2^63: %v %v", items, err)
+	}
+	pools, err := c.ListPools(ctx)
+	if err != nil || pools[0].BlockSize != math.MaxUint32 || pools[0].OffloadChunkBlocks != 1 ||
+		pools[0].Policy != "kv_aware" {
+		t.Fatalf("a pool's block_size of 2^32 - 1: %+v %v", pools, err)
+	}
+	workers, err := c.ListWorkers(ctx, "")
+	if err != nil || workers[0].Blocks != math.MaxUint64 || *workers[0].DPRank != 0 ||
+		*workers[0].ExpectedSeq != 9 || workers[0].Load.ActiveDecodeBlocks != 3 ||
+		workers[0].State != "LIVE" {
+		t.Fatalf("a worker's blocks of 2^64 - 1: %+v %v", workers, err)
+	}
+	st, err := c.Status(ctx)
+	if err != nil || st.Connections != math.MaxUint32 || st.Decisions != 2 ||
+		len(st.Workers) != 1 || st.Workers[0].Blocks != 3 || st.Backend != "cpu" {
+		t.Fatalf("a STATUS_REPLY's connections of 2^32 - 1: %+v %v", st, err)
+	}
 }
 
 func TestDeadlineGivesTheRequestUp(t *testing.T) {

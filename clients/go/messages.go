@@ -264,7 +264,7 @@ func (r *Reply) DecodeMsgpack(d *msgpack.Decoder) error {
 				if isArrayCode(c) {
 					err = d.Decode(&r.Decisions)
 				} else {
-					err = d.Decode(&r.Status.Decisions)
+					err = decodeU64(d, &r.Status.Decisions)
 				}
 			}
 		case "items":
@@ -279,9 +279,9 @@ func (r *Reply) DecodeMsgpack(d *msgpack.Decoder) error {
 		case "ready":
 			err = d.Decode(&r.Status.Ready)
 		case "connections":
-			err = d.Decode(&r.Status.Connections)
+			err = decodeU32(d, &r.Status.Connections)
 		case "records_dropped":
-			err = d.Decode(&r.Status.RecordsDropped)
+			err = decodeU64(d, &r.Status.RecordsDropped)
 		case "backend":
 			err = d.Decode(&r.Status.Backend)
 		default:
@@ -539,6 +539,132 @@ func (dc *Decision) DecodeMsgpack(d *msgpack.Decoder) error {
 	return nil
 }
 
+// The other maps of replies are read key by key as well: unknown keys are skipped, and an integer
+// outside its field's type is refused, as in a decision (a max_frame_bytes of 2^32 + 4096 is no
+// limit of 4096, an ACK item's status of 2^63 no negative code).
+
+// DecodeMsgpack reads WELCOME's limits map, each limit a u32.
+func (l *Limits) DecodeMsgpack(d *msgpack.Decoder) error {
+	*l = Limits{}
+	u32s := map[string]*uint32{"max_frame_bytes": &l.MaxFrameBytes, "max_objects": &l.MaxObjects,
+		"max_batch_items": &l.MaxBatchItems, "max_tokens_per_route": &l.MaxTokensPerRoute,
+		"max_hashes_per_route": &l.MaxHashesPerRoute, "max_candidates": &l.MaxCandidates,
+		"max_params": &l.MaxParams, "max_string_bytes": &l.MaxStringBytes}
+	return decodeMap(d, func(key string) error {
+		if p, ok := u32s[key]; ok {
+			return decodeU32(d, p)
+		}
+		return d.Skip()
+	})
+}
+
+// DecodeMsgpack reads an ACK item: its status is an int64.
+func (a *AckItem) DecodeMsgpack(d *msgpack.Decoder) error {
+	*a = AckItem{}
+	return decodeMap(d, func(key string) error {
+		switch key {
+		case "status":
+			return decodeCode(d, &a.Status)
+		case "message":
+			return d.Decode(&a.Message)
+		}
+		return d.Skip()
+	})
+}
+
+// DecodeMsgpack reads a worker's load map.
+func (l *WorkerLoad) DecodeMsgpack(d *msgpack.Decoder) error {
+	*l = WorkerLoad{}
+	return decodeMap(d, func(key string) error {
+		switch key {
+		case "in_flight":
+			return decodeU32(d, &l.InFlight)
+		case "pending_prefill_tokens":
+			return decodeU64(d, &l.PendingPrefillTokens)
+		case "active_decode_blocks":
+			return decodeU64(d, &l.ActiveDecodeBlocks)
+		}
+		return d.Skip()
+	})
+}
+
+// DecodeMsgpack reads a worker map of WORKER_LIST or STATUS_REPLY.
+func (w *Worker) DecodeMsgpack(d *msgpack.Decoder) error {
+	*w = Worker{}
+	strs := map[string]*string{"pool": &w.Pool, "name": &w.Name,
+		"event_endpoint": &w.EventEndpoint, "replay_endpoint": &w.ReplayEndpoint,
+		"state": &w.State, "breaker": &w.Breaker}
+	return decodeMap(d, func(key string) error {
+		switch key {
+		case "worker":
+			return decodeU32(d, &w.Worker)
+		case "dp_rank":
+			return decodeOptionalU32(d, &w.DPRank)
+		case "healthy":
+			return d.Decode(&w.Healthy)
+		case "blocks":
+			return decodeU64(d, &w.Blocks)
+		case "last_event_age_s":
+			return d.Decode(&w.LastEventAgeS)
+		case "expected_seq":
+			return decodeOptionalU64(d, &w.ExpectedSeq)
+		case "load":
+			return d.Decode(&w.Load)
+		case "failures":
+			return decodeU32(d, &w.Failures)
+		case "eligible":
+			return d.Decode(&w.Eligible)
+		}
+		if p, ok := strs[key]; ok {
+			return d.Decode(p)
+		}
+		return d.Skip()
+	})
+}
+
+// DecodeMsgpack reads a pool map of POOL_LIST.
+func (p *Pool) DecodeMsgpack(d *msgpack.Decoder) error {
+	*p = Pool{}
+	return decodeMap(d, func(key string) error {
+		switch key {
+		case "name":
+			return d.Decode(&p.Name)
+		case "model":
+			return d.Decode(&p.Model)
+		case "block_size":
+			return decodeU32(d, &p.BlockSize)
+		case "hash_lookahead_tokens":
+			return decodeU32(d, &p.HashLookaheadTokens)
+		case "offload_chunk_blocks":
+			return decodeU32(d, &p.OffloadChunkBlocks)
+		case "policy":
+			return d.Decode(&p.Policy)
+		case "params":
+			return d.Decode(&p.Params)
+		}
+		return d.Skip()
+	})
+}
+
+// decodeMap reads a map, handing each key to field, which reads the key's value (skips it, for a
+// key it does not know). nil reads as an empty map.
+func decodeMap(d *msgpack.Decoder, field func(key string) error) error {
+	n, err := d.DecodeMapLen()
+	if err != nil {
+		return err
+	}
+	for i := 0; i < n; i++ {
+		key, err := d.DecodeString()
+		if err != nil {
+			return err
+		}
+		if err := field(key); err != nil {
+			return fmt.Errorf("%s: %w", key, err)
+		}
+	}
+	return nil
+}
+
 // decodeInt reads an int in lo..hi (nil: 0, as for an absent field). msgpack's own decoding
 // into a sized integer wraps a negative or wider value into range, where it would pass for
 // another one.
@@ -594,6 +720,24 @@ func decodeOptionalU32(d *msgpack.Decoder, p **uint32) error {
 	}
 	v := new(uint32)
 	if err := decodeU32(d, v); err != nil {
+		return err
+	}
+	*p = v
+	return nil
+}
+
+// decodeOptionalU64 leaves *p nil for nil, else points it at the u64 read.
+func decodeOptionalU64(d *msgpack.Decoder, p **uint64) error {
+	c, err := d.PeekCode()
+	if err != nil {
+		return err
+	}
+	if c == msgpcode.Nil {
+		*p = nil
+		return d.Skip()
+	}
+	v := new(uint64)
+	if err := decodeU64(d, v); err != nil {
 		return err
 	}
 	*p = v
