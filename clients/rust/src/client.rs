@@ -174,15 +174,16 @@ fn timed_out(e: &io::Error) -> bool {
 /// the WORKERS / POOLS calls and `status` send and wait; an ERROR reply is their `Err`.
 ///
 /// Every wait is bounded by the client's timeout (`set_timeout`). A timeout (`Code::TIMEOUT`)
-/// leaves the connection usable: a blocking call gives its request up (the reply is dropped when
-/// it comes), a `wait` may be called again. A reply that cannot be read, is not of its request's
-/// type, holds another count of decisions or items than its request had routes, events, workers
-/// or pools, or answers an id that is not waiting (`Code::PARSE`, `PROTOCOL`, `TOO_LARGE`), a
-/// connection-level ERROR (id 0) and a server that goes away (`Code::CLOSED`) close the
-/// connection: later calls fail with `Code::CLOSED` until `reconnect`. For a blocking call a
-/// reply that cannot be read includes one whose decisions, items, workers, pools or status fields
-/// are not of their types; a pipelined caller gets that `Code::PARSE` from the `Reply` accessor,
-/// and the connection stays open.
+/// leaves the connection usable: a blocking call gives its request up (the reply is dropped when it
+/// comes), a `wait` may be called again, a send that timed out before any byte of its frame was
+/// written sent nothing; only a send cut off mid-frame closes the connection. A reply that cannot
+/// be read, is not of its request's type, holds another count of decisions or items than its
+/// request had routes, events, workers or pools, or answers an id that is not waiting
+/// (`Code::PARSE`, `PROTOCOL`, `TOO_LARGE`), a connection-level ERROR (id 0) and a server that goes
+/// away (`Code::CLOSED`) close the connection: later calls fail with `Code::CLOSED` until
+/// `reconnect`. For a blocking call a reply that cannot be read includes one whose decisions,
+/// items, workers, pools or status fields are not of their types; a pipelined caller gets that
+/// `Code::PARSE` from the `Reply` accessor, and the connection stays open.
 pub struct Client {
     address: String,
     stream: Option<Stream>,
@@ -242,7 +243,7 @@ impl Client {
         // A server that refuses the connection (max_connections, shutting down) writes an ERROR
         // saying why and closes, maybe before the HELLO is written: the ERROR is still read, and
         // only without one is the failed write the error.
-        let written = match self.stream.as_mut() {
+        let (_, written) = match self.stream.as_mut() {
             Some(stream) => write_before(stream, &frame, deadline),
             None => return Err(self.closed_error()),
         };
@@ -586,17 +587,19 @@ impl Client {
 
     fn send_value(&mut self, message: Value, deadline: Option<Instant>) -> Result<u64> {
         let (id, frame, message) = self.frame(message)?;
-        if remaining(deadline) == Some(Duration::ZERO) {
-            // Nothing sent yet: the stream is intact.
-            return Err(Error::new(Code::TIMEOUT, "send timed out before any byte was sent"));
-        }
-        self.next_id += 1;
         let stream = match self.stream.as_mut() {
             Some(s) => s,
             None => return Err(self.closed_error()),
         };
-        let written = write_before(stream, &frame, deadline);
-        if let Err(e) = written {
+        let (written, result) = write_before(stream, &frame, deadline);
+        if written > 0 {
+            self.next_id += 1;
+        }
+        if let Err(e) = result {
+            if written == 0 && timed_out(&e) {
+                // Nothing sent: the stream is intact, and the id is left for the next request.
+                return Err(Error::new(Code::TIMEOUT, "send timed out before any byte was sent"));
+            }
             // Part of the frame may be out: the stream cannot be continued.
             let err = if timed_out(&e) {
                 Error::new(Code::TIMEOUT, "send timed out; connection closed mid-frame")
@@ -750,27 +753,34 @@ const WRITE_CHUNK: usize = 64 << 10;
 
 /// Write all of `bytes` before `deadline` (None: no limit), each write given only what is left of
 /// the time, so a server that drains the frame slowly cannot stretch the send past the deadline.
+/// Returns how many bytes were written, with the error that stopped it short of all of them.
 fn write_before(
     stream: &mut Stream,
-    mut bytes: &[u8],
+    bytes: &[u8],
     deadline: Option<Instant>,
-) -> io::Result<()> {
-    while !bytes.is_empty() {
+) -> (usize, io::Result<()>) {
+    let mut written = 0;
+    while written < bytes.len() {
         let left = remaining(deadline);
         if left == Some(Duration::ZERO) {
-            return Err(io::Error::new(io::ErrorKind::TimedOut, "the deadline passed"));
+            let e = io::Error::new(io::ErrorKind::TimedOut, "the deadline passed");
+            return (written, Err(e));
         }
-        stream.set_timeouts(left)?;
-        match stream.write(&bytes[..bytes.len().min(WRITE_CHUNK)]) {
+        if let Err(e) = stream.set_timeouts(left) {
+            return (written, Err(e));
+        }
+        let end = bytes.len().min(written + WRITE_CHUNK);
+        match stream.write(&bytes[written..end]) {
             Ok(0) => {
-                return Err(io::Error::new(io::ErrorKind::WriteZero, "the socket took nothing"))
+                let e = io::Error::new(io::ErrorKind::WriteZero, "the socket took nothing");
+                return (written, Err(e));
             }
-            Ok(n) => bytes = &bytes[n..],
+            Ok(n) => written += n,
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
+            Err(e) => return (written, Err(e)),
         }
     }
-    Ok(())
+    (written, Ok(()))
 }
 
 /// Time left before `deadline`: None for no deadline, ZERO once it passed.

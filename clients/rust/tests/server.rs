@@ -884,3 +884,73 @@ fn connect_timeout_bounds_a_full_listen_queue() {
     assert!(took < Duration::from_secs(3), "took {:?}", took);
     assert!(r.is_err(), "a server that does not accept is not connected");
 }
+
+/// A fake server that takes the connection and the HELLO, then reads nothing more until `go`
+/// says so; from then on it answers each STATUS with a STATUS_REPLY, until the client closes.
+fn stalled_server(dir: &TempDir, go: std::sync::mpsc::Receiver<()>) -> String {
+    let path = dir.0.join("stalled.sock");
+    let listener = UnixListener::bind(&path).expect("bind");
+    thread::spawn(move || {
+        let (mut conn, _) = match listener.accept() {
+            Ok(c) => c,
+            Err(_) => return,
+        };
+        let read_message = |conn: &mut std::os::unix::net::UnixStream| {
+            let mut header = [0u8; 4];
+            conn.read_exact(&mut header).ok()?;
+            let mut payload = vec![0u8; u32::from_be_bytes(header) as usize];
+            conn.read_exact(&mut payload).ok()?;
+            Value::decode(&payload).ok()
+        };
+        if read_message(&mut conn).is_none() {
+            return;
+        }
+        let welcome = str_map(&[
+            ("type", Value::Str("WELCOME".into())),
+            ("id", Value::UInt(1)),
+            ("protocol", Value::UInt(1)),
+            ("kvmatch_version", Value::Str("fake".into())),
+        ]);
+        if conn.write_all(&frame(&welcome)).is_err() || go.recv().is_err() {
+            return;
+        }
+        while let Some(m) = read_message(&mut conn) {
+            let id = m.get("id").cloned().unwrap_or(Value::UInt(0));
+            let reply = str_map(&[
+                ("type", Value::Str("STATUS_REPLY".into())),
+                ("id", id),
+                ("kvmatch_version", Value::Str("fake".into())),
+            ]);
+            if conn.write_all(&frame(&reply)).is_err() {
+                return;
+            }
+        }
+    });
+    format!("unix:{}", path.display())
+}
+
+/// A send that times out before any byte of its frame is written (the socket's buffer is full:
+/// the server reads nothing) leaves the connection usable, as every other timeout does.
+#[test]
+fn send_timeout_before_any_byte_keeps_the_connection() {
+    let dir = TempDir::new("stalled");
+    let (go, wait) = std::sync::mpsc::channel();
+    let mut c = Client::connect(&stalled_server(&dir, wait), TIMEOUT).expect("connect");
+    c.set_timeout(Some(Duration::from_millis(200)));
+    // Small frames, each written whole or not at all, until the socket's buffer is full.
+    let status = || str_map(&[("type", Value::Str("STATUS".into()))]);
+    let mut sent = 0;
+    let err = loop {
+        match c.send(status()) {
+            Ok(_) => sent += 1,
+            Err(e) => break e,
+        }
+        assert!(sent < 1_000_000, "the socket's buffer never filled");
+    };
+    assert_eq!(err.code, Code::TIMEOUT, "{}", err);
+    assert!(!c.is_closed(), "a send of which nothing was written closed the connection: {}", err);
+    assert_eq!(c.outstanding(), sent, "the unsent request is not waiting");
+    go.send(()).expect("the fake server");
+    c.set_timeout(TIMEOUT);
+    c.status().expect("the connection is usable after the timeout");
+}
