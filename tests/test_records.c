@@ -214,6 +214,7 @@ static void gen_decision(gen *g, km_decision_record *r)
         c->pending_prefill_tokens = gen_count(g, true);
         c->active_decode_blocks = gen_count(g, true);
         c->queued_depth_blocks = gen_count(g, true);
+        c->last_arrival = gen_count(g, true);
         c->cost = gen_real(g);
         c->eligible = km_rng_percent(&g->rng, 80);
     }
@@ -426,7 +427,7 @@ static void check_decision_line(const char *line, size_t len, const km_decision_
     for (size_t i = 0; i < r->n_candidates; i++) {
         const km_record_candidate *c = &r->candidates[i];
         json_t *j = json_array_get(cs, i);
-        expect_keys(j, 13);
+        expect_keys(j, 14);
         expect_string(j, "worker", c->worker);
         expect_string(j, "state", c->state);
         expect_int(j, "depth_blocks", c->depth_blocks);
@@ -438,6 +439,7 @@ static void check_decision_line(const char *line, size_t len, const km_decision_
         expect_int(j, "pending_prefill_tokens", c->pending_prefill_tokens);
         expect_int(j, "active_decode_blocks", c->active_decode_blocks);
         expect_int(j, "queued_depth_blocks", c->queued_depth_blocks);
+        expect_int(j, "last_arrival", c->last_arrival);
         expect_real(j, "cost", c->cost);
         KM_CHECK(json_is_boolean(member(j, "eligible")) &&
                      json_is_true(member(j, "eligible")) == c->eligible,

@@ -5150,3 +5150,91 @@ Test(server, a_prompt_being_prefilled_draws_the_same_prompt_to_its_worker, .time
     json_decref(all);
     srv_cleanup(&s);
 }
+
+/* Every decision record carries each candidate's last arrival: the number of routes this instance
+ * had begun when it last sent that worker one. A ttft decision chooses, among the candidates whose
+ * cost is within spread_ms of the lowest, the one with the smallest, and says `spread` when the
+ * lowest-cost one was passed over: checked on the records alone. */
+Test(server, decision_records_carry_the_last_arrivals_the_spread_chose_by, .timeout = 30)
+{
+    srv s = {0};
+    km_server_config cfg;
+    test_config(&cfg, &s, KM_POLICY_TTFT, 0);
+    km_server_worker ws[3] = {{0, "e0", KM_SERVER_LOCAL_EVENTS, NULL, false, 0, NULL},
+                              {1, "e1", KM_SERVER_LOCAL_EVENTS, NULL, false, 0, NULL},
+                              {2, "e2", KM_SERVER_LOCAL_EVENTS, NULL, false, 0, NULL}};
+    g_pool.workers = ws;
+    g_pool.n_workers = 3;
+    srv_start(&s, &cfg);
+    km_client *c = connect_client(&s);
+    enum { ROUTES = 12 };
+    uint64_t ids[ROUTES];
+    uint32_t chosen[ROUTES];
+    for (uint32_t k = 0; k < ROUTES; k++) {
+        /* distinct prompts, cold everywhere; the first is two blocks longer, so its worker's queue
+         * stays the longest by a fraction of a millisecond while its arrival is the oldest */
+        char name[16];
+        snprintf(name, sizeof name, "r%u", k);
+        km_route_request r = prefix_route(name, (k == 0 ? 18 : 16) * BS);
+        for (uint32_t t = 0; t < r.n_tokens; t++)
+            g_tokens[t] = 1000000u * (k + 1) + t;
+        r.brief = false;
+        km_message reply;
+        const km_route_decision *d = route_one(c, &r, &reply);
+        cr_assert_eq(d->status, KM_OK, "%s", d->message);
+        ids[k] = d->decision_id;
+        chosen[k] = d->chosen_worker;
+    }
+    km_client_close(c);
+    srv_stop(&s);
+
+    bool checked = false;
+    check_schema(&s, &checked);
+    json_t *all = read_records(&s);
+    uint64_t last[3] = {0, 0, 0}; /* each worker's last arrival before decision k */
+    uint32_t spreads = 0;
+    for (uint32_t k = 0; k < ROUTES; k++) {
+        json_t *rec = find_record(all, "decision", (int64_t)ids[k]);
+        cr_assert(rec, "decision %u has no record", k);
+        json_t *cands = json_object_get(rec, "candidates");
+        double lowest = INFINITY, chosen_cost = NAN;
+        uint64_t chosen_arrival = 0;
+        size_t i;
+        json_t *row;
+        json_array_foreach(cands, i, row)
+        {
+            const char *w = json_string_value(json_object_get(row, "worker"));
+            uint32_t wi = (uint32_t)(w[1] - '0');
+            json_t *arrival = json_object_get(row, "last_arrival");
+            cr_assert(json_is_integer(arrival), "decision %u, %s: last_arrival", k, w);
+            cr_assert_eq((uint64_t)json_integer_value(arrival), last[wi],
+                         "decision %u, %s: last_arrival %lld, expected %llu", k, w,
+                         (long long)json_integer_value(arrival), (unsigned long long)last[wi]);
+            double cost = json_real_value(json_object_get(row, "cost"));
+            lowest = cost < lowest ? cost : lowest;
+            if (wi == chosen[k]) {
+                chosen_cost = cost;
+                chosen_arrival = last[wi];
+            }
+        }
+        cr_assert_leq(chosen_cost, lowest + 1.0, "decision %u: outside the 1 ms window", k);
+        json_array_foreach(cands, i, row)
+        {
+            double cost = json_real_value(json_object_get(row, "cost"));
+            uint64_t arrival = (uint64_t)json_integer_value(json_object_get(row, "last_arrival"));
+            cr_assert(cost > lowest + 1.0 || arrival >= chosen_arrival,
+                      "decision %u: a worker within the window came before the chosen one", k);
+        }
+        const char *reason =
+            json_string_value(json_object_get(json_object_get(rec, "decision"), "reason"));
+        cr_assert(reason && (!strcmp(reason, "min_ttft") || !strcmp(reason, "spread")), "%s",
+                  reason ? reason : "null");
+        if (chosen_cost > lowest)
+            cr_assert_str_eq(reason, "spread", "decision %u: a costlier worker chosen", k);
+        spreads += !strcmp(reason, "spread");
+        last[chosen[k]] = k + 1;
+    }
+    cr_assert_gt(spreads, 0, "no decision spread: the window went untested");
+    json_decref(all);
+    srv_cleanup(&s);
+}

@@ -143,6 +143,9 @@ typedef struct km_record_candidate {
     /* depth_blocks extended by the blocks prefills queued on it will store (km_active_queued_depth);
      * absent (null) where the pool keeps no queued prefixes */
     int64_t queued_depth_blocks;
+    /* this instance's arrival count at the worker's latest arrival (km_active_last_arrival): a
+     * larger value is a later arrival; 0 = none seen */
+    int64_t last_arrival;
     double cost;                       /* the policy's cost (lower is better); NAN = null */
     bool eligible;                     /* could be chosen: healthy, breaker not open (init: true) */
 } km_record_candidate;

@@ -541,6 +541,7 @@ static void record_decision(km_server *s, const route_job *r, const pool *p, bat
         if (queues_prefixes(p))
             row->queued_depth_blocks =
                 (int64_t)(pc->queued_depth > pc->depth ? pc->queued_depth : pc->depth);
+        row->last_arrival = pc->last_arrival > INT64_MAX ? INT64_MAX : (int64_t)pc->last_arrival;
         row->cost = b->costs[i];
         row->eligible = i < c->n_eligible;
     }

@@ -100,6 +100,7 @@ void km_record_candidate_init(km_record_candidate *c)
     c->pending_prefill_tokens = KM_RECORD_ABSENT;
     c->active_decode_blocks = KM_RECORD_ABSENT;
     c->queued_depth_blocks = KM_RECORD_ABSENT;
+    c->last_arrival = KM_RECORD_ABSENT;
     c->cost = NAN;
     c->eligible = true;
 }
@@ -745,6 +746,7 @@ int km_decision_record_format(const km_decision_record *r, char **line, size_t *
         put_count(&b, "pending_prefill_tokens", c->pending_prefill_tokens, false);
         put_count(&b, "active_decode_blocks", c->active_decode_blocks, false);
         put_count(&b, "queued_depth_blocks", c->queued_depth_blocks, false);
+        put_count(&b, "last_arrival", c->last_arrival, false);
         put_real(&b, "cost", c->cost);
         put_bool(&b, "eligible", c->eligible);
         close_container(&b, '}');
