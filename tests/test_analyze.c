@@ -57,7 +57,10 @@ typedef struct decision_spec {
     cand_spec cands[8];
     int eligible[8]; /* ELIGIBLE_* of each cands[] row; ELIGIBLE_FALSE writes cost null, as the
                       * server does */
+    int unweighed[8]; /* an eligible row written with cost null (the policy left it out) */
     int n_cands;
+    const char *reason; /* decision.reason; NULL = "min_cost" */
+    int null_reason;    /* decision.reason null instead */
 } decision_spec;
 
 typedef struct outcome_spec {
@@ -127,7 +130,9 @@ static json_t *make_decision(const decision_spec *d)
                                   worker_depth(d->owner, d->owner_state, d->owner_blocks)));
     json_object_set_new(
         o, "decision",
-        json_pack("{ss ss so sb s{ss sf ss}}", "policy", d->policy, "reason", "min_cost", "chosen",
+        json_pack("{ss so so sb s{ss sf ss}}", "policy", d->policy, "reason",
+                  d->null_reason ? json_null() : json_string(d->reason ? d->reason : "min_cost"),
+                  "chosen",
                   worker_depth(d->chosen, d->chosen_state, d->chosen_blocks), "owner_is_chosen",
                   d->owner && !strcmp(d->owner, d->chosen), "load", "kind", "in_flight", "value",
                   1.0, "scope", "this_instance"));
@@ -142,8 +147,9 @@ static json_t *make_decision(const decision_spec *d)
                                 "pending_prefill_tokens", "active_decode_blocks");
         if (d->eligible[i] != ELIGIBLE_ABSENT)
             json_object_set_new(row, "eligible", json_boolean(d->eligible[i] == ELIGIBLE_TRUE));
-        json_object_set_new(row, "cost",
-                            d->eligible[i] == ELIGIBLE_FALSE ? json_null() : json_real(0.5));
+        json_object_set_new(row, "cost", d->eligible[i] == ELIGIBLE_FALSE || d->unweighed[i]
+                                             ? json_null()
+                                             : json_real(0.5));
         json_array_append_new(cands, row);
     }
     json_object_set_new(o, "candidates", cands);
@@ -534,6 +540,23 @@ Test(analyze, json_report_parses_with_the_same_numbers, .timeout = 20)
     cr_expect_eq(json_count(policy, NULL, "overridden_unpredicted"), 0);
     json_t *worker = json_array_get(json_object_get(root, "workers"), 0);
     cr_expect_eq(json_count(worker, NULL, "dispatched_by_override"), 0);
+    /* the decision reasons, row by row as the summary has them */
+    const km_analysis_summary *s = km_analysis_summary_get(a);
+    json_t *reasons = json_object_get(root, "reasons");
+    cr_assert_eq(json_array_size(reasons), s->n_reasons);
+    cr_assert_gt(s->n_reasons, 0);
+    for (size_t k = 0; k < s->n_reasons; k++) {
+        json_t *row = json_array_get(reasons, k);
+        cr_expect_str_eq(json_string_value(json_object_get(row, "policy")), s->reasons[k].policy);
+        cr_expect_str_eq(json_string_value(json_object_get(row, "reason")), s->reasons[k].reason);
+        cr_expect_eq(json_count(row, NULL, "decisions"), (int64_t)s->reasons[k].decisions);
+        cr_expect_eq(json_count(row, NULL, "owner_not_chosen"),
+                     (int64_t)s->reasons[k].owner_not_chosen);
+        cr_expect_eq(json_count(row, NULL, "owner_not_weighed"),
+                     (int64_t)s->reasons[k].owner_not_weighed);
+        cr_expect_eq(json_count(row, NULL, "given_up_tokens"),
+                     (int64_t)s->reasons[k].given_up_tokens);
+    }
     json_decref(root);
     km_text_free(&text);
     km_analysis_destroy(a);
@@ -1685,6 +1708,13 @@ Test(analyze, random_records_match_brute_force, .timeout = 120)
                 memcpy(s->cands, rows, sizeof rows[0] * (size_t)n_rows);
                 n_eligible = s->n_cands - n_ineligible;
             }
+            /* the policy's reason, and eligible rows the policy left out (cost null) */
+            static const char *const reasons[3] = {"min_cost", "spread", "sampled"};
+            uint32_t pick = km_rng_below(&rng, 4);
+            s->null_reason = pick == 3;
+            s->reason = pick < 3 ? reasons[pick] : NULL;
+            for (int c = 0; c < n_eligible; c++)
+                s->unweighed[c] = km_rng_percent(&rng, 25);
             /* the chosen one is eligible; an ineligible owner holds strictly more than every
              * eligible row (the first deepest row below) */
             const cand_spec *chosen = &s->cands[km_rng_below(&rng, (uint32_t)n_eligible)];
@@ -2059,6 +2089,62 @@ Test(analyze, random_records_match_brute_force, .timeout = 120)
                            policy_quality[strcmp(s->policies[k].policy, "kv") ? 1 : 0]);
 #undef SAME_QUALITIES
 #undef SAME_QUALITY
+        /* decisions by (policy, reason) */
+        {
+            km_analysis_reason model_reasons[2][4];
+            memset(model_reasons, 0, sizeof model_reasons);
+            for (size_t i = 0; i < n; i++) {
+                const decision_spec *ds = &d[i].spec;
+                int pol = strcmp(ds->policy, "kv") ? 1 : 0;
+                int why = ds->null_reason ? 3 : !strcmp(ds->reason, "min_cost") ? 0
+                                            : !strcmp(ds->reason, "spread")     ? 1
+                                                                                : 2;
+                km_analysis_reason *e = &model_reasons[pol][why];
+                e->decisions++;
+                if (!ds->owner || !strcmp(ds->owner, ds->chosen))
+                    continue;
+                e->owner_not_chosen++;
+                int owner_unweighed = 0, chosen_weighed = 0;
+                for (int c = 0; c < ds->n_cands; c++) {
+                    int weighed = ds->eligible[c] != ELIGIBLE_FALSE && !ds->unweighed[c];
+                    if (!strcmp(ds->cands[c].worker, ds->owner))
+                        owner_unweighed = ds->eligible[c] != ELIGIBLE_FALSE && ds->unweighed[c];
+                    if (!strcmp(ds->cands[c].worker, ds->chosen))
+                        chosen_weighed = weighed;
+                }
+                e->owner_not_weighed += owner_unweighed && chosen_weighed;
+                if (ds->owner_blocks > ds->chosen_blocks)
+                    e->given_up_tokens += (uint64_t)(ds->owner_blocks - ds->chosen_blocks) * BLOCK;
+            }
+            size_t model_rows = 0;
+            for (int pol = 0; pol < 2; pol++)
+                for (int why = 0; why < 4; why++)
+                    model_rows += model_reasons[pol][why].decisions > 0;
+            KM_CHECK(s->n_reasons == model_rows, "round %d: %zu reason rows, model %zu", round,
+                     s->n_reasons, model_rows);
+            for (size_t k = 0; k < s->n_reasons; k++) {
+                const km_analysis_reason *got = &s->reasons[k];
+                int pol = strcmp(got->policy, "kv") ? 1 : 0;
+                int why = !*got->reason                   ? 3
+                          : !strcmp(got->reason, "min_cost") ? 0
+                          : !strcmp(got->reason, "spread")   ? 1
+                                                             : 2;
+                const km_analysis_reason *e = &model_reasons[pol][why];
+                KM_CHECK(got->decisions == e->decisions &&
+                             got->owner_not_chosen == e->owner_not_chosen &&
+                             got->owner_not_weighed == e->owner_not_weighed &&
+                             got->given_up_tokens == e->given_up_tokens,
+                         "round %d: %s / %s: %" PRIu64 " %" PRIu64 " %" PRIu64 " %" PRIu64
+                         ", model %" PRIu64 " %" PRIu64 " %" PRIu64 " %" PRIu64,
+                         round, got->policy, got->reason, got->decisions, got->owner_not_chosen,
+                         got->owner_not_weighed, got->given_up_tokens, e->decisions,
+                         e->owner_not_chosen, e->owner_not_weighed, e->given_up_tokens);
+                KM_CHECK(k == 0 || strcmp(s->reasons[k - 1].policy, got->policy) < 0 ||
+                             (!strcmp(s->reasons[k - 1].policy, got->policy) &&
+                              strcmp(s->reasons[k - 1].reason, got->reason) < 0),
+                         "round %d: reason rows out of order at %zu", round, k);
+            }
+        }
         /* per worker: every row against the model, and no row the model lacks a count for */
         uint64_t model_chosen = 0, model_dispatched = 0, rows_chosen = 0, rows_dispatched = 0;
         uint64_t model_ineligible = 0, model_owned = 0, rows_ineligible = 0, rows_owned = 0;

@@ -198,6 +198,7 @@ void km_analysis_destroy(km_analysis *a)
     free(a->windows);
     free(a->policies);
     free(a->worker_stats);
+    free(a->reasons);
     free(a->time_order);
     free(a);
 }

@@ -269,6 +269,20 @@ typedef struct km_analysis_policy {
     km_analysis_quality quality;
 } km_analysis_policy;
 
+/* Decisions by the reason their policy gave (decision.reason), and what the prediction owner
+ * lost in them. */
+typedef struct km_analysis_reason {
+    const char *policy;
+    const char *reason;                /* "" when null */
+    uint64_t decisions;
+    uint64_t owner_not_chosen;         /* some worker held the first block and was not chosen */
+    uint64_t owner_not_weighed;        /* of those, the owner's candidate row is eligible with a
+                                        * null cost while the chosen worker's has one: the policy
+                                        * left the owner out (ttft's load bound) */
+    uint64_t given_up_tokens;          /* over owner_not_chosen: the owner's depth_tokens minus
+                                        * the chosen worker's (saturating) */
+} km_analysis_reason;
+
 typedef struct km_analysis_worker {
     const char *host, *pool, *worker;
     uint64_t chosen;                   /* decisions that chose it */
@@ -305,6 +319,8 @@ typedef struct km_analysis_summary {
     size_t n_windows;
     const km_analysis_policy *policies; /* by name */
     size_t n_policies;
+    const km_analysis_reason *reasons; /* by policy, then reason */
+    size_t n_reasons;
     const km_analysis_worker *workers; /* by host, pool, worker */
     size_t n_workers;
     const km_analysis_problem *invalid_lines;      /* the first max_listed */

@@ -43,6 +43,8 @@ enum {
     POINT_IN_WINDOW = 1u << 11,
     POINT_OVERRIDDEN = 1u << 12,     /* the outcome's dispatched_worker is not its worker */
     POINT_OWNER_INELIGIBLE = 1u << 13, /* the owner's candidate row says eligible false */
+    POINT_OWNER_NOT_WEIGHED = 1u << 14, /* the owner's row eligible with a null cost, the chosen
+                                         * worker's with a cost */
 };
 
 typedef struct point {
@@ -64,6 +66,7 @@ typedef struct point {
     uint64_t decision_line, outcome_line;
     uint32_t decision_file, outcome_file;
     uint32_t host, pool, instance, policy;
+    uint32_t reason;          /* decision.reason (string id); NONE = null */
     uint32_t worker;          /* chosen worker (worker table id) */
     uint32_t copy_worker;     /* the outcome's worker */
     uint32_t dispatched;      /* the outcome's dispatched_worker (worker table id, the outcome's
@@ -144,6 +147,7 @@ struct km_analysis {
     size_t n_windows;
     km_analysis_policy *policies;
     km_analysis_worker *worker_stats;
+    km_analysis_reason *reasons;
     uint32_t *time_order; /* decision points by time, for the charts */
     size_t n_time_order;
     int64_t min_time_ns;

@@ -216,7 +216,8 @@ static point *new_point(km_analysis *a, uint32_t *index)
     *index = (uint32_t)a->n_points;
     point *p = &a->points[a->n_points++];
     memset(p, 0, sizeof *p);
-    p->worker = p->copy_worker = p->dispatched = p->owner_name = p->policy = NONE;
+    p->worker = p->copy_worker = p->dispatched = p->owner_name = p->policy =
+        p->reason = NONE;
     p->decision_prompt = p->outcome_prompt = p->actual = p->ttft_ns = p->in_flight = -1;
     p->dispatched_predicted = -1;
     p->router_ttft_ms = -1;
@@ -416,12 +417,18 @@ static int take_decision(km_analysis *a, json_t *root, uint32_t file, uint64_t l
         return invalid_field(e, "decision.chosen.", "depth_tokens",
                              "exceeds prediction.owner.depth_tokens (the owner holds the deepest "
                              "match)");
+    /* the policy's reason: null or absent counts as none */
+    json_t *reason_value = json_object_get(decision, "reason");
+    if (reason_value && !json_is_null(reason_value) && !json_is_string(reason_value))
+        return invalid_field(e, "decision.", "reason", "expected a string or null");
+    const char *reason = json_string_value(reason_value);
     json_t *candidates = json_object_get(root, "candidates");
     if (!candidates || !json_is_array(candidates))
         return invalid_field(e, "", "candidates", candidates ? "expected an array" : "missing");
     size_t n_candidates = json_array_size(candidates);
     int64_t chosen_in_flight = -1;
     int owner_row_seen = 0, owner_ineligible = 0, any_ineligible = 0;
+    int chosen_row_seen = 0, chosen_weighed = 0, owner_unweighed = 0;
     for (size_t i = 0; i < n_candidates; i++) {
         json_t *cand = json_array_get(candidates, i);
         char prefix[64];
@@ -441,11 +448,16 @@ static int take_decision(km_analysis *a, json_t *root, uint32_t file, uint64_t l
             return invalid_field(e, prefix, "eligible", "expected a boolean");
         int ineligible = eligible && json_is_false(eligible);
         any_ineligible |= ineligible;
-        if (!strcmp(name, chosen.worker) && chosen_in_flight < 0)
+        json_t *cost = json_object_get(cand, "cost");
+        if (!strcmp(name, chosen.worker) && !chosen_row_seen) {
+            chosen_row_seen = 1;
             chosen_in_flight = in_flight;
+            chosen_weighed = json_is_number(cost);
+        }
         if (owner.worker && !owner_row_seen && !strcmp(name, owner.worker)) {
             owner_row_seen = 1;
             owner_ineligible = ineligible;
+            owner_unweighed = !ineligible && json_is_null(cost);
         }
     }
 
@@ -482,9 +494,11 @@ static int take_decision(km_analysis *a, json_t *root, uint32_t file, uint64_t l
     uint32_t pool = km_analysis_intern_cstr(&a->strings, c.pool);
     uint32_t instance = km_analysis_intern_cstr(&a->strings, c.instance);
     uint32_t policy_id = km_analysis_intern_cstr(&a->strings, policy);
+    uint32_t reason_id = reason ? km_analysis_intern_cstr(&a->strings, reason) : NONE;
     uint32_t chosen_id = host == NONE || pool == NONE ? NONE
                                                       : worker_id(a, NONE, host, pool, chosen.worker);
-    if (instance == NONE || policy_id == NONE || chosen_id == NONE)
+    if (instance == NONE || policy_id == NONE || chosen_id == NONE ||
+        (reason && reason_id == NONE))
         return km_analysis_fail_memory(a, "interning names");
     p->flags |= POINT_DECISION | (events ? POINT_EVENTS : POINT_APPROX);
     p->time_ns = c.monotonic_ns;
@@ -500,6 +514,7 @@ static int take_decision(km_analysis *a, json_t *root, uint32_t file, uint64_t l
     p->pool = pool;
     p->instance = instance;
     p->policy = policy_id;
+    p->reason = reason_id;
     p->worker = chosen_id;
     if (owner.worker) {
         p->flags |= POINT_OWNER;
@@ -507,6 +522,8 @@ static int take_decision(km_analysis *a, json_t *root, uint32_t file, uint64_t l
             p->flags |= POINT_OWNER_NOT_CHOSEN;
         if (owner_ineligible)
             p->flags |= POINT_OWNER_INELIGIBLE;
+        if (owner_unweighed && chosen_weighed && strcmp(owner.worker, chosen.worker))
+            p->flags |= POINT_OWNER_NOT_WEIGHED;
         p->owner_name = km_analysis_intern_cstr(&a->strings, owner.worker);
         if (p->owner_name == NONE)
             return km_analysis_fail_memory(a, "interning names");

@@ -74,6 +74,63 @@ static int compare_policies(const void *x, const void *y)
     return strcmp(((const km_analysis_policy *)x)->policy, ((const km_analysis_policy *)y)->policy);
 }
 
+static int compare_reasons(const void *x, const void *y)
+{
+    const km_analysis_reason *p = x, *q = y;
+    int c = strcmp(p->policy, q->policy);
+    return c ? c : strcmp(p->reason, q->reason);
+}
+
+/* Decisions by (policy, reason): a->reasons, sorted. A map from the pair's string ids to its row
+ * keeps this linear in the decisions, however many distinct reasons the records name. */
+static int build_reasons(km_analysis *a, size_t *n_out)
+{
+    km_u64map rows;
+    km_u64map_init(&rows, &a->memory);
+    size_t n = 0, capacity = 0;
+    int rc = KM_OK;
+    for (size_t i = 0; i < a->n_points && rc == KM_OK; i++) {
+        const point *p = &a->points[i];
+        if ((p->flags & POINT_MERGED_AWAY) || !(p->flags & POINT_DECISION))
+            continue;
+        uint64_t key = km_u64map_key((uint64_t)p->policy << 32 | p->reason);
+        uint64_t *at = km_u64map_find(&rows, key);
+        km_analysis_reason *row;
+        if (at) {
+            row = &a->reasons[*at];
+        } else {
+            if (n == capacity) {
+                size_t grown = capacity ? 2 * capacity : 16;
+                km_analysis_reason *more = realloc(a->reasons, grown * sizeof *more);
+                if (!more) {
+                    rc = km_analysis_fail_memory(a, "counting decision reasons");
+                    break;
+                }
+                a->reasons = more;
+                capacity = grown;
+            }
+            rc = km_u64map_put(&rows, key, n, 1);
+            if (rc != KM_OK) {
+                rc = km_analysis_fail_memory(a, "counting decision reasons");
+                break;
+            }
+            row = &a->reasons[n++];
+            *row = (km_analysis_reason){.policy = str(a, p->policy), .reason = str(a, p->reason)};
+        }
+        row->decisions++;
+        if (p->flags & POINT_OWNER_NOT_CHOSEN) {
+            row->owner_not_chosen++;
+            row->owner_not_weighed += (p->flags & POINT_OWNER_NOT_WEIGHED) != 0;
+            if (p->owner_tokens > p->predicted)
+                add_tokens(&row->given_up_tokens, (uint64_t)(p->owner_tokens - p->predicted));
+        }
+    }
+    km_u64map_free(&rows);
+    sort_items(a->reasons, n, sizeof *a->reasons, compare_reasons);
+    *n_out = n;
+    return rc;
+}
+
 static int compare_workers(const void *x, const void *y)
 {
     const km_analysis_worker *p = x, *q = y;
@@ -510,6 +567,10 @@ int km_analysis_finish(km_analysis *a)
         ws->mean_in_flight = ws->in_flight_known ? ws->mean_in_flight / (double)ws->in_flight_known : 0;
     }
     sort_items(a->worker_stats, n_workers, sizeof *a->worker_stats, compare_workers);
+    size_t n_reasons = 0;
+    rc = build_reasons(a, &n_reasons);
+    if (rc != KM_OK)
+        return rc;
 
     rc = build_windows(a);
     if (rc != KM_OK)
@@ -558,6 +619,8 @@ int km_analysis_finish(km_analysis *a)
     s->n_windows = a->n_windows;
     s->policies = a->policies;
     s->n_policies = n_policies;
+    s->reasons = a->reasons;
+    s->n_reasons = n_reasons;
     s->workers = a->worker_stats;
     s->n_workers = n_workers;
     s->invalid_lines = a->invalid.items;

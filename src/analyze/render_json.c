@@ -75,6 +75,17 @@ int km_analysis_render_json(const km_analysis *a, km_text *out)
             json_object_set_new(q, "policy", json_string(s->policies[i].policy));
         json_array_append_new(policies, q);
     }
+    json_t *reasons = json_array();
+    for (size_t i = 0; reasons && i < s->n_reasons; i++) {
+        const km_analysis_reason *why = &s->reasons[i];
+        json_array_append_new(
+            reasons, json_pack("{ss so sI sI sI sI}", "policy", why->policy, "reason",
+                               *why->reason ? json_string(why->reason) : json_null(), "decisions",
+                               (json_int_t)why->decisions, "owner_not_chosen",
+                               (json_int_t)why->owner_not_chosen, "owner_not_weighed",
+                               (json_int_t)why->owner_not_weighed, "given_up_tokens",
+                               (json_int_t)why->given_up_tokens));
+    }
     json_t *workers = json_array();
     for (size_t i = 0; workers && i < s->n_workers; i++) {
         const km_analysis_worker *w = &s->workers[i];
@@ -147,8 +158,10 @@ int km_analysis_render_json(const km_analysis *a, km_text *out)
         json_problems(s->invalid_lines, s->n_invalid_lines), "unjoined_decisions",
         json_problems(s->unjoined_decisions, s->n_unjoined_decisions), "unjoined_outcomes",
         json_problems(s->unjoined_outcomes, s->n_unjoined_outcomes));
-    if (!root)
+    if (!root || !reasons || json_object_set_new(root, "reasons", reasons)) {
+        json_decref(root);
         return KM_ERR_OUT_OF_MEMORY;
+    }
     json_object_set_new(root, "load_view",
                         json_pack("{sI sI sI sI sf}", "this_instance",
                                   (json_int_t)s->load_view.this_instance, "cluster",

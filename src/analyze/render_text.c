@@ -222,6 +222,29 @@ int km_analysis_render_text(const km_analysis *a, km_text *out)
     for (size_t i = 0; i < s->n_policies; i++)
         text_quality(out, s->policies[i].policy, &s->policies[i].quality);
 
+    km_text_printf(out, "\ndecision reasons (decision.reason; the owner not chosen, and of those "
+                        "not weighed: its row eligible with a null cost while the chosen worker's "
+                        "has one, as when ttft's load bound passes a holder over; the reuse the "
+                        "owners held beyond the chosen workers)\n");
+    for (size_t i = 0; i < s->n_reasons; i++) {
+        const km_analysis_reason *why = &s->reasons[i];
+        km_text_append_cstr(out, "  ");
+        size_t before = out->length;
+        text_name(out, why->policy);
+        km_text_append_cstr(out, " ");
+        if (*why->reason)
+            text_name(out, why->reason);
+        else
+            km_text_append_cstr(out, "(null)");
+        for (size_t shown = out->length - before; shown < 28; shown++)
+            km_text_append_cstr(out, " ");
+        km_text_printf(out,
+                       " decisions %" PRIu64 ", owner not chosen %" PRIu64 " (not weighed %" PRIu64
+                       "), reuse given up %" PRIu64 " tokens\n",
+                       why->decisions, why->owner_not_chosen, why->owner_not_weighed,
+                       why->given_up_tokens);
+    }
+
     km_text_printf(out, "\nper worker (decisions that chose it, its in_flight at those decisions; "
                         "attempts a router override sent to it; decisions it was an ineligible "
                         "candidate in, and of them those it owned the prediction in)\n");
