@@ -25,6 +25,7 @@
 #include <jansson.h>
 
 #include "analyze/analyze.h"
+#include "base/utf8.h"
 #include "test_util.h"
 
 #define BLOCK 16
@@ -2614,6 +2615,45 @@ Test(analyze, token_sums_saturate_at_the_largest_json_integer, .timeout = 20)
     cr_expect(strstr(km_text_cstr(&text), "predicted 9223372036854775807 tokens"), "%s",
               km_text_cstr(&text));
     km_text_free(&text);
+    km_analysis_destroy(a);
+    remove_dir(dir);
+}
+
+/* A policy's name is cut to fit the HTML quality table's label at a character boundary, never
+ * inside a UTF-8 sequence: the page stays well-formed UTF-8 and the label ends with the last
+ * whole character that fits. */
+Test(analyze, html_label_of_a_long_policy_name_is_cut_between_characters, .timeout = 30)
+{
+    char dir[64], path[128];
+    make_temp_dir(dir);
+    /* "kv-" and 80 three-byte characters: 243 bytes, over the label's 152 for a name, and 152
+     * falls inside a character (3 + 49 x 3 = 150). */
+    char policy[3 + 80 * 3 + 1] = "kv-";
+    for (int i = 0; i < 80; i++)
+        memcpy(policy + 3 + 3 * i, "\xe2\x82\xac", 3); /* U+20AC */
+    policy[sizeof policy - 1] = '\0';
+    FILE *f = open_in(dir, "records.jsonl", path, sizeof path);
+    decision_spec d = {.instance = "i", .id = 1, .request = "r1", .attempt = "0", .host = "h",
+                       .pool = "p", .time_ns = 10, .source = "events", .prompt = 100,
+                       .owner = "A", .owner_state = "LIVE", .owner_blocks = 2, .chosen = "A",
+                       .chosen_state = "LIVE", .chosen_blocks = 2, .policy = policy,
+                       .cands = {{"A", "LIVE", 2, 0}}, .n_cands = 1};
+    write_record(f, make_decision(&d));
+    fclose(f);
+    const char *paths[] = {path};
+    km_analysis *a = analyze_files(NULL, paths, 1);
+    km_text page;
+    km_text_init(&page, 0);
+    cr_assert_eq(km_analysis_render_html(a, &page), KM_OK);
+    const char *h = km_text_cstr(&page);
+    size_t n = strlen(h);
+    size_t bad = km_utf8_bad_offset((const unsigned char *)h, n);
+    cr_expect_eq(bad, n, "the HTML report is not UTF-8 at byte %zu: ...%.40s", bad,
+                 h + (bad > 20 ? bad - 20 : 0));
+    char label[256];
+    snprintf(label, sizeof label, "<tr><td>policy %.150s</td>", policy);
+    cr_expect(strstr(h, label), "the label holds the 49 characters that fit whole");
+    km_text_free(&page);
     km_analysis_destroy(a);
     remove_dir(dir);
 }

@@ -4,6 +4,7 @@
  * points (predicted against actual reuse, hit rate over time with the recovery windows shaded,
  * load per worker over time), the quality table and the text report, every string escaped. */
 #include "analyze/analyze_internal.h"
+#include "base/utf8.h"
 
 #include <errno.h>
 #include <inttypes.h>
@@ -446,8 +447,11 @@ int km_analysis_render_html(const km_analysis *a, km_text *out)
     html_quality_row(out, "inside recovery windows", &s->in_windows);
     html_quality_row(out, "outside recovery windows", &s->outside_windows);
     for (size_t i = 0; i < s->n_policies; i++) {
+        /* A long name is cut to fit, between characters (the text report has it whole). */
         char label[160];
-        snprintf(label, sizeof label, "policy %s", s->policies[i].policy);
+        const char *policy = s->policies[i].policy;
+        int fits = (int)km_utf8_prefix(policy, sizeof label - sizeof "policy ");
+        snprintf(label, sizeof label, "policy %.*s", fits, policy);
         html_quality_row(out, label, &s->policies[i].quality);
     }
     km_text_append_cstr(out, "</table>\n<h2>Full report</h2>\n<pre>");

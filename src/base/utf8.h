@@ -54,6 +54,23 @@ static inline size_t km_utf8_bad_offset(const unsigned char *s, size_t n)
     return n;
 }
 
+/* The length of the longest prefix of s of at most max bytes that ends between characters: a cut
+ * there never splits a well-formed UTF-8 sequence (an ill-formed byte counts as one character). */
+static inline size_t km_utf8_prefix(const char *s, size_t max)
+{
+    const unsigned char *p = (const unsigned char *)s;
+    size_t n = strlen(s), i = 0;
+    while (i < n) {
+        size_t k = p[i] < 0x80 ? 1 : km_utf8_sequence(p + i, n - i);
+        if (!k)
+            k = 1;
+        if (i + k > max)
+            break;
+        i += k;
+    }
+    return i;
+}
+
 /* A name fit for records, /status (JSON) and /metrics (Prometheus label values): well-formed
  * UTF-8 without control characters (U+0000..U+001F, U+007F). */
 static inline bool km_utf8_name(const char *s)
