@@ -308,3 +308,30 @@ Test(trace, input_length_past_the_ids_is_refused, .timeout = 20)
     cr_assert_eq(t.n_requests, 2);
     km_trace_free(&t);
 }
+
+/* A request of input_length 0 has no prompt: an engine runs none (vLLM refuses an empty prompt),
+ * so the line is refused, naming the line and the field, as an empty hash_ids is. Replaying it
+ * would run a token that its FINISHED (prompt_tokens 0) and the workload statistics do not count.
+ * One token is a prompt. */
+Test(trace, empty_prompt_is_refused, .timeout = 20)
+{
+    static const char *const cases[] = {
+        LINE("0", "0", "[1]") LINE("5", "100", "[1]"),
+        LINE("0", "100", "[1]") LINE("5", "0", "[1, 2]"),
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        char err[256] = "", where[48];
+        snprintf(where, sizeof where, ":%zu: field \"input_length\": 0 tokens", i + 1);
+        cr_assert_eq(load_string(cases[i], NULL, err, sizeof err), KM_ERR_PARSE, "case %zu: %s",
+                     i, err);
+        cr_assert(strstr(err, where), "case %zu: %s", i, err);
+        char why[512] = "";
+        cr_assert_eq(sim_string(cases[i], why, sizeof why), KM_ERR_PARSE, "case %zu: %s", i, why);
+        cr_assert(strstr(why, where), "case %zu: %s", i, why);
+    }
+    km_trace t;
+    char err[256] = "";
+    cr_assert_eq(load_string(LINE("0", "1", "[1]"), &t, err, sizeof err), KM_OK, "%s", err);
+    cr_assert_eq(t.requests[0].input_length, 1);
+    km_trace_free(&t);
+}

@@ -220,11 +220,11 @@ static double pct(double *v, size_t n, double q)
     return v[i < n ? i : n - 1];
 }
 
-/* The request's tokens (expanded from its ids, cut to input_length, at least one) and chain
- * hashes. Only the ids the cut keeps are expanded: a long id list costs nothing past input_length. */
+/* The request's tokens (expanded from its ids, cut to input_length) and chain hashes. Only the
+ * ids the cut keeps are expanded: a long id list costs nothing past input_length. */
 static int request_tokens(run *r, const km_trace_request *q, uint32_t *n_tokens, uint32_t *n_blocks)
 {
-    if (q->n_ids == 0)
+    if (q->n_ids == 0 || q->input_length == 0)
         return KM_ERR_INVALID_ARGUMENT; /* the loader and the generator never give one */
     /* A prompt longer than the server takes is expanded only one token past its limit, enough
      * for the server to refuse the route (a route error), not the whole input_length. */
@@ -233,7 +233,7 @@ static int request_tokens(run *r, const km_trace_request *q, uint32_t *n_tokens,
     if (wel && input > (uint64_t)wel->limits.max_tokens_per_route)
         input = (uint64_t)wel->limits.max_tokens_per_route + 1;
     uint64_t used = (input + KM_SIM_TOKENS_PER_ID - 1) / KM_SIM_TOKENS_PER_ID;
-    uint32_t n_ids = used == 0 ? 1 : used < q->n_ids ? (uint32_t)used : q->n_ids;
+    uint32_t n_ids = used < q->n_ids ? (uint32_t)used : q->n_ids;
     size_t need = (size_t)n_ids * KM_SIM_TOKENS_PER_ID;
     if (need > r->cap_tokens) {
         uint32_t *t = realloc(r->tokens, need * sizeof *t);
@@ -249,8 +249,6 @@ static int request_tokens(run *r, const km_trace_request *q, uint32_t *n_tokens,
     for (uint32_t i = 0; i < n_ids; i++)
         km_trace_id_tokens(q->ids[i], KM_SIM_TOKENS_PER_ID, r->tokens + (size_t)i * KM_SIM_TOKENS_PER_ID);
     uint32_t n = input < need ? (uint32_t)input : (uint32_t)need;
-    if (n == 0)
-        n = 1;
     km_hash_config hc = {r->cfg->engine.model.block_size, NULL, NULL};
     size_t nb = 0;
     int rc = km_hash_sequence(&hc, r->tokens, n, 0, KM_NO_PARENT, NULL, r->chains, &nb);

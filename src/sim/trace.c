@@ -230,6 +230,14 @@ int km_trace_load_mooncake(const char *path, km_trace *out, char *err, size_t er
             goto done;
         }
         size_t n_ids = json_array_size(ids);
+        if (in_len == 0) {
+            /* No prompt: an engine runs none, and every count of the run would disagree. */
+            trace_error(err, err_size, "%s:%llu: field \"input_length\": 0 tokens, an engine "
+                        "runs no empty prompt", path, (unsigned long long)line_no);
+            json_decref(obj);
+            status = KM_ERR_PARSE;
+            goto done;
+        }
         if (in_len > (uint64_t)n_ids * KM_TRACE_TOKENS_PER_ID) {
             trace_error(err, err_size, "%s:%llu: field \"input_length\": %llu tokens, more than "
                         "the %zu hash_ids cover (%u tokens each)", path,

@@ -11,7 +11,7 @@
 
 typedef struct km_trace_request {
     uint64_t timestamp_ms;
-    uint32_t input_length;  /* tokens */
+    uint32_t input_length;  /* tokens, at least 1 */
     uint32_t output_length; /* tokens */
     uint32_t n_ids;
     const uint32_t *ids;    /* points into the trace's id pool */
@@ -42,8 +42,8 @@ const char *km_trace_default_path(void);
 
 /* Parse a Mooncake JSONL file (jansson). Bad lines fail the load with a message naming the line:
  * among them a timestamp earlier than the line before's (arrivals are replayed in file order), an
- * empty hash_ids, and an input_length past what the ids cover (KM_TRACE_TOKENS_PER_ID each); a
- * file without any request fails too.
+ * empty hash_ids, an input_length of 0 (no prompt) and one past what the ids cover
+ * (KM_TRACE_TOKENS_PER_ID each); a file without any request fails too.
  * Returns KM_OK, KM_ERR_IO (missing / unreadable: err says which), KM_ERR_PARSE, KM_ERR_OUT_OF_MEMORY. */
 int km_trace_load_mooncake(const char *path, km_trace *out, char *err, size_t err_size);
 void km_trace_free(km_trace *trace); /* zeroed or loaded trace; leaves it zeroed */
