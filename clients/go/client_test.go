@@ -1406,3 +1406,132 @@ func TestDecisionLoadViewOfACluster(t *testing.T) {
 		t.Fatalf("load_oldest_age_ms within the 1000 ms expiry: %v", d.LoadOldestAgeMs)
 	}
 }
+
+// rawMap encodes as a msgpack map of its keys and values in order, whatever their types and
+// repeats: the maps a real server never sends.
+type rawMap []interface{}
+
+func (m rawMap) EncodeMsgpack(e *msgpack.Encoder) error {
+	if err := e.EncodeMapLen(len(m) / 2); err != nil {
+		return err
+	}
+	for _, v := range m {
+		if err := e.Encode(v); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// fakeReplying is a fake server that answers each request with the value answer gives for it
+// (written as msgpack, its id put in by answer); nil closes the connection.
+func fakeReplying(t *testing.T, answer func(request fakeMap) interface{}) string {
+	path := filepath.Join(t.TempDir(), "fake.sock")
+	l, err := net.Listen("unix", path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { l.Close() })
+	go func() {
+		nc, err := l.Accept()
+		if err != nil {
+			return
+		}
+		defer nc.Close()
+		for {
+			var header [4]byte
+			if _, err := io.ReadFull(nc, header[:]); err != nil {
+				return
+			}
+			payload := make([]byte, binary.BigEndian.Uint32(header[:]))
+			if _, err := io.ReadFull(nc, payload); err != nil {
+				return
+			}
+			var m fakeMap
+			if msgpack.Unmarshal(payload, &m) != nil {
+				return
+			}
+			reply := answer(m)
+			if reply == nil {
+				return
+			}
+			b, err := msgpack.Marshal(reply)
+			if err != nil {
+				return
+			}
+			writeFrame(nc, b)
+		}
+	}()
+	return "unix:" + path
+}
+
+// Map entries whose key is not a str are ignored at every level of a reply, their values
+// skipped whole however deeply they nest (docs/PROTOCOL.md): the reply reads as without them.
+func TestEntriesWithKeysThatAreNotStrAreIgnored(t *testing.T) {
+	ctx := testContext(t)
+	// Keys of every other msgpack type, each with a value that nests and holds the field names.
+	odd := func() rawMap {
+		nested := []interface{}{1, rawMap{"type", "STATUS_REPLY", 5, []interface{}{"id", 9}}}
+		return rawMap{7, nested, -3, "x", nil, rawMap{"status", -1}, true, "chosen_worker",
+			1.5, []interface{}{"source"}, []byte("type"), "ERROR",
+			[]interface{}{"id", []interface{}{2}}, rawMap{"decision_id", 4},
+			rawMap{"type", rawMap{"x", 1}}, nested, &msgpack.RawMessage{0xd4, 0x01, 0x02}, 9}
+	}
+	with := func(fields ...interface{}) rawMap {
+		m := odd()[:6]
+		m = append(m, fields...)
+		return append(m, odd()[6:]...)
+	}
+	c := dialT(t, ctx, fakeReplying(t, func(m fakeMap) interface{} {
+		id := m["id"]
+		switch m["type"] {
+		case "HELLO":
+			return with("type", "WELCOME", "id", id, "protocol", 1, "kvmatch_version", "fake",
+				"limits", with("max_frame_bytes", 1<<20, "max_batch_items", 7))
+		case "ROUTE":
+			row := []interface{}{2, 1, 1, 0, 0, 0, 0, 0, nil, "LIVE", true}
+			return with("type", "DECISION", "id", id, "decisions", []interface{}{
+				with("status", 0, "decision_id", 11, "chosen_worker", 2, "source", "events",
+					"candidates", []interface{}{row})})
+		case "LIFECYCLE":
+			return with("type", "ACK", "id", id, "items", []interface{}{with("status", -15)})
+		case "WORKERS":
+			return with("type", "WORKER_LIST", "id", id, "workers", []interface{}{
+				with("pool", "p", "worker", 3, "load", with("in_flight", 4))})
+		case "POOLS":
+			return with("type", "POOL_LIST", "id", id, "pools", []interface{}{
+				with("name", "p", "block_size", 16, "params", fakeMap{"temperature": 0.5})})
+		}
+		return with("type", "STATUS_REPLY", "id", id, "connections", 6, "workers",
+			[]interface{}{with("worker", 8)})
+	}))
+	if l := c.Welcome().Limits; l.MaxFrameBytes != 1<<20 || l.MaxBatchItems != 7 {
+		t.Fatalf("limits read as %+v", l)
+	}
+	ds, err := c.Route(ctx, RouteRequest{RequestID: "a"})
+	if err != nil || ds[0].DecisionID != 11 || ds[0].ChosenWorker != 2 || ds[0].Source != "events" ||
+		len(ds[0].Candidates) != 1 || ds[0].Candidates[0].Worker != 2 {
+		t.Fatalf("a DECISION: %v %+v", err, ds)
+	}
+	items, err := c.Lifecycle(ctx, LifecycleEvent{Event: EventDispatched, DecisionID: 11})
+	if err != nil || len(items) != 1 || items[0].Status != ErrNotFound {
+		t.Fatalf("an ACK: %v %+v", err, items)
+	}
+	workers, err := c.ListWorkers(ctx, "")
+	if err != nil || len(workers) != 1 || workers[0].Worker != 3 || workers[0].Load == nil ||
+		workers[0].Load.InFlight != 4 {
+		t.Fatalf("a WORKER_LIST: %v %+v", err, workers)
+	}
+	pools, err := c.ListPools(ctx)
+	if err != nil || len(pools) != 1 || pools[0].BlockSize != 16 ||
+		pools[0].Params["temperature"] != 0.5 {
+		t.Fatalf("a POOL_LIST: %v %+v", err, pools)
+	}
+	st, err := c.Status(ctx)
+	if err != nil || st.Connections != 6 || len(st.Workers) != 1 || st.Workers[0].Worker != 8 {
+		t.Fatalf("a STATUS_REPLY: %v %+v", err, st)
+	}
+	if err := c.Err(); err != nil {
+		t.Fatalf("the connection was closed: %v", err)
+	}
+}

@@ -218,7 +218,8 @@ type Reply struct {
 	Status         StatusReply
 }
 
-// DecodeMsgpack reads a reply map. Unknown keys are skipped; a key that appears twice is refused.
+// DecodeMsgpack reads a reply map. Unknown keys are skipped, and so are entries whose key is not a
+// str; a key that appears twice is refused.
 func (r *Reply) DecodeMsgpack(d *msgpack.Decoder) error {
 	n, err := d.DecodeMapLen()
 	if err != nil {
@@ -229,9 +230,12 @@ func (r *Reply) DecodeMsgpack(d *msgpack.Decoder) error {
 	}
 	seen := make(map[string]bool, n)
 	for i := 0; i < n; i++ {
-		key, err := d.DecodeString()
+		key, ok, err := mapKey(d)
 		if err != nil {
 			return err
+		}
+		if !ok {
+			continue
 		}
 		if seen[key] {
 			return newError(ErrParse, "key %q appears twice", key)
@@ -466,10 +470,11 @@ func (c *Candidate) DecodeMsgpack(d *msgpack.Decoder) error {
 	return nil
 }
 
-// DecodeMsgpack reads a decision map. Unknown keys are skipped; a key that appears twice is
-// refused, and so is an integer field whose value is outside its type (a chosen_worker of 2^32 + 2
-// is no worker, not worker 2) and a decided one (Status OK) without decision_id, chosen_worker
-// or source (nil is absent), which would read as decision 0 on worker 0.
+// DecodeMsgpack reads a decision map. Unknown keys are skipped (and entries whose key is not a
+// str); a key that appears twice is refused, and so is an integer field whose value is outside
+// its type (a chosen_worker of 2^32 + 2 is no worker, not worker 2) and a decided one (Status
+// OK) without decision_id, chosen_worker or source (nil is absent), which would read as decision
+// 0 on worker 0.
 func (dc *Decision) DecodeMsgpack(d *msgpack.Decoder) error {
 	n, err := d.DecodeMapLen()
 	if err != nil {
@@ -486,9 +491,12 @@ func (dc *Decision) DecodeMsgpack(d *msgpack.Decoder) error {
 		"load_instances": &dc.LoadInstances}
 	seen, present := make(map[string]bool, n), make(map[string]bool, n)
 	for i := 0; i < n; i++ {
-		key, err := d.DecodeString()
+		key, ok, err := mapKey(d)
 		if err != nil {
 			return err
+		}
+		if !ok {
+			continue
 		}
 		if seen[key] {
 			return newError(ErrParse, "decision key %q appears twice", key)
@@ -539,9 +547,10 @@ func (dc *Decision) DecodeMsgpack(d *msgpack.Decoder) error {
 	return nil
 }
 
-// The other maps of replies are read key by key as well: unknown keys are skipped, and an integer
-// outside its field's type is refused, as in a decision (a max_frame_bytes of 2^32 + 4096 is no
-// limit of 4096, an ACK item's status of 2^63 no negative code).
+// The other maps of replies are read key by key as well: unknown keys (and entries whose key is
+// not a str) are skipped, and an integer outside its field's type is refused, as in a decision (a
+// max_frame_bytes of 2^32 + 4096 is no limit of 4096, an ACK item's status of 2^63 no negative
+// code).
 
 // DecodeMsgpack reads WELCOME's limits map, each limit a u32.
 func (l *Limits) DecodeMsgpack(d *msgpack.Decoder) error {
@@ -646,23 +655,43 @@ func (p *Pool) DecodeMsgpack(d *msgpack.Decoder) error {
 	})
 }
 
-// decodeMap reads a map, handing each key to field, which reads the key's value (skips it, for a
-// key it does not know). nil reads as an empty map.
+// decodeMap reads a map, handing each str key to field, which reads the key's value (skips it, for
+// a key it does not know). nil reads as an empty map.
 func decodeMap(d *msgpack.Decoder, field func(key string) error) error {
 	n, err := d.DecodeMapLen()
 	if err != nil {
 		return err
 	}
 	for i := 0; i < n; i++ {
-		key, err := d.DecodeString()
+		key, ok, err := mapKey(d)
 		if err != nil {
 			return err
+		}
+		if !ok {
+			continue
 		}
 		if err := field(key); err != nil {
 			return fmt.Errorf("%s: %w", key, err)
 		}
 	}
 	return nil
+}
+
+// mapKey reads the key of a map entry. A key that is not a str (docs/PROTOCOL.md: such entries are
+// ignored) is skipped with its value, whatever either holds, and ok is false.
+func mapKey(d *msgpack.Decoder) (key string, ok bool, err error) {
+	c, err := d.PeekCode()
+	if err != nil {
+		return "", false, err
+	}
+	if !msgpcode.IsString(c) {
+		if err := d.Skip(); err != nil {
+			return "", false, err
+		}
+		return "", false, d.Skip()
+	}
+	key, err = d.DecodeString()
+	return key, err == nil, err
 }
 
 // decodeInt reads an int in lo..hi (nil: 0, as for an absent field). msgpack's own decoding

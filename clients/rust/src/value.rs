@@ -5,11 +5,12 @@
 use std::collections::HashSet;
 use std::fmt;
 
-use serde::de::{self, Deserialize, Deserializer, MapAccess, SeqAccess, Visitor};
+use serde::de::{self, Deserialize, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 
 use crate::error::{Code, Error, Result};
 
-/// One msgpack value. Maps keep their entries in order; their keys are strings.
+/// One msgpack value. Maps keep their entries in order; their keys are strings (an entry whose key
+/// is not a str is not kept).
 #[derive(Clone, Debug, PartialEq)]
 pub enum Value {
     Nil,
@@ -357,11 +358,13 @@ impl<'de> Visitor<'de> for ValueVisitor {
             Vec::with_capacity(map.size_hint().unwrap_or(0).min(RESERVE_LIMIT));
         // Keys seen, once the map is too big for a linear scan to refuse a key given twice.
         let mut seen: Option<HashSet<String>> = None;
-        while let Some(key) = map.next_key::<Value>()? {
+        while let Some(key) = map.next_key::<MapKey>()? {
             let key = match key {
-                Value::Str(s) => s,
-                other => {
-                    return Err(de::Error::custom(format!("a map key is a {}, not a str", other.kind())))
+                MapKey::Str(s) => s,
+                MapKey::Other => {
+                    // Not a str: the entry is ignored (docs/PROTOCOL.md), its value skipped whole.
+                    map.next_value::<IgnoredAny>()?;
+                    continue;
                 }
             };
             let repeated = match seen.as_mut() {
@@ -380,6 +383,74 @@ impl<'de> Visitor<'de> for ValueVisitor {
             entries.push((key, value));
         }
         Ok(Value::Map(entries))
+    }
+}
+
+/// A map's key as read: a str, or any other value, read whole and not kept.
+enum MapKey {
+    Str(String),
+    Other,
+}
+
+struct MapKeyVisitor;
+
+impl<'de> Visitor<'de> for MapKeyVisitor {
+    type Value = MapKey;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a msgpack map key")
+    }
+
+    fn visit_str<E: de::Error>(self, v: &str) -> std::result::Result<MapKey, E> {
+        Ok(MapKey::Str(v.to_string()))
+    }
+    fn visit_string<E: de::Error>(self, v: String) -> std::result::Result<MapKey, E> {
+        Ok(MapKey::Str(v))
+    }
+    fn visit_bool<E: de::Error>(self, _: bool) -> std::result::Result<MapKey, E> {
+        Ok(MapKey::Other)
+    }
+    fn visit_i64<E: de::Error>(self, _: i64) -> std::result::Result<MapKey, E> {
+        Ok(MapKey::Other)
+    }
+    fn visit_u64<E: de::Error>(self, _: u64) -> std::result::Result<MapKey, E> {
+        Ok(MapKey::Other)
+    }
+    fn visit_f64<E: de::Error>(self, _: f64) -> std::result::Result<MapKey, E> {
+        Ok(MapKey::Other)
+    }
+    fn visit_bytes<E: de::Error>(self, _: &[u8]) -> std::result::Result<MapKey, E> {
+        Ok(MapKey::Other)
+    }
+    fn visit_unit<E: de::Error>(self) -> std::result::Result<MapKey, E> {
+        Ok(MapKey::Other)
+    }
+    fn visit_none<E: de::Error>(self) -> std::result::Result<MapKey, E> {
+        Ok(MapKey::Other)
+    }
+    fn visit_some<D: Deserializer<'de>>(self, d: D) -> std::result::Result<MapKey, D::Error> {
+        IgnoredAny::deserialize(d).map(|_| MapKey::Other)
+    }
+    // An ext value comes as a newtype of its type and data.
+    fn visit_newtype_struct<D: Deserializer<'de>>(
+        self,
+        d: D,
+    ) -> std::result::Result<MapKey, D::Error> {
+        IgnoredAny::deserialize(d).map(|_| MapKey::Other)
+    }
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> std::result::Result<MapKey, A::Error> {
+        while seq.next_element::<IgnoredAny>()?.is_some() {}
+        Ok(MapKey::Other)
+    }
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> std::result::Result<MapKey, A::Error> {
+        while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
+        Ok(MapKey::Other)
+    }
+}
+
+impl<'de> Deserialize<'de> for MapKey {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> std::result::Result<MapKey, D::Error> {
+        d.deserialize_any(MapKeyVisitor)
     }
 }
 
@@ -420,14 +491,57 @@ mod tests {
         // An array32 declaring 4 billion values in 5 bytes; a str32 of 4 GiB.
         assert!(Value::decode(&[0xdd, 0xff, 0xff, 0xff, 0xff]).is_err());
         assert!(Value::decode(&[0xdb, 0xff, 0xff, 0xff, 0xff, b'x']).is_err());
-        // A key given twice; a key that is not a string.
+        // A key given twice.
         assert!(Value::decode(&[0x82, 0xa1, b'a', 0x01, 0xa1, b'a', 0x02]).is_err());
-        assert!(Value::decode(&[0x81, 0x01, 0x02]).is_err());
         // Every byte pattern of two bytes decodes or is refused, without a panic.
         for a in 0..=255u8 {
             for b in 0..=255u8 {
                 let _ = Value::decode(&[a, b]);
             }
         }
+    }
+    #[test]
+    fn entries_whose_key_is_not_a_str_are_ignored() {
+        // Keys of every other type (int, negative int, nil, bool, float, bin, array, map, ext),
+        // each with a value that nests and holds names the reader looks for, in two maps.
+        let value = [
+            0x92, 0x01, 0x82, 0xa4, b't', b'y', b'p', b'e', 0xa1, b'x', 0x05, 0x91, 0xa2, b'i',
+            b'd',
+        ];
+        let keys: [&[u8]; 9] = [
+            &[0x07],
+            &[0xfd],
+            &[0xc0],
+            &[0xc3],
+            &[0xcb, 0x3f, 0xf8, 0, 0, 0, 0, 0, 0],
+            &[0xc4, 0x04, b't', b'y', b'p', b'e'],
+            &[0x92, 0xa2, b'i', b'd', 0x91, 0x02],
+            &[0x81, 0xa4, b't', b'y', b'p', b'e', 0x81, 0xa1, b'x', 0x01],
+            &[0xd4, 0x01, 0x02],
+        ];
+        let odd = |range: std::ops::Range<usize>| -> Vec<u8> {
+            keys[range].iter().flat_map(|k| k.iter().chain(value.iter()).copied()).collect()
+        };
+        let mut item = vec![0x80 | 10];
+        item.extend(odd(0..5));
+        item.extend_from_slice(&[0xa6, b's', b't', b'a', b't', b'u', b's', 0xf1]);
+        item.extend(odd(5..9));
+        let mut reply = vec![0x80 | 11];
+        reply.extend(odd(0..4));
+        reply.extend_from_slice(&[0xa4, b't', b'y', b'p', b'e', 0xa3, b'A', b'C', b'K']);
+        reply.extend_from_slice(&[0xa5, b'i', b't', b'e', b'm', b's', 0x91]);
+        reply.extend(item);
+        reply.extend(odd(4..9));
+        let want = Value::Map(vec![
+            ("type".into(), Value::Str("ACK".into())),
+            (
+                "items".into(),
+                Value::Array(vec![Value::Map(vec![("status".into(), Value::Int(-15))])]),
+            ),
+        ]);
+        assert_eq!(Value::decode(&reply), Ok(want), "{:x?}", reply);
+        let mut only_odd = vec![0x80 | 9];
+        only_odd.extend(odd(0..9));
+        assert_eq!(Value::decode(&only_odd), Ok(Value::Map(vec![])));
     }
 }
