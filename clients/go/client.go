@@ -16,8 +16,9 @@
 // its field's type's range included, and a decided decision without decision_id, chosen_worker
 // or source), is not of its request's type
 // (docs/PROTOCOL.md, "Reading replies"), holds another count of decisions or items than its
-// request had routes, events, workers or pools, or answers an id that is not waiting closes the
-// connection (ErrParse, ErrProtocol, ErrTooLarge); so does a connection-level ERROR (id 0) and a
+// request had routes, events, workers or pools, or answers an id that is not waiting or is no
+// uint64 (a float, even one equal to an id sent, a negative) closes the connection (ErrParse,
+// ErrProtocol, ErrTooLarge); so does a connection-level ERROR (id 0) and a
 // server that goes away (ErrClosed). Every call in flight then fails with that error, later calls
 // fail with ErrClosed, and Reconnect dials the same address again.
 package kvmatch

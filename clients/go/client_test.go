@@ -1535,3 +1535,62 @@ func TestEntriesWithKeysThatAreNotStrAreIgnored(t *testing.T) {
 		t.Fatalf("the connection was closed: %v", err)
 	}
 }
+
+// A reply's id is a uint64 (docs/PROTOCOL.md): one that is a float (even equal to the id sent), a
+// bool, a negative int, a str, an array or a map is ErrProtocol and closes the connection,
+// blocking or pipelined, and a WELCOME with such an id fails Dial the same way.
+func TestReplyIDThatIsNotARequestID(t *testing.T) {
+	ctx := testContext(t)
+	toFloat := func(id interface{}) interface{} {
+		switch v := id.(type) {
+		case int8:
+			return float64(v)
+		case uint8:
+			return float64(v)
+		case int64:
+			return float64(v)
+		case uint64:
+			return float64(v)
+		}
+		return 0.5
+	}
+	bad := []struct {
+		what string
+		id   func(id interface{}) interface{}
+	}{{"a float", toFloat}, {"a bool", func(interface{}) interface{} { return true }},
+		{"a negative", func(interface{}) interface{} { return -2 }},
+		{"a str", func(interface{}) interface{} { return "2" }},
+		{"an array", func(id interface{}) interface{} { return []interface{}{id} }},
+		{"a map", func(id interface{}) interface{} { return fakeMap{"id": id} }}}
+	for _, b := range bad {
+		for _, pipelined := range []bool{false, true} {
+			name := fmt.Sprintf("%s id (pipelined %v)", b.what, pipelined)
+			c := dialT(t, ctx, fakeReplying(t, func(m fakeMap) interface{} {
+				if m["type"] == "HELLO" {
+					return fakeMap{"type": "WELCOME", "id": m["id"], "protocol": 1,
+						"kvmatch_version": "fake"}
+				}
+				return fakeMap{"type": "ERROR", "code": -15, "message": "x", "id": b.id(m["id"])}
+			}))
+			var err error
+			if pipelined {
+				call, serr := c.SendRoute(ctx, []RouteRequest{{RequestID: "a"}})
+				if serr != nil {
+					t.Fatalf("%s: send: %v", name, serr)
+				}
+				_, err = call.Wait(ctx)
+			} else {
+				_, err = c.Route(ctx, RouteRequest{RequestID: "a"})
+			}
+			expectCode(t, err, ErrProtocol, name)
+			if c.Err() == nil {
+				t.Fatalf("%s: the connection stays open", name)
+			}
+		}
+		_, err := Dial(ctx, fakeReplying(t, func(m fakeMap) interface{} {
+			return fakeMap{"type": "WELCOME", "protocol": 1, "kvmatch_version": "fake",
+				"id": b.id(m["id"])}
+		}))
+		expectCode(t, err, ErrProtocol, b.what+" id of a WELCOME")
+	}
+}

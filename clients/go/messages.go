@@ -245,7 +245,9 @@ func (r *Reply) DecodeMsgpack(d *msgpack.Decoder) error {
 		case "type":
 			err = d.Decode(&r.Type)
 		case "id":
-			err = d.Decode(&r.ID)
+			if err := decodeReplyID(d, &r.ID); err != nil {
+				return err
+			}
 		case "code":
 			err = decodeCode(d, &r.Code)
 		case "name":
@@ -296,6 +298,31 @@ func (r *Reply) DecodeMsgpack(d *msgpack.Decoder) error {
 		}
 	}
 	return nil
+}
+
+// decodeReplyID reads a reply's id: a uint64, or nil (0: only a connection-level ERROR has none).
+// Anything else (a float, which would pass for the integer it equals, a bool, a negative int, a
+// str, a container) is ErrProtocol, which closes the connection, as an id not waiting does.
+func decodeReplyID(d *msgpack.Decoder, p *uint64) error {
+	v, err := d.DecodeInterfaceLoose()
+	if err != nil {
+		return newError(ErrParse, "id: %v", err)
+	}
+	switch n := v.(type) {
+	case nil:
+		*p = 0
+		return nil
+	case uint64:
+		*p = n
+		return nil
+	case int64:
+		if n >= 0 {
+			*p = uint64(n)
+			return nil
+		}
+	}
+	return newError(ErrProtocol, "a reply's id %.80s (%T) is not a non-negative integer",
+		fmt.Sprint(v), v)
 }
 
 func isArrayCode(c byte) bool {
