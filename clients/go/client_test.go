@@ -1594,3 +1594,66 @@ func TestReplyIDThatIsNotARequestID(t *testing.T) {
 		expectCode(t, err, ErrProtocol, b.what+" id of a WELCOME")
 	}
 }
+
+// A key twice in one map of a reply is ErrParse and closes the connection, at every level
+// (docs/PROTOCOL.md), a field's name or an unknown one, never the last value silently taken.
+func TestKeyTwiceInANestedMap(t *testing.T) {
+	ctx := testContext(t)
+	listWorkers := func(c *Client) error { _, err := c.ListWorkers(ctx, ""); return err }
+	listPools := func(c *Client) error { _, err := c.ListPools(ctx); return err }
+	status := func(c *Client) error { _, err := c.Status(ctx); return err }
+	lifecycle := func(c *Client) error {
+		_, err := c.Lifecycle(ctx, LifecycleEvent{Event: EventDispatched, DecisionID: 1})
+		return err
+	}
+	route := func(c *Client) error {
+		_, err := c.Route(ctx, RouteRequest{RequestID: "a"})
+		return err
+	}
+	row := []interface{}{2, 1, 1, 0, 0, 0, 0, 0, nil, "LIVE", true}
+	cases := []struct {
+		name  string
+		call  func(*Client) error
+		reply rawMap
+	}{
+		{"an ACK item's status", lifecycle, rawMap{"type", "ACK", "items",
+			[]interface{}{rawMap{"status", 0, "status", -15}}}},
+		{"an ACK item's unknown key", lifecycle, rawMap{"type", "ACK", "items",
+			[]interface{}{rawMap{"later", 1, "status", 0, "later", 2}}}},
+		{"a worker's worker", listWorkers, rawMap{"type", "WORKER_LIST", "workers",
+			[]interface{}{rawMap{"pool", "p", "worker", 1, "worker", 2}}}},
+		{"a worker's load's in_flight", listWorkers, rawMap{"type", "WORKER_LIST", "workers",
+			[]interface{}{rawMap{"pool", "p", "load", rawMap{"in_flight", 1, "in_flight", 2}}}}},
+		{"a pool's name", listPools, rawMap{"type", "POOL_LIST", "pools",
+			[]interface{}{rawMap{"name", "p", "block_size", 16, "name", "q"}}}},
+		{"a pool's parameter", listPools, rawMap{"type", "POOL_LIST", "pools",
+			[]interface{}{rawMap{"name", "p", "params", rawMap{"temperature", 0.5,
+				"temperature", 2.0}}}}},
+		{"a STATUS_REPLY worker's unknown key", status, rawMap{"type", "STATUS_REPLY",
+			"kvmatch_version", "fake", "workers",
+			[]interface{}{rawMap{"worker", 1, "later", 1, "later", 1}}}},
+		{"a decision's unknown key", route, rawMap{"type", "DECISION", "decisions",
+			[]interface{}{rawMap{"status", 0, "decision_id", 1, "chosen_worker", 2,
+				"source", "events", "later", 1, "later", 2, "candidates",
+				[]interface{}{row}}}}},
+	}
+	for _, tc := range cases {
+		reply := tc.reply
+		c := dialT(t, ctx, fakeReplying(t, func(m fakeMap) interface{} {
+			if m["type"] == "HELLO" {
+				return fakeMap{"type": "WELCOME", "id": m["id"], "protocol": 1,
+					"kvmatch_version": "fake"}
+			}
+			return append(rawMap{"id", m["id"]}, reply...)
+		}))
+		expectCode(t, tc.call(c), ErrParse, tc.name+" twice")
+		if c.Err() == nil {
+			t.Fatalf("%s twice: the connection stays open", tc.name)
+		}
+	}
+	_, err := Dial(ctx, fakeReplying(t, func(m fakeMap) interface{} {
+		return rawMap{"type", "WELCOME", "id", m["id"], "protocol", 1, "kvmatch_version", "fake",
+			"limits", rawMap{"max_frame_bytes", 4096, "max_frame_bytes", 1 << 20}}
+	}))
+	expectCode(t, err, ErrParse, "a WELCOME's limits.max_frame_bytes twice")
+}

@@ -575,9 +575,9 @@ func (dc *Decision) DecodeMsgpack(d *msgpack.Decoder) error {
 }
 
 // The other maps of replies are read key by key as well: unknown keys (and entries whose key is
-// not a str) are skipped, and an integer outside its field's type is refused, as in a decision (a
-// max_frame_bytes of 2^32 + 4096 is no limit of 4096, an ACK item's status of 2^63 no negative
-// code).
+// not a str) are skipped, and a key that appears twice and an integer outside its field's type are
+// refused, as in a decision (a max_frame_bytes of 2^32 + 4096 is no limit of 4096, an ACK item's
+// status of 2^63 no negative code).
 
 // DecodeMsgpack reads WELCOME's limits map, each limit a u32.
 func (l *Limits) DecodeMsgpack(d *msgpack.Decoder) error {
@@ -676,19 +676,21 @@ func (p *Pool) DecodeMsgpack(d *msgpack.Decoder) error {
 		case "policy":
 			return d.Decode(&p.Policy)
 		case "params":
-			return d.Decode(&p.Params)
+			return decodeParams(d, &p.Params)
 		}
 		return d.Skip()
 	})
 }
 
 // decodeMap reads a map, handing each str key to field, which reads the key's value (skips it, for
-// a key it does not know). nil reads as an empty map.
+// a key it does not know). A key that appears twice, a field's or not, is refused. nil reads as an
+// empty map.
 func decodeMap(d *msgpack.Decoder, field func(key string) error) error {
 	n, err := d.DecodeMapLen()
 	if err != nil {
 		return err
 	}
+	var seen map[string]bool
 	for i := 0; i < n; i++ {
 		key, ok, err := mapKey(d)
 		if err != nil {
@@ -697,10 +699,51 @@ func decodeMap(d *msgpack.Decoder, field func(key string) error) error {
 		if !ok {
 			continue
 		}
+		if seen == nil {
+			seen = make(map[string]bool)
+		}
+		if seen[key] {
+			return newError(ErrParse, "key %q appears twice", key)
+		}
+		seen[key] = true
 		if err := field(key); err != nil {
 			return fmt.Errorf("%s: %w", key, err)
 		}
 	}
+	return nil
+}
+
+// decodeParams reads a pool's params: a map of str names to numbers, nil for nil. As for the C
+// client, a name that is not a str, or that appears twice, is refused.
+func decodeParams(d *msgpack.Decoder, p *map[string]float64) error {
+	n, err := d.DecodeMapLen()
+	if err != nil || n < 0 {
+		*p = nil
+		return err
+	}
+	params := make(map[string]float64)
+	for i := 0; i < n; i++ {
+		c, err := d.PeekCode()
+		if err != nil {
+			return err
+		}
+		if !msgpcode.IsString(c) {
+			return fmt.Errorf("a parameter name must be a str, got msgpack type byte 0x%02x", c)
+		}
+		name, err := d.DecodeString()
+		if err != nil {
+			return err
+		}
+		if _, twice := params[name]; twice {
+			return newError(ErrParse, "parameter %q appears twice", name)
+		}
+		var v float64
+		if err := d.Decode(&v); err != nil {
+			return fmt.Errorf("%s: %w", name, err)
+		}
+		params[name] = v
+	}
+	*p = params
 	return nil
 }
 
