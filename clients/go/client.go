@@ -6,9 +6,11 @@
 // A Client is one connection, safe for concurrent use: many goroutines may call it at once and
 // their requests are pipelined on the connection, each reply matched to its request by id. Every
 // call takes a context.Context; its deadline or cancellation ends the call, waiting for the
-// connection's writer and writing included, and the call gives its request up (the reply, when it
-// comes, is dropped). A request none of which was written when ctx ended is not sent and the
-// connection stays usable; one cut off mid-frame closes the connection (ErrTimeout).
+// connection's writer and writing included, and the call gives its request up: it no longer
+// waits on the connection, and the reply, when it comes, is dropped (checked as any reply is
+// while at most 4096 given-up calls await theirs; the lowest ids past that are forgotten). A
+// request none of which was written when ctx ended is not sent and the connection stays usable;
+// one cut off mid-frame closes the connection (ErrTimeout).
 //
 // Errors are values. A reply of type ERROR, a decision or ACK item that failed, and the client's
 // own refusals are *Error, whose Code (a km_status code, itself an error) errors.Is can test:
@@ -68,9 +70,18 @@ type conn struct {
 
 	mu     sync.Mutex // guards the fields below
 	nextID uint64
-	calls  map[uint64]*Call
-	err    error // the final error, once the connection is closed
+	calls  map[uint64]*Call // sent, waited for, not answered yet
+	// Given up by their blocking call: the id and what its reply must be, so that a late reply is
+	// checked and dropped. At most maxAbandoned; past that the lowest ids are forgotten, and a
+	// reply to an id at or below forgotten that is not waiting is dropped unchecked.
+	abandoned map[uint64]expected
+	forgotten uint64
+	err       error // the final error, once the connection is closed
 }
+
+// maxAbandoned bounds the ids of given-up calls kept, so that a server that never answers
+// cannot make the client's memory grow with every call that times out.
+const maxAbandoned = 4096
 
 // expected is what the reply to a request must be besides an ERROR.
 type expected struct {
@@ -82,13 +93,12 @@ type expected struct {
 
 // Call is a request in flight. Wait gives its reply.
 type Call struct {
-	ID        uint64
-	c         *conn
-	expect    expected
-	done      chan struct{}
-	reply     *Reply
-	err       error
-	abandoned bool // given up by a blocking call: its reply is dropped (guarded by c.mu)
+	ID     uint64
+	c      *conn
+	expect expected
+	done   chan struct{}
+	reply  *Reply
+	err    error
 }
 
 // Dial connects to "unix:/path" or "tcp:host:port" ("tcp:[::1]:7070" for IPv6) and does the
@@ -117,7 +127,7 @@ func dial(ctx context.Context, address string) (*conn, error) {
 		return nil, fmt.Errorf("kvmatch: connect to %s: %w", address, err)
 	}
 	cn := &conn{nc: nc, maxFrame: defaultMaxFrameBytes, writeSlot: make(chan struct{}, 1), nextID: 1,
-		calls: map[uint64]*Call{}}
+		calls: map[uint64]*Call{}, abandoned: map[uint64]expected{}}
 	if err := cn.handshake(ctx); err != nil {
 		nc.Close()
 		return nil, err
@@ -282,18 +292,12 @@ func (c *Client) Err() error {
 }
 
 // Outstanding counts the requests sent whose reply has not arrived and that someone may still
-// wait for (not given up by a blocking call).
+// wait for (not given up by a blocking call, which forgets them).
 func (c *Client) Outstanding() int {
 	cn := c.conn()
 	cn.mu.Lock()
 	defer cn.mu.Unlock()
-	n := 0
-	for _, call := range cn.calls {
-		if !call.abandoned {
-			n++
-		}
-	}
-	return n
+	return len(cn.calls)
 }
 
 // ---- pipelined ----------------------------------------------------------------------------------
@@ -372,11 +376,30 @@ func (call *Call) Wait(ctx context.Context) (*Reply, error) {
 	}
 }
 
-// abandon gives the call up after its caller stopped waiting: its reply is dropped on arrival.
+// abandon gives the call up after its caller stopped waiting: it leaves the calls waiting, and its
+// reply is dropped on arrival.
 func (call *Call) abandon() {
-	call.c.mu.Lock()
-	call.abandoned = true
-	call.c.mu.Unlock()
+	cn := call.c
+	cn.mu.Lock()
+	defer cn.mu.Unlock()
+	if cn.calls[call.ID] != call {
+		return // answered meanwhile, or the connection failed
+	}
+	delete(cn.calls, call.ID)
+	cn.abandoned[call.ID] = call.expect
+	if len(cn.abandoned) <= maxAbandoned {
+		return
+	}
+	lowest := call.ID
+	for id := range cn.abandoned {
+		if id < lowest {
+			lowest = id
+		}
+	}
+	delete(cn.abandoned, lowest)
+	if lowest > cn.forgotten {
+		cn.forgotten = lowest
+	}
 }
 
 // ---- blocking -----------------------------------------------------------------------------------
@@ -642,6 +665,7 @@ func (cn *conn) fail(err error) {
 		close(call.done)
 		delete(cn.calls, id)
 	}
+	cn.abandoned = map[uint64]expected{}
 }
 
 // readReply reads one frame and decodes it, within the limits of "Reading replies".
@@ -717,27 +741,39 @@ func (cn *conn) deliver(reply *Reply) error {
 	}
 	cn.mu.Lock()
 	call, ok := cn.calls[reply.ID]
+	exp, late := cn.abandoned[reply.ID]
+	forgotten := reply.ID != 0 && reply.ID <= cn.forgotten
 	cn.mu.Unlock()
-	if !ok {
+	switch {
+	case ok:
+		exp = call.expect
+	case late:
+		// A call given up: its reply is checked, then dropped.
+		if err := checkReply(reply, exp); err != nil {
+			return err
+		}
+		cn.mu.Lock()
+		delete(cn.abandoned, reply.ID)
+		cn.mu.Unlock()
+		return nil
+	case forgotten:
+		return nil
+	default:
 		return newError(ErrProtocol, "the server answered request %d, which is not waiting for a reply", reply.ID)
 	}
-	if err := checkReply(reply, call.expect); err != nil {
+	if err := checkReply(reply, exp); err != nil {
 		return err
 	}
 	cn.mu.Lock()
-	if _, still := cn.calls[reply.ID]; !still {
-		// The connection failed meanwhile (Close from another goroutine): the call has its error.
-		cn.mu.Unlock()
+	defer cn.mu.Unlock()
+	if cn.calls[reply.ID] != call {
+		// Given up meanwhile (dropped now), or the connection failed (the call has its error).
+		delete(cn.abandoned, reply.ID)
 		return nil
 	}
 	delete(cn.calls, reply.ID)
-	if !call.abandoned {
-		call.reply = reply
-	} else {
-		call.err = newError(ErrTimeout, "the call gave its request up")
-	}
+	call.reply = reply
 	close(call.done)
-	cn.mu.Unlock()
 	return nil
 }
 

@@ -1657,3 +1657,103 @@ func TestKeyTwiceInANestedMap(t *testing.T) {
 	}))
 	expectCode(t, err, ErrParse, "a WELCOME's limits.max_frame_bytes twice")
 }
+
+// fakeHolding is a fake server that holds its replies to ROUTEs until a route of request id
+// "release" arrives, then sends every held reply in order, and the release's last.
+func fakeHolding(t *testing.T) string {
+	path := filepath.Join(t.TempDir(), "fake.sock")
+	l, err := net.Listen("unix", path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { l.Close() })
+	go func() {
+		nc, err := l.Accept()
+		if err != nil {
+			return
+		}
+		defer nc.Close()
+		var held [][]byte
+		for {
+			var header [4]byte
+			if _, err := io.ReadFull(nc, header[:]); err != nil {
+				return
+			}
+			payload := make([]byte, binary.BigEndian.Uint32(header[:]))
+			if _, err := io.ReadFull(nc, payload); err != nil {
+				return
+			}
+			var m fakeMap
+			if msgpack.Unmarshal(payload, &m) != nil {
+				return
+			}
+			if m["type"] == "HELLO" {
+				b, _ := msgpack.Marshal(fakeMap{"type": "WELCOME", "id": m["id"], "protocol": 1,
+					"kvmatch_version": "fake"})
+				writeFrame(nc, b)
+				continue
+			}
+			routes, _ := m["routes"].([]interface{})
+			release := false
+			decisions := []interface{}{}
+			for _, r := range routes {
+				route, _ := r.(fakeMap)
+				release = release || route["request_id"] == "release"
+				decisions = append(decisions, fakeMap{"status": 0, "decision_id": 1,
+					"chosen_worker": 2, "source": "events"})
+			}
+			b, _ := msgpack.Marshal(fakeMap{"type": "DECISION", "id": m["id"],
+				"decisions": decisions})
+			held = append(held, b)
+			if !release {
+				continue
+			}
+			for _, b := range held {
+				if _, err := writeFrame(nc, b); err != nil {
+					return
+				}
+			}
+			held = held[:0]
+		}
+	}()
+	return "unix:" + path
+}
+
+// A call given up by its caller leaves the calls waiting at once, so a server that never answers
+// cannot make them grow; the late replies, when they come, are dropped without error and the
+// connection goes on.
+func TestGivenUpCallsAreForgotten(t *testing.T) {
+	ctx := testContext(t)
+	c := dialT(t, ctx, fakeHolding(t))
+	short, cancel := context.WithTimeout(ctx, 50*time.Millisecond)
+	_, err := c.Route(short, RouteRequest{RequestID: "slow"})
+	cancel()
+	if !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("expected the deadline, got %v", err)
+	}
+	gone, cancelGone := context.WithCancel(ctx)
+	cancelGone()
+	for i := 0; i < maxAbandoned+10; i++ {
+		call, err := c.SendRoute(ctx, []RouteRequest{{RequestID: fmt.Sprintf("r%d", i)}})
+		if _, err := do(gone, call, err); !errors.Is(err, context.Canceled) {
+			t.Fatalf("call %d: expected it given up, got %v", i, err)
+		}
+	}
+	cn := c.conn()
+	cn.mu.Lock()
+	waiting, kept := len(cn.calls), len(cn.abandoned)
+	cn.mu.Unlock()
+	if waiting != 0 || c.Outstanding() != 0 {
+		t.Fatalf("%d calls given up are still waiting (Outstanding %d)", waiting, c.Outstanding())
+	}
+	if kept > maxAbandoned {
+		t.Fatalf("%d ids of given-up calls kept, more than %d", kept, maxAbandoned)
+	}
+	ds, err := c.Route(ctx, RouteRequest{RequestID: "release"})
+	if err != nil || len(ds) != 1 || ds[0].ChosenWorker != 2 {
+		t.Fatalf("the route after the late replies: %v %+v", err, ds)
+	}
+	if err := c.Err(); err != nil {
+		t.Fatalf("a late reply closed the connection: %v", err)
+	}
+}
