@@ -3,11 +3,14 @@
  * (`version` with an argument, `follow`'s endpoints), and every long option of a command is in
  * its man page. The binary is $KM_BIN, else build/kvmatch; every run is bounded by a timeout and
  * nothing leaves loopback. */
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
+#include "kv_test_publisher.h"
 #include "test_util.h"
 
 static const char *kvmatch_bin(void)
@@ -52,6 +55,9 @@ Test(cli, follow_refuses_bad_endpoints_as_usage_errors, .timeout = 60)
         {"--endpoint 0=tcp://127.0.0.1:1,", "\"0=tcp://127.0.0.1:1,\""},
         {"--endpoint 0=tcp://127.0.0.1:1 --endpoint 0=tcp://127.0.0.1:2", "worker 0"},
         {"--endpoint 0=garbage", "garbage"},
+        {"--endpoint 0=tcp://127.0.0.1:1 --max-events-per-batch 0", "--max-events-per-batch"},
+        {"--endpoint 0=tcp://127.0.0.1:1 --max-payload-bytes 4294967296", "--max-payload-bytes"},
+        {"--endpoint 0=tcp://127.0.0.1:1 --max-string-bytes x", "--max-string-bytes"},
     };
     char out[4096];
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
@@ -113,5 +119,114 @@ Test(cli, every_long_option_is_in_its_man_page, .timeout = 30)
         cr_expect_gt(options, 0, "no option table found in %s", src_path);
         free(src);
         free(man);
+    }
+}
+
+/* `kvmatch follow` on the publisher (worker 0, its replay endpoint too), block size 1, status
+ * every second, with `extra` options (NULL-terminated), stdout and stderr on a pipe. */
+static pid_t follow_spawn(km_test_publisher *pub, const char *const *extra, FILE **out)
+{
+    static char endpoint[600];
+    snprintf(endpoint, sizeof endpoint, "0=%s,%s", km_test_publisher_endpoint(pub),
+             km_test_publisher_replay_endpoint(pub));
+    const char *argv[32] = {kvmatch_bin(), "follow", "--endpoint", endpoint, "--status-s", "1",
+                            "--block-size", "1"};
+    size_t n = 8;
+    for (; extra && *extra && n + 1 < sizeof argv / sizeof argv[0]; extra++)
+        argv[n++] = *extra;
+    argv[n] = NULL;
+    int fds[2];
+    cr_assert_eq(pipe(fds), 0);
+    int parent = getpid();
+    pid_t pid = fork();
+    cr_assert(pid >= 0);
+    if (pid == 0) {
+        km_test_die_with_parent(parent);
+        dup2(fds[1], 1);
+        dup2(fds[1], 2);
+        close(fds[0]);
+        close(fds[1]);
+        execv(argv[0], (char *const *)argv);
+        _exit(127);
+    }
+    close(fds[1]);
+    *out = fdopen(fds[0], "r");
+    cr_assert(*out);
+    return pid;
+}
+
+/* Read lines until one holds every string of `what` (NULL-terminated); that line in `line`. */
+static bool follow_line(FILE *f, const char *const *what, char *line, size_t size)
+{
+    while (fgets(line, (int)size, f)) {
+        bool all = true;
+        for (const char *const *w = what; *w && all; w++)
+            all = strstr(line, *w) != NULL;
+        if (all)
+            return true;
+    }
+    return false;
+}
+
+static int follow_end(pid_t pid, FILE *f)
+{
+    kill(pid, SIGTERM);
+    char line[4096];
+    while (fgets(line, sizeof line, f))
+        ;
+    fclose(f);
+    int status = 0;
+    cr_assert_eq(waitpid(pid, &status, 0), pid);
+    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+/* One engine step of 70,000 one-token blocks between two small messages: `follow` names the
+ * decoder's reason (the limit, max_events_per_batch) in its status line and its log, and with
+ * --max-events-per-batch raised it applies the step. */
+Test(cli, follow_names_why_a_message_did_not_decode_and_takes_raised_limits, .timeout = 90)
+{
+    km_test_publisher_config pc;
+    km_test_publisher_config_init(&pc);
+    pc.replay = true;
+    for (int run = 0; run < 2; run++) {
+        km_test_publisher *pub = NULL;
+        cr_assert_eq(km_test_publisher_start(&pc, &pub), KM_OK);
+        const char *const raised[] = {"--max-events-per-batch", "70000", NULL};
+        FILE *out;
+        pid_t pid = follow_spawn(pub, run ? raised : NULL, &out);
+        cr_assert(km_test_publisher_wait_subscribers(pub, 1, 10000), "follow never subscribed");
+        km_test_batch b;
+        km_test_batch_init(&b, KM_TEST_ENCODING_POSITIONAL, KM_TEST_HASH_INT, 0);
+        uint32_t token = 7;
+        uint64_t hash = 1;
+        km_test_batch_stored(&b, &hash, 1, false, 0, &token, 1, NULL, NULL);
+        km_test_publisher_publish_batch(pub, &b);
+        km_test_batch_reset(&b);
+        for (uint32_t i = 0; i < 70000; i++) {
+            uint64_t h = 100 + i;
+            uint32_t t = i % 50000;
+            km_test_batch_stored(&b, &h, 1, true, i ? h - 1 : 1, &t, 1, NULL, NULL);
+        }
+        km_test_publisher_publish_batch(pub, &b);
+        km_test_batch_reset(&b);
+        hash = 200000;
+        km_test_batch_stored(&b, &hash, 1, true, 1, &token, 1, NULL, NULL);
+        km_test_publisher_publish_batch(pub, &b);
+        km_test_batch_free(&b);
+        char line[4096];
+        if (!run) {
+            const char *const refused[] = {"next seq 3", "undecodable 1",
+                                           "(latest: a message that did not decode: "
+                                           "KM_ERR_TOO_LARGE: batch has 70000 events, limit "
+                                           "max_events_per_batch = 65536)",
+                                           NULL};
+            cr_assert(follow_line(out, refused, line, sizeof line),
+                      "no status line names the limit");
+        } else {
+            const char *const applied[] = {"blocks 70002", NULL};
+            cr_assert(follow_line(out, applied, line, sizeof line), "the step was not applied");
+        }
+        cr_assert_eq(follow_end(pid, out), 0);
+        km_test_publisher_stop(pub);
     }
 }

@@ -2889,7 +2889,7 @@ Test(feed, malformed_messages_are_counted_and_skipped, .timeout = 10)
     fx_live_range(&f, 0, 0, 3);
     /* seq 3's payload could not be decoded; then a message with no readable seq at all */
     cr_assert_eq(km_feed_live(f.feed, 0, 3, NULL, f.now++), KM_OK);
-    cr_assert_eq(km_feed_malformed(f.feed, 0, f.now++), KM_OK);
+    cr_assert_eq(km_feed_malformed(f.feed, 0, NULL, f.now++), KM_OK);
     fx_live_range(&f, 0, 4, 6);
     km_feed_worker_info info = fx_info(&f, 0);
     cr_assert_eq(info.counters.malformed, 2);

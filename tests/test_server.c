@@ -3311,9 +3311,18 @@ Test(server, refused_events_are_shown_per_worker_and_reason, .timeout = 30)
     km_test_batch_stored_extra_keys(&b, &never_stored, 1, false, 0, NULL, 0, "CPU", NULL, NULL);
     payload = km_test_batch_payload(&b, &size);
     cr_assert_eq(km_server_deliver_events(s.server, 1, 0, payload, size), KM_OK);
+    const unsigned char never_used[] = {0x93, 0xc1, 0x90, 0x00}; /* byte 0xc1 */
+    cr_assert_eq(km_server_deliver_events(s.server, 0, 1, never_used, sizeof never_used),
+                 KM_ERR_PARSE);
     uint16_t port = km_server_http_port(s.server);
     static char body[1 << 16];
     cr_assert_eq(http_get(port, "/status", body, sizeof body), 200);
+    /* Each worker's latest refusal in a sentence; for an undecodable message, the decoder's. */
+    cr_assert(strstr(body, "\"latest_refusal\":\"a message that did not decode: KM_ERR_PARSE"),
+              "status: %s", body);
+    cr_assert(strstr(body, "\"latest_refusal\":\"placeholder BlockStored (medium CPU)"),
+              "status: %s", body);
+    cr_assert(strstr(body, "\"undecodable\":1"), "status: %s", body);
     cr_assert(strstr(body, "\"config_refused\":true") && strstr(body, "\"config_refused\":false"),
               "status: %s", body);
     cr_assert(strstr(body, "\"block_size_mismatch\":1") && strstr(body, "\"unknown_parent\":1") &&

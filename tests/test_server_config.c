@@ -93,6 +93,9 @@ Test(server_config, documented_example_loads_with_every_value, .timeout = 10)
     cr_assert_eq(cfg.inline_routes, 16);
     cr_assert_eq(cfg.limits.max_frame_bytes, 16777216);
     cr_assert_eq(cfg.limits.max_batch_items, 4096);
+    cr_assert_eq(cfg.kv_events.max_events_per_batch, 262144);
+    cr_assert_eq(cfg.kv_events.max_payload_bytes, 67108864);
+    cr_assert_eq(cfg.kv_events.max_hashes_per_event, 1u << 20, "left out: the default");
     cr_assert_eq(cfg.max_connections, 1024);
     cr_assert_eq(cfg.max_outbox_bytes, 67108864);
     cr_assert_eq(cfg.active_ttl_ms, 600000);
@@ -255,6 +258,14 @@ Test(server_config, bad_files_are_refused_naming_the_field, .timeout = 10)
         {"{\"breaker_failures\": \"five\"}", KM_ERR_PARSE, "breaker_failures"},
         {"{\"breaker_cooldown_ms\": 0}", KM_ERR_INVALID_ARGUMENT, "breaker_cooldown_ms"},
         {"{\"limits\": {\"max_frame_bytes\": 1}}", KM_ERR_INVALID_ARGUMENT, "max_frame_bytes"},
+        {"{\"kv_events\": {\"max_events_per_batch\": 0}}", KM_ERR_INVALID_ARGUMENT,
+         "kv_events.max_events_per_batch: 0 is outside 1..4294967295"},
+        {"{\"kv_events\": {\"max_payload_bytes\": 4294967296}}", KM_ERR_INVALID_ARGUMENT,
+         "kv_events.max_payload_bytes"},
+        {"{\"kv_events\": {\"max_string_bytes\": \"1k\"}}", KM_ERR_PARSE,
+         "kv_events.max_string_bytes"},
+        {"{\"kv_events\": {\"max_events\": 5}}", KM_ERR_PARSE, "max_events"},
+        {"{\"kv_events\": 7}", KM_ERR_PARSE, "kv_events"},
         {"{\"records\": 7}", KM_ERR_PARSE, "records"},
         {"{\"engine_metrics\": {\"max_age_ms\": 0}}", KM_ERR_INVALID_ARGUMENT,
          "engine_metrics.max_age_ms"},

@@ -523,6 +523,110 @@ Test(subscriber, malformed_input_is_counted_and_skipped, .timeout = 20)
     sx_free(&s);
 }
 
+/* Log lines of the subscriber and its feed (written on the I/O thread). */
+static pthread_mutex_t g_log_lock = PTHREAD_MUTEX_INITIALIZER;
+static char g_log[1 << 14];
+
+static void keep_log(void *user, const char *line)
+{
+    (void)user;
+    pthread_mutex_lock(&g_log_lock);
+    size_t used = strlen(g_log);
+    snprintf(g_log + used, sizeof g_log - used, "%s\n", line);
+    pthread_mutex_unlock(&g_log_lock);
+}
+
+static bool log_has(const char *what)
+{
+    pthread_mutex_lock(&g_log_lock);
+    bool has = strstr(g_log, what) != NULL;
+    pthread_mutex_unlock(&g_log_lock);
+    return has;
+}
+
+static void logged(km_subscriber_config *cfg)
+{
+    g_log[0] = '\0';
+    cfg->log = keep_log;
+    cfg->feed.log = keep_log;
+}
+
+static void logged_with_room_for_big_batches(km_subscriber_config *cfg)
+{
+    logged(cfg);
+    cfg->decoder.max_events_per_batch = 70000;
+}
+
+/* One engine step over max_events_per_batch (70,000 AllBlocksCleared events). */
+static const void *oversized_batch(km_test_batch *b, size_t *size)
+{
+    km_test_batch_init(b, KM_TEST_ENCODING_POSITIONAL, KM_TEST_HASH_INT, 0);
+    for (int i = 0; i < 70000; i++)
+        km_test_batch_cleared(b);
+    return km_test_batch_payload(b, size);
+}
+
+/* A message the decoder refuses says why wherever the operator looks: the worker's latest
+ * refusal, the refusal log line and the subscriber's latest malformed message name the limit
+ * exceeded (a batch over max_events_per_batch) or the frames (more than 8); a subscriber whose
+ * decoder limit is raised applies the same message. */
+Test(subscriber, undecodable_messages_say_why_and_the_limits_can_be_raised, .timeout = 60)
+{
+    sx s;
+    sx_init(&s, logged);
+    lane *l = sx_lane(&s, NULL, KM_TEST_ENCODING_POSITIONAL, KM_TEST_HASH_INT, 0, 0);
+    l->clear_percent = 0;
+    sx_follow_ready(&s, l, true, 1);
+    sx_publish(&s, l, 2);
+    km_test_batch big;
+    size_t size;
+    const void *payload = oversized_batch(&big, &size);
+    km_test_publisher_publish(l->pub, payload, size);
+    sx_publish(&s, l, 2);
+    km_feed_worker_info info = sx_wait_applied(&s, l);
+    cr_assert_eq(info.counters.refused[KM_FEED_REFUSED_UNDECODABLE], 1);
+    cr_assert(strstr(info.latest_refusal, "did not decode") &&
+                  strstr(info.latest_refusal, "KM_ERR_TOO_LARGE") &&
+                  strstr(info.latest_refusal, "70000 events") &&
+                  strstr(info.latest_refusal, "max_events_per_batch = 65536"),
+              "latest refusal: %s", info.latest_refusal);
+    km_subscriber_stats st;
+    km_subscriber_get_stats(s.sub, &st);
+    cr_assert_eq(st.malformed, 1);
+    cr_assert(strstr(st.last_malformed, "worker 0, live: KM_ERR_TOO_LARGE") &&
+                  strstr(st.last_malformed, "max_events_per_batch"),
+              "last malformed: %s", st.last_malformed);
+    cr_assert(log_has("undecodable 1 (latest: a message that did not decode: KM_ERR_TOO_LARGE"),
+              "log: %s", g_log);
+    cr_assert(log_has("max_events_per_batch = 65536"), "log: %s", g_log);
+
+    /* Ten frames: the frames are named. */
+    unsigned char seq8[8] = {0};
+    km_kv_frame ten[10];
+    for (int i = 0; i < 10; i++)
+        ten[i] = (km_kv_frame){seq8, 8};
+    cr_assert_eq(km_test_publisher_send_frames(l->pub, ten, 10), 0);
+    WAIT_FOR(&s, 0, info, info.counters.malformed == 2, 3000);
+    cr_assert(strstr(info.latest_refusal, "more than 8 frames"), "%s", info.latest_refusal);
+    km_subscriber_get_stats(s.sub, &st);
+    cr_assert(strstr(st.last_malformed, "worker 0, live: KM_ERR_PARSE: more than 8 frames"),
+              "last malformed: %s", st.last_malformed);
+    sx_free(&s);
+
+    /* The same step under a raised limit: applied. */
+    sx_init(&s, logged_with_room_for_big_batches);
+    l = sx_lane(&s, NULL, KM_TEST_ENCODING_POSITIONAL, KM_TEST_HASH_INT, 0, 0);
+    l->clear_percent = 0;
+    sx_follow_ready(&s, l, true, 1);
+    km_test_publisher_publish(l->pub, payload, size);
+    info = sx_wait_applied(&s, l);
+    cr_assert_eq(info.counters.malformed, 0);
+    cr_assert_eq(info.counters.clears, 70000);
+    cr_assert_str_eq(info.latest_refusal, "");
+    km_test_batch_free(&big);
+    sx_free(&s);
+}
+
 /* Live frames whose seq the feed cannot trust: a replay end marker on the SUB socket (seq 2^64-1,
  * empty payload), the same seq on a decodable payload that stores a block the engine never
  * cached, and a rejected payload whose seq frame reads 2^40. Each is counted as malformed; the

@@ -163,9 +163,15 @@ int km_feed_resync_worker(km_feed *feed, uint32_t worker, uint64_t now_ns);
  * Errors: KM_ERR_NULL_POINTER, KM_ERR_INVALID_ARGUMENT (worker not added). */
 int km_feed_live(km_feed *feed, uint32_t worker, uint64_t seq, const km_kv_batch *batch,
                  uint64_t now_ns);
+/* km_feed_live with batch NULL, saying why the message did not decode: `why` (the decoder's
+ * km_kv_decoder_last_error, naming the frame, event, field or limit; NULL = not known) becomes
+ * the worker's latest refusal (km_feed_worker_info.latest_refusal) and goes into its refusal log
+ * line. */
+int km_feed_live_undecodable(km_feed *feed, uint32_t worker, uint64_t seq, const char *why,
+                             uint64_t now_ns);
 /* A message from the worker that had no readable seq (wrong frame count, a seq frame of the wrong
- * size): counted as malformed, nothing else changes. */
-int km_feed_malformed(km_feed *feed, uint32_t worker, uint64_t now_ns);
+ * size): counted as malformed, nothing else changes. `why` as for km_feed_live_undecodable. */
+int km_feed_malformed(km_feed *feed, uint32_t worker, const char *why, uint64_t now_ns);
 
 /* Replay answers, tagged with the request id of the km_feed_action they answer. Answers to any
  * other id (a cancelled or superseded request) are counted and ignored. batch NULL: a malformed
@@ -175,6 +181,10 @@ int km_feed_malformed(km_feed *feed, uint32_t worker, uint64_t now_ns);
  * nothing else changes (docs/EVENTS.md, "Replay items outside the request"). */
 int km_feed_replay_item(km_feed *feed, uint32_t worker, uint64_t request_id, uint64_t seq,
                         const km_kv_batch *batch, uint64_t now_ns);
+/* km_feed_replay_item with batch NULL, saying why the item did not decode (as
+ * km_feed_live_undecodable). */
+int km_feed_replay_item_undecodable(km_feed *feed, uint32_t worker, uint64_t request_id,
+                                    uint64_t seq, const char *why, uint64_t now_ns);
 int km_feed_replay_end(km_feed *feed, uint32_t worker, uint64_t request_id, uint64_t now_ns);
 
 typedef enum km_feed_replay_failure {
@@ -315,6 +325,9 @@ void km_feed_pending(const km_feed *feed, uint64_t *updates, uint64_t *hashes);
     X(KM_FEED_REFUSED_PARTIAL_BLOCK, 8, "partial_block")        \
     X(KM_FEED_REFUSED_UNPLACED_PLACEHOLDER, 9, "unplaced_placeholder")
 #define KM_FEED_REFUSAL_COUNT 10u
+/* Bytes of km_feed_worker_info.latest_refusal, its terminating NUL included (a longer sentence
+ * is cut). */
+#define KM_FEED_REFUSAL_EXAMPLE_MAX 384u
 
 #define KM_FEED_ENUM_ENTRY(name, value, text) name = value,
 typedef enum km_feed_state { KM_FEED_STATE_LIST(KM_FEED_ENUM_ENTRY) } km_feed_state;
@@ -417,6 +430,11 @@ typedef struct km_feed_worker_info {
      * lookahead tokens and none was applied. Such a worker would read LIVE with no blocks forever; readiness does not
      * count it (docs/EVENTS.md, "Refused events"). */
     bool config_refused;
+    /* The latest refusal in a sentence ("BlockStored with block_size 32, the pool's is 16"; for an
+     * undecodable message, why the decoder refused it: "a message that did not decode:
+     * KM_ERR_TOO_LARGE: batch has 70000 events, limit max_events_per_batch = 65536"); "" when
+     * none. */
+    char latest_refusal[KM_FEED_REFUSAL_EXAMPLE_MAX];
 } km_feed_worker_info;
 
 /* Errors: KM_ERR_NULL_POINTER, KM_ERR_INVALID_ARGUMENT (not added). */

@@ -27,6 +27,7 @@
 #include "kvmatch/error.h"
 #include "kvmatch/log.h"
 #include "kvmatch/index.h"
+#include "kvmatch/kv_events.h"
 #include "kvmatch/policy.h"
 #include "kvmatch/protocol.h"
 
@@ -156,6 +157,11 @@ typedef struct km_server_config {
                                  * default 64 MiB (reading pauses at a quarter of it); 4096 ..
                                  * KM_SERVER_MAX_OUTBOX_BYTES_LIMIT */
     km_protocol_limits limits;  /* frame and message limits (docs/PROTOCOL.md) */
+    /* Limits of the KV-event decoder of every event-fed pool (docs/EVENTS.md, "Limits and
+     * memory"); a field 0 = its default (km_kv_decoder_config_init). An engine whose scheduler
+     * steps publish more (a batch of more than 65,536 events at a small block size) has every
+     * such message refused as undecodable until they are raised. */
+    km_kv_decoder_config kv_events;
 
     uint64_t active_ttl_ms;     /* active work whose FINISHED never comes expires; default 600,000 */
     uint32_t max_active_entries; /* active work kept at most; one more evicts the least recently

@@ -157,6 +157,9 @@ typedef struct km_subscriber_stats {
     uint64_t replay_messages;   /* multipart messages received on DEALER sockets */
     uint64_t bytes_received;
     uint64_t malformed;         /* messages the decoder rejected (both sockets) */
+    char last_malformed[640];   /* the latest of them: "worker 3, live: " + the decoder's reason
+                                 * (km_kv_decoder_last_error: the frame, event and field, or the
+                                 * limit exceeded); "" when none */
     uint64_t replay_requests;   /* requests sent */
     uint64_t replay_timeouts;
     uint64_t replay_send_failures;

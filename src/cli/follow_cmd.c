@@ -19,6 +19,16 @@
 
 #define FOLLOW_MAX_WORKERS 256
 
+/* getopt codes of the options without a short letter. */
+enum {
+    OPTION_MAX_PAYLOAD_BYTES = 256,
+    OPTION_MAX_PAYLOAD_OBJECTS,
+    OPTION_MAX_EVENTS_PER_BATCH,
+    OPTION_MAX_HASHES_PER_EVENT,
+    OPTION_MAX_TOKENS_PER_EVENT,
+    OPTION_MAX_STRING_BYTES,
+};
+
 static volatile sig_atomic_t follow_stop = 0;
 
 static void on_signal(int sig)
@@ -32,10 +42,15 @@ static void follow_usage(FILE *f)
     fprintf(f,
             "usage: kvmatch follow --endpoint ID=PUB[,REPLAY] ... [--snapshot PATH]\n"
             "                      [--snapshot-interval-s N] [--status-s N] [--block-size N]\n"
+            "                      [--max-payload-bytes N] [--max-payload-objects N]\n"
+            "                      [--max-events-per-batch N] [--max-hashes-per-event N]\n"
+            "                      [--max-tokens-per-event N] [--max-string-bytes N]\n"
             "  Follow workers' KV events (vLLM / SGLang ZMQ publishers). With --snapshot, the\n"
             "  index and stream positions are restored from PATH at start (if it exists),\n"
             "  saved every N s (default 60; 0 = only on exit) and on SIGTERM / SIGINT; its\n"
             "  directory must exist and be writable. Status every N s (default 5).\n"
+            "  --max-*: the KV-event decoder's limits (docs/EVENTS.md, \"Limits and memory\");\n"
+            "  a message over one is refused as undecodable, naming the limit.\n"
             "  Exit status: 0 ok, 1 failure (start, snapshot), 2 usage.\n");
 }
 
@@ -61,13 +76,15 @@ static void print_status(km_subscriber *sub, const km_index *index)
             used += k > 0 ? (size_t)k : 0;
         }
         printf("  worker %u %s: %s%s, next seq %llu, messages %llu, lost %llu, restarts %llu, "
-               "history unavailable %llu%s%s\n",
+               "history unavailable %llu%s%s%s%s%s\n",
                info.worker, info.name, km_feed_state_name(info.state),
                info.config_refused ? " (every store refused: block size is not the pool's)" : "",
                (unsigned long long)info.expected_seq, (unsigned long long)info.counters.messages,
                (unsigned long long)info.counters.lost, (unsigned long long)info.counters.restarts,
                (unsigned long long)info.counters.history_unavailable, refused,
-               info.restored ? " (restored)" : "");
+               refused[0] && info.latest_refusal[0] ? " (latest: " : "",
+               refused[0] ? info.latest_refusal : "",
+               refused[0] && info.latest_refusal[0] ? ")" : "", info.restored ? " (restored)" : "");
     }
     fflush(stdout);
 }
@@ -109,8 +126,16 @@ int km_cmd_follow(int argc, char **argv)
         {"snapshot-interval-s", required_argument, NULL, 'i'},
         {"status-s", required_argument, NULL, 't'},
         {"block-size", required_argument, NULL, 'b'},
+        {"max-payload-bytes", required_argument, NULL, OPTION_MAX_PAYLOAD_BYTES},
+        {"max-payload-objects", required_argument, NULL, OPTION_MAX_PAYLOAD_OBJECTS},
+        {"max-events-per-batch", required_argument, NULL, OPTION_MAX_EVENTS_PER_BATCH},
+        {"max-hashes-per-event", required_argument, NULL, OPTION_MAX_HASHES_PER_EVENT},
+        {"max-tokens-per-event", required_argument, NULL, OPTION_MAX_TOKENS_PER_EVENT},
+        {"max-string-bytes", required_argument, NULL, OPTION_MAX_STRING_BYTES},
         {NULL, 0, NULL, 0},
     };
+    km_kv_decoder_config decoder;
+    km_kv_decoder_config_init(&decoder);
     static char specs[FOLLOW_MAX_WORKERS][2 * KM_SUBSCRIBER_ENDPOINT_MAX + 16];
     km_subscriber_worker workers[FOLLOW_MAX_WORKERS];
     uint32_t n_workers = 0, interval_s = 60, status_s = 5, block_size = 16;
@@ -171,6 +196,36 @@ int km_cmd_follow(int argc, char **argv)
             if (!km_cli_u32("follow", "block-size", v, 1, 1u << 20, &block_size))
                 return KM_EXIT_USAGE;
             break;
+        case OPTION_MAX_PAYLOAD_BYTES:
+            if (!km_cli_u64("follow", "max-payload-bytes", v, 1, UINT32_MAX,
+                            &decoder.max_payload_bytes))
+                return KM_EXIT_USAGE;
+            break;
+        case OPTION_MAX_PAYLOAD_OBJECTS:
+            if (!km_cli_u32("follow", "max-payload-objects", v, 1, UINT32_MAX,
+                            &decoder.max_payload_objects))
+                return KM_EXIT_USAGE;
+            break;
+        case OPTION_MAX_EVENTS_PER_BATCH:
+            if (!km_cli_u32("follow", "max-events-per-batch", v, 1, UINT32_MAX,
+                            &decoder.max_events_per_batch))
+                return KM_EXIT_USAGE;
+            break;
+        case OPTION_MAX_HASHES_PER_EVENT:
+            if (!km_cli_u32("follow", "max-hashes-per-event", v, 1, UINT32_MAX,
+                            &decoder.max_hashes_per_event))
+                return KM_EXIT_USAGE;
+            break;
+        case OPTION_MAX_TOKENS_PER_EVENT:
+            if (!km_cli_u32("follow", "max-tokens-per-event", v, 1, UINT32_MAX,
+                            &decoder.max_tokens_per_event))
+                return KM_EXIT_USAGE;
+            break;
+        case OPTION_MAX_STRING_BYTES:
+            if (!km_cli_u32("follow", "max-string-bytes", v, 1, UINT32_MAX,
+                            &decoder.max_string_bytes))
+                return KM_EXIT_USAGE;
+            break;
         default:
             return km_cli_usage_error("follow");
         }
@@ -194,6 +249,7 @@ int km_cmd_follow(int argc, char **argv)
     km_subscriber_config cfg;
     km_subscriber_config_init(&cfg);
     cfg.feed.block_size = block_size;
+    cfg.decoder = decoder;
     if (snapshot) {
         cfg.snapshot_path = snapshot;
         cfg.snapshot_interval_ms = interval_s * 1000u;

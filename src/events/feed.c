@@ -43,7 +43,7 @@ int km_feed_fail(km_feed *feed, int status, const char *fmt, ...)
 
 static void feed_log(const km_feed *feed, const worker *w, const char *fmt, ...)
 {
-    char line[512];
+    char line[1024];
     size_t level = km_log_level_length(fmt);
     int n = snprintf(line, sizeof line, "%.*sfeed: worker %u (%s): ", (int)level, fmt, w->id,
                      w->name);
@@ -827,12 +827,16 @@ void km_feed_count_refusal(worker *w, km_feed_refusal reason, uint64_t n, const 
         snprintf(w->refusal_example, sizeof w->refusal_example, "%s", example);
 }
 
-/* The refusals of a decoded message (decoder-level reasons) or of one that did not decode. */
-static void count_message_refusals(worker *w, const km_kv_batch *batch)
+/* The refusals of a decoded message (decoder-level reasons) or of one that did not decode
+ * (batch NULL; `why` the decoder's reason, NULL when not known). */
+static void count_message_refusals(worker *w, const km_kv_batch *batch, const char *why)
 {
     if (!batch) {
         w->c.malformed++;
-        km_feed_count_refusal(w, KM_FEED_REFUSED_UNDECODABLE, 1, "a message that did not decode");
+        char example[KM_FEED_REFUSAL_EXAMPLE_MAX];
+        snprintf(example, sizeof example, "a message that did not decode%s%s",
+                 why && *why ? ": " : "", why && *why ? why : "");
+        km_feed_count_refusal(w, KM_FEED_REFUSED_UNDECODABLE, 1, example);
         return;
     }
     w->c.rejected_events += batch->n_rejected;
@@ -910,7 +914,23 @@ static bool rejected_live_seq_fits(const worker *w, uint64_t seq)
     return w->has_expected && seq == w->expected;
 }
 
+static int live_message(km_feed *feed, uint32_t id, uint64_t seq, const km_kv_batch *batch,
+                        const char *why, uint64_t now_ns);
+
 int km_feed_live(km_feed *feed, uint32_t id, uint64_t seq, const km_kv_batch *batch, uint64_t now_ns)
+{
+    return live_message(feed, id, seq, batch, NULL, now_ns);
+}
+
+int km_feed_live_undecodable(km_feed *feed, uint32_t id, uint64_t seq, const char *why,
+                             uint64_t now_ns)
+{
+    return live_message(feed, id, seq, NULL, why, now_ns);
+}
+
+/* km_feed_live; `why`: the decoder's reason when batch is NULL. */
+static int live_message(km_feed *feed, uint32_t id, uint64_t seq, const km_kv_batch *batch,
+                        const char *why, uint64_t now_ns)
 {
     if (!feed)
         return KM_ERR_NULL_POINTER;
@@ -922,11 +942,12 @@ int km_feed_live(km_feed *feed, uint32_t id, uint64_t seq, const km_kv_batch *ba
     w->last_receive_ns = now_ns;
     if (seq == KM_KV_REPLAY_END_SEQ) {
         /* the replay end marker's seq, never a message's */
-        count_message_refusals(w, NULL);
+        count_message_refusals(w, NULL, batch ? "seq 2^64-1 (the replay end marker's) on a live "
+                                                "message" : why);
         log_refusals(feed, w, now_ns);
         return KM_OK;
     }
-    count_message_refusals(w, batch);
+    count_message_refusals(w, batch, why);
     if (!batch && !rejected_live_seq_fits(w, seq)) {
         log_refusals(feed, w, now_ns);
         return KM_OK; /* a gap or restart behind it shows at the next healthy message */
@@ -962,14 +983,14 @@ int km_feed_live(km_feed *feed, uint32_t id, uint64_t seq, const km_kv_batch *ba
     return KM_OK;
 }
 
-int km_feed_malformed(km_feed *feed, uint32_t id, uint64_t now_ns)
+int km_feed_malformed(km_feed *feed, uint32_t id, const char *why, uint64_t now_ns)
 {
     if (!feed)
         return KM_ERR_NULL_POINTER;
     worker *w = km_feed_find_worker(feed, id);
     if (!w)
         return km_feed_fail(feed, KM_ERR_INVALID_ARGUMENT, "worker %u is not followed", id);
-    count_message_refusals(w, NULL);
+    count_message_refusals(w, NULL, why);
     w->has_last_receive = true;
     w->last_receive_ns = now_ns;
     log_refusals(feed, w, now_ns);
@@ -1024,20 +1045,31 @@ static const char *replay_item_refusal(const worker *w, uint64_t seq, bool decod
 }
 
 static int replay_item(km_feed *feed, uint32_t id, uint64_t request_id, uint64_t seq,
-                       const km_kv_batch *batch, uint64_t now_ns);
+                       const km_kv_batch *batch, const char *why, uint64_t now_ns);
 
 int km_feed_replay_item(km_feed *feed, uint32_t id, uint64_t request_id, uint64_t seq,
                         const km_kv_batch *batch, uint64_t now_ns)
 {
-    int rc = replay_item(feed, id, request_id, seq, batch, now_ns);
+    int rc = replay_item(feed, id, request_id, seq, batch, NULL, now_ns);
     worker *w = feed ? km_feed_find_worker(feed, id) : NULL;
     if (w)
         log_refusals(feed, w, now_ns);
     return rc;
 }
 
+int km_feed_replay_item_undecodable(km_feed *feed, uint32_t id, uint64_t request_id,
+                                    uint64_t seq, const char *why, uint64_t now_ns)
+{
+    int rc = replay_item(feed, id, request_id, seq, NULL, why, now_ns);
+    worker *w = feed ? km_feed_find_worker(feed, id) : NULL;
+    if (w)
+        log_refusals(feed, w, now_ns);
+    return rc;
+}
+
+/* km_feed_replay_item; `why`: the decoder's reason when batch is NULL. */
 static int replay_item(km_feed *feed, uint32_t id, uint64_t request_id, uint64_t seq,
-                       const km_kv_batch *batch, uint64_t now_ns)
+                       const km_kv_batch *batch, const char *why, uint64_t now_ns)
 {
     if (!feed)
         return KM_ERR_NULL_POINTER;
@@ -1047,7 +1079,7 @@ static int replay_item(km_feed *feed, uint32_t id, uint64_t request_id, uint64_t
         return rc;
     w->has_last_receive = true;
     w->last_receive_ns = now_ns;
-    count_message_refusals(w, batch);
+    count_message_refusals(w, batch, why);
     const char *refusal = replay_item_refusal(w, seq, batch != NULL);
     if (refusal) {
         w->c.refused_replay_items++;
@@ -1174,6 +1206,7 @@ int km_feed_get_worker_info(const km_feed *feed, uint32_t id, km_feed_worker_inf
     out->restored = w->restored;
     out->awaiting_claim = w->awaiting_claim;
     out->config_refused = w->stores_refused_for_config > 0 && w->stores_applied == 0;
+    memcpy(out->latest_refusal, w->refusal_example, sizeof out->latest_refusal);
     return KM_OK;
 }
 

@@ -147,7 +147,7 @@ typedef struct worker {
     uint64_t refusals_logged[KM_FEED_REFUSAL_COUNT];
     bool has_refusal_log;
     uint64_t refusal_log_ns;
-    char refusal_example[160];
+    char refusal_example[KM_FEED_REFUSAL_EXAMPLE_MAX];
     bool has_last_receive;
     uint64_t last_receive_ns;
     double last_engine_timestamp;

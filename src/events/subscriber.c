@@ -35,7 +35,7 @@
 #include <zmq.h>
 
 /* Frames kept per message; more means a malformed message (the decoder wants 3 or 4). */
-#define MAX_FRAMES 8u
+#define MAX_FRAMES 8u /* note_malformed names this number */
 
 typedef struct sworker {
     uint32_t id;
@@ -414,6 +414,19 @@ static int receive_message(void *socket, received *r)
     }
 }
 
+/* Why a message did not decode, as the decoder says (frame, event, field or limit), kept as the
+ * subscriber's latest malformed message (lock held). */
+static const char *note_malformed(km_subscriber *sub, const sworker *w, const received *r,
+                                  const char *socket)
+{
+    const char *why = r->too_many ? "KM_ERR_PARSE: more than 8 frames"
+                                  : km_kv_decoder_last_error(sub->decoder);
+    sub->stats.malformed++;
+    snprintf(sub->stats.last_malformed, sizeof sub->stats.last_malformed, "worker %u, %s: %s",
+             w->id, socket, why);
+    return why;
+}
+
 static void handle_live(km_subscriber *sub, sworker *w, received *r, uint64_t now)
 {
     km_kv_message msg;
@@ -427,13 +440,13 @@ static void handle_live(km_subscriber *sub, sworker *w, received *r, uint64_t no
     if (rc == KM_OK) {
         km_feed_live(sub->feed, w->id, msg.seq, &msg.batch, now);
     } else {
-        sub->stats.malformed++;
+        const char *why = note_malformed(sub, w, r, "live");
         /* A readable seq goes to the feed, which consumes it only where the next live message
          * belongs (km_feed_live): frames that did not decode may carry any seq. */
         if (!r->too_many && r->n == 3 && r->frames[1].size == 8)
-            km_feed_live(sub->feed, w->id, read_be64(r->frames[1].data), NULL, now);
+            km_feed_live_undecodable(sub->feed, w->id, read_be64(r->frames[1].data), why, now);
         else
-            km_feed_malformed(sub->feed, w->id, now);
+            km_feed_malformed(sub->feed, w->id, why, now);
     }
     pthread_mutex_unlock(&sub->lock);
 }
@@ -460,19 +473,19 @@ static void handle_replay(km_subscriber *sub, sworker *w, received *r, uint64_t 
             km_feed_replay_item(sub->feed, w->id, request, msg.seq, &msg.batch, now);
         }
     } else {
-        sub->stats.malformed++;
+        const char *why = note_malformed(sub, w, r, "replay");
         bool seq_readable = !r->too_many && (r->n == 3 || r->n == 4) && r->frames[0].size == 0 &&
                             r->frames[r->n - 2].size == 8;
         uint64_t seq = seq_readable ? read_be64(r->frames[r->n - 2].data) : 0;
         if (seq_readable && seq == KM_KV_REPLAY_END_SEQ) {
-            km_feed_malformed(sub->feed, w->id, now);
+            km_feed_malformed(sub->feed, w->id, why, now);
             km_feed_replay_end(sub->feed, w->id, request, now); /* an end marker all the same */
             ended = true;
         } else if (seq_readable) {
             /* The feed consumes it only as the next seq to apply (km_feed_replay_item). */
-            km_feed_replay_item(sub->feed, w->id, request, seq, NULL, now);
+            km_feed_replay_item_undecodable(sub->feed, w->id, request, seq, why, now);
         } else {
-            km_feed_malformed(sub->feed, w->id, now);
+            km_feed_malformed(sub->feed, w->id, why, now);
         }
     }
     /* Only an answer that moved the stream (an item applied or consumed, history found lost, the

@@ -167,6 +167,25 @@ int km_srv_pool_create(km_server *s, const km_server_pool *pc, pool **out, char 
 }
 
 /* The pool's subscriber, created (restoring its snapshot when there is one) on first use. */
+/* The server's decoder limits, a limit 0 taking its default. */
+static void pool_decoder_config(const km_server *s, km_kv_decoder_config *out)
+{
+    km_kv_decoder_config_init(out);
+    const km_kv_decoder_config *c = &s->cfg.kv_events;
+    if (c->max_payload_bytes)
+        out->max_payload_bytes = c->max_payload_bytes;
+    if (c->max_payload_objects)
+        out->max_payload_objects = c->max_payload_objects;
+    if (c->max_events_per_batch)
+        out->max_events_per_batch = c->max_events_per_batch;
+    if (c->max_hashes_per_event)
+        out->max_hashes_per_event = c->max_hashes_per_event;
+    if (c->max_tokens_per_event)
+        out->max_tokens_per_event = c->max_tokens_per_event;
+    if (c->max_string_bytes)
+        out->max_string_bytes = c->max_string_bytes;
+}
+
 static int pool_subscriber(km_server *s, pool *p, char *why, size_t why_size)
 {
     if (p->sub)
@@ -176,6 +195,7 @@ static int pool_subscriber(km_server *s, pool *p, char *why, size_t why_size)
     sc.feed.block_size = p->block_size;
     sc.feed.hash_lookahead_tokens = p->hash_lookahead_tokens;
     sc.feed.offload_chunk_blocks = p->offload_chunk_blocks;
+    pool_decoder_config(s, &sc.decoder);
     sc.feed.log = s->log;
     sc.feed.log_user = s->log_user;
     sc.log = s->log;
@@ -212,9 +232,11 @@ static int pool_local_feed(km_server *s, pool *p, char *why, size_t why_size)
     fc.bootstrap_replay = false;
     fc.log = s->log;
     fc.log_user = s->log_user;
+    km_kv_decoder_config dc;
+    pool_decoder_config(s, &dc);
     int rc = km_feed_create(p->index, &fc, &p->local_feed);
     if (!rc)
-        rc = km_kv_decoder_create(NULL, &p->local_decoder);
+        rc = km_kv_decoder_create(&dc, &p->local_decoder);
     if (rc) {
         km_feed_destroy(p->local_feed);
         p->local_feed = NULL;
@@ -492,7 +514,10 @@ int km_server_deliver_events(km_server *s, uint32_t worker, uint64_t seq, const 
     km_kv_batch batch;
     int rc = km_kv_decode_payload(p->local_decoder, payload, size, &batch);
     /* A payload that does not decode still consumes its seq, as on the wire. */
-    int rc2 = km_feed_live(p->local_feed, worker, seq, rc == KM_OK ? &batch : NULL, now);
+    int rc2 = rc == KM_OK ? km_feed_live(p->local_feed, worker, seq, &batch, now)
+                          : km_feed_live_undecodable(p->local_feed, worker, seq,
+                                                     km_kv_decoder_last_error(p->local_decoder),
+                                                     now);
     pthread_mutex_unlock(&p->local_lock);
     pthread_mutex_unlock(&s->admin_lock);
     km_srv_wake_scheduler(s);

@@ -31,6 +31,7 @@ void km_server_config_init(km_server_config *cfg)
     cfg->max_connections = 1024;
     cfg->max_outbox_bytes = (uint64_t)64 << 20;
     km_protocol_limits_init(&cfg->limits);
+    km_kv_decoder_config_init(&cfg->kv_events);
     cfg->active_ttl_ms = 600000;
     cfg->max_active_entries = 1u << 20;
     cfg->max_active_bytes = UINT64_C(1) << 30;
@@ -504,8 +505,8 @@ int km_server_config_load_json(const char *path, km_server_config *target, km_se
         "max_outbox_bytes", "active_ttl_ms", "max_active_entries", "max_active_bytes", "approx_dispatch_max_bytes",
         "breaker_failures", "breaker_cooldown_ms", "ready_share", "drain_timeout_ms", "seed",
         "frame_timeout_ms", "stalled_reader_timeout_ms",
-        "records", "snapshot", "index", "scheduler", "limits", "cluster", "engine_metrics",
-        "pools", NULL};
+        "records", "snapshot", "index", "scheduler", "limits", "kv_events", "cluster",
+        "engine_metrics", "pools", NULL};
     static const char *const records_keys[] = {"path",           "max_file_bytes", "keep_files",
                                                "max_kept_bytes", "max_age_s",      NULL};
     static const char *const snapshot_keys[] = {"dir", "interval_ms", NULL};
@@ -530,6 +531,10 @@ int km_server_config_load_json(const char *path, km_server_config *target, km_se
     check_keys(&r, json_object_get(root, "index"), "index", index_keys);
     check_keys(&r, json_object_get(root, "scheduler"), "scheduler", scheduler_keys);
     check_keys(&r, json_object_get(root, "limits"), "limits", limits_keys);
+    static const char *const kv_events_keys[] = {
+        "max_payload_bytes",    "max_payload_objects",  "max_events_per_batch",
+        "max_hashes_per_event", "max_tokens_per_event", "max_string_bytes", NULL};
+    check_keys(&r, json_object_get(root, "kv_events"), "kv_events", kv_events_keys);
     get_string_or_none(&r, root, "socket", "", &cfg->socket_path);
     get_string(&r, root, "tcp", "", &cfg->tcp);
     get_string(&r, root, "http", "", &cfg->http);
@@ -640,6 +645,22 @@ int km_server_config_load_json(const char *path, km_server_config *target, km_se
         get_u32(&r, lim, "max_hashes_per_route", "limits.", 1, UINT32_MAX, &l->max_hashes_per_route);
         get_u32(&r, lim, "max_candidates", "limits.", 1, UINT32_MAX, &l->max_candidates);
         get_u32(&r, lim, "max_string_bytes", "limits.", 16, UINT32_MAX, &l->max_string_bytes);
+    }
+    json_t *kve = json_object_get(root, "kv_events");
+    if (kve && !r.rc) {
+        if (!json_is_object(kve))
+            r.rc = km_why(why, why_size, KM_ERR_PARSE, "kv_events: expected an object");
+        km_kv_decoder_config *d = &cfg->kv_events;
+        get_u64(&r, kve, "max_payload_bytes", "kv_events.", 1, UINT32_MAX, &d->max_payload_bytes);
+        get_u32(&r, kve, "max_payload_objects", "kv_events.", 1, UINT32_MAX,
+                &d->max_payload_objects);
+        get_u32(&r, kve, "max_events_per_batch", "kv_events.", 1, UINT32_MAX,
+                &d->max_events_per_batch);
+        get_u32(&r, kve, "max_hashes_per_event", "kv_events.", 1, UINT32_MAX,
+                &d->max_hashes_per_event);
+        get_u32(&r, kve, "max_tokens_per_event", "kv_events.", 1, UINT32_MAX,
+                &d->max_tokens_per_event);
+        get_u32(&r, kve, "max_string_bytes", "kv_events.", 1, UINT32_MAX, &d->max_string_bytes);
     }
     json_t *pools = json_object_get(root, "pools");
     if (pools && !r.rc) {

@@ -14,6 +14,7 @@
 #include "kvmatch/server.h"
 #include "kvmatch/version.h"
 #include "service/server_internal.h"
+#include "base/utf8.h"
 
 /* Ready to take traffic: not draining, the records writer not failing (its last write reached
  * the file: decisions are still served while it fails, but their records are lost, and an
@@ -168,6 +169,11 @@ static int http_status(void *user, km_text *out)
                 json_object_set_new(jref, km_feed_refusal_name((km_feed_refusal)r),
                                     json_integer((json_int_t)info.counters.refused[r]));
             json_object_set_new(jw, "refused_events", jref);
+            /* The sentence may quote an engine's strings: made UTF-8 for JSON. */
+            char latest[3 * KM_FEED_REFUSAL_EXAMPLE_MAX];
+            km_utf8_clean_copy(latest, info.latest_refusal);
+            json_object_set_new(jw, "latest_refusal",
+                                latest[0] ? json_string(latest) : json_null());
             /* Messages the feed dropped, by cause: the index's memory cap, no memory, a full
              * update queue (SERVICE.md, "/status"). */
             const km_feed_worker_counters *fc = &info.counters;
