@@ -6,7 +6,7 @@
  * publishing within its replay buffer (index equals the gap-free run, LIVE); beyond the buffer
  * (DEGRADED, lost counted exactly); engine restarted while kvmatch was down (old blocks gone);
  * corrupt, truncated and version-mismatched snapshots (clear error, empty start, normal bootstrap
- * afterwards); periodic snapshots, in place and in the background (a save waiting for a background
+ * afterwards; the file moved aside, never overwritten, before the first save); periodic snapshots, in place and in the background (a save waiting for a background
  * writer leaves event intake running); `kvmatch follow` writing a snapshot on SIGTERM and resuming
  * from it. */
 #include <glob.h>
@@ -19,6 +19,7 @@
 #include <string.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 #include <xxhash.h>
 
@@ -1059,6 +1060,135 @@ Test(restart, missing_snapshot_starts_empty, .timeout = 30)
     bad_snapshot(DAMAGE_MISSING, KM_ERR_IO, "IO");
 }
 
+/* The whole file (the caller frees it); NULL when it cannot be read. */
+static unsigned char *slurp(const char *path, size_t *size)
+{
+    FILE *f = fopen(path, "rb");
+    if (!f)
+        return NULL;
+    fseek(f, 0, SEEK_END);
+    long n = ftell(f);
+    fseek(f, 0, SEEK_SET);
+    unsigned char *data = malloc(n > 0 ? (size_t)n : 1);
+    cr_assert_not_null(data);
+    *size = fread(data, 1, n > 0 ? (size_t)n : 0, f);
+    fclose(f);
+    return data;
+}
+
+static pthread_mutex_t g_log_lock = PTHREAD_MUTEX_INITIALIZER;
+static char g_log[1 << 14];
+
+static void keep_log(void *user, const char *line)
+{
+    (void)user;
+    pthread_mutex_lock(&g_log_lock);
+    size_t used = strlen(g_log);
+    snprintf(g_log + used, sizeof g_log - used, "%s\n", line);
+    pthread_mutex_unlock(&g_log_lock);
+}
+
+/* "<path>.unrestorable-<UTC time>" for the time t. */
+static void unrestorable_name(const char *path, time_t t, char *out, size_t size)
+{
+    struct tm utc;
+    gmtime_r(&t, &utc);
+    char stamp[32];
+    strftime(stamp, sizeof stamp, "%Y%m%dT%H%M%SZ", &utc);
+    snprintf(out, size, "%s.unrestorable-%s", path, stamp);
+}
+
+/* A snapshot that does not restore (another format version here) is the only copy of what it
+ * held: the subscriber starts empty, keeps the file at its path until it would save there, then
+ * moves it to "<path>.unrestorable-<UTC time>" (with ".1" when that name is taken: a file already
+ * there is never replaced), logs the new name at error level and shows it in its stats; the new
+ * snapshot takes the path, and later saves move nothing more. */
+Test(restart, a_snapshot_that_did_not_restore_is_kept_not_overwritten, .timeout = 30)
+{
+    rx s;
+    rx_init(&s, 0);
+    rx_run_and_save(&s, 20);
+    rx_stop_sub(&s);
+    damage_file(s.path, DAMAGE_VERSION);
+    size_t damaged_size = 0;
+    unsigned char *damaged = slurp(s.path, &damaged_size);
+    cr_assert_not_null(damaged);
+    /* Files already holding the names the next seconds would give. */
+    char decoys[6][256];
+    time_t t0 = time(NULL);
+    for (int i = 0; i < 6; i++) {
+        unrestorable_name(s.path, t0 - 1 + i, decoys[i], sizeof decoys[i]);
+        FILE *f = fopen(decoys[i], "w");
+        cr_assert_not_null(f);
+        fputs("decoy", f);
+        fclose(f);
+    }
+
+    s.index = km_test_make_index(16);
+    km_subscriber_config_init(&s.cfg);
+    km_test_feed_config(&s.cfg.feed, BS);
+    s.cfg.replay_timeout_ms = 2000;
+    g_log[0] = '\0';
+    s.cfg.log = keep_log;
+    s.cfg.restore_path = s.path;
+    s.cfg.snapshot_path = s.path;
+    cr_assert_eq(km_subscriber_create(s.index, &s.cfg, &s.sub), KM_OK);
+    km_subscriber_stats st;
+    cr_assert_eq(km_subscriber_get_stats(s.sub, &st), KM_OK);
+    cr_assert(!st.restored);
+    cr_assert_eq(st.restore_status, KM_ERR_INCOMPATIBLE);
+    cr_assert(strstr(st.restore_error, s.path), "restore error: %s", st.restore_error);
+    cr_assert_str_eq(st.unrestorable_kept_as, "", "nothing saved yet: the file stays");
+    size_t size = 0;
+    unsigned char *now = slurp(s.path, &size);
+    cr_assert(now && size == damaged_size && !memcmp(now, damaged, size));
+    free(now);
+
+    rx_follow(&s);
+    rx_publish(&s, 5);
+    rx_wait_applied(&s);
+    int rc = km_subscriber_save(s.sub, NULL);
+    cr_assert_eq(rc, KM_OK, "save: %s", km_subscriber_last_error(s.sub));
+    cr_assert_eq(km_subscriber_get_stats(s.sub, &st), KM_OK);
+    cr_assert(strstr(st.unrestorable_kept_as, ".unrestorable-") &&
+                  !strcmp(st.unrestorable_kept_as + strlen(st.unrestorable_kept_as) - 2, ".1"),
+              "kept as %s", st.unrestorable_kept_as);
+    now = slurp(st.unrestorable_kept_as, &size);
+    cr_assert(now && size == damaged_size && !memcmp(now, damaged, size),
+              "the kept file is the one that did not restore");
+    free(now);
+    for (int i = 0; i < 6; i++) {
+        now = slurp(decoys[i], &size);
+        cr_assert(now && size == 5 && !memcmp(now, "decoy", 5), "%s was replaced", decoys[i]);
+        free(now);
+    }
+    pthread_mutex_lock(&g_log_lock);
+    char expected[512];
+    snprintf(expected, sizeof expected, "was moved to %s", st.unrestorable_kept_as);
+    cr_assert(strstr(g_log, KM_LOG_ERROR "subscriber: restore failed") &&
+                  strstr(g_log, KM_LOG_ERROR "subscriber: the snapshot") &&
+                  strstr(g_log, expected),
+              "log: %s", g_log);
+    pthread_mutex_unlock(&g_log_lock);
+    char kept[sizeof st.unrestorable_kept_as];
+    snprintf(kept, sizeof kept, "%s", st.unrestorable_kept_as);
+    /* The new snapshot took the path; another save moves nothing. */
+    cr_assert_eq(km_subscriber_save(s.sub, NULL), KM_OK);
+    cr_assert_eq(km_subscriber_get_stats(s.sub, &st), KM_OK);
+    cr_assert_str_eq(st.unrestorable_kept_as, kept);
+    cr_assert_eq(st.snapshots, 2);
+    km_index *index = km_test_make_index(16);
+    km_feed *feed = make_feed(index);
+    cr_assert_eq(km_feed_restore(feed, s.path, 1), KM_OK, "%s", km_feed_last_error(feed));
+    km_feed_destroy(feed);
+    km_index_destroy(index);
+    unlink(kept);
+    for (int i = 0; i < 6; i++)
+        unlink(decoys[i]);
+    free(damaged);
+    rx_free(&s);
+}
+
 /* The index of max_workers 8 and segment_blocks 4 that the snapshot fuzz harness's inputs were
  * written for (tests/fuzz/fuzz_snapshot.c). */
 static km_index *fuzz_shaped_index(void)
@@ -1258,8 +1388,9 @@ static const char *follow_bin(void)
     return b && *b ? b : "build/kvmatch";
 }
 
-/* Start `kvmatch follow` with stdout on a pipe. */
-static pid_t follow_start(const char *endpoint_arg, const char *snapshot, FILE **out)
+/* Start `kvmatch follow` with stdout on a pipe (stderr too when `with_stderr`). */
+static pid_t follow_start_with(const char *endpoint_arg, const char *snapshot,
+                              const char *block_size, bool with_stderr, FILE **out)
 {
     int fds[2];
     cr_assert_eq(pipe(fds), 0);
@@ -1269,7 +1400,9 @@ static pid_t follow_start(const char *endpoint_arg, const char *snapshot, FILE *
     if (pid == 0) {
         km_test_die_with_parent(parent);
         dup2(fds[1], 1);
-        if (!getenv("KM_TEST_FEED_LOG")) {
+        if (with_stderr) {
+            dup2(fds[1], 2);
+        } else if (!getenv("KM_TEST_FEED_LOG")) {
             FILE *null = fopen("/dev/null", "w");
             if (null)
                 dup2(fileno(null), 2);
@@ -1277,13 +1410,18 @@ static pid_t follow_start(const char *endpoint_arg, const char *snapshot, FILE *
         close(fds[0]);
         close(fds[1]);
         execl(follow_bin(), follow_bin(), "follow", "--endpoint", endpoint_arg, "--snapshot",
-              snapshot, "--status-s", "1", "--block-size", "4", (char *)NULL);
+              snapshot, "--status-s", "1", "--block-size", block_size, (char *)NULL);
         _exit(127);
     }
     close(fds[1]);
     *out = fdopen(fds[0], "r");
     cr_assert(*out);
     return pid;
+}
+
+static pid_t follow_start(const char *endpoint_arg, const char *snapshot, FILE **out)
+{
+    return follow_start_with(endpoint_arg, snapshot, "4", false, out);
 }
 
 /* Read lines until one contains `what`; false at end of output. */
@@ -1345,5 +1483,52 @@ Test(restart, follow_snapshots_on_sigterm_and_restores, .timeout = 40)
     cr_assert(follow_wait_line(out, "restore"), "no restore line");
     cr_assert(follow_wait_line(out, "LIVE, next seq 25"), "follow never resumed");
     cr_assert_eq(follow_stop(pid, out), 0);
+    rx_free(&s);
+}
+
+/* `kvmatch follow` restarted with another block size: its snapshot does not restore
+ * (KM_ERR_INCOMPATIBLE), which it says at start and in its status lines; its shutdown snapshot
+ * does not overwrite the file, which it moves aside and names in its exit note; the kept file
+ * still restores under the block size it was written with. */
+Test(restart, follow_keeps_a_snapshot_of_another_block_size, .timeout = 40)
+{
+    if (access(follow_bin(), X_OK) != 0)
+        cr_skip_test("%s not built", follow_bin());
+    rx s;
+    rx_init(&s, 0);
+    rx_publish(&s, 20);
+    char arg[600];
+    snprintf(arg, sizeof arg, "%u=%s,%s", s.worker, km_test_publisher_endpoint(s.pub),
+             km_test_publisher_replay_endpoint(s.pub));
+    FILE *out;
+    pid_t pid = follow_start(arg, s.path, &out);
+    cr_assert(follow_wait_line(out, "LIVE, next seq 20"), "follow never applied the history");
+    cr_assert_eq(follow_stop(pid, out), 0);
+
+    pid = follow_start_with(arg, s.path, "16", true, &out);
+    char restore_line[256];
+    snprintf(restore_line, sizeof restore_line, "restore %s: KM_ERR_INCOMPATIBLE", s.path);
+    cr_assert(follow_wait_line(out, restore_line), "no restore line naming the failure");
+    cr_assert(follow_wait_line(out, "the snapshot did not restore at start (KM_ERR_INCOMPATIBLE)"),
+              "no status line says it");
+    kill(pid, SIGTERM);
+    char line[1024], kept[512] = "";
+    snprintf(restore_line, sizeof restore_line, "it is kept as %s.unrestorable-", s.path);
+    while (fgets(line, sizeof line, out))
+        if (strstr(line, restore_line))
+            sscanf(strstr(line, "it is kept as ") + strlen("it is kept as "), "%511s", kept);
+    cr_assert(kept[0], "no exit note names where the snapshot was kept");
+    cr_assert_eq(follow_stop(pid, out), 0);
+
+    km_index *index = km_test_make_index(1024);
+    km_feed *feed = make_feed(index); /* block size 4, as it was written */
+    int rc = km_feed_restore(feed, kept, 1);
+    cr_assert_eq(rc, KM_OK, "the kept snapshot: %s", km_feed_last_error(feed));
+    km_feed_worker_info info;
+    cr_assert_eq(km_feed_get_worker_info(feed, s.worker, &info), KM_OK);
+    cr_assert_eq(info.expected_seq, 20);
+    km_feed_destroy(feed);
+    km_index_destroy(index);
+    unlink(kept);
     rx_free(&s);
 }

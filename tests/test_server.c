@@ -9,6 +9,7 @@
  * that answers everything queued. Loopback only; every test bounds its time. */
 #include <errno.h>
 #include <fcntl.h>
+#include <glob.h>
 #include <inttypes.h>
 #include <math.h>
 #include <pthread.h>
@@ -631,6 +632,68 @@ Test(server, metrics_export_the_records_writer_counters, .timeout = 30)
     s.running = false;
     cr_assert_eq(s.run_status, KM_ERR_IO, "records were lost: the run says so");
     srv_stop(&s);
+    srv_cleanup(&s);
+}
+
+/* A pool's snapshot that does not restore is shown in /status (pools[].snapshot: not restored,
+ * why) and kept: the shutdown snapshot moves it to "<path>.unrestorable-<UTC time>" before
+ * taking its path. */
+Test(server, a_pool_snapshot_that_did_not_restore_is_shown_and_kept, .timeout = 30)
+{
+    km_test_publisher_config pc;
+    km_test_publisher_config_init(&pc);
+    pc.replay = true;
+    km_test_publisher *pub;
+    cr_assert_eq(km_test_publisher_start(&pc, &pub), KM_OK);
+    srv s = {0};
+    km_server_config cfg;
+    test_config(&cfg, &s, KM_POLICY_KV, 0);
+    km_server_worker ws[1] = {{5, "engine-a", km_test_publisher_endpoint(pub),
+                               km_test_publisher_replay_endpoint(pub), false, 0, NULL}};
+    g_pool.workers = ws;
+    g_pool.n_workers = 1;
+    char http[] = "127.0.0.1:0";
+    cfg.http = http;
+    cfg.snapshot_dir = s.dir;
+    char snap[256];
+    snprintf(snap, sizeof snap, "%s/main.snap", s.dir);
+    static const char garbage[] = "not a kvmatch snapshot";
+    FILE *f = fopen(snap, "w");
+    cr_assert_not_null(f);
+    fputs(garbage, f);
+    fclose(f);
+    srv_start(&s, &cfg);
+    cr_assert(km_test_publisher_wait_subscribers(pub, 1, 3000));
+    static char body[1 << 16];
+    cr_assert_eq(http_get(km_server_http_port(s.server), "/status", body, sizeof body), 200);
+    json_error_t jerr;
+    json_t *root = json_loads(body, 0, &jerr);
+    cr_assert_not_null(root, "status: %s", body);
+    json_t *js = json_object_get(json_array_get(json_object_get(root, "pools"), 0), "snapshot");
+    cr_assert(json_is_object(js), "status: %s", body);
+    cr_assert_str_eq(json_string_value(json_object_get(js, "path")), snap);
+    cr_assert(json_is_false(json_object_get(js, "restored")), "status: %s", body);
+    cr_assert(strstr(json_string_value(json_object_get(js, "restore_error")), snap),
+              "status: %s", body);
+    cr_assert(json_is_null(json_object_get(js, "unrestorable_kept_as")), "status: %s", body);
+    json_decref(root);
+    srv_stop(&s);
+    char pattern[300];
+    snprintf(pattern, sizeof pattern, "%s.unrestorable-*", snap);
+    glob_t g;
+    cr_assert_eq(glob(pattern, 0, NULL, &g), 0, "no file kept as %s", pattern);
+    cr_assert_eq(g.gl_pathc, 1);
+    f = fopen(g.gl_pathv[0], "r");
+    cr_assert_not_null(f);
+    char kept[64] = "";
+    cr_assert_not_null(fgets(kept, sizeof kept, f));
+    fclose(f);
+    cr_assert_str_eq(kept, garbage, "the kept file is the one that did not restore");
+    globfree(&g);
+    struct stat st;
+    cr_assert_eq(stat(snap, &st), 0, "the shutdown snapshot was written");
+    cr_assert_gt(st.st_size, (off_t)sizeof garbage);
+    km_test_publisher_stop(pub);
     srv_cleanup(&s);
 }
 

@@ -67,8 +67,9 @@ typedef struct km_subscriber_config {
     uint32_t snapshot_interval_ms;
     /* Load this snapshot at create, before any socket exists (km_feed_restore). Workers added
      * afterwards with the same id and endpoints resume from their saved seq + 1. A failure (missing,
-     * corrupt, truncated, other version) is logged and recorded in stats.restore_status; the
-     * subscriber starts empty. NULL = none. */
+     * corrupt, truncated, other version or block size) is logged at error level and recorded in
+     * stats.restore_status and restore_error; the subscriber starts empty, and the file is moved
+     * aside before any snapshot would overwrite it (stats.unrestorable_kept_as). NULL = none. */
     const char *restore_path;
     /* Periodic snapshots written by a forked child process from a copy-on-write image of the
      * index and feed, so the thread that flushes pauses only for the fork (which copies page tables,
@@ -167,6 +168,13 @@ typedef struct km_subscriber_stats {
     km_kv_decoder_stats decoder;
     bool restored;              /* restore_path was loaded */
     int restore_status;         /* KM_OK, or why restore_path was not loaded */
+    char restore_error[256];    /* the restore's error in a sentence (km_feed_last_error); "" */
+    /* A snapshot that failed to restore is never overwritten: before the first snapshot written to
+     * its path, the file is moved to "<path>.unrestorable-<UTC time, YYYYmmddTHHMMSSZ>" (".N"
+     * appended when that name is taken), logged at error level, and its new name kept here; ""
+     * while it has not been moved. If it cannot be moved, snapshots to its path fail (counted in
+     * snapshot_failures) and it stays. */
+    char unrestorable_kept_as[4160];
     uint64_t snapshots;         /* snapshots written (periodic and km_subscriber_save) */
     uint64_t snapshot_failures;
     char last_snapshot_error[256];

@@ -51,6 +51,8 @@ static void follow_usage(FILE *f)
             "  directory must exist and be writable. Status every N s (default 5).\n"
             "  --max-*: the KV-event decoder's limits (docs/EVENTS.md, \"Limits and memory\");\n"
             "  a message over one is refused as undecodable, naming the limit.\n"
+            "  A snapshot that does not restore (another block size or version, damaged) is\n"
+            "  kept: moved to PATH.unrestorable-<UTC time> before the first snapshot.\n"
             "  Exit status: 0 ok, 1 failure (start, snapshot), 2 usage.\n");
 }
 
@@ -61,6 +63,13 @@ static void print_status(km_subscriber *sub, const km_index *index)
     km_index_stats is;
     km_index_get_stats(index, &is);
     printf("pairs %llu, blocks %llu\n", (unsigned long long)is.pairs, (unsigned long long)is.blocks);
+    km_subscriber_stats st;
+    if (km_subscriber_get_stats(sub, &st) == KM_OK && st.restore_status != KM_OK)
+        printf("  the snapshot did not restore at start (%s); %s%s\n",
+               km_error_name(st.restore_status),
+               st.unrestorable_kept_as[0] ? "it is kept as " : "it is moved aside before the "
+                                                               "first snapshot",
+               st.unrestorable_kept_as);
     for (uint32_t i = 0; i < n && i < FOLLOW_MAX_WORKERS; i++) {
         km_feed_worker_info info;
         if (km_subscriber_get_worker_info(sub, ids[i], &info) != KM_OK)
@@ -265,8 +274,12 @@ int km_cmd_follow(int argc, char **argv)
     }
     km_subscriber_stats st;
     km_subscriber_get_stats(sub, &st);
-    if (cfg.restore_path)
-        printf("restore %s: %s\n", snapshot, st.restored ? "ok" : km_error_name(st.restore_status));
+    if (cfg.restore_path && st.restored)
+        printf("restore %s: ok\n", snapshot);
+    else if (cfg.restore_path)
+        printf("restore %s: %s: %s; starting empty, the file is kept (moved aside before the "
+               "first snapshot)\n",
+               snapshot, km_error_name(st.restore_status), st.restore_error);
     for (uint32_t i = 0; i < n_workers; i++) {
         rc = km_subscriber_add_worker(sub, &workers[i]);
         if (rc) {
@@ -309,6 +322,14 @@ int km_cmd_follow(int argc, char **argv)
         }
     }
     print_status(sub, index);
+    km_subscriber_get_stats(sub, &st);
+    if (st.unrestorable_kept_as[0])
+        fprintf(stderr,
+                "kvmatch follow: note: %s did not restore at start (%s); it is kept as %s\n",
+                snapshot, km_error_name(st.restore_status), st.unrestorable_kept_as);
+    else if (cfg.restore_path && !st.restored)
+        fprintf(stderr, "kvmatch follow: note: %s did not restore at start (%s)\n", snapshot,
+                km_error_name(st.restore_status));
     km_subscriber_destroy(sub);
     km_index_destroy(index);
     return status;

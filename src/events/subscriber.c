@@ -29,7 +29,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <zmq.h>
@@ -89,6 +91,9 @@ struct km_subscriber {
     pid_t snapshot_child; /* background snapshot being written; 0 = none */
     int snapshot_pipe;    /* its error text, read when reaped; -1 = none */
     uint32_t saves_waiting; /* km_subscriber_save calls waiting for snapshot_child: fork no other */
+    /* A snapshot that failed to restore, still at its path: moved aside before the first save
+     * that would overwrite it (keep_unrestorable). "" = none. */
+    char unrestorable[4096];
 
     /* I/O thread only */
     km_kv_decoder *decoder;
@@ -777,14 +782,24 @@ int km_subscriber_create(km_index *index, const km_subscriber_config *cfg_in, km
     sub->last_snapshot_ns = km_feed_clock_ns();
     sub->snapshot_pipe = -1;
     if (cfg.restore_path) {
-        /* Restart of kvmatch: before any socket exists. Failure is not fatal: start empty. */
+        /* Restart of kvmatch: before any socket exists. Failure is not fatal: start empty, and
+         * keep the file that did not restore (keep_unrestorable). */
         rc = km_feed_restore(sub->feed, cfg.restore_path, km_feed_clock_ns());
         sub->stats.restore_status = rc;
-        if (rc)
-            sub_log(sub, KM_LOG_WARNING
-                    "restore failed, starting empty: %s", km_feed_last_error(sub->feed));
-        else
+        if (rc) {
+            snprintf(sub->stats.restore_error, sizeof sub->stats.restore_error, "%s",
+                     km_feed_last_error(sub->feed));
+            struct stat st;
+            bool present = stat(cfg.restore_path, &st) == 0;
+            if (present)
+                snprintf(sub->unrestorable, sizeof sub->unrestorable, "%s", cfg.restore_path);
+            sub_log(sub, KM_LOG_ERROR "restore failed, starting empty: %s%s",
+                    sub->stats.restore_error,
+                    present ? "; the file is kept, moved aside before a snapshot takes its path"
+                            : "");
+        } else {
             sub->stats.restored = true;
+        }
     }
     sub->ctx = zmq_ctx_new();
     if (!sub->ctx) {
@@ -1000,6 +1015,14 @@ static void reap_snapshot_child(km_subscriber *sub, bool wait)
     sub_log(sub, KM_LOG_WARNING "%s", sub->stats.last_snapshot_error);
 }
 
+/* The same file: the same name, or the same inode. */
+static bool same_file(const char *a, const char *b)
+{
+    struct stat sa, sb;
+    return !strcmp(a, b) || (stat(a, &sa) == 0 && stat(b, &sb) == 0 && sa.st_dev == sb.st_dev &&
+                             sa.st_ino == sb.st_ino);
+}
+
 /* Under the lock, right after a flush that left nothing queued: fork a child that writes the
  * snapshot from its copy-on-write image (only this thread exists in the child, holding the lock,
  * so it touches nothing another thread could have left half-changed: the feed and index are ours,
@@ -1007,6 +1030,8 @@ static void reap_snapshot_child(km_subscriber *sub, bool wait)
  * false when fork failed (the caller writes in place). */
 static bool save_in_background(km_subscriber *sub, const char *path, uint64_t now)
 {
+    if (sub->unrestorable[0] && same_file(path, sub->unrestorable))
+        return false; /* save_locked moves it aside first, or refuses */
     int fds[2];
     if (pipe2(fds, O_CLOEXEC) != 0)
         return false;
@@ -1033,10 +1058,81 @@ static bool save_in_background(km_subscriber *sub, const char *path, uint64_t no
     return true;
 }
 
+/* Under the lock, before a snapshot is written to `path`: when path holds the snapshot that
+ * failed to restore, move that file to "<path>.unrestorable-<UTC time>" (".1", ".2" ... after it
+ * when the name is taken; an existing file is never replaced), so the only copy of what it held
+ * is not overwritten. KM_OK when nothing is in the way; else the save must not happen. */
+static int keep_unrestorable(km_subscriber *sub, const char *path)
+{
+    if (!sub->unrestorable[0] || !same_file(path, sub->unrestorable))
+        return KM_OK;
+    struct stat st;
+    if (stat(sub->unrestorable, &st) != 0 && errno == ENOENT) {
+        sub->unrestorable[0] = '\0'; /* gone meanwhile: nothing to keep */
+        return KM_OK;
+    }
+    char stamp[32];
+    time_t t = time(NULL);
+    struct tm utc;
+    gmtime_r(&t, &utc);
+    strftime(stamp, sizeof stamp, "%Y%m%dT%H%M%SZ", &utc);
+    char target[sizeof sub->stats.unrestorable_kept_as];
+    int err = 0;
+    for (unsigned k = 0; k < 1000; k++) {
+        int n = k ? snprintf(target, sizeof target, "%s.unrestorable-%s.%u", sub->unrestorable,
+                             stamp, k)
+                  : snprintf(target, sizeof target, "%s.unrestorable-%s", sub->unrestorable,
+                             stamp);
+        if (n < 0 || (size_t)n >= sizeof target) {
+            err = ENAMETOOLONG;
+            break;
+        }
+        /* link() refuses an existing target, where rename() would replace it. */
+        if (link(sub->unrestorable, target) == 0) {
+            err = unlink(sub->unrestorable) == 0 ? 0 : errno;
+            if (err)
+                unlink(target);
+            break;
+        }
+        err = errno;
+        if (err == EEXIST)
+            continue;
+        if (err == EPERM || err == EMLINK || err == ENOTSUP || err == EXDEV) {
+            /* A file system without hard links: rename, checked first not to replace a file
+             * (two writers choosing one name within the same second is not a case here). */
+            if (access(target, F_OK) == 0)
+                continue;
+            err = rename(sub->unrestorable, target) == 0 ? 0 : errno;
+        }
+        break;
+    }
+    if (err) {
+        snprintf(sub->last_error, sizeof sub->last_error,
+                 "snapshot %s not written: it holds the snapshot that did not restore, which could "
+                 "not be moved aside: %s", path, strerror(err));
+        sub_log(sub, KM_LOG_ERROR "%s", sub->last_error);
+        return KM_ERR_IO;
+    }
+    snprintf(sub->stats.unrestorable_kept_as, sizeof sub->stats.unrestorable_kept_as, "%s",
+             target);
+    sub_log(sub, KM_LOG_ERROR "the snapshot %s that did not restore (%s) was moved to %s; a new "
+            "snapshot takes its path", sub->unrestorable, sub->stats.restore_error, target);
+    sub->unrestorable[0] = '\0';
+    return KM_OK;
+}
+
 /* Under the lock. */
 static int save_locked(km_subscriber *sub, const char *path, uint64_t now)
 {
-    int rc = km_feed_save(sub->feed, path, now);
+    int rc = keep_unrestorable(sub, path);
+    if (rc) {
+        sub->stats.snapshot_failures++;
+        snprintf(sub->stats.last_snapshot_error, sizeof sub->stats.last_snapshot_error, "%s",
+                 sub->last_error);
+        sub->last_snapshot_ns = now;
+        return rc;
+    }
+    rc = km_feed_save(sub->feed, path, now);
     if (rc) {
         sub->stats.snapshot_failures++;
         snprintf(sub->last_error, sizeof sub->last_error, "%s", km_feed_last_error(sub->feed));

@@ -211,11 +211,15 @@ static int pool_subscriber(km_server *s, pool *p, char *why, size_t why_size)
     if (rc)
         return km_why(why, why_size, rc, "pool %s: event subscriber: %s", p->name, km_strerror(rc));
     km_subscriber_stats st;
-    if (sc.restore_path && km_subscriber_get_stats(p->sub, &st) == KM_OK)
-        km_srv_log(s, KM_LOG_INFO "pool %s: snapshot %s %s%s%s", p->name, sc.restore_path,
-                   st.restored ? "restored" : "not restored: ",
-                   st.restored ? "" : km_error_name(st.restore_status),
-                   st.restored ? "; workers resume from their saved seq + 1" : "; starting empty");
+    if (sc.restore_path && km_subscriber_get_stats(p->sub, &st) == KM_OK) {
+        if (st.restored)
+            km_srv_log(s, KM_LOG_INFO "pool %s: snapshot %s restored; workers resume from their "
+                       "saved seq + 1", p->name, sc.restore_path);
+        else
+            km_srv_log(s, KM_LOG_ERROR "pool %s: snapshot %s not restored: %s; starting empty, "
+                       "the file is kept (moved aside before the first snapshot, /status "
+                       "pools[].snapshot)", p->name, sc.restore_path, st.restore_error);
+    }
     return KM_OK;
 }
 

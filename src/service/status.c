@@ -119,6 +119,24 @@ static int http_status(void *user, km_text *out)
             json_object_set_new(jp, "host_scored_batches",
                                 json_integer((json_int_t)is.host_scored_batches));
         }
+        /* A snapshot that did not restore at start, and where it is kept (EVENTS.md, "Restart
+         * of kvmatch"). */
+        km_subscriber_stats ss;
+        if (p->snapshot_path && p->sub && km_subscriber_get_stats(p->sub, &ss) == KM_OK) {
+            char error[3 * sizeof ss.restore_error], kept[3 * sizeof ss.unrestorable_kept_as];
+            char *path = km_utf8_clean_dup(p->snapshot_path);
+            km_utf8_clean_copy(error, ss.restore_error);
+            km_utf8_clean_copy(kept, ss.unrestorable_kept_as);
+            json_object_set_new(
+                jp, "snapshot",
+                json_pack("{ss sb so so sI sI}", "path", path ? path : "", "restored",
+                          ss.restored, "restore_error",
+                          ss.restore_status ? json_string(error) : json_null(),
+                          "unrestorable_kept_as", kept[0] ? json_string(kept) : json_null(),
+                          "snapshots", (json_int_t)ss.snapshots, "snapshot_failures",
+                          (json_int_t)ss.snapshot_failures));
+            free(path);
+        }
         json_array_append_new(pools, jp);
     }
     uint64_t now = now_ns();
