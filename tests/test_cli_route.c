@@ -258,6 +258,15 @@ Test(cli_route, bad_values_exit_2_before_connecting, .timeout = 60)
                        "", "one of");
     expect_usage_error((const char *const[]){"--connect", NO_SERVER, NULL}, "1 2 x 4",
                        "not a valid number: x");
+    /* A word over 63 characters is refused whole: its first 63 characters and the rest are
+     * not read as two numbers ("000...01" and "2"). */
+    char long_word[80];
+    snprintf(long_word, sizeof long_word, "1 %062d12 3", 0);
+    expect_usage_error((const char *const[]){"--connect", NO_SERVER, NULL}, long_word,
+                       "a word of more than 63 characters");
+    snprintf(long_word, sizeof long_word, "0x%062d12", 0);
+    expect_usage_error((const char *const[]){"--connect", NO_SERVER, "--hashes", NULL}, long_word,
+                       "a word of more than 63 characters");
     /* A valid run gets as far as connecting. */
     route_run r;
     run_route((const char *const[]){"--connect", NO_SERVER, "--candidates", "0,1", NULL}, "1 2",

@@ -3,6 +3,7 @@
  * from token ids on stdin (or --hashes), a STATUS, a worker list, or adding / removing a worker.
  * Prints the reply as JSON lines. */
 #define _POSIX_C_SOURCE 200809L
+#include <ctype.h>
 #include <errno.h>
 #include <inttypes.h>
 #include <math.h>
@@ -206,8 +207,30 @@ static bool parse_worker(char *spec, bool endpoints, km_worker_info *w)
     return true;
 }
 
+/* The next whitespace-separated word of stdin into word (size bytes): 1 read, 0 end of input,
+ * -1 a word that does not fit (its first size - 1 bytes in word; the rest of it is consumed). */
+static int read_word(char *word, size_t size)
+{
+    int c;
+    while ((c = getchar()) != EOF && isspace(c)) {
+    }
+    if (c == EOF)
+        return 0;
+    size_t n = 0;
+    bool fits = true;
+    for (; c != EOF && !isspace(c); c = getchar()) {
+        if (n + 1 < size)
+            word[n++] = (char)c;
+        else
+            fits = false;
+    }
+    word[n] = '\0';
+    return fits ? 1 : -1;
+}
+
 /* Read whitespace-separated unsigned integers from stdin: decimal, as `kvmatch hash` reads token
- * ids (a leading 0 is not octal), or with `hex` (chain hashes) also 0x hex. */
+ * ids (a leading 0 is not octal), or with `hex` (chain hashes) also 0x hex. A word longer than 63
+ * bytes is refused whole, never read as two numbers. */
 static int read_numbers(uint64_t **out, size_t *n_out, uint64_t max, bool hex)
 {
     size_t n = 0, cap = 1024;
@@ -215,7 +238,14 @@ static int read_numbers(uint64_t **out, size_t *n_out, uint64_t max, bool hex)
     if (!v)
         return -1;
     char word[64];
-    while (scanf("%63s", word) == 1) {
+    int got;
+    while ((got = read_word(word, sizeof word)) != 0) {
+        if (got < 0) {
+            fprintf(stderr, "kvmatch route: not a valid number: %s... (a word of more than %zu "
+                            "characters)\n", word, sizeof word - 1);
+            free(v);
+            return -1;
+        }
         uint64_t x;
         bool is_hex = hex && word[0] == '0' && (word[1] == 'x' || word[1] == 'X');
         if (!(is_hex ? parse_unsigned(word + 2, 16, max, &x) : parse_decimal(word, max, &x))) {
