@@ -1616,6 +1616,40 @@ Test(deploy, serve_flags_name_their_settings_and_ranges, .timeout = 60)
     remove_dir();
 }
 
+/* --pool NAME:BS[:POLICY[:MODEL]]: an empty POLICY is the default policy (MODEL stays the
+ * model, never read as a policy); a value longer than the flag takes is refused, not cut. */
+Test(deploy, serve_pool_flag_takes_empty_fields_as_defaults_and_refuses_long_values,
+     .timeout = 60)
+{
+    make_dir();
+    static char out[16384];
+    int rc = run_cli(out, sizeof out, "serve --socket none --records none "
+                                      "--pool x:16::m1 --param x:temperature=1");
+    cr_assert_eq(rc, 2, "%s", out);
+    cr_assert(strstr(out, "pool x has policy ttft"), "%s", out);
+    char model[300];
+    memset(model, 'm', sizeof model - 1);
+    model[sizeof model - 1] = '\0';
+    rc = run_cli(out, sizeof out, "serve --socket none --records none --pool x:16:kv:%s", model);
+    cr_assert_eq(rc, 2, "%s", out);
+    cr_assert(strstr(out, "--pool takes at most 255 bytes, got 307"), "%s", out);
+    rc = run_cli(out, sizeof out, "serve --socket none --records none --pool x::kv");
+    cr_assert_eq(rc, 2, "%s", out);
+    cr_assert(strstr(out, "--pool wants NAME:BLOCK_SIZE"), "%s", out);
+    /* The model of "main:4::m1" is m1: a route naming it reaches the pool. */
+    char sock[128];
+    snprintf(sock, sizeof sock, "%s/s.sock", g_dir);
+    pid_t pid = spawn_serve_args(sock, "--records=none --pool main:4::m1 --worker main:0");
+    char cmd[512];
+    snprintf(cmd, sizeof cmd, "seq 1 8 | timeout -s KILL 20 %s route --connect=unix:%s "
+             "--model=m1", kvmatch_bin(), sock);
+    rc = km_test_run_capture(cmd, out, sizeof out);
+    cr_assert_eq(rc, 0, "route --model m1: %s", out);
+    cr_assert(strstr(out, "\"chosen_worker\":0"), "%s", out);
+    stop_serve(pid);
+    remove_dir();
+}
+
 /* ---- metrics ---------------------------------------------------------------------------------- */
 
 /* /metrics: a worker's state is its own gauge (one series per state, 1 for the current one), so a

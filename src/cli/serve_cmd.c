@@ -436,13 +436,24 @@ static int apply_flags(int argc, char **argv, km_server_config *cfg)
             }
             break;
         case OPT_POOL: {
-            /* NAME:BLOCK_SIZE[:POLICY[:MODEL]] */
+            /* NAME:BLOCK_SIZE[:POLICY[:MODEL]]; an empty POLICY or MODEL is the default (MODEL is
+             * the rest, colons included). */
             char buf[256];
+            if (strlen(v) >= sizeof buf) {
+                fprintf(stderr, "kvmatch serve: --pool takes at most %zu bytes, got %zu\n",
+                        sizeof buf - 1, strlen(v));
+                status = KM_EXIT_USAGE;
+                break;
+            }
             snprintf(buf, sizeof buf, "%s", v);
-            char *save = NULL;
-            char *name = strtok_r(buf, ":", &save), *bs = strtok_r(NULL, ":", &save),
-                 *pol = strtok_r(NULL, ":", &save), *model = strtok_r(NULL, "", &save);
-            if (!name || !bs) {
+            char *rest = buf;
+            char *name = strsep(&rest, ":"), *bs = rest ? strsep(&rest, ":") : NULL;
+            char *pol = rest ? strsep(&rest, ":") : NULL, *model = rest;
+            if (pol && !*pol)
+                pol = NULL;
+            if (model && !*model)
+                model = NULL;
+            if (!name || !*name || !bs || !*bs) {
                 fprintf(stderr, "kvmatch serve: --pool wants NAME:BLOCK_SIZE[:POLICY[:MODEL]], "
                                 "got \"%s\"\n", v);
                 status = KM_EXIT_USAGE;
