@@ -56,6 +56,8 @@ Test(cli, follow_refuses_bad_endpoints_as_usage_errors, .timeout = 60)
         {"--endpoint 0=tcp://127.0.0.1:1 --endpoint 0=tcp://127.0.0.1:2", "worker 0"},
         {"--endpoint 0=garbage", "garbage"},
         {"--endpoint 0=tcp://127.0.0.1:1 --max-events-per-batch 0", "--max-events-per-batch"},
+        {"--endpoint 0=tcp://127.0.0.1:1 --snapshot-interval-s 5",
+         "--snapshot-interval-s needs --snapshot"},
         {"--endpoint 0=tcp://127.0.0.1:1 --max-payload-bytes 4294967296", "--max-payload-bytes"},
         {"--endpoint 0=tcp://127.0.0.1:1 --max-string-bytes x", "--max-string-bytes"},
     };

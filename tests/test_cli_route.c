@@ -258,6 +258,37 @@ Test(cli_route, bad_values_exit_2_before_connecting, .timeout = 60)
                        "", "one of");
     expect_usage_error((const char *const[]){"--connect", NO_SERVER, NULL}, "1 2 x 4",
                        "not a valid number: x");
+    /* Options no action but a route uses are refused beside another action, not dropped; so is
+     * --outcome without --finish. */
+    static const char *const route_only[][2] = {
+        {"--pool", "main"}, {"--model", "m"}, {"--request-id", "r"}, {"--attempt-id", "a"},
+        {"--lora", "l"}, {"--salt", "s"}, {"--policy", "kv"}, {"--expected-output", "5"},
+        {"--candidates", "1,2"}, {"--hashes", NULL},
+    };
+    static const char *const actions[][2] = {
+        {"--status", NULL}, {"--workers", NULL}, {"--finish", "7"}, {"--remove-pool", "p"},
+        {"--add-worker", "main:1"}, {"--remove-worker", "main:1"},
+        {"--set-health", "main:1=healthy"},
+    };
+    for (size_t a = 0; a < sizeof actions / sizeof actions[0]; a++)
+        for (size_t o = 0; o < sizeof route_only / sizeof route_only[0]; o++) {
+            const char *args[8] = {"--connect", NO_SERVER, actions[a][0]};
+            int n = 3;
+            if (actions[a][1])
+                args[n++] = actions[a][1];
+            args[n++] = route_only[o][0];
+            if (route_only[o][1])
+                args[n++] = route_only[o][1];
+            char named[128];
+            snprintf(named, sizeof named, "%s is for a route; %s does not use it",
+                     route_only[o][0], actions[a][0]);
+            expect_usage_error(args, "", named);
+        }
+    expect_usage_error((const char *const[]){"--connect", NO_SERVER, "--outcome", "error", NULL},
+                       "1 2", "--outcome goes with --finish");
+    expect_usage_error((const char *const[]){"--connect", NO_SERVER, "--status", "--outcome",
+                                             "error", NULL},
+                       "", "--outcome goes with --finish");
     /* A word over 63 characters is refused whole: its first 63 characters and the rest are
      * not read as two numbers ("000...01" and "2"). */
     char long_word[80];

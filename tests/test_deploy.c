@@ -1596,6 +1596,23 @@ Test(deploy, serve_flags_name_their_settings_and_ranges, .timeout = 60)
     rc = run_cli(out, sizeof out, "serve --pool x:16:prefix --param x:temperature=1");
     cr_assert_eq(rc, 2, "%s", out);
     cr_assert(strstr(out, "a parameter of policy kv; pool x has policy prefix"), "%s", out);
+    /* A worker id is digits only, as follow and route read it: no space, no sign. */
+    static const char *const bad_ids[] = {"'default: 3'", "'default:+3=tcp://127.0.0.1:1'",
+                                          "default:3x", "default:", "default:0x3",
+                                          "default:4294967296"};
+    for (size_t i = 0; i < sizeof bad_ids / sizeof bad_ids[0]; i++) {
+        rc = run_cli(out, sizeof out, "serve --socket none --records none --worker %s",
+                     bad_ids[i]);
+        cr_assert_eq(rc, 2, "--worker %s: %s", bad_ids[i], out);
+        cr_assert(strstr(out, "--worker wants POOL:ID"), "--worker %s: %s", bad_ids[i], out);
+    }
+    /* An invalid value of a deprecated flag is refused, not turned into a setting. */
+    rc = run_cli(out, sizeof out, "serve --snapshot-interval-s x --socket none --records none");
+    cr_assert_eq(rc, 2, "%s", out);
+    cr_assert(strstr(out, "--snapshot-interval-s wants"), "%s", out);
+    rc = run_cli(out, sizeof out, "serve --active-ttl-s 0 --socket none --records none");
+    cr_assert_eq(rc, 2, "%s", out);
+    cr_assert(strstr(out, "--active-ttl-s wants"), "%s", out);
     rc = run_cli(out, sizeof out, "serve --ready-share=2");
     cr_assert_eq(rc, 2, "%s", out);
     cr_assert(strstr(out, "--ready-share wants a number in 0..1"), "%s", out);

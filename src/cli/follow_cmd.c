@@ -47,8 +47,9 @@ static void follow_usage(FILE *f)
             "                      [--max-tokens-per-event N] [--max-string-bytes N]\n"
             "  Follow workers' KV events (vLLM / SGLang ZMQ publishers). With --snapshot, the\n"
             "  index and stream positions are restored from PATH at start (if it exists),\n"
-            "  saved every N s (default 60; 0 = only on exit) and on SIGTERM / SIGINT; its\n"
-            "  directory must exist and be writable. Status every N s (default 5).\n"
+            "  saved every N s (default 60; 0 = only on exit; needs --snapshot) and on\n"
+            "  SIGTERM / SIGINT; its directory must exist and be writable. Status every N s\n"
+            "  (default 5).\n"
             "  --max-*: the KV-event decoder's limits (docs/EVENTS.md, \"Limits and memory\");\n"
             "  a message over one is refused as undecodable, naming the limit.\n"
             "  A snapshot that does not restore (another block size or version, damaged) is\n"
@@ -149,6 +150,7 @@ int km_cmd_follow(int argc, char **argv)
     km_subscriber_worker workers[FOLLOW_MAX_WORKERS];
     uint32_t n_workers = 0, interval_s = 60, status_s = 5, block_size = 16;
     const char *snapshot = NULL;
+    bool interval_given = false;
     km_index_config index_defaults; /* the index below is made with these */
     km_index_config_init(&index_defaults);
     uint32_t max_workers = index_defaults.max_workers;
@@ -196,6 +198,7 @@ int km_cmd_follow(int argc, char **argv)
         case 'i':
             if (!km_cli_u32("follow", "snapshot-interval-s", v, 0, 86400, &interval_s))
                 return KM_EXIT_USAGE;
+            interval_given = true;
             break;
         case 't':
             if (!km_cli_u32("follow", "status-s", v, 1, 86400, &status_s))
@@ -245,6 +248,10 @@ int km_cmd_follow(int argc, char **argv)
     }
     if (!n_workers) {
         fprintf(stderr, "kvmatch follow: no --endpoint given\n");
+        return km_cli_usage_error("follow");
+    }
+    if (interval_given && !snapshot) {
+        fprintf(stderr, "kvmatch follow: --snapshot-interval-s needs --snapshot PATH\n");
         return km_cli_usage_error("follow");
     }
     if (snapshot && !snapshot_dir_writable(snapshot))

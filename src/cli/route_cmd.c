@@ -318,11 +318,18 @@ int km_cmd_route(int argc, char **argv)
     const char *add = NULL, *remove_w = NULL, *health = NULL, *remove_pool = NULL;
     uint64_t finish_id = 0;
     km_outcome outcome = KM_OUTCOME_COMPLETE;
+    bool outcome_given = false;
+    const char *route_option = NULL; /* the first option that only a route uses */
     static uint32_t cands[4096]; /* the protocol's default max_candidates */
     km_cli_getopt_begin(argv, "route");
-    int opt;
-    while ((opt = getopt_long(argc, argv, "h", options, NULL)) != -1) {
+    int opt, index = 0;
+    while ((opt = getopt_long(argc, argv, "h", options, &index)) != -1) {
         const char *v = optarg;
+        if (!route_option && (opt == OPT_POOL || opt == OPT_MODEL || opt == OPT_REQUEST_ID ||
+                              opt == OPT_ATTEMPT_ID || opt == OPT_LORA || opt == OPT_SALT ||
+                              opt == OPT_POLICY || opt == OPT_EXPECTED_OUTPUT ||
+                              opt == OPT_CANDIDATES || opt == OPT_HASHES))
+            route_option = options[index].name;
         switch (opt) {
         case 'h':
             route_usage(stdout);
@@ -354,6 +361,7 @@ int km_cmd_route(int argc, char **argv)
                 return KM_EXIT_USAGE;
             break;
         case OPT_OUTCOME: {
+            outcome_given = true;
             bool known = false;
             for (int k = KM_OUTCOME_COMPLETE; k <= KM_OUTCOME_CANCELLED && !known; k++)
                 if (!strcmp(v, km_outcome_name((km_outcome)k))) {
@@ -396,6 +404,24 @@ int km_cmd_route(int argc, char **argv)
     }
     if (remove_pool && !*remove_pool) {
         fprintf(stderr, "kvmatch route: --remove-pool wants a pool name\n");
+        return KM_EXIT_USAGE;
+    }
+    /* An option the action does not use would be dropped without a word: refused instead. */
+    const char *action = status        ? "--status"
+                         : list        ? "--workers"
+                         : add         ? "--add-worker"
+                         : remove_w    ? "--remove-worker"
+                         : health      ? "--set-health"
+                         : finish      ? "--finish"
+                         : remove_pool ? "--remove-pool"
+                                       : NULL;
+    if (action && route_option) {
+        fprintf(stderr, "kvmatch route: --%s is for a route; %s does not use it\n", route_option,
+                action);
+        return KM_EXIT_USAGE;
+    }
+    if (outcome_given && !finish) {
+        fprintf(stderr, "kvmatch route: --outcome goes with --finish ID\n");
         return KM_EXIT_USAGE;
     }
     char spec[1024];

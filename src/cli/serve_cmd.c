@@ -330,7 +330,8 @@ static int apply_flags(int argc, char **argv, km_server_config *cfg)
             deprecated("snapshot-interval-s", "snapshot-interval-ms");
             if (!km_cli_u32("serve", "snapshot-interval-s", v, 0, 86400, &u))
                 status = KM_EXIT_USAGE;
-            cfg->snapshot_interval_ms = u * 1000;
+            else
+                cfg->snapshot_interval_ms = u * 1000;
             break;
         case OPT_SNAPSHOT_INTERVAL_MS:
             if (!km_cli_u32("serve", "snapshot-interval-ms", v, 0, 86400000, &cfg->snapshot_interval_ms))
@@ -377,7 +378,8 @@ static int apply_flags(int argc, char **argv, km_server_config *cfg)
             deprecated("active-ttl-s", "active-ttl-ms");
             if (!km_cli_u64("serve", "active-ttl-s", v, 1, 86400 * 7, &x))
                 status = KM_EXIT_USAGE;
-            cfg->active_ttl_ms = x * 1000;
+            else
+                cfg->active_ttl_ms = x * 1000;
             break;
         case OPT_ACTIVE_TTL_MS:
             if (!km_cli_u64("serve", "active-ttl-ms", v, 1, UINT64_C(86400000) * 7, &cfg->active_ttl_ms))
@@ -399,7 +401,8 @@ static int apply_flags(int argc, char **argv, km_server_config *cfg)
             deprecated("approx-dispatch-mb", "approx-dispatch-max-bytes");
             if (!km_cli_u64("serve", "approx-dispatch-mb", v, 0, UINT64_C(1) << 40, &x))
                 status = KM_EXIT_USAGE;
-            cfg->approx_dispatch_max_bytes = x << 20;
+            else
+                cfg->approx_dispatch_max_bytes = x << 20;
             break;
         case OPT_APPROX_DISPATCH_MAX_BYTES:
             if (!km_cli_u64("serve", "approx-dispatch-max-bytes", v, 0, UINT64_C(1) << 60,
@@ -535,10 +538,12 @@ static int apply_flags(int argc, char **argv, km_server_config *cfg)
             }
             /* POOL:ID[=PUB[,REPLAY]] */
             const char *idp = colon + 1;
-            char *end;
-            errno = 0;
-            unsigned long id = strtoul(idp, &end, 10);
-            if (end == idp || (*end && *end != '=') || errno || id >= KM_MAX_WORKERS_LIMIT) {
+            char *end = strchr(idp, '=');
+            if (!end)
+                end = (char *)idp + strlen(idp);
+            uint64_t id;
+            /* Digits only, as follow and route read ids (no sign, no space, no hex). */
+            if (!km_cli_parse_u64(idp, (size_t)(end - idp), KM_MAX_WORKERS_LIMIT - 1, &id)) {
                 fprintf(stderr, "kvmatch serve: --worker wants POOL:ID[=PUB[,REPLAY]] with ID in "
                                 "0..%u, got \"%s\"\n", KM_MAX_WORKERS_LIMIT - 1, v);
                 status = KM_EXIT_USAGE;
