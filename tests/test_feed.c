@@ -2889,14 +2889,19 @@ Test(feed, malformed_messages_are_counted_and_skipped, .timeout = 10)
     fx_live_range(&f, 0, 0, 3);
     /* seq 3's payload could not be decoded; then a message with no readable seq at all */
     cr_assert_eq(km_feed_live(f.feed, 0, 3, NULL, f.now++), KM_OK);
-    cr_assert_eq(km_feed_malformed(f.feed, 0, NULL, f.now++), KM_OK);
+    cr_assert_eq(km_feed_malformed(f.feed, 0, KM_KV_SOURCE_SUBSCRIBER, NULL, f.now++), KM_OK);
     fx_live_range(&f, 0, 4, 6);
     km_feed_worker_info info = fx_info(&f, 0);
     cr_assert_eq(info.counters.malformed, 2);
     cr_assert_eq(info.counters.gaps, 0);
     cr_assert_eq(info.state, KM_FEED_STATE_LIVE);
     cr_assert_eq(info.expected_seq, 6);
-    cr_assert_eq(info.counters.messages, 6);
+    cr_assert_eq(info.counters.messages, 7, "live messages, the malformed ones included");
+    /* One from the replay socket is no live message. */
+    cr_assert_eq(km_feed_malformed(f.feed, 0, KM_KV_SOURCE_REPLAY, NULL, f.now++), KM_OK);
+    info = fx_info(&f, 0);
+    cr_assert_eq(info.counters.malformed, 3);
+    cr_assert_eq(info.counters.messages, 7);
     fx_free(&f);
 }
 

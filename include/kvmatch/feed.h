@@ -170,8 +170,11 @@ int km_feed_live(km_feed *feed, uint32_t worker, uint64_t seq, const km_kv_batch
 int km_feed_live_undecodable(km_feed *feed, uint32_t worker, uint64_t seq, const char *why,
                              uint64_t now_ns);
 /* A message from the worker that had no readable seq (wrong frame count, a seq frame of the wrong
- * size): counted as malformed, nothing else changes. `why` as for km_feed_live_undecodable. */
-int km_feed_malformed(km_feed *feed, uint32_t worker, const char *why, uint64_t now_ns);
+ * size), received on `source`'s socket: counted as malformed (and, from the live socket, as a
+ * live message: counters.messages), nothing else changes. `why` as for
+ * km_feed_live_undecodable. */
+int km_feed_malformed(km_feed *feed, uint32_t worker, km_kv_source source, const char *why,
+                      uint64_t now_ns);
 
 /* Replay answers, tagged with the request id of the km_feed_action they answer. Answers to any
  * other id (a cancelled or superseded request) are counted and ignored. batch NULL: a malformed

@@ -983,13 +983,16 @@ static int live_message(km_feed *feed, uint32_t id, uint64_t seq, const km_kv_ba
     return KM_OK;
 }
 
-int km_feed_malformed(km_feed *feed, uint32_t id, const char *why, uint64_t now_ns)
+int km_feed_malformed(km_feed *feed, uint32_t id, km_kv_source source, const char *why,
+                      uint64_t now_ns)
 {
     if (!feed)
         return KM_ERR_NULL_POINTER;
     worker *w = km_feed_find_worker(feed, id);
     if (!w)
         return km_feed_fail(feed, KM_ERR_INVALID_ARGUMENT, "worker %u is not followed", id);
+    if (source == KM_KV_SOURCE_SUBSCRIBER)
+        w->c.messages++; /* live messages, malformed included */
     count_message_refusals(w, NULL, why);
     w->has_last_receive = true;
     w->last_receive_ns = now_ns;

@@ -451,7 +451,7 @@ static void handle_live(km_subscriber *sub, sworker *w, received *r, uint64_t no
         if (!r->too_many && r->n == 3 && r->frames[1].size == 8)
             km_feed_live_undecodable(sub->feed, w->id, read_be64(r->frames[1].data), why, now);
         else
-            km_feed_malformed(sub->feed, w->id, why, now);
+            km_feed_malformed(sub->feed, w->id, KM_KV_SOURCE_SUBSCRIBER, why, now);
     }
     pthread_mutex_unlock(&sub->lock);
 }
@@ -483,14 +483,14 @@ static void handle_replay(km_subscriber *sub, sworker *w, received *r, uint64_t 
                             r->frames[r->n - 2].size == 8;
         uint64_t seq = seq_readable ? read_be64(r->frames[r->n - 2].data) : 0;
         if (seq_readable && seq == KM_KV_REPLAY_END_SEQ) {
-            km_feed_malformed(sub->feed, w->id, why, now);
+            km_feed_malformed(sub->feed, w->id, KM_KV_SOURCE_REPLAY, why, now);
             km_feed_replay_end(sub->feed, w->id, request, now); /* an end marker all the same */
             ended = true;
         } else if (seq_readable) {
             /* The feed consumes it only as the next seq to apply (km_feed_replay_item). */
             km_feed_replay_item_undecodable(sub->feed, w->id, request, seq, why, now);
         } else {
-            km_feed_malformed(sub->feed, w->id, why, now);
+            km_feed_malformed(sub->feed, w->id, KM_KV_SOURCE_REPLAY, why, now);
         }
     }
     /* Only an answer that moved the stream (an item applied or consumed, history found lost, the
