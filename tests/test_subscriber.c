@@ -1,13 +1,14 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* The ZMQ subscriber (include/kvmatch/subscriber.h) against the C test publisher
  * (tests/kv_test_publisher.c), loopback only, ephemeral ports, every test bounded in time.
- * Scenarios from the issue: normal flow; both event encodings; int and bytes hashes; both replay
- * reply forms; LoRA; data-parallel ranks; a short gap inside the replay buffer (the index then
- * equals a gap-free run's); a gap longer than the buffer (DEGRADED, lost counted exactly); an
- * engine restart (seq back to 0, old blocks gone); a replay that arrives while live messages keep
- * coming; malformed input of every kind (counted, skipped, nothing else lost, the thread keeps
- * running); live frames whose seq cannot be trusted (no wrap, gap or restart); replay timeout; workers added and removed at run time; a prompt stop; a long replay, and one answered before its
- * deadline, while the I/O thread is held up; a replay answered twice. */
+ * Scenarios: normal flow; both event encodings; int and bytes hashes; both replay reply forms;
+ * LoRA; data-parallel ranks; a short gap inside the replay buffer (the index then equals a
+ * gap-free run's); a gap longer than the buffer (DEGRADED, lost counted exactly); an engine
+ * restart (seq back to 0, old blocks gone); a replay that arrives while live messages keep coming;
+ * malformed input of every kind (counted, skipped, nothing else lost, the thread keeps running);
+ * live frames whose seq cannot be trusted (no wrap, gap or restart); replay timeout; workers added
+ * and removed at run time; a prompt stop; a long replay, and one answered before its deadline,
+ * while the I/O thread is held up; a replay answered twice. */
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
