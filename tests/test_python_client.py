@@ -43,10 +43,11 @@ class FakeServer:
     (ROUTE answered with STATUS_REPLY, WORKERS with ACK whatever its action), duplicate (ROUTE
     answered twice), welcome_wrong_id (WELCOME to another id than the HELLO's), bad_id (every
     reply after the WELCOME carries bad_id(its request's id) as its id), bad_welcome_id (the
-    WELCOME does)."""
+    WELCOME does). In any mode, craft(request) may return the reply's payload as Raw bytes (a
+    map whose keys repeat or are not str, which no dict can hold); None leaves it to the mode."""
 
-    def __init__(self, mode="normal", tcp=False, group=8, bad_id=None):
-        self.mode, self.group, self.bad_id = mode, group, bad_id
+    def __init__(self, mode="normal", tcp=False, group=8, bad_id=None, craft=None):
+        self.mode, self.group, self.bad_id, self.craft = mode, group, bad_id, craft
         if tcp:
             self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             self.sock.bind(("127.0.0.1", 0))
@@ -161,6 +162,10 @@ class FakeServer:
                     break
                 m = msgpack.unpackb(buf[4:4 + n], raw=False)
                 buf = buf[4 + n:]
+                crafted = self.craft(m) if self.craft else None
+                if crafted is not None:
+                    conn.sendall(struct.pack(">I", len(crafted.data)) + crafted.data)
+                    continue
                 reply, keep_open = self._reply(m)
                 if reply is not None and self.mode == "bad_id" and m.get("type") != "HELLO":
                     reply["id"] = self.bad_id(m.get("id"))
@@ -176,6 +181,31 @@ class FakeServer:
                         conn.sendall(self._frame(reply))
                 if not keep_open:
                     return
+
+
+class Raw:
+    """Bytes that go into a crafted payload as they are."""
+
+    def __init__(self, data):
+        self.data = data
+
+
+def pack(value):
+    return value.data if isinstance(value, Raw) else msgpack.packb(value, use_bin_type=True)
+
+
+def raw_map(*entries):
+    """A msgpack map of the (key, value) entries in their order: a key may repeat, or be a value
+    of any type (Raw or packed)."""
+    n = len(entries)
+    head = bytes([0x80 | n]) if n < 16 else b"\xde" + struct.pack(">H", n)
+    return Raw(head + b"".join(pack(k) + pack(v) for k, v in entries))
+
+
+def raw_list(*items):
+    n = len(items)
+    head = bytes([0x90 | n]) if n < 16 else b"\xdc" + struct.pack(">H", n)
+    return Raw(head + b"".join(pack(item) for item in items))
 
 
 def route(i, n=4):
@@ -433,6 +463,124 @@ def test_reply_id_that_is_not_a_request_id():
             s.stop()
 
 
+def expect_parse_error(call, words):
+    try:
+        call()
+        raise AssertionError("no parse error")
+    except kc.KvmatchError as e:
+        assert e.code == kc.KM_ERR_PARSE and words in e.message, (e.code, e.message)
+
+
+def given(twice, *entries):
+    """The entries when twice, else none: the copy of a key that makes it appear twice."""
+    return list(entries) if twice else []
+
+
+def decision_map(twice):
+    return raw_map(("status", 0), ("request_id", "r"), ("decision_id", 7), ("chosen_worker", 2),
+                   *given(twice, ("chosen_worker", 3)), ("source", "events"))
+
+
+def worker_map(twice_worker, twice_load):
+    load = raw_map(("in_flight", 1), *given(twice_load, ("in_flight", 2)))
+    return raw_map(("pool", "default"), ("worker", 1), *given(twice_worker, ("state", "LIVE"),
+                                                              ("worker", 2)),
+                   ("state", "LIVE"), ("load", load))
+
+
+def pool_map(twice_pool, twice_param):
+    params = raw_map(("temperature", 0.5), *given(twice_param, ("temperature", 2.0)))
+    return raw_map(("name", "default"), ("block_size", 16), *given(twice_pool, ("name", "other")),
+                   ("params", params))
+
+
+# (what, the request answered, the call, its reply: a map of it holds a key twice when twice)
+KEY_TWICE = [
+    ("the message's field", "ROUTE", lambda c: c.route([route(1)]),
+     lambda rid, twice: raw_map(("type", "DECISION"), ("id", rid), ("kvmatch_version", "0.1"),
+                                ("decisions", raw_list(decision_map(False))),
+                                *given(twice, ("kvmatch_version", "0.2")))),
+    ("the message's unknown key", "ROUTE", lambda c: c.route([route(1)]),
+     lambda rid, twice: raw_map(("type", "DECISION"), ("id", rid), ("later", 1),
+                                ("decisions", raw_list(decision_map(False))),
+                                *given(twice, ("later", 2)))),
+    ("the message's id", "ROUTE", lambda c: c.route([route(1)]),
+     lambda rid, twice: raw_map(("type", "DECISION"), ("id", rid), *given(twice, ("id", rid)),
+                                ("decisions", raw_list(decision_map(False))))),
+    ("a decision", "ROUTE", lambda c: c.route([route(1)]),
+     lambda rid, twice: raw_map(("type", "DECISION"), ("id", rid),
+                                ("decisions", raw_list(decision_map(twice))))),
+    ("an ACK item", "LIFECYCLE", lambda c: c.dispatched(decision_id=7),
+     lambda rid, twice: raw_map(("type", "ACK"), ("id", rid), ("items", raw_list(raw_map(
+         ("status", 0), *given(twice, ("status", -15))))))),
+    ("a worker", "WORKERS", lambda c: c.workers("list"),
+     lambda rid, twice: raw_map(("type", "WORKER_LIST"), ("id", rid),
+                                ("workers", raw_list(worker_map(twice, False))))),
+    ("a worker's load", "WORKERS", lambda c: c.workers("list"),
+     lambda rid, twice: raw_map(("type", "WORKER_LIST"), ("id", rid),
+                                ("workers", raw_list(worker_map(False, twice))))),
+    ("a STATUS_REPLY's worker", "STATUS", lambda c: c.status(),
+     lambda rid, twice: raw_map(("type", "STATUS_REPLY"), ("id", rid),
+                                ("kvmatch_version", "0.1"),
+                                ("workers", raw_list(worker_map(False, False),
+                                                     worker_map(twice, False))))),
+    ("a pool", "POOLS", lambda c: c.pools("list"),
+     lambda rid, twice: raw_map(("type", "POOL_LIST"), ("id", rid),
+                                ("pools", raw_list(pool_map(twice, False))))),
+    ("a pool's params", "POOLS", lambda c: c.pools("list"),
+     lambda rid, twice: raw_map(("type", "POOL_LIST"), ("id", rid),
+                                ("pools", raw_list(pool_map(False, twice))))),
+]
+
+
+def welcome_map(hello_id, twice_field, twice_limit):
+    limits = raw_map(("max_frame_bytes", 1 << 20), ("max_batch_items", 64),
+                     *given(twice_limit, ("max_frame_bytes", 1024)))
+    return raw_map(("type", "WELCOME"), ("id", hello_id), ("protocol", 1),
+                   *given(twice_field, ("protocol", 1)), ("kvmatch_version", "0.1.0-fake"),
+                   ("limits", limits))
+
+
+def test_key_twice_in_any_map_of_a_reply():
+    # A key that appears twice in one map is an error, a field's name or not (docs/PROTOCOL.md):
+    # in every map of a reply (the message, a decision, an ACK item, a worker and its load, a
+    # pool and its params) it fails the reply with KM_ERR_PARSE naming the key and closes the
+    # connection, blocking or pipelined; the same reply with the key once is read.
+    for what, request, call, reply in KEY_TWICE:
+        for twice in (False, True):
+            craft = (lambda m, reply=reply, request=request, twice=twice:
+                     reply(m["id"], twice) if m.get("type") == request else None)
+            s = FakeServer(craft=craft)
+            try:
+                with kc.Client.connect(s.address, timeout=5) as c:
+                    if not twice:
+                        assert call(c)["type"] != "ERROR" and not c.closed, what
+                        continue
+                    try:
+                        expect_parse_error(lambda: call(c), "appears twice")
+                    except Exception as e:
+                        raise AssertionError("%s: %r" % (what, e))
+                    assert c.closed and c.outstanding == 0, (what, c.closed, c.outstanding)
+                if request == "ROUTE" and twice:
+                    with kc.Client.connect(s.address, timeout=5) as c:
+                        c.send_route([route(1)])
+                        expect_parse_error(lambda: c.receive(timeout=5), "appears twice")
+                        assert c.closed, what
+            finally:
+                s.stop()
+    for field, limit in ((False, False), (True, False), (False, True)):
+        s = FakeServer(craft=lambda m, field=field, limit=limit: welcome_map(m["id"], field, limit)
+                       if m.get("type") == "HELLO" else None)
+        try:
+            if not field and not limit:
+                with kc.Client.connect(s.address, timeout=5) as c:
+                    assert c.welcome["limits"]["max_batch_items"] == 64
+                continue
+            expect_parse_error(lambda: kc.Client.connect(s.address, timeout=5), "appears twice")
+        finally:
+            s.stop()
+
+
 def test_outstanding_after_a_final_error():
     # After a final error no reply is read: outstanding forgets the requests whose reply had not
     # arrived and keeps counting a kept one until it is returned, so a caller draining replies
@@ -551,6 +699,7 @@ def main():
              test_send_with_no_time_left_keeps_the_connection,
              test_reply_count_differs_from_the_request, test_reply_of_another_type_than_its_requests,
              test_reply_to_an_id_not_outstanding, test_reply_id_that_is_not_a_request_id,
+             test_key_twice_in_any_map_of_a_reply,
              test_outstanding_after_a_final_error,
              test_connection_level_error_closes_whatever_its_code, test_server_error_named_once,
              test_connect_errors,

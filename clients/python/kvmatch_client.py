@@ -31,10 +31,11 @@ Errors: an ERROR reply to a blocking call raises ``KvmatchError`` carrying ``cod
 request up: its reply, if it comes, is dropped; a ``wait`` that timed out may be retried). A
 closed or broken connection raises ``ConnectionClosed`` (a ``KvmatchError`` with code -20; also
 for a connection-level ERROR, id 0, whatever its code, which the message names) and the client
-stays closed. So does a reply that cannot be read, does not fit its request, has an id that is
-not a non-negative integer or answers an id that is not outstanding (never sent, or answered
-already): it raises a ``KvmatchError`` with code -7 ``KM_ERR_TOO_LARGE``, -8 ``KM_ERR_PARSE`` or
--16 ``KM_ERR_PROTOCOL`` and closes the connection.
+stays closed. So does a reply that cannot be read (one holding a key twice in any of its maps,
+at any depth, included), does not fit its request, has an id that is not a non-negative integer
+or answers an id that is not outstanding (never sent, or answered already): it raises a
+``KvmatchError`` with code -7 ``KM_ERR_TOO_LARGE``, -8 ``KM_ERR_PARSE`` or -16
+``KM_ERR_PROTOCOL`` and closes the connection.
 A Client is not thread-safe: use one per thread. After any failure that closed it,
 ``reconnect()`` dials the same address again (the requests that were in flight are not resent).
 """
@@ -148,6 +149,26 @@ def _is_request_id(rid):
     """Whether rid is an id a request can carry: a non-negative integer, never a bool or a float
     that would compare equal to one."""
     return type(rid) is int and rid >= 0
+
+
+class _KeyTwice(ValueError):
+    """A reply's map holds a str key twice."""
+
+
+def _reply_map(pairs):
+    """A reply's map from its (key, value) entries (the decoder's object_pairs_hook, called for
+    every map at any depth): a str key that appears twice is refused (docs/PROTOCOL.md), whether a
+    field has that name or not."""
+    pairs = pairs if type(pairs) is list else list(pairs)
+    entries = dict(pairs)
+    if len(entries) == len(pairs):
+        return entries
+    seen = set()
+    for key, _ in pairs:
+        if key in seen and type(key) is str:
+            raise _KeyTwice("key %.80r appears twice in one map" % key)
+        seen.add(key)
+    return entries
 
 
 def _plural(n, noun):
@@ -531,7 +552,8 @@ class Client:
                     payload = bytes(self._buffer[4:4 + length])
                     del self._buffer[:4 + length]
                     try:
-                        message = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+                        message = msgpack.unpackb(payload, raw=False, strict_map_key=False,
+                                                  object_pairs_hook=_reply_map)
                     except Exception as exc:  # msgpack raises several types
                         self._fail(KvmatchError(KM_ERR_PARSE, "KM_ERR_PARSE",
                                                 "unreadable reply: %s" % exc))
