@@ -581,6 +581,62 @@ def test_key_twice_in_any_map_of_a_reply():
             s.stop()
 
 
+def odd_entries():
+    """Entries whose key is not a str: an int, a negative, nil, a bool, a float, a bin, an array, a
+    map (holding a key twice) and an ext, each with a value that nests and holds names a reader
+    looks for."""
+    value = raw_list(1, raw_map(("type", "ERROR"), ("id", 0), ("status", -8)), ["id"])
+    keys = [7, -3, None, True, 1.5, b"type", raw_list("id", raw_list(2, raw_map(("id", 1), ("id", 2)))),
+            raw_map(("type", raw_map(("x", 1))), ("type", 2)), Raw(b"\xd4\x01\x02")]
+    return [(key, value) for key in keys]
+
+
+def test_entries_whose_key_is_not_a_str_are_ignored():
+    # Entries whose key is not a str are ignored (docs/PROTOCOL.md), key and value whole however
+    # they nest, in every map of a reply: the message, WELCOME and its limits, a decision, an ACK
+    # item, a worker and its load, a pool. The reply reads as it would without them.
+    odd = odd_entries()
+    decision = [("status", 0), ("request_id", "r"), ("decision_id", 7), ("chosen_worker", 2),
+                ("source", "events")]
+    worker = [("pool", "default"), ("worker", 1)]
+    load = [("in_flight", 3)]
+    pool = [("name", "default"), ("block_size", 16)]
+    replies = {
+        "HELLO": lambda rid: raw_map(*odd[:4], ("type", "WELCOME"), ("id", rid), *odd[4:],
+                                     ("protocol", 1), ("kvmatch_version", "0.1.0-fake"),
+                                     ("limits", raw_map(*odd, ("max_batch_items", 64)))),
+        "ROUTE": lambda rid: raw_map(*odd[:5], ("type", "DECISION"), ("id", rid), *odd[5:],
+                                     ("decisions", raw_list(raw_map(*decision[:2], *odd,
+                                                                    *decision[2:])))),
+        "LIFECYCLE": lambda rid: raw_map(("type", "ACK"), ("id", rid), *odd,
+                                         ("items", raw_list(raw_map(*odd, ("status", -15))))),
+        "WORKERS": lambda rid: raw_map(("type", "WORKER_LIST"), *odd, ("id", rid),
+                                       ("workers", raw_list(raw_map(*worker, *odd, (
+                                           "load", raw_map(*odd, *load)))))),
+        "POOLS": lambda rid: raw_map(("type", "POOL_LIST"), ("id", rid),
+                                     ("pools", raw_list(raw_map(*odd, *pool)))),
+    }
+    s = FakeServer(craft=lambda m: replies[m["type"]](m["id"]))
+    try:
+        with kc.Client.connect(s.address, timeout=5) as c:
+            assert c.welcome == {"type": "WELCOME", "id": 1, "protocol": 1,
+                                 "kvmatch_version": "0.1.0-fake",
+                                 "limits": {"max_batch_items": 64}}, c.welcome
+            reply = c.route([route(1)])
+            assert reply == {"type": "DECISION", "id": reply["id"],
+                             "decisions": [dict(decision)]}, reply
+            reply = c.dispatched(decision_id=7)
+            assert reply == {"type": "ACK", "id": reply["id"],
+                             "items": [{"status": kc.KM_ERR_NOT_FOUND}]}, reply
+            reply = c.workers("list")
+            assert reply["workers"] == [dict(worker, load=dict(load))], reply
+            reply = c.pools("list")
+            assert reply["pools"] == [dict(pool)], reply
+            assert not c.closed and c.outstanding == 0
+    finally:
+        s.stop()
+
+
 def test_outstanding_after_a_final_error():
     # After a final error no reply is read: outstanding forgets the requests whose reply had not
     # arrived and keeps counting a kept one until it is returned, so a caller draining replies
@@ -700,6 +756,7 @@ def main():
              test_reply_count_differs_from_the_request, test_reply_of_another_type_than_its_requests,
              test_reply_to_an_id_not_outstanding, test_reply_id_that_is_not_a_request_id,
              test_key_twice_in_any_map_of_a_reply,
+             test_entries_whose_key_is_not_a_str_are_ignored,
              test_outstanding_after_a_final_error,
              test_connection_level_error_closes_whatever_its_code, test_server_error_named_once,
              test_connect_errors,

@@ -4,6 +4,8 @@ module and python3-msgpack.
 
 Frames are a 4-byte big-endian payload length and one msgpack map with "type" and "id". Messages
 are plain dicts with the wire field names, so everything in docs/PROTOCOL.md is usable as written.
+A reply's dicts hold only its str keys: an entry whose key is not a str (an int, a bin, an array,
+a map, ...) is dropped, key and value whole, at any depth, as docs/PROTOCOL.md says.
 msgpack nil reads as ``None``: a decision's ``load_value`` is ``None`` when the policy weighed no
 load (``round_robin``), never NaN, so a decision dict can go to ``json.dumps`` as it is.
 
@@ -155,20 +157,47 @@ class _KeyTwice(ValueError):
     """A reply's map holds a str key twice."""
 
 
-def _reply_map(pairs):
-    """A reply's map from its (key, value) entries (the decoder's object_pairs_hook, called for
-    every map at any depth): a str key that appears twice is refused (docs/PROTOCOL.md), whether a
-    field has that name or not."""
-    pairs = pairs if type(pairs) is list else list(pairs)
-    entries = dict(pairs)
-    if len(entries) == len(pairs):
-        return entries
-    seen = set()
-    for key, _ in pairs:
-        if key in seen and type(key) is str:
-            raise _KeyTwice("key %.80r appears twice in one map" % key)
-        seen.add(key)
-    return entries
+_STR_ONLY = frozenset((str,))
+
+
+def _decode_reply(payload):
+    """A reply's payload as dicts, lists and scalars, read by the msgpack rules of
+    docs/PROTOCOL.md: in every map, at any depth, an entry whose key is not a str is ignored, key
+    and value whole however they nest, and a str key that appears twice (a field's name or not)
+    raises _KeyTwice, unless the map holding it is within an ignored entry."""
+    twice = []  # (a map that held a key twice, the key): refused where the reply holds the map
+
+    def entries(pairs):  # object_pairs_hook: called for every map, innermost first
+        pairs = pairs if type(pairs) is list else list(pairs)
+        try:
+            fast = dict(pairs)
+        except TypeError:  # an unhashable key: an array or a map
+            fast = None
+        if fast is not None and len(fast) == len(pairs) and set(map(type, fast)) <= _STR_ONLY:
+            return fast
+        kept = {}
+        for key, value in pairs:
+            if type(key) is not str:
+                continue
+            if key in kept and (not twice or twice[-1][0] is not kept):
+                twice.append((kept, key))
+            kept[key] = value
+        return kept
+
+    message = msgpack.unpackb(payload, raw=False, strict_map_key=False,
+                              object_pairs_hook=entries)
+    if twice:
+        held = {id(m): key for m, key in twice}
+        pending = [message]
+        while pending:
+            value = pending.pop()
+            if type(value) is dict:
+                if id(value) in held:
+                    raise _KeyTwice("key %.80r appears twice in one map" % held[id(value)])
+                pending.extend(value.values())
+            elif type(value) is list:
+                pending.extend(value)
+    return message
 
 
 def _plural(n, noun):
@@ -552,8 +581,7 @@ class Client:
                     payload = bytes(self._buffer[4:4 + length])
                     del self._buffer[:4 + length]
                     try:
-                        message = msgpack.unpackb(payload, raw=False, strict_map_key=False,
-                                                  object_pairs_hook=_reply_map)
+                        message = _decode_reply(payload)
                     except Exception as exc:  # msgpack raises several types
                         self._fail(KvmatchError(KM_ERR_PARSE, "KM_ERR_PARSE",
                                                 "unreadable reply: %s" % exc))
