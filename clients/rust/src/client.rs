@@ -178,12 +178,13 @@ fn timed_out(e: &io::Error) -> bool {
 /// comes), a `wait` may be called again, a send that timed out before any byte of its frame was
 /// written sent nothing; only a send cut off mid-frame closes the connection. A reply that cannot
 /// be read, is not of its request's type, holds another count of decisions or items than its
-/// request had routes, events, workers or pools, or answers an id that is not waiting
-/// (`Code::PARSE`, `PROTOCOL`, `TOO_LARGE`), a connection-level ERROR (id 0) and a server that goes
-/// away (`Code::CLOSED`) close the connection: later calls fail with `Code::CLOSED` until
-/// `reconnect`. For a blocking call a reply that cannot be read includes one whose decisions,
-/// items, workers, pools or status fields are not of their types; a pipelined caller gets that
-/// `Code::PARSE` from the `Reply` accessor, and the connection stays open.
+/// request had routes, events, workers or pools, has an id that is not an unsigned integer or
+/// answers an id that is not waiting (`Code::PARSE`, `PROTOCOL`, `TOO_LARGE`), a
+/// connection-level ERROR (id 0) and a server that goes away (`Code::CLOSED`) close the
+/// connection: later calls fail with `Code::CLOSED` until `reconnect`. For a blocking call a
+/// reply that cannot be read includes one whose decisions, items, workers, pools or status fields
+/// are not of their types; a pipelined caller gets that `Code::PARSE` from the `Reply` accessor,
+/// and the connection stays open.
 pub struct Client {
     address: String,
     stream: Option<Stream>,
@@ -678,11 +679,18 @@ impl Client {
             return Err(self.fail(Error::new(Code::PARSE, "a reply is a map")));
         }
         let kind = body.get("type").and_then(Value::as_str).unwrap_or("").to_string();
+        // An id is a uint64 (docs/PROTOCOL.md); nil or absent only on a connection-level ERROR.
+        // Anything else, a float equal to an id sent included, is a protocol error.
         let id = match body.get("id") {
             None => 0,
             Some(v) => match v.as_u64() {
                 Some(id) => id,
-                None => return Err(self.fail(Error::new(Code::PARSE, "a reply's id is a uint"))),
+                None => {
+                    let shown: String = format!("{:?}", v).chars().take(80).collect();
+                    let m = format!("a {} reply's id {} is not a non-negative integer", kind,
+                                    shown);
+                    return Err(self.fail(Error::new(Code::PROTOCOL, m)));
+                }
             },
         };
         Ok(Reply { kind, id, body })

@@ -12,7 +12,7 @@
 use std::fs;
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
-use std::os::unix::net::UnixListener;
+use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::thread;
@@ -592,6 +592,30 @@ enum Fake {
     SilentOnce,
     MistypedField,
     NoSource,
+    // Every reply after the WELCOME carries an id that is not a uint: a negative, a float equal to
+    // the request's id, a bool, a str, an array, a map; the WELCOME does (a str, a float).
+    IdNegative,
+    IdFloat,
+    IdBool,
+    IdStr,
+    IdArray,
+    IdMap,
+    WelcomeIdStr,
+    WelcomeIdFloat,
+}
+
+/// The id a reply carries in the Id* modes, in place of the request's `id`.
+fn bad_id(mode: Fake, id: &Value) -> Option<Value> {
+    let n = id.as_u64().unwrap_or(0);
+    match mode {
+        Fake::IdNegative => Some(Value::Int(-(n as i64))),
+        Fake::IdFloat | Fake::WelcomeIdFloat => Some(Value::Float(n as f64)),
+        Fake::IdBool => Some(Value::Bool(true)),
+        Fake::IdStr | Fake::WelcomeIdStr => Some(Value::Str(n.to_string())),
+        Fake::IdArray => Some(Value::Array(vec![Value::UInt(n)])),
+        Fake::IdMap => Some(str_map(&[("id", Value::UInt(n))])),
+        _ => None,
+    }
 }
 
 fn frame(v: &Value) -> Vec<u8> {
@@ -608,89 +632,102 @@ fn raw_frame(payload: &[u8]) -> Vec<u8> {
     out
 }
 
+/// A fake server in `mode` on a socket in `dir`: its address. Each connection is served alone.
 fn fake_server(dir: &TempDir, mode: Fake) -> String {
     let path = dir.0.join(format!("fake-{}.sock", mode as u8));
     let listener = UnixListener::bind(&path).expect("bind");
     thread::spawn(move || {
-        let (mut conn, _) = match listener.accept() {
-            Ok(c) => c,
-            Err(_) => return,
-        };
-        let mut silent = mode == Fake::SilentOnce;
-        loop {
-            let mut header = [0u8; 4];
-            if conn.read_exact(&mut header).is_err() {
-                return;
-            }
-            let mut payload = vec![0u8; u32::from_be_bytes(header) as usize];
-            if conn.read_exact(&mut payload).is_err() {
-                return;
-            }
-            let m = match Value::decode(&payload) {
-                Ok(m) => m,
+        for conn in listener.incoming() {
+            match conn {
+                Ok(conn) => {
+                    thread::spawn(move || serve_fake(conn, mode));
+                }
                 Err(_) => return,
-            };
-            let id = m.get("id").cloned().unwrap_or(Value::UInt(0));
-            let kind = m.get("type").and_then(Value::as_str).unwrap_or("").to_string();
-            let n = m.get("routes").and_then(Value::as_array).map_or(0, |r| r.len());
-            let row = Value::Array(vec![
-                Value::UInt(2), Value::UInt(1), Value::UInt(1), Value::UInt(0), Value::UInt(0), Value::UInt(0),
-                Value::UInt(0), Value::UInt(0), Value::Nil, Value::Str("LIVE".into()), Value::Bool(true), Value::Str("appended".into()),
-            ]);
-            let decision = str_map(&[("status", Value::UInt(0)), ("decision_id", Value::UInt(1)), ("chosen_worker", Value::UInt(2)), ("source", Value::Str("events".into())), ("candidates", Value::Array(vec![row]))]);
-            let decision = match mode {
-                // A decision whose chosen_worker is a str: the frame reads, the decision does not.
-                Fake::MistypedField => match decision {
-                    Value::Map(mut entries) => {
-                        entries.retain(|(k, _)| k != "chosen_worker");
-                        entries.push(("chosen_worker".into(), Value::Str("two".into())));
-                        Value::Map(entries)
-                    }
-                    other => other,
-                },
-                // A decided decision without its required source.
-                Fake::NoSource => match decision {
-                    Value::Map(mut entries) => {
-                        entries.retain(|(k, _)| k != "source");
-                        Value::Map(entries)
-                    }
-                    other => other,
-                },
-                _ => decision,
-            };
-            let decisions = |k: usize| Value::Array(vec![decision.clone(); k]);
-            let t = |s: &str| ("type", Value::Str(s.into()));
-            let out = if kind == "HELLO" {
-                match mode {
-                    Fake::RefuseHello => frame(&str_map(&[t("ERROR"), ("id", id), ("code", Value::Int(-14)), ("name", Value::Str("KM_ERR_INCOMPATIBLE".into())), ("message", Value::Str("protocol 1 is not spoken here".into()))])),
-                    Fake::WelcomeWrongId => frame(&str_map(&[t("WELCOME"), ("id", Value::UInt(7)), ("protocol", Value::UInt(1)), ("kvmatch_version", Value::Str("fake".into()))])),
-                    _ => frame(&str_map(&[t("WELCOME"), ("id", id), ("protocol", Value::UInt(1)), ("kvmatch_version", Value::Str("fake".into())), ("limits", str_map(&[("max_frame_bytes", Value::UInt(4096)), ("max_batch_items", Value::UInt(16))]))])),
-                }
-            } else if silent {
-                silent = false;
-                continue;
-            } else {
-                match mode {
-                    Fake::Miscount => frame(&str_map(&[t("DECISION"), ("id", id), ("decisions", decisions(n.saturating_sub(1)))])),
-                    Fake::WrongType => frame(&str_map(&[t("STATUS_REPLY"), ("id", id), ("kvmatch_version", Value::Str("fake".into()))])),
-                    Fake::UnknownId => frame(&str_map(&[t("DECISION"), ("id", Value::UInt(4242)), ("decisions", decisions(n))])),
-                    Fake::ConnectionError => frame(&str_map(&[t("ERROR"), ("id", Value::UInt(0)), ("code", Value::Int(-19)), ("name", Value::Str("KM_ERR_TIMEOUT".into())), ("message", Value::Str("idle".into()))])),
-                    Fake::Garbage => raw_frame(&[0xc1, 0x00]),
-                    Fake::Deep => {
-                        let mut p = vec![0x91u8; 100];
-                        p.push(0xc0);
-                        raw_frame(&p)
-                    }
-                    Fake::Oversize => (1u32 << 20).to_be_bytes().to_vec(),
-                    _ => frame(&str_map(&[t("DECISION"), ("id", id), ("decisions", decisions(n))])),
-                }
-            };
-            if conn.write_all(&out).is_err() {
-                return;
             }
         }
     });
     format!("unix:{}", path.display())
+}
+
+fn serve_fake(mut conn: UnixStream, mode: Fake) {
+    let mut silent = mode == Fake::SilentOnce;
+    loop {
+        let mut header = [0u8; 4];
+        if conn.read_exact(&mut header).is_err() {
+            return;
+        }
+        let mut payload = vec![0u8; u32::from_be_bytes(header) as usize];
+        if conn.read_exact(&mut payload).is_err() {
+            return;
+        }
+        let m = match Value::decode(&payload) {
+            Ok(m) => m,
+            Err(_) => return,
+        };
+        let kind = m.get("type").and_then(Value::as_str).unwrap_or("").to_string();
+        let id = m.get("id").cloned().unwrap_or(Value::UInt(0));
+        let welcome_id = matches!(mode, Fake::WelcomeIdStr | Fake::WelcomeIdFloat);
+        let id = match bad_id(mode, &id) {
+            Some(bad) if welcome_id == (kind == "HELLO") => bad,
+            _ => id,
+        };
+        let n = m.get("routes").and_then(Value::as_array).map_or(0, |r| r.len());
+        let row = Value::Array(vec![
+            Value::UInt(2), Value::UInt(1), Value::UInt(1), Value::UInt(0), Value::UInt(0), Value::UInt(0),
+            Value::UInt(0), Value::UInt(0), Value::Nil, Value::Str("LIVE".into()), Value::Bool(true), Value::Str("appended".into()),
+        ]);
+        let decision = str_map(&[("status", Value::UInt(0)), ("decision_id", Value::UInt(1)), ("chosen_worker", Value::UInt(2)), ("source", Value::Str("events".into())), ("candidates", Value::Array(vec![row]))]);
+        let decision = match mode {
+            // A decision whose chosen_worker is a str: the frame reads, the decision does not.
+            Fake::MistypedField => match decision {
+                Value::Map(mut entries) => {
+                    entries.retain(|(k, _)| k != "chosen_worker");
+                    entries.push(("chosen_worker".into(), Value::Str("two".into())));
+                    Value::Map(entries)
+                }
+                other => other,
+            },
+            // A decided decision without its required source.
+            Fake::NoSource => match decision {
+                Value::Map(mut entries) => {
+                    entries.retain(|(k, _)| k != "source");
+                    Value::Map(entries)
+                }
+                other => other,
+            },
+            _ => decision,
+        };
+        let decisions = |k: usize| Value::Array(vec![decision.clone(); k]);
+        let t = |s: &str| ("type", Value::Str(s.into()));
+        let out = if kind == "HELLO" {
+            match mode {
+                Fake::RefuseHello => frame(&str_map(&[t("ERROR"), ("id", id), ("code", Value::Int(-14)), ("name", Value::Str("KM_ERR_INCOMPATIBLE".into())), ("message", Value::Str("protocol 1 is not spoken here".into()))])),
+                Fake::WelcomeWrongId => frame(&str_map(&[t("WELCOME"), ("id", Value::UInt(7)), ("protocol", Value::UInt(1)), ("kvmatch_version", Value::Str("fake".into()))])),
+                _ => frame(&str_map(&[t("WELCOME"), ("id", id), ("protocol", Value::UInt(1)), ("kvmatch_version", Value::Str("fake".into())), ("limits", str_map(&[("max_frame_bytes", Value::UInt(4096)), ("max_batch_items", Value::UInt(16))]))])),
+            }
+        } else if silent {
+            silent = false;
+            continue;
+        } else {
+            match mode {
+                Fake::Miscount => frame(&str_map(&[t("DECISION"), ("id", id), ("decisions", decisions(n.saturating_sub(1)))])),
+                Fake::WrongType => frame(&str_map(&[t("STATUS_REPLY"), ("id", id), ("kvmatch_version", Value::Str("fake".into()))])),
+                Fake::UnknownId => frame(&str_map(&[t("DECISION"), ("id", Value::UInt(4242)), ("decisions", decisions(n))])),
+                Fake::ConnectionError => frame(&str_map(&[t("ERROR"), ("id", Value::UInt(0)), ("code", Value::Int(-19)), ("name", Value::Str("KM_ERR_TIMEOUT".into())), ("message", Value::Str("idle".into()))])),
+                Fake::Garbage => raw_frame(&[0xc1, 0x00]),
+                Fake::Deep => {
+                    let mut p = vec![0x91u8; 100];
+                    p.push(0xc0);
+                    raw_frame(&p)
+                }
+                Fake::Oversize => (1u32 << 20).to_be_bytes().to_vec(),
+                _ => frame(&str_map(&[t("DECISION"), ("id", id), ("decisions", decisions(n))])),
+            }
+        };
+        if conn.write_all(&out).is_err() {
+            return;
+        }
+    }
 }
 
 #[test]
@@ -714,6 +751,40 @@ fn refused_replies() {
     }
     expect_code(Client::connect(&fake_server(&dir, Fake::WelcomeWrongId), TIMEOUT).map(|_| ()), Code::PROTOCOL, "WELCOME to another id");
     expect_code(Client::connect(&fake_server(&dir, Fake::RefuseHello), TIMEOUT).map(|_| ()), Code::INCOMPATIBLE, "refused handshake");
+}
+
+#[test]
+fn reply_id_that_is_not_a_request_id() {
+    // An id is a uint64 (docs/PROTOCOL.md): a reply whose id is anything else, a float equal to
+    // the id sent included, is a protocol error that closes the connection, blocking or
+    // pipelined, as in the Python and Go clients; a WELCOME with such an id fails the connect.
+    let dir = TempDir::new("bad-id");
+    for (mode, what) in [
+        (Fake::IdNegative, "a negative id"),
+        (Fake::IdFloat, "a float id"),
+        (Fake::IdBool, "a bool id"),
+        (Fake::IdStr, "a str id"),
+        (Fake::IdArray, "an array id"),
+        (Fake::IdMap, "a map id"),
+    ] {
+        let address = fake_server(&dir, mode);
+        let mut c = Client::connect(&address, TIMEOUT).expect("connect");
+        expect_code(c.route(&[tokens("a", vec![])]), Code::PROTOCOL, what);
+        assert!(c.is_closed() && c.outstanding() == 0, "{}: the connection stays open", what);
+        expect_code(c.route(&[tokens("b", vec![])]), Code::CLOSED, what);
+        let mut c = Client::connect(&address, TIMEOUT).expect("connect");
+        c.send_route(&[tokens("a", vec![])]).expect("send");
+        expect_code(c.receive(), Code::PROTOCOL, what);
+        assert!(c.is_closed() && c.outstanding() == 0, "{}, receive: still open", what);
+        let mut c = Client::connect(&address, TIMEOUT).expect("connect");
+        let id = c.send_route(&[tokens("a", vec![])]).expect("send");
+        expect_code(c.wait(id), Code::PROTOCOL, what);
+        assert!(c.is_closed() && c.outstanding() == 0, "{}, wait: still open", what);
+    }
+    for (mode, what) in [(Fake::WelcomeIdStr, "a str"), (Fake::WelcomeIdFloat, "a float")] {
+        let address = fake_server(&dir, mode);
+        expect_code(Client::connect(&address, TIMEOUT).map(|_| ()), Code::PROTOCOL, what);
+    }
 }
 
 #[test]
