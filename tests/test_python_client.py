@@ -43,11 +43,15 @@ class FakeServer:
     (ROUTE answered with STATUS_REPLY, WORKERS with ACK whatever its action), duplicate (ROUTE
     answered twice), welcome_wrong_id (WELCOME to another id than the HELLO's), bad_id (every
     reply after the WELCOME carries bad_id(its request's id) as its id), bad_welcome_id (the
-    WELCOME does). In any mode, craft(request) may return the reply's payload as Raw bytes (a
+    WELCOME does), holding (ROUTE replies held until a route of request_id "release" comes, then
+    sent in order before its own; those to the request_ids in wrong_type_for as STATUS_REPLY).
+    In any mode, craft(request) may return the reply's payload as Raw bytes (a
     map whose keys repeat or are not str, which no dict can hold); None leaves it to the mode."""
 
-    def __init__(self, mode="normal", tcp=False, group=8, bad_id=None, craft=None):
+    def __init__(self, mode="normal", tcp=False, group=8, bad_id=None, craft=None,
+                 wrong_type_for=()):
         self.mode, self.group, self.bad_id, self.craft = mode, group, bad_id, craft
+        self.wrong_type_for = wrong_type_for
         if tcp:
             self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             self.sock.bind(("127.0.0.1", 0))
@@ -169,6 +173,15 @@ class FakeServer:
                 reply, keep_open = self._reply(m)
                 if reply is not None and self.mode == "bad_id" and m.get("type") != "HELLO":
                     reply["id"] = self.bad_id(m.get("id"))
+                if self.mode == "holding" and m.get("type") == "ROUTE":
+                    request_id = m["routes"][0]["request_id"]
+                    if request_id in self.wrong_type_for:
+                        reply = {"type": "STATUS_REPLY", "id": m["id"], "workers": []}
+                    if request_id != "release":
+                        held.append(self._frame(reply))
+                        continue
+                    conn.sendall(b"".join(held))
+                    held = []
                 if reply is not None and self.mode == "duplicate" and m.get("type") == "ROUTE":
                     conn.sendall(self._frame(reply))
                 if reply is not None:
@@ -331,6 +344,47 @@ def test_late_reply_after_a_timeout_is_dropped():
             ack = c.lifecycle([{"event": "DISPATCHED", "decision_id": 1}], timeout=5)
             assert ack["items"][0]["status"] == 0
             assert c.outstanding == 0 and not c._kept, (c.outstanding, c._kept)
+    finally:
+        s.stop()
+
+
+def give_up_routes(c, n):
+    """n blocking routes that time out on a server that holds their replies: the request_ids
+    given-up-0 and on, in the order of their request ids."""
+    given_up = 0
+    while given_up < n:
+        sent = c._next_id
+        try:
+            c.route([dict(route(given_up), request_id="given-up-%d" % given_up)], timeout=0.001)
+            raise AssertionError("a held route was answered")
+        except TimeoutError:
+            pass
+        if c._next_id > sent:  # else it timed out before it was sent: tried again
+            given_up += 1
+
+
+def test_given_up_calls_are_bounded():
+    # A blocking call that timed out gives its request up. The ids of at most 4096 of them are
+    # kept, the lowest forgotten past that, so a server that never answers cannot make the client
+    # grow with every call that times out. A late reply to a kept id is checked, then dropped;
+    # one to a forgotten id is dropped unchecked; the connection stays usable.
+    assert kc.MAX_ABANDONED == 4096
+    s = FakeServer(mode="holding", wrong_type_for={"given-up-0"})
+    try:
+        with kc.Client.connect(s.address, timeout=5) as c:
+            give_up_routes(c, kc.MAX_ABANDONED + 10)
+            assert c.outstanding == 0, c.outstanding
+            assert len(c._abandoned) <= kc.MAX_ABANDONED, len(c._abandoned)
+            # The held replies come before this one: given-up-0's, of the wrong type, among them.
+            release = dict(route(1), request_id="release")
+            reply = c.route([release], timeout=10)
+            check_decision(reply["decisions"][0], release, 0, reply["id"])
+            assert not c.closed and c.outstanding == 0 and not c._abandoned, len(c._abandoned)
+        with kc.Client.connect(s.address, timeout=5) as c:
+            give_up_routes(c, 1)
+            expect_protocol_error(lambda: c.route([dict(route(1), request_id="release")],
+                                                  timeout=10), "(ROUTE) with STATUS_REPLY")
+            assert c.closed
     finally:
         s.stop()
 
@@ -751,7 +805,7 @@ def main():
     signal.alarm(60)
     tests = [lambda: test_blocking(False), lambda: test_blocking(True), test_pipelined_out_of_order,
              test_lifecycle, test_outcome_rule, test_timeout_then_usable,
-             test_late_reply_after_a_timeout_is_dropped,
+             test_late_reply_after_a_timeout_is_dropped, test_given_up_calls_are_bounded,
              test_send_with_no_time_left_keeps_the_connection,
              test_reply_count_differs_from_the_request, test_reply_of_another_type_than_its_requests,
              test_reply_to_an_id_not_outstanding, test_reply_id_that_is_not_a_request_id,

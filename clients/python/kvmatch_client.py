@@ -30,7 +30,9 @@ Errors: an ERROR reply to a blocking call raises ``KvmatchError`` carrying ``cod
 ``message`` (the server's words less a leading name of the code, which ``str()`` puts in front);
 ``receive`` / ``wait`` return ERROR replies as dicts, the server's words as sent. A timeout raises
 ``TimeoutError`` and the connection stays usable (a blocking call that timed out gives its
-request up: its reply, if it comes, is dropped; a ``wait`` that timed out may be retried). A
+request up: its reply, if it comes, is dropped, checked as any reply is while at most
+``MAX_ABANDONED`` (4096) given-up calls await theirs; past that the lowest ids are forgotten and
+a reply to one is dropped unchecked; a ``wait`` that timed out may be retried). A
 closed or broken connection raises ``ConnectionClosed`` (a ``KvmatchError`` with code -20; also
 for a connection-level ERROR, id 0, whatever its code, which the message names) and the client
 stays closed. So does a reply that cannot be read (one holding a key twice in any of its maps,
@@ -55,6 +57,10 @@ PROTOCOL_VERSION = 1
 DEFAULT_SOCKET = "/tmp/kvmatch.sock"
 DEFAULT_MAX_FRAME_BYTES = 16 << 20
 CLIENT_NAME = "kvmatch-python"
+# The ids of blocking calls given up (timed out) kept so that their late replies are checked and
+# dropped; past this many the lowest are forgotten, so a server that never answers cannot make the
+# client grow with every call that times out.
+MAX_ABANDONED = 4096
 
 # Every km_status code (include/kvmatch/error.h): a decision's or ACK item's "status" and an
 # ERROR's "code" are one of these; error_name() gives the name.
@@ -245,9 +251,12 @@ class Client:
         self._next_id = 1
         self._kept = {}  # id -> reply dict, arrival order kept by dict order
         # id -> what its reply must hold (_expected_reply), for the requests whose reply has not
-        # been returned yet, and for those whose blocking call timed out (the reply is dropped).
+        # been returned yet, and for those whose blocking call timed out (the reply is dropped):
+        # at most MAX_ABANDONED of these; a reply to an id at or below _forgotten, the highest
+        # of those forgotten past it, that is not outstanding is dropped unchecked.
         self._outstanding = {}
         self._abandoned = {}
+        self._forgotten = 0
         self._closed = False
         self._max_frame_bytes = max_frame_bytes
         self.welcome = None  # type: Optional[Message]
@@ -435,8 +444,7 @@ class Client:
         try:
             reply = self.wait(rid, left)
         except TimeoutError:
-            # Given up: no one will wait for this id, so its late reply is dropped on arrival.
-            self._abandoned[rid] = self._outstanding.pop(rid)
+            self._give_up(rid)
             raise
         if reply.get("type") == "ERROR":
             code = reply.get("code", KM_ERR_PROTOCOL)
@@ -520,9 +528,18 @@ class Client:
         self._outstanding[rid] = _expected_reply(message)
         return rid
 
+    def _give_up(self, rid):
+        """No one will wait for rid: its late reply is checked and dropped on arrival while rid is
+        among the MAX_ABANDONED highest ids given up, and dropped unchecked once forgotten."""
+        self._abandoned[rid] = self._outstanding.pop(rid)
+        if len(self._abandoned) > MAX_ABANDONED:
+            lowest = min(self._abandoned)
+            del self._abandoned[lowest]
+            self._forgotten = max(self._forgotten, lowest)
+
     def _read_unabandoned(self, deadline):
-        """The next reply that someone may still want (late replies to given-up calls dropped),
-        checked against its request. A reply to an id that is not outstanding (never sent, or
+        """The next reply that someone may still want (late replies to given-up calls dropped, see
+        _give_up), checked against its request. A reply to an id that is not outstanding (never sent, or
         answered already) means the stream cannot be trusted: the connection is closed."""
         while True:
             reply = self._read_reply(deadline)
@@ -530,6 +547,8 @@ class Client:
             if rid in self._abandoned:
                 self._check_reply(reply, self._abandoned.pop(rid))
                 continue
+            if rid not in self._outstanding and rid is not None and 0 < rid <= self._forgotten:
+                continue  # a late reply to a call given up and forgotten
             if rid not in self._outstanding or rid in self._kept:
                 self._fail(KvmatchError(KM_ERR_PROTOCOL, "KM_ERR_PROTOCOL",
                                         "the server answered request %r, which is not waiting "

@@ -20,6 +20,11 @@ pub const DEFAULT_ADDRESS: &str = "unix:/tmp/kvmatch.sock";
 /// Sent in HELLO, for the server's logs.
 pub const CLIENT_NAME: &str = "kvmatch-rust";
 const DEFAULT_MAX_FRAME_BYTES: u32 = 16 << 20;
+/// The ids of blocking calls given up (timed out) that a connection keeps, so that their late
+/// replies are checked and dropped; past this many the lowest are forgotten (a reply to one is
+/// dropped unchecked), so a server that never answers cannot make the client grow with every
+/// call that times out.
+pub const MAX_ABANDONED: usize = 4096;
 
 /// A reply as read: its type, id and whole map. The accessors decode the typed view.
 #[derive(Clone, Debug, PartialEq)]
@@ -174,10 +179,12 @@ fn timed_out(e: &io::Error) -> bool {
 /// the WORKERS / POOLS calls and `status` send and wait; an ERROR reply is their `Err`.
 ///
 /// Every wait is bounded by the client's timeout (`set_timeout`). A timeout (`Code::TIMEOUT`)
-/// leaves the connection usable: a blocking call gives its request up (the reply is dropped when it
-/// comes), a `wait` may be called again, a send that timed out before any byte of its frame was
-/// written sent nothing; only a send cut off mid-frame closes the connection. A reply that cannot
-/// be read, is not of its request's type, holds another count of decisions or items than its
+/// leaves the connection usable: a blocking call gives its request up (the reply is dropped when
+/// it comes, checked as any reply is while at most `MAX_ABANDONED` (4096) given-up calls await
+/// theirs; past that the lowest ids are forgotten and a reply to one is dropped unchecked), a
+/// `wait` may be called again, a send that timed out before any byte of its frame was written
+/// sent nothing; only a send cut off mid-frame closes the connection. A reply that cannot be
+/// read, is not of its request's type, holds another count of decisions or items than its
 /// request had routes, events, workers or pools, has an id that is not an unsigned integer or
 /// answers an id that is not waiting (`Code::PARSE`, `PROTOCOL`, `TOO_LARGE`), a
 /// connection-level ERROR (id 0) and a server that goes away (`Code::CLOSED`) close the
@@ -191,7 +198,12 @@ pub struct Client {
     buffer: Vec<u8>,
     next_id: u64,
     outstanding: HashMap<u64, Expected>,
+    // Given up by a blocking call that timed out: the id and what its reply must be, so that a
+    // late reply is checked and dropped. At most MAX_ABANDONED; past that the lowest ids are
+    // forgotten, and a reply to an id at or below `forgotten` that is not outstanding is dropped
+    // unchecked.
     abandoned: HashMap<u64, Expected>,
+    forgotten: u64,
     kept: VecDeque<Reply>,
     welcome: Welcome,
     max_frame_bytes: u32,
@@ -223,6 +235,7 @@ impl Client {
             next_id: first_id,
             outstanding: HashMap::new(),
             abandoned: HashMap::new(),
+            forgotten: 0,
             kept: VecDeque::new(),
             welcome: Welcome::default(),
             max_frame_bytes: DEFAULT_MAX_FRAME_BYTES,
@@ -454,11 +467,23 @@ impl Client {
             },
             Err(e) => {
                 if e.code == Code::TIMEOUT {
-                    if let Some(exp) = self.outstanding.remove(&id) {
-                        self.abandoned.insert(id, exp);
-                    }
+                    self.give_up(id);
                 }
                 Err(e)
+            }
+        }
+    }
+
+    /// No one will wait for `id`: its late reply is checked and dropped on arrival while `id` is
+    /// among the MAX_ABANDONED highest ids given up, and dropped unchecked once forgotten.
+    fn give_up(&mut self, id: u64) {
+        if let Some(exp) = self.outstanding.remove(&id) {
+            self.abandoned.insert(id, exp);
+        }
+        if self.abandoned.len() > MAX_ABANDONED {
+            if let Some(&lowest) = self.abandoned.keys().min() {
+                self.abandoned.remove(&lowest);
+                self.forgotten = self.forgotten.max(lowest);
             }
         }
     }
@@ -613,14 +638,18 @@ impl Client {
         Ok(id)
     }
 
-    /// The next reply someone may still want (late replies to given-up calls are checked and
-    /// dropped), checked against its request.
+    /// The next reply someone may still want (late replies to given-up calls are dropped, see
+    /// `give_up`), checked against its request.
     fn read_unabandoned(&mut self, deadline: Option<Instant>) -> Result<Reply> {
         loop {
             let reply = self.read_reply(deadline)?;
             if let Some(exp) = self.abandoned.remove(&reply.id) {
                 self.check_reply(&reply, &exp)?;
                 continue;
+            }
+            let waiting = self.outstanding.contains_key(&reply.id);
+            if reply.id != 0 && reply.id <= self.forgotten && !waiting {
+                continue; // a late reply to a call given up and forgotten
             }
             let exp = match self.outstanding.get(&reply.id) {
                 Some(exp) if !self.kept.iter().any(|r| r.id == reply.id) => exp.clone(),
@@ -899,13 +928,129 @@ fn open(address: &str, timeout: Option<Duration>) -> Result<Stream> {
 
 /// A real `kvmatch serve` whose frame limit is 4,096 bytes, and a client holding a larger one (an
 /// out-of-date view of the server, which only this module can give it): the server's
-/// KM_ERR_TOO_LARGE for the frame reaches the caller as the connection's end. The client's own
-/// check, and everything else against a real server, are in tests/server.rs.
+/// KM_ERR_TOO_LARGE for the frame reaches the caller as the connection's end. Calls given up by
+/// the thousand, on a socket this module makes non-blocking. The client's own check, and
+/// everything else against a real server, are in tests/server.rs.
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::unix::net::UnixListener;
     use std::path::PathBuf;
     use std::process::{Command, Stdio};
+
+    /// A fake server on `path`: WELCOME to the HELLO, then every ROUTE's reply (a DECISION, or a
+    /// STATUS_REPLY, of the wrong type, to a route whose request_id is in `wrong`) held until a
+    /// route of request_id "release" comes, then all sent in order before its own.
+    fn holding_server(path: &std::path::Path, wrong: &'static [&'static str]) {
+        let listener = UnixListener::bind(path).expect("bind");
+        std::thread::spawn(move || {
+            let mut conn = match listener.accept() {
+                Ok((conn, _)) => conn,
+                Err(_) => return,
+            };
+            let mut held = Vec::new();
+            loop {
+                let mut header = [0u8; 4];
+                if conn.read_exact(&mut header).is_err() {
+                    return;
+                }
+                let mut payload = vec![0u8; u32::from_be_bytes(header) as usize];
+                if conn.read_exact(&mut payload).is_err() {
+                    return;
+                }
+                let m = Value::decode(&payload).expect("a request");
+                let id = m.get("id").cloned().unwrap_or(Value::UInt(0));
+                let request_id = m
+                    .get("routes")
+                    .and_then(Value::as_array)
+                    .and_then(|r| r.first())
+                    .and_then(|r| r.get("request_id"))
+                    .and_then(Value::as_str)
+                    .unwrap_or("")
+                    .to_string();
+                let reply = match m.get("type").and_then(Value::as_str) {
+                    Some("HELLO") => message("WELCOME", vec![
+                        ("id", id),
+                        ("protocol", Value::UInt(1)),
+                        ("kvmatch_version", Value::Str("fake".into())),
+                    ]),
+                    _ if wrong.contains(&request_id.as_str()) => message("STATUS_REPLY", vec![
+                        ("id", id),
+                        ("kvmatch_version", Value::Str("fake".into())),
+                    ]),
+                    _ => {
+                        let decision = Value::Map(vec![
+                            ("status".into(), Value::UInt(0)),
+                            ("decision_id".into(), Value::UInt(1)),
+                            ("chosen_worker".into(), Value::UInt(2)),
+                            ("source".into(), Value::Str("events".into())),
+                        ]);
+                        let decisions = Value::Array(vec![decision]);
+                        message("DECISION", vec![("id", id), ("decisions", decisions)])
+                    }
+                };
+                let mut frame = vec![0u8; 4];
+                reply.encode(&mut frame);
+                let length = (frame.len() - 4) as u32;
+                frame[..4].copy_from_slice(&length.to_be_bytes());
+                held.extend(frame);
+                if request_id.is_empty() || request_id == "release" {
+                    if conn.write_all(&held).is_err() {
+                        return;
+                    }
+                    held.clear();
+                }
+            }
+        });
+    }
+
+    fn set_nonblocking(c: &Client, on: bool) {
+        match &c.stream {
+            Some(Stream::Unix(s)) => s.set_nonblocking(on).expect("set_nonblocking"),
+            _ => panic!("not a unix socket"),
+        }
+    }
+
+    #[test]
+    fn given_up_calls_are_bounded() {
+        // A blocking call that timed out gives its request up. The ids of at most MAX_ABANDONED
+        // (4096) of them are kept, the lowest forgotten past that, so a server that never answers
+        // cannot make the client grow with every call that times out. A late reply to a
+        // forgotten id is dropped unchecked; one to a kept id is checked (here the lowest kept,
+        // of the wrong type, closes the connection).
+        assert_eq!(MAX_ABANDONED, 4096);
+        let path = std::env::temp_dir()
+            .join(format!("kvmatch-rust-abandoned-{}.sock", std::process::id()));
+        let _ = std::fs::remove_file(&path);
+        holding_server(&path, &["given-up-0", "given-up-10"]);
+        let address = format!("unix:{}", path.display());
+        let mut c = Client::connect(&address, Some(Duration::from_secs(20))).expect("connect");
+        let _ = std::fs::remove_file(&path);
+        // A read that finds no reply now fails at once (read as the timeout), so each call gives
+        // its request up without waiting for a timer; a send that finds the socket full sends
+        // nothing and is tried again.
+        set_nonblocking(&c, true);
+        let mut ids = Vec::new(); // the request id of given-up-0, given-up-1, ...
+        while ids.len() < MAX_ABANDONED + 10 {
+            let name = format!("given-up-{}", ids.len());
+            let route = RouteRequest { request_id: name.clone(), ..Default::default() };
+            match c.route(&[route]) {
+                Err(e) if e.code == Code::TIMEOUT && e.message.contains("before any byte") => {}
+                Err(e) if e.code == Code::TIMEOUT => ids.push(c.next_id - 1),
+                other => panic!("{}: expected a timeout, got {:?}", name, other),
+            }
+        }
+        assert!(!c.is_closed() && c.outstanding() == 0);
+        assert_eq!(c.abandoned.len(), MAX_ABANDONED, "the ids of given-up calls kept");
+        set_nonblocking(&c, false);
+        // given-up-0 is forgotten: its reply, of the wrong type, is dropped; given-up-10 is kept.
+        let release = RouteRequest { request_id: "release".into(), ..Default::default() };
+        let e = c.route(&[release]).expect_err("given-up-10's reply is checked");
+        assert_eq!(e.code, Code::PROTOCOL, "{}", e);
+        let answered = format!("request {} (ROUTE) with STATUS_REPLY", ids[10]);
+        assert!(e.message.contains(&answered), "expected {}, got {}", answered, e);
+        assert!(c.is_closed());
+    }
 
     fn binary() -> PathBuf {
         let root = match std::env::var("KM_ROOT") {

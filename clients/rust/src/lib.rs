@@ -25,7 +25,7 @@ mod error;
 mod messages;
 mod value;
 
-pub use client::{Client, Reply, CLIENT_NAME, DEFAULT_ADDRESS, PROTOCOL_VERSION};
+pub use client::{Client, Reply, CLIENT_NAME, DEFAULT_ADDRESS, MAX_ABANDONED, PROTOCOL_VERSION};
 pub use error::{outcome_from_stream, Code, Error, Result};
 pub use messages::{
     AckItem, Candidate, Decision, Event, LifecycleEvent, Limits, Pool, Prompt, RouteRequest,
