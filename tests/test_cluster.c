@@ -1118,3 +1118,73 @@ Test(cluster, a_burst_of_sync_requests_costs_a_peer_few_states_and_each_request_
     km_cluster_destroy(r);
     km_cluster_destroy(p);
 }
+
+/* ---- a NATS server that stops reading ------------------------------------------------------- */
+
+typedef struct stalled_run {
+    km_cluster *c;
+    volatile bool stop;
+    volatile bool done;
+} stalled_run;
+
+/* Changes as fast as they go, so the connection's socket fills while the server reads nothing. */
+static void *publish_until_stopped(void *arg)
+{
+    stalled_run *r = arg;
+    for (uint64_t i = 0; !r->stop; i++) {
+        km_active_load l = {i % 100 + 1, 1, 1000 + i, 0, 0, 0};
+        km_cluster_publish_load(r->c, (uint32_t)(i % WORKERS), &l);
+    }
+    return NULL;
+}
+
+/* What a decision and a readiness probe call on the handle. */
+static void *one_decision(void *arg)
+{
+    stalled_run *r = arg;
+    km_active_load l = {0};
+    km_cluster_add_remote_load(r->c, 1, &l);
+    km_active_load mine = {1, 1, 16, 0, 0, 0};
+    km_cluster_publish_load(r->c, 2, &mine);
+    km_cluster_stats st;
+    km_cluster_get_stats(r->c, &st);
+    km_cluster_view v;
+    km_cluster_get_view(r->c, mono_ns(), &v);
+    r->done = true;
+    return NULL;
+}
+
+/* The server stopped (SIGSTOP: a hung server, or a link that drops everything while TCP stays
+ * up): every call a decision makes still returns while the publishing goes on, and the handle
+ * comes back once the server runs again. */
+Test(cluster, a_stalled_nats_server_never_blocks_a_decision, .init = start_server,
+     .fini = stop_server, .timeout = 90)
+{
+    km_cluster *a = instance("a", server.url, 1000, 0);
+    km_cluster *b = instance("b", server.url, 1000, 0);
+    cr_assert_eq(kill(server.pid, SIGSTOP), 0);
+    stalled_run run = {.c = a};
+    pthread_t flood;
+    cr_assert_eq(pthread_create(&flood, NULL, publish_until_stopped, &run), 0);
+    for (int i = 0; i < 8; i++) {
+        km_test_sleep_ms(250);
+        stalled_run decision = {.c = a};
+        pthread_t t;
+        cr_assert_eq(pthread_create(&t, NULL, one_decision, &decision), 0);
+        WAIT_UNTIL(decision.done, 5000);
+        if (!decision.done) {
+            kill(server.pid, SIGCONT);
+            cr_assert_fail("decision %d did not complete within 5 s while NATS is stopped", i);
+        }
+        pthread_join(t, NULL);
+    }
+    run.stop = true;
+    pthread_join(flood, NULL);
+    cr_assert_eq(kill(server.pid, SIGCONT), 0);
+    km_active_load l = {7, 0, 0, 0, 0, 0};
+    km_cluster_publish_load(a, 3, &l);
+    WAIT_UNTIL(remote(b, 3).in_flight == 7, 15000);
+    cr_assert_eq(remote(b, 3).in_flight, 7, "b has a's load again once the server runs");
+    km_cluster_destroy(a);
+    km_cluster_destroy(b);
+}

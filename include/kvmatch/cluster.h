@@ -155,8 +155,9 @@ void km_cluster_config_init(km_cluster_config *cfg);
 
 /* Connect (or start retrying when NATS is unreachable: that is not an error), subscribe, start the
  * heartbeat thread (it answers peers' sync requests from then on; heartbeat states wait for the
- * sync to end), ask the peers for their state and wait for it within sync_timeout_ms. On failure
- * *out is NULL and why (may be NULL) says what failed. Errors: KM_ERR_NULL_POINTER,
+ * sync to end) and the publisher thread (every message goes out through it, so no call of this
+ * handle waits for NATS), ask the peers for their state and wait for it within sync_timeout_ms.
+ * On failure *out is NULL and why (may be NULL) says what failed. Errors: KM_ERR_NULL_POINTER,
  * KM_ERR_INVALID_ARGUMENT (a field out of range, a bad id, prefix or URL), KM_ERR_OUT_OF_MEMORY,
  * KM_ERR_IO (the NATS client could not be set up). */
 int km_cluster_create(const km_cluster_config *cfg, km_cluster **out, char *why, size_t why_size);
@@ -270,7 +271,8 @@ typedef struct km_cluster_stats {
     uint64_t lost_messages;      /* sequence numbers never received (gaps), all instances */
     uint64_t expired_instances;  /* contributions dropped for silence */
     uint64_t restarted_instances; /* contributions replaced by a new incarnation of their id */
-    uint64_t publish_failures;   /* publishes the NATS client refused, and drops injected */
+    uint64_t publish_failures;   /* publishes the NATS client refused, messages dropped by a
+                                  * full outbox, too large to send, and drops injected */
     uint64_t skipped_disconnected; /* changes not published while disconnected */
     uint64_t reconnects;
     uint64_t sync_requests;      /* the peers' sync requests received */
@@ -297,8 +299,9 @@ int km_cluster_get_stats(km_cluster *cluster, km_cluster_stats *out);
 
 /* Propagation, for a caller that waits until one instance's changes have reached the others (the
  * simulator does, to make propagation explicit in virtual time): the incarnation of this handle
- * and the sequence number of the last change or state it handed to the NATS client (0 = none
- * yet). A change not sent (disconnected, or dropped by drop_one_in) does not count. Errors:
+ * and the sequence number of the last change or state it queued for the publisher thread, which
+ * hands them to the NATS client in order (0 = none yet). A change not sent (disconnected, dropped
+ * by drop_one_in or by a full outbox) does not count. Errors:
  * KM_ERR_NULL_POINTER. */
 int km_cluster_get_sent(km_cluster *cluster, uint64_t *incarnation, uint64_t *seq);
 

@@ -1,9 +1,12 @@
 /* The km_cluster handle (include/kvmatch/cluster.h): one NATS connection (libnats), one wildcard
  * subscription to the cluster's subjects (so every message of a peer arrives in the order it was
- * sent), this instance's published loads, the remote contributions and their per-worker sum, and
- * the heartbeat thread, which publishes the heartbeat states and the states answering the peers'
- * sync requests. One mutex guards everything; a publish happens under it, so sequence numbers go
- * out in order. */
+ * sent), this instance's published loads, the remote contributions and their per-worker sum, the
+ * heartbeat thread, which makes the heartbeat states and the states answering the peers' sync
+ * requests, and the publisher thread. One mutex guards everything, and no NATS call is made under
+ * it (a server that stops reading blocks a NATS call, never a decision): a message is numbered and
+ * encoded under it into the outbox, a bounded queue that the publisher thread hands to the NATS
+ * client in order outside it. A message that finds the outbox full is dropped and counted, its
+ * sequence number spent, so the peers see the gap. */
 #include <errno.h>
 #include <inttypes.h>
 #include <math.h>
@@ -27,6 +30,33 @@
 #define KM_CLUSTER_REFUSAL_LOG_NS (UINT64_C(10000) * NS_PER_MS)
 /* How long destroy waits for the NATS client to report its subscription and connection closed. */
 #define KM_CLUSTER_CLOSE_WAIT_MS 10000
+/* The outbox's bounds: past either, a new message is dropped (counted in publish_failures). A
+ * burst of decisions queues faster than the publisher drains only briefly; a server that takes
+ * nothing fills it within KM_CLUSTER_WRITE_DEADLINE_MS or so. */
+#define KM_CLUSTER_OUTBOX_MAX_MESSAGES 65536u
+#define KM_CLUSTER_OUTBOX_MAX_BYTES (16u * 1024u * 1024u)
+/* A write to a server that stops reading fails after this long, and the client reconnects. */
+#define KM_CLUSTER_WRITE_DEADLINE_MS 500
+/* A server that answers no PING for KM_CLUSTER_MAX_PINGS_OUT intervals is treated as lost. */
+#define KM_CLUSTER_PING_INTERVAL_MS 1000
+#define KM_CLUSTER_MAX_PINGS_OUT 3
+
+/* At most one line per interval for a recurring event; the next line says how many were not
+ * logged in between. */
+typedef struct log_limit {
+    uint64_t logged_ns; /* the last line; 0 = never */
+    uint64_t unlogged;  /* events since that line */
+} log_limit;
+
+/* One encoded message waiting in the outbox. */
+typedef struct outgoing {
+    char *subject;    /* malloc'd: the subject, its NUL, then the body */
+    const char *body; /* inside `subject`'s allocation */
+    size_t length;    /* the body's */
+    cluster_kind kind;
+    uint64_t seq;
+    bool answers_sync; /* a state that answers the sync requests received before it */
+} outgoing;
 
 /* One worker's in-flight work as one instance last said it (cluster_worker_work without the id). */
 typedef struct held_work {
@@ -68,13 +98,21 @@ struct km_cluster {
     bool connected, synced, closing;
     bool nats_closed; /* the client's closed callback ran: no callback of it comes after */
     bool sub_watched;  /* on_subscription_complete is set on sub */
-    uint64_t refusal_logged_ns[KM_CLUSTER_REFUSAL_COUNT]; /* last line per reason; 0 = never */
-    uint64_t refusals_unlogged[KM_CLUSTER_REFUSAL_COUNT]; /* refused since that line */
+    log_limit refusal_log[KM_CLUSTER_REFUSAL_COUNT]; /* per reason */
+    log_limit publish_failure_log;
     bool sub_complete; /* the subscription is closed and its message handler has returned */
     int callbacks_running;
 
     uint64_t seq;
-    uint64_t sent_seq;     /* the last change or state handed to the NATS client */
+    uint64_t sent_seq;     /* the last change or state handed to the outbox */
+
+    /* The outbox: a ring of outbox_count messages from outbox_head, outbox_bytes of bodies; the
+     * publisher thread takes them in order. outbox_done counts the messages it took. */
+    pthread_cond_t outbox_cond; /* a message queued, or closing */
+    outgoing *outbox;           /* KM_CLUSTER_OUTBOX_MAX_MESSAGES */
+    uint32_t outbox_head, outbox_count;
+    size_t outbox_bytes;
+    uint64_t outbox_queued, outbox_done;
     uint64_t changes_made; /* for drop_one_in */
     km_active_load *local;  /* max_workers: this instance's last published loads */
     km_active_load *remote; /* max_workers: the sum over contributions */
@@ -104,8 +142,8 @@ struct km_cluster {
     km_text subject, body;
     km_cluster_stats st;
 
-    pthread_t heartbeat;
-    bool heartbeat_started;
+    pthread_t heartbeat, publisher;
+    bool heartbeat_started, publisher_started;
 };
 
 static void deadline_in(struct timespec *ts, uint64_t from_ns, uint64_t after_ns);
@@ -158,6 +196,20 @@ static void cluster_log(km_cluster *c, const char *fmt, ...)
     vsnprintf(line + n, sizeof line - (size_t)n, fmt + level, ap);
     va_end(ap);
     c->cfg.log(c->cfg.log_user, line);
+}
+
+/* May a line about an event be logged now (lock held)? When not, the event is counted in
+ * l->unlogged; when so, *more gets the events not logged since the last line. */
+static bool log_limit_take(log_limit *l, uint64_t now, uint64_t *more)
+{
+    if (l->logged_ns && now - l->logged_ns < KM_CLUSTER_REFUSAL_LOG_NS) {
+        l->unlogged++;
+        return false;
+    }
+    *more = l->unlogged;
+    l->logged_ns = now;
+    l->unlogged = 0;
+    return true;
 }
 
 /* ---- the remote sum ------------------------------------------------------------------------- */
@@ -419,7 +471,56 @@ static void expire_silent(km_cluster *c, uint64_t now)
 
 /* ---- publishing (lock held) ----------------------------------------------------------------- */
 
-static void publish(km_cluster *c, const cluster_message *m)
+/* A message not handed to the NATS client: counted, and logged at most once per interval. */
+static void publish_failed(km_cluster *c, const char *what)
+{
+    c->st.publish_failures++;
+    uint64_t more;
+    if (!log_limit_take(&c->publish_failure_log, mono_ns(), &more))
+        return;
+    if (more)
+        cluster_log(c, KM_LOG_WARNING "a message was not published (%s); %" PRIu64 " more "
+                    "since the last line (counted in publish_failures)", what, more);
+    else
+        cluster_log(c, KM_LOG_WARNING "a message was not published (%s; counted in "
+                    "publish_failures)", what);
+}
+
+/* Queue m, encoded in c->subject and c->body, for the publisher thread. A full outbox drops it:
+ * a state gives its sequence number back (the lock has been held since it was taken, and the
+ * next state replaces it anyway); a change or prediction keeps it spent, so the peers see the
+ * gap and mark this instance stale until its next state. */
+static void outbox_push(km_cluster *c, const cluster_message *m, bool answers_sync)
+{
+    size_t subject_size = c->subject.length + 1;
+    char *copy = NULL;
+    if (c->outbox_count < KM_CLUSTER_OUTBOX_MAX_MESSAGES &&
+        c->outbox_bytes + c->body.length <= KM_CLUSTER_OUTBOX_MAX_BYTES)
+        copy = malloc(subject_size + c->body.length);
+    if (!copy) {
+        if (m->kind == CLUSTER_STATE && c->seq == m->seq)
+            c->seq--;
+        publish_failed(c, c->outbox_count ? "the outbox is full: NATS takes nothing"
+                                          : "out of memory");
+        return;
+    }
+    memcpy(copy, c->subject.data, subject_size);
+    memcpy(copy + subject_size, c->body.data, c->body.length);
+    uint32_t tail = (c->outbox_head + c->outbox_count) % KM_CLUSTER_OUTBOX_MAX_MESSAGES;
+    c->outbox[tail] = (outgoing){.subject = copy, .body = copy + subject_size,
+                                 .length = c->body.length, .kind = m->kind, .seq = m->seq,
+                                 .answers_sync = answers_sync};
+    c->outbox_count++;
+    c->outbox_bytes += c->body.length;
+    c->outbox_queued++;
+    if (m->kind != CLUSTER_SYNC)
+        c->sent_seq = m->seq;
+    pthread_cond_signal(&c->outbox_cond);
+}
+
+/* Encode m and queue it for the publisher thread (answers_sync: a state answering the sync
+ * requests received before it). */
+static void publish(km_cluster *c, const cluster_message *m, bool answers_sync)
 {
     int rc = km_cluster_subject(&c->subject, c->prefix, m->kind, c->instance);
     if (rc == KM_OK)
@@ -456,14 +557,7 @@ static void publish(km_cluster *c, const cluster_message *m)
         c->too_large_logged |= rc == KM_ERR_TOO_LARGE;
         return;
     }
-    natsStatus s = natsConnection_Publish(c->conn, c->subject.data, c->body.data,
-                                          (int)c->body.length);
-    if (s == NATS_OK) {
-        c->st.sent++;
-        if (m->kind != CLUSTER_SYNC)
-            c->sent_seq = m->seq;
-    } else
-        c->st.publish_failures++;
+    outbox_push(c, m, answers_sync);
 }
 
 /* The full state: every worker with a non-zero load, and the peers this instance hears. A call
@@ -509,9 +603,7 @@ static void publish_state(km_cluster *c)
                          .peers = peers, .n_peers = np,
                          .pools = c->local_pools, .n_pools = c->n_local_pools};
     memcpy(m.instance, c->instance, strlen(c->instance) + 1);
-    uint64_t sent = c->st.sent;
-    publish(c, &m);
-    c->st.sync_answers += answers && c->st.sent != sent;
+    publish(c, &m, answers);
     if (w != rows)
         free(w);
     if (work != work_rows)
@@ -522,7 +614,7 @@ static void publish_sync_request(km_cluster *c)
 {
     cluster_message m = {.kind = CLUSTER_SYNC, .incarnation = c->incarnation};
     memcpy(m.instance, c->instance, strlen(c->instance) + 1);
-    publish(c, &m);
+    publish(c, &m, false);
 }
 
 static bool hashes_equal(const uint64_t *a, uint32_t na, const uint64_t *b, uint32_t nb)
@@ -576,7 +668,7 @@ static void publish_worker(km_cluster *c, uint32_t worker, const km_active_load 
     if (c->cfg.drop_one_in && c->changes_made % c->cfg.drop_one_in == 0)
         c->st.publish_failures++; /* injected loss: the sequence number is spent */
     else
-        publish(c, &m);
+        publish(c, &m, false);
 }
 
 int km_cluster_publish_load(km_cluster *c, uint32_t worker, const km_active_load *load)
@@ -636,9 +728,7 @@ int km_cluster_publish_prediction(km_cluster *c, const char *pool, uint32_t work
                                                                  : KM_CLUSTER_PREDICTION_MAX_HASHES;
         memcpy(m.instance, c->instance, strlen(c->instance) + 1);
         memcpy(m.pool, pool, strlen(pool) + 1);
-        uint64_t sent = c->st.sent;
-        publish(c, &m);
-        c->st.predictions_sent += c->st.sent - sent;
+        publish(c, &m, false);
     }
     pthread_mutex_unlock(&c->lock);
     return KM_OK;
@@ -708,19 +798,14 @@ static void refusal_count(km_cluster *c, km_cluster_refusal r, const char *why)
 static void refused(km_cluster *c, km_cluster_refusal r, const char *why)
 {
     refusal_count(c, r, why);
-    uint64_t now = mono_ns();
-    if (c->refusal_logged_ns[r] && now - c->refusal_logged_ns[r] < KM_CLUSTER_REFUSAL_LOG_NS) {
-        c->refusals_unlogged[r]++;
+    uint64_t more;
+    if (!log_limit_take(&c->refusal_log[r], mono_ns(), &more))
         return;
-    }
-    if (c->refusals_unlogged[r])
+    if (more)
         cluster_log(c, KM_LOG_WARNING "refused a message (%s); %" PRIu64 " more %s refusals "
-                    "since the last line", c->st.last_refusal, c->refusals_unlogged[r],
-                    km_cluster_refusal_name(r));
+                    "since the last line", c->st.last_refusal, more, km_cluster_refusal_name(r));
     else
         cluster_log(c, KM_LOG_WARNING "refused a message (%s)", c->st.last_refusal);
-    c->refusal_logged_ns[r] = now;
-    c->refusals_unlogged[r] = 0;
 }
 
 static bool expected_has(const km_cluster *c, const char *id)
@@ -1028,6 +1113,69 @@ static void *heartbeat_main(void *arg)
     return NULL;
 }
 
+/* ---- the publisher thread ------------------------------------------------------------------ */
+
+/* Hands the outbox's messages to the NATS client in order, each outside the lock (a publish to a
+ * server that stops reading waits up to KM_CLUSTER_WRITE_DEADLINE_MS; meanwhile the decisions go
+ * on and the outbox fills). A message taken while disconnected is not published (counted in
+ * skipped_disconnected; its sequence number is a gap to the peers, whom the state sent on
+ * reconnecting repairs): nothing is replayed late. On closing it drains the outbox while
+ * connected and until a publish fails. */
+static void *publisher_main(void *arg)
+{
+    km_cluster *c = arg;
+    enum { BATCH = 64 }; /* taken per lock: a burst costs the decisions' lock little */
+    outgoing batch[BATCH];
+    bool send[BATCH];
+    bool failed_closing = false;
+    pthread_mutex_lock(&c->lock);
+    for (;;) {
+        while (!c->outbox_count && !c->closing)
+            pthread_cond_wait(&c->outbox_cond, &c->lock);
+        if (!c->outbox_count)
+            break;
+        uint32_t n = 0;
+        for (; n < BATCH && c->outbox_count; n++) {
+            batch[n] = c->outbox[c->outbox_head];
+            c->outbox_head = (c->outbox_head + 1) % KM_CLUSTER_OUTBOX_MAX_MESSAGES;
+            c->outbox_count--;
+            c->outbox_bytes -= batch[n].length;
+            send[n] = c->connected && !(c->closing && failed_closing);
+            if (send[n]) {
+                /* Counted before the publish, so a peer that applies it sees it counted here. */
+                c->st.sent++;
+                c->st.predictions_sent += batch[n].kind == CLUSTER_PREDICT;
+                c->st.sync_answers += batch[n].answers_sync;
+            } else {
+                c->st.skipped_disconnected++;
+            }
+        }
+        pthread_mutex_unlock(&c->lock);
+        natsStatus status[BATCH];
+        for (uint32_t i = 0; i < n; i++) {
+            status[i] = send[i] ? natsConnection_Publish(c->conn, batch[i].subject, batch[i].body,
+                                                         (int)batch[i].length)
+                                : NATS_OK;
+            free(batch[i].subject);
+        }
+        pthread_mutex_lock(&c->lock);
+        c->outbox_done += n;
+        for (uint32_t i = 0; i < n; i++) {
+            if (status[i] == NATS_OK)
+                continue;
+            c->st.sent--;
+            c->st.predictions_sent -= batch[i].kind == CLUSTER_PREDICT;
+            c->st.sync_answers -= batch[i].answers_sync;
+            failed_closing = c->closing;
+            char what[96];
+            snprintf(what, sizeof what, "NATS: %s", natsStatus_GetText(status[i]));
+            publish_failed(c, what);
+        }
+    }
+    pthread_mutex_unlock(&c->lock);
+    return NULL;
+}
+
 /* ---- create / destroy ----------------------------------------------------------------------- */
 
 static bool prefix_valid(const char *p)
@@ -1076,10 +1224,22 @@ static void sync_with_peers(km_cluster *c)
         c->peers[i].answered_sync = false;
     publish_state(c);
     publish_sync_request(c);
-    /* Within the sync's own time limit (the loop below counts the flush's time too): a server
-     * that stalls after the connect does not hold the create past sync_timeout_ms. */
-    natsConnection_FlushTimeout(c->conn, c->cfg.sync_timeout_ms ? (int64_t)c->cfg.sync_timeout_ms
-                                                                 : 1);
+    /* The request on its way before the quiet wait counts, within the sync's own time limit (the
+     * loop below counts this time too): a server that stalls after the connect does not hold the
+     * create past sync_timeout_ms. */
+    const uint64_t limit = (uint64_t)c->cfg.sync_timeout_ms * NS_PER_MS;
+    uint64_t queued = c->outbox_queued;
+    while (c->outbox_done < queued && mono_ns() - t0 < limit) {
+        struct timespec ts;
+        deadline_in(&ts, mono_ns(), NS_PER_MS);
+        pthread_cond_timedwait(&c->cond, &c->lock, &ts);
+    }
+    uint64_t spent = mono_ns() - t0;
+    if (spent < limit) {
+        pthread_mutex_unlock(&c->lock);
+        natsConnection_FlushTimeout(c->conn, (int64_t)((limit - spent) / NS_PER_MS) + 1);
+        pthread_mutex_lock(&c->lock);
+    }
     for (;;) {
         uint64_t now = mono_ns();
         uint64_t waited = now - t0;
@@ -1087,7 +1247,7 @@ static void sync_with_peers(km_cluster *c)
             break;
         if (c->n_expected == 0 && waited >= (uint64_t)c->cfg.sync_quiet_ms * NS_PER_MS)
             break;
-        if (waited >= (uint64_t)c->cfg.sync_timeout_ms * NS_PER_MS) {
+        if (waited >= limit) {
             cluster_log(c, KM_LOG_WARNING
                         "sync: %u of the peers learnt of did not answer within %u ms",
                         c->n_expected, c->cfg.sync_timeout_ms);
@@ -1161,9 +1321,11 @@ int km_cluster_create(const km_cluster_config *cfg, km_cluster **out, char *why,
     pthread_condattr_init(&ca);
     pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
     pthread_cond_init(&c->cond, &ca);
+    pthread_cond_init(&c->outbox_cond, &ca);
     pthread_condattr_destroy(&ca);
+    c->outbox = calloc(KM_CLUSTER_OUTBOX_MAX_MESSAGES, sizeof *c->outbox);
     if (!c->url || !c->instance || !c->prefix || !c->local || !c->remote || !c->local_work ||
-        !c->worker_pool) {
+        !c->worker_pool || !c->outbox) {
         km_cluster_destroy(c);
         return km_why(why, why_size, KM_ERR_OUT_OF_MEMORY, "cluster handle");
     }
@@ -1190,6 +1352,12 @@ int km_cluster_create(const km_cluster_config *cfg, km_cluster **out, char *why,
         s = natsOptions_SetReconnectWait(c->opts, c->cfg.reconnect_wait_ms);
     if (s == NATS_OK)
         s = natsOptions_SetTimeout(c->opts, 1000);
+    if (s == NATS_OK)
+        s = natsOptions_SetWriteDeadline(c->opts, KM_CLUSTER_WRITE_DEADLINE_MS);
+    if (s == NATS_OK)
+        s = natsOptions_SetPingInterval(c->opts, KM_CLUSTER_PING_INTERVAL_MS);
+    if (s == NATS_OK)
+        s = natsOptions_SetMaxPingsOut(c->opts, KM_CLUSTER_MAX_PINGS_OUT);
     if (s == NATS_OK)
         s = natsOptions_SetRetryOnFailedConnect(c->opts, true, on_connected, c);
     if (s == NATS_OK)
@@ -1232,8 +1400,16 @@ int km_cluster_create(const km_cluster_config *cfg, km_cluster **out, char *why,
                       strerror(thread_rc));
     }
     c->heartbeat_started = true;
+    thread_rc = pthread_create(&c->publisher, NULL, publisher_main, c);
+    if (thread_rc != 0) {
+        km_cluster_destroy(c);
+        return km_why(why, why_size, KM_ERR_IO, "cluster publisher thread: %s",
+                      strerror(thread_rc));
+    }
+    c->publisher_started = true;
+    bool up = natsConnection_Status(c->conn) == NATS_CONN_STATUS_CONNECTED;
     pthread_mutex_lock(&c->lock);
-    if (natsConnection_Status(c->conn) == NATS_CONN_STATUS_CONNECTED) {
+    if (up) {
         c->connected = true;
         sync_with_peers(c);
     } else {
@@ -1253,9 +1429,12 @@ void km_cluster_destroy(km_cluster *c)
     pthread_mutex_lock(&c->lock);
     c->closing = true;
     pthread_cond_broadcast(&c->cond);
+    pthread_cond_broadcast(&c->outbox_cond);
     pthread_mutex_unlock(&c->lock);
     if (c->heartbeat_started)
         pthread_join(c->heartbeat, NULL);
+    if (c->publisher_started)
+        pthread_join(c->publisher, NULL); /* the outbox drained */
     if (c->sub)
         natsSubscription_Unsubscribe(c->sub);
     if (c->conn)
@@ -1302,6 +1481,10 @@ void km_cluster_destroy(km_cluster *c)
     free(c->worker_pool);
     km_text_free(&c->subject);
     km_text_free(&c->body);
+    for (uint32_t i = 0; c->outbox && i < c->outbox_count; i++)
+        free(c->outbox[(c->outbox_head + i) % KM_CLUSTER_OUTBOX_MAX_MESSAGES].subject);
+    free(c->outbox);
+    pthread_cond_destroy(&c->outbox_cond);
     pthread_cond_destroy(&c->cond);
     pthread_mutex_destroy(&c->lock);
     free(c->local);
