@@ -56,6 +56,9 @@ static bool accepts(uint16_t port)
     return ok;
 }
 
+static bool start_and_wait(km_nats_test_server *s, const char *bin, const char *port,
+                           const char *config_path, char *why, size_t why_size);
+
 bool km_nats_test_server_restart(km_nats_test_server *s, char *why, size_t why_size)
 {
     const char *bin = km_nats_server_binary();
@@ -66,6 +69,27 @@ bool km_nats_test_server_restart(km_nats_test_server *s, char *why, size_t why_s
     }
     char port[16];
     snprintf(port, sizeof port, "%u", s->port);
+    /* The configuration file lives until the server has read it (it is listening, or gone). */
+    char config_path[64] = "";
+    if (s->config[0]) {
+        snprintf(config_path, sizeof config_path, "/tmp/km-nats-%u.conf", s->port);
+        FILE *f = fopen(config_path, "w");
+        if (!f) {
+            snprintf(why, why_size, "%s: %s", config_path, strerror(errno));
+            return false;
+        }
+        fprintf(f, "listen: 127.0.0.1:%u\n%s\n", s->port, s->config);
+        fclose(f);
+    }
+    bool up = start_and_wait(s, bin, port, config_path, why, why_size);
+    if (config_path[0])
+        unlink(config_path);
+    return up;
+}
+
+static bool start_and_wait(km_nats_test_server *s, const char *bin, const char *port,
+                           const char *config_path, char *why, size_t why_size)
+{
     int parent = getpid();
     pid_t pid = fork();
     if (pid < 0) {
@@ -79,7 +103,10 @@ bool km_nats_test_server_restart(km_nats_test_server *s, char *why, size_t why_s
             dup2(fd, 1);
             dup2(fd, 2);
         }
-        execl(bin, "nats-server", "-a", "127.0.0.1", "-p", port, (char *)NULL);
+        if (s->config[0])
+            execl(bin, "nats-server", "-c", config_path, (char *)NULL);
+        else
+            execl(bin, "nats-server", "-a", "127.0.0.1", "-p", port, (char *)NULL);
         _exit(127);
     }
     s->pid = pid;
@@ -103,6 +130,12 @@ bool km_nats_test_server_restart(km_nats_test_server *s, char *why, size_t why_s
 
 bool km_nats_test_server_start(km_nats_test_server *s, char *why, size_t why_size)
 {
+    return km_nats_test_server_start_with(s, "", why, why_size);
+}
+
+bool km_nats_test_server_start_with(km_nats_test_server *s, const char *config, char *why,
+                                    size_t why_size)
+{
     memset(s, 0, sizeof *s);
     s->port = km_test_free_port();
     if (!s->port) {
@@ -111,6 +144,7 @@ bool km_nats_test_server_start(km_nats_test_server *s, char *why, size_t why_siz
     }
     snprintf(s->url, sizeof s->url, "nats://127.0.0.1:%u", s->port);
     snprintf(s->log_path, sizeof s->log_path, "/tmp/km-nats-%u.log", s->port);
+    snprintf(s->config, sizeof s->config, "%s", config);
     return km_nats_test_server_restart(s, why, why_size);
 }
 

@@ -12,6 +12,7 @@ typedef struct km_nats_test_server {
     uint16_t port;
     char url[64]; /* nats://127.0.0.1:PORT */
     char log_path[64];
+    char config[256]; /* the configuration lines it was started with; "" = none */
 } km_nats_test_server;
 
 /* The nats-server binary (PATH, then /usr/sbin), or NULL. */
@@ -20,6 +21,10 @@ const char *km_nats_server_binary(void);
 /* Start on a free loopback port and wait (5 s at most) until it accepts connections. False with
  * the reason in why when it cannot start. */
 bool km_nats_test_server_start(km_nats_test_server *s, char *why, size_t why_size);
+/* km_nats_test_server_start with `config` (nats-server configuration lines, such as
+ * "max_payload: 4096") added to its listen address in a configuration file. */
+bool km_nats_test_server_start_with(km_nats_test_server *s, const char *config, char *why,
+                                    size_t why_size);
 /* Start again on s->port (after km_nats_test_server_stop). */
 bool km_nats_test_server_restart(km_nats_test_server *s, char *why, size_t why_size);
 /* SIGKILL and reap; the port is free again. A stopped server is a no-op. */

@@ -99,7 +99,7 @@ Test(cluster, messages_round_trip_and_bad_ones_are_refused_by_reason, .timeout =
     char peers[1][KM_CLUSTER_INSTANCE_MAX + 1] = {"b-2"};
     cluster_message m = {.kind = CLUSTER_STATE, .instance = "a_1", .incarnation = 77, .seq = 5,
                          .workers = rows, .n_workers = 2, .peers = peers, .n_peers = 1};
-    cr_assert_eq(km_cluster_encode(&t, &m), KM_OK);
+    cr_assert_eq(km_cluster_encode(&t, &m, KM_CLUSTER_MESSAGE_MAX), KM_OK);
     cluster_message d;
     km_cluster_refusal r;
     char why[160];
@@ -120,7 +120,7 @@ Test(cluster, messages_round_trip_and_bad_ones_are_refused_by_reason, .timeout =
     cluster_pool_fingerprint pools[2] = {{"main", UINT64_MAX}, {"b.v2", 0x0123456789abcdefu}};
     m.pools = pools;
     m.n_pools = 2;
-    cr_assert_eq(km_cluster_encode(&t, &m), KM_OK);
+    cr_assert_eq(km_cluster_encode(&t, &m, KM_CLUSTER_MESSAGE_MAX), KM_OK);
     cr_assert(km_cluster_decode("state.a_1", t.data, t.length, WORKERS, &d, &r, why, sizeof why),
               "%s", why);
     cr_assert_eq(d.n_pools, 2);
@@ -182,7 +182,7 @@ Test(cluster, predictions_round_trip_every_hash_and_bad_ones_are_refused_by_reas
     cluster_message m = {.kind = CLUSTER_PREDICT, .instance = "a", .incarnation = 7, .seq = 3,
                          .pool = "main.v2", .worker = 15, .lesson = true, .hashes = hashes,
                          .n_hashes = 300};
-    cr_assert_eq(km_cluster_encode(&t, &m), KM_OK);
+    cr_assert_eq(km_cluster_encode(&t, &m, KM_CLUSTER_MESSAGE_MAX), KM_OK);
     cluster_message d;
     km_cluster_refusal r;
     char why[160];
@@ -1185,6 +1185,70 @@ Test(cluster, a_stalled_nats_server_never_blocks_a_decision, .init = start_serve
     km_cluster_publish_load(a, 3, &l);
     WAIT_UNTIL(remote(b, 3).in_flight == 7, 15000);
     cr_assert_eq(remote(b, 3).in_flight, 7, "b has a's load again once the server runs");
+    km_cluster_destroy(a);
+    km_cluster_destroy(b);
+}
+
+/* ---- a server whose max_payload is below KM_CLUSTER_MESSAGE_MAX ------------------------------ */
+
+static void start_small_payload_server(void)
+{
+    char why[256];
+    if (!km_nats_test_server_start_with(&server, "max_payload: 4096", why, sizeof why))
+        cr_assert_fail("cannot start nats-server: %s", why);
+}
+
+/* Log lines about messages not published, counted. */
+static void count_not_published_lines(void *user, const char *line)
+{
+    refusal_lines *r = user;
+    if (strstr(line, "not published") || strstr(line, "without it")) {
+        pthread_mutex_lock(&r->lock);
+        r->n++;
+        pthread_mutex_unlock(&r->lock);
+    }
+}
+
+/* The server's max_payload bounds what is sent, as KM_CLUSTER_MESSAGE_MAX does: a change whose
+ * work passes it goes out without the work, and the peers hold the load; a prediction carries
+ * the leading hashes that fit. */
+Test(cluster, a_server_max_payload_below_the_message_bound_is_the_bound,
+     .init = start_small_payload_server, .fini = stop_server, .timeout = 60)
+{
+    static refusal_lines lines = {.lock = PTHREAD_MUTEX_INITIALIZER};
+    static predictions_seen seen = {.lock = PTHREAD_MUTEX_INITIALIZER};
+    km_cluster *b = instance_seeing("b", &seen);
+    km_cluster_config cfg;
+    km_cluster_config_init(&cfg);
+    cfg.url = server.url;
+    cfg.instance = "a";
+    cfg.max_workers = WORKERS;
+    cfg.heartbeat_ms = 50;
+    cfg.expire_ms = 5000;
+    cfg.log = count_not_published_lines;
+    cfg.log_user = &lines;
+    km_cluster *a = NULL;
+    char why[256] = "";
+    cr_assert_eq(km_cluster_create(&cfg, &a, why, sizeof why), KM_OK, "%s", why);
+    static uint64_t queued[300]; /* about 6 KB as hex strings */
+    for (uint32_t i = 0; i < 300; i++)
+        queued[i] = i + 1;
+    km_active_load l = {5, 1, 0, 0, 0, 0};
+    cr_assert_eq(km_cluster_publish_work(a, 3, &l, NULL, 0, queued, 300), KM_OK);
+    WAIT_UNTIL(remote(b, 3).in_flight == 5, 5000);
+    cr_assert_eq(remote(b, 3).in_flight, 5, "b has a's load of the change over max_payload");
+    km_cluster_stats st = stats(a);
+    cr_assert_geq(st.work_omitted, 1, "sent without its work");
+    cr_assert_eq(st.publish_failures, 0);
+    cr_assert_eq(stats(b).lost_messages, 0);
+    cr_assert_geq(refusal_lines_count(&lines), 1, "the omission was logged");
+    cr_assert_eq(km_cluster_publish_prediction(a, "main", 1, false, queued, 300), KM_OK);
+    WAIT_UNTIL(predictions_count(&seen) == 1, 5000);
+    cr_assert_eq(predictions_count(&seen), 1, "the prediction over max_payload arrived");
+    cr_assert(seen.n_hashes[0] >= 150 && seen.n_hashes[0] < 300, "%u hashes", seen.n_hashes[0]);
+    cr_assert_eq(seen.first[0], queued[0]);
+    cr_assert_eq(seen.last[0], queued[seen.n_hashes[0] - 1]);
+    cr_assert_eq(stats(a).publish_failures, 0);
     km_cluster_destroy(a);
     km_cluster_destroy(b);
 }

@@ -89,7 +89,7 @@ Test(cluster_work, work_rows_round_trip_every_hash_and_bad_ones_are_refused, .ti
         cluster_message m = {.kind = CLUSTER_CHANGE, .instance = "a", .incarnation = 9,
                              .seq = 3, .workers = rows, .n_workers = 2, .work = &work,
                              .n_work = 1};
-        cr_assert_eq(km_cluster_encode(&t, &m), KM_OK);
+        cr_assert_eq(km_cluster_encode(&t, &m, KM_CLUSTER_MESSAGE_MAX), KM_OK);
         cluster_message d;
         km_cluster_refusal r;
         char why[160];

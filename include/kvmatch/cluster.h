@@ -66,7 +66,8 @@ typedef struct km_cluster km_cluster;
 #define KM_CLUSTER_INSTANCE_MAX 64u
 /* Most remote instances applied at once; messages from more are refused (too_many_instances). */
 #define KM_CLUSTER_MAX_INSTANCES 64u
-/* Largest message accepted or sent, in bytes (NATS's default max_payload is 1 MiB). */
+/* Largest message accepted or sent, in bytes (NATS's default max_payload is 1 MiB); a server
+ * whose max_payload is lower bounds what is sent to it. */
 #define KM_CLUSTER_MESSAGE_MAX (1024u * 1024u)
 /* Most block hashes in one approximate-mode prediction: a longer prompt's prediction carries its
  * leading blocks (a prefix match needs no more), so a message stays within

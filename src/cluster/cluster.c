@@ -124,7 +124,10 @@ struct km_cluster {
     km_u64map remote_prefixes, remote_queued;
     uint64_t remote_work_held;
     bool work_omitted_logged;
-    bool too_large_logged; /* a message over KM_CLUSTER_MESSAGE_MAX was logged */
+    bool too_large_logged; /* a message over message_max was logged */
+    /* The largest body sent: KM_CLUSTER_MESSAGE_MAX, or the server's max_payload when lower (it
+     * refuses a larger one), as the last connect learnt it. */
+    uint32_t message_max;
     contribution peers[KM_CLUSTER_MAX_INSTANCES];
     cluster_pool_fingerprint local_pools[KM_CLUSTER_MAX_POOLS]; /* km_cluster_set_pools */
     uint32_t n_local_pools;
@@ -524,7 +527,7 @@ static void publish(km_cluster *c, const cluster_message *m, bool answers_sync)
 {
     int rc = km_cluster_subject(&c->subject, c->prefix, m->kind, c->instance);
     if (rc == KM_OK)
-        rc = km_cluster_encode(&c->body, m);
+        rc = km_cluster_encode(&c->body, m, c->message_max);
     if (rc == KM_ERR_TOO_LARGE && m->n_work) {
         /* The loads still go out; the receivers hold no work of these workers until a message
          * that fits carries it. */
@@ -536,9 +539,19 @@ static void publish(km_cluster *c, const cluster_message *m, bool answers_sync)
             cluster_log(c, KM_LOG_WARNING
                         "a %s message with its in-flight work is over %u bytes: sent without "
                         "it (the peers see the loads only)",
-                        m->kind == CLUSTER_STATE ? "state" : "change", KM_CLUSTER_MESSAGE_MAX);
+                        m->kind == CLUSTER_STATE ? "state" : "change", c->message_max);
         c->work_omitted_logged = true;
-        rc = km_cluster_encode(&c->body, &bare);
+        rc = km_cluster_encode(&c->body, &bare, c->message_max);
+    } else if (rc == KM_ERR_TOO_LARGE && m->kind == CLUSTER_PREDICT && m->n_hashes > 1) {
+        /* A server of a lower max_payload: the leading blocks that fit (a prefix match needs no
+         * more). Each hash takes 19 bytes ("16 hex digits" and a comma). */
+        cluster_message cut = *m;
+        uint64_t over = (uint64_t)c->body.length - c->message_max;
+        uint64_t drop = (over + 18) / 19;
+        if (drop < m->n_hashes) {
+            cut.n_hashes = m->n_hashes - (uint32_t)drop;
+            rc = km_cluster_encode(&c->body, &cut, c->message_max);
+        }
     }
     if (rc != KM_OK) {
         c->st.publish_failures++;
@@ -550,10 +563,12 @@ static void publish(km_cluster *c, const cluster_message *m, bool answers_sync)
             c->seq--;
         if (rc == KM_ERR_TOO_LARGE && !c->too_large_logged)
             cluster_log(c, KM_LOG_WARNING
-                        "a %s message of %u workers is over %u bytes without its work: not "
-                        "sent (counted in publish_failures; the peers keep what they had)",
-                        m->kind == CLUSTER_STATE ? "state" : "change", m->n_workers,
-                        KM_CLUSTER_MESSAGE_MAX);
+                        "a %s message of %u workers, %u hashes is over %u bytes without its "
+                        "work: not sent (counted in publish_failures; the peers keep what they "
+                        "had)", m->kind == CLUSTER_STATE    ? "state"
+                                : m->kind == CLUSTER_PREDICT ? "predict"
+                                                             : "change",
+                        m->n_workers, m->n_hashes, c->message_max);
         c->too_large_logged |= rc == KM_ERR_TOO_LARGE;
         return;
     }
@@ -1016,13 +1031,21 @@ static void on_message(natsConnection *nc, natsSubscription *sub, natsMsg *msg, 
 
 /* ---- connection events ---------------------------------------------------------------------- */
 
+/* The largest body a server of that max_payload takes (0 = unknown: KM_CLUSTER_MESSAGE_MAX). */
+static uint32_t message_max_for(int64_t max_payload)
+{
+    return max_payload > 0 && max_payload < KM_CLUSTER_MESSAGE_MAX ? (uint32_t)max_payload
+                                                                   : KM_CLUSTER_MESSAGE_MAX;
+}
+
 /* Connected (first time late, or again): the state goes out, then the peers are asked for theirs. */
 static void on_connected(natsConnection *nc, void *closure)
 {
-    (void)nc;
     km_cluster *c = closure;
+    uint32_t message_max = message_max_for(natsConnection_GetMaxPayload(nc));
     pthread_mutex_lock(&c->lock);
     if (!c->closing) {
+        c->message_max = message_max;
         bool again = c->synced || c->st.sync_peers || !isnan(c->st.sync_seconds);
         c->connected = true;
         c->st.reconnects += again;
@@ -1310,6 +1333,7 @@ int km_cluster_create(const km_cluster_config *cfg, km_cluster **out, char *why,
     if (c->worker_pool)
         memset(c->worker_pool, -1, cfg->max_workers);
     c->st.sync_seconds = NAN;
+    c->message_max = KM_CLUSTER_MESSAGE_MAX;
     km_text_init(&c->subject, 256);
     km_text_init(&c->body, KM_CLUSTER_MESSAGE_MAX + 1);
     struct timespec rt;
@@ -1408,8 +1432,10 @@ int km_cluster_create(const km_cluster_config *cfg, km_cluster **out, char *why,
     }
     c->publisher_started = true;
     bool up = natsConnection_Status(c->conn) == NATS_CONN_STATUS_CONNECTED;
+    uint32_t message_max = message_max_for(up ? natsConnection_GetMaxPayload(c->conn) : 0);
     pthread_mutex_lock(&c->lock);
     if (up) {
+        c->message_max = message_max;
         c->connected = true;
         sync_with_peers(c);
     } else {

@@ -80,9 +80,9 @@ bool km_cluster_id_valid(const char *id, size_t len);
  * PREFIX.predict.ID, PREFIX.sync. */
 int km_cluster_subject(km_text *out, const char *prefix, cluster_kind kind, const char *instance);
 
-/* Encode m as one JSON object into out (cleared first). KM_ERR_TOO_LARGE past
- * KM_CLUSTER_MESSAGE_MAX, KM_ERR_OUT_OF_MEMORY. */
-int km_cluster_encode(km_text *out, const cluster_message *m);
+/* Encode m as one JSON object into out (cleared first). KM_ERR_TOO_LARGE past max_bytes (at most
+ * KM_CLUSTER_MESSAGE_MAX: the server's max_payload when lower), KM_ERR_OUT_OF_MEMORY. */
+int km_cluster_encode(km_text *out, const cluster_message *m, size_t max_bytes);
 
 /* Decode `data` received on `subject` (PREFIX already stripped by the caller: "change.ID",
  * "state.ID", "predict.ID" or "sync") into *m; worker ids must be < max_workers. On success the

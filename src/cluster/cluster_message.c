@@ -100,7 +100,7 @@ static uint64_t load_cap(uint64_t v)
     return v < KM_CLUSTER_LOAD_VALUE_MAX ? v : KM_CLUSTER_LOAD_VALUE_MAX;
 }
 
-int km_cluster_encode(km_text *out, const cluster_message *m)
+int km_cluster_encode(km_text *out, const cluster_message *m, size_t max_bytes)
 {
     km_text_clear(out);
     int rc = km_text_printf(out,
@@ -149,7 +149,7 @@ int km_cluster_encode(km_text *out, const cluster_message *m)
     }
     if (rc == KM_OK)
         rc = km_text_append_cstr(out, "}");
-    if (rc == KM_OK && out->length > KM_CLUSTER_MESSAGE_MAX)
+    if (rc == KM_OK && (out->length > KM_CLUSTER_MESSAGE_MAX || out->length > max_bytes))
         rc = KM_ERR_TOO_LARGE;
     return rc;
 }
