@@ -95,7 +95,8 @@ Test(cluster, messages_round_trip_and_bad_ones_are_refused_by_reason, .timeout =
 {
     km_text t;
     km_text_init(&t, 0);
-    cluster_worker_load rows[2] = {{3, {2, 1, 100, 10, 9, 123456}}, {15, {1, 0, 0, 4, 4, 0}}};
+    cluster_worker_load rows[2] = {{3, {2, 1, 100, 10, 9, 123456}, CLUSTER_NO_WORK_ROW},
+                                   {15, {1, 0, 0, 4, 4, 0}, CLUSTER_NO_WORK_ROW}};
     char peers[1][KM_CLUSTER_INSTANCE_MAX + 1] = {"b-2"};
     cluster_message m = {.kind = CLUSTER_STATE, .instance = "a_1", .incarnation = 77, .seq = 5,
                          .workers = rows, .n_workers = 2, .peers = peers, .n_peers = 1};

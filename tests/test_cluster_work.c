@@ -84,7 +84,8 @@ Test(cluster_work, work_rows_round_trip_every_hash_and_bad_ones_are_refused, .ti
             prefixes[i] = km_rng_next(&rng);
         for (uint32_t i = 0; i < nq; i++)
             queued[i] = km_rng_next(&rng);
-        cluster_worker_load rows[2] = {{2, {3, 1, 10, 5, 5, 7}}, {5, {1, 0, 0, 1, 1, 0}}};
+        cluster_worker_load rows[2] = {{2, {3, 1, 10, 5, 5, 7}, CLUSTER_NO_WORK_ROW},
+                                       {5, {1, 0, 0, 1, 1, 0}, CLUSTER_NO_WORK_ROW}};
         cluster_worker_work work = {5, prefixes, np, queued, nq};
         cluster_message m = {.kind = CLUSTER_CHANGE, .instance = "a", .incarnation = 9,
                              .seq = 3, .workers = rows, .n_workers = 2, .work = &work,
@@ -149,6 +150,53 @@ Test(cluster_work, work_rows_round_trip_every_hash_and_bad_ones_are_refused, .ti
                                     sizeof why));
     cr_assert_eq(r, KM_CLUSTER_REFUSED_TOO_LARGE, "%s", why);
     km_text_free(&big);
+    km_text_free(&t);
+}
+
+/* A message at the size bound of as many workers as fit, each with a work row (listed in the
+ * opposite order): decoding it looks each worker up a bounded number of times, and every worker
+ * row names its own work row (what the receiver applies without a search). */
+Test(cluster_work, a_message_of_the_most_workers_decodes_in_linear_work, .timeout = 60)
+{
+    const uint32_t max_workers = 65534;
+    km_text t;
+    km_text_init(&t, 0);
+    km_text_printf(&t, "{\"v\":1,\"kind\":\"state\",\"instance\":\"x\",\"incarnation\":9,"
+                       "\"seq\":1,\"workers\":[");
+    /* At most 20 bytes a worker row and 33 a work row. */
+    const uint32_t n = (KM_CLUSTER_MESSAGE_MAX - 256) / 53;
+    for (uint32_t i = 0; i < n; i++)
+        km_text_printf(&t, "%s[%u,1,0,0,0,0,0]", i ? "," : "", i);
+    km_text_printf(&t, "],\"work\":[");
+    for (uint32_t i = 0; i < n; i++)
+        km_text_printf(&t, "%s[%u,[],[\"%016x\"]]", i ? "," : "", n - 1 - i, i + 1);
+    km_text_printf(&t, "],\"peers\":[]}");
+    cr_assert_leq(t.length, KM_CLUSTER_MESSAGE_MAX);
+    cluster_message d;
+    km_cluster_refusal r;
+    char why[160];
+    cr_assert(km_cluster_decode("state.x", t.data, t.length, max_workers, &d, &r, why,
+                                sizeof why), "%s", why);
+    cr_assert_eq(d.n_workers, n);
+    cr_assert_eq(d.n_work, n);
+    cr_assert_leq(d.work_lookups, 2 * (uint64_t)n, "%llu lookups for %u workers and rows",
+                  (unsigned long long)d.work_lookups, n);
+    for (uint32_t i = 0; i < n; i++) {
+        uint32_t row = d.workers[i].work_row;
+        cr_assert_lt(row, d.n_work, "worker %u has no work row", d.workers[i].worker);
+        cr_assert_eq(d.work[row].worker, d.workers[i].worker);
+        cr_assert_eq(d.work[row].queued[0], (uint64_t)(n - d.workers[i].worker));
+    }
+    km_cluster_message_free(&d);
+    /* A worker listed without a work row has none. */
+    const char *none = "{\"v\":1,\"kind\":\"change\",\"instance\":\"x\",\"incarnation\":9,"
+                       "\"seq\":2,\"workers\":[[1,1,0,0,0,0,0],[4,1,0,0,0,0,0]],"
+                       "\"work\":[[4,[],[]]]}";
+    cr_assert(km_cluster_decode("change.x", none, strlen(none), WORKERS, &d, &r, why, sizeof why),
+              "%s", why);
+    cr_assert_eq(d.workers[0].work_row, CLUSTER_NO_WORK_ROW);
+    cr_assert_eq(d.workers[1].work_row, 0);
+    km_cluster_message_free(&d);
     km_text_free(&t);
 }
 

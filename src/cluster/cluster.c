@@ -603,7 +603,7 @@ static void publish_state(km_cluster *c)
     for (uint32_t i = 0; i < c->cfg.max_workers; i++) {
         const held_work *lw = &c->local_work[i];
         if (!load_zero(&c->local[i]) || !work_empty(lw))
-            w[n++] = (cluster_worker_load){i, c->local[i]};
+            w[n++] = (cluster_worker_load){i, c->local[i], CLUSTER_NO_WORK_ROW};
         if (!work_empty(lw))
             work[n_work++] = (cluster_worker_work){i, lw->prefixes, lw->n_prefixes, lw->queued,
                                                    lw->n_queued};
@@ -672,7 +672,7 @@ static void publish_worker(km_cluster *c, uint32_t worker, const km_active_load 
         c->st.skipped_disconnected++; /* the state sent on reconnect carries it */
         return;
     }
-    cluster_worker_load row = {worker, *load};
+    cluster_worker_load row = {worker, *load, CLUSTER_NO_WORK_ROW};
     cluster_worker_work work_row = {worker, lw->prefixes, lw->n_prefixes, lw->queued,
                                     lw->n_queued};
     cluster_message m = {.kind = CLUSTER_CHANGE, .incarnation = c->incarnation, .seq = ++c->seq,
@@ -838,16 +838,14 @@ static void expect_peer(km_cluster *c, const char *id)
 }
 
 /* A change's or state's worker rows: each listed worker's load and in-flight work (none when the
- * message has no work row for it) replace what p said before. */
+ * message has no work row for it; the decoder found each row) replace what p said before. */
 static void apply_workers(km_cluster *c, contribution *p, const cluster_message *m)
 {
     for (uint32_t i = 0; i < m->n_workers; i++) {
         uint32_t worker = m->workers[i].worker;
         contribution_set(c, p, worker, &m->workers[i].load);
-        const cluster_worker_work *w = NULL;
-        for (uint32_t k = 0; k < m->n_work && !w; k++)
-            if (m->work[k].worker == worker)
-                w = &m->work[k];
+        uint32_t row = m->workers[i].work_row;
+        const cluster_worker_work *w = row < m->n_work ? &m->work[row] : NULL;
         if (w)
             contribution_set_work(c, p, worker, w->prefixes, w->n_prefixes, w->queued,
                                   w->n_queued);

@@ -23,9 +23,15 @@ typedef enum cluster_kind {
                       * number; changes no load */
 } cluster_kind;
 
+/* A decoded worker row without a work row. */
+#define CLUSTER_NO_WORK_ROW UINT32_MAX
+
 typedef struct cluster_worker_load {
     uint32_t worker;
     km_active_load load;
+    /* Decoded messages: the index of this worker's row in `work`, or CLUSTER_NO_WORK_ROW (the
+     * encoder does not read it). */
+    uint32_t work_row;
 } cluster_worker_load;
 
 /* What a worker's in-flight requests promise a later request there (the parts of km_active a
@@ -56,6 +62,9 @@ typedef struct cluster_message {
      * listed worker without a row has none); malloc'd by the decoder with its arrays */
     cluster_worker_work *work;
     uint32_t n_work;
+    /* Decoded messages: how many worker lookups matching the work rows to the workers took
+     * (linear in the rows: the tests check it) */
+    uint64_t work_lookups;
     char (*peers)[KM_CLUSTER_INSTANCE_MAX + 1]; /* malloc'd by the decoder; STATE only */
     uint32_t n_peers;
     /* STATE only: the sender's pools (at most KM_CLUSTER_MAX_POOLS; malloc'd by the decoder) */

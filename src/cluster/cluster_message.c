@@ -241,6 +241,7 @@ static bool decode_workers(json_t *arr, uint32_t max_workers, cluster_message *m
                           v[2], v[1]);
         m->workers[i].worker = (uint32_t)v[0];
         m->workers[i].load = (km_active_load){v[1], v[2], v[3], v[4], v[5], v[6]};
+        m->workers[i].work_row = CLUSTER_NO_WORK_ROW;
         m->n_workers = (uint32_t)i + 1;
     }
     return true;
@@ -320,7 +321,9 @@ static bool decode_hash_list(json_t *arr, uint32_t max, uint64_t **out, uint32_t
 }
 
 /* A change's or state's "work": [[worker, [prefix keys], [queued hashes]], ...]; absent = none.
- * Each row's worker must be one the message lists in "workers", at most once. */
+ * Each row's worker must be one the message lists in "workers", at most once; each worker row
+ * gets the index of its work row. Linear in the rows: one array indexed by worker id (below
+ * max_workers, which decode_workers checked) holds each listed worker's row. */
 static bool decode_work(json_t *arr, cluster_message *m, km_cluster_refusal *refusal, char *why,
                         size_t why_size)
 {
@@ -333,36 +336,54 @@ static bool decode_work(json_t *arr, cluster_message *m, km_cluster_refusal *ref
     if (n > m->n_workers)
         return refuse(refusal, KM_CLUSTER_REFUSED_MALFORMED, why, why_size,
                       "%zu work rows for %u workers listed", n, m->n_workers);
-    m->work = n ? calloc(n, sizeof *m->work) : NULL;
-    if (n && !m->work)
+    if (n == 0)
+        return true;
+    m->work = calloc(n, sizeof *m->work);
+    /* row_of[worker]: NOT_LISTED, CLUSTER_NO_WORK_ROW (listed, no row yet) or its row */
+    enum { NOT_LISTED = CLUSTER_NO_WORK_ROW - 1 };
+    uint32_t ids = 0;
+    for (uint32_t k = 0; k < m->n_workers; k++)
+        ids = m->workers[k].worker >= ids ? m->workers[k].worker + 1 : ids;
+    uint32_t *row_of = malloc((size_t)ids * sizeof *row_of);
+    if (!m->work || !row_of) {
+        free(row_of);
         return refuse(refusal, KM_CLUSTER_REFUSED_TOO_LARGE, why, why_size, "out of memory");
-    for (size_t i = 0; i < n; i++) {
+    }
+    for (uint32_t w = 0; w < ids; w++)
+        row_of[w] = NOT_LISTED;
+    for (uint32_t k = 0; k < m->n_workers; k++, m->work_lookups++)
+        row_of[m->workers[k].worker] = CLUSTER_NO_WORK_ROW;
+    bool ok = true;
+    for (size_t i = 0; ok && i < n; i++) {
         json_t *row = json_array_get(arr, i), *worker = json_array_get(row, 0);
         if (!json_is_array(row) || json_array_size(row) != 3 || !json_is_integer(worker) ||
-            json_integer_value(worker) < 0)
-            return refuse(refusal, KM_CLUSTER_REFUSED_MALFORMED, why, why_size,
-                          "work[%zu] is not [worker, [prefix keys], [queued hashes]]", i);
+            json_integer_value(worker) < 0) {
+            ok = refuse(refusal, KM_CLUSTER_REFUSED_MALFORMED, why, why_size,
+                        "work[%zu] is not [worker, [prefix keys], [queued hashes]]", i);
+            break;
+        }
         uint64_t w = (uint64_t)json_integer_value(worker);
-        bool listed = false;
-        for (uint32_t k = 0; k < m->n_workers; k++)
-            listed = listed || m->workers[k].worker == w;
-        for (size_t k = 0; k < i; k++)
-            listed = listed && m->work[k].worker != w;
-        if (!listed)
-            return refuse(refusal, KM_CLUSTER_REFUSED_MALFORMED, why, why_size,
-                          "work[%zu]: worker %" PRIu64 " is not listed in \"workers\" or has two "
-                          "rows", i, w);
+        m->work_lookups++;
+        if (w >= ids || row_of[w] != CLUSTER_NO_WORK_ROW) {
+            ok = refuse(refusal, KM_CLUSTER_REFUSED_MALFORMED, why, why_size,
+                        "work[%zu]: worker %" PRIu64 " is not listed in \"workers\" or has two "
+                        "rows", i, w);
+            break;
+        }
+        row_of[w] = (uint32_t)i;
         cluster_worker_work *out = &m->work[i];
         out->worker = (uint32_t)w;
         m->n_work = (uint32_t)i + 1;
-        if (!decode_hash_list(json_array_get(row, 1), KM_CLUSTER_WORK_MAX_PREFIXES,
+        ok = decode_hash_list(json_array_get(row, 1), KM_CLUSTER_WORK_MAX_PREFIXES,
                               &out->prefixes, &out->n_prefixes, "prefix keys", i, refusal, why,
-                              why_size) ||
-            !decode_hash_list(json_array_get(row, 2), KM_CLUSTER_WORK_MAX_QUEUED, &out->queued,
-                              &out->n_queued, "queued hashes", i, refusal, why, why_size))
-            return false;
+                              why_size) &&
+             decode_hash_list(json_array_get(row, 2), KM_CLUSTER_WORK_MAX_QUEUED, &out->queued,
+                              &out->n_queued, "queued hashes", i, refusal, why, why_size);
     }
-    return true;
+    for (uint32_t k = 0; ok && k < m->n_workers; k++)
+        m->workers[k].work_row = row_of[m->workers[k].worker];
+    free(row_of);
+    return ok;
 }
 
 /* A state's "pools": [[name, 16 hex digits], ...]; absent = none listed. */
