@@ -1253,3 +1253,35 @@ Test(cluster, a_server_max_payload_below_the_message_bound_is_the_bound,
     km_cluster_destroy(a);
     km_cluster_destroy(b);
 }
+
+/* A starting instance whose sync waits for a peer that is gone (one that another instance still
+ * lists) keeps sending its heartbeat meanwhile: the running instance never expires it. */
+Test(cluster, a_starting_instance_waiting_for_a_gone_peer_is_not_expired, .init = start_server,
+     .fini = stop_server, .timeout = 60)
+{
+    km_cluster *a = instance("a", server.url, 300, 0);
+    natsConnection *nc = raw_connect();
+    /* A peer that speaks once and is gone: a holds it (and lists it) for 300 ms. */
+    raw_publish(nc, "state.ghost", "{\"v\":1,\"kind\":\"state\",\"instance\":\"ghost\","
+                                   "\"incarnation\":9,\"seq\":1,\"workers\":[],\"peers\":[]}");
+    WAIT_UNTIL(stats(a).instances == 1, 2000);
+    cr_assert_eq(stats(a).instances, 1);
+    km_cluster_config cfg;
+    km_cluster_config_init(&cfg);
+    cfg.url = server.url;
+    cfg.instance = "b";
+    cfg.max_workers = WORKERS;
+    cfg.heartbeat_ms = 50;
+    cfg.expire_ms = 300;
+    cfg.sync_timeout_ms = 1000; /* waited out: the ghost never answers */
+    km_cluster *b = NULL;
+    char why[256] = "";
+    cr_assert_eq(km_cluster_create(&cfg, &b, why, sizeof why), KM_OK, "%s", why);
+    cr_assert_eq(stats(b).sync_peers, 1, "b heard a, not the ghost");
+    uint64_t inc, seq;
+    cr_assert_eq(km_cluster_get_applied(a, "b", &inc, &seq), KM_OK, "a holds b");
+    cr_assert_eq(stats(a).expired_instances, 1, "a expired the ghost only");
+    natsConnection_Destroy(nc);
+    km_cluster_destroy(b);
+    km_cluster_destroy(a);
+}

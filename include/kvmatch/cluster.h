@@ -155,10 +155,10 @@ typedef struct km_cluster_config {
 void km_cluster_config_init(km_cluster_config *cfg);
 
 /* Connect (or start retrying when NATS is unreachable: that is not an error), subscribe, start the
- * heartbeat thread (it answers peers' sync requests from then on; heartbeat states wait for the
- * sync to end) and the publisher thread (every message goes out through it, so no call of this
- * handle waits for NATS), ask the peers for their state and wait for it within sync_timeout_ms.
- * On failure *out is NULL and why (may be NULL) says what failed. Errors: KM_ERR_NULL_POINTER,
+ * heartbeat thread (its heartbeat states, and its answers to peers' sync requests, go out from
+ * then on, during the sync too) and the publisher thread (every message goes out through it, so
+ * no call of this handle waits for NATS), ask the peers for their state and wait for it within
+ * sync_timeout_ms. On failure *out is NULL and why (may be NULL) says what failed. Errors: KM_ERR_NULL_POINTER,
  * KM_ERR_INVALID_ARGUMENT (a field out of range, a bad id, prefix or URL), KM_ERR_OUT_OF_MEMORY,
  * KM_ERR_IO (the NATS client could not be set up). */
 int km_cluster_create(const km_cluster_config *cfg, km_cluster **out, char *why, size_t why_size);

@@ -1122,10 +1122,10 @@ static void *heartbeat_main(void *arg)
         if (now >= due) {
             due = now + (uint64_t)c->cfg.heartbeat_ms * NS_PER_MS;
             expire_silent(c, now);
-            /* A sync is done when the state answers stop coming; the heartbeat does not
-             * interfere (a sync answer still goes out below). */
-            if (!c->sync_running)
-                publish_state(c);
+            /* During the start's sync too: the peers hold a starting instance only while it
+             * speaks, and its sync may wait sync_timeout_ms (longer than expire_ms) for a peer
+             * that is gone. */
+            publish_state(c);
         }
         if (c->sync_answer_due && c->connected && now >= c->last_state_ns + spacing)
             publish_state(c);
