@@ -1254,8 +1254,26 @@ Test(cluster, a_server_max_payload_below_the_message_bound_is_the_bound,
     km_cluster_destroy(b);
 }
 
+/* A log line that contains a text, kept. */
+typedef struct kept_line {
+    pthread_mutex_t lock;
+    const char *contains;
+    char line[512];
+} kept_line;
+
+static void keep_line(void *user, const char *line)
+{
+    kept_line *k = user;
+    if (strstr(line, k->contains)) {
+        pthread_mutex_lock(&k->lock);
+        snprintf(k->line, sizeof k->line, "%s", line);
+        pthread_mutex_unlock(&k->lock);
+    }
+}
+
 /* A starting instance whose sync waits for a peer that is gone (one that another instance still
- * lists) keeps sending its heartbeat meanwhile: the running instance never expires it. */
+ * lists) keeps sending its heartbeat meanwhile: the running instance never expires it. The sync's
+ * warning counts the peers that did not answer. */
 Test(cluster, a_starting_instance_waiting_for_a_gone_peer_is_not_expired, .init = start_server,
      .fini = stop_server, .timeout = 60)
 {
@@ -1274,10 +1292,15 @@ Test(cluster, a_starting_instance_waiting_for_a_gone_peer_is_not_expired, .init 
     cfg.heartbeat_ms = 50;
     cfg.expire_ms = 300;
     cfg.sync_timeout_ms = 1000; /* waited out: the ghost never answers */
+    static kept_line warning = {.lock = PTHREAD_MUTEX_INITIALIZER, .contains = "did not answer"};
+    cfg.log = keep_line;
+    cfg.log_user = &warning;
     km_cluster *b = NULL;
     char why[256] = "";
     cr_assert_eq(km_cluster_create(&cfg, &b, why, sizeof why), KM_OK, "%s", why);
     cr_assert_eq(stats(b).sync_peers, 1, "b heard a, not the ghost");
+    cr_assert(strstr(warning.line, ": 1 of the 2 peers learnt of did not answer"), "%s",
+              warning.line);
     uint64_t inc, seq;
     cr_assert_eq(km_cluster_get_applied(a, "b", &inc, &seq), KM_OK, "a holds b");
     cr_assert_eq(stats(a).expired_instances, 1, "a expired the ghost only");

@@ -1269,9 +1269,14 @@ static void sync_with_peers(km_cluster *c)
         if (c->n_expected == 0 && waited >= (uint64_t)c->cfg.sync_quiet_ms * NS_PER_MS)
             break;
         if (waited >= limit) {
+            uint32_t silent = 0;
+            for (uint32_t i = 0; i < c->n_expected; i++) {
+                const contribution *p = contribution_find(c, c->expected[i]);
+                silent += !p || !p->answered_sync;
+            }
             cluster_log(c, KM_LOG_WARNING
-                        "sync: %u of the peers learnt of did not answer within %u ms",
-                        c->n_expected, c->cfg.sync_timeout_ms);
+                        "sync: %u of the %u peers learnt of did not answer within %u ms",
+                        silent, c->n_expected, c->cfg.sync_timeout_ms);
             break;
         }
         struct timespec ts;
