@@ -1308,3 +1308,36 @@ Test(cluster, a_starting_instance_waiting_for_a_gone_peer_is_not_expired, .init 
     km_cluster_destroy(b);
     km_cluster_destroy(a);
 }
+
+/* A message whose sequence number jumps past KM_CLUSTER_SEQ_JUMP_MAX (a stray tool, a replay) is
+ * refused as malformed: no loss is counted for it and the sender's next messages apply. */
+Test(cluster, an_implausible_sequence_jump_is_refused_and_the_sender_goes_on,
+     .init = start_server, .fini = stop_server, .timeout = 60)
+{
+    km_cluster *a = instance("a", server.url, 10000, 0);
+    natsConnection *nc = raw_connect();
+    raw_load(nc, "state", 9, 1, 4, 6);
+    WAIT_UNTIL(remote(a, 4).in_flight == 6, 2000);
+    cr_assert_eq(remote(a, 4).in_flight, 6);
+    raw_load(nc, "change", 9, 1 + KM_CLUSTER_SEQ_JUMP_MAX + 1, 4, 99);
+    raw_load(nc, "change", 9, INT64_MAX, 4, 99);
+    WAIT_UNTIL(stats(a).refused[KM_CLUSTER_REFUSED_MALFORMED] == 2, 2000);
+    km_cluster_stats st = stats(a);
+    cr_assert_eq(st.refused[KM_CLUSTER_REFUSED_MALFORMED], 2, "%s", st.last_refusal);
+    cr_assert_eq(st.lost_messages, 0);
+    cr_assert_eq(remote(a, 4).in_flight, 6, "a refused message changed nothing");
+    for (uint64_t seq = 2; seq <= 6; seq++)
+        raw_load(nc, "change", 9, seq, 4, 10 + seq);
+    WAIT_UNTIL(remote(a, 4).in_flight == 16, 2000);
+    cr_assert_eq(remote(a, 4).in_flight, 16, "the sender's next messages apply");
+    st = stats(a);
+    cr_assert_eq(st.refused[KM_CLUSTER_REFUSED_DUPLICATE], 0);
+    cr_assert_eq(st.lost_messages, 0);
+    /* The largest plausible jump is a gap. */
+    raw_load(nc, "change", 9, 6 + KM_CLUSTER_SEQ_JUMP_MAX, 4, 20);
+    WAIT_UNTIL(remote(a, 4).in_flight == 20, 2000);
+    cr_assert_eq(remote(a, 4).in_flight, 20);
+    cr_assert_eq(stats(a).lost_messages, KM_CLUSTER_SEQ_JUMP_MAX - 1);
+    natsConnection_Destroy(nc);
+    km_cluster_destroy(a);
+}

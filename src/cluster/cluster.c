@@ -921,6 +921,14 @@ static void apply(km_cluster *c, const cluster_message *m, uint64_t now)
         refused(c, KM_CLUSTER_REFUSED_DUPLICATE, why);
         return;
     }
+    if (p->last_seq && m->seq - p->last_seq > KM_CLUSTER_SEQ_JUMP_MAX) {
+        /* Not that many lost: taken, it would count them and refuse the sender's real next
+         * messages as duplicates until its contribution expired. */
+        snprintf(why, sizeof why, "instance %s seq %" PRIu64 " after %" PRIu64 ": a jump past "
+                 "2^32", m->instance, m->seq, p->last_seq);
+        refused(c, KM_CLUSTER_REFUSED_MALFORMED, why);
+        return;
+    }
     if (p->last_seq && m->seq > p->last_seq + 1) {
         uint64_t lost = m->seq - p->last_seq - 1;
         c->st.lost_messages += lost;
