@@ -702,3 +702,43 @@ Test(cluster_serve, ttft_candidates_count_the_other_instances_queued_prefills,
     node_stop(&b);
     node_stop(&a);
 }
+
+/* A request whose queued prefill promises more blocks than a work row carries: the instance
+ * sends the leading KM_CLUSTER_WORK_MAX_QUEUED and counts the rest in work.truncated. */
+Test(cluster_serve, a_promise_longer_than_a_work_row_is_cut_and_counted, .init = start_nats,
+     .fini = stop_nats, .timeout = 90)
+{
+    enum { BLOCKS = KM_CLUSTER_WORK_MAX_QUEUED + 3616 };
+    g_policy = KM_POLICY_TTFT;
+    node a;
+    node_start(&a, "a");
+    g_policy = KM_POLICY_LEAST_LOAD;
+    km_client *ca = connect_to(&a);
+    static uint64_t hashes[BLOCKS];
+    for (uint32_t i = 0; i < BLOCKS; i++)
+        hashes[i] = 0x100000 + i;
+    km_route_request r;
+    memset(&r, 0, sizeof r);
+    r.request_id = "long-1";
+    r.pool = "main";
+    r.input = KM_ROUTE_INPUT_HASHES;
+    r.hashes = hashes;
+    r.n_hashes = BLOCKS;
+    km_message reply;
+    cr_assert_eq(km_client_route(ca, &r, 1, 5000, &reply), KM_OK, "%s",
+                 km_client_last_error(ca));
+    cr_assert_eq(reply.decision.decisions[0].status, KM_OK);
+    json_int_t truncated = 0;
+    for (int t = 0; t < 200 && truncated == 0; t++) {
+        json_t *st = status_of(&a);
+        json_t *work = json_object_get(json_object_get(st, "cluster"), "work");
+        truncated = json_integer_value(json_object_get(work, "truncated"));
+        json_decref(st);
+        if (truncated == 0)
+            km_test_sleep_ms(10);
+    }
+    cr_assert_geq(truncated, BLOCKS - KM_CLUSTER_WORK_MAX_QUEUED, "work.truncated %lld",
+                  (long long)truncated);
+    km_client_close(ca);
+    node_stop(&a);
+}

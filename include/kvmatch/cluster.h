@@ -179,8 +179,9 @@ int km_cluster_publish_load(km_cluster *cluster, uint32_t worker, const km_activ
  * the block hashes its queued prefills promise (km_active_queue_blocks). The work replaces what
  * was said before about the worker and goes out with the load (a change when either differs, and
  * every state); lists longer than KM_CLUSTER_WORK_MAX_PREFIXES / KM_CLUSTER_WORK_MAX_QUEUED are
- * cut (counted in work_truncated). km_cluster_publish_load keeps the last work given. Errors:
- * KM_ERR_NULL_POINTER, KM_ERR_WORKER_RANGE. */
+ * cut (counted in work_truncated): only the leading ones are read, so a caller may pass a
+ * longer list's full count with an array of just those. km_cluster_publish_load keeps the last
+ * work given. Errors: KM_ERR_NULL_POINTER, KM_ERR_WORKER_RANGE. */
 int km_cluster_publish_work(km_cluster *cluster, uint32_t worker, const km_active_load *load,
                             const uint64_t *prefixes, uint32_t n_prefixes, const uint64_t *queued,
                             uint32_t n_queued);

@@ -216,8 +216,9 @@ void km_srv_cluster_publish(km_server *s, uint32_t worker)
     if (!s->cluster || km_active_worker_load(s->active, worker, &load) != KM_OK)
         return;
     /* With the load, what a ttft decision elsewhere reads of this worker's requests: their
-     * shared-prefix keys and queued prefills' promised blocks (the cluster handle cuts longer
-     * lists, so no more are gathered). */
+     * shared-prefix keys and queued prefills' promised blocks. The cluster handle reads no more
+     * than a work row carries, so no more are gathered; it is given the full counts, and counts
+     * what it cuts. */
     uint64_t prefixes_small[64], queued_small[256];
     uint64_t *prefixes = prefixes_small, *queued = queued_small;
     uint32_t np = 0, nq = 0;
@@ -236,8 +237,13 @@ void km_srv_cluster_publish(km_server *s, uint32_t worker)
             km_cluster_publish_load(s->cluster, worker, &load); /* out of memory: load only */
             return;
         }
-        np = np < max_p ? np : max_p;
-        nq = nq < max_q ? nq : max_q;
+        /* Past a bound the full count is passed on (the handle reads only the bound's worth);
+         * below it, never more than was gathered, should the lists have grown between the two
+         * calls. */
+        if (np > max_p && max_p < KM_CLUSTER_WORK_MAX_PREFIXES)
+            np = max_p;
+        if (nq > max_q && max_q < KM_CLUSTER_WORK_MAX_QUEUED)
+            nq = max_q;
     }
     km_cluster_publish_work(s->cluster, worker, &load, prefixes, np, queued, nq);
     if (prefixes != prefixes_small) {
