@@ -1341,3 +1341,44 @@ Test(cluster, an_implausible_sequence_jump_is_refused_and_the_sender_goes_on,
     natsConnection_Destroy(nc);
     km_cluster_destroy(a);
 }
+
+/* Log lines that report lost messages, counted. */
+static void count_loss_lines(void *user, const char *line)
+{
+    refusal_lines *r = user;
+    if (strstr(line, " lost (seq")) {
+        pthread_mutex_lock(&r->lock);
+        r->n++;
+        pthread_mutex_unlock(&r->lock);
+    }
+}
+
+/* A lossy link (every other change lost): every loss is counted, and reported in one line per
+ * interval, not one per gap. */
+Test(cluster, sequence_gaps_are_all_counted_and_logged_once_per_interval, .init = start_server,
+     .fini = stop_server, .timeout = 60)
+{
+    static refusal_lines lines = {.lock = PTHREAD_MUTEX_INITIALIZER};
+    km_cluster_config cfg;
+    km_cluster_config_init(&cfg);
+    cfg.url = server.url;
+    cfg.instance = "b";
+    cfg.max_workers = WORKERS;
+    cfg.heartbeat_ms = 200;
+    cfg.log = count_loss_lines;
+    cfg.log_user = &lines;
+    km_cluster *b = NULL;
+    char why[256] = "";
+    cr_assert_eq(km_cluster_create(&cfg, &b, why, sizeof why), KM_OK, "%s", why);
+    km_cluster *a = instance("a", server.url, 1000, 2);
+    for (uint32_t i = 1; i <= 2000; i++) {
+        km_active_load l = {i, 0, 0, 0, 0, 0};
+        km_cluster_publish_load(a, 1, &l);
+    }
+    WAIT_UNTIL(stats(b).lost_messages >= 1000, 5000);
+    cr_assert_geq(stats(b).lost_messages, 1000);
+    uint32_t n = refusal_lines_count(&lines);
+    cr_assert(n >= 1 && n <= 2, "%u lines for 1000 gaps", n);
+    km_cluster_destroy(a);
+    km_cluster_destroy(b);
+}

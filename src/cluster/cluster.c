@@ -100,6 +100,7 @@ struct km_cluster {
     bool sub_watched;  /* on_subscription_complete is set on sub */
     log_limit refusal_log[KM_CLUSTER_REFUSAL_COUNT]; /* per reason */
     log_limit publish_failure_log;
+    log_limit gap_log; /* sequence gaps, all peers */
     bool sub_complete; /* the subscription is closed and its message handler has returned */
     int callbacks_running;
 
@@ -930,13 +931,20 @@ static void apply(km_cluster *c, const cluster_message *m, uint64_t now)
         return;
     }
     if (p->last_seq && m->seq > p->last_seq + 1) {
-        uint64_t lost = m->seq - p->last_seq - 1;
+        uint64_t lost = m->seq - p->last_seq - 1, more;
         c->st.lost_messages += lost;
-        cluster_log(c, KM_LOG_WARNING
-                    "instance %s: %" PRIu64 " message%s lost (seq %" PRIu64 " after %" PRIu64
-                    ")%s", m->instance, lost, lost == 1 ? "" : "s", m->seq, p->last_seq,
-                    m->kind == CLUSTER_STATE ? "; this full state replaces its contribution"
-                                             : "; stale until its next full state");
+        if (log_limit_take(&c->gap_log, now, &more)) { /* a lossy link: one line per interval */
+            char since[96] = "";
+            if (more)
+                snprintf(since, sizeof since, "; %" PRIu64 " more gaps since the last line (all "
+                         "counted in lost_messages)", more);
+            cluster_log(c, KM_LOG_WARNING
+                        "instance %s: %" PRIu64 " message%s lost (seq %" PRIu64 " after %" PRIu64
+                        ")%s%s", m->instance, lost, lost == 1 ? "" : "s", m->seq, p->last_seq,
+                        m->kind == CLUSTER_STATE ? "; this full state replaces its contribution"
+                                                 : "; stale until its next full state",
+                        since);
+        }
         if (m->kind != CLUSTER_STATE) /* whatever was lost, the contribution may lack it */
             p->stale = true;
     }
