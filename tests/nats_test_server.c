@@ -1,4 +1,6 @@
-/* Starting and stopping a real nats-server for the cluster tests (nats_test_server.h). */
+/* Starting and stopping a real nats-server for the cluster tests (nats_test_server.h). Its log
+ * (/tmp/km-nats-PORT.log) lives while it runs, and stays only where a start failed and the
+ * reason names it. */
 #include "nats_test_server.h"
 #include "kv_test_publisher.h"
 #include "test_util.h"
@@ -58,6 +60,13 @@ static bool accepts(uint16_t port)
 
 static bool start_and_wait(km_nats_test_server *s, const char *bin, const char *port,
                            const char *config_path, char *why, size_t why_size);
+
+static void kill_and_reap(km_nats_test_server *s)
+{
+    kill(s->pid, SIGKILL);
+    waitpid(s->pid, NULL, 0);
+    s->pid = 0;
+}
 
 bool km_nats_test_server_restart(km_nats_test_server *s, char *why, size_t why_size)
 {
@@ -122,7 +131,7 @@ static bool start_and_wait(km_nats_test_server *s, const char *bin, const char *
         }
         km_test_sleep_ms(10);
     }
-    km_nats_test_server_stop(s);
+    kill_and_reap(s); /* the log stays: the reason points at it */
     snprintf(why, why_size, "%s did not listen on 127.0.0.1:%u within 5 s; see %s", bin, s->port,
              s->log_path);
     return false;
@@ -144,6 +153,7 @@ bool km_nats_test_server_start_with(km_nats_test_server *s, const char *config, 
     }
     snprintf(s->url, sizeof s->url, "nats://127.0.0.1:%u", s->port);
     snprintf(s->log_path, sizeof s->log_path, "/tmp/km-nats-%u.log", s->port);
+    unlink(s->log_path); /* one left by a process that died: this server's log starts empty */
     snprintf(s->config, sizeof s->config, "%s", config);
     return km_nats_test_server_restart(s, why, why_size);
 }
@@ -152,7 +162,6 @@ void km_nats_test_server_stop(km_nats_test_server *s)
 {
     if (!s->pid)
         return;
-    kill(s->pid, SIGKILL);
-    waitpid(s->pid, NULL, 0);
-    s->pid = 0;
+    kill_and_reap(s);
+    unlink(s->log_path);
 }

@@ -19,7 +19,7 @@ typedef struct km_nats_test_server {
 const char *km_nats_server_binary(void);
 
 /* Start on a free loopback port and wait (5 s at most) until it accepts connections. False with
- * the reason in why when it cannot start. */
+ * the reason in why when it cannot start (the log it names is left for reading). */
 bool km_nats_test_server_start(km_nats_test_server *s, char *why, size_t why_size);
 /* km_nats_test_server_start with `config` (nats-server configuration lines, such as
  * "max_payload: 4096") added to its listen address in a configuration file. */
@@ -27,7 +27,7 @@ bool km_nats_test_server_start_with(km_nats_test_server *s, const char *config, 
                                     size_t why_size);
 /* Start again on s->port (after km_nats_test_server_stop). */
 bool km_nats_test_server_restart(km_nats_test_server *s, char *why, size_t why_size);
-/* SIGKILL and reap; the port is free again. A stopped server is a no-op. */
+/* SIGKILL and reap, and remove its log; the port is free again. A stopped server is a no-op. */
 void km_nats_test_server_stop(km_nats_test_server *s);
 
 /* A loopback port nothing listens on now. */

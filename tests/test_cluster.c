@@ -1382,3 +1382,14 @@ Test(cluster, sequence_gaps_are_all_counted_and_logged_once_per_interval, .init 
     km_cluster_destroy(a);
     km_cluster_destroy(b);
 }
+
+/* The test server's log lives while it runs: stopping it removes the log. */
+Test(cluster, a_stopped_test_server_leaves_no_log_behind, .timeout = 30)
+{
+    km_nats_test_server s;
+    char why[256];
+    cr_assert(km_nats_test_server_start(&s, why, sizeof why), "%s", why);
+    cr_assert_eq(access(s.log_path, F_OK), 0, "%s while it runs", s.log_path);
+    km_nats_test_server_stop(&s);
+    cr_assert_neq(access(s.log_path, F_OK), 0, "%s left behind", s.log_path);
+}
