@@ -28,6 +28,7 @@
  *    km_feed_save; timed: create index + feed, km_feed_restore, claim every worker (ready: the
  *    state is restored and every worker resumes).
  * Block events = stored blocks + removed blocks. Medians over reps. */
+#include <dirent.h>
 #include <errno.h>
 #include <inttypes.h>
 #include <jansson.h>
@@ -551,6 +552,40 @@ static int run_inproc(const stream *st, double *seconds, double *cpu_seconds, ui
 
 /* ---- zmq ---------------------------------------------------------------------------------------- */
 
+/* Time on a CPU of this process's thread named km-subscriber (the subscriber's I/O thread; the
+ * bench runs one subscriber at a time), in seconds (/proc/self/task/TID/schedstat: the first
+ * field is nanoseconds on a CPU); -1 when it cannot be read. */
+static double subscriber_thread_cpu_s(void)
+{
+    DIR *d = opendir("/proc/self/task");
+    if (!d)
+        return -1;
+    double seconds = -1;
+    for (struct dirent *e; seconds < 0 && (e = readdir(d));) {
+        if (e->d_name[0] == '.')
+            continue;
+        char file[96], name[32] = "";
+        snprintf(file, sizeof file, "/proc/self/task/%.20s/comm", e->d_name);
+        FILE *f = fopen(file, "r");
+        if (!f)
+            continue;
+        if (fgets(name, sizeof name, f))
+            name[strcspn(name, "\n")] = '\0';
+        fclose(f);
+        if (strcmp(name, "km-subscriber") != 0)
+            continue;
+        snprintf(file, sizeof file, "/proc/self/task/%.20s/schedstat", e->d_name);
+        unsigned long long ns;
+        if ((f = fopen(file, "r"))) {
+            if (fscanf(f, "%llu", &ns) == 1)
+                seconds = (double)ns * 1e-9;
+            fclose(f);
+        }
+    }
+    closedir(d);
+    return seconds;
+}
+
 typedef struct zpub {
     const stream *st;
     void *ctx;
@@ -582,8 +617,10 @@ static void *zpub_main(void *p)
     return NULL;
 }
 
+/* cpu_s (may be NULL): the CPU time of the timed part, [0] the subscriber's I/O thread, [1] the
+ * thread calling km_subscriber_flush (this one); -1 where it cannot be read. */
 static int run_zmq(const stream *st, double *seconds, uint64_t *lost, uint64_t *pairs,
-                   uint64_t *send_errors)
+                   uint64_t *send_errors, double *cpu_s)
 {
     zpub z;
     memset(&z, 0, sizeof z);
@@ -635,7 +672,7 @@ static int run_zmq(const stream *st, double *seconds, uint64_t *lost, uint64_t *
             break;
     }
     km_subscriber_flush(sub, NULL);
-    double t0 = km_bench_now_s();
+    double t0 = km_bench_now_s(), io0 = subscriber_thread_cpu_s(), flush0 = thread_cpu_s();
     __atomic_store_n(&z.resume, 1, __ATOMIC_RELEASE);
     uint64_t total = st->n_msgs;
     deadline = t0 + 120;
@@ -651,6 +688,11 @@ static int run_zmq(const stream *st, double *seconds, uint64_t *lost, uint64_t *
     }
     km_subscriber_flush(sub, NULL);
     *seconds = km_bench_now_s() - t0;
+    if (cpu_s) {
+        double io1 = subscriber_thread_cpu_s();
+        cpu_s[0] = io0 >= 0 && io1 >= 0 ? io1 - io0 : -1;
+        cpu_s[1] = thread_cpu_s() - flush0;
+    }
     pthread_join(th, NULL);
     *send_errors = z.send_errors;
     *lost = 0;
@@ -899,11 +941,13 @@ static int engine_steps_only(int reps, uint64_t n_messages, int inproc_only)
     printf("  inproc       %10.0f messages/s, %10.0f per CPU second (%" PRIu64 " lost or unmatched, %"
            PRIu64 " pairs)\n", (double)timed_msgs(&es) / s_in, (double)timed_msgs(&es) / cpu_in,
            lost_in, pairs_in);
+    double cpu_per_msg[ENG_REPS];
+    int n_cpu = 0;
     for (int r = 0; r < reps && !inproc_only; r++) {
-        double s_steps, s_floor;
+        double s_steps, s_floor, cpu_s[2];
         uint64_t lost, lost_floor, pairs, se = 0;
         double rt_steps = km_bench_cpu_round_trip_ns();
-        if (run_zmq(&es, &s_steps, &lost, &pairs, &se))
+        if (run_zmq(&es, &s_steps, &lost, &pairs, &se, cpu_s))
             return 1;
         double rt_floor = km_bench_cpu_round_trip_ns();
         if (run_zmq_floor(&es, &s_floor, &lost_floor))
@@ -912,7 +956,16 @@ static int engine_steps_only(int reps, uint64_t n_messages, int inproc_only)
                "   ratio %.2f   CPU round trip before each %.0f / %.0f ns\n",
                (double)timed_msgs(&es) / s_steps, lost, (double)timed_msgs(&es) / s_floor,
                s_floor / s_steps, rt_steps, rt_floor);
+        if (cpu_s[0] >= 0 && n_cpu < ENG_REPS) {
+            double us = 1e6 / (double)timed_msgs(&es);
+            cpu_per_msg[n_cpu++] = (cpu_s[0] + cpu_s[1]) * us;
+            printf("    kvmatch CPU per message %5.2f us: I/O thread %5.2f, flushing thread "
+                   "%5.2f\n", (cpu_s[0] + cpu_s[1]) * us, cpu_s[0] * us, cpu_s[1] * us);
+        }
     }
+    if (n_cpu)
+        printf("  kvmatch CPU per message, median of %d: %.2f us\n", n_cpu,
+               km_bench_median(cpu_per_msg, (size_t)n_cpu));
     stream_free(&es);
     return 0;
 }
@@ -924,7 +977,8 @@ static void usage(FILE *f)
                "  KV-event ingestion (decode, hash, apply) in process and over loopback ZMQ, and\n"
                "  time to ready after a restart from a snapshot (docs/BENCHMARKS.md)\n"
                "  --quick   smaller stream and snapshot, fewer reps (< 30 s)\n"
-               "  --engine-steps-only  only the engine_steps and zmq_floor rows, as text (for A/B pairs)\n"
+               "  --engine-steps-only  only the engine_steps and zmq_floor rows, as text (for A/B pairs),\n"
+               "                       with kvmatch's CPU time per message on the real path\n"
                "    --messages N       that many engine steps timed, after a warm-up that fills every\n"
                "                       engine's cache (default 200000, 50000 with --quick)\n"
                "    --inproc           the engine steps in process only (decode, feed, flush every 64)\n");
@@ -1021,7 +1075,7 @@ int km_bench_events_main(int argc, char **argv)
         }
         lost_in += lost;
         pairs_in = pairs;
-        if (run_zmq(&st, &v_zmq[r], &lost, &pairs, &se)) {
+        if (run_zmq(&st, &v_zmq[r], &lost, &pairs, &se, NULL)) {
             fprintf(stderr, "kvmatch bench events: zmq run failed\n");
             return 1;
         }
@@ -1044,7 +1098,7 @@ int km_bench_events_main(int argc, char **argv)
     for (int r = 0; r < ENG_REPS; r++) {
         uint64_t lost, se = 0;
         double rt_steps = km_bench_cpu_round_trip_ns();
-        if (run_zmq(&es, &v_steps[r], &lost, &pairs_steps, &se)) {
+        if (run_zmq(&es, &v_steps[r], &lost, &pairs_steps, &se, NULL)) {
             fprintf(stderr, "kvmatch bench events: engine_steps run failed\n");
             return 1;
         }
