@@ -6,7 +6,11 @@
  * the thread runs it and answers one byte, so the caller's struct outlives its use. The caller-side
  * socket is serialised by control_lock. The feed and the statistics are shared under `lock`; the
  * I/O thread holds it only while handing one decoded message to the feed (never while blocking on
- * a socket), and km_subscriber_flush holds it while applying, so scoring never sees half a batch.
+ * a socket). km_subscriber_flush (one at a time, under flush_lock) takes the queued updates under
+ * `lock`, hands them to the index outside it while the I/O thread goes on queuing, and publishes
+ * the positions under it again (feed_flush_internal.h). Only that caller touches the index, and
+ * it serialises its updates and scoring (include/kvmatch/index.h), so scoring never sees half a
+ * batch.
  *
  * Replay requests. A worker has at most one in flight (the feed's rule). Its answers are tagged
  * with that request id. Each request is sent on a DEALER of its own: when a request is cancelled or
