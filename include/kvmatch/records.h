@@ -146,7 +146,7 @@ typedef struct km_record_candidate {
     /* this instance's arrival count at the worker's latest arrival (km_active_last_arrival): a
      * larger value is a later arrival; 0 = none seen */
     int64_t last_arrival;
-    double cost;                       /* the policy's cost (lower is better); NAN = null */
+    double cost;                       /* what the policy compared (RECORDS.md); NAN = null */
     bool eligible;                     /* could be chosen: healthy, breaker not open (init: true) */
 } km_record_candidate;
 
