@@ -161,8 +161,8 @@ static int run_cli(char *out, size_t out_size, const char *fmt, ...)
 /* ---- start-up errors ------------------------------------------------------------------------- */
 
 /* A TCP address that is not loopback or not HOST:PORT is refused with the sentence that says so,
- * with a Unix socket already bound: the cleanup releases only what was set up (it used to close a
- * handle it had not initialised and abort the process, an embedding program with it). */
+ * with a Unix socket already bound: the cleanup releases only what was set up, never aborting the
+ * process (or an embedding program). */
 Test(deploy, a_bad_tcp_address_is_an_error_never_an_abort, .timeout = 60)
 {
     make_dir();
@@ -803,8 +803,8 @@ Test(deploy, route_twice_without_a_request_id_then_finish, .timeout = 60)
 }
 
 /* Settings that could never work are refused before anything runs: follow's snapshot into a
- * missing directory (it used to start and fail at every interval), a simulated fault aimed at a
- * worker the run does not have (it injected nothing and exited 0); and an analysis of files
+ * missing directory (it would otherwise fail at every interval), a simulated fault aimed at a
+ * worker the run does not have (it would inject nothing); and an analysis of files
  * without one valid record fails (exit 1) instead of reporting on nothing. */
 Test(deploy, commands_refuse_what_could_never_work, .timeout = 60)
 {
@@ -893,7 +893,7 @@ static int load_config(const char *json, char *why, size_t why_size)
 }
 
 /* A key the reader does not know is refused with its path and the keys it takes, at every level
- * (it used to be ignored: "polcy" ran the default policy); a policy parameter of another policy
+ * (a misspelt key such as "polcy" never runs the default policy silently); a policy parameter of another policy
  * than the pool's is refused, since it would change nothing. */
 Test(deploy, unknown_config_keys_and_foreign_policy_parameters_are_refused, .timeout = 30)
 {

@@ -1,7 +1,7 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* Linked decision and outcome records (include/kvmatch/records.h): formatting round trips on random
- * records (every field parsed back with jansson and compared, nulls and escapes included), the
- * brief's case (best match on A, B chosen, both in the record), every bad field rejected with a
+ * records (every field parsed back with jansson and compared, nulls and escapes included), a
+ * decision whose best match is on A while B is chosen (both in the record), every bad field rejected with a
  * code and a sentence naming it, every line validated by tests/check_records.py against
  * docs/records.schema.json, and the background writer: concurrent submitters, a full queue that
  * drops instead of blocking (a FIFO nobody reads), rotation by size, unwritable paths and a full

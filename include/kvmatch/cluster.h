@@ -270,7 +270,8 @@ typedef struct km_cluster_stats {
     uint32_t sync_peers;         /* peers whose state the sync took */
     uint32_t instances;          /* remote contributions held now */
     uint32_t stale_instances;    /* of them, stale */
-    uint64_t sent;               /* messages published (changes and states) */
+    uint64_t sent;               /* messages handed to the NATS client: changes, states,
+                                  * predictions and sync requests */
     uint64_t applied;            /* remote messages applied */
     uint64_t predictions_sent;   /* of `sent`, approximate-mode predictions (decisions, lessons) */
     uint64_t predictions_received; /* of `applied`, remote predictions handed to on_prediction */
@@ -279,7 +280,8 @@ typedef struct km_cluster_stats {
     uint64_t restarted_instances; /* contributions replaced by a new incarnation of their id */
     uint64_t publish_failures;   /* publishes the NATS client refused, messages dropped by a
                                   * full outbox, too large to send, and drops injected */
-    uint64_t skipped_disconnected; /* changes not published while disconnected */
+    uint64_t skipped_disconnected; /* changes and predictions not sent while disconnected, and
+                                    * queued messages the publisher took while disconnected */
     uint64_t reconnects;
     uint64_t sync_requests;      /* the peers' sync requests received */
     uint64_t sync_answers;       /* states published that answered them (each answers every

@@ -407,7 +407,7 @@ void km_srv_cluster_metrics(km_server *s, km_text *out)
          "(instance, pool) pairs whose workers differ from this instance's (fingerprints): that "
          "instance's load on the pool's workers and its predictions for it are left out.",
          KM_METRIC_GAUGE},
-        {"kvmatch_cluster_messages_sent_total", "Load messages this instance published.",
+        {"kvmatch_cluster_messages_sent_total", "Messages this instance handed to NATS.",
          KM_METRIC_COUNTER},
         {"kvmatch_cluster_messages_applied_total", "Remote load messages applied.",
          KM_METRIC_COUNTER},

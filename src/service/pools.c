@@ -166,7 +166,6 @@ int km_srv_pool_create(km_server *s, const km_server_pool *pc, pool **out, char 
     return KM_OK;
 }
 
-/* The pool's subscriber, created (restoring its snapshot when there is one) on first use. */
 /* The server's decoder limits, a limit 0 taking its default. */
 static void pool_decoder_config(const km_server *s, km_kv_decoder_config *out)
 {
@@ -186,6 +185,7 @@ static void pool_decoder_config(const km_server *s, km_kv_decoder_config *out)
         out->max_string_bytes = c->max_string_bytes;
 }
 
+/* The pool's subscriber, created (restoring its snapshot when there is one) on first use. */
 static int pool_subscriber(km_server *s, pool *p, char *why, size_t why_size)
 {
     if (p->sub)
