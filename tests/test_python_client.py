@@ -391,8 +391,7 @@ def test_given_up_calls_are_bounded():
 
 def test_send_with_no_time_left_keeps_the_connection():
     # A send whose deadline has already passed sends nothing, so the stream is intact: it raises
-    # TimeoutError and the connection stays usable (until 2026-11-30 it was closed as if cut
-    # mid-frame).
+    # TimeoutError and the connection stays usable.
     s = FakeServer()
     try:
         with kc.Client.connect(s.address, timeout=5) as c:
@@ -402,6 +401,37 @@ def test_send_with_no_time_left_keeps_the_connection():
             except TimeoutError:
                 pass
             assert c.outstanding == 0
+            d = c.route([route(2)], timeout=5)
+            check_decision(d["decisions"][0], route(2), 0, d["id"])
+    finally:
+        s.stop()
+
+
+def test_send_whose_deadline_passes_before_its_first_byte_keeps_the_connection():
+    # The deadline passes after the send began but before any byte went out (the client's clock
+    # reads the real time twice, to set the deadline and to check it before sending, and is past
+    # the deadline from then on): nothing was sent, so the send raises TimeoutError, its id is not
+    # taken and the connection stays usable.
+    s = FakeServer()
+    try:
+        with kc.Client.connect(s.address, timeout=5) as c:
+            real = kc.time
+            readings = [0]
+
+            def monotonic():
+                readings[0] += 1
+                return real.monotonic() + (0.0 if readings[0] <= 2 else 3600.0)
+
+            first_id = c._next_id
+            kc.time = type("clock", (), {"monotonic": staticmethod(monotonic)})
+            try:
+                c.send_route([route(1)], timeout=60)
+                raise AssertionError("no timeout")
+            except TimeoutError as e:
+                assert "before any byte" in str(e), e
+            finally:
+                kc.time = real
+            assert not c.closed and c.outstanding == 0 and c._next_id == first_id
             d = c.route([route(2)], timeout=5)
             check_decision(d["decisions"][0], route(2), 0, d["id"])
     finally:
@@ -807,6 +837,7 @@ def main():
              test_lifecycle, test_outcome_rule, test_timeout_then_usable,
              test_late_reply_after_a_timeout_is_dropped, test_given_up_calls_are_bounded,
              test_send_with_no_time_left_keeps_the_connection,
+             test_send_whose_deadline_passes_before_its_first_byte_keeps_the_connection,
              test_reply_count_differs_from_the_request, test_reply_of_another_type_than_its_requests,
              test_reply_to_an_id_not_outstanding, test_reply_id_that_is_not_a_request_id,
              test_key_twice_in_any_map_of_a_reply,

@@ -514,19 +514,43 @@ class Client:
     def _send_raw(self, message, deadline):
         rid, data = self._frame(message)
         if deadline is not None and deadline <= time.monotonic():
-            # Nothing sent yet: the stream is intact, so the connection stays usable.
+            # Nothing sent: the stream is intact, so the connection stays usable.
+            raise TimeoutError("send timed out before any byte was sent")
+        try:
+            sent = self._send_frame(data, deadline)
+        except (BrokenPipeError, ConnectionResetError):
+            self._next_id += 1
+            self._fail(ConnectionClosed("the server closed the connection"))
+        if sent == 0 and data:
+            # Nothing sent: the stream is intact, so the connection stays usable and the id is
+            # not taken.
             raise TimeoutError("send timed out before any byte was sent")
         self._next_id += 1
-        try:
-            self._set_timeout(deadline)
-            self._sock.sendall(data)
-        except socket.timeout:
-            # Part of the frame may be out: the stream cannot be continued.
+        if sent < len(data):
+            # Part of the frame is out: the stream cannot be continued.
             self._fail(TimeoutError("send timed out; connection closed mid-frame"))
-        except (BrokenPipeError, ConnectionResetError):
-            self._fail(ConnectionClosed("the server closed the connection"))
         self._outstanding[rid] = _expected_reply(message)
         return rid
+
+    def _send_frame(self, data, deadline):
+        """Send data before deadline (None: no limit); the bytes sent, all of them unless the
+        deadline passed first. Each send waits at most the time left and sends what the socket
+        takes, so the count is exact, where sendall's timeout cannot say how much went out."""
+        view = memoryview(data)
+        sent = 0
+        while sent < len(view):
+            if deadline is None:
+                self._sock.settimeout(None)
+            else:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return sent
+                self._sock.settimeout(left)
+            try:
+                sent += self._sock.send(view[sent:])
+            except socket.timeout:
+                return sent
+        return sent
 
     def _give_up(self, rid):
         """No one will wait for rid: its late reply is checked and dropped on arrival while rid is
