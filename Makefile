@@ -97,7 +97,9 @@ CU_SRC := $(if $(filter 1,$(CUDA)),$(wildcard kernels/*.cu),)
 
 LIB_OBJ := $(LIB_SRC:%.c=$(BUILD)/%.o) $(CU_SRC:%.cu=$(BUILD)/%.cu.o)
 CLI_OBJ := $(CLI_SRC:%.c=$(BUILD)/%.o)
-TEST_OBJ := $(TEST_SRC:%.c=$(BUILD)/%.o)
+# The benchmark's baseline indexes are tested against a brute-force model too.
+BASELINE_SRC := bench/baselines.c bench/radix.c bench/radix_compressed.c bench/flatmap.c
+TEST_OBJ := $(TEST_SRC:%.c=$(BUILD)/%.o) $(BASELINE_SRC:%.c=$(BUILD)/%.o)
 
 LIB := $(BUILD)/libkvmatch.a
 SHLIB := $(BUILD)/libkvmatch.so.$(VERSION)

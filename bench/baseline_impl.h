@@ -6,6 +6,7 @@
 #ifndef KM_BENCH_BASELINE_IMPL_H
 #define KM_BENCH_BASELINE_IMPL_H
 
+#include <stdbool.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -222,10 +223,16 @@ static inline uint32_t km_bl_walk_start(const km_bl_set *s, uint32_t words,
     return m;
 }
 
-/* Intersect the open workers with the set of the block at `position`; drop-outs settle there. */
+/* Intersect the open workers with the set of the block at `position`; drop-outs settle there.
+ * prefix_closed: every worker that holds a block of the tree holds all of its ancestors, so the
+ * open workers are exactly the holders of the previous block and a set of as many holders as are
+ * open is the same set: nothing to intersect (Dynamo's RadixTree::find_matches makes the same
+ * O(1) length check before its O(workers) one). */
 static inline void km_bl_walk_filter(const km_bl_set *s, uint32_t position, km_baseline_result *r,
-                                     uint32_t *open, uint32_t *n_open)
+                                     uint32_t *open, uint32_t *n_open, bool prefix_closed)
 {
+    if (prefix_closed && km_bl_set_count(s) == *n_open)
+        return;
     uint32_t kept = 0;
     for (uint32_t j = 0; j < *n_open; j++) {
         uint32_t e = open[j];

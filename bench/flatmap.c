@@ -173,7 +173,7 @@ static void flatmap_match(const void *state, const uint64_t *chain, const uint64
         r->visits++;
         if (!e)
             break;
-        km_bl_walk_filter(&f->sets[e->value], i, r, open, &n_open);
+        km_bl_walk_filter(&f->sets[e->value], i, r, open, &n_open, false);
     }
     km_bl_walk_finish(r, m, open, n_open, i);
 }

@@ -8,7 +8,11 @@
  * Removed event's node; a store whose parent the worker does not hold is refused (Dynamo's
  * "parent block not found" error, counted). find_matches walks from the root, one dependent pointer
  * chase per block, intersecting the active worker set with each node's set and recording each
- * worker's depth when it drops out; cost O(depth x active workers).
+ * worker's depth when it drops out, except where the node holds as many workers as are still
+ * active (Dynamo's O(1) length check: the sets are then the same); cost O(depth) plus O(active
+ * workers) at each node where some drop out. The length check is exact only while every worker's
+ * blocks are prefix-closed; once a remove leaves a hole this tree intersects at every node
+ * (Dynamo keeps the check and undercounts).
  *
  * Deliberate differences, both for exactness against km_index: Dynamo clears a node's children when
  * its last worker leaves ("true for all children" under leaf-first eviction); here a node goes only
@@ -42,6 +46,7 @@ typedef struct radix_tree {
     uint64_t live_nodes;
     km_bl_map *lookup; /* per worker: chain hash -> node index */
     km_baseline_stats stats;
+    bool holes; /* a remove left some worker holding a block without its parent (sticky) */
 } radix_tree;
 
 static int node_new(radix_tree *t, uint64_t local, uint32_t parent, uint32_t *out)
@@ -172,6 +177,26 @@ static int radix_store(void *state, uint32_t worker, uint64_t parent, const uint
     return KM_OK;
 }
 
+typedef struct child_holder {
+    const radix_tree *t;
+    uint32_t worker;
+    bool found;
+} child_holder;
+
+static void check_child(uint32_t node, void *user)
+{
+    child_holder *h = user;
+    h->found = h->found || km_bl_set_contains(&h->t->nodes[node].workers, h->worker);
+}
+
+/* Whether worker holds a child of node (a remove of node from it then leaves a hole). */
+static bool holds_a_child(const radix_tree *t, uint32_t node, uint32_t worker)
+{
+    child_holder h = {t, worker, false};
+    km_bl_children_each(&t->nodes[node].children, check_child, &h);
+    return h.found;
+}
+
 static int radix_remove(void *state, uint32_t worker, const uint64_t *chain, size_t n)
 {
     radix_tree *t = state;
@@ -182,6 +207,7 @@ static int radix_remove(void *state, uint32_t worker, const uint64_t *chain, siz
             continue;
         }
         km_bl_set_remove(&t->nodes[node].workers, worker, t->words, &t->memory);
+        t->holes = t->holes || holds_a_child(t, (uint32_t)node, worker);
         t->stats.removed++;
         t->stats.pairs--;
         prune(t, (uint32_t)node);
@@ -208,7 +234,7 @@ static void radix_match(const void *state, const uint64_t *chain, const uint64_t
         r->visits++;
         if (next == KM_BL_NO_NODE)
             break;
-        km_bl_walk_filter(&nodes[next].workers, i, r, open, &n_open);
+        km_bl_walk_filter(&nodes[next].workers, i, r, open, &n_open, !t->holes);
         cur = next;
     }
     km_bl_walk_finish(r, m, open, n_open, i);
