@@ -5,8 +5,12 @@
  * live count stays put, and lists every slot it moves so that a replica patched from the dirty list
  * (what the CUDA backend does) equals the table; incremental growth keeps every key findable while
  * it sits in either array. */
+#include <errno.h>
+#include <stdbool.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include "events/engine_hash_map.h"
 #include "kvmatch/error.h"
@@ -14,6 +18,7 @@
 #include "index/host_table.h"
 #include "test_util.h"
 #include "base/u64_map.h"
+#include "base/zeroed_pages.h"
 
 /* The inverse of km_slot_home's multiplier modulo 2^64 (Newton's iteration), so a test can pick a
  * key's home slot. */
@@ -931,4 +936,78 @@ Test(table, find_vacant_names_the_slot_an_insert_takes, .timeout = 120)
     km_table_free(&a);
     km_table_free(&b);
     free(keys);
+}
+
+/* Whether no page of [p, p + bytes) is mapped any more (mincore refuses an unmapped page). */
+static bool all_unmapped(const void *p, uint64_t bytes)
+{
+    long page = sysconf(_SC_PAGESIZE);
+    unsigned char vec;
+    for (uint64_t off = 0; off < bytes; off += (uint64_t)page) {
+        void *at = (void *)((uintptr_t)p + off);
+        if (mincore(at, (size_t)page, &vec) == 0 || errno != ENOMEM)
+            return false;
+    }
+    return true;
+}
+
+/* A growth gives the whole old array back once its entries have moved: finished at once by
+ * km_u64map_finish_growth, or step by step by the puts that follow. */
+Test(u64map, a_finished_growth_leaves_no_page_of_the_old_array_mapped, .timeout = 60)
+{
+    for (int by_puts = 0; by_puts < 2; by_puts++) {
+        km_memory memory = {0, 0};
+        km_u64map m;
+        km_u64map_init(&m, &memory);
+        uint64_t key = 2;
+        /* a growth from an array of several 2 MiB pieces */
+        while (m.old == NULL || m.old_capacity * sizeof(km_u64map_entry) < 3 * KM_PAGES_PIECE) {
+            cr_assert_eq(km_u64map_put(&m, key, key, 1), KM_OK);
+            key++;
+        }
+        const void *old = m.old;
+        uint64_t bytes = m.old_capacity * sizeof(km_u64map_entry);
+        if (by_puts)
+            while (m.old != NULL) {
+                cr_assert_eq(km_u64map_put(&m, key, key, 1), KM_OK);
+                key++;
+            }
+        else
+            km_u64map_finish_growth(&m);
+        cr_assert(all_unmapped(old, bytes), "%s: part of the old array of %llu bytes is mapped",
+                  by_puts ? "moved by puts" : "finished at once", (unsigned long long)bytes);
+        cr_assert_eq(memory.used, km_u64map_bytes(&m), "accounted %llu, held %llu",
+                     (unsigned long long)memory.used, (unsigned long long)km_u64map_bytes(&m));
+        km_u64map_free(&m);
+    }
+}
+
+Test(table, a_finished_growth_leaves_no_page_of_the_old_arrays_mapped, .timeout = 60)
+{
+    for (int by_inserts = 0; by_inserts < 2; by_inserts++) {
+        km_memory memory = {0, 0};
+        km_table t;
+        cr_assert_eq(km_table_init_capacity(&t, UINT64_C(1) << 19, 64, 1, 4, &memory), KM_OK);
+        km_rng r;
+        km_rng_init(&r, km_test_seed() + (uint64_t)by_inserts);
+        uint64_t slot;
+        while (t.old_slots == NULL)
+            cr_assert_eq(km_table_insert(&t, km_rng_hash(&r) | 2, 1, &slot), KM_OK);
+        const void *old[3] = {t.old_slots, t.old_meta, t.old_aux};
+        uint64_t bytes[3] = {t.old_capacity * sizeof(km_slot),
+                             t.old_capacity * sizeof(km_block_meta), t.old_capacity * t.aux_bytes};
+        cr_assert_geq(bytes[0], 3 * KM_PAGES_PIECE, "old slots of %llu bytes",
+                      (unsigned long long)bytes[0]);
+        if (by_inserts)
+            while (t.old_slots != NULL)
+                cr_assert_eq(km_table_insert(&t, km_rng_hash(&r) | 2, 1, &slot), KM_OK);
+        else
+            km_table_finish_growth(&t);
+        for (int k = 0; k < 3; k++)
+            cr_assert(bytes[k] < KM_PAGES_PIECE || all_unmapped(old[k], bytes[k]),
+                      "%s: part of old array %d (%llu bytes) is mapped",
+                      by_inserts ? "moved by inserts" : "finished at once", k,
+                      (unsigned long long)bytes[k]);
+        km_table_free(&t);
+    }
 }

@@ -69,11 +69,11 @@ static void migrate(km_oamap *m, uint64_t slots)
         if (km_oamap_entry_key(e) > KM_OAMAP_ERASED)
             km_oamap_place(m, e);
     }
-    m->migrated = end;
     if (end == m->old_capacity) {
-        release_old(m);
+        release_old(m); /* from `migrated` (still `from`) to the end */
         return;
     }
+    m->migrated = end;
     uint64_t bytes = array_bytes(m, m->old_capacity);
     km_pages_release(m->old, bytes, km_pages_releasable(bytes, array_bytes(m, from)),
                      km_pages_releasable(bytes, array_bytes(m, end)));

@@ -214,12 +214,12 @@ static void migrate(km_table *t, uint64_t n)
                                 t->old_aux ? t->old_aux + j * t->aux_bytes : NULL);
         mark_dirty_slot(t, to);
     }
-    t->migrated = end;
     if (end == t->old_capacity) { /* over: the new slots may have huge pages from now on */
-        release_old(t);
+        release_old(t); /* from `migrated` (still `from`) to the end */
         km_pages_advise_huge(t->slots, slots_bytes(t->capacity), 0);
         return;
     }
+    t->migrated = end;
     release_old_part(t, from, end);
 }
 
