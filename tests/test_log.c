@@ -95,6 +95,25 @@ Test(log, json_lines_are_one_object_each, .timeout = 10)
     cleanup();
 }
 
+/* Text that is not UTF-8 (an engine's unknown event type, echoed in a refusal) still makes a
+ * line of JSON: each byte that begins no well-formed sequence is written U+FFFD, and well-formed
+ * characters pass as they are. */
+Test(log, json_lines_stay_utf8_whatever_the_text, .timeout = 10)
+{
+    km_logger *l = open_logger(KM_LOG_FORMAT_JSON, 5);
+    km_logger_write(l, "feed: unknown event type \"Blk\xff\xfe\" caf\xc3\xa9 \xe2\x82 end");
+    km_logger_destroy(l);
+    const char *text = slurp(g_path);
+    json_error_t e;
+    json_t *o = json_loads(text, 0, &e);
+    cr_assert_not_null(o, "not JSON (%s): %s", e.text, text);
+    cr_assert_str_eq(json_string_value(json_object_get(o, "msg")),
+                     "unknown event type \"Blk\xef\xbf\xbd\xef\xbf\xbd\" caf\xc3\xa9 "
+                     "\xef\xbf\xbd\xef\xbf\xbd end");
+    json_decref(o);
+    cleanup();
+}
+
 /* 100 lines of one shape (they differ in digits only) in well under a second: the burst is
  * written, the rest counted, and the first line of that shape in the next second says how many
  * were left out. Lines of another shape are not held back. */

@@ -4,6 +4,8 @@
  * lines from several threads never interleave. */
 #include "kvmatch/log.h"
 
+#include "base/utf8.h"
+
 #include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
@@ -173,17 +175,27 @@ static const char *level_of(const char *msg)
 /* JSON string body of s (quotes not included) into out; control bytes as \u00XX. */
 static size_t json_escape(char *out, size_t size, const char *s)
 {
-    size_t n = 0;
-    for (; *s && n + 7 < size; s++) {
-        unsigned char c = (unsigned char)*s;
+    const unsigned char *p = (const unsigned char *)s;
+    size_t left = strlen(s), n = 0;
+    while (left && n + 7 < size) {
+        unsigned char c = *p;
+        size_t k = c < 0x80 ? 1 : km_utf8_sequence(p, left);
         if (c == '"' || c == '\\') {
             out[n++] = '\\';
             out[n++] = (char)c;
         } else if (c < 0x20) {
             n += (size_t)snprintf(out + n, size - n, "\\u%04x", c);
+        } else if (k == 0) { /* not UTF-8 (text from an engine or a router): U+FFFD */
+            n += (size_t)snprintf(out + n, size - n, "\\ufffd");
+            k = 1;
+        } else if (n + k + 7 < size) {
+            memcpy(out + n, p, k);
+            n += k;
         } else {
-            out[n++] = (char)c;
+            break; /* a whole character only */
         }
+        p += k ? k : 1;
+        left -= k ? k : 1;
     }
     out[n] = '\0';
     return n;
