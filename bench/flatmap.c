@@ -10,6 +10,13 @@
  * bookkeeping and tier weights (GPU 1.0 / CPU 0.8) are left out: every block here is on the device
  * and nothing is evicted, so they would not change a score.
  *
+ * Where it differs from llm-d's defaults: its in-memory index keeps at most 10 pods per key
+ * (defaultPodsPerKey); here a key keeps every holder, so answers are exact at 1,024 workers, where
+ * a default deployment would keep fewer holders and do less work per block. Against the baseline's
+ * favour that is more work; in its favour, llm-d's Lookup looks up every key of a request and
+ * skips the missing ones where this one stops at the first, and its LongestPrefixScorer builds a
+ * new set per block and finds the best score by a linear scan, which this one does not.
+ *
  * Optimised as a good C general-purpose map would be: open addressing with linear probing over
  * 16-byte (key, value) entries, the value an index into a pool of 16-byte worker sets (6 ids
  * inline, a bitmap beyond) -- the value lives out of line as in any map of key -> set object, so a
