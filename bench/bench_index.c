@@ -405,9 +405,9 @@ typedef struct bench_ctx {
 } bench_ctx;
 
 /* What a batch caller gets back: every request's answer, kept for the whole batch. The index's
- * km_index_match_batch returns this; the baselines answer one request at a time into a reused
- * buffer, so each answer is appended here too, or the baselines would skip the memory traffic of
- * the results (about 8 MB per batch of 1024 requests at 1024 workers) that the index pays. */
+ * km_index_match_batch returns this; the baselines answer one request at a time, each written in
+ * place at the end of its thread's buffer here, so they pay the memory traffic of the results
+ * (about 8 MB per batch of 1024 requests at 1024 workers) as the index does, and no more. */
 typedef struct batch_output {
     km_worker_match *matches;
     size_t n_matches, matches_capacity;
@@ -415,11 +415,13 @@ typedef struct batch_output {
     size_t n_requests, requests_capacity;
 } batch_output;
 
-static void batch_output_append(batch_output *out, const km_baseline_result *res)
+/* Where the next answer goes: room for `most` entries at the end of out's matches, which a match
+ * writes in place, as the index writes its answers (no second copy). */
+static km_worker_match *batch_output_next(batch_output *out, uint32_t most)
 {
-    if (out->n_matches + res->count > out->matches_capacity) {
+    if (out->n_matches + most > out->matches_capacity) {
         size_t cap = out->matches_capacity ? out->matches_capacity * 2 : 65536;
-        while (cap < out->n_matches + res->count)
+        while (cap < out->n_matches + most)
             cap *= 2;
         km_worker_match *grown = realloc(out->matches, cap * sizeof *grown);
         if (!grown)
@@ -427,6 +429,12 @@ static void batch_output_append(batch_output *out, const km_baseline_result *res
         out->matches = grown;
         out->matches_capacity = cap;
     }
+    return out->matches + out->n_matches;
+}
+
+/* The answer just written at batch_output_next's place. */
+static void batch_output_commit(batch_output *out, const km_baseline_result *res)
+{
     if (out->n_requests == out->requests_capacity) {
         size_t cap = out->requests_capacity ? out->requests_capacity * 2 : 1024;
         km_request_result *grown = realloc(out->requests, cap * sizeof *grown);
@@ -435,7 +443,6 @@ static void batch_output_append(batch_output *out, const km_baseline_result *res
         out->requests = grown;
         out->requests_capacity = cap;
     }
-    memcpy(out->matches + out->n_matches, res->matches, res->count * sizeof *res->matches);
     out->requests[out->n_requests++] = (km_request_result){out->n_matches, res->count, res->owner,
                                                            res->owner_depth, 0};
     out->n_matches += res->count;
@@ -481,13 +488,16 @@ static void baseline_job_run(void *p, uint32_t tid)
             uint32_t q = job->query_of[k];
             size_t r = job->wl->n_state + q;
             const uint64_t *local = job->wl->local + job->wl->offsets[r];
+            km_worker_match *own = res->matches;
+            res->matches = batch_output_next(out, res->capacity);
             km_baseline_match(job->baseline, job->requests[k].hashes, local,
                               job->requests[k].n_hashes, res);
-            batch_output_append(out, res);
+            batch_output_commit(out, res);
             visits += res->visits;
             if (job->ref)
                 bad += !same_answer(job->ref, q, res->matches, res->count, res->owner,
                                     res->owner_depth);
+            res->matches = own;
         }
     }
     atomic_fetch_add_explicit(&job->visits, visits, memory_order_relaxed);
