@@ -207,6 +207,11 @@ void km_bl_children_del(km_bl_children *c, uint64_t key, km_bl_memory *m);
 void km_bl_children_release(km_bl_children *c, km_bl_memory *m);
 /* Call fn(node, user) for every child. */
 void km_bl_children_each(const km_bl_children *c, void (*fn)(uint32_t node, void *user), void *user);
+/* Whether `worker` is in the set of some child: set_of(tree, node) is a node's worker set. A remove
+ * of the parent from that worker then leaves a hole (a block held without its parent). */
+bool km_bl_children_held_by(const km_bl_children *c, const km_bl_set *(*set_of)(const void *tree,
+                                                                               uint32_t node),
+                            const void *tree, uint32_t worker);
 
 /* ---- the active-set walk (find_matches) ----------------------------------------------------- */
 

@@ -350,6 +350,28 @@ void km_bl_children_release(km_bl_children *c, km_bl_memory *m)
     memset(c, 0, sizeof(*c));
 }
 
+typedef struct children_holder {
+    const km_bl_set *(*set_of)(const void *tree, uint32_t node);
+    const void *tree;
+    uint32_t worker;
+    bool found;
+} children_holder;
+
+static void check_child(uint32_t node, void *user)
+{
+    children_holder *h = user;
+    h->found = h->found || km_bl_set_contains(h->set_of(h->tree, node), h->worker);
+}
+
+bool km_bl_children_held_by(const km_bl_children *c, const km_bl_set *(*set_of)(const void *tree,
+                                                                               uint32_t node),
+                            const void *tree, uint32_t worker)
+{
+    children_holder h = {set_of, tree, worker, false};
+    km_bl_children_each(c, check_child, &h);
+    return h.found;
+}
+
 void km_bl_children_each(const km_bl_children *c, void (*fn)(uint32_t node, void *user), void *user)
 {
     if (c->count == 1) {

@@ -346,25 +346,16 @@ static int ctree_store(void *state, uint32_t worker, uint64_t parent, const uint
     return KM_OK;
 }
 
-typedef struct child_holder {
-    const ctree *t;
-    uint32_t worker;
-    bool found;
-} child_holder;
-
-static void check_child(uint32_t node, void *user)
+static const km_bl_set *workers_of(const void *tree, uint32_t node)
 {
-    child_holder *h = user;
-    h->found = h->found || km_bl_set_contains(&h->t->nodes[node].workers, h->worker);
+    return &((const ctree *)tree)->nodes[node].workers;
 }
 
 /* Whether worker holds a child of node, whose edge is one block (a remove of that block from it
  * then leaves a hole). */
 static bool holds_a_child(const ctree *t, uint32_t node, uint32_t worker)
 {
-    child_holder h = {t, worker, false};
-    km_bl_children_each(&t->nodes[node].children, check_child, &h);
-    return h.found;
+    return km_bl_children_held_by(&t->nodes[node].children, workers_of, t, worker);
 }
 
 static int ctree_remove(void *state, uint32_t worker, const uint64_t *chain, size_t n)
