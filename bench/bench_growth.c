@@ -7,7 +7,7 @@
  *   u64map  incremental     the bookkeeping map as built (src/base/u64_map.c): one reserve of 24 keys,
  *                           then 24 find-or-insert, per call (approximate mode's pattern)
  *   u64map  stop-the-world  the same calls, but every growth is finished in the call that starts
- *                           it (km_u64map_finish_growth): the old behaviour, as the same-run baseline
+ *                           it (km_u64map_finish_growth): the same-run baseline
  *   approx  as built        km_approx_record of 24 new blocks, 16 workers in turn
  *   index   default size    km_index_store of a 24-block run, 16 workers in turn, from the default
  *                           initial_blocks (the slot tables grow incrementally: src/index/host_table.h)
@@ -17,8 +17,8 @@
  *                           its anchor lists: both grow by doubling), sized at start
  *   replica stop-the-world  "default size" under a backend with a device replica's host side
  *                           (dirty-slot tracking, a sync after every batch) but no device: every
- *                           growth finished in the sync after the batch that started it (the old
- *                           behaviour), as the same-run baseline. The upload itself is not in it
+ *                           growth finished in the sync after the batch that started it, as the
+ *                           same-run baseline. The upload itself is not in it
  *   replica bounded steps   the same as built: a sync moves at most KM_REPLICA_GROWTH_STEP_SLOTS old
  *                           slots of a growing table, for at most KM_REPLICA_GROWTH_BUDGET_MS
  *                           (src/index/index.c, advance_growths)

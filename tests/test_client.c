@@ -552,9 +552,8 @@ Test(client, reply_item_count_differs_from_the_request, .timeout = 20)
 
 /* A connection-level ERROR (id 0) means the server closes the connection, whatever code it
  * carries: the call fails with KM_ERR_CLOSED (final), the server's code and words in
- * km_client_last_error. Until 2026-11-30 it returned the server's code as is, so a server that
- * sent KM_ERR_TIMEOUT made a call answer what client.h says leaves the connection usable, on a
- * closed handle. */
+ * km_client_last_error. The server's code is not returned as is: a KM_ERR_TIMEOUT would answer
+ * what client.h says leaves the connection usable, on a closed handle. */
 Test(client, a_connection_level_error_is_final_whatever_its_code, .timeout = 20)
 {
     fake_server s;
@@ -584,8 +583,8 @@ Test(client, a_connection_level_error_is_final_whatever_its_code, .timeout = 20)
 }
 
 /* Each request has its reply type (docs/PROTOCOL.md, "Messages"), or ERROR: a reply of another
- * type is refused (final), pipelined as blocking. Until 2026-11-30 km_client_receive returned a
- * ROUTE's STATUS_REPLY with KM_OK, and a blocking call refused it but left the connection open. */
+ * type is refused (final), pipelined as blocking: km_client_receive does not return a ROUTE's
+ * STATUS_REPLY with KM_OK, and a blocking call that refuses it closes the connection. */
 Test(client, reply_of_the_wrong_type_for_its_request, .timeout = 20)
 {
     fake_server s;
@@ -615,7 +614,7 @@ Test(client, reply_of_the_wrong_type_for_its_request, .timeout = 20)
     fake_stop(&s);
 }
 
-/* WELCOME answers HELLO: one with another id is refused (it was taken until 2026-11-30). */
+/* WELCOME answers HELLO: one with another id is refused, not taken. */
 Test(client, welcome_to_another_id, .timeout = 20)
 {
     fake_server s;
@@ -632,8 +631,8 @@ Test(client, welcome_to_another_id, .timeout = 20)
 }
 
 /* The server words a request it cannot decode as its decoder does, "KM_ERR_TOO_LARGE: routes: ...";
- * km_client_last_error names the code once (until 2026-11-30: "KM_ERR_TOO_LARGE: KM_ERR_TOO_LARGE:
- * routes: ..."). */
+ * km_client_last_error names the code once, not "KM_ERR_TOO_LARGE: KM_ERR_TOO_LARGE: routes:
+ * ...". */
 Test(client, server_error_named_once, .timeout = 20)
 {
     fake_server s;
@@ -658,8 +657,8 @@ Test(client, server_error_named_once, .timeout = 20)
 }
 
 /* km_client_outstanding counts the requests whose reply can still be returned: after a final
- * error, only those whose reply was kept (until 2026-11-30 it went on counting every request sent,
- * so a caller draining replies until it reached 0 never did). */
+ * error, only those whose reply was kept, not every request sent, so a caller draining replies
+ * until it reaches 0 gets there. */
 Test(client, outstanding_after_a_final_error, .timeout = 20)
 {
     uint64_t h[1] = {9};
@@ -837,9 +836,9 @@ Test(client, timeout_then_usable_and_close, .timeout = 20)
 }
 
 /* A blocking call that timed out gives its request up: the late reply is read and dropped, not
- * kept for a wait that never comes (until 2026-11-30 every such reply stayed in the kept list for
- * good, a leak for a user of the blocking calls only), and the request no longer counts as
- * outstanding. A km_client_wait that timed out is not given up: it may be retried. */
+ * kept for a wait that never comes (a kept one would be a leak for a user of the blocking calls
+ * only), and the request no longer counts as outstanding. A km_client_wait that timed out is not
+ * given up: it may be retried. */
 Test(client, a_blocking_call_that_timed_out_drops_its_late_reply, .timeout = 20)
 {
     fake_server s;

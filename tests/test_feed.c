@@ -2482,9 +2482,9 @@ Test(feed, degraded_drop_policy_keeps_only_observed_blocks, .timeout = 10)
 }
 
 /* The DROP policy forgets the worker's engine-hash map with its index. A lost BlockRemoved leaves a
- * media bit stale in the map; kept, it held a block on "CPU" after its last real removal, and when
- * the engine stored it again and removed it from GPU, the index still held it (as a host-tier
- * block) until 2026-11-30. */
+ * media bit stale in the map; kept, it would hold a block on "CPU" after its last real removal, and
+ * when the engine stored it again and removed it from GPU, the index would still hold it (as a
+ * host-tier block). */
 Test(feed, the_drop_policy_forgets_media_a_lost_message_left_stale, .timeout = 10)
 {
     for (int policy = 0; policy < 2; policy++) {
@@ -2822,11 +2822,11 @@ Test(feed, a_rejected_bootstrap_item_does_not_set_the_position, .timeout = 10)
 
 /* A bootstrap replay whose first item decodes but lies past the live stream: live messages 8 and 9
  * arrived while the request ran, so the engine's oldest buffered message is at most 10 (unless the
- * live socket lagged by more than its whole buffer). Until 2026-11-30 a first item was taken as
- * given: it set the position far ahead, its blocks were indexed, the held live messages and the
- * real history were skipped as duplicates, and the next live message read as an engine restart
- * (the worker cleared and replayed again). Refused, like a gap replay's skip past the live
- * stream; the real history that follows sets the position. */
+ * live socket lagged by more than its whole buffer). Such a first item is not taken as given:
+ * it would set the position far ahead, its blocks would be indexed, the held live messages and the
+ * real history skipped as duplicates, and the next live message read as an engine restart (the
+ * worker cleared and replayed again). Refused, like a gap replay's skip past the live stream; the
+ * real history that follows sets the position. */
 Test(feed, a_first_bootstrap_item_past_the_live_stream_is_refused, .timeout = 10)
 {
     fx f;

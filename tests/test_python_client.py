@@ -330,8 +330,8 @@ def test_timeout_then_usable():
 
 def test_late_reply_after_a_timeout_is_dropped():
     # A blocking call that timed out gives its request up: its late reply is read and dropped,
-    # not kept for a wait() that will never come (until 2026-11-30 every such reply stayed in
-    # the client for good, a leak for a blocking-only user).
+    # not kept for a wait() that will never come (a kept one would be a leak for a blocking-only
+    # user).
     s = FakeServer(mode="late_route")
     try:
         with kc.Client.connect(s.address, timeout=5) as c:
@@ -450,7 +450,7 @@ def test_reply_count_differs_from_the_request():
     # A DECISION holds one decision per route, an ACK one item per event (docs/PROTOCOL.md): a
     # reply whose count differs is refused and the connection closed, blocking or pipelined, so a
     # caller reading decisions[i] for route i never gets another route's decision or an
-    # IndexError (until 2026-11-30 the Python client returned such a reply as it came).
+    # IndexError: such a reply is never returned as it came.
     s = FakeServer(mode="miscount")
     try:
         with kc.Client.connect(s.address, timeout=5) as c:
@@ -471,8 +471,8 @@ def test_reply_count_differs_from_the_request():
 
 def test_reply_of_another_type_than_its_requests():
     # A reply is an ERROR or of its request's type (docs/PROTOCOL.md, "Reading replies"): another
-    # is refused and the connection closed, blocking or pipelined, as the C client does (until
-    # 2026-12-01 the Python client returned a ROUTE's STATUS_REPLY as its answer).
+    # is refused and the connection closed, blocking or pipelined, as the C client does (a ROUTE's
+    # STATUS_REPLY is not returned as its answer).
     s = FakeServer(mode="wrong_type")
     try:
         with kc.Client.connect(s.address, timeout=5) as c:
@@ -496,8 +496,8 @@ def test_reply_of_another_type_than_its_requests():
 
 def test_reply_to_an_id_not_outstanding():
     # Each request gets exactly one reply: a second one to an id (or one to an id never sent) is
-    # refused and the connection closed, as the C client does (until 2026-12-01 receive returned
-    # the duplicate again, and wait kept it for good).
+    # refused and the connection closed, as the C client does (receive does not return the
+    # duplicate again, and wait does not keep it).
     s = FakeServer(mode="duplicate")
     try:
         with kc.Client.connect(s.address, timeout=5) as c:
@@ -724,7 +724,7 @@ def test_entries_whose_key_is_not_a_str_are_ignored():
 def test_outstanding_after_a_final_error():
     # After a final error no reply is read: outstanding forgets the requests whose reply had not
     # arrived and keeps counting a kept one until it is returned, so a caller draining replies
-    # until outstanding is 0 gets there (until 2026-12-01 it went on counting all three).
+    # until outstanding is 0 gets there (it does not go on counting all three).
     s = FakeServer(mode="duplicate")
     try:
         with kc.Client.connect(s.address, timeout=5) as c:
@@ -745,8 +745,8 @@ def test_outstanding_after_a_final_error():
 
 def test_connection_level_error_closes_whatever_its_code():
     # An ERROR of id 0 means the server closes the connection: ConnectionClosed, whatever code it
-    # carries, the server's code and words in the message (until 2026-11-30 a KvmatchError with
-    # the server's code, here KM_ERR_TIMEOUT, on a client just closed).
+    # carries, the server's code and words in the message (not a KvmatchError with the server's
+    # code, here KM_ERR_TIMEOUT, on a client just closed).
     s = FakeServer(mode="connection_error")
     try:
         with kc.Client.connect(s.address, timeout=5) as c:
@@ -762,7 +762,7 @@ def test_connection_level_error_closes_whatever_its_code():
 def test_server_error_named_once():
     # The server words what its decoder refused as "KM_ERR_NAME: field: ...": the error raised
     # names the code once, as the C client's last error does; receive returns the server's words
-    # as sent (until 2026-12-01 str() read "KM_ERR_PROTOCOL: KM_ERR_PROTOCOL: type: ...").
+    # as sent (str() never reads "KM_ERR_PROTOCOL: KM_ERR_PROTOCOL: type: ...").
     s = FakeServer()
     try:
         with kc.Client.connect(s.address, timeout=5) as c:
@@ -798,8 +798,8 @@ def test_connect_errors():
         s.stop()
     s = FakeServer(mode="welcome_wrong_id")
     try:
-        # A WELCOME answers the HELLO, with its id, as the C client checks (until 2026-12-01 the
-        # Python client took a WELCOME to any id).
+        # A WELCOME answers the HELLO, with its id, as the C client checks: a WELCOME to another
+        # id is refused.
         expect_protocol_error(lambda: kc.Client.connect(s.address, timeout=5), "not the HELLO")
     finally:
         s.stop()

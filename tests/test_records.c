@@ -1732,8 +1732,8 @@ Test(records, deferred_records_are_copied_and_formatted_by_the_writer, .timeout 
         km_outcome_record o;
         gen_outcome(&g, &o);
         /* The worker names too live in the caller's memory (the service's attempt, reused once
-         * its outcome is submitted): until 2026-11-30 dispatched_worker was not copied, and the
-         * writer printed whatever the attempt held by then. */
+         * its outcome is submitted): dispatched_worker included, each is copied, so the writer
+         * never prints whatever the attempt holds by then. */
         o.worker = in_strings(&g, o.worker);
         o.dispatched_worker = in_strings(&g, o.dispatched_worker);
         o.owner_worker = in_strings(&g, o.owner_worker);

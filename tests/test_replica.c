@@ -535,9 +535,8 @@ Test(replica, a_failed_backend_switch_keeps_the_pending_sync, .timeout = 30)
  * the host tables, which took the batch. The batch is not reported as failed, the replica is not
  * trusted: batches are scored on the host until a sync succeeds, and that sync, which still has
  * every dirty entry since the last good one (or uploads a table whole whose list reached its
- * size), makes the replica equal again. Until 2026-11-30 the
- * batch returned the sync's error although its updates were in, and the next batches were scored
- * on the stale replica. */
+ * size), makes the replica equal again. The batch does not return the sync's error, since its
+ * updates are in, and the next batches are not scored on the stale replica. */
 Test(replica, a_failed_sync_is_scored_around_until_one_succeeds, .timeout = 60)
 {
     const uint32_t S = 4, W = 64;
@@ -590,8 +589,7 @@ Test(replica, a_failed_sync_is_scored_around_until_one_succeeds, .timeout = 60)
 
 /* A replica's scoring that runs out of memory (a staging allocation) does not fail the batch: the
  * host tables are current, so the batch is scored there, exactly, and the replica scores the next
- * one. Until 2026-11-30 the batch failed (every route in it answered
- * with an error). */
+ * one; no route in it is answered with an error. */
 Test(replica, a_failed_replica_match_is_scored_on_the_host, .timeout = 60)
 {
     const uint32_t S = 4, W = 64;
@@ -836,8 +834,8 @@ static void keep_log_line(void *user, const char *line)
  * keeps its failed backend (never none), the batch's updates stay in the host tables, the match
  * does not score on the replica the sync failed to update but fails with KM_ERR_OUT_OF_MEMORY
  * naming both failures, and the log says so. Once memory is
- * back, the next call falls back to the CPU and scores exactly. Until 2026-12-02 the fallback
- * destroyed the failed backend first and left the index without one, dereferenced at once. */
+ * back, the next call falls back to the CPU and scores exactly. The failed backend is destroyed
+ * only once its replacement exists: an index left without one would dereference it at once. */
 Test(replica, a_cuda_failure_without_memory_for_the_cpu_keeps_a_backend, .timeout = 60)
 {
     const uint32_t S = 4, W = 64;

@@ -748,8 +748,8 @@ static size_t my_children(pid_t *out, size_t cap)
 
 /* A background snapshot writer killed before its rename (the OOM killer: the fork can double a
  * large index's memory) is counted as failed, the previous snapshot is untouched, and its
- * temporary file (<path>.tmp.<pid>) is removed when it is reaped. Until 2026-11-30 each such
- * death left an index-sized file behind. */
+ * temporary file (<path>.tmp.<pid>) is removed when it is reaped: no such death leaves an
+ * index-sized file behind. */
 Test(restart, a_killed_background_snapshot_leaves_no_temporary_file, .timeout = 60)
 {
     rx s;
@@ -886,9 +886,9 @@ static void *intake_probe_main(void *arg)
 }
 
 /* km_subscriber_save called while a background snapshot child writes (stopped here, so it writes
- * for as long as the test wants) waits for it, since the shutdown snapshot must be the newest. Until
- * 2026-11-30 it waited with the subscriber's lock held: the I/O thread could not hand a message to
- * the feed, and every flush and inspection call blocked, for the child's whole run. Now events keep
+ * for as long as the test wants) waits for it, since the shutdown snapshot must be the newest. It
+ * waits without the subscriber's lock held (held, the I/O thread could not hand a message to the
+ * feed, and every flush and inspection call would block, for the child's whole run): events keep
  * arriving and flushes return (forking no other child) while it waits, and the snapshot it then
  * writes holds them. */
 Test(restart, a_save_waiting_for_a_background_snapshot_leaves_intake_running, .timeout = 60)

@@ -2186,7 +2186,7 @@ Test(server, workers_and_pools_change_at_run_time, .timeout = 30)
     cr_assert_eq(reply.workers.n_workers, 2);
     for (uint32_t i = 0; i < reply.workers.n_workers; i++) {
         const km_worker_info *w = &reply.workers.workers[i];
-        /* dp_rank is kept as added (until 2026-11-30 it was decoded and dropped) */
+        /* dp_rank is kept as added, not decoded and dropped */
         cr_assert_eq(w->has_dp_rank, w->worker == 20, "worker %u: has_dp_rank", w->worker);
         cr_assert(w->worker != 20 || w->dp_rank == 3);
     }
@@ -3425,9 +3425,9 @@ static void raw_send_message(int fd, const km_message *m)
 }
 
 /* A reply that takes a connection's unwritten bytes past max_outbox_bytes / 4 pauses its reading
- * (SERVICE.md); once the reply is written, reading resumes and the next request is answered. Until
- * 2026-11-30 the resume passed libuv no allocation callback, which it refuses: the connection never
- * read again, and the STATUS below went unanswered. */
+ * (SERVICE.md); once the reply is written, reading resumes and the next request is answered: the
+ * resume passes libuv an allocation callback (without one libuv refuses it, the connection never
+ * reads again, and the STATUS below goes unanswered). */
 Test(server, a_paused_connection_reads_again_once_its_replies_drain, .timeout = 30)
 {
     srv s = {0};
@@ -3475,8 +3475,8 @@ Test(server, a_paused_connection_reads_again_once_its_replies_drain, .timeout = 
 }
 
 /* PROTOCOL.md: any message before HELLO, readable or not, gets ERROR KM_ERR_PROTOCOL and the
- * connection is closed. Until 2026-11-30 an unreadable one that carried an id got its decode error
- * (KM_ERR_PARSE for a ROUTE without routes) and the connection stayed open. */
+ * connection is closed. So does an unreadable one that carries an id: not its decode error
+ * (KM_ERR_PARSE for a ROUTE without routes), and the connection does not stay open. */
 Test(server, a_first_message_other_than_hello_closes_the_connection, .timeout = 30)
 {
     srv s = {0};
@@ -3521,8 +3521,8 @@ Test(server, a_first_message_other_than_hello_closes_the_connection, .timeout = 
 }
 
 /* A route names its pool, a model (the pool serving it) or neither (default_pool, else the
- * first). A model no pool serves is refused, with default_pool set or not: until 2026-11-30 it
- * was decided on the default pool, which serves another model. */
+ * first). A model no pool serves is refused, with default_pool set or not: it is not decided on
+ * the default pool, which serves another model. */
 Test(server, a_model_no_pool_serves_is_refused_even_with_a_default_pool, .timeout = 30)
 {
     for (int with_default = 0; with_default < 2; with_default++) {
@@ -3582,9 +3582,9 @@ static int add_pool(km_client *c, const km_param *params, uint32_t n_params, km_
 }
 
 /* Worker names are /metrics label values and /status strings, and models are matched and
- * recorded: both must be UTF-8 without control characters. Until 2026-11-30 only their length
- * was checked, and one worker named with a Latin-1 byte made every later /metrics scrape invalid
- * (Prometheus label values are UTF-8). A refused name changes nothing; a UTF-8 one is served. */
+ * recorded: both must be UTF-8 without control characters, not only within their length limit
+ * (one worker named with a Latin-1 byte would make every later /metrics scrape invalid:
+ * Prometheus label values are UTF-8). A refused name changes nothing; a UTF-8 one is served. */
 Test(server, names_that_are_not_utf8_text_are_refused, .timeout = 30)
 {
     srv s = {0};
@@ -3625,7 +3625,7 @@ Test(server, names_that_are_not_utf8_text_are_refused, .timeout = 30)
     pi.model = "model-\x7f";
     cr_assert_eq(km_client_call(c, &m, 5000, &reply), KM_OK);
     cr_assert_eq(reply.ack.items[0].status, KM_ERR_INVALID_ARGUMENT);
-    /* An update is held to the same rule as an add (until 2026-11-30 it took any bytes). */
+    /* An update is held to the same rule as an add: it does not take any bytes. */
     pi.name = "main";
     pi.block_size = 0;
     m.pools.action = KM_ADMIN_UPDATE;
@@ -3699,8 +3699,8 @@ Test(server, pool_list_shows_each_pool_its_own_policys_parameters, .timeout = 30
 }
 
 /* PROTOCOL.md: POOLS add takes approx_ttl_s and approx_capacity_blocks, and the pool's approximate
- * mode forgets a routed prefix that long after its last decision. Until 2026-11-30 both were
- * refused as unknown policy parameters, so a pool added at run time always had the 120 s default. */
+ * mode forgets a routed prefix that long after its last decision. Neither is refused as an unknown
+ * policy parameter, so a pool added at run time is not held to the 120 s default. */
 Test(server, pools_added_at_run_time_take_an_approximate_mode_ttl, .timeout = 30)
 {
     srv s = {0};
@@ -3785,9 +3785,9 @@ Test(server, pools_added_at_run_time_take_an_approximate_mode_ttl, .timeout = 30
 }
 
 /* A pool mixing an approximate-mode worker (0) with an event-fed one (1): a prediction is `events`
- * only when every depth it reports is observed. Until 2026-11-30 the chosen worker alone decided
- * the label, so the second route below, decided on worker 1 from a match assumed on worker 0,
- * said `events`, and its outcome record copied that. */
+ * only when every depth it reports is observed, not when the chosen worker alone is event-fed: the
+ * second route below, decided on worker 1 from a match assumed on worker 0, is not `events`, and
+ * its outcome record copies that. */
 Test(server, a_mixed_pool_labels_a_prediction_by_where_its_depths_come_from, .timeout = 30)
 {
     srv s = {0};
@@ -3845,9 +3845,9 @@ static long resident_mib(void)
 
 /* Four connections each send one 4 MB frame of 4,000,000 msgpack values (within max_frame_bytes
  * and max_objects; answered with an ERROR: routes is over max_batch_items), then stay idle.
- * Decoding such a frame builds about 96 MB; until 2026-11-30 each connection kept its last tree
- * (and frame buffer) until its next frame, so these four held about 380 MB, and the documented
- * memory bound grew with the number of connections. */
+ * Decoding such a frame builds about 96 MB; a connection does not keep its last tree (and frame
+ * buffer) until its next frame, which would hold about 380 MB for these four and make the
+ * documented memory bound grow with the number of connections. */
 Test(server, an_idle_connection_keeps_no_large_frame_decoded, .timeout = 60)
 {
 #if defined(__SANITIZE_ADDRESS__)
@@ -3905,8 +3905,8 @@ Test(server, an_idle_connection_keeps_no_large_frame_decoded, .timeout = 60)
 
 /* A router that closes while its replies are being written: the server's write fails with EPIPE
  * and it closes that connection. Under km_server_run(s, false), as here and in any program
- * embedding the server, nothing ignored SIGPIPE until 2026-11-30, and the signal ended this whole
- * test process. */
+ * embedding the server, the SIGPIPE of such a write is blocked on the writing thread and
+ * discarded: delivered, it would end this whole test process. */
 Test(server, a_peer_that_closes_mid_reply_does_not_end_an_embedding_process, .timeout = 60)
 {
     srv s = {0};
@@ -4003,8 +4003,8 @@ Test(server, round_robin_load_value_and_costs_are_null_in_record_and_reply, .tim
 
 /* A drain that times out with routes queued: those still queued are dropped unanswered, not decided
  * after the event loop has gone, and the connection owed the replies is freed (under ASan, LSan
- * reported it leaked until 2026-11-30). One route per frame and per batch, none decided inline, so
- * the scheduler is far behind when the stop comes. */
+ * reports it if leaked). One route per frame and per batch, none decided inline, so the scheduler
+ * is far behind when the stop comes. */
 Test(server, a_drain_timeout_drops_queued_routes_and_frees_their_connection, .timeout = 120)
 {
     srv s = {0};
@@ -4185,8 +4185,8 @@ Test(server, a_report_whose_decision_and_request_disagree_changes_nothing, .time
 /* PROTOCOL.md: a lifecycle event's `worker` is the worker the router actually used, which may differ
  * from the decision's. The attempt's load moves there (the next decisions see it on that worker),
  * and the outcome record names it as dispatched_worker while `worker` stays the decision's
- * choice. Until 2026-11-30 the field was decoded and ignored: the load stayed on the chosen
- * worker. A worker outside the pool fails the event and moves nothing. */
+ * choice; the field is not decoded and ignored, leaving the load on the chosen worker. A worker
+ * outside the pool fails the event and moves nothing. */
 Test(server, a_router_override_moves_the_attempts_load_to_the_worker_it_used, .timeout = 30)
 {
     srv s = {0};
@@ -4272,11 +4272,11 @@ Test(server, a_refused_report_does_not_move_the_attempt, .timeout = 30)
 
 /* Approximate mode assumes the worker a request went to holds its blocks. When the router reports
  * it used another approximate-mode worker than the one chosen, that worker is taught the request's
- * blocks before the next decision (the chosen worker keeps its assumption until the TTL). Until
- * 2026-11-30 only the chosen worker learned, so an overriding router's next request with the same
- * prefix was predicted on a worker that never saw it, and the one that did was predicted cold.
- * The hashes are kept once the pool has seen an override, until the attempt's first token; with
- * approx_dispatch_max_bytes 0 none are kept, and every override is counted as unlearned.
+ * blocks before the next decision (the chosen worker keeps its assumption until the TTL), so an
+ * overriding router's next request with the same prefix is predicted on the worker that saw it,
+ * not on one that never did. The hashes are kept once the pool has seen an override, until the
+ * attempt's first token; with approx_dispatch_max_bytes 0 none are kept, and every override is
+ * counted as unlearned.
  * Returns the probe's depth on the worker used; *learned / *unlearned are the server's counts. */
 static uint32_t override_teaches(uint64_t max_bytes, uint64_t *learned, uint64_t *unlearned)
 {
@@ -4346,9 +4346,9 @@ Test(server, a_router_override_teaches_the_approximate_mode_worker_it_used, .tim
 }
 
 /* A reply larger than max_outbox_bytes, to a client that reads promptly: it is delivered, and the
- * connection stays. Until 2026-11-30 any reply over the limit closed the connection as a slow
- * reader, even with nothing else waiting (a server configured with an outbox smaller than its
- * largest reply cut off every client that asked for one). */
+ * connection stays. A reply over the limit alone does not close the connection as a slow reader
+ * when nothing else is waiting (else a server configured with an outbox smaller than its largest
+ * reply would cut off every client that asked for one). */
 Test(server, a_reply_larger_than_the_outbox_reaches_a_client_that_reads, .timeout = 30)
 {
     srv s = {0};
@@ -4441,9 +4441,9 @@ static uint32_t pinned_depth(km_client *c, const char *id, uint32_t first, uint3
 
 /* approx.h: once the index refuses a batch of approximate-mode updates (its memory cap), the
  * workers the batch touched are cleared on both sides, so what km_approx assumes and what the
- * index holds agree again. Until 2026-11-30 the refusal was only logged: the blocks stayed
- * assumed but unindexed, and every later decision for them was a refresh, which stores nothing;
- * a prefix refused once was never predicted again while it stayed in use, even with room. */
+ * index holds agree again. The refusal is not only logged: blocks left assumed but unindexed
+ * would make every later decision for them a refresh, which stores nothing, and a prefix refused
+ * once would never be predicted again while it stayed in use, even with room. */
 Test(server, blocks_the_index_refused_are_stored_once_it_has_room, .timeout = 60)
 {
     srv s = {0};
@@ -4491,9 +4491,9 @@ Test(server, blocks_the_index_refused_are_stored_once_it_has_room, .timeout = 60
 }
 
 /* Overrides reported together teach the worker used in the order they were reported: its most
- * recent request is its most recently used prefix, the last its capacity evicts. Until 2026-11-30
- * the lessons queued between two batches were applied newest first, so with a capacity of one
- * request the worker was assumed to hold the older one. */
+ * recent request is its most recently used prefix, the last its capacity evicts. The lessons
+ * queued between two batches are applied oldest first, so with a capacity of one request the
+ * worker is assumed to hold the newer one. */
 Test(server, overrides_reported_together_teach_in_report_order, .timeout = 30)
 {
     srv s = {0};
@@ -4533,7 +4533,7 @@ Test(server, overrides_reported_together_teach_in_report_order, .timeout = 30)
 
 /* A request shorter than one block has nothing to teach: an override of its decision is neither
  * learned nor unlearned (kvmatch_approx_dispatch_unlearned_total says approx_dispatch_max_bytes
- * kept the hashes from a worker that needed them). Until 2026-11-30 it was counted unlearned. */
+ * kept the hashes from a worker that needed them), so it is not counted unlearned. */
 Test(server, an_override_of_a_request_without_blocks_teaches_nothing_and_misses_nothing, .timeout = 30)
 {
     srv s = {0};
@@ -4574,9 +4574,9 @@ static int try_create(const km_server_config *cfg, char *why, size_t why_size)
 }
 
 /* server.h: a pool's approx_ttl_ms is at most UINT64_MAX / 1,000,000 (its TTL in ns must fit 64
- * bits, as the JSON config already required); a longer one is refused. Until 2026-11-30 the
- * product wrapped: 18,446,744,073,710 ms (584 years) made a TTL of 0.45 ms, and every block
- * routed to the pool was forgotten at the next tick. */
+ * bits, as the JSON config requires); a longer one is refused, so the product never wraps
+ * (18,446,744,073,710 ms, 584 years, would make a TTL of 0.45 ms, and every block routed to the
+ * pool would be forgotten at the next tick). */
 Test(server, an_approximate_mode_ttl_whose_nanoseconds_overflow_is_refused, .timeout = 30)
 {
     srv s = {0};
@@ -4594,10 +4594,10 @@ Test(server, an_approximate_mode_ttl_whose_nanoseconds_overflow_is_refused, .tim
 }
 
 /* approx_dispatch_max_bytes bounds the hashes kept for router overrides, the lessons queued for
- * the next batch included. Until 2026-11-30 each override copied its attempt's hashes outside the
- * bound: one lifecycle frame of 4,096 reports alternating the worker of one 65,536-block request
- * (a router retrying it between two workers) queued 2 GiB of lessons, and the scheduler stalled
- * 2.7 s teaching them. Here a 16,384-block request and a 1 MiB bound: 7 lessons fit. */
+ * the next batch included; no override copies its attempt's hashes outside the bound (one
+ * lifecycle frame of 4,096 reports alternating the worker of one 65,536-block request, a router
+ * retrying it between two workers, would otherwise queue 2 GiB of lessons and stall the scheduler
+ * for seconds teaching them). Here a 16,384-block request and a 1 MiB bound: 7 lessons fit. */
 Test(server, lessons_queued_for_overrides_stay_within_approx_dispatch_max_bytes, .timeout = 60)
 {
     srv s = {0};
@@ -4736,13 +4736,11 @@ static void finish_as(km_client *c, const char *request_id, km_outcome outcome)
     cr_assert_eq(reply.ack.items[0].status, KM_OK, "%s", reply.ack.items[0].message);
 }
 
-/* PROTOCOL.md promised "only healthy ones are eligible", and nothing could say a worker was not
- * healthy: every candidate was weighed, whatever the router's health checks knew (until
- * 2026-11-30). The router's verdict (WORKERS update `healthy`) now keeps a worker from being
- * chosen even where it holds the deepest match; its row stays in the reply and the record with
- * eligible false and no cost, and the prediction owner is still the worker that holds the KV (the
- * brief's point: the owner and the chosen worker kept apart). A route whose every candidate is
- * unhealthy fails with KM_ERR_NO_HEALTHY_WORKER, and the service goes on serving. */
+/* PROTOCOL.md: "only healthy ones are eligible". The router's verdict (WORKERS update `healthy`)
+ * keeps a worker from being chosen even where it holds the deepest match; its row stays in the
+ * reply and the record with eligible false and no cost, and the prediction owner is still the
+ * worker that holds the KV (the owner and the chosen worker are kept apart). A route whose every
+ * candidate is unhealthy fails with KM_ERR_NO_HEALTHY_WORKER, and the service goes on serving. */
 Test(server, a_worker_the_router_marks_unhealthy_is_never_chosen, .timeout = 30)
 {
     srv s = {0};
@@ -4950,8 +4948,8 @@ Test(server, no_breaker_when_breaker_failures_is_zero, .timeout = 30)
 }
 
 /* PROTOCOL.md takes a FINISHED http_status in 0..999 (a router may report 0 when no response
- * came); the record writer refused anything outside 100..599, so such an attempt's outcome record
- * was lost (counted invalid) while the report was acknowledged (until 2026-11-30). */
+ * came); the record writer takes the same range, not only 100..599, so such an attempt's outcome
+ * record is written, not lost (counted invalid) while the report is acknowledged. */
 Test(server, an_outcome_with_any_http_status_the_protocol_takes_is_recorded, .timeout = 30)
 {
     srv s = {0};
@@ -4993,9 +4991,9 @@ Test(server, an_outcome_with_any_http_status_the_protocol_takes_is_recorded, .ti
     srv_cleanup(&s);
 }
 
-/* breaker_cooldown_ms is multiplied into nanoseconds. The JSON config and the CLI bound it, but
- * km_server_create took any value (until 2026-12-01): 18,446,744,073,710 ms, meant as "open for
- * good", wrapped to 448,384 ns, and an opened breaker went half-open half a millisecond later. */
+/* breaker_cooldown_ms is multiplied into nanoseconds. The JSON config and the CLI bound it, and so
+ * does km_server_create: unbounded, 18,446,744,073,710 ms, meant as "open for good", would wrap to
+ * 448,384 ns, and an opened breaker would go half-open half a millisecond later. */
 Test(server, a_breaker_cooldown_whose_nanoseconds_overflow_is_refused, .timeout = 30)
 {
     srv s = {0};
@@ -5016,8 +5014,8 @@ Test(server, a_breaker_cooldown_whose_nanoseconds_overflow_is_refused, .timeout 
     cfg.breaker_cooldown_ms = UINT64_MAX / 1000000;
     rc = try_create(&cfg, why, sizeof why);
     cr_assert_eq(rc, KM_OK, "%s: %s", km_error_name(rc), why);
-    /* The active-work TTL is turned into ns the same way (it wrapped to a TTL of microseconds,
-     * ending every attempt at once, until 2026-11-30). */
+    /* The active-work TTL is turned into ns the same way and bounded too (a wrap to a TTL of
+     * microseconds would end every attempt at once). */
     cfg.active_ttl_ms = UINT64_MAX / 1000000 + 1;
     rc = try_create(&cfg, why, sizeof why);
     cr_assert_eq(rc, KM_ERR_INVALID_ARGUMENT, "%s: %s", km_error_name(rc), why);
@@ -5025,12 +5023,12 @@ Test(server, a_breaker_cooldown_whose_nanoseconds_overflow_is_refused, .timeout 
     srv_cleanup(&s);
 }
 
-/* Half-open lets one probe through. The rule was "nothing in flight on the worker" (until
- * 2026-12-01), and in_flight counts every attempt this instance still tracks there, including
- * those decided before the breaker opened whose FINISHED never comes (a router that restarted):
- * after the cooldown the worker stayed out until the last of them expired (active_ttl_ms, 10
- * minutes by default), healthy by the router's word or not. The probe is now the attempt decided
- * on the worker while half-open; older work neither blocks nor is it the probe. A probe that ends
+/* Half-open lets one probe through: the attempt decided on the worker while half-open. The rule is
+ * not "nothing in flight on the worker": in_flight counts every attempt this instance still tracks
+ * there, including those decided before the breaker opened whose FINISHED never comes (a router
+ * that restarted), which would keep the worker out after the cooldown until the last of them
+ * expired (active_ttl_ms, 10 minutes by default), healthy by the router's word or not. Older work
+ * neither blocks nor is it the probe. A probe that ends
  * without a verdict (cancelled) lets the next one through. */
 Test(server, a_half_open_breaker_lets_a_probe_through_past_older_work, .timeout = 30)
 {
@@ -5064,9 +5062,9 @@ Test(server, a_half_open_breaker_lets_a_probe_through_past_older_work, .timeout 
 }
 
 /* The prediction owner is the deepest match, ties broken by the policy's rule (the less loaded,
- * policy.h), whether the workers tied are eligible or not. Ineligible workers were compared in the
- * route's order (until 2026-12-01): of two unhealthy workers holding the same prefix the first
- * listed was the owner, the busier one here, though the same workers healthy give the other. */
+ * policy.h), whether the workers tied are eligible or not: ineligible workers are not compared in
+ * the route's order, so of two unhealthy workers holding the same prefix the owner is the less
+ * loaded, not the first listed (the busier one here), as the same workers healthy give. */
 Test(server, an_owner_among_ineligible_workers_is_broken_by_load_as_the_policy_breaks_ties,
      .timeout = 30)
 {

@@ -1200,8 +1200,8 @@ static void short_replay_timeout(km_subscriber_config *cfg)
 
 /* A replay endpoint that keeps answering with items the request cannot use (below its start:
  * refused) and never sends the end marker: only answers that move the stream earn more time, so
- * the request times out like one to a silent endpoint. Until 2026-11-30 every answer reset the
- * deadline, and such an endpoint kept the worker in GAP for as long as it went on. */
+ * the request times out like one to a silent endpoint. Not every answer resets the deadline, so
+ * such an endpoint cannot keep the worker in GAP for as long as it goes on. */
 Test(subscriber, refused_replay_items_do_not_keep_a_request_alive, .timeout = 30)
 {
     sx s;

@@ -487,8 +487,8 @@ static uint32_t log2_of(uint64_t x)
 
 /* A probe run crowded at the last slot wraps into the first slots. After a growth has moved the
  * first few slots, its keys beyond them are still in the old array, and a lookup that reaches the
- * end of the old array must go on from `migrated`, not give up (the u64map did until 2026-11-30:
- * an erase moved 64 slots and the run's keys past slot 64 became unfindable). */
+ * end of the old array must go on from `migrated`, not give up (here an erase moves 64 slots, and
+ * the run's keys past slot 64 must stay findable). */
 Test(u64map, a_run_wrapping_past_the_moved_slots_stays_findable, .timeout = 60)
 {
     km_rng r;

@@ -272,8 +272,8 @@ Test(trace, duplicate_field_is_refused, .timeout = 10)
 
 /* A prompt longer than the server takes (max_tokens_per_route, 2^20 by default) is expanded only
  * one token past that limit, so the server refuses the route as too large and the run goes on:
- * 2^17 ids of 2^26 tokens were expanded whole (64 M tokens, 768 MiB of tokens and chain hashes)
- * before the route was refused anyway (until 2026-12-01). */
+ * 2^17 ids of 2^26 tokens are not expanded whole (64 M tokens, 768 MiB of tokens and chain hashes)
+ * before the route is refused anyway. */
 Test(trace, sim_expands_no_more_than_the_server_takes, .timeout = 60)
 {
     char why[512] = "";
