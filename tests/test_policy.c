@@ -382,7 +382,7 @@ Test(policy, bad_input_gets_a_code_and_a_sentence, .timeout = 30)
 
 /* ---- best match under the threshold, another worker chosen ---------------------------------- */
 
-Test(policy, brief_case_owner_and_chosen_are_kept_apart, .timeout = 30)
+Test(policy, owner_and_chosen_are_kept_apart_when_they_differ, .timeout = 30)
 {
     /* A holds 2 of 10 blocks (ratio 0.2, under cache_aware's 0.3) and is busier; B holds nothing. */
     km_policy_request req = request(10, 16);

@@ -1,11 +1,12 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* Linked decision and outcome records (include/kvmatch/records.h): formatting round trips on random
  * records (every field parsed back with jansson and compared, nulls and escapes included), a
- * decision whose best match is on A while B is chosen (both in the record), every bad field rejected with a
- * code and a sentence naming it, every line validated by tests/check_records.py against
- * docs/records.schema.json, and the background writer: concurrent submitters, a full queue that
- * drops instead of blocking (a FIFO nobody reads), rotation by size, unwritable paths and a full
- * disk that are counted while the writer keeps running, a partial last line from a crash.
+ * decision whose best match is on A while B is chosen (both in the record), every bad field
+ * rejected with a code and a sentence naming it, every line validated by tests/check_records.py
+ * against docs/records.schema.json, and the background writer: concurrent submitters, a full
+ * queue that drops instead of blocking (a FIFO nobody reads), rotation by size, unwritable paths
+ * and a full disk that are counted while the writer keeps running, a partial last line from a
+ * crash.
  * Randomized tests print their seed (KM_TEST_SEED). */
 #include <errno.h>
 #include <fcntl.h>
@@ -495,8 +496,8 @@ static void check_outcome_line(const char *line, size_t len, const km_outcome_re
     json_decref(o);
 }
 
-/* A minimal valid decision: the case of the best match on A under the threshold, B chosen). */
-static void brief_case(km_decision_record *r, km_record_candidate cands[2])
+/* A minimal valid decision: the best match on A under the threshold, B chosen. */
+static void owner_elsewhere_case(km_decision_record *r, km_record_candidate cands[2])
 {
     km_decision_record_init(r);
     r->common.record_id = 1;
@@ -572,11 +573,11 @@ Test(records, outcome_round_trip_random, .timeout = 60)
     }
 }
 
-Test(records, brief_case_keeps_owner_and_chosen_apart, .timeout = 10)
+Test(records, a_decision_away_from_its_owner_keeps_both_apart, .timeout = 10)
 {
     km_decision_record d;
     km_record_candidate cands[2];
-    brief_case(&d, cands);
+    owner_elsewhere_case(&d, cands);
     char *line;
     size_t len;
     char error[256];
@@ -657,7 +658,7 @@ Test(records, absent_values_are_null_never_zero, .timeout = 10)
 
     km_decision_record d;
     km_record_candidate c[2];
-    brief_case(&d, c);
+    owner_elsewhere_case(&d, c);
     d.prompt_tokens = KM_RECORD_ABSENT;
     d.load_value = NAN;
     d.owner = (km_record_worker){NULL, NULL, 0};
@@ -718,7 +719,7 @@ Test(records, bad_decision_fields_are_rejected_by_name, .timeout = 10)
     size_t len;
     char error[128];
     cr_assert_eq(km_decision_record_format(NULL, &line, &len, error, sizeof error), KM_ERR_NULL_POINTER);
-    brief_case(&d, c);
+    owner_elsewhere_case(&d, c);
     cr_assert_eq(km_decision_record_format(&d, NULL, &len, error, sizeof error), KM_ERR_NULL_POINTER);
     /* a NULL error buffer is allowed */
     cr_assert_eq(km_decision_record_format(&d, &line, &len, NULL, 0), KM_OK);
@@ -726,7 +727,7 @@ Test(records, bad_decision_fields_are_rejected_by_name, .timeout = 10)
 
 #define CASE(mutation, status, mention)                                                          \
     do {                                                                                          \
-        brief_case(&d, c);                                                                       \
+        owner_elsewhere_case(&d, c);                                                             \
         mutation;                                                                                 \
         expect_decision_error(&d, status, mention);                                              \
     } while (0)
@@ -773,7 +774,7 @@ Test(records, load_scopes_with_engine_reported, .timeout = 10)
     const char *scopes[] = {"this_instance", "cluster", "this_instance+engine_reported",
                             "cluster+engine_reported"};
     for (size_t i = 0; i < sizeof scopes / sizeof scopes[0]; i++) {
-        brief_case(&d, c);
+        owner_elsewhere_case(&d, c);
         d.load_scope = scopes[i];
         d.load_oldest_age_ms = 12.5;
         char *line;
@@ -794,7 +795,7 @@ Test(records, load_scopes_with_engine_reported, .timeout = 10)
     }
     const char *bad[] = {"engine_reported", "cluster+", "this_instance+cluster", "Cluster"};
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
-        brief_case(&d, c);
+        owner_elsewhere_case(&d, c);
         d.load_scope = bad[i];
         expect_decision_error(&d, KM_ERR_INVALID_ARGUMENT, "decision.load.scope");
     }
@@ -807,7 +808,7 @@ Test(records, bad_outcome_fields_are_rejected_by_name, .timeout = 10)
     km_outcome_record o;
 #define CASE(mutation, status, mention)                                                          \
     do {                                                                                          \
-        brief_case(&d, c);                                                                       \
+        owner_elsewhere_case(&d, c);                                                             \
         km_outcome_record_init(&o);                                                              \
         km_outcome_record_from_decision(&o, &d);                                                 \
         o.outcome = KM_RECORD_OUTCOME_INCOMPLETE;                                                       \
@@ -835,7 +836,7 @@ Test(records, bad_outcome_fields_are_rejected_by_name, .timeout = 10)
     CASE(o.common.pool = NULL, KM_ERR_NULL_POINTER, "pool");
 #undef CASE
     /* and the unmutated record is fine */
-    brief_case(&d, c);
+    owner_elsewhere_case(&d, c);
     km_outcome_record_init(&o);
     km_outcome_record_from_decision(&o, &d);
     o.outcome = KM_RECORD_OUTCOME_CANCELLED;
@@ -938,7 +939,7 @@ Test(records, every_line_validates_against_the_schema, .timeout = 120)
     /* the named cases */
     km_decision_record d;
     km_record_candidate c[2];
-    brief_case(&d, c);
+    owner_elsewhere_case(&d, c);
     d.common.instance = "inst";
     cr_assert_eq(km_decision_record_format(&d, &line, &len, error, sizeof error), KM_OK, "%s", error);
     write_line(f, line, len);
@@ -972,7 +973,7 @@ Test(records, every_line_validates_against_the_schema, .timeout = 120)
         {"\"type\":\"decision\"", "\"type\":\"decision\",\"extra\":1"},
         {".123456Z\"", "Z\""},
     };
-    brief_case(&d, c);
+    owner_elsewhere_case(&d, c);
     cr_assert_eq(km_decision_record_format(&d, &line, &len, error, sizeof error), KM_OK);
     for (size_t i = 0; i < sizeof corruptions / sizeof corruptions[0]; i++) {
         const char *at = strstr(line, corruptions[i].from);
@@ -1747,7 +1748,7 @@ Test(records, deferred_records_are_copied_and_formatted_by_the_writer, .timeout 
     /* an invalid record: accepted (checked later, off the caller's thread), counted, not written */
     km_decision_record bad;
     km_record_candidate c[2];
-    brief_case(&bad, c);
+    owner_elsewhere_case(&bad, c);
     bad.chosen.state = "live"; /* index states are upper case */
     cr_assert_eq(km_record_writer_submit_decision(w, &bad), KM_OK);
     cr_assert_eq(km_record_writer_flush(w, 20000), KM_ERR_INVALID_ARGUMENT);
@@ -1763,10 +1764,10 @@ Test(records, deferred_records_are_copied_and_formatted_by_the_writer, .timeout 
     cr_assert(strstr(error, "state") && strstr(error, "decision.chosen"), "%s", error);
 
     /* what can be checked at once is */
-    brief_case(&bad, c);
+    owner_elsewhere_case(&bad, c);
     bad.n_candidates = KM_RECORD_MAX_CANDIDATES + 1;
     cr_assert_eq(km_record_writer_submit_decision(w, &bad), KM_ERR_TOO_LARGE);
-    brief_case(&bad, c);
+    owner_elsewhere_case(&bad, c);
     bad.candidates = NULL;
     cr_assert_eq(km_record_writer_submit_decision(w, &bad), KM_ERR_NULL_POINTER);
     cr_assert_eq(km_record_writer_submit_decision(w, NULL), KM_ERR_NULL_POINTER);
@@ -1831,7 +1832,7 @@ Test(records, strings_and_reals_read_back_through_jansson, .timeout = 60)
         }
         km_decision_record r;
         km_record_candidate cands[2];
-        brief_case(&r, cands);
+        owner_elsewhere_case(&r, cands);
         r.common.attempt_id = id;
         r.load_value = (km_rng_below(&rng, 2) ? -1.0 : 1.0) *
                        ldexp((double)km_rng_below(&rng, 1u << 30) + 0.5,
@@ -1871,7 +1872,7 @@ Test(records, strings_and_reals_read_back_through_jansson, .timeout = 60)
     for (size_t i = 0; i < sizeof reals / sizeof reals[0]; i++) {
         km_decision_record r;
         km_record_candidate cands[2];
-        brief_case(&r, cands);
+        owner_elsewhere_case(&r, cands);
         r.load_value = reals[i];
         char *line = NULL;
         size_t len = 0;
@@ -2015,7 +2016,7 @@ Test(records, queued_records_replace_bad_utf8_instead_of_losing_the_record, .tim
     for (size_t i = 0; i < n_cases; i++) {
         km_decision_record d;
         km_record_candidate c[2];
-        brief_case(&d, c);
+        owner_elsewhere_case(&d, c);
         d.common.request_id = cases[i].in;
         d.common.attempt_id = cases[i].in;
         c[1].worker = cases[i].in;
