@@ -845,6 +845,39 @@ Test(protocol, single_event_types_and_int_attempt_id, .timeout = 10)
     km_protocol_decoder_destroy(dec);
 }
 
+/* A single-event message's fields are its own: a field that fails its item is named as it is,
+ * not as a field of an "events" array the message does not have. */
+Test(protocol, a_single_event_error_names_the_field_as_sent, .timeout = 10)
+{
+    msgpack_sbuffer sb;
+    msgpack_packer pk;
+    msgpack_sbuffer_init(&sb);
+    msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
+    msgpack_pack_map(&pk, 5);
+    msgpack_pack_str_with_body(&pk, "type", 4);
+    msgpack_pack_str_with_body(&pk, "FINISHED", 8);
+    msgpack_pack_str_with_body(&pk, "id", 2);
+    msgpack_pack_uint64(&pk, 78);
+    msgpack_pack_str_with_body(&pk, "request_id", 10);
+    msgpack_pack_str_with_body(&pk, "r1", 2);
+    msgpack_pack_str_with_body(&pk, "finish_reason", 13);
+    msgpack_pack_str_with_body(&pk, "stop", 4);
+    msgpack_pack_str_with_body(&pk, "cached_tokens", 13);
+    msgpack_pack_uint64(&pk, UINT64_MAX); /* past 2^63 - 1: the item fails */
+    km_protocol_decoder *dec;
+    cr_assert_eq(km_protocol_decoder_create(NULL, &dec), KM_OK);
+    km_message m;
+    cr_assert_eq(km_protocol_decode(dec, sb.data, sb.size, &m), KM_OK, "%s",
+                 km_protocol_decoder_last_error(dec));
+    cr_assert_eq(m.lifecycle.n_events, 1);
+    const km_lifecycle_event *e = &m.lifecycle.events[0];
+    cr_assert_eq(e->status, KM_ERR_PARSE);
+    cr_assert(strstr(e->message, "cached_tokens") && !strstr(e->message, "events"), "%s",
+              e->message);
+    msgpack_sbuffer_destroy(&sb);
+    km_protocol_decoder_destroy(dec);
+}
+
 Test(protocol, outcome_rule, .timeout = 10)
 {
     cr_assert_eq(km_outcome_from_stream("stop", true, true, 200, NULL), KM_OUTCOME_COMPLETE);

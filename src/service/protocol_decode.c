@@ -1296,9 +1296,8 @@ static int decode_message(km_protocol_decoder *d, const uint8_t *p, size_t size,
         km_lifecycle_event *e = zone_array(d, 1, sizeof *e);
         if (!e)
             return out_of_memory(d);
-        d->path[0].name = "events";
-        d->path[0].index = 0;
-        d->path_depth = 1;
+        /* The event's fields are the message's: an error names them as they are, no "events[0]" */
+        d->path_depth = 0;
         rc = decode_lifecycle_event(d, &root, single, e);
         d->path_depth = 0;
         if (rc == KM_ERR_OUT_OF_MEMORY)
