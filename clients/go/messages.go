@@ -544,7 +544,7 @@ func (dc *Decision) DecodeMsgpack(d *msgpack.Decoder) error {
 		case "decision_id":
 			err = decodeU64(d, &dc.DecisionID)
 		case "owner_worker":
-			err = decodeOptionalU32(d, &dc.OwnerWorker)
+			err = decodeOptional(d, &dc.OwnerWorker, decodeU32)
 		case "load_value":
 			err = d.Decode(&dc.LoadValue)
 		case "load_oldest_age_ms":
@@ -635,7 +635,7 @@ func (w *Worker) DecodeMsgpack(d *msgpack.Decoder) error {
 		case "worker":
 			return decodeU32(d, &w.Worker)
 		case "dp_rank":
-			return decodeOptionalU32(d, &w.DPRank)
+			return decodeOptional(d, &w.DPRank, decodeU32)
 		case "healthy":
 			return d.Decode(&w.Healthy)
 		case "blocks":
@@ -643,7 +643,7 @@ func (w *Worker) DecodeMsgpack(d *msgpack.Decoder) error {
 		case "last_event_age_s":
 			return d.Decode(&w.LastEventAgeS)
 		case "expected_seq":
-			return decodeOptionalU64(d, &w.ExpectedSeq)
+			return decodeOptional(d, &w.ExpectedSeq, decodeU64)
 		case "load":
 			return d.Decode(&w.Load)
 		case "failures":
@@ -807,8 +807,8 @@ func decodeCode(d *msgpack.Decoder, p *Code) error {
 	return err
 }
 
-// decodeOptionalU32 leaves *p nil for nil, else points it at the u32 read.
-func decodeOptionalU32(d *msgpack.Decoder, p **uint32) error {
+// decodeOptional leaves *p nil for nil, else points it at the value decode reads.
+func decodeOptional[T any](d *msgpack.Decoder, p **T, decode func(*msgpack.Decoder, *T) error) error {
 	c, err := d.PeekCode()
 	if err != nil {
 		return err
@@ -817,26 +817,8 @@ func decodeOptionalU32(d *msgpack.Decoder, p **uint32) error {
 		*p = nil
 		return d.Skip()
 	}
-	v := new(uint32)
-	if err := decodeU32(d, v); err != nil {
-		return err
-	}
-	*p = v
-	return nil
-}
-
-// decodeOptionalU64 leaves *p nil for nil, else points it at the u64 read.
-func decodeOptionalU64(d *msgpack.Decoder, p **uint64) error {
-	c, err := d.PeekCode()
-	if err != nil {
-		return err
-	}
-	if c == msgpcode.Nil {
-		*p = nil
-		return d.Skip()
-	}
-	v := new(uint64)
-	if err := decodeU64(d, v); err != nil {
+	v := new(T)
+	if err := decode(d, v); err != nil {
 		return err
 	}
 	*p = v
