@@ -178,8 +178,9 @@ fn timed_out(e: &io::Error) -> bool {
 /// replies to other ids that arrive meanwhile. Blocking use: `route`, `lifecycle`, `report`,
 /// the WORKERS / POOLS calls and `status` send and wait; an ERROR reply is their `Err`.
 ///
-/// Every wait is bounded by the client's timeout (`set_timeout`). A timeout (`Code::TIMEOUT`)
-/// leaves the connection usable: a blocking call gives its request up (the reply is dropped when
+/// Every wait is bounded by the client's timeout (`set_timeout`); a blocking call's send and
+/// wait share one timeout, as the Go (its context) and Python clients' calls do. A timeout
+/// (`Code::TIMEOUT`) leaves the connection usable: a blocking call gives its request up (the reply is dropped when
 /// it comes, checked as any reply is while at most `MAX_ABANDONED` (4096) given-up calls await
 /// theirs; past that the lowest ids are forgotten and a reply to one is dropped unchecked), a
 /// `wait` may be called again, a send that timed out before any byte of its frame was written
@@ -391,13 +392,17 @@ impl Client {
 
     /// Send any request map with its "type" (the id is assigned here); returns the id.
     pub fn send(&mut self, message: Value) -> Result<u64> {
+        let deadline = self.deadline();
+        self.send_before(message, deadline)
+    }
+
+    fn send_before(&mut self, message: Value, deadline: Option<Instant>) -> Result<u64> {
         if message.get("type").and_then(Value::as_str) == Some("HELLO") {
             return Err(Error::new(Code::INVALID_ARGUMENT, "HELLO is sent by connect"));
         }
         if self.stream.is_none() {
             return Err(self.closed_error());
         }
-        let deadline = self.deadline();
         self.send_value(message, deadline)
     }
 
@@ -434,6 +439,11 @@ impl Client {
     /// The reply to request `id` (an ERROR reply too); replies to other ids that arrive meanwhile
     /// are kept. NOT_FOUND at once for an id never sent or already answered.
     pub fn wait(&mut self, id: u64) -> Result<Reply> {
+        let deadline = self.deadline();
+        self.wait_before(id, deadline)
+    }
+
+    fn wait_before(&mut self, id: u64, deadline: Option<Instant>) -> Result<Reply> {
         if let Some(pos) = self.kept.iter().position(|r| r.id == id) {
             self.outstanding.remove(&id);
             return Ok(self.kept.remove(pos).expect("position is in range"));
@@ -444,7 +454,6 @@ impl Client {
         if !self.outstanding.contains_key(&id) {
             return Err(Error::new(Code::NOT_FOUND, format!("request {} is not waiting for a reply", id)));
         }
-        let deadline = self.deadline();
         loop {
             let reply = self.read_unabandoned(deadline)?;
             if reply.id == id {
@@ -457,10 +466,12 @@ impl Client {
 
     // ---- blocking -------------------------------------------------------------------------------
 
-    /// send + wait; an ERROR reply is the `Err`. On a timeout the request is given up.
+    /// send + wait within one timeout, the send's time counted against it; an ERROR reply is
+    /// the `Err`. On a timeout the request is given up.
     pub fn call(&mut self, message: Value) -> Result<Reply> {
-        let id = self.send(message)?;
-        match self.wait(id) {
+        let deadline = self.deadline();
+        let id = self.send_before(message, deadline)?;
+        match self.wait_before(id, deadline) {
             Ok(reply) => match reply.error() {
                 Some(e) => Err(e),
                 None => Ok(reply),
@@ -1009,6 +1020,68 @@ mod tests {
             Some(Stream::Unix(s)) => s.set_nonblocking(on).expect("set_nonblocking"),
             _ => panic!("not a unix socket"),
         }
+    }
+
+    /// A fake server on `path`: WELCOME to the HELLO, then nothing read for `stall`, then every
+    /// byte read and none answered.
+    fn stalling_server(path: &std::path::Path, stall: Duration) {
+        let listener = UnixListener::bind(path).expect("bind");
+        std::thread::spawn(move || {
+            let mut conn = match listener.accept() {
+                Ok((conn, _)) => conn,
+                Err(_) => return,
+            };
+            let mut header = [0u8; 4];
+            if conn.read_exact(&mut header).is_err() {
+                return;
+            }
+            let mut payload = vec![0u8; u32::from_be_bytes(header) as usize];
+            if conn.read_exact(&mut payload).is_err() {
+                return;
+            }
+            let id = Value::decode(&payload).ok().and_then(|m| m.get("id").cloned());
+            let welcome = message("WELCOME", vec![
+                ("id", id.unwrap_or(Value::UInt(0))),
+                ("protocol", Value::UInt(1)),
+                ("kvmatch_version", Value::Str("fake".into())),
+            ]);
+            let mut frame = vec![0u8; 4];
+            welcome.encode(&mut frame);
+            let length = (frame.len() - 4) as u32;
+            frame[..4].copy_from_slice(&length.to_be_bytes());
+            if conn.write_all(&frame).is_err() {
+                return;
+            }
+            std::thread::sleep(stall);
+            let mut sink = vec![0u8; 1 << 16];
+            while matches!(conn.read(&mut sink), Ok(n) if n > 0) {}
+        });
+    }
+
+    #[test]
+    fn a_call_gives_up_within_one_timeout_however_long_its_send_took() {
+        // The frame (about 5 MB) fills the socket while the server reads nothing for 3 s, so its
+        // send takes about 3 s of the call's 4, and no reply ever comes: the call ends at its 4 s,
+        // not at the send's end plus another 4 s.
+        let path = std::env::temp_dir()
+            .join(format!("kvmatch-rust-one-timeout-{}.sock", std::process::id()));
+        let _ = std::fs::remove_file(&path);
+        stalling_server(&path, Duration::from_secs(3));
+        let address = format!("unix:{}", path.display());
+        let mut c = Client::connect(&address, Some(Duration::from_secs(4))).expect("connect");
+        let _ = std::fs::remove_file(&path);
+        let big = RouteRequest {
+            request_id: "big".into(),
+            prompt: crate::messages::Prompt::Tokens((0..1_000_000).collect()),
+            ..Default::default()
+        };
+        let start = Instant::now();
+        let e = c.route(&[big]).expect_err("no reply comes");
+        let took = start.elapsed();
+        assert_eq!(e.code, Code::TIMEOUT, "{}", e);
+        assert!(e.message.contains("no reply"), "the send completed, the wait timed out: {}", e);
+        assert!(took >= Duration::from_secs(3), "the send waited for the server: {:?}", took);
+        assert!(took < Duration::from_millis(6500), "one timeout for send and wait: {:?}", took);
     }
 
     #[test]
