@@ -636,6 +636,11 @@ void km_test_publisher_replay_delay_us(km_test_publisher *p, uint32_t us)
     km_publisher_replay_delay_us(p->pub, us);
 }
 
+void km_test_publisher_drop_replay_items(km_test_publisher *p, uint32_t after, uint32_t count)
+{
+    km_publisher_drop_replay_items(p->pub, after, count);
+}
+
 uint64_t km_test_publisher_replay_requests(km_test_publisher *p)
 {
     return km_publisher_replay_requests(p->pub);

@@ -168,6 +168,8 @@ void km_test_publisher_hold_replay(km_test_publisher *p, bool hold);
 void km_test_publisher_mute_replay(km_test_publisher *p, bool mute);
 /* Pause between replayed messages, so live traffic interleaves with a replay. */
 void km_test_publisher_replay_delay_us(km_test_publisher *p, uint32_t us);
+/* The next replay answer loses `count` items after its first `after` (km_publisher's). */
+void km_test_publisher_drop_replay_items(km_test_publisher *p, uint32_t after, uint32_t count);
 /* Replay requests received (held and muted ones included). */
 uint64_t km_test_publisher_replay_requests(km_test_publisher *p);
 uint64_t km_test_publisher_next_seq(km_test_publisher *p);

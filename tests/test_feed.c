@@ -2536,6 +2536,91 @@ Test(feed, the_drop_policy_forgets_media_a_lost_message_left_stale, .timeout = 1
     }
 }
 
+/* A replay answer is consecutive from its first item: a skip after that one is items dropped on
+ * the way, not eviction. The live buffer fills what it holds of the hole; the rest is asked for
+ * again, and nothing is lost. */
+Test(feed, a_replay_that_skips_after_its_first_item_is_asked_again_from_the_hole, .timeout = 10)
+{
+    fx f;
+    fx_init(&f);
+    fx_make(&f, 50, 0);
+    fx_add(&f, 0, true);
+    /* Bootstrap: 0..9, then 15 (10..14 dropped). */
+    km_feed_action a = fx_action(&f, KM_FEED_ACTION_REPLAY_REQUEST);
+    cr_assert_eq(a.start_seq, 0);
+    fx_items(&f, 0, a.request_id, 0, 10);
+    fx_item(&f, 0, a.request_id, 15);
+    km_feed_action c = fx_action(&f, KM_FEED_ACTION_REPLAY_CANCEL);
+    cr_assert_eq(c.request_id, a.request_id);
+    km_feed_action b = fx_action(&f, KM_FEED_ACTION_REPLAY_REQUEST);
+    cr_assert_eq(b.start_seq, 10, "asked again from the hole");
+    fx_no_action(&f);
+    km_feed_worker_info info = fx_info(&f, 0);
+    cr_assert_eq(info.counters.lost, 0);
+    cr_assert_eq(info.counters.replay_holes, 1);
+    cr_assert_eq(info.state, KM_FEED_STATE_SYNCING);
+    cr_assert_eq(info.expected_seq, 10);
+    fx_items(&f, 0, a.request_id, 16, 18); /* the first request's later items are stale */
+    fx_end(&f, 0, a.request_id);
+    cr_assert_eq(fx_info(&f, 0).counters.stale_replay_items, 3);
+    fx_items(&f, 0, b.request_id, 10, 30);
+    fx_end(&f, 0, b.request_id);
+    info = fx_info(&f, 0);
+    cr_assert_eq(info.state, KM_FEED_STATE_LIVE);
+    cr_assert_eq(info.expected_seq, 30);
+    cr_assert_eq(info.counters.replayed, 30);
+
+    /* A gap replay from 35 (35 and 36 missing, 37 and 38 held): it gives 35, then 37. The
+     * buffer does not hold 36: asked again from 36. */
+    fx_live_range(&f, 0, 30, 35);
+    fx_live_range(&f, 0, 37, 39);
+    km_feed_action g = fx_action(&f, KM_FEED_ACTION_REPLAY_REQUEST);
+    cr_assert_eq(g.start_seq, 35);
+    fx_item(&f, 0, g.request_id, 35);
+    fx_item(&f, 0, g.request_id, 37);
+    (void)fx_action(&f, KM_FEED_ACTION_REPLAY_CANCEL);
+    km_feed_action h = fx_action(&f, KM_FEED_ACTION_REPLAY_REQUEST);
+    cr_assert_eq(h.start_seq, 36);
+    fx_items(&f, 0, h.request_id, 36, 39);
+    fx_end(&f, 0, h.request_id);
+    info = fx_info(&f, 0);
+    cr_assert_eq(info.state, KM_FEED_STATE_LIVE);
+    cr_assert_eq(info.expected_seq, 39);
+    cr_assert_eq(info.counters.replay_holes, 2);
+
+    /* A gap replay from 42 (43 and 44 held): it gives 42, then 44. The held 43 fills the hole:
+     * no new request. */
+    fx_live_range(&f, 0, 39, 42);
+    fx_live_range(&f, 0, 43, 45);
+    km_feed_action k = fx_action(&f, KM_FEED_ACTION_REPLAY_REQUEST);
+    cr_assert_eq(k.start_seq, 42);
+    fx_item(&f, 0, k.request_id, 42);
+    fx_item(&f, 0, k.request_id, 44);
+    fx_no_action(&f);
+    fx_end(&f, 0, k.request_id);
+    fx_live_range(&f, 0, 45, 50);
+    info = fx_info(&f, 0);
+    cr_assert_eq(info.state, KM_FEED_STATE_LIVE);
+    cr_assert_eq(info.expected_seq, 50);
+    cr_assert_eq(info.counters.replay_holes, 2);
+    cr_assert_eq(info.counters.lost, 0);
+    cr_assert_eq(info.counters.gaps, 2);
+    fx_check_truth(&f, 0);
+
+    /* A request that starts later than asked is still eviction: its skip is lost. */
+    fx_make(&f, 10, 0);
+    fx_live(&f, 0, 52);
+    km_feed_action e = fx_action(&f, KM_FEED_ACTION_REPLAY_REQUEST);
+    cr_assert_eq(e.start_seq, 50);
+    fx_items(&f, 0, e.request_id, 51, 53);
+    fx_end(&f, 0, e.request_id);
+    info = fx_info(&f, 0);
+    cr_assert_eq(info.counters.lost, 1);
+    cr_assert_eq(info.state, KM_FEED_STATE_DEGRADED);
+    cr_assert_eq(info.counters.replay_holes, 2);
+    fx_free(&f);
+}
+
 Test(feed, replay_failure_and_no_replay_endpoint_lose_history, .timeout = 10)
 {
     fx f;

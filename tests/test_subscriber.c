@@ -375,6 +375,36 @@ Test(subscriber, short_gap_inside_the_replay_buffer, .timeout = 20)
     sx_free(&s);
 }
 
+/* Replay answers that lose items on the way (a ROUTER drops what its peer's pipe cannot take),
+ * at bootstrap and in a gap replay: each hole is asked for again, nothing is lost. */
+Test(subscriber, replay_items_lost_on_the_way_are_asked_for_again, .timeout = 20)
+{
+    sx s;
+    sx_init(&s, NULL);
+    lane *l = sx_lane(&s, NULL, KM_TEST_ENCODING_POSITIONAL, KM_TEST_HASH_INT, 0, 0);
+    sx_publish(&s, l, 40);
+    km_test_publisher_drop_replay_items(l->pub, 10, 5); /* the bootstrap loses 10..14 */
+    sx_follow_ready(&s, l, true, 1);
+    km_feed_worker_info info = sx_wait_applied(&s, l);
+    cr_assert_eq(info.counters.lost, 0);
+    cr_assert_eq(info.counters.replay_holes, 1);
+    cr_assert_eq(info.counters.replay_requests, 2);
+    cr_assert_eq(info.counters.replayed, 40);
+    km_test_publisher_drop_live(l->pub, true);
+    sx_publish(&s, l, 20); /* seqs 40..59 never reach the subscriber live */
+    km_test_publisher_drop_live(l->pub, false);
+    km_test_publisher_drop_replay_items(l->pub, 3, 4); /* the gap replay loses 43..46 */
+    sx_publish(&s, l, 10);
+    info = sx_wait_applied(&s, l);
+    sx_check_reference(&s, l);
+    sx_check_truth(&s, l);
+    cr_assert_eq(info.state, KM_FEED_STATE_LIVE);
+    cr_assert_eq(info.counters.lost, 0);
+    cr_assert_eq(info.counters.gaps, 1);
+    cr_assert_eq(info.counters.replay_holes, 2);
+    sx_free(&s);
+}
+
 Test(subscriber, gap_longer_than_the_replay_buffer, .timeout = 20)
 {
     sx s;

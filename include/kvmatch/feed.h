@@ -181,7 +181,10 @@ int km_feed_malformed(km_feed *feed, uint32_t worker, km_kv_source source, const
  * item with a readable seq (counted as malformed; the seq is consumed only when it is the next
  * seq to apply). An item whose seq the request cannot return (below its start, 2^64-1, a skip
  * past the newest live seq) is refused: counted (refused_replay_items), logged once per request,
- * nothing else changes (docs/EVENTS.md, "Replay items outside the request"). */
+ * nothing else changes (docs/EVENTS.md, "Replay items outside the request"). An item past the
+ * next seq after the request's first item lost the items between on the way: what the held live
+ * messages lack of them is asked for again from the first missing seq (counters.replay_holes; a
+ * REPLAY_CANCEL and a REPLAY_REQUEST action), never counted lost (docs/EVENTS.md, "Gaps"). */
 int km_feed_replay_item(km_feed *feed, uint32_t worker, uint64_t request_id, uint64_t seq,
                         const km_kv_batch *batch, uint64_t now_ns);
 /* km_feed_replay_item with batch NULL, saying why the item did not decode (as
@@ -386,6 +389,8 @@ typedef struct km_feed_worker_counters {
     uint64_t unknown_removes;    /* removed engine hashes not in the map */
     uint64_t buffer_overflows;   /* replays abandoned because the live buffer was full */
     uint64_t stale_replay_items; /* replay answers to a cancelled or superseded request */
+    uint64_t replay_holes;       /* replay answers that skipped ahead after their first item
+                                  * (items dropped on the way), asked again from the hole */
     uint64_t refused_replay_items; /* replay answers whose seq the request cannot return (below
                                   * its start, 2^64-1, skipping past the newest live seq) or, for
                                   * a rejected payload, is not the next seq to apply: skipped */

@@ -6,7 +6,7 @@
  * SGLang form (without). For the simulator's engines and the tests: a real publisher the real
  * subscriber follows. It also carries the faults a simulation injects: live messages dropped on
  * the wire (still buffered, so replay can recover them), a restart (seq back to 0, history gone),
- * history evicted, replay held or muted.
+ * history evicted, replay held, muted or losing items on the way.
  *
  * Threads: one replay thread per publisher owns the ROUTER; km_publisher_publish and the fault
  * knobs may be called from any one thread at a time (the PUB socket is that thread's), the
@@ -75,6 +75,10 @@ void km_publisher_hold_replay(km_publisher *p, bool hold);
 void km_publisher_mute_replay(km_publisher *p, bool mute);
 /* Pause between replayed messages, so live traffic interleaves with a replay. */
 void km_publisher_replay_delay_us(km_publisher *p, uint32_t us);
+/* The next replay answer sends its first `after` items, loses the `count` after them on the way
+ * (as a ROUTER drops what its peer's pipe cannot take), then sends the rest and its end marker.
+ * Answers after it are whole. */
+void km_publisher_drop_replay_items(km_publisher *p, uint32_t after, uint32_t count);
 /* Send arbitrary frames on the live socket (malformed input). */
 int km_publisher_send_frames(km_publisher *p, const km_kv_frame *frames, size_t n);
 

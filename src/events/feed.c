@@ -1106,8 +1106,43 @@ static int replay_item(km_feed *feed, uint32_t id, uint64_t request_id, uint64_t
         w->c.duplicates++;
         return KM_OK;
     }
-    /* The replay skips ahead (its history was evicted): use the live buffer for what it holds of
-     * the hole; the rest is lost. */
+    /* The answer is consecutive from its first item, so a skip after that one is not eviction:
+     * items were dropped on the way (a ROUTER silently drops what its peer's pipe cannot take).
+     * The live buffer fills what it holds of the hole; for the rest, which the engine most
+     * likely still holds, the request is asked again from the hole, this one's later items
+     * being stale. Each request applies at least its first item or declares the hole lost (it
+     * starts later than asked), so this ends. */
+    while (seq > w->expected && w->replay_progress) {
+        held_message *m = buffer_front(w);
+        if (m && m->seq < w->expected) {
+            w->c.duplicates++;
+            buffer_pop(w);
+            continue;
+        }
+        if (!m || m->seq != w->expected)
+            break;
+        message_view hv = km_feed_view_of_held(m);
+        apply_message(feed, w, m->seq, &hv, false, now_ns);
+        buffer_pop(w);
+    }
+    if (seq < w->expected) {
+        w->c.duplicates++;
+        return KM_OK;
+    }
+    if (seq > w->expected && w->replay_progress) {
+        w->c.replay_holes++;
+        feed_log(feed, w, KM_LOG_INFO "replay %" PRIu64 " skips from seq %" PRIu64 " to %" PRIu64
+                 " after its first item: asking again from %" PRIu64, request_id, w->expected,
+                 seq, w->expected);
+        replay_kind kind = w->replay;
+        cancel_replay(feed, w);
+        start_replay(feed, w, kind, w->expected, now_ns);
+        if (w->replay == REPLAY_NONE)
+            drain(feed, w, true, now_ns); /* could not ask: the hole is lost */
+        return KM_OK;
+    }
+    /* The replay starts later than asked (its history was evicted): use the live buffer for what
+     * it holds of the hole; the rest is lost. */
     while (seq > w->expected) {
         held_message *m = buffer_front(w);
         if (m && m->seq < w->expected) {

@@ -48,6 +48,7 @@ struct km_publisher {
     size_t log_count, log_capacity;
     bool drop_live, hold, mute;
     uint32_t delay_us;
+    uint32_t drop_after, drop_count; /* the next answer loses items [after, after + count) */
     uint64_t replay_requests;
     pending_request *pending;
     size_t pending_count, pending_capacity;
@@ -99,6 +100,8 @@ static void serve_replay(km_publisher *p, const pending_request *req)
         copy[n++] = (buffered){b->seq, data, b->size};
     }
     uint32_t delay = p->delay_us;
+    uint32_t drop_after = p->drop_after, drop_count = p->drop_count;
+    p->drop_count = 0;
     pthread_mutex_unlock(&p->lock);
     bool with_topic = p->config.replay_form == KM_REPLAY_WITH_TOPIC;
     for (uint32_t i = 0; i < n; i++) {
@@ -110,7 +113,8 @@ static void serve_replay(km_publisher *p, const pending_request *req)
             f[k++] = (km_kv_frame){p->topic, strlen(p->topic)};
         f[k++] = (km_kv_frame){seq, 8};
         f[k++] = (km_kv_frame){copy[i].payload, copy[i].size};
-        send_parts(p->router, f, k);
+        if (i < drop_after || i - drop_after >= drop_count)
+            send_parts(p->router, f, k);
         free(copy[i].payload);
         if (delay) {
             struct timespec ts = {0, (long)delay * 1000L};
@@ -422,6 +426,14 @@ void km_publisher_replay_delay_us(km_publisher *p, uint32_t us)
 {
     pthread_mutex_lock(&p->lock);
     p->delay_us = us;
+    pthread_mutex_unlock(&p->lock);
+}
+
+void km_publisher_drop_replay_items(km_publisher *p, uint32_t after, uint32_t count)
+{
+    pthread_mutex_lock(&p->lock);
+    p->drop_after = after;
+    p->drop_count = count;
     pthread_mutex_unlock(&p->lock);
 }
 

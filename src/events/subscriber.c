@@ -244,9 +244,9 @@ static void *open_socket(km_subscriber *sub, int type, const char *endpoint, cha
      * publisher's PUB drops past its own high-water mark, and its replay ROUTER, which writes a
      * whole replay (up to its buffer_steps, 10,000 by default) in one tight loop, silently drops
      * whatever its peer pipe (SNDHWM 1000) cannot take. With libzmq's default of 1000 queued here
-     * a replay answered while this thread was held up (a flush or snapshot holding the lock, a
-     * burst on other sockets) lost its middle, read by the feed as evicted history (DEGRADED,
-     * `lost`), or its end marker (a timeout). */
+     * a replay answered while this thread is held up (a flush or snapshot holding the lock, a
+     * burst on other sockets) would lose its middle (asked for again by the feed, one more round
+     * each time) or its end marker (a timeout, and what it had not given lost). */
     int hwm = sub->config.receive_hwm;
     zmq_setsockopt(s, ZMQ_RCVHWM, &hwm, sizeof hwm);
     if (type == ZMQ_SUB)
