@@ -838,7 +838,10 @@ Test(cluster, a_state_too_large_to_send_is_logged_once_and_costs_no_sequence_num
     km_test_sleep_ms(300); /* several heartbeats, each a state that does not fit */
     cr_assert_eq(refusal_lines_count(&lines), 1, "the oversized state said so once: %u",
                  refusal_lines_count(&lines));
-    cr_assert_geq(stats(a).publish_failures, 2);
+    km_cluster_stats sa = stats(a);
+    cr_assert_geq(sa.publish_too_large, 2, "states over the limit counted as too large");
+    cr_assert_geq(sa.publish_failures, sa.publish_too_large);
+    cr_assert_eq(sa.publish_outbox_full, 0);
     /* A change after them: a sequence number spent on a state not sent would show as a gap. */
     km_active_load one = {1, 0, 0, 0, 0, 0};
     cr_assert_eq(km_cluster_publish_load(a, 0, &one), KM_OK);
@@ -1181,6 +1184,12 @@ Test(cluster, a_stalled_nats_server_never_blocks_a_decision, .init = start_serve
     }
     run.stop = true;
     pthread_join(flood, NULL);
+    /* The flood outran a publisher that NATS took nothing from: the outbox dropped the rest. */
+    km_cluster_stats sa = stats(a);
+    cr_assert_gt(sa.publish_outbox_full, 0, "publish_failures %" PRIu64 ", outbox full %" PRIu64,
+                 sa.publish_failures, sa.publish_outbox_full);
+    cr_assert_geq(sa.publish_failures, sa.publish_outbox_full);
+    cr_assert_eq(sa.publish_too_large, 0);
     cr_assert_eq(kill(server.pid, SIGCONT), 0);
     km_active_load l = {7, 0, 0, 0, 0, 0};
     km_cluster_publish_load(a, 3, &l);

@@ -280,6 +280,11 @@ typedef struct km_cluster_stats {
     uint64_t restarted_instances; /* contributions replaced by a new incarnation of their id */
     uint64_t publish_failures;   /* publishes the NATS client refused, messages dropped by a
                                   * full outbox, too large to send, and drops injected */
+    uint64_t publish_outbox_full; /* of publish_failures: dropped by a full outbox (NATS taking
+                                   * nothing, KM_CLUSTER_OUTBOX_MAX_MESSAGES / _BYTES) */
+    uint64_t publish_too_large;  /* of publish_failures: over the server's max_payload even cut
+                                  * to what fits (a state without its work, a prediction's
+                                  * leading hashes) */
     uint64_t skipped_disconnected; /* changes and predictions not sent while disconnected, and
                                     * queued messages the publisher took while disconnected */
     uint64_t reconnects;

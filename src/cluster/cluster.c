@@ -504,6 +504,7 @@ static void outbox_push(km_cluster *c, const cluster_message *m, bool answers_sy
     if (!copy) {
         if (m->kind == CLUSTER_STATE && c->seq == m->seq)
             c->seq--;
+        c->st.publish_outbox_full += c->outbox_count > 0;
         publish_failed(c, c->outbox_count ? "the outbox is full: NATS takes nothing"
                                           : "out of memory");
         return;
@@ -556,6 +557,7 @@ static void publish(km_cluster *c, const cluster_message *m, bool answers_sync)
     }
     if (rc != KM_OK) {
         c->st.publish_failures++;
+        c->st.publish_too_large += rc == KM_ERR_TOO_LARGE;
         /* A state not sent gives its sequence number back (the lock has been held since it was
          * taken): the peers count no message as lost, and the next state replaces it anyway. A
          * change or prediction keeps it spent, so the peers see the gap and mark this instance
@@ -565,8 +567,8 @@ static void publish(km_cluster *c, const cluster_message *m, bool answers_sync)
         if (rc == KM_ERR_TOO_LARGE && !c->too_large_logged)
             cluster_log(c, KM_LOG_WARNING
                         "a %s message of %u workers, %u hashes is over %u bytes without its "
-                        "work: not sent (counted in publish_failures; the peers keep what they "
-                        "had)", m->kind == CLUSTER_STATE    ? "state"
+                        "work: not sent (counted in publish_failures and publish_too_large; the "
+                        "peers keep what they had)", m->kind == CLUSTER_STATE    ? "state"
                                 : m->kind == CLUSTER_PREDICT ? "predict"
                                                              : "change",
                         m->n_workers, m->n_hashes, c->message_max);

@@ -340,6 +340,9 @@ json_t *km_srv_cluster_status(km_server *s)
     json_object_set_new(o, "restarted_instances",
                         json_integer((json_int_t)st.restarted_instances));
     json_object_set_new(o, "publish_failures", json_integer((json_int_t)st.publish_failures));
+    json_object_set_new(o, "publish_outbox_full",
+                        json_integer((json_int_t)st.publish_outbox_full));
+    json_object_set_new(o, "publish_too_large", json_integer((json_int_t)st.publish_too_large));
     json_object_set_new(o, "skipped_disconnected",
                         json_integer((json_int_t)st.skipped_disconnected));
     json_object_set_new(o, "reconnects", json_integer((json_int_t)st.reconnects));
@@ -417,6 +420,11 @@ void km_srv_cluster_metrics(km_server *s, km_text *out)
          KM_METRIC_COUNTER},
         {"kvmatch_cluster_publish_failures_total", "Publishes that did not go out.",
          KM_METRIC_COUNTER},
+        {"kvmatch_cluster_publish_outbox_full_total",
+         "Of the publishes that did not go out, those a full outbox dropped.", KM_METRIC_COUNTER},
+        {"kvmatch_cluster_publish_too_large_total",
+         "Of the publishes that did not go out, those over the server's max_payload.",
+         KM_METRIC_COUNTER},
         {"kvmatch_cluster_sync_requests_total", "Sync requests of other instances received.",
          KM_METRIC_COUNTER},
         {"kvmatch_cluster_sync_answers_total",
@@ -434,6 +442,8 @@ void km_srv_cluster_metrics(km_server *s, km_text *out)
                        (double)st.lost_messages,
                        (double)st.expired_instances,
                        (double)st.publish_failures,
+                       (double)st.publish_outbox_full,
+                       (double)st.publish_too_large,
                        (double)st.sync_requests,
                        (double)st.sync_answers};
     for (size_t i = 0; i < sizeof fam / sizeof fam[0]; i++) {
