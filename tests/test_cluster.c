@@ -7,6 +7,7 @@
 #include <math.h>
 #include <pthread.h>
 #include <signal.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <string.h>
 #include <sys/wait.h>
@@ -1127,15 +1128,15 @@ Test(cluster, a_burst_of_sync_requests_costs_a_peer_few_states_and_each_request_
 
 typedef struct stalled_run {
     km_cluster *c;
-    volatile bool stop;
-    volatile bool done;
+    atomic_bool stop;
+    atomic_bool done;
 } stalled_run;
 
 /* Changes as fast as they go, so the connection's socket fills while the server reads nothing. */
 static void *publish_until_stopped(void *arg)
 {
     stalled_run *r = arg;
-    for (uint64_t i = 0; !r->stop; i++) {
+    for (uint64_t i = 0; !atomic_load(&r->stop); i++) {
         km_active_load l = {i % 100 + 1, 1, 1000 + i, 0, 0, 0};
         km_cluster_publish_load(r->c, (uint32_t)(i % WORKERS), &l);
     }
@@ -1154,7 +1155,7 @@ static void *one_decision(void *arg)
     km_cluster_get_stats(r->c, &st);
     km_cluster_view v;
     km_cluster_get_view(r->c, mono_ns(), &v);
-    r->done = true;
+    atomic_store(&r->done, true);
     return NULL;
 }
 
@@ -1175,14 +1176,14 @@ Test(cluster, a_stalled_nats_server_never_blocks_a_decision, .init = start_serve
         stalled_run decision = {.c = a};
         pthread_t t;
         cr_assert_eq(pthread_create(&t, NULL, one_decision, &decision), 0);
-        WAIT_UNTIL(decision.done, 5000);
-        if (!decision.done) {
+        WAIT_UNTIL(atomic_load(&decision.done), 5000);
+        if (!atomic_load(&decision.done)) {
             kill(server.pid, SIGCONT);
             cr_assert_fail("decision %d did not complete within 5 s while NATS is stopped", i);
         }
         pthread_join(t, NULL);
     }
-    run.stop = true;
+    atomic_store(&run.stop, true);
     pthread_join(flood, NULL);
     /* The flood outran a publisher that NATS took nothing from: the outbox dropped the rest. */
     km_cluster_stats sa = stats(a);

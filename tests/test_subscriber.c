@@ -1282,8 +1282,8 @@ Test(subscriber, refused_replay_items_do_not_keep_a_request_alive, .timeout = 30
 
 typedef struct signaller {
     pthread_t target;
-    volatile int stop;
-    unsigned long sent;
+    atomic_int stop;
+    unsigned long sent; /* the signalling thread's; read after it is joined */
 } signaller;
 
 static void ignore_signal(int sig)
@@ -1294,7 +1294,7 @@ static void ignore_signal(int sig)
 static void *send_signals(void *arg)
 {
     signaller *g = arg;
-    while (!g->stop) {
+    while (!atomic_load(&g->stop)) {
         pthread_kill(g->target, SIGUSR1);
         g->sent++;
         usleep(20);
@@ -1335,7 +1335,7 @@ Test(subscriber, commands_interrupted_by_signals_get_their_own_answers, .timeout
             first_wrong = rc;
         }
     }
-    g.stop = 1;
+    atomic_store(&g.stop, 1);
     pthread_join(t, NULL);
     cr_assert_gt(g.sent, 100, "too few signals (%lu) to interrupt anything", g.sent);
     cr_assert_eq(wrong, 0,
