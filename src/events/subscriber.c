@@ -40,6 +40,26 @@
 
 #include <zmq.h>
 
+/* The control PAIR orders a command's writes before the I/O thread reads them, and the I/O thread's
+ * answer before the caller reads it. libzmq is not built with ThreadSanitizer, which therefore
+ * cannot see that ordering through its lock-free pipes: under ThreadSanitizer these state it at
+ * each send (RELEASE) and receive (ACQUIRE); otherwise they are nothing. */
+#if defined(__SANITIZE_THREAD__)
+#define SUBSCRIBER_TSAN 1
+#elif defined(__has_feature)
+#if __has_feature(thread_sanitizer)
+#define SUBSCRIBER_TSAN 1
+#endif
+#endif
+#ifdef SUBSCRIBER_TSAN
+#include <sanitizer/tsan_interface.h>
+#define CONTROL_RELEASE(sub) __tsan_release(&(sub)->control_caller)
+#define CONTROL_ACQUIRE(sub) __tsan_acquire(&(sub)->control_caller)
+#else
+#define CONTROL_RELEASE(sub) ((void)(sub))
+#define CONTROL_ACQUIRE(sub) ((void)(sub))
+#endif
+
 /* Frames kept per message; more means a malformed message (the decoder wants 3 or 4). */
 #define MAX_FRAMES 8u /* note_malformed names this number */
 
@@ -625,6 +645,7 @@ static void handle_control(km_subscriber *sub, uint64_t now)
 {
     command *c;
     while (zmq_recv(sub->control_io, &c, sizeof c, ZMQ_DONTWAIT) == (int)sizeof c) {
+        CONTROL_ACQUIRE(sub);
         c->status = KM_OK;
         c->error[0] = '\0';
         switch (c->kind) {
@@ -635,6 +656,7 @@ static void handle_control(km_subscriber *sub, uint64_t now)
         case COMMAND_CHECK: command_check(sub, c); break;
         }
         char done = 1;
+        CONTROL_RELEASE(sub);
         zmq_send(sub->control_io, &done, 1, 0);
         if (sub->stopping)
             return;
@@ -842,6 +864,7 @@ static int run_command(km_subscriber *sub, command *c)
     pthread_mutex_lock(&sub->control_lock);
     int rc = KM_OK, n;
     command *p = c;
+    CONTROL_RELEASE(sub);
     do
         n = zmq_send(sub->control_caller, &p, sizeof p, 0);
     while (n < 0 && errno == EINTR);
@@ -852,6 +875,7 @@ static int run_command(km_subscriber *sub, command *c)
         do
             n = zmq_recv(sub->control_caller, &done, 1, 0);
         while (n < 0 && errno == EINTR);
+        CONTROL_ACQUIRE(sub);
         if (n != 1) /* ETERM only, and the context lives until km_subscriber_destroy */
             rc = KM_ERR_IO;
     }
