@@ -7,6 +7,7 @@
 #include "sim/trace.h"
 
 #include <inttypes.h>
+#include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -19,24 +20,29 @@
 
 /* ---- seeds and random numbers ------------------------------------------------------------- */
 
+static uint64_t test_seed;
+static pthread_once_t test_seed_once = PTHREAD_ONCE_INIT;
+
+static void test_seed_choose(void)
+{
+    const char *env = getenv("KM_TEST_SEED");
+    if (env && *env) {
+        test_seed = strtoull(env, NULL, 0);
+    } else {
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        test_seed = ((uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec) ^
+                    ((uint64_t)getpid() << 40);
+        test_seed %= UINT64_C(10000000000000); /* short enough to copy from a log line */
+    }
+}
+
+/* Chosen once per process, whichever thread asks first: threads of one test that ask at the same
+ * time get the same seed, the one the test logs. */
 uint64_t km_test_seed(void)
 {
-    static int have;
-    static uint64_t seed;
-    if (!have) {
-        const char *env = getenv("KM_TEST_SEED");
-        if (env && *env) {
-            seed = strtoull(env, NULL, 0);
-        } else {
-            struct timespec ts;
-            clock_gettime(CLOCK_REALTIME, &ts);
-            seed = ((uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec) ^
-                   ((uint64_t)getpid() << 40);
-            seed %= UINT64_C(10000000000000); /* short enough to copy from a log line */
-        }
-        have = 1;
-    }
-    return seed;
+    pthread_once(&test_seed_once, test_seed_choose);
+    return test_seed;
 }
 
 static uint64_t splitmix64(uint64_t *x)
