@@ -3,6 +3,8 @@
 #                   and builds into build-cpu/)
 #   make test       unit and property tests (Criterion)
 #   make asan       the tests again under AddressSanitizer + UndefinedBehaviorSanitizer (CPU only)
+#   make tsan       the threaded suites (TSAN_SUITES) under ThreadSanitizer (CPU only; not part of
+#                   make test; fails on any report, those of kvmatch processes a test starts too)
 #   make cuda       compile the kernels for sm_90 (fails if nvcc is missing)
 #   make bench      benchmarks -> bench/results/*.json
 #   make fuzz       libFuzzer harnesses (tests/fuzz/) under ASan + UBSan, FUZZ_SECONDS each (needs
@@ -108,8 +110,8 @@ PC := $(BUILD)/kvmatch.pc
 BIN := $(BUILD)/kvmatch
 TEST_BIN := $(BUILD)/kvmatch-tests
 
-.PHONY: all test test-deps asan cuda bench run deps clean fuzz fuzz-build fuzz-bins fuzz-replay \
-        soak install uninstall shared check-engines
+.PHONY: all test test-deps asan tsan cuda bench run deps clean fuzz fuzz-build fuzz-bins \
+        fuzz-replay soak install uninstall shared check-engines
 all: $(BIN) $(LIB) $(SHLIB) $(PC)
 shared: $(SHLIB) $(PC)
 
@@ -223,6 +225,38 @@ asan: test-deps
 	    LSAN_OPTIONS=fast_unwind_on_malloc=0:suppressions=$(CURDIR)/tests/lsan.supp \
 	    KM_FAIL_ON_SANITIZER=1 scripts/run-tests.sh build-asan/kvmatch-tests
 
+# The suites with threads of their own or of a server they start. Excluded by name: tests that
+# measure resident memory (ThreadSanitizer's shadow memory and allocator change it) and tests whose
+# pass depends on work finishing within a fixed time (the sanitizer makes it 5 to 15 times slower).
+TSAN_SUITES ?= thread_pool match subscriber feed server cluster cluster_serve cluster_work \
+               restart replica pools client timeouts sim_instances
+TSAN_EXCLUDE ?= add_and_remove_hundreds_of_times_leaves_nothing \
+                an_idle_connection_keeps_no_large_frame_decoded \
+                a_long_replay_survives_a_stalled_io_thread \
+                half_sent_frames_and_stalled_readers_are_closed_after_their_timeouts
+tsan_space := $(subst ,, )
+tsan_alternatives = $(subst $(tsan_space),|,$(strip $(1)))
+TSAN_REPORTS := $(CURDIR)/build-tsan/tsan-reports
+# Reports go to files (log_path), one per process, so those of kvmatch processes a test starts are
+# kept even where the test reads their stderr; exitcode=0 lets such a process exit as it would, and
+# the run fails on any report file instead. die_after_fork=0: the sanitizer's own thread makes
+# every process multithreaded, and some tests fork a child that starts threads.
+# tests/tsan/criterion_arena.so lets Criterion map its arena beside the sanitizer's shadow memory.
+tsan: test-deps
+	$(Q)$(MAKE) --no-print-directory BUILD=build-tsan CUDA=0 \
+	    SANITIZE="-fsanitize=thread -fno-omit-frame-pointer" \
+	    build-tsan/kvmatch build-tsan/kvmatch-tests
+	$(Q)$(CC) -O2 -shared -fPIC tests/tsan/criterion_arena.c -o build-tsan/criterion_arena.so -ldl
+	$(Q)rm -rf $(TSAN_REPORTS) && mkdir -p $(TSAN_REPORTS)
+	$(Q)LD_PRELOAD=$(CURDIR)/build-tsan/criterion_arena.so \
+	    TSAN_OPTIONS="suppressions=$(CURDIR)/tests/tsan.supp log_path=$(TSAN_REPORTS)/report \
+	    exitcode=0 halt_on_error=0 second_deadlock_stack=1 die_after_fork=0" \
+	    KM_TEST_FILTER='@($(call tsan_alternatives,$(TSAN_SUITES)))/!($(call \
+	    tsan_alternatives,$(TSAN_EXCLUDE)))' scripts/run-tests.sh build-tsan/kvmatch-tests
+	$(Q)if ls $(TSAN_REPORTS)/report.* >/dev/null 2>&1; then \
+	    grep -h 'SUMMARY: ThreadSanitizer' $(TSAN_REPORTS)/report.* | sort | uniq -c; \
+	    echo "make tsan: ThreadSanitizer reports in $(TSAN_REPORTS)" >&2; exit 1; fi
+
 cuda:
 	@test -n "$(NVCC)" || { echo "make cuda: nvcc not found (set NVCC or CUDA_HOME)"; exit 1; }
 	$(Q)$(MAKE) --no-print-directory CUDA=1 all
@@ -310,6 +344,6 @@ soak: all
 	$(Q)scripts/soak.sh $(BIN)
 
 clean:
-	rm -rf build build-cpu build-asan build-fuzz
+	rm -rf build build-cpu build-asan build-tsan build-fuzz
 
 -include $(LIB_OBJ:.o=.d) $(CLI_OBJ:.o=.d) $(TEST_OBJ:.o=.d)
