@@ -3,8 +3,11 @@
  * the sharing it promises (shared prefixes, sessions whose turns extend each other, bounded
  * prompts), chain hashes that share exactly the tokens the ids share, and workload statistics
  * against a brute-force count over chain hashes. */
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
+#include <unistd.h>
 
 #include <criterion/criterion.h>
 
@@ -382,4 +385,37 @@ Test(sim_workload, bad_configs_and_trim, .timeout = 10)
     cr_assert_geq(t.requests[99].timestamp_ms + 1, last / 2);
     cr_assert_eq(km_sim_trace_trim(&t, 0, 0), KM_ERR_INVALID_ARGUMENT);
     km_trace_free(&t);
+}
+
+/* Generation whose arrays cannot be allocated (a common header of 16 MB, and as much for the
+ * prompt, with the address space capped 8 MB above what the process holds) fails with
+ * KM_ERR_OUT_OF_MEMORY and leaves the trace empty. Each test runs in a process of its own, so the
+ * cap ends with it. */
+Test(sim_workload, arrays_that_cannot_be_allocated_are_out_of_memory, .timeout = 10)
+{
+#if defined(__SANITIZE_ADDRESS__)
+    cr_skip_test("AddressSanitizer reserves its shadow memory: an address space cap fails it");
+#endif
+    km_sim_generator_config cfg;
+    km_sim_generator_config_init(&cfg);
+    cfg.common_tokens = 512u * 4000000u;
+    cfg.max_input_tokens = cfg.common_tokens + 64u * 512u;
+    unsigned long pages = 0;
+    FILE *statm = fopen("/proc/self/statm", "r");
+    cr_assert_not_null(statm);
+    cr_assert_eq(fscanf(statm, "%lu", &pages), 1);
+    fclose(statm);
+    struct rlimit before, capped;
+    cr_assert_eq(getrlimit(RLIMIT_AS, &before), 0);
+    capped = before;
+    capped.rlim_cur = (rlim_t)pages * (rlim_t)sysconf(_SC_PAGESIZE) + (8u << 20);
+    cr_assert_eq(setrlimit(RLIMIT_AS, &capped), 0);
+    km_trace t;
+    char why[256] = "";
+    int rc = km_sim_generate_trace(&cfg, &t, why, sizeof why);
+    cr_assert_eq(setrlimit(RLIMIT_AS, &before), 0);
+    cr_assert_eq(rc, KM_ERR_OUT_OF_MEMORY, "%d: %s", rc, why);
+    cr_assert(strstr(why, "out of memory"), "%s", why);
+    cr_assert_eq(t.n_requests, 0);
+    cr_assert_null(t.requests);
 }

@@ -283,7 +283,7 @@ int km_sim_generate_trace(const km_sim_generator_config *cfg, km_trace *out, cha
     prompt p = {malloc((size_t)max_ids * sizeof(uint32_t)), 0, max_ids, 0};
     stage st = {0};
     rc = header && pre_first && pre_len && pre_weight && p.ids ? KM_OK : KM_ERR_OUT_OF_MEMORY;
-    for (uint32_t i = 0; i < header_ids; i++)
+    for (uint32_t i = 0; !rc && i < header_ids; i++)
         header[i] = next_id++;
     double total_weight = 0;
     for (uint32_t k = 0; !rc && k < cfg->prefixes; k++) {
