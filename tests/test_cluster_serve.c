@@ -66,6 +66,10 @@ static void quiet_log(void *user, const char *line)
 
 static void node_start_with(node *n, const char *instance, km_server_worker *workers);
 
+/* When set, the next node started gets an index capped at its size when created (256 blocks):
+ * it refuses any growth. */
+static bool g_cap_index;
+
 static void node_start(node *n, const char *instance)
 {
     node_start_with(n, instance, g_workers);
@@ -93,6 +97,21 @@ static void node_start_with(node *n, const char *instance, km_server_worker *wor
     cfg.cluster_instance = instance;
     cfg.cluster_heartbeat_ms = 50;
     cfg.cluster_expire_ms = 2000;
+    if (g_cap_index) {
+        km_index_config ic;
+        km_index_config_init(&ic);
+        ic.max_workers = cfg.max_workers;
+        ic.backend = cfg.backend;
+        ic.threads = cfg.index_threads;
+        ic.initial_blocks = 256;
+        km_index *probe = NULL;
+        cr_assert_eq(km_index_create(&ic, &probe), KM_OK);
+        km_index_stats ist;
+        cr_assert_eq(km_index_get_stats(probe, &ist), KM_OK);
+        km_index_destroy(probe);
+        cfg.index_initial_blocks = ic.initial_blocks;
+        cfg.index_memory_cap_bytes = ist.memory_bytes;
+    }
     memset(&g_pool, 0, sizeof g_pool);
     g_pool.name = "main";
     g_pool.model = "m1";
@@ -401,6 +420,42 @@ static void wait_predictions(node *n, const char *key, json_int_t want)
     json_int_t got = predictions_int(n, key);
     cr_assert_eq(got, want, "cluster.predictions.%s: %lld, expected %lld", key, (long long)got,
                  (long long)want);
+}
+
+/* A prediction from another instance that the pool's index refuses to take (its memory cap) is
+ * counted dropped, not applied. */
+Test(cluster_serve, a_prediction_the_index_refuses_is_dropped_not_applied,
+     .init = start_nats, .fini = stop_nats, .timeout = 60)
+{
+    node a, b;
+    node_start(&a, "a");
+    g_cap_index = true;
+    node_start(&b, "b");
+    g_cap_index = false;
+    km_client *ca = connect_to(&a);
+    km_message reply;
+    enum { PROMPTS = 200 }; /* 600 blocks: past the 256 b's index holds */
+    char id[32];
+    for (uint32_t i = 0; i < PROMPTS; i++) {
+        snprintf(id, sizeof id, "a-%u", i);
+        route_prompt(ca, id, 10000 + 100 * i, &reply);
+    }
+    for (int t = 0; t < 500 && predictions_int(&b, "received") < PROMPTS; t++)
+        km_test_sleep_ms(10);
+    cr_assert_eq(predictions_int(&b, "received"), PROMPTS);
+    json_int_t applied = 0, dropped = 0;
+    for (int t = 0; t < 500 && applied + dropped < PROMPTS; t++) {
+        km_test_sleep_ms(10);
+        applied = predictions_int(&b, "applied");
+        dropped = predictions_int(&b, "dropped");
+    }
+    cr_assert_eq(applied + dropped, PROMPTS, "applied %lld, dropped %lld", (long long)applied,
+                 (long long)dropped);
+    cr_assert_gt(dropped, 0, "the capped index refused some: applied %lld", (long long)applied);
+    cr_assert_gt(applied, 0, "the first ones fit");
+    km_client_close(ca);
+    node_stop(&b);
+    node_stop(&a);
 }
 
 Test(cluster_serve, approximate_mode_predictions_and_lessons_reach_the_other_instance,

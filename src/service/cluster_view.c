@@ -82,6 +82,7 @@ void km_srv_cluster_prediction_outcome(km_server *s, const remote_prediction *r,
     switch (outcome) {
     case SRV_PREDICTION_APPLIED: s->predictions_applied++; break;
     case SRV_PREDICTION_OBSERVED: s->predictions_observed++; break;
+    case SRV_PREDICTION_DROPPED: s->predictions_dropped++; break;
     case SRV_PREDICTION_REFUSED:
         s->predictions_refused++;
         snprintf(line, sizeof line, "instance %s: pool %s has no worker %u here", r->instance,
@@ -454,7 +455,8 @@ void km_srv_cluster_metrics(km_server *s, km_text *out)
     km_prom_write_family(out, predictions,
                          "Approximate-mode predictions shared between instances, by outcome "
                          "(sent by this one; received, applied, ignored for KV events, refused "
-                         "for an unknown pool or worker, dropped when too many were queued).",
+                         "for an unknown pool or worker, dropped when too many were queued or "
+                         "the index refused them).",
                          KM_METRIC_COUNTER);
     pthread_mutex_lock(&s->predictions_lock);
     const struct {

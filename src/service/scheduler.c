@@ -329,7 +329,10 @@ static void apply_remote_predictions(km_server *s, batch_scratch *b, uint64_t no
                 rc = approx_apply(s, p, w->pool, b, b->updates.updates,
                                   b->updates.n_updates);
             km_approx_updates_clear(&b->updates);
-            km_srv_cluster_prediction_outcome(s, r, SRV_PREDICTION_APPLIED);
+            /* Not taught (the index's memory cap, no memory): approx_apply has made the worker
+             * forget its assumed blocks, as for a local decision. */
+            km_srv_cluster_prediction_outcome(s, r, rc == KM_OK ? SRV_PREDICTION_APPLIED
+                                                                : SRV_PREDICTION_DROPPED);
         }
         free(r);
         r = next;

@@ -653,6 +653,7 @@ typedef enum srv_prediction_outcome {
     SRV_PREDICTION_APPLIED,  /* taught to the worker as a prediction, like a local decision */
     SRV_PREDICTION_OBSERVED, /* the worker is fed by KV events here: observations win, ignored */
     SRV_PREDICTION_REFUSED,  /* no such pool here, or the worker is not one of it */
+    SRV_PREDICTION_DROPPED,  /* not taught: the pool's index refused it (memory cap, no memory) */
 } srv_prediction_outcome;
 void km_srv_cluster_prediction_outcome(km_server *s, const remote_prediction *r,
                                        srv_prediction_outcome outcome);
