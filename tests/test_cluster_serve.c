@@ -97,21 +97,8 @@ static void node_start_with(node *n, const char *instance, km_server_worker *wor
     cfg.cluster_instance = instance;
     cfg.cluster_heartbeat_ms = 50;
     cfg.cluster_expire_ms = 2000;
-    if (g_cap_index) {
-        km_index_config ic;
-        km_index_config_init(&ic);
-        ic.max_workers = cfg.max_workers;
-        ic.backend = cfg.backend;
-        ic.threads = cfg.index_threads;
-        ic.initial_blocks = 256;
-        km_index *probe = NULL;
-        cr_assert_eq(km_index_create(&ic, &probe), KM_OK);
-        km_index_stats ist;
-        cr_assert_eq(km_index_get_stats(probe, &ist), KM_OK);
-        km_index_destroy(probe);
-        cfg.index_initial_blocks = ic.initial_blocks;
-        cfg.index_memory_cap_bytes = ist.memory_bytes;
-    }
+    if (g_cap_index)
+        km_test_cap_server_index_at_creation(&cfg);
     memset(&g_pool, 0, sizeof g_pool);
     g_pool.name = "main";
     g_pool.model = "m1";

@@ -236,26 +236,6 @@ static void check_schema(srv *s, bool *checked)
     *checked = true;
 }
 
-/* Each pool's index capped at what it takes at creation (256 initial blocks): its block table
- * cannot grow. */
-static void cap_index_at_creation(km_server_config *cfg)
-{
-    km_index_config ic;
-    km_index_config_init(&ic);
-    ic.max_workers = cfg->max_workers;
-    ic.backend = cfg->backend;
-    ic.threads = cfg->index_threads;
-    ic.initial_blocks = 256;
-    ic.log = quiet_log;
-    km_index *probe_index = NULL;
-    cr_assert_eq(km_index_create(&ic, &probe_index), KM_OK);
-    km_index_stats ist;
-    cr_assert_eq(km_index_get_stats(probe_index, &ist), KM_OK);
-    km_index_destroy(probe_index);
-    cfg->index_initial_blocks = ic.initial_blocks;
-    cfg->index_memory_cap_bytes = ist.memory_bytes;
-}
-
 /* ---- tests ----------------------------------------------------------------------------------- */
 
 Test(server, route_lifecycle_and_records, .timeout = 30)
@@ -2871,7 +2851,7 @@ Test(server, memory_cap_refusals_are_visible_and_logged_sparingly, .timeout = 60
     km_server_worker ws[1] = {{0, "capped", KM_SERVER_LOCAL_EVENTS, NULL, false, 0, NULL}};
     g_pool.workers = ws;
     g_pool.n_workers = 1;
-    cap_index_at_creation(&cfg);
+    km_test_cap_server_index_at_creation(&cfg);
     srv_start(&s, &cfg);
     km_client *c = connect_client(&s);
     km_test_batch b;
@@ -3022,7 +3002,7 @@ Test(server, routes_queued_by_a_closed_connection_are_dropped, .timeout = 60)
     km_server_worker ws[1] = {{0, "capped", KM_SERVER_LOCAL_EVENTS, NULL, false, 0, NULL}};
     g_pool.workers = ws;
     g_pool.n_workers = 1;
-    cap_index_at_creation(&cfg);
+    km_test_cap_server_index_at_creation(&cfg);
     srv_start(&s, &cfg);
     /* More blocks than the capped index holds: the scheduler's flush fails and logs. */
     enum { BLOCKS = 1024, ROUTES = 40 };
@@ -4450,7 +4430,7 @@ Test(server, blocks_the_index_refused_are_stored_once_it_has_room, .timeout = 60
     km_server_config cfg;
     test_config(&cfg, &s, KM_POLICY_PREFIX, 2);
     cfg.records_path = NULL;
-    cap_index_at_creation(&cfg);
+    km_test_cap_server_index_at_creation(&cfg);
     srv_start(&s, &cfg);
     km_client *c = connect_client(&s);
     /* Worker 1 takes some room; worker 0 fills the rest, one decision per batch, until a

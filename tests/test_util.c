@@ -1074,6 +1074,23 @@ void km_test_config(km_index_config *cfg, int *log_counter)
     cfg->log_user = log_counter;
 }
 
+void km_test_cap_server_index_at_creation(km_server_config *cfg)
+{
+    km_index_config ic;
+    km_test_config(&ic, NULL);
+    ic.max_workers = cfg->max_workers;
+    ic.backend = cfg->backend;
+    ic.threads = cfg->index_threads;
+    ic.initial_blocks = 256;
+    km_index *probe = NULL;
+    cr_assert_eq(km_index_create(&ic, &probe), KM_OK);
+    km_index_stats ist;
+    cr_assert_eq(km_index_get_stats(probe, &ist), KM_OK);
+    km_index_destroy(probe);
+    cfg->index_initial_blocks = ic.initial_blocks;
+    cfg->index_memory_cap_bytes = ist.memory_bytes;
+}
+
 km_index *km_test_growing_index(uint32_t max_workers, uint32_t segment_blocks, uint32_t threads)
 {
     km_index_config cfg;

@@ -197,6 +197,10 @@ void km_test_config(km_index_config *cfg, int *log_counter);
 /* A CPU index of max_workers workers, segment_blocks and `threads` scoring lanes, created small
  * (initial_blocks 256) so its tables grow during a test; asserts on failure. */
 km_index *km_test_growing_index(uint32_t max_workers, uint32_t segment_blocks, uint32_t threads);
+/* Give a server configuration's pools an index capped at its size when created (initial_blocks
+ * 256, memory_cap_bytes what such an index holds, with cfg's max_workers, backend and threads):
+ * any growth is refused. */
+void km_test_cap_server_index_at_creation(km_server_config *cfg);
 /* One update of the growth tests: store a random corpus chain whole on a random worker of W, or
  * (15%) remove up to 8 blocks from its end instead (copied into tail, which *u then points to).
  * Returns 0 when the chain drawn is empty (no update). */

@@ -949,6 +949,24 @@ mod tests {
     use std::path::PathBuf;
     use std::process::{Command, Stdio};
 
+    /// One length-prefixed frame's payload off `conn`; None when the peer went away.
+    fn read_frame(conn: &mut UnixStream) -> Option<Vec<u8>> {
+        let mut header = [0u8; 4];
+        conn.read_exact(&mut header).ok()?;
+        let mut payload = vec![0u8; u32::from_be_bytes(header) as usize];
+        conn.read_exact(&mut payload).ok()?;
+        Some(payload)
+    }
+
+    /// `reply` as a length-prefixed frame.
+    fn frame_of(reply: &Value) -> Vec<u8> {
+        let mut frame = vec![0u8; 4];
+        reply.encode(&mut frame);
+        let length = (frame.len() - 4) as u32;
+        frame[..4].copy_from_slice(&length.to_be_bytes());
+        frame
+    }
+
     /// A fake server on `path`: WELCOME to the HELLO, then every ROUTE's reply (a DECISION, or a
     /// STATUS_REPLY, of the wrong type, to a route whose request_id is in `wrong`) held until a
     /// route of request_id "release" comes, then all sent in order before its own.
@@ -960,15 +978,7 @@ mod tests {
                 Err(_) => return,
             };
             let mut held = Vec::new();
-            loop {
-                let mut header = [0u8; 4];
-                if conn.read_exact(&mut header).is_err() {
-                    return;
-                }
-                let mut payload = vec![0u8; u32::from_be_bytes(header) as usize];
-                if conn.read_exact(&mut payload).is_err() {
-                    return;
-                }
+            while let Some(payload) = read_frame(&mut conn) {
                 let m = Value::decode(&payload).expect("a request");
                 let id = m.get("id").cloned().unwrap_or(Value::UInt(0));
                 let request_id = m
@@ -1000,11 +1010,7 @@ mod tests {
                         message("DECISION", vec![("id", id), ("decisions", decisions)])
                     }
                 };
-                let mut frame = vec![0u8; 4];
-                reply.encode(&mut frame);
-                let length = (frame.len() - 4) as u32;
-                frame[..4].copy_from_slice(&length.to_be_bytes());
-                held.extend(frame);
+                held.extend(frame_of(&reply));
                 if request_id.is_empty() || request_id == "release" {
                     if conn.write_all(&held).is_err() {
                         return;
@@ -1031,25 +1037,17 @@ mod tests {
                 Ok((conn, _)) => conn,
                 Err(_) => return,
             };
-            let mut header = [0u8; 4];
-            if conn.read_exact(&mut header).is_err() {
-                return;
-            }
-            let mut payload = vec![0u8; u32::from_be_bytes(header) as usize];
-            if conn.read_exact(&mut payload).is_err() {
-                return;
-            }
+            let payload = match read_frame(&mut conn) {
+                Some(p) => p,
+                None => return,
+            };
             let id = Value::decode(&payload).ok().and_then(|m| m.get("id").cloned());
             let welcome = message("WELCOME", vec![
                 ("id", id.unwrap_or(Value::UInt(0))),
                 ("protocol", Value::UInt(1)),
                 ("kvmatch_version", Value::Str("fake".into())),
             ]);
-            let mut frame = vec![0u8; 4];
-            welcome.encode(&mut frame);
-            let length = (frame.len() - 4) as u32;
-            frame[..4].copy_from_slice(&length.to_be_bytes());
-            if conn.write_all(&frame).is_err() {
+            if conn.write_all(&frame_of(&welcome)).is_err() {
                 return;
             }
             std::thread::sleep(stall);
