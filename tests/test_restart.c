@@ -1443,20 +1443,28 @@ static int follow_stop(pid_t pid, FILE *f)
     return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
 }
 
+/* Publish 20 messages on s's engine, run `kvmatch follow` of its worker (the argument naming its
+ * endpoints written into arg) until it has applied them, and stop it: SIGTERM, its snapshot
+ * written to s's path, exit 0. */
+static void follow_twenty_and_stop(rx *s, char *arg, size_t arg_size)
+{
+    rx_publish(s, 20);
+    snprintf(arg, arg_size, "%u=%s,%s", s->worker, km_test_publisher_endpoint(s->pub),
+             km_test_publisher_replay_endpoint(s->pub));
+    FILE *out;
+    pid_t pid = follow_start(arg, s->path, &out);
+    cr_assert(follow_wait_line(out, "LIVE, next seq 20"), "follow never applied the history");
+    cr_assert_eq(follow_stop(pid, out), 0);
+}
+
 Test(restart, follow_snapshots_on_sigterm_and_restores, .timeout = 40)
 {
     if (access(follow_bin(), X_OK) != 0)
         cr_skip_test("%s not built", follow_bin());
     rx s;
     rx_init(&s, 0);
-    rx_publish(&s, 20);
     char arg[600];
-    snprintf(arg, sizeof arg, "%u=%s,%s", s.worker, km_test_publisher_endpoint(s.pub),
-             km_test_publisher_replay_endpoint(s.pub));
-    FILE *out;
-    pid_t pid = follow_start(arg, s.path, &out);
-    cr_assert(follow_wait_line(out, "LIVE, next seq 20"), "follow never applied the history");
-    cr_assert_eq(follow_stop(pid, out), 0);
+    follow_twenty_and_stop(&s, arg, sizeof arg);
 
     /* The snapshot restores: same worker, same position, the index of a gap-free run. */
     km_index *index = km_test_make_index(1024);
@@ -1479,7 +1487,8 @@ Test(restart, follow_snapshots_on_sigterm_and_restores, .timeout = 40)
 
     /* Started again: it restores and resumes from seq 20. */
     rx_publish(&s, 5);
-    pid = follow_start(arg, s.path, &out);
+    FILE *out;
+    pid_t pid = follow_start(arg, s.path, &out);
     cr_assert(follow_wait_line(out, "restore"), "no restore line");
     cr_assert(follow_wait_line(out, "LIVE, next seq 25"), "follow never resumed");
     cr_assert_eq(follow_stop(pid, out), 0);
@@ -1496,16 +1505,11 @@ Test(restart, follow_keeps_a_snapshot_of_another_block_size, .timeout = 40)
         cr_skip_test("%s not built", follow_bin());
     rx s;
     rx_init(&s, 0);
-    rx_publish(&s, 20);
     char arg[600];
-    snprintf(arg, sizeof arg, "%u=%s,%s", s.worker, km_test_publisher_endpoint(s.pub),
-             km_test_publisher_replay_endpoint(s.pub));
-    FILE *out;
-    pid_t pid = follow_start(arg, s.path, &out);
-    cr_assert(follow_wait_line(out, "LIVE, next seq 20"), "follow never applied the history");
-    cr_assert_eq(follow_stop(pid, out), 0);
+    follow_twenty_and_stop(&s, arg, sizeof arg);
 
-    pid = follow_start_with(arg, s.path, "16", true, &out);
+    FILE *out;
+    pid_t pid = follow_start_with(arg, s.path, "16", true, &out);
     char restore_line[256];
     snprintf(restore_line, sizeof restore_line, "restore %s: KM_ERR_INCOMPATIBLE", s.path);
     cr_assert(follow_wait_line(out, restore_line), "no restore line naming the failure");

@@ -186,6 +186,22 @@ Test(trace, file_without_requests_is_refused, .timeout = 20)
     }
 }
 
+/* Case i (of n) is refused with KM_ERR_PARSE by the loader and by sim alike, each naming line
+ * i + 1 and `field_says` ("\"name\": what"). */
+static void refused_at_their_line(const char *const *cases, size_t n, const char *field_says)
+{
+    for (size_t i = 0; i < n; i++) {
+        char err[256] = "", where[96];
+        snprintf(where, sizeof where, ":%zu: field %s", i + 1, field_says);
+        cr_assert_eq(load_string(cases[i], NULL, err, sizeof err), KM_ERR_PARSE, "case %zu: %s",
+                     i, err);
+        cr_assert(strstr(err, where), "case %zu: %s", i, err);
+        char why[512] = "";
+        cr_assert_eq(sim_string(cases[i], why, sizeof why), KM_ERR_PARSE, "case %zu: %s", i, why);
+        cr_assert(strstr(why, where), "case %zu: %s", i, why);
+    }
+}
+
 /* A request without ids has no prompt to expand: refused at its line. sim failed on it with
  * "KM_ERR_NULL_POINTER: request 0: tokens" when it came first, and routed the previous request's
  * first token for it otherwise. */
@@ -195,16 +211,7 @@ Test(trace, request_without_ids_is_refused, .timeout = 20)
         LINE("0", "100", "[]") LINE("5", "100", "[1]"),
         LINE("0", "100", "[1]") LINE("5", "100", "[]"),
     };
-    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
-        char err[256] = "", where[32];
-        snprintf(where, sizeof where, ":%zu: field \"hash_ids\": empty", i + 1);
-        cr_assert_eq(load_string(cases[i], NULL, err, sizeof err), KM_ERR_PARSE, "case %zu: %s",
-                     i, err);
-        cr_assert(strstr(err, where), "case %zu: %s", i, err);
-        char why[512] = "";
-        cr_assert_eq(sim_string(cases[i], why, sizeof why), KM_ERR_PARSE, "case %zu: %s", i, why);
-        cr_assert(strstr(why, where), "case %zu: %s", i, why);
-    }
+    refused_at_their_line(cases, sizeof cases / sizeof cases[0], "\"hash_ids\": empty");
 }
 
 /* A trace line of n ids (0, 1, ..., n - 1) and the given input length, at timestamp ts. */
@@ -319,16 +326,7 @@ Test(trace, empty_prompt_is_refused, .timeout = 20)
         LINE("0", "0", "[1]") LINE("5", "100", "[1]"),
         LINE("0", "100", "[1]") LINE("5", "0", "[1, 2]"),
     };
-    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
-        char err[256] = "", where[48];
-        snprintf(where, sizeof where, ":%zu: field \"input_length\": 0 tokens", i + 1);
-        cr_assert_eq(load_string(cases[i], NULL, err, sizeof err), KM_ERR_PARSE, "case %zu: %s",
-                     i, err);
-        cr_assert(strstr(err, where), "case %zu: %s", i, err);
-        char why[512] = "";
-        cr_assert_eq(sim_string(cases[i], why, sizeof why), KM_ERR_PARSE, "case %zu: %s", i, why);
-        cr_assert(strstr(why, where), "case %zu: %s", i, why);
-    }
+    refused_at_their_line(cases, sizeof cases / sizeof cases[0], "\"input_length\": 0 tokens");
     km_trace t;
     char err[256] = "";
     cr_assert_eq(load_string(LINE("0", "1", "[1]"), &t, err, sizeof err), KM_OK, "%s", err);

@@ -874,44 +874,17 @@ func TestRefusedReplies(t *testing.T) {
 // request's id added. A HELLO that answer leaves nil gets a WELCOME; another request closes the
 // connection.
 func fakeAnswering(t *testing.T, answer func(request fakeMap) fakeMap) string {
-	path := filepath.Join(t.TempDir(), "fake.sock")
-	l, err := net.Listen("unix", path)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { l.Close() })
-	go func() {
-		nc, err := l.Accept()
-		if err != nil {
-			return
+	return fakeReplying(t, func(m fakeMap) interface{} {
+		reply := answer(m)
+		if reply == nil && m["type"] == "HELLO" {
+			reply = fakeMap{"type": "WELCOME", "protocol": 1, "kvmatch_version": "fake"}
 		}
-		defer nc.Close()
-		for {
-			var header [4]byte
-			if _, err := io.ReadFull(nc, header[:]); err != nil {
-				return
-			}
-			payload := make([]byte, binary.BigEndian.Uint32(header[:]))
-			if _, err := io.ReadFull(nc, payload); err != nil {
-				return
-			}
-			var m fakeMap
-			if msgpack.Unmarshal(payload, &m) != nil {
-				return
-			}
-			reply := answer(m)
-			if reply == nil && m["type"] == "HELLO" {
-				reply = fakeMap{"type": "WELCOME", "protocol": 1, "kvmatch_version": "fake"}
-			}
-			if reply == nil {
-				return
-			}
-			reply["id"] = m["id"]
-			b, _ := msgpack.Marshal(reply)
-			writeFrame(nc, b)
+		if reply == nil {
+			return nil
 		}
-	}()
-	return "unix:" + path
+		reply["id"] = m["id"]
+		return reply
+	})
 }
 
 type fakeMap = map[string]interface{}
