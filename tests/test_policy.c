@@ -235,7 +235,7 @@ Test(policy, kind_and_reason_names, .timeout = 30)
 
     const char *reasons[] = {"min_cost",    "sampled",   "cache_hit", "imbalance", "below_threshold",
                              "deepest_match", "no_match", "least_load", "round_robin", "max_score",
-                             "exploit",     "explore",   "min_ttft",  "spread"};
+                             "exploit",     "explore",   "min_ttft",  "spread",    "warm_up"};
     cr_assert_eq(KM_POLICY_REASON_COUNT, sizeof reasons / sizeof reasons[0]);
     for (unsigned r = 0; r < KM_POLICY_REASON_COUNT; r++)
         cr_assert_str_eq(km_policy_reason_name((km_policy_reason)r), reasons[r]);

@@ -49,7 +49,7 @@ static km_policy_config config(km_policy_kind kind)
 
 static km_policy_request request(uint32_t n_blocks, uint64_t prompt, uint64_t output)
 {
-    km_policy_request r = {n_blocks, 16, prompt, output};
+    km_policy_request r = {n_blocks, 16, prompt, output, false};
     return r;
 }
 
@@ -203,7 +203,7 @@ Test(policy_peers, a_huge_prompt_never_makes_a_cold_worker_cheaper_than_a_warm_o
                                 UINT64_MAX};
     for (size_t i = 0; i < sizeof prompts / sizeof prompts[0]; i++) {
         km_policy_candidate c[2] = {cand(0, 0, 0, 0, 0, 0), cand(1, 4, 0, 0, 0, 0)};
-        km_policy_request req = {8, 16, prompts[i], 0};
+        km_policy_request req = {8, 16, prompts[i], 0, false};
         double costs[2];
         km_policy_decision d = decide(&cfg, &req, c, 2, costs);
         cr_assert_leq(costs[1], costs[0], "prompt %" PRIu64 ": warm %g, cold %g", prompts[i],
@@ -293,7 +293,7 @@ Test(policy_peers, costs_do_not_depend_on_the_pools_block_size, .timeout = 30)
         cfg.engine.host_load_us_per_block = 50; /* per 16-token block */
         double costs[2][3];
         for (uint32_t scale = 1; scale <= 4; scale += 3) { /* blocks of 16, then of 64 tokens */
-            km_policy_request req = {40 / scale, 16 * scale, 640, 20};
+            km_policy_request req = {40 / scale, 16 * scale, 640, 20, false};
             /* w1: 960 of the engine's 1000 blocks allocated (a memory wait for the request's 42),
              * 32 blocks of the prompt, 8 of them in host memory; w2: half as full, cold; w3:
              * nearly empty, 16 blocks of the prompt. */
@@ -465,6 +465,81 @@ Test(policy_peers, ttft_copies_a_prefix_only_while_it_is_a_share_of_its_holders_
     }
 }
 
+/* With warm-ups, the copy the bound wants is made by a prefill of the prefix alone: the request
+ * stays with the holder (the choice without the bound) and the worker the bound would have chosen
+ * is named to be warmed up with the holder's hit. Where the bound passes over nobody, or the
+ * choice without it is no holder, nothing changes and nothing is warmed. */
+Test(policy_peers, ttft_warms_a_copy_up_instead_of_a_request_paying_for_it, .timeout = 30)
+{
+    km_policy_config cfg = config(KM_POLICY_TTFT);
+    km_policy_request req = request(100, 1610, 20);
+    /* As above: 12 in flight, the bound 6, w1 holds 100 blocks with 10 in flight, 3 sharing. */
+    km_policy_candidate c[3] = {cand(1, 100, 10, 0, 0, 0), cand(2, 0, 1, 0, 0, 0),
+                                cand(3, 0, 2, 0, 0, 0)};
+    c[0].prefix_sharers = 3;
+    double costs[3], plain_costs[3];
+    km_policy_decision plain = decide(&cfg, &req, c, 3, plain_costs);
+    cr_assert_eq(plain.chosen, 1, "the bound copies the prefix to the least loaded cold worker");
+    cr_assert_eq(plain.warm_up, KM_POLICY_NO_WARM_UP, "no warm-up unless the caller can do one");
+    cr_assert_eq(plain.warm_up_blocks, 0);
+    req.warm_ups = true;
+    km_policy_decision d = decide(&cfg, &req, c, 3, costs);
+    cr_assert_eq(d.chosen, 0, "the request stays with the holder");
+    cr_assert_eq(d.reason, KM_POLICY_REASON_MIN_TTFT);
+    cr_assert_eq(d.warm_up, 1, "the worker the bound chose is warmed up");
+    /* The hit an engine counts: (1610 - 1) / 16 = 100 blocks. */
+    cr_assert_eq(d.warm_up_blocks, 100);
+    cr_assert(!isnan(costs[0]), "the holder's cost is the one compared");
+    cr_assert_float_eq(d.chosen_cost, costs[0], 1e-9);
+    cr_assert_float_eq(costs[1], plain_costs[1], 1e-9);
+    cr_assert_float_eq(costs[2], plain_costs[2], 1e-9);
+    /* The prompt ends inside its last block: the hit stops short of the last token's block. */
+    km_policy_request aligned = request(100, 1600, 20);
+    aligned.warm_ups = true;
+    d = decide(&cfg, &aligned, c, 3, costs);
+    cr_assert_eq(d.warm_up_blocks, 99, "a block-aligned prompt recomputes its last block");
+    /* A cold prefix (no sharers): the bound passes over nobody, nothing is warmed. */
+    c[0].prefix_sharers = 0;
+    d = decide(&cfg, &req, c, 3, costs);
+    cr_assert_eq(d.chosen, 0);
+    cr_assert_eq(d.warm_up, KM_POLICY_NO_WARM_UP);
+    c[0].prefix_sharers = 3;
+    /* The holder so swamped that a cold worker is the best choice even without the bound: that
+     * is a plain copy, paid by the request, and nothing else is warmed. */
+    c[0].prefilling = 10;
+    c[0].pending_prefill_tokens = 10000000;
+    d = decide(&cfg, &req, c, 3, costs);
+    cr_assert_eq(d.chosen, 1);
+    cr_assert_eq(d.warm_up, KM_POLICY_NO_WARM_UP);
+    c[0].prefilling = 0;
+    c[0].pending_prefill_tokens = 0;
+    /* A worker within the bound that will hold the prefix once its queued prefill has run (a
+     * warm-up routed there): the holder is no longer passed over, and nothing more is warmed. */
+    c[1].queued_depth = 100;
+    c[1].prefilling = 1;
+    c[1].pending_prefill_tokens = 1600;
+    d = decide(&cfg, &req, c, 3, costs);
+    cr_assert_eq(d.warm_up, KM_POLICY_NO_WARM_UP);
+    cr_assert(!isnan(costs[0]));
+    c[1].queued_depth = 0;
+    c[1].prefilling = 0;
+    c[1].pending_prefill_tokens = 0;
+    /* Bound off: never a warm-up. Other policies: never one either. */
+    cfg.ttft.load_bound = 0.0;
+    d = decide(&cfg, &req, c, 3, costs);
+    cr_assert_eq(d.chosen, 0);
+    cr_assert_eq(d.warm_up, KM_POLICY_NO_WARM_UP);
+    km_policy_kind others[] = {KM_POLICY_KV,          KM_POLICY_CACHE_AWARE, KM_POLICY_PREFIX,
+                               KM_POLICY_LEAST_LOAD,  KM_POLICY_ROUND_ROBIN, KM_POLICY_LLMD,
+                               KM_POLICY_PREBLE};
+    for (size_t k = 0; k < sizeof others / sizeof others[0]; k++) {
+        km_policy_config oc = config(others[k]);
+        d = decide(&oc, &req, c, 3, NULL);
+        cr_assert_eq(d.warm_up, KM_POLICY_NO_WARM_UP, "%s", km_policy_kind_name(others[k]));
+        cr_assert_eq(d.warm_up_blocks, 0);
+    }
+}
+
 static km_policy_candidate random_candidate(km_rng *r, uint32_t worker, uint32_t n_blocks)
 {
     uint32_t in_flight = km_rng_below(r, 50);
@@ -582,4 +657,66 @@ Test(policy_peers, ttft_spread_stays_within_its_window, .timeout = 60)
                      k, costs[k], c[k].last_arrival, d.chosen, costs[d.chosen],
                      c[d.chosen].last_arrival);
     }
+}
+
+/* On fresh random candidates: with warm-ups the decision is the one without them, except that,
+ * when a warm-up is asked for, the request goes to the choice the same rule makes with the bound
+ * off, which the bound left out and which holds a deeper queued hit than the warmed worker, and
+ * the warmed worker is the choice without warm-ups, to be warmed with exactly that hit. */
+Test(policy_peers, ttft_warm_ups_match_the_decisions_with_and_without_the_bound, .timeout = 60)
+{
+    km_rng r;
+    km_rng_init(&r, km_test_seed());
+    uint32_t asked = 0;
+    for (int i = 0; i < 4000; i++) {
+        km_policy_config cfg = config(KM_POLICY_TTFT);
+        cfg.ttft.spread_ms = km_rng_percent(&r, 50) ? 0.0 : 1.0;
+        uint32_t n_blocks = 1 + km_rng_below(&r, 200), n = 2 + km_rng_below(&r, 10);
+        km_policy_request req = request(n_blocks, (uint64_t)n_blocks * 16 + km_rng_below(&r, 16),
+                                        km_rng_below(&r, 500));
+        km_policy_candidate c[12];
+        for (uint32_t k = 0; k < n; k++) {
+            c[k] = random_candidate(&r, 10 + k, n_blocks);
+            c[k].prefix_sharers = km_rng_below(&r, 8);
+            c[k].in_flight = km_rng_percent(&r, 30) ? 20 + km_rng_below(&r, 30)
+                                                     : km_rng_below(&r, 4);
+            c[k].prefilling = c[k].in_flight ? km_rng_below(&r, c[k].in_flight + 1) : 0;
+            if (!c[k].prefilling)
+                c[k].queued_depth = 0;
+            c[k].pending_prefill_tokens = km_rng_percent(&r, 50) ? 0 : km_rng_below(&r, 3000);
+        }
+        double plain_costs[12], costs[12], unbounded_costs[12];
+        km_policy_decision plain = decide(&cfg, &req, c, n, plain_costs);
+        req.warm_ups = true;
+        km_policy_decision d = decide(&cfg, &req, c, n, costs);
+        km_policy_config off = cfg;
+        off.ttft.load_bound = 0.0;
+        off.ttft.spread_ms = 0.0;
+        km_policy_decision unbounded = decide(&off, &req, c, n, unbounded_costs);
+        KM_CHECK(plain.warm_up == KM_POLICY_NO_WARM_UP, "a warm-up nobody can carry out");
+        if (d.warm_up == KM_POLICY_NO_WARM_UP) {
+            KM_CHECK(d.chosen == plain.chosen && d.reason == plain.reason &&
+                     d.warm_up_blocks == 0, "no warm-up, yet not the plain decision");
+            continue;
+        }
+        asked++;
+        KM_CHECK(d.warm_up == plain.chosen, "warmed %u, not the bound's choice %u", d.warm_up,
+                 plain.chosen);
+        KM_CHECK(d.chosen == unbounded.chosen, "chose %u, not the unbounded choice %u", d.chosen,
+                 unbounded.chosen);
+        KM_CHECK(isnan(plain_costs[d.chosen]), "the holder was not left out by the bound");
+        KM_CHECK(!isnan(costs[d.chosen]) && costs[d.chosen] == unbounded_costs[d.chosen],
+                 "the holder's cost is its unbounded one");
+        uint64_t t = req.prompt_tokens;
+        uint32_t cap = (uint32_t)((t - 1) / 16);
+        uint32_t q = c[d.chosen].queued_depth > c[d.chosen].depth ? c[d.chosen].queued_depth
+                                                                 : c[d.chosen].depth;
+        uint32_t hit = q < cap ? q : cap;
+        uint32_t wq = c[d.warm_up].queued_depth > c[d.warm_up].depth ? c[d.warm_up].queued_depth
+                                                                    : c[d.warm_up].depth;
+        KM_CHECK(d.warm_up_blocks == hit && hit > (wq < cap ? wq : cap),
+                 "warm-up of %u blocks; the holder's hit is %u, the warmed worker's %u",
+                 d.warm_up_blocks, hit, wq < cap ? wq : cap);
+    }
+    cr_assert_gt(asked, 50, "only %u of 4000 decisions asked for a warm-up", asked);
 }

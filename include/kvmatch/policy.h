@@ -39,7 +39,9 @@
  *                store, and the worker's queued prefill, decodes and KV), plus the prefill work a
  *                choice adds over the best-cached worker times the requests waiting where it adds
  *                it; a worker loaded past a bound is passed over while the request's prefix is
- *                hot there, so a hot prefix is copied rather than queued behind; workers within
+ *                hot there, so a hot prefix is copied rather than queued behind (or, where the
+ *                caller can warm a worker up, the request stays with the holder and the copy is
+ *                made by a prefill of the prefix alone, which no user waits for); workers within
  *                ttft.spread_ms of the lowest take arrivals in turn.
  * The exact rule of each is documented at km_policy_decide.
  *
@@ -48,6 +50,7 @@
 #ifndef KVMATCH_POLICY_H
 #define KVMATCH_POLICY_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -60,6 +63,7 @@ extern "C" {
 
 /* "No owner": no candidate holds even the request's first block. */
 #define KM_POLICY_NO_OWNER UINT32_MAX
+#define KM_POLICY_NO_WARM_UP UINT32_MAX
 
 #define KM_POLICY_KIND_LIST(X)                                                                     \
     X(KM_POLICY_KV, "kv")                                                                          \
@@ -93,7 +97,9 @@ typedef enum km_policy_kind {
  *   explore          preble: otherwise -> the lowest estimated load + prefill cost
  *   min_ttft         ttft: the lowest predicted time to first token
  *   spread           ttft: not the lowest, but within spread_ms of it and the oldest last
- *                    arrival of those */
+ *                    arrival of those
+ *   warm_up          ttft: not a user request's decision but the warm-up another decision asked
+ *                    for (km_policy_decision.warm_up): the caller records it with this reason */
 #define KM_POLICY_REASON_LIST(X)                                                                   \
     X(KM_POLICY_REASON_MIN_COST, "min_cost")                                                       \
     X(KM_POLICY_REASON_SAMPLED, "sampled")                                                         \
@@ -108,7 +114,8 @@ typedef enum km_policy_kind {
     X(KM_POLICY_REASON_EXPLOIT, "exploit")                                                         \
     X(KM_POLICY_REASON_EXPLORE, "explore")                                                         \
     X(KM_POLICY_REASON_MIN_TTFT, "min_ttft")                                                       \
-    X(KM_POLICY_REASON_SPREAD, "spread")
+    X(KM_POLICY_REASON_SPREAD, "spread")                                                           \
+    X(KM_POLICY_REASON_WARM_UP, "warm_up")
 
 typedef enum km_policy_reason {
 #define KM_POLICY_REASON_ENUM(value, name) value,
@@ -229,6 +236,10 @@ typedef struct km_policy_request {
      * must be >= n_blocks * block_size (a partial last block is not scored but must be prefilled). */
     uint64_t prompt_tokens;
     uint64_t expected_output_tokens; /* 0 = unknown */
+    /* The caller can carry out a warm-up (km_policy_decision.warm_up): send a prefill of the
+     * request's leading blocks alone to another worker, which nobody waits for. false: no
+     * decision asks for one. */
+    bool warm_ups;
 } km_policy_request;
 
 /* Mutable per-pool state: the round-robin cursor and a splitmix64 random source for softmax
@@ -252,6 +263,12 @@ typedef struct km_policy_decision {
     double match_ratio;
     double chosen_cost;     /* costs_out[chosen] (see km_policy_decide for its unit) */
     km_policy_reason reason;
+    /* Index of the candidate to warm up, or KM_POLICY_NO_WARM_UP: the caller sends it a prefill
+     * of the request's first warm_up_blocks blocks (one output token, no user waiting), so that
+     * the request's prefix is cached there too. Only ttft with req->warm_ups asks (rule at
+     * km_policy_decide). */
+    uint32_t warm_up;
+    uint32_t warm_up_blocks; /* 0 without a warm-up */
 } km_policy_decision;
 
 /* ---- configuration ----------------------------------------------------------------------- */
@@ -390,6 +407,13 @@ const char *km_policy_last_error(const km_policy_state *state);
  *   weighed candidates whose cost is at most the lowest + spread_ms, the smallest last_arrival
  *   wins instead (ties: the order above). Reason min_ttft, or spread when that is not the
  *   lowest-cost candidate; costs_out: the costs.
+ *   Warm-ups (req->warm_ups): when the bound left out the candidate that the same rule without the
+ *   bound would choose (the holder of the hot prefix), and it holds a deeper queued hit than the
+ *   candidate chosen within the bound, the request goes to that holder instead (reason min_ttft,
+ *   its cost in costs_out), and the decision asks for the within-bound choice to be warmed up
+ *   with the holder's queued hit (warm_up, warm_up_blocks): the copy the bound wants is made, but
+ *   no user request waits for its cold prefill. Once the warm-up is routed (queued there), the
+ *   warmed worker's queued hit matches the holder's and the bound passes over nobody for it.
  *
  * Only round_robin (cursor) and kv with temperature > 0 (one random draw) change *state; a failed
  * call changes nothing but state->last_error.

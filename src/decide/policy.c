@@ -830,6 +830,40 @@ static bool ttft_before(double cost_a, const km_policy_candidate *a, double cost
     return by_depth < 0 || (by_depth == 0 && compare_load(a, b) < 0);
 }
 
+/* The bound chose out->chosen within it. When the choice without the bound is a holder the bound
+ * left out, with a deeper queued hit than out->chosen's, the request goes to that holder and
+ * out->chosen is warmed up with the holder's queued hit instead: the same copy, made by a
+ * prefill no user waits for. */
+static void ttft_warm_up_instead(const km_policy_config *cfg, const km_policy_request *req,
+                                 const km_policy_candidate *cands, uint32_t n,
+                                 const ttft_terms *bounded, km_policy_decision *out,
+                                 double *costs_out)
+{
+    ttft_terms unbounded = *bounded;
+    unbounded.any_within = false;
+    uint32_t holder = 0;
+    double holder_ms = NAN;
+    for (uint32_t i = 0; i < n; i++) {
+        double ms = ttft_cost_ms(cfg, req, &unbounded, &cands[i]);
+        if (isnan(holder_ms) || ttft_before(ms, &cands[i], holder_ms, &cands[holder])) {
+            holder = i;
+            holder_ms = ms;
+        }
+    }
+    uint32_t warmed = out->chosen;
+    uint32_t hit = queued_hit_blocks(req, &cands[holder]);
+    if (holder == warmed || !isnan(ttft_cost_ms(cfg, req, bounded, &cands[holder])) ||
+        hit <= queued_hit_blocks(req, &cands[warmed]))
+        return;
+    out->chosen = holder;
+    out->chosen_cost = holder_ms;
+    out->reason = KM_POLICY_REASON_MIN_TTFT;
+    out->warm_up = warmed;
+    out->warm_up_blocks = hit;
+    if (costs_out)
+        costs_out[holder] = holder_ms;
+}
+
 static void decide_ttft(const km_policy_config *cfg, const km_policy_request *req,
                         const km_policy_candidate *cands, uint32_t n, km_policy_decision *out,
                         double *costs_out)
@@ -864,6 +898,8 @@ static void decide_ttft(const km_policy_config *cfg, const km_policy_request *re
     out->chosen = pick;
     out->chosen_cost = pick_ms;
     out->reason = pick == best ? KM_POLICY_REASON_MIN_TTFT : KM_POLICY_REASON_SPREAD;
+    if (req->warm_ups && t.any_within)
+        ttft_warm_up_instead(cfg, req, cands, n, &t, out, costs_out);
 }
 
 /* ---- validation and dispatch -------------------------------------------------------------- */
@@ -935,6 +971,7 @@ int km_policy_decide(const km_policy_config *cfg, km_policy_state *state,
     d.owner = find_owner(cands, n);
     d.owner_depth = d.owner == KM_POLICY_NO_OWNER ? 0 : cands[d.owner].depth;
     d.match_ratio = req->n_blocks ? (double)d.owner_depth / (double)req->n_blocks : 0.0;
+    d.warm_up = KM_POLICY_NO_WARM_UP;
 
     switch (cfg->kind) {
     case KM_POLICY_KV:
