@@ -62,6 +62,8 @@ typedef struct decision_spec {
     int n_cands;
     const char *reason; /* decision.reason; NULL = "min_cost" */
     int null_reason;    /* decision.reason null instead */
+    int warm_up;        /* a warm-up: decision.warm_up_for is warm_up_for (else absent) */
+    int64_t warm_up_for;
 } decision_spec;
 
 typedef struct outcome_spec {
@@ -137,6 +139,9 @@ static json_t *make_decision(const decision_spec *d)
                   worker_depth(d->chosen, d->chosen_state, d->chosen_blocks), "owner_is_chosen",
                   d->owner && !strcmp(d->owner, d->chosen), "load", "kind", "in_flight", "value",
                   1.0, "scope", "this_instance"));
+    if (d->warm_up)
+        json_object_set_new(json_object_get(o, "decision"), "warm_up_for",
+                            json_integer(d->warm_up_for));
     json_t *cands = json_array();
     for (int i = 0; i < d->n_cands; i++) {
         const cand_spec *c = &d->cands[i];
@@ -591,6 +596,62 @@ Test(analyze, null_cached_tokens_is_unknown_not_zero, .timeout = 10)
     EQ(s->reuse.exact, 0);
     EQ(s->outside_windows.known, 1);
     cr_expect_str_eq(s->workers[0].host, "", "a null host is the empty name");
+    km_analysis_destroy(a);
+    remove_dir(dir);
+}
+
+/* A warm-up (decision.warm_up_for set, or an outcome whose attempt id ends ":warm_up" with its
+ * decision missing) is a prefill nobody waited for: counted apart, in no figure, its time to
+ * first token in no percentile. A warm_up_for that is not an integer >= 0 makes the line
+ * invalid. */
+Test(analyze, warm_ups_are_counted_apart_and_in_no_figure, .timeout = 10)
+{
+    char dir[64], path[128];
+    make_temp_dir(dir);
+    FILE *f = open_in(dir, "r.jsonl", path, sizeof path);
+    decision_spec d = {.instance = "i", .id = 1, .request = "r1", .attempt = "0", .host = NULL,
+                       .pool = "p", .time_ns = 10, .source = "events", .prompt = 64, .owner = "A",
+                       .owner_state = "LIVE", .owner_blocks = 3, .chosen = "A", .chosen_state = "LIVE",
+                       .chosen_blocks = 3, .policy = "ttft", .reason = "min_ttft",
+                       .cands = {{"A", "LIVE", 3, 0}, {"B", "LIVE", 0, 0}}, .n_cands = 2};
+    decision_spec w = d;
+    w.id = 2, w.attempt = "0:warm_up", w.time_ns = 11, w.owner = NULL, w.chosen = "B",
+    w.chosen_blocks = 0, w.reason = "warm_up", w.warm_up = 1, w.warm_up_for = 1, w.n_cands = 1;
+    w.cands[0] = (cand_spec){"B", "LIVE", 0, 0};
+    decision_spec orphan = w;
+    orphan.id = 3, orphan.request = "r3", orphan.attempt = ":warm_up";
+    decision_spec bad = w;
+    bad.id = 4, bad.request = "r4", bad.warm_up_for = -5;
+    write_record(f, make_decision(&d));
+    write_record(f, make_decision(&w));
+    write_record(f, make_decision(&bad));
+    write_outcome_of(f, &d, "complete", 200, 48, 5000000);
+    write_outcome_of(f, &w, "complete", 200, 0, 90000000);
+    write_outcome_of(f, &orphan, "error", 200, 0, 80000000);
+    fclose(f);
+    const char *paths[] = {path};
+    km_analysis *a = analyze_files(NULL, paths, 1);
+    const km_analysis_summary *s = km_analysis_summary_get(a);
+    EQ(s->input.decisions, 2);
+    EQ(s->input.invalid, 1);
+    EQ(s->input.outcomes, 3);
+    EQ(s->input.warm_ups, 1);
+    EQ(s->outcomes.complete, 1);
+    EQ(s->outcomes.error, 0);
+    EQ(s->outcomes.ttft_known, 1);
+    cr_expect_float_eq(s->outcomes.ttft_p99_ms, 5.0, 1e-9);
+    EQ(s->reuse.outcomes, 1);
+    EQ(s->reuse.known, 1);
+    EQ(s->join.outcomes_without_decision, 0);
+    EQ(s->join.decisions_without_outcome, 0);
+    km_text text;
+    km_text_init(&text, 0);
+    cr_assert_eq(km_analysis_render_text(a, &text), KM_OK);
+    cr_assert(strstr(text.data, "1 of the decisions are warm-ups"), "%s", text.data);
+    km_text_free(&text);
+    json_t *root = json_report(a);
+    cr_assert_eq(json_count(root, "input", "warm_ups"), 1);
+    json_decref(root);
     km_analysis_destroy(a);
     remove_dir(dir);
 }

@@ -144,6 +144,8 @@ static void rand_route(km_rng *r, km_route_request *q)
     q->prompt_tokens = q->has_prompt_tokens ? rand_route_tokens(r) : 0;
     q->has_expected_output_tokens = km_rng_percent(r, 50);
     q->expected_output_tokens = q->has_expected_output_tokens ? rand_route_tokens(r) : 0;
+    q->brief = km_rng_percent(r, 50);
+    q->warm_ups = km_rng_percent(r, 50);
 }
 
 static void rand_decision(km_rng *r, km_route_decision *d)
@@ -189,6 +191,14 @@ static void rand_decision(km_rng *r, km_route_decision *d)
         c[i].eligible = km_rng_percent(r, 50);
     }
     d->candidates = c;
+    d->has_warm_up = km_rng_percent(r, 30);
+    if (d->has_warm_up) {
+        d->warm_up_worker = rand_u32(r);
+        d->warm_up_blocks = rand_u32(r);
+        d->warm_up_tokens = rand_u64(r);
+        d->warm_up_decision_id = rand_u64(r);
+        d->warm_up_attempt_id = rand_str(r, false);
+    }
 }
 
 static void rand_event(km_rng *r, km_lifecycle_event *e)
@@ -474,6 +484,8 @@ static void eq_message(const km_message *a, const km_message *b)
             EQ_NUM(x->prompt_tokens, y->prompt_tokens, "prompt_tokens");
             EQ_NUM(x->has_expected_output_tokens, y->has_expected_output_tokens, "has_eot");
             EQ_NUM(x->expected_output_tokens, y->expected_output_tokens, "expected_output_tokens");
+            EQ_NUM(x->brief, y->brief, "brief");
+            EQ_NUM(x->warm_ups, y->warm_ups, "warm_ups");
         }
         break;
     case KM_MESSAGE_DECISION:
@@ -519,6 +531,12 @@ static void eq_message(const km_message *a, const km_message *b)
                 EQ_STR(p->state, q->state, "cand.state");
                 EQ_NUM(p->eligible, q->eligible, "cand.eligible");
             }
+            EQ_NUM(x->has_warm_up, y->has_warm_up, "has_warm_up");
+            EQ_NUM(x->warm_up_worker, y->warm_up_worker, "warm_up_worker");
+            EQ_NUM(x->warm_up_blocks, y->warm_up_blocks, "warm_up_blocks");
+            EQ_NUM(x->warm_up_tokens, y->warm_up_tokens, "warm_up_tokens");
+            EQ_NUM(x->warm_up_decision_id, y->warm_up_decision_id, "warm_up_decision_id");
+            EQ_STR(x->warm_up_attempt_id, y->warm_up_attempt_id, "warm_up_attempt_id");
         }
         break;
     case KM_MESSAGE_LIFECYCLE:

@@ -220,6 +220,13 @@ static void gen_decision(gen *g, km_decision_record *r)
         c->eligible = km_rng_percent(&g->rng, 80);
     }
     r->candidates = r->n_candidates ? g->candidates : (km_rng_percent(&g->rng, 50) ? NULL : g->candidates);
+    if (km_rng_percent(&g->rng, 30)) {
+        r->warm_up.worker = WORKERS[km_rng_below(&g->rng, 5)];
+        r->warm_up.blocks = km_rng_below(&g->rng, 5000);
+        r->warm_up.decision_id = gen_count(g, false);
+    } else if (km_rng_percent(&g->rng, 30)) {
+        r->warm_up_for = gen_count(g, false);
+    }
 }
 
 static void gen_outcome(gen *g, km_outcome_record *r)
@@ -408,7 +415,7 @@ static void check_decision_line(const char *line, size_t len, const km_decision_
     expect_worker(member(p, "owner"), &r->owner, r->block_size);
 
     json_t *d = member(o, "decision");
-    expect_keys(d, 5);
+    expect_keys(d, 7);
     expect_string(d, "policy", r->policy);
     expect_string(d, "reason", r->reason);
     expect_worker(member(d, "chosen"), &r->chosen, r->block_size);
@@ -421,6 +428,17 @@ static void check_decision_line(const char *line, size_t len, const km_decision_
     expect_string(load, "kind", r->load_kind);
     expect_real(load, "value", r->load_value);
     expect_string(load, "scope", "this_instance");
+    json_t *warm = member(d, "warm_up");
+    if (!r->warm_up.worker) {
+        KM_CHECK(json_is_null(warm), "warm_up should be null");
+    } else {
+        expect_keys(warm, 4);
+        expect_string(warm, "worker", r->warm_up.worker);
+        expect_int(warm, "blocks", r->warm_up.blocks);
+        expect_tokens(warm, "tokens", r->warm_up.blocks, r->block_size);
+        expect_int(warm, "decision_id", r->warm_up.decision_id);
+    }
+    expect_int(d, "warm_up_for", r->warm_up_for);
 
     json_t *cs = member(o, "candidates");
     KM_CHECK(json_is_array(cs) && json_array_size(cs) == r->n_candidates, "candidates: %zu, expected %zu",

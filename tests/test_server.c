@@ -4089,6 +4089,20 @@ Test(server, a_decision_over_thousands_of_candidates_is_recorded, .timeout = 60)
 }
 
 /* Report one lifecycle event for request_id (attempt none); returns the item's status. */
+/* Send one lifecycle event (a FINISHED one completes), returning its item status. */
+static int send_report(km_client *c, km_lifecycle_event *ev)
+{
+    if (ev->kind == KM_LIFECYCLE_FINISHED) {
+        ev->outcome = KM_OUTCOME_COMPLETE;
+        ev->finish_reason = "stop";
+        ev->done_seen = true;
+    }
+    km_message reply;
+    cr_assert_eq(km_client_lifecycle(c, ev, 1, 5000, &reply), KM_OK);
+    cr_assert_eq(reply.type, KM_MESSAGE_ACK);
+    return reply.ack.items[0].status;
+}
+
 static int report(km_client *c, km_lifecycle_kind kind, const char *request_id, bool has_worker,
                   uint32_t worker)
 {
@@ -4098,15 +4112,7 @@ static int report(km_client *c, km_lifecycle_kind kind, const char *request_id, 
     ev.request_id = request_id;
     ev.has_worker = has_worker;
     ev.worker = worker;
-    if (kind == KM_LIFECYCLE_FINISHED) {
-        ev.outcome = KM_OUTCOME_COMPLETE;
-        ev.finish_reason = "stop";
-        ev.done_seen = true;
-    }
-    km_message reply;
-    cr_assert_eq(km_client_lifecycle(c, &ev, 1, 5000, &reply), KM_OK);
-    cr_assert_eq(reply.type, KM_MESSAGE_ACK);
-    return reply.ack.items[0].status;
+    return send_report(c, &ev);
 }
 
 /* PROTOCOL.md: a report naming both a decision and a request applies only when they name one
@@ -5198,6 +5204,198 @@ Test(server, a_prompt_being_prefilled_draws_the_same_prompt_to_its_worker, .time
     json_array_foreach(json_object_get(first, "candidates"), i, row)
         cr_assert_eq(json_integer_value(json_object_get(row, "queued_depth_blocks")), 0);
     json_decref(all);
+    srv_cleanup(&s);
+}
+
+/* A report of one lifecycle event for a decision id (the request's ids left out). */
+static int report_decision(km_client *c, km_lifecycle_kind kind, uint64_t decision_id)
+{
+    km_lifecycle_event ev;
+    memset(&ev, 0, sizeof ev);
+    ev.kind = kind;
+    ev.has_decision_id = true;
+    ev.decision_id = decision_id;
+    return send_report(c, &ev);
+}
+
+/* A hot prefix on a worker past the load bound: without warm-ups the request itself copies it to
+ * an idle worker (a cold prefill); with them the request stays with the holder and the decision
+ * names a warm-up of that idle worker: a decision of its own, begun as active work there (its
+ * prefill queued, so the next route sees the prefix coming and asks for no second warm-up),
+ * reported by its decision id, recorded and linked both ways, and taught to approximate mode. */
+enum { HOT_REQUESTS = 6, HOT_PREFIX = 1024, HOT_PROMPT = HOT_PREFIX + 16 };
+
+/* A server (ttft, three approximate-mode workers: the index learns decisions) where worker 0 runs
+ * HOT_REQUESTS decodes of HOT_PROMPT-token prompts sharing their first HOT_PREFIX tokens: past the
+ * load bound (ceil(1.25 x 7 / 3) = 3) with a hot prefix. hot_route's prompt shares that prefix. */
+static km_client *start_hot_holder(srv *s, uint32_t max_frame_bytes)
+{
+    km_server_config cfg;
+    test_config(&cfg, s, KM_POLICY_TTFT, 3);
+    if (max_frame_bytes)
+        cfg.limits.max_frame_bytes = max_frame_bytes;
+    srv_start(s, &cfg);
+    km_client *c = connect_client(s);
+    km_message reply;
+    uint32_t only0 = 0;
+    for (int k = 0; k < HOT_REQUESTS; k++) {
+        char id[16];
+        snprintf(id, sizeof id, "hot-%d", k);
+        km_route_request r = prefix_route(id, HOT_PROMPT);
+        for (uint32_t i = HOT_PREFIX; i < HOT_PROMPT; i++) /* each its own question */
+            g_tokens[i] = 50000 + 100 * (uint32_t)k + i;
+        r.candidates = &only0;
+        r.n_candidates = 1;
+        const km_route_decision *d = route_one(c, &r, &reply);
+        cr_assert_eq(d->status, KM_OK, "%s", d->message);
+        cr_assert_eq(report(c, KM_LIFECYCLE_FIRST_TOKEN, id, false, 0), KM_OK);
+    }
+    return c;
+}
+
+static km_route_request hot_route(const char *request_id)
+{
+    km_route_request r = prefix_route(request_id, HOT_PROMPT);
+    for (uint32_t i = HOT_PREFIX; i < HOT_PROMPT; i++)
+        g_tokens[i] = 90000 + i;
+    r.brief = false;
+    return r;
+}
+
+/* A hot prefix on a worker past the load bound: without warm-ups the request itself copies it to
+ * an idle worker (a cold prefill); with them the request stays with the holder and the decision
+ * names a warm-up of an idle worker: a decision of its own, begun as active work there (its
+ * prefill queued, so the next route sees the prefix coming and asks for no second warm-up),
+ * reported by its decision id, recorded and linked both ways, and taught to approximate mode. */
+Test(server, a_hot_prefix_is_copied_by_a_warm_up_no_request_waits_for, .timeout = 30)
+{
+    srv s = {0};
+    km_client *c = start_hot_holder(&s, 0);
+    km_message reply;
+    km_route_request r = hot_route("plain");
+    const km_route_decision *d = route_one(c, &r, &reply);
+    cr_assert_eq(d->status, KM_OK, "%s", d->message);
+    cr_assert_neq(d->chosen_worker, 0, "without warm-ups the request copies the prefix");
+    cr_assert(!d->has_warm_up);
+    km_client_close(c);
+    srv_stop(&s);
+    srv_cleanup(&s);
+
+    memset(&s, 0, sizeof s);
+    c = start_hot_holder(&s, 0);
+    r = hot_route("warm");
+    r.attempt_id = "a1";
+    r.warm_ups = true;
+    d = route_one(c, &r, &reply);
+    cr_assert_eq(d->status, KM_OK, "%s", d->message);
+    cr_assert_eq(d->chosen_worker, 0, "the request stays with the holder");
+    cr_assert(d->has_warm_up, "and a warm-up is asked for");
+    uint32_t warmed = d->warm_up_worker;
+    cr_assert_neq(warmed, 0);
+    cr_assert_eq(d->warm_up_blocks, HOT_PREFIX / BS, "the holder's hit: the shared prefix");
+    cr_assert_eq(d->warm_up_tokens, HOT_PREFIX);
+    cr_assert_str_eq(d->warm_up_attempt_id, "a1:warm_up");
+    cr_assert_neq(d->warm_up_decision_id, d->decision_id);
+    cr_assert(!isnan(candidate(d, 0)->cost), "the holder was weighed");
+    cr_assert_eq(candidate(d, warmed)->load.in_flight, 0);
+    uint64_t request_id = d->decision_id, warm_id = d->warm_up_decision_id;
+
+    /* The warm-up is active work on the warmed worker: its prefill is queued there and the
+     * approximate index holds the prefix there (the next route shows both). */
+    r = hot_route("next");
+    r.warm_ups = true;
+    d = route_one(c, &r, &reply);
+    cr_assert_eq(d->status, KM_OK, "%s", d->message);
+    cr_assert_eq(candidate(d, warmed)->load.in_flight, 1);
+    cr_assert_eq(candidate(d, warmed)->load.pending_prefill_tokens, HOT_PREFIX);
+    cr_assert_eq(candidate(d, warmed)->depth, HOT_PREFIX / BS, "taught to approximate mode");
+    cr_assert(!d->has_warm_up, "a worker holds the prefix within the bound: no second warm-up");
+    uint64_t next_id = d->decision_id;
+    uint32_t next_worker = d->chosen_worker;
+
+    /* Its lifecycle by decision id: the load leaves the warmed worker. */
+    cr_assert_eq(report_decision(c, KM_LIFECYCLE_DISPATCHED, warm_id), KM_OK);
+    cr_assert_eq(report_decision(c, KM_LIFECYCLE_FIRST_TOKEN, warm_id), KM_OK);
+    cr_assert_eq(report_decision(c, KM_LIFECYCLE_FINISHED, warm_id), KM_OK);
+    cr_assert_eq(report_decision(c, KM_LIFECYCLE_FINISHED, warm_id), KM_ERR_NOT_FOUND,
+                 "a warm-up finishes once");
+    r = hot_route("probe");
+    d = route_one(c, &r, &reply);
+    cr_assert_eq(candidate(d, warmed)->load.in_flight, next_worker == warmed ? 1u : 0u,
+                 "only the next route's load is left");
+    km_server_stats st;
+    km_server_get_stats(s.server, &st);
+    cr_assert_eq(st.warm_ups, 1);
+    km_client_close(c);
+    srv_stop(&s);
+
+    bool checked = false;
+    check_schema(&s, &checked);
+    json_t *all = read_records(&s);
+    json_t *req = find_record(all, "decision", (int64_t)request_id);
+    json_t *warm = find_record(all, "decision", (int64_t)warm_id);
+    cr_assert(req && warm);
+    json_t *wu = json_object_get(json_object_get(req, "decision"), "warm_up");
+    json_t *wd = json_object_get(warm, "decision");
+    cr_assert_str_eq(json_string_value(json_object_get(wu, "worker")),
+                     json_string_value(json_object_get(json_object_get(wd, "chosen"), "worker")));
+    cr_assert_eq(json_integer_value(json_object_get(wu, "blocks")), HOT_PREFIX / BS);
+    cr_assert_eq(json_integer_value(json_object_get(wu, "tokens")), HOT_PREFIX);
+    cr_assert_eq(json_integer_value(json_object_get(wu, "decision_id")), (json_int_t)warm_id);
+    cr_assert(json_is_null(json_object_get(json_object_get(req, "decision"), "warm_up_for")));
+    cr_assert_eq(json_integer_value(json_object_get(wd, "warm_up_for")), (json_int_t)request_id);
+    cr_assert_str_eq(json_string_value(json_object_get(wd, "reason")), "warm_up");
+    cr_assert(json_is_null(json_object_get(wd, "warm_up")));
+    cr_assert_str_eq(json_string_value(json_object_get(warm, "request_id")), "warm");
+    cr_assert_str_eq(json_string_value(json_object_get(warm, "attempt_id")), "a1:warm_up");
+    cr_assert_eq(json_array_size(json_object_get(warm, "candidates")), 1);
+    cr_assert_eq(json_integer_value(json_object_get(json_object_get(warm, "prediction"),
+                                                    "prompt_tokens")), HOT_PREFIX);
+    cr_assert_not_null(find_record(all, "outcome", (int64_t)warm_id), "its outcome is recorded");
+    cr_assert(json_is_null(json_object_get(
+        json_object_get(find_record(all, "decision", (int64_t)next_id), "decision"), "warm_up")));
+    json_decref(all);
+    srv_cleanup(&s);
+}
+
+/* A decision whose reply never reaches the router (here: too large to send) ends its warm-up's
+ * active work too: nobody will send the warm-up or report it. */
+Test(server, an_undelivered_decision_ends_its_warm_up, .timeout = 30)
+{
+    srv s = {0};
+    km_client *c = start_hot_holder(&s, 5120);
+    enum { COLD = 16 };
+    km_route_request r[1 + COLD];
+    static char ids[COLD][16];
+    r[0] = hot_route("warm");
+    r[0].warm_ups = true;
+    static uint32_t cold[COLD][8];
+    for (int k = 0; k < COLD; k++) {
+        snprintf(ids[k], sizeof ids[k], "cold-%d", k);
+        for (int i = 0; i < 8; i++)
+            cold[k][i] = 300000 + 100 * (uint32_t)k + (uint32_t)i;
+        memset(&r[1 + k], 0, sizeof r[1 + k]);
+        r[1 + k].request_id = ids[k];
+        r[1 + k].pool = "main";
+        r[1 + k].input = KM_ROUTE_INPUT_TOKENS;
+        r[1 + k].tokens = cold[k];
+        r[1 + k].n_tokens = 8;
+    }
+    km_message reply;
+    int rc = km_client_route(c, r, 1 + COLD, 5000, &reply);
+    cr_assert(rc != KM_OK || reply.type == KM_MESSAGE_ERROR, "the reply fit after all");
+    km_server_stats st;
+    km_server_get_stats(s.server, &st);
+    cr_assert_eq(st.warm_ups, 1, "the frame's first route asked for a warm-up (%s: %s; %s)",
+                 km_error_name(rc), km_client_last_error(c),
+                 reply.type == KM_MESSAGE_ERROR ? reply.error.message : "");
+    /* The HOT_REQUESTS decodes on worker 0 are all that is left. */
+    cr_assert_eq(workers_in_flight_wait(c, HOT_REQUESTS), HOT_REQUESTS,
+                 "an undelivered warm-up holds load");
+    km_server_get_stats(s.server, &st);
+    cr_assert_eq(st.decisions_undelivered, 2 + COLD, "the route, its warm-up and the cold ones");
+    km_client_close(c);
+    srv_stop(&s);
     srv_cleanup(&s);
 }
 

@@ -160,9 +160,11 @@ static int compare_doubles(const void *x, const void *y)
  * router_ttft_ms). */
 static double median_predicted_over_actual(const char *path, size_t requests)
 {
-    double *cost = calloc(requests + 1, sizeof *cost), *ratio = calloc(requests + 1, sizeof *ratio);
+    /* Decision ids: the requests' and at most one warm-up each. */
+    size_t ids = 2 * requests;
+    double *cost = calloc(ids + 1, sizeof *cost), *ratio = calloc(ids + 1, sizeof *ratio);
     cr_assert(cost && ratio);
-    for (size_t i = 0; i <= requests; i++)
+    for (size_t i = 0; i <= ids; i++)
         cost[i] = NAN;
     FILE *f = fopen(path, "r");
     cr_assert_not_null(f, "%s", path);
@@ -172,7 +174,12 @@ static double median_predicted_over_actual(const char *path, size_t requests)
         json_t *rec = json_loads(line, 0, NULL);
         cr_assert_not_null(rec, "a record line is JSON");
         size_t id = (size_t)json_integer_value(json_object_get(rec, "decision_id"));
-        cr_assert(id >= 1 && id <= requests, "decision id %zu", id);
+        cr_assert(id >= 1 && id <= ids, "decision id %zu", id);
+        const char *attempt = json_string_value(json_object_get(rec, "attempt_id"));
+        if (attempt && strstr(attempt, ":warm_up")) {
+            json_decref(rec); /* a warm-up's first token is nobody's */
+            continue;
+        }
         if (!strcmp(json_string_value(json_object_get(rec, "type")), "decision")) {
             json_t *chosen = json_object_get(json_object_get(rec, "decision"), "chosen");
             const char *worker = json_string_value(json_object_get(chosen, "worker"));

@@ -189,6 +189,9 @@ typedef struct km_route_request {
     /* true: the DECISION leaves out the candidate rows (the decision record keeps them); for
      * routers that only need the choice, at a fraction of the reply's size. */
     bool brief;
+    /* true: this router carries out the warm-ups a decision asks for (km_route_decision's
+     * warm_up fields, docs/PROTOCOL.md "Warm-ups"); false: no decision asks for one. */
+    bool warm_ups;
 } km_route_request;
 
 typedef struct km_route_batch {
@@ -269,6 +272,17 @@ typedef struct km_route_decision {
     const char *load_stale_instances;
     const km_candidate_score *candidates;
     uint32_t n_candidates;
+    /* A warm-up (only for a route with warm_ups): send a prefill of the prompt's first
+     * warm_up_tokens tokens (warm_up_blocks blocks), for one output token that nobody waits for,
+     * to warm_up_worker, and report its lifecycle under warm_up_decision_id like any decision's
+     * (with request_id and warm_up_attempt_id when ids are given). All 0 / NULL when has_warm_up
+     * is false. */
+    bool has_warm_up;
+    const char *warm_up_attempt_id; /* its attempt id: the decision's attempt_id + ":warm_up" */
+    uint32_t warm_up_worker;
+    uint32_t warm_up_blocks;
+    uint64_t warm_up_tokens;
+    uint64_t warm_up_decision_id;
 } km_route_decision;
 
 typedef struct km_decision_batch {

@@ -184,6 +184,18 @@ typedef struct km_decision_record {
 
     const km_record_candidate *candidates; /* may be NULL when n_candidates == 0 */
     size_t n_candidates;
+
+    /* The warm-up this decision asked for (docs/RECORDS.md, decision.warm_up): the worker to warm
+     * (NULL = none, the field is null), the leading blocks of the request to prefill there and
+     * the warm-up's own decision id, both required >= 0 with a worker. */
+    struct {
+        const char *worker;
+        int64_t blocks;
+        int64_t decision_id;
+    } warm_up;
+    /* This decision is the warm-up that decision warm_up_for asked for; KM_RECORD_ABSENT = not a
+     * warm-up (null). */
+    int64_t warm_up_for;
 } km_decision_record;
 
 typedef struct km_outcome_record {

@@ -301,6 +301,8 @@ typedef struct km_server_stats {
                                      * kvmatch_bad_frames_total) */
     uint64_t routes;                /* route requests received */
     uint64_t decisions;             /* routes decided */
+    uint64_t warm_ups;              /* warm-ups those decisions asked for (each a decision of its
+                                     * own, not counted in decisions) */
     uint64_t route_errors;          /* routes answered with an error */
     uint64_t overloaded;            /* ROUTE frames refused with KM_ERR_OVERLOADED */
     uint64_t routes_shed_wait;      /* routes answered KM_ERR_OVERLOADED: queued past

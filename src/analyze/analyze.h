@@ -86,6 +86,8 @@ typedef struct km_analysis_input {
     uint64_t invalid;        /* lines that are not a usable record (listed with FILE:LINE) */
     uint64_t decisions;      /* valid decision records */
     uint64_t outcomes;       /* valid outcome records */
+    uint64_t warm_ups;       /* of the decisions, warm-ups (decision.warm_up_for set): prefills
+                              * no user waited for, left out of every figure with their outcomes */
     uint64_t hosts;          /* distinct `host` values (monotonic clocks); > 1 means the time
                               * charts put different clocks on one axis */
     uint64_t interleaved_streams; /* (instance, pool, worker) index-state streams whose records

@@ -422,6 +422,12 @@ static int take_decision(km_analysis *a, json_t *root, uint32_t file, uint64_t l
     if (reason_value && !json_is_null(reason_value) && !json_is_string(reason_value))
         return invalid_field(e, "decision.", "reason", "expected a string or null");
     const char *reason = json_string_value(reason_value);
+    /* a warm-up names the decision it is for; null or absent (older records): none */
+    json_t *warm_up_for = json_object_get(decision, "warm_up_for");
+    if (warm_up_for && !json_is_null(warm_up_for) &&
+        !(json_is_integer(warm_up_for) && json_integer_value(warm_up_for) >= 0))
+        return invalid_field(e, "decision.", "warm_up_for", "expected an integer >= 0 or null");
+    bool warm_up = warm_up_for && json_is_integer(warm_up_for);
     json_t *candidates = json_object_get(root, "candidates");
     if (!candidates || !json_is_array(candidates))
         return invalid_field(e, "", "candidates", candidates ? "expected an array" : "missing");
@@ -500,7 +506,8 @@ static int take_decision(km_analysis *a, json_t *root, uint32_t file, uint64_t l
     if (instance == NONE || policy_id == NONE || chosen_id == NONE ||
         (reason && reason_id == NONE))
         return km_analysis_fail_memory(a, "interning names");
-    p->flags |= POINT_DECISION | (events ? POINT_EVENTS : POINT_APPROX);
+    p->flags |= POINT_DECISION | (events ? POINT_EVENTS : POINT_APPROX) |
+                (warm_up ? POINT_WARM_UP : 0);
     p->time_ns = c.monotonic_ns;
     p->predicted = chosen.depth_tokens;
     p->owner_tokens = owner.worker ? owner.depth_tokens : 0;
@@ -683,6 +690,9 @@ static int take_outcome(km_analysis *a, json_t *root, uint32_t file, uint64_t li
         p->flags |= POINT_OVERRIDDEN;
     }
     p->flags |= POINT_OUTCOME;
+    size_t attempt_len = strlen(c.attempt_id), suffix = sizeof ":warm_up" - 1;
+    if (attempt_len >= suffix && !strcmp(c.attempt_id + attempt_len - suffix, ":warm_up"))
+        p->flags |= POINT_WARM_UP; /* a warm-up's outcome, its decision read or not */
     if (http_status == 200)
         p->flags |= POINT_HTTP_200;
     p->outcome_kind = (uint8_t)kind;

@@ -91,7 +91,7 @@ static int build_reasons(km_analysis *a, size_t *n_out)
     int rc = KM_OK;
     for (size_t i = 0; i < a->n_points && rc == KM_OK; i++) {
         const point *p = &a->points[i];
-        if ((p->flags & POINT_MERGED_AWAY) || !(p->flags & POINT_DECISION))
+        if (!POINT_COUNTED(p) || !(p->flags & POINT_DECISION))
             continue;
         uint64_t key = km_u64map_key((uint64_t)p->policy << 32 | p->reason);
         uint64_t *at = km_u64map_find(&rows, key);
@@ -363,7 +363,7 @@ int km_analysis_finish(km_analysis *a)
             return km_analysis_fail_memory(a, "counting hosts");
         for (size_t i = 0; i < a->n_points; i++) {
             const point *p = &a->points[i];
-            if (!(p->flags & POINT_MERGED_AWAY) && !seen[p->host]) {
+            if (POINT_COUNTED(p) && !seen[p->host]) {
                 seen[p->host] = 1;
                 s->input.hosts++;
             }
@@ -391,7 +391,9 @@ int km_analysis_finish(km_analysis *a)
     for (size_t i = 0; i < a->n_points; i++) {
         point *p = &a->points[i];
         uint32_t f = p->flags;
-        if (f & POINT_MERGED_AWAY)
+        if ((f & POINT_WARM_UP) && !(f & POINT_MERGED_AWAY))
+            s->input.warm_ups += (f & POINT_DECISION) != 0;
+        if (!POINT_COUNTED(p))
             continue;
         if ((f & POINT_DECISION) && p->time_ns < a->min_time_ns)
             a->min_time_ns = p->time_ns;

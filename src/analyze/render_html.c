@@ -155,7 +155,7 @@ static void chart_reuse(const km_analysis *a, km_text *out)
     for (size_t i = 0; i < a->n_points; i++) {
         const point *p = &a->points[i];
         int64_t predicted;
-        if ((p->flags & POINT_MERGED_AWAY) || !(p->flags & POINT_OUTCOME) || p->actual < 0 ||
+        if (!POINT_COUNTED(p) || !(p->flags & POINT_OUTCOME) || p->actual < 0 ||
             !compared_prediction(p, &predicted))
             continue;
         if (seen++ % stride)
@@ -402,7 +402,8 @@ int km_analysis_render_html(const km_analysis *a, km_text *out)
     const km_analysis_owner *o = &s->owner;
     km_text_printf(out,
                    "<table id=\"summary\"><tr><th>metric</th><th>value</th></tr>\n"
-                   "<tr><td>decisions / outcomes</td><td>%" PRIu64 " / %" PRIu64 "</td></tr>\n"
+                   "<tr><td>decisions / outcomes (warm-ups among the decisions, in no figure "
+                   "below)</td><td>%" PRIu64 " / %" PRIu64 " (%" PRIu64 ")</td></tr>\n"
                    "<tr><td>joined (decision_id / request+attempt)</td><td>%" PRIu64 " / %" PRIu64 "</td></tr>\n"
                    "<tr><td>decisions without outcome / outcomes without decision</td><td>%" PRIu64 " / %" PRIu64 "</td></tr>\n"
                    "<tr><td>invalid lines</td><td>%" PRIu64 "</td></tr>\n"
@@ -422,7 +423,8 @@ int km_analysis_render_html(const km_analysis *a, km_text *out)
                    "<tr><td>stale or degraded (events) / approx-sourced</td><td>%" PRIu64 " / %" PRIu64 "</td></tr>\n"
                    "<tr><td>complete / incomplete / error / cancelled / expired</td><td>%" PRIu64 " / %" PRIu64 " / %" PRIu64 " / %" PRIu64 " / %" PRIu64 "</td></tr>\n"
                    "</table>\n",
-                   s->input.decisions, s->input.outcomes, s->join.by_decision_id, s->join.by_request,
+                   s->input.decisions, s->input.outcomes, s->input.warm_ups, s->join.by_decision_id,
+                   s->join.by_request,
                    s->join.decisions_without_outcome, s->join.outcomes_without_decision,
                    s->input.invalid, r->known, r->predicted_tokens, r->actual_tokens, r->unknown,
                    r->exact, r->over_predicted, r->under_predicted, r->overridden,

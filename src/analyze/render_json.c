@@ -101,7 +101,7 @@ int km_analysis_render_json(const km_analysis *a, km_text *out)
                                         (json_int_t)w->owned_ineligible));
     }
     json_t *root = json_pack(
-        "{s{sI sI sI sI sI sI sI sI sI}"
+        "{s{sI sI sI sI sI sI sI sI sI sI}"
         " s{sI sI sI sI sI sI sI}"
         " s{sI sI sI sI sI sI sI sI sI sI sI sI sI sf sf so}"
         " s{sI sI sI sI sf sI sI sI sI sI sI sI sI sI so so}"
@@ -113,7 +113,8 @@ int km_analysis_render_json(const km_analysis *a, km_text *out)
         "input", "interleaved_streams", (json_int_t)in->interleaved_streams, "files", (json_int_t)in->files, "files_failed", (json_int_t)in->files_failed,
         "lines", (json_int_t)in->lines, "blank_lines", (json_int_t)in->blank_lines, "invalid",
         (json_int_t)in->invalid, "decisions", (json_int_t)in->decisions, "outcomes",
-        (json_int_t)in->outcomes, "hosts", (json_int_t)in->hosts,
+        (json_int_t)in->outcomes, "warm_ups", (json_int_t)in->warm_ups, "hosts",
+        (json_int_t)in->hosts,
         "join", "by_decision_id", (json_int_t)j->by_decision_id, "by_request",
         (json_int_t)j->by_request, "decisions_without_outcome", (json_int_t)j->decisions_without_outcome,
         "outcomes_without_decision", (json_int_t)j->outcomes_without_decision, "duplicate_decisions",

@@ -90,6 +90,10 @@ int km_analysis_render_text(const km_analysis *a, km_text *out)
                    " outcomes\n",
                    in->files, in->files_failed, in->lines, in->blank_lines, in->invalid, in->decisions,
                    in->outcomes);
+    if (in->warm_ups)
+        km_text_printf(out, "note: %" PRIu64 " of the decisions are warm-ups (prefills no user "
+                            "waited for): they and their outcomes are in no figure below\n",
+                       in->warm_ups);
     if (in->interleaved_streams)
         km_text_printf(out, "note: %" PRIu64 " worker state streams came from files overlapping in "
                             "time (one instance's files should follow each other): recovery "

@@ -138,6 +138,8 @@ static const row rows[] = {
     {"  never ran", U(unadmitted)},
     {"owner_not_chosen", U(owner_not_chosen)},
     {"  reuse forgone (tokens)", U(owner_forgone_tokens)},
+    {"warm-ups", U(warm_ups)},
+    {"  tokens they prefilled", U(warm_up_prefill_tokens)},
     {"ttft_p50_ms", D(ttft_p50_ms, 1)},
     {"ttft_p99_ms", D(ttft_p99_ms, 1)},
     {"output tokens/s (virtual)", D(output_tokens_per_s, 0)},
@@ -245,6 +247,9 @@ static json_t *result_json(const km_sim_result *r)
     json_object_set_new(attr, "not_run", json_integer((json_int_t)r->unadmitted));
     json_object_set_new(o, "attribution", attr);
     json_object_set_new(o, "owner_not_chosen", json_integer((json_int_t)r->owner_not_chosen));
+    json_object_set_new(o, "warm_ups", json_integer((json_int_t)r->warm_ups));
+    json_object_set_new(o, "warm_up_prefill_tokens",
+                        json_integer((json_int_t)r->warm_up_prefill_tokens));
     json_object_set_new(o, "bypassed", json_integer((json_int_t)r->bypassed));
     json_object_set_new(o, "overridden", json_integer((json_int_t)r->overridden));
     json_object_set_new(o, "dropped_messages", json_integer((json_int_t)r->dropped_messages));

@@ -99,7 +99,8 @@ static void pending_add(conn *c, const job *j, uint64_t end)
 {
     size_t k = 0;
     for (uint32_t i = 0; j->decisions && i < j->n_routes; i++)
-        k += j->routes[i].status == KM_OK && j->decisions[i].decision_id;
+        k += (j->routes[i].status == KM_OK && j->decisions[i].decision_id) +
+             (j->routes[i].status == KM_OK && j->decisions[i].has_warm_up);
     if (k == 0 || j->decisions_lost)
         return;
     if (c->n_pending + k > c->pending_cap && c->pending_head > 0) {
@@ -122,9 +123,12 @@ static void pending_add(conn *c, const job *j, uint64_t end)
     while (at > c->pending_head && c->pending[at - 1].end > end)
         at--;
     memmove(c->pending + at + k, c->pending + at, (c->n_pending - at) * sizeof *c->pending);
-    for (uint32_t i = 0; i < j->n_routes; i++)
+    for (uint32_t i = 0; i < j->n_routes; i++) {
         if (j->routes[i].status == KM_OK && j->decisions[i].decision_id)
             c->pending[at++] = (pending_decision){end, j->decisions[i].decision_id};
+        if (j->routes[i].status == KM_OK && j->decisions[i].has_warm_up)
+            c->pending[at++] = (pending_decision){end, j->decisions[i].warm_up_decision_id};
+    }
     c->n_pending += k;
 }
 

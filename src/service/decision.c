@@ -2,8 +2,8 @@
 /* One route's decision, by the scheduler role with admin_lock and active_lock held, in named steps
  * over one candidate type (the policy's km_policy_candidate rows in the batch scratch, with a
  * route_choice for what is chosen from them): gather the candidates, choose, begin active work,
- * fill the reply, keep the attempt for its outcome record, record the decision, teach approximate
- * mode. */
+ * fill the reply, keep the attempt for its outcome record, begin the warm-up the policy asked for
+ * (a decision of its own), record the decisions, teach approximate mode. */
 #include <inttypes.h>
 #include <math.h>
 #include <string.h>
@@ -94,6 +94,9 @@ typedef struct route_choice {
     srv_load_view view; /* whose load the candidates carry (cluster_view.c), engine_reported
                          * joined to its scope when an engine's scrape was used */
     double engine_oldest_age_ms; /* the oldest scrape used, in ms; NAN when none */
+    /* The candidate the policy asked to warm up (index into b->cands), KM_POLICY_NO_WARM_UP when
+     * none, and the request's leading blocks to prefill there. */
+    uint32_t warm_up_at, warm_up_blocks;
 } route_choice;
 
 /* ---- engine-reported load ----------------------------------------------------------------- */
@@ -277,7 +280,8 @@ static bool choose(km_server *s, route_job *r, pool *p, batch_scratch *b, route_
         return false;
     }
     km_policy_request req = {r->n_hashes, p->block_size, r->prompt_tokens,
-                             r->has_expected_output_tokens ? r->expected_output_tokens : 0};
+                             r->has_expected_output_tokens ? r->expected_output_tokens : 0,
+                             r->warm_ups};
     km_policy_decision pd;
     int rc = km_policy_decide(&pc, &p->policy_state, &req, b->cands, c->n_eligible, &pd, b->costs);
     if (rc != KM_OK) {
@@ -293,6 +297,8 @@ static bool choose(km_server *s, route_job *r, pool *p, batch_scratch *b, route_
     c->chosen = b->cands[pd.chosen].worker;
     c->chosen_depth = pd.chosen_depth;
     c->chosen_queued_depth = b->cands[pd.chosen].queued_depth;
+    c->warm_up_at = pd.warm_up;
+    c->warm_up_blocks = pd.warm_up_blocks;
     /* The prediction owner is the deepest match among every candidate: an ineligible worker that
      * holds more than any eligible one is the owner (the record says where the KV is, and that it
      * could not be used); ties with an eligible one stay with the policy's owner, ties among
@@ -492,9 +498,12 @@ static attempt *keep_attempt(km_server *s, route_job *r, pool *p, const route_ch
     return a;
 }
 
-/* The decision record (records on), at the attempt's decision time when it was kept. */
+/* The decision record (records on), at the attempt's decision time when it was kept. warm_up: the
+ * warm-up this decision asked for, or NULL; warm_up_for: the decision this one is the warm-up
+ * of, or NULL. */
 static void record_decision(km_server *s, const route_job *r, const pool *p, batch_scratch *b,
-                            const route_choice *c, const attempt *a, uint64_t scored_ns)
+                            const route_choice *c, const attempt *a, uint64_t scored_ns,
+                            const route_choice *warm_up, const route_choice *warm_up_for)
 {
     km_decision_record rec;
     km_decision_record_init(&rec);
@@ -547,6 +556,13 @@ static void record_decision(km_server *s, const route_job *r, const pool *p, bat
     }
     rec.candidates = b->rcands;
     rec.n_candidates = c->n;
+    if (warm_up) {
+        rec.warm_up.worker = s->workers[warm_up->chosen].name;
+        rec.warm_up.blocks = c->warm_up_blocks;
+        rec.warm_up.decision_id = (int64_t)warm_up->decision_id;
+    }
+    if (warm_up_for)
+        rec.warm_up_for = (int64_t)warm_up_for->decision_id;
     km_record_writer_submit_decision(s->records, &rec);
 }
 
@@ -563,6 +579,81 @@ static void approx_learn(km_server *s, const route_job *r, pool *p, batch_scratc
     }
 }
 
+/* The warm-up the policy asked for with the decision c of route r: a decision of its own, *wc for
+ * the route *wr (a prefill of r's first warm_up_blocks blocks, one output token, the attempt id
+ * r's with ":warm_up" appended, in the job's memory) on the worker to warm. Its active work begins
+ * there with those blocks queued, so the next routes see them coming. False when it could not
+ * begin (logged): c's decision stands without it. */
+static bool begin_warm_up(km_server *s, job *j, const route_job *r, pool *p, const batch_scratch *b,
+                          const route_choice *c, route_job *wr, route_choice *wc)
+{
+    static const char suffix[] = ":warm_up";
+    const km_policy_candidate *row = &b->cands[c->warm_up_at];
+    const char *base = r->attempt_id ? r->attempt_id : "";
+    size_t n = strlen(base);
+    char *attempt_id = km_srv_job_alloc(j, n + sizeof suffix);
+    if (!attempt_id) {
+        km_srv_log(s, KM_LOG_WARNING "request %s: out of memory for its warm-up; decided without it",
+                   r->request_id);
+        return false;
+    }
+    memcpy(attempt_id, base, n);
+    memcpy(attempt_id + n, suffix, sizeof suffix);
+    *wr = *r;
+    wr->attempt_id = attempt_id;
+    wr->n_hashes = c->warm_up_blocks;
+    wr->prompt_tokens = (uint64_t)c->warm_up_blocks * p->block_size;
+    wr->has_prompt_tokens = true;
+    wr->expected_output_tokens = 1;
+    wr->has_expected_output_tokens = true;
+    wr->candidates = NULL;
+    wr->n_candidates = 0;
+    wr->policy_name = NULL;
+    wr->brief = true;
+    wr->warm_ups = false;
+    /* The warmed worker's hit is below warm_up_blocks (km_policy_decide), so its depths fit. */
+    memset(wc, 0, sizeof *wc);
+    wc->now = c->now;
+    wc->check_health = c->check_health;
+    wc->n = wc->n_eligible = 1;
+    wc->kind = c->kind;
+    wc->reason = KM_POLICY_REASON_WARM_UP;
+    wc->chosen = row->worker;
+    wc->chosen_depth = row->depth;
+    wc->chosen_queued_depth = row->queued_depth;
+    wc->chosen_state = worker_state_in_batch(s, row->worker);
+    wc->has_owner = row->depth > 0;
+    wc->owner = row->worker;
+    wc->owner_depth = row->depth;
+    wc->owner_state = wc->has_owner ? wc->chosen_state : NULL;
+    wc->observed = s->workers[row->worker].events;
+    wc->view = c->view;
+    wc->engine_oldest_age_ms = c->engine_oldest_age_ms;
+    wc->warm_up_at = KM_POLICY_NO_WARM_UP;
+    if (!begin_active_work(s, wr, p, wc)) {
+        km_srv_log(s, KM_LOG_WARNING "request %s: its warm-up of worker %u did not begin (%s); "
+                   "decided without it", r->request_id, row->worker, wr->message);
+        return false;
+    }
+    return true;
+}
+
+/* The warm-up's decision record: its one candidate, the warmed worker's row (not weighed: no
+ * cost), beside the decision it is the warm-up of. */
+static void record_warm_up(km_server *s, const route_job *wr, const pool *p, batch_scratch *b,
+                           const route_choice *c, const route_choice *wc, const attempt *wa,
+                           uint64_t scored_ns)
+{
+    batch_scratch one = *b;
+    km_policy_candidate row = b->cands[c->warm_up_at];
+    double cost = NAN;
+    const char *state = wc->chosen_state;
+    one.cands = &row;
+    one.costs = &cost;
+    one.states = &state;
+    record_decision(s, wr, p, &one, wc, wa, scored_ns, NULL, c);
+}
+
 /* Decide one route whose scoring result is rr (admin_lock and active_lock held). Fills the reply
  * decision *d (candidate rows in the job's memory) or fails the route. */
 void km_srv_decide_route(km_server *s, job *j, route_job *r, pool *p, const km_request_result *rr,
@@ -576,9 +667,30 @@ void km_srv_decide_route(km_server *s, job *j, route_job *r, pool *p, const km_r
     if (!fill_reply(s, j, r, p, b, &c, d))
         return;
     attempt *a = keep_attempt(s, r, p, &c);
-    if (s->records)
-        record_decision(s, r, p, b, &c, a, scored_ns);
+    route_job wr;
+    route_choice wc;
+    bool warm = c.warm_up_at != KM_POLICY_NO_WARM_UP &&
+                begin_warm_up(s, j, r, p, b, &c, &wr, &wc);
+    attempt *wa = warm ? keep_attempt(s, &wr, p, &wc) : NULL;
+    if (warm) {
+        d->has_warm_up = true;
+        d->warm_up_attempt_id = wr.attempt_id;
+        d->warm_up_worker = wc.chosen;
+        d->warm_up_blocks = c.warm_up_blocks;
+        d->warm_up_tokens = wr.prompt_tokens;
+        d->warm_up_decision_id = wc.decision_id;
+    }
+    if (s->records) {
+        record_decision(s, r, p, b, &c, a, scored_ns, warm ? &wc : NULL, NULL);
+        if (warm)
+            record_warm_up(s, &wr, p, b, &c, &wc, wa, scored_ns);
+    }
     approx_learn(s, r, p, b, &c);
     atomic_fetch_add(&s->st.decisions, 1);
     km_counter_add(s->m_decisions, 1);
+    if (warm) {
+        approx_learn(s, &wr, p, b, &wc);
+        atomic_fetch_add(&s->st.warm_ups, 1);
+        km_counter_add(s->m_warm_ups, 1);
+    }
 }

@@ -67,9 +67,12 @@ void km_srv_job_free(job *j)
  * (km_srv_end_undelivered). Loop thread, holding no lock. */
 void km_srv_end_job_undelivered(km_server *s, const job *j)
 {
-    for (uint32_t i = 0; j->decisions && i < j->n_routes; i++)
+    for (uint32_t i = 0; j->decisions && i < j->n_routes; i++) {
         if (j->routes[i].status == KM_OK && j->decisions[i].decision_id)
             km_srv_end_undelivered(s, j->decisions[i].decision_id);
+        if (j->routes[i].status == KM_OK && j->decisions[i].has_warm_up)
+            km_srv_end_undelivered(s, j->decisions[i].warm_up_decision_id);
+    }
 }
 
 /* Mark a route failed: its reply is this status and formatted message (cut at 255 bytes). */
@@ -255,6 +258,7 @@ void km_srv_handle_route(conn *c, const km_message *m)
         }
         r->has_expected_output_tokens = in->has_expected_output_tokens;
         r->brief = in->brief;
+        r->warm_ups = in->warm_ups;
         r->expected_output_tokens = in->expected_output_tokens;
         if (in->candidates) {
             r->candidates =

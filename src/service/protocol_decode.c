@@ -527,11 +527,13 @@ static int read_load(km_protocol_decoder *d, const msgpack_object *o, km_worker_
 static int decode_route(km_protocol_decoder *d, const msgpack_object *o, km_route_request *r)
 {
     enum { REQUEST_ID, ATTEMPT_ID, MODEL, POOL, ENDPOINT, TOKENS, HASHES, BLOCK_SIZE, LORA_NAME,
-           CACHE_SALT, CANDIDATES, POLICY, PROMPT_TOKENS, EXPECTED_OUTPUT_TOKENS, BRIEF, N_FIELDS };
+           CACHE_SALT, CANDIDATES, POLICY, PROMPT_TOKENS, EXPECTED_OUTPUT_TOKENS, BRIEF, WARM_UPS,
+           N_FIELDS };
     static const char *const names[N_FIELDS] = {
         "request_id", "attempt_id", "model",     "pool",       "endpoint",
         "tokens",     "hashes",     "block_size", "lora_name", "cache_salt",
-        "candidates", "policy",     "prompt_tokens", "expected_output_tokens", "brief"};
+        "candidates", "policy",     "prompt_tokens", "expected_output_tokens", "brief",
+        "warm_ups"};
     const msgpack_object *v[N_FIELDS];
     const km_protocol_limits *l = &d->limits;
     int rc = bind_fields(d, o, NULL, names, N_FIELDS, v);
@@ -590,6 +592,8 @@ static int decode_route(km_protocol_decoder *d, const msgpack_object *o, km_rout
         r->has_expected_output_tokens = true;
     }
     if (v[BRIEF] && (rc = read_bool(d, v[BRIEF], "brief", &r->brief)))
+        return rc;
+    if (v[WARM_UPS] && (rc = read_bool(d, v[WARM_UPS], "warm_ups", &r->warm_ups)))
         return rc;
     return KM_OK;
 }
@@ -658,18 +662,46 @@ static int read_source(km_protocol_decoder *d, const msgpack_object *o, km_predi
     return KM_OK;
 }
 
+/* A decision's warm_up: {worker, blocks, tokens, decision_id, attempt_id}, each required. */
+static int read_warm_up(km_protocol_decoder *d, const msgpack_object *o, km_route_decision *r)
+{
+    static const char *const names[] = {"worker", "blocks", "tokens", "decision_id",
+                                        "attempt_id"};
+    const msgpack_object *v[5];
+    int rc = bind_fields(d, o, "warm_up", names, 5, v);
+    if (rc)
+        return rc;
+    for (unsigned i = 0; i < 5; i++)
+        if (!v[i]) {
+            char field[32];
+            snprintf(field, sizeof field, "warm_up.%s", names[i]);
+            return missing(d, field);
+        }
+    uint64_t tokens = 0;
+    if ((rc = read_u32(d, v[0], "warm_up.worker", &r->warm_up_worker)) ||
+        (rc = read_u32(d, v[1], "warm_up.blocks", &r->warm_up_blocks)) ||
+        (rc = read_u64(d, v[2], "warm_up.tokens", &tokens)) ||
+        (rc = read_u64(d, v[3], "warm_up.decision_id", &r->warm_up_decision_id)) ||
+        (rc = read_str(d, v[4], "warm_up.attempt_id", &r->warm_up_attempt_id)))
+        return rc;
+    r->warm_up_tokens = tokens;
+    r->has_warm_up = true;
+    return KM_OK;
+}
+
 static int decode_decision(km_protocol_decoder *d, const msgpack_object *o, km_route_decision *r)
 {
     enum { STATUS, MESSAGE, REQUEST_ID, ATTEMPT_ID, DECISION_ID, POOL, CHOSEN_WORKER,
            CHOSEN_DEPTH, CHOSEN_STATE, OWNER_WORKER, OWNER_DEPTH, OWNER_STATE, N_BLOCKS,
            BLOCK_SIZE, SOURCE, POLICY, REASON, LOAD_KIND, LOAD_SCOPE, LOAD_VALUE, CANDIDATES,
-           LOAD_INSTANCES, LOAD_OLDEST_AGE_MS, LOAD_STALE_INSTANCES, N_FIELDS };
+           LOAD_INSTANCES, LOAD_OLDEST_AGE_MS, LOAD_STALE_INSTANCES, WARM_UP, N_FIELDS };
     static const char *const names[N_FIELDS] = {
         "status",      "message",      "request_id",   "attempt_id",   "decision_id",
         "pool",        "chosen_worker", "chosen_depth", "chosen_state", "owner_worker",
         "owner_depth", "owner_state",  "n_blocks",     "block_size",   "source",
         "policy",      "reason",       "load_kind",    "load_scope",   "load_value",
-        "candidates",  "load_instances", "load_oldest_age_ms", "load_stale_instances"};
+        "candidates",  "load_instances", "load_oldest_age_ms", "load_stale_instances",
+        "warm_up"};
     const msgpack_object *v[N_FIELDS];
     int rc = bind_fields(d, o, NULL, names, N_FIELDS, v);
     if (rc)
@@ -739,6 +771,8 @@ static int decode_decision(km_protocol_decoder *d, const msgpack_object *o, km_r
         r->candidates = c;
         r->n_candidates = a->via.array.size;
     }
+    if (v[WARM_UP] && (rc = read_warm_up(d, v[WARM_UP], r)))
+        return rc;
     return KM_OK;
 }
 

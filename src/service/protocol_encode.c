@@ -338,6 +338,8 @@ static void encode_route(writer *w, const km_route_request *r, uint32_t i)
         put_route_tokens(w, &m, where, "expected_output_tokens", r->expected_output_tokens);
     if (r->brief)
         put_bool(w, &m, "brief", true);
+    if (r->warm_ups)
+        put_bool(w, &m, "warm_ups", true);
     map_end(w, &m);
 }
 
@@ -411,6 +413,20 @@ static void encode_decision(writer *w, const km_route_decision *d, uint32_t i)
             else
                 msgpack_pack_false(&w->packer);
         }
+    }
+    if (d->has_warm_up) {
+        put_key(w, &m, "warm_up");
+        map_mark wm;
+        map_begin(w, &wm);
+        put_u64(w, &wm, "worker", d->warm_up_worker);
+        put_u64(w, &wm, "blocks", d->warm_up_blocks);
+        put_u64(w, &wm, "tokens", d->warm_up_tokens);
+        put_u64(w, &wm, "decision_id", d->warm_up_decision_id);
+        if (!d->warm_up_attempt_id)
+            writer_fail(w, KM_ERR_INVALID_ARGUMENT, "%swarm_up.attempt_id is required", where);
+        else
+            put_str(w, &wm, "attempt_id", d->warm_up_attempt_id);
+        map_end(w, &wm);
     }
     map_end(w, &m);
 }

@@ -729,7 +729,8 @@ int km_record_writer_submit_decision(km_record_writer *w, const km_decision_reco
                   string_bytes(r->owner.worker) + string_bytes(r->owner.state) +
                   string_bytes(r->chosen.worker) + string_bytes(r->chosen.state) +
                   string_bytes(r->policy) + string_bytes(r->reason) + string_bytes(r->load_kind) +
-                  string_bytes(r->load_scope) + string_bytes(r->load_stale_instances);
+                  string_bytes(r->load_scope) + string_bytes(r->load_stale_instances) +
+                  string_bytes(r->warm_up.worker);
     for (size_t i = 0; i < r->n_candidates; i++)
         size += string_bytes(r->candidates[i].worker) + string_bytes(r->candidates[i].state);
     char *block = malloc(size);
@@ -751,6 +752,7 @@ int km_record_writer_submit_decision(km_record_writer *w, const km_decision_reco
         copy->load_kind = copy_string(&cursor, r->load_kind);
         copy->load_scope = copy_string(&cursor, r->load_scope);
         copy->load_stale_instances = copy_string(&cursor, r->load_stale_instances);
+        copy->warm_up.worker = copy_string(&cursor, r->warm_up.worker);
         for (size_t i = 0; i < r->n_candidates; i++) {
             candidates[i].worker = copy_string(&cursor, r->candidates[i].worker);
             candidates[i].state = copy_string(&cursor, r->candidates[i].state);

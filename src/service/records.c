@@ -116,6 +116,7 @@ void km_decision_record_init(km_decision_record *r)
     r->scored_monotonic_ns = KM_RECORD_ABSENT;
     r->load_value = NAN;
     r->load_oldest_age_ms = NAN;
+    r->warm_up_for = KM_RECORD_ABSENT;
 }
 
 void km_outcome_record_init(km_outcome_record *r)
@@ -728,6 +729,19 @@ int km_decision_record_format(const km_decision_record *r, char **line, size_t *
         close_container(&b, ']');
     }
     close_container(&b, '}');
+    if (r->warm_up.worker) {
+        int warm_before = b.status;
+        open_container(&b, "warm_up", '{');
+        put_string(&b, "worker", r->warm_up.worker, true);
+        put_count(&b, "blocks", r->warm_up.blocks, true);
+        put_tokens(&b, "tokens", r->warm_up.blocks, r->block_size);
+        put_count(&b, "decision_id", r->warm_up.decision_id, true);
+        close_container(&b, '}');
+        annotate(&b, warm_before, "warm_up");
+    } else {
+        put_null(&b, "warm_up");
+    }
+    put_count(&b, "warm_up_for", r->warm_up_for, false);
     close_container(&b, '}');
     annotate(&b, before, "decision");
 

@@ -100,6 +100,7 @@ typedef struct route_job {
     uint64_t expected_output_tokens;
     bool has_expected_output_tokens;
     bool brief; /* no candidate rows in the reply */
+    bool warm_ups; /* the router carries out a warm-up the decision asks for */
 } route_job;
 
 /* Bump allocator for one job's copies. */
@@ -439,7 +440,7 @@ struct km_server {
     km_metrics *metrics;
     km_counter *m_decisions, *m_route_errors, *m_frames, *m_bad_frames, *m_lifecycle,
         *m_outcomes, *m_expired, *m_evicted, *m_overloaded, *m_shed_wait, *m_shed_connection,
-        *m_slow_closed, *m_reading_paused, *m_dropped_closed, *m_undelivered;
+        *m_slow_closed, *m_reading_paused, *m_dropped_closed, *m_undelivered, *m_warm_ups;
     km_histogram *m_batch_routes, *m_batch_seconds, *m_queue_seconds;
     km_http *http;
     uint16_t http_port;
@@ -449,7 +450,7 @@ struct km_server {
     struct {
         atomic_uint_fast64_t accepted, open, refused, slow_closed, reading_paused, frames,
             bad_frames, routes,
-            decisions, route_errors, overloaded, shed_wait, shed_connection, batches, inline_batches, lifecycle,
+            decisions, warm_ups, route_errors, overloaded, shed_wait, shed_connection, batches, inline_batches, lifecycle,
             lifecycle_errors, outcomes, expired, evicted, dropped_at_shutdown, dropped_closed,
             undelivered,
             dispatch_learned, dispatch_unlearned, breaker_opened, no_healthy, drain_releases,

@@ -90,6 +90,7 @@ static int http_status(void *user, km_text *out)
     json_object_set_new(root, "ready_reason", json_string(reason));
     json_object_set_new(root, "connections", json_integer((json_int_t)atomic_load(&s->st.open)));
     json_object_set_new(root, "decisions", json_integer((json_int_t)atomic_load(&s->st.decisions)));
+    json_object_set_new(root, "warm_ups", json_integer((json_int_t)atomic_load(&s->st.warm_ups)));
     km_active_stats active = active_work_stats(s);
     json_object_set_new(root, "active_work",
                         json_pack("{sI sI sI sI}", "entries", (json_int_t)active.entries, "bytes",
@@ -631,6 +632,11 @@ int km_srv_metrics_setup(km_server *s)
         rc = km_metrics_add_counter(s->metrics, "kvmatch_decisions_total", "Routes decided.", NULL, 0,
                                     &s->m_decisions);
     if (!rc)
+        rc = km_metrics_add_counter(s->metrics, "kvmatch_warm_ups_total",
+                                    "Warm-ups decisions asked for: a prefill of a request's "
+                                    "leading blocks on another worker, decided as its own "
+                                    "decision.", NULL, 0, &s->m_warm_ups);
+    if (!rc)
         rc = km_metrics_add_counter(s->metrics, "kvmatch_route_errors_total",
                                     "Routes answered with an error.", NULL, 0, &s->m_route_errors);
     if (!rc)
@@ -717,6 +723,7 @@ void km_server_get_stats(km_server *s, km_server_stats *o)
     o->bad_frames = atomic_load(&s->st.bad_frames);
     o->routes = atomic_load(&s->st.routes);
     o->decisions = atomic_load(&s->st.decisions);
+    o->warm_ups = atomic_load(&s->st.warm_ups);
     o->route_errors = atomic_load(&s->st.route_errors);
     o->overloaded = atomic_load(&s->st.overloaded);
     o->routes_shed_wait = atomic_load(&s->st.shed_wait);

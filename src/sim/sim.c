@@ -117,6 +117,7 @@ typedef struct req_state {
     uint8_t inst;             /* the instance that decided it */
     bool routed, admitted, first_token, finished;
     uint32_t cached_tokens;   /* engine-reported, at admission */
+    uint32_t warm_up_tokens;  /* a warm-up's prompt (its index follows the workload's requests) */
 } req_state;
 
 /* One kvmatch instance of the run: a server in this process (or a running one with `connect`)
@@ -172,6 +173,7 @@ typedef struct run {
     uint64_t *per_worker;
     uint32_t rr;        /* round-robin fallback when a route fails */
     uint32_t bypass_rr; /* the second ingress path's own round robin */
+    size_t n_warm_ups;  /* warm-ups sent: reqs[requests + k] is the k-th */
     /* Output tokens of the requests the router has seen finish: a router knows an answer's
      * length only once it ends, so its expectation for the next request is their mean. */
     uint64_t finished_output_tokens, finished_outputs;
@@ -271,6 +273,7 @@ static int queue_report(run *r, km_lifecycle_kind kind, size_t index, uint64_t t
         r->pending_inst = pi;
     }
     const req_state *s = &r->reqs[index];
+    bool warm_up = index >= r->trace->n_requests;
     r->pending_inst[r->n_pending] = s->inst;
     if (kind == KM_LIFECYCLE_FINISHED) {
         uint32_t w = s->worker - r->worker_base;
@@ -290,7 +293,10 @@ static int queue_report(run *r, km_lifecycle_kind kind, size_t index, uint64_t t
     e->has_elapsed_ms = true;
     e->elapsed_ms = time_us > s->arrival_us ? (double)(time_us - s->arrival_us) / 1000.0 : 0.0;
     if (kind == KM_LIFECYCLE_FINISHED) {
-        const km_trace_request *q = &r->trace->requests[index];
+        km_trace_request prefill = {0};
+        prefill.input_length = s->warm_up_tokens;
+        prefill.output_length = 1;
+        const km_trace_request *q = warm_up ? &prefill : &r->trace->requests[index];
         e->outcome = KM_OUTCOME_COMPLETE;
         e->finish_reason = "length";
         e->done_seen = true;
@@ -390,8 +396,26 @@ static int drain_engine(run *r, uint32_t w, uint64_t now_us, char *why, size_t w
 {
     km_sim_completion c;
     while (km_sim_engine_next_completion(r->engines[w], &c)) {
-        if (c.request_id >= r->trace->n_requests)
+        if (c.request_id >= r->trace->n_requests) {
+            /* A warm-up: its lifecycle goes to kvmatch; no user waits for it, so nothing of it
+             * counts in the requests' figures. */
+            req_state *s = &r->reqs[c.request_id];
+            int rc = KM_OK;
+            if (c.kind == KM_SIM_ADMITTED) {
+                s->admitted = true;
+                s->cached_tokens = c.cached_tokens;
+                r->res->warm_up_prefill_tokens +=
+                    s->warm_up_tokens > c.cached_tokens ? s->warm_up_tokens - c.cached_tokens : 0;
+            } else if (c.kind == KM_SIM_FIRST_TOKEN) {
+                rc = queue_report(r, KM_LIFECYCLE_FIRST_TOKEN, c.request_id, c.time_us);
+            } else {
+                s->finished = true;
+                rc = queue_report(r, KM_LIFECYCLE_FINISHED, c.request_id, c.time_us);
+            }
+            if (rc)
+                return km_why(why, why_size, rc, "out of memory");
             continue;
+        }
         req_state *s = &r->reqs[c.request_id];
         if (!s->routed) {
             /* Not decided by kvmatch (second ingress, route error): the engine's facts count,
@@ -788,6 +812,35 @@ static int cluster_faults(run *r, uint64_t now_us, char *why, size_t why_size)
     return rc;
 }
 
+/* The warm-up a decision asked for: the request's first `tokens` tokens (still in r->tokens) to
+ * the engine of worker id `worker`, one output token, dispatched at once and reported to the
+ * instance that decided it under its own decision id. */
+static int send_warm_up(run *r, uint8_t inst, uint32_t worker, uint32_t tokens,
+                        uint64_t decision_id, uint64_t now_us, char *why, size_t why_size)
+{
+    uint32_t w = worker - r->worker_base;
+    if (worker < r->worker_base || w >= r->cfg->workers || tokens == 0 ||
+        r->n_warm_ups >= r->trace->n_requests)
+        return km_why(why, why_size, KM_ERR_PROTOCOL, "a warm-up of %u tokens for worker %u",
+                      tokens, worker);
+    size_t index = r->trace->n_requests + r->n_warm_ups++;
+    req_state *s = &r->reqs[index];
+    s->arrival_us = now_us;
+    s->decision_id = decision_id;
+    s->worker = worker;
+    s->inst = inst;
+    s->routed = true;
+    s->warm_up_tokens = tokens;
+    r->own_in_flight[(size_t)inst * r->cfg->workers + w]++;
+    r->res->warm_ups++;
+    int rc = km_sim_engine_submit(r->engines[w], index, r->tokens, tokens, 1, now_us);
+    if (rc)
+        return km_why(why, why_size, rc, "engine %u: %s", w, km_sim_engine_last_error(r->engines[w]));
+    if ((rc = queue_report(r, KM_LIFECYCLE_DISPATCHED, index, now_us)) != KM_OK)
+        return km_why(why, why_size, rc, "out of memory");
+    return KM_OK;
+}
+
 static int route_one(run *r, size_t index, uint64_t now_us, char *why, size_t why_size)
 {
     const km_trace_request *q = &r->trace->requests[index];
@@ -819,6 +872,7 @@ static int route_one(run *r, size_t index, uint64_t now_us, char *why, size_t wh
     route.input = KM_ROUTE_INPUT_TOKENS;
     route.tokens = r->tokens;
     route.n_tokens = n_tokens;
+    route.warm_ups = true; /* this router carries out the warm-ups decisions ask for */
     route.has_expected_output_tokens = r->finished_outputs > 0;
     if (route.has_expected_output_tokens)
         route.expected_output_tokens =
@@ -842,6 +896,9 @@ static int route_one(run *r, size_t index, uint64_t now_us, char *why, size_t wh
     if (rc != KM_OK)
         return km_why(why, why_size, rc, "route %zu: %s", index, km_client_last_error(client));
     const km_route_decision *d = &reply.decision.decisions[0];
+    bool warm_up = d->status == KM_OK && d->has_warm_up;
+    uint32_t warm_worker = d->warm_up_worker, warm_tokens = (uint32_t)d->warm_up_tokens;
+    uint64_t warm_decision = d->warm_up_decision_id;
     uint32_t w;
     if (d->status != KM_OK || d->chosen_worker < r->worker_base ||
         d->chosen_worker >= r->worker_base + r->cfg->workers) {
@@ -931,7 +988,10 @@ static int route_one(run *r, size_t index, uint64_t now_us, char *why, size_t wh
     /* The router sent it on at once. */
     if (s->routed && (rc = queue_report(r, KM_LIFECYCLE_DISPATCHED, index, now_us)) != KM_OK)
         return km_why(why, why_size, rc, "out of memory");
-    return KM_OK;
+    if (warm_up)
+        rc = send_warm_up(r, s->inst, warm_worker, warm_tokens, warm_decision, now_us, why,
+                          why_size);
+    return rc;
 }
 
 static void run_teardown(run *r)
@@ -1147,7 +1207,7 @@ static int run_policy(const km_sim_config *cfg, const km_trace *trace, const cha
     r.rng = cfg->generator.seed ^ UINT64_C(0x66617573);
     r.drop_rng = cfg->generator.seed ^ UINT64_C(0x64726f70);
     r.per_worker = calloc(W, sizeof *r.per_worker);
-    r.reqs = calloc(N ? N : 1, sizeof *r.reqs);
+    r.reqs = calloc(N ? 2 * N : 1, sizeof *r.reqs); /* the requests, then at most one warm-up each */
     r.ttft_ms = calloc(N ? N : 1, sizeof *r.ttft_ms);
     r.finish_s = calloc(N ? N : 1, sizeof *r.finish_s);
     r.last_admit_s = calloc(W ? W : 1, sizeof *r.last_admit_s);
@@ -1332,13 +1392,15 @@ static int run_policy(const km_sim_config *cfg, const km_trace *trace, const cha
                 km_publisher_restart(r.pubs[rw]);
             r.live_next[rw] = 0;
             r.published[rw] = 0;
-            /* Its running requests died with it: the router sees them fail. */
-            for (size_t i = 0; !rc && i < next; i++) {
+            /* Its running requests (and warm-ups, which count in no figure) died with it: the
+             * router sees them fail. */
+            for (size_t k = 0; !rc && k < next + r.n_warm_ups; k++) {
+                size_t i = k < next ? k : N + (k - next);
                 req_state *s = &r.reqs[i];
                 if (s->worker != r.worker_base + rw || s->finished)
                     continue;
                 s->finished = true;
-                res->lost_to_restart++;
+                res->lost_to_restart += i < N;
                 if (s->routed && (rc = queue_report(&r, KM_LIFECYCLE_FINISHED, i, t_now)) == KM_OK) {
                     km_lifecycle_event *e = &r.pending[r.n_pending - 1];
                     e->outcome = KM_OUTCOME_ERROR;

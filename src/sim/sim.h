@@ -212,6 +212,10 @@ typedef struct km_sim_result {
                                        * had not finished (arrivals are open loop: SIM.md) */
     uint64_t kvmatch_restarts;        /* restarts of kvmatch itself (fault) */
     uint64_t owner_not_chosen;        /* the deepest match was on another worker */
+    /* Warm-ups the decisions asked for, each sent to its engine as a prefill of the request's
+     * leading blocks with one output token (no TTFT counted), and the prompt tokens those
+     * prefills computed (not found cached when admitted). */
+    uint64_t warm_ups, warm_up_prefill_tokens;
     uint64_t owner_forgone_tokens;    /* their (owner depth - chosen depth) x block size */
     double ttft_p50_ms, ttft_p99_ms;  /* virtual time, arrival to first token; NAN when no
                                        * request got a first token (no sample) */

@@ -338,6 +338,39 @@ def own_server(directory, name, config):
     return server
 
 
+def test_a_decision_asks_for_a_warm_up(server):
+    """A hot prefix on a worker past the ttft policy's load bound: a route that says its router
+    carries out warm-ups (`warm_ups`) stays with the holder, and its decision carries `warm_up`,
+    a decision of its own that the router reports like any other."""
+    own = own_server(server.dir, "warm", {})
+    try:
+        with kc.Client.connect(own.address) as c:
+            shared = prompt(1024, 5)
+            for k in range(6):
+                tokens = shared + prompt(16, 100 + k)
+                d = c.route([{"request_id": "hot-%d" % k, "tokens": tokens, "candidates": [0],
+                              "policy": "ttft"}])["decisions"][0]
+                expect(d["status"] == 0, "hot route decided: %r" % d)
+                c.first_token(decision_id=d["decision_id"])
+            d = c.route([{"request_id": "w", "attempt_id": "a", "tokens": shared + prompt(16, 99),
+                          "policy": "ttft", "warm_ups": True}])["decisions"][0]
+            expect(d["status"] == 0 and d["chosen_worker"] == 0, "stays with the holder: %r" % d)
+            w = d.get("warm_up")
+            expect(isinstance(w, dict) and w["worker"] != 0 and w["blocks"] == 64 and
+                   w["tokens"] == 1024 and w["attempt_id"] == "a:warm_up" and
+                   w["decision_id"] != d["decision_id"], "warm_up %r" % w)
+            for ack in (c.dispatched(decision_id=w["decision_id"], worker=w["worker"]),
+                        c.first_token(decision_id=w["decision_id"]),
+                        c.finished(decision_id=w["decision_id"], finish_reason="length",
+                                   done_seen=True, http_status=200)):
+                expect(ack["items"] == [{"status": 0}], "warm-up lifecycle acked: %r" % ack)
+            plain = c.route([{"request_id": "p", "tokens": shared + prompt(16, 98),
+                              "policy": "ttft"}])["decisions"][0]
+            expect("warm_up" not in plain, "no warm_ups, no warm-up: %r" % plain)
+    finally:
+        own.stop()
+
+
 def free_tcp_port():
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind(("127.0.0.1", 0))
@@ -571,7 +604,7 @@ def main():
              test_overloaded_by_the_connection_budget, test_oversize_frame_is_refused,
              test_shutting_down_while_routes_are_in_flight, test_server_goes_away_then_reconnect,
              test_refused_connection_gives_the_servers_code, test_ids_go_on_after_reconnect,
-             test_decision_load_view_of_a_cluster]
+             test_decision_load_view_of_a_cluster, test_a_decision_asks_for_a_warm_up]
     failed = 0
     try:
         server.start()
