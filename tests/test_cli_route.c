@@ -132,6 +132,14 @@ static void fake_answer(int fd, const km_message *m)
         for (uint32_t i = 0; i < q->n_hashes; i++)
             d.decision_id += q->hashes[i];
         d.request_id = q->request_id;
+        if (q->warm_ups) { /* a router that can warm up gets one */
+            d.has_warm_up = true;
+            d.warm_up_worker = 1;
+            d.warm_up_blocks = 2;
+            d.warm_up_tokens = 32;
+            d.warm_up_decision_id = d.decision_id + 1;
+            d.warm_up_attempt_id = ":warm_up";
+        }
         reply.type = KM_MESSAGE_DECISION;
         reply.decision.decisions = &d;
         reply.decision.n_decisions = 1;
@@ -366,6 +374,39 @@ Test(cli_route, output_uses_the_protocol_field_names, .timeout = 60)
     expect_documented(json_array_get(rows, 0), doc);
     cr_expect_eq(json_integer_value(json_object_get(json_array_get(rows, 0), "device_blocks")), 2,
                  "%s", r.out);
+    json_decref(o);
+    free(doc);
+}
+
+/* --warm-ups says this caller carries out warm-ups: the decision's warm_up is printed under the
+ * protocol's names; without the flag none is asked for and warm_up is null. */
+Test(cli_route, warm_ups_are_asked_for_and_printed, .timeout = 60)
+{
+    char *doc = malloc(1 << 20);
+    read_file("docs/PROTOCOL.md", doc, 1 << 20);
+    fake_server s;
+    fake_start(&s);
+    route_run r;
+    run_route((const char *const[]){"--connect", s.address, "--warm-ups", NULL}, "1 2 3\n", &r);
+    fake_stop(&s);
+    cr_assert_eq(r.status, 0, "exit %d, stderr: %s", r.status, r.err);
+    json_t *o = json_loads(r.out, 0, NULL);
+    cr_assert(o, "not one JSON object: %s", r.out);
+    json_t *w = json_object_get(o, "warm_up");
+    cr_assert(json_is_object(w), "%s", r.out);
+    expect_documented(w, doc);
+    cr_expect_eq(json_integer_value(json_object_get(w, "worker")), 1, "%s", r.out);
+    cr_expect_eq(json_integer_value(json_object_get(w, "blocks")), 2, "%s", r.out);
+    cr_expect_eq(json_integer_value(json_object_get(w, "tokens")), 32, "%s", r.out);
+    cr_expect_eq(json_integer_value(json_object_get(w, "decision_id")), 7, "%s", r.out);
+    cr_expect_str_eq(json_string_value(json_object_get(w, "attempt_id")), ":warm_up", "%s", r.out);
+    json_decref(o);
+    fake_start(&s);
+    run_route((const char *const[]){"--connect", s.address, NULL}, "1 2 3\n", &r);
+    fake_stop(&s);
+    cr_assert_eq(r.status, 0, "exit %d, stderr: %s", r.status, r.err);
+    o = json_loads(r.out, 0, NULL);
+    cr_assert(o && json_is_null(json_object_get(o, "warm_up")), "%s", r.out);
     json_decref(o);
     free(doc);
 }

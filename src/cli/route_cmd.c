@@ -27,6 +27,7 @@ static void route_usage(FILE *f)
             "usage: kvmatch route [--connect ADDR] [--pool P] [--model M] [--request-id ID]\n"
             "                     [--attempt-id A] [--lora NAME] [--salt S] [--policy P]\n"
             "                     [--candidates 0,1,...] [--expected-output N] [--hashes]\n"
+            "                     [--warm-ups]\n"
             "                     < decimal token ids (or chain hashes with --hashes:\n"
             "                       decimal or 0x hex)\n"
             "       kvmatch route [--connect ADDR] --status | --workers\n"
@@ -39,7 +40,10 @@ static void route_usage(FILE *f)
             "  ADDR: unix:/path (default unix:%s) or tcp:127.0.0.1:PORT\n"
             "  Without --request-id each call gets a fresh one (route-<16 hex digits>). A route\n"
             "  starts an attempt the service counts as load until --finish reports its end (or\n"
-            "  its active-work TTL expires). Options take --opt VALUE or --opt=VALUE.\n"
+            "  its active-work TTL expires). --warm-ups: this caller carries out a warm-up the\n"
+            "  decision asks for (`warm_up`: send that worker the prompt's first `tokens` tokens,\n"
+            "  one output token, and --finish its decision_id). Options take --opt VALUE or\n"
+            "  --opt=VALUE.\n"
             "  Exit status: 0 ok, 1 the service refused or could not be reached, 2 usage.\n",
             KM_PROTOCOL_DEFAULT_SOCKET);
 }
@@ -113,6 +117,13 @@ static json_t *decision_json(const km_route_decision *d)
         json_array_append_new(cands, jc);
     }
     json_object_set_new(o, "candidates", cands);
+    json_t *warm = json_null();
+    if (d->has_warm_up)
+        warm = json_pack("{sI sI sI sI ss}", "worker", (json_int_t)d->warm_up_worker, "blocks",
+                         (json_int_t)d->warm_up_blocks, "tokens", (json_int_t)d->warm_up_tokens,
+                         "decision_id", (json_int_t)d->warm_up_decision_id, "attempt_id",
+                         d->warm_up_attempt_id ? d->warm_up_attempt_id : "");
+    json_object_set_new(o, "warm_up", warm ? warm : json_null());
     return o;
 }
 
@@ -281,6 +292,7 @@ enum {
     OPT_CONNECT = 256, OPT_POOL, OPT_MODEL, OPT_REQUEST_ID, OPT_ATTEMPT_ID, OPT_LORA, OPT_SALT,
     OPT_POLICY, OPT_EXPECTED_OUTPUT, OPT_CANDIDATES, OPT_ADD_WORKER, OPT_REMOVE_WORKER,
     OPT_SET_HEALTH, OPT_REMOVE_POOL, OPT_HASHES, OPT_STATUS, OPT_WORKERS, OPT_FINISH, OPT_OUTCOME,
+    OPT_WARM_UPS,
 };
 
 int km_cmd_route(int argc, char **argv)
@@ -302,6 +314,7 @@ int km_cmd_route(int argc, char **argv)
         {"set-health", required_argument, NULL, OPT_SET_HEALTH},
         {"remove-pool", required_argument, NULL, OPT_REMOVE_POOL},
         {"hashes", no_argument, NULL, OPT_HASHES},
+        {"warm-ups", no_argument, NULL, OPT_WARM_UPS},
         {"status", no_argument, NULL, OPT_STATUS},
         {"workers", no_argument, NULL, OPT_WORKERS},
         {"finish", required_argument, NULL, OPT_FINISH},
@@ -328,7 +341,7 @@ int km_cmd_route(int argc, char **argv)
         if (!route_option && (opt == OPT_POOL || opt == OPT_MODEL || opt == OPT_REQUEST_ID ||
                               opt == OPT_ATTEMPT_ID || opt == OPT_LORA || opt == OPT_SALT ||
                               opt == OPT_POLICY || opt == OPT_EXPECTED_OUTPUT ||
-                              opt == OPT_CANDIDATES || opt == OPT_HASHES))
+                              opt == OPT_CANDIDATES || opt == OPT_HASHES || opt == OPT_WARM_UPS))
             route_option = options[index].name;
         switch (opt) {
         case 'h':
@@ -343,6 +356,7 @@ int km_cmd_route(int argc, char **argv)
         case OPT_SALT: r.cache_salt = v; break;
         case OPT_POLICY: r.policy = v; break;
         case OPT_HASHES: hashes = true; break;
+        case OPT_WARM_UPS: r.warm_ups = true; break;
         case OPT_STATUS: status = true; break;
         case OPT_WORKERS: list = true; break;
         case OPT_ADD_WORKER: add = v; break;
