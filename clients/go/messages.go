@@ -51,6 +51,7 @@ type RouteRequest struct {
 	CacheSalt            string
 	Candidates           []uint32 // nil: every worker of the pool
 	Brief                bool     // no candidate rows in the decision
+	WarmUps              bool     // this router carries out the warm-ups decisions ask for
 	Policy               string
 	PromptTokens         *uint64
 	ExpectedOutputTokens *uint64
@@ -171,6 +172,20 @@ type Decision struct {
 	LoadOldestAgeMs    *float64    `msgpack:"load_oldest_age_ms"`
 	LoadStaleInstances string      `msgpack:"load_stale_instances"`
 	Candidates         []Candidate `msgpack:"candidates"`
+	// nil: the decision asks for no warm-up (always, for a route without WarmUps).
+	WarmUp *WarmUp `msgpack:"warm_up"`
+}
+
+// WarmUp is a decision's request that its router warm up another worker (docs/PROTOCOL.md,
+// "Warm-ups"): send Worker the routed prompt's first Tokens tokens (Blocks whole blocks), asking
+// for one output token that nobody reads, and report that request's lifecycle under DecisionID
+// like any decision's. AttemptID is the route's attempt id with ":warm_up" appended.
+type WarmUp struct {
+	Worker     uint32 `msgpack:"worker"`
+	Blocks     uint32 `msgpack:"blocks"`
+	Tokens     uint64 `msgpack:"tokens"`
+	DecisionID uint64 `msgpack:"decision_id"`
+	AttemptID  string `msgpack:"attempt_id"`
 }
 
 // Err is nil for a decided route, else its failure as an *Error.
@@ -386,6 +401,9 @@ func (r *RouteRequest) EncodeMsgpack(e *msgpack.Encoder) error {
 	if r.Brief {
 		f = append(f, "brief", true)
 	}
+	if r.WarmUps {
+		f = append(f, "warm_ups", true)
+	}
 	if r.PromptTokens != nil {
 		f = append(f, "prompt_tokens", *r.PromptTokens)
 	}
@@ -501,7 +519,7 @@ func (c *Candidate) DecodeMsgpack(d *msgpack.Decoder) error {
 // str); a key that appears twice is refused, and so is an integer field whose value is outside
 // its type (a chosen_worker of 2^32 + 2 is no worker, not worker 2) and a decided one (Status
 // OK) without decision_id, chosen_worker or source (nil is absent), which would read as decision
-// 0 on worker 0.
+// 0 on worker 0. A warm_up of nil is absent; any other is read by WarmUp.DecodeMsgpack.
 func (dc *Decision) DecodeMsgpack(d *msgpack.Decoder) error {
 	n, err := d.DecodeMapLen()
 	if err != nil {
@@ -551,6 +569,9 @@ func (dc *Decision) DecodeMsgpack(d *msgpack.Decoder) error {
 			err = d.Decode(&dc.LoadOldestAgeMs)
 		case "candidates":
 			err = d.Decode(&dc.Candidates)
+		case "warm_up":
+			dc.WarmUp = new(WarmUp)
+			err = dc.WarmUp.DecodeMsgpack(d)
 		default:
 			if p, ok := strs[key]; ok {
 				err = d.Decode(p)
@@ -569,6 +590,48 @@ func (dc *Decision) DecodeMsgpack(d *msgpack.Decoder) error {
 			if !present[key] {
 				return newError(ErrParse, "a decided decision has no %s", key)
 			}
+		}
+	}
+	return nil
+}
+
+// warmUpKeys are the keys of a decision's warm_up map, each required.
+var warmUpKeys = []string{"worker", "blocks", "tokens", "decision_id", "attempt_id"}
+
+// DecodeMsgpack reads a decision's warm_up map. Each of its five keys is required (nil is
+// absent): a warm-up without its worker or decision id would read as one for worker 0 or
+// decision 0. A key that appears twice, an integer outside its field's type and an attempt_id
+// that is not a str are refused; unknown keys (and entries whose key is not a str) are skipped.
+func (w *WarmUp) DecodeMsgpack(d *msgpack.Decoder) error {
+	*w = WarmUp{}
+	present := make(map[string]bool, len(warmUpKeys))
+	err := decodeMap(d, func(key string) error {
+		if c, err := d.PeekCode(); err != nil {
+			return err
+		} else if c == msgpcode.Nil {
+			return d.Skip()
+		}
+		present[key] = true
+		switch key {
+		case "worker":
+			return decodeU32(d, &w.Worker)
+		case "blocks":
+			return decodeU32(d, &w.Blocks)
+		case "tokens":
+			return decodeU64(d, &w.Tokens)
+		case "decision_id":
+			return decodeU64(d, &w.DecisionID)
+		case "attempt_id":
+			return d.Decode(&w.AttemptID)
+		}
+		return d.Skip()
+	})
+	if err != nil {
+		return err
+	}
+	for _, key := range warmUpKeys {
+		if !present[key] {
+			return newError(ErrParse, "a warm_up has no %s", key)
 		}
 	}
 	return nil
