@@ -1311,6 +1311,54 @@ func TestSendMessageCountsTypedSlices(t *testing.T) {
 	}
 }
 
+// A hot prefix on a worker past the ttft policy's load bound (docs/PROTOCOL.md, "Warm-ups"): a
+// route whose router carries out warm-ups stays with the holder, and its decision asks for a
+// warm-up of another worker with the shared prefix's whole blocks, a decision of its own whose
+// DISPATCHED, FIRST_TOKEN and FINISHED by decision id the server acks. A route without WarmUps is
+// asked for none.
+func TestADecisionAsksForAWarmUp(t *testing.T) {
+	s := startServer(t) // testWorkers workers without event endpoints (approx), blocks of 16
+	ctx := testContext(t)
+	c := dialT(t, ctx, s.address)
+	shared := prompt(1024, 5)
+	withOwnTail := func(seed int) []uint32 {
+		return append(append([]uint32{}, shared...), prompt(16, seed)...)
+	}
+	for k := 0; k < 6; k++ {
+		ds, err := c.Route(ctx, RouteRequest{RequestID: fmt.Sprintf("hot-%d", k),
+			Tokens: withOwnTail(100 + k), Candidates: []uint32{0}, Policy: "ttft"})
+		if err != nil || ds[0].Err() != nil || ds[0].ChosenWorker != 0 || ds[0].WarmUp != nil {
+			t.Fatalf("hot route %d: %v %+v", k, err, ds)
+		}
+		err = c.Report(ctx, LifecycleEvent{Event: EventFirstToken, DecisionID: ds[0].DecisionID})
+		if err != nil {
+			t.Fatalf("hot route %d's FIRST_TOKEN: %v", k, err)
+		}
+	}
+	ds, err := c.Route(ctx, RouteRequest{RequestID: "w", AttemptID: "a", Tokens: withOwnTail(99),
+		Policy: "ttft", WarmUps: true})
+	if err != nil || ds[0].Err() != nil || ds[0].ChosenWorker != 0 {
+		t.Fatalf("the route stays with the holder: %v %+v", err, ds)
+	}
+	d, w := ds[0], ds[0].WarmUp
+	if w == nil || w.Worker == 0 || w.Worker >= testWorkers || w.Blocks != 64 || w.Tokens != 1024 ||
+		w.AttemptID != "a:warm_up" || w.DecisionID == 0 || w.DecisionID == d.DecisionID {
+		t.Fatalf("the decision's warm-up: %+v (decision %d)", w, d.DecisionID)
+	}
+	items, err := c.Lifecycle(ctx,
+		LifecycleEvent{Event: EventDispatched, DecisionID: w.DecisionID, Worker: u32(w.Worker)},
+		LifecycleEvent{Event: EventFirstToken, DecisionID: w.DecisionID},
+		LifecycleEvent{Event: EventFinished, DecisionID: w.DecisionID, FinishReason: "length",
+			DoneSeen: true, HTTPStatus: 200})
+	if want := []Code{OK, OK, OK}; err != nil || fmt.Sprint(statuses(items)) != fmt.Sprint(want) {
+		t.Fatalf("the warm-up's lifecycle: statuses %v, want %v (%v)", statuses(items), want, err)
+	}
+	plain, err := c.Route(ctx, RouteRequest{RequestID: "p", Tokens: withOwnTail(98), Policy: "ttft"})
+	if err != nil || plain[0].Err() != nil || plain[0].WarmUp != nil {
+		t.Fatalf("without WarmUps, no warm-up: %v %+v", err, plain)
+	}
+}
+
 func natsServerBinary() string {
 	if p, err := exec.LookPath("nats-server"); err == nil {
 		return p
@@ -1465,7 +1513,8 @@ func TestEntriesWithKeysThatAreNotStrAreIgnored(t *testing.T) {
 			row := []interface{}{2, 1, 1, 0, 0, 0, 0, 0, nil, "LIVE", true}
 			return with("type", "DECISION", "id", id, "decisions", []interface{}{
 				with("status", 0, "decision_id", 11, "chosen_worker", 2, "source", "events",
-					"candidates", []interface{}{row})})
+					"candidates", []interface{}{row}, "warm_up", with("worker", 1, "blocks", 4,
+						"tokens", 64, "decision_id", 12, "attempt_id", "a:warm_up"))})
 		case "LIFECYCLE":
 			return with("type", "ACK", "id", id, "items", []interface{}{with("status", -15)})
 		case "WORKERS":
@@ -1485,6 +1534,10 @@ func TestEntriesWithKeysThatAreNotStrAreIgnored(t *testing.T) {
 	if err != nil || ds[0].DecisionID != 11 || ds[0].ChosenWorker != 2 || ds[0].Source != "events" ||
 		len(ds[0].Candidates) != 1 || ds[0].Candidates[0].Worker != 2 {
 		t.Fatalf("a DECISION: %v %+v", err, ds)
+	}
+	if w := ds[0].WarmUp; w == nil || *w != (WarmUp{Worker: 1, Blocks: 4, Tokens: 64,
+		DecisionID: 12, AttemptID: "a:warm_up"}) {
+		t.Fatalf("a DECISION's warm_up: %+v", w)
 	}
 	items, err := c.Lifecycle(ctx, LifecycleEvent{Event: EventDispatched, DecisionID: 11})
 	if err != nil || len(items) != 1 || items[0].Status != ErrNotFound {
@@ -1609,6 +1662,18 @@ func TestKeyTwiceInANestedMap(t *testing.T) {
 			[]interface{}{rawMap{"status", 0, "decision_id", 1, "chosen_worker", 2,
 				"source", "events", "later", 1, "later", 2, "candidates",
 				[]interface{}{row}}}}},
+		{"a decision's warm_up's worker", route, rawMap{"type", "DECISION", "decisions",
+			[]interface{}{rawMap{"status", 0, "decision_id", 1, "chosen_worker", 2,
+				"source", "events", "warm_up", rawMap{"worker", 1, "blocks", 4, "tokens", 64,
+					"decision_id", 3, "attempt_id", "a:warm_up", "worker", 0}}}}},
+		{"a decision's warm_up's unknown key", route, rawMap{"type", "DECISION", "decisions",
+			[]interface{}{rawMap{"status", 0, "decision_id", 1, "chosen_worker", 2,
+				"source", "events", "warm_up", rawMap{"later", 1, "worker", 1, "blocks", 4,
+					"tokens", 64, "decision_id", 3, "attempt_id", "a:warm_up", "later", 2}}}}},
+		{"a decision's warm_up", route, rawMap{"type", "DECISION", "decisions",
+			[]interface{}{rawMap{"status", 0, "decision_id", 1, "chosen_worker", 2,
+				"source", "events", "warm_up", fakeMap{"worker": 1, "blocks": 4, "tokens": 64,
+					"decision_id": 3, "attempt_id": "a:warm_up"}, "warm_up", nil}}}},
 	}
 	for _, tc := range cases {
 		reply := tc.reply
@@ -1629,6 +1694,111 @@ func TestKeyTwiceInANestedMap(t *testing.T) {
 			"limits", rawMap{"max_frame_bytes", 4096, "max_frame_bytes", 1 << 20}}
 	}))
 	expectCode(t, err, ErrParse, "a WELCOME's limits.max_frame_bytes twice")
+}
+
+// RouteRequest sends warm_ups only when WarmUps is set, as true, as it does brief.
+func TestWarmUpsIsSentOnlyWhenSet(t *testing.T) {
+	for _, set := range []bool{false, true} {
+		b, err := msgpack.Marshal(&RouteRequest{RequestID: "a", WarmUps: set})
+		var m fakeMap
+		if err == nil {
+			err = msgpack.Unmarshal(b, &m)
+		}
+		v, sent := m["warm_ups"]
+		if err != nil || sent != set || (set && v != true) {
+			t.Fatalf("WarmUps %v: warm_ups %v (sent %v) in %v, %v", set, v, sent, m, err)
+		}
+	}
+}
+
+// A decision's warm_up, when it is not nil, holds worker, blocks, tokens, decision_id and
+// attempt_id, each of its field's type and none nil: one that does not is ErrParse, its message
+// naming the field, and closes the connection, never a warm-up of worker 0 or decision 0. A
+// warm_up of nil, or none, is no warm-up; integers at the ends of their types read as sent.
+func TestMalformedWarmUpIsRefused(t *testing.T) {
+	ctx := testContext(t)
+	warmUp := func(key string, v interface{}) fakeMap {
+		w := fakeMap{"worker": 1, "blocks": 64, "tokens": 1024, "decision_id": 7,
+			"attempt_id": "a:warm_up"}
+		if v == nil {
+			delete(w, key)
+		} else {
+			w[key] = v
+		}
+		return w
+	}
+	decidedWith := func(warmUp interface{}) fakeMap {
+		d := fakeMap{"status": 0, "decision_id": 6, "chosen_worker": 0, "source": "approx"}
+		if warmUp != nil {
+			d["warm_up"] = warmUp
+		}
+		return fakeMap{"type": "DECISION", "decisions": []interface{}{d}}
+	}
+	nilValued := func(key string) fakeMap {
+		w := warmUp("", nil)
+		w[key] = nil
+		return w
+	}
+	type refusal struct {
+		name, field string // field: what the error names
+		warmUp      interface{}
+	}
+	refused := []refusal{{"not a map", "warm_up", 5}, {"an array", "warm_up", []interface{}{1, 64}},
+		{"a worker over 32 bits", "worker", warmUp("worker", uint64(1<<32+1))},
+		{"a negative worker", "worker", warmUp("worker", -1)},
+		{"blocks over 32 bits", "blocks", warmUp("blocks", uint64(1<<32+64))},
+		{"negative tokens", "tokens", warmUp("tokens", -1)},
+		{"a float decision_id", "decision_id", warmUp("decision_id", 7.0)},
+		{"a str decision_id", "decision_id", warmUp("decision_id", "7")},
+		{"an int attempt_id", "attempt_id", warmUp("attempt_id", 3)},
+		{"no keys", "worker", fakeMap{}}}
+	for _, key := range warmUpKeys {
+		refused = append(refused, refusal{"no " + key, key, warmUp(key, nil)},
+			refusal{"a nil " + key, key, nilValued(key)})
+	}
+	for _, tc := range refused {
+		reply := decidedWith(tc.warmUp)
+		c := dialT(t, ctx, fakeAnswering(t, func(m fakeMap) fakeMap {
+			if m["type"] == "HELLO" {
+				return nil
+			}
+			return reply
+		}))
+		_, err := c.Route(ctx, RouteRequest{RequestID: "a", WarmUps: true})
+		expectCode(t, err, ErrParse, "a warm_up with "+tc.name)
+		if msg := err.Error(); !strings.Contains(msg, "warm_up") || !strings.Contains(msg, tc.field) {
+			t.Fatalf("a warm_up with %s: the error does not name %s: %v", tc.name, tc.field, err)
+		}
+		if c.Err() == nil {
+			t.Fatalf("a warm_up with %s: the connection stays open", tc.name)
+		}
+	}
+	widest := warmUp("worker", uint32(math.MaxUint32))
+	widest["blocks"], widest["tokens"] = uint32(math.MaxUint32), uint64(math.MaxUint64)
+	widest["decision_id"], widest["later"] = uint64(math.MaxUint64), fakeMap{"x": 1}
+	replies := []fakeMap{decidedWith(widest), decidedWith(nil),
+		{"type": "DECISION", "decisions": []interface{}{fakeMap{"status": 0, "decision_id": 6,
+			"chosen_worker": 0, "source": "approx", "warm_up": nil}}}}
+	next := 0
+	c := dialT(t, ctx, fakeAnswering(t, func(m fakeMap) fakeMap {
+		if m["type"] == "HELLO" {
+			return nil
+		}
+		next++
+		return replies[next-1]
+	}))
+	ds, err := c.Route(ctx, RouteRequest{RequestID: "a", WarmUps: true})
+	want := WarmUp{Worker: math.MaxUint32, Blocks: math.MaxUint32, Tokens: math.MaxUint64,
+		DecisionID: math.MaxUint64, AttemptID: "a:warm_up"}
+	if err != nil || ds[0].WarmUp == nil || *ds[0].WarmUp != want {
+		t.Fatalf("a warm_up at the ends of its types: %v %+v", err, ds)
+	}
+	for _, what := range []string{"no warm_up", "a warm_up of nil"} {
+		ds, err := c.Route(ctx, RouteRequest{RequestID: "a", WarmUps: true})
+		if err != nil || ds[0].Err() != nil || ds[0].WarmUp != nil {
+			t.Fatalf("%s: %v %+v", what, err, ds)
+		}
+	}
 }
 
 // fakeHolding is a fake server that holds its replies to ROUTEs until a route of request id
