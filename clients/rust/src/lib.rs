@@ -29,6 +29,6 @@ pub use client::{Client, Reply, CLIENT_NAME, DEFAULT_ADDRESS, MAX_ABANDONED, PRO
 pub use error::{outcome_from_stream, Code, Error, Result};
 pub use messages::{
     AckItem, Candidate, Decision, Event, LifecycleEvent, Limits, Pool, Prompt, RouteRequest,
-    StatusReply, Welcome, Worker, WorkerLoad,
+    StatusReply, WarmUp, Welcome, Worker, WorkerLoad,
 };
 pub use value::Value;

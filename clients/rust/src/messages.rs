@@ -60,6 +60,9 @@ pub struct RouteRequest {
     pub policy: Option<String>,
     pub prompt_tokens: Option<u64>,
     pub expected_output_tokens: Option<u64>,
+    /// The router carries out the warm-ups a decision asks for (`Decision::warm_up`,
+    /// docs/PROTOCOL.md "Warm-ups"); false: no decision asks for one.
+    pub warm_ups: bool,
 }
 
 /// What a lifecycle event reports.
@@ -178,9 +181,25 @@ pub struct Candidate {
     pub eligible: bool,
 }
 
+/// A warm-up a decision asks the router to carry out (docs/PROTOCOL.md, "Warm-ups"): send
+/// `worker` a request of the router's own, the first `tokens` tokens of the routed prompt
+/// (`blocks` whole blocks) asking for one output token, and report its lifecycle by `decision_id`
+/// like any decision's.
+#[derive(Clone, Debug, PartialEq)]
+pub struct WarmUp {
+    /// The worker to warm up: never the decision's `chosen_worker`.
+    pub worker: u32,
+    pub blocks: u32,
+    pub tokens: u64,
+    /// The warm-up's own decision, which its lifecycle reports name.
+    pub decision_id: u64,
+    /// The route's attempt id with `:warm_up` appended.
+    pub attempt_id: String,
+}
+
 /// The answer to one route. `status` OK: decided; else `message` says why and only the ids are set.
 /// A decided one without `decision_id`, `chosen_worker` or `source` (docs/PROTOCOL.md: required
-/// when the status is 0) is not read: `Code::PARSE`.
+/// when the status is 0), or whose `warm_up` lacks one of its keys, is not read: `Code::PARSE`.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Decision {
     pub status: Code,
@@ -214,6 +233,9 @@ pub struct Decision {
     /// The stale instances' ids, comma-separated ("" when none); None with "this_instance".
     pub load_stale_instances: Option<String>,
     pub candidates: Vec<Candidate>,
+    /// The warm-up this decision asks for; None without one (always None for a route without
+    /// `warm_ups`).
+    pub warm_up: Option<WarmUp>,
 }
 
 impl Decision {
@@ -313,6 +335,9 @@ impl RouteRequest {
         }
         if self.brief {
             m = m.put("brief", Value::Bool(true));
+        }
+        if self.warm_ups {
+            m = m.put("warm_ups", Value::Bool(true));
         }
         m.uint("prompt_tokens", self.prompt_tokens)
             .uint("expected_output_tokens", self.expected_output_tokens)
@@ -493,6 +518,23 @@ impl Candidate {
     }
 }
 
+impl WarmUp {
+    /// A `warm_up` map: each of its five keys is required, of its type (nil counts as missing).
+    fn from_value(v: &Value, what: &str) -> Result<WarmUp> {
+        let f = Fields { value: v, what };
+        fn required<T>(x: Option<T>, what: &str, key: &str) -> Result<T> {
+            x.ok_or_else(|| Error::new(Code::PARSE, format!("{}.{}: missing", what, key)))
+        }
+        Ok(WarmUp {
+            worker: required(f.u32("worker")?, what, "worker")?,
+            blocks: required(f.u32("blocks")?, what, "blocks")?,
+            tokens: required(f.u64("tokens")?, what, "tokens")?,
+            decision_id: required(f.u64("decision_id")?, what, "decision_id")?,
+            attempt_id: required(f.string("attempt_id")?, what, "attempt_id")?,
+        })
+    }
+}
+
 impl Decision {
     pub(crate) fn from_value(v: &Value, what: &str) -> Result<Decision> {
         let f = Fields { value: v, what };
@@ -510,6 +552,10 @@ impl Decision {
         for (i, row) in rows.iter().enumerate() {
             candidates.push(Candidate::from_value(row, &format!("{}.candidates[{}]", what, i))?);
         }
+        let warm_up = match f.map("warm_up")? {
+            None => None,
+            Some(w) => Some(WarmUp::from_value(w, &format!("{}.warm_up", what))?),
+        };
         Ok(Decision {
             status,
             message: f.string("message")?,
@@ -541,6 +587,7 @@ impl Decision {
             load_oldest_age_ms: f.f64("load_oldest_age_ms")?,
             load_stale_instances: f.string("load_stale_instances")?,
             candidates,
+            warm_up,
         })
     }
 }
@@ -595,5 +642,136 @@ impl StatusReply {
             backend: f.string("backend")?,
             workers,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn encoded(v: &Value) -> Vec<u8> {
+        let mut out = Vec::new();
+        v.encode(&mut out);
+        out
+    }
+
+    /// A msgpack map from entries already encoded (key, value), so a key may be of any type or
+    /// given twice.
+    fn map_bytes(entries: &[(Vec<u8>, Vec<u8>)]) -> Vec<u8> {
+        assert!(entries.len() < 16);
+        let mut out = vec![0x80 | entries.len() as u8];
+        for (k, v) in entries {
+            out.extend_from_slice(k);
+            out.extend_from_slice(v);
+        }
+        out
+    }
+
+    fn key(k: &str) -> Vec<u8> {
+        encoded(&Value::Str(k.into()))
+    }
+
+    fn complete_warm_up() -> Vec<(Vec<u8>, Vec<u8>)> {
+        vec![
+            (key("worker"), encoded(&Value::UInt(2))),
+            (key("blocks"), encoded(&Value::UInt(64))),
+            (key("tokens"), encoded(&Value::UInt(1024))),
+            (key("decision_id"), encoded(&Value::UInt(77))),
+            (key("attempt_id"), encoded(&Value::Str("a:warm_up".into()))),
+        ]
+    }
+
+    /// A decided decision (chosen worker 0, decision 76) whose `warm_up` is `warm_up`, read as the
+    /// client reads the first decision of a reply.
+    fn decision_with(warm_up: Vec<u8>) -> Result<Decision> {
+        let decision = map_bytes(&[
+            (key("status"), encoded(&Value::UInt(0))),
+            (key("decision_id"), encoded(&Value::UInt(76))),
+            (key("chosen_worker"), encoded(&Value::UInt(0))),
+            (key("source"), encoded(&Value::Str("approx".into()))),
+            (key("warm_up"), warm_up),
+        ]);
+        let value = Value::decode(&decision)?;
+        Decision::from_value(&value, "decisions[0]")
+    }
+
+    fn expect_parse(r: Result<Decision>, naming: &str) {
+        match r {
+            Err(e) => {
+                assert_eq!(e.code, Code::PARSE, "{}: {}", naming, e);
+                assert!(e.message.contains(naming), "the error names {}: {}", naming, e);
+            }
+            Ok(d) => panic!("{}: read as {:?}", naming, d),
+        }
+    }
+
+    #[test]
+    fn warm_ups_is_sent_only_when_set() {
+        let mut r = RouteRequest { request_id: "r".into(), ..Default::default() };
+        assert_eq!(r.to_value().get("warm_ups"), None);
+        r.warm_ups = true;
+        assert_eq!(r.to_value().get("warm_ups"), Some(&Value::Bool(true)));
+    }
+
+    #[test]
+    fn a_warm_up_is_read_with_its_five_keys() {
+        let want = WarmUp {
+            worker: 2,
+            blocks: 64,
+            tokens: 1024,
+            decision_id: 77,
+            attempt_id: "a:warm_up".into(),
+        };
+        let d = decision_with(map_bytes(&complete_warm_up())).expect("a complete warm_up");
+        assert_eq!(d.warm_up, Some(want.clone()));
+        // An entry whose key is not a str is ignored, its value (holding a key of the warm-up's)
+        // skipped whole.
+        let mut odd = complete_warm_up();
+        let holds_worker = map_bytes(&[(key("worker"), encoded(&Value::Nil))]);
+        odd.insert(2, (encoded(&Value::UInt(7)), holds_worker));
+        let d = decision_with(map_bytes(&odd)).expect("a warm_up with an int key");
+        assert_eq!(d.warm_up, Some(want));
+        // nil, or no warm_up at all: none asked for.
+        assert_eq!(decision_with(encoded(&Value::Nil)).expect("nil").warm_up, None);
+        let plain = Value::Map(vec![
+            ("status".into(), Value::UInt(0)),
+            ("decision_id".into(), Value::UInt(1)),
+            ("chosen_worker".into(), Value::UInt(0)),
+            ("source".into(), Value::Str("approx".into())),
+        ]);
+        assert_eq!(Decision::from_value(&plain, "d").expect("no warm_up").warm_up, None);
+    }
+
+    #[test]
+    fn a_warm_up_missing_a_key_or_holding_one_twice_is_refused() {
+        let names = ["worker", "blocks", "tokens", "decision_id", "attempt_id"];
+        for (i, name) in names.iter().enumerate() {
+            let missing = format!("decisions[0].warm_up.{}: missing", name);
+            let mut entries = complete_warm_up();
+            entries.remove(i);
+            expect_parse(decision_with(map_bytes(&entries)), &missing);
+            let mut entries = complete_warm_up();
+            entries[i].1 = encoded(&Value::Nil);
+            expect_parse(decision_with(map_bytes(&entries)), &missing);
+            let mut entries = complete_warm_up();
+            entries.push(entries[i].clone());
+            let twice = format!("key \"{}\" appears twice", name);
+            expect_parse(decision_with(map_bytes(&entries)), &twice);
+        }
+        let wrong = [
+            (0, Value::Str("two".into())),
+            (1, Value::UInt(1 << 32)),
+            (2, Value::Int(-1)),
+            (3, Value::Float(77.0)),
+            (4, Value::UInt(5)),
+        ];
+        for (i, v) in wrong {
+            let mut entries = complete_warm_up();
+            entries[i].1 = encoded(&v);
+            let mistyped = format!("decisions[0].warm_up.{}: expected", names[i]);
+            expect_parse(decision_with(map_bytes(&entries)), &mistyped);
+        }
+        let as_array = encoded(&Value::Array(vec![Value::UInt(2), Value::UInt(64)]));
+        expect_parse(decision_with(as_array), "decisions[0].warm_up: expected a map, got array");
     }
 }

@@ -297,6 +297,14 @@ impl<'a> Fields<'a> {
         }
     }
 
+    pub fn map(&self, key: &str) -> Result<Option<&'a Value>> {
+        match self.value.get(key) {
+            None => Ok(None),
+            Some(v @ Value::Map(_)) => Ok(Some(v)),
+            Some(v) => Err(self.wrong(key, "a map", v)),
+        }
+    }
+
     pub fn array(&self, key: &str) -> Result<&'a [Value]> {
         match self.value.get(key) {
             None => Ok(&[]),
