@@ -1,13 +1,14 @@
 // SPDX-License-Identifier: Apache-2.0
 //! The client against a real `kvmatch serve` ($KM_BIN, else build/kvmatch or build-cpu/kvmatch)
 //! started on a Unix socket in a temporary directory: routes (blocking, pipelined, batched), the
-//! lifecycle reports, WORKERS / POOLS / STATUS, each error the server answers, servers of their own
-//! configured to refuse (OVERLOADED from the per-connection budget and for a connection over
-//! max_connections, TOO_LARGE for a request over the server's frame limit, SHUTTING_DOWN after a
-//! SIGTERM while routes are in flight), a server that goes away mid-request and reconnecting once
-//! it is back (request ids go on). Replies a real server never sends (wrong count, wrong type,
-//! unknown id, connection-level ERROR, unreadable or oversize frames) come from a fake server
-//! written here. Every wait is bounded by the client's timeout.
+//! lifecycle reports, a decision that asks for a warm-up and the warm-up's lifecycle, WORKERS /
+//! POOLS / STATUS, each error the server answers, servers of their own configured to refuse
+//! (OVERLOADED from the per-connection budget and for a connection over max_connections,
+//! TOO_LARGE for a request over the server's frame limit, SHUTTING_DOWN after a SIGTERM while
+//! routes are in flight), a server that goes away mid-request and reconnecting once it is back
+//! (request ids go on). Replies a real server never sends (wrong count, wrong type, unknown id,
+//! connection-level ERROR, unreadable or oversize frames, a malformed warm_up) come from a fake
+//! server written here. Every wait is bounded by the client's timeout.
 
 use std::fs;
 use std::io::{Read, Write};
@@ -491,6 +492,57 @@ fn shutting_down_while_routes_are_in_flight() {
     assert!(status.success(), "kvmatch serve after the drain: {}", status);
 }
 
+/// A hot prefix on a worker past the ttft policy's load bound (six requests sharing 1024 tokens,
+/// pinned to worker 0 and streaming): a route whose router carries out warm-ups (`warm_ups`)
+/// stays with the holder, and its decision asks for a warm-up of another worker: the 64 shared
+/// blocks, a decision of its own whose lifecycle the server acks like any decision's, and which
+/// finishes once. A route without `warm_ups` asks for none.
+#[test]
+fn a_decision_asks_for_a_warm_up() {
+    let s = Server::start("warm");
+    let mut c = Client::connect(&s.address, TIMEOUT).expect("connect");
+    let shared = prompt(1024, 5);
+    let with_shared = |seed: usize| [shared.clone(), prompt(16, seed)].concat();
+    for k in 0..6usize {
+        let mut r = tokens(&format!("hot-{}", k), with_shared(100 + k));
+        r.candidates = Some(vec![0]);
+        r.policy = Some("ttft".into());
+        let d = c.route(&[r]).expect("route").remove(0);
+        d.result().unwrap_or_else(|e| panic!("hot-{}: {}", k, e));
+        assert_eq!(d.warm_up, None, "hot-{} has no warm_ups: {:?}", k, d);
+        let first = LifecycleEvent { event: Event::FirstToken, decision_id: Some(d.decision_id), ..Default::default() };
+        c.report(&first).unwrap_or_else(|e| panic!("hot-{} FIRST_TOKEN: {}", k, e));
+    }
+    let mut r = tokens("w", with_shared(99));
+    r.attempt_id = Some("a".into());
+    r.policy = Some("ttft".into());
+    r.warm_ups = true;
+    let d = c.route(&[r]).expect("route").remove(0);
+    d.result().expect("decided");
+    assert_eq!(d.chosen_worker, 0, "the request stays with the holder: {:?}", d);
+    let w = d.warm_up.clone().unwrap_or_else(|| panic!("no warm_up in {:?}", d));
+    assert!(w.worker != 0 && w.worker < WORKERS, "the warm-up is for another worker: {:?}", w);
+    assert_eq!((w.blocks, w.tokens), (64, 1024), "the shared prefix: {:?}", w);
+    assert_eq!(w.attempt_id, "a:warm_up");
+    assert_ne!(w.decision_id, d.decision_id, "a decision of its own");
+    let warm_up = |event| LifecycleEvent { event, decision_id: Some(w.decision_id), ..Default::default() };
+    for ev in [
+        LifecycleEvent { worker: Some(w.worker), elapsed_ms: Some(1.0), ..warm_up(Event::Dispatched) },
+        LifecycleEvent { elapsed_ms: Some(30.0), ..warm_up(Event::FirstToken) },
+        LifecycleEvent { finish_reason: Some("length".into()), done_seen: true, http_status: Some(200), elapsed_ms: Some(31.0), ..warm_up(Event::Finished) },
+    ] {
+        let items = c.lifecycle(&[ev.clone()]).expect("lifecycle");
+        assert_eq!(items.iter().map(|i| i.status).collect::<Vec<_>>(), vec![Code::OK], "warm-up {:?}: {:?}", ev.event, items);
+    }
+    let again = c.lifecycle(&[warm_up(Event::Finished)]).expect("lifecycle");
+    assert_eq!(again[0].status, Code::NOT_FOUND, "a warm-up finishes once: {:?}", again);
+    let mut plain = tokens("p", with_shared(98));
+    plain.policy = Some("ttft".into());
+    let d = c.route(&[plain]).expect("route").remove(0);
+    d.result().expect("decided");
+    assert_eq!(d.warm_up, None, "no warm_ups, no warm-up: {:?}", d);
+}
+
 #[test]
 fn pipelined() {
     let s = Server::start("pipelined");
@@ -592,6 +644,9 @@ enum Fake {
     SilentOnce,
     MistypedField,
     NoSource,
+    // A decision whose warm_up lacks its decision_id, or holds its worker twice.
+    WarmUpMissingKey,
+    WarmUpKeyTwice,
     // Every reply after the WELCOME carries an id that is not a uint: a negative, a float equal to
     // the request's id, a bool, a str, an array, a map; the WELCOME does (a str, a float).
     IdNegative,
@@ -695,6 +750,25 @@ fn serve_fake(mut conn: UnixStream, mode: Fake) {
                 }
                 other => other,
             },
+            Fake::WarmUpMissingKey | Fake::WarmUpKeyTwice => match decision {
+                Value::Map(mut entries) => {
+                    let mut warm_up = vec![
+                        ("worker".to_string(), Value::UInt(1)),
+                        ("blocks".to_string(), Value::UInt(4)),
+                        ("tokens".to_string(), Value::UInt(64)),
+                        ("decision_id".to_string(), Value::UInt(2)),
+                        ("attempt_id".to_string(), Value::Str("0:warm_up".into())),
+                    ];
+                    if mode == Fake::WarmUpMissingKey {
+                        warm_up.retain(|(k, _)| k != "decision_id");
+                    } else {
+                        warm_up.push(("worker".to_string(), Value::UInt(0)));
+                    }
+                    entries.push(("warm_up".into(), Value::Map(warm_up)));
+                    Value::Map(entries)
+                }
+                other => other,
+            },
             _ => decision,
         };
         let decisions = |k: usize| Value::Array(vec![decision.clone(); k]);
@@ -743,6 +817,8 @@ fn refused_replies() {
         (Fake::Oversize, Code::TOO_LARGE, "frame over max_frame_bytes"),
         (Fake::MistypedField, Code::PARSE, "a decision's chosen_worker is a str"),
         (Fake::NoSource, Code::PARSE, "a decided decision without source"),
+        (Fake::WarmUpMissingKey, Code::PARSE, "a warm_up without its decision_id"),
+        (Fake::WarmUpKeyTwice, Code::PARSE, "a warm_up holding worker twice"),
     ] {
         let mut c = Client::connect(&fake_server(&dir, mode), TIMEOUT).expect("connect");
         expect_code(c.route(&[tokens("a", vec![]), tokens("b", vec![])]), code, what);
