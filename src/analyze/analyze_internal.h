@@ -45,8 +45,9 @@ enum {
     POINT_OWNER_INELIGIBLE = 1u << 13, /* the owner's candidate row says eligible false */
     POINT_OWNER_NOT_WEIGHED = 1u << 14, /* the owner's row eligible with a null cost, the chosen
                                          * worker's with a cost */
-    POINT_WARM_UP = 1u << 15,        /* a warm-up: its decision names warm_up_for, or its outcome's
-                                      * attempt_id ends ":warm_up"; in no figure but input.warm_ups */
+    POINT_WARM_UP = 1u << 15,        /* a warm-up: its decision names warm_up_for, or its
+                                      * outcome's attempt_id ends ":warm_up"; in no figure but
+                                      * input.warm_ups */
 };
 
 /* A point the figures count: neither merged into another nor a warm-up. */

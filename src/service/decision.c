@@ -593,8 +593,8 @@ static bool begin_warm_up(km_server *s, job *j, const route_job *r, pool *p, con
     size_t n = strlen(base);
     char *attempt_id = km_srv_job_alloc(j, n + sizeof suffix);
     if (!attempt_id) {
-        km_srv_log(s, KM_LOG_WARNING "request %s: out of memory for its warm-up; decided without it",
-                   r->request_id);
+        km_srv_log(s, KM_LOG_WARNING "request %s: out of memory for its warm-up; decided "
+                   "without it", r->request_id);
         return false;
     }
     memcpy(attempt_id, base, n);

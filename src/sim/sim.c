@@ -835,7 +835,8 @@ static int send_warm_up(run *r, uint8_t inst, uint32_t worker, uint32_t tokens,
     r->res->warm_ups++;
     int rc = km_sim_engine_submit(r->engines[w], index, r->tokens, tokens, 1, now_us);
     if (rc)
-        return km_why(why, why_size, rc, "engine %u: %s", w, km_sim_engine_last_error(r->engines[w]));
+        return km_why(why, why_size, rc, "engine %u: %s", w,
+                      km_sim_engine_last_error(r->engines[w]));
     if ((rc = queue_report(r, KM_LIFECYCLE_DISPATCHED, index, now_us)) != KM_OK)
         return km_why(why, why_size, rc, "out of memory");
     return KM_OK;
@@ -1207,7 +1208,7 @@ static int run_policy(const km_sim_config *cfg, const km_trace *trace, const cha
     r.rng = cfg->generator.seed ^ UINT64_C(0x66617573);
     r.drop_rng = cfg->generator.seed ^ UINT64_C(0x64726f70);
     r.per_worker = calloc(W, sizeof *r.per_worker);
-    r.reqs = calloc(N ? 2 * N : 1, sizeof *r.reqs); /* the requests, then at most one warm-up each */
+    r.reqs = calloc(N ? 2 * N : 1, sizeof *r.reqs); /* the requests, then a warm-up each at most */
     r.ttft_ms = calloc(N ? N : 1, sizeof *r.ttft_ms);
     r.finish_s = calloc(N ? N : 1, sizeof *r.finish_s);
     r.last_admit_s = calloc(W ? W : 1, sizeof *r.last_admit_s);
