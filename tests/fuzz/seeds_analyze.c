@@ -4,7 +4,7 @@
 #include <stdio.h>
 #include <string.h>
 
-#define DECISION(id, att, chosen, state, t)                                                       \
+#define DECISION_WITH(id, att, chosen, state, t, extra)                                          \
     "{\"type\":\"decision\",\"schema_version\":1,\"record_id\":" #id ",\"instance\":\"4f1c\","   \
     "\"host\":\"h1\",\"kvmatch_version\":\"0.1.0\",\"decision_id\":" #id ",\"request_id\":"     \
     "\"req-" #id "\",\"attempt_id\":\"" att "\",\"model\":\"llama\",\"pool\":\"default\","       \
@@ -15,13 +15,17 @@
     "\"state\":\"" state "\",\"depth_blocks\":12,\"depth_tokens\":192}},\"decision\":{"         \
     "\"policy\":\"cache_aware\",\"reason\":\"below_threshold\",\"chosen\":{\"worker\":\"" chosen \
     "\",\"state\":\"LIVE\",\"depth_blocks\":0,\"depth_tokens\":0},\"owner_is_chosen\":false,"    \
-    "\"load\":{\"kind\":\"in_flight_requests\",\"value\":1.0,\"scope\":\"this_instance\"}},"      \
+    "\"load\":{\"kind\":\"in_flight_requests\",\"value\":1.0,\"scope\":\"this_instance\"}" extra  \
+    "},"                                                                                          \
     "\"candidates\":[{\"worker\":\"A\",\"state\":\"" state "\",\"depth_blocks\":12,"            \
     "\"depth_tokens\":192,\"device_blocks\":12,\"host_blocks\":null,\"disk_blocks\":null,"       \
     "\"in_flight\":9,\"pending_prefill_tokens\":null,\"active_decode_blocks\":null,\"cost\":9.0}," \
     "{\"worker\":\"B\",\"state\":\"LIVE\",\"depth_blocks\":0,\"depth_tokens\":0,"               \
     "\"device_blocks\":0,\"host_blocks\":0,\"disk_blocks\":0,\"in_flight\":1,"                   \
     "\"pending_prefill_tokens\":10,\"active_decode_blocks\":3,\"cost\":1.0}]}\n"
+
+/* A decision whose decision object has nothing after its load. */
+#define DECISION(id, att, chosen, state, t) DECISION_WITH(id, att, chosen, state, t, "")
 
 #define OUTCOME(id, att, outcome, dispatched, t)                                                  \
     "{\"type\":\"outcome\",\"schema_version\":1,\"record_id\":" #id "0,\"instance\":\"4f1c\","  \
@@ -72,6 +76,16 @@ int main(int argc, char **argv)
                       DECISION(1, "0", "B", "LIVE", 1000) DECISION(2, "0", "A", "GAP", 2000)
                           OUTCOME(2, "0", "incomplete", "\"A\"", 2500)
                               DECISION(3, "1", "B", "DEGRADED", 3000) OUTCOME(1, "0", "error", "null", 3500),
+                      NULL);
+    /* a decision that asked for a warm-up, the warm-up's decision and both outcomes */
+    bad |= write_seed(d, "warm_up",
+                      DECISION_WITH(9, "0", "A", "LIVE", 1000,
+                                    ",\"warm_up\":{\"worker\":\"B\",\"blocks\":1,"
+                                    "\"tokens\":16,\"decision_id\":10},\"warm_up_for\":null")
+                          DECISION_WITH(10, "0:warm_up", "B", "LIVE", 1001,
+                                        ",\"warm_up\":null,\"warm_up_for\":9")
+                              OUTCOME(10, "0:warm_up", "complete", "null", 1500)
+                                  OUTCOME(9, "0", "complete", "null", 2000),
                       NULL);
     bad |= write_seed(d, "rotated", OUTCOME(5, "0", "complete", "\"A\"", 9000),
                       DECISION(5, "0", "B", "LIVE", 8000) "not json\n{\"type\":\"outcome\"}\n");

@@ -58,7 +58,7 @@ int main(int argc, char **argv)
          .n_tokens = 17, .block_size = 16, .lora_name = "lora", .cache_salt = "salt",
          .candidates = cands, .n_candidates = 3, .policy = "kv", .has_prompt_tokens = true,
          .prompt_tokens = 17, .has_expected_output_tokens = true, .expected_output_tokens = 100,
-         .brief = true},
+         .brief = true, .warm_ups = true},
         {.request_id = "req-2", .input = KM_ROUTE_INPUT_HASHES, .hashes = hashes, .n_hashes = 3,
          .block_size = 16},
     };
@@ -78,7 +78,9 @@ int main(int argc, char **argv)
          .owner_worker = 1, .owner_depth = 2, .owner_state = "LIVE", .n_blocks = 3,
          .block_size = 16, .source = KM_PREDICTION_EVENTS, .policy = "kv", .reason = "min_cost",
          .load_kind = "active_decode_blocks", .load_scope = "this_instance", .load_value = 3,
-         .candidates = cs, .n_candidates = 2},
+         .candidates = cs, .n_candidates = 2, .has_warm_up = true, .warm_up_worker = 2,
+         .warm_up_blocks = 1, .warm_up_tokens = 16, .warm_up_decision_id = 100,
+         .warm_up_attempt_id = "2:warm_up"},
         {.status = KM_ERR_NOT_FOUND, .message = "no such pool", .request_id = "req-2",
          .load_value = NAN},
     };
