@@ -812,17 +812,18 @@ static int cluster_faults(run *r, uint64_t now_us, char *why, size_t why_size)
     return rc;
 }
 
-/* The warm-up a decision asked for: the request's first `tokens` tokens (still in r->tokens) to
- * the engine of worker id `worker`, one output token, dispatched at once and reported to the
- * instance that decided it under its own decision id. */
-static int send_warm_up(run *r, uint8_t inst, uint32_t worker, uint32_t tokens,
+/* The warm-up a decision asked for: the first `tokens` of the request's `n_tokens` tokens (still
+ * in r->tokens) to the engine of worker id `worker`, one output token, dispatched at once and
+ * reported to the instance that decided it under its own decision id. */
+static int send_warm_up(run *r, uint8_t inst, uint32_t worker, uint64_t tokens, uint32_t n_tokens,
                         uint64_t decision_id, uint64_t now_us, char *why, size_t why_size)
 {
     uint32_t w = worker - r->worker_base;
-    if (worker < r->worker_base || w >= r->cfg->workers || tokens == 0 ||
+    if (worker < r->worker_base || w >= r->cfg->workers || tokens == 0 || tokens > n_tokens ||
         r->n_warm_ups >= r->trace->n_requests)
-        return km_why(why, why_size, KM_ERR_PROTOCOL, "a warm-up of %u tokens for worker %u",
-                      tokens, worker);
+        return km_why(why, why_size, KM_ERR_PROTOCOL,
+                      "a warm-up of %llu of the request's %u tokens for worker %u",
+                      (unsigned long long)tokens, n_tokens, worker);
     size_t index = r->trace->n_requests + r->n_warm_ups++;
     req_state *s = &r->reqs[index];
     s->arrival_us = now_us;
@@ -830,10 +831,10 @@ static int send_warm_up(run *r, uint8_t inst, uint32_t worker, uint32_t tokens,
     s->worker = worker;
     s->inst = inst;
     s->routed = true;
-    s->warm_up_tokens = tokens;
+    s->warm_up_tokens = (uint32_t)tokens;
     r->own_in_flight[(size_t)inst * r->cfg->workers + w]++;
     r->res->warm_ups++;
-    int rc = km_sim_engine_submit(r->engines[w], index, r->tokens, tokens, 1, now_us);
+    int rc = km_sim_engine_submit(r->engines[w], index, r->tokens, (uint32_t)tokens, 1, now_us);
     if (rc)
         return km_why(why, why_size, rc, "engine %u: %s", w,
                       km_sim_engine_last_error(r->engines[w]));
@@ -898,7 +899,8 @@ static int route_one(run *r, size_t index, uint64_t now_us, char *why, size_t wh
         return km_why(why, why_size, rc, "route %zu: %s", index, km_client_last_error(client));
     const km_route_decision *d = &reply.decision.decisions[0];
     bool warm_up = d->status == KM_OK && d->has_warm_up;
-    uint32_t warm_worker = d->warm_up_worker, warm_tokens = (uint32_t)d->warm_up_tokens;
+    uint32_t warm_worker = d->warm_up_worker;
+    uint64_t warm_tokens = d->warm_up_tokens;
     uint64_t warm_decision = d->warm_up_decision_id;
     uint32_t w;
     if (d->status != KM_OK || d->chosen_worker < r->worker_base ||
@@ -990,8 +992,8 @@ static int route_one(run *r, size_t index, uint64_t now_us, char *why, size_t wh
     if (s->routed && (rc = queue_report(r, KM_LIFECYCLE_DISPATCHED, index, now_us)) != KM_OK)
         return km_why(why, why_size, rc, "out of memory");
     if (warm_up)
-        rc = send_warm_up(r, s->inst, warm_worker, warm_tokens, warm_decision, now_us, why,
-                          why_size);
+        rc = send_warm_up(r, s->inst, warm_worker, warm_tokens, n_tokens, warm_decision, now_us,
+                          why, why_size);
     return rc;
 }
 
