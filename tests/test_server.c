@@ -5234,6 +5234,8 @@ static km_client *start_hot_holder(srv *s, uint32_t max_frame_bytes)
     test_config(&cfg, s, KM_POLICY_TTFT, 3);
     if (max_frame_bytes)
         cfg.limits.max_frame_bytes = max_frame_bytes;
+    static char http[] = "127.0.0.1:0";
+    cfg.http = http;
     srv_start(s, &cfg);
     km_client *c = connect_client(s);
     km_message reply;
@@ -5326,6 +5328,16 @@ Test(server, a_hot_prefix_is_copied_by_a_warm_up_no_request_waits_for, .timeout 
     km_server_stats st;
     km_server_get_stats(s.server, &st);
     cr_assert_eq(st.warm_ups, 1);
+    cr_assert_eq(st.decisions, HOT_REQUESTS + 3, "a warm-up is not a route's decision");
+    static char body[1 << 16];
+    uint16_t port = km_server_http_port(s.server);
+    cr_assert_eq(http_get(port, "/metrics", body, sizeof body), 200);
+    cr_assert(strstr(body, "\nkvmatch_warm_ups_total 1\n"), "metrics: %s", body);
+    cr_assert_eq(http_get(port, "/status", body, sizeof body), 200);
+    json_t *status = json_loads(body, 0, NULL);
+    cr_assert(status, "status: %s", body);
+    cr_assert_eq(json_integer_value(json_object_get(status, "warm_ups")), 1, "status: %s", body);
+    json_decref(status);
     km_client_close(c);
     srv_stop(&s);
 
