@@ -133,6 +133,9 @@ typedef struct km_cluster_config {
                                  * the answer reaches a requester of the same configuration
                                  * within its quiet wait; default 20 */
     uint32_t reconnect_wait_ms; /* between connection attempts; default 200 */
+    /* Messages queued for the NATS client at most (the outbox); past it, or past 16 MiB, a new
+     * one is dropped (publish_failures, publish_outbox_full). 1..65536; default 65536. */
+    uint32_t outbox_max_messages;
     /* Fault injection for simulations and benchmarks: one change message in drop_one_in is not
      * sent although its sequence number is used (a lossy link); 0 = none. */
     uint32_t drop_one_in;

@@ -33,7 +33,7 @@
 /* The outbox's bounds: past either, a new message is dropped (counted in publish_failures). A
  * burst of decisions queues faster than the publisher drains only briefly; a server that takes
  * nothing fills it within KM_CLUSTER_WRITE_DEADLINE_MS or so. */
-#define KM_CLUSTER_OUTBOX_MAX_MESSAGES 65536u
+#define KM_CLUSTER_OUTBOX_MAX_MESSAGES 65536u /* the default and largest outbox_max_messages */
 #define KM_CLUSTER_OUTBOX_MAX_BYTES (16u * 1024u * 1024u)
 /* A write to a server that stops reading fails after this long, and the client reconnects. */
 #define KM_CLUSTER_WRITE_DEADLINE_MS 500
@@ -110,7 +110,7 @@ struct km_cluster {
     /* The outbox: a ring of outbox_count messages from outbox_head, outbox_bytes of bodies; the
      * publisher thread takes them in order. outbox_done counts the messages it took. */
     pthread_cond_t outbox_cond; /* a message queued, or closing */
-    outgoing *outbox;           /* KM_CLUSTER_OUTBOX_MAX_MESSAGES */
+    outgoing *outbox;           /* cfg.outbox_max_messages */
     uint32_t outbox_head, outbox_count;
     size_t outbox_bytes;
     uint64_t outbox_queued, outbox_done;
@@ -185,6 +185,7 @@ void km_cluster_config_init(km_cluster_config *cfg)
     cfg->sync_quiet_ms = 100;
     cfg->sync_answer_ms = 20;
     cfg->reconnect_wait_ms = 200;
+    cfg->outbox_max_messages = KM_CLUSTER_OUTBOX_MAX_MESSAGES;
 }
 
 static void cluster_log(km_cluster *c, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
@@ -498,7 +499,7 @@ static void outbox_push(km_cluster *c, const cluster_message *m, bool answers_sy
 {
     size_t subject_size = c->subject.length + 1;
     char *copy = NULL;
-    if (c->outbox_count < KM_CLUSTER_OUTBOX_MAX_MESSAGES &&
+    if (c->outbox_count < c->cfg.outbox_max_messages &&
         c->outbox_bytes + c->body.length <= KM_CLUSTER_OUTBOX_MAX_BYTES)
         copy = malloc(subject_size + c->body.length);
     if (!copy) {
@@ -511,7 +512,7 @@ static void outbox_push(km_cluster *c, const cluster_message *m, bool answers_sy
     }
     memcpy(copy, c->subject.data, subject_size);
     memcpy(copy + subject_size, c->body.data, c->body.length);
-    uint32_t tail = (c->outbox_head + c->outbox_count) % KM_CLUSTER_OUTBOX_MAX_MESSAGES;
+    uint32_t tail = (c->outbox_head + c->outbox_count) % c->cfg.outbox_max_messages;
     c->outbox[tail] = (outgoing){.subject = copy, .body = copy + subject_size,
                                  .length = c->body.length, .kind = m->kind, .seq = m->seq,
                                  .answers_sync = answers_sync};
@@ -1176,7 +1177,7 @@ static void *publisher_main(void *arg)
         uint32_t n = 0;
         for (; n < BATCH && c->outbox_count; n++) {
             batch[n] = c->outbox[c->outbox_head];
-            c->outbox_head = (c->outbox_head + 1) % KM_CLUSTER_OUTBOX_MAX_MESSAGES;
+            c->outbox_head = (c->outbox_head + 1) % c->cfg.outbox_max_messages;
             c->outbox_count--;
             c->outbox_bytes -= batch[n].length;
             send[n] = c->connected && !(c->closing && failed_closing);
@@ -1332,11 +1333,13 @@ int km_cluster_create(const km_cluster_config *cfg, km_cluster **out, char *why,
                       "cluster url \"%.80s\" is not nats://HOST:PORT", cfg->url);
     if (cfg->max_workers < 1 || cfg->max_workers > 65534 || cfg->heartbeat_ms < 10 ||
         cfg->expire_ms <= cfg->heartbeat_ms || cfg->sync_timeout_ms > 600000 ||
-        cfg->sync_answer_ms > cfg->sync_quiet_ms / 2 || cfg->reconnect_wait_ms < 1)
+        cfg->sync_answer_ms > cfg->sync_quiet_ms / 2 || cfg->reconnect_wait_ms < 1 ||
+        cfg->outbox_max_messages < 1 || cfg->outbox_max_messages > KM_CLUSTER_OUTBOX_MAX_MESSAGES)
         return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,
                       "cluster: max_workers 1..65534, heartbeat_ms >= 10, expire_ms > "
                       "heartbeat_ms, sync_timeout_ms <= 600000, sync_answer_ms <= "
-                      "sync_quiet_ms / 2, reconnect_wait_ms >= 1");
+                      "sync_quiet_ms / 2, reconnect_wait_ms >= 1, outbox_max_messages "
+                      "1..65536");
     km_cluster *c = calloc(1, sizeof *c);
     if (!c)
         return km_why(why, why_size, KM_ERR_OUT_OF_MEMORY, "cluster handle");
@@ -1368,7 +1371,7 @@ int km_cluster_create(const km_cluster_config *cfg, km_cluster **out, char *why,
     pthread_cond_init(&c->cond, &ca);
     pthread_cond_init(&c->outbox_cond, &ca);
     pthread_condattr_destroy(&ca);
-    c->outbox = calloc(KM_CLUSTER_OUTBOX_MAX_MESSAGES, sizeof *c->outbox);
+    c->outbox = calloc(c->cfg.outbox_max_messages, sizeof *c->outbox);
     if (!c->url || !c->instance || !c->prefix || !c->local || !c->remote || !c->local_work ||
         !c->worker_pool || !c->outbox) {
         km_cluster_destroy(c);
@@ -1529,7 +1532,7 @@ void km_cluster_destroy(km_cluster *c)
     km_text_free(&c->subject);
     km_text_free(&c->body);
     for (uint32_t i = 0; c->outbox && i < c->outbox_count; i++)
-        free(c->outbox[(c->outbox_head + i) % KM_CLUSTER_OUTBOX_MAX_MESSAGES].subject);
+        free(c->outbox[(c->outbox_head + i) % c->cfg.outbox_max_messages].subject);
     free(c->outbox);
     pthread_cond_destroy(&c->outbox_cond);
     pthread_cond_destroy(&c->cond);
