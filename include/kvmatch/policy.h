@@ -407,13 +407,14 @@ const char *km_policy_last_error(const km_policy_state *state);
  *   weighed candidates whose cost is at most the lowest + spread_ms, the smallest last_arrival
  *   wins instead (ties: the order above). Reason min_ttft, or spread when that is not the
  *   lowest-cost candidate; costs_out: the costs.
- *   Warm-ups (req->warm_ups): when the bound left out the candidate that the same rule without the
- *   bound would choose (the holder of the hot prefix), and it holds a deeper queued hit than the
- *   candidate chosen within the bound, the request goes to that holder instead (reason min_ttft,
- *   its cost in costs_out), and the decision asks for the within-bound choice to be warmed up
- *   with the holder's queued hit (warm_up, warm_up_blocks): the copy the bound wants is made, but
- *   no user request waits for its cold prefill. Once the warm-up is routed (queued there), the
- *   warmed worker's queued hit matches the holder's and the bound passes over nobody for it.
+ *   Warm-ups (req->warm_ups): when the bound left out the candidate whose cost without the bound
+ *   is the lowest (ties as above, no spread: the holder of the hot prefix), and it holds a deeper
+ *   queued hit than the candidate chosen within the bound, the request goes to that holder
+ *   instead (reason min_ttft, its cost in costs_out), and the decision asks for the within-bound
+ *   choice to be warmed up with the holder's queued hit (warm_up, warm_up_blocks): the copy the
+ *   bound wants is made, but no user request waits for its cold prefill. Once the warm-up is
+ *   routed (queued there), the warmed worker's queued hit matches the holder's and the bound
+ *   passes over nobody for it.
  *
  * Only round_robin (cursor) and kv with temperature > 0 (one random draw) change *state; a failed
  * call changes nothing but state->last_error.
