@@ -35,6 +35,37 @@ static void sweep_config(km_sim_config *cfg)
     cfg->log = quiet;
 }
 
+/* Warm-ups are part of the deterministic run: many users on a few system prompts ask for some,
+ * and the same seed gives the same warm-ups and figures twice and over ZMQ as in process. */
+Test(sim_load, warm_ups_are_the_same_twice_and_over_zmq, .timeout = 240)
+{
+    km_sim_config cfg;
+    sweep_config(&cfg);
+    km_sim_generator_config_shape(KM_SIM_SHAPE_SYSTEM_PROMPT, &cfg.generator);
+    cfg.generator.requests = 300;
+    cfg.policies[0] = "ttft";
+    cfg.loads[0] = 0.8;
+    cfg.n_loads = 1;
+    km_sim_result a[1], b[1], c[1];
+    char why[512];
+    cr_assert_eq(km_sim_run(&cfg, a, NULL, why, sizeof why), KM_OK, "%s", why);
+    cr_assert_eq(km_sim_run(&cfg, b, NULL, why, sizeof why), KM_OK, "%s", why);
+    cfg.zmq = true;
+    cr_assert_eq(km_sim_run(&cfg, c, NULL, why, sizeof why), KM_OK, "%s", why);
+    cr_assert_gt(a[0].warm_ups, 0, "no warm-up asked for");
+    cr_assert_gt(a[0].warm_up_prefill_tokens, 0);
+    for (int k = 0; k < 2; k++) {
+        const km_sim_result *o = k ? &c[0] : &b[0];
+        cr_assert_eq(o->warm_ups, a[0].warm_ups, "%s", k ? "over ZMQ" : "twice");
+        cr_assert_eq(o->warm_up_prefill_tokens, a[0].warm_up_prefill_tokens);
+        cr_assert_eq(o->ttft_p50_ms, a[0].ttft_p50_ms);
+        cr_assert_eq(o->ttft_p99_ms, a[0].ttft_p99_ms);
+        cr_assert_eq(o->actual_reused_tokens, a[0].actual_reused_tokens);
+    }
+    cr_assert_eq(a[0].route_errors, 0);
+    cr_assert_eq(a[0].exact_predictions, a[0].routed, "events keep the index exact");
+}
+
 /* Arrivals are open loop (docs/SIM.md, "Load"): a load scales every arrival, a session's turns
  * too, so behind a busy cluster some turns arrive while the previous one is still answering. The
  * result counts them: every follow-up turn of the workload is counted once, none arrives early at
