@@ -830,6 +830,27 @@ static bool ttft_before(double cost_a, const km_policy_candidate *a, double cost
     return by_depth < 0 || (by_depth == 0 && compare_load(a, b) < 0);
 }
 
+/* The candidate of the lowest cost under terms t (ties: ttft_before), its cost in *cost_ms (NAN
+ * when every candidate is left out); each cost into costs_out when it is not NULL. */
+static uint32_t ttft_lowest(const km_policy_config *cfg, const km_policy_request *req,
+                            const km_policy_candidate *cands, uint32_t n, const ttft_terms *t,
+                            double *costs_out, double *cost_ms)
+{
+    uint32_t best = 0;
+    double best_ms = NAN;
+    for (uint32_t i = 0; i < n; i++) {
+        double ms = ttft_cost_ms(cfg, req, t, &cands[i]);
+        if (costs_out)
+            costs_out[i] = ms;
+        if (!isnan(ms) && (isnan(best_ms) || ttft_before(ms, &cands[i], best_ms, &cands[best]))) {
+            best = i;
+            best_ms = ms;
+        }
+    }
+    *cost_ms = best_ms;
+    return best;
+}
+
 /* The bound chose out->chosen within it. When the choice without the bound is a holder the bound
  * left out, with a deeper queued hit than out->chosen's, the request goes to that holder and
  * out->chosen is warmed up with the holder's queued hit instead: the same copy, made by a
@@ -841,15 +862,8 @@ static void ttft_warm_up_instead(const km_policy_config *cfg, const km_policy_re
 {
     ttft_terms unbounded = *bounded;
     unbounded.any_within = false;
-    uint32_t holder = 0;
-    double holder_ms = NAN;
-    for (uint32_t i = 0; i < n; i++) {
-        double ms = ttft_cost_ms(cfg, req, &unbounded, &cands[i]);
-        if (isnan(holder_ms) || ttft_before(ms, &cands[i], holder_ms, &cands[holder])) {
-            holder = i;
-            holder_ms = ms;
-        }
-    }
+    double holder_ms;
+    uint32_t holder = ttft_lowest(cfg, req, cands, n, &unbounded, NULL, &holder_ms);
     uint32_t warmed = out->chosen;
     uint32_t hit = queued_hit_blocks(req, &cands[holder]);
     if (holder == warmed || !isnan(ttft_cost_ms(cfg, req, bounded, &cands[holder])) ||
@@ -869,17 +883,8 @@ static void decide_ttft(const km_policy_config *cfg, const km_policy_request *re
                         double *costs_out)
 {
     ttft_terms t = ttft_terms_of(cfg, req, cands, n);
-    uint32_t best = 0;
-    double best_ms = NAN;
-    for (uint32_t i = 0; i < n; i++) {
-        double ms = ttft_cost_ms(cfg, req, &t, &cands[i]);
-        if (costs_out)
-            costs_out[i] = ms;
-        if (!isnan(ms) && (isnan(best_ms) || ttft_before(ms, &cands[i], best_ms, &cands[best]))) {
-            best = i;
-            best_ms = ms;
-        }
-    }
+    double best_ms;
+    uint32_t best = ttft_lowest(cfg, req, cands, n, &t, costs_out, &best_ms);
     /* Within spread_ms of the lowest cost, the oldest last arrival (then the order above). The
      * costs are read back from costs_out, or computed again without it. */
     double spread = cfg->ttft.spread_ms;
