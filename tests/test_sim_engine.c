@@ -467,6 +467,57 @@ Test(sim_engine, time_model_and_single_request_timeline, .timeout = 10)
     km_sim_engine_destroy(e);
 }
 
+/* vLLM v1 registers a chunk's full blocks in its prefix cache when it allocates the chunk's slots,
+ * before the forward pass: a request scheduled after it, in the same step or the next, hits them. */
+Test(sim_engine, a_request_scheduled_after_another_hits_the_blocks_it_is_computing, .timeout = 10)
+{
+    for (int chunked = 0; chunked < 2; chunked++) {
+        km_sim_engine_config cfg;
+        km_sim_engine_config_init(&cfg);
+        fixed_time_model(&cfg);
+        cfg.model.block_size = BS;
+        cfg.model.capacity_blocks = 64;
+        cfg.model.max_num_batched_tokens = chunked ? 10 : 30;
+        km_sim_engine *e;
+        cr_assert_eq(km_sim_engine_create(&cfg, &e), KM_OK);
+        uint32_t a[17], b[20];
+        make_tokens(a, 17, 1, 16, 1);
+        make_tokens(b, 20, 1, 16, 2);
+        cr_assert_eq(km_sim_engine_submit(e, 1, a, 17, 1, 0), KM_OK);
+        cr_assert_eq(km_sim_engine_submit(e, 2, b, 20, 1, 0), KM_OK);
+        cr_assert_eq(km_sim_engine_advance(e, 0), KM_OK);
+        km_sim_completion c = next_completion(e);
+        cr_assert_eq(c.request_id, 1);
+        cr_assert_eq(c.kind, KM_SIM_ADMITTED);
+        cr_assert_eq(c.cached_tokens, 0);
+        if (chunked) {
+            /* Step 1 is request 1's first 10 tokens alone (the budget); step 2 its last 7, which
+             * complete blocks 2 and 3, then request 2 with what is left of the budget. */
+            cr_assert_eq(km_sim_engine_next_completion(e, &c), 0);
+            cr_assert_eq(km_sim_engine_advance(e, km_sim_engine_next_event_us(e)), KM_OK);
+        }
+        c = next_completion(e);
+        cr_assert_eq(c.request_id, 2);
+        cr_assert_eq(c.kind, KM_SIM_ADMITTED);
+        cr_assert_eq(c.cached_tokens, 16, "%s: request 2 hits all four shared blocks, not %u",
+                     chunked ? "chunked" : "one step", c.cached_tokens);
+        /* The ground truth is what has been computed and published: the step computing the
+         * last shared blocks has not ended. */
+        uint64_t chains[4];
+        chains_of(a, 16, chains);
+        cr_assert_eq(km_sim_engine_cached_depth(e, chains, 4), chunked ? 2 : 0);
+        cr_assert_eq(km_sim_engine_advance(e, km_sim_engine_next_event_us(e)), KM_OK);
+        cr_assert_eq(km_sim_engine_cached_depth(e, chains, 4), 4);
+        cr_assert_eq(km_sim_engine_advance(e, UINT64_MAX - 1), KM_OK);
+        km_sim_engine_stats st;
+        km_sim_engine_get_stats(e, &st);
+        cr_assert_eq(st.duplicate_blocks, 0, "nothing was computed twice");
+        cr_assert_eq(st.blocks_stored, 4 + 1, "the shared four once, request 2's own block");
+        cr_assert_eq(st.finished, 2);
+        km_sim_engine_destroy(e);
+    }
+}
+
 Test(sim_engine, scheduler_batches_and_queues, .timeout = 10)
 {
     km_sim_engine_config cfg;
@@ -506,8 +557,9 @@ Test(sim_engine, scheduler_batches_and_queues, .timeout = 10)
     cr_assert_eq(km_sim_engine_next_completion(e, &c), 0, "request 1 is still prefilling");
     km_sim_engine_stats st;
     km_sim_engine_get_stats(e, &st);
-    /* Request 1's first three blocks (12 of its 14 computed tokens) are cached already. */
-    cr_assert_eq(st.blocks_stored, 4 + 3);
+    /* Step 2 has started with request 1's last 2 tokens, so its fourth block is cached with its
+     * first three: blocks are cached when the chunk completing them is scheduled. */
+    cr_assert_eq(st.blocks_stored, 4 + 4);
     cr_assert_eq(st.waiting, 2);
     cr_assert_eq(st.running, 2);
     /* Step 2: request 0 decodes (context 17), request 1 prefills its last 2 tokens. */

@@ -31,6 +31,9 @@ typedef struct sim_block {
     uint32_t prev, next;  /* free-queue links (NO_BLOCK at the ends) */
     bool cached;
     bool in_free;
+    /* Cached by the step scheduler when the chunk computing it was scheduled, its BlockStored not
+     * yet published (the step has not ended): hits count it, the ground truth does not. */
+    bool unpublished;
 } sim_block;
 
 typedef enum req_phase {
@@ -55,6 +58,8 @@ typedef struct sim_request {
      * which the prompt's blocks were cached or found cached already. */
     uint32_t computed;
     uint32_t cached_to;
+    uint32_t unpublished_from; /* the first of its blocks cached and not yet published, or
+                                * NO_BLOCK */
     /* scheduler */
     uint32_t step_tokens; /* tokens the running step computes for it (a chunk, or 1 decode) */
     uint32_t output_tokens;
@@ -602,6 +607,7 @@ static int admit_slot(km_sim_engine *e, uint32_t s, uint32_t reserve_tokens, km_
     r->admission = a;
     r->computed = a.cached_tokens;
     r->cached_to = held;
+    r->unpublished_from = NO_BLOCK;
     r->phase = REQ_PREFILL;
     e->stats.admissions++;
     e->stats.prompt_tokens += r->n_tokens;
@@ -612,22 +618,28 @@ static int admit_slot(km_sim_engine *e, uint32_t s, uint32_t reserve_tokens, km_
     return KM_OK;
 }
 
-/* Cache the request's block k under its chain hash (not cached by any block). */
-static void cache_block(km_sim_engine *e, const sim_request *r, uint32_t k)
+/* Cache the request's block k under its chain hash (not cached by any block); `unpublished`: its
+ * BlockStored waits for publish_scheduled. */
+static void cache_block(km_sim_engine *e, sim_request *r, uint32_t k, bool unpublished)
 {
     sim_block *blk = &e->blocks[r->blocks[k]];
     blk->chain = r->chains[k];
     blk->engine_hash = km_sim_engine_engine_hash(e, blk->chain);
     blk->cached = true;
+    blk->unpublished = unpublished;
+    if (unpublished && (r->unpublished_from == NO_BLOCK || k < r->unpublished_from))
+        r->unpublished_from = k;
     km_u64map_put(&e->cached, blk->chain, r->blocks[k], 0);
     e->n_cached++;
 }
 
-/* The prompt's full blocks [r->cached_to, to) are computed: cache each whose chain hash no other
- * block caches yet and queue one BlockStored per run of newly cached blocks; a block whose content
- * is cached already stays private to the request (a duplicate). *stored_out (may be NULL) gets
- * the number of blocks cached. */
-static int cache_prompt_blocks(km_sim_engine *e, uint32_t s, uint32_t to, uint32_t *stored_out)
+/* The prompt's full blocks [r->cached_to, to) are computed (or, `scheduled`, their chunk is
+ * scheduled): cache each whose chain hash no other block caches yet and queue one BlockStored per
+ * run of newly cached blocks (`scheduled`: publish_scheduled queues them when the step ends); a
+ * block whose content is cached already stays private to the request (a duplicate). *stored_out
+ * (may be NULL) gets the number of blocks cached. */
+static int cache_prompt_blocks(km_sim_engine *e, uint32_t s, uint32_t to, bool scheduled,
+                               uint32_t *stored_out)
 {
     sim_request *r = &e->slots[s];
     if (to > r->n_full)
@@ -647,19 +659,20 @@ static int cache_prompt_blocks(km_sim_engine *e, uint32_t s, uint32_t to, uint32
             while (j > r->held_blocks && !km_u64map_find(&e->cached, r->chains[j - 1]))
                 j--;
             for (uint32_t q = j; q < k; q++) {
-                cache_block(e, r, q);
+                cache_block(e, r, q, scheduled);
                 stored++;
             }
             run_start = j;
         }
         if (cache_it) {
-            cache_block(e, r, k);
+            cache_block(e, r, k, scheduled);
             stored++;
         } else {
             if (k < to)
                 e->stats.duplicate_blocks++;
             if (run_start != NO_BLOCK) {
-                emit_stored(e, r, run_start, k);
+                if (!scheduled)
+                    emit_stored(e, r, run_start, k);
                 run_start = NO_BLOCK;
             }
         }
@@ -672,11 +685,34 @@ static int cache_prompt_blocks(km_sim_engine *e, uint32_t s, uint32_t to, uint32
     return KM_OK;
 }
 
+/* The step that computes slot s's chunk ends: one BlockStored per run of the blocks it cached when
+ * the chunk was scheduled. */
+static void publish_scheduled(km_sim_engine *e, uint32_t s)
+{
+    sim_request *r = &e->slots[s];
+    if (r->unpublished_from == NO_BLOCK)
+        return;
+    uint32_t run_start = NO_BLOCK;
+    for (uint32_t k = r->unpublished_from; k <= r->cached_to; k++) {
+        sim_block *blk = k < r->cached_to ? &e->blocks[r->blocks[k]] : NULL;
+        bool publish_it = blk && blk->unpublished;
+        if (publish_it) {
+            blk->unpublished = false;
+            if (run_start == NO_BLOCK)
+                run_start = k;
+        } else if (run_start != NO_BLOCK) {
+            emit_stored(e, r, run_start, k);
+            run_start = NO_BLOCK;
+        }
+    }
+    r->unpublished_from = NO_BLOCK;
+}
+
 /* The whole prompt is computed: its remaining full blocks are cached. */
 static int complete_slot(km_sim_engine *e, uint32_t s, uint32_t *stored_out)
 {
     sim_request *r = &e->slots[s];
-    int rc = cache_prompt_blocks(e, s, r->n_full, stored_out);
+    int rc = cache_prompt_blocks(e, s, r->n_full, false, stored_out);
     if (rc)
         return rc;
     r->computed = r->n_tokens;
@@ -824,13 +860,19 @@ static int step_push(km_sim_engine *e, uint32_t s)
     return KM_OK;
 }
 
-/* The next chunk of r's prompt within `budget` tokens, added to the step's shape. */
-static void schedule_chunk(sim_request *r, uint64_t budget, km_engine_step *shape)
+/* The next chunk of slot s's prompt within `budget` tokens, added to the step's shape. The full
+ * blocks the chunk completes are cached now, as vLLM v1 registers them when it allocates the
+ * chunk's slots: a request scheduled after it, in this step or a later one, hits them (its own
+ * chunk attends to them in the same forward pass, after their KV is written). */
+static int schedule_chunk(km_sim_engine *e, uint32_t s, uint64_t budget, km_engine_step *shape)
 {
+    sim_request *r = &e->slots[s];
     uint64_t need = r->n_tokens - r->computed;
     r->step_tokens = (uint32_t)(need < budget ? need : budget);
     shape->prefill_tokens += r->step_tokens;
     shape->prefill_pairs += km_engine_model_chunk_pairs(r->computed, r->step_tokens);
+    return cache_prompt_blocks(e, s, (r->computed + r->step_tokens) / e->cfg.model.block_size,
+                               true, NULL);
 }
 
 /* Start a step at time t, scheduling as vLLM v1 does within max_num_batched_tokens: first the
@@ -853,8 +895,8 @@ static int start_step(km_sim_engine *e, uint64_t t)
             r->step_tokens = 1;
             shape.decode_requests++;
             shape.decode_context_tokens += (uint64_t)r->n_tokens + r->generated;
-        } else {
-            schedule_chunk(r, budget, &shape);
+        } else if ((rc = schedule_chunk(e, s, budget, &shape))) {
+            return rc;
         }
         budget -= r->step_tokens;
         if ((rc = step_push(e, s)))
@@ -888,7 +930,9 @@ static int start_step(km_sim_engine *e, uint64_t t)
             return fail(e, rc, "no memory for the running set");
         ring_pop(&e->waiting, NULL);
         e->running[e->n_running++] = s;
-        schedule_chunk(r, budget, &shape); /* >= 1 token: a hit never covers the last one */
+        /* >= 1 token: a hit never covers the last one */
+        if ((rc = schedule_chunk(e, s, budget, &shape)))
+            return rc;
         budget -= r->step_tokens;
         if ((rc = step_push(e, s)))
             return rc;
@@ -936,11 +980,9 @@ static int end_step(km_sim_engine *e)
             r->generated++;
         } else {
             r->computed += r->step_tokens;
-            if (r->computed < r->n_tokens) {
-                if ((rc = cache_prompt_blocks(e, s, r->computed / e->cfg.model.block_size, NULL)))
-                    return rc;
+            publish_scheduled(e, s);
+            if (r->computed < r->n_tokens)
                 continue;
-            }
             if ((rc = complete_slot(e, s, NULL)))
                 return rc;
             r->generated = 1;
@@ -1045,13 +1087,17 @@ int km_sim_engine_restart(km_sim_engine *engine, uint64_t new_seed, uint64_t now
 
 bool km_sim_engine_holds(const km_sim_engine *engine, uint64_t chain_hash)
 {
-    return km_u64map_find(&engine->cached, chain_hash) != NULL;
+    const uint64_t *b = km_u64map_find(&engine->cached, chain_hash);
+    return b && !engine->blocks[*b].unpublished;
 }
 
 uint32_t km_sim_engine_cached_depth(const km_sim_engine *engine, const uint64_t *chains,
                                     uint32_t n)
 {
-    return chains ? leading_held(engine, chains, n) : 0;
+    uint32_t k = 0;
+    while (chains && k < n && km_sim_engine_holds(engine, chains[k]))
+        k++;
+    return k;
 }
 
 void km_sim_engine_cached_chains(const km_sim_engine *engine, uint64_t *out, size_t capacity,
@@ -1059,7 +1105,7 @@ void km_sim_engine_cached_chains(const km_sim_engine *engine, uint64_t *out, siz
 {
     size_t n = 0;
     for (uint32_t b = 0; b < engine->cfg.model.capacity_blocks; b++)
-        if (engine->blocks[b].cached) {
+        if (engine->blocks[b].cached && !engine->blocks[b].unpublished) {
             if (out && n < capacity)
                 out[n] = engine->blocks[b].chain;
             n++;

@@ -187,7 +187,10 @@ int km_sim_engine_restart(km_sim_engine *engine, uint64_t new_seed, uint64_t now
 
 /* ---- ground truth and counters ------------------------------------------------------------------ */
 
-/* Does the engine cache the block with this chain hash now (in use or free, not yet evicted)? */
+/* Does the engine cache the block with this chain hash now (in use or free, not yet evicted)? A
+ * block the step scheduler cached when it scheduled the chunk computing it counts once that step
+ * has ended and its BlockStored is queued: until then later requests hit it, but it has not been
+ * computed, and no event has named it. The same for the two below. */
 bool km_sim_engine_holds(const km_sim_engine *engine, uint64_t chain_hash);
 /* Leading blocks of chains[0..n) the engine caches now. */
 uint32_t km_sim_engine_cached_depth(const km_sim_engine *engine, const uint64_t *chains,
