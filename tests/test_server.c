@@ -5207,6 +5207,43 @@ Test(server, a_prompt_being_prefilled_draws_the_same_prompt_to_its_worker, .time
     srv_cleanup(&s);
 }
 
+/* The same on a pool of another policy, for routes that name `ttft`: their prefills promise
+ * their blocks too, so the next route naming `ttft` sees the prompt coming. */
+Test(server, a_route_naming_ttft_promises_its_prefill_on_a_pool_of_another_policy, .timeout = 30)
+{
+    srv s = {0};
+    km_server_config cfg;
+    test_config(&cfg, &s, KM_POLICY_KV, 0);
+    km_server_worker ws[3] = {{0, "e0", KM_SERVER_LOCAL_EVENTS, NULL, false, 0, NULL},
+                              {1, "e1", KM_SERVER_LOCAL_EVENTS, NULL, false, 0, NULL},
+                              {2, "e2", KM_SERVER_LOCAL_EVENTS, NULL, false, 0, NULL}};
+    g_pool.workers = ws;
+    g_pool.n_workers = 3;
+    srv_start(&s, &cfg);
+    km_client *c = connect_client(&s);
+    km_message reply;
+    km_route_request r = prefix_route("first", 64 * BS);
+    r.brief = false;
+    r.policy = "ttft";
+    const km_route_decision *d = route_one(c, &r, &reply);
+    cr_assert_eq(d->status, KM_OK, "%s", d->message);
+    uint32_t computing = d->chosen_worker;
+
+    r = prefix_route("second", 64 * BS);
+    r.brief = false;
+    r.policy = "ttft";
+    d = route_one(c, &r, &reply);
+    cr_assert_eq(d->status, KM_OK, "%s", d->message);
+    cr_assert_eq(d->chosen_worker, computing,
+                 "the second request went to %u, not to %u which is computing its prompt",
+                 d->chosen_worker, computing);
+    cr_assert_eq(candidate(d, computing)->load.pending_prefill_tokens, 64 * BS,
+                 "the first request's prefill");
+    km_client_close(c);
+    srv_stop(&s);
+    srv_cleanup(&s);
+}
+
 /* A report of one lifecycle event for a decision id (the request's ids left out). */
 static int report_decision(km_client *c, km_lifecycle_kind kind, uint64_t decision_id)
 {

@@ -364,8 +364,10 @@ static bool begin_active_work(km_server *s, route_job *r, const pool *p, route_c
     if (hit && hit <= r->n_hashes)
         km_active_share_prefix(s->active, &c->key, r->hashes[hit - 1], hit * p->block_size);
     /* The blocks its prefill will store there, promised until its first token (best effort as
-     * above: without memory, later routes see only the index). */
-    if (queues_prefixes(p) && covered < r->n_hashes)
+     * above: without memory, later routes see only the index), where a policy weighs them: on a
+     * pool that queues prefixes, and for a route `ttft` decided on any pool (its own policy, or
+     * its warm-up), so that the next route naming `ttft` sees the prefix coming. */
+    if ((queues_prefixes(p) || c->kind == KM_POLICY_TTFT) && covered < r->n_hashes)
         km_active_queue_blocks(s->active, &c->key, r->hashes + covered, r->n_hashes - covered);
     c->decision_id = atomic_fetch_add(&s->next_decision_id, 1);
     km_srv_cluster_publish(s, c->chosen);
