@@ -83,7 +83,7 @@ static int make_instance(int i, const char *url, uint32_t drop_one_in, double *t
 {
     km_cluster_config cfg;
     km_cluster_config_init(&cfg);
-    char id[16];
+    char id[32];
     snprintf(id, sizeof id, "bench-%d", i);
     cfg.url = url;
     cfg.instance = id;
