@@ -5136,18 +5136,47 @@ Test(server, health_checks_stay_on_while_any_worker_is_restricted, .timeout = 30
  * FIRST_TOKEN (the engine's own events report the blocks from then on); the decision records say
  * what was queued. Workers take events (none are sent), so the index alone never learns the
  * prompt. */
+/* Three workers that take events (none are sent), a pool of policy `kind`; the client connected. */
+static const km_server_worker three_quiet_workers[3] = {
+    {0, "e0", KM_SERVER_LOCAL_EVENTS, NULL, false, 0, NULL},
+    {1, "e1", KM_SERVER_LOCAL_EVENTS, NULL, false, 0, NULL},
+    {2, "e2", KM_SERVER_LOCAL_EVENTS, NULL, false, 0, NULL}};
+
+static km_client *start_three_quiet_workers(srv *s, km_policy_kind kind)
+{
+    km_server_config cfg;
+    test_config(&cfg, s, kind, 0);
+    g_pool.workers = three_quiet_workers;
+    g_pool.n_workers = 3;
+    srv_start(s, &cfg);
+    return connect_client(s);
+}
+
+/* Route "second", the same 64-block prompt as "first" (policy: the route's own, or NULL), and
+ * check it goes to `computing`, where the first one's prefill is still pending. */
+static const km_route_decision *second_goes_where_the_first_is_computed(km_client *c,
+                                                                         const char *policy,
+                                                                         uint32_t computing,
+                                                                         km_message *reply)
+{
+    km_route_request r = prefix_route("second", 64 * BS);
+    r.brief = false;
+    r.policy = policy;
+    const km_route_decision *d = route_one(c, &r, reply);
+    cr_assert_eq(d->status, KM_OK, "%s", d->message);
+    cr_assert_eq(d->chosen_worker, computing,
+                 "the second request went to %u, not to %u which is computing its prompt",
+                 d->chosen_worker, computing);
+    cr_assert_eq(candidate(d, computing)->load.pending_prefill_tokens, 64 * BS,
+                 "the first request's prefill");
+    return d;
+}
+
 Test(server, a_prompt_being_prefilled_draws_the_same_prompt_to_its_worker, .timeout = 30)
 {
     srv s = {0};
-    km_server_config cfg;
-    test_config(&cfg, &s, KM_POLICY_TTFT, 0);
-    km_server_worker ws[3] = {{0, "e0", KM_SERVER_LOCAL_EVENTS, NULL, false, 0, NULL},
-                              {1, "e1", KM_SERVER_LOCAL_EVENTS, NULL, false, 0, NULL},
-                              {2, "e2", KM_SERVER_LOCAL_EVENTS, NULL, false, 0, NULL}};
-    g_pool.workers = ws;
-    g_pool.n_workers = 3;
-    srv_start(&s, &cfg);
-    km_client *c = connect_client(&s);
+    const km_server_worker *ws = three_quiet_workers;
+    km_client *c = start_three_quiet_workers(&s, KM_POLICY_TTFT);
     km_message reply;
     km_route_request r = prefix_route("first", 64 * BS);
     r.brief = false;
@@ -5157,15 +5186,7 @@ Test(server, a_prompt_being_prefilled_draws_the_same_prompt_to_its_worker, .time
     uint64_t first_id = d->decision_id;
     cr_assert_eq(d->owner_depth, 0, "the index knows nothing");
 
-    r = prefix_route("second", 64 * BS);
-    r.brief = false;
-    d = route_one(c, &r, &reply);
-    cr_assert_eq(d->status, KM_OK, "%s", d->message);
-    cr_assert_eq(d->chosen_worker, computing,
-                 "the second request went to %u, not to %u which is computing its prompt",
-                 d->chosen_worker, computing);
-    cr_assert_eq(candidate(d, computing)->load.pending_prefill_tokens, 64 * BS,
-                 "the first request's prefill");
+    d = second_goes_where_the_first_is_computed(c, NULL, computing, &reply);
     uint64_t second_id = d->decision_id;
 
     r = prefix_route("probe", 64 * BS);
@@ -5212,15 +5233,7 @@ Test(server, a_prompt_being_prefilled_draws_the_same_prompt_to_its_worker, .time
 Test(server, a_route_naming_ttft_promises_its_prefill_on_a_pool_of_another_policy, .timeout = 30)
 {
     srv s = {0};
-    km_server_config cfg;
-    test_config(&cfg, &s, KM_POLICY_KV, 0);
-    km_server_worker ws[3] = {{0, "e0", KM_SERVER_LOCAL_EVENTS, NULL, false, 0, NULL},
-                              {1, "e1", KM_SERVER_LOCAL_EVENTS, NULL, false, 0, NULL},
-                              {2, "e2", KM_SERVER_LOCAL_EVENTS, NULL, false, 0, NULL}};
-    g_pool.workers = ws;
-    g_pool.n_workers = 3;
-    srv_start(&s, &cfg);
-    km_client *c = connect_client(&s);
+    km_client *c = start_three_quiet_workers(&s, KM_POLICY_KV);
     km_message reply;
     km_route_request r = prefix_route("first", 64 * BS);
     r.brief = false;
@@ -5229,16 +5242,7 @@ Test(server, a_route_naming_ttft_promises_its_prefill_on_a_pool_of_another_polic
     cr_assert_eq(d->status, KM_OK, "%s", d->message);
     uint32_t computing = d->chosen_worker;
 
-    r = prefix_route("second", 64 * BS);
-    r.brief = false;
-    r.policy = "ttft";
-    d = route_one(c, &r, &reply);
-    cr_assert_eq(d->status, KM_OK, "%s", d->message);
-    cr_assert_eq(d->chosen_worker, computing,
-                 "the second request went to %u, not to %u which is computing its prompt",
-                 d->chosen_worker, computing);
-    cr_assert_eq(candidate(d, computing)->load.pending_prefill_tokens, 64 * BS,
-                 "the first request's prefill");
+    second_goes_where_the_first_is_computed(c, "ttft", computing, &reply);
     km_client_close(c);
     srv_stop(&s);
     srv_cleanup(&s);
