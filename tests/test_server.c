@@ -5229,7 +5229,8 @@ Test(server, a_prompt_being_prefilled_draws_the_same_prompt_to_its_worker, .time
 }
 
 /* The same on a pool of another policy, for routes that name `ttft`: their prefills promise
- * their blocks too, so the next route naming `ttft` sees the prompt coming. */
+ * their blocks too, so the next route naming `ttft` sees the prompt coming, and its record says
+ * so. */
 Test(server, a_route_naming_ttft_promises_its_prefill_on_a_pool_of_another_policy, .timeout = 30)
 {
     srv s = {0};
@@ -5242,9 +5243,25 @@ Test(server, a_route_naming_ttft_promises_its_prefill_on_a_pool_of_another_polic
     cr_assert_eq(d->status, KM_OK, "%s", d->message);
     uint32_t computing = d->chosen_worker;
 
-    second_goes_where_the_first_is_computed(c, "ttft", computing, &reply);
+    d = second_goes_where_the_first_is_computed(c, "ttft", computing, &reply);
+    uint64_t second_id = d->decision_id;
     km_client_close(c);
     srv_stop(&s);
+
+    /* The record says what the decision weighed: the prompt queued on the computing worker. */
+    json_t *all = read_records(&s);
+    json_t *second = find_record(all, "decision", (int64_t)second_id);
+    cr_assert(second);
+    size_t i;
+    json_t *row;
+    json_array_foreach(json_object_get(second, "candidates"), i, row)
+    {
+        const char *w = json_string_value(json_object_get(row, "worker"));
+        json_int_t queued = json_integer_value(json_object_get(row, "queued_depth_blocks"));
+        cr_assert_eq(queued, strcmp(w, three_quiet_workers[computing].name) == 0 ? 64 : 0,
+                     "%s: queued depth %lld", w, (long long)queued);
+    }
+    json_decref(all);
     srv_cleanup(&s);
 }
 

@@ -549,7 +549,7 @@ static void record_decision(km_server *s, const route_job *r, const pool *p, bat
         row->in_flight = pc->in_flight;
         row->pending_prefill_tokens = (int64_t)pc->pending_prefill_tokens;
         row->active_decode_blocks = (int64_t)pc->active_decode_blocks;
-        if (queues_prefixes(p))
+        if (queues_prefixes(p) || r->policy_name) /* where the decision read them */
             row->queued_depth_blocks =
                 (int64_t)(pc->queued_depth > pc->depth ? pc->queued_depth : pc->depth);
         row->last_arrival = pc->last_arrival > INT64_MAX ? INT64_MAX : (int64_t)pc->last_arrival;
