@@ -506,6 +506,22 @@ static json_t *decision_record(const char *path, const char *id)
     return NULL;
 }
 
+/* The scraper thread stores a scrape's time at any moment, so a reader that took `now` first can
+ * find a scrape newer than it: its age is 0 (fresh), never missing nor a wrapped-around one. */
+Test(engine_metrics, a_scrape_newer_than_the_readers_now_is_zero_seconds_old, .timeout = 10)
+{
+    km_engine_reported e;
+    memset(&e, 0, sizeof e);
+    cr_assert_eq(km_engine_reported_age_ns(&e, 1000), UINT64_MAX, "no scrape yet");
+    cr_assert_eq(km_engine_reported_age_ns(NULL, 1000), UINT64_MAX);
+    e.has_values = true;
+    e.scraped_ns = 400;
+    cr_assert_eq(km_engine_reported_age_ns(&e, 1000), 600);
+    cr_assert_eq(km_engine_reported_age_ns(&e, 400), 0);
+    cr_assert_eq(km_engine_reported_age_ns(&e, 399), 0, "a scrape after the reader's now");
+    cr_assert_eq(km_engine_reported_age_ns(&e, 0), 0);
+}
+
 Test(engine_metrics, decisions_weigh_fresh_engine_load_and_state_the_scope, .timeout = 30)
 {
     engines_status = 200;

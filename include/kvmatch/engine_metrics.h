@@ -55,6 +55,11 @@ typedef struct km_engine_reported {
     char last_error[160]; /* the last failure's reason ("" when none) */
 } km_engine_reported;
 
+/* The age of the values at `now_ns` (CLOCK_MONOTONIC), in ns: 0 for a scrape that ended after
+ * `now_ns` was read (the scraper thread stores it at any moment), UINT64_MAX when no scrape has
+ * succeeded. Pure. */
+uint64_t km_engine_reported_age_ns(const km_engine_reported *reported, uint64_t now_ns);
+
 /* Parse one /metrics body into *out's values and engine (the counters and time untouched).
  * KM_ERR_PARSE when it holds none of the metrics above (reason in why). Pure: for the scraper and
  * tests. */

@@ -92,6 +92,13 @@ static const char *skip_labels(const char *p, const char *end)
     return NULL;
 }
 
+uint64_t km_engine_reported_age_ns(const km_engine_reported *reported, uint64_t now_ns)
+{
+    if (!reported || !reported->has_values)
+        return UINT64_MAX;
+    return reported->scraped_ns <= now_ns ? now_ns - reported->scraped_ns : 0;
+}
+
 int km_engine_metrics_parse(const char *text, size_t len, km_engine_reported *out, char *why,
                             size_t why_size)
 {

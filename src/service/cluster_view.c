@@ -522,8 +522,7 @@ uint64_t km_srv_engine_max_age_ns(const km_server *s)
 bool km_srv_engine_reported_fresh(km_server *s, uint32_t id, uint64_t now, km_engine_reported *out)
 {
     return s->engine_metrics && km_engine_metrics_get(s->engine_metrics, id, out) == KM_OK &&
-           out->has_values && out->scraped_ns <= now &&
-           now - out->scraped_ns < km_srv_engine_max_age_ns(s);
+           km_engine_reported_age_ns(out, now) < km_srv_engine_max_age_ns(s);
 }
 
 json_t *km_srv_engine_reported_status(km_server *s, uint32_t id, uint64_t now, bool *fresh)
@@ -540,9 +539,8 @@ json_t *km_srv_engine_reported_status(km_server *s, uint32_t id, uint64_t now, b
     json_object_set_new(o, "waiting", REAL_OR_NULL(l.waiting));
     json_object_set_new(o, "kv_usage", REAL_OR_NULL(l.kv_usage));
 #undef REAL_OR_NULL
-    json_object_set_new(o, "age_ms", l.scraped_ns && l.scraped_ns <= now
-                                         ? json_real((double)(now - l.scraped_ns) / 1e6)
-                                         : json_null());
+    uint64_t age = km_engine_reported_age_ns(&l, now);
+    json_object_set_new(o, "age_ms", age != UINT64_MAX ? json_real((double)age / 1e6) : json_null());
     json_object_set_new(o, "scrapes", json_integer((json_int_t)l.scrapes));
     json_object_set_new(o, "failures", json_integer((json_int_t)l.failures));
     json_object_set_new(o, "last_error", json_string(l.last_error));

@@ -128,7 +128,7 @@ static bool engine_raise_load(km_server *s, const pool *p, uint64_t now, km_poli
         if (used > (double)pc->allocated_blocks)
             pc->allocated_blocks = used >= 1e18 ? UINT64_C(1000000000000000000) : (uint64_t)used;
     }
-    *age_ms = (double)(now - e.scraped_ns) / 1e6;
+    *age_ms = (double)km_engine_reported_age_ns(&e, now) / 1e6;
     return true;
 }
 

@@ -391,7 +391,7 @@ static void engine_reported_samples(km_server *s, km_text *out)
             case WAITING: v = e.has_values ? e.waiting : NAN; break;
             case KV_USAGE: v = e.has_values ? e.kv_usage : NAN; break;
             case AGE:
-                v = e.has_values && e.scraped_ns <= now ? (double)(now - e.scraped_ns) / 1e9 : NAN;
+                v = e.has_values ? (double)km_engine_reported_age_ns(&e, now) / 1e9 : NAN;
                 break;
             case FRESH: v = fresh; break;
             case SCRAPES: v = (double)e.scrapes; break;
