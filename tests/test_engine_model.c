@@ -102,6 +102,29 @@ Test(engine_model, presets_names_and_validation, .timeout = 30)
     cr_assert_eq(km_engine_model_validate(NULL, why, sizeof why), KM_ERR_NULL_POINTER);
 }
 
+/* km_engine_model_preset_of names the preset a model is, and nothing for a model any of whose
+ * parameters differs from every preset's. */
+Test(engine_model, a_model_names_its_preset, .timeout = 10)
+{
+    for (size_t i = 0; km_engine_model_preset_name(i); i++) {
+        const char *name = km_engine_model_preset_name(i);
+        km_engine_model m;
+        cr_assert_eq(km_engine_model_preset(name, &m), KM_OK);
+        cr_assert_str_eq(km_engine_model_preset_of(&m), name);
+        km_engine_model changed = m;
+        changed.capacity_blocks++;
+        cr_assert_null(km_engine_model_preset_of(&changed), "%s with another capacity", name);
+        changed = m;
+        changed.token_us *= 1.5;
+        cr_assert_null(km_engine_model_preset_of(&changed), "%s with another token time", name);
+        changed = m;
+        changed.disk_load_us_per_block += 1;
+        cr_assert_null(km_engine_model_preset_of(&changed), "%s with another disk load time",
+                       name);
+    }
+    cr_assert_null(km_engine_model_preset_of(NULL));
+}
+
 /* The same queue served step by step: full chunks of the budget left by the decodes, the queued
  * tokens first, each step timed without attention, then the request's own attention pairs. */
 static double replay_ttft_us(const km_engine_model *m, const km_engine_load *load, uint64_t cached,

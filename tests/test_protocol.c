@@ -271,6 +271,7 @@ static void rand_pool(km_rng *r, km_pool_info *p)
     p->offload_chunk_blocks =
         km_rng_percent(r, 30) ? 1 + km_rng_below(r, KM_FEED_MAX_OFFLOAD_CHUNK_BLOCKS) : 0;
     p->policy = maybe_str(r);
+    p->engine = maybe_str(r);
     p->n_params = km_rng_below(r, 5);
     km_param *params = test_alloc(p->n_params * sizeof *params);
     for (uint32_t i = 0; i < p->n_params; i++) {
@@ -597,6 +598,7 @@ static void eq_message(const km_message *a, const km_message *b)
             EQ_NUM(x->hash_lookahead_tokens, y->hash_lookahead_tokens, "hash_lookahead_tokens");
             EQ_NUM(x->offload_chunk_blocks, y->offload_chunk_blocks, "offload_chunk_blocks");
             EQ_STR(x->policy, y->policy, "policy");
+            EQ_STR(x->engine, y->engine, "engine");
             EQ_NUM(x->n_params, y->n_params, "n_params");
             for (uint32_t k = 0; k < x->n_params; k++) {
                 EQ_STR(x->params[k].name, y->params[k].name, "param name");

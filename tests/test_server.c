@@ -3678,6 +3678,126 @@ Test(server, pool_list_shows_each_pool_its_own_policys_parameters, .timeout = 30
     srv_cleanup(&s);
 }
 
+/* The cost a ttft pool states for a worker with nothing routed to it: the preset's predicted time
+ * to first token of the whole prompt (no step in progress, nothing cached, no output seen yet). */
+static double idle_ttft_ms(const char *preset, uint32_t prompt_tokens)
+{
+    km_engine_model m;
+    cr_assert_eq(km_engine_model_preset(preset, &m), KM_OK);
+    const km_engine_load idle = {0};
+    uint64_t blocks = (prompt_tokens + m.block_size - 1) / m.block_size;
+    return km_engine_model_predict_ttft_us(&m, &idle, 0, prompt_tokens, 0, 0, blocks, 0) / 1000.0;
+}
+
+/* POOLS add names the engine model a pool's workers run, as the configuration file does: the
+ * policy times work with that preset, the approximate mode's default capacity is its KV cache,
+ * and POOL_LIST and /status show it. An unknown preset fails that pool naming the presets, and an
+ * update may only repeat the pool's own (the capacity was taken from it). */
+Test(server, pools_added_at_run_time_name_their_engine, .timeout = 30)
+{
+    srv s = {0};
+    km_server_config cfg;
+    test_config(&cfg, &s, KM_POLICY_TTFT, 1);
+    cfg.records_path = NULL;
+    char http[] = "127.0.0.1:0";
+    cfg.http = http;
+    srv_start(&s, &cfg);
+    km_client *c = connect_client(&s);
+    km_pool_info pi[2];
+    memset(pi, 0, sizeof pi);
+    pi[0] = (km_pool_info){.name = "big", .block_size = BS, .policy = "ttft",
+                           .engine = "llama3-70b-h100x4"};
+    pi[1] = (km_pool_info){.name = "odd", .block_size = BS, .policy = "ttft",
+                           .engine = "h100-9000"};
+    km_message m = {.type = KM_MESSAGE_POOLS}, reply;
+    m.pools.action = KM_ADMIN_ADD;
+    m.pools.pools = pi;
+    m.pools.n_pools = 2;
+    cr_assert_eq(km_client_call(c, &m, 5000, &reply), KM_OK);
+    cr_assert_eq(reply.type, KM_MESSAGE_ACK);
+    cr_assert_eq(reply.ack.items[0].status, KM_OK, "%s", reply.ack.items[0].message);
+    cr_assert_eq(reply.ack.items[1].status, KM_ERR_INVALID_ARGUMENT);
+    cr_assert(strstr(reply.ack.items[1].message, "h100-9000") &&
+                  strstr(reply.ack.items[1].message, "llama3-8b-h100") &&
+                  strstr(reply.ack.items[1].message, "llama3-70b-h100x4"),
+              "the refusal names the preset asked for and the presets: %s",
+              reply.ack.items[1].message);
+
+    m = (km_message){.type = KM_MESSAGE_POOLS};
+    m.pools.action = KM_ADMIN_LIST;
+    cr_assert_eq(km_client_call(c, &m, 5000, &reply), KM_OK);
+    cr_assert_eq(reply.type, KM_MESSAGE_POOL_LIST);
+    cr_assert_eq(reply.pools.n_pools, 2, "the refused pool was added");
+    for (uint32_t i = 0; i < 2; i++) {
+        const km_pool_info *p = &reply.pools.pools[i];
+        bool big = !strcmp(p->name, "big");
+        cr_assert_str_eq(p->engine, big ? "llama3-70b-h100x4" : "llama3-8b-h100", "pool %s",
+                         p->name);
+        double capacity = -1;
+        for (uint32_t k = 0; k < p->n_params; k++)
+            if (!strcmp(p->params[k].name, "approx_capacity_blocks"))
+                capacity = p->params[k].value;
+        cr_assert_float_eq(capacity, (big ? 29000.0 : 27000.0) * 16 / BS, 1e-9, "pool %s",
+                           p->name);
+    }
+
+    /* The policy times work with the pool's engine: a worker of each pool with nothing routed. */
+    km_worker_info wi = {.pool = "big", .worker = 40};
+    m = (km_message){.type = KM_MESSAGE_WORKERS};
+    m.workers.action = KM_ADMIN_ADD;
+    m.workers.workers = &wi;
+    m.workers.n_workers = 1;
+    cr_assert_eq(km_client_call(c, &m, 5000, &reply), KM_OK);
+    cr_assert_eq(reply.ack.items[0].status, KM_OK, "%s", reply.ack.items[0].message);
+    enum { PROMPT = 1024 };
+    km_route_request r = token_route("engine-big", 0, PROMPT);
+    r.pool = "big";
+    const km_route_decision *d = route_one(c, &r, &reply);
+    cr_assert_eq(d->status, KM_OK, "%s", d->message ? d->message : "");
+    double want = idle_ttft_ms("llama3-70b-h100x4", PROMPT);
+    cr_assert_float_eq(candidate(d, 40)->cost, want, want * 1e-9);
+    r = token_route("engine-main", 0, PROMPT);
+    d = route_one(c, &r, &reply);
+    cr_assert_eq(d->status, KM_OK, "%s", d->message ? d->message : "");
+    want = idle_ttft_ms("llama3-8b-h100", PROMPT);
+    cr_assert_float_eq(candidate(d, d->chosen_worker)->cost, want, want * 1e-9);
+
+    /* An update may repeat the pool's engine, not change it. */
+    km_pool_info u = {.name = "big", .engine = "llama3-8b-h100"};
+    m = (km_message){.type = KM_MESSAGE_POOLS};
+    m.pools.action = KM_ADMIN_UPDATE;
+    m.pools.pools = &u;
+    m.pools.n_pools = 1;
+    cr_assert_eq(km_client_call(c, &m, 5000, &reply), KM_OK);
+    cr_assert_eq(reply.ack.items[0].status, KM_ERR_INVALID_ARGUMENT);
+    cr_assert(strstr(reply.ack.items[0].message, "llama3-70b-h100x4"), "%s",
+              reply.ack.items[0].message);
+    u.engine = "llama3-70b-h100x4";
+    cr_assert_eq(km_client_call(c, &m, 5000, &reply), KM_OK);
+    cr_assert_eq(reply.ack.items[0].status, KM_OK, "%s", reply.ack.items[0].message);
+
+    uint16_t port = km_server_http_port(s.server);
+    static char body[1 << 16];
+    cr_assert_eq(http_get(port, "/status", body, sizeof body), 200);
+    json_t *st = json_loads(body, 0, NULL);
+    cr_assert_not_null(st, "/status is JSON");
+    json_t *pools = json_object_get(st, "pools");
+    int seen = 0;
+    size_t i;
+    json_t *jp;
+    json_array_foreach(pools, i, jp) {
+        const char *pn = json_string_value(json_object_get(jp, "name"));
+        const char *e = json_string_value(json_object_get(jp, "engine"));
+        seen += pn && e &&
+                !strcmp(e, !strcmp(pn, "big") ? "llama3-70b-h100x4" : "llama3-8b-h100");
+    }
+    json_decref(st);
+    cr_assert_eq(seen, 2, "/status shows each pool's engine");
+    km_client_close(c);
+    srv_stop(&s);
+    srv_cleanup(&s);
+}
+
 /* PROTOCOL.md: POOLS add takes approx_ttl_s and approx_capacity_blocks, and the pool's approximate
  * mode forgets a routed prefix that long after its last decision. Neither is refused as an unknown
  * policy parameter, so a pool added at run time is not held to the 120 s default. */

@@ -85,6 +85,8 @@ const char *km_engine_model_preset_summary(const char *name);
 /* Fills *out with the named preset. KM_ERR_NULL_POINTER, or KM_ERR_NOT_FOUND for an unknown name
  * (*out untouched). */
 int km_engine_model_preset(const char *name, km_engine_model *out);
+/* The name of the preset whose every parameter equals *m's; NULL when none does (or m is NULL). */
+const char *km_engine_model_preset_of(const km_engine_model *m);
 
 /* KM_OK, or KM_ERR_NULL_POINTER / KM_ERR_BLOCK_SIZE (block_size 0) / KM_ERR_INVALID_ARGUMENT (a
  * limit of 0, a time constant NaN, infinite or negative) with a sentence naming the field in why

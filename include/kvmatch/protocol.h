@@ -451,6 +451,11 @@ typedef struct km_pool_info {
      * 0 = none or absent. Set at ADD only: UPDATE refuses a value other than the pool's. */
     uint32_t hash_lookahead_tokens;
     const char *policy;  /* NULL when absent */
+    /* The engine model the pool's workers run (a km_engine_model_preset name: what `ttft` and
+     * `preble` time work with, `llmd`'s KV capacity); NULL when absent: the default preset at ADD.
+     * Set at ADD only: UPDATE refuses another preset than the pool's. POOL_LIST: the pool's
+     * preset, NULL when its model is none of them. */
+    const char *engine;
     const km_param *params;
     uint32_t n_params;
     /* Blocks per offloaded chunk of the engines' KV connector, by which placeholder stores are

@@ -2,6 +2,7 @@
 /* The engine model (include/kvmatch/engine_model.h): step time, presets, and the predicted time to
  * first token the `ttft` policy minimises. */
 #include <math.h>
+#include <stdbool.h>
 #include <string.h>
 
 #include "kvmatch/engine_model.h"
@@ -75,6 +76,30 @@ const char *km_engine_model_preset_summary(const char *name)
 {
     const preset *p = find_preset(name);
     return p ? p->summary : NULL;
+}
+
+/* same_model compares every field: a new one must be added there. */
+_Static_assert(sizeof(km_engine_model) == 4 * sizeof(uint32_t) + 7 * sizeof(double),
+               "km_engine_model's fields are those same_model compares");
+
+static bool same_model(const km_engine_model *a, const km_engine_model *b)
+{
+    return a->block_size == b->block_size && a->capacity_blocks == b->capacity_blocks &&
+           a->max_num_batched_tokens == b->max_num_batched_tokens &&
+           a->max_num_seqs == b->max_num_seqs && a->step_floor_us == b->step_floor_us &&
+           a->token_us == b->token_us && a->prefill_us_per_pair == b->prefill_us_per_pair &&
+           a->decode_us_per_request == b->decode_us_per_request &&
+           a->decode_us_per_context_token == b->decode_us_per_context_token &&
+           a->host_load_us_per_block == b->host_load_us_per_block &&
+           a->disk_load_us_per_block == b->disk_load_us_per_block;
+}
+
+const char *km_engine_model_preset_of(const km_engine_model *m)
+{
+    for (size_t i = 0; m && i < N_PRESETS; i++)
+        if (same_model(&presets[i].model, m))
+            return presets[i].name;
+    return NULL;
 }
 
 int km_engine_model_preset(const char *name, km_engine_model *out)

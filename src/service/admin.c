@@ -221,6 +221,36 @@ static uint32_t listed_params(const pool *p, km_param *pp)
     return n;
 }
 
+/* A POOLS add / update's engine preset (NULL: none given): into pc at add; at update only the
+ * pool's own is accepted, since its approximate mode's capacity was set from it at add. */
+static int pool_engine(km_admin_action action, const pool *existing, km_server_pool *pc,
+                       const char *pool_name, const char *preset, char *why, size_t why_size)
+{
+    if (!preset)
+        return KM_OK;
+    km_engine_model m;
+    if (km_engine_model_preset(preset, &m) != KM_OK) {
+        char names[160] = "";
+        size_t len = 0;
+        for (size_t i = 0; km_engine_model_preset_name(i) && len < sizeof names; i++)
+            len += (size_t)snprintf(names + len, sizeof names - len, "%s%s", i ? ", " : "",
+                                    km_engine_model_preset_name(i));
+        return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,
+                      "pool %s: unknown engine preset \"%s\" (the presets: %s)", pool_name, preset,
+                      names);
+    }
+    if (action == KM_ADMIN_UPDATE) {
+        const char *own = km_engine_model_preset_of(&existing->policy.engine);
+        if (!own || strcmp(own, preset) != 0)
+            return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,
+                          "pool %s: engine cannot change (the pool was added with %s)", pool_name,
+                          own ? own : "another model");
+        return KM_OK;
+    }
+    pc->policy.engine = m;
+    return KM_OK;
+}
+
 /* One of a POOLS add / update's params: a policy parameter, or (add only: a pool's approximate
  * mode keeps its TTL and capacity for its life) approx_ttl_s or approx_capacity_blocks. */
 static int pool_param(km_admin_action action, km_server_pool *pc, const km_param *param, char *why,
@@ -278,6 +308,7 @@ void km_srv_handle_pools(conn *c, const km_message *m)
             list[i].hash_lookahead_tokens = p->hash_lookahead_tokens;
             list[i].offload_chunk_blocks = p->offload_chunk_blocks > 1 ? p->offload_chunk_blocks : 0;
             list[i].policy = km_policy_kind_name(p->policy.kind);
+            list[i].engine = km_engine_model_preset_of(&p->policy.engine);
             list[i].params = params[i];
             list[i].n_params = listed_params(p, params[i]);
         }
@@ -362,6 +393,9 @@ void km_srv_handle_pools(conn *c, const km_message *m)
         if (rc == KM_OK && pi->policy && km_policy_kind_parse(pi->policy, &pc.policy.kind) != KM_OK)
             rc = km_why(msgs[i], sizeof msgs[i], KM_ERR_INVALID_ARGUMENT, "unknown policy \"%s\"",
                        pi->policy);
+        if (rc == KM_OK)
+            rc = pool_engine(pm->action, at >= 0 ? s->pools[at] : NULL, &pc, pi->name, pi->engine,
+                             msgs[i], sizeof msgs[i]);
         for (uint32_t k = 0; rc == KM_OK && k < pi->n_params; k++)
             rc = pool_param(pm->action, &pc, &pi->params[k], msgs[i], sizeof msgs[i]);
         char detail[192];

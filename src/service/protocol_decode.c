@@ -928,10 +928,10 @@ static int decode_worker(km_protocol_decoder *d, const msgpack_object *o, km_wor
 
 static int decode_pool(km_protocol_decoder *d, const msgpack_object *o, km_pool_info *p)
 {
-    enum { NAME, MODEL, BLOCK_SIZE, LOOKAHEAD, POLICY, PARAMS, CHUNK, N_FIELDS };
+    enum { NAME, MODEL, BLOCK_SIZE, LOOKAHEAD, POLICY, PARAMS, CHUNK, ENGINE, N_FIELDS };
     static const char *const names[N_FIELDS] = {"name",   "model",  "block_size",
                                                 "hash_lookahead_tokens", "policy", "params",
-                                                "offload_chunk_blocks"};
+                                                "offload_chunk_blocks", "engine"};
     const msgpack_object *v[N_FIELDS];
     int rc = bind_fields(d, o, NULL, names, N_FIELDS, v);
     if (rc)
@@ -942,6 +942,7 @@ static int decode_pool(km_protocol_decoder *d, const msgpack_object *o, km_pool_
         (rc = OPT(read_u32(d, v[LOOKAHEAD], "hash_lookahead_tokens", &p->hash_lookahead_tokens),
                   v[LOOKAHEAD])) ||
         (rc = OPT(read_str(d, v[POLICY], "policy", &p->policy), v[POLICY])) ||
+        (rc = OPT(read_str(d, v[ENGINE], "engine", &p->engine), v[ENGINE])) ||
         (rc = OPT(read_u32(d, v[CHUNK], "offload_chunk_blocks", &p->offload_chunk_blocks),
                   v[CHUNK])))
         return rc;

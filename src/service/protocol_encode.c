@@ -538,6 +538,7 @@ static void encode_pool(writer *w, const km_pool_info *p, uint32_t i)
     if (p->offload_chunk_blocks)
         put_u64(w, &m, "offload_chunk_blocks", p->offload_chunk_blocks);
     put_str(w, &m, "policy", p->policy);
+    put_str(w, &m, "engine", p->engine);
     if (p->n_params && check_array(w, where, "params", p->params, p->n_params)) {
         put_key(w, &m, "params");
         msgpack_pack_map(&w->packer, p->n_params);

@@ -108,6 +108,8 @@ static int http_status(void *user, km_text *out)
         json_object_set_new(jp, "model", p->model ? json_string(p->model) : json_null());
         json_object_set_new(jp, "block_size", json_integer(p->block_size));
         json_object_set_new(jp, "policy", json_string(km_policy_kind_name(p->policy.kind)));
+        const char *engine = km_engine_model_preset_of(&p->policy.engine);
+        json_object_set_new(jp, "engine", engine ? json_string(engine) : json_null());
         json_object_set_new(jp, "backend", json_string(km_index_backend_name(p->index)));
         km_index_stats is;
         if (km_index_get_stats(p->index, &is) == KM_OK) {
