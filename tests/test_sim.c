@@ -487,48 +487,119 @@ Test(sim, kvmatch_restart_with_and_without_snapshot, .timeout = 180)
 
 /* --connect: the simulation drives a separate `kvmatch serve` process (its own pool and workers,
  * added and removed through the protocol), the engines' events reaching it over ZMQ. */
-Test(sim, through_a_running_kvmatch_serve, .timeout = 120)
+/* A `kvmatch serve` child on a Unix socket in a temporary directory (KM_BIN, else
+ * build/kvmatch). */
+typedef struct serve_child {
+    pid_t pid;
+    char dir[64], sock[128], addr[160];
+} serve_child;
+
+static void serve_start(serve_child *sc)
 {
     const char *bin = getenv("KM_BIN") ? getenv("KM_BIN") : "build/kvmatch";
     cr_assert(access(bin, X_OK) == 0, "%s is not executable (set KM_BIN)", bin);
-    char dir[] = "/tmp/kvmatch-simserve-XXXXXX";
-    cr_assert_not_null(mkdtemp(dir));
-    char sock[128], addr[160];
-    snprintf(sock, sizeof sock, "%s/s.sock", dir);
-    snprintf(addr, sizeof addr, "unix:%s", sock);
+    snprintf(sc->dir, sizeof sc->dir, "/tmp/kvmatch-simserve-XXXXXX");
+    cr_assert_not_null(mkdtemp(sc->dir));
+    snprintf(sc->sock, sizeof sc->sock, "%s/s.sock", sc->dir);
+    snprintf(sc->addr, sizeof sc->addr, "unix:%s", sc->sock);
     int parent = getpid();
-    pid_t pid = fork();
-    cr_assert(pid >= 0);
-    if (pid == 0) {
+    sc->pid = fork();
+    cr_assert(sc->pid >= 0);
+    if (sc->pid == 0) {
         km_test_die_with_parent(parent);
         int devnull = open("/dev/null", O_WRONLY);
         if (devnull >= 0)
             dup2(devnull, 2);
-        execl(bin, bin, "serve", "--socket", sock, "--records", "none", "--backend", "cpu",
+        execl(bin, bin, "serve", "--socket", sc->sock, "--records", "none", "--backend", "cpu",
               (char *)NULL);
         _exit(127);
     }
     struct stat st;
-    for (int i = 0; i < 500 && stat(sock, &st) != 0; i++)
+    for (int i = 0; i < 500 && stat(sc->sock, &st) != 0; i++)
         usleep(10000);
+}
+
+/* Stops the child; its exit status. */
+static int serve_stop(serve_child *sc)
+{
+    kill(sc->pid, SIGTERM);
+    int status = 0;
+    waitpid(sc->pid, &status, 0);
+    unlink(sc->sock);
+    rmdir(sc->dir);
+    return status;
+}
+
+Test(sim, through_a_running_kvmatch_serve, .timeout = 120)
+{
+    serve_child sc;
+    serve_start(&sc);
     km_sim_config cfg;
     small_config(&cfg, 51);
     cfg.policies[0] = "kv";
     cfg.n_policies = 1;
     cfg.zmq = true;
-    cfg.connect = addr;
+    cfg.connect = sc.addr;
     km_sim_result r;
     char why[512];
     int rc = km_sim_run(&cfg, &r, NULL, why, sizeof why);
-    kill(pid, SIGTERM);
-    int status = 0;
-    waitpid(pid, &status, 0);
-    unlink(sock);
-    rmdir(dir);
+    int status = serve_stop(&sc);
     cr_assert_eq(rc, KM_OK, "%s", why);
     check_accounting(&r);
     cr_assert_eq(r.exact_predictions, r.routed);
     cr_assert(WIFEXITED(status) && WEXITSTATUS(status) == 0, "the server exits cleanly");
+}
+
+/* The pool a run adds to a running server names the engines' preset, so the policies that time
+ * work decide there as they do in process: the same run over --connect and in process. */
+Test(sim, a_running_server_times_work_with_the_engines_preset, .timeout = 120)
+{
+    km_sim_config cfg;
+    small_config(&cfg, 52);
+    cr_assert_eq(km_engine_model_preset("llama3-70b-h100x4", &cfg.engine.model), KM_OK);
+    cfg.policies[0] = "ttft";
+    cfg.n_policies = 1;
+    cfg.zmq = true;
+    km_sim_result local, remote;
+    char why[512];
+    cr_assert_eq(km_sim_run(&cfg, &local, NULL, why, sizeof why), KM_OK, "%s", why);
+    serve_child sc;
+    serve_start(&sc);
+    cfg.connect = sc.addr;
+    int rc = km_sim_run(&cfg, &remote, NULL, why, sizeof why);
+    serve_stop(&sc);
+    cr_assert_eq(rc, KM_OK, "%s", why);
+    assert_same(&local, &remote, "in process vs a running server", false);
+}
+
+/* --policy-engine: the policies assume another engine than the engines run. Naming the engines'
+ * own preset changes nothing; the other one changes ttft's decisions (every request still routed
+ * and accounted for); an unknown name is refused. */
+Test(sim, the_policies_may_assume_another_engine, .timeout = 120)
+{
+    km_sim_config cfg;
+    small_config(&cfg, 53);
+    cfg.generator.requests = 300;
+    cr_assert_eq(km_engine_model_preset("llama3-70b-h100x4", &cfg.engine.model), KM_OK);
+    cfg.policies[0] = "ttft";
+    cfg.n_policies = 1;
+    km_sim_result own, named, other;
+    char why[512];
+    cr_assert_eq(km_sim_run(&cfg, &own, NULL, why, sizeof why), KM_OK, "%s", why);
+    cfg.policy_engine = "llama3-70b-h100x4";
+    cr_assert_eq(km_sim_run(&cfg, &named, NULL, why, sizeof why), KM_OK, "%s", why);
+    assert_same(&own, &named, "the engines' own preset named", true);
+    cfg.policy_engine = "llama3-8b-h100";
+    cr_assert_eq(km_sim_run(&cfg, &other, NULL, why, sizeof why), KM_OK, "%s", why);
+    check_accounting(&other);
+    cr_assert_eq(other.prompt_tokens, own.prompt_tokens, "the same workload");
+    cr_assert(other.ttft_p99_ms != own.ttft_p99_ms ||
+                  other.actual_reused_tokens != own.actual_reused_tokens ||
+                  other.owner_not_chosen != own.owner_not_chosen,
+              "the 8B model's costs changed no decision");
+    cfg.policy_engine = "h100-9000";
+    cr_assert_eq(km_sim_run(&cfg, &other, NULL, why, sizeof why), KM_ERR_INVALID_ARGUMENT);
+    cr_assert(strstr(why, "h100-9000"), "%s", why);
 }
 
 /* Records of one run: decisions whose prediction source is `source`, and outcomes naming a

@@ -40,6 +40,8 @@ static void sim_usage(FILE *f)
     fprintf(f,
             "\n"
             "  --capacity BLOCKS   each engine's KV cache in blocks instead of the preset's\n"
+            "  --policy-engine PRESET  the engine model the policies assume (default: the\n"
+            "                      engines' own)\n"
             "  --policy LIST       comma-separated, or all: kv, cache_aware, prefix, least_load,\n"
             "                      round_robin, llmd, preble, ttft (default: all)\n"
             "  --html FILE         with --load or --sweep: a self-contained report with charts\n"
@@ -388,6 +390,8 @@ static void print_json(const km_sim_config *cfg, const km_sim_report *report,
     json_object_set_new(root, "workload", w);
     json_object_set_new(root, "workers", json_integer(cfg->workers));
     json_object_set_new(root, "engine", engine_json(&cfg->engine.model, report->engine));
+    json_object_set_new(root, "policy_engine",
+                        cfg->policy_engine ? json_string(cfg->policy_engine) : json_null());
     json_object_set_new(root, "capacity_blocks", json_integer(cfg->engine.model.capacity_blocks));
     json_object_set_new(root, "block_size", json_integer(cfg->engine.model.block_size));
     json_object_set_new(root, "events", json_string(cfg->approx ? "none (approximate mode)"
@@ -446,6 +450,7 @@ int km_cmd_sim(int argc, char **argv)
         OPT_LOAD, OPT_SWEEP, OPT_HTML, OPT_CONNECT, OPT_RECORDS, OPT_DROP_EVENTS, OPT_CUT,
         OPT_RESTART_ENGINE, OPT_RESTART_KVMATCH, OPT_SECOND_INGRESS, OPT_OVERRIDE,
         OPT_APPROX_DISPATCH_MB, OPT_REPLAY_BUFFER, OPT_POLICY, OPT_INSTANCES, OPT_FAULT,
+        OPT_POLICY_ENGINE,
     };
     static const struct option options[] = {
         {"help", no_argument, NULL, 'h'},
@@ -463,6 +468,7 @@ int km_cmd_sim(int argc, char **argv)
         {"capacity", required_argument, NULL, OPT_CAPACITY},
         {"workload", required_argument, NULL, OPT_WORKLOAD},
         {"engine", required_argument, NULL, OPT_ENGINE},
+        {"policy-engine", required_argument, NULL, OPT_POLICY_ENGINE},
         {"load", required_argument, NULL, OPT_LOAD},
         {"sweep", required_argument, NULL, OPT_SWEEP},
         {"html", required_argument, NULL, OPT_HTML},
@@ -547,6 +553,14 @@ int km_cmd_sim(int argc, char **argv)
                 return KM_EXIT_USAGE;
             }
             engine = v;
+            break;
+        case OPT_POLICY_ENGINE:
+            if (!km_engine_model_preset_summary(v)) {
+                fprintf(stderr, "kvmatch sim: --policy-engine wants a preset (--help lists them), "
+                                "got \"%s\"\n", v);
+                return KM_EXIT_USAGE;
+            }
+            cfg.policy_engine = v;
             break;
         case OPT_LOAD:
         case OPT_SWEEP:

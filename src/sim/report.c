@@ -70,9 +70,11 @@ void km_sim_load_label(double load, char *buf, size_t size)
 void km_sim_report_text(const km_sim_report *r, FILE *out)
 {
     const km_sim_config *cfg = r->cfg;
-    fprintf(out, "workload %s, %llu requests, %u workers, engine %s; capacity %.2f requests/s\n",
-            r->workload, (unsigned long long)r->summary->workload.requests, cfg->workers, r->engine,
-            r->summary->capacity_rps);
+    fprintf(out, "workload %s, %llu requests, %u workers, engine %s", r->workload,
+            (unsigned long long)r->summary->workload.requests, cfg->workers, r->engine);
+    if (cfg->policy_engine)
+        fprintf(out, " (the policies assume %s)", cfg->policy_engine);
+    fprintf(out, "; capacity %.2f requests/s\n", r->summary->capacity_rps);
     fprintf(out, "%-24s", "");
     for (uint32_t p = 0; p < cfg->n_policies; p++)
         fprintf(out, " %12s", cfg->policies[p]);
@@ -343,8 +345,14 @@ int km_sim_report_html(const km_sim_report *r, const char *path, char *why, size
                    (unsigned long long)w->requests, w->prompt_mean, w->prompt_p50, w->prompt_p99,
                    100.0 * w->reusable_share, cfg->workers);
     html_escape(&t, r->engine);
+    km_text_printf(&t, "</b>");
+    if (cfg->policy_engine) {
+        km_text_printf(&t, " (the policies assume <b>");
+        html_escape(&t, cfg->policy_engine);
+        km_text_printf(&t, "</b>)");
+    }
     km_text_printf(&t,
-                   "</b>. Capacity (round robin, every request at once): %.2f requests/s; a load "
+                   ". Capacity (round robin, every request at once): %.2f requests/s; a load "
                    "of 1 offers that rate. Default policy: <b>",
                    r->summary->capacity_rps);
     html_escape(&t, r->default_policy ? r->default_policy : "");

@@ -1066,8 +1066,10 @@ static int start_server(run *r, uint32_t i, char *why, size_t why_size)
     if (km_policy_kind_parse(r->policy, &pool.policy.kind) != KM_OK)
         return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT, "unknown policy \"%s\"", r->policy);
     /* The router knows the engines it routes to: the policies that estimate times use the very
-     * model the simulated engines run on. */
+     * model the simulated engines run on, unless the run names another (checked). */
     pool.policy.engine = cfg->engine.model;
+    if (cfg->policy_engine)
+        km_engine_model_preset(cfg->policy_engine, &pool.policy.engine);
     pool.workers = r->ws;
     pool.n_workers = cfg->workers;
     /* Approximate mode: each worker's assumed blocks bounded as its engine's cache is, least
@@ -1295,6 +1297,8 @@ static int run_policy(const km_sim_config *cfg, const km_trace *trace, const cha
         pi.name = r.pool;
         pi.block_size = cfg->engine.model.block_size;
         pi.policy = policy;
+        pi.engine = cfg->policy_engine ? cfg->policy_engine
+                                       : km_engine_model_preset_of(&cfg->engine.model);
         m.pools.pools = &pi;
         m.pools.n_pools = 1;
         rc = km_client_call(r.inst[0].client, &m, 10000, &reply);
@@ -1622,6 +1626,9 @@ int km_sim_config_check(const km_sim_config *cfg, char *why, size_t why_size)
     if (cfg->n_loads && cfg->time_scale != 1.0)
         return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,
                       "a load sets the arrival times: it excludes a time scale");
+    if (cfg->policy_engine && !km_engine_model_preset_summary(cfg->policy_engine))
+        return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,
+                      "policy_engine \"%s\" is no engine preset", cfg->policy_engine);
     if (cfg->restart_kvmatch_at_s >= 0 && cfg->restart_kvmatch_snapshot && !cfg->zmq)
         return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,
                       "restarting kvmatch from its snapshot needs --zmq: only subscriber-fed pools "

@@ -62,6 +62,10 @@ typedef struct km_sim_config {
     uint32_t n_policies;                 /* default: kv, cache_aware, least_load, round_robin */
     const char *connect;                 /* "unix:/path" of a running kvmatch serve (needs zmq);
                                           * NULL = a server in this process */
+    const char *policy_engine;           /* the engine preset the router's policies assume (the
+                                          * pool's engine); NULL = the engines' own model (with
+                                          * connect: its preset, the server's default when the
+                                          * engines run none) */
     bool zmq;                            /* engines publish over ZMQ on loopback TCP (the real
                                           * subscriber, seq numbers and replay) */
     const char *records_dir;             /* keep records-<policy>.jsonl here (a sweep of
