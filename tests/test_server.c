@@ -5406,15 +5406,17 @@ enum { HOT_REQUESTS = 6, HOT_PREFIX = 1024, HOT_PROMPT = HOT_PREFIX + 16 };
 /* A server (ttft, three approximate-mode workers: the index learns decisions) where worker 0 runs
  * HOT_REQUESTS decodes of HOT_PROMPT-token prompts sharing their first HOT_PREFIX tokens: past the
  * load bound (ceil(1.25 x 7 / 3) = 3) with a hot prefix. hot_route's prompt shares that prefix. */
-static km_client *start_hot_holder(srv *s, uint32_t max_frame_bytes)
+static void hot_config(km_server_config *cfg, srv *s, km_policy_kind policy)
 {
-    km_server_config cfg;
-    test_config(&cfg, s, KM_POLICY_TTFT, 3);
-    if (max_frame_bytes)
-        cfg.limits.max_frame_bytes = max_frame_bytes;
+    test_config(cfg, s, policy, 3);
     static char http[] = "127.0.0.1:0";
-    cfg.http = http;
-    srv_start(s, &cfg);
+    cfg->http = http;
+}
+
+/* start_hot_holder on a configuration of hot_config's, changed by the caller. */
+static km_client *start_hot_holder_with(srv *s, const km_server_config *cfg)
+{
+    srv_start(s, cfg);
     km_client *c = connect_client(s);
     km_message reply;
     uint32_t only0 = 0;
@@ -5431,6 +5433,15 @@ static km_client *start_hot_holder(srv *s, uint32_t max_frame_bytes)
         cr_assert_eq(report(c, KM_LIFECYCLE_FIRST_TOKEN, id, false, 0), KM_OK);
     }
     return c;
+}
+
+static km_client *start_hot_holder(srv *s, uint32_t max_frame_bytes)
+{
+    km_server_config cfg;
+    hot_config(&cfg, s, KM_POLICY_TTFT);
+    if (max_frame_bytes)
+        cfg.limits.max_frame_bytes = max_frame_bytes;
+    return start_hot_holder_with(s, &cfg);
 }
 
 static km_route_request hot_route(const char *request_id)
@@ -5544,6 +5555,89 @@ Test(server, a_hot_prefix_is_copied_by_a_warm_up_no_request_waits_for, .timeout 
     cr_assert_not_null(find_record(all, "outcome", (int64_t)warm_id), "its outcome is recorded");
     cr_assert(json_is_null(json_object_get(
         json_object_get(find_record(all, "decision", (int64_t)next_id), "decision"), "warm_up")));
+    json_decref(all);
+    srv_cleanup(&s);
+}
+
+/* On a pool whose engines hash with lookahead tokens (EAGLE / MTP), an engine hashes a block only
+ * once the tokens after it are there too: the warm-up carries them, or its last block would be
+ * stored under another hash than the routes' (and the next routes would expect it in vain). */
+Test(server, a_warm_up_on_a_lookahead_pool_carries_the_tokens_its_last_block_needs,
+     .timeout = 30)
+{
+    enum { LOOKAHEAD = 1 };
+    srv s = {0};
+    km_server_config cfg;
+    hot_config(&cfg, &s, KM_POLICY_TTFT);
+    g_pool.hash_lookahead_tokens = LOOKAHEAD;
+    km_client *c = start_hot_holder_with(&s, &cfg);
+    km_message reply;
+    km_route_request r = hot_route("warm");
+    r.warm_ups = true;
+    const km_route_decision *d = route_one(c, &r, &reply);
+    cr_assert_eq(d->status, KM_OK, "%s", d->message);
+    cr_assert(d->has_warm_up);
+    /* Blocks whose hash (with the token after them) the hot prompts share. */
+    cr_assert_eq(d->warm_up_blocks, (HOT_PREFIX - LOOKAHEAD) / BS);
+    cr_assert_eq(d->warm_up_tokens, (uint64_t)d->warm_up_blocks * BS + LOOKAHEAD,
+                 "the warm-up's tokens: %llu", (unsigned long long)d->warm_up_tokens);
+    km_client_close(c);
+    srv_stop(&s);
+    srv_cleanup(&s);
+}
+
+/* A warm-up is work no user waits for: where the active-work table is full it is not asked for,
+ * rather than ending a request's active work to make room (the route's own decision stands). */
+Test(server, a_warm_up_never_evicts_a_requests_active_work, .timeout = 30)
+{
+    srv s = {0};
+    km_server_config cfg;
+    hot_config(&cfg, &s, KM_POLICY_TTFT);
+    cfg.max_active_entries = HOT_REQUESTS + 1; /* the hot requests and the route */
+    km_client *c = start_hot_holder_with(&s, &cfg);
+    km_message reply;
+    km_route_request r = hot_route("warm");
+    r.warm_ups = true;
+    const km_route_decision *d = route_one(c, &r, &reply);
+    cr_assert_eq(d->status, KM_OK, "%s", d->message);
+    cr_assert_eq(d->chosen_worker, 0, "the request stays with the holder");
+    cr_assert(!d->has_warm_up, "no room for a warm-up: none asked for");
+    km_server_stats st;
+    km_server_get_stats(s.server, &st);
+    cr_assert_eq(st.evicted, 0, "a request's active work was ended for a warm-up");
+    cr_assert_eq(st.warm_ups, 0);
+    km_client_close(c);
+    srv_stop(&s);
+    srv_cleanup(&s);
+}
+
+/* A route naming ttft on a pool of another policy reads queued depths, and its warm-up's record
+ * says what the warmed worker had queued, as the route's own record does (null would say the
+ * decision read none). */
+Test(server, a_warm_up_on_a_pool_of_another_policy_records_the_queued_depths, .timeout = 30)
+{
+    srv s = {0};
+    km_server_config cfg;
+    hot_config(&cfg, &s, KM_POLICY_KV);
+    km_client *c = start_hot_holder_with(&s, &cfg);
+    km_message reply;
+    km_route_request r = hot_route("warm");
+    r.policy = "ttft";
+    r.warm_ups = true;
+    const km_route_decision *d = route_one(c, &r, &reply);
+    cr_assert_eq(d->status, KM_OK, "%s", d->message);
+    cr_assert(d->has_warm_up);
+    uint64_t warm_id = d->warm_up_decision_id;
+    km_client_close(c);
+    srv_stop(&s);
+    json_t *all = read_records(&s);
+    json_t *warm = find_record(all, "decision", (int64_t)warm_id);
+    cr_assert_not_null(warm);
+    json_t *row = json_array_get(json_object_get(warm, "candidates"), 0);
+    cr_assert(json_is_integer(json_object_get(row, "queued_depth_blocks")),
+              "the warm-up's row has no queued depth");
+    cr_assert_eq(json_integer_value(json_object_get(row, "queued_depth_blocks")), 0,
+                 "nothing was queued on the warmed worker");
     json_decref(all);
     srv_cleanup(&s);
 }

@@ -321,8 +321,10 @@ static bool choose(km_server *s, route_job *r, pool *p, batch_scratch *b, route_
 
 /* The route's active work on the chosen worker, and its decision id. Active work comes first: a
  * duplicate attempt id fails the route before anything is recorded. False when the route failed:
- * already in flight, or no room in the active-work table even after evicting its oldest entry. */
-static bool begin_active_work(km_server *s, route_job *r, const pool *p, route_choice *c)
+ * already in flight, or no room in the active-work table (after evicting its oldest entry where
+ * may_evict: a warm-up, which no user waits for, never ends a request's active work). */
+static bool begin_active_work(km_server *s, route_job *r, const pool *p, route_choice *c,
+                              bool may_evict)
 {
     uint32_t prompt = r->prompt_tokens > UINT32_MAX ? UINT32_MAX : (uint32_t)r->prompt_tokens;
     /* The prefill it adds: what neither the worker's cache nor the prefills queued there cover,
@@ -346,7 +348,7 @@ static bool begin_active_work(km_server *s, route_job *r, const pool *p, route_c
             predicted > UINT32_MAX ? UINT32_MAX : (uint32_t)predicted, expected, p->block_size,
             attempt_bytes, c->now);
         /* Full: the least recently touched entry makes room (km_srv_record_evicted), once. */
-        if (rc != KM_ERR_OVERLOADED ||
+        if (rc != KM_ERR_OVERLOADED || !may_evict ||
             km_active_evict_oldest(s->active, c->now, km_srv_record_evicted, s) != KM_OK)
             break;
     }
@@ -604,13 +606,15 @@ static bool begin_warm_up(km_server *s, job *j, const route_job *r, pool *p, con
     *wr = *r;
     wr->attempt_id = attempt_id;
     wr->n_hashes = c->warm_up_blocks;
-    wr->prompt_tokens = (uint64_t)c->warm_up_blocks * p->block_size;
+    /* An engine hashes a block once the pool's lookahead tokens after it are there too. */
+    wr->prompt_tokens = (uint64_t)c->warm_up_blocks * p->block_size + p->hash_lookahead_tokens;
+    if (r->has_prompt_tokens && wr->prompt_tokens > r->prompt_tokens)
+        wr->prompt_tokens = r->prompt_tokens;
     wr->has_prompt_tokens = true;
     wr->expected_output_tokens = 1;
     wr->has_expected_output_tokens = true;
     wr->candidates = NULL;
     wr->n_candidates = 0;
-    wr->policy_name = NULL;
     wr->brief = true;
     wr->warm_ups = false;
     /* The warmed worker's hit is below warm_up_blocks (km_policy_decide), so its depths fit. */
@@ -632,7 +636,7 @@ static bool begin_warm_up(km_server *s, job *j, const route_job *r, pool *p, con
     wc->view = c->view;
     wc->engine_oldest_age_ms = c->engine_oldest_age_ms;
     wc->warm_up_at = KM_POLICY_NO_WARM_UP;
-    if (!begin_active_work(s, wr, p, wc)) {
+    if (!begin_active_work(s, wr, p, wc, false)) {
         km_srv_log(s, KM_LOG_WARNING "request %s: its warm-up of worker %u did not begin (%s); "
                    "decided without it", r->request_id, row->worker, wr->message);
         return false;
@@ -663,7 +667,7 @@ void km_srv_decide_route(km_server *s, job *j, route_job *r, pool *p, const km_r
 {
     route_choice c;
     if (!gather_candidates(s, r, p, rr, b, &c) || !choose(s, r, p, b, &c) ||
-        !begin_active_work(s, r, p, &c))
+        !begin_active_work(s, r, p, &c, true))
         return;
     read_states(s, b, !r->brief || s->records, &c); /* a brief route without records has no rows */
     if (!fill_reply(s, j, r, p, b, &c, d))
