@@ -465,6 +465,52 @@ func TestRemovePools(t *testing.T) {
 	}
 }
 
+// POOLS add names a pool's engine preset (none: the default) and POOL_LIST shows it; an unknown
+// preset fails that pool naming the presets, and an update may repeat the pool's preset only.
+func TestPoolsNameTheirEngine(t *testing.T) {
+	s := startServer(t)
+	ctx := testContext(t)
+	c := dialT(t, ctx, s.address)
+	items, err := c.AddPools(ctx, Pool{Name: "big", BlockSize: 16, Engine: "llama3-70b-h100x4"},
+		Pool{Name: "plain", BlockSize: 16}, Pool{Name: "odd", BlockSize: 16, Engine: "h100-9000"})
+	if err != nil || fmt.Sprint(statuses(items)) != fmt.Sprint([]Code{OK, OK, ErrInvalidArgument}) {
+		t.Fatalf("pool add statuses %v (%v)", statuses(items), err)
+	}
+	if msg := items[2].Message; !strings.Contains(msg, "h100-9000") ||
+		!strings.Contains(msg, "llama3-8b-h100") {
+		t.Fatalf("the refusal names the preset asked for and the presets: %q", msg)
+	}
+	engines := func() map[string]string {
+		pools, err := c.ListPools(ctx)
+		if err != nil {
+			t.Fatalf("pool list: %v", err)
+		}
+		m := map[string]string{}
+		for _, p := range pools {
+			m[p.Name] = p.Engine
+		}
+		return m
+	}
+	got := engines()
+	if _, listed := got["odd"]; listed || got["big"] != "llama3-70b-h100x4" ||
+		got["plain"] != "llama3-8b-h100" {
+		t.Fatalf("engines listed: %v", got)
+	}
+	items, err = c.UpdatePools(ctx, Pool{Name: "big", Engine: "llama3-8b-h100"},
+		Pool{Name: "plain", Engine: "llama3-70b-h100x4"},
+		Pool{Name: "big", Engine: "llama3-70b-h100x4"})
+	want := []Code{ErrInvalidArgument, ErrInvalidArgument, OK}
+	if err != nil || fmt.Sprint(statuses(items)) != fmt.Sprint(want) {
+		t.Fatalf("pool update statuses %v (%v)", statuses(items), err)
+	}
+	if !strings.Contains(items[0].Message, "llama3-70b-h100x4") {
+		t.Fatalf("the refusal names the pool's own preset: %q", items[0].Message)
+	}
+	if after := engines(); fmt.Sprint(after) != fmt.Sprint(got) {
+		t.Fatalf("engines after the refused updates: %v, were %v", after, got)
+	}
+}
+
 // A frame of 5 routes over a budget of 4 is refused at once, by name, and the connection stays;
 // a pipelined burst gets one reply per frame, each a decision or that refusal.
 func TestOverloadedByTheConnectionBudget(t *testing.T) {

@@ -117,7 +117,10 @@ type Worker struct {
 // Pool is a pool map of POOLS add / update and POOL_LIST. BlockSize 0 is not sent (add then
 // fails that pool with ErrBlockSize; update leaves it unchanged). HashLookaheadTokens (the
 // engines' lookahead hashing, set in add only) 0 is not sent: none. OffloadChunkBlocks (blocks per
-// chunk of the engines' KV offloading connector, set in add only) 0 is not sent: 1.
+// chunk of the engines' KV offloading connector, set in add only) 0 is not sent: 1. Engine (the
+// engine model preset the pool's workers run, "llama3-8b-h100" or "llama3-70b-h100x4"; set in add,
+// update may only repeat the pool's own) "" is not sent: the default llama3-8b-h100 in add,
+// unchanged in update; POOL_LIST leaves it "" for a pool whose model is none of the presets.
 type Pool struct {
 	Name                string             `msgpack:"name"`
 	Model               string             `msgpack:"model"`
@@ -125,6 +128,7 @@ type Pool struct {
 	HashLookaheadTokens uint32             `msgpack:"hash_lookahead_tokens"`
 	OffloadChunkBlocks  uint32             `msgpack:"offload_chunk_blocks"`
 	Policy              string             `msgpack:"policy"`
+	Engine              string             `msgpack:"engine"`
 	Params              map[string]float64 `msgpack:"params"`
 }
 
@@ -461,7 +465,7 @@ func (w *Worker) EncodeMsgpack(e *msgpack.Encoder) error {
 
 func (p *Pool) EncodeMsgpack(e *msgpack.Encoder) error {
 	f := fields{"name", p.Name}
-	f = f.str("model", p.Model).str("policy", p.Policy)
+	f = f.str("model", p.Model).str("policy", p.Policy).str("engine", p.Engine)
 	if p.BlockSize != 0 {
 		f = append(f, "block_size", p.BlockSize)
 	}
@@ -738,6 +742,8 @@ func (p *Pool) DecodeMsgpack(d *msgpack.Decoder) error {
 			return decodeU32(d, &p.OffloadChunkBlocks)
 		case "policy":
 			return d.Decode(&p.Policy)
+		case "engine":
+			return d.Decode(&p.Engine)
 		case "params":
 			return decodeParams(d, &p.Params)
 		}

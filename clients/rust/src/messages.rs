@@ -161,6 +161,10 @@ pub struct Pool {
     /// only, None there: 1.
     pub offload_chunk_blocks: Option<u32>,
     pub policy: Option<String>,
+    /// The engine model preset the pool's workers run (`llama3-8b-h100` or `llama3-70b-h100x4`);
+    /// set in add, None there: `llama3-8b-h100`; update may only repeat the pool's own. POOL_LIST:
+    /// None for a pool whose model is none of the presets.
+    pub engine: Option<String>,
     pub params: Vec<(String, f64)>,
 }
 
@@ -427,6 +431,7 @@ impl Pool {
             .put("name", Value::Str(self.name.clone()))
             .str("model", &self.model)
             .str("policy", &self.policy)
+            .str("engine", &self.engine)
             .uint("block_size", self.block_size.map(u64::from))
             .uint("hash_lookahead_tokens", self.hash_lookahead_tokens.map(u64::from))
             .uint("offload_chunk_blocks", self.offload_chunk_blocks.map(u64::from));
@@ -457,6 +462,7 @@ impl Pool {
             hash_lookahead_tokens: f.u32("hash_lookahead_tokens")?,
             offload_chunk_blocks: f.u32("offload_chunk_blocks")?,
             policy: f.string("policy")?,
+            engine: f.string("engine")?,
             params,
         })
     }

@@ -367,6 +367,48 @@ fn remove_pools() {
     assert_eq!(c.add_pools(&[again]).expect("the name is free again")[0].status, Code::OK);
 }
 
+/// POOLS add names a pool's engine preset (none: the default) and POOL_LIST shows it; an unknown
+/// preset fails that pool naming the presets, and an update may repeat the pool's preset only.
+#[test]
+fn pools_name_their_engine() {
+    let s = Server::start("engine");
+    let mut c = Client::connect(&s.address, TIMEOUT).expect("connect");
+    let pool = |name: &str, engine: Option<&str>| Pool {
+        name: name.into(),
+        block_size: Some(16),
+        engine: engine.map(String::from),
+        ..Default::default()
+    };
+    let items = c
+        .add_pools(&[pool("big", Some("llama3-70b-h100x4")), pool("plain", None), pool("odd", Some("h100-9000"))])
+        .expect("pools add");
+    let got: Vec<Code> = items.iter().map(|i| i.status).collect();
+    assert_eq!(got, vec![Code::OK, Code::OK, Code::INVALID_ARGUMENT], "{:?}", items);
+    let msg = items[2].message.as_deref().unwrap_or("");
+    assert!(msg.contains("h100-9000") && msg.contains("llama3-8b-h100"), "the refusal names the presets: {}", msg);
+    let engines = |c: &mut Client| -> Vec<(String, Option<String>)> {
+        let mut v: Vec<_> = c.list_pools().expect("pools list").into_iter().map(|p| (p.name, p.engine)).collect();
+        v.retain(|(name, _)| name != "default");
+        v.sort();
+        v
+    };
+    let listed = engines(&mut c);
+    let want = vec![
+        ("big".to_string(), Some("llama3-70b-h100x4".to_string())),
+        ("plain".to_string(), Some("llama3-8b-h100".to_string())),
+    ];
+    assert_eq!(listed, want, "the refused pool is not listed");
+    let update = |name: &str, engine: &str| Pool { name: name.into(), engine: Some(engine.into()), ..Default::default() };
+    let items = c
+        .update_pools(&[update("big", "llama3-8b-h100"), update("plain", "llama3-70b-h100x4"), update("big", "llama3-70b-h100x4")])
+        .expect("pools update");
+    let got: Vec<Code> = items.iter().map(|i| i.status).collect();
+    assert_eq!(got, vec![Code::INVALID_ARGUMENT, Code::INVALID_ARGUMENT, Code::OK], "{:?}", items);
+    let msg = items[0].message.as_deref().unwrap_or("");
+    assert!(msg.contains("llama3-70b-h100x4"), "the refusal names the pool's own preset: {}", msg);
+    assert_eq!(engines(&mut c), want, "the refused updates changed nothing");
+}
+
 /// A frame of 5 routes over a budget of 4 is refused at once, by name, and the connection stays;
 /// a pipelined burst gets one reply per frame, each a decision or that refusal.
 #[test]
