@@ -636,8 +636,11 @@ static void cache_block(km_sim_engine *e, sim_request *r, uint32_t k, bool unpub
 /* The prompt's full blocks [r->cached_to, to) are computed (or, `scheduled`, their chunk is
  * scheduled): cache each whose chain hash no other block caches yet and queue one BlockStored per
  * run of newly cached blocks (`scheduled`: publish_scheduled queues them when the step ends); a
- * block whose content is cached already stays private to the request (a duplicate). *stored_out
- * (may be NULL) gets the number of blocks cached. */
+ * block whose content is cached already stays private to the request (a duplicate), and the run
+ * after it names that cached copy as its parent, held then: the cache operations cache a prompt's
+ * blocks at one instant, and the step scheduler makes no duplicate (a request gets budget only
+ * once every earlier prompt is scheduled, and hits its blocks). *stored_out (may be NULL) gets the
+ * number of blocks cached. */
 static int cache_prompt_blocks(km_sim_engine *e, uint32_t s, uint32_t to, bool scheduled,
                                uint32_t *stored_out)
 {
@@ -651,19 +654,8 @@ static int cache_prompt_blocks(km_sim_engine *e, uint32_t s, uint32_t to, bool s
     uint32_t run_start = NO_BLOCK;
     for (uint32_t k = from; k <= to; k++) {
         bool cache_it = k < to && !km_u64map_find(&e->cached, r->chains[k]);
-        if (cache_it && run_start == NO_BLOCK) {
-            /* The blocks before k that stayed private as duplicates and whose cached copies
-             * have been evicted since are cached now, from the request's own copies (the same
-             * content), and published in this run: a store never names a parent no cache holds. */
-            uint32_t j = k;
-            while (j > r->held_blocks && !km_u64map_find(&e->cached, r->chains[j - 1]))
-                j--;
-            for (uint32_t q = j; q < k; q++) {
-                cache_block(e, r, q, scheduled);
-                stored++;
-            }
-            run_start = j;
-        }
+        if (cache_it && run_start == NO_BLOCK)
+            run_start = k;
         if (cache_it) {
             cache_block(e, r, k, scheduled);
             stored++;
@@ -679,7 +671,8 @@ static int cache_prompt_blocks(km_sim_engine *e, uint32_t s, uint32_t to, bool s
     }
     if (to > r->cached_to)
         r->cached_to = to;
-    e->stats.blocks_stored += stored;
+    if (!scheduled) /* the scheduled ones count when their BlockStored goes out */
+        e->stats.blocks_stored += stored;
     if (stored_out)
         *stored_out = stored;
     return KM_OK;
@@ -698,6 +691,7 @@ static void publish_scheduled(km_sim_engine *e, uint32_t s)
         bool publish_it = blk && blk->unpublished;
         if (publish_it) {
             blk->unpublished = false;
+            e->stats.blocks_stored++;
             if (run_start == NO_BLOCK)
                 run_start = k;
         } else if (run_start != NO_BLOCK) {

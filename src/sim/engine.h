@@ -209,7 +209,7 @@ typedef struct km_sim_engine_stats {
     uint64_t prompt_tokens;   /* of admitted requests */
     uint64_t hit_blocks;      /* blocks counted as hits */
     uint64_t cached_tokens;   /* hit tokens */
-    uint64_t blocks_stored;   /* blocks cached by prefills (BlockStored) */
+    uint64_t blocks_stored;   /* blocks cached by prefills, counted as a BlockStored names them */
     uint64_t duplicate_blocks; /* computed blocks left private because the content was cached */
     uint64_t blocks_evicted;  /* BlockRemoved */
     uint64_t messages;        /* published, this process */
@@ -218,7 +218,7 @@ typedef struct km_sim_engine_stats {
     uint64_t steps;           /* scheduler steps completed */
     uint64_t busy_us;         /* virtual time spent in steps */
     uint64_t finished;        /* requests finished */
-    uint32_t blocks_cached;   /* now */
+    uint32_t blocks_cached;   /* now (a scheduled chunk's blocks too, before their BlockStored) */
     uint32_t blocks_in_use;   /* now: referenced by a request */
     uint32_t blocks_free;     /* now: in the free queue (empty or cached) */
     uint32_t waiting;         /* now: submitted, not admitted */
