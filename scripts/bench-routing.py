@@ -5,12 +5,16 @@ workload shape and the Mooncake trace (when present), each at three seeds, every
 0.5, 0.8 and 0.95 of the cluster's capacity (docs/SIM.md, "Load"). The trace has one arrival
 order, so its three "seeds" are three consecutive windows of it.
 
-usage: bench-routing.py KVMATCH_BINARY [POLICY] [--engine PRESET] [--workers N] > bench/results/routing.json
+usage: bench-routing.py KVMATCH_BINARY [POLICY] [--engine PRESET] [--workers N]
+       [--policy-engine PRESET] > bench/results/routing.json
 
 POLICY: the policy judged against the others (default: the one the binary names as default).
 --engine PRESET: the engines of another preset (`kvmatch sim --engine`; default: the sim's own
 default preset); the output then names it in "engine".
 --workers N: a cluster of N engines instead of 4 (loads stay fractions of that cluster's capacity).
+--policy-engine PRESET: every policy assumes that preset's engine model instead of the engines' own
+(`kvmatch sim --policy-engine`: a router whose model of its engines is wrong); the output names it
+in "policy_engine" and its section ends in -assuming-PRESET.
 A run on another preset or cluster size has a section of its own in docs/BENCHMARKS.md:
 scripts/bench-report.py renders it between <!-- routing-PRESET:begin --> and its end marker, or
 routing-N-workers, or routing-PRESET-N-workers, the name the output gives in "section".
@@ -57,22 +61,26 @@ def trace_window(path, seed, scratch):
     return out
 
 
-def section_name(engine, workers):
-    """The BENCHMARKS section a run renders into: routing, then the preset and the cluster size
-    where they are not the defaults."""
+def section_name(engine, workers, policy_engine=None):
+    """The BENCHMARKS section a run renders into: routing, then the preset, the cluster size and
+    the policies' assumed preset where they are not the defaults."""
     name = "routing"
     if engine:
         name += f"-{engine}"
     if workers != WORKERS:
         name += f"-{workers}-workers"
+    if policy_engine:
+        name += f"-assuming-{policy_engine}"
     return name
 
 
-def run(binary, workload, seed, scratch, engine, workers):
+def run(binary, workload, seed, scratch, engine, workers, policy_engine=None):
     args = [binary, "sim", "--workers", str(workers), "--requests", str(REQUESTS), "--seed",
             str(seed), "--sweep", LOADS, "--json"]
     if engine:
         args += ["--engine", engine]
+    if policy_engine:
+        args += ["--policy-engine", policy_engine]
     if workload.endswith(".jsonl"):
         args += ["--trace", trace_window(workload, seed, scratch)]
     else:
@@ -134,6 +142,7 @@ def main():
     parser.add_argument("policy", nargs="?")
     parser.add_argument("--engine")
     parser.add_argument("--workers", type=int, default=WORKERS)
+    parser.add_argument("--policy-engine")
     args = parser.parse_args()
     binary, judged, engine, workers = args.binary, args.policy, args.engine, args.workers
     if workers < 1:
@@ -148,7 +157,7 @@ def main():
         name = "mooncake" if workload.endswith(".jsonl") else workload
         for seed in SEEDS:
             print(f"bench-routing: {name}, seed {seed}", file=sys.stderr, flush=True)
-            result = run(binary, workload, seed, scratch, engine, workers)
+            result = run(binary, workload, seed, scratch, engine, workers, args.policy_engine)
             runs.append({"workload": name, "seed": seed, "result": result})
             all_cells.extend(cells(name, seed, result, judged))
     for f in os.listdir(scratch):
@@ -162,8 +171,9 @@ def main():
         "round_robin_holds": sum(c.get("round_robin_target_holds", False) for c in all_cells),
         "round_robin_reachable": sum(c.get("round_robin_target_reachable", False) for c in all_cells),
     }
-    json.dump({"benchmark": "routing", "section": section_name(engine, workers), "engine": engine,
-               "workers": workers, "requests": REQUESTS, "loads": LOADS,
+    json.dump({"benchmark": "routing",
+               "section": section_name(engine, workers, args.policy_engine), "engine": engine,
+               "policy_engine": args.policy_engine, "workers": workers, "requests": REQUESTS, "loads": LOADS,
                "seeds": SEEDS, "trace": bool(trace),
                "judged_policy": judged or runs[0]["result"]["default_policy"],
                "default_policy": runs[0]["result"]["default_policy"],
