@@ -254,6 +254,10 @@ Test(sim, bad_settings, .timeout = 20)
     small_config(&cfg, 1);
     cfg.time_scale = 0;
     cr_assert_eq(km_sim_run(&cfg, r, NULL, why, sizeof why), KM_ERR_INVALID_ARGUMENT);
+    small_config(&cfg, 1);
+    cfg.engine_preset = "h100-9000";
+    cr_assert_eq(km_sim_run(&cfg, r, NULL, why, sizeof why), KM_ERR_INVALID_ARGUMENT);
+    cr_assert(strstr(why, "h100-9000"), "%s", why);
 }
 
 /* Each fault moves the numbers the way it should (one policy, the same workload each time). */

@@ -747,6 +747,7 @@ int km_cmd_sim(int argc, char **argv)
         cfg.generator.requests = (uint32_t)requests;
     }
     km_engine_model_preset(engine, &cfg.engine.model);
+    cfg.engine_preset = engine;
     if (have_capacity)
         cfg.engine.model.capacity_blocks = (uint32_t)capacity;
     if (html && !cfg.n_loads) {

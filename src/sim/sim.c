@@ -1297,8 +1297,9 @@ static int run_policy(const km_sim_config *cfg, const km_trace *trace, const cha
         pi.name = r.pool;
         pi.block_size = cfg->engine.model.block_size;
         pi.policy = policy;
-        pi.engine = cfg->policy_engine ? cfg->policy_engine
-                                       : km_engine_model_preset_of(&cfg->engine.model);
+        pi.engine = cfg->policy_engine   ? cfg->policy_engine
+                    : cfg->engine_preset ? cfg->engine_preset
+                                         : km_engine_model_preset_of(&cfg->engine.model);
         m.pools.pools = &pi;
         m.pools.n_pools = 1;
         rc = km_client_call(r.inst[0].client, &m, 10000, &reply);
@@ -1629,6 +1630,9 @@ int km_sim_config_check(const km_sim_config *cfg, char *why, size_t why_size)
     if (cfg->policy_engine && !km_engine_model_preset_summary(cfg->policy_engine))
         return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,
                       "policy_engine \"%s\" is no engine preset", cfg->policy_engine);
+    if (cfg->engine_preset && !km_engine_model_preset_summary(cfg->engine_preset))
+        return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,
+                      "engine_preset \"%s\" is no engine preset", cfg->engine_preset);
     if (cfg->restart_kvmatch_at_s >= 0 && cfg->restart_kvmatch_snapshot && !cfg->zmq)
         return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,
                       "restarting kvmatch from its snapshot needs --zmq: only subscriber-fed pools "

@@ -62,10 +62,13 @@ typedef struct km_sim_config {
     uint32_t n_policies;                 /* default: kv, cache_aware, least_load, round_robin */
     const char *connect;                 /* "unix:/path" of a running kvmatch serve (needs zmq);
                                           * NULL = a server in this process */
+    const char *engine_preset;           /* the preset engine.model was taken from, its capacity
+                                          * perhaps changed (NULL: none); with connect, the pool
+                                          * names it */
     const char *policy_engine;           /* the engine preset the router's policies assume (the
                                           * pool's engine); NULL = the engines' own model (with
-                                          * connect: its preset, the server's default when the
-                                          * engines run none) */
+                                          * connect: engine_preset, else the preset engine.model
+                                          * is, else the server's default) */
     bool zmq;                            /* engines publish over ZMQ on loopback TCP (the real
                                           * subscriber, seq numbers and replay) */
     const char *records_dir;             /* keep records-<policy>.jsonl here (a sweep of
