@@ -1667,6 +1667,45 @@ Test(deploy, serve_pool_flag_takes_empty_fields_as_defaults_and_refuses_long_val
     remove_dir();
 }
 
+/* --engine POOL:PRESET: the engine model a flag-defined pool's workers run, as the configuration
+ * file's pools[].engine; POOL_LIST shows it. An unknown preset, and a pool not defined first,
+ * are refused naming the flag. */
+Test(deploy, serve_engine_flag_names_a_pools_engine, .timeout = 60)
+{
+    make_dir();
+    static char out[16384];
+    int rc = run_cli(out, sizeof out, "serve --socket none --records none --pool big:16 "
+                                      "--engine big:h100-9000");
+    cr_assert_eq(rc, 2, "%s", out);
+    cr_assert(strstr(out, "--engine big:h100-9000: unknown engine preset"), "%s", out);
+    rc = run_cli(out, sizeof out, "serve --socket none --records none "
+                                  "--engine big:llama3-70b-h100x4 --pool big:16");
+    cr_assert_eq(rc, 2, "%s", out);
+    cr_assert(strstr(out, "--engine big:llama3-70b-h100x4: no such pool"), "%s", out);
+    char sock[128], addr[160];
+    snprintf(sock, sizeof sock, "%s/s.sock", g_dir);
+    snprintf(addr, sizeof addr, "unix:%s", sock);
+    pid_t pid = spawn_serve_args(sock, "--records=none --pool big:16:ttft "
+                                       "--engine big:llama3-70b-h100x4 --pool small:16");
+    km_client *c = NULL;
+    char why[256];
+    cr_assert_eq(km_client_connect(addr, 10000, &c, why, sizeof why), KM_OK, "%s", why);
+    km_message m = {.type = KM_MESSAGE_POOLS}, reply;
+    m.pools.action = KM_ADMIN_LIST;
+    cr_assert_eq(km_client_call(c, &m, 5000, &reply), KM_OK);
+    cr_assert_eq(reply.type, KM_MESSAGE_POOL_LIST);
+    cr_assert_eq(reply.pools.n_pools, 2);
+    for (uint32_t i = 0; i < 2; i++) {
+        const km_pool_info *p = &reply.pools.pools[i];
+        cr_assert_str_eq(p->engine,
+                         !strcmp(p->name, "big") ? "llama3-70b-h100x4" : "llama3-8b-h100",
+                         "pool %s", p->name);
+    }
+    km_client_close(c);
+    stop_serve(pid);
+    remove_dir();
+}
+
 /* ---- metrics ---------------------------------------------------------------------------------- */
 
 /* /metrics: a worker's state is its own gauge (one series per state, 1 for the current one), so a

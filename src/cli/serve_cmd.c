@@ -33,6 +33,8 @@ static void serve_usage(FILE *f)
             "                           prefix, least_load, round_robin, llmd, preble; default ttft)\n"
             "  --worker POOL:ID[=PUB[,REPLAY]]  add a worker; without PUB it is in approximate mode\n"
             "  --param POOL:NAME=VALUE  policy parameter (temperature, cache_threshold, ...)\n"
+            "  --engine POOL:PRESET     the engine model the pool's workers run (default\n"
+            "                           llama3-8b-h100; kvmatch sim --help lists the presets)\n"
             "  --max-workers N (1..%u)  --backend auto|cpu|cuda  --threads N (0..1024)\n"
             "  --initial-blocks N       each pool's index sized for N distinct blocks at start\n"
             "  --max-batch-routes N (1..1048576)  --max-queued-routes N (1..16777216)\n"
@@ -67,7 +69,8 @@ static int find_pool(km_server_pool *pools, uint32_t n, const char *name, size_t
 
 enum {
     OPT_CONFIG = 256, OPT_SOCKET, OPT_TCP, OPT_HTTP, OPT_ALLOW_NON_LOOPBACK, OPT_RECORDS,
-    OPT_SNAPSHOT_DIR, OPT_SNAPSHOT_INTERVAL_MS, OPT_POOL, OPT_WORKER, OPT_PARAM, OPT_MAX_WORKERS,
+    OPT_SNAPSHOT_DIR, OPT_SNAPSHOT_INTERVAL_MS, OPT_POOL, OPT_WORKER, OPT_PARAM, OPT_ENGINE,
+    OPT_MAX_WORKERS,
     OPT_BACKEND, OPT_THREADS, OPT_INITIAL_BLOCKS, OPT_MAX_BATCH_ROUTES, OPT_MAX_QUEUED_ROUTES,
     OPT_INLINE_ROUTES, OPT_MAX_CONNECTIONS, OPT_DRAIN_TIMEOUT_MS, OPT_ACTIVE_TTL_MS,
     OPT_MAX_ACTIVE_ENTRIES, OPT_MAX_ACTIVE_BYTES, OPT_APPROX_DISPATCH_MAX_BYTES, OPT_BREAKER_FAILURES,
@@ -91,6 +94,7 @@ static const struct option serve_options[] = {
     {"pool", required_argument, NULL, OPT_POOL},
     {"worker", required_argument, NULL, OPT_WORKER},
     {"param", required_argument, NULL, OPT_PARAM},
+    {"engine", required_argument, NULL, OPT_ENGINE},
     {"max-workers", required_argument, NULL, OPT_MAX_WORKERS},
     {"backend", required_argument, NULL, OPT_BACKEND},
     {"threads", required_argument, NULL, OPT_THREADS},
@@ -495,13 +499,24 @@ static int apply_flags(int argc, char **argv, km_server_config *cfg)
             break;
         }
         case OPT_PARAM:
+        case OPT_ENGINE:
         case OPT_WORKER: {
             const char *colon = strchr(v, ':');
             int pi = colon ? find_pool(fp->pools, fp->n, v, (size_t)(colon - v)) : -1;
-            const char *flag = opt == OPT_PARAM ? "--param" : "--worker";
+            const char *flag = opt == OPT_PARAM    ? "--param"
+                               : opt == OPT_ENGINE ? "--engine"
+                                                   : "--worker";
             if (pi < 0) {
                 fprintf(stderr, "kvmatch serve: %s %s: no such pool (define it first)\n", flag, v);
                 status = KM_EXIT_USAGE;
+                break;
+            }
+            if (opt == OPT_ENGINE) {
+                if (km_engine_model_preset(colon + 1, &fp->pools[pi].policy.engine) != KM_OK) {
+                    fprintf(stderr, "kvmatch serve: --engine %s: unknown engine preset \"%s\" "
+                                    "(kvmatch sim --help lists them)\n", v, colon + 1);
+                    status = KM_EXIT_USAGE;
+                }
                 break;
             }
             if (opt == OPT_PARAM) {
