@@ -4756,6 +4756,54 @@ Test(server, lessons_queued_for_overrides_stay_within_approx_dispatch_max_bytes,
     srv_cleanup(&s);
 }
 
+/* What a route's prompt is charged to its worker (the next decision's pending prefill there): at
+ * least the tokens sent, a prompt_tokens of 0 saying nothing; with hashes, the blocks they cover
+ * and the lookahead tokens their last hash read. */
+Test(server, a_route_is_charged_at_least_the_prompt_its_input_covers, .timeout = 30)
+{
+    enum { LOOKAHEAD = 1, TOKENS = 256, HASHES = 64 };
+    srv s = {0};
+    km_server_config cfg;
+    test_config(&cfg, &s, KM_POLICY_TTFT, 2);
+    cfg.records_path = NULL;
+    g_pool.hash_lookahead_tokens = LOOKAHEAD;
+    srv_start(&s, &cfg);
+    km_client *c = connect_client(&s);
+    km_message reply;
+    uint32_t only0 = 0, only1 = 1;
+    km_route_request r = token_route("zero", 0, TOKENS);
+    r.has_prompt_tokens = true;
+    r.prompt_tokens = 0;
+    r.candidates = &only0;
+    r.n_candidates = 1;
+    cr_assert_eq(route_one(c, &r, &reply)->status, KM_OK);
+    static uint64_t hashes[HASHES];
+    for (uint32_t i = 0; i < HASHES; i++)
+        hashes[i] = UINT64_C(0x7000000) + i;
+    memset(&r, 0, sizeof r);
+    r.request_id = "hashed";
+    r.pool = "main";
+    r.input = KM_ROUTE_INPUT_HASHES;
+    r.hashes = hashes;
+    r.n_hashes = HASHES;
+    r.candidates = &only1;
+    r.n_candidates = 1;
+    cr_assert_eq(route_one(c, &r, &reply)->status, KM_OK);
+    r = token_route("probe", 1000, 8);
+    r.brief = false;
+    const km_route_decision *d = route_one(c, &r, &reply);
+    cr_assert_eq(d->status, KM_OK, "%s", d->message);
+    cr_assert_eq(candidate(d, 0)->load.pending_prefill_tokens, TOKENS,
+                 "prompt_tokens 0 charged %llu tokens",
+                 (unsigned long long)candidate(d, 0)->load.pending_prefill_tokens);
+    cr_assert_eq(candidate(d, 1)->load.pending_prefill_tokens, HASHES * BS + LOOKAHEAD,
+                 "the hashed route charged %llu tokens",
+                 (unsigned long long)candidate(d, 1)->load.pending_prefill_tokens);
+    km_client_close(c);
+    srv_stop(&s);
+    srv_cleanup(&s);
+}
+
 /* ---- worker health ---------------------------------------------------------------------------- */
 
 /* WORKERS update for one worker of pool "main"; returns the item's status. has_healthy false sends

@@ -182,7 +182,8 @@ typedef struct km_route_request {
     const uint32_t *candidates; /* optional worker ids (NULL = every worker of the pool) */
     uint32_t n_candidates;
     const char *policy;        /* optional override: "kv", "cache_aware", "prefix", ... */
-    bool has_prompt_tokens;    /* absent: n_tokens for token input, unknown for hashes */
+    bool has_prompt_tokens;    /* absent (or 0): n_tokens for token input, unknown for hashes; the
+                                * service counts at least what the input covers (PROTOCOL.md) */
     uint64_t prompt_tokens;    /* at most KM_PROTOCOL_MAX_ROUTE_TOKENS */
     bool has_expected_output_tokens;
     uint64_t expected_output_tokens; /* at most KM_PROTOCOL_MAX_ROUTE_TOKENS */

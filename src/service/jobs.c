@@ -236,7 +236,10 @@ void km_srv_handle_route(conn *c, const km_message *m)
                 continue;
             }
             r->n_hashes = (uint32_t)got;
-            r->prompt_tokens = in->has_prompt_tokens ? in->prompt_tokens : in->n_tokens;
+            /* The prompt is at least the tokens sent; 0 says nothing (as absent). */
+            r->prompt_tokens = in->has_prompt_tokens && in->prompt_tokens > in->n_tokens
+                                   ? in->prompt_tokens
+                                   : in->n_tokens;
             r->has_prompt_tokens = true;
         } else {
             if (in->block_size && in->block_size != p->block_size) {
@@ -252,9 +255,15 @@ void km_srv_handle_route(conn *c, const km_message *m)
             }
             memcpy(r->hashes, in->hashes, in->n_hashes * sizeof *r->hashes);
             r->n_hashes = in->n_hashes;
-            r->has_prompt_tokens = in->has_prompt_tokens;
-            r->prompt_tokens = in->has_prompt_tokens ? in->prompt_tokens
-                                                     : (uint64_t)in->n_hashes * p->block_size;
+            /* n hashes cover at least n blocks and the lookahead tokens their last hash read; a
+             * prompt_tokens of 0 says nothing (as absent). */
+            uint64_t covered =
+                in->n_hashes ? (uint64_t)in->n_hashes * p->block_size + p->hash_lookahead_tokens
+                             : 0;
+            r->has_prompt_tokens = in->has_prompt_tokens && in->prompt_tokens > 0;
+            r->prompt_tokens = r->has_prompt_tokens && in->prompt_tokens > covered
+                                   ? in->prompt_tokens
+                                   : covered;
         }
         r->has_expected_output_tokens = in->has_expected_output_tokens;
         r->brief = in->brief;
