@@ -353,6 +353,37 @@ Test(policy_peers, ttft_counts_the_prefix_a_queued_prefill_will_store, .timeout 
               km_policy_last_error(&st));
 }
 
+/* A worker's used blocks (allocated_blocks) already hold what in-flight work there holds of the
+ * request: the blocks queued prefills will store, and a cached prefix other requests in flight use
+ * (km_active charges it once per worker). Only the rest of the request's blocks can make it wait
+ * for memory, as a prefix no one holds does. */
+Test(policy_peers, ttft_counts_no_block_in_flight_work_holds_as_new_memory, .timeout = 30)
+{
+    km_policy_config cfg = config(KM_POLICY_TTFT);
+    /* 40 blocks of 16 tokens, 20 output tokens: 42 blocks; 32 of them cached or queued on w1,
+     * whose 1000 blocks are 980 allocated (980 + 42 > 1000; 980 + 10 fits). */
+    km_policy_request req = request(40, 640, 20);
+    km_policy_candidate c[2] = {cand(1, 32, 1, 0, 0, 980), cand(2, 0, 0, 0, 0, 0)};
+    km_policy_candidate roomy[2] = {cand(1, 32, 1, 0, 0, 0), cand(2, 0, 0, 0, 0, 0)};
+    double costs[2], roomy_costs[2];
+    /* A cached prefix other requests use: no memory wait. */
+    c[0].prefix_sharers = roomy[0].prefix_sharers = 1;
+    decide(&cfg, &req, c, 2, costs);
+    decide(&cfg, &req, roomy, 2, roomy_costs);
+    cr_assert_float_eq(costs[0], roomy_costs[0], 1e-9, "a shared prefix counted as new memory");
+    /* The same prefix cached but used by no one there: taking it is new memory, and waits. */
+    c[0].prefix_sharers = roomy[0].prefix_sharers = 0;
+    decide(&cfg, &req, c, 2, costs);
+    decide(&cfg, &req, roomy, 2, roomy_costs);
+    cr_assert_gt(costs[0], roomy_costs[0]);
+    /* Blocks a queued prefill there will store are its: no memory wait either. */
+    c[0].depth = c[0].device_blocks = roomy[0].depth = roomy[0].device_blocks = 0;
+    c[0].queued_depth = roomy[0].queued_depth = 32;
+    decide(&cfg, &req, c, 2, costs);
+    decide(&cfg, &req, roomy, 2, roomy_costs);
+    cr_assert_float_eq(costs[0], roomy_costs[0], 1e-9, "queued blocks counted as new memory");
+}
+
 /* Bounded load: a holder loaded past ceil(1.25 x (in flight + 1) / n) is passed over while the
  * request's prefix is in use there by other requests, so a hot prefix is copied to a less loaded
  * worker; a prefix no one else is using there keeps its holder, however loaded. */

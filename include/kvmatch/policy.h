@@ -176,7 +176,8 @@ typedef struct km_policy_config {
          * else finite and >= 1; default 1.25. */
         double load_bound;
         /* Requests in flight on a worker sharing the request's prefix that make it hot there;
-         * default 1 (any concurrent sharer). 0 bounds every worker whatever it holds. */
+         * default 1 (any concurrent sharer). 0 bounds every worker whatever it holds, once
+         * hot_prefix_share is 0 too (a holder without sharers never passes that limit). */
         uint32_t hot_prefix_sharers;
         /* No holder is passed over while the prefix's requests in flight on its holders (the
          * workers with the deepest queued hit), per holder, are fewer than hot_prefix_share x
@@ -401,7 +402,9 @@ const char *km_policy_last_error(const km_policy_state *state);
  *   running) + km_engine_model_predict_ttft_us (the worker's queue as its
  *   pending_prefill_tokens and pending_prefill_pairs; cached = queued hit * B with the hit's host
  *   and disk blocks, uncached = T - cached, the request's blocks ceil((T +
- *   expected_output_tokens) / B)) + max(1, prefilling) * the prefill work of (T - cached) tokens
+ *   expected_output_tokens) / B) less those in-flight work there holds already: the queued hit
+ *   beyond depth, and while prefix_sharers > 0 the hit up to depth) + max(1, prefilling) * the
+ *   prefill work of (T - cached) tokens
  *   beyond the best-cached candidate's (token_us per token plus the attention pairs), in ms; the
  *   lowest wins (ties: the deeper queued hit, then the load order). With spread_ms > 0, of the
  *   weighed candidates whose cost is at most the lowest + spread_ms, the smallest last_arrival

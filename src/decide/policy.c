@@ -584,6 +584,13 @@ static double predicted_ttft_us(const km_policy_config *cfg, const km_policy_req
                              ? UINT64_MAX
                              : tokens + req->expected_output_tokens;
     uint64_t request_blocks = ceil_div(footprint, m->block_size);
+    /* What in-flight work there already holds is in its used blocks: the hit's blocks beyond
+     * depth (queued prefills compute them) and, while it has sharers, the cached prefix they use
+     * (km_active charges a shared prefix once per worker). The rest is new. */
+    uint32_t cached_part = hit < c->depth ? hit : c->depth;
+    uint64_t held = (uint64_t)(hit - cached_part) + (c->prefix_sharers ? cached_part : 0);
+    uint64_t held_in_engine = held * req->block_size / m->block_size;
+    request_blocks = request_blocks > held_in_engine ? request_blocks - held_in_engine : 0;
     km_engine_load load = engine_load_of(m, c, req->block_size);
     uint64_t host_blocks = in_engine_blocks(m, host, req->block_size);
     uint64_t disk_blocks = in_engine_blocks(m, disk, req->block_size);
