@@ -595,6 +595,18 @@ Test(engine_metrics, decisions_weigh_fresh_engine_load_and_state_the_scope, .tim
     r = route_one(c, "r2", busy_or_idle, NULL, &reply);
     cr_assert_eq(row_in_flight(r, 2), 2);
     cr_assert_eq(r->chosen_worker, 2);
+    /* ttft: the 40 requests worker 0's engine has waiting, none of them kvmatch's, are taken to
+     * be like this route (8 tokens each): a queue of 320 tokens there, not an idle worker. */
+    r = route_one(c, "t1", busy_or_idle, "ttft", &reply);
+    const km_candidate_score *busy_row = NULL;
+    for (uint32_t i = 0; i < r->n_candidates; i++)
+        if (r->candidates[i].worker == 0)
+            busy_row = &r->candidates[i];
+    cr_assert_not_null(busy_row);
+    cr_assert_eq(busy_row->load.pending_prefill_tokens, 40 * 8,
+                 "the engine's waiting requests charged %llu tokens",
+                 (unsigned long long)busy_row->load.pending_prefill_tokens);
+    cr_assert_eq(r->chosen_worker, 2, "the engine's queue made worker 0 look cheaper");
 
     json_t *rec = decision_record(records, "r2");
     json_t *load = json_object_get(json_object_get(rec, "decision"), "load");
@@ -624,7 +636,7 @@ Test(engine_metrics, decisions_weigh_fresh_engine_load_and_state_the_scope, .tim
     cr_assert_eq(fresh_workers(http_port), 0);
     cr_assert_str_eq(status_load_scope(http_port, scope, sizeof scope), "this_instance");
     r = route_one(c, "r3", busy_or_idle, NULL, &reply);
-    cr_assert_eq(r->chosen_worker, 0, "worker 0 is idle on kvmatch's view (worker 2 holds 3)");
+    cr_assert_eq(r->chosen_worker, 0, "worker 0 is idle on kvmatch's view (worker 2 holds 4)");
     cr_assert_eq(row_in_flight(r, 0), 0);
     cr_assert_str_eq(r->load_scope, "this_instance");
     rec = decision_record(records, "r3");

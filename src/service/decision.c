@@ -105,10 +105,13 @@ typedef struct route_choice {
  * routes them. So a fresh scrape (km_srv_engine_reported_fresh) raises a candidate's load and
  * never lowers it: in_flight to at least running + waiting, prefilling to at least waiting (the
  * queue llmd weighs), allocated_blocks to at least kv_usage x the engine's capacity in the pool's
- * blocks (llmd's KV usage). A value the engine did not report raises nothing. True when the
- * scrape was used; *age_ms is then its age. */
-static bool engine_raise_load(km_server *s, const pool *p, uint64_t now, km_policy_candidate *pc,
-                              double *age_ms)
+ * blocks (llmd's KV usage). The requests it adds are taken to be like the ones kvmatch routed
+ * there: each in flight holds their mean KV footprint (active_decode_blocks), each waiting their
+ * mean pending prefill (with none of kvmatch's own waiting, prompt_tokens, the route's), so a
+ * longer queue never makes a worker look cheaper. A value the engine did not report raises
+ * nothing. True when the scrape was used; *age_ms is then its age. */
+static bool engine_raise_load(km_server *s, const pool *p, uint64_t now, uint64_t prompt_tokens,
+                              km_policy_candidate *pc, double *age_ms)
 {
     km_engine_reported e;
     if (!km_srv_engine_reported_fresh(s, pc->worker, now, &e))
@@ -116,10 +119,29 @@ static bool engine_raise_load(km_server *s, const pool *p, uint64_t now, km_poli
     double running = isnan(e.running) ? 0.0 : e.running;
     double waiting = isnan(e.waiting) ? 0.0 : e.waiting;
     double busy = running + waiting;
+    uint32_t own_in_flight = pc->in_flight, own_prefilling = pc->prefilling;
     if (busy > (double)pc->in_flight)
         pc->in_flight = busy >= (double)UINT32_MAX ? UINT32_MAX : (uint32_t)busy;
     if (waiting > (double)pc->prefilling)
         pc->prefilling = waiting >= (double)UINT32_MAX ? UINT32_MAX : (uint32_t)waiting;
+    if (pc->in_flight > own_in_flight && own_in_flight) {
+        double footprint = (double)pc->active_decode_blocks / own_in_flight * pc->in_flight;
+        pc->active_decode_blocks = footprint >= 1e18 ? UINT64_C(1000000000000000000)
+                                                     : (uint64_t)footprint;
+    }
+    if (pc->prefilling > own_prefilling) {
+        double extra = (double)(pc->prefilling - own_prefilling);
+        double tokens = own_prefilling ? (double)pc->pending_prefill_tokens / own_prefilling
+                                       : (double)prompt_tokens;
+        double pairs = own_prefilling ? (double)pc->pending_prefill_pairs / own_prefilling
+                                      : (double)km_engine_model_chunk_pairs(0, prompt_tokens);
+        double all_tokens = (double)pc->pending_prefill_tokens + extra * tokens;
+        double all_pairs = (double)pc->pending_prefill_pairs + extra * pairs;
+        pc->pending_prefill_tokens = all_tokens >= 1e18 ? UINT64_C(1000000000000000000)
+                                                        : (uint64_t)all_tokens;
+        pc->pending_prefill_pairs = all_pairs >= 1e18 ? UINT64_C(1000000000000000000)
+                                                      : (uint64_t)all_pairs;
+    }
     if (!isnan(e.kv_usage) && e.kv_usage > 0.0) {
         /* The engine's capacity counts its own blocks; the candidate's, the pool's. */
         const km_engine_model *m = &p->policy.engine;
@@ -219,7 +241,7 @@ static bool gather_candidates(km_server *s, route_job *r, const pool *p,
         }
         pc->last_arrival = km_active_last_arrival(s->active, ids[i]);
         double engine_age_ms;
-        if (engine_raise_load(s, p, c->now, pc, &engine_age_ms)) {
+        if (engine_raise_load(s, p, c->now, r->prompt_tokens, pc, &engine_age_ms)) {
             engine_used = true;
             if (isnan(c->engine_oldest_age_ms) || engine_age_ms > c->engine_oldest_age_ms)
                 c->engine_oldest_age_ms = engine_age_ms;
