@@ -5501,6 +5501,16 @@ static km_route_request hot_route(const char *request_id)
     return r;
 }
 
+/* hot_route with a question of its own (`question` > 0): it shares the hot prefix only, not
+ * hot_route's whole prompt. */
+static km_route_request hot_route_asking(const char *request_id, uint32_t question)
+{
+    km_route_request r = hot_route(request_id);
+    for (uint32_t i = HOT_PREFIX; i < HOT_PROMPT; i++)
+        g_tokens[i] = 200000 + 100 * question + i;
+    return r;
+}
+
 /* A hot prefix on a worker past the load bound: without warm-ups the request itself copies it to
  * an idle worker (a cold prefill); with them the request stays with the holder and the decision
  * names a warm-up of an idle worker: a decision of its own, begun as active work there (its
@@ -5539,16 +5549,17 @@ Test(server, a_hot_prefix_is_copied_by_a_warm_up_no_request_waits_for, .timeout 
     cr_assert_eq(candidate(d, warmed)->load.in_flight, 0);
     uint64_t request_id = d->decision_id, warm_id = d->warm_up_decision_id;
 
-    /* The warm-up is active work on the warmed worker: its prefill is queued there and the
-     * approximate index holds the prefix there (the next route shows both). */
-    r = hot_route("next");
+    /* The warm-up is active work on the warmed worker: its prefill is queued there (the next
+     * route sees the prefix coming and asks for no second warm-up); the approximate index learns
+     * the prefix there only once that prefill has run. */
+    r = hot_route_asking("next", 1);
     r.warm_ups = true;
     d = route_one(c, &r, &reply);
     cr_assert_eq(d->status, KM_OK, "%s", d->message);
     cr_assert_eq(candidate(d, warmed)->load.in_flight, 1);
     cr_assert_eq(candidate(d, warmed)->load.pending_prefill_tokens, HOT_PREFIX);
-    cr_assert_eq(candidate(d, warmed)->depth, HOT_PREFIX / BS, "taught to approximate mode");
-    cr_assert(!d->has_warm_up, "a worker holds the prefix within the bound: no second warm-up");
+    cr_assert_eq(candidate(d, warmed)->depth, 0, "taught before its prefill ran");
+    cr_assert(!d->has_warm_up, "the prefix is queued within the bound: no second warm-up");
     uint64_t next_id = d->decision_id;
     uint32_t next_worker = d->chosen_worker;
 
@@ -5562,6 +5573,8 @@ Test(server, a_hot_prefix_is_copied_by_a_warm_up_no_request_waits_for, .timeout 
     d = route_one(c, &r, &reply);
     cr_assert_eq(candidate(d, warmed)->load.in_flight, next_worker == warmed ? 1u : 0u,
                  "only the next route's load is left");
+    cr_assert_eq(candidate(d, warmed)->depth, HOT_PREFIX / BS,
+                 "taught to approximate mode once its prefill ran");
     km_server_stats st;
     km_server_get_stats(s.server, &st);
     cr_assert_eq(st.warm_ups, 1);
@@ -5687,6 +5700,42 @@ Test(server, a_warm_up_on_a_pool_of_another_policy_records_the_queued_depths, .t
     cr_assert_eq(json_integer_value(json_object_get(row, "queued_depth_blocks")), 0,
                  "nothing was queued on the warmed worker");
     json_decref(all);
+    srv_cleanup(&s);
+}
+
+/* A warm-up the router could not carry out (reported FINISHED with an error, no first token) is
+ * never assumed held by approximate mode: its worker stays cold there, and the next route, the
+ * holder still past the bound, asks for a warm-up again. */
+Test(server, a_failed_warm_up_is_never_assumed_held, .timeout = 30)
+{
+    srv s = {0};
+    km_client *c = start_hot_holder(&s, 0);
+    km_message reply;
+    km_route_request r = hot_route("warm");
+    r.warm_ups = true;
+    const km_route_decision *d = route_one(c, &r, &reply);
+    cr_assert_eq(d->status, KM_OK, "%s", d->message);
+    cr_assert(d->has_warm_up);
+    uint32_t warmed = d->warm_up_worker;
+    km_lifecycle_event ev;
+    memset(&ev, 0, sizeof ev);
+    ev.kind = KM_LIFECYCLE_FINISHED;
+    ev.has_decision_id = true;
+    ev.decision_id = d->warm_up_decision_id;
+    ev.outcome = KM_OUTCOME_ERROR;
+    ev.error = "the engine refused it";
+    cr_assert_eq(km_client_lifecycle(c, &ev, 1, 5000, &reply), KM_OK);
+    cr_assert_eq(reply.ack.items[0].status, KM_OK, "%s", reply.ack.items[0].message);
+    r = hot_route_asking("again", 2);
+    r.warm_ups = true;
+    d = route_one(c, &r, &reply);
+    cr_assert_eq(d->status, KM_OK, "%s", d->message);
+    cr_assert_eq(candidate(d, warmed)->depth, 0, "a failed warm-up was assumed held");
+    cr_assert_eq(candidate(d, warmed)->load.in_flight, 0);
+    cr_assert(d->has_warm_up, "no second warm-up after the first failed (chosen %u, reason %s)",
+              d->chosen_worker, d->reason);
+    km_client_close(c);
+    srv_stop(&s);
     srv_cleanup(&s);
 }
 

@@ -108,13 +108,15 @@ void km_srv_attempt_cache_free(attempt_cache *cache)
 
 /* A decision in a pool with approximate-mode workers keeps its request's hashes, within
  * approx_dispatch_max_bytes, for a router override to one of them (dispatch_lesson), until the
- * attempt's FIRST_TOKEN or its end. Only once the pool has seen an override: a router that follows
- * every decision pays no copy and no allocation per decision (docs/BENCHMARKS.md, "IPC"), and one
- * that overrides has its first overrides unlearned. active_lock held. Without them such an
- * override teaches nothing (approx_dispatch_unlearned). */
-void km_srv_attempt_keep_hashes(km_server *s, attempt *a, const pool *p, const route_job *r)
+ * attempt's FIRST_TOKEN or its end. Only once the pool has seen an override (or `always`: a
+ * warm-up, taught at its first token): a router that follows every decision pays no copy and no
+ * allocation per decision (docs/BENCHMARKS.md, "IPC"), and one that overrides has its first
+ * overrides unlearned. active_lock held. Without them such an override teaches nothing
+ * (approx_dispatch_unlearned). */
+void km_srv_attempt_keep_hashes(km_server *s, attempt *a, const pool *p, const route_job *r,
+                                bool always)
 {
-    if (!p->overrides_seen || !p->n_approx_members || !r->n_hashes)
+    if ((!p->overrides_seen && !always) || !p->n_approx_members || !r->n_hashes)
         return;
     uint64_t bytes = (uint64_t)r->n_hashes * sizeof *r->hashes;
     if (s->attempt_cache.hash_bytes + bytes > s->cfg.approx_dispatch_max_bytes)
@@ -348,6 +350,17 @@ static void lesson_queue(km_server *s, const attempt *a, uint32_t worker)
     atomic_store(&s->lessons_queued, true);
 }
 
+/* A warm-up of an approximate-mode worker whose prefill has run (FIRST_TOKEN, or a complete
+ * FINISHED before one) teaches its blocks to the worker it ran on, once. active_lock held. */
+static void warm_up_lesson(km_server *s, attempt *a)
+{
+    if (!a->lesson_at_first_token)
+        return;
+    a->lesson_at_first_token = false;
+    if (!s->workers[a->worker].events)
+        lesson_queue(s, a, a->worker);
+}
+
 /* One lifecycle report (active_lock held). Returns KM_OK or an error with *msg. */
 static int lifecycle_one(km_server *s, const km_lifecycle_event *ev, char *msg, size_t msg_size)
 {
@@ -430,7 +443,7 @@ static int lifecycle_one(km_server *s, const km_lifecycle_event *ev, char *msg, 
         memcpy(a->dispatched_name, s->workers[ev->worker].name, sizeof a->dispatched_name);
         if (!strcmp(a->dispatched_name, a->chosen_name))
             a->dispatched_name[0] = '\0';
-        if (!s->workers[ev->worker].events)
+        if (!s->workers[ev->worker].events && !a->lesson_at_first_token)
             lesson_queue(s, a, ev->worker);
     }
     switch (ev->kind) {
@@ -449,9 +462,11 @@ static int lifecycle_one(km_server *s, const km_lifecycle_event *ev, char *msg, 
         if (rc == KM_OK && ev->has_elapsed_ms && isnan(a->router_ttft_ms))
             a->router_ttft_ms = ev->elapsed_ms; /* the first FIRST_TOKEN counts, as its time does */
         /* Streaming has begun: the router knows where the attempt went and has said so, if it
-         * overrode the choice (lesson_queue). Its hashes make room for newer decisions'. */
+         * overrode the choice (lesson_queue); a warm-up's prefill has run there. Its hashes make
+         * room for newer decisions'. */
         if (rc == KM_OK) {
             a->first_token = km_record_time_now();
+            warm_up_lesson(s, a);
             attempt_drop_hashes(&s->attempt_cache, a);
             km_srv_cluster_publish(s, a->worker);
         }
@@ -462,6 +477,8 @@ static int lifecycle_one(km_server *s, const km_lifecycle_event *ev, char *msg, 
         km_active_summary sum;
         rc = km_active_finish(s->active, &key, active_end_of(ev->outcome), now, &sum);
         if (rc == KM_OK) {
+            if (ev->outcome == KM_OUTCOME_COMPLETE) /* no FIRST_TOKEN reported: its prefill ran */
+                warm_up_lesson(s, a);
             km_srv_cluster_publish(s, a->worker);
             /* the worker the attempt ran on */
             km_srv_breaker_outcome(s, a->worker, ev->outcome, now);

@@ -503,7 +503,10 @@ static attempt *keep_attempt(km_server *s, route_job *r, pool *p, const route_ch
         a->chosen_depth = c->chosen_depth;
         a->owner_depth = c->owner_depth;
         a->has_blocks = r->n_hashes > 0;
-        km_srv_attempt_keep_hashes(s, a, p, r);
+        /* A warm-up of an approximate-mode worker is taught when its prefill has run. */
+        a->lesson_at_first_token = c->reason == KM_POLICY_REASON_WARM_UP &&
+                                   !s->workers[c->chosen].events;
+        km_srv_attempt_keep_hashes(s, a, p, r, a->lesson_at_first_token);
         if (s->records) /* only outcome records read it; records are set at start */
             a->decided = km_record_time_now();
         uint64_t key = km_u64map_key(c->decision_id);
@@ -717,7 +720,8 @@ void km_srv_decide_route(km_server *s, job *j, route_job *r, pool *p, const km_r
     atomic_fetch_add(&s->st.decisions, 1);
     km_counter_add(s->m_decisions, 1);
     if (warm) {
-        approx_learn(s, &wr, p, b, &wc);
+        /* Approximate mode learns a warm-up when its prefill has run (attempts.c); until then the
+         * next routes see its blocks queued there. */
         atomic_fetch_add(&s->st.warm_ups, 1);
         km_counter_add(s->m_warm_ups, 1);
     }

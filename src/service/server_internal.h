@@ -181,6 +181,10 @@ typedef struct attempt {
     uint64_t *hashes;
     uint32_t n_hashes;
     bool has_blocks; /* the request had a block: an override has something to teach */
+    /* A warm-up of an approximate-mode worker: its blocks are taught to the worker it ran on at
+     * its FIRST_TOKEN (or a complete FINISHED before one), not at its decision, so a warm-up the
+     * router could not carry out is never assumed held. */
+    bool lesson_at_first_token;
     struct attempt *next_free; /* in attempt_cache */
     char strings[]; /* the ids and names, one allocation with the struct */
 } attempt;
@@ -593,7 +597,8 @@ attempt *km_srv_attempt_new(attempt_cache *cache, const char *request_id, const 
                             const char *model, const char *pool_name, const char *endpoint);
 void km_srv_attempt_free(attempt_cache *cache, attempt *a);
 void km_srv_attempt_cache_free(attempt_cache *cache);
-void km_srv_attempt_keep_hashes(km_server *s, attempt *a, const pool *p, const route_job *r);
+void km_srv_attempt_keep_hashes(km_server *s, attempt *a, const pool *p, const route_job *r,
+                                bool always);
 km_record_common km_srv_record_common(km_server *s, uint64_t decision_id, const char *request_id,
                                       const char *attempt_id, const char *model,
                                       const char *pool_name, const char *endpoint);
