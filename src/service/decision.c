@@ -101,6 +101,12 @@ typedef struct route_choice {
 
 /* ---- engine-reported load ----------------------------------------------------------------- */
 
+/* A count computed in double (>= 0), as a uint64_t at most 10^18. */
+static uint64_t capped_count(double v)
+{
+    return v >= 1e18 ? UINT64_C(1000000000000000000) : (uint64_t)v;
+}
+
 /* The engine sees every request it serves, routed here or not; kvmatch sees its own the moment it
  * routes them. So a fresh scrape (km_srv_engine_reported_fresh) raises a candidate's load and
  * never lowers it: in_flight to at least running + waiting, prefilling to at least waiting (the
@@ -126,8 +132,7 @@ static bool engine_raise_load(km_server *s, const pool *p, uint64_t now, uint64_
         pc->prefilling = waiting >= (double)UINT32_MAX ? UINT32_MAX : (uint32_t)waiting;
     if (pc->in_flight > own_in_flight && own_in_flight) {
         double footprint = (double)pc->active_decode_blocks / own_in_flight * pc->in_flight;
-        pc->active_decode_blocks = footprint >= 1e18 ? UINT64_C(1000000000000000000)
-                                                     : (uint64_t)footprint;
+        pc->active_decode_blocks = capped_count(footprint);
     }
     if (pc->prefilling > own_prefilling) {
         double extra = (double)(pc->prefilling - own_prefilling);
@@ -137,10 +142,8 @@ static bool engine_raise_load(km_server *s, const pool *p, uint64_t now, uint64_
                                       : (double)km_engine_model_chunk_pairs(0, prompt_tokens);
         double all_tokens = (double)pc->pending_prefill_tokens + extra * tokens;
         double all_pairs = (double)pc->pending_prefill_pairs + extra * pairs;
-        pc->pending_prefill_tokens = all_tokens >= 1e18 ? UINT64_C(1000000000000000000)
-                                                        : (uint64_t)all_tokens;
-        pc->pending_prefill_pairs = all_pairs >= 1e18 ? UINT64_C(1000000000000000000)
-                                                      : (uint64_t)all_pairs;
+        pc->pending_prefill_tokens = capped_count(all_tokens);
+        pc->pending_prefill_pairs = capped_count(all_pairs);
     }
     if (!isnan(e.kv_usage) && e.kv_usage > 0.0) {
         /* The engine's capacity counts its own blocks; the candidate's, the pool's. */
@@ -148,7 +151,7 @@ static bool engine_raise_load(km_server *s, const pool *p, uint64_t now, uint64_
         double used = ceil(e.kv_usage * (double)m->capacity_blocks * (double)m->block_size /
                            (double)p->block_size);
         if (used > (double)pc->allocated_blocks)
-            pc->allocated_blocks = used >= 1e18 ? UINT64_C(1000000000000000000) : (uint64_t)used;
+            pc->allocated_blocks = capped_count(used);
     }
     *age_ms = (double)km_engine_reported_age_ns(&e, now) / 1e6;
     return true;
