@@ -656,6 +656,65 @@ Test(analyze, warm_ups_are_counted_apart_and_in_no_figure, .timeout = 10)
     remove_dir(dir);
 }
 
+/* A warm-up is in no figure of any section: not in the quality inside or outside the recovery
+ * windows (nor a window's own), not in the load view, not in worker health. Here the warm-up
+ * (worker B, GAP, inside A's window, ineligible, cluster load view, with a known reuse) would
+ * change each of them. */
+Test(analyze, warm_ups_are_in_no_quality_load_or_health_figure, .timeout = 10)
+{
+    char dir[64], path[128];
+    make_temp_dir(dir);
+    FILE *f = open_in(dir, "r.jsonl", path, sizeof path);
+    decision_spec d = {.instance = "i", .id = 1, .request = "r1", .attempt = "0", .host = "h",
+                       .pool = "p", .time_ns = 10, .source = "events", .prompt = 64, .owner = "A",
+                       .owner_state = "LIVE", .owner_blocks = 3, .chosen = "A",
+                       .chosen_state = "LIVE", .chosen_blocks = 3, .policy = "ttft",
+                       .reason = "min_ttft", .cands = {{"A", "LIVE", 3, 0}}, .n_cands = 1};
+    decision_spec w = d;
+    w.id = 2, w.attempt = "0:warm_up", w.time_ns = 11, w.owner = NULL, w.chosen = "B",
+    w.chosen_state = "GAP", w.chosen_blocks = 0, w.reason = "warm_up", w.warm_up = 1,
+    w.warm_up_for = 1, w.n_cands = 1;
+    w.cands[0] = (cand_spec){"B", "GAP", 0, 0};
+    w.eligible[0] = ELIGIBLE_FALSE;
+    json_t *wr = make_decision(&w);
+    json_t *load = json_object_get(json_object_get(wr, "decision"), "load");
+    json_object_set_new(load, "scope", json_string("cluster"));
+    json_object_set_new(load, "instances", json_integer(1));
+    json_object_set_new(load, "oldest_age_ms", json_real(99.0));
+    json_object_set_new(load, "stale_instances", json_pack("[s]", "j"));
+    decision_spec e = d; /* after the warm-up: B's window (opened by the warm-up) is still open */
+    e.id = 3, e.request = "r3", e.time_ns = 12, e.n_cands = 2;
+    e.cands[1] = (cand_spec){"B", "GAP", 0, 0};
+    write_record(f, make_decision(&d));
+    write_record(f, wr);
+    write_record(f, make_decision(&e));
+    write_outcome_of(f, &d, "complete", 200, 48, 5000000);
+    write_outcome_of(f, &w, "complete", 200, 32, 90000000);
+    write_outcome_of(f, &e, "complete", 200, 48, 5000000);
+    fclose(f);
+    const char *paths[] = {path};
+    km_analysis *a = analyze_files(NULL, paths, 1);
+    const km_analysis_summary *s = km_analysis_summary_get(a);
+    EQ(s->input.decisions, 3);
+    EQ(s->input.warm_ups, 1);
+    EQ(s->owner.decisions, 2);
+    EQ(s->in_windows.decisions + s->outside_windows.decisions, 2);
+    EQ(s->in_windows.known + s->outside_windows.known, 2);
+    EQ(s->in_windows.actual_tokens + s->outside_windows.actual_tokens, 96);
+    for (size_t i = 0; i < s->n_windows; i++)
+        cr_expect_leq(s->windows[i].inside.decisions, 1, "window %zu holds the warm-up", i);
+    EQ(s->load_view.this_instance, 2);
+    EQ(s->load_view.cluster, 0);
+    EQ(s->load_view.cluster_with_stale, 0);
+    cr_expect_float_eq(s->load_view.oldest_age_ms_max, 0.0, 1e-12);
+    EQ(s->health.decisions_with_ineligible, 0);
+    EQ(s->health.ineligible_candidates, 0);
+    for (size_t i = 0; i < s->n_workers; i++)
+        EQ(s->workers[i].ineligible, 0);
+    km_analysis_destroy(a);
+    remove_dir(dir);
+}
+
 Test(analyze, decisions_are_counted_by_their_load_view, .timeout = 10)
 {
     char dir[64], path[128];

@@ -479,8 +479,9 @@ static int take_decision(km_analysis *a, json_t *root, uint32_t file, uint64_t l
     }
     point *p = &a->points[index];
     /* The load view: "cluster" or "this_instance", either with "+engine_reported"; any other
-     * scope, or a malformed view, is counted as this_instance. */
-    json_t *load = json_object_get(decision, "load");
+     * scope, or a malformed view, is counted as this_instance. A warm-up is in no figure: not
+     * here, not in worker health. */
+    json_t *load = warm_up ? NULL : json_object_get(decision, "load");
     const char *scope = json_string_value(json_object_get(load, "scope"));
     km_analysis_load_view *lv = &a->summary.load_view;
     bool engine = scope && (!strcmp(scope, "cluster+engine_reported") ||
@@ -490,7 +491,7 @@ static int take_decision(km_analysis *a, json_t *root, uint32_t file, uint64_t l
         lv->cluster++;
         json_t *stale = json_object_get(load, "stale_instances");
         lv->cluster_with_stale += json_is_array(stale) && json_array_size(stale) > 0;
-    } else {
+    } else if (!warm_up) {
         lv->this_instance++;
     }
     json_t *age = json_object_get(load, "oldest_age_ms");
@@ -535,7 +536,7 @@ static int take_decision(km_analysis *a, json_t *root, uint32_t file, uint64_t l
         if (p->owner_name == NONE)
             return km_analysis_fail_memory(a, "interning names");
     }
-    if (any_ineligible) {
+    if (any_ineligible && !warm_up) {
         int rc = count_ineligible(a, candidates, host, pool, owner.worker);
         if (rc != KM_OK)
             return rc;

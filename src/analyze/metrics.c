@@ -301,7 +301,7 @@ static int assign_windows(km_analysis *a)
     if (!order)
         return km_analysis_fail_memory(a, "ordering decisions");
     for (size_t i = 0; i < a->n_points; i++)
-        if (a->points[i].flags & POINT_DECISION)
+        if (POINT_COUNTED(&a->points[i]) && (a->points[i].flags & POINT_DECISION))
             order[n++] = (uint32_t)i;
     sort_context = a;
     sort_items(order, n, sizeof *order, compare_by_group_time_names);
@@ -582,7 +582,7 @@ int km_analysis_finish(km_analysis *a)
         return rc;
     for (size_t i = 0; i < a->n_points; i++) {
         const point *p = &a->points[i];
-        if (!(p->flags & POINT_DECISION))
+        if (!POINT_COUNTED(p) || !(p->flags & POINT_DECISION))
             continue;
         quality_add(p->flags & POINT_IN_WINDOW ? &s->in_windows : &s->outside_windows, p);
     }
@@ -607,12 +607,12 @@ int km_analysis_finish(km_analysis *a)
     if (rc != KM_OK)
         return rc;
 
-    /* decision points by time, for the charts */
+    /* decision points by time, for the charts (warm-ups are in none) */
     a->time_order = malloc((a->n_points + 1) * sizeof *a->time_order);
     if (!a->time_order)
         return km_analysis_fail_memory(a, "ordering decisions");
     for (size_t i = 0; i < a->n_points; i++)
-        if (a->points[i].flags & POINT_DECISION)
+        if (POINT_COUNTED(&a->points[i]) && (a->points[i].flags & POINT_DECISION))
             a->time_order[a->n_time_order++] = (uint32_t)i;
     sort_context = a;
     sort_items(a->time_order, a->n_time_order, sizeof *a->time_order, compare_by_time);
