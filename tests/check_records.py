@@ -4,8 +4,9 @@
 
 usage: check_records.py [--schema FILE] [--require-links] FILE...
 
-Every line of every FILE must be one JSON object that validates against the schema (JSON Schema
-draft 2020-12, python3-jsonschema). Beyond the schema it checks what a schema cannot say:
+Every line of every FILE must be one JSON object (RFC 8259: no NaN or Infinity, no key twice in
+one object, integers within 64 bits) that validates against the schema (JSON Schema draft
+2020-12, python3-jsonschema). Beyond the schema it checks what a schema cannot say:
 depth_tokens = depth_blocks * block_size, decision.owner_is_chosen agrees with the worker names,
 an owner with no worker has no state and depth 0, and an outcome's copied prediction equals its
 decision's when both are in the files given. With --require-links an outcome whose decision is not
@@ -31,6 +32,37 @@ def load_validator(schema_path):
     cls = jsonschema.validators.validator_for(schema)
     cls.check_schema(schema)
     return cls(schema)
+
+
+INT_MIN, INT_MAX = -(1 << 63), (1 << 63) - 1
+
+
+def no_constant(name):
+    """NaN, Infinity and -Infinity are not JSON (RFC 8259), though json.loads reads them."""
+    raise ValueError(f"{name} is not a JSON value")
+
+
+def no_duplicate_keys(pairs):
+    """An object with a key twice: readers disagree on which value counts."""
+    obj = {}
+    for key, value in pairs:
+        if key in obj:
+            raise ValueError(f"key {key!r} appears twice in one object")
+        obj[key] = value
+    return obj
+
+
+def bounded_int(text):
+    """Integers are below 2^63 (docs/RECORDS.md), what a C reader's int64 holds."""
+    value = int(text)
+    if not INT_MIN <= value <= INT_MAX:
+        raise ValueError(f"integer {text} is outside the 64-bit signed range")
+    return value
+
+
+def parse_record(text):
+    return json.loads(text, parse_constant=no_constant, object_pairs_hook=no_duplicate_keys,
+                      parse_int=bounded_int)
 
 
 def semantic_errors(rec):
@@ -122,7 +154,7 @@ def main(argv):
                 if not raw.endswith(b"\n"):
                     failures.append(f"{where}: the last line has no newline (cut short?)")
                 try:
-                    rec = json.loads(raw.decode("utf-8"))
+                    rec = parse_record(raw.decode("utf-8"))
                 except (UnicodeDecodeError, ValueError) as e:
                     failures.append(f"{where}: not a JSON document: {e}")
                     continue

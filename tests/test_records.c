@@ -990,6 +990,13 @@ Test(records, every_line_validates_against_the_schema, .timeout = 120)
         {"\"pool\":\"default\",", ""},
         {"\"type\":\"decision\"", "\"type\":\"decision\",\"extra\":1"},
         {".123456Z\"", "Z\""},
+        /* not JSON (RFC 8259), though Python's json module reads them */
+        {"\"value\":1.0", "\"value\":NaN"},
+        {"\"value\":1.0", "\"value\":-Infinity"},
+        /* a key twice: which one counts is up to the reader (the analyzer refuses the line) */
+        {"\"block_count\":40", "\"block_count\":40,\"block_count\":41"},
+        /* integers are below 2^63 (docs/RECORDS.md) */
+        {"\"block_count\":40", "\"block_count\":9223372036854775808"},
     };
     owner_elsewhere_case(&d, c);
     cr_assert_eq(km_decision_record_format(&d, &line, &len, error, sizeof error), KM_OK);
