@@ -780,7 +780,49 @@ Test(records, bad_decision_fields_are_rejected_by_name, .timeout = 10)
     CASE(c[1].in_flight = -1, KM_ERR_INVALID_ARGUMENT, "in_flight");
     CASE(d.candidates = NULL, KM_ERR_NULL_POINTER, "candidates");
     CASE(d.n_candidates = KM_RECORD_MAX_CANDIDATES + 1, KM_ERR_TOO_LARGE, "candidates");
+    /* what the schema and the checker refuse is refused here, not written */
+    CASE(d.owner = ((km_record_worker){NULL, "LIVE", 0}), KM_ERR_INVALID_ARGUMENT,
+         "prediction.owner");
+    CASE(d.owner = ((km_record_worker){NULL, NULL, 3}), KM_ERR_INVALID_ARGUMENT,
+         "prediction.owner");
+    CASE((d.load_scope = "cluster", d.load_oldest_age_ms = -1.5), KM_ERR_INVALID_ARGUMENT,
+         "oldest_age_ms");
+    CASE((d.load_scope = "cluster", d.load_stale_instances = "a,b,c,d,e,f,g,h,i"),
+         KM_ERR_INVALID_ARGUMENT, "stale_instances");
+    CASE((d.load_scope = "cluster", d.load_stale_instances = "a,,b"), KM_ERR_INVALID_ARGUMENT,
+         "stale_instances");
+    CASE((d.load_scope = "cluster", d.load_stale_instances = ",a"), KM_ERR_INVALID_ARGUMENT,
+         "stale_instances");
+    CASE((d.load_scope = "cluster", d.load_stale_instances = "in stance"),
+         KM_ERR_INVALID_ARGUMENT, "stale_instances");
+    CASE((d.load_scope = "cluster",
+          d.load_stale_instances =
+              "xy123456789012345678901234567890123456789012345678901234567890123" /* 65 */),
+         KM_ERR_INVALID_ARGUMENT, "stale_instances");
 #undef CASE
+    /* the limits themselves are fine: 8 ids of 64 bytes, an owner-less prediction */
+    owner_elsewhere_case(&d, c);
+    d.owner = (km_record_worker){NULL, NULL, 0};
+    d.load_scope = "cluster";
+    d.load_oldest_age_ms = 0;
+    char ids[8 * 65];
+    size_t at = 0;
+    for (int i = 0; i < 8; i++) {
+        memset(ids + at, 'a' + i, 64);
+        at += 64;
+        ids[at++] = i < 7 ? ',' : '\0';
+    }
+    d.load_stale_instances = ids;
+    cr_assert_eq(km_decision_record_format(&d, &line, &len, error, sizeof error), KM_OK, "%s",
+                 error);
+    json_t *o = json_loads(line, 0, NULL);
+    cr_assert(o, "%s", line);
+    json_t *stale = json_object_get(json_object_get(json_object_get(o, "decision"), "load"),
+                                    "stale_instances");
+    cr_assert_eq(json_array_size(stale), 8);
+    cr_assert_eq(strlen(json_string_value(json_array_get(stale, 7))), 64);
+    json_decref(o);
+    free(line);
 }
 
 /* The four load scopes are written as given, each but this_instance with the contributions'

@@ -591,7 +591,7 @@ static void put_common(builder *b, const char *type, const km_record_common *c)
 }
 
 /* key: {"worker", "state", "depth_blocks", "depth_tokens"}; worker_required for the chosen
- * worker. */
+ * worker. Without a worker there is no state and the depth is 0 (docs/RECORDS.md). */
 static void put_worker(builder *b, const char *key, const char *what, const km_record_worker *w,
                        int64_t block_size, bool worker_required)
 {
@@ -600,6 +600,10 @@ static void put_worker(builder *b, const char *key, const char *what, const km_r
     put_string(b, "worker", w->worker, worker_required);
     if (b->status == KM_OK && w->worker && !w->state)
         fail(b, KM_ERR_NULL_POINTER, "field state is required when worker is set");
+    if (b->status == KM_OK && !w->worker && (w->state || w->depth_blocks != 0))
+        fail(b, KM_ERR_INVALID_ARGUMENT,
+             "no worker, so field state must be null and depth_blocks 0 (%s, %" PRId64 ")",
+             w->state ? w->state : "null", w->depth_blocks);
     put_state(b, "state", w->state, false);
     put_count(b, "depth_blocks", w->depth_blocks, true);
     put_tokens(b, "depth_tokens", w->depth_blocks, block_size);
@@ -709,18 +713,26 @@ int km_decision_record_format(const km_decision_record *r, char **line, size_t *
     emit_string(&b, "scope", scope);
     if (strcmp(scope, "this_instance") != 0) {
         put_count(&b, "instances", r->load_instances < 0 ? 0 : r->load_instances, true);
+        if (b.status == KM_OK && r->load_oldest_age_ms < 0)
+            fail(&b, KM_ERR_INVALID_ARGUMENT, "field decision.load.oldest_age_ms is negative (%g)",
+                 r->load_oldest_age_ms);
         put_real(&b, "oldest_age_ms", r->load_oldest_age_ms);
         open_container(&b, "stale_instances", '[');
-        /* ids are [A-Za-z0-9_-] (the cluster refuses others): split at commas */
+        /* Comma-separated cluster instance ids: at most 8, each 1..64 of [A-Za-z0-9_-] (the
+         * schema's bounds; the cluster refuses other ids). */
+        size_t n_ids = 0;
         for (const char *p = r->load_stale_instances; p && *p && b.status == KM_OK;) {
             const char *comma = strchr(p, ',');
             size_t n = comma ? (size_t)(comma - p) : strlen(p);
-            char id[80];
-            if (n >= sizeof id) {
-                fail(&b, KM_ERR_INVALID_ARGUMENT, "field decision.load.stale_instances: an id "
-                     "longer than %zu bytes", sizeof id - 1);
+            size_t ok = strspn(p, "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
+                                  "0123456789_-");
+            if (n == 0 || n > 64 || ok < n || ++n_ids > 8) {
+                fail(&b, KM_ERR_INVALID_ARGUMENT, "field decision.load.stale_instances: %s",
+                     n_ids > 8 ? "more than 8 ids"
+                               : "an id must be 1 to 64 of A-Z, a-z, 0-9, '_' and '-'");
                 break;
             }
+            char id[65];
             memcpy(id, p, n);
             id[n] = '\0';
             emit_string(&b, NULL, id);
