@@ -1535,6 +1535,54 @@ static int count_lines_in(const char *name)
     return n;
 }
 
+/* A file truncated behind the writer's back (logrotate's copytruncate, no SIGHUP) is rotated by
+ * its size now, not by the size the writer last saw: a short line into the emptied file rotates
+ * nothing, so the rotated file and its records stay. */
+Test(records, a_file_truncated_behind_the_writer_is_not_rotated_early, .timeout = 30)
+{
+    char dir[64], path[128], name[160];
+    make_temp_dir(dir);
+    snprintf(path, sizeof path, "%s/r.jsonl", dir);
+    snprintf(name, sizeof name, "%s.1", path);
+    km_record_writer_config cfg;
+    writer_config(&cfg, path, NULL);
+    cfg.max_file_bytes = 1000;
+    cfg.keep_files = 1;
+    km_record_writer *w;
+    cr_assert_eq(km_record_writer_create(&cfg, &w), KM_OK);
+    char line[256];
+    /* 90-byte lines (89 and a newline): 11 fill the file, the 12th rotates it: path.1 holds
+     * 11, path 1 */
+    for (int i = 0; i < 12; i++) {
+        int n = snprintf(line, sizeof line, "{\"i\":%2d,\"pad\":\"%*s\"}", i, 72, "");
+        cr_assert_eq(n, 89);
+        cr_assert_eq(km_record_writer_submit(w, line, (size_t)n), KM_OK);
+        cr_assert_eq(km_record_writer_flush(w, 10000), KM_OK);
+    }
+    for (int i = 12; i < 21; i++) { /* path: 10 lines, 900 bytes */
+        int n = snprintf(line, sizeof line, "{\"i\":%2d,\"pad\":\"%*s\"}", i, 72, "");
+        cr_assert_eq(km_record_writer_submit(w, line, (size_t)n), KM_OK);
+    }
+    cr_assert_eq(km_record_writer_flush(w, 10000), KM_OK);
+    km_record_writer_counters s;
+    km_record_writer_stats(w, &s);
+    cr_assert_eq(s.rotations, 1);
+    cr_assert_eq(count_lines_in(name), 11);
+    cr_assert_eq(count_lines_in(path), 10);
+    /* copytruncate: the lines are copied elsewhere and path is cut to 0 */
+    cr_assert_eq(truncate(path, 0), 0, "%s", strerror(errno));
+    int n = snprintf(line, sizeof line, "{\"i\":21,\"pad\":\"%*s\"}", 150, "");
+    cr_assert_eq(km_record_writer_submit(w, line, (size_t)n), KM_OK);
+    cr_assert_eq(km_record_writer_flush(w, 10000), KM_OK);
+    km_record_writer_stats(w, &s);
+    cr_assert_eq(s.rotations, 1, "a 0-byte file was rotated");
+    cr_assert_eq(s.deleted_records, 0);
+    cr_assert_eq(count_lines_in(name), 11, "the rotated records were deleted");
+    cr_assert_eq(count_lines_in(path), 1);
+    km_record_writer_destroy(w);
+    remove_dir(dir);
+}
+
 /* Retention by bytes and by age: the files past either limit are deleted at a rotation, their
  * records counted exactly (files an earlier run left included), one log line per rotation that
  * deleted something. */
