@@ -9,6 +9,7 @@
 #include <dirent.h>
 #include <malloc.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -506,4 +507,238 @@ Test(pools, add_and_remove_hundreds_of_times_leaves_nothing, .timeout = 240)
     km_client_close(c);
     pools_stop(&s);
     km_test_publisher_stop(pub);
+}
+
+/* ---- a configuration file read again (km_server_reload, as kvmatch serve's SIGHUP runs it) */
+
+/* A server started from a JSON configuration file, whose SIGHUP reads the file again and hands it
+ * to km_server_reload on the loop thread, as kvmatch serve does; its log lines kept in memory. */
+typedef struct reload_srv {
+    pools_srv base;
+    char config[160];
+    km_server_config_json *owner;
+    pthread_mutex_t log_lock;
+    char log[1 << 16];
+    size_t log_len;
+    int reloads;      /* reloads run (log_lock) */
+    int load_status;  /* the last reload's km_server_config_load_json */
+    int reload_status; /* the last reload's km_server_reload */
+} reload_srv;
+
+static void reload_log(void *user, const char *line)
+{
+    reload_srv *r = user;
+    pthread_mutex_lock(&r->log_lock);
+    size_t n = strlen(line);
+    if (r->log_len + n + 2 < sizeof r->log) {
+        memcpy(r->log + r->log_len, line, n);
+        r->log_len += n;
+        r->log[r->log_len++] = '\n';
+        r->log[r->log_len] = '\0';
+    }
+    pthread_mutex_unlock(&r->log_lock);
+    if (getenv("KM_TEST_SERVER_LOG"))
+        fprintf(stderr, "serve: %s\n", line);
+}
+
+static bool reload_logged(reload_srv *r, const char *text)
+{
+    pthread_mutex_lock(&r->log_lock);
+    bool found = strstr(r->log, text) != NULL;
+    pthread_mutex_unlock(&r->log_lock);
+    return found;
+}
+
+static void reload_on_hangup(km_server *server, void *user)
+{
+    reload_srv *r = user;
+    km_server_config fresh;
+    km_server_config_init(&fresh);
+    km_server_config_json *owner = NULL;
+    char why[512];
+    int load = km_server_config_load_json(r->config, &fresh, &owner, why, sizeof why);
+    int rc = KM_OK;
+    if (load != KM_OK)
+        reload_log(r, why);
+    else
+        rc = km_server_reload(server, &fresh);
+    km_server_config_json_free(owner);
+    pthread_mutex_lock(&r->log_lock);
+    r->load_status = load;
+    r->reload_status = rc;
+    r->reloads++;
+    pthread_mutex_unlock(&r->log_lock);
+}
+
+static void reload_write(reload_srv *r, const char *json)
+{
+    FILE *f = fopen(r->config, "w");
+    cr_assert_not_null(f);
+    cr_assert_geq(fputs(json, f), 0);
+    cr_assert_eq(fclose(f), 0);
+}
+
+static void *reload_run(void *arg)
+{
+    pools_srv *s = arg;
+    s->run_status = km_server_run(s->server, true);
+    return NULL;
+}
+
+/* Start from `json` (its pools; the rest of the settings the test's) and connect *c. */
+static void reload_start(reload_srv *r, const char *json, km_client **c)
+{
+    memset(r, 0, sizeof *r);
+    pthread_mutex_init(&r->log_lock, NULL);
+    pools_srv *s = &r->base;
+    strcpy(s->dir, "/tmp/kvmatch-reload-XXXXXX");
+    cr_assert_not_null(mkdtemp(s->dir));
+    snprintf(s->sock, sizeof s->sock, "%s/s.sock", s->dir);
+    snprintf(s->addr, sizeof s->addr, "unix:%s", s->sock);
+    snprintf(r->config, sizeof r->config, "%s/kvmatch.json", s->dir);
+    reload_write(r, json);
+    km_server_config cfg;
+    km_server_config_init(&cfg);
+    char why[512];
+    cr_assert_eq(km_server_config_load_json(r->config, &cfg, &r->owner, why, sizeof why), KM_OK,
+                 "%s", why);
+    cfg.socket_path = s->sock;
+    cfg.records_path = NULL;
+    cfg.max_workers = 64;
+    cfg.backend = KM_BACKEND_CPU;
+    cfg.index_threads = 1;
+    cfg.index_initial_blocks = 1024;
+    cfg.log = reload_log;
+    cfg.log_user = r;
+    cfg.on_hangup = reload_on_hangup;
+    cfg.hangup_user = r;
+    int rc = km_server_create(&cfg, &s->server, why, sizeof why);
+    cr_assert_eq(rc, KM_OK, "km_server_create: %s", why);
+    cr_assert_eq(pthread_create(&s->thread, NULL, reload_run, s), 0);
+    cr_assert_eq(km_client_connect(s->addr, 5000, c, why, sizeof why), KM_OK, "%s", why);
+}
+
+/* Write `json` into the file, SIGHUP, and wait (up to 5 s) for the reload to end. The settings
+ * outside the pools must be the ones reload_start gave the server, so the file sets only pools. */
+static void reload_with(reload_srv *r, const char *json)
+{
+    reload_write(r, json);
+    pthread_mutex_lock(&r->log_lock);
+    int before = r->reloads;
+    pthread_mutex_unlock(&r->log_lock);
+    cr_assert_eq(kill(getpid(), SIGHUP), 0);
+    for (int wait = 0; wait < 500; wait++) {
+        pthread_mutex_lock(&r->log_lock);
+        int now = r->reloads;
+        pthread_mutex_unlock(&r->log_lock);
+        if (now > before)
+            return;
+        km_test_sleep_ms(10);
+    }
+    cr_assert_fail("the reload did not run within 5 s");
+}
+
+static void reload_stop(reload_srv *r, km_client *c)
+{
+    km_client_close(c);
+    r->base.snapshots[0] = '\0';
+    pools_stop(&r->base);
+    km_server_config_json_free(r->owner);
+    pthread_mutex_destroy(&r->log_lock);
+}
+
+/* POOL_LIST's entry for pool `name` (valid until the next call on c); fails the test if absent. */
+static const km_pool_info *listed_pool(km_client *c, km_message *reply, const char *name)
+{
+    km_message m = {.type = KM_MESSAGE_POOLS};
+    m.pools.action = KM_ADMIN_LIST;
+    cr_assert_eq(km_client_call(c, &m, 5000, reply), KM_OK, "%s", km_client_last_error(c));
+    cr_assert_eq(reply->type, KM_MESSAGE_POOL_LIST);
+    for (uint32_t i = 0; i < reply->pools.n_pools; i++)
+        if (!strcmp(reply->pools.pools[i].name, name))
+            return &reply->pools.pools[i];
+    cr_assert_fail("pool %s is not listed", name);
+    return NULL;
+}
+
+/* One POOLS update of `name`'s engine preset; the item's status, its message into msg. */
+static int pools_update_engine(km_client *c, const char *name, const char *engine, char *msg,
+                               size_t msg_size)
+{
+    km_pool_info pi;
+    memset(&pi, 0, sizeof pi);
+    pi.name = name;
+    pi.engine = engine;
+    km_message m = {.type = KM_MESSAGE_POOLS}, reply;
+    m.pools.action = KM_ADMIN_UPDATE;
+    m.pools.pools = &pi;
+    m.pools.n_pools = 1;
+    cr_assert_eq(km_client_call(c, &m, 10000, &reply), KM_OK, "%s", km_client_last_error(c));
+    cr_assert_eq(reply.type, KM_MESSAGE_ACK);
+    snprintf(msg, msg_size, "%s", reply.ack.items[0].message ? reply.ack.items[0].message : "");
+    return reply.ack.items[0].status;
+}
+
+/* A pool's engine preset is fixed for its life, in a reload as in POOLS update (its approximate
+ * mode's capacity and the policy's timing were set from it): both refuse a change with a message
+ * that names the pool, both presets and what to do, and the pool keeps its engine, policy and
+ * workers. The same preset is accepted by both. */
+Test(pools, engine_change_is_refused_by_reload_and_update_alike, .timeout = 60)
+{
+    reload_srv r;
+    km_client *c = NULL;
+    reload_start(&r, "{\"pools\": [{\"name\": \"main\", \"block_size\": 16, \"policy\": \"ttft\","
+                     " \"engine\": \"llama3-8b-h100\", \"workers\": [{\"id\": 0}]}]}", &c);
+    km_message reply;
+    const km_pool_info *p = listed_pool(c, &reply, "main");
+    cr_assert_str_eq(p->engine, "llama3-8b-h100");
+    double capacity = -1;
+    for (uint32_t k = 0; k < p->n_params; k++)
+        if (!strcmp(p->params[k].name, "approx_capacity_blocks"))
+            capacity = p->params[k].value;
+    cr_assert_gt(capacity, 0);
+
+    /* The file asks for another engine and another spread_ms: the pool is refused whole. */
+    reload_with(&r, "{\"pools\": [{\"name\": \"main\", \"block_size\": 16, \"policy\": \"ttft\","
+                    " \"engine\": \"llama3-70b-h100x4\", \"params\": {\"spread_ms\": 7},"
+                    " \"workers\": [{\"id\": 0}, {\"id\": 1}]}]}");
+    cr_assert_eq(r.reload_status, KM_ERR_INVALID_ARGUMENT, "the reload accepted another engine");
+    cr_assert(reload_logged(&r, "reload: pool main refused: engine cannot change "
+                                "(llama3-8b-h100 -> llama3-70b-h100x4"), "%s", r.log);
+    cr_assert(reload_logged(&r, "POOLS remove"), "the refusal does not say what to do: %s", r.log);
+    p = listed_pool(c, &reply, "main");
+    cr_assert_str_eq(p->engine, "llama3-8b-h100");
+    for (uint32_t k = 0; k < p->n_params; k++) {
+        if (!strcmp(p->params[k].name, "approx_capacity_blocks"))
+            cr_assert_eq(p->params[k].value, capacity);
+        if (!strcmp(p->params[k].name, "spread_ms"))
+            cr_assert_eq(p->params[k].value, 1.0, "the refused pool's parameters changed");
+    }
+    km_message m = {.type = KM_MESSAGE_WORKERS};
+    m.workers.action = KM_ADMIN_LIST;
+    cr_assert_eq(km_client_call(c, &m, 5000, &reply), KM_OK);
+    cr_assert_eq(reply.workers.n_workers, 1, "the refused pool's workers changed");
+
+    /* POOLS update says the same. */
+    char msg[256];
+    cr_assert_eq(pools_update_engine(c, "main", "llama3-70b-h100x4", msg, sizeof msg),
+                 KM_ERR_INVALID_ARGUMENT);
+    cr_assert(strstr(msg, "pool main: engine cannot change (llama3-8b-h100 -> "
+                          "llama3-70b-h100x4"), "%s", msg);
+    cr_assert(strstr(msg, "POOLS remove"), "%s", msg);
+    cr_assert_eq(pools_update_engine(c, "main", "llama3-8b-h100", msg, sizeof msg), KM_OK, "%s",
+                 msg);
+
+    /* The same engine in the file: the rest of the pool's change applies. */
+    reload_with(&r, "{\"pools\": [{\"name\": \"main\", \"block_size\": 16, \"policy\": \"ttft\","
+                    " \"engine\": \"llama3-8b-h100\", \"params\": {\"spread_ms\": 7},"
+                    " \"workers\": [{\"id\": 0}, {\"id\": 1}]}]}");
+    cr_assert_eq(r.reload_status, KM_OK, "%s", r.log);
+    p = listed_pool(c, &reply, "main");
+    bool spread = false;
+    for (uint32_t k = 0; k < p->n_params; k++)
+        if (!strcmp(p->params[k].name, "spread_ms"))
+            spread = p->params[k].value == 7.0;
+    cr_assert(spread, "the accepted reload's parameter is not applied");
+    reload_stop(&r, c);
 }

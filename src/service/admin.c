@@ -222,7 +222,7 @@ static uint32_t listed_params(const pool *p, km_param *pp)
 }
 
 /* A POOLS add / update's engine preset (NULL: none given): into pc at add; at update only the
- * pool's own is accepted, since its approximate mode's capacity was set from it at add. */
+ * pool's own is accepted (km_srv_pool_engine_check), as a reload accepts only it. */
 static int pool_engine(km_admin_action action, const pool *existing, km_server_pool *pc,
                        const char *pool_name, const char *preset, char *why, size_t why_size)
 {
@@ -240,11 +240,10 @@ static int pool_engine(km_admin_action action, const pool *existing, km_server_p
                       names);
     }
     if (action == KM_ADMIN_UPDATE) {
-        const char *own = km_engine_model_preset_of(&existing->policy.engine);
-        if (!own || strcmp(own, preset) != 0)
-            return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,
-                          "pool %s: engine cannot change (the pool was added with %s)", pool_name,
-                          own ? own : "another model");
+        char detail[224];
+        if (km_srv_pool_engine_check(existing, &m, detail, sizeof detail) != KM_OK)
+            return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT, "pool %s: %s", pool_name,
+                          detail);
         return KM_OK;
     }
     pc->policy.engine = m;

@@ -75,6 +75,20 @@ void km_srv_pool_approx_params(const km_server_pool *pc, uint64_t *ttl_ms,
                                                   : engine_capacity_in_blocks(pc);
 }
 
+int km_srv_pool_engine_check(const pool *p, const km_engine_model *m, char *why,
+                             size_t why_size)
+{
+    if (memcmp(&p->policy.engine, m, sizeof *m) == 0)
+        return KM_OK;
+    const char *own = km_engine_model_preset_of(&p->policy.engine);
+    const char *asked = km_engine_model_preset_of(m);
+    return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,
+                  "engine cannot change (%s -> %s: its approximate-mode capacity was set from "
+                  "the first); POOLS remove the pool and add it again with the new one, or "
+                  "restart",
+                  own ? own : "a custom model", asked ? asked : "a custom model");
+}
+
 /* A pool from its config, with its index and approximate-mode state; its subscriber and in-process
  * feed come with its first worker that needs them. KM_OK, or an error with why filled. */
 int km_srv_pool_create(km_server *s, const km_server_pool *pc, pool **out, char *why,

@@ -251,6 +251,11 @@ int km_server_reload(km_server *s, const km_server_config *n)
                 first_error = first_error ? first_error : KM_ERR_INVALID_ARGUMENT;
                 continue;
             }
+            if (km_srv_pool_engine_check(p, &pc->policy.engine, why, sizeof why) != KM_OK) {
+                km_srv_log(s, KM_LOG_WARNING "reload: pool %s refused: %s", pc->name, why);
+                first_error = first_error ? first_error : KM_ERR_INVALID_ARGUMENT;
+                continue;
+            }
             if (km_policy_config_validate(&pc->policy, detail, sizeof detail) != KM_OK) {
                 km_srv_log(s, KM_LOG_WARNING "reload: pool %s refused: %s", pc->name, detail);
                 first_error = first_error ? first_error : KM_ERR_INVALID_ARGUMENT;

@@ -557,6 +557,12 @@ int km_srv_pool_find(const km_server *s, const char *name);
  * (fixed for the pool's life). */
 void km_srv_pool_approx_params(const km_server_pool *pc, uint64_t *ttl_ms,
                                uint64_t *capacity_blocks);
+/* Whether engine model m may be pool p's (a reload's file, POOLS update): KM_OK when it is the
+ * pool's own; else KM_ERR_INVALID_ARGUMENT with why ("engine cannot change (A -> B) ...")
+ * naming both models and what to do. The engine is fixed for the pool's life: its
+ * approximate mode's capacity was set from it. */
+int km_srv_pool_engine_check(const pool *p, const km_engine_model *m, char *why,
+                             size_t why_size);
 int km_srv_pool_for_model(const km_server *s, const char *model);
 void km_srv_pool_destroy(pool *p);
 int km_srv_pool_create(km_server *s, const km_server_pool *pc, pool **out, char *why,
