@@ -742,3 +742,42 @@ Test(pools, engine_change_is_refused_by_reload_and_update_alike, .timeout = 60)
     cr_assert(spread, "the accepted reload's parameter is not applied");
     reload_stop(&r, c);
 }
+
+/* A file that lists a pool twice, or a worker twice, is refused whole at a reload, as at the
+ * start: nothing changes (applied entry by entry, the second entry of the pool would remove the
+ * workers the first lists, and the first would add them again without their index state or their
+ * active work). */
+Test(pools, reload_refuses_a_file_listing_a_pool_or_a_worker_twice, .timeout = 60)
+{
+    reload_srv r;
+    km_client *c = NULL;
+    reload_start(&r, "{\"pools\": [{\"name\": \"main\", \"block_size\": 4, \"workers\": "
+                     "[{\"id\": 0}]}]}", &c);
+    cr_assert_eq(route_status(c, "main"), KM_OK);
+    reload_with(&r, "{\"pools\": [{\"name\": \"main\", \"block_size\": 4, \"workers\": "
+                    "[{\"id\": 0}]}, {\"name\": \"main\", \"block_size\": 4, \"workers\": "
+                    "[{\"id\": 1}]}]}");
+    cr_assert_eq(r.load_status, KM_ERR_INVALID_ARGUMENT, "a pool listed twice was read: %s",
+                 r.log);
+    cr_assert(reload_logged(&r, "pools[1].name: pool main is listed twice (pools[0])"), "%s",
+              r.log);
+    cr_assert(!reload_logged(&r, "worker 0 removed"), "%s", r.log);
+    km_message m = {.type = KM_MESSAGE_WORKERS}, reply;
+    m.workers.action = KM_ADMIN_LIST;
+    cr_assert_eq(km_client_call(c, &m, 5000, &reply), KM_OK);
+    cr_assert_eq(reply.workers.n_workers, 1, "the refused file's workers were applied");
+
+    reload_with(&r, "{\"pools\": [{\"name\": \"main\", \"block_size\": 4, \"workers\": "
+                    "[{\"id\": 0}, {\"id\": 1}]}, {\"name\": \"other\", \"block_size\": 4, "
+                    "\"workers\": [{\"id\": 2, \"dp_size\": 2}, {\"id\": 1}]}]}");
+    cr_assert_eq(r.load_status, KM_ERR_INVALID_ARGUMENT, "a worker listed twice was read: %s",
+                 r.log);
+    cr_assert(reload_logged(&r, "pools[1].workers[1]: worker 1 is listed twice "
+                                "(pools[0].workers[1])"), "%s", r.log);
+    cr_assert_eq(km_client_call(c, &m, 5000, &reply), KM_OK);
+    cr_assert_eq(reply.workers.n_workers, 1, "the refused file's workers were applied");
+    km_message reply2;
+    listed_pool(c, &reply2, "main");
+    cr_assert_eq(reply2.pools.n_pools, 1, "the refused file's pool was added");
+    reload_stop(&r, c);
+}

@@ -316,6 +316,17 @@ Test(server_config, bad_files_are_refused_naming_the_field, .timeout = 10)
         {"{\"pools\": [{\"name\": \"p\", \"block_size\": 16, \"workers\": [{\"id\": 1, "
          "\"events\": \"ipc:///tmp/x\", \"dp_size\": 2}]}]}",
          KM_ERR_INVALID_ARGUMENT, "no port for rank"},
+        {"{\"pools\": [{\"name\": \"p\", \"block_size\": 16}, {\"name\": \"q\", "
+         "\"block_size\": 16}, {\"name\": \"p\", \"block_size\": 16}]}",
+         KM_ERR_INVALID_ARGUMENT, "pools[2].name: pool p is listed twice (pools[0])"},
+        {"{\"pools\": [{\"name\": \"p\", \"block_size\": 16, \"workers\": [{\"id\": 3}, "
+         "{\"id\": 3}]}]}",
+         KM_ERR_INVALID_ARGUMENT, "pools[0].workers[1]: worker 3 is listed twice "
+         "(pools[0].workers[0])"},
+        {"{\"pools\": [{\"name\": \"p\", \"block_size\": 16, \"workers\": [{\"id\": 4}]}, "
+         "{\"name\": \"q\", \"block_size\": 16, \"workers\": [{\"id\": 2, \"dp_size\": 4}]}]}",
+         KM_ERR_INVALID_ARGUMENT, "pools[1].workers[0]: worker 4 is listed twice "
+         "(pools[0].workers[0])"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         char path[64], why[256] = "";

@@ -149,7 +149,13 @@ struct km_server_config_json {
     km_server_worker **workers; /* per pool */
     char **strings;             /* endpoints made for data-parallel ranks */
     size_t n_strings, strings_capacity;
+    /* Per worker id, where the file lists it: (pool + 1) << 32 | its entry in workers[]; 0 where
+     * it lists none. Read only while the file is read. */
+    uint64_t *listed_at;
 };
+
+/* Worker ids a file can name: an id up to KM_MAX_WORKERS_LIMIT - 1, then its dp_size ranks. */
+#define LISTED_IDS (KM_MAX_WORKERS_LIMIT + 1024u)
 
 void km_server_config_json_free(km_server_config_json *o)
 {
@@ -163,6 +169,7 @@ void km_server_config_json_free(km_server_config_json *o)
     for (size_t i = 0; i < o->n_strings; i++)
         free(o->strings[i]);
     free(o->strings);
+    free(o->listed_at);
     json_decref(o->root);
     free(o);
 }
@@ -324,6 +331,11 @@ static void read_pool(reader *r, km_server_config_json *o, json_t *jp, uint32_t 
     snprintf(pool_where, sizeof pool_where, "pools[%u]", i);
     check_keys(r, jp, pool_where, pool_keys);
     get_string(r, jp, "name", where, &p->name);
+    /* Applied entry by entry, a second entry of one pool would undo the first's workers. */
+    for (uint32_t k = 0; !r->rc && p->name && k < i; k++)
+        if (o->pools[k].name && !strcmp(o->pools[k].name, p->name))
+            r->rc = km_why(r->why, r->why_size, KM_ERR_INVALID_ARGUMENT,
+                           "%sname: pool %s is listed twice (pools[%u])", where, p->name, k);
     get_string(r, jp, "model", where, &p->model);
     get_u32(r, jp, "block_size", where, 1, 1u << 20, &p->block_size);
     get_u32(r, jp, "hash_lookahead_tokens", where, 0, KM_HASH_MAX_LOOKAHEAD,
@@ -436,6 +448,19 @@ static void read_pool(reader *r, km_server_config_json *o, json_t *jp, uint32_t 
         for (uint32_t rank = 0; rank < dp && !r->rc; rank++) {
             km_server_worker w = base;
             w.id = (uint32_t)id + rank;
+            if (!o->listed_at && !(o->listed_at = calloc(LISTED_IDS, sizeof *o->listed_at))) {
+                r->rc = km_why(r->why, r->why_size, KM_ERR_OUT_OF_MEMORY, "worker ids");
+                break;
+            }
+            uint64_t at = ((uint64_t)i + 1) << 32 | k;
+            uint64_t before = o->listed_at[w.id];
+            if (before) {
+                r->rc = km_why(r->why, r->why_size, KM_ERR_INVALID_ARGUMENT,
+                               "%sworkers[%zu]: worker %u is listed twice (pools[%u].workers[%u])",
+                               where, k, w.id, (uint32_t)(before >> 32) - 1, (uint32_t)before);
+                break;
+            }
+            o->listed_at[w.id] = at;
             if (dp > 1) {
                 w.has_dp_rank = true;
                 w.dp_rank = rank;
@@ -682,6 +707,8 @@ int km_server_config_load_json(const char *path, km_server_config *target, km_se
         km_server_config_json_free(o);
         return r.rc;
     }
+    free(o->listed_at);
+    o->listed_at = NULL;
     *target = loaded;
     *out = o;
     return KM_OK;
