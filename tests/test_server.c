@@ -5867,3 +5867,90 @@ Test(server, decision_records_carry_the_last_arrivals_the_spread_chose_by, .time
     json_decref(all);
     srv_cleanup(&s);
 }
+
+/* ---- kvmatch serve's reload: the flags over a file read again ---------------------------- */
+
+/* Whether the file at path holds text. */
+static bool serve_log_has(const char *path, const char *text)
+{
+    FILE *f = fopen(path, "r");
+    if (!f)
+        return false;
+    static char buf[1 << 16];
+    size_t n = fread(buf, 1, sizeof buf - 1, f);
+    fclose(f);
+    buf[n] = '\0';
+    return strstr(buf, text) != NULL;
+}
+
+static void serve_write_file(const char *path, const char *text)
+{
+    FILE *f = fopen(path, "w");
+    cr_assert_not_null(f);
+    cr_assert_geq(fputs(text, f), 0);
+    cr_assert_eq(fclose(f), 0);
+}
+
+/* A reload whose flags do not apply over the file read again (a --param of the policy the file
+ * no longer gives the pool) changes nothing, and the log file says so with the flag's reason,
+ * where the operator reads the reloads' outcome. */
+Test(server, cli_serve_reload_the_flags_refuse_is_logged, .timeout = 60)
+{
+    const char *bin = getenv("KM_BIN") ? getenv("KM_BIN") : "build/kvmatch";
+    if (access(bin, X_OK) != 0)
+        cr_assert_fail("%s is not executable (set KM_BIN)", bin);
+    char dir[64] = "/tmp/kvmatch-serve-reload-XXXXXX", sock[128], addr[160], config[128],
+         log[128];
+    cr_assert_not_null(mkdtemp(dir));
+    snprintf(sock, sizeof sock, "%s/s.sock", dir);
+    snprintf(addr, sizeof addr, "unix:%s", sock);
+    snprintf(config, sizeof config, "%s/kvmatch.json", dir);
+    snprintf(log, sizeof log, "%s/serve.log", dir);
+    serve_write_file(config, "{\"pools\": [{\"name\": \"main\", \"block_size\": 16, \"policy\": "
+                             "\"kv\", \"workers\": [{\"id\": 0}]}]}");
+    int parent = getpid();
+    pid_t pid = fork();
+    cr_assert(pid >= 0);
+    if (pid == 0) {
+        km_test_die_with_parent(parent);
+        int devnull = open("/dev/null", O_WRONLY);
+        if (devnull >= 0 && !getenv("KM_TEST_SERVER_LOG"))
+            dup2(devnull, 2);
+        execl(bin, bin, "serve", "--config", config, "--socket", sock, "--records", "none",
+              "--backend", "cpu", "--param", "main:temperature=0.5", "--log-file", log,
+              (char *)NULL);
+        _exit(127);
+    }
+    km_client *c = NULL;
+    for (int i = 0; i < 300 && !c; i++) {
+        if (km_client_connect(addr, 1000, &c, NULL, 0) != KM_OK) {
+            c = NULL;
+            km_test_sleep_ms(10);
+        }
+    }
+    cr_assert_not_null(c, "kvmatch serve did not come up");
+    serve_write_file(config, "{\"pools\": [{\"name\": \"main\", \"block_size\": 16, \"policy\": "
+                             "\"ttft\", \"workers\": [{\"id\": 0}, {\"id\": 1}]}]}");
+    cr_assert_eq(kill(pid, SIGHUP), 0);
+    const char *want = "reload of %s refused, nothing changed: the flags do not apply over it: "
+                       "--param main:temperature=0.5: a parameter of policy kv; pool main has "
+                       "policy ttft";
+    char line[512];
+    snprintf(line, sizeof line, want, config);
+    for (int i = 0; i < 250 && !serve_log_has(log, line); i++)
+        km_test_sleep_ms(20);
+    cr_assert(serve_log_has(log, line), "the refused reload is not in the log file");
+    km_message m = {.type = KM_MESSAGE_WORKERS}, reply;
+    m.workers.action = KM_ADMIN_LIST;
+    cr_assert_eq(km_client_call(c, &m, 5000, &reply), KM_OK);
+    cr_assert_eq(reply.workers.n_workers, 1, "the refused reload added a worker");
+    km_client_close(c);
+    cr_assert_eq(kill(pid, SIGTERM), 0);
+    int st = 0;
+    cr_assert_eq(waitpid(pid, &st, 0), pid);
+    cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "exit status %d", st);
+    char cmd[160];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+    if (system(cmd) != 0)
+        fprintf(stderr, "could not remove %s\n", dir);
+}

@@ -6,6 +6,7 @@
  * still work and say which name replaced them. */
 #define _POSIX_C_SOURCE 200809L
 #include <errno.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -126,6 +127,26 @@ static const struct option serve_options[] = {
 
 static bool g_quiet; /* a reload applies the flags again: no second round of warnings */
 
+/* Where a flag's refusal goes: stderr at the start; during a reload (g_quiet) the first one is
+ * kept in g_flag_refusal, for the reload's log line. */
+static char g_flag_refusal[512];
+
+static void flag_error(const char *fmt, ...)
+{
+    char line[512];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(line, sizeof line, fmt, ap);
+    va_end(ap);
+    size_t n = strlen(line);
+    while (n && line[n - 1] == '\n')
+        line[--n] = '\0';
+    if (!g_quiet)
+        fprintf(stderr, "kvmatch serve: %s\n", line);
+    else if (!g_flag_refusal[0])
+        snprintf(g_flag_refusal, sizeof g_flag_refusal, "%s", line);
+}
+
 static void deprecated(const char *old, const char *now)
 {
     if (!g_quiet)
@@ -168,10 +189,19 @@ static void on_hangup(km_server *server, void *user)
     }
     /* the flags override the file, at a reload as at the start */
     g_quiet = true;
+    g_flag_refusal[0] = '\0';
     int flags = apply_flags(st->argc, st->argv, &fresh);
     g_quiet = false;
-    if (flags == KM_EXIT_OK)
+    if (flags == KM_EXIT_OK) {
         km_server_reload(server, &fresh);
+    } else {
+        /* A flag that named what the file no longer has (a pool, its policy). */
+        char line[800];
+        snprintf(line, sizeof line, "serve: reload of %s refused, nothing changed: the flags do "
+                 "not apply over it: %s", st->config_path,
+                 g_flag_refusal[0] ? g_flag_refusal : "(stderr says why)");
+        km_logger_write(st->logger, line);
+    }
     km_server_config_json_free(owner);
 }
 
@@ -287,7 +317,7 @@ static int apply_flags(int argc, char **argv, km_server_config *cfg)
     flag_pools_free(fp);
     for (uint32_t i = 0; i < cfg->n_pools; i++) {
         if (!flag_pools_reserve(fp)) {
-            fprintf(stderr, "kvmatch serve: out of memory copying %u pools\n", cfg->n_pools);
+            flag_error("out of memory copying %u pools\n", cfg->n_pools);
             return KM_EXIT_FAILURE;
         }
         fp->pools[fp->n++] = cfg->pools[i];
@@ -302,7 +332,7 @@ static int apply_flags(int argc, char **argv, km_server_config *cfg)
         pool_flag |= opt == OPT_POOL;
     if (fp->n == 0 && !pool_flag) {
         if (!flag_pools_reserve(fp)) {
-            fprintf(stderr, "kvmatch serve: out of memory\n");
+            flag_error("out of memory\n");
             return KM_EXIT_FAILURE;
         }
         km_server_pool *p = &fp->pools[fp->n++];
@@ -438,7 +468,7 @@ static int apply_flags(int argc, char **argv, km_server_config *cfg)
             else if (!strcmp(v, "cuda"))
                 cfg->backend = KM_BACKEND_CUDA;
             else {
-                fprintf(stderr, "kvmatch serve: --backend is auto, cpu or cuda, got \"%s\"\n", v);
+                flag_error("--backend is auto, cpu or cuda, got \"%s\"\n", v);
                 status = KM_EXIT_USAGE;
             }
             break;
@@ -447,8 +477,8 @@ static int apply_flags(int argc, char **argv, km_server_config *cfg)
              * the rest, colons included). */
             char buf[256];
             if (strlen(v) >= sizeof buf) {
-                fprintf(stderr, "kvmatch serve: --pool takes at most %zu bytes, got %zu\n",
-                        sizeof buf - 1, strlen(v));
+                flag_error("--pool takes at most %zu bytes, got %zu\n",
+                           sizeof buf - 1, strlen(v));
                 status = KM_EXIT_USAGE;
                 break;
             }
@@ -461,13 +491,13 @@ static int apply_flags(int argc, char **argv, km_server_config *cfg)
             if (model && !*model)
                 model = NULL;
             if (!name || !*name || !bs || !*bs) {
-                fprintf(stderr, "kvmatch serve: --pool wants NAME:BLOCK_SIZE[:POLICY[:MODEL]], "
-                                "got \"%s\"\n", v);
+                flag_error("--pool wants NAME:BLOCK_SIZE[:POLICY[:MODEL]], "
+                           "got \"%s\"\n", v);
                 status = KM_EXIT_USAGE;
                 break;
             }
             if (!flag_pools_reserve(fp)) {
-                fprintf(stderr, "kvmatch serve: --pool %s: out of memory\n", v);
+                flag_error("--pool %s: out of memory\n", v);
                 status = KM_EXIT_FAILURE;
                 break;
             }
@@ -476,22 +506,22 @@ static int apply_flags(int argc, char **argv, km_server_config *cfg)
             km_policy_config_init(&p->policy);
             uint64_t block_size;
             if (!km_cli_u64("serve", "pool", bs, 1, 1u << 20, &block_size)) {
-                fprintf(stderr, "kvmatch serve: (the BLOCK_SIZE of --pool %s)\n", v);
+                flag_error("(the BLOCK_SIZE of --pool %s)\n", v);
                 status = KM_EXIT_USAGE;
                 break;
             }
             p->block_size = (uint32_t)block_size;
             if (pol && km_policy_kind_parse(pol, &p->policy.kind) != KM_OK) {
-                fprintf(stderr, "kvmatch serve: --pool %s: unknown policy \"%s\" (ttft, kv, "
-                                "cache_aware, prefix, least_load, round_robin, llmd, preble)\n",
-                        v, pol);
+                flag_error("--pool %s: unknown policy \"%s\" (ttft, kv, "
+                           "cache_aware, prefix, least_load, round_robin, llmd, preble)\n",
+                           v, pol);
                 status = KM_EXIT_USAGE;
                 break;
             }
             p->name = flag_pools_strdup(fp, name);
             p->model = model ? flag_pools_strdup(fp, model) : NULL;
             if (!p->name || (model && !p->model)) {
-                fprintf(stderr, "kvmatch serve: --pool %s: out of memory\n", v);
+                flag_error("--pool %s: out of memory\n", v);
                 status = KM_EXIT_FAILURE;
                 break;
             }
@@ -507,14 +537,14 @@ static int apply_flags(int argc, char **argv, km_server_config *cfg)
                                : opt == OPT_ENGINE ? "--engine"
                                                    : "--worker";
             if (pi < 0) {
-                fprintf(stderr, "kvmatch serve: %s %s: no such pool (define it first)\n", flag, v);
+                flag_error("%s %s: no such pool (define it first)\n", flag, v);
                 status = KM_EXIT_USAGE;
                 break;
             }
             if (opt == OPT_ENGINE) {
                 if (km_engine_model_preset(colon + 1, &fp->pools[pi].policy.engine) != KM_OK) {
-                    fprintf(stderr, "kvmatch serve: --engine %s: unknown engine preset \"%s\" "
-                                    "(kvmatch sim --help lists them)\n", v, colon + 1);
+                    flag_error("--engine %s: unknown engine preset \"%s\" "
+                               "(kvmatch sim --help lists them)\n", v, colon + 1);
                     status = KM_EXIT_USAGE;
                 }
                 break;
@@ -523,7 +553,7 @@ static int apply_flags(int argc, char **argv, km_server_config *cfg)
                 const char *eq = strchr(colon + 1, '=');
                 char pname[64];
                 if (!eq || (size_t)(eq - colon - 1) >= sizeof pname) {
-                    fprintf(stderr, "kvmatch serve: --param wants POOL:NAME=VALUE, got \"%s\"\n", v);
+                    flag_error("--param wants POOL:NAME=VALUE, got \"%s\"\n", v);
                     status = KM_EXIT_USAGE;
                     break;
                 }
@@ -533,9 +563,9 @@ static int apply_flags(int argc, char **argv, km_server_config *cfg)
                 km_server_pool *p = &fp->pools[pi];
                 const char *owner = km_server_policy_param_owner(pname);
                 if (owner && strcmp(owner, km_policy_kind_name(p->policy.kind)) != 0) {
-                    fprintf(stderr, "kvmatch serve: --param %s: a parameter of policy %s; pool %s "
-                                    "has policy %s\n", v, owner, p->name,
-                            km_policy_kind_name(p->policy.kind));
+                    flag_error("--param %s: a parameter of policy %s; pool %s "
+                               "has policy %s\n", v, owner, p->name,
+                               km_policy_kind_name(p->policy.kind));
                     status = KM_EXIT_USAGE;
                     break;
                 }
@@ -543,8 +573,8 @@ static int apply_flags(int argc, char **argv, km_server_config *cfg)
                 char detail[256];
                 if (*end || end == eq + 1 ||
                     km_server_policy_param(&pc, pname, d, detail, sizeof detail) != KM_OK) {
-                    fprintf(stderr, "kvmatch serve: --param %s: %s\n", v,
-                            *end || end == eq + 1 ? "not a number" : detail);
+                    flag_error("--param %s: %s\n", v,
+                               *end || end == eq + 1 ? "not a number" : detail);
                     status = KM_EXIT_USAGE;
                     break;
                 }
@@ -559,8 +589,8 @@ static int apply_flags(int argc, char **argv, km_server_config *cfg)
             uint64_t id;
             /* Digits only, as follow and route read ids (no sign, no space, no hex). */
             if (!km_cli_parse_u64(idp, (size_t)(end - idp), KM_MAX_WORKERS_LIMIT - 1, &id)) {
-                fprintf(stderr, "kvmatch serve: --worker wants POOL:ID[=PUB[,REPLAY]] with ID in "
-                                "0..%u, got \"%s\"\n", KM_MAX_WORKERS_LIMIT - 1, v);
+                flag_error("--worker wants POOL:ID[=PUB[,REPLAY]] with ID in "
+                           "0..%u, got \"%s\"\n", KM_MAX_WORKERS_LIMIT - 1, v);
                 status = KM_EXIT_USAGE;
                 break;
             }
@@ -576,7 +606,7 @@ static int apply_flags(int argc, char **argv, km_server_config *cfg)
             }
             /* Keep the pool's configured workers, then the flag's. */
             if (!flag_pools_add_worker(fp, (uint32_t)pi, w)) {
-                fprintf(stderr, "kvmatch serve: --worker %s: out of memory\n", v);
+                flag_error("--worker %s: out of memory\n", v);
                 status = KM_EXIT_FAILURE;
             }
             break;
@@ -587,7 +617,7 @@ static int apply_flags(int argc, char **argv, km_server_config *cfg)
         }
     }
     if (!status && optind < argc) {
-        fprintf(stderr, "kvmatch serve: unexpected argument \"%s\"\n", argv[optind]);
+        flag_error("unexpected argument \"%s\"\n", argv[optind]);
         status = km_cli_usage_error("serve");
     }
     if (status)
