@@ -523,6 +523,7 @@ typedef struct reload_srv {
     int reloads;      /* reloads run (log_lock) */
     int load_status;  /* the last reload's km_server_config_load_json */
     int reload_status; /* the last reload's km_server_reload */
+    const km_server_config *next; /* when set, what the next reload applies instead of the file */
 } reload_srv;
 
 static void reload_log(void *user, const char *line)
@@ -556,12 +557,13 @@ static void reload_on_hangup(km_server *server, void *user)
     km_server_config_init(&fresh);
     km_server_config_json *owner = NULL;
     char why[512];
-    int load = km_server_config_load_json(r->config, &fresh, &owner, why, sizeof why);
+    int load = r->next ? KM_OK
+                       : km_server_config_load_json(r->config, &fresh, &owner, why, sizeof why);
     int rc = KM_OK;
     if (load != KM_OK)
         reload_log(r, why);
     else
-        rc = km_server_reload(server, &fresh);
+        rc = km_server_reload(server, r->next ? r->next : &fresh);
     km_server_config_json_free(owner);
     pthread_mutex_lock(&r->log_lock);
     r->load_status = load;
@@ -779,5 +781,64 @@ Test(pools, reload_refuses_a_file_listing_a_pool_or_a_worker_twice, .timeout = 6
     km_message reply2;
     listed_pool(c, &reply2, "main");
     cr_assert_eq(reply2.pools.n_pools, 1, "the refused file's pool was added");
+    reload_stop(&r, c);
+}
+
+/* km_server_reload refuses a configuration that lists a pool twice, or a worker twice, as
+ * km_server_create does (kvmatch serve's flags can add such a pool or worker to a file that
+ * lists it): nothing changes, the log says why, and the workers keep their state. */
+Test(pools, reload_refuses_a_configuration_listing_a_pool_or_a_worker_twice, .timeout = 60)
+{
+    reload_srv r;
+    km_client *c = NULL;
+    reload_start(&r, "{\"pools\": [{\"name\": \"main\", \"block_size\": 4, \"workers\": "
+                     "[{\"id\": 0}]}]}", &c);
+    cr_assert_eq(route_status(c, "main"), KM_OK);
+    km_server_config next;
+    km_server_config_init(&next);
+    next.socket_path = r.base.sock;
+    next.records_path = NULL;
+    km_server_worker w0 = {0, NULL, NULL, NULL, false, 0, NULL};
+    km_server_worker w1 = {1, NULL, NULL, NULL, false, 0, NULL};
+    km_server_pool pools[2];
+    memset(pools, 0, sizeof pools);
+    for (int i = 0; i < 2; i++) {
+        pools[i].name = "main";
+        pools[i].block_size = 4;
+        km_policy_config_init(&pools[i].policy);
+    }
+    pools[0].workers = &w1;
+    pools[0].n_workers = 1;
+    pools[1].workers = &w0;
+    pools[1].n_workers = 1;
+    next.pools = pools;
+    next.n_pools = 2;
+    r.next = &next;
+    reload_with(&r, "{}");
+    cr_assert_eq(r.reload_status, KM_ERR_INVALID_ARGUMENT, "%s", r.log);
+    cr_assert(reload_logged(&r, "reload refused, nothing changed: pool main is listed twice"),
+              "%s", r.log);
+    cr_assert(!reload_logged(&r, "worker 0 removed"), "%s", r.log);
+    km_message m = {.type = KM_MESSAGE_WORKERS}, reply;
+    m.workers.action = KM_ADMIN_LIST;
+    cr_assert_eq(km_client_call(c, &m, 5000, &reply), KM_OK);
+    cr_assert_eq(reply.workers.n_workers, 1, "the refused configuration's workers were applied");
+
+    km_server_worker both[2] = {w0, w1};
+    pools[0].name = "main";
+    pools[0].workers = both;
+    pools[0].n_workers = 2;
+    pools[1].name = "other";
+    pools[1].workers = &w1;
+    pools[1].n_workers = 1;
+    reload_with(&r, "{}");
+    cr_assert_eq(r.reload_status, KM_ERR_INVALID_ARGUMENT, "%s", r.log);
+    cr_assert(reload_logged(&r, "reload refused, nothing changed: worker 1 is listed twice "
+                                "(pools main and other)"), "%s", r.log);
+    cr_assert_eq(km_client_call(c, &m, 5000, &reply), KM_OK);
+    cr_assert_eq(reply.workers.n_workers, 1, "the refused configuration's workers were applied");
+    km_message lr;
+    listed_pool(c, &lr, "main");
+    cr_assert_eq(lr.pools.n_pools, 1, "the refused configuration's pool was added");
     reload_stop(&r, c);
 }

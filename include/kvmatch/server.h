@@ -258,7 +258,8 @@ int km_server_run(km_server *server, bool install_signals);
  * pools, log and the hangup callback; a listed pool's approx_ttl_ms and approx_capacity_blocks,
  * defaults applied) are not changed; each that differs is logged by its name in the
  * configuration file. Every change and refusal is logged, then a summary line. KM_OK, or the
- * first refusal's error (the rest is still applied). */
+ * first refusal's error (the rest is still applied). A configuration that lists a pool name or a
+ * worker id twice is refused whole (KM_ERR_INVALID_ARGUMENT, logged): nothing changes. */
 int km_server_reload(km_server *server, const km_server_config *config);
 
 /* Ask a running server to stop (drain and return from km_server_run). Any thread. */

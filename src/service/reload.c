@@ -188,12 +188,69 @@ static const km_server_pool *pool_listing(const km_server_config *n, const int *
     return NULL;
 }
 
+typedef struct listed_id {
+    uint32_t id, pool; /* a worker id and the index of the pool whose entry lists it */
+} listed_id;
+
+static int listed_id_cmp(const void *a, const void *b)
+{
+    const listed_id *x = a, *y = b;
+    if (x->id != y->id)
+        return x->id < y->id ? -1 : 1;
+    return x->pool < y->pool ? -1 : x->pool > y->pool;
+}
+
+/* KM_OK when n lists each pool name and each worker id once, as km_server_create requires; else
+ * KM_ERR_INVALID_ARGUMENT (KM_ERR_OUT_OF_MEMORY) with why naming the first listed twice. Applied
+ * entry by entry, a second entry of a pool would remove the workers the first lists, and the
+ * first would add them again without their index state and active work. */
+static int check_listed_once(const km_server_config *n, char *why, size_t why_size)
+{
+    size_t total = 0;
+    for (uint32_t i = 0; i < n->n_pools; i++) {
+        const char *name = n->pools[i].name ? n->pools[i].name : "";
+        for (uint32_t k = 0; k < i; k++)
+            if (!strcmp(n->pools[k].name ? n->pools[k].name : "", name))
+                return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,
+                              "pool %s is listed twice", name);
+        total += n->pools[i].n_workers;
+    }
+    if (!total)
+        return KM_OK;
+    listed_id *ids = malloc(total * sizeof *ids);
+    if (!ids)
+        return km_why(why, why_size, KM_ERR_OUT_OF_MEMORY, "out of memory");
+    size_t m = 0;
+    for (uint32_t i = 0; i < n->n_pools; i++)
+        for (uint32_t k = 0; k < n->pools[i].n_workers; k++)
+            ids[m++] = (listed_id){n->pools[i].workers[k].id, i};
+    qsort(ids, m, sizeof *ids, listed_id_cmp);
+    int rc = KM_OK;
+    for (size_t j = 1; j < m && rc == KM_OK; j++)
+        if (ids[j].id == ids[j - 1].id) {
+            const char *a = n->pools[ids[j - 1].pool].name, *b = n->pools[ids[j].pool].name;
+            rc = ids[j].pool == ids[j - 1].pool
+                     ? km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,
+                              "worker %u is listed twice (pool %s)", ids[j].id, a ? a : "")
+                     : km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,
+                              "worker %u is listed twice (pools %s and %s)", ids[j].id,
+                              a ? a : "", b ? b : "");
+        }
+    free(ids);
+    return rc;
+}
+
 int km_server_reload(km_server *s, const km_server_config *n)
 {
     if (!s || !n)
         return KM_ERR_NULL_POINTER;
     int first_error = KM_OK;
     char why[256];
+    int listed = check_listed_once(n, why, sizeof why);
+    if (listed != KM_OK) {
+        km_srv_log(s, KM_LOG_WARNING "reload refused, nothing changed: %s", why);
+        return listed;
+    }
     /* Each listed pool's index in s->pools, -1 where the pool was refused. */
     int *pool_at = n->n_pools ? calloc(n->n_pools, sizeof *pool_at) : NULL;
     if (n->n_pools && !pool_at) {
