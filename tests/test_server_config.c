@@ -327,6 +327,11 @@ Test(server_config, bad_files_are_refused_naming_the_field, .timeout = 10)
          "{\"name\": \"q\", \"block_size\": 16, \"workers\": [{\"id\": 2, \"dp_size\": 4}]}]}",
          KM_ERR_INVALID_ARGUMENT, "pools[1].workers[0]: worker 4 is listed twice "
          "(pools[0].workers[0])"},
+        /* 60 bytes: a name of its own, but not with /dp0 after it. */
+        {"{\"pools\": [{\"name\": \"p\", \"block_size\": 16, \"workers\": [{\"id\": 0, "
+         "\"name\": \"abcdefghijabcdefghijabcdefghijabcdefghijabcdefghijabcdefghij\", "
+         "\"dp_size\": 2}]}]}",
+         KM_ERR_INVALID_ARGUMENT, "pools[0].workers[0].name: "},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         char path[64], why[256] = "";

@@ -465,7 +465,15 @@ static void read_pool(reader *r, km_server_config_json *o, json_t *jp, uint32_t 
                 w.has_dp_rank = true;
                 w.dp_rank = rank;
                 char buf[KM_SUBSCRIBER_ENDPOINT_MAX], name[KM_SERVER_NAME_MAX];
-                snprintf(name, sizeof name, "%s/dp%u", base.name ? base.name : "engine", rank);
+                int len = snprintf(name, sizeof name, "%s/dp%u", base.name ? base.name : "engine",
+                                   rank);
+                if (len < 0 || (size_t)len >= sizeof name) {
+                    /* Cut short, the ranks' names would lose their /dp<r> and be one name. */
+                    r->rc = km_why(r->why, r->why_size, KM_ERR_INVALID_ARGUMENT,
+                                   "%sname: \"%s/dp%u\" is over %u bytes", wwhere,
+                                   base.name ? base.name : "engine", rank, KM_SERVER_NAME_MAX - 1);
+                    break;
+                }
                 w.name = keep_string(o, name);
                 if (base.event_endpoint) {
                     if (km_endpoint_for_rank(base.event_endpoint, rank, buf, sizeof buf) != KM_OK)
