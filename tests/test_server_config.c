@@ -307,6 +307,9 @@ Test(server_config, bad_files_are_refused_naming_the_field, .timeout = 10)
          KM_ERR_INVALID_ARGUMENT, "ttft.load_bound"},
         {"{\"pools\": [{\"name\": \"p\", \"block_size\": 16, \"params\": {\"hot_prefix_sharers\": 1.5}}]}",
          KM_ERR_INVALID_ARGUMENT, "hot_prefix_sharers"},
+        {"{\"pools\": [{\"name\": \"p\", \"block_size\": 16, \"policy\": \"cache_aware\", "
+         "\"params\": {\"balance_abs_threshold\": 1.5}}]}",
+         KM_ERR_INVALID_ARGUMENT, "balance_abs_threshold"},
         {"{\"pools\": [{\"name\": \"p\", \"block_size\": 16, \"params\": {\"hot_prefix_share\": -1}}]}",
          KM_ERR_INVALID_ARGUMENT, "ttft.hot_prefix_share"},
         {"{\"pools\": [{\"name\": \"p\", \"block_size\": 16, \"params\": {\"spread_ms\": -0.5}}]}",

@@ -66,9 +66,10 @@ int km_server_policy_param(km_policy_config *p, const char *name, double value, 
     else if (!strcmp(name, "cache_threshold"))
         p->cache_aware.cache_threshold = value;
     else if (!strcmp(name, "balance_abs_threshold")) {
-        if (value < 0 || value > UINT32_MAX)
+        if (!(value >= 0 && value <= UINT32_MAX) || value != (double)(uint32_t)value)
             return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,
-                        "balance_abs_threshold %g is out of range", value);
+                        "balance_abs_threshold %g is not a whole number in [0, %u]", value,
+                        UINT32_MAX);
         p->cache_aware.balance_abs_threshold = (uint32_t)value;
     } else if (!strcmp(name, "balance_rel_threshold"))
         p->cache_aware.balance_rel_threshold = value;
