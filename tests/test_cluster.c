@@ -874,6 +874,7 @@ Test(cluster, a_prediction_before_a_full_state_is_refused_and_one_after_a_gap_ma
     cr_assert_eq(st.refused[KM_CLUSTER_REFUSED_NO_STATE], 1);
     cr_assert(strstr(st.last_refusal, "no_state"), "%s", st.last_refusal);
     cr_assert_eq(st.predictions_received, 0);
+    cr_assert_eq(st.applied, 0, "a refused prediction counts as applied");
     cr_assert_eq(predictions_count(&seen), 0, "a prediction without its state was handed over");
     km_cluster_view v;
     km_cluster_get_view(b, mono_ns(), &v);
@@ -887,6 +888,7 @@ Test(cluster, a_prediction_before_a_full_state_is_refused_and_one_after_a_gap_ma
     raw_publish(nc, "predict.x", body);
     WAIT_UNTIL(predictions_count(&seen) == 1, 2000);
     cr_assert_eq(predictions_count(&seen), 1, "a prediction after its state is handed over");
+    cr_assert_eq(stats(b).applied, 2, "the state and the prediction");
     km_cluster_get_view(b, mono_ns(), &v);
     cr_assert_eq(v.n_stale, 0);
     snprintf(body, sizeof body, predict, 6); /* seq 4 and 5 never arrive */
@@ -1309,6 +1311,30 @@ Test(cluster, a_server_max_payload_below_the_message_bound_is_the_bound,
     cr_assert_eq(stats(a).publish_failures, 0);
     km_cluster_destroy(a);
     km_cluster_destroy(b);
+}
+
+/* A list past the bounds is cut, and what was cut counted once per list kept: the same cut list
+ * published again beside another load sends no new work, so it counts nothing more. */
+Test(cluster, a_cut_work_list_is_counted_once_per_list_it_replaces, .init = start_server,
+     .fini = stop_server, .timeout = 30)
+{
+    km_cluster *a = instance("a", server.url, 5000, 0);
+    static uint64_t prefixes[KM_CLUSTER_WORK_MAX_PREFIXES + 10];
+    for (uint32_t i = 0; i < KM_CLUSTER_WORK_MAX_PREFIXES + 10; i++)
+        prefixes[i] = i + 2;
+    km_active_load l = {5, 1, 0, 0, 0, 0};
+    cr_assert_eq(km_cluster_publish_work(a, 3, &l, prefixes, KM_CLUSTER_WORK_MAX_PREFIXES + 10,
+                                         NULL, 0), KM_OK);
+    cr_assert_eq(stats(a).work_truncated, 10);
+    l.in_flight = 6;
+    cr_assert_eq(km_cluster_publish_work(a, 3, &l, prefixes, KM_CLUSTER_WORK_MAX_PREFIXES + 10,
+                                         NULL, 0), KM_OK);
+    cr_assert_eq(stats(a).work_truncated, 10, "the same list again: no new cut");
+    prefixes[0] = 1u << 30;
+    cr_assert_eq(km_cluster_publish_work(a, 3, &l, prefixes, KM_CLUSTER_WORK_MAX_PREFIXES + 4,
+                                         NULL, 0), KM_OK);
+    cr_assert_eq(stats(a).work_truncated, 14, "another list, cut by 4");
+    km_cluster_destroy(a);
 }
 
 /* A log line that contains a text, kept. */

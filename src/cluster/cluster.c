@@ -657,7 +657,9 @@ static bool hashes_copy(uint64_t **to, uint32_t *n_to, const uint64_t *hashes, u
 
 /* This instance's `worker` now has *load and (when `work` is not NULL) that in-flight work: a
  * change goes out when either differs from what was last published (lock held). */
-static void publish_worker(km_cluster *c, uint32_t worker, const km_active_load *load,
+/* Publish worker's load and (work non-NULL) in-flight work where either changed; true when the
+ * work kept for it changed. */
+static bool publish_worker(km_cluster *c, uint32_t worker, const km_active_load *load,
                            const held_work *work)
 {
     held_work *lw = &c->local_work[worker];
@@ -666,7 +668,7 @@ static void publish_worker(km_cluster *c, uint32_t worker, const km_active_load 
                                  !hashes_equal(lw->queued, lw->n_queued, work->queued,
                                                work->n_queued));
     if (load_equal(&c->local[worker], load) && !work_changed)
-        return;
+        return false;
     c->local[worker] = *load;
     if (work_changed &&
         (!hashes_copy(&lw->prefixes, &lw->n_prefixes, work->prefixes, work->n_prefixes) ||
@@ -674,7 +676,7 @@ static void publish_worker(km_cluster *c, uint32_t worker, const km_active_load 
         work_free(lw); /* out of memory: the peers hold none of this worker's work */
     if (!c->connected) {
         c->st.skipped_disconnected++; /* the state sent on reconnect carries it */
-        return;
+        return work_changed;
     }
     cluster_worker_load row = {worker, *load, CLUSTER_NO_WORK_ROW};
     cluster_worker_work work_row = {worker, lw->prefixes, lw->n_prefixes, lw->queued,
@@ -688,6 +690,7 @@ static void publish_worker(km_cluster *c, uint32_t worker, const km_active_load 
         c->st.publish_failures++; /* injected loss: the sequence number is spent */
     else
         publish(c, &m, false);
+    return work_changed;
 }
 
 int km_cluster_publish_load(km_cluster *c, uint32_t worker, const km_active_load *load)
@@ -712,15 +715,19 @@ int km_cluster_publish_work(km_cluster *c, uint32_t worker, const km_active_load
         return KM_ERR_WORKER_RANGE;
     pthread_mutex_lock(&c->lock);
     held_work w = {(uint64_t *)prefixes, n_prefixes, (uint64_t *)queued, n_queued};
+    uint64_t cut = 0;
     if (w.n_prefixes > KM_CLUSTER_WORK_MAX_PREFIXES) {
-        c->st.work_truncated += w.n_prefixes - KM_CLUSTER_WORK_MAX_PREFIXES;
+        cut += w.n_prefixes - KM_CLUSTER_WORK_MAX_PREFIXES;
         w.n_prefixes = KM_CLUSTER_WORK_MAX_PREFIXES;
     }
     if (w.n_queued > KM_CLUSTER_WORK_MAX_QUEUED) {
-        c->st.work_truncated += w.n_queued - KM_CLUSTER_WORK_MAX_QUEUED;
+        cut += w.n_queued - KM_CLUSTER_WORK_MAX_QUEUED;
         w.n_queued = KM_CLUSTER_WORK_MAX_QUEUED;
     }
-    publish_worker(c, worker, load, &w);
+    /* Counted once per list that replaces the kept one: the same cut list published again (its
+     * worker's load changing) sends nothing new. */
+    if (publish_worker(c, worker, load, &w))
+        c->st.work_truncated += cut;
     pthread_mutex_unlock(&c->lock);
     return KM_OK;
 }
@@ -976,7 +983,6 @@ static void apply(km_cluster *c, const cluster_message *m, uint64_t now)
         if (!p->has_baseline)
             p->stale = true;
     }
-    c->st.applied++;
     int slot = m->kind == CLUSTER_PREDICT ? local_pool_find(c, m->pool) : -1;
     if (m->kind == CLUSTER_PREDICT && !p->has_baseline) {
         /* Its pools are not known yet, so whether its worker ids mean ours cannot be told.
@@ -992,7 +998,10 @@ static void apply(km_cluster *c, const cluster_message *m, uint64_t now)
                  "worker_mismatch: instance %.40s: a prediction for pool %.40s, whose workers "
                  "differ",
                  m->instance, m->pool);
-    } else if (m->kind == CLUSTER_PREDICT) {
+    } else if (m->kind != CLUSTER_PREDICT) {
+        c->st.applied++;
+    } else {
+        c->st.applied++;
         c->st.predictions_received++;
         km_cluster_prediction pr = {m->instance, m->pool, m->worker, m->lesson, m->hashes,
                                     m->n_hashes};
