@@ -310,11 +310,15 @@ void km_srv_cluster_label(km_server *s, uint64_t now, srv_load_view *v)
 /* /status "cluster": null without one. */
 json_t *km_srv_cluster_status(km_server *s)
 {
-    km_cluster_stats st;
-    if (!s->cluster || km_cluster_get_stats(s->cluster, &st) != KM_OK)
+    if (!s->cluster)
         return json_null();
+    /* The view first: it drops the contributions silent past expire_ms, so the counts that
+     * follow have none of them either. */
     srv_load_view v;
     km_srv_cluster_label(s, now_ns(), &v);
+    km_cluster_stats st;
+    if (km_cluster_get_stats(s->cluster, &st) != KM_OK)
+        return json_null();
     json_t *o = json_object();
     json_object_set_new(o, "instance", json_string(s->cfg.cluster_instance));
     json_object_set_new(o, "connected", json_boolean(st.connected));
@@ -390,11 +394,14 @@ json_t *km_srv_cluster_status(km_server *s)
 /* The kvmatch_cluster_* series (none without a cluster). */
 void km_srv_cluster_metrics(km_server *s, km_text *out)
 {
-    km_cluster_stats st;
-    if (!s->cluster || km_cluster_get_stats(s->cluster, &st) != KM_OK)
+    if (!s->cluster)
         return;
+    /* The view first, as in /status: instances and stale_instances count the same peers. */
     srv_load_view v;
     km_srv_cluster_label(s, now_ns(), &v);
+    km_cluster_stats st;
+    if (km_cluster_get_stats(s->cluster, &st) != KM_OK)
+        return;
     static const struct {
         const char *name, *help;
         km_metric_type type;
