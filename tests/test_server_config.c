@@ -247,6 +247,7 @@ Test(server_config, bad_files_are_refused_naming_the_field, .timeout = 10)
         {"{\"index\": {\"initial_blocks\": \"many\"}}", KM_ERR_PARSE, "initial_blocks"},
         {"{\"index\": {\"initial_blocks\": 99999999999999}}", KM_ERR_INVALID_ARGUMENT, "initial_blocks"},
         {"{\"ready_share\": 2}", KM_ERR_INVALID_ARGUMENT, "ready_share"},
+        {"{\"pools\": [{\"name\": \"p\"}]}", KM_ERR_INVALID_ARGUMENT, "pools[0].block_size is required"},
         {"{\"max_connections\": 0}", KM_ERR_INVALID_ARGUMENT, "max_connections"},
         {"{\"max_outbox_bytes\": 5368709120}", KM_ERR_INVALID_ARGUMENT, "max_outbox_bytes"},
         {"{\"max_active_entries\": 0}", KM_ERR_INVALID_ARGUMENT, "max_active_entries"},

@@ -339,6 +339,11 @@ static void read_pool(reader *r, km_server_config_json *o, json_t *jp, uint32_t 
                            "%sname: pool %s is listed twice (pools[%u])", where, p->name, k);
     get_string(r, jp, "model", where, &p->model);
     get_u32(r, jp, "block_size", where, 1, 1u << 20, &p->block_size);
+    /* Every pool names its engines' block size: nothing could stand in for it, at the start or
+     * at a reload (where the pool's own would otherwise read as a change). */
+    if (!r->rc && !json_object_get(jp, "block_size"))
+        r->rc = km_why(r->why, r->why_size, KM_ERR_INVALID_ARGUMENT,
+                       "%sblock_size is required (the engines' KV block size in tokens)", where);
     get_u32(r, jp, "hash_lookahead_tokens", where, 0, KM_HASH_MAX_LOOKAHEAD,
             &p->hash_lookahead_tokens);
     get_u32(r, jp, "offload_chunk_blocks", where, 1, KM_FEED_MAX_OFFLOAD_CHUNK_BLOCKS,
