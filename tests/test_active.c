@@ -1724,3 +1724,345 @@ Test(active, bytes_bound_refuses_exactly_what_would_pass_it, .timeout = 30)
               " taken", refused, taken);
     km_active_destroy(a);
 }
+
+/* ---- every call in any order against a model of the charges --------------------------------- */
+
+/* Random runs of every call of the table, each at any point of an entry's life: shared prefixes
+ * declared before or after FIRST_TOKEN or a move, queued prefixes, the entry bound with eviction,
+ * the bytes bound with callers' user bytes, expiry, worker removal and release_idle. After every
+ * step, each worker's load values, the prefix sharers, the queued depths, stats.bytes and
+ * stats.queued_blocks equal what a model recomputes from its plain list of live entries and
+ * prefix slots, and no subtraction saturated. */
+#define XM_KEYS 40
+#define XM_WORKERS 4
+#define XM_PREFIXES 3
+#define XM_HASHES 6
+#define XM_MAX_ENTRIES 14
+#define XM_MAX_QUEUED 24
+
+typedef struct xm_entry {
+    int live, ended; /* ended: -1 never, else the km_active_end of the latest end */
+    uint32_t worker, prompt, block_size, user_bytes;
+    int first_token;
+    uint64_t prefill_pending, pairs_pending, decode, new_blocks;
+    uint64_t prefix_key; /* 0 none */
+    uint64_t queued[XM_HASHES];
+    uint32_t n_queued;
+    uint64_t last_touch;
+} xm_entry;
+
+typedef struct xm_model {
+    xm_entry e[XM_KEYS];
+    char req[XM_KEYS][16];
+    /* A declared prefix on a worker: its live holders and the blocks charged for it once. */
+    uint32_t holders[XM_WORKERS][XM_PREFIXES + 1];
+    uint64_t charged[XM_WORKERS][XM_PREFIXES + 1];
+    uint64_t queued_total;
+} xm_model;
+
+static void xm_release_charges(xm_model *m, xm_entry *e)
+{
+    if (e->prefix_key && --m->holders[e->worker][e->prefix_key] == 0)
+        m->charged[e->worker][e->prefix_key] = 0;
+    e->prefix_key = 0;
+    m->queued_total -= e->n_queued;
+    e->n_queued = 0;
+}
+
+static void xm_end(xm_model *m, int i, int end)
+{
+    xm_release_charges(m, &m->e[i]);
+    m->e[i].live = 0;
+    m->e[i].ended = end;
+}
+
+/* Summaries handed to callbacks: the key they name ends in the model. */
+typedef struct xm_ctx {
+    xm_model *m;
+    km_active_end end;
+    int ended[XM_KEYS];
+} xm_ctx;
+
+static void xm_on_end(void *user, const km_active_summary *s)
+{
+    xm_ctx *c = user;
+    int i = atoi(s->request_id + 1);
+    KM_CHECK(i >= 0 && i < XM_KEYS && c->m->e[i].live, "ended a dead key %s", s->request_id);
+    KM_CHECK(s->end == c->end && s->worker == c->m->e[i].worker, "end %d worker %u", (int)s->end,
+             s->worker);
+    c->ended[i]++;
+    xm_end(c->m, i, (int)c->end);
+}
+
+static void xm_compare(const xm_model *m, const km_active *a, int step)
+{
+    uint64_t bytes = 0, live = 0;
+    for (uint32_t w = 0; w < XM_WORKERS; w++) {
+        km_active_load want = {0};
+        for (int i = 0; i < XM_KEYS; i++) {
+            const xm_entry *e = &m->e[i];
+            if (!e->live || e->worker != w)
+                continue;
+            want.in_flight++;
+            want.prefilling += !e->first_token;
+            want.pending_prefill_tokens += e->prefill_pending;
+            want.pending_prefill_pairs += e->pairs_pending;
+            want.active_decode_blocks += e->decode;
+            want.allocated_blocks += e->new_blocks;
+        }
+        for (uint64_t k = 1; k <= XM_PREFIXES; k++) {
+            if (m->holders[w][k])
+                want.allocated_blocks += m->charged[w][k];
+            KM_CHECK(km_active_prefix_sharers(a, w, k) == m->holders[w][k],
+                     "step %d worker %u prefix %" PRIu64 ": %u sharers, model %u", step, w, k,
+                     km_active_prefix_sharers(a, w, k), m->holders[w][k]);
+        }
+        for (uint64_t h = 2; h < 2 + XM_HASHES; h++) {
+            uint32_t promised = 0;
+            for (int i = 0; i < XM_KEYS; i++)
+                for (uint32_t q = 0; q < m->e[i].n_queued; q++)
+                    promised |= m->e[i].live && m->e[i].worker == w && m->e[i].queued[q] == h;
+            KM_CHECK(km_active_queued_depth(a, w, &h, 1, 0) == promised,
+                     "step %d worker %u hash %" PRIu64 ": queued depth %u, model %u", step, w, h,
+                     km_active_queued_depth(a, w, &h, 1, 0), promised);
+        }
+        km_active_load l = load_of(a, w);
+        KM_CHECK(l.in_flight == want.in_flight && l.prefilling == want.prefilling &&
+                     l.pending_prefill_tokens == want.pending_prefill_tokens &&
+                     l.pending_prefill_pairs == want.pending_prefill_pairs &&
+                     l.active_decode_blocks == want.active_decode_blocks &&
+                     l.allocated_blocks == want.allocated_blocks,
+                 "step %d worker %u: load (%" PRIu64 " %" PRIu64 " %" PRIu64 " %" PRIu64
+                 " %" PRIu64 " %" PRIu64 ") != model (%" PRIu64 " %" PRIu64 " %" PRIu64
+                 " %" PRIu64 " %" PRIu64 " %" PRIu64 ")",
+                 step, w, l.in_flight, l.prefilling, l.pending_prefill_tokens,
+                 l.pending_prefill_pairs, l.active_decode_blocks, l.allocated_blocks,
+                 want.in_flight, want.prefilling, want.pending_prefill_tokens,
+                 want.pending_prefill_pairs, want.active_decode_blocks, want.allocated_blocks);
+    }
+    for (int i = 0; i < XM_KEYS; i++)
+        if (m->e[i].live) {
+            live++;
+            bytes += km_active_entry_bytes(strlen(m->req[i]), 1) + m->e[i].user_bytes;
+        }
+    km_active_stats st = stats_of(a);
+    KM_CHECK(st.entries == live && st.bytes == bytes && st.queued_blocks == m->queued_total,
+             "step %d: entries %" PRIu64 "/%" PRIu64 " bytes %" PRIu64 "/%" PRIu64
+             " queued %" PRIu64 "/%" PRIu64, step, st.entries, live, st.bytes, bytes,
+             st.queued_blocks, m->queued_total);
+    KM_CHECK(st.saturations == 0, "step %d: %" PRIu64 " saturations", step, st.saturations);
+}
+
+Test(active, every_call_in_any_order_keeps_exact_sums, .timeout = 60)
+{
+    km_rng r;
+    km_rng_init(&r, km_test_seed());
+    static xm_model m;
+    memset(&m, 0, sizeof m);
+    for (int i = 0; i < XM_KEYS; i++) {
+        snprintf(m.req[i], sizeof m.req[i], "k%d", i);
+        m.e[i].ended = -1;
+    }
+    const uint64_t ttl = 4000;
+    const uint64_t max_bytes = 10 * (km_active_entry_bytes(3, 1) + 300);
+    km_active_config cfg;
+    km_active_config_init(&cfg);
+    cfg.max_workers = XM_WORKERS;
+    cfg.ttl_ns = ttl;
+    cfg.max_entries = XM_MAX_ENTRIES;
+    cfg.remember_ended = 1u << 16; /* no end forgotten: every miss is classified */
+    cfg.max_queued_blocks = XM_MAX_QUEUED;
+    cfg.max_bytes = max_bytes;
+    km_active *a = NULL;
+    cr_assert_eq(km_active_create(&cfg, &a), KM_OK);
+    uint64_t clock = 0, seen = 0;
+    uint64_t evictions = 0, refusals = 0, late_shares = 0;
+    for (int step = 0; step < 30000; step++) {
+        clock = km_rng_percent(&r, 3) && clock > 20 ? clock - km_rng_below(&r, 20)
+                                                    : clock + km_rng_below(&r, 150);
+        uint64_t now = clock > seen ? clock : seen;
+        int i = (int)km_rng_below(&r, XM_KEYS);
+        xm_entry *e = &m.e[i];
+        km_active_key k = km_active_key_of(m.req[i], "a");
+        int miss = e->ended >= 0 && e->ended != KM_ACTIVE_END_EXPIRED &&
+                           e->ended != KM_ACTIVE_END_WORKER_REMOVED &&
+                           e->ended != KM_ACTIVE_END_EVICTED
+                       ? KM_ERR_PROTOCOL
+                       : KM_ERR_NOT_FOUND;
+        uint32_t op = km_rng_below(&r, 100);
+        int rc = KM_OK;
+        if (op < 22) {
+            uint32_t w = km_rng_below(&r, XM_WORKERS), prompt = km_rng_below(&r, 2000);
+            uint32_t predicted = km_rng_below(&r, 2500), output = km_rng_below(&r, 500);
+            uint32_t bs = 1 + km_rng_below(&r, 32), user = km_rng_below(&r, 300);
+            uint64_t live = 0, bytes = 0;
+            for (int j = 0; j < XM_KEYS; j++)
+                if (m.e[j].live) {
+                    live++;
+                    bytes += km_active_entry_bytes(strlen(m.req[j]), 1) + m.e[j].user_bytes;
+                }
+            rc = km_active_begin_with_user_bytes(a, w, &k, prompt, predicted, output, bs, user,
+                                                 clock);
+            uint64_t need = km_active_entry_bytes(strlen(m.req[i]), 1) + user;
+            if (e->live) {
+                KM_CHECK(rc == KM_ERR_PROTOCOL, "step %d begin of a live key: %d", step, rc);
+            } else if (live >= XM_MAX_ENTRIES) {
+                KM_CHECK(rc == KM_ERR_OVERLOADED, "step %d begin when full: %d", step, rc);
+                xm_ctx c = {&m, KM_ACTIVE_END_EVICTED, {0}};
+                int rc2 = km_active_evict_oldest(a, clock, xm_on_end, &c);
+                KM_CHECK(rc2 == KM_OK, "step %d evict: %d", step, rc2);
+                int n = 0;
+                for (int j = 0; j < XM_KEYS; j++)
+                    n += c.ended[j];
+                KM_CHECK(n == 1, "step %d: evicted %d", step, n);
+                evictions++;
+                rc = rc2;
+            } else if (bytes + need > max_bytes) {
+                KM_CHECK(rc == KM_ERR_MEMORY_CAP, "step %d begin past the bytes bound: %d", step,
+                         rc);
+                refusals++;
+            } else {
+                KM_CHECK(rc == KM_OK, "step %d begin: %d %s", step, rc, km_active_last_error(a));
+                memset(e, 0, sizeof *e);
+                e->live = 1;
+                e->ended = -1;
+                e->worker = w;
+                e->prompt = prompt;
+                e->block_size = bs;
+                e->user_bytes = user;
+                uint32_t cached = predicted < prompt ? predicted : prompt;
+                e->prefill_pending = prompt - cached;
+                e->pairs_pending = km_engine_model_chunk_pairs(cached, e->prefill_pending);
+                e->decode = e->new_blocks = ((uint64_t)prompt + output + bs - 1) / bs;
+                e->last_touch = now;
+            }
+        } else if (op < 32) { /* a shared prefix, at any point of the entry's life */
+            uint64_t key = 1 + km_rng_below(&r, XM_PREFIXES);
+            uint32_t tokens = 1 + km_rng_below(&r, 2000);
+            rc = km_active_share_prefix(a, &k, key, tokens);
+            if (!e->live) {
+                KM_CHECK(rc == miss, "step %d share miss: %d", step, rc);
+            } else if (e->prefix_key) {
+                KM_CHECK(rc == KM_ERR_PROTOCOL, "step %d second prefix: %d", step, rc);
+            } else {
+                KM_CHECK(rc == KM_OK, "step %d share: %d %s", step, rc, km_active_last_error(a));
+                late_shares += e->first_token;
+                uint64_t blocks = tokens / e->block_size;
+                if (m.holders[e->worker][key]++ == 0)
+                    m.charged[e->worker][key] = blocks < e->decode ? blocks : e->decode;
+                uint64_t c = m.charged[e->worker][key];
+                e->prefix_key = key;
+                e->new_blocks = e->decode > c ? e->decode - c : 0;
+            }
+        } else if (op < 40) { /* queued prefixes */
+            uint64_t h[XM_HASHES];
+            uint32_t n = km_rng_below(&r, XM_HASHES + 1);
+            for (uint32_t q = 0; q < n; q++)
+                h[q] = 2 + km_rng_below(&r, XM_HASHES);
+            rc = km_active_queue_blocks(a, &k, h, n);
+            if (!e->live) {
+                KM_CHECK(rc == miss, "step %d queue miss: %d", step, rc);
+            } else if (e->n_queued || e->first_token) {
+                KM_CHECK(rc == KM_ERR_PROTOCOL, "step %d second promise: %d", step, rc);
+            } else {
+                KM_CHECK(rc == KM_OK, "step %d queue: %d %s", step, rc, km_active_last_error(a));
+                uint64_t room = XM_MAX_QUEUED - m.queued_total;
+                uint32_t keep = n < room ? n : (uint32_t)room;
+                memcpy(e->queued, h, keep * sizeof *h);
+                e->n_queued = keep;
+                m.queued_total += keep;
+            }
+        } else if (op < 48) {
+            rc = km_active_dispatched(a, &k, clock);
+            if (!e->live)
+                KM_CHECK(rc == miss, "step %d dispatched miss: %d", step, rc);
+            else if (e->first_token)
+                KM_CHECK(rc == KM_ERR_PROTOCOL, "step %d dispatched late: %d", step, rc);
+            else
+                e->last_touch = now;
+        } else if (op < 58) {
+            rc = km_active_first_token(a, &k, KM_ACTIVE_CACHED_UNKNOWN, clock);
+            if (!e->live) {
+                KM_CHECK(rc == miss, "step %d first token miss: %d", step, rc);
+            } else if (e->first_token) {
+                KM_CHECK(rc == KM_ERR_PROTOCOL, "step %d first token twice: %d", step, rc);
+            } else {
+                KM_CHECK(rc == KM_OK, "step %d first token: %d", step, rc);
+                e->first_token = 1;
+                e->prefill_pending = e->pairs_pending = 0;
+                m.queued_total -= e->n_queued;
+                e->n_queued = 0;
+                e->last_touch = now;
+            }
+        } else if (op < 64) {
+            uint32_t w = km_rng_below(&r, XM_WORKERS);
+            rc = km_active_move(a, &k, w, clock);
+            if (!e->live) {
+                KM_CHECK(rc == miss, "step %d move miss: %d", step, rc);
+            } else {
+                KM_CHECK(rc == KM_OK, "step %d move: %d", step, rc);
+                if (w != e->worker) {
+                    xm_release_charges(&m, e);
+                    e->new_blocks = e->decode;
+                    e->worker = w;
+                }
+                e->last_touch = now;
+            }
+        } else if (op < 70) {
+            int64_t cached = km_rng_below(&r, 2500);
+            rc = km_active_report_cached(a, &k, cached, clock);
+            if (!e->live) {
+                KM_CHECK(rc == miss, "step %d report miss: %d", step, rc);
+            } else {
+                KM_CHECK(rc == KM_OK, "step %d report: %d", step, rc);
+                if (!e->first_token) {
+                    uint64_t c = (uint64_t)cached < e->prompt ? (uint64_t)cached : e->prompt;
+                    e->prefill_pending = e->prompt - c;
+                    e->pairs_pending = km_engine_model_chunk_pairs(c, e->prefill_pending);
+                }
+                e->last_touch = now;
+            }
+        } else if (op < 86) {
+            km_active_end outcome = (km_active_end)km_rng_below(&r, 4);
+            rc = km_active_finish(a, &k, outcome, clock, NULL);
+            if (!e->live) {
+                KM_CHECK(rc == miss, "step %d finish miss: %d", step, rc);
+            } else {
+                KM_CHECK(rc == KM_OK, "step %d finish: %d", step, rc);
+                xm_end(&m, i, (int)outcome);
+            }
+        } else if (op < 94) {
+            xm_ctx c = {&m, KM_ACTIVE_END_EXPIRED, {0}};
+            int due[XM_KEYS];
+            for (int j = 0; j < XM_KEYS; j++)
+                due[j] = m.e[j].live && now - m.e[j].last_touch >= ttl;
+            size_t n = 0;
+            rc = km_active_expire(a, clock, xm_on_end, &c, &n);
+            cr_assert_eq(rc, KM_OK);
+            for (int j = 0; j < XM_KEYS; j++)
+                KM_CHECK(c.ended[j] == due[j], "step %d key %d expired %d, due %d", step, j,
+                         c.ended[j], due[j]);
+        } else if (op < 97) {
+            uint32_t w = km_rng_below(&r, XM_WORKERS);
+            xm_ctx c = {&m, KM_ACTIVE_END_WORKER_REMOVED, {0}};
+            int hit[XM_KEYS];
+            for (int j = 0; j < XM_KEYS; j++)
+                hit[j] = m.e[j].live && m.e[j].worker == w;
+            rc = km_active_remove_worker(a, w, clock, xm_on_end, &c, NULL);
+            cr_assert_eq(rc, KM_OK);
+            for (int j = 0; j < XM_KEYS; j++)
+                KM_CHECK(c.ended[j] == hit[j], "step %d key %d removed %d", step, j, c.ended[j]);
+        } else {
+            (void)km_active_release_idle(a);
+            rc = KM_ERR_NOT_FOUND; /* takes no time */
+        }
+        if (rc == KM_OK && (op < 22 || op >= 40)) /* a prefix or a promise takes no time */
+            seen = now;
+        xm_compare(&m, a, step);
+    }
+    KM_CHECK(evictions > 0 && refusals > 0 && late_shares > 0,
+             "the run exercised eviction (%" PRIu64 "), the bytes bound (%" PRIu64
+             ") and prefixes declared after FIRST_TOKEN (%" PRIu64 ")",
+             evictions, refusals, late_shares);
+    km_active_destroy(a);
+}
