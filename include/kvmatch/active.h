@@ -220,7 +220,8 @@ int km_active_share_prefix(km_active *active, const km_active_key *key, uint64_t
  * meanwhile will find them cached. The entry's worker is promised `hashes[0..n)` (the request's
  * chain hashes beyond what the worker holds or is promised, in prompt order) until the entry's
  * FIRST_TOKEN, its end, or a move to another worker (a move forgets the promise). A second
- * promise while one is held, or one after FIRST_TOKEN, is KM_ERR_PROTOCOL; n = 0 is a no-op. A promise that would take the table past
+ * promise while one is held, or one after FIRST_TOKEN, is KM_ERR_PROTOCOL (n = 0 included);
+ * otherwise n = 0 is a no-op. A promise that would take the table past
  * max_queued_blocks keeps only its leading part (counted in queued_truncated), which only makes
  * km_active_queued_depth shorter, never wrong. Blocks are told apart by (worker, hash), mixed
  * into one 64-bit key: two promises collide with the probability of a 64-bit hash collision.
@@ -265,7 +266,9 @@ int km_active_move(km_active *active, const km_active_key *key, uint32_t worker,
 
 /* The first output token arrived, so the prefill is done: the entry's pending prefill is released.
  * engine_cached_tokens (or KM_ACTIVE_CACHED_UNKNOWN) is kept for the summary. Errors:
- * KM_ERR_NOT_FOUND, KM_ERR_PROTOCOL (FIRST_TOKEN twice, or after FINISHED: duplicates). */
+ * KM_ERR_NULL_POINTER, KM_ERR_INVALID_ARGUMENT (engine_cached_tokens below
+ * KM_ACTIVE_CACHED_UNKNOWN), KM_ERR_NOT_FOUND, KM_ERR_PROTOCOL (FIRST_TOKEN twice, or after
+ * FINISHED: duplicates). */
 int km_active_first_token(km_active *active, const km_active_key *key,
                           int64_t engine_cached_tokens, uint64_t now_ns);
 
