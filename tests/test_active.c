@@ -1121,6 +1121,37 @@ Test(approx, capacity_evicts_least_recently_touched_deepest_first, .timeout = 10
     km_approx_destroy(a);
 }
 
+/* A record that evicts applies its touches first, even those within refresh_ns: its own eviction
+ * never takes a block it touched while deeper blocks it touched stay (block 0 would go and the
+ * whole prefix with it). */
+Test(approx, a_record_that_evicts_keeps_the_blocks_it_touches, .timeout = 10)
+{
+    km_approx_config cfg;
+    km_approx_config_init(&cfg);
+    cfg.max_workers = 1;
+    cfg.ttl_ns = 1000;
+    cfg.refresh_ns = 100;
+    cfg.worker_capacity_blocks = 3;
+    km_approx *a = NULL;
+    cr_assert_eq(km_approx_create(&cfg, &a), KM_OK);
+    km_approx_updates buf;
+    km_approx_updates_init(&buf);
+    const uint64_t first[] = {10}, other[] = {20, 21}, again[] = {10, 11};
+    cr_assert_eq(km_approx_record(a, 0, first, 1, 0, &buf), KM_OK);
+    cr_assert_eq(km_approx_record(a, 0, other, 2, 1, &buf), KM_OK);
+    km_approx_updates_clear(&buf);
+    /* 10 was touched 2 ns ago (within refresh_ns) and heads the eviction order; 11 is new, so one
+     * pair goes: the oldest of the others, 21. */
+    cr_assert_eq(km_approx_record(a, 0, again, 2, 2, &buf), KM_OK);
+    cr_assert(km_approx_holds(a, 0, 10), "the record evicted block 0 it had just touched");
+    cr_assert(km_approx_holds(a, 0, 11));
+    cr_assert(km_approx_holds(a, 0, 20));
+    cr_assert(!km_approx_holds(a, 0, 21));
+    cr_assert_eq(km_approx_worker_blocks(a, 0), 3);
+    km_approx_updates_free(&buf);
+    km_approx_destroy(a);
+}
+
 /* The touch resolution at its edge, wherever the first touch falls against the handle's coarse
  * time units: a touch refresh_ns - 1 after the recorded one is skipped, one refresh_ns after is
  * recorded (and becomes the new reference). */
@@ -1292,10 +1323,11 @@ static void ap_record(ap_model *m, uint32_t w, const uint64_t *h, size_t n, uint
     size_t keep = n;
     if (m->capacity[w] && keep > m->capacity[w])
         keep = (size_t)m->capacity[w];
+    bool may_evict = m->capacity[w] && ap_count(m, w) + keep > m->capacity[w];
     for (size_t k = keep; k-- > 0;) {
         int i = ap_find(m, w, h[k]);
-        if (i >= 0 && m->clock - m->pairs[i].last_touch < m->refresh)
-            continue; /* touched within refresh_ns: not recorded */
+        if (i >= 0 && !may_evict && m->clock - m->pairs[i].last_touch < m->refresh)
+            continue; /* touched within refresh_ns, and nothing evicted: not recorded */
         if (i < 0) {
             i = (int)m->n++;
             m->pairs[i].worker = w;

@@ -8,7 +8,7 @@
  * when ttl_ns passes without a new decision touching them (Dynamo's approximate mode, default
  * 120 s), or when a worker's assumed blocks pass its capacity (the least recently touched are
  * evicted first). Touch times have the resolution refresh_ns (default ttl_ns / 256): a touch
- * within refresh_ns of the pair's recorded one is not recorded.
+ * within refresh_ns of the pair's recorded one is not recorded, unless its record evicts.
  *
  * km_approx never writes to the index itself. Every call that changes what it believes appends the
  * matching km_update records to a caller-owned km_approx_updates buffer; the caller applies them
@@ -66,9 +66,13 @@ typedef struct km_approx_config {
                                        * expiry and eviction orders): one map lookup instead of
                                        * relinking it in two lists, for the blocks every request
                                        * shares. Such a pair expires up to refresh_ns before
-                                       * ttl_ns after its last decision, and capacity eviction may
-                                       * take it as if touched up to refresh_ns earlier. 0 = every
-                                       * touch counts; < ttl_ns; default KM_APPROX_REFRESH_AUTO */
+                                       * ttl_ns after its last decision, and a later record's
+                                       * capacity eviction may take it as if touched up to
+                                       * refresh_ns earlier. A record that may evict (the worker's
+                                       * pairs and its blocks pass the capacity) applies every
+                                       * touch, so its own eviction never takes a block it names.
+                                       * 0 = every touch counts; < ttl_ns; default
+                                       * KM_APPROX_REFRESH_AUTO */
 } km_approx_config;
 
 /* refresh_ns = ttl_ns / 256 (0.47 s of the default 120 s TTL). */

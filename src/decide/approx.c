@@ -9,7 +9,8 @@
  * lookups are exact). Every pair is on two doubly-linked lists
  * ordered by last touch: the global list (TTL expiry reads its head) and its worker's list
  * (capacity eviction reads its head). A touch moves the pair to the tail of both, unless its
- * recorded touch is less than refresh_ns old: then nothing changes at all.
+ * recorded touch is less than refresh_ns old and the record evicts nothing: then nothing changes
+ * at all.
  *
  * Invariants: last_touch is non-decreasing along both lists (every touch uses the handle's clock,
  * which never goes back); a worker's count equals its list length and its map's size; every
@@ -410,6 +411,11 @@ int km_approx_record(km_approx *a, uint32_t worker, const uint64_t *hashes, size
 
     uint64_t now = advance_clock(a, now_ns);
     uint64_t added = 0;
+    /* A record that may evict applies every touch: a pair it left in place could sit at the head
+     * of the eviction order and go in this very record's eviction, block 0 before the deeper
+     * blocks it touched after it. Without eviction (the worker's pairs and this record's fit)
+     * a touch within refresh_ns changes nothing. */
+    bool may_evict = w->capacity && w->count + keep > w->capacity;
     /* The maps and the slab are larger than the caches and every hash lands somewhere random:
      * load the map entry RECORD_AHEAD hashes ahead, and the pair (and so its list neighbours'
      * indices) half as far ahead, so the misses of several blocks overlap. */
@@ -435,7 +441,7 @@ int km_approx_record(km_approx *a, uint32_t worker, const uint64_t *hashes, size
         uint32_t i;
         if (found) {
             i = (uint32_t)*found;
-            if (touch_is_recent(a, *found, i, now)) {
+            if (!may_evict && touch_is_recent(a, *found, i, now)) {
                 a->stats.recent_pairs++; /* recorded recently enough: left in place */
                 continue;
             }
