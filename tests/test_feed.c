@@ -4093,3 +4093,149 @@ Test(feed, random_wire_equals_gap_free_run, .timeout = 60)
     KM_CHECK(degraded[0] > 0 && degraded[1] > 0,
              "DEGRADED rounds: %d under KEEP_FLAGGED, %d under DROP", degraded[0], degraded[1]);
 }
+
+/* ---- randomized: engine restarts on a lossy wire ---------------------------------------------- */
+
+/* A message kept by fx_keep, by its index among every message made (all processes). */
+static km_kv_batch rs_decode(fx *f, size_t index)
+{
+    cr_assert(index < f->n);
+    km_kv_batch b;
+    int rc = km_kv_decode_payload(f->dec, f->payloads[index], f->sizes[index], &b);
+    cr_assert_eq(rc, KM_OK, "decode: %s", km_kv_decoder_last_error(f->dec));
+    return b;
+}
+
+/* The random wire of random_wire_equals_gap_free_run with engine restarts: a new process starts
+ * at seq 0 with an empty cache and new engine hashes, its replay buffer empty; the old process's
+ * live messages still on the wire arrive first (one SUB socket is FIFO), and a replay request the
+ * old process had not answered in full is never answered (the transport times it out). The new
+ * process's first message is never dropped, so every restart is visible. Whatever happens, a
+ * worker that ends LIVE holds exactly what the current process caches, and one that ends
+ * DEGRADED has lost messages. */
+Test(feed, random_wire_with_engine_restarts_ends_at_the_engines_cache, .timeout = 60)
+{
+    int live_after_restart = 0;
+    for (int round = 0; round < 32; round++) {
+        km_feed_config cfg;
+        km_test_feed_config(&cfg, BS);
+        cfg.max_buffered_messages = round % 4 == 3 ? 8 : 4096; /* some replays overflow */
+        cfg.degraded_policy = round >= 16 ? KM_FEED_DEGRADED_DROP : KM_FEED_DEGRADED_KEEP_FLAGGED;
+        fx f;
+        fx_init_cfg(&f, &cfg, round & 1 ? KM_TEST_ENCODING_MAP : KM_TEST_ENCODING_POSITIONAL,
+                    KM_TEST_HASH_INT);
+        km_rng_init(&f.rng, km_test_seed() + 1000u + (uint64_t)round);
+        km_rng *r = &f.rng;
+        uint32_t history = round % 16 < 8 ? 1000 : 12;
+        fx_add(&f, 0, true);
+        struct {
+            size_t index;
+            uint64_t seq;
+        } wire[256];
+        size_t wire_head = 0, wire_n = 0;
+        size_t base = 0; /* index of the current process's seq 0 */
+        uint64_t published = 0, generation = 0;
+        int restarts = 0;
+        bool req_active = false;
+        uint64_t req_id = 0, req_next = 0, req_last = 0, req_generation = 0;
+        int req_delay = 0;
+        for (int step = 0; step < 600 || wire_n || req_active; step++) {
+            km_feed_action a;
+            while (km_feed_next_action(f.feed, &a)) {
+                if (a.kind == KM_FEED_ACTION_REPLAY_CANCEL) {
+                    if (req_active && req_id == a.request_id)
+                        req_active = false;
+                    continue;
+                }
+                req_active = true;
+                req_id = a.request_id;
+                req_generation = generation;
+                uint64_t oldest = published > history ? published - history : 0;
+                req_next = a.start_seq > oldest ? a.start_seq : oldest;
+                req_last = published;
+                req_delay = (int)km_rng_below(r, 6);
+            }
+            uint32_t roll = km_rng_below(r, 100);
+            if (step < 600 && roll < 2 && published > 0) {
+                km_test_engine_restart(&f.engine, 0x5000u + (uint64_t)++restarts);
+                base = f.n;
+                published = 0;
+                generation++;
+            } else if (step < 600 && roll < 45) {
+                fx_make(&f, 1, round % 3 ? 1 : 0);
+                if ((published == 0 || !km_rng_percent(r, 8)) && wire_n < 256) {
+                    size_t at = (wire_head + wire_n++) % 256;
+                    wire[at].index = base + published;
+                    wire[at].seq = published;
+                }
+                published++;
+            } else if (roll < 75 && wire_n) {
+                km_kv_batch b = rs_decode(&f, wire[wire_head].index);
+                uint64_t s = wire[wire_head].seq;
+                wire_head = (wire_head + 1) % 256;
+                wire_n--;
+                cr_assert_eq(km_feed_live(f.feed, 0, s, &b, f.now++), KM_OK);
+            } else if (req_active) {
+                if (req_delay > 0) {
+                    req_delay--;
+                } else if (req_generation != generation) {
+                    req_active = false; /* its process is gone: the transport times it out */
+                    cr_assert_eq(km_feed_replay_failed(f.feed, 0, req_id, KM_FEED_REPLAY_TIMEOUT,
+                                                       f.now++),
+                                 KM_OK);
+                } else if (req_next < req_last) {
+                    km_kv_batch b = rs_decode(&f, base + req_next);
+                    cr_assert_eq(km_feed_replay_item(f.feed, 0, req_id, req_next, &b, f.now++),
+                                 KM_OK);
+                    req_next++;
+                } else {
+                    req_active = false;
+                    fx_end(&f, 0, req_id);
+                }
+            }
+            if (km_rng_percent(r, 5))
+                fx_flush(&f);
+        }
+        /* One last message after everything, and its replays answered in full. */
+        fx_make(&f, 1, 0);
+        km_kv_batch last = rs_decode(&f, base + published);
+        cr_assert_eq(km_feed_live(f.feed, 0, published, &last, f.now++), KM_OK);
+        published++;
+        km_feed_action a;
+        while (km_feed_next_action(f.feed, &a)) {
+            if (a.kind != KM_FEED_ACTION_REPLAY_REQUEST)
+                continue;
+            uint64_t oldest = published > history ? published - history : 0;
+            for (uint64_t s = a.start_seq > oldest ? a.start_seq : oldest; s < published; s++) {
+                km_kv_batch b = rs_decode(&f, base + s);
+                cr_assert_eq(km_feed_replay_item(f.feed, 0, a.request_id, s, &b, f.now++), KM_OK);
+            }
+            fx_end(&f, 0, a.request_id);
+        }
+        km_feed_worker_info info = fx_info(&f, 0);
+        if (getenv("KM_TEST_VERBOSE"))
+            fprintf(stderr,
+                    "round %d: restarts %d seen %" PRIu64 " gaps %" PRIu64 " replayed %" PRIu64
+                    " lost %" PRIu64 " late %" PRIu64 " failures %" PRIu64 " state %s\n",
+                    round, restarts, info.counters.restarts, info.counters.gaps,
+                    info.counters.replayed, info.counters.lost, info.counters.late_lost,
+                    info.counters.replay_failures, km_feed_state_name(info.state));
+        KM_CHECK(info.expected_seq == published, "round %d: expected %" PRIu64 ", published %"
+                 PRIu64, round, info.expected_seq, published);
+        KM_CHECK(info.buffered_messages == 0 && !info.replay_in_flight,
+                 "round %d: %u buffered, replay in flight %d", round, info.buffered_messages,
+                 info.replay_in_flight);
+        if (info.state == KM_FEED_STATE_LIVE) {
+            fx_check_truth(&f, 0);
+            live_after_restart += restarts > 0;
+        } else {
+            KM_CHECK(info.state == KM_FEED_STATE_DEGRADED && info.counters.lost > 0,
+                     "round %d: lost %" PRIu64 ", state %s", round, info.counters.lost,
+                     km_feed_state_name(info.state));
+            wire_check_subset_of_truth(&f, 0, cfg.degraded_policy == KM_FEED_DEGRADED_DROP,
+                                       round);
+        }
+        fx_free(&f);
+    }
+    KM_CHECK(live_after_restart > 0, "no round ended LIVE after a restart");
+}
