@@ -4094,7 +4094,7 @@ Test(feed, random_wire_equals_gap_free_run, .timeout = 60)
              "DEGRADED rounds: %d under KEEP_FLAGGED, %d under DROP", degraded[0], degraded[1]);
 }
 
-/* ---- randomized: engine restarts on a lossy wire ---------------------------------------------- */
+/* ---- randomized: engine restarts on a lossy wire --------------------------------------------- */
 
 /* A message kept by fx_keep, by its index among every message made (all processes). */
 static km_kv_batch rs_decode(fx *f, size_t index)

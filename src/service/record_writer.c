@@ -434,8 +434,9 @@ static void buffer_line(km_record_writer *w, const char *data, size_t len)
         uint64_t would = w->file_bytes - w->rotation_base + w->buf_len;
         if (w->file_bytes + w->buf_len > 0 && would + need > max) {
             buffer_write(w);
-            /* Rotate by the file's size now, not as last seen: a file truncated behind our back
-             * (copytruncate) or moved away since the last write is not rotated. */
+            /* The rotation goes by the file's size at this moment, not the size last seen: a
+             * file truncated behind the writer (copytruncate) or moved away since its last write
+             * is not rotated. */
             check_file(w);
             if (w->rotation_base > w->file_bytes)
                 w->rotation_base = 0;
