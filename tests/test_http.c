@@ -1369,3 +1369,95 @@ Test(http, connection_limit_refuses_extra_clients, .timeout = 30)
     km_http_stop(http);
     km_text_free(&log);
 }
+
+/* One reply read from a connection that stays open: its headers, then Content-Length bytes of
+ * body (none for HEAD). Returns the status; *closing: the reply says Connection: close. */
+static int read_reply_on(int fd, bool head, bool *closing, char *body, size_t body_size)
+{
+    char data[16384];
+    size_t length = 0;
+    char *end = NULL;
+    while (!end) {
+        cr_assert_lt(length, sizeof data - 1, "reply headers too long");
+        ssize_t n = recv(fd, data + length, 1, 0); /* byte by byte: never past this reply */
+        cr_assert(n > 0, "the connection ended before a whole reply (%s)",
+                  n < 0 ? strerror(errno) : "EOF");
+        length += (size_t)n;
+        data[length] = '\0';
+        end = strstr(data, "\r\n\r\n");
+    }
+    http_reply r = {0};
+    sscanf(data, "HTTP/1.%*d %d", &r.status);
+    snprintf(r.headers, sizeof r.headers, "%.*s", (int)(end - data), data);
+    char value[64];
+    *closing = strcasecmp(header_value(&r, "Connection", value, sizeof value), "close") == 0;
+    size_t want = head ? 0 : (size_t)strtoull(header_value(&r, "Content-Length", value,
+                                                           sizeof value), NULL, 10);
+    cr_assert_lt(want, body_size);
+    size_t got = 0;
+    while (got < want) {
+        ssize_t n = recv(fd, body + got, want - got, 0);
+        cr_assert(n > 0, "the connection ended inside a reply body");
+        got += (size_t)n;
+    }
+    body[got] = '\0';
+    return r.status;
+}
+
+/* HTTP/1.1 connections persist: a scraper or a probe sends request after request on one
+ * connection, one after the other or several in one write, and each gets its reply; only a
+ * request announcing a body (refused before it is read) ends its connection. */
+Test(http, a_connection_serves_request_after_request, .timeout = 30)
+{
+    service s;
+    km_http *http = start_server(&s);
+    uint16_t port = km_http_port(http);
+    char body[8192];
+    bool closing = true;
+
+    int fd = connect_loopback(port);
+    const char *paths[] = {"/healthz", "/metrics", "/status", "/readyz", "/nope"};
+    const int statuses[] = {200, 200, 200, 503, 404};
+    for (size_t i = 0; i < sizeof paths / sizeof paths[0]; i++) {
+        char request[128];
+        snprintf(request, sizeof request, "GET %s HTTP/1.1\r\nHost: x\r\n\r\n", paths[i]);
+        send_all(fd, request, strlen(request));
+        cr_assert_eq(read_reply_on(fd, false, &closing, body, sizeof body), statuses[i], "%s",
+                     paths[i]);
+        cr_assert_not(closing, "GET %s ended its connection", paths[i]);
+    }
+    /* HEAD and a refused method keep it open too. */
+    send_all(fd, "HEAD /healthz HTTP/1.1\r\nHost: x\r\n\r\n", 35);
+    cr_assert_eq(read_reply_on(fd, true, &closing, body, sizeof body), 200);
+    cr_assert_not(closing);
+    send_all(fd, "DELETE /metrics HTTP/1.1\r\nHost: x\r\n\r\n", 37);
+    cr_assert_eq(read_reply_on(fd, false, &closing, body, sizeof body), 405);
+    cr_assert_not(closing);
+    /* Three requests in one write: three replies, in order. */
+    const char *pipelined = "GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"
+                            "GET /status HTTP/1.1\r\nHost: x\r\n\r\n"
+                            "GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n";
+    send_all(fd, pipelined, strlen(pipelined));
+    cr_assert_eq(read_reply_on(fd, false, &closing, body, sizeof body), 200);
+    cr_assert_str_eq(body, "ok\n");
+    cr_assert_eq(read_reply_on(fd, false, &closing, body, sizeof body), 200);
+    cr_assert_eq(body[0], '{', "%s", body);
+    cr_assert_eq(read_reply_on(fd, false, &closing, body, sizeof body), 200);
+    cr_assert_str_eq(body, "ok\n");
+    cr_assert_not(closing);
+    /* A body is refused unread, and that connection ends after the 413. */
+    send_all(fd, "GET /status HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\nhello", 55);
+    cr_assert_eq(read_reply_on(fd, false, &closing, body, sizeof body), 413);
+    cr_assert(closing, "a connection whose body was not read must end");
+    char c;
+    cr_assert_leq(recv(fd, &c, 1, 0), 0, "data after the 413");
+    close(fd);
+
+    km_http_stats stats;
+    km_http_get_stats(http, &stats);
+    cr_assert_eq(stats.requests, 11);
+    cr_assert_eq(stats.not_found, 1);
+    cr_assert_eq(stats.bad_method, 1);
+    cr_assert_eq(stats.body_refused, 1);
+    stop_server(http, &s);
+}

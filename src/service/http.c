@@ -2,10 +2,13 @@
 /* Health, readiness, status and metrics over HTTP (src/service/http.h), on libmicrohttpd's internal
  * polling thread.
  *
- * Every request is answered in the access handler's first call, when only the headers have been
- * read: none of the routes takes a body, so a request announcing one is refused there (413) before
- * any of it is read, and libmicrohttpd closes that connection afterwards since the body is never
- * consumed. Replies own a malloc'd body (the km_text the callbacks filled), handed to
+ * None of the routes takes a body. A request announcing one is answered in the access handler's
+ * first call, when only the headers have been read (413, or the 404 / 405 its path or method
+ * earns first), and libmicrohttpd closes that connection afterwards since the body is never
+ * consumed. Every other request is answered in the handler's second call, once libmicrohttpd has
+ * read the whole request: a reply queued earlier would make it discard the rest of the stream and
+ * close the connection, so a keep-alive client (a scraper, a probe) could send only one request
+ * per connection. Replies own a malloc'd body (the km_text the callbacks filled), handed to
  * libmicrohttpd with MHD_RESPMEM_MUST_FREE. */
 #include "service/http.h"
 #include "base/error_detail.h"
@@ -286,9 +289,16 @@ static enum MHD_Result handle_request(void *cls, struct MHD_Connection *connecti
     (void)version;
     (void)upload_data;
     (void)upload_data_size;
-    (void)request_state;
     km_http *http = cls;
-    atomic_fetch_add(&http->requests, 1);
+    static int headers_read; /* *request_state once the first call passed a request on */
+    bool has_body = request_has_body(connection);
+    if (*request_state == NULL) {
+        atomic_fetch_add(&http->requests, 1);
+        if (!has_body) {
+            *request_state = &headers_read; /* answered in the next call: the request is whole */
+            return MHD_YES;
+        }
+    }
     route r = route_of(url);
     if (r == ROUTE_NONE) {
         atomic_fetch_add(&http->not_found, 1);
@@ -300,7 +310,7 @@ static enum MHD_Result handle_request(void *cls, struct MHD_Connection *connecti
         return reply_plain(connection, MHD_HTTP_METHOD_NOT_ALLOWED,
                            "method not allowed: use GET or HEAD\n", "GET, HEAD");
     }
-    if (request_has_body(connection)) {
+    if (has_body) {
         atomic_fetch_add(&http->body_refused, 1);
         return reply_plain(connection, MHD_HTTP_CONTENT_TOO_LARGE,
                            "request bodies are not accepted\n", NULL);
