@@ -292,7 +292,9 @@ static void conn_flush(conn *c)
     /* Try the write now: a reply the socket takes whole needs no write request, no callback and
      * none of the epoll_ctl calls libuv makes when a request completes. Only what is left (the
      * peer's buffer full) goes through uv_write. */
-    uv_buf_t now = uv_buf_init((char *)c->outbox.data, (unsigned)c->outbox.size);
+    /* Built field by field: uv_buf_init takes an unsigned length, which an outbox past 4 GiB
+     * would wrap, writing the stream short. */
+    uv_buf_t now = {.base = (char *)c->outbox.data, .len = c->outbox.size};
     int n = uv_try_write(&c->h.stream, &now, 1);
     if (n < 0 && n != UV_EAGAIN) {
         km_srv_conn_close(c);
@@ -312,8 +314,7 @@ static void conn_flush(conn *c)
     c->outbox = t;
     c->outbox.size = 0;
     send_buffer_trim(c->server, &c->outbox);
-    uv_buf_t buf = uv_buf_init((char *)c->writing.data + written,
-                               (unsigned)(c->writing.size - written));
+    uv_buf_t buf = {.base = (char *)c->writing.data + written, .len = c->writing.size - written};
     c->write_req.data = c;
     c->write_in_flight = true;
     c->write_left = buf.len;
