@@ -151,14 +151,14 @@ void km_srv_handle_route(conn *c, const km_message *m)
         return;
     }
     pthread_mutex_lock(&s->queue_lock);
-    bool full = s->queued_routes + rb->n_routes > s->cfg.max_queued_routes;
+    uint64_t queued = s->queued_routes;
     pthread_mutex_unlock(&s->queue_lock);
-    if (full) {
+    if (queued + rb->n_routes > s->cfg.max_queued_routes) {
         atomic_fetch_add(&s->st.overloaded, 1);
         km_counter_add(s->m_overloaded, 1);
         km_srv_send_error(c, m->id, KM_ERR_OVERLOADED,
-                          "%u routes are queued (max_queued_routes %u)",
-                          (unsigned)s->queued_routes, s->cfg.max_queued_routes);
+                          "%" PRIu64 " routes are queued (max_queued_routes %u)", queued,
+                          s->cfg.max_queued_routes);
         return;
     }
     job *j = calloc(1, sizeof *j);
