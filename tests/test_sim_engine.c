@@ -1204,3 +1204,187 @@ Test(sim_engine, same_inputs_give_same_bytes, .timeout = 20)
     KM_CHECK(a.completions_hash == b.completions_hash && a.n_completions == b.n_completions,
              "completions differ between identical runs");
 }
+
+/* ---- the step scheduler's invariants --------------------------------------------------------- */
+
+/* One submitted request as the test tracks it from the completions. */
+typedef struct sched_req {
+    workload w;
+    uint32_t output;
+    uint64_t submit_us, admit_us;
+    uint32_t cached;
+    int state; /* 0 waiting, 1 admitted, 2 first token, 3 finished, 4 rejected */
+} sched_req;
+
+/* Random submissions at random times, the engine advanced from one event to the next as the
+ * simulator does, with a step time of exactly one microsecond per scheduled token (P + D). After
+ * every call: the blocks in use never exceed the capacity, fewer than max_num_seqs + 1 requests
+ * run, every step's duration (its token count) is within the budget, completions come in time
+ * order with each request's lifecycle in order, a running request's hit is held and published
+ * once the step that admitted it ends, and its first token comes no sooner than its uncached
+ * tokens take to compute. At the end the engine was busy exactly the uncached prompt tokens
+ * plus one microsecond per decode step: each prompt token not hit is computed once. */
+Test(sim_engine, scheduler_invariants_on_random_submissions, .timeout = 60)
+{
+    km_rng r;
+    km_rng_init(&r, km_test_seed());
+    enum { N = 300 };
+    sched_req *reqs = calloc(N, sizeof *reqs);
+    for (int round = 0; round < 6; round++) {
+        km_sim_engine_config cfg;
+        km_sim_engine_config_init(&cfg);
+        cfg.model.block_size = BS;
+        cfg.model.capacity_blocks = 24 + km_rng_below(&r, 40);
+        cfg.model.max_num_seqs = 1 + km_rng_below(&r, 6);
+        cfg.model.max_num_batched_tokens = 1 + km_rng_below(&r, 48);
+        cfg.model.step_floor_us = 0;
+        cfg.model.token_us = 1;
+        cfg.model.prefill_us_per_pair = 0;
+        cfg.model.decode_us_per_request = 0;
+        cfg.model.decode_us_per_context_token = 0;
+        cfg.process_seed = km_rng_next(&r);
+        km_sim_engine *e;
+        cr_assert_eq(km_sim_engine_create(&cfg, &e), KM_OK);
+        memset(reqs, 0, N * sizeof *reqs);
+        uint64_t now = 0, last_completion = 0, expected_busy = 0, arrival = 0;
+        uint32_t mean_gap = 1 + km_rng_below(&r, 40);
+        uint32_t next = 0, running = 0;
+        uint32_t admitted_now[N];
+        while (next < N || km_sim_engine_next_event_us(e) != UINT64_MAX) {
+            uint64_t t_engine = km_sim_engine_next_event_us(e);
+            if (next < N && arrival < t_engine) {
+                /* the next arrival comes before the engine's next event (as the simulator
+                 * orders them) */
+                now = arrival;
+                sched_req *q = &reqs[next];
+                random_prompt(&r, &q->w);
+                q->output = 1 + km_rng_below(&r, 6);
+                q->submit_us = now;
+                cr_assert_eq(km_sim_engine_submit(e, next, q->w.tokens, q->w.n, q->output, now),
+                             KM_OK, "%s", km_sim_engine_last_error(e));
+                next++;
+                /* bursts, and gaps long enough for the engine to drain now and then */
+                arrival += km_rng_percent(&r, 5) ? 300 + km_rng_below(&r, 300)
+                                                 : km_rng_below(&r, mean_gap);
+                continue;
+            }
+            now = t_engine;
+            cr_assert_eq(km_sim_engine_advance(e, now), KM_OK, "%s", km_sim_engine_last_error(e));
+            uint32_t n_admitted = 0;
+            km_sim_completion c;
+            while (km_sim_engine_next_completion(e, &c)) {
+                KM_CHECK(c.time_us >= last_completion && c.time_us == now,
+                         "completion at %" PRIu64 " after %" PRIu64 ", advanced to %" PRIu64,
+                         c.time_us, last_completion, now);
+                last_completion = c.time_us;
+                cr_assert_lt(c.request_id, next);
+                sched_req *q = &reqs[c.request_id];
+                switch (c.kind) {
+                case KM_SIM_ADMITTED:
+                    KM_CHECK(q->state == 0 && c.time_us >= q->submit_us, "admitted twice or early");
+                    KM_CHECK(c.cached_tokens % BS == 0 && c.cached_tokens < q->w.n,
+                             "hit %u of a %u-token prompt", c.cached_tokens, q->w.n);
+                    KM_CHECK(c.cached_tokens / BS <= c.held_blocks, "hit beyond what was held");
+                    q->state = 1;
+                    q->admit_us = c.time_us;
+                    q->cached = c.cached_tokens;
+                    admitted_now[n_admitted++] = (uint32_t)c.request_id;
+                    running++;
+                    expected_busy += q->w.n - q->cached + (q->output - 1);
+                    break;
+                case KM_SIM_FIRST_TOKEN:
+                    KM_CHECK(q->state == 1, "first token of request %" PRIu64 " in state %d",
+                             c.request_id, q->state);
+                    /* Each step that prefills c of its tokens lasts at least c microseconds. */
+                    KM_CHECK(c.time_us - q->admit_us >= q->w.n - q->cached,
+                             "request %" PRIu64 ": first token %" PRIu64 " us after admission, "
+                             "%u tokens to compute",
+                             c.request_id, c.time_us - q->admit_us, q->w.n - q->cached);
+                    q->state = 2;
+                    break;
+                case KM_SIM_FINISHED:
+                    KM_CHECK(q->state == 2, "finished before its first token");
+                    KM_CHECK(c.output_tokens == q->output, "%u tokens, asked %u",
+                             c.output_tokens, q->output);
+                    q->state = 3;
+                    running--;
+                    break;
+                case KM_SIM_REJECTED:
+                    KM_CHECK(q->state == 0, "rejected after admission");
+                    KM_CHECK((q->w.n + q->output + BS - 1) / BS > cfg.model.capacity_blocks,
+                             "a request that fits was rejected");
+                    q->state = 4;
+                    break;
+                }
+            }
+            km_sim_engine_stats st;
+            km_sim_engine_get_stats(e, &st);
+            KM_CHECK(st.blocks_in_use <= cfg.model.capacity_blocks, "capacity exceeded");
+            KM_CHECK(st.blocks_in_use + st.blocks_free == cfg.model.capacity_blocks,
+                     "block accounting: %u in use, %u free", st.blocks_in_use, st.blocks_free);
+            KM_CHECK(st.running == running && running <= cfg.model.max_num_seqs,
+                     "%u running (completions say %u), max_num_seqs %u", st.running, running,
+                     cfg.model.max_num_seqs);
+            uint64_t end = km_sim_engine_next_event_us(e);
+            if (end != UINT64_MAX && end > now)
+                KM_CHECK(end - now <= cfg.model.max_num_batched_tokens,
+                         "a step of %" PRIu64 " tokens, budget %u", end - now,
+                         cfg.model.max_num_batched_tokens);
+            /* The hits of the requests admitted in the step that has just started are held and
+             * published once it ends, by those still running (a running request's blocks cannot
+             * be evicted; the next step, started at once, may evict a finished one's). */
+            if (n_admitted && end != UINT64_MAX) {
+                cr_assert_eq(km_sim_engine_advance(e, end), KM_OK);
+                now = end;
+                while (km_sim_engine_next_completion(e, &c)) {
+                    sched_req *q = &reqs[c.request_id];
+                    last_completion = c.time_us;
+                    if (c.kind == KM_SIM_ADMITTED) {
+                        KM_CHECK(q->state == 0, "admitted twice");
+                        q->state = 1;
+                        q->admit_us = c.time_us;
+                        q->cached = c.cached_tokens;
+                        running++;
+                        expected_busy += q->w.n - q->cached + (q->output - 1);
+                    } else if (c.kind == KM_SIM_FIRST_TOKEN) {
+                        KM_CHECK(q->state == 1 && c.time_us - q->admit_us >= q->w.n - q->cached,
+                                 "first token too early");
+                        q->state = 2;
+                    } else if (c.kind == KM_SIM_FINISHED) {
+                        KM_CHECK(q->state == 2, "finished before its first token");
+                        q->state = 3;
+                        running--;
+                    } else {
+                        q->state = 4;
+                    }
+                }
+                for (uint32_t i = 0; i < n_admitted; i++) {
+                    const sched_req *q = &reqs[admitted_now[i]];
+                    if (q->state == 3)
+                        continue;
+                    uint64_t chains[MAX_TOKENS];
+                    chains_of(q->w.tokens, q->w.n, chains);
+                    KM_CHECK(km_sim_engine_cached_depth(e, chains, q->cached / BS) ==
+                                 q->cached / BS,
+                             "request %u hit %u blocks the engine does not hold",
+                             admitted_now[i], q->cached / BS);
+                }
+            }
+        }
+        km_sim_engine_stats st;
+        km_sim_engine_get_stats(e, &st);
+        uint32_t finished = 0;
+        for (uint32_t i = 0; i < N; i++) {
+            KM_CHECK(reqs[i].state == 3 || reqs[i].state == 4, "request %u left in state %d", i,
+                     reqs[i].state);
+            finished += reqs[i].state == 3;
+        }
+        KM_CHECK(st.finished == finished && st.blocks_in_use == 0, "the engine is not drained");
+        KM_CHECK(st.busy_us == expected_busy,
+                 "busy %" PRIu64 " us, expected %" PRIu64 " (uncached prompts and decodes)",
+                 st.busy_us, expected_busy);
+        cr_assert_gt(st.hit_blocks, 0, "the run should exercise hits");
+        km_sim_engine_destroy(e);
+    }
+    free(reqs);
+}
