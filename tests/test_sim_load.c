@@ -35,6 +35,57 @@ static void sweep_config(km_sim_config *cfg)
     cfg->log = quiet;
 }
 
+/* A warm-up its engine cannot hold (engines of 260 blocks; system prompts up to 6,000 tokens) is
+ * reported as an error with no output, as a refused request is, never as a completed prefill: in
+ * the records, the warm-up outcomes that are errors are the ones the engines refused. */
+Test(sim_load, a_warm_up_too_large_for_its_engine_is_reported_failed, .timeout = 120)
+{
+    char dir[] = "/tmp/km-sim-warm-XXXXXX";
+    cr_assert_not_null(mkdtemp(dir));
+    km_sim_config cfg;
+    sweep_config(&cfg);
+    km_sim_generator_config_shape(KM_SIM_SHAPE_SYSTEM_PROMPT, &cfg.generator);
+    cfg.generator.requests = 600;
+    cfg.generator.seed = 1;
+    cfg.engine.model.capacity_blocks = 260;
+    cfg.policies[0] = "ttft";
+    cfg.loads[0] = 0.9;
+    cfg.n_loads = 1;
+    cfg.records_dir = dir;
+    km_sim_result r[1];
+    char why[512];
+    cr_assert_eq(km_sim_run(&cfg, r, NULL, why, sizeof why), KM_OK, "%s", why);
+    cr_assert_gt(r[0].warm_ups_rejected, 0, "no warm-up was too large: the case is not shown");
+    char path[300];
+    snprintf(path, sizeof path, "%s/records-ttft.jsonl", dir);
+    FILE *f = fopen(path, "r");
+    cr_assert_not_null(f, "%s", path);
+    uint64_t failed = 0, completed = 0;
+    static char line[1 << 17];
+    while (fgets(line, sizeof line, f)) {
+        json_t *rec = json_loads(line, 0, NULL);
+        cr_assert_not_null(rec);
+        const char *attempt = json_string_value(json_object_get(rec, "attempt_id"));
+        const char *type = json_string_value(json_object_get(rec, "type"));
+        if (attempt && strstr(attempt, ":warm_up") && !strcmp(type, "outcome")) {
+            const char *outcome = json_string_value(json_object_get(rec, "outcome"));
+            if (!strcmp(outcome, "error")) {
+                failed++;
+                cr_assert(json_is_null(json_object_get(rec, "output_tokens")));
+            } else {
+                completed++;
+            }
+        }
+        json_decref(rec);
+    }
+    fclose(f);
+    cr_assert_eq(failed, r[0].warm_ups_rejected);
+    cr_assert_eq(failed + completed, r[0].warm_ups);
+    char cmd[300];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+    cr_assert_eq(system(cmd), 0);
+}
+
 /* Warm-ups are part of the deterministic run: many users on a few system prompts ask for some,
  * and the same seed gives the same warm-ups and figures twice and over ZMQ as in process. */
 Test(sim_load, warm_ups_are_the_same_twice_and_over_zmq, .timeout = 240)

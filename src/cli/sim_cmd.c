@@ -142,6 +142,7 @@ static const row rows[] = {
     {"  reuse forgone (tokens)", U(owner_forgone_tokens)},
     {"warm-ups", U(warm_ups)},
     {"  tokens they prefilled", U(warm_up_prefill_tokens)},
+    {"  too large for their engine", U(warm_ups_rejected)},
     {"ttft_p50_ms", D(ttft_p50_ms, 1)},
     {"ttft_p99_ms", D(ttft_p99_ms, 1)},
     {"output tokens/s (virtual)", D(output_tokens_per_s, 0)},
@@ -252,6 +253,7 @@ static json_t *result_json(const km_sim_result *r)
     json_object_set_new(o, "warm_ups", json_integer((json_int_t)r->warm_ups));
     json_object_set_new(o, "warm_up_prefill_tokens",
                         json_integer((json_int_t)r->warm_up_prefill_tokens));
+    json_object_set_new(o, "warm_ups_rejected", json_integer((json_int_t)r->warm_ups_rejected));
     json_object_set_new(o, "bypassed", json_integer((json_int_t)r->bypassed));
     json_object_set_new(o, "overridden", json_integer((json_int_t)r->overridden));
     json_object_set_new(o, "dropped_messages", json_integer((json_int_t)r->dropped_messages));

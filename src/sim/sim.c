@@ -391,6 +391,17 @@ static bool message_dropped(run *r, uint32_t w, uint64_t now_us)
     return false;
 }
 
+/* A FINISHED report queued for a request (or a warm-up) the engine rejected: an error, nothing
+ * generated, so kvmatch neither counts an answer nor learns its blocks as held. */
+static void report_rejected(km_lifecycle_event *e)
+{
+    e->outcome = KM_OUTCOME_ERROR;
+    e->error = "the engine cannot hold this request";
+    e->finish_reason = NULL;
+    e->done_seen = false;
+    e->has_output_tokens = false; /* none was generated */
+}
+
 /* Drain an engine's completions and messages at virtual time `now`. */
 static int drain_engine(run *r, uint32_t w, uint64_t now_us, char *why, size_t why_size)
 {
@@ -411,6 +422,9 @@ static int drain_engine(run *r, uint32_t w, uint64_t now_us, char *why, size_t w
             } else {
                 s->finished = true;
                 rc = queue_report(r, KM_LIFECYCLE_FINISHED, c.request_id, c.time_us);
+                r->res->warm_ups_rejected += c.kind == KM_SIM_REJECTED;
+                if (!rc && c.kind == KM_SIM_REJECTED)
+                    report_rejected(&r->pending[r->n_pending - 1]);
             }
             if (rc)
                 return km_why(why, why_size, rc, "out of memory");
@@ -480,14 +494,8 @@ static int drain_engine(run *r, uint32_t w, uint64_t now_us, char *why, size_t w
             r->res->rejected++;
             s->finished = true;
             rc = queue_report(r, KM_LIFECYCLE_FINISHED, c.request_id, c.time_us);
-            if (!rc) {
-                km_lifecycle_event *e = &r->pending[r->n_pending - 1];
-                e->outcome = KM_OUTCOME_ERROR;
-                e->error = "the engine cannot hold this request";
-                e->finish_reason = NULL;
-                e->done_seen = false;
-                e->has_output_tokens = false; /* none was generated */
-            }
+            if (!rc)
+                report_rejected(&r->pending[r->n_pending - 1]);
             break;
         }
         if (rc)

@@ -223,6 +223,7 @@ typedef struct km_sim_result {
      * leading blocks with one output token (no TTFT counted), and the prompt tokens those
      * prefills computed (not found cached when admitted). */
     uint64_t warm_ups, warm_up_prefill_tokens;
+    uint64_t warm_ups_rejected;       /* of them, too large for their engine: reported as errors */
     uint64_t owner_forgone_tokens;    /* their (owner depth - chosen depth) x block size */
     double ttft_p50_ms, ttft_p99_ms;  /* virtual time, arrival to first token; NAN when no
                                        * request got a first token (no sample) */
