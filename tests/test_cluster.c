@@ -1024,6 +1024,33 @@ Test(cluster, a_peer_whose_workers_differ_has_its_pool_left_out_counted_once,
     km_cluster_destroy(a);
 }
 
+/* A restarted instance (a higher incarnation) is compared afresh: until its new process's full
+ * state says otherwise, the pool disagreement of the old process no longer leaves its load out,
+ * as for an instance never heard from. */
+Test(cluster, a_restarted_instance_is_compared_afresh, .init = start_server, .fini = stop_server,
+     .timeout = 30)
+{
+    uint32_t main_workers[] = {0, 1};
+    km_cluster_pool on_b[] = {{"main", 0x1111, main_workers, 2}};
+    km_cluster *b = instance("b", server.url, 10000, 0);
+    cr_assert_eq(km_cluster_set_pools(b, on_b, 1), KM_OK);
+    natsConnection *nc = raw_connect();
+    raw_publish(nc, "state.x",
+                "{\"v\":1,\"kind\":\"state\",\"instance\":\"x\",\"incarnation\":1,\"seq\":1,"
+                "\"workers\":[[0,4,0,0,0,0,0]],\"peers\":[],"
+                "\"pools\":[[\"main\",\"0000000000009999\"]]}");
+    WAIT_UNTIL(stats(b).n_mismatched == 1, 2000);
+    cr_assert_eq(stats(b).n_mismatched, 1, "x's old process disagrees on main");
+    cr_assert_eq(remote(b, 0).in_flight, 0);
+    raw_load(nc, "change", 2, 1, 0, 5); /* the new process, before its full state */
+    WAIT_UNTIL(stats(b).restarted_instances == 1 && remote(b, 0).in_flight == 5, 2000);
+    cr_assert_eq(stats(b).restarted_instances, 1);
+    cr_assert_eq(remote(b, 0).in_flight, 5, "the old process's disagreement left it out");
+    cr_assert_eq(stats(b).n_mismatched, 0);
+    natsConnection_Destroy(nc);
+    km_cluster_destroy(b);
+}
+
 Test(cluster, heartbeats_keep_their_interval_however_many_messages_arrive, .init = start_server,
      .fini = stop_server, .timeout = 60)
 {

@@ -900,6 +900,10 @@ static void apply(km_cluster *c, const cluster_message *m, uint64_t now)
         p->incarnation = m->incarnation;
         p->last_seq = 0;
         p->has_baseline = false;
+        /* The new process's pools are unknown until its full state, as a new instance's: the
+         * old process's disagreement (its configuration) goes with its contribution. */
+        p->n_pools = 0;
+        p->mismatch = 0;
         c->st.restarted_instances++;
     }
     if (!p) {
