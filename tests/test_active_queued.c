@@ -8,14 +8,18 @@
  * and counts what it left out; bad calls change nothing. Then random lifecycles against a
  * brute-force model (a plain list of live entries and the blocks each promised): after every step
  * every worker's queued depth of random requests, from random starting depths, equals the
- * model's, and the promised-block count equals the model's sum. Randomized tests print their seed
- * (KM_TEST_SEED). */
+ * model's, and the promised-block count equals the model's sum. Progress (km_active_blocks_stored):
+ * stores of promised blocks lower the promiser's pending prefill and pairs to what is left past the
+ * furthest one stored, on the promiser's worker only, once per block, never below 0; the random
+ * lifecycles store random runs too, and every worker's pending prefill and pairs equal the
+ * model's after every step. Randomized tests print their seed (KM_TEST_SEED). */
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "kvmatch/active.h"
+#include "kvmatch/engine_model.h"
 #include "test_util.h"
 
 static km_active *make_active(uint32_t max_workers, uint32_t max_queued_blocks)
@@ -179,6 +183,95 @@ Test(active_queued, bad_calls_change_nothing, .timeout = 10)
     km_active_destroy(a);
 }
 
+static km_active_load load_of_worker(const km_active *a, uint32_t worker)
+{
+    km_active_load l;
+    cr_assert_eq(km_active_worker_load(a, worker, &l), KM_OK);
+    return l;
+}
+
+static uint64_t stored(km_active *a, uint32_t worker, const uint64_t *h, size_t n)
+{
+    uint64_t progressed = 99;
+    cr_assert_eq(km_active_blocks_stored(a, worker, h, n, &progressed), KM_OK, "%s",
+                 km_active_last_error(a));
+    return progressed;
+}
+
+Test(active_queued, stores_of_promised_blocks_lower_the_pending_prefill, .timeout = 10)
+{
+    km_active *a = make_active(4, 1u << 20);
+    uint64_t h[10] = {61, 62, 63, 64, 65, 66, 67, 68, 69, 70};
+    begin(a, 1, "r", 1); /* 1600 tokens, none cached, blocks of 16 */
+    promise(a, "r", h + 2, 4); /* blocks 2..5: the worker holds 0..1 */
+    cr_assert_eq(load_of_worker(a, 1).pending_prefill_tokens, 1600);
+    cr_assert_eq(stored(a, 0, h + 2, 2), 0, "another worker's stores are not its progress");
+    cr_assert_eq(stored(a, 1, h, 2), 0, "blocks it did not promise");
+    cr_assert_eq(load_of_worker(a, 1).pending_prefill_tokens, 1600);
+    cr_assert_eq(stored(a, 1, h + 2, 2), 2);
+    cr_assert_eq(load_of_worker(a, 1).pending_prefill_tokens, 1600 - 2 * 16);
+    cr_assert_eq(load_of_worker(a, 1).pending_prefill_pairs,
+                 km_engine_model_chunk_pairs(2 * 16, 1600 - 2 * 16));
+    cr_assert_eq(stored(a, 1, h + 5, 1), 2, "block 4 was computed (or hit) before block 5");
+    cr_assert_eq(load_of_worker(a, 1).pending_prefill_tokens, 1600 - 4 * 16);
+    cr_assert_eq(stored(a, 1, h + 3, 3), 0, "blocks counted once");
+    km_active_stats st;
+    cr_assert_eq(km_active_get_stats(a, &st), KM_OK);
+    cr_assert_eq(st.progressed_blocks, 4);
+    cr_assert_eq(st.queued_blocks, 4, "the promise lasts until FIRST_TOKEN");
+
+    /* A report of cached tokens keeps the smaller remainder: more cached than predicted leaves
+     * what the report says; less leaves what the stores say. */
+    km_active_key k = km_active_key_of("r", "0");
+    cr_assert_eq(km_active_report_cached(a, &k, 0, 2), KM_OK);
+    cr_assert_eq(load_of_worker(a, 1).pending_prefill_tokens, 1600 - 4 * 16);
+    cr_assert_eq(km_active_report_cached(a, &k, 400, 3), KM_OK);
+    cr_assert_eq(load_of_worker(a, 1).pending_prefill_tokens, 1200);
+    cr_assert_eq(load_of_worker(a, 1).pending_prefill_pairs,
+                 km_engine_model_chunk_pairs(400, 1200));
+    cr_assert_eq(km_active_first_token(a, &k, 400, 4), KM_OK);
+    cr_assert_eq(load_of_worker(a, 1).pending_prefill_tokens, 0);
+    cr_assert_eq(load_of_worker(a, 1).pending_prefill_pairs, 0);
+    cr_assert_eq(stored(a, 1, h + 2, 4), 0, "after FIRST_TOKEN nothing is pending");
+
+    /* Never below 0: a 40-token prompt promised 4 blocks. */
+    km_active_key small = km_active_key_of("small", "0");
+    cr_assert_eq(km_active_begin(a, 2, &small, 40, 0, 1, 16, 5), KM_OK);
+    cr_assert_eq(km_active_queue_blocks(a, &small, h, 4), KM_OK);
+    cr_assert_eq(stored(a, 2, h + 3, 1), 4);
+    cr_assert_eq(load_of_worker(a, 2).pending_prefill_tokens, 0);
+    cr_assert_eq(km_active_get_stats(a, &st), KM_OK);
+    cr_assert_eq(st.saturations, 0);
+
+    cr_assert_eq(km_active_blocks_stored(a, 9, h, 1, NULL), KM_ERR_WORKER_RANGE);
+    cr_assert_eq(km_active_blocks_stored(a, 1, NULL, 1, NULL), KM_ERR_NULL_POINTER);
+    cr_assert_eq(km_active_blocks_stored(NULL, 1, h, 1, NULL), KM_ERR_NULL_POINTER);
+    cr_assert_eq(km_active_blocks_stored(a, 1, NULL, 0, NULL), KM_OK);
+    km_active_destroy(a);
+}
+
+Test(active_queued, a_block_two_entries_promised_is_progress_for_both, .timeout = 10)
+{
+    km_active *a = make_active(2, 1u << 20);
+    uint64_t h[6] = {71, 72, 73, 74, 75, 76};
+    begin(a, 0, "a", 1);
+    begin(a, 0, "b", 1);
+    begin(a, 0, "c", 1);
+    promise(a, "a", h, 4);
+    promise(a, "b", h + 2, 4); /* blocks 2, 3 promised by a and b */
+    promise(a, "c", h + 5, 1);
+    km_active_key kb = km_active_key_of("b", "0");
+    cr_assert_eq(km_active_finish(a, &kb, KM_ACTIVE_END_COMPLETE, 2, NULL), KM_OK);
+    /* b, the latest to promise blocks 2 and 3, is gone: a still gets their progress. */
+    cr_assert_eq(stored(a, 0, h + 2, 1), 3);
+    cr_assert_eq(load_of_worker(a, 0).pending_prefill_tokens, 2 * 1600 - 3 * 16);
+    begin(a, 0, "d", 3);
+    promise(a, "d", h + 3, 2); /* blocks 3, 4: block 3 promised by a and d */
+    cr_assert_eq(stored(a, 0, h + 3, 2), 1 + 2, "a's block 3, d's blocks 3 and 4");
+    cr_assert_eq(load_of_worker(a, 0).pending_prefill_tokens, 3 * 1600 - 4 * 16 - 2 * 16);
+    km_active_destroy(a);
+}
+
 /* ---- random lifecycles against a model ------------------------------------------------------ */
 
 enum { MODEL_ENTRIES = 48, MODEL_WORKERS = 5, MODEL_BLOCKS = 24, MODEL_CHAINS = 6 };
@@ -187,8 +280,13 @@ typedef struct model_entry {
     bool live, promised, first_token;
     uint32_t worker;
     uint64_t blocks[MODEL_BLOCKS];
-    uint32_t n;
+    uint32_t n, computed; /* blocks[0..computed) were seen stored */
+    uint64_t pending;     /* prefill tokens left */
 } model_entry;
+
+/* Every entry's prompt in the model, in tokens: 24 blocks of 16 are more, so a pending prefill
+ * also reaches 0. */
+enum { MODEL_PROMPT = 200 };
 
 /* Chains share leading blocks: chain c's block k is `k < fork(c) ? base[k] : own[c][k]`. */
 typedef struct chains {
@@ -238,8 +336,8 @@ Test(active_queued, random_lifecycles_match_a_model, .timeout = 60)
         uint32_t op = km_rng_below(&rng, 6);
         if (!m[i].live) {
             uint32_t w = km_rng_below(&rng, MODEL_WORKERS);
-            cr_assert_eq(km_active_begin(a, w, &k, 1000, 0, 1, 16, now), KM_OK);
-            m[i] = (model_entry){.live = true, .worker = w};
+            cr_assert_eq(km_active_begin(a, w, &k, MODEL_PROMPT, 0, 1, 16, now), KM_OK);
+            m[i] = (model_entry){.live = true, .worker = w, .pending = MODEL_PROMPT};
         } else if (op == 0 && !m[i].promised && !m[i].first_token) {
             const uint64_t *chain = c.h[km_rng_below(&rng, MODEL_CHAINS)];
             uint32_t from = km_rng_below(&rng, MODEL_BLOCKS);
@@ -251,6 +349,7 @@ Test(active_queued, random_lifecycles_match_a_model, .timeout = 60)
         } else if (op == 1 && !m[i].first_token) {
             cr_assert_eq(km_active_first_token(a, &k, KM_ACTIVE_CACHED_UNKNOWN, now), KM_OK);
             m[i].first_token = true;
+            m[i].pending = 0;
         } else if (op == 2) {
             cr_assert_eq(km_active_finish(a, &k, KM_ACTIVE_END_COMPLETE, now, NULL), KM_OK);
             m[i].live = false;
@@ -259,7 +358,7 @@ Test(active_queued, random_lifecycles_match_a_model, .timeout = 60)
             cr_assert_eq(km_active_move(a, &k, w, now), KM_OK);
             if (w != m[i].worker) {
                 m[i].worker = w;
-                m[i].n = 0; /* forgotten; the entry still may not promise again */
+                m[i].n = m[i].computed = 0; /* forgotten; the entry still may not promise again */
             }
         } else if (op == 4 && km_rng_percent(&rng, 5)) {
             uint32_t w = km_rng_below(&rng, MODEL_WORKERS);
@@ -268,10 +367,47 @@ Test(active_queued, random_lifecycles_match_a_model, .timeout = 60)
                 if (m[j].live && m[j].worker == w)
                     m[j].live = false;
         }
+        if (op == 5) { /* a run of some chain's blocks stored on some worker */
+            uint32_t w = km_rng_below(&rng, MODEL_WORKERS);
+            const uint64_t *chain = c.h[km_rng_below(&rng, MODEL_CHAINS)];
+            uint32_t from = km_rng_below(&rng, MODEL_BLOCKS);
+            uint32_t n = km_rng_below(&rng, MODEL_BLOCKS - from + 1);
+            uint64_t want = 0;
+            for (uint32_t b = from; b < from + n; b++)
+                for (int j = 0; j < MODEL_ENTRIES; j++) {
+                    model_entry *e = &m[j];
+                    if (!e->live || e->first_token || e->worker != w)
+                        continue;
+                    for (uint32_t q = e->computed; q < e->n; q++)
+                        if (e->blocks[q] == chain[b]) {
+                            uint64_t tokens = (uint64_t)(q + 1 - e->computed) * 16;
+                            want += q + 1 - e->computed;
+                            e->pending = e->pending > tokens ? e->pending - tokens : 0;
+                            e->computed = q + 1;
+                            break;
+                        }
+                }
+            uint64_t got = stored(a, w, chain + from, n);
+            KM_CHECK(got == want, "step %d: %" PRIu64 " blocks progressed, model %" PRIu64, step,
+                     got, want);
+        }
         uint64_t total = 0;
         for (int j = 0; j < MODEL_ENTRIES; j++)
             if (m[j].live && !m[j].first_token)
                 total += m[j].n;
+        for (uint32_t w = 0; w < MODEL_WORKERS; w++) {
+            uint64_t pending = 0, pairs = 0;
+            for (int j = 0; j < MODEL_ENTRIES; j++)
+                if (m[j].live && m[j].worker == w) {
+                    pending += m[j].pending;
+                    pairs += km_engine_model_chunk_pairs(MODEL_PROMPT - m[j].pending, m[j].pending);
+                }
+            km_active_load l = load_of_worker(a, w);
+            KM_CHECK(l.pending_prefill_tokens == pending && l.pending_prefill_pairs == pairs,
+                     "step %d: worker %u pending %" PRIu64 " tokens %" PRIu64 " pairs, model %"
+                     PRIu64 " and %" PRIu64, step, w, l.pending_prefill_tokens,
+                     l.pending_prefill_pairs, pending, pairs);
+        }
         KM_CHECK(queued_blocks(a) == total, "step %d: %" PRIu64 " promised blocks, model %" PRIu64,
                  step, queued_blocks(a), total);
         for (int probe = 0; probe < 4; probe++) {

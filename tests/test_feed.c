@@ -3107,6 +3107,24 @@ Test(feed, workers_come_and_go, .timeout = 10)
 
 /* A capped index, a feed over it with workers 0 and 1, and the test engine that makes their
  * messages: an index that cannot grow past its first 64 slots. */
+/* Runs told through km_feed_config.on_stored. */
+typedef struct told {
+    uint64_t runs, hashes;
+    uint32_t workers_seen; /* bit per worker */
+} told;
+
+static void tell(void *user, uint32_t worker_id, const uint64_t *hashes, size_t n)
+{
+    told *t = user;
+    cr_assert(hashes && n > 0 && worker_id < 32);
+    t->runs++;
+    t->hashes += n;
+    t->workers_seen |= 1u << worker_id;
+}
+
+/* The capped fixture's feed tells these (NULL: nobody). */
+static told *g_capped_told;
+
 typedef struct capped {
     km_index *index;
     km_feed *feed;
@@ -3136,6 +3154,8 @@ static void capped_init_with(capped *c, km_feed_degraded_policy policy)
     km_test_feed_config(&cfg, BS);
     cfg.offload_chunk_blocks = 2;
     cfg.degraded_policy = policy;
+    cfg.on_stored = g_capped_told ? tell : NULL;
+    cfg.on_stored_user = g_capped_told;
     cr_assert_eq(km_feed_create(c->index, &cfg, &c->feed), KM_OK);
     km_feed_worker_config w0 = {0, "small", false}, w1 = {1, "big", false};
     cr_assert_eq(km_feed_add_worker(c->feed, &w0, 1), KM_OK);
@@ -3505,6 +3525,56 @@ Test(feed, refused_messages_leave_nothing_the_engine_let_go, .timeout = 60)
         km_test_engine_free(&other);
         capped_free(&c);
     }
+}
+
+/* Every pair a flush had the index store is told once (on_stored), by either way of flushing
+ * (km_feed_flush, or take / apply / finish as the subscriber does), and a message the index
+ * refused tells nothing. */
+Test(feed, the_stores_the_index_took_are_told_once_each, .timeout = 20)
+{
+    told t = {0};
+    km_feed_config cfg;
+    km_test_feed_config(&cfg, BS);
+    cfg.on_stored = tell;
+    cfg.on_stored_user = &t;
+    fx f;
+    fx_init_cfg(&f, &cfg, KM_TEST_ENCODING_POSITIONAL, KM_TEST_HASH_INT);
+    fx_add(&f, 2, false);
+    uint64_t seq = 0, stores = 0;
+    for (int round = 0; round < 60; round++) {
+        uint64_t n = 1 + km_rng_below(&f.rng, 4);
+        fx_make(&f, n, 5);
+        fx_live_range(&f, 2, seq, seq + n);
+        seq += n;
+        km_feed_flush_stats st;
+        if (round % 2) {
+            cr_assert_eq(km_feed_flush(f.feed, f.now++, &st), KM_OK);
+        } else {
+            bool taken = km_feed_flush_take(f.feed);
+            if (taken)
+                km_feed_flush_apply(f.feed);
+            cr_assert_eq(km_feed_flush_finish(f.feed, f.now++, &st), KM_OK);
+        }
+        stores += st.index.stored + st.index.duplicate_stores;
+        KM_CHECK(t.hashes == stores, "round %d: %" PRIu64 " hashes told, the index stored %" PRIu64,
+                 round, t.hashes, stores);
+        fx_check_truth(&f, 2);
+    }
+    cr_assert(t.runs > 0 && t.workers_seen == 1u << 2);
+    fx_free(&f);
+
+    told capped_told = {0};
+    g_capped_told = &capped_told;
+    capped c;
+    capped_init(&c);
+    g_capped_told = NULL;
+    capped_live(&c, 0, 0, 1, 2);
+    capped_live(&c, 1, 0, 8, 64); /* 512 blocks: refused at the cap */
+    km_feed_flush_stats fs;
+    cr_assert_eq(km_feed_flush(c.feed, 4, &fs), KM_ERR_MEMORY_CAP);
+    cr_assert_eq(capped_told.hashes, 2, "the refused message's stores were told");
+    cr_assert_eq(capped_told.workers_seen, 1u << 0);
+    capped_free(&c);
 }
 
 Test(feed, flush_is_one_batch_and_survives_the_memory_cap, .timeout = 20)

@@ -5396,6 +5396,47 @@ Test(server, a_prompt_being_prefilled_draws_the_same_prompt_to_its_worker, .time
     srv_cleanup(&s);
 }
 
+/* The engine's events tell how far a queued prefill has come: each block of its promise the
+ * engine stores lowers that request's pending prefill on its worker, as the next decision
+ * weighs it. */
+Test(server, stored_blocks_lower_a_queued_prefill_as_the_engine_computes_it, .timeout = 30)
+{
+    srv s = {0};
+    km_client *c = start_three_quiet_workers(&s, KM_POLICY_TTFT);
+    km_message reply;
+    km_route_request r = prefix_route("first", 64 * BS);
+    const km_route_decision *d = route_one(c, &r, &reply);
+    cr_assert_eq(d->status, KM_OK, "%s", d->message);
+    uint32_t computing = d->chosen_worker;
+    uint64_t eh[32];
+    for (int i = 0; i < 32; i++)
+        eh[i] = 900 + (uint64_t)i;
+    km_test_batch b;
+    km_test_batch_init(&b, KM_TEST_ENCODING_POSITIONAL, KM_TEST_HASH_INT, 0);
+    for (uint32_t step = 0; step < 2; step++) { /* two engine steps of 16 blocks each */
+        km_test_batch_reset(&b);
+        km_test_batch_stored(&b, eh + 16 * step, 16, step > 0, step ? eh[15] : 0,
+                             g_tokens + 16 * BS * step, BS, NULL, NULL);
+        size_t size;
+        const void *payload = km_test_batch_payload(&b, &size);
+        cr_assert_eq(km_server_deliver_events(s.server, computing, step, payload, size), KM_OK);
+        char id[16];
+        snprintf(id, sizeof id, "probe%u", step);
+        r = prefix_route(id, 64 * BS);
+        r.brief = false;
+        d = route_one(c, &r, &reply);
+        cr_assert_eq(d->status, KM_OK, "%s", d->message);
+        cr_assert_eq(candidate(d, computing)->load.pending_prefill_tokens, (48 - 16 * step) * BS,
+                     "after %u stored blocks: %" PRIu64 " tokens pending", 16 * (step + 1),
+                     candidate(d, computing)->load.pending_prefill_tokens);
+        cr_assert_eq(report(c, KM_LIFECYCLE_FINISHED, id, false, 0), KM_OK);
+    }
+    km_test_batch_free(&b);
+    km_client_close(c);
+    srv_stop(&s);
+    srv_cleanup(&s);
+}
+
 /* The same on a pool of another policy, for routes that name `ttft`: their prefills promise
  * their blocks too, so the next route naming `ttft` sees the prompt coming, and its record says
  * so. */

@@ -10,7 +10,8 @@
  *   prefilling              1 per entry, from the decision until FIRST_TOKEN (or its end);
  *   pending_prefill_tokens  prompt_tokens - min(cached_tokens_predicted, prompt_tokens), charged
  *                           at the decision and released at FIRST_TOKEN (the prefill is done),
- *                           corrected by km_active_report_cached before that;
+ *                           lowered before that as the blocks its prefill promised are stored
+ *                           (km_active_blocks_stored) and corrected by km_active_report_cached;
  *   pending_prefill_pairs   the attention pairs of that prefill after its cached prefix
  *                           (km_engine_model_chunk_pairs), charged, corrected and released with it;
  *   active_decode_blocks    ceil((prompt_tokens + expected_output_tokens) / block_size): the KV
@@ -237,6 +238,25 @@ int km_active_queue_blocks(km_active *active, const km_active_key *key, const ui
 uint32_t km_active_queued_depth(const km_active *active, uint32_t worker, const uint64_t *hashes,
                                 uint32_t n, uint32_t from);
 
+/* Progress of queued prefills: `worker` now holds hashes[0..n) (the event feed saw them stored).
+ * A live entry there, before its FIRST_TOKEN, whose promise (km_active_queue_blocks) names one of
+ * them has computed its prompt up to that block, since a prefill runs in prompt order: its pending
+ * prefill drops by block_size tokens for each promised block up to the furthest one stored (a
+ * block another request cached meanwhile needs no computing either), never below 0, and its
+ * pending pairs become those of what is left after what is computed. What remains is released at
+ * FIRST_TOKEN as before; km_active_report_cached before it keeps the smaller of the two views.
+ * Hashes nobody there promised are ignored. *n_progressed (may be NULL) gets the blocks that
+ * lowered a pending prefill (also summed in stats.progressed_blocks). Cost: per hash one map
+ * lookup and a search of its promiser's promise from its computed part on (one step when blocks
+ * come in prompt order); a block more than one live entry promised, or whose latest promiser's
+ * promise ended, searches the promise of every entry of the worker. Errors: KM_ERR_NULL_POINTER,
+ * KM_ERR_WORKER_RANGE (nothing changes). */
+int km_active_blocks_stored(km_active *active, uint32_t worker, const uint64_t *hashes, size_t n,
+                            uint64_t *n_progressed);
+
+/* Blocks promised by live queued prefills now (stats.queued_blocks), in O(1). NULL: 0. */
+uint64_t km_active_queued_blocks(const km_active *active);
+
 /* Live entries of `worker` that declared the prefix named prefix_key (km_active_share_prefix): how
  * many concurrent requests there use it. 0 for invalid arguments. O(1). */
 uint32_t km_active_prefix_sharers(const km_active *active, uint32_t worker, uint64_t prefix_key);
@@ -358,6 +378,7 @@ typedef struct km_active_stats {
     uint64_t moved;        /* entries km_active_move gave to another worker */
     uint64_t queued_blocks;    /* blocks promised by queued prefills now (km_active_queue_blocks) */
     uint64_t queued_truncated; /* promised blocks left out at max_queued_blocks */
+    uint64_t progressed_blocks; /* promised blocks seen computed (km_active_blocks_stored) */
     uint64_t bytes;            /* bytes the live entries are counted as holding (max_bytes) */
     uint64_t refused_bytes;    /* begins refused with KM_ERR_MEMORY_CAP at max_bytes */
 } km_active_stats;

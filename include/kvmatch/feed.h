@@ -107,6 +107,12 @@ typedef struct km_feed_config {
                                      * late live duplicate from a restarted engine; default 1024 */
     km_log_fn log;                  /* one line per notable transition; NULL = stderr */
     void *log_user;
+    /* Told of each run of blocks a flush had the index store for a worker (a STORE update,
+     * hashes as the index keys them), once the index took it, from the thread that flushed and
+     * under the locks the flush holds (so it must take none that is held around a flush);
+     * hashes are valid during the call only. NULL: nobody is told. */
+    void (*on_stored)(void *user, uint32_t worker, const uint64_t *hashes, size_t n);
+    void *on_stored_user;
 } km_feed_config;
 
 void km_feed_config_init(km_feed_config *cfg);

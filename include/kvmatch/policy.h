@@ -207,7 +207,9 @@ typedef struct km_policy_candidate {
     uint32_t device_blocks, host_blocks, disk_blocks;
     uint32_t in_flight;              /* requests routed to it and not finished, as this instance saw */
     uint32_t prefilling;             /* of those, requests whose first token is not seen yet */
-    uint64_t pending_prefill_tokens; /* prompt tokens routed to it whose first token is not seen yet */
+    uint64_t pending_prefill_tokens; /* prompt tokens routed to it whose first token is not seen
+                                      * yet, less what its events report computed
+                                      * (km_active_blocks_stored) */
     uint64_t pending_prefill_pairs;  /* their attention pairs (km_active_load); only ttft reads it */
     uint64_t active_decode_blocks;   /* KV blocks of its running requests (prompt + output so far) */
     uint64_t allocated_blocks;       /* of those, the blocks they allocate: each one's less its

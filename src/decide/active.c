@@ -48,6 +48,7 @@ typedef struct entry {
     uint64_t prefix_blocks; /* that prefix's full blocks */
     uint64_t *queued;       /* the blocks its prefill will store (km_active_queue_blocks), malloc'd */
     uint32_t n_queued;
+    uint32_t n_computed;    /* queued[0..n_computed) are computed (km_active_blocks_stored) */
     int64_t engine_cached_tokens;
     uint64_t begin_ns, dispatched_ns, first_token_ns, last_touch_ns;
     void *user; /* the caller's pointer (km_active_set_user) */
@@ -87,7 +88,8 @@ struct km_active {
     km_u64map ended_by_hash; /* km_u64map_key(hash) -> ring slot of the latest end with that hash */
     km_u64map prefixes;      /* km_u64map_key(prefix_slot(worker, key)) -> live entries holding it
                               * and the blocks charged for it (prefix_take) */
-    km_u64map queued;        /* prefix_slot(worker, block hash) -> live entries promising it */
+    km_u64map queued;        /* prefix_slot(worker, block hash) -> (the latest entry to promise it
+                              * << 32) | the live entries promising it (QUEUED_COUNT) */
     char *unremembered_ids;  /* ids of the last ended entry when the ring is off (summary storage) */
     size_t unremembered_size;
     void *ids_cache;         /* released id buffers of IDS_CACHED_BYTES, linked through their start */
@@ -534,22 +536,32 @@ static int prefix_take(km_active *a, entry *e)
 
 /* ---- queued prefixes ------------------------------------------------------------------------ */
 
+/* A queued slot's value: the count of live promisers in the low half, and in the high half the
+ * latest entry to promise the block while that entry's promise lasts, else NIL (QUEUED_NOBODY). */
+#define QUEUED_COUNT(v) ((uint32_t)(v))
+#define QUEUED_ENTRY(v) ((uint32_t)((v) >> 32))
+#define QUEUED_COUNT_MASK UINT64_C(0xffffffff)
+#define QUEUED_NOBODY ((uint64_t)NIL << 32)
+
 /* Entry e's promise ends (its prefill ran, it ended or moved): each promised block's count drops
  * (and its slot goes at 0). */
 static void queued_release(km_active *a, entry *e)
 {
+    uint32_t idx = (uint32_t)(e - a->slab);
     for (uint32_t k = 0; k < e->n_queued; k++) {
         uint64_t slot = prefix_slot(e->worker, e->queued[k]);
-        uint64_t *n = km_u64map_find(&a->queued, slot);
-        if (n && *n > 1)
-            (*n)--;
-        else if (n)
+        uint64_t *v = km_u64map_find(&a->queued, slot);
+        if (v && QUEUED_COUNT(*v) > 1)
+            *v = (QUEUED_ENTRY(*v) == idx ? QUEUED_NOBODY : *v & ~QUEUED_COUNT_MASK) |
+                 (QUEUED_COUNT(*v) - 1);
+        else if (v)
             km_u64map_erase(&a->queued, slot);
     }
     a->stats.queued_blocks = saturating_sub(a, a->stats.queued_blocks, e->n_queued);
     free(e->queued);
     e->queued = NULL;
     e->n_queued = 0;
+    e->n_computed = 0;
 }
 
 /* ---- ending an entry ---------------------------------------------------------------------- */
@@ -884,11 +896,13 @@ int km_active_queue_blocks(km_active *a, const km_active_key *key, const uint64_
     memcpy(copy, hashes, (size_t)keep * sizeof *copy);
     for (uint32_t k = 0; k < keep; k++) {
         uint64_t slot = prefix_slot(e->worker, copy[k]);
-        uint64_t *count = km_u64map_find(&a->queued, slot);
-        if (count)
-            (*count)++;
+        uint64_t *v = km_u64map_find(&a->queued, slot);
+        uint32_t count = v ? QUEUED_COUNT(*v) + 1 : 1;
+        uint64_t value = (uint64_t)i << 32 | count;
+        if (v)
+            *v = value;
         else
-            (void)km_u64map_put(&a->queued, slot, 1, 0); /* room reserved above */
+            (void)km_u64map_put(&a->queued, slot, value, 0); /* room reserved above */
     }
     e->queued = copy;
     e->n_queued = keep;
@@ -942,6 +956,73 @@ uint32_t km_active_queued_depth(const km_active *a, uint32_t worker, const uint6
     while (depth < n && km_u64map_find(&a->queued, prefix_slot(worker, hashes[depth])))
         depth++;
     return depth;
+}
+
+/* Entry e (before its FIRST_TOKEN) has `pending` of its prompt's tokens left to compute: the
+ * worker's pending prefill and pairs move by the difference. */
+static void set_prefill_pending(km_active *a, entry *e, uint64_t pending)
+{
+    worker_state *w = &a->workers[e->worker];
+    uint64_t pairs = km_engine_model_chunk_pairs(e->prompt_tokens - pending, pending);
+    w->load.pending_prefill_tokens =
+        saturating_sub(a, w->load.pending_prefill_tokens, e->prefill_pending) + pending;
+    pairs_sub(a, w, e->pairs_pending);
+    pairs_add(w, pairs);
+    e->prefill_pending = pending;
+    e->pairs_pending = pairs;
+}
+
+/* Entry e's promise names `hash` past its computed part: the blocks up to it are computed (the
+ * prefill runs in prompt order, and a block another request cached meanwhile is a hit, with no
+ * event of its own). Returns the promised blocks that became computed. */
+static uint64_t progress_to(km_active *a, entry *e, uint64_t hash)
+{
+    if (e->first_token)
+        return 0;
+    uint32_t k = e->n_computed;
+    while (k < e->n_queued && e->queued[k] != hash)
+        k++;
+    if (k == e->n_queued)
+        return 0;
+    uint64_t blocks = (uint64_t)k + 1 - e->n_computed;
+    uint64_t tokens = blocks * e->block_size;
+    e->n_computed = k + 1;
+    set_prefill_pending(a, e, tokens < e->prefill_pending ? e->prefill_pending - tokens : 0);
+    return blocks;
+}
+
+int km_active_blocks_stored(km_active *a, uint32_t worker, const uint64_t *hashes, size_t n,
+                            uint64_t *n_progressed)
+{
+    if (n_progressed)
+        *n_progressed = 0;
+    if (!a || (n && !hashes))
+        return KM_ERR_NULL_POINTER;
+    if (worker >= a->cfg.max_workers)
+        return KM_ERR_WORKER_RANGE;
+    uint64_t progressed = 0;
+    for (size_t j = 0; j < n && a->stats.queued_blocks; j++) {
+        const uint64_t *v = km_u64map_find(&a->queued, prefix_slot(worker, hashes[j]));
+        if (!v)
+            continue;
+        if (QUEUED_COUNT(*v) == 1 && QUEUED_ENTRY(*v) != NIL) { /* its only promiser */
+            progressed += progress_to(a, &a->slab[QUEUED_ENTRY(*v)], hashes[j]);
+            continue;
+        }
+        /* Promised by more than one entry, or the latest to promise it is done: every entry of
+         * the worker is asked. */
+        for (uint32_t i = a->workers[worker].head; i != NIL; i = a->slab[i].worker_next)
+            progressed += progress_to(a, &a->slab[i], hashes[j]);
+    }
+    a->stats.progressed_blocks += progressed;
+    if (n_progressed)
+        *n_progressed = progressed;
+    return KM_OK;
+}
+
+uint64_t km_active_queued_blocks(const km_active *a)
+{
+    return a ? a->stats.queued_blocks : 0;
 }
 
 int km_active_dispatched(km_active *a, const km_active_key *key, uint64_t now_ns)
@@ -1066,15 +1147,14 @@ int km_active_report_cached(km_active *a, const km_active_key *key, int64_t engi
                               ? (uint64_t)engine_cached_tokens
                               : e->prompt_tokens;
         uint64_t corrected = e->prompt_tokens - cached;
+        e->prefill_charged = corrected;
+        /* Blocks computed since the decision (km_active_blocks_stored) lie past the predicted
+         * cached prefix: a smaller cache than predicted was computed before them, and a larger
+         * one leaves at most what the report says. */
+        if (e->n_computed && e->prefill_pending < corrected)
+            corrected = e->prefill_pending;
         if (corrected != e->prefill_pending) {
-            km_active_load *load = &a->workers[e->worker].load;
-            uint64_t pairs = km_engine_model_chunk_pairs(cached, corrected);
-            load->pending_prefill_tokens =
-                saturating_sub(a, load->pending_prefill_tokens, e->prefill_pending) + corrected;
-            pairs_sub(a, &a->workers[e->worker], e->pairs_pending);
-            pairs_add(&a->workers[e->worker], pairs);
-            e->prefill_pending = e->prefill_charged = corrected;
-            e->pairs_pending = pairs;
+            set_prefill_pending(a, e, corrected);
             a->stats.corrections++;
         }
     }

@@ -1114,10 +1114,23 @@ bool km_feed_flush_in_flight(const km_feed *feed)
     return feed->taken_in_flight;
 }
 
+/* The index took updates u[0..n): config.on_stored hears of their stores. */
+static void tell_stored(const km_feed *feed, const km_update *u, size_t n)
+{
+    if (!feed->config.on_stored)
+        return;
+    for (size_t i = 0; i < n; i++)
+        if (u[i].kind == KM_UPDATE_STORE && u[i].n_hashes)
+            feed->config.on_stored(feed->config.on_stored_user, u[i].worker, u[i].hashes,
+                                   u[i].n_hashes);
+}
+
 void km_feed_flush_apply(km_feed *feed)
 {
     taken_queue *t = &feed->taken;
     t->status = km_index_apply(feed->index, t->scratch, t->queue_count, &t->applied);
+    if (t->status == KM_OK)
+        tell_stored(feed, t->scratch, t->queue_count);
 }
 
 /* Append the feed's queue to the taken one (offsets moved past it) and make that the feed's
@@ -1416,6 +1429,7 @@ static int flush_queue(km_feed *feed, uint64_t now_ns, km_feed_flush_stats *stat
     km_update_stats st;
     int rc = km_index_apply(feed->index, feed->scratch, feed->queue_count, &st);
     if (rc == KM_OK) {
+        tell_stored(feed, feed->scratch, feed->queue_count);
         count_applied(feed, feed->groups, feed->group_count);
         stats->updates = feed->queue_count;
         stats->groups = feed->group_count;
@@ -1440,6 +1454,7 @@ static int flush_queue(km_feed *feed, uint64_t now_ns, km_feed_flush_stats *stat
         grp->refused = rc;
         grp->cleared_after = false;
         if (rc == KM_OK) {
+            tell_stored(feed, feed->scratch + grp->first, grp->count);
             stats->updates += grp->count;
             stats->groups++;
             accumulate(&stats->index, &st);

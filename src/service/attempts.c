@@ -534,3 +534,69 @@ void km_srv_handle_lifecycle(conn *c, const km_message *m)
     free(items);
     free(msgs);
 }
+
+/* ---- queued prefills' progress --------------------------------------------------------------- */
+
+void km_srv_note_stored(void *user, uint32_t worker, const uint64_t *hashes, size_t n)
+{
+    km_server *s = user;
+    if (!n || !atomic_load_explicit(&s->stored_wanted, memory_order_relaxed))
+        return;
+    pthread_mutex_lock(&s->stored_lock);
+    size_t need = s->n_stored + 1 + n;
+    if (n >= UINT32_MAX || need > KM_SRV_STORED_MAX) {
+        s->stored_dropped++;
+    } else {
+        if (need > s->stored_capacity) {
+            size_t cap = s->stored_capacity ? s->stored_capacity : 1024;
+            while (cap < need)
+                cap *= 2;
+            uint64_t *grown = realloc(s->stored, cap * sizeof *grown);
+            if (grown) {
+                s->stored = grown;
+                s->stored_capacity = cap;
+            }
+        }
+        if (need <= s->stored_capacity) {
+            s->stored[s->n_stored] = (uint64_t)worker << 32 | n;
+            memcpy(s->stored + s->n_stored + 1, hashes, n * sizeof *hashes);
+            s->n_stored = need;
+        } else {
+            s->stored_dropped++;
+        }
+    }
+    pthread_mutex_unlock(&s->stored_lock);
+}
+
+void km_srv_apply_stored(km_server *s)
+{
+    /* The runs are taken out, so the hook can go on keeping runs meanwhile, and nothing is
+     * called with stored_lock held. */
+    pthread_mutex_lock(&s->stored_lock);
+    uint64_t *runs = s->stored;
+    size_t n_words = s->n_stored, capacity = s->stored_capacity;
+    s->stored = NULL;
+    s->n_stored = s->stored_capacity = 0;
+    pthread_mutex_unlock(&s->stored_lock);
+    uint32_t published = UINT32_MAX;
+    for (size_t i = 0; i < n_words;) {
+        uint32_t worker = (uint32_t)(runs[i] >> 32), n = (uint32_t)runs[i];
+        uint64_t progressed = 0;
+        if (km_active_blocks_stored(s->active, worker, runs + i + 1, n, &progressed) == KM_OK &&
+            progressed && worker != published) {
+            km_srv_cluster_publish(s, worker);
+            published = worker;
+        }
+        i += 1 + (size_t)n;
+    }
+    if (km_active_queued_blocks(s->active) == 0)
+        atomic_store(&s->stored_wanted, false);
+    pthread_mutex_lock(&s->stored_lock);
+    if (!s->stored) { /* the buffer goes back for the next runs, emptied */
+        s->stored = runs;
+        s->stored_capacity = capacity;
+        runs = NULL;
+    }
+    pthread_mutex_unlock(&s->stored_lock);
+    free(runs);
+}

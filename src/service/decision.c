@@ -395,7 +395,9 @@ static bool begin_active_work(km_server *s, route_job *r, const pool *p, route_c
      * pool that queues prefixes, and for a route `ttft` decided on any pool (its own policy, or
      * its warm-up), so that the next route naming `ttft` sees the prefix coming. */
     if ((queues_prefixes(p) || c->kind == KM_POLICY_TTFT) && covered < r->n_hashes)
-        km_active_queue_blocks(s->active, &c->key, r->hashes + covered, r->n_hashes - covered);
+        if (km_active_queue_blocks(s->active, &c->key, r->hashes + covered,
+                                   r->n_hashes - covered) == KM_OK)
+            atomic_store(&s->stored_wanted, true); /* its progress is watched (attempts.c) */
     c->decision_id = atomic_fetch_add(&s->next_decision_id, 1);
     km_srv_cluster_publish(s, c->chosen);
     return true;

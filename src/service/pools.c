@@ -212,6 +212,8 @@ static int pool_subscriber(km_server *s, pool *p, char *why, size_t why_size)
     pool_decoder_config(s, &sc.decoder);
     sc.feed.log = s->log;
     sc.feed.log_user = s->log_user;
+    sc.feed.on_stored = km_srv_note_stored;
+    sc.feed.on_stored_user = s;
     sc.log = s->log;
     sc.log_user = s->log_user;
     sc.snapshot_path = p->snapshot_path;
@@ -250,6 +252,8 @@ static int pool_local_feed(km_server *s, pool *p, char *why, size_t why_size)
     fc.bootstrap_replay = false;
     fc.log = s->log;
     fc.log_user = s->log_user;
+    fc.on_stored = km_srv_note_stored;
+    fc.on_stored_user = s;
     km_kv_decoder_config dc;
     pool_decoder_config(s, &dc);
     int rc = km_feed_create(p->index, &fc, &p->local_feed);

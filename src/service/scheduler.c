@@ -362,8 +362,9 @@ static void log_flush_failure(km_server *s, pool *p, const char *what, const cha
     p->flush_failures_unlogged = 0;
 }
 
-/* The scheduler role's chores before scoring: apply received events, expire approximate-mode
- * pairs, and (expire_limit > 0) expire active work (expire_due). */
+/* The scheduler role's chores before scoring: apply received events (and the progress their
+ * stores tell of queued prefills), expire approximate-mode pairs, and (expire_limit > 0) expire
+ * active work (expire_due). */
 static void housekeeping(km_server *s, batch_scratch *b, uint32_t expire_limit)
 {
     if (expire_limit)
@@ -394,6 +395,11 @@ static void housekeeping(km_server *s, batch_scratch *b, uint32_t expire_limit)
     }
     apply_lessons(s, b, now);
     apply_remote_predictions(s, b, now);
+    if (atomic_load(&s->stored_wanted)) {
+        pthread_mutex_lock(&s->active_lock);
+        km_srv_apply_stored(s);
+        pthread_mutex_unlock(&s->active_lock);
+    }
     pthread_mutex_unlock(&s->admin_lock);
 }
 

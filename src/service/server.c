@@ -209,6 +209,8 @@ void km_server_destroy(km_server *s)
     pthread_mutex_destroy(&s->admin_lock);
     pthread_mutex_destroy(&s->active_lock);
     pthread_mutex_destroy(&s->predictions_lock);
+    pthread_mutex_destroy(&s->stored_lock);
+    free(s->stored);
     free(s->socket_path);
     free(s->tcp);
     free(s->http_addr);
@@ -284,6 +286,8 @@ int km_server_create(const km_server_config *cfg_in, km_server **out, char *why,
     pthread_mutex_init(&s->admin_lock, NULL);
     pthread_mutex_init(&s->active_lock, NULL);
     pthread_mutex_init(&s->predictions_lock, NULL);
+    pthread_mutex_init(&s->stored_lock, NULL);
+    atomic_init(&s->stored_wanted, false);
     km_u64map_init(&s->attempts_by_decision, &s->attempts_memory);
     uv_loop_init(&s->loop);
     int rc = KM_OK;

@@ -43,8 +43,9 @@
  *  local_lock   a pool's in-process feed and decoder (workers whose events are "local"); a
  *               decision reads a worker's feed state under it;
  *  queue_lock   the route queue and the scheduler role; done_lock the finished jobs; a
- *               connection's write_lock its write side (struct conn). All three are leaves:
- *               nothing else is taken while one is held.
+ *               connection's write_lock its write side (struct conn); stored_lock the blocks
+ *               the feeds stored since the last housekeeping. All four are leaves: nothing else
+ *               is taken while one is held.
  */
 #ifndef KM_SERVER_IMPL_H
 #define KM_SERVER_IMPL_H
@@ -420,6 +421,16 @@ struct km_server {
     atomic_bool lessons_queued;      /* lessons is not empty: housekeeping takes the lock only then */
     km_memory attempts_memory;
     uint64_t active_peak; /* most active entries since the last release_after_drain (active_lock) */
+    /* Runs of blocks the pools' feeds stored, for the queued prefills' progress
+     * (km_srv_note_stored, km_srv_apply_stored): each run is a header (worker << 32 | count)
+     * and its hashes, at most KM_SRV_STORED_MAX words in all; a run past that is dropped and
+     * counted. Under stored_lock. stored_wanted: some queued prefill is waiting for its blocks
+     * (set by a decision that promised blocks, cleared by the drain that finds none). */
+    pthread_mutex_t stored_lock;
+    uint64_t *stored;
+    size_t n_stored, stored_capacity;
+    uint64_t stored_dropped;
+    atomic_bool stored_wanted;
     uv_timer_t expiry_timer; /* loop thread: active-work expiry while the scheduler role is free */
     uv_idle_t expiry_more;   /* runs while a full slice ended */
     bool expiry_timer_inited;
@@ -614,6 +625,15 @@ void km_srv_record_removed(void *user, const km_active_summary *sum);
 void km_srv_handle_lifecycle(conn *c, const km_message *m);
 void km_srv_end_undelivered(km_server *s, uint64_t decision_id);
 void km_srv_end_job_undelivered(km_server *s, const job *j);
+/* Words of stored runs kept between two housekeepings (headers and hashes). */
+#define KM_SRV_STORED_MAX (1u << 16)
+/* A feed's on_stored hook (user: the server): keeps the run for km_srv_apply_stored while a
+ * queued prefill waits for its blocks. Any thread; takes stored_lock only. */
+void km_srv_note_stored(void *user, uint32_t worker, const uint64_t *hashes, size_t n);
+/* The runs kept since the last call lower the pending prefill of the entries whose promised
+ * blocks they hold (km_active_blocks_stored); each worker that changed has its load published.
+ * active_lock held. */
+void km_srv_apply_stored(km_server *s);
 
 /* admin.c */
 void km_srv_handle_workers(conn *c, const km_message *m);
