@@ -5402,7 +5402,14 @@ Test(server, a_prompt_being_prefilled_draws_the_same_prompt_to_its_worker, .time
 Test(server, stored_blocks_lower_a_queued_prefill_as_the_engine_computes_it, .timeout = 30)
 {
     srv s = {0};
-    km_client *c = start_three_quiet_workers(&s, KM_POLICY_TTFT);
+    km_server_config cfg;
+    test_config(&cfg, &s, KM_POLICY_TTFT, 0);
+    char http[] = "127.0.0.1:0";
+    cfg.http = http;
+    g_pool.workers = three_quiet_workers;
+    g_pool.n_workers = 3;
+    srv_start(&s, &cfg);
+    km_client *c = connect_client(&s);
     km_message reply;
     km_route_request r = prefix_route("first", 64 * BS);
     const km_route_decision *d = route_one(c, &r, &reply);
@@ -5431,6 +5438,10 @@ Test(server, stored_blocks_lower_a_queued_prefill_as_the_engine_computes_it, .ti
                      candidate(d, computing)->load.pending_prefill_tokens);
         cr_assert_eq(report(c, KM_LIFECYCLE_FINISHED, id, false, 0), KM_OK);
     }
+    static char body[1 << 16];
+    cr_assert_eq(http_get(km_server_http_port(s.server), "/metrics", body, sizeof body), 200);
+    cr_assert_eq(metric_value(body, "kvmatch_prefill_progress_blocks_total"), 32.0);
+    cr_assert_eq(metric_value(body, "kvmatch_prefill_progress_dropped_total"), 0.0);
     km_test_batch_free(&b);
     km_client_close(c);
     srv_stop(&s);

@@ -544,9 +544,8 @@ void km_srv_note_stored(void *user, uint32_t worker, const uint64_t *hashes, siz
         return;
     pthread_mutex_lock(&s->stored_lock);
     size_t need = s->n_stored + 1 + n;
-    if (n >= UINT32_MAX || need > KM_SRV_STORED_MAX) {
-        s->stored_dropped++;
-    } else {
+    bool kept = false;
+    if (n < UINT32_MAX && need <= KM_SRV_STORED_MAX) {
         if (need > s->stored_capacity) {
             size_t cap = s->stored_capacity ? s->stored_capacity : 1024;
             while (cap < need)
@@ -561,11 +560,12 @@ void km_srv_note_stored(void *user, uint32_t worker, const uint64_t *hashes, siz
             s->stored[s->n_stored] = (uint64_t)worker << 32 | n;
             memcpy(s->stored + s->n_stored + 1, hashes, n * sizeof *hashes);
             s->n_stored = need;
-        } else {
-            s->stored_dropped++;
+            kept = true;
         }
     }
     pthread_mutex_unlock(&s->stored_lock);
+    if (!kept) /* the prefills it would have moved stay charged until their first token */
+        km_counter_add(s->m_progress_dropped, 1);
 }
 
 void km_srv_apply_stored(km_server *s)
@@ -583,8 +583,10 @@ void km_srv_apply_stored(km_server *s)
         uint32_t worker = (uint32_t)(runs[i] >> 32), n = (uint32_t)runs[i];
         uint64_t progressed = 0;
         if (km_active_blocks_stored(s->active, worker, runs + i + 1, n, &progressed) == KM_OK &&
-            progressed && worker != published) {
-            km_srv_cluster_publish(s, worker);
+            progressed) {
+            km_counter_add(s->m_progress_blocks, progressed);
+            if (worker != published)
+                km_srv_cluster_publish(s, worker);
             published = worker;
         }
         i += 1 + (size_t)n;

@@ -424,12 +424,12 @@ struct km_server {
     /* Runs of blocks the pools' feeds stored, for the queued prefills' progress
      * (km_srv_note_stored, km_srv_apply_stored): each run is a header (worker << 32 | count)
      * and its hashes, at most KM_SRV_STORED_MAX words in all; a run past that is dropped and
-     * counted. Under stored_lock. stored_wanted: some queued prefill is waiting for its blocks
-     * (set by a decision that promised blocks, cleared by the drain that finds none). */
+     * counted (m_progress_dropped). Under stored_lock. stored_wanted: some queued prefill is
+     * waiting for its blocks (set by a decision that promised blocks, cleared by the drain that
+     * finds none). */
     pthread_mutex_t stored_lock;
     uint64_t *stored;
     size_t n_stored, stored_capacity;
-    uint64_t stored_dropped;
     atomic_bool stored_wanted;
     uv_timer_t expiry_timer; /* loop thread: active-work expiry while the scheduler role is free */
     uv_idle_t expiry_more;   /* runs while a full slice ended */
@@ -455,7 +455,8 @@ struct km_server {
     km_metrics *metrics;
     km_counter *m_decisions, *m_route_errors, *m_frames, *m_bad_frames, *m_lifecycle,
         *m_outcomes, *m_expired, *m_evicted, *m_overloaded, *m_shed_wait, *m_shed_connection,
-        *m_slow_closed, *m_reading_paused, *m_dropped_closed, *m_undelivered, *m_warm_ups;
+        *m_slow_closed, *m_reading_paused, *m_dropped_closed, *m_undelivered, *m_warm_ups,
+        *m_progress_blocks, *m_progress_dropped;
     km_histogram *m_batch_routes, *m_batch_seconds, *m_queue_seconds;
     km_http *http;
     uint16_t http_port;

@@ -668,6 +668,17 @@ int km_srv_metrics_setup(km_server *s)
                                     "connection closed (or could not be encoded): their active "
                                     "work ended, outcome cancelled.", NULL, 0, &s->m_undelivered);
     if (!rc)
+        rc = km_metrics_add_counter(s->metrics, "kvmatch_prefill_progress_blocks_total",
+                                    "Blocks promised by queued prefills that their workers' events "
+                                    "reported stored, each lowering its prefill's pending tokens.",
+                                    NULL, 0, &s->m_progress_blocks);
+    if (!rc)
+        rc = km_metrics_add_counter(s->metrics, "kvmatch_prefill_progress_dropped_total",
+                                    "Runs of stored blocks not kept for the queued prefills' "
+                                    "progress (more than fit between two batches): those prefills "
+                                    "stay charged whole until their first token.",
+                                    NULL, 0, &s->m_progress_dropped);
+    if (!rc)
         rc = km_metrics_add_counter(s->metrics, "kvmatch_lifecycle_events_total",
                                     "DISPATCHED / FIRST_TOKEN / FINISHED reports.", NULL, 0,
                                     &s->m_lifecycle);
