@@ -250,6 +250,50 @@ Test(active_queued, stores_of_promised_blocks_lower_the_pending_prefill, .timeou
     km_active_destroy(a);
 }
 
+/* A cached-tokens report before the stores: what is pending stays the smaller of what the report
+ * leaves and what the stores leave of the charge at the decision, so blocks the report already
+ * counted cached are not taken off again when they are stored, and a report of less than
+ * predicted leaves the stores' view once blocks are stored. */
+Test(active_queued, a_report_before_the_stores_counts_no_block_twice, .timeout = 10)
+{
+    km_active *a = make_active(2, 1u << 20);
+    uint64_t h[10] = {81, 82, 83, 84, 85, 86, 87, 88, 89, 90};
+    km_active_key more = km_active_key_of("more", "0"), less = km_active_key_of("less", "0");
+    /* 160 tokens, none predicted cached; the engine says 80 (blocks 0..4) were. */
+    cr_assert_eq(km_active_begin(a, 0, &more, 160, 0, 1, 16, 1), KM_OK);
+    promise(a, "more", h, 10);
+    cr_assert_eq(km_active_report_cached(a, &more, 80, 2), KM_OK);
+    cr_assert_eq(load_of_worker(a, 0).pending_prefill_tokens, 80);
+    cr_assert_eq(stored(a, 0, h, 5), 5, "blocks 0..4 are stored (loaded, say)");
+    cr_assert_eq(load_of_worker(a, 0).pending_prefill_tokens, 80,
+                 "the report counted them cached already: %" PRIu64 " pending",
+                 load_of_worker(a, 0).pending_prefill_tokens);
+    cr_assert_eq(stored(a, 0, h + 5, 1), 1);
+    cr_assert_eq(load_of_worker(a, 0).pending_prefill_tokens, 64);
+    cr_assert_eq(load_of_worker(a, 0).pending_prefill_pairs, km_engine_model_chunk_pairs(96, 64));
+
+    /* 160 tokens, 32 predicted cached (blocks 0..1, promise 2..9); the engine says none were. */
+    cr_assert_eq(km_active_begin(a, 1, &less, 160, 32, 1, 16, 3), KM_OK);
+    promise(a, "less", h + 2, 8);
+    cr_assert_eq(km_active_report_cached(a, &less, 0, 4), KM_OK);
+    cr_assert_eq(load_of_worker(a, 1).pending_prefill_tokens, 160);
+    cr_assert_eq(stored(a, 1, h + 2, 1), 1);
+    cr_assert_eq(load_of_worker(a, 1).pending_prefill_tokens, 160 - 3 * 16,
+                 "computed up to block 2: %" PRIu64 " pending",
+                 load_of_worker(a, 1).pending_prefill_tokens);
+    cr_assert_eq(load_of_worker(a, 1).pending_prefill_pairs,
+                 km_engine_model_chunk_pairs(3 * 16, 160 - 3 * 16));
+    /* A later report is the report's view now: the earlier one is replaced, not kept. */
+    cr_assert_eq(km_active_report_cached(a, &less, 128, 5), KM_OK);
+    cr_assert_eq(load_of_worker(a, 1).pending_prefill_tokens, 32);
+    cr_assert_eq(km_active_report_cached(a, &less, 16, 6), KM_OK);
+    cr_assert_eq(load_of_worker(a, 1).pending_prefill_tokens, 160 - 3 * 16);
+    km_active_stats st;
+    cr_assert_eq(km_active_get_stats(a, &st), KM_OK);
+    cr_assert_eq(st.saturations, 0);
+    km_active_destroy(a);
+}
+
 Test(active_queued, a_block_two_entries_promised_is_progress_for_both, .timeout = 10)
 {
     km_active *a = make_active(2, 1u << 20);

@@ -240,13 +240,16 @@ uint32_t km_active_queued_depth(const km_active *active, uint32_t worker, const 
 
 /* Progress of queued prefills: `worker` now holds hashes[0..n) (the event feed saw them stored).
  * A live entry there, before its FIRST_TOKEN, whose promise (km_active_queue_blocks) names one of
- * them has computed its prompt up to that block, since a prefill runs in prompt order: its pending
- * prefill drops by block_size tokens for each promised block up to the furthest one stored (a
- * block another request cached meanwhile needs no computing either), never below 0, and its
- * pending pairs become those of what is left after what is computed. What remains is released at
- * FIRST_TOKEN as before; km_active_report_cached before it keeps the smaller of the two views.
- * Hashes nobody there promised are ignored. *n_progressed (may be NULL) gets the blocks that
- * lowered a pending prefill (also summed in stats.progressed_blocks). Cost: per hash one map
+ * them has computed its prompt up to that block, since a prefill runs in prompt order (a block
+ * another request cached meanwhile needs no computing either). The stores' view of its pending
+ * prefill is its charge at the decision (prompt_tokens less the predicted cached tokens, where
+ * the promise begins) less block_size tokens for each promised block up to the furthest one
+ * stored, never below 0; a km_active_report_cached before FIRST_TOKEN gives the report's view
+ * (prompt_tokens less the reported cached tokens; a later report replaces an earlier one). Its
+ * pending prefill is the smaller of the views it has, and its pending pairs those of what is left
+ * after what is computed; stores never raise it. What remains is released at FIRST_TOKEN as
+ * before. Hashes nobody there promised are ignored. *n_progressed (may be NULL) gets the promised
+ * blocks newly seen computed (also summed in stats.progressed_blocks). Cost: per hash one map
  * lookup and a search of its promiser's promise from its computed part on (one step when blocks
  * come in prompt order); a block more than one live entry promised, or whose latest promiser's
  * promise ended, searches the promise of every entry of the worker. Errors: KM_ERR_NULL_POINTER,
@@ -293,8 +296,9 @@ int km_active_first_token(km_active *active, const km_active_key *key,
                           int64_t engine_cached_tokens, uint64_t now_ns);
 
 /* The engine reported how many prompt tokens it found cached (>= 0) before the first token: the
- * entry's pending prefill becomes prompt_tokens - min(cached, prompt_tokens) and the worker's
- * total moves by the difference. After FIRST_TOKEN only the reported value is kept (the prefill is
+ * entry's pending prefill becomes prompt_tokens - min(cached, prompt_tokens), or what its stored
+ * promised blocks leave where that is less (km_active_blocks_stored), and the worker's total
+ * moves by the difference. After FIRST_TOKEN only the reported value is kept (the prefill is
  * already released). Errors: KM_ERR_NOT_FOUND, KM_ERR_INVALID_ARGUMENT (negative),
  * KM_ERR_PROTOCOL (already finished). */
 int km_active_report_cached(km_active *active, const km_active_key *key,

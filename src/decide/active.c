@@ -972,9 +972,23 @@ static void set_prefill_pending(km_active *a, entry *e, uint64_t pending)
     e->pairs_pending = pairs;
 }
 
+/* What the stores leave of entry e's prefill: its charge at the decision (the prompt past the
+ * predicted cached tokens, where its promise begins) less its computed promised blocks, at
+ * least 0. */
+static uint64_t stores_leave(const entry *e)
+{
+    uint64_t cached = e->predicted_cached_tokens < e->prompt_tokens ? e->predicted_cached_tokens
+                                                                    : e->prompt_tokens;
+    uint64_t charged = e->prompt_tokens - cached;
+    uint64_t computed = (uint64_t)e->n_computed * e->block_size;
+    return computed < charged ? charged - computed : 0;
+}
+
 /* Entry e's promise names `hash` past its computed part: the blocks up to it are computed (the
  * prefill runs in prompt order, and a block another request cached meanwhile is a hit, with no
- * event of its own). Returns the promised blocks that became computed. */
+ * event of its own). Its pending prefill becomes what the stores leave, where that is less (a
+ * cached-tokens report may have left less already). Returns the promised blocks that became
+ * computed. */
 static uint64_t progress_to(km_active *a, entry *e, uint64_t hash)
 {
     if (e->first_token)
@@ -985,9 +999,10 @@ static uint64_t progress_to(km_active *a, entry *e, uint64_t hash)
     if (k == e->n_queued)
         return 0;
     uint64_t blocks = (uint64_t)k + 1 - e->n_computed;
-    uint64_t tokens = blocks * e->block_size;
     e->n_computed = k + 1;
-    set_prefill_pending(a, e, tokens < e->prefill_pending ? e->prefill_pending - tokens : 0);
+    uint64_t left = stores_leave(e);
+    if (left < e->prefill_pending)
+        set_prefill_pending(a, e, left);
     return blocks;
 }
 
@@ -1151,8 +1166,8 @@ int km_active_report_cached(km_active *a, const km_active_key *key, int64_t engi
         /* Blocks computed since the decision (km_active_blocks_stored) lie past the predicted
          * cached prefix: a smaller cache than predicted was computed before them, and a larger
          * one leaves at most what the report says. */
-        if (e->n_computed && e->prefill_pending < corrected)
-            corrected = e->prefill_pending;
+        if (e->n_computed && stores_leave(e) < corrected)
+            corrected = stores_leave(e);
         if (corrected != e->prefill_pending) {
             set_prefill_pending(a, e, corrected);
             a->stats.corrections++;
