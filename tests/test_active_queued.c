@@ -294,6 +294,24 @@ Test(active_queued, a_report_before_the_stores_counts_no_block_twice, .timeout =
     km_active_destroy(a);
 }
 
+/* A store is progress only for the promisers on its worker, even where (worker, hash) pairs of two
+ * workers share a slot of the queued map: h1 on worker 1 and h2 on worker 0 are made to, from the
+ * slot's mix (hash ^ (worker + 1) * 0x9E3779B97F4A7C15). */
+Test(active_queued, a_store_is_never_progress_on_another_worker, .timeout = 10)
+{
+    km_active *a = make_active(4, 1u << 20);
+    const uint64_t mix = UINT64_C(0x9E3779B97F4A7C15);
+    uint64_t h1 = 12345, h2 = h1 ^ (2 * mix) ^ (1 * mix);
+    uint64_t p[2] = {h2, h1};
+    begin(a, 0, "e", 1);
+    promise(a, "e", p, 2);
+    cr_assert_eq(stored(a, 1, &h1, 1), 0, "worker 1 holds no promise");
+    cr_assert_eq(load_of_worker(a, 0).pending_prefill_tokens, 1600);
+    cr_assert_eq(stored(a, 0, &h1, 1), 2);
+    cr_assert_eq(load_of_worker(a, 0).pending_prefill_tokens, 1600 - 2 * 16);
+    km_active_destroy(a);
+}
+
 Test(active_queued, a_block_two_entries_promised_is_progress_for_both, .timeout = 10)
 {
     km_active *a = make_active(2, 1u << 20);

@@ -1021,7 +1021,10 @@ int km_active_blocks_stored(km_active *a, uint32_t worker, const uint64_t *hashe
         if (!v)
             continue;
         if (QUEUED_COUNT(*v) == 1 && QUEUED_ENTRY(*v) != NIL) { /* its only promiser */
-            progressed += progress_to(a, &a->slab[QUEUED_ENTRY(*v)], hashes[j]);
+            entry *e = &a->slab[QUEUED_ENTRY(*v)];
+            /* Another worker's when two (worker, hash) pairs share the slot: none here. */
+            if (e->worker == worker)
+                progressed += progress_to(a, e, hashes[j]);
             continue;
         }
         /* Promised by more than one entry, or the latest to promise it is done: every entry of
