@@ -564,7 +564,7 @@ void km_srv_note_stored(void *user, uint32_t worker, const uint64_t *hashes, siz
         }
     }
     pthread_mutex_unlock(&s->stored_lock);
-    if (!kept) /* the prefills it would have moved stay charged until their first token */
+    if (!kept) /* its blocks count as not computed until a later run or the first token */
         km_counter_add(s->m_progress_dropped, 1);
 }
 

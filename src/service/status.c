@@ -675,8 +675,8 @@ int km_srv_metrics_setup(km_server *s)
     if (!rc)
         rc = km_metrics_add_counter(s->metrics, "kvmatch_prefill_progress_dropped_total",
                                     "Runs of stored blocks not kept for the queued prefills' "
-                                    "progress (more than fit between two batches): those prefills "
-                                    "stay charged whole until their first token.",
+                                    "progress (more than fit between two batches): their blocks "
+                                    "count as not computed until a later run or the first token.",
                                     NULL, 0, &s->m_progress_dropped);
     if (!rc)
         rc = km_metrics_add_counter(s->metrics, "kvmatch_lifecycle_events_total",
