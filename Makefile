@@ -241,9 +241,9 @@ TSAN_REPORTS := $(CURDIR)/build-tsan/tsan-reports
 # the run fails on any report file instead. die_after_fork=0: the sanitizer's own thread makes
 # every process multithreaded, and some tests fork a child that starts threads.
 # ignore_noninstrumented_modules=1: the C library calls libzmq makes (memcpy, free) on the frames it
-# hands over are not recorded, so they raise no report (tests/tsan.supp says why they would); the
-# suppression alone leaves each one to be matched as it comes, which took a subscriber at a few
-# replayed messages a second.
+# hands over are not recorded, so they raise no report (tests/tsan.supp says why they would); with
+# the suppression alone each one is matched as it comes, at a cost that grows with those already
+# matched, which no fixed wait in the subscriber's tests allows for.
 # tests/tsan/criterion_arena.so lets Criterion map its arena beside the sanitizer's shadow memory.
 tsan: test-deps
 	$(Q)$(MAKE) --no-print-directory BUILD=build-tsan CUDA=0 \
