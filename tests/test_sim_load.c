@@ -325,6 +325,92 @@ Test(sim_load, ttft_predictions_match_the_simulated_engines, .timeout = 240)
     }
 }
 
+/* TTFT in ms of every user request of a records file from request index `from` on (outcome
+ * records with a first token; warm-ups are nobody's), into v (capacity `cap`); returns how many. */
+static size_t ttfts_from(const char *path, size_t from, double *v, size_t cap)
+{
+    FILE *f = fopen(path, "r");
+    cr_assert_not_null(f, "%s", path);
+    static char line[1 << 17];
+    size_t n = 0;
+    while (fgets(line, sizeof line, f)) {
+        json_t *rec = json_loads(line, 0, NULL);
+        cr_assert_not_null(rec, "a record line is JSON");
+        const char *type = json_string_value(json_object_get(rec, "type"));
+        const char *attempt = json_string_value(json_object_get(rec, "attempt_id"));
+        const char *id = json_string_value(json_object_get(rec, "request_id"));
+        json_t *ttft = json_object_get(rec, "router_ttft_ms");
+        if (!strcmp(type, "outcome") && !strstr(attempt, ":warm_up") && json_is_number(ttft)) {
+            cr_assert(id && id[0] == 'r', "request id %s", id ? id : "(none)");
+            if (strtoull(id + 1, NULL, 10) >= from) {
+                cr_assert_lt(n, cap);
+                v[n++] = json_number_value(ttft);
+            }
+        }
+        json_decref(rec);
+    }
+    fclose(f);
+    return n;
+}
+
+/* The sim's percentile: the value at rank round(q (n - 1)) of the sorted sample. */
+static double percentile_of(double *v, size_t n, double q)
+{
+    qsort(v, n, sizeof *v, compare_doubles);
+    return v[(size_t)(q * (double)(n - 1) + 0.5)];
+}
+
+/* ttft_from leaves the first requests out of the TTFT figures and nothing else: the p50 and p99
+ * are those of the records' requests from that index on (their routes and the engines' work are
+ * the same as without it, so the records are too), and a value that leaves no request is
+ * refused. */
+Test(sim_load, ttft_from_counts_only_the_later_requests, .timeout = 240)
+{
+    uint64_t seed = 1 + km_test_seed() % 1000;
+    size_t requests = 400, from = 1 + (size_t)(seed % 300);
+    char dir[] = "/tmp/km-sim-ttft-from-XXXXXX";
+    cr_assert_not_null(mkdtemp(dir));
+    km_sim_config cfg;
+    sweep_config(&cfg);
+    km_sim_generator_config_shape(seed % 2 ? KM_SIM_SHAPE_SYSTEM_PROMPT : KM_SIM_SHAPE_CHAT,
+                                  &cfg.generator);
+    cfg.generator.requests = (uint32_t)requests;
+    cfg.generator.seed = seed;
+    cfg.policies[0] = "ttft";
+    cfg.policies[1] = "round_robin";
+    cfg.n_policies = 2;
+    cfg.loads[0] = 0.8;
+    cfg.n_loads = 1;
+    cfg.records_dir = dir;
+    cfg.ttft_from = from;
+    km_sim_result r[2], all[2];
+    char why[512];
+    cr_assert_eq(km_sim_run(&cfg, r, NULL, why, sizeof why), KM_OK, "%s", why);
+    static double v[1000];
+    for (int p = 0; p < 2; p++) {
+        char path[256];
+        snprintf(path, sizeof path, "%s/records-%s.jsonl", dir, cfg.policies[p]);
+        size_t n = ttfts_from(path, from, v, sizeof v / sizeof v[0]);
+        cr_assert_gt(n, (requests - from) / 2, "%s: %zu first tokens from request %zu", path, n,
+                     from);
+        double p50 = percentile_of(v, n, 0.50), p99 = percentile_of(v, n, 0.99);
+        KM_CHECK(fabs(r[p].ttft_p50_ms - p50) < 0.0015 && fabs(r[p].ttft_p99_ms - p99) < 0.0015,
+                 "%s, seed %llu, from %zu: p50 %.3f / %.3f, p99 %.3f / %.3f", cfg.policies[p],
+                 (unsigned long long)seed, from, r[p].ttft_p50_ms, p50, r[p].ttft_p99_ms, p99);
+        unlink(path);
+    }
+    rmdir(dir);
+    /* Without it every request counts: the same routes, so the same figures over request 0 on. */
+    cfg.ttft_from = 0;
+    cfg.records_dir = NULL;
+    cr_assert_eq(km_sim_run(&cfg, all, NULL, why, sizeof why), KM_OK, "%s", why);
+    for (int p = 0; p < 2; p++)
+        cr_assert_eq(all[p].routed, r[p].routed, "%s routes the same", cfg.policies[p]);
+    cfg.ttft_from = requests;
+    cr_assert_eq(km_sim_run(&cfg, all, NULL, why, sizeof why), KM_ERR_INVALID_ARGUMENT);
+    cr_assert_not_null(strstr(why, "ttft_from"), "%s", why);
+}
+
 /* ---- the command line ------------------------------------------------------------------------ */
 
 static const char *find_chromium(void)

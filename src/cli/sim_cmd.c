@@ -26,6 +26,8 @@ static void sim_usage(FILE *f)
             "  --workload SHAPE    built-in workload: chat (default), system_prompt, agent, docqa\n"
             "  --trace FILE        a Mooncake JSONL trace instead\n"
             "  --requests N        replay the first N requests (generator: draw N; default 600)\n"
+            "  --ttft-from N       TTFT figures over requests N and later only (the earlier ones\n"
+            "                      run as usual and warm the engines; default 0: all)\n"
             "  --load X            arrivals at X times the cluster's capacity (round robin's\n"
             "                      throughput with every request at once, measured first)\n"
             "  --sweep X,Y,...     every policy at every load, one table (and --html)\n"
@@ -381,6 +383,7 @@ static void print_json(const km_sim_config *cfg, const km_sim_report *report,
     json_object_set_new(w, "requests", json_integer((json_int_t)sum->workload.requests));
     json_object_set_new(w, "seed", json_integer((json_int_t)cfg->generator.seed));
     json_object_set_new(w, "time_scale", json_real(cfg->time_scale));
+    json_object_set_new(w, "ttft_from", json_integer((json_int_t)cfg->ttft_from));
     json_object_set_new(w, "prompt_mean_tokens", json_real(sum->workload.prompt_mean));
     json_object_set_new(w, "prompt_p50_tokens", json_real(sum->workload.prompt_p50));
     json_object_set_new(w, "prompt_p99_tokens", json_real(sum->workload.prompt_p99));
@@ -452,7 +455,7 @@ int km_cmd_sim(int argc, char **argv)
         OPT_LOAD, OPT_SWEEP, OPT_HTML, OPT_CONNECT, OPT_RECORDS, OPT_DROP_EVENTS, OPT_CUT,
         OPT_RESTART_ENGINE, OPT_RESTART_KVMATCH, OPT_SECOND_INGRESS, OPT_OVERRIDE,
         OPT_APPROX_DISPATCH_MB, OPT_REPLAY_BUFFER, OPT_POLICY, OPT_INSTANCES, OPT_FAULT,
-        OPT_POLICY_ENGINE,
+        OPT_POLICY_ENGINE, OPT_TTFT_FROM,
     };
     static const struct option options[] = {
         {"help", no_argument, NULL, 'h'},
@@ -463,6 +466,7 @@ int km_cmd_sim(int argc, char **argv)
         {"verbose", no_argument, NULL, OPT_VERBOSE},
         {"trace", required_argument, NULL, OPT_TRACE},
         {"requests", required_argument, NULL, OPT_REQUESTS},
+        {"ttft-from", required_argument, NULL, OPT_TTFT_FROM},
         {"time-scale", required_argument, NULL, OPT_TIME_SCALE},
         {"rate", required_argument, NULL, OPT_RATE},
         {"seed", required_argument, NULL, OPT_SEED},
@@ -519,6 +523,13 @@ int km_cmd_sim(int argc, char **argv)
             if (!km_cli_u64("sim", "requests", v, 1, 10000000, &requests))
                 return KM_EXIT_USAGE;
             break;
+        case OPT_TTFT_FROM: {
+            uint64_t from;
+            if (!km_cli_u64("sim", "ttft-from", v, 0, 10000000, &from))
+                return KM_EXIT_USAGE;
+            cfg.ttft_from = (size_t)from;
+            break;
+        }
         case OPT_TIME_SCALE:
             if (!km_cli_double("sim", "time-scale", v, 1e-6, 1e6, &cfg.time_scale))
                 return KM_EXIT_USAGE;

@@ -75,6 +75,10 @@ void km_sim_report_text(const km_sim_report *r, FILE *out)
     if (cfg->policy_engine)
         fprintf(out, " (the policies assume %s)", cfg->policy_engine);
     fprintf(out, "; capacity %.2f requests/s\n", r->summary->capacity_rps);
+    if (cfg->ttft_from)
+        fprintf(out, "TTFT over requests %zu-%llu (the first %zu warm the engines)\n",
+                cfg->ttft_from, (unsigned long long)r->summary->workload.requests - 1,
+                cfg->ttft_from);
     fprintf(out, "%-24s", "");
     for (uint32_t p = 0; p < cfg->n_policies; p++)
         fprintf(out, " %12s", cfg->policies[p]);
@@ -356,7 +360,11 @@ int km_sim_report_html(const km_sim_report *r, const char *path, char *why, size
                    "of 1 offers that rate. Default policy: <b>",
                    r->summary->capacity_rps);
     html_escape(&t, r->default_policy ? r->default_policy : "");
-    km_text_printf(&t, "</b>.</p>\n");
+    km_text_printf(&t, "</b>.");
+    if (cfg->ttft_from)
+        km_text_printf(&t, " TTFT over requests %zu-%llu (the first %zu warm the engines).",
+                       cfg->ttft_from, (unsigned long long)w->requests - 1, cfg->ttft_from);
+    km_text_printf(&t, "</p>\n");
     for (int which = 0; which < 3; which++)
         chart(r, &t, which);
     km_text_printf(&t, "<h2>Figures</h2>\n<table><tr><th>load</th><th>policy</th><th>TTFT p50 "

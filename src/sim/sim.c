@@ -439,7 +439,8 @@ static int drain_engine(run *r, uint32_t w, uint64_t now_us, char *why, size_t w
                 r->last_admit_s[w] = (double)c.time_us / 1e6;
             }
             else if (c.kind == KM_SIM_FIRST_TOKEN) {
-                r->ttft_ms[r->n_ttft++] = (double)(c.time_us - s->arrival_us) / 1000.0;
+                if (c.request_id >= r->cfg->ttft_from)
+                    r->ttft_ms[r->n_ttft++] = (double)(c.time_us - s->arrival_us) / 1000.0;
                 r->first_token_s[r->n_first_token++] = (double)c.time_us / 1e6;
             }
             else if (c.kind == KM_SIM_FINISHED) {
@@ -476,7 +477,8 @@ static int drain_engine(run *r, uint32_t w, uint64_t now_us, char *why, size_t w
             break;
         case KM_SIM_FIRST_TOKEN:
             s->first_token = true;
-            r->ttft_ms[r->n_ttft++] = (double)(c.time_us - s->arrival_us) / 1000.0;
+            if (c.request_id >= r->cfg->ttft_from)
+                r->ttft_ms[r->n_ttft++] = (double)(c.time_us - s->arrival_us) / 1000.0;
             r->first_token_s[r->n_first_token++] = (double)c.time_us / 1e6;
             rc = queue_report(r, KM_LIFECYCLE_FIRST_TOKEN, c.request_id, c.time_us);
             break;
@@ -1528,6 +1530,7 @@ static int probe_rr(const km_sim_config *cfg, const km_trace *trace, km_sim_resu
 {
     km_sim_config c = *cfg;
     c.records_dir = NULL;
+    c.ttft_from = 0;
     c.drop_events = 0;
     c.cut_worker = -1;
     c.restart_worker = -1;
@@ -1723,6 +1726,12 @@ int km_sim_run(const km_sim_config *cfg, km_sim_result *results, km_sim_summary 
     memset(sum, 0, sizeof *sum);
     size_t n = cfg->max_requests && cfg->max_requests < trace.n_requests ? cfg->max_requests
                                                                          : trace.n_requests;
+    if (cfg->ttft_from >= n) {
+        km_trace_free(&trace);
+        return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,
+                      "ttft_from %zu leaves no request for the TTFT figures: the run has %zu",
+                      cfg->ttft_from, n);
+    }
     km_trace head = trace;
     head.n_requests = n;
     if ((rc = km_sim_workload_stats_of(&head, &cfg->engine.model, &sum->workload))) {

@@ -48,6 +48,10 @@ typedef struct km_sim_config {
     const char *trace_path;              /* a Mooncake JSONL trace; NULL = the generator */
     km_sim_generator_config generator;
     size_t max_requests;                 /* 0 = all */
+    /* The TTFT figures (p50, p99, mean) count the requests from this one on, in trace order; the
+     * ones before it are routed and simulated as usual (they warm the engines' caches and queue
+     * like any other) but left out of those figures. 0 = all; less than the requests run. */
+    size_t ttft_from;
     double time_scale;                   /* arrival times x this; default 1 */
     /* Offered load as a fraction of the cluster's capacity (docs/SIM.md, "Load"): with n_loads
      * > 0, arrivals are rescaled so requests arrive at loads[i] times the capacity, and every
