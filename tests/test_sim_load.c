@@ -240,6 +240,17 @@ static int compare_doubles(const void *x, const void *y)
 /* The median, over the requests ttft placed on a busy worker, of its predicted time to first token
  * there (the chosen candidate's cost in the decision record) over the simulator's (the outcome's
  * router_ttft_ms). */
+/* The next record of an open records file, NULL at its end; the caller json_decrefs it. */
+static json_t *next_record(FILE *f)
+{
+    static char line[1 << 17];
+    if (!fgets(line, sizeof line, f))
+        return NULL;
+    json_t *rec = json_loads(line, 0, NULL);
+    cr_assert_not_null(rec, "a record line is JSON");
+    return rec;
+}
+
 static double median_predicted_over_actual(const char *path, size_t requests)
 {
     /* Decision ids: the requests' and at most one warm-up each. */
@@ -250,11 +261,8 @@ static double median_predicted_over_actual(const char *path, size_t requests)
         cost[i] = NAN;
     FILE *f = fopen(path, "r");
     cr_assert_not_null(f, "%s", path);
-    static char line[1 << 17];
     size_t n = 0;
-    while (fgets(line, sizeof line, f)) {
-        json_t *rec = json_loads(line, 0, NULL);
-        cr_assert_not_null(rec, "a record line is JSON");
+    for (json_t *rec; (rec = next_record(f));) {
         size_t id = (size_t)json_integer_value(json_object_get(rec, "decision_id"));
         cr_assert(id >= 1 && id <= ids, "decision id %zu", id);
         const char *attempt = json_string_value(json_object_get(rec, "attempt_id"));
@@ -331,11 +339,8 @@ static size_t ttfts_from(const char *path, size_t from, double *v, size_t cap)
 {
     FILE *f = fopen(path, "r");
     cr_assert_not_null(f, "%s", path);
-    static char line[1 << 17];
     size_t n = 0;
-    while (fgets(line, sizeof line, f)) {
-        json_t *rec = json_loads(line, 0, NULL);
-        cr_assert_not_null(rec, "a record line is JSON");
+    for (json_t *rec; (rec = next_record(f));) {
         const char *type = json_string_value(json_object_get(rec, "type"));
         const char *attempt = json_string_value(json_object_get(rec, "attempt_id"));
         const char *id = json_string_value(json_object_get(rec, "request_id"));

@@ -67,6 +67,16 @@ void km_sim_load_label(double load, char *buf, size_t size)
     }
 }
 
+/* Which requests the TTFT figures count, "" when all: for both reports. */
+static void ttft_scope(const km_sim_report *r, char *buf, size_t size)
+{
+    buf[0] = '\0';
+    if (r->cfg->ttft_from)
+        snprintf(buf, size, "TTFT over requests %zu-%llu (the first %zu warm the engines)",
+                 r->cfg->ttft_from, (unsigned long long)r->summary->workload.requests - 1,
+                 r->cfg->ttft_from);
+}
+
 void km_sim_report_text(const km_sim_report *r, FILE *out)
 {
     const km_sim_config *cfg = r->cfg;
@@ -75,10 +85,10 @@ void km_sim_report_text(const km_sim_report *r, FILE *out)
     if (cfg->policy_engine)
         fprintf(out, " (the policies assume %s)", cfg->policy_engine);
     fprintf(out, "; capacity %.2f requests/s\n", r->summary->capacity_rps);
-    if (cfg->ttft_from)
-        fprintf(out, "TTFT over requests %zu-%llu (the first %zu warm the engines)\n",
-                cfg->ttft_from, (unsigned long long)r->summary->workload.requests - 1,
-                cfg->ttft_from);
+    char scope[128];
+    ttft_scope(r, scope, sizeof scope);
+    if (scope[0])
+        fprintf(out, "%s\n", scope);
     fprintf(out, "%-24s", "");
     for (uint32_t p = 0; p < cfg->n_policies; p++)
         fprintf(out, " %12s", cfg->policies[p]);
@@ -361,9 +371,10 @@ int km_sim_report_html(const km_sim_report *r, const char *path, char *why, size
                    r->summary->capacity_rps);
     html_escape(&t, r->default_policy ? r->default_policy : "");
     km_text_printf(&t, "</b>.");
-    if (cfg->ttft_from)
-        km_text_printf(&t, " TTFT over requests %zu-%llu (the first %zu warm the engines).",
-                       cfg->ttft_from, (unsigned long long)w->requests - 1, cfg->ttft_from);
+    char scope[128];
+    ttft_scope(r, scope, sizeof scope);
+    if (scope[0])
+        km_text_printf(&t, " %s.", scope);
     km_text_printf(&t, "</p>\n");
     for (int which = 0; which < 3; which++)
         chart(r, &t, which);

@@ -402,6 +402,14 @@ static void report_rejected(km_lifecycle_event *e)
     e->has_output_tokens = false; /* none was generated */
 }
 
+/* A user request's first token: its TTFT counts from cfg->ttft_from on, its time always. */
+static void note_first_token(run *r, const km_sim_completion *c, const req_state *s)
+{
+    if (c->request_id >= r->cfg->ttft_from)
+        r->ttft_ms[r->n_ttft++] = (double)(c->time_us - s->arrival_us) / 1000.0;
+    r->first_token_s[r->n_first_token++] = (double)c->time_us / 1e6;
+}
+
 /* Drain an engine's completions and messages at virtual time `now`. */
 static int drain_engine(run *r, uint32_t w, uint64_t now_us, char *why, size_t why_size)
 {
@@ -439,9 +447,7 @@ static int drain_engine(run *r, uint32_t w, uint64_t now_us, char *why, size_t w
                 r->last_admit_s[w] = (double)c.time_us / 1e6;
             }
             else if (c.kind == KM_SIM_FIRST_TOKEN) {
-                if (c.request_id >= r->cfg->ttft_from)
-                    r->ttft_ms[r->n_ttft++] = (double)(c.time_us - s->arrival_us) / 1000.0;
-                r->first_token_s[r->n_first_token++] = (double)c.time_us / 1e6;
+                note_first_token(r, &c, s);
             }
             else if (c.kind == KM_SIM_FINISHED) {
                 r->res->output_tokens += c.output_tokens;
@@ -477,9 +483,7 @@ static int drain_engine(run *r, uint32_t w, uint64_t now_us, char *why, size_t w
             break;
         case KM_SIM_FIRST_TOKEN:
             s->first_token = true;
-            if (c.request_id >= r->cfg->ttft_from)
-                r->ttft_ms[r->n_ttft++] = (double)(c.time_us - s->arrival_us) / 1000.0;
-            r->first_token_s[r->n_first_token++] = (double)c.time_us / 1e6;
+            note_first_token(r, &c, s);
             rc = queue_report(r, KM_LIFECYCLE_FIRST_TOKEN, c.request_id, c.time_us);
             break;
         case KM_SIM_FINISHED:
