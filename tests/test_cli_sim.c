@@ -84,7 +84,7 @@ Test(cli_sim, a_write_error_exits_1, .timeout = 120)
 
 /* A run where no request finishes (engines too small for any prompt: all rejected) has no
  * makespan and no TTFT sample: makespan 0, not the first arrival's time negated, and the TTFT
- * figures "-" in the table and null in the JSON, not 0.0 ms. */
+ * figures "-" in the table and null in the JSON (every_request's too), not 0.0 ms. */
 Test(cli_sim, a_run_where_nothing_finishes_has_no_ttft, .timeout = 120)
 {
     static char out[65536];
@@ -100,8 +100,13 @@ Test(cli_sim, a_run_where_nothing_finishes_has_no_ttft, .timeout = 120)
     cr_assert_eq(json_integer_value(json_object_get(p, "rejected")), 3, "%s", out);
     cr_assert_float_eq(json_number_value(json_object_get(p, "makespan_s")), 0.0, 1e-12, "%s", out);
     static const char *const none[] = {"ttft_p50_ms", "ttft_p99_ms", "ttft_mean_ms"};
-    for (size_t i = 0; i < sizeof none / sizeof none[0]; i++)
+    json_t *every = json_object_get(p, "every_request");
+    cr_assert(json_is_object(every), "%s", out);
+    for (size_t i = 0; i < sizeof none / sizeof none[0]; i++) {
         cr_assert(json_is_null(json_object_get(p, none[i])), "%s: %s", none[i], out);
+        cr_assert(json_is_null(json_object_get(every, none[i])), "every_request %s: %s", none[i],
+                  out);
+    }
     json_decref(root);
 
     snprintf(cmd, sizeof cmd, "timeout -s KILL 60 %s sim --requests 3 --workers 2 --policy kv "

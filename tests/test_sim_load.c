@@ -367,8 +367,8 @@ static double percentile_of(double *v, size_t n, double q)
 
 /* ttft_from leaves the first requests out of the TTFT figures and nothing else: the p50 and p99
  * are those of the records' requests from that index on (their routes and the engines' work are
- * the same as without it, so the records are too), and a value that leaves no request is
- * refused. */
+ * the same as without it, so the records are too), the every_ttft figures are those of the same
+ * run without it, and a value that leaves no request is refused. */
 Test(sim_load, ttft_from_counts_only_the_later_requests, .timeout = 240)
 {
     uint64_t seed = 1 + km_test_seed() % 1000;
@@ -405,12 +405,29 @@ Test(sim_load, ttft_from_counts_only_the_later_requests, .timeout = 240)
         unlink(path);
     }
     rmdir(dir);
-    /* Without it every request counts: the same routes, so the same figures over request 0 on. */
+    /* Without it every request counts: the same routes, so the same figures over request 0 on,
+     * which are the every_ttft figures of the run with it. */
     cfg.ttft_from = 0;
     cfg.records_dir = NULL;
     cr_assert_eq(km_sim_run(&cfg, all, NULL, why, sizeof why), KM_OK, "%s", why);
-    for (int p = 0; p < 2; p++)
+    for (int p = 0; p < 2; p++) {
         cr_assert_eq(all[p].routed, r[p].routed, "%s routes the same", cfg.policies[p]);
+        const double with[] = {r[p].every_ttft_mean_ms, r[p].every_ttft_p50_ms,
+                               r[p].every_ttft_p99_ms};
+        const double without[] = {all[p].ttft_mean_ms, all[p].ttft_p50_ms, all[p].ttft_p99_ms};
+        const double same[] = {all[p].every_ttft_mean_ms, all[p].every_ttft_p50_ms,
+                               all[p].every_ttft_p99_ms};
+        for (int i = 0; i < 3; i++)
+            KM_CHECK(with[i] == without[i] && same[i] == without[i],
+                     "%s, seed %llu, from %zu, figure %d: %.6f with it, %.6f without, %.6f",
+                     cfg.policies[p], (unsigned long long)seed, from, i, with[i], without[i],
+                     same[i]);
+        KM_CHECK(r[p].ttft_p99_ms != r[p].every_ttft_p99_ms ||
+                     r[p].ttft_p50_ms != r[p].every_ttft_p50_ms ||
+                     r[p].ttft_mean_ms != r[p].every_ttft_mean_ms,
+                 "%s, seed %llu, from %zu: leaving %zu requests out moved no figure",
+                 cfg.policies[p], (unsigned long long)seed, from, from);
+    }
     cfg.ttft_from = requests;
     cr_assert_eq(km_sim_run(&cfg, all, NULL, why, sizeof why), KM_ERR_INVALID_ARGUMENT);
     cr_assert_not_null(strstr(why, "ttft_from"), "%s", why);

@@ -268,6 +268,11 @@ static json_t *result_json(const km_sim_result *r)
     json_object_set_new(o, "ttft_mean_ms", json_figure(r->ttft_mean_ms));
     json_object_set_new(o, "ttft_p50_ms", json_figure(r->ttft_p50_ms));
     json_object_set_new(o, "ttft_p99_ms", json_figure(r->ttft_p99_ms));
+    json_t *every = json_object();
+    json_object_set_new(every, "ttft_mean_ms", json_figure(r->every_ttft_mean_ms));
+    json_object_set_new(every, "ttft_p50_ms", json_figure(r->every_ttft_p50_ms));
+    json_object_set_new(every, "ttft_p99_ms", json_figure(r->every_ttft_p99_ms));
+    json_object_set_new(o, "every_request", every);
     json_object_set_new(o, "output_tokens_per_s", json_real(r->output_tokens_per_s));
     json_object_set_new(o, "makespan_s", json_real(r->makespan_s));
     json_object_set_new(o, "load_imbalance", json_real(r->load_imbalance));

@@ -160,8 +160,10 @@ typedef struct run {
     req_state *reqs;
     km_lifecycle_event *pending; /* lifecycle reports to send */
     size_t n_pending, cap_pending;
-    double *ttft_ms;
+    double *ttft_ms; /* the requests' from cfg->ttft_from on */
     size_t n_ttft;
+    double *every_ttft_ms; /* every request's */
+    size_t n_every_ttft;
     double *finish_s; /* virtual finish time of each finished request, in finishing order */
     size_t n_finish;
     double *last_admit_s; /* per worker: the latest admission, virtual seconds */
@@ -220,6 +222,17 @@ static double pct(double *v, size_t n, double q)
     qsort(v, n, sizeof *v, cmp_double);
     size_t i = (size_t)(q * (double)(n - 1) + 0.5);
     return v[i < n ? i : n - 1];
+}
+
+/* The mean, median and 99th percentile of n TTFTs (sorts v); NAN each without a sample. */
+static void ttft_figures(double *v, size_t n, double *mean, double *p50, double *p99)
+{
+    double sum = 0;
+    for (size_t i = 0; i < n; i++)
+        sum += v[i];
+    *mean = n ? sum / (double)n : NAN;
+    *p50 = pct(v, n, 0.50);
+    *p99 = pct(v, n, 0.99);
 }
 
 /* The request's tokens (expanded from its ids, cut to input_length) and chain hashes. Only the
@@ -405,8 +418,10 @@ static void report_rejected(km_lifecycle_event *e)
 /* A user request's first token: its TTFT counts from cfg->ttft_from on, its time always. */
 static void note_first_token(run *r, const km_sim_completion *c, const req_state *s)
 {
+    double ttft_ms = (double)(c->time_us - s->arrival_us) / 1000.0;
     if (c->request_id >= r->cfg->ttft_from)
-        r->ttft_ms[r->n_ttft++] = (double)(c->time_us - s->arrival_us) / 1000.0;
+        r->ttft_ms[r->n_ttft++] = ttft_ms;
+    r->every_ttft_ms[r->n_every_ttft++] = ttft_ms;
     r->first_token_s[r->n_first_token++] = (double)c->time_us / 1e6;
 }
 
@@ -1048,6 +1063,7 @@ static void run_teardown(run *r)
     free(r->batch);
     free(r->own_in_flight);
     free(r->ttft_ms);
+    free(r->every_ttft_ms);
     free(r->finish_s);
     free(r->last_admit_s);
     free(r->first_token_s);
@@ -1228,12 +1244,15 @@ static int run_policy(const km_sim_config *cfg, const km_trace *trace, const cha
     r.per_worker = calloc(W, sizeof *r.per_worker);
     r.reqs = calloc(N ? 2 * N : 1, sizeof *r.reqs); /* the requests, then a warm-up each at most */
     r.ttft_ms = calloc(N ? N : 1, sizeof *r.ttft_ms);
+    r.every_ttft_ms = calloc(N ? N : 1, sizeof *r.every_ttft_ms);
     r.finish_s = calloc(N ? N : 1, sizeof *r.finish_s);
     r.last_admit_s = calloc(W ? W : 1, sizeof *r.last_admit_s);
     r.first_token_s = calloc(N ? N : 1, sizeof *r.first_token_s);
     r.decision_us = calloc(N ? N : 1, sizeof *r.decision_us);
     r.own_in_flight = calloc((size_t)r.n_inst * (W ? W : 1), sizeof *r.own_in_flight);
-    int rc = r.own_in_flight && r.open_window && r.live_next && r.engines && r.pubs && r.published && r.per_worker && r.reqs && r.ttft_ms && r.finish_s && r.last_admit_s && r.first_token_s && r.decision_us
+    int rc = r.own_in_flight && r.open_window && r.live_next && r.engines && r.pubs &&
+                     r.published && r.per_worker && r.reqs && r.ttft_ms && r.every_ttft_ms &&
+                     r.finish_s && r.last_admit_s && r.first_token_s && r.decision_us
                  ? KM_OK
                  : km_why(why, why_size, KM_ERR_OUT_OF_MEMORY, "simulation state");
     snprintf(r.pool, sizeof r.pool, "sim-%s", policy);
@@ -1459,12 +1478,10 @@ static int run_policy(const km_sim_config *cfg, const km_trace *trace, const cha
         res->makespan_s = r.n_finish ? res->makespan_s - (double)first_arrival / 1e6 : 0;
         if (res->makespan_s > 0)
             res->output_tokens_per_s = (double)res->output_tokens / res->makespan_s;
-        double ttft_sum = 0;
-        for (size_t i = 0; i < r.n_ttft; i++)
-            ttft_sum += r.ttft_ms[i];
-        res->ttft_mean_ms = r.n_ttft ? ttft_sum / (double)r.n_ttft : NAN;
-        res->ttft_p50_ms = pct(r.ttft_ms, r.n_ttft, 0.50);
-        res->ttft_p99_ms = pct(r.ttft_ms, r.n_ttft, 0.99);
+        ttft_figures(r.ttft_ms, r.n_ttft, &res->ttft_mean_ms, &res->ttft_p50_ms,
+                     &res->ttft_p99_ms);
+        ttft_figures(r.every_ttft_ms, r.n_every_ttft, &res->every_ttft_mean_ms,
+                     &res->every_ttft_p50_ms, &res->every_ttft_p99_ms);
         res->reused_share = res->prompt_tokens ? (double)res->actual_reused_tokens /
                                                      (double)res->prompt_tokens
                                                : 0;

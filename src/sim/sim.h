@@ -231,6 +231,9 @@ typedef struct km_sim_result {
     uint64_t owner_forgone_tokens;    /* their (owner depth - chosen depth) x block size */
     double ttft_p50_ms, ttft_p99_ms;  /* virtual time, arrival to first token; NAN when no
                                        * request got a first token (no sample) */
+    /* The same three TTFT figures over every request, the cold start included: equal to
+     * ttft_mean_ms, ttft_p50_ms and ttft_p99_ms when ttft_from is 0. */
+    double every_ttft_mean_ms, every_ttft_p50_ms, every_ttft_p99_ms;
     double makespan_s;                /* first arrival to last finish, virtual; 0 when nothing
                                        * finished */
     double output_tokens_per_s;       /* over the makespan */
