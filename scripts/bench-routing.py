@@ -26,12 +26,15 @@ with whether each target holds (docs/BENCHMARKS.md, "Routing"):
   - at load 0.8, p99 at least 3x better than round robin's, and whether any policy could reach
     that: round robin's p99 over the workload's floor (`kvmatch sim --json`, workload
     floor_ttft_p99_ms: each request alone on an idle engine holding everything reusable).
-Every run is made a second time with `--ttft-from` REQUESTS / 10 (the first tenth of the
-requests warm the engines and are left out of the TTFT figures): "steady_cells" and
-"steady_summary" hold the same cells and counts past the cold start.
+Every run is made with `--ttft-from` REQUESTS / 10: its TTFT figures leave out the first tenth of
+the requests (they warm the engines) and its "every_request" figures count them all. "cells" and
+"summary" judge every request; "steady_cells" and "steady_summary" the same cells past the cold
+start. The runs go as many at a time as the machine has CPUs (each is deterministic per seed).
 Progress goes to stderr. Exit 0 whatever the targets say (a benchmark reports, it does not gate).
 """
 import argparse
+import concurrent.futures
+import copy
 import json
 import os
 import subprocess
@@ -46,8 +49,8 @@ REQUESTS = 1000
 SHAPES = ["chat", "system_prompt", "agent", "docqa"]
 TOLERANCE = 1.02
 P99_OVER_ROUND_ROBIN = 3.0
-# Past the cold start: every run again with the TTFT figures over requests STEADY_FROM and later
-# (`kvmatch sim --ttft-from`): the first tenth warm the engines and count nowhere.
+# Past the cold start: the TTFT figures over requests STEADY_FROM and later (`kvmatch sim
+# --ttft-from`); the first tenth warm the engines.
 STEADY_FROM = REQUESTS // 10
 
 
@@ -98,6 +101,16 @@ def run(binary, workload, seed, scratch, engine, workers, policy_engine=None, tt
     result = json.loads(out)
     result["wall_s"] = time.monotonic() - started
     return result
+
+
+def every_request(result):
+    """The result with each policy's TTFT figures over every request (the run's "every_request")
+    in place of those past the cold start."""
+    whole = copy.deepcopy(result)
+    for p in whole["policies"]:
+        for entry in p["loads"]:
+            entry.update(entry["every_request"])
+    return whole
 
 
 def ttft(p, key):
@@ -173,18 +186,21 @@ def main():
         workloads.append(trace)
     runs, all_cells, steady_cells = [], [], []
     scratch = tempfile.mkdtemp(prefix="bench-routing-")
-    for workload in workloads:
+    jobs = [(workload, seed) for workload in workloads for seed in SEEDS]
+
+    def one(job):
+        workload, seed = job
         name = "mooncake" if workload.endswith(".jsonl") else workload
-        for seed in SEEDS:
-            print(f"bench-routing: {name}, seed {seed}", file=sys.stderr, flush=True)
-            result = run(binary, workload, seed, scratch, engine, workers, args.policy_engine)
-            runs.append({"workload": name, "seed": seed, "result": result})
-            all_cells.extend(cells(name, seed, result, judged))
-            steady = run(binary, workload, seed, scratch, engine, workers, args.policy_engine,
-                         STEADY_FROM)
+        print(f"bench-routing: {name}, seed {seed}", file=sys.stderr, flush=True)
+        return name, seed, run(binary, workload, seed, scratch, engine, workers,
+                               args.policy_engine, STEADY_FROM)
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        for name, seed, result in pool.map(one, jobs):
             runs.append({"workload": name, "seed": seed, "ttft_from": STEADY_FROM,
-                         "result": steady})
-            steady_cells.extend(cells(name, seed, steady, judged))
+                         "result": result})
+            all_cells.extend(cells(name, seed, every_request(result), judged))
+            steady_cells.extend(cells(name, seed, result, judged))
     for f in os.listdir(scratch):
         os.unlink(os.path.join(scratch, f))
     os.rmdir(scratch)
