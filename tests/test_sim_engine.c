@@ -2,11 +2,11 @@
 /* The simulated engine (src/sim/engine.h): LRU order (a request's tail before its head, oldest
  * first), capacity and admission errors, hit accounting with vLLM's full-prompt rule, reference
  * counts, concurrent prefills of equal content, restart, the time model and the step scheduler,
- * determinism; a property test of random admits / prefill completions / finishes against a
+ * known answers cached as they are generated, determinism; a property test of random admits / prefill completions / finishes against a
  * brute-force model of the cache (plain arrays, linear scans), checking admissions, every emitted
  * event and the cache after each operation; and the decode test: every payload decodes with
  * km_kv_decode_payload and, fed to a real km_feed, gives an index equal to the engine's cache
- * after every step (restarts included). Randomized tests print their seed (KM_TEST_SEED). */
+ * after every step (restarts, answers and next turns that hit them included). Randomized tests print their seed (KM_TEST_SEED). */
 #include <inttypes.h>
 #include <math.h>
 #include <stdio.h>
@@ -464,6 +464,92 @@ Test(sim_engine, time_model_and_single_request_timeline, .timeout = 10)
     cr_assert_eq(c.kind, KM_SIM_FINISHED);
     cr_assert_eq(c.time_us, t3 + 5 + 1000);
     cr_assert_eq(km_sim_engine_submit(e, 9, t, 20, 1, 0), KM_ERR_INVALID_ARGUMENT);
+    km_sim_engine_destroy(e);
+}
+
+/* A known answer is cached as vLLM v1 caches generated tokens: each block it fills (the prompt's
+ * partial last block first) when the decode step completing it is scheduled, its BlockStored when
+ * that step ends, chained after the prompt; the tokens past the known answer are never cached; and
+ * the next turn, which re-sends prompt and answer, hits them. */
+Test(sim_engine, a_known_answer_is_cached_as_it_is_generated, .timeout = 10)
+{
+    km_sim_engine_config cfg;
+    km_sim_engine_config_init(&cfg);
+    fixed_time_model(&cfg);
+    cfg.model.block_size = BS;
+    cfg.model.capacity_blocks = 64;
+    km_sim_engine *e;
+    cr_assert_eq(km_sim_engine_create(&cfg, &e), KM_OK);
+    /* 10 prompt tokens (2 full blocks and 2 tokens), 7 of the 9 output tokens known: blocks 2
+     * (prompt 8-9, answer 0-1) and 3 (answer 2-5) fill; block 4 would need answer 6-9. */
+    uint32_t t[24];
+    make_tokens(t, 10, 1, 10, 0);
+    for (uint32_t i = 0; i < 14; i++)
+        t[10 + i] = 0x20000000u + i;
+    uint64_t chains[6];
+    chains_of(t, 24, chains);
+    cr_assert_eq(km_sim_engine_submit_answered(e, 1, t, 10, 10, 9, 0), KM_ERR_INVALID_ARGUMENT);
+    cr_assert_not_null(strstr(km_sim_engine_last_error(e), "answer"), "%s",
+                       km_sim_engine_last_error(e));
+    cr_assert_eq(km_sim_engine_submit_answered(e, 1, t, 10, 7, 9, 0), KM_OK);
+    km_kv_decoder *dec = NULL;
+    cr_assert_eq(km_kv_decoder_create(NULL, &dec), KM_OK);
+    /* One step at a time. Step 1 is the prefill (blocks 0-1; its end gives the first token);
+     * decode step j + 1 is scheduled with j tokens generated, 10 + j computed when it ends: block
+     * 2 fills at j = 2 (step 3), block 3 at j = 6 (step 7); 9 steps in all. */
+    uint32_t stored_at[6] = {0};
+    km_sim_completion c;
+    bool finished = false;
+    uint32_t generated = 0;
+    cr_assert_eq(km_sim_engine_advance(e, 0), KM_OK); /* starts step 1 */
+    cr_assert_eq(next_completion(e).kind, KM_SIM_ADMITTED);
+    for (uint32_t step = 1; !finished; step++) {
+        uint64_t next = km_sim_engine_next_event_us(e);
+        cr_assert_neq(next, UINT64_MAX, "step %u", step);
+        cr_assert_eq(km_sim_engine_advance(e, next), KM_OK, "%s", km_sim_engine_last_error(e));
+        km_sim_message m;
+        while (km_sim_engine_take_message(e, &m)) {
+            km_kv_batch b;
+            cr_assert_eq(km_kv_decode_payload(dec, m.payload, m.payload_size, &b), KM_OK);
+            for (uint32_t i = 0; i < b.n_events; i++) {
+                const km_kv_event *ev = &b.events[i];
+                for (uint32_t h = 0; ev->kind == KM_KV_EVENT_BLOCK_STORED &&
+                                     h < ev->n_block_hashes; h++)
+                    for (uint32_t k = 0; k < 6; k++)
+                        if (ev->block_hashes[h] == km_sim_engine_engine_hash(e, chains[k]))
+                            stored_at[k] = step;
+            }
+        }
+        while (km_sim_engine_next_completion(e, &c)) {
+            generated = c.output_tokens;
+            finished |= c.kind == KM_SIM_FINISHED;
+        }
+        cr_assert(finished || step < 9, "finished after 9 steps");
+    }
+    cr_assert_eq(generated, 9);
+    for (uint32_t k = 0; k < 4; k++)
+        cr_assert(km_sim_engine_holds(e, chains[k]), "block %u cached", k);
+    cr_assert_not(km_sim_engine_holds(e, chains[4]), "block 4's last tokens were never known");
+    static const uint32_t want_step[6] = {1, 1, 3, 7, 0, 0};
+    for (uint32_t k = 0; k < 6; k++)
+        cr_assert_eq(stored_at[k], want_step[k], "block %u stored at step %u, expected %u", k,
+                     stored_at[k], want_step[k]);
+    km_sim_engine_stats st;
+    km_sim_engine_get_stats(e, &st);
+    cr_assert_eq(st.blocks_stored, 4);
+    cr_assert_eq(st.duplicate_blocks, 0);
+    /* The next turn: the prompt, the 7 answer tokens and 5 new ones hit the 4 blocks. */
+    uint32_t next_turn[22];
+    memcpy(next_turn, t, 17 * sizeof *next_turn);
+    make_tokens(next_turn + 17, 5, 9, 0, 3);
+    cr_assert_eq(km_sim_engine_submit(e, 2, next_turn, 22, 1, 1000000), KM_OK, "%s",
+                 km_sim_engine_last_error(e));
+    cr_assert_eq(km_sim_engine_advance(e, 1000000), KM_OK);
+    c = next_completion(e);
+    cr_assert_eq(c.kind, KM_SIM_ADMITTED);
+    cr_assert_eq(c.held_blocks, 4);
+    cr_assert_eq(c.cached_tokens, 16);
+    km_kv_decoder_destroy(dec);
     km_sim_engine_destroy(e);
 }
 
@@ -1009,10 +1095,19 @@ static void feed_sync_and_check(feed_fx *f, km_sim_engine *e)
     KM_CHECK(info.counters.lost == 0 && info.counters.gaps == 0, "gaps");
 }
 
+/* A request of the scheduler property test: its prompt, then its known answer. */
+#define MAX_TURN_TOKENS 192u
+typedef struct turn {
+    uint32_t tokens[MAX_TURN_TOKENS];
+    uint32_t n_prompt, n_answer;
+    uint32_t answer_from; /* a next turn: where the answer it re-sends starts; 0 otherwise */
+} turn;
+
 static void scheduler_events_feed_an_exact_index_from(uint64_t seed)
 {
     km_rng r;
     km_rng_init(&r, seed);
+    uint32_t answer_hits = 0;
     for (int round = 0; round < 3; round++) {
         km_sim_engine_config cfg;
         km_sim_engine_config_init(&cfg);
@@ -1029,16 +1124,45 @@ static void scheduler_events_feed_an_exact_index_from(uint64_t seed)
         uint64_t now = 0;
         uint64_t id = 1;
         int steps_checked = 0;
+        /* Requests with a known answer, kept by id once they finish: a later turn re-sends one
+         * (its prompt, its answer, new tokens) and may hit the answer's blocks. */
+        static turn turns[1 + 400 * 3];
+        uint64_t finished_ids[64];
+        uint32_t n_finished = 0;
         for (int i = 0; i < 400; i++) {
             /* arrivals: a few at a time, at random gaps */
             now += km_rng_below(&r, 20000);
             uint32_t arrivals = km_rng_below(&r, 3);
             for (uint32_t a = 0; a < arrivals; a++) {
-                workload w;
-                random_prompt(&r, &w);
-                cr_assert_eq(km_sim_engine_submit(e, id++, w.tokens, w.n,
-                                                  1 + km_rng_below(&r, 2 * BS), now),
-                             KM_OK);
+                turn *q = &turns[id];
+                q->n_prompt = q->answer_from = 0;
+                uint32_t output = 1 + km_rng_below(&r, 3 * BS);
+                if (n_finished && km_rng_percent(&r, 50)) {
+                    /* the next turn of a finished one: what it sent and got, then new tokens */
+                    const turn *before = &turns[finished_ids[km_rng_below(&r, n_finished)]];
+                    q->answer_from = before->n_prompt;
+                    q->n_prompt = before->n_prompt + before->n_answer;
+                    memcpy(q->tokens, before->tokens, q->n_prompt * sizeof *q->tokens);
+                    uint32_t add = 1 + km_rng_below(&r, 2 * BS);
+                    if (q->n_prompt + add > MAX_TURN_TOKENS / 2)
+                        q->n_prompt = q->answer_from = 0; /* too long: a fresh prompt */
+                    for (uint32_t k = 0; q->n_prompt && k < add; k++)
+                        q->tokens[q->n_prompt++] = 0x30000000u + (uint32_t)id * 64u + k;
+                }
+                if (q->n_prompt == 0) {
+                    workload w;
+                    random_prompt(&r, &w);
+                    memcpy(q->tokens, w.tokens, w.n * sizeof *q->tokens);
+                    q->n_prompt = w.n;
+                }
+                /* answers are unique to their request: no two requests compute the same one */
+                q->n_answer = km_rng_percent(&r, 70) ? km_rng_below(&r, output + 1) : 0;
+                for (uint32_t k = 0; k < q->n_answer; k++)
+                    q->tokens[q->n_prompt + k] = 0x20000000u + (uint32_t)id * 64u + k;
+                cr_assert_eq(km_sim_engine_submit_answered(e, id, q->tokens, q->n_prompt,
+                                                           q->n_answer, output, now),
+                             KM_OK, "%s", km_sim_engine_last_error(e));
+                id++;
             }
             /* advance one engine step at a time, checking the index after each */
             for (;;) {
@@ -1072,8 +1196,15 @@ static void scheduler_events_feed_an_exact_index_from(uint64_t seed)
                     feed_sync_and_check(&f, e);
             }
             km_sim_completion c;
-            while (km_sim_engine_next_completion(e, &c))
+            while (km_sim_engine_next_completion(e, &c)) {
                 KM_CHECK(c.kind != KM_SIM_REJECTED, "nothing here is too large");
+                const turn *q = &turns[c.request_id];
+                answer_hits += c.kind == KM_SIM_ADMITTED && q->answer_from &&
+                               c.held_blocks * BS > q->answer_from;
+                if (c.kind == KM_SIM_FINISHED && q->n_answer)
+                    finished_ids[n_finished < 64 ? n_finished++ : km_rng_below(&r, 64)] =
+                        c.request_id;
+            }
         }
         cr_assert_eq(km_sim_engine_advance(e, UINT64_MAX - 1), KM_OK);
         feed_sync_and_check(&f, e);
@@ -1090,6 +1221,9 @@ static void scheduler_events_feed_an_exact_index_from(uint64_t seed)
         feed_fx_free(&f);
         km_sim_engine_destroy(e);
     }
+    if (getenv("KM_SIM_DEBUG"))
+        fprintf(stderr, "%u admissions hit an answer\n", answer_hits);
+    cr_assert_gt(answer_hits, 0, "the run should exercise hits on answers");
 }
 
 Test(sim_engine, scheduler_events_feed_an_exact_index, .timeout = 60)

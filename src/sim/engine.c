@@ -46,10 +46,12 @@ typedef enum req_phase {
 typedef struct sim_request {
     uint64_t id;
     req_phase phase;
-    uint32_t *tokens;
+    uint32_t *tokens; /* the prompt's n_tokens, then the known answer's n_answer */
     uint32_t n_tokens;
-    uint64_t *chains; /* n_full chain hashes */
-    uint32_t n_full;
+    uint32_t n_answer;
+    uint64_t *chains; /* n_chains chain hashes: the full blocks of the prompt and known answer */
+    uint32_t n_full;  /* the prompt's full blocks */
+    uint32_t n_chains;
     uint32_t *blocks; /* n_blocks block ids, in sequence order */
     uint32_t n_blocks;
     uint32_t held_blocks; /* leading blocks referenced from the cache at admission */
@@ -457,9 +459,10 @@ static uint32_t find_slot(const km_sim_engine *e, uint64_t request_id)
     return v ? (uint32_t)*v : NO_SLOT;
 }
 
-/* A new slot for request_id holding a copy of the prompt and its chain hashes. */
+/* A new slot for request_id holding a copy of the prompt and the known answer (n_answer tokens
+ * after it) and their chain hashes. */
 static int slot_create(km_sim_engine *e, uint64_t request_id, const uint32_t *tokens,
-                       uint32_t n_tokens, uint32_t *slot_out)
+                       uint32_t n_tokens, uint32_t n_answer, uint32_t *slot_out)
 {
     if (!tokens)
         return fail(e, KM_ERR_NULL_POINTER, "tokens is NULL");
@@ -489,26 +492,29 @@ static int slot_create(km_sim_engine *e, uint64_t request_id, const uint32_t *to
         e->slots_capacity = cap;
         e->n_slots = cap;
     }
-    uint32_t n_full = n_tokens / e->cfg.model.block_size;
-    uint32_t *copy = malloc((size_t)n_tokens * sizeof *copy);
-    uint64_t *chains = malloc(((size_t)n_full + 1) * sizeof *chains);
+    size_t n_known = (size_t)n_tokens + n_answer;
+    uint32_t n_chains = (uint32_t)(n_known / e->cfg.model.block_size);
+    uint32_t *copy = malloc(n_known * sizeof *copy);
+    uint64_t *chains = malloc(((size_t)n_chains + 1) * sizeof *chains);
     if (!copy || !chains || km_u64map_reserve(&e->requests, 1)) {
         free(copy);
         free(chains);
         return fail(e, KM_ERR_OUT_OF_MEMORY, "no memory for request %llu",
                     (unsigned long long)request_id);
     }
-    memcpy(copy, tokens, (size_t)n_tokens * sizeof *copy);
+    memcpy(copy, tokens, n_known * sizeof *copy);
     size_t n_blocks = 0;
-    km_hash_sequence(&e->hash_cfg, copy, n_tokens, 0, 0, NULL, chains, &n_blocks);
+    km_hash_sequence(&e->hash_cfg, copy, n_known, 0, 0, NULL, chains, &n_blocks);
     uint32_t s = e->free_slots[--e->n_free_slots];
     sim_request *r = &e->slots[s];
     memset(r, 0, sizeof *r);
     r->id = request_id;
     r->tokens = copy;
     r->n_tokens = n_tokens;
+    r->n_answer = n_answer;
     r->chains = chains;
-    r->n_full = n_full;
+    r->n_full = n_tokens / e->cfg.model.block_size;
+    r->n_chains = n_chains;
     km_u64map_put(&e->requests, request_id + 2, s, 0); /* reserved above: cannot fail */
     *slot_out = s;
     return KM_OK;
@@ -633,20 +639,20 @@ static void cache_block(km_sim_engine *e, sim_request *r, uint32_t k, bool unpub
     e->n_cached++;
 }
 
-/* The prompt's full blocks [r->cached_to, to) are computed (or, `scheduled`, their chunk is
- * scheduled): cache each whose chain hash no other block caches yet and queue one BlockStored per
- * run of newly cached blocks (`scheduled`: publish_scheduled queues them when the step ends); a
- * block whose content is cached already stays private to the request (a duplicate), and the run
- * after it names that cached copy as its parent, held then: the cache operations cache a prompt's
- * blocks at one instant, and the step scheduler makes no duplicate (a request gets budget only
- * once every earlier prompt is scheduled, and hits its blocks). *stored_out (may be NULL) gets the
- * number of blocks cached. */
-static int cache_prompt_blocks(km_sim_engine *e, uint32_t s, uint32_t to, bool scheduled,
-                               uint32_t *stored_out)
+/* The request's full blocks [r->cached_to, to) of its prompt, then of its known answer, are
+ * computed (or, `scheduled`, the step computing them is scheduled): cache each whose chain hash no
+ * other block caches yet and queue one BlockStored per run of newly cached blocks (`scheduled`:
+ * publish_scheduled queues them when the step ends); a block whose content is cached already
+ * stays private to the request (a duplicate), and the run after it names that cached copy as its
+ * parent, held then: the cache operations cache a prompt's blocks at one instant, and the step
+ * scheduler makes no duplicate of a prompt's (a request gets budget only once every earlier prompt
+ * is scheduled, and hits its blocks). *stored_out (may be NULL): the number of blocks cached. */
+static int cache_full_blocks(km_sim_engine *e, uint32_t s, uint32_t to, bool scheduled,
+                             uint32_t *stored_out)
 {
     sim_request *r = &e->slots[s];
-    if (to > r->n_full)
-        to = r->n_full;
+    if (to > r->n_chains)
+        to = r->n_chains;
     uint32_t from = r->cached_to > r->held_blocks ? r->cached_to : r->held_blocks;
     uint32_t stored = 0;
     if (from < to && km_u64map_reserve(&e->cached, to - r->held_blocks))
@@ -706,7 +712,7 @@ static void publish_scheduled(km_sim_engine *e, uint32_t s)
 static int complete_slot(km_sim_engine *e, uint32_t s, uint32_t *stored_out)
 {
     sim_request *r = &e->slots[s];
-    int rc = cache_prompt_blocks(e, s, r->n_full, false, stored_out);
+    int rc = cache_full_blocks(e, s, r->n_full, false, stored_out);
     if (rc)
         return rc;
     r->computed = r->n_tokens;
@@ -749,7 +755,7 @@ int km_sim_engine_admit(km_sim_engine *engine, uint64_t request_id, const uint32
     if (rc)
         return rc;
     uint32_t s;
-    rc = slot_create(e, request_id, tokens, n_tokens, &s);
+    rc = slot_create(e, request_id, tokens, n_tokens, 0, &s);
     if (rc)
         return rc;
     rc = admit_slot(e, s, reserve_tokens, out);
@@ -819,6 +825,14 @@ static int push_completion(km_sim_engine *e, const sim_request *r, km_sim_comple
 int km_sim_engine_submit(km_sim_engine *engine, uint64_t request_id, const uint32_t *tokens,
                          uint32_t n_tokens, uint32_t output_tokens, uint64_t now_us)
 {
+    return km_sim_engine_submit_answered(engine, request_id, tokens, n_tokens, 0, output_tokens,
+                                         now_us);
+}
+
+int km_sim_engine_submit_answered(km_sim_engine *engine, uint64_t request_id,
+                                  const uint32_t *tokens, uint32_t n_tokens, uint32_t n_answer,
+                                  uint32_t output_tokens, uint64_t now_us)
+{
     km_sim_engine *e = engine;
     e->last_error[0] = '\0';
     int rc = claim_mode(e, MODE_SCHEDULER);
@@ -828,8 +842,12 @@ int km_sim_engine_submit(km_sim_engine *engine, uint64_t request_id, const uint3
         return fail(e, KM_ERR_INVALID_ARGUMENT,
                     "submission at %llu us is before the previous one (%llu us)",
                     (unsigned long long)now_us, (unsigned long long)e->last_submit_us);
+    if (n_answer > (output_tokens ? output_tokens : 1))
+        return fail(e, KM_ERR_INVALID_ARGUMENT,
+                    "request %llu: %u answer tokens known, it generates %u",
+                    (unsigned long long)request_id, n_answer, output_tokens ? output_tokens : 1);
     uint32_t s;
-    rc = slot_create(e, request_id, tokens, n_tokens, &s);
+    rc = slot_create(e, request_id, tokens, n_tokens, n_answer, &s);
     if (rc)
         return rc;
     if (ring_push(&e->waiting, &s)) {
@@ -865,8 +883,8 @@ static int schedule_chunk(km_sim_engine *e, uint32_t s, uint64_t budget, km_engi
     r->step_tokens = (uint32_t)(need < budget ? need : budget);
     shape->prefill_tokens += r->step_tokens;
     shape->prefill_pairs += km_engine_model_chunk_pairs(r->computed, r->step_tokens);
-    return cache_prompt_blocks(e, s, (r->computed + r->step_tokens) / e->cfg.model.block_size,
-                               true, NULL);
+    return cache_full_blocks(e, s, (r->computed + r->step_tokens) / e->cfg.model.block_size, true,
+                             NULL);
 }
 
 /* Start a step at time t, scheduling as vLLM v1 does within max_num_batched_tokens: first the
@@ -889,6 +907,13 @@ static int start_step(km_sim_engine *e, uint64_t t)
             r->step_tokens = 1;
             shape.decode_requests++;
             shape.decode_context_tokens += (uint64_t)r->n_tokens + r->generated;
+            /* Its tokens so far, the last one computed by this step: the blocks they fill are
+             * cached now, as vLLM v1 caches up to the request's tokens when it allocates a step's
+             * slots (only the known answer's: cache_full_blocks stops at n_chains). */
+            uint64_t filled = ((uint64_t)r->n_tokens + r->generated) / e->cfg.model.block_size;
+            if (r->cached_to < r->n_chains && filled > r->cached_to &&
+                (rc = cache_full_blocks(e, s, (uint32_t)filled, true, NULL)))
+                return rc;
         } else if ((rc = schedule_chunk(e, s, budget, &shape))) {
             return rc;
         }
@@ -971,6 +996,7 @@ static int end_step(km_sim_engine *e)
         uint32_t s = e->step[i];
         sim_request *r = &e->slots[s];
         if (r->phase == REQ_DECODE) {
+            publish_scheduled(e, s);
             r->generated++;
         } else {
             r->computed += r->step_tokens;

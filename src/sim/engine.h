@@ -143,6 +143,18 @@ typedef struct km_sim_completion {
 int km_sim_engine_submit(km_sim_engine *engine, uint64_t request_id, const uint32_t *tokens,
                          uint32_t n_tokens, uint32_t output_tokens, uint64_t now_us);
 
+/* km_sim_engine_submit with the answer's token ids known: `tokens` holds the n_tokens of the prompt
+ * and then the first n_answer tokens the request will generate (n_answer <= max(output_tokens, 1)).
+ * As vLLM v1 does with generated tokens, each block those tokens fill (the prompt's partial last
+ * block first) is cached when the decode step that completes it is scheduled and published as a
+ * BlockStored when that step ends, under the chain of the prompt and answer: a later prompt that
+ * re-sends the answer (a conversation's next turn) hits it. Tokens past n_answer fill blocks that
+ * are never cached (their ids are unknown). Errors as km_sim_engine_submit, and
+ * KM_ERR_INVALID_ARGUMENT when n_answer exceeds the output. */
+int km_sim_engine_submit_answered(km_sim_engine *engine, uint64_t request_id,
+                                  const uint32_t *tokens, uint32_t n_tokens, uint32_t n_answer,
+                                  uint32_t output_tokens, uint64_t now_us);
+
 /* Run the engine up to now_us: every step that ends at or before now_us completes (its events
  * become one message, its completions are queued), and the next step starts as soon as there is
  * work. Steps start at the end of the previous one, or when an idle engine gets a request.
