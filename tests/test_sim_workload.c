@@ -117,7 +117,15 @@ Test(sim_workload, each_shape_shares_what_it_promises, .timeout = 60)
             cr_assert_leq(r->input_length, cfg.max_input_tokens, "%s", name);
             cr_assert_geq(r->input_length,
                           cfg.common_tokens + cfg.prefix_tokens_min + cfg.new_tokens_min, "%s", name);
-            cr_assert_eq(r->n_ids, (r->input_length + KM_SIM_TOKENS_PER_ID - 1) / KM_SIM_TOKENS_PER_ID,
+            /* The ids cover the prompt, then the answer when the next turn would re-send it. */
+            cr_assert(r->answer_tokens == r->output_length ||
+                          (r->answer_tokens == 0 &&
+                           r->input_length + r->output_length > cfg.max_input_tokens),
+                      "%s: request %zu knows %u of its %u answer tokens", name, i,
+                      r->answer_tokens, r->output_length);
+            cr_assert_eq(r->n_ids,
+                         (r->input_length + r->answer_tokens + KM_SIM_TOKENS_PER_ID - 1) /
+                             KM_SIM_TOKENS_PER_ID,
                          "%s", name);
             cr_assert(r->output_length >= 1 && r->output_length <= 8 * cfg.output_tokens_mean,
                       "%s", name);
@@ -140,8 +148,9 @@ Test(sim_workload, each_shape_shares_what_it_promises, .timeout = 60)
     }
 }
 
-/* A follow-up turn names the previous turn of its session: an earlier request whose prompt its own
- * extends (the same ids, then more, and more tokens), at most once; single-turn shapes name none. */
+/* A follow-up turn names the previous turn of its session: an earlier request whose prompt and
+ * answer its own prompt extends (the same ids, then more, and more tokens than both), at most
+ * once; single-turn shapes name none. */
 Test(sim_workload, a_follow_up_names_its_previous_turn, .timeout = 60)
 {
     for (unsigned k = 0; k < KM_SIM_SHAPE_COUNT; k++) {
@@ -163,7 +172,8 @@ Test(sim_workload, a_follow_up_names_its_previous_turn, .timeout = 60)
             cr_assert_not(named[p], "turn %zu is the previous of two", p);
             named[p] = true;
             cr_assert_leq(prev->timestamp_ms, q->timestamp_ms);
-            cr_assert_gt(q->input_length, prev->input_length);
+            cr_assert_gt(prev->answer_tokens, 0, "a re-sent answer is known");
+            cr_assert_gt(q->input_length, prev->input_length + prev->answer_tokens);
             cr_assert_geq(q->n_ids, prev->n_ids);
             cr_assert_eq(memcmp(q->ids, prev->ids, prev->n_ids * sizeof *q->ids), 0,
                          "request %zu does not extend its previous turn's prompt", i);
@@ -249,10 +259,9 @@ Test(sim_workload, chain_hashes_share_what_ids_share, .timeout = 60)
     }
 }
 
-/* Reusable tokens by brute force: every full block's chain hash seen in an earlier prompt, the
- * leading run of them, never the prompt's last token. */
-/* Reusable tokens of the whole trace by chain hashes; per_request (may be NULL) gets each
- * request's. */
+/* Reusable tokens by brute force: every full block's chain hash seen in an earlier prompt or known
+ * answer, the leading run of them, never the prompt's last token. Of the whole trace;
+ * per_request (may be NULL) gets each request's. */
 static uint64_t reusable_by_hashes(const km_trace *t, uint32_t bs, uint64_t *per_request)
 {
     km_memory memory = {0};
@@ -271,6 +280,12 @@ static uint64_t reusable_by_hashes(const km_trace *t, uint32_t bs, uint64_t *per
         total += (uint64_t)(run < cap ? run : cap) * bs;
         if (per_request)
             per_request[i] = (uint64_t)(run < cap ? run : cap) * bs;
+        /* What it leaves cached: its prompt's blocks and its known answer's, up to the last
+         * token generated (never computed). */
+        km_trace_request served = *r;
+        served.input_length += r->answer_tokens < r->output_length ? r->answer_tokens
+                               : r->output_length ? r->output_length - 1 : 0;
+        cr_assert_eq(km_trace_chain_hashes(&served, bs, KM_SIM_TOKENS_PER_ID, h, &n), KM_OK);
         for (uint32_t b = 0; b < n; b++)
             cr_assert_eq(km_u64map_put(&seen, km_u64map_key(h[b]), 1, 1), KM_OK);
     }

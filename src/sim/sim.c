@@ -235,9 +235,12 @@ static void ttft_figures(double *v, size_t n, double *mean, double *p50, double 
     *p99 = pct(v, n, 0.99);
 }
 
-/* The request's tokens (expanded from its ids, cut to input_length) and chain hashes. Only the
- * ids the cut keeps are expanded: a long id list costs nothing past input_length. */
-static int request_tokens(run *r, const km_trace_request *q, uint32_t *n_tokens, uint32_t *n_blocks)
+/* The request's tokens (expanded from its ids, cut to input_length) and their chain hashes, then
+ * the *n_answer tokens of its answer the ids cover (answer_tokens, none when the prompt is cut
+ * for the server's limit) after them in r->tokens. Only the ids the cut keeps are expanded: a
+ * long id list costs nothing past the answer. */
+static int request_tokens(run *r, const km_trace_request *q, uint32_t *n_tokens, uint32_t *n_blocks,
+                          uint32_t *n_answer)
 {
     if (q->n_ids == 0 || q->input_length == 0)
         return KM_ERR_INVALID_ARGUMENT; /* the loader and the generator never give one */
@@ -245,9 +248,12 @@ static int request_tokens(run *r, const km_trace_request *q, uint32_t *n_tokens,
      * for the server to refuse the route (a route error), not the whole input_length. */
     uint64_t input = q->input_length;
     const km_welcome *wel = r->inst[0].client ? km_client_welcome(r->inst[0].client) : NULL;
-    if (wel && input > (uint64_t)wel->limits.max_tokens_per_route)
+    uint64_t answer = q->answer_tokens;
+    if (wel && input > (uint64_t)wel->limits.max_tokens_per_route) {
         input = (uint64_t)wel->limits.max_tokens_per_route + 1;
-    uint64_t used = (input + KM_SIM_TOKENS_PER_ID - 1) / KM_SIM_TOKENS_PER_ID;
+        answer = 0;
+    }
+    uint64_t used = (input + answer + KM_SIM_TOKENS_PER_ID - 1) / KM_SIM_TOKENS_PER_ID;
     uint32_t n_ids = used < q->n_ids ? (uint32_t)used : q->n_ids;
     size_t need = (size_t)n_ids * KM_SIM_TOKENS_PER_ID;
     if (need > r->cap_tokens) {
@@ -269,6 +275,7 @@ static int request_tokens(run *r, const km_trace_request *q, uint32_t *n_tokens,
     int rc = km_hash_sequence(&hc, r->tokens, n, 0, KM_NO_PARENT, NULL, r->chains, &nb);
     *n_tokens = n;
     *n_blocks = (uint32_t)nb;
+    *n_answer = need - n < answer ? (uint32_t)(need - n) : (uint32_t)answer;
     return rc;
 }
 
@@ -876,8 +883,8 @@ static int route_one(run *r, size_t index, uint64_t now_us, char *why, size_t wh
 {
     const km_trace_request *q = &r->trace->requests[index];
     req_state *s = &r->reqs[index];
-    uint32_t n_tokens, n_blocks;
-    int rc = request_tokens(r, q, &n_tokens, &n_blocks);
+    uint32_t n_tokens, n_blocks, n_answer;
+    int rc = request_tokens(r, q, &n_tokens, &n_blocks, &n_answer);
     if (rc)
         return km_why(why, why_size, rc, "request %zu: tokens", index);
     r->res->prompt_tokens += n_tokens;
@@ -887,8 +894,8 @@ static int route_one(run *r, size_t index, uint64_t now_us, char *why, size_t wh
         r->res->bypassed++;
         s->worker = r->worker_base + bw;
         r->per_worker[bw]++;
-        rc = km_sim_engine_submit(r->engines[bw], index, r->tokens, n_tokens,
-                                  q->output_length ? q->output_length : 1, now_us);
+        rc = km_sim_engine_submit_answered(r->engines[bw], index, r->tokens, n_tokens, n_answer,
+                                           q->output_length ? q->output_length : 1, now_us);
         return rc ? km_why(why, why_size, rc, "engine %u: %s", bw,
                            km_sim_engine_last_error(r->engines[bw]))
                   : KM_OK;
@@ -1013,8 +1020,8 @@ static int route_one(run *r, size_t index, uint64_t now_us, char *why, size_t wh
     }
     s->worker = r->worker_base + w;
     r->per_worker[w]++;
-    rc = km_sim_engine_submit(r->engines[w], index, r->tokens, n_tokens,
-                              q->output_length ? q->output_length : 1, now_us);
+    rc = km_sim_engine_submit_answered(r->engines[w], index, r->tokens, n_tokens, n_answer,
+                                       q->output_length ? q->output_length : 1, now_us);
     if (rc)
         return km_why(why, why_size, rc, "engine %u: %s", w, km_sim_engine_last_error(r->engines[w]));
     /* The router sent it on at once. */

@@ -275,6 +275,7 @@ int km_trace_load_mooncake(const char *path, km_trace *out, char *err, size_t er
         r->n_ids = (uint32_t)n_ids;
         r->ids = NULL;
         r->previous_turn = 0;
+        r->answer_tokens = 0;
         offsets[t.n_requests] = t.n_ids;
         t.n_ids += n_ids;
         t.n_requests++;

@@ -147,6 +147,7 @@ typedef struct staged {
     uint64_t order; /* creation order: ties in arrival keep it */
     uint32_t output_tokens;
     uint32_t input_tokens;
+    uint32_t answer_tokens; /* of output_tokens, those its ids cover (the next turn re-sends) */
     size_t offset;
     uint32_t n_ids;
     uint64_t previous; /* the order of the session's previous turn; UINT64_MAX: none */
@@ -160,7 +161,8 @@ typedef struct stage {
 } stage;
 
 static int stage_add(stage *st, double arrival_s, uint32_t output_tokens, const uint32_t *ids,
-                     uint32_t n_ids, uint32_t input_tokens, uint64_t previous)
+                     uint32_t n_ids, uint32_t input_tokens, uint32_t answer_tokens,
+                     uint64_t previous)
 {
     if (st->n == st->cap) {
         size_t cap = st->cap ? st->cap * 2 : 256;
@@ -181,8 +183,8 @@ static int stage_add(stage *st, double arrival_s, uint32_t output_tokens, const 
         st->cap_pool = cap;
     }
     memcpy(st->pool + st->n_pool, ids, n_ids * sizeof *ids);
-    st->reqs[st->n] = (staged){arrival_s, st->n, output_tokens, input_tokens, st->n_pool, n_ids,
-                               previous};
+    st->reqs[st->n] = (staged){arrival_s,     st->n,      output_tokens, input_tokens,
+                               answer_tokens, st->n_pool, n_ids,         previous};
     st->n++;
     st->n_pool += n_ids;
     return KM_OK;
@@ -327,14 +329,18 @@ int km_sim_generate_trace(const km_sim_generator_config *cfg, km_trace *out, cha
                 break; /* the session no longer fits the context: it ends */
             prompt_append(&p, add, NULL, &next_id);
             uint32_t output = draw_output(&r, cfg->output_tokens_mean);
-            /* a session's turns are staged one after another: the previous is the last staged */
-            rc = stage_add(&st, arrival, output, p.ids, p.n_ids, p.tokens,
-                           t ? st.n - 1 : UINT64_MAX);
             /* The next turn re-sends this answer too, after it was generated (an assumed 20 ms
-             * per output token) and a think time (a user reading, a tool running). */
-            if ((uint64_t)p.tokens + output > cfg->max_input_tokens)
+             * per output token) and a think time (a user reading, a tool running); the request's
+             * ids cover its answer, so that the engine caches the answer as it generates it. */
+            uint32_t input = p.tokens;
+            bool resent = (uint64_t)p.tokens + output <= cfg->max_input_tokens;
+            if (resent)
+                prompt_append(&p, output, NULL, &next_id);
+            /* a session's turns are staged one after another: the previous is the last staged */
+            rc = stage_add(&st, arrival, output, p.ids, p.n_ids, input, resent ? output : 0,
+                           t ? st.n - 1 : UINT64_MAX);
+            if (!resent)
                 break;
-            prompt_append(&p, output, NULL, &next_id);
             arrival += output * 0.020 + exponential(&r, cfg->think_time_s);
         }
     }
@@ -367,6 +373,7 @@ int km_sim_generate_trace(const km_sim_generator_config *cfg, km_trace *out, cha
                 q->timestamp_ms = (uint64_t)llround(s->arrival_s * 1000.0);
                 q->input_length = s->input_tokens;
                 q->output_length = s->output_tokens;
+                q->answer_tokens = s->answer_tokens;
                 q->n_ids = s->n_ids;
                 q->ids = out->id_pool + at;
                 /* the previous turn arrived first, so it is kept */
@@ -446,7 +453,7 @@ int km_sim_workload_stats_of(const km_trace *trace, const km_engine_model *model
     uint32_t *lengths = malloc(n * sizeof *lengths);
     double *floor_ms = malloc(n * sizeof *floor_ms);
     km_memory memory = {0};
-    km_u64map seen; /* id + 2 -> the most tokens of it an earlier prompt used */
+    km_u64map seen; /* id + 2 -> the most tokens of it an earlier prompt or answer used */
     km_u64map_init(&seen, &memory);
     int rc = lengths && floor_ms ? KM_OK : KM_ERR_OUT_OF_MEMORY;
     const km_engine_load idle = {0, 0, 0, 0, 0, 0};
@@ -476,8 +483,14 @@ int km_sim_workload_stats_of(const km_trace *trace, const km_engine_model *model
                                                       q->input_length - reusable, 0, 0, blocks,
                                                       q->output_length) /
                       1000.0;
-        for (uint32_t k = 0; !rc && k < q->n_ids && (uint64_t)k * per < q->input_length; k++) {
-            uint32_t used = q->input_length - k * per < per ? q->input_length - k * per : per;
+        /* What it leaves cached: its prompt, then the answer it generates (answer_tokens) but
+         * its last token, which is never computed (the request ends with it). */
+        uint32_t answered = q->answer_tokens < q->output_length ? q->answer_tokens
+                            : q->output_length ? q->output_length - 1 : 0;
+        uint64_t left = (uint64_t)q->input_length + answered;
+        for (uint32_t k = 0; !rc && k < q->n_ids && (uint64_t)k * per < left; k++) {
+            uint32_t used = left - (uint64_t)k * per < per ? (uint32_t)(left - (uint64_t)k * per)
+                                                           : per;
             uint64_t *v = km_u64map_find(&seen, (uint64_t)q->ids[k] + 2);
             if (v && *v >= used)
                 continue;

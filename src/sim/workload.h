@@ -98,7 +98,8 @@ typedef struct km_sim_workload_stats {
     double prompt_mean, prompt_p50, prompt_p99; /* tokens */
     double output_mean;
     /* Prompt tokens a single engine with unlimited KV cache would reuse: the leading tokens an
-     * earlier request's prompt had already covered, in whole blocks of block_size, never the
+     * earlier request's prompt or known answer (answer_tokens, less the last token generated,
+     * which is never computed) had already covered, in whole blocks of block_size, never the
      * prompt's last token (vLLM's hit rule). Over prompt_tokens: reusable_share. */
     uint64_t reusable_tokens;
     double reusable_share;
