@@ -491,6 +491,16 @@ Test(sim_engine, a_known_answer_is_cached_as_it_is_generated, .timeout = 10)
     cr_assert_eq(km_sim_engine_submit_answered(e, 1, t, 10, 10, 9, 0), KM_ERR_INVALID_ARGUMENT);
     cr_assert_not_null(strstr(km_sim_engine_last_error(e), "answer"), "%s",
                        km_sim_engine_last_error(e));
+    km_sim_engine_config one;
+    km_sim_engine_config_init(&one);
+    one.model.block_size = 1;
+    km_sim_engine *e1;
+    cr_assert_eq(km_sim_engine_create(&one, &e1), KM_OK);
+    /* 2^32 + 1 one-token blocks: refused before the tokens (a short buffer here) are read. */
+    cr_assert_eq(km_sim_engine_submit_answered(e1, 1, t, UINT32_MAX, 2, 2, 0), KM_ERR_TOO_LARGE);
+    cr_assert_not_null(strstr(km_sim_engine_last_error(e1), "2^32 - 1 blocks"), "%s",
+                       km_sim_engine_last_error(e1));
+    km_sim_engine_destroy(e1);
     cr_assert_eq(km_sim_engine_submit_answered(e, 1, t, 10, 7, 9, 0), KM_OK);
     km_kv_decoder *dec = NULL;
     cr_assert_eq(km_kv_decoder_create(NULL, &dec), KM_OK);

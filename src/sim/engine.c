@@ -46,9 +46,8 @@ typedef enum req_phase {
 typedef struct sim_request {
     uint64_t id;
     req_phase phase;
-    uint32_t *tokens; /* the prompt's n_tokens, then the known answer's n_answer */
+    uint32_t *tokens; /* the prompt's n_tokens, then the known answer's */
     uint32_t n_tokens;
-    uint32_t n_answer;
     uint64_t *chains; /* n_chains chain hashes: the full blocks of the prompt and known answer */
     uint32_t n_full;  /* the prompt's full blocks */
     uint32_t n_chains;
@@ -493,6 +492,10 @@ static int slot_create(km_sim_engine *e, uint64_t request_id, const uint32_t *to
         e->n_slots = cap;
     }
     size_t n_known = (size_t)n_tokens + n_answer;
+    if (n_known / e->cfg.model.block_size > UINT32_MAX)
+        return fail(e, KM_ERR_TOO_LARGE,
+                    "request %llu: %zu prompt and answer tokens fill more than 2^32 - 1 blocks",
+                    (unsigned long long)request_id, n_known);
     uint32_t n_chains = (uint32_t)(n_known / e->cfg.model.block_size);
     uint32_t *copy = malloc(n_known * sizeof *copy);
     uint64_t *chains = malloc(((size_t)n_chains + 1) * sizeof *chains);
@@ -511,7 +514,6 @@ static int slot_create(km_sim_engine *e, uint64_t request_id, const uint32_t *to
     r->id = request_id;
     r->tokens = copy;
     r->n_tokens = n_tokens;
-    r->n_answer = n_answer;
     r->chains = chains;
     r->n_full = n_tokens / e->cfg.model.block_size;
     r->n_chains = n_chains;

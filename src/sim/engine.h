@@ -148,9 +148,11 @@ int km_sim_engine_submit(km_sim_engine *engine, uint64_t request_id, const uint3
  * As vLLM v1 does with generated tokens, each block those tokens fill (the prompt's partial last
  * block first) is cached when the decode step that completes it is scheduled and published as a
  * BlockStored when that step ends, under the chain of the prompt and answer: a later prompt that
- * re-sends the answer (a conversation's next turn) hits it. Tokens past n_answer fill blocks that
- * are never cached (their ids are unknown). Errors as km_sim_engine_submit, and
- * KM_ERR_INVALID_ARGUMENT when n_answer exceeds the output. */
+ * re-sends the answer (a conversation's next turn) hits it. The last token generated is never
+ * computed (the request ends with it), so a block it would complete is not cached; nor are blocks
+ * of tokens past n_answer (their ids are unknown). Errors as km_sim_engine_submit, and
+ * KM_ERR_INVALID_ARGUMENT when n_answer exceeds the output, KM_ERR_TOO_LARGE when prompt and answer
+ * fill more than 2^32 - 1 blocks (checked before the tokens are read). */
 int km_sim_engine_submit_answered(km_sim_engine *engine, uint64_t request_id,
                                   const uint32_t *tokens, uint32_t n_tokens, uint32_t n_answer,
                                   uint32_t output_tokens, uint64_t now_us);
