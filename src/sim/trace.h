@@ -19,9 +19,10 @@ typedef struct km_trace_request {
      * arrives before it), 0 for a first turn, a single request and every loaded trace's request
      * (the Mooncake format names no sessions). */
     uint32_t previous_turn;
-    /* Tokens after input_length that ids cover and this request generates: the first tokens of
-     * its answer, which a generated session's next turn re-sends (<= output_length). 0 when they
-     * are not known (every loaded trace's request). */
+    /* Tokens after input_length that ids cover and this request generates: its answer, as a
+     * generated session's next turn would re-send it (<= output_length). 0 when they are not
+     * known: every loaded trace's request, and a generated one whose answer would not fit the
+     * next prompt. */
     uint32_t answer_tokens;
 } km_trace_request;
 

@@ -147,7 +147,7 @@ typedef struct staged {
     uint64_t order; /* creation order: ties in arrival keep it */
     uint32_t output_tokens;
     uint32_t input_tokens;
-    uint32_t answer_tokens; /* of output_tokens, those its ids cover (the next turn re-sends) */
+    uint32_t answer_tokens; /* of output_tokens, those its ids cover (a next turn's re-sent) */
     size_t offset;
     uint32_t n_ids;
     uint64_t previous; /* the order of the session's previous turn; UINT64_MAX: none */
