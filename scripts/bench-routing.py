@@ -24,8 +24,8 @@ TTFT p50 and p99 against the best other policy's, and its p99 against round robi
 with whether each target holds (docs/BENCHMARKS.md, "Routing"):
   - p50 and p99 no worse than every other policy's, within 2%;
   - at load 0.8, p99 at least 3x better than round robin's, and whether any policy could reach
-    that: round robin's p99 over the workload's floor (`kvmatch sim --json`, workload
-    floor_ttft_p99_ms: each request alone on an idle engine holding everything reusable).
+    that: round robin's p99 over the floor's at that load (`kvmatch sim --json`, load_floors: the
+    time to first token no routing goes below, docs/SIM.md, "Workloads").
 Every run is made with `--ttft-from` REQUESTS / 10: its TTFT figures leave out the first tenth of
 the requests (they warm the engines) and its "every_request" figures count them all. "cells" and
 "summary" judge every request; "steady_cells" and "steady_summary" the same cells past the cold
@@ -110,6 +110,8 @@ def every_request(result):
     for p in whole["policies"]:
         for entry in p["loads"]:
             entry.update(entry["every_request"])
+    for entry in whole["load_floors"]:
+        entry.update(entry["every_request"])
     return whole
 
 
@@ -135,10 +137,10 @@ def cells(name, seed, result, judged):
             "best_other_p50": best_p50[0], "best_other_p50_ms": best_p50[1]["ttft_p50_ms"],
             "best_other_p99": best_p99[0], "best_other_p99_ms": best_p99[1]["ttft_p99_ms"],
             "round_robin_p99_ms": row["round_robin"]["ttft_p99_ms"],
-            "floor_p99_ms": result["workload"]["floor_ttft_p99_ms"],
+            "floor_p99_ms": result["load_floors"][i]["floor_ttft_p99_ms"],
         }
-        # No policy's p99 goes below the floor (each request alone on an idle engine holding
-        # everything reusable), so round robin's p99 over the floor is the most any could reach.
+        # No policy's p99 goes below the floor's, so round robin's p99 over it is the most any
+        # policy could gain on round robin.
         rr_p99 = row["round_robin"]["ttft_p99_ms"]
         cell["round_robin_over_floor"] = (rr_p99 / cell["floor_p99_ms"]
                                           if rr_p99 is not None and cell["floor_p99_ms"] > 0

@@ -390,8 +390,9 @@ Test(sim_load, ttft_from_counts_only_the_later_requests, .timeout = 240)
     cfg.records_dir = dir;
     cfg.ttft_from = from;
     km_sim_result r[2], all[2];
+    km_sim_summary sum, sum_all;
     char why[512];
-    cr_assert_eq(km_sim_run(&cfg, r, NULL, why, sizeof why), KM_OK, "%s", why);
+    cr_assert_eq(km_sim_run(&cfg, r, &sum, why, sizeof why), KM_OK, "%s", why);
     static double v[1000];
     for (int p = 0; p < 2; p++) {
         char path[256];
@@ -410,7 +411,16 @@ Test(sim_load, ttft_from_counts_only_the_later_requests, .timeout = 240)
      * which are the every_ttft figures of the run with it. */
     cfg.ttft_from = 0;
     cfg.records_dir = NULL;
-    cr_assert_eq(km_sim_run(&cfg, all, NULL, why, sizeof why), KM_OK, "%s", why);
+    cr_assert_eq(km_sim_run(&cfg, all, &sum_all, why, sizeof why), KM_OK, "%s", why);
+    /* So is the floor: over the requests counted with it, over every one as without it. */
+    cr_assert_eq(sum.every_floor_ttft_p99_ms[0], sum_all.floor_ttft_p99_ms[0]);
+    cr_assert_eq(sum.every_floor_ttft_p50_ms[0], sum_all.floor_ttft_p50_ms[0]);
+    for (int p = 0; p < 2; p++)
+        cr_assert(sum.floor_ttft_p99_ms[0] <= r[p].ttft_p99_ms &&
+                      sum.floor_ttft_p50_ms[0] <= r[p].ttft_p50_ms,
+                  "%s: p50 %.3f, p99 %.3f past request %zu, below their floor %.3f / %.3f",
+                  cfg.policies[p], r[p].ttft_p50_ms, r[p].ttft_p99_ms, from,
+                  sum.floor_ttft_p50_ms[0], sum.floor_ttft_p99_ms[0]);
     for (int p = 0; p < 2; p++) {
         cr_assert_eq(all[p].routed, r[p].routed, "%s routes the same", cfg.policies[p]);
         const double with[] = {r[p].every_ttft_mean_ms, r[p].every_ttft_p50_ms,
@@ -432,6 +442,83 @@ Test(sim_load, ttft_from_counts_only_the_later_requests, .timeout = 240)
     cfg.ttft_from = requests;
     cr_assert_eq(km_sim_run(&cfg, all, NULL, why, sizeof why), KM_ERR_INVALID_ARGUMENT);
     cr_assert_not_null(strstr(why, "ttft_from"), "%s", why);
+}
+
+/* The floor (km_sim_floor_ttft_us) is one: on every shape, with arrivals four times as dense as
+ * the generator's and four times as sparse, and every kind of routing, no request's time to first
+ * token in the simulated engines goes below its floor; with sparse arrivals some request's
+ * reaches it within 1% (the bound is attained, not loose everywhere). The workload's floor
+ * percentiles are those of the requests' floors at the run's times. */
+Test(sim_load, no_request_gets_its_first_token_before_its_floor, .timeout = 240)
+{
+    uint64_t seed = 1 + km_test_seed() % 1000;
+    const char *policies[] = {"ttft", "round_robin", "prefix", "least_load"};
+    for (unsigned run = 0; run < 2 * KM_SIM_SHAPE_COUNT; run++) {
+        unsigned k = run % KM_SIM_SHAPE_COUNT;
+        bool sparse = run >= KM_SIM_SHAPE_COUNT;
+        char dir[] = "/tmp/km-sim-floor-XXXXXX";
+        cr_assert_not_null(mkdtemp(dir));
+        km_sim_config cfg;
+        sweep_config(&cfg);
+        km_sim_generator_config_shape((km_sim_shape)k, &cfg.generator);
+        cfg.generator.requests = 300;
+        cfg.generator.seed = seed + k;
+        cfg.time_scale = sparse ? 4.0 : 0.25;
+        cfg.n_policies = 4;
+        for (int p = 0; p < 4; p++)
+            cfg.policies[p] = policies[p];
+        cfg.records_dir = dir;
+        km_sim_result r[4];
+        km_sim_summary sum;
+        char why[512];
+        cr_assert_eq(km_sim_run(&cfg, r, &sum, why, sizeof why), KM_OK, "%s", why);
+        km_trace t;
+        cr_assert_eq(km_sim_generate_trace(&cfg.generator, &t, why, sizeof why), KM_OK);
+        cr_assert_eq(km_sim_trace_trim(&t, 0, cfg.time_scale), KM_OK);
+        static double floor_ms[300], sorted[300];
+        cr_assert_eq(t.n_requests, 300);
+        cr_assert_eq(km_sim_floor_ttft_us(&t, &cfg.engine.model, floor_ms), KM_OK);
+        for (size_t i = 0; i < t.n_requests; i++)
+            sorted[i] = floor_ms[i] /= 1000.0;
+        cr_assert_float_eq(sum.workload.floor_ttft_p99_ms, percentile_of(sorted, 300, 0.99), 1e-9);
+        cr_assert_float_eq(sum.workload.floor_ttft_p50_ms, percentile_of(sorted, 300, 0.50), 1e-9);
+        size_t attained = 0, checked = 0;
+        for (int p = 0; p < 4; p++) {
+            char path[256];
+            snprintf(path, sizeof path, "%s/records-%s.jsonl", dir, policies[p]);
+            FILE *f = fopen(path, "r");
+            cr_assert_not_null(f, "%s", path);
+            for (json_t *rec; (rec = next_record(f));) {
+                const char *type = json_string_value(json_object_get(rec, "type"));
+                const char *attempt = json_string_value(json_object_get(rec, "attempt_id"));
+                const char *id = json_string_value(json_object_get(rec, "request_id"));
+                json_t *ttft = json_object_get(rec, "router_ttft_ms");
+                if (!strcmp(type, "outcome") && !strstr(attempt, ":warm_up") &&
+                    json_is_number(ttft)) {
+                    size_t i = (size_t)strtoull(id + 1, NULL, 10);
+                    cr_assert_lt(i, t.n_requests, "request id %s", id);
+                    double got = json_number_value(ttft);
+                    KM_CHECK(got >= floor_ms[i] - 1e-6,
+                             "%s, seed %llu, time scale %g, %s, request %zu: first token after "
+                             "%.4f ms, its floor %.4f ms", km_sim_shape_name((km_sim_shape)k),
+                             (unsigned long long)(seed + k), cfg.time_scale, policies[p], i, got,
+                             floor_ms[i]);
+                    attained += got <= floor_ms[i] * 1.01;
+                    checked++;
+                }
+                json_decref(rec);
+            }
+            fclose(f);
+            unlink(path);
+        }
+        rmdir(dir);
+        cr_assert_gt(checked, 4 * 300 / 2, "%s: %zu first tokens", km_sim_shape_name((km_sim_shape)k),
+                     checked);
+        if (sparse)
+            cr_assert_gt(attained, 0, "%s, seed %llu: no request reached its floor",
+                         km_sim_shape_name((km_sim_shape)k), (unsigned long long)(seed + k));
+        km_trace_free(&t);
+    }
 }
 
 /* Engines cache an answer as they generate it, as vLLM v1 does: a conversation's next turn that
@@ -572,6 +659,9 @@ Test(sim_load, command_line_sweep_json_and_html_report, .timeout = 300)
     cr_assert_str_eq(json_string_value(json_object_get(json_object_get(root, "workload"), "shape")),
                      "agent");
     cr_assert_eq(json_array_size(json_object_get(root, "loads")), 2);
+    /* Each load's floor: no policy's p50 or p99 below it. */
+    json_t *floors = json_object_get(root, "load_floors");
+    cr_assert_eq(json_array_size(floors), 2);
     json_t *policies = json_object_get(root, "policies");
     cr_assert_eq(json_array_size(policies), 3);
     for (size_t p = 0; p < 3; p++) {
@@ -584,6 +674,22 @@ Test(sim_load, command_line_sweep_json_and_html_report, .timeout = 300)
             for (size_t f = 0; f < sizeof fields / sizeof fields[0]; f++)
                 cr_assert(json_is_number(json_object_get(row, fields[f])), "policy %zu load %zu: %s",
                           p, l, fields[f]);
+            json_t *floor = json_array_get(floors, l);
+            cr_assert_float_eq(json_number_value(json_object_get(floor, "load")),
+                               json_number_value(json_object_get(row, "load")), 1e-12);
+            json_t *every = json_object_get(floor, "every_request");
+            static const char *const pct[] = {"p50", "p99"};
+            for (int q = 0; q < 2; q++) {
+                char name[32], floor_name[32];
+                snprintf(name, sizeof name, "ttft_%s_ms", pct[q]);
+                snprintf(floor_name, sizeof floor_name, "floor_ttft_%s_ms", pct[q]);
+                double bound = json_number_value(json_object_get(floor, floor_name));
+                cr_assert_gt(bound, 0);
+                cr_assert_geq(json_number_value(json_object_get(row, name)), bound - 1e-9,
+                              "policy %zu, load %zu: %s below the floor", p, l, name);
+                cr_assert_float_eq(json_number_value(json_object_get(every, floor_name)), bound,
+                                   1e-12, "no --ttft-from: every request is counted");
+            }
         }
     }
     json_decref(root);

@@ -318,20 +318,39 @@ Test(sim_workload, statistics_match_a_brute_force_count, .timeout = 60)
             uint64_t *each = malloc(t.n_requests * sizeof *each);
             double *floor_ms = malloc(t.n_requests * sizeof *floor_ms);
             uint64_t expect = reusable_by_hashes(&t, bs, each);
-            /* The floor: each request alone on an idle engine with its reusable tokens cached. */
-            km_engine_load idle = {0, 0, 0, 0, 0, 0};
+            /* With an hour between arrivals everything before a request is computed when it
+             * arrives: its floor is its prefill after its reusable tokens, alone on an engine. */
+            km_trace spaced = t;
+            spaced.requests = malloc(t.n_requests * sizeof *spaced.requests);
+            for (size_t i = 0; i < t.n_requests; i++) {
+                spaced.requests[i] = t.requests[i];
+                spaced.requests[i].timestamp_ms = (uint64_t)i * 3600 * 1000;
+            }
+            km_sim_workload_stats at_leisure;
+            cr_assert_eq(km_sim_workload_stats_of(&spaced, &model, &at_leisure), KM_OK);
             for (size_t i = 0; i < t.n_requests; i++) {
                 const km_trace_request *q = &t.requests[i];
-                floor_ms[i] = km_engine_model_predict_ttft_us(
-                                  &model, &idle, each[i], q->input_length - each[i], 0, 0,
-                                  (q->input_length + q->output_length + bs - 1) / bs,
-                                  q->output_length) / 1000.0;
+                uint64_t own = q->input_length - each[i];
+                uint64_t steps = (own + model.max_num_batched_tokens - 1) /
+                                 model.max_num_batched_tokens;
+                double floors = (double)steps * model.step_floor_us;
+                double tokens = model.token_us * (double)own;
+                floor_ms[i] = ((floors > tokens ? floors : tokens) +
+                               model.prefill_us_per_pair *
+                                   ((double)own * (double)each[i] + (double)own * (own + 1) / 2)) /
+                              1000.0;
             }
             qsort(floor_ms, t.n_requests, sizeof *floor_ms, cmp_ms);
             size_t n = t.n_requests;
-            cr_assert_float_eq(st.floor_ttft_p50_ms, floor_ms[(size_t)(0.5 * (n - 1) + 0.5)], 1e-9);
-            cr_assert_float_eq(st.floor_ttft_p99_ms, floor_ms[(size_t)(0.99 * (n - 1) + 0.5)], 1e-9);
+            cr_assert_float_eq(at_leisure.floor_ttft_p50_ms, floor_ms[(size_t)(0.5 * (n - 1) + 0.5)],
+                               1e-9);
+            cr_assert_float_eq(at_leisure.floor_ttft_p99_ms,
+                               floor_ms[(size_t)(0.99 * (n - 1) + 0.5)], 1e-9);
+            /* At the workload's own times a prefix may not exist yet when a request arrives. */
+            cr_assert(st.floor_ttft_p50_ms >= at_leisure.floor_ttft_p50_ms - 1e-9);
+            cr_assert(st.floor_ttft_p99_ms >= at_leisure.floor_ttft_p99_ms - 1e-9);
             cr_assert(st.floor_ttft_p50_ms >= model.step_floor_us / 1000.0);
+            free(spaced.requests);
             free(each);
             free(floor_ms);
             cr_assert_eq(st.reusable_tokens, expect, "%s, block %u, seed %llu: %llu reusable, "
@@ -357,6 +376,58 @@ Test(sim_workload, statistics_match_a_brute_force_count, .timeout = 60)
     km_trace empty = {0};
     model.block_size = 0;
     cr_assert_eq(km_sim_workload_stats_of(&empty, &model, &st), KM_ERR_BLOCK_SIZE);
+}
+
+/* Known answers of km_sim_floor_ttft_us on an engine of a 1 ms step floor, 10 us a token and no
+ * attention cost (ids of 512 tokens, 16-token blocks):
+ *  - a: ids 1 2, 1,024 tokens at 0: alone, 10.24 ms;
+ *  - b: ids 1 2 3, 1,500 tokens at 1 ms: a's ids exist at 5.12 and 10.24 ms; waiting for either
+ *    and joining the step that completes it costs 13 ms either way (4.12 + 9.88 - 1, or 9.24 +
+ *    4.76 - 1), less than 15 ms alone;
+ *  - c: the same prompt at 100 ms: all but its last block (1,488 tokens) exists: one step floor;
+ *  - d: ids 7 8, 512 tokens at 0 and an answer of 50 tokens: 5.12 ms; its answer's tokens exist
+ *    one step floor apart from then on, the 50th at 55.12 ms;
+ *  - e: ids 7 8, 700 tokens (d's prompt, its answer, 138 more) at 20 ms: d's prompt exists and
+ *    the first block of its answer comes at 21.12 ms: waiting for it and adding 172 tokens beyond
+ *    a floor (0.72 ms), 1.84 ms, beats 1.88 ms after the prompt alone;
+ *  - f: the same at 60 ms: e's whole prompt exists (688 tokens in whole blocks): one step floor;
+ *  - then g, the same as e at 0, listed last: it arrives with d and after it (equal times go in
+ *    trace order), so waiting 5.12 ms for d's prompt and adding 188 tokens beyond a floor (0.88
+ *    ms) beats 7 ms alone: 6 ms; e then finds g's whole prompt computed: one step floor. */
+Test(sim_workload, the_floor_of_requests_whose_prefixes_are_still_computed, .timeout = 10)
+{
+    static const uint32_t pool[] = {1, 2, 3, 7, 8};
+    km_trace_request reqs[] = {
+        {0, 1024, 1, 2, pool, 0, 0},          {1, 1500, 1, 3, pool, 0, 0},
+        {100, 1500, 1, 3, pool, 0, 0},        {0, 512, 100, 2, pool + 3, 0, 50},
+        {20, 700, 1, 2, pool + 3, 0, 0},      {60, 700, 1, 2, pool + 3, 0, 0},
+    };
+    km_trace t = {reqs, 6, (uint32_t *)pool, 5};
+    km_engine_model model;
+    km_engine_model_init(&model);
+    model.block_size = 16;
+    model.max_num_batched_tokens = 8192;
+    model.step_floor_us = 1000;
+    model.token_us = 10;
+    model.prefill_us_per_pair = 0;
+    double us[7];
+    cr_assert_eq(km_sim_floor_ttft_us(&t, &model, us), KM_OK);
+    const double expect[] = {10240, 13000, 1000, 5120, 1840, 1000};
+    for (size_t i = 0; i < 6; i++)
+        cr_assert_float_eq(us[i], expect[i], 1e-6, "request %zu: %.3f us, expected %.3f", i, us[i],
+                           expect[i]);
+    km_trace_request with_g[7];
+    memcpy(with_g, reqs, sizeof reqs);
+    with_g[6] = (km_trace_request){0, 700, 1, 2, pool + 3, 0, 0};
+    km_trace t2 = {with_g, 7, (uint32_t *)pool, 5};
+    cr_assert_eq(km_sim_floor_ttft_us(&t2, &model, us), KM_OK);
+    cr_assert_float_eq(us[6], 6000, 1e-6, "g: %.3f us", us[6]);
+    cr_assert_float_eq(us[4], 1000, 1e-6, "e after g: %.3f us", us[4]);
+    cr_assert_float_eq(us[1], 13000, 1e-6, "b: %.3f us", us[1]);
+    cr_assert_eq(km_sim_floor_ttft_us(NULL, &model, us), KM_ERR_NULL_POINTER);
+    cr_assert_eq(km_sim_floor_ttft_us(&t, &model, NULL), KM_ERR_NULL_POINTER);
+    model.block_size = 0;
+    cr_assert_eq(km_sim_floor_ttft_us(&t, &model, us), KM_ERR_BLOCK_SIZE);
 }
 
 Test(sim_workload, bad_configs_and_trim, .timeout = 10)

@@ -412,10 +412,22 @@ static void print_json(const km_sim_config *cfg, const km_sim_report *report,
     json_object_set_new(root, "default_policy", json_string(report->default_policy));
     if (cfg->n_loads) {
         json_object_set_new(root, "capacity_rps", json_real(sum->capacity_rps));
-        json_t *loads = json_array();
-        for (uint32_t l = 0; l < cfg->n_loads; l++)
+        json_t *loads = json_array(), *floors = json_array();
+        for (uint32_t l = 0; l < cfg->n_loads; l++) {
             json_array_append_new(loads, json_real(cfg->loads[l]));
+            json_t *f = json_object(), *every = json_object();
+            json_object_set_new(f, "load", json_real(cfg->loads[l]));
+            json_object_set_new(f, "floor_ttft_p50_ms", json_real(sum->floor_ttft_p50_ms[l]));
+            json_object_set_new(f, "floor_ttft_p99_ms", json_real(sum->floor_ttft_p99_ms[l]));
+            json_object_set_new(every, "floor_ttft_p50_ms",
+                                json_real(sum->every_floor_ttft_p50_ms[l]));
+            json_object_set_new(every, "floor_ttft_p99_ms",
+                                json_real(sum->every_floor_ttft_p99_ms[l]));
+            json_object_set_new(f, "every_request", every);
+            json_array_append_new(floors, f);
+        }
         json_object_set_new(root, "loads", loads);
+        json_object_set_new(root, "load_floors", floors);
     }
     if (modes_results) {
         json_object_set_new(root, "instances", json_integer(cfg->instances));

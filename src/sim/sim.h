@@ -259,8 +259,12 @@ typedef struct km_sim_summary {
     uint32_t capacity_probes;         /* round-robin runs it took (the sample doubles when it was
                                        * too small) */
     double capacity_wall_s;           /* their wall time */
-    /* Per load: the factor the arrival times were scaled by. */
+    /* Per load: the factor the arrival times were scaled by, and the floor of the requests at
+     * those times (km_sim_floor_ttft_us), p50 and p99 in ms, over the requests the TTFT figures
+     * count (ttft_from on) and over every request. */
     double time_scale[KM_SIM_MAX_LOADS];
+    double floor_ttft_p50_ms[KM_SIM_MAX_LOADS], floor_ttft_p99_ms[KM_SIM_MAX_LOADS];
+    double every_floor_ttft_p50_ms[KM_SIM_MAX_LOADS], every_floor_ttft_p99_ms[KM_SIM_MAX_LOADS];
 } km_sim_summary;
 
 /* Is cfg a run km_sim_run would start: every setting in range, no two that exclude each other,

@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "kvmatch/error.h"
+#include "base/array.h"
 #include "base/error_detail.h"
 #include "base/u64_map.h"
 
@@ -438,6 +439,175 @@ static int cmp_double(const void *a, const void *b)
     return x < y ? -1 : x > y;
 }
 
+/* ---- the floor ------------------------------------------------------------------------------ */
+
+/* The least time an engine of model m spends computing `tokens` tokens after `before` cached ones,
+ * from the first step that holds them, however its steps chunk them and whatever else they hold:
+ * a step floor at least, token_us a token, plus their attention pairs. */
+static double compute_lower_bound_us(const km_engine_model *m, uint64_t before, uint64_t tokens)
+{
+    double linear = m->token_us * (double)tokens;
+    return (linear > m->step_floor_us ? linear : m->step_floor_us) +
+           m->prefill_us_per_pair * (double)km_engine_model_chunk_pairs(before, tokens);
+}
+
+/* The least `tokens` tokens after `before` add to a step that other work fills: a step takes the
+ * longer of its floor and its tokens' time, so they add their time beyond one floor at least,
+ * plus their attention pairs. */
+static double joined_lower_bound_us(const km_engine_model *m, uint64_t before, uint64_t tokens)
+{
+    double beyond = m->token_us * (double)tokens - m->step_floor_us;
+    return (beyond > 0 ? beyond : 0) +
+           m->prefill_us_per_pair * (double)km_engine_model_chunk_pairs(before, tokens);
+}
+
+/* A prefix a request can start from: its first `cached` tokens exist from `at` on (a lower
+ * bound). */
+typedef struct floor_option {
+    uint64_t cached;
+    double at;
+} floor_option;
+
+/* How long after its arrival a request can have its first x tokens' KV (x <= input_length, x >
+ * o->cached), starting from option o, at the earliest. It is scheduled no earlier than its
+ * arrival, so the rest takes compute_lower_bound_us from then on; and when o's prefix comes after
+ * its arrival, no earlier than o->at plus what the rest adds to the step that completes the
+ * prefix (joined_lower_bound_us), which it may join. */
+static double after_arrival(const km_engine_model *m, const floor_option *o, double arrival,
+                            uint64_t x)
+{
+    double own = compute_lower_bound_us(m, o->cached, x - o->cached);
+    double joined = (o->at - arrival) + joined_lower_bound_us(m, o->cached, x - o->cached);
+    return own > joined ? own : joined;
+}
+
+typedef struct arrival_order {
+    uint64_t timestamp_ms;
+    size_t index;
+} arrival_order;
+
+static int cmp_arrival(const void *a, const void *b)
+{
+    const arrival_order *x = a, *y = b;
+    if (x->timestamp_ms != y->timestamp_ms)
+        return x->timestamp_ms < y->timestamp_ms ? -1 : 1;
+    return (x->index > y->index) - (x->index < y->index);
+}
+
+/* The map key of the prefix that ends after token `end` (1-based) of q's prompt and answer: the id
+ * holding that token and where in it the prefix ends (an id stands for its whole prefix). */
+static uint64_t prefix_key(const km_trace_request *q, uint64_t end)
+{
+    uint32_t k = (uint32_t)((end - 1) / KM_SIM_TOKENS_PER_ID);
+    uint64_t offset = end - (uint64_t)k * KM_SIM_TOKENS_PER_ID; /* 1 .. KM_SIM_TOKENS_PER_ID */
+    return ((uint64_t)q->ids[k] << 10 | offset) + 2;
+}
+
+int km_sim_floor_ttft_us(const km_trace *trace, const km_engine_model *model, double *floor_us)
+{
+    if (!trace || !model || (!floor_us && trace->n_requests))
+        return KM_ERR_NULL_POINTER;
+    if (model->block_size == 0)
+        return KM_ERR_BLOCK_SIZE;
+    _Static_assert(KM_SIM_TOKENS_PER_ID < 1024, "an id's offsets fit prefix_key's 10 bits");
+    size_t n = trace->n_requests;
+    if (n == 0)
+        return KM_OK;
+    const uint64_t bs = model->block_size;
+    arrival_order *order = malloc(n * sizeof *order);
+    floor_option *front = NULL;
+    size_t front_capacity = 0;
+    km_memory memory = {0};
+    km_u64map exists; /* prefix_key of a whole block's end -> the earliest it exists (double bits) */
+    km_u64map_init(&exists, &memory);
+    int rc = order ? KM_OK : KM_ERR_OUT_OF_MEMORY;
+    for (size_t i = 0; !rc && i < n; i++)
+        order[i] = (arrival_order){trace->requests[i].timestamp_ms, i};
+    if (!rc)
+        qsort(order, n, sizeof *order, cmp_arrival);
+    for (size_t o = 0; !rc && o < n; o++) {
+        const km_trace_request *q = &trace->requests[order[o].index];
+        double arrival = (double)q->timestamp_ms * 1000.0;
+        uint64_t length = q->input_length;
+        uint64_t covered = (uint64_t)q->n_ids * KM_SIM_TOKENS_PER_ID;
+        /* The whole blocks of the prompt that exist somewhere, in order, never its last token (an
+         * engine's hit rule), each with when it exists; then the options worth weighing: the
+         * deepest of those that exist on arrival, and each deeper one that comes before every
+         * deeper still (a later and shorter prefix is never the better start). */
+        uint64_t cap = (length - 1) / bs * bs;
+        if (cap > covered)
+            cap = covered / bs * bs;
+        if ((rc = KM_ARRAY_GROW(front, front_capacity, 1, 64)))
+            break;
+        front[0] = (floor_option){0, arrival};
+        size_t n_front = 1;
+        for (uint64_t end = bs; end <= cap; end += bs) {
+            const uint64_t *v = km_u64map_find(&exists, prefix_key(q, end));
+            if (!v)
+                break;
+            double at;
+            memcpy(&at, v, sizeof at);
+            if ((rc = KM_ARRAY_GROW(front, front_capacity, n_front + 1, 64)))
+                break;
+            front[n_front++] = (floor_option){end, at > arrival ? at : arrival};
+        }
+        if (rc)
+            break;
+        size_t kept = 0;
+        double earliest = INFINITY;
+        for (size_t j = n_front; j-- > 0;)
+            if (front[j].at < earliest) {
+                earliest = front[j].at;
+                front[kept++] = front[j];
+            }
+        n_front = kept; /* deepest first */
+        double best = INFINITY;
+        for (size_t j = 0; j < n_front; j++) {
+            double t = after_arrival(model, &front[j], arrival, length);
+            best = t < best ? t : best;
+        }
+        floor_us[order[o].index] = best;
+        /* The whole blocks it computes, where it would have them sooner than they exist: its
+         * prompt's, then those of the answer it generates (answer_tokens, never the last token,
+         * which is never computed), one decode step (a step floor at least) a token from its
+         * first token on. */
+        uint32_t answered = q->answer_tokens < q->output_length ? q->answer_tokens
+                            : q->output_length ? q->output_length - 1 : 0;
+        uint64_t left = length + answered;
+        if (left > covered)
+            left = covered;
+        for (uint64_t end = bs; !rc && end <= left; end += bs) {
+            double at;
+            if (end > length) {
+                at = arrival + best + (double)(end - length) * model->step_floor_us;
+            } else {
+                double soonest = INFINITY;
+                for (size_t j = 0; j < n_front; j++) {
+                    if (front[j].cached >= end)
+                        continue; /* it exists as soon as it found it: nothing sooner */
+                    double t = after_arrival(model, &front[j], arrival, end);
+                    soonest = t < soonest ? t : soonest;
+                }
+                at = arrival + soonest;
+            }
+            uint64_t key = prefix_key(q, end), bits;
+            const uint64_t *v = km_u64map_find(&exists, key);
+            if (v) {
+                double before;
+                memcpy(&before, v, sizeof before);
+                if (before <= at)
+                    continue;
+            }
+            memcpy(&bits, &at, sizeof bits);
+            rc = km_u64map_put(&exists, key, bits, 1);
+        }
+    }
+    km_u64map_free(&exists);
+    free(front);
+    free(order);
+    return rc;
+}
+
 int km_sim_workload_stats_of(const km_trace *trace, const km_engine_model *model,
                              km_sim_workload_stats *out)
 {
@@ -456,7 +626,6 @@ int km_sim_workload_stats_of(const km_trace *trace, const km_engine_model *model
     km_u64map seen; /* id + 2 -> the most tokens of it an earlier prompt or answer used */
     km_u64map_init(&seen, &memory);
     int rc = lengths && floor_ms ? KM_OK : KM_ERR_OUT_OF_MEMORY;
-    const km_engine_load idle = {0, 0, 0, 0, 0, 0};
     const uint32_t per = KM_SIM_TOKENS_PER_ID;
     for (size_t i = 0; !rc && i < n; i++) {
         const km_trace_request *q = &trace->requests[i];
@@ -478,11 +647,6 @@ int km_sim_workload_stats_of(const km_trace *trace, const km_engine_model *model
         reusable = reusable / block_size * block_size;
         reusable = reusable < cap ? reusable : cap;
         out->reusable_tokens += reusable;
-        uint64_t blocks = ((uint64_t)q->input_length + q->output_length + block_size - 1) / block_size;
-        floor_ms[i] = km_engine_model_predict_ttft_us(model, &idle, reusable,
-                                                      q->input_length - reusable, 0, 0, blocks,
-                                                      q->output_length) /
-                      1000.0;
         /* What it leaves cached: its prompt, then the answer it generates (answer_tokens) but
          * its last token, which is never computed (the request ends with it). */
         uint32_t answered = q->answer_tokens < q->output_length ? q->answer_tokens
@@ -497,7 +661,11 @@ int km_sim_workload_stats_of(const km_trace *trace, const km_engine_model *model
             rc = km_u64map_put(&seen, (uint64_t)q->ids[k] + 2, used, 1);
         }
     }
+    if (!rc)
+        rc = km_sim_floor_ttft_us(trace, model, floor_ms);
     if (!rc) {
+        for (size_t i = 0; i < n; i++)
+            floor_ms[i] /= 1000.0;
         out->requests = n;
         qsort(lengths, n, sizeof *lengths, cmp_u32);
         out->prompt_mean = (double)out->prompt_tokens / (double)n;

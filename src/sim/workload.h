@@ -105,15 +105,31 @@ typedef struct km_sim_workload_stats {
     double reusable_share;
     double span_s;           /* first to last arrival */
     double arrival_rate_per_s; /* km_sim_arrival_rate */
-    /* The floor no routing can go below: each request's time to first token alone on an idle
-     * engine of the model that holds its reusable tokens (km_engine_model_predict_ttft_us with no
-     * load), p50 and p99 over the requests, in ms. */
+    /* The floor no routing can go below (km_sim_floor_ttft_us), p50 and p99 over the requests, in
+     * ms. */
     double floor_ttft_p50_ms, floor_ttft_p99_ms;
 } km_sim_workload_stats;
 
 /* Requests per second between the 10th and the 90th percentile of arrival times (the run's body,
  * without the sparse ends of its sessions); 0 with fewer than 10 requests or no spread. */
 double km_sim_arrival_rate(const km_trace *trace);
+
+/* Each request's floor, in microseconds, into floor_us[i] (trace order): a time to first token no
+ * routing and no engine of the model goes below. A request finds cached at the earliest what
+ * requests that arrived before it (trace order among equal times) can have computed by then, and
+ * computes the rest itself:
+ *  - a prompt's tokens exist no earlier than their own prefill could end: from the request's
+ *    arrival, or from when the prefix it found exists; a prefill takes at least one step floor per
+ *    max_num_batched_tokens and token_us per token, plus its attention pairs (the engine model);
+ *  - a request that finds its prefix still being computed waits for it, and its own tokens then
+ *    add at least their time beyond one step floor (they may join the step that completes it);
+ *  - an answer's tokens (answer_tokens, never the last one) exist one decode step, a step floor at
+ *    least, apart, from the request's first token on;
+ *  - a hit is whole blocks of model->block_size and never covers the prompt's last token.
+ * Queues, other requests' work and memory are left out: each term is a lower bound, so the floor
+ * is one, however the requests are routed and scheduled. Errors: KM_ERR_NULL_POINTER,
+ * KM_ERR_BLOCK_SIZE, KM_ERR_OUT_OF_MEMORY. */
+int km_sim_floor_ttft_us(const km_trace *trace, const km_engine_model *model, double *floor_us);
 
 /* Statistics of the first trace->n_requests requests, in blocks of model->block_size, timed by
  * the model. Errors: KM_ERR_NULL_POINTER, KM_ERR_BLOCK_SIZE, KM_ERR_OUT_OF_MEMORY. */
