@@ -393,7 +393,8 @@ Test(sim_workload, statistics_match_a_brute_force_count, .timeout = 60)
  *  - f: the same at 60 ms: e's whole prompt exists (688 tokens in whole blocks): one step floor;
  *  - then g, the same as e at 0, listed last: it arrives with d and after it (equal times go in
  *    trace order), so waiting 5.12 ms for d's prompt and adding 188 tokens beyond a floor (0.88
- *    ms) beats 7 ms alone: 6 ms; e then finds g's whole prompt computed: one step floor. */
+ *    ms) beats 7 ms alone: 6 ms; e then finds g's whole prompt computed: one step floor;
+ *  - on engines too small for a's prompt, a computes nothing b could find. */
 Test(sim_workload, the_floor_of_requests_whose_prefixes_are_still_computed, .timeout = 10)
 {
     static const uint32_t pool[] = {1, 2, 3, 7, 8};
@@ -424,6 +425,10 @@ Test(sim_workload, the_floor_of_requests_whose_prefixes_are_still_computed, .tim
     cr_assert_float_eq(us[6], 6000, 1e-6, "g: %.3f us", us[6]);
     cr_assert_float_eq(us[4], 1000, 1e-6, "e after g: %.3f us", us[4]);
     cr_assert_float_eq(us[1], 13000, 1e-6, "b: %.3f us", us[1]);
+    /* Engines of 63 blocks refuse a's 64: b finds nothing of it and computes its 1,500 tokens. */
+    model.capacity_blocks = 63;
+    cr_assert_eq(km_sim_floor_ttft_us(&t, &model, us), KM_OK);
+    cr_assert_float_eq(us[1], 15000, 1e-6, "b: %.3f us", us[1]);
     cr_assert_eq(km_sim_floor_ttft_us(NULL, &model, us), KM_ERR_NULL_POINTER);
     cr_assert_eq(km_sim_floor_ttft_us(&t, &model, NULL), KM_ERR_NULL_POINTER);
     model.block_size = 0;

@@ -570,12 +570,15 @@ int km_sim_floor_ttft_us(const km_trace *trace, const km_engine_model *model, do
         /* The whole blocks it computes, where it would have them sooner than they exist: its
          * prompt's, then those of the answer it generates (answer_tokens, never the last token,
          * which is never computed), one decode step (a step floor at least) a token from its
-         * first token on. */
+         * first token on. A prompt of more blocks than an engine holds is refused and computes
+         * none. */
         uint32_t answered = q->answer_tokens < q->output_length ? q->answer_tokens
                             : q->output_length ? q->output_length - 1 : 0;
         uint64_t left = length + answered;
         if (left > covered)
             left = covered;
+        if ((length + bs - 1) / bs > model->capacity_blocks)
+            left = 0;
         for (uint64_t end = bs; !rc && end <= left; end += bs) {
             double at;
             if (end > length) {

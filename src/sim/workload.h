@@ -125,7 +125,9 @@ double km_sim_arrival_rate(const km_trace *trace);
  *    add at least their time beyond one step floor (they may join the step that completes it);
  *  - an answer's tokens (answer_tokens, never the last one) exist one decode step, a step floor at
  *    least, apart, from the request's first token on;
- *  - a hit is whole blocks of model->block_size and never covers the prompt's last token.
+ *  - a hit is whole blocks of model->block_size and never covers the prompt's last token;
+ *  - a prompt of more blocks than model->capacity_blocks is refused by every engine: it computes
+ *    nothing another request could find.
  * Queues, other requests' work and memory are left out: each term is a lower bound, so the floor
  * is one, however the requests are routed and scheduled. Errors: KM_ERR_NULL_POINTER,
  * KM_ERR_BLOCK_SIZE, KM_ERR_OUT_OF_MEMORY. */
