@@ -739,10 +739,11 @@ Test(sim_load, html_report_renders_in_headless_chromium, .timeout = 300)
     remove_tree(dir);
 }
 
-/* The sweep report of loads {a, b} (two policies, made-up figures) as text, and its HTML page's
- * text in html (NULL: not written). */
-static void report_of(double a, double b, char *text, size_t text_size, char *html,
-                      size_t html_size)
+/* The sweep report of loads {a, b} (two policies, made-up figures; floor: the floor's p50 and p99
+ * at a, then at b, or NULL for none) as text, and its HTML page's text in html (NULL: not
+ * written). */
+static void report_of_with_floor(double a, double b, const double *floor, char *text,
+                                 size_t text_size, char *html, size_t html_size)
 {
     static km_sim_config cfg;
     km_sim_config_init(&cfg);
@@ -763,6 +764,10 @@ static void report_of(double a, double b, char *text, size_t text_size, char *ht
     }
     km_sim_summary sum;
     memset(&sum, 0, sizeof sum);
+    for (int l = 0; floor && l < 2; l++) {
+        sum.floor_ttft_p50_ms[l] = floor[2 * l];
+        sum.floor_ttft_p99_ms[l] = floor[2 * l + 1];
+    }
     km_sim_report rep = {&cfg, results, &sum, "chat", "custom", "ttft"};
     FILE *f = fmemopen(text, text_size, "w");
     cr_assert_not_null(f);
@@ -782,6 +787,46 @@ static void report_of(double a, double b, char *text, size_t text_size, char *ht
     html[n] = '\0';
     fclose(f);
     unlink(path);
+}
+
+static void report_of(double a, double b, char *text, size_t text_size, char *html,
+                      size_t html_size)
+{
+    report_of_with_floor(a, b, NULL, text, text_size, html, html_size);
+}
+
+static size_t occurrences(const char *haystack, const char *needle)
+{
+    size_t n = 0;
+    for (const char *at = haystack; (at = strstr(at, needle)); at += strlen(needle))
+        n++;
+    return n;
+}
+
+/* A sweep's floor (km_sim_summary.floor_ttft_*) is a line of the text table and a dashed line with
+ * its own legend on both TTFT charts (not on the reuse chart); a report without it shows none. */
+Test(sim_load, the_floor_is_in_the_table_and_dashed_on_the_ttft_charts, .timeout = 30)
+{
+    static char text[16384], html[1 << 18];
+    const double floor[] = {9, 50, 9.5, 60};
+    report_of_with_floor(0.5, 0.8, floor, text, sizeof text, html, sizeof html);
+    cr_assert(strstr(text, "floor, the TTFT no routing goes below, p50 / p99 ms: load 0.50 9.0 / "
+                           "50.0, load 0.80 9.5 / 60.0\n"),
+              "%s", text);
+    cr_assert_eq(occurrences(html, "<polyline class=\"floor\""), 2, "%s", html);
+    cr_assert_eq(occurrences(html, ">floor</text>"), 2, "%s", html);
+    /* On the log p99 chart the floor's two points are at 50 and 60 ms: the second higher up. */
+    const char *p99 = strstr(html, "id=\"chart-ttft-p99\"");
+    cr_assert_not_null(p99);
+    const char *pts = strstr(p99, "<polyline class=\"floor\"");
+    cr_assert_not_null(pts);
+    pts = strstr(pts, "points=\"");
+    double x0, y0, x1, y1;
+    cr_assert_eq(sscanf(pts, "points=\"%lf,%lf %lf,%lf", &x0, &y0, &x1, &y1), 4, "%.80s", pts);
+    cr_assert(x1 > x0 && y1 < y0, "floor points %g,%g %g,%g", x0, y0, x1, y1);
+    report_of(0.5, 0.8, text, sizeof text, html, sizeof html);
+    cr_assert_null(strstr(text, "floor"), "%s", text);
+    cr_assert_null(strstr(html, "floor"), "%s", html);
 }
 
 /* Loads are increasing, each once: the charts draw their lines left to right. Distinct loads keep

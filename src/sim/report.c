@@ -15,6 +15,12 @@ static uint32_t n_loads(const km_sim_report *r)
     return r->cfg->n_loads ? r->cfg->n_loads : 1;
 }
 
+/* Whether the summary holds each load's floor (km_sim_summary.floor_ttft_p50_ms): a sweep's. */
+static bool has_floor(const km_sim_report *r)
+{
+    return r->cfg->n_loads && r->summary && r->summary->floor_ttft_p50_ms[0] > 0;
+}
+
 static const km_sim_result *at(const km_sim_report *r, uint32_t load, uint32_t policy)
 {
     return &r->results[load * r->cfg->n_policies + policy];
@@ -111,6 +117,17 @@ void km_sim_report_text(const km_sim_report *r, FILE *out)
             }
             fprintf(out, "\n");
         }
+    if (has_floor(r)) {
+        fprintf(out, "floor, the TTFT no routing goes below, p50 / p99 ms:");
+        for (uint32_t l = 0; l < n_loads(r); l++) {
+            char load[32], p50[16], p99[16];
+            km_sim_load_label(cfg->loads[l], load, sizeof load);
+            format_figure(p50, sizeof p50, 1, r->summary->floor_ttft_p50_ms[l]);
+            format_figure(p99, sizeof p99, 1, r->summary->floor_ttft_p99_ms[l]);
+            fprintf(out, "%s load %s %s / %s", l ? "," : "", load, p50, p99);
+        }
+        fprintf(out, "\n");
+    }
     int d = default_column(r);
     if (d < 0 || cfg->n_policies < 2)
         return;
@@ -205,6 +222,12 @@ static double metric(const km_sim_result *x, int which)
     return which == 0 ? x->ttft_p50_ms : which == 1 ? x->ttft_p99_ms : 100.0 * x->reused_share;
 }
 
+/* The floor's TTFT p50 (which 0) or p99 (1) at load l. */
+static double floor_metric(const km_sim_report *r, uint32_t l, int which)
+{
+    return which == 0 ? r->summary->floor_ttft_p50_ms[l] : r->summary->floor_ttft_p99_ms[l];
+}
+
 static void chart(const km_sim_report *r, km_text *t, int which)
 {
     static const char *const ids[] = {"chart-ttft-p50", "chart-ttft-p99", "chart-reuse"};
@@ -224,6 +247,11 @@ static void chart(const km_sim_report *r, km_text *t, int which)
             double v = metric(at(r, l, p), which);
             if (which < 2 && !(v > 0))
                 continue;
+            lo = v < lo ? v : lo;
+            hi = v > hi ? v : hi;
+        }
+        if (which < 2 && has_floor(r)) {
+            double v = floor_metric(r, l, which);
             lo = v < lo ? v : lo;
             hi = v > hi ? v : hi;
         }
@@ -320,6 +348,21 @@ static void chart(const km_sim_report *r, km_text *t, int which)
                        (int)p == d ? "3.5" : "1.5", CHART_W - RIGHT + 38, ly + 4, cfg->policies[p],
                        (int)p == d ? " (default)" : "");
     }
+    /* the floor no routing goes below, dashed */
+    if (which < 2 && has_floor(r)) {
+        km_text_printf(t, "<polyline class=\"floor\" fill=\"none\" stroke=\"#000\" "
+                          "stroke-width=\"1.5\" stroke-dasharray=\"6 4\" points=\"");
+        for (uint32_t l = 0; l < nl; l++)
+            km_text_printf(t, "%.1f,%.1f ", x_px(&x, cfg->loads[l]),
+                           y_px(&y, floor_metric(r, l, which)));
+        double ly = TOP + 16.0 * cfg->n_policies;
+        km_text_printf(t,
+                       "\"/>\n<line x1=\"%d\" y1=\"%.1f\" x2=\"%d\" y2=\"%.1f\" stroke=\"#000\" "
+                       "stroke-width=\"1.5\" stroke-dasharray=\"6 4\"/><text x=\"%d\" y=\"%.1f\">"
+                       "floor</text>\n",
+                       CHART_W - RIGHT + 12, ly, CHART_W - RIGHT + 32, ly, CHART_W - RIGHT + 38,
+                       ly + 4);
+    }
     km_text_printf(t, "</svg>\n");
 }
 
@@ -375,6 +418,8 @@ int km_sim_report_html(const km_sim_report *r, const char *path, char *why, size
     ttft_scope(r, scope, sizeof scope);
     if (scope[0])
         km_text_printf(&t, " %s.", scope);
+    if (has_floor(r))
+        km_text_printf(&t, " Dashed: the floor, the TTFT no routing goes below at that load.");
     km_text_printf(&t, "</p>\n");
     for (int which = 0; which < 3; which++)
         chart(r, &t, which);
