@@ -24,8 +24,10 @@ typedef struct km_sim_report {
 void km_sim_load_label(double load, char *buf, size_t size);
 
 /* The sweep table: per load, TTFT p50 / p99 (ms) and the share of prompt tokens reused, one
- * column per policy; then, when default_policy ran, its TTFT p50 / p99 against each other
- * policy's at every load (the other's over the default's: above 1 the default is faster). */
+ * column per policy; a line of each load's floor (summary->floor_ttft_p50_ms / p99, when the
+ * summary has them); then, when default_policy ran, its TTFT p50 / p99 against each other
+ * policy's at every load (the other's over the default's: above 1 the default is faster). The
+ * HTML page draws the floor dashed on the TTFT charts. */
 void km_sim_report_text(const km_sim_report *report, FILE *out);
 
 /* The HTML page (no script, no external resource) at path. Errors: KM_ERR_IO (why says which

@@ -250,7 +250,8 @@ typedef struct km_sim_result {
 
 /* What a run found out about its workload and cluster. */
 typedef struct km_sim_summary {
-    km_sim_workload_stats workload;   /* of the requests replayed, at their original times */
+    km_sim_workload_stats workload;   /* of the requests replayed, at the run's arrival times
+                                       * (time_scale applied; a sweep's loads: the floors below) */
     /* The cluster's capacity on this workload, requests per second: round robin's
      * saturated_throughput_rps with every request of a large enough sample of the workload
      * arriving at once (docs/SIM.md, "Load"; measured only when cfg->n_loads > 0, else 0). */

@@ -119,8 +119,8 @@ double km_sim_arrival_rate(const km_trace *trace);
  * requests that arrived before it (trace order among equal times) can have computed by then, and
  * computes the rest itself:
  *  - a prompt's tokens exist no earlier than their own prefill could end: from the request's
- *    arrival, or from when the prefix it found exists; a prefill takes at least one step floor per
- *    max_num_batched_tokens and token_us per token, plus its attention pairs (the engine model);
+ *    arrival, or from when the prefix it found exists; a prefill takes at least one step floor and
+ *    token_us per token, plus its attention pairs (the engine model);
  *  - a request that finds its prefix still being computed waits for it, and its own tokens then
  *    add at least their time beyond one step floor (they may join the step that completes it);
  *  - an answer's tokens (answer_tokens, never the last one) exist one decode step, a step floor at
