@@ -331,11 +331,8 @@ Test(sim_workload, statistics_match_a_brute_force_count, .timeout = 60)
             for (size_t i = 0; i < t.n_requests; i++) {
                 const km_trace_request *q = &t.requests[i];
                 uint64_t own = q->input_length - each[i];
-                uint64_t steps = (own + model.max_num_batched_tokens - 1) /
-                                 model.max_num_batched_tokens;
-                double floors = (double)steps * model.step_floor_us;
                 double tokens = model.token_us * (double)own;
-                floor_ms[i] = ((floors > tokens ? floors : tokens) +
+                floor_ms[i] = ((model.step_floor_us > tokens ? model.step_floor_us : tokens) +
                                model.prefill_us_per_pair *
                                    ((double)own * (double)each[i] + (double)own * (own + 1) / 2)) /
                               1000.0;
