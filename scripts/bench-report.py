@@ -362,7 +362,9 @@ def render_routing(d):
                    f"figure): `{judged}` within 2% of the best other policy: TTFT p50 in "
                    f"{st['p50_holds']} of {st['cells']} cells, p99 in {st['p99_holds']} of "
                    f"{st['cells']}; p99 at least 3x better than `round_robin`'s at load 0.8 in "
-                   f"{st['round_robin_holds']} of {st['round_robin_cells']}.")
+                   f"{st['round_robin_holds']} of {st['round_robin_cells']} (reachable at all, "
+                   f"round robin's p99 at least 3x the floor of the same requests, in "
+                   f"{st.get('round_robin_reachable', '?')} of {st['round_robin_cells']}).")
         lost = [c for c in d.get("steady_cells", []) if not (c["p50_holds"] and c["p99_holds"])]
         if lost:
             out.append("")
