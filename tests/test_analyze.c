@@ -2777,3 +2777,207 @@ Test(analyze, html_label_of_a_long_policy_name_is_cut_between_characters, .timeo
     km_analysis_destroy(a);
     remove_dir(dir);
 }
+
+/* ---- TTFT prediction ------------------------------------------------------------------------- */
+
+typedef struct ttft_case {
+    int predicted_kind; /* 0 absent, 1 null, 2 zero, 3 a value */
+    double predicted_ms;
+    int64_t chosen_pending; /* -1 = null */
+    int outcome_kind;       /* 0 none, 1 complete, 2 error */
+    int overridden, warm_up;
+    double router_ms;       /* < 0: absent */
+    int64_t ttft_ns;        /* -1 = null */
+} ttft_case;
+
+static int compare_doubles(const void *x, const void *y)
+{
+    double a = *(const double *)x, b = *(const double *)y;
+    return (a > b) - (a < b);
+}
+
+/* The nearest-rank q-th percentile of v[0..n), n > 0 (sorted here). */
+static double model_percentile(double *v, size_t n, unsigned q)
+{
+    qsort(v, n, sizeof *v, compare_doubles);
+    size_t rank = (n * q + 99) / 100;
+    return v[rank ? rank - 1 : 0];
+}
+
+static void expect_ratio(const km_analysis_ttft_ratio *got, const double *observed,
+                         const double *predicted, size_t n, const char *what)
+{
+    EQ(got->n, n);
+    if (!n) {
+        cr_expect(got->ratio_p50 == 0 && got->observed_p50_ms == 0, "%s: figures without pairs",
+                  what);
+        return;
+    }
+    double ratio[600], obs[600], pred[600];
+    for (size_t i = 0; i < n; i++) {
+        ratio[i] = observed[i] / predicted[i];
+        obs[i] = observed[i];
+        pred[i] = predicted[i];
+    }
+    double p10 = model_percentile(ratio, n, 10), p50 = model_percentile(ratio, n, 50),
+           p90 = model_percentile(ratio, n, 90);
+    cr_expect(got->ratio_p10 == p10 && got->ratio_p50 == p50 && got->ratio_p90 == p90,
+              "%s: ratios %.17g %.17g %.17g, model %.17g %.17g %.17g", what, got->ratio_p10,
+              got->ratio_p50, got->ratio_p90, p10, p50, p90);
+    cr_expect(got->observed_p50_ms == model_percentile(obs, n, 50) &&
+                  got->predicted_p50_ms == model_percentile(pred, n, 50),
+              "%s: p50s", what);
+}
+
+/* decision.predicted_ttft_ms against the time the outcome reports, on random records, against a
+ * brute-force model: only complete, joined, not overridden, not warm-up outcomes whose decision
+ * predicted more than 0 are compared; router_ttft_ms when present, else ttft_ns; split by whether
+ * the chosen worker's row had prefill waiting. */
+Test(analyze, ttft_prediction_matches_brute_force, .timeout = 60)
+{
+    km_rng rng;
+    km_rng_init(&rng, km_test_seed() ^ 0x7777);
+    for (int round = 0; round < 20; round++) {
+        char dir[64], path[128];
+        make_temp_dir(dir);
+        FILE *f = open_in(dir, "r.jsonl", path, sizeof path);
+        size_t n = 1 + km_rng_below(&rng, 500);
+        double obs_idle[600], pred_idle[600], obs_queued[600], pred_queued[600],
+            obs_all[600], pred_all[600];
+        size_t n_idle = 0, n_queued = 0, n_all = 0;
+        uint64_t predicted_decisions = 0, router_clock = 0, kvmatch_clock = 0;
+        for (size_t i = 0; i < n; i++) {
+            ttft_case c = {
+                .predicted_kind = (int)km_rng_below(&rng, 4),
+                .predicted_ms = 0.5 + (double)km_rng_below(&rng, 200000) / 1000.0,
+                .chosen_pending = km_rng_percent(&rng, 30)   ? -1
+                                  : km_rng_percent(&rng, 50) ? 0
+                                                             : 1 + (int64_t)km_rng_below(&rng, 900),
+                .outcome_kind = (int)km_rng_below(&rng, 3),
+                .overridden = km_rng_percent(&rng, 10),
+                .warm_up = km_rng_percent(&rng, 5),
+                .router_ms = km_rng_percent(&rng, 60) ? (double)km_rng_below(&rng, 300000) / 1000.0
+                                                      : -1,
+                .ttft_ns = km_rng_percent(&rng, 70) ? (int64_t)km_rng_below(&rng, 400000000) : -1,
+            };
+            char request[32];
+            snprintf(request, sizeof request, "r%zu", i);
+            decision_spec d = {.instance = "i", .id = (int64_t)i + 1, .request = request,
+                               .attempt = "0", .host = "h", .pool = "p",
+                               .time_ns = (int64_t)i * 1000 + 1, .source = "events",
+                               .prompt = 640, .owner = "A", .owner_state = "LIVE",
+                               .owner_blocks = 4, .chosen = "A", .chosen_state = "LIVE",
+                               .chosen_blocks = 4, .policy = "ttft",
+                               .cands = {{"A", "LIVE", 4, 1}, {"B", "LIVE", 0, 0}},
+                               .eligible = {ELIGIBLE_TRUE, ELIGIBLE_TRUE}, .n_cands = 2,
+                               .warm_up = c.warm_up, .warm_up_for = 1};
+            json_t *dec = make_decision(&d);
+            json_t *decision = json_object_get(dec, "decision");
+            if (c.predicted_kind == 1)
+                json_object_set_new(decision, "predicted_ttft_ms", json_null());
+            else if (c.predicted_kind == 2)
+                json_object_set_new(decision, "predicted_ttft_ms", json_real(0.0));
+            else if (c.predicted_kind == 3)
+                json_object_set_new(decision, "predicted_ttft_ms", json_real(c.predicted_ms));
+            json_object_set_new(json_array_get(json_object_get(dec, "candidates"), 0),
+                                "pending_prefill_tokens", nullable_int(c.chosen_pending));
+            write_record(f, dec);
+            if (c.outcome_kind) {
+                outcome_spec o = outcome_for(&d, c.outcome_kind == 1 ? "complete" : "error", 200,
+                                             64, c.ttft_ns);
+                if (c.overridden)
+                    o.dispatched = "B";
+                json_t *out = make_outcome(&o);
+                if (c.router_ms >= 0)
+                    json_object_set_new(out, "router_ttft_ms", json_real(c.router_ms));
+                write_record(f, out);
+            }
+            if (c.warm_up || c.predicted_kind < 2)
+                continue;
+            predicted_decisions++;
+            if (c.outcome_kind != 1 || c.overridden || c.predicted_kind != 3)
+                continue;
+            double observed;
+            if (c.router_ms >= 0) {
+                observed = c.router_ms;
+                router_clock++;
+            } else if (c.ttft_ns >= 0) {
+                observed = (double)c.ttft_ns / 1e6;
+                kvmatch_clock++;
+            } else {
+                continue;
+            }
+            obs_all[n_all] = observed;
+            pred_all[n_all++] = c.predicted_ms;
+            if (c.chosen_pending > 0) {
+                obs_queued[n_queued] = observed;
+                pred_queued[n_queued++] = c.predicted_ms;
+            } else {
+                obs_idle[n_idle] = observed;
+                pred_idle[n_idle++] = c.predicted_ms;
+            }
+        }
+        fclose(f);
+        const char *paths[] = {path};
+        km_analysis *a = analyze_files(NULL, paths, 1);
+        const km_analysis_summary *s = km_analysis_summary_get(a);
+        EQ(s->input.invalid, 0);
+        const km_analysis_ttft_prediction *tp = &s->ttft_prediction;
+        EQ(tp->decisions_predicted, predicted_decisions);
+        EQ(tp->router_clock, router_clock);
+        EQ(tp->kvmatch_clock, kvmatch_clock);
+        expect_ratio(&tp->all, obs_all, pred_all, n_all, "all");
+        expect_ratio(&tp->idle, obs_idle, pred_idle, n_idle, "idle");
+        expect_ratio(&tp->queued, obs_queued, pred_queued, n_queued, "queued");
+        json_t *root = json_report(a);
+        EQ(json_count(json_object_get(root, "ttft_prediction"), "all", "n"), n_all);
+        EQ(json_count(root, "ttft_prediction", "router_clock"), router_clock);
+        json_decref(root);
+        km_analysis_destroy(a);
+        remove_dir(dir);
+    }
+}
+
+/* A predicted_ttft_ms or a pending_prefill_tokens of the wrong kind makes the line invalid, named
+ * by its field; the lines around it still count. */
+Test(analyze, bad_ttft_prediction_fields_are_invalid_lines, .timeout = 10)
+{
+    char dir[64], path[128];
+    make_temp_dir(dir);
+    FILE *f = open_in(dir, "r.jsonl", path, sizeof path);
+    decision_spec d = {.instance = "i", .id = 1, .request = "r1", .attempt = "0", .host = "h",
+                       .pool = "p", .time_ns = 10, .source = "events", .prompt = 64, .owner = "A",
+                       .owner_state = "LIVE", .owner_blocks = 3, .chosen = "A",
+                       .chosen_state = "LIVE", .chosen_blocks = 3, .policy = "ttft",
+                       .cands = {{"A", "LIVE", 3, 0}}, .n_cands = 1};
+    json_t *bad_values[] = {json_real(-1.0), json_string("12"), json_true()};
+    for (int i = 0; i < 3; i++) {
+        d.id = i + 1;
+        json_t *dec = make_decision(&d);
+        json_object_set_new(json_object_get(dec, "decision"), "predicted_ttft_ms", bad_values[i]);
+        write_record(f, dec);
+    }
+    d.id = 4;
+    json_t *dec = make_decision(&d);
+    json_object_set_new(json_array_get(json_object_get(dec, "candidates"), 0),
+                        "pending_prefill_tokens", json_string("many"));
+    write_record(f, dec);
+    d.id = 5;
+    dec = make_decision(&d);
+    json_object_set_new(json_object_get(dec, "decision"), "predicted_ttft_ms", json_real(20.0));
+    write_record(f, dec);
+    fclose(f);
+    const char *paths[] = {path};
+    km_analysis *a = analyze_files(NULL, paths, 1);
+    const km_analysis_summary *s = km_analysis_summary_get(a);
+    EQ(s->input.invalid, 4);
+    EQ(s->input.decisions, 1);
+    EQ(s->ttft_prediction.decisions_predicted, 1);
+    for (int i = 0; i < 3; i++)
+        cr_expect(strstr(s->invalid_lines[i].what, "decision.predicted_ttft_ms"), "line %d: %s",
+                  i + 1, s->invalid_lines[i].what);
+    cr_expect(strstr(s->invalid_lines[3].what, "candidates[0].pending_prefill_tokens"), "%s",
+              s->invalid_lines[3].what);
+    km_analysis_destroy(a);
+    remove_dir(dir);
+}

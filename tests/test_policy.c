@@ -1136,3 +1136,52 @@ Test(policy, softmax_edges, .timeout = 30)
     for (int i = 0; i < 4; i++)
         KM_CHECK(count[i] > 1700 && count[i] < 2300, "candidate %d drawn %u of 8000", i, count[i]);
 }
+
+/* The engine model's predicted time to first token on the chosen candidate, which every policy
+ * reports: on an idle worker holding nothing, the model's prefill of the whole prompt; on any
+ * candidates, what ttft weighs for the chosen one when it is the only one (no work added over a
+ * better-cached candidate). */
+Test(policy, every_policy_reports_the_engine_models_ttft_on_its_choice, .timeout = 60)
+{
+    km_policy_state st;
+    km_policy_state_init(&st, 3);
+    km_policy_request req = request(64, 16);
+    req.prompt_tokens = 64 * 16;
+    km_policy_candidate idle = cand(1, 0, 0, 0, 0, 0, 0);
+    km_policy_config base = config(KM_POLICY_TTFT);
+    km_engine_load none;
+    memset(&none, 0, sizeof none);
+    uint64_t blocks = (req.prompt_tokens + base.engine.block_size - 1) / base.engine.block_size;
+    double expect = km_engine_model_predict_ttft_us(&base.engine, &none, 0, req.prompt_tokens, 0,
+                                                    0, blocks, 0) / 1000.0;
+    cr_assert_gt(expect, 0.0);
+    for (int k = 0; k < KM_POLICY_KIND_COUNT; k++) {
+        km_policy_config cfg = config((km_policy_kind)k);
+        km_policy_decision d = decide(&cfg, &st, &req, &idle, 1, NULL);
+        cr_assert_float_eq(d.chosen_predicted_ttft_ms, expect, 1e-9, "%s: %.17g, expected %.17g",
+                           km_policy_kind_name(cfg.kind), d.chosen_predicted_ttft_ms, expect);
+    }
+
+    km_rng r;
+    km_rng_init(&r, km_test_seed() ^ 0x77f7);
+    for (int t = 0; t < 4000; t++) {
+        km_policy_candidate c[PROP_MAX_N];
+        uint32_t n = random_case(&r, &req, c, PROP_MAX_N);
+        for (uint32_t i = 0; i < n; i++) {
+            c[i].queued_depth = c[i].depth + km_rng_below(&r, req.n_blocks - c[i].depth + 1);
+            c[i].prefilling = km_rng_below(&r, c[i].in_flight + 1);
+            c[i].prefix_sharers = km_rng_below(&r, 3);
+            c[i].allocated_blocks = km_rng_below(&r, 200000);
+            c[i].pending_prefill_pairs = km_rng_below(&r, 1u << 20);
+        }
+        km_policy_config cfg = config((km_policy_kind)km_rng_below(&r, KM_POLICY_KIND_COUNT));
+        km_policy_decision d = decide(&cfg, &st, &req, c, n, NULL);
+        km_policy_decision alone = decide(&base, &st, &req, &c[d.chosen], 1, NULL);
+        KM_CHECK(d.chosen_predicted_ttft_ms == alone.chosen_cost &&
+                     alone.chosen_predicted_ttft_ms == alone.chosen_cost,
+                 "case %d (%s): reported %.17g, ttft's cost of the chosen one alone %.17g", t,
+                 km_policy_kind_name(cfg.kind), d.chosen_predicted_ttft_ms, alone.chosen_cost);
+        KM_CHECK(d.chosen_predicted_ttft_ms >= 0 && isfinite(d.chosen_predicted_ttft_ms),
+                 "case %d: %g", t, d.chosen_predicted_ttft_ms);
+    }
+}

@@ -201,6 +201,9 @@ static void gen_decision(gen *g, km_decision_record *r)
     r->reason = gen_optional_string(g);
     r->load_kind = LOAD_KINDS[km_rng_below(&g->rng, 4)];
     r->load_value = gen_real(g);
+    r->predicted_ttft_ms = gen_real(g);
+    if (r->predicted_ttft_ms < 0)
+        r->predicted_ttft_ms = -r->predicted_ttft_ms;
     r->n_candidates = km_rng_below(&g->rng, 13);
     for (size_t i = 0; i < r->n_candidates; i++) {
         km_record_candidate *c = &g->candidates[i];
@@ -415,7 +418,8 @@ static void check_decision_line(const char *line, size_t len, const km_decision_
     expect_worker(member(p, "owner"), &r->owner, r->block_size);
 
     json_t *d = member(o, "decision");
-    expect_keys(d, 7);
+    expect_keys(d, 8);
+    expect_real(d, "predicted_ttft_ms", r->predicted_ttft_ms);
     expect_string(d, "policy", r->policy);
     expect_string(d, "reason", r->reason);
     expect_worker(member(d, "chosen"), &r->chosen, r->block_size);
@@ -689,6 +693,8 @@ Test(records, absent_values_are_null_never_zero, .timeout = 10)
     cr_assert(json_is_null(json_object_get(json_object_get(p, "owner"), "state")));
     cr_assert(json_is_null(json_object_get(json_object_get(json_object_get(o, "decision"), "load"),
                                            "value")));
+    cr_assert(json_is_null(json_object_get(json_object_get(o, "decision"), "predicted_ttft_ms")),
+              "%s", line);
     json_t *cand = json_array_get(json_object_get(o, "candidates"), 0);
     cr_assert(json_is_null(json_object_get(cand, "host_blocks")));
     cr_assert(json_is_null(json_object_get(cand, "cost")));
@@ -774,6 +780,8 @@ Test(records, bad_decision_fields_are_rejected_by_name, .timeout = 10)
     CASE(d.policy = "Cache-Aware", KM_ERR_INVALID_ARGUMENT, "policy");
     CASE(d.load_kind = NULL, KM_ERR_NULL_POINTER, "kind");
     CASE(d.load_value = INFINITY, KM_ERR_INVALID_ARGUMENT, "value");
+    CASE(d.predicted_ttft_ms = -0.5, KM_ERR_INVALID_ARGUMENT, "predicted_ttft_ms");
+    CASE(d.predicted_ttft_ms = INFINITY, KM_ERR_INVALID_ARGUMENT, "predicted_ttft_ms");
     CASE(c[1].worker = NULL, KM_ERR_NULL_POINTER, "candidates[1]");
     CASE(c[0].state = NULL, KM_ERR_NULL_POINTER, "candidates[0]");
     CASE(c[1].cost = -INFINITY, KM_ERR_INVALID_ARGUMENT, "candidates[1]");

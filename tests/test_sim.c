@@ -328,6 +328,49 @@ Test(sim, faults_move_the_numbers, .timeout = 180)
     cr_assert_eq(bypass.exact_predictions, bypass.routed, "the index still hears every event");
 }
 
+/* Every decision a simulation records carries the engine model's predicted time to first token on
+ * the chosen worker (decision.predicted_ttft_ms), every policy's. With arrivals far apart each
+ * request meets an idle engine, whose model is the one the simulated engines run: kvmatch analyze
+ * finds every prediction equal to the simulated time (within rounding), for a policy that weighs
+ * the prediction and for one that does not. */
+Test(sim, the_engine_models_prediction_is_the_simulated_ttft_at_leisure, .timeout = 120)
+{
+    char dir[] = "/tmp/km-sim-predicted-XXXXXX";
+    cr_assert_not_null(mkdtemp(dir));
+    km_sim_config cfg;
+    small_config(&cfg, 35);
+    cfg.time_scale = 50;
+    cfg.policies[0] = "ttft";
+    cfg.policies[1] = "round_robin";
+    cfg.n_policies = 2;
+    cfg.records_dir = dir;
+    km_sim_result r[KM_SIM_MAX_POLICIES];
+    char why[512];
+    cr_assert_eq(km_sim_run(&cfg, r, NULL, why, sizeof why), KM_OK, "%s", why);
+    for (int k = 0; k < 2; k++) {
+        char path[256];
+        snprintf(path, sizeof path, "%s/records-%s.jsonl", dir, cfg.policies[k]);
+        km_analysis *a;
+        cr_assert_eq(km_analysis_create(NULL, &a), KM_OK);
+        cr_assert_eq(km_analysis_add_file(a, path), KM_OK);
+        cr_assert_eq(km_analysis_finish(a), KM_OK);
+        const km_analysis_summary *s = km_analysis_summary_get(a);
+        const km_analysis_ttft_prediction *tp = &s->ttft_prediction;
+        cr_assert_eq(s->input.decisions - s->input.warm_ups, r[k].routed);
+        cr_assert_eq(tp->decisions_predicted, r[k].routed, "%s: every decision predicts",
+                     cfg.policies[k]);
+        cr_assert_eq(tp->all.n, s->outcomes.complete);
+        cr_assert_eq(tp->router_clock, tp->all.n, "the simulator's clock is the router's");
+        cr_assert_gt(tp->all.n, 100);
+        cr_assert(tp->all.ratio_p10 >= 0.999 && tp->all.ratio_p90 <= 1.001,
+                  "%s: observed / predicted p10 %.6f, p90 %.6f", cfg.policies[k],
+                  tp->all.ratio_p10, tp->all.ratio_p90);
+        km_analysis_destroy(a);
+        unlink(path);
+    }
+    rmdir(dir);
+}
+
 /* What a route tells kvmatch of its answer's length is what a router can know: nothing before any
  * request finished, then the mean output of those that finished before it (rounded), never the
  * answer's own length. A request failed by an engine restart reports no output count (the error

@@ -265,6 +265,11 @@ typedef struct km_policy_decision {
      * blocks; filled by every policy so a record can show how good the best match was. */
     double match_ratio;
     double chosen_cost;     /* costs_out[chosen] (see km_policy_decide for its unit) */
+    /* The engine model's (cfg->engine) predicted time to first token of the request on the
+     * chosen candidate, from the decision, in ms: ttft's cost there without the work the choice
+     * adds over the best-cached candidate. Every policy fills it, so that records can hold each
+     * prediction against the time the router saw (kvmatch analyze, "TTFT prediction"). */
+    double chosen_predicted_ttft_ms;
     km_policy_reason reason;
     /* Index of the candidate to warm up, or KM_POLICY_NO_WARM_UP: the caller sends it a prefill
      * of the request's first warm_up_blocks blocks (one output token, no user waiting), so that

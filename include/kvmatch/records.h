@@ -181,6 +181,9 @@ typedef struct km_decision_record {
     int64_t load_instances;
     double load_oldest_age_ms;
     const char *load_stale_instances;
+    /* The engine model's predicted time to first token on the chosen worker, from the decision,
+     * in ms (km_policy_decision.chosen_predicted_ttft_ms); NAN = null (a warm-up's). */
+    double predicted_ttft_ms;
 
     const km_record_candidate *candidates; /* may be NULL when n_candidates == 0 */
     size_t n_candidates;

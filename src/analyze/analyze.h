@@ -228,6 +228,29 @@ typedef struct km_analysis_outcomes {
     double router_ttft_p50_ms, router_ttft_p99_ms; /* the router's clock, from arrival */
 } km_analysis_outcomes;
 
+/* Observed over predicted time to first token for a set of compared outcomes (nearest rank);
+ * every figure 0 when n is 0. */
+typedef struct km_analysis_ttft_ratio {
+    uint64_t n;
+    double ratio_p10, ratio_p50, ratio_p90;   /* observed / predicted */
+    double observed_p50_ms, predicted_p50_ms; /* each over the same outcomes, apart */
+} km_analysis_ttft_ratio;
+
+/* How the engine model's predictions (decision.predicted_ttft_ms) held against the times to first
+ * token the outcomes report. Compared: a complete, joined, not overridden outcome (the prediction
+ * was for the chosen worker) whose decision predicted a time above 0 and which reports one:
+ * router_ttft_ms when present (the router's clock; kvmatch sim's virtual time), else ttft_ns
+ * (kvmatch's clock, from the decision). */
+typedef struct km_analysis_ttft_prediction {
+    uint64_t decisions_predicted;      /* decisions with predicted_ttft_ms (not null, not absent) */
+    uint64_t router_clock, kvmatch_clock; /* the compared outcomes, by the time they used */
+    km_analysis_ttft_ratio all;
+    km_analysis_ttft_ratio idle;       /* the chosen worker's pending_prefill_tokens was 0 or
+                                        * null: the request's own prefill alone (and the step
+                                        * running) */
+    km_analysis_ttft_ratio queued;     /* prefill was waiting there: the model replayed a queue */
+} km_analysis_ttft_prediction;
+
 /* Routing quality over a set of decisions (inside or outside recovery windows, per policy).
  * Predicted is as in km_analysis_reuse: a router override is compared with the dispatched
  * worker's depth, or not at all when the decision has no candidate row for it. */
@@ -315,6 +338,7 @@ typedef struct km_analysis_summary {
     km_analysis_staleness staleness;
     km_analysis_load_view load_view;
     km_analysis_outcomes outcomes;
+    km_analysis_ttft_prediction ttft_prediction;
     km_analysis_quality in_windows;    /* decisions inside any window of their instance and pool */
     km_analysis_quality outside_windows;
     const km_analysis_window *windows; /* ordered by instance, pool, worker, start */

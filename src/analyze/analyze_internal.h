@@ -48,6 +48,7 @@ enum {
     POINT_WARM_UP = 1u << 15,        /* a warm-up: its decision names warm_up_for, or its
                                       * outcome's attempt_id ends ":warm_up"; in no figure but
                                       * input.warm_ups */
+    POINT_CHOSEN_QUEUED = 1u << 16,  /* the chosen worker's pending_prefill_tokens was above 0 */
 };
 
 /* A point the figures count: neither merged into another nor a warm-up. */
@@ -62,6 +63,7 @@ typedef struct point {
     int64_t actual;           /* cached_tokens, -1 = null or no outcome */
     int64_t ttft_ns;          /* -1 = null */
     double router_ttft_ms;    /* -1 = null or absent (records before the field existed) */
+    double predicted_ttft_ms; /* decision.predicted_ttft_ms; -1 = null, absent or no decision */
     int64_t in_flight;        /* the chosen worker's, -1 = unknown */
     int64_t decision_id;
     int64_t copy_predicted;   /* the outcome's predicted.depth_tokens */

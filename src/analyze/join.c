@@ -220,7 +220,7 @@ static point *new_point(km_analysis *a, uint32_t *index)
         p->reason = NONE;
     p->decision_prompt = p->outcome_prompt = p->actual = p->ttft_ns = p->in_flight = -1;
     p->dispatched_predicted = -1;
-    p->router_ttft_ms = -1;
+    p->router_ttft_ms = p->predicted_ttft_ms = -1;
     return p;
 }
 
@@ -428,11 +428,16 @@ static int take_decision(km_analysis *a, json_t *root, uint32_t file, uint64_t l
         !(json_is_integer(warm_up_for) && json_integer_value(warm_up_for) >= 0))
         return invalid_field(e, "decision.", "warm_up_for", "expected an integer >= 0 or null");
     bool warm_up = warm_up_for && json_is_integer(warm_up_for);
+    /* the engine model's prediction on the chosen worker; null or absent (older records): none */
+    json_t *predicted_ttft = json_object_get(decision, "predicted_ttft_ms");
+    if (predicted_ttft && !json_is_null(predicted_ttft) &&
+        !(json_is_number(predicted_ttft) && json_number_value(predicted_ttft) >= 0))
+        return invalid_field(e, "decision.", "predicted_ttft_ms", "expected a number >= 0 or null");
     json_t *candidates = json_object_get(root, "candidates");
     if (!candidates || !json_is_array(candidates))
         return invalid_field(e, "", "candidates", candidates ? "expected an array" : "missing");
     size_t n_candidates = json_array_size(candidates);
-    int64_t chosen_in_flight = -1;
+    int64_t chosen_in_flight = -1, chosen_pending = -1;
     int owner_row_seen = 0, owner_ineligible = 0, any_ineligible = 0;
     int chosen_row_seen = 0, chosen_weighed = 0, owner_unweighed = 0;
     for (size_t i = 0; i < n_candidates; i++) {
@@ -448,6 +453,10 @@ static int take_decision(km_analysis *a, json_t *root, uint32_t file, uint64_t l
             get_count(cand, prefix, "depth_tokens", 0, &depth_tokens, e) ||
             get_count(cand, prefix, "in_flight", 1, &in_flight, e))
             return 0;
+        int64_t pending = -1;
+        if (json_object_get(cand, "pending_prefill_tokens") &&
+            get_count(cand, prefix, "pending_prefill_tokens", 1, &pending, e))
+            return 0;
         /* absent in records written before worker health: eligible */
         json_t *eligible = json_object_get(cand, "eligible");
         if (eligible && !json_is_boolean(eligible))
@@ -458,6 +467,7 @@ static int take_decision(km_analysis *a, json_t *root, uint32_t file, uint64_t l
         if (!strcmp(name, chosen.worker) && !chosen_row_seen) {
             chosen_row_seen = 1;
             chosen_in_flight = in_flight;
+            chosen_pending = pending;
             chosen_weighed = json_is_number(cost);
         }
         if (owner.worker && !owner_row_seen && !strcmp(name, owner.worker)) {
@@ -508,7 +518,8 @@ static int take_decision(km_analysis *a, json_t *root, uint32_t file, uint64_t l
         (reason && reason_id == NONE))
         return km_analysis_fail_memory(a, "interning names");
     p->flags |= POINT_DECISION | (events ? POINT_EVENTS : POINT_APPROX) |
-                (warm_up ? POINT_WARM_UP : 0);
+                (warm_up ? POINT_WARM_UP : 0) | (chosen_pending > 0 ? POINT_CHOSEN_QUEUED : 0);
+    p->predicted_ttft_ms = json_is_number(predicted_ttft) ? json_number_value(predicted_ttft) : -1;
     p->time_ns = c.monotonic_ns;
     p->predicted = chosen.depth_tokens;
     p->owner_tokens = owner.worker ? owner.depth_tokens : 0;

@@ -7,6 +7,7 @@
 #include "analyze/analyze_internal.h"
 
 #include <inttypes.h>
+#include <stddef.h>
 #include <stdbool.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -337,6 +338,102 @@ static int assign_windows(km_analysis *a)
     return KM_OK;
 }
 
+/* ---- TTFT prediction ------------------------------------------------------------------------- */
+
+/* One compared outcome: its observed and predicted times, and observed / predicted. */
+typedef struct ttft_pair {
+    double observed_ms, predicted_ms, ratio;
+} ttft_pair;
+
+static int compare_ratio(const void *x, const void *y)
+{
+    return compare_double(&((const ttft_pair *)x)->ratio, &((const ttft_pair *)y)->ratio);
+}
+
+/* The nearest-rank q-th percentile of one field of pairs[0..n), n > 0, after sorting by it. */
+static double pair_percentile(ttft_pair *pairs, size_t n, size_t offset, unsigned q)
+{
+    size_t rank = (n * q + 99) / 100;
+    return *(const double *)((const char *)&pairs[rank ? rank - 1 : 0] + offset);
+}
+
+static int compare_observed(const void *x, const void *y)
+{
+    return compare_double(&((const ttft_pair *)x)->observed_ms,
+                          &((const ttft_pair *)y)->observed_ms);
+}
+
+static int compare_predicted(const void *x, const void *y)
+{
+    return compare_double(&((const ttft_pair *)x)->predicted_ms,
+                          &((const ttft_pair *)y)->predicted_ms);
+}
+
+static void ttft_ratio_of(ttft_pair *pairs, size_t n, km_analysis_ttft_ratio *out)
+{
+    *out = (km_analysis_ttft_ratio){.n = n};
+    if (!n)
+        return;
+    sort_items(pairs, n, sizeof *pairs, compare_observed);
+    out->observed_p50_ms = pair_percentile(pairs, n, offsetof(ttft_pair, observed_ms), 50);
+    sort_items(pairs, n, sizeof *pairs, compare_predicted);
+    out->predicted_p50_ms = pair_percentile(pairs, n, offsetof(ttft_pair, predicted_ms), 50);
+    sort_items(pairs, n, sizeof *pairs, compare_ratio);
+    out->ratio_p10 = pair_percentile(pairs, n, offsetof(ttft_pair, ratio), 10);
+    out->ratio_p50 = pair_percentile(pairs, n, offsetof(ttft_pair, ratio), 50);
+    out->ratio_p90 = pair_percentile(pairs, n, offsetof(ttft_pair, ratio), 90);
+}
+
+/* km_analysis_ttft_prediction over the counted points (its contract is in analyze.h). */
+static int ttft_prediction(km_analysis *a)
+{
+    km_analysis_ttft_prediction *tp = &a->summary.ttft_prediction;
+    ttft_pair *idle = malloc((a->n_points + 1) * sizeof *idle);
+    ttft_pair *queued = malloc((a->n_points + 1) * sizeof *queued);
+    ttft_pair *all = malloc((a->n_points + 1) * sizeof *all);
+    if (!idle || !queued || !all) {
+        free(idle);
+        free(queued);
+        free(all);
+        return km_analysis_fail_memory(a, "comparing predicted times to first token");
+    }
+    size_t n_idle = 0, n_queued = 0;
+    for (size_t i = 0; i < a->n_points; i++) {
+        const point *p = &a->points[i];
+        uint32_t f = p->flags;
+        if (!POINT_COUNTED(p) || !(f & POINT_DECISION) || p->predicted_ttft_ms < 0)
+            continue;
+        tp->decisions_predicted++;
+        if (!(f & POINT_OUTCOME) || (f & POINT_OVERRIDDEN) ||
+            p->outcome_kind != KM_RECORD_OUTCOME_COMPLETE || !(p->predicted_ttft_ms > 0))
+            continue;
+        double observed;
+        if (p->router_ttft_ms >= 0) {
+            observed = p->router_ttft_ms;
+            tp->router_clock++;
+        } else if (p->ttft_ns >= 0) {
+            observed = (double)p->ttft_ns / 1e6;
+            tp->kvmatch_clock++;
+        } else {
+            continue;
+        }
+        ttft_pair pair = {observed, p->predicted_ttft_ms, observed / p->predicted_ttft_ms};
+        if (f & POINT_CHOSEN_QUEUED)
+            queued[n_queued++] = pair;
+        else
+            idle[n_idle++] = pair;
+    }
+    memcpy(all, idle, n_idle * sizeof *all);
+    memcpy(all + n_idle, queued, n_queued * sizeof *all);
+    ttft_ratio_of(all, n_idle + n_queued, &tp->all);
+    ttft_ratio_of(idle, n_idle, &tp->idle);
+    ttft_ratio_of(queued, n_queued, &tp->queued);
+    free(idle);
+    free(queued);
+    free(all);
+    return KM_OK;
+}
+
 /* ---- finish ---------------------------------------------------------------------------------- */
 
 int km_analysis_finish(km_analysis *a)
@@ -575,6 +672,9 @@ int km_analysis_finish(km_analysis *a)
         return rc;
 
     rc = build_windows(a);
+    if (rc != KM_OK)
+        return rc;
+    rc = ttft_prediction(a);
     if (rc != KM_OK)
         return rc;
     rc = assign_windows(a);

@@ -435,6 +435,23 @@ int km_analysis_render_html(const km_analysis *a, km_text *out)
                    s->staleness.stale_decisions, s->staleness.approx_decisions,
                    s->outcomes.complete, s->outcomes.incomplete, s->outcomes.error,
                    s->outcomes.cancelled, s->outcomes.expired);
+    const km_analysis_ttft_prediction *tp = &s->ttft_prediction;
+    km_text_printf(out,
+                   "<table id=\"ttft_prediction\"><tr><th>TTFT observed / predicted (the engine "
+                   "model's)</th><th>compared</th><th>p10</th><th>p50</th><th>p90</th></tr>\n");
+    const struct {
+        const char *what;
+        const km_analysis_ttft_ratio *r;
+    } rows[] = {{"all", &tp->all},
+                {"no prefill waiting on the chosen worker", &tp->idle},
+                {"prefill waiting on the chosen worker", &tp->queued}};
+    for (size_t i = 0; i < sizeof rows / sizeof rows[0]; i++)
+        km_text_printf(out,
+                       "<tr><td>%s</td><td>%" PRIu64 "</td><td>%.2f</td><td>%.2f</td><td>%.2f</td>"
+                       "</tr>\n",
+                       rows[i].what, rows[i].r->n, rows[i].r->ratio_p10, rows[i].r->ratio_p50,
+                       rows[i].r->ratio_p90);
+    km_text_append_cstr(out, "</table>\n");
     km_text_append_cstr(out, "<h2>Reuse: predicted vs actual</h2>\n");
     chart_reuse(a, out);
     km_text_append_cstr(out, "<h2>Hit rate over time</h2>\n");

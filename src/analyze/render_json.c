@@ -8,6 +8,13 @@
 
 #include <jansson.h>
 
+static json_t *json_ttft_ratio(const km_analysis_ttft_ratio *r)
+{
+    return json_pack("{sI sf sf sf sf sf}", "n", (json_int_t)r->n, "ratio_p10", r->ratio_p10,
+                     "ratio_p50", r->ratio_p50, "ratio_p90", r->ratio_p90, "observed_p50_ms",
+                     r->observed_p50_ms, "predicted_p50_ms", r->predicted_p50_ms);
+}
+
 static json_t *json_quality(const km_analysis_quality *q)
 {
     return json_pack("{sI sI sI sI sI sI sI sI sI sI sI sf}", "decisions", (json_int_t)q->decisions,
@@ -163,6 +170,14 @@ int km_analysis_render_json(const km_analysis *a, km_text *out)
         json_decref(root);
         return KM_ERR_OUT_OF_MEMORY;
     }
+    const km_analysis_ttft_prediction *tp = &s->ttft_prediction;
+    json_object_set_new(root, "ttft_prediction",
+                        json_pack("{sI sI sI so so so}", "decisions_predicted",
+                                  (json_int_t)tp->decisions_predicted, "router_clock",
+                                  (json_int_t)tp->router_clock, "kvmatch_clock",
+                                  (json_int_t)tp->kvmatch_clock, "all", json_ttft_ratio(&tp->all),
+                                  "idle", json_ttft_ratio(&tp->idle), "queued",
+                                  json_ttft_ratio(&tp->queued)));
     json_object_set_new(root, "load_view",
                         json_pack("{sI sI sI sI sf}", "this_instance",
                                   (json_int_t)s->load_view.this_instance, "cluster",

@@ -12,6 +12,20 @@ static double percent(uint64_t part, uint64_t whole)
 
 /* A string from the records (or a file name) as the report shows it: every control character
  * and U+FFFE / U+FFFF by its substitute (km_analysis_substitute), never raw into a terminal. */
+/* One line of the TTFT prediction: observed over predicted at p10 / p50 / p90, and each p50. */
+static void text_ttft_ratio(km_text *out, const char *what, const km_analysis_ttft_ratio *r)
+{
+    if (!r->n) {
+        km_text_printf(out, "  %s: none compared\n", what);
+        return;
+    }
+    km_text_printf(out,
+                   "  %s (%" PRIu64 "): observed / predicted p10 %.2f, p50 %.2f, p90 %.2f; "
+                   "observed p50 %.3f ms, predicted p50 %.3f ms\n",
+                   what, r->n, r->ratio_p10, r->ratio_p50, r->ratio_p90, r->observed_p50_ms,
+                   r->predicted_p50_ms);
+}
+
 static void text_name(km_text *out, const char *s)
 {
     km_analysis_append_shown(out, s);
@@ -200,6 +214,17 @@ int km_analysis_render_text(const km_analysis *a, km_text *out)
         km_text_printf(out, "  TTFT on the router's clock, from arrival (complete): p50 %.3f ms, "
                        "p99 %.3f ms (%" PRIu64 ")\n",
                        oc->router_ttft_p50_ms, oc->router_ttft_p99_ms, oc->router_ttft_known);
+
+    const km_analysis_ttft_prediction *tp = &s->ttft_prediction;
+    km_text_printf(out,
+                   "\nTTFT prediction (decision.predicted_ttft_ms, the engine model's, against the "
+                   "TTFT the outcome reports)\n"
+                   "  decisions with a prediction %" PRIu64 ", compared %" PRIu64
+                   " (router's clock %" PRIu64 ", kvmatch's %" PRIu64 ")\n",
+                   tp->decisions_predicted, tp->all.n, tp->router_clock, tp->kvmatch_clock);
+    text_ttft_ratio(out, "all", &tp->all);
+    text_ttft_ratio(out, "no prefill waiting on the chosen worker", &tp->idle);
+    text_ttft_ratio(out, "prefill waiting on the chosen worker", &tp->queued);
 
     km_text_printf(out, "\nrecovery windows (a worker's index state not LIVE): %zu\n", s->n_windows);
     for (size_t i = 0; i < s->n_windows; i++) {

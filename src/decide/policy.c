@@ -1035,6 +1035,7 @@ int km_policy_decide(const km_policy_config *cfg, km_policy_state *state,
         break;
     }
     d.chosen_depth = cands[d.chosen].depth;
+    d.chosen_predicted_ttft_ms = predicted_ttft_us(cfg, req, &cands[d.chosen]) / 1000.0;
     *out = d;
     return KM_OK;
 }

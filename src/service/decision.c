@@ -84,6 +84,7 @@ typedef struct route_choice {
     uint32_t chosen_at; /* index into b->cands */
     uint32_t chosen, chosen_depth;
     uint32_t chosen_queued_depth; /* chosen_depth extended by prefills queued there (0: none) */
+    double predicted_ttft_ms; /* the engine model's, on the chosen worker; NAN for a warm-up */
     const char *chosen_state;
     bool has_owner; /* the prediction owner: the deepest match among every candidate */
     uint32_t owner, owner_depth; /* worker 0 and depth 0 without an owner */
@@ -322,6 +323,7 @@ static bool choose(km_server *s, route_job *r, pool *p, batch_scratch *b, route_
     c->chosen = b->cands[pd.chosen].worker;
     c->chosen_depth = pd.chosen_depth;
     c->chosen_queued_depth = b->cands[pd.chosen].queued_depth;
+    c->predicted_ttft_ms = pd.chosen_predicted_ttft_ms;
     c->warm_up_at = pd.warm_up;
     c->warm_up_blocks = pd.warm_up_blocks;
     /* The prediction owner is the deepest match among every candidate: an ineligible worker that
@@ -560,6 +562,7 @@ static void record_decision(km_server *s, const route_job *r, const pool *p, bat
     rec.chosen.worker = s->workers[c->chosen].name;
     rec.chosen.state = c->chosen_state;
     rec.chosen.depth_blocks = c->chosen_depth;
+    rec.predicted_ttft_ms = c->predicted_ttft_ms;
     rec.policy = km_policy_kind_name(c->kind);
     rec.reason = km_policy_reason_name(c->reason);
     rec.load_kind = km_policy_load_kind(c->kind);
@@ -657,6 +660,7 @@ static bool begin_warm_up(km_server *s, job *j, const route_job *r, pool *p, con
     wc->chosen = row->worker;
     wc->chosen_depth = row->depth;
     wc->chosen_queued_depth = row->queued_depth;
+    wc->predicted_ttft_ms = NAN; /* nobody waits for a warm-up's first token */
     wc->chosen_state = worker_state_in_batch(s, row->worker);
     wc->has_owner = row->depth > 0;
     wc->owner = row->worker;

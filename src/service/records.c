@@ -116,6 +116,7 @@ void km_decision_record_init(km_decision_record *r)
     r->scored_monotonic_ns = KM_RECORD_ABSENT;
     r->load_value = NAN;
     r->load_oldest_age_ms = NAN;
+    r->predicted_ttft_ms = NAN;
     r->warm_up_for = KM_RECORD_ABSENT;
 }
 
@@ -694,6 +695,10 @@ int km_decision_record_format(const km_decision_record *r, char **line, size_t *
     put_worker(&b, "chosen", "decision.chosen", &r->chosen, r->block_size, true);
     bool same = r->owner.worker && r->chosen.worker && strcmp(r->owner.worker, r->chosen.worker) == 0;
     put_bool(&b, "owner_is_chosen", same);
+    if (b.status == KM_OK && r->predicted_ttft_ms < 0)
+        fail(&b, KM_ERR_INVALID_ARGUMENT, "field decision.predicted_ttft_ms is negative (%g)",
+             r->predicted_ttft_ms);
+    put_real(&b, "predicted_ttft_ms", r->predicted_ttft_ms);
     open_container(&b, "load", '{');
     put_name(&b, "kind", r->load_kind, true);
     put_real(&b, "value", r->load_value);
