@@ -957,3 +957,100 @@ Test(sim_load, a_load_needs_ten_requests_and_spread_arrivals, .timeout = 60)
     cr_assert_eq(rc, KM_ERR_INVALID_ARGUMENT, "%s", why);
     cr_assert(strstr(why, "all come at once"), "%s", why);
 }
+
+/* Writes a Mooncake trace of n requests, `spacing_ms` apart: request i has `big` tokens when
+ * i % every == 0, else `small` (fresh ids each, 10 output tokens). */
+static void write_sized_trace(const char *path, size_t n, uint64_t spacing_ms, size_t every,
+                              uint32_t big, uint32_t small)
+{
+    FILE *f = fopen(path, "w");
+    cr_assert_not_null(f, "%s", path);
+    uint64_t id = 0;
+    for (size_t i = 0; i < n; i++) {
+        uint32_t length = i % every == 0 ? big : small;
+        fprintf(f, "{\"timestamp\": %llu, \"input_length\": %u, \"output_length\": 10, "
+                   "\"hash_ids\": [", (unsigned long long)(i * spacing_ms), length);
+        for (uint32_t k = 0; k < (length + 511) / 512; k++)
+            fprintf(f, "%s%llu", k ? ", " : "", (unsigned long long)id++);
+        fprintf(f, "]}\n");
+    }
+    fclose(f);
+}
+
+/* The first tokens of the run's requests, by request index (NAN: none), from its records. */
+static void first_tokens_of(const char *path, double *ttft_ms, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        ttft_ms[i] = NAN;
+    FILE *f = fopen(path, "r");
+    cr_assert_not_null(f, "%s", path);
+    for (json_t *rec; (rec = next_record(f));) {
+        const char *type = json_string_value(json_object_get(rec, "type"));
+        const char *id = json_string_value(json_object_get(rec, "request_id"));
+        json_t *ttft = json_object_get(rec, "router_ttft_ms");
+        if (!strcmp(type, "outcome") && json_is_number(ttft)) {
+            size_t i = (size_t)strtoull(id + 1, NULL, 10);
+            cr_assert_lt(i, n);
+            ttft_ms[i] = json_number_value(ttft);
+        }
+        json_decref(rec);
+    }
+    fclose(f);
+}
+
+/* A request whose prompt and output need more blocks than an engine holds is refused and gets no
+ * first token: its floor is NAN and it is in no floor percentile, so each load's floor stays at
+ * or below every policy's TTFT (every 20th prompt 20,000 tokens, engines of 1,000 blocks). */
+Test(sim_load, a_request_no_engine_admits_has_no_floor, .timeout = 120)
+{
+    char dir[] = "/tmp/km-sim-floor-run-XXXXXX";
+    cr_assert_not_null(mkdtemp(dir));
+    char trace_path[128], records[256], why[512];
+    snprintf(trace_path, sizeof trace_path, "%s/trace.jsonl", dir);
+
+    write_sized_trace(trace_path, 200, 1000, 20, 20000, 1000);
+    km_sim_config cfg;
+    sweep_config(&cfg);
+    cfg.trace_path = trace_path;
+    cfg.generator.requests = 200;
+    cfg.workers = 2;
+    cfg.engine.model.capacity_blocks = 1000;
+    cfg.policies[0] = "round_robin";
+    cfg.policies[1] = "prefix";
+    cfg.n_policies = 2;
+    cfg.loads[0] = 0.1;
+    cfg.loads[1] = 0.5;
+    cfg.n_loads = 2;
+    cfg.records_dir = dir;
+    km_sim_result r[4];
+    km_sim_summary sum;
+    cr_assert_eq(km_sim_run(&cfg, r, &sum, why, sizeof why), KM_OK, "%s", why);
+    for (uint32_t l = 0; l < 2; l++)
+        for (uint32_t p = 0; p < 2; p++) {
+            const km_sim_result *x = &r[l * 2 + p];
+            cr_assert_eq(x->rejected, 10, "load %g, %s", cfg.loads[l], cfg.policies[p]);
+            cr_assert_leq(sum.floor_ttft_p99_ms[l], x->ttft_p99_ms, "load %g, %s: floor p99 %.3f",
+                          cfg.loads[l], cfg.policies[p], sum.floor_ttft_p99_ms[l]);
+            cr_assert_leq(sum.floor_ttft_p50_ms[l], x->ttft_p50_ms);
+        }
+    km_trace t;
+    cr_assert_eq(km_trace_load_mooncake(trace_path, &t, why, sizeof why), KM_OK, "%s", why);
+    static double floor_ms[200], ttft_ms[200];
+    cr_assert_eq(t.n_requests, 200);
+    cr_assert_eq(km_sim_floor_ttft_us(&t, &cfg.engine.model, floor_ms), KM_OK);
+    for (uint32_t k = 0; k < 4; k++) {
+        snprintf(records, sizeof records, "%s/records-%s-load%s.jsonl", dir, cfg.policies[k % 2],
+                 k < 2 ? "0.10" : "0.50");
+        first_tokens_of(records, ttft_ms, t.n_requests);
+        for (size_t i = 0; i < t.n_requests; i++) {
+            bool refused = i % 20 == 0;
+            cr_assert_eq(isnan(floor_ms[i]), refused, "request %zu: floor %g", i, floor_ms[i]);
+            cr_assert_eq(isnan(ttft_ms[i]), refused, "%s: request %zu: first token %g", records, i,
+                         ttft_ms[i]);
+        }
+        unlink(records);
+    }
+    km_trace_free(&t);
+    unlink(trace_path);
+    rmdir(dir);
+}

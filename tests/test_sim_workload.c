@@ -3,6 +3,7 @@
  * the sharing it promises (shared prefixes, sessions whose turns extend each other, bounded
  * prompts), chain hashes that share exactly the tokens the ids share, and workload statistics
  * against a brute-force count over chain hashes. */
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -391,7 +392,8 @@ Test(sim_workload, statistics_match_a_brute_force_count, .timeout = 60)
  *  - then g, the same as e at 0, listed last: it arrives with d and after it (equal times go in
  *    trace order), so waiting 5.12 ms for d's prompt and adding 188 tokens beyond a floor (0.88
  *    ms) beats 7 ms alone: 6 ms; e then finds g's whole prompt computed: one step floor;
- *  - on engines too small for a's prompt, a computes nothing b could find. */
+ *  - on engines too small for a's prompt and output, a is refused (no floor) and computes nothing
+ *    b could find. */
 Test(sim_workload, the_floor_of_requests_whose_prefixes_are_still_computed, .timeout = 10)
 {
     static const uint32_t pool[] = {1, 2, 3, 7, 8};
@@ -422,10 +424,19 @@ Test(sim_workload, the_floor_of_requests_whose_prefixes_are_still_computed, .tim
     cr_assert_float_eq(us[6], 6000, 1e-6, "g: %.3f us", us[6]);
     cr_assert_float_eq(us[4], 1000, 1e-6, "e after g: %.3f us", us[4]);
     cr_assert_float_eq(us[1], 13000, 1e-6, "b: %.3f us", us[1]);
-    /* Engines of 63 blocks refuse a's 64: b finds nothing of it and computes its 1,500 tokens. */
-    model.capacity_blocks = 63;
+    /* With an answer of 600 tokens a needs 102 blocks, b 94 (its one output token too): engines of
+     * 100 refuse a, and b finds nothing of it and computes its 1,500 tokens. */
+    reqs[0].output_length = 600;
+    model.capacity_blocks = 100;
     cr_assert_eq(km_sim_floor_ttft_us(&t, &model, us), KM_OK);
+    cr_assert(isnan(us[0]), "a: %.3f us", us[0]);
     cr_assert_float_eq(us[1], 15000, 1e-6, "b: %.3f us", us[1]);
+    model.capacity_blocks = 93;
+    cr_assert_eq(km_sim_floor_ttft_us(&t, &model, us), KM_OK);
+    cr_assert(isnan(us[1]) && !isnan(us[3]), "b refused at 93 blocks too: %.3f us", us[1]);
+    model.capacity_blocks = 94;
+    cr_assert_eq(km_sim_floor_ttft_us(&t, &model, us), KM_OK);
+    cr_assert_float_eq(us[1], 15000, 1e-6, "b admitted at 94 blocks: %.3f us", us[1]);
     cr_assert_eq(km_sim_floor_ttft_us(NULL, &model, us), KM_ERR_NULL_POINTER);
     cr_assert_eq(km_sim_floor_ttft_us(&t, &model, NULL), KM_ERR_NULL_POINTER);
     model.block_size = 0;

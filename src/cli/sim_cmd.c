@@ -394,8 +394,8 @@ static void print_json(const km_sim_config *cfg, const km_sim_report *report,
     json_object_set_new(w, "prompt_p99_tokens", json_real(sum->workload.prompt_p99));
     json_object_set_new(w, "output_mean_tokens", json_real(sum->workload.output_mean));
     json_object_set_new(w, "reusable_share", json_real(sum->workload.reusable_share));
-    json_object_set_new(w, "floor_ttft_p50_ms", json_real(sum->workload.floor_ttft_p50_ms));
-    json_object_set_new(w, "floor_ttft_p99_ms", json_real(sum->workload.floor_ttft_p99_ms));
+    json_object_set_new(w, "floor_ttft_p50_ms", json_figure(sum->workload.floor_ttft_p50_ms));
+    json_object_set_new(w, "floor_ttft_p99_ms", json_figure(sum->workload.floor_ttft_p99_ms));
     json_object_set_new(w, "arrival_rate_per_s", json_real(sum->workload.arrival_rate_per_s));
     json_object_set_new(root, "workload", w);
     json_object_set_new(root, "workers", json_integer(cfg->workers));
@@ -417,12 +417,12 @@ static void print_json(const km_sim_config *cfg, const km_sim_report *report,
             json_array_append_new(loads, json_real(cfg->loads[l]));
             json_t *f = json_object(), *every = json_object();
             json_object_set_new(f, "load", json_real(cfg->loads[l]));
-            json_object_set_new(f, "floor_ttft_p50_ms", json_real(sum->floor_ttft_p50_ms[l]));
-            json_object_set_new(f, "floor_ttft_p99_ms", json_real(sum->floor_ttft_p99_ms[l]));
+            json_object_set_new(f, "floor_ttft_p50_ms", json_figure(sum->floor_ttft_p50_ms[l]));
+            json_object_set_new(f, "floor_ttft_p99_ms", json_figure(sum->floor_ttft_p99_ms[l]));
             json_object_set_new(every, "floor_ttft_p50_ms",
-                                json_real(sum->every_floor_ttft_p50_ms[l]));
+                                json_figure(sum->every_floor_ttft_p50_ms[l]));
             json_object_set_new(every, "floor_ttft_p99_ms",
-                                json_real(sum->every_floor_ttft_p99_ms[l]));
+                                json_figure(sum->every_floor_ttft_p99_ms[l]));
             json_object_set_new(f, "every_request", every);
             json_array_append_new(floors, f);
         }

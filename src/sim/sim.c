@@ -1551,26 +1551,38 @@ static int scaled_copy(const km_trace *trace, double scale, km_trace *out)
     return KM_OK;
 }
 
+/* v[0..n) with its NANs left out, in place (the rest keep their order); returns how many remain. */
+static size_t without_nan(double *v, size_t n)
+{
+    size_t kept = 0;
+    for (size_t i = 0; i < n; i++)
+        if (!isnan(v[i]))
+            v[kept++] = v[i];
+    return kept;
+}
+
 /* The floor (km_sim_floor_ttft_us) of the requests of `trace` at load l into sum: p50 and p99 in
- * ms over those from cfg->ttft_from on and over every one. */
+ * ms over those from cfg->ttft_from on and over every one, as the TTFT figures count them: a
+ * request no engine admits (floor NAN) gets no first token and is in neither. */
 static int load_floor(const km_sim_config *cfg, const km_trace *trace, km_sim_summary *sum,
                       uint32_t l)
 {
     size_t n = trace->n_requests, from = cfg->ttft_from < n ? cfg->ttft_from : 0;
     double *ms = malloc((n ? n : 1) * sizeof *ms);
-    if (!ms)
-        return KM_ERR_OUT_OF_MEMORY;
-    int rc = km_sim_floor_ttft_us(trace, &cfg->engine.model, ms);
+    double *every = malloc((n ? n : 1) * sizeof *every);
+    int rc = ms && every ? km_sim_floor_ttft_us(trace, &cfg->engine.model, ms)
+                         : KM_ERR_OUT_OF_MEMORY;
     for (size_t i = 0; !rc && i < n; i++)
-        ms[i] /= 1000.0;
+        every[i] = ms[i] /= 1000.0;
     if (!rc) {
-        /* The counted ones first: pct sorts what it is given. */
-        sum->floor_ttft_p50_ms[l] = pct(ms + from, n - from, 0.50);
-        sum->floor_ttft_p99_ms[l] = pct(ms + from, n - from, 0.99);
-        sum->every_floor_ttft_p50_ms[l] = pct(ms, n, 0.50);
-        sum->every_floor_ttft_p99_ms[l] = pct(ms, n, 0.99);
+        size_t counted = without_nan(ms + from, n - from), all = without_nan(every, n);
+        sum->floor_ttft_p50_ms[l] = pct(ms + from, counted, 0.50);
+        sum->floor_ttft_p99_ms[l] = pct(ms + from, counted, 0.99);
+        sum->every_floor_ttft_p50_ms[l] = pct(every, all, 0.50);
+        sum->every_floor_ttft_p99_ms[l] = pct(every, all, 0.99);
     }
     free(ms);
+    free(every);
     return rc;
 }
 

@@ -262,7 +262,8 @@ typedef struct km_sim_summary {
     double capacity_wall_s;           /* their wall time */
     /* Per load: the factor the arrival times were scaled by, and the floor of the requests at
      * those times (km_sim_floor_ttft_us), p50 and p99 in ms, over the requests the TTFT figures
-     * count (ttft_from on) and over every request. */
+     * count (ttft_from on) and over every request, leaving out those no engine admits (no first
+     * token, no floor); NAN when none is left. */
     double time_scale[KM_SIM_MAX_LOADS];
     double floor_ttft_p50_ms[KM_SIM_MAX_LOADS], floor_ttft_p99_ms[KM_SIM_MAX_LOADS];
     double every_floor_ttft_p50_ms[KM_SIM_MAX_LOADS], every_floor_ttft_p99_ms[KM_SIM_MAX_LOADS];

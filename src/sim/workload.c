@@ -530,6 +530,13 @@ int km_sim_floor_ttft_us(const km_trace *trace, const km_engine_model *model, do
         double arrival = (double)q->timestamp_ms * 1000.0;
         uint64_t length = q->input_length;
         uint64_t covered = (uint64_t)q->n_ids * KM_SIM_TOKENS_PER_ID;
+        /* Refused by every engine (its prompt and output reserve need more blocks than one
+         * holds): no first token, no floor, nothing computed. */
+        uint64_t output = q->output_length ? q->output_length : 1;
+        if ((length + output + bs - 1) / bs > model->capacity_blocks) {
+            floor_us[order[o].index] = NAN;
+            continue;
+        }
         /* The whole blocks of the prompt that exist somewhere, in order, never its last token (an
          * engine's hit rule), each with when it exists; then the options worth weighing: the
          * deepest of those that exist on arrival, and each deeper one that comes before every
@@ -570,15 +577,12 @@ int km_sim_floor_ttft_us(const km_trace *trace, const km_engine_model *model, do
         /* The whole blocks it computes, where it would have them sooner than they exist: its
          * prompt's, then those of the answer it generates (answer_tokens, never the last token,
          * which is never computed), one decode step (a step floor at least) a token from its
-         * first token on. A prompt of more blocks than an engine holds is refused and computes
-         * none. */
+         * first token on. */
         uint32_t answered = q->answer_tokens < q->output_length ? q->answer_tokens
                             : q->output_length ? q->output_length - 1 : 0;
         uint64_t left = length + answered;
         if (left > covered)
             left = covered;
-        if ((length + bs - 1) / bs > model->capacity_blocks)
-            left = 0;
         for (uint64_t end = bs; !rc && end <= left; end += bs) {
             double at;
             if (end > length) {
@@ -674,9 +678,16 @@ int km_sim_workload_stats_of(const km_trace *trace, const km_engine_model *model
         out->prompt_mean = (double)out->prompt_tokens / (double)n;
         out->prompt_p50 = lengths[(size_t)(0.50 * (double)(n - 1) + 0.5)];
         out->prompt_p99 = lengths[(size_t)(0.99 * (double)(n - 1) + 0.5)];
-        qsort(floor_ms, n, sizeof *floor_ms, cmp_double);
-        out->floor_ttft_p50_ms = floor_ms[(size_t)(0.50 * (double)(n - 1) + 0.5)];
-        out->floor_ttft_p99_ms = floor_ms[(size_t)(0.99 * (double)(n - 1) + 0.5)];
+        /* Over the requests an engine admits (a refused one has no floor: NAN). */
+        size_t admitted = 0;
+        for (size_t i = 0; i < n; i++)
+            if (!isnan(floor_ms[i]))
+                floor_ms[admitted++] = floor_ms[i];
+        qsort(floor_ms, admitted, sizeof *floor_ms, cmp_double);
+        out->floor_ttft_p50_ms =
+            admitted ? floor_ms[(size_t)(0.50 * (double)(admitted - 1) + 0.5)] : NAN;
+        out->floor_ttft_p99_ms =
+            admitted ? floor_ms[(size_t)(0.99 * (double)(admitted - 1) + 0.5)] : NAN;
         out->output_mean = (double)out->output_tokens / (double)n;
         out->reusable_share =
             out->prompt_tokens ? (double)out->reusable_tokens / (double)out->prompt_tokens : 0.0;

@@ -105,8 +105,8 @@ typedef struct km_sim_workload_stats {
     double reusable_share;
     double span_s;           /* first to last arrival */
     double arrival_rate_per_s; /* km_sim_arrival_rate */
-    /* The floor no routing can go below (km_sim_floor_ttft_us), p50 and p99 over the requests, in
-     * ms. */
+    /* The floor no routing can go below (km_sim_floor_ttft_us), p50 and p99 over the requests an
+     * engine admits, in ms; NAN when it admits none. */
     double floor_ttft_p50_ms, floor_ttft_p99_ms;
 } km_sim_workload_stats;
 
@@ -126,8 +126,9 @@ double km_sim_arrival_rate(const km_trace *trace);
  *  - an answer's tokens (answer_tokens, never the last one) exist one decode step, a step floor at
  *    least, apart, from the request's first token on;
  *  - a hit is whole blocks of model->block_size and never covers the prompt's last token;
- *  - a prompt of more blocks than model->capacity_blocks is refused by every engine: it computes
- *    nothing another request could find.
+ *  - a request whose prompt and output (output_length, at least 1) need more blocks than
+ *    model->capacity_blocks is refused by every engine: it gets no first token and floor_us[i] is
+ *    NAN, and it computes nothing another request could find.
  * Queues, other requests' work and memory are left out: each term is a lower bound, so the floor
  * is one, however the requests are routed and scheduled. Errors: KM_ERR_NULL_POINTER,
  * KM_ERR_BLOCK_SIZE, KM_ERR_OUT_OF_MEMORY. */
