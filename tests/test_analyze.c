@@ -2939,7 +2939,8 @@ Test(analyze, ttft_prediction_matches_brute_force, .timeout = 60)
 }
 
 /* A predicted_ttft_ms or a pending_prefill_tokens of the wrong kind makes the line invalid, named
- * by its field; the lines around it still count. */
+ * by its field; the lines around it still count. A valid prediction whose ratio to the observed
+ * time overflows is not compared, and the JSON report still has the section. */
 Test(analyze, bad_ttft_prediction_fields_are_invalid_lines, .timeout = 10)
 {
     char dir[64], path[128];
@@ -2966,13 +2967,27 @@ Test(analyze, bad_ttft_prediction_fields_are_invalid_lines, .timeout = 10)
     dec = make_decision(&d);
     json_object_set_new(json_object_get(dec, "decision"), "predicted_ttft_ms", json_real(20.0));
     write_record(f, dec);
+    /* valid, but a ratio too large to hold: predicted, not compared, and the report whole */
+    d.id = 6;
+    d.request = "r6";
+    dec = make_decision(&d);
+    json_object_set_new(json_object_get(dec, "decision"), "predicted_ttft_ms", json_real(1e-300));
+    write_record(f, dec);
+    outcome_spec o = outcome_for(&d, "complete", 200, 48, -1);
+    json_t *out = make_outcome(&o);
+    json_object_set_new(out, "router_ttft_ms", json_real(1e10));
+    write_record(f, out);
     fclose(f);
     const char *paths[] = {path};
     km_analysis *a = analyze_files(NULL, paths, 1);
     const km_analysis_summary *s = km_analysis_summary_get(a);
     EQ(s->input.invalid, 4);
-    EQ(s->input.decisions, 1);
-    EQ(s->ttft_prediction.decisions_predicted, 1);
+    EQ(s->input.decisions, 2);
+    EQ(s->ttft_prediction.decisions_predicted, 2);
+    EQ(s->ttft_prediction.all.n, 0);
+    json_t *root = json_report(a);
+    EQ(json_count(root, "ttft_prediction", "decisions_predicted"), 2);
+    json_decref(root);
     for (int i = 0; i < 3; i++)
         cr_expect(strstr(s->invalid_lines[i].what, "decision.predicted_ttft_ms"), "line %d: %s",
                   i + 1, s->invalid_lines[i].what);

@@ -240,7 +240,7 @@ typedef struct km_analysis_ttft_ratio {
  * token the outcomes report. Compared: a complete, joined, not overridden outcome (the prediction
  * was for the chosen worker) whose decision predicted a time above 0 and which reports one:
  * router_ttft_ms when present (the router's clock; kvmatch sim's virtual time), else ttft_ns
- * (kvmatch's clock, from the decision). */
+ * (kvmatch's clock, from the decision), and whose observed / predicted is finite. */
 typedef struct km_analysis_ttft_prediction {
     uint64_t decisions_predicted;      /* decisions with predicted_ttft_ms (not null, not absent) */
     uint64_t router_clock, kvmatch_clock; /* the compared outcomes, by the time they used */

@@ -7,6 +7,7 @@
 #include "analyze/analyze_internal.h"
 
 #include <inttypes.h>
+#include <math.h>
 #include <stddef.h>
 #include <stdbool.h>
 #include <stdint.h>
@@ -407,17 +408,15 @@ static int ttft_prediction(km_analysis *a)
         if (!(f & POINT_OUTCOME) || (f & POINT_OVERRIDDEN) ||
             p->outcome_kind != KM_RECORD_OUTCOME_COMPLETE || !(p->predicted_ttft_ms > 0))
             continue;
-        double observed;
-        if (p->router_ttft_ms >= 0) {
-            observed = p->router_ttft_ms;
-            tp->router_clock++;
-        } else if (p->ttft_ns >= 0) {
-            observed = (double)p->ttft_ns / 1e6;
-            tp->kvmatch_clock++;
-        } else {
+        bool router = p->router_ttft_ms >= 0;
+        if (!router && p->ttft_ns < 0)
             continue;
-        }
+        double observed = router ? p->router_ttft_ms : (double)p->ttft_ns / 1e6;
         ttft_pair pair = {observed, p->predicted_ttft_ms, observed / p->predicted_ttft_ms};
+        if (!isfinite(pair.ratio))
+            continue; /* a prediction too close to 0 for the ratio to be held */
+        tp->router_clock += router;
+        tp->kvmatch_clock += !router;
         if (f & POINT_CHOSEN_QUEUED)
             queued[n_queued++] = pair;
         else

@@ -170,14 +170,19 @@ int km_analysis_render_json(const km_analysis *a, km_text *out)
         json_decref(root);
         return KM_ERR_OUT_OF_MEMORY;
     }
+    /* Every figure is finite (km_analysis_ttft_prediction compares finite ratios only): a NULL
+     * here is out of memory, never a key left out. */
     const km_analysis_ttft_prediction *tp = &s->ttft_prediction;
-    json_object_set_new(root, "ttft_prediction",
-                        json_pack("{sI sI sI so so so}", "decisions_predicted",
-                                  (json_int_t)tp->decisions_predicted, "router_clock",
-                                  (json_int_t)tp->router_clock, "kvmatch_clock",
-                                  (json_int_t)tp->kvmatch_clock, "all", json_ttft_ratio(&tp->all),
-                                  "idle", json_ttft_ratio(&tp->idle), "queued",
-                                  json_ttft_ratio(&tp->queued)));
+    if (json_object_set_new(
+            root, "ttft_prediction",
+            json_pack("{sI sI sI so so so}", "decisions_predicted",
+                      (json_int_t)tp->decisions_predicted, "router_clock",
+                      (json_int_t)tp->router_clock, "kvmatch_clock", (json_int_t)tp->kvmatch_clock,
+                      "all", json_ttft_ratio(&tp->all), "idle", json_ttft_ratio(&tp->idle),
+                      "queued", json_ttft_ratio(&tp->queued)))) {
+        json_decref(root);
+        return KM_ERR_OUT_OF_MEMORY;
+    }
     json_object_set_new(root, "load_view",
                         json_pack("{sI sI sI sI sf}", "this_instance",
                                   (json_int_t)s->load_view.this_instance, "cluster",

@@ -10,8 +10,6 @@ static double percent(uint64_t part, uint64_t whole)
     return whole ? 100.0 * (double)part / (double)whole : 0.0;
 }
 
-/* A string from the records (or a file name) as the report shows it: every control character
- * and U+FFFE / U+FFFF by its substitute (km_analysis_substitute), never raw into a terminal. */
 /* One line of the TTFT prediction: observed over predicted at p10 / p50 / p90, and each p50. */
 static void text_ttft_ratio(km_text *out, const char *what, const km_analysis_ttft_ratio *r)
 {
@@ -26,6 +24,8 @@ static void text_ttft_ratio(km_text *out, const char *what, const km_analysis_tt
                    r->predicted_p50_ms);
 }
 
+/* A string from the records (or a file name) as the report shows it: every control character
+ * and U+FFFE / U+FFFF by its substitute (km_analysis_substitute), never raw into a terminal. */
 static void text_name(km_text *out, const char *s)
 {
     km_analysis_append_shown(out, s);
