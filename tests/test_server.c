@@ -6006,3 +6006,99 @@ Test(server, cli_serve_reload_the_flags_refuse_is_logged, .timeout = 60)
     if (system(cmd) != 0)
         fprintf(stderr, "could not remove %s\n", dir);
 }
+
+/* The cumulative count of one le bucket of an unlabelled histogram in a scrape; -1 when absent. */
+static double bucket_value(const char *body, const char *name, const char *le)
+{
+    char key[200];
+    snprintf(key, sizeof key, "\n%s_bucket{le=\"%s\"} ", name, le);
+    const char *at = strstr(body, key);
+    return at ? strtod(at + strlen(key), NULL) : -1;
+}
+
+/* /metrics kvmatch_ttft_observed_over_predicted: each first token of an attempt run where kvmatch
+ * chose, its time over the decision's predicted_ttft_ms (the router's elapsed_ms when the report
+ * gives one, else kvmatch's own), in the bucket of its ratio; an attempt the router sent to
+ * another worker is left out. */
+Test(server, metrics_hold_each_first_token_against_its_prediction, .timeout = 30)
+{
+    srv s = {0};
+    km_server_config cfg;
+    test_config(&cfg, &s, KM_POLICY_TTFT, 2);
+    char http[] = "127.0.0.1:0";
+    cfg.http = http;
+    srv_start(&s, &cfg);
+    km_client *c = connect_client(&s);
+    km_message reply;
+    enum { N = 6 };
+    char ids[N][16];
+    uint32_t chosen[N];
+    int64_t decision[N];
+    for (int i = 0; i < N; i++) {
+        snprintf(ids[i], sizeof ids[i], "p%d", i);
+        km_route_request r = token_route(ids[i], (uint32_t)i * 200, 40 * BS);
+        const km_route_decision *d = route_one(c, &r, &reply);
+        cr_assert_eq(d->status, KM_OK, "%s", d->message);
+        chosen[i] = d->chosen_worker;
+        decision[i] = (int64_t)d->decision_id;
+    }
+    double predicted[N];
+    json_t *all = NULL;
+    for (int tries = 0; tries < 200; tries++) { /* written within flush_interval_ms */
+        json_decref(all);
+        all = read_records(&s);
+        int seen = 0;
+        for (int i = 0; i < N; i++)
+            seen += find_record(all, "decision", decision[i]) != NULL;
+        if (seen == N)
+            break;
+        km_test_sleep_ms(20);
+    }
+    for (int i = 0; i < N; i++) {
+        json_t *d = find_record(all, "decision", decision[i]);
+        cr_assert_not_null(d, "decision %d recorded", i);
+        predicted[i] =
+            json_number_value(json_object_get(json_object_get(d, "decision"), "predicted_ttft_ms"));
+        cr_assert_gt(predicted[i], 0.0, "decision %d predicts", i);
+    }
+    json_decref(all);
+    /* Ratios 0.3 (le 0.5), 0.95 (le 1.0), 1.05 (le 1.1), 3 (le 4); p4 overridden at 1.0. */
+    static const double factor[] = {0.3, 0.95, 1.05, 3.0, 1.0};
+    for (int i = 0; i < 5; i++) {
+        km_lifecycle_event ev;
+        memset(&ev, 0, sizeof ev);
+        ev.kind = KM_LIFECYCLE_FIRST_TOKEN;
+        ev.request_id = ids[i];
+        ev.has_elapsed_ms = true;
+        ev.elapsed_ms = predicted[i] * factor[i];
+        if (i == 4) {
+            ev.has_worker = true;
+            ev.worker = 1 - chosen[i];
+        }
+        cr_assert_eq(send_report(c, &ev), KM_OK, "report %d", i);
+    }
+    uint16_t port = km_server_http_port(s.server);
+    static char body[1 << 17];
+    const char *name = "kvmatch_ttft_observed_over_predicted";
+    cr_assert_eq(http_get(port, "/metrics", body, sizeof body), 200);
+    char count_name[96];
+    snprintf(count_name, sizeof count_name, "%s_count", name);
+    cr_assert_eq(metric_value(body, count_name), 4, "%s", body);
+    static const char *const les[] = {"0.25", "0.5", "0.67", "0.8", "0.9", "1", "1.1", "1.25",
+                                      "1.5", "2", "4", "+Inf"};
+    static const double cumulative[] = {0, 1, 1, 1, 1, 2, 3, 3, 3, 3, 4, 4};
+    for (size_t k = 0; k < sizeof les / sizeof les[0]; k++)
+        cr_assert_eq(bucket_value(body, name, les[k]), cumulative[k], "le %s: %g", les[k],
+                     bucket_value(body, name, les[k]));
+    /* Without elapsed_ms, kvmatch's own time from the decision. */
+    km_lifecycle_event ev;
+    memset(&ev, 0, sizeof ev);
+    ev.kind = KM_LIFECYCLE_FIRST_TOKEN;
+    ev.request_id = ids[5];
+    cr_assert_eq(send_report(c, &ev), KM_OK);
+    cr_assert_eq(http_get(port, "/metrics", body, sizeof body), 200);
+    cr_assert_eq(metric_value(body, count_name), 5, "%s", body);
+    km_client_close(c);
+    srv_stop(&s);
+    srv_cleanup(&s);
+}

@@ -56,7 +56,7 @@ attempt *km_srv_attempt_new(attempt_cache *cache, const char *request_id, const 
     }
     memset(a, 0, sizeof *a);
     a->cached_size = cached_size;
-    a->router_dispatched_ms = a->router_ttft_ms = NAN;
+    a->router_dispatched_ms = a->router_ttft_ms = a->predicted_ttft_ms = NAN;
     const char **out[5] = {&a->request_id, &a->attempt_id, &a->model, &a->pool, &a->endpoint};
     char *p = a->strings;
     for (int i = 0; i < 5; i++) {
@@ -350,6 +350,24 @@ static void lesson_queue(km_server *s, const attempt *a, uint32_t worker)
     atomic_store(&s->lessons_queued, true);
 }
 
+/* The first token of an attempt the router ran where kvmatch chose: its time over the engine
+ * model's prediction into kvmatch_ttft_observed_over_predicted. The time is the router's
+ * (elapsed_ms, from the request's arrival) when the report gives one, else kvmatch's, from the
+ * decision. A warm-up (no prediction), an overridden attempt (the prediction was for another
+ * worker) and a ratio that is not a finite number are left out. */
+static void observe_ttft_prediction(km_server *s, const attempt *a, const km_lifecycle_event *ev,
+                                    uint64_t now)
+{
+    if (!(a->predicted_ttft_ms > 0) || a->dispatched_name[0])
+        return;
+    double observed = ev->has_elapsed_ms ? ev->elapsed_ms
+                      : now >= a->decided_ns ? (double)(now - a->decided_ns) / 1e6
+                                             : 0.0;
+    double ratio = observed / a->predicted_ttft_ms;
+    if (isfinite(ratio))
+        km_histogram_observe(s->m_ttft_ratio, ratio);
+}
+
 /* A warm-up of an approximate-mode worker whose prefill has run (FIRST_TOKEN, or a complete
  * FINISHED before one) teaches its blocks to the worker it ran on, once. active_lock held. */
 static void warm_up_lesson(km_server *s, attempt *a)
@@ -466,6 +484,7 @@ static int lifecycle_one(km_server *s, const km_lifecycle_event *ev, char *msg, 
          * room for newer decisions'. */
         if (rc == KM_OK) {
             a->first_token = km_record_time_now();
+            observe_ttft_prediction(s, a, ev, now);
             warm_up_lesson(s, a);
             attempt_drop_hashes(&s->attempt_cache, a);
             km_srv_cluster_publish(s, a->worker);

@@ -509,6 +509,8 @@ static attempt *keep_attempt(km_server *s, route_job *r, pool *p, const route_ch
         a->block_size = p->block_size;
         a->chosen_depth = c->chosen_depth;
         a->owner_depth = c->owner_depth;
+        a->predicted_ttft_ms = c->predicted_ttft_ms;
+        a->decided_ns = c->now;
         a->has_blocks = r->n_hashes > 0;
         /* A warm-up of an approximate-mode worker is taught when its prefill has run. */
         a->lesson_at_first_token = c->reason == KM_POLICY_REASON_WARM_UP &&

@@ -176,6 +176,10 @@ typedef struct attempt {
                                              * absent (a FIRST_TOKEN seen refuses later DISPATCHED
                                              * and FIRST_TOKEN reports whole) */
     double router_dispatched_ms, router_ttft_ms; /* the router's elapsed_ms; NAN = not reported */
+    /* The engine model's predicted time to first token on the chosen worker (NAN for a warm-up)
+     * and when the decision was made (now_ns), for kvmatch_ttft_observed_over_predicted. */
+    double predicted_ttft_ms;
+    uint64_t decided_ns;
     bool cached_size;  /* allocated with ATTEMPT_CACHED_STRINGS bytes of strings: reusable */
     /* The request's block hashes, kept (approx_dispatch_max_bytes) when its pool has
      * approximate-mode workers: a report that the router used another of them teaches it. */
@@ -458,6 +462,7 @@ struct km_server {
         *m_slow_closed, *m_reading_paused, *m_dropped_closed, *m_undelivered, *m_warm_ups,
         *m_progress_blocks, *m_progress_dropped;
     km_histogram *m_batch_routes, *m_batch_seconds, *m_queue_seconds;
+    km_histogram *m_ttft_ratio; /* kvmatch_ttft_observed_over_predicted */
     km_http *http;
     uint16_t http_port;
 
