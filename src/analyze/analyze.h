@@ -242,12 +242,13 @@ typedef struct km_analysis_ttft_ratio {
  * router_ttft_ms when present (the router's clock; kvmatch sim's virtual time), else ttft_ns
  * (kvmatch's clock, from the decision), and whose observed / predicted is finite. */
 typedef struct km_analysis_ttft_prediction {
-    uint64_t decisions_predicted;      /* decisions with predicted_ttft_ms (not null, not absent) */
+    uint64_t decisions_predicted;      /* decisions (warm-ups aside) with predicted_ttft_ms, not
+                                        * null nor absent */
     uint64_t router_clock, kvmatch_clock; /* the compared outcomes, by the time they used */
     km_analysis_ttft_ratio all;
-    km_analysis_ttft_ratio idle;       /* the chosen worker's pending_prefill_tokens was 0 or
-                                        * null: the request's own prefill alone (and the step
-                                        * running) */
+    km_analysis_ttft_ratio idle;       /* the chosen worker's pending_prefill_tokens was 0,
+                                        * null or absent (or it had no candidate row): the
+                                        * request's own prefill alone (and the step running) */
     km_analysis_ttft_ratio queued;     /* prefill was waiting there: the model replayed a queue */
 } km_analysis_ttft_prediction;
 
