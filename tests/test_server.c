@@ -6010,10 +6010,9 @@ Test(server, cli_serve_reload_the_flags_refuse_is_logged, .timeout = 60)
 /* The cumulative count of one le bucket of an unlabelled histogram in a scrape; -1 when absent. */
 static double bucket_value(const char *body, const char *name, const char *le)
 {
-    char key[200];
-    snprintf(key, sizeof key, "\n%s_bucket{le=\"%s\"} ", name, le);
-    const char *at = strstr(body, key);
-    return at ? strtod(at + strlen(key), NULL) : -1;
+    char series[128];
+    snprintf(series, sizeof series, "%s_bucket{le=\"%s\"}", name, le);
+    return metric_value(body, series);
 }
 
 /* /metrics kvmatch_ttft_observed_over_predicted: each first token of an attempt run where kvmatch
