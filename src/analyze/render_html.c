@@ -447,7 +447,7 @@ int km_analysis_render_html(const km_analysis *a, km_text *out)
                 {"prefill waiting on the chosen worker", &tp->queued}};
     for (size_t i = 0; i < sizeof rows / sizeof rows[0]; i++)
         km_text_printf(out,
-                       "<tr><td>%s</td><td>%" PRIu64 "</td><td>%.2f</td><td>%.2f</td><td>%.2f</td>"
+                       "<tr><td>%s</td><td>%" PRIu64 "</td><td>%#.3g</td><td>%#.3g</td><td>%#.3g</td>"
                        "</tr>\n",
                        rows[i].what, rows[i].r->n, rows[i].r->ratio_p10, rows[i].r->ratio_p50,
                        rows[i].r->ratio_p90);

@@ -18,7 +18,7 @@ static void text_ttft_ratio(km_text *out, const char *what, const km_analysis_tt
         return;
     }
     km_text_printf(out,
-                   "  %s (%" PRIu64 "): observed / predicted p10 %.2f, p50 %.2f, p90 %.2f; "
+                   "  %s (%" PRIu64 "): observed / predicted p10 %#.3g, p50 %#.3g, p90 %#.3g; "
                    "observed p50 %.3f ms, predicted p50 %.3f ms\n",
                    what, r->n, r->ratio_p10, r->ratio_p50, r->ratio_p90, r->observed_p50_ms,
                    r->predicted_p50_ms);

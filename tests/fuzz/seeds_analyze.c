@@ -87,6 +87,17 @@ int main(int argc, char **argv)
                               OUTCOME(10, "0:warm_up", "complete", "null", 1500)
                                   OUTCOME(9, "0", "complete", "null", 2000),
                       NULL);
+    /* predictions of the time to first token against the times the outcomes report */
+    bad |= write_seed(d, "predicted_ttft",
+                      DECISION_WITH(11, "0", "B", "LIVE", 1000, ",\"predicted_ttft_ms\":41.3")
+                          OUTCOME(11, "0", "complete", "null", 1500)
+                              DECISION_WITH(12, "0", "B", "LIVE", 1100,
+                                            ",\"predicted_ttft_ms\":null")
+                                  OUTCOME(12, "0", "complete", "\"A\"", 1600)
+                                      DECISION_WITH(13, "0", "B", "LIVE", 1200,
+                                                    ",\"predicted_ttft_ms\":1e-300")
+                                          OUTCOME(13, "0", "complete", "null", 1700),
+                      NULL);
     bad |= write_seed(d, "rotated", OUTCOME(5, "0", "complete", "\"A\"", 9000),
                       DECISION(5, "0", "B", "LIVE", 8000) "not json\n{\"type\":\"outcome\"}\n");
     return bad;
