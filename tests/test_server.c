@@ -6007,18 +6007,19 @@ Test(server, cli_serve_reload_the_flags_refuse_is_logged, .timeout = 60)
         fprintf(stderr, "could not remove %s\n", dir);
 }
 
-/* The cumulative count of one le bucket of an unlabelled histogram in a scrape; -1 when absent. */
+/* The cumulative count of one le bucket of pool main's series of a histogram in a scrape; -1 when
+ * absent. */
 static double bucket_value(const char *body, const char *name, const char *le)
 {
     char series[128];
-    snprintf(series, sizeof series, "%s_bucket{le=\"%s\"}", name, le);
+    snprintf(series, sizeof series, "%s_bucket{pool=\"main\",le=\"%s\"}", name, le);
     return metric_value(body, series);
 }
 
-/* /metrics kvmatch_ttft_observed_over_predicted: each first token of an attempt run where kvmatch
- * chose, its time over the decision's predicted_ttft_ms (the router's elapsed_ms when the report
- * gives one, else kvmatch's own), in the bucket of its ratio; an attempt the router sent to
- * another worker is left out. */
+/* /metrics kvmatch_ttft_observed_over_predicted{pool}: each first token of an attempt run where
+ * kvmatch chose, its time over the decision's predicted_ttft_ms (the router's elapsed_ms when the
+ * report gives one, else kvmatch's own), in the bucket of its ratio, in its pool's series; an
+ * attempt the router sent to another worker is left out. */
 Test(server, metrics_hold_each_first_token_against_its_prediction, .timeout = 30)
 {
     srv s = {0};
@@ -6026,16 +6027,26 @@ Test(server, metrics_hold_each_first_token_against_its_prediction, .timeout = 30
     test_config(&cfg, &s, KM_POLICY_TTFT, 2);
     char http[] = "127.0.0.1:0";
     cfg.http = http;
+    /* A second pool, whose first tokens go to its own series. */
+    static km_server_worker second_workers[2] = {{.id = 2}, {.id = 3}};
+    km_server_pool pools[2] = {g_pool, g_pool};
+    pools[1].name = "second";
+    pools[1].model = "m2";
+    pools[1].workers = second_workers;
+    cfg.pools = pools;
+    cfg.n_pools = 2;
     srv_start(&s, &cfg);
     km_client *c = connect_client(&s);
     km_message reply;
-    enum { N = 6 };
+    enum { N = 7 };
     char ids[N][16];
     uint32_t chosen[N];
     int64_t decision[N];
     for (int i = 0; i < N; i++) {
         snprintf(ids[i], sizeof ids[i], "p%d", i);
         km_route_request r = token_route(ids[i], (uint32_t)i * 200, 40 * BS);
+        if (i == N - 1)
+            r.pool = "second";
         const km_route_decision *d = route_one(c, &r, &reply);
         cr_assert_eq(d->status, KM_OK, "%s", d->message);
         chosen[i] = d->chosen_worker;
@@ -6081,7 +6092,7 @@ Test(server, metrics_hold_each_first_token_against_its_prediction, .timeout = 30
     const char *name = "kvmatch_ttft_observed_over_predicted";
     cr_assert_eq(http_get(port, "/metrics", body, sizeof body), 200);
     char count_name[96];
-    snprintf(count_name, sizeof count_name, "%s_count", name);
+    snprintf(count_name, sizeof count_name, "%s_count{pool=\"main\"}", name);
     cr_assert_eq(metric_value(body, count_name), 4, "%s", body);
     static const char *const les[] = {"0.25", "0.5", "0.67", "0.8", "0.9", "1", "1.1", "1.25",
                                       "1.5", "2", "4", "+Inf"};
@@ -6089,14 +6100,25 @@ Test(server, metrics_hold_each_first_token_against_its_prediction, .timeout = 30
     for (size_t k = 0; k < sizeof les / sizeof les[0]; k++)
         cr_assert_eq(bucket_value(body, name, les[k]), cumulative[k], "le %s: %g", les[k],
                      bucket_value(body, name, les[k]));
-    /* Without elapsed_ms, kvmatch's own time from the decision. */
+    /* Without elapsed_ms, kvmatch's own time from the decision; the other pool's in its series. */
     km_lifecycle_event ev;
     memset(&ev, 0, sizeof ev);
     ev.kind = KM_LIFECYCLE_FIRST_TOKEN;
     ev.request_id = ids[5];
     cr_assert_eq(send_report(c, &ev), KM_OK);
+    ev.request_id = ids[6];
+    ev.has_elapsed_ms = true;
+    ev.elapsed_ms = predicted[6] * 1.9;
+    cr_assert_eq(send_report(c, &ev), KM_OK);
     cr_assert_eq(http_get(port, "/metrics", body, sizeof body), 200);
     cr_assert_eq(metric_value(body, count_name), 5, "%s", body);
+    char second[128];
+    snprintf(second, sizeof second, "%s_count{pool=\"second\"}", name);
+    cr_assert_eq(metric_value(body, second), 1, "%s", body);
+    snprintf(second, sizeof second, "%s_bucket{pool=\"second\",le=\"1.5\"}", name);
+    cr_assert_eq(metric_value(body, second), 0);
+    snprintf(second, sizeof second, "%s_bucket{pool=\"second\",le=\"2\"}", name);
+    cr_assert_eq(metric_value(body, second), 1);
     km_client_close(c);
     srv_stop(&s);
     srv_cleanup(&s);

@@ -351,12 +351,11 @@ static void lesson_queue(km_server *s, const attempt *a, uint32_t worker)
 }
 
 /* The first token of an attempt the router ran where kvmatch chose: its time over the engine
- * model's prediction into kvmatch_ttft_observed_over_predicted. The time is the router's
+ * model's prediction into its pool's kvmatch_ttft_observed_over_predicted. The time is the router's
  * (elapsed_ms, from the request's arrival) when the report gives one, else kvmatch's, from the
  * decision. A warm-up (no prediction), an overridden attempt (the prediction was for another
  * worker) and a ratio that is not a finite number are left out. */
-static void observe_ttft_prediction(km_server *s, const attempt *a, const km_lifecycle_event *ev,
-                                    uint64_t now)
+static void observe_ttft_prediction(const attempt *a, const km_lifecycle_event *ev, uint64_t now)
 {
     if (!(a->predicted_ttft_ms > 0) || a->dispatched_name[0])
         return;
@@ -365,7 +364,7 @@ static void observe_ttft_prediction(km_server *s, const attempt *a, const km_lif
                                              : 0.0;
     double ratio = observed / a->predicted_ttft_ms;
     if (isfinite(ratio))
-        km_histogram_observe(s->m_ttft_ratio, ratio);
+        km_histogram_observe(a->ttft_ratio, ratio);
 }
 
 /* A warm-up of an approximate-mode worker whose prefill has run (FIRST_TOKEN, or a complete
@@ -484,7 +483,7 @@ static int lifecycle_one(km_server *s, const km_lifecycle_event *ev, char *msg, 
          * room for newer decisions'. */
         if (rc == KM_OK) {
             a->first_token = km_record_time_now();
-            observe_ttft_prediction(s, a, ev, now);
+            observe_ttft_prediction(a, ev, now);
             warm_up_lesson(s, a);
             attempt_drop_hashes(&s->attempt_cache, a);
             km_srv_cluster_publish(s, a->worker);

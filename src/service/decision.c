@@ -511,6 +511,7 @@ static attempt *keep_attempt(km_server *s, route_job *r, pool *p, const route_ch
         a->owner_depth = c->owner_depth;
         a->predicted_ttft_ms = c->predicted_ttft_ms;
         a->decided_ns = c->now;
+        a->ttft_ratio = p->m_ttft_ratio;
         a->has_blocks = r->n_hashes > 0;
         /* A warm-up of an approximate-mode worker is taught when its prefill has run. */
         a->lesson_at_first_token = c->reason == KM_POLICY_REASON_WARM_UP &&

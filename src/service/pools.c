@@ -134,8 +134,8 @@ int km_srv_pool_create(km_server *s, const km_server_pool *pc, pool **out, char 
     km_srv_pool_approx_params(pc, &p->approx_ttl_ms, &p->approx_capacity_blocks);
     km_approx_updates_init(&p->approx_updates);
     km_match_results_init(&p->results);
-    int rc = KM_OK;
-    if (pc->model && !(p->model = strdup(pc->model)))
+    int rc = km_srv_metrics_pool_ttft(s, p->name, &p->m_ttft_ratio);
+    if (!rc && pc->model && !(p->model = strdup(pc->model)))
         rc = KM_ERR_OUT_OF_MEMORY;
     if (!rc && s->snapshot_dir) {
         size_t n = strlen(s->snapshot_dir) + strlen(p->name) + 8;

@@ -180,6 +180,7 @@ typedef struct attempt {
      * and when the decision was made (now_ns), for kvmatch_ttft_observed_over_predicted. */
     double predicted_ttft_ms;
     uint64_t decided_ns;
+    km_histogram *ttft_ratio; /* its pool's; the registry's, valid after the pool goes */
     bool cached_size;  /* allocated with ATTEMPT_CACHED_STRINGS bytes of strings: reusable */
     /* The request's block hashes, kept (approx_dispatch_max_bytes) when its pool has
      * approximate-mode workers: a report that the router used another of them teaches it. */
@@ -260,6 +261,9 @@ typedef struct worker_slot {
 
 typedef struct pool {
     char name[KM_SERVER_NAME_MAX];
+    /* kvmatch_ttft_observed_over_predicted{pool}: the registry's, kept after the pool goes (a pool
+     * added again under its name gets the same series) */
+    km_histogram *m_ttft_ratio;
     uint64_t uid; /* distinct for every pool this server created, never reused */
     char *model;
     uint32_t block_size;
@@ -462,7 +466,6 @@ struct km_server {
         *m_slow_closed, *m_reading_paused, *m_dropped_closed, *m_undelivered, *m_warm_ups,
         *m_progress_blocks, *m_progress_dropped;
     km_histogram *m_batch_routes, *m_batch_seconds, *m_queue_seconds;
-    km_histogram *m_ttft_ratio; /* kvmatch_ttft_observed_over_predicted */
     km_http *http;
     uint16_t http_port;
 
@@ -712,5 +715,8 @@ bool km_srv_engine_reported_fresh(km_server *s, uint32_t id, uint64_t now, km_en
 struct json_t *km_srv_engine_reported_status(km_server *s, uint32_t id, uint64_t now, bool *fresh);
 km_http_callbacks km_srv_http_callbacks(km_server *s);
 int km_srv_metrics_setup(km_server *s);
+/* kvmatch_ttft_observed_over_predicted{pool=name} (the one series a name has, however often a
+ * pool of that name is added). KM_OK, or the registry's error. */
+int km_srv_metrics_pool_ttft(km_server *s, const char *name, km_histogram **out);
 
 #endif

@@ -719,17 +719,20 @@ int km_srv_metrics_setup(km_server *s)
         rc = km_metrics_add_histogram(s->metrics, "kvmatch_queue_wait_seconds",
                                       "Time a ROUTE frame waited for its batch.", NULL, 0, lb, nl,
                                       &s->m_queue_seconds);
-    if (!rc) {
-        /* Around 1: whether the pools' engine models fit their engines (ANALYZE.md). */
-        static const double ratio_bounds[] = {0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2, 4};
-        rc = km_metrics_add_histogram(
-            s->metrics, "kvmatch_ttft_observed_over_predicted",
-            "First tokens of attempts run where kvmatch chose: the time to first token (the "
-            "router's elapsed_ms, else kvmatch's from the decision) over the engine model's "
-            "prediction on the chosen worker.",
-            NULL, 0, ratio_bounds, sizeof ratio_bounds / sizeof ratio_bounds[0], &s->m_ttft_ratio);
-    }
     return rc;
+}
+
+int km_srv_metrics_pool_ttft(km_server *s, const char *name, km_histogram **out)
+{
+    /* Around 1 where a pool's engine model fits its engines (ANALYZE.md, "TTFT prediction"). */
+    static const double bounds[] = {0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2, 4};
+    km_metric_label label = {"pool", name};
+    return km_metrics_add_histogram(
+        s->metrics, "kvmatch_ttft_observed_over_predicted",
+        "First tokens of attempts run where kvmatch chose: the time to first token (the router's "
+        "elapsed_ms, else kvmatch's from the decision) over the pool's engine model's prediction "
+        "on the chosen worker.",
+        &label, 1, bounds, sizeof bounds / sizeof bounds[0], out);
 }
 
 void km_server_get_stats(km_server *s, km_server_stats *o)
