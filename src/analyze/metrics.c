@@ -344,6 +344,7 @@ static int assign_windows(km_analysis *a)
 /* One compared outcome: its observed and predicted times, and observed / predicted. */
 typedef struct ttft_pair {
     double observed_ms, predicted_ms, ratio;
+    bool queued; /* prefill was waiting on the chosen worker */
 } ttft_pair;
 
 static int compare_ratio(const void *x, const void *y)
@@ -389,16 +390,10 @@ static void ttft_ratio_of(ttft_pair *pairs, size_t n, km_analysis_ttft_ratio *ou
 static int ttft_prediction(km_analysis *a)
 {
     km_analysis_ttft_prediction *tp = &a->summary.ttft_prediction;
-    ttft_pair *idle = malloc((a->n_points + 1) * sizeof *idle);
-    ttft_pair *queued = malloc((a->n_points + 1) * sizeof *queued);
-    ttft_pair *all = malloc((a->n_points + 1) * sizeof *all);
-    if (!idle || !queued || !all) {
-        free(idle);
-        free(queued);
-        free(all);
+    ttft_pair *pairs = malloc((a->n_points + 1) * sizeof *pairs);
+    if (!pairs)
         return km_analysis_fail_memory(a, "comparing predicted times to first token");
-    }
-    size_t n_idle = 0, n_queued = 0;
+    size_t n = 0;
     for (size_t i = 0; i < a->n_points; i++) {
         const point *p = &a->points[i];
         uint32_t f = p->flags;
@@ -412,24 +407,26 @@ static int ttft_prediction(km_analysis *a)
         if (!router && p->ttft_ns < 0)
             continue;
         double observed = router ? p->router_ttft_ms : (double)p->ttft_ns / 1e6;
-        ttft_pair pair = {observed, p->predicted_ttft_ms, observed / p->predicted_ttft_ms};
+        ttft_pair pair = {observed, p->predicted_ttft_ms, observed / p->predicted_ttft_ms,
+                          (f & POINT_CHOSEN_QUEUED) != 0};
         if (!isfinite(pair.ratio))
             continue; /* a prediction too close to 0 for the ratio to be held */
         tp->router_clock += router;
         tp->kvmatch_clock += !router;
-        if (f & POINT_CHOSEN_QUEUED)
-            queued[n_queued++] = pair;
-        else
-            idle[n_idle++] = pair;
+        pairs[n++] = pair;
     }
-    memcpy(all, idle, n_idle * sizeof *all);
-    memcpy(all + n_idle, queued, n_queued * sizeof *all);
-    ttft_ratio_of(all, n_idle + n_queued, &tp->all);
-    ttft_ratio_of(idle, n_idle, &tp->idle);
-    ttft_ratio_of(queued, n_queued, &tp->queued);
-    free(idle);
-    free(queued);
-    free(all);
+    ttft_ratio_of(pairs, n, &tp->all);
+    /* The idle ones first, then the queued ones (each split's percentiles sort it anew). */
+    size_t n_idle = 0;
+    for (size_t i = 0; i < n; i++)
+        if (!pairs[i].queued) {
+            ttft_pair t = pairs[n_idle];
+            pairs[n_idle++] = pairs[i];
+            pairs[i] = t;
+        }
+    ttft_ratio_of(pairs, n_idle, &tp->idle);
+    ttft_ratio_of(pairs + n_idle, n - n_idle, &tp->queued);
+    free(pairs);
     return KM_OK;
 }
 
