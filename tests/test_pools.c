@@ -842,3 +842,48 @@ Test(pools, reload_refuses_a_configuration_listing_a_pool_or_a_worker_twice, .ti
     cr_assert_eq(lr.pools.n_pools, 1, "the refused configuration's pool was added");
     reload_stop(&r, c);
 }
+
+/* ---- a copy the service cannot allocate: refused whole, nothing changed -------------------- */
+
+/* strdup, failing for any string that contains STRDUP_FAILS: the service copies a pool's model
+ * and a worker's endpoints with it, so a request naming such a string meets the out-of-memory
+ * path of that copy and no other allocation. Every other string is copied as libc's would. */
+#define STRDUP_FAILS "strdup-fails"
+
+char *strdup(const char *s)
+{
+    if (strstr(s, STRDUP_FAILS))
+        return NULL;
+    size_t n = strlen(s) + 1;
+    char *copy = malloc(n);
+    return copy ? memcpy(copy, s, n) : NULL;
+}
+
+/* POOLS update whose model cannot be copied fails with KM_ERR_OUT_OF_MEMORY, and the pool keeps
+ * its policy as well as its model: the update is all of the item or none of it. */
+Test(pools, update_whose_model_cannot_be_copied_changes_nothing, .timeout = 60)
+{
+    reload_srv r;
+    km_client *c = NULL;
+    reload_start(&r, "{\"pools\": [{\"name\": \"main\", \"block_size\": 4, \"policy\": \"prefix\","
+                     " \"model\": \"m1\", \"workers\": [{\"id\": 0}]}]}", &c);
+    km_pool_info pi;
+    memset(&pi, 0, sizeof pi);
+    pi.name = "main";
+    pi.model = STRDUP_FAILS "-model";
+    pi.policy = "kv";
+    km_message m = {.type = KM_MESSAGE_POOLS}, reply;
+    m.pools.action = KM_ADMIN_UPDATE;
+    m.pools.pools = &pi;
+    m.pools.n_pools = 1;
+    cr_assert_eq(km_client_call(c, &m, 10000, &reply), KM_OK, "%s", km_client_last_error(c));
+    cr_assert_eq(reply.type, KM_MESSAGE_ACK);
+    cr_assert_eq(reply.ack.items[0].status, KM_ERR_OUT_OF_MEMORY, "the update was reported done");
+    cr_assert(reply.ack.items[0].message && strstr(reply.ack.items[0].message, "out of memory"),
+              "%s", reply.ack.items[0].message ? reply.ack.items[0].message : "(no message)");
+    const km_pool_info *p = listed_pool(c, &reply, "main");
+    cr_assert_str_eq(p->policy, "prefix", "the refused update's policy was applied");
+    cr_assert_str_eq(p->model, "m1");
+    cr_assert(!reload_logged(&r, "pool main updated"), "%s", r.log);
+    reload_stop(&r, c);
+}

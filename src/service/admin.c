@@ -400,14 +400,17 @@ void km_srv_handle_pools(conn *c, const km_message *m)
         char detail[192];
         if (rc == KM_OK && km_policy_config_validate(&pc.policy, detail, sizeof detail) != KM_OK)
             rc = km_why(msgs[i], sizeof msgs[i], KM_ERR_INVALID_ARGUMENT, "%s", detail);
+        /* An update applies whole or not at all: the model is copied before anything changes. */
+        char *model = NULL;
+        if (rc == KM_OK && pm->action == KM_ADMIN_UPDATE && pi->model &&
+            !(model = strdup(pi->model)))
+            rc = km_why(msgs[i], sizeof msgs[i], KM_ERR_OUT_OF_MEMORY,
+                        "pool %s: out of memory copying its model; nothing changed", pi->name);
         if (rc == KM_OK && pm->action == KM_ADMIN_UPDATE) {
             s->pools[at]->policy = pc.policy;
-            if (pi->model) {
-                char *model = strdup(pi->model);
-                if (model) {
-                    free(s->pools[at]->model);
-                    s->pools[at]->model = model;
-                }
+            if (model) {
+                free(s->pools[at]->model);
+                s->pools[at]->model = model;
             }
         } else if (rc == KM_OK) {
             pc.name = pi->name;
