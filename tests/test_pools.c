@@ -887,3 +887,45 @@ Test(pools, update_whose_model_cannot_be_copied_changes_nothing, .timeout = 60)
     cr_assert(!reload_logged(&r, "pool main updated"), "%s", r.log);
     reload_stop(&r, c);
 }
+
+/* A reload whose model for a listed pool the service would refuse at the start or in POOLS update
+ * (a control character), or cannot copy, refuses that pool whole: its policy, model and workers
+ * stay as they are, the log says why, and the reload's status is the refusal's. */
+Test(pools, reload_refuses_a_model_it_cannot_take_and_keeps_the_pool, .timeout = 60)
+{
+    reload_srv r;
+    km_client *c = NULL;
+    reload_start(&r, "{\"pools\": [{\"name\": \"main\", \"block_size\": 4, \"policy\": \"prefix\","
+                     " \"model\": \"m1\", \"workers\": [{\"id\": 0}]}]}", &c);
+    reload_with(&r, "{\"pools\": [{\"name\": \"main\", \"block_size\": 4, \"policy\": \"kv\","
+                    " \"model\": \"bad\\u0007model\", \"workers\": [{\"id\": 0}, {\"id\": 1}]}]}");
+    cr_assert_eq(r.load_status, KM_OK, "%s", r.log);
+    cr_assert_eq(r.reload_status, KM_ERR_INVALID_ARGUMENT, "a control character was taken");
+    cr_assert(reload_logged(&r, "reload: pool main refused: model must be UTF-8 without control "
+                                "characters"), "%s", r.log);
+    km_message reply;
+    const km_pool_info *p = listed_pool(c, &reply, "main");
+    cr_assert_str_eq(p->policy, "prefix", "the refused pool's policy was applied");
+    cr_assert_str_eq(p->model, "m1");
+    km_message m = {.type = KM_MESSAGE_WORKERS};
+    m.workers.action = KM_ADMIN_LIST;
+    cr_assert_eq(km_client_call(c, &m, 5000, &reply), KM_OK);
+    cr_assert_eq(reply.workers.n_workers, 1, "the refused pool's workers changed");
+
+    reload_with(&r, "{\"pools\": [{\"name\": \"main\", \"block_size\": 4, \"policy\": \"kv\","
+                    " \"model\": \"" STRDUP_FAILS "-model\", \"workers\": [{\"id\": 0}]}]}");
+    cr_assert_eq(r.reload_status, KM_ERR_OUT_OF_MEMORY, "the reload was reported done: %s", r.log);
+    cr_assert(reload_logged(&r, "reload: pool main refused: out of memory"), "%s", r.log);
+    p = listed_pool(c, &reply, "main");
+    cr_assert_str_eq(p->policy, "prefix", "the refused pool's policy was applied");
+    cr_assert_str_eq(p->model, "m1");
+
+    /* The same file with a model it can take applies whole. */
+    reload_with(&r, "{\"pools\": [{\"name\": \"main\", \"block_size\": 4, \"policy\": \"kv\","
+                    " \"model\": \"m2\", \"workers\": [{\"id\": 0}]}]}");
+    cr_assert_eq(r.reload_status, KM_OK, "%s", r.log);
+    p = listed_pool(c, &reply, "main");
+    cr_assert_str_eq(p->policy, "kv");
+    cr_assert_str_eq(p->model, "m2");
+    reload_stop(&r, c);
+}

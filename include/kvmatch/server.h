@@ -250,16 +250,18 @@ int km_server_run(km_server *server, bool install_signals);
 /* Apply a configuration read again (SIGHUP) to a running server, on the loop thread (from
  * on_hangup): pools it lists that the server lacks are added; a listed pool's policy, parameters
  * and model take the new values (its block_size, hash_lookahead_tokens, offload_chunk_blocks and
- * engine cannot change: that pool is refused whole); its workers become the listed ones (a
- * worker not listed is removed, one whose endpoints or name changed is removed and added again,
- * one whose metrics URL or dp_rank changed takes the new value in place, a new one is added; all
- * pools' removals come before any addition, so a worker can move between pools listed in either
- * order). Pools it does not list are kept. Settings only a restart applies (every field but
- * pools, log and the hangup callback; a listed pool's approx_ttl_ms and approx_capacity_blocks,
- * defaults applied) are not changed; each that differs is logged by its name in the
- * configuration file. Every change and refusal is logged, then a summary line. KM_OK, or the
- * first refusal's error (the rest is still applied). A configuration that lists a pool name or a
- * worker id twice is refused whole (KM_ERR_INVALID_ARGUMENT, logged): nothing changes. */
+ * engine cannot change, and a model must be UTF-8 without control characters: else that pool is
+ * refused whole, as it is when its model cannot be copied, KM_ERR_OUT_OF_MEMORY); its workers
+ * become the listed ones (a worker not listed is removed, one whose endpoints or name changed is
+ * removed and added again, one whose metrics URL or dp_rank changed takes the new value in place,
+ * a new one is added; all pools' removals come before any addition, so a worker can move between
+ * pools listed in either order). Pools it does not list are kept. Settings only a restart
+ * applies (every field but pools, log and the hangup callback; a listed pool's approx_ttl_ms and
+ * approx_capacity_blocks, defaults applied) are not changed; each that differs is logged by its
+ * name in the configuration file. Every change and refusal is logged, then a summary line.
+ * KM_OK, or the first refusal's error (the rest is still applied). A configuration that lists a
+ * pool name or a worker id twice is refused whole (KM_ERR_INVALID_ARGUMENT, logged): nothing
+ * changes. */
 int km_server_reload(km_server *server, const km_server_config *config);
 
 /* Ask a running server to stop (drain and return from km_server_run). Any thread. */

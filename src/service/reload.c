@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "base/error_detail.h"
+#include "base/utf8.h"
 #include "service/server_internal.h"
 
 static bool same_string(const char *a, const char *b)
@@ -318,6 +319,23 @@ int km_server_reload(km_server *s, const km_server_config *n)
                 first_error = first_error ? first_error : KM_ERR_INVALID_ARGUMENT;
                 continue;
             }
+            /* The model is checked as km_srv_pool_create and POOLS update check it, and copied
+             * before anything of the pool changes: the pool takes the file's entry whole or is
+             * refused whole. */
+            bool model_changes = !same_string(p->model, pc->model);
+            if (model_changes && pc->model && !km_utf8_name(pc->model)) {
+                km_srv_log(s, KM_LOG_WARNING "reload: pool %s refused: model must be UTF-8 "
+                           "without control characters", pc->name);
+                first_error = first_error ? first_error : KM_ERR_INVALID_ARGUMENT;
+                continue;
+            }
+            char *model = model_changes && pc->model ? strdup(pc->model) : NULL;
+            if (model_changes && pc->model && !model) {
+                km_srv_log(s, KM_LOG_ERROR "reload: pool %s refused: out of memory copying its "
+                           "model; nothing of it changed", pc->name);
+                first_error = first_error ? first_error : KM_ERR_OUT_OF_MEMORY;
+                continue;
+            }
             note_pool_restart_only(s, p, pc);
             if (memcmp(&p->policy, &pc->policy, sizeof p->policy) != 0) {
                 km_srv_log(s, KM_LOG_INFO
@@ -327,15 +345,12 @@ int km_server_reload(km_server *s, const km_server_config *n)
                 p->policy = pc->policy;
                 changes++;
             }
-            if (!same_string(p->model, pc->model)) {
-                char *model = pc->model ? strdup(pc->model) : NULL;
-                if (!pc->model || model) {
-                    km_srv_log(s, KM_LOG_INFO "reload: pool %s: model %s -> %s", pc->name,
-                               p->model ? p->model : "(none)", pc->model ? pc->model : "(none)");
-                    free(p->model);
-                    p->model = model;
-                    changes++;
-                }
+            if (model_changes) {
+                km_srv_log(s, KM_LOG_INFO "reload: pool %s: model %s -> %s", pc->name,
+                           p->model ? p->model : "(none)", pc->model ? pc->model : "(none)");
+                free(p->model);
+                p->model = model;
+                changes++;
             }
         }
         pool_at[i] = at;
