@@ -929,3 +929,43 @@ Test(pools, reload_refuses_a_model_it_cannot_take_and_keeps_the_pool, .timeout =
     cr_assert_str_eq(p->model, "m2");
     reload_stop(&r, c);
 }
+
+/* WORKERS add whose endpoint cannot be copied fails with KM_ERR_OUT_OF_MEMORY and adds nothing:
+ * a worker kept without its endpoint would be listed without it, and the next reload would take
+ * it for one whose endpoints changed and remove it with its index. */
+Test(pools, worker_add_whose_endpoint_cannot_be_copied_adds_nothing, .timeout = 60)
+{
+    pools_srv s;
+    pools_start(&s);
+    km_client *c = NULL;
+    char why[256];
+    cr_assert_eq(km_client_connect(s.addr, 5000, &c, why, sizeof why), KM_OK, "%s", why);
+    km_worker_info wi;
+    memset(&wi, 0, sizeof wi);
+    wi.pool = "main";
+    wi.worker = 7;
+    wi.event_endpoint = "ipc:///tmp/kvmatch-" STRDUP_FAILS;
+    km_message m = {.type = KM_MESSAGE_WORKERS}, reply;
+    m.workers.action = KM_ADMIN_ADD;
+    m.workers.workers = &wi;
+    m.workers.n_workers = 1;
+    cr_assert_eq(km_client_call(c, &m, 10000, &reply), KM_OK, "%s", km_client_last_error(c));
+    cr_assert_eq(reply.type, KM_MESSAGE_ACK);
+    cr_assert_eq(reply.ack.items[0].status, KM_ERR_OUT_OF_MEMORY, "the add was reported done");
+    cr_assert(reply.ack.items[0].message && strstr(reply.ack.items[0].message, "out of memory"),
+              "%s", reply.ack.items[0].message ? reply.ack.items[0].message : "(no message)");
+    m = (km_message){.type = KM_MESSAGE_WORKERS};
+    m.workers.action = KM_ADMIN_LIST;
+    cr_assert_eq(km_client_call(c, &m, 5000, &reply), KM_OK);
+    cr_assert_eq(reply.workers.n_workers, 2, "the refused worker was added");
+    /* The id stays free: added with an endpoint it can copy, the worker is taken. */
+    wi.event_endpoint = "ipc:///tmp/kvmatch-pools-worker-7";
+    m = (km_message){.type = KM_MESSAGE_WORKERS};
+    m.workers.action = KM_ADMIN_ADD;
+    m.workers.workers = &wi;
+    m.workers.n_workers = 1;
+    cr_assert_eq(km_client_call(c, &m, 10000, &reply), KM_OK);
+    cr_assert_eq(reply.ack.items[0].status, KM_OK, "%s", reply.ack.items[0].message);
+    km_client_close(c);
+    pools_stop(&s);
+}

@@ -389,26 +389,42 @@ int km_srv_worker_add(km_server *s, uint32_t pool_index, const km_server_worker 
     if (slot->used)
         return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT, "worker %u already exists (pool %s)",
                      w->id, s->pools[slot->pool]->name);
-    int checked = km_srv_worker_check(w, why, why_size);
-    if (checked != KM_OK)
-        return checked;
-    int rc;
+    int rc = km_srv_worker_check(w, why, why_size);
+    if (rc != KM_OK)
+        return rc;
     bool local = w->event_endpoint && !strcmp(w->event_endpoint, KM_SERVER_LOCAL_EVENTS);
+    /* The slot's copies are made before anything changes: a worker is added whole or not at all
+     * (one kept without its endpoint would be listed without it, and a reload would take it for
+     * one whose endpoints changed). */
+    char *event_endpoint = w->event_endpoint ? strdup(w->event_endpoint) : NULL;
+    char *replay_endpoint = w->replay_endpoint ? strdup(w->replay_endpoint) : NULL;
+    char *metrics_url = w->metrics_url ? strdup(w->metrics_url) : NULL;
+    if ((w->event_endpoint && !event_endpoint) || (w->replay_endpoint && !replay_endpoint) ||
+        (w->metrics_url && !metrics_url)) {
+        rc = km_why(why, why_size, KM_ERR_OUT_OF_MEMORY,
+                    "worker %u: out of memory copying its endpoints or metrics URL; not added",
+                    w->id);
+        goto refused;
+    }
     if (local) {
         if ((rc = pool_local_feed(s, p, why, why_size)) != KM_OK)
-            return rc;
+            goto refused;
         km_feed_worker_config fw = {w->id, w->name, false};
         pthread_mutex_lock(&p->local_lock);
         rc = km_feed_add_worker(p->local_feed, &fw, now_ns());
         pthread_mutex_unlock(&p->local_lock);
-        if (rc)
-            return km_why(why, why_size, rc, "worker %u: %s", w->id, km_feed_last_error(p->local_feed));
+        if (rc) {
+            km_why(why, why_size, rc, "worker %u: %s", w->id, km_feed_last_error(p->local_feed));
+            goto refused;
+        }
     } else if (w->event_endpoint) {
         if ((rc = pool_subscriber(s, p, why, why_size)) != KM_OK)
-            return rc;
+            goto refused;
         km_subscriber_worker sw = {w->id, w->name, w->event_endpoint, w->replay_endpoint};
-        if ((rc = km_subscriber_add_worker(p->sub, &sw)) != KM_OK)
-            return km_why(why, why_size, rc, "worker %u: %s", w->id, km_subscriber_last_error(p->sub));
+        if ((rc = km_subscriber_add_worker(p->sub, &sw)) != KM_OK) {
+            km_why(why, why_size, rc, "worker %u: %s", w->id, km_subscriber_last_error(p->sub));
+            goto refused;
+        }
     }
     if ((rc = members_insert(p, w->id)) != KM_OK) {
         if (local) {
@@ -418,7 +434,8 @@ int km_srv_worker_add(km_server *s, uint32_t pool_index, const km_server_worker 
         } else if (w->event_endpoint) {
             km_subscriber_remove_worker(p->sub, w->id);
         }
-        return km_why(why, why_size, rc, "worker %u", w->id);
+        km_why(why, why_size, rc, "worker %u", w->id);
+        goto refused;
     }
     memset(slot, 0, sizeof *slot);
     slot->used = true;
@@ -431,14 +448,20 @@ int km_srv_worker_add(km_server *s, uint32_t pool_index, const km_server_worker 
         snprintf(slot->name, sizeof slot->name, "%s", w->name);
     else
         snprintf(slot->name, sizeof slot->name, "w%u", w->id);
-    slot->event_endpoint = w->event_endpoint ? strdup(w->event_endpoint) : NULL;
-    slot->replay_endpoint = w->replay_endpoint ? strdup(w->replay_endpoint) : NULL;
-    slot->metrics_url = w->metrics_url ? strdup(w->metrics_url) : NULL;
+    slot->event_endpoint = event_endpoint;
+    slot->replay_endpoint = replay_endpoint;
+    slot->metrics_url = metrics_url;
     slot->has_dp_rank = w->has_dp_rank;
     slot->dp_rank = w->dp_rank;
     km_srv_engine_metrics_target(s, w->id, w->metrics_url);
     km_srv_cluster_pools_changed(s);
     return KM_OK;
+
+refused:
+    free(event_endpoint);
+    free(replay_endpoint);
+    free(metrics_url);
+    return rc;
 }
 
 /* Remove a worker (admin_lock held): it stops being a candidate; its blocks leave the index; its
