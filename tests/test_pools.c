@@ -969,3 +969,26 @@ Test(pools, worker_add_whose_endpoint_cannot_be_copied_adds_nothing, .timeout = 
     km_client_close(c);
     pools_stop(&s);
 }
+
+/* POOLS remove deletes the pool's snapshot file however little memory is left: a file kept would
+ * be restored into a pool added later under the same name, which must start empty. */
+Test(pools, remove_deletes_the_snapshot_without_copying_its_path, .timeout = 60)
+{
+    pools_srv s;
+    pools_start(&s);
+    km_client *c = NULL;
+    char why[256];
+    cr_assert_eq(km_client_connect(s.addr, 5000, &c, why, sizeof why), KM_OK, "%s", why);
+    /* The pool's name is in its snapshot path, so a copy of that path would fail. */
+    cr_assert_eq(pools_call(c, KM_ADMIN_ADD, STRDUP_FAILS), KM_OK);
+    char snap[256];
+    snprintf(snap, sizeof snap, "%s/" STRDUP_FAILS ".snap", s.snapshots);
+    FILE *f = fopen(snap, "w");
+    cr_assert(f);
+    fputs("stale", f);
+    fclose(f);
+    cr_assert_eq(pools_call(c, KM_ADMIN_REMOVE, STRDUP_FAILS), KM_OK);
+    cr_assert(!file_exists(snap), "the removed pool's snapshot file is still there");
+    km_client_close(c);
+    pools_stop(&s);
+}

@@ -521,7 +521,10 @@ int km_srv_pool_remove(km_server *s, uint32_t pool_index, char *why, size_t why_
     for (uint32_t id = 0; id < s->cfg.max_workers; id++)
         if (s->workers[id].used && s->workers[id].pool > pool_index)
             s->workers[id].pool--;
-    char *snapshot = p->snapshot_path ? strdup(p->snapshot_path) : NULL;
+    /* The path is taken from the pool rather than copied, so no allocation can keep the file:
+     * it is deleted after the subscriber, which may still write it, is gone. */
+    char *snapshot = p->snapshot_path;
+    p->snapshot_path = NULL;
     km_srv_pool_destroy(p);
     if (snapshot) {
         unlink(snapshot);
