@@ -992,3 +992,42 @@ Test(pools, remove_deletes_the_snapshot_without_copying_its_path, .timeout = 60)
     km_client_close(c);
     pools_stop(&s);
 }
+
+/* A refused POOLS or WORKERS item is logged as well as answered, as a reload's refusals are: the
+ * service's log holds what an operator was refused, not only what was done. */
+Test(pools, refused_admin_items_are_logged, .timeout = 60)
+{
+    reload_srv r;
+    km_client *c = NULL;
+    reload_start(&r, "{\"pools\": [{\"name\": \"main\", \"block_size\": 4, \"policy\": \"prefix\","
+                     " \"workers\": [{\"id\": 0}]}]}", &c);
+    km_pool_info pi;
+    memset(&pi, 0, sizeof pi);
+    pi.name = "main";
+    pi.policy = "no-such-policy";
+    km_message m = {.type = KM_MESSAGE_POOLS}, reply;
+    m.pools.action = KM_ADMIN_UPDATE;
+    m.pools.pools = &pi;
+    m.pools.n_pools = 1;
+    cr_assert_eq(km_client_call(c, &m, 10000, &reply), KM_OK, "%s", km_client_last_error(c));
+    cr_assert_eq(reply.ack.items[0].status, KM_ERR_INVALID_ARGUMENT);
+    cr_assert(reload_logged(&r, "POOLS update of pool main refused: unknown policy "
+                                "\"no-such-policy\""), "%s", r.log);
+    cr_assert_eq(pools_call(c, KM_ADMIN_REMOVE, "never-added"), KM_ERR_NOT_FOUND);
+    cr_assert(reload_logged(&r, "POOLS remove of pool never-added refused: no pool never-added"),
+              "%s", r.log);
+
+    km_worker_info wi;
+    memset(&wi, 0, sizeof wi);
+    wi.pool = "elsewhere";
+    wi.worker = 5;
+    m = (km_message){.type = KM_MESSAGE_WORKERS};
+    m.workers.action = KM_ADMIN_ADD;
+    m.workers.workers = &wi;
+    m.workers.n_workers = 1;
+    cr_assert_eq(km_client_call(c, &m, 10000, &reply), KM_OK, "%s", km_client_last_error(c));
+    cr_assert_eq(reply.ack.items[0].status, KM_ERR_NOT_FOUND);
+    cr_assert(reload_logged(&r, "WORKERS add of worker 5 refused: no pool elsewhere"), "%s",
+              r.log);
+    reload_stop(&r, c);
+}

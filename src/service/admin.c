@@ -79,6 +79,19 @@ static int named_worker(km_server *s, const km_worker_info *wi, char *why, size_
     return KM_OK;
 }
 
+/* A refused POOLS or WORKERS item, logged as well as answered: the log holds what was refused
+ * as it holds what was done (out of memory as an error, the rest as warnings). */
+static void log_refused_item(km_server *s, const char *message_type, km_admin_action action,
+                             const char *what, int status, const char *why)
+{
+    if (status == KM_ERR_OUT_OF_MEMORY)
+        km_srv_log(s, KM_LOG_ERROR "%s %s of %s refused: %s", message_type,
+                   km_admin_action_name(action), what, why);
+    else
+        km_srv_log(s, KM_LOG_WARNING "%s %s of %s refused: %s", message_type,
+                   km_admin_action_name(action), what, why);
+}
+
 /* A WORKERS frame: list (WORKER_LIST), or add / remove / update each worker under admin_lock,
  * answered with an ACK of per-worker statuses. */
 void km_srv_handle_workers(conn *c, const km_message *m)
@@ -165,6 +178,11 @@ void km_srv_handle_workers(conn *c, const km_message *m)
                 rc = km_srv_worker_remove(s, wi->worker, msgs[i], sizeof msgs[i]);
             if (rc == KM_OK)
                 km_srv_log(s, KM_LOG_INFO "worker %u removed from pool %s", wi->worker, wi->pool);
+        }
+        if (rc != KM_OK) {
+            char what[32];
+            snprintf(what, sizeof what, "worker %u", wi->worker);
+            log_refused_item(s, "WORKERS", wm->action, what, rc, msgs[i]);
         }
         items[i].status = rc;
         items[i].message = rc == KM_OK ? NULL : msgs[i];
@@ -285,6 +303,23 @@ static int pool_param(km_admin_action action, km_server_pool *pc, const km_param
     return KM_OK;
 }
 
+/* One POOLS item's status into its ACK item, logged when refused (pools[i] names an item whose
+ * name did not decode). */
+static void pool_item_status(km_server *s, km_admin_action action, const km_pool_info *pi,
+                             uint32_t i, int status, const char *why, km_item_status *item)
+{
+    if (status != KM_OK) {
+        char what[96];
+        if (pi->name)
+            snprintf(what, sizeof what, "pool %s", pi->name);
+        else
+            snprintf(what, sizeof what, "pools[%u]", i);
+        log_refused_item(s, "POOLS", action, what, status, why);
+    }
+    item->status = status;
+    item->message = status == KM_OK ? NULL : why;
+}
+
 /* A POOLS frame: list (POOL_LIST), or add / update / remove each pool under admin_lock, answered
  * with an ACK of per-pool statuses. */
 void km_srv_handle_pools(conn *c, const km_message *m)
@@ -338,8 +373,7 @@ void km_srv_handle_pools(conn *c, const km_message *m)
         int rc = pi->status;
         if (rc != KM_OK) {
             snprintf(msgs[i], sizeof msgs[i], "%s", pi->message ? pi->message : "malformed");
-            items[i].status = rc;
-            items[i].message = msgs[i];
+            pool_item_status(s, pm->action, pi, i, rc, msgs[i], &items[i]);
             continue;
         }
         int at = km_srv_pool_find(s, pi->name);
@@ -350,8 +384,7 @@ void km_srv_handle_pools(conn *c, const km_message *m)
                 rc = km_srv_pool_remove(s, (uint32_t)at, msgs[i], sizeof msgs[i]);
             if (rc == KM_OK)
                 km_srv_log(s, KM_LOG_INFO "pool %s removed", pi->name);
-            items[i].status = rc;
-            items[i].message = rc == KM_OK ? NULL : msgs[i];
+            pool_item_status(s, pm->action, pi, i, rc, msgs[i], &items[i]);
             continue;
         }
         km_server_pool pc;
@@ -427,8 +460,7 @@ void km_srv_handle_pools(conn *c, const km_message *m)
             km_srv_log(s, KM_LOG_INFO "pool %s %s (policy %s)", pi->name,
                        pm->action == KM_ADMIN_ADD ? "added" : "updated",
                        km_policy_kind_name(pc.policy.kind));
-        items[i].status = rc;
-        items[i].message = rc == KM_OK ? NULL : msgs[i];
+        pool_item_status(s, pm->action, pi, i, rc, msgs[i], &items[i]);
     }
     pthread_mutex_unlock(&s->admin_lock);
     if (!items || !msgs) {
