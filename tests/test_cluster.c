@@ -16,6 +16,7 @@
 
 #include <nats/nats.h>
 
+#include "base/utf8.h"
 #include "cluster/cluster_internal.h"
 #include "kvmatch/cluster.h"
 #include "kv_test_publisher.h"
@@ -792,6 +793,72 @@ Test(cluster, refusals_are_all_counted_and_logged_once_per_reason_and_interval,
     cr_assert_eq(refusal_lines_count(&lines), 2, "one line per reason: %u",
                  refusal_lines_count(&lines));
     cr_assert_eq(remote(a, 1).in_flight, 0, "a refused message changed the view");
+    natsConnection_Destroy(nc);
+    km_cluster_destroy(a);
+}
+
+/* Log lines that contain "refused a message", kept whole (the first 4). */
+typedef struct refusal_texts {
+    pthread_mutex_t lock;
+    uint32_t n;
+    char line[4][512];
+} refusal_texts;
+
+static void keep_refusal_lines(void *user, const char *line)
+{
+    refusal_texts *r = user;
+    if (!strstr(line, "refused a message"))
+        return;
+    pthread_mutex_lock(&r->lock);
+    if (r->n < 4)
+        snprintf(r->line[r->n], sizeof r->line[r->n], "%s", line);
+    r->n++;
+    pthread_mutex_unlock(&r->lock);
+}
+
+/* Whatever bytes a message carries, the reason it was refused is printable UTF-8 in the log and
+ * in the stats (/status puts it in a JSON string, which must be UTF-8): a control character
+ * (a newline would forge a log line of its own) or a character cut in two at a length bound
+ * does not reach them. */
+Test(cluster, a_refusal_reason_is_printable_utf8_whatever_the_message_carries,
+     .init = start_server, .fini = stop_server, .timeout = 60)
+{
+    static refusal_texts lines = {.lock = PTHREAD_MUTEX_INITIALIZER};
+    km_cluster_config cfg;
+    km_cluster_config_init(&cfg);
+    cfg.url = server.url;
+    cfg.instance = "a";
+    cfg.max_workers = WORKERS;
+    cfg.heartbeat_ms = 50;
+    cfg.log = keep_refusal_lines;
+    cfg.log_user = &lines;
+    km_cluster *a = NULL;
+    char why[256] = "";
+    cr_assert_eq(km_cluster_create(&cfg, &a, why, sizeof why), KM_OK, "%s", why);
+    natsConnection *nc = raw_connect();
+    /* A kind holding a newline and a forged log line (logged: the first malformed one). */
+    raw_publish(nc, "change.x", "{\"v\":1,\"kind\":\"x\\n2030-01-01 error serve: forged\","
+                                "\"instance\":\"x\",\"incarnation\":1,\"seq\":1,\"workers\":[]}");
+    km_cluster_stats st;
+    WAIT_UNTIL((st = stats(a)).refused[KM_CLUSTER_REFUSED_MALFORMED] == 1, 2000);
+    cr_assert_eq(st.refused[KM_CLUSTER_REFUSED_MALFORMED], 1);
+    cr_assert(km_utf8_name(st.last_refusal), "last_refusal: \"%s\"", st.last_refusal);
+    pthread_mutex_lock(&lines.lock);
+    cr_assert_eq(lines.n, 1);
+    cr_assert(km_utf8_name(lines.line[0]), "logged: \"%s\"", lines.line[0]);
+    pthread_mutex_unlock(&lines.lock);
+    /* A kind whose 40th and 41st bytes are one character: the reason quotes 40 bytes of it. */
+    raw_publish(nc, "change.x", "{\"v\":1,\"kind\":\"aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa\xc3\xa9\","
+                                "\"instance\":\"x\",\"incarnation\":1,\"seq\":1,\"workers\":[]}");
+    WAIT_UNTIL((st = stats(a)).refused[KM_CLUSTER_REFUSED_MALFORMED] == 2, 2000);
+    cr_assert_eq(st.refused[KM_CLUSTER_REFUSED_MALFORMED], 2);
+    cr_assert(km_utf8_name(st.last_refusal), "last_refusal: \"%s\"", st.last_refusal);
+    /* A subject of bytes no text has: the reason quotes the subject. */
+    raw_publish(nc, "change.\x1b[2J\xff", "{\"v\":1,\"kind\":\"change\",\"instance\":\"x\","
+                                        "\"incarnation\":1,\"seq\":1,\"workers\":[]}");
+    WAIT_UNTIL((st = stats(a)).refused[KM_CLUSTER_REFUSED_SUBJECT] == 1, 2000);
+    cr_assert_eq(st.refused[KM_CLUSTER_REFUSED_SUBJECT], 1);
+    cr_assert(km_utf8_name(st.last_refusal), "last_refusal: \"%s\"", st.last_refusal);
     natsConnection_Destroy(nc);
     km_cluster_destroy(a);
 }

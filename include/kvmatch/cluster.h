@@ -300,7 +300,8 @@ typedef struct km_cluster_stats {
     uint64_t work_omitted;       /* messages sent without their in-flight work (over
                                   * KM_CLUSTER_MESSAGE_MAX with it) */
     uint64_t refused[KM_CLUSTER_REFUSAL_COUNT]; /* by km_cluster_refusal */
-    char last_refusal[160];      /* the last refused message's reason ("" when none) */
+    char last_refusal[160];      /* the last refused message's reason ("" when none), printable
+                                  * UTF-8 whatever the message carried */
     /* (peer, pool) pairs whose fingerprints differ now, and the first 8 of them. */
     uint32_t n_mismatched;
     struct {

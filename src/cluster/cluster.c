@@ -21,6 +21,7 @@
 
 #include "base/log_level.h"
 #include "base/u64_map.h"
+#include "base/utf8.h"
 #include "base/error_detail.h"
 #include "cluster/cluster_internal.h"
 
@@ -811,14 +812,41 @@ int km_cluster_set_pools(km_cluster *c, const km_cluster_pool *pools, uint32_t n
 
 /* ---- applying (NATS delivery thread) -------------------------------------------------------- */
 
+/* s into out[0..size) as printable UTF-8: a control character or a byte that does not begin a
+ * well-formed sequence becomes '?', and the copy ends before a character that would not fit
+ * whole. A refusal's reason quotes what the message carried (its kind, its subject, the JSON
+ * parser's view of it): it goes to a log line, where a newline would forge another line, and to
+ * /status, whose JSON strings must be UTF-8. */
+static void printable_copy(char *out, size_t size, const char *s)
+{
+    const unsigned char *p = (const unsigned char *)s;
+    size_t left = strlen(s), n = 0;
+    while (left) {
+        size_t k = *p < 0x80 ? 1 : km_utf8_sequence(p, left);
+        bool plain = k > 0 && *p >= 0x20 && *p != 0x7f;
+        size_t take = plain ? k : 1;
+        if (n + take >= size)
+            break;
+        if (plain)
+            memcpy(out + n, p, k);
+        else
+            out[n] = '?';
+        n += take;
+        p += take;
+        left -= take;
+    }
+    out[n] = '\0';
+}
+
 /* Count a refused message and keep why; log it unless its reason was logged in the last
  * KM_CLUSTER_REFUSAL_LOG_NS (a peer that keeps sending what is refused costs one line per
  * interval, not one per message, while the lock is held). */
 static void refusal_count(km_cluster *c, km_cluster_refusal r, const char *why)
 {
     c->st.refused[r]++;
-    snprintf(c->st.last_refusal, sizeof c->st.last_refusal, "%s: %.130s", km_cluster_refusal_name(r),
-             why);
+    int at = snprintf(c->st.last_refusal, sizeof c->st.last_refusal, "%s: ",
+                      km_cluster_refusal_name(r));
+    printable_copy(c->st.last_refusal + at, sizeof c->st.last_refusal - (size_t)at, why);
 }
 
 static void refused(km_cluster *c, km_cluster_refusal r, const char *why)
