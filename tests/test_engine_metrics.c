@@ -85,7 +85,10 @@ Test(engine_metrics, sglang_text_and_text_without_the_metrics, .timeout = 30)
     cr_assert_float_eq(l.kv_usage, 0.28, 1e-12);
     const char *bad[] = {"", "garbage\n", "# TYPE vllm:num_requests_running gauge\n",
                          "vllm:num_requests_running{engine=\"0\" 3.0\n",
-                         "vllm:num_requests_running NaN\n", "vllm:num_requests_running -1\n"};
+                         "vllm:num_requests_running NaN\n", "vllm:num_requests_running -1\n",
+                         /* each finite, their sum not: /status could not show it */
+                         "vllm:num_requests_running{engine=\"0\"} 1.7e308\n"
+                         "vllm:num_requests_running{engine=\"1\"} 1.7e308\n"};
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++)
         cr_assert_eq(km_engine_metrics_parse(bad[i], strlen(bad[i]), &l, why, sizeof why),
                      KM_ERR_PARSE, "case %zu accepted", i);

@@ -61,8 +61,8 @@ typedef struct km_engine_reported {
 uint64_t km_engine_reported_age_ns(const km_engine_reported *reported, uint64_t now_ns);
 
 /* Parse one /metrics body into *out's values and engine (the counters and time untouched).
- * KM_ERR_PARSE when it holds none of the metrics above (reason in why). Pure: for the scraper and
- * tests. */
+ * KM_ERR_PARSE when it holds none of the metrics above, or when a metric's series sum to more
+ * than a double holds (reason in why). Pure: for the scraper and tests. */
 int km_engine_metrics_parse(const char *text, size_t len, km_engine_reported *out, char *why,
                             size_t why_size);
 

@@ -145,6 +145,10 @@ int km_engine_metrics_parse(const char *text, size_t len, km_engine_reported *ou
                         v[what] = x > v[what] ? x : v[what];
                     else
                         v[what] += x;
+                    if (!isfinite(v[what])) /* series whose sum no double holds: not a load */
+                        return km_why(why, why_size, KM_ERR_PARSE,
+                                      "%.*s summed over its series is not finite",
+                                      (int)name_len, name);
                     engine = KNOWN[known].engine;
                 }
             }
