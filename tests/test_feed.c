@@ -3902,6 +3902,37 @@ Test(feed, queue_limit_drops_and_degrades, .timeout = 10)
     fx_free(&f);
 }
 
+/* The bound holds for updates that carry no hashes too: an engine that sends AllBlocksCleared after
+ * AllBlocksCleared to a worker whose map is empty queues one CLEAR_WORKER naming nothing per event,
+ * and while nobody flushes, those messages are dropped (the worker DEGRADED) once the queue's
+ * updates would pass the bound, as messages of hashes are. */
+Test(feed, queue_limit_bounds_updates_without_hashes, .timeout = 10)
+{
+    km_feed_config cfg;
+    km_test_feed_config(&cfg, BS);
+    cfg.max_queued_hashes = 64;
+    fx f;
+    fx_init_cfg(&f, &cfg, KM_TEST_ENCODING_POSITIONAL, KM_TEST_HASH_INT);
+    fx_add(&f, 0, false);
+    for (int k = 0; k < 40; k++)
+        km_test_batch_cleared(&f.batch);
+    uint64_t made = fx_keep(&f);
+    for (uint64_t seq = 0; seq < 20; seq++) {
+        km_kv_batch b = fx_decode(&f, made);
+        cr_assert_eq(km_feed_live(f.feed, 0, seq, &b, f.now++), KM_OK);
+    }
+    uint64_t updates, hashes;
+    km_feed_pending(f.feed, &updates, &hashes);
+    cr_assert_eq(hashes, 0);
+    cr_assert_leq(updates, 64 + 40, "%" PRIu64 " updates queued, the bound is 64", updates);
+    km_feed_worker_info info = fx_info(&f, 0);
+    cr_assert_eq(info.counters.dropped_messages, 19);
+    cr_assert_eq(info.state, KM_FEED_STATE_DEGRADED);
+    cr_assert_eq(info.expected_seq, 20);
+    fx_flush(&f);
+    fx_free(&f);
+}
+
 /* A clear names its worker's blocks only while they take at most half of the queue's bound, so a
  * worker with a large cache cannot crowd out other messages: beyond that the index scans its
  * tables instead, with the same result. */

@@ -99,10 +99,11 @@ typedef struct km_feed_config {
     uint64_t max_buffered_bytes;    /* the same bound in bytes of copied events; default 256 MiB */
     uint32_t max_windows;           /* recovery windows kept per worker (oldest dropped first);
                                      * default 64 */
-    uint64_t max_queued_hashes;     /* hashes queued for the next flush, all workers together; a
-                                     * message that would pass it is dropped (its worker becomes
-                                     * DEGRADED); a clear names its worker's blocks only while they
-                                     * fit in half of it (else the index scans); default 1 << 24 */
+    uint64_t max_queued_hashes;     /* hashes queued for the next flush, all workers together,
+                                     * and equally updates; a message whose hashes or events would
+                                     * pass it is dropped (its worker becomes DEGRADED); a clear
+                                     * names its worker's blocks only while they fit in half of it
+                                     * (else the index scans); default 1 << 24 */
     uint32_t replay_dedup_window;   /* recently replayed messages remembered per worker to tell a
                                      * late live duplicate from a restarted engine; default 1024 */
     km_log_fn log;                  /* one line per notable transition; NULL = stderr */

@@ -822,7 +822,10 @@ void km_feed_queue_message(km_feed *feed, worker *w, const message_view *v, uint
                            n_store_events * n_windows_after;
     size_t extra_hashes = (new_group ? km_emap_live(&w->map) * (1 + (size_t)n_windows_before) : 0) +
                           n_hashes * n_windows_after;
-    if (feed->hash_count + n_hashes > feed->config.max_queued_hashes) {
+    /* The bound holds for the updates too: an AllBlocksCleared on an empty map queues an update
+     * naming no hash, one per event. */
+    if (feed->hash_count + n_hashes > feed->config.max_queued_hashes ||
+        feed->queue_count + v->n_events > feed->config.max_queued_hashes) {
         w->c.dropped_messages++;
         km_feed_enter_degraded(feed, w, now, "update queue full (flush not called often enough)");
         return;
