@@ -2940,6 +2940,40 @@ Test(feed, a_first_bootstrap_item_past_the_live_stream_is_refused, .timeout = 10
     fx_free(&f);
 }
 
+/* A bootstrap answer every item of which lies past the live stream (the live socket lags by more
+ * than the engine's whole buffer: it holds 20..29 while live messages 8 and 9 have arrived) is not
+ * an empty answer: the engine had published, so its stream does not start at 0. As after a failed
+ * bootstrap, the first live message held sets the position; the seqs before it are history from
+ * before the worker joined (history_unavailable), not lost, and the refused seqs arrive live. */
+Test(feed, a_bootstrap_answer_wholly_past_the_live_stream_is_no_empty_one, .timeout = 10)
+{
+    fx f;
+    fx_init(&f);
+    fx_make(&f, 40, 0);
+    fx_add(&f, 0, true);
+    km_feed_action a = fx_action(&f, KM_FEED_ACTION_REPLAY_REQUEST);
+    fx_live_range(&f, 0, 8, 10);
+    fx_items(&f, 0, a.request_id, 20, 30);
+    fx_end(&f, 0, a.request_id);
+    km_feed_worker_info info = fx_info(&f, 0);
+    cr_assert_eq(info.counters.refused_replay_items, 10);
+    cr_assert_eq(info.expected_seq, 10);
+    fx_no_action(&f);
+    fx_live_range(&f, 0, 10, 40);
+    fx_no_action(&f);
+    info = fx_info(&f, 0);
+    cr_assert_eq(info.state, KM_FEED_STATE_LIVE);
+    cr_assert_eq(info.expected_seq, 40);
+    cr_assert_eq(info.counters.history_unavailable, 8);
+    cr_assert_eq(info.counters.lost, 0);
+    cr_assert_eq(info.counters.gaps, 0);
+    km_feed_window win[4];
+    cr_assert_eq(fx_windows(&f, 0, win, 4), 1);
+    cr_assert_eq(win[0].cause, KM_FEED_WINDOW_STARTUP);
+    cr_assert_eq(win[0].end, KM_FEED_END_RECOVERED);
+    fx_free(&f);
+}
+
 Test(feed, resync_rebuilds_a_degraded_worker, .timeout = 10)
 {
     fx f;

@@ -516,6 +516,7 @@ static void start_replay(km_feed *feed, worker *w, replay_kind kind, uint64_t fr
     w->replay_id = id;
     w->replay_from = from;
     w->replay_progress = false;
+    w->replay_answered = false;
     w->replay_refusal_logged = false;
     w->c.replay_requests++;
     if (w->recovery_open)
@@ -1082,6 +1083,7 @@ static int replay_item(km_feed *feed, uint32_t id, uint64_t request_id, uint64_t
         return rc;
     w->has_last_receive = true;
     w->last_receive_ns = now_ns;
+    w->replay_answered = true;
     count_message_refusals(w, batch, why);
     const char *refusal = replay_item_refusal(w, seq, batch != NULL);
     if (refusal) {
@@ -1186,9 +1188,19 @@ int km_feed_replay_end(km_feed *feed, uint32_t id, uint64_t request_id, uint64_t
     bool progress = w->replay_progress;
     w->replay = REPLAY_NONE;
     if (kind != REPLAY_GAP && !w->has_expected) {
-        /* The engine had published nothing when it answered: its stream starts at 0. */
+        held_message *m = buffer_front(w);
+        if (w->replay_answered && m) {
+            /* Items came and none could be taken (past the live stream, whose socket lags by more
+             * than the engine's buffer): the engine had published, so its stream does not start
+             * at 0. As after a failed bootstrap, the first live message held sets the position;
+             * the refused seqs arrive live. */
+            w->c.history_unavailable += m->seq;
+            w->expected = m->seq;
+        } else {
+            /* The engine had published nothing when it answered: its stream starts at 0. */
+            w->expected = 0;
+        }
         w->has_expected = true;
-        w->expected = 0;
     }
     /* A gap replay that gave nothing new cannot fill the hole: asking again would loop. */
     drain(feed, w, kind == REPLAY_GAP && !progress, now_ns);

@@ -107,6 +107,7 @@ typedef struct worker {
     uint64_t replay_id;
     uint64_t replay_from;
     bool replay_progress; /* the replay applied at least one message */
+    bool replay_answered; /* an item of the replay arrived, refused or not */
     bool replay_refusal_logged; /* one log line per request for its refused items */
 
     held_message **buffer; /* ring of buffer_capacity */
