@@ -1720,6 +1720,17 @@ func TestKeyTwiceInANestedMap(t *testing.T) {
 			[]interface{}{rawMap{"status", 0, "decision_id", 1, "chosen_worker", 2,
 				"source", "events", "warm_up", fakeMap{"worker": 1, "blocks": 4, "tokens": 64,
 					"decision_id": 3, "attempt_id": "a:warm_up"}, "warm_up", nil}}}},
+		{"a map in a decision's unknown key", route, rawMap{"type", "DECISION", "decisions",
+			[]interface{}{rawMap{"status", 0, "decision_id", 1, "chosen_worker", 2,
+				"source", "events", "later", []interface{}{rawMap{"x", 1, "x", 2}}}}}},
+		{"a map in a reply's unknown key", status, rawMap{"type", "STATUS_REPLY",
+			"kvmatch_version", "fake", "later", rawMap{"y", rawMap{"x", 1, "x", 2}}}},
+		{"a map past a candidate row's 11th value", route, rawMap{"type", "DECISION",
+			"decisions", []interface{}{rawMap{"status", 0, "decision_id", 1, "chosen_worker", 2,
+				"source", "events", "candidates", []interface{}{append(append([]interface{}{},
+					row...), rawMap{"x", 1, "x", 2})}}}}},
+		{"a map in a worker's unknown key", listWorkers, rawMap{"type", "WORKER_LIST", "workers",
+			[]interface{}{rawMap{"pool", "p", "worker", 1, "later", rawMap{"x", 1, "x", 2}}}}},
 	}
 	for _, tc := range cases {
 		reply := tc.reply

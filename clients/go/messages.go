@@ -310,7 +310,7 @@ func (r *Reply) DecodeMsgpack(d *msgpack.Decoder) error {
 		case "backend":
 			err = d.Decode(&r.Status.Backend)
 		default:
-			err = d.Skip()
+			err = skipValue(d)
 		}
 		if err != nil {
 			return newError(ErrParse, "%s: %v", key, err)
@@ -346,6 +346,37 @@ func decodeReplyID(d *msgpack.Decoder, p *uint64) error {
 
 func isArrayCode(c byte) bool {
 	return (c >= 0x90 && c <= 0x9f) || c == 0xdc || c == 0xdd
+}
+
+func isMapCode(c byte) bool {
+	return (c >= 0x80 && c <= 0x8f) || c == 0xde || c == 0xdf
+}
+
+// skipValue skips a value no field takes (an unknown key's, a candidate row's past its 11th), and
+// refuses a map within it, at any depth, that holds a key twice, as the reply's other maps are
+// refused (docs/PROTOCOL.md); an entry whose key is not a str is skipped whole, as everywhere.
+// checkPayload has bounded the nesting.
+func skipValue(d *msgpack.Decoder) error {
+	c, err := d.PeekCode()
+	if err != nil {
+		return err
+	}
+	switch {
+	case isMapCode(c):
+		return decodeMap(d, func(string) error { return skipValue(d) })
+	case isArrayCode(c):
+		n, err := d.DecodeArrayLen()
+		if err != nil {
+			return err
+		}
+		for i := 0; i < n; i++ {
+			if err := skipValue(d); err != nil {
+				return err
+			}
+		}
+		return nil
+	}
+	return d.Skip()
 }
 
 // Err is nil unless the reply is an ERROR, which it returns as an *Error with the server's code.
@@ -510,7 +541,7 @@ func (c *Candidate) DecodeMsgpack(d *msgpack.Decoder) error {
 				c.Eligible = *eligible
 			}
 		default:
-			err = d.Skip()
+			err = skipValue(d)
 		}
 		if err != nil {
 			return err
@@ -582,7 +613,7 @@ func (dc *Decision) DecodeMsgpack(d *msgpack.Decoder) error {
 			} else if p, ok := u32s[key]; ok {
 				err = decodeU32(d, p)
 			} else {
-				err = d.Skip()
+				err = skipValue(d)
 			}
 		}
 		if err != nil {
@@ -628,7 +659,7 @@ func (w *WarmUp) DecodeMsgpack(d *msgpack.Decoder) error {
 		case "attempt_id":
 			return d.Decode(&w.AttemptID)
 		}
-		return d.Skip()
+		return skipValue(d)
 	})
 	if err != nil {
 		return err
@@ -657,7 +688,7 @@ func (l *Limits) DecodeMsgpack(d *msgpack.Decoder) error {
 		if p, ok := u32s[key]; ok {
 			return decodeU32(d, p)
 		}
-		return d.Skip()
+		return skipValue(d)
 	})
 }
 
@@ -671,7 +702,7 @@ func (a *AckItem) DecodeMsgpack(d *msgpack.Decoder) error {
 		case "message":
 			return d.Decode(&a.Message)
 		}
-		return d.Skip()
+		return skipValue(d)
 	})
 }
 
@@ -687,7 +718,7 @@ func (l *WorkerLoad) DecodeMsgpack(d *msgpack.Decoder) error {
 		case "active_decode_blocks":
 			return decodeU64(d, &l.ActiveDecodeBlocks)
 		}
-		return d.Skip()
+		return skipValue(d)
 	})
 }
 
@@ -721,7 +752,7 @@ func (w *Worker) DecodeMsgpack(d *msgpack.Decoder) error {
 		if p, ok := strs[key]; ok {
 			return d.Decode(p)
 		}
-		return d.Skip()
+		return skipValue(d)
 	})
 }
 
@@ -747,7 +778,7 @@ func (p *Pool) DecodeMsgpack(d *msgpack.Decoder) error {
 		case "params":
 			return decodeParams(d, &p.Params)
 		}
-		return d.Skip()
+		return skipValue(d)
 	})
 }
 
