@@ -816,6 +816,43 @@ def test_connect_errors():
         pass
 
 
+def test_welcome_limits_read_as_the_protocol_types_them():
+    # WELCOME's max_frame_bytes is a u32 (docs/PROTOCOL.md) and nil is the same as absent: nil or
+    # absent (and 0, no limit a server announces) keep the default 16 MiB, and the client routes;
+    # limits that are not a map, or a max_frame_bytes that is not a u32, fail the connect with
+    # KM_ERR_PARSE, the socket closed, as the Go and Rust clients refuse them.
+    def welcome(limits):
+        return lambda m: (Raw(msgpack.packb({"type": "WELCOME", "id": m["id"], "protocol": 1,
+                                             "kvmatch_version": "0.1.0-fake", "limits": limits}))
+                          if m.get("type") == "HELLO" else None)
+    for limits in ({"max_frame_bytes": None}, {"max_frame_bytes": 0}, {}, None):
+        s = FakeServer(craft=welcome(limits))
+        try:
+            with kc.Client.connect(s.address, timeout=5) as c:
+                assert c._max_frame_bytes == kc.DEFAULT_MAX_FRAME_BYTES, (limits, c._max_frame_bytes)
+                assert c.route([route(1)])["decisions"][0]["status"] == 0, limits
+        finally:
+            s.stop()
+    for limits in ([1], "big", {"max_frame_bytes": "big"}, {"max_frame_bytes": 1 << 32},
+                   {"max_frame_bytes": -1}, {"max_frame_bytes": True}, {"max_frame_bytes": 4096.0}):
+        s = FakeServer(craft=welcome(limits))
+        closed = []  # the peers of the sockets closed: the client's is the server's path
+
+        def peer(sock):
+            try:
+                return sock.getpeername()
+            except OSError:
+                return None
+        real_close = socket.socket.close
+        socket.socket.close = lambda sock: (closed.append(peer(sock)), real_close(sock))[1]
+        try:
+            expect_parse_error(lambda: kc.Client.connect(s.address, timeout=5), "limits")
+            assert s.path in closed, "the socket of a refused WELCOME (limits %r) was left open" % (limits,)
+        finally:
+            socket.socket.close = real_close
+            s.stop()
+
+
 def test_frame_limit_client_side():
     s = FakeServer()
     try:
@@ -844,7 +881,7 @@ def main():
              test_entries_whose_key_is_not_a_str_are_ignored,
              test_outstanding_after_a_final_error,
              test_connection_level_error_closes_whatever_its_code, test_server_error_named_once,
-             test_connect_errors,
+             test_connect_errors, test_welcome_limits_read_as_the_protocol_types_them,
              test_frame_limit_client_side]
     for t in tests:
         t()

@@ -269,9 +269,10 @@ class Client:
         """Connect and do the HELLO / WELCOME handshake within `timeout` seconds (None: no
         limit). Raises KvmatchError (KM_ERR_INCOMPATIBLE when the server refuses our version,
         KM_ERR_PARSE / KM_ERR_PROTOCOL for a reply that is unreadable, neither WELCOME nor ERROR,
-        or a WELCOME to another id than the HELLO's; the server's code, e.g. KM_ERR_OVERLOADED at
-        its max_connections or KM_ERR_SHUTTING_DOWN while it drains, when it does not take the
-        connection), ConnectionClosed, TimeoutError or OSError."""
+        a WELCOME to another id than the HELLO's, or one whose limits are not a map or whose
+        max_frame_bytes is not a u32 (nil, absent or 0: the default 16 MiB); the server's code,
+        e.g. KM_ERR_OVERLOADED at its max_connections or KM_ERR_SHUTTING_DOWN while it drains,
+        when it does not take the connection), ConnectionClosed, TimeoutError or OSError."""
         return cls._connect(address, timeout, client_name, 1)
 
     @classmethod
@@ -331,10 +332,19 @@ class Client:
             client.close()
             raise KvmatchError(KM_ERR_INCOMPATIBLE, "KM_ERR_INCOMPATIBLE",
                                "the server speaks protocol %r" % reply.get("protocol"))
+        # The limits are a map, max_frame_bytes a u32; nil is absent, and absent or 0 keeps the
+        # default (docs/PROTOCOL.md).
+        limits = reply.get("limits")
+        max_frame = limits.get("max_frame_bytes") if type(limits) is dict else None
+        if (limits is not None and type(limits) is not dict) or \
+                (max_frame is not None and not (_is_request_id(max_frame) and max_frame < 1 << 32)):
+            client.close()
+            raise KvmatchError(KM_ERR_PARSE, "KM_ERR_PARSE",
+                               "the WELCOME's limits %s not a map whose max_frame_bytes is a u32: "
+                               "%.80r" % ("are" if type(limits) is dict else "is", limits))
         client.welcome = reply
         client.address, client._client_name = address, client_name
-        limits = reply.get("limits") or {}
-        client._max_frame_bytes = limits.get("max_frame_bytes", DEFAULT_MAX_FRAME_BYTES)
+        client._max_frame_bytes = max_frame or DEFAULT_MAX_FRAME_BYTES
         return client
 
     def reconnect(self, timeout: Optional[float] = 5.0) -> None:
