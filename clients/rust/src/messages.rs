@@ -609,7 +609,7 @@ impl Welcome {
     pub(crate) fn from_value(v: &Value) -> Result<Welcome> {
         let f = Fields { value: v, what: "WELCOME" };
         let mut limits = Limits::default();
-        if let Some(l) = v.get("limits") {
+        if let Some(l) = f.map("limits")? {
             let lf = Fields { value: l, what: "WELCOME.limits" };
             limits = Limits {
                 max_frame_bytes: lf.u32("max_frame_bytes")?.unwrap_or(0),

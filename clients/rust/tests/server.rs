@@ -699,6 +699,8 @@ enum Fake {
     IdMap,
     WelcomeIdStr,
     WelcomeIdFloat,
+    // A WELCOME whose limits are an int, not a map.
+    WelcomeLimitsNotAMap,
 }
 
 /// The id a reply carries in the Id* modes, in place of the request's `id`.
@@ -819,6 +821,7 @@ fn serve_fake(mut conn: UnixStream, mode: Fake) {
             match mode {
                 Fake::RefuseHello => frame(&str_map(&[t("ERROR"), ("id", id), ("code", Value::Int(-14)), ("name", Value::Str("KM_ERR_INCOMPATIBLE".into())), ("message", Value::Str("protocol 1 is not spoken here".into()))])),
                 Fake::WelcomeWrongId => frame(&str_map(&[t("WELCOME"), ("id", Value::UInt(7)), ("protocol", Value::UInt(1)), ("kvmatch_version", Value::Str("fake".into()))])),
+                Fake::WelcomeLimitsNotAMap => frame(&str_map(&[t("WELCOME"), ("id", id), ("protocol", Value::UInt(1)), ("kvmatch_version", Value::Str("fake".into())), ("limits", Value::UInt(4096))])),
                 _ => frame(&str_map(&[t("WELCOME"), ("id", id), ("protocol", Value::UInt(1)), ("kvmatch_version", Value::Str("fake".into())), ("limits", str_map(&[("max_frame_bytes", Value::UInt(4096)), ("max_batch_items", Value::UInt(16))]))])),
             }
         } else if silent {
@@ -868,6 +871,8 @@ fn refused_replies() {
         expect_code(c.route(&[tokens("c", vec![])]), Code::CLOSED, what);
     }
     expect_code(Client::connect(&fake_server(&dir, Fake::WelcomeWrongId), TIMEOUT).map(|_| ()), Code::PROTOCOL, "WELCOME to another id");
+    // WELCOME's limits are a map (docs/PROTOCOL.md), as the Go and Python clients refuse others.
+    expect_code(Client::connect(&fake_server(&dir, Fake::WelcomeLimitsNotAMap), TIMEOUT).map(|_| ()), Code::PARSE, "WELCOME whose limits are an int");
     expect_code(Client::connect(&fake_server(&dir, Fake::RefuseHello), TIMEOUT).map(|_| ()), Code::INCOMPATIBLE, "refused handshake");
 }
 
