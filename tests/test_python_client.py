@@ -787,6 +787,43 @@ def test_server_error_named_once():
         s.stop()
 
 
+def test_error_whose_code_is_not_a_negative_int():
+    # An ERROR's code is a negative int (docs/PROTOCOL.md). One that is nil, absent, 0, positive
+    # or not an int, with no name, is raised as KM_ERR_PROTOCOL (as the Go and Rust clients read
+    # it), never a TypeError or a KvmatchError whose code is not a code; the reply had a valid id,
+    # so the connection stays open. A handshake refused so is KM_ERR_PROTOCOL too. A message that
+    # is not a str reads as "".
+    for code in (None, 0, 5, "x", 1.5, -15):
+        error = {"type": "ERROR", "message": "fake" if code != -15 else None}
+        if code is not None:
+            error["code"] = code
+        want = (-15, "KM_ERR_NOT_FOUND", "") if code == -15 else \
+            (kc.KM_ERR_PROTOCOL, "KM_ERR_PROTOCOL", "fake")
+        s = FakeServer(craft=lambda m, error=error: Raw(msgpack.packb(dict(error, id=m["id"])))
+                       if m.get("type") == "STATUS" else None)
+        try:
+            with kc.Client.connect(s.address, timeout=5) as c:
+                try:
+                    c.status()
+                    raise AssertionError("code %r: no error" % (code,))
+                except kc.KvmatchError as e:
+                    assert (e.code, e.name, e.message) == want, (code, e.code, e.name, e.message)
+                assert not c.closed, code
+                assert c.route([route(1)])["decisions"][0]["status"] == 0, code
+        finally:
+            s.stop()
+        s = FakeServer(craft=lambda m, error=error: Raw(msgpack.packb(dict(error, id=m["id"])))
+                       if m.get("type") == "HELLO" else None)
+        try:
+            try:
+                kc.Client.connect(s.address, timeout=5)
+                raise AssertionError("code %r: the handshake did not fail" % (code,))
+            except kc.KvmatchError as e:
+                assert (e.code, e.name) == want[:2], (code, e.code, e.name)
+        finally:
+            s.stop()
+
+
 def test_connect_errors():
     s = FakeServer(mode="refuse_hello")
     try:
@@ -881,6 +918,7 @@ def main():
              test_entries_whose_key_is_not_a_str_are_ignored,
              test_outstanding_after_a_final_error,
              test_connection_level_error_closes_whatever_its_code, test_server_error_named_once,
+             test_error_whose_code_is_not_a_negative_int,
              test_connect_errors, test_welcome_limits_read_as_the_protocol_types_them,
              test_frame_limit_client_side]
     for t in tests:

@@ -27,7 +27,8 @@ worker or pool; a WORKER_LIST / POOL_LIST to a list; a STATUS_REPLY to STATUS. A
 type, or whose count differs, is a protocol error (below).
 
 Errors: an ERROR reply to a blocking call raises ``KvmatchError`` carrying ``code``, ``name`` and
-``message`` (the server's words less a leading name of the code, which ``str()`` puts in front);
+``message`` (the server's words less a leading name of the code, which ``str()`` puts in front; a
+code that is not a negative int reads as -16 ``KM_ERR_PROTOCOL``);
 ``receive`` / ``wait`` return ERROR replies as dicts, the server's words as sent. A timeout raises
 ``TimeoutError`` and the connection stays usable (a blocking call that timed out gives its
 request up: its reply, if it comes, is dropped, checked as any reply is while at most
@@ -146,10 +147,23 @@ def _parse_address(address):
                        "address must start with unix: or tcp:, got %r" % address)
 
 
+def _error_code(error):
+    """An ERROR reply's (code, name). The code is a negative int (docs/PROTOCOL.md): any other
+    reads as KM_ERR_PROTOCOL, as in the Go and Rust clients. The name is the reply's when it is
+    a str, else the code's."""
+    code, name = error.get("code"), error.get("name")
+    if type(code) is not int or code >= 0:
+        return KM_ERR_PROTOCOL, "KM_ERR_PROTOCOL"
+    return code, name if type(name) is str and name else error_name(code)
+
+
 def _server_words(error):
-    """An ERROR reply's message less a leading "KM_ERR_NAME: " of its own code (the server words
-    what its decoder refused that way), since the error raised names the code already."""
-    message, prefix = error.get("message", ""), "%s: " % error.get("name", "?")
+    """An ERROR reply's message (a str; anything else reads as "") less a leading "KM_ERR_NAME: "
+    of its own code (the server words what its decoder refused that way), since the error raised
+    names the code already."""
+    message = error.get("message")
+    message = message if type(message) is str else ""
+    prefix = "%s: " % _error_code(error)[1]
     return message[len(prefix):] if message.startswith(prefix) else message
 
 
@@ -317,7 +331,7 @@ class Client:
             raise
         if reply.get("type") == "ERROR":
             client.close()
-            raise KvmatchError(reply.get("code", KM_ERR_PROTOCOL), reply.get("name", "?"),
+            raise KvmatchError(*_error_code(reply),
                                "the server refused the handshake: %s" % _server_words(reply))
         if reply.get("type") != "WELCOME":
             client.close()
@@ -457,8 +471,7 @@ class Client:
             self._give_up(rid)
             raise
         if reply.get("type") == "ERROR":
-            code = reply.get("code", KM_ERR_PROTOCOL)
-            raise KvmatchError(code, reply.get("name") or error_name(code), _server_words(reply))
+            raise KvmatchError(*_error_code(reply), _server_words(reply))
         return reply
 
     def route(self, routes: Iterable[Message], timeout: Optional[float] = 5.0) -> Message:
