@@ -204,7 +204,7 @@ func (cn *conn) handshake(ctx context.Context) error {
 // take the connection, as its *Error.
 func handshakeRefused(reply *Reply) error {
 	code := reply.Code
-	if code == OK {
+	if code >= OK {
 		code = ErrProtocol
 	}
 	return newError(code, "the server refused the handshake: %s", serverWords(code, reply.Message))

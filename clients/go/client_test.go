@@ -1957,3 +1957,27 @@ func TestGivenUpCallsAreForgotten(t *testing.T) {
 		t.Fatalf("a late reply closed the connection: %v", err)
 	}
 }
+
+// An ERROR's code is negative (docs/PROTOCOL.md): one of 0 or above is ErrProtocol, as in the
+// Python and Rust clients, never a code that names no failure; the reply had its request's id,
+// so the connection stays open. A handshake refused so fails Dial with ErrProtocol too.
+func TestErrorWhoseCodeIsNotNegative(t *testing.T) {
+	ctx := testContext(t)
+	for _, code := range []interface{}{nil, 0, 5} {
+		c := dialT(t, ctx, fakeAnswering(t, func(m fakeMap) fakeMap {
+			if m["type"] == "HELLO" {
+				return nil
+			}
+			return fakeMap{"type": "ERROR", "code": code, "message": "fake"}
+		}))
+		_, err := c.Status(ctx)
+		expectCode(t, err, ErrProtocol, fmt.Sprintf("an ERROR of code %v", code))
+		if c.Err() != nil {
+			t.Fatalf("an ERROR of code %v closed the connection: %v", code, c.Err())
+		}
+		_, err = Dial(ctx, fakeAnswering(t, func(m fakeMap) fakeMap {
+			return fakeMap{"type": "ERROR", "code": code, "message": "fake"}
+		}))
+		expectCode(t, err, ErrProtocol, fmt.Sprintf("a handshake refused with code %v", code))
+	}
+}

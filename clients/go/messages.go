@@ -379,13 +379,14 @@ func skipValue(d *msgpack.Decoder) error {
 	return d.Skip()
 }
 
-// Err is nil unless the reply is an ERROR, which it returns as an *Error with the server's code.
+// Err is nil unless the reply is an ERROR, which it returns as an *Error with the server's code
+// (ErrProtocol for a code that is not negative, which names no failure).
 func (r *Reply) Err() error {
 	if r.Type != "ERROR" {
 		return nil
 	}
 	code := r.Code
-	if code == OK {
+	if code >= OK {
 		code = ErrProtocol
 	}
 	return &Error{Code: code, Message: serverWords(code, r.Message)}
