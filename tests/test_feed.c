@@ -2641,9 +2641,19 @@ Test(feed, replay_failure_and_no_replay_endpoint_lose_history, .timeout = 10)
     cr_assert_eq(info.counters.lost, 3);
     cr_assert_eq(info.counters.replay_failures, 1);
     cr_assert_eq(info.expected_seq, 10);
-    /* A late answer to the failed request is ignored. */
+    /* A late answer to the failed request is ignored; one the decoder refused is still counted
+     * as an undecodable message. */
     fx_item(&f, 0, a.request_id, 5);
     cr_assert_eq(fx_info(&f, 0).counters.stale_replay_items, 1);
+    uint64_t undecodable = fx_info(&f, 0).counters.refused[KM_FEED_REFUSED_UNDECODABLE];
+    uint64_t malformed = fx_info(&f, 0).counters.malformed;
+    cr_assert_eq(km_feed_replay_item_undecodable(f.feed, 0, a.request_id, 6, "bad", f.now++),
+                 KM_OK);
+    info = fx_info(&f, 0);
+    cr_assert_eq(info.counters.stale_replay_items, 2);
+    cr_assert_eq(info.counters.refused[KM_FEED_REFUSED_UNDECODABLE], undecodable + 1);
+    cr_assert_eq(info.counters.malformed, malformed + 1);
+    cr_assert_eq(info.expected_seq, 10, "a stale item moved the stream");
 
     /* Without a replay endpoint a gap is lost at once. */
     fx_live_range(&f, 1, 0, 3);

@@ -395,7 +395,8 @@ typedef struct km_feed_worker_counters {
     uint64_t block_size_mismatch; /* BlockStored events rejected: block_size != the pool's */
     uint64_t unknown_removes;    /* removed engine hashes not in the map */
     uint64_t buffer_overflows;   /* replays abandoned because the live buffer was full */
-    uint64_t stale_replay_items; /* replay answers to a cancelled or superseded request */
+    uint64_t stale_replay_items; /* replay answers to a cancelled or superseded request (one
+                                  * that did not decode counts in malformed and refused too) */
     uint64_t replay_holes;       /* replay answers that skipped ahead after their first item
                                   * (items dropped on the way), asked again from the hole */
     uint64_t refused_replay_items; /* replay answers whose seq the request cannot return (below

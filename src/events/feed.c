@@ -1079,8 +1079,14 @@ static int replay_item(km_feed *feed, uint32_t id, uint64_t request_id, uint64_t
         return KM_ERR_NULL_POINTER;
     int rc;
     worker *w = replay_worker(feed, id, request_id, &rc);
-    if (!w)
+    if (!w) {
+        /* A stale item (its worker followed, its request over) the decoder refused is still a
+         * message it refused, counted as every such message is. */
+        worker *stale = rc == KM_OK && !batch ? km_feed_find_worker(feed, id) : NULL;
+        if (stale)
+            count_message_refusals(stale, NULL, why);
         return rc;
+    }
     w->has_last_receive = true;
     w->last_receive_ns = now_ns;
     w->replay_answered = true;
