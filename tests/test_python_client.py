@@ -438,6 +438,60 @@ def test_send_whose_deadline_passes_before_its_first_byte_keeps_the_connection()
         s.stop()
 
 
+class FailingSocket:
+    """The client's socket, with send or recv raising OSError(errno_value) once armed: a socket
+    error other than a reset or a broken pipe (ETIMEDOUT on a TCP connection whose peer vanished)."""
+
+    def __init__(self, sock, errno_value):
+        self._sock, self._errno, self.fail_send, self.fail_recv = sock, errno_value, False, False
+
+    def send(self, data):
+        if self.fail_send:
+            raise OSError(self._errno, os.strerror(self._errno))
+        return self._sock.send(data)
+
+    def recv(self, n):
+        if self.fail_recv:
+            raise OSError(self._errno, os.strerror(self._errno))
+        return self._sock.recv(n)
+
+    def __getattr__(self, name):
+        return getattr(self._sock, name)
+
+
+def test_socket_error_closes_the_connection():
+    # A socket error other than a reset or a broken pipe, in a send or while a reply is read,
+    # leaves the stream in an unknown state: it reaches the caller as raised, and the connection
+    # is closed (the next call raises ConnectionClosed instead of writing after a partial frame).
+    # The kernel's ETIMEDOUT is one too, though Python raises it as the TimeoutError a deadline
+    # raises: it carries an errno, which a deadline's does not.
+    import errno
+    s = FakeServer()
+    try:
+        for side, code in (("send", errno.EHOSTUNREACH), ("recv", errno.EHOSTUNREACH),
+                           ("send", errno.ETIMEDOUT), ("recv", errno.ETIMEDOUT)):
+            c = kc.Client.connect(s.address, timeout=5)
+            failing = FailingSocket(c._sock, code)
+            c._sock = failing
+            setattr(failing, "fail_" + side, True)
+            try:
+                c.route([route(1)], timeout=5)
+                raise AssertionError("no error (%s)" % side)
+            except kc.ConnectionClosed:
+                raise AssertionError("the socket error was replaced (%s)" % side)
+            except OSError as e:
+                assert e.errno == code, (side, e)
+            assert c.closed, "the connection stayed open after a %s error" % side
+            try:
+                c.route([route(2)], timeout=5)
+                raise AssertionError("a call after the error was sent (%s)" % side)
+            except kc.ConnectionClosed:
+                pass
+            c.close()
+    finally:
+        s.stop()
+
+
 def expect_protocol_error(call, words):
     try:
         call()
@@ -908,6 +962,7 @@ def test_frame_limit_client_side():
 def main():
     signal.alarm(60)
     tests = [lambda: test_blocking(False), lambda: test_blocking(True), test_pipelined_out_of_order,
+             test_socket_error_closes_the_connection,
              test_lifecycle, test_outcome_rule, test_timeout_then_usable,
              test_late_reply_after_a_timeout_is_dropped, test_given_up_calls_are_bounded,
              test_send_with_no_time_left_keeps_the_connection,

@@ -36,7 +36,9 @@ request up: its reply, if it comes, is dropped, checked as any reply is while at
 a reply to one is dropped unchecked; a ``wait`` that timed out may be retried). A
 closed or broken connection raises ``ConnectionClosed`` (a ``KvmatchError`` with code -20; also
 for a connection-level ERROR, id 0, whatever its code, which the message names) and the client
-stays closed. So does a reply that cannot be read (one holding a key twice in any of its maps,
+stays closed. Any other socket error (``OSError``: the kernel's ``ETIMEDOUT``, which Python raises
+as a ``TimeoutError`` with an errno, ``EHOSTUNREACH``, ...) is raised as it came and closes the
+connection too. So does a reply that cannot be read (one holding a key twice in any of its maps,
 at any depth, included), does not fit its request, has an id that is not a non-negative integer
 or answers an id that is not outstanding (never sent, or answered already): it raises a
 ``KvmatchError`` with code -7 ``KM_ERR_TOO_LARGE``, -8 ``KM_ERR_PARSE`` or -16
@@ -468,7 +470,8 @@ class Client:
         try:
             reply = self.wait(rid, left)
         except TimeoutError:
-            self._give_up(rid)
+            if not self._closed:  # a deadline: the call is given up, the connection kept
+                self._give_up(rid)
             raise
         if reply.get("type") == "ERROR":
             raise KvmatchError(*_error_code(reply), _server_words(reply))
@@ -544,6 +547,12 @@ class Client:
         except (BrokenPipeError, ConnectionResetError):
             self._next_id += 1
             self._fail(ConnectionClosed("the server closed the connection"))
+        except OSError:
+            # Any other socket error (ETIMEDOUT, EHOSTUNREACH, ...) leaves it unknown how much of
+            # the frame went out: the stream cannot be continued.
+            self._next_id += 1
+            self.close()
+            raise
         if sent == 0 and data:
             # Nothing sent: the stream is intact, so the connection stays usable and the id is
             # not taken.
@@ -571,7 +580,9 @@ class Client:
                 self._sock.settimeout(left)
             try:
                 sent += self._sock.send(view[sent:])
-            except socket.timeout:
+            except socket.timeout as exc:
+                if exc.errno is not None:
+                    raise  # the kernel's ETIMEDOUT: the connection is gone, not the deadline
                 return sent
         return sent
 
@@ -660,10 +671,17 @@ class Client:
             try:
                 self._set_timeout(deadline)
                 chunk = self._sock.recv(65536)
-            except socket.timeout:
+            except socket.timeout as exc:
+                if exc.errno is not None:  # the kernel's ETIMEDOUT: the connection is gone
+                    self.close()
+                    raise
                 raise TimeoutError("no reply before the timeout")
             except ConnectionResetError:
                 self._fail(ConnectionClosed("the server reset the connection"))
+            except OSError:
+                # Any other socket error: what the stream holds next is unknown.
+                self.close()
+                raise
             if not chunk:
                 self._fail(ConnectionClosed("the server closed the connection%s"
                                             % (" mid-frame" if self._buffer else "")))
