@@ -445,6 +445,56 @@ Test(deploy, a_long_readiness_reason_is_given_whole, .timeout = 60)
     remove_dir();
 }
 
+/* The readiness reason is UTF-8 whatever the records path holds: with records under a directory
+ * whose name is Latin-1 ("caf\xe9"), /status still carries ready_reason once the records fail (the
+ * byte that is not UTF-8 given as U+FFFD), and so does /readyz. */
+Test(deploy, a_records_path_that_is_not_utf8_keeps_the_readiness_reason, .timeout = 60)
+{
+    make_dir();
+    char sub[128], records[160], sock[128], addr[160], cmd[200], why[256];
+    snprintf(sub, sizeof sub, "%s/caf\xe9", g_dir);
+    cr_assert_eq(mkdir(sub, 0755), 0);
+    snprintf(records, sizeof records, "%s/records.jsonl", sub);
+    snprintf(sock, sizeof sock, "%s/s.sock", g_dir);
+    snprintf(addr, sizeof addr, "unix:%s", sock);
+    km_server_config cfg;
+    base_config(&cfg);
+    cfg.socket_path = sock;
+    cfg.records_path = records;
+    char http[] = "127.0.0.1:0";
+    cfg.http = http;
+    deploy_server d = {0};
+    start(&d, &cfg);
+    uint16_t port = km_server_http_port(d.server);
+    static char body[1 << 16];
+    cr_assert_eq(wait_readyz(port, 200, body, sizeof body), 200, "%s", body);
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", sub);
+    cr_assert_eq(system(cmd), 0);
+    km_client *c = NULL;
+    cr_assert_eq(km_client_connect(addr, 3000, &c, why, sizeof why), KM_OK, "%s", why);
+    uint32_t tokens[16];
+    for (uint32_t i = 0; i < 16; i++)
+        tokens[i] = 100 + i;
+    km_message reply;
+    km_route_request r = route_of("latin1-1", tokens, 16);
+    cr_assert_eq(km_client_route(c, &r, 1, 5000, &reply), KM_OK);
+    cr_assert_eq(wait_readyz(port, 503, body, sizeof body), 503, "%s", body);
+    cr_assert(strstr(body, "records cannot be written") && strstr(body, "caf\xef\xbf\xbd/"),
+              "/readyz names the path as UTF-8: %s", body);
+    cr_assert_eq(http_get(port, "/status", body, sizeof body), 200);
+    json_error_t jerr;
+    json_t *st = json_loads(body, 0, &jerr);
+    cr_assert_not_null(st, "%s", jerr.text);
+    const char *reason = json_string_value(json_object_get(st, "ready_reason"));
+    cr_assert(reason && strstr(reason, "records cannot be written") &&
+                  strstr(reason, "caf\xef\xbf\xbd/"),
+              "/status keeps ready_reason: %s", body);
+    json_decref(st);
+    km_client_close(c);
+    cr_assert_eq(stop(&d), KM_ERR_IO, "records were lost");
+    remove_dir();
+}
+
 /* A write that fills the disk (here: a file size limit) keeps the whole lines that reached the
  * file and counts only the rest as failed, instead of cutting the whole buffer back. */
 Test(deploy, a_full_disk_keeps_the_whole_lines_that_fit, .timeout = 30)

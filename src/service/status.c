@@ -70,11 +70,16 @@ static km_active_stats active_work_stats(km_server *s)
     return st;
 }
 
+/* The readiness reason quotes the records writer's last error, which names the records path (any
+ * bytes) and may be cut inside a character: /readyz and /status give it as UTF-8, each ill-formed
+ * sequence replaced by U+FFFD, so /status never loses ready_reason. */
 static bool http_readiness(void *user, km_text *reason)
 {
     char buf[KM_SRV_READINESS_REASON_BYTES];
     bool ready = km_srv_readiness(user, buf, sizeof buf);
-    km_text_append_cstr(reason, buf);
+    char *clean = km_utf8_clean_dup(buf);
+    km_text_append_cstr(reason, clean ? clean : "(no memory for the reason)");
+    free(clean);
     return ready;
 }
 
@@ -84,10 +89,13 @@ static int http_status(void *user, km_text *out)
     json_t *root = json_object();
     char reason[KM_SRV_READINESS_REASON_BYTES];
     bool ready = km_srv_readiness(s, reason, sizeof reason);
+    char *clean_reason = km_utf8_clean_dup(reason); /* UTF-8 for JSON, as in http_readiness */
     json_object_set_new(root, "kvmatch_version", json_string(KVMATCH_VERSION));
     json_object_set_new(root, "uptime_s", json_real((double)(now_ns() - s->start_ns) / 1e9));
     json_object_set_new(root, "ready", json_boolean(ready));
-    json_object_set_new(root, "ready_reason", json_string(reason));
+    json_object_set_new(root, "ready_reason",
+                        clean_reason ? json_string(clean_reason) : json_null());
+    free(clean_reason);
     json_object_set_new(root, "connections", json_integer((json_int_t)atomic_load(&s->st.open)));
     json_object_set_new(root, "decisions", json_integer((json_int_t)atomic_load(&s->st.decisions)));
     json_object_set_new(root, "warm_ups", json_integer((json_int_t)atomic_load(&s->st.warm_ups)));
