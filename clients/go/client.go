@@ -33,6 +33,7 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"os"
 	"reflect"
 	"strings"
 	"sync"
@@ -232,9 +233,12 @@ func onDone(ctx context.Context, f func()) (stop func()) {
 	}
 }
 
+// isTimeout tells the connection's own deadline (os.ErrDeadlineExceeded, which a context's end
+// sets too) from every other error. net.Error's Timeout() is no test of it: it is also true for
+// the kernel's ETIMEDOUT, a TCP connection whose peer stopped answering, which is a dead
+// connection, failed as any other socket error.
 func isTimeout(err error) bool {
-	var ne net.Error
-	return errors.As(err, &ne) && ne.Timeout()
+	return errors.Is(err, os.ErrDeadlineExceeded)
 }
 
 // Welcome is the server's WELCOME on the current connection: its version and limits.
@@ -703,9 +707,8 @@ func (cn *conn) readReply() (*Reply, error) {
 }
 
 func readError(err error, midFrame bool) error {
-	var ne net.Error
 	switch {
-	case errors.As(err, &ne) && ne.Timeout():
+	case isTimeout(err):
 		return newError(ErrTimeout, "no reply before the deadline")
 	case errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF):
 		if midFrame {

@@ -1667,6 +1667,29 @@ func TestReplyIDThatIsNotARequestID(t *testing.T) {
 	}
 }
 
+// A read that ends at the connection's deadline is ErrTimeout; the kernel's ETIMEDOUT (a TCP
+// peer that stopped answering), whose net.Error says Timeout() too, is a dead connection:
+// ErrClosed, and a write it stops is no "nothing sent" timeout that keeps the connection.
+func TestKernelTimeoutIsNoDeadline(t *testing.T) {
+	a, b := net.Pipe()
+	defer a.Close()
+	defer b.Close()
+	a.SetReadDeadline(time.Now().Add(-time.Second))
+	_, deadline := a.Read(make([]byte, 1))
+	if !isTimeout(deadline) {
+		t.Fatalf("a passed read deadline (%v) is not taken for the deadline", deadline)
+	}
+	expectCode(t, readError(deadline, false), ErrTimeout, "the read deadline")
+	kernel := &net.OpError{Op: "read", Net: "tcp", Err: os.NewSyscallError("read", syscall.ETIMEDOUT)}
+	if !kernel.Timeout() {
+		t.Fatalf("net.Error no longer says Timeout() for ETIMEDOUT: the test needs another case")
+	}
+	if isTimeout(kernel) {
+		t.Fatalf("the kernel's ETIMEDOUT is taken for the connection's deadline")
+	}
+	expectCode(t, readError(kernel, false), ErrClosed, "the kernel's ETIMEDOUT")
+}
+
 // A key twice in one map of a reply is ErrParse and closes the connection, at every level
 // (docs/PROTOCOL.md), a field's name or an unknown one, never the last value silently taken.
 func TestKeyTwiceInANestedMap(t *testing.T) {

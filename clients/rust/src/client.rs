@@ -166,8 +166,16 @@ impl Write for Stream {
     }
 }
 
+/// Whether `e` is this client's own deadline: a socket timeout (`WouldBlock`, EAGAIN) or a
+/// `TimedOut` the client or the standard library made, which carries no OS error code. The
+/// kernel's ETIMEDOUT (a TCP connection whose peer stopped answering) carries one: the connection
+/// is gone, and the caller closes it as for any other socket error.
 fn timed_out(e: &io::Error) -> bool {
-    matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut)
+    match e.kind() {
+        io::ErrorKind::WouldBlock => true,
+        io::ErrorKind::TimedOut => e.raw_os_error().is_none(),
+        _ => false,
+    }
 }
 
 /// A connection to kvmatch serve. Not for sharing between threads: use one per thread (the
@@ -948,6 +956,17 @@ mod tests {
     use std::os::unix::net::UnixListener;
     use std::path::PathBuf;
     use std::process::{Command, Stdio};
+
+    /// The deadline's errors keep the connection; the kernel's ETIMEDOUT is a dead one.
+    #[test]
+    fn only_the_clients_own_timeouts_count_as_the_deadline() {
+        assert!(timed_out(&io::Error::from(io::ErrorKind::WouldBlock)));
+        assert!(timed_out(&io::Error::new(io::ErrorKind::TimedOut, "the deadline passed")));
+        let kernel = io::Error::from_raw_os_error(110); // ETIMEDOUT on Linux
+        assert_eq!(kernel.kind(), io::ErrorKind::TimedOut);
+        assert!(!timed_out(&kernel));
+        assert!(!timed_out(&io::Error::from_raw_os_error(113))); // EHOSTUNREACH
+    }
 
     /// One length-prefixed frame's payload off `conn`; None when the peer went away.
     fn read_frame(conn: &mut UnixStream) -> Option<Vec<u8>> {
