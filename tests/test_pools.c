@@ -1031,3 +1031,105 @@ Test(pools, refused_admin_items_are_logged, .timeout = 60)
               r.log);
     reload_stop(&r, c);
 }
+
+/* POOLS add or update naming `model` for pool `name`; the item's status and message. */
+static int pool_model_call(km_client *c, km_admin_action action, const char *name,
+                           const char *model, char *msg, size_t msg_size)
+{
+    km_pool_info pi;
+    memset(&pi, 0, sizeof pi);
+    pi.name = name;
+    pi.model = model;
+    pi.block_size = action == KM_ADMIN_ADD ? 4 : 0;
+    km_message m = {.type = KM_MESSAGE_POOLS}, reply;
+    m.pools.action = action;
+    m.pools.pools = &pi;
+    m.pools.n_pools = 1;
+    cr_assert_eq(km_client_call(c, &m, 10000, &reply), KM_OK, "%s", km_client_last_error(c));
+    cr_assert_eq(reply.type, KM_MESSAGE_ACK);
+    snprintf(msg, msg_size, "%s", reply.ack.items[0].message ? reply.ack.items[0].message : "");
+    return reply.ack.items[0].status;
+}
+
+/* A model names one pool, since a route naming it reaches one: the start, POOLS add and update
+ * and a reload refuse a model another pool serves, saying which, and change nothing; a reload
+ * may hand a model from one listed pool to another. */
+Test(pools, a_model_names_one_pool, .timeout = 60)
+{
+    reload_srv r;
+    km_client *c = NULL;
+    reload_start(&r, "{\"pools\": [{\"name\": \"main\", \"block_size\": 4, \"model\": \"m1\"}, "
+                     "{\"name\": \"other\", \"block_size\": 4, \"model\": \"m2\"}]}", &c);
+    char msg[256];
+    cr_assert_eq(pool_model_call(c, KM_ADMIN_ADD, "third", "m1", msg, sizeof msg),
+                 KM_ERR_INVALID_ARGUMENT, "a second pool of model m1 was added");
+    cr_assert(strstr(msg, "model m1 is served by pool main already"), "%s", msg);
+    cr_assert_eq(pool_model_call(c, KM_ADMIN_UPDATE, "other", "m1", msg, sizeof msg),
+                 KM_ERR_INVALID_ARGUMENT, "pool other took model m1");
+    cr_assert(strstr(msg, "model m1 is served by pool main already"), "%s", msg);
+    cr_assert_eq(pool_model_call(c, KM_ADMIN_UPDATE, "main", "m1", msg, sizeof msg), KM_OK,
+                 "a pool's own model was refused: %s", msg);
+    km_message reply;
+    cr_assert_str_eq(listed_pool(c, &reply, "other")->model, "m2");
+    km_message m = {.type = KM_MESSAGE_POOLS};
+    m.pools.action = KM_ADMIN_LIST;
+    cr_assert_eq(km_client_call(c, &m, 5000, &reply), KM_OK);
+    cr_assert_eq(reply.pools.n_pools, 2, "the refused pool was added");
+
+    reload_with(&r, "{\"pools\": [{\"name\": \"main\", \"block_size\": 4, \"model\": \"m1\"}, "
+                    "{\"name\": \"other\", \"block_size\": 4, \"model\": \"m1\"}]}");
+    cr_assert_eq(r.reload_status, KM_ERR_INVALID_ARGUMENT, "%s", r.log);
+    cr_assert(reload_logged(&r, "reload refused, nothing changed: model m1 is listed for pools "
+                                "main and other"), "%s", r.log);
+    cr_assert_str_eq(listed_pool(c, &reply, "other")->model, "m2");
+
+    /* Handed over within one file: main lets m1 go and other takes it. */
+    reload_with(&r, "{\"pools\": [{\"name\": \"other\", \"block_size\": 4, \"model\": \"m1\"}, "
+                    "{\"name\": \"main\", \"block_size\": 4, \"model\": \"m3\"}]}");
+    cr_assert_eq(r.reload_status, KM_OK, "%s", r.log);
+    cr_assert_str_eq(listed_pool(c, &reply, "other")->model, "m1");
+    cr_assert_str_eq(listed_pool(c, &reply, "main")->model, "m3");
+
+    /* A pool the file does not list keeps its model: no listed pool or new one may take it. */
+    reload_with(&r, "{\"pools\": [{\"name\": \"main\", \"block_size\": 4, \"model\": \"m1\"}, "
+                    "{\"name\": \"fourth\", \"block_size\": 4, \"model\": \"m1\"}]}");
+    cr_assert_eq(r.reload_status, KM_ERR_INVALID_ARGUMENT, "%s", r.log);
+    cr_assert(reload_logged(&r, "reload refused, nothing changed: model m1 is listed for pools "
+                                "main and fourth"), "%s", r.log);
+    reload_with(&r, "{\"pools\": [{\"name\": \"main\", \"block_size\": 4, \"model\": \"m1\"}]}");
+    cr_assert_eq(r.reload_status, KM_ERR_INVALID_ARGUMENT, "%s", r.log);
+    cr_assert(reload_logged(&r, "reload: pool main refused: model m1 is served by pool other "
+                                "already"), "%s", r.log);
+    cr_assert_str_eq(listed_pool(c, &reply, "main")->model, "m3");
+    reload_with(&r, "{\"pools\": [{\"name\": \"fifth\", \"block_size\": 4, \"model\": \"m1\"}]}");
+    cr_assert_eq(r.reload_status, KM_ERR_INVALID_ARGUMENT, "%s", r.log);
+    cr_assert(reload_logged(&r, "reload: pool fifth refused: model m1 is served by pool other "
+                                "already"), "%s", r.log);
+    cr_assert_eq(km_client_call(c, &m, 5000, &reply), KM_OK);
+    cr_assert_eq(reply.pools.n_pools, 2, "the refused pool was added");
+    reload_stop(&r, c);
+
+    /* The start: two pools of one model. */
+    km_server_config cfg;
+    km_server_config_init(&cfg);
+    cfg.socket_path = "/tmp/kvmatch-one-model-never-bound.sock";
+    cfg.records_path = NULL;
+    cfg.backend = KM_BACKEND_CPU;
+    cfg.log = pools_quiet;
+    km_server_pool pools[2];
+    memset(pools, 0, sizeof pools);
+    for (int i = 0; i < 2; i++) {
+        pools[i].name = i ? "b" : "a";
+        pools[i].model = "m";
+        pools[i].block_size = 4;
+        km_policy_config_init(&pools[i].policy);
+    }
+    cfg.pools = pools;
+    cfg.n_pools = 2;
+    km_server *server = NULL;
+    char why[256] = "";
+    cr_assert_eq(km_server_create(&cfg, &server, why, sizeof why), KM_ERR_INVALID_ARGUMENT,
+                 "two pools of one model started");
+    cr_assert_null(server);
+    cr_assert(strstr(why, "pool b: model m is served by pool a already"), "%s", why);
+}

@@ -422,6 +422,11 @@ void km_srv_handle_pools(conn *c, const km_message *m)
         } else if (s->n_pools >= MAX_POOLS) {
             rc = km_why(msgs[i], sizeof msgs[i], KM_ERR_TOO_LARGE, "at most %u pools", MAX_POOLS);
         }
+        int serving = rc == KM_OK ? km_srv_pool_serving_model(s, pi->model, at) : -1;
+        if (serving >= 0)
+            rc = km_why(msgs[i], sizeof msgs[i], KM_ERR_INVALID_ARGUMENT,
+                        "pool %s: model %s is served by pool %s already (a route naming a model "
+                        "reaches one pool)", pi->name, pi->model, s->pools[serving]->name);
         if (rc == KM_OK && pi->policy && km_policy_kind_parse(pi->policy, &pc.policy.kind) != KM_OK)
             rc = km_why(msgs[i], sizeof msgs[i], KM_ERR_INVALID_ARGUMENT, "unknown policy \"%s\"",
                        pi->policy);

@@ -36,6 +36,16 @@ int km_srv_pool_for_model(const km_server *s, const char *model)
     return -1;
 }
 
+/* The pool other than `except` (an index in s->pools, or -1 for none) that serves `model`, or -1;
+ * -1 for a NULL model. A model names one pool: a route naming it reaches that pool alone. */
+int km_srv_pool_serving_model(const km_server *s, const char *model, int except)
+{
+    for (uint32_t i = 0; model && i < s->n_pools; i++)
+        if ((int)i != except && s->pools[i]->model && !strcmp(s->pools[i]->model, model))
+            return (int)i;
+    return -1;
+}
+
 /* A pool and everything it owns (subscriber, feeds, index, approximate-mode state); NULL is a
  * no-op. */
 void km_srv_pool_destroy(pool *p)

@@ -201,8 +201,9 @@ static int listed_id_cmp(const void *a, const void *b)
     return x->pool < y->pool ? -1 : x->pool > y->pool;
 }
 
-/* KM_OK when n lists each pool name and each worker id once, as km_server_create requires; else
- * KM_ERR_INVALID_ARGUMENT (KM_ERR_OUT_OF_MEMORY) with why naming the first listed twice. Applied
+/* KM_OK when n lists each pool name, each model and each worker id once, as km_server_create
+ * requires; else KM_ERR_INVALID_ARGUMENT (KM_ERR_OUT_OF_MEMORY) with why naming the first listed
+ * twice. Applied
  * entry by entry, a second entry of a pool would remove the workers the first lists, and the
  * first would add them again without their index state and active work. */
 static int check_listed_once(const km_server_config *n, char *why, size_t why_size)
@@ -214,6 +215,13 @@ static int check_listed_once(const km_server_config *n, char *why, size_t why_si
             if (!strcmp(n->pools[k].name ? n->pools[k].name : "", name))
                 return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,
                               "pool %s is listed twice", name);
+        const char *model = n->pools[i].model;
+        for (uint32_t k = 0; model && k < i; k++)
+            if (n->pools[k].model && !strcmp(n->pools[k].model, model))
+                return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,
+                              "model %s is listed for pools %s and %s (a route naming a model "
+                              "reaches one pool)", model, n->pools[k].name ? n->pools[k].name : "",
+                              name);
         total += n->pools[i].n_workers;
     }
     if (!total)
@@ -239,6 +247,19 @@ static int check_listed_once(const km_server_config *n, char *why, size_t why_si
         }
     free(ids);
     return rc;
+}
+
+/* The pool other than `except` that serves `model` and keeps serving it through this reload (one
+ * the file does not list keeps its model; a listed one takes the file's, which check_listed_once
+ * found to be no other listed pool's): its index in s->pools, or -1. */
+static int model_kept_by_another(const km_server *s, const km_server_config *n, const char *model,
+                                 int except)
+{
+    int at = km_srv_pool_serving_model(s, model, except);
+    for (uint32_t i = 0; at >= 0 && i < n->n_pools; i++)
+        if (n->pools[i].name && !strcmp(n->pools[i].name, s->pools[at]->name))
+            return -1;
+    return at;
 }
 
 int km_server_reload(km_server *s, const km_server_config *n)
@@ -268,8 +289,13 @@ int km_server_reload(km_server *s, const km_server_config *n)
         char detail[192];
         if (at < 0) {
             pool *np = NULL;
+            int kept = model_kept_by_another(s, n, pc->model, -1);
             int rc = s->n_pools >= MAX_POOLS
                          ? km_why(why, sizeof why, KM_ERR_TOO_LARGE, "at most %u pools", MAX_POOLS)
+                     : kept >= 0
+                         ? km_why(why, sizeof why, KM_ERR_INVALID_ARGUMENT,
+                                  "model %s is served by pool %s already (a route naming a model "
+                                  "reaches one pool)", pc->model, s->pools[kept]->name)
                          : km_srv_pool_create(s, pc, &np, why, sizeof why);
             if (rc != KM_OK) {
                 km_srv_log(s, KM_LOG_WARNING
@@ -326,6 +352,14 @@ int km_server_reload(km_server *s, const km_server_config *n)
             if (model_changes && pc->model && !km_utf8_name(pc->model)) {
                 km_srv_log(s, KM_LOG_WARNING "reload: pool %s refused: model must be UTF-8 "
                            "without control characters", pc->name);
+                first_error = first_error ? first_error : KM_ERR_INVALID_ARGUMENT;
+                continue;
+            }
+            int kept = model_changes ? model_kept_by_another(s, n, pc->model, at) : -1;
+            if (kept >= 0) {
+                km_srv_log(s, KM_LOG_WARNING "reload: pool %s refused: model %s is served by pool "
+                           "%s already (a route naming a model reaches one pool)", pc->name,
+                           pc->model, s->pools[kept]->name);
                 first_error = first_error ? first_error : KM_ERR_INVALID_ARGUMENT;
                 continue;
             }

@@ -342,6 +342,13 @@ int km_server_create(const km_server_config *cfg_in, km_server **out, char *why,
             rc = km_why(why, why_size, KM_ERR_INVALID_ARGUMENT, "pool %s is listed twice", pc->name);
             break;
         }
+        int serving = km_srv_pool_serving_model(s, pc->model, -1);
+        if (serving >= 0) {
+            rc = km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,
+                        "pool %s: model %s is served by pool %s already (a route naming a model "
+                        "reaches one pool)", pc->name, pc->model, s->pools[serving]->name);
+            break;
+        }
         pool *p = NULL;
         if ((rc = km_srv_pool_create(s, pc, &p, why, why_size)) != KM_OK)
             break;

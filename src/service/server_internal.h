@@ -584,6 +584,7 @@ void km_srv_pool_approx_params(const km_server_pool *pc, uint64_t *ttl_ms,
 int km_srv_pool_engine_check(const pool *p, const km_engine_model *m, char *why,
                              size_t why_size);
 int km_srv_pool_for_model(const km_server *s, const char *model);
+int km_srv_pool_serving_model(const km_server *s, const char *model, int except);
 void km_srv_pool_destroy(pool *p);
 int km_srv_pool_create(km_server *s, const km_server_pool *pc, pool **out, char *why,
                        size_t why_size);
