@@ -1433,6 +1433,52 @@ Test(records, full_queue_drops_instead_of_blocking, .timeout = 60)
     remove_dir(dir);
 }
 
+/* A FIFO whose reader is away (open would block: ENXIO) or stalls (its pipe full: write would
+ * block) holds the writer as a blocking call would (a flush times out, the lines wait) but never
+ * the destroy: once stopping, the writer waits about a second more for the reader, then what is
+ * left fails, logged. */
+Test(records, a_fifo_reader_away_or_stalled_never_holds_destroy, .timeout = 30)
+{
+    char dir[64], path[128];
+    make_temp_dir(dir);
+    snprintf(path, sizeof path, "%s/fifo", dir);
+    cr_assert_eq(mkfifo(path, 0600), 0, "mkfifo: %s", strerror(errno));
+    log_capture log;
+    km_record_writer_config cfg;
+    writer_config(&cfg, path, &log);
+    km_record_writer *w;
+    cr_assert_eq(km_record_writer_create(&cfg, &w), KM_OK);
+    for (int i = 0; i < 5; i++)
+        cr_assert_eq(km_record_writer_submit(w, "{\"a\":1}", 7), KM_OK);
+    cr_assert_eq(km_record_writer_flush(w, 100), KM_ERR_TIMEOUT, "no reader, yet the lines went");
+    km_record_writer_counters s;
+    km_record_writer_stats(w, &s);
+    cr_assert_eq(s.pending, 5, "lines failed while the reader might still come");
+    double t0 = km_test_now();
+    km_record_writer_destroy(w);
+    cr_assert_lt(km_test_now() - t0, 5.0, "destroy waited for a reader");
+    cr_assert(strstr(log.last, "open") && strstr(log.last, strerror(ENXIO)), "%s", log.last);
+
+    /* A reader that never reads: 40 lines of 8 KB are five times the pipe. */
+    int reader = open(path, O_RDONLY | O_NONBLOCK);
+    cr_assert(reader >= 0, "%s", strerror(errno));
+    writer_config(&cfg, path, &log);
+    cr_assert_eq(km_record_writer_create(&cfg, &w), KM_OK);
+    static char line[8000];
+    memset(line, 'p', sizeof line);
+    line[0] = '"';
+    line[sizeof line - 1] = '"';
+    for (int i = 0; i < 40; i++)
+        cr_assert_eq(km_record_writer_submit(w, line, sizeof line), KM_OK);
+    cr_assert_eq(km_record_writer_flush(w, 200), KM_ERR_TIMEOUT, "the stalled pipe took it all");
+    t0 = km_test_now();
+    km_record_writer_destroy(w);
+    cr_assert_lt(km_test_now() - t0, 5.0, "destroy waited for the reader to read");
+    cr_assert(strstr(log.last, "write") && strstr(log.last, strerror(EAGAIN)), "%s", log.last);
+    close(reader);
+    remove_dir(dir);
+}
+
 /* Lines "{"i":N,"pad":"..."}" of varying length; returns the numbers found in a file in order,
  * asserting each file ends with a newline and stays within max (lines shorter than max). */
 static int read_numbers(const char *path, int *out, int cap, uint64_t max, bool *exists)

@@ -18,6 +18,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
+#include <poll.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -77,6 +78,7 @@ struct km_record_writer {
     uint64_t buf_lines;
     int64_t buf_deadline_ns;
     bool failing; /* the last I/O operation failed (log on transitions only) */
+    int64_t fifo_give_up_ns; /* once stopping: when FIFO waits give up (fifo_wait); 0 before */
 };
 
 void km_record_writer_config_init(km_record_writer_config *cfg)
@@ -172,12 +174,54 @@ static void sync_and_close(km_record_writer *w)
     close_file(w);
 }
 
+/* A FIFO is opened and written without blocking: while it has no reader (open: ENXIO) or its
+ * pipe is full (write: EAGAIN) the writer waits, in slices of FIFO_WAIT_SLICE_MS, as a blocking
+ * open or write would, and the queue fills meanwhile (submit drops, counted); once the writer is
+ * stopping it waits at most FIFO_STOP_WAIT_MS more for room, then what is left fails (counted,
+ * logged) rather than hold the stop for as long as the reader is away. */
+#define FIFO_WAIT_SLICE_MS 50
+#define FIFO_STOP_WAIT_MS 1000
+
+static bool writer_stopping(km_record_writer *w)
+{
+    pthread_mutex_lock(&w->lock);
+    bool stopping = w->stopping;
+    pthread_mutex_unlock(&w->lock);
+    return stopping;
+}
+
+/* Wait for a FIFO's reader to come (fd < 0) or to make room in its pipe: true to try again,
+ * false once the writer has been stopping for FIFO_STOP_WAIT_MS (every later wait then gives up
+ * at once). */
+static bool fifo_wait(km_record_writer *w, int fd)
+{
+    int64_t now = km_record_clock_ns(CLOCK_MONOTONIC);
+    if (writer_stopping(w)) {
+        if (w->fifo_give_up_ns == 0)
+            w->fifo_give_up_ns = now + (int64_t)FIFO_STOP_WAIT_MS * 1000000;
+        else if (now >= w->fifo_give_up_ns)
+            return false;
+    }
+    if (fd < 0) {
+        struct timespec pause = {0, FIFO_WAIT_SLICE_MS * 1000000L};
+        nanosleep(&pause, NULL);
+    } else {
+        struct pollfd p = {.fd = fd, .events = POLLOUT};
+        (void)poll(&p, 1, FIFO_WAIT_SLICE_MS);
+    }
+    return true;
+}
+
 /* Open (create) the file for appending; make sure it ends with a newline. */
 static bool open_file(km_record_writer *w)
 {
     if (w->fd >= 0)
         return true;
-    int fd = open(w->config.path, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+    int fd;
+    while ((fd = open(w->config.path, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC | O_NONBLOCK,
+                      0644)) < 0 &&
+           errno == ENXIO && fifo_wait(w, -1))
+        ;
     if (fd < 0) {
         io_failure(w, "open", w->config.path, errno);
         return false;
@@ -212,15 +256,16 @@ static bool open_file(km_record_writer *w)
     return true;
 }
 
-/* Write all of data, retrying partial writes and EINTR. 0 or an errno; *done says how many bytes
- * reached the file either way. */
-static int write_all(int fd, const char *data, size_t len, size_t *done)
+/* Write all of data, retrying partial writes and EINTR, and waiting for room in a full FIFO
+ * (fifo_wait). 0 or an errno; *done says how many bytes reached the file either way. */
+static int write_all(km_record_writer *w, int fd, const char *data, size_t len, size_t *done)
 {
     *done = 0;
     while (len > 0) {
         ssize_t n = write(fd, data, len);
         if (n < 0) {
-            if (errno == EINTR)
+            if (errno == EINTR ||
+                ((errno == EAGAIN || errno == EWOULDBLOCK) && fifo_wait(w, fd)))
                 continue;
             return errno;
         }
@@ -265,7 +310,7 @@ static void buffer_write(km_record_writer *w)
     check_file(w);
     if (open_file(w)) {
         size_t done = 0;
-        int err = write_all(w->fd, w->buf, len, &done);
+        int err = write_all(w, w->fd, w->buf, len, &done);
         if (err == 0) {
             kept = len;
             kept_lines = lines;
