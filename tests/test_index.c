@@ -169,6 +169,36 @@ Test(index, config_validation, .timeout = 30)
     cr_assert_eq(km_index_create(&cfg, NULL), KM_ERR_NULL_POINTER);
 }
 
+/* An initial_blocks no host could hold is refused as out of memory (or over the cap), whatever
+ * its value: a hint whose table sizes wrap around 2^64 (0xCCCCCCCCCCCCCCC0 makes about 2^64 - 16
+ * slots, whose slot array size wraps to a few bytes) must not make an index of a tiny array. */
+Test(index, an_initial_blocks_no_host_holds_fails_cleanly, .timeout = 60)
+{
+    km_rng r;
+    km_rng_init(&r, km_test_seed());
+    const uint64_t fixed[] = {UINT64_C(0xCCCCCCCCCCCCCCC0), UINT64_MAX, UINT64_C(1) << 62,
+                              UINT64_C(0x0CCCCCCCCCCCCCD0), UINT64_C(0x3333333333333340)};
+    for (int i = 0; i < 400; i++) {
+        /* Fixed values first, then random ones from 2^44 up, at every scale. */
+        uint64_t v = i < 5 ? fixed[i]
+                           : (km_rng_next(&r) | UINT64_C(1) << 63) >> km_rng_below(&r, 20);
+        km_index_config cfg;
+        km_test_config(&cfg, NULL);
+        cfg.backend = KM_BACKEND_CPU;
+        cfg.max_workers = 8;
+        cfg.threads = 1;
+        cfg.initial_blocks = v;
+        cfg.memory_cap_bytes = i % 2 ? UINT64_C(1) << 30 : 0;
+        km_index *index = (km_index *)&r; /* not NULL: a failed create must clear it */
+        int rc = km_index_create(&cfg, &index);
+        KM_CHECK(rc == KM_ERR_OUT_OF_MEMORY || rc == KM_ERR_MEMORY_CAP,
+                 "initial_blocks %#llx (cap %llu): %s", (unsigned long long)v,
+                 (unsigned long long)cfg.memory_cap_bytes, km_error_name(rc));
+        KM_CHECK(index == NULL, "initial_blocks %#llx: a failed create handed out a handle",
+                 (unsigned long long)v);
+    }
+}
+
 /* ---- basic operations ---------------------------------------------------------------------- */
 
 Test(index, store_remove_holders_stats, .timeout = 30)

@@ -309,6 +309,8 @@ static int over_load(uint64_t used, uint64_t capacity)
 /* Smallest capacity that holds `keys` under the maximum load. */
 static uint64_t capacity_for(uint64_t keys)
 {
+    if (keys > KM_TABLE_MAX_SLOTS) /* too many for any table (and the product below would wrap) */
+        return KM_TABLE_MAX_SLOTS + 1;
     uint64_t capacity = keys / TABLE_MAX_LOAD_NUM * TABLE_MAX_LOAD_DEN +
                         (keys % TABLE_MAX_LOAD_NUM * TABLE_MAX_LOAD_DEN + TABLE_MAX_LOAD_NUM - 1) /
                             TABLE_MAX_LOAD_NUM;
@@ -331,6 +333,8 @@ int km_table_init_capacity(km_table *t, uint64_t capacity, uint32_t max_workers,
     t->aux_bytes = aux_bytes;
     if (capacity < TABLE_MIN_CAPACITY)
         return KM_ERR_INVALID_ARGUMENT;
+    if (capacity > KM_TABLE_MAX_SLOTS)
+        return KM_ERR_OUT_OF_MEMORY;
     uint64_t bytes = table_slot_bytes(t, capacity, with_meta);
     int rc = km_memory_reserve(memory, 0, bytes);
     if (rc)

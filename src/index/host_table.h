@@ -33,6 +33,9 @@
 /* Tables below this many slots rehash at once when they grow (a few hundred microseconds at most);
  * larger ones grow incrementally. */
 #define KM_TABLE_INCREMENTAL_SLOTS (UINT64_C(1) << 14)
+/* Most slots a table may have: no host holds more, and past it the arrays' byte sizes would
+ * overflow. */
+#define KM_TABLE_MAX_SLOTS (UINT64_C(1) << 40)
 
 /* Per-block facts the update planner needs and scoring never reads (parallel to the slots), 7
  * bytes. What segment keys need of a block's place in its sequence is its offset inside its
@@ -142,10 +145,12 @@ typedef struct km_table {
 } km_table;
 
 /* Create with room for at least `initial_keys` keys at the maximum load. with_meta: a
- * km_block_meta per slot; aux_bytes: that many owner-defined bytes per slot (0 for none). */
+ * km_block_meta per slot; aux_bytes: that many owner-defined bytes per slot (0 for none).
+ * KM_ERR_OUT_OF_MEMORY when that takes more than KM_TABLE_MAX_SLOTS slots. */
 int km_table_init(km_table *t, uint64_t initial_keys, uint32_t max_workers, int with_meta,
                   uint32_t aux_bytes, km_memory *memory);
-/* The same with exactly `capacity` slots (at least 64), for a loaded snapshot. */
+/* The same with exactly `capacity` slots (at least 64; KM_ERR_OUT_OF_MEMORY past
+ * KM_TABLE_MAX_SLOTS), for a loaded snapshot. */
 int km_table_init_capacity(km_table *t, uint64_t capacity, uint32_t max_workers, int with_meta,
                            uint32_t aux_bytes, km_memory *memory);
 

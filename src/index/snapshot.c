@@ -297,7 +297,7 @@ static int take_table(reader *r, uint32_t kind, km_table *t, int with_meta, uint
     if (rc)
         return rc;
     uint32_t words = (index->config.max_workers + 63u) / 64u;
-    if (h.capacity < 64 || h.capacity > (UINT64_C(1) << 40) ||
+    if (h.capacity < 64 || h.capacity > KM_TABLE_MAX_SLOTS ||
         h.words_per_set != words || h.has_meta != (uint32_t)with_meta ||
         h.pool_free_count > h.pool_high || h.live + h.tombstones >= h.capacity)
         return km_index_fail(r->index, KM_ERR_CORRUPT, "snapshot: table %u header is inconsistent", kind);
