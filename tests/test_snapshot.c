@@ -266,6 +266,26 @@ Test(snapshot, bad_files_are_rejected_and_change_nothing, .timeout = 120)
     fixture_free(&f);
 }
 
+/* A path that names no regular file (a directory, a FIFO: a misconfigured restore path) cannot
+ * be read as a snapshot: KM_ERR_IO, not a file judged corrupt, and a FIFO no writer opens is not
+ * waited on; the index keeps its content. */
+Test(snapshot, a_path_that_is_not_a_regular_file_is_an_io_error, .timeout = 20)
+{
+    const uint32_t W = 8, S = 4;
+    fixture f;
+    fixture_init(&f, W, 91);
+    km_index *a = make_index(W, S);
+    run_steps(&f, a, 20);
+    expect_rejected(&f, a, S, f.dir, KM_ERR_IO, "a directory");
+    char fifo[160];
+    snprintf(fifo, sizeof fifo, "%s/fifo.snap", f.dir);
+    cr_assert_eq(mkfifo(fifo, 0600), 0);
+    expect_rejected(&f, a, S, fifo, KM_ERR_IO, "a FIFO");
+    unlink(fifo);
+    km_index_destroy(a);
+    fixture_free(&f);
+}
+
 /* Reseal a snapshot edited in place: the payload checksum, then the header's own. */
 static void reseal(uint8_t *buf, size_t size)
 {

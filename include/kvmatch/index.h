@@ -254,10 +254,10 @@ bool km_index_save_temp_path(const char *path, long pid, char *out, size_t size)
 /* Replace the index's content with the snapshot at `path`. The file is read, checksummed and
  * checked in full before anything changes: on any error the index is exactly as it was.
  * *user_out (may be NULL) receives a malloc'd copy of the caller section (release with free()),
- * *user_size_out its size. Errors: KM_ERR_IO (missing, unreadable), KM_ERR_CORRUPT (truncated,
- * checksum mismatch, inconsistent structure), KM_ERR_INCOMPATIBLE (other format version, or
- * max_workers / segment_blocks / layout differing from this index's), KM_ERR_MEMORY_CAP,
- * KM_ERR_OUT_OF_MEMORY. */
+ * *user_size_out its size. Errors: KM_ERR_IO (missing, unreadable, not a regular file: a
+ * directory or a FIFO, which is not waited on), KM_ERR_CORRUPT (truncated, checksum mismatch,
+ * inconsistent structure), KM_ERR_INCOMPATIBLE (other format version, or max_workers /
+ * segment_blocks / layout differing from this index's), KM_ERR_MEMORY_CAP, KM_ERR_OUT_OF_MEMORY. */
 int km_index_load(km_index *index, const char *path, void **user_out, size_t *user_size_out);
 
 /* Judges a snapshot's caller section before km_index_load_checked changes anything: KM_OK lets the

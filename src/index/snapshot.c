@@ -521,13 +521,21 @@ int km_index_load_checked(km_index *index, const char *path, km_snapshot_check_f
         *user_size_out = 0;
     if (!path)
         return km_index_fail(index, KM_ERR_NULL_POINTER, "snapshot path is NULL");
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    /* Non-blocking: opening a FIFO would otherwise wait for a writer. No effect on a file. */
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
     if (fd < 0)
         return km_index_fail(index, KM_ERR_IO, "snapshot: cannot open %s: %s", path, strerror(errno));
     struct stat st;
     header_fields h;
     int rc = KM_OK;
-    if (fstat(fd, &st) != 0 || read(fd, &h, sizeof h) != (ssize_t)sizeof h)
+    ssize_t got = 0;
+    if (fstat(fd, &st) != 0)
+        rc = km_index_fail(index, KM_ERR_IO, "snapshot %s: %s", path, strerror(errno));
+    else if (!S_ISREG(st.st_mode))
+        rc = km_index_fail(index, KM_ERR_IO, "snapshot %s: not a regular file", path);
+    else if ((got = read(fd, &h, sizeof h)) < 0)
+        rc = km_index_fail(index, KM_ERR_IO, "snapshot %s: reading: %s", path, strerror(errno));
+    else if (got != (ssize_t)sizeof h)
         rc = km_index_fail(index, KM_ERR_CORRUPT, "snapshot %s: shorter than its header", path);
     else if (memcmp(h.magic, SNAPSHOT_MAGIC, 8) != 0)
         rc = km_index_fail(index, KM_ERR_CORRUPT, "%s is not a kvmatch snapshot (bad magic)", path);
