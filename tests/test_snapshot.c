@@ -483,6 +483,30 @@ Test(snapshot, save_is_atomic_and_reports_io_errors, .timeout = 60)
     fixture_free(&f);
 }
 
+/* A path too long to name the temporary file beside it is an I/O error, as index.h lists for
+ * km_index_save (and as open() would find it), with nothing written and the index intact. */
+Test(snapshot, a_path_too_long_to_save_is_an_io_error, .timeout = 30)
+{
+    fixture f;
+    fixture_init(&f, 8, 6);
+    km_index *a = make_index(8, 4);
+    run_steps(&f, a, 10);
+    char *path = malloc(4096);
+    cr_assert_not_null(path);
+    int n = snprintf(path, 4096, "%s/", f.dir);
+    memset(path + n, 'x', 4090 - (size_t)n);
+    path[4090] = '\0';
+    int rc = km_index_save(a, path, NULL, 0);
+    KM_CHECK(rc == KM_ERR_IO, "save gave %s (%s)", km_error_name(rc), km_index_last_error(a));
+    KM_CHECK(km_index_last_error(a)[0] != '\0', "no error detail");
+    cr_assert_eq(rmdir(f.dir), 0, "the directory stays empty");
+    cr_assert_eq(mkdir(f.dir, 0700), 0);
+    check(&f, a, 4, "after a failed save");
+    free(path);
+    km_index_destroy(a);
+    fixture_free(&f);
+}
+
 /* Worker w's counters (km_worker_stats, its block count first) in a snapshot file read into buf:
  * the worker section (kind 3) after the 64-byte header and the sections before it. */
 static uint8_t *worker_counters(uint8_t *buf, size_t size, uint32_t w)

@@ -242,7 +242,8 @@ int km_index_set_worker_windows(km_index *index, uint32_t worker, const km_windo
 /* Write the index's whole content, and an opaque caller section (the event feed's stream
  * positions), to `path` atomically: a temporary file in the same directory, fsync, rename, fsync of
  * the directory. A reader never sees half a snapshot. Format: docs/ARCHITECTURE.md "Snapshots".
- * Errors: KM_ERR_NULL_POINTER, KM_ERR_IO (with errno's text in km_index_last_error). */
+ * Errors: KM_ERR_NULL_POINTER, KM_ERR_IO (with errno's text in km_index_last_error; a path too
+ * long to name its temporary file is one), KM_ERR_OUT_OF_MEMORY. */
 int km_index_save(km_index *index, const char *path, const void *user, size_t user_size);
 
 /* The temporary file km_index_save writes first and renames over `path`: "<path>.tmp.<pid>", pid

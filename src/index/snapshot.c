@@ -135,7 +135,8 @@ int km_index_save(km_index *index, const char *path, const void *user, size_t us
         return km_index_fail(index, KM_ERR_NULL_POINTER, "snapshot path or user section is NULL");
     char tmp[4096];
     if (!km_index_save_temp_path(path, (long)getpid(), tmp, sizeof tmp))
-        return km_index_fail(index, KM_ERR_INVALID_ARGUMENT, "snapshot path too long");
+        return km_index_fail(index, KM_ERR_IO, "snapshot: cannot create a temporary file beside "
+                             "%.64s...: %s", path, strerror(ENAMETOOLONG));
     writer w = {.fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644)};
     if (w.fd < 0)
         return km_index_fail(index, KM_ERR_IO, "snapshot: cannot create %s: %s", tmp, strerror(errno));
