@@ -2826,6 +2826,55 @@ Test(kv_events, lookahead_tokens_and_top_level_cache_salt, .timeout = 30)
     km_kv_decoder_destroy(d);
 }
 
+/* A map BlockStored of two blocks whose lookahead lists are [[7, 8], [bad, 9]] or [[7, 8], [9, bad]]
+ * (bad: -1 or a str); `second` puts the bad value at index 1 of list 1. */
+static void pack_bad_lookahead(pk_buf *b, bool as_str, bool second)
+{
+    msgpack_packer *pk = pk_begin(b);
+    batch_open(pk, 1, RANK_NIL);
+    msgpack_pack_map(pk, 5);
+    pack_cstr(pk, "type");
+    pack_cstr(pk, "BlockStored");
+    pack_cstr(pk, "block_hashes");
+    pack_u64s(pk, two_hashes, 2);
+    pack_cstr(pk, "token_ids");
+    pack_u32s(pk, eight_tokens, 8);
+    pack_cstr(pk, "block_size");
+    msgpack_pack_uint32(pk, 4);
+    pack_cstr(pk, "lookahead_token_ids");
+    msgpack_pack_array(pk, 2);
+    msgpack_pack_array(pk, 2);
+    msgpack_pack_uint32(pk, 7);
+    msgpack_pack_uint32(pk, 8);
+    msgpack_pack_array(pk, 2);
+    if (second)
+        msgpack_pack_uint32(pk, 9);
+    if (as_str)
+        pack_cstr(pk, "x");
+    else
+        msgpack_pack_int64(pk, -1);
+    if (!second)
+        msgpack_pack_uint32(pk, 9);
+    batch_close(pk, RANK_NIL, 0);
+}
+
+/* A bad token in a lookahead list is named by its list and its place in the list. */
+Test(kv_events, lookahead_errors_name_the_list_and_the_token, .timeout = 30)
+{
+    km_kv_decoder *d = new_decoder(NULL);
+    km_kv_batch batch;
+    pk_buf b;
+    pack_bad_lookahead(&b, false, false);
+    EXPECT_ERROR(d, decode_buf(d, &b, &batch), KM_ERR_PARSE,
+                 "field lookahead_token_ids[1][0]: token id out of range");
+    pk_end(&b);
+    pack_bad_lookahead(&b, true, true);
+    EXPECT_ERROR(d, decode_buf(d, &b, &batch), KM_ERR_PARSE,
+                 "field lookahead_token_ids[1][1]: expected an int in 0..2^32-1, got str");
+    pk_end(&b);
+    km_kv_decoder_destroy(d);
+}
+
 /* ---- the direct path against the tree path ------------------------------------------------------ */
 
 /* An integer in one of msgpack's encodings, as a publisher might pick it: fixint, uint 8..64, or

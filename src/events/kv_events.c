@@ -556,16 +556,30 @@ static int read_hash_array(km_kv_decoder *dec, const msgpack_object *o, const ch
     return KM_OK;
 }
 
-static int read_token_array(km_kv_decoder *dec, const msgpack_object *o, const char *field,
-                            const uint32_t **out, uint32_t *n_out)
+/* The name errors give a token array: `field`, or "field[list]" for one list of a field that holds
+ * several (list not NO_ELEMENT), written into buf. */
+static const char *token_array_name(char *buf, size_t size, const char *field, uint32_t list)
 {
+    if (list == NO_ELEMENT)
+        return field;
+    snprintf(buf, size, "%s[%u]", field, list);
+    return buf;
+}
+
+/* An array of token ids; `list` is its index in a field holding one such array per block
+ * (lookahead_token_ids), NO_ELEMENT for token_ids itself. */
+static int read_token_array(km_kv_decoder *dec, const msgpack_object *o, const char *field,
+                            uint32_t list, const uint32_t **out, uint32_t *n_out)
+{
+    char name[64];
     if (o->type != MSGPACK_OBJECT_ARRAY)
-        return event_fail(dec, KM_ERR_PARSE, field, NO_ELEMENT,
-                          "expected an array of token ids, got %s", km_msgpack_type_name(o));
+        return event_fail(dec, KM_ERR_PARSE, token_array_name(name, sizeof name, field, list),
+                          NO_ELEMENT, "expected an array of token ids, got %s",
+                          km_msgpack_type_name(o));
     uint32_t n = o->via.array.size;
     if (n > dec->config.max_tokens_per_event)
-        return event_fail(dec, KM_ERR_TOO_LARGE, field, NO_ELEMENT,
-                          "%u tokens, limit max_tokens_per_event = %u", n,
+        return event_fail(dec, KM_ERR_TOO_LARGE, token_array_name(name, sizeof name, field, list),
+                          NO_ELEMENT, "%u tokens, limit max_tokens_per_event = %u", n,
                           dec->config.max_tokens_per_event);
     uint32_t *tokens = arena_alloc_array(&dec->results, n, sizeof *tokens);
     if (!tokens)
@@ -573,10 +587,11 @@ static int read_token_array(km_kv_decoder *dec, const msgpack_object *o, const c
     const msgpack_object *items = o->via.array.ptr;
     for (uint32_t i = 0; i < n; i++) {
         if (items[i].type != MSGPACK_OBJECT_POSITIVE_INTEGER || items[i].via.u64 > UINT32_MAX) {
+            const char *where = token_array_name(name, sizeof name, field, list);
             if (items[i].type == MSGPACK_OBJECT_POSITIVE_INTEGER ||
                 items[i].type == MSGPACK_OBJECT_NEGATIVE_INTEGER)
-                return event_fail(dec, KM_ERR_PARSE, field, i, "token id out of range 0..2^32-1");
-            return event_fail(dec, KM_ERR_PARSE, field, i, "expected an int in 0..2^32-1, got %s",
+                return event_fail(dec, KM_ERR_PARSE, where, i, "token id out of range 0..2^32-1");
+            return event_fail(dec, KM_ERR_PARSE, where, i, "expected an int in 0..2^32-1, got %s",
                               km_msgpack_type_name(&items[i]));
         }
         tokens[i] = (uint32_t)items[i].via.u64;
@@ -745,7 +760,7 @@ static int read_lookahead(km_kv_decoder *dec, const msgpack_object *o, uint32_t 
     for (uint32_t i = 0; i < n; i++) {
         const uint32_t *list;
         uint32_t len;
-        int rc = read_token_array(dec, &lists[i], "lookahead_token_ids", &list, &len);
+        int rc = read_token_array(dec, &lists[i], "lookahead_token_ids", i, &list, &len);
         if (rc != KM_OK)
             return rc;
         if (len)
@@ -858,8 +873,8 @@ static int decode_block_stored(km_kv_decoder *dec, const event_schema *schema,
             return rc;
         ev.has_parent_block_hash = true;
     }
-    if ((rc = read_token_array(dec, fields[STORED_TOKEN_IDS], "token_ids", &ev.token_ids,
-                               &ev.n_token_ids)) != KM_OK)
+    if ((rc = read_token_array(dec, fields[STORED_TOKEN_IDS], "token_ids", NO_ELEMENT,
+                               &ev.token_ids, &ev.n_token_ids)) != KM_OK)
         return rc;
     const msgpack_object *block_size = fields[STORED_BLOCK_SIZE];
     if (block_size->type != MSGPACK_OBJECT_POSITIVE_INTEGER &&
