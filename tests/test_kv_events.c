@@ -1165,6 +1165,30 @@ Test(kv_events, unknown_event_types_are_counted_and_skipped, .timeout = 30)
     km_kv_decoder_destroy(d);
 }
 
+/* The first unknown type name is kept for logs: a NUL or a control byte in it (the publisher's
+ * bytes, anything) comes out as '?', so the name is neither cut short nor able to break a line. */
+Test(kv_events, unknown_type_name_has_no_nul_or_control_bytes, .timeout = 30)
+{
+    km_kv_decoder *d = new_decoder(NULL);
+    pk_buf b;
+    msgpack_packer *pk = pk_begin(&b);
+    batch_open(pk, 2, RANK_NIL);
+    msgpack_pack_array(pk, 1);
+    msgpack_pack_str_with_body(pk, "Block\0Moved\n\x1b[2J\x7f\xc3\xa9", 19);
+    msgpack_pack_array(pk, 1);
+    pack_cstr(pk, "SecondUnknown");
+    batch_close(pk, RANK_NIL, 0);
+    for (int direct = 0; direct < 2; direct++) {
+        km_kv_decoder_set_direct_path(d, direct);
+        km_kv_batch batch;
+        EXPECT_OK(d, decode_buf(d, &b, &batch));
+        cr_assert_eq(batch.n_unknown_events, 2);
+        cr_assert_str_eq(batch.first_unknown_type, "Block?Moved?\?[2J?\xc3\xa9");
+    }
+    pk_end(&b);
+    km_kv_decoder_destroy(d);
+}
+
 /* ---- per-event rejection ----------------------------------------------------------------------- */
 
 Test(kv_events, inconsistent_events_are_rejected_alone, .timeout = 30)

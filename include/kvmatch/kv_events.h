@@ -220,7 +220,8 @@ typedef struct km_kv_batch {
     const km_kv_rejected_event *rejected; /* inconsistent events, in payload order */
     uint32_t n_rejected;
     uint32_t n_unknown_events;      /* events of an unknown type, skipped */
-    const char *first_unknown_type; /* the first such type name (cut to 63 bytes), NULL if none */
+    const char *first_unknown_type; /* the first such type name (cut to 63 bytes, each NUL or
+                                     * other control byte as '?'), NULL if none */
     uint32_t n_payload_events;      /* n_events + n_rejected + n_unknown_events */
 } km_kv_batch;
 

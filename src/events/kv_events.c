@@ -1068,9 +1068,13 @@ static int decode_event(km_kv_decoder *dec, const msgpack_object *event, batch_b
             uint32_t n = type->via.str.size;
             if (n > UNKNOWN_TYPE_NAME_BYTES - 1)
                 n = UNKNOWN_TYPE_NAME_BYTES - 1;
-            batch->first_unknown_type = arena_copy_string(dec, type->via.str.ptr, n);
-            if (!batch->first_unknown_type)
+            char *name = (char *)arena_copy_string(dec, type->via.str.ptr, n);
+            if (!name)
                 return out_of_memory(dec, "the unknown type name");
+            for (uint32_t i = 0; i < n; i++) /* it goes to logs: no NUL, no control bytes */
+                if ((unsigned char)name[i] < 0x20 || name[i] == 0x7f)
+                    name[i] = '?';
+            batch->first_unknown_type = name;
         }
         return KM_OK;
     }
