@@ -3054,6 +3054,8 @@ static void expect_same_batch(const km_kv_batch *a, const km_kv_batch *b)
         KM_CHECK(x->has_parent_block_hash == y->has_parent_block_hash &&
                      x->parent_block_hash == y->parent_block_hash,
                  "event %u parent", i);
+        KM_CHECK(x->placeholder == y->placeholder && x->sparse_blocks == y->sparse_blocks,
+                 "event %u placeholder or sparse blocks", i);
         KM_CHECK(x->n_token_ids == y->n_token_ids && x->block_size == y->block_size &&
                      (x->n_token_ids == 0 ||
                       memcmp(x->token_ids, y->token_ids, 4u * x->n_token_ids) == 0),
@@ -3152,6 +3154,434 @@ Test(kv_events, direct_path_decodes_exactly_as_the_tree_path, .timeout = 120)
              (unsigned long long)km_kv_decoder_direct_decoded(direct), accepted);
     km_kv_decoder_destroy(direct);
     km_kv_decoder_destroy(tree);
+}
+
+/* Raw msgpack written byte by byte, so that every encoding a publisher may pick is reachable:
+ * str 8 / 16 type names and media, array 16 / 32 headers, every integer width and sign form,
+ * bytes hashes of 0 to 69 bytes. */
+typedef struct raw_buf {
+    unsigned char data[1 << 14];
+    size_t size;
+    km_rng *r;
+} raw_buf;
+
+static void raw_byte(raw_buf *b, unsigned v)
+{
+    cr_assert(b->size < sizeof b->data, "raw payload overflows");
+    b->data[b->size++] = (unsigned char)v;
+}
+
+static void raw_be(raw_buf *b, uint64_t v, int bytes)
+{
+    for (int i = bytes - 1; i >= 0; i--)
+        raw_byte(b, (unsigned)(v >> (8 * i)) & 0xffu);
+}
+
+static void raw_array(raw_buf *b, uint32_t n)
+{
+    uint32_t k = km_rng_below(b->r, 8);
+    if (n < 16 && k < 6) {
+        raw_byte(b, 0x90 | n);
+    } else if (n < 65536 && k < 7) {
+        raw_byte(b, 0xdc);
+        raw_be(b, n, 2);
+    } else {
+        raw_byte(b, 0xdd);
+        raw_be(b, n, 4);
+    }
+}
+
+static void raw_str(raw_buf *b, const char *s, size_t n)
+{
+    uint32_t k = km_rng_below(b->r, 6);
+    if (n < 32 && k < 4) {
+        raw_byte(b, 0xa0 | (unsigned)n);
+    } else if (n < 256 && k < 5) {
+        raw_byte(b, 0xd9);
+        raw_byte(b, (unsigned)n);
+    } else {
+        raw_byte(b, 0xda);
+        raw_be(b, n, 2);
+    }
+    for (size_t i = 0; i < n; i++)
+        raw_byte(b, (unsigned char)s[i]);
+}
+
+static void raw_uint(raw_buf *b, uint64_t v)
+{
+    uint32_t k = km_rng_below(b->r, 6);
+    if (v < 128 && k < 2) {
+        raw_byte(b, (unsigned)v);
+    } else if (v < 256 && k < 3) {
+        raw_byte(b, 0xcc);
+        raw_be(b, v, 1);
+    } else if (v < 65536 && k < 4) {
+        raw_byte(b, 0xcd);
+        raw_be(b, v, 2);
+    } else if (v <= UINT32_MAX && k < 5) {
+        raw_byte(b, 0xce);
+        raw_be(b, v, 4);
+    } else if (v <= INT64_MAX && km_rng_below(b->r, 3) == 0) { /* a signed form of a value >= 0 */
+        int bytes = v < 128 ? 1 : v < 32768 ? 2 : v <= INT32_MAX ? 4 : 8;
+        raw_byte(b, bytes == 1 ? 0xd0 : bytes == 2 ? 0xd1 : bytes == 4 ? 0xd2 : 0xd3);
+        raw_be(b, v, bytes);
+    } else {
+        raw_byte(b, 0xcf);
+        raw_be(b, v, 8);
+    }
+}
+
+static void raw_int(raw_buf *b, int64_t v)
+{
+    if (v >= 0) {
+        raw_uint(b, (uint64_t)v);
+        return;
+    }
+    uint32_t k = km_rng_below(b->r, 4);
+    if (v >= -32 && k < 2) {
+        raw_byte(b, (unsigned)(uint8_t)(int8_t)v);
+    } else if (v >= -128 && k < 3) {
+        raw_byte(b, 0xd0);
+        raw_be(b, (uint64_t)v, 1);
+    } else if (v >= -32768 && k < 3) {
+        raw_byte(b, 0xd1);
+        raw_be(b, (uint64_t)v, 2);
+    } else if (v >= INT32_MIN && k < 4) {
+        raw_byte(b, 0xd2);
+        raw_be(b, (uint64_t)v, 4);
+    } else {
+        raw_byte(b, 0xd3);
+        raw_be(b, (uint64_t)v, 8);
+    }
+}
+
+/* Small values and the edges of the fields' ranges. */
+static int64_t raw_edge_int(km_rng *r)
+{
+    static const int64_t edges[] = {-1, (int64_t)UINT32_MAX, (int64_t)UINT32_MAX + 1, INT64_MAX,
+                                    INT64_MIN};
+    uint32_t k = km_rng_below(r, 20);
+    return k < 5 ? edges[k] : (int64_t)km_rng_below(r, 40);
+}
+
+/* A value of any type, wrong for most fields. */
+static void raw_junk(raw_buf *b)
+{
+    switch (km_rng_below(b->r, 10)) {
+    case 0: raw_byte(b, 0xc0); break;
+    case 1: raw_byte(b, 0xc3); break;
+    case 2: raw_str(b, "x", 1); break;
+    case 3: raw_byte(b, 0xcb), raw_be(b, UINT64_C(0x3ff8000000000000), 8); break; /* 1.5 */
+    case 4: raw_array(b, 0); break;
+    case 5: raw_byte(b, 0x80); break;
+    case 6: raw_byte(b, 0xc4), raw_byte(b, 2), raw_byte(b, 1), raw_byte(b, 2); break;
+    case 7: raw_byte(b, 0xd4), raw_byte(b, 1), raw_byte(b, 0); break; /* fixext 1 */
+    case 8: raw_int(b, raw_edge_int(b->r)); break;
+    default: raw_uint(b, UINT64_MAX); break;
+    }
+}
+
+static void raw_medium(raw_buf *b, bool deviate)
+{
+    static const struct {
+        const char *s;
+        size_t n;
+    } media[] = {{"GPU", 3},    {"cpu", 3},    {"CPU_PINNED", 10}, {"DISK", 4}, {"cuda:0", 6},
+                 {"weird", 5},  {"", 0},       {"CP\0U", 4},       {"EXTERNAL", 8},
+                 {"STORAGE", 7}};
+    if (deviate) {
+        raw_junk(b);
+    } else if (km_rng_below(b->r, 10) < 3) {
+        raw_byte(b, 0xc0);
+    } else {
+        uint32_t m = km_rng_below(b->r, sizeof media / sizeof media[0]);
+        raw_str(b, media[m].s, media[m].n);
+    }
+}
+
+static void raw_hash(raw_buf *b, bool deviate)
+{
+    uint32_t k = km_rng_below(b->r, 12);
+    if (deviate && k == 0) { /* bytes, 0 and over 64 bytes included */
+        uint32_t n = km_rng_below(b->r, 70);
+        raw_byte(b, 0xc4);
+        raw_byte(b, n);
+        for (uint32_t i = 0; i < n; i++)
+            raw_byte(b, (unsigned)km_rng_next(b->r));
+    } else if (deviate && k == 1) {
+        raw_junk(b);
+    } else if (k < 2) {
+        raw_int(b, -(int64_t)km_rng_below(b->r, 1000) - 1);
+    } else if (k < 3) {
+        raw_uint(b, km_rng_below(b->r, 100));
+    } else {
+        raw_uint(b, km_rng_next(b->r));
+    }
+}
+
+static void raw_optional_int(raw_buf *b, bool deviate)
+{
+    if (deviate)
+        raw_junk(b);
+    else if (km_rng_below(b->r, 2))
+        raw_byte(b, 0xc0);
+    else
+        raw_int(b, raw_edge_int(b->r));
+}
+
+static void raw_optional_str(raw_buf *b, bool deviate)
+{
+    if (deviate)
+        raw_junk(b);
+    else if (km_rng_below(b->r, 3))
+        raw_byte(b, 0xc0);
+    else if (km_rng_below(b->r, 2))
+        raw_str(b, "a", 1);
+    else
+        raw_str(b, "lora", 4);
+}
+
+/* One positional event (now and then a map, an unknown type or not an event at all); with
+ * `deviate`, a field now and then takes a value the format does not allow there. */
+static void raw_event(raw_buf *b, bool deviate)
+{
+    km_rng *r = b->r;
+    uint32_t kind = km_rng_below(r, 24);
+    if (kind == 0) {
+        uint32_t extra = km_rng_below(r, 3) == 0;
+        raw_array(b, 1 + extra);
+        raw_str(b, "AllBlocksCleared", 16);
+        if (extra)
+            raw_junk(b);
+        return;
+    }
+    if (kind == 1) {
+        const char *type = km_rng_below(r, 2) ? "BlockMoved" : "blockstored";
+        uint32_t extra = km_rng_below(r, 3);
+        raw_array(b, 1 + extra);
+        raw_str(b, type, strlen(type));
+        for (uint32_t i = 0; i < extra; i++)
+            raw_junk(b);
+        return;
+    }
+    if (kind == 2) {
+        raw_byte(b, 0x81);
+        raw_str(b, "type", 4);
+        raw_str(b, "AllBlocksCleared", 16);
+        return;
+    }
+    if (kind == 3) {
+        raw_byte(b, 0xc0);
+        return;
+    }
+    bool stored = kind < 16;
+    uint32_t n_blocks = km_rng_below(r, 20) == 0 ? 17 + km_rng_below(r, 3) : km_rng_below(r, 5);
+    uint32_t block_size = km_rng_below(r, 15) == 0 ? 0 : 1 + km_rng_below(r, 4);
+    uint32_t n_fields = !stored                   ? km_rng_below(r, 5)
+                        : km_rng_below(r, 6) == 0 ? km_rng_below(r, 14)
+                                                  : 4 + km_rng_below(r, 8);
+    raw_array(b, 1 + n_fields);
+    if (stored)
+        raw_str(b, "BlockStored", 11);
+    else
+        raw_str(b, "BlockRemoved", 12);
+    for (uint32_t f = 0; f < n_fields; f++) {
+        bool d = deviate && km_rng_below(r, 25) == 0;
+        if (f == 0) {
+            if (d && km_rng_below(r, 2)) {
+                raw_junk(b);
+                continue;
+            }
+            raw_array(b, n_blocks);
+            for (uint32_t i = 0; i < n_blocks; i++)
+                raw_hash(b, d);
+        } else if (!stored) {
+            if (f == 1)
+                raw_medium(b, d);
+            else
+                raw_optional_int(b, d);
+        } else if (f == 1) {
+            if (km_rng_below(r, 3) == 0 || block_size == 0)
+                raw_byte(b, 0xc0);
+            else
+                raw_hash(b, d);
+        } else if (f == 2) {
+            if (d && km_rng_below(r, 3) == 0) {
+                raw_junk(b);
+                continue;
+            }
+            uint32_t n = n_blocks * block_size;
+            if (d)
+                n += km_rng_below(r, 2) ? 1 : block_size;
+            raw_array(b, n);
+            for (uint32_t i = 0; i < n; i++) {
+                uint32_t t = km_rng_below(r, 30);
+                if (d && t == 0)
+                    raw_int(b, -1);
+                else if (d && t == 1)
+                    raw_uint(b, (uint64_t)UINT32_MAX + 1);
+                else if (t < 3)
+                    raw_uint(b, UINT32_MAX);
+                else
+                    raw_uint(b, km_rng_below(r, t < 15 ? 300 : 70000));
+            }
+        } else if (f == 3) {
+            if (d && km_rng_below(r, 2))
+                raw_int(b, raw_edge_int(r));
+            else if (d)
+                raw_junk(b);
+            else
+                raw_uint(b, block_size);
+        } else if (f == 5) {
+            raw_medium(b, d);
+        } else if (f == 6 || f == 9) { /* lora_name, kv_cache_spec_kind */
+            raw_optional_str(b, d);
+        } else if (f == 7) { /* extra_keys */
+            if (d) {
+                raw_junk(b);
+            } else if (km_rng_below(r, 4)) {
+                raw_byte(b, 0xc0);
+            } else {
+                raw_array(b, n_blocks);
+                for (uint32_t i = 0; i < n_blocks; i++)
+                    raw_byte(b, 0xc0);
+            }
+        } else if (f <= 10) { /* lora_id, group_idx, kv_cache_spec_sliding_window */
+            raw_optional_int(b, d);
+        } else {
+            raw_junk(b); /* past the positional schema */
+        }
+    }
+}
+
+/* One payload: mostly a well-formed batch, else one with wrong values, cut short, with trailing
+ * bytes or with a byte changed. */
+static void raw_payload(raw_buf *b)
+{
+    km_rng *r = b->r;
+    b->size = 0;
+    bool deviate = km_rng_below(r, 3) == 0;
+    uint32_t items = km_rng_below(r, 10) == 0 ? km_rng_below(r, 6) : km_rng_below(r, 3) ? 3 : 2;
+    raw_array(b, items);
+    for (uint32_t i = 0; i < items; i++) {
+        if (i == 0) {
+            uint32_t k = km_rng_below(r, 6);
+            if (k == 0)
+                raw_byte(b, 0xcb), raw_be(b, UINT64_C(0x41d954fc40000000), 8);
+            else if (k == 1)
+                raw_byte(b, 0xca), raw_be(b, 0x3fa00000u, 4); /* float 32: 1.25 */
+            else if (k == 2)
+                raw_byte(b, 0xcb), raw_be(b, UINT64_C(0x7ff8000000000001), 8); /* a NaN */
+            else if (k == 3)
+                raw_int(b, raw_edge_int(r));
+            else if (k == 4 && deviate)
+                raw_junk(b);
+            else
+                raw_byte(b, 0xcb), raw_be(b, UINT64_C(0x41d954fc40000000), 8);
+        } else if (i == 1) {
+            if (deviate && km_rng_below(r, 20) == 0) {
+                raw_junk(b);
+                continue;
+            }
+            uint32_t n = km_rng_below(r, 30) == 0 ? 16 + km_rng_below(r, 4) : km_rng_below(r, 6);
+            raw_array(b, n);
+            for (uint32_t e = 0; e < n; e++)
+                raw_event(b, deviate);
+        } else if (i == 2) {
+            if (deviate)
+                raw_junk(b);
+            else if (km_rng_below(r, 2))
+                raw_byte(b, 0xc0);
+            else
+                raw_uint(b, km_rng_below(r, 8));
+        } else {
+            raw_junk(b);
+        }
+    }
+    uint32_t m = km_rng_below(r, 30);
+    if (m == 0 && b->size > 1)
+        b->size = km_rng_below(r, (uint32_t)b->size);
+    else if (m == 1)
+        raw_byte(b, 0xc0);
+    else if (m == 2 && b->size > 2)
+        b->data[km_rng_below(r, (uint32_t)b->size)] = (unsigned char)km_rng_next(r);
+    else if (m == 3 && b->size > 2)
+        b->data[km_rng_below(r, (uint32_t)b->size)] ^= (unsigned char)(1u << km_rng_below(r, 8));
+}
+
+/* Payloads in every encoding a publisher may pick, well-formed and not, under the default limits
+ * and under limits the payloads reach at their edges (hashes, tokens, events, string bytes,
+ * values, payload bytes): the direct path and the tree path give the same batch, or the same
+ * refusal with the same message, on every one. */
+Test(kv_events, direct_path_agrees_with_the_tree_path_on_every_encoding_and_limit, .timeout = 120)
+{
+    km_rng r;
+    km_rng_init(&r, km_test_seed() ^ 0xe4c0d1u);
+    enum { CONFIGS = 4 };
+    km_kv_decoder_config cfg[CONFIGS];
+    for (int k = 0; k < CONFIGS; k++)
+        km_kv_decoder_config_init(&cfg[k]);
+    cfg[1].max_hashes_per_event = 3;
+    cfg[1].max_tokens_per_event = 8;
+    cfg[1].max_events_per_batch = 4;
+    cfg[1].max_string_bytes = 4;
+    cfg[1].max_payload_objects = 120;
+    cfg[2].max_payload_objects = 60;
+    cfg[2].max_payload_bytes = 200;
+    cfg[3].max_hashes_per_event = 17;
+    cfg[3].max_tokens_per_event = 17;
+    cfg[3].max_events_per_batch = 16;
+    km_kv_decoder *direct[CONFIGS], *tree[CONFIGS];
+    for (int k = 0; k < CONFIGS; k++) {
+        direct[k] = new_decoder(&cfg[k]);
+        tree[k] = new_decoder(&cfg[k]);
+        km_kv_decoder_set_direct_path(tree[k], false);
+    }
+    static raw_buf b;
+    b.r = &r;
+    uint32_t accepted = 0, refused = 0;
+    uint64_t placeholders = 0;
+    double deadline = now_seconds() + 60;
+    for (int iter = 0; iter < 25000 && now_seconds() < deadline; iter++) {
+        raw_payload(&b);
+        for (int k = 0; k < CONFIGS; k++) {
+            km_kv_batch x, y;
+            int rx = decode_bytes(direct[k], b.data, b.size, &x);
+            int ry = decode_bytes(tree[k], b.data, b.size, &y);
+            KM_CHECK(rx == ry, "iteration %d, limits %d: direct %s (%s), tree %s (%s)", iter, k,
+                     km_error_name(rx), km_kv_decoder_last_error(direct[k]), km_error_name(ry),
+                     km_kv_decoder_last_error(tree[k]));
+            if (rx == KM_OK) {
+                expect_same_batch(&x, &y);
+                for (uint32_t i = 0; i < x.n_events; i++)
+                    placeholders += x.events[i].placeholder;
+                accepted++;
+            } else {
+                KM_CHECK(strcmp(km_kv_decoder_last_error(direct[k]),
+                                km_kv_decoder_last_error(tree[k])) == 0,
+                         "iteration %d, limits %d: \"%s\" against \"%s\"", iter, k,
+                         km_kv_decoder_last_error(direct[k]), km_kv_decoder_last_error(tree[k]));
+                refused++;
+            }
+        }
+    }
+    for (int k = 0; k < CONFIGS; k++) {
+        km_kv_decoder_stats sx, sy;
+        km_kv_decoder_get_stats(direct[k], &sx);
+        km_kv_decoder_get_stats(tree[k], &sy);
+        KM_CHECK(memcmp(&sx, &sy, offsetof(km_kv_decoder_stats, retained_bytes)) == 0,
+                 "limits %d: decoder counters differ", k);
+    }
+    KM_CHECK(accepted > 5000 && refused > 5000 && placeholders > 100,
+             "%u payloads decoded, %u refused, %llu placeholders: the generator drifted",
+             accepted, refused, (unsigned long long)placeholders);
+    KM_CHECK(km_kv_decoder_direct_decoded(direct[0]) > accepted / 8,
+             "the direct path decoded %llu of %u payloads",
+             (unsigned long long)km_kv_decoder_direct_decoded(direct[0]), accepted);
+    for (int k = 0; k < CONFIGS; k++) {
+        km_kv_decoder_destroy(direct[k]);
+        km_kv_decoder_destroy(tree[k]);
+    }
 }
 
 /* A token id as an engine step packs it, mostly a uint 16, with the other forms (and now and then
