@@ -122,3 +122,22 @@ Test(cli_sim, a_run_where_nothing_finishes_has_no_ttft, .timeout = 120)
         cr_assert_str_eq(value, want[i], "row %s: %s", rows[i], out);
     }
 }
+
+/* Every element of a --sweep (and the one of a --load) is a number: an empty element (",,", a
+ * leading or trailing comma) or one with a space is refused as a usage error naming the value,
+ * not skipped. */
+Test(cli_sim, a_sweep_with_an_empty_or_spaced_element_exits_2, .timeout = 120)
+{
+    static const char *const bad[] = {
+        "--sweep 0.5,,0.8", "--sweep ,0.5", "--sweep 0.5,", "--sweep ,", "--sweep \"0.5, 0.8\"",
+        "--load \" 0.5\"",
+    };
+    static char out[16384];
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        int rc = run_sim(bad[i], out, sizeof out);
+        cr_expect_eq(rc, 2, "sim %s: exit %d: %s", bad[i], rc, out);
+        cr_expect(strstr(out, "--sweep wants") || strstr(out, "--load wants"),
+                  "sim %s: the message does not say what --sweep or --load wants: %s", bad[i],
+                  out);
+    }
+}

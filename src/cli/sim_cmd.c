@@ -84,19 +84,21 @@ static int compare_loads(const void *a, const void *b)
 }
 
 /* Comma-separated loads into cfg->loads, in increasing order, each once (as km_sim_config_check
- * wants them); 0 on success. */
+ * wants them); 0 on success. Every element is a number: an empty one (",,", a leading or trailing
+ * comma) fails. */
 static int parse_loads(const char *v, km_sim_config *cfg)
 {
-    char buf[512];
-    snprintf(buf, sizeof buf, "%s", v);
     cfg->n_loads = 0;
-    char *save = NULL;
-    for (char *t = strtok_r(buf, ",", &save); t; t = strtok_r(NULL, ",", &save)) {
-        char *end;
-        double x = strtod(t, &end);
-        if (*end || end == t || !(x > 0 && x <= 100) || cfg->n_loads == KM_SIM_MAX_LOADS)
+    for (const char *t = v;; t++) {
+        size_t len = strcspn(t, ",");
+        double x;
+        if (!km_cli_parse_double(t, len, &x) || !(x > 0 && x <= 100) ||
+            cfg->n_loads == KM_SIM_MAX_LOADS)
             return -1;
         cfg->loads[cfg->n_loads++] = x;
+        t += len;
+        if (!*t)
+            break;
     }
     qsort(cfg->loads, cfg->n_loads, sizeof cfg->loads[0], compare_loads);
     uint32_t kept = 0;
