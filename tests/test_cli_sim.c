@@ -141,3 +141,30 @@ Test(cli_sim, a_sweep_with_an_empty_or_spaced_element_exits_2, .timeout = 120)
                   out);
     }
 }
+
+/* A --fault time is a finite number, the whole of its part, as every other fault's: an infinite
+ * time (a fault that would never come, or an outage without end) or one after a space is refused
+ * with exit 2 before any run, as the other malformed faults are; an exponent's sign is no D. */
+Test(cli_sim, a_fault_at_an_infinite_or_spaced_time_exits_2, .timeout = 120)
+{
+    static const char *const bad[] = {
+        "kill-instance@inf", "kill-instance@1e999", "\"kill-instance@ 1\"", "nats-restart@inf",
+        "nats-restart@1+inf", "nats-restart@1+1e999", "nats-restart@1e308+1e308",
+        "\"nats-restart@1+ 2\"", "lossy=inf", "\"lossy= 0.5\"",
+    };
+    static char out[16384];
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        char args[256];
+        snprintf(args, sizeof args, "--instances 2 --fault %s", bad[i]);
+        int rc = run_sim(args, out, sizeof out);
+        cr_expect_eq(rc, 2, "sim %s: exit %d: %s", args, rc, out);
+        cr_expect(strstr(out, "kill-instance@T, nats-restart@T[+D]"),
+                  "sim %s: the message does not give the accepted forms: %s", args, out);
+    }
+    /* an exponent with a sign is part of T; what follows the next '+' is D */
+    int rc = run_sim("--instances 2 --fault nats-restart@1e+3+2junk", out, sizeof out);
+    cr_expect_eq(rc, 2, "exit %d: %s", rc, out);
+    rc = run_sim("--fault nats-restart@1e+3+2", out, sizeof out);
+    cr_expect_eq(rc, 2, "exit %d: %s", rc, out);
+    cr_expect(strstr(out, "need --instances N > 1"), "%s", out);
+}

@@ -109,6 +109,17 @@ static int parse_loads(const char *v, km_sim_config *cfg)
     return cfg->n_loads ? 0 : -1;
 }
 
+/* "T" or "T+D" of --fault nats-restart@T[+D]: two finite numbers, each the whole of its part;
+ * *d is left as it is without "+D". */
+static bool nats_restart_times(const char *v, double *t, double *d)
+{
+    char *end;
+    strtod(v, &end); /* where T ends; km_cli_parse_double checks it */
+    if (!km_cli_parse_double(v, (size_t)(end - v), t))
+        return false;
+    return !*end || (*end == '+' && km_cli_parse_double(end + 1, strlen(end + 1), d));
+}
+
 static void quiet_or_stderr(void *user, const char *line)
 {
     if (user)
@@ -699,16 +710,24 @@ int km_cmd_sim(int argc, char **argv)
                 return KM_EXIT_USAGE;
             break;
         case OPT_FAULT: {
+            /* Each number is finite and the whole of its part (km_cli_parse_double); T of
+             * nats-restart@T+D ends at the first '+' strtod does not take (1e+3+2: T = 1e+3). */
+            static const char kill_at[] = "kill-instance@", nats_at[] = "nats-restart@",
+                              lossy_is[] = "lossy=";
             double t, d = cfg.nats_stop_for_s, p;
-            char end;
-            if (sscanf(v, "kill-instance@%lf%c", &t, &end) == 1 && t >= 0) {
+            if (!strncmp(v, kill_at, sizeof kill_at - 1) &&
+                km_cli_parse_double(v + sizeof kill_at - 1, strlen(v + sizeof kill_at - 1), &t) &&
+                t >= 0) {
                 cfg.kill_instance_at_s = t;
-            } else if ((sscanf(v, "nats-restart@%lf%c", &t, &end) == 1 ||
-                        sscanf(v, "nats-restart@%lf+%lf%c", &t, &d, &end) == 2) &&
-                       t >= 0 && d > 0) {
+            } else if (!strncmp(v, nats_at, sizeof nats_at - 1) &&
+                       nats_restart_times(v + sizeof nats_at - 1, &t, &d) && t >= 0 && d > 0 &&
+                       isfinite(t + d)) {
                 cfg.nats_stop_at_s = t;
                 cfg.nats_stop_for_s = d;
-            } else if (sscanf(v, "lossy=%lf%c", &p, &end) == 1 && km_sim_cluster_loss_valid(p)) {
+            } else if (!strncmp(v, lossy_is, sizeof lossy_is - 1) &&
+                       km_cli_parse_double(v + sizeof lossy_is - 1,
+                                           strlen(v + sizeof lossy_is - 1), &p) &&
+                       km_sim_cluster_loss_valid(p)) {
                 cfg.cluster_loss = p;
             } else {
                 fprintf(stderr, "kvmatch sim: --fault \"%s\": kill-instance@T, nats-restart@T[+D] "
