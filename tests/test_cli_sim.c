@@ -168,3 +168,39 @@ Test(cli_sim, a_fault_at_an_infinite_or_spaced_time_exits_2, .timeout = 120)
     cr_expect_eq(rc, 2, "exit %d: %s", rc, out);
     cr_expect(strstr(out, "need --instances N > 1"), "%s", out);
 }
+
+/* The lines of a file, or -1 when it cannot be read. */
+static long count_lines(const char *path)
+{
+    FILE *f = fopen(path, "r");
+    if (!f)
+        return -1;
+    long n = 0;
+    for (int c; (c = getc(f)) != EOF;)
+        n += c == '\n';
+    fclose(f);
+    return n;
+}
+
+/* `--records DIR` keeps each policy's records of this run: a second run into the same directory
+ * replaces the first run's file (the server appends to an existing one), so `kvmatch analyze` of
+ * it counts one run's decisions, not both runs' joined as one. */
+Test(cli_sim, records_of_a_second_run_replace_the_first_runs, .timeout = 120)
+{
+    char dir[] = "/tmp/km-test-sim-records-XXXXXX";
+    cr_assert_not_null(mkdtemp(dir));
+    char args[256], path[512];
+    snprintf(args, sizeof args, "--policy round_robin --records %s", dir);
+    snprintf(path, sizeof path, "%s/records-round_robin.jsonl", dir);
+    static char out[16384];
+    cr_assert_eq(run_sim(args, out, sizeof out), 0, "%s", out);
+    long first = count_lines(path);
+    /* 3 requests: a decision and an outcome each */
+    cr_expect_eq(first, 6, "%s: %ld lines after one run", path, first);
+    cr_assert_eq(run_sim(args, out, sizeof out), 0, "%s", out);
+    long second = count_lines(path);
+    cr_expect_eq(second, first, "%s: %ld lines after a second run, %ld after the first", path,
+                 second, first);
+    unlink(path);
+    rmdir(dir);
+}

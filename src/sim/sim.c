@@ -2,6 +2,7 @@
 /* `kvmatch sim` (src/sim/sim.h, docs/SIM.md): the virtual-time loop. */
 #include "sim/sim.h"
 
+#include <errno.h>
 #include <inttypes.h>
 #include <math.h>
 #include <pthread.h>
@@ -1304,6 +1305,12 @@ static int run_policy(const km_sim_config *cfg, const km_trace *trace, const cha
             else
                 snprintf(in->records, sizeof in->records, "%s/records%u.jsonl", r.dir, i);
             snprintf(in->addr, sizeof in->addr, "%s", cfg->connect ? cfg->connect : "");
+            /* The file holds this run's records alone: the server appends to an existing file,
+             * and an earlier run's there would be joined with this one's. */
+            if (!rc && cfg->records_dir && !cfg->connect && unlink(in->records) != 0 &&
+                errno != ENOENT)
+                rc = km_why(why, why_size, KM_ERR_IO, "records file %s cannot be replaced: %s",
+                            in->records, strerror(errno));
         }
     }
     km_server_worker *ws = r.ws = calloc(W ? W : 1, sizeof *ws);
