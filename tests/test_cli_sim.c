@@ -204,3 +204,18 @@ Test(cli_sim, records_of_a_second_run_replace_the_first_runs, .timeout = 120)
     unlink(path);
     rmdir(dir);
 }
+
+/* --records DIR keeps the records of the server the simulator starts; with --connect there is
+ * none (the running server writes its own records), so the pair is refused as a usage error
+ * naming both options, before any run, not accepted with DIR left empty. */
+Test(cli_sim, records_with_connect_exits_2, .timeout = 120)
+{
+    static char out[16384];
+    int rc = run_sim("--zmq --connect unix:/tmp/kvmatch-test-no-such.sock --records "
+                     "/tmp/kvmatch-test-no-such-records", out, sizeof out);
+    cr_expect_eq(rc, 2, "exit %d: %s", rc, out);
+    cr_expect(strstr(out, "--records") && strstr(out, "--connect"), "%s", out);
+    cr_expect_neq(access("/tmp/kvmatch-test-no-such-records", F_OK), 0,
+                  "the records directory was created for a run that cannot write there");
+    rmdir("/tmp/kvmatch-test-no-such-records");
+}

@@ -1735,6 +1735,10 @@ int km_sim_config_check(const km_sim_config *cfg, char *why, size_t why_size)
     if (cfg->connect && !cfg->zmq)
         return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,
                       "--connect needs --zmq: a server in another process hears the engines over ZMQ");
+    if (cfg->connect && cfg->records_dir)
+        return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,
+                      "--records keeps the records of a server in this process: with --connect the "
+                      "running server writes them where its own --records says");
     if (cfg->mode > KM_SIM_MODE_SHARED || cfg->instances == 0 ||
         cfg->instances > KM_SIM_MAX_INSTANCES ||
         (cfg->mode == KM_SIM_MODE_SINGLE && cfg->instances != 1))
