@@ -219,3 +219,23 @@ Test(cli_sim, records_with_connect_exits_2, .timeout = 120)
                   "the records directory was created for a run that cannot write there");
     rmdir("/tmp/kvmatch-test-no-such-records");
 }
+
+/* --workload and --rate set the built-in generator, which a --trace replaces: with --trace they
+ * are refused as a usage error naming the option, before the trace is read, not ignored. */
+Test(cli_sim, generator_options_with_a_trace_exit_2, .timeout = 120)
+{
+    static const struct {
+        const char *args, *named;
+    } bad[] = {
+        {"--workload agent --trace /tmp/kvmatch-test-no-such-trace.jsonl", "--workload"},
+        {"--trace /tmp/kvmatch-test-no-such-trace.jsonl --rate 5", "--rate"},
+    };
+    static char out[16384];
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        int rc = run_sim(bad[i].args, out, sizeof out);
+        cr_expect_eq(rc, 2, "sim %s: exit %d: %s", bad[i].args, rc, out);
+        cr_expect(strstr(out, bad[i].named) && strstr(out, "--trace"),
+                  "sim %s: the message does not name %s and --trace: %s", bad[i].args,
+                  bad[i].named, out);
+    }
+}

@@ -471,7 +471,7 @@ int km_cmd_sim(int argc, char **argv)
     static char policy_buf[256];
     const char *html = NULL, *engine = KM_ENGINE_MODEL_DEFAULT_PRESET;
     km_sim_shape shape = KM_SIM_SHAPE_CHAT;
-    bool have_seed = false, have_rate = false, have_capacity = false;
+    bool have_seed = false, have_rate = false, have_capacity = false, have_workload = false;
     uint64_t seed = 1, capacity = 0;
     double rate = 0;
     uint64_t requests = 0;
@@ -589,6 +589,7 @@ int km_cmd_sim(int argc, char **argv)
                                 "got \"%s\"\n", v);
                 return KM_EXIT_USAGE;
             }
+            have_workload = true;
             break;
         case OPT_ENGINE:
             if (!km_engine_model_preset_summary(v)) {
@@ -787,6 +788,13 @@ int km_cmd_sim(int argc, char **argv)
                         "(--workers %u)\n",
                 cfg.restart_worker, cfg.workers - 1, cfg.workers);
         return 2;
+    }
+    /* The generator's own settings would be ignored by a trace: a usage error, not a run of
+     * another workload than the one asked for. */
+    if (cfg.trace_path && (have_workload || have_rate)) {
+        fprintf(stderr, "kvmatch sim: --%s sets the built-in generator: it excludes --trace\n",
+                have_workload ? "workload" : "rate");
+        return KM_EXIT_USAGE;
     }
     km_sim_generator_config_shape(shape, &cfg.generator);
     if (have_seed)
