@@ -239,3 +239,13 @@ Test(cli_sim, generator_options_with_a_trace_exit_2, .timeout = 120)
                   bad[i].named, out);
     }
 }
+
+/* A policy named twice in --policy would run twice under one name (two columns, two JSON
+ * entries, one records file for both runs): a usage error naming it, before any run. */
+Test(cli_sim, a_policy_named_twice_exits_2, .timeout = 120)
+{
+    static char out[16384];
+    int rc = run_sim("--policy kv,round_robin,kv", out, sizeof out);
+    cr_expect_eq(rc, 2, "exit %d: %s", rc, out);
+    cr_expect(strstr(out, "\"kv\" is named twice"), "%s", out);
+}

@@ -1769,6 +1769,18 @@ int km_sim_config_check(const km_sim_config *cfg, char *why, size_t why_size)
             return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT, "unknown policy \"%s\"",
                           cfg->policies[i] ? cfg->policies[i] : "(null)");
     }
+    /* A policy runs once: its column, JSON entry and records file are named after it. */
+    for (uint32_t i = 0; i < cfg->n_policies; i++)
+        for (uint32_t j = 0; j < i; j++) {
+            km_policy_kind a, b;
+            km_policy_kind_parse(cfg->policies[i], &a);
+            km_policy_kind_parse(cfg->policies[j], &b);
+            if (a == b)
+                return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,
+                              "policy \"%s\" is named twice: each policy runs once (its column, "
+                              "its results and its records file carry its name)",
+                              cfg->policies[i]);
+        }
     return KM_OK;
 }
 
