@@ -6,6 +6,7 @@
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <unistd.h>
 
 #include <criterion/criterion.h>
 
@@ -130,4 +131,24 @@ Test(array, pages_of_an_odd_size_keep_no_tail_mapped, .timeout = 10)
         cr_assert_eq(mapped_bytes_in((uintptr_t)p, end), 0, "size %" PRIu64 ": not freed",
                      sizes[k]);
     }
+}
+
+/* A size no mapping can hold (within a page or a piece of 2^64, where rounding it up would wrap
+ * to a few bytes) is refused: never a small array handed out for a huge one. */
+Test(array, pages_of_a_size_that_would_wrap_are_refused, .timeout = 10)
+{
+    const uint64_t page = (uint64_t)sysconf(_SC_PAGESIZE);
+    const uint64_t sizes[] = {UINT64_MAX, UINT64_MAX - page + 2, UINT64_MAX - KM_PAGES_PIECE + 1,
+                              UINT64_MAX - 2 * KM_PAGES_PIECE, UINT64_C(1) << 63};
+    for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++) {
+        cr_assert_null(km_pages_alloc(sizes[i]), "%#llx bytes were handed out",
+                       (unsigned long long)sizes[i]);
+        cr_assert_null(km_pages_grow(NULL, 0, sizes[i]));
+    }
+    uint8_t *p = km_pages_alloc(KM_PAGES_PIECE);
+    cr_assert_not_null(p);
+    p[0] = 7;
+    cr_assert_null(km_pages_grow(p, KM_PAGES_PIECE, UINT64_MAX - 100), "a wrapped growth succeeded");
+    cr_assert_eq(p[0], 7, "a refused growth changed the array");
+    km_pages_free(p, KM_PAGES_PIECE);
 }

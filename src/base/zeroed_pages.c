@@ -17,6 +17,8 @@ void *km_pages_alloc(uint64_t bytes)
 {
     if (bytes < KM_PAGES_PIECE)
         return calloc(1, bytes ? bytes : 1);
+    if (bytes > UINT64_MAX - 2 * KM_PAGES_PIECE)
+        return NULL; /* rounded up and over-mapped by a piece, its size would wrap */
     /* Over-map by one piece and trim, so the array starts on a piece boundary (pieces are given
      * back on those). Fresh anonymous pages read as zero. The mapping ends a whole piece past the
      * array's last page; the tail trimmed starts there, on a page boundary. */

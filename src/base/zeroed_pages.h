@@ -14,7 +14,8 @@
  * back in whole pieces of it; smaller ones come from calloc and are only ever freed whole. */
 #define KM_PAGES_PIECE (UINT64_C(2) << 20)
 
-/* `bytes` of zeroed memory, or NULL. Mapped arrays are not advised as huge pages (see
+/* `bytes` of zeroed memory, or NULL (also for a size within two pieces of 2^64, which no mapping
+ * holds). Mapped arrays are not advised as huge pages (see
  * km_pages_advise_huge): their 4 KiB pages are cleared by the kernel as they are first written. */
 void *km_pages_alloc(uint64_t bytes);
 /* The array p of `bytes` (from km_pages_alloc or this; NULL: none yet) as an array of new_bytes
