@@ -81,8 +81,9 @@ typedef struct km_kv_decoder_config {
                                     * default 1 << 16 */
     uint32_t max_hashes_per_event; /* block_hashes of one event; default 1 << 20 */
     uint32_t max_tokens_per_event; /* token_ids of one BlockStored; default 1 << 22 */
-    uint32_t max_string_bytes;     /* topic frame, lora_name, medium, kv_cache_spec_kind;
-                                    * default 1024 */
+    uint32_t max_string_bytes;     /* topic frame, lora_name, medium, kv_cache_spec_kind,
+                                    * cache_salt (a longer one refuses the message); a salt in
+                                    * extra_keys past it makes its chain opaque; default 1024 */
 } km_kv_decoder_config;
 
 /* Fill `cfg` with the defaults above. */
