@@ -656,6 +656,51 @@ Test(analyze, warm_ups_are_counted_apart_and_in_no_figure, .timeout = 10)
     remove_dir(dir);
 }
 
+/* A warm-up left unjoined (its decision without outcome, its outcome without decision) is in
+ * neither join count, so neither list shows it: the lists name the counted records, the first
+ * ones in reading order, and a run of warm-ups cannot crowd a real unjoined record out of them. */
+Test(analyze, unjoined_warm_ups_are_not_listed, .timeout = 10)
+{
+    char dir[64], path[128];
+    make_temp_dir(dir);
+    FILE *f = open_in(dir, "r.jsonl", path, sizeof path);
+    decision_spec w = {.instance = "i", .id = 1, .request = "r1", .attempt = "0:warm_up",
+                       .host = "h", .pool = "p", .time_ns = 10, .source = "events", .prompt = 64,
+                       .chosen = "B", .chosen_state = "LIVE", .chosen_blocks = 0,
+                       .policy = "ttft", .reason = "warm_up", .warm_up = 1, .warm_up_for = 7,
+                       .cands = {{"B", "LIVE", 0, 0}}, .n_cands = 1};
+    decision_spec d = w;
+    d.id = 2, d.request = "r2", d.attempt = "0", d.reason = "min_ttft", d.warm_up = 0;
+    decision_spec orphan_w = w;
+    orphan_w.id = 3, orphan_w.request = "r3";
+    decision_spec orphan = d;
+    orphan.id = 4, orphan.request = "r4";
+    write_record(f, make_decision(&w));      /* line 1: a warm-up without outcome */
+    write_record(f, make_decision(&d));      /* line 2: a decision without outcome */
+    write_outcome_of(f, &orphan_w, "complete", 200, 0, 1000); /* line 3: a warm-up's outcome */
+    write_outcome_of(f, &orphan, "complete", 200, 0, 1000);   /* line 4 */
+    fclose(f);
+    const char *paths[] = {path};
+    km_analysis_config cfg = {.max_listed = 1};
+    km_analysis *a = analyze_files(&cfg, paths, 1);
+    const km_analysis_summary *s = km_analysis_summary_get(a);
+    EQ(s->input.warm_ups, 1);
+    EQ(s->join.decisions_without_outcome, 1);
+    EQ(s->join.outcomes_without_decision, 1);
+    EQ(s->n_unjoined_decisions, 1);
+    EQ(s->n_unjoined_outcomes, 1);
+    EQ(s->unjoined_decisions[0].line, 2);
+    EQ(s->unjoined_outcomes[0].line, 4);
+    km_analysis_destroy(a);
+    a = analyze_files(NULL, paths, 1);
+    json_t *root = json_report(a);
+    EQ(json_array_size(json_object_get(root, "unjoined_decisions")), 1);
+    EQ(json_array_size(json_object_get(root, "unjoined_outcomes")), 1);
+    json_decref(root);
+    km_analysis_destroy(a);
+    remove_dir(dir);
+}
+
 /* A warm-up is in no figure of any section: not in the quality inside or outside the recovery
  * windows (nor a window's own), not in the load view, not in worker health. Here the warm-up
  * (worker B, GAP, inside A's window, ineligible, cluster load view, with a known reuse) would

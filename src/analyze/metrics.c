@@ -685,9 +685,11 @@ int km_analysis_finish(km_analysis *a)
     quality_finish(&s->in_windows);
     quality_finish(&s->outside_windows);
 
-    /* unjoined lists, in reading order */
+    /* unjoined lists, in reading order: the points join counts (warm-ups are in no figure) */
     for (size_t i = 0; i < a->n_points && rc == KM_OK; i++) {
         const point *p = &a->points[i];
+        if (!POINT_COUNTED(p))
+            continue;
         if ((p->flags & POINT_DECISION) && !(p->flags & POINT_OUTCOME))
             rc = km_analysis_add_problem(a, &a->unjoined_decisions, p->decision_file,
                                          p->decision_line,
