@@ -7,8 +7,9 @@
  * in any order, router overrides (dispatched_worker) compared with the dispatched worker's depth or
  * counted as unpredicted, worker health (the owner != chosen split by the owner's eligibility,
  * ineligible candidates per worker, records without the field), and a random property test against
- * a brute-force model of every metric (overrides and worker health included). Control
- * characters in record strings reach neither report raw. The HTML
+ * a brute-force model of every metric (overrides and worker health included), and one of the join
+ * (retries, outcomes of other instances, duplicate lines, warm-ups) against a brute-force reader.
+ * Control characters in record strings reach neither report raw. The HTML
  * report is checked for escaping and self-containment, its SVG parts parsed as XML by
  * tests/check_html.py, and rendered in headless Chromium when one is installed. Randomized tests
  * print their seed (KM_TEST_SEED). */
@@ -697,6 +698,45 @@ Test(analyze, unjoined_warm_ups_are_not_listed, .timeout = 10)
     EQ(json_array_size(json_object_get(root, "unjoined_decisions")), 1);
     EQ(json_array_size(json_object_get(root, "unjoined_outcomes")), 1);
     json_decref(root);
+    km_analysis_destroy(a);
+    remove_dir(dir);
+}
+
+/* An outcome whose attempt id ends ":warm_up" makes its pair a warm-up however it joins: by
+ * decision id, or by (request_id, attempt_id) from another instance. Here neither decision names
+ * warm_up_for; both pairs are warm-ups, in no figure. */
+Test(analyze, a_warm_up_outcome_joined_by_request_makes_a_warm_up, .timeout = 10)
+{
+    char dir[64], path[128];
+    make_temp_dir(dir);
+    FILE *f = open_in(dir, "r.jsonl", path, sizeof path);
+    decision_spec d = {.instance = "i", .id = 1, .request = "r1", .attempt = "0:warm_up",
+                       .host = "h", .pool = "p", .time_ns = 10, .source = "events", .prompt = 64,
+                       .owner = "A", .owner_state = "LIVE", .owner_blocks = 3, .chosen = "B",
+                       .chosen_state = "LIVE", .chosen_blocks = 0, .policy = "ttft",
+                       .reason = "min_ttft",
+                       .cands = {{"A", "LIVE", 3, 0}, {"B", "LIVE", 0, 0}}, .n_cands = 2};
+    decision_spec e = d;
+    e.id = 2, e.request = "r2";
+    outcome_spec by_id = outcome_for(&d, "complete", 200, 0, 1000);
+    outcome_spec by_request = outcome_for(&e, "complete", 200, 0, 1000);
+    by_request.instance = "j", by_request.id = 9;
+    write_record(f, make_decision(&d));
+    write_record(f, make_decision(&e));
+    write_record(f, make_outcome(&by_id));
+    write_record(f, make_outcome(&by_request));
+    fclose(f);
+    const char *paths[] = {path};
+    km_analysis *a = analyze_files(NULL, paths, 1);
+    const km_analysis_summary *s = km_analysis_summary_get(a);
+    EQ(s->join.by_decision_id, 1);
+    EQ(s->join.by_request, 1);
+    EQ(s->input.warm_ups, 2);
+    EQ(s->owner.decisions, 0);
+    EQ(s->owner.owner_not_chosen, 0);
+    EQ(s->reuse.outcomes, 0);
+    EQ(s->outcomes.complete, 0);
+    EQ(s->n_policies, 0);
     km_analysis_destroy(a);
     remove_dir(dir);
 }
@@ -3039,5 +3079,534 @@ Test(analyze, bad_ttft_prediction_fields_are_invalid_lines, .timeout = 10)
     cr_expect(strstr(s->invalid_lines[3].what, "candidates[0].pending_prefill_tokens"), "%s",
               s->invalid_lines[3].what);
     km_analysis_destroy(a);
+    remove_dir(dir);
+}
+
+/* ---- joins, duplicates and warm-ups against a brute-force reading --------------------------- */
+
+/* Record sets shaped for the join: three instances (two hosts and a null one), requests decided
+ * several times (retries, and one request decided on two instances), outcomes joined by decision
+ * id, by (request_id, attempt_id) from another instance (on another host), written by the
+ * decision's own instance under another id (never its), or missing; outcomes without decision;
+ * decision and outcome lines written twice; warm-ups marked by warm_up_for, or by an attempt id
+ * ending ":warm_up" alone; router overrides; copies that disagree with their decision; all spread
+ * over files given in a random order. A brute-force reader replays the lines in that order as
+ * docs/ANALYZE.md describes the join and recomputes the input, join, reuse, owner, outcome,
+ * policy, reason, worker and host figures, and the unjoined lists line by line. */
+#define JR_FILES 5
+#define JR_WORKERS 4
+
+static const char *const jr_instances[3] = {"iA", "iB", "iC"};
+static const char *const jr_hosts[3] = {"h1", "h2", NULL};
+static const char *const jr_workers[JR_WORKERS] = {"W0", "W1", "W2", "W3"};
+
+typedef struct jr_decision {
+    decision_spec spec;
+    char request[24], attempt[24];
+    int copies;
+} jr_decision;
+
+typedef struct jr_outcome {
+    outcome_spec spec;
+    char request[24], attempt[24];
+    int copies;
+} jr_outcome;
+
+typedef struct jr_line {
+    int is_decision, index;
+} jr_line;
+
+/* A point of the brute-force reader: one (instance, decision_id). */
+typedef struct jr_point {
+    const char *instance;
+    int64_t id;
+    int decision, outcome; /* indices, -1 = none */
+    int decision_file, outcome_file;
+    uint64_t decision_line, outcome_line;
+    int by_request, merged_away;
+} jr_point;
+
+static int jr_host_index(const char *host)
+{
+    return !host ? 2 : !strcmp(host, "h1") ? 0 : 1;
+}
+
+static int jr_ends_warm_up(const char *attempt)
+{
+    size_t n = strlen(attempt), k = strlen(":warm_up");
+    return n >= k && !strcmp(attempt + n - k, ":warm_up");
+}
+
+Test(analyze, random_joins_duplicates_and_warm_ups_match_brute_force, .timeout = 60)
+{
+    km_rng rng;
+    km_rng_init(&rng, km_test_seed());
+    char dir[64];
+    make_temp_dir(dir);
+    for (int round = 0; round < 4; round++) {
+        size_t n = 60 + km_rng_below(&rng, 340);
+        size_t n_orphans = km_rng_below(&rng, 40);
+        size_t n_requests = n / 3 + 1;
+        jr_decision *d = calloc(n, sizeof *d);
+        jr_outcome *o = calloc(n + n_orphans, sizeof *o);
+        jr_line *lines[JR_FILES];
+        size_t n_lines[JR_FILES] = {0};
+        for (int f = 0; f < JR_FILES; f++)
+            lines[f] = calloc(4 * (n + n_orphans), sizeof *lines[f]);
+        cr_assert(d && o);
+        int64_t next_id[3] = {0, 0, 0};
+        size_t n_o = 0;
+        for (size_t i = 0; i < n; i++) {
+            jr_decision *r = &d[i];
+            decision_spec *s = &r->spec;
+            int inst = (int)km_rng_below(&rng, 3);
+            uint32_t attempt_kind = km_rng_below(&rng, 10);
+            snprintf(r->request, sizeof r->request, "q%u",
+                     km_rng_below(&rng, (uint32_t)n_requests));
+            snprintf(r->attempt, sizeof r->attempt, "%s",
+                     attempt_kind < 4 ? "0" : attempt_kind < 8 ? "1" : "0:warm_up");
+            static const char *const reasons[3] = {"min_cost", "spread", NULL};
+            uint32_t why = km_rng_below(&rng, 3);
+            *s = (decision_spec){.instance = jr_instances[inst], .id = next_id[inst]++,
+                                 .request = r->request, .attempt = r->attempt,
+                                 .host = jr_hosts[inst],
+                                 .pool = km_rng_below(&rng, 2) ? "p0" : "p1",
+                                 .time_ns = (int64_t)(i + 1) * 1000, .source = "events",
+                                 .prompt = km_rng_percent(&rng, 15)
+                                               ? -1
+                                               : (int64_t)(320 + km_rng_below(&rng, 700)),
+                                 .policy = km_rng_below(&rng, 2) ? "kv" : "ttft",
+                                 .reason = reasons[why], .null_reason = why == 2};
+            /* a warm-up by warm_up_for, or (now and then) by its attempt id alone */
+            s->warm_up = attempt_kind >= 8 && km_rng_percent(&rng, 50);
+            for (int w = 0; w < JR_WORKERS; w++)
+                if (km_rng_percent(&rng, 60) || (w == JR_WORKERS - 1 && s->n_cands == 0))
+                    s->cands[s->n_cands++] =
+                        (cand_spec){jr_workers[w], "LIVE", km_rng_below(&rng, 21),
+                                    (int64_t)km_rng_below(&rng, 9)};
+            const cand_spec *chosen = &s->cands[km_rng_below(&rng, (uint32_t)s->n_cands)];
+            s->chosen = chosen->worker, s->chosen_state = "LIVE";
+            s->chosen_blocks = chosen->depth_blocks;
+            const cand_spec *owner = NULL;
+            for (int c = 0; c < s->n_cands; c++)
+                if (s->cands[c].depth_blocks > 0 &&
+                    (!owner || s->cands[c].depth_blocks > owner->depth_blocks))
+                    owner = &s->cands[c];
+            if (owner)
+                s->owner = owner->worker, s->owner_state = "LIVE",
+                s->owner_blocks = owner->depth_blocks;
+            r->copies = km_rng_percent(&rng, 10) ? 2 : 1;
+            for (int c = 0; c < r->copies; c++) {
+                int f = (int)km_rng_below(&rng, JR_FILES);
+                lines[f][n_lines[f]++] = (jr_line){1, (int)i};
+            }
+            /* its outcome: by id (55%), from another instance (15%), from its own instance
+             * under another id (8%), or none */
+            uint32_t mode = km_rng_below(&rng, 100);
+            if (mode >= 78)
+                continue;
+            jr_outcome *out = &o[n_o];
+            static const char *const kinds[5] = {"complete", "incomplete", "error", "cancelled",
+                                                 "expired"};
+            int64_t http[3] = {200, 500, -1};
+            int64_t cached = km_rng_percent(&rng, 20) ? -1 : (int64_t)km_rng_below(&rng, 401);
+            int64_t ttft = km_rng_percent(&rng, 40) ? -1
+                                                    : (int64_t)(1 + km_rng_below(&rng, 1000000));
+            out->spec = outcome_for(s, kinds[km_rng_below(&rng, 5)], http[km_rng_below(&rng, 3)],
+                                    cached, ttft);
+            memcpy(out->request, r->request, sizeof out->request);
+            memcpy(out->attempt, r->attempt, sizeof out->attempt);
+            out->spec.request = out->request;
+            out->spec.attempt = out->attempt;
+            if (mode >= 55 && mode < 70) {
+                int other = (inst + 1 + (int)km_rng_below(&rng, 2)) % 3;
+                out->spec.instance = jr_instances[other];
+                out->spec.host = jr_hosts[other];
+                out->spec.id = 1000000 + (int64_t)i;
+            } else if (mode >= 70) {
+                out->spec.id = 2000000 + (int64_t)i;
+            }
+            if (km_rng_percent(&rng, 25))
+                out->spec.dispatched = jr_workers[km_rng_below(&rng, JR_WORKERS)];
+            if (km_rng_percent(&rng, 5))
+                out->spec.predicted_blocks++; /* a copy that disagrees with its decision */
+            out->copies = km_rng_percent(&rng, 10) ? 2 : 1;
+            for (int c = 0; c < out->copies; c++) {
+                int f = (int)km_rng_below(&rng, JR_FILES);
+                lines[f][n_lines[f]++] = (jr_line){0, (int)n_o};
+            }
+            n_o++;
+        }
+        for (size_t k = 0; k < n_orphans; k++) {
+            jr_outcome *out = &o[n_o];
+            const decision_spec *like = &d[km_rng_below(&rng, (uint32_t)n)].spec;
+            int64_t cached = km_rng_percent(&rng, 20) ? -1 : (int64_t)km_rng_below(&rng, 401);
+            out->spec = outcome_for(like, "complete", 200, cached,
+                                    (int64_t)(1 + km_rng_below(&rng, 1000000)));
+            snprintf(out->request, sizeof out->request, "orphan%zu", k);
+            snprintf(out->attempt, sizeof out->attempt, "%s",
+                     km_rng_percent(&rng, 30) ? "0:warm_up" : "0");
+            out->spec.request = out->request;
+            out->spec.attempt = out->attempt;
+            out->spec.id = 3000000 + (int64_t)k;
+            if (km_rng_percent(&rng, 30))
+                out->spec.dispatched = jr_workers[km_rng_below(&rng, JR_WORKERS)];
+            out->copies = 1;
+            int f = (int)km_rng_below(&rng, JR_FILES);
+            lines[f][n_lines[f]++] = (jr_line){0, (int)n_o};
+            n_o++;
+        }
+
+        /* write the files, and choose the order they are given in */
+        char paths[JR_FILES][128];
+        for (int f = 0; f < JR_FILES; f++) {
+            char name[32];
+            snprintf(name, sizeof name, "join%d-%d.jsonl", round, f);
+            FILE *file = open_in(dir, name, paths[f], sizeof paths[f]);
+            for (size_t l = 0; l < n_lines[f]; l++)
+                write_record(file, lines[f][l].is_decision
+                                       ? make_decision(&d[lines[f][l].index].spec)
+                                       : make_outcome(&o[lines[f][l].index].spec));
+            fclose(file);
+        }
+        int order[JR_FILES];
+        for (int f = 0; f < JR_FILES; f++)
+            order[f] = f;
+        for (int f = JR_FILES - 1; f > 0; f--) {
+            int j = (int)km_rng_below(&rng, (uint32_t)f + 1), t = order[f];
+            order[f] = order[j];
+            order[j] = t;
+        }
+
+        /* the brute-force reader: lines in the order given, points by (instance, decision_id) */
+        size_t cap = 2 * (n + n_o) + 1, n_points = 0;
+        jr_point *pt = calloc(cap, sizeof *pt);
+        cr_assert(pt);
+        km_analysis_summary m;
+        memset(&m, 0, sizeof m);
+        for (int k = 0; k < JR_FILES; k++) {
+            int f = order[k];
+            for (size_t l = 0; l < n_lines[f]; l++) {
+                const jr_line *line = &lines[f][l];
+                const char *instance = line->is_decision ? d[line->index].spec.instance
+                                                         : o[line->index].spec.instance;
+                int64_t id = line->is_decision ? d[line->index].spec.id : o[line->index].spec.id;
+                size_t p = 0;
+                while (p < n_points && (strcmp(pt[p].instance, instance) || pt[p].id != id))
+                    p++;
+                if (p == n_points)
+                    pt[n_points++] = (jr_point){instance, id, -1, -1, 0, 0, 0, 0, 0, 0};
+                int *slot = line->is_decision ? &pt[p].decision : &pt[p].outcome;
+                if (line->is_decision)
+                    m.input.decisions++;
+                else
+                    m.input.outcomes++;
+                if (*slot >= 0) {
+                    if (line->is_decision)
+                        m.join.duplicate_decisions++;
+                    else
+                        m.join.duplicate_outcomes++;
+                    continue;
+                }
+                if (pt[p].decision >= 0 || pt[p].outcome >= 0)
+                    m.join.by_decision_id++;
+                *slot = line->index;
+                if (line->is_decision)
+                    pt[p].decision_file = f, pt[p].decision_line = l + 1;
+                else
+                    pt[p].outcome_file = f, pt[p].outcome_line = l + 1;
+            }
+        }
+        /* by (request_id, attempt_id): each decision, in reading order, takes the first outcome
+         * of its key from another instance */
+        for (size_t p = 0; p < n_points; p++) {
+            if (pt[p].decision < 0 || pt[p].outcome >= 0)
+                continue;
+            const decision_spec *ds = &d[pt[p].decision].spec;
+            for (size_t q = 0; q < n_points; q++) {
+                if (pt[q].decision >= 0 || pt[q].outcome < 0 || pt[q].merged_away)
+                    continue;
+                const outcome_spec *os = &o[pt[q].outcome].spec;
+                if (strcmp(os->request, ds->request) || strcmp(os->attempt, ds->attempt) ||
+                    !strcmp(os->instance, ds->instance))
+                    continue;
+                pt[p].outcome = pt[q].outcome;
+                pt[p].by_request = 1;
+                pt[q].merged_away = 1;
+                m.join.by_request++;
+                break;
+            }
+        }
+        /* the figures over the points counted: neither merged away nor warm-ups */
+        model_worker workers[3][2][JR_WORKERS];
+        memset(workers, 0, sizeof workers);
+        km_analysis_quality quality[2]; /* kv, ttft */
+        memset(quality, 0, sizeof quality);
+        km_analysis_reason reasons[2][3];
+        memset(reasons, 0, sizeof reasons);
+        int64_t *ttfts = calloc(n_points + 1, sizeof *ttfts);
+        size_t n_ttft = 0;
+        int hosts_seen[3] = {0, 0, 0};
+        jr_point *unjoined_d[KM_ANALYSIS_DEFAULT_MAX_LISTED];
+        jr_point *unjoined_o[KM_ANALYSIS_DEFAULT_MAX_LISTED];
+        size_t n_unjoined_d = 0, n_unjoined_o = 0;
+        for (size_t p = 0; p < n_points; p++) {
+            jr_point *q = &pt[p];
+            if (q->merged_away)
+                continue;
+            const decision_spec *ds = q->decision >= 0 ? &d[q->decision].spec : NULL;
+            const outcome_spec *os = q->outcome >= 0 ? &o[q->outcome].spec : NULL;
+            int warm = (ds && ds->warm_up) || (os && jr_ends_warm_up(os->attempt));
+            if (warm) {
+                m.input.warm_ups += ds != NULL;
+                continue;
+            }
+            const char *host = ds ? ds->host : os->host;
+            hosts_seen[jr_host_index(host)] = 1;
+            if (os) {
+                int overridden = model_overridden(os);
+                int64_t predicted;
+                if (overridden) {
+                    int w = 0;
+                    while (strcmp(jr_workers[w], os->dispatched))
+                        w++;
+                    workers[jr_host_index(host)][strcmp(os->pool, "p0") ? 1 : 0][w]
+                        .dispatched_by_override++;
+                }
+                m.reuse.outcomes++;
+                if (os->cached < 0) {
+                    m.reuse.unknown++;
+                } else if (!model_prediction(ds, os, &predicted)) {
+                    m.reuse.overridden_unpredicted++;
+                } else {
+                    m.reuse.known++;
+                    m.reuse.overridden += overridden;
+                    m.reuse.from_outcome_copy += ds == NULL;
+                    m.reuse.predicted_tokens += (uint64_t)predicted;
+                    m.reuse.actual_tokens += (uint64_t)os->cached;
+                    int64_t diff = os->cached - predicted;
+                    m.reuse.exact += diff == 0;
+                    m.reuse.over_predicted += diff < 0;
+                    m.reuse.under_predicted += diff > 0;
+                    m.reuse.difference_buckets[model_bucket(diff)]++;
+                }
+                if (!strcmp(os->outcome, "complete")) {
+                    m.outcomes.complete++;
+                    if (os->ttft_ns >= 0)
+                        ttfts[n_ttft++] = os->ttft_ns;
+                } else if (!strcmp(os->outcome, "incomplete")) {
+                    m.outcomes.incomplete++;
+                    m.outcomes.incomplete_http_200 += os->http_status == 200;
+                } else if (!strcmp(os->outcome, "error")) {
+                    m.outcomes.error++;
+                } else if (!strcmp(os->outcome, "cancelled")) {
+                    m.outcomes.cancelled++;
+                } else {
+                    m.outcomes.expired++;
+                }
+                /* a worker is a (host, pool, name): a copy from another pool names another */
+                if (ds && (strcmp(os->worker, ds->chosen) || strcmp(os->pool, ds->pool) ||
+                           os->predicted_blocks != ds->chosen_blocks))
+                    m.join.copy_mismatches++;
+                if (!ds) {
+                    m.join.outcomes_without_decision++;
+                    if (n_unjoined_o < KM_ANALYSIS_DEFAULT_MAX_LISTED)
+                        unjoined_o[n_unjoined_o++] = q;
+                }
+            }
+            if (!ds)
+                continue;
+            if (!os) {
+                m.join.decisions_without_outcome++;
+                if (n_unjoined_d < KM_ANALYSIS_DEFAULT_MAX_LISTED)
+                    unjoined_d[n_unjoined_d++] = q;
+            }
+            m.owner.decisions++;
+            int not_chosen = ds->owner && strcmp(ds->owner, ds->chosen);
+            if (!ds->owner)
+                m.owner.no_owner++;
+            else if (not_chosen) {
+                m.owner.owner_not_chosen++;
+                m.owner.cost_tokens += (uint64_t)(ds->owner_blocks - ds->chosen_blocks) * BLOCK;
+            } else
+                m.owner.owner_is_chosen++;
+            if (os && model_overridden(os)) {
+                m.owner.overridden++;
+                m.owner.overridden_to_owner += ds->owner && !strcmp(ds->owner, os->dispatched);
+            }
+            int w = 0;
+            while (strcmp(jr_workers[w], ds->chosen))
+                w++;
+            workers[jr_host_index(ds->host)][strcmp(ds->pool, "p0") ? 1 : 0][w].chosen++;
+            /* quality: the model of the other random test, on this decision and its outcome */
+            rand_decision rd = {.spec = *ds, .outcome_mode = os != NULL};
+            if (os) {
+                rd.outcome = *os;
+                if (os->prompt >= 0) /* the outcome's prompt_tokens, else the decision's */
+                    rd.spec.prompt = os->prompt;
+            }
+            model_quality_add(&quality[strcmp(ds->policy, "kv") ? 1 : 0], &rd);
+            km_analysis_reason *row =
+                &reasons[strcmp(ds->policy, "kv") ? 1 : 0][ds->null_reason ? 2
+                                                           : !strcmp(ds->reason, "min_cost") ? 0
+                                                                                             : 1];
+            row->decisions++;
+            if (not_chosen) {
+                row->owner_not_chosen++;
+                row->given_up_tokens += (uint64_t)(ds->owner_blocks - ds->chosen_blocks) * BLOCK;
+            }
+        }
+        for (int h = 0; h < 3; h++)
+            m.input.hosts += (uint64_t)hosts_seen[h];
+
+        const char *given[JR_FILES];
+        for (int k = 0; k < JR_FILES; k++)
+            given[k] = paths[order[k]];
+        km_analysis *a = analyze_files(NULL, given, JR_FILES);
+        const km_analysis_summary *s = km_analysis_summary_get(a);
+        KM_CHECK(s->input.invalid == 0, "round %d: invalid %" PRIu64, round, s->input.invalid);
+#define SAME(field)                                                                                \
+    KM_CHECK(s->field == m.field, "round %d: %s = %" PRIu64 ", model %" PRIu64, round, #field,     \
+             (uint64_t)s->field, (uint64_t)m.field)
+        SAME(input.decisions);
+        SAME(input.outcomes);
+        SAME(input.warm_ups);
+        SAME(input.hosts);
+        SAME(join.by_decision_id);
+        SAME(join.by_request);
+        SAME(join.decisions_without_outcome);
+        SAME(join.outcomes_without_decision);
+        SAME(join.duplicate_decisions);
+        SAME(join.duplicate_outcomes);
+        SAME(join.copy_mismatches);
+        SAME(reuse.outcomes);
+        SAME(reuse.unknown);
+        SAME(reuse.overridden_unpredicted);
+        SAME(reuse.known);
+        SAME(reuse.overridden);
+        SAME(reuse.from_outcome_copy);
+        SAME(reuse.predicted_tokens);
+        SAME(reuse.actual_tokens);
+        SAME(reuse.exact);
+        SAME(reuse.over_predicted);
+        SAME(reuse.under_predicted);
+        for (int b = 0; b < KM_ANALYSIS_DIFF_BUCKETS; b++)
+            SAME(reuse.difference_buckets[b]);
+        SAME(owner.decisions);
+        SAME(owner.no_owner);
+        SAME(owner.owner_is_chosen);
+        SAME(owner.owner_not_chosen);
+        SAME(owner.cost_tokens);
+        SAME(owner.overridden);
+        SAME(owner.overridden_to_owner);
+        SAME(outcomes.complete);
+        SAME(outcomes.incomplete);
+        SAME(outcomes.incomplete_http_200);
+        SAME(outcomes.error);
+        SAME(outcomes.cancelled);
+        SAME(outcomes.expired);
+#undef SAME
+        qsort(ttfts, n_ttft, sizeof *ttfts, compare_i64s);
+        KM_CHECK(s->outcomes.ttft_known == n_ttft, "round %d: ttft_known %" PRIu64 ", model %zu",
+                 round, s->outcomes.ttft_known, n_ttft);
+        if (n_ttft) {
+            size_t r50 = (n_ttft + 1) / 2, r99 = (n_ttft * 99 + 99) / 100;
+            KM_CHECK(s->outcomes.ttft_p50_ms == (double)ttfts[r50 - 1] / 1e6 &&
+                         s->outcomes.ttft_p99_ms == (double)ttfts[r99 - 1] / 1e6,
+                     "round %d: ttft p50 %f p99 %f", round, s->outcomes.ttft_p50_ms,
+                     s->outcomes.ttft_p99_ms);
+        }
+        /* quality per policy, decisions by (policy, reason) */
+        for (size_t k = 0; k < s->n_policies; k++) {
+            const km_analysis_quality *got = &s->policies[k].quality;
+            const km_analysis_quality *want = &quality[strcmp(s->policies[k].policy, "kv") ? 1 : 0];
+            KM_CHECK(got->decisions == want->decisions && got->owner_not_chosen ==
+                         want->owner_not_chosen && got->known == want->known &&
+                         got->overridden == want->overridden &&
+                         got->overridden_unpredicted == want->overridden_unpredicted &&
+                         got->predicted_tokens == want->predicted_tokens &&
+                         got->actual_tokens == want->actual_tokens && got->exact == want->exact &&
+                         got->prompt_tokens == want->prompt_tokens &&
+                         got->actual_with_prompt == want->actual_with_prompt,
+                     "round %d: policy %s quality (decisions %" PRIu64 " owner_not_chosen %" PRIu64
+                     " known %" PRIu64 " overridden %" PRIu64 " unpredicted %" PRIu64
+                     " predicted %" PRIu64 " actual %" PRIu64 " exact %" PRIu64 " prompt %" PRIu64
+                     " with prompt %" PRIu64 ") != model (%" PRIu64 " %" PRIu64 " %" PRIu64
+                     " %" PRIu64 " %" PRIu64 " %" PRIu64 " %" PRIu64 " %" PRIu64 " %" PRIu64
+                     " %" PRIu64 ")",
+                     round, s->policies[k].policy, got->decisions, got->owner_not_chosen,
+                     got->known, got->overridden, got->overridden_unpredicted,
+                     got->predicted_tokens, got->actual_tokens, got->exact, got->prompt_tokens,
+                     got->actual_with_prompt, want->decisions, want->owner_not_chosen,
+                     want->known, want->overridden, want->overridden_unpredicted,
+                     want->predicted_tokens, want->actual_tokens, want->exact,
+                     want->prompt_tokens, want->actual_with_prompt);
+        }
+        size_t reason_rows = 0;
+        for (int pol = 0; pol < 2; pol++)
+            for (int why = 0; why < 3; why++)
+                reason_rows += reasons[pol][why].decisions > 0;
+        KM_CHECK(s->n_reasons == reason_rows, "round %d: %zu reason rows, model %zu", round,
+                 s->n_reasons, reason_rows);
+        for (size_t k = 0; k < s->n_reasons; k++) {
+            const km_analysis_reason *got = &s->reasons[k];
+            const km_analysis_reason *want =
+                &reasons[strcmp(got->policy, "kv") ? 1 : 0][!*got->reason ? 2
+                                                            : !strcmp(got->reason, "min_cost") ? 0
+                                                                                               : 1];
+            KM_CHECK(got->decisions == want->decisions &&
+                         got->owner_not_chosen == want->owner_not_chosen &&
+                         got->given_up_tokens == want->given_up_tokens,
+                     "round %d: reason %s / %s differs from the model", round, got->policy,
+                     got->reason);
+        }
+        /* workers by (host, pool, name): an outcome from another host names its workers as the
+         * decision's host does */
+        size_t worker_rows = 0;
+        for (int h = 0; h < 3; h++)
+            for (int p = 0; p < 2; p++)
+                for (int w = 0; w < JR_WORKERS; w++)
+                    worker_rows += workers[h][p][w].chosen ||
+                                   workers[h][p][w].dispatched_by_override;
+        KM_CHECK(s->n_workers == worker_rows, "round %d: %zu worker rows, model %zu", round,
+                 s->n_workers, worker_rows);
+        for (size_t k = 0; k < s->n_workers; k++) {
+            const km_analysis_worker *got = &s->workers[k];
+            int h = !*got->host ? 2 : !strcmp(got->host, "h1") ? 0 : 1, w = 0;
+            while (w < JR_WORKERS - 1 && strcmp(jr_workers[w], got->worker))
+                w++;
+            const model_worker *want = &workers[h][strcmp(got->pool, "p0") ? 1 : 0][w];
+            KM_CHECK(got->chosen == want->chosen &&
+                         got->dispatched_by_override == want->dispatched_by_override,
+                     "round %d: worker %s/%s/%s chosen %" PRIu64 " dispatched %" PRIu64
+                     ", model %" PRIu64 " %" PRIu64,
+                     round, got->host, got->pool, got->worker, got->chosen,
+                     got->dispatched_by_override, want->chosen, want->dispatched_by_override);
+        }
+        /* the unjoined lists: the first ones counted, in reading order, at their first line */
+        KM_CHECK(s->n_unjoined_decisions == n_unjoined_d && s->n_unjoined_outcomes == n_unjoined_o,
+                 "round %d: %zu unjoined decisions and %zu outcomes listed, model %zu and %zu",
+                 round, s->n_unjoined_decisions, s->n_unjoined_outcomes, n_unjoined_d,
+                 n_unjoined_o);
+        for (size_t k = 0; k < n_unjoined_d && k < s->n_unjoined_decisions; k++)
+            KM_CHECK(!strcmp(s->unjoined_decisions[k].file, paths[unjoined_d[k]->decision_file]) &&
+                         s->unjoined_decisions[k].line == unjoined_d[k]->decision_line,
+                     "round %d: unjoined decision %zu at %s:%" PRIu64 ", model %s:%" PRIu64,
+                     round, k, s->unjoined_decisions[k].file, s->unjoined_decisions[k].line,
+                     paths[unjoined_d[k]->decision_file], unjoined_d[k]->decision_line);
+        for (size_t k = 0; k < n_unjoined_o && k < s->n_unjoined_outcomes; k++)
+            KM_CHECK(!strcmp(s->unjoined_outcomes[k].file, paths[unjoined_o[k]->outcome_file]) &&
+                         s->unjoined_outcomes[k].line == unjoined_o[k]->outcome_line,
+                     "round %d: unjoined outcome %zu at %s:%" PRIu64 ", model %s:%" PRIu64,
+                     round, k, s->unjoined_outcomes[k].file, s->unjoined_outcomes[k].line,
+                     paths[unjoined_o[k]->outcome_file], unjoined_o[k]->outcome_line);
+        km_analysis_destroy(a);
+        free(ttfts);
+        free(pt);
+        for (int f = 0; f < JR_FILES; f++)
+            free(lines[f]);
+        free(o);
+        free(d);
+    }
     remove_dir(dir);
 }

@@ -962,7 +962,7 @@ static int merge_by_request(km_analysis *a, uint32_t d_index, point *o)
         return km_analysis_fail_memory(a, "interning names");
     point *d = &a->points[d_index];
     d->flags |= POINT_OUTCOME | POINT_JOINED_BY_REQUEST |
-                (o->flags & (POINT_HTTP_200 | POINT_OVERRIDDEN));
+                (o->flags & (POINT_HTTP_200 | POINT_OVERRIDDEN | POINT_WARM_UP));
     d->outcome_kind = o->outcome_kind;
     d->actual = o->actual;
     d->outcome_prompt = o->outcome_prompt;
