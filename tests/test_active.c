@@ -4,14 +4,16 @@
  * Suite `active`: each lifecycle step's exact load numbers, corrections by engine-reported cached
  * tokens, TTL expiry (recently touched entries survive, old ones expire oldest first, callbacks get
  * the right summaries), unknown / late / duplicate / out-of-order events and bad arguments (each a
- * code, a message and no load change), worker removal, the entry bound, and a random run against a
- * brute-force model of the in-flight entries.
+ * code, a message and no load change), worker removal, the entry bound, a random run against a
+ * brute-force model of the in-flight entries, and one with a ring of 3 ended ids against a model of
+ * every counter, drained to zero at its end.
  *
  * Suite `approx`: the updates a record / expire / clear / capacity change produces, TTL refresh,
  * eviction order, the buffer's pointer contract, bad arguments, and the invariant "what km_approx
  * believes == what its updates put in a real km_index" on random sequences against a plain list of
- * (worker, hash, last touch). Randomized tests print their seed (KM_TEST_SEED). Clocks are
- * synthetic, so every test is deterministic given its seed. */
+ * (worker, hash, last touch), with every counter, the next expiry, and a final expiry to nothing.
+ * Randomized tests print their seed (KM_TEST_SEED). Clocks are synthetic, so every test is
+ * deterministic given its seed. */
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -1282,6 +1284,7 @@ typedef struct ap_model {
     size_t n;
     uint64_t seq, clock, ttl, refresh;
     uint64_t capacity[AP_WORKERS];
+    km_approx_stats stats; /* every counter but pairs, as the header defines it */
 } ap_model;
 
 static int ap_find(const ap_model *m, uint32_t w, uint64_t h)
@@ -1313,6 +1316,7 @@ static void ap_evict(ap_model *m, uint32_t w)
             if (m->pairs[i].worker == w && (oldest == SIZE_MAX || m->pairs[i].seq < m->pairs[oldest].seq))
                 oldest = i;
         ap_drop(m, oldest);
+        m->stats.evicted_pairs++;
     }
 }
 
@@ -1323,11 +1327,17 @@ static void ap_record(ap_model *m, uint32_t w, const uint64_t *h, size_t n, uint
     size_t keep = n;
     if (m->capacity[w] && keep > m->capacity[w])
         keep = (size_t)m->capacity[w];
+    m->stats.records += n > 0;
+    m->stats.truncated_records += keep < n;
     bool may_evict = m->capacity[w] && ap_count(m, w) + keep > m->capacity[w];
     for (size_t k = keep; k-- > 0;) {
         int i = ap_find(m, w, h[k]);
-        if (i >= 0 && !may_evict && m->clock - m->pairs[i].last_touch < m->refresh)
+        if (i >= 0 && !may_evict && m->clock - m->pairs[i].last_touch < m->refresh) {
+            m->stats.recent_pairs++;
             continue; /* touched within refresh_ns, and nothing evicted: not recorded */
+        }
+        m->stats.refreshed_pairs += i >= 0;
+        m->stats.stored_pairs += i < 0;
         if (i < 0) {
             i = (int)m->n++;
             m->pairs[i].worker = w;
@@ -1349,6 +1359,7 @@ static size_t ap_expire(ap_model *m, uint64_t now)
             ap_drop(m, i);
             dropped++;
         }
+    m->stats.expired_pairs += dropped;
     return dropped;
 }
 
@@ -1377,6 +1388,26 @@ static void ap_compare(const ap_model *m, const km_approx *a, km_index *index, c
     km_approx_stats st;
     cr_assert_eq(km_approx_get_stats(a, &st), KM_OK);
     KM_CHECK(st.pairs == m->n, "step %d: approx pairs %" PRIu64 " != model %zu", step, st.pairs, m->n);
+    const km_approx_stats *ms = &m->stats;
+    KM_CHECK(st.records == ms->records && st.stored_pairs == ms->stored_pairs &&
+                 st.refreshed_pairs == ms->refreshed_pairs && st.recent_pairs == ms->recent_pairs &&
+                 st.truncated_records == ms->truncated_records &&
+                 st.expired_pairs == ms->expired_pairs && st.evicted_pairs == ms->evicted_pairs &&
+                 st.cleared_pairs == ms->cleared_pairs,
+             "step %d: stats (records %" PRIu64 " stored %" PRIu64 " refreshed %" PRIu64
+             " recent %" PRIu64 " truncated %" PRIu64 " expired %" PRIu64 " evicted %" PRIu64
+             " cleared %" PRIu64 ") != model (%" PRIu64 " %" PRIu64 " %" PRIu64 " %" PRIu64
+             " %" PRIu64 " %" PRIu64 " %" PRIu64 " %" PRIu64 ")",
+             step, st.records, st.stored_pairs, st.refreshed_pairs, st.recent_pairs,
+             st.truncated_records, st.expired_pairs, st.evicted_pairs, st.cleared_pairs,
+             ms->records, ms->stored_pairs, ms->refreshed_pairs, ms->recent_pairs,
+             ms->truncated_records, ms->expired_pairs, ms->evicted_pairs, ms->cleared_pairs);
+    uint64_t next = UINT64_MAX;
+    for (size_t i = 0; i < m->n; i++)
+        if (m->pairs[i].last_touch + m->ttl < next)
+            next = m->pairs[i].last_touch + m->ttl;
+    KM_CHECK(km_approx_next_expiry(a) == next, "step %d: next expiry %" PRIu64 ", model %" PRIu64,
+             step, km_approx_next_expiry(a), next);
     for (uint32_t w = 0; w < AP_WORKERS; w++) {
         km_worker_stats ws;
         cr_assert_eq(km_index_worker_stats(index, w, &ws), KM_OK);
@@ -1497,8 +1528,10 @@ static void random_sequences(uint64_t refresh, uint64_t ns_per_tick)
             uint32_t w = km_rng_below(&r, AP_WORKERS);
             cr_assert_eq(km_approx_clear_worker(a, w, &buf), KM_OK);
             for (size_t i = m.n; i-- > 0;)
-                if (m.pairs[i].worker == w)
+                if (m.pairs[i].worker == w) {
                     ap_drop(&m, i);
+                    m.stats.cleared_pairs++;
+                }
         } else {
             uint32_t w = km_rng_below(&r, AP_WORKERS);
             uint64_t c = km_rng_percent(&r, 20) ? 0 : 1 + km_rng_below(&r, 40);
@@ -1512,6 +1545,15 @@ static void random_sequences(uint64_t refresh, uint64_t ns_per_tick)
             ap_compare(&m, a, index, &t, &res, step);
         }
     }
+    /* a TTL after the latest touch everything is forgotten: nothing assumed, nothing due */
+    now = m.clock + m.ttl;
+    size_t forgotten = 0;
+    cr_assert_eq(km_approx_expire(a, now, &buf, &forgotten), KM_OK);
+    KM_CHECK(forgotten == ap_expire(&m, now) && m.n == 0, "expired %zu, model left %zu", forgotten,
+             m.n);
+    apply_updates(index, &buf);
+    ap_compare(&m, a, index, &t, &res, 1500);
+    KM_CHECK(km_approx_next_expiry(a) == UINT64_MAX, "something is still due");
     km_approx_stats st;
     cr_assert_eq(km_approx_get_stats(a, &st), KM_OK);
     KM_CHECK(refresh == 0 ? st.recent_pairs == 0 : st.recent_pairs > 0,
@@ -2096,5 +2138,265 @@ Test(active, every_call_in_any_order_keeps_exact_sums, .timeout = 60)
              "the run exercised eviction (%" PRIu64 "), the bytes bound (%" PRIu64
              ") and prefixes declared after FIRST_TOKEN (%" PRIu64 ")",
              evictions, refusals, late_shares);
+    km_active_destroy(a);
+}
+
+/* ---- a small ring of ended ids, every counter, and a drain to zero -------------------------- */
+
+/* Random runs of the lifecycle calls (begin, DISPATCHED, FIRST_TOKEN, cached-token reports, moves,
+ * FINISHED, expiry, eviction, worker removal) with a ring of 3 ended ids: a miss on a key is late
+ * when the latest of the last 3 ends is that key's by expiry, eviction or removal, a duplicate when
+ * it is by FINISHED, and unknown when the key is not among them (never begun, or pushed out).
+ * After every step each counter of km_active_stats (begun, ended by kind, unknown, late,
+ * duplicates, out_of_order, moved, corrections) equals the model's, and the loads equal the
+ * live entries'; at the end every live entry finishes and every load value, the entries, the
+ * bytes and the queued blocks are 0, with no subtraction saturated. */
+#define RR_KEYS 12
+#define RR_WORKERS 3
+#define RR_RING 3
+
+typedef struct rr_key {
+    int live, first_token;
+    uint32_t worker, prompt;
+    uint64_t pending, decode, last_touch;
+} rr_key;
+
+typedef struct rr_model {
+    rr_key k[RR_KEYS];
+    int ring_key[RR_RING], ring_end[RR_RING];
+    uint32_t ring_next, ring_n;
+    km_active_stats st;
+} rr_model;
+
+static void rr_end(rr_model *m, int i, int end)
+{
+    m->k[i].live = 0;
+    m->st.ended[end]++;
+    m->ring_key[m->ring_next] = i;
+    m->ring_end[m->ring_next] = end;
+    m->ring_next = (m->ring_next + 1) % RR_RING;
+    m->ring_n += m->ring_n < RR_RING;
+}
+
+/* The status of an event on key i that is not live, counted as the header says. */
+static int rr_miss(rr_model *m, int i)
+{
+    for (uint32_t back = 1; back <= m->ring_n; back++) {
+        uint32_t slot = (m->ring_next + RR_RING - back) % RR_RING;
+        if (m->ring_key[slot] != i)
+            continue;
+        int end = m->ring_end[slot];
+        if (end == KM_ACTIVE_END_EXPIRED || end == KM_ACTIVE_END_WORKER_REMOVED ||
+            end == KM_ACTIVE_END_EVICTED) {
+            m->st.late++;
+            return KM_ERR_NOT_FOUND;
+        }
+        m->st.duplicates++;
+        return KM_ERR_PROTOCOL;
+    }
+    m->st.unknown++;
+    return KM_ERR_NOT_FOUND;
+}
+
+typedef struct rr_ctx {
+    rr_model *m;
+    km_active_end end;
+    int calls;
+} rr_ctx;
+
+static void rr_on_end(void *user, const km_active_summary *s)
+{
+    rr_ctx *c = user;
+    int i = atoi(s->request_id + 1);
+    KM_CHECK(i >= 0 && i < RR_KEYS && c->m->k[i].live && s->end == c->end &&
+                 s->worker == c->m->k[i].worker,
+             "ended %s (end %d, worker %u)", s->request_id, (int)s->end, s->worker);
+    rr_end(c->m, i, (int)c->end);
+    c->calls++;
+}
+
+static void rr_compare(const rr_model *m, const km_active *a, int step)
+{
+    km_active_stats st = stats_of(a);
+    for (unsigned e = 0; e < KM_ACTIVE_END_COUNT; e++)
+        KM_CHECK(st.ended[e] == m->st.ended[e], "step %d: ended[%s] %" PRIu64 ", model %" PRIu64,
+                 step, km_active_end_name((km_active_end)e), st.ended[e], m->st.ended[e]);
+    KM_CHECK(st.begun == m->st.begun && st.unknown == m->st.unknown && st.late == m->st.late &&
+                 st.duplicates == m->st.duplicates && st.out_of_order == m->st.out_of_order &&
+                 st.moved == m->st.moved && st.corrections == m->st.corrections &&
+                 st.saturations == 0,
+             "step %d: begun %" PRIu64 " unknown %" PRIu64 " late %" PRIu64 " duplicates %" PRIu64
+             " out_of_order %" PRIu64 " moved %" PRIu64 " corrections %" PRIu64
+             " saturations %" PRIu64 "; model %" PRIu64 " %" PRIu64 " %" PRIu64 " %" PRIu64
+             " %" PRIu64 " %" PRIu64 " %" PRIu64,
+             step, st.begun, st.unknown, st.late, st.duplicates, st.out_of_order, st.moved,
+             st.corrections, st.saturations, m->st.begun, m->st.unknown, m->st.late,
+             m->st.duplicates, m->st.out_of_order, m->st.moved, m->st.corrections);
+    uint64_t live = 0;
+    for (uint32_t w = 0; w < RR_WORKERS; w++) {
+        km_active_load want = {0};
+        for (int i = 0; i < RR_KEYS; i++) {
+            const rr_key *k = &m->k[i];
+            if (!k->live || k->worker != w)
+                continue;
+            want.in_flight++;
+            want.prefilling += !k->first_token;
+            want.pending_prefill_tokens += k->pending;
+            want.active_decode_blocks += k->decode;
+        }
+        live += want.in_flight;
+        km_active_load l = load_of(a, w);
+        KM_CHECK(l.in_flight == want.in_flight && l.prefilling == want.prefilling &&
+                     l.pending_prefill_tokens == want.pending_prefill_tokens &&
+                     l.active_decode_blocks == want.active_decode_blocks &&
+                     l.allocated_blocks == want.active_decode_blocks,
+                 "step %d worker %u: load (%" PRIu64 " %" PRIu64 " %" PRIu64 " %" PRIu64
+                 " %" PRIu64 ") != model (%" PRIu64 " %" PRIu64 " %" PRIu64 " %" PRIu64 ")",
+                 step, w, l.in_flight, l.prefilling, l.pending_prefill_tokens,
+                 l.active_decode_blocks, l.allocated_blocks, want.in_flight, want.prefilling,
+                 want.pending_prefill_tokens, want.active_decode_blocks);
+    }
+    KM_CHECK(st.entries == live, "step %d: entries %" PRIu64 ", model %" PRIu64, step, st.entries,
+             live);
+}
+
+Test(active, a_small_ended_ring_classifies_every_miss_and_the_loads_drain_to_zero, .timeout = 30)
+{
+    km_rng r;
+    km_rng_init(&r, km_test_seed());
+    static rr_model m;
+    memset(&m, 0, sizeof m);
+    char req[RR_KEYS][8];
+    for (int i = 0; i < RR_KEYS; i++)
+        snprintf(req[i], sizeof req[i], "k%d", i);
+    const uint64_t ttl = 3000;
+    km_active *a = make_active(RR_WORKERS, ttl, 8, RR_RING);
+    uint64_t clock = 0, seen = 0;
+    for (int step = 0; step < 20000; step++) {
+        clock = km_rng_percent(&r, 3) && clock > 20 ? clock - km_rng_below(&r, 20)
+                                                    : clock + km_rng_below(&r, 120);
+        uint64_t now = clock > seen ? clock : seen;
+        int i = (int)km_rng_below(&r, RR_KEYS);
+        rr_key *k = &m.k[i];
+        km_active_key key = km_active_key_of(req[i], "a");
+        uint32_t op = km_rng_below(&r, 100);
+        int rc, want = KM_OK, touched = 0;
+        if (op < 25) {
+            uint32_t w = km_rng_below(&r, RR_WORKERS), prompt = km_rng_below(&r, 3000);
+            uint32_t predicted = km_rng_below(&r, 3000), output = km_rng_below(&r, 400);
+            uint64_t live = 0;
+            for (int j = 0; j < RR_KEYS; j++)
+                live += m.k[j].live;
+            rc = km_active_begin(a, w, &key, prompt, predicted, output, 16, clock);
+            if (k->live) {
+                m.st.duplicates++;
+                want = KM_ERR_PROTOCOL;
+            } else if (live >= 8) {
+                want = KM_ERR_OVERLOADED;
+            } else {
+                *k = (rr_key){.live = 1, .worker = w, .prompt = prompt,
+                              .pending = prompt - (predicted < prompt ? predicted : prompt),
+                              .decode = ((uint64_t)prompt + output + 15) / 16};
+                m.st.begun++;
+                touched = 1;
+            }
+        } else if (op < 35) {
+            rc = km_active_dispatched(a, &key, clock);
+            if (!k->live)
+                want = rr_miss(&m, i);
+            else if (k->first_token)
+                m.st.out_of_order++, want = KM_ERR_PROTOCOL;
+            else
+                touched = 1;
+        } else if (op < 47) {
+            rc = km_active_first_token(a, &key, KM_ACTIVE_CACHED_UNKNOWN, clock);
+            if (!k->live) {
+                want = rr_miss(&m, i);
+            } else if (k->first_token) {
+                m.st.duplicates++;
+                want = KM_ERR_PROTOCOL;
+            } else {
+                k->first_token = 1;
+                k->pending = 0;
+                touched = 1;
+            }
+        } else if (op < 55) {
+            int64_t cached = km_rng_below(&r, 3000);
+            rc = km_active_report_cached(a, &key, cached, clock);
+            if (!k->live) {
+                want = rr_miss(&m, i);
+            } else {
+                if (!k->first_token) {
+                    uint64_t c = (uint64_t)cached < k->prompt ? (uint64_t)cached : k->prompt;
+                    m.st.corrections += k->prompt - c != k->pending;
+                    k->pending = k->prompt - c;
+                }
+                touched = 1;
+            }
+        } else if (op < 62) {
+            uint32_t w = km_rng_below(&r, RR_WORKERS);
+            rc = km_active_move(a, &key, w, clock);
+            if (!k->live) {
+                want = rr_miss(&m, i);
+            } else {
+                m.st.moved += w != k->worker;
+                k->worker = w;
+                touched = 1;
+            }
+        } else if (op < 80) {
+            km_active_end outcome = (km_active_end)km_rng_below(&r, 4);
+            rc = km_active_finish(a, &key, outcome, clock, NULL);
+            if (!k->live)
+                want = rr_miss(&m, i);
+            else
+                rr_end(&m, i, (int)outcome);
+        } else if (op < 90) {
+            rr_ctx c = {&m, KM_ACTIVE_END_EXPIRED, 0};
+            int due = 0;
+            for (int j = 0; j < RR_KEYS; j++)
+                due += m.k[j].live && now - m.k[j].last_touch >= ttl;
+            size_t n = 0;
+            rc = km_active_expire(a, clock, rr_on_end, &c, &n);
+            KM_CHECK(n == (size_t)due && c.calls == due, "step %d: expired %zu, due %d", step, n,
+                     due);
+        } else if (op < 95) {
+            rr_ctx c = {&m, KM_ACTIVE_END_EVICTED, 0};
+            int any = 0;
+            for (int j = 0; j < RR_KEYS; j++)
+                any |= m.k[j].live;
+            rc = km_active_evict_oldest(a, clock, rr_on_end, &c);
+            want = any ? KM_OK : KM_ERR_NOT_FOUND;
+            KM_CHECK(c.calls == any, "step %d: evicted %d", step, c.calls);
+        } else {
+            rr_ctx c = {&m, KM_ACTIVE_END_WORKER_REMOVED, 0};
+            rc = km_active_remove_worker(a, km_rng_below(&r, RR_WORKERS), clock, rr_on_end, &c,
+                                         NULL);
+        }
+        KM_CHECK(rc == want, "step %d op %u key %d: %d, model %d (%s)", step, op, i, rc, want,
+                 km_active_last_error(a));
+        if (touched)
+            k->last_touch = now;
+        if (rc == KM_OK) /* a failed call changes nothing, its clock included */
+            seen = now;
+        rr_compare(&m, a, step);
+    }
+    /* every live entry finishes: nothing is left anywhere */
+    for (int i = 0; i < RR_KEYS; i++) {
+        if (!m.k[i].live)
+            continue;
+        km_active_key key = km_active_key_of(req[i], "a");
+        cr_assert_eq(km_active_finish(a, &key, KM_ACTIVE_END_COMPLETE, clock, NULL), KM_OK);
+        rr_end(&m, i, KM_ACTIVE_END_COMPLETE);
+    }
+    rr_compare(&m, a, -1);
+    km_active_stats st = stats_of(a);
+    KM_CHECK(st.entries == 0 && st.bytes == 0 && st.queued_blocks == 0 &&
+                 st.total.in_flight == 0 && st.total.prefilling == 0 &&
+                 st.total.pending_prefill_tokens == 0 && st.total.pending_prefill_pairs == 0 &&
+                 st.total.active_decode_blocks == 0 && st.total.allocated_blocks == 0,
+             "drained: entries %" PRIu64 " bytes %" PRIu64 " total in_flight %" PRIu64, st.entries,
+             st.bytes, st.total.in_flight);
+    KM_CHECK(st.late > 0 && st.duplicates > 0 && st.unknown > 0 && st.out_of_order > 0,
+             "the run exercised every kind of miss");
     km_active_destroy(a);
 }
