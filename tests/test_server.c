@@ -3404,6 +3404,88 @@ static void raw_send_message(int fd, const km_message *m)
     km_frame_buffer_free(&fb);
 }
 
+/* A msgpack str of fewer than 32 bytes (a fixstr) at *at in buf. */
+static size_t put_fixstr(uint8_t *buf, size_t at, const char *s)
+{
+    size_t n = strlen(s);
+    buf[at] = (uint8_t)(0xa0 | n);
+    memcpy(buf + at + 1, s, n);
+    return at + 1 + n;
+}
+
+/* PROTOCOL.md: a key twice in one map is KM_ERR_PARSE, the message's with its id, and a message
+ * with a readable id stays answered on an open connection, wherever in the map the key repeats.
+ * Random STATUS maps of "type", "id" and unknown keys in random order, one key (a field's name or
+ * not) repeated at a random place: each answered with an ERROR to its id, and the connection
+ * still answers the next STATUS. */
+Test(server, a_key_twice_anywhere_in_a_message_is_answered_with_its_id, .timeout = 30)
+{
+    srv s = {0};
+    km_server_config cfg;
+    test_config(&cfg, &s, KM_POLICY_PREFIX, 1);
+    cfg.records_path = NULL;
+    srv_start(&s, &cfg);
+    km_protocol_decoder *dec;
+    cr_assert_eq(km_protocol_decoder_create(NULL, &dec), KM_OK);
+    static uint8_t buf[1 << 16];
+    km_rng rng;
+    km_rng_init(&rng, km_test_seed());
+    int fd = raw_connect(&s);
+    raw_hello(fd, dec, buf, sizeof buf, KM_PROTOCOL_VERSION);
+    uint64_t id = 100;
+    for (int round = 0; round < 200; round++, id += 2) {
+        /* keys[0] "type", keys[1] "id", then unknown ones; order[] a shuffle, then one repeat */
+        static const char *const names[] = {"type", "id", "x", "note", "y2"};
+        uint32_t n_keys = 2 + km_rng_below(&rng, 4);
+        uint32_t order[8];
+        for (uint32_t i = 0; i < n_keys; i++)
+            order[i] = i;
+        for (uint32_t i = n_keys - 1; i > 0; i--) {
+            uint32_t j = km_rng_below(&rng, i + 1), t = order[i];
+            order[i] = order[j];
+            order[j] = t;
+        }
+        uint32_t twice = km_rng_below(&rng, n_keys), at = km_rng_below(&rng, n_keys + 1);
+        memmove(order + at + 1, order + at, (n_keys - at) * sizeof *order);
+        order[at] = twice;
+        uint8_t msg[256];
+        size_t len = 0;
+        msg[len++] = (uint8_t)(0x80 | (n_keys + 1));
+        for (uint32_t i = 0; i <= n_keys; i++) {
+            len = put_fixstr(msg, len, names[order[i]]);
+            if (order[i] == 0) {
+                len = put_fixstr(msg, len, "STATUS");
+            } else {
+                msg[len++] = 0xcf; /* uint 64, the same id both times */
+                for (int b = 7; b >= 0; b--)
+                    msg[len++] = (uint8_t)((order[i] == 1 ? id : 7) >> (8 * b));
+            }
+        }
+        raw_send_frame(fd, msg, (uint32_t)len);
+        km_message m;
+        int rc = raw_read_reply(fd, dec, &m, buf, sizeof buf);
+        KM_CHECK(rc == KM_ERR_PARSE, "round %d: \"%s\" twice: %s", round, names[twice],
+                 km_error_name(rc));
+        KM_CHECK(m.id == id, "round %d: \"%s\" twice at %u of %u keys: the ERROR answers id %"
+                 PRIu64 ", not %" PRIu64 " (%s)", round, names[twice], at, n_keys + 1, m.id, id,
+                 m.error.message);
+        km_message st;
+        memset(&st, 0, sizeof st);
+        st.type = KM_MESSAGE_STATUS;
+        st.has_id = true;
+        st.id = id + 1;
+        raw_send_message(fd, &st);
+        rc = raw_read_reply(fd, dec, &m, buf, sizeof buf);
+        KM_CHECK(rc == KM_OK && m.type == KM_MESSAGE_STATUS_REPLY && m.id == id + 1,
+                 "round %d: \"%s\" twice: the connection was not kept (%s)", round,
+                 names[twice], km_error_name(rc));
+    }
+    close(fd);
+    km_protocol_decoder_destroy(dec);
+    srv_stop(&s);
+    srv_cleanup(&s);
+}
+
 /* A reply that takes a connection's unwritten bytes past max_outbox_bytes / 4 pauses its reading
  * (SERVICE.md); once the reply is written, reading resumes and the next request is answered: the
  * resume passes libuv an allocation callback (without one libuv refuses it, the connection never

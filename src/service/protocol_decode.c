@@ -249,7 +249,9 @@ static int unknown_twice(km_protocol_decoder *d, const msgpack_object *map, cons
 
 /* A map's known fields: values[i] is the value of names[i], NULL when absent or nil (nil and
  * absent mean the same for every optional field). Entries whose key is not a string are ignored,
- * and so are string keys no name matches; any string key twice, known or not, is KM_ERR_PARSE. */
+ * and so are string keys no name matches; any string key twice, known or not, is KM_ERR_PARSE.
+ * A failed map still has every field bound (a repeated one to its first value), so the message
+ * that holds it is answered with its id wherever the repeat is. */
 #define MAX_FIELDS 32
 
 static int bind_fields(km_protocol_decoder *d, const msgpack_object *map, const char *what,
@@ -263,6 +265,7 @@ static int bind_fields(km_protocol_decoder *d, const msgpack_object *map, const 
                           km_msgpack_type_name(map));
     uint32_t few[FEW_UNKNOWN_KEYS], *unknown = few, n_unknown = 0;
     unsigned start = 0; /* keys usually come in schema order: try the next name first */
+    int twice = KM_OK;  /* a known key repeated: reported once every field is bound */
     for (uint32_t k = 0; k < map->via.map.size; k++) {
         const msgpack_object *key = &map->via.map.ptr[k].key;
         if (key->type != MSGPACK_OBJECT_STR)
@@ -278,9 +281,12 @@ static int bind_fields(km_protocol_decoder *d, const msgpack_object *map, const 
                 memcmp(names[i], kp, kn) != 0)
                 continue;
             start = i + 1 < n_names ? i + 1 : 0;
-            if (seen[i])
-                return field_fail(d, KM_ERR_PARSE, names[i], NO_ELEMENT,
-                                  "field appears twice in one map");
+            if (seen[i]) {
+                if (!twice)
+                    twice = field_fail(d, KM_ERR_PARSE, names[i], NO_ELEMENT,
+                                       "field appears twice in one map");
+                break;
+            }
             seen[i] = true;
             const msgpack_object *v = &map->via.map.ptr[k].val;
             values[i] = v->type == MSGPACK_OBJECT_NIL ? NULL : v;
@@ -296,6 +302,8 @@ static int bind_fields(km_protocol_decoder *d, const msgpack_object *map, const 
         }
         unknown[n_unknown++] = k;
     }
+    if (twice)
+        return twice;
     return n_unknown > 1 ? unknown_twice(d, map, unknown, n_unknown) : KM_OK;
 }
 
