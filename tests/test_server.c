@@ -3262,6 +3262,46 @@ static km_worker_load worker_load(km_client *c, uint32_t worker)
     return none;
 }
 
+/* PROTOCOL.md: an ACK item's message says what was wrong. A report by request id for an attempt
+ * whose active work already ended without a FINISHED (here: expired) is late, and its message
+ * says so; one for a request never routed names the request and no decision it did not send. */
+Test(server, a_late_or_unknown_report_is_answered_with_what_was_wrong, .timeout = 30)
+{
+    srv s = {0};
+    km_server_config cfg;
+    test_config(&cfg, &s, KM_POLICY_LEAST_LOAD, 1);
+    cfg.active_ttl_ms = 100;
+    cfg.records_path = NULL;
+    srv_start(&s, &cfg);
+    km_client *c = connect_client(&s);
+    km_message reply;
+    km_route_request r = token_route("late", 0, 4 * BS);
+    cr_assert_eq(route_one(c, &r, &reply)->status, KM_OK);
+    double deadline = km_test_now() + 10;
+    while (worker_load(c, 0).in_flight != 0 && km_test_now() < deadline)
+        km_test_sleep_ms(20);
+    cr_assert_eq(worker_load(c, 0).in_flight, 0, "the attempt did not expire");
+    static const char *const ids[] = {"late", "never-routed"};
+    for (int i = 0; i < 2; i++) {
+        km_lifecycle_event ev;
+        memset(&ev, 0, sizeof ev);
+        ev.kind = KM_LIFECYCLE_FINISHED;
+        ev.request_id = ids[i];
+        ev.outcome = KM_OUTCOME_CANCELLED;
+        cr_assert_eq(km_client_lifecycle(c, &ev, 1, 5000, &reply), KM_OK);
+        cr_assert_eq(reply.ack.items[0].status, KM_ERR_NOT_FOUND);
+        const char *msg = reply.ack.items[0].message;
+        cr_assert_not_null(strstr(msg, ids[i]), "the message names no request: %s", msg);
+        cr_assert_null(strstr(msg, "decision"), "a report naming no decision: %s", msg);
+        cr_assert_null(strstr(msg, " 0 "), "a report naming no decision: %s", msg);
+        if (i == 0)
+            cr_assert_not_null(strstr(msg, "expired"), "a late report's message: %s", msg);
+    }
+    km_client_close(c);
+    srv_stop(&s);
+    srv_cleanup(&s);
+}
+
 /* vLLM recomputes a prompt's last token, so a worker holding every block of a block-aligned
  * prompt still prefills its last block: the route is charged that block of pending prefill, as
  * the policies weigh its hit, not nothing. */

@@ -423,15 +423,15 @@ static int lifecycle_one(km_server *s, const km_lifecycle_event *ev, char *msg, 
             km_srv_cluster_publish_all(s); /* its worker is not known here; rare (no memory) */
             return KM_OK;
         }
-        if (rc != KM_ERR_NOT_FOUND)
+        /* Active work's sentence names the request and why: unknown, late (and how it ended) */
+        if (rc != KM_ERR_NOT_FOUND || !ev->has_decision_id)
             return km_why(msg, msg_size, rc, "%s", km_active_last_error(s->active));
+        return km_why(msg, msg_size, rc, "no active attempt for decision %" PRIu64 "; %s",
+                      ev->decision_id, km_active_last_error(s->active));
     }
-    if (!a)
-        return km_why(msg, msg_size, KM_ERR_NOT_FOUND,
-                     "no active attempt for %s%" PRIu64 "%s%s%s%s",
-                     ev->has_decision_id ? "decision " : "", ev->has_decision_id ? ev->decision_id : 0,
-                     ev->request_id ? " request " : "", ev->request_id ? ev->request_id : "",
-                     ev->attempt_id ? " attempt " : "", ev->attempt_id ? ev->attempt_id : "");
+    if (!a) /* named by its decision alone */
+        return km_why(msg, msg_size, KM_ERR_NOT_FOUND, "no active attempt for decision %" PRIu64,
+                      ev->decision_id);
     km_active_key key = km_active_key_of(a->request_id, a->attempt_id);
     uint64_t now = now_ns();
     int rc = KM_OK;
