@@ -2241,3 +2241,57 @@ Test(protocol, every_duplicate_key_is_refused_and_a_failed_hello_is_a_hello, .ti
     msgpack_sbuffer_destroy(&sb);
     km_protocol_decoder_destroy(dec);
 }
+
+/* PROTOCOL.md: a failed route's decision echoes its request_id and attempt_id. A route whose map
+ * repeats a key fails alone (KM_ERR_PARSE), and its ids are still read wherever the repeat is, as
+ * for any other bad field of the route. */
+Test(protocol, a_route_with_a_key_twice_keeps_its_ids, .timeout = 10)
+{
+    km_protocol_decoder *dec;
+    cr_assert_eq(km_protocol_decoder_create(NULL, &dec), KM_OK);
+    static const char *const twice[] = {"tokens", "note", "request_id"};
+    for (int t = 0; t < 3; t++) {
+        msgpack_sbuffer sb;
+        msgpack_packer pk;
+        msgpack_sbuffer_init(&sb);
+        msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
+        msgpack_pack_map(&pk, 3);
+        pk_str(&pk, "type");
+        pk_str(&pk, "ROUTE");
+        pk_str(&pk, "id");
+        msgpack_pack_uint64(&pk, 4);
+        pk_str(&pk, "routes");
+        msgpack_pack_array(&pk, 1);
+        msgpack_pack_map(&pk, 5);
+        pk_str(&pk, twice[t]);
+        if (t == 2)
+            pk_str(&pk, "r7");
+        else
+            msgpack_pack_array(&pk, 0);
+        pk_str(&pk, twice[t]);
+        if (t == 2)
+            pk_str(&pk, "r8");
+        else
+            msgpack_pack_array(&pk, 0);
+        pk_str(&pk, t == 2 ? "tokens" : "request_id");
+        if (t == 2)
+            msgpack_pack_array(&pk, 0);
+        else
+            pk_str(&pk, "r7");
+        pk_str(&pk, "attempt_id");
+        msgpack_pack_uint64(&pk, 3);
+        pk_str(&pk, "pool");
+        pk_str(&pk, "main");
+        km_message m;
+        cr_assert_eq(km_protocol_decode(dec, sb.data, sb.size, &m), KM_OK, "%s",
+                     km_protocol_decoder_last_error(dec));
+        const km_route_request *r = &m.route.routes[0];
+        cr_assert_eq(r->status, KM_ERR_PARSE, "\"%s\" twice", twice[t]);
+        cr_assert_not_null(strstr(r->message, "twice"), "%s", r->message);
+        cr_assert(r->request_id && strcmp(r->request_id, "r7") == 0,
+                  "\"%s\" twice: request_id %s", twice[t], r->request_id ? r->request_id : "NULL");
+        cr_assert(r->attempt_id && strcmp(r->attempt_id, "3") == 0, "\"%s\" twice", twice[t]);
+        msgpack_sbuffer_destroy(&sb);
+    }
+    km_protocol_decoder_destroy(dec);
+}

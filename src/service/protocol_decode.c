@@ -545,6 +545,16 @@ static int decode_route(km_protocol_decoder *d, const msgpack_object *o, km_rout
     const msgpack_object *v[N_FIELDS];
     const km_protocol_limits *l = &d->limits;
     int rc = bind_fields(d, o, NULL, names, N_FIELDS, v);
+    if (rc && o->type == MSGPACK_OBJECT_MAP) {
+        /* A key twice: the item fails with that error, answered by its ids where they read. */
+        char why[sizeof d->error];
+        memcpy(why, d->error, sizeof why);
+        if (v[REQUEST_ID])
+            (void)read_nonempty_str(d, v[REQUEST_ID], "request_id", &r->request_id);
+        if (v[ATTEMPT_ID])
+            (void)read_attempt_id(d, v[ATTEMPT_ID], &r->attempt_id);
+        memcpy(d->error, why, sizeof why);
+    }
     if (rc)
         return rc;
     /* ids first, so even a failed item can be answered by request_id */
