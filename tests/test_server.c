@@ -2716,6 +2716,59 @@ Test(server, half_sent_frames_and_stalled_readers_are_closed_after_their_timeout
     srv_cleanup(&s);
 }
 
+/* A reader that takes its replies slowly but steadily is no stalled reader, however long the
+ * backlog takes it: bytes taken of a write in flight count as much as a finished write. */
+Test(server, a_slow_but_steady_reader_is_not_closed_as_stalled, .timeout = 60)
+{
+    srv s = {0};
+    km_server_config cfg;
+    test_config(&cfg, &s, KM_POLICY_KV, 16);
+    cfg.records_path = NULL;
+    cfg.stalled_reader_timeout_ms = 1000;
+    srv_start(&s, &cfg);
+    km_protocol_decoder *dec;
+    cr_assert_eq(km_protocol_decoder_create(NULL, &dec), KM_OK);
+    static uint8_t buf[1 << 20];
+    int fd = raw_connect(&s);
+    raw_hello(fd, dec, buf, sizeof buf, KM_PROTOCOL_VERSION);
+    int small = 4096;
+    setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &small, sizeof small);
+    km_frame_buffer fb;
+    km_frame_buffer_init(&fb);
+    send_unread_routes(fd, &fb, "slow", 3000); /* about 36 MB of replies: pauses at 16 MiB */
+    km_server_stats ss;
+    for (int i = 0; i < 3000; i++) {
+        km_server_get_stats(s.server, &ss);
+        if (ss.reading_pauses)
+            break;
+        km_test_sleep_ms(10);
+    }
+    cr_assert_geq(ss.reading_pauses, 1, "reading never paused");
+    /* About 800 KB/s for three timeouts: megabytes stay waiting, so no write finishes meanwhile. */
+    size_t taken = 0;
+    double end = km_test_now() + 3.0;
+    while (km_test_now() < end) {
+        for (size_t got = 0; got < 8192;) {
+            ssize_t n = recv(fd, buf, 8192 - got, MSG_DONTWAIT);
+            cr_assert_neq(n, 0, "the slow reader was closed after %zu bytes", taken);
+            if (n < 0)
+                break;
+            got += (size_t)n;
+            taken += (size_t)n;
+        }
+        km_test_sleep_ms(10);
+    }
+    km_server_get_stats(s.server, &ss);
+    cr_assert_eq(ss.slow_clients_closed, 0, "a reader that took %zu bytes was closed as stalled",
+                 taken);
+    cr_assert_gt(taken, 100000, "the reader took almost nothing: %zu bytes", taken);
+    close(fd);
+    km_frame_buffer_free(&fb);
+    km_protocol_decoder_destroy(dec);
+    srv_stop(&s);
+    srv_cleanup(&s);
+}
+
 /* The real binary: `kvmatch serve` answers, and SIGTERM drains, writes its records and exits 0. */
 Test(server, cli_serve_exits_zero_on_sigterm, .timeout = 60)
 {

@@ -552,6 +552,21 @@ static void on_read(uv_stream_t *stream, ssize_t nread, const uv_buf_t *buf)
         c->frame_started_ns = now_ns();
 }
 
+/* A paused reader has taken none of its replies for stalled_reader_timeout_ms. Bytes it takes of
+ * the write in flight count as taking them, as a finished write does (on_write): a reader that
+ * drains a large backlog slowly but steadily is not stalled. */
+static bool stalled_reader(km_server *s, conn *c, uint64_t now)
+{
+    pthread_mutex_lock(&c->write_lock);
+    size_t left = c->write_in_flight ? c->h.stream.write_queue_size : 0;
+    if (left < c->write_queue_seen)
+        c->paused_since_ns = now;
+    c->write_queue_seen = left;
+    bool stalled = now - c->paused_since_ns > (uint64_t)s->cfg.stalled_reader_timeout_ms * 1000000u;
+    pthread_mutex_unlock(&c->write_lock);
+    return stalled;
+}
+
 void km_srv_conns_sweep(km_server *s, uint64_t now)
 {
     if (now - s->conns_swept_ns < UINT64_C(100000000))
@@ -571,9 +586,7 @@ void km_srv_conns_sweep(km_server *s, uint64_t now)
             c->eof = true;
             c->frame_started_ns = 0;
             km_srv_conn_close_if_finished(c);
-        } else if (c->paused && c->paused_since_ns &&
-                   now - c->paused_since_ns >
-                       (uint64_t)s->cfg.stalled_reader_timeout_ms * 1000000u) {
+        } else if (c->paused && c->paused_since_ns && stalled_reader(s, c, now)) {
             atomic_fetch_add(&s->st.slow_closed, 1);
             km_counter_add(s->m_slow_closed, 1);
             km_srv_log(s, KM_LOG_WARNING

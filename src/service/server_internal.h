@@ -352,7 +352,10 @@ struct conn {
     pending_decision *pending;
     size_t pending_head, n_pending, pending_cap;
     uint64_t frame_started_ns; /* a frame's first bytes came and not yet its last; 0 = none */
-    uint64_t paused_since_ns;  /* reading paused for its waiting replies since; 0 = not paused */
+    uint64_t paused_since_ns;  /* reading paused for its waiting replies since, or since the
+                                * peer last took bytes of them; 0 = not paused */
+    size_t write_queue_seen;   /* the uv_write's bytes left at the last sweep (km_srv_conns_sweep):
+                                * fewer now means the peer is taking them */
 #ifdef KM_SRV_STAGE_TRACE
     uint64_t read_ns; /* the current read began (job_stages.read) */
 #endif
