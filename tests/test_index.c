@@ -586,6 +586,17 @@ Test(index, null_pointers, .timeout = 30)
     cr_assert_eq(res.n_requests, 0);
     cr_assert_eq(km_index_match_batch(index, &q, 1, &res), KM_OK);
     cr_assert(res.n_requests == 1 && res.requests[0].count == 2 && res.requests[0].owner == 0);
+    /* A refused batch leaves no request in the results: the last batch's scores are not its own. */
+    km_request too_long = {h, UINT32_MAX};
+    const km_request *refused[] = {NULL, &qnull, &too_long};
+    for (int i = 0; i < 3; i++) {
+        cr_assert_eq(km_index_match_batch(index, &q, 1, &res), KM_OK);
+        cr_assert_eq(res.n_requests, 1);
+        int rc = km_index_match_batch(index, refused[i], 1, &res);
+        cr_assert(rc == KM_ERR_NULL_POINTER || rc == KM_ERR_TOO_LARGE, "%s", km_error_name(rc));
+        cr_assert_eq(res.n_requests, 0, "refused batch %d left the last batch's results", i);
+        cr_assert_eq(res.n_matches, 0);
+    }
     km_match_results_free(&res);
     km_index_destroy(index);
 }

@@ -205,7 +205,8 @@ void km_match_results_free(km_match_results *results);
  * The tier split is computed on the host after the backend's walk, from the pairs' recorded
  * tiers; it costs nothing while no pair is in a lower tier, else up to 2 lookups per matched block.
  * Errors: KM_ERR_NULL_POINTER, KM_ERR_TOO_LARGE (a request over max_request_blocks),
- * KM_ERR_OUT_OF_MEMORY, KM_ERR_CUDA (the index stays usable; see km_index_backend_name). */
+ * KM_ERR_OUT_OF_MEMORY, KM_ERR_CUDA (the index stays usable; see km_index_backend_name); a
+ * refused batch leaves `results` (when not NULL) holding no request. */
 int km_index_match_batch(km_index *index, const km_request *requests, size_t n_requests,
                          km_match_results *results);
 

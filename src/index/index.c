@@ -1653,8 +1653,15 @@ int km_index_match_batch(km_index *index, const km_request *requests, size_t n_r
     if (!index)
         return KM_ERR_NULL_POINTER;
     index->last_error[0] = '\0';
-    if (!results || (!requests && n_requests > 0))
-        return km_index_fail(index, KM_ERR_NULL_POINTER, "requests or results is NULL");
+    if (!results)
+        return km_index_fail(index, KM_ERR_NULL_POINTER, "results is NULL");
+    /* Empty from here on, so a refused batch leaves no earlier batch's scores to be taken for its
+     * own. */
+    results->n_requests = 0;
+    results->n_matches = 0;
+    results->probes = 0;
+    if (!requests && n_requests > 0)
+        return km_index_fail(index, KM_ERR_NULL_POINTER, "requests is NULL");
     for (size_t i = 0; i < n_requests; i++) {
         if (requests[i].n_hashes > index->config.max_request_blocks)
             return km_index_fail(index, KM_ERR_TOO_LARGE,
@@ -1663,9 +1670,6 @@ int km_index_match_batch(km_index *index, const km_request *requests, size_t n_r
         if (requests[i].n_hashes > 0 && !requests[i].hashes)
             return km_index_fail(index, KM_ERR_NULL_POINTER, "request %zu: hashes is NULL", i);
     }
-    results->n_requests = 0;
-    results->n_matches = 0;
-    results->probes = 0;
     if (km_match_results_reserve(results, n_requests, 0))
         return km_index_fail(index, KM_ERR_OUT_OF_MEMORY, "results for %zu requests", n_requests);
     if (n_requests == 0)
