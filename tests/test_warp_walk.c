@@ -219,6 +219,115 @@ Test(warp_walk, matches_cpu_wide_sets_1000_workers_s3, .timeout = 120) { warp_wi
 Test(warp_walk, matches_cpu_wide_sets_100_workers_s0, .timeout = 120) { warp_wide(100, 0); }
 Test(warp_walk, matches_cpu_wide_sets_2050_workers_s32, .timeout = 120) { warp_wide(2050, 32); }
 
+/* Churn at the edges of the bitmap words (64, 65 and 1,025 workers): hot chains that many workers
+ * store and give up again, so sets are promoted to bitmaps and demoted back to inline ids; holes
+ * in the middle of held prefixes; runs stored after a parent, so segment keys start mid-chain;
+ * workers removed; and enough blocks that the block table grows past KM_TABLE_INCREMENTAL_SLOTS,
+ * so batches find it moving between two arrays and erases leave key 1 in the old one. After every
+ * batch the warp walks requests that are chain prefixes, runs from the middle of a chain, and
+ * prefixes with a foreign hash or a reserved value (0, 1) in them. */
+static void warp_churn(uint32_t W, uint32_t S)
+{
+    const uint32_t C = 240, L = 100, HOT = 8, STEPS = 110, NQ = 24;
+    km_index *index = cpu_index(W, S);
+    km_rng r;
+    km_rng_init(&r, km_test_seed() ^ 0xC4E7 ^ W ^ ((uint64_t)S << 32));
+    uint64_t *chains = malloc((size_t)C * L * sizeof *chains);
+    uint32_t *first_holder = calloc(C, sizeof *first_holder);
+    uint64_t *edited = malloc((size_t)NQ * L * sizeof *edited);
+    km_request *q = malloc(NQ * sizeof *q);
+    cr_assert(chains && first_holder && edited && q);
+    for (size_t i = 0; i < (size_t)C * L; i++)
+        chains[i] = km_rng_hash(&r);
+    warp_check c;
+    warp_check_init(&c, W);
+    uint64_t moving = 0, promoted = 0;
+    uint32_t stored = 0; /* chains [0, stored) have been handed out so far */
+    char when[96];
+    for (uint32_t step = 0; step < STEPS; step++) {
+        km_update u[8];
+        size_t n = 0;
+        /* Three new chains a step, most of each, so the table keeps growing. */
+        while (n < 3 && stored < C) {
+            first_holder[stored] = km_rng_below(&r, W);
+            u[n++] = (km_update){KM_UPDATE_STORE, first_holder[stored], KM_NO_PARENT,
+                                 chains + (size_t)stored * L, L - km_rng_below(&r, 10),
+                                 KM_TIER_DEVICE};
+            stored++;
+        }
+        while (n < 8) {
+            uint32_t ch = km_rng_percent(&r, 60) ? km_rng_below(&r, HOT) : km_rng_below(&r, stored);
+            const uint64_t *chain = chains + (size_t)ch * L;
+            uint32_t w = km_rng_percent(&r, 30) ? W - 1 - km_rng_below(&r, 3) : km_rng_below(&r, W);
+            if (ch >= HOT && km_rng_percent(&r, 60)) /* often its only holder: keys are erased */
+                w = first_holder[ch];
+            uint32_t at = km_rng_below(&r, L), len = 1 + km_rng_below(&r, L - at);
+            uint32_t pick = km_rng_below(&r, 100);
+            if (pick < 45) /* a prefix */
+                u[n++] = (km_update){KM_UPDATE_STORE, w, KM_NO_PARENT, chain, 1 + at,
+                                     KM_TIER_DEVICE};
+            else if (pick < 55 && at > 0) /* a run after its parent */
+                u[n++] = (km_update){KM_UPDATE_STORE, w, chain[at - 1], chain + at, len,
+                                     KM_TIER_DEVICE};
+            else if (pick < 75) /* a tail */
+                u[n++] = (km_update){KM_UPDATE_REMOVE, w, KM_NO_PARENT, chain + at, L - at,
+                                     KM_TIER_DEVICE};
+            else if (pick < 92) /* a hole */
+                u[n++] = (km_update){KM_UPDATE_REMOVE, w, KM_NO_PARENT, chain + at,
+                                     len < 3 ? len : 3, KM_TIER_DEVICE};
+            else
+                u[n++] = (km_update){KM_UPDATE_REMOVE_WORKER, w, KM_NO_PARENT, NULL, 0,
+                                     KM_TIER_DEVICE};
+        }
+        for (uint32_t i = 0; i < NQ; i++) {
+            uint32_t ch = km_rng_percent(&r, 50) ? km_rng_below(&r, HOT) : km_rng_below(&r, stored);
+            const uint64_t *chain = chains + (size_t)ch * L;
+            uint32_t from = km_rng_percent(&r, 20) ? km_rng_below(&r, L) : 0;
+            uint32_t len = 1 + km_rng_below(&r, L - from);
+            q[i] = (km_request){chain + from, len};
+            if (km_rng_percent(&r, 25)) {
+                uint64_t *e = edited + (size_t)i * L;
+                memcpy(e, chain + from, len * sizeof *e);
+                uint64_t odd[3] = {km_rng_hash(&r), 0, 1};
+                e[km_rng_below(&r, len)] = odd[km_rng_below(&r, 3)];
+                q[i].hashes = e;
+            }
+        }
+        /* One update at a time: a move lasts a few batches, and every one of them is walked. */
+        for (size_t k = 0; k < n; k++) {
+            int rc = km_index_apply(index, &u[k], 1, NULL);
+            cr_assert_eq(rc, KM_OK, "step %u: apply: %s (%s)", step, km_error_name(rc),
+                         km_index_last_error(index));
+            if (index->blocks.old_slots) {
+                moving++;
+                snprintf(when, sizeof when, "churn W=%u S=%u step %u, moving", W, S, step);
+                warp_compare(&c, index, q, NQ, when);
+            }
+        }
+        for (uint32_t ch = 0; ch < HOT; ch++) {
+            uint64_t slot = km_table_find(&index->blocks, chains[(size_t)ch * L]);
+            promoted += slot != KM_SLOT_NONE &&
+                        km_slot_is_shared(km_table_slot(&index->blocks, slot));
+        }
+        snprintf(when, sizeof when, "churn W=%u S=%u step %u", W, S, step);
+        warp_compare(&c, index, q, NQ, when);
+    }
+    cr_assert_gt(moving, 0, "W=%u S=%u: no update left the block table moving", W, S);
+    cr_assert_gt(promoted, 0, "W=%u S=%u: no hot chain's first block had a bitmap", W, S);
+    cr_assert_gt(c.wide, 0, "W=%u S=%u: no request had more than %u entries", W, S,
+                 KM_SLOT_INLINE);
+    warp_check_free(&c);
+    free(q);
+    free(edited);
+    free(first_holder);
+    free(chains);
+    km_index_destroy(index);
+}
+
+Test(warp_walk, matches_cpu_churn_64_workers_s2, .timeout = 120) { warp_churn(64, 2); }
+Test(warp_walk, matches_cpu_churn_65_workers_s0, .timeout = 120) { warp_churn(65, 0); }
+Test(warp_walk, matches_cpu_churn_1025_workers_s5, .timeout = 120) { warp_churn(1025, 5); }
+
 static km_index *trace_index;
 
 static void trace_apply(void *ctx, const km_update *u, size_t n, const km_update_stats *expect)
