@@ -301,6 +301,12 @@ static void patches_cover_every_write(uint32_t S, uint32_t W)
 
 Test(replica, patches_cover_every_write_s4_w64, .timeout = 60) { patches_cover_every_write(4, 64); }
 Test(replica, patches_cover_every_write_s0_w1024, .timeout = 60) { patches_cover_every_write(0, 1024); }
+/* The widest bitmaps (1,024 words), and one bit past a full word. */
+Test(replica, patches_cover_every_write_s5_w65534, .timeout = 60)
+{
+    patches_cover_every_write(5, KM_MAX_WORKERS_LIMIT);
+}
+Test(replica, patches_cover_every_write_s1_w65, .timeout = 60) { patches_cover_every_write(1, 65); }
 
 /* Whole corpus chains stored (and now and then a chain's tail removed) one update at a time until
  * the block table has grown incrementally twice. The batch that starts a growth must not finish it
