@@ -6,6 +6,7 @@
  * the blocks [max(0, e - blocks), e). Entries, owners and depths must equal it; workers without a
  * rule keep their plain depth. The same on the CUDA backend, where a device exists (skipped
  * without one; failed instead under KM_REQUIRE_CUDA=1). */
+#include <inttypes.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -185,6 +186,21 @@ static km_index *make_index(uint32_t segment_blocks)
     return make_index_on(KM_BACKEND_CPU, segment_blocks);
 }
 
+/* On a CUDA index every batch must have been scored by the device: after a fallback to the CPU
+ * backend, or a batch scored on the host, the host's results would pass for the device's. The
+ * tables here never grow, so no batch has a reason to be scored on the host. */
+static void check_scored_on(km_index *index, km_backend_kind backend)
+{
+    if (backend != KM_BACKEND_CUDA)
+        return;
+    km_index_stats st;
+    cr_assert_eq(km_index_get_stats(index, &st), KM_OK);
+    cr_assert_str_eq(km_index_backend_name(index), "cuda", "the CUDA index fell back to %s",
+                     km_index_backend_name(index));
+    cr_assert_eq(st.host_scored_batches, 0, "the CUDA index scored %" PRIu64 " batches on the host",
+                 st.host_scored_batches);
+}
+
 static void random_states(km_backend_kind backend)
 {
     km_rng r;
@@ -210,6 +226,7 @@ static void random_states(km_backend_kind backend)
             cr_assert_eq(km_index_set_worker_windows(index, w, NULL, 0), KM_OK);
         }
         check_batch(index, &t, &s, &r);
+        check_scored_on(index, backend);
         km_index_destroy(index);
     }
 }
