@@ -188,7 +188,8 @@ static km_index *make_index(uint32_t segment_blocks)
 
 /* On a CUDA index every batch must have been scored by the device: after a fallback to the CPU
  * backend, or a batch scored on the host, the host's results would pass for the device's. The
- * tables here never grow, so no batch has a reason to be scored on the host. */
+ * tables here stay far below the size that grows incrementally (a growth finishes in its insert),
+ * so no batch finds one growing, the one reason to score on the host. */
 static void check_scored_on(km_index *index, km_backend_kind backend)
 {
     if (backend != KM_BACKEND_CUDA)
