@@ -40,6 +40,27 @@ Test(cli, version_takes_no_argument, .timeout = 30)
     cr_assert(strstr(out, "kvmatch "), "%s", out);
 }
 
+/* Every command kvmatch(1) lists takes --help and -h: the usage on stdout, exit 0. */
+Test(cli, every_command_takes_help, .timeout = 60)
+{
+    const char *commands[] = {"serve",        "route",        "follow",       "hash",
+                              "sim",          "analyze",      "version",      "bench",
+                              "bench index",  "bench events", "bench ipc",    "bench replay",
+                              "bench growth", "bench cluster"};
+    const char *flags[] = {"--help", "-h"};
+    char out[16384], cmd[1024];
+    for (size_t c = 0; c < sizeof commands / sizeof commands[0]; c++)
+        for (size_t f = 0; f < 2; f++) {
+            /* standard output alone */
+            snprintf(cmd, sizeof cmd, "{ timeout -s KILL 20 %s %s %s </dev/null 2>/dev/null; }",
+                     kvmatch_bin(), commands[c], flags[f]);
+            int rc = km_test_run_capture(cmd, out, sizeof out);
+            cr_expect_eq(rc, 0, "kvmatch %s %s: exit %d: %s", commands[c], flags[f], rc, out);
+            cr_expect(strstr(out, "usage: kvmatch "), "kvmatch %s %s prints no usage: %s",
+                      commands[c], flags[f], out);
+        }
+}
+
 /* An endpoint id out of range, not a number or given twice, and a PUB address that is empty or
  * one ZMQ cannot connect to, are the command line's fault: exit 2 naming it, before following. */
 Test(cli, follow_refuses_bad_endpoints_as_usage_errors, .timeout = 60)

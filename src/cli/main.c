@@ -78,6 +78,11 @@ int main(int argc, char **argv)
         return argc < 2 ? 2 : 0;
     }
     if (!strcmp(argv[1], "version") || !strcmp(argv[1], "--version")) {
+        if (argc == 3 && (!strcmp(argv[2], "--help") || !strcmp(argv[2], "-h"))) {
+            fputs("usage: kvmatch version\n"
+                  "  the version, and the allocator the executable was linked with\n", stdout);
+            return KM_EXIT_OK;
+        }
         if (argc > 2) {
             fprintf(stderr, "kvmatch %s: unexpected argument \"%s\"\n", argv[1], argv[2]);
             return KM_EXIT_USAGE;
