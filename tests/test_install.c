@@ -187,6 +187,28 @@ Test(install, destdir_stages_under_the_final_prefix_and_uninstall_removes_it, .t
     cleanup_tmp();
 }
 
+/* docs/SERVICE.md's steps for systemd (the default prefix) put the example config where the
+ * unit that `make install` writes reads it: the path after "examples/serve.json" in the docs is
+ * the unit's --config. */
+Test(install, the_documented_config_path_is_the_one_the_unit_reads, .timeout = 600)
+{
+    skip_unless_ready();
+    setup_tmp();
+    char vars[256];
+    snprintf(vars, sizeof vars, "DESTDIR=%s/stage", g_tmp);
+    make_install(vars);
+    static char unit[8192], docs[8192];
+    cr_assert_eq(sh(unit, sizeof unit, "sed -n 's/^ExecStart=.* --config \\([^ ]*\\).*/\\1/p' "
+                    "%s/stage/usr/local/share/doc/kvmatch/examples/kvmatch.service", g_tmp), 0,
+                 "%s", unit);
+    cr_assert_eq(sh(docs, sizeof docs, "sed -n 's|^sudo install .*examples/serve.json "
+                    "\\([^ ]*\\).*|\\1|p' docs/SERVICE.md"), 0, "%s", docs);
+    cr_assert(unit[0] == '/', "no --config in the unit's ExecStart: %s", unit);
+    cr_assert_str_eq(docs, unit, "docs/SERVICE.md installs the config as %s; the unit (PREFIX "
+                     "/usr/local) reads %s", docs, unit);
+    cleanup_tmp();
+}
+
 /* The example systemd unit passes systemd-analyze verify (its binary and man page installed). */
 Test(install, the_example_unit_passes_systemd_analyze_verify, .timeout = 600)
 {
