@@ -1730,6 +1730,53 @@ Test(records, rotation_with_keep_zero_keeps_only_the_current_file, .timeout = 30
     remove_dir(dir);
 }
 
+/* logrotate's move then SIGHUP (km_record_writer_reopen): the lines submitted before the reopen
+ * go to the moved file, those buffered for the flush interval included, and the lines after it
+ * to a new file at the path, however soon they follow. */
+Test(records, a_reopen_after_a_move_keeps_earlier_lines_in_the_moved_file, .timeout = 30)
+{
+    char dir[64], path[160], first[170], second[170];
+    make_temp_dir(dir);
+    snprintf(path, sizeof path, "%s/r.jsonl", dir);
+    snprintf(first, sizeof first, "%s.1", path);
+    snprintf(second, sizeof second, "%s.2", path);
+    km_record_writer_config cfg;
+    writer_config(&cfg, path, NULL);
+    cfg.flush_interval_ms = 60000; /* what the writer took stays in its buffer */
+    km_record_writer *w;
+    cr_assert_eq(km_record_writer_create(&cfg, &w), KM_OK);
+    /* lines the writer has taken into its buffer */
+    for (int i = 0; i < 3; i++)
+        cr_assert_eq(km_record_writer_submit(w, "{\"before\":1}", 12), KM_OK);
+    usleep(100 * 1000);
+    cr_assert_eq(rename(path, first), 0);
+    cr_assert_eq(km_record_writer_reopen(w), KM_OK);
+    for (int i = 0; i < 2; i++)
+        cr_assert_eq(km_record_writer_submit(w, "{\"after\":1}", 11), KM_OK);
+    cr_assert_eq(km_record_writer_flush(w, 10000), KM_OK);
+    /* lines still queued at the reopen, and lines right after it */
+    cr_assert_eq(km_record_writer_submit(w, "{\"queued\":1}", 12), KM_OK);
+    cr_assert_eq(rename(path, second), 0);
+    cr_assert_eq(km_record_writer_reopen(w), KM_OK);
+    cr_assert_eq(km_record_writer_submit(w, "{\"next\":1}", 10), KM_OK);
+    cr_assert_eq(km_record_writer_flush(w, 10000), KM_OK);
+    km_record_writer_counters s;
+    km_record_writer_stats(w, &s);
+    cr_assert_eq(s.written, 7);
+    km_record_writer_destroy(w);
+    char *data = read_file(first, NULL);
+    cr_assert_str_eq(data, "{\"before\":1}\n{\"before\":1}\n{\"before\":1}\n",
+                     "the moved file keeps the lines submitted before the reopen");
+    free(data);
+    data = read_file(second, NULL);
+    cr_assert_str_eq(data, "{\"after\":1}\n{\"after\":1}\n{\"queued\":1}\n");
+    free(data);
+    data = read_file(path, NULL);
+    cr_assert_str_eq(data, "{\"next\":1}\n", "the path gets the lines after the reopen");
+    free(data);
+    remove_dir(dir);
+}
+
 Test(records, unwritable_path_counts_errors_and_recovers, .timeout = 30)
 {
     char dir[64], path[160], sub[128];

@@ -65,7 +65,9 @@ struct km_record_writer {
     int last_error_status;
     char last_error[KM_RECORD_WRITER_ERROR_BYTES];
     bool failing_now; /* `failing`, for km_record_writer_stats */
-    bool reopen_requested; /* km_record_writer_reopen: close the file once the queue is written */
+    bool reopen_requested; /* km_record_writer_reopen: close the file once the lines submitted
+                            * before it are written */
+    uint32_t reopen_lines; /* of the queue, the lines submitted before the reopen */
 
     /* writer thread only */
     int fd;
@@ -78,6 +80,7 @@ struct km_record_writer {
     uint64_t buf_lines;
     int64_t buf_deadline_ns;
     bool failing; /* the last I/O operation failed (log on transitions only) */
+    bool before_reopen; /* the lines being written were submitted before a reopen */
     int64_t fifo_give_up_ns; /* once stopping: when FIFO waits give up (fifo_wait); 0 before */
 };
 
@@ -289,8 +292,12 @@ static void check_file(km_record_writer *w)
     if (w->fd < 0)
         return;
     struct stat by_name, open_file_st;
-    if (stat(w->config.path, &by_name) != 0 || fstat(w->fd, &open_file_st) != 0 ||
-        by_name.st_dev != open_file_st.st_dev || by_name.st_ino != open_file_st.st_ino) {
+    bool open_ok = fstat(w->fd, &open_file_st) == 0;
+    bool same = open_ok && stat(w->config.path, &by_name) == 0 &&
+                by_name.st_dev == open_file_st.st_dev && by_name.st_ino == open_file_st.st_ino;
+    /* Lines submitted before a reopen go to the file that was open, when it was moved (still
+     * has a name): an outside rotation moved it, then asked for the reopen. */
+    if (!same && !(w->before_reopen && open_ok && open_file_st.st_nlink > 0)) {
         sync_and_close(w);
         return;
     }
@@ -558,6 +565,10 @@ static void *writer_thread(void *arg)
             }
         }
         uint32_t n = w->count, head = w->head, capacity = w->config.queue_capacity;
+        /* up to a reopen, the lines submitted before it alone */
+        w->before_reopen = w->reopen_requested;
+        if (w->reopen_requested && n > w->reopen_lines)
+            n = w->reopen_lines;
         pthread_mutex_unlock(&w->lock);
 
         /* The taken lines stay counted in the queue until copied, so submitters never touch
@@ -580,15 +591,19 @@ static void *writer_thread(void *arg)
         w->queued_bytes -= freed_bytes;
         bool stop = w->stopping && w->count == 0;
         bool flush = w->flush_target > w->synced_through;
-        bool reopen = w->reopen_requested && w->count == 0;
+        if (w->reopen_requested)
+            w->reopen_lines -= n;
+        bool reopen = w->reopen_requested && w->reopen_lines == 0;
         if (reopen)
             w->reopen_requested = false;
         pthread_mutex_unlock(&w->lock);
         if (reopen) {
             /* what was taken goes to the old file; the next line opens the path again */
+            w->before_reopen = true;
             buffer_write(w);
             sync_and_close(w);
         }
+        w->before_reopen = false;
 
         bool due = w->buf_len > 0 && km_record_clock_ns(CLOCK_MONOTONIC) >= w->buf_deadline_ns;
         if (stop || flush || due)
@@ -877,6 +892,7 @@ int km_record_writer_reopen(km_record_writer *w)
         return KM_ERR_NULL_POINTER;
     pthread_mutex_lock(&w->lock);
     w->reopen_requested = true;
+    w->reopen_lines = w->count;
     pthread_cond_signal(&w->work);
     pthread_mutex_unlock(&w->lock);
     return KM_OK;
