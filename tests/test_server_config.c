@@ -321,6 +321,10 @@ Test(server_config, bad_files_are_refused_naming_the_field, .timeout = 10)
         {"{\"pools\": [{\"name\": \"p\", \"block_size\": 16, \"workers\": [{\"id\": 1, "
          "\"events\": \"ipc:///tmp/x\", \"dp_size\": 2}]}]}",
          KM_ERR_INVALID_ARGUMENT, "no port for rank"},
+        /* 0 would read as unset (the default 2 s), not as "no wait": refused, as out of range. */
+        {"{\"pools\": [{\"name\": \"p\", \"block_size\": 16}], \"cluster\": "
+         "{\"sync_timeout_ms\": 0}}",
+         KM_ERR_INVALID_ARGUMENT, "cluster.sync_timeout_ms"},
         {"{\"pools\": [{\"name\": \"p\", \"block_size\": 16}, {\"name\": \"q\", "
          "\"block_size\": 16}, {\"name\": \"p\", \"block_size\": 16}]}",
          KM_ERR_INVALID_ARGUMENT, "pools[2].name: pool p is listed twice (pools[0])"},

@@ -625,7 +625,7 @@ int km_server_config_load_json(const char *path, km_server_config *target, km_se
         get_string(&r, clu, "subject", "cluster.", &cfg->cluster_subject);
         get_u32(&r, clu, "heartbeat_ms", "cluster.", 10, 600000, &cfg->cluster_heartbeat_ms);
         get_u32(&r, clu, "expire_ms", "cluster.", 20, 3600000, &cfg->cluster_expire_ms);
-        get_u32(&r, clu, "sync_timeout_ms", "cluster.", 0, 600000, &cfg->cluster_sync_timeout_ms);
+        get_u32(&r, clu, "sync_timeout_ms", "cluster.", 1, 600000, &cfg->cluster_sync_timeout_ms);
     }
     json_t *em = json_object_get(root, "engine_metrics");
     if (em && !r.rc) {
