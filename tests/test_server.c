@@ -6298,3 +6298,38 @@ Test(server, metrics_hold_each_first_token_against_its_prediction, .timeout = 30
     srv_stop(&s);
     srv_cleanup(&s);
 }
+
+/* A --snapshot-dir that names a file, not a directory, is refused at the start (KM_ERR_IO, saying
+ * so), rather than every snapshot failing in it, the first at shutdown. */
+Test(server, a_snapshot_dir_that_is_a_file_is_refused_at_start, .timeout = 30)
+{
+    char dir[] = "/tmp/kvmatch-snapdir-XXXXXX", file[64];
+    cr_assert_not_null(mkdtemp(dir));
+    snprintf(file, sizeof file, "%s/plain", dir);
+    FILE *f = fopen(file, "w");
+    cr_assert_not_null(f);
+    fclose(f);
+    km_server_config cfg;
+    km_server_config_init(&cfg);
+    char sock[96];
+    snprintf(sock, sizeof sock, "%s/s.sock", dir);
+    cfg.socket_path = sock;
+    cfg.records_path = NULL;
+    cfg.backend = KM_BACKEND_CPU;
+    cfg.snapshot_dir = file;
+    km_server_pool pool;
+    memset(&pool, 0, sizeof pool);
+    pool.name = "main";
+    pool.block_size = 4;
+    km_policy_config_init(&pool.policy);
+    cfg.pools = &pool;
+    cfg.n_pools = 1;
+    km_server *server = NULL;
+    char why[256] = "";
+    cr_assert_eq(km_server_create(&cfg, &server, why, sizeof why), KM_ERR_IO,
+                 "a file as the snapshot dir was taken");
+    cr_assert_null(server);
+    cr_assert(strstr(why, file) && strstr(why, strerror(ENOTDIR)), "%s", why);
+    unlink(file);
+    rmdir(dir);
+}
