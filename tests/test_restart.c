@@ -445,6 +445,15 @@ static void saved_worker_free(saved_worker *t)
     rmdir(t->dir);
 }
 
+/* The error's name once, at the start: a message that words another handle's failure does not
+ * name it twice ("KM_ERR_IO: KM_ERR_IO: ..."). */
+static void expect_named_once(const char *message, int status)
+{
+    const char *name = km_error_name(status);
+    cr_assert(strncmp(message, name, strlen(name)) == 0, "%s", message);
+    cr_assert_null(strstr(message + strlen(name), "KM_ERR_"), "named twice: %s", message);
+}
+
 Test(restart, feed_save_and_restore_file, .timeout = 20)
 {
     saved_worker t;
@@ -454,6 +463,9 @@ Test(restart, feed_save_and_restore_file, .timeout = 20)
     km_feed_action act;
     uint64_t seq = 0;
     feed_engine(fa, dec, &t.e, &t.r, 2, &seq, 50);
+    /* A path it cannot write: KM_ERR_IO, named once. */
+    cr_assert_eq(km_feed_save(fa, "/nonexistent-kvmatch-dir/x.snap", 5), KM_ERR_IO);
+    expect_named_once(km_feed_last_error(fa), KM_ERR_IO);
     cr_assert_eq(km_feed_save(fa, t.path, 5), KM_OK, "%s", km_feed_last_error(fa));
 
     km_index *b = km_test_make_index(16);
@@ -1227,7 +1239,7 @@ static void expect_restore_refused(km_index *index, km_feed *feed, const char *p
     cr_assert_eq(km_index_get_stats(index, &before), KM_OK);
     int rc = km_feed_restore(feed, path, 1);
     cr_assert_eq(rc, want, "restore gave %s: %s", km_error_name(rc), km_feed_last_error(feed));
-    cr_assert(km_feed_last_error(feed)[0] != '\0');
+    expect_named_once(km_feed_last_error(feed), want);
     cr_assert_eq(km_index_get_stats(index, &after), KM_OK);
     cr_assert_eq(after.pairs, before.pairs);
     cr_assert_eq(after.blocks, before.blocks);

@@ -9,6 +9,7 @@
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdio.h>
+#include <string.h>
 
 #include "kvmatch/error.h"
 
@@ -23,6 +24,16 @@ static inline int km_why(char *why, size_t why_size, int status, const char *fmt
         va_end(ap);
     }
     return status;
+}
+
+/* A handle's last_error without the "KM_ERR_NAME: " km_vstatus_message put before it: what a
+ * *_fail that words another handle's failure passes on, so the name is not said twice. */
+static inline const char *km_error_detail(const char *message)
+{
+    if (strncmp(message, "KM_ERR_", 7) != 0)
+        return message;
+    size_t name = strspn(message, "ABCDEFGHIJKLMNOPQRSTUVWXYZ_0123456789");
+    return message[name] == ':' && message[name + 1] == ' ' ? message + name + 2 : message;
 }
 
 /* "KM_ERR_NAME: " and the formatted detail into buf (NULL or size 0: nothing), cut to fit. */

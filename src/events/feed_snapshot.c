@@ -11,6 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "base/error_detail.h"
 #include "events/engine_hash_map.h"
 #include "events/feed_internal.h"
 
@@ -538,7 +539,7 @@ int km_feed_save(km_feed *feed, const char *path, uint64_t now_ns)
     rc = km_index_save(feed->index, path, state, size);
     free(state);
     if (rc)
-        return km_feed_fail(feed, rc, "%s", km_index_last_error(feed->index));
+        return km_feed_fail(feed, rc, "%s", km_error_detail(km_index_last_error(feed->index)));
     feed->last_error[0] = '\0';
     return KM_OK;
 }
@@ -571,9 +572,10 @@ int km_feed_restore(km_feed *feed, const char *path, uint64_t now_ns)
         if (feed->last_error[0]) { /* the feed section was refused: say why */
             char detail[sizeof feed->last_error];
             snprintf(detail, sizeof detail, "%s", feed->last_error);
-            return km_feed_fail(feed, rc, "snapshot %s: %s", path, detail);
+            return km_feed_fail(feed, rc, "snapshot %s: %s", path, km_error_detail(detail));
         }
-        return km_feed_fail(feed, rc, "snapshot %s: %s", path, km_index_last_error(feed->index));
+        return km_feed_fail(feed, rc, "snapshot %s: %s", path,
+                            km_error_detail(km_index_last_error(feed->index)));
     }
     install_state(feed, &check.staged, now_ns);
     return KM_OK;

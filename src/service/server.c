@@ -541,7 +541,7 @@ int km_server_run(km_server *s, bool install_signals)
         if (p->sub && p->snapshot_path) {
             int rc = km_subscriber_save(p->sub, NULL);
             if (rc != KM_OK) {
-                km_srv_log(s, KM_LOG_WARNING "pool %s: snapshot not written: %s", p->name,
+                km_srv_log(s, KM_LOG_ERROR "pool %s: snapshot not written: %s", p->name,
                            km_subscriber_last_error(p->sub));
                 if (status == KM_OK)
                     status = rc;
