@@ -451,8 +451,11 @@ static const char *note_malformed(km_subscriber *sub, const sworker *w, const re
     const char *why = r->too_many ? "KM_ERR_PARSE: more than 8 frames"
                                   : km_kv_decoder_last_error(sub->decoder);
     sub->stats.malformed++;
-    snprintf(sub->stats.last_malformed, sizeof sub->stats.last_malformed, "worker %u, %s: %s",
-             w->id, socket, why);
+    char seq[32] = ""; /* the engine's seq of the message, where its seq frame reads */
+    if (!r->too_many && r->n == 3 && r->frames[1].size == 8)
+        snprintf(seq, sizeof seq, ", seq %" PRIu64, read_be64(r->frames[1].data));
+    snprintf(sub->stats.last_malformed, sizeof sub->stats.last_malformed, "worker %u, %s%s: %s",
+             w->id, socket, seq, why);
     return why;
 }
 
