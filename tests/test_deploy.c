@@ -1024,6 +1024,31 @@ static void write_file(const char *path, const char *text)
 }
 
 /* Poll until the file holds `words` (up to 5 s). */
+static bool wait_for(const char *path, const char *words);
+
+/* Without --log-file the log is stderr: a SIGHUP reloads the config and says so, and claims to
+ * have reopened no log file. */
+Test(deploy, sighup_without_a_log_file_reopens_none, .timeout = 60)
+{
+    make_dir();
+    char sock[128], cfg[128], err[128];
+    snprintf(sock, sizeof sock, "%s/s.sock", g_dir);
+    snprintf(cfg, sizeof cfg, "%s/serve.json", g_dir);
+    snprintf(err, sizeof err, "%s/serve.err", g_dir);
+    write_file(cfg, "{\"pools\": [{\"name\": \"main\", \"block_size\": 4, "
+                    "\"workers\": [{\"id\": 0}]}]}");
+    char args[512];
+    snprintf(args, sizeof args, "--records=none --config=%s", cfg);
+    pid_t pid = spawn_serve_args(sock, args);
+    cr_assert_eq(kill(pid, SIGHUP), 0);
+    cr_assert(wait_for(err, "reload: 0 changes applied"), "the reload is logged on stderr");
+    cr_assert(!file_has(err, "log file reopened"), "a reopen of no log file was logged");
+    cr_assert_eq(kill(pid, SIGTERM), 0);
+    int st;
+    cr_assert_eq(waitpid(pid, &st, 0), pid);
+    cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "status %d", st);
+}
+
 static bool wait_for(const char *path, const char *words)
 {
     for (int i = 0; i < 100; i++) {

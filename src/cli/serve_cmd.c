@@ -159,6 +159,7 @@ static int apply_flags(int argc, char **argv, km_server_config *cfg);
 /* What SIGHUP needs: the logger to reopen, the config file to read again. */
 typedef struct serve_state {
     km_logger *logger;
+    const char *log_file; /* NULL: the log goes to stderr, which SIGHUP does not reopen */
     const char *config_path;
     int argc;
     char **argv;
@@ -168,7 +169,7 @@ static void on_hangup(km_server *server, void *user)
 {
     serve_state *st = user;
     char why[512];
-    if (st->logger) {
+    if (st->logger && st->log_file) {
         if (km_logger_reopen(st->logger, why, sizeof why) != KM_OK)
             km_logger_write(st->logger, why);
         else
@@ -668,7 +669,7 @@ int km_cmd_serve(int argc, char **argv)
     lc.path = log_file;
     lc.format = log_format;
     lc.component = "serve";
-    serve_state state = {NULL, config_path, argc, argv};
+    serve_state state = {NULL, log_file, config_path, argc, argv};
     if (km_logger_create(&lc, &state.logger, why, sizeof why) != KM_OK) {
         fprintf(stderr, "kvmatch serve: %s\n", why);
         km_server_config_json_free(owner);
