@@ -160,7 +160,7 @@ $(PC): dist/kvmatch.pc.in include/kvmatch/version.h Makefile
 
 install: $(BIN) $(LIB) $(SHLIB) $(PC)
 	$(INSTALL) -d $(DESTDIR)$(BINDIR) $(DESTDIR)$(LIBDIR)/pkgconfig $(DESTDIR)$(INCLUDEDIR)/kvmatch \
-	    $(DESTDIR)$(MANDIR)/man1 $(DESTDIR)$(DOCDIR)/examples
+	    $(DESTDIR)$(MANDIR)/man1 $(DESTDIR)$(DOCDIR)/examples $(DESTDIR)$(DOCDIR)/docs
 	$(INSTALL) -m 0755 $(BIN) $(DESTDIR)$(BINDIR)/kvmatch
 	$(INSTALL) -m 0644 $(LIB) $(DESTDIR)$(LIBDIR)/libkvmatch.a
 	$(INSTALL) -m 0755 $(SHLIB) $(DESTDIR)$(LIBDIR)/
@@ -171,6 +171,7 @@ install: $(BIN) $(LIB) $(SHLIB) $(PC)
 	$(INSTALL) -m 0644 include/kvmatch/*.h $(DESTDIR)$(INCLUDEDIR)/kvmatch/
 	$(INSTALL) -m 0644 man/*.1 $(DESTDIR)$(MANDIR)/man1/
 	$(INSTALL) -m 0644 LICENSE README.md $(DESTDIR)$(DOCDIR)/
+	$(INSTALL) -m 0644 docs/*.md docs/records.schema.json $(DESTDIR)$(DOCDIR)/docs/
 	$(INSTALL) -m 0644 dist/serve.json $(DESTDIR)$(DOCDIR)/examples/serve.json
 	sed -e 's|@BINDIR@|$(BINDIR)|g; s|@SYSCONFDIR@|$(SYSCONFDIR)|g' \
 	    -e 's|@SYSUSERSDIR@|$(SYSUSERSDIR)|g' dist/kvmatch.service.in \

@@ -209,6 +209,25 @@ Test(install, the_documented_config_path_is_the_one_the_unit_reads, .timeout = 6
     cleanup_tmp();
 }
 
+/* Every docs/NAME a man page refers its reader to is installed under the doc directory, where
+ * docs/NAME is then that file. */
+Test(install, the_docs_the_man_pages_name_are_installed, .timeout = 600)
+{
+    skip_unless_ready();
+    setup_tmp();
+    char vars[256];
+    snprintf(vars, sizeof vars, "DESTDIR=%s/stage", g_tmp);
+    make_install(vars);
+    static char named[8192], missing[8192];
+    cr_assert_eq(sh(named, sizeof named, "grep -oh 'docs/[A-Za-z_.]*[a-z]' man/*.1 | sort -u"), 0);
+    cr_assert(strstr(named, "docs/SERVICE.md"), "the man pages name no doc: %s", named);
+    cr_assert_eq(sh(missing, sizeof missing, "for d in $(grep -oh 'docs/[A-Za-z_.]*[a-z]' man/*.1 "
+                    "| sort -u); do [ -f %s/stage/usr/local/share/doc/kvmatch/$d ] || echo $d; "
+                    "done", g_tmp), 0);
+    cr_assert_eq(missing[0], '\0', "named by a man page, not installed:\n%s", missing);
+    cleanup_tmp();
+}
+
 /* The example systemd unit passes systemd-analyze verify (its binary and man page installed). */
 Test(install, the_example_unit_passes_systemd_analyze_verify, .timeout = 600)
 {
