@@ -1682,7 +1682,7 @@ func TestKernelTimeoutIsNoDeadline(t *testing.T) {
 	expectCode(t, readError(deadline, false), ErrTimeout, "the read deadline")
 	kernel := &net.OpError{Op: "read", Net: "tcp", Err: os.NewSyscallError("read", syscall.ETIMEDOUT)}
 	if !kernel.Timeout() {
-		t.Fatalf("net.Error no longer says Timeout() for ETIMEDOUT: the test needs another case")
+		t.Fatalf("net.Error does not say Timeout() for ETIMEDOUT here: the test needs another case")
 	}
 	if isTimeout(kernel) {
 		t.Fatalf("the kernel's ETIMEDOUT is taken for the connection's deadline")

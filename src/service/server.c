@@ -336,7 +336,7 @@ int km_server_create(const km_server_config *cfg_in, km_server **out, char *why,
             rc = km_why(why, why_size, KM_ERR_IO, "snapshot dir %s: %s", s->snapshot_dir,
                        strerror(errno));
         else if (stat(s->snapshot_dir, &st) == 0 && !S_ISDIR(st.st_mode))
-            /* Refused now: every snapshot in it would fail, the first at shutdown. */
+            /* Refused at the start: every snapshot in it would fail, the first at shutdown. */
             rc = km_why(why, why_size, KM_ERR_IO, "snapshot dir %s: %s", s->snapshot_dir,
                         strerror(ENOTDIR));
     }
