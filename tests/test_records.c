@@ -16,8 +16,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/time.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 #include <jansson.h>
@@ -1458,6 +1460,7 @@ Test(records, a_fifo_reader_away_or_stalled_never_holds_destroy, .timeout = 30)
     km_record_writer_destroy(w);
     cr_assert_lt(km_test_now() - t0, 5.0, "destroy waited for a reader");
     cr_assert(strstr(log.last, "open") && strstr(log.last, strerror(ENXIO)), "%s", log.last);
+    cr_assert_eq(log.lines, 2, "the wait for a reader was not said (then the failure)");
 
     /* A reader that never reads: 40 lines of 8 KB are five times the pipe. */
     int reader = open(path, O_RDONLY | O_NONBLOCK);
@@ -1476,6 +1479,20 @@ Test(records, a_fifo_reader_away_or_stalled_never_holds_destroy, .timeout = 30)
     cr_assert_lt(km_test_now() - t0, 5.0, "destroy waited for the reader to read");
     cr_assert(strstr(log.last, "write") && strstr(log.last, strerror(EAGAIN)), "%s", log.last);
     close(reader);
+
+    /* A socket's path opens with ENXIO too, but no reader will come: it fails at once. */
+    unlink(path);
+    int sock = socket(AF_UNIX, SOCK_STREAM, 0);
+    struct sockaddr_un addr = {.sun_family = AF_UNIX};
+    cr_assert_lt(strlen(path), sizeof addr.sun_path);
+    memcpy(addr.sun_path, path, strlen(path) + 1);
+    cr_assert_eq(bind(sock, (struct sockaddr *)&addr, sizeof addr), 0, "%s", strerror(errno));
+    writer_config(&cfg, path, &log);
+    cr_assert_eq(km_record_writer_create(&cfg, &w), KM_OK);
+    cr_assert_eq(km_record_writer_submit(w, "{\"a\":1}", 7), KM_OK);
+    cr_assert_eq(km_record_writer_flush(w, 5000), KM_ERR_IO, "a socket's path was waited on");
+    km_record_writer_destroy(w);
+    close(sock);
     remove_dir(dir);
 }
 

@@ -82,6 +82,7 @@ struct km_record_writer {
     bool failing; /* the last I/O operation failed (log on transitions only) */
     bool before_reopen; /* the lines being written were submitted before a reopen */
     int64_t fifo_give_up_ns; /* once stopping: when FIFO waits give up (fifo_wait); 0 before */
+    bool fifo_waiting;       /* waiting for a FIFO's reader, and said so */
 };
 
 void km_record_writer_config_init(km_record_writer_config *cfg)
@@ -215,6 +216,24 @@ static bool fifo_wait(km_record_writer *w, int fd)
     return true;
 }
 
+/* open() failed with ENXIO on a FIFO (no reader yet, rather than a socket or a device without
+ * its driver, which fail at once): say so once per wait, then wait for the reader. */
+static bool fifo_reader_wait(km_record_writer *w)
+{
+    struct stat st;
+    if (stat(w->config.path, &st) != 0 || !S_ISFIFO(st.st_mode))
+        return false;
+    if (!w->fifo_waiting) {
+        char line[600];
+        snprintf(line, sizeof line, KM_LOG_WARNING
+                 "records: the FIFO %s has no reader; records wait for one (a full queue drops "
+                 "them, counted)", w->config.path);
+        writer_log(w, line);
+        w->fifo_waiting = true;
+    }
+    return fifo_wait(w, -1);
+}
+
 /* Open (create) the file for appending; make sure it ends with a newline. */
 static bool open_file(km_record_writer *w)
 {
@@ -223,8 +242,10 @@ static bool open_file(km_record_writer *w)
     int fd;
     while ((fd = open(w->config.path, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC | O_NONBLOCK,
                       0644)) < 0 &&
-           errno == ENXIO && fifo_wait(w, -1))
+           errno == ENXIO && fifo_reader_wait(w))
         ;
+    if (fd >= 0)
+        w->fifo_waiting = false;
     if (fd < 0) {
         io_failure(w, "open", w->config.path, errno);
         return false;
