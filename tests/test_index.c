@@ -152,6 +152,12 @@ static void segment_over(km_index_config *c) { c->segment_blocks = KM_MAX_SEGMEN
 static void segment_max(km_index_config *c) { c->segment_blocks = KM_MAX_SEGMENT_BLOCKS; }
 static void segment_zero(km_index_config *c) { c->segment_blocks = 0; }
 static void backend_bogus(km_index_config *c) { c->backend = (km_backend_kind)7; }
+static void request_zero(km_index_config *c) { c->max_request_blocks = 0; }
+static void request_max(km_index_config *c) { c->max_request_blocks = KM_MAX_REQUEST_BLOCKS_LIMIT; }
+static void request_over(km_index_config *c)
+{
+    c->max_request_blocks = KM_MAX_REQUEST_BLOCKS_LIMIT + 1;
+}
 
 Test(index, config_validation, .timeout = 30)
 {
@@ -163,6 +169,10 @@ Test(index, config_validation, .timeout = 30)
     cr_assert_eq(create_status(workers_one), KM_OK);
     cr_assert_eq(create_status(segment_max), KM_OK);
     cr_assert_eq(create_status(segment_zero), KM_OK);
+    /* A request near 2^32 blocks would take the walk's positions past 32 bits. */
+    cr_assert_eq(create_status(request_zero), KM_ERR_INVALID_ARGUMENT);
+    cr_assert_eq(create_status(request_over), KM_ERR_INVALID_ARGUMENT);
+    cr_assert_eq(create_status(request_max), KM_OK);
 
     km_index_config cfg;
     km_index_config_init(&cfg);

@@ -35,6 +35,9 @@ typedef struct km_index km_index;
 #define KM_MAX_WORKERS_LIMIT 65534u
 /* Hard upper bound for km_index_config.segment_blocks. */
 #define KM_MAX_SEGMENT_BLOCKS 255u
+/* Hard upper bound for km_index_config.max_request_blocks: the walk's block positions, a few
+ * segments past a request's end included, stay within 32 bits. */
+#define KM_MAX_REQUEST_BLOCKS_LIMIT (UINT32_C(1) << 31)
 
 typedef enum km_backend_kind {
     KM_BACKEND_AUTO = 0, /* the default: the CPU backend, which scores faster than the CUDA backend
@@ -52,7 +55,8 @@ typedef struct km_index_config {
                                  * (KM_ERR_MEMORY_CAP), except while a snapshot loads into an
                                  * index that holds something: the staged copy (itself within
                                  * the cap) and the live tables coexist until the swap */
-    uint32_t max_request_blocks; /* longest request accepted by match_batch; default 1 << 20 */
+    uint32_t max_request_blocks; /* longest request accepted by match_batch; 1 ..
+                                  * KM_MAX_REQUEST_BLOCKS_LIMIT; default 1 << 20 */
     uint32_t threads;           /* host threads of a batch, the caller's included: the CPU
                                  * backend's walks, the CUDA backend's staging and result copies;
                                  * 0 = online CPUs */

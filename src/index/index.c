@@ -145,6 +145,7 @@ int km_index_create(const km_index_config *cfg_in, km_index **out)
         km_index_config_init(&cfg);
     if (cfg.max_workers == 0 || cfg.max_workers > KM_MAX_WORKERS_LIMIT ||
         cfg.segment_blocks > KM_MAX_SEGMENT_BLOCKS || cfg.max_request_blocks == 0 ||
+        cfg.max_request_blocks > KM_MAX_REQUEST_BLOCKS_LIMIT ||
         cfg.backend < KM_BACKEND_AUTO || cfg.backend > KM_BACKEND_CUDA)
         return KM_ERR_INVALID_ARGUMENT;
     if (cfg.threads == 0) {
