@@ -637,6 +637,70 @@ Test(policy_peers, a_saturated_worker_loses, .timeout = 60)
     }
 }
 
+/* ttft and preble time a worker's decodes by their context, the decodes' share of its
+ * active_decode_blocks x block_size tokens: a product past 2^64 counts as 2^64 tokens, never as
+ * what is left after wrapping, so a worker running more decode KV never looks faster than the same
+ * worker with less. Known answer, then fresh random workers with the default engine model. */
+Test(policy_peers, more_decode_blocks_never_look_faster, .timeout = 60)
+{
+    km_policy_kind kinds[] = {KM_POLICY_TTFT, KM_POLICY_PREBLE};
+    /* 2^60 + 1000 blocks of 16 tokens wrap to 16,000 tokens, under the 52,608 of 3,288 blocks. */
+    km_policy_candidate c[2] = {cand(1, 4, 24, 10, 5000, 3288),
+                                cand(2, 4, 24, 10, 5000, (UINT64_C(1) << 60) + 1000)};
+    c[1].allocated_blocks = c[0].allocated_blocks;
+    km_policy_request req = request(8, 128, 100);
+    for (size_t k = 0; k < sizeof kinds / sizeof kinds[0]; k++) {
+        km_policy_config cfg;
+        km_policy_config_init(&cfg);
+        cfg.kind = kinds[k];
+        double costs[2];
+        km_policy_decision d = decide(&cfg, &req, c, 2, costs);
+        cr_assert_eq(d.chosen, 0, "%s chose the worker with 2^60 decode blocks: costs %.6f, %.6f",
+                     km_policy_kind_name(cfg.kind), costs[0], costs[1]);
+        cr_assert_lt(costs[0], costs[1], "%s", km_policy_kind_name(cfg.kind));
+    }
+
+    km_rng r;
+    km_rng_init(&r, km_test_seed());
+    for (int i = 0; i < 4000; i++) {
+        km_policy_config cfg;
+        km_policy_config_init(&cfg);
+        cfg.kind = kinds[i % 2];
+        uint32_t n_blocks = 1 + km_rng_below(&r, 200);
+        km_policy_request rq = request(n_blocks, 0, km_rng_below(&r, 2000));
+        rq.block_size = km_rng_percent(&r, 50) ? 16 : 1 + km_rng_below(&r, 1000);
+        km_policy_candidate pair[2];
+        pair[0] = random_candidate(&r, 10, n_blocks);
+        pair[0].in_flight += 1 + km_rng_below(&r, 40);
+        pair[0].active_decode_blocks = km_rng_below(&r, 100000);
+        pair[1] = pair[0];
+        pair[1].worker = 11;
+        uint64_t add = km_rng_next(&r) >> km_rng_below(&r, 8);
+        pair[1].active_decode_blocks = UINT64_MAX - pair[0].active_decode_blocks < add
+                                           ? UINT64_MAX
+                                           : pair[0].active_decode_blocks + add;
+        if (km_rng_percent(&r, 50)) { /* either order */
+            km_policy_candidate t = pair[0];
+            pair[0] = pair[1];
+            pair[1] = t;
+        }
+        uint32_t light = pair[0].active_decode_blocks < pair[1].active_decode_blocks ? 0 : 1;
+        double costs[2];
+        km_policy_decision d = decide(&cfg, &rq, pair, 2, costs);
+        KM_CHECK(d.chosen == light,
+                 "%s chose %" PRIu64 " decode blocks over %" PRIu64 " (costs %.17g, %.17g; "
+                 "block size %u)",
+                 km_policy_kind_name(cfg.kind), pair[d.chosen].active_decode_blocks,
+                 pair[light].active_decode_blocks, costs[d.chosen], costs[light], rq.block_size);
+        km_policy_decision alone_light = decide(&cfg, &rq, &pair[light], 1, NULL);
+        km_policy_decision alone_heavy = decide(&cfg, &rq, &pair[1 - light], 1, NULL);
+        KM_CHECK(alone_heavy.chosen_predicted_ttft_ms >= alone_light.chosen_predicted_ttft_ms,
+                 "predicted %.17g ms with %" PRIu64 " decode blocks, %.17g with %" PRIu64,
+                 alone_heavy.chosen_predicted_ttft_ms, pair[1 - light].active_decode_blocks,
+                 alone_light.chosen_predicted_ttft_ms, pair[light].active_decode_blocks);
+    }
+}
+
 /* On fresh random candidates and windows: the choice costs at most the lowest cost + spread_ms,
  * no weighed candidate within that window last had a request longer ago, a window of 0 chooses
  * what the costs alone choose, and the choice does not depend on whether costs are asked for. */

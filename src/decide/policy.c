@@ -543,6 +543,19 @@ static uint64_t in_engine_blocks(const km_engine_model *m, uint64_t blocks, uint
     return converted >= 1e18 ? UINT64_C(1000000000000000000) : (uint64_t)converted;
 }
 
+/* blocks * block_size tokens, UINT64_MAX when that does not fit in 64 bits. */
+static uint64_t tokens_of_blocks(uint64_t blocks, uint32_t block_size)
+{
+    return blocks > UINT64_MAX / block_size ? UINT64_MAX : blocks * block_size;
+}
+
+/* floor(total * part / whole) for part <= whole, whole >= 1, without forming the product: it is
+ * at most total, so it never wraps to a smaller value. */
+static uint64_t share_of(uint64_t total, uint32_t part, uint32_t whole)
+{
+    return total / whole * part + total % whole * part / whole;
+}
+
 /* The candidate's load in the engine model's terms. Decode context is not tracked per request:
  * the decodes' share of the worker's KV footprint stands in for it. */
 static km_engine_load engine_load_of(const km_engine_model *m, const km_policy_candidate *c,
@@ -554,7 +567,9 @@ static km_engine_load engine_load_of(const km_engine_model *m, const km_policy_c
     load.prefill_requests = prefilling;
     load.decode_requests = c->in_flight - prefilling;
     load.decode_context_tokens =
-        c->in_flight ? c->active_decode_blocks * block_size * load.decode_requests / c->in_flight : 0;
+        c->in_flight ? share_of(tokens_of_blocks(c->active_decode_blocks, block_size),
+                                load.decode_requests, c->in_flight)
+                     : 0;
     load.used_blocks = in_engine_blocks(m, c->allocated_blocks, block_size);
     load.prefill_pairs = c->pending_prefill_pairs;
     return load;
