@@ -5,6 +5,7 @@
  * tests against a brute-force oracle written differently (integer arithmetic and a full sort of
  * key tuples instead of a running minimum in doubles): kv at temperature 0, prefix, least_load,
  * cache_aware, the owner; round robin visits; softmax determinism and frequencies. */
+#include <float.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -1135,6 +1136,23 @@ Test(policy, softmax_edges, .timeout = 30)
         count[decide(&cfg, &st, &req, same, 4, NULL).chosen]++;
     for (int i = 0; i < 4; i++)
         KM_CHECK(count[i] > 1700 && count[i] < 2300, "candidate %d drawn %u of 8000", i, count[i]);
+}
+
+/* Finite costs whose range passes the largest double (-1e308 to 1e308) still normalise to [0, 1]:
+ * finite probabilities that sum to 1, not NaN from inf / inf. */
+Test(policy, softmax_over_costs_spanning_past_the_largest_double, .timeout = 10)
+{
+    const double costs[3] = {-1e308, 1e308, 0.0};
+    double p[3];
+    cr_assert_eq(km_policy_softmax_probabilities(costs, 3, 1.0, p), KM_OK);
+    double w[3] = {1.0, exp(-1.0), exp(-0.5)}, sum = w[0] + w[1] + w[2];
+    for (int i = 0; i < 3; i++)
+        cr_assert_float_eq(p[i], w[i] / sum, 1e-12, "p[%d] = %g, expected %g", i, p[i],
+                           w[i] / sum);
+    const double widest[2] = {DBL_MAX, -DBL_MAX};
+    cr_assert_eq(km_policy_softmax_probabilities(widest, 2, 0.5, p), KM_OK);
+    cr_assert_float_eq(p[0], exp(-2.0) / (1.0 + exp(-2.0)), 1e-12, "p[0] = %g", p[0]);
+    cr_assert_float_eq(p[1], 1.0 / (1.0 + exp(-2.0)), 1e-12, "p[1] = %g", p[1]);
 }
 
 /* The engine model's predicted time to first token on the chosen candidate, which every policy

@@ -370,13 +370,17 @@ static int compare_kv(double cost_a, const km_policy_candidate *a, double cost_b
 
 /* Dynamo's weights: exp(-(cost - min) / ((max - min) * T)), all 1 when max == min, over finite
  * costs and a finite min and max; an infinite (or NaN) cost weighs 0, never drawn. The largest
- * weight is exactly 1 (at the minimum cost), so the sum is in [1, n] and never overflows. */
+ * weight is exactly 1 (at the minimum cost), so the sum is in [1, n] and never overflows. Finite
+ * costs whose range passes the largest double are normalised at half their scale, so that no
+ * weight is inf / inf. */
 static double softmax_weight(double cost, double min, double max, double temperature)
 {
     if (!isfinite(cost))
         return 0.0;
     if (max == min)
         return 1.0;
+    if (isinf(max - min))
+        return exp(-((cost * 0.5 - min * 0.5) / (max * 0.5 - min * 0.5)) / temperature);
     return exp(-((cost - min) / (max - min)) / temperature);
 }
 
