@@ -102,6 +102,56 @@ Test(engine_model, presets_names_and_validation, .timeout = 30)
     cr_assert_eq(km_engine_model_validate(NULL, why, sizeof why), KM_ERR_NULL_POINTER);
 }
 
+static double *time_constant(km_engine_model *m, int i)
+{
+    double *fields[] = {&m->step_floor_us,         &m->token_us,
+                        &m->prefill_us_per_pair,   &m->decode_us_per_request,
+                        &m->decode_us_per_context_token, &m->host_load_us_per_block,
+                        &m->disk_load_us_per_block};
+    return fields[i];
+}
+
+/* Each time constant lies in [0, KM_ENGINE_MODEL_TIME_MAX]: one past it is refused, naming the
+ * field, and with every constant at the maximum, every limit at 1 and every count at its largest
+ * the predictions stay finite (a larger constant, 1e306, made them infinite and NaN). */
+Test(engine_model, time_constants_past_their_maximum_are_refused, .timeout = 10)
+{
+    static const char *const names[] = {"step_floor_us",         "token_us",
+                                        "prefill_us_per_pair",   "decode_us_per_request",
+                                        "decode_us_per_context_token", "host_load_us_per_block",
+                                        "disk_load_us_per_block"};
+    char why[160];
+    for (int i = 0; i < 7; i++) {
+        km_engine_model m;
+        km_engine_model_init(&m);
+        *time_constant(&m, i) = KM_ENGINE_MODEL_TIME_MAX;
+        cr_assert_eq(km_engine_model_validate(&m, why, sizeof why), KM_OK, "%s", names[i]);
+        double over[] = {nextafter(KM_ENGINE_MODEL_TIME_MAX, INFINITY), 1e306, INFINITY};
+        for (size_t k = 0; k < sizeof over / sizeof over[0]; k++) {
+            *time_constant(&m, i) = over[k];
+            cr_assert_eq(km_engine_model_validate(&m, why, sizeof why), KM_ERR_INVALID_ARGUMENT,
+                         "%s = %g", names[i], over[k]);
+            cr_assert(strstr(why, names[i]), "%s", why);
+        }
+    }
+
+    km_engine_model m;
+    km_engine_model_init(&m);
+    m.capacity_blocks = m.max_num_batched_tokens = m.max_num_seqs = 1;
+    for (int i = 0; i < 7; i++)
+        *time_constant(&m, i) = KM_ENGINE_MODEL_TIME_MAX;
+    cr_assert_eq(km_engine_model_validate(&m, why, sizeof why), KM_OK, "%s", why);
+    km_engine_load load = {UINT64_MAX, UINT32_MAX, UINT32_MAX, UINT64_MAX, UINT64_MAX, UINT64_MAX};
+    double t = km_engine_model_predict_ttft_us(&m, &load, UINT64_MAX, UINT64_MAX, UINT32_MAX,
+                                               UINT32_MAX, UINT64_MAX, UINT64_MAX);
+    cr_assert(isfinite(t) && t > 0, "predicted %g", t);
+    t = km_engine_model_step_in_progress_us(&m, &load);
+    cr_assert(isfinite(t) && t > 0, "step in progress %g", t);
+    km_engine_step step = {UINT64_MAX, UINT64_MAX, UINT32_MAX, UINT64_MAX};
+    t = km_engine_model_step_us(&m, &step);
+    cr_assert(isfinite(t) && t > 0, "step %g", t);
+}
+
 /* km_engine_model_preset_of names the preset a model is, and nothing for a model any of whose
  * parameters differs from every preset's. */
 Test(engine_model, a_model_names_its_preset, .timeout = 10)

@@ -1155,6 +1155,47 @@ Test(policy, softmax_over_costs_spanning_past_the_largest_double, .timeout = 10)
     cr_assert_float_eq(p[1], 1.0 / (1.0 + exp(-2.0)), 1e-12, "p[1] = %g", p[1]);
 }
 
+/* At the largest engine model km_policy_config_validate accepts (every time constant at
+ * KM_ENGINE_MODEL_TIME_MAX, every limit at 1) and the largest counts, every policy's costs and its
+ * predicted time to first token stay finite, and ttft chooses the idle holder of the prompt over
+ * a worker swamped in every count; one past the maximum is refused. */
+Test(policy, every_policy_stays_finite_at_the_largest_engine_model, .timeout = 30)
+{
+    km_policy_config cfg = config(KM_POLICY_TTFT);
+    km_engine_model *m = &cfg.engine;
+    m->capacity_blocks = m->max_num_batched_tokens = m->max_num_seqs = 1;
+    m->step_floor_us = m->token_us = m->prefill_us_per_pair = KM_ENGINE_MODEL_TIME_MAX;
+    m->decode_us_per_request = m->decode_us_per_context_token = KM_ENGINE_MODEL_TIME_MAX;
+    m->host_load_us_per_block = m->disk_load_us_per_block = KM_ENGINE_MODEL_TIME_MAX;
+    char why[192];
+    cr_assert_eq(km_policy_config_validate(&cfg, why, sizeof why), KM_OK, "%s", why);
+    km_policy_request req = request(1000, 16);
+    req.prompt_tokens = INT64_MAX;
+    req.expected_output_tokens = INT64_MAX;
+    km_policy_candidate c[2] = {cand(1, 0, 0, 0, UINT32_MAX, UINT64_MAX, UINT64_MAX),
+                                cand(2, 600, 300, 100, 0, 0, 0)};
+    c[0].pending_prefill_pairs = c[0].allocated_blocks = c[0].indexed_blocks = UINT64_MAX;
+    c[0].prefix_sharers = UINT32_MAX;
+    for (int k = 0; k < KM_POLICY_KIND_COUNT; k++) {
+        cfg.kind = (km_policy_kind)k;
+        km_policy_state st;
+        km_policy_state_init(&st, 5);
+        double costs[2];
+        km_policy_decision d = decide(&cfg, &st, &req, c, 2, costs);
+        cr_assert(isfinite(d.chosen_predicted_ttft_ms) && d.chosen_predicted_ttft_ms > 0,
+                  "%s: predicted %g ms", km_policy_kind_name(cfg.kind), d.chosen_predicted_ttft_ms);
+        for (int i = 0; i < 2 && k != KM_POLICY_ROUND_ROBIN; i++)
+            cr_assert(isfinite(costs[i]), "%s: cost %d is %g", km_policy_kind_name(cfg.kind), i,
+                      costs[i]);
+        if (k == KM_POLICY_TTFT)
+            cr_assert_eq(d.chosen, 1, "ttft chose the swamped worker (costs %g, %g)", costs[0],
+                         costs[1]);
+    }
+    m->token_us = 1e306;
+    cr_assert_eq(km_policy_config_validate(&cfg, why, sizeof why), KM_ERR_INVALID_ARGUMENT);
+    cr_assert(strstr(why, "token_us"), "%s", why);
+}
+
 /* The engine model's predicted time to first token on the chosen candidate, which every policy
  * reports: on an idle worker holding nothing, the model's prefill of the whole prompt; on any
  * candidates, what ttft weighs for the chosen one when it is the only one (no work added over a

@@ -32,6 +32,12 @@
 extern "C" {
 #endif
 
+/* The largest value of each time constant (microseconds per step, token, pair, request, context
+ * token or block): far past any engine, and small enough that every time the model predicts from
+ * counts of up to 2^64 stays finite (so a policy's costs and predictions are never infinite or
+ * NaN). */
+#define KM_ENGINE_MODEL_TIME_MAX 1e9
+
 typedef struct km_engine_model {
     /* ---- memory and scheduler limits (vLLM's names) ---- */
     uint32_t block_size;             /* tokens per KV block, >= 1: the unit of capacity_blocks,
@@ -42,13 +48,14 @@ typedef struct km_engine_model {
     uint32_t max_num_batched_tokens; /* tokens one step may schedule (the chunked-prefill budget;
                                       * each decode takes one), >= 1 */
     uint32_t max_num_seqs;           /* requests running at once (prefilling or decoding), >= 1 */
-    /* ---- step time, microseconds (formula above); each finite and >= 0 ---- */
+    /* ---- step time, microseconds (formula above); each 0 .. KM_ENGINE_MODEL_TIME_MAX ---- */
     double step_floor_us;
     double token_us;
     double prefill_us_per_pair;
     double decode_us_per_request;
     double decode_us_per_context_token;
-    /* ---- bringing KV back from lower tiers before a prefill can use it; finite, >= 0 ---- */
+    /* ---- bringing KV back from lower tiers before a prefill can use it; each
+     * 0 .. KM_ENGINE_MODEL_TIME_MAX ---- */
     double host_load_us_per_block;   /* a block held in host memory, copied back over PCIe */
     double disk_load_us_per_block;   /* a block held on local disk */
 } km_engine_model;
@@ -89,8 +96,8 @@ int km_engine_model_preset(const char *name, km_engine_model *out);
 const char *km_engine_model_preset_of(const km_engine_model *m);
 
 /* KM_OK, or KM_ERR_NULL_POINTER / KM_ERR_BLOCK_SIZE (block_size 0) / KM_ERR_INVALID_ARGUMENT (a
- * limit of 0, a time constant NaN, infinite or negative) with a sentence naming the field in why
- * (why may be NULL). */
+ * limit of 0, a time constant NaN, negative or over KM_ENGINE_MODEL_TIME_MAX) with a sentence
+ * naming the field in why (why may be NULL). */
 int km_engine_model_validate(const km_engine_model *m, char *why, size_t why_size);
 
 /* The duration of a step of this shape, in microseconds (the formula above, not rounded). */

@@ -149,9 +149,9 @@ int km_engine_model_validate(const km_engine_model *m, char *why, size_t why_siz
     for (size_t i = 0; i < sizeof times / sizeof times[0]; i++) {
         double v;
         memcpy(&v, (const char *)m + times[i].offset, sizeof v);
-        if (!isfinite(v) || v < 0.0)
-            return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,
-                          "%s must be finite and >= 0 (got %g)", times[i].name, v);
+        if (isnan(v) || v < 0.0 || v > KM_ENGINE_MODEL_TIME_MAX)
+            return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT, "%s must lie in [0, %g] (got %g)",
+                          times[i].name, KM_ENGINE_MODEL_TIME_MAX, v);
     }
     return KM_OK;
 }
