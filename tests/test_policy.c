@@ -214,6 +214,43 @@ Test(policy, kv_parameters_past_their_maximum_are_refused, .timeout = 30)
     cr_assert_gt(hist[0], hist[1] + hist[2], "drawn %d / %d / %d", hist[0], hist[1], hist[2]);
 }
 
+/* An llmd weight past KM_POLICY_LLMD_WEIGHT_MAX is refused by name: weights of 1e308 made the
+ * scores of both workers below infinite, and the tie went by in-flight requests to the worker
+ * with its KV a third used over the one with none. At the maximum the scores stay finite and the
+ * unused KV wins. */
+Test(policy, llmd_weights_past_their_maximum_are_refused, .timeout = 30)
+{
+    km_policy_candidate c[2] = {cand(1, 8, 0, 0, 5, 0, 0), cand(2, 8, 0, 0, 1, 0, 0)};
+    c[1].allocated_blocks = 9000;
+    km_policy_request req = request(8, 16);
+    km_policy_config cfg = config(KM_POLICY_LLMD);
+    cfg.llmd.prefix_weight = cfg.llmd.queue_weight = cfg.llmd.kv_usage_weight = 1e308;
+    char why[160] = "";
+    cr_assert_eq(km_policy_config_validate(&cfg, why, sizeof why), KM_ERR_INVALID_ARGUMENT);
+    cr_assert(strstr(why, "llmd.prefix_weight"), "%s", why);
+    double *fields[] = {&cfg.llmd.prefix_weight, &cfg.llmd.queue_weight,
+                        &cfg.llmd.kv_usage_weight};
+    const char *names[] = {"llmd.prefix_weight", "llmd.queue_weight", "llmd.kv_usage_weight"};
+    for (int f = 0; f < 3; f++) {
+        cfg = config(KM_POLICY_LLMD);
+        *fields[f] = nextafter(KM_POLICY_LLMD_WEIGHT_MAX, INFINITY);
+        cr_assert_eq(km_policy_config_validate(&cfg, why, sizeof why), KM_ERR_INVALID_ARGUMENT,
+                     "%s", names[f]);
+        cr_assert(strstr(why, names[f]), "%s", why);
+        *fields[f] = KM_POLICY_LLMD_WEIGHT_MAX;
+        cr_assert_eq(km_policy_config_validate(&cfg, why, sizeof why), KM_OK, "%s", why);
+    }
+    cfg = config(KM_POLICY_LLMD);
+    cfg.llmd.prefix_weight = cfg.llmd.queue_weight = KM_POLICY_LLMD_WEIGHT_MAX;
+    cfg.llmd.kv_usage_weight = KM_POLICY_LLMD_WEIGHT_MAX;
+    km_policy_state st;
+    km_policy_state_init(&st, 1);
+    double costs[2];
+    km_policy_decision d = decide(&cfg, &st, &req, c, 2, costs);
+    cr_assert(isfinite(costs[0]) && isfinite(costs[1]), "scores %g, %g", costs[0], costs[1]);
+    cr_assert_eq(d.chosen, 0, "scores %g, %g", costs[0], costs[1]);
+}
+
 Test(policy, kind_and_reason_names, .timeout = 30)
 {
     const char *kinds[] = {"kv",          "cache_aware", "prefix", "least_load",

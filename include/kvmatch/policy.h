@@ -128,6 +128,10 @@ typedef enum km_policy_reason {
  * and small enough that every kv cost stays finite (a cost counts at most about 2^64 tokens). */
 #define KM_POLICY_KV_PARAM_MAX 1e6
 
+/* The largest value of each llmd scorer weight: far past any tuning, and small enough that every
+ * llmd score (each scorer is in [0, 1]) stays finite. */
+#define KM_POLICY_LLMD_WEIGHT_MAX 1e6
+
 /* Policy parameters. km_policy_config_init sets the peers' defaults; fields of the policies a pool
  * does not use are ignored (but still validated, so a config file with a bad value fails early). */
 typedef struct km_policy_config {
@@ -153,9 +157,9 @@ typedef struct km_policy_config {
         double balance_rel_threshold;
     } cache_aware;
     struct {
-        /* Weights of llm-d's three scorers (finite, >= 0, not all 0): precise prefix cache,
-         * queue, KV-cache utilization; defaults those llm-d's precise-prefix configuration
-         * ships (km_policy_config_init). */
+        /* Weights of llm-d's three scorers (0 .. KM_POLICY_LLMD_WEIGHT_MAX, not all 0): precise
+         * prefix cache, queue, KV-cache utilization; defaults those llm-d's precise-prefix
+         * configuration ships (km_policy_config_init). */
         double prefix_weight, queue_weight, kv_usage_weight;
         /* Prefix credit of a block held in host memory (llm-d's CPU tier weight; device is 1,
          * disk is weighted like host); in [0, 1]. */
@@ -287,7 +291,8 @@ void km_policy_config_init(km_policy_config *cfg);
 
 /* KM_OK, or KM_ERR_NULL_POINTER (cfg NULL) / KM_ERR_INVALID_ARGUMENT (unknown kind; a NaN,
  * infinite or negative weight, scale, temperature or rel threshold; a kv parameter over
- * KM_POLICY_KV_PARAM_MAX; cache_threshold outside [0, 1]) with a sentence naming the field and
+ * KM_POLICY_KV_PARAM_MAX; an llmd weight over KM_POLICY_LLMD_WEIGHT_MAX; cache_threshold outside
+ * [0, 1]) with a sentence naming the field and
  * value in why (why may be NULL; truncated to why_size). */
 int km_policy_config_validate(const km_policy_config *cfg, char *why, size_t why_size);
 

@@ -145,14 +145,25 @@ static int check_non_negative(const char *field, double value, char *why, size_t
     return KM_OK;
 }
 
+/* A value in [0, max], or a sentence naming the field. */
+static int check_at_most(const char *field, double value, double max, char *why, size_t why_size)
+{
+    if (isnan(value) || value < 0.0 || value > max)
+        return fail(why, why_size, KM_ERR_INVALID_ARGUMENT,
+                    "policy config %s is %g; it must lie in [0, %g]", field, value, max);
+    return KM_OK;
+}
+
 /* A kv parameter: 0 .. KM_POLICY_KV_PARAM_MAX, or a sentence naming the field. */
 static int check_kv_param(const char *field, double value, char *why, size_t why_size)
 {
-    if (isnan(value) || value < 0.0 || value > KM_POLICY_KV_PARAM_MAX)
-        return fail(why, why_size, KM_ERR_INVALID_ARGUMENT,
-                    "policy config %s is %g; it must lie in [0, %g]", field, value,
-                    KM_POLICY_KV_PARAM_MAX);
-    return KM_OK;
+    return check_at_most(field, value, KM_POLICY_KV_PARAM_MAX, why, why_size);
+}
+
+/* An llmd weight: 0 .. KM_POLICY_LLMD_WEIGHT_MAX, or a sentence naming the field. */
+static int check_llmd_weight(const char *field, double value, char *why, size_t why_size)
+{
+    return check_at_most(field, value, KM_POLICY_LLMD_WEIGHT_MAX, why, why_size);
 }
 
 int km_policy_config_validate(const km_policy_config *cfg, char *why, size_t why_size)
@@ -175,10 +186,10 @@ int km_policy_config_validate(const km_policy_config *cfg, char *why, size_t why
         (rc = check_kv_param("kv.temperature", cfg->kv.temperature, why, why_size)) ||
         (rc = check_non_negative("cache_aware.balance_rel_threshold",
                                  cfg->cache_aware.balance_rel_threshold, why, why_size)) ||
-        (rc = check_non_negative("llmd.prefix_weight", cfg->llmd.prefix_weight, why, why_size)) ||
-        (rc = check_non_negative("llmd.queue_weight", cfg->llmd.queue_weight, why, why_size)) ||
-        (rc = check_non_negative("llmd.kv_usage_weight", cfg->llmd.kv_usage_weight, why,
-                                 why_size)) ||
+        (rc = check_llmd_weight("llmd.prefix_weight", cfg->llmd.prefix_weight, why, why_size)) ||
+        (rc = check_llmd_weight("llmd.queue_weight", cfg->llmd.queue_weight, why, why_size)) ||
+        (rc = check_llmd_weight("llmd.kv_usage_weight", cfg->llmd.kv_usage_weight, why,
+                                why_size)) ||
         (rc = check_non_negative("preble.exploit_ratio", cfg->preble.exploit_ratio, why,
                                  why_size)))
         return rc;
