@@ -247,54 +247,6 @@ Test(engine_model, predicted_ttft_follows_the_queue_and_is_monotonic, .timeout =
     }
 }
 
-/* A worker holding more KV never predicts a shorter wait for memory: not when the request alone
- * is larger than the engine (its wait is every running request ending, whatever they hold), and
- * not when used_blocks + request_blocks passes 2^64. Fresh random states, each preset. */
-Test(engine_model, more_used_blocks_never_predict_less, .timeout = 30)
-{
-    km_engine_model m = preset(KM_ENGINE_MODEL_DEFAULT_PRESET);
-    /* Known answer: a request of capacity + 1000 blocks, 200 output tokens, no decodes: one
-     * holding 100 blocks and one holding 10,000 both wait 100 idle steps for every request to
-     * end. */
-    km_engine_load few = {0, 0, 0, 0, 100, 0}, many = few;
-    many.used_blocks = 10000;
-    uint64_t big = (uint64_t)m.capacity_blocks + 1000;
-    double idle = km_engine_model_predict_ttft_us(&m, NULL, 0, 16, 0, 0, big, 200);
-    double a = km_engine_model_predict_ttft_us(&m, &few, 0, 16, 0, 0, big, 200);
-    double b = km_engine_model_predict_ttft_us(&m, &many, 0, 16, 0, 0, big, 200);
-    cr_assert_float_eq(a, idle + 100 * m.step_floor_us, 1e-6, "100 blocks: %.1f", a);
-    cr_assert_float_eq(b, a, 1e-6, "10,000 blocks: %.1f, 100 blocks: %.1f", b, a);
-
-    km_rng r;
-    km_rng_init(&r, km_test_seed());
-    for (size_t p = 0; km_engine_model_preset_name(p); p++) {
-        km_engine_model e = preset(km_engine_model_preset_name(p));
-        for (int i = 0; i < 5000; i++) {
-            km_engine_load load = {km_rng_below(&r, 40000), km_rng_below(&r, 20),
-                                   km_rng_below(&r, 300), km_rng_below(&r, 400000),
-                                   km_rng_below(&r, 3 * e.capacity_blocks), 0};
-            uint64_t request_blocks = km_rng_below(&r, 3 * e.capacity_blocks);
-            if (km_rng_percent(&r, 10))
-                request_blocks = UINT64_MAX - km_rng_below(&r, 100);
-            if (km_rng_percent(&r, 10))
-                load.used_blocks = UINT64_MAX - km_rng_below(&r, 100000);
-            uint64_t output = km_rng_percent(&r, 10) ? UINT64_MAX >> 1 : km_rng_below(&r, 2000);
-            km_engine_load more = load;
-            uint64_t added = km_rng_percent(&r, 20) ? UINT64_MAX : 1 + km_rng_below(&r, 50000);
-            more.used_blocks = load.used_blocks > UINT64_MAX - added ? UINT64_MAX
-                                                                     : load.used_blocks + added;
-            double t = km_engine_model_predict_ttft_us(&e, &load, 100, 1000, 0, 0, request_blocks,
-                                                       output);
-            double u = km_engine_model_predict_ttft_us(&e, &more, 100, 1000, 0, 0, request_blocks,
-                                                       output);
-            KM_CHECK(isfinite(t) && u >= t,
-                     "preset %zu: %" PRIu64 " used blocks predict %.17g, %" PRIu64 " predict "
-                     "%.17g (request %" PRIu64 " blocks, output %" PRIu64 ")",
-                     p, load.used_blocks, t, more.used_blocks, u, request_blocks, output);
-        }
-    }
-}
-
 /* Attention pairs are exact while they fit in 64 bits and UINT64_MAX past them, never a wrapped
  * count: a prompt of 2^32 tokens has 2^63 + 2^31 pairs, and twice that saturates. More tokens, or
  * more before them, never give fewer pairs. */

@@ -125,11 +125,9 @@ uint64_t km_engine_model_chunk_pairs(uint64_t before, uint64_t chunk);
  *             + host_blocks * host_load_us_per_block + disk_blocks * disk_load_us_per_block
  *             + a memory wait when used_blocks + request_blocks exceed capacity_blocks: the
  *               running requests, taken to be halfway through an output of output_tokens, free
- *               used_blocks every output_tokens / 2 decode steps; the deficit waits its share,
- *               at most output_tokens / 2 decode steps (every running request ended), which a
- *               request of more than capacity_blocks waits whatever used_blocks is (>= 1).
- * Monotonic: more queued tokens or pairs, more decodes, more used blocks or fewer cached tokens
- * never predict less (sums past 2^64 included). */
+ *               used_blocks every output_tokens / 2 decode steps; the deficit waits its share.
+ * Monotonic: more queued tokens or pairs, more decodes or fewer cached tokens never predict
+ * less. */
 double km_engine_model_predict_ttft_us(const km_engine_model *m, const km_engine_load *load,
                                        uint64_t cached_tokens, uint64_t uncached_tokens,
                                        uint32_t host_blocks, uint32_t disk_blocks,

@@ -223,23 +223,13 @@ double km_engine_model_predict_ttft_us(const km_engine_model *m, const km_engine
     ttft += m->host_load_us_per_block * host_blocks + m->disk_load_us_per_block * disk_blocks;
     /* Memory: the running requests free their blocks as they end; taken to be halfway through an
      * output as long as this request's, they free used_blocks per (output_tokens / 2) decode
-     * steps, so the deficit, used_blocks + request_blocks - capacity_blocks, takes
-     * ceil(deficit * (output_tokens / 2) / used_blocks) steps. They free at most the blocks they
-     * hold: a request larger than the engine waits for all of them to end (output_tokens / 2
-     * steps). In integers, without the sum (which may pass 2^64), so that a worker holding more
-     * never predicts less. */
-    uint64_t capacity = m->capacity_blocks, held = load->used_blocks;
-    if (held && (held > capacity || request_blocks > capacity - held)) {
-        uint64_t all_end = output_tokens > 2 ? output_tokens / 2 + output_tokens % 2 : 1;
-        uint64_t steps = all_end;
-        if (request_blocks <= capacity) {
-            unsigned __int128 deficit = held - (capacity - request_blocks);
-            unsigned __int128 num = output_tokens > 2 ? deficit * output_tokens : 2 * deficit;
-            unsigned __int128 den = (unsigned __int128)held * 2;
-            unsigned __int128 share = (num + den - 1) / den;
-            steps = share < steps ? (uint64_t)share : steps;
-        }
-        ttft += (double)steps * step_linear_us(m, 0, decodes, load->decode_context_tokens);
+     * steps, so the deficit takes deficit * (output_tokens / 2) / used_blocks steps. */
+    uint64_t used = load->used_blocks + request_blocks;
+    if (load->used_blocks && used > m->capacity_blocks) {
+        double deficit = (double)(used - m->capacity_blocks);
+        double left = output_tokens > 2 ? (double)output_tokens / 2.0 : 1.0;
+        ttft += ceil(deficit * left / (double)load->used_blocks) *
+                step_linear_us(m, 0, decodes, load->decode_context_tokens);
     }
     return ttft;
 }
