@@ -26,14 +26,16 @@ static inline int km_why(char *why, size_t why_size, int status, const char *fmt
     return status;
 }
 
-/* A handle's last_error without the "KM_ERR_NAME: " km_vstatus_message put before it: what a
- * *_fail that words another handle's failure passes on, so the name is not said twice. */
-static inline const char *km_error_detail(const char *message)
+/* A message less the leading "KM_ERR_NAME: " of `status` that km_vstatus_message (or a server's
+ * decoder) put before it: what a sentence that names the status already passes on, so the name
+ * is not said twice. */
+static inline const char *km_error_detail(const char *message, int status)
 {
-    if (strncmp(message, "KM_ERR_", 7) != 0)
-        return message;
-    size_t name = strspn(message, "ABCDEFGHIJKLMNOPQRSTUVWXYZ_0123456789");
-    return message[name] == ':' && message[name + 1] == ' ' ? message + name + 2 : message;
+    const char *name = km_error_name(status);
+    size_t n = strlen(name);
+    if (strncmp(message, name, n) == 0 && message[n] == ':' && message[n + 1] == ' ')
+        return message + n + 2;
+    return message;
 }
 
 /* "KM_ERR_NAME: " and the formatted detail into buf (NULL or size 0: nothing), cut to fit. */

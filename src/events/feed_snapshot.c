@@ -539,7 +539,8 @@ int km_feed_save(km_feed *feed, const char *path, uint64_t now_ns)
     rc = km_index_save(feed->index, path, state, size);
     free(state);
     if (rc)
-        return km_feed_fail(feed, rc, "%s", km_error_detail(km_index_last_error(feed->index)));
+        return km_feed_fail(feed, rc, "%s",
+                            km_error_detail(km_index_last_error(feed->index), rc));
     feed->last_error[0] = '\0';
     return KM_OK;
 }
@@ -572,10 +573,10 @@ int km_feed_restore(km_feed *feed, const char *path, uint64_t now_ns)
         if (feed->last_error[0]) { /* the feed section was refused: say why */
             char detail[sizeof feed->last_error];
             snprintf(detail, sizeof detail, "%s", feed->last_error);
-            return km_feed_fail(feed, rc, "snapshot %s: %s", path, km_error_detail(detail));
+            return km_feed_fail(feed, rc, "snapshot %s: %s", path, km_error_detail(detail, rc));
         }
         return km_feed_fail(feed, rc, "snapshot %s: %s", path,
-                            km_error_detail(km_index_last_error(feed->index)));
+                            km_error_detail(km_index_last_error(feed->index), rc));
     }
     install_state(feed, &check.staged, now_ns);
     return KM_OK;

@@ -516,11 +516,7 @@ static pending_request *answered_request(km_client *c, const km_message *reply)
  * decoder refused that way), since the client's sentence names the code already. */
 static const char *server_words(const km_error_reply *e)
 {
-    const char *name = km_error_name(e->code);
-    size_t n = strlen(name);
-    if (strncmp(e->message, name, n) == 0 && e->message[n] == ':' && e->message[n + 1] == ' ')
-        return e->message + n + 2;
-    return e->message;
+    return km_error_detail(e->message, e->code);
 }
 
 static void copy_text(char *dst, size_t cap, const char *src)

@@ -27,15 +27,6 @@ int km_srv_pool_find(const km_server *s, const char *name)
     return -1;
 }
 
-/* The index of the first pool serving `model`, or -1. */
-int km_srv_pool_for_model(const km_server *s, const char *model)
-{
-    for (uint32_t i = 0; i < s->n_pools; i++)
-        if (s->pools[i]->model && !strcmp(s->pools[i]->model, model))
-            return (int)i;
-    return -1;
-}
-
 /* The pool other than `except` (an index in s->pools, or -1 for none) that serves `model`, or -1;
  * -1 for a NULL model. A model names one pool: a route naming it reaches that pool alone. */
 int km_srv_pool_serving_model(const km_server *s, const char *model, int except)
@@ -44,6 +35,12 @@ int km_srv_pool_serving_model(const km_server *s, const char *model, int except)
         if ((int)i != except && s->pools[i]->model && !strcmp(s->pools[i]->model, model))
             return (int)i;
     return -1;
+}
+
+/* The index of the pool serving `model` (a model names one pool), or -1. */
+int km_srv_pool_for_model(const km_server *s, const char *model)
+{
+    return km_srv_pool_serving_model(s, model, -1);
 }
 
 /* A pool and everything it owns (subscriber, feeds, index, approximate-mode state); NULL is a
