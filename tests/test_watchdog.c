@@ -16,8 +16,10 @@
 #include <errno.h>
 #include <pthread.h>
 #include <signal.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -27,13 +29,24 @@ static char watched_name[512];
 static double watched_timeout_s;
 static struct timespec watched_deadline;
 
+/* The extra data Criterion's worker reads from its context is not always aligned for its type:
+ * the timeout is copied out byte-wise. */
+static double timeout_in(const struct criterion_test_extra_data *data)
+{
+    double timeout = 0;
+    if (data)
+        memcpy(&timeout, (const char *)data + offsetof(struct criterion_test_extra_data, timeout),
+               sizeof timeout);
+    return timeout;
+}
+
 static double timeout_of(const struct criterion_test *test, const struct criterion_suite *suite)
 {
-    if (test && test->data && test->data->timeout > 0)
-        return test->data->timeout;
-    if (suite && suite->data && suite->data->timeout > 0)
-        return suite->data->timeout;
-    return DEFAULT_TIMEOUT_S;
+    double timeout = test ? timeout_in(test->data) : 0;
+    if (timeout > 0)
+        return timeout;
+    timeout = suite ? timeout_in(suite->data) : 0;
+    return timeout > 0 ? timeout : DEFAULT_TIMEOUT_S;
 }
 
 static void *watch(void *unused)
