@@ -837,6 +837,74 @@ static int raw_hello(int fd, km_protocol_decoder *dec, uint8_t *buf, size_t cap,
     return rc;
 }
 
+/* Id 0 is the server's, for connection-level errors: a message of id 0, a HELLO or any request
+ * after it, well formed or not, gets an ERROR of id 0 and the connection closes; the refusal is
+ * counted as a bad frame, and other connections are served as before. */
+Test(server, a_message_of_id_0_is_refused_and_its_connection_closed, .timeout = 30)
+{
+    srv s = {0};
+    km_server_config cfg;
+    test_config(&cfg, &s, KM_POLICY_PREFIX, 1);
+    cfg.records_path = NULL;
+    srv_start(&s, &cfg);
+    km_protocol_decoder *dec;
+    cr_assert_eq(km_protocol_decoder_create(NULL, &dec), KM_OK);
+    static uint8_t buf[1 << 16];
+    km_message m;
+    /* {"type": "HELLO", "id": 0, "protocol": N} */
+    const uint8_t hello0[] = {0x83, 0xa4, 't', 'y', 'p', 'e', 0xa5, 'H', 'E', 'L', 'L', 'O',
+                              0xa2, 'i', 'd', 0x00, 0xa8, 'p', 'r', 'o', 't', 'o', 'c', 'o', 'l',
+                              (uint8_t)KM_PROTOCOL_VERSION};
+    /* {"type": "STATUS", "id": 0} */
+    const uint8_t status0[] = {0x82, 0xa4, 't', 'y', 'p', 'e', 0xa6, 'S', 'T', 'A', 'T', 'U', 'S',
+                               0xa2, 'i', 'd', 0x00};
+    /* {"type": "STATUS", "id": 0, "x": 1, "x": 2}: fails to decode, with id 0 */
+    const uint8_t bad0[] = {0x84, 0xa4, 't', 'y', 'p', 'e', 0xa6, 'S', 'T', 'A', 'T', 'U', 'S',
+                            0xa2, 'i', 'd', 0x00, 0xa1, 'x', 0x01, 0xa1, 'x', 0x02};
+    const struct {
+        const uint8_t *frame;
+        uint32_t size;
+        bool hello_first;
+        int status;
+        const char *says;
+    } cases[] = {
+        {hello0, sizeof hello0, false, KM_ERR_PROTOCOL, "HELLO of id 0: id 0 is reserved"},
+        {status0, sizeof status0, true, KM_ERR_PROTOCOL, "STATUS of id 0: id 0 is reserved"},
+        {bad0, sizeof bad0, true, KM_ERR_PARSE, "appears twice"},
+    };
+    km_server_stats before, after;
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        km_server_get_stats(s.server, &before);
+        int fd = raw_connect(&s);
+        if (cases[i].hello_first)
+            raw_hello(fd, dec, buf, sizeof buf, KM_PROTOCOL_VERSION);
+        raw_send_frame(fd, cases[i].frame, cases[i].size);
+        int rc = raw_read_reply(fd, dec, &m, buf, sizeof buf);
+        cr_assert_eq(rc, cases[i].status, "case %zu: %s (%s)", i, km_error_name(rc),
+                     m.type == KM_MESSAGE_ERROR ? m.error.message : "no ERROR");
+        cr_assert_eq(m.id, 0, "case %zu", i);
+        cr_assert_not_null(strstr(m.error.message, cases[i].says), "case %zu: %s", i,
+                           m.error.message);
+        cr_assert(raw_closed(fd), "case %zu: the connection stayed open", i);
+        close(fd);
+        km_server_get_stats(s.server, &after);
+        cr_assert_eq(after.bad_frames, before.bad_frames + 1, "case %zu", i);
+    }
+    /* Served as before: a request of id 1 on a new connection. */
+    int fd = raw_connect(&s);
+    raw_hello(fd, dec, buf, sizeof buf, KM_PROTOCOL_VERSION);
+    const uint8_t status1[] = {0x82, 0xa4, 't', 'y', 'p', 'e', 0xa6, 'S', 'T', 'A', 'T', 'U', 'S',
+                               0xa2, 'i', 'd', 0x01};
+    raw_send_frame(fd, status1, sizeof status1);
+    cr_assert_eq(raw_read_reply(fd, dec, &m, buf, sizeof buf), KM_OK);
+    cr_assert_eq(m.type, KM_MESSAGE_STATUS_REPLY);
+    cr_assert_eq(m.id, 1);
+    close(fd);
+    km_protocol_decoder_destroy(dec);
+    srv_stop(&s);
+    srv_cleanup(&s);
+}
+
 /* As PROTOCOL.md says: a key twice in one map is an error though no field has its name (an ERROR
  * with the message's id; the connection stays open), and a HELLO that does not decode (here: no
  * id) gets the decoder's error, KM_ERR_PARSE, not "the first message must be HELLO". */

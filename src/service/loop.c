@@ -42,7 +42,19 @@ bool km_srv_handle_frame(conn *c, const uint8_t *payload, size_t size)
         }
         km_srv_send_error(c, m.has_id ? m.id : 0, rc, "%s",
                           km_protocol_decoder_last_error(c->decoder));
-        return m.has_id; /* without an id the peer cannot match replies: close */
+        /* Without an id the peer cannot match replies, and an ERROR of id 0 is a
+         * connection-level one: close. */
+        return m.has_id && m.id != 0;
+    }
+    if (m.id == 0) {
+        /* Id 0 is the server's, for connection-level errors: a reply to a request of id 0 could
+         * not be told apart from one. */
+        km_srv_count_bad_frame(s);
+        km_srv_send_error(c, 0, KM_ERR_PROTOCOL,
+                          "%s of id 0: id 0 is reserved for the server's connection-level "
+                          "errors; a request's id is from 1",
+                          km_message_type_name(m.type));
+        return false;
     }
     if (!c->hello_done && m.type != KM_MESSAGE_HELLO) {
         km_srv_send_error(c, m.id, KM_ERR_PROTOCOL, "the first message must be HELLO, got %s",
