@@ -905,6 +905,44 @@ Test(server, a_message_of_id_0_is_refused_and_its_connection_closed, .timeout = 
     srv_cleanup(&s);
 }
 
+/* A HELLO on a handshaken connection, of this version or another, is refused with its id; the
+ * connection stays open and is served as before. */
+Test(server, a_second_hello_is_refused_and_the_connection_kept, .timeout = 30)
+{
+    srv s = {0};
+    km_server_config cfg;
+    test_config(&cfg, &s, KM_POLICY_PREFIX, 1);
+    cfg.records_path = NULL;
+    srv_start(&s, &cfg);
+    km_protocol_decoder *dec;
+    cr_assert_eq(km_protocol_decoder_create(NULL, &dec), KM_OK);
+    static uint8_t buf[1 << 16];
+    km_message m;
+    int fd = raw_connect(&s);
+    raw_hello(fd, dec, buf, sizeof buf, KM_PROTOCOL_VERSION);
+    for (uint8_t version = 1; version <= 2; version++) {
+        /* {"type": "HELLO", "id": 5 + version, "protocol": version} */
+        const uint8_t hello[] = {0x83, 0xa4, 't', 'y', 'p', 'e', 0xa5, 'H', 'E', 'L', 'L', 'O',
+                                 0xa2, 'i', 'd', (uint8_t)(5 + version), 0xa8, 'p', 'r', 'o', 't',
+                                 'o', 'c', 'o', 'l', version};
+        raw_send_frame(fd, hello, sizeof hello);
+        int rc = raw_read_reply(fd, dec, &m, buf, sizeof buf);
+        cr_assert_eq(rc, KM_ERR_PROTOCOL, "version %u: %s", version, km_error_name(rc));
+        cr_assert_eq(m.id, 5u + version);
+        cr_assert_not_null(strstr(m.error.message, "already answered"), "%s", m.error.message);
+    }
+    const uint8_t status[] = {0x82, 0xa4, 't', 'y', 'p', 'e', 0xa6, 'S', 'T', 'A', 'T', 'U', 'S',
+                              0xa2, 'i', 'd', 0x09};
+    raw_send_frame(fd, status, sizeof status);
+    cr_assert_eq(raw_read_reply(fd, dec, &m, buf, sizeof buf), KM_OK);
+    cr_assert_eq(m.type, KM_MESSAGE_STATUS_REPLY, "the connection was not kept");
+    cr_assert_eq(m.id, 9);
+    close(fd);
+    km_protocol_decoder_destroy(dec);
+    srv_stop(&s);
+    srv_cleanup(&s);
+}
+
 /* As PROTOCOL.md says: a key twice in one map is an error though no field has its name (an ERROR
  * with the message's id; the connection stays open), and a HELLO that does not decode (here: no
  * id) gets the decoder's error, KM_ERR_PARSE, not "the first message must be HELLO". */

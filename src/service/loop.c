@@ -63,6 +63,13 @@ bool km_srv_handle_frame(conn *c, const uint8_t *payload, size_t size)
     }
     switch (m.type) {
     case KM_MESSAGE_HELLO: {
+        if (c->hello_done) {
+            /* The handshake is done once: the version and limits it settled stand. */
+            km_srv_send_error(c, m.id, KM_ERR_PROTOCOL,
+                              "this connection's HELLO was already answered; one HELLO per "
+                              "connection");
+            return true;
+        }
         if (m.hello.protocol_version != KM_PROTOCOL_VERSION) {
             km_srv_send_error(c, m.id, KM_ERR_INCOMPATIBLE,
                               "protocol version %u is not spoken here; this server speaks %u",
