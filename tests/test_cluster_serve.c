@@ -70,6 +70,9 @@ static void node_start_with(node *n, const char *instance, km_server_worker *wor
  * it refuses any growth. */
 static bool g_cap_index;
 
+/* cluster.sync_quiet_ms of the nodes started. */
+static uint32_t g_sync_quiet_ms = 1000;
+
 static void node_start(node *n, const char *instance)
 {
     node_start_with(n, instance, g_workers);
@@ -97,6 +100,9 @@ static void node_start_with(node *n, const char *instance, km_server_worker *wor
     cfg.cluster_instance = instance;
     cfg.cluster_heartbeat_ms = 50;
     cfg.cluster_expire_ms = 2000;
+    /* A running peer's first answer can take longer than the default 100 ms on a loaded test
+     * machine; a lone instance then waits this long at its start. */
+    cfg.cluster_sync_quiet_ms = g_sync_quiet_ms;
     if (g_cap_index)
         km_test_cap_server_index_at_creation(&cfg);
     memset(&g_pool, 0, sizeof g_pool);
@@ -349,6 +355,23 @@ Test(cluster_serve, decisions_weigh_the_other_instances_work_and_say_so, .init =
     km_client_close(ca);
     km_client_close(cb);
     node_stop(&b);
+    node_stop(&a);
+}
+
+/* cluster.sync_quiet_ms reaches the cluster: an instance that knows of no peer waits that long
+ * for a first answer before it is ready. */
+Test(cluster_serve, a_lone_instance_waits_its_sync_quiet_ms, .init = start_nats,
+     .fini = stop_nats, .timeout = 60)
+{
+    g_sync_quiet_ms = 1500;
+    node a;
+    node_start(&a, "a");
+    json_t *st = status_of(&a);
+    json_t *cl = json_object_get(st, "cluster");
+    cr_assert_eq(json_integer_value(json_object_get(cl, "sync_peers")), 0);
+    double took = json_real_value(json_object_get(cl, "sync_seconds"));
+    cr_assert(took >= 1.5, "a lone instance's sync ended after %f s, before its quiet wait", took);
+    json_decref(st);
     node_stop(&a);
 }
 

@@ -1548,8 +1548,9 @@ Test(deploy, sighup_logs_every_restart_only_setting_the_file_changed, .timeout =
                " \"records\": {\"max_file_bytes\": 7, \"keep_files\": 7, \"max_kept_bytes\": 7,"
                " \"max_age_s\": 7}, \"snapshot\": {\"dir\": \"/nonexistent\", \"interval_ms\": 7},"
                " \"cluster\": {\"instance\": \"i7\", \"subject\": \"s7\", \"heartbeat_ms\": 70,"
-               " \"expire_ms\": 700, \"sync_timeout_ms\": 7}, \"engine_metrics\": {\"interval_ms\":"
-               " 70, \"timeout_ms\": 7, \"max_age_ms\": 7}, \"index\": {\"max_workers\": 7,"
+               " \"expire_ms\": 700, \"sync_timeout_ms\": 7, \"sync_quiet_ms\": 77},"
+               " \"engine_metrics\": {\"interval_ms\": 70, \"timeout_ms\": 7, \"max_age_ms\": 7},"
+               " \"index\": {\"max_workers\": 7,"
                " \"threads\": 7, \"memory_cap_bytes\": 7, \"initial_blocks\": 7, \"backend\":"
                " \"cpu\"}, \"scheduler\": {\"max_batch_routes\": 7, \"max_queued_routes\": 7,"
                " \"max_queue_wait_ms\": 7, \"max_connection_routes\": 7, \"inline_routes\": 7},"
@@ -1567,7 +1568,7 @@ Test(deploy, sighup_logs_every_restart_only_setting_the_file_changed, .timeout =
         "records.max_file_bytes", "records.keep_files", "records.max_kept_bytes",
         "records.max_age_s", "snapshot.dir", "snapshot.interval_ms", "cluster.instance",
         "cluster.subject", "cluster.heartbeat_ms", "cluster.expire_ms",
-        "cluster.sync_timeout_ms", "engine_metrics.interval_ms", "engine_metrics.timeout_ms",
+        "cluster.sync_timeout_ms", "cluster.sync_quiet_ms", "engine_metrics.interval_ms", "engine_metrics.timeout_ms",
         "engine_metrics.max_age_ms", "index.max_workers", "index.threads",
         "index.memory_cap_bytes", "index.initial_blocks", "index.backend",
         "scheduler.max_batch_routes", "scheduler.max_queued_routes",

@@ -325,6 +325,10 @@ Test(server_config, bad_files_are_refused_naming_the_field, .timeout = 10)
         {"{\"pools\": [{\"name\": \"p\", \"block_size\": 16}], \"cluster\": "
          "{\"sync_timeout_ms\": 0}}",
          KM_ERR_INVALID_ARGUMENT, "cluster.sync_timeout_ms"},
+        /* Below twice the peers' 20 ms answer spacing a due answer could miss it. */
+        {"{\"pools\": [{\"name\": \"p\", \"block_size\": 16}], \"cluster\": "
+         "{\"sync_quiet_ms\": 39}}",
+         KM_ERR_INVALID_ARGUMENT, "cluster.sync_quiet_ms"},
         {"{\"pools\": [{\"name\": \"p\", \"block_size\": 16}, {\"name\": \"q\", "
          "\"block_size\": 16}, {\"name\": \"p\", \"block_size\": 16}]}",
          KM_ERR_INVALID_ARGUMENT, "pools[2].name: pool p is listed twice (pools[0])"},

@@ -112,13 +112,15 @@ typedef struct km_server_config {
      * with the others over NATS under cluster_instance (required then) and adds theirs to its
      * decisions' load; the server is created (so ready) only after the peers' state was taken.
      * cluster_subject: subject prefix, NULL = "kvmatch.cluster"; the intervals: 0 = the
-     * km_cluster defaults (heartbeat 200 ms, expiry 1000 ms, sync timeout 2000 ms). */
+     * km_cluster defaults (heartbeat 200 ms, expiry 1000 ms, sync timeout 2000 ms, sync quiet
+     * 100 ms: how long the start waits for a first answer when no peer is known). */
     const char *cluster_url;
     const char *cluster_instance;
     const char *cluster_subject;
     uint32_t cluster_heartbeat_ms;
     uint32_t cluster_expire_ms;
     uint32_t cluster_sync_timeout_ms;
+    uint32_t cluster_sync_quiet_ms;
     /* Engine-reported load: how often each worker's metrics_url is scraped and how long one scrape
      * may take; 0 = the defaults (1000 ms, 500 ms). A decision uses a worker's reported values
      * while their age is below max_age_ms; 0 = three intervals. */

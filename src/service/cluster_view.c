@@ -180,6 +180,8 @@ int km_srv_cluster_start(km_server *s, char *why, size_t why_size)
         cc.expire_ms = 5 * cc.heartbeat_ms;
     if (cfg->cluster_sync_timeout_ms)
         cc.sync_timeout_ms = cfg->cluster_sync_timeout_ms;
+    if (cfg->cluster_sync_quiet_ms)
+        cc.sync_quiet_ms = cfg->cluster_sync_quiet_ms;
     cc.on_prediction = prediction_received;
     cc.on_prediction_user = s;
     cc.log = s->log;

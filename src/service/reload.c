@@ -89,6 +89,7 @@ static const restart_only RESTART_ONLY[] = {
     KM_RELOAD_FIELD(cluster_heartbeat_ms, "cluster.heartbeat_ms"),
     KM_RELOAD_FIELD(cluster_expire_ms, "cluster.expire_ms"),
     KM_RELOAD_FIELD(cluster_sync_timeout_ms, "cluster.sync_timeout_ms"),
+    KM_RELOAD_FIELD(cluster_sync_quiet_ms, "cluster.sync_quiet_ms"),
     KM_RELOAD_FIELD(engine_metrics_interval_ms, "engine_metrics.interval_ms"),
     KM_RELOAD_FIELD(engine_metrics_timeout_ms, "engine_metrics.timeout_ms"),
     KM_RELOAD_FIELD(engine_metrics_max_age_ms, "engine_metrics.max_age_ms"),

@@ -550,7 +550,8 @@ int km_server_config_load_json(const char *path, km_server_config *target, km_se
                                                "max_kept_bytes", "max_age_s",      NULL};
     static const char *const snapshot_keys[] = {"dir", "interval_ms", NULL};
     static const char *const cluster_keys[] = {"url", "instance", "subject", "heartbeat_ms",
-                                               "expire_ms", "sync_timeout_ms", NULL};
+                                               "expire_ms", "sync_timeout_ms", "sync_quiet_ms",
+                                               NULL};
     static const char *const engine_metrics_keys[] = {"interval_ms", "timeout_ms", "max_age_ms",
                                                       NULL};
     static const char *const index_keys[] = {"max_workers", "threads", "memory_cap_bytes",
@@ -626,6 +627,8 @@ int km_server_config_load_json(const char *path, km_server_config *target, km_se
         get_u32(&r, clu, "heartbeat_ms", "cluster.", 10, 600000, &cfg->cluster_heartbeat_ms);
         get_u32(&r, clu, "expire_ms", "cluster.", 20, 3600000, &cfg->cluster_expire_ms);
         get_u32(&r, clu, "sync_timeout_ms", "cluster.", 1, 600000, &cfg->cluster_sync_timeout_ms);
+        /* At least twice the peers' sync_answer_ms (20): an answer due then still arrives. */
+        get_u32(&r, clu, "sync_quiet_ms", "cluster.", 40, 600000, &cfg->cluster_sync_quiet_ms);
     }
     json_t *em = json_object_get(root, "engine_metrics");
     if (em && !r.rc) {
