@@ -30,10 +30,12 @@
  *                here by least load.
  *   preble       Preble's E2 scheduling (ICLR'25; WukLab/preble, global_scheduler_with_time.py):
  *                exploit the workers holding the deepest match when its cached part outweighs
- *                the rest, else explore all; either way the lowest load cost. Differs: Preble
- *                sums load over a 3-minute window of its own assignments and may add an eviction
- *                cost; here the load is the worker's current active work, timed by the engine
- *                model, and eviction is not costed; no post-assignment rebalancing.
+ *                the rest, else explore all; either way the lowest load cost (as in that code,
+ *                which sets the request's own recomputation cost to 0, without the paper's
+ *                prefill term of the request). Differs: Preble sums load over a 3-minute window
+ *                of its own assignments and may add an eviction cost; here the load is the
+ *                worker's current active work, timed by the engine model, and eviction is not
+ *                costed; no post-assignment rebalancing.
  *   ttft         kvmatch's own: the lowest predicted time to first token (the engine model over
  *                the exact per-tier match, extended by the blocks prefills queued there will
  *                store, and the worker's queued prefill, decodes and KV), plus the prefill work a
@@ -93,8 +95,10 @@ typedef enum km_policy_kind {
  *   least_load       least_load
  *   round_robin      round_robin
  *   max_score        llmd: the highest weighted score
- *   exploit          preble: the cached part outweighs the rest -> the deepest match
- *   explore          preble: otherwise -> the lowest estimated load + prefill cost
+ *   exploit          preble: the cached part outweighs the rest -> the lowest load cost of
+ *                    the workers holding the deepest match
+ *   explore          preble: otherwise -> the lowest load cost of all (the queued prefill and
+ *                    the running decodes' remaining output; not the request's own prefill)
  *   min_ttft         ttft: the lowest predicted time to first token
  *   spread           ttft: not the lowest, but within spread_ms of it and the oldest last
  *                    arrival of those
