@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Every test ends by its own timeout, whether or not the runner's timer fires.
  *
  * Criterion hands a test's .timeout to BoxFort, whose queue of deadlines (0.1.2, as Debian ships
