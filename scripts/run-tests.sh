@@ -42,11 +42,12 @@ diagnose() {
     if command -v gdb >/dev/null 2>&1; then
         local attached=0
         for pid in ${pids//,/ }; do
-            [ "$pid" = "$runner" ] && continue
+            [ "$pid" = "$runner" ] || [ ! -d "/proc/$pid" ] && continue
             # At most 8 processes, 20 s each: the diagnosis stays short.
             [ "$attached" -ge 8 ] && break
             attached=$((attached + 1))
-            echo "run-tests: threads of $pid ($(tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | cut -c1-120))"
+            echo "run-tests: threads of $pid ($({ tr '\0' ' ' <"/proc/$pid/cmdline"; } 2>/dev/null |
+                cut -c1-120))"
             timeout 20 gdb -nx -batch -p "$pid" -ex 'thread apply all bt 12' 2>/dev/null |
                 grep -E '^(Thread|#)' | cut -c1-160 | head -n 60
         done
@@ -63,17 +64,20 @@ diagnose() {
 runner=$!
 timed_out=0
 deadline=$((SECONDS + limit))
-while kill -0 "$runner" 2>/dev/null; do
-    if [ "$SECONDS" -ge "$deadline" ]; then
-        timed_out=1
-        diagnose "$runner" >"$log.hung" 2>&1
-        # The runner and every test process and server under it.
-        kill -KILL $(descendants "$runner") 2>/dev/null
-        break
-    fi
-    sleep 1
-done
-{ wait "$runner"; } 2>/dev/null
+# The shell's own notice of a killed job is not part of the report.
+{
+    while kill -0 "$runner" 2>/dev/null; do
+        if [ "$SECONDS" -ge "$deadline" ]; then
+            timed_out=1
+            diagnose "$runner" >"$log.hung" 2>&1
+            # The runner and every test process and server under it.
+            kill -KILL $(descendants "$runner") 2>/dev/null
+            break
+        fi
+        sleep 1
+    done
+    wait "$runner"
+} 2>/dev/null
 status=$?
 [ "$timed_out" = 1 ] && status=124
 # A test the filter leaves out is "disabled" to Criterion: not listed, not counted as skipped.
