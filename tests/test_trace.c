@@ -277,6 +277,33 @@ Test(trace, duplicate_field_is_refused, .timeout = 10)
     cr_assert(strstr(err, ":1: invalid JSON: duplicate object key"), "%s", err);
 }
 
+/* A byte order mark opening the file is skipped: the trace is the one without it. Anywhere else it
+ * is not JSON, refused naming its line. */
+Test(trace, a_byte_order_mark_opens_a_file_and_nothing_else, .timeout = 10)
+{
+    const char *body = LINE("0", "48", "[1, 2, 3]") LINE("5", "32", "[1, 4]");
+    char with_mark[256], err[256] = "";
+    snprintf(with_mark, sizeof with_mark, "\xEF\xBB\xBF%s", body);
+    km_trace plain, marked;
+    cr_assert_eq(load_string(body, &plain, err, sizeof err), KM_OK, "%s", err);
+    cr_assert_eq(load_string(with_mark, &marked, err, sizeof err), KM_OK, "%s", err);
+    cr_assert_eq(marked.n_requests, plain.n_requests);
+    for (size_t i = 0; i < plain.n_requests; i++) {
+        const km_trace_request *a = &plain.requests[i], *b = &marked.requests[i];
+        cr_assert(a->timestamp_ms == b->timestamp_ms && a->input_length == b->input_length &&
+                      a->output_length == b->output_length && a->n_ids == b->n_ids &&
+                      !memcmp(a->ids, b->ids, a->n_ids * sizeof *a->ids),
+                  "request %zu differs", i);
+    }
+    km_trace_free(&plain);
+    km_trace_free(&marked);
+    char late[256];
+    snprintf(late, sizeof late, "%s\xEF\xBB\xBF%s", LINE("0", "48", "[1, 2, 3]"),
+             LINE("5", "32", "[1, 4]"));
+    cr_assert_eq(load_string(late, NULL, err, sizeof err), KM_ERR_PARSE);
+    cr_assert(strstr(err, ":2: invalid JSON"), "%s", err);
+}
+
 /* A prompt longer than the server takes (max_tokens_per_route, 2^20 by default) is expanded only
  * one token past that limit, so the server refuses the route as too large and the run goes on:
  * 2^17 ids of 2^26 tokens are not expanded whole (64 M tokens, 768 MiB of tokens and chain hashes)

@@ -190,7 +190,14 @@ int km_trace_load_mooncake(const char *path, km_trace *out, char *err, size_t er
             status = KM_ERR_OUT_OF_MEMORY;
             goto done;
         }
-        if (is_blank(line, len))
+        char *text = line;
+        /* A byte order mark at the start of the file (RFC 8259 lets a parser ignore it, and
+         * some editors write one) is not part of the first line's JSON; anywhere else it is. */
+        if (line_no == 1 && len >= 3 && !memcmp(line, "\xEF\xBB\xBF", 3)) {
+            text += 3;
+            len -= 3;
+        }
+        if (is_blank(text, len))
             continue;
         if (t.n_requests >= KM_TRACE_MAX_REQUESTS) {
             trace_error(err, err_size, "%s:%llu: more than %llu requests", path,
@@ -199,7 +206,7 @@ int km_trace_load_mooncake(const char *path, km_trace *out, char *err, size_t er
             goto done;
         }
         json_error_t jerr;
-        json_t *obj = json_loadb(line, len, JSON_REJECT_DUPLICATES, &jerr);
+        json_t *obj = json_loadb(text, len, JSON_REJECT_DUPLICATES, &jerr);
         if (!obj) {
             trace_error(err, err_size, "%s:%llu: invalid JSON: %s", path,
                         (unsigned long long)line_no, jerr.text);
