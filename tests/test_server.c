@@ -837,6 +837,19 @@ static int raw_hello(int fd, km_protocol_decoder *dec, uint8_t *buf, size_t cap,
     return rc;
 }
 
+/* A STATUS of `id` (below 128) on fd is answered with its STATUS_REPLY: the connection was kept. */
+static void raw_status_answered(int fd, km_protocol_decoder *dec, uint8_t *buf, size_t cap,
+                                uint8_t id)
+{
+    const uint8_t status[] = {0x82, 0xa4, 't', 'y', 'p', 'e', 0xa6, 'S', 'T', 'A', 'T', 'U', 'S',
+                              0xa2, 'i', 'd', id};
+    raw_send_frame(fd, status, sizeof status);
+    km_message m;
+    cr_assert_eq(raw_read_reply(fd, dec, &m, buf, cap), KM_OK, "the connection was not kept");
+    cr_assert_eq(m.type, KM_MESSAGE_STATUS_REPLY);
+    cr_assert_eq(m.id, id);
+}
+
 /* Id 0 is the server's, for connection-level errors: a message of id 0, a HELLO or any request
  * after it, well formed or not, gets an ERROR of id 0 and the connection closes; the refusal is
  * counted as a bad frame, and other connections are served as before. */
@@ -893,12 +906,7 @@ Test(server, a_message_of_id_0_is_refused_and_its_connection_closed, .timeout = 
     /* Served as before: a request of id 1 on a new connection. */
     int fd = raw_connect(&s);
     raw_hello(fd, dec, buf, sizeof buf, KM_PROTOCOL_VERSION);
-    const uint8_t status1[] = {0x82, 0xa4, 't', 'y', 'p', 'e', 0xa6, 'S', 'T', 'A', 'T', 'U', 'S',
-                               0xa2, 'i', 'd', 0x01};
-    raw_send_frame(fd, status1, sizeof status1);
-    cr_assert_eq(raw_read_reply(fd, dec, &m, buf, sizeof buf), KM_OK);
-    cr_assert_eq(m.type, KM_MESSAGE_STATUS_REPLY);
-    cr_assert_eq(m.id, 1);
+    raw_status_answered(fd, dec, buf, sizeof buf, 1);
     close(fd);
     km_protocol_decoder_destroy(dec);
     srv_stop(&s);
@@ -931,12 +939,7 @@ Test(server, a_second_hello_is_refused_and_the_connection_kept, .timeout = 30)
         cr_assert_eq(m.id, 5u + version);
         cr_assert_not_null(strstr(m.error.message, "already answered"), "%s", m.error.message);
     }
-    const uint8_t status[] = {0x82, 0xa4, 't', 'y', 'p', 'e', 0xa6, 'S', 'T', 'A', 'T', 'U', 'S',
-                              0xa2, 'i', 'd', 0x09};
-    raw_send_frame(fd, status, sizeof status);
-    cr_assert_eq(raw_read_reply(fd, dec, &m, buf, sizeof buf), KM_OK);
-    cr_assert_eq(m.type, KM_MESSAGE_STATUS_REPLY, "the connection was not kept");
-    cr_assert_eq(m.id, 9);
+    raw_status_answered(fd, dec, buf, sizeof buf, 9);
     close(fd);
     km_protocol_decoder_destroy(dec);
     srv_stop(&s);
@@ -968,11 +971,7 @@ Test(server, a_duplicate_unknown_key_and_a_hello_without_id_get_the_decoders_err
     cr_assert_eq(raw_read_reply(fd, dec, &m, buf, sizeof buf), KM_ERR_PARSE);
     cr_assert_eq(m.id, 9);
     cr_assert_not_null(strstr(m.error.message, "appears twice"), "%s", m.error.message);
-    const uint8_t status[] = {0x82, 0xa4, 't', 'y', 'p', 'e', 0xa6, 'S', 'T', 'A', 'T', 'U', 'S',
-                              0xa2, 'i', 'd', 0x0a};
-    raw_send_frame(fd, status, sizeof status);
-    cr_assert_eq(raw_read_reply(fd, dec, &m, buf, sizeof buf), KM_OK);
-    cr_assert_eq(m.type, KM_MESSAGE_STATUS_REPLY, "the connection was not kept");
+    raw_status_answered(fd, dec, buf, sizeof buf, 10);
     close(fd);
 
     fd = raw_connect(&s);
