@@ -191,8 +191,8 @@ int km_trace_load_mooncake(const char *path, km_trace *out, char *err, size_t er
             goto done;
         }
         char *text = line;
-        /* A byte order mark at the start of the file (RFC 8259 lets a parser ignore it, and
-         * some editors write one) is not part of the first line's JSON; anywhere else it is. */
+        /* A byte order mark opening the file (RFC 8259 lets a parser ignore it, and some editors
+         * write one) is skipped; anywhere else it is text of the line, refused as invalid JSON. */
         if (line_no == 1 && len >= 3 && !memcmp(line, "\xEF\xBB\xBF", 3)) {
             text += 3;
             len -= 3;
