@@ -16,6 +16,7 @@
 #include <dlfcn.h>
 #include <errno.h>
 #include <pthread.h>
+#include <semaphore.h>
 #include <signal.h>
 #include <stddef.h>
 #include <stdio.h>
@@ -50,9 +51,15 @@ static double timeout_of(const struct criterion_test *test, const struct criteri
     return timeout > 0 ? timeout : DEFAULT_TIMEOUT_S;
 }
 
+/* Posted by the watch thread once it runs: the test starts only after the thread is set up, so no
+ * exit during a short test meets the thread half started (LeakSanitizer would take the runtime's
+ * buffers of a thread still starting for a leak). */
+static sem_t watch_started;
+
 static void *watch(void *unused)
 {
     (void)unused;
+    sem_post(&watch_started);
     while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &watched_deadline, NULL) == EINTR)
         ;
     fprintf(stderr, "test watchdog: %s is past its %.0f s timeout and is ended\n", watched_name,
@@ -89,9 +96,12 @@ static void start_watch(void)
     sigset_t all, old;
     sigfillset(&all);
     pthread_sigmask(SIG_SETMASK, &all, &old);
-    if (pthread_create(&thread, &attr, watch, NULL) != 0)
+    if (sem_init(&watch_started, 0, 0) != 0 || pthread_create(&thread, &attr, watch, NULL) != 0)
         fprintf(stderr, "test watchdog: not started for %s; only the runner's timer bounds it\n",
                 watched_name);
+    else
+        while (sem_wait(&watch_started) != 0 && errno == EINTR)
+            ;
     pthread_sigmask(SIG_SETMASK, &old, NULL);
     pthread_attr_destroy(&attr);
 }
