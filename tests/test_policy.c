@@ -7,6 +7,7 @@
  * cache_aware, the owner; round robin visits; softmax determinism and frequencies. */
 #include <float.h>
 #include <math.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -171,6 +172,24 @@ Test(policy, config_validate_rejects_each_bad_field, .timeout = 30)
     cr_assert(strstr(why, "NULL"));
 }
 
+/* Each double field of a `kind` config (at its offset) is refused by name just past `max`, and
+ * taken at `max`. */
+static void each_refused_past(km_policy_kind kind, const size_t *offsets,
+                              const char *const *names, int n, double max)
+{
+    char why[160] = "";
+    for (int f = 0; f < n; f++) {
+        km_policy_config cfg = config(kind);
+        double *field = (double *)((char *)&cfg + offsets[f]);
+        *field = nextafter(max, INFINITY);
+        cr_assert_eq(km_policy_config_validate(&cfg, why, sizeof why), KM_ERR_INVALID_ARGUMENT,
+                     "%s", names[f]);
+        cr_assert(strstr(why, names[f]), "%s", why);
+        *field = max;
+        cr_assert_eq(km_policy_config_validate(&cfg, why, sizeof why), KM_OK, "%s", why);
+    }
+}
+
 /* A kv parameter past KM_POLICY_KV_PARAM_MAX is refused by name: a scale of 1e308 made the costs
  * of uncached workers infinite, and sampling then chose the worst of them every time. At the
  * maximum every cost stays finite and the sampled choice favours the cheapest worker. */
@@ -189,19 +208,14 @@ Test(policy, kv_parameters_past_their_maximum_are_refused, .timeout = 30)
     km_policy_state_init(&st, 7);
     km_policy_decision d;
     cr_assert_eq(km_policy_decide(&cfg, &st, &req, c, 3, &d, NULL), KM_ERR_INVALID_ARGUMENT);
-    double *fields[] = {&cfg.kv.prefill_load_scale, &cfg.kv.device_weight, &cfg.kv.host_weight,
-                        &cfg.kv.disk_weight, &cfg.kv.temperature};
-    const char *names[] = {"kv.prefill_load_scale", "kv.device_weight", "kv.host_weight",
-                           "kv.disk_weight", "kv.temperature"};
-    for (int f = 0; f < 5; f++) {
-        cfg = config(KM_POLICY_KV);
-        *fields[f] = nextafter(KM_POLICY_KV_PARAM_MAX, INFINITY);
-        cr_assert_eq(km_policy_config_validate(&cfg, why, sizeof why), KM_ERR_INVALID_ARGUMENT,
-                     "%s", names[f]);
-        cr_assert(strstr(why, names[f]), "%s", why);
-        *fields[f] = KM_POLICY_KV_PARAM_MAX;
-        cr_assert_eq(km_policy_config_validate(&cfg, why, sizeof why), KM_OK, "%s", why);
-    }
+    static const size_t fields[] = {offsetof(km_policy_config, kv.prefill_load_scale),
+                                    offsetof(km_policy_config, kv.device_weight),
+                                    offsetof(km_policy_config, kv.host_weight),
+                                    offsetof(km_policy_config, kv.disk_weight),
+                                    offsetof(km_policy_config, kv.temperature)};
+    static const char *const names[] = {"kv.prefill_load_scale", "kv.device_weight",
+                                        "kv.host_weight", "kv.disk_weight", "kv.temperature"};
+    each_refused_past(KM_POLICY_KV, fields, names, 5, KM_POLICY_KV_PARAM_MAX);
     cfg = config(KM_POLICY_KV);
     cfg.kv.prefill_load_scale = KM_POLICY_KV_PARAM_MAX;
     cfg.kv.temperature = 0.5;
@@ -228,18 +242,12 @@ Test(policy, llmd_weights_past_their_maximum_are_refused, .timeout = 30)
     char why[160] = "";
     cr_assert_eq(km_policy_config_validate(&cfg, why, sizeof why), KM_ERR_INVALID_ARGUMENT);
     cr_assert(strstr(why, "llmd.prefix_weight"), "%s", why);
-    double *fields[] = {&cfg.llmd.prefix_weight, &cfg.llmd.queue_weight,
-                        &cfg.llmd.kv_usage_weight};
-    const char *names[] = {"llmd.prefix_weight", "llmd.queue_weight", "llmd.kv_usage_weight"};
-    for (int f = 0; f < 3; f++) {
-        cfg = config(KM_POLICY_LLMD);
-        *fields[f] = nextafter(KM_POLICY_LLMD_WEIGHT_MAX, INFINITY);
-        cr_assert_eq(km_policy_config_validate(&cfg, why, sizeof why), KM_ERR_INVALID_ARGUMENT,
-                     "%s", names[f]);
-        cr_assert(strstr(why, names[f]), "%s", why);
-        *fields[f] = KM_POLICY_LLMD_WEIGHT_MAX;
-        cr_assert_eq(km_policy_config_validate(&cfg, why, sizeof why), KM_OK, "%s", why);
-    }
+    static const size_t fields[] = {offsetof(km_policy_config, llmd.prefix_weight),
+                                    offsetof(km_policy_config, llmd.queue_weight),
+                                    offsetof(km_policy_config, llmd.kv_usage_weight)};
+    static const char *const names[] = {"llmd.prefix_weight", "llmd.queue_weight",
+                                        "llmd.kv_usage_weight"};
+    each_refused_past(KM_POLICY_LLMD, fields, names, 3, KM_POLICY_LLMD_WEIGHT_MAX);
     cfg = config(KM_POLICY_LLMD);
     cfg.llmd.prefix_weight = cfg.llmd.queue_weight = KM_POLICY_LLMD_WEIGHT_MAX;
     cfg.llmd.kv_usage_weight = KM_POLICY_LLMD_WEIGHT_MAX;
