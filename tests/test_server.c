@@ -432,6 +432,98 @@ Test(server, max_frame_bytes_holds_every_bounded_reply, .timeout = 30)
     srv_cleanup(&s);
 }
 
+/* An ACK whose failed items' messages do not fit max_frame_bytes is still an ACK: every item's
+ * status, the applied one among them, each message a prefix of the one it would have had whole,
+ * the frame within the limit, and the reply counted. */
+Test(server, an_ack_too_large_for_its_messages_keeps_every_status, .timeout = 30)
+{
+    enum { N = 25 };
+    srv s = {0};
+    km_server_config cfg;
+    test_config(&cfg, &s, KM_POLICY_PREFIX, 2);
+    cfg.limits.max_frame_bytes = KM_SERVER_MIN_FRAME_BYTES;
+    srv_start(&s, &cfg);
+    km_client *c = connect_client(&s);
+    km_message reply;
+    km_route_request r = prefix_route("routed", 4 * BS);
+    const km_route_decision *d = route_one(c, &r, &reply);
+    cr_assert_eq(d->status, KM_OK);
+    uint64_t routed = d->decision_id;
+
+    /* The whole message of one unknown request's report, for comparison. */
+    char ids[N][8];
+    km_lifecycle_event ev[N];
+    memset(ev, 0, sizeof ev);
+    for (int i = 0; i < N; i++) {
+        ev[i].kind = KM_LIFECYCLE_DISPATCHED;
+        snprintf(ids[i], sizeof ids[i], "r-%02d", i);
+        ev[i].request_id = ids[i];
+    }
+    cr_assert_eq(km_client_lifecycle(c, &ev[1], 1, 5000, &reply), KM_OK, "%s",
+                 km_client_last_error(c));
+    cr_assert_eq(reply.type, KM_MESSAGE_ACK);
+    cr_assert_eq(reply.ack.items[0].status, KM_ERR_NOT_FOUND);
+    char whole[256];
+    snprintf(whole, sizeof whole, "%s", reply.ack.items[0].message);
+    cr_assert_gt((N - 1) * (18 + strlen(whole)), (size_t)KM_SERVER_MIN_FRAME_BYTES, "%s", whole);
+    km_server_stats before;
+    km_server_get_stats(s.server, &before);
+
+    /* The first report is for the decision made above; the other 24 fail, and their messages in
+     * full would pass 1024 bytes. */
+    ev[0].request_id = NULL;
+    ev[0].has_decision_id = true;
+    ev[0].decision_id = routed;
+    ev[0].has_elapsed_ms = true;
+    ev[0].elapsed_ms = 0.5;
+    cr_assert_eq(km_client_lifecycle(c, ev, N, 5000, &reply), KM_OK, "%s",
+                 km_client_last_error(c));
+    cr_assert_eq(reply.type, KM_MESSAGE_ACK, "%s",
+                 reply.type == KM_MESSAGE_ERROR ? reply.error.message : "not an ERROR");
+    cr_assert_eq(reply.ack.n_items, N);
+    cr_assert_eq(reply.ack.items[0].status, KM_OK, "the decision's report applied");
+    size_t longest = 0;
+    for (int i = 1; i < N; i++) {
+        cr_assert_eq(reply.ack.items[i].status, KM_ERR_NOT_FOUND, "item %d", i);
+        const char *m = reply.ack.items[i].message ? reply.ack.items[i].message : "";
+        char expect[256];
+        snprintf(expect, sizeof expect, "%s", whole);
+        char *id = strstr(expect, ids[1]);
+        if (id) /* the same message but for the request id it names */
+            memcpy(id, ids[i], strlen(ids[i]));
+        cr_assert_eq(strncmp(m, expect, strlen(m)), 0, "item %d: '%s' is not a prefix of '%s'", i,
+                     m, expect);
+        longest = strlen(m) > longest ? strlen(m) : longest;
+    }
+    cr_assert_lt(longest, strlen(whole), "the messages were cut");
+    cr_assert_gt(longest, 0, "room was left for some of each message");
+    km_server_stats after;
+    km_server_get_stats(s.server, &after);
+    cr_assert_eq(after.replies_cut, before.replies_cut + 1);
+    cr_assert_eq(after.lifecycle_events, before.lifecycle_events + N);
+    cr_assert_eq(after.lifecycle_errors, before.lifecycle_errors + N - 1);
+
+    /* Applied: the outcome record has the dispatch's time. */
+    km_lifecycle_event fin;
+    memset(&fin, 0, sizeof fin);
+    fin.kind = KM_LIFECYCLE_FINISHED;
+    fin.has_decision_id = true;
+    fin.decision_id = routed;
+    fin.outcome = KM_OUTCOME_CANCELLED;
+    cr_assert_eq(km_client_lifecycle(c, &fin, 1, 5000, &reply), KM_OK);
+    cr_assert_eq(reply.ack.items[0].status, KM_OK, "%s",
+                 reply.ack.items[0].message ? reply.ack.items[0].message : "");
+    km_client_close(c);
+    srv_stop(&s);
+    json_t *all = read_records(&s);
+    json_t *outcome = find_record(all, "outcome", (int64_t)routed);
+    cr_assert_not_null(outcome);
+    cr_assert_float_eq(json_number_value(json_object_get(outcome, "router_dispatched_ms")), 0.5,
+                       1e-9);
+    json_decref(all);
+    srv_cleanup(&s);
+}
+
 /* Strings are UTF-8 (docs/PROTOCOL.md): a route whose request id is not fails alone with
  * KM_ERR_PARSE while its sibling is decided, and a WORKERS add whose endpoint is not is refused,
  * so no reply (DECISION, STATUS_REPLY, WORKER_LIST) carries a string a strict client cannot
@@ -848,6 +940,46 @@ static void raw_status_answered(int fd, km_protocol_decoder *dec, uint8_t *buf, 
     cr_assert_eq(raw_read_reply(fd, dec, &m, buf, cap), KM_OK, "the connection was not kept");
     cr_assert_eq(m.type, KM_MESSAGE_STATUS_REPLY);
     cr_assert_eq(m.id, id);
+}
+
+/* A LIFECYCLE of many one-byte events ({}), each refused, asks for more statuses than
+ * max_frame_bytes holds even with empty messages: an ERROR KM_ERR_TOO_LARGE with its id, nothing
+ * was applied, and the connection is kept. */
+Test(server, an_ack_whose_statuses_alone_do_not_fit_is_an_error, .timeout = 30)
+{
+    enum { N = 200 };
+    srv s = {0};
+    km_server_config cfg;
+    test_config(&cfg, &s, KM_POLICY_PREFIX, 1);
+    cfg.records_path = NULL;
+    cfg.limits.max_frame_bytes = KM_SERVER_MIN_FRAME_BYTES;
+    srv_start(&s, &cfg);
+    km_protocol_decoder *dec;
+    cr_assert_eq(km_protocol_decoder_create(NULL, &dec), KM_OK);
+    static uint8_t buf[1 << 16];
+    int fd = raw_connect(&s);
+    raw_hello(fd, dec, buf, sizeof buf, KM_PROTOCOL_VERSION);
+    /* {"type": "LIFECYCLE", "id": 5, "events": [{}, {}, ...]} */
+    uint8_t frame[64 + N];
+    const uint8_t head[] = {0x83, 0xa4, 't', 'y', 'p', 'e', 0xa9, 'L', 'I', 'F', 'E', 'C', 'Y',
+                            'C', 'L', 'E', 0xa2, 'i', 'd', 5, 0xa6, 'e', 'v', 'e', 'n', 't', 's',
+                            0xdc, 0, N};
+    memcpy(frame, head, sizeof head);
+    memset(frame + sizeof head, 0x80, N);
+    raw_send_frame(fd, frame, (uint32_t)(sizeof head + N));
+    km_message m;
+    cr_assert_eq(raw_read_reply(fd, dec, &m, buf, sizeof buf), KM_ERR_TOO_LARGE);
+    cr_assert_eq(m.id, 5);
+    cr_assert_not_null(strstr(m.error.message, "max_frame_bytes"), "%s", m.error.message);
+    km_server_stats st;
+    km_server_get_stats(s.server, &st);
+    cr_assert_eq(st.lifecycle_errors, N, "every event refused");
+    cr_assert_eq(st.replies_cut, 0);
+    raw_status_answered(fd, dec, buf, sizeof buf, 6);
+    close(fd);
+    km_protocol_decoder_destroy(dec);
+    srv_stop(&s);
+    srv_cleanup(&s);
 }
 
 /* Id 0 is the server's, for connection-level errors: a message of id 0, a HELLO or any request

@@ -341,6 +341,9 @@ typedef struct km_server_stats {
     uint64_t send_buffer_bytes; /* allocated to the open connections' send buffers now: each
                                  * connection keeps at most 64 KiB of each of its two once its
                                  * replies are written, whatever its largest reply */
+    uint64_t replies_cut;       /* ACKs over max_frame_bytes with their failed items' messages
+                                 * whole, sent with those messages cut short (every status
+                                 * kept) */
 } km_server_stats;
 
 void km_server_get_stats(km_server *server, km_server_stats *out);

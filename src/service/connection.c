@@ -473,15 +473,79 @@ void km_srv_send_error(conn *c, uint64_t id, int code, const char *fmt, ...)
     km_frame_buffer_free(&fb);
 }
 
+/* An ACK too large for max_frame_bytes with its failed items' messages whole, encoded into fb
+ * with every item's status and each failed item's message cut to an equal share of the room the
+ * statuses leave (at the least empty). Its items were applied or refused one by one before the
+ * reply was built, so only a reply that says which lets the caller go on: an ERROR in its place
+ * would leave applied items looking refused, and their retry would meet duplicates. The encoder's
+ * error when even empty messages do not fit. */
+static int encode_ack_cut(const km_message *m, uint32_t max_frame_bytes, km_frame_buffer *fb,
+                          char *why, size_t why_size)
+{
+    uint32_t n = m->ack.n_items, failed = 0;
+    for (uint32_t i = 0; i < n; i++)
+        failed += m->ack.items[i].status != KM_OK;
+    if (failed == 0)
+        return km_protocol_encode(m, max_frame_bytes, fb, why, why_size);
+    km_item_status *items = malloc(n * sizeof *items);
+    if (!items)
+        return KM_ERR_OUT_OF_MEMORY;
+    for (uint32_t i = 0; i < n; i++)
+        items[i] = (km_item_status){m->ack.items[i].status,
+                                    m->ack.items[i].status != KM_OK ? "" : NULL};
+    km_message cut = *m;
+    cut.ack.items = items;
+    int rc = km_protocol_encode(&cut, max_frame_bytes, fb, why, why_size);
+    char *texts = NULL;
+    if (rc == KM_OK) {
+        /* fb holds the ACK with empty messages: its 4-byte length prefix and payload. A message
+         * of up to 65,535 bytes takes at most 2 header bytes more than an empty one. */
+        size_t room = (size_t)max_frame_bytes - (fb->size - 4);
+        size_t share = room / failed > 2 ? room / failed - 2 : 0;
+        texts = share ? malloc((size_t)failed * (share + 1)) : NULL;
+        for (uint32_t i = 0, k = 0; texts && i < n; i++) {
+            if (items[i].status == KM_OK)
+                continue;
+            const char *whole = m->ack.items[i].message ? m->ack.items[i].message
+                                                        : km_strerror(items[i].status);
+            char *t = texts + (size_t)k++ * (share + 1);
+            size_t len = strnlen(whole, share);
+            memcpy(t, whole, len); /* a character cut in two is left out by the encoder */
+            t[len] = '\0';
+            items[i].message = t;
+        }
+        if (texts) {
+            km_frame_buffer longer;
+            km_frame_buffer_init(&longer);
+            if (km_protocol_encode(&cut, max_frame_bytes, &longer, NULL, 0) == KM_OK) {
+                km_frame_buffer_free(fb);
+                *fb = longer;
+            } else {
+                km_frame_buffer_free(&longer);
+            }
+        }
+    }
+    free(texts);
+    free(items);
+    return rc;
+}
+
 /* Encode and queue one reply; one that does not encode within max_frame_bytes is answered with
- * an ERROR naming why. KM_OK when the reply itself was queued: KM_ERR_CLOSED when the connection
- * is closing, else the encoder's error. */
+ * an ERROR naming why, but for an ACK, whose failed items' messages are cut to fit
+ * (encode_ack_cut). KM_OK when the reply itself was queued: KM_ERR_CLOSED when the connection is
+ * closing, else the encoder's error. */
 int km_srv_send_message(conn *c, const km_message *m)
 {
     km_frame_buffer fb;
     km_frame_buffer_init(&fb);
     char why[256];
-    int rc = km_protocol_encode(m, c->server->cfg.limits.max_frame_bytes, &fb, why, sizeof why);
+    uint32_t max_frame_bytes = c->server->cfg.limits.max_frame_bytes;
+    int rc = km_protocol_encode(m, max_frame_bytes, &fb, why, sizeof why);
+    if (rc == KM_ERR_TOO_LARGE && m->type == KM_MESSAGE_ACK) {
+        rc = encode_ack_cut(m, max_frame_bytes, &fb, why, sizeof why);
+        if (rc == KM_OK)
+            atomic_fetch_add(&c->server->st.replies_cut, 1);
+    }
     if (rc == KM_OK) {
         pthread_mutex_lock(&c->write_lock);
         if (!conn_send_locked(c, fb.data, fb.size, false, NULL))

@@ -481,7 +481,7 @@ struct km_server {
             lifecycle_errors, outcomes, expired, evicted, dropped_at_shutdown, dropped_closed,
             undelivered,
             dispatch_learned, dispatch_unlearned, breaker_opened, no_healthy, drain_releases,
-            scheduler_replies;
+            scheduler_replies, replies_cut;
         /* bytes allocated to the connections' send buffers (outbox and writing) now */
         atomic_uint_fast64_t send_buffer_bytes;
         /* connections refused at accept, by reason (their sum is `refused`) */

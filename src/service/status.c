@@ -528,6 +528,9 @@ static int http_metrics(void *user, km_text *out)
          atomic_load(&s->st.open)},
         {"kvmatch_lifecycle_errors_total", "Lifecycle reports answered with an error.",
          KM_METRIC_COUNTER, atomic_load(&s->st.lifecycle_errors)},
+        {"kvmatch_replies_cut_total",
+         "ACK replies sent with their failed items' messages cut short to fit max_frame_bytes.",
+         KM_METRIC_COUNTER, atomic_load(&s->st.replies_cut)},
         {"kvmatch_approx_dispatch_learned_total",
          "Router overrides to an approximate-mode worker that taught it the request's blocks.",
          KM_METRIC_COUNTER, atomic_load(&s->st.dispatch_learned)},
@@ -779,6 +782,7 @@ void km_server_get_stats(km_server *s, km_server_stats *o)
     o->no_healthy_worker = atomic_load(&s->st.no_healthy);
     o->scheduler_replies = atomic_load(&s->st.scheduler_replies);
     o->send_buffer_bytes = atomic_load(&s->st.send_buffer_bytes);
+    o->replies_cut = atomic_load(&s->st.replies_cut);
     if (s->records) {
         km_record_writer_counters rc;
         km_record_writer_stats(s->records, &rc);
