@@ -1414,6 +1414,155 @@ Test(cluster, a_server_max_payload_below_the_message_bound_is_the_bound,
     km_cluster_destroy(b);
 }
 
+/* ---- a server that refuses an instance's publishes ------------------------------------------ */
+
+static void start_permissions_server(void)
+{
+    char why[256];
+    if (!km_nats_test_server_start_with(&server,
+                                        "authorization { users = [ {user: a, password: a}, "
+                                        "{user: b, password: s3cret, permissions: "
+                                        "{publish: {deny: \">\"}}} ] }",
+                                        why, sizeof why))
+        cr_assert_fail("cannot start nats-server: %s", why);
+}
+
+static atomic_int g_password_logged;
+
+/* Log lines about errors NATS reported, counted; a line with b's password noted. */
+static void count_nats_error_lines(void *user, const char *line)
+{
+    refusal_lines *r = user;
+    if (strstr(line, "s3cret"))
+        atomic_store(&g_password_logged, 1);
+    if (strstr(line, "NATS reported an error")) {
+        pthread_mutex_lock(&r->lock);
+        r->n++;
+        pthread_mutex_unlock(&r->lock);
+    }
+}
+
+/* The server refusing an instance's publishes (its user may not publish) is an error outside any
+ * call: counted, its words kept, and logged once per interval however many publishes it refuses,
+ * while the instance allowed to publish is not touched. No line logs the URL's password. */
+Test(cluster, a_publish_the_server_refuses_is_counted_kept_and_logged,
+     .init = start_permissions_server, .fini = stop_server, .timeout = 60)
+{
+    static refusal_lines lines = {.lock = PTHREAD_MUTEX_INITIALIZER};
+    char url_a[96], url_b[96];
+    snprintf(url_a, sizeof url_a, "nats://a:a@127.0.0.1:%u", server.port);
+    snprintf(url_b, sizeof url_b, "nats://b:s3cret@127.0.0.1:%u", server.port);
+    km_cluster *a = instance("a", url_a, 5000, 0);
+    km_cluster_config cfg;
+    km_cluster_config_init(&cfg);
+    cfg.url = url_b;
+    cfg.instance = "b";
+    cfg.max_workers = WORKERS;
+    cfg.heartbeat_ms = 50;
+    cfg.sync_quiet_ms = 200;
+    cfg.expire_ms = 5000;
+    cfg.log = count_nats_error_lines;
+    cfg.log_user = &lines;
+    km_cluster *b = NULL;
+    char why[256] = "";
+    cr_assert_eq(km_cluster_create(&cfg, &b, why, sizeof why), KM_OK, "%s", why);
+    km_active_load l = {4, 1, 0, 0, 0, 0};
+    km_cluster_publish_load(b, 2, &l);
+    WAIT_UNTIL(stats(b).nats_errors >= 3, 10000);
+    km_cluster_stats sb = stats(b);
+    cr_assert_geq(sb.nats_errors, 3, "every refused publish is counted");
+    cr_assert_eq(sb.nats_slow_consumer, 0);
+    cr_assert_not_null(strstr(sb.last_nats_error, "Permissions Violation"), "%s",
+                       sb.last_nats_error);
+    cr_assert_eq(refusal_lines_count(&lines), 1, "logged once in the interval");
+    cr_assert_eq(stats(a).nats_errors, 0);
+    cr_assert_str_eq(stats(a).last_nats_error, "");
+    cr_assert_eq(remote(a, 2).in_flight, 0, "the refused load never reached a");
+    km_cluster_destroy(b);
+    km_cluster_destroy(a);
+    cr_assert_eq(atomic_load(&g_password_logged), 0, "a log line holds the password");
+}
+
+/* Log lines, kept for reading. */
+typedef struct log_lines {
+    pthread_mutex_t lock;
+    char text[4096];
+} log_lines;
+
+static void keep_lines(void *user, const char *line)
+{
+    log_lines *l = user;
+    pthread_mutex_lock(&l->lock);
+    size_t at = strlen(l->text);
+    snprintf(l->text + at, sizeof l->text - at, "%s\n", line);
+    pthread_mutex_unlock(&l->lock);
+}
+
+/* An instance whose NATS server is not there says so with the URL, but not with its password. */
+Test(cluster, an_unreachable_urls_password_is_not_logged, .timeout = 30)
+{
+    static log_lines lines = {.lock = PTHREAD_MUTEX_INITIALIZER};
+    char url[96];
+    snprintf(url, sizeof url, "nats://b:s3cret@127.0.0.1:%u", km_test_free_port());
+    km_cluster_config cfg;
+    km_cluster_config_init(&cfg);
+    cfg.url = url;
+    cfg.instance = "b";
+    cfg.max_workers = WORKERS;
+    cfg.log = keep_lines;
+    cfg.log_user = &lines;
+    km_cluster *b = NULL;
+    char why[256] = "";
+    cr_assert_eq(km_cluster_create(&cfg, &b, why, sizeof why), KM_OK, "%s", why);
+    km_cluster_destroy(b);
+    pthread_mutex_lock(&lines.lock);
+    cr_assert_not_null(strstr(lines.text, "unreachable"), "%s", lines.text);
+    cr_assert_not_null(strstr(lines.text, "nats://b:***@127.0.0.1:"), "%s", lines.text);
+    cr_assert_null(strstr(lines.text, "s3cret"), "%s", lines.text);
+    pthread_mutex_unlock(&lines.lock);
+}
+
+/* A URL's password or token never reaches a log line or message: each URL of a list shown with
+ * three asterisks in their place, the user name and everything else as given; on fresh random
+ * credentials. */
+Test(cluster, a_urls_credentials_are_not_shown)
+{
+    static const struct {
+        const char *url, *shown;
+    } cases[] = {
+        {"nats://127.0.0.1:4222", "nats://127.0.0.1:4222"},
+        {"nats://b:s3cret@127.0.0.1:4222", "nats://b:***@127.0.0.1:4222"},
+        {"nats://t0ken@nats.internal:4222", "nats://***@nats.internal:4222"},
+        {"nats://u:p@ss@h:1", "nats://u:***@h:1"},
+        {"nats://u:p@h1:1,nats://t@h2:2,nats://h3:3", "nats://u:***@h1:1,nats://***@h2:2,nats://h3:3"},
+        {"nats://h:1/x@y", "nats://h:1/x@y"},
+        {"", ""},
+    };
+    char out[128];
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        km_cluster_url_shown(cases[i].url, out, sizeof out);
+        cr_assert_str_eq(out, cases[i].shown, "%s", cases[i].url);
+    }
+    km_cluster_url_shown("nats://user:password@host:1", out, 12);
+    cr_assert_str_eq(out, "nats://user", "cut to the size");
+    static const char chars[] = "abcXYZ019-_.~!$&'()*+;=:@%";
+    unsigned seed0 = (unsigned)time(NULL), seed = seed0;
+    for (int k = 0; k < 1000; k++) {
+        char user[12], secret[24], url[96], expect[96];
+        int nu = 1 + rand_r(&seed) % 10, ns = 1 + rand_r(&seed) % 22;
+        for (int j = 0; j < nu; j++)
+            user[j] = chars[rand_r(&seed) % 15]; /* no ':' or '@' */
+        user[nu] = '\0';
+        for (int j = 0; j < ns; j++)
+            secret[j] = chars[rand_r(&seed) % (sizeof chars - 1)];
+        secret[ns] = '\0';
+        snprintf(url, sizeof url, "nats://%s:%s@10.0.0.%d:4222", user, secret, k % 250);
+        snprintf(expect, sizeof expect, "nats://%s:***@10.0.0.%d:4222", user, k % 250);
+        km_cluster_url_shown(url, out, sizeof out);
+        cr_assert_str_eq(out, expect, "%s (seed %u)", url, seed0);
+    }
+}
+
 /* A list past the bounds is cut, and what was cut counted once per list kept: the same cut list
  * published again beside another load sends no new work, so it counts nothing more. */
 Test(cluster, a_cut_work_list_is_counted_once_per_list_it_replaces, .init = start_server,

@@ -312,12 +312,16 @@ Test(cluster_serve, decisions_weigh_the_other_instances_work_and_say_so, .init =
     cr_assert_eq(json_integer_value(json_object_get(cl, "lost_messages")), 0);
     cr_assert(json_is_integer(json_object_get(cl, "publish_outbox_full")));
     cr_assert(json_is_integer(json_object_get(cl, "publish_too_large")));
+    cr_assert_eq(json_integer_value(json_object_get(cl, "nats_errors")), 0);
+    cr_assert(json_is_integer(json_object_get(cl, "nats_slow_consumer")));
+    cr_assert_str_eq(json_string_value(json_object_get(cl, "last_nats_error")), "");
     json_decref(st);
     static char body[1 << 17];
     cr_assert_eq(http_get(km_server_http_port(b.server), "/metrics", body, sizeof body), 200);
     cr_assert(strstr(body, "\nkvmatch_cluster_instances 1"), "%s", body);
     cr_assert(strstr(body, "\nkvmatch_cluster_publish_outbox_full_total 0"), "%s", body);
     cr_assert(strstr(body, "\nkvmatch_cluster_publish_too_large_total 0"), "%s", body);
+    cr_assert(strstr(body, "\nkvmatch_cluster_nats_errors_total 0"), "%s", body);
     cr_assert(strstr(body, "kvmatch_cluster_refused_messages_total{reason=\"malformed\"} 0"));
     cr_assert(strstr(body, "\nkvmatch_cluster_sync_requests_total 0"), "%s", body);
     cr_assert_eq(http_get(km_server_http_port(a.server), "/metrics", body, sizeof body), 200);

@@ -266,6 +266,11 @@ typedef enum km_cluster_refusal {
 /* The name in KM_CLUSTER_REFUSAL_LIST; "unknown" for any other value. */
 const char *km_cluster_refusal_name(km_cluster_refusal r);
 
+/* url as logs and error messages show it: the secret of each URL of the list that carries
+ * credentials replaced by three asterisks (the password of user:password@host:port, the token of
+ * token@host:port; the user name stays), anything else as it is; cut to size - 1 bytes. */
+void km_cluster_url_shown(const char *url, char *out, size_t size);
+
 typedef struct km_cluster_stats {
     bool connected;              /* the NATS connection is up now */
     bool synced;                 /* the peers' state was taken at create (or after a reconnect) */
@@ -299,6 +304,12 @@ typedef struct km_cluster_stats {
                                   * received) */
     uint64_t work_omitted;       /* messages sent without their in-flight work (over
                                   * KM_CLUSTER_MESSAGE_MAX with it) */
+    uint64_t nats_errors;        /* errors the NATS client reported outside any call: the
+                                  * server refusing a publish or the subscription (permissions),
+                                  * the subscription falling behind, ... */
+    uint64_t nats_slow_consumer; /* of nats_errors: the client dropped messages of the
+                                  * subscription (they also count in lost_messages) */
+    char last_nats_error[160];   /* the last of them ("" when none), printable UTF-8 */
     uint64_t refused[KM_CLUSTER_REFUSAL_COUNT]; /* by km_cluster_refusal */
     char last_refusal[160];      /* the last refused message's reason ("" when none), printable
                                   * UTF-8 whatever the message carried */

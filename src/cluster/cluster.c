@@ -88,6 +88,7 @@ typedef struct contribution {
 struct km_cluster {
     km_cluster_config cfg;
     char *url, *instance, *prefix;
+    char url_shown[256]; /* km_cluster_url_shown: what logs and messages say */
     size_t prefix_len;
     uint64_t incarnation;
 
@@ -102,6 +103,7 @@ struct km_cluster {
     log_limit refusal_log[KM_CLUSTER_REFUSAL_COUNT]; /* per reason */
     log_limit publish_failure_log;
     log_limit gap_log; /* sequence gaps, all peers */
+    log_limit nats_error_log; /* the NATS client's asynchronous errors */
     bool sub_complete; /* the subscription is closed and its message handler has returned */
     int callbacks_running;
 
@@ -171,6 +173,53 @@ _Static_assert(sizeof REFUSAL_NAMES / sizeof REFUSAL_NAMES[0] == KM_CLUSTER_REFU
 const char *km_cluster_refusal_name(km_cluster_refusal r)
 {
     return (unsigned)r < KM_CLUSTER_REFUSAL_COUNT ? REFUSAL_NAMES[r] : "unknown";
+}
+
+/* One URL of a list (n bytes at url) into out[*at..size), its secret replaced. */
+static void url_part_shown(const char *url, size_t n, char *out, size_t size, size_t *at)
+{
+    const char *end = url + n;
+    const char *scheme_end = NULL;
+    for (const char *p = url; p + 3 <= end && !scheme_end; p++)
+        if (!memcmp(p, "://", 3))
+            scheme_end = p;
+    const char *host = scheme_end ? scheme_end + 3 : url;
+    const char *authority_end = host;
+    while (authority_end < end && !strchr("/?#", *authority_end))
+        authority_end++;
+    const char *userinfo_end = NULL; /* the last '@' of the authority (a password may hold '@') */
+    for (const char *p = host; p < authority_end; p++)
+        if (*p == '@')
+            userinfo_end = p;
+    int w;
+    if (!userinfo_end) {
+        w = snprintf(out + *at, size - *at, "%.*s", (int)n, url);
+    } else {
+        const char *colon = memchr(host, ':', (size_t)(userinfo_end - host));
+        int user = colon ? (int)(colon - host) : 0; /* shown only where a password follows it */
+        w = snprintf(out + *at, size - *at, "%.*s%.*s%s***%.*s", (int)(host - url), url, user, host,
+                     colon ? ":" : "", (int)(end - userinfo_end), userinfo_end);
+    }
+    *at += w < 0 ? 0 : (size_t)w < size - *at ? (size_t)w : size - 1 - *at;
+}
+
+void km_cluster_url_shown(const char *url, char *out, size_t size)
+{
+    if (!out || size == 0)
+        return;
+    out[0] = '\0';
+    if (!url)
+        return;
+    size_t at = 0;
+    for (const char *p = url;;) { /* a comma-separated list of servers, each shown */
+        size_t n = strcspn(p, ",");
+        url_part_shown(p, n, out, size, &at);
+        if (!p[n] || at + 1 >= size)
+            break;
+        out[at++] = ',';
+        out[at] = '\0';
+        p += n + 1;
+    }
 }
 
 void km_cluster_config_init(km_cluster_config *cfg)
@@ -1108,7 +1157,7 @@ static void on_connected(natsConnection *nc, void *closure)
         c->connected = true;
         c->st.reconnects += again;
         cluster_log(c, KM_LOG_INFO
-                    "connected to %s: sending state, asking peers for theirs", c->url);
+                    "connected to %s: sending state, asking peers for theirs", c->url_shown);
         publish_state(c);
         publish_sync_request(c);
         c->synced = true;
@@ -1128,7 +1177,43 @@ static void on_disconnected(natsConnection *nc, void *closure)
                 c->peers[i].stale = true;
         cluster_log(c, KM_LOG_WARNING
                     "disconnected from %s: routing on this instance's view; remote "
-                    "contributions are stale and expire in %u ms", c->url, c->cfg.expire_ms);
+                    "contributions are stale and expire in %u ms", c->url_shown, c->cfg.expire_ms);
+    }
+    pthread_mutex_unlock(&c->lock);
+}
+
+/* An error the NATS client reports outside any call, from its own thread: the server refusing
+ * this instance a publish or its subscription (a permissions violation: the peers then miss its
+ * load, or it theirs), or the subscription falling behind (a slow consumer: the client dropped
+ * messages, which also arrive as sequence gaps). Counted, kept as the last, and logged as a
+ * warning at most once per interval. */
+static void on_nats_error(natsConnection *nc, natsSubscription *sub, natsStatus err, void *closure)
+{
+    km_cluster *c = closure;
+    char why[sizeof c->st.last_nats_error];
+    if (err == NATS_SLOW_CONSUMER) {
+        int64_t dropped = 0;
+        if (sub)
+            natsSubscription_GetDropped(sub, &dropped);
+        snprintf(why, sizeof why, "slow consumer: the NATS client has dropped %" PRId64
+                 " messages of this instance's subscription", dropped);
+    } else {
+        const char *text = NULL;
+        natsConnection_GetLastError(nc, &text); /* the server's words, where it gave any */
+        snprintf(why, sizeof why, "%s%s%s", natsStatus_GetText(err), text && *text ? ": " : "",
+                 text ? text : "");
+    }
+    pthread_mutex_lock(&c->lock);
+    c->st.nats_errors++;
+    c->st.nats_slow_consumer += err == NATS_SLOW_CONSUMER;
+    printable_copy(c->st.last_nats_error, sizeof c->st.last_nats_error, why);
+    uint64_t more;
+    if (!c->closing && log_limit_take(&c->nats_error_log, mono_ns(), &more)) {
+        char since[96] = "";
+        if (more)
+            snprintf(since, sizeof since, "; %" PRIu64 " more since the last line", more);
+        cluster_log(c, KM_LOG_WARNING "NATS reported an error: %s%s", c->st.last_nats_error,
+                    since);
     }
     pthread_mutex_unlock(&c->lock);
 }
@@ -1369,9 +1454,12 @@ int km_cluster_create(const km_cluster_config *cfg, km_cluster **out, char *why,
     if (!prefix_valid(prefix))
         return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,
                       "subject prefix \"%.80s\": dot-separated tokens of A-Z a-z 0-9 _ -", prefix);
-    if (strncmp(cfg->url, "nats://", 7) || !cfg->url[7])
+    if (strncmp(cfg->url, "nats://", 7) || !cfg->url[7]) {
+        char shown[96];
+        km_cluster_url_shown(cfg->url, shown, sizeof shown);
         return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,
-                      "cluster url \"%.80s\" is not nats://HOST:PORT", cfg->url);
+                      "cluster url \"%s\" is not nats://HOST:PORT", shown);
+    }
     if (cfg->max_workers < 1 || cfg->max_workers > 65534 || cfg->heartbeat_ms < 10 ||
         cfg->expire_ms <= cfg->heartbeat_ms || cfg->sync_timeout_ms > 600000 ||
         cfg->sync_answer_ms > cfg->sync_quiet_ms / 2 || cfg->reconnect_wait_ms < 1 ||
@@ -1386,6 +1474,7 @@ int km_cluster_create(const km_cluster_config *cfg, km_cluster **out, char *why,
         return km_why(why, why_size, KM_ERR_OUT_OF_MEMORY, "cluster handle");
     c->cfg = *cfg;
     c->url = strdup(cfg->url);
+    km_cluster_url_shown(cfg->url, c->url_shown, sizeof c->url_shown);
     c->instance = strdup(cfg->instance);
     c->prefix = strdup(prefix);
     c->prefix_len = strlen(prefix);
@@ -1455,6 +1544,8 @@ int km_cluster_create(const km_cluster_config *cfg, km_cluster **out, char *why,
         s = natsOptions_SetReconnectedCB(c->opts, on_connected, c);
     if (s == NATS_OK)
         s = natsOptions_SetClosedCB(c->opts, on_closed, c);
+    if (s == NATS_OK)
+        s = natsOptions_SetErrorHandler(c->opts, on_nats_error, c);
     if (s != NATS_OK) {
         km_why(why, why_size, KM_ERR_IO, "NATS options: %s", natsStatus_GetText(s));
         km_cluster_destroy(c);
@@ -1462,7 +1553,8 @@ int km_cluster_create(const km_cluster_config *cfg, km_cluster **out, char *why,
     }
     s = natsConnection_Connect(&c->conn, c->opts);
     if (s != NATS_OK && s != NATS_NOT_YET_CONNECTED) {
-        km_why(why, why_size, KM_ERR_IO, "NATS connect to %s: %s", c->url, natsStatus_GetText(s));
+        km_why(why, why_size, KM_ERR_IO, "NATS connect to %s: %s", c->url_shown,
+               natsStatus_GetText(s));
         km_cluster_destroy(c);
         return KM_ERR_IO;
     }
@@ -1506,7 +1598,7 @@ int km_cluster_create(const km_cluster_config *cfg, km_cluster **out, char *why,
     } else {
         cluster_log(c, KM_LOG_WARNING
                     "NATS at %s unreachable: routing on this instance's view, retrying every "
-                    "%u ms", c->url, c->cfg.reconnect_wait_ms);
+                    "%u ms", c->url_shown, c->cfg.reconnect_wait_ms);
     }
     pthread_mutex_unlock(&c->lock);
     *out = c;

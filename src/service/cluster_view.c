@@ -161,10 +161,12 @@ int km_srv_cluster_start(km_server *s, char *why, size_t why_size)
     const km_server_config *cfg = &s->cfg;
     if (!cfg->cluster_url)
         return KM_OK;
+    char url[256]; /* what the log says: without a password or token the URL carries */
+    km_cluster_url_shown(cfg->cluster_url, url, sizeof url);
     if (!cfg->cluster_instance)
         return km_why(why, why_size, KM_ERR_INVALID_ARGUMENT,
                       "cluster %s: an instance id is required (--instance, cluster.instance)",
-                      cfg->cluster_url);
+                      url);
     km_cluster_config cc;
     km_cluster_config_init(&cc);
     cc.url = cfg->cluster_url;
@@ -203,13 +205,13 @@ int km_srv_cluster_start(km_server *s, char *why, size_t why_size)
     km_cluster_get_stats(s->cluster, &st);
     if (st.connected)
         km_srv_log(s, KM_LOG_INFO
-                   "cluster %s as %s: took the view of %u peer%s in %.3f s", cfg->cluster_url,
+                   "cluster %s as %s: took the view of %u peer%s in %.3f s", url,
                    cfg->cluster_instance, st.sync_peers, st.sync_peers == 1 ? "" : "s",
                    st.sync_seconds);
     else
         km_srv_log(s, KM_LOG_WARNING
                    "cluster %s unreachable: routing on this instance's view (load scope "
-                   "this_instance) until it is", cfg->cluster_url);
+                   "this_instance) until it is", url);
     return KM_OK;
 }
 
@@ -366,6 +368,9 @@ json_t *km_srv_cluster_status(km_server *s)
                             json_integer((json_int_t)st.refused[r]));
     json_object_set_new(o, "refused", refused);
     json_object_set_new(o, "last_refusal", json_string(st.last_refusal));
+    json_object_set_new(o, "nats_errors", json_integer((json_int_t)st.nats_errors));
+    json_object_set_new(o, "nats_slow_consumer", json_integer((json_int_t)st.nats_slow_consumer));
+    json_object_set_new(o, "last_nats_error", json_string(st.last_nats_error));
     json_t *pred = json_object();
     pthread_mutex_lock(&s->predictions_lock);
     json_object_set_new(pred, "sent", json_integer((json_int_t)st.predictions_sent));
@@ -440,6 +445,9 @@ void km_srv_cluster_metrics(km_server *s, km_text *out)
         {"kvmatch_cluster_sync_answers_total",
          "States published in answer to sync requests (one answers every request before it).",
          KM_METRIC_COUNTER},
+        {"kvmatch_cluster_nats_errors_total",
+         "Errors the NATS client reported outside any call (permissions, slow consumer, ...).",
+         KM_METRIC_COUNTER},
     };
     double values[] = {st.connected,
                        v.instances,
@@ -455,7 +463,8 @@ void km_srv_cluster_metrics(km_server *s, km_text *out)
                        (double)st.publish_outbox_full,
                        (double)st.publish_too_large,
                        (double)st.sync_requests,
-                       (double)st.sync_answers};
+                       (double)st.sync_answers,
+                       (double)st.nats_errors};
     for (size_t i = 0; i < sizeof fam / sizeof fam[0]; i++) {
         km_prom_write_family(out, fam[i].name, fam[i].help, fam[i].type);
         km_prom_write_sample(out, fam[i].name, NULL, 0, values[i]);
