@@ -488,28 +488,42 @@ static int km_cuda_error_means_unavailable(cudaError_t e)
            e == cudaErrorJitCompilerNotFound;
 }
 
+/* A failed step of km_cuda_create: KM_ERR_OUT_OF_MEMORY when the device's memory ran out (another
+ * process may hold it), else KM_ERR_CUDA; why names the step. */
+static int km_cuda_create_failed(int device, const char *step, cudaError_t e, char *why,
+                                 size_t why_size)
+{
+    (void)cudaGetLastError();
+    snprintf(why, why_size, "CUDA device %d: %s: %s [%s]", device, step, cudaGetErrorString(e),
+             cudaGetErrorName(e));
+    return e == cudaErrorMemoryAllocation ? KM_ERR_OUT_OF_MEMORY : KM_ERR_CUDA;
+}
+
 /* Run the probe kernel on the current device; KM_OK, or a reason in why. */
 static int km_cuda_probe(int device, int major, int minor, char *why, size_t why_size)
 {
     uint32_t *d_out = NULL, h_out = 0;
+    const char *step = "allocating the probe's word (cudaMalloc)";
     cudaError_t e = cudaMalloc(&d_out, sizeof *d_out);
-    if (e == cudaSuccess)
+    if (e == cudaSuccess) {
+        step = "launching the probe kernel";
         e = km_launch_probe(0, d_out);
-    if (e == cudaSuccess)
+    }
+    if (e == cudaSuccess) {
+        step = "reading the probe's word back (cudaMemcpy)";
         e = cudaMemcpy(&h_out, d_out, sizeof h_out, cudaMemcpyDeviceToHost);
+    }
     if (d_out)
         (void)cudaFree(d_out);
     if (e != cudaSuccess) {
-        (void)cudaGetLastError();
         if (km_cuda_error_means_unavailable(e)) {
+            (void)cudaGetLastError();
             snprintf(why, why_size,
                      "CUDA device %d (sm_%d%d) cannot run this build's kernels: %s [%s]", device,
                      major, minor, cudaGetErrorString(e), cudaGetErrorName(e));
             return KM_ERR_BACKEND_UNAVAILABLE;
         }
-        snprintf(why, why_size, "CUDA device %d: probe launch failed: %s [%s]", device,
-                 cudaGetErrorString(e), cudaGetErrorName(e));
-        return KM_ERR_CUDA;
+        return km_cuda_create_failed(device, step, e, why, why_size);
     }
     if (h_out != 0x6b6d6174u) {
         snprintf(why, why_size, "CUDA device %d: probe kernel wrote 0x%08x, expected 0x6b6d6174",
@@ -582,16 +596,18 @@ extern "C" int km_cuda_create(int device, km_cuda **out, char *why, size_t why_s
         return KM_ERR_OUT_OF_MEMORY;
     }
     c->device = device;
+    const char *step = "creating the stream";
     e = cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking);
+    if (e == cudaSuccess)
+        step = "creating the stream's events";
     for (int i = 0; i < 2 && e == cudaSuccess; i++)
         e = cudaEventCreateWithFlags(&c->sync_staging_free[i], cudaEventDisableTiming);
     for (unsigned i = 0; i < KM_CUDA_RESULT_PIECES && e == cudaSuccess; i++)
         e = cudaEventCreateWithFlags(&c->results_arrived[i], cudaEventDisableTiming);
     if (e != cudaSuccess) {
-        snprintf(why, why_size, "CUDA device %d: creating the stream: %s [%s]", device,
-                 cudaGetErrorString(e), cudaGetErrorName(e));
+        rc = km_cuda_create_failed(device, step, e, why, why_size);
         km_cuda_destroy(c);
-        return KM_ERR_CUDA;
+        return rc;
     }
 
     cudaDeviceProp prop;
