@@ -10,7 +10,10 @@
  * A handle is not thread-safe: the caller serialises updates and scoring batches (the service's
  * scheduler does); each call uses the backend's own threads or stream internally.
  * Every function returns KM_OK (0) or a negative km_status; km_index_last_error() then holds a
- * sentence with the detail. A failed km_index_apply leaves the index's content exactly as it was. */
+ * sentence with the detail, but for the read-only calls on a const index (km_index_worker_stats,
+ * km_index_get_stats, km_index_holders, km_index_pair_tier), which leave it as it was: their
+ * errors (a NULL argument, a worker out of range, a pair not held) are named by the status alone.
+ * A failed km_index_apply leaves the index's content exactly as it was. */
 #ifndef KVMATCH_INDEX_H
 #define KVMATCH_INDEX_H
 
