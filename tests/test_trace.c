@@ -274,7 +274,28 @@ Test(trace, duplicate_field_is_refused, .timeout = 10)
     cr_assert_eq(load_string("{\"timestamp\": 0, \"timestamp\": 7, \"input_length\": 5, "
                              "\"output_length\": 1, \"hash_ids\": [1]}\n", NULL, err, sizeof err),
                  KM_ERR_PARSE, "%s", err);
-    cr_assert(strstr(err, ":1: invalid JSON: duplicate object key"), "%s", err);
+    cr_assert(strstr(err, ":1: invalid JSON at column "), "%s", err);
+    cr_assert(strstr(err, "duplicate object key"), "%s", err);
+}
+
+/* A number too large for any integer is refused by the JSON parser itself, before any field is
+ * checked: the message still says where, and in which field. */
+Test(trace, an_integer_too_large_for_json_names_its_field, .timeout = 10)
+{
+    char err[256] = "";
+    cr_assert_eq(load_string("{\"timestamp\": 99999999999999999999999, \"input_length\": 5, "
+                             "\"output_length\": 1, \"hash_ids\": [1]}\n", NULL, err, sizeof err),
+                 KM_ERR_PARSE, "%s", err);
+    cr_assert(strstr(err, ":1: invalid JSON at column 37 (field \"timestamp\"): too big integer"),
+              "%s", err);
+    cr_assert_eq(load_string(LINE("0", "5", "[1]") "{\"timestamp\": 1, \"input_length\": 5, "
+                             "\"output_length\": 1, \"hash_ids\": [1, 184467440737095516150]}\n",
+                             NULL, err, sizeof err),
+                 KM_ERR_PARSE, "%s", err);
+    cr_assert(strstr(err, ":2: invalid JSON at column "), "%s", err);
+    cr_assert(strstr(err, "(field \"hash_ids\"): too big integer"), "%s", err);
+    cr_assert_eq(load_string("{\"timestamp\" 1}\n", NULL, err, sizeof err), KM_ERR_PARSE);
+    cr_assert(strstr(err, ":1: invalid JSON at column ") && !strstr(err, "(field"), "%s", err);
 }
 
 /* A byte order mark opening the file is skipped: the trace is the one without it. Anywhere else it

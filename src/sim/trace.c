@@ -86,6 +86,25 @@ static int field_u64(json_t *obj, const char *name, uint64_t max, int truncate_r
     return -1;
 }
 
+/* Where the JSON of a line failed to parse (at byte `at` of text): ' (field "NAME")' for the last
+ * key written before that point (a number too large for an integer is refused while its field is
+ * read), or "" when none reads there. */
+static void key_before(const char *text, size_t len, int at, char *out, size_t size)
+{
+    out[0] = '\0';
+    size_t end = at < 0 ? 0 : (size_t)at < len ? (size_t)at : len;
+    while (end >= 2 && !(text[end - 1] == ':' && text[end - 2] == '"'))
+        end--;
+    if (end < 2)
+        return;
+    size_t close = end - 2, open = close;
+    while (open > 0 && text[open - 1] != '"')
+        open--;
+    if (open == 0 || close - open > 48)
+        return;
+    snprintf(out, size, " (field \"%.*s\")", (int)(close - open), text + open);
+}
+
 /* Validate one parsed line. Returns NULL, or why it is bad (*field names the field, if any). */
 static const char *check_request(json_t *obj, uint64_t *ts, uint64_t *in_len, uint64_t *out_len,
                                  json_t **ids, const char **field)
@@ -208,8 +227,10 @@ int km_trace_load_mooncake(const char *path, km_trace *out, char *err, size_t er
         json_error_t jerr;
         json_t *obj = json_loadb(text, len, JSON_REJECT_DUPLICATES, &jerr);
         if (!obj) {
-            trace_error(err, err_size, "%s:%llu: invalid JSON: %s", path,
-                        (unsigned long long)line_no, jerr.text);
+            char field_hint[80];
+            key_before(text, len, jerr.position, field_hint, sizeof field_hint);
+            trace_error(err, err_size, "%s:%llu: invalid JSON at column %d%s: %s", path,
+                        (unsigned long long)line_no, jerr.column, field_hint, jerr.text);
             status = KM_ERR_PARSE;
             goto done;
         }
