@@ -959,6 +959,54 @@ def test_frame_limit_client_side():
         s.stop()
 
 
+def test_connect_waits_while_the_listen_queue_is_full():
+    """A Unix server whose listen queue is full answers connect with EAGAIN: the client tries
+    again within its timeout, as a blocking connect would wait, says so when the queue stays
+    full, and is connected once the server accepts."""
+    path = os.path.join(tempfile.gettempdir(), "kvmatch-pytest-%d-queue.sock" % os.getpid())
+    if os.path.exists(path):
+        os.unlink(path)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(0)  # room for one connection not yet accepted
+    filler = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    filler.connect(path)
+    try:
+        t0 = time.monotonic()
+        try:
+            kc.Client.connect("unix:" + path, timeout=0.3)
+            raise AssertionError("connected to a server that accepts nothing")
+        except TimeoutError as e:
+            took = time.monotonic() - t0
+            assert "listen queue" in str(e), e
+            # It kept trying for its timeout; the upper bound only catches one it ignores.
+            assert 0.25 <= took < 10.0, took
+
+        def accept_later():
+            time.sleep(0.2)
+            first, _ = listener.accept()
+            first.close()
+            conn, _ = listener.accept()
+            with conn:
+                (n,) = struct.unpack(">I", conn.recv(4, socket.MSG_WAITALL))
+                hello = msgpack.unpackb(conn.recv(n, socket.MSG_WAITALL), raw=False)
+                welcome = msgpack.packb({"type": "WELCOME", "id": hello["id"], "protocol": 1,
+                                         "kvmatch_version": "0.1.0-fake", "server": "fake-queue",
+                                         "limits": {"max_frame_bytes": 1 << 20}})
+                conn.sendall(struct.pack(">I", len(welcome)) + welcome)
+                conn.recv(1)  # until the client closes
+
+        thread = threading.Thread(target=accept_later, daemon=True)
+        thread.start()
+        with kc.Client.connect("unix:" + path, timeout=5) as c:
+            assert c.welcome["server"] == "fake-queue", c.welcome
+        thread.join(5)
+    finally:
+        filler.close()
+        listener.close()
+        os.unlink(path)
+
+
 def main():
     signal.alarm(60)
     tests = [lambda: test_blocking(False), lambda: test_blocking(True), test_pipelined_out_of_order,
@@ -975,7 +1023,7 @@ def main():
              test_connection_level_error_closes_whatever_its_code, test_server_error_named_once,
              test_error_whose_code_is_not_a_negative_int,
              test_connect_errors, test_welcome_limits_read_as_the_protocol_types_them,
-             test_frame_limit_client_side]
+             test_frame_limit_client_side, test_connect_waits_while_the_listen_queue_is_full]
     for t in tests:
         t()
     print("test_python_client: %d tests passed" % len(tests))

@@ -37,6 +37,7 @@ import (
 	"reflect"
 	"strings"
 	"sync"
+	"syscall"
 	"time"
 
 	"github.com/vmihailenco/msgpack/v5"
@@ -108,7 +109,8 @@ type Call struct {
 // when it refuses the handshake or the connection (ErrOverloaded at its max_connections,
 // ErrShuttingDown while it drains; read even when the server closed before the HELLO was
 // written), ErrProtocol / ErrParse for a reply that is not a WELCOME to the HELLO, or the dial's
-// own error.
+// own error. A Unix server whose listen queue is full is waited on, as a blocking connect waits,
+// until ctx ends.
 func Dial(ctx context.Context, address string) (*Client, error) {
 	cn, err := dial(ctx, address)
 	if err != nil {
@@ -124,6 +126,17 @@ func dial(ctx context.Context, address string) (*conn, error) {
 	}
 	var d net.Dialer
 	nc, err := d.DialContext(ctx, network, target)
+	// A Unix socket's connect answers EAGAIN at once while the server's listen queue is full,
+	// where a blocking connect would wait for room: it is tried again every 10 ms until ctx ends.
+	for err != nil && network == "unix" && errors.Is(err, syscall.EAGAIN) {
+		select {
+		case <-ctx.Done():
+			return nil, fmt.Errorf("kvmatch: connect to %s: the server's listen queue stayed full: %w",
+				address, ctx.Err())
+		case <-time.After(10 * time.Millisecond):
+		}
+		nc, err = d.DialContext(ctx, network, target)
+	}
 	if err != nil {
 		return nil, fmt.Errorf("kvmatch: connect to %s: %w", address, err)
 	}

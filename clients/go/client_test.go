@@ -788,6 +788,78 @@ const (
 	fakeNoSource                           // a decided decision without source
 )
 
+// A Unix server whose listen queue is full answers connect with EAGAIN: Dial tries again until its
+// context ends, says so, and is connected once the server accepts.
+func TestDialWaitsWhileTheListenQueueIsFull(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "queue.sock")
+	lfd, err := syscall.Socket(syscall.AF_UNIX, syscall.SOCK_STREAM|syscall.SOCK_CLOEXEC, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := syscall.Bind(lfd, &syscall.SockaddrUnix{Name: path}); err != nil {
+		t.Fatal(err)
+	}
+	if err := syscall.Listen(lfd, 0); err != nil { // room for one connection not yet accepted
+		t.Fatal(err)
+	}
+	listener, err := net.FileListener(os.NewFile(uintptr(lfd), "queue"))
+	syscall.Close(lfd) // FileListener holds a duplicate
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer listener.Close()
+	filler, err := net.Dial("unix", path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer filler.Close()
+
+	ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
+	started := time.Now()
+	_, err = Dial(ctx, "unix:"+path)
+	took := time.Since(started)
+	cancel()
+	if err == nil || !errors.Is(err, context.DeadlineExceeded) || !strings.Contains(err.Error(), "listen queue") {
+		t.Fatalf("Dial to a full listen queue: %v", err)
+	}
+	// It kept trying for its timeout; the upper bound only catches one it ignores.
+	if took < 250*time.Millisecond || took > 10*time.Second {
+		t.Fatalf("Dial took %v for a 300 ms context", took)
+	}
+
+	go func() {
+		time.Sleep(200 * time.Millisecond)
+		first, err := listener.Accept()
+		if err != nil {
+			return
+		}
+		first.Close()
+		nc, err := listener.Accept()
+		if err != nil {
+			return
+		}
+		defer nc.Close()
+		var header [4]byte
+		if _, err := io.ReadFull(nc, header[:]); err != nil {
+			return
+		}
+		payload := make([]byte, binary.BigEndian.Uint32(header[:]))
+		if _, err := io.ReadFull(nc, payload); err != nil {
+			return
+		}
+		var m map[string]interface{}
+		if msgpack.Unmarshal(payload, &m) != nil {
+			return
+		}
+		b, _ := msgpack.Marshal(map[string]interface{}{"type": "WELCOME", "id": m["id"], "protocol": 1,
+			"kvmatch_version": "fake", "server": "fake-queue"})
+		writeFrame(nc, b)
+		io.Copy(io.Discard, nc) // until the client closes
+	}()
+	c := dialT(t, testContext(t), "unix:"+path)
+	c.Close()
+}
+
 func fakeServer(t *testing.T, mode fakeMode) string {
 	path := filepath.Join(t.TempDir(), "fake.sock")
 	l, err := net.Listen("unix", path)

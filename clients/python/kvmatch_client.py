@@ -127,6 +127,27 @@ def outcome_from_stream(finish_reason: Optional[str], done_seen: bool,
     return "incomplete"
 
 
+class _ListenQueueFull(TimeoutError):
+    """The server's listen queue stayed full until the deadline (_connect_within)."""
+
+
+def _connect_within(sock, family, target, deadline):
+    """sock.connect(target) by the deadline (None: none). A Unix socket with a timeout is
+    non-blocking underneath, and its connect answers EAGAIN at once while the server's listen
+    queue is full, where a blocking connect would wait for room: it is tried again every 10 ms
+    until the deadline, then TimeoutError."""
+    while True:
+        try:
+            sock.connect(target)
+            return
+        except BlockingIOError:
+            if family != socket.AF_UNIX:
+                raise
+            if deadline is not None and time.monotonic() >= deadline:
+                raise _ListenQueueFull() from None
+            time.sleep(0.01)
+
+
 def _parse_address(address):
     if address.startswith("unix:"):
         path = address[5:]
@@ -299,7 +320,7 @@ class Client:
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
             sock.settimeout(timeout)
-            sock.connect(target)
+            _connect_within(sock, family, target, deadline)
             if family != socket.AF_UNIX:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             client = cls(sock)
@@ -325,9 +346,11 @@ class Client:
             if unsent is not None and (reply is None or reply.get("type") != "ERROR"):
                 raise ConnectionClosed("the server closed the connection before the HELLO was "
                                        "sent (%s)" % unsent)
-        except socket.timeout:
+        except socket.timeout as e:
             sock.close()
-            raise TimeoutError("connect / handshake with %s timed out" % address)
+            raise TimeoutError("connect / handshake with %s timed out%s"
+                               % (address, " (the server's listen queue stayed full)"
+                                  if isinstance(e, _ListenQueueFull) else ""))
         except BaseException:
             sock.close()
             raise
