@@ -743,23 +743,31 @@ Test(cluster, a_load_value_past_the_bound_is_refused_and_the_bound_itself_applie
     km_cluster_destroy(b);
 }
 
-/* Log lines that contain "refused a message", counted. */
-typedef struct refusal_lines {
+/* Log lines that contain one of `needles` (up to 2), counted; `secret`, when set, is a text that no
+ * line may hold (secret_seen says whether one did). */
+typedef struct counted_lines {
     pthread_mutex_t lock;
+    const char *needles[2];
+    const char *secret;
     uint32_t n;
-} refusal_lines;
+    bool secret_seen;
+} counted_lines;
 
-static void count_refusal_lines(void *user, const char *line)
+static void count_lines(void *user, const char *line)
 {
-    refusal_lines *r = user;
-    if (strstr(line, "refused a message")) {
-        pthread_mutex_lock(&r->lock);
-        r->n++;
-        pthread_mutex_unlock(&r->lock);
-    }
+    counted_lines *r = user;
+    pthread_mutex_lock(&r->lock);
+    if (r->secret && strstr(line, r->secret))
+        r->secret_seen = true;
+    for (int i = 0; i < 2; i++)
+        if (r->needles[i] && strstr(line, r->needles[i])) {
+            r->n++;
+            break;
+        }
+    pthread_mutex_unlock(&r->lock);
 }
 
-static uint32_t refusal_lines_count(refusal_lines *r)
+static uint32_t counted_lines_count(counted_lines *r)
 {
     pthread_mutex_lock(&r->lock);
     uint32_t n = r->n;
@@ -772,14 +780,15 @@ static uint32_t refusal_lines_count(refusal_lines *r)
 Test(cluster, refusals_are_all_counted_and_logged_once_per_reason_and_interval,
      .init = start_server, .fini = stop_server, .timeout = 60)
 {
-    static refusal_lines lines = {.lock = PTHREAD_MUTEX_INITIALIZER};
+    static counted_lines lines = {.lock = PTHREAD_MUTEX_INITIALIZER,
+                                  .needles = {"refused a message"}};
     km_cluster_config cfg;
     km_cluster_config_init(&cfg);
     cfg.url = server.url;
     cfg.instance = "a";
     cfg.max_workers = WORKERS;
     cfg.heartbeat_ms = 50;
-    cfg.log = count_refusal_lines;
+    cfg.log = count_lines;
     cfg.log_user = &lines;
     km_cluster *a = NULL;
     char why[256] = "";
@@ -796,8 +805,8 @@ Test(cluster, refusals_are_all_counted_and_logged_once_per_reason_and_interval,
     WAIT_UNTIL((st = stats(a)).refused[KM_CLUSTER_REFUSED_MALFORMED] == 1, 2000);
     cr_assert_eq(st.refused[KM_CLUSTER_REFUSED_OWN_ID], 40, "every refusal is counted");
     cr_assert_eq(st.refused[KM_CLUSTER_REFUSED_MALFORMED], 1);
-    cr_assert_eq(refusal_lines_count(&lines), 2, "one line per reason: %u",
-                 refusal_lines_count(&lines));
+    cr_assert_eq(counted_lines_count(&lines), 2, "one line per reason: %u",
+                 counted_lines_count(&lines));
     cr_assert_eq(remote(a, 1).in_flight, 0, "a refused message changed the view");
     natsConnection_Destroy(nc);
     km_cluster_destroy(a);
@@ -869,24 +878,14 @@ Test(cluster, a_refusal_reason_is_printable_utf8_whatever_the_message_carries,
     km_cluster_destroy(a);
 }
 
-/* Log lines that contain "over 1048576 bytes without its work", counted. */
-static void count_too_large_lines(void *user, const char *line)
-{
-    refusal_lines *r = user;
-    if (strstr(line, "bytes without its work: not sent")) {
-        pthread_mutex_lock(&r->lock);
-        r->n++;
-        pthread_mutex_unlock(&r->lock);
-    }
-}
-
 /* A state too large for one message (more non-zero workers than fit in KM_CLUSTER_MESSAGE_MAX)
  * is not sent, says so once, and gives its sequence number back: the peers count no message lost
  * while each worker's change still reaches them. */
 Test(cluster, a_state_too_large_to_send_is_logged_once_and_costs_no_sequence_number,
      .init = start_server, .fini = stop_server, .timeout = 60)
 {
-    static refusal_lines lines = {.lock = PTHREAD_MUTEX_INITIALIZER};
+    static counted_lines lines = {.lock = PTHREAD_MUTEX_INITIALIZER,
+                                  .needles = {"bytes without its work: not sent"}};
     const uint32_t W = 12000; /* rows of about 100 bytes: over 1 MiB together */
     km_cluster_config cfg;
     km_cluster_config_init(&cfg);
@@ -899,7 +898,7 @@ Test(cluster, a_state_too_large_to_send_is_logged_once_and_costs_no_sequence_num
     char why[256] = "";
     cr_assert_eq(km_cluster_create(&cfg, &b, why, sizeof why), KM_OK, "%s", why);
     cfg.instance = "a";
-    cfg.log = count_too_large_lines;
+    cfg.log = count_lines;
     cfg.log_user = &lines;
     km_cluster *a = NULL;
     cr_assert_eq(km_cluster_create(&cfg, &a, why, sizeof why), KM_OK, "%s", why);
@@ -910,8 +909,8 @@ Test(cluster, a_state_too_large_to_send_is_logged_once_and_costs_no_sequence_num
     WAIT_UNTIL(remote(b, W - 1).in_flight == big, 30000);
     cr_assert_eq(remote(b, W - 1).in_flight, big, "the last worker's change arrived");
     km_test_sleep_ms(300); /* several heartbeats, each a state that does not fit */
-    cr_assert_eq(refusal_lines_count(&lines), 1, "the oversized state said so once: %u",
-                 refusal_lines_count(&lines));
+    cr_assert_eq(counted_lines_count(&lines), 1, "the oversized state said so once: %u",
+                 counted_lines_count(&lines));
     km_cluster_stats sa = stats(a);
     cr_assert_geq(sa.publish_too_large, 2, "states over the limit counted as too large");
     cr_assert_geq(sa.publish_failures, sa.publish_too_large);
@@ -1359,24 +1358,14 @@ static void start_small_payload_server(void)
         cr_assert_fail("cannot start nats-server: %s", why);
 }
 
-/* Log lines about messages not published, counted. */
-static void count_not_published_lines(void *user, const char *line)
-{
-    refusal_lines *r = user;
-    if (strstr(line, "not published") || strstr(line, "without it")) {
-        pthread_mutex_lock(&r->lock);
-        r->n++;
-        pthread_mutex_unlock(&r->lock);
-    }
-}
-
 /* The server's max_payload bounds what is sent, as KM_CLUSTER_MESSAGE_MAX does: a change whose
  * work passes it goes out without the work, and the peers hold the load; a prediction carries
  * the leading hashes that fit. */
 Test(cluster, a_server_max_payload_below_the_message_bound_is_the_bound,
      .init = start_small_payload_server, .fini = stop_server, .timeout = 60)
 {
-    static refusal_lines lines = {.lock = PTHREAD_MUTEX_INITIALIZER};
+    static counted_lines lines = {.lock = PTHREAD_MUTEX_INITIALIZER,
+                                  .needles = {"not published", "without it"}};
     static predictions_seen seen = {.lock = PTHREAD_MUTEX_INITIALIZER};
     km_cluster *b = instance_seeing("b", &seen);
     km_cluster_config cfg;
@@ -1386,7 +1375,7 @@ Test(cluster, a_server_max_payload_below_the_message_bound_is_the_bound,
     cfg.max_workers = WORKERS;
     cfg.heartbeat_ms = 50;
     cfg.expire_ms = 5000;
-    cfg.log = count_not_published_lines;
+    cfg.log = count_lines;
     cfg.log_user = &lines;
     km_cluster *a = NULL;
     char why[256] = "";
@@ -1402,7 +1391,7 @@ Test(cluster, a_server_max_payload_below_the_message_bound_is_the_bound,
     cr_assert_geq(st.work_omitted, 1, "sent without its work");
     cr_assert_eq(st.publish_failures, 0);
     cr_assert_eq(stats(b).lost_messages, 0);
-    cr_assert_geq(refusal_lines_count(&lines), 1, "the omission was logged");
+    cr_assert_geq(counted_lines_count(&lines), 1, "the omission was logged");
     cr_assert_eq(km_cluster_publish_prediction(a, "main", 1, false, queued, 300), KM_OK);
     WAIT_UNTIL(predictions_count(&seen) == 1, 5000);
     cr_assert_eq(predictions_count(&seen), 1, "the prediction over max_payload arrived");
@@ -1427,28 +1416,14 @@ static void start_permissions_server(void)
         cr_assert_fail("cannot start nats-server: %s", why);
 }
 
-static atomic_int g_password_logged;
-
-/* Log lines about errors NATS reported, counted; a line with b's password noted. */
-static void count_nats_error_lines(void *user, const char *line)
-{
-    refusal_lines *r = user;
-    if (strstr(line, "s3cret"))
-        atomic_store(&g_password_logged, 1);
-    if (strstr(line, "NATS reported an error")) {
-        pthread_mutex_lock(&r->lock);
-        r->n++;
-        pthread_mutex_unlock(&r->lock);
-    }
-}
-
 /* The server refusing an instance's publishes (its user may not publish) is an error outside any
  * call: counted, its words kept, and logged once per interval however many publishes it refuses,
  * while the instance allowed to publish is not touched. No line logs the URL's password. */
 Test(cluster, a_publish_the_server_refuses_is_counted_kept_and_logged,
      .init = start_permissions_server, .fini = stop_server, .timeout = 60)
 {
-    static refusal_lines lines = {.lock = PTHREAD_MUTEX_INITIALIZER};
+    static counted_lines lines = {.lock = PTHREAD_MUTEX_INITIALIZER,
+                                  .needles = {"NATS reported an error"}, .secret = "s3cret"};
     char url_a[96], url_b[96];
     snprintf(url_a, sizeof url_a, "nats://a:a@127.0.0.1:%u", server.port);
     snprintf(url_b, sizeof url_b, "nats://b:s3cret@127.0.0.1:%u", server.port);
@@ -1461,7 +1436,7 @@ Test(cluster, a_publish_the_server_refuses_is_counted_kept_and_logged,
     cfg.heartbeat_ms = 50;
     cfg.sync_quiet_ms = 200;
     cfg.expire_ms = 5000;
-    cfg.log = count_nats_error_lines;
+    cfg.log = count_lines;
     cfg.log_user = &lines;
     km_cluster *b = NULL;
     char why[256] = "";
@@ -1474,13 +1449,13 @@ Test(cluster, a_publish_the_server_refuses_is_counted_kept_and_logged,
     cr_assert_eq(sb.nats_slow_consumer, 0);
     cr_assert_not_null(strstr(sb.last_nats_error, "Permissions Violation"), "%s",
                        sb.last_nats_error);
-    cr_assert_eq(refusal_lines_count(&lines), 1, "logged once in the interval");
+    cr_assert_eq(counted_lines_count(&lines), 1, "logged once in the interval");
     cr_assert_eq(stats(a).nats_errors, 0);
     cr_assert_str_eq(stats(a).last_nats_error, "");
     cr_assert_eq(remote(a, 2).in_flight, 0, "the refused load never reached a");
     km_cluster_destroy(b);
     km_cluster_destroy(a);
-    cr_assert_eq(atomic_load(&g_password_logged), 0, "a log line holds the password");
+    cr_assert(!lines.secret_seen, "a log line holds the password");
 }
 
 /* Log lines, kept for reading. */
@@ -1534,7 +1509,8 @@ Test(cluster, a_urls_credentials_are_not_shown)
         {"nats://b:s3cret@127.0.0.1:4222", "nats://b:***@127.0.0.1:4222"},
         {"nats://t0ken@nats.internal:4222", "nats://***@nats.internal:4222"},
         {"nats://u:p@ss@h:1", "nats://u:***@h:1"},
-        {"nats://u:p@h1:1,nats://t@h2:2,nats://h3:3", "nats://u:***@h1:1,nats://***@h2:2,nats://h3:3"},
+        {"nats://u:p@h1:1,nats://t@h2:2,nats://h3:3",
+         "nats://u:***@h1:1,nats://***@h2:2,nats://h3:3"},
         {"nats://h:1/x@y", "nats://h:1/x@y"},
         {"", ""},
     };
@@ -1675,30 +1651,20 @@ Test(cluster, an_implausible_sequence_jump_is_refused_and_the_sender_goes_on,
     km_cluster_destroy(a);
 }
 
-/* Log lines that report lost messages, counted. */
-static void count_loss_lines(void *user, const char *line)
-{
-    refusal_lines *r = user;
-    if (strstr(line, " lost (seq")) {
-        pthread_mutex_lock(&r->lock);
-        r->n++;
-        pthread_mutex_unlock(&r->lock);
-    }
-}
-
 /* A lossy link (every other change lost): every loss is counted, and reported in one line per
  * interval, not one per gap. */
 Test(cluster, sequence_gaps_are_all_counted_and_logged_once_per_interval, .init = start_server,
      .fini = stop_server, .timeout = 60)
 {
-    static refusal_lines lines = {.lock = PTHREAD_MUTEX_INITIALIZER};
+    static counted_lines lines = {.lock = PTHREAD_MUTEX_INITIALIZER,
+                                  .needles = {" lost (seq"}};
     km_cluster_config cfg;
     km_cluster_config_init(&cfg);
     cfg.url = server.url;
     cfg.instance = "b";
     cfg.max_workers = WORKERS;
     cfg.heartbeat_ms = 200;
-    cfg.log = count_loss_lines;
+    cfg.log = count_lines;
     cfg.log_user = &lines;
     km_cluster *b = NULL;
     char why[256] = "";
@@ -1710,7 +1676,7 @@ Test(cluster, sequence_gaps_are_all_counted_and_logged_once_per_interval, .init 
     }
     WAIT_UNTIL(stats(b).lost_messages >= 1000, 5000);
     cr_assert_geq(stats(b).lost_messages, 1000);
-    uint32_t n = refusal_lines_count(&lines);
+    uint32_t n = counted_lines_count(&lines);
     cr_assert(n >= 1 && n <= 2, "%u lines for 1000 gaps", n);
     km_cluster_destroy(a);
     km_cluster_destroy(b);

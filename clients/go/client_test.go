@@ -788,6 +788,24 @@ const (
 	fakeNoSource                           // a decided decision without source
 )
 
+// readFakeRequest reads one frame a client sent to a fake server and decodes its map; false at
+// the connection's end or for a frame that is not a map.
+func readFakeRequest(nc net.Conn) (map[string]interface{}, bool) {
+	var header [4]byte
+	if _, err := io.ReadFull(nc, header[:]); err != nil {
+		return nil, false
+	}
+	payload := make([]byte, binary.BigEndian.Uint32(header[:]))
+	if _, err := io.ReadFull(nc, payload); err != nil {
+		return nil, false
+	}
+	var m map[string]interface{}
+	if msgpack.Unmarshal(payload, &m) != nil {
+		return nil, false
+	}
+	return m, true
+}
+
 // A Unix server whose listen queue is full answers connect with EAGAIN: Dial tries again until its
 // context ends, says so, and is connected once the server accepts.
 func TestDialWaitsWhileTheListenQueueIsFull(t *testing.T) {
@@ -839,16 +857,8 @@ func TestDialWaitsWhileTheListenQueueIsFull(t *testing.T) {
 			return
 		}
 		defer nc.Close()
-		var header [4]byte
-		if _, err := io.ReadFull(nc, header[:]); err != nil {
-			return
-		}
-		payload := make([]byte, binary.BigEndian.Uint32(header[:]))
-		if _, err := io.ReadFull(nc, payload); err != nil {
-			return
-		}
-		var m map[string]interface{}
-		if msgpack.Unmarshal(payload, &m) != nil {
+		m, ok := readFakeRequest(nc)
+		if !ok {
 			return
 		}
 		b, _ := msgpack.Marshal(map[string]interface{}{"type": "WELCOME", "id": m["id"], "protocol": 1,
@@ -879,16 +889,8 @@ func fakeServer(t *testing.T, mode fakeMode) string {
 		}
 		silent := mode == fakeSilentOnce
 		for {
-			var header [4]byte
-			if _, err := io.ReadFull(nc, header[:]); err != nil {
-				return
-			}
-			payload := make([]byte, binary.BigEndian.Uint32(header[:]))
-			if _, err := io.ReadFull(nc, payload); err != nil {
-				return
-			}
-			var m map[string]interface{}
-			if msgpack.Unmarshal(payload, &m) != nil {
+			m, ok := readFakeRequest(nc)
+			if !ok {
 				return
 			}
 			id := m["id"]
