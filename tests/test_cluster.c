@@ -1500,7 +1500,7 @@ Test(cluster, an_unreachable_urls_password_is_not_logged, .timeout = 30)
 /* A URL's password or token never reaches a log line or message: each URL of a list shown with
  * three asterisks in their place, the user name and everything else as given; on fresh random
  * credentials. */
-Test(cluster, a_urls_credentials_are_not_shown)
+Test(cluster, a_urls_credentials_are_not_shown, .timeout = 10)
 {
     static const struct {
         const char *url, *shown;
