@@ -488,8 +488,10 @@ static int encode_ack_cut(const km_message *m, uint32_t max_frame_bytes, km_fram
     if (failed == 0)
         return km_protocol_encode(m, max_frame_bytes, fb, why, why_size);
     km_item_status *items = malloc(n * sizeof *items);
-    if (!items)
+    if (!items) {
+        snprintf(why, why_size, "out of memory cutting the ACK's messages to fit");
         return KM_ERR_OUT_OF_MEMORY;
+    }
     for (uint32_t i = 0; i < n; i++)
         items[i] = (km_item_status){m->ack.items[i].status,
                                     m->ack.items[i].status != KM_OK ? "" : NULL};
