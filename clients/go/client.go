@@ -686,6 +686,37 @@ func (cn *conn) fail(err error) {
 }
 
 // readReply reads one frame and decodes it, within the limits of "Reading replies".
+// firstReadBytes is the buffer a reply's payload starts in; a larger one doubles as it arrives.
+const firstReadBytes = 64 << 10
+
+// readPayload reads a payload of n bytes whose buffer grows as its bytes arrive: a frame that
+// declares more than comes costs what came, not what it declared. io.ReadFull's errors.
+func readPayload(r io.Reader, n uint32) ([]byte, error) {
+	size := uint64(n)
+	if size > firstReadBytes {
+		size = firstReadBytes
+	}
+	buf := make([]byte, size)
+	filled := 0
+	for {
+		k, err := io.ReadFull(r, buf[filled:])
+		filled += k
+		if err != nil {
+			return nil, err
+		}
+		if uint64(filled) == uint64(n) {
+			return buf, nil
+		}
+		next := 2 * uint64(len(buf))
+		if next > uint64(n) {
+			next = uint64(n)
+		}
+		grown := make([]byte, next)
+		copy(grown, buf)
+		buf = grown
+	}
+}
+
 func (cn *conn) readReply() (*Reply, error) {
 	var header [4]byte
 	if n, err := io.ReadFull(cn.nc, header[:]); err != nil {
@@ -698,8 +729,8 @@ func (cn *conn) readReply() (*Reply, error) {
 	if length > cn.maxFrame {
 		return nil, newError(ErrTooLarge, "reply frame declares %d bytes, max_frame_bytes is %d", length, cn.maxFrame)
 	}
-	payload := make([]byte, length)
-	if _, err := io.ReadFull(cn.nc, payload); err != nil {
+	payload, err := readPayload(cn.nc, length)
+	if err != nil {
 		return nil, readError(err, true)
 	}
 	if err := checkPayload(payload); err != nil {

@@ -20,11 +20,13 @@ import (
 	"fmt"
 	"io"
 	"math"
+	"math/rand"
 	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"regexp"
+	"runtime"
 	"strconv"
 	"strings"
 	"sync"
@@ -786,6 +788,7 @@ const (
 	fakeNoChosenWorker                     // a decided decision without chosen_worker
 	fakeNilDecisionID                      // a decided decision whose decision_id is nil
 	fakeNoSource                           // a decided decision without source
+	fakeCutLarge                           // WELCOME max_frame_bytes 1 GiB; a ROUTE's reply declares almost that, 16 bytes come, closed
 )
 
 // readFakeRequest reads one frame a client sent to a fake server and decodes its map; false at
@@ -900,6 +903,9 @@ func fakeServer(t *testing.T, mode fakeMode) string {
 			case m["type"] == "HELLO" && mode == fakeWideProtocol:
 				send(map[string]interface{}{"type": "WELCOME", "id": id, "protocol": uint64(1<<32 + 1),
 					"kvmatch_version": "fake"})
+			case m["type"] == "HELLO" && mode == fakeCutLarge:
+				send(map[string]interface{}{"type": "WELCOME", "id": id, "protocol": 1, "kvmatch_version": "fake",
+					"limits": map[string]interface{}{"max_frame_bytes": 1 << 30}})
 			case m["type"] == "HELLO" && mode == fakeWelcomeWrongID:
 				send(map[string]interface{}{"type": "WELCOME", "id": 7, "protocol": 1, "kvmatch_version": "fake"})
 			case m["type"] == "HELLO":
@@ -948,6 +954,11 @@ func fakeServer(t *testing.T, mode fakeMode) string {
 					var h [4]byte
 					binary.BigEndian.PutUint32(h[:], 1<<20)
 					nc.Write(h[:])
+				case fakeCutLarge:
+					var h [4]byte
+					binary.BigEndian.PutUint32(h[:], 1<<30-1)
+					nc.Write(append(h[:], bytes.Repeat([]byte{0x81}, 16)...))
+					return
 				default:
 					send(map[string]interface{}{"type": "DECISION", "id": id, "decisions": decisions})
 				}
@@ -988,6 +999,45 @@ func TestRefusedReplies(t *testing.T) {
 	expectCode(t, err, ErrIncompatible, "a refused handshake")
 	_, err = Dial(ctx, fakeServer(t, fakeWideProtocol))
 	expectCode(t, err, ErrParse, "a WELCOME whose protocol is no u32")
+}
+
+// readPayload returns exactly the bytes a payload holds whatever its size against the first
+// buffer and its doublings, and fails on one cut short by any amount.
+func TestReadPayloadAcrossItsGrowth(t *testing.T) {
+	seed := time.Now().UnixNano()
+	rng := rand.New(rand.NewSource(seed))
+	sizes := []int{1, 100, firstReadBytes - 1, firstReadBytes, firstReadBytes + 1, 3 * firstReadBytes,
+		1<<20 + 3}
+	for k := 0; k < 8; k++ {
+		sizes = append(sizes, 1+rng.Intn(4*firstReadBytes))
+	}
+	for _, n := range sizes {
+		data := make([]byte, n)
+		rng.Read(data)
+		got, err := readPayload(bytes.NewReader(data), uint32(n))
+		if err != nil || !bytes.Equal(got, data) {
+			t.Fatalf("a payload of %d bytes (seed %d): %d bytes back, %v", n, seed, len(got), err)
+		}
+		cut := rng.Intn(n)
+		if _, err := readPayload(bytes.NewReader(data[:cut]), uint32(n)); err == nil {
+			t.Fatalf("a payload of %d bytes cut to %d (seed %d) was read whole", n, cut, seed)
+		}
+	}
+}
+
+// A reply whose frame declares far more bytes than come costs the client what came, not what was
+// declared: the payload grows as it arrives.
+func TestAReplyCutShortCostsWhatArrived(t *testing.T) {
+	ctx := testContext(t)
+	c := dialT(t, ctx, fakeServer(t, fakeCutLarge))
+	var before, after runtime.MemStats
+	runtime.ReadMemStats(&before)
+	_, err := c.Route(ctx, RouteRequest{RequestID: "a"})
+	runtime.ReadMemStats(&after)
+	expectCode(t, err, ErrClosed, "a frame cut short")
+	if grew := after.TotalAlloc - before.TotalAlloc; grew > 64<<20 {
+		t.Fatalf("a frame declaring 1 GiB of which 16 bytes came allocated %d bytes", grew)
+	}
 }
 
 // fakeAnswering is a fake server that answers each request with answer's reply to it, the
